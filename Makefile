@@ -1,0 +1,48 @@
+# Two commands matter: `make demo` and `make test`. Each sets up what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+FAKENVML_DIR := tests/fakenvml
+FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
+
+.PHONY: all test lint typecheck unit demo bench fakenvml clean
+
+all: test
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+		{ echo "gpuwatchd needs Python >= 3.10 (set PYTHON=...)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(FAKENVML): $(FAKENVML_DIR)/fakenvml.c
+	mkdir -p $(FAKENVML_DIR)/build
+	$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -shared -fPIC \
+		-Wl,-soname,libnvidia-ml.so.1 -o $@ $< -lpthread
+
+fakenvml: $(FAKENVML)
+
+lint: venv
+	$(VENV)/bin/ruff check gpuwatchd tests bench
+	$(VENV)/bin/ruff format --check gpuwatchd tests bench
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+unit: venv fakenvml
+	$(PY) -m pytest
+
+test: venv fakenvml lint typecheck unit
+
+demo: venv fakenvml
+	$(PY) -m gpuwatchd.demo
+
+bench: venv fakenvml
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) $(FAKENVML_DIR)/build .mypy_cache .ruff_cache .pytest_cache .hypothesis

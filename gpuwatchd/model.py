@@ -1,0 +1,316 @@
+"""Plain, frozen data that flows from collection to decisions: the snapshot and the findings.
+
+This module owns the vocabulary every other module speaks: what a GPU reading, a host process,
+a device holder and a finding look like. It does no I/O and imports nothing from the rest of
+the package. ``None`` always means *unknown*, and an unknown value never satisfies a condition
+that leads to an action (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+
+
+class FindingKind(str, enum.Enum):
+    """The stable names of findings, used in logs, JSON and policy rules (DESIGN.md §3)."""
+
+    DEAD_PROCESS = "dead_process"
+    ZOMBIE = "zombie"
+    ORPHANED = "orphaned"
+    ABANDONED = "abandoned"
+    STUCK = "stuck"
+    HIDDEN_HOLDER = "hidden_holder"
+    GHOST_MEMORY = "ghost_memory"
+    UNACCOUNTED_MEMORY = "unaccounted_memory"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, order=True)
+class ProcessIdentity:
+    """A process as it can be told apart from a later one reusing its PID.
+
+    ``start_ticks`` is field 22 of ``/proc/PID/stat`` (clock ticks since boot), never a float
+    time, which would shift when the wall clock is stepped.
+    """
+
+    pid: int
+    start_ticks: int
+
+
+# --- host processes ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CgroupInfo:
+    """A process's cgroup (v2 path, or the v1 path that names the job) and what it means."""
+
+    path: str
+    container_id: str | None = None
+    container_runtime: str | None = None  # "docker", "containerd", "crio", "podman"
+    pod_uid: str | None = None
+    slurm_job: str | None = None
+    slurm_step: str | None = None
+    systemd_unit: str | None = None
+
+    @property
+    def job_key(self) -> str | None:
+        """The job-level group this cgroup belongs to, or None when it names no job.
+
+        The root cgroup, user slices and login-session scopes are shared by unrelated processes,
+        so they never make two processes part of the same job (DESIGN.md §2.4).
+        """
+        if self.slurm_job is not None:
+            return f"slurm:{self.slurm_job}"
+        if self.pod_uid is not None:
+            return f"pod:{self.pod_uid}"
+        if self.container_id is not None:
+            return f"container:{self.container_id}"
+        unit = self.systemd_unit
+        if unit is not None and not unit.startswith("session-") and not unit.startswith("user@"):
+            if unit.endswith((".service", ".scope")) and not unit.endswith(".slice"):
+                return f"unit:{unit}"
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Facts about one host process, read from ``/proc``. Any field may be None (unknown).
+
+    ``state`` is the one-letter state from ``/proc/PID/stat`` ("R", "S", "D", "Z", ...).
+    ``cmdline`` is empty for kernel threads and zombies, None when it could not be read.
+    """
+
+    pid: int
+    start_ticks: int | None
+    state: str | None
+    ppid: int | None
+    pgid: int | None
+    sid: int | None
+    uid: int | None = None
+    user: str | None = None
+    comm: str | None = None
+    exe: str | None = None
+    cmdline: tuple[str, ...] | None = None
+    cgroup: CgroupInfo | None = None
+    nspid: tuple[int, ...] | None = None
+    kernel_thread: bool = False
+
+    @property
+    def identity(self) -> ProcessIdentity | None:
+        if self.start_ticks is None:
+            return None
+        return ProcessIdentity(self.pid, self.start_ticks)
+
+    @property
+    def is_zombie(self) -> bool:
+        return self.state == "Z"
+
+    @property
+    def is_uninterruptible(self) -> bool:
+        return self.state == "D"
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every name the process goes by: comm, the executable's and argv[0]'s basenames."""
+        found: set[str] = set()
+        if self.comm:
+            found.add(self.comm)
+        if self.exe:
+            found.add(self.exe.rsplit("/", 1)[-1].removesuffix(" (deleted)"))
+        if self.cmdline:
+            found.add(self.cmdline[0].rsplit("/", 1)[-1])
+        return frozenset(found)
+
+
+# --- device holders ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceHolding:
+    """Which NVIDIA device files one process holds, and how.
+
+    ``gpu_minors_fd`` / ``gpu_minors_map`` are the minors of ``/dev/nvidiaN`` held through an
+    open fd / a memory mapping. ``ctl`` and ``uvm`` say whether ``/dev/nvidiactl`` and
+    ``/dev/nvidia-uvm`` are held (by either route).
+    """
+
+    pid: int
+    gpu_minors_fd: frozenset[int] = frozenset()
+    gpu_minors_map: frozenset[int] = frozenset()
+    ctl: bool = False
+    uvm: bool = False
+
+    @property
+    def gpu_minors(self) -> frozenset[int]:
+        return self.gpu_minors_fd | self.gpu_minors_map
+
+    def via(self, minor: int) -> tuple[str, ...]:
+        """How this process holds GPU ``minor``: ("fd",), ("map",) or both."""
+        routes = []
+        if minor in self.gpu_minors_fd:
+            routes.append("fd")
+        if minor in self.gpu_minors_map:
+            routes.append("map")
+        return tuple(routes)
+
+
+@dataclass(frozen=True)
+class HolderScan:
+    """The result of one scan of ``/proc`` for holders of NVIDIA device files.
+
+    ``unreadable`` lists PIDs whose fds or maps could not be read: unknown, not "holds nothing".
+    ``mode`` is "targeted" (NVML's PIDs and their process trees) or "full" (all of /proc).
+    """
+
+    mode: str
+    holdings: Mapping[int, DeviceHolding] = field(default_factory=dict)
+    unreadable: frozenset[int] = frozenset()
+
+    def holders_of(self, minor: int) -> tuple[DeviceHolding, ...]:
+        return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)
+
+
+# --- NVML -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Memory of one GPU in bytes.
+
+    ``allocated`` = total − free − reserved from the v2 query (what nvidia-smi shows as used).
+    With only the v1 query (``api == "v1"``) the reservation is unknown and so is ``allocated``;
+    ``used_v1`` then carries v1's "used", which includes the reservation.
+    """
+
+    total: int | None
+    free: int | None
+    reserved: int | None
+    allocated: int | None
+    api: str = "v2"
+    used_v1: int | None = None
+
+
+@dataclass(frozen=True)
+class NvmlProcess:
+    """One entry of an NVML process list. ``used_memory`` is None when NVML has no figure."""
+
+    pid: int
+    used_memory: int | None
+    kind: str  # "compute", "graphics" or "mps"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reported it in one poll.
+
+    ``lost`` means the GPU stopped answering (fell off the bus, GPU_IS_LOST); its other values
+    are then whatever was read before. ``processes`` is None when the list could not be read.
+    ``numa_node`` is set only on coherent-memory systems (Grace Hopper/Blackwell), where pages
+    stay allocated after exit by design and memory-based detection is off.
+    """
+
+    index: int
+    uuid: str
+    name: str | None = None
+    pci_bus_id: str | None = None
+    minor: int | None = None
+    memory: GpuMemory | None = None
+    processes: tuple[NvmlProcess, ...] | None = ()
+    mig_enabled: bool | None = None
+    persistence_mode: bool | None = None
+    numa_node: int | None = None
+    lost: bool = False
+    error: str | None = None
+
+    @property
+    def coherent_memory(self) -> bool:
+        return self.numa_node is not None
+
+
+@dataclass(frozen=True)
+class NvmlReading:
+    """What the NVML worker returned for one poll.
+
+    ``available`` is False when the library or driver is missing or init failed; ``wedged`` is
+    True when a call missed its deadline (the driver may be hung in the kernel).
+    """
+
+    available: bool
+    wedged: bool = False
+    error: str | None = None
+    driver_version: str | None = None
+    gpus: tuple[GpuInfo, ...] = ()
+
+
+# --- the snapshot -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one poll learned about the host, frozen. Decisions read only this.
+
+    ``processes`` holds the facts of every PID that matters this poll (NVML's PIDs, device
+    holders, their parents and process-tree relatives). ``self_pids`` are the daemon's own
+    processes (itself, its NVML worker), never holders or targets. ``host_namespaces`` is False
+    when the daemon does not see the host PID and cgroup namespaces (then NVML's PIDs point at
+    the wrong processes and everything is report-only).
+    """
+
+    monotonic: float
+    wall_time: float
+    boot_id: str | None
+    nvml: NvmlReading
+    processes: Mapping[int, ProcessInfo]
+    holders: HolderScan
+    self_pids: frozenset[int] = frozenset()
+    pid_max: int = 4194304
+    host_namespaces: bool | None = True
+    mps_server_running: bool = False
+    nvidia_uvm_major: int | None = None
+
+    def gpu_by_minor(self, minor: int) -> GpuInfo | None:
+        for gpu in self.nvml.gpus:
+            if gpu.minor == minor:
+                return gpu
+        return None
+
+
+# --- findings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One conclusion about the host, with the evidence that justified it.
+
+    ``gpu`` is the GPU's UUID (None only for findings that concern no single GPU); ``pid`` and
+    ``start_ticks`` are None for GPU-level findings (ghost_memory, unaccounted_memory).
+    ``memory`` is the GPU memory in bytes the finding is about, when known. ``evidence`` holds
+    plain JSON-able values (ints, strings, lists), logged and printed as they are.
+    """
+
+    kind: FindingKind
+    gpu: str | None
+    pid: int | None
+    start_ticks: int | None
+    reason: str
+    memory: int | None = None
+    actionable: bool = True
+    evidence: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """A stable key: the same problem in the next poll has the same key."""
+        target = "gpu" if self.pid is None else f"{self.pid}@{self.start_ticks}"
+        return f"{self.kind.value}:{self.gpu}:{target}"
+
+    @property
+    def identity(self) -> ProcessIdentity | None:
+        if self.pid is None or self.start_ticks is None:
+            return None
+        return ProcessIdentity(self.pid, self.start_ticks)

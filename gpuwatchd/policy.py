@@ -1,0 +1,188 @@
+"""The typed policy: every setting the daemon acts on, as one frozen value.
+
+This module owns the *shape* and the built-in defaults of the policy. Reading YAML, merging
+drop-ins and validating is ``config.py``'s job; deciding what to do is ``plan.py``'s. Durations
+are float seconds and sizes are int bytes here; the YAML spells them ``30s`` and ``256MiB``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gpuwatchd.model import MIB, FindingKind
+
+DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
+DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
+
+# Infrastructure that no configuration can make a target (DESIGN.md §2.10). Matched against
+# comm (cut to 15 characters by the kernel), the executable's basename and argv[0]'s basename.
+FLOOR_PROCESS_NAMES = frozenset(
+    {
+        "nvidia-persistenced",
+        "nv-hostengine",
+        "dcgm-exporter",
+        "dcgmi",
+        "nvidia-cuda-mps-control",
+        "nvidia-cuda-mps-server",
+        "nv-fabricmanager",
+        "nvidia-fabricmanager",
+        "nvidia-imex",
+        "nvidia-powerd",
+        "nvsm",
+        "nvidia-device-plugin",
+        "nvidia-device-plugin-daemon",
+        "gpu-feature-discovery",
+        "nvidia-smi",
+        "Xorg",
+        "X",
+        "Xwayland",
+        "gnome-shell",
+        "kwin_wayland",
+        "sway",
+        "weston",
+        "gpuwatchd",
+        "systemd",
+        "init",
+    }
+)
+FLOOR_UNIT_PATTERNS = (
+    "nvidia-persistenced.service",
+    "nvidia-dcgm.service",
+    "dcgm.service",
+    "dcgm-exporter.service",
+    "nvidia-fabricmanager.service",
+    "nvidia-imex.service",
+    "nvidia-powerd.service",
+    "nvsm*.service",
+    "gpuwatchd.service",
+    "display-manager.service",
+    "gdm*.service",
+    "sddm.service",
+    "lightdm.service",
+)
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A command an admin configured (argv, no shell), run with a deadline."""
+
+    argv: tuple[str, ...]
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rung of a rule's ladder: send ``signal`` (a name such as "SIGTERM"), then wait.
+
+    ``signal`` None means "report only" (log that the rule matched; act on nothing).
+    """
+
+    signal: str | None
+    wait: float
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Selects findings by kind and optional filters; acts through ordered steps.
+
+    Filters that are empty match everything; ``for_`` is how long the finding must have lasted
+    (its confirmation window). Patterns: ``commands`` are regexes searched in the joined
+    command line; ``users``, ``units``, ``cgroups`` and ``jobs`` are shell-style globs.
+    """
+
+    name: str
+    kind: FindingKind
+    steps: tuple[Step, ...]
+    for_: float = 0.0
+    min_memory: int | None = None
+    users: tuple[str, ...] = ()
+    commands: tuple[re.Pattern[str], ...] = ()
+    cgroups: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+    jobs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Protect:
+    """What no rule may touch: overrides every rule (the floor below it is built in)."""
+
+    commands: tuple[re.Pattern[str], ...] = ()
+    users: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+    cgroups: tuple[str, ...] = ()
+    gpus: tuple[str, ...] = ()  # UUIDs or PCI bus ids
+
+
+@dataclass(frozen=True)
+class ResetPolicy:
+    """When and how a GPU is reset (DESIGN.md §2.7). Only ``ghost_memory`` can lead to one."""
+
+    enabled: bool = True
+    command: tuple[str, ...] = DEFAULT_RESET_COMMAND
+    confirm_for: float = 600.0
+    timeout: float = 120.0
+    drain: tuple[Hook, ...] = ()
+    before: tuple[Hook, ...] = ()
+    after: tuple[Hook, ...] = ()
+    toggle_persistence: bool = True
+    persistence_command: tuple[str, ...] = ("nvidia-smi", "-pm", "{mode}", "-i", "{uuid}")
+    health_command: tuple[str, ...] = ("nvidia-smi", "-q", "-i", "{uuid}")
+    max_resets: int = 1  # per GPU within ``window``
+    window: float = 86400.0
+    cooldown: float = 3600.0  # per GPU, after any reset attempt
+    max_failures: int = 2  # circuit breaker: node-wide failures before resets stop
+    allow_mig: bool = False
+    allow_nvlink_group: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Damping (DESIGN.md §2.12): caps past which the daemon switches itself to dry-run."""
+
+    max_signalled_per_poll: int = 4
+    max_signalled_per_hour: int = 32
+    post_action_delay: float = 15.0
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Thresholds of the findings."""
+
+    ghost_margin: int = 256 * MIB
+    default_baseline: int = 64 * MIB  # allocated memory assumed idle until one is learned
+    unaccounted_margin: int = 1024 * MIB
+    pid_trust_min_unresolved: int = 3  # this many listed PIDs not in /proc → stop trusting
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The whole effective policy, defaults included."""
+
+    interval: float = 5.0
+    dry_run: bool = True
+    state_dir: str = "/var/lib/gpuwatchd"
+    devices_dir: str = "/dev"
+    proc_root: str = "/proc"
+    device_major: int = 195
+    nvml_timeout: float = 10.0
+    detection: Detection = field(default_factory=Detection)
+    protect: Protect = field(default_factory=Protect)
+    rules: tuple[Rule, ...] = ()
+    reset: ResetPolicy = field(default_factory=ResetPolicy)
+    limits: Limits = field(default_factory=Limits)
+    on_failure: tuple[Hook, ...] = ()
+    log_format: str = "logfmt"  # "logfmt", "json" or "console"
+    sources: tuple[str, ...] = ()  # files this policy was read from, in merge order
+
+
+def default_rules() -> tuple[Rule, ...]:
+    """The rules the shipped config spells out: orphans get SIGTERM, then SIGKILL."""
+    return (
+        Rule(
+            name="orphans",
+            kind=FindingKind.ORPHANED,
+            for_=30.0,
+            steps=(Step("SIGTERM", 30.0), Step("SIGKILL", 10.0)),
+        ),
+    )

@@ -1,0 +1,373 @@
+"""NVML access for the daemon and ``scan``: a deadline-bound client of the NVML worker process.
+
+This module owns *how* NVML is reached: it starts ``python -m gpuwatchd.nvml_worker`` (the only
+importer of pynvml, see that module for what is read and the fallbacks), asks it for one poll at
+a time over a pipe, and turns the JSON reply into :mod:`gpuwatchd.model` values. It never imports
+pynvml and never decides anything about processes or GPUs.
+
+Why a separate process (DESIGN.md §2.7, §2.8): an NVML call can hang forever in the kernel on a
+wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
+blocks a GPU reset. A worker can be abandoned when it hangs and stopped before a reset.
+
+Semantics of :meth:`NvmlClient.read`:
+
+- The worker is started on demand and kept for the next poll. Each poll has a deadline
+  (``timeout``, the policy's ``nvml_timeout``), enforced with ``select`` on the reply pipe; the
+  caller is never blocked past it (plus a fraction of a second to reap the worker).
+- **Wedged**: the deadline passed. The reading says ``wedged=True`` (``available=True``: the
+  driver is there but not answering), the event ``nvml.wedged`` is logged as critical, and the
+  worker is sent SIGKILL. A worker stuck in uninterruptible sleep does not die: it is remembered
+  as *the* hung worker, and no new worker is started while it lives, so at most one hung worker
+  is ever left behind (each is an unkillable holder of the device files that blocks resets).
+  New workers are tried with exponential backoff (``backoff_initial`` doubling up to
+  ``backoff_max``); until then ``read`` answers at once with a wedged reading and starts nothing.
+- **Unavailable**: the library is missing or ``nvmlInit`` fails (no driver, driver not loaded,
+  library/driver mismatch) or the worker dies: ``available=False`` with
+  ``error="NVIDIA driver/NVML not available: <reason>"``. Retries follow the same backoff; the
+  daemon keeps running, since the driver may load later.
+- A worker that answered is reused; backoff resets after a successful reading.
+
+:meth:`NvmlClient.stop` shuts the worker down (``nvmlShutdown``, then exit) so the daemon holds no
+``/dev/nvidia*`` file; the next ``read`` starts a fresh one. :attr:`NvmlClient.worker_pids` are
+the daemon's own processes: never device holders, never targets.
+
+The first time a GPU falls back to the v1 memory query, ``nvml.memory_v1_fallback`` is logged as
+a warning (once per GPU UUID for the life of the client); :attr:`NvmlClient.memory_v1_gpus`
+lists those GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+
+log = structlog.get_logger()
+
+UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
+REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+class _WorkerGone(Exception):
+    """The worker closed its pipe or died before answering."""
+
+
+class NvmlClient:
+    """Reads NVML through a worker process, with a deadline per poll. See the module docstring.
+
+    ``env`` entries are added to (and override) this process's environment for the worker; tests
+    pass ``LD_LIBRARY_PATH`` and the fake NVML's settings this way. ``clock`` is a monotonic
+    clock used for backoff only; deadlines on the pipe always use the real monotonic clock.
+    """
+
+    def __init__(
+        self,
+        timeout: float = 10.0,
+        *,
+        env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+        clock: Callable[[], float] = time.monotonic,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+    ) -> None:
+        self.timeout = timeout
+        self._env = dict(env) if env is not None else {}
+        self._python = python
+        self._clock = clock
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._backoff = backoff_initial
+        self._retry_at: float | None = None
+        self._last_failure: NvmlReading | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._hung: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+        self._v1_logged: set[str] = set()
+
+    # --- public ---------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> frozenset[int]:
+        """PIDs of our live workers, a hung one included: never holders, never targets."""
+        pids = set()
+        for proc in (self._proc, self._hung):
+            if proc is not None and proc.poll() is None:
+                pids.add(proc.pid)
+        return frozenset(pids)
+
+    @property
+    def hung_worker_pid(self) -> int | None:
+        """The worker that ignored SIGKILL after a missed deadline and still lives, if any."""
+        self._reap_hung()
+        return None if self._hung is None else self._hung.pid
+
+    @property
+    def memory_v1_gpus(self) -> frozenset[str]:
+        """UUIDs of GPUs read through the v1 memory query (allocated memory unknown)."""
+        return frozenset(self._v1_logged)
+
+    def read(self) -> NvmlReading:
+        """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""
+        self._reap_hung()
+        if self._proc is None:
+            if self._hung is not None:
+                return self._hung_reading(self._hung.pid)
+            failure = self._last_failure
+            retry_at = self._retry_at
+            if failure is not None and retry_at is not None and self._clock() < retry_at:
+                return failure
+        deadline = time.monotonic() + self.timeout
+        try:
+            if self._proc is None:
+                self._start()
+            reply = self._request({"op": "read"}, deadline)
+        except TimeoutError:
+            return self._wedged()
+        except (_WorkerGone, OSError) as error:
+            return self._unavailable(str(error))
+        if not reply.get("available"):
+            return self._unavailable(str(reply.get("error") or "unknown reason"))
+        reading = self._to_reading(reply)
+        self._backoff = self._backoff_initial
+        self._retry_at = None
+        self._last_failure = None
+        return reading
+
+    def stop(self) -> bool:
+        """Shut the worker down so we hold no device file. True when no worker of ours lives."""
+        self._retire_worker()
+        self._reap_hung()
+        return not self.worker_pids
+
+    def close(self) -> None:
+        """Stop the worker; the client may still be used afterwards (it restarts on demand)."""
+        self.stop()
+
+    # --- worker lifecycle -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env.update(self._env)
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+        self._buffer = b""
+        self._proc = subprocess.Popen(
+            [self._python, "-m", "gpuwatchd.nvml_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+            bufsize=0,
+        )
+        log.debug("nvml.worker_started", pid=self._proc.pid)
+
+    def _request(
+        self,
+        request: Mapping[str, Any],
+        deadline: float,
+        proc: subprocess.Popen[bytes] | None = None,
+    ) -> dict[str, Any]:
+        proc = proc or self._proc
+        if proc is None or proc.stdin is None or proc.stdout is None:
+            raise _WorkerGone("no NVML worker")
+        try:
+            os.write(proc.stdin.fileno(), (json.dumps(request) + "\n").encode())
+        except BrokenPipeError as error:
+            raise _WorkerGone(self._death_note(proc)) from error
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise _WorkerGone(self._death_note(proc))
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        try:
+            reply = json.loads(line)
+        except ValueError as error:
+            raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}") from error
+        if not isinstance(reply, dict):
+            raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}")
+        return reply
+
+    def _death_note(self, proc: subprocess.Popen[bytes]) -> str:
+        try:
+            code = proc.wait(REAP_GRACE)
+        except subprocess.TimeoutExpired:
+            return "NVML worker closed its pipe"
+        return f"NVML worker exited unexpectedly (status {code})"
+
+    def _finish(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait briefly for ``proc`` to exit, SIGKILL it if not; keep it as hung if it lives."""
+        try:
+            proc.wait(REAP_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        try:
+            proc.wait(REAP_GRACE)
+        except subprocess.TimeoutExpired:
+            # Uninterruptible sleep in the driver: it will die when the kernel call returns.
+            self._hung = proc
+            log.critical(
+                "nvml.worker_hung",
+                pid=proc.pid,
+                reason="NVML worker did not die after SIGKILL (stuck in the kernel); "
+                "no new worker starts while it lives",
+            )
+
+    def _retire_worker(self) -> None:
+        """Ask the worker to shut NVML down and exit; SIGKILL it if it does not."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(_WorkerGone, OSError, TimeoutError):
+                    self._request({"op": "shutdown"}, time.monotonic() + self.timeout, proc)
+                self._finish(proc)
+            if self._hung is not proc:
+                self._close_pipes(proc)
+        self._buffer = b""
+
+    def _reap_hung(self) -> None:
+        if self._hung is not None and self._hung.poll() is not None:
+            log.info("nvml.hung_worker_exited", pid=self._hung.pid)
+            self._close_pipes(self._hung)
+            self._hung = None
+
+    @staticmethod
+    def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    # --- failure readings -----------------------------------------------------------------
+
+    def _schedule_retry(self, reading: NvmlReading) -> NvmlReading:
+        self._retry_at = self._clock() + self._backoff
+        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._last_failure = reading
+        return reading
+
+    def _wedged(self) -> NvmlReading:
+        timeout = f"{self.timeout:g}s"
+        reading = NvmlReading(
+            available=True,
+            wedged=True,
+            error=f"NVML call did not return within {timeout} (driver may be hung)",
+        )
+        proc, self._proc = self._proc, None
+        log.critical("nvml.wedged", timeout=self.timeout, pid=None if proc is None else proc.pid)
+        if proc is not None:
+            self._finish(proc)
+            if self._hung is not proc:
+                self._close_pipes(proc)
+        self._buffer = b""
+        return self._schedule_retry(reading)
+
+    def _hung_reading(self, pid: int) -> NvmlReading:
+        return NvmlReading(
+            available=True,
+            wedged=True,
+            error=f"NVML worker pid {pid} is stuck in the kernel (driver may be hung)",
+        )
+
+    def _unavailable(self, reason: str) -> NvmlReading:
+        # A fresh worker per retry: the library is loaded again, so a driver that appeared since
+        # is found.
+        self._retire_worker()
+        reading = NvmlReading(available=False, error=UNAVAILABLE_PREFIX + reason)
+        log.warning("nvml.unavailable", reason=reason)
+        return self._schedule_retry(reading)
+
+    # --- conversion -----------------------------------------------------------------------
+
+    def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
+        gpus = tuple(_to_gpu(raw) for raw in reply.get("gpus") or ())
+        for notice in reply.get("notices") or ():
+            if notice.get("event") != "nvml.memory_v1_fallback":
+                continue
+            uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")
+            if uuid not in self._v1_logged:
+                self._v1_logged.add(uuid)
+                log.warning(
+                    "nvml.memory_v1_fallback",
+                    gpu=uuid,
+                    index=notice.get("index"),
+                    reason=notice.get("reason"),
+                    consequence="allocated memory unknown (v1 'used' includes the driver "
+                    "reservation); no ghost detection until an idle baseline is learned",
+                )
+        driver = reply.get("driver_version")
+        return NvmlReading(
+            available=True, driver_version=None if driver is None else str(driver), gpus=gpus
+        )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _to_memory(raw: Mapping[str, Any] | None) -> GpuMemory | None:
+    if raw is None:
+        return None
+    return GpuMemory(
+        total=_opt_int(raw.get("total")),
+        free=_opt_int(raw.get("free")),
+        reserved=_opt_int(raw.get("reserved")),
+        allocated=_opt_int(raw.get("allocated")),
+        api=str(raw.get("api") or "v2"),
+        used_v1=_opt_int(raw.get("used_v1")),
+    )
+
+
+def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
+    processes = raw.get("processes")
+    mig = raw.get("mig_mode")
+    persistence = raw.get("persistence_mode")
+    name = raw.get("name")
+    bus_id = raw.get("pci_bus_id")
+    return GpuInfo(
+        index=int(raw["index"]),
+        # A GPU lost before its UUID was ever read has none; "" never matches a real GPU.
+        uuid=str(raw.get("uuid") or ""),
+        name=None if name is None else str(name),
+        pci_bus_id=None if bus_id is None else str(bus_id),
+        minor=_opt_int(raw.get("minor")),
+        memory=_to_memory(raw.get("memory")),
+        processes=None
+        if processes is None
+        else tuple(
+            NvmlProcess(
+                pid=int(p["pid"]),
+                used_memory=_opt_int(p.get("used_memory")),
+                kind=str(p.get("kind") or "compute"),
+            )
+            for p in processes
+        ),
+        mig_enabled=None if mig is None else bool(mig),
+        persistence_mode=None if persistence is None else bool(persistence),
+        numa_node=_opt_int(raw.get("numa_node")),
+        lost=bool(raw.get("lost")),
+        error=raw.get("error"),
+    )

@@ -1,0 +1,349 @@
+"""The NVML worker process: the only module that imports pynvml.
+
+Run as ``python -m gpuwatchd.nvml_worker`` by :class:`gpuwatchd.nvml.NvmlClient`, never
+imported by the daemon itself. NVML calls can hang forever in the kernel on a wedged GPU and
+cannot be cancelled (DESIGN.md §2.8), so they run here, in a process the daemon can abandon; and
+every handle NVML holds on ``/dev/nvidia*`` lives here, so stopping this process releases them all
+before a reset (DESIGN.md §2.7).
+
+Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
+
+- ``{"op": "read"}`` → one full poll of every GPU:
+  ``{"available": true, "driver_version": str|null, "gpus": [GPU, ...], "notices": [...]}``,
+  or ``{"available": false, "error": str}`` when the library is missing or init fails (the
+  worker then exits: a retry is a fresh process that loads the library again).
+- ``{"op": "shutdown"}`` → ``nvmlShutdown()``, reply ``{"shutdown": true}``, exit. End of input
+  does the same.
+
+NVML is initialised once, on the first ``read``, and kept while the worker lives. Handles and the
+identity of each GPU (UUID, name, PCI bus id, minor) are looked up once per worker and cached:
+NVML indices do not change within one init session.
+
+What one GPU entry holds (``None`` always means unknown):
+
+- ``index``, ``uuid``, ``name``, ``pci_bus_id``, ``minor``;
+- ``memory``: ``{"api": "v2", "total", "free", "reserved", "allocated"}`` from the v2 query, with
+  allocated = total - free - reserved (neither header comment on v2's ``used`` is trustworthy,
+  domain-facts §2.1). Where v2 is not supported or the symbol is absent (drivers before ~R510)
+  the worker falls back to v1, once per GPU for its lifetime: ``{"api": "v1", "total", "free",
+  "used_v1", "reserved": null, "allocated": null}`` — v1's "used" includes the driver's
+  reservation, so allocated is unknown. The first fallback is announced in ``notices`` as
+  ``{"event": "nvml.memory_v1_fallback", "index", "uuid", "reason"}`` so the parent logs it once;
+- ``processes``: compute, graphics and MPS lists (``{"pid", "used_memory", "kind"}``), each
+  through the ``_v3`` symbol, then ``_v2`` on FunctionNotFound. NVML's "not available" memory
+  (2^64-1, which pynvml turns into None) stays ``null``. If the compute list cannot be read the
+  whole list is ``null`` (unknown); an unsupported graphics or MPS list contributes nothing;
+- ``mig_mode`` (current mode), ``persistence_mode``, ``numa_node`` (set only on coherent-memory
+  systems; NotSupported is the normal answer elsewhere);
+- ``lost``: NVML_ERROR_GPU_IS_LOST (the GPU fell off the bus) on any call; the GPU keeps what was
+  read of its identity and the other GPUs carry on;
+- ``error``: every other failure, as ``"nvmlDeviceGetX: message"`` joined by ``"; "``; the value
+  concerned is ``null``. NotSupported is not an error, just ``null``.
+
+The worker never crashes on an NVML error, writes nothing but replies to its stdout (the real
+stdout is moved aside at start so a chatty library cannot corrupt the protocol) and ignores
+SIGINT (the daemon decides when it stops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import IO, Any, TypeVar
+
+import pynvml
+
+T = TypeVar("T")
+
+NVML_ERROR_GPU_IS_LOST = 15
+
+
+class GpuLostError(Exception):
+    """NVML said NVML_ERROR_GPU_IS_LOST for this GPU."""
+
+
+def describe_error(error: BaseException) -> str:
+    """A short, stable text for an NVML error (pynvml's str() gives the driver's message)."""
+    return str(error) or type(error).__name__
+
+
+class GpuReader:
+    """Reads one GPU, collecting per-value errors instead of raising them."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.errors: list[str] = []
+
+    def call(self, name: str, fn: Callable[[], T]) -> T | None:
+        """Run one NVML query: NotSupported → None, GPU lost → GpuLostError, else None + error."""
+        try:
+            return fn()
+        except pynvml.NVMLError_NotSupported:
+            return None
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError(name) from error
+            self.errors.append(f"{name}: {describe_error(error)}")
+            return None
+        except Exception as error:  # a binding bug must not take the worker down
+            self.errors.append(f"{name}: {type(error).__name__}: {error}")
+            return None
+
+
+class Worker:
+    """NVML session state that lives as long as the worker process."""
+
+    def __init__(self) -> None:
+        self.initialised = False
+        self.handles: dict[int, Any] = {}
+        self.identity: dict[int, dict[str, Any]] = {}
+        self.memory_v1: set[int] = set()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def init(self) -> str | None:
+        """Initialise NVML once; returns why it is unavailable, or None."""
+        if self.initialised:
+            return None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            return f"nvmlInit: {describe_error(error)}"
+        except OSError as error:
+            return f"cannot load libnvidia-ml.so.1: {error}"
+        self.initialised = True
+        return None
+
+    def shutdown(self) -> None:
+        if self.initialised:
+            self.initialised = False
+            self.handles.clear()
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+
+    def read(self) -> dict[str, Any]:
+        reason = self.init()
+        if reason is not None:
+            return {"available": False, "error": reason, "fatal": True}
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as error:
+            return {"available": False, "error": f"nvmlDeviceGetCount: {describe_error(error)}"}
+        driver: str | None
+        try:
+            driver = str(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            driver = None
+        notices: list[dict[str, Any]] = []
+        gpus = [self.read_gpu(index, notices) for index in range(count)]
+        return {"available": True, "driver_version": driver, "gpus": gpus, "notices": notices}
+
+    # --- one GPU --------------------------------------------------------------------------
+
+    def read_gpu(self, index: int, notices: list[dict[str, Any]]) -> dict[str, Any]:
+        reader = GpuReader(index)
+        entry: dict[str, Any] = {
+            "index": index,
+            "uuid": None,
+            "name": None,
+            "pci_bus_id": None,
+            "minor": None,
+            "memory": None,
+            "processes": None,
+            "mig_mode": None,
+            "persistence_mode": None,
+            "numa_node": None,
+            "lost": False,
+            "error": None,
+        }
+        entry.update(self.identity.get(index, {}))
+        try:
+            handle = self.handles.get(index)
+            if handle is None:
+                handle = reader.call(
+                    "nvmlDeviceGetHandleByIndex", lambda: pynvml.nvmlDeviceGetHandleByIndex(index)
+                )
+                if handle is None:
+                    entry["error"] = "; ".join(reader.errors) or "no handle"
+                    return entry
+                self.handles[index] = handle
+            if index not in self.identity:
+                identity = self.read_identity(reader, handle)
+                entry.update(identity)
+                if identity["uuid"] is not None:
+                    self.identity[index] = identity
+            entry["memory"] = self.read_memory(reader, handle, entry, notices)
+            entry["processes"] = self.read_processes(reader, handle)
+            mig = reader.call("nvmlDeviceGetMigMode", lambda: pynvml.nvmlDeviceGetMigMode(handle))
+            entry["mig_mode"] = None if mig is None else int(mig[0])
+            persistence = reader.call(
+                "nvmlDeviceGetPersistenceMode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle)
+            )
+            entry["persistence_mode"] = None if persistence is None else int(persistence)
+            entry["numa_node"] = reader.call(
+                "nvmlDeviceGetNumaNodeId", lambda: pynvml.nvmlDeviceGetNumaNodeId(handle)
+            )
+        except GpuLostError as lost:
+            entry["lost"] = True
+            reader.errors.append(f"{lost}: GPU is lost")
+        if reader.errors:
+            entry["error"] = "; ".join(reader.errors)
+        return entry
+
+    @staticmethod
+    def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:
+        uuid = reader.call("nvmlDeviceGetUUID", lambda: pynvml.nvmlDeviceGetUUID(handle))
+        name = reader.call("nvmlDeviceGetName", lambda: pynvml.nvmlDeviceGetName(handle))
+        minor = reader.call(
+            "nvmlDeviceGetMinorNumber", lambda: pynvml.nvmlDeviceGetMinorNumber(handle)
+        )
+        pci = reader.call("nvmlDeviceGetPciInfo_v3", lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
+        bus_id = None if pci is None else pci.busId
+        if isinstance(bus_id, bytes):
+            bus_id = bus_id.decode(errors="replace")
+        return {"uuid": uuid, "name": name, "minor": minor, "pci_bus_id": bus_id}
+
+    def read_memory(
+        self,
+        reader: GpuReader,
+        handle: Any,
+        entry: dict[str, Any],
+        notices: list[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        if self.index_uses_v2(entry["index"]):
+            try:
+                v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound) as error:
+                self.memory_v1.add(entry["index"])
+                notices.append(
+                    {
+                        "event": "nvml.memory_v1_fallback",
+                        "index": entry["index"],
+                        "uuid": entry["uuid"],
+                        "reason": f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}",
+                    }
+                )
+            except pynvml.NVMLError as error:
+                if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                    raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
+                reader.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+                return None
+            else:
+                total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
+                allocated = total - free - reserved
+                return {
+                    "api": "v2",
+                    "total": total,
+                    "free": free,
+                    "reserved": reserved,
+                    "allocated": allocated if allocated >= 0 else None,
+                    "used_v1": None,
+                }
+        v1 = reader.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+        if v1 is None:
+            return None
+        return {
+            "api": "v1",
+            "total": int(v1.total),
+            "free": int(v1.free),
+            "reserved": None,
+            "allocated": None,
+            "used_v1": int(v1.used),
+        }
+
+    def index_uses_v2(self, index: int) -> bool:
+        return index not in self.memory_v1
+
+    @staticmethod
+    def read_processes(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
+        kinds = (
+            ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+            ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
+        )
+        found: list[dict[str, Any]] = []
+        for kind, base in kinds:
+            listed = list_processes(reader, handle, base)
+            if listed is None:
+                if kind == "compute":
+                    return None
+                continue
+            for process in listed:
+                used = process.usedGpuMemory
+                found.append(
+                    {
+                        "pid": int(process.pid),
+                        "used_memory": None if used is None else int(used),
+                        "kind": kind,
+                    }
+                )
+        return found
+
+
+def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | None:
+    """One process list through ``_v3``, then ``_v2`` where ``_v3`` is absent; None if unknown."""
+    for suffix in ("_v3", "_v2"):
+        name = base + suffix
+        fn = getattr(pynvml, name, None)
+        if fn is None:
+            continue
+        try:
+            return list(fn(handle))
+        except pynvml.NVMLError_FunctionNotFound:
+            continue
+        except pynvml.NVMLError_NotSupported:
+            return None
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError(name) from error
+            reader.errors.append(f"{name}: {describe_error(error)}")
+            return None
+    reader.errors.append(f"{base}: no _v3 or _v2 symbol in this driver")
+    return None
+
+
+def serve(requests: IO[str], replies: IO[str]) -> int:
+    """Answer requests until ``shutdown`` or end of input; returns the exit status."""
+    worker = Worker()
+    try:
+        for line in requests:
+            try:
+                request = json.loads(line)
+                op = request.get("op") if isinstance(request, dict) else None
+            except ValueError:
+                op = None
+            if op == "read":
+                try:
+                    reply = worker.read()
+                except Exception as error:  # never die mid-poll: report and carry on
+                    reply = {"available": False, "error": f"worker error: {error!r}"}
+            elif op == "shutdown":
+                worker.shutdown()
+                replies.write(json.dumps({"shutdown": True}) + "\n")
+                replies.flush()
+                return 0
+            else:
+                reply = {"error": f"unknown request: {line.strip()[:100]!r}"}
+            replies.write(json.dumps(reply) + "\n")
+            replies.flush()
+            if reply.get("fatal"):
+                return 0
+    finally:
+        worker.shutdown()
+    return 0
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Keep the protocol channel private: whatever the library prints goes to stderr.
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return serve(sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

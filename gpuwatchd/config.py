@@ -119,7 +119,8 @@ class ConfigError(Exception):
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    same_letters = [choice for choice in choices if choice.lower() == word.lower()]
+    close = same_letters or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -208,7 +209,7 @@ def format_size(size: int) -> str:
     for unit in ("TiB", "GiB", "MiB", "KiB"):
         if size and size % _SIZE_UNITS[unit] == 0:
             return f"{size // _SIZE_UNITS[unit]}{unit}"
-    return str(size)
+    return f"{size}B"
 
 
 def _describe(value: object) -> str:
@@ -223,7 +224,7 @@ def _describe(value: object) -> str:
 
 # --- GPU ids and reset commands ---------------------------------------------------------------
 
-_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
+_UUID = re.compile(r"(?i:GPU)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 _BUS_ID = re.compile(r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 
 
@@ -752,9 +753,11 @@ def _gpu_id(node: _Node) -> str:
 
 def _argv(placeholders: Sequence[str], one_gpu: bool = False) -> Converter[tuple[str, ...]]:
     def convert(node: _Node) -> tuple[str, ...]:
-        raw = [item.value if isinstance(item, _Scalar) else item for item in _items(node)]
-        if isinstance(node, _Scalar):
-            raw = node.value  # type: ignore[assignment]  # _check_argv refuses a string
+        raw: object = node.value if isinstance(node, _Scalar) else None
+        if isinstance(node, _Seq):
+            raw = [item.value if isinstance(item, _Scalar) else item for item in node.items]
+        elif isinstance(node, _Map):
+            raise node.error(f"expected an argv list, got {_kind_of(node)}")
         argv = _check_argv(raw, node.path, placeholders)
         if one_gpu:
             _validate_one_gpu(argv, placeholders, True, node.path)

@@ -111,6 +111,8 @@ class Worker:
             return None
         try:
             pynvml.nvmlInit()
+        except pynvml.NVMLError_LibraryNotFound:
+            return "libnvidia-ml.so.1 not found (is the NVIDIA driver installed?)"
         except pynvml.NVMLError as error:
             return f"nvmlInit: {describe_error(error)}"
         except OSError as error:

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 NOT_AVAILABLE = None  # a process's used_memory that NVML reports as "not available" (2^64-1)
@@ -173,3 +175,9 @@ def open_device_files(pid: int, devices_dir: Path) -> set[str]:
         if target.startswith(prefix):
             found.add(target[len(prefix) :])
     return found
+
+
+@pytest.fixture
+def fake_nvml(tmp_path: Path) -> FakeNvml:
+    """A fake NVML with its own state file and devices folder under ``tmp_path``."""
+    return FakeNvml(tmp_path)

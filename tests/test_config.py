@@ -722,3 +722,21 @@ def test_permission_check_is_skipped_when_turned_off(tmp_path: Path) -> None:
     main_file = write_config(tmp_path, MAIN, {})
     (main_file.parent / "conf.d").chmod(0o777)
     assert load_policy(str(main_file), check_permissions=False).interval == 5.0
+
+
+# --- the documentation --------------------------------------------------------------------------
+
+
+def test_every_yaml_example_in_the_policy_doc_is_a_valid_policy() -> None:
+    doc = (REPO / "docs" / "policy.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        parse_policy_documents([("docs/policy.md", block)])
+
+
+def test_policy_doc_names_every_key_of_the_schema() -> None:
+    doc = (REPO / "docs" / "policy.md").read_text()
+    keys = set(re.findall(r"^\s*-?\s*([a-z_]+):", render_policy(default_policy()), re.M))
+    keys |= {"enabled", "min_memory", "signal", "wait", "command", "timeout"}
+    assert {key for key in keys if f"`{key}`" not in doc} == set()

@@ -1,0 +1,1404 @@
+"""The escalation state machine: findings + carried state + policy + time → intents and events.
+
+This module owns every decision about *acting*: which rule matches a finding, which targets may
+never be touched (the floor, then ``protect``), per-target signal ladders (SIGTERM → wait →
+SIGKILL → wait → ended), confirmation windows, the post-action delay, the node-wide kill cap
+that forces dry-run, pause, and the GPU reset gates (confirmation, live holders, MIG, cooldown,
+count per window, circuit breaker, one reset in flight). The semantics are documented in
+``docs/escalation.md``.
+
+It is pure: no I/O, no clock reads, no logging. Time comes in as ``now`` (monotonic seconds,
+for deadlines) and ``wall`` (wall-clock seconds, only for reset limits that must survive a
+reboot). It never sends a signal or runs a command: it returns intents, which ``act.py``
+carries out after re-verifying the target, and the outcome comes back through
+``record_signal`` / ``record_exit`` / ``record_reset``. ``None`` means unknown, and unknown
+never leads to an intent.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeAlias
+
+from gpuwatchd.model import (
+    Finding,
+    FindingKind,
+    GpuInfo,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
+from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
+
+STATE_VERSION = 1
+HOUR = 3600.0
+
+# The kernel cuts comm to 15 characters: "nvidia-persistenced" is seen as "nvidia-persiste".
+_FLOOR_COMMS = frozenset(name[:15] for name in FLOOR_PROCESS_NAMES)
+# Findings about a live process on a GPU: any of them means the GPU has a live holder.
+_HOLDER_KINDS = frozenset(
+    {
+        FindingKind.ORPHANED,
+        FindingKind.ABANDONED,
+        FindingKind.STUCK,
+        FindingKind.HIDDEN_HOLDER,
+        FindingKind.ZOMBIE,
+    }
+)
+
+
+class EventName:
+    """The catalogue of event names ``plan`` emits (documented in docs/escalation.md)."""
+
+    FINDING_NEW = "finding.new"
+    FINDING_CHANGED = "finding.changed"
+    FINDING_RESOLVED = "finding.resolved"
+    RULE_REPORT_ONLY = "rule.report_only"
+    ACTION_REFUSED = "action.refused"
+    ACTION_DEFERRED = "action.deferred"
+    ESCALATION_CONFIRMING = "escalation.confirming"
+    ESCALATION_STEP_DUE = "escalation.step_due"
+    ESCALATION_SIGNAL_RECORDED = "escalation.signal_recorded"
+    ESCALATION_RESOLVED = "escalation.resolved"
+    ESCALATION_ABORTED = "escalation.aborted"
+    ESCALATION_ENDED = "escalation.ended"
+    ESCALATION_RESTARTED = "escalation.restarted"
+    TARGET_STUCK = "target.stuck"
+    ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
+    LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
+    RESET_CONFIRMING = "reset.confirming"
+    RESET_DUE = "reset.due"
+    RESET_REFUSED = "reset.refused"
+    RESET_LIMIT_REACHED = "reset.limit_reached"
+    RESET_CIRCUIT_OPEN = "reset.circuit_open"
+    RESET_SUCCEEDED = "reset.succeeded"
+    RESET_FAILED = "reset.failed"
+    RESET_DRY_RUN = "reset.dry_run"
+    GPU_NEEDS_REBOOT = "gpu.needs_reboot"
+    STATE_BOOT_CHANGED = "state.boot_changed"
+    CLOCK_STEPPED_BACK = "clock.stepped_back"
+
+
+EVENT_NAMES = frozenset(v for k, v in vars(EventName).items() if k.isupper())
+LEVELS = ("debug", "info", "warning", "error", "critical")
+SIGNAL_OUTCOMES = frozenset(
+    {"delivered", "gone", "reused", "denied", "zombie", "dry_run", "failed"}
+)
+RESET_OUTCOMES = frozenset({"success", "failed", "refused", "timeout", "dry_run"})
+
+
+# --- intents and events -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SignalIntent:
+    """Send ``signal`` to ``identity`` (act re-verifies the start time first).
+
+    ``step`` is 1-based: step 1 is the rule's first step. ``facts`` carries what justified it
+    (user, cmdline, cgroup/job, memory) for the log event.
+    """
+
+    identity: ProcessIdentity
+    signal: str
+    gpu: str | None
+    finding_key: str
+    rule: str
+    step: int
+    dry_run: bool
+    reason: str
+    facts: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class ResetIntent:
+    """Run the reset procedure (DESIGN.md §2.7) for one GPU, addressed by UUID / PCI bus id."""
+
+    gpu: str
+    pci_bus_id: str | None
+    minor: int | None
+    finding_key: str
+    dry_run: bool
+    reason: str
+    facts: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class HookIntent:
+    """Run the configured hooks named ``hook`` (only "on_failure" so far)."""
+
+    hook: str
+    reason: str
+    facts: Mapping[str, object]
+    dry_run: bool = False
+
+
+Intent: TypeAlias = SignalIntent | ResetIntent | HookIntent
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decision, to be logged as one structured event. ``name`` is from ``EventName``."""
+
+    name: str
+    level: str
+    fields: Mapping[str, object]
+
+
+# --- state ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeenFinding:
+    """When a finding key was first seen (monotonic) and a digest to notice changes."""
+
+    first_seen: float
+    digest: str
+    gpu: str | None
+    target: str | None
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One target's escalation. ``steps`` is copied from the rule when the ladder starts, so a
+    config reload never changes a ladder in progress. ``step`` is how many steps were emitted;
+    ``due`` is when the next step (or, after the last, the end) is due. ``status`` is "active"
+    or terminal: "ended", "stuck", "failed" (terminal ladders stay while the process lives, so
+    that identity is never signalled again)."""
+
+    target: str
+    pid: int
+    start_ticks: int
+    finding_key: str
+    rule: str
+    gpu: str | None
+    steps: tuple[tuple[str | None, float], ...]
+    step: int
+    due: float | None
+    status: str
+    dry_run: bool
+    started: float
+
+
+@dataclass(frozen=True)
+class ResetInFlight:
+    """The one reset that was handed to act and whose outcome has not come back yet."""
+
+    gpu: str
+    finding_key: str
+    dry_run: bool
+    since: float
+    delay: float  # the post-action delay to apply when the outcome comes back
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
+
+    Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
+    meaningful within one boot and are dropped when the boot id changes. Wall times
+    (``last_reset``, ``reset_history``) are kept; a backward wall-clock step shifts them back
+    by the step, so the step counts as no time passed.
+    """
+
+    boot_id: str | None = None
+    seen: Mapping[str, SeenFinding] = field(default_factory=dict)
+    notes: Mapping[str, str] = field(default_factory=dict)
+    waiting: Mapping[str, float] = field(default_factory=dict)
+    ladders: Mapping[str, Ladder] = field(default_factory=dict)
+    quiet_until: Mapping[str, float] = field(default_factory=dict)
+    last_reset: Mapping[str, float] = field(default_factory=dict)
+    last_dry_reset: Mapping[str, float] = field(default_factory=dict)
+    reset_history: tuple[tuple[str, float], ...] = ()
+    reset_failures: int = 0
+    circuit_open: bool = False
+    reset_in_flight: ResetInFlight | None = None
+    signal_history: tuple[tuple[str, float], ...] = ()
+    forced_dry_run: bool = False
+    forced_reason: str | None = None
+    paused: bool = False
+    paused_reason: str | None = None
+    last_wall: float | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
+        return _dump_state(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> PlanState:
+        """Rebuild a state saved by ``to_json``; ValueError when ``data`` is malformed."""
+        return _load_state(data)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    intents: tuple[Intent, ...]
+    events: tuple[Event, ...]
+    state: PlanState
+
+
+# --- pure matching ----------------------------------------------------------------------------
+
+
+def target_key(identity: ProcessIdentity) -> str:
+    return f"{identity.pid}@{identity.start_ticks}"
+
+
+def _glob_any(value: str | None, patterns: Sequence[str]) -> bool:
+    return value is not None and any(fnmatch.fnmatchcase(value, p) for p in patterns)
+
+
+def rule_for(
+    finding: Finding, process: ProcessInfo | None, policy: Policy, *, lasted: float
+) -> Rule | None:
+    """The first rule (in policy order) that selects ``finding``, or None.
+
+    A filter that is set never matches an unknown value: ``users: [alice]`` does not match a
+    process whose user is unknown, ``min_memory`` does not match unknown memory.
+    """
+    for rule in policy.rules:
+        if rule.kind != finding.kind or lasted < rule.for_:
+            continue
+        if rule.min_memory is not None and (
+            finding.memory is None or finding.memory < rule.min_memory
+        ):
+            continue
+        if _filters_match(rule, process):
+            return rule
+    return None
+
+
+def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
+    if not (rule.users or rule.commands or rule.cgroups or rule.units or rule.jobs):
+        return True
+    if process is None:
+        return False
+    if rule.users and not _glob_any(process.user, rule.users):
+        return False
+    if rule.commands:
+        if process.cmdline is None:
+            return False
+        joined = " ".join(process.cmdline)
+        if not any(p.search(joined) for p in rule.commands):
+            return False
+    cgroup = process.cgroup
+    if rule.cgroups and not _glob_any(None if cgroup is None else cgroup.path, rule.cgroups):
+        return False
+    if rule.units and not _glob_any(None if cgroup is None else cgroup.systemd_unit, rule.units):
+        return False
+    return not (rule.jobs and not _glob_any(None if cgroup is None else cgroup.job_key, rule.jobs))
+
+
+def _normal_bus_id(bus_id: str) -> str:
+    """'00000000:3B:00.0' and '0000:3b:00.0' name the same device."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if sep and rest.count(":") == 1:
+        try:
+            return f"{int(domain, 16):x}:{rest}"
+        except ValueError:
+            return text
+    return text
+
+
+def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> str | None:
+    """Which ``protect.gpus`` entry names this GPU (by UUID or PCI bus id), or None."""
+    for entry in policy.protect.gpus:
+        if gpu_uuid is not None and entry.lower() == gpu_uuid.lower():
+            return entry
+        bus_id = None if gpu is None else gpu.pci_bus_id
+        if bus_id is not None and _normal_bus_id(entry) == _normal_bus_id(bus_id):
+            return entry
+    return None
+
+
+def _gpu_by_uuid(snapshot: Snapshot, uuid: str | None) -> GpuInfo | None:
+    for gpu in snapshot.nvml.gpus:
+        if gpu.uuid == uuid:
+            return gpu
+    return None
+
+
+def _floor_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, self_ancestors: frozenset[int]
+) -> str | None:
+    if process.pid <= 2:
+        return f"pid {process.pid} is init or kthreadd"
+    if process.kernel_thread:
+        return "kernel thread"
+    if process.pid in snapshot.self_pids:
+        return "the daemon itself"
+    if process.pid in self_ancestors:
+        return "an ancestor of the daemon"
+    for name in sorted(process.names):
+        if name in FLOOR_PROCESS_NAMES:
+            return f"infrastructure process {name}"
+    if process.comm is not None and process.comm in _FLOOR_COMMS:
+        return f"infrastructure process {process.comm}"
+    cgroup = process.cgroup
+    if cgroup is not None:
+        parts = [p for p in cgroup.path.split("/") if p]
+        if cgroup.systemd_unit is not None:
+            parts.append(cgroup.systemd_unit)
+        for part in parts:
+            for pattern in FLOOR_UNIT_PATTERNS:
+                if fnmatch.fnmatchcase(part, pattern):
+                    return f"infrastructure unit {part}"
+    holding = snapshot.holders.holdings.get(process.pid)
+    uvm = finding.evidence.get("uvm")
+    if uvm is False or (holding is not None and not holding.uvm):
+        return "NVML-only client (does not hold nvidia-uvm)"
+    if uvm is not True and (holding is None or not holding.uvm):
+        return "nvidia-uvm holding unknown (could be an NVML-only client)"
+    return None
+
+
+def _protect_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
+) -> str | None:
+    protect = policy.protect
+    if protect.commands:
+        if process.cmdline is None:
+            return "command line unknown"
+        joined = " ".join(process.cmdline)
+        for pattern in protect.commands:
+            if pattern.search(joined):
+                return f"command matches {pattern.pattern!r}"
+    if protect.users:
+        if process.user is None:
+            return "user unknown"
+        for glob in protect.users:
+            if fnmatch.fnmatchcase(process.user, glob):
+                return f"user {process.user} matches {glob!r}"
+    cgroup = process.cgroup
+    if protect.units or protect.cgroups:
+        if cgroup is None:
+            return "cgroup unknown"
+        unit = cgroup.systemd_unit
+        for glob in protect.units:
+            if unit is not None and fnmatch.fnmatchcase(unit, glob):
+                return f"unit {unit} matches {glob!r}"
+        for glob in protect.cgroups:
+            if fnmatch.fnmatchcase(cgroup.path, glob):
+                return f"cgroup {cgroup.path} matches {glob!r}"
+    if protect.gpus:
+        uuids: list[str | None] = [finding.gpu]
+        holding = snapshot.holders.holdings.get(process.pid)
+        if holding is not None:
+            uuids += [g.uuid for m in holding.gpu_minors if (g := snapshot.gpu_by_minor(m))]
+        for uuid in uuids:
+            entry = gpu_protected(uuid, _gpu_by_uuid(snapshot, uuid), policy)
+            if entry is not None:
+                return f"GPU {uuid} is protected ({entry})"
+    return None
+
+
+def refusal(
+    process: ProcessInfo | None,
+    finding: Finding,
+    snapshot: Snapshot,
+    policy: Policy,
+    self_ancestors: frozenset[int],
+) -> str | None:
+    """Why this target may never be signalled, as "floor: …", "protect: …" or "identity: …".
+
+    The floor (DESIGN.md §2.10) comes first and no configuration lowers it; then ``protect``;
+    an identity that cannot be told apart from a later process reusing the PID is refused too.
+    """
+    if process is None:
+        return "identity: process not in the snapshot"
+    floor = _floor_reason(process, finding, snapshot, self_ancestors)
+    if floor is not None:
+        return f"floor: {floor}"
+    protect = _protect_reason(process, finding, snapshot, policy)
+    if protect is not None:
+        return f"protect: {protect}"
+    if process.start_ticks is None or finding.start_ticks is None:
+        return "identity: start time unknown"
+    if finding.pid != process.pid or finding.start_ticks != process.start_ticks:
+        return "identity: the PID now belongs to another process"
+    return None
+
+
+# --- the planner ------------------------------------------------------------------------------
+
+
+def _finding_fields(finding: Finding) -> dict[str, object]:
+    return {
+        "finding": finding.key,
+        "kind": finding.kind.value,
+        "gpu": finding.gpu,
+        "pid": finding.pid,
+        "start_ticks": finding.start_ticks,
+        "memory": finding.memory,
+        "reason": finding.reason,
+    }
+
+
+def process_facts(process: ProcessInfo | None) -> dict[str, object]:
+    """The facts about a target that go into its intents and log events."""
+    if process is None:
+        return {}
+    cgroup = process.cgroup
+    return {
+        "user": process.user,
+        "uid": process.uid,
+        "comm": process.comm,
+        "cmdline": None if process.cmdline is None else " ".join(process.cmdline),
+        "state": process.state,
+        "ppid": process.ppid,
+        "pgid": process.pgid,
+        "sid": process.sid,
+        "cgroup": None if cgroup is None else cgroup.path,
+        "job": None if cgroup is None else cgroup.job_key,
+        "unit": None if cgroup is None else cgroup.systemd_unit,
+    }
+
+
+class _Work:
+    """The mutable scratch copy of a PlanState while one call decides."""
+
+    def __init__(self, state: PlanState) -> None:
+        self.base = state
+        self.seen = dict(state.seen)
+        self.notes = dict(state.notes)
+        self.waiting: dict[str, float] = dict(state.waiting)
+        self.ladders = dict(state.ladders)
+        self.quiet_until = dict(state.quiet_until)
+        self.last_reset = dict(state.last_reset)
+        self.last_dry_reset = dict(state.last_dry_reset)
+        self.reset_history = list(state.reset_history)
+        self.signal_history = list(state.signal_history)
+        self.new_targets = 0
+        self.events: list[Event] = []
+        self.intents: list[Intent] = []
+        self.state = state
+
+    def event(self, name: str, level: str, **fields: object) -> None:
+        self.events.append(Event(name, level, fields))
+
+    def noted(self, key: str, text: str) -> bool:
+        """Record ``text`` as the last thing said about ``key``; True when it is news."""
+        if self.notes.get(key) == text:
+            return False
+        self.notes[key] = text
+        return True
+
+    def rebase_wall(self, wall: float) -> None:
+        last = self.state.last_wall
+        if last is not None and wall < last:
+            step = last - wall
+            self.last_reset = {g: t - step for g, t in self.last_reset.items()}
+            self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
+            self.reset_history = [(g, t - step) for g, t in self.reset_history]
+            self.event(EventName.CLOCK_STEPPED_BACK, "warning", seconds=step, wall=wall)
+        self.state = replace(self.state, last_wall=wall)
+
+    def freeze(self) -> PlanState:
+        return replace(
+            self.state,
+            seen=self.seen,
+            notes=self.notes,
+            waiting=self.waiting,
+            ladders=self.ladders,
+            quiet_until=self.quiet_until,
+            last_reset=self.last_reset,
+            last_dry_reset=self.last_dry_reset,
+            reset_history=tuple(self.reset_history),
+            signal_history=tuple(self.signal_history),
+        )
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    snapshot: Snapshot
+    policy: Policy
+    now: float
+    wall: float
+    report_only: Mapping[str, str]
+    self_ancestors: frozenset[int]
+    findings: Mapping[str, Finding]
+    quiet_before: Mapping[str, float]
+    blocked: str | None  # a node-wide reason no action may be taken this poll
+
+
+def _dry(w: _Work, ctx: _Ctx) -> bool:
+    return ctx.policy.dry_run or w.state.forced_dry_run
+
+
+def _node_block(snapshot: Snapshot) -> str | None:
+    if not snapshot.nvml.available:
+        return "NVML unavailable"
+    if snapshot.nvml.wedged:
+        return "NVML is wedged (a call missed its deadline)"
+    if snapshot.host_namespaces is not True:
+        return "host PID/cgroup namespaces not visible"
+    return None
+
+
+def plan(
+    findings: Sequence[Finding],
+    snapshot: Snapshot,
+    state: PlanState,
+    policy: Policy,
+    *,
+    now: float,
+    wall: float,
+    report_only: Mapping[str, str] | None = None,
+    self_ancestors: frozenset[int] = frozenset(),
+) -> PlanResult:
+    """Decide what to do this poll. Pure: the same inputs give the same result."""
+    w = _Work(state)
+    w.rebase_wall(wall)
+    _check_boot(w, snapshot)
+    current = {f.key: f for f in findings}
+    ctx = _Ctx(
+        snapshot=snapshot,
+        policy=policy,
+        now=now,
+        wall=wall,
+        report_only=report_only or {},
+        self_ancestors=self_ancestors,
+        findings=current,
+        quiet_before={g: t for g, t in w.quiet_until.items() if t > now},
+        blocked=_node_block(snapshot),
+    )
+    w.quiet_until = dict(ctx.quiet_before)
+    w.waiting = {}
+    w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
+    _track_findings(w, ctx)
+    _advance_ladders(w, ctx)
+    for finding in sorted(current.values(), key=lambda f: f.key):
+        if finding.pid is not None:
+            _consider_process_finding(w, ctx, finding)
+    for finding in sorted(current.values(), key=lambda f: f.key):
+        if finding.kind == FindingKind.GHOST_MEMORY and finding.gpu is not None:
+            _consider_reset(w, ctx, finding)
+    # Forget what was said about findings that are gone.
+    w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
+    return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
+
+
+def _check_boot(w: _Work, snapshot: Snapshot) -> None:
+    old = w.state.boot_id
+    new = snapshot.boot_id
+    if new is None:
+        return
+    if old is not None and old != new:
+        # Monotonic times and process identities mean nothing after a reboot; wall-time reset
+        # history, the circuit breaker, forced dry-run and pause are kept.
+        w.event(
+            EventName.STATE_BOOT_CHANGED,
+            "info",
+            old=old,
+            new=new,
+            dropped_ladders=len(w.ladders),
+        )
+        w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
+        w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
+        w.state = replace(w.state, reset_in_flight=None)
+    w.state = replace(w.state, boot_id=new)
+
+
+def _track_findings(w: _Work, ctx: _Ctx) -> None:
+    for key, finding in sorted(ctx.findings.items()):
+        digest = f"{finding.reason}|actionable={finding.actionable}"
+        seen = w.seen.get(key)
+        target = None if finding.identity is None else target_key(finding.identity)
+        if seen is None:
+            w.seen[key] = SeenFinding(ctx.now, digest, finding.gpu, target)
+            level = "warning" if finding.actionable else "info"
+            w.event(
+                EventName.FINDING_NEW,
+                level,
+                actionable=finding.actionable,
+                evidence=dict(finding.evidence),
+                **_finding_fields(finding),
+            )
+        elif seen.digest != digest:
+            w.seen[key] = replace(seen, digest=digest)
+            w.event(
+                EventName.FINDING_CHANGED,
+                "info",
+                actionable=finding.actionable,
+                lasted=ctx.now - seen.first_seen,
+                **_finding_fields(finding),
+            )
+    for key in sorted(set(w.seen) - set(ctx.findings)):
+        seen = w.seen.pop(key)
+        w.event(
+            EventName.FINDING_RESOLVED,
+            "info",
+            finding=key,
+            gpu=seen.gpu,
+            lasted=max(0.0, ctx.now - seen.first_seen),
+        )
+
+
+def _ladder_fields(lad: Ladder) -> dict[str, object]:
+    return {
+        "target": lad.target,
+        "pid": lad.pid,
+        "start_ticks": lad.start_ticks,
+        "finding": lad.finding_key,
+        "rule": lad.rule,
+        "gpu": lad.gpu,
+        "step": lad.step,
+        "dry_run": lad.dry_run,
+    }
+
+
+def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
+    for finding in ctx.findings.values():
+        identity = finding.identity
+        if finding.kind == FindingKind.STUCK and identity and target_key(identity) == target:
+            return finding
+    return None
+
+
+def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
+    for target, lad in sorted(w.ladders.items()):
+        proc = ctx.snapshot.processes.get(lad.pid)
+        if proc is None:
+            if lad.finding_key not in ctx.findings and _stuck_finding(ctx, target) is None:
+                _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone")
+            continue  # listed by a finding but not described: unknown, so wait
+        if proc.start_ticks is None:
+            continue
+        if proc.start_ticks != lad.start_ticks:
+            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone (PID reused)")
+            continue
+        if proc.is_zombie:
+            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target exited (zombie)")
+            _zombie_event(w, lad.finding_key, proc.ppid, lad.pid, lad.gpu, force=True)
+            continue
+        _advance_live_ladder(w, ctx, lad, proc)
+
+
+def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> None:
+    """One poll of a ladder whose target is alive and still the same process."""
+    target = lad.target
+    finding = ctx.findings.get(lad.finding_key)
+    if lad.status != "active":
+        if lad.dry_run and not _dry(w, ctx) and _hold_reason(w, ctx) is None:
+            # What dry-run "would have done" never blocks the real thing: start over.
+            del w.ladders[target]
+            w.event(
+                EventName.ESCALATION_RESTARTED,
+                "info",
+                why="dry-run ended",
+                **_ladder_fields(lad),
+            )
+        return
+    stuck = _stuck_finding(ctx, target)
+    if stuck is not None:
+        _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
+        return
+    if finding is None:
+        _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "finding resolved")
+        return
+    if lad.due is not None and ctx.now < lad.due:
+        w.waiting[lad.finding_key] = lad.due
+        return
+    if lad.step >= len(lad.steps):
+        if proc.is_uninterruptible:
+            _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
+        else:
+            w.ladders[target] = replace(lad, status="ended", due=None)
+            w.event(
+                EventName.ESCALATION_ENDED,
+                "info" if lad.dry_run else "error",
+                why="target still alive after the last step",
+                **_ladder_fields(lad),
+                **process_facts(proc),
+            )
+        return
+    hold = _hold_reason(w, ctx)
+    if hold is None and _dry(w, ctx) and not lad.dry_run:
+        hold = "dry_run (kill cap engaged)" if w.state.forced_dry_run else "dry_run"
+    if hold is not None:
+        # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
+        if w.noted(lad.finding_key, f"hold:{hold}"):
+            w.event(EventName.ACTION_REFUSED, "info", why=hold, **_ladder_fields(lad))
+        return
+    if lad.dry_run and not _dry(w, ctx):
+        # A dry-run ladder never blocks a real one: start over, for real, from step 1.
+        del w.ladders[target]
+        w.event(EventName.ESCALATION_RESTARTED, "info", why="dry-run ended", **_ladder_fields(lad))
+        return
+    why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
+    if why is not None:
+        w.ladders[target] = replace(lad, status="failed", due=None)
+        w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
+        return
+    _emit_step(w, ctx, lad, proc, finding)
+
+
+def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
+    if w.state.paused:
+        return "paused" + (f" ({w.state.paused_reason})" if w.state.paused_reason else "")
+    return ctx.blocked
+
+
+def _close(w: _Work, lad: Ladder, name: str, level: str, why: str) -> None:
+    w.ladders.pop(lad.target, None)
+    if lad.status == "active":
+        w.event(name, level, why=why, **_ladder_fields(lad))
+
+
+def _zombie_event(
+    w: _Work, key: str, ppid: int | None, pid: int, gpu: str | None, *, force: bool = False
+) -> None:
+    if w.noted(key, "zombie") or force:
+        w.event(
+            EventName.ZOMBIE_NEEDS_REAP,
+            "warning",
+            finding=key,
+            pid=pid,
+            gpu=gpu,
+            parent=ppid,
+            why="a zombie holds nothing and cannot be signalled; its parent must reap it",
+        )
+
+
+def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
+    w.ladders[lad.target] = replace(lad, status="stuck", due=None)
+    facts = {**_ladder_fields(lad), **process_facts(proc)}
+    w.event(EventName.TARGET_STUCK, "critical", why=why + "; needs drain/reboot", **facts)
+    w.intents.append(
+        HookIntent("on_failure", f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
+    )
+
+
+def _emit_step(
+    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+) -> None:
+    signal, wait = lad.steps[lad.step]
+    number = lad.step + 1
+    lad = replace(lad, step=number, due=ctx.now + wait)
+    w.ladders[lad.target] = lad
+    facts = {**_finding_fields(finding), **process_facts(proc)}
+    fields = {**_ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
+    w.event(EventName.ESCALATION_STEP_DUE, "warning" if not lad.dry_run else "info", **fields)
+    w.waiting[lad.finding_key] = ctx.now + wait
+    if signal is None:
+        return  # a report-only step: the wait still counts
+    if lad.gpu is not None:
+        w.quiet_until[lad.gpu] = max(
+            w.quiet_until.get(lad.gpu, 0.0), ctx.now + ctx.policy.limits.post_action_delay
+        )
+    if not lad.dry_run and all(t != lad.target for t, _ in w.signal_history):
+        w.signal_history.append((lad.target, ctx.now))
+        w.new_targets += 1
+    w.intents.append(
+        SignalIntent(
+            identity=ProcessIdentity(lad.pid, lad.start_ticks),
+            signal=signal,
+            gpu=lad.gpu,
+            finding_key=lad.finding_key,
+            rule=lad.rule,
+            step=number,
+            dry_run=lad.dry_run,
+            reason=f"rule {lad.rule} step {number}/{len(lad.steps)}: {finding.reason}",
+            facts=facts,
+        )
+    )
+
+
+def _refuse(w: _Work, key: str, why: str, level: str, finding: Finding) -> None:
+    if w.noted(key, why):
+        w.event(EventName.ACTION_REFUSED, level, why=why, **_finding_fields(finding))
+
+
+def _cap_exceeded(w: _Work, ctx: _Ctx) -> str | None:
+    limits = ctx.policy.limits
+    if w.new_targets + 1 > limits.max_signalled_per_poll:
+        return f"more than {limits.max_signalled_per_poll} processes in one poll"
+    if len(w.signal_history) + 1 > limits.max_signalled_per_hour:
+        return f"more than {limits.max_signalled_per_hour} processes in one hour"
+    return None
+
+
+def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    key = finding.key
+    proc = None if finding.pid is None else ctx.snapshot.processes.get(finding.pid)
+    if finding.kind == FindingKind.ZOMBIE or (proc is not None and proc.is_zombie):
+        ppid = finding.evidence.get("ppid", None if proc is None else proc.ppid)
+        parent = ppid if isinstance(ppid, int) else None
+        _zombie_event(w, key, parent, finding.pid or 0, finding.gpu)
+        return
+    target = None if finding.identity is None else target_key(finding.identity)
+    if target is not None and target in w.ladders:
+        return  # in progress or finished for this identity
+    pending_rule = rule_for(finding, proc, ctx.policy, lasted=math.inf)
+    if pending_rule is None:
+        return
+    first_seen = w.seen[key].first_seen
+    rule = rule_for(finding, proc, ctx.policy, lasted=ctx.now - first_seen)
+    if rule is None:
+        w.waiting[key] = first_seen + pending_rule.for_
+        if w.noted(key, "confirming"):
+            w.event(
+                EventName.ESCALATION_CONFIRMING,
+                "debug",
+                rule=pending_rule.name,
+                due=first_seen + pending_rule.for_,
+                **_finding_fields(finding),
+            )
+        return
+    if finding.kind != FindingKind.STUCK and all(step.signal is None for step in rule.steps):
+        if w.noted(key, f"report:{rule.name}"):
+            w.event(EventName.RULE_REPORT_ONLY, "info", rule=rule.name, **_finding_fields(finding))
+        return
+    why = _gate(w, ctx, finding, proc)
+    if why is not None:
+        text, level = why
+        _refuse(w, key, text, level, finding)
+        return
+    identity = finding.identity
+    if identity is None or target is None:
+        return  # refusal() already refused an unknown identity; this is for the type checker
+    gpu = finding.gpu
+    if finding.kind != FindingKind.STUCK and gpu is not None and gpu in ctx.quiet_before:
+        until = ctx.quiet_before[gpu]
+        w.waiting[key] = until
+        if w.noted(key, "quiet"):
+            w.event(
+                EventName.ACTION_DEFERRED,
+                "debug",
+                why="post_action_delay",
+                until=until,
+                **_finding_fields(finding),
+            )
+        return
+    dry = _dry(w, ctx)
+    lad = Ladder(
+        target=target,
+        pid=identity.pid,
+        start_ticks=identity.start_ticks,
+        finding_key=key,
+        rule=rule.name,
+        gpu=finding.gpu,
+        steps=tuple((s.signal, s.wait) for s in rule.steps),
+        step=0,
+        due=None,
+        status="active",
+        dry_run=dry,
+        started=ctx.now,
+    )
+    if finding.kind == FindingKind.STUCK:
+        _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
+        return
+    if not dry:
+        exceeded = _cap_exceeded(w, ctx)
+        if exceeded is not None:
+            w.state = replace(w.state, forced_dry_run=True, forced_reason=exceeded)
+            w.event(
+                EventName.LIMITS_KILL_CAP_REACHED,
+                "critical",
+                why=exceeded,
+                signalled_this_hour=len(w.signal_history),
+                **_finding_fields(finding),
+            )
+            lad = replace(lad, dry_run=True)
+    _emit_step(w, ctx, lad, proc, finding)
+
+
+def _gate(
+    w: _Work, ctx: _Ctx, finding: Finding, proc: ProcessInfo | None
+) -> tuple[str, str] | None:
+    """Why a new ladder may not start now (text, level), or None."""
+    if not finding.actionable:
+        return "not_actionable: the assessment is report-only", "info"
+    if finding.gpu is not None and finding.gpu in ctx.report_only:
+        return f"report_only: {ctx.report_only[finding.gpu]}", "info"
+    if ctx.blocked is not None:
+        return f"blocked: {ctx.blocked}", "warning"
+    why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
+    if why is not None:
+        return why, "info"
+    if w.state.paused:
+        return f"paused: {w.state.paused_reason or 'by an administrator'}", "info"
+    return None
+
+
+# --- resets -----------------------------------------------------------------------------------
+
+
+def _say(w: _Work, finding: Finding, said: tuple[str, str, str]) -> None:
+    """Log a reset decision (event name, level, why) once per finding until it changes."""
+    name, level, why = said
+    if w.noted(finding.key, f"{name}:{why}"):
+        w.event(name, level, why=why, **_finding_fields(finding))
+
+
+def _live_holder(ctx: _Ctx, gpu: GpuInfo) -> str | None:
+    for other in sorted(ctx.findings.values(), key=lambda f: f.key):
+        if other.gpu == gpu.uuid and other.kind in _HOLDER_KINDS and other.pid is not None:
+            return f"{other.kind.value} pid {other.pid} holds the GPU"
+    if gpu.minor is None:
+        return "GPU minor number unknown, holders cannot be checked"
+    holders = ctx.snapshot.holders
+    if holders.unreadable:
+        return f"fds/maps of {len(holders.unreadable)} process(es) unreadable"
+    for holding in holders.holders_of(gpu.minor):
+        if holding.pid in ctx.snapshot.self_pids:
+            continue
+        proc = ctx.snapshot.processes.get(holding.pid)
+        if proc is None:
+            return f"pid {holding.pid} holds the GPU (process unknown)"
+        if proc.names & FLOOR_PROCESS_NAMES or (proc.comm or "") in _FLOOR_COMMS:
+            continue  # infrastructure: the reset procedure deals with it (persistence off)
+        return f"pid {holding.pid} holds the GPU"
+    return None
+
+
+def _reset_blocker(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo | None
+) -> tuple[str, str, str] | None:
+    """Why this ghost_memory finding may not lead to a reset now: (event, level, why)."""
+    reset = ctx.policy.reset
+    refused = EventName.RESET_REFUSED
+    uuid = finding.gpu or ""
+    if not finding.actionable:
+        return refused, "info", "not_actionable"
+    if uuid in ctx.report_only:
+        return refused, "info", f"report_only: {ctx.report_only[uuid]}"
+    if ctx.blocked is not None:
+        return refused, "warning", f"blocked: {ctx.blocked}"
+    if gpu is None or gpu.lost:
+        why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
+        return refused, "warning", why
+    entry = gpu_protected(uuid, gpu, ctx.policy)
+    if entry is not None:
+        return refused, "info", f"protect: gpus {entry}"
+    if gpu.mig_enabled is not False and not reset.allow_mig:
+        return refused, "info", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown"
+    first_seen = w.seen[finding.key].first_seen
+    if ctx.now - first_seen < reset.confirm_for:
+        w.waiting[finding.key] = first_seen + reset.confirm_for
+        return EventName.RESET_CONFIRMING, "debug", f"confirming for {reset.confirm_for:g}s"
+    holder = _live_holder(ctx, gpu)
+    if holder is None and any(
+        lad.gpu == uuid and lad.status == "active" for lad in w.ladders.values()
+    ):
+        holder = "an escalation on this GPU is in progress"
+    if holder is not None:
+        return refused, "info", f"live holder: {holder}"
+    if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
+        w.state = replace(w.state, circuit_open=True)
+    if w.state.circuit_open:
+        why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
+        return EventName.RESET_CIRCUIT_OPEN, "critical", why
+    recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
+    if len(recent) >= reset.max_resets:
+        why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
+        return EventName.RESET_LIMIT_REACHED, "warning", why
+    last = w.last_reset.get(gpu.uuid)
+    if _dry(w, ctx) and gpu.uuid in w.last_dry_reset:
+        last = max(last if last is not None else -math.inf, w.last_dry_reset[gpu.uuid])
+    if last is not None and ctx.wall - last < reset.cooldown:
+        return refused, "debug", "cooldown"
+    if w.state.reset_in_flight is not None:
+        return refused, "info", "another reset is in flight"
+    hold = _hold_reason(w, ctx)
+    if hold is not None:
+        return refused, "info", hold
+    if gpu.uuid in ctx.quiet_before:
+        w.waiting[finding.key] = ctx.quiet_before[gpu.uuid]
+        return EventName.ACTION_DEFERRED, "debug", "post_action_delay"
+    return None
+
+
+def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    if not ctx.policy.reset.enabled or finding.gpu is None:
+        return
+    gpu = _gpu_by_uuid(ctx.snapshot, finding.gpu)
+    blocker = _reset_blocker(w, ctx, finding, gpu)
+    if blocker is not None:
+        _say(w, finding, blocker)
+        return
+    if gpu is None:
+        return  # _reset_blocker refused it already; this is for the type checker
+    dry = _dry(w, ctx)
+    lasted = ctx.now - w.seen[finding.key].first_seen
+    facts = {
+        **_finding_fields(finding),
+        "pci_bus_id": gpu.pci_bus_id,
+        "minor": gpu.minor,
+        "lasted": lasted,
+        "evidence": dict(finding.evidence),
+    }
+    delay = ctx.policy.limits.post_action_delay
+    flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
+    w.state = replace(w.state, reset_in_flight=flight)
+    w.quiet_until[gpu.uuid] = ctx.now + delay
+    w.event(EventName.RESET_DUE, "info" if dry else "warning", dry_run=dry, **facts)
+    w.intents.append(
+        ResetIntent(
+            gpu=gpu.uuid,
+            pci_bus_id=gpu.pci_bus_id,
+            minor=gpu.minor,
+            finding_key=finding.key,
+            dry_run=dry,
+            reason=f"ghost memory confirmed for {lasted:.0f}s: {finding.reason}",
+            facts=facts,
+        )
+    )
+
+
+# --- outcomes from act ------------------------------------------------------------------------
+
+
+def record_signal(
+    state: PlanState, intent: SignalIntent, outcome: str, *, now: float
+) -> PlanResult:
+    """Advance the target's ladder by what act saw. The next step's wait starts now."""
+    if outcome not in SIGNAL_OUTCOMES:
+        raise ValueError(f"unknown signal outcome {outcome!r}")
+    target = target_key(intent.identity)
+    lad = state.ladders.get(target)
+    base = {"target": target, "signal": intent.signal, "outcome": outcome, "step": intent.step}
+    if lad is None or lad.step != intent.step or lad.status != "active":
+        ev = Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", {**base, "stale": True})
+        return PlanResult((), (ev,), state)
+    ladders = dict(state.ladders)
+    events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
+    fields = {**_ladder_fields(lad), "outcome": outcome}
+    waiting = dict(state.waiting)
+    if outcome in ("delivered", "dry_run"):
+        due = now + lad.steps[lad.step - 1][1]
+        ladders[target] = replace(lad, due=due)
+        waiting[lad.finding_key] = due
+    elif outcome in ("gone", "zombie"):
+        del ladders[target]
+        events.append(Event(EventName.ESCALATION_RESOLVED, "info", {**fields, "why": outcome}))
+        if outcome == "zombie":
+            events.append(
+                Event(
+                    EventName.ZOMBIE_NEEDS_REAP,
+                    "warning",
+                    {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
+                )
+            )
+    elif outcome == "reused":
+        del ladders[target]
+        events.append(Event(EventName.ESCALATION_ABORTED, "warning", {**fields, "why": outcome}))
+    else:  # denied / failed: never retried
+        ladders[target] = replace(lad, status="failed", due=None)
+        events.append(Event(EventName.ESCALATION_ENDED, "error", {**fields, "why": outcome}))
+    return PlanResult((), tuple(events), replace(state, ladders=ladders, waiting=waiting))
+
+
+def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
+    """Act saw the target exit (its pidfd became readable): its ladder is resolved."""
+    target = target_key(identity)
+    lad = state.ladders.get(target)
+    if lad is None:
+        return PlanResult((), (), state)
+    ladders = {k: v for k, v in state.ladders.items() if k != target}
+    events: tuple[Event, ...] = ()
+    if lad.status == "active":
+        fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
+        events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
+    return PlanResult((), events, replace(state, ladders=ladders))
+
+
+def record_reset(
+    state: PlanState,
+    intent: ResetIntent,
+    outcome: str,
+    *,
+    now: float,
+    wall: float,
+    needs_reboot: bool = False,
+) -> PlanResult:
+    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure."""
+    if outcome not in RESET_OUTCOMES:
+        raise ValueError(f"unknown reset outcome {outcome!r}")
+    w = _Work(state)
+    w.rebase_wall(wall)
+    in_flight = w.state.reset_in_flight
+    delay = 0.0
+    if in_flight is not None and in_flight.gpu == intent.gpu:
+        delay = in_flight.delay
+        w.state = replace(w.state, reset_in_flight=None)
+    gpu = intent.gpu
+    fields: dict[str, object] = {
+        "gpu": gpu,
+        "pci_bus_id": intent.pci_bus_id,
+        "finding": intent.finding_key,
+        "outcome": outcome,
+    }
+    if outcome == "dry_run":
+        w.last_dry_reset[gpu] = wall
+        w.event(EventName.RESET_DRY_RUN, "info", **fields)
+    elif outcome == "refused":
+        # Aborted before the command ran (e.g. the final holder scan found a holder): no
+        # history or failure, but the cooldown applies so the procedure is not retried at once.
+        w.last_reset[gpu] = wall
+        w.event(EventName.RESET_REFUSED, "warning", why="refused by the reset procedure", **fields)
+    elif outcome == "success":
+        w.last_reset[gpu] = wall
+        w.reset_history.append((gpu, wall))
+        w.state = replace(w.state, reset_failures=0)
+        w.event(EventName.RESET_SUCCEEDED, "warning", **fields)
+    else:  # failed / timeout
+        w.last_reset[gpu] = wall
+        w.reset_history.append((gpu, wall))
+        failures = w.state.reset_failures + 1
+        w.state = replace(w.state, reset_failures=failures)
+        w.event(EventName.RESET_FAILED, "error", failures=failures, **fields)
+        w.intents.append(
+            HookIntent("on_failure", f"reset of {gpu} {outcome}", {**fields, "failures": failures})
+        )
+    if needs_reboot:
+        w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
+        if outcome not in ("failed", "timeout"):
+            w.intents.append(HookIntent("on_failure", f"{gpu} needs a reboot", fields))
+    if delay > 0:
+        w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
+        w.waiting[intent.finding_key] = now + delay
+    return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
+
+
+# --- queries and admin switches ---------------------------------------------------------------
+
+
+def next_deadline(state: PlanState) -> float | None:
+    """The earliest monotonic time something is due: a step, an end, a confirmation window,
+    a post-action delay. Held ladders (paused, dry-run) and cooldowns are not deadlines: the
+    daemon still polls every ``interval``."""
+    return min(state.waiting.values()) if state.waiting else None
+
+
+def pending(state: PlanState, keys: Iterable[str]) -> bool:
+    """True while any of these findings has a ladder, confirmation window or reset in progress."""
+    wanted = set(keys)
+    if state.reset_in_flight is not None and state.reset_in_flight.finding_key in wanted:
+        return True
+    if any(k in wanted for k in state.waiting):
+        return True
+    return any(
+        lad.status == "active" and lad.finding_key in wanted for lad in state.ladders.values()
+    )
+
+
+def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:
+    """The admin pause switch: while paused no intent is emitted (ladders hold, events say so)."""
+    return replace(state, paused=paused, paused_reason=reason if paused else None)
+
+
+def clear_forced_dry_run(state: PlanState) -> PlanState:
+    """Admin: lift the dry-run the kill cap engaged (``resume`` does not do it by itself)."""
+    return replace(state, forced_dry_run=False, forced_reason=None)
+
+
+def clear_circuit(state: PlanState) -> PlanState:
+    """Admin: close the reset circuit breaker and forget the consecutive failures."""
+    notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
+    return replace(state, circuit_open=False, reset_failures=0, notes=notes)
+
+
+# --- JSON -------------------------------------------------------------------------------------
+# Written by hand, not by reflection: the saved format is an interface (restarts, upgrades), and
+# every value read back is checked, so a damaged file is a ValueError, never a wrong decision.
+
+
+def _dump_ladder(lad: Ladder) -> dict[str, object]:
+    return {
+        "target": lad.target,
+        "pid": lad.pid,
+        "start_ticks": lad.start_ticks,
+        "finding": lad.finding_key,
+        "rule": lad.rule,
+        "gpu": lad.gpu,
+        "steps": [[sig, wait] for sig, wait in lad.steps],
+        "step": lad.step,
+        "due": lad.due,
+        "status": lad.status,
+        "dry_run": lad.dry_run,
+        "started": lad.started,
+    }
+
+
+def _dump_state(s: PlanState) -> dict[str, object]:
+    flight = s.reset_in_flight
+    return {
+        "version": STATE_VERSION,
+        "boot_id": s.boot_id,
+        "seen": {
+            k: {"first_seen": v.first_seen, "digest": v.digest, "gpu": v.gpu, "target": v.target}
+            for k, v in s.seen.items()
+        },
+        "notes": dict(s.notes),
+        "waiting": dict(s.waiting),
+        "ladders": {k: _dump_ladder(v) for k, v in s.ladders.items()},
+        "quiet_until": dict(s.quiet_until),
+        "last_reset": dict(s.last_reset),
+        "last_dry_reset": dict(s.last_dry_reset),
+        "reset_history": [[g, t] for g, t in s.reset_history],
+        "reset_failures": s.reset_failures,
+        "circuit_open": s.circuit_open,
+        "reset_in_flight": None
+        if flight is None
+        else {
+            "gpu": flight.gpu,
+            "finding": flight.finding_key,
+            "dry_run": flight.dry_run,
+            "since": flight.since,
+            "delay": flight.delay,
+        },
+        "signal_history": [[t, at] for t, at in s.signal_history],
+        "forced_dry_run": s.forced_dry_run,
+        "forced_reason": s.forced_reason,
+        "paused": s.paused,
+        "paused_reason": s.paused_reason,
+        "last_wall": s.last_wall,
+    }
+
+
+def _obj(value: object, what: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{what}: expected an object")
+    return value
+
+
+def _list(value: object, what: str) -> list[object]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what}: expected a list")
+    return value
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected a string")
+    return value
+
+
+def _opt_str(value: object, what: str) -> str | None:
+    return None if value is None else _str(value, what)
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}: expected an integer")
+    return value
+
+
+def _float(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: expected a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number")
+    return float(value)
+
+
+def _opt_float(value: object, what: str) -> float | None:
+    return None if value is None else _float(value, what)
+
+
+def _bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: expected true or false")
+    return value
+
+
+def _floats(value: object, what: str) -> dict[str, float]:
+    return {k: _float(v, f"{what}.{k}") for k, v in _obj(value, what).items()}
+
+
+def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for i, item in enumerate(_list(value, what)):
+        pair = _list(item, f"{what}[{i}]")
+        if len(pair) != 2:
+            raise ValueError(f"{what}[{i}]: expected [name, time]")
+        out.append((_str(pair[0], f"{what}[{i}]"), _float(pair[1], f"{what}[{i}]")))
+    return tuple(out)
+
+
+_LADDER_STATUSES = frozenset({"active", "ended", "stuck", "failed"})
+
+
+def _load_ladder(value: object, what: str) -> Ladder:
+    d = _obj(value, what)
+    steps = []
+    for i, item in enumerate(_list(d.get("steps"), f"{what}.steps")):
+        pair = _list(item, f"{what}.steps[{i}]")
+        if len(pair) != 2:
+            raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
+        steps.append((_opt_str(pair[0], f"{what}.steps[{i}]"), _float(pair[1], what)))
+    status = _str(d.get("status"), f"{what}.status")
+    step = _int(d.get("step"), f"{what}.step")
+    if status not in _LADDER_STATUSES or not 0 <= step <= len(steps):
+        raise ValueError(f"{what}: invalid status or step")
+    return Ladder(
+        target=_str(d.get("target"), f"{what}.target"),
+        pid=_int(d.get("pid"), f"{what}.pid"),
+        start_ticks=_int(d.get("start_ticks"), f"{what}.start_ticks"),
+        finding_key=_str(d.get("finding"), f"{what}.finding"),
+        rule=_str(d.get("rule"), f"{what}.rule"),
+        gpu=_opt_str(d.get("gpu"), f"{what}.gpu"),
+        steps=tuple(steps),
+        step=step,
+        due=_opt_float(d.get("due"), f"{what}.due"),
+        status=status,
+        dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
+        started=_float(d.get("started"), f"{what}.started"),
+    )
+
+
+def _load_state(data: object) -> PlanState:
+    d = _obj(data, "plan")
+    version = d.get("version", STATE_VERSION)
+    if version != STATE_VERSION:
+        raise ValueError(f"plan: unsupported state version {version!r}")
+    seen = {}
+    for k, v in _obj(d.get("seen", {}), "plan.seen").items():
+        e = _obj(v, f"plan.seen.{k}")
+        seen[k] = SeenFinding(
+            first_seen=_float(e.get("first_seen"), f"plan.seen.{k}.first_seen"),
+            digest=_str(e.get("digest"), f"plan.seen.{k}.digest"),
+            gpu=_opt_str(e.get("gpu"), f"plan.seen.{k}.gpu"),
+            target=_opt_str(e.get("target"), f"plan.seen.{k}.target"),
+        )
+    flight_data = d.get("reset_in_flight")
+    flight = None
+    if flight_data is not None:
+        f = _obj(flight_data, "plan.reset_in_flight")
+        flight = ResetInFlight(
+            gpu=_str(f.get("gpu"), "plan.reset_in_flight.gpu"),
+            finding_key=_str(f.get("finding"), "plan.reset_in_flight.finding"),
+            dry_run=_bool(f.get("dry_run"), "plan.reset_in_flight.dry_run"),
+            since=_float(f.get("since"), "plan.reset_in_flight.since"),
+            delay=_float(f.get("delay", 0.0), "plan.reset_in_flight.delay"),
+        )
+    failures = _int(d.get("reset_failures", 0), "plan.reset_failures")
+    if failures < 0:
+        raise ValueError("plan.reset_failures: negative")
+    return PlanState(
+        boot_id=_opt_str(d.get("boot_id"), "plan.boot_id"),
+        seen=seen,
+        notes={k: _str(v, f"plan.notes.{k}") for k, v in _obj(d.get("notes", {}), "notes").items()},
+        waiting=_floats(d.get("waiting", {}), "plan.waiting"),
+        ladders={
+            k: _load_ladder(v, f"plan.ladders.{k}")
+            for k, v in _obj(d.get("ladders", {}), "plan.ladders").items()
+        },
+        quiet_until=_floats(d.get("quiet_until", {}), "plan.quiet_until"),
+        last_reset=_floats(d.get("last_reset", {}), "plan.last_reset"),
+        last_dry_reset=_floats(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
+        reset_history=_pairs(d.get("reset_history", []), "plan.reset_history"),
+        reset_failures=failures,
+        circuit_open=_bool(d.get("circuit_open", False), "plan.circuit_open"),
+        reset_in_flight=flight,
+        signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
+        forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
+        forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
+        paused=_bool(d.get("paused", False), "plan.paused"),
+        paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
+        last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
+    )

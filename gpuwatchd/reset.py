@@ -1,0 +1,722 @@
+"""The GPU reset procedure (DESIGN.md §2.7): each step recorded first, so a restart can finish it.
+
+This module owns the *order* of a reset and the reading of its result. Whether a GPU should be
+reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
+decision; stopping the NVML worker, scanning holders and persisting state belong to the daemon,
+which hands them in as a :class:`ResetEnvironment`. Commands run through :mod:`gpuwatchd.act`
+(argv, no shell, own process group, deadline). This module never unbinds, rebinds or writes
+sysfs, never resets without ``-i``-style addressing of exactly one GPU, and never re-runs a
+reset command that may already have run.
+
+The procedure, one event per step, each step recorded with ``record_step`` *before* it runs:
+
+====================  ==========================================================================
+step                  what happens
+====================  ==========================================================================
+``drain``             ``reset.drain`` hooks (e.g. drain the node in the scheduler); one failing
+                      aborts (undo, ``refused``)
+``stop_nvml``         the daemon stops its NVML worker; False (a handle of ours remains) aborts
+``before_hooks``      ``reset.before`` hooks (stop DCGM, exporters...); one failing aborts
+``persistence_off``   ``reset.persistence_command`` with ``{mode}`` = 0, only when
+                      ``toggle_persistence`` is set and persistence mode was *known* to be on;
+                      failure aborts
+``final_scan``        a fresh full holder scan; any blocker aborts, each named in the outcome
+``reset``             ``reset.command`` under ``reset.timeout``; exit code read per the table
+``health_check``      ``reset.health_command`` must exit 0, and memory must be back to the
+                      baseline (unknown memory is logged, not failed); skipped when the reset
+                      command failed
+``persistence_on``    ``{mode}`` = 1, only if this procedure turned it off
+``after_hooks``       ``reset.after`` hooks, always, also after an abort (they undo ``before``)
+``done``              recorded last: nothing left to finish
+====================  ==========================================================================
+
+An abort *undoes*: persistence mode back on (if it was turned off), then the ``after`` hooks.
+The caller restarts its NVML worker after :func:`perform_reset` returns, whatever the outcome.
+
+Exit codes of ``nvidia-smi --gpu-reset`` (nvidia-smi(1), domain-facts.md §1.3), as read by
+:func:`interpret_reset_exit`:
+
+====  =====================================  ===========  ============
+code  meaning                                result       needs reboot
+====  =====================================  ===========  ============
+0     reset done                             success      no
+2     invalid argument                       failed       no
+3     not supported on this device           failed       no
+4     no permission (needs CAP_SYS_ADMIN)    failed       no
+6     GPU not found                          failed       no
+9     driver not loaded                      failed       no
+15    GPU fell off the bus / inaccessible    failed       **yes**
+255   "In use by another client" or other    failed       no
+—     no exit within ``reset.timeout``       timeout      only if unkillable
+—     could not be started                   failed       no
+====  =====================================  ===========  ============
+
+A health check that fails after a reset that exited 0 also means *needs reboot*: NVIDIA
+recommends power-cycling a GPU that is unhealthy after a reset. A custom ``reset.command``
+should follow the same convention (0 success, anything else failure).
+
+Dry-run walks the same steps and runs nothing: no hooks, no commands, no NVML stop, no state
+record. It does run the read-only final holder scan, so the admin sees whether a real reset
+would be refused. The outcome's result is then ``dry_run``. The resume rules after a crash are
+in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpuwatchd.act import (
+    CommandResult,
+    format_argv,
+    hook_environment,
+    run_command,
+    run_hooks,
+)
+from gpuwatchd.policy import Hook, ResetPolicy
+
+__all__ = [
+    "ResetEnvironment",
+    "ResetOutcome",
+    "ResetStep",
+    "ResetTarget",
+    "interpret_reset_exit",
+    "perform_reset",
+    "progress_record",
+    "resume_interrupted",
+]
+
+REASON_OUTPUT_LIMIT = 2000  # characters of a command's output quoted in a reason
+_EMPTY: Mapping[str, str] = types.MappingProxyType({})
+_UNRECORDED = "could not record reset progress in the state file"
+
+
+class ResetStep(str, enum.Enum):
+    """The steps of the reset procedure, in order (DESIGN.md §2.7)."""
+
+    DRAIN = "drain"
+    STOP_NVML = "stop_nvml"
+    BEFORE_HOOKS = "before_hooks"
+    PERSISTENCE_OFF = "persistence_off"
+    FINAL_SCAN = "final_scan"
+    RESET = "reset"
+    HEALTH_CHECK = "health_check"
+    PERSISTENCE_ON = "persistence_on"
+    AFTER_HOOKS = "after_hooks"
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ResetTarget:
+    """The GPU to reset. ``persistence_was_on`` None (unknown) means it is not toggled."""
+
+    uuid: str
+    pci_bus_id: str | None
+    minor: int | None
+    persistence_was_on: bool | None
+
+
+@dataclass(frozen=True)
+class ResetOutcome:
+    """How a reset ended.
+
+    ``result`` is ``success``, ``failed``, ``refused`` (stopped before the reset command ran,
+    and undone), ``timeout`` (the reset command missed its deadline) or ``dry_run``. ``step``
+    is where it ended (``done`` when it went all the way). ``blockers`` are the final scan's
+    reasons. ``command`` is the reset command's result when it ran.
+    """
+
+    result: str
+    step: ResetStep
+    reason: str
+    needs_reboot: bool
+    command: CommandResult | None
+    blockers: tuple[str, ...]
+
+
+class ResetEnvironment(Protocol):
+    """What the reset needs from the daemon. Tests pass a fake."""
+
+    def stop_nvml(self) -> bool:
+        """Stop the NVML worker; True when no NVML handle of ours remains."""
+
+    def final_blockers(self, target: ResetTarget) -> list[str]:
+        """A fresh full holder scan: one human-readable reason per blocker; empty = clear."""
+
+    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
+        """After the reset: restart NVML and read memory. None = unknown."""
+
+    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
+        """Persist progress before ``step`` runs (see :func:`progress_record`)."""
+
+    def emit(self, event: str, level: str, **fields: object) -> None:
+        """Log one structured event."""
+
+
+def progress_record(
+    target: ResetTarget, step: ResetStep, data: Mapping[str, object]
+) -> dict[str, object]:
+    """The JSON-able record the state file keeps for a reset in progress.
+
+    ``data`` is what :func:`perform_reset` passes to ``record_step``: ``persistence_off``
+    (this procedure turned persistence mode off, or was about to), ``reset_started`` (the
+    reset command was about to run or ran) and ``result`` (the reset command's result once
+    known). :func:`resume_interrupted` reads exactly this shape back.
+    """
+    return {
+        "uuid": target.uuid,
+        "pci_bus_id": target.pci_bus_id,
+        "minor": target.minor,
+        "persistence_was_on": target.persistence_was_on,
+        "step": step.value,
+        **data,
+    }
+
+
+# --- reading the result -----------------------------------------------------------------------
+
+_EXIT_MEANINGS = {
+    2: "invalid argument",
+    3: "reset is not supported on this GPU",
+    4: "no permission to reset (needs root with CAP_SYS_ADMIN)",
+    6: "GPU not found",
+    8: "GPU power cables not connected",
+    9: "NVIDIA driver not loaded",
+    10: "GPU interrupt (IRQ) problem",
+    12: "NVML library not found",
+    13: "function not implemented",
+    14: "GPU infoROM corrupted",
+    15: "GPU has fallen off the bus or is inaccessible",
+}
+_IN_USE_MARKERS = ("in use by another client", "currently in use", "being used by")
+
+
+def _fold(output: str) -> str:
+    """Output on one line (whitespace folded), its last :data:`REASON_OUTPUT_LIMIT` characters."""
+    text = " ".join(output.split())
+    if len(text) > REASON_OUTPUT_LIMIT:
+        text = "..." + text[-REASON_OUTPUT_LIMIT:]
+    return text
+
+
+def _quote(output: str) -> str:
+    text = _fold(output)
+    return f"; output: {text!r}" if text else ""
+
+
+def interpret_reset_exit(result: CommandResult) -> tuple[str, bool, str]:
+    """``(result, needs_reboot, reason)`` for a finished reset command; see the module table.
+
+    The reason quotes the command's output (whitespace folded, last 2000 characters).
+    """
+    output = _quote(result.output)
+    if result.timed_out:
+        unkillable = result.returncode is None
+        reason = f"reset command did not finish within {result.duration:.1f}s and was killed"
+        if unkillable:
+            reason += f"; {result.error}: the GPU is probably wedged"
+        return "timeout", unkillable, reason + output
+    if result.returncode is None:
+        return "failed", False, f"reset command could not run: {result.error}"
+    code = result.returncode
+    if code == 0:
+        return "success", False, "GPU reset" + output
+    if code < 0:
+        return "failed", False, f"reset command was killed by signal {-code}" + output
+    if code == 15:
+        return "failed", True, f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output
+    if code == 255:
+        lowered = result.output.lower()
+        if any(marker in lowered for marker in _IN_USE_MARKERS):
+            return "failed", False, "exit 255: GPU in use by another client" + output
+        return "failed", False, "exit 255: nvidia-smi reported an error" + output
+    meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
+    return "failed", False, f"exit {code}: {meaning}" + output
+
+
+# --- the procedure ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Commands:
+    reset: tuple[str, ...]
+    health: tuple[str, ...]
+    persistence_off: tuple[str, ...] | None
+    persistence_on: tuple[str, ...] | None
+
+
+def _values(target: ResetTarget) -> dict[str, str | None]:
+    return {
+        "uuid": target.uuid,
+        "pci_bus_id": target.pci_bus_id,
+        "minor": None if target.minor is None else str(target.minor),
+    }
+
+
+def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
+    """Fill every command up front (a bad template must not surface halfway); or say why not."""
+    values = _values(target)
+    try:
+        reset = format_argv(policy.command, **values)
+        health = format_argv(policy.health_command, **values)
+        off = format_argv(policy.persistence_command, mode="0", **values)
+        on = format_argv(policy.persistence_command, mode="1", **values)
+    except ValueError as err:
+        return f"cannot build the reset commands for {target.uuid}: {err}"
+    names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
+    if not any(name in arg for arg in reset for name in names):
+        # The last line of defence behind check-config: never a command that does not name
+        # this GPU (nvidia-smi without -i resets every GPU).
+        return f"reset.command {list(reset)!r} does not name GPU {target.uuid}; refusing"
+    return _Commands(reset, health, off, on)
+
+
+class _Procedure:
+    """One run (or resume) of the procedure: the progress flags and the step helpers."""
+
+    def __init__(
+        self,
+        target: ResetTarget,
+        policy: ResetPolicy,
+        env: ResetEnvironment,
+        commands: _Commands,
+        *,
+        dry_run: bool,
+        hook_env: Mapping[str, str],
+    ) -> None:
+        self.target = target
+        self.policy = policy
+        self.env = env
+        self.commands = commands
+        self.dry_run = dry_run
+        self.hook_env = hook_env
+        self.persistence_off = False
+        self.reset_started = False
+        self.result: str | None = None
+        self.notes: list[str] = []
+
+    # -- recording and events ----------------------------------------------------------------
+
+    def begin(self, step: ResetStep) -> bool:
+        """Record ``step`` before it runs. False if progress could not be persisted."""
+        if self.dry_run:
+            return True
+        data = {
+            "persistence_off": self.persistence_off,
+            "reset_started": self.reset_started,
+            "result": self.result,
+        }
+        try:
+            self.env.record_step(self.target, step, data)
+        except Exception as err:  # any failure to persist is the same problem
+            self.event(step, "error", outcome="record_failed", detail=str(err), level="error")
+            return False
+        return True
+
+    def event(self, step: ResetStep, status: str, *, level: str = "info", **fields: object) -> None:
+        self.env.emit(
+            "reset_step",
+            level,
+            gpu=self.target.uuid,
+            step=step.value,
+            status=status,
+            dry_run=self.dry_run,
+            **fields,
+        )
+
+    # -- running things ----------------------------------------------------------------------
+
+    def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None:
+        """Run ``argv`` for ``step`` (None in dry-run) and emit the step's event."""
+        if self.dry_run:
+            self.event(step, "would_run", argv=list(argv))
+            return None
+        result = run_command(argv, timeout=self.policy.timeout)
+        self.event(
+            step,
+            "ok" if result.ok else "failed",
+            level="info" if result.ok else "warning",
+            argv=list(argv),
+            detail=result.describe(),
+            duration=round(result.duration, 3),
+            output=_fold(result.output),
+        )
+        return result
+
+    def hooks(
+        self,
+        step: ResetStep,
+        hooks: Sequence[Hook],
+        event: str,
+        *,
+        stop_on_failure: bool,
+        extra: Mapping[str, object] = _EMPTY,
+    ) -> str | None:
+        """Run the hooks of ``step``; the first failure's description, or None."""
+        if not hooks:
+            self.event(step, "skipped", detail="no hooks configured")
+            return None
+        if self.dry_run:
+            self.event(step, "would_run", hooks=[list(h.argv) for h in hooks])
+            return None
+        env = {
+            **self.hook_env,
+            **hook_environment(
+                event,
+                gpu_uuid=self.target.uuid,
+                gpu_pci_bus_id=self.target.pci_bus_id,
+                gpu_minor=self.target.minor,
+                **extra,
+            ),
+        }
+        results = run_hooks(
+            hooks, env=env, values=_values(self.target), stop_on_failure=stop_on_failure
+        )
+        failures = [
+            f"hook {list(r.argv)!r} failed: {r.describe()}{_quote(r.output)}"
+            for r in results
+            if not r.ok
+        ]
+        self.event(
+            step,
+            "failed" if failures else "ok",
+            level="warning" if failures else "info",
+            hooks=[list(r.argv) for r in results],
+            detail="; ".join(failures) if failures else f"{len(results)} hook(s) ran",
+        )
+        return failures[0] if failures else None
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def restore(self, result: str, reason: str) -> None:
+        """Persistence mode back on (if this procedure turned it off), then the after hooks."""
+        if self.persistence_off and self.commands.persistence_on is not None:
+            self.begin(ResetStep.PERSISTENCE_ON)
+            done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
+            if done is not None and not done.ok:
+                self.notes.append(
+                    f"persistence mode could not be turned back on: {done.describe()}"
+                )
+            elif done is not None:
+                self.persistence_off = False  # restored: a resume must not do it again
+        else:
+            self.event(ResetStep.PERSISTENCE_ON, "skipped", detail="persistence mode not changed")
+        self.begin(ResetStep.AFTER_HOOKS)
+        failure = self.hooks(
+            ResetStep.AFTER_HOOKS,
+            self.policy.after,
+            "reset_after",
+            stop_on_failure=False,
+            extra={"result": result, "reason": reason},
+        )
+        if failure is not None:
+            self.notes.append(failure)
+
+    def finish(
+        self,
+        result: str,
+        step: ResetStep,
+        reason: str,
+        *,
+        needs_reboot: bool = False,
+        command: CommandResult | None = None,
+        blockers: Sequence[str] = (),
+    ) -> ResetOutcome:
+        if self.notes:
+            reason = f"{reason}; " + "; ".join(self.notes)
+        self.result = result
+        self.begin(ResetStep.DONE)
+        level = {"success": "info", "dry_run": "info", "refused": "warning"}.get(result, "error")
+        if needs_reboot:
+            level = "critical"
+        self.env.emit(
+            "reset_finished",
+            level,
+            gpu=self.target.uuid,
+            result=result,
+            step=step.value,
+            reason=reason,
+            needs_reboot=needs_reboot,
+            blockers=list(blockers),
+            dry_run=self.dry_run,
+        )
+        return ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
+
+    def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
+        """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
+        self.restore("refused", reason)
+        if self.dry_run:
+            return self.finish("dry_run", step, f"would be refused: {reason}", blockers=blockers)
+        return self.finish("refused", step, reason, blockers=blockers)
+
+    def health_check(self) -> tuple[bool, bool | None, str]:
+        """(health command passed, memory back to baseline, detail)."""
+        self.begin(ResetStep.HEALTH_CHECK)
+        done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
+        if done is None:
+            return True, None, "dry-run"
+        if not done.ok:
+            return False, None, f"health check failed: {done.describe()}{_quote(done.output)}"
+        try:
+            memory = self.env.memory_back_to_baseline(self.target)
+        except Exception as err:  # unknown, logged; never counted as good
+            self.event(ResetStep.HEALTH_CHECK, "memory_unknown", detail=str(err), level="warning")
+            memory = None
+        if memory is False:
+            return True, False, "memory is not back to the baseline after the reset"
+        if memory is None:
+            return True, None, "health check passed; memory could not be verified"
+        return True, True, "health check passed; memory back to baseline"
+
+
+def perform_reset(
+    target: ResetTarget,
+    reset: ResetPolicy,
+    env: ResetEnvironment,
+    *,
+    dry_run: bool,
+    hook_env: Mapping[str, str] = _EMPTY,
+) -> ResetOutcome:
+    """Run the whole procedure for ``target`` (see the module docstring for the steps).
+
+    ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
+    :func:`gpuwatchd.act.hook_environment` always win). Never raises for a failing step: every
+    way it ends is a :class:`ResetOutcome`, logged as ``reset_finished``.
+    """
+    prepared = _prepare(target, reset)
+    if isinstance(prepared, str):
+        env.emit(
+            "reset_finished",
+            "error",
+            gpu=target.uuid,
+            result="refused",
+            step=ResetStep.DRAIN.value,
+            reason=prepared,
+            needs_reboot=False,
+            blockers=[],
+            dry_run=dry_run,
+        )
+        return ResetOutcome("refused", ResetStep.DRAIN, prepared, False, None, ())
+    proc = _Procedure(target, reset, env, prepared, dry_run=dry_run, hook_env=hook_env)
+    stopped = _up_to_final_scan(proc)
+    if stopped is not None:
+        return stopped
+    return _reset_and_check(proc)
+
+
+def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
+    """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
+    target, reset, env, dry_run = proc.target, proc.policy, proc.env, proc.dry_run
+    prepared = proc.commands
+    if not proc.begin(ResetStep.DRAIN):
+        return proc.finish("refused", ResetStep.DRAIN, _UNRECORDED)
+    failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
+    if failure is not None:
+        return proc.abort(ResetStep.DRAIN, failure)
+
+    if not proc.begin(ResetStep.STOP_NVML):
+        return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)
+    if dry_run:
+        proc.event(ResetStep.STOP_NVML, "would_run", detail="would stop the NVML worker")
+    else:
+        try:
+            released = env.stop_nvml()
+        except Exception as err:  # an error here means "not released"
+            released = False
+            proc.notes.append(f"stopping NVML raised: {err}")
+        proc.event(ResetStep.STOP_NVML, "ok" if released else "failed")
+        if not released:
+            return proc.abort(ResetStep.STOP_NVML, "our own NVML worker still holds the device")
+
+    if not proc.begin(ResetStep.BEFORE_HOOKS):
+        return proc.abort(ResetStep.BEFORE_HOOKS, _UNRECORDED)
+    failure = proc.hooks(ResetStep.BEFORE_HOOKS, reset.before, "reset_before", stop_on_failure=True)
+    if failure is not None:
+        return proc.abort(ResetStep.BEFORE_HOOKS, failure)
+
+    if reset.toggle_persistence and target.persistence_was_on is True:
+        proc.persistence_off = True  # recorded before the command: undo restores it regardless
+        if not proc.begin(ResetStep.PERSISTENCE_OFF):
+            return proc.abort(ResetStep.PERSISTENCE_OFF, _UNRECORDED)
+        assert prepared.persistence_off is not None  # noqa: S101 - built by _prepare
+        done = proc.command(ResetStep.PERSISTENCE_OFF, prepared.persistence_off)
+        if done is not None and not done.ok:
+            reason = f"could not turn persistence mode off: {done.describe()}{_quote(done.output)}"
+            return proc.abort(ResetStep.PERSISTENCE_OFF, reason)
+    else:
+        why = (
+            "toggle_persistence is off"
+            if not reset.toggle_persistence
+            else "persistence mode was off"
+            if target.persistence_was_on is False
+            else "persistence mode is unknown; left as it is"
+        )
+        proc.event(ResetStep.PERSISTENCE_OFF, "skipped", detail=why)
+
+    if not proc.begin(ResetStep.FINAL_SCAN):
+        return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
+    try:
+        blockers = list(env.final_blockers(target))
+    except Exception as err:  # a scan that failed proves nothing: unknown blocks
+        blockers = [f"the holder scan failed: {err}"]
+    proc.event(
+        ResetStep.FINAL_SCAN,
+        "blocked" if blockers else "clear",
+        level="warning" if blockers else "info",
+        blockers=blockers,
+    )
+    if blockers:
+        reason = f"{len(blockers)} blocker(s): " + "; ".join(blockers)
+        return proc.abort(ResetStep.FINAL_SCAN, reason, blockers)
+
+    return None
+
+
+def _reset_and_check(proc: _Procedure) -> ResetOutcome:
+    """Steps reset to done, once the final scan found the GPU clear."""
+    target, prepared = proc.target, proc.commands
+    proc.reset_started = True
+    if not proc.begin(ResetStep.RESET):
+        proc.reset_started = False
+        return proc.abort(ResetStep.RESET, _UNRECORDED)
+    command = proc.command(ResetStep.RESET, prepared.reset)
+    if command is None:
+        proc.health_check()
+        proc.restore("dry_run", "dry-run")
+        return proc.finish(
+            "dry_run", ResetStep.DONE, f"would reset {target.uuid} with {list(prepared.reset)!r}"
+        )
+    result, needs_reboot, reason = interpret_reset_exit(command)
+    proc.result = result
+    if result != "success":
+        proc.restore(result, reason)
+        return proc.finish(
+            result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command
+        )
+
+    healthy, memory, detail = proc.health_check()
+    reason = f"{reason}; {detail}"
+    if not healthy:
+        proc.result = "failed"
+        proc.restore("failed", reason)
+        return proc.finish(
+            "failed", ResetStep.HEALTH_CHECK, reason, needs_reboot=True, command=command
+        )
+    if memory is False:
+        proc.result = "failed"
+        proc.restore("failed", reason)
+        return proc.finish("failed", ResetStep.HEALTH_CHECK, reason, command=command)
+    proc.restore("success", reason)
+    return proc.finish("success", ResetStep.DONE, reason, command=command)
+
+
+# --- after a crash ----------------------------------------------------------------------------
+
+
+def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
+    uuid = record.get("uuid")
+    pci = record.get("pci_bus_id")
+    minor = record.get("minor")
+    was_on = record.get("persistence_was_on")
+    if not isinstance(uuid, str) or not uuid:
+        return None
+    return ResetTarget(
+        uuid=uuid,
+        pci_bus_id=pci if isinstance(pci, str) else None,
+        minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
+        persistence_was_on=was_on if isinstance(was_on, bool) else None,
+    )
+
+
+def resume_interrupted(
+    record: Mapping[str, object], reset: ResetPolicy, env: ResetEnvironment
+) -> ResetOutcome | None:
+    """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
+
+    Call it at start, before anything else, with the record the state kept (the shape of
+    :func:`progress_record`). The reset command is **never** run again: it may have run.
+
+    =========================================  ==============================  ================
+    last recorded step                         what happens now                result
+    =========================================  ==============================  ================
+    ``done``                                   nothing (returns None)          —
+    ``drain``, ``stop_nvml``, ``before_hooks`` ``after`` hooks                 ``refused``
+    ``persistence_off``, ``final_scan``        persistence on if it was        ``refused``
+                                               turned off, ``after`` hooks
+    ``persistence_on``/``after_hooks`` before  finish that undo                ``refused``
+    the reset started (an undo in progress)
+    ``reset``, ``health_check``                health check, persistence on,   ``success`` only
+                                               ``after`` hooks                 if healthy and
+                                                                               memory is back;
+                                                                               else ``failed``
+    ``persistence_on`` after the reset         persistence on, ``after`` hooks  recorded result
+    ``after_hooks`` after the reset            ``after`` hooks                 recorded result
+    =========================================  ==============================  ================
+
+    Persistence mode is restored from the record (``persistence_off``), not from today's
+    policy. A record that cannot be read (no GPU UUID, unknown step) changes nothing and
+    returns ``failed`` with the reason, so the daemon can log it and drop the record. The
+    caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
+    second time after a crash inside them, so ``after`` hooks should be idempotent.
+    """
+    step_value = record.get("step")
+    try:
+        step = ResetStep(step_value)
+    except ValueError:
+        step = None
+    target = _target_from(record)
+    if step is ResetStep.DONE:
+        return None
+    if step is None or target is None:
+        reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
+        env.emit("reset_resume_failed", "error", reason=reason)
+        return ResetOutcome("failed", ResetStep.DONE, reason, False, None, ())
+
+    prepared = _prepare(target, reset)
+    if isinstance(prepared, str):
+        # Today's policy cannot build the commands; still run the after hooks, and say so.
+        prepared = _Commands((), (), None, None)
+    proc = _Procedure(target, reset, env, prepared, dry_run=False, hook_env=_EMPTY)
+    proc.persistence_off = record.get("persistence_off") is True
+    proc.reset_started = record.get("reset_started") is True
+    recorded = record.get("result")
+    proc.result = recorded if isinstance(recorded, str) else None
+    env.emit(
+        "reset_resumed",
+        "warning",
+        gpu=target.uuid,
+        step=step.value,
+        reset_started=proc.reset_started,
+        persistence_off=proc.persistence_off,
+    )
+    if proc.persistence_off and prepared.persistence_on is None:
+        proc.notes.append("persistence mode could not be restored: the command cannot be built")
+
+    if not proc.reset_started:
+        reason = f"interrupted at step {step.value} before the reset command ran; undone"
+        proc.restore("refused", reason)
+        return proc.finish("refused", step, reason)
+
+    if step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or proc.result is None:
+        unhealthy = False
+        if not prepared.health:
+            memory: bool | None = None
+            detail = "the health check command cannot be built; GPU state unknown"
+        else:
+            healthy, memory, detail = proc.health_check()
+            unhealthy = not healthy
+        result = "success" if not unhealthy and memory is True else "failed"
+        reason = f"interrupted at step {step.value} after the reset command started; {detail}"
+        proc.result = result
+        proc.restore(result, reason)
+        return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
+
+    reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
+    proc.restore(proc.result, reason)
+    return proc.finish(proc.result, ResetStep.DONE, reason)

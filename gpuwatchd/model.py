@@ -166,11 +166,14 @@ class HolderScan:
 
     ``unreadable`` lists PIDs whose fds or maps could not be read: unknown, not "holds nothing".
     ``mode`` is "targeted" (NVML's PIDs and their process trees) or "full" (all of /proc).
+    ``matched_by_name`` lists holders with a mapping identified by its path alone (its device
+    number could not be read), so its GPU minor may be a container's numbering, not the host's.
     """
 
     mode: str
     holdings: Mapping[int, DeviceHolding] = field(default_factory=dict)
     unreadable: frozenset[int] = frozenset()
+    matched_by_name: frozenset[int] = frozenset()
 
     def holders_of(self, minor: int) -> tuple[DeviceHolding, ...]:
         return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)

@@ -33,6 +33,7 @@ from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Detection
 
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
 V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart
+V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
 COMM_LENGTH = 15  # the kernel cuts comm to 15 characters
 STATE_VERSION = 1
 
@@ -58,19 +59,22 @@ class AssessState:
     ``baselines`` maps a GPU UUID to the smallest allocated memory seen while nothing held the
     GPU (v1-only GPUs use the key ``UUID@v1`` and v1's "used" figure, which includes the driver
     reservation, so the two never mix). ``lineage`` is keyed by process identity, so a new process
-    that reuses a PID never inherits the story of the old one. It is dropped when the boot id
-    changes.
+    that reuses a PID never inherits the story of the old one. ``unaccounted_since`` maps a GPU
+    UUID to when (monotonic) it began to hold memory above baseline + margin with no live
+    context owner. Lineage and ``unaccounted_since`` are dropped when the boot id changes.
     """
 
     baselines: Mapping[str, int] = field(default_factory=dict)
     lineage: Mapping[ProcessIdentity, Lineage] = field(default_factory=dict)
     boot_id: str | None = None
+    unaccounted_since: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
             "version": STATE_VERSION,
             "boot_id": self.boot_id,
             "baselines": dict(sorted(self.baselines.items())),
+            "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
             "lineage": [
                 {
                     "pid": ident.pid,
@@ -103,6 +107,16 @@ class AssessState:
             if not isinstance(uuid, str) or not _is_int(value) or value < 0:
                 raise ValueError(f"bad baseline entry: {uuid!r}: {value!r}")
             baselines[uuid] = value
+        raw_since = data.get("unaccounted_since", {})
+        if not isinstance(raw_since, dict):
+            raise ValueError("unaccounted_since must be an object")
+        since: dict[str, float] = {}
+        for uuid, value in raw_since.items():
+            if not isinstance(uuid, str) or isinstance(value, bool):
+                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
+            since[uuid] = float(value)
         raw_lineage = data.get("lineage", [])
         if not isinstance(raw_lineage, list):
             raise ValueError("lineage must be a list")
@@ -129,7 +143,7 @@ class AssessState:
                 job=job,
                 first_seen=float(first_seen),
             )
-        return cls(baselines=baselines, lineage=lineage, boot_id=boot_id)
+        return cls(baselines=baselines, lineage=lineage, boot_id=boot_id, unaccounted_since=since)
 
 
 def _is_int(value: object) -> bool:
@@ -454,12 +468,17 @@ def _memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int
     return None
 
 
-def _learn_baselines(host: _Host, previous: Mapping[str, int]) -> dict[str, int]:
+def _learn_baselines(
+    host: _Host, previous: Mapping[str, int], detection: Detection
+) -> dict[str, int]:
     """Learn each GPU's idle memory from moments when nothing could be holding it.
 
     Nothing may hold the GPU except NVML-only infrastructure (persistenced, DCGM: they keep the
     GPU open but allocate nothing that a job could have left); NVML lists no process; the scan
-    was full and could read every process. The minimum ever seen is kept.
+    was full and could read every process. The minimum ever seen is kept. A v2 figure above
+    the default baseline plus the ghost margin is never learned: an idle-looking GPU holding that
+    much is exactly what ghost memory looks like, and learning it would hide the leak for good.
+    v1 figures include the driver's reservation, so their ceiling allows for it.
     """
     learned = dict(previous)
     if not host.full_scan or host.unreadable_suspects():
@@ -476,6 +495,11 @@ def _learn_baselines(host: _Host, previous: Mapping[str, int]) -> dict[str, int]
         if figure is None:
             continue
         key, value = figure
+        ceiling = detection.default_baseline + detection.ghost_margin
+        if key.endswith(V1_BASELINE_SUFFIX):
+            ceiling += V1_MAX_RESERVATION
+        if key not in learned and value > ceiling:
+            continue
         learned[key] = min(value, learned.get(key, value))
     return learned
 
@@ -512,7 +536,15 @@ class _Assessor:
             row.proc for rows in host.listings.values() for row in rows if row.proc is not None
         ]
         self.lineage = _update_lineage(host, previous, tracked)
-        self.baselines = _learn_baselines(host, previous.baselines)
+        self.baselines = _learn_baselines(host, previous.baselines, detection)
+        same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
+        self.unaccounted_since: dict[str, float] = {}
+        for gpu in host.gpus:
+            if self.memory_without_owner(gpu) is not None:
+                since = previous.unaccounted_since.get(gpu.uuid) if same_boot else None
+                self.unaccounted_since[gpu.uuid] = (
+                    since if since is not None else snapshot.monotonic
+                )
         self.report_only = _report_only(host, _pid_trust_problem(host, detection, self.lineage))
         self.findings: list[Finding] = []
         self.roles: list[HolderRole] = []
@@ -568,7 +600,24 @@ class _Assessor:
             )
         )
 
-    def unaccounted_without_owner(self, gpu: GpuInfo) -> dict[str, object] | None:
+    def unaccounted_without_owner(
+        self, gpu: GpuInfo, proc: ProcessInfo
+    ) -> dict[str, object] | None:
+        """Evidence that ``proc`` may be the heir of memory on ``gpu`` that no live owner holds.
+
+        The memory must be above baseline + margin with no live context owner at all, and the
+        process must have been seen no later than the moment that state began: a process that
+        arrived afterwards (a new job's process that opened every GPU but has no context yet)
+        cannot have inherited it.
+        """
+        tie = self.memory_without_owner(gpu)
+        since = self.unaccounted_since.get(gpu.uuid)
+        recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+        if tie is None or since is None or recorded is None or recorded.first_seen > since:
+            return None
+        return {**tie, "unaccounted_since": since, "first_seen": recorded.first_seen}
+
+    def memory_without_owner(self, gpu: GpuInfo) -> dict[str, object] | None:
         """Evidence that ``gpu`` holds memory above baseline+margin with no live owner at all."""
         if gpu.coherent_memory or gpu.processes is None or gpu.lost:
             return None
@@ -800,7 +849,7 @@ class _Assessor:
                 "whether it owns a context there"
             )
         for gpu in held:
-            tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu)
+            tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
                 continue
             if tie["tie"] == "dead_owner":
@@ -962,6 +1011,7 @@ class _Assessor:
                 baselines=self.baselines,
                 lineage=self.lineage,
                 boot_id=self.host.snapshot.boot_id,
+                unaccounted_since=self.unaccounted_since,
             ),
             notes={uuid: tuple(lines) for uuid, lines in self.notes.items()},
         )

@@ -9,6 +9,9 @@ roles and findings come from the assessment — and they never invent facts: an 
 
 ``render_text`` reads the report as plain data (it may come from a file or another version), so
 it checks every value it uses and never raises on a missing or oddly typed one.
+
+Both halves live in one module, longer than most, because they share every field name: a field
+added to the document and to its text view is one change in one place.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def build_report(
     hostname: str | None = None,
     boot_time: float | None = None,
     clock_ticks: int | None = None,
+    notes: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, object]:
     """The ``scan --json`` document for one snapshot and its assessment. Pure.
 
@@ -78,15 +82,18 @@ def build_report(
     ``baselines`` maps a GPU UUID to its learned idle allocation in bytes; ``first_seen`` maps a
     finding key to the wall time it was first seen. ``boot_time`` (wall seconds) and
     ``clock_ticks`` (``SC_CLK_TCK``) turn start ticks into start times when both are given.
+    ``notes`` maps a GPU UUID (or "node") to why a check could not conclude there.
     The daemon's own processes (``snapshot.self_pids``) are never listed as holders.
     """
     seen = first_seen or {}
+    all_notes = notes or {}
     roles_by_key: dict[tuple[str, int], RoleLike] = {}
     for role in sorted(roles, key=lambda r: (r.gpu, r.pid)):
         roles_by_key.setdefault((role.gpu, role.pid), role)
 
-    def facts(pid: int) -> dict[str, object]:
-        return _process_facts(snapshot.processes.get(pid), boot_time, clock_ticks)
+    def facts(pid: int, *, listed: bool) -> dict[str, object]:
+        info = snapshot.processes.get(pid)
+        return _process_facts(info, boot_time, clock_ticks, missing_means_dead=listed)
 
     gpus = [
         _gpu_entry(
@@ -95,6 +102,7 @@ def build_report(
             roles_by_key=roles_by_key,
             report_only=report_only,
             baselines=baselines,
+            notes=all_notes.get(gpu.uuid, ()),
             facts=facts,
         )
         for gpu in sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
@@ -128,9 +136,54 @@ def build_report(
             _finding_entry(finding, seen.get(finding.key))
             for finding in sorted(findings, key=finding_order)
         ],
+        "node_holders": _node_holders(snapshot, roles_by_key, facts),
         "report_only": {key: report_only[key] for key in sorted(report_only)},
+        "notes": {key: list(all_notes[key]) for key in sorted(all_notes)},
         "unreadable_pids": sorted(snapshot.holders.unreadable),
     }
+
+
+def _node_holders(
+    snapshot: Snapshot, roles_by_key: Mapping[tuple[str, int], RoleLike], facts: _Facts
+) -> list[dict[str, object]]:
+    """Holders no listed GPU accounts for: nvidiactl / nvidia-uvm only, or an unknown minor.
+
+    They cannot be attributed to one GPU, yet they matter (they block resets), so they are
+    listed rather than dropped.
+    """
+    known_minors = {gpu.minor for gpu in snapshot.nvml.gpus if gpu.minor is not None}
+    known_uuids = {gpu.uuid for gpu in snapshot.nvml.gpus}
+    pids = {
+        pid
+        for pid, holding in snapshot.holders.holdings.items()
+        if not holding.gpu_minors & known_minors
+        and (holding.ctl or holding.uvm or holding.gpu_minors)
+    }
+    node_roles = {
+        pid: role for (uuid, pid), role in roles_by_key.items() if uuid not in known_uuids
+    }
+    pids |= set(node_roles)
+    entries: list[dict[str, object]] = []
+    for pid in sorted(pids - set(snapshot.self_pids)):
+        holding = snapshot.holders.holdings.get(pid)
+        role = node_roles.get(pid)
+        devices: list[str] = []
+        if holding is not None:
+            devices.extend(f"nvidia{minor}" for minor in sorted(holding.gpu_minors))
+            if holding.ctl:
+                devices.append("nvidiactl")
+            if holding.uvm:
+                devices.append("nvidia-uvm")
+        entry: dict[str, object] = {
+            "pid": pid,
+            "role": None if role is None else role.role,
+            "owner_pid": None if role is None else role.owner_pid,
+            "note": None if role is None or not role.note else role.note,
+            "devices": devices,
+        }
+        entry.update(facts(pid, listed=False))
+        entries.append(entry)
+    return entries
 
 
 def _gpu_entry(
@@ -140,6 +193,7 @@ def _gpu_entry(
     roles_by_key: Mapping[tuple[str, int], RoleLike],
     report_only: Mapping[str, str],
     baselines: Mapping[str, int],
+    notes: Sequence[str],
     facts: _Facts,
 ) -> dict[str, object]:
     listed = sorted(gpu.processes or (), key=lambda p: (p.pid, p.kind))
@@ -161,7 +215,7 @@ def _gpu_entry(
             "role": None if role is None else role.role,
             "via": _via(gpu, holding, role),
         }
-        entry.update(facts(process.pid))
+        entry.update(facts(process.pid, listed=True))
         processes.append(entry)
 
     holder_pids = (set(holdings) | {pid for (uuid, pid) in roles_by_key if uuid == gpu.uuid}) - set(
@@ -183,7 +237,7 @@ def _gpu_entry(
             "nvml_listed": bool(entries),
             "used_memory": _sum_known([e.used_memory for e in entries]) if entries else None,
         }
-        entry.update(facts(pid))
+        entry.update(facts(pid, listed=bool(entries)))
         holders.append(entry)
 
     return {
@@ -200,6 +254,7 @@ def _gpu_entry(
         "numa_node": gpu.numa_node,
         "memory": _memory_entry(gpu.memory, baselines.get(gpu.uuid)),
         "report_only": report_only.get(gpu.uuid),
+        "notes": list(notes),
         "processes_known": gpu.processes is not None,
         "processes": processes,
         "holders": holders,
@@ -207,7 +262,7 @@ def _gpu_entry(
 
 
 class _Facts(Protocol):
-    def __call__(self, pid: int, /) -> dict[str, object]: ...
+    def __call__(self, pid: int, /, *, listed: bool) -> dict[str, object]: ...
 
 
 def _via(gpu: GpuInfo, holding: DeviceHolding | None, role: RoleLike | None) -> list[str]:
@@ -252,12 +307,21 @@ def _memory_entry(memory: GpuMemory | None, baseline: int | None) -> dict[str, o
 
 
 def _process_facts(
-    info: ProcessInfo | None, boot_time: float | None, clock_ticks: int | None
+    info: ProcessInfo | None,
+    boot_time: float | None,
+    clock_ticks: int | None,
+    *,
+    missing_means_dead: bool,
 ) -> dict[str, object]:
-    """Host facts of one process; every value None when the process is not in /proc."""
+    """Host facts of one process; every value None when they were not collected.
+
+    A PID that NVML lists is always looked up, so missing facts mean it is not in /proc
+    (``alive`` False). A device holder was seen in /proc by the holder scan, so missing facts
+    for it mean only that they are unknown (``alive`` None).
+    """
     if info is None:
         return {
-            "alive": False,
+            "alive": False if missing_means_dead else None,
             "user": None,
             "uid": None,
             "state": None,
@@ -359,8 +423,9 @@ def render_text(
     """The human view of a ``build_report`` document, ending with a newline. Pure.
 
     Per GPU: a header (index, name, UUID, PCI bus id), a memory line, a table of every process
-    that NVML lists or that holds the GPU's device file, then that GPU's findings. Then notes
-    about the node (NVML trouble, report-only reasons, unreadable processes). ANSI colours only
+    that NVML lists or that holds the GPU's device file, then that GPU's findings. Then the
+    node: notes (NVML trouble, report-only reasons, unreadable processes), processes holding
+    only nvidiactl / nvidia-uvm, and findings tied to no listed GPU. ANSI colours only
     when ``color`` is True. Unknown values print as ``?``, absent ones as ``-``.
     """
     paint = _painter(color)
@@ -376,10 +441,14 @@ def render_text(
         lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
     node_findings = [f for f in findings if _as_str(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
-    if notes or node_findings:
+    holders = [_as_map(h) for h in _as_list(report.get("node_holders"))]
+    if notes or node_findings or holders:
         lines.append("")
         lines.append(paint("node", _BOLD))
         lines.extend(f"  {paint(note, _YELLOW)}" for note in notes)
+        if holders:
+            lines.append("  holding NVIDIA device files of no listed GPU:")
+            lines.extend(_node_holder_lines(holders, now, paint, command_width))
         lines.extend(_finding_lines(node_findings, now, paint))
     return "\n".join(lines) + "\n"
 
@@ -463,6 +532,24 @@ def _gpu_lines(
     return lines
 
 
+def _node_holder_lines(
+    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint, command_width: int
+) -> list[str]:
+    rows = []
+    for holder in holders:
+        row = _row(
+            {**holder, "via": holder.get("devices")},
+            _role_label(_as_str(holder.get("role")), holder.get("owner_pid")),
+            "-",
+            now,
+        )
+        rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
+        rows[-1][-1] = _truncate(rows[-1][-1], command_width)
+    header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
+    table = _table([header, *rows])
+    return ["    " + paint(table[0], _DIM), *("    " + line for line in table[1:])]
+
+
 def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     flags: list[str] = []
     if gpu.get("lost") is True:
@@ -479,7 +566,8 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append(f"persistence mode {'on' if persistence else 'off'}")
     reason = _as_str(gpu.get("report_only"))
     if reason:
-        flags.append(f"report-only: {reason}")
+        flags.append(f"report-only: {_clean(reason)}")
+    flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
     return flags
 
 
@@ -639,8 +727,11 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
     host = _as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
-    if host.get("mps_server_running") is True:
+    if host.get("mps_server_running") is True and not node_reasons:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
+    for key, values in sorted(_as_map(report.get("notes")).items()):
+        if key not in gpu_uuids:
+            notes.extend(f"note ({_clean(key)}): {_text(value)}" for value in _as_list(values))
     unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]
     if unreadable:
         shown = ", ".join(str(pid) for pid in unreadable[:10])

@@ -153,6 +153,7 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
             cgroup=CgroupInfo(path="/system.slice/cron.service", systemd_unit="cron.service"),
         ),
         5000: proc(5000, user="root", uid=0, comm="gpuwatchd", cmdline=("gpuwatchd", "scan")),
+        7000: proc(7000, user="carol", uid=1002, cmdline=("./cuda_probe",), cgroup=None),
     }
     holders = HolderScan(
         mode="full",
@@ -162,6 +163,8 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
             2000: DeviceHolding(2000, frozenset({0}), frozenset(), ctl=True, uvm=True),
             4000: DeviceHolding(4000, frozenset({1}), frozenset(), ctl=True, uvm=False),
             5000: DeviceHolding(5000, frozenset({0}), frozenset(), ctl=True),
+            7000: DeviceHolding(7000, ctl=True, uvm=True),  # no per-GPU node
+            7001: DeviceHolding(7001, frozenset({9}), frozenset()),  # a minor NVML did not list
         },
         unreadable=frozenset({6001, 6000}),
     )
@@ -188,6 +191,7 @@ ROLES = (
     Role(1001, UUID0, "worker", owner_pid=1000, via=("map",)),
     Role(2000, UUID0, "orphaned", owner_pid=1999, note="inherited from dead 1999"),
     Role(4000, UUID1, "management", note="NVML-only client"),
+    Role(7000, "node", "hidden", via=(), note="holds nvidiactl and nvidia-uvm only"),
 )
 
 FINDINGS = (
@@ -234,6 +238,7 @@ def make_report(**kwargs: object) -> dict[str, object]:
         "findings": FINDINGS,
         "roles": ROLES,
         "report_only": {UUID3: "MIG enabled"},
+        "notes": {UUID1: ("targeted holder scan",), "node": ("pid 6000 unreadable",)},
         "baselines": {UUID1: 4 * MIB},
         "first_seen": {FINDINGS[2].key: NOW - 600},
         "version": "0.1.0",
@@ -278,7 +283,9 @@ def test_top_level_shape_and_node_facts() -> None:
         "scan_mode",
         "gpus",
         "findings",
+        "node_holders",
         "report_only",
+        "notes",
         "unreadable_pids",
     }
     assert report["version"] == "0.1.0"
@@ -298,6 +305,22 @@ def test_top_level_shape_and_node_facts() -> None:
     assert report["scan_mode"] == "full"
     assert report["unreadable_pids"] == [6000, 6001]
     assert report["report_only"] == {UUID3: "MIG enabled"}
+    assert report["notes"] == {"node": ["pid 6000 unreadable"], UUID1: ["targeted holder scan"]}
+    assert gpu(report, 1)["notes"] == ["targeted holder scan"]
+    assert gpu(report, 0)["notes"] == []
+
+
+def test_holders_of_no_listed_gpu_are_node_holders_not_dropped() -> None:
+    holders = by_pid(make_report()["node_holders"])
+    assert sorted(holders) == [7000, 7001]
+    assert holders[7000]["devices"] == ["nvidiactl", "nvidia-uvm"]
+    assert holders[7000]["role"] == "hidden"
+    assert holders[7000]["user"] == "carol"
+    assert holders[7000]["cgroup"] is None
+    assert holders[7001]["devices"] == ["nvidia9"]
+    assert holders[7001]["role"] is None
+    assert holders[7001]["alive"] is None  # seen holding a file; its facts were not collected
+    assert holders[7001]["user"] is None
 
 
 def test_gpus_are_ordered_by_index_with_memory_in_integer_bytes() -> None:
@@ -463,6 +486,18 @@ def test_text_has_one_row_per_holder_or_listed_process(pid: str, expected: list[
     assert len(rows) == 1
     for cell in expected:
         assert cell in rows[0], (cell, rows[0])
+
+
+def test_text_lists_node_holders_and_notes_in_the_node_section() -> None:
+    text = render_text(make_report())
+    node_at = text.splitlines().index("node")
+    (row,) = [line for line in text.splitlines() if line.split()[:1] == ["7000"]]
+    assert text.splitlines().index(row) > node_at
+    for cell in ("carol", "hidden holder", "nvidiactl,nvidia-uvm", "./cuda_probe"):
+        assert cell in row
+    assert "note (node): pid 6000 unreadable" in text
+    (gpu1_note,) = lines_with(text, "note: targeted holder scan")
+    assert text.splitlines().index(gpu1_note) < node_at
 
 
 def test_text_never_lists_the_daemon_itself() -> None:

@@ -512,6 +512,7 @@ _TOP_KEYS = (
     "devices_dir",
     "proc_root",
     "device_major",
+    "namespace_check",
     "nvml_timeout",
     "protect",
     "rules",
@@ -946,6 +947,7 @@ def _build_policy(root: _Map, problems: list[ConfigError], sources: tuple[str, .
         devices_dir=top.get("devices_dir", _abs_path, base.devices_dir),
         proc_root=top.get("proc_root", _abs_path, base.proc_root),
         device_major=top.get("device_major", _int(0, 4095), base.device_major),
+        namespace_check=top.get("namespace_check", _bool, base.namespace_check),
         nvml_timeout=top.get("nvml_timeout", _duration(positive=True), base.nvml_timeout),
         detection=detection,
         protect=protect,
@@ -1024,6 +1026,7 @@ def render_policy(policy: Policy) -> str:
         "devices_dir": policy.devices_dir,
         "proc_root": policy.proc_root,
         "device_major": policy.device_major,
+        "namespace_check": policy.namespace_check,
         "nvml_timeout": format_duration(policy.nvml_timeout),
         "log": {"format": policy.log_format},
         "protect": {

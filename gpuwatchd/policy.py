@@ -165,6 +165,7 @@ class Policy:
     devices_dir: str = "/dev"
     proc_root: str = "/proc"
     device_major: int = 195
+    namespace_check: bool = True  # False: trust the PID namespace we run in (tests only)
     nvml_timeout: float = 10.0
     detection: Detection = field(default_factory=Detection)
     protect: Protect = field(default_factory=Protect)

@@ -1,0 +1,199 @@
+"""The ``gpuwatchd`` command line: argument parsing, exit codes, and wiring for each command.
+
+This module owns the public interface of DESIGN.md §4 — subcommands, flags and exit codes. It
+holds no decision logic: commands build the same collector → assess → plan core the daemon uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from gpuwatchd import __version__
+from gpuwatchd.policy import DEFAULT_CONFIG_PATH, Policy
+
+EX_OK = 0
+EX_FINDINGS_PENDING = 75  # EX_TEMPFAIL: `run --once` timed out with work still pending
+EX_DATAERR = 65
+EX_UNAVAILABLE = 69
+EX_NOPERM = 77
+EX_CONFIG = 78
+
+
+class CliError(Exception):
+    """A failure the CLI reports as one line and an exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"policy file (default {DEFAULT_CONFIG_PATH}; drop-ins from conf.d/ beside it)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="gpuwatchd",
+        description="Find GPU memory left behind by dead jobs and free it, safely.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    scan = sub.add_parser("scan", parents=[common], help="read-only report of who holds each GPU")
+    scan.add_argument("--json", action="store_true", help="print the report as JSON")
+    scan.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour the text report (default: auto, when stdout is a terminal)",
+    )
+
+    run = sub.add_parser("run", parents=[common], help="run the monitoring loop (the daemon)")
+    run.add_argument("--dry-run", action="store_true", help="log what would be done, do nothing")
+    run.add_argument(
+        "--once",
+        action="store_true",
+        help="poll until every finding present at start has resolved or ended its ladder",
+    )
+    run.add_argument(
+        "--timeout",
+        metavar="DURATION",
+        default="10m",
+        help="upper bound for --once (default 10m)",
+    )
+
+    check = sub.add_parser(
+        "check-config", parents=[common], help="validate and print the effective policy"
+    )
+    check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
+
+    pause = sub.add_parser("pause", parents=[common], help="stop all actions (maintenance)")
+    pause.add_argument("--reason", default="", help="why (kept in state, logged)")
+    resume = sub.add_parser("resume", parents=[common], help="allow actions again")
+    resume.add_argument(
+        "--clear-latches",
+        action="store_true",
+        help="also clear the kill-cap dry-run latch and the reset circuit breaker",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except CliError as exc:
+        print(f"gpuwatchd: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    command: str = args.command
+    if command == "check-config":
+        return _check_config(args.file or args.config)
+    if command == "scan":
+        return _scan(args)
+    if command == "run":
+        return _run(args)
+    if command in ("pause", "resume"):
+        return _pause(args, paused=command == "pause")
+    raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
+
+
+def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
+    """Load the policy; a missing default file is fine where ``required`` is False."""
+    from gpuwatchd.config import ConfigError, default_policy, load_policy
+
+    chosen = path or DEFAULT_CONFIG_PATH
+    if path is None and not required and not os.path.exists(chosen):
+        return default_policy()
+    try:
+        return load_policy(chosen)
+    except ConfigError as exc:
+        raise CliError(str(exc), EX_CONFIG) from exc
+
+
+def _check_config(path: str | None) -> int:
+    from gpuwatchd.config import render_policy
+
+    policy = load_policy_or_exit(path, required=True)
+    sys.stdout.write(render_policy(policy))
+    files = ", ".join(policy.sources) or "(built-in defaults)"
+    print(f"# OK: {files}", file=sys.stderr)
+    return EX_OK
+
+
+def _scan(args: argparse.Namespace) -> int:
+    from gpuwatchd.logs import configure_logging
+    from gpuwatchd.scan import scan_host
+
+    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="warning")
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    result = scan_host(policy)
+    if result.report is None:
+        raise CliError(result.error or "NVIDIA driver/NVML not available", EX_UNAVAILABLE)
+    if args.json:
+        json.dump(result.report, sys.stdout, indent=2, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        from gpuwatchd.report import render_text
+
+        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        sys.stdout.write(render_text(result.report, color=color))
+    if result.permission_note:
+        print(f"gpuwatchd: {result.permission_note}", file=sys.stderr)
+        return EX_NOPERM
+    return EX_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gpuwatchd.config import ConfigError, parse_duration
+    from gpuwatchd.daemon import run_daemon
+
+    try:
+        timeout = parse_duration(args.timeout, where="--timeout")
+    except ConfigError as exc:
+        raise CliError(str(exc), EX_CONFIG) from exc
+    config_path = args.config or DEFAULT_CONFIG_PATH
+    policy = load_policy_or_exit(config_path, required=True)
+    return run_daemon(
+        policy,
+        config_path=config_path,
+        dry_run=bool(args.dry_run),
+        once=bool(args.once),
+        once_timeout=timeout,
+    )
+
+
+def _pause(args: argparse.Namespace, *, paused: bool) -> int:
+    from gpuwatchd.pause import clear_latches, set_pause
+
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    try:
+        if paused:
+            set_pause(policy.state_dir, reason=args.reason)
+            print(f"gpuwatchd: actions paused ({policy.state_dir})")
+        else:
+            set_pause(policy.state_dir, reason=None)
+            if args.clear_latches:
+                clear_latches(policy.state_dir)
+            print("gpuwatchd: actions resumed")
+    except PermissionError as exc:
+        raise CliError(f"{exc.filename}: permission denied (run as root)", EX_NOPERM) from exc
+    return EX_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

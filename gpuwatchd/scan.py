@@ -1,0 +1,99 @@
+"""The read-only ``gpuwatchd scan``: one full collection, assessed, turned into a report.
+
+This module owns the wiring of the one-shot scan (never any action, never a state write). It
+reads the daemon's state file when it can, so the report shows learned baselines and since when
+each finding has been seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuwatchd import __version__
+from gpuwatchd.assess import AssessState, assess
+from gpuwatchd.collect import Collector
+from gpuwatchd.nvml import NvmlClient
+from gpuwatchd.policy import Policy
+from gpuwatchd.procfs import ProcFS
+from gpuwatchd.report import build_report
+
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    report: dict[str, object] | None
+    error: str | None = None
+    permission_note: str | None = None
+
+
+def procfs_for(policy: Policy) -> ProcFS:
+    return ProcFS(
+        policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
+    )
+
+
+def read_saved_state(state_dir: str) -> Mapping[str, object]:
+    """The daemon's saved state, read-only; {} when absent or unreadable (never modified)."""
+    try:
+        with open(os.path.join(state_dir, STATE_FILE), encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> ScanResult:
+    nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
+    try:
+        collector = Collector(procfs_for(policy), nvml, namespace_check=policy.namespace_check)
+        snapshot = collector.collect(full=True)
+    finally:
+        nvml.close()
+    if not snapshot.nvml.available:
+        return ScanResult(None, error=snapshot.nvml.error or "NVIDIA driver/NVML not available")
+
+    saved = read_saved_state(policy.state_dir)
+    previous = AssessState()
+    if saved.get("boot_id") == snapshot.boot_id:
+        try:
+            previous = AssessState.from_json(saved.get("assess", {}))
+        except ValueError:
+            previous = AssessState()
+    assessment = assess(snapshot, previous, policy.detection)
+    report = build_report(
+        snapshot,
+        assessment.findings,
+        assessment.roles,
+        assessment.report_only,
+        assessment.state.baselines,
+        first_seen=_first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time),
+        now_wall=snapshot.wall_time,
+        version=__version__,
+    )
+    note = None
+    if snapshot.holders.unreadable and os.geteuid() != 0:
+        count = len(snapshot.holders.unreadable)
+        note = (
+            f"{count} processes could not be inspected (their fds/maps are unreadable); "
+            "the report is incomplete — run as root"
+        )
+    return ScanResult(report, permission_note=note)
+
+
+def _first_seen_wall(
+    saved: Mapping[str, object], now_monotonic: float, now_wall: float
+) -> dict[str, float]:
+    """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
+    plan = saved.get("plan")
+    seen = plan.get("first_seen") if isinstance(plan, dict) else None
+    if not isinstance(seen, dict):
+        return {}
+    result: dict[str, float] = {}
+    for key, mono in seen.items():
+        if isinstance(key, str) and isinstance(mono, (int, float)):
+            result[key] = now_wall - max(0.0, now_monotonic - float(mono))
+    return result

@@ -1,0 +1,283 @@
+"""A simulated GPU host for end-to-end tests and the demo: fake NVML plus real processes.
+
+Owns: a temporary devices folder, the fake NVML state, scripted actor processes
+(``tests/support/actor.py``) that hold the fake device files the way CUDA jobs do, a policy file
+pointing the daemon at all of that, and running the real ``gpuwatchd`` command against it.
+
+End-to-end tests run inside their own PID namespace (DESIGN.md §5), so a bug in the daemon can
+only reach the test's own processes: :func:`run_in_pid_namespace` re-executes a function of a
+test module as PID 1 of a fresh namespace (``unshare --pid --fork --mount-proc``) and returns
+what it returned. Inside, actors are this module's children; orphans are re-parented to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support import fakenvml
+from tests.support.fakenvml import FakeNvml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEVICE_FILE_SIZE = 4096  # room for one mapped page, as actors map device files
+
+
+class SimHost:
+    """One simulated host under ``root``. Call :meth:`close` (or use ``with``) to clean up."""
+
+    def __init__(self, root: Path, *, gpus: int = 1) -> None:
+        self.root = Path(root)
+        self.devices_dir = self.root / "dev"
+        self.ready_dir = self.root / "ready"
+        self.state_dir = self.root / "state"
+        for folder in (self.devices_dir, self.ready_dir, self.state_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+        for name in ["nvidiactl", "nvidia-uvm", *(f"nvidia{i}" for i in range(gpus))]:
+            self.make_device(name)
+        self.fake = FakeNvml(self.root, devices_dir=self.devices_dir)
+        self.children: list[int] = []
+        self.pids: dict[str, int] = {}
+
+    def __enter__(self) -> SimHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def make_device(self, name: str) -> Path:
+        path = self.devices_dir / name
+        if not path.exists():
+            with open(path, "wb") as handle:
+                handle.write(b"\0" * DEVICE_FILE_SIZE)
+        return path
+
+    def dev(self, *names: str) -> list[str]:
+        """Paths of device files by short name: ``dev("nvidia0", "nvidiactl")``."""
+        return [str(self.make_device(name)) for name in names]
+
+    def cuda(self, minor: int) -> list[str]:
+        """The device files a CUDA process on GPU ``minor`` holds: ctl, uvm and the GPU node."""
+        return self.dev("nvidiactl", "nvidia-uvm", f"nvidia{minor}")
+
+    # --- processes ------------------------------------------------------------------------
+
+    def script(self, name: str, steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {"name": name, "ready_dir": str(self.ready_dir), "steps": list(steps)}
+
+    def spawn(self, name: str, steps: Sequence[Mapping[str, Any]]) -> None:
+        """Start an actor (a child of this process) running ``steps``."""
+        argv = [sys.executable, "-m", "tests.support.actor", json.dumps(self.script(name, steps))]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        pid = os.posix_spawn(sys.executable, argv, env)
+        self.children.append(pid)
+
+    def wait_ready(self, *names: str, timeout: float = 20.0) -> dict[str, int]:
+        """Wait until the named actors have announced their PIDs; returns all known PIDs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [n for n in names if not (self.ready_dir / n).exists()]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actors not ready: {missing}")
+            time.sleep(0.01)
+        for name in names:
+            self.pids[name] = int((self.ready_dir / name).read_text())
+        return dict(self.pids)
+
+    def wait_gone(self, *names: str, timeout: float = 10.0) -> None:
+        """Wait until the named actors have exited, reaping whatever this process may reap."""
+        deadline = time.monotonic() + timeout
+        while any(self.state_of(self.pids[n]) is not None for n in names):
+            self.reap()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actors still alive: {names}")
+            time.sleep(0.01)
+
+    def reap(self) -> None:
+        """Reap every exited child (including orphans re-parented to us as namespace init)."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """True while ``pid`` exists and is not a zombie."""
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError:
+            return False
+        return text[text.rindex(")") + 2] != "Z"
+
+    @staticmethod
+    def state_of(pid: int) -> str | None:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError:
+            return None
+        return text[text.rindex(")") + 2]
+
+    def close(self) -> None:
+        for name, pid in self.pids.items():
+            del name
+            if self.alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        self.reap()
+
+    # --- NVML and policy ------------------------------------------------------------------
+
+    def nvml(self, gpus: Sequence[Mapping[str, Any]], **over: Any) -> None:
+        self.fake.write(fakenvml.state(gpus, **over))
+
+    def config(self, **overrides: Any) -> Path:
+        """Write a policy pointing at this host; ``overrides`` are top-level YAML keys."""
+        policy: dict[str, Any] = {
+            "interval": "200ms",
+            "dry_run": True,
+            "state_dir": str(self.state_dir),
+            "devices_dir": str(self.devices_dir),
+            "nvml_timeout": "5s",
+            "namespace_check": False,
+        }
+        policy.update(overrides)
+        path = self.root / "gpuwatchd.yaml"
+        path.write_text(yaml.safe_dump(policy, sort_keys=False))
+        return path
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.fake.env())
+        env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        env.pop("NOTIFY_SOCKET", None)
+        env.pop("JOURNAL_STREAM", None)
+        return env
+
+    def gpuwatchd(
+        self, *args: str, timeout: float = 60.0, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the real command line (``python -m gpuwatchd``) against this host."""
+        return subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+        )
+
+    def start_daemon(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", *args],
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def scan_json(self, config: Path | None = None) -> dict[str, Any]:
+        result = self.gpuwatchd("scan", "--json", "--config", str(config or self.config()))
+        if result.returncode not in (0, 77):
+            raise AssertionError(f"scan failed ({result.returncode}): {result.stderr}")
+        data: dict[str, Any] = json.loads(result.stdout)
+        return data
+
+
+# --- PID namespaces ---------------------------------------------------------------------------
+
+
+def pid_namespace_command() -> list[str] | None:
+    """The unshare prefix that gives a fresh PID namespace here, or None when none works."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    candidates = [[unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]]
+    if os.geteuid() != 0:
+        candidates = [[unshare, "--user", "--map-root-user", *candidates[0][1:]]]
+    for prefix in candidates:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return prefix
+    return None
+
+
+def run_in_pid_namespace(
+    target: str, arg: Mapping[str, Any], *, root: Path, timeout: float = 120.0
+) -> dict[str, Any]:
+    """Run ``module:function(arg, root)`` as PID 1 of a new PID namespace; return its result.
+
+    The function gets a :class:`SimHost`-friendly root folder and returns a JSON-able dict.
+    Its exceptions come back as an AssertionError carrying the inner traceback.
+    """
+    prefix = pid_namespace_command()
+    if prefix is None:
+        raise RuntimeError("no PID namespace available (needs root or user namespaces)")
+    out = root / "result.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "tests.support.simhost",
+            target,
+            json.dumps(dict(arg)),
+            str(root),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if not out.exists():
+        raise AssertionError(
+            f"{target} produced no result (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"
+        )
+    result: dict[str, Any] = json.loads(out.read_text())
+    if "__error__" in result:
+        raise AssertionError(f"{target} failed inside the namespace:\n{result['__error__']}")
+    return result
+
+
+def _namespace_main(target: str, arg_json: str, root: str, out: str) -> None:
+    import traceback
+
+    module_name, _, func_name = target.partition(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        result = func(json.loads(arg_json), Path(root))
+    except BaseException:  # report everything to the outer test
+        result = {"__error__": traceback.format_exc()}
+    with open(out, "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    _namespace_main(*sys.argv[1:5])

@@ -1,0 +1,135 @@
+"""The command line's contract: exit codes, one-line errors, and NVML failures seen by `scan`.
+
+These runs start no processes of their own besides gpuwatchd, so they need no PID namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd import __version__
+from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu
+from tests.support.simhost import SimHost
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> SimHost:
+    return SimHost(tmp_path, gpus=2)
+
+
+def test_version_flag_prints_the_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == f"gpuwatchd {__version__}"
+
+
+def test_scan_without_any_nvidia_library_exits_69_with_one_line(
+    host: SimHost, tmp_path: Path
+) -> None:
+    empty = tmp_path / "nolib"
+    empty.mkdir()
+    env = host.env()
+    env["LD_LIBRARY_PATH"] = str(empty)
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "scan", "--config", str(host.config())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 69
+    lines = [line for line in result.stderr.splitlines() if line.startswith("gpuwatchd:")]
+    assert len(lines) == 1
+    assert "NVML" in lines[0] or "driver" in lines[0]
+    assert result.stdout == ""
+
+
+def test_scan_when_the_driver_fails_to_initialise_exits_69(host: SimHost) -> None:
+    host.nvml([gpu(0)], init_error=NVML_ERROR_DRIVER_NOT_LOADED)
+    result = host.gpuwatchd("scan", "--config", str(host.config()))
+    assert result.returncode == 69
+    assert "gpuwatchd:" in result.stderr
+
+
+def test_scan_with_a_hung_nvml_call_returns_within_timeout_and_says_wedged(
+    host: SimHost,
+) -> None:
+    host.nvml([gpu(0), gpu(1)], delays={"nvmlDeviceGetComputeRunningProcesses_v3": 60.0})
+    config = host.config(nvml_timeout="2s")
+    started = time.monotonic()
+    result = host.gpuwatchd("scan", "--json", "--config", str(config), timeout=30)
+    elapsed = time.monotonic() - started
+    report = json.loads(result.stdout)
+    assert report["nvml"]["wedged"] is True
+    # The deadline is the feature: nvml_timeout + 1 s, plus interpreter start-up.
+    assert elapsed < 2 + 1 + 2.5, elapsed
+    text = host.gpuwatchd("scan", "--config", str(config), timeout=30).stdout
+    assert "wedged" in text
+
+
+def test_scan_marks_a_lost_gpu_and_reports_the_others(host: SimHost) -> None:
+    host.nvml([gpu(0, lost=True), gpu(1, allocated=3 * GiB)])
+    report = host.scan_json()
+    lost, fine = report["gpus"]
+    assert lost["lost"] is True
+    assert fine["lost"] is False
+    assert fine["memory"]["used"] == 3 * GiB
+
+
+def test_scan_with_only_the_v1_memory_query_reports_used_as_unknown(host: SimHost) -> None:
+    host.nvml([gpu(0, allocated=3 * GiB, v2_memory=False), gpu(1)])
+    report = host.scan_json()
+    assert report["gpus"][0]["memory"]["used"] is None
+    assert [f["kind"] for f in report["findings"]] == []
+
+
+def test_check_config_rejects_an_unknown_key_with_exit_78(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("interval: 5s\nintreval: 3s\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 78
+    assert "intreval" in result.stderr
+    assert "interval" in result.stderr
+    assert str(config) in result.stderr
+
+
+def test_check_config_prints_the_effective_policy(host: SimHost) -> None:
+    result = host.gpuwatchd("check-config", str(host.config(interval="7s")))
+    assert result.returncode == 0, result.stderr
+    assert "interval: 7s" in result.stdout or "interval: 7.0" in result.stdout
+
+
+def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config", str(tmp_path / "none.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 78
+    assert "none.yaml" in result.stderr
+
+
+def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None:
+    config = str(host.config())
+    assert host.gpuwatchd("pause", "--reason", "maint", "--config", config).returncode == 0
+    assert json.loads((host.state_dir / "paused").read_text())["reason"] == "maint"
+    assert host.gpuwatchd("resume", "--config", config).returncode == 0
+    assert not (host.state_dir / "paused").exists()

@@ -343,12 +343,8 @@ def test_unknown_column_turns_an_orphan_into_a_hidden_holder(unknown: str) -> No
     }
     pid, fields = changes[unknown]
     builder.change(pid, **fields)
-    if unknown in ("ppid", "pgid", "sid"):
-        builder.change(1301, pgid=1301, sid=1301) if unknown == "ppid" else None
     result = run(builder.build())
     assert FindingKind.ORPHANED not in {f.kind for f in result.findings}, unknown
-    if unknown == "pgid":
-        return  # the session still ties it, but pgid unknown is enough to stop the orphan
     hidden = [f for f in result.findings if f.kind is FindingKind.HIDDEN_HOLDER]
     assert [f.pid for f in hidden] == [1301]
     assert not hidden[0].actionable
@@ -600,7 +596,7 @@ def test_many_unexplained_dead_pids_lose_trust_but_explained_ones_do_not() -> No
         crashed.nvml(0, rank).proc(rank + 100, ppid=1, pgid=rank, sid=rank, holds={0}, uvm=True)
     result = run(crashed.build())
     assert NODE not in result.report_only
-    assert sorted(f.pid for f in result.findings if f.kind is FindingKind.ORPHANED) == [
+    assert sorted(f.pid or 0 for f in result.findings if f.kind is FindingKind.ORPHANED) == [
         3101,
         3102,
         3103,
@@ -865,7 +861,7 @@ def healthy_hosts(draw: st.DrawFn) -> Snapshot:
     return builder.build()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(snapshot=healthy_hosts(), seen_before=st.booleans())
 def test_property_holders_in_a_live_owners_tree_are_never_orphaned(
     snapshot: Snapshot, seen_before: bool

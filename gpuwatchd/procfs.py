@@ -448,9 +448,12 @@ class ProcFS:
             cgroup = parse_cgroup(self._read_text(f"{base}/cgroup"))
         except OSError as err:
             vanished |= err.errno in _GONE_ERRNOS
-        if vanished:
-            again = self.read_stat(pid)
-            if again is None or (fields is not None and again.starttime != fields.starttime):
+        if vanished:  # something was missing: gone for good, or a new process on this PID?
+            try:
+                again = parse_stat(self._read_text(f"{base}/stat"))
+            except OSError:
+                return None
+            if fields is not None and (again is None or again.starttime != fields.starttime):
                 return None
         return ProcessInfo(
             pid=pid,

@@ -701,3 +701,23 @@ def test_unprivileged_scan_records_another_users_process_as_unreadable(
     }
     assert kernel_threads
     assert not kernel_threads & set(seen["f"])
+
+
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(SYS_EXIT is None, reason="exit(2) syscall number unknown on this machine")
+def test_real_zombie_leader_is_scanned_through_its_live_thread(spawn: Spawn, devices: Path) -> None:
+    # The main thread alone exits (SYS_exit, not exit_group): the leader turns Z while another
+    # thread keeps the shared fd table, and so the device file, alive.
+    body = (
+        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
+        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('ready', flush=True)\n"
+        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
+    )
+    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    procfs = ProcFS(devices_dir=str(devices))
+    _wait_for_state(procfs, child.pid, "Z")
+    holding = procfs.scan_holders([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_fd == {0}

@@ -930,7 +930,9 @@ def _gate(
 def _say(w: _Work, finding: Finding, said: tuple[str, str, str]) -> None:
     """Log a reset decision (event name, level, why) once per finding until it changes."""
     name, level, why = said
-    if w.noted(finding.key, f"{name}:{why}"):
+    # The circuit breaker is node-wide: said once, not once per GPU.
+    key = "node:circuit" if name == EventName.RESET_CIRCUIT_OPEN else finding.key
+    if w.noted(key, f"{name}:{why}"):
         w.event(name, level, why=why, **_finding_fields(finding))
 
 
@@ -1067,7 +1069,7 @@ def record_signal(
     ladders = dict(state.ladders)
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
     fields = {**_ladder_fields(lad), "outcome": outcome}
-    waiting = dict(state.waiting)
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     if outcome in ("delivered", "dry_run"):
         due = now + lad.steps[lad.step - 1][1]
         ladders[target] = replace(lad, due=due)
@@ -1099,11 +1101,12 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     if lad is None:
         return PlanResult((), (), state)
     ladders = {k: v for k, v in state.ladders.items() if k != target}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     events: tuple[Event, ...] = ()
     if lad.status == "active":
         fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
-    return PlanResult((), events, replace(state, ladders=ladders))
+    return PlanResult((), events, replace(state, ladders=ladders, waiting=waiting))
 
 
 def record_reset(

@@ -45,6 +45,7 @@ of fds on the same node), and mapped files once per (device, inode) pair per sca
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pwd
 import re
@@ -142,8 +143,11 @@ _POD_SLICE = re.compile(r"kubepods(?:-[a-z]+)?-pod([0-9a-fA-F_-]+)\.slice")
 _POD_DIR = re.compile(r"pod([0-9a-fA-F]{8}-[0-9a-fA-F-]{27,})")
 _SLURM_JOB = re.compile(r"job_(\d+)")
 _SLURM_STEP = re.compile(r"step_(\w+)")
+# Cheap substring checks that must hold for a path to name a job or container.
+_JOB_HINTS = ("job_", "docker", "containerd", "crio-", "libpod-", "kubepods")
 
 
+@functools.lru_cache(maxsize=4096)
 def _classify_cgroup_path(path: str) -> CgroupInfo:
     """What one cgroup path names: container, pod, Slurm job and step, systemd unit. Pure."""
     parts = [p for p in path.split("/") if p]
@@ -204,17 +208,18 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
             entries.append((fields[0], fields[1], fields[2]))
     if not entries:
         return None
-    classified = [(h, c, _classify_cgroup_path(p)) for h, c, p in entries]
-    for _, _, info in classified:
-        if info.slurm_job is not None or info.container_id is not None or info.pod_uid:
-            return info
-    for hierarchy, controllers, info in classified:
+    for _, _, path in entries:
+        if any(hint in path for hint in _JOB_HINTS):
+            info = _classify_cgroup_path(path)
+            if info.slurm_job is not None or info.container_id is not None or info.pod_uid:
+                return info
+    for hierarchy, controllers, path in entries:
         if hierarchy == "0" and controllers == "":
-            return info
-    for _, controllers, info in classified:
+            return _classify_cgroup_path(path)
+    for _, controllers, path in entries:
         if controllers == "name=systemd":
-            return info
-    return classified[0][2]
+            return _classify_cgroup_path(path)
+    return _classify_cgroup_path(entries[0][2])
 
 
 def parse_proc_devices(text: str) -> dict[str, int]:
@@ -242,6 +247,15 @@ def _ns_inode(link: str) -> int | None:
         return int(link[start + 1 : end])
     except ValueError:
         return None
+
+
+def _status_field(status: str, name: str) -> list[str]:
+    """The values of one ``Name:`` line of ``/proc/PID/status``, found without a full split."""
+    at = status.find(f"\n{name}:")
+    if at < 0:
+        return []
+    end = status.find("\n", at + 1)
+    return status[at + len(name) + 2 : None if end < 0 else end].split()
 
 
 def _decode(raw: bytes) -> str:
@@ -419,12 +433,10 @@ class ProcFS:
         uid: int | None = None
         nspid: tuple[int, ...] | None = None
         try:
-            for line in self._read_text(f"{base}/status").splitlines():
-                if line.startswith("Uid:"):
-                    ids = line.split()
-                    uid = int(ids[2]) if len(ids) > 2 else None  # effective uid, as ps shows
-                elif line.startswith("NSpid:"):
-                    nspid = tuple(int(n) for n in line.split()[1:])
+            status = self._read_text(f"{base}/status")
+            ids = _status_field(status, "Uid")
+            uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
+            nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
         except ValueError:
             pass
         except OSError as err:

@@ -152,6 +152,12 @@ def _scan(args: argparse.Namespace) -> int:
 
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         sys.stdout.write(render_text(result.report, color=color))
+    if result.wedged:
+        print(
+            "gpuwatchd: NVML did not answer within nvml_timeout: the driver may be wedged",
+            file=sys.stderr,
+        )
+        return EX_UNAVAILABLE
     if result.permission_note:
         print(f"gpuwatchd: {result.permission_note}", file=sys.stderr)
         return EX_NOPERM

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class ScanResult:
     report: dict[str, object] | None
     error: str | None = None
     permission_note: str | None = None
+    wedged: bool = False
 
 
 def procfs_for(policy: Policy) -> ProcFS:
@@ -44,6 +46,18 @@ def read_saved_state(state_dir: str) -> Mapping[str, object]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def read_boot_time(proc_root: str) -> float | None:
+    """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, None when unknown."""
+    try:
+        with open(os.path.join(proc_root, "stat"), encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> ScanResult:
@@ -73,6 +87,10 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         first_seen=_first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time),
         now_wall=snapshot.wall_time,
         version=__version__,
+        hostname=socket.gethostname(),
+        boot_time=read_boot_time(policy.proc_root),
+        clock_ticks=os.sysconf("SC_CLK_TCK"),
+        notes=assessment.notes,
     )
     note = None
     if snapshot.holders.unreadable and os.geteuid() != 0:
@@ -81,7 +99,7 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
             f"{count} processes could not be inspected (their fds/maps are unreadable); "
             "the report is incomplete — run as root"
         )
-    return ScanResult(report, permission_note=note)
+    return ScanResult(report, permission_note=note, wedged=snapshot.nvml.wedged)
 
 
 def _first_seen_wall(

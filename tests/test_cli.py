@@ -72,6 +72,8 @@ def test_scan_with_a_hung_nvml_call_returns_within_timeout_and_says_wedged(
     elapsed = time.monotonic() - started
     report = json.loads(result.stdout)
     assert report["nvml"]["wedged"] is True
+    assert result.returncode == 69
+    assert "wedged" in result.stderr
     # The deadline is the feature: nvml_timeout + 1 s, plus interpreter start-up.
     assert elapsed < 2 + 1 + 2.5, elapsed
     text = host.gpuwatchd("scan", "--config", str(config), timeout=30).stdout

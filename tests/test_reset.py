@@ -1,0 +1,631 @@
+"""The GPU reset procedure against a fake environment and a fake ``nvidia-smi`` script.
+
+No real ``nvidia-smi`` ever runs: every command and hook is ``tests/support/fakesmi.py``'s
+script, which logs its argv, so the tests assert exactly what would have been run, in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.act import CommandResult, stat_start_ticks
+from gpuwatchd.policy import Hook, ResetPolicy
+from gpuwatchd.reset import (
+    ResetStep,
+    ResetTarget,
+    interpret_reset_exit,
+    perform_reset,
+    progress_record,
+    resume_interrupted,
+)
+from tests.support.fakesmi import FakeSmi
+
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+BUS = "00000000:1A:00.0"
+TARGET = ResetTarget(uuid=UUID, pci_bus_id=BUS, minor=0, persistence_was_on=True)
+S = ResetStep
+
+DRAIN = ["hook", "drain"]
+BEFORE = ["hook", "before"]
+AFTER = ["hook", "after"]
+PM_OFF = ["-pm", "0", "-i", UUID]
+RESET = ["--gpu-reset", "-i", UUID]
+QUERY = ["-q", "-i", UUID]
+PM_ON = ["-pm", "1", "-i", UUID]
+
+ALL_STEPS = [
+    S.DRAIN,
+    S.STOP_NVML,
+    S.BEFORE_HOOKS,
+    S.PERSISTENCE_OFF,
+    S.FINAL_SCAN,
+    S.RESET,
+    S.HEALTH_CHECK,
+    S.PERSISTENCE_ON,
+    S.AFTER_HOOKS,
+    S.DONE,
+]
+
+
+class FakeEnvironment:
+    """Records every call; what the daemon would answer is set in the constructor."""
+
+    def __init__(
+        self,
+        smi: FakeSmi,
+        *,
+        released: bool = True,
+        blockers: Sequence[str] = (),
+        memory: bool | None = True,
+        record_fails: bool = False,
+        scan_raises: bool = False,
+    ) -> None:
+        self.smi = smi
+        self.released = released
+        self.blockers = list(blockers)
+        self.memory = memory
+        self.record_fails = record_fails
+        self.scan_raises = scan_raises
+        self.calls: list[str] = []
+        self.steps: list[ResetStep] = []
+        self.records: list[dict[str, object]] = []
+        self.events: list[tuple[str, str, dict[str, object]]] = []
+        self.commands_seen_at: dict[str, list[list[str]]] = {}
+
+    def stop_nvml(self) -> bool:
+        self.calls.append("stop_nvml")
+        self.commands_seen_at["stop_nvml"] = self.smi.calls()
+        return self.released
+
+    def final_blockers(self, target: ResetTarget) -> list[str]:
+        self.calls.append("final_blockers")
+        self.commands_seen_at["final_blockers"] = self.smi.calls()
+        if self.scan_raises:
+            raise OSError("cannot read /proc")
+        return list(self.blockers)
+
+    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
+        self.calls.append("memory")
+        return self.memory
+
+    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
+        if self.record_fails:
+            raise OSError("disk full")
+        self.steps.append(step)
+        self.records.append(progress_record(target, step, data))
+
+    def emit(self, event: str, level: str, **fields: object) -> None:
+        self.events.append((event, level, fields))
+
+    def finished(self) -> tuple[str, dict[str, object]]:
+        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == "reset_finished"]
+        return level, fields
+
+    def step_events(self, step: ResetStep) -> list[dict[str, object]]:
+        return [f for e, _l, f in self.events if e == "reset_step" and f["step"] == step.value]
+
+
+@pytest.fixture
+def smi(tmp_path: Path) -> FakeSmi:
+    return FakeSmi(tmp_path / "bin")
+
+
+def make_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
+    policy = ResetPolicy(
+        command=smi.argv("--gpu-reset", "-i", "{uuid}"),
+        persistence_command=smi.argv("-pm", "{mode}", "-i", "{uuid}"),
+        health_command=smi.argv("-q", "-i", "{uuid}"),
+        drain=(Hook(smi.hook("drain"), timeout=10),),
+        before=(Hook(smi.hook("before"), timeout=10),),
+        after=(Hook(smi.hook("after"), timeout=10),),
+        timeout=10.0,
+    )
+    return replace(policy, **changes)  # type: ignore[arg-type]
+
+
+def smi_commands(smi: FakeSmi) -> list[list[str]]:
+    """The calls that were nvidia-smi commands, not hooks."""
+    return [call for call in smi.calls() if call[:1] != ["hook"]]
+
+
+def is_dead(pid: int) -> bool:
+    stat = stat_start_ticks("/proc", pid)
+    return stat is None or stat[1] == "Z"
+
+
+# --- the full procedure -----------------------------------------------------------------------
+
+
+def test_a_clear_gpu_is_reset_with_every_step_in_the_design_order(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+
+    assert outcome.result == "success", outcome.reason
+    assert outcome.step is S.DONE
+    assert not outcome.needs_reboot
+    assert outcome.blockers == ()
+    assert outcome.command is not None
+    assert outcome.command.returncode == 0
+    assert env.steps == ALL_STEPS
+    assert smi.calls() == [DRAIN, BEFORE, PM_OFF, RESET, QUERY, PM_ON, AFTER]
+    assert env.calls == ["stop_nvml", "final_blockers", "memory"]
+    # NVML is stopped after the drain and before anything else; the scan comes right before.
+    assert env.commands_seen_at["stop_nvml"] == [DRAIN]
+    assert env.commands_seen_at["final_blockers"] == [DRAIN, BEFORE, PM_OFF]
+    assert [e["event"] for e in smi.entries() if e["argv"][0] == "hook"] == [
+        "reset_drain",
+        "reset_before",
+        "reset_after",
+    ]
+    after_env = smi.entries()[-1]["env"]
+    assert after_env["GPUWATCHD_GPU_UUID"] == UUID
+    assert after_env["GPUWATCHD_GPU_PCI_BUS_ID"] == BUS
+    assert after_env["GPUWATCHD_GPU_MINOR"] == "0"
+    assert after_env["GPUWATCHD_RESULT"] == "success"
+    level, fields = env.finished()
+    assert level == "info"
+    assert fields["result"] == "success"
+    assert "successfully reset" in str(fields["reason"])
+    assert env.records[-1]["step"] == "done"
+    assert env.records[-1]["result"] == "success"
+
+
+def test_each_step_is_recorded_before_it_runs(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    by_step = {record["step"]: record for record in env.records}
+    assert by_step["persistence_off"]["persistence_off"] is True
+    assert by_step["final_scan"]["reset_started"] is False
+    assert by_step["reset"]["reset_started"] is True
+    assert by_step["reset"]["result"] is None, "recorded before the reset command ran"
+    assert by_step["health_check"]["result"] == "success"
+    assert by_step["after_hooks"]["persistence_off"] is False, "persistence was restored"
+    assert by_step["drain"]["uuid"] == UUID
+    assert by_step["drain"]["persistence_was_on"] is True
+
+
+def test_extra_hook_environment_reaches_the_hooks(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    perform_reset(
+        TARGET,
+        make_policy(smi),
+        env,
+        dry_run=False,
+        hook_env={"GPUWATCHD_NODE": "node7", "GPUWATCHD_EVENT": "overridden?"},
+    )
+    first = smi.entries()[0]
+    assert first["env"]["GPUWATCHD_NODE"] == "node7"
+    assert first["event"] == "reset_drain"
+
+
+# --- refusals and undo ------------------------------------------------------------------------
+
+
+def test_blockers_refuse_the_reset_and_undo_persistence_and_run_after_hooks(smi: FakeSmi) -> None:
+    blockers = ["PID 4242 (python) holds /dev/nvidia0 (fd)", "PID 77 unreadable"]
+    env = FakeEnvironment(smi, blockers=blockers)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+
+    assert outcome.result == "refused"
+    assert outcome.step is S.FINAL_SCAN
+    assert outcome.blockers == tuple(blockers)
+    assert outcome.command is None
+    assert "PID 4242" in outcome.reason
+    assert RESET not in smi.calls()
+    assert smi.calls() == [DRAIN, BEFORE, PM_OFF, PM_ON, AFTER]
+    assert env.steps == [*ALL_STEPS[:5], S.PERSISTENCE_ON, S.AFTER_HOOKS, S.DONE]
+    assert smi.entries()[-1]["env"]["GPUWATCHD_RESULT"] == "refused"
+    level, fields = env.finished()
+    assert level == "warning"
+    assert fields["blockers"] == blockers
+
+
+def test_a_failing_holder_scan_blocks_the_reset(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi, scan_raises=True)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert "holder scan failed" in outcome.blockers[0]
+    assert RESET not in smi.calls()
+
+
+def test_nvml_still_held_refuses_before_any_command(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi, released=False)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert outcome.step is S.STOP_NVML
+    assert "NVML" in outcome.reason
+    assert smi_commands(smi) == [], "no nvidia-smi command may run while we hold the GPU"
+    assert smi.calls() == [DRAIN, AFTER]
+    assert "final_blockers" not in env.calls
+
+
+@pytest.mark.parametrize(
+    ("failing", "step", "expected_calls"),
+    [
+        ("drain", S.DRAIN, [DRAIN, AFTER]),
+        ("before", S.BEFORE_HOOKS, [DRAIN, BEFORE, AFTER]),
+    ],
+)
+def test_a_failing_drain_or_before_hook_aborts_with_undo(
+    smi: FakeSmi, failing: str, step: ResetStep, expected_calls: list[list[str]]
+) -> None:
+    smi.set(hooks={failing: "exit:7"})
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert outcome.step is step
+    assert "exit 7" in outcome.reason
+    assert smi.calls() == expected_calls
+    assert "final_blockers" not in env.calls
+
+
+def test_a_failing_after_hook_is_reported_but_does_not_undo_a_success(smi: FakeSmi) -> None:
+    smi.set(hooks={"after": "exit:3"})
+    outcome = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False)
+    assert outcome.result == "success"
+    assert "hook" in outcome.reason
+    assert "exit 3" in outcome.reason
+
+
+def test_persistence_off_failing_refuses_and_tries_to_restore_it(smi: FakeSmi) -> None:
+    smi.set(persistence="exit:4")
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert outcome.step is S.PERSISTENCE_OFF
+    assert smi.calls() == [DRAIN, BEFORE, PM_OFF, PM_ON, AFTER]
+    assert "persistence mode could not be turned back on" in outcome.reason
+
+
+@pytest.mark.parametrize(
+    ("was_on", "toggle", "why"),
+    [
+        (False, True, "persistence mode was off"),
+        (None, True, "unknown"),
+        (True, False, "toggle_persistence is off"),
+    ],
+)
+def test_persistence_is_left_alone_unless_known_on_and_toggling(
+    smi: FakeSmi, was_on: bool | None, toggle: bool, why: str
+) -> None:
+    env = FakeEnvironment(smi)
+    target = replace(TARGET, persistence_was_on=was_on)
+    outcome = perform_reset(target, make_policy(smi, toggle_persistence=toggle), env, dry_run=False)
+    assert outcome.result == "success"
+    assert smi.calls() == [DRAIN, BEFORE, RESET, QUERY, AFTER]
+    assert S.PERSISTENCE_OFF not in env.steps
+    assert S.PERSISTENCE_ON not in env.steps
+    [skipped] = env.step_events(S.PERSISTENCE_OFF)
+    assert why in str(skipped["detail"])
+
+
+@pytest.mark.parametrize(
+    ("command", "target", "message"),
+    [
+        (("true",), TARGET, "does not name GPU"),
+        (("nvidia-smi", "--gpu-reset"), TARGET, "does not name GPU"),
+        (("x", "--bus", "{pci_bus_id}"), replace(TARGET, pci_bus_id=None), "no value"),
+        (("x", "{index}"), TARGET, "unknown placeholder"),
+    ],
+)
+def test_a_reset_command_that_does_not_name_this_gpu_is_refused_before_anything_runs(
+    smi: FakeSmi, command: tuple[str, ...], target: ResetTarget, message: str
+) -> None:
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(target, make_policy(smi, command=command), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert message in outcome.reason
+    assert smi.calls() == []
+    assert env.steps == []
+    assert env.calls == []
+
+
+def test_a_state_file_that_cannot_be_written_stops_the_reset_before_it_starts(
+    smi: FakeSmi,
+) -> None:
+    env = FakeEnvironment(smi, record_fails=True)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert "could not record" in outcome.reason
+    assert smi.calls() == []
+    assert env.calls == []
+
+
+# --- the reset command's result ---------------------------------------------------------------
+
+
+def test_in_use_by_another_client_fails_with_the_reason_and_restores(smi: FakeSmi) -> None:
+    smi.set(reset="in_use")
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "failed"
+    assert outcome.step is S.RESET
+    assert not outcome.needs_reboot
+    assert "in use by another client" in outcome.reason
+    assert f"GPU {BUS}: In use by another client" in outcome.reason, "raw output is kept"
+    assert outcome.command is not None
+    assert outcome.command.returncode == 255
+    assert smi.calls() == [DRAIN, BEFORE, PM_OFF, RESET, PM_ON, AFTER], "no health check"
+    assert "memory" not in env.calls
+    assert smi.entries()[-1]["env"]["GPUWATCHD_RESULT"] == "failed"
+
+
+def test_a_gpu_that_fell_off_the_bus_needs_a_reboot(smi: FakeSmi) -> None:
+    smi.set(reset="fell_off_bus")
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "failed"
+    assert outcome.needs_reboot
+    assert "fallen off the bus" in outcome.reason
+    level, fields = env.finished()
+    assert level == "critical"
+    assert fields["needs_reboot"] is True
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "message"),
+    [
+        ("not_supported", "not supported"),
+        ("no_permission", "no permission"),
+        ("error255", "nvidia-smi reported an error"),
+        ("exit:2", "invalid argument"),
+        ("exit:42", "unexpected exit code"),
+    ],
+)
+def test_other_reset_exit_codes_fail_with_their_meaning(
+    smi: FakeSmi, behaviour: str, message: str
+) -> None:
+    smi.set(reset=behaviour)
+    outcome = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False)
+    assert outcome.result == "failed"
+    assert message in outcome.reason
+    assert not outcome.needs_reboot
+
+
+def test_a_hanging_reset_is_killed_with_its_group_at_the_timeout(smi: FakeSmi) -> None:
+    smi.set(reset="hang")
+    env = FakeEnvironment(smi)
+    started = time.monotonic()
+    outcome = perform_reset(TARGET, make_policy(smi, timeout=1.0), env, dry_run=False)
+    elapsed = time.monotonic() - started
+    assert outcome.result == "timeout"
+    assert outcome.step is S.RESET
+    assert outcome.command is not None
+    assert outcome.command.timed_out
+    assert 1.0 <= outcome.command.duration < 5.0
+    assert elapsed < 10.0
+    assert not outcome.needs_reboot, "the command could be killed"
+    pids = smi.hang_pids()
+    assert pids is not None
+    deadline = time.monotonic() + 5
+    while not all(is_dead(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(is_dead(pid) for pid in pids), "the reset command's whole group is killed"
+    assert smi.calls()[-2:] == [PM_ON, AFTER], "persistence restored, after hooks run"
+
+
+def test_an_unhealthy_gpu_after_the_reset_needs_a_reboot(smi: FakeSmi) -> None:
+    smi.set(query="exit:1")
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == "failed"
+    assert outcome.step is S.HEALTH_CHECK
+    assert outcome.needs_reboot
+    assert "health check failed" in outcome.reason
+    assert smi.calls()[-2:] == [PM_ON, AFTER]
+
+
+@pytest.mark.parametrize(
+    ("memory", "result", "message"),
+    [
+        (True, "success", "memory back to baseline"),
+        (None, "success", "memory could not be verified"),
+        (False, "failed", "not back to the baseline"),
+    ],
+)
+def test_memory_after_the_reset_decides_between_success_and_failure(
+    smi: FakeSmi, memory: bool | None, result: str, message: str
+) -> None:
+    env = FakeEnvironment(smi, memory=memory)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    assert outcome.result == result
+    assert message in outcome.reason
+    assert not outcome.needs_reboot
+
+
+# --- dry-run ----------------------------------------------------------------------------------
+
+
+def test_dry_run_runs_no_command_and_no_hook_and_records_nothing(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=True)
+    assert outcome.result == "dry_run"
+    assert outcome.step is S.DONE
+    assert outcome.command is None
+    assert smi.calls() == []
+    assert env.steps == []
+    assert env.calls == ["final_blockers"], "only the read-only scan runs"
+    [reset_event] = env.step_events(S.RESET)
+    assert reset_event["status"] == "would_run"
+    assert reset_event["argv"] == [str(smi.path), *RESET]
+    assert reset_event["dry_run"] is True
+    would = {
+        f["step"] for e, _l, f in env.events if e == "reset_step" and f["status"] == "would_run"
+    }
+    assert would == {
+        "drain",
+        "stop_nvml",
+        "before_hooks",
+        "persistence_off",
+        "reset",
+        "health_check",
+        "persistence_on",
+        "after_hooks",
+    }
+
+
+def test_dry_run_shows_that_a_real_reset_would_be_refused(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi, blockers=["PID 9 holds /dev/nvidia0"])
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=True)
+    assert outcome.result == "dry_run"
+    assert outcome.step is S.FINAL_SCAN
+    assert outcome.blockers == ("PID 9 holds /dev/nvidia0",)
+    assert outcome.reason.startswith("would be refused")
+    assert smi.calls() == []
+    assert env.step_events(S.RESET) == []
+
+
+# --- interpreting exits (pure) ----------------------------------------------------------------
+
+
+def result_of(
+    returncode: int | None,
+    output: str = "",
+    *,
+    timed_out: bool = False,
+    error: str | None = None,
+) -> CommandResult:
+    return CommandResult(("nvidia-smi",), returncode, output, timed_out, 1.0, error)
+
+
+@pytest.mark.parametrize(
+    ("command", "result", "needs_reboot", "message"),
+    [
+        (result_of(0, "GPU x was successfully reset."), "success", False, "successfully reset"),
+        (result_of(255, "GPU x: In use by another client"), "failed", False, "in use"),
+        (
+            result_of(255, "GPU x is currently in use by another process."),
+            "failed",
+            False,
+            "in use",
+        ),
+        (result_of(255, "Unknown Error"), "failed", False, "Unknown Error"),
+        (result_of(15), "failed", True, "fallen off the bus"),
+        (result_of(3), "failed", False, "not supported"),
+        (result_of(4), "failed", False, "no permission"),
+        (result_of(2), "failed", False, "invalid argument"),
+        (result_of(-9), "failed", False, "signal 9"),
+        (result_of(-9, timed_out=True), "timeout", False, "did not finish"),
+        (result_of(None, timed_out=True, error="still running"), "timeout", True, "wedged"),
+        (result_of(None, error="cannot run nvidia-smi: No such file"), "failed", False, "No such"),
+    ],
+)
+def test_interpret_reset_exit(
+    command: CommandResult, result: str, needs_reboot: bool, message: str
+) -> None:
+    assert interpret_reset_exit(command)[:2] == (result, needs_reboot)
+    assert message in interpret_reset_exit(command)[2]
+
+
+def test_a_long_output_is_bounded_in_the_reason() -> None:
+    reason = interpret_reset_exit(result_of(255, "x" * 100_000 + " tail"))[2]
+    assert len(reason) < 2200
+    assert reason.endswith("tail'")
+
+
+# --- resuming after a crash -------------------------------------------------------------------
+
+
+def records_of(smi: FakeSmi, **env_options: object) -> dict[str, dict[str, object]]:
+    """The record kept before each step of a real run, by step name; the fake's log cleared."""
+    env = FakeEnvironment(smi, **env_options)  # type: ignore[arg-type]
+    perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    smi.clear()
+    return {str(record["step"]): record for record in env.records}
+
+
+@pytest.mark.parametrize(
+    ("step", "result", "expected_calls"),
+    [
+        ("drain", "refused", [AFTER]),
+        ("stop_nvml", "refused", [AFTER]),
+        ("before_hooks", "refused", [AFTER]),
+        ("persistence_off", "refused", [PM_ON, AFTER]),
+        ("final_scan", "refused", [PM_ON, AFTER]),
+        ("reset", "success", [QUERY, PM_ON, AFTER]),
+        ("health_check", "success", [QUERY, PM_ON, AFTER]),
+        ("persistence_on", "success", [PM_ON, AFTER]),
+        ("after_hooks", "success", [AFTER]),
+    ],
+)
+def test_resume_finishes_or_undoes_from_each_step_and_never_resets_again(
+    smi: FakeSmi, step: str, result: str, expected_calls: list[list[str]]
+) -> None:
+    record = records_of(smi)[step]
+    env = FakeEnvironment(smi)
+    outcome = resume_interrupted(record, make_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == result, outcome.reason
+    assert smi.calls() == expected_calls
+    assert RESET not in smi.calls()
+    assert "interrupted" in outcome.reason
+    assert env.records[-1]["step"] == "done"
+    assert "stop_nvml" not in env.calls
+    assert "final_blockers" not in env.calls
+
+
+@pytest.mark.parametrize(
+    ("step", "expected_calls"),
+    [("persistence_on", [PM_ON, AFTER]), ("after_hooks", [AFTER])],
+)
+def test_resume_finishes_an_undo_that_was_interrupted(
+    smi: FakeSmi, step: str, expected_calls: list[list[str]]
+) -> None:
+    record = records_of(smi, blockers=["PID 5 holds /dev/nvidia0"])[step]
+    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi))
+    assert outcome is not None
+    assert outcome.result == "refused"
+    assert smi.calls() == expected_calls
+
+
+def test_resume_after_the_reset_with_an_unhealthy_gpu_fails_and_needs_a_reboot(
+    smi: FakeSmi,
+) -> None:
+    record = records_of(smi)["reset"]
+    smi.set(query="exit:1")
+    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi))
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert outcome.needs_reboot
+    assert RESET not in smi.calls()
+
+
+def test_resume_after_the_reset_with_unknown_memory_counts_as_failed(smi: FakeSmi) -> None:
+    record = records_of(smi)["reset"]
+    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi, memory=None))
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert not outcome.needs_reboot
+
+
+def test_resume_of_a_finished_reset_does_nothing(smi: FakeSmi) -> None:
+    record = records_of(smi)["done"]
+    env = FakeEnvironment(smi)
+    assert resume_interrupted(record, make_policy(smi), env) is None
+    assert smi.calls() == []
+    assert env.events == []
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"step": "reset"},
+        {"uuid": UUID, "step": "bogus"},
+        {"uuid": 7, "step": "reset"},
+        {},
+    ],
+)
+def test_resume_of_an_unreadable_record_changes_nothing(
+    smi: FakeSmi, record: dict[str, object]
+) -> None:
+    env = FakeEnvironment(smi)
+    outcome = resume_interrupted(record, make_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert "unreadable" in outcome.reason
+    assert smi.calls() == []

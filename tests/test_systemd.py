@@ -1,0 +1,496 @@
+"""gpuwatchd as an installed .deb under real systemd and journald, in a systemd-nspawn container.
+
+Owns the end-to-end service checks of issue 4: start waits for READY, STATUS in `systemctl
+status`, a broken policy on reload keeps the old one, the watchdog restarts a stopped main
+loop, an enforcing drop-in kills an orphan (journal PRIORITY 4 for the action), a hook (and so
+nvidia-smi) gets CAP_SYS_ADMIN, stop exits 0, purge removes the unit.
+
+One container is booted for the whole module (fixture ``ct``) from a cached Debian 12 root
+file system (tests/systemd/make-rootfs.sh), copied per run. Everything the daemon sees runs
+inside the container's PID namespace: the test only signals processes it created there.
+Needs root, systemd-nspawn, nsenter, mmdebstrap or debootstrap, dpkg-buildpackage and lintian
+(tests/systemd/host-setup.sh installs them); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.fakenvml import GiB, ensure_built, gpu
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tests" / "systemd"
+UNIT = "gpuwatchd.service"
+CI_DIR = "/srv/ci"  # the host's exchange dir, bind-mounted read-write into the container
+CAP_SYS_ADMIN = 21
+TOOLS = ("systemd-nspawn", "nsenter", "dpkg-buildpackage", "lintian", "dh", "systemd-analyze")
+
+
+def _missing_prerequisite() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (boots a container with systemd-nspawn)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if shutil.which("mmdebstrap") is None and shutil.which("debootstrap") is None:
+        missing.append("mmdebstrap|debootstrap")
+    if missing:
+        return f"missing {', '.join(missing)} (run tests/systemd/host-setup.sh)"
+    if not Path("/sys/fs/cgroup").is_dir():
+        return "no /sys/fs/cgroup"
+    return None
+
+
+_REASON = _missing_prerequisite()
+pytestmark = [
+    pytest.mark.systemd,
+    pytest.mark.slow,
+    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
+]
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, step: float = 0.2) -> float:
+    """Poll ``check`` until true; return the seconds it took, or fail naming ``what``."""
+    start = time.monotonic()
+    while True:
+        if check():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+class Container:
+    """A booted container: run commands inside, exchange files through ``ci`` (= /srv/ci)."""
+
+    def __init__(self, root: Path, ci: Path, artifacts: Path) -> None:
+        self.root = root
+        self.ci = ci
+        self.artifacts = artifacts
+        self.nspawn: subprocess.Popen[bytes] | None = None
+        self.leader = 0
+        self.cgroups: list[Path] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def boot(self) -> None:
+        name = f"gpuwatchd-it-{os.getpid()}"
+        hybrid = Path("/sys/fs/cgroup/systemd").is_dir()
+        if hybrid:
+            bases = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+        else:
+            bases = [Path("/sys/fs/cgroup")]
+        # Own cgroup per container: two nspawns started from one cgroup clobber each other.
+        self.cgroups = [b / name for b in bases if b.is_dir()]
+        for cg in self.cgroups:
+            cg.mkdir(exist_ok=True)
+        procs = [str(cg / "cgroup.procs") for cg in self.cgroups]
+
+        def enter_cgroup() -> None:
+            os.setsid()
+            for p in procs:
+                Path(p).write_text(str(os.getpid()))
+
+        console = (self.artifacts / "console.log").open("wb")
+        self.nspawn = subprocess.Popen(
+            [
+                "systemd-nspawn",
+                f"--directory={self.root}",
+                "--boot",
+                "--register=no",
+                "--keep-unit",
+                "--console=read-only",
+                "--private-network",
+                f"--machine={name}",
+                f"--bind={self.ci}:{CI_DIR}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            preexec_fn=enter_cgroup,  # noqa: PLW1509 - only cgroup/session setup, no locks
+        )
+        console.close()
+
+        def booted() -> bool:
+            assert self.nspawn is not None
+            if self.nspawn.poll() is not None:
+                log = (self.artifacts / "console.log").read_text(errors="replace")
+                pytest.fail(f"systemd-nspawn exited {self.nspawn.returncode}:\n{log[-3000:]}")
+            if not self.leader:
+                kids = subprocess.run(
+                    ["pgrep", "-P", str(self.nspawn.pid)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout.split()
+                if not kids:
+                    return False
+                self.leader = int(kids[0])
+            state = self.sh("systemctl is-system-running", check=False).stdout.strip()
+            return state in ("running", "degraded")
+
+        wait_for("the container to boot", booted, timeout=60)
+
+    def shutdown(self) -> None:
+        if self.nspawn is not None and self.nspawn.poll() is None:
+            if self.leader:
+                os.kill(self.leader, signal.SIGRTMIN + 4)  # systemd: orderly poweroff
+            try:
+                self.nspawn.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.nspawn.kill()
+                self.nspawn.wait(timeout=10)
+        for cg in self.cgroups:
+            for sub in sorted(cg.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir():
+                    sub.rmdir()
+            if cg.is_dir():
+                cg.rmdir()
+
+    # -- inside ------------------------------------------------------------------------------
+    def run(
+        self, argv: list[str], *, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            ["nsenter", "-t", str(self.leader), "-a", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+        )
+        if check and proc.returncode != 0:
+            pytest.fail(f"{argv} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def sh(self, script: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run(["sh", "-c", script], check=check)
+
+    def prop(self, name: str) -> str:
+        return self.run(["systemctl", "show", "-p", name, "--value", UNIT]).stdout.strip()
+
+    def journal(self, *extra: str) -> list[dict[str, Any]]:
+        out = self.run(["journalctl", "-u", UNIT, "-o", "json", "--no-pager", *extra]).stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def messages(self) -> list[str]:
+        return [str(e.get("MESSAGE", "")) for e in self.journal()]
+
+    def write(self, path: str, text: str, mode: int = 0o644) -> None:
+        target = self.root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        target.chmod(mode)
+
+    def nvml(self, gpus: list[dict[str, Any]]) -> None:
+        """Replace the fake NVML state atomically (the library re-reads it on every call)."""
+        tmp = self.ci / "nvml.json.tmp"
+        tmp.write_text(json.dumps({"gpus": gpus}))
+        os.replace(tmp, self.ci / "nvml.json")
+
+
+TEST_DROPIN = f"""\
+[Service]
+Environment=FAKENVML_STATE={CI_DIR}/nvml.json FAKENVML_DEVICES_DIR={CI_DIR}/dev
+Environment=GPUWATCHD_TEST_DIR={CI_DIR}
+ReadWritePaths={CI_DIR}
+WatchdogSec=5s
+RestartSec=1s
+"""
+
+BASE_POLICY = f"""\
+interval: 1s
+devices_dir: {CI_DIR}/dev
+nvml_timeout: 10s
+"""
+
+ENFORCING_POLICY = f"""\
+dry_run: false
+rules:
+  - name: orphans
+    kind: orphaned
+    for: 1s
+    steps:
+      - {{signal: SIGTERM, wait: 2s}}
+      - {{signal: SIGKILL, wait: 2s}}
+limits:
+  post_action_delay: 1s
+reset:
+  confirm_for: 2s
+  timeout: 20s
+  drain: [[{CI_DIR}/hook-caps, drain, "{{uuid}}"]]
+  before: [[{CI_DIR}/hook-caps, before, "{{uuid}}"]]
+  after: [[{CI_DIR}/hook-caps, after, "{{uuid}}"]]
+"""
+
+
+def idle_gpus() -> list[dict[str, Any]]:
+    return [gpu(0), gpu(1)]
+
+
+@pytest.fixture(scope="module")
+def ct() -> Iterator[Container]:
+    t0 = time.monotonic()
+    artifacts = Path(
+        os.environ.get("GPUWATCHD_SYSTEMD_ARTIFACTS") or tempfile.mkdtemp(prefix="gpuwatchd-it-")
+    )
+    artifacts.mkdir(parents=True, exist_ok=True)
+    print(f"\nsystemd test artifacts: {artifacts}")
+    timings: dict[str, float] = {}
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        s = time.monotonic()
+        result = fn()
+        timings[name] = round(time.monotonic() - s, 1)
+        return result
+
+    lib = step("fakenvml", ensure_built)
+    step(
+        "build-deb",
+        lambda: subprocess.run(
+            [str(REPO / "packaging" / "build-deb.sh"), str(artifacts)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        ),
+    )
+    (deb,) = artifacts.glob("gpuwatchd_*_all.deb")
+
+    def make_rootfs() -> str:
+        return subprocess.run(
+            [str(HARNESS / "make-rootfs.sh")], check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    cached = Path(step("rootfs", make_rootfs))
+    work = Path(tempfile.mkdtemp(prefix="gpuwatchd-ct-", dir="/var/tmp"))
+    root, ci = work / "root", work / "ci"
+    step("copy-rootfs", lambda: subprocess.run(["cp", "-a", str(cached), str(root)], check=True))
+    ci.mkdir()
+    (ci / "dev").mkdir()
+    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+        (ci / "dev" / name).touch()
+    shutil.copy(deb, ci / deb.name)
+    for tool in ("hook-caps", "orphan-maker"):
+        shutil.copy(HARNESS / tool, ci / tool)
+    container = Container(root, ci, artifacts)
+    container.nvml(idle_gpus())
+    container.write("/etc/hostname", "gpuwatchd-it\n")
+    shutil.copy(lib, root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+    shutil.copy(HARNESS / "fake-nvidia-smi", root / "usr/bin/nvidia-smi")
+    try:
+        step("boot", container.boot)
+        container.run(["ldconfig"])
+        step(
+            "install",
+            lambda: container.run(["apt-get", "install", "-y", "-q", f"{CI_DIR}/{deb.name}"]),
+        )
+        timings["setup-total"] = round(time.monotonic() - t0, 1)
+        print(f"systemd test setup timings (s): {timings}")
+        yield container
+    finally:
+        (artifacts / "journal.txt").write_text(
+            container.run(["journalctl", "--no-pager", "-o", "short-monotonic"], check=False).stdout
+            if container.leader
+            else ""
+        )
+        container.shutdown()
+        subprocess.run(
+            ["journalctl", "-D", str(root / "var/log/journal"), "-o", "json", "--no-pager"],
+            stdout=(artifacts / "journal.json").open("w"),
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def configured(ct: Container) -> Container:
+    """The installed service pointed at the fake NVML and device files, short watchdog."""
+    ct.write(f"/etc/systemd/system/{UNIT}.d/50-test.conf", TEST_DROPIN)
+    ct.write("/etc/gpuwatchd/conf.d/50-test.yaml", BASE_POLICY)
+    ct.run(["systemctl", "daemon-reload"])
+    return ct
+
+
+# -- the package -----------------------------------------------------------------------------
+def test_install_enables_and_starts_the_unit(ct: Container) -> None:
+    assert ct.run(["systemctl", "is-enabled", UNIT], check=False).stdout.strip() == "enabled"
+    assert (ct.root / "lib/systemd/system" / UNIT).is_file()
+    assert (ct.root / "etc/gpuwatchd/gpuwatchd.yaml").is_file()
+    assert (ct.root / "usr/share/man/man8/gpuwatchd.8.gz").is_file()
+    assert (ct.root / "usr/share/man/man5/gpuwatchd.yaml.5.gz").is_file()
+    # postinst started it; without FAKENVML_STATE the fake NVML fails, like a missing driver.
+    assert ct.prop("ActiveState") == "active", ct.messages()[-20:]
+
+
+def test_systemd_analyze_verify_is_silent_on_the_installed_unit(ct: Container) -> None:
+    proc = ct.run(
+        ["systemd-analyze", "verify", "--man=no", f"/lib/systemd/system/{UNIT}"], check=False
+    )
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_installed_daemon_accepts_the_shipped_policy(ct: Container) -> None:
+    proc = ct.run(["gpuwatchd", "check-config"], check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+def test_start_waits_for_ready_after_first_poll(configured: Container) -> None:
+    ct = configured
+    ct.run(["systemctl", "stop", UNIT])
+    delayed = [gpu(0, delays={"nvmlDeviceGetUUID": 3.0}), gpu(1)]
+    ct.nvml(delayed)
+    t0 = time.monotonic()
+    ct.run(["systemctl", "start", UNIT])
+    took = time.monotonic() - t0
+    ct.nvml(idle_gpus())
+    assert took >= 3.0, f"systemctl start returned after {took:.1f}s, before the first poll"
+    assert ct.prop("ActiveState") == "active"
+    assert ct.prop("StatusText") != ""
+
+
+def test_status_shows_the_status_line(configured: Container) -> None:
+    ct = configured
+    wait_for(
+        "STATUS with 2 GPUs",
+        lambda: "2 GPUs watched" in ct.prop("StatusText"),
+        timeout=15,
+    )
+    out = ct.run(["systemctl", "status", "--no-pager", UNIT], check=False).stdout
+    assert re.search(r'Status: "2 GPUs watched', out), out
+
+
+def test_reload_with_broken_policy_keeps_the_old_one(configured: Container) -> None:
+    ct = configured
+    pid = ct.prop("MainPID")
+    ct.write("/etc/gpuwatchd/conf.d/90-broken.yaml", "interval: sometimes\n")
+    try:
+        ct.run(["systemctl", "reload", UNIT])
+        wait_for(
+            "config.reload_rejected in the journal",
+            lambda: any("config.reload_rejected" in m for m in ct.messages()),
+            timeout=15,
+        )
+    finally:
+        (ct.root / "etc/gpuwatchd/conf.d/90-broken.yaml").unlink()
+    assert ct.prop("ActiveState") == "active"
+    assert ct.prop("MainPID") == pid
+    rejected = [e for e in ct.journal() if "config.reload_rejected" in str(e.get("MESSAGE"))]
+    assert rejected[-1]["PRIORITY"] == "3"
+    ct.run(["systemctl", "reload", UNIT])  # the good policy reloads fine
+    time.sleep(1.5)
+    assert ct.prop("ActiveState") == "active"
+    assert ct.prop("MainPID") == pid
+
+
+def test_watchdog_restarts_a_stopped_main_loop(configured: Container) -> None:
+    ct = configured
+    before = int(ct.prop("NRestarts"))
+    pid = ct.prop("MainPID")
+    ct.run(["kill", "-STOP", pid])
+    took = wait_for(
+        "a watchdog restart",
+        lambda: (
+            ct.prop("MainPID") not in (pid, "0")
+            and ct.prop("ActiveState") == "active"
+            and int(ct.prop("NRestarts")) > before
+        ),
+        timeout=30,
+    )
+    assert took < 20
+    assert any("Watchdog timeout" in m for m in ct.messages())
+
+
+# -- enforcing -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def enforcing(configured: Container) -> Container:
+    ct = configured
+    ct.write("/etc/gpuwatchd/conf.d/60-enforcing.yaml", ENFORCING_POLICY)
+    ct.run(["systemctl", "restart", UNIT])
+    return ct
+
+
+def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Container) -> None:
+    ct = enforcing
+    pidfile = f"{CI_DIR}/orphan.pids"
+    ct.run(
+        [
+            "systemd-run",
+            "--scope",
+            "--quiet",
+            "--unit=gpuwatchd-it-job",
+            f"{CI_DIR}/orphan-maker",
+            f"{CI_DIR}/dev",
+            "0",
+            pidfile,
+        ]
+    )
+    parent, child = (int(x) for x in (ct.ci / "orphan.pids").read_text().split())
+    # NVML still lists the dead trainer (the parent) with the memory its worker pins.
+    ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": parent, "used_memory": GiB}]), gpu(1)])
+
+    def child_gone() -> bool:
+        return ct.run(["kill", "-0", str(child)], check=False).returncode != 0
+
+    wait_for(f"orphan {child} to be killed", child_gone, timeout=45)
+    about_child = [
+        e
+        for e in ct.journal()
+        if re.search(rf"\bpid={child}\b", str(e.get("MESSAGE", "")))
+        and re.search(r"SIG(TERM|KILL)", str(e.get("MESSAGE", "")))
+    ]
+    assert about_child, "no journal entry names the signal sent to the orphan"
+    assert {e["PRIORITY"] for e in about_child} == {"4"}, about_child
+
+
+def test_hook_gets_cap_sys_admin_like_nvidia_smi(enforcing: Container) -> None:
+    ct = enforcing
+    # Memory no process holds on GPU 1: ghost memory, which leads to a reset and its hooks.
+    ct.nvml([gpu(0), gpu(1, allocated=2 * GiB)])
+    hooks = ct.ci
+
+    def any_hook() -> bool:
+        return any(hooks.glob("hook-*.txt"))
+
+    wait_for("a reset hook to run", any_hook, timeout=60)
+    for report in hooks.glob("hook-*.txt"):
+        caps = dict(line.split(":\t") for line in report.read_text().splitlines() if "\t" in line)
+        assert int(caps["CapEff"], 16) & (1 << CAP_SYS_ADMIN), report.read_text()
+    smi = ct.ci / "nvidia-smi.log"
+    if smi.exists():
+        for line in smi.read_text().splitlines():
+            assert int(json.loads(line)["CapEff"], 16) & (1 << CAP_SYS_ADMIN), line
+
+
+def test_journal_priorities_follow_the_level_prefix(enforcing: Container) -> None:
+    entries = [e for e in enforcing.journal() if e.get("_TRANSPORT") == "stdout"]
+    assert entries
+    assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in entries)
+    assert {"4", "6"} <= {e["PRIORITY"] for e in entries}
+
+
+# -- stop and purge --------------------------------------------------------------------------
+def test_stop_is_clean(configured: Container) -> None:
+    ct = configured
+    ct.run(["systemctl", "stop", UNIT])
+    assert ct.prop("ActiveState") == "inactive"
+    assert ct.prop("Result") == "success"
+    assert ct.prop("ExecMainStatus") == "0"
+
+
+def test_purge_removes_the_unit_and_state(ct: Container) -> None:
+    ct.run(["apt-get", "purge", "-y", "-q", "gpuwatchd"])
+    assert not (ct.root / "lib/systemd/system" / UNIT).exists()
+    assert not (ct.root / "var/lib/gpuwatchd").exists()
+    assert not (ct.root / "etc/systemd/system/multi-user.target.wants" / UNIT).exists()
+    load = ct.run(["systemctl", "show", "-p", "LoadState", "--value", UNIT]).stdout.strip()
+    assert load == "not-found"

@@ -315,7 +315,7 @@ class _Procedure:
         try:
             self.env.record_step(self.target, step, data)
         except Exception as err:  # any failure to persist is the same problem
-            self.event(step, "error", outcome="record_failed", detail=str(err), level="error")
+            self.event(step, "record_failed", detail=str(err), level="error")
             return False
         return True
 

@@ -321,7 +321,7 @@ class _Procedure:
 
     def event(self, step: ResetStep, status: str, *, level: str = "info", **fields: object) -> None:
         self.env.emit(
-            "reset_step",
+            "reset.step",
             level,
             gpu=self.target.uuid,
             step=step.value,
@@ -436,7 +436,7 @@ class _Procedure:
         if needs_reboot:
             level = "critical"
         self.env.emit(
-            "reset_finished",
+            "reset.finished",
             level,
             gpu=self.target.uuid,
             result=result,
@@ -487,12 +487,12 @@ def perform_reset(
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
     :func:`gpuwatchd.act.hook_environment` always win). Never raises for a failing step: every
-    way it ends is a :class:`ResetOutcome`, logged as ``reset_finished``.
+    way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
     """
     prepared = _prepare(target, reset)
     if isinstance(prepared, str):
         env.emit(
-            "reset_finished",
+            "reset.finished",
             "error",
             gpu=target.uuid,
             result="refused",
@@ -675,7 +675,7 @@ def resume_interrupted(
         return None
     if step is None or target is None:
         reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
-        env.emit("reset_resume_failed", "error", reason=reason)
+        env.emit("reset.resume_failed", "error", reason=reason)
         return ResetOutcome("failed", ResetStep.DONE, reason, False, None, ())
 
     prepared = _prepare(target, reset)
@@ -688,7 +688,7 @@ def resume_interrupted(
     recorded = record.get("result")
     proc.result = recorded if isinstance(recorded, str) else None
     env.emit(
-        "reset_resumed",
+        "reset.resumed",
         "warning",
         gpu=target.uuid,
         step=step.value,

@@ -103,11 +103,11 @@ class FakeEnvironment:
         self.events.append((event, level, fields))
 
     def finished(self) -> tuple[str, dict[str, object]]:
-        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == "reset_finished"]
+        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == "reset.finished"]
         return level, fields
 
     def step_events(self, step: ResetStep) -> list[dict[str, object]]:
-        return [f for e, _l, f in self.events if e == "reset_step" and f["step"] == step.value]
+        return [f for e, _l, f in self.events if e == "reset.step" and f["step"] == step.value]
 
 
 @pytest.fixture
@@ -455,7 +455,7 @@ def test_dry_run_runs_no_command_and_no_hook_and_records_nothing(smi: FakeSmi) -
     assert reset_event["argv"] == [str(smi.path), *RESET]
     assert reset_event["dry_run"] is True
     would = {
-        f["step"] for e, _l, f in env.events if e == "reset_step" and f["status"] == "would_run"
+        f["step"] for e, _l, f in env.events if e == "reset.step" and f["status"] == "would_run"
     }
     assert would == {
         "drain",

@@ -1,0 +1,355 @@
+"""A Hypothesis state machine drives plan() and record_*() like the daemon does, through random
+findings, processes that appear, exit and have their PID reused, clocks that advance (the wall
+clock also stepping back), reboots, restarts from saved state, admin pause and clears, and
+checks the invariants of DESIGN.md §5 after every poll:
+
+- never a SignalIntent for a floor or protected process, or for an identity that is not the
+  live process holding that PID (PID reuse);
+- never a ResetIntent for a GPU with a live holder, or while another reset is in flight;
+- never more resets of a GPU within the window than ``max_resets``;
+- the real steps of a ladder come in order, each at most once;
+- never more distinct processes signalled per poll / per hour than the kill cap.
+
+Profiles: ``default`` (120 examples, ~6 s) locally; GPUWATCHD_HYPOTHESIS_PROFILE=ci runs 800
+examples of 80 steps (about 90 s on one core).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from gpuwatchd.model import (
+    MIB,
+    CgroupInfo,
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    HolderScan,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+)
+from gpuwatchd.plan import (
+    HookIntent,
+    PlanState,
+    ResetIntent,
+    SignalIntent,
+    clear_circuit,
+    clear_forced_dry_run,
+    plan,
+    record_exit,
+    record_reset,
+    record_signal,
+    set_paused,
+    target_key,
+)
+from gpuwatchd.policy import FLOOR_PROCESS_NAMES, Limits, Policy, Protect, ResetPolicy, Rule, Step
+
+settings.register_profile(
+    "default",
+    max_examples=120,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci",
+    max_examples=800,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default"))
+
+GPUS = ("GPU-aaaa", "GPU-bbbb")
+SELF_PID = 4242
+NORMAL_SLOTS = (1000, 1001, 1002, 1003, 1004)
+SLOTS = (*NORMAL_SLOTS, *NORMAL_SLOTS, 1, 1500, SELF_PID)
+KINDS = (
+    FindingKind.ORPHANED,
+    FindingKind.ABANDONED,
+    FindingKind.HIDDEN_HOLDER,
+    FindingKind.STUCK,
+    FindingKind.ZOMBIE,
+)
+HOLDER_KINDS = {k.value for k in KINDS}
+NAMES = ("python3",) * 6 + ("nv-hostengine", "nvidia-persiste", "Xorg")
+USERS = ("bob",) * 6 + ("alice", None)
+
+POLICY = Policy(
+    dry_run=False,
+    rules=(
+        Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 5.0), Step("SIGKILL", 3.0)), 2.0),
+        Rule("abandoned", FindingKind.ABANDONED, (Step("SIGKILL", 1.0),)),
+        Rule("stuck", FindingKind.STUCK, (Step(None, 0.0),)),
+    ),
+    protect=Protect(users=("alice",)),
+    limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=4, post_action_delay=3.0),
+    reset=ResetPolicy(confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2),
+)
+
+
+def is_floor_or_protected(p: ProcessInfo) -> bool:
+    floor_comms = {n[:15] for n in FLOOR_PROCESS_NAMES}
+    return (
+        p.pid <= 2
+        or p.pid == SELF_PID
+        or bool(p.names & FLOOR_PROCESS_NAMES)
+        or (p.comm or "") in floor_comms
+        or p.user in (None, "alice")
+    )
+
+
+class EscalationMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self) -> None:
+        self.state = PlanState()
+        self.policy = POLICY
+        self.mono = 100.0
+        self.clock = 0.0  # forward time only, across reboots: what the reset limits count
+        self.wall = 1_700_000_000.0
+        self.boot = 0
+        self.ticks = 1000
+        self.procs: dict[int, ProcessInfo] = {}
+        self.findings: dict[int, FindingKind] = {}
+        self.ghosts: set[str] = set()
+        self.in_flight: ResetIntent | None = None
+        # Oracles, in the model's own time (monotonic; the wall clock only ever steps back).
+        self.real_steps: dict[str, int] = {}
+        self.first_signalled: dict[str, float] = {}
+        self.resets_done: list[tuple[str, float]] = []
+        self.polls = 0
+
+    # --- the world ----------------------------------------------------------------------------
+
+    @rule(
+        slot=st.sampled_from(SLOTS),
+        name=st.sampled_from(NAMES),
+        user=st.sampled_from(USERS),
+        kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
+    )
+    def spawn(self, slot: int, name: str, user: str | None, kind: FindingKind | None) -> None:
+        if slot in self.procs:
+            return
+        self.ticks += 1
+        self.procs[slot] = ProcessInfo(
+            pid=slot,
+            start_ticks=self.ticks,
+            state="S",
+            ppid=1,
+            pgid=slot,
+            sid=slot,
+            uid=1000,
+            user=user,
+            comm=name,
+            cmdline=(name, "job.py"),
+            cgroup=CgroupInfo("/user.slice/session-3.scope"),
+        )
+        if kind is not None:
+            self.set_finding(slot, kind)
+
+    @rule(slot=st.sampled_from(SLOTS), seen_by_act=st.booleans())
+    def exit(self, slot: int, seen_by_act: bool) -> None:
+        p = self.procs.pop(slot, None)
+        self.findings.pop(slot, None)
+        if p is not None and seen_by_act and p.identity is not None:
+            self.state = record_exit(self.state, p.identity, now=self.mono).state
+
+    @rule(slot=st.sampled_from(SLOTS), keep_finding=st.booleans())
+    def reuse_pid(self, slot: int, keep_finding: bool) -> None:
+        """The process exits and an unrelated one gets its PID before the next poll."""
+        p = self.procs.get(slot)
+        if p is None:
+            return
+        self.ticks += 1
+        self.procs[slot] = ProcessInfo(
+            pid=slot,
+            start_ticks=self.ticks,
+            state="S",
+            ppid=1,
+            pgid=slot,
+            sid=slot,
+            uid=1000,
+            user="bob",
+            comm="python3",
+            cmdline=("python3", "other.py"),
+        )
+        if not keep_finding:
+            self.findings.pop(slot, None)
+
+    @rule(slot=st.sampled_from(SLOTS), kind=st.sampled_from(KINDS))
+    def set_finding(self, slot: int, kind: FindingKind) -> None:
+        p = self.procs.get(slot)
+        if p is None:
+            return
+        self.findings[slot] = kind
+        state = {FindingKind.STUCK: "D", FindingKind.ZOMBIE: "Z"}.get(kind, "S")
+        self.procs[slot] = replace(p, state=state)
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def clear_finding(self, slot: int) -> None:
+        self.findings.pop(slot, None)
+
+    def advance(self, dt: float) -> None:
+        self.mono += dt
+        self.wall += dt
+        self.clock += dt
+
+    @rule(
+        what=st.sampled_from(["ghost", "ghost", "jump", "jump", "wall_back", "reboot"]),
+        gpu=st.sampled_from(GPUS),
+        amount=st.sampled_from([1.0, 10.0, 30.0, 300.0, 2000.0, 86400.0]),
+    )
+    def world(self, what: str, gpu: str, amount: float) -> None:
+        """Ghost memory comes or goes; time jumps; the wall clock steps back; a reboot."""
+        if what == "ghost":
+            self.ghosts ^= {gpu}
+        elif what == "jump":
+            self.advance(min(amount, 2000.0))
+        elif what == "wall_back":
+            self.mono += 0.1
+            self.clock += 0.1
+            self.wall -= amount
+        else:
+            self.boot += 1
+            self.mono = 50.0
+            self.wall += 120.0
+            self.clock += 120.0
+            self.procs.clear()
+            self.findings.clear()
+            self.in_flight = None
+            self.real_steps.clear()
+            self.first_signalled.clear()
+
+    @rule(what=st.sampled_from(["pause", "resume", "clear_kill_cap", "clear_circuit", "restart"]))
+    def admin(self, what: str) -> None:
+        """An admin's switches, and a daemon restart from its saved state."""
+        if what in ("pause", "resume"):
+            self.state = set_paused(self.state, what == "pause", reason="test")
+        elif what == "clear_kill_cap":
+            self.state = clear_forced_dry_run(self.state)
+        elif what == "clear_circuit":
+            self.state = clear_circuit(self.state)
+        else:
+            self.state = PlanState.from_json(json.loads(json.dumps(self.state.to_json())))
+
+    @precondition(lambda self: self.in_flight is not None)
+    @rule(outcome=st.sampled_from(["success", "failed", "timeout", "refused", "dry_run"]))
+    def finish_reset(self, outcome: str) -> None:
+        intent = self.in_flight
+        assert intent is not None
+        if intent.dry_run:
+            outcome = "dry_run"
+        elif outcome == "dry_run":
+            outcome = "success"
+        result = record_reset(self.state, intent, outcome, now=self.mono, wall=self.wall)
+        self.state = result.state
+        self.in_flight = None
+        if outcome in ("success", "failed", "timeout"):
+            self.resets_done.append((intent.gpu, self.clock))
+        if outcome == "success":
+            self.ghosts.discard(intent.gpu)
+        if outcome in ("failed", "timeout"):
+            assert [type(i) for i in result.intents] == [HookIntent]
+
+    # --- one poll -----------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple[list[Finding], Snapshot]:
+        findings = []
+        holdings = {}
+        for pid, kind in sorted(self.findings.items()):
+            p = self.procs[pid]
+            gpu = GPUS[pid % 2]
+            findings.append(
+                Finding(kind, gpu, pid, p.start_ticks, "test", 300 * MIB, True, {"uvm": True})
+            )
+            holdings[pid] = DeviceHolding(pid, frozenset({pid % 2}), uvm=True)
+        for gpu in sorted(self.ghosts):
+            findings.append(Finding(FindingKind.GHOST_MEMORY, gpu, None, None, "ghost", MIB))
+        snapshot = Snapshot(
+            monotonic=self.mono,
+            wall_time=self.wall,
+            boot_id=f"boot-{self.boot}",
+            nvml=NvmlReading(
+                available=True,
+                gpus=tuple(
+                    GpuInfo(index=i, uuid=u, minor=i, mig_enabled=False) for i, u in enumerate(GPUS)
+                ),
+            ),
+            processes=dict(self.procs),
+            holders=HolderScan("full", holdings),
+            self_pids=frozenset({SELF_PID}),
+        )
+        return findings, snapshot
+
+    @rule(
+        kill_works=st.booleans(),
+        term_works=st.booleans(),
+        dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 5.0]),
+    )
+    def poll(self, kill_works: bool, term_works: bool, dt: float) -> None:
+        """The daemon's loop: time passes, then one poll, and act reports each outcome."""
+        self.advance(dt)
+        findings, snapshot = self._snapshot()
+        result = plan(findings, snapshot, self.state, self.policy, now=self.mono, wall=self.wall)
+        self.state = result.state
+        self.polls += 1
+        new_this_poll = 0
+        for intent in result.intents:
+            if isinstance(intent, SignalIntent):
+                new_this_poll += self._check_and_deliver(intent, kill_works, term_works)
+            elif isinstance(intent, ResetIntent):
+                self._check_reset(intent, findings)
+        assert new_this_poll <= self.policy.limits.max_signalled_per_poll
+
+    def _check_and_deliver(self, intent: SignalIntent, kill_works: bool, term_works: bool) -> int:
+        identity = intent.identity
+        p = self.procs.get(identity.pid)
+        # The identity is the live process holding that PID, never a reuse, never a zombie.
+        assert p is not None
+        assert p.start_ticks == identity.start_ticks
+        assert p.state != "Z"
+        assert not is_floor_or_protected(p), p
+        key = target_key(identity)
+        new = 0
+        if not intent.dry_run:
+            assert intent.step == self.real_steps.get(key, 0) + 1, (intent, self.real_steps)
+            self.real_steps[key] = intent.step
+            if key not in self.first_signalled:
+                self.first_signalled[key] = self.mono
+                new = 1
+            hour = [t for t in self.first_signalled.values() if self.mono - t < 3600.0]
+            assert len(hour) <= self.policy.limits.max_signalled_per_hour
+        outcome = "dry_run" if intent.dry_run else "delivered"
+        self.state = record_signal(self.state, intent, outcome, now=self.mono).state
+        dies = (intent.signal == "SIGKILL" and kill_works) or term_works
+        if not intent.dry_run and dies and p.state != "D":
+            self.procs.pop(identity.pid)
+            self.findings.pop(identity.pid, None)
+        return new
+
+    def _check_reset(self, intent: ResetIntent, findings: list[Finding]) -> None:
+        assert self.in_flight is None, "a second reset while one is in flight"
+        holders = [
+            f for f in findings if f.gpu == intent.gpu and f.pid is not None and f.kind in KINDS
+        ]
+        assert holders == [], holders
+        if not intent.dry_run:
+            window = self.policy.reset.window
+            recent = [t for g, t in self.resets_done if g == intent.gpu and self.clock - t < window]
+            assert len(recent) < self.policy.reset.max_resets
+        self.in_flight = intent
+
+    @invariant()
+    def state_survives_json(self) -> None:
+        assert PlanState.from_json(json.loads(json.dumps(self.state.to_json()))) == self.state
+
+
+TestEscalation = EscalationMachine.TestCase

@@ -72,9 +72,12 @@ class CgroupInfo:
         if self.container_id is not None:
             return f"container:{self.container_id}"
         unit = self.systemd_unit
-        if unit is not None and not unit.startswith("session-") and not unit.startswith("user@"):
-            if unit.endswith((".service", ".scope")) and not unit.endswith(".slice"):
-                return f"unit:{unit}"
+        if (
+            unit is not None
+            and not unit.startswith(("session-", "user@"))
+            and unit.endswith((".service", ".scope"))
+        ):
+            return f"unit:{unit}"
         return None
 
 
@@ -186,7 +189,7 @@ class HolderScan:
 class GpuMemory:
     """Memory of one GPU in bytes.
 
-    ``allocated`` = total − free − reserved from the v2 query (what nvidia-smi shows as used).
+    ``allocated`` = total - free - reserved from the v2 query (what nvidia-smi shows as used).
     With only the v1 query (``api == "v1"``) the reservation is unknown and so is ``allocated``;
     ``used_v1`` then carries v1's "used", which includes the reservation.
     """

@@ -1,0 +1,546 @@
+"""End to end: the real ``gpuwatchd run`` daemon acting on real processes, in a PID namespace.
+
+Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py), so
+the daemon under test can only ever see and signal processes this test started. Resets go to a
+fake reset script that records its argv and restores the fake GPU's memory; nothing here can
+run a real reset. The daemon logs JSON lines to a file, which the scenario returns for the
+assertions outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.fakenvml import GiB, MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+
+pytestmark = [
+    pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    ),
+    pytest.mark.slow,
+]
+
+ORPHAN_RULE = {
+    "name": "orphans",
+    "kind": "orphaned",
+    "for": "0s",
+    "steps": [{"signal": "SIGTERM", "wait": "2s"}, {"signal": "SIGKILL", "wait": "1s"}],
+}
+
+# A stand-in for `nvidia-smi`: logs its argv; a reset refuses while any process holds the GPU's
+# device file (as the driver does), else restores the fake GPU's memory to idle.
+FAKE_SMI = r"""#!/bin/sh
+here=${0%%/*}
+echo "$*" >> "%(log)s"
+case " $* " in
+*" --gpu-reset "*)
+    if [ -f "%(behaviour)s" ]; then read -r behaviour < "%(behaviour)s"; else behaviour=ok; fi
+    if [ "$behaviour" = hang ]; then sleep 1000 & echo $! > "%(root)s/hang.pid"; wait; fi
+    for fd in /proc/[0-9]*/fd/*; do
+        case $(readlink "$fd" 2>/dev/null) in
+        "%(device)s") echo "GPU 00000000:18:00.0: In use by another client"; exit 255 ;;
+        esac
+    done
+    cp "%(restored)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+    echo "GPU 00000000:18:00.0 was successfully reset."
+    echo "All done." ;;
+esac
+exit 0
+"""
+
+
+class Run:
+    """One daemon under test inside the namespace."""
+
+    def __init__(self, host: SimHost, **config: Any) -> None:
+        self.host = host
+        self.log = host.root / "daemon.log"
+        config.setdefault("dry_run", False)
+        config.setdefault("rules", [ORPHAN_RULE])
+        config.setdefault("log", {"format": "json"})
+        config.setdefault("limits", {"post_action_delay": "0s"})
+        self.config = host.config(**config)
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, *extra: str) -> None:
+        handle = open(self.log, "a", encoding="utf-8")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--config", str(self.config), *extra],
+            env=self.host.env(),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        handle.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def events(self) -> list[dict[str, Any]]:
+        found = []
+        if self.log.exists():
+            for line in self.log.read_text().splitlines():
+                try:
+                    found.append(json.loads(line))
+                except ValueError:
+                    found.append({"event": "<unparsed>", "line": line})
+        return found
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.host.reap()
+            if predicate():
+                return True
+            if self.proc is not None and self.proc.poll() is not None:
+                return predicate()
+            time.sleep(0.02)
+        return predicate()
+
+    def saw(self, event: str, **fields: Any) -> bool:
+        return any(
+            e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
+            for e in self.events()
+        )
+
+
+def orphan_host(host: SimHost, *, ignore_term: bool = False, comm: str | None = None) -> None:
+    """A trainer that held GPU 0 has died; its forked worker keeps the device files."""
+    worker_steps: list[dict[str, Any]] = []
+    if comm:
+        worker_steps.append({"comm": comm})
+    if ignore_term:
+        worker_steps.append({"ignore": "SIGTERM"})
+    worker_steps.append({"sleep": 3600})
+    worker = host.script("worker", worker_steps)
+    host.spawn("trainer", [{"setsid": True}, {"open": host.cuda(0)}, {"fork": worker}, {"exit": 0}])
+    pids = host.wait_ready("trainer", "worker")
+    host.wait_gone("trainer")
+    host.nvml([gpu(0, allocated=700 * MiB, processes=[process(pids["trainer"], 700 * MiB)])])
+
+
+def fake_smi(host: SimHost) -> dict[str, Any]:
+    """Write the fake reset script; returns the reset config pointing at it."""
+    idle = json.loads(host.fake.state_path.read_text())
+    for entry in idle["gpus"]:
+        entry["memory"]["used"] = 2 * MiB
+        entry["processes"] = {"compute": [], "graphics": [], "mps": []}
+    restored = host.root / "restored.json"
+    restored.write_text(json.dumps(idle))
+    script = host.root / "fake-nvidia-smi"
+    script.write_text(
+        FAKE_SMI
+        % {
+            "log": host.root / "smi.log",
+            "behaviour": host.root / "reset.behaviour",
+            "root": host.root,
+            "device": host.devices_dir / "nvidia0",
+            "restored": restored,
+            "state": host.fake.state_path,
+        }
+    )
+    script.chmod(0o755)
+    smi = str(script)
+    return {
+        "enabled": True,
+        "command": [smi, "--gpu-reset", "-i", "{uuid}"],
+        "persistence_command": [smi, "-pm", "{mode}", "-i", "{uuid}"],
+        "health_command": [smi, "-q", "-i", "{uuid}"],
+        "confirm_for": "1s",
+        "timeout": "3s",
+        "cooldown": "1h",
+        "max_resets": 3,
+        "window": "1h",
+    }
+
+
+def smi_calls(host: SimHost) -> list[str]:
+    path = host.root / "smi.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _signals(run: Run) -> list[dict[str, Any]]:
+    return [
+        {k: e.get(k) for k in ("pid", "signal", "outcome", "dry_run", "timestamp")}
+        for e in run.events()
+        if e.get("event") == "action.signal"
+    ]
+
+
+# --- scenarios, run inside the namespace ---------------------------------------------------
+
+
+def host_orphan_exits_on_sigterm(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        orphan_host(host)
+        run = Run(host)
+        run.start()
+        gone = run.wait_for(lambda: host.state_of(host.pids["worker"]) is None)
+        run.wait_for(lambda: run.saw("escalation.resolved"), timeout=5)
+        code = run.stop()
+        return {"gone": gone, "signals": _signals(run), "code": code, "pids": host.pids}
+
+
+def host_orphan_ignores_sigterm(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        orphan_host(host, ignore_term=True)
+        run = Run(host)
+        run.start()
+        gone = run.wait_for(lambda: host.state_of(host.pids["worker"]) is None, timeout=30)
+        died_at = time.time()
+        run.stop()
+        return {"gone": gone, "died_at": died_at, "signals": _signals(run), "pids": host.pids}
+
+
+def host_protected_is_never_signalled(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Two inheritors of a dead job: one named nv-hostengine (the floor), one protected."""
+    with SimHost(root) as host:
+        engine = host.script("engine", [{"comm": "nv-hostengine"}, {"sleep": 3600}])
+        keep = host.script("keepme", [{"sleep": 3600}])
+        host.spawn(
+            "trainer",
+            [
+                {"setsid": True},
+                {"open": host.cuda(0)},
+                {"fork": engine},
+                {"fork": keep},
+                {"exit": 0},
+            ],
+        )
+        pids = host.wait_ready("trainer", "engine", "keepme")
+        host.wait_gone("trainer")
+        host.nvml([gpu(0, allocated=GiB, processes=[process(pids["trainer"], GiB)])])
+        run = Run(host, protect={"commands": ['"name": "keepme"']})
+        run.start()
+        run.wait_for(lambda: run.saw("action.refused", pid=pids["keepme"]), timeout=10)
+        time.sleep(3)  # longer than the whole ladder
+        alive = {name: host.alive(pids[name]) for name in ("engine", "keepme")}
+        run.stop()
+        refused = [e for e in run.events() if e.get("event") == "action.refused"]
+        report = host.scan_json(run.config)
+        roles = {h["pid"]: h["role"] for h in report["gpus"][0]["holders"]}
+        return {
+            "alive": alive,
+            "signals": _signals(run),
+            "refused": refused,
+            "pids": pids,
+            "engine_role": roles.get(pids["engine"]),
+        }
+
+
+def host_pid_reuse(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The target exits after SIGTERM and an unrelated process takes its PID."""
+    with SimHost(root) as host:
+        orphan_host(host, ignore_term=True)
+        worker = host.pids["worker"]
+        run = Run(
+            host,
+            rules=[
+                {
+                    **ORPHAN_RULE,
+                    "steps": [
+                        {"signal": "SIGTERM", "wait": "3s"},
+                        {"signal": "SIGKILL", "wait": "1s"},
+                    ],
+                }
+            ],
+        )
+        run.start()
+        run.wait_for(lambda: run.saw("action.signal", pid=worker, signal="SIGTERM"))
+        os.kill(worker, signal.SIGKILL)  # our own child: it "exits" on its own
+        run.wait_for(lambda: host.state_of(worker) is None)
+        # Make the next fork take the same PID (ns_last_pid = pid - 1) and start a bystander.
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(worker - 1))
+        host.spawn("bystander", [{"sleep": 3600}])
+        host.wait_ready("bystander")
+        time.sleep(5)  # past the old ladder's SIGKILL deadline
+        run.stop()
+        return {
+            "worker": worker,
+            "bystander": host.pids["bystander"],
+            "bystander_alive": host.alive(host.pids["bystander"]),
+            "signals": _signals(run),
+        }
+
+
+def host_ghost_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0, allocated=3 * GiB), gpu(1)])
+        run = Run(host, reset=fake_smi(host))
+        run.start()
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        time.sleep(3)  # several more polls, within the cooldown
+        run.stop()
+        memory = json.loads(host.fake.state_path.read_text())["gpus"][0]["memory"]["used"]
+        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        return {"calls": smi_calls(host), "memory": memory, "outcomes": outcomes}
+
+
+def host_reset_blocked_by_hidden_holder(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A `before` hook starts a process that holds the GPU: the final scan must refuse."""
+    with SimHost(root) as host:
+        host.nvml([gpu(0, allocated=3 * GiB)])
+        reset = fake_smi(host)
+        holder = host.root / "holder.sh"
+        holder.write_text(
+            f"#!/bin/sh\nexec 3<>{host.devices_dir / 'nvidia0'}\n"
+            f"setsid sleep 1000 <&3 >/dev/null 2>&1 &\necho $! > {host.root / 'holder.pid'}\n"
+        )
+        holder.chmod(0o755)
+        reset["before"] = [[str(holder)]]
+        run = Run(host, reset=reset)
+        run.start()
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.stop()
+        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        return {"calls": smi_calls(host), "outcomes": outcomes}
+
+
+def host_reset_hangs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        host.nvml([gpu(0, allocated=3 * GiB)])
+        reset = fake_smi(host)
+        (host.root / "reset.behaviour").write_text("hang\n")
+        marker = host.root / "on_failure.ran"
+        run = Run(host, reset=reset, on_failure=[["touch", str(marker)]])
+        run.start()
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(marker.exists, timeout=10)
+        run.stop()
+        hang_pid = int((host.root / "hang.pid").read_text())
+        outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
+        return {
+            "outcomes": outcomes,
+            "on_failure_ran": marker.exists(),
+            "grandchild_alive": host.alive(hang_pid),
+        }
+
+
+def host_restart_mid_escalation(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        orphan_host(host, ignore_term=True)
+        worker = host.pids["worker"]
+        rule = {
+            **ORPHAN_RULE,
+            "steps": [{"signal": "SIGTERM", "wait": "4s"}, {"signal": "SIGKILL", "wait": "1s"}],
+        }
+        first = Run(host, rules=[rule])
+        first.start()
+        first.wait_for(lambda: first.saw("action.signal", pid=worker, signal="SIGTERM"))
+        first.stop()
+        second = Run(host, rules=[rule])
+        second.log = host.root / "daemon2.log"
+        second.start()
+        gone = second.wait_for(lambda: host.state_of(worker) is None, timeout=20)
+        second.stop()
+        return {"first": _signals(first), "second": _signals(second), "gone": gone}
+
+
+def host_killed_mid_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        host.nvml([gpu(0, allocated=3 * GiB)])
+        reset = fake_smi(host)
+        reset["timeout"] = "60s"
+        after = host.root / "after.ran"
+        reset["after"] = [["touch", str(after)]]
+        (host.root / "reset.behaviour").write_text("hang\n")
+        first = Run(host, reset=reset)
+        first.start()
+        first.wait_for((host.root / "hang.pid").exists, timeout=30)
+        first.stop(signal.SIGKILL)  # a crash in the middle of the reset
+        hang_pid = int((host.root / "hang.pid").read_text())
+        os.kill(hang_pid, signal.SIGKILL)  # the orphaned reset command ends on its own
+        (host.root / "reset.behaviour").write_text("ok\n")
+        second = Run(host, reset=reset)
+        second.log = host.root / "daemon2.log"
+        second.start()
+        second.wait_for(lambda: second.saw("reset.resumed"), timeout=20)
+        time.sleep(1)
+        second.stop()
+        return {
+            "calls": smi_calls(host),
+            "after_ran": after.exists(),
+            "second": [e.get("event") for e in second.events()],
+        }
+
+
+def host_kill_cap(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        names = []
+        listed = []
+        for i in range(5):
+            worker = host.script(f"w{i}", [{"sleep": 3600}])
+            host.spawn(
+                f"t{i}", [{"setsid": True}, {"open": host.cuda(0)}, {"fork": worker}, {"exit": 0}]
+            )
+            names += [f"t{i}", f"w{i}"]
+        pids = host.wait_ready(*names)
+        host.wait_gone(*(f"t{i}" for i in range(5)))
+        listed = [process(pids[f"t{i}"], 500 * MiB) for i in range(5)]
+        host.nvml([gpu(0, allocated=2500 * MiB, processes=listed)])
+        run = Run(
+            host,
+            limits={
+                "post_action_delay": "0s",
+                "max_signalled_per_poll": 2,
+                "max_signalled_per_hour": 32,
+            },
+        )
+        run.start()
+        run.wait_for(lambda: run.saw("limits.kill_cap_reached"), timeout=20)
+        time.sleep(2)
+        run.stop()
+        alive = sum(host.alive(pids[f"w{i}"]) for i in range(5))
+        caps = [e for e in run.events() if e.get("event") == "limits.kill_cap_reached"]
+        return {"signals": _signals(run), "alive": alive, "caps": caps}
+
+
+def host_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        orphan_host(host)
+        host.nvml(
+            [
+                gpu(0, allocated=700 * MiB, processes=[process(host.pids["trainer"], 700 * MiB)]),
+                gpu(1, allocated=3 * GiB),
+            ]
+        )
+        run = Run(host, dry_run=True, reset=fake_smi(host))
+        run.start()
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        time.sleep(3)
+        run.stop()
+        return {
+            "alive": host.alive(host.pids["worker"]),
+            "signals": _signals(run),
+            "calls": smi_calls(host),
+            "events": sorted({str(e.get("event")) for e in run.events()}),
+        }
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def run_scenario(name: str, tmp_path: Path, timeout: float = 120.0) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", {}, root=tmp_path, timeout=timeout)
+
+
+def test_orphan_that_exits_on_sigterm_gets_no_sigkill(tmp_path: Path) -> None:
+    result = run_scenario("host_orphan_exits_on_sigterm", tmp_path)
+    worker = result["pids"]["worker"]
+    assert result["gone"] is True
+    sent = [(s["pid"], s["signal"], s["outcome"]) for s in result["signals"]]
+    assert sent == [(worker, "SIGTERM", "delivered")]
+    assert result["code"] == 0
+
+
+def test_orphan_ignoring_sigterm_dies_to_sigkill_when_the_wait_ends(tmp_path: Path) -> None:
+    result = run_scenario("host_orphan_ignores_sigterm", tmp_path)
+    worker = result["pids"]["worker"]
+    assert result["gone"] is True
+    sent = [(s["pid"], s["signal"], s["outcome"]) for s in result["signals"]]
+    assert sent == [(worker, "SIGTERM", "delivered"), (worker, "SIGKILL", "delivered")]
+    term, kill = (_epoch(s["timestamp"]) for s in result["signals"])
+    assert 2.0 - 0.5 <= kill - term <= 2.0 + 0.5, kill - term
+
+
+def test_protected_infrastructure_matching_a_rule_is_never_signalled(tmp_path: Path) -> None:
+    result = run_scenario("host_protected_is_never_signalled", tmp_path)
+    assert result["alive"] == {"engine": True, "keepme": True}
+    assert result["signals"] == []
+    keep = result["pids"]["keepme"]
+    assert [e["pid"] for e in result["refused"] if e["pid"] == keep]
+    assert all("protect" in json.dumps(e) for e in result["refused"] if e["pid"] == keep)
+    # Infrastructure on the floor is never even a target: the scan lists it as management.
+    assert result["engine_role"] == "management"
+
+
+def test_pid_reused_before_the_next_step_is_not_signalled(tmp_path: Path) -> None:
+    result = run_scenario("host_pid_reuse", tmp_path)
+    assert result["bystander"] == result["worker"], "the PID was not reused as arranged"
+    assert result["bystander_alive"] is True
+    kills = [s for s in result["signals"] if s["signal"] == "SIGKILL"]
+    assert all(s["outcome"] != "delivered" for s in kills)
+
+
+def test_ghost_memory_gets_exactly_one_reset_then_cooldown(tmp_path: Path) -> None:
+    result = run_scenario("host_ghost_reset", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert resets[0].endswith("-i GPU-00000000-fake-4000-8000-000000000000")
+    assert result["memory"] == 2 * MiB
+    assert [o["result"] for o in result["outcomes"]] == ["success"]
+
+
+def test_reset_refused_when_a_holder_appears_before_the_final_scan(tmp_path: Path) -> None:
+    result = run_scenario("host_reset_blocked_by_hidden_holder", tmp_path)
+    assert not [c for c in result["calls"] if "--gpu-reset" in c]
+    assert result["outcomes"][0]["result"] == "refused"
+    assert "holds" in json.dumps(result["outcomes"][0]["blockers"])
+
+
+def test_hanging_reset_is_killed_at_the_timeout_and_on_failure_runs(tmp_path: Path) -> None:
+    result = run_scenario("host_reset_hangs", tmp_path)
+    assert result["outcomes"][0]["result"] == "timeout"
+    assert result["on_failure_ran"] is True
+    assert result["grandchild_alive"] is False
+
+
+def test_restart_mid_escalation_continues_the_ladder(tmp_path: Path) -> None:
+    result = run_scenario("host_restart_mid_escalation", tmp_path)
+    assert [s["signal"] for s in result["first"]] == ["SIGTERM"]
+    assert [s["signal"] for s in result["second"]] == ["SIGKILL"]
+    assert result["gone"] is True
+
+
+def test_daemon_killed_mid_reset_finishes_it_at_next_start_without_resetting_again(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario("host_killed_mid_reset", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert result["after_ran"] is True
+    assert any(c.startswith("-pm 1") for c in result["calls"])
+    assert "reset.resumed" in result["second"]
+
+
+def test_kill_cap_honoured_with_dry_run_engaged_and_a_critical_event(tmp_path: Path) -> None:
+    result = run_scenario("host_kill_cap", tmp_path)
+    delivered = {s["pid"] for s in result["signals"] if s["outcome"] == "delivered"}
+    assert len(delivered) <= 2
+    assert result["alive"] >= 3
+    assert result["caps"]
+    assert result["caps"][0]["level"] == "critical"
+
+
+def test_dry_run_logs_the_same_decisions_and_touches_nothing(tmp_path: Path) -> None:
+    result = run_scenario("host_dry_run", tmp_path)
+    assert result["alive"] is True
+    assert result["signals"]
+    assert all(s["dry_run"] is True and s["outcome"] == "dry_run" for s in result["signals"])
+    assert not [c for c in result["calls"] if "--gpu-reset" in c or "-pm" in c]
+    assert "reset.outcome" in result["events"]
+
+
+def _epoch(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()

@@ -680,7 +680,12 @@ def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
 def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> None:
     """One poll of a ladder whose target is alive and still the same process."""
     target = lad.target
-    finding = ctx.findings.get(lad.finding_key)
+    finding = ctx.findings.get(lad.finding_key) or _successor(ctx, lad, proc)
+    if finding is not None and finding.key != lad.finding_key:
+        # The same process, now described by another finding (e.g. orphaned → abandoned): the
+        # ladder follows the process, keeping its steps, so a kind flip never skips a wait.
+        lad = replace(lad, finding_key=finding.key)
+        w.ladders[target] = lad
     if lad.status != "active":
         if lad.dry_run and not _dry(w, ctx) and _hold_reason(w, ctx) is None:
             # What dry-run "would have done" never blocks the real thing: start over.
@@ -734,6 +739,17 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
         return
     _emit_step(w, ctx, lad, proc, finding)
+
+
+def _successor(ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
+    """Another actionable finding about the ladder's target that some rule selects."""
+    for finding in sorted(ctx.findings.values(), key=lambda f: f.key):
+        identity = finding.identity
+        if identity is None or target_key(identity) != lad.target or not finding.actionable:
+            continue
+        if rule_for(finding, proc, ctx.policy, lasted=math.inf) is not None:
+            return finding
+    return None
 
 
 def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:

@@ -1147,3 +1147,20 @@ def test_state_json_round_trip(state: PlanState) -> None:
 def test_state_from_json_rejects_malformed_data(data: object) -> None:
     with pytest.raises(ValueError, match=r"\w"):
         PlanState.from_json(data)
+
+
+def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:
+    rules = [
+        Rule("orphans", FindingKind.ORPHANED, LADDER),
+        Rule("abandoned", FindingKind.ABANDONED, (Step("SIGKILL", 5.0),)),
+    ]
+    pol = policy(rules=rules)
+    p = proc()
+    r = run([orphan(p)], snap([p]), PlanState(), pol, now=0.0)
+    state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
+    flipped = orphan(p, kind=FindingKind.ABANDONED)
+    # orphaned → abandoned: no fresh ladder (SIGKILL at once); the SIGTERM's wait still holds.
+    r = run([flipped], snap([p]), state, pol, now=20.0)
+    assert signals(r) == []
+    r = run([flipped], snap([p]), r.state, pol, now=30.0)
+    assert [(s.signal, s.step, s.finding_key) for s in signals(r)] == [("SIGKILL", 2, flipped.key)]

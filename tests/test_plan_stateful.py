@@ -297,6 +297,11 @@ class EscalationMachine(RuleBasedStateMachine):
     def poll(self, kill_works: bool, term_works: bool, dt: float) -> None:
         """The daemon's loop: time passes, then one poll, and act reports each outcome."""
         self.advance(dt)
+        for pid, p in self.procs.items():
+            if self.findings.get(pid) not in (FindingKind.ORPHANED, FindingKind.ABANDONED):
+                # No actionable finding about this process: a later one is a new episode,
+                # which may start again from step 1.
+                self.real_steps.pop(f"{pid}@{p.start_ticks}", None)
         findings, snapshot = self._snapshot()
         result = plan(findings, snapshot, self.state, self.policy, now=self.mono, wall=self.wall)
         self.state = result.state

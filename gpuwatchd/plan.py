@@ -13,6 +13,9 @@ reboot). It never sends a signal or runs a command: it returns intents, which ``
 carries out after re-verifying the target, and the outcome comes back through
 ``record_signal`` / ``record_exit`` / ``record_reset``. ``None`` means unknown, and unknown
 never leads to an intent.
+
+It is longer than most modules on purpose: the state it carries, and that state's checked JSON
+form, live next to the machine that gives them meaning.
 """
 
 from __future__ import annotations

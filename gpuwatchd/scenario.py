@@ -1,0 +1,683 @@
+"""Scenario files for ``gpuwatchd simulate``: parsing and strict validation.
+
+This module owns the scenario *format* (documented in ``docs/simulate.md``): GPUs, processes
+and how they react to signals, timed events, and an inline policy drop-in. It turns YAML text
+into frozen :class:`Scenario` values and reports every malformed value as a
+:class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reuses
+``config.py``'s position-tracking YAML loader and its duration/size parsers, so a scenario
+spells ``30s`` and ``2GiB`` exactly as a policy does. It runs nothing and decides nothing:
+``simulate.py`` plays the scenario.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import yaml
+
+# The loader is private to config.py; it is shared here on purpose (one position-tracking YAML
+# reader for both file formats), not duplicated.
+from gpuwatchd.config import (
+    ConfigError,
+    _load_document,
+    _Map,
+    _Node,
+    _Scalar,
+    _Seq,
+    parse_duration,
+    parse_size,
+)
+from gpuwatchd.model import MIB
+
+GIB = 1024 * MIB
+FIRST_AUTO_PID = 1000
+SIGTERM_REACTIONS = ("exit", "ignore", "exit_after")
+SIGKILL_REACTIONS = ("exit", "stuck")
+EXIT_MODES = ("release", "zombie", "leak")
+RESET_RESULTS = ("success", "fail", "in_use", "hang", "fell_off_bus")
+VIA = ("fd", "map", "both")
+EVENT_ACTIONS = (
+    "exit",
+    "start",
+    "set_memory",
+    "memory_stays_allocated",
+    "reset_result",
+    "state",
+    "reap",
+    "pause",
+    "resume",
+)
+_TOP_KEYS = (
+    "description",
+    "duration",
+    "interval",
+    "policy",
+    "host",
+    "gpus",
+    "processes",
+    "events",
+)
+_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max")
+_GPU_KEYS = (
+    "index",
+    "uuid",
+    "name",
+    "pci_bus_id",
+    "minor",
+    "memory",
+    "mig",
+    "coherent",
+    "persistence",
+    "lost",
+)
+_MEMORY_KEYS = ("total", "allocated", "reserved")
+_PROCESS_KEYS = (
+    "name",
+    "pid",
+    "ppid",
+    "pgid",
+    "sid",
+    "user",
+    "uid",
+    "command",
+    "comm",
+    "exe",
+    "cgroup",
+    "state",
+    "holds",
+    "nvml",
+    "on_sigterm",
+    "on_sigkill",
+    "on_exit",
+    "exits_at",
+    "visible",
+    "subreaper",
+    "stops_for_reset",
+)
+_HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
+
+
+class ScenarioError(Exception):
+    """A malformed scenario: ``file:line: field: message``. The CLI exits 65 on it."""
+
+    def __init__(
+        self, message: str, *, path: str, line: int | None = None, key: str | None = None
+    ) -> None:
+        self.message = message
+        self.path = path
+        self.line = line
+        self.key = key
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{where}: {self.key + ': ' if self.key else ''}{self.message}"
+
+
+# --- the parsed scenario ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Node-wide facts: whether the daemon sees the host namespaces, an MPS server, pid_max."""
+
+    host_namespaces: bool | None = True
+    mps_server_running: bool = False
+    pid_max: int = 4194304
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores)."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    minor: int
+    total: int
+    allocated: int
+    reserved: int
+    mig: bool = False
+    coherent: bool = False
+    persistence: bool = True
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class HoldSpec:
+    """Which device files a process holds: GPUs by index, through fd and/or map."""
+
+    gpus: tuple[int, ...] = ()
+    via: str = "both"
+    ctl: bool = True
+    uvm: bool = True
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs.
+
+    ``nvml`` maps a GPU index to the memory NVML charges to this process there (it owns a
+    context); None as a value means NVML lists it without a figure.
+    """
+
+    name: str
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    user: str
+    uid: int
+    command: tuple[str, ...]
+    comm: str
+    exe: str | None
+    cgroup: str
+    state: str
+    holds: HoldSpec
+    nvml: Mapping[int, int | None]
+    on_sigterm: str = "exit"
+    sigterm_delay: float = 0.0
+    on_sigkill: str = "exit"
+    on_exit: str = "release"
+    exits_at: float | None = None
+    visible: bool = True
+    subreaper: bool = False
+    stops_for_reset: bool = False
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One timed event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it."""
+
+    at: float
+    action: str
+    line: int
+    target: str | None = None  # a process name (exit, memory_stays_allocated, reap, state)
+    process: ProcessSpec | None = None  # start
+    gpu: int | None = None  # set_memory
+    memory: int | None = None  # set_memory
+    value: str | None = None  # reset_result, state letter, pause reason
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A whole scenario, validated. ``policy_doc`` is the inline policy as a (file, text) pair
+    whose text keeps the scenario's line numbers, ready for ``config.parse_policy_documents``."""
+
+    path: str
+    description: str
+    duration: float
+    interval: float | None
+    policy_doc: tuple[str, str] | None
+    host: HostSpec
+    gpus: tuple[GpuSpec, ...]
+    processes: tuple[ProcessSpec, ...]
+    events: tuple[EventSpec, ...] = field(default_factory=tuple)
+
+    def gpu(self, index: int) -> GpuSpec | None:
+        return next((g for g in self.gpus if g.index == index), None)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def load_scenario(path: str) -> Scenario:
+    """Read and validate the scenario file at ``path``; ScenarioError on any problem."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise ScenarioError("scenario file not found", path=path) from None
+    except UnicodeDecodeError as err:
+        raise ScenarioError(f"not UTF-8 text: {err.reason}", path=path) from None
+    except OSError as err:
+        raise ScenarioError(f"cannot read: {err.strerror}", path=path) from None
+    return parse_scenario(path, text)
+
+
+def parse_scenario(path: str, text: str) -> Scenario:
+    """Validate scenario ``text`` (named ``path`` in messages). Pure."""
+    try:
+        root = _load_document(path, text)
+    except ConfigError as err:
+        raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
+    return _Reader(path, text).scenario(root)
+
+
+def _policy_text(text: str) -> str | None:
+    """The inline ``policy:`` value as its own YAML document, on the same lines as in the file.
+
+    The value is cut out of the text by its YAML marks and preceded by as many newlines (and
+    spaces) as came before it, so a policy error names the scenario's own line numbers.
+    """
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.value == "policy":
+            start, end = value.start_mark, value.end_mark
+            if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
+                return ""
+            return "\n" * start.line + " " * start.column + text[start.index : end.index] + "\n"
+    return None
+
+
+class _Reader:
+    """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
+
+    def __init__(self, path: str, text: str) -> None:
+        self.path = path
+        self.text = text
+        self.next_pid = FIRST_AUTO_PID
+        self.used_pids: set[int] = set()
+        self.names: dict[str, int] = {}
+
+    def fail(self, node: _Node, message: str, key: str | None = None) -> ScenarioError:
+        return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
+
+    # -- typed values --
+
+    def mapping(self, node: _Node, keys: Sequence[str]) -> _Map:
+        if not isinstance(node, _Map):
+            raise self.fail(node, f"expected a mapping, got {_kind(node)}")
+        for key, line in node.key_lines.items():
+            if key not in keys:
+                import difflib
+
+                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ScenarioError(
+                    f"unknown field{hint}; known: {', '.join(keys)}",
+                    path=self.path,
+                    line=line,
+                    key=_join(node.path, key),
+                )
+        return node
+
+    def items(self, node: _Node) -> list[_Node]:
+        if isinstance(node, _Scalar) and node.value is None:
+            return []
+        if not isinstance(node, _Seq):
+            raise self.fail(node, f"expected a list, got {_kind(node)}")
+        return node.items
+
+    def scalar(self, node: _Node) -> object:
+        if not isinstance(node, _Scalar):
+            raise self.fail(node, f"expected a single value, got {_kind(node)}")
+        return node.value
+
+    def string(self, node: _Node) -> str:
+        value = self.scalar(node)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise self.fail(node, f"expected a string, got {_kind(node)}")
+        return str(value)
+
+    def boolean(self, node: _Node) -> bool:
+        value = self.scalar(node)
+        if not isinstance(value, bool):
+            raise self.fail(node, f"expected true or false, got {_kind(node)}")
+        return value
+
+    def integer(self, node: _Node, minimum: int = 0) -> int:
+        value = self.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(node, f"expected an integer >= {minimum}, got {_kind(node)}")
+        return value
+
+    def duration(self, node: _Node) -> float:
+        try:
+            return parse_duration(self.scalar(node), where=node.path)
+        except ConfigError as err:
+            raise self.fail(node, err.message) from None
+
+    def size(self, node: _Node) -> int:
+        try:
+            return parse_size(self.scalar(node), where=node.path)
+        except ConfigError as err:
+            raise self.fail(node, err.message) from None
+
+    def choice(self, node: _Node, choices: Sequence[str]) -> str:
+        value = self.string(node)
+        if value not in choices:
+            raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    # -- the document --
+
+    def scenario(self, root: _Map) -> Scenario:
+        top = self.mapping(root, _TOP_KEYS)
+        get = top.entries.get
+        duration_node = get("duration")
+        if duration_node is None:
+            raise self.fail(root, "missing required field 'duration' (e.g. '10m')", "duration")
+        duration = self.duration(duration_node)
+        if duration <= 0:
+            raise self.fail(duration_node, "must be longer than 0s")
+        interval = None
+        if (node := get("interval")) is not None:
+            interval = self.duration(node)
+            if interval <= 0:
+                raise self.fail(node, "must be longer than 0s")
+        description = self.string(d) if (d := get("description")) is not None else ""
+        host = self.host(get("host"))
+        gpus_node = get("gpus")
+        if gpus_node is None:
+            raise self.fail(root, "missing required field 'gpus' (a list of GPUs)", "gpus")
+        gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
+        if not gpus:
+            raise self.fail(gpus_node, "a scenario needs at least one GPU")
+        self.check_unique(gpus_node, [g.index for g in gpus], "index")
+        self.check_unique(gpus_node, [g.uuid for g in gpus], "uuid")
+        self.check_unique(gpus_node, [g.minor for g in gpus], "minor")
+        indexes = {g.index for g in gpus}
+        proc_nodes = self.items(p) if (p := get("processes")) is not None else []
+        # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
+        for node in proc_nodes:
+            self.reserve(node)
+        event_nodes = self.items(e) if (e := get("events")) is not None else []
+        for node in event_nodes:
+            if isinstance(node, _Map) and isinstance(node.entries.get("start"), _Map):
+                self.reserve(node.entries["start"])
+        processes = tuple(self.process(n, indexes) for n in proc_nodes)
+        events = tuple(self.event(n, indexes) for n in event_nodes)
+        policy_doc = None
+        if "policy" in top.entries:
+            policy_node = top.entries["policy"]
+            if not isinstance(policy_node, _Map) and not (
+                isinstance(policy_node, _Scalar) and policy_node.value is None
+            ):
+                raise self.fail(policy_node, f"expected a mapping, got {_kind(policy_node)}")
+            policy_text = _policy_text(self.text)
+            if policy_text is not None:
+                policy_doc = (self.path, policy_text)
+        return Scenario(
+            path=self.path,
+            description=description,
+            duration=duration,
+            interval=interval,
+            policy_doc=policy_doc,
+            host=host,
+            gpus=gpus,
+            processes=processes,
+            events=tuple(sorted(events, key=lambda ev: ev.at)),
+        )
+
+    def check_unique(self, node: _Node, values: Sequence[object], what: str) -> None:
+        seen: set[object] = set()
+        for value in values:
+            if value in seen:
+                raise self.fail(node, f"two GPUs have the same {what} {value!r}")
+            seen.add(value)
+
+    def host(self, node: _Node | None) -> HostSpec:
+        if node is None:
+            return HostSpec()
+        m = self.mapping(node, _HOST_KEYS)
+        spec = HostSpec()
+        namespaces = spec.host_namespaces
+        if (n := m.entries.get("host_namespaces")) is not None:
+            value = self.scalar(n)
+            if value is not None and not isinstance(value, bool):
+                raise self.fail(n, "expected true, false or null (unknown)")
+            namespaces = value
+        mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
+        pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
+        return HostSpec(namespaces, mps, pid_max)
+
+    def gpu(self, node: _Node, position: int) -> GpuSpec:
+        m = self.mapping(node, _GPU_KEYS)
+        get = m.entries.get
+        index = self.integer(n) if (n := get("index")) is not None else position
+        uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
+        if not uuid.startswith("GPU-"):
+            raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
+        name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
+        bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
+        minor = self.integer(n) if (n := get("minor")) is not None else index
+        total, allocated, reserved = 80 * GIB, 4 * MIB, 512 * MIB
+        if (mem := get("memory")) is not None:
+            mm = self.mapping(mem, _MEMORY_KEYS)
+            total = self.size(n) if (n := mm.entries.get("total")) is not None else total
+            allocated = (
+                self.size(n) if (n := mm.entries.get("allocated")) is not None else allocated
+            )
+            reserved = self.size(n) if (n := mm.entries.get("reserved")) is not None else reserved
+            if allocated + reserved > total:
+                raise self.fail(mem, "allocated + reserved is more than total")
+        flags = {
+            key: self.boolean(n)
+            for key in ("mig", "coherent", "persistence", "lost")
+            if (n := get(key)) is not None
+        }
+        return GpuSpec(
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=bus,
+            minor=minor,
+            total=total,
+            allocated=allocated,
+            reserved=reserved,
+            mig=flags.get("mig", False),
+            coherent=flags.get("coherent", False),
+            persistence=flags.get("persistence", True),
+            lost=flags.get("lost", False),
+        )
+
+    def reserve(self, node: _Node) -> None:
+        """Give a process its name and PID before anything refers to it."""
+        m = self.mapping(node, _PROCESS_KEYS)
+        name_node = m.entries.get("name")
+        if name_node is None:
+            raise self.fail(m, "missing required field 'name'", _join(m.path, "name"))
+        name = self.string(name_node)
+        if name in self.names:
+            raise self.fail(name_node, f"two processes are named {name!r}")
+        if (n := m.entries.get("pid")) is not None:
+            pid = self.integer(n, 3)
+        else:
+            while self.next_pid in self.used_pids:
+                self.next_pid += 1
+            pid = self.next_pid
+            self.next_pid += 1
+        self.used_pids.add(pid)
+        self.names[name] = pid
+
+    def ref(self, node: _Node) -> int:
+        """A process reference: a name from this scenario, or a number (1 = init)."""
+        value = self.scalar(node)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        if isinstance(value, str) and value in self.names:
+            return self.names[value]
+        known = ", ".join(sorted(self.names)) or "none"
+        raise self.fail(node, f"not a PID or a process name of this scenario: {value!r} ({known})")
+
+    def process(self, node: _Node, gpu_indexes: set[int]) -> ProcessSpec:
+        m = self.mapping(node, _PROCESS_KEYS)
+        get = m.entries.get
+        name = self.string(m.entries["name"])
+        pid = self.names[name]
+        ppid = self.ref(n) if (n := get("ppid")) is not None else 1
+        pgid = self.ref(n) if (n := get("pgid")) is not None else pid
+        sid = self.ref(n) if (n := get("sid")) is not None else pgid
+        user = self.string(n) if (n := get("user")) is not None else "root"
+        uid = self.integer(n) if (n := get("uid")) is not None else (0 if user == "root" else 1000)
+        command = self.command(get("command"), name)
+        comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
+        exe = self.string(n) if (n := get("exe")) is not None else None
+        cgroup = self.string(n) if (n := get("cgroup")) is not None else _default_cgroup(uid)
+        if not cgroup.startswith("/"):
+            raise self.fail(get("cgroup") or m, "a cgroup path starts with '/'")
+        state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
+        holds = self.holds(get("holds"), gpu_indexes)
+        nvml = self.nvml(get("nvml"), gpu_indexes)
+        on_sigterm, delay = "exit", 0.0
+        if (n := get("on_sigterm")) is not None:
+            on_sigterm, delay = self.sigterm(n)
+        on_sigkill = self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit"
+        on_exit = self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release"
+        exits_at = self.duration(n) if (n := get("exits_at")) is not None else None
+        flags = {
+            key: self.boolean(n)
+            for key in ("visible", "subreaper", "stops_for_reset")
+            if (n := get(key)) is not None
+        }
+        return ProcessSpec(
+            name=name,
+            pid=pid,
+            ppid=ppid,
+            pgid=pgid,
+            sid=sid,
+            user=user,
+            uid=uid,
+            command=command,
+            comm=comm[:15],
+            exe=exe,
+            cgroup=cgroup,
+            state=state,
+            holds=holds,
+            nvml=nvml,
+            on_sigterm=on_sigterm,
+            sigterm_delay=delay,
+            on_sigkill=on_sigkill,
+            on_exit=on_exit,
+            exits_at=exits_at,
+            visible=flags.get("visible", True),
+            subreaper=flags.get("subreaper", False),
+            stops_for_reset=flags.get("stops_for_reset", False),
+            line=m.line,
+        )
+
+    def command(self, node: _Node | None, name: str) -> tuple[str, ...]:
+        if node is None:
+            return (name,)
+        if isinstance(node, _Seq):
+            argv = tuple(self.string(item) for item in node.items)
+        else:
+            try:
+                argv = tuple(shlex.split(self.string(node)))
+            except ValueError as err:
+                raise self.fail(node, f"cannot split the command line: {err}") from None
+        if not argv:
+            raise self.fail(node, "a command needs at least one word")
+        return argv
+
+    def sigterm(self, node: _Node) -> tuple[str, float]:
+        text = self.string(node).strip()
+        word, _, rest = text.partition(" ")
+        if word == "exit_after" and rest.strip():
+            return "exit_after", self.duration(_Scalar(node.file, node.line, node.path, rest))
+        if word in ("exit", "ignore") and not rest:
+            return word, 0.0
+        raise self.fail(node, f"expected exit, ignore or 'exit_after <duration>', got {text!r}")
+
+    def gpu_index(self, node: _Node, gpu_indexes: set[int]) -> int:
+        index = self.integer(node)
+        if index not in gpu_indexes:
+            raise self.fail(node, f"no GPU with index {index} in this scenario")
+        return index
+
+    def holds(self, node: _Node | None, gpu_indexes: set[int]) -> HoldSpec:
+        if node is None:
+            return HoldSpec(ctl=False, uvm=False)
+        if isinstance(node, _Seq):  # shorthand: a list of GPU indexes
+            return HoldSpec(tuple(self.gpu_index(item, gpu_indexes) for item in node.items))
+        m = self.mapping(node, _HOLDS_KEYS)
+        get = m.entries.get
+        gpus: tuple[int, ...] = ()
+        if (n := get("gpus")) is not None:
+            gpus = tuple(self.gpu_index(item, gpu_indexes) for item in self.items(n))
+        via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
+        ctl = self.boolean(n) if (n := get("ctl")) is not None else True
+        uvm = self.boolean(n) if (n := get("uvm")) is not None else True
+        return HoldSpec(gpus, via, ctl, uvm)
+
+    def nvml(self, node: _Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
+        if node is None:
+            return {}
+        m = node if isinstance(node, _Map) else None
+        if m is None:
+            raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
+        result: dict[int, int | None] = {}
+        for key, value in m.entries.items():
+            if not key.isdigit() or int(key) not in gpu_indexes:
+                raise self.fail(value, f"no GPU with index {key!r} in this scenario")
+            is_null = isinstance(value, _Scalar) and value.value is None
+            result[int(key)] = None if is_null else self.size(value)
+        return result
+
+    def event(self, node: _Node, gpu_indexes: set[int]) -> EventSpec:
+        m = self.mapping(node, ("at", *EVENT_ACTIONS))
+        at_node = m.entries.get("at")
+        if at_node is None:
+            raise self.fail(m, "missing required field 'at' (e.g. '30s')", _join(m.path, "at"))
+        at = self.duration(at_node)
+        actions = [key for key in m.entries if key != "at"]
+        if len(actions) != 1:
+            raise self.fail(m, f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
+        action = actions[0]
+        value = m.entries[action]
+        if action in ("exit", "memory_stays_allocated", "reap"):
+            return EventSpec(at, action, m.line, target=self.name_ref(value))
+        if action == "start":
+            return EventSpec(at, action, m.line, process=self.process(value, gpu_indexes))
+        if action == "set_memory":
+            mm = self.mapping(value, ("gpu", "allocated"))
+            gpu_node, alloc_node = mm.entries.get("gpu"), mm.entries.get("allocated")
+            if gpu_node is None or alloc_node is None:
+                raise self.fail(mm, "set_memory needs 'gpu' and 'allocated'")
+            gpu = self.gpu_index(gpu_node, gpu_indexes)
+            return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
+        if action == "reset_result":
+            return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
+        if action == "state":
+            sm = value if isinstance(value, _Map) else None
+            if sm is None or len(sm.entries) != 1:
+                raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
+            ((proc_name, letter_node),) = sm.entries.items()
+            self.name_ref(_Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
+            letter = self.choice(letter_node, ("R", "S", "D", "T"))
+            return EventSpec(at, action, m.line, target=proc_name, value=letter)
+        reason = self.string(value) if self.scalar(value) is not None else ""
+        return EventSpec(at, action, m.line, value=reason)  # pause / resume
+
+    def name_ref(self, node: _Node) -> str:
+        name = self.string(node)
+        if name not in self.names:
+            known = ", ".join(sorted(self.names)) or "none"
+            raise self.fail(node, f"no process named {name!r} in this scenario ({known})")
+        return name
+
+
+def _kind(node: _Node) -> str:
+    if isinstance(node, _Map):
+        return "a mapping"
+    if isinstance(node, _Seq):
+        return "a list"
+    value = node.value if isinstance(node, _Scalar) else None
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _default_uuid(index: int) -> str:
+    return f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
+
+
+def _default_bus(index: int) -> str:
+    return f"00000000:{(0x17 + 0x10 * index) % 256:02X}:00.0"
+
+
+def _default_cgroup(uid: int) -> str:
+    if uid == 0:
+        return "/system.slice/cron.service"
+    return f"/user.slice/user-{uid}.slice/session-1.scope"

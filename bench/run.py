@@ -1,0 +1,395 @@
+"""``make bench``: every benchmark of issue 6, a table on stdout and JSON in ``bench/results/``.
+
+Owns the run order, the scales, the summary figures and the targets they are held against. The
+whole run re-executes itself as PID 1 of a fresh PID namespace (``unshare --pid --fork
+--mount-proc --kill-child``) when one is available, so ``/proc`` holds only the benchmark's own
+processes, every count is exact, and everything it started dies with it. Without a namespace it
+runs on the host and skips the latency scenarios (they signal processes).
+
+``--quick`` shrinks every figure to a seconds-long smoke run (``tests/test_bench_smoke.py``).
+Numbers from ``--quick`` mean nothing; only the default run is reported in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench import latency  # noqa: E402
+from bench.host import ProcessPool, cuda_devices  # noqa: E402
+from bench.scan import CHAR_PROCFS, CHAR_STANDINS, compare  # noqa: E402
+from gpuwatchd.procfs import ProcFS  # noqa: E402
+from tests.support.fakenvml import MiB, gpu, process  # noqa: E402
+from tests.support.simhost import SimHost, pid_namespace_command  # noqa: E402
+
+FULL: dict[str, Any] = {
+    "default": (2000, 8),
+    "scales": [(500, 8), (8000, 8), (2000, 1), (2000, 16)],
+    "holders": 64,
+    "fds": 50,
+    "scan_rounds": 5,
+    "scale_scan_rounds": 3,
+    "polls": 240,
+    "scale_polls": 120,
+    "interval": 5.0,
+    "mem_polls": 10000,
+    "mem_interval": 0.5,
+    "latency_trials": 3,
+    "latency_interval": 1.0,
+    "latency_for": 1.0,
+    "latency_wait": 1.0,
+}
+QUICK: dict[str, Any] = {
+    "default": (100, 2),
+    "scales": [],
+    "holders": 8,
+    "fds": 10,
+    "scan_rounds": 1,
+    "scale_scan_rounds": 1,
+    "polls": 24,
+    "scale_polls": 12,
+    "interval": 5.0,
+    "mem_polls": 100,
+    "mem_interval": 0.5,
+    "latency_trials": 1,
+    "latency_interval": 0.2,
+    "latency_for": 0.0,
+    "latency_wait": 0.3,
+}
+TARGETS = {
+    "poll_cpu_median_ms": 5.0,
+    "poll_cpu_p99_ms": 15.0,
+    "daemon_core_percent": 0.2,
+    "scan_ratio": 0.5,
+    "rss_mib": 60.0,
+    "gone_ms": 50.0,
+    "kill_slack_ms": 100.0,
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    at = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[at]
+
+
+# --- poll loop --------------------------------------------------------------------------------
+
+
+def nvml_state(host: SimHost, holders: dict[int, tuple[str, ...]], gpus: int) -> None:
+    """Every holder is listed by NVML on its GPU with 500 MiB: a healthy, busy node."""
+    per_gpu: dict[int, list[dict[str, Any]]] = {index: [] for index in range(gpus)}
+    for pid, paths in holders.items():
+        minor = int(paths[-1].rsplit("nvidia", 1)[1])
+        per_gpu[minor].append(process(pid, 500 * MiB))
+    host.nvml(
+        [
+            gpu(index, allocated=(2 + 500 * len(procs)) * MiB, processes=procs)
+            for index, procs in per_gpu.items()
+        ]
+    )
+
+
+def run_pollloop(host: SimHost, polls: int, interval: float, rss_every: int = 0) -> dict[str, Any]:
+    config = host.config(log={"format": "json"})
+    out = host.root / f"poll-{time.monotonic_ns()}.json"
+    spec = {
+        "config": str(config),
+        "polls": polls,
+        "virtual_interval": interval,
+        "rss_every": rss_every,
+        "out": str(out),
+    }
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "pollloop.py"), json.dumps(spec)],
+        env=host.env(),
+        check=True,
+    )
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def summarise_polls(data: dict[str, Any]) -> dict[str, Any]:
+    total = [(d + w) / 1e6 for d, w in zip(data["daemon_ns"], data["worker_ns"], strict=True)]
+    daemon = [d / 1e6 for d in data["daemon_ns"]]
+    worker = [w / 1e6 for w in data["worker_ns"]]
+    targeted = [t for t, full in zip(total, data["full"], strict=True) if not full]
+    fulls = [t for t, full in zip(total, data["full"], strict=True) if full]
+    # The first poll starts the NVML worker and fills caches: not steady state.
+    steady = total[1:]
+    interval = data["virtual_interval"]
+    return {
+        "polls": data["polls"],
+        "full_scans": len(fulls),
+        "cpu_median_ms": statistics.median(steady),
+        "cpu_p99_ms": percentile(steady, 0.99),
+        "targeted_median_ms": statistics.median(targeted) if targeted else None,
+        "targeted_p99_ms": percentile(targeted, 0.99) if targeted else None,
+        "full_median_ms": statistics.median(fulls) if fulls else None,
+        "daemon_median_ms": statistics.median(daemon[1:]),
+        "worker_median_ms": statistics.median(worker[1:]),
+        "core_percent": 100 * statistics.fmean(steady) / 1e3 / interval,
+        "daemon_core_percent": 100 * statistics.fmean(daemon[1:]) / 1e3 / interval,
+        "findings_last_poll": data["findings_last_poll"],
+        "wall_s": data["wall_s"],
+    }
+
+
+def summarise_memory(data: dict[str, Any]) -> dict[str, Any]:
+    samples = data["rss"]
+    totals = [(s["daemon_kib"] + s["worker_kib"]) / 1024 for s in samples]
+    half = len(samples) // 2
+    last_half = totals[half:] if half else totals
+    return {
+        "polls": data["polls"],
+        "rss_end_mib": totals[-1] if totals else None,
+        "daemon_end_mib": samples[-1]["daemon_kib"] / 1024 if samples else None,
+        "worker_end_mib": samples[-1]["worker_kib"] / 1024 if samples else None,
+        "growth_last_half_mib": (last_half[-1] - last_half[0]) if last_half else None,
+        "max_last_half_mib": max(last_half) if last_half else None,
+        "samples": samples,
+    }
+
+
+# --- one scale point ------------------------------------------------------------------------
+
+
+def scale_point(
+    pool: ProcessPool, root: Path, fillers: int, gpus: int, cfg: dict[str, Any], *, main: bool
+) -> dict[str, Any]:
+    point_root = root / f"n{fillers}-g{gpus}"
+    host = SimHost(point_root, gpus=gpus)
+    pool.set_fillers(fillers)
+    pool.set_holders(cuda_devices(host.devices_dir, cfg["holders"], gpus))
+    expected = set(pool.holders)
+    files = [str(host.devices_dir / n) for n in ("nvidiactl", "nvidia-uvm")]
+    files += [str(host.devices_dir / f"nvidia{i}") for i in range(gpus)]
+    rounds = cfg["scan_rounds"] if main else cfg["scale_scan_rounds"]
+    ignore = {os.getpid()}
+    result: dict[str, Any] = {"processes": fillers, "gpus": gpus, "holders": len(expected)}
+    result["scan_path_mode"] = compare(
+        ProcFS(devices_dir=str(host.devices_dir)), files, expected, rounds=rounds, ignore=ignore
+    )
+    nvml_state(host, pool.holders, gpus)
+    polls = cfg["polls"] if main else cfg["scale_polls"]
+    result["poll"] = summarise_polls(run_pollloop(host, polls, cfg["interval"]))
+    if main and os.getpid() == 1:
+        # Device-number mode needs a /proc where nothing else holds /dev/null: our namespace.
+        pool.set_holders([list(CHAR_STANDINS)] * cfg["holders"])
+        char = compare(
+            ProcFS(**CHAR_PROCFS),  # type: ignore[arg-type]
+            list(CHAR_STANDINS),
+            set(pool.holders),
+            rounds=rounds,
+            ignore=ignore,
+        )
+        result["scan_device_mode"] = char
+        pool.set_holders(cuda_devices(host.devices_dir, cfg["holders"], gpus))
+        nvml_state(host, pool.holders, gpus)
+    if main:
+        mem = run_pollloop(
+            host, cfg["mem_polls"], cfg["mem_interval"], rss_every=cfg["mem_polls"] // 20
+        )
+        result["memory"] = summarise_memory(mem)
+    return result
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def verdict(value: float | None, limit: float) -> str:
+    if value is None:
+        return "n/a"
+    return "ok" if value <= limit else "MISS"
+
+
+def table(results: dict[str, Any]) -> str:
+    main = results["main"]
+    rows: list[tuple[str, str, str, str]] = []
+    poll = main["poll"]
+    rows.append(
+        (
+            "poll CPU median (daemon+worker)",
+            f"{poll['cpu_median_ms']:.2f} ms",
+            "<= 5 ms",
+            verdict(poll["cpu_median_ms"], TARGETS["poll_cpu_median_ms"]),
+        )
+    )
+    rows.append(
+        (
+            "poll CPU p99",
+            f"{poll['cpu_p99_ms']:.2f} ms",
+            "<= 15 ms",
+            verdict(poll["cpu_p99_ms"], TARGETS["poll_cpu_p99_ms"]),
+        )
+    )
+    rows.append(
+        (
+            "  targeted polls median / p99",
+            f"{poll['targeted_median_ms']:.2f} / {poll['targeted_p99_ms']:.2f} ms",
+            "",
+            "",
+        )
+    )
+    if poll["full_median_ms"] is not None:
+        rows.append(("  full-scan polls median", f"{poll['full_median_ms']:.1f} ms", "", ""))
+    rows.append(
+        (
+            "daemon CPU at 5 s interval",
+            f"{poll['daemon_core_percent']:.3f} % core",
+            "<= 0.2 %",
+            verdict(poll["daemon_core_percent"], TARGETS["daemon_core_percent"]),
+        )
+    )
+    rows.append(("  daemon+worker at 5 s", f"{poll['core_percent']:.3f} % core", "", ""))
+    for mode in ("scan_path_mode", "scan_device_mode"):
+        scan = main.get(mode)
+        if not scan:
+            continue
+        for tool in ("fuser", "lsof"):
+            ratio = scan[f"ratio_vs_{tool}"]
+            rows.append(
+                (
+                    f"full scan vs {tool} ({mode[5:]})",
+                    f"{scan['gpuwatchd_wall_ms']:.0f} / {scan[f'{tool}_wall_ms']:.0f} ms"
+                    f" = {ratio:.2f}x",
+                    "<= 0.5x",
+                    verdict(ratio, TARGETS["scan_ratio"]),
+                )
+            )
+        rows.append(
+            (
+                f"  holder sets identical ({mode[5:]})",
+                str(scan["identical_sets"]),
+                "True",
+                "ok" if scan["identical_sets"] else "MISS",
+            )
+        )
+    mem = main.get("memory")
+    if mem:
+        rows.append(
+            (
+                f"RSS after {mem['polls']} polls",
+                f"{mem['rss_end_mib']:.1f} MiB",
+                "<= 60 MiB",
+                verdict(mem["rss_end_mib"], TARGETS["rss_mib"]),
+            )
+        )
+        rows.append(
+            ("  growth over last half", f"{mem['growth_last_half_mib']:+.2f} MiB", "~0", "")
+        )
+    lat = results.get("latency")
+    if lat:
+        for key, label, limit in (
+            ("gone_ms", "exit seen after SIGTERM exit", "<= 50 ms"),
+            ("kill_slack_ms", "SIGKILL after wait, slack", "<= 100 ms"),
+            ("acted_slack_ms", "orphan acted, beyond for+interval", "<= 0 ms"),
+        ):
+            value = lat.get(f"{key}_max")
+            limit_v = {"gone_ms": 50.0, "kill_slack_ms": 100.0, "acted_slack_ms": 0.0}[key]
+            rows.append(
+                (
+                    label + " (max)",
+                    "n/a" if value is None else f"{value:.1f} ms",
+                    limit,
+                    verdict(value, limit_v),
+                )
+            )
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'figure':<{width}}  {'measured':<28} {'target':<10} verdict"]
+    lines += [f"{a:<{width}}  {b:<28} {c:<10} {d}" for a, b, c, d in rows]
+    if results.get("scales"):
+        lines.append("")
+        lines.append(
+            "scale: procs gpus | poll med/p99 ms | targeted med ms | full-poll ms | "
+            "%core@5s | scan ms | fuser ms | lsof ms | ratio f/l | same"
+        )
+        for point in results["scales"]:
+            p, s = point["poll"], point["scan_path_mode"]
+            lines.append(
+                f"  {point['processes']:>5} {point['gpus']:>4} | "
+                f"{p['cpu_median_ms']:6.2f}/{p['cpu_p99_ms']:7.1f} | "
+                f"{p['targeted_median_ms'] or 0:6.2f} | {p['full_median_ms'] or 0:7.1f} | "
+                f"{p['core_percent']:.3f} | {s['gpuwatchd_wall_ms']:6.0f} | "
+                f"{s['fuser_wall_ms']:6.0f} | {s['lsof_wall_ms']:6.0f} | "
+                f"{s['ratio_vs_fuser']:.2f}/{s['ratio_vs_lsof']:.2f} | {s['identical_sets']}"
+            )
+    return "\n".join(lines)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def run_all(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "pid_namespace": os.getpid() == 1,
+        },
+        "config": {k: v for k, v in cfg.items()},
+    }
+    pool = ProcessPool(root / "scratch", fds=cfg["fds"])
+    try:
+        fillers, gpus = cfg["default"]
+        print(f"[bench] default host: {fillers} processes, {gpus} GPUs", flush=True)
+        results["main"] = scale_point(pool, root, fillers, gpus, cfg, main=True)
+        if os.getpid() == 1:
+            print("[bench] latency scenarios", flush=True)
+            results["latency"] = latency.run(root / "latency", cfg)
+        results["scales"] = [results["main"]]
+        for fillers, gpus in cfg["scales"]:
+            print(f"[bench] scale: {fillers} processes, {gpus} GPUs", flush=True)
+            results["scales"].append(scale_point(pool, root, fillers, gpus, cfg, main=False))
+        results["scales"].sort(key=lambda p: (p["gpus"] != 8, p["gpus"], p["processes"]))
+    finally:
+        pool.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    parser.add_argument("--no-namespace", action="store_true", help="run on the host /proc")
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.inner and not args.no_namespace and os.getpid() != 1:
+        prefix = pid_namespace_command()
+        if prefix is not None:
+            argv = [*prefix, sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+            return subprocess.run([*argv, "--inner"], check=False).returncode
+        print("[bench] no PID namespace: running on the host, latency skipped", flush=True)
+    cfg = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="gpuwatchd-bench-") as tmp:
+        results = run_all(cfg, Path(tmp))
+    text = table(results)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "quick" if args.quick else "bench"
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for path in (out / f"{name}-{stamp}.json", out / f"{name}-latest.json"):
+        path.write_text(json.dumps(results, indent=1))
+    print(f"[bench] JSON: {out / f'{name}-latest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
 
+    simulate = sub.add_parser(
+        "simulate", parents=[common], help="play a scenario through the decision core"
+    )
+    simulate.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file")
+    simulate.add_argument("--json", action="store_true", help="print the timeline as JSON")
+
+    explain = sub.add_parser(
+        "explain", parents=[common], help="say what the policy would do with a scan --json report"
+    )
+    explain.add_argument("snapshot", metavar="SNAPSHOT", help="output of `gpuwatchd scan --json`")
+    explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
+
     pause = sub.add_parser("pause", parents=[common], help="stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
     resume = sub.add_parser("resume", parents=[common], help="allow actions again")
@@ -109,6 +121,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     if command in ("pause", "resume"):
         return _pause(args, paused=command == "pause")
+    if command == "simulate":
+        return _simulate(args)
+    if command == "explain":
+        return _explain(args)
     raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
 
 
@@ -181,6 +197,41 @@ def _run(args: argparse.Namespace) -> int:
         once=bool(args.once),
         once_timeout=timeout,
     )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from gpuwatchd.config import ConfigError
+    from gpuwatchd.scenario import ScenarioError, load_scenario
+    from gpuwatchd.simulate import SimulationError, render_text, simulate
+
+    try:
+        result = simulate(load_scenario(args.scenario), args.config)
+    except (ScenarioError, SimulationError) as exc:
+        raise CliError(str(exc), EX_DATAERR) from exc
+    except ConfigError as exc:
+        raise CliError(str(exc), EX_CONFIG) from exc
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(result))
+    return EX_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from gpuwatchd.explain import SnapshotError, explain_file, render_explanation
+
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    try:
+        explanation = explain_file(args.snapshot, policy)
+    except SnapshotError as exc:
+        raise CliError(str(exc), EX_DATAERR) from exc
+    if args.json:
+        json.dump(explanation, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_explanation(explanation))
+    return EX_OK
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

@@ -72,7 +72,7 @@ _GPU_KEYS = (
     "persistence",
     "lost",
 )
-_MEMORY_KEYS = ("total", "allocated", "reserved")
+_MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
 _PROCESS_KEYS = (
     "name",
     "pid",
@@ -130,7 +130,8 @@ class HostSpec:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores)."""
+    """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores);
+    ``leaked`` is memory already held by no process at the start (freed only by a reset)."""
 
     index: int
     uuid: str
@@ -140,6 +141,7 @@ class GpuSpec:
     total: int
     allocated: int
     reserved: int
+    leaked: int = 0
     mig: bool = False
     coherent: bool = False
     persistence: bool = True
@@ -438,7 +440,7 @@ class _Reader:
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
         minor = self.integer(n) if (n := get("minor")) is not None else index
-        total, allocated, reserved = 80 * GIB, 4 * MIB, 512 * MIB
+        total, allocated, reserved, leaked = 80 * GIB, 4 * MIB, 512 * MIB, 0
         if (mem := get("memory")) is not None:
             mm = self.mapping(mem, _MEMORY_KEYS)
             total = self.size(n) if (n := mm.entries.get("total")) is not None else total
@@ -446,8 +448,9 @@ class _Reader:
                 self.size(n) if (n := mm.entries.get("allocated")) is not None else allocated
             )
             reserved = self.size(n) if (n := mm.entries.get("reserved")) is not None else reserved
-            if allocated + reserved > total:
-                raise self.fail(mem, "allocated + reserved is more than total")
+            leaked = self.size(n) if (n := mm.entries.get("leaked")) is not None else leaked
+            if allocated + leaked + reserved > total:
+                raise self.fail(mem, "allocated + leaked + reserved is more than total")
         flags = {
             key: self.boolean(n)
             for key in ("mig", "coherent", "persistence", "lost")
@@ -462,6 +465,7 @@ class _Reader:
             total=total,
             allocated=allocated,
             reserved=reserved,
+            leaked=leaked,
             mig=flags.get("mig", False),
             coherent=flags.get("coherent", False),
             persistence=flags.get("persistence", True),

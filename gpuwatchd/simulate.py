@@ -189,7 +189,9 @@ class World:
 
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
-        self.gpus = {g.index: _Gpu(g, g.allocated, g.lost, g.persistence) for g in scenario.gpus}
+        self.gpus = {
+            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence) for g in scenario.gpus
+        }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
         self.procs: dict[int, _Proc] = {}
         self.history: list[_Proc] = []

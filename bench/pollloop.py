@@ -23,9 +23,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpuwatchd.config import load_policy  # noqa: E402
-from gpuwatchd.daemon import Daemon  # noqa: E402
-from gpuwatchd.logs import configure_logging  # noqa: E402
+from gpuwatchd.config import load_policy
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.logs import configure_logging
 
 
 def task_cpu_ns(pid: int) -> int:

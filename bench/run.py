@@ -343,7 +343,7 @@ def run_all(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
             "python": platform.python_version(),
             "pid_namespace": os.getpid() == 1,
         },
-        "config": {k: v for k, v in cfg.items()},
+        "config": dict(cfg.items()),
     }
     pool = ProcessPool(root / "scratch", fds=cfg["fds"])
     try:
@@ -367,6 +367,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke run")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    parser.add_argument("--main-only", action="store_true", help="skip the scale points")
     parser.add_argument("--no-namespace", action="store_true", help="run on the host /proc")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -376,7 +377,9 @@ def main() -> int:
             argv = [*prefix, sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
             return subprocess.run([*argv, "--inner"], check=False).returncode
         print("[bench] no PID namespace: running on the host, latency skipped", flush=True)
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.main_only:
+        cfg["scales"] = []
     with tempfile.TemporaryDirectory(prefix="gpuwatchd-bench-") as tmp:
         results = run_all(cfg, Path(tmp))
     text = table(results)

@@ -43,8 +43,7 @@ def _run_tool(argv: Sequence[str]) -> tuple[float, float, set[int]]:
     proc = subprocess.run(
         list(argv),
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         check=False,
     )
     wall = time.perf_counter() - t0

@@ -139,7 +139,9 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                 name=_opt_str(raw, "name"),
                 pci_bus_id=_opt_str(raw, "pci_bus_id"),
                 minor=minor,
-                mig_enabled=raw.get("mig_enabled") if isinstance(raw.get("mig_enabled"), bool) else None,  # type: ignore[arg-type]
+                mig_enabled=raw.get("mig_enabled")
+                if isinstance(raw.get("mig_enabled"), bool)
+                else None,  # type: ignore[arg-type]
                 persistence_mode=None,
                 lost=raw.get("lost") is True,
             )
@@ -229,9 +231,13 @@ def _no_rule(finding: Finding, proc: ProcessInfo | None, policy: Policy) -> list
         bare = dataclasses.replace(rule, for_=0.0, min_memory=None)
         only = dataclasses.replace(policy, rules=(bare,))
         if rule_for(finding, proc, only, lasted=math.inf) is None:
-            facts = "unknown process" if proc is None else (
-                f"user={proc.user}, cmdline={' '.join(proc.cmdline or ())!r}, "
-                f"cgroup={proc.cgroup.path if proc.cgroup else None}"
+            facts = (
+                "unknown process"
+                if proc is None
+                else (
+                    f"user={proc.user}, cmdline={' '.join(proc.cmdline or ())!r}, "
+                    f"cgroup={proc.cgroup.path if proc.cgroup else None}"
+                )
             )
             reasons.append(f"rule {rule.name}: its filters do not match ({facts})")
     return reasons
@@ -326,7 +332,9 @@ def _explain_reset(
         return
     item["rule"] = "reset"
     item["next"] = {"action": "GPU reset", **_when(now, since, reset.confirm_for)}
-    item["then"] = [f"cooldown {reset.cooldown:g}s; at most {reset.max_resets} per {reset.window:g}s"]
+    item["then"] = [
+        f"cooldown {reset.cooldown:g}s; at most {reset.max_resets} per {reset.window:g}s"
+    ]
     gpu = next((g for g in snapshot.nvml.gpus if g.uuid == finding.gpu), None)
     entry = gpu_protected(finding.gpu, gpu, policy)
     if entry is not None:
@@ -371,8 +379,10 @@ def render_explanation(result: Mapping[str, object]) -> str:
         lines.append("no findings: nothing would be done")
     for item in items:  # type: ignore[attr-defined]
         lines.append("")
-        lines.append(f"{item['kind']} {'pid ' + str(item['pid']) if item['pid'] else 'gpu'} "
-                     f"on {item['gpu']}: {item['reason']}")
+        lines.append(
+            f"{item['kind']} {'pid ' + str(item['pid']) if item['pid'] else 'gpu'} "
+            f"on {item['gpu']}: {item['reason']}"
+        )
         if item["rule"] is None:
             because = "; ".join(item["no_rule_because"]) or "nothing to do for this kind"
             lines.append(f"  rule: none ({because})")

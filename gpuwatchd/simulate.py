@@ -118,7 +118,8 @@ class SimulationResult:
     def resets(self) -> list[tuple[float, str, str]]:
         """(t, GPU UUID, result) for every reset attempt the daemon made."""
         return [
-            (e.t, str(e.fields["gpu"]), str(e.fields["result"])) for e in self.entries("reset.outcome")
+            (e.t, str(e.fields["gpu"]), str(e.fields["result"]))
+            for e in self.entries("reset.outcome")
         ]
 
     def to_json(self) -> dict[str, object]:
@@ -373,9 +374,7 @@ class World:
         )
 
     def processes(self) -> dict[int, ProcessInfo]:
-        return {
-            pid: self.process_info(p) for pid, p in self.procs.items() if p.spec.visible
-        }
+        return {pid: self.process_info(p) for pid, p in self.procs.items() if p.spec.visible}
 
     def holders(self) -> HolderScan:
         holdings: dict[int, DeviceHolding] = {}
@@ -746,9 +745,7 @@ class Simulation:
         if proc is not None and outcome == "delivered":
             proc.signals.append((self.now, intent.signal, outcome))
             self.react(proc, intent.signal)
-        for follow_up in self.take(
-            record_signal(self.plan_state, intent, outcome, now=self.now)
-        ):
+        for follow_up in self.take(record_signal(self.plan_state, intent, outcome, now=self.now)):
             self.execute(follow_up, snapshot)
 
     def react(self, proc: _Proc, signal: str) -> None:
@@ -767,7 +764,9 @@ class Simulation:
                     state="D",
                 )
             else:
-                self.schedule(self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks))
+                self.schedule(
+                    self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks)
+                )
             return
         if spec.on_sigterm == "exit":
             self.schedule(self.now, "exit", (proc.name, f"on {signal}", proc.start_ticks))
@@ -880,14 +879,20 @@ class Simulation:
                 result, needs_reboot, reason = _EXIT_MESSAGES[scripted]
                 if scripted == "fell_off_bus":
                     gpu.lost = True
-            step("reset", "ok" if result == "success" else "failed", reason,
-                 level="info" if result == "success" else "error")
+            step(
+                "reset",
+                "ok" if result == "success" else "failed",
+                reason,
+                level="info" if result == "success" else "error",
+            )
         if persistence_off and gpu is not None and not gpu.lost:
             gpu.persistence = True
             step("persistence_on", "ok", "persistence mode back on")
         if result in ("success", "dry_run"):
             for hook in reset.after:
-                step("after_hooks", "would_run" if dry else "ok", f"after hook {' '.join(hook.argv)}")
+                step(
+                    "after_hooks", "would_run" if dry else "ok", f"after hook {' '.join(hook.argv)}"
+                )
         level = "critical" if needs_reboot else _RESET_LEVELS.get(result, "error")
         self.add(
             "reset.outcome",
@@ -1013,33 +1018,43 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Simulation], str]] = {
     "finding.new": _describe_finding_new,
     "finding.changed": lambda f, s: f"{f.get('kind')} {_target(f, s)} changed: {f.get('reason')}",
     "finding.resolved": _describe_resolved,
-    "escalation.confirming": lambda f, s: f"{f.get('kind')} {_target(f, s)} matches rule "
-    f"{f.get('rule')}; confirming until {_fmt_t(float(f.get('due') or 0))}",  # type: ignore[arg-type]
-    "escalation.step_due": lambda f, s: f"rule {f.get('rule')} step {f.get('step')}/{f.get('of')}: "
-    f"{f.get('signal') or 'report'} {_target(f, s)}, then wait {float(f.get('wait') or 0):g}s"  # type: ignore[arg-type]
-    + (" [dry-run]" if f.get("dry_run") else ""),
+    "escalation.confirming": lambda f, s: (
+        f"{f.get('kind')} {_target(f, s)} matches rule "
+        f"{f.get('rule')}; confirming until {_fmt_t(float(f.get('due') or 0))}"
+    ),  # type: ignore[arg-type]
+    "escalation.step_due": lambda f, s: (
+        f"rule {f.get('rule')} step {f.get('step')}/{f.get('of')}: "
+        f"{f.get('signal') or 'report'} {_target(f, s)}, then wait {float(f.get('wait') or 0):g}s"  # type: ignore[arg-type]
+        + (" [dry-run]" if f.get("dry_run") else "")
+    ),
     "escalation.resolved": lambda f, s: f"escalation of {_target(f, s)} resolved: {f.get('why')}",
     "escalation.ended": lambda f, s: f"escalation of {_target(f, s)} ended: {f.get('why')}",
     "escalation.aborted": lambda f, s: f"escalation of {_target(f, s)} aborted: {f.get('why')}",
     "escalation.restarted": lambda f, s: f"escalation of {_target(f, s)} restarted: {f.get('why')}",
     "action.refused": lambda f, s: f"no action on {_target(f, s)}: {f.get('why')}",
-    "action.deferred": lambda f, s: f"{_target(f, s)} deferred: {f.get('why')} until "
-    f"{_fmt_t(float(f.get('until') or 0))}",  # type: ignore[arg-type]
-    "rule.report_only": lambda f, s: f"{f.get('kind')} {_target(f, s)} matches report-only rule "
-    f"{f.get('rule')}",
+    "action.deferred": lambda f, s: (
+        f"{_target(f, s)} deferred: {f.get('why')} until {_fmt_t(float(f.get('until') or 0))}"
+    ),  # type: ignore[arg-type]
+    "rule.report_only": lambda f, s: (
+        f"{f.get('kind')} {_target(f, s)} matches report-only rule {f.get('rule')}"
+    ),
     "target.stuck": lambda f, s: f"{_target(f, s)} is stuck: {f.get('why')}",
-    "zombie.needs_reap": lambda f, s: f"{_target(f, s)} is a zombie; its parent "
-    f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it",
+    "zombie.needs_reap": lambda f, s: (
+        f"{_target(f, s)} is a zombie; its parent "
+        f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it"
+    ),
     "limits.kill_cap_reached": lambda f, s: f"kill cap reached ({f.get('why')}): dry-run engaged",
     "reset.confirming": lambda f, s: f"{s.gname(f.get('gpu'))}: ghost memory, {f.get('why')}",
-    "reset.due": lambda f, s: f"{s.gname(f.get('gpu'))}: reset due"
-    + (" [dry-run]" if f.get("dry_run") else ""),
+    "reset.due": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: reset due" + (" [dry-run]" if f.get("dry_run") else "")
+    ),
     "reset.refused": lambda f, s: f"{s.gname(f.get('gpu'))}: no reset: {f.get('why')}",
     "reset.limit_reached": lambda f, s: f"{s.gname(f.get('gpu'))}: reset limit: {f.get('why')}",
     "reset.circuit_open": lambda f, s: f"resets stopped: {f.get('why')}",
     "reset.succeeded": lambda f, s: f"{s.gname(f.get('gpu'))}: reset succeeded",
-    "reset.failed": lambda f, s: f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} "
-    f"(failure {f.get('failures')})",
+    "reset.failed": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} (failure {f.get('failures')})"
+    ),
     "reset.dry_run": lambda f, s: f"{s.gname(f.get('gpu'))}: reset would have run (dry-run)",
     "gpu.needs_reboot": lambda f, s: f"{s.gname(f.get('gpu'))} needs a reboot",
 }

@@ -1,0 +1,169 @@
+"""simulate: scenario validation (file, line, field; exit 65), the daemon's wake-up semantics,
+dry-run, speed, and the CLI's text and JSON output."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+
+from gpuwatchd.cli import main
+from gpuwatchd.scenario import ScenarioError, parse_scenario
+from gpuwatchd.simulate import simulate
+
+ORPHANS = """\
+duration: 3m
+policy:
+  dry_run: {dry}
+gpus:
+  - index: 0
+processes:
+  - name: trainer
+    holds: [0]
+    nvml: {{0: 4GiB}}
+  - name: worker
+    ppid: trainer
+    pgid: trainer
+    holds: {{gpus: [0], via: map}}
+    on_sigterm: {sigterm}
+events:
+  - at: 10s
+    exit: trainer
+"""
+
+
+def scenario(dry: str = "false", sigterm: str = "exit") -> str:
+    return ORPHANS.format(dry=dry, sigterm=sigterm)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key", "message"),
+    [
+        ("gpus: [{index: 0}]\n", 1, "duration", "missing required field"),
+        ("duration: 5x\ngpus: [{index: 0}]\n", 1, "duration", "invalid duration"),
+        (
+            "duration: 1m\ngpus:\n  - index: 0\n    memroy: {}\n",
+            4,
+            "gpus[0].memroy",
+            "did you mean",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    ppid: nobody\n",
+            5,
+            "processes[0].ppid",
+            "not a PID or a process name",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    holds: [3]\n",
+            5,
+            "processes[0].holds[0]",
+            "no GPU with index 3",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    on_sigterm: sulk\n",
+            5,
+            "processes[0].on_sigterm",
+            "expected exit, ignore",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n    exit: ghost\n",
+            5,
+            "events[0].exit",
+            "no process named",
+        ),
+        ("duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n", 4, "events[0]", "exactly one"),
+        ("duration: [1m\n", 2, None, "YAML syntax"),
+    ],
+)
+def test_malformed_scenario_names_line_and_field(
+    text: str, line: int, key: str | None, message: str
+) -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert err.value.line == line
+    assert err.value.key == key
+    assert message in err.value.message
+    assert str(err.value).startswith(f"s.yaml:{line}: ")
+
+
+def test_inline_policy_errors_keep_the_scenario_line_numbers() -> None:
+    text = "duration: 1m\ngpus: [{index: 0}]\npolicy:\n  dry_run: false\n  intervall: 5s\n"
+    with pytest.raises(ScenarioError) as err:
+        simulate(parse_scenario("s.yaml", text))
+    assert err.value.line == 5
+    assert err.value.key == "policy.intervall"
+    assert "did you mean 'interval'" in err.value.message
+
+
+def test_cli_exits_65_on_a_malformed_scenario(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("duration: 1m\ngpus:\n  - index: zero\n")
+    assert main(["simulate", str(path)]) == 65
+    assert f"{path}:3: gpus[0].index:" in capsys.readouterr().err
+
+
+def test_worker_ignoring_sigterm_gets_sigkill_when_the_wait_ends() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(sigterm="ignore")))
+    # confirmed 30s after it appeared at +10s; SIGKILL after the 30s wait.
+    assert r.signals() == [
+        (40.0, "worker", "SIGTERM", "delivered"),
+        (70.0, "worker", "SIGKILL", "delivered"),
+    ]
+
+
+def test_exit_after_a_delay_is_seen_at_once_not_at_the_next_poll() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(sigterm="exit_after 2500ms")))
+    exits = r.entries("target.exited")
+    assert [e.t for e in exits] == [42.5]
+    assert [s for _, _, s, _ in r.signals()] == ["SIGTERM"]
+
+
+def test_dry_run_sends_nothing_and_says_what_it_would_do() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(dry="true")))
+    assert r.signals() == [
+        (40.0, "worker", "SIGTERM", "dry_run"),
+        (70.0, "worker", "SIGKILL", "dry_run"),
+    ]
+    assert r.final["signals_delivered"] == 0
+    assert all(p["status"] != "exited" or p["name"] == "trainer" for p in r.final["processes"])  # type: ignore[attr-defined]
+
+
+def test_pause_holds_the_ladder_until_resume() -> None:
+    text = scenario() + "  - at: 5s\n    pause: maintenance\n  - at: 100s\n    resume: null\n"
+    r = simulate(parse_scenario("s.yaml", text))
+    assert [t for t, *_ in r.signals()] == [100.0]
+
+
+def test_one_hour_scenario_runs_in_well_under_a_second() -> None:
+    text = scenario().replace("duration: 3m", "duration: 1h")
+    parsed = parse_scenario("s.yaml", text)
+    started = time.perf_counter()
+    r = simulate(parsed)
+    assert time.perf_counter() - started < 1.0
+    assert r.polls >= 3600 / 5
+
+
+def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(scenario())
+    assert main(["simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "   +40.0s  action   SIGTERM → pid" in out
+    assert "final state at +180.0s" in out
+    assert main(["simulate", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dry_run"] is False
+    assert any(e["event"] == "action.signal" and e["t"] == 40.0 for e in doc["timeline"])
+
+
+def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        "dry_run: true\nrules:\n  - {name: o, kind: orphaned, steps: [{signal: SIGKILL, wait: 1s}]}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", scenario()), str(config))
+    assert r.signals() == [(10.0, "worker", "SIGKILL", "dry_run")]

@@ -33,8 +33,10 @@ What one GPU entry holds (``None`` always means unknown):
   through the ``_v3`` symbol, then ``_v2`` on FunctionNotFound. NVML's "not available" memory
   (2^64-1, which pynvml turns into None) stays ``null``. If the compute list cannot be read the
   whole list is ``null`` (unknown); an unsupported graphics or MPS list contributes nothing;
-- ``mig_mode`` (current mode), ``persistence_mode``, ``numa_node`` (set only on coherent-memory
-  systems; NotSupported is the normal answer elsewhere);
+- ``mig_mode`` (current mode; NotSupported means the GPU has no MIG, so 0 — known disabled,
+  which matters because an unknown MIG mode refuses a reset), ``persistence_mode``,
+  ``numa_node`` (set only on coherent-memory systems; NotSupported is the normal answer
+  elsewhere);
 - ``lost``: NVML_ERROR_GPU_IS_LOST (the GPU fell off the bus) on any call; the GPU keeps what was
   read of its identity and the other GPUs carry on;
 - ``error``: every other failure, as ``"nvmlDeviceGetX: message"`` joined by ``"; "``; the value
@@ -180,8 +182,13 @@ class Worker:
                     self.identity[index] = identity
             entry["memory"] = self.read_memory(reader, handle, entry, notices)
             entry["processes"] = self.read_processes(reader, handle)
+            errors_before = len(reader.errors)
             mig = reader.call("nvmlDeviceGetMigMode", lambda: pynvml.nvmlDeviceGetMigMode(handle))
-            entry["mig_mode"] = None if mig is None else int(mig[0])
+            if mig is not None:
+                entry["mig_mode"] = int(mig[0])
+            elif len(reader.errors) == errors_before:
+                # NotSupported: a GPU without MIG cannot have it enabled (known, not unknown).
+                entry["mig_mode"] = 0
             persistence = reader.call(
                 "nvmlDeviceGetPersistenceMode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle)
             )

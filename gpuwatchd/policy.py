@@ -140,8 +140,10 @@ class ResetPolicy:
 class Limits:
     """Damping (DESIGN.md §2.12): caps past which the daemon switches itself to dry-run."""
 
-    max_signalled_per_poll: int = 4
-    max_signalled_per_hour: int = 32
+    # One crashed 8-GPU job can leave 8 DataLoader workers per GPU: the caps sit above that
+    # everyday incident and below a node-wide massacre.
+    max_signalled_per_poll: int = 16
+    max_signalled_per_hour: int = 64
     post_action_delay: float = 15.0
 
 

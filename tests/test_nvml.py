@@ -208,7 +208,6 @@ def test_v1_memory_fallback_leaves_allocated_unknown_and_is_logged_once_per_gpu(
 @pytest.mark.parametrize(
     ("function", "field"),
     [
-        ("nvmlDeviceGetMigMode", "mig_enabled"),
         ("nvmlDeviceGetPersistenceMode", "persistence_mode"),
         ("nvmlDeviceGetNumaNodeId", "numa_node"),
         ("nvmlDeviceGetName", "name"),
@@ -229,6 +228,18 @@ def test_not_supported_value_is_none_without_an_error(
     assert getattr(reading.gpus[0], field) is None
     assert reading.gpus[0].error is None
     assert getattr(reading.gpus[1], field) is not None
+
+
+def test_mig_not_supported_means_mig_disabled_not_unknown(
+    fake_nvml: FakeNvml, client: NvmlClient
+) -> None:
+    """A GPU without MIG has it off; unknown would wrongly refuse every reset of it."""
+    fake_nvml.write(state([gpu(0, errors={"nvmlDeviceGetMigMode": NVML_ERROR_NOT_SUPPORTED})]))
+
+    info = client.read().gpus[0]
+
+    assert info.mig_enabled is False
+    assert info.error is None
 
 
 def test_numa_node_marks_coherent_memory_and_missing_numa_node_does_not(

@@ -39,7 +39,7 @@ unit: venv fakenvml
 test: venv fakenvml lint typecheck unit
 
 demo: venv fakenvml
-	$(PY) -m gpuwatchd.demo
+	$(PY) -m tests.support.demo
 
 bench: venv fakenvml
 	$(PY) bench/run.py

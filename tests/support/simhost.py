@@ -226,11 +226,17 @@ def pid_namespace_command() -> list[str] | None:
 
 
 def run_in_pid_namespace(
-    target: str, arg: Mapping[str, Any], *, root: Path, timeout: float = 120.0
+    target: str,
+    arg: Mapping[str, Any],
+    *,
+    root: Path,
+    timeout: float = 120.0,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Run ``module:function(arg, root)`` as PID 1 of a new PID namespace; return its result.
 
     The function gets a :class:`SimHost`-friendly root folder and returns a JSON-able dict.
+    ``stream`` lets its output through to ours (for the demo) instead of capturing it.
     Its exceptions come back as an AssertionError carrying the inner traceback.
     """
     prefix = pid_namespace_command()
@@ -251,7 +257,7 @@ def run_in_pid_namespace(
             str(out),
         ],
         env=env,
-        capture_output=True,
+        capture_output=not stream,
         text=True,
         timeout=timeout,
         check=False,

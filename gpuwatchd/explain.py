@@ -65,7 +65,7 @@ def _opt_str(data: Mapping[str, object], key: str) -> str | None:
 
 def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     pid = _opt_int(entry, "pid")
-    if pid is None or entry.get("alive") is None and entry.get("state") is None:
+    if pid is None or (entry.get("alive") is None and entry.get("state") is None):
         return None
     cg = entry.get("cgroup")
     cgroup = None
@@ -119,8 +119,10 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
     findings_raw = _need(report, "findings", (list,), "snapshot")
     host = report.get("host") if isinstance(report.get("host"), dict) else {}
     nvml = report.get("nvml") if isinstance(report.get("nvml"), dict) else {}
-    assert isinstance(gpus_raw, list) and isinstance(findings_raw, list)  # noqa: S101
-    assert isinstance(host, dict) and isinstance(nvml, dict)  # noqa: S101
+    assert isinstance(gpus_raw, list)  # noqa: S101 - checked by _need
+    assert isinstance(findings_raw, list)  # noqa: S101 - checked by _need
+    assert isinstance(host, dict)  # noqa: S101 - chosen above
+    assert isinstance(nvml, dict)  # noqa: S101 - chosen above
     gpus: list[GpuInfo] = []
     processes: dict[int, ProcessInfo] = {}
     holdings: dict[int, DeviceHolding] = {}
@@ -131,7 +133,8 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         uuid = _need(raw, "uuid", (str,), where)
         index = _need(raw, "index", (int,), where)
         minor = _opt_int(raw, "minor")
-        assert isinstance(uuid, str) and isinstance(index, int)  # noqa: S101
+        assert isinstance(uuid, str)  # noqa: S101 - checked by _need
+        assert isinstance(index, int)  # noqa: S101 - checked by _need
         gpus.append(
             GpuInfo(
                 index=index,
@@ -141,7 +144,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                 minor=minor,
                 mig_enabled=raw.get("mig_enabled")
                 if isinstance(raw.get("mig_enabled"), bool)
-                else None,  # type: ignore[arg-type]
+                else None,
                 persistence_mode=None,
                 lost=raw.get("lost") is True,
             )
@@ -202,7 +205,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         ),
         processes=processes,
         holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
-        host_namespaces=host.get("host_namespaces", True),  # type: ignore[arg-type]
+        host_namespaces=host.get("host_namespaces", True),
     )
     return snapshot, findings, first_seen
 
@@ -271,7 +274,16 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             why = report_only.get(finding.gpu or "") or report_only.get("node")
             stops.append(f"report only: {why or 'the assessment marked it not actionable'}")
         if finding.kind == FindingKind.GHOST_MEMORY:
-            _explain_reset(item, stops, finding, findings, snapshot, policy, now, since)
+            _explain_reset(
+                item=item,
+                stops=stops,
+                finding=finding,
+                findings=findings,
+                snapshot=snapshot,
+                policy=policy,
+                now=now,
+                since=since,
+            )
         elif finding.kind in (FindingKind.ZOMBIE, FindingKind.DEAD_PROCESS):
             stops.append(
                 "never signalled: a zombie's parent must reap it"
@@ -317,6 +329,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
 
 
 def _explain_reset(
+    *,
     item: dict[str, object],
     stops: list[str],
     finding: Finding,

@@ -264,7 +264,9 @@ def _policy_text(text: str) -> str | None:
             start, end = value.start_mark, value.end_mark
             if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
                 return ""
-            return "\n" * start.line + " " * start.column + text[start.index : end.index] + "\n"
+            first, column = int(start.line), int(start.column)
+            body = text[int(start.index) : int(end.index)]
+            return "\n" * first + " " * column + body + "\n"
     return None
 
 

@@ -19,6 +19,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from gpuwatchd.assess import Assessment, AssessState, assess
 from gpuwatchd.config import ConfigError, default_policy, load_policy, parse_policy_documents
@@ -561,7 +562,7 @@ class Simulation:
                 assert isinstance(payload, EventSpec)  # noqa: S101 - scheduled as such
                 self.apply(payload)
             else:
-                name, why, identity = payload  # type: ignore[misc]
+                name, why, identity = cast("tuple[str, str, int | None]", payload)
                 proc = self.world.by_name(name)
                 if proc is not None and (identity is None or proc.start_ticks == identity):
                     self.exit_process(proc, why)
@@ -803,7 +804,7 @@ class Simulation:
                 dry_run=intent.dry_run,
             )
 
-    def execute_reset(self, intent: ResetIntent) -> None:
+    def execute_reset(self, intent: ResetIntent) -> None:  # noqa: PLR0915 - the procedure, in order
         """The reset procedure (reset.perform_reset) against the virtual GPU."""
         from gpuwatchd.daemon import reset_blockers
 
@@ -989,6 +990,10 @@ def _size(value: object) -> str:
     return f"{value // MIB} MiB"
 
 
+def _num(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
 def _fmt_t(seconds: float) -> str:
     return f"+{seconds:.1f}s"
 
@@ -1020,11 +1025,11 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Simulation], str]] = {
     "finding.resolved": _describe_resolved,
     "escalation.confirming": lambda f, s: (
         f"{f.get('kind')} {_target(f, s)} matches rule "
-        f"{f.get('rule')}; confirming until {_fmt_t(float(f.get('due') or 0))}"
-    ),  # type: ignore[arg-type]
+        f"{f.get('rule')}; confirming until {_fmt_t(_num(f.get('due')))}"
+    ),
     "escalation.step_due": lambda f, s: (
         f"rule {f.get('rule')} step {f.get('step')}/{f.get('of')}: "
-        f"{f.get('signal') or 'report'} {_target(f, s)}, then wait {float(f.get('wait') or 0):g}s"  # type: ignore[arg-type]
+        f"{f.get('signal') or 'report'} {_target(f, s)}, then wait {_num(f.get('wait')):g}s"
         + (" [dry-run]" if f.get("dry_run") else "")
     ),
     "escalation.resolved": lambda f, s: f"escalation of {_target(f, s)} resolved: {f.get('why')}",
@@ -1033,8 +1038,8 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Simulation], str]] = {
     "escalation.restarted": lambda f, s: f"escalation of {_target(f, s)} restarted: {f.get('why')}",
     "action.refused": lambda f, s: f"no action on {_target(f, s)}: {f.get('why')}",
     "action.deferred": lambda f, s: (
-        f"{_target(f, s)} deferred: {f.get('why')} until {_fmt_t(float(f.get('until') or 0))}"
-    ),  # type: ignore[arg-type]
+        f"{_target(f, s)} deferred: {f.get('why')} until {_fmt_t(_num(f.get('until')))}"
+    ),
     "rule.report_only": lambda f, s: (
         f"{f.get('kind')} {_target(f, s)} matches report-only rule {f.get('rule')}"
     ),
@@ -1065,8 +1070,7 @@ def describe_event(name: str, fields: Mapping[str, object], sim: Simulation) -> 
     describer = _DESCRIBERS.get(name)
     if describer is not None:
         return describer(fields, sim)
-    shown = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    return shown
+    return ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
 
 _QUIET = frozenset({"escalation.signal_recorded"})

@@ -34,6 +34,8 @@ def test_the_extractor_finds_events_from_several_modules() -> None:
 
 
 def test_every_emitted_event_is_documented() -> None:
-    documented = set(re.findall(r"`([a-z0-9_]+\.[a-z0-9_]+)`", (ROOT / "docs" / "events.md").read_text()))
+    documented = set(
+        re.findall(r"`([a-z0-9_]+\.[a-z0-9_]+)`", (ROOT / "docs" / "events.md").read_text())
+    )
     missing = sorted(emitted_names() - documented)
     assert not missing, f"events missing from docs/events.md: {missing}"

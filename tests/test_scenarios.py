@@ -60,7 +60,7 @@ def test_stuck_d_state() -> None:
     assert [e.t for e in r.entries("target.stuck")] == [15.0]
     hooks = r.entries("hook.run")
     assert len(hooks) == 1
-    assert hooks[0].fields["argv"][0] == "scontrol"
+    assert hooks[0].fields["argv"][0] == "scontrol"  # type: ignore[index]
     assert signals_to(r, "worker-ok") == [(40.0, "SIGTERM")]
     assert r.resets() == []
 
@@ -109,7 +109,7 @@ def test_reset_fails_drain() -> None:
     assert [result for _, _, result in r.resets()] == ["failed"]
     hooks = r.entries("hook.run")
     assert len(hooks) == 1
-    assert "state=drain" in hooks[0].fields["argv"]
+    assert "state=drain" in hooks[0].fields["argv"]  # type: ignore[operator]
     assert r.entries("reset.limit_reached")
 
 

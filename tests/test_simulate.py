@@ -163,7 +163,8 @@ def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
 def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
     config = tmp_path / "gpuwatchd.yaml"
     config.write_text(
-        "dry_run: true\nrules:\n  - {name: o, kind: orphaned, steps: [{signal: SIGKILL, wait: 1s}]}\n"
+        "dry_run: true\nrules:\n"
+        "  - {name: o, kind: orphaned, steps: [{signal: SIGKILL, wait: 1s}]}\n"
     )
     r = simulate(parse_scenario("s.yaml", scenario()), str(config))
     assert r.signals() == [(10.0, "worker", "SIGKILL", "dry_run")]

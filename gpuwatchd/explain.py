@@ -306,9 +306,9 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                 item["then"] = [
                     f"wait {first.wait:g}s, then {s.signal or 'report'}" for s in rest
                 ] + [f"wait {rule.steps[-1].wait:g}s, then the ladder ends"]
-                why = refusal(proc, finding, snapshot, policy, frozenset())
-                if why is not None:
-                    stops.append(why)
+            why = refusal(proc, finding, snapshot, policy, frozenset())
+            if why is not None:
+                stops.append(why)
             if policy.dry_run:
                 stops.append("dry_run: true — the step is logged, nothing is sent")
             limits = policy.limits

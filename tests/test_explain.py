@@ -37,8 +37,8 @@ def orphan(result: dict[str, object], pid: int) -> dict[str, object]:
     return next(i for i in items if i["kind"] == "orphaned" and i["pid"] == pid)
 
 
-POLICY = parse_policy_documents([("p.yaml", "dry_run: false\nrules:\n" + (
-    "  - {name: orphans, kind: orphaned, for: 30s, steps: [{signal: SIGTERM, wait: 30s}]}\n"))])  # fmt: skip
+RULE = "  - {name: orphans, kind: orphaned, for: 30s, steps: [{signal: SIGTERM, wait: 30s}]}\n"
+POLICY = parse_policy_documents([("p.yaml", "dry_run: false\nrules:\n" + RULE)])
 
 
 def test_without_first_seen_the_window_counts_from_now() -> None:

@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 FAKENVML_DIR := tests/fakenvml
 FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
+DSTATE := $(FAKENVML_DIR)/build/dstate
 
 .PHONY: all test lint typecheck unit demo bench fakenvml clean
 
@@ -24,7 +25,11 @@ $(FAKENVML): $(FAKENVML_DIR)/fakenvml.c
 	$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -shared -fPIC \
 		-Wl,-soname,libnvidia-ml.so.1 -o $@ $< -lpthread
 
-fakenvml: $(FAKENVML)
+$(DSTATE): tests/support/dstate.c
+	mkdir -p $(FAKENVML_DIR)/build
+	$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -o $@ $<
+
+fakenvml: $(FAKENVML) $(DSTATE)
 
 lint: venv
 	$(VENV)/bin/ruff check gpuwatchd tests bench

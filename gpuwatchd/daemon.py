@@ -392,6 +392,16 @@ class Daemon:
                 self._execute(next_intent)
         elif isinstance(intent, ResetIntent):
             self._execute_reset(intent)
+        elif intent.dry_run:
+            for hook in self.policy.on_failure:
+                log.info(
+                    "hook.run",
+                    hook=intent.hook,
+                    argv=list(hook.argv),
+                    dry_run=True,
+                    outcome="dry_run",
+                    reason=intent.reason,
+                )
         else:
             results = run_hooks(
                 self.policy.on_failure,
@@ -401,6 +411,7 @@ class Daemon:
                 log.warning(
                     "hook.run",
                     hook=intent.hook,
+                    dry_run=False,
                     argv=list(res.argv),
                     returncode=res.returncode,
                     timed_out=res.timed_out,

@@ -180,7 +180,11 @@ class Policy:
 
 
 def default_rules() -> tuple[Rule, ...]:
-    """The rules the shipped config spells out: orphans get SIGTERM, then SIGKILL."""
+    """The rules the shipped config spells out.
+
+    Orphans get SIGTERM, then SIGKILL. A holder stuck in uninterruptible sleep cannot be
+    killed: it is reported and the ``on_failure`` hooks run once (drain the node, page someone).
+    """
     return (
         Rule(
             name="orphans",
@@ -188,4 +192,5 @@ def default_rules() -> tuple[Rule, ...]:
             for_=30.0,
             steps=(Step("SIGTERM", 30.0), Step("SIGKILL", 10.0)),
         ),
+        Rule(name="stuck", kind=FindingKind.STUCK, for_=60.0, steps=(Step(None, 0.0),)),
     )

@@ -107,11 +107,12 @@ def _first_seen_wall(
 ) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
     plan = saved.get("plan")
-    seen = plan.get("first_seen") if isinstance(plan, dict) else None
+    seen = plan.get("seen") if isinstance(plan, dict) else None
     if not isinstance(seen, dict):
         return {}
     result: dict[str, float] = {}
-    for key, mono in seen.items():
+    for key, entry in seen.items():
+        mono = entry.get("first_seen") if isinstance(entry, dict) else None
         if isinstance(key, str) and isinstance(mono, (int, float)):
             result[key] = now_wall - max(0.0, now_monotonic - float(mono))
     return result

@@ -592,7 +592,8 @@ def test_shipped_config_parses_and_equals_default_policy() -> None:
     assert (policy.reset.max_resets, policy.reset.window) == (1, 86400.0)
     assert (policy.limits.max_signalled_per_poll, policy.limits.max_signalled_per_hour) == (16, 64)
     assert [(rule.kind, rule.steps) for rule in policy.rules] == [
-        (FindingKind.ORPHANED, (Step("SIGTERM", 30.0), Step("SIGKILL", 10.0)))
+        (FindingKind.ORPHANED, (Step("SIGTERM", 30.0), Step("SIGKILL", 10.0))),
+        (FindingKind.STUCK, (Step(None, 0.0),)),
     ]
 
 

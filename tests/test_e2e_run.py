@@ -383,6 +383,35 @@ def host_killed_mid_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         }
 
 
+def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """An inheritor stuck in D state: reported, on_failure once, never a SIGKILL loop."""
+    with SimHost(root) as host:
+        host.spawn_stuck("stuck", host.cuda(0))
+        pids = host.wait_ready("stuck")
+        host.wait_state("stuck", "D")
+        host.nvml([gpu(0, allocated=GiB)])
+        marker = host.root / "on_failure.log"
+        hook = host.root / "on_failure.sh"
+        hook.write_text(f"#!/bin/sh\necho \"$GPUWATCHD_EVENT\" >> {marker}\n")
+        hook.chmod(0o755)
+        run = Run(
+            host,
+            on_failure=[[str(hook)]],
+            rules=[ORPHAN_RULE, {"name": "stuck", "kind": "stuck", "steps": [{"signal": None}]}],
+        )
+        run.start()
+        run.wait_for(lambda: run.saw("target.stuck"), timeout=15)
+        time.sleep(3)  # many polls: the hook must not run again
+        run.stop()
+        stuck_events = [e for e in run.events() if e.get("event") == "target.stuck"]
+        return {
+            "signals": _signals(run),
+            "stuck_events": stuck_events,
+            "hook_runs": marker.read_text().splitlines() if marker.exists() else [],
+            "still_there": host.state_of(pids["stuck"]),
+        }
+
+
 def host_kill_cap(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root) as host:
         names = []
@@ -428,7 +457,10 @@ def host_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
         time.sleep(3)
         run.stop()
+        report = host.scan_json(run.config)  # reads the stopped daemon's state
         return {
+            "first_seen": {f["kind"]: f["first_seen"] for f in report["findings"]},
+            "scanned_at": time.time(),
             "alive": host.alive(host.pids["worker"]),
             "signals": _signals(run),
             "calls": smi_calls(host),
@@ -522,6 +554,15 @@ def test_daemon_killed_mid_reset_finishes_it_at_next_start_without_resetting_aga
     assert "reset.resumed" in result["second"]
 
 
+def test_stuck_target_is_reported_once_and_never_put_through_sigkill(tmp_path: Path) -> None:
+    result = run_scenario("host_stuck_orphan", tmp_path)
+    assert [s for s in result["signals"] if s["signal"] == "SIGKILL"] == []
+    assert result["stuck_events"]
+    assert result["stuck_events"][0]["level"] == "critical"
+    assert len(result["hook_runs"]) == 1
+    assert result["still_there"] == "D"
+
+
 def test_kill_cap_honoured_with_dry_run_engaged_and_a_critical_event(tmp_path: Path) -> None:
     result = run_scenario("host_kill_cap", tmp_path)
     delivered = {s["pid"] for s in result["signals"] if s["outcome"] == "delivered"}
@@ -538,6 +579,10 @@ def test_dry_run_logs_the_same_decisions_and_touches_nothing(tmp_path: Path) -> 
     assert all(s["dry_run"] is True and s["outcome"] == "dry_run" for s in result["signals"])
     assert not [c for c in result["calls"] if "--gpu-reset" in c or "-pm" in c]
     assert "reset.outcome" in result["events"]
+    # scan shows since when the daemon has seen each finding (explain uses it).
+    seen = result["first_seen"]
+    assert {"orphaned", "ghost_memory"} <= set(seen)
+    assert all(t is not None and t < result["scanned_at"] - 3 for t in seen.values()), seen
 
 
 def _epoch(stamp: str) -> float:

@@ -133,6 +133,16 @@ def host_zombie(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         return _scan(host, pids)
 
 
+def host_stuck(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A holder of GPU 0 in uninterruptible sleep (D): it cannot be killed."""
+    with SimHost(root) as host:
+        host.spawn_stuck("stuck", host.cuda(0))
+        pids = host.wait_ready("stuck")
+        host.wait_state("stuck", "D")
+        host.nvml([gpu(0, allocated=GiB)])
+        return _scan(host, pids)
+
+
 def host_ghost(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root, gpus=2) as host:
         host.nvml([gpu(0, allocated=2 * GiB), gpu(1)])
@@ -290,6 +300,14 @@ def test_listed_zombie_is_reported_with_its_parent(tmp_path: Path) -> None:
     zombies = findings(result, "zombie")
     assert [f["pid"] for f in zombies] == [result["pids"]["child"]]
     assert str(result["pids"]["parent"]) in json.dumps(zombies[0]["evidence"])
+
+
+def test_holder_in_uninterruptible_sleep_is_stuck(tmp_path: Path) -> None:
+    result = run("host_stuck", tmp_path)
+    stuck = result["pids"]["stuck"]
+    assert process_findings_for(result, stuck) == ["stuck"]
+    assert findings(result, "ghost_memory") == []
+    assert holders(result)[stuck]["state"] == "D"
 
 
 def test_ghost_memory_on_a_gpu_nobody_holds(tmp_path: Path) -> None:

@@ -7,6 +7,9 @@ A fake NVML (tests/fakenvml) stands in for the driver, and real processes stand 
   workers inherited the device files and keep 2 GiB pinned;
 - GPU 2: 3 GiB allocated that no process holds any more (a context leaked after an Xid).
 
+Last, ``gpuwatchd simulate`` replays the most common incident (orphaned DataLoader workers) on
+a virtual clock with the shipped policy's timings, as an admin would before enforcing.
+
 The demo runs the real ``gpuwatchd scan``, then ``gpuwatchd run --once`` with an enforcing
 policy (SIGTERM → SIGKILL for orphans; a reset for ghost memory through a fake ``nvidia-smi``
 that only prints and restores the fake GPU), then ``scan`` again. A small "driver" loop frees a
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -207,7 +211,17 @@ def main() -> int:
     else:
         print("(no PID namespace available: running among this user's own processes)")
         result = demo({}, root)
-    return 0 if result.get("ok") else 1
+    banner(
+        "4. Predict before you enforce: gpuwatchd simulate (the real decision core, virtual clock)"
+    )
+    scenario = (
+        Path(__file__).resolve().parents[2] / "examples" / "scenarios" / "dataloader-orphans.yaml"
+    )
+    sys.stdout.flush()
+    simulated = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "simulate", str(scenario)], check=False
+    )
+    return 0 if result.get("ok") and simulated.returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,12 @@ NVML_ERROR_UNKNOWN = 999
 def ensure_built() -> Path:
     """Build the fake library with ``make fakenvml`` unless it is there and up to date."""
     source = FAKENVML_DIR / "fakenvml.c"
-    if not LIBRARY.exists() or LIBRARY.stat().st_mtime < source.stat().st_mtime:
+    helper = LIBRARY_DIR / "dstate"  # built by the same make target (tests/support/dstate.c)
+    if (
+        not LIBRARY.exists()
+        or not helper.exists()
+        or LIBRARY.stat().st_mtime < source.stat().st_mtime
+    ):
         subprocess.run(
             ["make", "--no-print-directory", "fakenvml"],
             cwd=REPO_ROOT,

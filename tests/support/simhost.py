@@ -85,6 +85,19 @@ class SimHost:
         pid = os.posix_spawn(sys.executable, argv, env)
         self.children.append(pid)
 
+    def spawn_stuck(self, name: str, files: Sequence[str]) -> None:
+        """Start a process that holds ``files`` and then sleeps uninterruptibly (state D)."""
+        binary = str(fakenvml.ensure_built().parent / "dstate")
+        ready = str(self.ready_dir / name)
+        self.children.append(os.posix_spawn(binary, [binary, ready, *files], dict(os.environ)))
+
+    def wait_state(self, name: str, state: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.state_of(self.pids[name]) != state:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} never reached state {state}")
+            time.sleep(0.01)
+
     def wait_ready(self, *names: str, timeout: float = 20.0) -> dict[str, int]:
         """Wait until the named actors have announced their PIDs; returns all known PIDs."""
         deadline = time.monotonic() + timeout

@@ -392,7 +392,7 @@ def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.nvml([gpu(0, allocated=GiB)])
         marker = host.root / "on_failure.log"
         hook = host.root / "on_failure.sh"
-        hook.write_text(f"#!/bin/sh\necho \"$GPUWATCHD_EVENT\" >> {marker}\n")
+        hook.write_text(f'#!/bin/sh\necho "$GPUWATCHD_EVENT" >> {marker}\n')
         hook.chmod(0o755)
         run = Run(
             host,

@@ -1021,14 +1021,16 @@ def assess(
     snapshot: Snapshot,
     previous: AssessState,
     detection: Detection,
-    ended_jobs: frozenset[str] = frozenset(),
+    ended_jobs: frozenset[str] | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
     Pure: reads only its arguments. ``ended_jobs`` holds job keys (``CgroupInfo.job_key``) that
-    collection knows to have ended; processes still living in them are ``abandoned``.
+    collection knows to have ended (default: ``snapshot.ended_jobs``); processes still living
+    in them are ``abandoned``.
     """
-    assessor = _Assessor(snapshot, previous, detection, ended_jobs)
+    ended = snapshot.ended_jobs if ended_jobs is None else ended_jobs
+    assessor = _Assessor(snapshot, previous, detection, ended)
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpuwatchd.jobs import ended_jobs
 from gpuwatchd.model import NvmlReading, ProcessInfo, Snapshot
 from gpuwatchd.nvml import NvmlClient
 from gpuwatchd.procfs import ProcFS
@@ -31,6 +32,7 @@ class Collector:
     nvml: NvmlClient
     full_scan_interval: float = 60.0
     namespace_check: bool = True
+    cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     idle_memory_hint: int = 64 * 1024 * 1024
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
@@ -74,6 +76,9 @@ class Collector:
             host_namespaces=self.procfs.sees_host_namespaces() if self.namespace_check else True,
             mps_server_running=any(p.names & MPS_SERVER_NAMES for p in processes.values()),
             nvidia_uvm_major=self.procfs.uvm_major(),
+            ended_jobs=ended_jobs(
+                (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
+            ),
         )
 
     def _full_scan_needed(

@@ -28,6 +28,7 @@ from gpuwatchd.act import Signaller, run_hooks
 from gpuwatchd.assess import Assessment, AssessState, assess
 from gpuwatchd.collect import Collector
 from gpuwatchd.config import ConfigError, load_policy
+from gpuwatchd.jobs import cgroup2_mount
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.model import HolderScan, ProcessInfo, Snapshot
 from gpuwatchd.nvml import NvmlClient
@@ -200,6 +201,7 @@ class Daemon:
             self.procfs,
             self.nvml,
             namespace_check=policy.namespace_check,
+            cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
         )

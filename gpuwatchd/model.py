@@ -265,7 +265,8 @@ class Snapshot:
     holders, their parents and process-tree relatives). ``self_pids`` are the daemon's own
     processes (itself, its NVML worker), never holders or targets. ``host_namespaces`` is False
     when the daemon does not see the host PID and cgroup namespaces (then NVML's PIDs point at
-    the wrong processes and everything is report-only).
+    the wrong processes and everything is report-only). ``ended_jobs`` names the jobs
+    (``CgroupInfo.job_key``) of device holders that are known to be over.
     """
 
     monotonic: float
@@ -279,6 +280,7 @@ class Snapshot:
     host_namespaces: bool | None = True
     mps_server_running: bool = False
     nvidia_uvm_major: int | None = None
+    ended_jobs: frozenset[str] = frozenset()  # job keys known to have ended (jobs.py)
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from gpuwatchd import __version__
 from gpuwatchd.assess import AssessState, assess
 from gpuwatchd.collect import Collector
+from gpuwatchd.jobs import cgroup2_mount
 from gpuwatchd.nvml import NvmlClient
 from gpuwatchd.policy import Policy
 from gpuwatchd.procfs import ProcFS
@@ -63,7 +64,12 @@ def read_boot_time(proc_root: str) -> float | None:
 def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> ScanResult:
     nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
     try:
-        collector = Collector(procfs_for(policy), nvml, namespace_check=policy.namespace_check)
+        collector = Collector(
+            procfs_for(policy),
+            nvml,
+            namespace_check=policy.namespace_check,
+            cgroup_root=cgroup2_mount(),
+        )
         snapshot = collector.collect(full=True)
     finally:
         nvml.close()

@@ -1,0 +1,83 @@
+"""Which jobs have ended: the evidence behind the ``abandoned`` finding (DESIGN.md §3).
+
+This module owns reading a scheduler's own bookkeeping from cgroupfs to tell whether a job is
+over while some of its processes live on. It decides nothing about processes; ``assess`` does.
+
+Judged today: **Slurm on cgroup v2**. Slurm places each step's ``slurmstepd`` in
+``…/slurmstepd.scope/job_<ID>/step_<S>/slurm`` and the user's tasks beside it in
+``…/step_<S>/user/task_<N>``. While any step of the job has a live ``slurmstepd``, the job is
+running; when none has one, Slurm is done with the job and whatever still sits in its task
+cgroups is left behind. Every other kind of job (Slurm on cgroup v1, pods, containers, systemd
+units) is never judged ended here: their runtimes either kill stragglers themselves (a
+container's processes die with its PID namespace) or keep the job's state where a daemon
+cannot read it cheaply, and unknown never triggers an action.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+
+from gpuwatchd.model import ProcessInfo
+
+_SLURM_JOB_DIR = re.compile(r"^(?P<dir>/.*?/job_(?P<job>\d+))(?:/|$)")
+
+
+def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """Where the unified (v2) cgroup hierarchy is mounted, or None without one."""
+    try:
+        with open(mountinfo, encoding="utf-8") as handle:
+            for line in handle:
+                left, _, right = line.partition(" - ")
+                if right.split(" ", 1)[0] == "cgroup2":
+                    return left.split()[4]
+    except OSError:
+        return None
+    return None
+
+
+def slurm_job_ended(job_dir: str) -> bool | None:
+    """True when no step of the Slurm job at ``job_dir`` has a live slurmstepd.
+
+    None (unknown) when the job's cgroup cannot be read or has no step at all: a job that is
+    only starting has no step yet, and a missing directory is not proof of anything.
+    """
+    try:
+        steps = [entry.path for entry in os.scandir(job_dir) if entry.name.startswith("step_")]
+    except OSError:
+        return None
+    if not steps:
+        return None
+    for step in steps:
+        try:
+            with open(os.path.join(step, "slurm", "cgroup.procs"), encoding="ascii") as handle:
+                if handle.read().strip():
+                    return False
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return True
+
+
+def ended_jobs(processes: Iterable[ProcessInfo], cgroup_root: str | None) -> frozenset[str]:
+    """Job keys (``CgroupInfo.job_key``) of these processes whose job is known to have ended."""
+    if cgroup_root is None:
+        return frozenset()
+    ended: set[str] = set()
+    judged: set[str] = set()
+    for proc in processes:
+        cgroup = proc.cgroup
+        if cgroup is None or cgroup.slurm_job is None:
+            continue
+        match = _SLURM_JOB_DIR.match(cgroup.path)
+        if match is None or match.group("job") != cgroup.slurm_job:
+            continue
+        key = f"slurm:{cgroup.slurm_job}"
+        if key in judged:
+            continue
+        judged.add(key)
+        if slurm_job_ended(cgroup_root.rstrip("/") + match.group("dir")):
+            ended.add(key)
+    return frozenset(ended)

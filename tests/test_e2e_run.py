@@ -9,6 +9,7 @@ assertions outside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -412,6 +413,60 @@ def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         }
 
 
+SLURM_SCOPE = "system.slice/slurmstepd.scope"
+
+
+def host_abandoned_slurm_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Job 41 runs (its slurmstepd lives); job 42 ended but a task still holds GPU 1."""
+    base = Path(arg["cgroup_base"])
+    dirs = {}
+    for job in (41, 42):
+        for sub in ("slurm", "user/task_0"):
+            path = base / SLURM_SCOPE / f"job_{job}" / "step_0" / sub
+            path.mkdir(parents=True, exist_ok=True)
+            dirs[(job, sub)] = str(path)
+    with SimHost(root, gpus=2) as host:
+        host.spawn("stepd41", [{"cgroup": dirs[(41, "slurm")]}, {"sleep": 3600}])
+        # slurmstepd starts each task in a session of its own.
+        for job, minor in ((41, 0), (42, 1)):
+            host.spawn(
+                f"task{job}",
+                [
+                    {"setsid": True},
+                    {"cgroup": dirs[(job, "user/task_0")]},
+                    {"open": host.cuda(minor)},
+                ],
+            )
+        pids = host.wait_ready("stepd41", "task41", "task42")
+        host.nvml(
+            [
+                gpu(0, allocated=GiB, processes=[process(pids["task41"], GiB)]),
+                gpu(1, allocated=GiB),
+            ]
+        )
+        rule = {
+            "name": "ended-jobs",
+            "kind": "abandoned",
+            "for": "0s",
+            "steps": [{"signal": "SIGTERM", "wait": "2s"}, {"signal": "SIGKILL", "wait": "1s"}],
+        }
+        run = Run(host, rules=[rule])
+        run.start()
+        gone = run.wait_for(lambda: host.state_of(pids["task42"]) is None, timeout=20)
+        run.stop()
+        signalled = [
+            (e.get("pid"), e.get("kind"), e.get("signal"))
+            for e in run.events()
+            if e.get("event") == "action.signal"
+        ]
+        return {
+            "pids": pids,
+            "gone": gone,
+            "signalled": signalled,
+            "task41_alive": host.alive(pids["task41"]),
+        }
+
+
 def host_kill_cap(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root) as host:
         names = []
@@ -561,6 +616,45 @@ def test_stuck_target_is_reported_once_and_never_put_through_sigkill(tmp_path: P
     assert result["stuck_events"][0]["level"] == "critical"
     assert len(result["hook_runs"]) == 1
     assert result["still_there"] == "D"
+
+
+@pytest.fixture
+def cgroup_base() -> Any:
+    """A scratch cgroup v2 subtree the test may create and move its own processes into."""
+    from gpuwatchd.jobs import cgroup2_mount
+
+    mount = cgroup2_mount()
+    if mount is None or os.geteuid() != 0:
+        pytest.skip("needs root and a cgroup v2 hierarchy to build a Slurm job's cgroups")
+    base = Path(mount) / f"gpuwatchd-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        base.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create cgroups under {mount}: {exc}")
+    yield base
+    for path in sorted(base.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir():
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (Path(mount) / "cgroup.procs").write_text(pid)
+            path.rmdir()
+    base.rmdir()
+
+
+def test_process_left_behind_by_an_ended_slurm_job_is_abandoned_and_signalled(
+    tmp_path: Path, cgroup_base: Path
+) -> None:
+    result = run_in_pid_namespace(
+        f"{__name__}:host_abandoned_slurm_job",
+        {"cgroup_base": str(cgroup_base)},
+        root=tmp_path,
+        timeout=120,
+    )
+    task42 = result["pids"]["task42"]
+    assert result["gone"] is True
+    assert (task42, "abandoned", "SIGTERM") in [tuple(s) for s in result["signalled"]]
+    assert all(s[0] == task42 for s in result["signalled"])
+    assert result["task41_alive"] is True
 
 
 def test_kill_cap_honoured_with_dry_run_engaged_and_a_critical_event(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Steps run in order; each is a one-key object:
 - ``{"open": [path, ...]}`` — open files and keep the fds (inherited by forks);
 - ``{"mmap": path}`` — map a file (MAP_SHARED) and keep the mapping;
 - ``{"close": "all"}`` — close every fd opened so far (mappings stay);
+- ``{"cgroup": dir}`` — move into the cgroup (v2) at ``dir``;
 - ``{"comm": name}`` — rename the process (what ``ps`` and ``/proc/PID/comm`` show);
 - ``{"setsid": true}`` — become a session (and process-group) leader;
 - ``{"ignore": "SIGTERM"}`` — ignore a signal;
@@ -80,6 +81,9 @@ def run(script: dict[str, Any]) -> None:
             for fd in fds:
                 os.close(fd)
             fds.clear()
+        elif "cgroup" in step:
+            with open(os.path.join(step["cgroup"], "cgroup.procs"), "w", encoding="ascii") as f:
+                f.write(str(os.getpid()))
         elif "comm" in step:
             with open("/proc/self/comm", "w", encoding="utf-8") as handle:
                 handle.write(step["comm"])

@@ -627,11 +627,20 @@ def describe_status(
         parts.append(f"{len(lost)} lost (needs reboot)")
     count = len(assessment.findings)
     parts.append(f"{count} finding{'s' if count != 1 else ''}")
-    active = getattr(state, "active_count", None)
-    if callable(active):
-        parts.append(f"{active()} actions under way")
-    if dry_run:
+    ladders = list(state.ladders.values())
+    active = sum(1 for lad in ladders if lad.status == "active")
+    parts.append(f"{active} action{'s' if active != 1 else ''} under way")
+    stuck = sum(1 for lad in ladders if lad.status == "stuck")
+    if stuck:
+        parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
+    if state.paused:
+        parts.append("paused")
+    if state.forced_dry_run:
+        parts.append("kill cap reached: forced dry-run")
+    elif dry_run:
         parts.append("dry-run")
+    if state.circuit_open:
+        parts.append("resets stopped (circuit breaker)")
     return ", ".join(parts)
 
 

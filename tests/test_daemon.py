@@ -1,0 +1,167 @@
+"""The daemon's pure pieces: the one-line status and what blocks a reset in the final scan."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.assess import Assessment, AssessState
+from gpuwatchd.daemon import describe_status, reset_blockers
+from gpuwatchd.model import (
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    HolderScan,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+)
+from gpuwatchd.plan import Ladder, PlanState
+
+
+def snapshot(reading: NvmlReading) -> Snapshot:
+    return Snapshot(
+        monotonic=1.0,
+        wall_time=1.0,
+        boot_id="b",
+        nvml=reading,
+        processes={},
+        holders=HolderScan(mode="full"),
+    )
+
+
+def assessment(findings: int = 0) -> Assessment:
+    found = tuple(
+        Finding(FindingKind.ORPHANED, "GPU-0", 100 + i, 5, "reason") for i in range(findings)
+    )
+    return Assessment(findings=found, roles=(), report_only={}, state=AssessState())
+
+
+def ladder(target: str, status: str) -> Ladder:
+    return Ladder(
+        target=target,
+        pid=1,
+        start_ticks=1,
+        finding_key="k",
+        rule="orphans",
+        gpu="GPU-0",
+        steps=(("SIGTERM", 1.0),),
+        step=0,
+        due=None,
+        status=status,
+        dry_run=False,
+        started=0.0,
+    )
+
+
+GPUS = (GpuInfo(0, "GPU-0"), GpuInfo(1, "GPU-1", lost=True))
+
+
+@pytest.mark.parametrize(
+    ("reading", "state", "dry_run", "expected"),
+    [
+        (
+            NvmlReading(available=False, error="no lib"),
+            PlanState(),
+            True,
+            "NVML unavailable: no lib",
+        ),
+        (
+            NvmlReading(available=True, gpus=GPUS[:1]),
+            PlanState(),
+            False,
+            "1 GPUs watched, 0 findings, 0 actions under way",
+        ),
+        (
+            NvmlReading(available=True, wedged=True, gpus=GPUS[:1]),
+            PlanState(),
+            True,
+            "driver wedged, 1 GPUs watched",
+        ),
+        (NvmlReading(available=True, gpus=GPUS), PlanState(), True, "1 lost (needs reboot)"),
+        (
+            NvmlReading(available=True, gpus=GPUS[:1]),
+            PlanState(ladders={"a": ladder("a", "active"), "b": ladder("b", "stuck")}),
+            False,
+            "1 action under way, 1 stuck in D state (needs drain/reboot)",
+        ),
+        (NvmlReading(available=True, gpus=GPUS[:1]), PlanState(paused=True), False, "paused"),
+        (
+            NvmlReading(available=True, gpus=GPUS[:1]),
+            PlanState(forced_dry_run=True),
+            False,
+            "forced dry-run",
+        ),
+        (
+            NvmlReading(available=True, gpus=GPUS[:1]),
+            PlanState(circuit_open=True),
+            False,
+            "circuit breaker",
+        ),
+    ],
+    ids=[
+        "no-nvml",
+        "quiet",
+        "wedged",
+        "lost",
+        "actions-and-stuck",
+        "paused",
+        "kill-cap",
+        "circuit",
+    ],
+)
+def test_status_line_says_what_an_admin_needs_first(
+    reading: NvmlReading, state: PlanState, dry_run: bool, expected: str
+) -> None:
+    status = describe_status(snapshot(reading), assessment(), state, dry_run)
+    assert expected in status
+    assert "\n" not in status
+
+
+def test_status_counts_findings() -> None:
+    reading = NvmlReading(available=True, gpus=GPUS[:1])
+    assert "3 findings" in describe_status(snapshot(reading), assessment(3), PlanState(), True)
+
+
+def proc(pid: int, comm: str) -> ProcessInfo:
+    return ProcessInfo(pid=pid, start_ticks=1, state="S", ppid=1, pgid=pid, sid=pid, comm=comm)
+
+
+@pytest.mark.parametrize(
+    ("holdings", "unreadable", "blocked_by"),
+    [
+        ({}, frozenset(), []),
+        ({10: DeviceHolding(10, gpu_minors_fd=frozenset({0}))}, frozenset(), [10]),
+        ({10: DeviceHolding(10, gpu_minors_map=frozenset({0}))}, frozenset(), [10]),
+        (
+            {10: DeviceHolding(10, gpu_minors_fd=frozenset({1}), ctl=True, uvm=True)},
+            frozenset(),
+            [],
+        ),
+        ({10: DeviceHolding(10, ctl=True)}, frozenset(), [10]),
+        ({10: DeviceHolding(10, uvm=True)}, frozenset(), [10]),
+        ({}, frozenset({33}), [33]),
+        ({99: DeviceHolding(99, gpu_minors_fd=frozenset({0}))}, frozenset({99}), []),
+    ],
+    ids=[
+        "nobody",
+        "fd-holder",
+        "map-holder",
+        "live-job-on-another-gpu",
+        "ctl-only",
+        "uvm-only",
+        "unreadable",
+        "ourselves",
+    ],
+)
+def test_final_scan_blockers(
+    holdings: dict[int, DeviceHolding], unreadable: frozenset[int], blocked_by: list[int]
+) -> None:
+    scan = HolderScan(mode="full", holdings=holdings, unreadable=unreadable)
+    processes = {pid: proc(pid, f"p{pid}") for pid in (*holdings, *unreadable)}
+    reasons = reset_blockers(scan, processes, 0, self_pids=frozenset({99}))
+    assert [int(r.split()[1].rstrip(":")) for r in reasons] == blocked_by
+
+
+def test_unknown_minor_blocks_the_reset() -> None:
+    assert reset_blockers(HolderScan(mode="full"), {}, None, frozenset())

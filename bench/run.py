@@ -350,7 +350,7 @@ def run_all(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
         fillers, gpus = cfg["default"]
         print(f"[bench] default host: {fillers} processes, {gpus} GPUs", flush=True)
         results["main"] = scale_point(pool, root, fillers, gpus, cfg, main=True)
-        if os.getpid() == 1:
+        if os.getpid() == 1 and cfg.get("latency", True):
             print("[bench] latency scenarios", flush=True)
             results["latency"] = latency.run(root / "latency", cfg)
         results["scales"] = [results["main"]]
@@ -368,6 +368,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke run")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
     parser.add_argument("--main-only", action="store_true", help="skip the scale points")
+    parser.add_argument("--mem-polls", type=int, help="polls of the memory run (default 10000)")
+    parser.add_argument("--no-latency", action="store_true", help="skip the latency scenarios")
     parser.add_argument("--no-namespace", action="store_true", help="run on the host /proc")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -380,6 +382,9 @@ def main() -> int:
     cfg = dict(QUICK if args.quick else FULL)
     if args.main_only:
         cfg["scales"] = []
+    if args.mem_polls:
+        cfg["mem_polls"] = args.mem_polls
+    cfg["latency"] = not args.no_latency
     with tempfile.TemporaryDirectory(prefix="gpuwatchd-bench-") as tmp:
         results = run_all(cfg, Path(tmp))
     text = table(results)

@@ -6,22 +6,57 @@ PIDs, their descendants and the holders seen before) runs every poll; the full s
 ``/proc`` runs when asked (``scan``), periodically, and whenever the targeted view cannot
 explain what NVML shows: a listed PID that is dead or a zombie, or allocated memory with no
 live listed owner (DESIGN.md §2.1, §2.4).
+
+What is remembered between polls, to keep the steady-state poll cheap (docs/performance.md):
+
+- **Process facts** per PID, with the ``stat`` fields that identify and place the process
+  (start ticks, ppid, process group, session, comm). Each poll reads ``stat`` afresh; the other
+  files (status, cmdline, exe, cgroup) are re-read only when one of those fields changed, and
+  ``state`` always comes from this poll's ``stat``.
+- **Device holdings** of a process NVML lists, reused while NVML still lists it on the same
+  GPUs and its facts are unchanged (a context on a GPU implies its device node is open).
+  Processes NVML does not list (descendants, other known holders), unreadable ones and ones
+  matched by name are rescanned every poll: those are what findings are made of.
+
+A full-scan poll (forced, periodic, or triggered) bypasses and refills both caches, so nothing
+is older than ``full_scan_interval``. Nothing here is used to *act*: the planner's signals
+re-verify identity through a pidfd and start ticks, and a reset runs its own full scan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpuwatchd.jobs import ended_jobs
-from gpuwatchd.model import NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
 from gpuwatchd.nvml import NvmlClient
-from gpuwatchd.procfs import ProcFS
+from gpuwatchd.procfs import ProcFS, StatFields
 
 MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 _MAX_ANCESTRY = 64
+
+_Signature = tuple[int | None, int | None, int | None, int | None, str | None]
+
+
+def _signature_of_info(info: ProcessInfo) -> _Signature:
+    return (info.start_ticks, info.ppid, info.pgid, info.sid, info.comm)
+
+
+def _signature_of_stat(fields: StatFields) -> _Signature:
+    return (fields.starttime, fields.ppid, fields.pgrp, fields.session, fields.comm)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A listed process's holdings, with what made them reusable."""
+
+    signature: _Signature
+    gpus: frozenset[str]
+    holding: DeviceHolding | None
 
 
 @dataclass
@@ -38,29 +73,39 @@ class Collector:
     wall_clock: Callable[[], float] = time.time
     _last_full: float | None = None
     _known_holders: frozenset[int] = field(default_factory=frozenset)
+    _facts: dict[int, ProcessInfo] = field(default_factory=dict)
+    _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
+    _held: dict[int, _Held] = field(default_factory=dict)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
         reading = self.nvml.read()
         now = self.clock()
         listed = listed_pids(reading)
-        live_listed = self.procfs.read_processes(listed)
+        self._facts_seen = {}
+        live_listed = self._read_processes(listed)
         self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids
 
         if full or self._full_scan_needed(reading, listed, live_listed, now):
+            # Everything fresh: no remembered fact or holding survives a full-scan poll.
+            self._facts_seen, self._held = {}, {}
+            live_listed = self.procfs.read_processes(listed)
+            self._facts_seen.update(live_listed)
             holders = self.procfs.scan_holders(None)
             self._last_full = now
+            self._remember_holdings(holders, reading, live_listed)
         else:
             targets = set(listed) | set(self._known_holders)
             targets |= self.procfs.descendants(listed)
-            holders = self.procfs.scan_holders(sorted(targets - self_pids))
+            holders = self._targeted_scan(sorted(targets - self_pids), reading, live_listed)
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
 
         processes = dict(live_listed)
         wanted = (holding_pids | set(holders.unreadable)) - processes.keys() - self_pids
-        processes.update(self.procfs.read_processes(wanted))
+        processes.update(self._read_processes(wanted))
         self._add_ancestry(processes)
+        self._facts = self._facts_seen
         for pid in self_pids:
             processes.pop(pid, None)
 
@@ -105,9 +150,91 @@ class Collector:
             wanted = {pid for pid in frontier if pid and pid > 0 and pid not in processes}
             if not wanted:
                 return
-            found = self.procfs.read_processes(wanted)
+            found = self._read_processes(wanted)
             processes.update(found)
             frontier = [p.ppid for p in found.values() if p.ppid]
+
+    def _read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
+        """Facts about ``pids``: ``stat`` read now; the rest reused while stat's identity holds."""
+        found: dict[int, ProcessInfo] = {}
+        for pid in pids:
+            if pid in found:
+                continue
+            info = self._facts_seen.get(pid)
+            if info is None:
+                info = self._read_process(pid)
+                if info is None:
+                    continue
+                self._facts_seen[pid] = info
+            found[pid] = info
+        return found
+
+    def _read_process(self, pid: int) -> ProcessInfo | None:
+        cached = self._facts.get(pid)
+        if cached is not None:
+            fields = self.procfs.read_stat(pid)
+            if fields is None:
+                return None  # gone (or unreadable: read_process would say the same)
+            if _signature_of_stat(fields) == _signature_of_info(cached):
+                if fields.state != cached.state:
+                    cached = dataclasses.replace(cached, state=fields.state)
+                return cached
+        return self.procfs.read_process(pid)
+
+    def _targeted_scan(
+        self, targets: list[int], reading: NvmlReading, live_listed: dict[int, ProcessInfo]
+    ) -> HolderScan:
+        """Scan ``targets``, reusing the holdings of listed processes whose view is unchanged."""
+        gpus_of = listed_gpus(reading)
+        reused: dict[int, DeviceHolding | None] = {}
+        for pid in targets:
+            held = self._held.get(pid)
+            info = live_listed.get(pid)
+            if (
+                held is not None
+                and info is not None
+                and not info.is_zombie
+                and held.gpus == gpus_of.get(pid)
+                and held.signature == _signature_of_info(info)
+            ):
+                reused[pid] = held.holding
+        scan = self.procfs.scan_holders([pid for pid in targets if pid not in reused])
+        if not reused:
+            self._remember_holdings(scan, reading, live_listed)
+            return scan
+        holdings = dict(scan.holdings)
+        holdings.update((pid, h) for pid, h in reused.items() if h is not None)
+        merged = HolderScan(
+            mode=scan.mode,
+            holdings=holdings,
+            unreadable=scan.unreadable,
+            matched_by_name=scan.matched_by_name,
+        )
+        self._remember_holdings(merged, reading, live_listed)
+        return merged
+
+    def _remember_holdings(
+        self, scan: HolderScan, reading: NvmlReading, live_listed: dict[int, ProcessInfo]
+    ) -> None:
+        """Keep the holdings of listed, fully readable processes for the next poll."""
+        gpus_of = listed_gpus(reading)
+        held: dict[int, _Held] = {}
+        for pid, info in live_listed.items():
+            if pid in scan.unreadable or pid in scan.matched_by_name or info.is_zombie:
+                continue
+            if info.start_ticks is None:
+                continue
+            held[pid] = _Held(_signature_of_info(info), gpus_of[pid], scan.holdings.get(pid))
+        self._held = held
+
+
+def listed_gpus(reading: NvmlReading) -> dict[int, frozenset[str]]:
+    """PID -> the UUIDs of the GPUs whose NVML process list names it."""
+    found: dict[int, set[str]] = {}
+    for gpu in reading.gpus:
+        for proc in gpu.processes or ():
+            found.setdefault(proc.pid, set()).add(gpu.uuid)
+    return {pid: frozenset(uuids) for pid, uuids in found.items()}
 
 
 def listed_pids(reading: NvmlReading) -> frozenset[int]:

@@ -49,6 +49,27 @@ def read_saved_state(state_dir: str) -> Mapping[str, object]:
     return data if isinstance(data, dict) else {}
 
 
+# Capabilities needed to read other users' /proc/PID/fd and maps (DESIGN.md §2.9).
+_INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
+
+
+def missing_capabilities(proc_root: str) -> list[str]:
+    """Which capabilities for inspecting other users' processes we lack (from CapEff)."""
+    try:
+        with open(os.path.join(proc_root, "self", "status"), encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("CapEff:"):
+                    effective = int(line.split()[1], 16)
+                    return [
+                        name
+                        for name, bit in _INSPECT_CAPABILITIES.items()
+                        if not effective & (1 << bit)
+                    ]
+    except (OSError, ValueError, IndexError):
+        pass
+    return [] if os.geteuid() == 0 else list(_INSPECT_CAPABILITIES)
+
+
 def read_boot_time(proc_root: str) -> float | None:
     """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, None when unknown."""
     try:
@@ -99,11 +120,12 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         notes=assessment.notes,
     )
     note = None
-    if snapshot.holders.unreadable and os.geteuid() != 0:
+    missing = missing_capabilities(policy.proc_root)
+    if snapshot.holders.unreadable and missing:
         count = len(snapshot.holders.unreadable)
         note = (
-            f"{count} processes could not be inspected (their fds/maps are unreadable); "
-            "the report is incomplete — run as root"
+            f"{count} processes could not be inspected (their fds/maps are unreadable; "
+            f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
     return ScanResult(report, permission_note=note, wedged=snapshot.nvml.wedged)
 

@@ -6,6 +6,8 @@ These runs start no processes of their own besides gpuwatchd, so they need no PI
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd import __version__
-from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu
+from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
 from tests.support.simhost import SimHost
 
 
@@ -127,6 +129,57 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     )
     assert result.returncode == 78
     assert "none.yaml" in result.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv (to drop capabilities and to start another user's process)",
+)
+def test_scan_without_capabilities_reports_unreadable_holders_and_exits_77(
+    host: SimHost,
+) -> None:
+    """Another user's holder cannot be inspected without CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH."""
+    device = host.dev("nvidia0")[0]
+    holder = subprocess.Popen(  # our own child, run as nobody, holding the GPU's device file
+        [
+            "sh",
+            "-c",
+            f'exec 3<>"{device}"; '
+            "exec setpriv --reuid=65534 --regid=65534 --clear-groups sleep 1000",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{holder.pid}/comm").read_text().startswith("sleep"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        host.nvml([gpu(0, allocated=GiB, processes=[process(holder.pid, GiB)])])
+        result = subprocess.run(
+            [
+                "setpriv",
+                "--bounding-set=-all",
+                "--inh-caps=-all",
+                sys.executable,
+                "-m",
+                "gpuwatchd",
+                "scan",
+                "--json",
+                "--config",
+                str(host.config()),
+            ],
+            env=host.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 77, result.stderr
+    assert "run as root" in result.stderr
+    report = json.loads(result.stdout)
+    assert holder.pid in report["unreadable_pids"]
 
 
 def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None:

@@ -17,7 +17,6 @@ import re
 import stat
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import yaml
@@ -35,6 +34,7 @@ from gpuwatchd.policy import (
     Step,
     default_rules,
 )
+from gpuwatchd.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 
 __all__ = [
     "GPU_PLACEHOLDERS",
@@ -71,51 +71,7 @@ _WHY_NOT_SIGNALLABLE = {
 }
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "csh", "tcsh", "fish", "busybox"})
 
-# --- errors -----------------------------------------------------------------------------------
-
-
-class ConfigError(Exception):
-    """An invalid, unreadable or unsafe configuration. The CLI exits 78 (EX_CONFIG) on it.
-
-    ``path``, ``line`` (1-based) and ``key`` (a key path such as ``rules[0].steps[1].signal``)
-    locate the first problem; ``problems`` lists every problem found (this one first).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: str | None = None,
-        line: int | None = None,
-        key: str | None = None,
-        problems: Sequence[ConfigError] = (),
-    ) -> None:
-        self.message = message
-        self.path = path
-        self.line = line
-        self.key = key
-        self.problems: tuple[ConfigError, ...] = tuple(problems) or (self,)
-        super().__init__(message)
-
-    def located(self) -> str:
-        """This problem alone, as ``file:line: key: message``."""
-        where = ""
-        if self.path is not None:
-            where = self.path if self.line is None else f"{self.path}:{self.line}"
-            where += ": "
-        if self.key:
-            where += f"{self.key}: "
-        return where + self.message
-
-    def __str__(self) -> str:
-        return "\n".join(problem.located() for problem in self.problems)
-
-    @classmethod
-    def combine(cls, problems: Sequence[ConfigError]) -> ConfigError:
-        first = problems[0]
-        return cls(
-            first.message, path=first.path, line=first.line, key=first.key, problems=problems
-        )
+# --- messages ---------------------------------------------------------------------------------
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:
@@ -342,127 +298,20 @@ def _validate_one_gpu(
             )
 
 
-# --- YAML with positions ----------------------------------------------------------------------
-
-
-@dataclass
-class _Node:
-    """A YAML value with where it was written: file, 1-based line, key path."""
-
-    file: str
-    line: int
-    path: str
-
-    def error(self, message: str, key: str | None = None) -> ConfigError:
-        return ConfigError(message, path=self.file, line=self.line, key=key or self.path or None)
-
-
-@dataclass
-class _Scalar(_Node):
-    value: object = None
-
-
-@dataclass
-class _Seq(_Node):
-    items: list[_Node] = field(default_factory=list)
-
-
-@dataclass
-class _Map(_Node):
-    entries: dict[str, _Node] = field(default_factory=dict)
-    key_lines: dict[str, int] = field(default_factory=dict)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _load_document(filename: str, text: str) -> _Map:
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-        if root is None:
-            return _Map(filename, 1, "")
-        if not isinstance(root, yaml.MappingNode):
-            raise ConfigError(
-                "the top level must be a mapping of keys", path=filename, line=_line(root)
-            )
-        converted = _convert(root, loader, filename, "", set())
-        assert isinstance(converted, _Map)  # noqa: S101 -- a MappingNode converts to a _Map
-        return converted
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        message = " ".join(part for part in (err.context, err.problem) if part)
-        raise ConfigError(
-            f"YAML syntax: {message}", path=filename, line=mark.line + 1 if mark else None
-        ) from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"YAML: {err}", path=filename) from None
-    finally:
-        loader.dispose()
-
-
-def _line(node: yaml.Node) -> int:
-    return int(node.start_mark.line) + 1
-
-
-def _convert(
-    node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str, active: set[int]
-) -> _Node:
-    if id(node) in active:
-        raise ConfigError("recursive YAML alias", path=filename, line=_line(node), key=path)
-    if isinstance(node, yaml.ScalarNode):
-        return _Scalar(filename, _line(node), path, loader.construct_object(node))
-    active.add(id(node))
-    try:
-        if isinstance(node, yaml.SequenceNode):
-            items = [
-                _convert(item, loader, filename, f"{path}[{i}]", active)
-                for i, item in enumerate(node.value)
-            ]
-            return _Seq(filename, _line(node), path, items)
-        assert isinstance(node, yaml.MappingNode)  # noqa: S101 -- the third and last node type
-        result = _Map(filename, _line(node), path)
-        for key_node, value_node in node.value:
-            line = _line(key_node)
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                raise ConfigError(
-                    "YAML merge keys (<<) are not supported; write the keys out",
-                    path=filename,
-                    line=line,
-                    key=path or None,
-                )
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise ConfigError("keys must be plain strings", path=filename, line=line)
-            key = str(key_node.value)
-            if key in result.entries:
-                raise ConfigError(
-                    f"duplicate key (first at line {result.key_lines[key]})",
-                    path=filename,
-                    line=line,
-                    key=_join(path, key),
-                )
-            result.key_lines[key] = line
-            result.entries[key] = _convert(value_node, loader, filename, _join(path, key), active)
-        return result
-    finally:
-        active.discard(id(node))
-
-
 # --- merging drop-ins -------------------------------------------------------------------------
 
 
-def _rule_name(node: _Node) -> str | None:
-    if isinstance(node, _Map):
+def _rule_name(node: Node) -> str | None:
+    if isinstance(node, Map):
         name = node.entries.get("name")
-        if isinstance(name, _Scalar) and isinstance(name.value, str):
+        if isinstance(name, Scalar) and isinstance(name.value, str):
             return name.value
     return None
 
 
-def _named_rules(seq: _Seq, problems: list[ConfigError]) -> list[tuple[str | None, _Node]]:
-    seen: dict[str, _Node] = {}
-    named: list[tuple[str | None, _Node]] = []
+def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None, Node]]:
+    seen: dict[str, Node] = {}
+    named: list[tuple[str | None, Node]] = []
     for item in seq.items:
         name = _rule_name(item)
         if name is not None and name in seen:
@@ -476,27 +325,27 @@ def _named_rules(seq: _Seq, problems: list[ConfigError]) -> list[tuple[str | Non
     return named
 
 
-def _merge_rules(base: _Node | None, over: _Seq, problems: list[ConfigError]) -> _Seq:
-    merged = _named_rules(base, problems) if isinstance(base, _Seq) else []
+def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> Seq:
+    merged = _named_rules(base, problems) if isinstance(base, Seq) else []
     for name, item in _named_rules(over, problems):
         slot = next((i for i, (old, _) in enumerate(merged) if name and old == name), None)
         if slot is None:
             merged.append((name, item))
         else:
             merged[slot] = (name, item)
-    return _Seq(over.file, over.line, over.path, [item for _, item in merged])
+    return Seq(over.file, over.line, over.path, [item for _, item in merged])
 
 
-def _merge(base: _Map, over: _Map, problems: list[ConfigError]) -> _Map:
-    result = _Map(over.file, over.line, over.path, dict(base.entries), dict(base.key_lines))
+def _merge(base: Map, over: Map, problems: list[ConfigError]) -> Map:
+    result = Map(over.file, over.line, over.path, dict(base.entries), dict(base.key_lines))
     for key, new in over.entries.items():
         old = result.entries.get(key)
-        if isinstance(new, _Scalar) and new.value is None and isinstance(old, _Map):
+        if isinstance(new, Scalar) and new.value is None and isinstance(old, Map):
             continue  # an empty section ("reset:") in a drop-in changes nothing
         merged = new
-        if isinstance(old, _Map) and isinstance(new, _Map):
+        if isinstance(old, Map) and isinstance(new, Map):
             merged = _merge(old, new, problems)
-        elif not over.path and key == "rules" and isinstance(new, _Seq):
+        elif not over.path and key == "rules" and isinstance(new, Seq):
             merged = _merge_rules(old, new, problems)
         result.entries[key] = merged
         result.key_lines[key] = over.key_lines[key]
@@ -568,21 +417,21 @@ _SECTION_KEYS: dict[str, tuple[str, ...]] = {
     "hook": ("command", "timeout"),
 }
 
-Converter = Callable[[_Node], T]
+Converter = Callable[[Node], T]
 
 
 class _Section:
     """One mapping of the config being read; collects problems instead of stopping."""
 
     def __init__(
-        self, node: _Node | None, section: str, problems: list[ConfigError], path: str
+        self, node: Node | None, section: str, problems: list[ConfigError], path: str
     ) -> None:
         self.problems = problems
         self.path = path
-        self.map: _Map | None = None
-        if isinstance(node, _Map):
+        self.map: Map | None = None
+        if isinstance(node, Map):
             self.map = node
-        elif node is not None and not (isinstance(node, _Scalar) and node.value is None):
+        elif node is not None and not (isinstance(node, Scalar) and node.value is None):
             problems.append(node.error(f"expected a mapping, got {_kind_of(node)}"))
         if self.map is not None:
             self._check_keys(section)
@@ -603,11 +452,11 @@ class _Section:
                     f"unknown key{hint}",
                     path=self.map.entries[key].file,
                     line=line,
-                    key=_join(self.path, key),
+                    key=join_key(self.path, key),
                 )
             )
 
-    def node(self, key: str) -> _Node | None:
+    def node(self, key: str) -> Node | None:
         return None if self.map is None else self.map.entries.get(key)
 
     def get(self, key: str, convert: Converter[T], default: T) -> T:
@@ -633,19 +482,19 @@ class _Section:
         return self.get(key, convert, None)
 
 
-def _kind_of(node: _Node) -> str:
-    if isinstance(node, _Scalar):
+def _kind_of(node: Node) -> str:
+    if isinstance(node, Scalar):
         return _describe(node.value)
-    return "a list" if isinstance(node, _Seq) else "a mapping"
+    return "a list" if isinstance(node, Seq) else "a mapping"
 
 
-def _scalar(node: _Node) -> object:
-    if not isinstance(node, _Scalar):
+def _scalar(node: Node) -> object:
+    if not isinstance(node, Scalar):
         raise node.error(f"expected a single value, got {_kind_of(node)}")
     return node.value
 
 
-def _bool(node: _Node) -> bool:
+def _bool(node: Node) -> bool:
     value = _scalar(node)
     if not isinstance(value, bool):
         raise node.error(f"expected true or false, got {_describe(value)}")
@@ -653,7 +502,7 @@ def _bool(node: _Node) -> bool:
 
 
 def _int(minimum: int, maximum: int | None = None) -> Converter[int]:
-    def convert(node: _Node) -> int:
+    def convert(node: Node) -> int:
         value = _scalar(node)
         if isinstance(value, bool) or not isinstance(value, int):
             raise node.error(f"expected an integer, got {_describe(value)}")
@@ -666,7 +515,7 @@ def _int(minimum: int, maximum: int | None = None) -> Converter[int]:
 
 
 def _duration(*, positive: bool = False) -> Converter[float]:
-    def convert(node: _Node) -> float:
+    def convert(node: Node) -> float:
         seconds = parse_duration(_scalar(node), where=node.path)
         if positive and seconds <= 0:
             raise node.error("must be greater than 0")
@@ -675,27 +524,27 @@ def _duration(*, positive: bool = False) -> Converter[float]:
     return convert
 
 
-def _size(node: _Node) -> int:
+def _size(node: Node) -> int:
     return parse_size(_scalar(node), where=node.path)
 
 
 def _optional(convert: Converter[T]) -> Converter[T | None]:
-    def convert_or_none(node: _Node) -> T | None:
-        if isinstance(node, _Scalar) and node.value is None:
+    def convert_or_none(node: Node) -> T | None:
+        if isinstance(node, Scalar) and node.value is None:
             return None
         return convert(node)
 
     return convert_or_none
 
 
-def _string(node: _Node) -> str:
+def _string(node: Node) -> str:
     value = _scalar(node)
     if not isinstance(value, str) or not value:
         raise node.error(f"expected a non-empty string, got {_describe(value)}")
     return value
 
 
-def _abs_path(node: _Node) -> str:
+def _abs_path(node: Node) -> str:
     value = _string(node)
     if not value.startswith("/"):
         raise node.error(f"expected an absolute path, got {value!r}")
@@ -703,7 +552,7 @@ def _abs_path(node: _Node) -> str:
 
 
 def _one_of(choices: Sequence[str]) -> Converter[str]:
-    def convert(node: _Node) -> str:
+    def convert(node: Node) -> str:
         value = _scalar(node)
         if value not in choices:
             hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
@@ -713,16 +562,16 @@ def _one_of(choices: Sequence[str]) -> Converter[str]:
     return convert
 
 
-def _items(node: _Node) -> list[_Node]:
-    if isinstance(node, _Scalar) and node.value is None:
+def _items(node: Node) -> list[Node]:
+    if isinstance(node, Scalar) and node.value is None:
         return []
-    if not isinstance(node, _Seq):
+    if not isinstance(node, Seq):
         raise node.error(f"expected a list, got {_kind_of(node)}")
     return node.items
 
 
 def _list_of(convert: Converter[T]) -> Converter[tuple[T, ...]]:
-    def convert_all(node: _Node) -> tuple[T, ...]:
+    def convert_all(node: Node) -> tuple[T, ...]:
         problems: list[ConfigError] = []
         values: list[T] = []
         for item in _items(node):
@@ -737,7 +586,7 @@ def _list_of(convert: Converter[T]) -> Converter[tuple[T, ...]]:
     return convert_all
 
 
-def _regex(node: _Node) -> re.Pattern[str]:
+def _regex(node: Node) -> re.Pattern[str]:
     pattern = _string(node)
     try:
         return re.compile(pattern)
@@ -745,7 +594,7 @@ def _regex(node: _Node) -> re.Pattern[str]:
         raise node.error(f"invalid regular expression {pattern!r}: {err}") from None
 
 
-def _gpu_id(node: _Node) -> str:
+def _gpu_id(node: Node) -> str:
     try:
         return normalize_gpu_id(_string(node))
     except ValueError as err:
@@ -753,11 +602,11 @@ def _gpu_id(node: _Node) -> str:
 
 
 def _argv(placeholders: Sequence[str], one_gpu: bool = False) -> Converter[tuple[str, ...]]:
-    def convert(node: _Node) -> tuple[str, ...]:
-        raw: object = node.value if isinstance(node, _Scalar) else None
-        if isinstance(node, _Seq):
-            raw = [item.value if isinstance(item, _Scalar) else item for item in node.items]
-        elif isinstance(node, _Map):
+    def convert(node: Node) -> tuple[str, ...]:
+        raw: object = node.value if isinstance(node, Scalar) else None
+        if isinstance(node, Seq):
+            raw = [item.value if isinstance(item, Scalar) else item for item in node.items]
+        elif isinstance(node, Map):
             raise node.error(f"expected an argv list, got {_kind_of(node)}")
         argv = _check_argv(raw, node.path, placeholders)
         if one_gpu:
@@ -767,8 +616,8 @@ def _argv(placeholders: Sequence[str], one_gpu: bool = False) -> Converter[tuple
     return convert
 
 
-def _hook(node: _Node) -> Hook:
-    if not isinstance(node, _Map):
+def _hook(node: Node) -> Hook:
+    if not isinstance(node, Map):
         return Hook(_argv(GPU_PLACEHOLDERS)(node))
     problems: list[ConfigError] = []
     section = _Section(node, "hook", problems, node.path)
@@ -779,7 +628,7 @@ def _hook(node: _Node) -> Hook:
     return Hook(argv, timeout)
 
 
-def _signal(node: _Node) -> str | None:
+def _signal(node: Node) -> str | None:
     value = _scalar(node)
     if value is None:
         return None
@@ -795,12 +644,12 @@ def _signal(node: _Node) -> str | None:
     )
 
 
-def _kind(node: _Node) -> FindingKind:
+def _kind(node: Node) -> FindingKind:
     kinds = [kind.value for kind in FindingKind]
     return FindingKind(_one_of(kinds)(node))
 
 
-def _step(node: _Node) -> Step:
+def _step(node: Node) -> Step:
     problems: list[ConfigError] = []
     section = _Section(node, "steps[]", problems, node.path)
     if section.map is None:
@@ -816,7 +665,7 @@ def _step(node: _Node) -> Step:
     return Step(signal, wait)
 
 
-def _rule(node: _Node, problems: list[ConfigError]) -> Rule | None:
+def _rule(node: Node, problems: list[ConfigError]) -> Rule | None:
     section = _Section(node, "rules[]", problems, node.path)
     if section.map is None:
         return None
@@ -838,14 +687,14 @@ def _rule(node: _Node, problems: list[ConfigError]) -> Rule | None:
     jobs = section.get("jobs", _list_of(_string), no_strings)
     if kind is not None and kind not in SIGNALLABLE_KINDS and steps:
         steps_node = section.node("steps")
-        assert isinstance(steps_node, _Seq)  # noqa: S101 -- steps parsed, so it is a list
+        assert isinstance(steps_node, Seq)  # noqa: S101 -- steps parsed, so it is a list
         for step, step_node in zip(steps, steps_node.items, strict=True):
             if step.signal is not None:
                 problems.append(
                     step_node.error(
                         f"a '{kind.value}' rule cannot send signals: "
                         f"{_WHY_NOT_SIGNALLABLE[kind]}; use 'signal: null' to report only",
-                        key=_join(step_node.path, "signal"),
+                        key=join_key(step_node.path, "signal"),
                     )
                 )
     if len(problems) > before or name is None or kind is None or not steps:
@@ -864,7 +713,7 @@ def _rule(node: _Node, problems: list[ConfigError]) -> Rule | None:
     )
 
 
-def _build_policy(root: _Map, problems: list[ConfigError], sources: tuple[str, ...]) -> Policy:
+def _build_policy(root: Map, problems: list[ConfigError], sources: tuple[str, ...]) -> Policy:
     top = _Section(root, "", problems, "")
     base = Policy()
     hooks = _list_of(_hook)
@@ -967,10 +816,10 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
     document is an empty mapping. See ``docs/policy.md`` for the merge rules.
     """
     problems: list[ConfigError] = []
-    merged = _Map(docs[0][0] if docs else "<none>", 1, "")
+    merged = Map(docs[0][0] if docs else "<none>", 1, "")
     for filename, text in docs:
         try:
-            document = _load_document(filename, text)
+            document = load_document(filename, text)
         except ConfigError as err:
             problems.extend(err.problems)
             continue

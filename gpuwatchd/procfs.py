@@ -325,7 +325,8 @@ class ProcFS:
 
     # --- host-wide facts ---
 
-    def _read_text(self, path: str) -> str:
+    def _read_bytes(self, path: str) -> bytes:
+        """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
         fd = os.open(path, _READ_FLAGS)
         try:
             chunks = []
@@ -333,7 +334,10 @@ class ProcFS:
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        return _decode(b"".join(chunks))
+        return b"".join(chunks)
+
+    def _read_text(self, path: str) -> str:
+        return _decode(self._read_bytes(path))
 
     def _read_self_pid(self) -> int:
         try:
@@ -483,16 +487,6 @@ class ProcFS:
             nspid=nspid,
             kernel_thread=kernel_thread,
         )
-
-    def _read_bytes(self, path: str) -> bytes:
-        fd = os.open(path, _READ_FLAGS)
-        try:
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
-        return b"".join(chunks)
 
     def read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
         found: dict[int, ProcessInfo] = {}

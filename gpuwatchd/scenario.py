@@ -3,10 +3,10 @@
 This module owns the scenario *format* (documented in ``docs/simulate.md``): GPUs, processes
 and how they react to signals, timed events, and an inline policy drop-in. It turns YAML text
 into frozen :class:`Scenario` values and reports every malformed value as a
-:class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reuses
-``config.py``'s position-tracking YAML loader and its duration/size parsers, so a scenario
-spells ``30s`` and ``2GiB`` exactly as a policy does. It runs nothing and decides nothing:
-``simulate.py`` plays the scenario.
+:class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reads
+the text with ``yamlsrc.py``, the position-tracking reader policies use too, and reuses
+``config.py``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
+policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
 """
 
 from __future__ import annotations
@@ -17,19 +17,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
-# The loader is private to config.py; it is shared here on purpose (one position-tracking YAML
-# reader for both file formats), not duplicated.
-from gpuwatchd.config import (
-    ConfigError,
-    _load_document,
-    _Map,
-    _Node,
-    _Scalar,
-    _Seq,
-    parse_duration,
-    parse_size,
-)
+from gpuwatchd.config import parse_duration, parse_size
 from gpuwatchd.model import MIB
+from gpuwatchd.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 
 GIB = 1024 * MIB
 FIRST_AUTO_PID = 1000
@@ -244,7 +234,7 @@ def load_scenario(path: str) -> Scenario:
 def parse_scenario(path: str, text: str) -> Scenario:
     """Validate scenario ``text`` (named ``path`` in messages). Pure."""
     try:
-        root = _load_document(path, text)
+        root = load_document(path, text)
     except ConfigError as err:
         raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
     return _Reader(path, text).scenario(root)
@@ -280,13 +270,13 @@ class _Reader:
         self.used_pids: set[int] = set()
         self.names: dict[str, int] = {}
 
-    def fail(self, node: _Node, message: str, key: str | None = None) -> ScenarioError:
+    def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
         return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
 
     # -- typed values --
 
-    def mapping(self, node: _Node, keys: Sequence[str]) -> _Map:
-        if not isinstance(node, _Map):
+    def mapping(self, node: Node, keys: Sequence[str]) -> Map:
+        if not isinstance(node, Map):
             raise self.fail(node, f"expected a mapping, got {_kind(node)}")
         for key, line in node.key_lines.items():
             if key not in keys:
@@ -298,53 +288,53 @@ class _Reader:
                     f"unknown field{hint}; known: {', '.join(keys)}",
                     path=self.path,
                     line=line,
-                    key=_join(node.path, key),
+                    key=join_key(node.path, key),
                 )
         return node
 
-    def items(self, node: _Node) -> list[_Node]:
-        if isinstance(node, _Scalar) and node.value is None:
+    def items(self, node: Node) -> list[Node]:
+        if isinstance(node, Scalar) and node.value is None:
             return []
-        if not isinstance(node, _Seq):
+        if not isinstance(node, Seq):
             raise self.fail(node, f"expected a list, got {_kind(node)}")
         return node.items
 
-    def scalar(self, node: _Node) -> object:
-        if not isinstance(node, _Scalar):
+    def scalar(self, node: Node) -> object:
+        if not isinstance(node, Scalar):
             raise self.fail(node, f"expected a single value, got {_kind(node)}")
         return node.value
 
-    def string(self, node: _Node) -> str:
+    def string(self, node: Node) -> str:
         value = self.scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise self.fail(node, f"expected a string, got {_kind(node)}")
         return str(value)
 
-    def boolean(self, node: _Node) -> bool:
+    def boolean(self, node: Node) -> bool:
         value = self.scalar(node)
         if not isinstance(value, bool):
             raise self.fail(node, f"expected true or false, got {_kind(node)}")
         return value
 
-    def integer(self, node: _Node, minimum: int = 0) -> int:
+    def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(node, f"expected an integer >= {minimum}, got {_kind(node)}")
         return value
 
-    def duration(self, node: _Node) -> float:
+    def duration(self, node: Node) -> float:
         try:
             return parse_duration(self.scalar(node), where=node.path)
         except ConfigError as err:
             raise self.fail(node, err.message) from None
 
-    def size(self, node: _Node) -> int:
+    def size(self, node: Node) -> int:
         try:
             return parse_size(self.scalar(node), where=node.path)
         except ConfigError as err:
             raise self.fail(node, err.message) from None
 
-    def choice(self, node: _Node, choices: Sequence[str]) -> str:
+    def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
             raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
@@ -352,7 +342,7 @@ class _Reader:
 
     # -- the document --
 
-    def scenario(self, root: _Map) -> Scenario:
+    def scenario(self, root: Map) -> Scenario:
         top = self.mapping(root, _TOP_KEYS)
         get = top.entries.get
         duration_node = get("duration")
@@ -384,15 +374,15 @@ class _Reader:
             self.reserve(node)
         event_nodes = self.items(e) if (e := get("events")) is not None else []
         for node in event_nodes:
-            if isinstance(node, _Map) and isinstance(node.entries.get("start"), _Map):
+            if isinstance(node, Map) and isinstance(node.entries.get("start"), Map):
                 self.reserve(node.entries["start"])
         processes = tuple(self.process(n, indexes) for n in proc_nodes)
         events = tuple(self.event(n, indexes) for n in event_nodes)
         policy_doc = None
         if "policy" in top.entries:
             policy_node = top.entries["policy"]
-            if not isinstance(policy_node, _Map) and not (
-                isinstance(policy_node, _Scalar) and policy_node.value is None
+            if not isinstance(policy_node, Map) and not (
+                isinstance(policy_node, Scalar) and policy_node.value is None
             ):
                 raise self.fail(policy_node, f"expected a mapping, got {_kind(policy_node)}")
             policy_text = _policy_text(self.text)
@@ -410,14 +400,14 @@ class _Reader:
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
 
-    def check_unique(self, node: _Node, values: Sequence[object], what: str) -> None:
+    def check_unique(self, node: Node, values: Sequence[object], what: str) -> None:
         seen: set[object] = set()
         for value in values:
             if value in seen:
                 raise self.fail(node, f"two GPUs have the same {what} {value!r}")
             seen.add(value)
 
-    def host(self, node: _Node | None) -> HostSpec:
+    def host(self, node: Node | None) -> HostSpec:
         if node is None:
             return HostSpec()
         m = self.mapping(node, _HOST_KEYS)
@@ -432,7 +422,7 @@ class _Reader:
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
         return HostSpec(namespaces, mps, pid_max)
 
-    def gpu(self, node: _Node, position: int) -> GpuSpec:
+    def gpu(self, node: Node, position: int) -> GpuSpec:
         m = self.mapping(node, _GPU_KEYS)
         get = m.entries.get
         index = self.integer(n) if (n := get("index")) is not None else position
@@ -474,12 +464,12 @@ class _Reader:
             lost=flags.get("lost", False),
         )
 
-    def reserve(self, node: _Node) -> None:
+    def reserve(self, node: Node) -> None:
         """Give a process its name and PID before anything refers to it."""
         m = self.mapping(node, _PROCESS_KEYS)
         name_node = m.entries.get("name")
         if name_node is None:
-            raise self.fail(m, "missing required field 'name'", _join(m.path, "name"))
+            raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
         name = self.string(name_node)
         if name in self.names:
             raise self.fail(name_node, f"two processes are named {name!r}")
@@ -493,7 +483,7 @@ class _Reader:
         self.used_pids.add(pid)
         self.names[name] = pid
 
-    def ref(self, node: _Node) -> int:
+    def ref(self, node: Node) -> int:
         """A process reference: a name from this scenario, or a number (1 = init)."""
         value = self.scalar(node)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -503,7 +493,7 @@ class _Reader:
         known = ", ".join(sorted(self.names)) or "none"
         raise self.fail(node, f"not a PID or a process name of this scenario: {value!r} ({known})")
 
-    def process(self, node: _Node, gpu_indexes: set[int]) -> ProcessSpec:
+    def process(self, node: Node, gpu_indexes: set[int]) -> ProcessSpec:
         m = self.mapping(node, _PROCESS_KEYS)
         get = m.entries.get
         name = self.string(m.entries["name"])
@@ -559,10 +549,10 @@ class _Reader:
             line=m.line,
         )
 
-    def command(self, node: _Node | None, name: str) -> tuple[str, ...]:
+    def command(self, node: Node | None, name: str) -> tuple[str, ...]:
         if node is None:
             return (name,)
-        if isinstance(node, _Seq):
+        if isinstance(node, Seq):
             argv = tuple(self.string(item) for item in node.items)
         else:
             try:
@@ -573,25 +563,25 @@ class _Reader:
             raise self.fail(node, "a command needs at least one word")
         return argv
 
-    def sigterm(self, node: _Node) -> tuple[str, float]:
+    def sigterm(self, node: Node) -> tuple[str, float]:
         text = self.string(node).strip()
         word, _, rest = text.partition(" ")
         if word == "exit_after" and rest.strip():
-            return "exit_after", self.duration(_Scalar(node.file, node.line, node.path, rest))
+            return "exit_after", self.duration(Scalar(node.file, node.line, node.path, rest))
         if word in ("exit", "ignore") and not rest:
             return word, 0.0
         raise self.fail(node, f"expected exit, ignore or 'exit_after <duration>', got {text!r}")
 
-    def gpu_index(self, node: _Node, gpu_indexes: set[int]) -> int:
+    def gpu_index(self, node: Node, gpu_indexes: set[int]) -> int:
         index = self.integer(node)
         if index not in gpu_indexes:
             raise self.fail(node, f"no GPU with index {index} in this scenario")
         return index
 
-    def holds(self, node: _Node | None, gpu_indexes: set[int]) -> HoldSpec:
+    def holds(self, node: Node | None, gpu_indexes: set[int]) -> HoldSpec:
         if node is None:
             return HoldSpec(ctl=False, uvm=False)
-        if isinstance(node, _Seq):  # shorthand: a list of GPU indexes
+        if isinstance(node, Seq):  # shorthand: a list of GPU indexes
             return HoldSpec(tuple(self.gpu_index(item, gpu_indexes) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
@@ -603,25 +593,25 @@ class _Reader:
         uvm = self.boolean(n) if (n := get("uvm")) is not None else True
         return HoldSpec(gpus, via, ctl, uvm)
 
-    def nvml(self, node: _Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
+    def nvml(self, node: Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
         if node is None:
             return {}
-        m = node if isinstance(node, _Map) else None
+        m = node if isinstance(node, Map) else None
         if m is None:
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in m.entries.items():
             if not key.isdigit() or int(key) not in gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
-            is_null = isinstance(value, _Scalar) and value.value is None
+            is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)
         return result
 
-    def event(self, node: _Node, gpu_indexes: set[int]) -> EventSpec:
+    def event(self, node: Node, gpu_indexes: set[int]) -> EventSpec:
         m = self.mapping(node, ("at", *EVENT_ACTIONS))
         at_node = m.entries.get("at")
         if at_node is None:
-            raise self.fail(m, "missing required field 'at' (e.g. '30s')", _join(m.path, "at"))
+            raise self.fail(m, "missing required field 'at' (e.g. '30s')", join_key(m.path, "at"))
         at = self.duration(at_node)
         actions = [key for key in m.entries if key != "at"]
         if len(actions) != 1:
@@ -642,17 +632,17 @@ class _Reader:
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
         if action == "state":
-            sm = value if isinstance(value, _Map) else None
+            sm = value if isinstance(value, Map) else None
             if sm is None or len(sm.entries) != 1:
                 raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
             ((proc_name, letter_node),) = sm.entries.items()
-            self.name_ref(_Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
+            self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
             return EventSpec(at, action, m.line, target=proc_name, value=letter)
         reason = self.string(value) if self.scalar(value) is not None else ""
         return EventSpec(at, action, m.line, value=reason)  # pause / resume
 
-    def name_ref(self, node: _Node) -> str:
+    def name_ref(self, node: Node) -> str:
         name = self.string(node)
         if name not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
@@ -660,19 +650,15 @@ class _Reader:
         return name
 
 
-def _kind(node: _Node) -> str:
-    if isinstance(node, _Map):
+def _kind(node: Node) -> str:
+    if isinstance(node, Map):
         return "a mapping"
-    if isinstance(node, _Seq):
+    if isinstance(node, Seq):
         return "a list"
-    value = node.value if isinstance(node, _Scalar) else None
+    value = node.value if isinstance(node, Scalar) else None
     if value is None:
         return "null"
     return f"{type(value).__name__} {value!r}"
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 def _default_uuid(index: int) -> str:

@@ -59,6 +59,7 @@ from gpuwatchd.reset import (
     progress_record,
     resume_interrupted,
 )
+from gpuwatchd.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.state import AlreadyRunning, StateStore
 
 log = structlog.get_logger("gpuwatchd")
@@ -654,6 +655,17 @@ def run_daemon(
 ) -> int:
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
+    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
+    if missing:
+        effective_dry_run = dry_run or policy.dry_run
+        if not effective_dry_run:
+            log.critical(
+                "daemon.no_permission",
+                missing=missing,
+                detail="enforcing needs these capabilities (run as root); refusing to start",
+            )
+            return EX_NOPERM
+        log.warning("daemon.limited_permissions", missing=missing, dry_run=True)
     daemon = Daemon(
         policy,
         config_path=config_path,

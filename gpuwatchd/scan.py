@@ -51,23 +51,23 @@ def read_saved_state(state_dir: str) -> Mapping[str, object]:
 
 # Capabilities needed to read other users' /proc/PID/fd and maps (DESIGN.md §2.9).
 _INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
+# ... and to signal them.
+ACT_CAPABILITIES = {**_INSPECT_CAPABILITIES, "CAP_KILL": 5}
 
 
-def missing_capabilities(proc_root: str) -> list[str]:
-    """Which capabilities for inspecting other users' processes we lack (from CapEff)."""
+def missing_capabilities(
+    proc_root: str, wanted: dict[str, int] = _INSPECT_CAPABILITIES
+) -> list[str]:
+    """Which of the ``wanted`` capabilities this process lacks (from CapEff)."""
     try:
         with open(os.path.join(proc_root, "self", "status"), encoding="ascii") as handle:
             for line in handle:
                 if line.startswith("CapEff:"):
                     effective = int(line.split()[1], 16)
-                    return [
-                        name
-                        for name, bit in _INSPECT_CAPABILITIES.items()
-                        if not effective & (1 << bit)
-                    ]
+                    return [name for name, bit in wanted.items() if not effective & (1 << bit)]
     except (OSError, ValueError, IndexError):
         pass
-    return [] if os.geteuid() == 0 else list(_INSPECT_CAPABILITIES)
+    return [] if os.geteuid() == 0 else list(wanted)
 
 
 def read_boot_time(proc_root: str) -> float | None:

@@ -182,6 +182,42 @@ def test_scan_without_capabilities_reports_unreadable_holders_and_exits_77(
     assert holder.pid in report["unreadable_pids"]
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to drop capabilities",
+)
+@pytest.mark.parametrize(("dry_run", "code"), [(False, 77), (True, 0)])
+def test_run_without_capabilities_refuses_to_enforce_but_may_dry_run(
+    host: SimHost, dry_run: bool, code: int
+) -> None:
+    host.nvml([gpu(0)])
+    result = subprocess.run(
+        [
+            "setpriv",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "run",
+            "--once",
+            "--timeout",
+            "10s",
+            "--config",
+            str(host.config(dry_run=dry_run)),
+        ],
+        env=host.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == code, result.stdout + result.stderr
+    event = "daemon.no_permission" if code == 77 else "daemon.limited_permissions"
+    assert event in result.stdout + result.stderr
+    assert "CAP_KILL" in result.stdout + result.stderr
+
+
 def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None:
     config = str(host.config())
     assert host.gpuwatchd("pause", "--reason", "maint", "--config", config).returncode == 0

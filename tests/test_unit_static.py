@@ -83,7 +83,7 @@ def test_unit_never_sets_directive_that_breaks_gpu_access(key: str, bad_value: s
         ("ExecStart", "/usr/bin/gpuwatchd run"),
         ("ExecReload", "/bin/kill -HUP $MAINPID"),
         ("Restart", "on-failure"),
-        ("RestartPreventExitStatus", "78"),
+        ("RestartPreventExitStatus", "77 78"),
         ("KillMode", "mixed"),
         ("StateDirectory", "gpuwatchd"),
         ("StateDirectoryMode", "0700"),

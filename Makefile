@@ -6,7 +6,7 @@ FAKENVML_DIR := tests/fakenvml
 FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
 DSTATE := $(FAKENVML_DIR)/build/dstate
 
-.PHONY: all test lint typecheck unit demo bench fakenvml clean
+.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv
 
 all: test
 
@@ -42,6 +42,10 @@ unit: venv fakenvml
 	$(PY) -m pytest
 
 test: venv fakenvml lint typecheck unit
+
+# On a real GPU machine: the read-only `gpu`-marked tests (they skip visibly elsewhere).
+test-gpu: venv
+	$(PY) -m pytest -m gpu -rs -v tests/test_gpu.py
 
 demo: venv fakenvml
 	$(PY) -m tests.support.demo

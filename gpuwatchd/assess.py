@@ -239,6 +239,8 @@ class _Host:
         }
         self.unreadable = frozenset(snapshot.holders.unreadable - own)
         self.full_scan = snapshot.holders.mode == "full"
+        self._by_minor: dict[int, list[DeviceHolding]] | None = None
+        self._floor: dict[int, bool] = {}
         self.invalid: list[tuple[str, int]] = []
         self.listings: dict[str, list[_Listing]] = {}
         for gpu in self.gpus:
@@ -284,14 +286,22 @@ class _Host:
     def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
         if gpu.minor is None:
             return []
-        return [h for pid, h in sorted(self.holdings.items()) if gpu.minor in h.gpu_minors]
+        if self._by_minor is None:  # indexed once per snapshot, asked for per GPU many times
+            index: dict[int, list[DeviceHolding]] = {}
+            for _pid, holding in sorted(self.holdings.items()):
+                for minor in holding.gpu_minors:
+                    index.setdefault(minor, []).append(holding)
+            self._by_minor = index
+        return list(self._by_minor.get(gpu.minor, ()))
 
     def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:
         return [g for g in self.gpus if g.minor is not None and g.minor in holding.gpu_minors]
 
     def is_floor(self, pid: int) -> bool:
-        proc = self.procs.get(pid)
-        return proc is not None and is_floor_process(proc)
+        if pid not in self._floor:
+            proc = self.procs.get(pid)
+            self._floor[pid] = proc is not None and is_floor_process(proc)
+        return self._floor[pid]
 
     def unreadable_suspects(self) -> list[int]:
         """Unreadable processes that might hold anything (infrastructure excluded)."""

@@ -73,6 +73,7 @@ class Collector:
     wall_clock: Callable[[], float] = time.time
     _last_full: float | None = None
     _known_holders: frozenset[int] = field(default_factory=frozenset)
+    _dead_scanned: frozenset[int] = field(default_factory=frozenset)
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
@@ -135,8 +136,17 @@ class Collector:
     ) -> bool:
         if self._last_full is None or now - self._last_full >= self.full_scan_interval:
             return True
-        if any(pid not in live_listed or live_listed[pid].is_zombie for pid in listed):
+        # A dead or zombie PID in NVML's list: its inheritors are found by one full scan and
+        # then followed by the targeted scans (they become known holders). Scan all of /proc
+        # again only when a new such PID appears, not on every poll while it stays listed.
+        dead = frozenset(
+            pid for pid in listed if pid not in live_listed or live_listed[pid].is_zombie
+        )
+        new_dead, self._dead_scanned = dead - self._dead_scanned, dead
+        if new_dead:
             return True
+        # Memory with no listed owner: only a full scan can show that nobody holds the GPU,
+        # and ghost memory must be judged on that same evidence on every poll.
         for gpu in reading.gpus:
             allocated = gpu.memory.allocated if gpu.memory else None
             if allocated is not None and allocated > self.idle_memory_hint and not gpu.processes:

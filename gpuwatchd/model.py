@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 MIB = 1024 * 1024
 
@@ -118,7 +119,7 @@ class ProcessInfo:
     def is_uninterruptible(self) -> bool:
         return self.state == "D"
 
-    @property
+    @cached_property
     def names(self) -> frozenset[str]:
         """Every name the process goes by: comm, the executable's and argv[0]'s basenames."""
         found: set[str] = set()

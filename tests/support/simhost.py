@@ -167,8 +167,23 @@ class SimHost:
     def nvml(self, gpus: Sequence[Mapping[str, Any]], **over: Any) -> None:
         self.fake.write(fakenvml.state(gpus, **over))
 
+    def no_reset_command(self) -> str:
+        """A stand-in for nvidia-smi that only records its argv and fails: the default here,
+        so that no test can ever reach a real ``nvidia-smi --gpu-reset``."""
+        path = self.root / "refuse-nvidia-smi"
+        if not path.exists():
+            log = self.root / "refused-calls.log"
+            path.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\necho "fake: refused" >&2\nexit 1\n')
+            path.chmod(0o755)
+        return str(path)
+
     def config(self, **overrides: Any) -> Path:
-        """Write a policy pointing at this host; ``overrides`` are top-level YAML keys."""
+        """Write a policy pointing at this host; ``overrides`` are top-level YAML keys.
+
+        Unless a test gives its own ``reset`` section, every command the reset procedure could
+        run points at :meth:`no_reset_command`.
+        """
+        fake = self.no_reset_command()
         policy: dict[str, Any] = {
             "interval": "200ms",
             "dry_run": True,
@@ -176,6 +191,11 @@ class SimHost:
             "devices_dir": str(self.devices_dir),
             "nvml_timeout": "5s",
             "namespace_check": False,
+            "reset": {
+                "command": [fake, "--gpu-reset", "-i", "{uuid}"],
+                "persistence_command": [fake, "-pm", "{mode}", "-i", "{uuid}"],
+                "health_command": [fake, "-q", "-i", "{uuid}"],
+            },
         }
         policy.update(overrides)
         path = self.root / "gpuwatchd.yaml"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
 import os
 import select
 import signal
@@ -220,7 +219,7 @@ class Daemon:
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
         self._ready_sent = False
-        self._saved_digest: str | None = None
+        self._saved_key: tuple[object, ...] | None = None
         self._paused_reason: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -570,28 +569,30 @@ class Daemon:
 
     def save_state(self) -> None:
         """Write the state when it changed (a quiet poll costs no write and no fsync)."""
-        data: dict[str, object] = {
+        boot_id = self.procfs.boot_id()
+        # last_wall moves every poll; an older one on disk only hides no backward clock step.
+        key = (
+            boot_id,
+            self.assess_state,
+            dataclasses.replace(self.plan_state, last_wall=None),
+            self.reset_in_progress,
+        )
+        if key == self._saved_key:
+            return
+        data = {
             "version": STATE_VERSION,
-            "boot_id": self.procfs.boot_id(),
+            "boot_id": boot_id,
+            "saved_at": self.wall_clock(),
             "assess": self.assess_state.to_json(),
             "plan": self.plan_state.to_json(),
             "reset_in_progress": self.reset_in_progress,
         }
-        plan = data["plan"]
-        # last_wall moves every poll; an older one on disk only hides no backward clock step.
-        volatile = (
-            {k: v for k, v in plan.items() if k != "last_wall"} if isinstance(plan, dict) else plan
-        )
-        digest = json.dumps({**data, "plan": volatile}, sort_keys=True, default=str)
-        if digest == self._saved_digest:
-            return
-        data["saved_at"] = self.wall_clock()
         try:
             self.store.save(data)
         except OSError as exc:
             log.error("state.save_failed", error=str(exc), path=self.policy.state_dir)
             return
-        self._saved_digest = digest
+        self._saved_key = key
 
     def _resume_interrupted_reset(self) -> None:
         record = self.reset_in_progress

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -462,7 +463,30 @@ static void reset_fds(void) {
     }
 }
 
-/* Loads and parses the state file; on failure says why on stderr and returns -1. */
+/*
+ * The last parsed state and the identity of the file it came from. The file is still looked at
+ * on every call (stat), and parsed again whenever it changed: tests replace it atomically
+ * (a new inode), so every change is seen at the next call, without re-parsing an unchanged
+ * file ten times per GPU per poll. Only ever used under `lock`.
+ */
+static jvalue cached_state;
+static int cached_valid = 0;
+static struct stat cached_stat;
+
+static int same_file(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_size == b->st_size &&
+           a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
+           a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
+/* A state from load_state() is the shared cached tree: callers release it, never free it. */
+static void release_state(jvalue *state) {
+    memset(state, 0, sizeof *state);
+}
+
+static int parse_state_file(const char *path, jvalue *state);
+
+/* Loads the state (parsing the file only when it changed); on failure says why, returns -1. */
 static int load_state(jvalue *state) {
     memset(state, 0, sizeof *state);
     const char *path = getenv("FAKENVML_STATE");
@@ -470,6 +494,28 @@ static int load_state(jvalue *state) {
         complain("FAKENVML_STATE is not set");
         return -1;
     }
+    struct stat st;
+    memset(&st, 0, sizeof st);
+    if (stat(path, &st) == 0 && cached_valid && same_file(&st, &cached_stat)) {
+        *state = cached_state;
+        return 0;
+    }
+    jvalue parsed;
+    if (parse_state_file(path, &parsed) != 0) {
+        return -1;
+    }
+    if (cached_valid) {
+        json_free(&cached_state);
+    }
+    cached_state = parsed;
+    cached_stat = st;
+    cached_valid = 1;
+    *state = cached_state;
+    return 0;
+}
+
+static int parse_state_file(const char *path, jvalue *state) {
+    memset(state, 0, sizeof *state);
     FILE *f = fopen(path, "rb");
     if (f == NULL) {
         complain("cannot open state file %s: %s", path, strerror(errno));
@@ -602,14 +648,14 @@ static int begin(const char *fn, long slot, jvalue *state, const jvalue **gpu) {
     }
     const jvalue *g = NULL;
     if (slot != NO_DEVICE && (slot < 0 || (g = gpu_at(state, (size_t)slot)) == NULL)) {
-        json_free(state);
+        release_state(state);
         pthread_mutex_unlock(&lock);
         return NVML_ERROR_INVALID_ARGUMENT;
     }
     double delay = delay_for(state, g, fn);
     if (delay > 0) {
         /* Hang without holding the lock, then answer from the state as it is by then. */
-        json_free(state);
+        release_state(state);
         pthread_mutex_unlock(&lock);
         sleep_seconds(delay);
         pthread_mutex_lock(&lock);
@@ -622,14 +668,14 @@ static int begin(const char *fn, long slot, jvalue *state, const jvalue **gpu) {
             return NVML_ERROR_UNKNOWN;
         }
         if (slot != NO_DEVICE && (g = gpu_at(state, (size_t)slot)) == NULL) {
-            json_free(state);
+            release_state(state);
             pthread_mutex_unlock(&lock);
             return NVML_ERROR_INVALID_ARGUMENT;
         }
     }
     int code = verdict(state, g, fn);
     if (code >= 0) {
-        json_free(state);
+        release_state(state);
         pthread_mutex_unlock(&lock);
         return code;
     }
@@ -640,7 +686,7 @@ static int begin(const char *fn, long slot, jvalue *state, const jvalue **gpu) {
 }
 
 static int finish(jvalue *state, int rc) {
-    json_free(state);
+    release_state(state);
     pthread_mutex_unlock(&lock);
     return rc;
 }
@@ -712,7 +758,7 @@ static int do_init(const char *fn) {
         rc = NVML_SUCCESS;
     }
     double delay = delay_for(&state, NULL, fn);
-    json_free(&state);
+    release_state(&state);
     if (delay > 0) {
         pthread_mutex_unlock(&lock);
         sleep_seconds(delay);

@@ -14,8 +14,8 @@ carries out after re-verifying the target, and the outcome comes back through
 ``record_signal`` / ``record_exit`` / ``record_reset``. ``None`` means unknown, and unknown
 never leads to an intent.
 
-It is longer than most modules on purpose: the state it carries, and that state's checked JSON
-form, live next to the machine that gives them meaning.
+The state it carries between polls, with that state's JSON form and validation, is defined in
+``plan_state.py`` and re-exported here, so callers import everything from ``plan``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 from gpuwatchd.model import (
@@ -34,9 +34,49 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.plan_state import (
+    STATE_VERSION,
+    Ladder,
+    PlanState,
+    ResetInFlight,
+    SeenFinding,
+)
 from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
 
-STATE_VERSION = 1
+__all__ = [
+    "EVENT_NAMES",
+    "HOUR",
+    "LEVELS",
+    "RESET_OUTCOMES",
+    "SIGNAL_OUTCOMES",
+    "STATE_VERSION",
+    "Event",
+    "EventName",
+    "HookIntent",
+    "Intent",
+    "Ladder",
+    "PlanResult",
+    "PlanState",
+    "ResetInFlight",
+    "ResetIntent",
+    "SeenFinding",
+    "SignalIntent",
+    "clear_circuit",
+    "clear_forced_dry_run",
+    "gpu_protected",
+    "next_deadline",
+    "pending",
+    "plan",
+    "process_facts",
+    "record_exit",
+    "record_reset",
+    "record_signal",
+    "refusal",
+    "rule_for",
+    "set_paused",
+    "target_key",
+]
+
 HOUR = 3600.0
 
 # The kernel cuts comm to 15 characters: "nvidia-persistenced" is seen as "nvidia-persiste".
@@ -148,91 +188,6 @@ class Event:
     name: str
     level: str
     fields: Mapping[str, object]
-
-
-# --- state ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SeenFinding:
-    """When a finding key was first seen (monotonic) and a digest to notice changes."""
-
-    first_seen: float
-    digest: str
-    gpu: str | None
-    target: str | None
-
-
-@dataclass(frozen=True)
-class Ladder:
-    """One target's escalation. ``steps`` is copied from the rule when the ladder starts, so a
-    config reload never changes a ladder in progress. ``step`` is how many steps were emitted;
-    ``due`` is when the next step (or, after the last, the end) is due. ``status`` is "active"
-    or terminal: "ended", "stuck", "failed" (terminal ladders stay while the process lives, so
-    that identity is never signalled again)."""
-
-    target: str
-    pid: int
-    start_ticks: int
-    finding_key: str
-    rule: str
-    gpu: str | None
-    steps: tuple[tuple[str | None, float], ...]
-    step: int
-    due: float | None
-    status: str
-    dry_run: bool
-    started: float
-
-
-@dataclass(frozen=True)
-class ResetInFlight:
-    """The one reset that was handed to act and whose outcome has not come back yet."""
-
-    gpu: str
-    finding_key: str
-    dry_run: bool
-    since: float
-    delay: float  # the post-action delay to apply when the outcome comes back
-
-
-@dataclass(frozen=True)
-class PlanState:
-    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
-
-    Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
-    meaningful within one boot and are dropped when the boot id changes. Wall times
-    (``last_reset``, ``reset_history``) are kept; a backward wall-clock step shifts them back
-    by the step, so the step counts as no time passed.
-    """
-
-    boot_id: str | None = None
-    seen: Mapping[str, SeenFinding] = field(default_factory=dict)
-    notes: Mapping[str, str] = field(default_factory=dict)
-    waiting: Mapping[str, float] = field(default_factory=dict)
-    ladders: Mapping[str, Ladder] = field(default_factory=dict)
-    quiet_until: Mapping[str, float] = field(default_factory=dict)
-    last_reset: Mapping[str, float] = field(default_factory=dict)
-    last_dry_reset: Mapping[str, float] = field(default_factory=dict)
-    reset_history: tuple[tuple[str, float], ...] = ()
-    reset_failures: int = 0
-    circuit_open: bool = False
-    reset_in_flight: ResetInFlight | None = None
-    signal_history: tuple[tuple[str, float], ...] = ()
-    forced_dry_run: bool = False
-    forced_reason: str | None = None
-    paused: bool = False
-    paused_reason: str | None = None
-    last_wall: float | None = None
-
-    def to_json(self) -> dict[str, object]:
-        """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
-        return _dump_state(self)
-
-    @classmethod
-    def from_json(cls, data: object) -> PlanState:
-        """Rebuild a state saved by ``to_json``; ValueError when ``data`` is malformed."""
-        return _load_state(data)
 
 
 @dataclass(frozen=True)
@@ -464,7 +419,6 @@ class _Work:
     """The mutable scratch copy of a PlanState while one call decides."""
 
     def __init__(self, state: PlanState) -> None:
-        self.base = state
         self.seen = dict(state.seen)
         self.notes = dict(state.notes)
         self.waiting: dict[str, float] = dict(state.waiting)
@@ -691,14 +645,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         w.ladders[target] = lad
     if lad.status != "active":
         if lad.dry_run and not _dry(w, ctx) and _hold_reason(w, ctx) is None:
-            # What dry-run "would have done" never blocks the real thing: start over.
-            del w.ladders[target]
-            w.event(
-                EventName.ESCALATION_RESTARTED,
-                "info",
-                why="dry-run ended",
-                **_ladder_fields(lad),
-            )
+            _restart_after_dry_run(w, lad)
         return
     stuck = _stuck_finding(ctx, target)
     if stuck is not None:
@@ -732,9 +679,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             w.event(EventName.ACTION_REFUSED, "info", why=hold, **_ladder_fields(lad))
         return
     if lad.dry_run and not _dry(w, ctx):
-        # A dry-run ladder never blocks a real one: start over, for real, from step 1.
-        del w.ladders[target]
-        w.event(EventName.ESCALATION_RESTARTED, "info", why="dry-run ended", **_ladder_fields(lad))
+        _restart_after_dry_run(w, lad)
         return
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
@@ -753,6 +698,13 @@ def _successor(ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
         if rule_for(finding, proc, ctx.policy, lasted=math.inf) is not None:
             return finding
     return None
+
+
+def _restart_after_dry_run(w: _Work, lad: Ladder) -> None:
+    """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
+    target starts over, for real, from step 1."""
+    del w.ladders[lad.target]
+    w.event(EventName.ESCALATION_RESTARTED, "info", why="dry-run ended", **_ladder_fields(lad))
 
 
 def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
@@ -1222,205 +1174,3 @@ def clear_circuit(state: PlanState) -> PlanState:
     """Admin: close the reset circuit breaker and forget the consecutive failures."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
     return replace(state, circuit_open=False, reset_failures=0, notes=notes)
-
-
-# --- JSON -------------------------------------------------------------------------------------
-# Written by hand, not by reflection: the saved format is an interface (restarts, upgrades), and
-# every value read back is checked, so a damaged file is a ValueError, never a wrong decision.
-
-
-def _dump_ladder(lad: Ladder) -> dict[str, object]:
-    return {
-        "target": lad.target,
-        "pid": lad.pid,
-        "start_ticks": lad.start_ticks,
-        "finding": lad.finding_key,
-        "rule": lad.rule,
-        "gpu": lad.gpu,
-        "steps": [[sig, wait] for sig, wait in lad.steps],
-        "step": lad.step,
-        "due": lad.due,
-        "status": lad.status,
-        "dry_run": lad.dry_run,
-        "started": lad.started,
-    }
-
-
-def _dump_state(s: PlanState) -> dict[str, object]:
-    flight = s.reset_in_flight
-    return {
-        "version": STATE_VERSION,
-        "boot_id": s.boot_id,
-        "seen": {
-            k: {"first_seen": v.first_seen, "digest": v.digest, "gpu": v.gpu, "target": v.target}
-            for k, v in s.seen.items()
-        },
-        "notes": dict(s.notes),
-        "waiting": dict(s.waiting),
-        "ladders": {k: _dump_ladder(v) for k, v in s.ladders.items()},
-        "quiet_until": dict(s.quiet_until),
-        "last_reset": dict(s.last_reset),
-        "last_dry_reset": dict(s.last_dry_reset),
-        "reset_history": [[g, t] for g, t in s.reset_history],
-        "reset_failures": s.reset_failures,
-        "circuit_open": s.circuit_open,
-        "reset_in_flight": None
-        if flight is None
-        else {
-            "gpu": flight.gpu,
-            "finding": flight.finding_key,
-            "dry_run": flight.dry_run,
-            "since": flight.since,
-            "delay": flight.delay,
-        },
-        "signal_history": [[t, at] for t, at in s.signal_history],
-        "forced_dry_run": s.forced_dry_run,
-        "forced_reason": s.forced_reason,
-        "paused": s.paused,
-        "paused_reason": s.paused_reason,
-        "last_wall": s.last_wall,
-    }
-
-
-def _obj(value: object, what: str) -> Mapping[str, object]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ValueError(f"{what}: expected an object")
-    return value
-
-
-def _list(value: object, what: str) -> list[object]:
-    if not isinstance(value, list):
-        raise ValueError(f"{what}: expected a list")
-    return value
-
-
-def _str(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a string")
-    return value
-
-
-def _opt_str(value: object, what: str) -> str | None:
-    return None if value is None else _str(value, what)
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what}: expected an integer")
-    return value
-
-
-def _float(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what}: expected a number")
-    if not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite number")
-    return float(value)
-
-
-def _opt_float(value: object, what: str) -> float | None:
-    return None if value is None else _float(value, what)
-
-
-def _bool(value: object, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{what}: expected true or false")
-    return value
-
-
-def _floats(value: object, what: str) -> dict[str, float]:
-    return {k: _float(v, f"{what}.{k}") for k, v in _obj(value, what).items()}
-
-
-def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
-    out = []
-    for i, item in enumerate(_list(value, what)):
-        pair = _list(item, f"{what}[{i}]")
-        if len(pair) != 2:
-            raise ValueError(f"{what}[{i}]: expected [name, time]")
-        out.append((_str(pair[0], f"{what}[{i}]"), _float(pair[1], f"{what}[{i}]")))
-    return tuple(out)
-
-
-_LADDER_STATUSES = frozenset({"active", "ended", "stuck", "failed"})
-
-
-def _load_ladder(value: object, what: str) -> Ladder:
-    d = _obj(value, what)
-    steps = []
-    for i, item in enumerate(_list(d.get("steps"), f"{what}.steps")):
-        pair = _list(item, f"{what}.steps[{i}]")
-        if len(pair) != 2:
-            raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
-        steps.append((_opt_str(pair[0], f"{what}.steps[{i}]"), _float(pair[1], what)))
-    status = _str(d.get("status"), f"{what}.status")
-    step = _int(d.get("step"), f"{what}.step")
-    if status not in _LADDER_STATUSES or not 0 <= step <= len(steps):
-        raise ValueError(f"{what}: invalid status or step")
-    return Ladder(
-        target=_str(d.get("target"), f"{what}.target"),
-        pid=_int(d.get("pid"), f"{what}.pid"),
-        start_ticks=_int(d.get("start_ticks"), f"{what}.start_ticks"),
-        finding_key=_str(d.get("finding"), f"{what}.finding"),
-        rule=_str(d.get("rule"), f"{what}.rule"),
-        gpu=_opt_str(d.get("gpu"), f"{what}.gpu"),
-        steps=tuple(steps),
-        step=step,
-        due=_opt_float(d.get("due"), f"{what}.due"),
-        status=status,
-        dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
-        started=_float(d.get("started"), f"{what}.started"),
-    )
-
-
-def _load_state(data: object) -> PlanState:
-    d = _obj(data, "plan")
-    version = d.get("version", STATE_VERSION)
-    if version != STATE_VERSION:
-        raise ValueError(f"plan: unsupported state version {version!r}")
-    seen = {}
-    for k, v in _obj(d.get("seen", {}), "plan.seen").items():
-        e = _obj(v, f"plan.seen.{k}")
-        seen[k] = SeenFinding(
-            first_seen=_float(e.get("first_seen"), f"plan.seen.{k}.first_seen"),
-            digest=_str(e.get("digest"), f"plan.seen.{k}.digest"),
-            gpu=_opt_str(e.get("gpu"), f"plan.seen.{k}.gpu"),
-            target=_opt_str(e.get("target"), f"plan.seen.{k}.target"),
-        )
-    flight_data = d.get("reset_in_flight")
-    flight = None
-    if flight_data is not None:
-        f = _obj(flight_data, "plan.reset_in_flight")
-        flight = ResetInFlight(
-            gpu=_str(f.get("gpu"), "plan.reset_in_flight.gpu"),
-            finding_key=_str(f.get("finding"), "plan.reset_in_flight.finding"),
-            dry_run=_bool(f.get("dry_run"), "plan.reset_in_flight.dry_run"),
-            since=_float(f.get("since"), "plan.reset_in_flight.since"),
-            delay=_float(f.get("delay", 0.0), "plan.reset_in_flight.delay"),
-        )
-    failures = _int(d.get("reset_failures", 0), "plan.reset_failures")
-    if failures < 0:
-        raise ValueError("plan.reset_failures: negative")
-    return PlanState(
-        boot_id=_opt_str(d.get("boot_id"), "plan.boot_id"),
-        seen=seen,
-        notes={k: _str(v, f"plan.notes.{k}") for k, v in _obj(d.get("notes", {}), "notes").items()},
-        waiting=_floats(d.get("waiting", {}), "plan.waiting"),
-        ladders={
-            k: _load_ladder(v, f"plan.ladders.{k}")
-            for k, v in _obj(d.get("ladders", {}), "plan.ladders").items()
-        },
-        quiet_until=_floats(d.get("quiet_until", {}), "plan.quiet_until"),
-        last_reset=_floats(d.get("last_reset", {}), "plan.last_reset"),
-        last_dry_reset=_floats(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
-        reset_history=_pairs(d.get("reset_history", []), "plan.reset_history"),
-        reset_failures=failures,
-        circuit_open=_bool(d.get("circuit_open", False), "plan.circuit_open"),
-        reset_in_flight=flight,
-        signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
-        forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
-        forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
-        paused=_bool(d.get("paused", False), "plan.paused"),
-        paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
-        last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
-    )

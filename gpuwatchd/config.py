@@ -363,6 +363,7 @@ _TOP_KEYS = (
     "device_major",
     "namespace_check",
     "nvml_timeout",
+    "full_scan_interval",
     "protect",
     "rules",
     "reset",
@@ -798,6 +799,9 @@ def _build_policy(root: Map, problems: list[ConfigError], sources: tuple[str, ..
         device_major=top.get("device_major", _int(0, 4095), base.device_major),
         namespace_check=top.get("namespace_check", _bool, base.namespace_check),
         nvml_timeout=top.get("nvml_timeout", _duration(positive=True), base.nvml_timeout),
+        full_scan_interval=top.get(
+            "full_scan_interval", _duration(positive=True), base.full_scan_interval
+        ),
         detection=detection,
         protect=protect,
         rules=tuple(rules),
@@ -877,6 +881,7 @@ def render_policy(policy: Policy) -> str:
         "device_major": policy.device_major,
         "namespace_check": policy.namespace_check,
         "nvml_timeout": format_duration(policy.nvml_timeout),
+        "full_scan_interval": format_duration(policy.full_scan_interval),
         "log": {"format": policy.log_format},
         "protect": {
             "commands": [pattern.pattern for pattern in policy.protect.commands],

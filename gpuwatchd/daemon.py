@@ -202,6 +202,7 @@ class Daemon:
             self.procfs,
             self.nvml,
             namespace_check=policy.namespace_check,
+            full_scan_interval=policy.full_scan_interval,
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
@@ -317,6 +318,7 @@ class Daemon:
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
             self.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
+            self.collector.full_scan_interval = self.policy.full_scan_interval
             log.info("config.reloaded", config=list(self.policy.sources), dry_run=new.dry_run)
         self.notifier.notify("READY=1")
 

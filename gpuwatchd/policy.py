@@ -169,6 +169,7 @@ class Policy:
     device_major: int = 195
     namespace_check: bool = True  # False: trust the PID namespace we run in (tests only)
     nvml_timeout: float = 10.0
+    full_scan_interval: float = 60.0  # a scan of all of /proc at least this often
     detection: Detection = field(default_factory=Detection)
     protect: Protect = field(default_factory=Protect)
     rules: tuple[Rule, ...] = ()

@@ -3,10 +3,12 @@
 This module owns the *order* of a reset and the reading of its result. Whether a GPU should be
 reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
 decision; stopping the NVML worker, scanning holders and persisting state belong to the daemon,
-which hands them in as a :class:`ResetEnvironment`. Commands run through :mod:`gpuwatchd.act`
-(argv, no shell, own process group, deadline). This module never unbinds, rebinds or writes
-sysfs, never resets without ``-i``-style addressing of exactly one GPU, and never re-runs a
-reset command that may already have run.
+which hands them in as a :class:`ResetEnvironment`. Every command and hook runs through one
+:class:`CommandRunner`, by default :func:`gpuwatchd.act.run_command` (argv, no shell, own
+process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset
+is this very procedure. This module never unbinds, rebinds or writes sysfs, never resets
+without ``-i``-style addressing of exactly one GPU, and never re-runs a reset command that may
+already have run.
 
 The procedure, one event per step, each step recorded with ``record_step`` *before* it runs:
 
@@ -64,6 +66,7 @@ in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins
 from __future__ import annotations
 
 import enum
+import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,11 +77,11 @@ from gpuwatchd.act import (
     format_argv,
     hook_environment,
     run_command,
-    run_hooks,
 )
 from gpuwatchd.policy import Hook, ResetPolicy
 
 __all__ = [
+    "CommandRunner",
     "ResetEnvironment",
     "ResetOutcome",
     "ResetStep",
@@ -157,6 +160,20 @@ class ResetEnvironment(Protocol):
 
     def emit(self, event: str, level: str, **fields: object) -> None:
         """Log one structured event."""
+
+
+class CommandRunner(Protocol):
+    """Runs one command with :func:`gpuwatchd.act.run_command`'s contract: ``argv`` (no shell),
+    a deadline of ``timeout`` seconds, ``env`` the complete environment (None: inherit), and a
+    :class:`~gpuwatchd.act.CommandResult` back, never an exception for a failing command.
+
+    The reset command, the persistence and health commands and every hook go through it (a
+    hook gets its ``GPUWATCHD_*`` variables in ``env``; the commands get no ``env``).
+    """
+
+    def __call__(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult: ...
 
 
 def progress_record(
@@ -277,6 +294,31 @@ def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
     return _Commands(reset, health, off, on)
 
 
+def _run_hooks(
+    runner: CommandRunner,
+    hooks: Sequence[Hook],
+    *,
+    env: Mapping[str, str],
+    values: Mapping[str, str | None],
+    stop_on_failure: bool,
+) -> list[CommandResult]:
+    """:func:`gpuwatchd.act.run_hooks` on ``runner``: the same environment (the daemon's plus
+    ``env``), placeholders, per-hook timeouts and ``stop_on_failure``."""
+    merged = {**os.environ, **env}
+    results = []
+    for hook in hooks:
+        try:
+            argv = format_argv(hook.argv, **dict(values))
+        except ValueError as err:
+            result = CommandResult(tuple(hook.argv), None, "", False, 0.0, f"hook not run: {err}")
+        else:
+            result = runner(argv, timeout=hook.timeout, env=merged)
+        results.append(result)
+        if stop_on_failure and not result.ok:
+            break
+    return results
+
+
 class _Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
@@ -289,6 +331,7 @@ class _Procedure:
         *,
         dry_run: bool,
         hook_env: Mapping[str, str],
+        runner: CommandRunner,
     ) -> None:
         self.target = target
         self.policy = policy
@@ -296,6 +339,7 @@ class _Procedure:
         self.commands = commands
         self.dry_run = dry_run
         self.hook_env = hook_env
+        self.runner = runner
         self.persistence_off = False
         self.reset_started = False
         self.result: str | None = None
@@ -337,7 +381,7 @@ class _Procedure:
         if self.dry_run:
             self.event(step, "would_run", argv=list(argv))
             return None
-        result = run_command(argv, timeout=self.policy.timeout)
+        result = self.runner(argv, timeout=self.policy.timeout)
         self.event(
             step,
             "ok" if result.ok else "failed",
@@ -375,8 +419,12 @@ class _Procedure:
                 **extra,
             ),
         }
-        results = run_hooks(
-            hooks, env=env, values=_values(self.target), stop_on_failure=stop_on_failure
+        results = _run_hooks(
+            self.runner,
+            hooks,
+            env=env,
+            values=_values(self.target),
+            stop_on_failure=stop_on_failure,
         )
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{_quote(r.output)}"
@@ -482,12 +530,14 @@ def perform_reset(
     *,
     dry_run: bool,
     hook_env: Mapping[str, str] = _EMPTY,
+    runner: CommandRunner = run_command,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target`` (see the module docstring for the steps).
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
-    :func:`gpuwatchd.act.hook_environment` always win). Never raises for a failing step: every
-    way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
+    :func:`gpuwatchd.act.hook_environment` always win). ``runner`` runs every command and
+    hook (default: the real :func:`gpuwatchd.act.run_command`). Never raises for a failing
+    step: every way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
     """
     prepared = _prepare(target, reset)
     if isinstance(prepared, str):
@@ -503,7 +553,9 @@ def perform_reset(
             dry_run=dry_run,
         )
         return ResetOutcome("refused", ResetStep.DRAIN, prepared, False, None, ())
-    proc = _Procedure(target, reset, env, prepared, dry_run=dry_run, hook_env=hook_env)
+    proc = _Procedure(
+        target, reset, env, prepared, dry_run=dry_run, hook_env=hook_env, runner=runner
+    )
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
         return stopped
@@ -635,7 +687,11 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
 
 
 def resume_interrupted(
-    record: Mapping[str, object], reset: ResetPolicy, env: ResetEnvironment
+    record: Mapping[str, object],
+    reset: ResetPolicy,
+    env: ResetEnvironment,
+    *,
+    runner: CommandRunner = run_command,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
 
@@ -664,6 +720,7 @@ def resume_interrupted(
     returns ``failed`` with the reason, so the daemon can log it and drop the record. The
     caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
     second time after a crash inside them, so ``after`` hooks should be idempotent.
+    ``runner`` runs the commands and hooks, as for :func:`perform_reset`.
     """
     step_value = record.get("step")
     try:
@@ -682,7 +739,7 @@ def resume_interrupted(
     if isinstance(prepared, str):
         # Today's policy cannot build the commands; still run the after hooks, and say so.
         prepared = _Commands((), (), None, None)
-    proc = _Procedure(target, reset, env, prepared, dry_run=False, hook_env=_EMPTY)
+    proc = _Procedure(target, reset, env, prepared, dry_run=False, hook_env=_EMPTY, runner=runner)
     proc.persistence_off = record.get("persistence_off") is True
     proc.reset_started = record.get("reset_started") is True
     recorded = record.get("result")

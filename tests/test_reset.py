@@ -629,3 +629,121 @@ def test_resume_of_an_unreadable_record_changes_nothing(
     assert outcome.result == "failed"
     assert "unreadable" in outcome.reason
     assert smi.calls() == []
+
+
+# --- an injected command runner ---------------------------------------------------------------
+
+
+class RecordingRunner:
+    """A :class:`gpuwatchd.reset.CommandRunner` that runs nothing: it records each call and
+    answers from ``answers`` (by argv[1], e.g. ``--gpu-reset``), exit 0 otherwise."""
+
+    def __init__(self, answers: Mapping[str, CommandResult] | None = None) -> None:
+        self.answers = dict(answers or {})
+        self.calls: list[tuple[tuple[str, ...], float, dict[str, str] | None]] = []
+
+    def __call__(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        self.calls.append((args, timeout, None if env is None else dict(env)))
+        answer = self.answers.get(args[1] if len(args) > 1 else "")
+        if answer is not None:
+            return replace(answer, argv=args)
+        return CommandResult(args, 0, "", False, 0.0, None)
+
+    def argvs(self) -> list[list[str]]:
+        return [list(argv) for argv, _timeout, _env in self.calls]
+
+
+def symbolic_policy(**changes: object) -> ResetPolicy:
+    """Commands and hooks that name no real program: only an injected runner ever sees them."""
+    policy = ResetPolicy(
+        command=("nvidia-smi", "--gpu-reset", "-i", "{uuid}"),
+        persistence_command=("nvidia-smi", "-pm", "{mode}", "-i", "{uuid}"),
+        health_command=("nvidia-smi", "-q", "-i", "{uuid}"),
+        drain=(Hook(("drain-hook", "{pci_bus_id}"), timeout=7),),
+        before=(Hook(("before-hook",), timeout=8),),
+        after=(Hook(("after-hook", "{minor}"), timeout=9),),
+        timeout=30.0,
+    )
+    return replace(policy, **changes)  # type: ignore[arg-type]
+
+
+def test_an_injected_runner_runs_every_command_and_hook_in_order_and_nothing_else_runs(
+    smi: FakeSmi,
+) -> None:
+    runner = RecordingRunner()
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, symbolic_policy(), env, dry_run=False, runner=runner)
+
+    assert outcome.result == "success", outcome.reason
+    assert runner.argvs() == [
+        ["drain-hook", BUS],
+        ["before-hook"],
+        ["nvidia-smi", *PM_OFF],
+        ["nvidia-smi", *RESET],
+        ["nvidia-smi", *QUERY],
+        ["nvidia-smi", *PM_ON],
+        ["after-hook", "0"],
+    ]
+    assert [timeout for _argv, timeout, _env in runner.calls] == [7, 8, 30, 30, 30, 30, 9]
+    hook_events = [e["GPUWATCHD_EVENT"] for _a, _t, e in runner.calls if e is not None]
+    assert hook_events == ["reset_drain", "reset_before", "reset_after"]
+    assert [e for argv, _t, e in runner.calls if argv[0] == "nvidia-smi"] == [None] * 4
+    assert env.steps == ALL_STEPS
+    assert smi.calls() == [], "no process was started"
+
+
+def test_an_injected_runners_results_are_read_like_real_ones(smi: FakeSmi) -> None:
+    in_use = CommandResult((), 255, "GPU x: In use by another client", False, 0.1, None)
+    runner = RecordingRunner({"--gpu-reset": in_use})
+    outcome = perform_reset(
+        TARGET, symbolic_policy(), FakeEnvironment(smi), dry_run=False, runner=runner
+    )
+    assert outcome.result == "failed"
+    assert "in use by another client" in outcome.reason
+    assert runner.argvs()[-2:] == [["nvidia-smi", *PM_ON], ["after-hook", "0"]]
+
+    hung = CommandResult((), -9, "", True, 30.0, None)
+    runner = RecordingRunner({"--gpu-reset": hung})
+    outcome = perform_reset(
+        TARGET, symbolic_policy(), FakeEnvironment(smi), dry_run=False, runner=runner
+    )
+    assert outcome.result == "timeout"
+    assert ["nvidia-smi", *QUERY] not in runner.argvs(), "no health check after a timeout"
+
+
+def test_a_hook_whose_placeholder_cannot_be_filled_never_reaches_the_runner(
+    smi: FakeSmi,
+) -> None:
+    runner = RecordingRunner()
+    target = replace(TARGET, minor=None)
+    policy = symbolic_policy(before=(Hook(("before-hook", "{minor}"), timeout=8),))
+    outcome = perform_reset(target, policy, FakeEnvironment(smi), dry_run=False, runner=runner)
+    assert outcome.result == "refused"
+    assert outcome.step is S.BEFORE_HOOKS
+    assert "hook not run" in outcome.reason
+    assert ["before-hook", "{minor}"] not in runner.argvs()
+    assert runner.argvs()[0] == ["drain-hook", BUS]
+
+
+def test_a_failing_hook_from_the_runner_aborts_like_a_real_one(smi: FakeSmi) -> None:
+    failed = CommandResult((), 1, "scheduler down", False, 0.1, None)
+    runner = RecordingRunner({"x": failed})
+    policy = symbolic_policy(drain=(Hook(("drain-hook", "x"), timeout=7),))
+    outcome = perform_reset(TARGET, policy, FakeEnvironment(smi), dry_run=False, runner=runner)
+    assert outcome.result == "refused"
+    assert outcome.step is S.DRAIN
+    assert "scheduler down" in outcome.reason
+    assert runner.argvs() == [["drain-hook", "x"], ["after-hook", "0"]]
+
+
+def test_resume_runs_its_commands_through_the_injected_runner(smi: FakeSmi) -> None:
+    record = records_of(smi)["reset"]
+    runner = RecordingRunner()
+    outcome = resume_interrupted(record, symbolic_policy(), FakeEnvironment(smi), runner=runner)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert runner.argvs() == [["nvidia-smi", *QUERY], ["nvidia-smi", *PM_ON], ["after-hook", "0"]]
+    assert smi.calls() == []

@@ -26,8 +26,8 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.plan import gpu_protected, refusal, rule_for
 from gpuwatchd.policy import Policy
+from gpuwatchd.targets import gpu_protected, refusal, rule_for
 
 _HOLDER_KINDS = {"orphaned", "abandoned", "stuck", "hidden_holder", "zombie"}
 

@@ -1,0 +1,229 @@
+"""Which rule matches a finding, and why a target may never be touched: the floor, then ``protect``.
+
+This module owns target selection for ``plan``: ``rule_for`` (the first policy rule whose kind,
+``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of DESIGN.md §2.10,
+which no configuration lowers, then ``protect``, then an identity that cannot be told apart from
+PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or PCI bus id) and
+``process_facts`` (what a target's intents and events say about it). The semantics are documented
+in ``docs/escalation.md``.
+
+It is pure: no I/O, no clock reads, no logging. It must not decide escalation or timing (ladders,
+confirmation windows, limits, resets): that is ``plan.py``, which calls these functions.
+``None`` means unknown, and a filter that is set never matches an unknown value.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
+from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
+
+__all__ = [
+    "FLOOR_COMMS",
+    "gpu_by_uuid",
+    "gpu_protected",
+    "process_facts",
+    "refusal",
+    "rule_for",
+]
+
+# The kernel cuts comm to 15 characters: "nvidia-persistenced" is seen as "nvidia-persiste".
+FLOOR_COMMS = frozenset(name[:15] for name in FLOOR_PROCESS_NAMES)
+
+
+def _glob_any(value: str | None, patterns: Sequence[str]) -> bool:
+    return value is not None and any(fnmatch.fnmatchcase(value, p) for p in patterns)
+
+
+def rule_for(
+    finding: Finding, process: ProcessInfo | None, policy: Policy, *, lasted: float
+) -> Rule | None:
+    """The first rule (in policy order) that selects ``finding``, or None.
+
+    A filter that is set never matches an unknown value: ``users: [alice]`` does not match a
+    process whose user is unknown, ``min_memory`` does not match unknown memory.
+    """
+    for rule in policy.rules:
+        if rule.kind != finding.kind or lasted < rule.for_:
+            continue
+        if rule.min_memory is not None and (
+            finding.memory is None or finding.memory < rule.min_memory
+        ):
+            continue
+        if _filters_match(rule, process):
+            return rule
+    return None
+
+
+def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
+    if not (rule.users or rule.commands or rule.cgroups or rule.units or rule.jobs):
+        return True
+    if process is None:
+        return False
+    if rule.users and not _glob_any(process.user, rule.users):
+        return False
+    if rule.commands:
+        if process.cmdline is None:
+            return False
+        joined = " ".join(process.cmdline)
+        if not any(p.search(joined) for p in rule.commands):
+            return False
+    cgroup = process.cgroup
+    if rule.cgroups and not _glob_any(None if cgroup is None else cgroup.path, rule.cgroups):
+        return False
+    if rule.units and not _glob_any(None if cgroup is None else cgroup.systemd_unit, rule.units):
+        return False
+    return not (rule.jobs and not _glob_any(None if cgroup is None else cgroup.job_key, rule.jobs))
+
+
+def _normal_bus_id(bus_id: str) -> str:
+    """'00000000:3B:00.0' and '0000:3b:00.0' name the same device."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if sep and rest.count(":") == 1:
+        try:
+            return f"{int(domain, 16):x}:{rest}"
+        except ValueError:
+            return text
+    return text
+
+
+def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> str | None:
+    """Which ``protect.gpus`` entry names this GPU (by UUID or PCI bus id), or None."""
+    for entry in policy.protect.gpus:
+        if gpu_uuid is not None and entry.lower() == gpu_uuid.lower():
+            return entry
+        bus_id = None if gpu is None else gpu.pci_bus_id
+        if bus_id is not None and _normal_bus_id(entry) == _normal_bus_id(bus_id):
+            return entry
+    return None
+
+
+def gpu_by_uuid(snapshot: Snapshot, uuid: str | None) -> GpuInfo | None:
+    for gpu in snapshot.nvml.gpus:
+        if gpu.uuid == uuid:
+            return gpu
+    return None
+
+
+def _floor_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, self_ancestors: frozenset[int]
+) -> str | None:
+    if process.pid <= 2:
+        return f"pid {process.pid} is init or kthreadd"
+    if process.kernel_thread:
+        return "kernel thread"
+    if process.pid in snapshot.self_pids:
+        return "the daemon itself"
+    if process.pid in self_ancestors:
+        return "an ancestor of the daemon"
+    for name in sorted(process.names):
+        if name in FLOOR_PROCESS_NAMES:
+            return f"infrastructure process {name}"
+    if process.comm is not None and process.comm in FLOOR_COMMS:
+        return f"infrastructure process {process.comm}"
+    cgroup = process.cgroup
+    if cgroup is not None:
+        parts = [p for p in cgroup.path.split("/") if p]
+        if cgroup.systemd_unit is not None:
+            parts.append(cgroup.systemd_unit)
+        for part in parts:
+            for pattern in FLOOR_UNIT_PATTERNS:
+                if fnmatch.fnmatchcase(part, pattern):
+                    return f"infrastructure unit {part}"
+    holding = snapshot.holders.holdings.get(process.pid)
+    uvm = finding.evidence.get("uvm")
+    if uvm is False or (holding is not None and not holding.uvm):
+        return "NVML-only client (does not hold nvidia-uvm)"
+    if uvm is not True and (holding is None or not holding.uvm):
+        return "nvidia-uvm holding unknown (could be an NVML-only client)"
+    return None
+
+
+def _protect_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
+) -> str | None:
+    protect = policy.protect
+    if protect.commands:
+        if process.cmdline is None:
+            return "command line unknown"
+        joined = " ".join(process.cmdline)
+        for pattern in protect.commands:
+            if pattern.search(joined):
+                return f"command matches {pattern.pattern!r}"
+    if protect.users:
+        if process.user is None:
+            return "user unknown"
+        for glob in protect.users:
+            if fnmatch.fnmatchcase(process.user, glob):
+                return f"user {process.user} matches {glob!r}"
+    cgroup = process.cgroup
+    if protect.units or protect.cgroups:
+        if cgroup is None:
+            return "cgroup unknown"
+        unit = cgroup.systemd_unit
+        for glob in protect.units:
+            if unit is not None and fnmatch.fnmatchcase(unit, glob):
+                return f"unit {unit} matches {glob!r}"
+        for glob in protect.cgroups:
+            if fnmatch.fnmatchcase(cgroup.path, glob):
+                return f"cgroup {cgroup.path} matches {glob!r}"
+    if protect.gpus:
+        uuids: list[str | None] = [finding.gpu]
+        holding = snapshot.holders.holdings.get(process.pid)
+        if holding is not None:
+            uuids += [g.uuid for m in holding.gpu_minors if (g := snapshot.gpu_by_minor(m))]
+        for uuid in uuids:
+            entry = gpu_protected(uuid, gpu_by_uuid(snapshot, uuid), policy)
+            if entry is not None:
+                return f"GPU {uuid} is protected ({entry})"
+    return None
+
+
+def refusal(
+    process: ProcessInfo | None,
+    finding: Finding,
+    snapshot: Snapshot,
+    policy: Policy,
+    self_ancestors: frozenset[int],
+) -> str | None:
+    """Why this target may never be signalled, as "floor: …", "protect: …" or "identity: …".
+
+    The floor (DESIGN.md §2.10) comes first and no configuration lowers it; then ``protect``;
+    an identity that cannot be told apart from a later process reusing the PID is refused too.
+    """
+    if process is None:
+        return "identity: process not in the snapshot"
+    floor = _floor_reason(process, finding, snapshot, self_ancestors)
+    if floor is not None:
+        return f"floor: {floor}"
+    protect = _protect_reason(process, finding, snapshot, policy)
+    if protect is not None:
+        return f"protect: {protect}"
+    if process.start_ticks is None or finding.start_ticks is None:
+        return "identity: start time unknown"
+    if finding.pid != process.pid or finding.start_ticks != process.start_ticks:
+        return "identity: the PID now belongs to another process"
+    return None
+
+
+def process_facts(process: ProcessInfo | None) -> dict[str, object]:
+    """The facts about a target that go into its intents and log events."""
+    if process is None:
+        return {}
+    cgroup = process.cgroup
+    return {
+        "user": process.user,
+        "uid": process.uid,
+        "comm": process.comm,
+        "cmdline": None if process.cmdline is None else " ".join(process.cmdline),
+        "state": process.state,
+        "ppid": process.ppid,
+        "pgid": process.pgid,
+        "sid": process.sid,
+        "cgroup": None if cgroup is None else cgroup.path,
+        "job": None if cgroup is None else cgroup.job_key,
+        "unit": None if cgroup is None else cgroup.systemd_unit,
+    }

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 MIB = 1024 * 1024
+ARCH_VOLTA = 5  # NVML_DEVICE_ARCH_VOLTA
+ARCH_AMPERE = 7  # NVML_DEVICE_ARCH_AMPERE
 
 
 class FindingKind(str, enum.Enum):
@@ -232,12 +234,31 @@ class GpuInfo:
     mig_enabled: bool | None = None
     persistence_mode: bool | None = None
     numa_node: int | None = None
+    architecture: int | None = None  # NVML_DEVICE_ARCH_*: 5 Volta, 7 Ampere, 9 Hopper, ...
+    nvlink_active: int | None = None  # active NVLink links; 0 without NVLink
     lost: bool = False
     error: str | None = None
 
     @property
     def coherent_memory(self) -> bool:
         return self.numa_node is not None
+
+    @property
+    def reset_needs_nvlink_peers(self) -> bool | None:
+        """Whether this GPU can only be reset together with its NVLink peers (DESIGN.md §2.7).
+
+        Volta, and Ampere NVSwitch systems without Fabric Manager, reset all NVLink peers
+        together; Hopper and later reset individually. Whether Fabric Manager runs is not
+        visible here, so an Ampere GPU with active links counts as needing its peers (an admin
+        who knows better sets ``reset.allow_nvlink_group``). None when unknown.
+        """
+        if self.nvlink_active is None:
+            return None
+        if self.nvlink_active == 0:
+            return False
+        if self.architecture is None:
+            return None
+        return self.architecture in (ARCH_VOLTA, ARCH_AMPERE)
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,8 @@ def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         mig_enabled=None if mig is None else bool(mig),
         persistence_mode=None if persistence is None else bool(persistence),
         numa_node=_opt_int(raw.get("numa_node")),
+        architecture=_opt_int(raw.get("architecture")),
+        nvlink_active=_opt_int(raw.get("nvlink_active")),
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
     )

@@ -37,6 +37,8 @@ What one GPU entry holds (``None`` always means unknown):
   which matters because an unknown MIG mode refuses a reset), ``persistence_mode``,
   ``numa_node`` (set only on coherent-memory systems; NotSupported is the normal answer
   elsewhere);
+- ``architecture`` (NVML_DEVICE_ARCH_*) and ``nvlink_active`` (active NVLink links, 0 without
+  NVLink), read once with the identity: whether a reset needs the GPU's NVLink peers;
 - ``lost``: NVML_ERROR_GPU_IS_LOST (the GPU fell off the bus) on any call; the GPU keeps what was
   read of its identity and the other GPUs carry on;
 - ``error``: every other failure, as ``"nvmlDeviceGetX: message"`` joined by ``"; "``; the value
@@ -94,6 +96,33 @@ class GpuReader:
         except Exception as error:  # a binding bug must not take the worker down
             self.errors.append(f"{name}: {type(error).__name__}: {error}")
             return None
+
+
+def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
+    """How many NVLink links of this GPU are active; 0 without NVLink; None when unknown.
+
+    Read once per worker with the GPU's identity (links do not come and go between resets).
+    The links are probed in order until the driver says there are no more (InvalidArgument)
+    or the GPU has none (NotSupported, or the function is absent).
+    """
+    active = 0
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            state = pynvml.nvmlDeviceGetNvLinkState(handle, link)
+        except (
+            pynvml.NVMLError_NotSupported,
+            pynvml.NVMLError_InvalidArgument,
+            pynvml.NVMLError_FunctionNotFound,
+        ):
+            break
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError("nvmlDeviceGetNvLinkState") from error
+            reader.errors.append(f"nvmlDeviceGetNvLinkState: {describe_error(error)}")
+            return None
+        if state:
+            active += 1
+    return active
 
 
 class Worker:
@@ -161,6 +190,8 @@ class Worker:
             "mig_mode": None,
             "persistence_mode": None,
             "numa_node": None,
+            "architecture": None,
+            "nvlink_active": None,
             "lost": False,
             "error": None,
         }
@@ -214,7 +245,17 @@ class Worker:
         bus_id = None if pci is None else pci.busId
         if isinstance(bus_id, bytes):
             bus_id = bus_id.decode(errors="replace")
-        return {"uuid": uuid, "name": name, "minor": minor, "pci_bus_id": bus_id}
+        architecture = reader.call(
+            "nvmlDeviceGetArchitecture", lambda: pynvml.nvmlDeviceGetArchitecture(handle)
+        )
+        return {
+            "uuid": uuid,
+            "name": name,
+            "minor": minor,
+            "pci_bus_id": bus_id,
+            "architecture": architecture,
+            "nvlink_active": count_active_nvlinks(reader, handle),
+        }
 
     def read_memory(
         self,

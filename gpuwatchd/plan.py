@@ -756,6 +756,10 @@ def _reset_blocker(
         return refused, "info", f"protect: gpus {entry}"
     if gpu.mig_enabled is not False and not reset.allow_mig:
         return refused, "info", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown"
+    # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
+    # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
+    if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
+        return refused, "info", "NVLink peers must be reset together (Volta, or Ampere with links)"
     first_seen = w.seen[finding.key].first_seen
     if ctx.now - first_seen < reset.confirm_for:
         w.waiting[finding.key] = first_seen + reset.confirm_for

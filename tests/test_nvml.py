@@ -126,6 +126,8 @@ def test_two_gpus_report_identity_v2_memory_and_every_process_list(
         mig_enabled=False,
         persistence_mode=True,
         numa_node=None,
+        architecture=9,
+        nvlink_active=0,
     )
     assert (second.uuid, second.pci_bus_id, second.minor) == ("GPU-second", "00000000:9C:00.0", 7)
     assert second.processes == (NvmlProcess(pid=77, used_memory=500 * MiB, kind="mps"),)
@@ -228,6 +230,41 @@ def test_not_supported_value_is_none_without_an_error(
     assert getattr(reading.gpus[0], field) is None
     assert reading.gpus[0].error is None
     assert getattr(reading.gpus[1], field) is not None
+
+
+@pytest.mark.parametrize(
+    ("over", "architecture", "active", "needs_peers"),
+    [
+        ({}, 9, 0, False),
+        ({"architecture": 9, "nvlink_links": 18, "nvlink_active": 18}, 9, 18, False),
+        ({"architecture": 7, "nvlink_links": 12, "nvlink_active": 12}, 7, 12, True),
+        ({"architecture": 5, "nvlink_links": 6, "nvlink_active": 6}, 5, 6, True),
+        ({"architecture": 7, "nvlink_links": 12, "nvlink_active": 0}, 7, 0, False),
+        ({"architecture": 7, "errors": {"nvmlDeviceGetNvLinkState": 999}}, 7, None, None),
+    ],
+    ids=[
+        "no-nvlink",
+        "hopper-nvlink",
+        "ampere-nvlink",
+        "volta-nvlink",
+        "ampere-links-down",
+        "error",
+    ],
+)
+def test_nvlink_topology_says_whether_a_reset_needs_the_peers(  # noqa: PLR0917 -- table columns
+    fake_nvml: FakeNvml,
+    client: NvmlClient,
+    over: dict[str, object],
+    architecture: int,
+    active: int | None,
+    needs_peers: bool | None,
+) -> None:
+    fake_nvml.write(state([gpu(0, **over)]))
+
+    info = client.read().gpus[0]
+
+    assert (info.architecture, info.nvlink_active) == (architecture, active)
+    assert info.reset_needs_nvlink_peers is needs_peers
 
 
 def test_mig_not_supported_means_mig_disabled_not_unknown(

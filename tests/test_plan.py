@@ -89,11 +89,17 @@ def proc(
 
 
 def gpu(
-    uuid: str = GPU0, minor: int = 0, *, mig: bool | None = False, lost: bool = False
+    uuid: str = GPU0,
+    minor: int = 0,
+    *,
+    mig: bool | None = False,
+    lost: bool = False,
+    arch: int | None = None,
+    nvlinks: int | None = None,
 ) -> GpuInfo:
     return GpuInfo(
         index=minor, uuid=uuid, pci_bus_id=BUS0 if uuid == GPU0 else None, minor=minor,
-        mig_enabled=mig, lost=lost,
+        mig_enabled=mig, lost=lost, architecture=arch, nvlink_active=nvlinks,
     )  # fmt: skip
 
 
@@ -979,6 +985,8 @@ LIVE = proc(3000)
         ),
         ("MIG", [ghost()], (gpu(mig=True),), (), {}, "MIG enabled"),
         ("MIG unknown", [ghost()], (gpu(mig=None),), (), {}, "MIG mode unknown"),
+        ("A100 NVLink", [ghost()], (gpu(arch=7, nvlinks=12),), (), {}, "NVLink peers"),
+        ("V100 NVLink", [ghost()], (gpu(arch=5, nvlinks=6),), (), {}, "NVLink peers"),
         ("lost", [ghost()], (gpu(lost=True),), (), {}, "GPU is lost (needs reboot)"),
         ("absent", [ghost()], (gpu(GPU1, 1),), (), {}, "GPU not in this snapshot"),
     ],
@@ -1000,6 +1008,26 @@ def test_reset_refused_with_reason(  # noqa: PLR0917 -- one parameter per table 
         if e.name == EventName.RESET_REFUSED and e.fields["kind"] == "ghost_memory"
     ]
     assert any(w.startswith(why) for w in whys), (case, whys)
+
+
+@pytest.mark.parametrize(
+    ("arch", "nvlinks", "allow", "expected"),
+    [
+        (9, 18, False, 1),  # Hopper: individual reset
+        (7, 0, False, 1),  # Ampere without active links
+        (None, None, False, 1),  # unknown topology: nvidia-smi itself refuses if peers needed
+        (7, 12, True, 1),  # Ampere with links, admin says Fabric Manager runs
+        (7, 12, False, 0),
+    ],
+)
+def test_nvlink_gate_only_blocks_known_group_resets(
+    arch: int | None, nvlinks: int | None, allow: bool, expected: int
+) -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=60.0, allow_nvlink_group=allow))
+    gpus = (gpu(arch=arch, nvlinks=nvlinks),)
+    first = _reset_run([ghost()], PlanState(), 0.0, gpus=gpus, pol=pol)
+    r = _reset_run([ghost()], first.state, 61.0, gpus=gpus, pol=pol)
+    assert len(resets(first) + resets(r)) == expected
 
 
 def test_reset_not_blocked_by_infrastructure_or_our_own_worker_in_the_plan() -> None:

@@ -1066,6 +1066,34 @@ static int gpu_setting(const char *fn, const char *key, long long fallback, nvml
     return finish(&state, NVML_SUCCESS);
 }
 
+EXPORT int nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch) {
+    long long value = 0;
+    if (arch == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    /* Missing means 9 (NVML_DEVICE_ARCH_HOPPER), like the H100s the fake describes. */
+    int rc = gpu_setting("nvmlDeviceGetArchitecture", "architecture", 9, device, &value);
+    if (rc == NVML_SUCCESS) *arch = (unsigned int)value;
+    return rc;
+}
+
+/*
+ * "nvlink_links": N (links 0..N-1 exist; missing means the GPU has no NVLink: NOT_SUPPORTED)
+ * and "nvlink_active": M (the first M of them are active).
+ */
+EXPORT int nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link,
+                                    unsigned int *isActive) {
+    long long links = 0, active = 0;
+    if (isActive == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = gpu_setting("nvmlDeviceGetNvLinkState", "nvlink_links", -1, device, &links);
+    if (rc != NVML_SUCCESS) return rc;
+    if ((long long)link >= links) return NVML_ERROR_INVALID_ARGUMENT;
+    if (gpu_setting("nvmlDeviceGetNvLinkState", "nvlink_active", 0, device, &active) !=
+        NVML_SUCCESS) {
+        active = 0;
+    }
+    *isActive = (long long)link < active ? 1u : 0u;
+    return NVML_SUCCESS;
+}
+
 EXPORT int nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
     long long mode = 0, next;
     if (current == NULL || pending == NULL) return NVML_ERROR_INVALID_ARGUMENT;

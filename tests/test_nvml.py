@@ -254,7 +254,7 @@ def test_not_supported_value_is_none_without_an_error(
 def test_nvlink_topology_says_whether_a_reset_needs_the_peers(  # noqa: PLR0917 -- table columns
     fake_nvml: FakeNvml,
     client: NvmlClient,
-    over: dict[str, object],
+    over: dict[str, Any],
     architecture: int,
     active: int | None,
     needs_peers: bool | None,

@@ -1,7 +1,8 @@
 """Scenario files for ``gpuwatchd simulate``: parsing and strict validation.
 
 This module owns the scenario *format* (documented in ``docs/simulate.md``): GPUs, processes
-and how they react to signals, timed events, and an inline policy drop-in. It turns YAML text
+and how they react to signals, events timed by the clock (``at``) or by the reset procedure
+(``during``: a reset step), and an inline policy drop-in. It turns YAML text
 into frozen :class:`Scenario` values and reports every malformed value as a
 :class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reads
 the text with ``yamlsrc.py``, the position-tracking reader policies use too, and reuses
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
 from gpuwatchd.config import parse_duration, parse_size
 from gpuwatchd.model import MIB
+from gpuwatchd.reset import ResetStep
 from gpuwatchd.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 
 GIB = 1024 * MIB
@@ -28,6 +30,8 @@ SIGKILL_REACTIONS = ("exit", "stuck")
 EXIT_MODES = ("release", "zombie", "leak")
 RESET_RESULTS = ("success", "fail", "in_use", "hang", "fell_off_bus")
 VIA = ("fd", "map", "both")
+# The reset steps an event can be tied to (``during``); ``done`` is bookkeeping, not a moment.
+RESET_STEPS = tuple(step.value for step in ResetStep if step is not ResetStep.DONE)
 EVENT_ACTIONS = (
     "exit",
     "start",
@@ -183,7 +187,11 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class EventSpec:
-    """One timed event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it."""
+    """One event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it.
+
+    It happens at ``at`` seconds, or, when ``during`` names a reset step (RESET_STEPS), once:
+    right after the first reset procedure that reaches that step has run it (``at`` is 0 then).
+    """
 
     at: float
     action: str
@@ -193,6 +201,7 @@ class EventSpec:
     gpu: int | None = None  # set_memory
     memory: int | None = None  # set_memory
     value: str | None = None  # reset_result, state letter, pause reason
+    during: str | None = None  # a reset step instead of a time
 
 
 @dataclass(frozen=True)
@@ -608,15 +617,25 @@ class _Reader:
         return result
 
     def event(self, node: Node, gpu_indexes: set[int]) -> EventSpec:
-        m = self.mapping(node, ("at", *EVENT_ACTIONS))
-        at_node = m.entries.get("at")
-        if at_node is None:
-            raise self.fail(m, "missing required field 'at' (e.g. '30s')", join_key(m.path, "at"))
-        at = self.duration(at_node)
-        actions = [key for key in m.entries if key != "at"]
+        m = self.mapping(node, ("at", "during", *EVENT_ACTIONS))
+        at_node, during_node = m.entries.get("at"), m.entries.get("during")
+        if at_node is None and during_node is None:
+            raise self.fail(
+                m,
+                "missing required field 'at' (e.g. '30s') or 'during' (a reset step)",
+                join_key(m.path, "at"),
+            )
+        if at_node is not None and during_node is not None:
+            raise self.fail(during_node, "an event has 'at' or 'during', not both")
+        at = self.duration(at_node) if at_node is not None else 0.0
+        during = self.choice(during_node, RESET_STEPS) if during_node is not None else None
+        actions = [key for key in m.entries if key not in ("at", "during")]
         if len(actions) != 1:
             raise self.fail(m, f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
-        action = actions[0]
+        event = self.event_action(m, actions[0], at, gpu_indexes)
+        return event if during is None else replace(event, during=during)
+
+    def event_action(self, m: Map, action: str, at: float, gpu_indexes: set[int]) -> EventSpec:
         value = m.entries[action]
         if action in ("exit", "memory_stays_allocated", "reap"):
             return EventSpec(at, action, m.line, target=self.name_ref(value))

@@ -1,13 +1,15 @@
 """``gpuwatchd simulate``: the daemon's decision core on a virtual clock over a scenario.
 
 This module owns the *virtual host* (GPUs, processes that react to signals, contexts whose
-memory outlives their owner, scripted resets) and the timeline. Every poll it builds a
-:class:`gpuwatchd.model.Snapshot` from the virtual world and calls ``assess`` and ``plan``
-exactly as ``daemon.Daemon.poll_once`` does; it carries out the intents against the virtual
-world (signals → the process reacts; resets → the scripted result; hooks → recorded), feeds the
-outcomes back through ``record_signal`` / ``record_exit`` / ``record_reset``, and wakes at
-``min(interval, next_deadline)`` or at once when a signalled process exits, like the daemon's
-wait loop. It never touches the real host: no ``/proc``, no NVML, no signals, no commands.
+memory outlives their owner, scripted ``nvidia-smi`` answers) and the timeline. Every poll it
+builds a :class:`gpuwatchd.model.Snapshot` from the virtual world and calls ``assess`` and
+``plan`` exactly as ``daemon.Daemon.poll_once`` does; it carries out the intents against the
+virtual world (signals → the process reacts; resets → the real ``reset.perform_reset`` with a
+:class:`VirtualReset` as its environment and command runner; on_failure hooks → recorded),
+feeds the outcomes back through ``record_signal`` / ``record_exit`` / ``record_reset``, and
+wakes at ``min(interval, next_deadline)`` or at once when a signalled process exits, like the
+daemon's wait loop. Scenario events happen at their time, or (``during``) when a reset reaches
+their step. It never touches the real host: no ``/proc``, no NVML, no signals, no commands.
 It must not make decisions of its own: anything it would decide differently from the daemon
 is a bug here. Output formats are documented in ``docs/simulate.md``.
 """
@@ -17,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Callable, Mapping
+import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from gpuwatchd.act import CommandResult, format_argv
 from gpuwatchd.assess import Assessment, AssessState, assess
 from gpuwatchd.config import ConfigError, default_policy, load_policy, parse_policy_documents
 from gpuwatchd.config import render_policy as _render_policy
@@ -53,18 +57,15 @@ from gpuwatchd.plan import (
 )
 from gpuwatchd.policy import Policy
 from gpuwatchd.procfs import parse_cgroup
+from gpuwatchd.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.scenario import EventSpec, GpuSpec, ProcessSpec, Scenario, ScenarioError
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
+ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 _SIGNAL_LEVELS = {"delivered": "warning", "denied": "error", "failed": "error"}
 _RESET_LEVELS = {"success": "warning", "dry_run": "info", "refused": "warning"}
-_EXIT_MESSAGES = {
-    "fail": ("failed", False, "exit 255: nvidia-smi reported an error"),
-    "in_use": ("failed", False, "exit 255: GPU in use by another client"),
-    "fell_off_bus": ("failed", True, "exit 15: GPU fell off the bus; the node needs a reboot"),
-}
 
 
 class SimulationError(Exception):
@@ -420,6 +421,8 @@ class World:
                     mig_enabled=spec.mig,
                     persistence_mode=gpu.persistence,
                     numa_node=1 if spec.coherent else None,
+                    architecture=ARCH_HOPPER,
+                    nvlink_active=0,  # each virtual GPU resets alone
                     lost=gpu.lost,
                     error="GPU is lost" if gpu.lost else None,
                 )
@@ -492,8 +495,12 @@ class Simulation:
         self.exited: list[ProcessIdentity] = []  # watched exits not yet reported
         self.queue: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
+        self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
         for event in scenario.events:
-            self.schedule(event.at, "event", event)
+            if event.during is not None:
+                self.during.setdefault(event.during, []).append(event)
+            else:
+                self.schedule(event.at, "event", event)
         for spec in scenario.processes:
             if spec.exits_at is not None:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
@@ -706,7 +713,7 @@ class Simulation:
         if isinstance(intent, SignalIntent):
             self.execute_signal(intent, snapshot)
         elif isinstance(intent, ResetIntent):
-            self.execute_reset(intent)
+            self.execute_reset(intent, snapshot)
         else:
             self.execute_hook(intent)
 
@@ -804,121 +811,64 @@ class Simulation:
                 dry_run=intent.dry_run,
             )
 
-    def execute_reset(self, intent: ResetIntent) -> None:  # noqa: PLR0915 - the procedure, in order
-        """The reset procedure (reset.perform_reset) against the virtual GPU."""
-        from gpuwatchd.daemon import reset_blockers
-
-        reset = self.policy.reset
-        world = self.world
-        gpu = world.gpu_by_uuid(intent.gpu)
-        dry = intent.dry_run
-        label = self.gname(intent.gpu)
-
-        def step(name: str, status: str, text: str, level: str = "info", **extra: object) -> None:
-            self.add(
-                "reset.step",
-                level,
-                f"reset {label}: {text}",
-                gpu=intent.gpu,
-                step=name,
-                status=status,
-                dry_run=dry,
-                **extra,
-            )
-
-        for name, hooks in (("drain", reset.drain), ("before_hooks", reset.before)):
-            for hook in hooks:
-                step(name, "would_run" if dry else "ok", f"{name} hook {' '.join(hook.argv)}")
-            if hooks and not dry:
-                for proc in list(world.procs.values()):
-                    if proc.spec.stops_for_reset and proc.alive:
-                        self.exit_process(proc, f"stopped by the reset's {name} hook")
-        step("stop_nvml", "would_run" if dry else "ok", "the daemon's NVML worker released")
-        persistence_off = bool(
-            gpu is not None and reset.toggle_persistence and gpu.persistence and not dry
+    def execute_reset(self, intent: ResetIntent, snapshot: Snapshot) -> None:
+        """reset.perform_reset itself, against the virtual host (daemon._execute_reset)."""
+        gpu = next((g for g in snapshot.nvml.gpus if g.uuid == intent.gpu), None)
+        target = ResetTarget(
+            uuid=intent.gpu,
+            pci_bus_id=intent.pci_bus_id,
+            minor=intent.minor,
+            persistence_was_on=gpu.persistence_mode if gpu else None,
         )
-        if persistence_off and gpu is not None:
-            gpu.persistence = False
-            step("persistence_off", "ok", "persistence mode off")
-        blockers: list[str] = []
-        if gpu is None:
-            blockers = ["GPU not found"]
-        else:
-            scan = world.holders()
-            if persistence_off:  # nvidia-persistenced lets go once persistence mode is off
-                kept = {
-                    pid: h
-                    for pid, h in scan.holdings.items()
-                    if not world.procs[pid].spec.comm.startswith("nvidia-persiste")
-                }
-                scan = dataclasses.replace(scan, holdings=kept)
-            blockers = reset_blockers(scan, world.processes(), gpu.spec.minor, frozenset())
-        step(
-            "final_scan",
-            "blocked" if blockers else "clear",
-            "final holder scan: " + ("; ".join(blockers) if blockers else "clear"),
-            level="warning" if blockers else "info",
-            blockers=blockers,
+        virtual = VirtualReset(self, target)
+        outcome = perform_reset(
+            target,
+            self.policy.reset,
+            virtual,
+            dry_run=intent.dry_run,
+            hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
+            runner=virtual.run,
         )
-        needs_reboot = False
-        if blockers:
-            result, reason = "refused", f"{len(blockers)} blocker(s): " + "; ".join(blockers)
-        elif dry:
-            result, reason = "dry_run", f"would reset {intent.gpu} with {list(reset.command)!r}"
-        else:
-            scripted = world.reset_results.pop(0) if world.reset_results else "success"
-            assert gpu is not None  # noqa: S101 - blockers would be set otherwise
-            if scripted == "success":
-                world.restore(gpu)
-                result, reason = "success", "GPU reset; memory back to baseline"
-            elif scripted == "hang":
-                self.now += reset.timeout
-                self.advance(self.now)
-                result = "timeout"
-                reason = f"reset command did not finish within {reset.timeout:g}s and was killed"
-            else:
-                result, needs_reboot, reason = _EXIT_MESSAGES[scripted]
-                if scripted == "fell_off_bus":
-                    gpu.lost = True
-            step(
-                "reset",
-                "ok" if result == "success" else "failed",
-                reason,
-                level="info" if result == "success" else "error",
-            )
-        if persistence_off and gpu is not None and not gpu.lost:
-            gpu.persistence = True
-            step("persistence_on", "ok", "persistence mode back on")
-        if result in ("success", "dry_run"):
-            for hook in reset.after:
-                step(
-                    "after_hooks", "would_run" if dry else "ok", f"after hook {' '.join(hook.argv)}"
-                )
-        level = "critical" if needs_reboot else _RESET_LEVELS.get(result, "error")
+        level = "critical" if outcome.needs_reboot else _RESET_LEVELS.get(outcome.result, "error")
         self.add(
             "reset.outcome",
             level,
-            f"reset {label}: {result} — {reason}",
+            f"reset {self.gname(intent.gpu)}: {outcome.result} — {outcome.reason}",
             gpu=intent.gpu,
             pci_bus_id=intent.pci_bus_id,
-            result=result,
-            reason=reason,
-            needs_reboot=needs_reboot,
-            blockers=blockers,
-            dry_run=dry,
+            result=outcome.result,
+            step=outcome.step.value,
+            reason=outcome.reason,
+            needs_reboot=outcome.needs_reboot,
+            blockers=list(outcome.blockers),
+            dry_run=intent.dry_run,
         )
         follow_ups = self.take(
             record_reset(
                 self.plan_state,
                 intent,
-                result,
+                outcome.result,
                 now=self.now,
                 wall=WALL0 + self.now,
-                needs_reboot=needs_reboot,
+                needs_reboot=outcome.needs_reboot,
             )
         )
         for follow_up in follow_ups:
-            self.execute(follow_up, world.snapshot(self.now))
+            self.execute(follow_up, self.world.snapshot(self.now))
+
+    def reached(self, step: str) -> None:
+        """The reset procedure has run ``step``: the scenario's ``during: STEP`` events happen
+        now (once each, at the first reset that gets there)."""
+        for event in self.during.pop(step, []):
+            first = len(self.timeline)
+            self.apply(event)
+            for i in range(first, len(self.timeline)):
+                entry = self.timeline[i]
+                self.timeline[i] = dataclasses.replace(
+                    entry,
+                    text=f"{entry.text} (during the reset's {step} step)",
+                    fields={**entry.fields, "during": step},
+                )
 
     # -- the end --
 
@@ -971,6 +921,148 @@ class Simulation:
         }
 
 
+class VirtualReset:
+    """The virtual host's side of one reset: a :class:`gpuwatchd.reset.ResetEnvironment` for
+    the daemon's part (NVML worker, holder scan, memory, progress, events) and, in :meth:`run`,
+    a :class:`gpuwatchd.reset.CommandRunner` that answers the procedure's commands as the
+    virtual host would. Nothing is ever executed.
+
+    =============================  ==========================================================
+    command (matched by argv)      answer
+    =============================  ==========================================================
+    ``reset.command``              the next scripted ``reset_result`` (default ``success``):
+                                   ``success`` exit 0, every dead or leaked context on the
+                                   GPU freed; ``fail`` exit 255; ``in_use`` exit 255 "In use
+                                   by another client"; ``hang`` killed at its timeout, the
+                                   clock advanced by it; ``fell_off_bus`` exit 15, GPU lost
+    ``reset.persistence_command``  exit 0, persistence mode set (exit 15 on a lost GPU)
+    ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
+    a hook                         exit 0, recorded in the step's event; ``drain`` and
+                                   ``before`` hooks stop the ``stops_for_reset`` processes
+    anything else                  could not be started
+    =============================  ==========================================================
+    """
+
+    def __init__(self, sim: Simulation, target: ResetTarget) -> None:
+        self.sim = sim
+        self.target = target
+        self.gpu = sim.world.gpu_by_uuid(target.uuid)
+        policy = sim.policy.reset
+        values: dict[str, str | None] = {
+            "uuid": target.uuid,
+            "pci_bus_id": target.pci_bus_id,
+            "minor": None if target.minor is None else str(target.minor),
+        }
+        self.commands: dict[tuple[str, ...], str] = {}
+        for what, template, mode in (
+            ("reset", policy.command, None),
+            ("health", policy.health_command, None),
+            ("persistence_off", policy.persistence_command, "0"),
+            ("persistence_on", policy.persistence_command, "1"),
+        ):
+            try:
+                argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+            except ValueError:
+                continue  # perform_reset refuses before anything runs
+            self.commands.setdefault(argv, what)
+
+    # -- reset.ResetEnvironment --
+
+    def stop_nvml(self) -> bool:
+        return True  # the daemon's NVML worker is virtual too: nothing of ours holds the GPU
+
+    def final_blockers(self, target: ResetTarget) -> list[str]:
+        """The daemon's own ``reset_blockers`` over the virtual host's holders right now."""
+        from gpuwatchd.daemon import reset_blockers
+
+        world = self.sim.world
+        scan = world.holders()
+        if self.gpu is not None and not self.gpu.persistence:
+            # nvidia-persistenced lets go of a GPU once its persistence mode is off.
+            kept = {
+                pid: holding
+                for pid, holding in scan.holdings.items()
+                if not world.procs[pid].spec.comm.startswith("nvidia-persiste")
+            }
+            scan = dataclasses.replace(scan, holdings=kept)
+        return reset_blockers(scan, world.processes(), target.minor, frozenset())
+
+    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
+        """As the daemon reads it: allocated within ``ghost_margin`` of the learned baseline."""
+        if self.gpu is None or self.gpu.lost:
+            return None
+        detection = self.sim.policy.detection
+        baseline = self.sim.assess_state.baselines.get(target.uuid, detection.default_baseline)
+        return self.sim.world.allocated(self.gpu) <= baseline + detection.ghost_margin
+
+    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
+        """The virtual host has no state file; the daemon logs no event for a record."""
+
+    def emit(self, event: str, level: str, **fields: object) -> None:
+        sim = self.sim
+        sim.add(event, level, describe_event(event, fields, sim), **fields)
+        if event == "reset.step":
+            sim.reached(str(fields.get("step")))
+
+    # -- reset.CommandRunner --
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        hook = (env or {}).get("GPUWATCHD_EVENT")
+        if hook is not None:
+            return self.hook(args, hook)
+        what = self.commands.get(args)
+        gpu = self.gpu
+        bus = self.target.pci_bus_id or self.target.uuid
+        if what is None or gpu is None:
+            error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
+            return CommandResult(args, None, "", False, 0.0, error)
+        if gpu.lost:
+            lost = f"Unable to determine the device handle for GPU {bus}: GPU is lost."
+            return CommandResult(args, 15, lost, False, 0.1, None)
+        if what == "reset":
+            return self.reset(args, gpu, bus, timeout)
+        if what in ("persistence_off", "persistence_on"):
+            gpu.persistence = what == "persistence_on"
+            state = "Enabled" if gpu.persistence else "Disabled"
+            return CommandResult(
+                args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
+            )
+        return CommandResult(args, 0, "", False, 0.2, None)  # the health query
+
+    def hook(self, argv: tuple[str, ...], event: str) -> CommandResult:
+        if event in ("reset_drain", "reset_before"):
+            phase = event.removeprefix("reset_")
+            for proc in list(self.sim.world.procs.values()):
+                if proc.spec.stops_for_reset and proc.alive:
+                    self.sim.exit_process(proc, f"stopped by the reset's {phase} hook")
+        return CommandResult(argv, 0, "", False, 0.0, None)
+
+    def reset(self, argv: tuple[str, ...], gpu: _Gpu, bus: str, timeout: float) -> CommandResult:
+        world, sim = self.sim.world, self.sim
+        scripted = world.reset_results.pop(0) if world.reset_results else "success"
+        if scripted == "success":
+            world.restore(gpu)
+            done = f"GPU {bus} was successfully reset.\nAll done."
+            return CommandResult(argv, 0, done, False, 2.0, None)
+        if scripted == "hang":
+            sim.now += timeout
+            sim.advance(sim.now)
+            return CommandResult(argv, -9, "", True, timeout, None)  # killed with its group
+        if scripted == "fell_off_bus":
+            gpu.lost = True
+            lost = f"Unable to reset GPU {bus}: GPU has fallen off the bus."
+            return CommandResult(argv, 15, lost, False, 1.0, None)
+        if scripted == "in_use":
+            in_use = f"GPU {bus}: In use by another client"
+            return CommandResult(argv, 255, in_use, False, 0.5, None)
+        return CommandResult(
+            argv, 255, f"Unable to reset GPU {bus}: Unknown Error", False, 0.5, None
+        )
+
+
 def simulate(scenario: Scenario, config_path: str | None = None) -> SimulationResult:
     """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline."""
     policy, source = scenario_policy(scenario, config_path)
@@ -1019,6 +1111,40 @@ def _describe_resolved(f: Mapping[str, object], sim: Simulation) -> str:
     return f"{kind} {who} resolved after {after}"
 
 
+def _argv(value: object) -> str:
+    return shlex.join(str(a) for a in value) if isinstance(value, (list, tuple)) else "?"
+
+
+def _describe_reset_step(f: Mapping[str, object], sim: Simulation) -> str:
+    """One line per ``reset.step`` event: the step, how it went, what ran or blocked it."""
+    status = str(f.get("status"))
+    line = f"reset {sim.gname(f.get('gpu'))}: {f.get('step')} {status}"
+    blockers, hooks, argv = f.get("blockers"), f.get("hooks"), f.get("argv")
+    detail = f.get("detail")
+    if isinstance(blockers, list) and blockers:
+        return f"{line}: " + "; ".join(str(b) for b in blockers)
+    if status == "failed" and isinstance(hooks, list):
+        return f"{line}: {detail}"
+    if isinstance(hooks, list):
+        return f"{line}: " + "; ".join(_argv(h) for h in hooks)
+    if argv is not None:
+        line += f": {_argv(argv)}"
+        if detail is not None:
+            line += f" → {detail}"
+        output = f.get("output")
+        if output and status == "failed":
+            line += f" ({output})"
+        return line
+    detail = detail or _STEP_NOTES.get((str(f.get("step")), status))
+    return f"{line} ({detail})" if detail else line
+
+
+_STEP_NOTES = {
+    ("stop_nvml", "ok"): "the daemon's NVML worker stopped",
+    ("final_scan", "clear"): "no other process holds the GPU",
+}
+
+
 _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Simulation], str]] = {
     "finding.new": _describe_finding_new,
     "finding.changed": lambda f, s: f"{f.get('kind')} {_target(f, s)} changed: {f.get('reason')}",
@@ -1062,6 +1188,11 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Simulation], str]] = {
     ),
     "reset.dry_run": lambda f, s: f"{s.gname(f.get('gpu'))}: reset would have run (dry-run)",
     "gpu.needs_reboot": lambda f, s: f"{s.gname(f.get('gpu'))} needs a reboot",
+    "reset.step": _describe_reset_step,
+    "reset.finished": lambda f, s: (
+        f"reset {s.gname(f.get('gpu'))} finished at {f.get('step')}: {f.get('result')} "
+        f"— {f.get('reason')}"
+    ),
 }
 
 
@@ -1073,7 +1204,8 @@ def describe_event(name: str, fields: Mapping[str, object], sim: Simulation) -> 
     return ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
 
 
-_QUIET = frozenset({"escalation.signal_recorded"})
+# reset.finished says what the reset.outcome line after it says again.
+_QUIET = frozenset({"escalation.signal_recorded", "reset.finished"})
 _COLUMN = {
     "finding": "finding",
     "escalation": "plan",

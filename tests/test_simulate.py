@@ -168,3 +168,122 @@ def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
     )
     r = simulate(parse_scenario("s.yaml", scenario()), str(config))
     assert r.signals() == [(10.0, "worker", "SIGKILL", "dry_run")]
+
+
+# --- the reset: reset.perform_reset itself, against the virtual host ---------------------------
+
+GHOST = """\
+duration: 5m
+policy:
+  dry_run: {dry}
+  reset:
+    confirm_for: 1m
+    timeout: 90s
+    command: [/nonexistent/nvidia-smi, --gpu-reset, -i, "{{uuid}}"]
+    before:
+      - command: [systemctl, stop, nvidia-dcgm]
+    after:
+      - command: [systemctl, start, nvidia-dcgm]
+gpus:
+  - index: 0
+    memory: {{leaked: 8GiB}}
+processes:
+  - name: nv-hostengine
+    command: /usr/bin/nv-hostengine -n
+    cgroup: /system.slice/nvidia-dcgm.service
+    holds: {{gpus: [0], uvm: false}}
+    stops_for_reset: true
+events:
+  - {{at: 0s, reset_result: {result}}}
+"""
+
+
+def ghost(result: str = "success", dry: str = "false") -> str:
+    return GHOST.format(result=result, dry=dry)
+
+
+@pytest.mark.parametrize(
+    ("scripted", "result", "at", "needs_reboot", "reason"),
+    [
+        ("success", "success", 60.0, False, "successfully reset"),
+        ("fail", "failed", 60.0, False, "exit 255: nvidia-smi reported an error"),
+        ("in_use", "failed", 60.0, False, "exit 255: GPU in use by another client"),
+        ("hang", "timeout", 150.0, False, "did not finish within 90.0s"),
+        ("fell_off_bus", "failed", 60.0, True, "exit 15: GPU has fallen off the bus"),
+    ],
+)
+def test_the_real_reset_procedure_reads_each_scripted_nvidia_smi_answer(
+    scripted: str, result: str, at: float, needs_reboot: bool, reason: str
+) -> None:
+    r = simulate(parse_scenario("s.yaml", ghost(scripted)))
+    [outcome] = r.entries("reset.outcome")
+    assert (outcome.t, outcome.fields["result"]) == (at, result)
+    assert outcome.fields["needs_reboot"] is needs_reboot
+    assert reason in str(outcome.fields["reason"])
+    assert r.final["gpus"][0]["lost"] is (scripted == "fell_off_bus")  # type: ignore[index]
+    [command] = [e for e in r.entries("reset.step") if e.fields["step"] == "reset"]
+    assert command.fields["argv"] == [
+        "/nonexistent/nvidia-smi",
+        "--gpu-reset",
+        "-i",
+        r.scenario.gpus[0].uuid,
+    ]
+    # The undo and the after hooks run whatever the result.
+    steps = [e.fields["step"] for e in r.entries("reset.step")]
+    assert steps[-2:] == ["persistence_on", "after_hooks"]
+    freed = r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+    assert freed is (result == "success")
+
+
+def test_a_before_hook_stops_the_processes_that_stop_for_a_reset() -> None:
+    r = simulate(parse_scenario("s.yaml", ghost()))
+    [exit_] = r.entries("world.exit")
+    assert exit_.t == 60.0
+    assert "stopped by the reset's before hook" in exit_.text
+    [scan] = [e for e in r.entries("reset.step") if e.fields["step"] == "final_scan"]
+    assert scan.fields["status"] == "clear"
+    assert r.resets()[0][2] == "success"
+
+
+def test_a_dry_run_reset_runs_nothing_but_still_scans_for_holders() -> None:
+    r = simulate(parse_scenario("s.yaml", ghost(dry="true")))
+    outcome = r.entries("reset.outcome")[0]
+    assert outcome.fields["result"] == "dry_run"
+    # dry-run: no hook ran, so DCGM was never stopped, and the scan says a real reset would fail.
+    assert "would be refused" in str(outcome.fields["reason"])
+    assert "nv-hostengine" in str(outcome.fields["blockers"])
+    assert r.entries("world.exit") == []
+    statuses = {e.fields["status"] for e in r.entries("reset.step")}
+    assert statuses <= {"would_run", "blocked", "skipped"}
+    assert r.final["gpus"][0]["allocated"] > r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_a_during_event_happens_once_at_that_reset_step() -> None:
+    text = ghost("in_use").replace(
+        "events:\n",
+        "events:\n  - during: persistence_off\n    set_memory: {gpu: 0, allocated: 9GiB}\n",
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    [memory] = r.entries("world.memory")
+    assert memory.t == 60.0
+    assert memory.fields["during"] == "persistence_off"
+    assert "(during the reset's persistence_off step)" in memory.text
+    names = [e.name for e in r.timeline if e.t == 60.0]
+    assert names.index("world.memory") < names.index("reset.outcome")
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        ("{during: rest, exit: a}", "expected one of drain, stop_nvml"),
+        ("{during: done, exit: a}", "expected one of drain"),
+        ("{at: 1s, during: drain, exit: a}", "'at' or 'during', not both"),
+        ("{exit: a}", "missing required field 'at'"),
+    ],
+)
+def test_malformed_during_events_are_refused(event: str, message: str) -> None:
+    text = f"duration: 1m\ngpus: [{{index: 0}}]\nprocesses: [{{name: a}}]\nevents:\n  - {event}\n"
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert message in err.value.message
+    assert err.value.line == 5

@@ -39,7 +39,7 @@ import signal
 import string
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.model import ProcessIdentity
@@ -542,6 +542,7 @@ def run_hooks(
     env: Mapping[str, str],
     values: Mapping[str, str | None] | None = None,
     stop_on_failure: bool = False,
+    runner: Callable[..., CommandResult] | None = None,
 ) -> list[CommandResult]:
     """Run ``hooks`` one after another, each under its own timeout; return their results.
 
@@ -549,8 +550,10 @@ def run_hooks(
     Placeholders in a hook's argv are filled from ``values`` (``uuid``, ``pci_bus_id``,
     ``minor``); one that cannot be filled makes that hook fail without running. With
     ``stop_on_failure`` the first failing hook ends the run (the reset's drain and before
-    hooks: a failed drain must not be followed by a reset).
+    hooks: a failed drain must not be followed by a reset). ``runner`` replaces
+    :func:`run_command` (``simulate`` answers commands without running them).
     """
+    run = run_command if runner is None else runner
     merged = {**os.environ, **env}
     results = []
     for hook in hooks:
@@ -559,7 +562,7 @@ def run_hooks(
         except ValueError as err:
             result = CommandResult(tuple(hook.argv), None, "", False, 0.0, f"hook not run: {err}")
         else:
-            result = run_command(argv, timeout=hook.timeout, env=merged)
+            result = run(argv, timeout=hook.timeout, env=merged)
         results.append(result)
         if stop_on_failure and not result.ok:
             break

@@ -66,7 +66,6 @@ in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins
 from __future__ import annotations
 
 import enum
-import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +76,7 @@ from gpuwatchd.act import (
     format_argv,
     hook_environment,
     run_command,
+    run_hooks,
 )
 from gpuwatchd.policy import Hook, ResetPolicy
 
@@ -294,31 +294,6 @@ def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
     return _Commands(reset, health, off, on)
 
 
-def _run_hooks(
-    runner: CommandRunner,
-    hooks: Sequence[Hook],
-    *,
-    env: Mapping[str, str],
-    values: Mapping[str, str | None],
-    stop_on_failure: bool,
-) -> list[CommandResult]:
-    """:func:`gpuwatchd.act.run_hooks` on ``runner``: the same environment (the daemon's plus
-    ``env``), placeholders, per-hook timeouts and ``stop_on_failure``."""
-    merged = {**os.environ, **env}
-    results = []
-    for hook in hooks:
-        try:
-            argv = format_argv(hook.argv, **dict(values))
-        except ValueError as err:
-            result = CommandResult(tuple(hook.argv), None, "", False, 0.0, f"hook not run: {err}")
-        else:
-            result = runner(argv, timeout=hook.timeout, env=merged)
-        results.append(result)
-        if stop_on_failure and not result.ok:
-            break
-    return results
-
-
 class _Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
@@ -419,12 +394,12 @@ class _Procedure:
                 **extra,
             ),
         }
-        results = _run_hooks(
-            self.runner,
+        results = run_hooks(
             hooks,
             env=env,
             values=_values(self.target),
             stop_on_failure=stop_on_failure,
+            runner=self.runner,
         )
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{_quote(r.output)}"

@@ -1027,6 +1027,19 @@ class _Assessor:
         )
 
 
+def back_to_baseline(
+    uuid: str, allocated: int | None, state: AssessState, detection: Detection
+) -> bool | None:
+    """After a reset: is this GPU's allocated memory back within the margin of its idle baseline?
+
+    The baseline is the learned one, else the default; None when the memory is unknown.
+    """
+    if allocated is None:
+        return None
+    baseline = state.baselines.get(uuid, detection.default_baseline)
+    return allocated <= baseline + detection.ghost_margin
+
+
 def assess(
     snapshot: Snapshot,
     previous: AssessState,

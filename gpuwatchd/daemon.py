@@ -25,7 +25,7 @@ import structlog
 
 from gpuwatchd import __version__
 from gpuwatchd.act import Signaller, run_hooks
-from gpuwatchd.assess import Assessment, AssessState, assess
+from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
 from gpuwatchd.collect import Collector
 from gpuwatchd.config import ConfigError, load_policy
 from gpuwatchd.jobs import cgroup2_mount
@@ -144,14 +144,9 @@ class _ResetEnv:
         reading = self.daemon.nvml.read()
         detection = self.daemon.policy.detection
         for gpu in reading.gpus:
-            if gpu.uuid != target.uuid:
-                continue
-            if gpu.memory is None or gpu.memory.allocated is None:
-                return None
-            baseline = self.daemon.assess_state.baselines.get(
-                target.uuid, detection.default_baseline
-            )
-            return gpu.memory.allocated <= baseline + detection.ghost_margin
+            if gpu.uuid == target.uuid:
+                allocated = gpu.memory.allocated if gpu.memory else None
+                return back_to_baseline(target.uuid, allocated, self.daemon.assess_state, detection)
         return None
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from gpuwatchd.act import CommandResult, format_argv
-from gpuwatchd.assess import Assessment, AssessState, assess
+from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
 from gpuwatchd.config import ConfigError, default_policy, load_policy, parse_policy_documents
 from gpuwatchd.config import render_policy as _render_policy
 from gpuwatchd.model import (
@@ -991,9 +991,12 @@ class VirtualReset:
         """As the daemon reads it: allocated within ``ghost_margin`` of the learned baseline."""
         if self.gpu is None or self.gpu.lost:
             return None
-        detection = self.sim.policy.detection
-        baseline = self.sim.assess_state.baselines.get(target.uuid, detection.default_baseline)
-        return self.sim.world.allocated(self.gpu) <= baseline + detection.ghost_margin
+        return back_to_baseline(
+            target.uuid,
+            self.sim.world.allocated(self.gpu),
+            self.sim.assess_state,
+            self.sim.policy.detection,
+        )
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         """The virtual host has no state file; the daemon logs no event for a record."""

@@ -165,3 +165,23 @@ def test_final_scan_blockers(
 
 def test_unknown_minor_blocks_the_reset() -> None:
     assert reset_blockers(HolderScan(mode="full"), {}, None, frozenset())
+
+
+@pytest.mark.parametrize(
+    ("allocated", "baselines", "expected"),
+    [
+        (None, {}, None),
+        (10 * 1024 * 1024, {}, True),  # within the default baseline + margin
+        (2 * 1024**3, {}, False),
+        (900 * 1024 * 1024, {"GPU-0": 800 * 1024 * 1024}, True),  # learned baseline
+        (1200 * 1024 * 1024, {"GPU-0": 800 * 1024 * 1024}, False),
+    ],
+)
+def test_memory_back_to_baseline_after_a_reset(
+    allocated: int | None, baselines: dict[str, int], expected: bool | None
+) -> None:
+    from gpuwatchd.assess import back_to_baseline
+    from gpuwatchd.policy import Detection
+
+    state = AssessState(baselines=baselines)
+    assert back_to_baseline("GPU-0", allocated, state, Detection()) is expected

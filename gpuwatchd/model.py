@@ -107,7 +107,7 @@ class ProcessInfo:
     nspid: tuple[int, ...] | None = None
     kernel_thread: bool = False
 
-    @property
+    @cached_property
     def identity(self) -> ProcessIdentity | None:
         if self.start_ticks is None:
             return None
@@ -152,7 +152,7 @@ class DeviceHolding:
     ctl: bool = False
     uvm: bool = False
 
-    @property
+    @cached_property
     def gpu_minors(self) -> frozenset[int]:
         return self.gpu_minors_fd | self.gpu_minors_map
 

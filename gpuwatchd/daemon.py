@@ -30,7 +30,7 @@ from gpuwatchd.collect import Collector
 from gpuwatchd.config import ConfigError, load_policy
 from gpuwatchd.jobs import cgroup2_mount
 from gpuwatchd.logs import configure_logging
-from gpuwatchd.model import HolderScan, ProcessInfo, Snapshot
+from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo, Snapshot
 from gpuwatchd.nvml import NvmlClient
 from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.plan import (
@@ -163,6 +163,7 @@ class _ResetEnv:
 
 
 _LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
+_EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before writing the state
 
 
 class Daemon:
@@ -339,13 +340,24 @@ class Daemon:
             self_ancestors=self.self_ancestors,
         )
         self._take(result)
+        signalled = False
         for intent in result.intents:
             if self._stop:
                 break
             self._execute(intent)
+            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
+        if signalled:
+            # Most targets die within milliseconds of a signal: see that before the state write
+            # (whose fsyncs can take tens of ms), not after it.
+            self._note_exits(self.signaller.wait(_EXIT_GRACE))
         self.save_state()
         self._notify_status(snapshot, assessment)
         return result
+
+    def _note_exits(self, exited: list[ProcessIdentity]) -> None:
+        for identity in exited:
+            log.info("target.exited", pid=identity.pid, start_ticks=identity.start_ticks)
+            self._take(record_exit(self.plan_state, identity, now=self.clock()))
 
     def _apply_admin_switches(self) -> None:
         reason = read_pause(self.policy.state_dir)
@@ -506,9 +518,7 @@ class Daemon:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
             exited = self.signaller.wait(0)
-            for identity in exited:
-                log.info("target.exited", pid=identity.pid, start_ticks=identity.start_ticks)
-                self._take(record_exit(self.plan_state, identity, now=self.clock()))
+            self._note_exits(exited)
             if exited:
                 self.save_state()
                 return

@@ -329,13 +329,15 @@ class Daemon:
         self.assess_state = assessment.state
         self.last_assessment = assessment
         self._apply_admin_switches()
+        # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
+        # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(
             assessment.findings,
             snapshot,
             self.plan_state,
             self.policy,
-            now=self.clock(),
-            wall=self.wall_clock(),
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
             report_only=assessment.report_only,
             self_ancestors=self.self_ancestors,
         )

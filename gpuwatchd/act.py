@@ -110,6 +110,10 @@ class SignalOutcome(str, enum.Enum):
         return self.value
 
 
+# The log level of an ``action.signal`` event by outcome (anything else: info).
+SIGNAL_OUTCOME_LEVELS = {"delivered": "warning", "denied": "error", "failed": "error"}
+
+
 @dataclass(frozen=True)
 class SignalResult:
     """The outcome of :meth:`Signaller.send`, with a sentence for the log.

@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 
 from gpuwatchd import __version__
-from gpuwatchd.act import Signaller, run_hooks
+from gpuwatchd.act import SIGNAL_OUTCOME_LEVELS, Signaller, run_hooks
 from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
 from gpuwatchd.collect import Collector
 from gpuwatchd.config import ConfigError, load_policy
@@ -55,6 +55,7 @@ from gpuwatchd.procfs import ProcFS
 from gpuwatchd.reset import (
     ResetStep,
     ResetTarget,
+    outcome_event,
     perform_reset,
     progress_record,
     resume_interrupted,
@@ -383,9 +384,7 @@ class Daemon:
     def _execute(self, intent: SignalIntent | ResetIntent | HookIntent) -> None:
         if isinstance(intent, SignalIntent):
             outcome = self.signaller.send(intent.identity, intent.signal, dry_run=intent.dry_run)
-            level = {"delivered": "warning", "denied": "error", "failed": "error"}.get(
-                outcome.outcome.value, "info"
-            )
+            level = SIGNAL_OUTCOME_LEVELS.get(outcome.outcome.value, "info")
             fields: dict[str, object] = dict(intent.facts)
             fields.update(
                 pid=intent.identity.pid,
@@ -466,22 +465,10 @@ class Daemon:
             log.error("reset.crashed", gpu=intent.gpu)
             return
         outcome = outcome_box[0]
-        level = {"success": "warning", "dry_run": "info", "refused": "warning"}.get(
-            outcome.result, "error"
+        level, fields = outcome_event(
+            outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
-        if outcome.needs_reboot:
-            level = "critical"
-        getattr(log, level)(
-            "reset.outcome",
-            gpu=intent.gpu,
-            pci_bus_id=intent.pci_bus_id,
-            result=outcome.result,
-            step=outcome.step.value,
-            reason=outcome.reason,
-            needs_reboot=outcome.needs_reboot,
-            blockers=list(outcome.blockers),
-            dry_run=intent.dry_run,
-        )
+        getattr(log, level)("reset.outcome", **fields)
         follow_up = self._take(
             record_reset(
                 self.plan_state,

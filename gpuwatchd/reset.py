@@ -227,6 +227,26 @@ def _quote(output: str) -> str:
     return f"; output: {text!r}" if text else ""
 
 
+_OUTCOME_LEVELS = {"success": "warning", "dry_run": "info", "refused": "warning"}
+
+
+def outcome_event(
+    outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
+) -> tuple[str, dict[str, object]]:
+    """The level and fields of the ``reset.outcome`` event (the daemon's and simulate's)."""
+    level = "critical" if outcome.needs_reboot else _OUTCOME_LEVELS.get(outcome.result, "error")
+    return level, {
+        "gpu": gpu,
+        "pci_bus_id": pci_bus_id,
+        "result": outcome.result,
+        "step": outcome.step.value,
+        "reason": outcome.reason,
+        "needs_reboot": outcome.needs_reboot,
+        "blockers": list(outcome.blockers),
+        "dry_run": dry_run,
+    }
+
+
 def interpret_reset_exit(result: CommandResult) -> tuple[str, bool, str]:
     """``(result, needs_reboot, reason)`` for a finished reset command; see the module table.
 

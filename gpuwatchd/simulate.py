@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from gpuwatchd.act import CommandResult, format_argv
+from gpuwatchd.act import SIGNAL_OUTCOME_LEVELS, CommandResult, format_argv
 from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
 from gpuwatchd.config import ConfigError, default_policy, load_policy, parse_policy_documents
 from gpuwatchd.config import render_policy as _render_policy
@@ -57,15 +57,13 @@ from gpuwatchd.plan import (
 )
 from gpuwatchd.policy import Policy
 from gpuwatchd.procfs import parse_cgroup
-from gpuwatchd.reset import ResetStep, ResetTarget, perform_reset
+from gpuwatchd.reset import ResetStep, ResetTarget, outcome_event, perform_reset
 from gpuwatchd.scenario import EventSpec, GpuSpec, ProcessSpec, Scenario, ScenarioError
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
-_SIGNAL_LEVELS = {"delivered": "warning", "denied": "error", "failed": "error"}
-_RESET_LEVELS = {"success": "warning", "dry_run": "info", "refused": "warning"}
 
 
 class SimulationError(Exception):
@@ -735,7 +733,7 @@ class Simulation:
         name = proc.name if proc is not None else None
         self.add(
             "action.signal",
-            _SIGNAL_LEVELS.get(outcome, "info"),
+            SIGNAL_OUTCOME_LEVELS.get(outcome, "info"),
             f"{intent.signal} → {self.pname(identity.pid)}: {outcome}"
             + (" (dry-run: nothing sent)" if outcome == "dry_run" else ""),
             pid=identity.pid,
@@ -829,19 +827,14 @@ class Simulation:
             hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
             runner=virtual.run,
         )
-        level = "critical" if outcome.needs_reboot else _RESET_LEVELS.get(outcome.result, "error")
+        level, fields = outcome_event(
+            outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
+        )
         self.add(
             "reset.outcome",
             level,
             f"reset {self.gname(intent.gpu)}: {outcome.result} — {outcome.reason}",
-            gpu=intent.gpu,
-            pci_bus_id=intent.pci_bus_id,
-            result=outcome.result,
-            step=outcome.step.value,
-            reason=outcome.reason,
-            needs_reboot=outcome.needs_reboot,
-            blockers=list(outcome.blockers),
-            dry_run=intent.dry_run,
+            **fields,
         )
         follow_ups = self.take(
             record_reset(

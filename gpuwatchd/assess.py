@@ -61,13 +61,17 @@ class AssessState:
     reservation, so the two never mix). ``lineage`` is keyed by process identity, so a new process
     that reuses a PID never inherits the story of the old one. ``unaccounted_since`` maps a GPU
     UUID to when (monotonic) it began to hold memory above baseline + margin with no live
-    context owner. Lineage and ``unaccounted_since`` are dropped when the boot id changes.
+    context owner. ``owners`` are the processes seen as live context owners, kept while they live
+    or while a recorded lineage still names their PID: what ties memory that no live owner holds
+    to an heir. Lineage, ``unaccounted_since`` and ``owners`` are dropped when the boot id
+    changes.
     """
 
     baselines: Mapping[str, int] = field(default_factory=dict)
     lineage: Mapping[ProcessIdentity, Lineage] = field(default_factory=dict)
     boot_id: str | None = None
     unaccounted_since: Mapping[str, float] = field(default_factory=dict)
+    owners: frozenset[ProcessIdentity] = frozenset()
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,6 +79,7 @@ class AssessState:
             "boot_id": self.boot_id,
             "baselines": dict(sorted(self.baselines.items())),
             "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
+            "owners": [[ident.pid, ident.start_ticks] for ident in sorted(self.owners)],
             "lineage": [
                 {
                     "pid": ident.pid,
@@ -143,7 +148,21 @@ class AssessState:
                 job=job,
                 first_seen=float(first_seen),
             )
-        return cls(baselines=baselines, lineage=lineage, boot_id=boot_id, unaccounted_since=since)
+        raw_owners = data.get("owners", [])
+        if not isinstance(raw_owners, list):
+            raise ValueError("owners must be a list")
+        owners: set[ProcessIdentity] = set()
+        for entry in raw_owners:
+            if not (isinstance(entry, list) and len(entry) == 2 and all(map(_is_int, entry))):
+                raise ValueError(f"bad owners entry: {entry!r}")
+            owners.add(ProcessIdentity(_int(entry[0]), _int(entry[1])))
+        return cls(
+            baselines=baselines,
+            lineage=lineage,
+            boot_id=boot_id,
+            unaccounted_since=since,
+            owners=frozenset(owners),
+        )
 
 
 def _is_int(value: object) -> bool:
@@ -466,6 +485,25 @@ def _update_lineage(
     return kept
 
 
+def _update_owners(
+    host: _Host, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
+) -> frozenset[ProcessIdentity]:
+    """Context owners seen so far: this poll's, plus earlier ones still alive or still named.
+
+    An owner is forgotten once its PID is gone (or belongs to another process) and no recorded
+    lineage names it as parent, process group or session any more, so the set stays small.
+    """
+    current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
+    named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
+    kept = set(current)
+    for ident in previous:
+        proc = host.procs.get(ident.pid)
+        alive = proc is not None and proc.start_ticks == ident.start_ticks
+        if alive or ident.pid in named:
+            kept.add(ident)
+    return frozenset(kept)
+
+
 def _memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int] | None:
     """The baseline key and current memory figure to learn from or compare, if any."""
     memory = gpu.memory
@@ -548,6 +586,9 @@ class _Assessor:
         self.lineage = _update_lineage(host, previous, tracked)
         self.baselines = _learn_baselines(host, previous.baselines, detection)
         same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
+        self.owners = _update_owners(
+            host, previous.owners if same_boot else frozenset(), self.lineage
+        )
         self.unaccounted_since: dict[str, float] = {}
         for gpu in host.gpus:
             if self.memory_without_owner(gpu) is not None:
@@ -625,7 +666,26 @@ class _Assessor:
         recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
         if tie is None or since is None or recorded is None or recorded.first_seen > since:
             return None
-        return {**tie, "unaccounted_since": since, "first_seen": recorded.first_seen}
+        # Positive evidence: when first seen, its parent, group or session was a process this
+        # daemon saw owning a context (and which owns none now). A process that merely
+        # initialised CUDA before the leak (a notebook that asked for the device count) has no
+        # such link and stays a hidden holder.
+        live = set(self.host.listed_alive)
+        former = {o.pid for o in self.owners if o.pid not in live}
+        for link, value in (
+            ("recorded parent", recorded.ppid),
+            ("recorded process group", recorded.pgid),
+            ("recorded session", recorded.sid),
+        ):
+            if value is not None and value in former and value != proc.pid:
+                return {
+                    **tie,
+                    "unaccounted_since": since,
+                    "first_seen": recorded.first_seen,
+                    "former_owner": value,
+                    "link": link,
+                }
+        return None
 
     def memory_without_owner(self, gpu: GpuInfo) -> dict[str, object] | None:
         """Evidence that ``gpu`` holds memory above baseline+margin with no live owner at all."""
@@ -1022,6 +1082,7 @@ class _Assessor:
                 lineage=self.lineage,
                 boot_id=self.host.snapshot.boot_id,
                 unaccounted_since=self.unaccounted_since,
+                owners=self.owners,
             ),
             notes={uuid: tuple(lines) for uuid, lines in self.notes.items()},
         )

@@ -219,15 +219,53 @@ def test_live_job_on_gpus_0_to_6_is_not_orphaned_on_gpu_7_with_unaccounted_memor
     assert (unaccounted.gpu, unaccounted.actionable) == (gpu_uuid(7), False)
 
 
-def test_unrelated_cuda_holder_on_gpu_with_unaccounted_memory_and_no_owner_is_orphaned() -> None:
+def test_unrelated_cuda_holder_on_gpu_with_unaccounted_memory_and_no_owner_is_only_hidden() -> None:
+    """A process that merely initialised CUDA (a notebook that asked for the device count) holds
+    the device files and uvm without a context; unowned memory alone never makes it an orphan."""
     builder = (
         HostBuilder()
         .gpu(0, allocated=LEAK)
         .proc(900, ppid=1, cgroup=cg_root(), holds={0}, uvm=True)
     )
-    orphan = only(run(builder.build()), FindingKind.ORPHANED)
+    first = run(builder.at(10.0).build())
+    later = run(builder.at(20.0).build(), first.state)
+    for result in (first, later):
+        assert FindingKind.ORPHANED not in {f.kind for f in result.findings}
+        assert "nothing ties it" in only(result, FindingKind.HIDDEN_HOLDER).reason
+
+
+def test_worker_of_a_context_owner_seen_earlier_inherits_memory_nvml_no_longer_lists() -> None:
+    """The trainer was seen owning a context; it died and the driver dropped its PID from the
+    list, but its worker keeps the memory: the recorded lineage ties the worker to it."""
+    alive = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(800, holds={0}, uvm=True)
+        .proc(801, ppid=800, pgid=800, sid=800, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+    )
+    first = run(alive.at(10.0).build())
+    assert role_of(first, 801) == ("worker", 800)
+    assert any(o.pid == 800 for o in first.state.owners)
+    dead = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(801, ppid=1, pgid=800, sid=800, holds={0}, uvm=True)
+    )
+    result = run(dead.at(20.0).build(), first.state)
+    orphan = only(result, FindingKind.ORPHANED)
+    assert orphan.pid == 801
     assert orphan.evidence["tie"] == "unaccounted_memory"
+    assert orphan.evidence["former_owner"] == 800
     assert orphan.memory == LEAK - DETECTION.default_baseline
+    assert AssessState.from_json(result.state.to_json()) == result.state
+
+
+def test_former_owners_are_forgotten_once_nothing_names_them() -> None:
+    alive = HostBuilder().gpu(0, allocated=LEAK).proc(800, holds={0}, uvm=True).nvml(0, 800)
+    first = run(alive.at(10.0).build())
+    gone = run(HostBuilder().gpu(0).at(20.0).build(), first.state)
+    assert gone.state.owners == frozenset()
 
 
 @pytest.mark.parametrize("via", ["fd", "map"])

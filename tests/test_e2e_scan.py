@@ -52,7 +52,11 @@ def host_holder_map_only(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 def host_real_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root) as host:
         worker = host.script("worker", [{"sleep": 3600}])
-        host.spawn("trainer", [{"open": host.cuda(0)}, {"fork": worker}, {"exit": 0}])
+        # A job runs in a session of its own (from a shell, a scheduler), so its forked worker
+        # keeps the dead trainer's PID as its process group and session.
+        host.spawn(
+            "trainer", [{"setsid": True}, {"open": host.cuda(0)}, {"fork": worker}, {"exit": 0}]
+        )
         pids = host.wait_ready("trainer", "worker")
         host.wait_gone("trainer")
         host.nvml([gpu(0, allocated=700 * MiB, processes=[process(pids["trainer"], 700 * MiB)])])

@@ -7,7 +7,6 @@ each finding has been seen.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections.abc import Mapping
@@ -21,8 +20,7 @@ from gpuwatchd.nvml import NvmlClient
 from gpuwatchd.policy import Policy
 from gpuwatchd.procfs import ProcFS
 from gpuwatchd.report import build_report
-
-STATE_FILE = "state.json"
+from gpuwatchd.state import StateStore
 
 
 @dataclass(frozen=True)
@@ -37,16 +35,6 @@ def procfs_for(policy: Policy) -> ProcFS:
     return ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
     )
-
-
-def read_saved_state(state_dir: str) -> Mapping[str, object]:
-    """The daemon's saved state, read-only; {} when absent or unreadable (never modified)."""
-    try:
-        with open(os.path.join(state_dir, STATE_FILE), encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # Capabilities needed to read other users' /proc/PID/fd and maps (DESIGN.md §2.9).
@@ -97,7 +85,7 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
     if not snapshot.nvml.available:
         return ScanResult(None, error=snapshot.nvml.error or "NVIDIA driver/NVML not available")
 
-    saved = read_saved_state(policy.state_dir)
+    saved = StateStore(policy.state_dir).peek()
     previous = AssessState()
     if saved.get("boot_id") == snapshot.boot_id:
         try:

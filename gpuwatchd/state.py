@@ -65,6 +65,16 @@ class StateStore:
             return self._move_aside("not a JSON object")
         return data
 
+    def peek(self) -> dict[str, object]:
+        """The saved dict for a reader that must change nothing (``scan``): {} when absent,
+        unreadable or malformed, and a corrupt file is left where it is for the daemon."""
+        try:
+            with open(self.path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def discard_corrupt(self, why: str) -> None:
         """For callers that found the content malformed (e.g. PlanState.from_json failed)."""
         self._move_aside(why)

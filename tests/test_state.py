@@ -140,3 +140,13 @@ def test_saved_json_is_plain_and_sorted(tmp_path: Path) -> None:
     store = StateStore(str(tmp_path))
     store.save({"b": 1, "a": [1, 2]})
     assert json.loads((tmp_path / "state.json").read_text()) == {"a": [1, 2], "b": 1}
+
+
+def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
+    store = StateStore(str(tmp_path))
+    assert store.peek() == {}
+    store.save({"version": 1, "x": 2})
+    assert store.peek() == {"version": 1, "x": 2}
+    Path(store.path).write_text("{not json")
+    assert store.peek() == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # not moved aside

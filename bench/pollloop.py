@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpuwatchd.config import load_policy
+from gpuwatchd.config.schema import load_policy
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.logs import configure_logging
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench import latency  # noqa: E402
 from bench.host import ProcessPool, cuda_devices  # noqa: E402
 from bench.scan import CHAR_PROCFS, CHAR_STANDINS, compare  # noqa: E402
-from gpuwatchd.procfs import ProcFS  # noqa: E402
+from gpuwatchd.collect.procfs import ProcFS  # noqa: E402
 from tests.support.fakenvml import MiB, gpu, process  # noqa: E402
 from tests.support.simhost import SimHost, pid_namespace_command  # noqa: E402
 

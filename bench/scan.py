@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.procfs import ProcFS
+from gpuwatchd.collect.procfs import ProcFS
 
 # Device-number mode stand-ins, all major 1: /dev/null (1:3) is "GPU 3", /dev/full (1:7) is
 # nvidiactl, /dev/random (1:8) nvidia-uvm.

@@ -2,6 +2,6 @@
 
 import sys
 
-from gpuwatchd.cli import main
+from gpuwatchd.cli.main import main
 
 sys.exit(main())

@@ -24,16 +24,24 @@ from typing import Any
 import structlog
 
 from gpuwatchd import __version__
-from gpuwatchd.act import SIGNAL_OUTCOME_LEVELS, Signaller, run_hooks
-from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
-from gpuwatchd.collect import Collector
-from gpuwatchd.config import ConfigError, load_policy
-from gpuwatchd.jobs import cgroup2_mount
-from gpuwatchd.logs import configure_logging
-from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.nvml import NvmlClient
-from gpuwatchd.pause import read_pause, take_clear_latches
-from gpuwatchd.plan import (
+from gpuwatchd.act.commands import run_hooks
+from gpuwatchd.act.reset import (
+    ResetStep,
+    ResetTarget,
+    outcome_event,
+    perform_reset,
+    progress_record,
+    resume_interrupted,
+)
+from gpuwatchd.act.signals import SIGNAL_OUTCOME_LEVELS, Signaller
+from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.config.schema import ConfigError, load_policy
+from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
+from gpuwatchd.decide.plan import (
     Event,
     HookIntent,
     PlanResult,
@@ -50,17 +58,10 @@ from gpuwatchd.plan import (
     record_signal,
     set_paused,
 )
-from gpuwatchd.policy import Policy
-from gpuwatchd.procfs import ProcFS
-from gpuwatchd.reset import (
-    ResetStep,
-    ResetTarget,
-    outcome_event,
-    perform_reset,
-    progress_record,
-    resume_interrupted,
-)
-from gpuwatchd.scan import ACT_CAPABILITIES, missing_capabilities
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.logs import configure_logging
+from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.state import AlreadyRunning, StateStore
 
 log = structlog.get_logger("gpuwatchd")

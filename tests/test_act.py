@@ -17,18 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act import (
-    OUTPUT_LIMIT,
-    Signaller,
-    SignalOutcome,
-    format_argv,
-    hook_environment,
-    run_command,
-    run_hooks,
-    stat_start_ticks,
-)
+from gpuwatchd.act.commands import OUTPUT_LIMIT, run_command, run_hooks
+from gpuwatchd.act.signals import Signaller, SignalOutcome, stat_start_ticks
+from gpuwatchd.decide.argv import format_argv, hook_environment
+from gpuwatchd.decide.policy import Hook
 from gpuwatchd.model import ProcessIdentity
-from gpuwatchd.policy import Hook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IGNORES_SIGTERM = (
@@ -239,7 +232,7 @@ def test_signal_names_with_or_without_prefix_are_accepted(
 
 PROBE = """
 import sys
-from gpuwatchd.act import Signaller
+from gpuwatchd.act.signals import Signaller
 from gpuwatchd.model import ProcessIdentity
 identity = ProcessIdentity(int(sys.argv[1]), int(sys.argv[2]))
 print(Signaller().send(identity, "SIGKILL", dry_run=sys.argv[3] == "1").outcome.value)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.assess import (
+from gpuwatchd.decide.assess import (
     NODE,
     Assessment,
     AssessState,
@@ -19,8 +19,8 @@ from gpuwatchd.assess import (
     is_floor_process,
     needs_full_scan,
 )
+from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import MIB, Finding, FindingKind, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.policy import Detection
 from tests.support.snapshots import (
     HostBuilder,
     cg_container,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.config import (
+from gpuwatchd.config.schema import (
     ConfigError,
     check_config_permissions,
     default_policy,
@@ -24,8 +24,8 @@ from gpuwatchd.config import (
     render_policy,
     validate_reset_command,
 )
+from gpuwatchd.decide.policy import Hook, Policy, Step
 from gpuwatchd.model import MIB, FindingKind
-from gpuwatchd.policy import Hook, Policy, Step
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "config" / "gpuwatchd.yaml"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.assess import Assessment, AssessState
 from gpuwatchd.daemon import describe_status, reset_blockers
+from gpuwatchd.decide.assess import Assessment, AssessState
+from gpuwatchd.decide.plan import Ladder, PlanState
 from gpuwatchd.model import (
     DeviceHolding,
     Finding,
@@ -16,7 +17,6 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.plan import Ladder, PlanState
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -180,8 +180,8 @@ def test_unknown_minor_blocks_the_reset() -> None:
 def test_memory_back_to_baseline_after_a_reset(
     allocated: int | None, baselines: dict[str, int], expected: bool | None
 ) -> None:
-    from gpuwatchd.assess import back_to_baseline
-    from gpuwatchd.policy import Detection
+    from gpuwatchd.decide.assess import back_to_baseline
+    from gpuwatchd.decide.policy import Detection
 
     state = AssessState(baselines=baselines)
     assert back_to_baseline("GPU-0", allocated, state, Detection()) is expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-from gpuwatchd.plan import EVENT_NAMES
+from gpuwatchd.decide.plan import EVENT_NAMES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # log.warning("name", ...), getattr(log, level)("name", ...), env.emit("name", ...), and the
@@ -20,7 +20,7 @@ SKIP = {"simulate.py"}
 
 def emitted_names() -> set[str]:
     names = set(EVENT_NAMES)
-    for path in (ROOT / "gpuwatchd").glob("*.py"):
+    for path in (ROOT / "gpuwatchd").rglob("*.py"):
         if path.name in SKIP:
             continue
         for match in CALL.finditer(path.read_text()):

@@ -621,7 +621,7 @@ def test_stuck_target_is_reported_once_and_never_put_through_sigkill(tmp_path: P
 @pytest.fixture
 def cgroup_base() -> Any:
     """A scratch cgroup v2 subtree the test may create and move its own processes into."""
-    from gpuwatchd.jobs import cgroup2_mount
+    from gpuwatchd.collect.jobs import cgroup2_mount
 
     mount = cgroup2_mount()
     if mount is None or os.geteuid() != 0:

@@ -7,13 +7,13 @@ import pathlib
 
 import pytest
 
-from gpuwatchd.assess import AssessState, assess
-from gpuwatchd.cli import main
-from gpuwatchd.config import parse_policy_documents
-from gpuwatchd.explain import SnapshotError, explain_report, rebuild
-from gpuwatchd.report import build_report
-from gpuwatchd.scenario import load_scenario
-from gpuwatchd.simulate import Simulation, scenario_policy
+from gpuwatchd.cli.explain import SnapshotError, explain_report, rebuild
+from gpuwatchd.cli.main import main
+from gpuwatchd.cli.report import build_report
+from gpuwatchd.cli.scenario import load_scenario
+from gpuwatchd.cli.simulate import Simulation, scenario_policy
+from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.decide.assess import AssessState, assess
 
 SCENARIOS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.jobs import cgroup2_mount, ended_jobs, slurm_job_ended
+from gpuwatchd.collect.jobs import cgroup2_mount, ended_jobs, slurm_job_ended
 from gpuwatchd.model import CgroupInfo, ProcessInfo
 
 SCOPE = "/system.slice/slurmstepd.scope"

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess
-from gpuwatchd.nvml import NvmlClient
 from tests.support.fakenvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -57,7 +57,7 @@ def worker_children() -> set[int]:
     found = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if "gpuwatchd.nvml_worker" in " ".join(child.cmdline()):
+            if "gpuwatchd.collect.nvml_worker" in " ".join(child.cmdline()):
                 found.add(child.pid)
         except psutil.Error:
             continue

@@ -12,20 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuwatchd.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    HolderScan,
-    NvmlReading,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
-)
-from gpuwatchd.plan import (
+from gpuwatchd.decide.plan import (
     EVENT_NAMES,
     EventName,
     HookIntent,
@@ -48,7 +35,20 @@ from gpuwatchd.plan import (
     rule_for,
     set_paused,
 )
-from gpuwatchd.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.model import (
+    MIB,
+    CgroupInfo,
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    HolderScan,
+    NvmlReading,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

@@ -24,19 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpuwatchd.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    HolderScan,
-    NvmlReading,
-    ProcessInfo,
-    Snapshot,
-)
-from gpuwatchd.plan import (
+from gpuwatchd.decide.plan import (
     HookIntent,
     PlanState,
     ResetIntent,
@@ -50,7 +38,27 @@ from gpuwatchd.plan import (
     set_paused,
     target_key,
 )
-from gpuwatchd.policy import FLOOR_PROCESS_NAMES, Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.decide.policy import (
+    FLOOR_PROCESS_NAMES,
+    Limits,
+    Policy,
+    Protect,
+    ResetPolicy,
+    Rule,
+    Step,
+)
+from gpuwatchd.model import (
+    MIB,
+    CgroupInfo,
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    HolderScan,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+)
 
 settings.register_profile(
     "default",

@@ -1,4 +1,4 @@
-"""Tests for gpuwatchd.procfs: the /proc parsers, process facts and the device-holder scan.
+"""Tests for gpuwatchd.collect.procfs: the /proc parsers, process facts and the device-holder scan.
 
 Parsers are pinned by tables; facts and scans by fake /proc trees (tests/support/fakeproc.py)
 and by real child processes of this test, which hold stand-in device files (path mode) or real
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.model import CgroupInfo
-from gpuwatchd.procfs import (
+from gpuwatchd.collect.procfs import (
     PROC_CGROUP_INIT_INO,
     PROC_PID_INIT_INO,
     ProcFS,
@@ -28,6 +27,7 @@ from gpuwatchd.procfs import (
     parse_proc_devices,
     parse_stat,
 )
+from gpuwatchd.model import CgroupInfo
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat, make_devices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -677,7 +677,7 @@ def test_unprivileged_scan_records_another_users_process_as_unreadable(
 ) -> None:
     child = spawn(_hold([f"{devices}/nvidia0"]))  # runs as root
     code = (
-        "import json, sys; from gpuwatchd.procfs import ProcFS\n"
+        "import json, sys; from gpuwatchd.collect.procfs import ProcFS\n"
         f"p = ProcFS(devices_dir={str(devices)!r})\n"
         f"t = p.scan_holders([{child.pid}]); f = p.scan_holders()\n"
         "print(json.dumps({'t': sorted(t.unreadable), 'h': sorted(t.holdings), "

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.model import (
     MIB,
     CgroupInfo,
@@ -29,7 +30,6 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.report import build_report, render_text
 
 GIB = 1024 * MIB
 UUID0 = "GPU-00000000-aaaa-0000-0000-000000000000"

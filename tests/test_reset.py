@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act import CommandResult, stat_start_ticks
-from gpuwatchd.policy import Hook, ResetPolicy
-from gpuwatchd.reset import (
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.reset import (
     ResetStep,
     ResetTarget,
     interpret_reset_exit,
@@ -23,6 +22,8 @@ from gpuwatchd.reset import (
     progress_record,
     resume_interrupted,
 )
+from gpuwatchd.act.signals import stat_start_ticks
+from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
@@ -635,7 +636,7 @@ def test_resume_of_an_unreadable_record_changes_nothing(
 
 
 class RecordingRunner:
-    """A :class:`gpuwatchd.reset.CommandRunner` that runs nothing: it records each call and
+    """A :class:`gpuwatchd.act.reset.CommandRunner` that runs nothing: it records each call and
     answers from ``answers`` (by argv[1], e.g. ``--gpu-reset``), exit 0 otherwise."""
 
     def __init__(self, answers: Mapping[str, CommandResult] | None = None) -> None:

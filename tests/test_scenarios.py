@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from gpuwatchd.scenario import load_scenario
-from gpuwatchd.simulate import SimulationResult, simulate
+from gpuwatchd.cli.scenario import load_scenario
+from gpuwatchd.cli.simulate import SimulationResult, simulate
 
 SCENARIOS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from gpuwatchd.cli import main
-from gpuwatchd.scenario import ScenarioError, parse_scenario
-from gpuwatchd.simulate import simulate
+from gpuwatchd.cli.main import main
+from gpuwatchd.cli.scenario import ScenarioError, parse_scenario
+from gpuwatchd.cli.simulate import simulate
 
 ORPHANS = """\
 duration: 3m

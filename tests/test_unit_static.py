@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.policy import Hook, ResetPolicy
+from gpuwatchd.decide.policy import Hook, ResetPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "gpuwatchd.service"

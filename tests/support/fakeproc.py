@@ -1,4 +1,5 @@
-"""A builder for fake ``/proc`` trees in temporary folders, for tests of ``gpuwatchd.procfs``.
+"""A builder for fake ``/proc`` trees in temporary folders, for tests of
+``gpuwatchd.collect.procfs``.
 
 It writes the files ``ProcFS`` reads (``stat``, ``status``, ``cmdline``, ``cgroup``, ``maps``,
 ``fd/N`` links, ``task/*/children``, host-wide files) with the kernel's formats, so tests can

@@ -24,23 +24,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from gpuwatchd.act import SIGNAL_OUTCOME_LEVELS, CommandResult, format_argv
-from gpuwatchd.assess import Assessment, AssessState, assess, back_to_baseline
-from gpuwatchd.config import ConfigError, default_policy, load_policy, parse_policy_documents
-from gpuwatchd.config import render_policy as _render_policy
-from gpuwatchd.model import (
-    MIB,
-    DeviceHolding,
-    GpuInfo,
-    GpuMemory,
-    HolderScan,
-    NvmlProcess,
-    NvmlReading,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
-)
-from gpuwatchd.plan import (
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.reset import ResetStep, ResetTarget, outcome_event, perform_reset
+from gpuwatchd.act.signals import SIGNAL_OUTCOME_LEVELS
+from gpuwatchd.cli.scenario import EventSpec, GpuSpec, ProcessSpec, Scenario, ScenarioError
+from gpuwatchd.collect.procfs import parse_cgroup
+from gpuwatchd.config.schema import ConfigError, default_policy, load_policy, parse_policy_documents
+from gpuwatchd.config.schema import render_policy as _render_policy
+from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
+from gpuwatchd.decide.plan import (
     Event,
     HookIntent,
     Intent,
@@ -55,10 +48,19 @@ from gpuwatchd.plan import (
     record_signal,
     set_paused,
 )
-from gpuwatchd.policy import Policy
-from gpuwatchd.procfs import parse_cgroup
-from gpuwatchd.reset import ResetStep, ResetTarget, outcome_event, perform_reset
-from gpuwatchd.scenario import EventSpec, GpuSpec, ProcessSpec, Scenario, ScenarioError
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.model import (
+    MIB,
+    DeviceHolding,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    NvmlProcess,
+    NvmlReading,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
@@ -915,9 +917,9 @@ class Simulation:
 
 
 class VirtualReset:
-    """The virtual host's side of one reset: a :class:`gpuwatchd.reset.ResetEnvironment` for
+    """The virtual host's side of one reset: a :class:`gpuwatchd.act.reset.ResetEnvironment` for
     the daemon's part (NVML worker, holder scan, memory, progress, events) and, in :meth:`run`,
-    a :class:`gpuwatchd.reset.CommandRunner` that answers the procedure's commands as the
+    a :class:`gpuwatchd.act.reset.CommandRunner` that answers the procedure's commands as the
     virtual host would. Nothing is ever executed.
 
     =============================  ==========================================================

@@ -15,6 +15,8 @@ import json
 import math
 from collections.abc import Mapping
 
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.targets import gpu_protected, refusal, rule_for
 from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
@@ -26,8 +28,6 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.policy import Policy
-from gpuwatchd.targets import gpu_protected, refusal, rule_for
 
 _HOLDER_KINDS = {"orphaned", "abandoned", "stuck", "hidden_holder", "zombie"}
 

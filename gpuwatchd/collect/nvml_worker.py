@@ -1,10 +1,11 @@
 """The NVML worker process: the only module that imports pynvml.
 
-Run as ``python -m gpuwatchd.nvml_worker`` by :class:`gpuwatchd.nvml.NvmlClient`, never
-imported by the daemon itself. NVML calls can hang forever in the kernel on a wedged GPU and
-cannot be cancelled (DESIGN.md §2.8), so they run here, in a process the daemon can abandon; and
-every handle NVML holds on ``/dev/nvidia*`` lives here, so stopping this process releases them all
-before a reset (DESIGN.md §2.7).
+Run as ``python -m gpuwatchd.collect.nvml_worker`` by
+:class:`gpuwatchd.collect.nvml.NvmlClient`, never imported by the daemon itself. NVML calls
+can hang forever in the kernel on a wedged GPU and cannot be cancelled (DESIGN.md §2.8), so
+they run here, in a process the daemon can abandon; and every handle NVML holds on
+``/dev/nvidia*`` lives here, so stopping this process releases them all before a reset
+(DESIGN.md §2.7).
 
 Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
 

@@ -4,7 +4,7 @@ This module owns the *order* of a reset and the reading of its result. Whether a
 reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
 decision; stopping the NVML worker, scanning holders and persisting state belong to the daemon,
 which hands them in as a :class:`ResetEnvironment`. Every command and hook runs through one
-:class:`CommandRunner`, by default :func:`gpuwatchd.act.run_command` (argv, no shell, own
+:class:`CommandRunner`, by default :func:`gpuwatchd.act.commands.run_command` (argv, no shell, own
 process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset
 is this very procedure. This module never unbinds, rebinds or writes sysfs, never resets
 without ``-i``-style addressing of exactly one GPU, and never re-runs a reset command that may
@@ -71,14 +71,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpuwatchd.act import (
-    CommandResult,
-    format_argv,
-    hook_environment,
-    run_command,
-    run_hooks,
-)
-from gpuwatchd.policy import Hook, ResetPolicy
+from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
+from gpuwatchd.decide.argv import format_argv, hook_environment
+from gpuwatchd.decide.policy import Hook, ResetPolicy
 
 __all__ = [
     "CommandRunner",
@@ -163,9 +158,10 @@ class ResetEnvironment(Protocol):
 
 
 class CommandRunner(Protocol):
-    """Runs one command with :func:`gpuwatchd.act.run_command`'s contract: ``argv`` (no shell),
-    a deadline of ``timeout`` seconds, ``env`` the complete environment (None: inherit), and a
-    :class:`~gpuwatchd.act.CommandResult` back, never an exception for a failing command.
+    """Runs one command with :func:`gpuwatchd.act.commands.run_command`'s contract: ``argv``
+    (no shell), a deadline of ``timeout`` seconds, ``env`` the complete environment (None:
+    inherit), and a :class:`~gpuwatchd.act.commands.CommandResult` back, never an exception for
+    a failing command.
 
     The reset command, the persistence and health commands and every hook go through it (a
     hook gets its ``GPUWATCHD_*`` variables in ``env``; the commands get no ``env``).
@@ -530,8 +526,8 @@ def perform_reset(
     """Run the whole procedure for ``target`` (see the module docstring for the steps).
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
-    :func:`gpuwatchd.act.hook_environment` always win). ``runner`` runs every command and
-    hook (default: the real :func:`gpuwatchd.act.run_command`). Never raises for a failing
+    :func:`gpuwatchd.decide.argv.hook_environment` always win). ``runner`` runs every command and
+    hook (default: the real :func:`gpuwatchd.act.commands.run_command`). Never raises for a failing
     step: every way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
     """
     prepared = _prepare(target, reset)

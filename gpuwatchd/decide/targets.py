@@ -17,8 +17,8 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
+from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
-from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
 
 __all__ = [
     "FLOOR_COMMS",

@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuwatchd import __version__
-from gpuwatchd.assess import AssessState, assess
-from gpuwatchd.collect import Collector
-from gpuwatchd.jobs import cgroup2_mount
-from gpuwatchd.nvml import NvmlClient
-from gpuwatchd.policy import Policy
-from gpuwatchd.procfs import ProcFS
-from gpuwatchd.report import build_report
+from gpuwatchd.cli.report import build_report
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.decide.assess import AssessState, assess
+from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state import StateStore
 
 

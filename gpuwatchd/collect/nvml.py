@@ -1,9 +1,10 @@
 """NVML access for the daemon and ``scan``: a deadline-bound client of the NVML worker process.
 
-This module owns *how* NVML is reached: it starts ``python -m gpuwatchd.nvml_worker`` (the only
-importer of pynvml, see that module for what is read and the fallbacks), asks it for one poll at
-a time over a pipe, and turns the JSON reply into :mod:`gpuwatchd.model` values. It never imports
-pynvml and never decides anything about processes or GPUs.
+This module owns *how* NVML is reached: it starts
+``python -m gpuwatchd.collect.nvml_worker`` (the only importer of pynvml, see that module
+for what is read and the fallbacks), asks it for one poll at a time over a pipe, and turns the
+JSON reply into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides
+anything about processes or GPUs.
 
 Why a separate process (DESIGN.md §2.7, §2.8): an NVML call can hang forever in the kernel on a
 wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
@@ -165,7 +166,7 @@ class NvmlClient:
         env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
         self._buffer = b""
         self._proc = subprocess.Popen(
-            [self._python, "-m", "gpuwatchd.nvml_worker"],
+            [self._python, "-m", "gpuwatchd.collect.nvml_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

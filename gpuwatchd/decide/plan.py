@@ -26,6 +26,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
+from gpuwatchd.decide.plan_state import (
+    STATE_VERSION,
+    Ladder,
+    PlanState,
+    ResetInFlight,
+    SeenFinding,
+)
+from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, Policy
+from gpuwatchd.decide.targets import (
+    FLOOR_COMMS,
+    gpu_by_uuid,
+    gpu_protected,
+    process_facts,
+    refusal,
+    rule_for,
+)
 from gpuwatchd.model import (
     Finding,
     FindingKind,
@@ -33,22 +49,6 @@ from gpuwatchd.model import (
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
-)
-from gpuwatchd.plan_state import (
-    STATE_VERSION,
-    Ladder,
-    PlanState,
-    ResetInFlight,
-    SeenFinding,
-)
-from gpuwatchd.policy import FLOOR_PROCESS_NAMES, Policy
-from gpuwatchd.targets import (
-    FLOOR_COMMS,
-    gpu_by_uuid,
-    gpu_protected,
-    process_facts,
-    refusal,
-    rule_for,
 )
 
 __all__ = [

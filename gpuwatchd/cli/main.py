@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from gpuwatchd import __version__
-from gpuwatchd.policy import DEFAULT_CONFIG_PATH, Policy
+from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
 
 EX_OK = 0
 EX_FINDINGS_PENDING = 75  # EX_TEMPFAIL: `run --once` timed out with work still pending
@@ -130,7 +130,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
     """Load the policy; a missing default file is fine where ``required`` is False."""
-    from gpuwatchd.config import ConfigError, default_policy, load_policy
+    from gpuwatchd.config.schema import ConfigError, default_policy, load_policy
 
     chosen = path or DEFAULT_CONFIG_PATH
     if path is None and not required and not os.path.exists(chosen):
@@ -142,7 +142,7 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
 
 
 def _check_config(path: str | None) -> int:
-    from gpuwatchd.config import render_policy
+    from gpuwatchd.config.schema import render_policy
 
     policy = load_policy_or_exit(path, required=True)
     sys.stdout.write(render_policy(policy))
@@ -152,8 +152,8 @@ def _check_config(path: str | None) -> int:
 
 
 def _scan(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.scan import scan_host
     from gpuwatchd.logs import configure_logging
-    from gpuwatchd.scan import scan_host
 
     configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="warning")
     policy = load_policy_or_exit(args.config, required=args.config is not None)
@@ -164,7 +164,7 @@ def _scan(args: argparse.Namespace) -> int:
         json.dump(result.report, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
     else:
-        from gpuwatchd.report import render_text
+        from gpuwatchd.cli.report import render_text
 
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         sys.stdout.write(render_text(result.report, color=color))
@@ -181,7 +181,7 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gpuwatchd.config import ConfigError, parse_duration
+    from gpuwatchd.config.schema import ConfigError, parse_duration
     from gpuwatchd.daemon import run_daemon
 
     try:
@@ -200,9 +200,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from gpuwatchd.config import ConfigError
-    from gpuwatchd.scenario import ScenarioError, load_scenario
-    from gpuwatchd.simulate import SimulationError, render_text, simulate
+    from gpuwatchd.cli.scenario import ScenarioError, load_scenario
+    from gpuwatchd.cli.simulate import SimulationError, render_text, simulate
+    from gpuwatchd.config.schema import ConfigError
 
     try:
         result = simulate(load_scenario(args.scenario), args.config)
@@ -219,7 +219,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from gpuwatchd.explain import SnapshotError, explain_file, render_explanation
+    from gpuwatchd.cli.explain import SnapshotError, explain_file, render_explanation
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     try:

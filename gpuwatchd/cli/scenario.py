@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from gpuwatchd.config import parse_duration, parse_size
+from gpuwatchd.act.reset import ResetStep
+from gpuwatchd.config.schema import parse_duration, parse_size
+from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 from gpuwatchd.model import MIB
-from gpuwatchd.reset import ResetStep
-from gpuwatchd.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 
 GIB = 1024 * MIB
 FIRST_AUTO_PID = 1000

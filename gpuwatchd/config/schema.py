@@ -3,7 +3,7 @@
 This module owns the policy *file format*: durations and sizes with units, the schema and its
 error messages (file, line, key path, "did you mean"), drop-in merge order and semantics, the
 StrictModes permission check, and the one-GPU rule for reset commands. It turns text into the
-frozen :class:`gpuwatchd.policy.Policy` and back. It must not decide anything about processes
+frozen :class:`gpuwatchd.decide.policy.Policy` and back. It must not decide anything about processes
 or GPUs and must not run commands; its only I/O is reading the config files and ``stat``.
 The key names and merge rules are documented in ``docs/policy.md``; keep the two in step.
 """
@@ -21,8 +21,8 @@ from typing import TypeVar
 
 import yaml
 
-from gpuwatchd.model import FindingKind
-from gpuwatchd.policy import (
+from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
+from gpuwatchd.decide.policy import (
     DEFAULT_CONFIG_PATH,
     Detection,
     Hook,
@@ -34,7 +34,7 @@ from gpuwatchd.policy import (
     Step,
     default_rules,
 )
-from gpuwatchd.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
+from gpuwatchd.model import FindingKind
 
 __all__ = [
     "GPU_PLACEHOLDERS",

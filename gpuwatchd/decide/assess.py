@@ -18,6 +18,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Detection
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
@@ -29,7 +30,6 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Detection
 
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
 V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart

@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gpuwatchd.jobs import ended_jobs
+from gpuwatchd.collect.jobs import ended_jobs
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
-from gpuwatchd.nvml import NvmlClient
-from gpuwatchd.procfs import ProcFS, StatFields
 
 MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 _MAX_ANCESTRY = 64

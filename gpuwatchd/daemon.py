@@ -41,6 +41,7 @@ from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
+from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import (
     Event,
     HookIntent,
@@ -60,7 +61,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.logs import configure_logging
-from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.model import ProcessIdentity, Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.state import AlreadyRunning, StateStore
 
@@ -87,43 +88,6 @@ class Notifier:
     def notify(self, message: str) -> None:
         if self._notifier is not None:
             self._notifier.notify(message)
-
-
-def reset_blockers(
-    holders: HolderScan,
-    processes: Mapping[int, ProcessInfo],
-    minor: int | None,
-    self_pids: frozenset[int],
-) -> list[str]:
-    """Why GPU ``minor`` may not be reset now, from a fresh full holder scan (DESIGN.md §2.7).
-
-    Pure. Blocks: any holder of the GPU's node other than ourselves; a holder of nvidiactl or
-    nvidia-uvm without any per-GPU node (it cannot be attributed to a GPU); any process whose
-    fds or maps could not be read (unknown is not none). A holder of *other* GPUs only does not
-    block: resetting one GPU while others keep working is the point.
-    """
-    if minor is None:
-        return ["GPU minor number unknown: cannot tell who holds its device file"]
-    reasons: list[str] = []
-    for pid, holding in sorted(holders.holdings.items()):
-        if pid in self_pids:
-            continue
-        proc = processes.get(pid)
-        name = proc.comm if proc and proc.comm else "?"
-        if minor in holding.gpu_minors:
-            via = "+".join(holding.via(minor))
-            reasons.append(f"pid {pid} ({name}) holds the GPU's device file via {via}")
-        elif not holding.gpu_minors and (holding.ctl or holding.uvm):
-            reasons.append(
-                f"pid {pid} ({name}) holds nvidiactl/nvidia-uvm without a GPU node "
-                "(cannot be attributed)"
-            )
-    reasons.extend(
-        f"pid {pid}: fds/maps unreadable (unknown is not none)"
-        for pid in sorted(holders.unreadable)
-        if pid not in self_pids
-    )
-    return reasons
 
 
 class _ResetEnv:

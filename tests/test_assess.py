@@ -16,9 +16,9 @@ from gpuwatchd.decide.assess import (
     AssessState,
     Lineage,
     assess,
-    is_floor_process,
     needs_full_scan,
 )
+from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import MIB, Finding, FindingKind, ProcessIdentity, ProcessInfo, Snapshot
 from tests.support.snapshots import (
@@ -330,8 +330,8 @@ def test_floor_unit_process_is_floor_even_with_an_unknown_name() -> None:
         comm="worker",
         cgroup=cg_unit("nvidia-dcgm.service"),
     )
-    assert is_floor_process(proc)
-    assert not is_floor_process(ProcessInfo(971, 1, "S", 1, 971, 971, comm="nvidia-persist"))
+    assert is_infrastructure(proc)
+    assert not is_infrastructure(ProcessInfo(971, 1, "S", 1, 971, 971, comm="nvidia-persist"))
 
 
 def test_orphan_in_unrelated_holders_job_with_live_owner_in_another_job_is_orphaned() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.daemon import describe_status, reset_blockers
+from gpuwatchd.daemon import describe_status
 from gpuwatchd.decide.assess import Assessment, AssessState
+from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import Ladder, PlanState
 from gpuwatchd.model import (
     DeviceHolding,

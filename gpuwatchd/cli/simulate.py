@@ -968,7 +968,7 @@ class VirtualReset:
 
     def final_blockers(self, target: ResetTarget) -> list[str]:
         """The daemon's own ``reset_blockers`` over the virtual host's holders right now."""
-        from gpuwatchd.daemon import reset_blockers
+        from gpuwatchd.decide.floor import reset_blockers
 
         world = self.sim.world
         scan = world.holders()

@@ -14,11 +14,11 @@ evidence fields are documented in ``docs/findings.md``.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Detection
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
@@ -34,7 +34,6 @@ from gpuwatchd.model import (
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
 V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart
 V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
-COMM_LENGTH = 15  # the kernel cuts comm to 15 characters
 STATE_VERSION = 1
 
 
@@ -210,26 +209,6 @@ class Assessment:
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-# --- the floor --------------------------------------------------------------------------------
-
-
-def is_floor_process(proc: ProcessInfo) -> bool:
-    """Infrastructure that is never a finding (DESIGN.md §2.10): by name, unit or kind.
-
-    Names are matched against comm, the executable's and argv[0]'s basenames; a 15-character
-    comm also matches a longer floor name it is the kernel's cut of.
-    """
-    if proc.pid <= 2 or proc.kernel_thread:
-        return True
-    for name in proc.names:
-        if name in FLOOR_PROCESS_NAMES:
-            return True
-        if len(name) == COMM_LENGTH and any(f.startswith(name) for f in FLOOR_PROCESS_NAMES):
-            return True
-    unit = proc.cgroup.systemd_unit if proc.cgroup is not None else None
-    return unit is not None and any(fnmatch.fnmatchcase(unit, p) for p in FLOOR_UNIT_PATTERNS)
-
-
 # --- the host as seen in one snapshot ---------------------------------------------------------
 
 
@@ -319,7 +298,7 @@ class _Host:
     def is_floor(self, pid: int) -> bool:
         if pid not in self._floor:
             proc = self.procs.get(pid)
-            self._floor[pid] = proc is not None and is_floor_process(proc)
+            self._floor[pid] = proc is not None and is_infrastructure(proc)
         return self._floor[pid]
 
     def unreadable_suspects(self) -> list[int]:
@@ -861,7 +840,7 @@ class _Assessor:
         host = self.host
         if proc is None:
             return _Outcome("unknown", "no process facts (exited during the scan?)")
-        if is_floor_process(proc):
+        if is_infrastructure(proc):
             return _Outcome("management", "infrastructure (never a target)")
         if proc.is_zombie:
             if pid in host.listed_alive:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
+from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.plan_state import (
     STATE_VERSION,
     Ladder,
@@ -33,9 +34,8 @@ from gpuwatchd.decide.plan_state import (
     ResetInFlight,
     SeenFinding,
 )
-from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, Policy
+from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import (
-    FLOOR_COMMS,
     gpu_by_uuid,
     gpu_protected,
     process_facts,
@@ -718,21 +718,8 @@ def _live_holder(ctx: _Ctx, gpu: GpuInfo) -> str | None:
     for other in sorted(ctx.findings.values(), key=lambda f: f.key):
         if other.gpu == gpu.uuid and other.kind in _HOLDER_KINDS and other.pid is not None:
             return f"{other.kind.value} pid {other.pid} holds the GPU"
-    if gpu.minor is None:
-        return "GPU minor number unknown, holders cannot be checked"
-    holders = ctx.snapshot.holders
-    if holders.unreadable:
-        return f"fds/maps of {len(holders.unreadable)} process(es) unreadable"
-    for holding in holders.holders_of(gpu.minor):
-        if holding.pid in ctx.snapshot.self_pids:
-            continue
-        proc = ctx.snapshot.processes.get(holding.pid)
-        if proc is None:
-            return f"pid {holding.pid} holds the GPU (process unknown)"
-        if proc.names & FLOOR_PROCESS_NAMES or (proc.comm or "") in FLOOR_COMMS:
-            continue  # infrastructure: the reset procedure deals with it (persistence off)
-        return f"pid {holding.pid} holds the GPU"
-    return None
+    snapshot = ctx.snapshot
+    return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
 
 
 def _reset_blocker(

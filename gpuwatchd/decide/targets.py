@@ -17,20 +17,17 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS, Policy, Rule
+from gpuwatchd.decide.floor import infrastructure
+from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
 
 __all__ = [
-    "FLOOR_COMMS",
     "gpu_by_uuid",
     "gpu_protected",
     "process_facts",
     "refusal",
     "rule_for",
 ]
-
-# The kernel cuts comm to 15 characters: "nvidia-persistenced" is seen as "nvidia-persiste".
-FLOOR_COMMS = frozenset(name[:15] for name in FLOOR_PROCESS_NAMES)
 
 
 def _glob_any(value: str | None, patterns: Sequence[str]) -> bool:
@@ -111,28 +108,13 @@ def gpu_by_uuid(snapshot: Snapshot, uuid: str | None) -> GpuInfo | None:
 def _floor_reason(
     process: ProcessInfo, finding: Finding, snapshot: Snapshot, self_ancestors: frozenset[int]
 ) -> str | None:
-    if process.pid <= 2:
-        return f"pid {process.pid} is init or kthreadd"
-    if process.kernel_thread:
-        return "kernel thread"
     if process.pid in snapshot.self_pids:
         return "the daemon itself"
     if process.pid in self_ancestors:
         return "an ancestor of the daemon"
-    for name in sorted(process.names):
-        if name in FLOOR_PROCESS_NAMES:
-            return f"infrastructure process {name}"
-    if process.comm is not None and process.comm in FLOOR_COMMS:
-        return f"infrastructure process {process.comm}"
-    cgroup = process.cgroup
-    if cgroup is not None:
-        parts = [p for p in cgroup.path.split("/") if p]
-        if cgroup.systemd_unit is not None:
-            parts.append(cgroup.systemd_unit)
-        for part in parts:
-            for pattern in FLOOR_UNIT_PATTERNS:
-                if fnmatch.fnmatchcase(part, pattern):
-                    return f"infrastructure unit {part}"
+    infra = infrastructure(process)
+    if infra is not None:
+        return infra
     holding = snapshot.holders.holdings.get(process.pid)
     uvm = finding.evidence.get("uvm")
     if uvm is False or (holding is not None and not holding.uvm):

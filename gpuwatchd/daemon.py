@@ -1,9 +1,11 @@
-"""The daemon loop: collect → assess → plan → act, persisted, under systemd.
+"""The daemon's lifecycle around the engine: lock, state file, signals, reload, sd_notify.
 
-This module owns the lifecycle (lock, state load/save, interrupted-reset recovery, signals,
-reload, sd_notify) and the glue that turns the planner's intents into actions and the actions'
-outcomes back into planner state. It decides nothing itself: findings come from ``assess``,
-intents from ``plan``; it never signals or resets anything the planner did not ask for.
+This module owns what only a long-running process has: the lock in ``state_dir`` (one instance
+at a time), loading and saving the state file, finishing a reset a crash interrupted, SIGTERM /
+SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the admin switch
+files, the wait between polls (woken at once by a signalled target's exit), and ``run --once``.
+The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's edges from
+:mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself.
 """
 
 from __future__ import annotations
@@ -19,49 +21,25 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from gpuwatchd import __version__
-from gpuwatchd.act.commands import run_hooks
-from gpuwatchd.act.reset import (
-    ResetStep,
-    ResetTarget,
-    outcome_event,
-    perform_reset,
-    progress_record,
-    resume_interrupted,
-)
-from gpuwatchd.act.signals import SIGNAL_OUTCOME_LEVELS, Signaller
+from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
-from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
-from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.plan import (
-    Event,
-    HookIntent,
-    PlanResult,
-    PlanState,
-    ResetIntent,
-    SignalIntent,
-    clear_circuit,
-    clear_forced_dry_run,
-    next_deadline,
-    pending,
-    plan,
-    record_exit,
-    record_reset,
-    record_signal,
-    set_paused,
-)
+from gpuwatchd.decide.assess import Assessment, AssessState
+from gpuwatchd.decide.plan import PlanResult, PlanState, pending
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.host import HostActuator, HostReader, LogSink, SystemClock
 from gpuwatchd.logs import configure_logging
-from gpuwatchd.model import ProcessIdentity, Snapshot
+from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.state import AlreadyRunning, StateStore
 
@@ -73,6 +51,8 @@ EX_TEMPFAIL = 75
 EX_UNAVAILABLE = 69
 EX_NOPERM = 77
 EX_CONFIG = 78
+
+T = TypeVar("T")
 
 
 class Notifier:
@@ -88,48 +68,6 @@ class Notifier:
     def notify(self, message: str) -> None:
         if self._notifier is not None:
             self._notifier.notify(message)
-
-
-class _ResetEnv:
-    """The daemon's side of the reset procedure (``reset.ResetEnvironment``)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    def stop_nvml(self) -> bool:
-        return self.daemon.nvml.stop()
-
-    def final_blockers(self, target: ResetTarget) -> list[str]:
-        procfs = self.daemon.procfs
-        holders = procfs.scan_holders(None)
-        pids = set(holders.holdings) | set(holders.unreadable)
-        processes = procfs.read_processes(pids)
-        return reset_blockers(holders, processes, target.minor, self.daemon.self_pids())
-
-    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        reading = self.daemon.nvml.read()
-        detection = self.daemon.policy.detection
-        for gpu in reading.gpus:
-            if gpu.uuid == target.uuid:
-                allocated = gpu.memory.allocated if gpu.memory else None
-                return back_to_baseline(target.uuid, allocated, self.daemon.assess_state, detection)
-        return None
-
-    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
-        record = progress_record(target, step, data)
-        record["since"] = time.time()
-        if step is ResetStep.DONE:
-            self.daemon.reset_in_progress = None
-        else:
-            self.daemon.reset_in_progress = record
-        self.daemon.save_state()
-
-    def emit(self, event: str, level: str, **fields: object) -> None:
-        getattr(log, level if level in _LEVELS else "info")(event, **fields)
-
-
-_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
-_EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before writing the state
 
 
 class Daemon:
@@ -149,7 +87,7 @@ class Daemon:
     ) -> None:
         self.config_path = config_path
         self.dry_run_flag = dry_run
-        self.policy = self._effective(policy)
+        policy = self._effective(policy)
         self.once = once
         self.once_timeout = once_timeout
         self.clock = clock
@@ -170,20 +108,36 @@ class Daemon:
             wall_clock=wall_clock,
         )
         self.signaller = Signaller(policy.proc_root)
-        self.assess_state = AssessState()
-        self.plan_state = PlanState()
-        self.reset_in_progress: dict[str, object] | None = None
-        self.self_ancestors = self._ancestors()
-        self.last_assessment: Assessment | None = None
-        self.last_snapshot: Snapshot | None = None
         self._stop = False
         self._reload = False
+        self.engine = Engine(
+            policy,
+            reader=HostReader(self.collector, self.procfs, self.nvml),
+            actuator=HostActuator(self.signaller),
+            clock=SystemClock(clock, wall_clock),
+            sink=LogSink(),
+            self_ancestors=self._ancestors(),
+            checkpoint=self.save_state,
+            slow=self._keep_watchdog_fed,
+            stopping=lambda: self._stop,
+        )
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
-        self._paused_reason: str | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
+
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        return self.engine.last_snapshot
+
+    @property
+    def last_assessment(self) -> Assessment | None:
+        return self.engine.last_assessment
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -214,14 +168,14 @@ class Daemon:
             config=list(self.policy.sources) or [self.config_path],
             interval=self.policy.interval,
         )
-        self._resume_interrupted_reset()
+        self.engine.resume_interrupted_reset()
         started = self.clock()
         watched: frozenset[str] | None = None
         code = EX_OK
         while not self._stop:
             if self._reload:
                 self._do_reload()
-            result = self.poll_once()
+            self.poll_once()
             if not self._ready_sent:
                 self.notifier.notify("READY=1")
                 self._ready_sent = True
@@ -230,14 +184,14 @@ class Daemon:
                     if not self.last_snapshot or not self.last_snapshot.nvml.available:
                         code = EX_UNAVAILABLE
                         break
-                    watched = frozenset(f.key for f in self._findings())
-                if not pending(self.plan_state, watched):
+                    watched = frozenset(f.key for f in self.engine.findings)
+                if not pending(self.engine.state.plan, watched):
                     break
                 if self.clock() - started >= self.once_timeout:
                     log.warning("run_once.timeout", pending=sorted(watched))
                     code = EX_TEMPFAIL
                     break
-            self._wait(result)
+            self._wait()
         self.notifier.notify("STOPPING=1")
         self.save_state()
         log.info("daemon.stop", exit_code=code)
@@ -278,7 +232,7 @@ class Daemon:
             if changed:
                 log.warning("config.reload_partial", needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
-            self.policy = self._effective(new)
+            self.engine.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
             log.info("config.reloaded", config=list(self.policy.sources), dry_run=new.dry_run)
@@ -287,173 +241,39 @@ class Daemon:
     # --- one poll -------------------------------------------------------------------------
 
     def poll_once(self) -> PlanResult:
-        snapshot = self.collector.collect()
-        self.last_snapshot = snapshot
-        if snapshot.boot_id != self.assess_state.boot_id and self.assess_state.boot_id:
-            log.info("state.boot_changed", old=self.assess_state.boot_id, new=snapshot.boot_id)
-        assessment = assess(snapshot, self.assess_state, self.policy.detection)
-        self.assess_state = assessment.state
-        self.last_assessment = assessment
-        self._apply_admin_switches()
-        # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
-        # a long full scan of this same poll ended (its for-window must not start late).
-        result = plan(
-            assessment.findings,
-            snapshot,
-            self.plan_state,
-            self.policy,
-            now=snapshot.monotonic,
-            wall=snapshot.wall_time,
-            report_only=assessment.report_only,
-            self_ancestors=self.self_ancestors,
-        )
-        self._take(result)
-        signalled = False
-        for intent in result.intents:
-            if self._stop:
-                break
-            self._execute(intent)
-            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
-        if signalled:
-            # Most targets die within milliseconds of a signal: see that before the state write
-            # (whose fsyncs can take tens of ms), not after it.
-            self._note_exits(self.signaller.wait(_EXIT_GRACE))
-        self.save_state()
-        self._notify_status(snapshot, assessment)
+        """The admin switches, then one engine cycle, then the STATUS line."""
+        self.engine.set_paused(read_pause(self.policy.state_dir))
+        if take_clear_latches(self.policy.state_dir):
+            self.engine.clear_latches()
+        result = self.engine.poll()
+        snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
+        if snapshot is not None and assessment is not None:
+            self._notify_status(snapshot, assessment)
         return result
 
-    def _note_exits(self, exited: list[ProcessIdentity]) -> None:
-        for identity in exited:
-            log.info("target.exited", pid=identity.pid, start_ticks=identity.start_ticks)
-            self._take(record_exit(self.plan_state, identity, now=self.clock()))
+    def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
+        """Run slow work (a reset, hooks) off the main loop, feeding the watchdog meanwhile."""
+        box: list[T] = []
+        errors: list[BaseException] = []
 
-    def _apply_admin_switches(self) -> None:
-        reason = read_pause(self.policy.state_dir)
-        if reason != self._paused_reason:
-            self._paused_reason = reason
-            self.plan_state = set_paused(
-                self.plan_state, reason is not None, reason=reason or "admin"
-            )
-            log.warning("daemon.paused" if reason is not None else "daemon.resumed", reason=reason)
-        if take_clear_latches(self.policy.state_dir):
-            self.plan_state = clear_circuit(clear_forced_dry_run(self.plan_state))
-            log.warning("limits.latches_cleared")
+        def target() -> None:
+            try:
+                box.append(work())
+            except BaseException as err:  # handed to the main thread below
+                errors.append(err)
 
-    def _take(self, result: PlanResult) -> tuple[SignalIntent | ResetIntent | HookIntent, ...]:
-        """Adopt the planner's new state, log its events, return its follow-up intents."""
-        self.plan_state = result.state
-        for event in result.events:
-            _log_event(event)
-        return tuple(result.intents)
-
-    def _execute(self, intent: SignalIntent | ResetIntent | HookIntent) -> None:
-        if isinstance(intent, SignalIntent):
-            outcome = self.signaller.send(intent.identity, intent.signal, dry_run=intent.dry_run)
-            level = SIGNAL_OUTCOME_LEVELS.get(outcome.outcome.value, "info")
-            fields: dict[str, object] = dict(intent.facts)
-            fields.update(
-                pid=intent.identity.pid,
-                start_ticks=intent.identity.start_ticks,
-                signal=intent.signal,
-                gpu=intent.gpu,
-                rule=intent.rule,
-                step=intent.step,
-                dry_run=intent.dry_run,
-                outcome=outcome.outcome.value,
-                detail=outcome.detail,
-                reason=intent.reason,
-            )
-            getattr(log, level)("action.signal", **fields)
-            follow_up = self._take(
-                record_signal(self.plan_state, intent, outcome.outcome.value, now=self.clock())
-            )
-            for next_intent in follow_up:
-                self._execute(next_intent)
-        elif isinstance(intent, ResetIntent):
-            self._execute_reset(intent)
-        elif intent.dry_run:
-            for hook in self.policy.on_failure:
-                log.info(
-                    "hook.run",
-                    hook=intent.hook,
-                    argv=list(hook.argv),
-                    dry_run=True,
-                    outcome="dry_run",
-                    reason=intent.reason,
-                )
-        else:
-            results = run_hooks(
-                self.policy.on_failure,
-                env={"GPUWATCHD_EVENT": intent.hook, "GPUWATCHD_REASON": intent.reason},
-            )
-            for res in results:
-                log.warning(
-                    "hook.run",
-                    hook=intent.hook,
-                    dry_run=False,
-                    argv=list(res.argv),
-                    returncode=res.returncode,
-                    timed_out=res.timed_out,
-                    output=res.output[-2000:],
-                    reason=intent.reason,
-                )
-
-    def _execute_reset(self, intent: ResetIntent) -> None:
-        gpu = _gpu(self.last_snapshot, intent.gpu)
-        target = ResetTarget(
-            uuid=intent.gpu,
-            pci_bus_id=intent.pci_bus_id,
-            minor=intent.minor,
-            persistence_was_on=gpu.persistence_mode if gpu else None,
-        )
-        env = _ResetEnv(self)
-        outcome_box: list[Any] = []
-
-        def work() -> None:
-            outcome_box.append(
-                perform_reset(
-                    target,
-                    self.policy.reset,
-                    env,
-                    dry_run=intent.dry_run,
-                    hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
-                )
-            )
-
-        thread = threading.Thread(target=work, name="gpu-reset", daemon=True)
+        thread = threading.Thread(target=target, name="gpuwatchd-slow", daemon=True)
         thread.start()
-        # Keep feeding the watchdog while the reset child is within its deadline.
         while thread.is_alive():
             thread.join(timeout=1.0)
-            self.notifier.notify(f"WATCHDOG=1\nSTATUS=resetting GPU {intent.gpu}")
-        if not outcome_box:
-            log.error("reset.crashed", gpu=intent.gpu)
-            return
-        outcome = outcome_box[0]
-        level, fields = outcome_event(
-            outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
-        )
-        getattr(log, level)("reset.outcome", **fields)
-        follow_up = self._take(
-            record_reset(
-                self.plan_state,
-                intent,
-                outcome.result,
-                now=self.clock(),
-                wall=self.wall_clock(),
-                needs_reboot=outcome.needs_reboot,
-            )
-        )
-        for next_intent in follow_up:
-            self._execute(next_intent)
+            self.notifier.notify("WATCHDOG=1")
+        if errors:
+            raise errors[0]
+        return box[0]
 
-    def _wait(self, result: PlanResult) -> None:
+    def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
-        now = self.clock()
-        until = now + self.policy.interval
-        due = next_deadline(self.plan_state)
-        if due is not None:
-            until = min(until, max(now, due))
+        until = self.engine.wake_at()
         while not self._stop and not self._reload:
             remaining = until - self.clock()
             if remaining <= 0:
@@ -472,7 +292,7 @@ class Daemon:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
             exited = self.signaller.wait(0)
-            self._note_exits(exited)
+            self.engine.note_exits(exited)
             if exited:
                 self.save_state()
                 return
@@ -485,16 +305,10 @@ class Daemon:
         return 5.0
 
     def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
-        status = describe_status(snapshot, assessment, self.plan_state, self.policy.dry_run)
+        status = describe_status(snapshot, assessment, self.engine.state.plan, self.policy.dry_run)
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
 
-    def _findings(self) -> tuple[Any, ...]:
-        return self.last_assessment.findings if self.last_assessment else ()
-
     # --- state ----------------------------------------------------------------------------
-
-    def self_pids(self) -> frozenset[int]:
-        return frozenset({os.getpid()}) | self.nvml.worker_pids
 
     def _ancestors(self) -> frozenset[int]:
         found: set[int] = set()
@@ -514,29 +328,30 @@ class Daemon:
         boot_id = self.procfs.boot_id()
         if not data:
             return
+        state = self.engine.state
         try:
             if data.get("version") != STATE_VERSION:
                 raise ValueError(f"unsupported state version {data.get('version')!r}")
-            self.assess_state = AssessState.from_json(data.get("assess"))
-            self.plan_state = PlanState.from_json(data.get("plan"))
+            state.assess = AssessState.from_json(data.get("assess"))
+            state.plan = PlanState.from_json(data.get("plan"))
             record = data.get("reset_in_progress")
-            self.reset_in_progress = dict(record) if isinstance(record, dict) else None
+            state.reset_in_progress = dict(record) if isinstance(record, dict) else None
         except ValueError as exc:
             log.error("state.invalid", error=str(exc), path=self.policy.state_dir)
-            self.assess_state, self.plan_state = AssessState(), PlanState()
-            self.reset_in_progress = None
+            self.engine.state = EngineState()
         if data and data.get("boot_id") != boot_id:
             log.info("state.new_boot", saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
     def save_state(self) -> None:
         """Write the state when it changed (a quiet poll costs no write and no fsync)."""
         boot_id = self.procfs.boot_id()
+        state = self.engine.state
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
         key = (
             boot_id,
-            self.assess_state,
-            dataclasses.replace(self.plan_state, last_wall=None),
-            self.reset_in_progress,
+            state.assess,
+            dataclasses.replace(state.plan, last_wall=None),
+            state.reset_in_progress,
         )
         if key == self._saved_key:
             return
@@ -544,9 +359,9 @@ class Daemon:
             "version": STATE_VERSION,
             "boot_id": boot_id,
             "saved_at": self.wall_clock(),
-            "assess": self.assess_state.to_json(),
-            "plan": self.plan_state.to_json(),
-            "reset_in_progress": self.reset_in_progress,
+            "assess": state.assess.to_json(),
+            "plan": state.plan.to_json(),
+            "reset_in_progress": state.reset_in_progress,
         }
         try:
             self.store.save(data)
@@ -554,38 +369,6 @@ class Daemon:
             log.error("state.save_failed", error=str(exc), path=self.policy.state_dir)
             return
         self._saved_key = key
-
-    def _resume_interrupted_reset(self) -> None:
-        record = self.reset_in_progress
-        if not record:
-            return
-        log.warning("reset.resume", record=record)
-        outcome = resume_interrupted(record, self.policy.reset, _ResetEnv(self))
-        self.reset_in_progress = None
-        self.save_state()
-        if outcome is not None:
-            log.warning(
-                "reset.resumed",
-                gpu=record.get("uuid"),
-                result=outcome.result,
-                step=outcome.step.value,
-                reason=outcome.reason,
-                needs_reboot=outcome.needs_reboot,
-            )
-
-
-def _gpu(snapshot: Snapshot | None, uuid: str) -> Any:
-    if snapshot is None:
-        return None
-    for gpu in snapshot.nvml.gpus:
-        if gpu.uuid == uuid:
-            return gpu
-    return None
-
-
-def _log_event(event: Event) -> None:
-    level = event.level if event.level in _LEVELS else "info"
-    getattr(log, level)(event.name, **dict(event.fields))
 
 
 def describe_status(

@@ -11,11 +11,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # log.warning("name", ...), getattr(log, level)("name", ...), env.emit("name", ...), and the
 # conditional form log.warning("a.b" if x else "c.d", ...), across line breaks.
 CALL = re.compile(
-    r"(?:\blog\.(?:debug|info|warning|error|critical|exception)|getattr\(log,[^)]*\)|\.emit)"
+    r"(?:\blog\.(?:debug|info|warning|error|critical|exception)|getattr\(log,[^)]*\)|\.emit|\b_emit)"
     r"\(\s*\"([a-z0-9_]+\.[a-z0-9_]+)\"(?:\s+if\s+[^\"]+\s+else\s+\"([a-z0-9_]+\.[a-z0-9_]+)\")?"
 )
 # Modules that emit no journal events of their own: the simulator only mirrors the daemon's.
-SKIP = {"simulate.py"}
+SKIP = {"simulate.py", "timeline.py"}
 
 
 def emitted_names() -> set[str]:

@@ -10,8 +10,8 @@ from gpuwatchd.config.schema import default_policy
 from gpuwatchd.decide.assess import AssessState, assess
 from gpuwatchd.decide.floor import infrastructure, live_holder, reset_blockers
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
-from gpuwatchd.model import FindingKind, ProcessInfo
-from tests.support.snapshots import MIB, HostBuilder, cg_session, cg_unit
+from gpuwatchd.model import MIB, FindingKind, ProcessInfo
+from tests.support.snapshots import HostBuilder, cg_session, cg_unit
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,9 @@ from tests.support.snapshots import MIB, HostBuilder, cg_session, cg_unit
             "nv-hostengine",
         ),
         (
-            ProcessInfo(72, 1, "S", 1, 72, 72, comm="worker", cgroup=cg_unit("nvidia-dcgm.service")),
+            ProcessInfo(
+                72, 1, "S", 1, 72, 72, comm="worker", cgroup=cg_unit("nvidia-dcgm.service")
+            ),
             "infrastructure unit nvidia-dcgm.service",
         ),
     ],

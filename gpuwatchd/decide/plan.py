@@ -924,12 +924,19 @@ def record_reset(
         w.state = replace(w.state, reset_failures=failures)
         w.event(EventName.RESET_FAILED, "error", failures=failures, **fields)
         w.intents.append(
-            HookIntent("on_failure", f"reset of {gpu} {outcome}", {**fields, "failures": failures})
+            HookIntent(
+                "on_failure",
+                f"reset of {gpu} {outcome}",
+                {**fields, "failures": failures},
+                dry_run=intent.dry_run,
+            )
         )
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
         if outcome not in ("failed", "timeout"):
-            w.intents.append(HookIntent("on_failure", f"{gpu} needs a reboot", fields))
+            w.intents.append(
+                HookIntent("on_failure", f"{gpu} needs a reboot", fields, dry_run=intent.dry_run)
+            )
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
         w.waiting[intent.finding_key] = now + delay

@@ -1,0 +1,352 @@
+"""The virtual host of ``gpuwatchd simulate``: GPUs, processes, contexts, and what NVML and
+``/proc`` would say about them.
+
+This module owns the world a scenario describes: processes that start, exit (their children
+reparented to the nearest live subreaper or init), leave zombies, hang in D state; contexts
+whose memory outlives their owner while inheritors still hold the device (or for good, when
+the scenario says the driver leaks it); GPUs that get lost or reset. :meth:`World.snapshot`
+renders it as the frozen :class:`gpuwatchd.model.Snapshot` the engine's reader returns. It
+decides nothing and never touches the real host; the simulation's edges
+(``cli/simulate.py``) mutate it when the engine acts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from gpuwatchd.cli.scenario import GpuSpec, ProcessSpec, Scenario
+from gpuwatchd.collect.procfs import parse_cgroup
+from gpuwatchd.model import (
+    MIB,
+    DeviceHolding,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    NvmlProcess,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+)
+
+WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
+BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
+ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
+
+
+class SimulationError(Exception):
+    """The scenario cannot be played (its inline policy is invalid, say). Exit 65."""
+
+
+def size_text(value: object) -> str:
+    """A byte count for people: "4 GiB", "1.5 GiB", "512 MiB"."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return "an unknown amount"
+    if value >= 1024 * MIB and value % (1024 * MIB) == 0:
+        return f"{value // (1024 * MIB)} GiB"
+    if value >= 1024 * MIB:
+        return f"{value / (1024 * MIB):.1f} GiB"
+    return f"{value // MIB} MiB"
+
+
+@dataclass
+class _Proc:
+    spec: ProcessSpec
+    start_ticks: int
+    started_at: float
+    ppid: int
+    state: str
+    minors: frozenset[int]
+    ctl: bool
+    uvm: bool
+    alive: bool = True  # False once exited (a zombie is not alive but still present)
+    present: bool = True  # in the process table (alive or zombie)
+    exited_at: float | None = None
+    exit_why: str | None = None
+    signals: list[tuple[float, str, str]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.spec.pid
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class _Context:
+    """GPU memory charged to one process on one GPU; it outlives the process while heirs hold
+    the device (status "dead"), or for good when leaked (status "leaked", NVML lists nothing)."""
+
+    pid: int
+    owner: str
+    gpu: int
+    size: int | None
+    status: str = "live"  # live, dead, leaked, freed
+    heirs: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Gpu:
+    spec: GpuSpec
+    base: int  # allocated memory that no context accounts for (idle, or set_memory)
+    lost: bool
+    persistence: bool
+
+
+class World:
+    """The virtual host. Mutated only by the scenario's events and by the daemon's intents."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.gpus = {
+            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence) for g in scenario.gpus
+        }
+        self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
+        self.procs: dict[int, _Proc] = {}
+        self.history: list[_Proc] = []
+        self.contexts: list[_Context] = []
+        self.leak_on_exit: set[str] = set()
+        self.reset_results: list[str] = []
+        self.ticks = itertools.count(1_000_000, 100)
+        for spec in scenario.processes:
+            self.start(spec, at=0.0, initial=True)
+
+    # -- processes --
+
+    def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> _Proc:
+        old = self.procs.get(spec.pid)
+        if old is not None and old.present:
+            raise SimulationError(
+                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
+                f"by {old.name} at +{at:g}s"
+            )
+        minors = frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus)
+        ticks = spec.pid * 100 if initial else next(self.ticks) + int(at * 100)
+        proc = _Proc(
+            spec=spec,
+            start_ticks=ticks,
+            started_at=at,
+            ppid=spec.ppid,
+            state=spec.state,
+            minors=minors,
+            ctl=spec.holds.ctl,
+            uvm=spec.holds.uvm,
+        )
+        if spec.state == "Z":
+            proc.alive = False
+        self.procs[spec.pid] = proc
+        self.history.append(proc)
+        for index, size in spec.nvml.items():
+            self.contexts.append(_Context(spec.pid, spec.name, index, size))
+        return proc
+
+    def by_name(self, name: str) -> _Proc | None:
+        for proc in reversed(self.history):
+            if proc.name == name:
+                return proc
+        return None
+
+    def exit(self, proc: _Proc, at: float, why: str) -> list[str]:
+        """The process exits: children reparented, device files closed, contexts settled."""
+        if not proc.alive:
+            return []
+        notes: list[str] = []
+        proc.alive, proc.exited_at, proc.exit_why = False, at, why
+        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in self._live_contexts(proc)}
+        reaper = self._reaper(proc)
+        for child in self.procs.values():
+            if child.ppid == proc.pid and child.present and child is not proc:
+                child.ppid = reaper
+        proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
+        if proc.spec.on_exit == "zombie":
+            proc.state = "Z"
+            notes.append("left a zombie (its parent does not reap it)")
+        else:
+            proc.present = False
+            del self.procs[proc.pid]
+        leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
+        for ctx in self._live_contexts(proc):
+            heirs = heirs_by_gpu.get(ctx.gpu, set())
+            if leak:
+                ctx.status = "leaked"
+                notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
+            elif heirs:
+                ctx.status, ctx.heirs = "dead", heirs
+                names = ", ".join(self._name(pid) for pid in sorted(heirs))
+                notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays pinned by {names}")
+            else:
+                ctx.status = "freed"
+        for ctx in self.contexts:
+            if ctx.status == "dead" and proc.pid in ctx.heirs:
+                ctx.heirs.discard(proc.pid)
+                if not ctx.heirs:
+                    ctx.status = "leaked" if ctx.owner in self.leak_on_exit else "freed"
+                    if ctx.status == "freed":
+                        notes.append(
+                            f"last holder gone: {ctx.owner}'s {size_text(ctx.size)} on GPU "
+                            f"{ctx.gpu} is freed"
+                        )
+        return notes
+
+    def reap(self, proc: _Proc) -> None:
+        if proc.present and not proc.alive:
+            proc.present = False
+            self.procs.pop(proc.pid, None)
+
+    def _live_contexts(self, proc: _Proc) -> list[_Context]:
+        return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
+
+    def _descends(self, proc: _Proc, ancestor: int) -> bool:
+        seen: set[int] = set()
+        current = proc.ppid
+        while current > 1 and current not in seen:
+            if current == ancestor:
+                return True
+            seen.add(current)
+            parent = self.procs.get(current)
+            if parent is None:
+                return False
+            current = parent.ppid
+        return False
+
+    def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
+        """Live processes that inherited ``owner``'s device files: its descendants or process
+        group members that hold the GPU and own no context of their own there."""
+        minor = self.gpus[gpu].spec.minor
+        found = set()
+        for proc in self.procs.values():
+            if proc is owner or not proc.alive or minor not in proc.minors:
+                continue
+            if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
+                continue
+            if self._descends(proc, owner.pid) or proc.spec.pgid == owner.spec.pgid:
+                found.add(proc.pid)
+        return found
+
+    def _reaper(self, proc: _Proc) -> int:
+        current = proc.ppid
+        seen: set[int] = set()
+        while current > 1 and current not in seen:
+            seen.add(current)
+            parent = self.procs.get(current)
+            if parent is None:
+                break
+            if parent.spec.subreaper and parent.alive:
+                return parent.pid
+            current = parent.ppid
+        return 1
+
+    def _name(self, pid: int) -> str:
+        proc = self.procs.get(pid)
+        return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
+
+    # -- GPUs --
+
+    def gpu_by_uuid(self, uuid: str) -> _Gpu | None:
+        return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
+
+    def allocated(self, gpu: _Gpu) -> int:
+        charged = sum(
+            c.size or 0
+            for c in self.contexts
+            if c.gpu == gpu.spec.index and c.status in ("live", "dead", "leaked")
+        )
+        return min(gpu.base + charged, gpu.spec.total - gpu.spec.reserved)
+
+    def restore(self, gpu: _Gpu) -> None:
+        """A successful reset: every context on the GPU is gone, memory back to idle."""
+        gpu.base = gpu.spec.allocated
+        for ctx in self.contexts:
+            if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
+                ctx.status = "freed"
+                ctx.heirs.clear()
+
+    # -- what the daemon would read --
+
+    def process_info(self, proc: _Proc) -> ProcessInfo:
+        spec = proc.spec
+        zombie = proc.state == "Z"
+        return ProcessInfo(
+            pid=spec.pid,
+            start_ticks=proc.start_ticks,
+            state=proc.state,
+            ppid=proc.ppid,
+            pgid=spec.pgid,
+            sid=spec.sid,
+            uid=spec.uid,
+            user=spec.user,
+            comm=spec.comm,
+            exe=None if zombie else spec.exe,
+            cmdline=() if zombie else spec.command,
+            cgroup=parse_cgroup(f"0::{spec.cgroup}\n"),
+        )
+
+    def processes(self) -> dict[int, ProcessInfo]:
+        return {pid: self.process_info(p) for pid, p in self.procs.items() if p.spec.visible}
+
+    def holders(self) -> HolderScan:
+        holdings: dict[int, DeviceHolding] = {}
+        for pid, proc in self.procs.items():
+            if not proc.spec.visible or not (proc.minors or proc.ctl or proc.uvm):
+                continue
+            via = proc.spec.holds.via
+            holdings[pid] = DeviceHolding(
+                pid=pid,
+                gpu_minors_fd=proc.minors if via in ("fd", "both") else frozenset(),
+                gpu_minors_map=proc.minors if via in ("map", "both") else frozenset(),
+                ctl=proc.ctl,
+                uvm=proc.uvm,
+            )
+        return HolderScan(mode="full", holdings=holdings)
+
+    def nvml(self) -> NvmlReading:
+        infos = []
+        for index in sorted(self.gpus):
+            gpu = self.gpus[index]
+            spec = gpu.spec
+            listed = []
+            for ctx in self.contexts:
+                if ctx.gpu == index and ctx.status in ("live", "dead"):
+                    listed.append(NvmlProcess(ctx.pid, ctx.size, "compute"))
+            allocated = self.allocated(gpu)
+            memory = GpuMemory(
+                total=spec.total,
+                free=spec.total - spec.reserved - allocated,
+                reserved=spec.reserved,
+                allocated=allocated,
+            )
+            infos.append(
+                GpuInfo(
+                    index=index,
+                    uuid=spec.uuid,
+                    name=spec.name,
+                    pci_bus_id=spec.pci_bus_id,
+                    minor=spec.minor,
+                    memory=memory,
+                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    mig_enabled=spec.mig,
+                    persistence_mode=gpu.persistence,
+                    numa_node=1 if spec.coherent else None,
+                    architecture=ARCH_HOPPER,
+                    nvlink_active=0,  # each virtual GPU resets alone
+                    lost=gpu.lost,
+                    error="GPU is lost" if gpu.lost else None,
+                )
+            )
+        return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
+
+    def snapshot(self, now: float) -> Snapshot:
+        host = self.scenario.host
+        return Snapshot(
+            monotonic=now,
+            wall_time=WALL0 + now,
+            boot_id=BOOT_ID,
+            nvml=self.nvml(),
+            processes=self.processes(),
+            holders=self.holders(),
+            pid_max=host.pid_max,
+            host_namespaces=host.host_namespaces,
+            mps_server_running=host.mps_server_running,
+        )

@@ -1,0 +1,462 @@
+"""The poll cycle, written once: collect → assess → plan → carry out → feed back → next wake-up.
+
+This module owns the one cycle that ``run``, ``run --once`` and ``simulate`` share. It is
+given four edges and nothing else:
+
+============  ===============================================  ===========================
+edge          the daemon (``gpuwatchd run``)                   ``gpuwatchd simulate``
+============  ===============================================  ===========================
+HostReader    NVML worker + ``/proc`` (collect.Collector)      the scenario's virtual host
+Actuator      pidfd signals, argv commands and hooks           the virtual processes and a
+                                                               scripted ``nvidia-smi``
+Clock         ``time.monotonic`` / ``time.time``               the virtual timeline
+EventSink     structlog → journald                             the timeline it prints
+============  ===============================================  ===========================
+
+and so a preview is the daemon's own decisions, not a copy of them. Decisions come from
+``decide`` (``assess``, ``plan`` and its ``record_*`` feedback); dry-run is decided there, per
+intent, and every actuator honours the intent's ``dry_run`` — a dry-run hook is logged as
+``hook.run`` with ``outcome=dry_run`` and never started; a dry-run reset runs no command. The
+engine re-verifies nothing itself (the actuator does, right before each irreversible step)
+and keeps no state beyond :class:`EngineState`, which the caller persists when told to
+(``checkpoint``). It never sleeps: the caller waits until :meth:`Engine.wake_at` (or an
+exit), then reports exits with :meth:`Engine.note_exits` and calls :meth:`Engine.poll` again.
+Lifecycle — lock, signals, sd_notify and the watchdog, reload, the state file — is the
+daemon's (``gpuwatchd/daemon.py``); the virtual world and its timeline are ``cli/simulate.py``'s.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from gpuwatchd.act.commands import CommandResult, run_hooks
+from gpuwatchd.act.reset import (
+    ResetOutcome,
+    ResetStep,
+    ResetTarget,
+    outcome_event,
+    perform_reset,
+    progress_record,
+    resume_interrupted,
+)
+from gpuwatchd.act.signals import SIGNAL_OUTCOME_LEVELS, SignalResult
+from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
+from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.plan import (
+    HookIntent,
+    Intent,
+    PlanResult,
+    PlanState,
+    ResetIntent,
+    SignalIntent,
+    clear_circuit,
+    clear_forced_dry_run,
+    next_deadline,
+    plan,
+    record_exit,
+    record_reset,
+    record_signal,
+    set_paused,
+)
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.model import Finding, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+
+__all__ = [
+    "EXIT_GRACE",
+    "Actuator",
+    "Clock",
+    "Engine",
+    "EngineState",
+    "EventSink",
+    "HostReader",
+    "run_inline",
+]
+
+EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
+
+T = TypeVar("T")
+
+
+class HostReader(Protocol):
+    """Where the engine's facts come from."""
+
+    def collect(self) -> Snapshot:
+        """One snapshot of NVML and the process table (its clocks are the snapshot's)."""
+
+    def stop_nvml(self) -> bool:
+        """Release every NVML handle of ours before a reset; True when none remains."""
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        """A fresh full holder scan right before a reset, with the holders' process facts."""
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        """A fresh NVML reading of one GPU (after a reset); None when it is not there."""
+
+    def self_pids(self) -> frozenset[int]:
+        """Our own processes (the daemon and its NVML worker): never holders or blockers."""
+
+
+class Actuator(Protocol):
+    """What the engine does to the host. Each call re-verifies before it acts."""
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        """Signal exactly ``identity`` (dry-run: check it, send nothing)."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        """Run one argv command (the reset procedure's commands and every hook)."""
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        """Signalled targets seen to exit within ``timeout`` seconds (0: only those already)."""
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class EventSink(Protocol):
+    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        """One structured event (names and levels: docs/events.md)."""
+
+
+def run_inline(work: Callable[[], T]) -> T:
+    """The default way to run slow work (a reset, hooks): right here. The daemon passes a
+    runner that keeps the systemd watchdog fed while the work runs off the main loop."""
+    return work()
+
+
+class Runner(Protocol):
+    def __call__(self, work: Callable[[], T], /) -> T: ...
+
+
+@dataclass
+class EngineState:
+    """What the engine carries from poll to poll and across restarts (the state file's body)."""
+
+    assess: AssessState = field(default_factory=AssessState)
+    plan: PlanState = field(default_factory=PlanState)
+    reset_in_progress: dict[str, object] | None = None
+
+
+class Engine:
+    """One host's decision loop. Build it with its edges, then call :meth:`poll` repeatedly."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        reader: HostReader,
+        actuator: Actuator,
+        clock: Clock,
+        sink: EventSink,
+        state: EngineState | None = None,
+        self_ancestors: frozenset[int] = frozenset(),
+        checkpoint: Callable[[], None] = lambda: None,
+        slow: Runner = run_inline,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.policy = policy
+        self.reader = reader
+        self.actuator = actuator
+        self.clock = clock
+        self.sink = sink
+        self.state = state if state is not None else EngineState()
+        self.self_ancestors = self_ancestors
+        self.checkpoint = checkpoint
+        self.slow = slow
+        self.stopping = stopping
+        self.last_snapshot: Snapshot | None = None
+        self.last_assessment: Assessment | None = None
+        self._paused_reason: str | None = None
+
+    # --- the cycle ----------------------------------------------------------------------------
+
+    def poll(self) -> PlanResult:
+        """Collect, assess, plan, carry out the intents, feed the outcomes back, checkpoint."""
+        snapshot = self.reader.collect()
+        self.last_snapshot = snapshot
+        state = self.state
+        assessment = assess(snapshot, state.assess, self.policy.detection)
+        state.assess = assessment.state
+        self.last_assessment = assessment
+        # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
+        # a long full scan of this same poll ended (its for-window must not start late).
+        result = plan(
+            assessment.findings,
+            snapshot,
+            state.plan,
+            self.policy,
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
+            report_only=assessment.report_only,
+            self_ancestors=self.self_ancestors,
+        )
+        signalled = False
+        for intent in self._take(result):
+            if self.stopping():
+                break
+            self._carry_out(intent)
+            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
+        if signalled:
+            # Most targets die within milliseconds of a signal: see that before the checkpoint
+            # (whose fsyncs can take tens of ms), not after it.
+            self.note_exits(self.actuator.exits(EXIT_GRACE))
+        self.checkpoint()
+        return result
+
+    def wake_at(self) -> float:
+        """When the next poll is due: ``interval`` from now, or earlier for a plan deadline."""
+        now = self.clock.monotonic()
+        until = now + self.policy.interval
+        due = next_deadline(self.state.plan)
+        if due is not None:
+            until = min(until, max(now, due))
+        return until
+
+    def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
+        """Signalled targets that exited (their pidfds became readable): ladders resolve."""
+        for identity in exited:
+            self._emit("target.exited", "info", pid=identity.pid, start_ticks=identity.start_ticks)
+            self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return self.last_assessment.findings if self.last_assessment else ()
+
+    # --- admin switches -----------------------------------------------------------------------
+
+    def set_paused(self, reason: str | None) -> None:
+        """The admin pause switch (``gpuwatchd pause``/``resume``); logged when it changes."""
+        if reason == self._paused_reason:
+            return
+        self._paused_reason = reason
+        self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
+        self._emit("daemon.paused" if reason is not None else "daemon.resumed", "warning",
+                   reason=reason)  # fmt: skip
+
+    def clear_latches(self) -> None:
+        """Admin: lift a forced dry-run and close the reset circuit breaker."""
+        self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
+        self._emit("limits.latches_cleared", "warning")
+
+    # --- carrying out intents -----------------------------------------------------------------
+
+    def _emit(self, name: str, level: str, **fields: object) -> None:
+        self.sink.emit(name, level, fields)
+
+    def _take(self, result: PlanResult) -> tuple[Intent, ...]:
+        """Adopt the planner's new state, emit its events, return its intents."""
+        self.state.plan = result.state
+        for event in result.events:
+            self.sink.emit(event.name, event.level, event.fields)
+        return result.intents
+
+    def _carry_out(self, intent: Intent) -> None:
+        if isinstance(intent, SignalIntent):
+            follow_up = self._signal(intent)
+        elif isinstance(intent, ResetIntent):
+            follow_up = self._reset(intent)
+        else:
+            follow_up = self._hooks(intent)
+        for next_intent in follow_up:
+            self._carry_out(next_intent)
+
+    def _signal(self, intent: SignalIntent) -> tuple[Intent, ...]:
+        result = self.actuator.signal(intent.identity, intent.signal, dry_run=intent.dry_run)
+        outcome = result.outcome.value
+        self._emit(
+            "action.signal",
+            SIGNAL_OUTCOME_LEVELS.get(outcome, "info"),
+            **{
+                **intent.facts,
+                "pid": intent.identity.pid,
+                "start_ticks": intent.identity.start_ticks,
+                "signal": intent.signal,
+                "gpu": intent.gpu,
+                "rule": intent.rule,
+                "step": intent.step,
+                "dry_run": intent.dry_run,
+                "outcome": outcome,
+                "detail": result.detail,
+                "reason": intent.reason,
+            },
+        )
+        return self._take(
+            record_signal(self.state.plan, intent, outcome, now=self.clock.monotonic())
+        )
+
+    def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
+        hooks = self.policy.on_failure
+        if intent.dry_run:
+            for hook in hooks:
+                self._emit(
+                    "hook.run",
+                    "info",
+                    hook=intent.hook,
+                    argv=list(hook.argv),
+                    dry_run=True,
+                    outcome="dry_run",
+                    reason=intent.reason,
+                )
+            return ()
+        env = {"GPUWATCHD_EVENT": intent.hook, "GPUWATCHD_REASON": intent.reason}
+        results = self.slow(lambda: run_hooks(hooks, env=env, runner=self.actuator.run_command))
+        for res in results:
+            self._emit(
+                "hook.run",
+                "warning",
+                hook=intent.hook,
+                dry_run=False,
+                argv=list(res.argv),
+                returncode=res.returncode,
+                timed_out=res.timed_out,
+                output=res.output[-2000:],
+                reason=intent.reason,
+            )
+        return ()
+
+    def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
+        gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
+        target = ResetTarget(
+            uuid=intent.gpu,
+            pci_bus_id=intent.pci_bus_id,
+            minor=intent.minor,
+            persistence_was_on=gpu.persistence_mode if gpu else None,
+        )
+        env = _ResetEnv(self)
+
+        def work() -> ResetOutcome:
+            return perform_reset(
+                target,
+                self.policy.reset,
+                env,
+                dry_run=intent.dry_run,
+                hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
+                runner=self.actuator.run_command,
+            )
+
+        try:
+            outcome = self.slow(work)
+        except Exception as err:  # a bug in the procedure must not end the daemon
+            self._emit("reset.crashed", "error", gpu=intent.gpu, error=repr(err))
+            outcome = ResetOutcome(
+                "failed", ResetStep.DONE, f"the reset procedure crashed: {err!r}", False, None, ()
+            )
+        return self._book_reset(intent, outcome)
+
+    def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+        level, fields = outcome_event(
+            outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
+        )
+        self.sink.emit("reset.outcome", level, fields)
+        return self._take(
+            record_reset(
+                self.state.plan,
+                intent,
+                outcome.result,
+                now=self.clock.monotonic(),
+                wall=self.clock.wall(),
+                needs_reboot=outcome.needs_reboot,
+            )
+        )
+
+    # --- a reset a crash interrupted ----------------------------------------------------------
+
+    def resume_interrupted_reset(self) -> None:
+        """Finish or undo the reset the last run left in progress, and book its outcome.
+
+        Called once at start, before the first poll. The outcome is fed back like any reset's
+        (history, cooldown, circuit breaker, ``on_failure``), so the plan's in-flight marker is
+        cleared and a later reset is not refused as "another reset is in flight".
+        """
+        record = self.state.reset_in_progress
+        if not record:
+            return
+        self._emit("reset.resume", "warning", record=record)
+        outcome = resume_interrupted(
+            record, self.policy.reset, _ResetEnv(self), runner=self.actuator.run_command
+        )
+        self.state.reset_in_progress = None
+        self.checkpoint()
+        if outcome is None:
+            return
+        self._emit(
+            "reset.resumed",
+            "warning",
+            gpu=record.get("uuid"),
+            result=outcome.result,
+            step=outcome.step.value,
+            reason=outcome.reason,
+            needs_reboot=outcome.needs_reboot,
+        )
+        flight = self.state.plan.reset_in_flight
+        uuid = record.get("uuid")
+        if flight is not None and flight.gpu == uuid:
+            pci = record.get("pci_bus_id")
+            minor = record.get("minor")
+            intent = ResetIntent(
+                gpu=flight.gpu,
+                pci_bus_id=pci if isinstance(pci, str) else None,
+                minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
+                finding_key=flight.finding_key,
+                dry_run=False,
+                reason="resumed after an interruption",
+                facts={},
+            )
+            for follow_up in self._take(
+                record_reset(
+                    self.state.plan,
+                    intent,
+                    outcome.result,
+                    now=self.clock.monotonic(),
+                    wall=self.clock.wall(),
+                    needs_reboot=outcome.needs_reboot,
+                )
+            ):
+                self._carry_out(follow_up)
+            self.checkpoint()
+
+
+class _ResetEnv:
+    """The engine's side of the reset procedure (``act.reset.ResetEnvironment``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def stop_nvml(self) -> bool:
+        return self.engine.reader.stop_nvml()
+
+    def final_blockers(self, target: ResetTarget) -> list[str]:
+        reader = self.engine.reader
+        holders, processes = reader.final_scan(target.minor)
+        return reset_blockers(holders, processes, target.minor, reader.self_pids())
+
+    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
+        gpu = self.engine.reader.read_gpu(target.uuid)
+        if gpu is None or gpu.lost:
+            return None
+        allocated = gpu.memory.allocated if gpu.memory else None
+        engine = self.engine
+        return back_to_baseline(
+            target.uuid, allocated, engine.state.assess, engine.policy.detection
+        )
+
+    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
+        engine = self.engine
+        if step is ResetStep.DONE:
+            engine.state.reset_in_progress = None
+        else:
+            record = progress_record(target, step, data)
+            record["since"] = engine.clock.wall()
+            engine.state.reset_in_progress = record
+        engine.checkpoint()
+
+    def emit(self, event: str, level: str, **fields: object) -> None:
+        self.engine.sink.emit(event, level, fields)

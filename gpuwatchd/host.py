@@ -1,0 +1,100 @@
+"""The real host's edges for the engine: NVML and ``/proc`` in, pidfd signals and commands out.
+
+This module owns the adapters that give :class:`gpuwatchd.engine.Engine` the machine it runs
+on — :class:`HostReader` (the collector, the NVML worker, the final holder scan),
+:class:`HostActuator` (signals through :class:`gpuwatchd.act.signals.Signaller`, commands through
+:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock` and :class:`LogSink`
+(structlog, hence journald). It adds no behaviour of its own: each method forwards to the
+module that owns the I/O. ``simulate`` has its own edges over a virtual host.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import structlog
+
+from gpuwatchd.act.commands import CommandResult, run_command
+from gpuwatchd.act.signals import Signaller, SignalResult
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+
+log = structlog.get_logger("gpuwatchd")
+
+_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
+
+
+class HostReader:
+    """The engine's :class:`gpuwatchd.engine.HostReader` on the real host."""
+
+    def __init__(self, collector: Collector, procfs: ProcFS, nvml: NvmlClient) -> None:
+        self.collector = collector
+        self.procfs = procfs
+        self.nvml = nvml
+
+    def collect(self) -> Snapshot:
+        return self.collector.collect()
+
+    def stop_nvml(self) -> bool:
+        return self.nvml.stop()
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        holders = self.procfs.scan_holders(None)
+        pids = set(holders.holdings) | set(holders.unreadable)
+        return holders, self.procfs.read_processes(pids)
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        for gpu in self.nvml.read().gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+    def self_pids(self) -> frozenset[int]:
+        return frozenset({os.getpid()}) | self.nvml.worker_pids
+
+
+class HostActuator:
+    """The engine's :class:`gpuwatchd.engine.Actuator` on the real host."""
+
+    def __init__(self, signaller: Signaller) -> None:
+        self.signaller = signaller
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        return self.signaller.send(identity, signal, dry_run=dry_run)
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        return run_command(argv, timeout=timeout, env=env)
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        return self.signaller.wait(timeout)
+
+
+class SystemClock:
+    """Monotonic time for deadlines, wall time for history and logs (both injectable)."""
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+
+    def monotonic(self) -> float:
+        return self._monotonic()
+
+    def wall(self) -> float:
+        return self._wall()
+
+
+class LogSink:
+    """Every engine event as one structlog event at its level (journald priority)."""
+
+    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        getattr(log, level if level in _LEVELS else "info")(name, **fields)

@@ -1,0 +1,354 @@
+"""The engine's cycle with fake edges: no processes, no sleeping, no commands.
+
+Each test builds an :class:`Engine` over a scripted reader (snapshots from HostBuilder), a
+recording actuator, a hand-moved clock and a list sink, and pins one behaviour of the one poll
+cycle that ``run``, ``run --once`` and ``simulate`` share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.signals import SignalOutcome, SignalResult
+from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
+from gpuwatchd.decide.assess import AssessState
+from gpuwatchd.decide.plan import PlanState
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from tests.support.snapshots import HostBuilder, gpu_uuid
+
+T = TypeVar("T")
+W0 = 1_700_000_000.0
+LEAK = 1200 * MIB
+GPU0 = gpu_uuid(0)
+
+
+def make_policy(extra: str = "", *, dry_run: bool = False) -> Policy:
+    doc = f"""
+dry_run: {str(dry_run).lower()}
+rules:
+  - name: orphans
+    kind: orphaned
+    for: 0s
+    steps:
+      - {{signal: SIGTERM, wait: 30s}}
+      - {{signal: SIGKILL, wait: 10s}}
+  - name: stuck
+    kind: stuck
+    steps:
+      - {{signal: null}}
+on_failure:
+  - command: [drain-node, "reason=gpu"]
+{extra}
+"""
+    return parse_policy_documents(
+        [("<defaults>", render_policy(default_policy())), ("<test>", doc)]
+    )
+
+
+def orphan_host(t: float, *, state: str = "S") -> HostBuilder:
+    """Trainer 200 is dead and still listed on GPU 0; worker 201 (its process group) holds it."""
+    return (
+        HostBuilder(monotonic=t, wall_time=W0 + t)
+        .gpu(0, allocated=LEAK)
+        .proc(201, ppid=1, pgid=200, sid=200, holds={0}, uvm=True, state=state)
+        .nvml(0, 200, used=LEAK)
+    )
+
+
+def ghost_host(t: float, *, allocated: int = LEAK) -> HostBuilder:
+    """GPU 0 has memory allocated and nothing holds it."""
+    return HostBuilder(monotonic=t, wall_time=W0 + t).gpu(0, allocated=allocated)
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return W0 + self.now
+
+
+@dataclass
+class Reader:
+    clock: Clock
+    host: Callable[[float], HostBuilder]
+    blockers: list[int] = field(default_factory=list)  # pids holding GPU 0 at the final scan
+    after_reset: int = 2 * MIB
+    final_scans: int = 0
+    stopped: int = 0
+
+    def collect(self) -> Snapshot:
+        return self.host(self.clock.now).build()
+
+    def stop_nvml(self) -> bool:
+        self.stopped += 1
+        return True
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        self.final_scans += 1
+        builder = HostBuilder().gpu(0)
+        for pid in self.blockers:
+            builder.proc(pid, holds={0}, uvm=True)
+        snapshot = builder.build()
+        return snapshot.holders, snapshot.processes
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        snapshot = ghost_host(self.clock.now, allocated=self.after_reset).build()
+        return next((g for g in snapshot.nvml.gpus if g.uuid == uuid), None)
+
+    def self_pids(self) -> frozenset[int]:
+        return frozenset()
+
+
+@dataclass
+class Actuator:
+    outcome: SignalOutcome = SignalOutcome.DELIVERED
+    signals: list[tuple[int, str, bool]] = field(default_factory=list)
+    commands: list[tuple[tuple[str, ...], Mapping[str, str] | None]] = field(default_factory=list)
+    returncode: int = 0
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        self.signals.append((identity.pid, signal, dry_run))
+        outcome = SignalOutcome.DRY_RUN if dry_run else self.outcome
+        return SignalResult(outcome, "fake")
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        self.commands.append((tuple(argv), env))
+        return CommandResult(tuple(argv), self.returncode, "done", False, 0.0, None)
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        return []
+
+
+@dataclass
+class Sink:
+    events: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
+
+    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        self.events.append((name, level, dict(fields)))
+
+    def named(self, name: str) -> list[dict[str, object]]:
+        return [f for n, _, f in self.events if n == name]
+
+
+@dataclass
+class Rig:
+    engine: Engine
+    clock: Clock
+    reader: Reader
+    actuator: Actuator
+    sink: Sink
+    slow_calls: list[str] = field(default_factory=list)
+
+    def poll_at(self, t: float) -> None:
+        self.clock.now = t
+        self.engine.poll()
+
+
+def rig(
+    policy: Policy,
+    host: Callable[[float], HostBuilder],
+    *,
+    state: EngineState | None = None,
+    actuator: Actuator | None = None,
+) -> Rig:
+    clock = Clock()
+    reader = Reader(clock, host)
+    act = actuator or Actuator()
+    sink = Sink()
+    slow_calls: list[str] = []
+
+    def slow(work: Callable[[], T]) -> T:
+        slow_calls.append("slow")
+        return work()
+
+    engine = Engine(
+        policy, reader=reader, actuator=act, clock=clock, sink=sink, state=state, slow=slow
+    )
+    return Rig(engine, clock, reader, act, sink, slow_calls)
+
+
+def reset_commands(r: Rig) -> list[tuple[str, ...]]:
+    return [argv for argv, env in r.actuator.commands if "--gpu-reset" in argv]
+
+
+# --- dry-run ------------------------------------------------------------------------------------
+
+
+def test_dry_run_runs_no_hook_signal_or_reset_command_and_says_what_it_would_do() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}", dry_run=True)
+
+    def host(t: float) -> HostBuilder:
+        # GPU 0: a leaked context's memory and nothing holding it (ghost memory → reset).
+        # GPU 1: a dead trainer's worker in D state (stuck → on_failure hooks), and one that
+        # is not stuck (orphaned → signals).
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True, state="D")
+        return b.proc(302, ppid=1, pgid=300, sid=300, holds={1}, uvm=True)
+
+    r = rig(pol, host)
+    for t in (0.0, 31.0, 42.0, 100.0):
+        r.poll_at(t)
+    assert r.actuator.commands == [], "dry-run must never run a command or hook"
+    assert r.actuator.signals, "dry-run goes through the signal path (signal 0)"
+    assert all(dry for _, _, dry in r.actuator.signals)
+    hooks = r.sink.named("hook.run")
+    assert hooks
+    assert all(h["outcome"] == "dry_run" and h["dry_run"] is True for h in hooks)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["dry_run"]
+    assert {s["outcome"] for s in r.sink.named("action.signal")} == {"dry_run"}
+    assert r.reader.stopped == 0, "a dry-run reset does not stop the NVML worker"
+    assert "hook.run" in {n for n, level, _ in r.sink.events if level == "info"}
+
+
+def test_enforcing_runs_the_hooks_and_the_reset_through_the_slow_runner() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}")
+
+    def host(t: float) -> HostBuilder:
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        return b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True, state="D")
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    r.poll_at(61.0)
+    hook_runs = [(argv, env) for argv, env in r.actuator.commands if argv[0] == "drain-node"]
+    assert len(hook_runs) == 1
+    assert hook_runs[0][1] is not None
+    assert hook_runs[0][1]["GPUWATCHD_EVENT"] == "on_failure"
+    assert len(reset_commands(r)) == 1
+    assert r.slow_calls == ["slow", "slow"], "each reset and each hook run is slow work"
+    (hook,) = r.sink.named("hook.run")
+    assert (hook["returncode"], hook["dry_run"]) == (0, False)
+
+
+# --- ladders ------------------------------------------------------------------------------------
+
+
+def test_a_ladder_continues_across_a_restart() -> None:
+    pol = make_policy()
+    first = rig(pol, orphan_host)
+    first.poll_at(0.0)
+    assert first.actuator.signals == [(201, "SIGTERM", False)]
+    # The daemon stops; its state goes through the state file's JSON and back.
+    saved = first.engine.state
+    restored = EngineState(
+        assess=AssessState.from_json(saved.assess.to_json()),
+        plan=PlanState.from_json(saved.plan.to_json()),
+    )
+    second = rig(pol, orphan_host, state=restored)
+    second.poll_at(10.0)
+    assert second.actuator.signals == [], "the SIGTERM's 30s wait is still running"
+    second.poll_at(31.0)
+    assert second.actuator.signals == [(201, "SIGKILL", False)], "step 2, not step 1 again"
+
+
+def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host, actuator=Actuator(outcome=SignalOutcome.DENIED))
+    r.poll_at(0.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+    (ended,) = r.sink.named("escalation.ended")
+    assert ended["outcome"] == "denied"
+    for t in (31.0, 60.0, 120.0):
+        r.poll_at(t)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+
+
+def test_an_exit_reported_by_the_actuator_resolves_the_ladder() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    r.poll_at(0.0)
+    (pid, _, _) = r.actuator.signals[0]
+    snapshot = orphan_host(0.0).build()
+    identity = ProcessIdentity(pid, snapshot.processes[pid].start_ticks or 0)
+    r.clock.now = 0.5
+    r.engine.note_exits([identity])
+    assert r.sink.named("target.exited")
+    assert r.sink.named("escalation.resolved")
+    assert r.engine.state.plan.ladders == {}
+
+
+def test_wake_at_is_the_next_step_or_the_interval() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    r.poll_at(0.0)
+    assert r.engine.wake_at() == pol.interval  # the SIGTERM's wait (30s) is further off
+    r.clock.now = 28.0
+    assert r.engine.wake_at() == 30.0
+
+
+# --- resets -------------------------------------------------------------------------------------
+
+
+def test_a_refused_reset_is_retried_after_the_cooldown() -> None:
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 10m}")
+    r = rig(pol, ghost_host)
+    r.reader.blockers = [777]  # the final scan finds a holder: refused, nothing run
+    r.poll_at(0.0)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused"]
+    assert reset_commands(r) == []
+    assert r.engine.state.plan.reset_in_flight is None
+    r.reader.blockers = []
+    r.poll_at(300.0)  # within the cooldown
+    assert r.reader.final_scans == 1
+    r.poll_at(601.0)  # after it
+    assert r.reader.final_scans == 2
+    assert len(reset_commands(r)) == 1
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused", "success"]
+    assert r.sink.named("reset.succeeded")
+
+
+def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}")
+    r = rig(pol, ghost_host, actuator=Actuator(returncode=255))
+    r.poll_at(0.0)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["failed"]
+    assert r.sink.named("reset.failed")
+    hooks = r.sink.named("hook.run")
+    assert [h["hook"] for h in hooks] == ["on_failure"]
+    assert hooks[0]["returncode"] == 255  # the fake answers every command alike
+
+
+def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_flight() -> None:
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    first = rig(pol, ghost_host)
+
+    def crash(work: Callable[[], T]) -> T:
+        raise KeyboardInterrupt  # the daemon is killed while the reset runs
+
+    # Run up to the reset; record the in-flight plan state and a progress record as the
+    # procedure would have written them just before the reset command.
+    first.engine.slow = crash
+    with contextlib.suppress(KeyboardInterrupt):
+        first.poll_at(0.0)
+    flight = first.engine.state.plan.reset_in_flight
+    assert flight is not None
+    record: dict[str, object] = {
+        "uuid": GPU0,
+        "pci_bus_id": "00000000:10:00.0",
+        "minor": 0,
+        "persistence_was_on": False,
+        "step": "reset",
+        "reset_started": True,
+    }
+    state = EngineState(
+        assess=first.engine.state.assess, plan=first.engine.state.plan, reset_in_progress=record
+    )
+    second = rig(pol, lambda t: ghost_host(t, allocated=2 * MIB), state=state)
+    second.clock.now = 5.0
+    second.engine.resume_interrupted_reset()
+    assert reset_commands(second) == [], "the reset command is never run again"
+    assert second.engine.state.reset_in_progress is None
+    assert second.engine.state.plan.reset_in_flight is None
+    assert second.sink.named("reset.succeeded")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
 
 from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import SimulationResult, simulate
+from gpuwatchd.cli.simulate import SimulationResult, render_text, simulate
 
 SCENARIOS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
@@ -149,3 +150,23 @@ def test_example_scenario_has_a_comment_header_and_description(path: pathlib.Pat
     text = path.read_text()
     assert text.startswith("# ")
     assert load_scenario(str(path)).description
+
+
+def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
+    """simulate used to print 'on_failure hook ran' and 'hooks run: 1' in dry-run, where the
+    daemon runs nothing: now both log the hook with outcome=dry_run."""
+    path = SCENARIOS / "stuck-d-state.yaml"
+    scenario = load_scenario(str(path))
+    assert scenario.policy_doc is not None
+    source, text = scenario.policy_doc
+    dry = dataclasses.replace(
+        scenario, policy_doc=(source, text.replace("dry_run: false", "dry_run: true"))
+    )
+    r = simulate(dry)
+    hooks = r.entries("hook.run")
+    assert hooks
+    assert all(h.fields["outcome"] == "dry_run" and h.fields["dry_run"] for h in hooks)
+    assert all("would run" in h.text for h in hooks)
+    assert r.final["hooks_run"] == 0
+    assert "hooks run: 0" in render_text(r)
+    assert all(outcome == "dry_run" for _, _, _, outcome in r.signals())

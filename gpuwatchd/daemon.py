@@ -33,7 +33,8 @@ from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
-from gpuwatchd.decide.assess import Assessment, AssessState
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanResult, PlanState, pending
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine, EngineState
@@ -42,15 +43,10 @@ from gpuwatchd.logs import configure_logging
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.state import AlreadyRunning, StateStore
+from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
 
-STATE_VERSION = 1
-EX_OK = 0
-EX_TEMPFAIL = 75
-EX_UNAVAILABLE = 69
-EX_NOPERM = 77
-EX_CONFIG = 78
 
 T = TypeVar("T")
 
@@ -103,6 +99,7 @@ class Daemon:
             self.nvml,
             namespace_check=policy.namespace_check,
             full_scan_interval=policy.full_scan_interval,
+            detection=policy.detection,
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
@@ -145,14 +142,16 @@ class Daemon:
         try:
             os.makedirs(self.policy.state_dir, mode=0o700, exist_ok=True)
         except PermissionError:
-            log.critical("daemon.no_permission", path=self.policy.state_dir)
-            return EX_NOPERM
+            log.critical(EventName.DAEMON_NO_PERMISSION, path=self.policy.state_dir)
+            return ExitCode.NOPERM
         try:
             with self.store.lock():
                 return self._run_locked()
         except AlreadyRunning as exc:
-            log.error("daemon.already_running", detail=str(exc), state_dir=self.policy.state_dir)
-            return EX_TEMPFAIL
+            log.error(
+                EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=self.policy.state_dir
+            )
+            return ExitCode.TEMPFAIL
         finally:
             self.signaller.close()
             self.nvml.close()
@@ -161,7 +160,7 @@ class Daemon:
         self._install_signal_handlers()
         self._load_state()
         log.info(
-            "daemon.start",
+            EventName.DAEMON_START,
             version=__version__,
             dry_run=self.policy.dry_run,
             once=self.once,
@@ -171,7 +170,7 @@ class Daemon:
         self.engine.resume_interrupted_reset()
         started = self.clock()
         watched: frozenset[str] | None = None
-        code = EX_OK
+        code = ExitCode.OK
         while not self._stop:
             if self._reload:
                 self._do_reload()
@@ -182,19 +181,19 @@ class Daemon:
             if self.once:
                 if watched is None:
                     if not self.last_snapshot or not self.last_snapshot.nvml.available:
-                        code = EX_UNAVAILABLE
+                        code = ExitCode.UNAVAILABLE
                         break
                     watched = frozenset(f.key for f in self.engine.findings)
                 if not pending(self.engine.state.plan, watched):
                     break
                 if self.clock() - started >= self.once_timeout:
-                    log.warning("run_once.timeout", pending=sorted(watched))
-                    code = EX_TEMPFAIL
+                    log.warning(EventName.RUN_ONCE_TIMEOUT, pending=sorted(watched))
+                    code = ExitCode.TEMPFAIL
                     break
             self._wait()
         self.notifier.notify("STOPPING=1")
         self.save_state()
-        log.info("daemon.stop", exit_code=code)
+        log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
 
     def _install_signal_handlers(self) -> None:
@@ -225,17 +224,20 @@ class Daemon:
         try:
             new = load_policy(self.config_path)
         except ConfigError as exc:
-            log.error("config.reload_rejected", error=str(exc), config=self.config_path)
+            log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
         else:
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
             if changed:
-                log.warning("config.reload_partial", needs_restart=changed)
+                log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
             self.engine.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
-            log.info("config.reloaded", config=list(self.policy.sources), dry_run=new.dry_run)
+            self.collector.detection = self.policy.detection
+            log.info(
+                EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
+            )
         self.notifier.notify("READY=1")
 
     # --- one poll -------------------------------------------------------------------------
@@ -330,17 +332,17 @@ class Daemon:
             return
         state = self.engine.state
         try:
-            if data.get("version") != STATE_VERSION:
+            if data.get("version") != STATE_FILE_VERSION:
                 raise ValueError(f"unsupported state version {data.get('version')!r}")
             state.assess = AssessState.from_json(data.get("assess"))
             state.plan = PlanState.from_json(data.get("plan"))
             record = data.get("reset_in_progress")
             state.reset_in_progress = dict(record) if isinstance(record, dict) else None
         except ValueError as exc:
-            log.error("state.invalid", error=str(exc), path=self.policy.state_dir)
+            log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
             self.engine.state = EngineState()
         if data and data.get("boot_id") != boot_id:
-            log.info("state.new_boot", saved_boot_id=data.get("boot_id"), boot_id=boot_id)
+            log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
     def save_state(self) -> None:
         """Write the state when it changed (a quiet poll costs no write and no fsync)."""
@@ -356,7 +358,7 @@ class Daemon:
         if key == self._saved_key:
             return
         data = {
-            "version": STATE_VERSION,
+            "version": STATE_FILE_VERSION,
             "boot_id": boot_id,
             "saved_at": self.wall_clock(),
             "assess": state.assess.to_json(),
@@ -366,7 +368,7 @@ class Daemon:
         try:
             self.store.save(data)
         except OSError as exc:
-            log.error("state.save_failed", error=str(exc), path=self.policy.state_dir)
+            log.error(EventName.STATE_SAVE_FAILED, error=str(exc), path=self.policy.state_dir)
             return
         self._saved_key = key
 
@@ -418,12 +420,12 @@ def run_daemon(
         effective_dry_run = dry_run or policy.dry_run
         if not effective_dry_run:
             log.critical(
-                "daemon.no_permission",
+                EventName.DAEMON_NO_PERMISSION,
                 missing=missing,
                 detail="enforcing needs these capabilities (run as root); refusing to start",
             )
-            return EX_NOPERM
-        log.warning("daemon.limited_permissions", missing=missing, dry_run=True)
+            return ExitCode.NOPERM
+        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
     daemon = Daemon(
         policy,
         config_path=config_path,
@@ -435,6 +437,6 @@ def run_daemon(
         return daemon.run()
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
-            log.critical("daemon.no_permission", error=str(exc))
-            return EX_NOPERM
+            log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
+            return ExitCode.NOPERM
         raise

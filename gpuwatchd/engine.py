@@ -42,8 +42,10 @@ from gpuwatchd.act.reset import (
     progress_record,
     resume_interrupted,
 )
-from gpuwatchd.act.signals import SIGNAL_OUTCOME_LEVELS, SignalResult
-from gpuwatchd.decide.assess import Assessment, AssessState, assess, back_to_baseline
+from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.decide.assess import Assessment, assess
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import (
     HookIntent,
@@ -64,6 +66,7 @@ from gpuwatchd.decide.plan import (
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.model import Finding, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, SignalOutcome
 
 __all__ = [
     "EXIT_GRACE",
@@ -223,7 +226,9 @@ class Engine:
     def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
-            self._emit("target.exited", "info", pid=identity.pid, start_ticks=identity.start_ticks)
+            self._emit(
+                EventName.TARGET_EXITED, "info", pid=identity.pid, start_ticks=identity.start_ticks
+            )
             self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
 
     @property
@@ -238,13 +243,13 @@ class Engine:
             return
         self._paused_reason = reason
         self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
-        self._emit("daemon.paused" if reason is not None else "daemon.resumed", "warning",
+        self._emit(EventName.DAEMON_PAUSED if reason is not None else "daemon.resumed", "warning",
                    reason=reason)  # fmt: skip
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run and close the reset circuit breaker."""
         self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-        self._emit("limits.latches_cleared", "warning")
+        self._emit(EventName.LIMITS_LATCHES_CLEARED, "warning")
 
     # --- carrying out intents -----------------------------------------------------------------
 
@@ -270,10 +275,10 @@ class Engine:
 
     def _signal(self, intent: SignalIntent) -> tuple[Intent, ...]:
         result = self.actuator.signal(intent.identity, intent.signal, dry_run=intent.dry_run)
-        outcome = result.outcome.value
+        outcome = SignalOutcome(result.outcome)
         self._emit(
-            "action.signal",
-            SIGNAL_OUTCOME_LEVELS.get(outcome, "info"),
+            EventName.ACTION_SIGNAL,
+            SIGNAL_OUTCOME_LEVELS[outcome],
             **{
                 **intent.facts,
                 "pid": intent.identity.pid,
@@ -297,7 +302,7 @@ class Engine:
         if intent.dry_run:
             for hook in hooks:
                 self._emit(
-                    "hook.run",
+                    EventName.HOOK_RUN,
                     "info",
                     hook=intent.hook,
                     argv=list(hook.argv),
@@ -310,7 +315,7 @@ class Engine:
         results = self.slow(lambda: run_hooks(hooks, env=env, runner=self.actuator.run_command))
         for res in results:
             self._emit(
-                "hook.run",
+                EventName.HOOK_RUN,
                 "warning",
                 hook=intent.hook,
                 dry_run=False,
@@ -345,7 +350,7 @@ class Engine:
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
-            self._emit("reset.crashed", "error", gpu=intent.gpu, error=repr(err))
+            self._emit(EventName.RESET_CRASHED, "error", gpu=intent.gpu, error=repr(err))
             outcome = ResetOutcome(
                 "failed", ResetStep.DONE, f"the reset procedure crashed: {err!r}", False, None, ()
             )
@@ -355,7 +360,7 @@ class Engine:
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
-        self.sink.emit("reset.outcome", level, fields)
+        self.sink.emit(EventName.RESET_OUTCOME, level, fields)
         return self._take(
             record_reset(
                 self.state.plan,
@@ -379,7 +384,7 @@ class Engine:
         record = self.state.reset_in_progress
         if not record:
             return
-        self._emit("reset.resume", "warning", record=record)
+        self._emit(EventName.RESET_RESUME, "warning", record=record)
         outcome = resume_interrupted(
             record, self.policy.reset, _ResetEnv(self), runner=self.actuator.run_command
         )
@@ -388,7 +393,7 @@ class Engine:
         if outcome is None:
             return
         self._emit(
-            "reset.resumed",
+            EventName.RESET_RESUMED,
             "warning",
             gpu=record.get("uuid"),
             result=outcome.result,

@@ -22,10 +22,9 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import Level
 
 log = structlog.get_logger("gpuwatchd")
-
-_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
 
 
 class HostReader:
@@ -97,4 +96,5 @@ class LogSink:
     """Every engine event as one structlog event at its level (journald priority)."""
 
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
-        getattr(log, level if level in _LEVELS else "info")(name, **fields)
+        known = level in set(Level)
+        getattr(log, level if known else Level.INFO)(name, **fields)

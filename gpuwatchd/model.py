@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 MIB = 1024 * 1024
+
+
+def as_int(value: object) -> int | None:
+    """``value`` if it is an integer (not a bool), else None: unknown stays unknown, never 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 ARCH_VOLTA = 5  # NVML_DEVICE_ARCH_VOLTA
 ARCH_AMPERE = 7  # NVML_DEVICE_ARCH_AMPERE
 

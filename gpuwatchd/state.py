@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 
 import structlog
 
+from gpuwatchd.vocabulary import EventName
+
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"
 
@@ -84,9 +86,11 @@ class StateStore:
         try:
             os.replace(self.path, aside)
         except OSError as exc:
-            log.error("state.corrupt", path=self.path, why=why, moved_to=None, error=str(exc))
+            log.error(
+                EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=None, error=str(exc)
+            )
             return {}
-        log.error("state.corrupt", path=self.path, why=why, moved_to=aside)
+        log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=aside)
         return {}
 
     def save(self, data: Mapping[str, object]) -> None:

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.act.commands import OUTPUT_LIMIT, run_command, run_hooks
-from gpuwatchd.act.signals import Signaller, SignalOutcome, stat_start_ticks
+from gpuwatchd.act.signals import Signaller, stat_start_ticks
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook
 from gpuwatchd.model import ProcessIdentity
+from gpuwatchd.vocabulary import SignalOutcome
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IGNORES_SIGTERM = (

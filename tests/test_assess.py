@@ -10,14 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.decide.assess import (
-    NODE,
-    Assessment,
-    AssessState,
-    Lineage,
-    assess,
-    needs_full_scan,
-)
+from gpuwatchd.decide.assess import NODE, Assessment, assess
+from gpuwatchd.decide.assess_state import AssessState, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import MIB, Finding, FindingKind, ProcessIdentity, ProcessInfo, Snapshot
@@ -834,16 +828,6 @@ def test_state_round_trips_through_json() -> None:
 def test_malformed_state_raises_value_error(data: object) -> None:
     with pytest.raises(ValueError, match=r"."):
         AssessState.from_json(data)
-
-
-def test_needs_full_scan_when_targeted_scan_leaves_memory_unexplained() -> None:
-    state = AssessState()
-    leaked = HostBuilder(scan_mode="targeted").gpu(0, allocated=LEAK).build()
-    assert needs_full_scan(leaked, state, DETECTION)
-    busy = HostBuilder(scan_mode="targeted").gpu(0, allocated=LEAK).nvml(0, 1, used=LEAK).build()
-    assert not needs_full_scan(busy, state, DETECTION)
-    full = HostBuilder().gpu(0, allocated=LEAK).build()
-    assert not needs_full_scan(full, state, DETECTION)
 
 
 # --- property: holders in a live owner's tree are never orphaned -------------------------------

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.daemon import describe_status
-from gpuwatchd.decide.assess import Assessment, AssessState
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import Ladder, PlanState
 from gpuwatchd.model import (
@@ -18,6 +19,7 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.vocabulary import LadderStatus
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -49,7 +51,7 @@ def ladder(target: str, status: str) -> Ladder:
         steps=(("SIGTERM", 1.0),),
         step=0,
         due=None,
-        status=status,
+        status=LadderStatus(status),
         dry_run=False,
         started=0.0,
     )
@@ -181,7 +183,7 @@ def test_unknown_minor_blocks_the_reset() -> None:
 def test_memory_back_to_baseline_after_a_reset(
     allocated: int | None, baselines: dict[str, int], expected: bool | None
 ) -> None:
-    from gpuwatchd.decide.assess import back_to_baseline
+    from gpuwatchd.decide.baselines import back_to_baseline
     from gpuwatchd.decide.policy import Detection
 
     state = AssessState(baselines=baselines)

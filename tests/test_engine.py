@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.act.signals import SignalOutcome, SignalResult
+from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
-from gpuwatchd.decide.assess import AssessState
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine, EngineState
 from gpuwatchd.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import SignalOutcome
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 T = TypeVar("T")

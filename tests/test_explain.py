@@ -13,7 +13,8 @@ from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.scenario import load_scenario
 from gpuwatchd.cli.simulate import Simulation, scenario_policy
 from gpuwatchd.config.schema import parse_policy_documents
-from gpuwatchd.decide.assess import AssessState, assess
+from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess_state import AssessState
 
 SCENARIOS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
@@ -97,3 +98,30 @@ def test_cli_exits_65_on_a_malformed_snapshot(
     path.write_text("{not json")
     assert main(["explain", str(path)]) == 65
     assert f"{path}:1: not JSON" in capsys.readouterr().err
+
+
+def _ghost_report() -> dict[str, object]:
+    report = report_at("xid-leaked-context", 400.0)
+    kinds = {f["kind"] for f in report["findings"]}  # type: ignore[attr-defined]
+    assert "ghost_memory" in kinds, kinds
+    return report
+
+
+def test_explain_names_the_nvlink_gate_plan_uses() -> None:
+    """explain had its own copy of the reset gates, without NVLink; it now asks plan."""
+    report = _ghost_report()
+    gpu = report["gpus"][0]  # type: ignore[index]
+    gpu.update(architecture=7, nvlink_active=4)  # an Ampere with active NVLinks
+    item = next(
+        i
+        for i in explain_report(report, POLICY)["findings"]  # type: ignore[attr-defined]
+        if i["kind"] == "ghost_memory"
+    )
+    assert any("NVLink peers must be reset together" in s for s in item["stopped_by"])
+
+
+def test_a_field_of_the_wrong_type_is_a_snapshot_error_not_a_traceback() -> None:
+    report = _ghost_report()
+    report["gpus"][0]["processes"] = 1  # type: ignore[index]
+    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.processes: expected a list"):
+        rebuild(report)

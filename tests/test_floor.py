@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.decide.assess import AssessState, assess
+from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import infrastructure, live_holder, reset_blockers
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
 from gpuwatchd.model import MIB, FindingKind, ProcessInfo

@@ -100,3 +100,19 @@ def test_cgroup2_mount_is_found_in_mountinfo(
     path = tmp_path / "mountinfo"
     path.write_text(mountinfo)
     assert cgroup2_mount(str(path)) == expected
+
+
+def test_a_users_own_cgroup_tree_posing_as_a_slurm_job_cannot_end_the_real_job(
+    tmp_path: Path,
+) -> None:
+    """Below ``user@UID.service`` a user may create ``…/slurmstepd.scope/job_2/step_0/slurm``
+    with no slurmstepd in it. Judging job 2 from there would make every process of the real,
+    running job 2 look abandoned."""
+    user_tree = "/user.slice/user-1000.slice/user@1000.service/app.slice"
+    make_job(tmp_path / user_tree.lstrip("/"), 2, {"step_0": ""})  # the decoy: "ended"
+    make_job(tmp_path, 2, {"step_0": "99\n"})  # the real job: running
+    processes = [
+        proc(60, f"{user_tree}{SCOPE}/job_2/step_0/user/task_0", "2"),  # as if classified so
+        proc(20, f"{SCOPE}/job_2/step_0/user/task_0", "2"),
+    ]
+    assert ended_jobs(processes, str(tmp_path)) == frozenset()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess
 from tests.support.fakenvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
@@ -57,7 +57,7 @@ def worker_children() -> set[int]:
     found = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if "gpuwatchd.collect.nvml_worker" in " ".join(child.cmdline()):
+            if WORKER_FILE in child.cmdline():
                 found.add(child.pid)
         except psutil.Error:
             continue

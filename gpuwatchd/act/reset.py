@@ -61,6 +61,9 @@ Dry-run walks the same steps and runs nothing: no hooks, no commands, no NVML st
 record. It does run the read-only final holder scan, so the admin sees whether a real reset
 would be refused. The outcome's result is then ``dry_run``. The resume rules after a crash are
 in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins.
+
+This module is long (about 770 lines) because the procedure, its undo and its resumption after
+a crash share one record format and one table of steps: kept together, a new step is one change.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from typing import Protocol
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook, ResetPolicy
+from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, EventName, Level, ResetResult
 
 __all__ = [
     "CommandRunner",
@@ -223,14 +227,12 @@ def _quote(output: str) -> str:
     return f"; output: {text!r}" if text else ""
 
 
-_OUTCOME_LEVELS = {"success": "warning", "dry_run": "info", "refused": "warning"}
-
-
 def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
 ) -> tuple[str, dict[str, object]]:
     """The level and fields of the ``reset.outcome`` event (the daemon's and simulate's)."""
-    level = "critical" if outcome.needs_reboot else _OUTCOME_LEVELS.get(outcome.result, "error")
+    result = ResetResult(outcome.result)
+    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
     return level, {
         "gpu": gpu,
         "pci_bus_id": pci_bus_id,
@@ -356,7 +358,7 @@ class _Procedure:
 
     def event(self, step: ResetStep, status: str, *, level: str = "info", **fields: object) -> None:
         self.env.emit(
-            "reset.step",
+            EventName.RESET_STEP,
             level,
             gpu=self.target.uuid,
             step=step.value,
@@ -475,7 +477,7 @@ class _Procedure:
         if needs_reboot:
             level = "critical"
         self.env.emit(
-            "reset.finished",
+            EventName.RESET_FINISHED,
             level,
             gpu=self.target.uuid,
             result=result,
@@ -533,7 +535,7 @@ def perform_reset(
     prepared = _prepare(target, reset)
     if isinstance(prepared, str):
         env.emit(
-            "reset.finished",
+            EventName.RESET_FINISHED,
             "error",
             gpu=target.uuid,
             result="refused",
@@ -723,7 +725,7 @@ def resume_interrupted(
         return None
     if step is None or target is None:
         reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
-        env.emit("reset.resume_failed", "error", reason=reason)
+        env.emit(EventName.RESET_RESUME_FAILED, "error", reason=reason)
         return ResetOutcome("failed", ResetStep.DONE, reason, False, None, ())
 
     prepared = _prepare(target, reset)
@@ -736,7 +738,7 @@ def resume_interrupted(
     recorded = record.get("result")
     proc.result = recorded if isinstance(recorded, str) else None
     env.emit(
-        "reset.resumed",
+        EventName.RESET_RESUMED,
         "warning",
         gpu=target.uuid,
         step=step.value,

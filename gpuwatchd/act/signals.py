@@ -22,7 +22,6 @@ permission but delivers nothing), so a dry run reports ``denied`` where a real r
 
 from __future__ import annotations
 
-import enum
 import errno
 import os
 import select
@@ -31,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from gpuwatchd.model import ProcessIdentity
+from gpuwatchd.vocabulary import SignalOutcome
 
 _TICK = 0.05  # poll interval when pidfds are unavailable
 
@@ -63,25 +63,6 @@ def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
 
 
 # --- signals ----------------------------------------------------------------------------------
-
-
-class SignalOutcome(str, enum.Enum):
-    """What happened to one signal. Races (gone, reused, zombie) are outcomes, not errors."""
-
-    DELIVERED = "delivered"
-    GONE = "gone"  # the process had exited and been reaped
-    REUSED = "reused"  # the PID belongs to another process now; nothing was sent
-    DENIED = "denied"  # EPERM: no CAP_KILL for this process
-    ZOMBIE = "zombie"  # exited, not yet reaped; never signalled
-    DRY_RUN = "dry_run"  # every check passed; nothing was sent
-    FAILED = "failed"  # anything else (no pidfd support, bad signal name, floor refusal)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The log level of an ``action.signal`` event by outcome (anything else: info).
-SIGNAL_OUTCOME_LEVELS = {"delivered": "warning", "denied": "error", "failed": "error"}
 
 
 @dataclass(frozen=True)

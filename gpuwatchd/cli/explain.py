@@ -15,8 +15,9 @@ import json
 import math
 from collections.abc import Mapping
 
+from gpuwatchd.decide.plan import reset_gates
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.targets import gpu_protected, refusal, rule_for
+from gpuwatchd.decide.targets import refusal, rule_for
 from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
@@ -27,9 +28,8 @@ from gpuwatchd.model import (
     NvmlReading,
     ProcessInfo,
     Snapshot,
+    as_int,
 )
-
-_HOLDER_KINDS = {"orphaned", "abandoned", "stuck", "hidden_holder", "zombie"}
 
 
 class SnapshotError(Exception):
@@ -54,8 +54,7 @@ def _names(types: tuple[type, ...]) -> str:
 
 
 def _opt_int(data: Mapping[str, object], key: str) -> int | None:
-    value = data.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return as_int(data.get(key))
 
 
 def _opt_str(data: Mapping[str, object], key: str) -> str | None:
@@ -111,6 +110,26 @@ def load_report(path: str) -> Mapping[str, object]:
     return data
 
 
+def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
+    uuid = _need(raw, "uuid", (str,), where)
+    index = _need(raw, "index", (int,), where)
+    assert isinstance(uuid, str)  # noqa: S101 - checked by _need
+    assert isinstance(index, int)  # noqa: S101 - checked by _need
+    mig = raw.get("mig_enabled")
+    return GpuInfo(
+        index=index,
+        uuid=uuid,
+        name=_opt_str(raw, "name"),
+        pci_bus_id=_opt_str(raw, "pci_bus_id"),
+        minor=_opt_int(raw, "minor"),
+        mig_enabled=mig if isinstance(mig, bool) else None,
+        persistence_mode=None,
+        architecture=_opt_int(raw, "architecture"),
+        nvlink_active=_opt_int(raw, "nvlink_active"),
+        lost=raw.get("lost") is True,
+    )
+
+
 def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict[str, float]]:
     """The snapshot, findings and first-seen times (wall) a report describes. SnapshotError
     (without the file name) names the first malformed field."""
@@ -130,27 +149,14 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         where = f"gpus[{i}]"
         if not isinstance(raw, dict):
             raise SnapshotError(f"{where}: expected an object")
-        uuid = _need(raw, "uuid", (str,), where)
-        index = _need(raw, "index", (int,), where)
-        minor = _opt_int(raw, "minor")
-        assert isinstance(uuid, str)  # noqa: S101 - checked by _need
-        assert isinstance(index, int)  # noqa: S101 - checked by _need
-        gpus.append(
-            GpuInfo(
-                index=index,
-                uuid=uuid,
-                name=_opt_str(raw, "name"),
-                pci_bus_id=_opt_str(raw, "pci_bus_id"),
-                minor=minor,
-                mig_enabled=raw.get("mig_enabled")
-                if isinstance(raw.get("mig_enabled"), bool)
-                else None,
-                persistence_mode=None,
-                lost=raw.get("lost") is True,
-            )
-        )
+        gpu = _gpu(raw, where)
+        minor = gpu.minor
+        gpus.append(gpu)
         for key in ("processes", "holders"):
-            for j, entry in enumerate(raw.get(key) or []):
+            entries = raw.get(key)
+            if entries is not None and not isinstance(entries, list):
+                raise SnapshotError(f"{where}.{key}: expected a list, got {type(entries).__name__}")
+            for j, entry in enumerate(entries or []):
                 if not isinstance(entry, dict):
                     raise SnapshotError(f"{where}.{key}[{j}]: expected an object")
                 proc = _process(entry)
@@ -348,15 +354,9 @@ def _explain_reset(
     item["then"] = [
         f"cooldown {reset.cooldown:g}s; at most {reset.max_resets} per {reset.window:g}s"
     ]
-    gpu = next((g for g in snapshot.nvml.gpus if g.uuid == finding.gpu), None)
-    entry = gpu_protected(finding.gpu, gpu, policy)
-    if entry is not None:
-        stops.append(f"protect: gpus {entry}")
-    if gpu is not None and gpu.mig_enabled is not False and not reset.allow_mig:
-        stops.append("MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
-    for other in findings:
-        if other.gpu == finding.gpu and other.kind.value in _HOLDER_KINDS and other.pid:
-            stops.append(f"live holder: {other.kind.value} pid {other.pid} holds the GPU")
+    # plan's own gates (the ones a snapshot can answer); report-only is said above.
+    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
+    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
     if policy.dry_run:
         stops.append("dry_run: true — the reset is logged, not run")
     stops.append(

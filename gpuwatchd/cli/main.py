@@ -14,13 +14,7 @@ from collections.abc import Sequence
 
 from gpuwatchd import __version__
 from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
-
-EX_OK = 0
-EX_FINDINGS_PENDING = 75  # EX_TEMPFAIL: `run --once` timed out with work still pending
-EX_DATAERR = 65
-EX_UNAVAILABLE = 69
-EX_NOPERM = 77
-EX_CONFIG = 78
+from gpuwatchd.vocabulary import ExitCode
 
 
 class CliError(Exception):
@@ -138,7 +132,7 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
     try:
         return load_policy(chosen)
     except ConfigError as exc:
-        raise CliError(str(exc), EX_CONFIG) from exc
+        raise CliError(str(exc), ExitCode.CONFIG) from exc
 
 
 def _check_config(path: str | None) -> int:
@@ -148,7 +142,7 @@ def _check_config(path: str | None) -> int:
     sys.stdout.write(render_policy(policy))
     files = ", ".join(policy.sources) or "(built-in defaults)"
     print(f"# OK: {files}", file=sys.stderr)
-    return EX_OK
+    return ExitCode.OK
 
 
 def _scan(args: argparse.Namespace) -> int:
@@ -159,7 +153,7 @@ def _scan(args: argparse.Namespace) -> int:
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     result = scan_host(policy)
     if result.report is None:
-        raise CliError(result.error or "NVIDIA driver/NVML not available", EX_UNAVAILABLE)
+        raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:
         json.dump(result.report, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
@@ -173,11 +167,11 @@ def _scan(args: argparse.Namespace) -> int:
             "gpuwatchd: NVML did not answer within nvml_timeout: the driver may be wedged",
             file=sys.stderr,
         )
-        return EX_UNAVAILABLE
+        return ExitCode.UNAVAILABLE
     if result.permission_note:
         print(f"gpuwatchd: {result.permission_note}", file=sys.stderr)
-        return EX_NOPERM
-    return EX_OK
+        return ExitCode.NOPERM
+    return ExitCode.OK
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -187,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         timeout = parse_duration(args.timeout, where="--timeout")
     except ConfigError as exc:
-        raise CliError(str(exc), EX_CONFIG) from exc
+        raise CliError(str(exc), ExitCode.CONFIG) from exc
     config_path = args.config or DEFAULT_CONFIG_PATH
     policy = load_policy_or_exit(config_path, required=True)
     return run_daemon(
@@ -207,15 +201,15 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         result = simulate(load_scenario(args.scenario), args.config)
     except (ScenarioError, SimulationError) as exc:
-        raise CliError(str(exc), EX_DATAERR) from exc
+        raise CliError(str(exc), ExitCode.DATAERR) from exc
     except ConfigError as exc:
-        raise CliError(str(exc), EX_CONFIG) from exc
+        raise CliError(str(exc), ExitCode.CONFIG) from exc
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_text(result))
-    return EX_OK
+    return ExitCode.OK
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -225,13 +219,13 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         explanation = explain_file(args.snapshot, policy)
     except SnapshotError as exc:
-        raise CliError(str(exc), EX_DATAERR) from exc
+        raise CliError(str(exc), ExitCode.DATAERR) from exc
     if args.json:
         json.dump(explanation, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_explanation(explanation))
-    return EX_OK
+    return ExitCode.OK
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:
@@ -248,8 +242,8 @@ def _pause(args: argparse.Namespace, *, paused: bool) -> int:
                 clear_latches(policy.state_dir)
             print("gpuwatchd: actions resumed")
     except PermissionError as exc:
-        raise CliError(f"{exc.filename}: permission denied (run as root)", EX_NOPERM) from exc
-    return EX_OK
+        raise CliError(f"{exc.filename}: permission denied (run as root)", ExitCode.NOPERM) from exc
+    return ExitCode.OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,6 +29,7 @@ from gpuwatchd.model import (
     NvmlProcess,
     ProcessInfo,
     Snapshot,
+    as_int,
 )
 
 MIB = 1024 * 1024
@@ -525,7 +526,7 @@ def _gpu_lines(
         lines.append("  processes: ? (the GPU is lost)")
     elif gpu.get("processes_known") is False:
         lines.append("  processes: ? (NVML could not list them)")
-    elif _as_int(gpu.get("minor")) is None:
+    elif as_int(gpu.get("minor")) is None:
         lines.append("  no process listed by NVML; device-file holders ? (minor number unknown)")
     else:
         lines.append("  no process holds this GPU")
@@ -579,7 +580,7 @@ def _holder_rows(
 ) -> tuple[list[list[str]], list[bool]]:
     """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
     holders = [_as_map(h) for h in _as_list(gpu.get("holders"))]
-    holder_pids = {_as_int(h.get("pid")) for h in holders}
+    holder_pids = {as_int(h.get("pid")) for h in holders}
     listed = [_as_map(p) for p in _as_list(gpu.get("processes"))]
     rows: list[tuple[int, list[str], bool]] = []
     for holder in holders:
@@ -588,13 +589,13 @@ def _holder_rows(
         role = _as_str(holder.get("role"))
         rows.append(
             (
-                _as_int(holder.get("pid")) or 0,
+                as_int(holder.get("pid")) or 0,
                 _row(holder, _role_label(role, holder.get("owner_pid")), memory_text, now),
                 role in _ALARM_ROLES,
             )
         )
     for process in listed:
-        pid = _as_int(process.get("pid"))
+        pid = as_int(process.get("pid"))
         if pid in holder_pids:
             continue
         label = _role_label(_as_str(process.get("role")), None)
@@ -631,7 +632,7 @@ def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None)
 
 
 def _role_label(role: str | None, owner: object) -> str:
-    owner_pid = _as_int(owner)
+    owner_pid = as_int(owner)
     if role is None:
         return "-"
     if role == "worker":
@@ -651,7 +652,7 @@ def _user(entry: Mapping[str, object]) -> str:
     user = _as_str(entry.get("user"))
     if user:
         return _clean(user)
-    uid = _as_int(entry.get("uid"))
+    uid = as_int(entry.get("uid"))
     return str(uid) if uid is not None else "?"
 
 
@@ -691,7 +692,7 @@ def _finding_lines(
     rows: list[list[str]] = []
     actionable: list[bool] = []
     for finding in findings:
-        pid = _as_int(finding.get("pid"))
+        pid = as_int(finding.get("pid"))
         since = _age(now, _as_float(finding.get("first_seen")), unknown="")
         status = "actionable" if finding.get("actionable") is True else "report only"
         rows.append(
@@ -764,7 +765,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _bytes(value: object, *, unknown: str = "?") -> str:
-    amount = _as_int(value)
+    amount = as_int(value)
     if amount is None:
         return unknown
     if abs(amount) >= GIB:
@@ -820,10 +821,6 @@ def _as_list(value: object) -> list[object]:
 
 def _as_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
-
-
-def _as_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _as_float(value: object) -> float | None:

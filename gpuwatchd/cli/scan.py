@@ -18,7 +18,8 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.decide.assess import AssessState, assess
+from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state import StateStore
 

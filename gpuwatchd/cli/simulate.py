@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import cast
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.act.signals import SignalOutcome, SignalResult
+from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.cli.scenario import EventSpec, Scenario, ScenarioError
 from gpuwatchd.cli.timeline import Entry, SimulationResult, describe_event, render_text
 from gpuwatchd.cli.world import (
@@ -39,6 +39,7 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import SignalOutcome
 
 __all__ = [
     "BUSY_POLLS",

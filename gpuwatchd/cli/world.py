@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from gpuwatchd.cli.scenario import GpuSpec, ProcessSpec, Scenario
-from gpuwatchd.collect.procfs import parse_cgroup
+from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,

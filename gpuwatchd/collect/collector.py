@@ -1,11 +1,13 @@
 """Collection: one poll of the host, turned into a frozen :class:`~gpuwatchd.model.Snapshot`.
 
-This module owns *what* is read each poll and in which scan mode; ``nvml`` and ``procfs`` own
-*how*. It decides nothing about findings and never acts. The cheap targeted holder scan (NVML's
-PIDs, their descendants and the holders seen before) runs every poll; the full scan of all of
-``/proc`` runs when asked (``scan``), periodically, and whenever the targeted view cannot
-explain what NVML shows: a listed PID that is dead or a zombie, or allocated memory with no
-live listed owner (DESIGN.md §2.1, §2.4).
+This module owns *what* is read each poll and in which scan mode; ``nvml``, ``procfs`` and
+``holders`` own *how*. It decides nothing about findings and never acts. The cheap targeted
+holder scan (NVML's PIDs, their descendants and the holders seen before) runs every poll; the
+full scan of all of ``/proc`` runs when :func:`gpuwatchd.decide.full_scan.full_scan_due` says
+so: when asked (``scan``), periodically, and whenever the targeted view cannot explain what
+NVML shows — a newly listed PID that is dead or a zombie, or allocated memory with no live
+listed owner (DESIGN.md §2.1, §2.4). That rule is pure and lives in ``decide``; this module
+only feeds it and keeps its state.
 
 What is remembered between polls, to keep the steady-state poll cheap (docs/performance.md):
 
@@ -31,10 +33,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.jobs import ended_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
+from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, listed_pids
+from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+
+__all__ = ["MPS_SERVER_NAMES", "Collector", "listed_gpus", "listed_pids"]
 
 MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 _MAX_ANCESTRY = 64
@@ -61,19 +68,25 @@ class _Held:
 
 @dataclass
 class Collector:
-    """Reads NVML and ``/proc`` into snapshots; remembers only what keeps the next poll cheap."""
+    """Reads NVML and ``/proc`` into snapshots; remembers only what keeps the next poll cheap.
+
+    ``holders`` defaults to ``procfs.holders``; ``detection`` supplies the memory threshold of
+    the full-scan rule (pass the policy's, so a lowered ghost margin is honoured).
+    ``last_scan_reason`` says why the last poll scanned all of ``/proc`` (None: targeted).
+    """
 
     procfs: ProcFS
     nvml: NvmlClient
     full_scan_interval: float = 60.0
     namespace_check: bool = True
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
-    idle_memory_hint: int = 64 * 1024 * 1024
+    detection: Detection = field(default_factory=Detection)
+    holders: HolderScanner | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    _last_full: float | None = None
+    last_scan_reason: FullScanReason | None = None
+    _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
-    _dead_scanned: frozenset[int] = field(default_factory=frozenset)
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
@@ -86,19 +99,31 @@ class Collector:
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
         self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids
+        scanner = self.holders if self.holders is not None else self.procfs.holders
 
-        if full or self._full_scan_needed(reading, listed, live_listed, now):
+        reason, self._scan_state = full_scan_due(
+            reading,
+            live_listed,
+            self._scan_state,
+            now,
+            interval=self.full_scan_interval,
+            detection=self.detection,
+            forced=full,
+        )
+        self.last_scan_reason = reason
+        if reason is not None:
             # Everything fresh: no remembered fact or holding survives a full-scan poll.
             self._facts_seen, self._held = {}, {}
             live_listed = self.procfs.read_processes(listed)
             self._facts_seen.update(live_listed)
-            holders = self.procfs.scan_holders(None)
-            self._last_full = now
+            holders = scanner.scan(None)
             self._remember_holdings(holders, reading, live_listed)
         else:
             targets = set(listed) | set(self._known_holders)
             targets |= self.procfs.descendants(listed)
-            holders = self._targeted_scan(sorted(targets - self_pids), reading, live_listed)
+            holders = self._targeted_scan(
+                scanner, sorted(targets - self_pids), reading, live_listed
+            )
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
 
@@ -121,37 +146,11 @@ class Collector:
             pid_max=self.procfs.pid_max(),
             host_namespaces=self.procfs.sees_host_namespaces() if self.namespace_check else True,
             mps_server_running=any(p.names & MPS_SERVER_NAMES for p in processes.values()),
-            nvidia_uvm_major=self.procfs.uvm_major(),
+            nvidia_uvm_major=scanner.uvm_major(),
             ended_jobs=ended_jobs(
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
             ),
         )
-
-    def _full_scan_needed(
-        self,
-        reading: NvmlReading,
-        listed: frozenset[int],
-        live_listed: dict[int, ProcessInfo],
-        now: float,
-    ) -> bool:
-        if self._last_full is None or now - self._last_full >= self.full_scan_interval:
-            return True
-        # A dead or zombie PID in NVML's list: its inheritors are found by one full scan and
-        # then followed by the targeted scans (they become known holders). Scan all of /proc
-        # again only when a new such PID appears, not on every poll while it stays listed.
-        dead = frozenset(
-            pid for pid in listed if pid not in live_listed or live_listed[pid].is_zombie
-        )
-        new_dead, self._dead_scanned = dead - self._dead_scanned, dead
-        if new_dead:
-            return True
-        # Memory with no listed owner: only a full scan can show that nobody holds the GPU,
-        # and ghost memory must be judged on that same evidence on every poll.
-        for gpu in reading.gpus:
-            allocated = gpu.memory.allocated if gpu.memory else None
-            if allocated is not None and allocated > self.idle_memory_hint and not gpu.processes:
-                return True
-        return False
 
     def _add_ancestry(self, processes: dict[int, ProcessInfo]) -> None:
         """Read each known process's ancestors so process-tree questions can be answered."""
@@ -192,7 +191,11 @@ class Collector:
         return self.procfs.read_process(pid)
 
     def _targeted_scan(
-        self, targets: list[int], reading: NvmlReading, live_listed: dict[int, ProcessInfo]
+        self,
+        scanner: HolderScanner,
+        targets: list[int],
+        reading: NvmlReading,
+        live_listed: dict[int, ProcessInfo],
     ) -> HolderScan:
         """Scan ``targets``, reusing the holdings of listed processes whose view is unchanged."""
         gpus_of = listed_gpus(reading)
@@ -208,7 +211,7 @@ class Collector:
                 and held.signature == _signature_of_info(info)
             ):
                 reused[pid] = held.holding
-        scan = self.procfs.scan_holders([pid for pid in targets if pid not in reused])
+        scan = scanner.scan([pid for pid in targets if pid not in reused])
         if not reused:
             self._remember_holdings(scan, reading, live_listed)
             return scan
@@ -245,8 +248,3 @@ def listed_gpus(reading: NvmlReading) -> dict[int, frozenset[str]]:
         for proc in gpu.processes or ():
             found.setdefault(proc.pid, set()).add(gpu.uuid)
     return {pid: frozenset(uuids) for pid, uuids in found.items()}
-
-
-def listed_pids(reading: NvmlReading) -> frozenset[int]:
-    """Every PID any GPU's NVML process list names (valid or not)."""
-    return frozenset(proc.pid for gpu in reading.gpus for proc in gpu.processes or ())

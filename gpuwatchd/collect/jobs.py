@@ -1,7 +1,9 @@
 """Which jobs have ended: the evidence behind the ``abandoned`` finding (DESIGN.md §3).
 
-This module owns reading a scheduler's own bookkeeping from cgroupfs to tell whether a job is
-over while some of its processes live on. It decides nothing about processes; ``assess`` does.
+This module owns *reading* a scheduler's own bookkeeping from cgroupfs to tell whether a job is
+over while some of its processes live on. What a cgroup path means (which part is the job) is
+:mod:`gpuwatchd.collect.cgroups`' pure parsing; this module only does the I/O around it. It
+decides nothing about processes; ``assess`` does.
 
 Judged today: **Slurm on cgroup v2**. Slurm places each step's ``slurmstepd`` in
 ``…/slurmstepd.scope/job_<ID>/step_<S>/slurm`` and the user's tasks beside it in
@@ -16,25 +18,22 @@ cannot read it cheaply, and unknown never triggers an action.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 
+from gpuwatchd.collect.cgroups import parse_cgroup2_mount, slurm_job_dir
 from gpuwatchd.model import ProcessInfo
 
-_SLURM_JOB_DIR = re.compile(r"^(?P<dir>/.*?/job_(?P<job>\d+))(?:/|$)")
+_MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
 
 
 def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """Where the unified (v2) cgroup hierarchy is mounted, or None without one."""
+    """Where the unified (v2) cgroup hierarchy is mounted, or None without one (or unreadable)."""
     try:
-        with open(mountinfo, encoding="utf-8") as handle:
-            for line in handle:
-                left, _, right = line.partition(" - ")
-                if right.split(" ", 1)[0] == "cgroup2":
-                    return left.split()[4]
+        with open(mountinfo, "rb") as handle:
+            raw = handle.read(_MOUNTINFO_LIMIT)
     except OSError:
         return None
-    return None
+    return parse_cgroup2_mount(os.fsdecode(raw))
 
 
 def slurm_job_ended(job_dir: str) -> bool | None:
@@ -71,13 +70,13 @@ def ended_jobs(processes: Iterable[ProcessInfo], cgroup_root: str | None) -> fro
         cgroup = proc.cgroup
         if cgroup is None or cgroup.slurm_job is None:
             continue
-        match = _SLURM_JOB_DIR.match(cgroup.path)
-        if match is None or match.group("job") != cgroup.slurm_job:
+        job_dir = slurm_job_dir(cgroup.path)
+        if job_dir is None or not job_dir.endswith(f"/job_{cgroup.slurm_job}"):
             continue
         key = f"slurm:{cgroup.slurm_job}"
         if key in judged:
             continue
         judged.add(key)
-        if slurm_job_ended(cgroup_root.rstrip("/") + match.group("dir")):
+        if slurm_job_ended(cgroup_root.rstrip("/") + job_dir):
             ended.add(key)
     return frozenset(ended)

@@ -1,10 +1,10 @@
 """NVML access for the daemon and ``scan``: a deadline-bound client of the NVML worker process.
 
-This module owns *how* NVML is reached: it starts
-``python -m gpuwatchd.collect.nvml_worker`` (the only importer of pynvml, see that module
-for what is read and the fallbacks), asks it for one poll at a time over a pipe, and turns the
-JSON reply into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides
-anything about processes or GPUs.
+This module owns *how* NVML is reached: it starts the worker process
+(:mod:`gpuwatchd.collect.nvml_worker`, the only importer of pynvml, see that module for what is
+read and the fallbacks), asks it for one poll at a time over a pipe, and turns the JSON reply
+into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides anything about
+processes or GPUs.
 
 Why a separate process (DESIGN.md §2.7, §2.8): an NVML call can hang forever in the kernel on a
 wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
@@ -28,6 +28,18 @@ Semantics of :meth:`NvmlClient.read`:
   daemon keeps running, since the driver may load later.
 - A worker that answered is reused; backoff resets after a successful reading.
 
+The worker runs as root and must not be steerable by whoever chose our current folder or
+environment (``gpuwatchd scan`` run from a folder another user can write, say). So it is
+started as ``python -I -c <bootstrap> <worker file> [<library folder>]`` (:func:`worker_command`):
+isolated mode puts neither the current folder nor the user's site-packages on ``sys.path`` and
+ignores every ``PYTHON*`` variable; the worker is the file beside this module, run by absolute
+path, so no ``gpuwatchd`` package is looked up at all; the one folder added to ``sys.path`` is
+the one where this process itself would find pynvml (the Debian package vendors it in
+``/usr/lib/gpuwatchd/vendor``), never the current folder or a relative entry. It runs in ``/``,
+with an environment built from scratch (:func:`worker_environment`): ``PATH``,
+``LD_LIBRARY_PATH`` and the fake library's ``FAKENVML_*`` settings are inherited (the real
+library reads none of those), plus the ``env`` given to the client; nothing else.
+
 :meth:`NvmlClient.stop` shuts the worker down (``nvmlShutdown``, then exit) so the daemon holds no
 ``/dev/nvidia*`` file; the next ``read`` starts a fresh one. :attr:`NvmlClient.worker_pids` are
 the daemon's own processes: never device holders, never targets.
@@ -47,19 +59,78 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.vocabulary import EventName
 
 log = structlog.get_logger()
 
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+WORKER_FILE = str(Path(__file__).resolve().with_name("nvml_worker.py"))
+WORKER_CWD = "/"
+# Inherited by the worker; everything else in our environment stays behind. The real
+# libnvidia-ml needs none of them: PATH is for the interpreter's own use, LD_LIBRARY_PATH for a
+# driver installed outside the loader's cache, FAKENVML_* configure the test double.
+_INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
+_INHERITED_PREFIXES = ("FAKENVML_",)
+_DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# Runs under ``python -I``: argv[1] is the worker file, the rest are folders for sys.path.
+_BOOTSTRAP = """\
+import runpy, sys
+worker, *folders = sys.argv[1:]
+for folder in reversed(folders):
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+del sys.argv[1:]
+runpy.run_path(worker, run_name="__main__")
+"""
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The worker's whole environment: the allowed part of ``inherited``, then ``extra``. Pure.
+
+    ``PYTHON*`` variables are dropped even from ``extra``: ``-I`` would ignore them anyway.
+    """
+    env = {
+        name: value
+        for name, value in inherited.items()
+        if name in _INHERITED_NAMES or name.startswith(_INHERITED_PREFIXES)
+    }
+    env.update(extra)
+    env.setdefault("PATH", _DEFAULT_PATH)
+    return {name: value for name, value in env.items() if not name.startswith("PYTHON")}
+
+
+def library_folders(
+    search_path: Sequence[str], cwd: str | None, module: str = "pynvml"
+) -> list[str]:
+    """The ``search_path`` entry where ``module`` is found, skipping the current folder.
+
+    Only absolute entries count, and never ``cwd`` wherever it appears: ``python -m`` and
+    ``-c`` put the current folder first, an empty ``PYTHONPATH`` element adds it again, and the
+    current folder is exactly what a hostile user may have filled. Empty when the module is
+    nowhere else (the worker then finds it on its own path or reports NVML unavailable).
+    """
+    for entry in search_path:
+        if not os.path.isabs(entry) or entry == cwd:
+            continue
+        if PathFinder.find_spec(module, [entry]) is not None:
+            return [entry]
+    return []
+
+
+def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FILE) -> list[str]:
+    """The argv that starts the worker: isolated interpreter, worker file by absolute path."""
+    return [python, "-I", "-c", _BOOTSTRAP, worker, *folders]
 
 
 class _WorkerGone(Exception):
@@ -69,9 +140,12 @@ class _WorkerGone(Exception):
 class NvmlClient:
     """Reads NVML through a worker process, with a deadline per poll. See the module docstring.
 
-    ``env`` entries are added to (and override) this process's environment for the worker; tests
+    ``env`` entries are added to the worker's environment (which inherits only ``PATH``,
+    ``LD_LIBRARY_PATH`` and ``FAKENVML_*`` from ours, see :func:`worker_environment`); tests
     pass ``LD_LIBRARY_PATH`` and the fake NVML's settings this way. ``clock`` is a monotonic
     clock used for backoff only; deadlines on the pipe always use the real monotonic clock.
+    ``spawn`` starts the worker (``subprocess.Popen``); tests replace it to model a worker that
+    SIGKILL cannot end.
     """
 
     def __init__(
@@ -83,8 +157,10 @@ class NvmlClient:
         clock: Callable[[], float] = time.monotonic,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        spawn: Spawn = subprocess.Popen,
     ) -> None:
         self.timeout = timeout
+        self._spawn = spawn
         self._env = dict(env) if env is not None else {}
         self._python = python
         self._clock = clock
@@ -160,20 +236,21 @@ class NvmlClient:
     # --- worker lifecycle -----------------------------------------------------------------
 
     def _start(self) -> None:
-        env = dict(os.environ)
-        env.update(self._env)
-        path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+        try:
+            cwd: str | None = os.getcwd()
+        except OSError:
+            cwd = None  # our folder was removed: nothing to exclude
         self._buffer = b""
-        self._proc = subprocess.Popen(
-            [self._python, "-m", "gpuwatchd.collect.nvml_worker"],
+        self._proc = self._spawn(
+            worker_command(self._python, library_folders(sys.path, cwd)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env=worker_environment(os.environ, self._env),
+            cwd=WORKER_CWD,
             close_fds=True,
             bufsize=0,
         )
-        log.debug("nvml.worker_started", pid=self._proc.pid)
+        log.debug(EventName.NVML_WORKER_STARTED, pid=self._proc.pid)
 
     def _request(
         self,
@@ -231,7 +308,7 @@ class NvmlClient:
             # Uninterruptible sleep in the driver: it will die when the kernel call returns.
             self._hung = proc
             log.critical(
-                "nvml.worker_hung",
+                EventName.NVML_WORKER_HUNG,
                 pid=proc.pid,
                 reason="NVML worker did not die after SIGKILL (stuck in the kernel); "
                 "no new worker starts while it lives",
@@ -251,7 +328,7 @@ class NvmlClient:
 
     def _reap_hung(self) -> None:
         if self._hung is not None and self._hung.poll() is not None:
-            log.info("nvml.hung_worker_exited", pid=self._hung.pid)
+            log.info(EventName.NVML_HUNG_WORKER_EXITED, pid=self._hung.pid)
             self._close_pipes(self._hung)
             self._hung = None
 
@@ -278,7 +355,9 @@ class NvmlClient:
             error=f"NVML call did not return within {timeout} (driver may be hung)",
         )
         proc, self._proc = self._proc, None
-        log.critical("nvml.wedged", timeout=self.timeout, pid=None if proc is None else proc.pid)
+        log.critical(
+            EventName.NVML_WEDGED, timeout=self.timeout, pid=None if proc is None else proc.pid
+        )
         if proc is not None:
             self._finish(proc)
             if self._hung is not proc:
@@ -298,7 +377,7 @@ class NvmlClient:
         # is found.
         self._retire_worker()
         reading = NvmlReading(available=False, error=UNAVAILABLE_PREFIX + reason)
-        log.warning("nvml.unavailable", reason=reason)
+        log.warning(EventName.NVML_UNAVAILABLE, reason=reason)
         return self._schedule_retry(reading)
 
     # --- conversion -----------------------------------------------------------------------
@@ -306,13 +385,13 @@ class NvmlClient:
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
         gpus = tuple(_to_gpu(raw) for raw in reply.get("gpus") or ())
         for notice in reply.get("notices") or ():
-            if notice.get("event") != "nvml.memory_v1_fallback":
+            if notice.get("event") != EventName.NVML_MEMORY_V1_FALLBACK:
                 continue
             uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")
             if uuid not in self._v1_logged:
                 self._v1_logged.add(uuid)
                 log.warning(
-                    "nvml.memory_v1_fallback",
+                    EventName.NVML_MEMORY_V1_FALLBACK,
                     gpu=uuid,
                     index=notice.get("index"),
                     reason=notice.get("reason"),

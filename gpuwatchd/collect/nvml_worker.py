@@ -1,7 +1,9 @@
 """The NVML worker process: the only module that imports pynvml.
 
-Run as ``python -m gpuwatchd.collect.nvml_worker`` by
-:class:`gpuwatchd.collect.nvml.NvmlClient`, never imported by the daemon itself. NVML calls
+Run as a script (by absolute path, under ``python -I``; see
+:func:`gpuwatchd.collect.nvml.worker_command`) by :class:`gpuwatchd.collect.nvml.NvmlClient`,
+never imported by the daemon itself. It imports nothing from ``gpuwatchd``, only the standard
+library and pynvml, so no package lookup can be steered into running other code. NVML calls
 can hang forever in the kernel on a wedged GPU and cannot be cancelled (DESIGN.md §2.8), so
 they run here, in a process the daemon can abandon; and every handle NVML holds on
 ``/dev/nvidia*`` lives here, so stopping this process releases them all before a reset

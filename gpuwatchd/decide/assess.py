@@ -10,6 +10,12 @@ It must never turn an unknown value into an actionable finding: every ``None`` o
 ``orphaned`` or ``ghost_memory`` yields a weaker, informational result instead, and the reason is
 written down. Deciding what to *do* about a finding is ``plan.py``'s job. The kinds and their
 evidence fields are documented in ``docs/findings.md``.
+
+Around it: ``host_view.py`` indexes the snapshot, ``assess_state.py`` owns what is carried
+between polls (lineage, owners, its JSON), ``baselines.py`` the idle-memory baselines. What is
+left here is one decision table — listings, holders, memory — and it is long (about 740 lines)
+because the orphan rule and its neighbours (worker, hidden, stuck, unknown) share one body of
+evidence: split, each half would have to recompute the other's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.assess_state import AssessState, Lineage, update_lineage, update_owners
+from gpuwatchd.decide.baselines import (
+    V1_BASELINE_SUFFIX,
+    learn_baselines,
+    memory_figure,
+)
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.host_view import HostView, Listing, relation
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import (
     MIB,
@@ -25,151 +38,14 @@ from gpuwatchd.model import (
     Finding,
     FindingKind,
     GpuInfo,
-    NvmlProcess,
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
+    as_int,
 )
+from gpuwatchd.vocabulary import HolderRoleName
 
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
-V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart
-V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
-STATE_VERSION = 1
-
-
-# --- carried state ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lineage:
-    """What a process looked like when first seen (DESIGN.md §2.4); ``first_seen`` is monotonic."""
-
-    ppid: int | None
-    pgid: int | None
-    sid: int | None
-    job: str | None
-    first_seen: float
-
-
-@dataclass(frozen=True)
-class AssessState:
-    """What assessment carries from one poll to the next.
-
-    ``baselines`` maps a GPU UUID to the smallest allocated memory seen while nothing held the
-    GPU (v1-only GPUs use the key ``UUID@v1`` and v1's "used" figure, which includes the driver
-    reservation, so the two never mix). ``lineage`` is keyed by process identity, so a new process
-    that reuses a PID never inherits the story of the old one. ``unaccounted_since`` maps a GPU
-    UUID to when (monotonic) it began to hold memory above baseline + margin with no live
-    context owner. ``owners`` are the processes seen as live context owners, kept while they live
-    or while a recorded lineage still names their PID: what ties memory that no live owner holds
-    to an heir. Lineage, ``unaccounted_since`` and ``owners`` are dropped when the boot id
-    changes.
-    """
-
-    baselines: Mapping[str, int] = field(default_factory=dict)
-    lineage: Mapping[ProcessIdentity, Lineage] = field(default_factory=dict)
-    boot_id: str | None = None
-    unaccounted_since: Mapping[str, float] = field(default_factory=dict)
-    owners: frozenset[ProcessIdentity] = frozenset()
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "version": STATE_VERSION,
-            "boot_id": self.boot_id,
-            "baselines": dict(sorted(self.baselines.items())),
-            "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
-            "owners": [[ident.pid, ident.start_ticks] for ident in sorted(self.owners)],
-            "lineage": [
-                {
-                    "pid": ident.pid,
-                    "start_ticks": ident.start_ticks,
-                    "ppid": lin.ppid,
-                    "pgid": lin.pgid,
-                    "sid": lin.sid,
-                    "job": lin.job,
-                    "first_seen": lin.first_seen,
-                }
-                for ident, lin in sorted(self.lineage.items())
-            ],
-        }
-
-    @classmethod
-    def from_json(cls, data: object) -> AssessState:
-        """Rebuild the state written by :meth:`to_json`; raise ValueError on anything malformed."""
-        if not isinstance(data, dict):
-            raise ValueError("assess state must be an object")
-        if data.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported assess state version: {data.get('version')!r}")
-        boot_id = data.get("boot_id")
-        if boot_id is not None and not isinstance(boot_id, str):
-            raise ValueError("boot_id must be a string or null")
-        raw_baselines = data.get("baselines", {})
-        if not isinstance(raw_baselines, dict):
-            raise ValueError("baselines must be an object")
-        baselines: dict[str, int] = {}
-        for uuid, value in raw_baselines.items():
-            if not isinstance(uuid, str) or not _is_int(value) or value < 0:
-                raise ValueError(f"bad baseline entry: {uuid!r}: {value!r}")
-            baselines[uuid] = value
-        raw_since = data.get("unaccounted_since", {})
-        if not isinstance(raw_since, dict):
-            raise ValueError("unaccounted_since must be an object")
-        since: dict[str, float] = {}
-        for uuid, value in raw_since.items():
-            if not isinstance(uuid, str) or isinstance(value, bool):
-                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
-            if not isinstance(value, (int, float)):
-                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
-            since[uuid] = float(value)
-        raw_lineage = data.get("lineage", [])
-        if not isinstance(raw_lineage, list):
-            raise ValueError("lineage must be a list")
-        lineage: dict[ProcessIdentity, Lineage] = {}
-        for entry in raw_lineage:
-            if not isinstance(entry, dict):
-                raise ValueError(f"bad lineage entry: {entry!r}")
-            pid, start = entry.get("pid"), entry.get("start_ticks")
-            first_seen = entry.get("first_seen")
-            job = entry.get("job")
-            if not _is_int(pid) or not _is_int(start):
-                raise ValueError(f"lineage entry needs integer pid and start_ticks: {entry!r}")
-            if isinstance(first_seen, bool) or not isinstance(first_seen, (int, float)):
-                raise ValueError(f"lineage entry needs a numeric first_seen: {entry!r}")
-            if job is not None and not isinstance(job, str):
-                raise ValueError(f"lineage job must be a string or null: {entry!r}")
-            ids = [entry.get(name) for name in ("ppid", "pgid", "sid")]
-            if any(value is not None and not _is_int(value) for value in ids):
-                raise ValueError(f"lineage ppid/pgid/sid must be integers or null: {entry!r}")
-            lineage[ProcessIdentity(_int(pid), _int(start))] = Lineage(
-                ppid=_opt_int(ids[0]),
-                pgid=_opt_int(ids[1]),
-                sid=_opt_int(ids[2]),
-                job=job,
-                first_seen=float(first_seen),
-            )
-        raw_owners = data.get("owners", [])
-        if not isinstance(raw_owners, list):
-            raise ValueError("owners must be a list")
-        owners: set[ProcessIdentity] = set()
-        for entry in raw_owners:
-            if not (isinstance(entry, list) and len(entry) == 2 and all(map(_is_int, entry))):
-                raise ValueError(f"bad owners entry: {entry!r}")
-            owners.add(ProcessIdentity(_int(entry[0]), _int(entry[1])))
-        return cls(
-            baselines=baselines,
-            lineage=lineage,
-            boot_id=boot_id,
-            unaccounted_since=since,
-            owners=frozenset(owners),
-        )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _opt_int(value: object) -> int | None:
-    return value if isinstance(value, int) else None
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -187,7 +63,7 @@ class HolderRole:
 
     pid: int
     gpu: str
-    role: str
+    role: HolderRoleName
     owner_pid: int | None
     via: tuple[str, ...]
     note: str
@@ -209,158 +85,12 @@ class Assessment:
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-# --- the host as seen in one snapshot ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Listing:
-    """One PID an NVML process list named on one GPU, and what /proc says about it."""
-
-    gpu: GpuInfo
-    entry: NvmlProcess
-    status: str  # "dead", "zombie" or "alive" (invalid PIDs never become listings)
-    proc: ProcessInfo | None
-
-
-class _Host:
-    """Indexes over one snapshot with the daemon's own processes removed."""
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        own = snapshot.self_pids
-        self.snapshot = snapshot
-        self.gpus = tuple(sorted(snapshot.nvml.gpus, key=lambda g: g.index))
-        self.procs = {pid: p for pid, p in snapshot.processes.items() if pid not in own}
-        self.holdings = {
-            pid: h
-            for pid, h in snapshot.holders.holdings.items()
-            if pid not in own and (h.gpu_minors or h.ctl or h.uvm)
-        }
-        self.unreadable = frozenset(snapshot.holders.unreadable - own)
-        self.full_scan = snapshot.holders.mode == "full"
-        self._by_minor: dict[int, list[DeviceHolding]] | None = None
-        self._floor: dict[int, bool] = {}
-        self.invalid: list[tuple[str, int]] = []
-        self.listings: dict[str, list[_Listing]] = {}
-        for gpu in self.gpus:
-            seen: set[int] = set()
-            rows: list[_Listing] = []
-            for entry in gpu.processes or ():
-                if entry.pid in own or entry.pid in seen:
-                    continue
-                seen.add(entry.pid)
-                if entry.pid <= 0 or entry.pid > snapshot.pid_max:
-                    self.invalid.append((gpu.uuid, entry.pid))
-                    continue
-                proc = self.procs.get(entry.pid)
-                status = "dead" if proc is None else "zombie" if proc.is_zombie else "alive"
-                rows.append(_Listing(gpu, entry, status, proc))
-            self.listings[gpu.uuid] = rows
-        # Every PID NVML lists alive on some GPU: they own a context somewhere, and they (and
-        # their relatives) are never orphans. A listed zombie that still holds device files has
-        # live threads, so it counts as alive here too.
-        self.listed_alive: dict[int, ProcessInfo] = {}
-        for rows in self.listings.values():
-            for row in rows:
-                if row.proc is None:
-                    continue
-                if row.status == "alive" or self.holds_anything(row.proc.pid):
-                    self.listed_alive[row.proc.pid] = row.proc
-
-    def holds_anything(self, pid: int) -> bool:
-        holding = self.holdings.get(pid)
-        return holding is not None and bool(holding.gpu_minors)
-
-    def holds_gpu(self, pid: int, gpu: GpuInfo) -> bool | None:
-        """Whether ``pid`` holds ``gpu``'s device file; None when that cannot be known."""
-        if gpu.minor is None:
-            return None
-        holding = self.holdings.get(pid)
-        if holding is not None and gpu.minor in holding.gpu_minors:
-            return True
-        if pid in self.unreadable:
-            return None
-        return False
-
-    def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
-        if gpu.minor is None:
-            return []
-        if self._by_minor is None:  # indexed once per snapshot, asked for per GPU many times
-            index: dict[int, list[DeviceHolding]] = {}
-            for _pid, holding in sorted(self.holdings.items()):
-                for minor in holding.gpu_minors:
-                    index.setdefault(minor, []).append(holding)
-            self._by_minor = index
-        return list(self._by_minor.get(gpu.minor, ()))
-
-    def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:
-        return [g for g in self.gpus if g.minor is not None and g.minor in holding.gpu_minors]
-
-    def is_floor(self, pid: int) -> bool:
-        if pid not in self._floor:
-            proc = self.procs.get(pid)
-            self._floor[pid] = proc is not None and is_infrastructure(proc)
-        return self._floor[pid]
-
-    def unreadable_suspects(self) -> list[int]:
-        """Unreadable processes that might hold anything (infrastructure excluded)."""
-        return sorted(pid for pid in self.unreadable if not self.is_floor(pid))
-
-    def ancestors(self, proc: ProcessInfo) -> tuple[frozenset[int], bool]:
-        """The PIDs above ``proc`` via ppid, and whether the chain is complete up to init."""
-        found: set[int] = set()
-        current = proc.ppid
-        while True:
-            if current is None:
-                return frozenset(found), False
-            if current <= 2:
-                return frozenset(found), True
-            if current in found or current == proc.pid:
-                return frozenset(found), False  # a cycle: the data is inconsistent
-            found.add(current)
-            parent = self.procs.get(current)
-            if parent is None:
-                return frozenset(found), False
-            current = parent.ppid
-
-
-def _relation(host: _Host, a: ProcessInfo, b: ProcessInfo) -> tuple[bool | None, str]:
-    """Whether ``a`` belongs with ``b``: same tree, session, process group or job.
-
-    True with the link that proves it; False when every column is known and none links them;
-    None when some column is unknown (unknown never proves two processes unrelated).
-    """
-    if a.pid == b.pid:
-        return True, "same process"
-    unknown: list[str] = []
-    for column in ("sid", "pgid"):
-        left, right = getattr(a, column), getattr(b, column)
-        if left is None or right is None:
-            unknown.append(column)
-        elif left == right:
-            return True, f"same {column} {left}"
-    if a.cgroup is None or b.cgroup is None:
-        unknown.append("cgroup")
-    else:
-        job = a.cgroup.job_key
-        if job is not None and job == b.cgroup.job_key:
-            return True, f"same job {job}"
-    above_a, complete_a = host.ancestors(a)
-    if b.pid in above_a:
-        return True, f"descendant of {b.pid}"
-    above_b, complete_b = host.ancestors(b)
-    if a.pid in above_b:
-        return True, f"ancestor of {b.pid}"
-    if not (complete_a and complete_b):
-        unknown.append("process tree")
-    if unknown:
-        return None, "unknown " + ", ".join(unknown)
-    return False, "unrelated"
-
-
 # --- PID trust and report-only conditions -----------------------------------------------------
 
 
-def _dead_pid_explained(host: _Host, pid: int, lineage: Mapping[ProcessIdentity, Lineage]) -> bool:
+def _dead_pid_explained(
+    host: HostView, pid: int, lineage: Mapping[ProcessIdentity, Lineage]
+) -> bool:
     """A dead listed PID is explained when we saw it alive or a live process descends from it."""
     if any(ident.pid == pid for ident in lineage):
         return True
@@ -375,7 +105,7 @@ def _dead_pid_explained(host: _Host, pid: int, lineage: Mapping[ProcessIdentity,
 
 
 def _pid_trust_problem(
-    host: _Host, detection: Detection, lineage: Mapping[ProcessIdentity, Lineage]
+    host: HostView, detection: Detection, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> str | None:
     """Why NVML's process lists cannot be trusted this poll, or None (DESIGN.md §2.3).
 
@@ -400,7 +130,7 @@ def _pid_trust_problem(
     return None
 
 
-def _report_only(host: _Host, trust_problem: str | None) -> dict[str, str]:
+def _report_only(host: HostView, trust_problem: str | None) -> dict[str, str]:
     snapshot = host.snapshot
     node: list[str] = []
     if not snapshot.nvml.available:
@@ -428,109 +158,6 @@ def _report_only(host: _Host, trust_problem: str | None) -> dict[str, str]:
     return result
 
 
-# --- lineage and baselines --------------------------------------------------------------------
-
-
-def _update_lineage(
-    host: _Host, previous: AssessState, tracked: Iterable[ProcessInfo]
-) -> dict[ProcessIdentity, Lineage]:
-    """Keep what is still true, record newcomers as they look now.
-
-    An entry survives while its process is present with the same start time, while NVML still
-    lists its PID dead (that proves we saw it alive), or, after a targeted scan, while its PID
-    was simply not looked at. It is dropped when the PID now belongs to another process or a
-    full scan no longer sees it, and everything is dropped when the boot id changes or is unknown.
-    """
-    snapshot = host.snapshot
-    same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
-    listed_dead = {
-        row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"
-    }
-    kept: dict[ProcessIdentity, Lineage] = {}
-    if same_boot:
-        for ident, lin in previous.lineage.items():
-            proc = host.procs.get(ident.pid)
-            if proc is not None:
-                if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
-                    kept[ident] = lin
-            elif ident.pid in listed_dead or not host.full_scan:
-                kept[ident] = lin
-    for proc in tracked:
-        new = proc.identity
-        if new is None or new in kept:
-            continue
-        job = proc.cgroup.job_key if proc.cgroup is not None else None
-        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, snapshot.monotonic)
-    return kept
-
-
-def _update_owners(
-    host: _Host, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
-) -> frozenset[ProcessIdentity]:
-    """Context owners seen so far: this poll's, plus earlier ones still alive or still named.
-
-    An owner is forgotten once its PID is gone (or belongs to another process) and no recorded
-    lineage names it as parent, process group or session any more, so the set stays small.
-    """
-    current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
-    named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
-    kept = set(current)
-    for ident in previous:
-        proc = host.procs.get(ident.pid)
-        alive = proc is not None and proc.start_ticks == ident.start_ticks
-        if alive or ident.pid in named:
-            kept.add(ident)
-    return frozenset(kept)
-
-
-def _memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int] | None:
-    """The baseline key and current memory figure to learn from or compare, if any."""
-    memory = gpu.memory
-    if memory is None:
-        return None
-    if memory.allocated is not None:
-        return gpu.uuid, memory.allocated
-    if memory.api == "v1" and memory.used_v1 is not None:
-        return gpu.uuid + V1_BASELINE_SUFFIX, memory.used_v1
-    return None
-
-
-def _learn_baselines(
-    host: _Host, previous: Mapping[str, int], detection: Detection
-) -> dict[str, int]:
-    """Learn each GPU's idle memory from moments when nothing could be holding it.
-
-    Nothing may hold the GPU except NVML-only infrastructure (persistenced, DCGM: they keep the
-    GPU open but allocate nothing that a job could have left); NVML lists no process; the scan
-    was full and could read every process. The minimum ever seen is kept. A v2 figure above
-    the default baseline plus the ghost margin is never learned: an idle-looking GPU holding that
-    much is exactly what ghost memory looks like, and learning it would hide the leak for good.
-    v1 figures include the driver's reservation, so their ceiling allows for it.
-    """
-    learned = dict(previous)
-    if not host.full_scan or host.unreadable_suspects():
-        return learned
-    for gpu in host.gpus:
-        if gpu.lost or gpu.mig_enabled or gpu.coherent_memory or gpu.minor is None:
-            continue
-        if gpu.processes is None or gpu.processes:
-            continue
-        holders = host.holders_of(gpu)
-        if any(h.uvm or not host.is_floor(h.pid) for h in holders):
-            continue
-        figure = _memory_figure(gpu, learned)
-        if figure is None:
-            continue
-        key, value = figure
-        ceiling = detection.default_baseline + detection.ghost_margin
-        if key.endswith(V1_BASELINE_SUFFIX):
-            ceiling += V1_MAX_RESERVATION
-        if key not in learned and value > ceiling:
-            continue
-        learned[key] = min(value, learned.get(key, value))
-    return learned
-
-
 # --- the assessment ---------------------------------------------------------------------------
 
 
@@ -554,7 +181,7 @@ class _Assessor:
         detection: Detection,
         ended_jobs: frozenset[str],
     ) -> None:
-        self.host = _Host(snapshot)
+        self.host = HostView(snapshot)
         self.detection = detection
         self.ended_jobs = ended_jobs
         host = self.host
@@ -562,10 +189,10 @@ class _Assessor:
         tracked += [
             row.proc for rows in host.listings.values() for row in rows if row.proc is not None
         ]
-        self.lineage = _update_lineage(host, previous, tracked)
-        self.baselines = _learn_baselines(host, previous.baselines, detection)
+        self.lineage = update_lineage(host, previous, tracked)
+        self.baselines = learn_baselines(host, previous.baselines, detection)
         same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
-        self.owners = _update_owners(
+        self.owners = update_owners(
             host, previous.owners if same_boot else frozenset(), self.lineage
         )
         self.unaccounted_since: dict[str, float] = {}
@@ -588,7 +215,7 @@ class _Assessor:
 
     def baseline(self, gpu: GpuInfo) -> tuple[int | None, int | None, bool]:
         """(figure, baseline, learned) for ghost-style comparisons; figure None = no check."""
-        figure = _memory_figure(gpu, self.baselines)
+        figure = memory_figure(gpu, self.baselines)
         if figure is None:
             return None, None, False
         key, value = figure
@@ -774,7 +401,9 @@ class _Assessor:
         if gpu is not None and gpu.minor is not None and holding is not None:
             via = holding.via(gpu.minor)
         self.roles.append(
-            HolderRole(pid, gpu.uuid if gpu is not None else NODE, role, owner, via, note)
+            HolderRole(
+                pid, gpu.uuid if gpu is not None else NODE, HolderRoleName(role), owner, via, note
+            )
         )
 
     def add_stuck(self, proc: ProcessInfo, gpu: GpuInfo | None, gpus: list[GpuInfo]) -> None:
@@ -802,7 +431,7 @@ class _Assessor:
             outcome = self.classify(pid, proc, holding, held)
             if proc is not None and outcome.kind is not None:
                 target = outcome.gpu or (held[0] if held else None)
-                memory = _int_or_none(outcome.evidence.get("memory"))
+                memory = as_int(outcome.evidence.get("memory"))
                 self.add(
                     outcome.kind,
                     target,
@@ -863,7 +492,7 @@ class _Assessor:
             return _Outcome("context_owner", "owns a context (listed by NVML)")
         unknown_links: list[str] = []
         for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
-            related, link = _relation(host, proc, owner)
+            related, link = relation(host, proc, owner)
             if related:
                 return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
             if related is None:
@@ -908,7 +537,7 @@ class _Assessor:
                 )
             else:
                 why = (
-                    f"holds GPU {gpu.index}, whose {_mib(_int(tie['allocated']))} allocated "
+                    f"holds GPU {gpu.index}, whose {_mib(as_int(tie['allocated']))} allocated "
                     f"no live context owner accounts for; owns no context anywhere"
                 )
             return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
@@ -1067,19 +696,6 @@ class _Assessor:
         )
 
 
-def back_to_baseline(
-    uuid: str, allocated: int | None, state: AssessState, detection: Detection
-) -> bool | None:
-    """After a reset: is this GPU's allocated memory back within the margin of its idle baseline?
-
-    The baseline is the learned one, else the default; None when the memory is unknown.
-    """
-    if allocated is None:
-        return None
-    baseline = state.baselines.get(uuid, detection.default_baseline)
-    return allocated <= baseline + detection.ghost_margin
-
-
 def assess(
     snapshot: Snapshot,
     previous: AssessState,
@@ -1100,36 +716,6 @@ def assess(
     return assessor.result()
 
 
-def needs_full_scan(snapshot: Snapshot, state: AssessState, detection: Detection) -> bool:
-    """Whether a targeted scan left a question only a full scan can answer.
-
-    True when some GPU has memory above its baseline plus the ghost margin that the live
-    context owners NVML lists do not account for: the holder may be outside their trees.
-    """
-    if snapshot.holders.mode == "full":
-        return False
-    for gpu in snapshot.nvml.gpus:
-        if gpu.lost or gpu.coherent_memory or gpu.memory is None or gpu.processes is None:
-            continue
-        figure = _memory_figure(gpu, state.baselines)
-        if figure is None:
-            continue
-        key, value = figure
-        baseline = state.baselines.get(key)
-        if baseline is None:
-            if key.endswith(V1_BASELINE_SUFFIX):
-                continue
-            baseline = detection.default_baseline
-        used = [p.used_memory for p in gpu.processes]
-        accounted = sum(u for u in used if u is not None)
-        if value - accounted > baseline + detection.ghost_margin:
-            return True
-    return False
-
-
-# --- small formatting helpers -----------------------------------------------------------------
-
-
 def _process_evidence(
     proc: ProcessInfo, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> dict[str, object]:
@@ -1147,20 +733,12 @@ def _process_evidence(
     }
 
 
-def _listed_pids(rows: Iterable[_Listing]) -> set[int]:
+def _listed_pids(rows: Iterable[Listing]) -> set[int]:
     return {row.entry.pid for row in rows}
 
 
-def _int(value: object) -> int:
-    return value if isinstance(value, int) else 0
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _mib(value: int) -> str:
-    return f"{value // MIB} MiB"
+def _mib(value: int | None) -> str:
+    return "an unknown amount of" if value is None else f"{value // MIB} MiB"
 
 
 def _pids(pids: Iterable[int]) -> str:

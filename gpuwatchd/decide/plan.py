@@ -28,7 +28,6 @@ from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.plan_state import (
-    STATE_VERSION,
     Ladder,
     PlanState,
     ResetInFlight,
@@ -50,14 +49,16 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.vocabulary import (
+    EventName,
+    LadderStatus,
+    ResetResult,
+    SignalOutcome,
+    check_ladder_transition,
+)
 
 __all__ = [
-    "EVENT_NAMES",
     "HOUR",
-    "LEVELS",
-    "RESET_OUTCOMES",
-    "SIGNAL_OUTCOMES",
-    "STATE_VERSION",
     "Event",
     "EventName",
     "HookIntent",
@@ -65,6 +66,7 @@ __all__ = [
     "Ladder",
     "PlanResult",
     "PlanState",
+    "ResetGate",
     "ResetInFlight",
     "ResetIntent",
     "SeenFinding",
@@ -80,6 +82,7 @@ __all__ = [
     "record_reset",
     "record_signal",
     "refusal",
+    "reset_gates",
     "rule_for",
     "set_paused",
     "target_key",
@@ -97,46 +100,6 @@ _HOLDER_KINDS = frozenset(
         FindingKind.ZOMBIE,
     }
 )
-
-
-class EventName:
-    """The catalogue of event names ``plan`` emits (documented in docs/escalation.md)."""
-
-    FINDING_NEW = "finding.new"
-    FINDING_CHANGED = "finding.changed"
-    FINDING_RESOLVED = "finding.resolved"
-    RULE_REPORT_ONLY = "rule.report_only"
-    ACTION_REFUSED = "action.refused"
-    ACTION_DEFERRED = "action.deferred"
-    ESCALATION_CONFIRMING = "escalation.confirming"
-    ESCALATION_STEP_DUE = "escalation.step_due"
-    ESCALATION_SIGNAL_RECORDED = "escalation.signal_recorded"
-    ESCALATION_RESOLVED = "escalation.resolved"
-    ESCALATION_ABORTED = "escalation.aborted"
-    ESCALATION_ENDED = "escalation.ended"
-    ESCALATION_RESTARTED = "escalation.restarted"
-    TARGET_STUCK = "target.stuck"
-    ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
-    LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
-    RESET_CONFIRMING = "reset.confirming"
-    RESET_DUE = "reset.due"
-    RESET_REFUSED = "reset.refused"
-    RESET_LIMIT_REACHED = "reset.limit_reached"
-    RESET_CIRCUIT_OPEN = "reset.circuit_open"
-    RESET_SUCCEEDED = "reset.succeeded"
-    RESET_FAILED = "reset.failed"
-    RESET_DRY_RUN = "reset.dry_run"
-    GPU_NEEDS_REBOOT = "gpu.needs_reboot"
-    STATE_BOOT_CHANGED = "state.boot_changed"
-    CLOCK_STEPPED_BACK = "clock.stepped_back"
-
-
-EVENT_NAMES = frozenset(v for k, v in vars(EventName).items() if k.isupper())
-LEVELS = ("debug", "info", "warning", "error", "critical")
-SIGNAL_OUTCOMES = frozenset(
-    {"delivered", "gone", "reused", "denied", "zombie", "dry_run", "failed"}
-)
-RESET_OUTCOMES = frozenset({"success", "failed", "refused", "timeout", "dry_run"})
 
 
 # --- intents and events -----------------------------------------------------------------------
@@ -204,6 +167,11 @@ class PlanResult:
 
 
 # --- the planner ------------------------------------------------------------------------------
+
+
+def _move(lad: Ladder, status: LadderStatus) -> Ladder:
+    """The ladder in a terminal ``status``, nothing due; an illegal transition raises."""
+    return replace(lad, status=check_ladder_transition(lad.status, status), due=None)
 
 
 def target_key(identity: ProcessIdentity) -> str:
@@ -450,7 +418,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         # ladder follows the process, keeping its steps, so a kind flip never skips a wait.
         lad = replace(lad, finding_key=finding.key)
         w.ladders[target] = lad
-    if lad.status != "active":
+    if lad.status is not LadderStatus.ACTIVE:
         if lad.dry_run and not _dry(w, ctx) and _hold_reason(w, ctx) is None:
             _restart_after_dry_run(w, lad)
         return
@@ -468,7 +436,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         if proc.is_uninterruptible:
             _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
         else:
-            w.ladders[target] = replace(lad, status="ended", due=None)
+            w.ladders[target] = _move(lad, LadderStatus.ENDED)
             w.event(
                 EventName.ESCALATION_ENDED,
                 "info" if lad.dry_run else "error",
@@ -490,7 +458,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         return
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
-        w.ladders[target] = replace(lad, status="failed", due=None)
+        w.ladders[target] = _move(lad, LadderStatus.FAILED)
         w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
         return
     _emit_step(w, ctx, lad, proc, finding)
@@ -522,7 +490,7 @@ def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
 
 def _close(w: _Work, lad: Ladder, name: str, level: str, why: str) -> None:
     w.ladders.pop(lad.target, None)
-    if lad.status == "active":
+    if lad.status is LadderStatus.ACTIVE:
         w.event(name, level, why=why, **_ladder_fields(lad))
 
 
@@ -542,7 +510,7 @@ def _zombie_event(
 
 
 def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
-    w.ladders[lad.target] = replace(lad, status="stuck", due=None)
+    w.ladders[lad.target] = _move(lad, LadderStatus.STUCK)
     facts = {**_ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, "critical", why=why + "; needs drain/reboot", **facts)
     w.intents.append(
@@ -662,7 +630,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         steps=tuple((s.signal, s.wait) for s in rule.steps),
         step=0,
         due=None,
-        status="active",
+        status=LadderStatus.ACTIVE,
         dry_run=dry,
         started=ctx.now,
     )
@@ -714,12 +682,73 @@ def _say(w: _Work, finding: Finding, said: tuple[str, str, str]) -> None:
         w.event(name, level, why=why, **_finding_fields(finding))
 
 
-def _live_holder(ctx: _Ctx, gpu: GpuInfo) -> str | None:
-    for other in sorted(ctx.findings.values(), key=lambda f: f.key):
+@dataclass(frozen=True)
+class ResetGate:
+    """One reason, known from a snapshot alone, that a GPU may not be reset now.
+
+    ``name`` says which gate (``live_holder`` is checked only after the confirmation window,
+    the others before it); ``why`` is what ``reset.refused`` says; ``level`` its log level.
+    """
+
+    name: str
+    why: str
+    level: str
+
+
+def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
+    for other in sorted(findings, key=lambda f: f.key):
         if other.gpu == gpu.uuid and other.kind in _HOLDER_KINDS and other.pid is not None:
             return f"{other.kind.value} pid {other.pid} holds the GPU"
-    snapshot = ctx.snapshot
     return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
+
+
+def reset_gates(
+    finding: Finding,
+    snapshot: Snapshot,
+    policy: Policy,
+    *,
+    report_only: Mapping[str, str],
+    findings: Iterable[Finding],
+) -> list[ResetGate]:
+    """Every gate that holds the reset of ``finding``'s GPU in this snapshot, in plan's order.
+
+    Pure. These are the gates that need no history; plan checks them (the first that holds
+    wins) around the confirmation window, then the ones that do need history (circuit
+    breaker, reset limits, cooldown, a reset in flight, pause, post-action delay). ``explain``
+    lists them all for a saved report.
+    """
+    reset = policy.reset
+    gates: list[ResetGate] = []
+
+    def gate(name: str, why: str, level: str = "info") -> None:
+        gates.append(ResetGate(name, why, level))
+
+    uuid = finding.gpu or ""
+    gpu = gpu_by_uuid(snapshot, finding.gpu)
+    blocked = _node_block(snapshot)
+    if not finding.actionable:
+        gate("not_actionable", "not_actionable")
+    if uuid in report_only:
+        gate("report_only", f"report_only: {report_only[uuid]}")
+    if blocked is not None:
+        gate("blocked", f"blocked: {blocked}", "warning")
+    if gpu is None or gpu.lost:
+        why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
+        gate("gpu", why, "warning")
+        return gates
+    entry = gpu_protected(uuid, gpu, policy)
+    if entry is not None:
+        gate("protect", f"protect: gpus {entry}")
+    if gpu.mig_enabled is not False and not reset.allow_mig:
+        gate("mig", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
+    # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
+    # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
+    if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
+        gate("nvlink", "NVLink peers must be reset together (Volta, or Ampere with links)")
+    holder = _live_holder(gpu, snapshot, findings)
+    if holder is not None:
+        gate("live_holder", f"live holder: {holder}")
+    return gates
 
 
 def _reset_blocker(
@@ -729,35 +758,26 @@ def _reset_blocker(
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
     uuid = finding.gpu or ""
-    if not finding.actionable:
-        return refused, "info", "not_actionable"
-    if uuid in ctx.report_only:
-        return refused, "info", f"report_only: {ctx.report_only[uuid]}"
-    if ctx.blocked is not None:
-        return refused, "warning", f"blocked: {ctx.blocked}"
-    if gpu is None or gpu.lost:
-        why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
-        return refused, "warning", why
-    entry = gpu_protected(uuid, gpu, ctx.policy)
-    if entry is not None:
-        return refused, "info", f"protect: gpus {entry}"
-    if gpu.mig_enabled is not False and not reset.allow_mig:
-        return refused, "info", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown"
-    # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
-    # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
-    if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
-        return refused, "info", "NVLink peers must be reset together (Volta, or Ampere with links)"
+    gates = reset_gates(
+        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
+        findings=ctx.findings.values(),
+    )  # fmt: skip
+    before = [g for g in gates if g.name != "live_holder"]
+    if before:
+        return refused, before[0].level, before[0].why
+    if gpu is None:
+        return refused, "warning", "GPU not in this snapshot"  # for the type checker
     first_seen = w.seen[finding.key].first_seen
     if ctx.now - first_seen < reset.confirm_for:
         w.waiting[finding.key] = first_seen + reset.confirm_for
         return EventName.RESET_CONFIRMING, "debug", f"confirming for {reset.confirm_for:g}s"
-    holder = _live_holder(ctx, gpu)
+    holder = next((g.why for g in gates if g.name == "live_holder"), None)
     if holder is None and any(
-        lad.gpu == uuid and lad.status == "active" for lad in w.ladders.values()
+        lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values()
     ):
-        holder = "an escalation on this GPU is in progress"
+        holder = "live holder: an escalation on this GPU is in progress"
     if holder is not None:
-        return refused, "info", f"live holder: {holder}"
+        return refused, "info", holder
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
@@ -827,26 +847,27 @@ def record_signal(
     state: PlanState, intent: SignalIntent, outcome: str, *, now: float
 ) -> PlanResult:
     """Advance the target's ladder by what act saw. The next step's wait starts now."""
-    if outcome not in SIGNAL_OUTCOMES:
+    if outcome not in set(SignalOutcome):
         raise ValueError(f"unknown signal outcome {outcome!r}")
+    outcome = SignalOutcome(outcome)
     target = target_key(intent.identity)
     lad = state.ladders.get(target)
     base = {"target": target, "signal": intent.signal, "outcome": outcome, "step": intent.step}
-    if lad is None or lad.step != intent.step or lad.status != "active":
+    if lad is None or lad.step != intent.step or lad.status is not LadderStatus.ACTIVE:
         ev = Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", {**base, "stale": True})
         return PlanResult((), (ev,), state)
     ladders = dict(state.ladders)
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
     fields = {**_ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
-    if outcome in ("delivered", "dry_run"):
+    if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
         due = now + lad.steps[lad.step - 1][1]
         ladders[target] = replace(lad, due=due)
         waiting[lad.finding_key] = due
-    elif outcome in ("gone", "zombie"):
+    elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
         del ladders[target]
         events.append(Event(EventName.ESCALATION_RESOLVED, "info", {**fields, "why": outcome}))
-        if outcome == "zombie":
+        if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
                     EventName.ZOMBIE_NEEDS_REAP,
@@ -854,11 +875,11 @@ def record_signal(
                     {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
                 )
             )
-    elif outcome == "reused":
+    elif outcome is SignalOutcome.REUSED:
         del ladders[target]
         events.append(Event(EventName.ESCALATION_ABORTED, "warning", {**fields, "why": outcome}))
     else:  # denied / failed: never retried
-        ladders[target] = replace(lad, status="failed", due=None)
+        ladders[target] = _move(lad, LadderStatus.FAILED)
         events.append(Event(EventName.ESCALATION_ENDED, "error", {**fields, "why": outcome}))
     return PlanResult((), tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
@@ -872,7 +893,7 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     ladders = {k: v for k, v in state.ladders.items() if k != target}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     events: tuple[Event, ...] = ()
-    if lad.status == "active":
+    if lad.status is LadderStatus.ACTIVE:
         fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
     return PlanResult((), events, replace(state, ladders=ladders, waiting=waiting))
@@ -888,8 +909,9 @@ def record_reset(
     needs_reboot: bool = False,
 ) -> PlanResult:
     """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure."""
-    if outcome not in RESET_OUTCOMES:
+    if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
+    outcome = ResetResult(outcome)
     w = _Work(state)
     w.rebase_wall(wall)
     in_flight = w.state.reset_in_flight
@@ -904,15 +926,15 @@ def record_reset(
         "finding": intent.finding_key,
         "outcome": outcome,
     }
-    if outcome == "dry_run":
+    if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
         w.event(EventName.RESET_DRY_RUN, "info", **fields)
-    elif outcome == "refused":
+    elif outcome is ResetResult.REFUSED:
         # Aborted before the command ran (e.g. the final holder scan found a holder): no
         # history or failure, but the cooldown applies so the procedure is not retried at once.
         w.last_reset[gpu] = wall
         w.event(EventName.RESET_REFUSED, "warning", why="refused by the reset procedure", **fields)
-    elif outcome == "success":
+    elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
         w.state = replace(w.state, reset_failures=0)
@@ -933,7 +955,7 @@ def record_reset(
         )
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
-        if outcome not in ("failed", "timeout"):
+        if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
             w.intents.append(
                 HookIntent("on_failure", f"{gpu} needs a reboot", fields, dry_run=intent.dry_run)
             )
@@ -961,7 +983,8 @@ def pending(state: PlanState, keys: Iterable[str]) -> bool:
     if any(k in wanted for k in state.waiting):
         return True
     return any(
-        lad.status == "active" and lad.finding_key in wanted for lad in state.ladders.values()
+        lad.status is LadderStatus.ACTIVE and lad.finding_key in wanted
+        for lad in state.ladders.values()
     )
 
 

@@ -2,8 +2,8 @@
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
 (``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``), the saved JSON
-format (``PlanState.to_json`` / ``PlanState.from_json``, version ``STATE_VERSION``) and the
-checks applied when it is read back, so a damaged state file is a ValueError, never a wrong
+format (``PlanState.to_json`` / ``PlanState.from_json``, version ``PLAN_STATE_VERSION``) and
+the checks applied when it is read back, so a damaged state file is a ValueError, never a wrong
 decision.
 
 It must not decide anything: what the values mean, and every transition between them, belong
@@ -17,7 +17,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-STATE_VERSION = 1
+from gpuwatchd.model import as_int
+from gpuwatchd.vocabulary import PLAN_STATE_VERSION, LadderStatus
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Ladder:
     steps: tuple[tuple[str | None, float], ...]
     step: int
     due: float | None
-    status: str
+    status: LadderStatus
     dry_run: bool
     started: float
 
@@ -127,7 +128,7 @@ def _dump_ladder(lad: Ladder) -> dict[str, object]:
 def _dump_state(s: PlanState) -> dict[str, object]:
     flight = s.reset_in_flight
     return {
-        "version": STATE_VERSION,
+        "version": PLAN_STATE_VERSION,
         "boot_id": s.boot_id,
         "seen": {
             k: {"first_seen": v.first_seen, "digest": v.digest, "gpu": v.gpu, "target": v.target}
@@ -183,9 +184,10 @@ def _opt_str(value: object, what: str) -> str | None:
 
 
 def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    number = as_int(value)
+    if number is None:
         raise ValueError(f"{what}: expected an integer")
-    return value
+    return number
 
 
 def _float(value: object, what: str) -> float:
@@ -220,9 +222,6 @@ def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-_LADDER_STATUSES = frozenset({"active", "ended", "stuck", "failed"})
-
-
 def _load_ladder(value: object, what: str) -> Ladder:
     d = _obj(value, what)
     steps = []
@@ -233,7 +232,7 @@ def _load_ladder(value: object, what: str) -> Ladder:
         steps.append((_opt_str(pair[0], f"{what}.steps[{i}]"), _float(pair[1], what)))
     status = _str(d.get("status"), f"{what}.status")
     step = _int(d.get("step"), f"{what}.step")
-    if status not in _LADDER_STATUSES or not 0 <= step <= len(steps):
+    if status not in set(LadderStatus) or not 0 <= step <= len(steps):
         raise ValueError(f"{what}: invalid status or step")
     return Ladder(
         target=_str(d.get("target"), f"{what}.target"),
@@ -245,7 +244,7 @@ def _load_ladder(value: object, what: str) -> Ladder:
         steps=tuple(steps),
         step=step,
         due=_opt_float(d.get("due"), f"{what}.due"),
-        status=status,
+        status=LadderStatus(status),
         dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
         started=_float(d.get("started"), f"{what}.started"),
     )
@@ -253,8 +252,8 @@ def _load_ladder(value: object, what: str) -> Ladder:
 
 def _load_state(data: object) -> PlanState:
     d = _obj(data, "plan")
-    version = d.get("version", STATE_VERSION)
-    if version != STATE_VERSION:
+    version = d.get("version", PLAN_STATE_VERSION)
+    if version != PLAN_STATE_VERSION:
         raise ValueError(f"plan: unsupported state version {version!r}")
     seen = {}
     for k, v in _obj(d.get("seen", {}), "plan.seen").items():

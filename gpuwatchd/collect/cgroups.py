@@ -1,0 +1,208 @@
+"""What a cgroup path says about a process's job: pure parsing of cgroup and mount text.
+
+This module owns the meaning of cgroup names: which container, pod, Slurm job and step, and
+systemd unit a path of ``/proc/PID/cgroup`` names (:func:`parse_cgroup`,
+:func:`classify_cgroup_path`), where a Slurm job's own cgroup directory is
+(:func:`slurm_job_dir`), and where the unified hierarchy is mounted according to
+``/proc/self/mountinfo`` (:func:`parse_cgroup2_mount`). Every function is pure: text in, values
+out. Reading the files is ``procfs``'s and ``jobs``' business.
+
+The text is hostile. Directory names in a cgroup path are chosen by whoever created them, and
+the kernel prints them unescaped; it refuses only ``\\n`` in a cgroup name. So lines are split on
+``\\n`` alone, never with ``str.splitlines`` (which also breaks at ``\\r``, ``\\x0b``, ``\\x0c``,
+``\\x1c``-``\\x1e``, ``\\x85``, U+2028 and U+2029, letting a name inject a line of its own). And a
+name is believed only where the software it claims to be would have put it:
+
+- a **Slurm job** is ``<anchor>/job_<ID>`` right below Slurm's own cgroup: cgroup v2's
+  ``slurmstepd.scope`` (``<node>_slurmstepd.scope`` with several slurmd per host), or cgroup v1's
+  ``slurm`` (``slurm_<node>``) followed by ``uid_<UID>``; its step is the next part;
+- a **pod** or a **Slurm job** found below a user's delegated subtree (``user@<UID>.service``,
+  where systemd lets the user create cgroups) or inside a container (whose root may create
+  cgroups under its own) is ignored: a user or a container cannot make itself part of somebody
+  else's job. Containers are still recognised below ``user@<UID>.service`` (rootless podman and
+  docker put theirs there); the outermost container wins, so a container cannot claim to be
+  one nested in it.
+
+Ignoring a claim only makes the grouping coarser (the process keeps its real unit, container or
+nothing), which is the safe direction: fewer processes become "another job's", none more.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from gpuwatchd.model import CgroupInfo
+
+_DOCKER_SCOPE = re.compile(r"docker-([0-9a-f]{12,64})\.scope")
+_CONTAINERD_SCOPE = re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope")
+_CRIO_SCOPE = re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
+_PODMAN_SCOPE = re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
+_CONTAINER_SCOPES = (
+    (_DOCKER_SCOPE, "docker"),
+    (_CONTAINERD_SCOPE, "containerd"),
+    (_CRIO_SCOPE, "crio"),
+    (_PODMAN_SCOPE, "podman"),
+)
+_BARE_ID = re.compile(r"[0-9a-f]{64}")
+_POD_SLICE = re.compile(r"kubepods(?:-[a-z]+)?-pod([0-9a-fA-F_-]+)\.slice")
+_POD_DIR = re.compile(r"pod([0-9a-fA-F]{8}-[0-9a-fA-F-]{27,})")
+_SLURM_JOB = re.compile(r"job_(\d+)")
+_SLURM_STEP = re.compile(r"step_(\w+)")
+_SLURM_V1_ROOT = re.compile(r"slurm(?:_[^/]+)?")
+_SLURM_V1_UID = re.compile(r"uid_\d+")
+_DELEGATED_TO_USER = re.compile(r"user@\d+\.service")
+# Cheap substring checks that must hold for a path to name a job or container.
+_JOB_HINTS = ("job_", "docker", "containerd", "crio-", "libpod-", "kubepods")
+_MOUNT_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def kernel_lines(text: str) -> list[str]:
+    """``text`` split at ``\\n`` only, the one line break the kernel's text files use. Pure."""
+    return text.split("\n")
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One walk over a cgroup path: what it names, and where the Slurm job's part is."""
+
+    info: CgroupInfo
+    slurm_job_index: int | None
+
+
+def _slurm_job_at(parts: list[str], index: int) -> bool:
+    """Whether ``parts[index]`` is a ``job_<ID>`` where Slurm itself puts one."""
+    if index < 1 or not _SLURM_JOB.fullmatch(parts[index]):
+        return False
+    anchor = parts[index - 1]
+    if anchor == "slurmstepd.scope" or anchor.endswith("_slurmstepd.scope"):
+        return True  # cgroup v2: <...>/slurmstepd.scope/job_<ID>
+    if index < 2 or _SLURM_V1_UID.fullmatch(anchor) is None:
+        return False
+    return _SLURM_V1_ROOT.fullmatch(parts[index - 2]) is not None  # v1: slurm/uid_<UID>/job_<ID>
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_path(path: str) -> _Reading:
+    parts = [p for p in path.split("/") if p]
+    container_id: str | None = None
+    runtime: str | None = None
+    pod_uid: str | None = None
+    slurm_job: str | None = None
+    slurm_step: str | None = None
+    slurm_index: int | None = None
+    unit: str | None = None
+    delegated = False  # below a user's own subtree: job names there are the user's words
+    for index, part in enumerate(parts):
+        if part.endswith((".service", ".scope")):
+            unit = part
+        trusted = not delegated and container_id is None
+        if trusted and pod_uid is None and slurm_job is None:
+            if match := _POD_SLICE.fullmatch(part):
+                pod_uid = match.group(1).replace("_", "-")
+            elif (match := _POD_DIR.fullmatch(part)) and index > 0 and "kubepods" in parts[0]:
+                pod_uid = match.group(1)
+        if container_id is None:
+            for pattern, name in _CONTAINER_SCOPES:
+                if match := pattern.fullmatch(part):
+                    container_id, runtime = match.group(1), name
+                    break
+            else:
+                if index > 0 and parts[index - 1] == "docker" and _BARE_ID.fullmatch(part):
+                    container_id, runtime = part, "docker"  # docker's cgroupfs driver
+                elif pod_uid is not None and _BARE_ID.fullmatch(part):
+                    container_id = part  # kubelet's cgroupfs driver: /kubepods/<qos>/pod<uid>/<id>
+        if trusted and slurm_job is None and pod_uid is None and _slurm_job_at(parts, index):
+            slurm_job, slurm_index = part[len("job_") :], index
+        elif (
+            slurm_index is not None
+            and index == slurm_index + 1
+            and (match := _SLURM_STEP.fullmatch(part))
+        ):
+            slurm_step = match.group(1)
+        if _DELEGATED_TO_USER.fullmatch(part):
+            delegated = True
+    info = CgroupInfo(
+        path=path,
+        container_id=container_id,
+        container_runtime=runtime,
+        pod_uid=pod_uid,
+        slurm_job=slurm_job,
+        slurm_step=slurm_step,
+        systemd_unit=unit,
+    )
+    return _Reading(info, slurm_index)
+
+
+def classify_cgroup_path(path: str) -> CgroupInfo:
+    """What one cgroup path names: container, pod, Slurm job and step, systemd unit. Pure.
+
+    See the module docstring for which names are believed where.
+    """
+    return _read_path(path).info
+
+
+def slurm_job_dir(path: str) -> str | None:
+    """The Slurm job's own cgroup (``…/slurmstepd.scope/job_<ID>``) above ``path``, if any. Pure.
+
+    None unless :func:`classify_cgroup_path` finds a Slurm job in ``path``: the two never
+    disagree about which part is the job.
+    """
+    reading = _read_path(path)
+    if reading.slurm_job_index is None:
+        return None
+    parts = [p for p in path.split("/") if p]
+    return "/" + "/".join(parts[: reading.slurm_job_index + 1])
+
+
+def parse_cgroup(text: str) -> CgroupInfo | None:
+    """Parse ``/proc/PID/cgroup`` (v1, v2 or hybrid) into the path that names the job. Pure.
+
+    Each line is ``hierarchy-ID:controllers:path``, lines split at ``\\n`` only. The first line
+    whose path names a Slurm job or a container wins (on cgroup v1 Slurm lives only in some
+    controllers); else the unified ``0::`` line, else ``name=systemd``, else the first line.
+    None when no line parses.
+    """
+    entries: list[tuple[str, str, str]] = []
+    for line in kernel_lines(text):
+        fields = line.split(":", 2)
+        if len(fields) == 3 and fields[2].startswith("/"):
+            entries.append((fields[0], fields[1], fields[2]))
+    if not entries:
+        return None
+    for _, _, path in entries:
+        if any(hint in path for hint in _JOB_HINTS):
+            info = classify_cgroup_path(path)
+            if info.slurm_job is not None or info.container_id is not None or info.pod_uid:
+                return info
+    for hierarchy, controllers, path in entries:
+        if hierarchy == "0" and controllers == "":
+            return classify_cgroup_path(path)
+    for _, controllers, path in entries:
+        if controllers == "name=systemd":
+            return classify_cgroup_path(path)
+    return classify_cgroup_path(entries[0][2])
+
+
+def unescape_mount_path(field: str) -> str:
+    """A mountinfo path field with the kernel's octal escapes (``\\040`` for a space) undone."""
+    return _MOUNT_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_cgroup2_mount(mountinfo: str) -> str | None:
+    """Where ``/proc/PID/mountinfo`` text says the unified (v2) hierarchy is mounted. Pure.
+
+    Lines are split at ``\\n`` only: the kernel escapes space, tab, newline and backslash in
+    mount points, but not ``\\r`` or other characters ``splitlines`` would break at, and a user
+    may mount things (FUSE) at paths of their choosing. The file system type is the first field
+    after the `` - `` separator; the mount point is field 5. None without a cgroup2 mount.
+    """
+    for line in kernel_lines(mountinfo):
+        left, separator, right = line.partition(" - ")
+        if not separator or right.split(" ", 1)[0] != "cgroup2":
+            continue
+        fields = left.split(" ")
+        if len(fields) >= 5:
+            return unescape_mount_path(fields[4])
+    return None

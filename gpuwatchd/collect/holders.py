@@ -1,0 +1,380 @@
+"""The scan for holders of NVIDIA device files: every fd and every mapping, by device number.
+
+This module owns *how* a process is found to hold ``/dev/nvidia*`` (DESIGN.md §2.2): which fd
+links and mapped files count, how they are identified, and what is reported when a process
+cannot be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
+:class:`~gpuwatchd.collect.procfs.ProcFS` it is given; it never signals, never decides, and
+never imports NVML.
+
+The scan looks at every fd (``/proc/PID/fd``) and every mapping (``/proc/PID/maps``) of a
+process, in one of two match modes:
+
+- **Device-number mode** (production, ``devices_dir == "/dev"``): an fd link is read with
+  ``readlink`` (cheap); only a target that is a path containing ``/dev/`` or ``nvidia`` is then
+  ``stat``-ed through the fd itself, and it counts when it is a character device with major
+  ``device_major`` (195): minor 0-247 is that GPU, ``ctl_minor`` (255) is nvidiactl; major
+  ``uvm_major`` (from ``/proc/devices``) with ``uvm_minor`` (0) is nvidia-uvm. Inside a container
+  host GPU 3 can be called ``/dev/nvidia0``, which is why names are not trusted. The maps text is
+  searched for ``/dev/`` or ``nvidia`` as a whole, and only matching lines (split at ``\\n``
+  alone: the kernel escapes only ``\\n`` in a mapped path) are split into fields; each
+  distinct mapped file is identified by device number through ``/proc/PID/map_files/<range>``
+  (needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE), else through the path under
+  ``/proc/PID/root/`` when that path's inode equals the mapped inode, else by its name alone, in
+  which case the PID is listed in ``HolderScan.matched_by_name`` (its minor may be a container's
+  numbering). Mappings under ``/dev/shm/`` (a ``nodev`` tmpfs) and shared anonymous memory
+  (``/dev/zero (deleted)``) are skipped without a ``stat``.
+- **Path mode** (tests, ``devices_dir`` elsewhere, or ``match_by_path=True``): a holder is a
+  process whose fd link or mapping path is exactly ``<devices_dir>/nvidiaN``, ``nvidiactl`` or
+  ``nvidia-uvm``. Tests can force device-number mode with real character devices by passing
+  ``match_by_path=False`` and e.g. ``device_major=1`` (``/dev/null`` is 1:3, so "GPU 3").
+
+"Unreadable": a process whose fd directory, fd links or maps could not be read (EACCES/EPERM,
+or anything else that is not "gone") is listed in ``HolderScan.unreadable``. That means
+*unknown*, never "holds nothing"; whatever was read before the failure is still reported. A
+process that vanished (ENOENT/ESRCH) is skipped silently. Kernel threads and the scanning
+process itself are skipped. A zombie thread-group leader whose other threads still run is
+scanned through one of those threads (a zombie leader's own fd table and memory are gone).
+
+Fd targets are stat-ed once per distinct target string per process (a CUDA process holds dozens
+of fds on the same node), and mapped files once per (device, inode) pair per scan.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from functools import partial
+
+from gpuwatchd.collect.procfs import GONE_ERRNOS, ProcFS, read_proc_file
+from gpuwatchd.model import DeviceHolding, HolderScan
+
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm")
+
+_Match = tuple[str, int]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0)
+
+
+class _Gone(Exception):
+    """The process vanished while being read."""
+
+
+class _Denied(Exception):
+    """The process exists but this part of it could not be read."""
+
+
+def _classify_error(err: OSError) -> Exception:
+    return _Gone() if err.errno in GONE_ERRNOS else _Denied()
+
+
+def match_device_name(name: str) -> _Match | None:
+    """``nvidia3`` / ``nvidiactl`` / ``nvidia-uvm`` (a basename) to what it stands for. Pure."""
+    match = _DEVICE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    if match.group(1) is not None:
+        return ("gpu", int(match.group(1)))
+    return ("ctl", 0) if name == "nvidiactl" else ("uvm", 0)
+
+
+def lines_containing(data: bytes, markers: tuple[bytes, ...]) -> list[bytes]:
+    """The distinct ``\\n``-separated lines of ``data`` containing any marker. Pure.
+
+    Found without splitting all of ``data`` (a process can have tens of thousands of mappings).
+    """
+    starts: set[int] = set()
+    for marker in markers:
+        at = data.find(marker)
+        while at >= 0:
+            line_start = data.rfind(b"\n", 0, at) + 1
+            starts.add(line_start)
+            line_end = data.find(b"\n", at)
+            if line_end < 0:
+                break
+            at = data.find(marker, line_end)
+    lines = []
+    for start in sorted(starts):
+        end = data.find(b"\n", start)
+        lines.append(data[start:] if end < 0 else data[start:end])
+    return lines
+
+
+class _Found:
+    """What one process was seen holding, accumulated across fds and mappings."""
+
+    __slots__ = ("by_name", "ctl", "gpu_fd", "gpu_map", "uvm")
+
+    def __init__(self) -> None:
+        self.gpu_fd: set[int] = set()
+        self.gpu_map: set[int] = set()
+        self.ctl = False
+        self.uvm = False
+        self.by_name = False
+
+    def add(self, kind: str, minor: int, via_map: bool) -> None:
+        if kind == "gpu":
+            (self.gpu_map if via_map else self.gpu_fd).add(minor)
+        elif kind == "ctl":
+            self.ctl = True
+        elif kind == "uvm":
+            self.uvm = True
+
+    def holding(self, pid: int) -> DeviceHolding | None:
+        if not (self.gpu_fd or self.gpu_map or self.ctl or self.uvm):
+            return None
+        return DeviceHolding(
+            pid, frozenset(self.gpu_fd), frozenset(self.gpu_map), self.ctl, self.uvm
+        )
+
+
+class HolderScanner:
+    """Finds the holders of NVIDIA device files among the processes of ``procfs``."""
+
+    def __init__(
+        self,
+        procfs: ProcFS,
+        *,
+        devices_dir: str = "/dev",
+        device_major: int = NVIDIA_MAJOR,
+        uvm_major: int | None = None,
+        ctl_minor: int = NVIDIACTL_MINOR,
+        uvm_minor: int = 0,
+        match_by_path: bool | None = None,
+    ) -> None:
+        self.procfs = procfs
+        self.devices_dir = devices_dir
+        self.device_major = device_major
+        self.ctl_minor = ctl_minor
+        self.uvm_minor = uvm_minor
+        self.match_by_path = (devices_dir != "/dev") if match_by_path is None else match_by_path
+        self._uvm_major = uvm_major
+        self._uvm_major_read = uvm_major is not None
+        self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
+
+    def uvm_major(self) -> int | None:
+        """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
+        if not self._uvm_major_read:
+            majors = self.procfs.char_device_majors()
+            if majors is None:
+                return None  # try again next time
+            self._uvm_major = majors.get("nvidia-uvm")
+            self._uvm_major_read = True
+        return self._uvm_major
+
+    def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
+        """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
+        else exactly ``pids`` ("targeted"). Skips ourselves, ``exclude`` and kernel threads."""
+        mode = "full" if pids is None else "targeted"
+        candidates = self.procfs.list_pids() if pids is None else list(dict.fromkeys(pids))
+        skip = {self.procfs.self_pid, *exclude}
+        holdings: dict[int, DeviceHolding] = {}
+        unreadable: set[int] = set()
+        by_name: set[int] = set()
+        by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
+        for pid in candidates:
+            if pid in skip or pid <= 0:
+                continue
+            found, denied = self._scan_process(pid, by_inode)
+            if found is None:
+                continue
+            if denied:
+                unreadable.add(pid)
+            if (holding := found.holding(pid)) is not None:
+                holdings[pid] = holding
+                if found.by_name:
+                    by_name.add(pid)
+        return HolderScan(
+            mode=mode,
+            holdings=holdings,
+            unreadable=frozenset(unreadable),
+            matched_by_name=frozenset(by_name),
+        )
+
+    # --- one process --------------------------------------------------------------------------
+
+    def _match_rdev(self, st: os.stat_result) -> _Match | None:
+        if not stat.S_ISCHR(st.st_mode):
+            return None
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if major == self.device_major and minor == self.ctl_minor:
+            return ("ctl", 0)
+        uvm_major = self.uvm_major()
+        if uvm_major is not None and major == uvm_major and minor == self.uvm_minor:
+            return ("uvm", 0)
+        if major == self.device_major and minor <= MAX_GPU_MINOR:
+            return ("gpu", minor)
+        return None
+
+    def _scan_fds(self, fd_dir: str, found: _Found) -> bool:
+        """Add what the fds in ``fd_dir`` hold; False when the fd table was empty."""
+        try:
+            dfd = os.open(fd_dir, _DIR_FLAGS)
+        except OSError as err:
+            raise _classify_error(err) from None
+        try:
+            try:
+                names = os.listdir(dfd)
+            except OSError as err:
+                raise _classify_error(err) from None
+            try:
+                # One C-level loop over the fds; the careful loop only when an fd misbehaves.
+                fd_of = dict(zip(map(partial(os.readlink, dir_fd=dfd), names), names, strict=True))
+            except OSError as err:
+                if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
+                    raise _classify_error(err) from None
+                fd_of = self._readlinks_carefully(dfd, names)
+            if self.match_by_path:
+                prefix = self._device_prefix
+                for target in fd_of:
+                    what = (
+                        match_device_name(target[len(prefix) :])
+                        if target.startswith(prefix)
+                        else None
+                    )
+                    if what is not None:
+                        found.add(*what, via_map=False)
+                return bool(names)
+            for target, name in fd_of.items():
+                if target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
+                    continue
+                try:
+                    what = self._match_rdev(os.stat(name, dir_fd=dfd))
+                except FileNotFoundError:
+                    continue
+                except OSError as err:
+                    raise _classify_error(err) from None
+                if what is not None:
+                    found.add(*what, via_map=False)
+            return bool(names)
+        finally:
+            os.close(dfd)
+
+    @staticmethod
+    def _readlinks_carefully(dfd: int, names: list[str]) -> dict[str, str]:
+        fd_of: dict[str, str] = {}
+        for name in names:
+            try:
+                fd_of[os.readlink(name, dir_fd=dfd)] = name
+            except FileNotFoundError:
+                continue  # closed since the listing
+            except OSError as err:
+                raise _classify_error(err) from None
+        return fd_of
+
+    def _scan_maps(
+        self, base: str, found: _Found, by_inode: dict[tuple[bytes, bytes], _Match | None]
+    ) -> bool:
+        """Add what the mappings of the process at ``base`` hold; False when it has none."""
+        try:
+            data = read_proc_file(f"{base}/maps")
+        except OSError as err:
+            raise _classify_error(err) from None
+        if self.match_by_path:
+            markers: tuple[bytes, ...] = (os.fsencode(self._device_prefix),)
+        else:
+            markers = (b"/dev/", b"nvidia")
+        if not any(marker in data for marker in markers):
+            return bool(data)
+        for line in lines_containing(data, markers):
+            fields = line.split(None, 5)
+            if len(fields) < 6 or fields[4] == b"0":
+                continue
+            address, _, _, device, inode, raw_path = fields
+            path = os.fsdecode(raw_path)
+            if self.match_by_path:
+                if path.startswith(self._device_prefix):
+                    what = match_device_name(path[len(self._device_prefix) :])
+                    if what is not None:
+                        found.add(*what, via_map=True)
+                continue
+            # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
+            if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
+                continue
+            key = (device, inode)
+            if key in by_inode:
+                what = by_inode[key]
+            else:
+                what, certain = self._identify_mapping(base, os.fsdecode(address), path, inode)
+                if certain:
+                    by_inode[key] = what
+                elif what is not None:
+                    found.by_name = True
+            if what is not None:
+                found.add(*what, via_map=True)
+        return True
+
+    def _identify_mapping(
+        self, base: str, address: str, path: str, inode: bytes
+    ) -> tuple[_Match | None, bool]:
+        """(what a mapped file is, whether that was proven by device number)."""
+        try:
+            return self._match_rdev(os.stat(f"{base}/map_files/{address}")), True
+        except OSError:
+            pass
+        if not path.endswith(" (deleted)"):
+            try:
+                st = os.stat(f"{base}/root{path}")
+                if str(st.st_ino).encode() == inode:
+                    return self._match_rdev(st), True
+            except OSError:
+                pass
+        if "/dev/" not in path:
+            return None, False
+        return match_device_name(path.rsplit("/", 1)[-1]), False
+
+    def _scan_process(
+        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
+    ) -> tuple[_Found | None, bool]:
+        """(what ``pid`` holds, whether part of it was unreadable); (None, False) when gone."""
+        base = f"{self.procfs.root}/{pid}"
+        found = _Found()
+        unreadable = False
+        had_fds = had_maps = True
+        try:
+            had_fds = self._scan_fds(f"{base}/fd", found)
+        except _Gone:
+            return None, False
+        except _Denied:
+            unreadable = True
+        try:
+            had_maps = self._scan_maps(base, found, by_inode)
+        except _Gone:
+            return None, False
+        except _Denied:
+            unreadable = True
+        if unreadable or not (had_fds or had_maps):
+            # Kernel threads hold nothing (and deny /fd to non-root); a zombie leader may have
+            # live threads still holding the shared fd table and memory.
+            fields = self.procfs.read_stat(pid)
+            if fields is None:
+                return None, False
+            if fields.kernel_thread:
+                return None, False
+            if fields.state == "Z" and fields.num_threads > 1 and not unreadable:
+                return self._scan_live_thread(pid, by_inode)
+        return found, unreadable
+
+    def _scan_live_thread(
+        self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]
+    ) -> tuple[_Found | None, bool]:
+        found = _Found()
+        try:
+            tids = [t for t in os.listdir(f"{self.procfs.root}/{pid}/task") if t != str(pid)]
+        except OSError:
+            return found, True
+        for tid in tids:
+            task = f"{self.procfs.root}/{pid}/task/{tid}"
+            try:
+                self._scan_fds(f"{task}/fd", found)
+                self._scan_maps(task, found, by_inode)
+            except _Gone:
+                continue
+            except _Denied:
+                return found, True
+            return found, False
+        return found, False

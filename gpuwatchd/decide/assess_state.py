@@ -1,0 +1,195 @@
+"""What the assessment carries from poll to poll and across restarts.
+
+This module owns :class:`AssessState` (learned baselines, the lineage recorded when a process
+was first seen, context owners seen so far, when unaccounted memory was first seen), its JSON
+form in the state file (version ``ASSESS_STATE_VERSION``, every field checked when read back:
+a damaged file is a ValueError, never a wrong decision), and the rules that carry lineage and
+owners forward (:func:`update_lineage`, :func:`update_owners`). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.model import ProcessIdentity, ProcessInfo, as_int
+from gpuwatchd.vocabulary import ASSESS_STATE_VERSION
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What a process looked like when first seen (DESIGN.md §2.4); ``first_seen`` is monotonic."""
+
+    ppid: int | None
+    pgid: int | None
+    sid: int | None
+    job: str | None
+    first_seen: float
+
+
+@dataclass(frozen=True)
+class AssessState:
+    """What assessment carries from one poll to the next.
+
+    ``baselines`` maps a GPU UUID to the smallest allocated memory seen while nothing held the
+    GPU (v1-only GPUs use the key ``UUID@v1`` and v1's "used" figure, which includes the driver
+    reservation, so the two never mix). ``lineage`` is keyed by process identity, so a new process
+    that reuses a PID never inherits the story of the old one. ``unaccounted_since`` maps a GPU
+    UUID to when (monotonic) it began to hold memory above baseline + margin with no live
+    context owner. ``owners`` are the processes seen as live context owners, kept while they live
+    or while a recorded lineage still names their PID: what ties memory that no live owner holds
+    to an heir. Lineage, ``unaccounted_since`` and ``owners`` are dropped when the boot id
+    changes.
+    """
+
+    baselines: Mapping[str, int] = field(default_factory=dict)
+    lineage: Mapping[ProcessIdentity, Lineage] = field(default_factory=dict)
+    boot_id: str | None = None
+    unaccounted_since: Mapping[str, float] = field(default_factory=dict)
+    owners: frozenset[ProcessIdentity] = frozenset()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "version": ASSESS_STATE_VERSION,
+            "boot_id": self.boot_id,
+            "baselines": dict(sorted(self.baselines.items())),
+            "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
+            "owners": [[ident.pid, ident.start_ticks] for ident in sorted(self.owners)],
+            "lineage": [
+                {
+                    "pid": ident.pid,
+                    "start_ticks": ident.start_ticks,
+                    "ppid": lin.ppid,
+                    "pgid": lin.pgid,
+                    "sid": lin.sid,
+                    "job": lin.job,
+                    "first_seen": lin.first_seen,
+                }
+                for ident, lin in sorted(self.lineage.items())
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> AssessState:
+        """Rebuild the state written by :meth:`to_json`; raise ValueError on anything malformed."""
+        if not isinstance(data, dict):
+            raise ValueError("assess state must be an object")
+        if data.get("version") != ASSESS_STATE_VERSION:
+            raise ValueError(f"unsupported assess state version: {data.get('version')!r}")
+        boot_id = data.get("boot_id")
+        if boot_id is not None and not isinstance(boot_id, str):
+            raise ValueError("boot_id must be a string or null")
+        raw_baselines = data.get("baselines", {})
+        if not isinstance(raw_baselines, dict):
+            raise ValueError("baselines must be an object")
+        baselines: dict[str, int] = {}
+        for uuid, value in raw_baselines.items():
+            amount = as_int(value)
+            if not isinstance(uuid, str) or amount is None or amount < 0:
+                raise ValueError(f"bad baseline entry: {uuid!r}: {value!r}")
+            baselines[uuid] = amount
+        raw_since = data.get("unaccounted_since", {})
+        if not isinstance(raw_since, dict):
+            raise ValueError("unaccounted_since must be an object")
+        since: dict[str, float] = {}
+        for uuid, value in raw_since.items():
+            if not isinstance(uuid, str) or isinstance(value, bool):
+                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
+            since[uuid] = float(value)
+        raw_lineage = data.get("lineage", [])
+        if not isinstance(raw_lineage, list):
+            raise ValueError("lineage must be a list")
+        lineage = dict(_lineage_entry(entry) for entry in raw_lineage)
+        raw_owners = data.get("owners", [])
+        if not isinstance(raw_owners, list):
+            raise ValueError("owners must be a list")
+        owners: set[ProcessIdentity] = set()
+        for entry in raw_owners:
+            pair = [as_int(v) for v in entry] if isinstance(entry, list) else []
+            if len(pair) != 2 or pair[0] is None or pair[1] is None:
+                raise ValueError(f"bad owners entry: {entry!r}")
+            owners.add(ProcessIdentity(pair[0], pair[1]))
+        return cls(
+            baselines=baselines,
+            lineage=lineage,
+            boot_id=boot_id,
+            unaccounted_since=since,
+            owners=frozenset(owners),
+        )
+
+
+def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
+    if not isinstance(entry, dict):
+        raise ValueError(f"bad lineage entry: {entry!r}")
+    pid, start = as_int(entry.get("pid")), as_int(entry.get("start_ticks"))
+    first_seen = entry.get("first_seen")
+    job = entry.get("job")
+    if pid is None or start is None:
+        raise ValueError(f"lineage entry needs integer pid and start_ticks: {entry!r}")
+    if isinstance(first_seen, bool) or not isinstance(first_seen, (int, float)):
+        raise ValueError(f"lineage entry needs a numeric first_seen: {entry!r}")
+    if job is not None and not isinstance(job, str):
+        raise ValueError(f"lineage job must be a string or null: {entry!r}")
+    ids = [entry.get(name) for name in ("ppid", "pgid", "sid")]
+    if any(value is not None and as_int(value) is None for value in ids):
+        raise ValueError(f"lineage ppid/pgid/sid must be integers or null: {entry!r}")
+    lineage = Lineage(as_int(ids[0]), as_int(ids[1]), as_int(ids[2]), job, float(first_seen))
+    return ProcessIdentity(pid, start), lineage
+
+
+# --- carrying it forward ---------------------------------------------------------------------
+
+
+def update_lineage(
+    host: HostView, previous: AssessState, tracked: Iterable[ProcessInfo]
+) -> dict[ProcessIdentity, Lineage]:
+    """Keep what is still true, record newcomers as they look now.
+
+    An entry survives while its process is present with the same start time, while NVML still
+    lists its PID dead (that proves we saw it alive), or, after a targeted scan, while its PID
+    was simply not looked at. It is dropped when the PID now belongs to another process or a
+    full scan no longer sees it, and everything is dropped when the boot id changes or is unknown.
+    """
+    snapshot = host.snapshot
+    same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
+    listed_dead = {
+        row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"
+    }
+    kept: dict[ProcessIdentity, Lineage] = {}
+    if same_boot:
+        for ident, lin in previous.lineage.items():
+            proc = host.procs.get(ident.pid)
+            if proc is not None:
+                if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
+                    kept[ident] = lin
+            elif ident.pid in listed_dead or not host.full_scan:
+                kept[ident] = lin
+    for proc in tracked:
+        new = proc.identity
+        if new is None or new in kept:
+            continue
+        job = proc.cgroup.job_key if proc.cgroup is not None else None
+        kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, snapshot.monotonic)
+    return kept
+
+
+def update_owners(
+    host: HostView, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
+) -> frozenset[ProcessIdentity]:
+    """Context owners seen so far: this poll's, plus earlier ones still alive or still named.
+
+    An owner is forgotten once its PID is gone (or belongs to another process) and no recorded
+    lineage names it as parent, process group or session any more, so the set stays small.
+    """
+    current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
+    named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
+    kept = set(current)
+    for ident in previous:
+        proc = host.procs.get(ident.pid)
+        alive = proc is not None and proc.start_ticks == ident.start_ticks
+        if alive or ident.pid in named:
+            kept.add(ident)
+    return frozenset(kept)

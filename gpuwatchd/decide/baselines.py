@@ -1,0 +1,80 @@
+"""Each GPU's idle memory: which figure to compare, learning it, and "back to baseline".
+
+This module owns the memory baseline (docs/design-notes.md, section 6): the figure a GPU is
+judged by (v2 allocated memory, or v1 "used" kept under its own key since it includes the
+driver's reservation), learning the idle minimum only from moments when nothing could hold
+the GPU, and the check after a reset. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.policy import Detection
+from gpuwatchd.model import MIB, GpuInfo
+
+V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart
+V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
+
+
+def memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int] | None:
+    """The baseline key and current memory figure to learn from or compare, if any."""
+    memory = gpu.memory
+    if memory is None:
+        return None
+    if memory.allocated is not None:
+        return gpu.uuid, memory.allocated
+    if memory.api == "v1" and memory.used_v1 is not None:
+        return gpu.uuid + V1_BASELINE_SUFFIX, memory.used_v1
+    return None
+
+
+def learn_baselines(
+    host: HostView, previous: Mapping[str, int], detection: Detection
+) -> dict[str, int]:
+    """Learn each GPU's idle memory from moments when nothing could be holding it.
+
+    Nothing may hold the GPU except NVML-only infrastructure (persistenced, DCGM: they keep the
+    GPU open but allocate nothing that a job could have left); NVML lists no process; the scan
+    was full and could read every process. The minimum ever seen is kept. A v2 figure above
+    the default baseline plus the ghost margin is never learned: an idle-looking GPU holding that
+    much is exactly what ghost memory looks like, and learning it would hide the leak for good.
+    v1 figures include the driver's reservation, so their ceiling allows for it.
+    """
+    learned = dict(previous)
+    if not host.full_scan or host.unreadable_suspects():
+        return learned
+    for gpu in host.gpus:
+        if gpu.lost or gpu.mig_enabled or gpu.coherent_memory or gpu.minor is None:
+            continue
+        if gpu.processes is None or gpu.processes:
+            continue
+        holders = host.holders_of(gpu)
+        if any(h.uvm or not host.is_floor(h.pid) for h in holders):
+            continue
+        figure = memory_figure(gpu, learned)
+        if figure is None:
+            continue
+        key, value = figure
+        ceiling = detection.default_baseline + detection.ghost_margin
+        if key.endswith(V1_BASELINE_SUFFIX):
+            ceiling += V1_MAX_RESERVATION
+        if key not in learned and value > ceiling:
+            continue
+        learned[key] = min(value, learned.get(key, value))
+    return learned
+
+
+def back_to_baseline(
+    uuid: str, allocated: int | None, state: AssessState, detection: Detection
+) -> bool | None:
+    """After a reset: is this GPU's allocated memory back within the margin of its idle baseline?
+
+    The baseline is the learned one, else the default; None when the memory is unknown.
+    """
+    if allocated is None:
+        return None
+    baseline = state.baselines.get(uuid, detection.default_baseline)
+    return allocated <= baseline + detection.ghost_margin

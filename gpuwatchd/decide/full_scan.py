@@ -1,0 +1,118 @@
+"""When a poll must scan all of ``/proc`` for device holders: the one rule, pure.
+
+This module owns the choice the collector makes every poll between the cheap *targeted* holder
+scan (NVML's PIDs, their descendants, the holders seen before) and the *full* scan of every
+process (DESIGN.md §2.1, §2.4). It reads no files and no clock: the collector passes what it
+has read this poll, ``now`` and the state returned by the previous call. It imports only
+``gpuwatchd.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
+
+A full scan is due (reasons in :class:`FullScanReason`, checked in this order):
+
+1. ``forced``: the caller asked (``gpuwatchd scan``, a reset's final scan);
+2. ``first``: no full scan yet;
+3. ``periodic``: ``interval`` seconds since the last one;
+4. ``new_dead_pid``: NVML lists a PID that is dead or a zombie and was not listed that way at the
+   previous poll. Its inheritors are found by one full scan and then followed by the targeted
+   scans (they become known holders), so a PID that stays listed does not scan again;
+5. ``unowned_memory``: a GPU holds memory that no live process NVML lists can own — only a full
+   scan shows that nobody holds it, and ``ghost_memory`` is only ever concluded on a full scan,
+   so it must see one on every poll while the question stands, or the finding would come and go
+   and never last through its confirmation window. "Live" counts a listed zombie (it may still
+   have threads holding the GPU) and not a dead or invalid PID, as ``assess`` does. The memory
+   is the v2 *allocated* figure; the threshold is the lower of ``detection.default_baseline``
+   (memory an idle GPU is assumed not to hold) and ``detection.ghost_margin`` (ghost memory is
+   more than a learned baseline, which may be near zero, plus this margin), so no poll that
+   could find ghost memory is ever a targeted one. GPUs with coherent memory (ghost detection is
+   off there: they keep pages after exit by design), lost GPUs and v1-only GPUs (allocated
+   unknown; the learned baselines live in ``assess``' state) are left to the periodic scan.
+   An unreadable process list (``None``) counts as no live owner: without NVML's list the
+   targeted scan has nothing to start from.
+
+The memory a listed owner reports is not compared with the allocated figure: per-process
+figures are often missing or exclude UVM pages, so on busy nodes that comparison would make
+nearly every poll a full one; a holder hiding beside a live job is found by the periodic scan.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.decide.policy import Detection
+from gpuwatchd.model import GpuInfo, NvmlReading, ProcessInfo
+
+
+class FullScanReason(str, enum.Enum):
+    """Why a poll scans all of ``/proc`` (the module docstring says when each applies)."""
+
+    FORCED = "forced"
+    FIRST = "first"
+    PERIODIC = "periodic"
+    NEW_DEAD_PID = "new_dead_pid"
+    UNOWNED_MEMORY = "unowned_memory"
+
+
+@dataclass(frozen=True)
+class FullScanState:
+    """What the rule carries between polls: the last full scan (monotonic seconds) and the
+    PIDs NVML listed dead or zombie at the previous poll."""
+
+    last_full: float | None = None
+    dead_listed: frozenset[int] = frozenset()
+
+
+def listed_pids(reading: NvmlReading) -> frozenset[int]:
+    """Every PID any GPU's NVML process list names (valid or not)."""
+    return frozenset(proc.pid for gpu in reading.gpus for proc in gpu.processes or ())
+
+
+def dead_listed(reading: NvmlReading, live: Mapping[int, ProcessInfo]) -> frozenset[int]:
+    """The listed PIDs that are not live processes (absent from ``live``) or are zombies."""
+    return frozenset(pid for pid in listed_pids(reading) if pid not in live or live[pid].is_zombie)
+
+
+def unowned_memory_threshold(detection: Detection) -> int:
+    """Allocated bytes above which a GPU without a live listed owner needs a full scan."""
+    return min(detection.default_baseline, detection.ghost_margin)
+
+
+def has_unowned_memory(gpu: GpuInfo, live: Mapping[int, ProcessInfo], detection: Detection) -> bool:
+    """Whether ``gpu`` holds memory no live listed process can own (rule 5). Pure."""
+    if gpu.lost or gpu.coherent_memory or gpu.memory is None:
+        return False
+    allocated = gpu.memory.allocated
+    if allocated is None or allocated <= unowned_memory_threshold(detection):
+        return False
+    return not any(proc.pid in live for proc in gpu.processes or ())
+
+
+def full_scan_due(
+    reading: NvmlReading,
+    live: Mapping[int, ProcessInfo],
+    state: FullScanState,
+    now: float,
+    *,
+    interval: float,
+    detection: Detection,
+    forced: bool = False,
+) -> tuple[FullScanReason | None, FullScanState]:
+    """(why this poll must scan all of /proc, or None; the state for the next poll). Pure.
+
+    ``live`` holds the facts of the listed PIDs that exist (zombies included), as read this
+    poll; ``now`` is monotonic seconds.
+    """
+    dead = dead_listed(reading, live)
+    reason: FullScanReason | None = None
+    if forced:
+        reason = FullScanReason.FORCED
+    elif state.last_full is None:
+        reason = FullScanReason.FIRST
+    elif now - state.last_full >= interval:
+        reason = FullScanReason.PERIODIC
+    elif dead - state.dead_listed:
+        reason = FullScanReason.NEW_DEAD_PID
+    elif any(has_unowned_memory(gpu, live, detection) for gpu in reading.gpus):
+        reason = FullScanReason.UNOWNED_MEMORY
+    last_full = now if reason is not None else state.last_full
+    return reason, FullScanState(last_full=last_full, dead_listed=dead)

@@ -1,0 +1,230 @@
+"""The names gpuwatchd says things with, each defined once: events, levels, outcomes, states,
+roles, exit codes and state-file versions.
+
+Every module imports these instead of spelling the strings again, so a log line, the JSON of
+``scan``, the state file and the docs cannot drift apart. Each enum is a ``str`` (or ``int``)
+subclass: its members compare equal to, serialise as, and print as their plain values, so
+the state file and the logs keep their format. ``docs/events.md`` is checked against
+:class:`EventName` by ``tests/test_docs.py``. Ladder states carry their legal transitions
+(:func:`check_ladder_transition`); an illegal one is a bug and raises.
+
+Pure: no I/O. Imported by every layer; imports nothing from gpuwatchd.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+__all__ = [
+    "ASSESS_STATE_VERSION",
+    "LADDER_TRANSITIONS",
+    "PLAN_STATE_VERSION",
+    "RESET_RESULT_LEVELS",
+    "SIGNAL_OUTCOME_LEVELS",
+    "STATE_FILE_VERSION",
+    "EventName",
+    "ExitCode",
+    "HolderRoleName",
+    "IllegalTransition",
+    "LadderStatus",
+    "Level",
+    "ResetResult",
+    "SignalOutcome",
+    "check_ladder_transition",
+]
+
+
+class _Name(str, enum.Enum):
+    """A string-valued name: equal to, printed and serialised as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Level(_Name):
+    """Log levels (structlog method names; journald priorities 7, 6, 4, 3, 2)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+
+class EventName(_Name):
+    """Every structured event gpuwatchd logs (documented in docs/events.md)."""
+
+    # findings and escalation (decide/plan.py)
+    FINDING_NEW = "finding.new"
+    FINDING_CHANGED = "finding.changed"
+    FINDING_RESOLVED = "finding.resolved"
+    RULE_REPORT_ONLY = "rule.report_only"
+    ACTION_REFUSED = "action.refused"
+    ACTION_DEFERRED = "action.deferred"
+    ESCALATION_CONFIRMING = "escalation.confirming"
+    ESCALATION_STEP_DUE = "escalation.step_due"
+    ESCALATION_SIGNAL_RECORDED = "escalation.signal_recorded"
+    ESCALATION_RESOLVED = "escalation.resolved"
+    ESCALATION_ABORTED = "escalation.aborted"
+    ESCALATION_ENDED = "escalation.ended"
+    ESCALATION_RESTARTED = "escalation.restarted"
+    TARGET_STUCK = "target.stuck"
+    ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
+    LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
+    RESET_CONFIRMING = "reset.confirming"
+    RESET_DUE = "reset.due"
+    RESET_REFUSED = "reset.refused"
+    RESET_LIMIT_REACHED = "reset.limit_reached"
+    RESET_CIRCUIT_OPEN = "reset.circuit_open"
+    RESET_SUCCEEDED = "reset.succeeded"
+    RESET_FAILED = "reset.failed"
+    RESET_DRY_RUN = "reset.dry_run"
+    GPU_NEEDS_REBOOT = "gpu.needs_reboot"
+    STATE_BOOT_CHANGED = "state.boot_changed"
+    CLOCK_STEPPED_BACK = "clock.stepped_back"
+    # carrying out (engine.py, act/)
+    ACTION_SIGNAL = "action.signal"
+    TARGET_EXITED = "target.exited"
+    HOOK_RUN = "hook.run"
+    RESET_STEP = "reset.step"
+    RESET_FINISHED = "reset.finished"
+    RESET_OUTCOME = "reset.outcome"
+    RESET_CRASHED = "reset.crashed"
+    RESET_RESUME = "reset.resume"
+    RESET_RESUMED = "reset.resumed"
+    RESET_RESUME_FAILED = "reset.resume_failed"
+    # admin switches and lifecycle (engine.py, daemon.py)
+    DAEMON_PAUSED = "daemon.paused"
+    DAEMON_RESUMED = "daemon.resumed"
+    LIMITS_LATCHES_CLEARED = "limits.latches_cleared"
+    DAEMON_START = "daemon.start"
+    DAEMON_STOP = "daemon.stop"
+    DAEMON_ALREADY_RUNNING = "daemon.already_running"
+    DAEMON_NO_PERMISSION = "daemon.no_permission"
+    DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
+    RUN_ONCE_TIMEOUT = "run_once.timeout"
+    CONFIG_RELOADED = "config.reloaded"
+    CONFIG_RELOAD_REJECTED = "config.reload_rejected"
+    CONFIG_RELOAD_PARTIAL = "config.reload_partial"
+    STATE_INVALID = "state.invalid"
+    STATE_CORRUPT = "state.corrupt"
+    STATE_NEW_BOOT = "state.new_boot"
+    STATE_SAVE_FAILED = "state.save_failed"
+    # NVML (collect/nvml.py)
+    NVML_UNAVAILABLE = "nvml.unavailable"
+    NVML_WEDGED = "nvml.wedged"
+    NVML_WORKER_STARTED = "nvml.worker_started"
+    NVML_WORKER_HUNG = "nvml.worker_hung"
+    NVML_HUNG_WORKER_EXITED = "nvml.hung_worker_exited"
+    NVML_MEMORY_V1_FALLBACK = "nvml.memory_v1_fallback"
+
+
+class SignalOutcome(_Name):
+    """What happened to one signal (act/signals.py). ``str()`` gives the log value."""
+
+    DELIVERED = "delivered"
+    GONE = "gone"  # the process had exited and been reaped
+    REUSED = "reused"  # the PID belongs to another process now; nothing was sent
+    DENIED = "denied"  # EPERM: no CAP_KILL for this process
+    ZOMBIE = "zombie"  # exited, not yet reaped; never signalled
+    DRY_RUN = "dry_run"  # every check passed; nothing was sent
+    FAILED = "failed"  # anything else (no pidfd support, bad signal name, floor refusal)
+
+
+SIGNAL_OUTCOME_LEVELS: Mapping[SignalOutcome, Level] = {
+    SignalOutcome.DELIVERED: Level.WARNING,
+    SignalOutcome.DENIED: Level.ERROR,
+    SignalOutcome.FAILED: Level.ERROR,
+    SignalOutcome.GONE: Level.INFO,
+    SignalOutcome.REUSED: Level.INFO,
+    SignalOutcome.ZOMBIE: Level.INFO,
+    SignalOutcome.DRY_RUN: Level.INFO,
+}
+
+
+class ResetResult(_Name):
+    """How one run of the reset procedure ended (act/reset.py, booked by plan.record_reset)."""
+
+    SUCCESS = "success"
+    FAILED = "failed"
+    REFUSED = "refused"  # stopped before the reset command ran, and undone
+    TIMEOUT = "timeout"  # the reset command missed its deadline and was killed
+    DRY_RUN = "dry_run"
+
+
+RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
+    ResetResult.SUCCESS: Level.WARNING,
+    ResetResult.DRY_RUN: Level.INFO,
+    ResetResult.REFUSED: Level.WARNING,
+    ResetResult.FAILED: Level.ERROR,
+    ResetResult.TIMEOUT: Level.ERROR,
+}
+
+
+class LadderStatus(_Name):
+    """Where one target's escalation ladder stands (decide/plan_state.py)."""
+
+    ACTIVE = "active"  # steps are being emitted and waited on
+    ENDED = "ended"  # the target survived the last step
+    STUCK = "stuck"  # the target is in D state: never signalled again
+    FAILED = "failed"  # a signal was denied/failed, or the target became refused
+
+
+# Terminal ladders stay while their process lives, so that identity is never signalled again;
+# they leave only by being dropped (the process exited, dry-run ended, a new boot).
+LADDER_TRANSITIONS: Mapping[LadderStatus, frozenset[LadderStatus]] = {
+    LadderStatus.ACTIVE: frozenset(
+        {LadderStatus.ACTIVE, LadderStatus.ENDED, LadderStatus.STUCK, LadderStatus.FAILED}
+    ),
+    LadderStatus.ENDED: frozenset(),
+    LadderStatus.STUCK: frozenset(),
+    LadderStatus.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(ValueError):
+    """A ladder was asked to move between states that have no such transition (a bug)."""
+
+
+def check_ladder_transition(old: str, new: str) -> LadderStatus:
+    """``new`` as a :class:`LadderStatus` if a ladder in ``old`` may move there; else raise."""
+    try:
+        source, target = LadderStatus(old), LadderStatus(new)
+    except ValueError as err:
+        raise IllegalTransition(str(err)) from None
+    if target not in LADDER_TRANSITIONS[source]:
+        raise IllegalTransition(f"ladder cannot go from {source} to {target}")
+    return target
+
+
+class HolderRoleName(_Name):
+    """How ``scan`` explains one holder of one GPU (decide/assess.py ``HolderRole.role``)."""
+
+    CONTEXT_OWNER = "context_owner"  # NVML lists it with a context there
+    WORKER = "worker"  # of a live context owner (its tree, session or job)
+    MANAGEMENT = "management"  # an NVML-only client or infrastructure
+    ORPHANED = "orphaned"  # the inheritor of a dead owner's memory
+    HIDDEN = "hidden"  # holds the GPU, owns no context, nothing explains it
+    STUCK = "stuck"  # in D state
+    UNKNOWN = "unknown"  # listed by NVML, but whether it holds the GPU cannot be told
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes (sysexits.h), for every command."""
+
+    OK = 0
+    DATAERR = 65  # a malformed scenario or snapshot
+    UNAVAILABLE = 69  # NVML/driver unavailable or wedged (scan, run --once)
+    TEMPFAIL = 75  # another instance holds the lock; run --once timed out
+    NOPERM = 77  # insufficient privilege
+    CONFIG = 78  # configuration error
+
+
+# Format versions of the state file and its sections; a mismatch is refused, not guessed.
+STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
+ASSESS_STATE_VERSION = 1  # its "assess" section (decide/assess.py)
+PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan_state.py)

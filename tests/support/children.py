@@ -1,0 +1,52 @@
+"""Real child processes for tests of ``/proc`` reading: started, awaited, and always killed.
+
+Owns the ``spawn`` fixture: start a Python child running some code, wait until it prints
+"ready" (its files are open by then), and kill and reap it when the test ends. Tests only
+ever inspect and signal these children of their own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+Spawn = Callable[[str], "subprocess.Popen[str]"]
+
+HOLD_FD = """
+import ctypes, mmap, os, time
+{body}
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def hold(paths: list[str]) -> str:
+    """Code for a child that keeps ``paths`` open (read-only fds) until killed."""
+    opens = ", ".join(f"os.open({p!r}, os.O_RDONLY)" for p in paths)
+    return HOLD_FD.format(body=f"held = [{opens}]")
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Start a Python child running ``code``; wait for it to print "ready"; kill it after."""
+    children: list[subprocess.Popen[str]] = []
+
+    def start(code: str) -> subprocess.Popen[str]:
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        children.append(child)
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.strip() == "ready", line
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=10)

@@ -1,0 +1,104 @@
+"""The layout is the architecture: read (collect) → decide → act, checked on the import graph.
+
+``decide`` is pure: it imports nothing from ``collect``, ``act``, ``config``, ``cli`` or the
+daemon's modules, and no module that does I/O or reads a clock. ``collect`` and ``act`` are
+edges: neither imports the other, the CLI or the daemon. ``model`` and ``vocabulary`` are
+shared by all and import no layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gpuwatchd"
+
+# Standard-library modules through which code reaches files, processes, the network or a clock.
+IO_MODULES = frozenset(
+    {
+        "io", "os", "pathlib", "shutil", "socket", "select", "selectors", "signal",
+        "subprocess", "sys", "tempfile", "threading", "time", "datetime", "logging",
+        "structlog", "sdnotify", "pynvml", "psutil", "yaml", "json", "fcntl", "ctypes",
+    }
+)  # fmt: skip
+APP_MODULES = ("daemon", "engine", "host", "state", "pause", "logs")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports inside functions count)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _modules(layer: str) -> list[pathlib.Path]:
+    folder = PACKAGE / layer
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{layer}.py"]
+
+
+def _violations(layer: str, forbidden: tuple[str, ...], *, no_io: bool = False) -> list[str]:
+    bad = []
+    for path in _modules(layer):
+        for name in sorted(imports_of(path)):
+            top = name.split(".")[0]
+            if name.startswith(forbidden) or (no_io and top in IO_MODULES):
+                bad.append(f"{_module_name(path)} imports {name}")
+    return bad
+
+
+def _own(*layers: str) -> tuple[str, ...]:
+    return tuple(f"gpuwatchd.{layer}" for layer in layers)
+
+
+def test_decide_imports_no_other_layer_and_no_io() -> None:
+    forbidden = _own("collect", "act", "config", "cli", *APP_MODULES)
+    assert _violations("decide", forbidden, no_io=True) == []
+
+
+def test_model_and_vocabulary_import_no_layer_and_no_io() -> None:
+    forbidden = _own("collect", "decide", "act", "config", "cli", *APP_MODULES)
+    assert _violations("model", forbidden, no_io=True) == []
+    assert _violations("vocabulary", forbidden, no_io=True) == []
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        ("collect", _own("act", "cli", "config", *APP_MODULES)),
+        ("act", _own("collect", "cli", "config", *APP_MODULES)),
+        ("config", _own("collect", "act", "cli", *APP_MODULES)),
+        ("engine", _own("collect", "cli", "config", "daemon", "host", "state", "pause")),
+    ],
+)
+def test_edges_do_not_reach_into_each_other(layer: str, forbidden: tuple[str, ...]) -> None:
+    assert _violations(layer, forbidden) == []
+
+
+def test_the_checker_sees_lazy_imports(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    import os\n    from gpuwatchd.act import reset\n")
+    assert imports_of(source) == {"os", "gpuwatchd.act", "gpuwatchd.act.reset"}
+
+
+def test_no_module_is_much_over_600_lines_without_saying_why() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if lines > 650 and not ("long" in docstring or "lines" in docstring):
+            long.append(f"{_module_name(path)} ({lines} lines)")
+    assert not long, "a module over ~600 lines says why in its docstring: " + ", ".join(long)

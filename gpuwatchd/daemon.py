@@ -42,7 +42,7 @@ from gpuwatchd.host import HostActuator, HostReader, LogSink, SystemClock
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
-from gpuwatchd.state import AlreadyRunning, StateStore
+from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore, check_state_dir
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
@@ -139,11 +139,15 @@ class Daemon:
     # --- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> int:
+        state_dir = self.policy.state_dir
         try:
-            os.makedirs(self.policy.state_dir, mode=0o700, exist_ok=True)
+            check_state_dir(state_dir)
         except PermissionError:
-            log.critical(EventName.DAEMON_NO_PERMISSION, path=self.policy.state_dir)
+            log.critical(EventName.DAEMON_NO_PERMISSION, path=state_dir)
             return ExitCode.NOPERM
+        except (StateDirError, OSError) as exc:
+            log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
+            return ExitCode.CONFIG
         try:
             with self.store.lock():
                 return self._run_locked()
@@ -152,6 +156,12 @@ class Daemon:
                 EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=self.policy.state_dir
             )
             return ExitCode.TEMPFAIL
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise  # run_daemon: exit 77
+            # The lock file is a link, a directory, or the disk refuses it: one line, exit 78.
+            log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
+            return ExitCode.CONFIG
         finally:
             self.signaller.close()
             self.nvml.close()
@@ -222,7 +232,8 @@ class Daemon:
         self._reload = False
         self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
         try:
-            new = load_policy(self.config_path)
+            # Reading and validating a large policy must not starve the watchdog.
+            new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
         else:
@@ -371,6 +382,13 @@ class Daemon:
             log.error(EventName.STATE_SAVE_FAILED, error=str(exc), path=self.policy.state_dir)
             return
         self._saved_key = key
+
+
+def _os_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return str(exc)
 
 
 def describe_status(

@@ -201,8 +201,14 @@ class Engine:
             report_only=assessment.report_only,
             self_ancestors=self.self_ancestors,
         )
+        intents = self._take(result)
+        if any(not intent.dry_run for intent in intents):
+            # The plan state already counts each step and kill-cap entry as taken: persist it
+            # before anything irreversible, so a crash in between never repeats a step (at
+            # worst one signal is not sent, and the ladder goes on after its wait).
+            self.checkpoint()
         signalled = False
-        for intent in self._take(result):
+        for intent in intents:
             if self.stopping():
                 break
             self._carry_out(intent)

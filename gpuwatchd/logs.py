@@ -31,7 +31,7 @@ Event names form one catalogue, ``area.what``, lower case with underscores insid
 The area says which part of gpuwatchd speaks; the name after the dot says what happened. The
 fields carry the inputs that justified a decision, with the same names everywhere: ``gpu``
 (UUID), ``pid``, ``start_ticks``, ``user``, ``cmdline``, ``job``, ``memory`` (bytes), ``kind``,
-``rule``, ``step``, ``dry_run``, ``outcome``, ``reason``. Levels follow DESIGN.md: actions are
+``rule``, ``step``, ``dry_run``, ``outcome``, ``reason``. Levels follow docs/events.md: actions are
 warning, failed actions error, a wedged driver or "needs reboot" critical, routine info/debug.
 """
 

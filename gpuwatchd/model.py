@@ -3,7 +3,7 @@
 This module owns the vocabulary every other module speaks: what a GPU reading, a host process,
 a device holder and a finding look like. It does no I/O and imports nothing from the rest of
 the package. ``None`` always means *unknown*, and an unknown value never satisfies a condition
-that leads to an action (DESIGN.md §3).
+that leads to an action (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ARCH_AMPERE = 7  # NVML_DEVICE_ARCH_AMPERE
 
 
 class FindingKind(str, enum.Enum):
-    """The stable names of findings, used in logs, JSON and policy rules (DESIGN.md §3)."""
+    """The stable names of findings, used in logs, JSON and policy rules (docs/findings.md)."""
 
     DEAD_PROCESS = "dead_process"
     ZOMBIE = "zombie"
@@ -73,7 +73,7 @@ class CgroupInfo:
         """The job-level group this cgroup belongs to, or None when it names no job.
 
         The root cgroup, user slices and login-session scopes are shared by unrelated processes,
-        so they never make two processes part of the same job (DESIGN.md §2.4).
+        so they never make two processes part of the same job (docs/design-notes.md §4).
         """
         if self.slurm_job is not None:
             return f"slurm:{self.slurm_job}"
@@ -252,7 +252,7 @@ class GpuInfo:
 
     @property
     def reset_needs_nvlink_peers(self) -> bool | None:
-        """Whether this GPU can only be reset together with its NVLink peers (DESIGN.md §2.7).
+        """Whether this GPU can only be reset together with its NVLink peers (design-notes §7).
 
         Volta, and Ampere NVSwitch systems without Fabric Manager, reset all NVLink peers
         together; Hopper and later reset individually. Whether Fabric Manager runs is not

@@ -114,6 +114,7 @@ class EventName(_Name):
     STATE_CORRUPT = "state.corrupt"
     STATE_NEW_BOOT = "state.new_boot"
     STATE_SAVE_FAILED = "state.save_failed"
+    STATE_DIR_UNUSABLE = "state.dir_unusable"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"

@@ -4,7 +4,7 @@ Each ``host_*`` function runs as PID 1 of its own PID namespace (see tests/suppo
 it starts real processes that hold the fake device files the way CUDA jobs do, writes the fake
 NVML state naming their PIDs, runs the real command line, and returns the JSON report plus the
 PIDs. The test functions outside assert on that. Finding kinds that must appear, and the cases
-that must NOT be flagged (DESIGN.md §2.4), each have a scenario.
+that must NOT be flagged (docs/design-notes.md §4), each have a scenario.
 """
 
 from __future__ import annotations

@@ -353,3 +353,67 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.engine.state.reset_in_progress is None
     assert second.engine.state.plan.reset_in_flight is None
     assert second.sink.named("reset.succeeded")
+
+
+def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:
+    """A daemon killed right after sending a signal, before its end-of-poll save, must neither
+    repeat the step on restart nor forget it in the kill cap."""
+    pol = make_policy()
+    saved: list[EngineState] = []
+
+    class Killed(Exception):
+        pass
+
+    class DiesAfterSignal(Actuator):
+        def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+            super().signal(identity, signal, dry_run=dry_run)
+            raise Killed  # SIGKILL of the daemon right after the signal left
+
+    first = rig(pol, orphan_host, actuator=DiesAfterSignal())
+
+    def checkpoint() -> None:
+        state = first.engine.state
+        saved.append(
+            EngineState(
+                assess=AssessState.from_json(state.assess.to_json()),
+                plan=PlanState.from_json(state.plan.to_json()),
+            )
+        )
+
+    first.engine.checkpoint = checkpoint
+    with contextlib.suppress(Killed):
+        first.poll_at(0.0)
+    assert first.actuator.signals == [(201, "SIGTERM", False)]
+    assert saved, "nothing was persisted before the signal"
+    on_disk = saved[-1]
+    assert len(on_disk.plan.signal_history) == 1, "the kill cap counts the target"
+    second = rig(pol, orphan_host, state=on_disk)
+    second.poll_at(5.0)
+    assert second.actuator.signals == [], "SIGTERM is not sent a second time"
+    second.poll_at(31.0)
+    assert second.actuator.signals == [(201, "SIGKILL", False)]
+
+
+def test_a_gpu_that_is_lost_is_reported_once_as_needing_a_reboot_and_runs_on_failure() -> None:
+    pol = make_policy()
+    lost = [False]
+
+    def host(t: float) -> HostBuilder:
+        return HostBuilder(monotonic=t, wall_time=W0 + t).gpu(0, allocated=LEAK, lost=lost[0])
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    assert r.sink.named("gpu.needs_reboot") == []
+    lost[0] = True
+    r.poll_at(5.0)
+    r.poll_at(10.0)
+    (event,) = r.sink.named("gpu.needs_reboot")
+    assert event["gpu"] == GPU0
+    assert ("gpu.needs_reboot", "critical") in {(n, lvl) for n, lvl, _ in r.sink.events}
+    hooks = [argv for argv, env in r.actuator.commands if env and env.get("GPUWATCHD_EVENT")]
+    assert hooks == [("drain-node", "reason=gpu")], "on_failure runs once per loss"
+    lost[0] = False
+    r.poll_at(15.0)
+    lost[0] = True
+    r.poll_at(20.0)
+    assert len(r.sink.named("gpu.needs_reboot")) == 2

@@ -7,8 +7,9 @@ CUDA or NVML, so that it is not a holder of the GPU it inspects.
 
 What they pin: scan agrees with ``nvidia-smi`` on memory and PIDs; a CUDA process started here
 appears with its PID and memory; after its launcher dies while a forked worker keeps the
-inherited device files, scan reports what DESIGN.md §2.4 predicts, and the test records what
-the real driver lists for the dead owner (DESIGN.md §5; the documentation disagrees on it).
+inherited device files, scan reports what docs/design-notes.md §4 predicts, and the test records
+what the real driver lists for the dead owner (docs/architecture.md, testing without a GPU; the
+documentation disagrees on it).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def test_worker_left_by_a_dead_cuda_launcher_is_reported_as_designed(tmp_path: P
             "worker_findings": [f["kind"] for f in report["findings"] if f["pid"] == worker],
             "gpu_findings": [f["kind"] for f in report["findings"] if f["pid"] is None],
         }
-        # What the real driver did, for the record (DESIGN.md §5 asks for it).
+        # What the real driver did, for the record (docs/architecture.md asks for it).
         print(f"real-driver observation: {json.dumps(record)}")
         out = os.environ.get("OUT")
         if out:

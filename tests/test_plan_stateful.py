@@ -1,7 +1,7 @@
 """A Hypothesis state machine drives plan() and record_*() like the daemon does, through random
 findings, processes that appear, exit and have their PID reused, clocks that advance (the wall
 clock also stepping back), reboots, restarts from saved state, admin pause and clears, and
-checks the invariants of DESIGN.md §5 after every poll:
+checks the invariants of docs/architecture.md, testing without a GPU after every poll:
 
 - never a SignalIntent for a floor or protected process, or for an identity that is not the
   live process holding that PID (PID reuse);

@@ -1,6 +1,6 @@
 """Static checks of the systemd unit and the Debian packaging files (no container, no root).
 
-Owns: what `systemd/gpuwatchd.service` must and must not say (DESIGN.md §2.9), the
+Owns: what `systemd/gpuwatchd.service` must and must not say (docs/design-notes.md §9), the
 `systemd-analyze verify` / `security --offline` gates, and the packaging files pointing at
 files that exist. It must not build or install anything: tests/test_systemd.py does that.
 """

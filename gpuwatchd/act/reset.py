@@ -1,9 +1,11 @@
-"""The GPU reset procedure (DESIGN.md §2.7): each step recorded first, so a restart can finish it.
+"""The GPU reset procedure: each step recorded first, so a restart can finish it.
+
+The facts behind it are in docs/design-notes.md §7.
 
 This module owns the *order* of a reset and the reading of its result. Whether a GPU should be
 reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
-decision; stopping the NVML worker, scanning holders and persisting state belong to the daemon,
-which hands them in as a :class:`ResetEnvironment`. Every command and hook runs through one
+decision; stopping the NVML worker, scanning holders and persisting state belong to the
+engine's edges, which hand them in as a :class:`ResetEnvironment`. Every command and hook runs through one
 :class:`CommandRunner`, by default :func:`gpuwatchd.act.commands.run_command` (argv, no shell, own
 process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset
 is this very procedure. This module never unbinds, rebinds or writes sysfs, never resets
@@ -35,7 +37,7 @@ step                  what happens
 An abort *undoes*: persistence mode back on (if it was turned off), then the ``after`` hooks.
 The caller restarts its NVML worker after :func:`perform_reset` returns, whatever the outcome.
 
-Exit codes of ``nvidia-smi --gpu-reset`` (nvidia-smi(1), domain-facts.md §1.3), as read by
+Exit codes of ``nvidia-smi --gpu-reset`` (nvidia-smi(1), docs/design-notes.md §7), as read by
 :func:`interpret_reset_exit`:
 
 ====  =====================================  ===========  ============
@@ -97,7 +99,7 @@ _UNRECORDED = "could not record reset progress in the state file"
 
 
 class ResetStep(str, enum.Enum):
-    """The steps of the reset procedure, in order (DESIGN.md §2.7)."""
+    """The steps of the reset procedure, in order (docs/design-notes.md §7)."""
 
     DRAIN = "drain"
     STOP_NVML = "stop_nvml"

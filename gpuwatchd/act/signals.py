@@ -1,7 +1,7 @@
 """Signals through pidfds: the one irreversible step below the GPU reset.
 
 This module owns the irreversible steps below the GPU reset: sending a signal to exactly the
-process that was judged (DESIGN.md §3 "Act", domain-facts.md §5.1), waiting on its exit, and
+process that was judged (docs/design-notes.md §13), waiting on its exit, and
 running an admin-configured command (a hook, ``nvidia-smi``) without a shell, in its own
 process group, under a deadline. It decides nothing: *whether* to signal or run is plan.py's
 and the daemon's business. It never signals by bare PID (``os.kill``): between the judgement

@@ -1,7 +1,8 @@
 """The ``gpuwatchd`` command line: argument parsing, exit codes, and wiring for each command.
 
-This module owns the public interface of DESIGN.md §4 — subcommands, flags and exit codes. It
-holds no decision logic: commands build the same collector → assess → plan core the daemon uses.
+This module owns the public interface of docs/architecture.md, public interfaces — subcommands,
+flags and exit codes. It holds no decision logic: commands build the same collector → assess → plan
+core the daemon uses.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The ``gpuwatchd scan`` report: one JSON document for machines, one text view for humans.
 
-This module owns the shape of ``gpuwatchd scan --json`` (DESIGN.md §4, every field documented in
+This module owns the shape of ``gpuwatchd scan --json`` (docs/architecture.md, public interfaces,
+every field documented in
 ``docs/scan.md``) and the layout of the plain ``gpuwatchd scan`` view. ``build_report`` turns a
 snapshot plus what the assessment concluded into plain JSON-able data; ``render_text`` turns that
 data into aligned text. Both are pure: no I/O, no clock, no environment. They decide nothing —

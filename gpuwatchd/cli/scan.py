@@ -38,7 +38,7 @@ def procfs_for(policy: Policy) -> ProcFS:
     )
 
 
-# Capabilities needed to read other users' /proc/PID/fd and maps (DESIGN.md §2.9).
+# Capabilities needed to read other users' /proc/PID/fd and maps (docs/design-notes.md §9).
 _INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
 # ... and to signal them.
 ACT_CAPABILITIES = {**_INSPECT_CAPABILITIES, "CAP_KILL": 5}

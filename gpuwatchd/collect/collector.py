@@ -6,7 +6,7 @@ holder scan (NVML's PIDs, their descendants and the holders seen before) runs ev
 full scan of all of ``/proc`` runs when :func:`gpuwatchd.decide.full_scan.full_scan_due` says
 so: when asked (``scan``), periodically, and whenever the targeted view cannot explain what
 NVML shows — a newly listed PID that is dead or a zombie, or allocated memory with no live
-listed owner (DESIGN.md §2.1, §2.4). That rule is pure and lives in ``decide``; this module
+listed owner (docs/design-notes.md §1, §4). That rule is pure and lives in ``decide``; this module
 only feeds it and keeps its state.
 
 What is remembered between polls, to keep the steady-state poll cheap (docs/performance.md):

@@ -1,8 +1,8 @@
 """The scan for holders of NVIDIA device files: every fd and every mapping, by device number.
 
-This module owns *how* a process is found to hold ``/dev/nvidia*`` (DESIGN.md §2.2): which fd
-links and mapped files count, how they are identified, and what is reported when a process
-cannot be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
+This module owns *how* a process is found to hold ``/dev/nvidia*`` (docs/design-notes.md §2): which
+fd links and mapped files count, how they are identified, and what is reported when a process cannot
+be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
 :class:`~gpuwatchd.collect.procfs.ProcFS` it is given; it never signals, never decides, and
 never imports NVML.
 

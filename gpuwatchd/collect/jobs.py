@@ -1,4 +1,4 @@
-"""Which jobs have ended: the evidence behind the ``abandoned`` finding (DESIGN.md §3).
+"""Which jobs have ended: the evidence behind the ``abandoned`` finding (docs/architecture.md).
 
 This module owns *reading* a scheduler's own bookkeeping from cgroupfs to tell whether a job is
 over while some of its processes live on. What a cgroup path means (which part is the job) is

@@ -6,8 +6,8 @@ read and the fallbacks), asks it for one poll at a time over a pipe, and turns t
 into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides anything about
 processes or GPUs.
 
-Why a separate process (DESIGN.md §2.7, §2.8): an NVML call can hang forever in the kernel on a
-wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
+Why a separate process (docs/design-notes.md §7, §8): an NVML call can hang forever in the kernel on
+a wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
 blocks a GPU reset. A worker can be abandoned when it hangs and stopped before a reset.
 
 Semantics of :meth:`NvmlClient.read`:

@@ -4,10 +4,10 @@ Run as a script (by absolute path, under ``python -I``; see
 :func:`gpuwatchd.collect.nvml.worker_command`) by :class:`gpuwatchd.collect.nvml.NvmlClient`,
 never imported by the daemon itself. It imports nothing from ``gpuwatchd``, only the standard
 library and pynvml, so no package lookup can be steered into running other code. NVML calls
-can hang forever in the kernel on a wedged GPU and cannot be cancelled (DESIGN.md §2.8), so
+can hang forever in the kernel on a wedged GPU and cannot be cancelled (docs/design-notes.md §8), so
 they run here, in a process the daemon can abandon; and every handle NVML holds on
 ``/dev/nvidia*`` lives here, so stopping this process releases them all before a reset
-(DESIGN.md §2.7).
+(docs/design-notes.md §7).
 
 Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
 
@@ -27,7 +27,7 @@ What one GPU entry holds (``None`` always means unknown):
 - ``index``, ``uuid``, ``name``, ``pci_bus_id``, ``minor``;
 - ``memory``: ``{"api": "v2", "total", "free", "reserved", "allocated"}`` from the v2 query, with
   allocated = total - free - reserved (neither header comment on v2's ``used`` is trustworthy,
-  domain-facts §2.1). Where v2 is not supported or the symbol is absent (drivers before ~R510)
+  docs/design-notes.md §6). Where v2 is not supported or the symbol is absent (drivers before ~R510)
   the worker falls back to v1, once per GPU for its lifetime: ``{"api": "v1", "total", "free",
   "used_v1", "reserved": null, "allocated": null}`` — v1's "used" includes the driver's
   reservation, so allocated is unknown. The first fallback is announced in ``notices`` as

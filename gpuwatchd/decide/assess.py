@@ -1,9 +1,9 @@
 """Findings: what one snapshot, plus what earlier polls remembered, says about the host.
 
 This module owns the decision "who holds this GPU, why, and is anything wrong": PID validation
-and PID trust (DESIGN.md §2.3), the orphan rule with its positive evidence (§2.4), zombies and
-D state (§2.5), ghost and unaccounted memory with the learned idle baseline (§2.6), report-only
-conditions (§2.11), and the per-process lineage recorded when a process is first seen.
+and PID trust (docs/design-notes.md §3), the orphan rule with its positive evidence (§4), zombies
+and D state (§5), ghost and unaccounted memory with the learned idle baseline (§6), report-only
+conditions (§11), and the per-process lineage recorded when a process is first seen.
 
 It is pure: no I/O, no clock reads (time is ``snapshot.monotonic``), no signals, no policy rules.
 It must never turn an unknown value into an actionable finding: every ``None`` on the path to
@@ -107,7 +107,7 @@ def _dead_pid_explained(
 def _pid_trust_problem(
     host: HostView, detection: Detection, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> str | None:
-    """Why NVML's process lists cannot be trusted this poll, or None (DESIGN.md §2.3).
+    """Why NVML's process lists cannot be trusted this poll, or None (docs/design-notes.md §3).
 
     One PID outside 1..pid_max is proof the list was decoded wrong (a struct layout mismatch
     yields 0 and 4294967295), so any such PID loses trust. Dead PIDs are normal after a crash,

@@ -19,7 +19,8 @@ from gpuwatchd.vocabulary import ASSESS_STATE_VERSION
 
 @dataclass(frozen=True)
 class Lineage:
-    """What a process looked like when first seen (DESIGN.md §2.4); ``first_seen`` is monotonic."""
+    """What a process looked like when first seen (docs/design-notes.md §4); ``first_seen`` is
+    monotonic."""
 
     ppid: int | None
     pgid: int | None

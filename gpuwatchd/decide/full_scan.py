@@ -2,7 +2,7 @@
 
 This module owns the choice the collector makes every poll between the cheap *targeted* holder
 scan (NVML's PIDs, their descendants, the holders seen before) and the *full* scan of every
-process (DESIGN.md §2.1, §2.4). It reads no files and no clock: the collector passes what it
+process (docs/design-notes.md §1, §4). It reads no files and no clock: the collector passes what it
 has read this poll, ``now`` and the state returned by the previous call. It imports only
 ``gpuwatchd.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
 

@@ -126,7 +126,7 @@ class SignalIntent:
 
 @dataclass(frozen=True)
 class ResetIntent:
-    """Run the reset procedure (DESIGN.md §2.7) for one GPU, addressed by UUID / PCI bus id."""
+    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id (design-notes §7)."""
 
     gpu: str
     pci_bus_id: str | None
@@ -301,6 +301,7 @@ def plan(
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
     _track_findings(w, ctx)
+    _watch_lost_gpus(w, ctx)
     _advance_ladders(w, ctx)
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.pid is not None:
@@ -311,6 +312,28 @@ def plan(
     # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
+
+
+def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
+    """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure.
+
+    Whatever it held is out of reach now (its findings resolve for want of readings), so this
+    is the one event that tells the admin. Said again only after the GPU came back and was lost
+    once more.
+    """
+    for gpu in sorted(ctx.snapshot.nvml.gpus, key=lambda g: g.index):
+        key = f"node:lost:{gpu.uuid}"
+        if not gpu.lost:
+            w.notes.pop(key, None)
+            continue
+        if not w.noted(key, "lost"):
+            continue
+        why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
+        fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
+        w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
+        w.intents.append(
+            HookIntent("on_failure", f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx))
+        )
 
 
 def _check_boot(w: _Work, snapshot: Snapshot) -> None:

@@ -15,7 +15,7 @@ from gpuwatchd.model import MIB, FindingKind
 DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
 DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
 
-# Infrastructure that no configuration can make a target (DESIGN.md §2.10). Matched against
+# Infrastructure that no configuration can make a target (docs/design-notes.md §10). Matched against
 # comm (cut to 15 characters by the kernel), the executable's basename and argv[0]'s basename.
 FLOOR_PROCESS_NAMES = frozenset(
     {
@@ -116,7 +116,8 @@ class Protect:
 
 @dataclass(frozen=True)
 class ResetPolicy:
-    """When and how a GPU is reset (DESIGN.md §2.7). Only ``ghost_memory`` can lead to one."""
+    """When and how a GPU is reset (docs/design-notes.md §7). Only ``ghost_memory`` can lead to
+    one."""
 
     enabled: bool = True
     command: tuple[str, ...] = DEFAULT_RESET_COMMAND
@@ -138,7 +139,7 @@ class ResetPolicy:
 
 @dataclass(frozen=True)
 class Limits:
-    """Damping (DESIGN.md §2.12): caps past which the daemon switches itself to dry-run."""
+    """Damping (docs/design-notes.md §12): caps past which the daemon switches itself to dry-run."""
 
     # One crashed 8-GPU job can leave 8 DataLoader workers per GPU: the caps sit above that
     # everyday incident and below a node-wide massacre.

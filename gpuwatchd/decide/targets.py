@@ -1,9 +1,10 @@
 """Which rule matches a finding, and why a target may never be touched: the floor, then ``protect``.
 
 This module owns target selection for ``plan``: ``rule_for`` (the first policy rule whose kind,
-``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of DESIGN.md §2.10,
-which no configuration lowers, then ``protect``, then an identity that cannot be told apart from
-PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or PCI bus id) and
+``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of
+docs/design-notes.md §10, which no configuration lowers, then ``protect``, then an identity that
+cannot be told apart from PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or
+PCI bus id) and
 ``process_facts`` (what a target's intents and events say about it). The semantics are documented
 in ``docs/escalation.md``.
 
@@ -173,8 +174,9 @@ def refusal(
 ) -> str | None:
     """Why this target may never be signalled, as "floor: …", "protect: …" or "identity: …".
 
-    The floor (DESIGN.md §2.10) comes first and no configuration lowers it; then ``protect``;
-    an identity that cannot be told apart from a later process reusing the PID is refused too.
+    The floor (docs/design-notes.md §10) comes first and no configuration lowers it; then
+    ``protect``; an identity that cannot be told apart from a later process reusing the PID is
+    refused too.
     """
     if process is None:
         return "identity: process not in the snapshot"

@@ -4,10 +4,11 @@ Owns: a temporary devices folder, the fake NVML state, scripted actor processes
 (``tests/support/actor.py``) that hold the fake device files the way CUDA jobs do, a policy file
 pointing the daemon at all of that, and running the real ``gpuwatchd`` command against it.
 
-End-to-end tests run inside their own PID namespace (DESIGN.md §5), so a bug in the daemon can
-only reach the test's own processes: :func:`run_in_pid_namespace` re-executes a function of a
-test module as PID 1 of a fresh namespace (``unshare --pid --fork --mount-proc``) and returns
-what it returned. Inside, actors are this module's children; orphans are re-parented to it.
+End-to-end tests run inside their own PID namespace (docs/architecture.md, testing without a GPU),
+so a bug in the daemon can only reach the test's own processes: :func:`run_in_pid_namespace`
+re-executes a function of a test module as PID 1 of a fresh namespace (``unshare --pid --fork
+--mount-proc``) and returns what it returned. Inside, actors are this module's children; orphans are
+re-parented to it.
 """
 
 from __future__ import annotations

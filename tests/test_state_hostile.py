@@ -1,0 +1,143 @@
+"""state_dir and its files are hostile until checked: links are never followed, a bad
+state_dir is one line and exit 78 at start, a failing disk is logged and never fatal."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from gpuwatchd.config.schema import default_policy
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.pause import clear_latches, read_pause, set_pause, take_clear_latches
+from gpuwatchd.state import StateDirError, StateStore, check_state_dir
+from gpuwatchd.vocabulary import ExitCode
+
+SECRET = "a file the daemon must never touch: hunter2\n"  # noqa: S105 - a marker, no password
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "victim"
+    path.write_text(SECRET)
+    return path
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "state"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def test_a_linked_lock_file_is_refused_and_its_target_left_alone(
+    state_dir: Path, victim: Path
+) -> None:
+    (state_dir / "lock").symlink_to(victim)
+    with pytest.raises(OSError, match="symbolic links"), StateStore(str(state_dir)).lock():
+        pass
+    assert victim.read_text() == SECRET
+
+
+def test_a_linked_pause_file_is_paused_but_never_read(state_dir: Path, victim: Path) -> None:
+    (state_dir / "paused").symlink_to(victim)
+    reason = read_pause(str(state_dir))
+    assert reason == "pause file unreadable"
+    assert "hunter2" not in reason
+
+
+def test_a_pause_file_that_is_a_fifo_does_not_block(state_dir: Path) -> None:
+    os.mkfifo(state_dir / "paused")
+    assert read_pause(str(state_dir)) == "pause file unreadable"
+
+
+def test_switches_never_write_through_a_planted_link(state_dir: Path, victim: Path) -> None:
+    (state_dir / "clear-latches").symlink_to(victim)
+    (state_dir / "paused").symlink_to(victim)
+    clear_latches(str(state_dir))
+    set_pause(str(state_dir), reason="maintenance")
+    assert victim.read_text() == SECRET
+    assert read_pause(str(state_dir)) == "maintenance"
+    assert take_clear_latches(str(state_dir)) is True
+    assert take_clear_latches(str(state_dir)) is False
+
+
+def test_a_linked_state_file_is_moved_aside_not_read(state_dir: Path, victim: Path) -> None:
+    (state_dir / "state.json").symlink_to(victim)
+    with capture_logs() as logs:
+        assert StateStore(str(state_dir)).load() == {}
+    assert [e["event"] for e in logs] == ["state.corrupt"]
+    assert victim.read_text() == SECRET
+
+
+def test_a_deeply_nested_state_file_is_corrupt_not_a_crash(state_dir: Path) -> None:
+    (state_dir / "state.json").write_text("[" * 100_000)
+    with capture_logs() as logs:
+        assert StateStore(str(state_dir)).load() == {}
+    assert [e["event"] for e in logs] == ["state.corrupt"]
+
+
+def test_a_state_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    path.write_text("")
+    with pytest.raises(StateDirError, match="not a directory"):
+        check_state_dir(str(path))
+
+
+@pytest.mark.parametrize(
+    ("mode", "uid", "message"),
+    [(0o777, 0, "writable by group or others"), (0o700, 1000, "owned by uid 1000")],
+)
+def test_as_root_a_state_dir_others_can_write_is_refused(
+    tmp_path: Path, mode: int, uid: int, message: str
+) -> None:
+    path = tmp_path / "state"
+    path.mkdir()
+    path.chmod(mode)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder another owner")
+    os.chown(path, uid, -1)
+    with pytest.raises(StateDirError, match=message):
+        check_state_dir(str(path), euid=0)
+    check_state_dir(str(path), euid=1000)  # not root: the owner's business
+
+
+def test_a_new_state_dir_is_created_private(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "state"
+    check_state_dir(str(path))
+    assert path.stat().st_mode & 0o777 == 0o700
+
+
+def _daemon(state_dir: Path) -> Daemon:
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=True)
+    return Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml")
+
+
+def test_the_daemon_refuses_a_bad_state_dir_in_one_line_with_exit_78(tmp_path: Path) -> None:
+    bad = tmp_path / "state"
+    bad.write_text("")
+    with capture_logs() as logs:
+        code = _daemon(bad).run()
+    assert code == ExitCode.CONFIG
+    assert [(e["event"], e["log_level"]) for e in logs] == [("state.dir_unusable", "critical")]
+
+
+def test_the_daemon_refuses_a_linked_lock_file_in_one_line(state_dir: Path, victim: Path) -> None:
+    (state_dir / "lock").symlink_to(victim)
+    with capture_logs() as logs:
+        code = _daemon(state_dir).run()
+    assert code == ExitCode.CONFIG
+    assert [e["event"] for e in logs] == ["state.dir_unusable"]
+    assert victim.read_text() == SECRET
+
+
+def test_a_state_write_that_fails_is_logged_and_the_daemon_goes_on(state_dir: Path) -> None:
+    daemon = _daemon(state_dir)
+    (state_dir / "state.json").mkdir()  # rename over a directory fails (EISDIR)
+    with capture_logs() as logs:
+        daemon.save_state()
+    assert [e["event"] for e in logs] == ["state.save_failed"]
+    assert [p.name for p in state_dir.iterdir()] == ["state.json"], "no temporary file left"

@@ -6,6 +6,7 @@ only ever used with a deliberately wrong identity or below the floor, where noth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -499,3 +500,38 @@ def test_a_hook_past_its_timeout_is_killed() -> None:
     [result] = run_hooks([Hook(("sleep", "30"), timeout=0.3)], env={})
     assert result.timed_out
     assert result.duration < 5
+
+
+ESCAPES_WITH_SETSID = """
+import os, subprocess, sys, time
+escaped = subprocess.Popen(["sleep", "1000"], start_new_session=True)  # leaves the group
+with open(sys.argv[1], "w") as pids:
+    pids.write(str(escaped.pid))
+time.sleep(1000)
+"""
+
+
+def test_a_child_that_left_the_process_group_is_killed_at_the_timeout_too(tmp_path: Path) -> None:
+    """setsid or a double fork takes a child out of the command's group: it still carries the
+    command's marker, and is ended with the command."""
+    pid_file = tmp_path / "pids"
+    script = [sys.executable, "-c", ESCAPES_WITH_SETSID, str(pid_file)]
+    result = run_command(script, timeout=1.5)
+    assert result.timed_out
+    escaped = int(pid_file.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while not is_dead(escaped) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert is_dead(escaped), "the setsid child outlived the command's timeout"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(escaped, signal.SIGKILL)  # our own grandchild, if the test failed
+
+
+def test_each_command_gets_its_own_marker() -> None:
+    code = "import os; print(os.environ['GPUWATCHD_COMMAND_ID'])"
+    first = run_command([sys.executable, "-c", code], timeout=10).output.strip()
+    second = run_command([sys.executable, "-c", code], timeout=10, env={}).output.strip()
+    assert len(first) == 32
+    assert first != second

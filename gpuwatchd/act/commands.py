@@ -17,12 +17,14 @@ import selectors
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Hook
 
+COMMAND_ID_VARIABLE = "GPUWATCHD_COMMAND_ID"  # marks a command and its descendants
 OUTPUT_LIMIT = 64 * 1024  # bytes of a command's output kept (the tail)
 _TICK = 0.05  # poll interval when pidfds are unavailable
 _DRAIN_GRACE = 0.2  # seconds to collect output after the command exits (grandchildren may hold it)
@@ -96,16 +98,22 @@ def run_command(
 ) -> CommandResult:
     """Run ``argv`` (no shell) in a new session and process group, under ``timeout`` seconds.
 
-    ``env`` is the complete environment (None: inherit the daemon's). stdin is /dev/null.
+    ``env`` is the complete environment (None: inherit the daemon's), plus
+    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits. stdin is /dev/null.
     When the deadline passes the *whole process group* gets SIGKILL (a wrapper's children
-    too) and the command is reaped — for at most a few seconds, since a process stuck in the
-    driver cannot die; then ``returncode`` is None and ``error`` says so. Output that
-    grandchildren keep writing after the command itself exited is collected only briefly.
+    too), and so does every process that still carries the marker: a child that left the
+    group with ``setsid`` or a double fork is ended with the command. The command is reaped
+    for at most a few seconds, since a process stuck in the driver cannot die; then
+    ``returncode`` is None and ``error`` says so. Output that grandchildren keep writing after
+    the command itself exited is collected only briefly.
     """
     args = tuple(argv)
     started = time.monotonic()
     if not args:
         return CommandResult(args, None, "", False, 0.0, "empty command")
+    marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
+    child_env = dict(os.environ if env is None else env)
+    child_env[COMMAND_ID_VARIABLE] = marker.partition("=")[2]
     try:
         proc = subprocess.Popen(
             args,
@@ -114,7 +122,7 @@ def run_command(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
-            env=None if env is None else dict(env),
+            env=child_env,
         )
     except OSError as err:
         reason = err.strerror or str(err)
@@ -122,7 +130,7 @@ def run_command(
             args, None, "", False, time.monotonic() - started, f"cannot run {args[0]}: {reason}"
         )
     tail = _Tail(output_limit)
-    timed_out, error = _supervise(proc, started + timeout, tail)
+    timed_out, error = _supervise(proc, started + timeout, tail, marker.encode("ascii"))
     return CommandResult(
         argv=args,
         returncode=proc.returncode,
@@ -134,7 +142,7 @@ def run_command(
 
 
 def _supervise(
-    proc: subprocess.Popen[bytes], deadline: float, tail: _Tail
+    proc: subprocess.Popen[bytes], deadline: float, tail: _Tail, marker: bytes
 ) -> tuple[bool, str | None]:
     """Collect output until ``proc`` exits or ``deadline`` passes; then kill its group.
 
@@ -171,6 +179,7 @@ def _supervise(
         if timed_out:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole group: wrappers' children too
+            kill_marked(marker)  # and those that left the group (setsid, double fork)
             try:
                 proc.wait(timeout=_REAP_AFTER_KILL)
             except subprocess.TimeoutExpired:
@@ -184,6 +193,39 @@ def _supervise(
     if pidfd is not None:
         os.close(pidfd)
     return timed_out, error
+
+
+def _carries(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return marker in handle.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_marked(marker: bytes) -> int:
+    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``); how many.
+
+    Each is opened as a pidfd and checked again before the signal, so a PID reused in between
+    is never hit. Our own process never carries a command's marker.
+    """
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid() or not _carries(int(name), marker):
+            continue
+        try:
+            pidfd = os.pidfd_open(int(name))
+        except OSError:
+            continue
+        try:
+            if _carries(int(name), marker):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                killed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    return killed
 
 
 def _read_into(fd: int, tail: _Tail) -> bool:

@@ -535,3 +535,11 @@ def test_each_command_gets_its_own_marker() -> None:
     second = run_command([sys.executable, "-c", code], timeout=10, env={}).output.strip()
     assert len(first) == 32
     assert first != second
+
+
+def test_a_command_runs_in_the_root_folder_not_the_callers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = run_command([sys.executable, "-c", "import os; print(os.getcwd())"], timeout=10)
+    assert result.output.strip() == "/"

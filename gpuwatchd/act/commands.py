@@ -99,7 +99,8 @@ def run_command(
     """Run ``argv`` (no shell) in a new session and process group, under ``timeout`` seconds.
 
     ``env`` is the complete environment (None: inherit the daemon's), plus
-    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits. stdin is /dev/null.
+    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits. It runs in ``/``, with
+    stdin from /dev/null.
     When the deadline passes the *whole process group* gets SIGKILL (a wrapper's children
     too), and so does every process that still carries the marker: a child that left the
     group with ``setsid`` or a double fork is ended with the command. The command is reaped
@@ -122,6 +123,7 @@ def run_command(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            cwd="/",  # never the caller's folder, which may be anyone's
             env=child_env,
         )
     except OSError as err:

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
+from gpuwatchd.escape import escape
+
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
 
@@ -200,17 +202,13 @@ def _flatten_exception(
     return event_dict
 
 
-_CONTROL = {code: f"\\x{code:02x}" for code in [*range(32), 127]}
-_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
-
-
 def _escape_control_characters(
     _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
     """Escape newlines and other control characters in string values: one event, one line."""
     for key, value in event_dict.items():
         if isinstance(value, str):
-            event_dict[key] = value.translate(_CONTROL)
+            event_dict[key] = escape(value)
     return event_dict
 
 
@@ -270,7 +268,7 @@ def _logfmt_value(value: object) -> str:
     text = str(value)
     if text and text.isprintable() and not any(c in text for c in ' ="\\'):
         return text
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').translate(_CONTROL)
+    escaped = escape(text.replace("\\", "\\\\").replace('"', '\\"'))
     return f'"{escaped}"'
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from gpuwatchd.decide.plan import reset_gates
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import refusal, rule_for
+from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
@@ -408,4 +409,4 @@ def render_explanation(result: Mapping[str, object]) -> str:
                 lines.append(f"        {then}")
         for stop in item["stopped_by"]:
             lines.append(f"  stopped by: {stop}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(escape(line) for line in lines) + "\n"

@@ -21,6 +21,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
@@ -803,13 +804,9 @@ def _text(value: object) -> str:
     return _clean(str(value))
 
 
-_CONTROL = {code: f"\\x{code:02x}" for code in [*range(32), *range(127, 160)]}
-_CONTROL.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
-
-
 def _clean(text: str) -> str:
     """Escape control characters, which a hostile command line could use to forge lines."""
-    return text.translate(_CONTROL)
+    return escape(text)
 
 
 def _as_map(value: object) -> Mapping[str, object]:

@@ -205,7 +205,7 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
 @pytest.mark.parametrize(
     ("text", "key", "hint"),
     [
-        ("interval: 0s\n", "interval", "greater than 0"),
+        ("interval: 0s\n", "interval", ">= 100ms and <= 1h"),
         ("interval: fast\n", "interval", "invalid duration"),
         ("nvml_timeout: -1\n", "nvml_timeout", ">= 0"),
         ("dry_run: maybe\n", "dry_run", "expected true or false"),
@@ -217,7 +217,7 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("device_major: 5000\n", "device_major", "<= 4095"),
         ("limits: {max_signalled_per_poll: -1}\n", "limits.max_signalled_per_poll", ">= 0"),
         ("reset: {max_failures: 0}\n", "reset.max_failures", ">= 1"),
-        ("reset: {window: 0s}\n", "reset.window", "greater than 0"),
+        ("reset: {window: 0s}\n", "reset.window", ">= 1m and <= 7d"),
         ("reset: [1]\n", "reset", "expected a mapping"),
         ("protect: {users: bob}\n", "protect.users", "expected a list"),
         ("protect: {users: [1000]}\n", "protect.users[0]", "non-empty string"),
@@ -723,6 +723,52 @@ def test_permission_check_is_skipped_when_turned_off(tmp_path: Path) -> None:
     main_file = write_config(tmp_path, MAIN, {})
     (main_file.parent / "conf.d").chmod(0o777)
     assert load_policy(str(main_file), check_permissions=False).interval == 5.0
+
+
+# --- the key table and the modules behind schema ----------------------------------------------
+
+
+def test_the_key_table_refuses_a_dataclass_field_it_does_not_list() -> None:
+    from gpuwatchd.config.keys import count, section_of
+    from gpuwatchd.decide.policy import Limits
+
+    with pytest.raises(TypeError, match="post_action_delay"):
+        section_of("limits", Limits, {"max_signalled_per_poll": count(0, 1)})
+    with pytest.raises(TypeError, match="max_kills"):
+        section_of(
+            "limits",
+            Limits,
+            {
+                "max_signalled_per_poll": count(0, 1),
+                "max_signalled_per_hour": count(0, 1),
+                "post_action_delay": count(0, 1),
+                "max_kills": count(0, 1),
+            },
+        )
+
+
+def test_every_policy_field_has_exactly_one_key() -> None:
+    from gpuwatchd.config.keys import SECTIONS
+
+    listed = [(section.cls, key.field) for section in SECTIONS.values() for key in section.keys]
+    fields = [(cls, field) for cls, field in listed if field is not None]
+    assert len(fields) == len(set(fields))
+    for cls in {cls for cls, _ in fields}:
+        names = {f.name for f in dataclasses.fields(cls)} - {"sources"}
+        assert {field for owner, field in fields if owner is cls} == names
+
+
+def test_names_moved_out_of_schema_stay_importable_from_it() -> None:
+    from gpuwatchd.config import files, keys, schema, units, yamlsrc
+
+    assert schema.parse_duration is units.parse_duration
+    assert schema.parse_size is units.parse_size
+    assert schema.format_duration is units.format_duration
+    assert schema.format_size is units.format_size
+    assert schema.find_drop_ins is files.find_drop_ins
+    assert schema.check_config_permissions is files.check_config_permissions
+    assert schema.normalize_gpu_id is keys.normalize_gpu_id
+    assert schema.ConfigError is yamlsrc.ConfigError
 
 
 # --- the documentation --------------------------------------------------------------------------

@@ -572,7 +572,7 @@ def test_ghost_memory_gets_exactly_one_reset_then_cooldown(tmp_path: Path) -> No
     result = run_scenario("host_ghost_reset", tmp_path)
     resets = [c for c in result["calls"] if "--gpu-reset" in c]
     assert len(resets) == 1
-    assert resets[0].endswith("-i GPU-00000000-fake-4000-8000-000000000000")
+    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
     assert result["memory"] == 2 * MiB
     assert [o["result"] for o in result["outcomes"]] == ["success"]
 

@@ -107,7 +107,7 @@ def test_two_gpus_report_identity_v2_memory_and_every_process_list(
     first, second = reading.gpus
     assert first == GpuInfo(
         index=0,
-        uuid="GPU-00000000-fake-4000-8000-000000000000",
+        uuid="GPU-00000000-face-4000-8000-000000000000",
         name="NVIDIA H100 80GB HBM3",
         pci_bus_id="00000000:18:00.0",
         minor=0,

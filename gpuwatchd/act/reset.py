@@ -5,12 +5,12 @@ The facts behind it are in docs/design-notes.md §7.
 This module owns the *order* of a reset and the reading of its result. Whether a GPU should be
 reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
 decision; stopping the NVML worker, scanning holders and persisting state belong to the
-engine's edges, which hand them in as a :class:`ResetEnvironment`. Every command and hook runs through one
-:class:`CommandRunner`, by default :func:`gpuwatchd.act.commands.run_command` (argv, no shell, own
-process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset
-is this very procedure. This module never unbinds, rebinds or writes sysfs, never resets
-without ``-i``-style addressing of exactly one GPU, and never re-runs a reset command that may
-already have run.
+engine's edges, which hand them in as a :class:`ResetEnvironment`. Every command and hook runs
+through one :class:`CommandRunner`, by default :func:`gpuwatchd.act.commands.run_command` (argv,
+no shell, own process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the
+simulated reset is this very procedure. This module never unbinds, rebinds or writes sysfs,
+never resets without ``-i``-style addressing of exactly one GPU, and never re-runs a reset
+command that may already have run.
 
 The procedure, one event per step, each step recorded with ``record_step`` *before* it runs:
 

@@ -1,37 +1,70 @@
 """Reading YAML text into nodes that remember where they were written.
 
-This module owns the position-tracking YAML reader shared by the policy files (``config.py``)
-and the scenario files (``scenario.py``): :func:`load_document` turns text into a tree of
-:class:`Map`, :class:`Seq` and :class:`Scalar` nodes, each knowing its file, 1-based line and
-key path, and refuses what a hand-written file should never contain (duplicate keys, merge
-keys, non-string keys, recursive aliases). It also owns :class:`ConfigError`, the located error
-it raises. It has no knowledge of any schema or policy: which keys exist and what values mean
-belong to its callers. Its only work is parsing the text it is given; it reads no files.
+This module owns the position-tracking YAML reader shared by the policy files
+(``gpuwatchd.config.schema``) and the scenario files (``gpuwatchd.cli.scenario``):
+:func:`load_document` turns text into a tree of :class:`Map`, :class:`Seq` and :class:`Scalar`
+nodes, each knowing its file, 1-based line and key path. It treats the text as hostile: it is
+bounded *before* it is parsed (size, control characters) and while it is composed (nesting
+depth, no anchors or aliases, so nothing can expand), and it refuses what a hand-written file
+should never contain (duplicate keys, merge keys, non-string keys). Whatever the text, the
+result is a tree or a :class:`ConfigError`, the located error it owns, never another exception.
+
+It also owns the words those errors use for YAML values (:func:`describe_value`,
+:func:`did_you_mean`). It has no knowledge of any schema or policy: which keys exist and what
+values mean belong to its callers. Its only work is parsing the text it is given; it reads no
+files.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import yaml
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_NODES",
+    "MAX_TOTAL_BYTES",
+    "Budget",
     "ConfigError",
     "Map",
     "Node",
     "Scalar",
     "Seq",
+    "describe_value",
+    "did_you_mean",
     "join_key",
+    "line_of",
     "load_document",
+    "shown",
 ]
+
+# A policy file is a few kilobytes and a few hundred YAML nodes. PyYAML is pure Python here
+# (for its line marks): about 0.4 s per MiB of text and 25 us per node. The limits keep a
+# whole policy (main file and every drop-in, read on a reload too) to a few seconds, well
+# under the unit's WatchdogSec=30s.
+MAX_DOCUMENT_BYTES = 1024 * 1024  # one file
+MAX_TOTAL_BYTES = 4 * 1024 * 1024  # all the files of one policy (or one scenario) together
+MAX_NODES = 50_000  # scalars, lists and mappings, keys included, of all of them together
+# The deepest place a policy uses is 5 levels down (reset.before[0].command[0]); a scenario
+# file a few more. 32 is far from both and far from Python's recursion limit.
+MAX_DEPTH = 32
+# What YAML itself allows in a stream (YAML 1.1 c-printable, as PyYAML's reader checks), so no
+# control character reaches PyYAML, whose reader would fail without a line number.
+_NOT_PRINTABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+_LINE_BREAK = re.compile("\r\n|[\n\r\x85\u2028\u2029]")
 
 
 class ConfigError(Exception):
     """An invalid, unreadable or unsafe configuration. The CLI exits 78 (EX_CONFIG) on it.
 
-    Defined here because the reader raises it for YAML syntax and structure; ``config.py``
-    re-exports it and raises it for every schema problem.
+    Defined here because the reader raises it for YAML syntax and structure;
+    ``gpuwatchd.config.schema`` re-exports it and raises it for every schema problem.
 
     ``path``, ``line`` (1-based) and ``key`` (a key path such as ``rules[0].steps[1].signal``)
     locate the first problem; ``problems`` lists every problem found (this one first).
@@ -107,14 +140,59 @@ def join_key(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def load_document(filename: str, text: str) -> Map:
+def describe_value(value: object) -> str:
+    """A YAML value as an error message names it: ``null``, ``boolean true``, ``a list``..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    return f"{type(value).__name__} {shown(value)}"
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short for a message: a hostile value may be a megabyte long."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, or an empty string."""
+    same_letters = [choice for choice in choices if choice.lower() == word.lower()]
+    close = same_letters or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass
+class Budget:
+    """What the documents of one policy may still spend: characters and YAML nodes.
+
+    One budget is shared by the main file and its drop-ins, so that many files cannot add up
+    to what one file may not hold.
+    """
+
+    chars: int = MAX_TOTAL_BYTES
+    nodes: int = MAX_NODES
+
+
+def load_document(filename: str, text: str, budget: Budget | None = None) -> Map:
     """Parse one YAML document whose top level must be a mapping; empty text is an empty Map.
 
-    Raises :class:`ConfigError` (naming ``filename`` and the line) for a syntax error, a
-    non-mapping top level, a duplicate key, a merge key (``<<``), a non-scalar key or a
-    recursive alias.
+    The text is bounded before it is parsed: at most :data:`MAX_DOCUMENT_BYTES` characters
+    and no control characters; and while it is composed: at most :data:`MAX_DEPTH` levels of
+    nesting, no anchors or aliases (so nothing can expand), and within ``budget`` (a fresh
+    :class:`Budget` if None), which it spends. Raises :class:`ConfigError` (naming
+    ``filename`` and the line) for any of those, a syntax error, a non-mapping top level, a
+    duplicate key, a merge key (``<<``), a non-scalar key or a scalar YAML cannot construct
+    (``2023-02-30``, ``!!int abc``). Never any other exception.
     """
-    loader = yaml.SafeLoader(text)
+    budget = Budget() if budget is None else budget
+    _check_text(filename, text, budget)
+    try:
+        loader = _BoundedLoader(filename, text, budget)
+    except yaml.YAMLError as err:  # the reader's own checks; _check_text refuses the same first
+        raise ConfigError(f"YAML: {err}", path=filename) from None
     try:
         root = loader.get_single_node()
         if root is None:
@@ -123,7 +201,7 @@ def load_document(filename: str, text: str) -> Map:
             raise ConfigError(
                 "the top level must be a mapping of keys", path=filename, line=_line(root)
             )
-        converted = _convert(root, loader, filename, "", set())
+        converted = _convert(root, loader, filename, "")
         assert isinstance(converted, Map)  # noqa: S101 -- a MappingNode converts to a Map
         return converted
     except yaml.MarkedYAMLError as err:
@@ -138,50 +216,140 @@ def load_document(filename: str, text: str) -> Map:
         loader.dispose()
 
 
+def _check_text(filename: str, text: str, budget: Budget) -> None:
+    if len(text) > MAX_DOCUMENT_BYTES:
+        raise ConfigError("larger than the 1 MiB limit of a configuration file", path=filename)
+    budget.chars -= len(text)
+    if budget.chars < 0:
+        raise ConfigError(
+            "the configuration files together are larger than their 4 MiB limit", path=filename
+        )
+    bad = _NOT_PRINTABLE.search(text)
+    if bad is not None:
+        char = bad.group()
+        raise ConfigError(
+            f"control character U+{ord(char):04X} ({_char_name(char)}) in the text; "
+            "write it as an escape in a double-quoted string if it is meant",
+            path=filename,
+            line=line_of(text, bad.start()),
+        )
+
+
+def line_of(text: str, index: int) -> int:
+    """The 1-based line of ``text[index]``, counting line breaks as YAML does."""
+    return len(_LINE_BREAK.findall(text, 0, index)) + 1
+
+
+def _char_name(char: str) -> str:
+    if char == "\0":
+        return "NUL"
+    return unicodedata.name(char, "unassigned" if ord(char) > 0x7F else "control")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing anchors, aliases, nesting deeper than MAX_DEPTH and
+    more nodes than the budget holds.
+
+    PyYAML's scanner and parser are iterative; only composing is recursive. Checking each node
+    as it starts to be composed stops a hostile document at its first anchor or its first level
+    too deep, long before an alias can expand or the recursion limit is near.
+    """
+
+    def __init__(self, filename: str, text: str, budget: Budget) -> None:
+        super().__init__(text)
+        self._filename = filename
+        self._depth = 0
+        self._budget = budget
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the stubs
+        line = int(event.start_mark.line) + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise ConfigError(
+                "YAML aliases (*name) are not supported; write the value out",
+                path=self._filename,
+                line=line,
+            )
+        if getattr(event, "anchor", None) is not None:
+            raise ConfigError(
+                "YAML anchors (&name) are not supported; write the value out where it is used",
+                path=self._filename,
+                line=line,
+            )
+        if self._depth >= MAX_DEPTH:
+            raise ConfigError(
+                f"nested deeper than {MAX_DEPTH} levels", path=self._filename, line=line
+            )
+        self._budget.nodes -= 1
+        if self._budget.nodes < 0:
+            raise ConfigError(
+                f"more than {MAX_NODES} YAML values in the configuration files together",
+                path=self._filename,
+                line=line,
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _line(node: yaml.Node) -> int:
     return int(node.start_mark.line) + 1
 
 
-def _convert(
-    node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str, active: set[int]
-) -> Node:
-    if id(node) in active:
-        raise ConfigError("recursive YAML alias", path=filename, line=_line(node), key=path)
-    if isinstance(node, yaml.ScalarNode):
-        return Scalar(filename, _line(node), path, loader.construct_object(node))
-    active.add(id(node))
+def _construct_scalar(node: yaml.ScalarNode, loader: yaml.SafeLoader, filename: str) -> object:
     try:
-        if isinstance(node, yaml.SequenceNode):
-            items = [
-                _convert(item, loader, filename, f"{path}[{i}]", active)
-                for i, item in enumerate(node.value)
-            ]
-            return Seq(filename, _line(node), path, items)
-        assert isinstance(node, yaml.MappingNode)  # noqa: S101 -- the third and last node type
-        result = Map(filename, _line(node), path)
-        for key_node, value_node in node.value:
-            line = _line(key_node)
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                raise ConfigError(
-                    "YAML merge keys (<<) are not supported; write the keys out",
-                    path=filename,
-                    line=line,
-                    key=path or None,
-                )
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise ConfigError("keys must be plain strings", path=filename, line=line)
-            key = str(key_node.value)
-            if key in result.entries:
-                raise ConfigError(
-                    f"duplicate key (first at line {result.key_lines[key]})",
-                    path=filename,
-                    line=line,
-                    key=join_key(path, key),
-                )
-            result.key_lines[key] = line
-            result.entries[key] = _convert(
-                value_node, loader, filename, join_key(path, key), active
+        return loader.construct_object(node)
+    except yaml.YAMLError:
+        raise
+    # PyYAML's scalar constructors raise what their conversions raise: ValueError for
+    # '2023-02-30' or '!!int abc', KeyError for '!!bool maybe', AttributeError for
+    # '!!timestamp x', ValueError past Python's int digit limit. Each is a bad value here.
+    except Exception as err:
+        raise ConfigError(
+            f"YAML cannot read the value {node.value!r} as {node.tag.rsplit(':', 1)[-1]}",
+            path=filename,
+            line=_line(node),
+        ) from err
+
+
+def _convert(node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str) -> Node:
+    if isinstance(node, yaml.ScalarNode):
+        return Scalar(filename, _line(node), path, _construct_scalar(node, loader, filename))
+    if isinstance(node, yaml.SequenceNode):
+        items = [
+            _convert(item, loader, filename, f"{path}[{i}]") for i, item in enumerate(node.value)
+        ]
+        return Seq(filename, _line(node), path, items)
+    assert isinstance(node, yaml.MappingNode)  # noqa: S101 -- the third and last node type
+    result = Map(filename, _line(node), path)
+    for key_node, value_node in node.value:
+        line = _line(key_node)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            raise ConfigError(
+                "YAML merge keys (<<) are not supported; write the keys out",
+                path=filename,
+                line=line,
+                key=path or None,
             )
-        return result
-    finally:
-        active.discard(id(node))
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise ConfigError("keys must be plain strings", path=filename, line=line)
+        key = str(key_node.value)
+        if not key.isprintable():
+            raise ConfigError(
+                f"keys must be plain strings, got {key!r}",
+                path=filename,
+                line=line,
+                key=path or None,
+            )
+        if key in result.entries:
+            raise ConfigError(
+                f"duplicate key (first at line {result.key_lines[key]})",
+                path=filename,
+                line=line,
+                key=join_key(path, key),
+            )
+        result.key_lines[key] = line
+        result.entries[key] = _convert(value_node, loader, filename, join_key(path, key))
+    return result

@@ -1,22 +1,158 @@
-"""Filling the placeholders of a hook or reset argv, and the environment hooks get.
+"""The command lines a policy names (reset, persistence, health, hooks): what makes one safe to
+run, checked once when the policy is read, and filling one in for a GPU when it runs.
 
-Pure: no I/O.
+Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``), the formats of
+their values, the refusal of shells and inline code (also behind a launcher such as ``env``,
+``sudo``, ``timeout`` or ``busybox``), the one-GPU rule with nvidia-smi's selector spellings
+(``-i X``, ``-iX``, ``--id X``, ``--id=X``), and the environment hooks get. The config reader
+calls the checks and turns an :class:`ArgvError` into a located ``ConfigError``; the actors call
+:func:`format_argv`, which refuses a value not in its documented format, so a command is never
+run with a guessed or hostile argument. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "ARGV_PLACEHOLDERS",
+    "GPU_PLACEHOLDERS",
+    "ArgvError",
+    "check_command",
+    "check_hook_command",
+    "check_one_gpu",
+    "check_value",
+    "format_argv",
+    "hook_environment",
+    "placeholders_in",
+]
 
 ARGV_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor", "mode")
+# Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
+GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
+# The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
+_SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
+
+_HEX = "[0-9a-fA-F]"
+_UUID_BODY = f"{_HEX}{{8}}(?:-{_HEX}{{4}}){{3}}-{_HEX}{{12}}"
+# What NVML reports. MIG devices: ``MIG-<uuid>`` (R470+) or ``MIG-GPU-<uuid>/<gi>/<ci>``.
+_VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
+    "uuid": (
+        re.compile(f"(?:GPU|MIG)-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
+        "an NVML UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex; or MIG-...)",
+    ),
+    "pci_bus_id": (
+        re.compile(f"(?:{_HEX}{{4}}|{_HEX}{{8}}):{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]"),
+        "a PCI bus id (domain:bus:device.function in hex, e.g. 00000000:3B:00.0)",
+    ),
+    "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)"),
+    "mode": (re.compile("[01]"), "a persistence mode (0 or 1)"),
+}
+# Literal GPU names as an admin may write them (case-insensitive, bus id domain optional).
+LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
+LITERAL_BUS_ID = re.compile(f"(?:{_HEX}{{4,8}}:)?{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]")
+
+# A shell hides what the command does; these are refused wherever they appear in the argv,
+# so also behind any launcher (env, sudo, nice, timeout, systemd-run, xargs, find -exec...).
+# Looking at every argument costs a false alarm for an argument that is just "sh" or "su":
+# the refusal names it, and a root daemon had better ask than run a hidden shell.
+_SHELL = re.compile(
+    r"(?:sh|ash|bash|dash|zsh|ksh|ksh93|mksh|oksh|pdksh|yash|posh|rbash|csh|tcsh|fish"
+    r"|elvish|xonsh|pwsh|busybox|toybox)[0-9.]*"
+)
+# Programs that hand their argument to a shell, or are a language whose program is inline.
+_RUNS_A_SHELL = frozenset({"su", "runuser", "sg", "watch", "script", "ssh"})
+_INLINE_ALWAYS = frozenset({"awk", "gawk", "mawk", "nawk", "sed"})
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Which options of a launcher or interpreter run a shell string or inline code."""
+
+    letters: str  # in a short option cluster (``-e``, ``-ne``, ``-Ic``)
+    long: tuple[str, ...] = ()  # long options, also abbreviated or with ``=value``
+    values: str = ""  # short options whose value may be the next argument
+    stop: str = ""  # short options after which the rest belongs to the program (python -m)
+    positional: int = 0  # operands before a second round of options (flock FILE -c CMD)
+
+
+_INLINE_OPTIONS: tuple[tuple[re.Pattern[str], _Options], ...] = (
+    (re.compile(r"(?:python|pypy)[0-9.]*"), _Options("c", values="WX", stop="m")),
+    (re.compile(r"perl[0-9.]*"), _Options("eE", values="I")),
+    (re.compile(r"j?ruby[0-9.]*"), _Options("e", values="IrCEF")),
+    (re.compile(r"node(?:js)?|bun"), _Options("ep", ("--eval", "--print"), values="r")),
+    (re.compile(r"php[0-9.]*"), _Options("rBRE", values="cdfz")),
+    (re.compile(r"lua(?:jit)?[0-9.]*|Rscript"), _Options("e", values="l")),
+    (re.compile(r"tclsh[0-9.]*|wish[0-9.]*|expect"), _Options("c")),
+    (re.compile(r"env"), _Options("S", ("--split-string",), values="uC")),
+    (re.compile(r"sudo|doas"), _Options("si", ("--shell", "--login"), values="ugCDhpUrtT")),
+    (re.compile(r"flock"), _Options("c", ("--command",), values="wEn", positional=1)),
+    (re.compile(r"systemd-run"), _Options("S", ("--shell",), values="pEuHM")),
+)
+
+
+class ArgvError(ValueError):
+    """A command line that must not run, and why. ``unknown`` is the unknown placeholder's
+    name when that is the reason (the config reader adds a "did you mean" for it)."""
+
+    def __init__(self, message: str, *, unknown: str | None = None) -> None:
+        super().__init__(message)
+        self.unknown = unknown
+
+
+# --- placeholders and values --------------------------------------------------------------------
+
+
+def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> list[str]:
+    """The placeholder names in ``arg``, in order. ``{{``/``}}`` are literal braces.
+
+    Raises :class:`ArgvError` for unbalanced braces, a name not in ``allowed``, or a format spec
+    or conversion (``{uuid:>5}``, ``{uuid!r}``).
+    """
+    try:
+        parsed = list(string.Formatter().parse(arg))
+    except ValueError as err:
+        raise ArgvError(f"bad braces in {arg!r}: {err} (write '{{{{' for a brace)") from None
+    names = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in allowed or spec or conversion:
+            raise ArgvError(
+                f"unknown placeholder {{{name}}} in {arg!r}; allowed: "
+                + ", ".join("{" + p + "}" for p in allowed),
+                unknown=name,
+            )
+        names.append(name)
+    return names
+
+
+def check_value(name: str, value: str) -> str:
+    """``value`` if it is in the documented format of placeholder ``name``, else ValueError.
+
+    ``{uuid}``: an NVML UUID, ``GPU-`` or ``MIG-`` and hex groups; ``{pci_bus_id}``:
+    ``domain:bus:device.function`` in hex with a 4- or 8-digit domain; ``{minor}``: decimal
+    0..255; ``{mode}``: 0 or 1. So a filled-in value can never be a second GPU (no comma), an
+    option (no leading ``-``) or anything but one argument's worth of plain text.
+    """
+    pattern, description = _VALUE_FORMATS[name]
+    if pattern.fullmatch(value) is None or (name == "minor" and int(value) > 255):
+        raise ValueError(
+            f"value {value[:80]!r} for {{{name}}} is not {description}; refusing to run"
+        )
+    return value
 
 
 def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...]:
     """Fill ``{uuid}``, ``{pci_bus_id}``, ``{minor}`` and ``{mode}`` in each argument.
 
     ``{{`` and ``}}`` stand for literal braces. An unknown placeholder, a format spec or
-    conversion, or a placeholder whose value is missing or None (unknown) raises ValueError:
-    a command is never run with a guessed argument.
+    conversion, a placeholder whose value is missing or None (unknown), or a value that is not
+    in its documented format (:func:`check_value`) raises ValueError: a command is never run
+    with a guessed or malformed argument. Values the template does not use are not checked.
     """
     for given in values:
         if given not in ARGV_PLACEHOLDERS:
@@ -24,24 +160,16 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
     formatter = string.Formatter()
     result = []
     for arg in template:
+        placeholders_in(arg)  # the checks and messages of the config reader
         pieces: list[str] = []
-        try:
-            parsed = list(formatter.parse(arg))
-        except ValueError as err:
-            raise ValueError(f"bad braces in {arg!r}: {err}") from None
-        for literal, name, spec, conversion in parsed:
+        for literal, name, _spec, _conversion in formatter.parse(arg):
             pieces.append(literal)
             if name is None:
                 continue
-            if name not in ARGV_PLACEHOLDERS or spec or conversion:
-                raise ValueError(
-                    f"unknown placeholder {{{name}}} in {arg!r}; allowed: "
-                    + ", ".join("{" + p + "}" for p in ARGV_PLACEHOLDERS)
-                )
             value = values.get(name)
             if value is None:
                 raise ValueError(f"no value for {{{name}}} in {arg!r}")
-            pieces.append(value)
+            pieces.append(check_value(name, value))
         result.append("".join(pieces))
     return tuple(result)
 
@@ -53,3 +181,193 @@ def hook_environment(event: str, **fields: object) -> dict[str, str]:
         if value is not None:
             env[f"GPUWATCHD_{name.upper()}"] = str(value)
     return env
+
+
+# --- checking a command when the policy is read -------------------------------------------------
+
+
+def check_command(argv: Sequence[str], allowed: Sequence[str]) -> None:
+    """Raise :class:`ArgvError` unless ``argv`` is a command the daemon may run as root.
+
+    Refused: an empty command, a NUL in an argument (no exec can pass it), an unknown
+    placeholder or bad braces, and a shell or inline code anywhere in the argv (see
+    :func:`_shell_in`): the command must be visible in the policy, not hidden in a string.
+    """
+    if not argv:
+        raise ArgvError("the command is empty")
+    for arg in argv:
+        if "\0" in arg:
+            raise ArgvError(f"argument {arg[:80]!r} contains a NUL character")
+    reason = _shell_in(argv)
+    if reason is not None:
+        raise ArgvError(
+            f"{reason}; give the command itself as an argv list "
+            "(a shell or inline code hides what the command does)"
+        )
+    for arg in argv:
+        placeholders_in(arg, allowed)
+
+
+def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = GPU_PLACEHOLDERS) -> None:
+    """:func:`check_command`, and a hook that runs nvidia-smi must name exactly one GPU.
+
+    Without ``-i`` nvidia-smi acts on every GPU, so a hook that calls it is held to the
+    reset command's rule (:func:`check_one_gpu`, placeholders only).
+    """
+    check_command(argv, allowed)
+    if _runs_nvidia_smi(argv):
+        check_one_gpu(argv, allowed, require_placeholder=True, what="a hook that runs nvidia-smi")
+
+
+def check_one_gpu(
+    argv: Sequence[str],
+    allowed: Sequence[str] = GPU_PLACEHOLDERS,
+    *,
+    require_placeholder: bool = True,
+    what: str = "the reset command",
+) -> None:
+    """Raise :class:`ArgvError` unless ``argv`` names exactly one GPU, once, by a stable name.
+
+    The GPU is named by ``{uuid}`` or ``{pci_bus_id}`` (or, unless ``require_placeholder``, a
+    literal UUID or bus id). Refused: no GPU; two GPUs (two names, or a comma list); an index
+    (``{minor}`` or digits as the selector); a second selector in any spelling (``-i X``,
+    ``-iX``, ``--id X``, ``--id=X``), whatever program it is given to; a selector whose value
+    is not exactly the GPU's name; and nvidia-smi without the GPU as its selector (without
+    ``-i`` it acts on every GPU).
+    """
+    check_command(argv, allowed)
+    mentions = 0
+    for arg in argv:
+        names = placeholders_in(arg, allowed)
+        count = sum(f"{{{name}}}" in _SELECTOR_PLACEHOLDERS for name in names)
+        if not require_placeholder:
+            count += len(LITERAL_UUID.findall(arg))
+            count += len(LITERAL_BUS_ID.findall(LITERAL_UUID.sub("", arg)))
+        if count and ("minor" in names or "," in arg):
+            raise ArgvError(f"argument {arg!r} names more than one GPU or mixes in an index")
+        mentions += count
+    selectors = _selectors(argv)
+    for selector in selectors:
+        if selector.value is None:
+            raise ArgvError(f"'{selector.spelling}' has no value: it must name the GPU")
+        if _is_index(selector.value):
+            raise ArgvError(
+                f"'{selector.spelling}' selects a GPU by index; indices change across resets "
+                "and reboots: use {uuid} or {pci_bus_id}"
+            )
+    if mentions != 1:
+        found = "no GPU" if not mentions else f"{mentions} GPUs"
+        raise ArgvError(
+            f"{what} must name exactly one GPU by {{uuid}} or {{pci_bus_id}}; it names {found}"
+        )
+    if len(selectors) > 1:
+        spellings = ", ".join(f"'{s.spelling}'" for s in selectors)
+        raise ArgvError(f"{what} selects a GPU {len(selectors)} times ({spellings}); once only")
+    for selector in selectors:
+        if not _names_one_gpu(selector.value or "", require_placeholder):
+            raise ArgvError(
+                f"'{selector.spelling}' must select the GPU by {{uuid}} or {{pci_bus_id}} "
+                "alone, nothing around it"
+            )
+    if _runs_nvidia_smi(argv) and not selectors:
+        raise ArgvError("nvidia-smi must get the GPU through '-i' (without -i it resets every GPU)")
+
+
+@dataclass(frozen=True)
+class _Selector:
+    spelling: str  # as written: "-i {uuid}", "-i0", "--id=0"
+    value: str | None  # None: "-i" or "--id" as the last argument
+
+
+def _selectors(argv: Sequence[str]) -> list[_Selector]:
+    """Every GPU selector option in ``argv``, in nvidia-smi's spellings, to any program."""
+    found = []
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
+        if arg in ("-i", "--id"):
+            value = argv[position + 1] if position + 1 < len(argv) else None
+            found.append(_Selector(f"{arg} {value}" if value is not None else arg, value))
+            position += 2
+            continue
+        if arg.startswith("--id="):
+            found.append(_Selector(arg, arg[len("--id=") :]))
+        elif arg.startswith("-i") and len(arg) > 2:
+            value = arg[2:]
+            found.append(_Selector(arg, value[1:] if value.startswith("=") else value))
+        position += 1
+    return found
+
+
+def _is_index(value: str) -> bool:
+    parts = value.split(",")
+    return "{minor}" in value or any(part.strip().isdigit() for part in parts)
+
+
+def _names_one_gpu(value: str, require_placeholder: bool) -> bool:
+    if value in _SELECTOR_PLACEHOLDERS:
+        return True
+    if require_placeholder:
+        return False
+    return bool(LITERAL_UUID.fullmatch(value) or LITERAL_BUS_ID.fullmatch(value))
+
+
+def _basename(arg: str) -> str:
+    """The last part of a path, as a program is named (``/usr/bin/env`` -> ``env``)."""
+    return arg.rpartition("/")[2]
+
+
+def _runs_nvidia_smi(argv: Sequence[str]) -> bool:
+    return any(_basename(arg) == "nvidia-smi" for arg in argv)
+
+
+def _shell_in(argv: Sequence[str]) -> str | None:
+    """Why ``argv`` runs a shell or inline code, or None.
+
+    Every argument is looked at, not only the first, so a shell behind a launcher (``env sh
+    -c``, ``sudo sh``, ``timeout 5 sh -c``, ``busybox sh``, ``find -exec sh``) is found too.
+    """
+    for position, arg in enumerate(argv):
+        name = _basename(arg)
+        where = f"{arg!r}" if position == 0 else f"argument {position} ({arg!r})"
+        if _SHELL.fullmatch(name):
+            return f"{where} is a shell"
+        if name in _RUNS_A_SHELL:
+            return f"{where} runs its argument through a shell"
+        if name in _INLINE_ALWAYS:
+            return f"{where} runs inline code"
+        for pattern, options in _INLINE_OPTIONS:
+            if pattern.fullmatch(name):
+                flag = _inline_flag(argv[position + 1 :], options)
+                if flag is not None:
+                    return f"'{arg} {flag}' runs a shell string or inline code"
+    return None
+
+
+def _inline_flag(args: Sequence[str], options: _Options) -> str | None:
+    """The option among a program's leading options that runs inline code, or None."""
+    position = 0
+    operands = options.positional
+    while position < len(args):
+        arg = args[position]
+        position += 1
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            if operands == 0:
+                return None
+            operands -= 1
+            continue
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            if len(name) >= 3 and any(long.startswith(name) for long in options.long):
+                return arg
+            continue
+        for index, letter in enumerate(arg[1:], start=1):
+            if letter in options.letters:
+                return arg
+            if letter in options.stop:
+                return None
+            if letter in options.values:
+                if index == len(arg) - 1:
+                    position += 1  # the value is the next argument
+                break
+    return None

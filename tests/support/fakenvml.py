@@ -78,7 +78,7 @@ def gpu(
     """
     entry: dict[str, Any] = {
         "index": index,
-        "uuid": f"GPU-{index:08x}-fake-4000-8000-{index:012x}",
+        "uuid": f"GPU-{index:08x}-face-4000-8000-{index:012x}",
         "name": "NVIDIA H100 80GB HBM3",
         "pci_bus_id": f"00000000:{0x18 + 0x10 * index:02X}:00.0",
         "minor": index,

@@ -1,0 +1,240 @@
+"""The policy's files on disk: which files are read, how, and who may have written them.
+
+This module owns the I/O of the configuration: finding the drop-ins in ``conf.d/`` beside
+the main file, reading each file bounded (regular files only, never blocking on a FIFO or
+opening a device, at most :data:`MAX_DOCUMENT_BYTES`, UTF-8), and the StrictModes check that
+only root can change any of them. It returns (file name, text) pairs in merge order; what the
+text means is ``gpuwatchd.config.schema``'s. It never parses YAML and never acts.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+
+from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
+
+__all__ = [
+    "MAX_DOCUMENT_BYTES",
+    "MAX_DROP_INS",
+    "check_config_permissions",
+    "find_drop_ins",
+    "read_config_file",
+    "read_policy_files",
+]
+
+# A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
+# bounds the policy to MAX_DROP_INS + 1 files of MAX_DOCUMENT_BYTES each.
+MAX_DROP_INS = 128
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def read_policy_files(
+    path: str, *, check_permissions: bool | None = None, trusted_root: str = "/"
+) -> list[tuple[str, str]]:
+    """The main file ``path`` and its drop-ins as (file name, text), in merge order.
+
+    ``check_permissions`` (StrictModes) defaults to on when running as root; it runs before
+    any file is read. A missing main file is a ConfigError ("not found").
+    """
+    if check_permissions is None:
+        check_permissions = os.geteuid() == 0
+    if not os.path.lexists(path):
+        read_config_file(path)  # raises the "not found" error
+    drop_ins = find_drop_ins(path)
+    if check_permissions:
+        check_config_permissions(path, drop_ins, trusted_root=trusted_root)
+    return [(name, read_config_file(name)) for name in [path, *drop_ins]]
+
+
+def find_drop_ins(main_file: str) -> list[str]:
+    """The drop-ins beside ``main_file``: ``conf.d/*.yaml`` (no hidden files), in name order.
+
+    Entries not named like a drop-in are ignored, whatever they are. One that is named like a
+    drop-in but is not a regular file (a directory, FIFO, socket or device, also through a
+    symbolic link, or a dangling link) is an error naming it: a root daemon must not guess
+    whether a policy file it cannot read was meant. More than :data:`MAX_DROP_INS` is an error.
+    """
+    conf_d = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+    try:
+        names = sorted(os.listdir(conf_d))
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise ConfigError(f"cannot list drop-ins: {err.strerror}", path=conf_d) from None
+    paths = [
+        os.path.join(conf_d, name)
+        for name in names
+        if name.endswith(".yaml") and not name.startswith(".")
+    ]
+    if len(paths) > MAX_DROP_INS:
+        raise ConfigError(
+            f"more than {MAX_DROP_INS} drop-ins ({len(paths)} files named *.yaml)", path=conf_d
+        )
+    problems = [problem for problem in map(_not_regular, paths) if problem is not None]
+    if problems:
+        raise ConfigError.combine(problems)
+    return paths
+
+
+def read_config_file(path: str) -> str:
+    """The text of the configuration file ``path``, bounded; ConfigError for anything else.
+
+    Only a regular file is read (a symbolic link to one is followed). The type is checked
+    before opening, so a device is never opened, and again on the open descriptor, which is
+    opened non-blocking, so a FIFO swapped in between cannot block the read. A file over
+    :data:`MAX_DOCUMENT_BYTES` is refused before it is parsed; bytes that are not UTF-8 are
+    refused naming their line.
+    """
+    problem = _not_regular(path)
+    if problem is not None:
+        raise problem
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise ConfigError(_not_regular_message(kind), path=path)
+        data = _read_at_most(fd, MAX_DOCUMENT_BYTES + 1, path)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ConfigError(
+            f"larger than the 1 MiB limit of a configuration file ({MAX_DOCUMENT_BYTES} bytes)",
+            path=path,
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = data[: err.start].decode("utf-8")
+        line = line_of(before, len(before))
+        raise ConfigError(f"not UTF-8 text: {err.reason}", path=path, line=line) from None
+
+
+def _read_at_most(fd: int, limit: int, path: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        try:
+            chunk = os.read(fd, min(65536, limit - size))
+        except OSError as err:
+            raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _not_regular(path: str) -> ConfigError | None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return ConfigError(
+                f"a dangling symbolic link (to {os.readlink(path)!r}); only regular files are "
+                "read as configuration",
+                path=path,
+            )
+        return ConfigError(
+            "configuration file not found (the shipped example is config/gpuwatchd.yaml)",
+            path=path,
+        )
+    except OSError as err:
+        return ConfigError(f"cannot read: {err.strerror}", path=path)
+    kind = _kind(info.st_mode)
+    return None if kind is None else ConfigError(_not_regular_message(kind), path=path)
+
+
+def _kind(mode: int) -> str | None:
+    """What a file that is not a regular file is, in words; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((word for test, word in kinds if test(mode)), "not a file")
+
+
+def _not_regular_message(kind: str) -> str:
+    return (
+        f"not a regular file ({kind}); only regular files are read as configuration "
+        "(remove it, or rename it so that it does not end in .yaml)"
+    )
+
+
+# --- StrictModes ----------------------------------------------------------------------------------
+
+
+def _ancestors(path: str, trusted_root: str) -> list[str]:
+    """The directories above ``path``, nearest first, up to ``trusted_root`` (inclusive)."""
+    found = []
+    current = os.path.dirname(path)
+    while True:
+        found.append(current)
+        if current == trusted_root or current == os.path.dirname(current):
+            return found
+        current = os.path.dirname(current)
+
+
+def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        return ConfigError(f"cannot check permissions: {err.strerror}", path=path)
+    sticky_root_dir = (
+        allow_sticky and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
+    ) and info.st_uid == 0
+    if info.st_uid != 0:
+        return ConfigError(
+            f"owned by uid {info.st_uid}, not root; gpuwatchd runs the commands its config names "
+            f"as root, so only root may control this path. Fix: chown root: {path}",
+            path=path,
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_root_dir:
+        return ConfigError(
+            f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); gpuwatchd runs "
+            f"the commands its config names as root. Fix: chmod go-w {path}",
+            path=path,
+        )
+    return None
+
+
+def check_config_permissions(
+    main_file: str, drop_ins: Sequence[str] = (), *, trusted_root: str = "/"
+) -> None:
+    """StrictModes: refuse config paths that anyone but root could change.
+
+    The main file, its directory, its ``conf.d/`` and every drop-in must be owned by root and
+    not writable by group or others. Directories further up (to ``trusted_root``) must be owned
+    by root and not writable either, except root-owned sticky directories such as ``/tmp``:
+    there nobody else can rename or replace root's entries. Symbolic links are checked along
+    both the given and the resolved path. Raises ConfigError listing every unsafe path.
+    """
+    main_file = os.path.abspath(main_file)
+    config_dir = os.path.dirname(main_file)
+    conf_d = os.path.join(config_dir, "conf.d")
+    strict = [main_file, config_dir, *[os.path.abspath(p) for p in drop_ins]]
+    if os.path.isdir(conf_d):
+        strict.append(conf_d)
+    strict += [os.path.realpath(p) for p in strict]
+    trusted = os.path.abspath(trusted_root)
+    loose = [d for p in strict for d in _ancestors(p, trusted)]
+    problems: list[ConfigError] = []
+    checked: set[str] = set()
+    for path, allow_sticky in [(p, False) for p in strict] + [(p, True) for p in loose]:
+        if path in checked:
+            continue
+        checked.add(path)
+        problem = _unsafe(path, allow_sticky=allow_sticky and path not in strict)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise ConfigError.combine(problems)

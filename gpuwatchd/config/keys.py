@@ -1,0 +1,572 @@
+"""The policy's keys: one table, from which validation, "did you mean", rendering, defaults
+and the documented bounds all come.
+
+Each section of the YAML is a policy dataclass (:mod:`gpuwatchd.decide.policy`); the table
+gives, for every field of it, the YAML key (the field name unless noted) and its
+:class:`Value`: how a node is read, bounded and checked, and how it is written back. Names,
+order of fields and defaults come from the dataclasses themselves (:func:`dataclasses.fields`):
+a field added there without a line here fails at import, so the two cannot drift. The bounds
+are listed in ``docs/policy.md`` (a test keeps the two equal).
+
+It also owns how one value is read (booleans, bounded integers, durations and sizes,
+strings without NUL, absolute paths, regexes, GPU ids, argv lists checked by
+:mod:`gpuwatchd.decide.argv`, signals, finding kinds). Reading whole sections, rules and
+drop-ins is ``gpuwatchd.config.schema``'s. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.config.units import format_duration, format_size, parse_duration, parse_size
+from gpuwatchd.config.yamlsrc import (
+    ConfigError,
+    Node,
+    Scalar,
+    Seq,
+    describe_value,
+    did_you_mean,
+    shown,
+)
+from gpuwatchd.decide.argv import (
+    GPU_PLACEHOLDERS,
+    LITERAL_BUS_ID,
+    LITERAL_UUID,
+    ArgvError,
+    check_hook_command,
+    check_one_gpu,
+)
+from gpuwatchd.decide.policy import (
+    Detection,
+    Hook,
+    Limits,
+    Policy,
+    Protect,
+    ResetPolicy,
+    Rule,
+    Step,
+)
+from gpuwatchd.model import FindingKind
+
+__all__ = [
+    "LOG_FORMATS",
+    "SECTIONS",
+    "SIGNAL_NAMES",
+    "Bound",
+    "Key",
+    "Nested",
+    "Section",
+    "Value",
+    "argv_error",
+    "as_argv",
+    "bounded_keys",
+    "kind_of",
+    "normalize_gpu_id",
+    "section_of",
+]
+
+SIGNAL_NAMES = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+LOG_FORMATS = ("logfmt", "json", "console")
+MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer
+MAX_PATTERN = 1024  # a regex longer than this is a mistake, and sre compiles it recursively
+
+Reader = Callable[[Node], Any]
+Renderer = Callable[[Any], object]
+OMIT = object()  # a Renderer's answer for "leave the key out" (an unset optional)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The inclusive range of a duration (seconds), size (bytes) or count, and its spelling."""
+
+    unit: str  # "duration", "size" or "count"
+    lowest: float
+    highest: float
+    lowest_text: str
+    highest_text: str
+    key: str = ""  # the documented key path, set by bounded_keys()
+
+
+@dataclass(frozen=True)
+class Value:
+    """How one YAML value is read (checked and bounded) and written back."""
+
+    read: Reader
+    render: Renderer
+    bound: Bound | None = None
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A value that is a section of its own (``many``: a list of them). ``flatten``: the
+    section's keys are fields of the parent dataclass (``log.format`` is Policy.log_format)."""
+
+    section: str
+    many: bool = False
+    flatten: bool = False
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str  # as written in YAML
+    field: str | None  # the dataclass attribute; None for a flattened section
+    value: Value | Nested
+    required: bool = False  # the dataclass gives no default
+    missing: str = ""  # added to "missing required key" (what to write)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One mapping of the YAML, as one dataclass. ``extra``: keys read outside the table."""
+
+    name: str
+    cls: type
+    keys: tuple[Key, ...]
+    extra: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(key.name for key in self.keys) + self.extra
+
+
+# --- reading one value ------------------------------------------------------------------------
+
+
+def kind_of(node: Node) -> str:
+    """A node as an error message names it."""
+    if isinstance(node, Scalar):
+        return describe_value(node.value)
+    return "a list" if isinstance(node, Seq) else "a mapping"
+
+
+def _scalar(node: Node) -> object:
+    if not isinstance(node, Scalar):
+        raise node.error(f"expected a single value, got {kind_of(node)}")
+    return node.value
+
+
+def _read_bool(node: Node) -> bool:
+    value = _scalar(node)
+    if not isinstance(value, bool):
+        raise node.error(f"expected true or false, got {describe_value(value)}")
+    return value
+
+
+def _check_bound(node: Node, number: float, bound: Bound, value: object) -> None:
+    if not bound.lowest <= number <= bound.highest:
+        raise node.error(
+            f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"
+        )
+
+
+def count(lowest: int, highest: int) -> Value:
+    """An integer in ``lowest..highest``."""
+    bound = Bound("count", lowest, highest, str(lowest), str(highest))
+
+    def read(node: Node) -> int:
+        value = _scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise node.error(f"expected an integer, got {describe_value(value)}")
+        _check_bound(node, value, bound, value)
+        return value
+
+    return Value(read, lambda value: value, bound)
+
+
+def duration(lowest: str | int, highest: str) -> Value:
+    """A duration in ``lowest..highest`` (written as in YAML: ``0``, ``100ms``, ``1h``)."""
+    low, high = parse_duration(lowest, where=""), parse_duration(highest, where="")
+    low_text = format_duration(low) if low else "0s"
+    bound = Bound("duration", low, high, low_text, format_duration(high))
+
+    def read(node: Node) -> float:
+        value = _scalar(node)
+        seconds = parse_duration(value, where=node.path)
+        _check_bound(node, seconds, bound, value)
+        return seconds
+
+    return Value(read, format_duration, bound)
+
+
+def size(lowest: int, highest: str) -> Value:
+    """A size in ``lowest..highest`` bytes (``highest`` written as in YAML: ``1TiB``)."""
+    high = parse_size(highest, where="")
+    bound = Bound("size", lowest, high, format_size(lowest), format_size(high))
+
+    def read(node: Node) -> int:
+        value = _scalar(node)
+        number = parse_size(value, where=node.path)
+        _check_bound(node, number, bound, value)
+        return number
+
+    return Value(read, format_size, bound)
+
+
+def optional(value: Value) -> Value:
+    """``value`` or null (None), which is left out when written back."""
+
+    def read(node: Node) -> Any:
+        if isinstance(node, Scalar) and node.value is None:
+            return None
+        return value.read(node)
+
+    return Value(read, lambda v: OMIT if v is None else value.render(v), value.bound)
+
+
+def _read_string(node: Node) -> str:
+    value = _scalar(node)
+    if not isinstance(value, str) or not value:
+        raise node.error(f"expected a non-empty string, got {describe_value(value)}")
+    if "\0" in value:
+        raise node.error(f"{shown(value)} contains a NUL character")
+    if len(value) > MAX_STRING:
+        raise node.error(f"longer than {MAX_STRING} characters")
+    return value
+
+
+def _read_abs_path(node: Node) -> str:
+    value = _read_string(node)
+    if not value.startswith("/"):
+        raise node.error(f"expected an absolute path, got {shown(value)}")
+    return value
+
+
+def one_of(choices: Sequence[str]) -> Value:
+    def read(node: Node) -> str:
+        value = _scalar(node)
+        if not isinstance(value, str) or value not in choices:
+            hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+            raise node.error(
+                f"expected one of {', '.join(choices)}, got {describe_value(value)}{hint}"
+            )
+        return value
+
+    return Value(read, lambda value: value)
+
+
+def items_of(node: Node) -> list[Node]:
+    """The items of a list node; null is an empty list."""
+    if isinstance(node, Scalar) and node.value is None:
+        return []
+    if not isinstance(node, Seq):
+        raise node.error(f"expected a list, got {kind_of(node)}")
+    return node.items
+
+
+def list_of(value: Value) -> Value:
+    """A list of ``value``s (null: empty), every bad item reported."""
+
+    def read(node: Node) -> tuple[Any, ...]:
+        problems: list[ConfigError] = []
+        values: list[Any] = []
+        for item in items_of(node):
+            try:
+                values.append(value.read(item))
+            except ConfigError as err:
+                problems.extend(p if p.path else item.error(p.message) for p in err.problems)
+        if problems:
+            raise ConfigError.combine(problems)
+        return tuple(values)
+
+    return Value(read, lambda values: [value.render(v) for v in values])
+
+
+def _read_regex(node: Node) -> re.Pattern[str]:
+    pattern = _read_string(node)
+    if len(pattern) > MAX_PATTERN:
+        raise node.error(f"regular expression longer than {MAX_PATTERN} characters")
+    try:
+        return re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as err:
+        raise node.error(f"invalid regular expression {shown(pattern)}: {err}") from None
+
+
+def normalize_gpu_id(text: str) -> str:
+    """A GPU UUID or PCI bus id in NVML's spelling (``GPU-`` + lower-case hex; bus id with an
+    8-digit domain, upper-case, as ``00000000:3B:00.0``). Raises ValueError for anything else,
+    indices included: an index is not a stable name for a GPU.
+    """
+    text = text.strip()
+    if LITERAL_UUID.fullmatch(text):
+        return "GPU-" + text[4:].lower()
+    if LITERAL_BUS_ID.fullmatch(text):
+        parts = text.upper().split(":")
+        domain = parts[0] if len(parts) == 3 else "0"
+        return f"{int(domain, 16):08X}:{parts[-2]}:{parts[-1]}"
+    raise ValueError(
+        f"{shown(text)} is neither a GPU UUID (GPU-...) nor a PCI bus id (0000:3b:00.0)"
+    )
+
+
+def _read_gpu_id(node: Node) -> str:
+    try:
+        return normalize_gpu_id(_read_string(node))
+    except ValueError as err:
+        raise node.error(str(err)) from None
+
+
+def as_argv(raw: object) -> tuple[str, ...]:
+    """``raw`` as an argv tuple; ConfigError (without a location) if it is not a list of str."""
+    if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
+        raise ConfigError(
+            "expected an argv list such as ['nvidia-smi', '--gpu-reset', '-i', '{uuid}'], "
+            f"got {describe_value(raw)} (commands run without a shell)"
+        )
+    for arg in raw:
+        if not isinstance(arg, str):
+            raise ConfigError(f"every argument must be a string, got {describe_value(arg)}")
+    return tuple(raw)
+
+
+def argv_error(err: ArgvError, allowed: Sequence[str], where: str) -> ConfigError:
+    """``err`` as a ConfigError for key ``where``, with a "did you mean" for a placeholder."""
+    hint = "" if err.unknown is None else did_you_mean(err.unknown, allowed)
+    return ConfigError(f"{err}{hint}", key=where)
+
+
+def argv(allowed: Sequence[str] = GPU_PLACEHOLDERS, *, one_gpu: bool = False) -> Value:
+    """An argv list checked by :mod:`gpuwatchd.decide.argv`: a hook's (``one_gpu`` False) or
+    a reset command's, which must name exactly one GPU through a placeholder."""
+
+    def read(node: Node) -> tuple[str, ...]:
+        if isinstance(node, Seq):
+            for item in node.items:
+                if not isinstance(item, Scalar):
+                    raise node.error(f"every argument must be a string, got {kind_of(item)}")
+            raw: object = [item.value for item in node.items if isinstance(item, Scalar)]
+        elif isinstance(node, Scalar):
+            raw = node.value
+        else:
+            raise node.error(f"expected an argv list, got {kind_of(node)}")
+        try:
+            args = as_argv(raw)
+            if one_gpu:
+                check_one_gpu(args, allowed, require_placeholder=True)
+            else:
+                check_hook_command(args, allowed)
+        except ConfigError as err:
+            raise node.error(err.message) from None
+        except ArgvError as err:
+            raise node.error(argv_error(err, allowed, node.path).message) from None
+        return args
+
+    return Value(read, list)
+
+
+def _read_signal(node: Node) -> str | None:
+    value = _scalar(node)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in SIGNAL_NAMES:
+            return name
+    hint = did_you_mean(str(value).upper(), SIGNAL_NAMES) if isinstance(value, str) else ""
+    raise node.error(
+        f"expected a signal name ({', '.join(SIGNAL_NAMES)}) or null for report-only, "
+        f"got {describe_value(value)}{hint}"
+    )
+
+
+def _read_kind(node: Node) -> FindingKind:
+    return FindingKind(one_of([kind.value for kind in FindingKind]).read(node))
+
+
+def _same(value: Any) -> object:
+    return value
+
+
+BOOL = Value(_read_bool, _same)
+STRING = Value(_read_string, _same)
+ABS_PATH = Value(_read_abs_path, _same)
+STRINGS = list_of(STRING)
+REGEXES = list_of(Value(_read_regex, lambda pattern: pattern.pattern))
+HOOKS = Nested("hook", many=True)
+# Largest GPU memory today is under 300 GB: a margin or a minimum past 1 TiB is a typo.
+MEMORY = size(0, "1TiB")
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def section_of(
+    name: str,
+    cls: type,
+    table: Mapping[str, Value | Nested],
+    *,
+    yaml_names: Mapping[str, str] | None = None,
+    missing: Mapping[str, str] | None = None,
+    flattened: Sequence[Key] = (),
+    extra: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+) -> Section:
+    """The section of ``cls``: one key per dataclass field, in ``table``'s order.
+
+    ``flattened`` are the keys of the flattened sections named in ``table``; ``skip`` are
+    fields that are not configuration. Raises TypeError (at import) when ``table`` and the
+    dataclass's fields differ.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    own = {
+        name for name, value in table.items() if not (isinstance(value, Nested) and value.flatten)
+    }
+    covered = own | {key.field for key in flattened if key.field} | set(skip)
+    if covered != set(fields):
+        raise TypeError(f"key table of {cls.__name__} out of step: {sorted(covered ^ set(fields))}")
+    keys = []
+    for field_name, value in table.items():
+        if isinstance(value, Nested) and value.flatten:
+            keys.append(Key(field_name, None, value))
+            continue
+        spec = fields[field_name]
+        required = (
+            spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+        )
+        yaml_name = (yaml_names or {}).get(field_name, field_name)
+        keys.append(
+            Key(yaml_name, field_name, value, required, (missing or {}).get(field_name, ""))
+        )
+    return Section(name, cls, tuple(keys), extra)
+
+
+_LOG_FORMAT = Key("format", "log_format", one_of(LOG_FORMATS))
+
+SECTIONS: dict[str, Section] = {
+    section.name: section
+    for section in (
+        section_of(
+            "",
+            Policy,
+            {
+                "interval": duration("100ms", "1h"),
+                "dry_run": BOOL,
+                "state_dir": ABS_PATH,
+                "devices_dir": ABS_PATH,
+                "proc_root": ABS_PATH,
+                "device_major": count(0, 4095),
+                "namespace_check": BOOL,
+                # Waited for on the main loop: well under the unit's WatchdogSec=30s.
+                "nvml_timeout": duration("1s", "20s"),
+                "full_scan_interval": duration("1s", "1h"),
+                "log": Nested("log", flatten=True),
+                "protect": Nested("protect"),
+                "rules": Nested("rules[]", many=True),
+                "reset": Nested("reset"),
+                "limits": Nested("limits"),
+                "detection": Nested("detection"),
+                "on_failure": HOOKS,
+            },
+            flattened=(_LOG_FORMAT,),
+            skip=("sources",),  # where the policy was read from, not a setting
+        ),
+        Section("log", Policy, (_LOG_FORMAT,)),
+        section_of(
+            "protect",
+            Protect,
+            {
+                "commands": REGEXES,
+                "users": STRINGS,
+                "units": STRINGS,
+                "cgroups": STRINGS,
+                "gpus": list_of(Value(_read_gpu_id, _same)),
+            },
+        ),
+        section_of(
+            "rules[]",
+            Rule,
+            {
+                "name": STRING,
+                "kind": Value(_read_kind, lambda kind: kind.value),
+                "for_": duration(0, "7d"),
+                "min_memory": optional(MEMORY),
+                "users": STRINGS,
+                "commands": REGEXES,
+                "cgroups": STRINGS,
+                "units": STRINGS,
+                "jobs": STRINGS,
+                "steps": Nested("steps[]", many=True),
+            },
+            yaml_names={"for_": "for"},
+            extra=("enabled",),
+        ),
+        section_of(
+            "steps[]",
+            Step,
+            {"signal": Value(_read_signal, _same), "wait": duration(0, "1d")},
+            missing={"signal": " (null for report-only)"},
+        ),
+        section_of(
+            "hook",
+            Hook,
+            # Hooks run off the main loop; a drain may wait for a scheduler.
+            {"argv": argv(), "timeout": duration("1s", "10m")},
+            yaml_names={"argv": "command"},
+        ),
+        section_of(
+            "reset",
+            ResetPolicy,
+            {
+                "enabled": BOOL,
+                "command": argv(one_gpu=True),
+                "confirm_for": duration(0, "7d"),
+                "timeout": duration("1s", "10m"),
+                "drain": HOOKS,
+                "before": HOOKS,
+                "after": HOOKS,
+                "toggle_persistence": BOOL,
+                "persistence_command": argv((*GPU_PLACEHOLDERS, "mode"), one_gpu=True),
+                "health_command": argv(one_gpu=True),
+                "max_resets": count(0, 100),
+                "window": duration("1m", "7d"),
+                "cooldown": duration(0, "7d"),
+                "max_failures": count(1, 100),
+                "allow_mig": BOOL,
+                "allow_nvlink_group": BOOL,
+            },
+        ),
+        section_of(
+            "limits",
+            Limits,
+            {
+                "max_signalled_per_poll": count(0, 1000),
+                "max_signalled_per_hour": count(0, 10000),
+                "post_action_delay": duration(0, "1h"),
+            },
+        ),
+        section_of(
+            "detection",
+            Detection,
+            {
+                "ghost_margin": MEMORY,
+                "default_baseline": MEMORY,
+                "unaccounted_margin": MEMORY,
+                "pid_trust_min_unresolved": count(1, 1000),
+            },
+        ),
+    )
+}
+
+
+def bounded_keys() -> list[Bound]:
+    """Every bounded key, with its documented path (``rules[].for``, ``hooks[].timeout``)."""
+    found: list[Bound] = []
+
+    def walk(section: Section, prefix: str) -> None:
+        for key in section.keys:
+            if isinstance(key.value, Nested):
+                nested = SECTIONS[key.value.section]
+                if nested.name == "hook":
+                    continue  # listed once, as hooks[]
+                inner = prefix if key.value.flatten else f"{prefix}{key.name}"
+                inner += "[]." if key.value.many else ("" if key.value.flatten else ".")
+                walk(nested, inner)
+            elif key.value.bound is not None:
+                found.append(dataclasses.replace(key.value.bound, key=prefix + key.name))
+
+    walk(SECTIONS[""], "")
+    walk(SECTIONS["hook"], "hooks[].")
+    return found

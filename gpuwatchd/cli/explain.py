@@ -96,16 +96,24 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     )
 
 
+MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
+
+
 def load_report(path: str) -> Mapping[str, object]:
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_REPORT_BYTES + 1)
+        if len(raw) > MAX_REPORT_BYTES:
+            raise SnapshotError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a report")
+        data = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise SnapshotError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as err:
         raise SnapshotError(f"{path}: cannot read: {err}") from None
     except json.JSONDecodeError as err:
         raise SnapshotError(f"{path}:{err.lineno}: not JSON: {err.msg}") from None
+    except RecursionError:
+        raise SnapshotError(f"{path}: nested too deeply: not a report") from None
     if not isinstance(data, dict):
         raise SnapshotError(f"{path}: expected the object `gpuwatchd scan --json` prints")
     return data

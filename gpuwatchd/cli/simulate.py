@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
+MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -112,6 +113,13 @@ class Simulation:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
         interval = scenario.interval or policy.interval
+        polls = scenario.duration / interval
+        if polls > MAX_POLLS:
+            raise SimulationError(
+                f"{scenario.path}: duration {scenario.duration:g}s at interval {interval:g}s is "
+                f"{polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
+                "lengthen interval)"
+            )
         self.engine = Engine(
             dataclasses.replace(policy, interval=interval),
             reader=VirtualReader(self),

@@ -10,6 +10,7 @@ The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -49,6 +50,8 @@ log = structlog.get_logger("gpuwatchd")
 
 
 T = TypeVar("T")
+RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
+STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
 class Notifier:
@@ -112,7 +115,7 @@ class Daemon:
             reader=HostReader(self.collector, self.procfs, self.nvml),
             actuator=HostActuator(self.signaller),
             clock=SystemClock(clock, wall_clock),
-            sink=LogSink(),
+            sink=_DaemonSink(self),
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
             slow=self._keep_watchdog_fed,
@@ -123,6 +126,14 @@ class Daemon:
         os.set_blocking(self._wakeup_r, False)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
+        self._saved_poll_bucket = -1
+        self.started_wall = wall_clock()
+        self.last_poll_wall: float | None = None
+        self.recent_actions: collections.deque[dict[str, object]] = collections.deque(
+            maxlen=RECENT_ACTIONS
+        )
+        self.actions_seen = 0
+        self.policy_rejected: dict[str, object] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -236,7 +247,10 @@ class Daemon:
             new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
+            # Said in STATUS and `gpuwatchd status` until a good policy loads.
+            self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
         else:
+            self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
             if changed:
@@ -259,6 +273,8 @@ class Daemon:
         if take_clear_latches(self.policy.state_dir):
             self.engine.clear_latches()
         result = self.engine.poll()
+        self.last_poll_wall = self.wall_clock()
+        self.save_state()  # at most once a minute on a quiet node (see save_state)
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
         if snapshot is not None and assessment is not None:
             self._notify_status(snapshot, assessment)
@@ -319,6 +335,8 @@ class Daemon:
 
     def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
         status = describe_status(snapshot, assessment, self.engine.state.plan, self.policy.dry_run)
+        if self.policy_rejected is not None:
+            status = f"policy rejected, running the previous one ({self.config_path}); {status}"
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
 
     # --- state ----------------------------------------------------------------------------
@@ -365,8 +383,13 @@ class Daemon:
             state.assess,
             dataclasses.replace(state.plan, last_wall=None),
             state.reset_in_progress,
+            self.actions_seen,
+            self.policy_rejected,
         )
-        if key == self._saved_key:
+        # The status section's last_poll proves the daemon alive: refreshed once a minute on a
+        # quiet node, so a quiet poll still costs no write most of the time.
+        bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
+        if key == self._saved_key and bucket == self._saved_poll_bucket:
             return
         data = {
             "version": STATE_FILE_VERSION,
@@ -375,6 +398,7 @@ class Daemon:
             "assess": state.assess.to_json(),
             "plan": state.plan.to_json(),
             "reset_in_progress": state.reset_in_progress,
+            "status": self.status_section(),
         }
         try:
             self.store.save(data)
@@ -382,6 +406,65 @@ class Daemon:
             log.error(EventName.STATE_SAVE_FAILED, error=str(exc), path=self.policy.state_dir)
             return
         self._saved_key = key
+        self._saved_poll_bucket = bucket
+
+    def status_section(self) -> dict[str, object]:
+        """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
+        actions, a rejected policy (shape documented in docs/operations.md)."""
+        snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
+        nvml: dict[str, object] = {"state": "unknown", "error": None}
+        if snapshot is not None:
+            reading = snapshot.nvml
+            state = "unavailable" if not reading.available else "wedged" if reading.wedged else "ok"
+            nvml = {"state": state, "error": reading.error}
+        return {
+            "pid": os.getpid(),
+            "started": self.started_wall,
+            "last_poll": self.last_poll_wall,
+            "interval": self.policy.interval,
+            "dry_run": self.policy.dry_run,
+            "mode": "dry-run" if self.policy.dry_run else "enforcing",
+            "nvml": nvml,
+            "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
+            "findings": len(assessment.findings) if assessment is not None else None,
+            "policy": list(self.policy.sources) or [self.config_path],
+            "policy_rejected": self.policy_rejected,
+            "recent_actions": list(self.recent_actions),
+        }
+
+
+_ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
+
+
+class _DaemonSink:
+    """The daemon's event sink: every event to the log, and the actions remembered for
+    ``gpuwatchd status`` (the newest :data:`RECENT_ACTIONS`)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.log = LogSink()
+
+    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        self.log.emit(name, level, fields)
+        if name in _ACTION_EVENTS:
+            pid = fields.get("pid")
+            code = fields.get("returncode")
+            outcome = fields.get("outcome") or fields.get("result")
+            if outcome is None and code is not None:
+                outcome = f"exit {code}"
+            self.daemon.actions_seen += 1
+            self.daemon.recent_actions.append(
+                {
+                    "at": self.daemon.wall_clock(),
+                    "event": str(name),
+                    "gpu": fields.get("gpu"),
+                    "pid": pid if isinstance(pid, int) else None,
+                    "signal": fields.get("signal"),
+                    "hook": fields.get("hook"),
+                    "outcome": outcome,
+                    "dry_run": fields.get("dry_run") is True,
+                }
+            )
 
 
 def _os_error(exc: BaseException) -> str:

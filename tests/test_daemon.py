@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
-from gpuwatchd.daemon import describe_status
+from gpuwatchd.config.schema import default_policy
+from gpuwatchd.daemon import Daemon, describe_status
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
@@ -188,3 +193,47 @@ def test_memory_back_to_baseline_after_a_reset(
 
     state = AssessState(baselines=baselines)
     assert back_to_baseline("GPU-0", allocated, state, Detection()) is expected
+
+
+def _daemon_with_config(tmp_path: Path, text: str) -> tuple[Daemon, Path]:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(text)
+    config.chmod(0o644)
+    state_dir = tmp_path / "state"
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=True)
+    return Daemon(policy, config_path=str(config)), config
+
+
+def test_a_rejected_reload_is_kept_in_the_status_until_a_good_policy_loads(
+    tmp_path: Path,
+) -> None:
+    daemon, config = _daemon_with_config(tmp_path, "dry_run: true\n")
+    config.write_text("dry_run: maybe\n")
+    daemon._do_reload()
+    rejected = daemon.status_section()["policy_rejected"]
+    assert isinstance(rejected, dict)
+    assert "dry_run" in str(rejected["error"])
+    daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["status"]["policy_rejected"]["error"] == rejected["error"]
+    config.write_text("dry_run: true\n")
+    daemon._do_reload()
+    assert daemon.status_section()["policy_rejected"] is None
+
+
+def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: Path) -> None:
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    sink = daemon.engine.sink
+    for pid in range(25):
+        sink.emit("action.signal", "info", {"pid": pid, "signal": "SIGTERM", "outcome": "dry_run",
+                                            "gpu": "GPU-1", "dry_run": True})  # fmt: skip
+    sink.emit("finding.new", "warning", {"pid": 1})
+    actions = daemon.status_section()["recent_actions"]
+    assert isinstance(actions, list)
+    assert len(actions) == 20
+    assert actions[-1]["pid"] == 24
+    assert actions[-1]["outcome"] == "dry_run"
+    daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["status"]["recent_actions"][-1]["pid"] == 24
+    assert saved["status"]["mode"] == "dry-run"

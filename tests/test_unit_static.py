@@ -81,7 +81,6 @@ def test_unit_never_sets_directive_that_breaks_gpu_access(key: str, bad_value: s
         ("Type", "notify"),
         ("NotifyAccess", "main"),
         ("ExecStart", "/usr/bin/gpuwatchd run"),
-        ("ExecReload", "/bin/kill -HUP $MAINPID"),
         ("Restart", "on-failure"),
         ("RestartPreventExitStatus", "77 78"),
         ("KillMode", "mixed"),
@@ -97,6 +96,12 @@ def test_unit_never_sets_directive_that_breaks_gpu_access(key: str, bad_value: s
 )
 def test_unit_sets_lifecycle_and_sandbox_directive(key: str, expected: str) -> None:
     assert values(key) == [expected]
+
+
+def test_a_reload_validates_the_policy_before_it_signals_the_daemon() -> None:
+    """systemd runs ExecReload lines in order and stops at the first failure: a bad policy
+    makes `systemctl reload` fail visibly instead of a silent rejection in the daemon."""
+    assert values("ExecReload") == ["/usr/bin/gpuwatchd check-config", "/bin/kill -HUP $MAINPID"]
 
 
 def test_unit_capabilities_are_exactly_the_four_the_daemon_needs() -> None:
@@ -183,4 +188,4 @@ def test_debian_install_files_name_files_that_exist() -> None:
 def test_debian_package_depends_on_procps_for_exec_reload() -> None:
     control = (DEBIAN / "control").read_text()
     assert re.search(r"^Depends:.*\bprocps\b", control, re.MULTILINE | re.DOTALL)
-    assert "/bin/kill" in values("ExecReload")[0]
+    assert "/bin/kill" in values("ExecReload")[-1]

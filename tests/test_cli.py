@@ -51,10 +51,25 @@ def test_scan_without_any_nvidia_library_exits_69_with_one_line(
         check=False,
     )
     assert result.returncode == 69
-    lines = [line for line in result.stderr.splitlines() if line.startswith("gpuwatchd:")]
-    assert len(lines) == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, "one problem, one line (no logfmt warning before it)"
+    assert lines[0].startswith("gpuwatchd:")
     assert "NVML" in lines[0] or "driver" in lines[0]
     assert result.stdout == ""
+    with_json = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "scan", "--json", "--config", str(host.config())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert with_json.returncode == 69
+    report = json.loads(with_json.stdout)
+    assert report["nvml"]["available"] is False
+    assert report["nvml"]["error"]
+    assert report["gpus"] == []
+    assert len(with_json.stderr.splitlines()) == 1
 
 
 def test_scan_when_the_driver_fails_to_initialise_exits_69(host: SimHost) -> None:

@@ -150,10 +150,11 @@ def _scan(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.scan import scan_host
     from gpuwatchd.logs import configure_logging
 
-    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="warning")
+    # Errors only: what NVML or /proc lacked is said once, in the report and its exit line.
+    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     result = scan_host(policy)
-    if result.report is None:
+    if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:
         json.dump(result.report, sys.stdout, indent=2, sort_keys=False)
@@ -163,6 +164,9 @@ def _scan(args: argparse.Namespace) -> int:
 
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         sys.stdout.write(render_text(result.report, color=color))
+    if result.error is not None:
+        print(f"gpuwatchd: {result.error}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
     if result.wedged:
         print(
             "gpuwatchd: NVML did not answer within nvml_timeout: the driver may be wedged",

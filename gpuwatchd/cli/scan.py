@@ -83,8 +83,11 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         snapshot = collector.collect(full=True)
     finally:
         nvml.close()
+    error = None
     if not snapshot.nvml.available:
-        return ScanResult(None, error=snapshot.nvml.error or "NVIDIA driver/NVML not available")
+        # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a
+        # document and the exit code, the text reader the one line.
+        error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
     saved = StateStore(policy.state_dir).peek()
     previous = AssessState()
@@ -116,7 +119,7 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
             f"{count} processes could not be inspected (their fds/maps are unreadable; "
             f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
-    return ScanResult(report, permission_note=note, wedged=snapshot.nvml.wedged)
+    return ScanResult(report, error=error, permission_note=note, wedged=snapshot.nvml.wedged)
 
 
 def _first_seen_wall(

@@ -11,7 +11,7 @@ import pytest
 
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.scenario import ScenarioError, parse_scenario
-from gpuwatchd.cli.simulate import simulate
+from gpuwatchd.cli.simulate import render_text, simulate
 
 ORPHANS = """\
 duration: 3m
@@ -287,3 +287,29 @@ def test_malformed_during_events_are_refused(event: str, message: str) -> None:
         parse_scenario("s.yaml", text)
     assert message in err.value.message
     assert err.value.line == 5
+
+
+class _Names:
+    def pname(self, pid: object) -> str:
+        return f"pid {pid} (trainer)"
+
+    def gname(self, uuid: object) -> str:
+        return "GPU 0"
+
+
+def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
+    from gpuwatchd.cli.timeline import finding_label
+
+    key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234@None"
+    assert finding_label(key, _Names()) == "dead_process pid 91234 (trainer) on GPU 0"
+    gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
+    assert finding_label(gpu_key, _Names()) == "ghost_memory GPU 0"
+
+
+def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:
+    text = ORPHANS.format(dry="true", sigterm="ignore").replace("4GiB", "5GiB")
+    path = "one-unit.yaml"
+    result = simulate(parse_scenario(path, text))
+    (line,) = [ln for ln in render_text(result).splitlines() if ln.strip().startswith("GPU 0:")]
+    assert "GiB" not in line
+    assert "MiB allocated (idle" in line

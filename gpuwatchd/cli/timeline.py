@@ -16,6 +16,7 @@ from typing import Protocol
 from gpuwatchd.cli.scenario import Scenario
 from gpuwatchd.cli.world import size_text
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.model import MIB
 
 
 class Names(Protocol):
@@ -108,14 +109,22 @@ def _describe_finding_new(f: Mapping[str, object], sim: Names) -> str:
     return f"{f.get('kind')} {_target(f, sim)}{where}{tag}: {f.get('reason')}"
 
 
-def _describe_resolved(f: Mapping[str, object], sim: Names) -> str:
-    kind, _, rest = str(f.get("finding")).partition(":")
-    target = rest.rpartition(":")[2]
+def finding_label(key: object, sim: Names) -> str:
+    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) as people read it:
+    "orphaned pid 4252 (worker-2) on GPU 0", "ghost_memory GPU 1"."""
+    kind, _, rest = str(key).partition(":")
+    gpu, _, target = rest.rpartition(":")
     pid = target.split("@", 1)[0]
-    who = sim.pname(int(pid)) if pid.isdigit() else sim.gname(f.get("gpu"))
+    if pid.isdigit():
+        return f"{kind} {sim.pname(int(pid))} on {sim.gname(gpu)}"
+    return f"{kind} {sim.gname(gpu)}"
+
+
+def _describe_resolved(f: Mapping[str, object], sim: Names) -> str:
+    who = finding_label(f.get("finding"), sim)
     lasted = f.get("lasted")
     after = f"{lasted:g}s" if isinstance(lasted, (int, float)) else "?"
-    return f"{kind} {who} resolved after {after}"
+    return f"{who} resolved after {after}"
 
 
 def _argv(value: object) -> str:
@@ -250,9 +259,36 @@ _COLUMN = {
 }
 
 
+class _ScenarioNames:
+    """Names for the final summary, from the scenario itself (the run's world is gone)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.procs = {p.pid: p.name for p in scenario.processes}
+        for event in scenario.events:
+            if event.process is not None:
+                self.procs.setdefault(event.process.pid, event.process.name)
+        self.gpus = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
+
+    def pname(self, pid: object) -> str:
+        name = self.procs.get(pid) if isinstance(pid, int) else None
+        return f"pid {pid} ({name})" if name else f"pid {pid}"
+
+    def gname(self, uuid: object) -> str:
+        return self.gpus.get(str(uuid), str(uuid))
+
+
+def _same_unit(value: object, other: object, suffix: str = "") -> str:
+    """``value`` in MiB whatever its size, so the summary line never mixes "2.0 GiB" with
+    "4 MiB" (``other`` is the value it is compared with on that line)."""
+    del other
+    text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
+    return f"{text} {suffix}" if suffix else text
+
+
 def render_text(result: SimulationResult) -> str:
     """The timeline for people: a header, one line per entry, the final state."""
     scenario, policy = result.scenario, result.policy
+    names = _ScenarioNames(scenario)
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "
@@ -273,8 +309,8 @@ def render_text(result: SimulationResult) -> str:
     for gpu in final["gpus"]:  # type: ignore[attr-defined]
         lost = ", LOST" if gpu["lost"] else ""
         lines.append(
-            f"  GPU {gpu['index']}: {size_text(gpu['allocated'])} allocated "
-            f"(idle {size_text(gpu['idle'])}){lost}"
+            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'], gpu['idle'], 'allocated')} "
+            f"(idle {_same_unit(gpu['idle'], gpu['allocated'])}){lost}"
         )
     for proc in final["processes"]:  # type: ignore[attr-defined]
         signals = ", ".join(f"{s['signal']} at {_fmt_t(s['t'])}" for s in proc["signals"])
@@ -293,7 +329,7 @@ def render_text(result: SimulationResult) -> str:
     )
     open_findings = final["open_findings"]
     lines.append(
-        "  open findings: " + (", ".join(open_findings) if open_findings else "none")  # type: ignore[arg-type]
+        "  open findings: " + (", ".join(finding_label(k, names) for k in open_findings) or "none")  # type: ignore[attr-defined]
     )
     return "\n".join(lines) + "\n"
 

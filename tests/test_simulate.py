@@ -313,3 +313,17 @@ def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:
     (line,) = [ln for ln in render_text(result).splitlines() if ln.strip().startswith("GPU 0:")]
     assert "GiB" not in line
     assert "MiB allocated (idle" in line
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("uuid", "GPU-1,GPU-2"), ("uuid", "GPU-not-hex"), ("pci_bus_id", "-i0")],
+)
+def test_a_gpu_id_the_driver_would_never_report_is_refused_with_its_line(
+    field: str, value: str
+) -> None:
+    text = f"duration: 1m\ngpus:\n  - index: 0\n    {field}: '{value}'\n"
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario("ids.yaml", text)
+    assert caught.value.line == 4
+    assert f"gpus[0].{field}" in str(caught.value)

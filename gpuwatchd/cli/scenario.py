@@ -6,7 +6,7 @@ and how they react to signals, events timed by the clock (``at``) or by the rese
 into frozen :class:`Scenario` values and reports every malformed value as a
 :class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reads
 the text with ``yamlsrc.py``, the position-tracking reader policies use too, and reuses
-``config.py``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
+``config``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
 policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
 
 It is long (about 700 lines) because it is a schema: one small validator per scenario field,
@@ -24,6 +24,7 @@ import yaml
 from gpuwatchd.act.reset import ResetStep
 from gpuwatchd.config.schema import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
+from gpuwatchd.decide.argv import check_value
 from gpuwatchd.model import MIB
 
 GIB = 1024 * MIB
@@ -433,6 +434,14 @@ class _Reader:
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
         return HostSpec(namespaces, mps, pid_max)
 
+    def nvml_value(self, node: Node, name: str, value: str) -> None:
+        """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
+        anything else into a reset command, so the scenario says so up front)."""
+        try:
+            check_value(name, value)
+        except ValueError as err:
+            raise self.fail(node, str(err).removesuffix("; refusing to run")) from None
+
     def gpu(self, node: Node, position: int) -> GpuSpec:
         m = self.mapping(node, _GPU_KEYS)
         get = m.entries.get
@@ -440,8 +449,10 @@ class _Reader:
         uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
         if not uuid.startswith("GPU-"):
             raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
+        self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
+        self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
         minor = self.integer(n) if (n := get("minor")) is not None else index
         total, allocated, reserved, leaked = 80 * GIB, 4 * MIB, 512 * MIB, 0
         if (mem := get("memory")) is not None:

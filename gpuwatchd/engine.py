@@ -65,7 +65,15 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
-from gpuwatchd.model import Finding, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.model import (
+    Finding,
+    GpuInfo,
+    HolderScan,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    as_int,
+)
 from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, SignalOutcome
 
 __all__ = [
@@ -411,26 +419,16 @@ class Engine:
         uuid = record.get("uuid")
         if flight is not None and flight.gpu == uuid:
             pci = record.get("pci_bus_id")
-            minor = record.get("minor")
             intent = ResetIntent(
                 gpu=flight.gpu,
                 pci_bus_id=pci if isinstance(pci, str) else None,
-                minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
+                minor=as_int(record.get("minor")),
                 finding_key=flight.finding_key,
                 dry_run=False,
                 reason="resumed after an interruption",
                 facts={},
             )
-            for follow_up in self._take(
-                record_reset(
-                    self.state.plan,
-                    intent,
-                    outcome.result,
-                    now=self.clock.monotonic(),
-                    wall=self.clock.wall(),
-                    needs_reboot=outcome.needs_reboot,
-                )
-            ):
+            for follow_up in self._book_reset(intent, outcome):
                 self._carry_out(follow_up)
             self.checkpoint()
 

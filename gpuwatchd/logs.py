@@ -17,38 +17,51 @@ Under journald (``JOURNAL_STREAM`` set and naming our stream) every line starts 
 sd-daemon priority prefix ``<N>`` — ``<7>`` debug, ``<6>`` info, ``<4>`` warning, ``<3>`` error,
 ``<2>`` critical — which journald turns into the entry's PRIORITY, and no timestamp is written
 (journald records its own). Elsewhere timestamps are ISO-8601 UTC. Every event is exactly one
-line: exceptions are flattened into ``exception`` and ``traceback`` fields, and control
+line: exceptions are flattened into ``exc`` and ``exc_trace`` fields, and control
 characters in values (a hostile command line) are escaped.
 
-Event names form one catalogue, ``area.what``, lower case with underscores inside a part::
+Native journal fields: when ``JOURNAL_STREAM`` is verified against the stream's own device and
+inode (not merely set) each event is sent instead as one entry over journald's native protocol
+(a datagram to ``/run/systemd/journal/socket``; a sealed memfd for an entry too big for one):
+``MESSAGE`` (a human sentence, then the logfmt fields), ``PRIORITY``, ``SYSLOG_IDENTIFIER``,
+``MESSAGE_ID`` (:func:`message_id`), ``GPUWATCHD_EVENT`` and one upper-case field per event
+field (:func:`journal_field_name`), values unescaped. docs/events.md ("Journal fields") lists
+them. If the entry cannot be sent, that event goes to the stream as the prefixed line instead.
+The module is long (over 600 lines) because the protocol, its sentences and its fallbacks are
+written by hand here: python-systemd would need a C build.
 
-    daemon.start, daemon.stop, daemon.ready         config.loaded, config.rejected
-    poll.done, poll.slow                            nvml.unavailable, nvml.wedged, nvml.recovered
-    finding.new, finding.changed, finding.resolved  action.signal, action.skipped, action.failed
-    reset.step, reset.done, reset.failed            hook.run, hook.failed
-    limit.kill_cap                                  state.saved, state.corrupt
-
-The area says which part of gpuwatchd speaks; the name after the dot says what happened. The
-fields carry the inputs that justified a decision, with the same names everywhere: ``gpu``
-(UUID), ``pid``, ``start_ticks``, ``user``, ``cmdline``, ``job``, ``memory`` (bytes), ``kind``,
-``rule``, ``step``, ``dry_run``, ``outcome``, ``reason``. Levels follow docs/events.md: actions are
-warning, failed actions error, a wedged driver or "needs reboot" critical, routine info/debug.
+Event names form one catalogue, ``area.what`` (:class:`gpuwatchd.vocabulary.EventName`,
+documented in docs/events.md). The area says which part of gpuwatchd speaks; the name after
+the dot says what happened. The fields carry the inputs that justified a decision, with the same
+names everywhere: ``gpu`` (UUID), ``pid``, ``start_ticks``, ``user``, ``cmdline``, ``job``,
+``memory`` (bytes), ``kind``, ``rule``, ``step``, ``dry_run``, ``outcome``, ``reason``. Levels
+follow docs/events.md: actions are warning, failed actions error, a wedged driver or "needs
+reboot" critical, routine info/debug.
 """
 
 from __future__ import annotations
 
+import array
+import errno
+import fcntl
 import json
 import logging
 import os
+import re
+import socket
+import struct
 import sys
 import threading
+import time
 import traceback
-from collections.abc import Mapping, MutableMapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
 from gpuwatchd.escape import escape
+from gpuwatchd.vocabulary import EventName, ResetResult, SignalOutcome
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
@@ -77,6 +90,7 @@ _PRIORITIES = {
     "fatal": 2,
 }
 _TRACEBACK_FRAMES = 6
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def priority_prefix(level: str) -> str:
@@ -90,11 +104,14 @@ def configure_logging(
     level: str = "info",
     stream: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
+    journal_socket: str | None = JOURNAL_SOCKET,
 ) -> None:
     """Set up structlog for the whole process. Safe to call again (a reload changes the level).
 
     ``stream`` defaults to ``sys.stderr`` (where systemd connects journald); ``environ``
-    defaults to ``os.environ``. Raises ValueError for an unknown ``fmt`` or ``level`` — a
+    defaults to ``os.environ``. When ``JOURNAL_STREAM`` names ``stream``'s own device and inode,
+    events go to journald's native socket ``journal_socket`` with their fields (None: never;
+    the stream stays the fallback). Raises ValueError for an unknown ``fmt`` or ``level`` — a
     configuration error, reported before anything runs.
     """
     if fmt not in FORMATS:
@@ -106,34 +123,36 @@ def configure_logging(
     out = sys.stderr if stream is None else stream
     env = os.environ if environ is None else environ
     journald = under_journald(out, env)
+    # Native only when the variable is verified: a stream without a file cannot be checked.
+    native = journal_socket is not None and _names_stream(out, env) is True
     tty = _isatty(out)
     if fmt == "auto":
         fmt = "console" if tty and not journald else "logfmt"
 
-    processors: list[Processor] = [
+    prepare: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         _flatten_exception,
     ]
+    render: list[Processor] = []
     if not journald:
-        processors.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
-    renderer: Processor
+        render.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
     if fmt == "json":
-        processors.append(_leading_keys)
-        renderer = structlog.processors.JSONRenderer(default=_json_default)
+        render.append(_leading_keys)
+        render.append(structlog.processors.JSONRenderer(default=_json_default))
     elif fmt == "console":
         colors = tty and not journald and "NO_COLOR" not in env
-        processors.append(_escape_control_characters)
-        renderer = structlog.dev.ConsoleRenderer(colors=colors)
+        render.append(_escape_control_characters)
+        render.append(structlog.dev.ConsoleRenderer(colors=colors))
     else:
-        processors.append(_compact_values)
-        renderer = _render_logfmt
-    processors.append(renderer)
+        render.append(_compact_values)
+        render.append(_render_logfmt)
 
+    journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
     structlog.configure(
-        processors=[_SafeChain(processors, journald=journald)],
+        processors=[_SafeChain(prepare, render, journald=journald, native=journal is not None)],
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
-        logger_factory=_LineWriterFactory(out),
+        logger_factory=_LineWriterFactory(out, journal),
         context_class=dict,
         cache_logger_on_first_use=False,
     )
@@ -154,6 +173,11 @@ def under_journald(stream: TextIO, environ: Mapping[str, str]) -> bool:
     redirected inherits it, so when the stream's own numbers can be read they must match.
     A stream without a file descriptor (tests, wrappers) trusts the variable.
     """
+    return _names_stream(stream, environ) is not False
+
+
+def _names_stream(stream: TextIO, environ: Mapping[str, str]) -> bool | None:
+    """Whether ``JOURNAL_STREAM`` names ``stream``: None when set but not checkable."""
     value = environ.get("JOURNAL_STREAM", "")
     if not value:
         return False
@@ -161,7 +185,7 @@ def under_journald(stream: TextIO, environ: Mapping[str, str]) -> bool:
         device, inode = (int(part) for part in value.split(":", 1))
         status = os.fstat(stream.fileno())
     except (AttributeError, OSError, ValueError):
-        return True
+        return None
     return (status.st_dev, status.st_ino) == (device, inode)
 
 
@@ -293,20 +317,36 @@ class _SafeChain:
 
     Wrapping the chain in one processor keeps the guarantee independent of which processor
     failed (an unserialisable value, a broken ``__str__``). Under journald it also adds the
-    priority prefix to whatever was rendered.
+    priority prefix to whatever was rendered. With ``native``, the event prepared by
+    ``prepare`` also becomes a native journal entry, passed to the writer with that line as
+    its fallback.
     """
 
-    def __init__(self, processors: Sequence[Processor], *, journald: bool) -> None:
-        self._processors = tuple(processors)
+    def __init__(
+        self,
+        prepare: Sequence[Processor],
+        render: Sequence[Processor],
+        *,
+        journald: bool,
+        native: bool = False,
+    ) -> None:
+        self._prepare = tuple(prepare)
+        self._render = tuple(render)
         self._journald = journald
+        self._native = native
 
     def __call__(
         self, logger: WrappedLogger, method: str, event_dict: MutableMapping[str, Any]
-    ) -> str:
+    ) -> str | tuple[tuple[_JournalEntry], dict[str, Any]]:
         event = event_dict.get("event")
+        entry: bytes | None = None
         try:
             result: Any = event_dict
-            for processor in self._processors:
+            for processor in self._prepare:
+                result = processor(logger, method, result)
+            if self._native:
+                entry = journal_entry(method, result)
+            for processor in self._render:
                 result = processor(logger, method, result)
             line = result if isinstance(result, str) else str(result)
         except structlog.DropEvent:
@@ -314,7 +354,12 @@ class _SafeChain:
         except Exception as exc:  # logging must never raise (module docstring)
             line = _fallback_line(method, event, exc)
         line = line.translate(_NEWLINES)
-        return priority_prefix(method) + line if self._journald else line
+        if self._journald:
+            line = priority_prefix(method) + line
+        if entry is None:
+            return line
+        # structlog passes a returned (args, kwargs) pair to the writer as it is.
+        return ((_JournalEntry(entry, line),), {})
 
 
 _NEWLINES = {ord("\n"): "\\n", ord("\r"): "\\r"}
@@ -341,6 +386,318 @@ def _safe_str(value: object) -> str:
         return "?"
 
 
+# --- native journal entries -------------------------------------------------------------------
+
+# Fixed for good: every MESSAGE_ID is derived from it and the event name (docs/events.md).
+MESSAGE_ID_NAMESPACE = uuid.UUID("691e00fc-97cc-49ac-bf26-5f292abf0526")
+SYSLOG_IDENTIFIER = "gpuwatchd"
+# Event fields with a name of their own in the journal; any other ``foo`` is GPUWATCHD_FOO.
+JOURNAL_FIELDS: Mapping[str, str] = {
+    "gpu": "GPU_UUID",
+    "pid": "TARGET_PID",
+    "rule": "RULE",
+    "dry_run": "DRY_RUN",
+    "outcome": "OUTCOME",
+    "signal": "SIGNAL",
+    "kind": "FINDING_KIND",
+    "finding": "FINDING",
+}
+_FIELD_NAME_MAX = 64  # journald drops longer names
+_NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
+_NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
+_SENTENCE_VALUE_MAX = 160
+_BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
+
+
+def message_id(event: str) -> str:
+    """The journal MESSAGE_ID of an event: 32 lower-case hex digits, the same forever."""
+    return uuid.uuid5(MESSAGE_ID_NAMESPACE, str(event)).hex
+
+
+def journal_field_name(key: str) -> str:
+    """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO.
+
+    Always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
+    trusted fields (``_PID``...) that only journald may set.
+    """
+    name = JOURNAL_FIELDS.get(key)
+    if name is None:
+        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
+    return name[:_FIELD_NAME_MAX]
+
+
+def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:
+    """One event in journald's native format (``NAME=value`` lines; the binary form for a
+    value with a newline or another control character). ``event_dict`` is not changed."""
+    event = _safe_str(event_dict.get("event"))
+    rest = {key: value for key, value in event_dict.items() if key not in ("level", "timestamp")}
+    logfmt = _render_logfmt(None, method, _compact_values(None, method, rest))
+    fields = [
+        ("MESSAGE", f"{sentence(event, event_dict)} {logfmt}".translate(_NEWLINES)),
+        ("PRIORITY", str(_PRIORITIES.get(method.lower(), 6))),
+        ("SYSLOG_IDENTIFIER", SYSLOG_IDENTIFIER),
+        ("MESSAGE_ID", message_id(event)),
+        ("GPUWATCHD_EVENT", event),
+    ]
+    used = {name for name, _ in fields}
+    for key, value in event_dict.items():
+        text = None if key in _NOT_FIELDS else _journal_value(value)
+        if text is not None:
+            fields.append((_unused(journal_field_name(key), used), text))
+    out = bytearray()
+    for name, text in fields:
+        data = _utf8(text)
+        if _BINARY.search(data):
+            out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+def _journal_value(value: object) -> str | None:
+    """None omitted, booleans ``true``/``false``, collections compact JSON, the rest str()."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=repr)
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+    return str(value)
+
+
+def _unused(name: str, used: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3``... when two event fields sanitise alike."""
+    candidate, number = name, 2
+    while candidate in used:
+        suffix = f"_{number}"
+        candidate = name[: _FIELD_NAME_MAX - len(suffix)] + suffix
+        number += 1
+    used.add(candidate)
+    return candidate
+
+
+def _utf8(text: str) -> bytes:
+    """The bytes a value stood for: undecodable bytes (surrogate escapes) come back as they were."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
+
+
+# --- the human sentence that starts MESSAGE ---
+
+
+def sentence(event: str, fields: Mapping[str, Any]) -> str:
+    """One line a person reads first in ``journalctl``: the event said in words.
+
+    The important events have their own (:data:`_SENTENCES`); the others say their name and
+    their ``reason`` or ``why``. Values are escaped and shortened; never raises.
+    """
+    try:
+        said = _SENTENCES.get(event)
+        if said is not None:
+            return said(fields)
+        why = _said(fields, "why", "") or _said(fields, "reason", "")
+        return f"{escape(event)}: {why}." if why else f"{escape(event)}."
+    except Exception:  # a sentence must never cost the event
+        return f"{escape(_safe_str(event))}."
+
+
+def _said(fields: Mapping[str, Any], key: str, default: str = "?") -> str:
+    value = fields.get(key)
+    if value is None or value == "":
+        return default
+    if isinstance(value, (list, tuple)):
+        value = " ".join(_safe_str(item) for item in value)
+    text = escape(_safe_str(value))
+    if len(text) > _SENTENCE_VALUE_MAX:
+        text = text[: _SENTENCE_VALUE_MAX - 3] + "..."
+    return text
+
+
+def _process(f: Mapping[str, Any]) -> str:
+    """``PID 1234 (python) on GPU-…``, with what is known."""
+    text = f"PID {_said(f, 'pid')}"
+    if f.get("comm"):
+        text += f" ({_said(f, 'comm')})"
+    if f.get("gpu"):
+        text += f" on {_said(f, 'gpu')}"
+    return text
+
+
+def _dry(f: Mapping[str, Any], text: str) -> str:
+    return f"Dry run: {text}" if f.get("dry_run") is True else text
+
+
+def _signal_sentence(f: Mapping[str, Any]) -> str:
+    sig, who, outcome = _said(f, "signal"), _process(f), f.get("outcome")
+    why = f" (rule {_said(f, 'rule')}, step {_said(f, 'step')})" if f.get("rule") else ""
+    if outcome == SignalOutcome.DELIVERED:
+        return f"Sent {sig} to {who}{why}."
+    if outcome == SignalOutcome.DRY_RUN:
+        return f"Dry run: would send {sig} to {who}{why}."
+    if outcome == SignalOutcome.DENIED:
+        return f"Sending {sig} to {who} was denied (no permission)."
+    if outcome == SignalOutcome.GONE:
+        return f"{sig} not sent: {who} had already exited."
+    if outcome == SignalOutcome.REUSED:
+        return f"{sig} not sent: PID {_said(f, 'pid')} now belongs to another process."
+    if outcome == SignalOutcome.ZOMBIE:
+        return f"{sig} not sent: {who} is a zombie."
+    return f"Sending {sig} to {who} failed: {_said(f, 'detail')}."
+
+
+def _hook_sentence(f: Mapping[str, Any]) -> str:
+    hook, argv = _said(f, "hook", "on_failure"), _said(f, "argv")
+    if f.get("dry_run") is True:
+        return f"Dry run: would run the {hook} hook {argv}."
+    if f.get("timed_out") is True:
+        return f"The {hook} hook {argv} timed out."
+    return f"Ran the {hook} hook {argv}: exit status {_said(f, 'returncode')}."
+
+
+def _reset_sentence(f: Mapping[str, Any]) -> str:
+    gpu, result, step = _said(f, "gpu", "the GPU"), f.get("result"), _said(f, "step")
+    if f.get("needs_reboot") is True:
+        return f"{gpu} needs a reboot: its reset ended {_said(f, 'result')} at step {step}."
+    if result == ResetResult.SUCCESS:
+        return f"{gpu} was reset."
+    if result == ResetResult.DRY_RUN:
+        return f"Dry run: {gpu} would have been reset."
+    if result == ResetResult.REFUSED:
+        return f"Reset of {gpu} refused at step {step} and undone: {_said(f, 'reason')}."
+    if result == ResetResult.TIMEOUT:
+        return f"Reset of {gpu} timed out at step {step}."
+    return f"Reset of {gpu} failed at step {step}: {_said(f, 'reason')}."
+
+
+def _finding_sentence(f: Mapping[str, Any]) -> str:
+    pid = f", PID {_said(f, 'pid')}" if f.get("pid") is not None else ""
+    return f"New {_said(f, 'kind')} finding on {_said(f, 'gpu')}{pid}: {_said(f, 'reason')}."
+
+
+def _step_sentence(f: Mapping[str, Any]) -> str:
+    signal = _said(f, "signal", "no signal (report only)")
+    step = f"Step {_said(f, 'step')} of {_said(f, 'of')} of rule {_said(f, 'rule')}"
+    return _dry(f, f"{step} is due for {_process(f)}: {signal}.")
+
+
+_SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
+    EventName.ACTION_SIGNAL: _signal_sentence,
+    EventName.HOOK_RUN: _hook_sentence,
+    EventName.RESET_OUTCOME: _reset_sentence,
+    EventName.FINDING_NEW: _finding_sentence,
+    EventName.ESCALATION_STEP_DUE: _step_sentence,
+    EventName.ESCALATION_ENDED: lambda f: _dry(
+        f, f"Gave up on {_process(f)}: {_said(f, 'why')}; it is never signalled again."
+    ),
+    EventName.TARGET_STUCK: lambda f: (
+        f"{_process(f)} is stuck in D state and is never signalled: {_said(f, 'why')}."
+    ),
+    EventName.GPU_NEEDS_REBOOT: lambda f: (
+        f"{_said(f, 'gpu')} needs a reboot: {_said(f, 'why', '') or _said(f, 'outcome')}."
+    ),
+    EventName.LIMITS_KILL_CAP_REACHED: lambda f: (
+        f"Kill cap reached ({_said(f, 'why')}): dry-run is forced until"
+        " 'gpuwatchd resume --clear-latches'."
+    ),
+    EventName.RESET_CIRCUIT_OPEN: lambda f: (
+        f"No more GPU resets until cleared by hand: {_said(f, 'why')}."
+    ),
+    EventName.RESET_DUE: lambda f: _dry(f, f"A reset of {_said(f, 'gpu')} starts."),
+    EventName.DAEMON_START: lambda f: (
+        f"gpuwatchd {_said(f, 'version')} started"
+        f"{' in dry-run' if f.get('dry_run') is True else ''}."
+    ),
+    EventName.DAEMON_STOP: lambda f: f"gpuwatchd stopped (exit code {_said(f, 'exit_code')}).",
+    EventName.DAEMON_NO_PERMISSION: lambda f: (
+        f"Not enough privilege: {_said(f, 'error', '') or _said(f, 'detail')}."
+    ),
+    EventName.DAEMON_PAUSED: lambda f: f"Actions paused by an admin: {_said(f, 'reason')}.",
+    EventName.DAEMON_RESUMED: lambda _f: "Actions resumed.",
+    EventName.CONFIG_RELOADED: lambda _f: "Policy reloaded.",
+    EventName.CONFIG_RELOAD_REJECTED: lambda f: (
+        f"Reload rejected, the old policy stays in force: {_said(f, 'error')}."
+    ),
+    EventName.NVML_WEDGED: lambda f: (
+        f"NVML is wedged (a call missed its {_said(f, 'timeout')}s deadline):"
+        " no destructive action."
+    ),
+    EventName.NVML_UNAVAILABLE: lambda f: f"NVML is unavailable: {_said(f, 'reason')}.",
+    EventName.STATE_DIR_UNUSABLE: lambda f: (
+        f"The state directory {_said(f, 'path')} is unusable: {_said(f, 'error')}."
+    ),
+}
+
+
+class _JournalEntry:
+    """A native journal entry, and the line to write instead if it cannot be sent."""
+
+    __slots__ = ("line", "payload")
+
+    def __init__(self, payload: bytes, line: str) -> None:
+        self.payload = payload
+        self.line = line
+
+
+class _JournalSocket:
+    """Sends entries to journald's native socket; says False instead of raising.
+
+    Unconnected, so a restarted journald's new socket is found by its path. An entry too big
+    for one datagram goes in a sealed memfd passed with SCM_RIGHTS, as sd_journal_send does.
+    A send blocks for at most ``SEND_TIMEOUT`` (SO_SNDTIMEO); after a timeout (journald's
+    queue full) entries go straight to the fallback for ``STALL_BACKOFF`` seconds, so a
+    stalled journald costs one timeout per backoff, not one per event.
+    """
+
+    SEND_TIMEOUT = 1.0
+    STALL_BACKOFF = 10.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._socket: socket.socket | None = None
+        self._stalled_until = 0.0
+
+    def send(self, payload: bytes) -> bool:
+        if time.monotonic() < self._stalled_until:
+            return False
+        try:
+            if self._socket is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                seconds, fraction = divmod(self.SEND_TIMEOUT, 1)
+                timeval = struct.pack("@ll", int(seconds), int(fraction * 1_000_000))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                self._socket = sock
+            try:
+                self._socket.sendto(payload, self.path)
+            except OSError as err:
+                if err.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                    raise
+                self._send_memfd(self._socket, payload)
+        except OSError as err:  # no journal, EPERM, no memfd...: the caller falls back
+            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO: journald stalled
+                self._stalled_until = time.monotonic() + self.STALL_BACKOFF
+            return False
+        except Exception:  # logging never raises
+            return False
+        return True
+
+    def _send_memfd(self, sock: socket.socket, payload: bytes) -> None:
+        fd = os.memfd_create("gpuwatchd-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+            rights = array.array("i", [fd])
+            sock.sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)], 0, self.path)
+        finally:
+            os.close(fd)
+
+
 # --- output -----------------------------------------------------------------------------------
 
 
@@ -348,15 +705,21 @@ class _LineWriter:
     """Writes each rendered event as one line and flushes; write errors are swallowed.
 
     A closed stream or a broken pipe loses log lines, which is better than losing the
-    daemon. The lock keeps lines from threads whole.
+    daemon. The lock keeps lines from threads whole. A native journal entry goes to the
+    journal socket, or as its fallback line to the stream when it cannot be sent.
     """
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
         self._stream = stream
+        self._journal = journal
         self._lock = threading.Lock()
 
-    def msg(self, message: str) -> None:
+    def msg(self, message: str | _JournalEntry) -> None:
         with self._lock:
+            if isinstance(message, _JournalEntry):
+                if self._journal is not None and self._journal.send(message.payload):
+                    return
+                message = message.line
             try:
                 self._stream.write(message + "\n")
                 self._stream.flush()
@@ -367,8 +730,8 @@ class _LineWriter:
 
 
 class _LineWriterFactory:
-    def __init__(self, stream: TextIO) -> None:
-        self._writer = _LineWriter(stream)
+    def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
+        self._writer = _LineWriter(stream, journal)
 
     def __call__(self, *_args: Any) -> _LineWriter:
         return self._writer

@@ -7,6 +7,7 @@ import ast
 import pathlib
 import re
 
+from gpuwatchd.logs import MESSAGE_ID_NAMESPACE, message_id
 from gpuwatchd.vocabulary import EventName
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -63,3 +64,26 @@ def test_events_are_named_through_the_catalogue_not_spelled_again() -> None:
 def test_the_literal_finder_finds_literals() -> None:
     tree = ast.parse('log.warning("a.b", x=1)\nlog.info(EventName.X)\nself._emit("c.d")\n')
     assert _literal_event_calls(tree) == [(1, "a.b"), (3, "c.d")]
+
+
+def documented_message_ids() -> dict[str, str]:
+    """The rows of docs/events.md's "MESSAGE_ID per event" table: event → id."""
+    text = EVENTS_DOC.read_text()
+    section = text.partition("### MESSAGE_ID per event")[2]
+    rows = re.findall(r"^\| `([a-z0-9_]+\.[a-z0-9_]+)` \| `([0-9a-f]{32})` \|$", section, re.M)
+    assert len(rows) == len(dict(rows)), "an event is listed twice"
+    return dict(rows)
+
+
+def test_every_event_has_its_message_id_documented() -> None:
+    expected = {str(e): message_id(e) for e in EventName}
+    if documented_message_ids() != expected:
+        table = "\n".join(f"| `{e}` | `{i}` |" for e, i in sorted(expected.items()))
+        raise AssertionError(
+            "docs/events.md's MESSAGE_ID table differs from gpuwatchd.logs.message_id over "
+            f"EventName; the table should read:\n{table}"
+        )
+
+
+def test_the_message_id_namespace_in_the_docs_is_the_code_s() -> None:
+    assert str(MESSAGE_ID_NAMESPACE) in EVENTS_DOC.read_text()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.main import main
 from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
 from tests.support.simhost import SimHost
 
@@ -239,3 +240,31 @@ def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None
     assert json.loads((host.state_dir / "paused").read_text())["reason"] == "maint"
     assert host.gpuwatchd("resume", "--config", config).returncode == 0
     assert not (host.state_dir / "paused").exists()
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_config_is_honoured_before_and_after_the_command(
+    tmp_path: Path, before: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuwatchd --config X status` used to drop X (the command's own --config reset it)."""
+    bad = tmp_path / "gpuwatchd.yaml"
+    bad.write_text("interval: sometimes\n")
+    argv = ["--config", str(bad), "status"] if before else ["status", "--config", str(bad)]
+    assert main(argv) == 78
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_a_closed_pipe_is_not_a_traceback(host: SimHost) -> None:
+    host.nvml([gpu(0)])
+    script = (
+        f"{sys.executable} -m gpuwatchd scan --json --config {host.config()} | head -c 1 >/dev/null"
+    )
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", script],
+        env=host.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "Traceback" not in result.stderr

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.explain import SnapshotError, explain_report, rebuild
+from gpuwatchd.cli.explain import SnapshotError, explain_report, rebuild, render_explanation
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.scenario import load_scenario
@@ -15,6 +16,7 @@ from gpuwatchd.cli.simulate import Simulation, scenario_policy
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.policy import Policy
 
 SCENARIOS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
@@ -125,3 +127,125 @@ def test_a_field_of_the_wrong_type_is_a_snapshot_error_not_a_traceback() -> None
     report["gpus"][0]["processes"] = 1  # type: ignore[index]
     with pytest.raises(SnapshotError, match=r"gpus\[0\]\.processes: expected a list"):
         rebuild(report)
+
+
+# --- only what applies, in human times --------------------------------------------------------
+
+
+def _stops(result: dict[str, object], pid: int) -> str:
+    return " | ".join(orphan(result, pid)["stopped_by"])  # type: ignore[arg-type]
+
+
+def test_pause_and_kill_caps_are_not_listed_when_they_do_not_apply() -> None:
+    result = explain_report(report_at("dataloader-orphans", 25.0), POLICY)
+    for item in result["findings"]:  # type: ignore[attr-defined]
+        stops = " | ".join(item["stopped_by"])
+        assert "pause" not in stops
+        assert "kill cap" not in stops
+        assert "per hour" not in stops
+
+
+def test_pause_is_listed_only_when_the_report_says_the_daemon_is_paused() -> None:
+    report = report_at("dataloader-orphans", 25.0)
+    report["daemon"] = {"paused": True, "paused_reason": "driver upgrade"}
+    result = explain_report(report, POLICY)
+    assert all(
+        "pause: the daemon is paused (driver upgrade); `gpuwatchd resume` lifts it"
+        in item["stopped_by"]
+        for item in result["findings"]  # type: ignore[attr-defined]
+    )
+    for daemon in ({"paused": False}, {"paused": "yes"}, "paused", None):
+        report["daemon"] = daemon
+        assert "pause" not in _stops(explain_report(report, POLICY), 4250)
+
+
+def _limits(text: str) -> Policy:
+    return parse_policy_documents([("p.yaml", "dry_run: false\nrules:\n" + RULE + text)])
+
+
+def test_the_kill_cap_is_listed_when_this_report_alone_would_exceed_it() -> None:
+    policy = _limits("limits: {max_signalled_per_poll: 2}\n")
+    stops = _stops(explain_report(report_at("dataloader-orphans", 25.0), policy), 4250)
+    assert "kill cap: 3 findings here would be signalled" in stops
+    assert "max_signalled_per_poll (2)" in stops
+    near = _limits("limits: {max_signalled_per_poll: 3}\n")
+    stops = _stops(explain_report(report_at("dataloader-orphans", 25.0), near), 4250)
+    assert "kill cap near: 3 findings here would be signalled" in stops
+
+
+def test_the_kill_cap_is_listed_when_the_daemon_says_it_is_reached_or_near() -> None:
+    report = report_at("dataloader-orphans", 25.0)
+    report["daemon"] = {"forced_dry_run": True, "forced_reason": "more than 64 in one hour"}
+    stops = _stops(explain_report(report, POLICY), 4250)
+    assert "kill cap: reached (more than 64 in one hour); the daemon forced dry-run" in stops
+    assert "`gpuwatchd resume --clear-latches` lifts it" in stops
+    report["daemon"] = {"signalled_last_hour": 62}
+    assert "kill cap: 62 processes signalled in the last hour plus 3" in _stops(
+        explain_report(report, POLICY), 4250
+    )
+    report["daemon"] = {"signalled_last_hour": 50}
+    assert "kill cap near: 50 processes" in _stops(explain_report(report, POLICY), 4250)
+    report["daemon"] = {"signalled_last_hour": 10}
+    assert "kill cap" not in _stops(explain_report(report, POLICY), 4250)
+
+
+def test_in_dry_run_the_kill_cap_is_never_listed() -> None:
+    policy = parse_policy_documents(
+        [("p.yaml", "dry_run: true\nlimits: {max_signalled_per_poll: 1}\nrules:\n" + RULE)]
+    )
+    report = report_at("dataloader-orphans", 25.0)
+    report["daemon"] = {"signalled_last_hour": 64}
+    assert "kill cap" not in _stops(explain_report(report, policy), 4250)
+
+
+def test_the_post_action_delay_is_listed_when_other_findings_share_the_gpu() -> None:
+    stops = _stops(explain_report(report_at("dataloader-orphans", 25.0), POLICY), 4250)
+    assert "post_action_delay: its first step waits until 15s after the last action" in stops
+    assert "2 other finding(s) here would be signalled" in stops
+
+
+def test_text_times_are_human() -> None:
+    report = report_at("xid-leaked-context", 400.0)
+    findings: list[dict[str, object]] = report["findings"]  # type: ignore[assignment]
+    for finding in findings:
+        if finding["kind"] == "ghost_memory":
+            finding["first_seen"] = float(report["time"]) - 6.595  # type: ignore[arg-type]
+    result = explain_report(report, POLICY)
+    items: list[dict[str, Any]] = result["findings"]  # type: ignore[assignment]
+    item = next(i for i in items if i["kind"] == "ghost_memory")
+    assert item["next"]["in"] == pytest.approx(593.405)  # JSON keeps seconds
+    assert item["then"] == ["cooldown 1h; at most 1 per 1d"]
+    result["snapshot"] = "snap.json"
+    text = render_explanation(result)
+    assert "next: GPU reset in 9m53s (from first_seen)" in text
+    assert "593.405" not in text
+
+
+def test_each_wait_is_the_one_before_the_next_step() -> None:
+    rule = (
+        "  - {name: orphans, kind: orphaned, for: 10m, steps: [{signal: SIGTERM, wait: 90s}, "
+        "{signal: SIGINT, wait: 2m}, {signal: SIGKILL, wait: 1h}]}\n"
+    )
+    policy = parse_policy_documents([("p.yaml", "dry_run: false\nrules:\n" + rule)])
+    result = explain_report(report_at("dataloader-orphans", 25.0), policy)
+    assert orphan(result, 4250)["then"] == [
+        "wait 1m30s, then SIGINT",
+        "wait 2m, then SIGKILL",
+        "wait 1h, then the ladder ends",
+    ]
+    result["snapshot"] = "snap.json"
+    assert "next: SIGTERM in 10m (from now" in render_explanation(result)
+
+
+def test_the_json_keeps_its_keys() -> None:
+    report = report_at("dataloader-orphans", 25.0)
+    report["daemon"] = {"paused": True}
+    result = explain_report(report, POLICY)
+    assert set(result) == {"time", "policy", "dry_run", "findings"}
+    assert set(orphan(result, 4250)) == {
+        "key", "kind", "gpu", "pid", "reason", "first_seen", "rule", "no_rule_because",
+        "next", "then", "stopped_by",
+    }  # fmt: skip
+    nxt = orphan(result, 4250)["next"]
+    assert isinstance(nxt, dict)
+    assert set(nxt) == {"action", "at", "in", "basis"}

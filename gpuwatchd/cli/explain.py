@@ -15,8 +15,9 @@ import json
 import math
 from collections.abc import Mapping
 
+from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.decide.plan import reset_gates
-from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
@@ -261,13 +262,86 @@ def _no_rule(finding: Finding, proc: ProcessInfo | None, policy: Policy) -> list
     return reasons
 
 
+KILL_CAP_NEAR = 0.8  # the kill-cap line appears from this share of a cap on
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonView:
+    """What a report says about the daemon's state, when ``scan`` could read it (the report's
+    optional ``daemon`` object). None: the report does not say."""
+
+    paused: bool | None = None
+    paused_reason: str | None = None
+    forced_dry_run: bool | None = None
+    forced_reason: str | None = None
+    signalled_last_hour: int | None = None
+
+
+def daemon_view(report: Mapping[str, object]) -> DaemonView:
+    """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
+    raw = report.get("daemon")
+    if not isinstance(raw, dict):
+        return DaemonView()
+
+    def flag(key: str) -> bool | None:
+        value = raw.get(key)
+        return value if isinstance(value, bool) else None
+
+    count = as_int(raw.get("signalled_last_hour"))
+    return DaemonView(
+        paused=flag("paused"),
+        paused_reason=_opt_str(raw, "paused_reason"),
+        forced_dry_run=flag("forced_dry_run"),
+        forced_reason=_opt_str(raw, "forced_reason"),
+        signalled_last_hour=count if count is not None and count >= 0 else None,
+    )
+
+
+def kill_cap_note(would_signal: int, daemon: DaemonView, limits: Limits) -> str | None:
+    """The kill-cap line, only when a cap is reached or near; None when it is not, or unknown.
+
+    ``would_signal`` is how many findings of the report a rule would signal. The per-poll cap is
+    judged from them alone; the hourly one needs the daemon's count of the last hour.
+    """
+    hint = "`gpuwatchd resume --clear-latches` lifts it"
+    if daemon.forced_dry_run:
+        why = f" ({daemon.forced_reason})" if daemon.forced_reason else ""
+        return f"kill cap: reached{why}; the daemon forced dry-run, nothing is sent; {hint}"
+    per_poll, per_hour = limits.max_signalled_per_poll, limits.max_signalled_per_hour
+    hour = daemon.signalled_last_hour
+    total = None if hour is None else hour + would_signal
+    if would_signal > per_poll:
+        return (
+            f"kill cap: {would_signal} findings here would be signalled; more than "
+            f"max_signalled_per_poll ({per_poll}) in one poll forces dry-run"
+        )
+    if total is not None and total > per_hour:
+        return (
+            f"kill cap: {hour} processes signalled in the last hour plus {would_signal} here "
+            f"is more than max_signalled_per_hour ({per_hour}): dry-run would be forced"
+        )
+    if would_signal >= KILL_CAP_NEAR * per_poll:
+        return (
+            f"kill cap near: {would_signal} findings here would be signalled; "
+            f"max_signalled_per_poll is {per_poll}"
+        )
+    if total is not None and total >= KILL_CAP_NEAR * per_hour:
+        return (
+            f"kill cap near: {hour} processes signalled in the last hour plus {would_signal} "
+            f"here; max_signalled_per_hour is {per_hour}"
+        )
+    return None
+
+
 def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, object]:
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
     now = snapshot.wall_time
     report_only = report.get("report_only") if isinstance(report.get("report_only"), dict) else {}
     assert isinstance(report_only, dict)  # noqa: S101
+    daemon = daemon_view(report)
     items: list[dict[str, object]] = []
+    signalled: list[tuple[dict[str, object], Finding]] = []  # what a rule would signal
     for finding in findings:
         since = first_seen.get(finding.key)
         proc = None if finding.pid is None else snapshot.processes.get(finding.pid)
@@ -299,6 +373,9 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                 now=now,
                 since=since,
             )
+            latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
+            if latch is not None and policy.reset.enabled and not policy.dry_run:
+                stops.append(latch)  # the latch makes every intent a dry run, resets too
         elif finding.kind in (FindingKind.ZOMBIE, FindingKind.DEAD_PROCESS):
             stops.append(
                 "never signalled: a zombie's parent must reap it"
@@ -318,29 +395,54 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                     else "report"
                 )
                 item["next"] = {"action": action, **_when(now, since, rule.for_)}
+                # Each step's wait comes before the step after it; the last one's, before the end.
                 item["then"] = [
-                    f"wait {first.wait:g}s, then {s.signal or 'report'}" for s in rest
-                ] + [f"wait {rule.steps[-1].wait:g}s, then the ladder ends"]
+                    f"wait {duration(before.wait)}, then {step.signal or 'report'}"
+                    for before, step in zip(rule.steps[:-1], rest, strict=True)
+                ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
             why = refusal(proc, finding, snapshot, policy, frozenset())
             if why is not None:
                 stops.append(why)
+            elif rule is not None and rule.steps[0].signal is not None and finding.actionable:
+                signalled.append((item, finding))
             if policy.dry_run:
                 stops.append("dry_run: true — the step is logged, nothing is sent")
-            limits = policy.limits
-            stops.append(
-                f"limits: at most {limits.max_signalled_per_poll} processes per poll and "
-                f"{limits.max_signalled_per_hour} per hour, then dry-run is forced; "
-                f"{limits.post_action_delay:g}s post-action delay per GPU"
-            )
-        stops.append("pause: `gpuwatchd pause` holds every action")
+        if daemon.paused:
+            reason = f" ({daemon.paused_reason})" if daemon.paused_reason else ""
+            stops.append(f"pause: the daemon is paused{reason}; `gpuwatchd resume` lifts it")
         item["stopped_by"] = stops
         items.append(item)
+    _note_limits(signalled, daemon, policy)
     return {
         "time": now,
         "policy": list(policy.sources) or ["built-in defaults"],
         "dry_run": policy.dry_run,
         "findings": items,
     }
+
+
+def _note_limits(
+    signalled: list[tuple[dict[str, object], Finding]], daemon: DaemonView, policy: Policy
+) -> None:
+    """Add the kill-cap line (when near or reached) and the post-action delay (when another
+    finding on the same GPU would be signalled too) to the findings a rule would signal. In
+    dry-run the caps count nothing (nothing is sent); the delay still spaces the logged steps."""
+    note = None if policy.dry_run else kill_cap_note(len(signalled), daemon, policy.limits)
+    per_gpu: dict[str | None, int] = {}
+    for _, finding in signalled:
+        per_gpu[finding.gpu] = per_gpu.get(finding.gpu, 0) + 1
+    delay = policy.limits.post_action_delay
+    for item, finding in signalled:
+        stops = item["stopped_by"]
+        assert isinstance(stops, list)  # noqa: S101 - built above
+        if note is not None:
+            stops.append(note)
+        others = per_gpu[finding.gpu] - 1
+        if finding.gpu is not None and others > 0 and delay > 0:
+            stops.append(
+                f"post_action_delay: its first step waits until {duration(delay)} after the "
+                f"last action on this GPU ({others} other finding(s) here would be signalled)"
+            )
 
 
 def _explain_reset(
@@ -361,7 +463,8 @@ def _explain_reset(
     item["rule"] = "reset"
     item["next"] = {"action": "GPU reset", **_when(now, since, reset.confirm_for)}
     item["then"] = [
-        f"cooldown {reset.cooldown:g}s; at most {reset.max_resets} per {reset.window:g}s"
+        f"cooldown {duration(reset.cooldown)}; "
+        f"at most {reset.max_resets} per {duration(reset.window)}"
     ]
     # plan's own gates (the ones a snapshot can answer); report-only is said above.
     gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
@@ -386,9 +489,9 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
 
 
 def _fmt_in(seconds: object) -> str:
-    if not isinstance(seconds, (int, float)) or seconds <= 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
         return "now"
-    return f"in {seconds:g}s"
+    return until(seconds)
 
 
 def render_explanation(result: Mapping[str, object]) -> str:

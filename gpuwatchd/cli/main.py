@@ -8,6 +8,7 @@ core the daemon uses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,11 +28,13 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # --config is accepted before and after the command. The command's copy must not reset a
+    # value given before it (argparse would, with default=None), hence SUPPRESS there.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config",
         metavar="FILE",
-        default=None,
+        default=argparse.SUPPRESS,
         help=f"policy file (default {DEFAULT_CONFIG_PATH}; drop-ins from conf.d/ beside it)",
     )
     parser = argparse.ArgumentParser(
@@ -91,12 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also clear the kill-cap dry-run latch and the reset circuit breaker",
     )
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not hasattr(args, "config"):  # given neither before nor after the command
+        args.config = None
     try:
         return _dispatch(args)
     except CliError as exc:
@@ -104,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `gpuwatchd scan --json | head`: the reader left; not an error worth a traceback.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -120,6 +136,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _simulate(args)
     if command == "explain":
         return _explain(args)
+    if command == "status":
+        return _status(args)
     raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
 
 
@@ -231,6 +249,13 @@ def _explain(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_explanation(explanation))
     return ExitCode.OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.status import status_command
+
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    return status_command(policy, as_json=bool(args.json), out=sys.stdout)
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

@@ -103,7 +103,11 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         assessment.roles,
         assessment.report_only,
         assessment.state.baselines,
-        first_seen=_first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time),
+        first_seen=(
+            _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
+            if saved.get("boot_id") == snapshot.boot_id  # monotonic times of an older boot lie
+            else {}
+        ),
         now_wall=snapshot.wall_time,
         version=__version__,
         hostname=socket.gethostname(),

@@ -1,0 +1,59 @@
+"""Durations and relative times as people read them: ``9m53s``, ``in 25s``, ``3m ago``, ``now``.
+
+Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["ago", "duration", "until"]
+
+
+def duration(seconds: object) -> str:
+    """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.
+
+    Under a minute it keeps a tenth of a second; above, whole seconds, then minutes past an
+    hour and hours past a day (at most two units). ``?`` for anything that is not a finite,
+    non-negative number.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "?"
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    if seconds < 60:
+        return f"{round(seconds, 1):g}s"
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h" if hours else f"{days}d"
+    if hours:
+        return f"{hours}h{minutes:02d}m" if minutes else f"{hours}h"
+    return f"{minutes}m{secs:02d}s" if secs else f"{minutes}m"
+
+
+def until(seconds: object) -> str:
+    """How long until something: ``in 9m53s``; ``now`` when it is due (under a second left)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "?"
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 1:
+        return "now"
+    return f"in {duration(float(int(seconds)))}"
+
+
+def ago(seconds: object) -> str:
+    """How long since something: ``3m12s ago``; ``just now`` under a second. A negative age (a
+    wall clock stepped back since) is shown as ``in the future`` rather than hidden."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "?"
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < -1:
+        return f"{duration(float(int(-seconds)))} in the future (clock stepped?)"
+    if seconds < 1:
+        return "just now"
+    return f"{duration(float(int(seconds)))} ago"

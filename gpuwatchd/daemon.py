@@ -41,6 +41,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine, EngineState
 from gpuwatchd.host import HostActuator, HostReader, LogSink, SystemClock
 from gpuwatchd.logs import configure_logging
+from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore, check_state_dir
@@ -108,6 +109,7 @@ class Daemon:
             wall_clock=wall_clock,
         )
         self.signaller = Signaller(policy.proc_root)
+        self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
         self.engine = Engine(
@@ -129,6 +131,7 @@ class Daemon:
         self._saved_poll_bucket = -1
         self.started_wall = wall_clock()
         self.last_poll_wall: float | None = None
+        self.last_poll_monotonic: float | None = None
         self.recent_actions: collections.deque[dict[str, object]] = collections.deque(
             maxlen=RECENT_ACTIONS
         )
@@ -260,6 +263,7 @@ class Daemon:
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
             self.collector.detection = self.policy.detection
+            self.metrics.set_textfile(self.policy.metrics.textfile)
             log.info(
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )
@@ -272,11 +276,22 @@ class Daemon:
         self.engine.set_paused(read_pause(self.policy.state_dir))
         if take_clear_latches(self.policy.state_dir):
             self.engine.clear_latches()
+        started = self.clock()
         result = self.engine.poll()
         self.last_poll_wall = self.wall_clock()
+        self.last_poll_monotonic = self.clock()
         self.save_state()  # at most once a minute on a quiet node (see save_state)
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
         if snapshot is not None and assessment is not None:
+            self.metrics.after_poll(
+                snapshot,
+                assessment,
+                self.engine.state.plan,
+                dry_run=self.policy.dry_run,
+                poll_seconds=self.last_poll_monotonic - started,
+                now_wall=self.last_poll_wall,
+                policy_rejected=self.policy_rejected is not None,
+            )
             self._notify_status(snapshot, assessment)
         return result
 
@@ -421,6 +436,7 @@ class Daemon:
             "pid": os.getpid(),
             "started": self.started_wall,
             "last_poll": self.last_poll_wall,
+            "monotonic": self.last_poll_monotonic,  # the same instant on the plan's clock
             "interval": self.policy.interval,
             "dry_run": self.policy.dry_run,
             "mode": "dry-run" if self.policy.dry_run else "enforcing",
@@ -446,6 +462,7 @@ class _DaemonSink:
 
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
         self.log.emit(name, level, fields)
+        self.daemon.metrics.observe(name, level, fields)
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
             code = fields.get("returncode")

@@ -115,6 +115,7 @@ class EventName(_Name):
     STATE_NEW_BOOT = "state.new_boot"
     STATE_SAVE_FAILED = "state.save_failed"
     STATE_DIR_UNUSABLE = "state.dir_unusable"
+    METRICS_WRITE_FAILED = "metrics.write_failed"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"

@@ -389,24 +389,43 @@ def test_status_shows_the_status_line(configured: Container) -> None:
     assert re.search(r'Status: "2 GPUs watched', out), out
 
 
-def test_reload_with_broken_policy_keeps_the_old_one(configured: Container) -> None:
+def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
+    configured: Container,
+) -> None:
     ct = configured
     pid = ct.prop("MainPID")
     ct.write("/etc/gpuwatchd/conf.d/90-broken.yaml", "interval: sometimes\n")
     try:
-        ct.run(["systemctl", "reload", UNIT])
+        # ExecReload runs check-config first: systemctl reload itself fails, naming the file.
+        failed = ct.run(["systemctl", "reload", UNIT], check=False)
+        assert failed.returncode != 0
+        assert ct.prop("ActiveState") == "active"
+        assert ct.prop("MainPID") == pid
+        assert any("90-broken.yaml" in m for m in ct.messages())
+        # A SIGHUP sent by hand bypasses the check: the daemon rejects the policy itself, logs
+        # it at error, and says so in STATUS until a good policy loads.
+        ct.run(["kill", "-HUP", pid])
         wait_for(
             "config.reload_rejected in the journal",
-            lambda: any("config.reload_rejected" in m for m in ct.messages()),
+            lambda: any(e.get("GPUWATCHD_EVENT") == "config.reload_rejected"
+                        for e in ct.journal()),
             timeout=15,
+        )  # fmt: skip
+        wait_for(
+            "STATUS says the policy was rejected",
+            lambda: "policy rejected" in ct.prop("StatusText"),
+            timeout=30,
         )
     finally:
         (ct.root / "etc/gpuwatchd/conf.d/90-broken.yaml").unlink()
-    assert ct.prop("ActiveState") == "active"
-    assert ct.prop("MainPID") == pid
-    rejected = [e for e in ct.journal() if "config.reload_rejected" in str(e.get("MESSAGE"))]
+    rejected = [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.reload_rejected"]
     assert rejected[-1]["PRIORITY"] == "3"
     ct.run(["systemctl", "reload", UNIT])  # the good policy reloads fine
+    wait_for(
+        "STATUS no longer says rejected",
+        lambda: "policy rejected" not in ct.prop("StatusText"),
+        timeout=30,
+    )
     time.sleep(1.5)
     assert ct.prop("ActiveState") == "active"
     assert ct.prop("MainPID") == pid
@@ -491,10 +510,13 @@ def test_hook_gets_cap_sys_admin_like_nvidia_smi(enforcing: Container) -> None:
             assert int(json.loads(line)["CapEff"], 16) & (1 << CAP_SYS_ADMIN), line
 
 
-def test_journal_priorities_follow_the_level_prefix(enforcing: Container) -> None:
-    entries = [e for e in enforcing.journal() if e.get("_TRANSPORT") == "stdout"]
+def test_journal_priorities_follow_the_event_levels(enforcing: Container) -> None:
+    """Events arrive as native journal entries (their own PRIORITY and fields); nothing is a
+    raw line with a visible <N> prefix."""
+    entries = [e for e in enforcing.journal() if e.get("GPUWATCHD_EVENT")]
     assert entries
-    assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in entries)
+    assert {e.get("_TRANSPORT") for e in entries} == {"journal"}
+    assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in enforcing.journal())
     assert {"4", "6"} <= {e["PRIORITY"] for e in entries}
 
 
@@ -514,3 +536,57 @@ def test_purge_removes_the_unit_and_state(ct: Container) -> None:
     assert not (ct.root / "etc/systemd/system/multi-user.target.wants" / UNIT).exists()
     load = ct.run(["systemctl", "show", "-p", "LoadState", "--value", UNIT]).stdout.strip()
     assert load == "not-found"
+
+
+# -- native journal fields -------------------------------------------------------------------
+def _documented_message_id(event: str) -> str:
+    """The MESSAGE_ID docs/events.md lists for ``event``."""
+    text = (REPO / "docs" / "events.md").read_text()
+    found = re.search(rf"^\| `{re.escape(event)}` \| `([0-9a-f]{{32}})` \|$", text, re.M)
+    assert found, f"docs/events.md lists no MESSAGE_ID for {event}"
+    return found.group(1)
+
+
+def test_actions_are_native_journal_entries_with_their_fields(enforcing: Container) -> None:
+    """After the orphan kill above (or one made here when run alone), the action is a native
+    entry: its own fields, the documented MESSAGE_ID, PRIORITY 4, a sentence first."""
+    ct = enforcing
+
+    def delivered() -> list[dict[str, Any]]:
+        query = ["GPUWATCHD_EVENT=action.signal", "OUTCOME=delivered"]
+        return [e for e in ct.journal(*query) if e.get("GPUWATCHD_EVENT") == "action.signal"]
+
+    if not delivered():  # run on its own: make the daemon act once
+        pidfile = f"{CI_DIR}/orphan-journal.pids"
+        maker = [f"{CI_DIR}/orphan-maker", f"{CI_DIR}/dev", "0", pidfile]
+        ct.run(["systemd-run", "--scope", "--quiet", "--unit=gpuwatchd-it-journal", *maker])
+        parent, _child = (int(x) for x in (ct.ci / "orphan-journal.pids").read_text().split())
+        ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": parent, "used_memory": GiB}]), gpu(1)])
+        try:
+            wait_for("an action.signal entry", lambda: bool(delivered()), timeout=45)
+        finally:
+            ct.nvml(idle_gpus())
+
+    entries = delivered()
+    assert entries, "no delivered action.signal entry in the journal"
+    documented = _documented_message_id("action.signal")
+    for e in entries:
+        assert e["_TRANSPORT"] == "journal", e  # the native protocol, not the stderr stream
+        assert e["SYSLOG_IDENTIFIER"] == "gpuwatchd"
+        assert e["MESSAGE_ID"] == documented
+        assert e["PRIORITY"] == "4"
+        assert re.fullmatch(r"[1-9][0-9]*", e["TARGET_PID"]), e
+        assert e["SIGNAL"] in ("SIGTERM", "SIGKILL")
+        assert e["DRY_RUN"] == "false"
+        assert e["RULE"] == "orphans"
+        assert e["GPU_UUID"].startswith("GPU-")
+        said = (
+            rf"Sent {e['SIGNAL']} to PID {e['TARGET_PID']}(?: \([^)]*\))?"
+            rf" on {re.escape(e['GPU_UUID'])} \(rule orphans, step [12]\)\. "
+        )
+        assert re.match(said, e["MESSAGE"]), e["MESSAGE"]
+        assert " event=action.signal " in e["MESSAGE"]  # then the fields as logfmt
+        assert f" pid={e['TARGET_PID']} " in e["MESSAGE"]
+    # The id alone finds them too, without naming the unit.
+    by_id = ct.run(["journalctl", f"MESSAGE_ID={documented}", "-o", "json", "--no-pager"]).stdout
+    assert len([line for line in by_id.splitlines() if line.strip()]) >= len(entries)

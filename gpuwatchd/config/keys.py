@@ -44,6 +44,7 @@ from gpuwatchd.decide.policy import (
     Detection,
     Hook,
     Limits,
+    MetricsPolicy,
     Policy,
     Protect,
     ResetPolicy,
@@ -233,6 +234,21 @@ def _read_abs_path(node: Node) -> str:
     if not value.startswith("/"):
         raise node.error(f"expected an absolute path, got {shown(value)}")
     return value
+
+
+def _read_textfile(node: Node) -> str | None:
+    """``metrics.textfile``: null or "" (no metrics file), else an absolute path to a ``.prom``
+    file (node_exporter's textfile collector reads only those)."""
+    if isinstance(node, Scalar) and (node.value is None or node.value == ""):
+        return None
+    path = _read_abs_path(node)
+    name = path.rsplit("/", 1)[-1]
+    if not name.endswith(".prom") or name == ".prom":
+        raise node.error(
+            f"expected a file name ending in .prom (node_exporter's textfile collector reads "
+            f"only those), got {shown(path)}"
+        )
+    return path
 
 
 def one_of(choices: Sequence[str]) -> Value:
@@ -459,6 +475,7 @@ SECTIONS: dict[str, Section] = {
                 "limits": Nested("limits"),
                 "detection": Nested("detection"),
                 "on_failure": HOOKS,
+                "metrics": Nested("metrics"),
             },
             flattened=(_LOG_FORMAT,),
             skip=("sources",),  # where the policy was read from, not a setting
@@ -537,6 +554,7 @@ SECTIONS: dict[str, Section] = {
                 "post_action_delay": duration(0, "1h"),
             },
         ),
+        section_of("metrics", MetricsPolicy, {"textfile": Value(_read_textfile, _same)}),
         section_of(
             "detection",
             Detection,

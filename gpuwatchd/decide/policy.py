@@ -159,6 +159,13 @@ class Detection:
 
 
 @dataclass(frozen=True)
+class MetricsPolicy:
+    """Prometheus metrics through node_exporter's textfile collector (docs/metrics.md)."""
+
+    textfile: str | None = None  # the .prom file rewritten each poll; None: no metrics file
+
+
+@dataclass(frozen=True)
 class Policy:
     """The whole effective policy, defaults included."""
 
@@ -177,6 +184,7 @@ class Policy:
     reset: ResetPolicy = field(default_factory=ResetPolicy)
     limits: Limits = field(default_factory=Limits)
     on_failure: tuple[Hook, ...] = ()
+    metrics: MetricsPolicy = field(default_factory=MetricsPolicy)
     log_format: str = "logfmt"  # "logfmt", "json" or "console"
     sources: tuple[str, ...] = ()  # files this policy was read from, in merge order
 

@@ -1,0 +1,394 @@
+"""Prometheus metrics, written to a file for node_exporter's textfile collector.
+
+This module owns the metrics gpuwatchd exposes — their names, types, labels and meaning
+(``docs/metrics.md``) — and writing them. Counters are fed by the engine's events
+(:meth:`Metrics.observe`, called for every event); gauges are set from each poll's snapshot,
+assessment and plan state (:meth:`Metrics.after_poll`), which then rewrites the
+``metrics.textfile`` file atomically (a temporary file in the same directory, then a rename).
+The unit has no network (``PrivateNetwork=yes``), so there is no HTTP endpoint: node_exporter
+reads the file.
+
+It decides nothing. Unknown stays unknown: a value that could not be read has no sample, never
+a 0. Label values are bounded (UUIDs and indices of the node's GPUs, names from
+:mod:`gpuwatchd.vocabulary`; never a PID). A failed write never raises: it is logged once per
+distinct error (``metrics.write_failed``) and the next poll tries again. The registry is
+private, never prometheus_client's global one, so nothing else can add to the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections import Counter as Tally
+from collections.abc import Mapping
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, generate_latest
+
+from gpuwatchd import __version__
+from gpuwatchd.config.keys import SIGNAL_NAMES
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
+from gpuwatchd.vocabulary import EventName, LadderStatus, ResetResult, SignalOutcome
+
+__all__ = ["TEXTFILE_MODE", "Metrics", "write_textfile"]
+
+log = structlog.get_logger("gpuwatchd")
+
+# node_exporter runs as its own user (Debian: prometheus); the unit's UMask=0077 would make
+# the file unreadable to it, so the mode is set explicitly. The file holds no secret.
+TEXTFILE_MODE = 0o644
+OTHER = "other"  # the label value of anything outside a bounded set (a bug, or a new name)
+GPU_LABELS = ("gpu", "index")
+_HOOK_NAME = re.compile(r"[a-z_]{1,32}")
+
+_SIGNALS = frozenset(SIGNAL_NAMES)
+_SIGNAL_OUTCOMES = frozenset(o.value for o in SignalOutcome)
+_RESET_RESULTS = frozenset(r.value for r in ResetResult)
+_KINDS = frozenset(k.value for k in FindingKind)
+
+
+def _label(value: object, allowed: frozenset[str]) -> str:
+    """``value`` as a label value if it is one of ``allowed``, else ``other``."""
+    text = str(value)
+    return text if text in allowed else OTHER
+
+
+def _flag(value: bool) -> int:
+    return 1 if value else 0
+
+
+def write_textfile(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: a fresh temporary file in the same directory
+    (never a planted one; its name does not end in ``.prom``, so node_exporter skips it), mode
+    :data:`TEXTFILE_MODE`, renamed over ``path`` (a link there is replaced, not followed).
+
+    No fsync: the file is rewritten every poll, and a reader sees the old file or the new one,
+    never half of one. Raises OSError; the temporary file is removed then.
+    """
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    try:
+        os.fchmod(fd, TEXTFILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _GpuGauges:
+    """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, GPU_LABELS, registry=registry)
+
+        self.allocated = gauge(
+            "gpuwatchd_gpu_memory_allocated_bytes",
+            "GPU memory allocated (total - free - reserved), as NVML reports it",
+        )
+        self.accounted = gauge(
+            "gpuwatchd_gpu_memory_accounted_bytes",
+            "GPU memory NVML attributes to the live processes it lists on the GPU",
+        )
+        self.unaccounted = gauge(
+            "gpuwatchd_gpu_memory_unaccounted_bytes",
+            "Allocated GPU memory that no live listed process accounts for (includes the "
+            "idle baseline)",
+        )
+        self.ghost = gauge(
+            "gpuwatchd_gpu_memory_ghost_bytes",
+            "GPU memory of a current ghost_memory finding (held by no live process), else 0",
+        )
+        self.lost = gauge("gpuwatchd_gpu_lost", "1 when NVML reports the GPU lost")
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.allocated, self.accounted, self.unaccounted, self.ghost, self.lost):
+            gauge.clear()  # a GPU that is gone, or a value now unknown, loses its sample
+        host = HostView(snapshot)
+        ghosts = {
+            f.gpu: f.memory for f in assessment.findings if f.kind is FindingKind.GHOST_MEMORY
+        }
+        for gpu in host.gpus:
+            labels = (gpu.uuid, str(gpu.index))
+            self.lost.labels(*labels).set(_flag(gpu.lost))
+            if gpu.lost:
+                continue  # its memory figures are whatever was read before it was lost
+            allocated = gpu.memory.allocated if gpu.memory is not None else None
+            if allocated is not None:
+                self.allocated.labels(*labels).set(allocated)
+            if not _memory_checked(gpu):
+                continue
+            accounted = _accounted(host, gpu)
+            if accounted is not None:
+                self.accounted.labels(*labels).set(accounted)
+            if accounted is not None and allocated is not None:
+                self.unaccounted.labels(*labels).set(max(allocated - accounted, 0))
+            # No ghost finding is a known 0 only where allocated memory was read.
+            ghost = ghosts.get(gpu.uuid, 0 if allocated is not None else None)
+            if ghost is not None:
+                self.ghost.labels(*labels).set(ghost)
+
+
+def _memory_checked(gpu: GpuInfo) -> bool:
+    """Whether memory-based detection runs on ``gpu`` (as in assess: not with MIG, not on
+    coherent-memory systems), so that its accounted, unaccounted and ghost figures mean
+    something."""
+    return not gpu.mig_enabled and not gpu.coherent_memory
+
+
+def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
+    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
+    listed zombie counts as live, as in assess); None when the list
+    or any of those figures is unknown."""
+    if gpu.processes is None:
+        return None
+    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
+    if any(figure is None for figure in figures):
+        return None
+    return sum(figure for figure in figures if figure is not None)
+
+
+class _StateGauges:
+    """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.findings = Gauge(
+            "gpuwatchd_findings", "Current findings, by kind", ["kind"], registry=registry
+        )
+        self.ladders = Gauge(
+            "gpuwatchd_ladders",
+            "Escalation ladders by status (active: in progress; stuck: target in D state)",
+            ["status"],
+            registry=registry,
+        )
+        flags = {
+            "dry_run": "1 when the policy (or run --dry-run) is dry-run",
+            "paused": "1 while gpuwatchd pause holds every action",
+            "kill_cap_latched": "1 while the kill cap has forced dry-run (until resume "
+            "--clear-latches)",
+            "reset_circuit_open": "1 while the reset circuit breaker is open (no resets)",
+            "nvml_wedged": "1 when an NVML call missed its deadline this poll",
+            "nvml_unavailable": "1 when NVML could not be used this poll",
+            "policy_rejected": "1 when the last reload was rejected (the old policy stays)",
+        }
+        self.flags = {
+            name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
+        }
+
+    def update(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        state: PlanState,
+        *,
+        dry_run: bool,
+        policy_rejected: bool,
+    ) -> None:
+        kinds = Tally(f.kind.value for f in assessment.findings)
+        for kind in FindingKind:
+            self.findings.labels(kind.value).set(kinds[kind.value])
+        statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
+        for status in LadderStatus:
+            self.ladders.labels(status.value).set(statuses[status.value])
+        values = {
+            "dry_run": dry_run,
+            "policy_rejected": policy_rejected,
+            "paused": state.paused,
+            "kill_cap_latched": state.forced_dry_run,
+            "reset_circuit_open": state.circuit_open,
+            "nvml_wedged": snapshot.nvml.wedged,
+            "nvml_unavailable": not snapshot.nvml.available,
+        }
+        for name, gauge in self.flags.items():
+            gauge.set(_flag(values[name]))
+
+
+class _PollGauges:
+    """How the last poll went: duration, time, whether it scanned all of /proc."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Summary(
+            "gpuwatchd_poll_duration_seconds",
+            "Time one engine cycle took (collect, assess, plan, act)",
+            registry=registry,
+        )
+        self.last_duration = Gauge(
+            "gpuwatchd_last_poll_duration_seconds",
+            "Time the last engine cycle took",
+            registry=registry,
+        )
+        self.last_success = Gauge(
+            "gpuwatchd_last_successful_poll_timestamp_seconds",
+            "Unix time the last engine cycle completed",
+            registry=registry,
+        )
+        self.last_full = Gauge(
+            "gpuwatchd_last_poll_full_scan",
+            "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
+            registry=registry,
+        )
+        self.full_scans = Counter(
+            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders", registry=registry
+        )
+
+    def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
+        full = snapshot.holders.mode == "full"
+        self.duration.observe(seconds)
+        self.last_duration.set(seconds)
+        self.last_success.set(wall)
+        self.last_full.set(_flag(full))
+        if full:
+            self.full_scans.inc()
+
+
+class _EventCounters:
+    """Counters fed by the engine's events."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.signals = Counter(
+            "gpuwatchd_signals",
+            "Signals carried out (dry_run: would have been sent), by signal and outcome",
+            ["signal", "outcome"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            "gpuwatchd_resets", "GPU reset procedures, by result", ["result"], registry=registry
+        )
+        self.hooks = Counter(
+            "gpuwatchd_hooks",
+            "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
+            ["hook", "result"],
+            registry=registry,
+        )
+        self.findings_new = Counter(
+            "gpuwatchd_findings_new",
+            "Findings that appeared, by kind",
+            ["kind"],
+            registry=registry,
+        )
+        for result in ResetResult:  # known from the start, so increase() sees the first one
+            self.resets.labels(result.value)
+        for kind in FindingKind:
+            self.findings_new.labels(kind.value)
+
+    def observe(self, name: str, fields: Mapping[str, object]) -> None:
+        if name == EventName.ACTION_SIGNAL:
+            signal = _label(fields.get("signal"), _SIGNALS)
+            self.signals.labels(signal, _label(fields.get("outcome"), _SIGNAL_OUTCOMES)).inc()
+        elif name == EventName.RESET_OUTCOME:  # also said for a resumed reset it books
+            self.resets.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
+        elif name == EventName.HOOK_RUN:
+            self.hooks.labels(_hook_name(fields.get("hook")), _hook_result(fields)).inc()
+        elif name == EventName.FINDING_NEW:
+            self.findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
+
+
+def _hook_name(value: object) -> str:
+    text = str(value)
+    return text if _HOOK_NAME.fullmatch(text) else OTHER
+
+
+def _hook_result(fields: Mapping[str, object]) -> str:
+    if fields.get("dry_run") is True:
+        return "dry_run"
+    ok = fields.get("returncode") == 0 and fields.get("timed_out") is not True
+    return "ok" if ok else "failed"
+
+
+class Metrics:
+    """gpuwatchd's metrics in a private registry, and the file they are written to.
+
+    ``textfile`` is the ``.prom`` path (``policy.metrics.textfile``) or None: metrics are then
+    kept but not written. Change it with :meth:`set_textfile` (a reload).
+    """
+
+    def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
+        self.registry = CollectorRegistry()
+        self.textfile = textfile
+        Gauge(
+            "gpuwatchd_build_info",
+            "Always 1; the version label is gpuwatchd's",
+            ["version"],
+            registry=self.registry,
+        ).labels(version).set(1)
+        self._events = _EventCounters(self.registry)
+        self._gpus = _GpuGauges(self.registry)
+        self._state = _StateGauges(self.registry)
+        self._poll = _PollGauges(self.registry)
+        self._write_errors = Counter(
+            "gpuwatchd_textfile_write_errors",
+            "Failed writes of this file (seen once a later write succeeds)",
+            registry=self.registry,
+        )
+        self._written: str | None = None  # the path last written successfully
+        self._last_error: str | None = None  # the failure last logged, until a write succeeds
+
+    def observe(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+        """Count one engine event (``level`` is not used; the signature is the event sink's)."""
+        self._events.observe(name, fields)
+
+    def after_poll(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        plan_state: PlanState,
+        *,
+        dry_run: bool,
+        poll_seconds: float,
+        now_wall: float,
+        policy_rejected: bool,
+    ) -> str | None:
+        """Set the gauges from one completed poll, then write the file if one is configured.
+
+        Returns why the write failed (also logged), or None. Never raises for a write.
+        """
+        self._gpus.update(snapshot, assessment)
+        self._state.update(
+            snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
+        )
+        self._poll.update(snapshot, poll_seconds, now_wall)
+        return self.write()
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text exposition format."""
+        return generate_latest(self.registry)
+
+    def write(self) -> str | None:
+        """Write the file (if configured); why it failed, or None."""
+        path = self.textfile
+        if path is None:
+            return None
+        try:
+            write_textfile(path, self.render())
+        except OSError as err:
+            self._write_errors.inc()
+            return self._failed(path, err)
+        self._written, self._last_error = path, None
+        return None
+
+    def set_textfile(self, path: str | None) -> None:
+        """Write to ``path`` from now on; the file written before, if another, is removed so
+        that node_exporter does not go on serving its stale samples."""
+        old = self._written
+        self.textfile = path
+        if old is not None and old != path:
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+            self._written = None
+
+    def _failed(self, path: str, err: OSError) -> str:
+        # Without the file name: it may be the random temporary one, and a failure that lasts
+        # is said once.
+        error = err.strerror or str(err)
+        if error != self._last_error:
+            log.error(EventName.METRICS_WRITE_FAILED, path=path, error=error)
+            self._last_error = error
+        return error

@@ -228,6 +228,7 @@ nvml_timeout: 10s
 
 # namespace_check: false — inside the container the daemon is not in the host's PID
 # namespace, and would rightly stay report-only; here NVML (the fake) lists container PIDs.
+METRICS_FILE = "/var/lib/prometheus/node-exporter/gpuwatchd.prom"  # Debian's textfile dir
 ENFORCING_POLICY = f"""\
 dry_run: false
 namespace_check: false
@@ -246,6 +247,8 @@ reset:
   drain: [[{CI_DIR}/hook-caps, drain, "{{uuid}}"]]
   before: [[{CI_DIR}/hook-caps, before, "{{uuid}}"]]
   after: [[{CI_DIR}/hook-caps, after, "{{uuid}}"]]
+metrics:
+  textfile: {METRICS_FILE}
 """
 
 
@@ -453,6 +456,7 @@ def test_watchdog_restarts_a_stopped_main_loop(configured: Container) -> None:
 @pytest.fixture(scope="module")
 def enforcing(configured: Container) -> Container:
     ct = configured
+    ct.run(["mkdir", "-p", os.path.dirname(METRICS_FILE)])
     ct.write("/etc/gpuwatchd/conf.d/60-enforcing.yaml", ENFORCING_POLICY)
     ct.run(["systemctl", "restart", UNIT])
     return ct
@@ -489,6 +493,50 @@ def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Con
     ]
     assert about_child, "no journal entry names the signal sent to the orphan"
     assert {e["PRIORITY"] for e in about_child} == {"4"}, about_child
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if not line.startswith(name + ("{" if labels else " ")):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_the_metrics_file_appears_and_counts_the_action(enforcing: Container) -> None:
+    """Runs after the orphan kill above: node_exporter's textfile shows the signal."""
+    path = enforcing.root / METRICS_FILE.lstrip("/")
+    wait_for("the metrics file", path.exists, timeout=30)
+    assert path.stat().st_mode & 0o777 == 0o644, "node_exporter must be able to read it"
+    wait_for(
+        "a delivered signal in the metrics",
+        lambda: (
+            (_metric(path.read_text(), "gpuwatchd_signals_total", outcome="delivered") or 0) >= 1
+        ),
+        timeout=30,
+    )
+    first = _metric(path.read_text(), "gpuwatchd_last_successful_poll_timestamp_seconds")
+    assert first is not None
+    wait_for(
+        "the metrics to change with the next poll",
+        lambda: (
+            _metric(path.read_text(), "gpuwatchd_last_successful_poll_timestamp_seconds") != first
+        ),
+        timeout=30,
+    )
+    assert _metric(path.read_text(), "gpuwatchd_dry_run") == 0
+
+
+def test_status_answers_while_the_daemon_runs(enforcing: Container) -> None:
+    ct = enforcing
+    text = ct.run(["gpuwatchd", "status"], check=False)
+    assert text.returncode in (0, 1), text.stdout + text.stderr  # running (1: needs attention)
+    assert "enforcing" in text.stdout
+    report = json.loads(ct.run(["gpuwatchd", "status", "--json"], check=False).stdout)
+    assert report["running"] is True
+    assert report["daemon"]["pid"] == int(ct.prop("MainPID"))
+    assert any(a["event"] == "action.signal" for a in report["recent_actions"])
 
 
 def test_hook_gets_cap_sys_admin_like_nvidia_smi(enforcing: Container) -> None:

@@ -269,7 +269,10 @@ def _why_not_running(
 ) -> str | None:
     if not present:
         return f"no state in {state_dir} (never started here, or another state_dir)"
-    if same_boot is False:
+    # A boot id that differs is not proof by itself: a sandboxed daemon (ProtectKernelTunables=
+    # under a container) may read another boot id than this command. A live gpuwatchd at the
+    # recorded PID with a fresh poll is; otherwise the earlier boot explains the rest.
+    if same_boot is False and (process != "gpuwatchd" or age is None or age > stale_after):
         return "the state was written in an earlier boot"
     if pid is None:
         return "the state names no daemon PID (no status section: not written by a daemon)"

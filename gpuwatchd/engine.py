@@ -317,7 +317,7 @@ class Engine:
             for hook in hooks:
                 self._emit(
                     EventName.HOOK_RUN,
-                    "info",
+                    "warning",  # a would-be action: reviewed with -p warning
                     hook=intent.hook,
                     argv=list(hook.argv),
                     dry_run=True,

@@ -144,7 +144,7 @@ SIGNAL_OUTCOME_LEVELS: Mapping[SignalOutcome, Level] = {
     SignalOutcome.GONE: Level.INFO,
     SignalOutcome.REUSED: Level.INFO,
     SignalOutcome.ZOMBIE: Level.INFO,
-    SignalOutcome.DRY_RUN: Level.INFO,
+    SignalOutcome.DRY_RUN: Level.WARNING,  # a would-be action: reviewed with -p warning
 }
 
 
@@ -160,7 +160,7 @@ class ResetResult(_Name):
 
 RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.WARNING,
-    ResetResult.DRY_RUN: Level.INFO,
+    ResetResult.DRY_RUN: Level.WARNING,  # a would-be reset: reviewed with -p warning
     ResetResult.REFUSED: Level.WARNING,
     ResetResult.FAILED: Level.ERROR,
     ResetResult.TIMEOUT: Level.ERROR,

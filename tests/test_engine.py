@@ -210,7 +210,10 @@ def test_dry_run_runs_no_hook_signal_or_reset_command_and_says_what_it_would_do(
     assert [o["result"] for o in r.sink.named("reset.outcome")] == ["dry_run"]
     assert {s["outcome"] for s in r.sink.named("action.signal")} == {"dry_run"}
     assert r.reader.stopped == 0, "a dry-run reset does not stop the NVML worker"
-    assert "hook.run" in {n for n, level, _ in r.sink.events if level == "info"}
+    # What an admin reviews with `journalctl -p warning`: each would-be action, once.
+    warned = {n for n, level, _ in r.sink.events if level == "warning"}
+    assert {"action.signal", "hook.run", "reset.outcome"} <= warned
+    assert not {"escalation.step_due", "reset.due", "reset.dry_run"} & warned
 
 
 def test_enforcing_runs_the_hooks_and_the_reset_through_the_slow_runner() -> None:
@@ -417,3 +420,19 @@ def test_a_gpu_that_is_lost_is_reported_once_as_needing_a_reboot_and_runs_on_fai
     lost[0] = True
     r.poll_at(20.0)
     assert len(r.sink.named("gpu.needs_reboot")) == 2
+
+
+def test_each_real_action_is_one_warning_line() -> None:
+    """A signal used to be said twice at warning (step due, action), a reset three times."""
+    pol = make_policy("reset: {confirm_for: 0s}")
+
+    def host(t: float) -> HostBuilder:
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        return b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True)
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    warned = [
+        n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
+    ]
+    assert sorted(warned) == ["action.signal", "reset.outcome"], warned

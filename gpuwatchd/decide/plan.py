@@ -550,7 +550,8 @@ def _emit_step(
     w.ladders[lad.target] = lad
     facts = {**_finding_fields(finding), **process_facts(proc)}
     fields = {**_ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
-    w.event(EventName.ESCALATION_STEP_DUE, "warning" if not lad.dry_run else "info", **fields)
+    # info: the action itself (action.signal) is the one warning line, real or would-be.
+    w.event(EventName.ESCALATION_STEP_DUE, "info", **fields)
     w.waiting[lad.finding_key] = ctx.now + wait
     if signal is None:
         return  # a report-only step: the wait still counts
@@ -849,7 +850,7 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
     w.state = replace(w.state, reset_in_flight=flight)
     w.quiet_until[gpu.uuid] = ctx.now + delay
-    w.event(EventName.RESET_DUE, "info" if dry else "warning", dry_run=dry, **facts)
+    w.event(EventName.RESET_DUE, "info", dry_run=dry, **facts)  # reset.outcome is the warning
     w.intents.append(
         ResetIntent(
             gpu=gpu.uuid,
@@ -961,13 +962,13 @@ def record_reset(
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
         w.state = replace(w.state, reset_failures=0)
-        w.event(EventName.RESET_SUCCEEDED, "warning", **fields)
+        w.event(EventName.RESET_SUCCEEDED, "info", **fields)  # booked; reset.outcome said it
     else:  # failed / timeout
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
         failures = w.state.reset_failures + 1
         w.state = replace(w.state, reset_failures=failures)
-        w.event(EventName.RESET_FAILED, "error", failures=failures, **fields)
+        w.event(EventName.RESET_FAILED, "info", failures=failures, **fields)  # as above
         w.intents.append(
             HookIntent(
                 "on_failure",

@@ -543,3 +543,15 @@ def test_a_command_runs_in_the_root_folder_not_the_callers(
     monkeypatch.chdir(tmp_path)
     result = run_command([sys.executable, "-c", "import os; print(os.getcwd())"], timeout=10)
     assert result.output.strip() == "/"
+
+
+def test_a_command_gets_no_python_settings_from_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/tmp/hostile")
+    monkeypatch.setenv("PYTHONSTARTUP", "/tmp/hostile/start.py")
+    code = "import os; print(sorted(k for k in os.environ if k.startswith('PYTHON')))"
+    result = run_command([sys.executable, "-c", code], timeout=10)
+    assert result.output.strip() == "[]"
+    given = run_command([sys.executable, "-c", code], timeout=10, env={"PYTHONPATH": "/x"})
+    assert given.output.strip() == "[]"

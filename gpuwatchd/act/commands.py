@@ -99,8 +99,8 @@ def run_command(
     """Run ``argv`` (no shell) in a new session and process group, under ``timeout`` seconds.
 
     ``env`` is the complete environment (None: inherit the daemon's), plus
-    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits. It runs in ``/``, with
-    stdin from /dev/null.
+    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits, less every ``PYTHON*``
+    variable. It runs in ``/``, with stdin from /dev/null.
     When the deadline passes the *whole process group* gets SIGKILL (a wrapper's children
     too), and so does every process that still carries the marker: a child that left the
     group with ``setsid`` or a double fork is ended with the command. The command is reaped
@@ -113,7 +113,12 @@ def run_command(
     if not args:
         return CommandResult(args, None, "", False, 0.0, "empty command")
     marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
-    child_env = dict(os.environ if env is None else env)
+    # The caller's Python settings (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP...) never reach a
+    # command: a hook written in Python must not import code from wherever the daemon was
+    # started.
+    child_env = {
+        k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTHON")
+    }
     child_env[COMMAND_ID_VARIABLE] = marker.partition("=")[2]
     try:
         proc = subprocess.Popen(

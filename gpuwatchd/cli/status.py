@@ -18,6 +18,9 @@ the daemon wrote at one instant (``status.monotonic`` with ``status.last_poll``)
 else through this host's own monotonic clock when the state was written in this boot (the same
 ``CLOCK_MONOTONIC``, as ``scan`` converts first-seen times). Otherwise a deadline is shown as
 "due" without a time rather than guessed.
+
+It is long (about 800 lines) because every field of the saved state is read defensively, one
+small checked reader each, and shown in both forms; splitting text and JSON would repeat them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ The state it carries between polls, with that state's JSON form and validation, 
 ``plan_state.py``; which rule matches a finding and which targets may never be touched (the
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
+
+It is long (about 1,000 lines) because ladders, resets, the kill cap and pause share one scratch
+state per call (``_Work``) and one set of deadlines: each decision reads what the others just
+decided in the same poll. Split, that state would have to be passed between modules.
 """
 
 from __future__ import annotations

@@ -24,7 +24,10 @@ from gpuwatchd.decide.full_scan import (
 )
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import MIB, GpuInfo, GpuMemory, NvmlProcess, NvmlReading, ProcessInfo
+from tests.support.children import Spawn, hold, spawn
 from tests.support.fakenvml import FakeNvml, fake_nvml, gpu, process, state
+
+__all__ = ["spawn"]  # the fixture is used by name
 
 __all__ = ["fake_nvml"]  # the fixture is used by name
 
@@ -209,3 +212,33 @@ def test_memory_with_no_process_listed_scans_every_poll_and_idle_does_not(
     assert _poll_modes(*collector, polls=3) == ["first", "unowned_memory", "unowned_memory"]
     fake_nvml.write(state([gpu(0), gpu(1)]))
     assert _poll_modes(*collector, polls=2) == [None, None]
+
+
+def test_a_known_holder_of_the_gpu_exempts_it_from_scanning_every_poll() -> None:
+    """With a live holder there is no ghost memory to conclude: the targeted scan follows it."""
+    listing = _reading(_gpu(3000 * MIB, (DEAD,)))
+    held, _ = full_scan_due(
+        listing, {}, RECENT, 1000.0, interval=60.0, detection=DETECTION, held_minors=frozenset({0})
+    )
+    unheld, _ = full_scan_due(listing, {}, RECENT, 1000.0, interval=60.0, detection=DETECTION)
+    assert (held, unheld) == (None, FullScanReason.UNOWNED_MEMORY)
+
+
+def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(
+    fake_nvml: FakeNvml,
+    collector: tuple[Collector, list[float]],
+    dead_pid: int,
+    spawn: Spawn,
+) -> None:
+    """NVML charges 3 GiB to the dead trainer while its worker still holds the GPU (the common
+    orphan case): one full scan finds the worker, then targeted polls follow it, so a ladder
+    against it is not delayed by a full scan on every poll. Once it is gone, scans resume."""
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB, processes=[process(dead_pid, 3 << 30)])]))
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    worker = spawn(hold([str(node)]))
+    collector_, clock = collector
+    assert _poll_modes(collector_, clock, polls=3) == ["first", None, None]
+    worker.kill()
+    worker.wait(timeout=10)
+    assert _poll_modes(collector_, clock, polls=3) == [None, "unowned_memory", "unowned_memory"]

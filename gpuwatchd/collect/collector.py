@@ -87,6 +87,7 @@ class Collector:
     last_scan_reason: FullScanReason | None = None
     _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
+    _held_minors: frozenset[int] = field(default_factory=frozenset)
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
@@ -109,6 +110,7 @@ class Collector:
             interval=self.full_scan_interval,
             detection=self.detection,
             forced=full,
+            held_minors=self._held_minors,
         )
         self.last_scan_reason = reason
         if reason is not None:
@@ -126,6 +128,9 @@ class Collector:
             )
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
+        self._held_minors = frozenset(
+            minor for pid in holding_pids for minor in holders.holdings[pid].gpu_minors
+        )
 
         processes = dict(live_listed)
         wanted = (holding_pids | set(holders.unreadable)) - processes.keys() - self_pids

@@ -26,7 +26,11 @@ A full scan is due (reasons in :class:`FullScanReason`, checked in this order):
    off there: they keep pages after exit by design), lost GPUs and v1-only GPUs (allocated
    unknown; the learned baselines live in ``assess``' state) are left to the periodic scan.
    An unreadable process list (``None``) counts as no live owner: without NVML's list the
-   targeted scan has nothing to start from.
+   targeted scan has nothing to start from. A GPU whose device file a known holder held at the
+   previous poll is exempt: with a live holder there is no ghost memory to conclude, and the
+   targeted scan follows that holder (the inheritors of a dead trainer, say, which a ladder is
+   escalating against: scanning all of ``/proc`` every poll then would only delay its steps).
+   Once the holder is gone, the next poll scans in full.
 
 The memory a listed owner reports is not compared with the allocated figure: per-process
 figures are often missing or exclude UVM pages, so on busy nodes that comparison would make
@@ -77,9 +81,17 @@ def unowned_memory_threshold(detection: Detection) -> int:
     return min(detection.default_baseline, detection.ghost_margin)
 
 
-def has_unowned_memory(gpu: GpuInfo, live: Mapping[int, ProcessInfo], detection: Detection) -> bool:
-    """Whether ``gpu`` holds memory no live listed process can own (rule 5). Pure."""
+def has_unowned_memory(
+    gpu: GpuInfo,
+    live: Mapping[int, ProcessInfo],
+    detection: Detection,
+    held_minors: frozenset[int] = frozenset(),
+) -> bool:
+    """Whether ``gpu`` holds memory no live listed process can own and no known holder holds
+    (rule 5). Pure."""
     if gpu.lost or gpu.coherent_memory or gpu.memory is None:
+        return False
+    if gpu.minor is not None and gpu.minor in held_minors:
         return False
     allocated = gpu.memory.allocated
     if allocated is None or allocated <= unowned_memory_threshold(detection):
@@ -96,11 +108,13 @@ def full_scan_due(
     interval: float,
     detection: Detection,
     forced: bool = False,
+    held_minors: frozenset[int] = frozenset(),
 ) -> tuple[FullScanReason | None, FullScanState]:
     """(why this poll must scan all of /proc, or None; the state for the next poll). Pure.
 
     ``live`` holds the facts of the listed PIDs that exist (zombies included), as read this
-    poll; ``now`` is monotonic seconds.
+    poll; ``now`` is monotonic seconds; ``held_minors`` the GPU minors that known holders held
+    at the previous poll.
     """
     dead = dead_listed(reading, live)
     reason: FullScanReason | None = None
@@ -112,7 +126,7 @@ def full_scan_due(
         reason = FullScanReason.PERIODIC
     elif dead - state.dead_listed:
         reason = FullScanReason.NEW_DEAD_PID
-    elif any(has_unowned_memory(gpu, live, detection) for gpu in reading.gpus):
+    elif any(has_unowned_memory(gpu, live, detection, held_minors) for gpu in reading.gpus):
         reason = FullScanReason.UNOWNED_MEMORY
     last_full = now if reason is not None else state.last_full
     return reason, FullScanState(last_full=last_full, dead_listed=dead)

@@ -3,7 +3,8 @@
 This module owns what only a long-running process has: the lock in ``state_dir`` (one instance
 at a time), loading and saving the state file, finishing a reset a crash interrupted, SIGTERM /
 SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the admin switch
-files, the wait between polls (woken at once by a signalled target's exit), and ``run --once``.
+files, the wait between polls (woken at once by a signalled target's exit), and ``run --once``
+(beside a running daemon it only waits for the daemon's progress: :mod:`gpuwatchd.cli.once`).
 The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's edges from
 :mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself.
 """
@@ -166,6 +167,8 @@ class Daemon:
             with self.store.lock():
                 return self._run_locked()
         except AlreadyRunning as exc:
+            if self.once:
+                raise  # run_daemon waits for the running daemon instead (cli/once.py)
             log.error(
                 EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=self.policy.state_dir
             )
@@ -553,6 +556,12 @@ def run_daemon(
     )
     try:
         return daemon.run()
+    except AlreadyRunning:
+        # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
+        # only watches the daemon's progress until nothing is left to act on.
+        from gpuwatchd.cli.once import wait_for_daemon
+
+        return wait_for_daemon(daemon.policy, once_timeout)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
             log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))

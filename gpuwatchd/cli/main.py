@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="upper bound for --once (default 10m)",
     )
 
+    clean = sub.add_parser(
+        "check-clean",
+        parents=[common],
+        help="one read-only scan: exit 0 when the GPUs are clean, 1 when one is not (prolog)",
+    )
+    clean.add_argument(
+        "--gpu",
+        action="append",
+        metavar="ID",
+        help="a GPU by UUID, PCI bus id or index; repeat it or give a comma list "
+        "(default: every GPU)",
+    )
+
     check = sub.add_parser(
         "check-config", parents=[common], help="validate and print the effective policy"
     )
@@ -128,6 +141,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _check_config(args.file or args.config)
     if command == "scan":
         return _scan(args)
+    if command == "check-clean":
+        return _check_clean(args)
     if command == "run":
         return _run(args)
     if command in ("pause", "resume"):
@@ -195,6 +210,18 @@ def _scan(args: argparse.Namespace) -> int:
         print(f"gpuwatchd: {result.permission_note}", file=sys.stderr)
         return ExitCode.NOPERM
     return ExitCode.OK
+
+
+def _check_clean(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.check_clean import check_clean, split_selectors
+    from gpuwatchd.logs import configure_logging
+
+    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    code, error = check_clean(policy, split_selectors(args.gpu), out=sys.stdout)
+    if error is not None:
+        raise CliError(error, code)
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,0 +1,124 @@
+"""``run --once`` beside a running daemon: wait for the daemon's progress, never act.
+
+This module owns what ``run --once`` does when the daemon already holds the lock in
+``state_dir`` (docs/operations.md §4, a Slurm epilog on a node where the package started the
+daemon). Two actors would race, so this one only watches: a read-only scan
+(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until no finding is
+actionable any more — nothing is left for the daemon to do — or ``--timeout`` passes.
+
+While the daemon's state says a reset is under way, no scan is taken: the scan opens the GPUs
+through NVML, and the reset's final holder scan would see it and refuse.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import TextIO
+
+from gpuwatchd.cli.humantime import duration as format_duration
+from gpuwatchd.cli.scan import ScanResult, scan_host
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.escape import escape
+from gpuwatchd.state import StateStore
+from gpuwatchd.vocabulary import ExitCode
+
+MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
+
+
+def _as_map(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def actionable_findings(report: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The report's findings the daemon still has to act on."""
+    findings = report.get("findings")
+    if not isinstance(findings, list):
+        return []
+    return [_as_map(f) for f in findings if _as_map(f).get("actionable") is True]
+
+
+def describe_findings(findings: list[Mapping[str, object]]) -> str:
+    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…``."""
+    parts = []
+    for finding in findings:
+        pid = finding.get("pid")
+        where = f" pid {pid}" if isinstance(pid, int) else ""
+        parts.append(f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}")
+    return escape(", ".join(parts))
+
+
+def reset_under_way(state: Mapping[str, object]) -> str | None:
+    """The GPU of a reset the daemon has decided on or is running, from its state file."""
+    record = _as_map(state.get("reset_in_progress"))
+    if record:
+        return str(record.get("gpu") or "a GPU")
+    flight = _as_map(_as_map(state.get("plan")).get("reset_in_flight"))
+    if flight:
+        return str(flight.get("gpu") or "a GPU")
+    return None
+
+
+def active_ladders(state: Mapping[str, object]) -> int:
+    ladders = _as_map(_as_map(state.get("plan")).get("ladders"))
+    return sum(1 for lad in ladders.values() if _as_map(lad).get("status") == "active")
+
+
+def daemon_pid(state: Mapping[str, object]) -> object:
+    return _as_map(state.get("status")).get("pid")
+
+
+def wait_for_daemon(
+    policy: Policy,
+    timeout: float,
+    *,
+    scan: Callable[[Policy], ScanResult] = scan_host,
+    peek: Callable[[], Mapping[str, object]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    out: TextIO = sys.stderr,
+) -> int:
+    """Exit 0 as soon as nothing is actionable; 75 at the timeout naming what is left; 69
+    when NVML is unavailable. Never signals, resets or writes anything."""
+    read_state = peek or StateStore(policy.state_dir).peek
+    started = clock()
+    deadline = started + timeout
+    state = read_state()
+    out.write(
+        f"gpuwatchd: the daemon (pid {daemon_pid(state) or '?'}) is running; "
+        f"waiting up to {format_duration(timeout)} for it to clean this node\n"
+    )
+    left: list[Mapping[str, object]] = []
+    resetting: str | None = None
+    while True:
+        resetting = reset_under_way(state)
+        if resetting is None:
+            result = scan(policy)
+            if result.report is None or result.error is not None:
+                out.write(f"gpuwatchd: {result.error or 'NVIDIA driver/NVML not available'}\n")
+                return ExitCode.UNAVAILABLE
+            if result.wedged:
+                out.write("gpuwatchd: NVML did not answer within nvml_timeout\n")
+                return ExitCode.UNAVAILABLE
+            left = actionable_findings(result.report)
+            if not left:
+                waited = format_duration(max(0.0, clock() - started))
+                out.write(f"gpuwatchd: clean: nothing left to act on (after {waited})\n")
+                return ExitCode.OK
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        sleep(min(policy.interval, MAX_PAUSE, remaining))
+        state = read_state()
+    pending = []
+    if left:
+        pending.append(f"{len(left)} actionable finding(s) left: {describe_findings(left)}")
+    if resetting is not None:
+        pending.append(f"a reset of {escape(resetting)} under way")
+    ladders = active_ladders(state)
+    out.write(
+        f"gpuwatchd: timed out after {format_duration(timeout)}: {'; '.join(pending)} "
+        f"(daemon pid {daemon_pid(state) or '?'}, {ladders} ladder(s) active)\n"
+    )
+    return ExitCode.TEMPFAIL

@@ -279,11 +279,12 @@ class Daemon:
         self.engine.set_paused(read_pause(self.policy.state_dir))
         if take_clear_latches(self.policy.state_dir):
             self.engine.clear_latches()
+        # The poll's start is its time in the status section: the engine's own checkpoint at
+        # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
         started = self.clock()
-        result = self.engine.poll()
         self.last_poll_wall = self.wall_clock()
-        self.last_poll_monotonic = self.clock()
-        self.save_state()  # at most once a minute on a quiet node (see save_state)
+        self.last_poll_monotonic = started
+        result = self.engine.poll()
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
         if snapshot is not None and assessment is not None:
             self.metrics.after_poll(
@@ -291,7 +292,7 @@ class Daemon:
                 assessment,
                 self.engine.state.plan,
                 dry_run=self.policy.dry_run,
-                poll_seconds=self.last_poll_monotonic - started,
+                poll_seconds=self.clock() - started,
                 now_wall=self.last_poll_wall,
                 policy_rejected=self.policy_rejected is not None,
             )

@@ -542,18 +542,35 @@ def test_merge_semantics_rules_by_name_lists_replace_mappings_merge(tmp_path: Pa
     assert policy.protect.commands == (re.compile("^sshd"),)  # untouched keys stay
     assert [rule.name for rule in policy.rules] == ["orphans", "stuck"]
     orphans = policy.rules[0]
-    assert orphans.for_ == 120.0  # replaced in place, as a whole
+    assert orphans.for_ == 120.0  # merged in place, field by field
     assert orphans.steps == (Step("SIGKILL", 5.0),)
     assert policy.reset.confirm_for == 1800.0  # mappings merge key by key
     assert policy.reset.enabled is True
     assert policy.reset.before == (Hook(("echo", "before")),)
 
 
-def test_a_replaced_rule_does_not_inherit_fields_of_the_old_one(tmp_path: Path) -> None:
-    main = "rules:\n  - {name: r, kind: orphaned, users: [bob], steps: [{signal: null}]}\n"
-    drop_in = {"10.yaml": "rules:\n  - {name: r, kind: orphaned, steps: [{signal: null}]}\n"}
-    policy = load_policy(str(write_config(tmp_path, main, drop_in)), check_permissions=False)
-    assert policy.rules[0].users == ()
+def test_a_drop_in_changes_one_field_of_a_named_rule_and_keeps_the_rest(tmp_path: Path) -> None:
+    """{name: orphans, for: 10s} used to fail with "missing kind/steps": the rule was replaced
+    as a whole. It is merged field by field now; a list field is still replaced whole."""
+    main = (
+        "rules:\n"
+        "  - {name: r, kind: orphaned, for: 1m, users: [bob],"
+        " steps: [{signal: SIGTERM, wait: 30s}, {signal: SIGKILL, wait: 10s}]}\n"
+    )
+    drop_in = {"10.yaml": "rules:\n  - {name: r, for: 10s}\n"}
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    policy = load_policy(str(write_config(first, main, drop_in)), check_permissions=False)
+    (rule,) = policy.rules
+    assert rule.for_ == 10.0
+    assert (rule.kind.value, rule.users) == ("orphaned", ("bob",))
+    assert [s.signal for s in rule.steps] == ["SIGTERM", "SIGKILL"]
+    lists = {"10.yaml": "rules:\n  - {name: r, users: [carol], steps: [{signal: null}]}\n"}
+    policy = load_policy(str(write_config(second, main, lists)), check_permissions=False)
+    (rule,) = policy.rules
+    assert rule.users == ("carol",)
+    assert [s.signal for s in rule.steps] == [None]
 
 
 def test_errors_in_a_drop_in_name_the_drop_in(tmp_path: Path) -> None:

@@ -143,8 +143,11 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
         slot = next((i for i, (old, _) in enumerate(merged) if name and old == name), None)
         if slot is None:
             merged.append((name, item))
-        else:
-            merged[slot] = (name, item)
+            continue
+        old = merged[slot][1]
+        # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
+        both_maps = isinstance(old, Map) and isinstance(item, Map)
+        merged[slot] = (name, _merge(old, item, problems) if both_maps else item)
     return Seq(over.file, over.line, over.path, [item for _, item in merged])
 
 

@@ -146,8 +146,10 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
             continue
         old = merged[slot][1]
         # Field by field, like any mapping: {name: orphans, for: 10s} changes one field.
-        both_maps = isinstance(old, Map) and isinstance(item, Map)
-        merged[slot] = (name, _merge(old, item, problems) if both_maps else item)
+        if isinstance(old, Map) and isinstance(item, Map):
+            merged[slot] = (name, _merge(old, item, problems))
+        else:
+            merged[slot] = (name, item)
     return Seq(over.file, over.line, over.path, [item for _, item in merged])
 
 

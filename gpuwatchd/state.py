@@ -26,15 +26,14 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 
-import structlog
-
+from gpuwatchd import lazylog
 from gpuwatchd.vocabulary import EventName
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
 LOCK_FILE = "lock"
 
-log = structlog.get_logger("gpuwatchd.state")
+log = lazylog.get_logger("gpuwatchd.state")
 
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
 from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
 from gpuwatchd.vocabulary import ExitCode
+
+if TYPE_CHECKING:
+    from gpuwatchd.collect.nvml import NvmlClient
 
 
 class CliError(Exception):
@@ -133,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
+    finally:
+        from gpuwatchd import lazylog
+
+        lazylog.reset()
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -179,24 +186,50 @@ def _check_config(path: str | None) -> int:
     return ExitCode.OK
 
 
-def _scan(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.scan import scan_host
-    from gpuwatchd.logs import configure_logging
+def _errors_only_logging() -> None:
+    """Log errors only, and load structlog only if one is logged (:mod:`gpuwatchd.lazylog`):
+    what NVML or /proc lacked is said once, in the report and its exit line."""
+    from gpuwatchd import lazylog
 
-    # Errors only: what NVML or /proc lacked is said once, in the report and its exit line.
-    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
+    def setup() -> None:
+        from gpuwatchd.logs import configure_logging
+
+        configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
+
+    lazylog.defer_setup(setup, floor="error")
+
+
+def _scan(args: argparse.Namespace) -> int:
+    # The NVML worker first, its request sent: its start-up overlaps our imports and the walk.
+    from gpuwatchd.collect.nvml import NvmlClient
+
+    _errors_only_logging()
+    nvml = NvmlClient()
+    nvml.prefetch()
+    try:
+        return _scan_with(args, nvml)
+    finally:
+        nvml.close()
+
+
+def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
+    from gpuwatchd.cli.scan import scan_host
+
     policy = load_policy_or_exit(args.config, required=args.config is not None)
-    result = scan_host(policy)
+    result = scan_host(policy, nvml=nvml)
     if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:
-        json.dump(result.report, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
+        import json
+
+        # One string, one write (json.dump would issue thousands of small writes).
+        sys.stdout.write(json.dumps(result.report, indent=2, sort_keys=False) + "\n")
     else:
         from gpuwatchd.cli.report import render_text
 
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         sys.stdout.write(render_text(result.report, color=color))
+    sys.stdout.flush()  # the report is out before the worker is reaped
     if result.error is not None:
         print(f"gpuwatchd: {result.error}", file=sys.stderr)
         return ExitCode.UNAVAILABLE
@@ -214,9 +247,8 @@ def _scan(args: argparse.Namespace) -> int:
 
 def _check_clean(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.check_clean import check_clean, split_selectors
-    from gpuwatchd.logs import configure_logging
 
-    configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
+    _errors_only_logging()
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     code, error = check_clean(policy, split_selectors(args.gpu), out=sys.stdout)
     if error is not None:
@@ -255,6 +287,8 @@ def _simulate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CliError(str(exc), ExitCode.CONFIG) from exc
     if args.json:
+        import json
+
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -271,6 +305,8 @@ def _explain(args: argparse.Namespace) -> int:
     except SnapshotError as exc:
         raise CliError(str(exc), ExitCode.DATAERR) from exc
     if args.json:
+        import json
+
         json.dump(explanation, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:

@@ -8,7 +8,6 @@ each finding has been seen.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -71,18 +70,28 @@ def read_boot_time(proc_root: str) -> float | None:
     return None
 
 
-def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> ScanResult:
-    nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
+def scan_host(
+    policy: Policy,
+    *,
+    nvml_env: Mapping[str, str] | None = None,
+    nvml: NvmlClient | None = None,
+) -> ScanResult:
+    """One full collection, assessed and reported. ``nvml``: a client the caller started
+    ahead (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here."""
+    own = nvml is None
+    client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
+    client.timeout = policy.nvml_timeout
     try:
         collector = Collector(
             procfs_for(policy),
-            nvml,
+            client,
             namespace_check=policy.namespace_check,
             cgroup_root=cgroup2_mount(),
         )
         snapshot = collector.collect(full=True)
     finally:
-        nvml.close()
+        if own:
+            client.close()
     error = None
     if not snapshot.nvml.available:
         # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a
@@ -110,7 +119,7 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         ),
         now_wall=snapshot.wall_time,
         version=__version__,
-        hostname=socket.gethostname(),
+        hostname=os.uname().nodename,
         boot_time=read_boot_time(policy.proc_root),
         clock_ticks=os.sysconf("SC_CLK_TCK"),
         notes=assessment.notes,

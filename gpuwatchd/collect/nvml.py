@@ -64,12 +64,11 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from gpuwatchd import lazylog
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
 from gpuwatchd.vocabulary import EventName
 
-log = structlog.get_logger()
+log = lazylog.get_logger()
 
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
@@ -133,6 +132,31 @@ def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FIL
     return [python, "-I", "-c", _BOOTSTRAP, worker, *folders]
 
 
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether ``proc`` (our child) exits within ``timeout`` seconds; it is reaped if so.
+
+    Waits on a pidfd, which becomes readable when the process exits, so the wait costs one
+    ``select`` instead of ``Popen.wait``'s loop of sleeps and ``waitpid`` calls; without pidfds
+    (kernels before 5.3) it falls back to that loop. The PID cannot be reused meanwhile: an
+    unreaped child stays a zombie until we reap it.
+    """
+    if proc.poll() is not None:
+        return True
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return proc.poll() is not None
+
+
 class _WorkerGone(Exception):
     """The worker closed its pipe or died before answering."""
 
@@ -172,6 +196,7 @@ class NvmlClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._hung: subprocess.Popen[bytes] | None = None
         self._buffer = b""
+        self._pending = False  # a read request was sent ahead (prefetch) and not yet answered
         self._v1_logged: set[str] = set()
 
     # --- public ---------------------------------------------------------------------------
@@ -196,6 +221,23 @@ class NvmlClient:
         """UUIDs of GPUs read through the v1 memory query (allocated memory unknown)."""
         return frozenset(self._v1_logged)
 
+    def prefetch(self) -> None:
+        """Start the worker now and send it the next ``read`` request without waiting.
+
+        A short command calls this first thing, so the worker's start-up (an interpreter,
+        pynvml, ``nvmlInit``) overlaps the caller's own; :meth:`read` then collects the reply,
+        with its deadline counted from when it is called. Does nothing while a worker is
+        already up, a hung one lives or a retry is backing off; a worker that cannot be started
+        is left to :meth:`read` to report.
+        """
+        self._reap_hung()
+        if self._proc is not None or self._hung is not None or self._retry_at is not None:
+            return
+        with contextlib.suppress(OSError, _WorkerGone):
+            self._start()
+            self._send({"op": "read"})
+            self._pending = True
+
     def read(self) -> NvmlReading:
         """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""
         self._reap_hung()
@@ -210,7 +252,11 @@ class NvmlClient:
         try:
             if self._proc is None:
                 self._start()
-            reply = self._request({"op": "read"}, deadline)
+            if self._pending:
+                self._pending = False
+                reply = self._receive(deadline)
+            else:
+                reply = self._request({"op": "read"}, deadline)
         except TimeoutError:
             return self._wedged()
         except (_WorkerGone, OSError) as error:
@@ -258,13 +304,26 @@ class NvmlClient:
         deadline: float,
         proc: subprocess.Popen[bytes] | None = None,
     ) -> dict[str, Any]:
+        self._send(request, proc)
+        return self._receive(deadline, proc)
+
+    def _send(
+        self, request: Mapping[str, Any], proc: subprocess.Popen[bytes] | None = None
+    ) -> None:
         proc = proc or self._proc
-        if proc is None or proc.stdin is None or proc.stdout is None:
+        if proc is None or proc.stdin is None:
             raise _WorkerGone("no NVML worker")
         try:
             os.write(proc.stdin.fileno(), (json.dumps(request) + "\n").encode())
         except BrokenPipeError as error:
             raise _WorkerGone(self._death_note(proc)) from error
+
+    def _receive(
+        self, deadline: float, proc: subprocess.Popen[bytes] | None = None
+    ) -> dict[str, Any]:
+        proc = proc or self._proc
+        if proc is None or proc.stdout is None:
+            raise _WorkerGone("no NVML worker")
         fd = proc.stdout.fileno()
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
@@ -287,24 +346,17 @@ class NvmlClient:
         return reply
 
     def _death_note(self, proc: subprocess.Popen[bytes]) -> str:
-        try:
-            code = proc.wait(REAP_GRACE)
-        except subprocess.TimeoutExpired:
+        if not wait_exit(proc, REAP_GRACE):
             return "NVML worker closed its pipe"
-        return f"NVML worker exited unexpectedly (status {code})"
+        return f"NVML worker exited unexpectedly (status {proc.returncode})"
 
     def _finish(self, proc: subprocess.Popen[bytes]) -> None:
         """Wait briefly for ``proc`` to exit, SIGKILL it if not; keep it as hung if it lives."""
-        try:
-            proc.wait(REAP_GRACE)
+        if wait_exit(proc, REAP_GRACE):
             return
-        except subprocess.TimeoutExpired:
-            pass
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGKILL)
-        try:
-            proc.wait(REAP_GRACE)
-        except subprocess.TimeoutExpired:
+        if not wait_exit(proc, REAP_GRACE):
             # Uninterruptible sleep in the driver: it will die when the kernel call returns.
             self._hung = proc
             log.critical(
@@ -320,11 +372,16 @@ class NvmlClient:
         if proc is not None:
             if proc.poll() is None:
                 with contextlib.suppress(_WorkerGone, OSError, TimeoutError):
-                    self._request({"op": "shutdown"}, time.monotonic() + self.timeout, proc)
+                    deadline = time.monotonic() + self.timeout
+                    self._send({"op": "shutdown"}, proc)
+                    # A prefetched read is answered first; the shutdown's reply ends the wait.
+                    while "shutdown" not in self._receive(deadline, proc):
+                        pass
                 self._finish(proc)
             if self._hung is not proc:
                 self._close_pipes(proc)
         self._buffer = b""
+        self._pending = False
 
     def _reap_hung(self) -> None:
         if self._hung is not None and self._hung.poll() is not None:

@@ -1,0 +1,160 @@
+"""Whole-process ``gpuwatchd scan --json`` against ``fuser -v`` on one simulated host.
+
+Owns timing what an operator actually runs: the whole ``gpuwatchd`` process (interpreter,
+imports, NVML worker, the ``/proc`` walk, assessment, the JSON written) beside ``fuser -v`` and
+``lsof`` on the same device files, interleaved, medians of ``rounds``, and checking that
+the holder sets agree. It runs inside the benchmark's PID namespace (``bench/run.py``), so the
+holder sets are exact. It only reads ``/proc`` and runs read-only commands; it never signals.
+
+Run alone for a quick look (``python bench/cli_scan.py 2000``): it re-executes itself in a
+fresh PID namespace and prints one line per process count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.host import ProcessPool, cuda_devices  # noqa: E402
+from bench.scan import _run_tool  # noqa: E402
+from tests.support.simhost import SimHost  # noqa: E402
+
+
+def scan_pids(report: dict[str, Any]) -> set[int]:
+    """Every PID the report shows holding a device file (GPU tables and the node section)."""
+    found: set[int] = set()
+    for gpu in report.get("gpus", []):
+        for holder in gpu.get("holders", []):
+            if holder.get("via"):
+                found.add(int(holder["pid"]))
+    for holder in report.get("node_holders", []):
+        found.add(int(holder["pid"]))
+    return found
+
+
+def scan_env(host: SimHost) -> dict[str, str]:
+    """The host's environment with bytecode caching on, in a folder of the host's own: an
+    installed package is byte-compiled, so compiling every module on every run (what
+    ``PYTHONDONTWRITEBYTECODE`` in a developer's shell causes) is not what an operator pays."""
+    env = host.env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(host.root / "pycache")
+    return env
+
+
+def run_scan(
+    host: SimHost, config: Path, extra: Sequence[str] = ()
+) -> tuple[float, dict[str, Any]]:
+    """(wall seconds, parsed report) of one whole ``gpuwatchd scan --json`` process."""
+    argv = [sys.executable, "-m", "gpuwatchd", "--config", str(config), "scan", "--json", *extra]
+    env = scan_env(host)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode not in (0, 77):
+        raise RuntimeError(f"scan failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return wall, report
+
+
+def compare_cli(
+    host: SimHost,
+    config: Path,
+    files: Sequence[str],
+    expected: set[int],
+    *,
+    rounds: int,
+    extra: Sequence[str] = (),
+    with_lsof: bool = True,
+) -> dict[str, Any]:
+    """Interleave ``rounds`` whole-process scans with fuser (and lsof); medians, sets."""
+    ours: list[float] = []
+    tools: dict[str, list[float]] = {"fuser": [], "lsof": []} if with_lsof else {"fuser": []}
+    same = True
+    scan_mode = None
+    argvs = {
+        "fuser": ["fuser", "-v", *files],
+        "lsof": ["lsof", "-n", "-P", "-w", "-F", "p", *files],
+    }
+    run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
+    for _ in range(rounds):
+        wall, report = run_scan(host, config, extra)
+        ours.append(wall)
+        scan_mode = report.get("scan_mode")
+        same &= scan_pids(report) == expected
+        for name, walls in tools.items():
+            wall, _, pids = _run_tool(argvs[name])
+            walls.append(wall)
+            same &= pids == expected
+    median = statistics.median(ours)
+    result: dict[str, Any] = {
+        "rounds": rounds,
+        "scan_mode": scan_mode,
+        "gpuwatchd_ms": median * 1e3,
+        "identical_sets": same,
+    }
+    for name, walls in tools.items():
+        ref = statistics.median(walls)
+        result[f"{name}_ms"] = ref * 1e3
+        result[f"ratio_vs_{name}"] = median / ref if ref else None
+    return result
+
+
+def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    from bench.run import nvml_state
+
+    counts = arg["counts"]
+    results = []
+    with SimHost(root, gpus=8) as host:
+        pool = ProcessPool(root / "scratch", fds=50)
+        try:
+            holders = pool.set_holders(cuda_devices(host.devices_dir, 64, 8))
+            nvml_state(host, pool.holders, 8)
+            config = host.config()
+            files = [str(p) for p in sorted(host.devices_dir.iterdir())]
+            for count in counts:
+                pool.set_fillers(count)
+                row = compare_cli(
+                    host, config, files, set(holders), rounds=arg["rounds"], with_lsof=False
+                )
+                row["processes"] = count
+                results.append(row)
+        finally:
+            pool.close()
+    return {"rows": results}
+
+
+def main() -> int:
+    import tempfile
+
+    from tests.support.simhost import run_in_pid_namespace
+
+    counts = [int(n) for n in sys.argv[1:]] or [2000]
+    with tempfile.TemporaryDirectory(prefix="gw-cliscan-") as tmp:
+        result = run_in_pid_namespace(
+            "bench.cli_scan:_standalone",
+            {"counts": counts, "rounds": 7},
+            root=Path(tmp),
+            timeout=900,
+        )
+    for row in result["rows"]:
+        print(
+            f"{row['processes']:>6} procs  scan {row['gpuwatchd_ms']:7.1f} ms  "
+            f"fuser {row['fuser_ms']:7.1f} ms  ratio {row['ratio_vs_fuser']:.2f}  "
+            f"same {row['identical_sets']}  mode {row['scan_mode']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,22 +36,24 @@ _LEVELS = {
     "fatal": 50,
 }
 
-_floor = 0
-_setup: Callable[[], None] | None = None
+
+class _Deferred:
+    """The process-wide deferral: the level floor and the set-up still to run."""
+
+    floor = 0
+    setup: Callable[[], None] | None = None
 
 
 def defer_setup(setup: Callable[[], None], *, floor: str) -> None:
     """Run ``setup`` (configure structlog) before the first event at ``floor`` or above is
     emitted; drop events below ``floor`` without loading structlog."""
-    global _floor, _setup
-    _floor = _LEVELS[floor]
-    _setup = setup
+    _Deferred.floor = _LEVELS[floor]
+    _Deferred.setup = setup
 
 
 def reset() -> None:
     """Forget a deferred set-up and its floor (the end of a command run in-process)."""
-    global _floor, _setup
-    _floor, _setup = 0, None
+    _Deferred.floor, _Deferred.setup = 0, None
 
 
 def _drop(*_args: Any, **_kwargs: Any) -> None:
@@ -69,7 +71,7 @@ class _LazyLogger:
 
     def __getattr__(self, name: str) -> Any:
         level = _LEVELS.get(name)
-        if level is not None and level < _floor:
+        if level is not None and level < _Deferred.floor:
             return _drop
         if self._real is None:
             self._real = _load(self._args)
@@ -77,8 +79,7 @@ class _LazyLogger:
 
 
 def _load(args: tuple[Any, ...]) -> Any:
-    global _setup
-    setup, _setup = _setup, None
+    setup, _Deferred.setup = _Deferred.setup, None
     if setup is not None:
         setup()
     import structlog

@@ -44,9 +44,10 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 
+from gpuwatchd.collect import spread
 from gpuwatchd.collect.procfs import GONE_ERRNOS, ProcFS, read_proc_file
 from gpuwatchd.model import DeviceHolding, HolderScan
 
@@ -145,8 +146,10 @@ class HolderScanner:
         ctl_minor: int = NVIDIACTL_MINOR,
         uvm_minor: int = 0,
         match_by_path: bool | None = None,
+        workers: int | None = None,
     ) -> None:
         self.procfs = procfs
+        self.workers = workers
         self.devices_dir = devices_dir
         self.device_major = device_major
         self.ctl_minor = ctl_minor
@@ -172,21 +175,20 @@ class HolderScanner:
         mode = "full" if pids is None else "targeted"
         candidates = self.procfs.list_pids() if pids is None else list(dict.fromkeys(pids))
         skip = {self.procfs.self_pid, *exclude}
+        if pids is None:
+            skip |= self.procfs.kernel_threads()
+        todo = [pid for pid in candidates if pid not in skip and pid > 0]
         holdings: dict[int, DeviceHolding] = {}
         unreadable: set[int] = set()
         by_name: set[int] = set()
-        by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
-        for pid in candidates:
-            if pid in skip or pid <= 0:
-                continue
-            found, denied = self._scan_process(pid, by_inode)
-            if found is None:
-                continue
+        for pid, gpu_fd, gpu_map, ctl, uvm, named, denied in spread.scan_spread(
+            self._scan_chunk, todo, workers=self.workers
+        ):
             if denied:
                 unreadable.add(pid)
-            if (holding := found.holding(pid)) is not None:
-                holdings[pid] = holding
-                if found.by_name:
+            if gpu_fd or gpu_map or ctl or uvm:
+                holdings[pid] = DeviceHolding(pid, frozenset(gpu_fd), frozenset(gpu_map), ctl, uvm)
+                if named:
                     by_name.add(pid)
         return HolderScan(
             mode=mode,
@@ -194,6 +196,30 @@ class HolderScanner:
             unreadable=frozenset(unreadable),
             matched_by_name=frozenset(by_name),
         )
+
+    def _scan_chunk(self, pids: Sequence[int]) -> list[spread.Row]:
+        """What each of ``pids`` holds, as plain rows (processes that hold nothing and were
+        fully read are left out). Runs in a forked worker or here; see :mod:`.spread`."""
+        rows: list[spread.Row] = []
+        by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
+        for pid in pids:
+            found, denied = self._scan_process(pid, by_inode)
+            if found is None:
+                continue
+            holds = bool(found.gpu_fd or found.gpu_map or found.ctl or found.uvm)
+            if holds or denied:
+                rows.append(
+                    (
+                        pid,
+                        tuple(sorted(found.gpu_fd)),
+                        tuple(sorted(found.gpu_map)),
+                        found.ctl,
+                        found.uvm,
+                        found.by_name and holds,
+                        denied,
+                    )
+                )
+        return rows
 
     # --- one process --------------------------------------------------------------------------
 
@@ -223,11 +249,14 @@ class HolderScanner:
                 raise _classify_error(err) from None
             try:
                 # One C-level loop over the fds; the careful loop only when an fd misbehaves.
-                fd_of = dict(zip(map(partial(os.readlink, dir_fd=dfd), names), names, strict=True))
+                targets = list(map(partial(os.readlink, dir_fd=dfd), names))
             except OSError as err:
                 if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
                     raise _classify_error(err) from None
-                fd_of = self._readlinks_carefully(dfd, names)
+                names, targets = self._readlinks_carefully(dfd, names)
+            if not self._may_hold(targets):
+                return bool(names)
+            fd_of = dict(zip(targets, names, strict=True))
             if self.match_by_path:
                 prefix = self._device_prefix
                 for target in fd_of:
@@ -254,17 +283,31 @@ class HolderScanner:
         finally:
             os.close(dfd)
 
+    def _may_hold(self, targets: list[str]) -> bool:
+        """The prefilter: whether any fd target could be a device file, by one C-level search
+        of all of them joined. It cannot miss a holder: each exact test below looks only at a
+        target containing the same marker (the device prefix in path mode; ``/dev/`` or
+        ``nvidia`` in device-number mode), and a target containing it leaves it in the joined
+        text (no marker holds the separator, so joining creates hits but never hides one)."""
+        joined = "\n".join(targets)
+        if self.match_by_path:
+            return self._device_prefix in joined
+        return "/dev/" in joined or "nvidia" in joined
+
     @staticmethod
-    def _readlinks_carefully(dfd: int, names: list[str]) -> dict[str, str]:
-        fd_of: dict[str, str] = {}
+    def _readlinks_carefully(dfd: int, names: list[str]) -> tuple[list[str], list[str]]:
+        """(names, targets) of the fds still open, read one by one."""
+        kept: list[str] = []
+        targets: list[str] = []
         for name in names:
             try:
-                fd_of[os.readlink(name, dir_fd=dfd)] = name
+                targets.append(os.readlink(name, dir_fd=dfd))
             except FileNotFoundError:
                 continue  # closed since the listing
             except OSError as err:
                 raise _classify_error(err) from None
-        return fd_of
+            kept.append(name)
+        return kept, targets
 
     def _scan_maps(
         self, base: str, found: _Found, by_inode: dict[tuple[bytes, bytes], _Match | None]

@@ -290,6 +290,37 @@ class ProcFS:
             return []
         return [int(name) for name in names if name.isdigit()]
 
+    def kernel_threads(self) -> frozenset[int]:
+        """Kernel threads, found without scanning them: kthreadd (PID 2) and its children
+        (from its ``task/2/children``) that have no ``exe`` link and whose ``stat`` flags carry
+        PF_KTHREAD.
+
+        Every kernel thread but the idle tasks (not in ``/proc``) and kthreadd itself is
+        created by kthreadd, and none is re-parented. The only user processes kthreadd parents
+        are user-mode helpers the kernel starts (modprobe, core-dump pipes), which have an
+        ``exe`` link — or, as a zombie leader with live threads, lack it, which is why
+        PF_KTHREAD, the kernel's own definition, decides. In a PID namespace PID 2 is a user
+        process: its children then fail the same tests and are scanned. Empty when the kernel
+        has no ``children`` files (the scan then recognises kernel threads the slower way,
+        after reading their empty fd table and maps).
+        """
+        try:
+            kids = self._read_text(f"{self.root}/2/task/2/children").split()
+        except OSError:
+            return frozenset()
+        found: set[int] = set()
+        for pid in (2, *(int(kid) for kid in kids if kid.isdigit())):
+            try:
+                os.readlink(f"{self.root}/{pid}/exe")
+                continue  # a user-space program
+            except OSError as err:
+                if err.errno != errno.ENOENT:
+                    continue  # unreadable (no ptrace access): let the scan say so
+            fields = self.read_stat(pid)
+            if fields is not None and fields.kernel_thread:
+                found.add(pid)
+        return frozenset(found)
+
     def read_stat(self, pid: int) -> StatFields | None:
         """``/proc/PID/stat`` alone: a cheap identity and state check. None when gone."""
         try:

@@ -1,0 +1,153 @@
+"""Spreading the holder scan's per-process work over idle cores, by fork, merged in order.
+
+This module owns *how* a list of PIDs is split among forked workers and how their answers come
+back; :mod:`gpuwatchd.collect.holders` owns what is done per process. The walk is system-call
+bound and single-threaded Python cannot overlap those calls (threads convoy on the GIL), but
+separate processes can: each forked worker scans one contiguous slice of the PID list with
+its own copy of the scanner and writes its rows (plain tuples, :data:`Row`) to a pipe with
+:mod:`marshal`; the caller scans the first slice itself, then reads the workers' rows in slice
+order, so the merged result is in the order of the input whatever finished first: the same
+rows as one process would produce (deterministic merge).
+
+When it forks (:func:`worker_count`): only for at least :data:`MIN_SLICE` processes per
+worker, never more workers than idle CPUs (those this process may run on, less the tasks
+already runnable, from ``/proc/loadavg``), at most :data:`MAX_WORKERS`, and never in a
+process that runs other threads (a fork copies only the calling thread; the daemon's reset
+runs its final scan in a helper thread, which therefore scans in-process). A slice whose
+worker could not be forked, died, or sent something unreadable is scanned in-process: a
+failure costs time, never a holder. Workers exit with ``os._exit`` (no clean-up handlers of
+the parent run twice) and are reaped with a blocking ``waitpid`` after their pipe closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import marshal
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["MAX_WORKERS", "MIN_SLICE", "Row", "scan_spread", "worker_count"]
+
+# (pid, GPU minors via fd, GPU minors via mapping, nvidiactl, nvidia-uvm, matched by name,
+# partly unreadable)
+Row = tuple[int, tuple[int, ...], tuple[int, ...], bool, bool, bool, bool]
+
+MIN_SLICE = 400  # fewer processes than this per worker: a fork costs more than it saves
+MAX_WORKERS = 4
+
+
+def idle_cpus(loadavg: str, cpus: int) -> int:
+    """CPUs not busy now: ``cpus`` less the runnable tasks other than us. Pure.
+
+    ``loadavg`` is the text of ``/proc/loadavg``; its fourth field is ``running/total``.
+    """
+    try:
+        running = int(loadavg.split()[3].split("/", maxsplit=1)[0])
+    except (IndexError, ValueError):
+        return 1
+    return max(1, cpus - max(0, running - 1))
+
+
+def worker_count(processes: int, *, cpus: int, idle: int, max_workers: int | None) -> int:
+    """How many processes (the caller included) should share a walk of ``processes``. Pure."""
+    limit = MAX_WORKERS if max_workers is None else max(1, max_workers)
+    return max(1, min(limit, cpus, idle, processes // MIN_SLICE))
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _idle(cpus: int) -> int:
+    try:
+        with open("/proc/loadavg", encoding="ascii") as handle:
+            return idle_cpus(handle.read(), cpus)
+    except (OSError, ValueError):
+        return 1
+
+
+def scan_spread(
+    scan: Callable[[Sequence[int]], list[Row]],
+    pids: Sequence[int],
+    *,
+    workers: int | None = None,
+) -> list[Row]:
+    """``scan(pids)``, its work spread over forked workers where that pays (module docstring).
+
+    ``workers``: None decides from the idle CPUs; 1 never forks; n forks up to n - 1 workers
+    whatever the load (still no more than the CPUs, only for :data:`MIN_SLICE` processes
+    each, and never beside other threads).
+    """
+    if workers == 1 or threading.active_count() > 1:
+        return scan(pids)
+    cpus = _cpus()
+    idle = _idle(cpus) if workers is None else cpus
+    count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers)
+    if count <= 1:
+        return scan(pids)
+    size = -(-len(pids) // count)
+    slices = [pids[at : at + size] for at in range(0, len(pids), size)]
+    started = [_fork(scan, part) for part in slices[1:]]
+    rows = scan(slices[0])
+    for part, child in zip(slices[1:], started, strict=True):
+        answer = _collect(child) if child is not None else None
+        rows.extend(scan(part) if answer is None else answer)
+    return rows
+
+
+def _fork(
+    scan: Callable[[Sequence[int]], list[Row]], part: Sequence[int]
+) -> tuple[int, int] | None:
+    """(pid, read end) of a worker scanning ``part``; None when no worker could be forked."""
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the worker: scan, write, leave without running the parent's clean-up
+        status = 1
+        try:
+            os.close(read_end)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_DFL)
+            data = memoryview(marshal.dumps(scan(part)))
+            while data:
+                data = data[os.write(write_end, data) :]
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _collect(child: tuple[int, int]) -> list[Row] | None:
+    """A worker's rows, read to the end of its pipe, the worker reaped; None if it failed."""
+    pid, read_end = child
+    chunks = []
+    try:
+        while chunk := os.read(read_end, 1 << 16):
+            chunks.append(chunk)
+    except OSError:
+        chunks = []
+    finally:
+        os.close(read_end)
+    status = 1
+    with contextlib.suppress(ChildProcessError):
+        status = os.waitpid(pid, 0)[1]
+    if status != 0:
+        return None
+    try:
+        rows = marshal.loads(b"".join(chunks))  # noqa: S302 - from our own fork, via our pipe
+    except (EOFError, ValueError, TypeError):
+        return None
+    return rows if isinstance(rows, list) else None

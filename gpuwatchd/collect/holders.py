@@ -35,6 +35,14 @@ process that vanished (ENOENT/ESRCH) is skipped silently. Kernel threads and the
 process itself are skipped. A zombie thread-group leader whose other threads still run is
 scanned through one of those threads (a zombie leader's own fd table and memory are gone).
 
+Cost (docs/performance.md): a process's fd links are read in one C-level pass and searched
+as one joined text for the markers the exact tests need (:meth:`HolderScanner._may_hold`,
+which says why this prefilter cannot miss a holder); only on a hit does the per-fd matching
+run, on the same targets (no second read). Kernel threads are skipped in full scans without
+reading their files (:meth:`~gpuwatchd.collect.procfs.ProcFS.kernel_threads`), and the
+per-process work is spread over idle CPUs by fork (:mod:`gpuwatchd.collect.spread`), merged
+in the order of the PID list.
+
 Fd targets are stat-ed once per distinct target string per process (a CUDA process holds dozens
 of fds on the same node), and mapped files once per (device, inode) pair per scan.
 """
@@ -149,7 +157,8 @@ class HolderScanner:
         workers: int | None = None,
     ) -> None:
         self.procfs = procfs
-        self.workers = workers
+        self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
+        self.min_slice = spread.MIN_SLICE
         self.devices_dir = devices_dir
         self.device_major = device_major
         self.ctl_minor = ctl_minor
@@ -182,7 +191,7 @@ class HolderScanner:
         unreadable: set[int] = set()
         by_name: set[int] = set()
         for pid, gpu_fd, gpu_map, ctl, uvm, named, denied in spread.scan_spread(
-            self._scan_chunk, todo, workers=self.workers
+            self._scan_chunk, todo, workers=self.workers, min_slice=self.min_slice
         ):
             if denied:
                 unreadable.add(pid)

@@ -50,10 +50,17 @@ def idle_cpus(loadavg: str, cpus: int) -> int:
     return max(1, cpus - max(0, running - 1))
 
 
-def worker_count(processes: int, *, cpus: int, idle: int, max_workers: int | None) -> int:
+def worker_count(
+    processes: int,
+    *,
+    cpus: int,
+    idle: int,
+    max_workers: int | None,
+    min_slice: int = MIN_SLICE,
+) -> int:
     """How many processes (the caller included) should share a walk of ``processes``. Pure."""
     limit = MAX_WORKERS if max_workers is None else max(1, max_workers)
-    return max(1, min(limit, cpus, idle, processes // MIN_SLICE))
+    return max(1, min(limit, cpus, idle, processes // max(1, min_slice)))
 
 
 def _cpus() -> int:
@@ -76,6 +83,7 @@ def scan_spread(
     pids: Sequence[int],
     *,
     workers: int | None = None,
+    min_slice: int = MIN_SLICE,
 ) -> list[Row]:
     """``scan(pids)``, its work spread over forked workers where that pays (module docstring).
 
@@ -87,7 +95,7 @@ def scan_spread(
         return scan(pids)
     cpus = _cpus()
     idle = _idle(cpus) if workers is None else cpus
-    count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers)
+    count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice)
     if count <= 1:
         return scan(pids)
     size = -(-len(pids) // count)

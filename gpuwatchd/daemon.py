@@ -31,6 +31,7 @@ from gpuwatchd import __version__
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
@@ -109,6 +110,10 @@ class Daemon:
             clock=clock,
             wall_clock=wall_clock,
         )
+        # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
+        # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
+        self.device_watch = DeviceWatch(policy.devices_dir)
+        self.collector.backstop = policy.full_scan_backstop
         self.signaller = Signaller(policy.proc_root)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
@@ -182,6 +187,18 @@ class Daemon:
         finally:
             self.signaller.close()
             self.nvml.close()
+            self.device_watch.close()
+
+    def _start_device_watch(self) -> None:
+        """Watch the device files for opens; without the watch, walk on the plain interval."""
+        if self.device_watch.start():
+            self.collector.watch = self.device_watch
+            return
+        log.warning(
+            EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE,
+            reason=self.device_watch.error,
+            consequence=f"all of /proc is walked every {self.policy.full_scan_interval:g}s",
+        )
 
     def _run_locked(self) -> int:
         self._install_signal_handlers()
@@ -194,6 +211,7 @@ class Daemon:
             config=list(self.policy.sources) or [self.config_path],
             interval=self.policy.interval,
         )
+        self._start_device_watch()
         self.engine.resume_interrupted_reset()
         started = self.clock()
         watched: frozenset[str] | None = None
@@ -265,6 +283,7 @@ class Daemon:
             self.engine.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
+            self.collector.backstop = self.policy.full_scan_backstop
             self.collector.detection = self.policy.detection
             self.metrics.set_textfile(self.policy.metrics.textfile)
             log.info(

@@ -106,6 +106,7 @@ class EventName(_Name):
     DAEMON_ALREADY_RUNNING = "daemon.already_running"
     DAEMON_NO_PERMISSION = "daemon.no_permission"
     DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
+    DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
     CONFIG_RELOADED = "config.reloaded"
     CONFIG_RELOAD_REJECTED = "config.reload_rejected"

@@ -353,6 +353,7 @@ BOUNDED: dict[str, tuple[str, int, object, object, object, object]] = {
     "interval": ("interval: {v}\n", 1, "100ms", "1h", "99ms", "61m"),
     "nvml_timeout": ("nvml_timeout: {v}\n", 1, "1s", "20s", "999ms", "21s"),
     "full_scan_interval": ("full_scan_interval: {v}\n", 1, "1s", "1h", "0s", "2h"),
+    "full_scan_backstop": ("full_scan_backstop: {v}\n", 1, "1m", "1d", "59s", "25h"),
     "rules[0].for": (RULE.replace("orphaned\n", "orphaned\n    for: {v}\n"), 4, 0, "7d", -1, "8d"),
     "rules[0].steps[0].wait": (
         "rules:\n  - name: r\n    kind: orphaned\n    steps:\n      - signal: SIGTERM\n"

@@ -33,11 +33,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.jobs import ended_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
-from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, listed_pids
+from gpuwatchd.decide.full_scan import (
+    FullScanReason,
+    FullScanState,
+    full_scan_due,
+    holder_gone,
+    listed_pids,
+)
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
 
@@ -82,6 +89,10 @@ class Collector:
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     detection: Detection = field(default_factory=Detection)
     holders: HolderScanner | None = None
+    # The daemon's inotify watch on the device files (None: not watched, e.g. `scan`); while it
+    # works, the periodic walk waits for `backstop` seconds (None: full_scan_interval).
+    watch: DeviceWatch | None = None
+    backstop: float | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     last_scan_reason: FullScanReason | None = None
@@ -94,6 +105,7 @@ class Collector:
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
+        news = self.watch.drain() if self.watch is not None else None
         reading = self.nvml.read()
         now = self.clock()
         listed = listed_pids(reading)
@@ -111,21 +123,26 @@ class Collector:
             detection=self.detection,
             forced=full,
             held_minors=self._held_minors,
+            watching=news is not None and news.available,
+            device_changed=news is not None and news.changed,
+            backstop=self.backstop,
         )
         self.last_scan_reason = reason
         if reason is not None:
-            # Everything fresh: no remembered fact or holding survives a full-scan poll.
-            self._facts_seen, self._held = {}, {}
-            live_listed = self.procfs.read_processes(listed)
-            self._facts_seen.update(live_listed)
-            holders = scanner.scan(None)
-            self._remember_holdings(holders, reading, live_listed)
+            holders, live_listed = self._full_scan(scanner, listed, reading)
         else:
+            # Descendants of every known holder, not only of listed ones: a holder's fork
+            # inherits its files without opening anything (no inotify event).
             targets = set(listed) | set(self._known_holders)
-            targets |= self.procfs.descendants(listed)
+            targets |= self.procfs.descendants(targets)
             holders = self._targeted_scan(
                 scanner, sorted(targets - self_pids), reading, live_listed
             )
+            found = frozenset(holders.holdings) - self_pids
+            if (reason := holder_gone(self._known_holders, found)) is not None:
+                self.last_scan_reason = reason
+                self._scan_state = dataclasses.replace(self._scan_state, last_full=now)
+                holders, live_listed = self._full_scan(scanner, listed, reading)
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
         self._held_minors = frozenset(
@@ -156,6 +173,17 @@ class Collector:
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
             ),
         )
+
+    def _full_scan(
+        self, scanner: HolderScanner, listed: frozenset[int], reading: NvmlReading
+    ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
+        """Scan all of /proc with everything fresh: no remembered fact or holding survives."""
+        self._facts_seen, self._held = {}, {}
+        live_listed = self.procfs.read_processes(listed)
+        self._facts_seen.update(live_listed)
+        holders = scanner.scan(None)
+        self._remember_holdings(holders, reading, live_listed)
+        return holders, live_listed
 
     def _add_ancestry(self, processes: dict[int, ProcessInfo]) -> None:
         """Read each known process's ancestors so process-tree questions can be answered."""

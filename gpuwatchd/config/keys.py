@@ -468,6 +468,7 @@ SECTIONS: dict[str, Section] = {
                 # Waited for on the main loop: well under the unit's WatchdogSec=30s.
                 "nvml_timeout": duration("1s", "20s"),
                 "full_scan_interval": duration("1s", "1h"),
+                "full_scan_backstop": duration("1m", "1d"),
                 "log": Nested("log", flatten=True),
                 "protect": Nested("protect"),
                 "rules": Nested("rules[]", many=True),

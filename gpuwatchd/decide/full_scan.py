@@ -10,7 +10,12 @@ A full scan is due (reasons in :class:`FullScanReason`, checked in this order):
 
 1. ``forced``: the caller asked (``gpuwatchd scan``, a reset's final scan);
 2. ``first``: no full scan yet;
-3. ``periodic``: ``interval`` seconds since the last one;
+3. ``periodic``: ``interval`` seconds since the last one — or, while the daemon's inotify
+   watch on the device files works (``watching``), ``backstop``: ``backstop`` seconds since
+   the last one, the slow sweep for what no cause below can see;
+3a. ``device_opened``: (only while ``watching``) a device file was opened, a device file
+   appeared or its watch was lost, or events were lost, since the previous poll
+   (:mod:`gpuwatchd.collect.devwatch` reads that; here it is one flag);
 4. ``new_dead_pid``: NVML lists a PID that is dead or a zombie and was not listed that way at the
    previous poll. Its inheritors are found by one full scan and then followed by the targeted
    scans (they become known holders), so a PID that stays listed does not scan again;
@@ -31,6 +36,12 @@ A full scan is due (reasons in :class:`FullScanReason`, checked in this order):
    targeted scan follows that holder (the inheritors of a dead trainer, say, which a ladder is
    escalating against: scanning all of ``/proc`` every poll then would only delay its steps).
    Once the holder is gone, the next poll scans in full.
+
+After a targeted scan, :func:`holder_gone` adds one more cause, ``holder_gone``: a process
+that held a device file at the previous poll no longer does (it exited or closed the file).
+Its children may have inherited the files without opening anything (no inotify event) and,
+with their parent gone, are no longer its descendants, which the targeted scan follows; a
+walk finds them. docs/scan.md lists what each cause cannot see.
 
 The memory a listed owner reports is not compared with the allocated figure: per-process
 figures are often missing or exclude UVM pages, so on busy nodes that comparison would make
@@ -55,6 +66,9 @@ class FullScanReason(str, enum.Enum):
     PERIODIC = "periodic"
     NEW_DEAD_PID = "new_dead_pid"
     UNOWNED_MEMORY = "unowned_memory"
+    BACKSTOP = "backstop"
+    DEVICE_OPENED = "device_opened"
+    HOLDER_GONE = "holder_gone"
 
 
 @dataclass(frozen=True)
@@ -109,24 +123,38 @@ def full_scan_due(
     detection: Detection,
     forced: bool = False,
     held_minors: frozenset[int] = frozenset(),
+    watching: bool = False,
+    device_changed: bool = False,
+    backstop: float | None = None,
 ) -> tuple[FullScanReason | None, FullScanState]:
     """(why this poll must scan all of /proc, or None; the state for the next poll). Pure.
 
     ``live`` holds the facts of the listed PIDs that exist (zombies included), as read this
     poll; ``now`` is monotonic seconds; ``held_minors`` the GPU minors that known holders held
-    at the previous poll.
+    at the previous poll. ``watching``: every device file's opens are watched, so the
+    periodic walk may wait for ``backstop`` (None: ``interval`` still) and ``device_changed``
+    says the watch saw something.
     """
     dead = dead_listed(reading, live)
     reason: FullScanReason | None = None
+    period = backstop if watching and backstop is not None else interval
     if forced:
         reason = FullScanReason.FORCED
     elif state.last_full is None:
         reason = FullScanReason.FIRST
-    elif now - state.last_full >= interval:
-        reason = FullScanReason.PERIODIC
+    elif now - state.last_full >= period:
+        reason = FullScanReason.PERIODIC if period == interval else FullScanReason.BACKSTOP
+    elif device_changed:
+        reason = FullScanReason.DEVICE_OPENED
     elif dead - state.dead_listed:
         reason = FullScanReason.NEW_DEAD_PID
     elif any(has_unowned_memory(gpu, live, detection, held_minors) for gpu in reading.gpus):
         reason = FullScanReason.UNOWNED_MEMORY
     last_full = now if reason is not None else state.last_full
     return reason, FullScanState(last_full=last_full, dead_listed=dead)
+
+
+def holder_gone(previous: frozenset[int], found: frozenset[int]) -> FullScanReason | None:
+    """``holder_gone`` when a process that held a device file at the previous poll is not
+    among this targeted scan's holders (module docstring). Pure."""
+    return FullScanReason.HOLDER_GONE if previous - found else None

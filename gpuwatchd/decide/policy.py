@@ -178,6 +178,8 @@ class Policy:
     namespace_check: bool = True  # False: trust the PID namespace we run in (tests only)
     nvml_timeout: float = 10.0
     full_scan_interval: float = 60.0  # a scan of all of /proc at least this often
+    # ... unless the daemon's inotify watch on the device files works: then at least this often
+    full_scan_backstop: float = 600.0
     detection: Detection = field(default_factory=Detection)
     protect: Protect = field(default_factory=Protect)
     rules: tuple[Rule, ...] = ()

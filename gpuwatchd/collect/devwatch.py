@@ -1,0 +1,190 @@
+"""An inotify watch on the NVIDIA device files: has anything opened one since we last looked?
+
+This module owns the one I/O source of the daemon's *scan on cause* (docs/scan.md, "When the
+daemon walks /proc"): an ``IN_OPEN`` watch on every device file a holder can hold
+(``nvidiaN``, ``nvidiactl``, ``nvidia-uvm`` in ``devices_dir``) and a watch on that folder for
+device files created or moved in. :meth:`DeviceWatch.drain` reads what happened since the
+previous call without blocking and reports it as a :class:`WatchNews`; whether that means a
+walk of ``/proc`` is decided in :mod:`gpuwatchd.decide.full_scan`. It never scans, signals or
+decides.
+
+What it reports as "something may have changed" (``changed``): an open of a watched file;
+an event queue overflow (``IN_Q_OVERFLOW``: events were lost); a watch the kernel removed
+(``IN_IGNORED``: the file was deleted or its file system unmounted — the file is watched again
+if it reappears); a new device file in the folder (then watched). ``available`` is False when
+inotify cannot be used (no ``inotify_init1``, the per-user instance or watch limit reached):
+the caller then walks on its periodic interval as before.
+
+What inotify cannot see (docs/performance.md and docs/scan.md list these blind spots): an fd
+inherited across ``fork`` or passed over a Unix socket (no open happens), and an open through
+a different device node for the same device (``mknod`` in a container creates another inode;
+bind mounts of the watched node *are* seen). Those are what the daemon's other causes and its
+backstop sweep are for.
+
+The watch uses libc through ctypes (the standard library has no inotify binding). Its file
+descriptor is close-on-exec and non-blocking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import struct
+from dataclasses import dataclass
+
+from gpuwatchd.collect.holders import match_device_name
+
+__all__ = ["DeviceWatch", "WatchNews"]
+
+IN_OPEN = 0x00000020
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_ONLYDIR = 0x01000000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+_READ_SIZE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class WatchNews:
+    """What the watch saw since the previous :meth:`DeviceWatch.drain`."""
+
+    available: bool
+    changed: bool = False
+    opened: int = 0  # IN_OPEN events on device files
+    overflow: bool = False
+    rewatched: int = 0  # device files watched anew (created, or after IN_IGNORED)
+
+
+class DeviceWatch:
+    """``IN_OPEN`` watches on the device files in ``devices_dir`` (module docstring)."""
+
+    def __init__(self, devices_dir: str) -> None:
+        self.devices_dir = devices_dir.rstrip("/") or "/"
+        self._fd: int | None = None
+        self._libc: ctypes.CDLL | None = None
+        self._files: dict[int, str] = {}  # watch descriptor -> device file name
+        self._folder_wd: int | None = None
+        self._stale = True  # (re)watch every device file present at the next drain
+        self._incomplete = False  # a device file present could not be watched
+        self.error: str | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether every device file present is watched (opens of all of them are seen)."""
+        return self._fd is not None and not self._incomplete
+
+    def start(self) -> bool:
+        """Create the inotify instance and watch what is there; False when inotify is not
+        usable here (``error`` says why)."""
+        if self._fd is not None:
+            return True
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        except (OSError, AttributeError) as err:
+            self.error = f"inotify unavailable: {err}"
+            return False
+        if fd < 0:
+            self.error = f"inotify_init1: {os.strerror(ctypes.get_errno())}"
+            return False
+        self._libc, self._fd = libc, fd
+        wd = self._add(self.devices_dir, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
+        self._folder_wd = wd if wd >= 0 else None
+        self._watch_present()
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd, self._files, self._folder_wd, self._stale = None, {}, None, True
+
+    def drain(self) -> WatchNews:
+        """Everything queued since the last call, without blocking."""
+        if self._fd is None:
+            return WatchNews(available=False)
+        opened = 0
+        overflow = False
+        rewatch = False
+        while True:
+            try:
+                data = os.read(self._fd, _READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError as err:
+                self.error = f"inotify read: {os.strerror(err.errno or errno.EIO)}"
+                self.close()
+                return WatchNews(available=False, changed=True)
+            if not data:
+                break
+            at = 0
+            while at + _EVENT.size <= len(data):
+                wd, mask, _cookie, length = _EVENT.unpack_from(data, at)
+                name = data[at + _EVENT.size : at + _EVENT.size + length].rstrip(b"\0")
+                at += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:
+                    overflow = rewatch = True
+                elif mask & IN_IGNORED:
+                    self._files.pop(wd, None)
+                    if wd == self._folder_wd:
+                        self._folder_wd = None
+                    rewatch = True
+                elif wd == self._folder_wd:
+                    if match_device_name(os.fsdecode(name)) is not None:
+                        rewatch = True
+                elif mask & IN_OPEN:
+                    opened += 1
+        rewatched = 0
+        if rewatch or self._stale:
+            rewatched = self._watch_present()
+        changed = bool(opened or overflow or rewatched or rewatch)
+        return WatchNews(
+            available=not self._incomplete,
+            changed=changed,
+            opened=opened,
+            overflow=overflow,
+            rewatched=rewatched,
+        )
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _add(self, path: str, mask: int) -> int:
+        if self._libc is None or self._fd is None:
+            return -1
+        wd: int = self._libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
+        return wd
+
+    def _watch_present(self) -> int:
+        """Watch every device file in the folder not watched yet; how many were added."""
+        self._stale = False
+        if self._folder_wd is None:
+            wd = self._add(self.devices_dir, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
+            self._folder_wd = wd if wd >= 0 else None
+        try:
+            names = os.listdir(self.devices_dir)
+        except OSError:
+            self._stale = True
+            return 0
+        watched = set(self._files.values())
+        added = 0
+        self._incomplete = False
+        for name in names:
+            if name in watched or match_device_name(name) is None:
+                continue
+            wd = self._add(f"{self.devices_dir}/{name}", IN_OPEN)
+            if wd >= 0:
+                # The kernel returns the same wd for a path already watched: keep one entry.
+                self._files[wd] = name
+                added += 1
+            else:
+                # Gone again, or the watch limit: try next time, and until then this file's
+                # opens go unseen, so the watch does not count as available.
+                self._stale = True
+                self._incomplete = True
+        return added

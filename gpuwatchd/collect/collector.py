@@ -105,8 +105,11 @@ class Collector:
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
-        news = self.watch.drain() if self.watch is not None else None
         reading = self.nvml.read()
+        # After the NVML read: a worker (re)started by it opens the device files, and the
+        # events are consumed here, not walked on next poll. Nothing is lost either way: an
+        # open after this drain is seen by the next one.
+        news = self.watch.drain() if self.watch is not None else None
         now = self.clock()
         listed = listed_pids(reading)
         self._facts_seen = {}

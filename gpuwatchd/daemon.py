@@ -15,6 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import select
 import signal
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from gpuwatchd import __version__
+from gpuwatchd import __version__, holder_view
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
@@ -46,7 +47,13 @@ from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_pause, take_clear_latches
-from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore, check_state_dir
+from gpuwatchd.state import (
+    AlreadyRunning,
+    StateDirError,
+    StateStore,
+    check_state_dir,
+    write_atomically,
+)
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
@@ -114,6 +121,9 @@ class Daemon:
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
         self.device_watch = DeviceWatch(policy.devices_dir)
         self.collector.backstop = policy.full_scan_backstop
+        self._own_start_ticks: int | None = None
+        self._view_written: dict[str, object] | None = None
+        self._view_polled = 0.0
         self.signaller = Signaller(policy.proc_root)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
@@ -316,7 +326,46 @@ class Daemon:
                 policy_rejected=self.policy_rejected is not None,
             )
             self._notify_status(snapshot, assessment)
+            self._publish_holder_view(snapshot)
         return result
+
+    def _publish_holder_view(self, snapshot: Snapshot) -> None:
+        """Write the holder view ``scan`` builds on (gpuwatchd/holder_view.py): only while the
+        device watch works, when it changed, or every holder_view.REFRESH seconds."""
+        watch = self.collector.watch
+        if watch is None or not watch.available or snapshot.boot_id is None:
+            return
+        if self._own_start_ticks is None:
+            own = self.procfs.read_stat(os.getpid())
+            if own is None:
+                return
+            self._own_start_ticks = own.starttime
+        view = holder_view.encode(
+            boot_id=snapshot.boot_id,
+            daemon_pid=os.getpid(),
+            daemon_start_ticks=self._own_start_ticks,
+            worker_pids=self.nvml.worker_pids,
+            polled=snapshot.wall_time,
+            fresh_for=holder_view.REFRESH + 2 * self.policy.interval + self.policy.nvml_timeout,
+            settings=(self.policy.proc_root, self.policy.devices_dir, self.policy.device_major),
+            holders=snapshot.holders,
+            start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
+            dead_listed=self.collector.dead_listed,
+        )
+        content = {key: value for key, value in view.items() if key != "polled"}
+        if (
+            content == self._view_written
+            and snapshot.wall_time - self._view_polled < holder_view.REFRESH
+        ):
+            return
+        try:
+            write_atomically(
+                self.policy.state_dir, holder_view.VIEW_FILE, json.dumps(view).encode()
+            )
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=str(exc))
+            return
+        self._view_written, self._view_polled = content, snapshot.wall_time
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks) off the main loop, feeding the watchdog meanwhile."""

@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     scan = sub.add_parser("scan", parents=[common], help="read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
+        "--full",
+        action="store_true",
+        help="walk all of /proc even when a running daemon's holder view could be used",
+    )
+    scan.add_argument(
         "--color",
         choices=("auto", "always", "never"),
         default="auto",
@@ -216,7 +221,7 @@ def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
     from gpuwatchd.cli.scan import scan_host
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
-    result = scan_host(policy, nvml=nvml)
+    result = scan_host(policy, nvml=nvml, full=bool(args.full))
     if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:

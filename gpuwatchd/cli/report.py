@@ -482,6 +482,8 @@ def _title_line(report: Mapping[str, object]) -> str:
         f"{len(findings)} findings",
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
+    if _as_map(report.get("daemon_view")).get("used") is True:
+        parts.append("on the daemon's holder view")
     return "  ".join(parts)
 
 

@@ -8,10 +8,11 @@ each finding has been seen.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd import __version__
+from gpuwatchd import __version__, holder_view
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -20,7 +21,8 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.state import StateStore
+from gpuwatchd.holder_view import HolderView
+from gpuwatchd.state import StateStore, read_small
 
 
 @dataclass(frozen=True)
@@ -70,25 +72,71 @@ def read_boot_time(proc_root: str) -> float | None:
     return None
 
 
+def daemon_view(policy: Policy, procfs: ProcFS) -> tuple[HolderView | None, str]:
+    """The running daemon's published holder view if ``scan`` may build on it, else None;
+    and, either way, a short reason (shown in the report)."""
+    try:
+        raw = read_small(policy.state_dir, holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
+    except OSError:
+        return None, "no holder view published by a running daemon"
+    try:
+        view = holder_view.parse(raw)
+    except ValueError as err:
+        return None, f"the daemon's holder view is unusable: {err}"
+    fields = procfs.read_stat(view.daemon_pid)
+    why = holder_view.usable(
+        view,
+        now_wall=time.time(),
+        boot_id=procfs.boot_id(),
+        settings=(policy.proc_root, policy.devices_dir, policy.device_major),
+        daemon_start_ticks=None if fields is None else fields.starttime,
+    )
+    if why is not None:
+        return None, f"the daemon's holder view is not used: {why}"
+    return view, f"built on the holder view of the daemon (pid {view.daemon_pid})"
+
+
 def scan_host(
     policy: Policy,
     *,
     nvml_env: Mapping[str, str] | None = None,
     nvml: NvmlClient | None = None,
+    full: bool = True,
 ) -> ScanResult:
-    """One full collection, assessed and reported. ``nvml``: a client the caller started
-    ahead (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here."""
+    """One collection, assessed and reported. ``nvml``: a client the caller started ahead
+    (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
+
+    ``full=False`` builds on a running daemon's published holder view when there is a usable
+    one (:mod:`gpuwatchd.holder_view`): a targeted scan of its holders, NVML's processes and
+    their descendants, or a full walk whenever the daemon's own rule would walk; without a
+    usable view it walks all of ``/proc`` as ``full=True`` always does.
+    """
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
+    procfs = procfs_for(policy)
+    daemon_pids: frozenset[int] = frozenset()
+    view, view_note = daemon_view(policy, procfs)
+    if view is not None:
+        # Its processes are the daemon's own, never holders (its NVML worker holds them all).
+        daemon_pids = view.worker_pids | {view.daemon_pid}
+    if full:
+        view, view_note = None, "--full"
     try:
         collector = Collector(
-            procfs_for(policy),
+            procfs,
             client,
             namespace_check=policy.namespace_check,
             cgroup_root=cgroup2_mount(),
+            full_scan_interval=holder_view.MAX_FRESH,
+            detection=policy.detection,
+            daemon_pids=daemon_pids,
         )
-        snapshot = collector.collect(full=True)
+        if view is not None and _holder_replaced(procfs, view):
+            view, view_note = None, "a holder in the daemon's view has exited"
+        if view is not None:
+            collector.seed(view.holders, view.dead_listed)
+        snapshot = collector.collect(full=view is None)
     finally:
         if own:
             client.close()
@@ -124,6 +172,14 @@ def scan_host(
         clock_ticks=os.sysconf("SC_CLK_TCK"),
         notes=assessment.notes,
     )
+    report["daemon_view"] = {
+        "used": view is not None,
+        "reason": view_note,
+        "polled": None if view is None else view.polled,
+        "scan_reason": None
+        if collector.last_scan_reason is None
+        else collector.last_scan_reason.value,
+    }
     note = None
     missing = missing_capabilities(policy.proc_root)
     if snapshot.holders.unreadable and missing:
@@ -133,6 +189,17 @@ def scan_host(
             f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
     return ScanResult(report, error=error, permission_note=note, wedged=snapshot.nvml.wedged)
+
+
+def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
+    """Whether a PID the view lists as a holder now names another process (its start ticks
+    differ): that holder is gone, and the PID's new process is not one the view vouches
+    for. Gone PIDs need no check here: the targeted scan misses them and walks."""
+    for pid, ticks in view.holder_ticks.items():
+        fields = procfs.read_stat(pid)
+        if fields is not None and fields.starttime != ticks:
+            return True
+    return False
 
 
 def _first_seen_wall(

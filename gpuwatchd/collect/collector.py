@@ -93,6 +93,9 @@ class Collector:
     # works, the periodic walk waits for `backstop` seconds (None: full_scan_interval).
     watch: DeviceWatch | None = None
     backstop: float | None = None
+    # Processes of a running daemon that a one-shot command (scan, check-clean) must count as
+    # its own, as the daemon does: its NVML worker holds every GPU's device file.
+    daemon_pids: frozenset[int] = frozenset()
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     last_scan_reason: FullScanReason | None = None
@@ -114,7 +117,7 @@ class Collector:
         listed = listed_pids(reading)
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
-        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids
+        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids
         scanner = self.holders if self.holders is not None else self.procfs.holders
 
         reason, self._scan_state = full_scan_due(
@@ -176,6 +179,19 @@ class Collector:
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
             ),
         )
+
+    @property
+    def dead_listed(self) -> frozenset[int]:
+        """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
+        return self._scan_state.dead_listed
+
+    def seed(self, holders: frozenset[int], dead_listed: frozenset[int]) -> None:
+        """Start from another collector's view instead of a first full scan: ``holders`` held
+        device files and ``dead_listed`` were listed dead as of a poll that just happened
+        (``scan`` beside a running daemon, :mod:`gpuwatchd.holder_view`). The next
+        :meth:`collect` is then targeted unless the full-scan rule says otherwise."""
+        self._known_holders = holders
+        self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
         self, scanner: HolderScanner, listed: frozenset[int], reading: NvmlReading

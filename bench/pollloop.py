@@ -70,6 +70,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     policy = load_policy(spec["config"], check_permissions=False)
     clock = VirtualClock()
     daemon = Daemon(policy, config_path=spec["config"], clock=clock)
+    if spec.get("device_watch", True):
+        daemon._start_device_watch()  # as `run` does: walks on cause, backstop sweep
     polls: int = spec["polls"]
     step: float = spec["virtual_interval"]
     rss_every: int = spec.get("rss_every", 0)
@@ -105,6 +107,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         daemon.signaller.close()
         daemon.nvml.close()
+        daemon.device_watch.close()
     return {
         "polls": polls,
         "virtual_interval": step,

@@ -316,15 +316,18 @@ class Daemon:
         result = self.engine.poll()
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
         if snapshot is not None and assessment is not None:
-            self.metrics.after_poll(
-                snapshot,
-                assessment,
-                self.engine.state.plan,
-                dry_run=self.policy.dry_run,
-                poll_seconds=self.clock() - started,
-                now_wall=self.last_poll_wall,
-                policy_rejected=self.policy_rejected is not None,
-            )
+            # Gauges only feed the textfile: without one, setting them is ~1 ms a poll wasted.
+            # (Event counters are kept regardless, by the sink.)
+            if self.metrics.textfile is not None:
+                self.metrics.after_poll(
+                    snapshot,
+                    assessment,
+                    self.engine.state.plan,
+                    dry_run=self.policy.dry_run,
+                    poll_seconds=self.clock() - started,
+                    now_wall=self.last_poll_wall,
+                    policy_rejected=self.policy_rejected is not None,
+                )
             self._notify_status(snapshot, assessment)
             self._publish_holder_view(snapshot)
         return result

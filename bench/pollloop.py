@@ -75,6 +75,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     polls: int = spec["polls"]
     step: float = spec["virtual_interval"]
     rss_every: int = spec.get("rss_every", 0)
+    # Open (and close) a device file every this many polls, as a job starting would: the
+    # device watch sees it and the daemon walks /proc at its next poll.
+    open_every: int = spec.get("open_every", 0)
+    opened = os.path.join(policy.devices_dir, "nvidia0")
     daemon_ns: list[int] = []
     worker_ns: list[int] = []
     full: list[bool] = []
@@ -84,6 +88,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         for index in range(polls):
             workers = sorted(daemon.nvml.worker_pids)
             w0 = sum(task_cpu_ns(p) for p in workers)
+            if open_every and index and index % open_every == 0:
+                os.close(os.open(opened, os.O_RDONLY))
             t0 = time.process_time_ns()
             daemon.poll_once()
             t1 = time.process_time_ns()

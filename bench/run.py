@@ -28,8 +28,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench import latency  # noqa: E402
+from bench.cli_scan import compare_cli  # noqa: E402
 from bench.host import ProcessPool, cuda_devices  # noqa: E402
 from bench.scan import CHAR_PROCFS, CHAR_STANDINS, compare  # noqa: E402
+from gpuwatchd import holder_view  # noqa: E402
 from gpuwatchd.collect.procfs import ProcFS  # noqa: E402
 from tests.support.fakenvml import MiB, gpu, process  # noqa: E402
 from tests.support.simhost import SimHost, pid_namespace_command  # noqa: E402
@@ -50,6 +52,10 @@ FULL: dict[str, Any] = {
     "latency_interval": 1.0,
     "latency_for": 1.0,
     "latency_wait": 1.0,
+    "cli_scales": [500, 2000, 4000, 8000],
+    "cli_rounds": 5,
+    "hour_polls": 720,  # an hour at the 5 s interval
+    "opens_polls": 180,  # a quarter of an hour, with an open every 30 s
 }
 QUICK: dict[str, Any] = {
     "default": (100, 2),
@@ -67,6 +73,10 @@ QUICK: dict[str, Any] = {
     "latency_interval": 0.2,
     "latency_for": 0.0,
     "latency_wait": 0.3,
+    "cli_scales": [100],
+    "cli_rounds": 1,
+    "hour_polls": 24,
+    "opens_polls": 12,
 }
 TARGETS = {
     "poll_cpu_median_ms": 5.0,
@@ -104,7 +114,9 @@ def nvml_state(host: SimHost, holders: dict[int, tuple[str, ...]], gpus: int) ->
     )
 
 
-def run_pollloop(host: SimHost, polls: int, interval: float, rss_every: int = 0) -> dict[str, Any]:
+def run_pollloop(
+    host: SimHost, polls: int, interval: float, rss_every: int = 0, open_every: int = 0
+) -> dict[str, Any]:
     config = host.config(log={"format": "json"})
     out = host.root / f"poll-{time.monotonic_ns()}.json"
     spec = {
@@ -112,6 +124,7 @@ def run_pollloop(host: SimHost, polls: int, interval: float, rss_every: int = 0)
         "polls": polls,
         "virtual_interval": interval,
         "rss_every": rss_every,
+        "open_every": open_every,
         "out": str(out),
     }
     subprocess.run(
@@ -165,6 +178,71 @@ def summarise_memory(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def daemon_cpu(data: dict[str, Any]) -> dict[str, Any]:
+    """CPU of daemon + worker over the whole run (first poll excluded), per virtual hour."""
+    cpu = [(d + w) / 1e9 for d, w in zip(data["daemon_ns"], data["worker_ns"], strict=True)][1:]
+    seconds = data["virtual_interval"] * len(cpu)
+    per_hour = sum(cpu) * 3600 / seconds if seconds else float("nan")
+    return {
+        "polls": len(cpu),
+        "walks": sum(data["full"][1:]),
+        "cpu_s_per_hour": per_hour,
+        "core_percent": 100 * per_hour / 3600,
+    }
+
+
+# --- whole-process scan, alone and beside a daemon ------------------------------------------
+
+
+def _wait_for_view(host: SimHost, holders: int, timeout: float = 120.0) -> bool:
+    path = host.state_dir / holder_view.VIEW_FILE
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(json.loads(path.read_text())["holders"]) >= holders:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def cli_scans(pool: ProcessPool, root: Path, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """``gpuwatchd scan --json`` as a whole process against fuser (and lsof), at each scale,
+    alone and beside a running daemon (which it then builds on)."""
+    host = SimHost(root / "cli", gpus=8)
+    pool.set_holders(cuda_devices(host.devices_dir, cfg["holders"], 8))
+    expected = set(pool.holders)
+    nvml_state(host, pool.holders, 8)
+    config = host.config(interval="1s")
+    files = [str(host.devices_dir / n) for n in ("nvidiactl", "nvidia-uvm")]
+    files += [str(host.devices_dir / f"nvidia{i}") for i in range(8)]
+    rows = []
+    for fillers in cfg["cli_scales"]:
+        print(f"[bench] whole-process scan: {fillers} processes", flush=True)
+        pool.set_fillers(fillers)
+        row: dict[str, Any] = {"processes": fillers}
+        row["alone"] = compare_cli(host, config, files, expected, rounds=cfg["cli_rounds"])
+        daemon = host.start_daemon("run", "--config", str(config))
+        try:
+            if _wait_for_view(host, len(expected)):
+                row["with_daemon"] = compare_cli(
+                    host,
+                    config,
+                    files,
+                    expected,
+                    rounds=cfg["cli_rounds"],
+                    with_lsof=False,
+                    ignore=frozenset({daemon.pid, *ProcFS().children(daemon.pid)}),
+                )
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
+        rows.append(row)
+    pool.set_fillers(0)
+    return rows
+
+
 # --- one scale point ------------------------------------------------------------------------
 
 
@@ -201,6 +279,9 @@ def scale_point(
         pool.set_holders(cuda_devices(host.devices_dir, cfg["holders"], gpus))
         nvml_state(host, pool.holders, gpus)
     if main:
+        quiet = run_pollloop(host, cfg["hour_polls"], cfg["interval"])
+        opens = run_pollloop(host, cfg["opens_polls"], cfg["interval"], open_every=6)
+        result["daemon_cpu"] = {"quiet": daemon_cpu(quiet), "opens_every_30s": daemon_cpu(opens)}
         mem = run_pollloop(
             host, cfg["mem_polls"], cfg["mem_interval"], rss_every=cfg["mem_polls"] // 20
         )
@@ -279,6 +360,31 @@ def table(results: dict[str, Any]) -> str:
                 "ok" if scan["identical_sets"] else "MISS",
             )
         )
+    cpu = main.get("daemon_cpu")
+    if cpu:
+        goals: tuple[tuple[str, str, float | None], ...] = (
+            ("quiet", "daemon CPU, quiet node (issue 16)", 0.1),
+            ("opens_every_30s", "daemon CPU, an open every 30 s", None),
+        )
+        for key, label, goal in goals:
+            entry = cpu[key]
+            rows.append(
+                (
+                    label,
+                    f"{entry['core_percent']:.3f} % core = {entry['cpu_s_per_hour']:.1f} s/h",
+                    "" if goal is None else f"<= {goal} %",
+                    "" if goal is None else verdict(entry["core_percent"], goal),
+                )
+            )
+    if poll["targeted_median_ms"] is not None:
+        rows.append(
+            (
+                "steady poll p50 / p99 (issue 16)",
+                f"{poll['targeted_median_ms']:.2f} / {poll['targeted_p99_ms']:.2f} ms",
+                "<= 2 ms",
+                verdict(poll["targeted_median_ms"], 2.0),
+            )
+        )
     mem = main.get("memory")
     if mem:
         rows.append(
@@ -328,7 +434,41 @@ def table(results: dict[str, Any]) -> str:
                 f"{s['fuser_wall_ms']:6.0f} | {s['lsof_wall_ms']:6.0f} | "
                 f"{s['ratio_vs_fuser']:.2f}/{s['ratio_vs_lsof']:.2f} | {s['identical_sets']}"
             )
+    lines += _cli_lines(results.get("cli_scan") or [])
     return "\n".join(lines)
+
+
+def _cli_lines(cli_scan: list[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    if cli_scan:
+        lines.append("")
+        lines.append(
+            "whole-process scan --json: procs | alone ms (fuser, lsof) ratio f/l | "
+            "beside daemon ms (fuser) ratio | same"
+        )
+        targets = {2000: (1.0, 0.5), 4000: (0.8, None)}
+        for row in cli_scan:
+            alone, beside = row["alone"], row.get("with_daemon")
+            goal_alone, goal_beside = targets.get(row["processes"], (None, None))
+            line = (
+                f"  {row['processes']:>5} | {alone['gpuwatchd_ms']:6.0f} "
+                f"({alone['fuser_ms']:.0f}, {alone['lsof_ms']:.0f}) "
+                f"{alone['ratio_vs_fuser']:.2f}/{alone['ratio_vs_lsof']:.2f}"
+            )
+            if goal_alone is not None:
+                line += f" [<= {goal_alone}: {verdict(alone['ratio_vs_fuser'], goal_alone)}]"
+            if beside is not None:
+                line += (
+                    f" | {beside['gpuwatchd_ms']:6.0f} ({beside['fuser_ms']:.0f}) "
+                    f"{beside['ratio_vs_fuser']:.2f} {beside['scan_mode']}"
+                )
+                if goal_beside is not None:
+                    line += f" [<= {goal_beside}: {verdict(beside['ratio_vs_fuser'], goal_beside)}]"
+            else:
+                line += " | (daemon view not ready)"
+            same = alone["identical_sets"] and (beside is None or beside["identical_sets"])
+            lines.append(line + f" | {same}")
+    return lines
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -358,6 +498,7 @@ def run_all(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
             print(f"[bench] scale: {fillers} processes, {gpus} GPUs", flush=True)
             results["scales"].append(scale_point(pool, root, fillers, gpus, cfg, main=False))
         results["scales"].sort(key=lambda p: (p["gpus"] != 8, p["gpus"], p["processes"]))
+        results["cli_scan"] = cli_scans(pool, root, cfg)
     finally:
         pool.close()
     return results

@@ -87,3 +87,18 @@ def test_quick_bench_latency_sees_orphan_signalled_and_gone(
     assert "gone_ms" in by_kind[False]
     assert by_kind[True]["signals"][:2] == ["SIGTERM", "SIGKILL"]
     assert "kill_slack_ms" in by_kind[True]
+
+
+def test_quick_bench_whole_process_scan_alone_and_beside_the_daemon(
+    quick_results: dict[str, Any],
+) -> None:
+    """Issue 16's rows: the whole ``scan`` process against fuser, alone (a walk) and beside a
+    running daemon (built on its view), with the same holders as fuser every time."""
+    (row,) = quick_results["cli_scan"]
+    assert row["alone"]["identical_sets"]
+    assert row["alone"]["scan_mode"] == "full"
+    beside = row["with_daemon"]
+    assert beside["identical_sets"]
+    assert beside["scan_mode"] == "targeted"
+    cpu = quick_results["main"]["daemon_cpu"]
+    assert cpu["opens_every_30s"]["walks"] >= 1  # the opens made the daemon walk

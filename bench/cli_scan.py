@@ -42,6 +42,27 @@ def scan_pids(report: dict[str, Any]) -> set[int]:
     return found
 
 
+def _difference(found: set[int], expected: set[int]) -> dict[str, Any]:
+    extra = sorted(found - expected)[:10]
+    return {"missing": sorted(expected - found)[:10], "extra": extra, "what": _describe(extra)}
+
+
+def _describe(pids: Sequence[int]) -> dict[int, str]:
+    """ppid and command line of each PID, to tell what an unexpected holder is."""
+    described = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                ppid = handle.read().rpartition(b")")[2].split()[1].decode()
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ")[:200].decode(errors="replace")
+        except OSError:
+            described[pid] = "gone"
+            continue
+        described[pid] = f"ppid {ppid}: {cmdline}"
+    return described
+
+
 def scan_env(host: SimHost) -> dict[str, str]:
     """The host's environment with bytecode caching on, in a folder of the host's own: an
     installed package is byte-compiled, so compiling every module on every run (what
@@ -85,6 +106,7 @@ def compare_cli(
     tools: dict[str, list[float]] = {"fuser": [], "lsof": []} if with_lsof else {"fuser": []}
     same = True
     scan_mode = None
+    differences: dict[str, dict[str, list[int]]] = {}
     argvs = {
         "fuser": ["fuser", "-v", *files],
         "lsof": ["lsof", "-n", "-P", "-w", "-F", "p", *files],
@@ -94,11 +116,16 @@ def compare_cli(
         wall, report = run_scan(host, config, extra)
         ours.append(wall)
         scan_mode = report.get("scan_mode")
-        same &= scan_pids(report) - ignore == expected
+        found = scan_pids(report) - ignore
+        same &= found == expected
+        if found != expected:
+            differences["gpuwatchd"] = _difference(found, expected)
         for name, walls in tools.items():
             wall, _, pids = _run_tool(argvs[name])
             walls.append(wall)
             same &= pids - ignore == expected
+            if pids - ignore != expected:
+                differences[name] = _difference(pids - ignore, expected)
     median = statistics.median(ours)
     result: dict[str, Any] = {
         "rounds": rounds,
@@ -106,6 +133,8 @@ def compare_cli(
         "gpuwatchd_ms": median * 1e3,
         "identical_sets": same,
     }
+    if differences:
+        result["differences"] = differences
     for name, walls in tools.items():
         ref = statistics.median(walls)
         result[f"{name}_ms"] = ref * 1e3

@@ -194,12 +194,14 @@ def daemon_cpu(data: dict[str, Any]) -> dict[str, Any]:
 # --- whole-process scan, alone and beside a daemon ------------------------------------------
 
 
-def _wait_for_view(host: SimHost, holders: int, timeout: float = 120.0) -> bool:
+def _wait_for_view(host: SimHost, daemon: int, holders: int, timeout: float = 120.0) -> bool:
+    """Wait until daemon ``daemon`` (not an earlier one) has published all ``holders``."""
     path = host.state_dir / holder_view.VIEW_FILE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if len(json.loads(path.read_text())["holders"]) >= holders:
+            view = json.loads(path.read_text())
+            if view["daemon"]["pid"] == daemon and len(view["holders"]) >= holders:
                 return True
         except (OSError, ValueError, KeyError):
             pass
@@ -225,7 +227,7 @@ def cli_scans(pool: ProcessPool, root: Path, cfg: dict[str, Any]) -> list[dict[s
         row["alone"] = compare_cli(host, config, files, expected, rounds=cfg["cli_rounds"])
         daemon = host.start_daemon("run", "--config", str(config))
         try:
-            if _wait_for_view(host, len(expected)):
+            if _wait_for_view(host, daemon.pid, len(expected)):
                 row["with_daemon"] = compare_cli(
                     host,
                     config,

@@ -170,3 +170,26 @@ def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
     assert r.final["hooks_run"] == 0
     assert "hooks run: 0" in render_text(r)
     assert all(outcome == "dry_run" for _, _, _, outcome in r.signals())
+
+
+def test_leak_before_watch() -> None:
+    """Default policy: the likely heir is reported (lost leader named), nobody is signalled."""
+    r = run("leak-before-watch")
+    assert r.signals() == []
+    new = {(e.fields["kind"], e.fields["pid"]): e for e in r.entries("finding.new")}
+    heir = new[("hidden_holder", 4121)].fields
+    assert heir["evidence"]["likely_heir"] is True  # type: ignore[index]
+    assert heir["evidence"]["lost_leader"] == 4100  # type: ignore[index]
+    assert "orphans_without_history" in str(heir["reason"])
+    notebook = new[("hidden_holder", 5200)].fields
+    assert "likely_heir" not in notebook["evidence"]  # type: ignore[operator]
+
+
+def test_leak_before_watch_opt_in() -> None:
+    """With the key, the heir is orphaned (tie lost_leader) and freed; the notebook is not."""
+    r = run("leak-before-watch-opt-in")
+    assert signals_to(r, "loader") == [(30.0, "SIGTERM")]
+    assert signals_to(r, "notebook") == []
+    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    assert [e.fields["evidence"]["tie"] for e in orphan] == ["lost_leader"]  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]

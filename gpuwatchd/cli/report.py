@@ -710,7 +710,25 @@ def _finding_lines(
     lines = ["  findings"]
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
+    lines.extend(_likely_heir_advice(findings, paint))
     return lines
+
+
+def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:
+    """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
+    heirs = [
+        as_int(f.get("pid"))
+        for f in findings
+        if _as_map(f.get("evidence")).get("likely_heir") is True
+    ]
+    shown = ", ".join(str(pid) for pid in heirs if pid is not None)
+    if not shown:
+        return []
+    return [
+        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {shown}", _YELLOW),
+        f"    check with `ps -o pid,lstart,args -p {shown.replace(', ', ',')}`; kill it by hand,",
+        "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
+    ]
 
 
 def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:

@@ -92,7 +92,9 @@ _PROCESS_KEYS = (
     "visible",
     "subreaper",
     "stops_for_reset",
+    "files",
 )
+FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 _HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
 
 
@@ -185,6 +187,7 @@ class ProcessSpec:
     visible: bool = True
     subreaper: bool = False
     stops_for_reset: bool = False
+    files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
     line: int = 0
 
 
@@ -568,6 +571,7 @@ class _Reader:
             visible=flags.get("visible", True),
             subreaper=flags.get("subreaper", False),
             stops_for_reset=flags.get("stops_for_reset", False),
+            files=self.choice(n, FILES) if (n := get("files")) is not None else None,
             line=m.line,
         )
 

@@ -21,6 +21,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
@@ -264,6 +265,8 @@ def _gpu_entry(
         "processes_known": gpu.processes is not None,
         "processes": processes,
         "holders": holders,
+        # Whose open device node would make the driver refuse a reset now (docs/reset.md).
+        "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
     }
 
 
@@ -535,6 +538,13 @@ def _gpu_lines(
 
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
     lines.extend(_finding_lines(own, now, paint))
+    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    if own and refusers:
+        lines.append(
+            f"  a reset now would be refused by the driver while PID "
+            f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
+            "isolation every CUDA process opens every GPU)"
+        )
     return lines
 
 

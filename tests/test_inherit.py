@@ -359,5 +359,5 @@ def test_driver_refusers_include_jobs_of_other_gpus_and_infrastructure() -> None
     )
     reasons = reset_blockers(snapshot.holders, snapshot.processes, 0, frozenset())
     assert [r.split()[1] for r in reasons] == ["300", "900"]
-    assert all("the driver refuses" in r for r in reasons)
+    assert all("holds the GPU's device file" in r for r in reasons)
     assert gpu_uuid(0)  # the GPU the report names

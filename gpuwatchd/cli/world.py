@@ -214,11 +214,15 @@ class World:
 
     def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU and own no context of their own there."""
+        group members that hold the GPU and own no context of their own there. A process whose
+        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
+        pins none of the owner's memory."""
         minor = self.gpus[gpu].spec.minor
         found = set()
         for proc in self.procs.values():
             if proc is owner or not proc.alive or minor not in proc.minors:
+                continue
+            if proc.spec.files == "own":
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
@@ -380,6 +384,7 @@ class World:
             pid_max=host.pid_max,
             host_namespaces=host.host_namespaces,
             mps_server_running=host.mps_server_running,
+            ended_jobs=host.ended_jobs,
             absent_pids=self.absent_pids(),
             file_sharing=self.file_sharing(),
         )

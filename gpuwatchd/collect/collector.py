@@ -93,6 +93,7 @@ class Collector:
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
     _inheritance: InheritanceProbe | None = None
+    ended_by_scheduler: frozenset[str] = frozenset()  # run --once --ended-job (jobs.py)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -162,7 +163,8 @@ class Collector:
             nvidia_uvm_major=scanner.uvm_major(),
             ended_jobs=ended_jobs(
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
-            ),
+            )
+            | self.ended_by_scheduler,
             absent_pids=lost_leaders,
             file_sharing=file_sharing,
         )

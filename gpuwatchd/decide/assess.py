@@ -542,8 +542,8 @@ class _Assessor:
             gpu = held[0]
             why = (
                 f"holds GPU {gpu.index} through open files of dead owner PID "
-                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context and "
-                "shares only a session, group or job with live owners"
+                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
+                "anywhere and no live context owner is its ancestor or descendant"
             )
             return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
         for gpu in held:

@@ -138,10 +138,7 @@ def reset_blockers(
         name = proc.comm if proc and proc.comm else "?"
         if minor in holding.gpu_minors:
             via = "+".join(holding.via(minor))
-            reasons.append(
-                f"pid {pid} ({name}) holds the GPU's device file via {via} "
-                "(the driver refuses the reset while it does)"
-            )
+            reasons.append(f"pid {pid} ({name}) holds the GPU's device file via {via}")
         elif not holding.gpu_minors and (holding.ctl or holding.uvm):
             if proc is not None and is_infrastructure(proc):
                 continue  # persistenced keeps nvidiactl open; it does not hold this GPU

@@ -588,8 +588,9 @@ class _Assessor:
         ``orphaned`` with ``tie: lost_leader`` under ``detection.orphans_without_history``.
         """
         lost = _lost_leader(proc, self.host.snapshot.absent_pids)
-        if lost is None:
-            return None
+        answers = self.recorded_inheritance(proc)
+        if lost is None or (answers and not any(shared for _, shared in answers)):
+            return None  # kcmp: it opened its own files, so it is nobody's heir
         link, leader = lost
         for gpu in held:
             tie = self.memory_without_owner(gpu)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpuwatchd.collect.inherit import InheritanceProbe, Kcmp, absent_leaders
+from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
@@ -56,15 +58,21 @@ import os, sys, time
 path = sys.argv[1]
 fd = os.open(path, os.O_RDONLY)          # the owner's own open file description
 kids = []
+ready_r, ready_w = os.pipe()
 for inherit in (True, False):
     pid = os.fork()
     if pid == 0:
+        os.close(ready_r)
         if not inherit:                   # like spawn/forkserver: nothing of the owner's kept
             os.close(fd)
             os.open(path, os.O_RDONLY)
+        os.write(ready_w, b"x")           # set up: only now may the test look
+        os.close(ready_w)
         time.sleep(60)
         os._exit(0)
     kids.append(pid)
+os.close(ready_w)
+assert len(os.read(ready_r, 1) + os.read(ready_r, 1)) == 2
 print(os.getpid(), fd, *kids, flush=True)
 time.sleep(60)
 """
@@ -361,3 +369,56 @@ def test_driver_refusers_include_jobs_of_other_gpus_and_infrastructure() -> None
     assert [r.split()[1] for r in reasons] == ["300", "900"]
     assert all("holds the GPU's device file" in r for r in reasons)
     assert gpu_uuid(0)  # the GPU the report names
+
+
+# --- item 3: the scheduler's word -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "environ", "expected"),
+    [
+        ("slurm:42", {}, "slurm:42"),
+        ("slurm", {"SLURM_JOB_ID": "4242"}, "slurm:4242"),
+        (
+            "pod:0a1b2c3d-aaaa-bbbb-cccc-0123456789ab",
+            {},
+            "pod:0a1b2c3d-aaaa-bbbb-cccc-0123456789ab",
+        ),
+        ("container:3f2a9c", {}, "container:3f2a9c"),
+        ("unit:train@1.service", {}, "unit:train@1.service"),
+    ],
+)
+def test_ended_job_names_a_job_key(spec: str, environ: dict[str, str], expected: str) -> None:
+    assert scheduler_ended_job(spec, environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "environ", "message"),
+    [
+        ("slurm:4x2", {}, "'4x2' is not a valid slurm id"),
+        ("slurm", {}, "SLURM_JOB_ID is not set"),
+        ("slurm", {"SLURM_JOB_ID": "$(rm -rf /)"}, "is not a valid slurm id"),
+        ("pbs:42", {}, "KIND one of slurm, pod, container, unit"),
+        ("pod", {}, "pod needs an id"),
+        ("unit:sshd", {}, "not a valid unit id"),
+        ("slurm:" + "1" * 30, {}, "not a valid slurm id"),
+    ],
+)
+def test_ended_job_rejects_what_names_no_job(
+    spec: str, environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        scheduler_ended_job(spec, environ)
+
+
+def test_ended_job_needs_once_and_a_valid_value(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(f"state_dir: {tmp_path}\n")
+    base = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(config)]
+    for extra, message in (
+        (["--ended-job", "slurm:42"], "--ended-job needs --once"),
+        (["--once", "--ended-job", "slurm:x"], "'x' is not a valid slurm id"),
+    ):
+        done = subprocess.run(base + extra, capture_output=True, text=True, check=False, timeout=60)
+        assert done.returncode == 78, done.stderr
+        assert message in done.stderr

@@ -117,6 +117,8 @@ class EventName(_Name):
     STATE_SAVE_FAILED = "state.save_failed"
     STATE_DIR_UNUSABLE = "state.dir_unusable"
     METRICS_WRITE_FAILED = "metrics.write_failed"
+    # inheritance evidence (collect/inherit.py)
+    COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"

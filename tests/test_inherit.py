@@ -422,3 +422,25 @@ def test_ended_job_needs_once_and_a_valid_value(tmp_path: pathlib.Path) -> None:
         done = subprocess.run(base + extra, capture_output=True, text=True, check=False, timeout=60)
         assert done.returncode == 78, done.stderr
         assert message in done.stderr
+
+
+def test_kcmp_unavailable_is_logged_once_and_answers_stay_unknown() -> None:
+    from structlog.testing import capture_logs
+
+    kcmp = Kcmp(number=-1)  # no such syscall: ENOSYS, as a seccomp filter answers
+    assert kcmp.same_file(os.getpid(), 0, os.getpid(), 0) is None
+    snapshot = (
+        HostBuilder()
+        .gpu(0)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .proc(801, ppid=800, holds={0}, uvm=True)
+        .build()
+    )
+    probe = InheritanceProbe(ProcFS().holders, "/proc", kcmp)
+    with capture_logs() as logs:
+        first = probe.compare(snapshot.processes, snapshot.holders, [800])
+        probe.compare(snapshot.processes, snapshot.holders, [800])
+    assert [a.shared for a in first] == [None]
+    events = [e for e in logs if e["event"] == "collect.kcmp_unavailable"]
+    assert len(events) == 1
+    assert events[0]["log_level"] == "warning"

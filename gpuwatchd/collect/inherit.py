@@ -32,8 +32,13 @@ import platform
 import stat
 from collections.abc import Callable, Iterable, Mapping
 
+import structlog
+
 from gpuwatchd.collect.holders import HolderScanner, match_device_name
 from gpuwatchd.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
+from gpuwatchd.vocabulary import EventName
+
+log = structlog.get_logger()
 
 __all__ = ["KCMP_FILE", "InheritanceProbe", "Kcmp", "absent_leaders"]
 
@@ -44,6 +49,7 @@ _MAX_DEVICE_FDS = 64  # device fds compared per process; a CUDA process holds a 
 _MAX_NEW_PAIRS = 64  # new holder/owner pairs compared per poll; the rest wait for the next
 _MAX_CACHE = 8192  # remembered answers; cleared when full (they are recomputed cheaply)
 _MAX_ANCESTORS = 64
+_RETRY_UNKNOWN_POLLS = 12  # an unknown answer (mappings only, a race) is asked again this late
 
 
 class Kcmp:
@@ -90,6 +96,9 @@ class InheritanceProbe:
         self.root = root.rstrip("/") or "/"
         self.kcmp = kcmp if kcmp is not None else Kcmp()
         self._known: dict[tuple[ProcessIdentity, ProcessIdentity], bool] = {}
+        self._unknown_until: dict[tuple[ProcessIdentity, ProcessIdentity], int] = {}
+        self._polls = 0
+        self._reported = False
 
     def compare(
         self,
@@ -103,6 +112,10 @@ class InheritanceProbe:
             for pid in owners
             if pid in processes and not processes[pid].is_zombie and pid in holders.holdings
         }
+        self._polls += 1
+        if self.kcmp.unavailable is not None and not self._reported:
+            self._reported = True
+            log.warning(EventName.COLLECT_KCMP_UNAVAILABLE, reason=self.kcmp.unavailable)
         if not live_owners:
             return ()
         found: list[FileSharing] = []
@@ -116,13 +129,18 @@ class InheritanceProbe:
                     continue
                 key = (holder.identity, owner.identity)
                 shared = self._known.get(key)
-                if shared is None and budget > 0 and self.kcmp.unavailable is None:
+                retry = self._unknown_until.get(key, 0) <= self._polls
+                if shared is None and retry and budget > 0 and self.kcmp.unavailable is None:
                     budget -= 1
                     shared = self._shares(pid, owner.pid)
+                    if len(self._known) + len(self._unknown_until) >= _MAX_CACHE:
+                        self._known.clear()
+                        self._unknown_until.clear()
                     if shared is not None:
-                        if len(self._known) >= _MAX_CACHE:
-                            self._known.clear()
                         self._known[key] = shared
+                        self._unknown_until.pop(key, None)
+                    else:
+                        self._unknown_until[key] = self._polls + _RETRY_UNKNOWN_POLLS
                 found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared))
         return tuple(found)
 

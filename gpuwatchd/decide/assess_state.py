@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.health import HealthState
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.vocabulary import ASSESS_STATE_VERSION
@@ -49,9 +50,11 @@ class AssessState:
     boot_id: str | None = None
     unaccounted_since: Mapping[str, float] = field(default_factory=dict)
     owners: frozenset[ProcessIdentity] = frozenset()
+    health: HealthState = field(default_factory=HealthState)  # decide/health.py
 
     def to_json(self) -> dict[str, object]:
         return {
+            "health": self.health.to_json(),
             "version": ASSESS_STATE_VERSION,
             "boot_id": self.boot_id,
             "baselines": dict(sorted(self.baselines.items())),
@@ -119,6 +122,7 @@ class AssessState:
             boot_id=boot_id,
             unaccounted_since=since,
             owners=frozenset(owners),
+            health=HealthState.from_json(data.get("health", {})),
         )
 
 

@@ -29,7 +29,7 @@ See docs/architecture.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
@@ -47,6 +47,7 @@ from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.health import note_reset
 from gpuwatchd.decide.plan import (
     HookIntent,
     Intent,
@@ -74,7 +75,7 @@ from gpuwatchd.model import (
     Snapshot,
     as_int,
 )
-from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, SignalOutcome
+from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, ResetResult, SignalOutcome
 
 __all__ = [
     "EXIT_GRACE",
@@ -312,7 +313,8 @@ class Engine:
         )
 
     def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
-        hooks = self.policy.on_failure
+        # "reset_drain": a health reset's drain (decide/plan.py); anything else: on_failure.
+        hooks = self.policy.reset.drain if intent.hook == "reset_drain" else self.policy.on_failure
         if intent.dry_run:
             for hook in hooks:
                 self._emit(
@@ -371,6 +373,12 @@ class Engine:
         return self._book_reset(intent, outcome)
 
     def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+        if outcome.result == ResetResult.SUCCESS and not intent.dry_run:
+            # GPU health: Xids before this reset are dealt with; the next reading is the
+            # health check after it (decide/health.py).
+            assessed = self.state.assess
+            health = note_reset(assessed.health, intent.gpu, self.clock.wall())
+            self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )

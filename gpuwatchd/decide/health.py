@@ -338,21 +338,24 @@ def assess_health(
 
 
 def drain_blockers(gpu: GpuInfo, snapshot: Snapshot, *, device_isolation: bool) -> list[str]:
-    """Live GPU processes elsewhere on the node that keep a health reset of ``gpu`` waiting.
+    """Live processes NVML lists that keep a health reset of ``gpu`` waiting.
 
-    Without cgroup device isolation every CUDA process opens every GPU's device file, and the
-    driver refuses to reset a GPU whose file is open: a live job on *any* GPU blocks the reset
-    (docs/reset.md#what-blocks-a-reset). With isolation only the GPU's own holders count, and
-    those are the reset gates' ``live_holder``. A process NVML lists is live unless ``/proc``
-    shows it gone or a zombie; an unreadable one counts as live (unknown is not none).
+    A live context owner on the GPU itself always blocks (the holder scan's ``live_holder`` gate
+    names the device-file holders besides). Without cgroup device isolation every CUDA process
+    opens every GPU's device file, and the driver refuses to reset a GPU whose file is open: a
+    live job on *any* GPU blocks (docs/reset.md#what-blocks-a-reset). A listed process is live
+    unless ``/proc`` shows it gone or a zombie; an unreadable one counts as live (unknown is
+    not none).
     """
-    if device_isolation:
-        return []
     found: list[str] = []
     for other in sorted(snapshot.nvml.gpus, key=lambda g: g.index):
-        if other.uuid == gpu.uuid:
+        same = other.uuid == gpu.uuid
+        if not same and device_isolation:
             continue
-        for listed in other.processes or ():
+        if other.processes is None:
+            found.append(f"the process list of GPU {other.index} is unknown")
+            continue
+        for listed in other.processes:
             if listed.pid in snapshot.self_pids:
                 continue
             proc = snapshot.processes.get(listed.pid)
@@ -360,7 +363,8 @@ def drain_blockers(gpu: GpuInfo, snapshot: Snapshot, *, device_isolation: bool) 
                 continue
             if proc is None and listed.pid not in _known_pids(snapshot):
                 continue  # NVML lists a dead PID: it holds nothing
-            found.append(f"pid {listed.pid} on GPU {other.index} (no device isolation)")
+            where = "on this GPU" if same else f"on GPU {other.index} (no device isolation)"
+            found.append(f"pid {listed.pid} {where}")
     return found
 
 

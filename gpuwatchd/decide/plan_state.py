@@ -69,8 +69,8 @@ class HealthWait:
     """A health reset waiting for its GPU's users to finish (drain, then reset).
 
     ``since`` is monotonic (when the drain began: the hooks were asked for then, and
-    ``health.drain_timeout`` counts from it); ``expired`` once the wait passed the timeout
-    (given up: no reset while the finding lasts). Kept per GPU UUID while its finding lasts.
+    ``health.drain_timeout`` counts from it); ``expired`` once the wait passed the timeout and
+    ``on_failure`` was asked for (once). Kept per GPU UUID while its finding lasts.
     """
 
     finding_key: str

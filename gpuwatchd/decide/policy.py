@@ -147,7 +147,8 @@ class HealthPolicy:
     ``action``: "report" (events only), "drain" (also run the ``reset.drain`` hooks once) or
     "reset" (drain, wait until nothing holds the GPU, then the reset procedure, under every
     reset gate and limit; without ``reset.enabled`` it is "drain"). ``drain_timeout`` bounds
-    that wait; then the ``on_failure`` hooks run and no reset follows. ``device_isolation``
+    that wait; then the ``on_failure`` hooks run once (the reset still follows if the GPU is
+    freed later: nothing is ever signalled for it). ``device_isolation``
     says jobs only open the device files of their own GPUs (cgroup device isolation): without
     it, a live job on any GPU keeps a health reset waiting.
     """

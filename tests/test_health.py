@@ -136,7 +136,7 @@ def kinds(h: GpuHealth, state: HealthState | None = None) -> list[FindingKind]:
                 "recovery_action": None,
             },
             [],
-        ),  # fmt: skip
+        ),
         ({"xids": (XidEvent(63, 1.0), XidEvent(92, 1.0), XidEvent(94, 1.0))}, []),
     ],
 )
@@ -165,7 +165,8 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     second = assess_health(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 20.0),)))), first.state,
                            boot_changed=False)  # fmt: skip
     (finding,) = second.findings
-    assert finding.kind is FindingKind.RESET_REQUIRED and finding.pid is None
+    assert finding.kind is FindingKind.RESET_REQUIRED
+    assert finding.pid is None
     assert finding.evidence["xids"] == {
         "95": {"count": 2, "first": 10.0, "last": 20.0, "action": "reset"}
     }
@@ -173,7 +174,8 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     assert finding.evidence["since"] == first.findings[0].evidence["since"]
     # A new boot forgets them.
     after_boot = assess_health(snap(gpu(0, GPU0, health())), second.state, boot_changed=True)
-    assert after_boot.findings == () and after_boot.state.gpus[GPU0].xids == {}
+    assert after_boot.findings == ()
+    assert after_boot.state.gpus[GPU0].xids == {}
 
 
 def test_a_reset_clears_xid_reasons_but_a_field_still_asking_means_reboot() -> None:
@@ -188,13 +190,13 @@ def test_a_reset_clears_xid_reasons_but_a_field_still_asking_means_reboot() -> N
 
 
 def test_health_state_round_trips_and_rejects_garbage() -> None:
-    state = assess_health(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 10.0),), remap_pending=True))),
-                          HealthState(), boot_changed=False).state  # fmt: skip
+    reading = health(xids=(XidEvent(95, 10.0),), remap_pending=True)
+    state = assess_health(snap(gpu(0, GPU0, reading)), HealthState(), boot_changed=False).state
     state = note_reset(state, GPU0, 42.0)
     assert HealthState.from_json(json.loads(json.dumps(state.to_json()))) == state
     for bad in ({GPU0: {"xids": {"x": [1, 1.0, 1.0]}}}, {GPU0: {"xids": {"95": [1, "a", 1.0]}}},
                 {GPU0: {"last_reset": float("inf")}}, []):  # fmt: skip
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"health|expected"):
             HealthState.from_json(bad)
     round_tripped = AssessState.from_json(
         json.loads(json.dumps(AssessState(health=state).to_json()))
@@ -262,11 +264,13 @@ def test_idle_gpu_asking_for_a_reset_is_drained_then_reset_at_once() -> None:
     assert hooks(result) == ["reset_drain"]
     assert EventName.HEALTH_DRAIN_STARTED in names(result)
     (intent,) = resets(result)
-    assert intent.gpu == GPU0 and not intent.dry_run
+    assert intent.gpu == GPU0
+    assert not intent.dry_run
     run.book(intent, 1001.0)
     # The driver cleared the action after the reset: the finding resolves, nothing more.
     after = run.poll(snap(gpu(0, GPU0, health()), t=1010.0))
-    assert resets(after) == [] and EventName.FINDING_RESOLVED in names(after)
+    assert resets(after) == []
+    assert EventName.FINDING_RESOLVED in names(after)
     assert run.plan_state.health_waits == {}
 
 
@@ -276,16 +280,19 @@ def test_unisolated_node_waits_for_a_live_job_on_another_gpu_and_never_signals_i
     pending = health(remap_pending=True)
     busy = (gpu(0, GPU0, pending), gpu(1, GPU1, health(), pids=(4242,)))
     first = run.poll(snap(*busy, procs=(job,)))
-    assert hooks(first) == ["reset_drain"] and resets(first) == []
+    assert hooks(first) == ["reset_drain"]
+    assert resets(first) == []
     assert EventName.HEALTH_DRAIN_WAITING in names(first)
     assert not any(isinstance(i, SignalIntent) for i in first.intents)
     run.restart()  # the wait survives: no second drain, the same start
     second = run.poll(snap(*busy, t=1600.0, procs=(job,)))
-    assert hooks(second) == [] and resets(second) == []
+    assert hooks(second) == []
+    assert resets(second) == []
     assert run.plan_state.health_waits[GPU0].since == 1000.0
     done = run.poll(snap(gpu(0, GPU0, pending), gpu(1, GPU1, health()), t=1700.0))
     (intent,) = resets(done)
-    assert intent.gpu == GPU0 and hooks(done) == []
+    assert intent.gpu == GPU0
+    assert hooks(done) == []
 
 
 def test_with_device_isolation_a_job_on_another_gpu_does_not_block() -> None:
@@ -303,11 +310,14 @@ def test_drain_wait_is_bounded_then_on_failure_once_and_a_reset_only_once_free()
     assert run.plan_state.waiting  # the timeout is a deadline the engine wakes for
     late = run.poll(snap(*state_of, t=1601.0, procs=(job,)))
     assert EventName.HEALTH_DRAIN_TIMED_OUT in names(late)
-    assert hooks(late) == ["on_failure"] and resets(late) == []
+    assert hooks(late) == ["on_failure"]
+    assert resets(late) == []
     later = run.poll(snap(*state_of, t=2000.0, procs=(job,)))
-    assert hooks(later) == [] and resets(later) == []
+    assert hooks(later) == []
+    assert resets(later) == []
     freed = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=2100.0))
-    assert len(resets(freed)) == 1 and hooks(freed) == [], "no second drain, no second page"
+    assert len(resets(freed)) == 1
+    assert hooks(freed) == [], "no second drain, no second page"
 
 
 def test_reboot_required_runs_on_failure_and_drain_once_and_never_resets() -> None:
@@ -316,12 +326,11 @@ def test_reboot_required_runs_on_failure_and_drain_once_and_never_resets() -> No
                 snap(gpu(0, GPU0, health()), t=1100.0)]  # fmt: skip
     first, second = run.poll(readings[0]), run.poll(readings[1])
     assert EventName.GPU_NEEDS_REBOOT in names(first)
-    assert hooks(first) == ["on_failure", "reset_drain"] and resets(first) == []
-    assert (
-        hooks(second) == []
-        and resets(second) == []
-        and EventName.GPU_NEEDS_REBOOT not in names(second)
-    )
+    assert hooks(first) == ["on_failure", "reset_drain"]
+    assert resets(first) == []
+    assert hooks(second) == []
+    assert resets(second) == []
+    assert EventName.GPU_NEEDS_REBOOT not in names(second)
 
 
 def test_still_unhealthy_after_the_reset_escalates_to_reboot() -> None:
@@ -329,7 +338,8 @@ def test_still_unhealthy_after_the_reset_escalates_to_reboot() -> None:
     (intent,) = resets(run.poll(snap(gpu(0, GPU0, health(recovery_action=1)))))
     run.book(intent, 1001.0)
     after = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1010.0))
-    assert resets(after) == [] and EventName.GPU_NEEDS_REBOOT in names(after)
+    assert resets(after) == []
+    assert EventName.GPU_NEEDS_REBOOT in names(after)
     assert "on_failure" in hooks(after)
 
 
@@ -346,8 +356,10 @@ def test_without_action_reset_there_is_no_reset(pol: Policy, expected_hooks: lis
     run = Run(pol)
     result = run.poll(snap(gpu(0, GPU0, health(recovery_action=1))))
     again = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1100.0))
-    assert resets(result) == [] and resets(again) == []
-    assert hooks(result) == expected_hooks and hooks(again) == []
+    assert resets(result) == []
+    assert resets(again) == []
+    assert hooks(result) == expected_hooks
+    assert hooks(again) == []
 
 
 def test_health_resets_obey_protect_limits_and_dry_run() -> None:
@@ -361,10 +373,12 @@ def test_health_resets_obey_protect_limits_and_dry_run() -> None:
     (first,) = resets(run.poll(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 1.0),))))))
     run.book(first, 1001.0)
     again = run.poll(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 1_700_001_100.0),))), t=1100.0))
-    assert resets(again) == [] and EventName.RESET_LIMIT_REACHED in names(again)
+    assert resets(again) == []
+    assert EventName.RESET_LIMIT_REACHED in names(again)
 
 
 def test_application_xid_13_changes_nothing() -> None:
     run = Run(policy())
     result = run.poll(snap(gpu(0, GPU0, health(xids=(XidEvent(13, 1.0),)))))
-    assert result.intents == () and EventName.FINDING_NEW not in names(result)
+    assert result.intents == ()
+    assert EventName.FINDING_NEW not in names(result)

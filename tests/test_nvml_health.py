@@ -55,16 +55,21 @@ def test_health_fields_are_read_with_their_values(fake_nvml: FakeNvml, client: N
     )
     reading = client.read()
     first, second = (g.health for g in reading.gpus)
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert (first.recovery_support, first.recovery_action) == (Support.OK, 4)
     assert first.remap_support is Support.OK
     assert (first.remap_correctable, first.remap_uncorrectable) == (2, 1)
     assert (first.remap_pending, first.remap_failure) == (True, False)
-    assert first.pages_support is Support.NOT_SUPPORTED and first.pages_pending is None
-    assert second.recovery_support is Support.NOT_SUPPORTED and second.recovery_action is None
-    assert second.remap_support is Support.NOT_SUPPORTED and second.remap_pending is None
+    assert first.pages_support is Support.NOT_SUPPORTED
+    assert first.pages_pending is None
+    assert second.recovery_support is Support.NOT_SUPPORTED
+    assert second.recovery_action is None
+    assert second.remap_support is Support.NOT_SUPPORTED
+    assert second.remap_pending is None
     assert (second.pages_pending, second.pages_single_bit, second.pages_double_bit) == (True, 2, 0)
-    assert first.events is Support.OK and second.events is Support.OK
+    assert first.events is Support.OK
+    assert second.events is Support.OK
 
 
 def test_xid_events_are_delivered_once_to_their_gpu(
@@ -82,7 +87,8 @@ def test_xid_events_are_delivered_once_to_their_gpu(
     before = time.time()
     reading = client.read()
     zero, one = (g.health for g in reading.gpus)
-    assert zero is not None and one is not None
+    assert zero is not None
+    assert one is not None
     assert zero.xids == ()
     assert [x.xid for x in one.xids] == [95, 13]
     assert all(x.wall >= before for x in one.xids)
@@ -106,7 +112,8 @@ def test_unsupported_events_and_fields_are_not_supported_not_errors(
     reading = client.read()
     (health,) = (g.health for g in reading.gpus)
     assert health is not None
-    assert health.events is Support.NOT_SUPPORTED and health.xids == ()
+    assert health.events is Support.NOT_SUPPORTED
+    assert health.xids == ()
     assert health.recovery_support is Support.NOT_SUPPORTED
     assert reading.gpus[0].error is None
 
@@ -132,11 +139,15 @@ def test_other_errors_make_the_value_unknown_and_are_named(
     info = reading.gpus[0]
     health = info.health
     assert health is not None
-    assert health.recovery_support is Support.UNKNOWN and health.recovery_action is None
-    assert health.remap_support is Support.UNKNOWN and health.remap_pending is None
+    assert health.recovery_support is Support.UNKNOWN
+    assert health.recovery_action is None
+    assert health.remap_support is Support.UNKNOWN
+    assert health.remap_pending is None
     assert health.events is Support.UNKNOWN
-    assert info.error is not None and "nvmlDeviceGetRemappedRows" in info.error
-    assert "recovery action" in info.error and "nvmlDeviceRegisterEvents" in info.error
+    assert info.error is not None
+    assert "nvmlDeviceGetRemappedRows" in info.error
+    assert "recovery action" in info.error
+    assert "nvmlDeviceRegisterEvents" in info.error
 
 
 def test_per_field_not_supported_is_an_answer(fake_nvml: FakeNvml, client: NvmlClient) -> None:
@@ -144,7 +155,8 @@ def test_per_field_not_supported_is_an_answer(fake_nvml: FakeNvml, client: NvmlC
         state([gpu(0, recovery_action=1, field_errors={"230": NVML_ERROR_NOT_SUPPORTED})])
     )
     health = client.read().gpus[0].health
-    assert health is not None and health.recovery_support is Support.NOT_SUPPORTED
+    assert health is not None
+    assert health.recovery_support is Support.NOT_SUPPORTED
 
 
 def test_event_wait_never_holds_up_the_poll(fake_nvml: FakeNvml, client: NvmlClient) -> None:
@@ -182,7 +194,7 @@ def test_event_wait_never_holds_up_the_poll(fake_nvml: FakeNvml, client: NvmlCli
             },
             "remap_correctable",
             None,
-        ),  # fmt: skip
+        ),
         ({"retired_pages": {"status": "ok", "pending": "yes"}}, "pages_support", Support.UNKNOWN),
         ({"xids": [{"xid": 2**20, "wall": 1.0}, {"xid": 79, "wall": float("nan")}]}, "xids", ()),
         ({"xids": "95"}, "xids", ()),
@@ -199,7 +211,8 @@ def test_hostile_worker_values_become_unknown(
 
 def test_xids_are_capped_per_poll() -> None:
     health = to_health({"xids": [{"xid": 13, "wall": 1.0}] * 10_000})
-    assert health is not None and len(health.xids) == 256
+    assert health is not None
+    assert len(health.xids) == 256
 
 
 def test_missing_health_entry_is_none() -> None:

@@ -982,7 +982,8 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
             return
         if ctx.now - wait.since >= timeout:
             w.health_waits[uuid] = replace(wait, expired=True)
-            why = f"still held after {timeout:g}s: {'; '.join(blockers)}; waiting on, never signalling"
+            held = "; ".join(blockers)
+            why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
             facts = {**_finding_fields(finding), "blockers": blockers}
             w.event(EventName.HEALTH_DRAIN_TIMED_OUT, "critical", why=why, **facts)
             w.intents.append(HookIntent("on_failure", f"{uuid}: {why}", facts, dry_run=dry))

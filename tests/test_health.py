@@ -194,6 +194,7 @@ def test_health_state_round_trips_and_rejects_garbage() -> None:
     state = assess_health(snap(gpu(0, GPU0, reading)), HealthState(), boot_changed=False).state
     state = note_reset(state, GPU0, 42.0)
     assert HealthState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    bad: object
     for bad in ({GPU0: {"xids": {"x": [1, 1.0, 1.0]}}}, {GPU0: {"xids": {"95": [1, "a", 1.0]}}},
                 {GPU0: {"last_reset": float("inf")}}, []):  # fmt: skip
         with pytest.raises(ValueError, match=r"health|expected"):

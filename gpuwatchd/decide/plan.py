@@ -18,9 +18,12 @@ The state it carries between polls, with that state's JSON form and validation, 
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
 
-It is long (about 1,000 lines) because ladders, resets, the kill cap and pause share one scratch
-state per call (``_Work``) and one set of deadlines: each decision reads what the others just
-decided in the same poll. Split, that state would have to be passed between modules.
+It is long (about 1,250 lines) because ladders, resets, the kill cap, pause and GPU health's
+drain-then-reset share one scratch state per call (``_Work``), one set of deadlines and one set
+of reset gates: each decision reads what the others just decided in the same poll. Split, that
+state would have to be passed between modules. What GPU health *means* is
+``decide/health.py``'s; only acting on it is here, so that a health reset goes through the very
+gates (``reset_gates``, the history gates) and the one ``ResetIntent`` of a ghost-memory reset.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
@@ -49,6 +49,7 @@ from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.health import note_reset
 from gpuwatchd.decide.plan import (
     HookIntent,
     Intent,
@@ -76,7 +77,13 @@ from gpuwatchd.model import (
     Snapshot,
     as_int,
 )
-from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, HookName, SignalOutcome
+from gpuwatchd.vocabulary import (
+    SIGNAL_OUTCOME_LEVELS,
+    EventName,
+    HookName,
+    ResetResult,
+    SignalOutcome,
+)
 
 __all__ = [
     "EXIT_GRACE",
@@ -345,11 +352,13 @@ class Engine:
         )
 
     def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
-        """Run the hooks ``intent`` names: ``on_failure`` here (watchdog-fed), ``on_action``
-        in the background (a notification never delays a poll)."""
-        hooks = (
-            self.policy.on_action if intent.hook == HookName.ON_ACTION else self.policy.on_failure
-        )
+        """Run the hooks ``intent`` names: ``on_failure`` and a health reset's ``reset.drain``
+        here (watchdog-fed), ``on_action`` in the background (a notification never delays a
+        poll)."""
+        hooks = {
+            HookName.ON_ACTION: self.policy.on_action,
+            HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
+        }.get(HookName(intent.hook), self.policy.on_failure)
         if not hooks:
             return ()
         if intent.dry_run:
@@ -457,6 +466,12 @@ class Engine:
         return self._book_reset(intent, outcome)
 
     def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+        if outcome.result == ResetResult.SUCCESS and not intent.dry_run:
+            # GPU health: Xids before this reset are dealt with; the next reading is the
+            # health check after it (decide/health.py).
+            assessed = self.state.assess
+            health = note_reset(assessed.health, intent.gpu, self.clock.wall())
+            self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )

@@ -36,6 +36,10 @@ class FindingKind(str, enum.Enum):
     HIDDEN_HOLDER = "hidden_holder"
     GHOST_MEMORY = "ghost_memory"
     UNACCOUNTED_MEMORY = "unaccounted_memory"
+    # GPU health (docs/findings.md#gpu-health): GPU-level, never about a process.
+    RESET_REQUIRED = "reset_required"
+    REBOOT_REQUIRED = "reboot_required"
+    DRAIN_REQUIRED = "drain_required"
 
     def __str__(self) -> str:
         return self.value
@@ -237,6 +241,55 @@ class NvmlProcess:
     kind: str  # "compute", "graphics" or "mps"
 
 
+# --- GPU health (NVML events and health fields) -------------------------------------------------
+
+
+class Support(str, enum.Enum):
+    """Whether a health value could be read: "not supported" is an answer, "unknown" is not."""
+
+    OK = "ok"
+    NOT_SUPPORTED = "not_supported"  # the driver or GPU does not offer it (old driver, MIG...)
+    UNKNOWN = "unknown"  # the call failed otherwise: nothing may be concluded from it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One Xid critical-error event NVML delivered, with the wall time the worker read it."""
+
+    xid: int
+    wall: float
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """The health fields of one GPU in one poll (docs/findings.md#gpu-health).
+
+    ``xids`` are the Xid events read since the previous poll (events are consumed once: the
+    history is kept by ``decide/health.py``). ``recovery_action`` is NVML's
+    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P,
+    4 drain and reset; R570 and later). ``remap_*`` come from ``nvmlDeviceGetRemappedRows``
+    (Ampere and later, not under MIG), ``pages_pending`` from the retired-page pending status
+    (before Ampere). Each value is None unless its ``*_support`` is ``Support.OK``.
+    """
+
+    events: Support = Support.UNKNOWN
+    xids: tuple[XidEvent, ...] = ()
+    recovery_action: int | None = None
+    recovery_support: Support = Support.UNKNOWN
+    remap_correctable: int | None = None
+    remap_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    remap_support: Support = Support.UNKNOWN
+    pages_pending: bool | None = None
+    pages_single_bit: int | None = None
+    pages_double_bit: int | None = None
+    pages_support: Support = Support.UNKNOWN
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reported it in one poll.
@@ -261,6 +314,7 @@ class GpuInfo:
     nvlink_active: int | None = None  # active NVLink links; 0 without NVLink
     lost: bool = False
     error: str | None = None
+    health: GpuHealth | None = None  # None: not read (e.g. a reading from before health)
 
     @property
     def coherent_memory(self) -> bool:

@@ -87,6 +87,10 @@ class EventName(_Name):
     RESET_FAILED = "reset.failed"
     RESET_DRY_RUN = "reset.dry_run"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
+    # GPU health (decide/plan.py over decide/health.py)
+    HEALTH_DRAIN_STARTED = "health.drain_started"
+    HEALTH_DRAIN_WAITING = "health.drain_waiting"
+    HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
@@ -214,6 +218,7 @@ class HookName(_Name):
 
     ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
     ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
+    RESET_DRAIN = "reset_drain"  # GPU health: reset.drain, once, before waiting for the GPU
 
 
 class ActionOutcome(_Name):

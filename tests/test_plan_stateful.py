@@ -8,7 +8,11 @@ checks the invariants of docs/architecture.md, testing without a GPU after every
 - never a ResetIntent for a GPU with a live holder, or while another reset is in flight;
 - never more resets of a GPU within the window than ``max_resets``;
 - the real steps of a ladder come in order, each at most once;
-- never more distinct processes signalled per poll / per hour than the kill cap.
+- never more distinct processes signalled per poll / per hour than the kill cap;
+- GPU health: never a health reset while NVML lists a live job anywhere on the node (no device
+  isolation), never a signal for it; a drain wait keeps its start across restarts, is bounded
+  (past ``drain_timeout`` with a job still there it has given up: ``on_failure`` once per
+  wait), and the drain hooks run once per wait.
 
 Profiles: ``default`` (120 examples, ~6 s) locally; GPUWATCHD_HYPOTHESIS_PROFILE=ci runs 800
 examples of 80 steps (about 90 s on one core).
@@ -43,6 +47,8 @@ from gpuwatchd.decide.plan import (
 from gpuwatchd.decide.policy import (
     FLOOR_PROCESS_NAMES,
     Detection,
+    HealthPolicy,
+    Hook,
     Limits,
     Policy,
     Protect,
@@ -107,8 +113,13 @@ POLICY = Policy(
     ),
     protect=Protect(users=("alice",)),
     limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=4, post_action_delay=3.0),
-    reset=ResetPolicy(confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2),
-)
+    reset=ResetPolicy(
+        confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2,
+        drain=(Hook(("drain-node",)),),
+    ),
+    health=HealthPolicy(drain_timeout=60.0),
+)  # fmt: skip
+HEALTH = (FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED)
 
 
 def is_floor_or_protected(p: ProcessInfo) -> bool:
@@ -141,6 +152,11 @@ class EscalationMachine(RuleBasedStateMachine):
         self.first_signalled: dict[str, float] = {}
         self.resets_done: list[tuple[str, float]] = []
         self.polls = 0
+        self.health: dict[str, FindingKind] = {}  # GPU → its health finding
+        self.listed: set[int] = set()  # live jobs NVML lists (on GPU pid % 2)
+        self.drains: dict[tuple[str, bool], int] = {}  # (finding, dry_run) → drain hooks
+        self.timeouts: dict[str, int] = {}  # GPU → drain timeouts this wait
+        self.wait_since: dict[str, float] = {}
 
     # --- the world ----------------------------------------------------------------------------
 
@@ -149,8 +165,11 @@ class EscalationMachine(RuleBasedStateMachine):
         name=st.sampled_from(NAMES),
         user=st.sampled_from(USERS),
         kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
+        job=st.booleans(),
     )
-    def spawn(self, slot: int, name: str, user: str | None, kind: FindingKind | None) -> None:
+    def spawn(
+        self, slot: int, name: str, user: str | None, kind: FindingKind | None, job: bool
+    ) -> None:
         if slot in self.procs:
             return
         self.ticks += 1
@@ -169,9 +188,27 @@ class EscalationMachine(RuleBasedStateMachine):
         )
         if kind is not None:
             self.set_finding(slot, kind)
+        elif job:
+            self.list_job(slot)
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def list_job(self, slot: int) -> None:
+        """A live process owns a context: NVML lists it (a job, blocking health resets)."""
+        p = self.procs.get(slot)
+        if p is not None and p.state != "Z" and slot != SELF_PID:
+            self.listed.add(slot)
+
+    @rule(gpu=st.sampled_from(GPUS), kind=st.sampled_from((None, *HEALTH)))
+    def gpu_health(self, gpu: str, kind: FindingKind | None) -> None:
+        """The driver asks for a reset, a reboot or a drain (or stops asking)."""
+        if kind is None:
+            self.health.pop(gpu, None)
+        else:
+            self.health[gpu] = kind
 
     @rule(slot=st.sampled_from(SLOTS), seen_by_act=st.booleans())
     def exit(self, slot: int, seen_by_act: bool) -> None:
+        self.listed.discard(slot)
         p = self.procs.pop(slot, None)
         self.findings.pop(slot, None)
         if p is not None and seen_by_act and p.identity is not None:
@@ -183,6 +220,7 @@ class EscalationMachine(RuleBasedStateMachine):
         p = self.procs.get(slot)
         if p is None:
             return
+        self.listed.discard(slot)
         self.ticks += 1
         self.procs[slot] = ProcessInfo(
             pid=slot,
@@ -239,6 +277,10 @@ class EscalationMachine(RuleBasedStateMachine):
             self.clock += 120.0
             self.procs.clear()
             self.findings.clear()
+            self.listed.clear()
+            self.drains.clear()  # a new boot: a new episode, drained afresh
+            self.wait_since.clear()
+            self.timeouts.clear()
             self.in_flight = None
             self.real_steps.clear()
             self.first_signalled.clear()
@@ -271,6 +313,8 @@ class EscalationMachine(RuleBasedStateMachine):
             self.resets_done.append((intent.gpu, self.clock))
         if outcome == "success":
             self.ghosts.discard(intent.gpu)
+            if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+                self.health.pop(intent.gpu, None)  # the driver is satisfied
         if outcome in ("failed", "timeout"):
             # on_failure, then the on_action notification of a reset that ran; nothing else.
             assert [(type(i), i.hook) for i in result.intents if isinstance(i, HookIntent)] == [
@@ -295,6 +339,11 @@ class EscalationMachine(RuleBasedStateMachine):
             holdings[pid] = DeviceHolding(pid, frozenset({pid % 2}), uvm=True)
         for gpu in sorted(self.ghosts):
             findings.append(Finding(FindingKind.GHOST_MEMORY, gpu, None, None, "ghost", MIB))
+        for gpu, kind in sorted(self.health.items()):
+            findings.append(Finding(kind, gpu, None, None, "the driver asks", None))
+        for pid in sorted(self.listed):
+            old = holdings.get(pid, DeviceHolding(pid, uvm=True))
+            holdings[pid] = replace(old, gpu_minors_fd=old.gpu_minors_fd | {pid % 2})
         snapshot = Snapshot(
             monotonic=self.mono,
             wall_time=self.wall,
@@ -302,7 +351,18 @@ class EscalationMachine(RuleBasedStateMachine):
             nvml=NvmlReading(
                 available=True,
                 gpus=tuple(
-                    GpuInfo(index=i, uuid=u, minor=i, mig_enabled=False) for i, u in enumerate(GPUS)
+                    GpuInfo(
+                        index=i,
+                        uuid=u,
+                        minor=i,
+                        mig_enabled=False,
+                        processes=tuple(
+                            NvmlProcess(pid, 300 * MIB, "compute")
+                            for pid in sorted(self.listed)
+                            if pid % 2 == i
+                        ),
+                    )
+                    for i, u in enumerate(GPUS)
                 ),
             ),
             processes=dict(self.procs),
@@ -331,10 +391,41 @@ class EscalationMachine(RuleBasedStateMachine):
         new_this_poll = 0
         for intent in result.intents:
             if isinstance(intent, SignalIntent):
+                assert intent.identity.pid in self.findings, "a signal for a health finding"
                 new_this_poll += self._check_and_deliver(intent, kill_works, term_works)
             elif isinstance(intent, ResetIntent):
                 self._check_reset(intent, findings)
+            elif intent.hook == "reset_drain":
+                key = (str(intent.facts.get("finding")), intent.dry_run)
+                self.drains[key] = self.drains.get(key, 0) + 1
+                assert self.drains[key] == 1, "the drain hooks ran twice for one finding"
+            elif "still held after" in intent.reason:
+                gpu = str(intent.facts.get("gpu"))
+                self.timeouts[gpu] = self.timeouts.get(gpu, 0) + 1
+                assert self.timeouts[gpu] == 1, "on_failure twice for one drain wait"
         assert new_this_poll <= self.policy.limits.max_signalled_per_poll
+        self._check_health_waits()
+
+    def _check_health_waits(self) -> None:
+        waits = self.state.health_waits
+        current = {f"{kind.value}:{gpu}:gpu" for gpu, kind in self.health.items()}
+        # A finding that is gone starts afresh when it comes back.
+        self.drains = {k: v for k, v in self.drains.items() if k[0] in current}
+        for gpu in GPUS:
+            if self.health.get(gpu) is None or gpu not in waits:
+                self.wait_since.pop(gpu, None)
+                self.timeouts.pop(gpu, None)
+                continue
+            wait = waits[gpu]
+            since = self.wait_since.setdefault(gpu, wait.since)
+            # Only a switch between dry-run and real (the kill cap, an admin) starts a new wait.
+            assert since == wait.since or (wait.finding_key, not wait.dry_run) in self.drains, (
+                "the drain wait lost its start"
+            )
+            self.wait_since[gpu] = wait.since
+            jobs = [pid for pid in self.listed if pid in self.procs]
+            if jobs and self.mono - wait.since >= self.policy.health.drain_timeout:
+                assert wait.expired, "a drain wait went past its timeout"
 
     def _check_and_deliver(self, intent: SignalIntent, kill_works: bool, term_works: bool) -> int:
         identity = intent.identity
@@ -364,6 +455,10 @@ class EscalationMachine(RuleBasedStateMachine):
 
     def _check_reset(self, intent: ResetIntent, findings: list[Finding]) -> None:
         assert self.in_flight is None, "a second reset while one is in flight"
+        if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+            jobs = [pid for pid in self.listed if pid in self.procs]
+            assert jobs == [], f"a health reset while NVML lists live jobs {jobs}"
+            assert self.health.get(intent.gpu) is FindingKind.RESET_REQUIRED
         holders = [
             f for f in findings if f.gpu == intent.gpu and f.pid is not None and f.kind in KINDS
         ]

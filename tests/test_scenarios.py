@@ -240,3 +240,71 @@ def test_persistenced_one_gpu() -> None:
     assert [(t, result) for t, _, result in r.resets()] == [(150.0, "success")]
     assert r.signals() == []
     assert r.final["open_findings"] == []
+
+
+# --- GPU health (docs/findings.md#gpu-health) -------------------------------------------------
+
+
+def hook_names(result: SimulationResult) -> list[tuple[float, object]]:
+    return [(e.t, e.fields.get("hook")) for e in result.entries("hook.run")]
+
+
+def test_xid_95_reset() -> None:
+    r = run("xid-95-reset")
+    assert [e.fields["kind"] for e in r.entries("finding.new")] == ["reset_required"]
+    assert [(t, result) for t, _, result in r.resets()] == [(30.0, "success")]
+    assert hook_names(r) == [(30.0, "reset_drain")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+
+
+def test_xid_79_reboot() -> None:
+    r = run("xid-79-reboot")
+    assert r.resets() == []
+    assert r.signals() == []
+    assert [e.t for e in r.entries("gpu.needs_reboot")] == [20.0]
+    assert hook_names(r) == [(20.0, "on_failure"), (20.0, "reset_drain")]
+    assert r.final["open_findings"] == [
+        "reboot_required:GPU-00000001-0000-4000-8000-000000000001:gpu"
+    ]
+
+
+def test_xid_154_drain_and_reset() -> None:
+    r = run("xid-154-drain-and-reset")
+    assert signals_to(r, "job") == []
+    (started,) = r.entries("health.drain_started")
+    assert started.t == 60.0
+    assert hook_names(r) == [(60.0, "reset_drain")]
+    assert [(t, result) for t, _, result in r.resets()] == [(300.0, "success")]
+    assert r.final["open_findings"] == []
+
+
+def test_pending_row_remap_unisolated() -> None:
+    r = run("pending-row-remap-unisolated")
+    assert signals_to(r, "job") == []
+    waiting = r.entries("health.drain_waiting")
+    assert waiting
+    assert "no device isolation" in str(waiting[0].fields["blockers"])
+    assert [(t, result) for t, _, result in r.resets()] == [(1200.0, "success")]
+    assert hook_names(r) == [(0.0, "reset_drain")]
+    assert r.final["open_findings"] == []
+
+
+def test_pending_row_remap_with_device_isolation_resets_at_once() -> None:
+    scenario = load_scenario(str(SCENARIOS / "pending-row-remap-unisolated.yaml"))
+    policy_file, text = scenario.policy_doc or ("", "")
+    isolated = dataclasses.replace(
+        scenario,
+        policy_doc=(policy_file, text.replace("device_isolation: false", "device_isolation: true")),
+    )
+    r = simulate(isolated)
+    assert [(t, result) for t, _, result in r.resets()] == [(0.0, "success")]
+    assert signals_to(r, "job") == []
+
+
+def test_xid_13_application() -> None:
+    r = run("xid-13-application")
+    assert r.entries("finding.new") == []
+    assert r.entries("hook.run") == []
+    assert r.resets() == []
+    assert r.signals() == []

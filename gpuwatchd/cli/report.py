@@ -27,6 +27,7 @@ from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
     Finding,
+    GpuHealth,
     GpuInfo,
     GpuMemory,
     NvmlProcess,
@@ -259,6 +260,7 @@ def _gpu_entry(
         "architecture": gpu.architecture,
         "nvlink_active": gpu.nvlink_active,
         "reset_needs_nvlink_peers": gpu.reset_needs_nvlink_peers,
+        "health": _health_entry(gpu.health),
         "memory": _memory_entry(gpu.memory, baselines.get(gpu.uuid)),
         "report_only": report_only.get(gpu.uuid),
         "notes": list(notes),
@@ -291,6 +293,31 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
             return None
         total += value
     return total
+
+
+def _health_entry(health: GpuHealth | None) -> dict[str, object] | None:
+    """GPU health as read this poll (docs/scan.md); Xid history is in the findings' evidence."""
+    if health is None:
+        return None
+    return {
+        "events": health.events.value,
+        "xids": [{"xid": x.xid, "wall": x.wall} for x in health.xids],
+        "recovery_action": health.recovery_action,
+        "recovery_action_support": health.recovery_support.value,
+        "remapped_rows": {
+            "support": health.remap_support.value,
+            "correctable": health.remap_correctable,
+            "uncorrectable": health.remap_uncorrectable,
+            "pending": health.remap_pending,
+            "failure": health.remap_failure,
+        },
+        "retired_pages": {
+            "support": health.pages_support.value,
+            "pending": health.pages_pending,
+            "single_bit": health.pages_single_bit,
+            "double_bit": health.pages_double_bit,
+        },
+    }
 
 
 def _memory_entry(memory: GpuMemory | None, baseline: int | None) -> dict[str, object]:
@@ -580,6 +607,15 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     persistence = gpu.get("persistence_mode")
     if isinstance(persistence, bool):
         flags.append(f"persistence mode {'on' if persistence else 'off'}")
+    health = _as_map(gpu.get("health"))
+    action = health.get("recovery_action")
+    if isinstance(action, int) and not isinstance(action, bool) and action != 0:
+        flags.append(f"recovery action {action} (the driver asks for recovery)")
+    rows = _as_map(health.get("remapped_rows"))
+    if rows.get("pending") is True:
+        flags.append("row remap pending (a reset applies it)")
+    if rows.get("failure") is True:
+        flags.append("row remapping failed")
     reason = _as_str(gpu.get("report_only"))
     if reason:
         flags.append(f"report-only: {_clean(reason)}")

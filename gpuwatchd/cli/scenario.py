@@ -9,7 +9,7 @@ the text with ``yamlsrc.py``, the position-tracking reader policies use too, and
 ``config``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
 policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
 
-It is long (about 700 lines) because it is a schema: one small validator per scenario field,
+It is long (about 800 lines) because it is a schema: one small validator per scenario field,
 each naming its own line and key; splitting them would scatter one file format.
 """
 
@@ -46,6 +46,21 @@ EVENT_ACTIONS = (
     "reap",
     "pause",
     "resume",
+    "xid",
+    "health",
+)
+# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping and
+# retired pages; a successful reset clears what a reset applies.
+_HEALTH_KEYS = ("recovery_action", "remap_pending", "remap_failure", "retired_pages_pending")
+RECOVERY_ACTIONS = (
+    "NONE",
+    "GPU_RESET",
+    "NODE_REBOOT",
+    "DRAIN_P2P",
+    "DRAIN_AND_RESET",
+    "RECOVER_IMEX_DOMAIN",
+    "BUS_RESET",
+    "SYSTEM_REBOOT",
 )
 _TOP_KEYS = (
     "description",
@@ -69,6 +84,7 @@ _GPU_KEYS = (
     "coherent",
     "persistence",
     "lost",
+    "health",
 )
 _MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
 _PROCESS_KEYS = (
@@ -130,6 +146,17 @@ class HostSpec:
 
 
 @dataclass(frozen=True)
+class HealthSpec:
+    """A virtual GPU's health. ``recovery_action`` None: the driver does not offer the field
+    (before R570); ``retired_pages_pending`` None: no page retirement (Ampere and later)."""
+
+    recovery_action: int | None = None
+    remap_pending: bool = False
+    remap_failure: bool = False
+    retired_pages_pending: bool | None = None
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores);
     ``leaked`` is memory already held by no process at the start (freed only by a reset)."""
@@ -147,6 +174,7 @@ class GpuSpec:
     coherent: bool = False
     persistence: bool = True
     lost: bool = False
+    health: HealthSpec = HealthSpec()
 
 
 @dataclass(frozen=True)
@@ -210,6 +238,8 @@ class EventSpec:
     memory: int | None = None  # set_memory
     value: str | None = None  # reset_result, state letter, pause reason
     during: str | None = None  # a reset step instead of a time
+    xid: int | None = None  # xid (on ``gpu``)
+    health: Mapping[str, object] | None = None  # health: the fields that change (on ``gpu``)
 
 
 @dataclass(frozen=True)
@@ -495,7 +525,34 @@ class _Reader:
             coherent=flags.get("coherent", False),
             persistence=flags.get("persistence", True),
             lost=flags.get("lost", False),
+            health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
         )
+
+    def health_spec(self, node: Node) -> HealthSpec:
+        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
+
+    def health(self, node: Node) -> dict[str, object]:
+        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
+        m = self.mapping(node, _HEALTH_KEYS)
+        found: dict[str, object] = {}
+        for key, value in m.entries.items():
+            if key == "recovery_action":
+                raw = self.scalar(value)
+                if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
+                    found[key] = RECOVERY_ACTIONS.index(raw)
+                elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
+                    found[key] = raw
+                elif raw is None:
+                    found[key] = None
+                else:
+                    raise self.fail(
+                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
+                    )
+            elif key == "retired_pages_pending" and self.scalar(value) is None:
+                found[key] = None
+            else:
+                found[key] = self.boolean(value)
+        return found
 
     def reserve(self, node: Node) -> None:
         """Give a process its name and PID before anything refers to it."""
@@ -675,6 +732,27 @@ class _Reader:
             return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
+        if action in ("xid", "health"):
+            keys = ("gpu", "xid") if action == "xid" else ("gpu", *_HEALTH_KEYS)
+            hm = self.mapping(value, keys)
+            gpu_node = hm.entries.get("gpu")
+            if gpu_node is None:
+                raise self.fail(hm, f"{action} needs 'gpu'")
+            gpu = self.gpu_index(gpu_node, gpu_indexes)
+            if action == "health":
+                rest = replace(
+                    hm,
+                    entries={k: v for k, v in hm.entries.items() if k != "gpu"},
+                    key_lines={k: v for k, v in hm.key_lines.items() if k != "gpu"},
+                )
+                return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
+            xid_node = hm.entries.get("xid")
+            if xid_node is None:
+                raise self.fail(hm, "xid needs 'xid' (the Xid number)")
+            number = self.integer(xid_node, 1)
+            if number > 0xFFFF:
+                raise self.fail(xid_node, "an Xid number is at most 65535")
+            return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
             sm = value if isinstance(value, Map) else None
             if sm is None or len(sm.entries) != 1:

@@ -13,14 +13,15 @@ decides nothing and never touches the real host; the simulation's edges
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from gpuwatchd.cli.scenario import GpuSpec, ProcessSpec, Scenario
+from gpuwatchd.cli.scenario import GpuSpec, HealthSpec, ProcessSpec, Scenario
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
     FileSharing,
+    GpuHealth,
     GpuInfo,
     GpuMemory,
     HolderScan,
@@ -28,6 +29,8 @@ from gpuwatchd.model import (
     NvmlReading,
     ProcessInfo,
     Snapshot,
+    Support,
+    XidEvent,
 )
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
@@ -94,6 +97,8 @@ class _Gpu:
     base: int  # allocated memory that no context accounts for (idle, or set_memory)
     lost: bool
     persistence: bool
+    health: HealthSpec = field(default_factory=HealthSpec)
+    xids: list[tuple[int, float]] = field(default_factory=list)  # queued until the next read
 
 
 class World:
@@ -102,7 +107,8 @@ class World:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.gpus = {
-            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence) for g in scenario.gpus
+            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence, g.health)
+            for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
         self.procs: dict[int, _Proc] = {}
@@ -261,8 +267,16 @@ class World:
         return min(gpu.base + charged, gpu.spec.total - gpu.spec.reserved)
 
     def restore(self, gpu: _Gpu) -> None:
-        """A successful reset: every context on the GPU is gone, memory back to idle."""
+        """A successful reset: every context on the GPU is gone, memory back to idle, and what
+        a reset applies is applied (a pending row remap; a recovery action asking for a
+        reset is cleared)."""
         gpu.base = gpu.spec.allocated
+        action = gpu.health.recovery_action
+        gpu.health = replace(
+            gpu.health,
+            remap_pending=False,
+            recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
+        )
         for ctx in self.contexts:
             if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
                 ctx.status = "freed"
@@ -306,7 +320,29 @@ class World:
             )
         return HolderScan(mode="full", holdings=holdings)
 
-    def nvml(self) -> NvmlReading:
+    def health(self, gpu: _Gpu, *, take_events: bool) -> GpuHealth:
+        """What NVML would say about the GPU's health; Xid events are read once."""
+        spec = gpu.health
+        xids = tuple(XidEvent(xid, WALL0 + at) for xid, at in gpu.xids) if take_events else ()
+        if take_events:
+            gpu.xids.clear()
+        action = spec.recovery_action
+        pages = spec.retired_pages_pending
+        return GpuHealth(
+            events=Support.OK,
+            xids=xids,
+            recovery_action=action,
+            recovery_support=Support.NOT_SUPPORTED if action is None else Support.OK,
+            remap_correctable=0,
+            remap_uncorrectable=1 if spec.remap_pending or spec.remap_failure else 0,
+            remap_pending=spec.remap_pending,
+            remap_failure=spec.remap_failure,
+            remap_support=Support.OK,
+            pages_pending=pages,
+            pages_support=Support.NOT_SUPPORTED if pages is None else Support.OK,
+        )
+
+    def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []
         for index in sorted(self.gpus):
             gpu = self.gpus[index]
@@ -338,6 +374,7 @@ class World:
                     nvlink_active=0,  # each virtual GPU resets alone
                     lost=gpu.lost,
                     error="GPU is lost" if gpu.lost else None,
+                    health=self.health(gpu, take_events=take_events),
                 )
             )
         return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
@@ -378,7 +415,7 @@ class World:
             monotonic=now,
             wall_time=WALL0 + now,
             boot_id=BOOT_ID,
-            nvml=self.nvml(),
+            nvml=self.nvml(take_events=True),
             processes=self.processes(),
             holders=self.holders(),
             pid_max=host.pid_max,

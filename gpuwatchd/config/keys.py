@@ -42,7 +42,9 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.policy import (
+    HEALTH_ACTIONS,
     Detection,
+    HealthPolicy,
     Hook,
     Limits,
     MetricsPolicy,
@@ -473,6 +475,7 @@ SECTIONS: dict[str, Section] = {
                 "protect": Nested("protect"),
                 "rules": Nested("rules[]", many=True),
                 "reset": Nested("reset"),
+                "health": Nested("health"),
                 "limits": Nested("limits"),
                 "detection": Nested("detection"),
                 "on_failure": HOOKS,
@@ -545,6 +548,16 @@ SECTIONS: dict[str, Section] = {
                 "max_failures": count(1, 100),
                 "allow_mig": BOOL,
                 "allow_nvlink_group": BOOL,
+            },
+        ),
+        section_of(
+            "health",
+            HealthPolicy,
+            {
+                "enabled": BOOL,
+                "action": one_of(HEALTH_ACTIONS),
+                "drain_timeout": duration("1m", "7d"),
+                "device_isolation": BOOL,
             },
         ),
         section_of(

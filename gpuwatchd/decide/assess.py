@@ -22,7 +22,7 @@ evidence: split, each half would have to recompute the other's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuwatchd.decide.assess_state import (
     AssessState,
@@ -37,6 +37,7 @@ from gpuwatchd.decide.baselines import (
     memory_figure,
 )
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.host_view import HostView, Listing, relation
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import (
@@ -848,7 +849,15 @@ def assess(
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
-    return assessor.result()
+    result = assessor.result()
+    # GPU health (decide/health.py): its findings join the others; its history rides along.
+    boot_changed = previous.boot_id not in (None, snapshot.boot_id)
+    health = assess_health(snapshot, previous.health, boot_changed=boot_changed)
+    return replace(
+        result,
+        findings=result.findings + health.findings,
+        state=replace(result.state, health=health.state),
+    )
 
 
 def _process_evidence(

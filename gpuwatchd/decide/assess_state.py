@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.health import HealthState
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
@@ -60,9 +61,11 @@ class AssessState:
     unaccounted_since: Mapping[str, float] = field(default_factory=dict)
     owners: frozenset[ProcessIdentity] = frozenset()
     inheritance: Mapping[ProcessIdentity, Inheritance] = field(default_factory=dict)
+    health: HealthState = field(default_factory=HealthState)  # decide/health.py
 
     def to_json(self) -> dict[str, object]:
         return {
+            "health": self.health.to_json(),
             "version": ASSESS_STATE_VERSION,
             "boot_id": self.boot_id,
             "baselines": dict(sorted(self.baselines.items())),
@@ -143,6 +146,7 @@ class AssessState:
             unaccounted_since=since,
             owners=frozenset(owners),
             inheritance=inheritance,
+            health=HealthState.from_json(data.get("health", {})),
         )
 
 

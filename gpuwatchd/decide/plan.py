@@ -18,9 +18,12 @@ The state it carries between polls, with that state's JSON form and validation, 
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
 
-It is long (about 1,000 lines) because ladders, resets, the kill cap and pause share one scratch
-state per call (``_Work``) and one set of deadlines: each decision reads what the others just
-decided in the same poll. Split, that state would have to be passed between modules.
+It is long (about 1,250 lines) because ladders, resets, the kill cap, pause and GPU health's
+drain-then-reset share one scratch state per call (``_Work``), one set of deadlines and one set
+of reset gates: each decision reads what the others just decided in the same poll. Split, that
+state would have to be passed between modules. What GPU health *means* is
+``decide/health.py``'s; only acting on it is here, so that a health reset goes through the very
+gates (``reset_gates``, the history gates) and the one ``ResetIntent`` of a ghost-memory reset.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
+from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan_state import (
+    HealthWait,
     Ladder,
     PlanState,
     ResetInFlight,
@@ -210,6 +215,7 @@ class _Work:
         self.last_dry_reset = dict(state.last_dry_reset)
         self.reset_history = list(state.reset_history)
         self.signal_history = list(state.signal_history)
+        self.health_waits = dict(state.health_waits)
         self.new_targets = 0
         self.events: list[Event] = []
         self.intents: list[Intent] = []
@@ -247,6 +253,7 @@ class _Work:
             last_dry_reset=self.last_dry_reset,
             reset_history=tuple(self.reset_history),
             signal_history=tuple(self.signal_history),
+            health_waits=self.health_waits,
         )
 
 
@@ -316,6 +323,11 @@ def plan(
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind == FindingKind.GHOST_MEMORY and finding.gpu is not None:
             _consider_reset(w, ctx, finding)
+    # GPU health (decide/health.py): drain, then reset; reboot; drain.
+    w.health_waits = {g: wait for g, wait in w.health_waits.items() if wait.finding_key in current}
+    for finding in sorted(current.values(), key=lambda f: f.key):
+        if finding.kind in HEALTH_KINDS and finding.gpu is not None:
+            _consider_health(w, ctx, finding)
     # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
@@ -361,6 +373,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
             dropped_ladders=len(w.ladders),
         )
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
+        w.health_waits = {}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -850,6 +863,17 @@ def _reset_blocker(
         holder = "live holder: an escalation on this GPU is in progress"
     if holder is not None:
         return refused, "info", holder
+    return _history_blocker(w, ctx, finding, gpu)
+
+
+def _history_blocker(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo
+) -> tuple[str, str, str] | None:
+    """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
+    pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
+    reset = ctx.policy.reset
+    refused = EventName.RESET_REFUSED
+    uuid = gpu.uuid
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
@@ -885,6 +909,12 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         return
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
+    lasted = ctx.now - w.seen[finding.key].first_seen
+    _start_reset(w, ctx, finding, gpu, f"ghost memory confirmed for {lasted:.0f}s")
+
+
+def _start_reset(w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str) -> None:
+    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health."""
     dry = _dry(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
@@ -906,10 +936,124 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
             minor=gpu.minor,
             finding_key=finding.key,
             dry_run=dry,
-            reason=f"ghost memory confirmed for {lasted:.0f}s: {finding.reason}",
+            reason=f"{why}: {finding.reason}",
             facts=facts,
         )
     )
+
+
+# --- GPU health -------------------------------------------------------------------------------
+
+
+def _health_once(w: _Work, finding: Finding, what: str) -> bool:
+    """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""
+    return w.noted(finding.key, what)
+
+
+def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
+    if ctx.policy.reset.drain:
+        w.intents.append(
+            HookIntent(HookName.RESET_DRAIN, why, _finding_fields(finding), dry_run=dry)
+        )
+
+
+def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    """What a health finding leads to (docs/policy.md#health). Never a signal to a job.
+
+    ``reboot_required``: said once (critical), ``on_failure`` and drain hooks once, no reset.
+    ``drain_required``, or a reset without ``action: reset``: drain hooks once. A
+    ``reset_required`` with ``action: reset``: drain, wait (bounded by ``drain_timeout``, the
+    wait persisted) until nothing holds the GPU, then the one reset path, under every gate.
+    """
+    health = ctx.policy.health
+    if not health.enabled or finding.gpu is None:
+        return
+    dry = _dry(w, ctx)
+    act = health.action != "report" and ctx.blocked is None and not w.state.paused
+    fields = _finding_fields(finding)
+    if finding.kind == FindingKind.REBOOT_REQUIRED:
+        if _health_once(w, finding, "health:reboot"):
+            w.event(EventName.GPU_NEEDS_REBOOT, "critical", why=finding.reason, **fields)
+            w.intents.append(
+                HookIntent(
+                    HookName.ON_FAILURE, f"{finding.gpu} needs a reboot", fields, dry_run=dry
+                )
+            )
+            if act:
+                _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
+        return
+    resetting = health.action == "reset" and ctx.policy.reset.enabled
+    if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
+        if act and _health_once(w, finding, "health:drain"):
+            w.event(EventName.HEALTH_DRAIN_STARTED, "warning", blockers=[], timeout=None, **fields)
+            _drain_hooks(w, ctx, finding, f"{finding.gpu}: {finding.reason}", dry)
+        return
+    _consider_health_reset(w, ctx, finding, dry)
+
+
+def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> None:
+    uuid = finding.gpu or ""
+    gates = reset_gates(
+        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
+        findings=ctx.findings.values(),
+    )  # fmt: skip
+    before = [g for g in gates if g.name != "live_holder"]
+    if before:
+        _say(w, finding, (EventName.RESET_REFUSED, before[0].level, before[0].why))
+        return
+    gpu = gpu_by_uuid(ctx.snapshot, uuid)
+    if gpu is None:
+        return  # a gate said so already; for the type checker
+    blockers = [g.why for g in gates if g.name == "live_holder"]
+    blockers += drain_blockers(
+        gpu, ctx.snapshot, device_isolation=ctx.policy.health.device_isolation
+    )
+    if any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values()):
+        blockers.append("an escalation on this GPU is in progress")
+    timeout = ctx.policy.health.drain_timeout
+    wait = w.health_waits.get(uuid)
+    if wait is None or wait.dry_run != dry:
+        hold = _hold_reason(w, ctx)
+        if hold is not None:
+            _say(w, finding, (EventName.RESET_REFUSED, "info", hold))
+            return
+        wait = HealthWait(finding.key, ctx.now, dry)
+        w.health_waits[uuid] = wait
+        w.event(
+            EventName.HEALTH_DRAIN_STARTED,
+            "warning",
+            blockers=blockers,
+            timeout=timeout,
+            dry_run=dry,
+            **_finding_fields(finding),
+        )
+        _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
+    if blockers:
+        if wait.expired:
+            return
+        if ctx.now - wait.since >= timeout:
+            w.health_waits[uuid] = replace(wait, expired=True)
+            held = "; ".join(blockers)
+            why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
+            facts = {**_finding_fields(finding), "blockers": blockers}
+            w.event(EventName.HEALTH_DRAIN_TIMED_OUT, "critical", why=why, **facts)
+            w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
+            return
+        w.waiting[finding.key] = wait.since + timeout
+        if w.noted(finding.key, "drain:" + "; ".join(blockers)):
+            w.event(
+                EventName.HEALTH_DRAIN_WAITING,
+                "info",
+                blockers=blockers,
+                until=wait.since + timeout,
+                **_finding_fields(finding),
+            )
+        return
+    blocker = _history_blocker(w, ctx, finding, gpu)
+    if blocker is not None:
+        _say(w, finding, blocker)
+        return
+    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset")
 
 
 # --- outcomes from act ------------------------------------------------------------------------

@@ -137,6 +137,28 @@ class ResetPolicy:
     allow_nvlink_group: bool = False
 
 
+HEALTH_ACTIONS = ("report", "drain", "reset")
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """What to do about GPU health findings (docs/policy.md#health).
+
+    ``action``: "report" (events only), "drain" (also run the ``reset.drain`` hooks once) or
+    "reset" (drain, wait until nothing holds the GPU, then the reset procedure, under every
+    reset gate and limit; without ``reset.enabled`` it is "drain"). ``drain_timeout`` bounds
+    that wait; then the ``on_failure`` hooks run once (the reset still follows if the GPU is
+    freed later: nothing is ever signalled for it). ``device_isolation``
+    says jobs only open the device files of their own GPUs (cgroup device isolation): without
+    it, a live job on any GPU keeps a health reset waiting.
+    """
+
+    enabled: bool = True
+    action: str = "reset"
+    drain_timeout: float = 7200.0
+    device_isolation: bool = False
+
+
 @dataclass(frozen=True)
 class Limits:
     """Damping (docs/design-notes.md §12): caps past which the daemon switches itself to dry-run."""
@@ -185,6 +207,7 @@ class Policy:
     protect: Protect = field(default_factory=Protect)
     rules: tuple[Rule, ...] = ()
     reset: ResetPolicy = field(default_factory=ResetPolicy)
+    health: HealthPolicy = field(default_factory=HealthPolicy)
     limits: Limits = field(default_factory=Limits)
     on_failure: tuple[Hook, ...] = ()
     on_action: tuple[Hook, ...] = ()  # notifications after a real kill ladder or reset ended

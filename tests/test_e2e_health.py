@@ -147,3 +147,134 @@ def test_pending_row_remap_waits_for_the_live_job_then_resets_as_simulate_says(
     resets = [c for c in result["calls"] if "--gpu-reset" in c]
     assert len(resets) == 1
     assert decisions(result["events"]) == simulated("pending-row-remap-unisolated")
+
+
+def marker_hook(host: SimHost, name: str) -> tuple[list[str], Path]:
+    """A hook that appends a line to ``<root>/<name>.log`` each time it runs."""
+    log = host.root / f"{name}.log"
+    script = host.root / f"{name}.sh"
+    script.write_text(f'#!/bin/sh\necho "$GPUWATCHD_EVENT" >> {log}\n')
+    script.chmod(0o755)
+    return [str(script)], log
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset={**reset, "drain": [drain]}, on_failure=[page])
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x79", "gpu": 1, "type": 8, "data": 79}])
+        run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
+        time.sleep(2)  # ten polls: nothing may repeat, nothing may be reset
+        run.stop()
+        return {
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+            "paged": lines(paged),
+        }
+
+
+def host_xid_154_drain_and_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+        host.nvml([busy])
+        reset = fake_smi(host)
+        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        drain, drained = marker_hook(host, "drain")
+        run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
+                  health={"drain_timeout": "10m"})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        asks = {**busy, "recovery_action": 4}  # DRAIN_AND_RESET, announced by Xid 154
+        host.nvml([asks], events=[{"id": "x154", "gpu": 0, "type": 8, "data": 154}])
+        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        time.sleep(2)  # the job runs on: never signalled, no reset
+        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, recovery_action=4)])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {
+            "waited": waited,
+            "before_exit": before_exit,
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+        }
+
+
+def host_xid_13_application(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.nvml([gpu(0)])
+        reset = fake_smi(host)
+        metrics = host.root / "gpuwatchd.prom"
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset=reset, on_failure=[page], metrics={"textfile": str(metrics)})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0)], events=[{"id": "x13", "gpu": 0, "type": 8, "data": 13}])
+
+        def counted() -> bool:
+            text = metrics.read_text() if metrics.exists() else ""
+            return any(
+                line.startswith("gpuwatchd_gpu_xid_events{") and 'xid="13"' in line
+                and line.endswith(" 1.0")
+                for line in text.splitlines()
+            )  # fmt: skip
+
+        seen = run.wait_for(counted, timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {"seen": seen, "calls": smi_calls(host), "events": run.events(),
+                "paged": lines(paged)}  # fmt: skip
+
+
+def test_xid_79_needs_a_reboot_hooks_once_and_never_a_reset_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_79_reboot", tmp_path)
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len(result["drained"]) == 1
+    assert len(result["paged"]) == 1
+    assert decisions(result["events"]) == simulated("xid-79-reboot")
+
+
+def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_154_drain_and_reset", tmp_path)
+    assert result["waited"] is True
+    assert result["before_exit"]["alive"] is True
+    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    assert result["drained"]  # drained before the wait (the reset procedure drains again)
+    assert decisions(result["events"]) == simulated("xid-154-drain-and-reset")
+
+
+def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_13_application", tmp_path)
+    assert result["seen"] is True  # the daemon read the event: the metric counts it
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert result["paged"] == []
+    assert decisions(result["events"]) == simulated("xid-13-application") == []

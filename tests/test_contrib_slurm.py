@@ -235,7 +235,7 @@ def _our_reason(result: dict[str, Any]) -> str:
     finding check-clean names for it (the dead trainer NVML still lists, or its orphan)."""
     drains = [u for run in result.values() if isinstance(run, dict) for u in run["updates"]]
     assert drains, "no drain at all"
-    reason = drains[0][-1].removeprefix("reason=")
+    reason = str(drains[0][-1]).removeprefix("reason=")
     assert reason in {
         f"gpuwatchd: {result['uuid0']} {kind}" for kind in ("dead_process", "orphaned")
     }

@@ -40,7 +40,7 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanResult, PlanState, pending
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine, EngineState
-from gpuwatchd.host import HostActuator, HostReader, LogSink, SystemClock
+from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
@@ -53,6 +53,7 @@ log = structlog.get_logger("gpuwatchd")
 
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
+NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
@@ -113,6 +114,7 @@ class Daemon:
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
+        self.hook_queue = HookQueue()
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
@@ -122,6 +124,8 @@ class Daemon:
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
             slow=self._keep_watchdog_fed,
+            background=self.hook_queue,
+            hostname=node_name(),
             stopping=lambda: self._stop,
         )
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -219,9 +223,25 @@ class Daemon:
                     break
             self._wait()
         self.notifier.notify("STOPPING=1")
+        self._finish_notifications()
         self.save_state()
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
+
+    def _finish_notifications(self) -> None:
+        """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
+        should tell the owner before it exits), and log what ran; what is left is dropped."""
+        grace = min(NOTIFY_STOP_GRACE, max((h.timeout for h in self.policy.on_action), default=0))
+        left = self.hook_queue.close(grace)
+        self.engine.report_background_hooks()
+        if left:
+            log.warning(
+                EventName.HOOK_RUN,
+                hook="on_action",
+                outcome="dropped",
+                dry_run=False,
+                detail=f"{left} notification(s) not sent: the daemon stopped",
+            )
 
     def _install_signal_handlers(self) -> None:
         def on_stop(signum: int, frame: FrameType | None) -> None:
@@ -267,6 +287,7 @@ class Daemon:
             self.collector.full_scan_interval = self.policy.full_scan_interval
             self.collector.detection = self.policy.detection
             self.metrics.set_textfile(self.policy.metrics.textfile)
+            self.engine.hostname = node_name()  # a renamed node is named right after a reload
             log.info(
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )

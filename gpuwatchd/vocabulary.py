@@ -23,9 +23,11 @@ __all__ = [
     "RESET_RESULT_LEVELS",
     "SIGNAL_OUTCOME_LEVELS",
     "STATE_FILE_VERSION",
+    "ActionOutcome",
     "EventName",
     "ExitCode",
     "HolderRoleName",
+    "HookName",
     "IllegalTransition",
     "LadderStatus",
     "Level",
@@ -201,6 +203,26 @@ def check_ladder_transition(old: str, new: str) -> LadderStatus:
     if target not in LADDER_TRANSITIONS[source]:
         raise IllegalTransition(f"ladder cannot go from {source} to {target}")
     return target
+
+
+class HookName(_Name):
+    """The lists of admin hooks the engine runs (``reset.drain``/``before``/``after`` are run
+    by the reset procedure itself). Also ``GPUWATCHD_EVENT`` in a hook's environment."""
+
+    ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
+    ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
+
+
+class ActionOutcome(_Name):
+    """How an action that ``on_action`` reports ended (``GPUWATCHD_OUTCOME``, ``outcome``)."""
+
+    FREED = "freed"  # the signalled target exited
+    RELEASED = "released"  # the target lives but no longer holds what the finding was about
+    SURVIVED = "survived"  # alive after the ladder's last step
+    STUCK = "stuck"  # in D state: cannot be killed
+    FAILED = "failed"  # a signal was denied or failed
+    RESET = "reset"  # the GPU was reset
+    RESET_FAILED = "reset_failed"  # the reset command failed or timed out
 
 
 class HolderRoleName(_Name):

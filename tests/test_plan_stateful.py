@@ -265,7 +265,14 @@ class EscalationMachine(RuleBasedStateMachine):
         if outcome == "success":
             self.ghosts.discard(intent.gpu)
         if outcome in ("failed", "timeout"):
-            assert [type(i) for i in result.intents] == [HookIntent]
+            # on_failure, then the on_action notification of a reset that ran; nothing else.
+            assert [(type(i), i.hook) for i in result.intents if isinstance(i, HookIntent)] == [
+                (HookIntent, "on_failure"),
+                (HookIntent, "on_action"),
+            ]
+            assert len(result.intents) == 2
+        if outcome == "success":
+            assert [i.hook for i in result.intents if isinstance(i, HookIntent)] == ["on_action"]
 
     # --- one poll -----------------------------------------------------------------------------
 

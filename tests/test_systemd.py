@@ -251,6 +251,10 @@ reset:
   after: [[{CI_DIR}/hook-caps, after, "{{uuid}}"]]
 metrics:
   textfile: {METRICS_FILE}
+on_action:
+  - [{CI_DIR}/notify-probe, inside, "{{user}}", "{{hostname}}", "{{uuid}}"]
+  - [systemd-run, --wait, --quiet, --collect, -E, GPUWATCHD_OUTCOME, -E, GPUWATCHD_USER,
+     {CI_DIR}/notify-probe, outside, "{{user}}", "{{hostname}}"]
 """
 
 
@@ -299,7 +303,7 @@ def ct() -> Iterator[Container]:
     for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
         (ci / "dev" / name).touch()
     shutil.copy(deb, ci / deb.name)
-    for tool in ("hook-caps", "orphan-maker"):
+    for tool in ("hook-caps", "orphan-maker", "notify-probe"):
         shutil.copy(HARNESS / tool, ci / tool)
     container = Container(root, ci, artifacts)
     container.nvml(idle_gpus())
@@ -499,6 +503,53 @@ def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Con
     assert actions
     assert {e["PRIORITY"] for e in actions} == {"4"}, actions
     assert {e["PRIORITY"] for e in about_child if e not in actions} <= {"6", "7"}
+
+
+def _probe(ct: Container, name: str) -> dict[str, str]:
+    path = ct.ci / f"notify-{name}.txt"
+    wait_for(f"the on_action hook {name!r}", path.exists, timeout=30)
+    found: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition(
+            ": " if line.startswith(("args", "netns", "cgroup")) else "="
+        )
+        if sep:
+            found[key] = value
+    return found
+
+
+def test_on_action_runs_after_the_kill_with_its_placeholders_also_outside_the_sandbox(
+    enforcing: Container,
+) -> None:
+    """Runs after the orphan kill above: both notifications ran, with {user}, {hostname} and
+    {uuid} filled in; the one started through systemd-run ran outside the unit's network
+    sandbox (another network namespace, not in gpuwatchd.service's cgroup)."""
+    ct = enforcing
+    inside, outside = _probe(ct, "inside"), _probe(ct, "outside")
+    user, host, uuid = inside["args"].split()
+    assert (user, host) == ("root", "gpuwatchd-it")
+    assert uuid.startswith("GPU-")
+    assert inside["GPUWATCHD_EVENT"] == "on_action"
+    assert inside["GPUWATCHD_ACTION"] == "signal"
+    assert inside["GPUWATCHD_OUTCOME"] == "freed"
+    assert outside["args"] == "root gpuwatchd-it"
+    assert outside["GPUWATCHD_OUTCOME"] == "freed"  # passed through with systemd-run -E
+    daemon_net = ct.run(["readlink", f"/proc/{ct.prop('MainPID')}/ns/net"]).stdout.strip()
+    assert inside["netns"] == daemon_net
+    assert outside["netns"] != daemon_net
+    assert UNIT in inside["cgroup"]
+    assert UNIT not in outside["cgroup"]
+
+    def ran() -> list[dict[str, Any]]:  # logged by the main loop at the poll after they ran
+        return [
+            e
+            for e in ct.journal()
+            if e.get("GPUWATCHD_EVENT") == "hook.run" and e.get("GPUWATCHD_HOOK") == "on_action"
+        ]
+
+    wait_for("hook.run for both notifications", lambda: len(ran()) >= 2, timeout=30)
+    assert {e["PRIORITY"] for e in ran()} == {"4"}
+    assert {e.get("GPUWATCHD_RETURNCODE") for e in ran()} == {"0"}
 
 
 def _metric(text: str, name: str, **labels: str) -> float | None:

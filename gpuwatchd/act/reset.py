@@ -70,6 +70,7 @@ a crash share one record format and one table of steps: kept together, a new ste
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import types
 from collections.abc import Mapping, Sequence
@@ -124,6 +125,7 @@ class ResetTarget:
     pci_bus_id: str | None
     minor: int | None
     persistence_was_on: bool | None
+    hostname: str | None = None  # {hostname} in the drain/before/after hooks
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ def _values(target: ResetTarget) -> dict[str, str | None]:
         "uuid": target.uuid,
         "pci_bus_id": target.pci_bus_id,
         "minor": None if target.minor is None else str(target.minor),
+        "hostname": target.hostname,
     }
 
 
@@ -687,6 +690,7 @@ def resume_interrupted(
     env: ResetEnvironment,
     *,
     runner: CommandRunner = run_command,
+    hostname: str | None = None,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
 
@@ -715,7 +719,8 @@ def resume_interrupted(
     returns ``failed`` with the reason, so the daemon can log it and drop the record. The
     caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
     second time after a crash inside them, so ``after`` hooks should be idempotent.
-    ``runner`` runs the commands and hooks, as for :func:`perform_reset`.
+    ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
+    ``{hostname}`` in them (it is not part of the record).
     """
     step_value = record.get("step")
     try:
@@ -723,6 +728,8 @@ def resume_interrupted(
     except ValueError:
         step = None
     target = _target_from(record)
+    if target is not None:
+        target = dataclasses.replace(target, hostname=hostname)
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:

@@ -53,6 +53,7 @@ __all__ = [
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
+SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -126,6 +127,7 @@ class Simulation:
             actuator=VirtualActuator(self),
             clock=VirtualClock(self),
             sink=TimelineSink(self),
+            hostname=SIM_HOSTNAME,
         )
 
     # -- bookkeeping --

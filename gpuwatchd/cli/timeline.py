@@ -161,6 +161,10 @@ def _describe_hook(f: Mapping[str, object], sim: Names) -> str:
         return (
             f"{f.get('hook')} hook would run: {_argv(f.get('argv'))} ({f.get('reason')}) [dry-run]"
         )
+    if f.get("outcome") == "dropped":
+        return f"{f.get('hook')} hook not run: {f.get('detail')} ({f.get('reason')})"
+    if f.get("error"):
+        return f"{f.get('hook')} hook failed: {_argv(f.get('argv'))}: {f.get('error')}"
     status = "timed out" if f.get("timed_out") else f"exit {f.get('returncode')}"
     return f"{f.get('hook')} hook ran: {_argv(f.get('argv'))} → {status} ({f.get('reason')})"
 

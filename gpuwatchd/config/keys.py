@@ -34,6 +34,7 @@ from gpuwatchd.config.yamlsrc import (
 )
 from gpuwatchd.decide.argv import (
     GPU_PLACEHOLDERS,
+    HOOK_PLACEHOLDERS,
     LITERAL_BUS_ID,
     LITERAL_UUID,
     ArgvError,
@@ -475,6 +476,7 @@ SECTIONS: dict[str, Section] = {
                 "limits": Nested("limits"),
                 "detection": Nested("detection"),
                 "on_failure": HOOKS,
+                "on_action": HOOKS,
                 "metrics": Nested("metrics"),
             },
             flattened=(_LOG_FORMAT,),
@@ -520,7 +522,7 @@ SECTIONS: dict[str, Section] = {
             "hook",
             Hook,
             # Hooks run off the main loop; a drain may wait for a scheduler.
-            {"argv": argv(), "timeout": duration("1s", "10m")},
+            {"argv": argv(HOOK_PLACEHOLDERS), "timeout": duration("1s", "10m")},
             yaml_names={"argv": "command"},
         ),
         section_of(

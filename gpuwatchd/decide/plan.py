@@ -54,7 +54,9 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.vocabulary import (
+    ActionOutcome,
     EventName,
+    HookName,
     LadderStatus,
     ResetResult,
     SignalOutcome,
@@ -143,7 +145,8 @@ class ResetIntent:
 
 @dataclass(frozen=True)
 class HookIntent:
-    """Run the configured hooks named ``hook`` (only "on_failure" so far)."""
+    """Run the configured hooks named ``hook`` (a :class:`HookName`). ``facts`` fill the
+    hooks' placeholders (``gpu``, ``pci_bus_id``, ``minor``, ``user``) and environment."""
 
     hook: str
     reason: str
@@ -336,7 +339,9 @@ def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
         w.intents.append(
-            HookIntent("on_failure", f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx))
+            HookIntent(
+                HookName.ON_FAILURE, f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx)
+            )
         )
 
 
@@ -409,6 +414,21 @@ def _ladder_fields(lad: Ladder) -> dict[str, object]:
     }
 
 
+def _action_ended(
+    lad: Ladder, outcome: ActionOutcome, why: str, *, signalled: int | None = None
+) -> tuple[HookIntent, ...]:
+    """The ``on_action`` notification for a ladder that just ended, if it acted for real.
+
+    ``signalled`` is how many of its steps were sent (default: every step emitted). A dry-run
+    ladder, or one whose sent steps were all report-only, did nothing anyone must be told of.
+    """
+    sent = lad.steps[: lad.step if signalled is None else signalled]
+    if lad.dry_run or not any(signal is not None for signal, _wait in sent):
+        return ()
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user}
+    return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)
+
+
 def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
     for finding in ctx.findings.values():
         identity = finding.identity
@@ -422,15 +442,15 @@ def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
         proc = ctx.snapshot.processes.get(lad.pid)
         if proc is None:
             if lad.finding_key not in ctx.findings and _stuck_finding(ctx, target) is None:
-                _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone")
+                _freed(w, lad, "target gone")
             continue  # listed by a finding but not described: unknown, so wait
         if proc.start_ticks is None:
             continue
         if proc.start_ticks != lad.start_ticks:
-            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone (PID reused)")
+            _freed(w, lad, "target gone (PID reused)")
             continue
         if proc.is_zombie:
-            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target exited (zombie)")
+            _freed(w, lad, "target exited (zombie)")
             _zombie_event(w, lad.finding_key, proc.ppid, lad.pid, lad.gpu, force=True)
             continue
         _advance_live_ladder(w, ctx, lad, proc)
@@ -454,7 +474,10 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
         return
     if finding is None:
-        _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "finding resolved")
+        resolved = "finding resolved"
+        _close(
+            w, lad, EventName.ESCALATION_RESOLVED, "info", resolved, outcome=ActionOutcome.RELEASED
+        )
         return
     if lad.due is not None and ctx.now < lad.due:
         w.waiting[lad.finding_key] = lad.due
@@ -464,13 +487,15 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
         else:
             w.ladders[target] = _move(lad, LadderStatus.ENDED)
+            survived = "target still alive after the last step"
             w.event(
                 EventName.ESCALATION_ENDED,
                 "info" if lad.dry_run else "error",
-                why="target still alive after the last step",
+                why=survived,
                 **_ladder_fields(lad),
                 **process_facts(proc),
             )
+            w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
         return
     hold = _hold_reason(w, ctx)
     if hold is None and _dry(w, ctx) and not lad.dry_run:
@@ -487,6 +512,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     if why is not None:
         w.ladders[target] = _move(lad, LadderStatus.FAILED)
         w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
+        w.intents.extend(_action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
         return
     _emit_step(w, ctx, lad, proc, finding)
 
@@ -515,10 +541,25 @@ def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
     return ctx.blocked
 
 
-def _close(w: _Work, lad: Ladder, name: str, level: str, why: str) -> None:
+def _close(
+    w: _Work,
+    lad: Ladder,
+    name: str,
+    level: str,
+    why: str,
+    *,
+    outcome: ActionOutcome | None = None,
+) -> None:
+    """Drop the ladder; an active one says why, and tells ``on_action`` of its ``outcome``."""
     w.ladders.pop(lad.target, None)
     if lad.status is LadderStatus.ACTIVE:
         w.event(name, level, why=why, **_ladder_fields(lad))
+        if outcome is not None:
+            w.intents.extend(_action_ended(lad, outcome, why))
+
+
+def _freed(w: _Work, lad: Ladder, why: str) -> None:
+    _close(w, lad, EventName.ESCALATION_RESOLVED, "info", why, outcome=ActionOutcome.FREED)
 
 
 def _zombie_event(
@@ -541,8 +582,10 @@ def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why:
     facts = {**_ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, "critical", why=why + "; needs drain/reboot", **facts)
     w.intents.append(
-        HookIntent("on_failure", f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
+        HookIntent(HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
     )
+    if lad.status is LadderStatus.ACTIVE:
+        w.intents.extend(_action_ended(lad, ActionOutcome.STUCK, why))
 
 
 def _emit_step(
@@ -661,6 +704,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         status=LadderStatus.ACTIVE,
         dry_run=dry,
         started=ctx.now,
+        user=None if proc is None else proc.user,
     )
     if finding.kind == FindingKind.STUCK:
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
@@ -888,6 +932,7 @@ def record_signal(
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
     fields = {**_ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    intents: tuple[Intent, ...] = ()
     if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
         due = now + lad.steps[lad.step - 1][1]
         ladders[target] = replace(lad, due=due)
@@ -895,6 +940,8 @@ def record_signal(
     elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
         del ladders[target]
         events.append(Event(EventName.ESCALATION_RESOLVED, "info", {**fields, "why": outcome}))
+        # Gone before this step's signal: an earlier step, if one was sent, freed it.
+        intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
@@ -909,7 +956,8 @@ def record_signal(
     else:  # denied / failed: never retried
         ladders[target] = _move(lad, LadderStatus.FAILED)
         events.append(Event(EventName.ESCALATION_ENDED, "error", {**fields, "why": outcome}))
-    return PlanResult((), tuple(events), replace(state, ladders=ladders, waiting=waiting))
+        intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
+    return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
 
 def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
@@ -921,10 +969,28 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     ladders = {k: v for k, v in state.ladders.items() if k != target}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     events: tuple[Event, ...] = ()
+    intents: tuple[Intent, ...] = ()
     if lad.status is LadderStatus.ACTIVE:
         fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
-    return PlanResult((), events, replace(state, ladders=ladders, waiting=waiting))
+        intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
+    return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
+
+
+def _reset_action(
+    intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
+) -> HookIntent:
+    """The ``on_action`` notification for a reset that ran (its command was started)."""
+    facts = {
+        **fields,
+        "minor": intent.minor,
+        "action": "reset",
+        "outcome": outcome,
+        "user": intent.facts.get("user"),
+    }
+    return HookIntent(
+        HookName.ON_ACTION, f"reset of {intent.gpu}: {outcome}", facts, dry_run=intent.dry_run
+    )
 
 
 def record_reset(
@@ -967,6 +1033,7 @@ def record_reset(
         w.reset_history.append((gpu, wall))
         w.state = replace(w.state, reset_failures=0)
         w.event(EventName.RESET_SUCCEEDED, "info", **fields)  # booked; reset.outcome said it
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
     else:  # failed / timeout
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
@@ -975,17 +1042,20 @@ def record_reset(
         w.event(EventName.RESET_FAILED, "info", failures=failures, **fields)  # as above
         w.intents.append(
             HookIntent(
-                "on_failure",
+                HookName.ON_FAILURE,
                 f"reset of {gpu} {outcome}",
                 {**fields, "failures": failures},
                 dry_run=intent.dry_run,
             )
         )
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
             w.intents.append(
-                HookIntent("on_failure", f"{gpu} needs a reboot", fields, dry_run=intent.dry_run)
+                HookIntent(
+                    HookName.ON_FAILURE, f"{gpu} needs a reboot", fields, dry_run=intent.dry_run
+                )
             )
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)

@@ -51,6 +51,7 @@ class Ladder:
     status: LadderStatus
     dry_run: bool
     started: float
+    user: str | None = None  # the target's owner when the ladder started (for on_action)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def _dump_ladder(lad: Ladder) -> dict[str, object]:
         "status": lad.status,
         "dry_run": lad.dry_run,
         "started": lad.started,
+        "user": lad.user,
     }
 
 
@@ -247,6 +249,7 @@ def _load_ladder(value: object, what: str) -> Ladder:
         status=LadderStatus(status),
         dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
         started=_float(d.get("started"), f"{what}.started"),
+        user=_opt_str(d.get("user"), f"{what}.user"),  # absent in older state files: unknown
     )
 
 

@@ -184,6 +184,7 @@ class Policy:
     reset: ResetPolicy = field(default_factory=ResetPolicy)
     limits: Limits = field(default_factory=Limits)
     on_failure: tuple[Hook, ...] = ()
+    on_action: tuple[Hook, ...] = ()  # notifications after a real kill ladder or reset ended
     metrics: MetricsPolicy = field(default_factory=MetricsPolicy)
     log_format: str = "logfmt"  # "logfmt", "json" or "console"
     sources: tuple[str, ...] = ()  # files this policy was read from, in merge order

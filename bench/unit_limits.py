@@ -1,8 +1,9 @@
 """What the unit's ``MemoryMax=`` and ``TasksMax=`` must leave room for: the daemon at its busiest.
 
 Owns one measurement: a real daemon (enforcing) on a simulated host kills an orphan and then
-resets the GPU the dead job left memory on, with drain, before and after hooks that are Python
-interpreters themselves (heavier than the ``scontrol``/``systemd-run`` a site would run).
+resets the GPU the dead job left memory on, with drain, before, after and ``on_action`` hooks
+that are Python interpreters themselves (heavier than the ``scontrol``/``systemd-run`` a site
+would run).
 Meanwhile ``/proc`` is sampled every few milliseconds for the daemon's process tree — the daemon,
 its NVML worker, hooks, the reset command — and the peaks are kept: the sum of their resident
 memory (VmRSS) and the sum of their tasks (threads), which is what the cgroup counts against
@@ -90,7 +91,9 @@ def measure(root: Path) -> dict[str, Any]:
         orphan_host(host)
         # Three lists, not one shared: the policy is written as YAML, which must have no anchors.
         reset = {**fake_smi(host), **{step: [list(hook)] for step in ("drain", "before", "after")}}
-        run = Run(host, reset=reset)
+        # An on_action notification after the kill and after the reset: it runs on a thread of
+        # the daemon's own while the NVML worker is up.
+        run = Run(host, reset=reset, on_action=[list(hook)])
         run.start()
         assert run.proc is not None
         sampler = Sampler(run.proc.pid)
@@ -101,7 +104,8 @@ def measure(root: Path) -> dict[str, Any]:
             # As the driver would: the job is gone from NVML, its memory is not (a leak).
             host.nvml([gpu(0, allocated=3 * 1024**3), gpu(1)])
             run.wait_for(lambda: run.saw("reset.outcome"), timeout=60)
-            time.sleep(0.5)
+            run.wait_for(lambda: run.saw("hook.run", hook="on_action"), timeout=10)
+            time.sleep(1.5)  # the notification after the reset, and its hook.run event
         finally:
             sampler.stop.set()
             sampler.join()
@@ -122,11 +126,17 @@ def measure(root: Path) -> dict[str, Any]:
                 and e.get("step") in ("drain", "before_hooks", "after_hooks")
                 and e.get("status") == "ok"
             ),
+            "on_action": sum(
+                1
+                for e in run.events()
+                if e.get("event") == "hook.run" and e.get("hook") == "on_action"
+            ),
         }
     print(
         f"[bench] unit limits: peak RSS {result['peak_rss_mib']} MiB, "
         f"peak tasks {result['peak_tasks']} in {result['peak_processes']} processes "
-        f"(kill: {result['killed']}, reset: {result['reset']}, hooks run: {result['hooks']})",
+        f"(kill: {result['killed']}, reset: {result['reset']}, reset hooks: {result['hooks']}, "
+        f"on_action hooks: {result['on_action']})",
         flush=True,
     )
     return result

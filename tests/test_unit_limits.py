@@ -1,7 +1,7 @@
 """The unit's MemoryMax=/TasksMax= still leave headroom over what the daemon really uses.
 
-Runs bench/unit_limits.py's measurement (a real daemon killing an orphan, then resetting the GPU
-with three hooks, sampled through /proc) in its own PID namespace, and holds its peaks against
+Runs bench/unit_limits.py's measurement (a real daemon killing an orphan, then resetting the GPU,
+with reset and on_action hooks, sampled through /proc) in its own PID namespace, and holds its peaks against
 the unit's limits with the headroom docs/operations.md promises (4x memory, 8x tasks at least).
 """
 
@@ -37,6 +37,7 @@ def test_the_busy_daemon_stays_far_below_the_units_limits(tmp_path: Path) -> Non
     assert found["killed"] is True
     assert found["reset"] is True
     assert found["hooks"] == 3
+    assert found["on_action"] >= 1
     assert found["peak_processes"] >= 3
     (memory,) = values("MemoryMax")
     (tasks,) = values("TasksMax")

@@ -79,8 +79,9 @@ def running_daemon_pids(
     The daemon counts its own NVML worker as itself, never as a holder; a scan beside it must
     too, or every GPU would show a ``hidden_holder`` (an NVML-only client) whenever the daemon
     runs outside its systemd unit, in a Kubernetes pod say. Only a PID that is gpuwatchd now
-    (the test of ``status``), and its direct children running the worker file, qualify: a
-    reused PID hides nothing.
+    (the test of ``status``) and runs as the user this command runs as (root, in production:
+    nobody else can start such a process), and its direct children of that user running the
+    worker file, qualify: a reused PID, or a look-alike started by another user, hides nothing.
     """
     from gpuwatchd.cli.status import daemon_pid, look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
@@ -88,10 +89,14 @@ def running_daemon_pids(
     pid = daemon_pid(saved)
     if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
         return frozenset()
+    me = os.geteuid()
+    daemon = procfs.read_process(pid)
+    if daemon is None or daemon.uid != me:
+        return frozenset()
     workers = {
         child
         for child, info in procfs.read_processes(procfs.descendants([pid])).items()
-        if info.ppid == pid and WORKER_FILE in (info.cmdline or ())
+        if info.ppid == pid and info.uid == me and WORKER_FILE in (info.cmdline or ())
     }
     return frozenset({pid, *workers})
 

@@ -1,8 +1,9 @@
 """The unit's MemoryMax=/TasksMax= still leave headroom over what the daemon really uses.
 
-Runs bench/unit_limits.py's measurement (a real daemon killing an orphan, then resetting the GPU,
-with reset and on_action hooks, sampled through /proc) in its own PID namespace, and holds its peaks against
-the unit's limits with the headroom docs/operations.md promises (4x memory, 8x tasks at least).
+Runs bench/unit_limits.py's measurement (a real daemon killing an orphan, then resetting the
+GPU, with reset and on_action hooks, sampled through /proc) in its own PID namespace, and holds
+its peaks against the unit's limits with the headroom docs/operations.md promises (4x memory,
+8x tasks at least).
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class Daemon:
         dry_run: bool = False,
         once: bool = False,
         once_timeout: float = 600.0,
+        ended_jobs: frozenset[str] = frozenset(),
         nvml_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -109,6 +110,7 @@ class Daemon:
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
+            ended_by_scheduler=ended_jobs,  # run --once --ended-job: the scheduler's word
         )
         self.signaller = Signaller(policy.proc_root)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
@@ -555,6 +557,7 @@ def run_daemon(
     dry_run: bool,
     once: bool,
     once_timeout: float,
+    ended_jobs: frozenset[str] = frozenset(),
 ) -> int:
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
@@ -575,6 +578,7 @@ def run_daemon(
         dry_run=dry_run,
         once=once,
         once_timeout=once_timeout,
+        ended_jobs=ended_jobs,
     )
     try:
         return daemon.run()
@@ -583,6 +587,12 @@ def run_daemon(
         # only watches the daemon's progress until nothing is left to act on.
         from gpuwatchd.cli.once import wait_for_daemon
 
+        if ended_jobs:
+            print(
+                "gpuwatchd: a daemon is running; it does not learn --ended-job "
+                f"({', '.join(sorted(ended_jobs))}) and judges jobs itself",
+                file=sys.stderr,
+            )
         return wait_for_daemon(daemon.policy, once_timeout)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):

@@ -192,6 +192,22 @@ class HolderScan:
         return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)
 
 
+@dataclass(frozen=True)
+class FileSharing:
+    """Whether a holder's device files are a live context owner's own open file descriptions.
+
+    Two processes share an open file description exactly when one inherited it from the other
+    (fork, or fd passing); ``kcmp(KCMP_FILE)`` answers it. ``shared`` is True when at least one
+    of ``holder``'s device fds is one of ``owner``'s, False when every pair compared differs
+    (the holder opened its own files: a spawn/forkserver worker), None when it could not be
+    told (no CAP_SYS_PTRACE, seccomp, an old kernel, a holder with mappings only).
+    """
+
+    holder: int
+    owner: int
+    shared: bool | None
+
+
 # --- NVML -------------------------------------------------------------------------------------
 
 
@@ -310,6 +326,10 @@ class Snapshot:
     mps_server_running: bool = False
     nvidia_uvm_major: int | None = None
     ended_jobs: frozenset[str] = frozenset()  # job keys known to have ended (jobs.py)
+    # Inheritance evidence (collect/inherit.py): session/process-group leaders of holders
+    # looked up this poll and found not to exist, and kcmp answers for holder/owner pairs.
+    absent_pids: frozenset[int] = frozenset()
+    file_sharing: tuple[FileSharing, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

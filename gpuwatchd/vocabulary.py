@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "ASSESS_STATE_VERSION",
+    "ASSESS_STATE_VERSIONS_READ",
     "LADDER_TRANSITIONS",
     "PLAN_STATE_VERSION",
     "RESET_RESULT_LEVELS",
@@ -118,6 +119,8 @@ class EventName(_Name):
     STATE_SAVE_FAILED = "state.save_failed"
     STATE_DIR_UNUSABLE = "state.dir_unusable"
     METRICS_WRITE_FAILED = "metrics.write_failed"
+    # inheritance evidence (collect/inherit.py)
+    COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"
@@ -250,5 +253,6 @@ class ExitCode(enum.IntEnum):
 
 # Format versions of the state file and its sections; a mismatch is refused, not guessed.
 STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
-ASSESS_STATE_VERSION = 1  # its "assess" section (decide/assess.py)
+ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess_state.py); 2 adds inheritance
+ASSESS_STATE_VERSIONS_READ = (1, 2)  # version 1 is read as having no inheritance evidence
 PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan_state.py)

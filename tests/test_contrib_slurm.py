@@ -102,7 +102,9 @@ class Slurm:
     def updates(self) -> list[list[str]]:
         return [call for call in self.calls() if call[:1] == ["update"]]
 
-    def script(self, name: str, gpus: str | None, timeout: str = "20s") -> dict[str, Any]:
+    def script(
+        self, name: str, gpus: str | None, timeout: str = "20s", job: str | None = None
+    ) -> dict[str, Any]:
         """Run ``gpuwatchd-prolog``/``-epilog`` as slurmd would, or ``gpuwatchd-slurm undrain``."""
         env = self.host.env()
         env.update(
@@ -116,8 +118,11 @@ class Slurm:
         )
         for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
             env.pop(var, None)
+        env.pop("SLURM_JOB_ID", None)
         if gpus is not None:
             env["SLURM_JOB_GPUS"] = gpus
+        if job is not None:
+            env["SLURM_JOB_ID"] = job
         (self.dir / "calls.log").write_text("")
         started = time.monotonic()
         proc = subprocess.run(
@@ -195,7 +200,7 @@ def host_without_daemon_enforcing(arg: dict[str, Any], root: Path) -> dict[str, 
         slurm = Slurm(host, host.config(rules=[ORPHAN_RULE], dry_run=False))
         driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
         driver.start()
-        epilog = slurm.script("epilog", "0")
+        epilog = slurm.script("epilog", "0", job="4711")  # run --once --ended-job slurm
         return {"epilog": epilog, "worker_alive": host.alive(host.pids["worker"])}
 
 

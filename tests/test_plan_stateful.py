@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import (
     HookIntent,
     PlanState,
@@ -40,6 +42,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import (
     FLOOR_PROCESS_NAMES,
+    Detection,
     Limits,
     Policy,
     Protect,
@@ -51,10 +54,13 @@ from gpuwatchd.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,
+    FileSharing,
     Finding,
     FindingKind,
     GpuInfo,
+    GpuMemory,
     HolderScan,
+    NvmlProcess,
     NvmlReading,
     ProcessInfo,
     Snapshot,
@@ -77,6 +83,7 @@ settings.register_profile(
 settings.load_profile(os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default"))
 
 GPUS = ("GPU-aaaa", "GPU-bbbb")
+GIB = 1024 * MIB
 SELF_PID = 4242
 NORMAL_SLOTS = (1000, 1001, 1002, 1003, 1004)
 SLOTS = (*NORMAL_SLOTS, *NORMAL_SLOTS, 1, 1500, SELF_PID)
@@ -373,3 +380,193 @@ class EscalationMachine(RuleBasedStateMachine):
 
 
 TestEscalation = EscalationMachine.TestCase
+
+
+# --- issue 15: the inheritance evidence, through assess and plan together ----------------------
+#
+# A small host of jobs (a shell leading each session, an owner with a context, its forked and
+# spawned workers), idle notebook kernels that lead their own sessions, owners that die (their
+# memory pinned by forked workers only), shells that exit, kcmp available or not, the
+# `orphans_without_history` key on or off, and a leak from before the daemon watched. Every poll
+# runs assess() and plan() as the engine does. Invariant: no healthy process is ever signalled —
+# owners, shells, notebooks, workers of a live owner, and spawn workers whose own files kcmp
+# recorded. Only a forked worker of a dead owner may be (or, under today's rules without kcmp
+# evidence, a spawn worker whose parent died).
+
+
+@dataclass
+class _Proc:
+    pid: int
+    role: str  # shell, owner, fork, spawn, notebook
+    ppid: int
+    sid: int
+    gpu: int = 0
+    owner: int | None = None
+    recorded: bool = False  # kcmp's answer about it was seen while its owner lived
+
+
+class InheritanceMachine(RuleBasedStateMachine):
+    @initialize(
+        kcmp=st.booleans(),
+        key=st.booleans(),
+        leak_before=st.booleans(),
+        listed_dead=st.booleans(),
+    )
+    def start(self, kcmp: bool, key: bool, leak_before: bool, listed_dead: bool) -> None:
+        self.kcmp = kcmp
+        self.detection = Detection(orphans_without_history=key)
+        self.policy = Policy(
+            dry_run=False,
+            rules=(Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), 0.0),),
+        )
+        self.procs: dict[int, _Proc] = {}
+        self.dead_owners: dict[int, tuple[int, bool]] = {}  # owner pid -> (gpu, NVML lists it)
+        self.next_pid = 2000
+        self.mono = 100.0
+        self.astate = AssessState(boot_id="boot-1")
+        self.pstate = PlanState()
+        if leak_before:  # all of this happened before the first poll
+            shell = self._new("shell", ppid=1, sid=None)
+            owner = self._new("owner", ppid=shell.pid, sid=shell.sid)
+            self._new("fork", ppid=owner.pid, sid=owner.sid, owner=owner.pid)
+            self._die(owner.pid, listed_dead)
+            self.procs.pop(shell.pid)
+
+    def _new(self, role: str, *, ppid: int, sid: int | None, owner: int | None = None,
+             gpu: int = 0) -> _Proc:  # fmt: skip
+        self.next_pid += 1
+        proc = _Proc(self.next_pid, role, ppid, sid if sid is not None else self.next_pid, gpu,
+                     owner)  # fmt: skip
+        self.procs[proc.pid] = proc
+        return proc
+
+    def _die(self, pid: int, listed_dead: bool) -> None:
+        proc = self.procs.pop(pid)
+        for child in self.procs.values():
+            if child.ppid == pid:
+                child.ppid = 1
+        if proc.role == "owner":
+            self.dead_owners[pid] = (proc.gpu, listed_dead)
+
+    def _pick(self, role: str, index: int) -> _Proc | None:
+        found = [p for p in self.procs.values() if p.role == role]
+        return found[index % len(found)] if found else None
+
+    @rule(gpu=st.sampled_from((0, 1)), share=st.integers(0, 3))
+    def start_job(self, gpu: int, share: int) -> None:
+        """A job: a new shell and session, or (torchrun) a rank in an existing live session."""
+        shell = self._pick("shell", share) if share else None
+        if shell is None:
+            shell = self._new("shell", ppid=1, sid=None)
+        self._new("owner", ppid=shell.pid, sid=shell.sid, gpu=gpu)
+
+    @rule(index=st.integers(0, 5), role=st.sampled_from(("fork", "spawn")))
+    def add_worker(self, index: int, role: str) -> None:
+        owner = self._pick("owner", index)
+        if owner is not None:
+            self._new(role, ppid=owner.pid, sid=owner.sid, owner=owner.pid, gpu=owner.gpu)
+
+    @rule()
+    def notebook(self) -> None:
+        self._new("notebook", ppid=1, sid=None)
+
+    @rule(index=st.integers(0, 5), listed_dead=st.booleans())
+    def kill_owner(self, index: int, listed_dead: bool) -> None:
+        owner = self._pick("owner", index)
+        if owner is not None:
+            self._die(owner.pid, listed_dead)
+
+    @rule(index=st.integers(0, 5))
+    def exit_shell(self, index: int) -> None:
+        shell = self._pick("shell", index)
+        if shell is not None:
+            self._die(shell.pid, False)
+
+    @rule()
+    def restart(self) -> None:
+        self.astate = AssessState.from_json(json.loads(json.dumps(self.astate.to_json())))
+
+    def _pinned(self, owner: int) -> bool:
+        return any(p.role == "fork" and p.owner == owner for p in self.procs.values())
+
+    def _snapshot(self) -> Snapshot:
+        holdings: dict[int, DeviceHolding] = {}
+        listed: dict[int, list[NvmlProcess]] = {0: [], 1: []}
+        used = {0: 2 * MIB, 1: 2 * MIB}
+        sharing: list[FileSharing] = []
+        for p in self.procs.values():
+            if p.role == "owner":  # CUDA opens every GPU; a context on its own
+                holdings[p.pid] = DeviceHolding(p.pid, frozenset({0, 1}), ctl=True, uvm=True)
+                listed[p.gpu].append(NvmlProcess(p.pid, GIB, "compute"))
+                used[p.gpu] += GIB
+            elif p.role in ("fork", "spawn", "notebook"):
+                holdings[p.pid] = DeviceHolding(p.pid, frozenset({p.gpu}), ctl=True, uvm=True)
+            owner = self.procs.get(p.owner) if p.owner is not None else None
+            if owner is not None and self.kcmp:
+                sharing.append(FileSharing(p.pid, owner.pid, p.role == "fork"))
+        for pid, (gpu, listed_dead) in self.dead_owners.items():
+            if self._pinned(pid):
+                used[gpu] += GIB
+                if listed_dead:
+                    listed[gpu].append(NvmlProcess(pid, GIB, "compute"))
+        leaders = {v for p in self.procs.values() if p.pid in holdings for v in (p.sid,)}
+        gpus = tuple(
+            GpuInfo(
+                index=i,
+                uuid=GPUS[i],
+                minor=i,
+                mig_enabled=False,
+                memory=GpuMemory(80 * GIB, 80 * GIB - used[i] - MIB, MIB, used[i]),
+                processes=tuple(listed[i]),
+            )
+            for i in (0, 1)
+        )
+        processes = {
+            p.pid: ProcessInfo(p.pid, 10 * p.pid, "S", p.ppid, p.sid, p.sid, uid=1000,
+                               user="bob", comm="python3", cmdline=("python3", p.role),
+                               cgroup=CgroupInfo("/user.slice/session-3.scope"))
+            for p in self.procs.values()
+        }  # fmt: skip
+        return Snapshot(
+            monotonic=self.mono,
+            wall_time=1_700_000_000.0 + self.mono,
+            boot_id="boot-1",
+            nvml=NvmlReading(available=True, gpus=gpus),
+            processes=processes,
+            holders=HolderScan("full", holdings),
+            absent_pids=frozenset(v for v in leaders if v not in self.procs),
+            file_sharing=tuple(sharing),
+        )
+
+    def _healthy(self, p: _Proc) -> bool:
+        owner_alive = p.owner is not None and p.owner in self.procs
+        return (
+            p.role in ("shell", "owner", "notebook")
+            or owner_alive
+            or (p.role == "spawn" and p.recorded)
+        )
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 30.0]))
+    def poll(self, dt: float) -> None:
+        self.mono += dt
+        snapshot = self._snapshot()
+        assessment = assess(snapshot, self.astate, self.detection)
+        self.astate = assessment.state
+        result = plan(
+            list(assessment.findings), snapshot, self.pstate, self.policy, now=self.mono,
+            wall=snapshot.wall_time,
+        )  # fmt: skip
+        self.pstate = result.state
+        for intent in result.intents:
+            if not isinstance(intent, SignalIntent):
+                continue
+            target = self.procs[intent.identity.pid]
+            assert not self._healthy(target), (target, assessment.findings)
+            self.pstate = record_signal(self.pstate, intent, "delivered", now=self.mono).state
+            self._die(target.pid, False)
+        for p in self.procs.values():  # kcmp answered while the owner lived
+            if self.kcmp and p.owner is not None and p.owner in self.procs:
+                p.recorded = True
+
+
+TestInheritance = InheritanceMachine.TestCase

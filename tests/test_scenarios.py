@@ -170,3 +170,73 @@ def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
     assert r.final["hooks_run"] == 0
     assert "hooks run: 0" in render_text(r)
     assert all(outcome == "dry_run" for _, _, _, outcome in r.signals())
+
+
+def test_leak_before_watch() -> None:
+    """Default policy: the likely heir is reported (lost leader named), nobody is signalled."""
+    r = run("leak-before-watch")
+    assert r.signals() == []
+    new = {(e.fields["kind"], e.fields["pid"]): e for e in r.entries("finding.new")}
+    heir = new[("hidden_holder", 4121)].fields
+    assert heir["evidence"]["likely_heir"] is True  # type: ignore[index]
+    assert heir["evidence"]["lost_leader"] == 4100  # type: ignore[index]
+    assert "orphans_without_history" in str(heir["reason"])
+    notebook = new[("hidden_holder", 5200)].fields
+    assert "likely_heir" not in notebook["evidence"]  # type: ignore[operator]
+
+
+def test_leak_before_watch_opt_in() -> None:
+    """With the key, the heir is orphaned (tie lost_leader) and freed; the notebook is not."""
+    r = run("leak-before-watch-opt-in")
+    assert signals_to(r, "loader") == [(30.0, "SIGTERM")]
+    assert signals_to(r, "notebook") == []
+    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    assert [e.fields["evidence"]["tie"] for e in orphan] == ["lost_leader"]  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_epilog_ended_job() -> None:
+    """The scheduler's word makes the ended job's leftover abandoned; the other job is untouched."""
+    r = run("epilog-ended-job")
+    assert signals_to(r, "helper") == [(10.0, "SIGTERM")]
+    assert signals_to(r, "other-trainer") == []
+    (found,) = r.entries("finding.new")
+    assert (found.fields["kind"], found.fields["evidence"]["job"]) == (  # type: ignore[index]
+        "abandoned",
+        "slurm:4242",
+    )
+
+
+def test_spawn_worker_dead_owner() -> None:
+    """kcmp: the fork worker is the heir and is freed; the spawn worker is never signalled."""
+    r = run("spawn-worker-dead-owner")
+    assert signals_to(r, "fork-worker") == [(50.0, "SIGTERM")]
+    assert signals_to(r, "spawn-worker") == []
+    spawn = [e for e in r.entries("finding.new") if e.fields["pid"] == 8120]
+    assert [e.fields["kind"] for e in spawn] == ["hidden_holder"]
+    assert spawn[0].fields["evidence"]["own_files"] is True  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_torchrun_rank_crash_shared_session() -> None:
+    """Only the dead rank's worker is signalled (kcmp proof); without the proof, nobody is."""
+    r = run("torchrun-rank-crash-shared-session")
+    assert {name for _, name, _, _ in r.signals()} == {"rank-0-loader"}
+    assert signals_to(r, "rank-0-loader") == [(50.0, "SIGTERM")]
+    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    assert [e.fields["evidence"]["tie"] for e in orphan] == ["inherited_files"]  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+    scenario = r.scenario
+    unknown = dataclasses.replace(
+        scenario,
+        processes=tuple(dataclasses.replace(p, files=None) for p in scenario.processes),
+    )
+    assert simulate(unknown).signals() == []
+
+
+def test_persistenced_one_gpu() -> None:
+    """persistenced holding only nvidiactl does not block the reset of a one-GPU node."""
+    r = run("persistenced-one-gpu")
+    assert [(t, result) for t, _, result in r.resets()] == [(150.0, "success")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []

@@ -21,6 +21,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
@@ -264,6 +265,8 @@ def _gpu_entry(
         "processes_known": gpu.processes is not None,
         "processes": processes,
         "holders": holders,
+        # Whose open device node would make the driver refuse a reset now (docs/reset.md).
+        "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
     }
 
 
@@ -535,6 +538,13 @@ def _gpu_lines(
 
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
     lines.extend(_finding_lines(own, now, paint))
+    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    if own and refusers:
+        lines.append(
+            f"  a reset now would be refused by the driver while PID "
+            f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
+            "isolation every CUDA process opens every GPU)"
+        )
     return lines
 
 
@@ -710,7 +720,25 @@ def _finding_lines(
     lines = ["  findings"]
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
+    lines.extend(_likely_heir_advice(findings, paint))
     return lines
+
+
+def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:
+    """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
+    heirs = [
+        as_int(f.get("pid"))
+        for f in findings
+        if _as_map(f.get("evidence")).get("likely_heir") is True
+    ]
+    shown = ", ".join(str(pid) for pid in heirs if pid is not None)
+    if not shown:
+        return []
+    return [
+        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {shown}", _YELLOW),
+        f"    check with `ps -o pid,lstart,args -p {shown.replace(', ', ',')}`; kill it by hand,",
+        "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
+    ]
 
 
 def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:

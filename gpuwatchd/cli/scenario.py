@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from gpuwatchd.act.reset import ResetStep
+from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.schema import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 from gpuwatchd.decide.argv import check_value
@@ -56,7 +57,7 @@ _TOP_KEYS = (
     "processes",
     "events",
 )
-_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max")
+_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
 _GPU_KEYS = (
     "index",
     "uuid",
@@ -92,7 +93,9 @@ _PROCESS_KEYS = (
     "visible",
     "subreaper",
     "stops_for_reset",
+    "files",
 )
+FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 _HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
 
 
@@ -123,6 +126,7 @@ class HostSpec:
     host_namespaces: bool | None = True
     mps_server_running: bool = False
     pid_max: int = 4194304
+    ended_jobs: frozenset[str] = frozenset()  # what an epilog's run --once --ended-job says
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,7 @@ class ProcessSpec:
     visible: bool = True
     subreaper: bool = False
     stops_for_reset: bool = False
+    files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
     line: int = 0
 
 
@@ -432,7 +437,13 @@ class _Reader:
             namespaces = value
         mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
-        return HostSpec(namespaces, mps, pid_max)
+        ended: set[str] = set()
+        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
+            try:
+                ended.add(scheduler_ended_job(self.string(item), {}))
+            except ValueError as err:
+                raise self.fail(item, str(err)) from None
+        return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
         """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
@@ -568,6 +579,7 @@ class _Reader:
             visible=flags.get("visible", True),
             subreaper=flags.get("subreaper", False),
             stops_for_reset=flags.get("stops_for_reset", False),
+            files=self.choice(n, FILES) if (n := get("files")) is not None else None,
             line=m.line,
         )
 

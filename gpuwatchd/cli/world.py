@@ -20,6 +20,7 @@ from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
+    FileSharing,
     GpuInfo,
     GpuMemory,
     HolderScan,
@@ -213,11 +214,15 @@ class World:
 
     def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU and own no context of their own there."""
+        group members that hold the GPU and own no context of their own there. A process whose
+        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
+        pins none of the owner's memory."""
         minor = self.gpus[gpu].spec.minor
         found = set()
         for proc in self.procs.values():
             if proc is owner or not proc.alive or minor not in proc.minors:
+                continue
+            if proc.spec.files == "own":
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
@@ -337,6 +342,36 @@ class World:
             )
         return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
 
+    def file_sharing(self) -> tuple[FileSharing, ...]:
+        """kcmp's answers (collect/inherit.py): each holder whose scenario says ``files``,
+        against the live context owners above it in the process tree."""
+        owners = {c.pid for c in self.contexts if c.status == "live"}
+        found: list[FileSharing] = []
+        for pid, proc in sorted(self.procs.items()):
+            if proc.spec.files is None or not proc.alive or not proc.spec.visible:
+                continue
+            current, seen = proc.ppid, set()
+            while current > 1 and current not in seen and current in self.procs:
+                seen.add(current)
+                if current in owners and self.procs[current].alive:
+                    shared = proc.spec.files == "inherited"
+                    found.append(FileSharing(holder=pid, owner=current, shared=shared))
+                current = self.procs[current].ppid
+        return tuple(found)
+
+    def absent_pids(self) -> frozenset[int]:
+        """Session and process-group leaders of holders that are not in the process table."""
+        leaders = {
+            leader
+            for proc in self.procs.values()
+            if proc.present and (proc.minors or proc.ctl or proc.uvm)
+            for leader in (proc.spec.sid, proc.spec.pgid)
+            if leader > 1 and leader != proc.pid
+        }
+        return frozenset(
+            pid for pid in leaders if pid not in self.procs or not self.procs[pid].present
+        )
+
     def snapshot(self, now: float) -> Snapshot:
         host = self.scenario.host
         return Snapshot(
@@ -349,4 +384,7 @@ class World:
             pid_max=host.pid_max,
             host_namespaces=host.host_namespaces,
             mps_server_running=host.mps_server_running,
+            ended_jobs=host.ended_jobs,
+            absent_pids=self.absent_pids(),
+            file_sharing=self.file_sharing(),
         )

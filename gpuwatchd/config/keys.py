@@ -565,6 +565,7 @@ SECTIONS: dict[str, Section] = {
                 "default_baseline": MEMORY,
                 "unaccounted_margin": MEMORY,
                 "pid_trust_min_unresolved": count(1, 1000),
+                "orphans_without_history": BOOL,
             },
         ),
     )

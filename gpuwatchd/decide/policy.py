@@ -156,6 +156,9 @@ class Detection:
     default_baseline: int = 64 * MIB  # allocated memory assumed idle until one is learned
     unaccounted_margin: int = 1024 * MIB
     pid_trust_min_unresolved: int = 3  # this many listed PIDs not in /proc → stop trusting
+    # A likely heir of a leak from before the daemon watched (its session or process-group
+    # leader gone, no history) is ``orphaned`` instead of ``hidden_holder`` (docs/policy.md).
+    orphans_without_history: bool = False
 
 
 @dataclass(frozen=True)

@@ -71,14 +71,47 @@ def read_boot_time(proc_root: str) -> float | None:
     return None
 
 
+def running_daemon_pids(
+    policy: Policy, saved: Mapping[str, object], procfs: ProcFS
+) -> frozenset[int]:
+    """The daemon that wrote ``saved`` and its NVML workers, when it runs now; else empty.
+
+    The daemon counts its own NVML worker as itself, never as a holder; a scan beside it must
+    too, or every GPU would show a ``hidden_holder`` (an NVML-only client) whenever the daemon
+    runs outside its systemd unit, in a Kubernetes pod say. Only a PID that is gpuwatchd now
+    (the test of ``status``) and runs as the user this command runs as (root, in production:
+    nobody else can start such a process), and its direct children of that user running the
+    worker file, qualify: a reused PID, or a look-alike started by another user, hides nothing.
+    """
+    from gpuwatchd.cli.status import daemon_pid, look_at_process
+    from gpuwatchd.collect.nvml import WORKER_FILE
+
+    pid = daemon_pid(saved)
+    if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
+        return frozenset()
+    me = os.geteuid()
+    daemon = procfs.read_process(pid)
+    if daemon is None or daemon.uid != me:
+        return frozenset()
+    workers = {
+        child
+        for child, info in procfs.read_processes(procfs.descendants([pid])).items()
+        if info.ppid == pid and info.uid == me and WORKER_FILE in (info.cmdline or ())
+    }
+    return frozenset({pid, *workers})
+
+
 def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> ScanResult:
+    saved = StateStore(policy.state_dir).peek()
+    procfs = procfs_for(policy)
     nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
     try:
         collector = Collector(
-            procfs_for(policy),
+            procfs,
             nvml,
             namespace_check=policy.namespace_check,
             cgroup_root=cgroup2_mount(),
+            daemon_pids=running_daemon_pids(policy, saved, procfs),
         )
         snapshot = collector.collect(full=True)
     finally:
@@ -89,7 +122,6 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    saved = StateStore(policy.state_dir).peek()
     previous = AssessState()
     if saved.get("boot_id") == snapshot.boot_id:
         try:

@@ -83,6 +83,9 @@ class Collector:
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     detection: Detection = field(default_factory=Detection)
     holders: HolderScanner | None = None
+    # Processes of a running daemon that a one-shot command (scan, check-clean) must count as
+    # its own, as the daemon does: its NVML worker holds every GPU's device file.
+    daemon_pids: frozenset[int] = frozenset()
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     last_scan_reason: FullScanReason | None = None
@@ -102,7 +105,7 @@ class Collector:
         listed = listed_pids(reading)
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
-        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids
+        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids
         scanner = self.holders if self.holders is not None else self.procfs.holders
 
         reason, self._scan_state = full_scan_due(

@@ -44,7 +44,12 @@ from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemC
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
-from gpuwatchd.pause import read_pause, take_clear_latches
+from gpuwatchd.pause import (
+    hand_over_ended_jobs,
+    read_ended_jobs,
+    read_pause,
+    take_clear_latches,
+)
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore, check_state_dir
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
@@ -54,6 +59,7 @@ log = structlog.get_logger("gpuwatchd")
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
+ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
@@ -117,6 +123,8 @@ class Daemon:
         self._stop = False
         self._reload = False
         self.hook_queue = HookQueue()
+        self._own_ended_jobs = ended_jobs
+        self._handed_jobs: frozenset[str] = frozenset()
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
@@ -230,6 +238,19 @@ class Daemon:
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
 
+    def _take_ended_jobs(self) -> None:
+        """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
+        remaining device holders are ``abandoned`` until the hand-over expires."""
+        handed, problems = read_ended_jobs(
+            self.policy.state_dir, self.wall_clock(), remove_stale=True
+        )
+        for problem in problems:
+            log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
+        for job in sorted(handed - self._handed_jobs):
+            log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
+        self._handed_jobs = handed
+        self.collector.ended_by_scheduler = self._own_ended_jobs | handed
+
     def _finish_notifications(self) -> None:
         """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
         should tell the owner before it exits), and log what ran; what is left is dropped."""
@@ -302,6 +323,7 @@ class Daemon:
         self.engine.set_paused(read_pause(self.policy.state_dir))
         if take_clear_latches(self.policy.state_dir):
             self.engine.clear_latches()
+        self._take_ended_jobs()
         # The poll's start is its time in the status section: the engine's own checkpoint at
         # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
         started = self.clock()
@@ -588,11 +610,22 @@ def run_daemon(
         from gpuwatchd.cli.once import wait_for_daemon
 
         if ended_jobs:
-            print(
-                "gpuwatchd: a daemon is running; it does not learn --ended-job "
-                f"({', '.join(sorted(ended_jobs))}) and judges jobs itself",
-                file=sys.stderr,
-            )
+            # The running daemon takes the scheduler's word from the state folder at its next
+            # poll (and so does the waiter's scan), for as long as this wait may last.
+            until = time.time() + once_timeout + ENDED_JOB_GRACE
+            try:
+                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+            except OSError as exc:
+                print(
+                    f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+                    file=sys.stderr,
+                )
+            else:
+                print(
+                    "gpuwatchd: handed to the running daemon: "
+                    f"{', '.join(sorted(ended_jobs))} ended",
+                    file=sys.stderr,
+                )
         return wait_for_daemon(daemon.policy, once_timeout)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):

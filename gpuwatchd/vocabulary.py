@@ -114,6 +114,7 @@ class EventName(_Name):
     DAEMON_NO_PERMISSION = "daemon.no_permission"
     DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
+    SCHEDULER_ENDED_JOB = "scheduler.ended_job"
     CONFIG_RELOADED = "config.reloaded"
     CONFIG_RELOAD_REJECTED = "config.reload_rejected"
     CONFIG_RELOAD_PARTIAL = "config.reload_partial"

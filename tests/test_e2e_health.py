@@ -51,7 +51,7 @@ DECISIONS = (
 
 def decisions(events: list[dict[str, Any]]) -> list[tuple[str, object]]:
     """The health decisions in order: (event, finding kind or reset result)."""
-    found = []
+    found: list[tuple[str, object]] = []
     for e in events:
         name = e.get("event")
         if name not in DECISIONS:

@@ -767,10 +767,13 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
                 ],
             )
         pids = host.wait_ready("stepd41", "stepd42", "task41", "task42")
+        # Beside the daemon the waiter asks about the whole node, and the fake NVML would keep
+        # reporting GPU 1's memory after its holder died (a real driver frees it): ghost memory.
+        leftover = 2 * MiB if arg.get("daemon") else GiB
         host.nvml(
             [
                 gpu(0, allocated=GiB, processes=[process(pids["task41"], GiB)]),
-                gpu(1, allocated=GiB),
+                gpu(1, allocated=leftover),
             ]
         )
         rule = {
@@ -780,6 +783,14 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
             "steps": [{"signal": "SIGTERM", "wait": "2s"}, {"signal": "SIGKILL", "wait": "1s"}],
         }
         config = host.config(dry_run=False, rules=[rule], log={"format": "json"})
+        daemon = None
+        if arg.get("daemon"):
+            # The daemon runs (as under systemd): the epilog hands the job over and waits.
+            daemon = Run(host, rules=[rule], limits={"post_action_delay": "0s"})
+            config = daemon.config
+            daemon.start()
+            daemon.wait_for(lambda: daemon.saw("daemon.start"), timeout=30)
+            time.sleep(1)  # polls without the hand-over: job 42's task is left alone
         bad = host.gpuwatchd("run", "--once", "--ended-job", "slurm:4x2", "--config", str(config))
         env = {**host.env(), "SLURM_JOB_ID": "42"}
         argv = ["run", "--once", "--ended-job", "slurm", "--timeout", "30s"]
@@ -792,8 +803,14 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
             timeout=60,
         )
         host.reap()
+        daemon_events = []
+        if daemon is not None:
+            daemon.stop()
+            daemon_events = daemon.events()
         return {
             "pids": pids,
+            "daemon_events": daemon_events,
+            "handed_over": [p.name for p in host.state_dir.glob("ended-job-*")],
             "bad_code": bad.returncode,
             "bad_err": bad.stderr,
             "once_code": once.returncode,
@@ -803,15 +820,26 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
         }
 
 
+@pytest.mark.parametrize("daemon", [False, True], ids=["alone", "beside-the-daemon"])
 def test_epilog_ended_job_makes_its_holders_abandoned_for_that_run(
-    tmp_path: Path, cgroup_base: Path
+    tmp_path: Path, cgroup_base: Path, daemon: bool
 ) -> None:
     result = run_in_pid_namespace(
         f"{__name__}:host_epilog_names_ended_job",
-        {"cgroup_base": str(cgroup_base)},
+        {"cgroup_base": str(cgroup_base), "daemon": daemon},
         root=tmp_path,
         timeout=120,
     )
+    if daemon:
+        events = result["daemon_events"]
+        assert "handed to the running daemon: slurm:42 ended" in result["once_output"]
+        taken = [e for e in events if e.get("event") == "scheduler.ended_job"]
+        assert [e.get("job") for e in taken] == ["slurm:42"]
+        signalled = {e["pid"] for e in events if e.get("event") == "action.signal"}
+        assert signalled == {result["pids"]["task42"]}
+        names = [e.get("event") for e in events]
+        assert names.index("scheduler.ended_job") < names.index("action.signal")
+        assert len(result["handed_over"]) == 1  # not expired yet: the daemon keeps it
     assert result["bad_code"] == 78
     assert "'4x2' is not a valid slurm id" in result["bad_err"]
     assert result["once_code"] == 0, result["once_output"]

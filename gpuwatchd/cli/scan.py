@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import StateStore
 
 
@@ -113,6 +115,9 @@ def scan_host(policy: Policy, *, nvml_env: Mapping[str, str] | None = None) -> S
             cgroup_root=cgroup2_mount(),
             daemon_pids=running_daemon_pids(policy, saved, procfs),
         )
+        # What an epilog told the running daemon (run --once --ended-job): this scan judges
+        # those jobs as the daemon does.
+        collector.ended_by_scheduler = read_ended_jobs(policy.state_dir, time.time())[0]
         snapshot = collector.collect(full=True)
     finally:
         nvml.close()

@@ -454,6 +454,7 @@ class Engine:
                 dry_run=intent.dry_run,
                 hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
                 runner=self.actuator.run_command,
+                drained=intent.drained,
             )
 
         try:

@@ -330,8 +330,10 @@ class _Procedure:
         dry_run: bool,
         hook_env: Mapping[str, str],
         runner: CommandRunner,
+        drained: bool = False,
     ) -> None:
         self.target = target
+        self.drained = drained  # the drain hooks ran already (a health reset drains first)
         self.policy = policy
         self.env = env
         self.commands = commands
@@ -529,8 +531,12 @@ def perform_reset(
     dry_run: bool,
     hook_env: Mapping[str, str] = _EMPTY,
     runner: CommandRunner = run_command,
+    drained: bool = False,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target`` (see the module docstring for the steps).
+
+    ``drained``: the caller ran the ``drain`` hooks already (a health reset drains, then waits
+    for the GPU's users to finish); the drain step is recorded as skipped, not run twice.
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
     :func:`gpuwatchd.decide.argv.hook_environment` always win). ``runner`` runs every command and
@@ -552,7 +558,14 @@ def perform_reset(
         )
         return ResetOutcome("refused", ResetStep.DRAIN, prepared, False, None, ())
     proc = _Procedure(
-        target, reset, env, prepared, dry_run=dry_run, hook_env=hook_env, runner=runner
+        target,
+        reset,
+        env,
+        prepared,
+        dry_run=dry_run,
+        hook_env=hook_env,
+        runner=runner,
+        drained=drained,
     )
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
@@ -566,9 +579,12 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish("refused", ResetStep.DRAIN, _UNRECORDED)
-    failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
-    if failure is not None:
-        return proc.abort(ResetStep.DRAIN, failure)
+    if proc.drained and reset.drain:
+        proc.event(ResetStep.DRAIN, "skipped", detail="drained already, before the wait")
+    else:
+        failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
+        if failure is not None:
+            return proc.abort(ResetStep.DRAIN, failure)
 
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)

@@ -146,6 +146,7 @@ class ResetIntent:
     dry_run: bool
     reason: str
     facts: Mapping[str, object]
+    drained: bool = False  # the drain hooks ran already (health: drain, wait, then reset)
 
 
 @dataclass(frozen=True)
@@ -913,8 +914,11 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     _start_reset(w, ctx, finding, gpu, f"ghost memory confirmed for {lasted:.0f}s")
 
 
-def _start_reset(w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str) -> None:
-    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health."""
+def _start_reset(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str, *, drained: bool = False
+) -> None:
+    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
+    (``drained``: the drain hooks ran already, before the health wait)."""
     dry = _dry(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
@@ -938,6 +942,7 @@ def _start_reset(w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str) 
             dry_run=dry,
             reason=f"{why}: {finding.reason}",
             facts=facts,
+            drained=drained,
         )
     )
 
@@ -1053,7 +1058,7 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
     if blocker is not None:
         _say(w, finding, blocker)
         return
-    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset")
+    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset", drained=True)
 
 
 # --- outcomes from act ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench import latency  # noqa: E402
+from bench import latency, unit_limits  # noqa: E402
 from bench.cli_scan import compare_cli  # noqa: E402
 from bench.host import ProcessPool, cuda_devices  # noqa: E402
 from bench.scan import CHAR_PROCFS, CHAR_STANDINS, compare  # noqa: E402
@@ -495,6 +495,7 @@ def run_all(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
         if os.getpid() == 1 and cfg.get("latency", True):
             print("[bench] latency scenarios", flush=True)
             results["latency"] = latency.run(root / "latency", cfg)
+            results["unit_limits"] = unit_limits.measure(root / "unit-limits")
         results["scales"] = [results["main"]]
         for fillers, gpus in cfg["scales"]:
             print(f"[bench] scale: {fillers} processes, {gpus} GPUs", flush=True)

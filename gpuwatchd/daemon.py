@@ -42,11 +42,16 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanResult, PlanState, pending
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine, EngineState
-from gpuwatchd.host import HostActuator, HostReader, LogSink, SystemClock
+from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
-from gpuwatchd.pause import read_pause, take_clear_latches
+from gpuwatchd.pause import (
+    hand_over_ended_jobs,
+    read_ended_jobs,
+    read_pause,
+    take_clear_latches,
+)
 from gpuwatchd.state import (
     AlreadyRunning,
     StateDirError,
@@ -61,6 +66,8 @@ log = structlog.get_logger("gpuwatchd")
 
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
+NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
+ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
@@ -90,6 +97,7 @@ class Daemon:
         dry_run: bool = False,
         once: bool = False,
         once_timeout: float = 600.0,
+        ended_jobs: frozenset[str] = frozenset(),
         nvml_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -116,6 +124,7 @@ class Daemon:
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
+            ended_by_scheduler=ended_jobs,  # run --once --ended-job: the scheduler's word
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
@@ -128,6 +137,9 @@ class Daemon:
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
+        self.hook_queue = HookQueue()
+        self._own_ended_jobs = ended_jobs
+        self._handed_jobs: frozenset[str] = frozenset()
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
@@ -137,6 +149,8 @@ class Daemon:
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
             slow=self._keep_watchdog_fed,
+            background=self.hook_queue,
+            hostname=node_name(),
             stopping=lambda: self._stop,
         )
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -247,9 +261,38 @@ class Daemon:
                     break
             self._wait()
         self.notifier.notify("STOPPING=1")
+        self._finish_notifications()
         self.save_state()
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
+
+    def _take_ended_jobs(self) -> None:
+        """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
+        remaining device holders are ``abandoned`` until the hand-over expires."""
+        handed, problems = read_ended_jobs(
+            self.policy.state_dir, self.wall_clock(), remove_stale=True
+        )
+        for problem in problems:
+            log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
+        for job in sorted(handed - self._handed_jobs):
+            log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
+        self._handed_jobs = handed
+        self.collector.ended_by_scheduler = self._own_ended_jobs | handed
+
+    def _finish_notifications(self) -> None:
+        """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
+        should tell the owner before it exits), and log what ran; what is left is dropped."""
+        grace = min(NOTIFY_STOP_GRACE, max((h.timeout for h in self.policy.on_action), default=0))
+        left = self.hook_queue.close(grace)
+        self.engine.report_background_hooks()
+        if left:
+            log.warning(
+                EventName.HOOK_RUN,
+                hook="on_action",
+                outcome="dropped",
+                dry_run=False,
+                detail=f"{left} notification(s) not sent: the daemon stopped",
+            )
 
     def _install_signal_handlers(self) -> None:
         def on_stop(signum: int, frame: FrameType | None) -> None:
@@ -296,6 +339,7 @@ class Daemon:
             self.collector.backstop = self.policy.full_scan_backstop
             self.collector.detection = self.policy.detection
             self.metrics.set_textfile(self.policy.metrics.textfile)
+            self.engine.hostname = node_name()  # a renamed node is named right after a reload
             log.info(
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )
@@ -308,6 +352,7 @@ class Daemon:
         self.engine.set_paused(read_pause(self.policy.state_dir))
         if take_clear_latches(self.policy.state_dir):
             self.engine.clear_latches()
+        self._take_ended_jobs()
         # The poll's start is its time in the status section: the engine's own checkpoint at
         # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
         started = self.clock()
@@ -605,6 +650,7 @@ def run_daemon(
     dry_run: bool,
     once: bool,
     once_timeout: float,
+    ended_jobs: frozenset[str] = frozenset(),
 ) -> int:
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
@@ -625,6 +671,7 @@ def run_daemon(
         dry_run=dry_run,
         once=once,
         once_timeout=once_timeout,
+        ended_jobs=ended_jobs,
     )
     try:
         return daemon.run()
@@ -633,6 +680,23 @@ def run_daemon(
         # only watches the daemon's progress until nothing is left to act on.
         from gpuwatchd.cli.once import wait_for_daemon
 
+        if ended_jobs:
+            # The running daemon takes the scheduler's word from the state folder at its next
+            # poll (and so does the waiter's scan), for as long as this wait may last.
+            until = time.time() + once_timeout + ENDED_JOB_GRACE
+            try:
+                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+            except OSError as exc:
+                print(
+                    f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+                    file=sys.stderr,
+                )
+            else:
+                print(
+                    "gpuwatchd: handed to the running daemon: "
+                    f"{', '.join(sorted(ended_jobs))} ended",
+                    file=sys.stderr,
+                )
         return wait_for_daemon(daemon.policy, once_timeout)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):

@@ -28,8 +28,9 @@ See docs/architecture.md.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
@@ -43,10 +44,12 @@ from gpuwatchd.act.reset import (
     resume_interrupted,
 )
 from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.decide.argv import hook_environment
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.health import note_reset
 from gpuwatchd.decide.plan import (
     HookIntent,
     Intent,
@@ -74,17 +77,25 @@ from gpuwatchd.model import (
     Snapshot,
     as_int,
 )
-from gpuwatchd.vocabulary import SIGNAL_OUTCOME_LEVELS, EventName, SignalOutcome
+from gpuwatchd.vocabulary import (
+    SIGNAL_OUTCOME_LEVELS,
+    EventName,
+    HookName,
+    ResetResult,
+    SignalOutcome,
+)
 
 __all__ = [
     "EXIT_GRACE",
     "Actuator",
+    "Background",
     "Clock",
     "Engine",
     "EngineState",
     "EventSink",
     "HostReader",
     "run_inline",
+    "run_now",
 ]
 
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
@@ -137,6 +148,11 @@ class EventSink(Protocol):
         """One structured event (names and levels: docs/events.md)."""
 
 
+def _text(value: object) -> str | None:
+    """A fact as a placeholder value: None stays unknown (the hook that needs it is not run)."""
+    return None if value is None or isinstance(value, bool) else str(value)
+
+
 def run_inline(work: Callable[[], T]) -> T:
     """The default way to run slow work (a reset, hooks): right here. The daemon passes a
     runner that keeps the systemd watchdog fed while the work runs off the main loop."""
@@ -145,6 +161,18 @@ def run_inline(work: Callable[[], T]) -> T:
 
 class Runner(Protocol):
     def __call__(self, work: Callable[[], T], /) -> T: ...
+
+
+class Background(Protocol):
+    def __call__(self, work: Callable[[], None], /) -> bool:
+        """Start ``work`` off the main loop and return at once; False if it cannot be taken
+        (the queue is full). Used for ``on_action`` notifications, which no poll waits for."""
+
+
+def run_now(work: Callable[[], None]) -> bool:
+    """The default background: right here (``simulate``, tests), so results are deterministic."""
+    work()
+    return True
 
 
 @dataclass
@@ -171,6 +199,8 @@ class Engine:
         self_ancestors: frozenset[int] = frozenset(),
         checkpoint: Callable[[], None] = lambda: None,
         slow: Runner = run_inline,
+        background: Background = run_now,
+        hostname: str | None = None,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.policy = policy
@@ -182,7 +212,13 @@ class Engine:
         self.self_ancestors = self_ancestors
         self.checkpoint = checkpoint
         self.slow = slow
+        self.background = background
+        self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
         self.stopping = stopping
+        # (intent, results) of hooks that ran in the background, reported by the main loop.
+        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult]]] = (
+            collections.deque()
+        )
         self.last_snapshot: Snapshot | None = None
         self.last_assessment: Assessment | None = None
         self._paused_reason: str | None = None
@@ -191,6 +227,7 @@ class Engine:
 
     def poll(self) -> PlanResult:
         """Collect, assess, plan, carry out the intents, feed the outcomes back, checkpoint."""
+        self.report_background_hooks()
         snapshot = self.reader.collect()
         self.last_snapshot = snapshot
         state = self.state
@@ -243,7 +280,10 @@ class Engine:
             self._emit(
                 EventName.TARGET_EXITED, "info", pid=identity.pid, start_ticks=identity.start_ticks
             )
-            self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
+            for intent in self._take(
+                record_exit(self.state.plan, identity, now=self.clock.monotonic())
+            ):
+                self._carry_out(intent)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -312,7 +352,15 @@ class Engine:
         )
 
     def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
-        hooks = self.policy.on_failure
+        """Run the hooks ``intent`` names: ``on_failure`` and a health reset's ``reset.drain``
+        here (watchdog-fed), ``on_action`` in the background (a notification never delays a
+        poll)."""
+        hooks = {
+            HookName.ON_ACTION: self.policy.on_action,
+            HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
+        }.get(HookName(intent.hook), self.policy.on_failure)
+        if not hooks:
+            return ()
         if intent.dry_run:
             for hook in hooks:
                 self._emit(
@@ -325,8 +373,54 @@ class Engine:
                     reason=intent.reason,
                 )
             return ()
-        env = {"GPUWATCHD_EVENT": intent.hook, "GPUWATCHD_REASON": intent.reason}
-        results = self.slow(lambda: run_hooks(hooks, env=env, runner=self.actuator.run_command))
+        facts = intent.facts
+        values = {
+            "uuid": _text(facts.get("gpu")),
+            "pci_bus_id": _text(facts.get("pci_bus_id")),
+            "minor": _text(facts.get("minor")),
+            "user": _text(facts.get("user")),
+            "hostname": self.hostname,
+        }
+        env = hook_environment(
+            intent.hook,
+            reason=intent.reason,
+            gpu_uuid=values["uuid"],
+            gpu_pci_bus_id=values["pci_bus_id"],
+            gpu_minor=values["minor"],
+            user=values["user"],
+            hostname=self.hostname,
+            action=facts.get("action"),
+            outcome=facts.get("outcome"),
+            pid=facts.get("pid"),
+            rule=facts.get("rule"),
+        )
+
+        def work() -> list[CommandResult]:
+            return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
+
+        if intent.hook != HookName.ON_ACTION:
+            self._report_hooks(intent, self.slow(work))
+            return ()
+        if not self.background(lambda: self._hooks_done.append((intent, work()))):
+            self._emit(
+                EventName.HOOK_RUN,
+                "warning",
+                hook=intent.hook,
+                dry_run=False,
+                outcome="dropped",
+                reason=intent.reason,
+                detail="the notification queue is full; this notification is not sent",
+            )
+        self.report_background_hooks()
+        return ()
+
+    def report_background_hooks(self) -> None:
+        """Log the hooks that finished in the background since the last call (main loop only)."""
+        while self._hooks_done:
+            intent, results = self._hooks_done.popleft()
+            self._report_hooks(intent, results)
+
+    def _report_hooks(self, intent: HookIntent, results: Sequence[CommandResult]) -> None:
         for res in results:
             self._emit(
                 EventName.HOOK_RUN,
@@ -338,8 +432,8 @@ class Engine:
                 timed_out=res.timed_out,
                 output=res.output[-2000:],
                 reason=intent.reason,
+                **({"error": res.error} if res.error else {}),
             )
-        return ()
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
         gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
@@ -348,6 +442,7 @@ class Engine:
             pci_bus_id=intent.pci_bus_id,
             minor=intent.minor,
             persistence_was_on=gpu.persistence_mode if gpu else None,
+            hostname=self.hostname,
         )
         env = _ResetEnv(self)
 
@@ -359,6 +454,7 @@ class Engine:
                 dry_run=intent.dry_run,
                 hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
                 runner=self.actuator.run_command,
+                drained=intent.drained,
             )
 
         try:
@@ -371,6 +467,12 @@ class Engine:
         return self._book_reset(intent, outcome)
 
     def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+        if outcome.result == ResetResult.SUCCESS and not intent.dry_run:
+            # GPU health: Xids before this reset are dealt with; the next reading is the
+            # health check after it (decide/health.py).
+            assessed = self.state.assess
+            health = note_reset(assessed.health, intent.gpu, self.clock.wall())
+            self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
@@ -400,7 +502,11 @@ class Engine:
             return
         self._emit(EventName.RESET_RESUME, "warning", record=record)
         outcome = resume_interrupted(
-            record, self.policy.reset, _ResetEnv(self), runner=self.actuator.run_command
+            record,
+            self.policy.reset,
+            _ResetEnv(self),
+            runner=self.actuator.run_command,
+            hostname=self.hostname,
         )
         self.state.reset_in_progress = None
         self.checkpoint()

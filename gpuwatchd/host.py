@@ -3,14 +3,19 @@
 This module owns the adapters that give :class:`gpuwatchd.engine.Engine` the machine it runs
 on — :class:`HostReader` (the collector, the NVML worker, the final holder scan),
 :class:`HostActuator` (signals through :class:`gpuwatchd.act.signals.Signaller`, commands through
-:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock` and :class:`LogSink`
-(structlog, hence journald). It adds no behaviour of its own: each method forwards to the
-module that owns the I/O. ``simulate`` has its own edges over a virtual host.
+:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock`, :class:`LogSink`
+(structlog, hence journald), :class:`HookQueue` (the one thread that runs ``on_action``
+notifications) and :func:`node_name`. It adds no decisions of its own: each method forwards to
+the module that owns the I/O. ``simulate`` has its own edges over a virtual host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -22,7 +27,7 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import Level
+from gpuwatchd.vocabulary import EventName, Level
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -98,3 +103,59 @@ class LogSink:
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
         known = level in set(Level)
         getattr(log, level if known else Level.INFO)(name, **fields)
+
+
+def node_name() -> str | None:
+    """This node's name for ``{hostname}``: the kernel's host name (the UTS namespace's: in a
+    container, the container's, unless it shares the host's). Unknown if it cannot be read."""
+    try:
+        return socket.gethostname() or None
+    except OSError:
+        return None
+
+
+class HookQueue:
+    """Runs ``on_action`` notifications one after another on one thread, off the main loop.
+
+    At most ``capacity`` wait; a notification past that is refused (the engine logs it as
+    dropped) rather than queued without bound behind a hook that hangs until its timeout.
+    The thread starts with the first notification. :meth:`close` gives queued ones a bounded
+    time to finish when the daemon stops.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=capacity)
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, work: Callable[[], None]) -> bool:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name="gpuwatchd-notify", daemon=True
+            )
+            self._thread.start()
+        try:
+            self._queue.put_nowait(work)
+        except queue.Full:
+            return False
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception as err:  # a bug in one notification must not stop the others
+                log.error(EventName.HOOK_RUN, hook="on_action", outcome="crashed", error=repr(err))
+
+    def close(self, grace: float) -> int:
+        """Let queued notifications finish for up to ``grace`` seconds; return how many were
+        still waiting (not started) when it ran out."""
+        if self._thread is None:
+            return 0
+        deadline = time.monotonic() + grace
+        with contextlib.suppress(queue.Full):  # full: the join below runs out instead
+            self._queue.put(None, timeout=grace)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return self._queue.qsize() if self._thread.is_alive() else 0

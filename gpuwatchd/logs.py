@@ -553,6 +553,10 @@ def _hook_sentence(f: Mapping[str, Any]) -> str:
     hook, argv = _said(f, "hook", "on_failure"), _said(f, "argv")
     if f.get("dry_run") is True:
         return f"Dry run: would run the {hook} hook {argv}."
+    if f.get("outcome") == "dropped":
+        return f"The {hook} hook was not run: {_said(f, 'detail')}."
+    if f.get("error"):
+        return f"The {hook} hook {argv} failed: {_said(f, 'error')}."
     if f.get("timed_out") is True:
         return f"The {hook} hook {argv} timed out."
     return f"Ran the {hook} hook {argv}: exit status {_said(f, 'returncode')}."

@@ -137,6 +137,61 @@ class _GpuGauges:
                 self.ghost.labels(*labels).set(ghost)
 
 
+class _HealthGauges:
+    """GPU health (docs/findings.md#gpu-health): Xids seen by number, row remapping, the
+    recovery action. Unknown or not supported: no sample. Xid labels are bounded by the
+    health state (at most 64 distinct Xids per GPU)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, (*GPU_LABELS, *extra), registry=registry)
+
+        self.xids = gauge(
+            "gpuwatchd_gpu_xid_events",
+            "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
+            ("xid",),
+        )
+        self.rows = gauge(
+            "gpuwatchd_gpu_remapped_rows",
+            "Rows remapped on the GPU, by cause (correctable, uncorrectable)",
+            ("cause",),
+        )
+        self.pending = gauge("gpuwatchd_gpu_remap_pending", "1 when a row remap waits for a reset")
+        self.failure = gauge("gpuwatchd_gpu_remap_failure", "1 when row remapping failed")
+        self.action = gauge(
+            "gpuwatchd_gpu_recovery_action",
+            "The driver's recovery action (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, "
+            "4 drain and reset)",
+        )
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.xids, self.rows, self.pending, self.failure, self.action):
+            gauge.clear()
+        history = assessment.state.health.gpus
+        for gpu in snapshot.nvml.gpus:
+            if not gpu.uuid:
+                continue
+            labels = (gpu.uuid, str(gpu.index))
+            carried = history.get(gpu.uuid)
+            for xid, record in sorted(carried.xids.items()) if carried else ():
+                self.xids.labels(*labels, str(xid)).set(record.count)
+            health = gpu.health
+            if health is None or gpu.lost:
+                continue
+            if health.recovery_action is not None:
+                self.action.labels(*labels).set(health.recovery_action)
+            for cause, rows in (
+                ("correctable", health.remap_correctable),
+                ("uncorrectable", health.remap_uncorrectable),
+            ):
+                if rows is not None:
+                    self.rows.labels(*labels, cause).set(rows)
+            if health.remap_pending is not None:
+                self.pending.labels(*labels).set(_flag(health.remap_pending))
+            if health.remap_failure is not None:
+                self.failure.labels(*labels).set(_flag(health.remap_failure))
+
+
 def _memory_checked(gpu: GpuInfo) -> bool:
     """Whether memory-based detection runs on ``gpu`` (as in assess: not with MIG, not on
     coherent-memory systems), so that its accounted, unaccounted and ghost figures mean
@@ -321,6 +376,7 @@ class Metrics:
         ).labels(version).set(1)
         self._events = _EventCounters(self.registry)
         self._gpus = _GpuGauges(self.registry)
+        self._health = _HealthGauges(self.registry)
         self._state = _StateGauges(self.registry)
         self._poll = _PollGauges(self.registry)
         self._write_errors = Counter(
@@ -351,6 +407,7 @@ class Metrics:
         Returns why the write failed (also logged), or None. Never raises for a write.
         """
         self._gpus.update(snapshot, assessment)
+        self._health.update(snapshot, assessment)
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
         )

@@ -36,6 +36,10 @@ class FindingKind(str, enum.Enum):
     HIDDEN_HOLDER = "hidden_holder"
     GHOST_MEMORY = "ghost_memory"
     UNACCOUNTED_MEMORY = "unaccounted_memory"
+    # GPU health (docs/findings.md#gpu-health): GPU-level, never about a process.
+    RESET_REQUIRED = "reset_required"
+    REBOOT_REQUIRED = "reboot_required"
+    DRAIN_REQUIRED = "drain_required"
 
     def __str__(self) -> str:
         return self.value
@@ -192,6 +196,22 @@ class HolderScan:
         return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)
 
 
+@dataclass(frozen=True)
+class FileSharing:
+    """Whether a holder's device files are a live context owner's own open file descriptions.
+
+    Two processes share an open file description exactly when one inherited it from the other
+    (fork, or fd passing); ``kcmp(KCMP_FILE)`` answers it. ``shared`` is True when at least one
+    of ``holder``'s device fds is one of ``owner``'s, False when every pair compared differs
+    (the holder opened its own files: a spawn/forkserver worker), None when it could not be
+    told (no CAP_SYS_PTRACE, seccomp, an old kernel, a holder with mappings only).
+    """
+
+    holder: int
+    owner: int
+    shared: bool | None
+
+
 # --- NVML -------------------------------------------------------------------------------------
 
 
@@ -221,6 +241,55 @@ class NvmlProcess:
     kind: str  # "compute", "graphics" or "mps"
 
 
+# --- GPU health (NVML events and health fields) -------------------------------------------------
+
+
+class Support(str, enum.Enum):
+    """Whether a health value could be read: "not supported" is an answer, "unknown" is not."""
+
+    OK = "ok"
+    NOT_SUPPORTED = "not_supported"  # the driver or GPU does not offer it (old driver, MIG...)
+    UNKNOWN = "unknown"  # the call failed otherwise: nothing may be concluded from it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One Xid critical-error event NVML delivered, with the wall time the worker read it."""
+
+    xid: int
+    wall: float
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """The health fields of one GPU in one poll (docs/findings.md#gpu-health).
+
+    ``xids`` are the Xid events read since the previous poll (events are consumed once: the
+    history is kept by ``decide/health.py``). ``recovery_action`` is NVML's
+    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P,
+    4 drain and reset; R570 and later). ``remap_*`` come from ``nvmlDeviceGetRemappedRows``
+    (Ampere and later, not under MIG), ``pages_pending`` from the retired-page pending status
+    (before Ampere). Each value is None unless its ``*_support`` is ``Support.OK``.
+    """
+
+    events: Support = Support.UNKNOWN
+    xids: tuple[XidEvent, ...] = ()
+    recovery_action: int | None = None
+    recovery_support: Support = Support.UNKNOWN
+    remap_correctable: int | None = None
+    remap_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    remap_support: Support = Support.UNKNOWN
+    pages_pending: bool | None = None
+    pages_single_bit: int | None = None
+    pages_double_bit: int | None = None
+    pages_support: Support = Support.UNKNOWN
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reported it in one poll.
@@ -245,6 +314,7 @@ class GpuInfo:
     nvlink_active: int | None = None  # active NVLink links; 0 without NVLink
     lost: bool = False
     error: str | None = None
+    health: GpuHealth | None = None  # None: not read (e.g. a reading from before health)
 
     @property
     def coherent_memory(self) -> bool:
@@ -310,6 +380,10 @@ class Snapshot:
     mps_server_running: bool = False
     nvidia_uvm_major: int | None = None
     ended_jobs: frozenset[str] = frozenset()  # job keys known to have ended (jobs.py)
+    # Inheritance evidence (collect/inherit.py): session/process-group leaders of holders
+    # looked up this poll and found not to exist, and kcmp answers for holder/owner pairs.
+    absent_pids: frozenset[int] = frozenset()
+    file_sharing: tuple[FileSharing, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -18,14 +18,17 @@ from collections.abc import Mapping
 
 __all__ = [
     "ASSESS_STATE_VERSION",
+    "ASSESS_STATE_VERSIONS_READ",
     "LADDER_TRANSITIONS",
     "PLAN_STATE_VERSION",
     "RESET_RESULT_LEVELS",
     "SIGNAL_OUTCOME_LEVELS",
     "STATE_FILE_VERSION",
+    "ActionOutcome",
     "EventName",
     "ExitCode",
     "HolderRoleName",
+    "HookName",
     "IllegalTransition",
     "LadderStatus",
     "Level",
@@ -84,6 +87,10 @@ class EventName(_Name):
     RESET_FAILED = "reset.failed"
     RESET_DRY_RUN = "reset.dry_run"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
+    # GPU health (decide/plan.py over decide/health.py)
+    HEALTH_DRAIN_STARTED = "health.drain_started"
+    HEALTH_DRAIN_WAITING = "health.drain_waiting"
+    HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
@@ -108,6 +115,7 @@ class EventName(_Name):
     DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
     DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
+    SCHEDULER_ENDED_JOB = "scheduler.ended_job"
     CONFIG_RELOADED = "config.reloaded"
     CONFIG_RELOAD_REJECTED = "config.reload_rejected"
     CONFIG_RELOAD_PARTIAL = "config.reload_partial"
@@ -117,6 +125,8 @@ class EventName(_Name):
     STATE_SAVE_FAILED = "state.save_failed"
     STATE_DIR_UNUSABLE = "state.dir_unusable"
     METRICS_WRITE_FAILED = "metrics.write_failed"
+    # inheritance evidence (collect/inherit.py)
+    COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"
@@ -204,6 +214,27 @@ def check_ladder_transition(old: str, new: str) -> LadderStatus:
     return target
 
 
+class HookName(_Name):
+    """The lists of admin hooks the engine runs (``reset.drain``/``before``/``after`` are run
+    by the reset procedure itself). Also ``GPUWATCHD_EVENT`` in a hook's environment."""
+
+    ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
+    ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
+    RESET_DRAIN = "reset_drain"  # GPU health: reset.drain, once, before waiting for the GPU
+
+
+class ActionOutcome(_Name):
+    """How an action that ``on_action`` reports ended (``GPUWATCHD_OUTCOME``, ``outcome``)."""
+
+    FREED = "freed"  # the signalled target exited
+    RELEASED = "released"  # the target lives but no longer holds what the finding was about
+    SURVIVED = "survived"  # alive after the ladder's last step
+    STUCK = "stuck"  # in D state: cannot be killed
+    FAILED = "failed"  # a signal was denied or failed
+    RESET = "reset"  # the GPU was reset
+    RESET_FAILED = "reset_failed"  # the reset command failed or timed out
+
+
 class HolderRoleName(_Name):
     """How ``scan`` explains one holder of one GPU (decide/assess.py ``HolderRole.role``)."""
 
@@ -229,5 +260,6 @@ class ExitCode(enum.IntEnum):
 
 # Format versions of the state file and its sections; a mismatch is refused, not guessed.
 STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
-ASSESS_STATE_VERSION = 1  # its "assess" section (decide/assess.py)
+ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess_state.py); 2 adds inheritance
+ASSESS_STATE_VERSIONS_READ = (1, 2)  # version 1 is read as having no inheritance evidence
 PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan_state.py)

@@ -683,3 +683,165 @@ def _epoch(stamp: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+# --- issue 15: leaks from before the daemon watched; the scheduler's word ------------------------
+
+
+def host_leak_before_watch(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A trainer (session leader) forked a worker and died before any gpuwatchd ran; NVML lists
+    nothing but 20 GiB stay allocated. An idle notebook kernel leads its own session."""
+    with SimHost(root) as host:
+        worker = host.script("worker", [{"sleep": 3600}])
+        host.spawn(
+            "trainer", [{"setsid": True}, {"open": host.cuda(0)}, {"fork": worker}, {"exit": 0}]
+        )
+        host.spawn("notebook", [{"setsid": True}, {"open": host.cuda(0)}, {"sleep": 3600}])
+        pids = host.wait_ready("trainer", "worker", "notebook")
+        host.wait_gone("trainer")
+        host.nvml([gpu(0, allocated=20 * GiB)])
+        rules = [ORPHAN_RULE]
+        limits = {"post_action_delay": "0s"}
+        default = host.config(dry_run=False, rules=rules, limits=limits)
+        scan = host.gpuwatchd("scan", "--config", str(default))
+        opt_in = host.config(
+            dry_run=False,
+            rules=rules,
+            limits=limits,
+            detection={"orphans_without_history": True},
+            log={"format": "json"},
+        )
+        once = host.gpuwatchd("run", "--once", "--timeout", "30s", "--config", str(opt_in))
+        host.reap()
+        return {
+            "pids": pids,
+            "scan": scan.stdout,
+            "scan_code": scan.returncode,
+            "once_code": once.returncode,
+            "once_output": once.stdout + once.stderr,
+            "worker_alive": host.alive(pids["worker"]),
+            "notebook_alive": host.alive(pids["notebook"]),
+        }
+
+
+def test_leak_from_before_the_daemon_scan_shows_the_heir_and_once_frees_it_with_the_key(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario("host_leak_before_watch", tmp_path)
+    worker, trainer = result["pids"]["worker"], result["pids"]["trainer"]
+    assert result["scan_code"] == 0, result["scan"]
+    assert f"its session leader PID {trainer} is gone" in result["scan"]
+    assert (
+        f"likely heir(s) of memory leaked before gpuwatchd watched: PID {worker}" in result["scan"]
+    )
+    assert result["once_code"] == 0, result["once_output"]
+    assert result["worker_alive"] is False, result["once_output"]
+    assert result["notebook_alive"] is True
+    signalled = [
+        json.loads(line)
+        for line in result["once_output"].splitlines()
+        if line.startswith("{") and '"action.signal"' in line
+    ]
+    assert {(e["pid"], e["kind"]) for e in signalled} == {(worker, "orphaned")}
+
+
+def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Job 42's slurmstepd still lives (so the cgroup alone says "running"), but the epilog says
+    the job ended: its task is abandoned for that run; job 41's task is untouched."""
+    base = Path(arg["cgroup_base"])
+    dirs = {}
+    for job in (41, 42):
+        for sub in ("slurm", "user/task_0"):
+            path = base / SLURM_SCOPE / f"job_{job}" / "step_0" / sub
+            path.mkdir(parents=True, exist_ok=True)
+            dirs[(job, sub)] = str(path)
+    with SimHost(root, gpus=2) as host:
+        for job, minor in ((41, 0), (42, 1)):
+            host.spawn(f"stepd{job}", [{"cgroup": dirs[(job, "slurm")]}, {"sleep": 3600}])
+            host.spawn(
+                f"task{job}",
+                [
+                    {"setsid": True},
+                    {"cgroup": dirs[(job, "user/task_0")]},
+                    {"open": host.cuda(minor)},
+                ],
+            )
+        pids = host.wait_ready("stepd41", "stepd42", "task41", "task42")
+        # Beside the daemon the waiter asks about the whole node, and the fake NVML would keep
+        # reporting GPU 1's memory after its holder died (a real driver frees it): ghost memory.
+        leftover = 2 * MiB if arg.get("daemon") else GiB
+        host.nvml(
+            [
+                gpu(0, allocated=GiB, processes=[process(pids["task41"], GiB)]),
+                gpu(1, allocated=leftover),
+            ]
+        )
+        rule = {
+            "name": "ended-jobs",
+            "kind": "abandoned",
+            "for": "0s",
+            "steps": [{"signal": "SIGTERM", "wait": "2s"}, {"signal": "SIGKILL", "wait": "1s"}],
+        }
+        config = host.config(dry_run=False, rules=[rule], log={"format": "json"})
+        daemon = None
+        if arg.get("daemon"):
+            # The daemon runs (as under systemd): the epilog hands the job over and waits.
+            daemon = Run(host, rules=[rule], limits={"post_action_delay": "0s"})
+            config = daemon.config
+            daemon.start()
+            daemon.wait_for(lambda: daemon.saw("daemon.start"), timeout=30)
+            time.sleep(1)  # polls without the hand-over: job 42's task is left alone
+        bad = host.gpuwatchd("run", "--once", "--ended-job", "slurm:4x2", "--config", str(config))
+        env = {**host.env(), "SLURM_JOB_ID": "42"}
+        argv = ["run", "--once", "--ended-job", "slurm", "--timeout", "30s"]
+        once = subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", *argv, "--config", str(config)],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        host.reap()
+        daemon_events = []
+        if daemon is not None:
+            daemon.stop()
+            daemon_events = daemon.events()
+        return {
+            "pids": pids,
+            "daemon_events": daemon_events,
+            "handed_over": [p.name for p in host.state_dir.glob("ended-job-*")],
+            "bad_code": bad.returncode,
+            "bad_err": bad.stderr,
+            "once_code": once.returncode,
+            "once_output": once.stdout + once.stderr,
+            "task42_alive": host.alive(pids["task42"]),
+            "task41_alive": host.alive(pids["task41"]),
+        }
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["alone", "beside-the-daemon"])
+def test_epilog_ended_job_makes_its_holders_abandoned_for_that_run(
+    tmp_path: Path, cgroup_base: Path, daemon: bool
+) -> None:
+    result = run_in_pid_namespace(
+        f"{__name__}:host_epilog_names_ended_job",
+        {"cgroup_base": str(cgroup_base), "daemon": daemon},
+        root=tmp_path,
+        timeout=120,
+    )
+    if daemon:
+        events = result["daemon_events"]
+        assert "handed to the running daemon: slurm:42 ended" in result["once_output"]
+        taken = [e for e in events if e.get("event") == "scheduler.ended_job"]
+        assert [e.get("job") for e in taken] == ["slurm:42"]
+        signalled = {e["pid"] for e in events if e.get("event") == "action.signal"}
+        assert signalled == {result["pids"]["task42"]}
+        names = [e.get("event") for e in events]
+        assert names.index("scheduler.ended_job") < names.index("action.signal")
+        assert len(result["handed_over"]) == 1  # not expired yet: the daemon keeps it
+    assert result["bad_code"] == 78
+    assert "'4x2' is not a valid slurm id" in result["bad_err"]
+    assert result["once_code"] == 0, result["once_output"]
+    assert result["task42_alive"] is False, result["once_output"]
+    assert result["task41_alive"] is True

@@ -249,3 +249,18 @@ def test_the_json_keeps_its_keys() -> None:
     nxt = orphan(result, 4250)["next"]
     assert isinstance(nxt, dict)
     assert set(nxt) == {"action", "at", "in", "basis"}
+
+
+def test_health_finding_is_explained_as_drain_then_reset_with_its_blockers() -> None:
+    report = report_at("pending-row-remap-unisolated", 10.0)
+    gpus = report["gpus"]
+    assert isinstance(gpus, list)
+    assert gpus[0]["health"]["remapped_rows"]["pending"] is True
+    result = explain_report(json.loads(json.dumps(report)), POLICY)
+    items = result["findings"]
+    assert isinstance(items, list)
+    (item,) = [i for i in items if i["kind"] == "reset_required"]
+    assert item["rule"] == "health"
+    assert "drain" in str(item["next"])
+    assert any("no device isolation" in stop for stop in item["stopped_by"])
+    assert "reset_required" in render_explanation(result)

@@ -211,3 +211,49 @@ def _kill_own_worker(pid: int) -> None:
         pass
     finally:
         os.close(pidfd)
+
+
+@needs_driver
+def test_health_apis_answer_read_only_and_are_recorded(tmp_path: Path) -> None:
+    """What the real driver answers for the health APIs (docs/findings.md#gpu-health): events,
+    the recovery-action field, row remapping, retired pages — supported or not, and the values.
+
+    Read-only: scan's NVML worker only reads; nothing is reset, no setting changes. The pinned
+    part is what must hold on any driver: every value is "ok", "not_supported" or "unknown",
+    a value is present exactly when it is "ok", and a healthy GPU has no health finding unless
+    the driver itself asks for something (then the record says what).
+    """
+    report = scan_json(tmp_path)
+    record: dict[str, Any] = {"driver": report["nvml"].get("driver_version"), "gpus": []}
+    supports = {"ok", "not_supported", "unknown"}
+    for entry in report["gpus"]:
+        health = entry["health"]
+        assert health is not None, f"GPU {entry['index']}: health was not read"
+        rows, pages = health["remapped_rows"], health["retired_pages"]
+        assert health["events"] in supports
+        assert health["recovery_action_support"] in supports
+        assert rows["support"] in supports
+        assert pages["support"] in supports
+        assert (health["recovery_action"] is not None) == (
+            health["recovery_action_support"] == "ok"
+        )
+        assert (rows["pending"] is not None) == (rows["support"] == "ok")
+        assert (pages["pending"] is not None) == (pages["support"] == "ok")
+        record["gpus"].append(
+            {
+                "name": entry["name"],
+                "architecture": entry["architecture"],
+                "mig_enabled": entry["mig_enabled"],
+                "health": health,
+            }
+        )
+    record["health_findings"] = [
+        {"kind": f["kind"], "gpu": f["gpu"], "reason": f["reason"]}
+        for f in report["findings"]
+        if f["kind"] in ("reset_required", "reboot_required", "drain_required")
+    ]
+    # What the real driver did, for the record.
+    print(f"real-driver health observation: {json.dumps(record)}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu-health.json").write_text(json.dumps(record, indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -103,3 +104,33 @@ def test_no_module_is_much_over_600_lines_without_saying_why() -> None:
         if lines > 650 and not re.search(r"\b(long|lines)\b", docstring):
             long.append(f"{_module_name(path)} ({lines} lines)")
     assert not long, "a module over ~600 lines says why in its docstring: " + ", ".join(long)
+
+
+# Import name → distribution, for the runtime dependencies pyproject.toml declares.
+RUNTIME_DISTRIBUTIONS = {
+    "pynvml": "nvidia-ml-py",
+    "yaml": "pyyaml",
+    "structlog": "structlog",
+    "sdnotify": "sdnotify",
+    "prometheus_client": "prometheus-client",
+}
+
+
+def test_the_package_imports_only_the_standard_library_and_declared_dependencies() -> None:
+    """An import of something pyproject.toml does not declare (psutil was dropped) would
+    fail on an installed node, not here where the test extras are installed."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    declared = {
+        re.split(r"[<>=!~ ;\[]", dep, maxsplit=1)[0].lower()
+        for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    assert set(RUNTIME_DISTRIBUTIONS.values()) <= declared
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name in sorted(imports_of(path)):
+            top = name.split(".")[0]
+            if top == "gpuwatchd" or top in sys.stdlib_module_names:
+                continue
+            if top not in RUNTIME_DISTRIBUTIONS:
+                bad.append(f"{_module_name(path)} imports {name}")
+    assert bad == []

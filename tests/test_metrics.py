@@ -29,7 +29,17 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, write_textfile
-from gpuwatchd.model import MIB, FindingKind, NvmlReading, Snapshot
+from gpuwatchd.model import (
+    MIB,
+    FindingKind,
+    GpuHealth,
+    GpuInfo,
+    HolderScan,
+    NvmlReading,
+    Snapshot,
+    Support,
+    XidEvent,
+)
 from gpuwatchd.vocabulary import EventName, LadderStatus
 from tests.support.snapshots import GIB, HostBuilder, gpu_uuid
 
@@ -504,3 +514,46 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
         [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_gpu_health_gauges_follow_the_reading_and_unknown_has_no_sample() -> None:
+    known = GpuHealth(
+        events=Support.OK,
+        xids=(XidEvent(13, 1.0), XidEvent(13, 2.0), XidEvent(95, 3.0)),
+        recovery_action=1,
+        recovery_support=Support.OK,
+        remap_correctable=2,
+        remap_uncorrectable=1,
+        remap_pending=True,
+        remap_failure=False,
+        remap_support=Support.OK,
+    )
+    unknown = GpuHealth(remap_support=Support.UNKNOWN)
+    gpus = (
+        GpuInfo(index=0, uuid="GPU-a", minor=0, processes=(), health=known),
+        GpuInfo(index=1, uuid="GPU-b", minor=1, processes=(), health=unknown),
+    )
+    snapshot = Snapshot(
+        monotonic=1.0,
+        wall_time=2.0,
+        boot_id="b",
+        nvml=NvmlReading(available=True, gpus=gpus),
+        processes={},
+        holders=HolderScan(mode="full"),
+    )
+    assessment = assess(snapshot, AssessState(), Detection())
+    metrics = Metrics(None)
+    metrics.after_poll(snapshot, assessment, PlanState(), dry_run=True, poll_seconds=0.1,
+                       now_wall=2.0, policy_rejected=False)  # fmt: skip
+    text = metrics.render().decode()
+    assert 'gpuwatchd_gpu_xid_events{gpu="GPU-a",index="0",xid="13"} 2.0' in text
+    assert 'gpuwatchd_gpu_xid_events{gpu="GPU-a",index="0",xid="95"} 1.0' in text
+    assert 'gpuwatchd_gpu_recovery_action{gpu="GPU-a",index="0"} 1.0' in text
+    assert 'gpuwatchd_gpu_remapped_rows{cause="uncorrectable",gpu="GPU-a",index="0"} 1.0' in text
+    assert 'gpuwatchd_gpu_remap_pending{gpu="GPU-a",index="0"} 1.0' in text
+    health_names = ("xid_events", "remapped_rows", "remap_pending", "remap_failure",
+                    "recovery_action")  # fmt: skip
+    for family in text_string_to_metric_families(text):
+        if family.name.removeprefix("gpuwatchd_gpu_") in health_names:
+            assert all(s.labels["gpu"] != "GPU-b" for s in family.samples), family.name
+    assert 'gpuwatchd_findings{kind="reset_required"} 1.0' in text

@@ -802,15 +802,16 @@ def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     d = replace(p, state="D")
     stuck = orphan(d, kind=FindingKind.STUCK)
-    hook_count = 0
+    ran: list[tuple[str, object]] = []
     for now in (31.0, 45.0, 100.0, 1000.0):
         r = run([f, stuck], snap([d]), state, pol, now=now)
         assert signals(r) == []
-        hook_count += len(hooks(r))
+        ran += [(h.hook, h.facts.get("outcome")) for h in hooks(r)]
         state = r.state
         if now == 31.0:
             assert [e.level for e in r.events if e.name == EventName.TARGET_STUCK] == ["critical"]
-    assert hook_count == 1
+    # on_failure once; and on_action once, because a SIGTERM was really sent to it.
+    assert sorted(ran, key=str) == [("on_action", "stuck"), ("on_failure", None)]
 
 
 def test_target_still_in_d_state_after_its_last_step_is_stuck_not_ended() -> None:
@@ -824,7 +825,7 @@ def test_target_still_in_d_state_after_its_last_step_is_stuck_not_ended() -> Non
     r = run([f], snap([replace(p, state="D")]), state, pol, now=40.0)
     assert EventName.TARGET_STUCK in names(r)
     assert EventName.ESCALATION_ENDED not in names(r)
-    assert [h.hook for h in hooks(r)] == ["on_failure"]
+    assert [h.hook for h in hooks(r)] == ["on_failure", "on_action"]
 
 
 def test_stuck_finding_with_a_stuck_rule_runs_on_failure_once_without_signals() -> None:
@@ -930,7 +931,7 @@ def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() 
         r = _reset_run([g, h], state, 100.0 * i, pol=pol)
         (intent,) = resets(r)
         out = record_reset(r.state, intent, outcome, now=100.0 * i, wall=1e9 + 100 * i)
-        assert [x.hook for x in hooks(out)] == ["on_failure"]
+        assert [x.hook for x in hooks(out)] == ["on_failure", "on_action"]
         assert EventName.RESET_FAILED in names(out)
         state = out.state
     r = _reset_run([g, h], state, 300.0, pol=pol)
@@ -957,7 +958,7 @@ def test_reset_needing_reboot_raises_critical_event_and_on_failure() -> None:
     r = _reset_run([ghost()], r.state, 120.0)
     out = record_reset(r.state, resets(r)[0], "failed", now=121.0, wall=1e9, needs_reboot=True)
     assert EventName.GPU_NEEDS_REBOOT in names(out)
-    assert len(hooks(out)) == 1
+    assert [h.hook for h in hooks(out)] == ["on_failure", "on_action"]
 
 
 LIVE = proc(3000)

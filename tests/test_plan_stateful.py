@@ -8,7 +8,11 @@ checks the invariants of docs/architecture.md, testing without a GPU after every
 - never a ResetIntent for a GPU with a live holder, or while another reset is in flight;
 - never more resets of a GPU within the window than ``max_resets``;
 - the real steps of a ladder come in order, each at most once;
-- never more distinct processes signalled per poll / per hour than the kill cap.
+- never more distinct processes signalled per poll / per hour than the kill cap;
+- GPU health: never a health reset while NVML lists a live job anywhere on the node (no device
+  isolation), never a signal for it; a drain wait keeps its start across restarts, is bounded
+  (past ``drain_timeout`` with a job still there it has given up: ``on_failure`` once per
+  wait), and the drain hooks run once per wait.
 
 Profiles: ``default`` (120 examples, ~6 s) locally; GPUWATCHD_HYPOTHESIS_PROFILE=ci runs 800
 examples of 80 steps (about 90 s on one core).
@@ -18,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import (
     HookIntent,
     PlanState,
@@ -40,6 +46,9 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import (
     FLOOR_PROCESS_NAMES,
+    Detection,
+    HealthPolicy,
+    Hook,
     Limits,
     Policy,
     Protect,
@@ -51,10 +60,13 @@ from gpuwatchd.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,
+    FileSharing,
     Finding,
     FindingKind,
     GpuInfo,
+    GpuMemory,
     HolderScan,
+    NvmlProcess,
     NvmlReading,
     ProcessInfo,
     Snapshot,
@@ -77,6 +89,7 @@ settings.register_profile(
 settings.load_profile(os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default"))
 
 GPUS = ("GPU-aaaa", "GPU-bbbb")
+GIB = 1024 * MIB
 SELF_PID = 4242
 NORMAL_SLOTS = (1000, 1001, 1002, 1003, 1004)
 SLOTS = (*NORMAL_SLOTS, *NORMAL_SLOTS, 1, 1500, SELF_PID)
@@ -100,8 +113,13 @@ POLICY = Policy(
     ),
     protect=Protect(users=("alice",)),
     limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=4, post_action_delay=3.0),
-    reset=ResetPolicy(confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2),
-)
+    reset=ResetPolicy(
+        confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2,
+        drain=(Hook(("drain-node",)),),
+    ),
+    health=HealthPolicy(drain_timeout=60.0),
+)  # fmt: skip
+HEALTH = (FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED)
 
 
 def is_floor_or_protected(p: ProcessInfo) -> bool:
@@ -134,6 +152,11 @@ class EscalationMachine(RuleBasedStateMachine):
         self.first_signalled: dict[str, float] = {}
         self.resets_done: list[tuple[str, float]] = []
         self.polls = 0
+        self.health: dict[str, FindingKind] = {}  # GPU → its health finding
+        self.listed: set[int] = set()  # live jobs NVML lists (on GPU pid % 2)
+        self.drains: dict[tuple[str, bool], int] = {}  # (finding, dry_run) → drain hooks
+        self.timeouts: dict[str, int] = {}  # GPU → drain timeouts this wait
+        self.wait_since: dict[str, float] = {}
 
     # --- the world ----------------------------------------------------------------------------
 
@@ -142,8 +165,11 @@ class EscalationMachine(RuleBasedStateMachine):
         name=st.sampled_from(NAMES),
         user=st.sampled_from(USERS),
         kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
+        job=st.booleans(),
     )
-    def spawn(self, slot: int, name: str, user: str | None, kind: FindingKind | None) -> None:
+    def spawn(
+        self, slot: int, name: str, user: str | None, kind: FindingKind | None, job: bool
+    ) -> None:
         if slot in self.procs:
             return
         self.ticks += 1
@@ -162,9 +188,27 @@ class EscalationMachine(RuleBasedStateMachine):
         )
         if kind is not None:
             self.set_finding(slot, kind)
+        elif job:
+            self.list_job(slot)
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def list_job(self, slot: int) -> None:
+        """A live process owns a context: NVML lists it (a job, blocking health resets)."""
+        p = self.procs.get(slot)
+        if p is not None and p.state != "Z" and slot != SELF_PID:
+            self.listed.add(slot)
+
+    @rule(gpu=st.sampled_from(GPUS), kind=st.sampled_from((None, *HEALTH)))
+    def gpu_health(self, gpu: str, kind: FindingKind | None) -> None:
+        """The driver asks for a reset, a reboot or a drain (or stops asking)."""
+        if kind is None:
+            self.health.pop(gpu, None)
+        else:
+            self.health[gpu] = kind
 
     @rule(slot=st.sampled_from(SLOTS), seen_by_act=st.booleans())
     def exit(self, slot: int, seen_by_act: bool) -> None:
+        self.listed.discard(slot)
         p = self.procs.pop(slot, None)
         self.findings.pop(slot, None)
         if p is not None and seen_by_act and p.identity is not None:
@@ -176,6 +220,7 @@ class EscalationMachine(RuleBasedStateMachine):
         p = self.procs.get(slot)
         if p is None:
             return
+        self.listed.discard(slot)
         self.ticks += 1
         self.procs[slot] = ProcessInfo(
             pid=slot,
@@ -232,6 +277,10 @@ class EscalationMachine(RuleBasedStateMachine):
             self.clock += 120.0
             self.procs.clear()
             self.findings.clear()
+            self.listed.clear()
+            self.drains.clear()  # a new boot: a new episode, drained afresh
+            self.wait_since.clear()
+            self.timeouts.clear()
             self.in_flight = None
             self.real_steps.clear()
             self.first_signalled.clear()
@@ -264,8 +313,17 @@ class EscalationMachine(RuleBasedStateMachine):
             self.resets_done.append((intent.gpu, self.clock))
         if outcome == "success":
             self.ghosts.discard(intent.gpu)
+            if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+                self.health.pop(intent.gpu, None)  # the driver is satisfied
         if outcome in ("failed", "timeout"):
-            assert [type(i) for i in result.intents] == [HookIntent]
+            # on_failure, then the on_action notification of a reset that ran; nothing else.
+            assert [(type(i), i.hook) for i in result.intents if isinstance(i, HookIntent)] == [
+                (HookIntent, "on_failure"),
+                (HookIntent, "on_action"),
+            ]
+            assert len(result.intents) == 2
+        if outcome == "success":
+            assert [i.hook for i in result.intents if isinstance(i, HookIntent)] == ["on_action"]
 
     # --- one poll -----------------------------------------------------------------------------
 
@@ -281,6 +339,11 @@ class EscalationMachine(RuleBasedStateMachine):
             holdings[pid] = DeviceHolding(pid, frozenset({pid % 2}), uvm=True)
         for gpu in sorted(self.ghosts):
             findings.append(Finding(FindingKind.GHOST_MEMORY, gpu, None, None, "ghost", MIB))
+        for gpu, kind in sorted(self.health.items()):
+            findings.append(Finding(kind, gpu, None, None, "the driver asks", None))
+        for pid in sorted(self.listed):
+            old = holdings.get(pid, DeviceHolding(pid, uvm=True))
+            holdings[pid] = replace(old, gpu_minors_fd=old.gpu_minors_fd | {pid % 2})
         snapshot = Snapshot(
             monotonic=self.mono,
             wall_time=self.wall,
@@ -288,7 +351,18 @@ class EscalationMachine(RuleBasedStateMachine):
             nvml=NvmlReading(
                 available=True,
                 gpus=tuple(
-                    GpuInfo(index=i, uuid=u, minor=i, mig_enabled=False) for i, u in enumerate(GPUS)
+                    GpuInfo(
+                        index=i,
+                        uuid=u,
+                        minor=i,
+                        mig_enabled=False,
+                        processes=tuple(
+                            NvmlProcess(pid, 300 * MIB, "compute")
+                            for pid in sorted(self.listed)
+                            if pid % 2 == i
+                        ),
+                    )
+                    for i, u in enumerate(GPUS)
                 ),
             ),
             processes=dict(self.procs),
@@ -317,10 +391,41 @@ class EscalationMachine(RuleBasedStateMachine):
         new_this_poll = 0
         for intent in result.intents:
             if isinstance(intent, SignalIntent):
+                assert intent.identity.pid in self.findings, "a signal for a health finding"
                 new_this_poll += self._check_and_deliver(intent, kill_works, term_works)
             elif isinstance(intent, ResetIntent):
                 self._check_reset(intent, findings)
+            elif intent.hook == "reset_drain":
+                key = (str(intent.facts.get("finding")), intent.dry_run)
+                self.drains[key] = self.drains.get(key, 0) + 1
+                assert self.drains[key] == 1, "the drain hooks ran twice for one finding"
+            elif "still held after" in intent.reason:
+                gpu = str(intent.facts.get("gpu"))
+                self.timeouts[gpu] = self.timeouts.get(gpu, 0) + 1
+                assert self.timeouts[gpu] == 1, "on_failure twice for one drain wait"
         assert new_this_poll <= self.policy.limits.max_signalled_per_poll
+        self._check_health_waits()
+
+    def _check_health_waits(self) -> None:
+        waits = self.state.health_waits
+        current = {f"{kind.value}:{gpu}:gpu" for gpu, kind in self.health.items()}
+        # A finding that is gone starts afresh when it comes back.
+        self.drains = {k: v for k, v in self.drains.items() if k[0] in current}
+        for gpu in GPUS:
+            if self.health.get(gpu) is None or gpu not in waits:
+                self.wait_since.pop(gpu, None)
+                self.timeouts.pop(gpu, None)
+                continue
+            wait = waits[gpu]
+            since = self.wait_since.setdefault(gpu, wait.since)
+            # Only a switch between dry-run and real (the kill cap, an admin) starts a new wait.
+            assert since == wait.since or (wait.finding_key, not wait.dry_run) in self.drains, (
+                "the drain wait lost its start"
+            )
+            self.wait_since[gpu] = wait.since
+            jobs = [pid for pid in self.listed if pid in self.procs]
+            if jobs and self.mono - wait.since >= self.policy.health.drain_timeout:
+                assert wait.expired, "a drain wait went past its timeout"
 
     def _check_and_deliver(self, intent: SignalIntent, kill_works: bool, term_works: bool) -> int:
         identity = intent.identity
@@ -350,6 +455,10 @@ class EscalationMachine(RuleBasedStateMachine):
 
     def _check_reset(self, intent: ResetIntent, findings: list[Finding]) -> None:
         assert self.in_flight is None, "a second reset while one is in flight"
+        if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+            jobs = [pid for pid in self.listed if pid in self.procs]
+            assert jobs == [], f"a health reset while NVML lists live jobs {jobs}"
+            assert self.health.get(intent.gpu) is FindingKind.RESET_REQUIRED
         holders = [
             f for f in findings if f.gpu == intent.gpu and f.pid is not None and f.kind in KINDS
         ]
@@ -366,3 +475,193 @@ class EscalationMachine(RuleBasedStateMachine):
 
 
 TestEscalation = EscalationMachine.TestCase
+
+
+# --- issue 15: the inheritance evidence, through assess and plan together ----------------------
+#
+# A small host of jobs (a shell leading each session, an owner with a context, its forked and
+# spawned workers), idle notebook kernels that lead their own sessions, owners that die (their
+# memory pinned by forked workers only), shells that exit, kcmp available or not, the
+# `orphans_without_history` key on or off, and a leak from before the daemon watched. Every poll
+# runs assess() and plan() as the engine does. Invariant: no healthy process is ever signalled —
+# owners, shells, notebooks, workers of a live owner, and spawn workers whose own files kcmp
+# recorded. Only a forked worker of a dead owner may be (or, under today's rules without kcmp
+# evidence, a spawn worker whose parent died).
+
+
+@dataclass
+class _Proc:
+    pid: int
+    role: str  # shell, owner, fork, spawn, notebook
+    ppid: int
+    sid: int
+    gpu: int = 0
+    owner: int | None = None
+    recorded: bool = False  # kcmp's answer about it was seen while its owner lived
+
+
+class InheritanceMachine(RuleBasedStateMachine):
+    @initialize(
+        kcmp=st.booleans(),
+        key=st.booleans(),
+        leak_before=st.booleans(),
+        listed_dead=st.booleans(),
+    )
+    def start(self, kcmp: bool, key: bool, leak_before: bool, listed_dead: bool) -> None:
+        self.kcmp = kcmp
+        self.detection = Detection(orphans_without_history=key)
+        self.policy = Policy(
+            dry_run=False,
+            rules=(Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), 0.0),),
+        )
+        self.procs: dict[int, _Proc] = {}
+        self.dead_owners: dict[int, tuple[int, bool]] = {}  # owner pid -> (gpu, NVML lists it)
+        self.next_pid = 2000
+        self.mono = 100.0
+        self.astate = AssessState(boot_id="boot-1")
+        self.pstate = PlanState()
+        if leak_before:  # all of this happened before the first poll
+            shell = self._new("shell", ppid=1, sid=None)
+            owner = self._new("owner", ppid=shell.pid, sid=shell.sid)
+            self._new("fork", ppid=owner.pid, sid=owner.sid, owner=owner.pid)
+            self._die(owner.pid, listed_dead)
+            self.procs.pop(shell.pid)
+
+    def _new(self, role: str, *, ppid: int, sid: int | None, owner: int | None = None,
+             gpu: int = 0) -> _Proc:  # fmt: skip
+        self.next_pid += 1
+        proc = _Proc(self.next_pid, role, ppid, sid if sid is not None else self.next_pid, gpu,
+                     owner)  # fmt: skip
+        self.procs[proc.pid] = proc
+        return proc
+
+    def _die(self, pid: int, listed_dead: bool) -> None:
+        proc = self.procs.pop(pid)
+        for child in self.procs.values():
+            if child.ppid == pid:
+                child.ppid = 1
+        if proc.role == "owner":
+            self.dead_owners[pid] = (proc.gpu, listed_dead)
+
+    def _pick(self, role: str, index: int) -> _Proc | None:
+        found = [p for p in self.procs.values() if p.role == role]
+        return found[index % len(found)] if found else None
+
+    @rule(gpu=st.sampled_from((0, 1)), share=st.integers(0, 3))
+    def start_job(self, gpu: int, share: int) -> None:
+        """A job: a new shell and session, or (torchrun) a rank in an existing live session."""
+        shell = self._pick("shell", share) if share else None
+        if shell is None:
+            shell = self._new("shell", ppid=1, sid=None)
+        self._new("owner", ppid=shell.pid, sid=shell.sid, gpu=gpu)
+
+    @rule(index=st.integers(0, 5), role=st.sampled_from(("fork", "spawn")))
+    def add_worker(self, index: int, role: str) -> None:
+        owner = self._pick("owner", index)
+        if owner is not None:
+            self._new(role, ppid=owner.pid, sid=owner.sid, owner=owner.pid, gpu=owner.gpu)
+
+    @rule()
+    def notebook(self) -> None:
+        self._new("notebook", ppid=1, sid=None)
+
+    @rule(index=st.integers(0, 5), listed_dead=st.booleans())
+    def kill_owner(self, index: int, listed_dead: bool) -> None:
+        owner = self._pick("owner", index)
+        if owner is not None:
+            self._die(owner.pid, listed_dead)
+
+    @rule(index=st.integers(0, 5))
+    def exit_shell(self, index: int) -> None:
+        shell = self._pick("shell", index)
+        if shell is not None:
+            self._die(shell.pid, False)
+
+    @rule()
+    def restart(self) -> None:
+        self.astate = AssessState.from_json(json.loads(json.dumps(self.astate.to_json())))
+
+    def _pinned(self, owner: int) -> bool:
+        return any(p.role == "fork" and p.owner == owner for p in self.procs.values())
+
+    def _snapshot(self) -> Snapshot:
+        holdings: dict[int, DeviceHolding] = {}
+        listed: dict[int, list[NvmlProcess]] = {0: [], 1: []}
+        used = {0: 2 * MIB, 1: 2 * MIB}
+        sharing: list[FileSharing] = []
+        for p in self.procs.values():
+            if p.role == "owner":  # CUDA opens every GPU; a context on its own
+                holdings[p.pid] = DeviceHolding(p.pid, frozenset({0, 1}), ctl=True, uvm=True)
+                listed[p.gpu].append(NvmlProcess(p.pid, GIB, "compute"))
+                used[p.gpu] += GIB
+            elif p.role in ("fork", "spawn", "notebook"):
+                holdings[p.pid] = DeviceHolding(p.pid, frozenset({p.gpu}), ctl=True, uvm=True)
+            owner = self.procs.get(p.owner) if p.owner is not None else None
+            if owner is not None and self.kcmp:
+                sharing.append(FileSharing(p.pid, owner.pid, p.role == "fork"))
+        for pid, (gpu, listed_dead) in self.dead_owners.items():
+            if self._pinned(pid):
+                used[gpu] += GIB
+                if listed_dead:
+                    listed[gpu].append(NvmlProcess(pid, GIB, "compute"))
+        leaders = {v for p in self.procs.values() if p.pid in holdings for v in (p.sid,)}
+        gpus = tuple(
+            GpuInfo(
+                index=i,
+                uuid=GPUS[i],
+                minor=i,
+                mig_enabled=False,
+                memory=GpuMemory(80 * GIB, 80 * GIB - used[i] - MIB, MIB, used[i]),
+                processes=tuple(listed[i]),
+            )
+            for i in (0, 1)
+        )
+        processes = {
+            p.pid: ProcessInfo(p.pid, 10 * p.pid, "S", p.ppid, p.sid, p.sid, uid=1000,
+                               user="bob", comm="python3", cmdline=("python3", p.role),
+                               cgroup=CgroupInfo("/user.slice/session-3.scope"))
+            for p in self.procs.values()
+        }  # fmt: skip
+        return Snapshot(
+            monotonic=self.mono,
+            wall_time=1_700_000_000.0 + self.mono,
+            boot_id="boot-1",
+            nvml=NvmlReading(available=True, gpus=gpus),
+            processes=processes,
+            holders=HolderScan("full", holdings),
+            absent_pids=frozenset(v for v in leaders if v not in self.procs),
+            file_sharing=tuple(sharing),
+        )
+
+    def _healthy(self, p: _Proc) -> bool:
+        owner_alive = p.owner is not None and p.owner in self.procs
+        return (
+            p.role in ("shell", "owner", "notebook")
+            or owner_alive
+            or (p.role == "spawn" and p.recorded)
+        )
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 30.0]))
+    def poll(self, dt: float) -> None:
+        self.mono += dt
+        snapshot = self._snapshot()
+        assessment = assess(snapshot, self.astate, self.detection)
+        self.astate = assessment.state
+        result = plan(
+            list(assessment.findings), snapshot, self.pstate, self.policy, now=self.mono,
+            wall=snapshot.wall_time,
+        )  # fmt: skip
+        self.pstate = result.state
+        for intent in result.intents:
+            if not isinstance(intent, SignalIntent):
+                continue
+            target = self.procs[intent.identity.pid]
+            assert not self._healthy(target), (target, assessment.findings)
+            self.pstate = record_signal(self.pstate, intent, "delivered", now=self.mono).state
+            self._die(target.pid, False)
+        for p in self.procs.values():  # kcmp answered while the owner lived
+            if self.kcmp and p.owner is not None and p.owner in self.procs:
+                p.recorded = True
+
+
+TestInheritance = InheritanceMachine.TestCase

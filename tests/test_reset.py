@@ -265,6 +265,14 @@ def test_a_failing_drain_or_before_hook_aborts_with_undo(
     assert "final_blockers" not in env.calls
 
 
+def test_a_reset_after_a_health_drain_does_not_run_the_drain_hooks_again(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False, drained=True)
+    assert outcome.result == "success", outcome.reason
+    assert smi.calls() == [BEFORE, PM_OFF, RESET, QUERY, PM_ON, AFTER]
+    assert env.steps == ALL_STEPS  # the drain step is still recorded (as skipped)
+
+
 def test_a_failing_after_hook_is_reported_but_does_not_undo_a_success(smi: FakeSmi) -> None:
     smi.set(hooks={"after": "exit:3"})
     outcome = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False)

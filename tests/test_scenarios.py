@@ -170,3 +170,141 @@ def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
     assert r.final["hooks_run"] == 0
     assert "hooks run: 0" in render_text(r)
     assert all(outcome == "dry_run" for _, _, _, outcome in r.signals())
+
+
+def test_leak_before_watch() -> None:
+    """Default policy: the likely heir is reported (lost leader named), nobody is signalled."""
+    r = run("leak-before-watch")
+    assert r.signals() == []
+    new = {(e.fields["kind"], e.fields["pid"]): e for e in r.entries("finding.new")}
+    heir = new[("hidden_holder", 4121)].fields
+    assert heir["evidence"]["likely_heir"] is True  # type: ignore[index]
+    assert heir["evidence"]["lost_leader"] == 4100  # type: ignore[index]
+    assert "orphans_without_history" in str(heir["reason"])
+    notebook = new[("hidden_holder", 5200)].fields
+    assert "likely_heir" not in notebook["evidence"]  # type: ignore[operator]
+
+
+def test_leak_before_watch_opt_in() -> None:
+    """With the key, the heir is orphaned (tie lost_leader) and freed; the notebook is not."""
+    r = run("leak-before-watch-opt-in")
+    assert signals_to(r, "loader") == [(30.0, "SIGTERM")]
+    assert signals_to(r, "notebook") == []
+    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    assert [e.fields["evidence"]["tie"] for e in orphan] == ["lost_leader"]  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_epilog_ended_job() -> None:
+    """The scheduler's word makes the ended job's leftover abandoned; the other job is untouched."""
+    r = run("epilog-ended-job")
+    assert signals_to(r, "helper") == [(10.0, "SIGTERM")]
+    assert signals_to(r, "other-trainer") == []
+    (found,) = r.entries("finding.new")
+    assert (found.fields["kind"], found.fields["evidence"]["job"]) == (  # type: ignore[index]
+        "abandoned",
+        "slurm:4242",
+    )
+
+
+def test_spawn_worker_dead_owner() -> None:
+    """kcmp: the fork worker is the heir and is freed; the spawn worker is never signalled."""
+    r = run("spawn-worker-dead-owner")
+    assert signals_to(r, "fork-worker") == [(50.0, "SIGTERM")]
+    assert signals_to(r, "spawn-worker") == []
+    spawn = [e for e in r.entries("finding.new") if e.fields["pid"] == 8120]
+    assert [e.fields["kind"] for e in spawn] == ["hidden_holder"]
+    assert spawn[0].fields["evidence"]["own_files"] is True  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_torchrun_rank_crash_shared_session() -> None:
+    """Only the dead rank's worker is signalled (kcmp proof); without the proof, nobody is."""
+    r = run("torchrun-rank-crash-shared-session")
+    assert {name for _, name, _, _ in r.signals()} == {"rank-0-loader"}
+    assert signals_to(r, "rank-0-loader") == [(50.0, "SIGTERM")]
+    orphan = [e for e in r.entries("finding.new") if e.fields["kind"] == "orphaned"]
+    assert [e.fields["evidence"]["tie"] for e in orphan] == ["inherited_files"]  # type: ignore[index]
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+    scenario = r.scenario
+    unknown = dataclasses.replace(
+        scenario,
+        processes=tuple(dataclasses.replace(p, files=None) for p in scenario.processes),
+    )
+    assert simulate(unknown).signals() == []
+
+
+def test_persistenced_one_gpu() -> None:
+    """persistenced holding only nvidiactl does not block the reset of a one-GPU node."""
+    r = run("persistenced-one-gpu")
+    assert [(t, result) for t, _, result in r.resets()] == [(150.0, "success")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+
+
+# --- GPU health (docs/findings.md#gpu-health) -------------------------------------------------
+
+
+def hook_names(result: SimulationResult) -> list[tuple[float, object]]:
+    return [(e.t, e.fields.get("hook")) for e in result.entries("hook.run")]
+
+
+def test_xid_95_reset() -> None:
+    r = run("xid-95-reset")
+    assert [e.fields["kind"] for e in r.entries("finding.new")] == ["reset_required"]
+    assert [(t, result) for t, _, result in r.resets()] == [(30.0, "success")]
+    assert hook_names(r) == [(30.0, "reset_drain")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+
+
+def test_xid_79_reboot() -> None:
+    r = run("xid-79-reboot")
+    assert r.resets() == []
+    assert r.signals() == []
+    assert [e.t for e in r.entries("gpu.needs_reboot")] == [20.0]
+    assert hook_names(r) == [(20.0, "on_failure"), (20.0, "reset_drain")]
+    assert r.final["open_findings"] == [
+        "reboot_required:GPU-00000001-0000-4000-8000-000000000001:gpu"
+    ]
+
+
+def test_xid_154_drain_and_reset() -> None:
+    r = run("xid-154-drain-and-reset")
+    assert signals_to(r, "job") == []
+    (started,) = r.entries("health.drain_started")
+    assert started.t == 60.0
+    assert hook_names(r) == [(60.0, "reset_drain")]
+    assert [(t, result) for t, _, result in r.resets()] == [(300.0, "success")]
+    assert r.final["open_findings"] == []
+
+
+def test_pending_row_remap_unisolated() -> None:
+    r = run("pending-row-remap-unisolated")
+    assert signals_to(r, "job") == []
+    waiting = r.entries("health.drain_waiting")
+    assert waiting
+    assert "no device isolation" in str(waiting[0].fields["blockers"])
+    assert [(t, result) for t, _, result in r.resets()] == [(1200.0, "success")]
+    assert hook_names(r) == [(0.0, "reset_drain")]
+    assert r.final["open_findings"] == []
+
+
+def test_pending_row_remap_with_device_isolation_resets_at_once() -> None:
+    scenario = load_scenario(str(SCENARIOS / "pending-row-remap-unisolated.yaml"))
+    policy_file, text = scenario.policy_doc or ("", "")
+    isolated = dataclasses.replace(
+        scenario,
+        policy_doc=(policy_file, text.replace("device_isolation: false", "device_isolation: true")),
+    )
+    r = simulate(isolated)
+    assert [(t, result) for t, _, result in r.resets()] == [(0.0, "success")]
+    assert signals_to(r, "job") == []
+
+
+def test_xid_13_application() -> None:
+    r = run("xid-13-application")
+    assert r.entries("finding.new") == []
+    assert r.entries("hook.run") == []
+    assert r.resets() == []
+    assert r.signals() == []

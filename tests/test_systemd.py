@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 import pytest
 
 from tests.support.fakenvml import GiB, ensure_built, gpu
+from tests.test_contrib_slurm import FAKE_SCONTROL
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "systemd"
@@ -249,6 +251,10 @@ reset:
   after: [[{CI_DIR}/hook-caps, after, "{{uuid}}"]]
 metrics:
   textfile: {METRICS_FILE}
+on_action:
+  - [{CI_DIR}/notify-probe, inside, "{{user}}", "{{hostname}}", "{{uuid}}"]
+  - [systemd-run, --wait, --quiet, --collect, -E, GPUWATCHD_OUTCOME, -E, GPUWATCHD_USER,
+     {CI_DIR}/notify-probe, outside, "{{user}}", "{{hostname}}"]
 """
 
 
@@ -297,7 +303,7 @@ def ct() -> Iterator[Container]:
     for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
         (ci / "dev" / name).touch()
     shutil.copy(deb, ci / deb.name)
-    for tool in ("hook-caps", "orphan-maker"):
+    for tool in ("hook-caps", "orphan-maker", "notify-probe"):
         shutil.copy(HARNESS / tool, ci / tool)
     container = Container(root, ci, artifacts)
     container.nvml(idle_gpus())
@@ -499,6 +505,53 @@ def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Con
     assert {e["PRIORITY"] for e in about_child if e not in actions} <= {"6", "7"}
 
 
+def _probe(ct: Container, name: str) -> dict[str, str]:
+    path = ct.ci / f"notify-{name}.txt"
+    wait_for(f"the on_action hook {name!r}", path.exists, timeout=30)
+    found: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition(
+            ": " if line.startswith(("args", "netns", "cgroup")) else "="
+        )
+        if sep:
+            found[key] = value
+    return found
+
+
+def test_on_action_runs_after_the_kill_with_its_placeholders_also_outside_the_sandbox(
+    enforcing: Container,
+) -> None:
+    """Runs after the orphan kill above: both notifications ran, with {user}, {hostname} and
+    {uuid} filled in; the one started through systemd-run ran outside the unit's network
+    sandbox (another network namespace, not in gpuwatchd.service's cgroup)."""
+    ct = enforcing
+    inside, outside = _probe(ct, "inside"), _probe(ct, "outside")
+    user, host, uuid = inside["args"].split()
+    assert (user, host) == ("root", "gpuwatchd-it")
+    assert uuid.startswith("GPU-")
+    assert inside["GPUWATCHD_EVENT"] == "on_action"
+    assert inside["GPUWATCHD_ACTION"] == "signal"
+    assert inside["GPUWATCHD_OUTCOME"] == "freed"
+    assert outside["args"] == "root gpuwatchd-it"
+    assert outside["GPUWATCHD_OUTCOME"] == "freed"  # passed through with systemd-run -E
+    daemon_net = ct.run(["readlink", f"/proc/{ct.prop('MainPID')}/ns/net"]).stdout.strip()
+    assert inside["netns"] == daemon_net
+    assert outside["netns"] != daemon_net
+    assert UNIT in inside["cgroup"]
+    assert UNIT not in outside["cgroup"]
+
+    def ran() -> list[dict[str, Any]]:  # logged by the main loop at the poll after they ran
+        return [
+            e
+            for e in ct.journal()
+            if e.get("GPUWATCHD_EVENT") == "hook.run" and e.get("GPUWATCHD_HOOK") == "on_action"
+        ]
+
+    wait_for("hook.run for both notifications", lambda: len(ran()) >= 2, timeout=30)
+    assert {e["PRIORITY"] for e in ran()} == {"4"}
+    assert {e.get("GPUWATCHD_RETURNCODE") for e in ran()} == {"0"}
+
+
 def _metric(text: str, name: str, **labels: str) -> float | None:
     for line in text.splitlines():
         if not line.startswith(name + ("{" if labels else " ")):
@@ -570,6 +623,137 @@ def test_journal_priorities_follow_the_event_levels(enforcing: Container) -> Non
     assert {e.get("_TRANSPORT") for e in entries} == {"journal"}
     assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in enforcing.journal())
     assert {"4", "6"} <= {e["PRIORITY"] for e in entries}
+
+
+# -- Slurm prolog and epilog beside the running daemon ---------------------------------------
+SLURM_DIR = f"{CI_DIR}/slurm"
+SLURM_NODE = "gpuwatchd-it"
+
+
+@pytest.fixture(scope="module")
+def slurm(enforcing: Container) -> Container:
+    """The installed Slurm scripts, a fake scontrol (tests/test_contrib_slurm.py's) at
+    /srv/ci/slurm/scontrol, and an idle node."""
+    ct = enforcing
+    folder = ct.ci / "slurm"
+    folder.mkdir(exist_ok=True)
+    (folder / "scontrol").write_text(FAKE_SCONTROL)
+    (folder / "scontrol").chmod(0o755)
+    _slurm_node(ct, "IDLE", "")
+    ct.nvml(idle_gpus())
+    return ct
+
+
+def _slurm_node(ct: Container, state: str, reason: str) -> None:
+    folder = ct.ci / "slurm"
+    (folder / "node.state").write_text(state)
+    (folder / "node.reason").write_text(reason)
+    (folder / "calls.log").write_text("")
+
+
+def _slurm_updates(ct: Container) -> list[list[str]]:
+    lines = (ct.ci / "slurm" / "calls.log").read_text().splitlines()
+    return [line.split("\x1f")[:-1] for line in lines if line.startswith("update")]
+
+
+def _slurm_script(ct: Container, name: str, gpus: str) -> subprocess.CompletedProcess[str]:
+    """Run /usr/lib/gpuwatchd/slurm/gpuwatchd-<name> as slurmd would, pointed at the fake
+    NVML the daemon sees and at the fake scontrol."""
+    (ct.ci / "slurm" / "calls.log").write_text("")
+    return ct.run(
+        [
+            "env",
+            f"FAKENVML_STATE={CI_DIR}/nvml.json",
+            f"FAKENVML_DEVICES_DIR={CI_DIR}/dev",
+            f"GPUWATCHD_SCONTROL={SLURM_DIR}/scontrol",
+            f"SLURMD_NODENAME={SLURM_NODE}",
+            f"SLURM_JOB_GPUS={gpus}",
+            "GPUWATCHD_EPILOG_TIMEOUT=40s",
+            f"/usr/lib/gpuwatchd/slurm/gpuwatchd-{name}",
+        ],
+        check=False,
+        timeout=120,
+    )
+
+
+def test_epilog_beside_the_daemon_exits_0_after_a_job_and_drains_nothing(slurm: Container) -> None:
+    """A job leaves an orphan on GPU 0: the installed daemon kills it while the epilog waits;
+    once the driver has freed the memory the epilog exits 0 without touching the node."""
+    ct = slurm
+    assert ct.prop("ActiveState") == "active"
+    pidfile = f"{CI_DIR}/orphan-slurm.pids"
+    maker = [f"{CI_DIR}/orphan-maker", f"{CI_DIR}/dev", "0", pidfile]
+    ct.run(["systemd-run", "--scope", "--quiet", "--unit=gpuwatchd-it-slurm-job", *maker])
+    parent, child = (int(x) for x in (ct.ci / "orphan-slurm.pids").read_text().split())
+    ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": parent, "used_memory": GiB}]), gpu(1)])
+
+    def driver() -> None:  # as the driver does once the last holder is gone
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if ct.run(["kill", "-0", str(child)], check=False).returncode != 0:
+                break
+            time.sleep(0.2)
+        ct.nvml(idle_gpus())
+
+    freeing = threading.Thread(target=driver, daemon=True)
+    freeing.start()
+    epilog = _slurm_script(ct, "epilog", "0")
+    freeing.join(timeout=70)
+    assert epilog.returncode == 0, epilog.stdout + epilog.stderr
+    assert "is running; waiting" in epilog.stderr  # it waited for the daemon, acted on nothing
+    assert _slurm_updates(ct) == []
+    assert ct.run(["kill", "-0", str(child)], check=False).returncode != 0
+
+
+def test_epilog_and_prolog_refuse_a_gpu_that_stays_dirty(slurm: Container) -> None:
+    """A process nothing explains holds GPU 1 (report-only: the daemon never acts on it): the
+    epilog exits non-zero and drains naming GPU 1 and the finding; the prolog refuses it; a job
+    on GPU 0 still starts, and our drain stays while GPU 1 is dirty."""
+    ct = slurm
+    ct.nvml(idle_gpus())
+    holder = "gpuwatchd-it-slurm-holder"
+    ct.run(
+        [
+            "systemd-run",
+            f"--unit={holder}",
+            "--quiet",
+            "sh",
+            "-c",
+            f"exec 3<{CI_DIR}/dev/nvidia1; exec sleep 600",
+        ]
+    )
+    try:
+
+        def holding() -> bool:
+            pid = ct.run(["systemctl", "show", "-p", "MainPID", "--value", holder]).stdout
+            link = ct.run(["readlink", f"/proc/{pid.strip()}/fd/3"], check=False).stdout
+            return link.strip() == f"{CI_DIR}/dev/nvidia1"
+
+        wait_for("the holder to hold GPU 1", holding, timeout=15)
+        uuid1 = gpu(1)["uuid"]
+        reason = f"gpuwatchd: {uuid1} hidden_holder"
+        drain = ["update", f"nodename={SLURM_NODE}", "state=drain", f"reason={reason}"]
+
+        _slurm_node(ct, "IDLE", "")
+        epilog = _slurm_script(ct, "epilog", "1")
+        assert epilog.returncode == 1, epilog.stdout + epilog.stderr
+        assert _slurm_updates(ct) == [drain]
+
+        _slurm_node(ct, "IDLE", "")
+        prolog = _slurm_script(ct, "prolog", "1")
+        assert prolog.returncode == 1, prolog.stdout + prolog.stderr
+        assert _slurm_updates(ct) == [drain]
+        assert (ct.ci / "slurm" / "node.reason").read_text() == reason
+
+        other = _slurm_script(ct, "prolog", "0")
+        assert other.returncode == 0, other.stdout + other.stderr
+        assert _slurm_updates(ct) == []  # GPU 1 is still dirty: our drain stays
+    finally:
+        ct.run(["systemctl", "stop", holder], check=False)
+    ct.run(["systemctl", "is-active", UNIT])
+    lifted = _slurm_script(ct, "epilog", "0")
+    assert lifted.returncode == 0, lifted.stdout + lifted.stderr
+    assert _slurm_updates(ct) == [["update", f"nodename={SLURM_NODE}", "state=resume"]]
 
 
 # -- stop and purge --------------------------------------------------------------------------

@@ -175,11 +175,11 @@ def test_systemd_analyze_security_exposure_at_most_2_5() -> None:
 
 def test_debian_install_files_name_files_that_exist() -> None:
     listed: list[str] = []
-    for name in ("gpuwatchd.install", "gpuwatchd.manpages", "gpuwatchd.docs"):
+    for name in ("gpuwatchd.install", "gpuwatchd.manpages", "gpuwatchd.docs", "gpuwatchd.examples"):
         for line in (DEBIAN / name).read_text().splitlines():
             if line.strip() and not line.startswith("#"):
                 listed.append(line.split()[0])
-    missing = [p for p in listed if not (REPO / p).exists()]
+    missing = [p for p in listed if not list(REPO.glob(p))]
     assert missing == []
     assert "systemd/gpuwatchd.service" in listed
     assert "config/gpuwatchd.yaml" in listed
@@ -189,3 +189,29 @@ def test_debian_package_depends_on_procps_for_exec_reload() -> None:
     control = (DEBIAN / "control").read_text()
     assert re.search(r"^Depends:.*\bprocps\b", control, re.MULTILINE | re.DOTALL)
     assert "/bin/kill" in values("ExecReload")[-1]
+
+
+# What bench/unit_limits.py measured, as the unit's comment and docs/operations.md state it.
+MEASURED_PEAK_RSS_MIB = 80
+MEASURED_PEAK_TASKS = 5
+
+
+def memory_bytes(value: str) -> int:
+    found = re.fullmatch(r"(\d+)([KMG]?)", value)
+    assert found is not None, value
+    number, unit = found.groups()
+    return int(number) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
+
+
+def test_unit_caps_memory_and_tasks_with_the_measured_headroom() -> None:
+    (memory,) = values("MemoryMax")
+    (tasks,) = values("TasksMax")
+    assert memory_bytes(memory) >= 4 * MEASURED_PEAK_RSS_MIB * 1024**2
+    assert int(tasks) >= 8 * MEASURED_PEAK_TASKS
+    unit = UNIT.read_text()
+    operations = (REPO / "docs" / "operations.md").read_text()
+    for text in (unit, operations):
+        assert f"{MEASURED_PEAK_RSS_MIB} MiB" in text
+        assert f"{MEASURED_PEAK_TASKS} tasks" in text
+    assert f"MemoryMax={memory}" in operations
+    assert f"TasksMax={tasks}" in operations

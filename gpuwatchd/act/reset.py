@@ -70,6 +70,7 @@ a crash share one record format and one table of steps: kept together, a new ste
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import types
 from collections.abc import Mapping, Sequence
@@ -124,6 +125,7 @@ class ResetTarget:
     pci_bus_id: str | None
     minor: int | None
     persistence_was_on: bool | None
+    hostname: str | None = None  # {hostname} in the drain/before/after hooks
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ def _values(target: ResetTarget) -> dict[str, str | None]:
         "uuid": target.uuid,
         "pci_bus_id": target.pci_bus_id,
         "minor": None if target.minor is None else str(target.minor),
+        "hostname": target.hostname,
     }
 
 
@@ -327,8 +330,10 @@ class _Procedure:
         dry_run: bool,
         hook_env: Mapping[str, str],
         runner: CommandRunner,
+        drained: bool = False,
     ) -> None:
         self.target = target
+        self.drained = drained  # the drain hooks ran already (a health reset drains first)
         self.policy = policy
         self.env = env
         self.commands = commands
@@ -526,8 +531,12 @@ def perform_reset(
     dry_run: bool,
     hook_env: Mapping[str, str] = _EMPTY,
     runner: CommandRunner = run_command,
+    drained: bool = False,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target`` (see the module docstring for the steps).
+
+    ``drained``: the caller ran the ``drain`` hooks already (a health reset drains, then waits
+    for the GPU's users to finish); the drain step is recorded as skipped, not run twice.
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
     :func:`gpuwatchd.decide.argv.hook_environment` always win). ``runner`` runs every command and
@@ -549,7 +558,14 @@ def perform_reset(
         )
         return ResetOutcome("refused", ResetStep.DRAIN, prepared, False, None, ())
     proc = _Procedure(
-        target, reset, env, prepared, dry_run=dry_run, hook_env=hook_env, runner=runner
+        target,
+        reset,
+        env,
+        prepared,
+        dry_run=dry_run,
+        hook_env=hook_env,
+        runner=runner,
+        drained=drained,
     )
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
@@ -563,9 +579,12 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish("refused", ResetStep.DRAIN, _UNRECORDED)
-    failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
-    if failure is not None:
-        return proc.abort(ResetStep.DRAIN, failure)
+    if proc.drained and reset.drain:
+        proc.event(ResetStep.DRAIN, "skipped", detail="drained already, before the wait")
+    else:
+        failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
+        if failure is not None:
+            return proc.abort(ResetStep.DRAIN, failure)
 
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)
@@ -687,6 +706,7 @@ def resume_interrupted(
     env: ResetEnvironment,
     *,
     runner: CommandRunner = run_command,
+    hostname: str | None = None,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
 
@@ -715,7 +735,8 @@ def resume_interrupted(
     returns ``failed`` with the reason, so the daemon can log it and drop the record. The
     caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
     second time after a crash inside them, so ``after`` hooks should be idempotent.
-    ``runner`` runs the commands and hooks, as for :func:`perform_reset`.
+    ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
+    ``{hostname}`` in them (it is not part of the record).
     """
     step_value = record.get("step")
     try:
@@ -723,6 +744,8 @@ def resume_interrupted(
     except ValueError:
         step = None
     target = _target_from(record)
+    if target is not None:
+        target = dataclasses.replace(target, hostname=hostname)
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:

@@ -29,6 +29,9 @@ DIRTY_KINDS = frozenset(
         FindingKind.STUCK.value,
         FindingKind.UNACCOUNTED_MEMORY.value,
         FindingKind.HIDDEN_HOLDER.value,
+        # GPU health: the driver asks for a reset or a reboot first.
+        FindingKind.RESET_REQUIRED.value,
+        FindingKind.REBOOT_REQUIRED.value,
     }
 )
 EXIT_DIRTY = 1

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
@@ -27,6 +28,7 @@ from gpuwatchd.model import (
     FindingKind,
     GpuInfo,
     HolderScan,
+    NvmlProcess,
     NvmlReading,
     ProcessInfo,
     Snapshot,
@@ -182,6 +184,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                         ctl=old.ctl or entry.get("ctl") is True,
                         uvm=old.uvm or entry.get("uvm") is True,
                     )
+    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
     for entry in report.get("node_holders") or []:  # type: ignore[attr-defined]
         if isinstance(entry, dict) and (proc := _process(entry)) is not None:
             processes.setdefault(proc.pid, proc)
@@ -224,6 +227,18 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         host_namespaces=host.get("host_namespaces", True),
     )
     return snapshot, findings, first_seen
+
+
+def _with_listed(gpu: GpuInfo, raw: Mapping[str, object]) -> GpuInfo:
+    """``gpu`` with NVML's process list as the report gives it (validated by ``rebuild``): a
+    health reset waits for these."""
+    entries = raw.get("processes")
+    listed = [
+        NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
+        for entry in (entries if isinstance(entries, list) else [])
+        if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
+    ]
+    return dataclasses.replace(gpu, processes=tuple(listed))
 
 
 def _when(now: float, since: float | None, window: float) -> dict[str, object]:
@@ -376,6 +391,9 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
             if latch is not None and policy.reset.enabled and not policy.dry_run:
                 stops.append(latch)  # the latch makes every intent a dry run, resets too
+        elif finding.kind in HEALTH_KINDS:
+            _explain_health(item=item, stops=stops, finding=finding, findings=findings,
+                            snapshot=snapshot, policy=policy)  # fmt: skip
         elif finding.kind in (FindingKind.ZOMBIE, FindingKind.DEAD_PROCESS):
             stops.append(
                 "never signalled: a zombie's parent must reap it"
@@ -476,6 +494,49 @@ def _explain_reset(
         "which a scan report does not include"
     )
     stops.append("the final holder scan right before the reset (any holder aborts it)")
+
+
+def _explain_health(
+    *,
+    item: dict[str, object],
+    stops: list[str],
+    finding: Finding,
+    findings: list[Finding],
+    snapshot: Snapshot,
+    policy: Policy,
+) -> None:
+    """What the ``health`` policy does with a health finding (docs/policy.md#health)."""
+    health = policy.health
+    item["rule"] = "health"
+    now_ = _when(snapshot.wall_time, None, 0.0)  # no confirmation window: at once
+    if not health.enabled:
+        stops.append("health.enabled is false")
+        return
+    if health.action == "report":
+        stops.append("health.action is report: logged only")
+        return
+    if finding.kind == FindingKind.REBOOT_REQUIRED:
+        item["next"] = {"action": "on_failure and reset.drain hooks, once; never a reset", **now_}
+        return
+    resetting = health.action == "reset" and policy.reset.enabled
+    if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
+        item["next"] = {"action": "reset.drain hooks, once", **now_}
+        return
+    item["next"] = {"action": "reset.drain hooks, then the GPU reset once nothing holds it", **now_}
+    item["then"] = [
+        f"wait at most {duration(health.drain_timeout)} for the GPU's users (never signalled), "
+        "then on_failure once",
+        f"cooldown {duration(policy.reset.cooldown)}; "
+        f"at most {policy.reset.max_resets} per {duration(policy.reset.window)}",
+    ]
+    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
+    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
+    gpu = next((g for g in snapshot.nvml.gpus if g.uuid == finding.gpu), None)
+    if gpu is not None:
+        blockers = drain_blockers(gpu, snapshot, device_isolation=health.device_isolation)
+        stops.extend(f"waits for {blocker}" for blocker in blockers)
+    if policy.dry_run:
+        stops.append("dry_run: true — the drain and the reset are logged, not run")
 
 
 def explain_file(path: str, policy: Policy) -> dict[str, object]:

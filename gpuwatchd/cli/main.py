@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="poll until every finding present at start has resolved or ended its ladder",
     )
     run.add_argument(
+        "--ended-job",
+        action="append",
+        default=[],
+        metavar="KIND:ID",
+        help="with --once: this job has ended (slurm:42, pod:UID, container:ID, unit:NAME; a "
+        "bare 'slurm' reads SLURM_JOB_ID): its remaining device holders are abandoned",
+    )
+    run.add_argument(
         "--timeout",
         metavar="DURATION",
         default="10m",
@@ -262,6 +270,7 @@ def _check_clean(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gpuwatchd.collect.jobs import scheduler_ended_job
     from gpuwatchd.config.schema import ConfigError, parse_duration
     from gpuwatchd.daemon import run_daemon
 
@@ -269,6 +278,16 @@ def _run(args: argparse.Namespace) -> int:
         timeout = parse_duration(args.timeout, where="--timeout")
     except ConfigError as exc:
         raise CliError(str(exc), ExitCode.CONFIG) from exc
+    ended: set[str] = set()
+    if args.ended_job and not args.once:
+        raise CliError("--ended-job needs --once (it is true for one run)", ExitCode.CONFIG)
+    for spec in args.ended_job[:64]:
+        try:
+            ended.add(scheduler_ended_job(spec, os.environ))
+        except ValueError as exc:
+            raise CliError(str(exc), ExitCode.CONFIG) from exc
+    if len(args.ended_job) > 64:
+        raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
     policy = load_policy_or_exit(config_path, required=True)
     return run_daemon(
@@ -277,6 +296,7 @@ def _run(args: argparse.Namespace) -> int:
         dry_run=bool(args.dry_run),
         once=bool(args.once),
         once_timeout=timeout,
+        ended_jobs=frozenset(ended),
     )
 
 

@@ -21,11 +21,13 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
     DeviceHolding,
     Finding,
+    GpuHealth,
     GpuInfo,
     GpuMemory,
     NvmlProcess,
@@ -258,12 +260,15 @@ def _gpu_entry(
         "architecture": gpu.architecture,
         "nvlink_active": gpu.nvlink_active,
         "reset_needs_nvlink_peers": gpu.reset_needs_nvlink_peers,
+        "health": _health_entry(gpu.health),
         "memory": _memory_entry(gpu.memory, baselines.get(gpu.uuid)),
         "report_only": report_only.get(gpu.uuid),
         "notes": list(notes),
         "processes_known": gpu.processes is not None,
         "processes": processes,
         "holders": holders,
+        # Whose open device node would make the driver refuse a reset now (docs/reset.md).
+        "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
     }
 
 
@@ -288,6 +293,31 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
             return None
         total += value
     return total
+
+
+def _health_entry(health: GpuHealth | None) -> dict[str, object] | None:
+    """GPU health as read this poll (docs/scan.md); Xid history is in the findings' evidence."""
+    if health is None:
+        return None
+    return {
+        "events": health.events.value,
+        "xids": [{"xid": x.xid, "wall": x.wall} for x in health.xids],
+        "recovery_action": health.recovery_action,
+        "recovery_action_support": health.recovery_support.value,
+        "remapped_rows": {
+            "support": health.remap_support.value,
+            "correctable": health.remap_correctable,
+            "uncorrectable": health.remap_uncorrectable,
+            "pending": health.remap_pending,
+            "failure": health.remap_failure,
+        },
+        "retired_pages": {
+            "support": health.pages_support.value,
+            "pending": health.pages_pending,
+            "single_bit": health.pages_single_bit,
+            "double_bit": health.pages_double_bit,
+        },
+    }
 
 
 def _memory_entry(memory: GpuMemory | None, baseline: int | None) -> dict[str, object]:
@@ -537,6 +567,13 @@ def _gpu_lines(
 
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
     lines.extend(_finding_lines(own, now, paint))
+    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    if own and refusers:
+        lines.append(
+            f"  a reset now would be refused by the driver while PID "
+            f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
+            "isolation every CUDA process opens every GPU)"
+        )
     return lines
 
 
@@ -572,6 +609,15 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     persistence = gpu.get("persistence_mode")
     if isinstance(persistence, bool):
         flags.append(f"persistence mode {'on' if persistence else 'off'}")
+    health = _as_map(gpu.get("health"))
+    action = health.get("recovery_action")
+    if isinstance(action, int) and not isinstance(action, bool) and action != 0:
+        flags.append(f"recovery action {action} (the driver asks for recovery)")
+    rows = _as_map(health.get("remapped_rows"))
+    if rows.get("pending") is True:
+        flags.append("row remap pending (a reset applies it)")
+    if rows.get("failure") is True:
+        flags.append("row remapping failed")
     reason = _as_str(gpu.get("report_only"))
     if reason:
         flags.append(f"report-only: {_clean(reason)}")
@@ -712,7 +758,25 @@ def _finding_lines(
     lines = ["  findings"]
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
+    lines.extend(_likely_heir_advice(findings, paint))
     return lines
+
+
+def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:
+    """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
+    heirs = [
+        as_int(f.get("pid"))
+        for f in findings
+        if _as_map(f.get("evidence")).get("likely_heir") is True
+    ]
+    shown = ", ".join(str(pid) for pid in heirs if pid is not None)
+    if not shown:
+        return []
+    return [
+        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {shown}", _YELLOW),
+        f"    check with `ps -o pid,lstart,args -p {shown.replace(', ', ',')}`; kill it by hand,",
+        "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
+    ]
 
 
 def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:

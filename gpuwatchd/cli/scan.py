@@ -22,6 +22,7 @@ from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.holder_view import HolderView
+from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import StateStore, read_small
 
 
@@ -72,6 +73,36 @@ def read_boot_time(proc_root: str) -> float | None:
     return None
 
 
+def running_daemon_pids(
+    policy: Policy, saved: Mapping[str, object], procfs: ProcFS
+) -> frozenset[int]:
+    """The daemon that wrote ``saved`` and its NVML workers, when it runs now; else empty.
+
+    The daemon counts its own NVML worker as itself, never as a holder; a scan beside it must
+    too, or every GPU would show a ``hidden_holder`` (an NVML-only client) whenever the daemon
+    runs outside its systemd unit, in a Kubernetes pod say. Only a PID that is gpuwatchd now
+    (the test of ``status``) and runs as the user this command runs as (root, in production:
+    nobody else can start such a process), and its direct children of that user running the
+    worker file, qualify: a reused PID, or a look-alike started by another user, hides nothing.
+    """
+    from gpuwatchd.cli.status import daemon_pid, look_at_process
+    from gpuwatchd.collect.nvml import WORKER_FILE
+
+    pid = daemon_pid(saved)
+    if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
+        return frozenset()
+    me = os.geteuid()
+    daemon = procfs.read_process(pid)
+    if daemon is None or daemon.uid != me:
+        return frozenset()
+    workers = {
+        child
+        for child, info in procfs.read_processes(procfs.descendants([pid])).items()
+        if info.ppid == pid and info.uid == me and WORKER_FILE in (info.cmdline or ())
+    }
+    return frozenset({pid, *workers})
+
+
 def daemon_view(policy: Policy, procfs: ProcFS) -> tuple[HolderView | None, str]:
     """The running daemon's published holder view if ``scan`` may build on it, else None;
     and, either way, a short reason (shown in the report)."""
@@ -114,12 +145,13 @@ def scan_host(
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
+    saved = StateStore(policy.state_dir).peek()
     procfs = procfs_for(policy)
-    daemon_pids: frozenset[int] = frozenset()
+    daemon_pids = running_daemon_pids(policy, saved, procfs)
     view, view_note = daemon_view(policy, procfs)
     if view is not None:
         # Its processes are the daemon's own, never holders (its NVML worker holds them all).
-        daemon_pids = view.worker_pids | {view.daemon_pid}
+        daemon_pids |= view.worker_pids | {view.daemon_pid}
     if full:
         view, view_note = None, "--full"
     try:
@@ -136,6 +168,9 @@ def scan_host(
             view, view_note = None, "a holder in the daemon's view has exited"
         if view is not None:
             collector.seed(view.holders, view.dead_listed)
+        # What an epilog told the running daemon (run --once --ended-job): this scan judges
+        # those jobs as the daemon does.
+        collector.ended_by_scheduler = read_ended_jobs(policy.state_dir, time.time())[0]
         snapshot = collector.collect(full=view is None)
     finally:
         if own:
@@ -146,7 +181,6 @@ def scan_host(
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    saved = StateStore(policy.state_dir).peek()
     previous = AssessState()
     if saved.get("boot_id") == snapshot.boot_id:
         try:

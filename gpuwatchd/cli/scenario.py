@@ -9,7 +9,7 @@ the text with ``yamlsrc.py``, the position-tracking reader policies use too, and
 ``config``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
 policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
 
-It is long (about 700 lines) because it is a schema: one small validator per scenario field,
+It is long (about 800 lines) because it is a schema: one small validator per scenario field,
 each naming its own line and key; splitting them would scatter one file format.
 """
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from gpuwatchd.act.reset import ResetStep
+from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.schema import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
 from gpuwatchd.decide.argv import check_value
@@ -45,6 +46,21 @@ EVENT_ACTIONS = (
     "reap",
     "pause",
     "resume",
+    "xid",
+    "health",
+)
+# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping and
+# retired pages; a successful reset clears what a reset applies.
+_HEALTH_KEYS = ("recovery_action", "remap_pending", "remap_failure", "retired_pages_pending")
+RECOVERY_ACTIONS = (
+    "NONE",
+    "GPU_RESET",
+    "NODE_REBOOT",
+    "DRAIN_P2P",
+    "DRAIN_AND_RESET",
+    "RECOVER_IMEX_DOMAIN",
+    "BUS_RESET",
+    "SYSTEM_REBOOT",
 )
 _TOP_KEYS = (
     "description",
@@ -56,7 +72,7 @@ _TOP_KEYS = (
     "processes",
     "events",
 )
-_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max")
+_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
 _GPU_KEYS = (
     "index",
     "uuid",
@@ -68,6 +84,7 @@ _GPU_KEYS = (
     "coherent",
     "persistence",
     "lost",
+    "health",
 )
 _MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
 _PROCESS_KEYS = (
@@ -92,7 +109,9 @@ _PROCESS_KEYS = (
     "visible",
     "subreaper",
     "stops_for_reset",
+    "files",
 )
+FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 _HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
 
 
@@ -123,6 +142,18 @@ class HostSpec:
     host_namespaces: bool | None = True
     mps_server_running: bool = False
     pid_max: int = 4194304
+    ended_jobs: frozenset[str] = frozenset()  # what an epilog's run --once --ended-job says
+
+
+@dataclass(frozen=True)
+class HealthSpec:
+    """A virtual GPU's health. ``recovery_action`` None: the driver does not offer the field
+    (before R570); ``retired_pages_pending`` None: no page retirement (Ampere and later)."""
+
+    recovery_action: int | None = None
+    remap_pending: bool = False
+    remap_failure: bool = False
+    retired_pages_pending: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,7 @@ class GpuSpec:
     coherent: bool = False
     persistence: bool = True
     lost: bool = False
+    health: HealthSpec = HealthSpec()
 
 
 @dataclass(frozen=True)
@@ -185,6 +217,7 @@ class ProcessSpec:
     visible: bool = True
     subreaper: bool = False
     stops_for_reset: bool = False
+    files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
     line: int = 0
 
 
@@ -205,6 +238,8 @@ class EventSpec:
     memory: int | None = None  # set_memory
     value: str | None = None  # reset_result, state letter, pause reason
     during: str | None = None  # a reset step instead of a time
+    xid: int | None = None  # xid (on ``gpu``)
+    health: Mapping[str, object] | None = None  # health: the fields that change (on ``gpu``)
 
 
 @dataclass(frozen=True)
@@ -432,7 +467,13 @@ class _Reader:
             namespaces = value
         mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
-        return HostSpec(namespaces, mps, pid_max)
+        ended: set[str] = set()
+        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
+            try:
+                ended.add(scheduler_ended_job(self.string(item), {}))
+            except ValueError as err:
+                raise self.fail(item, str(err)) from None
+        return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
         """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
@@ -484,7 +525,34 @@ class _Reader:
             coherent=flags.get("coherent", False),
             persistence=flags.get("persistence", True),
             lost=flags.get("lost", False),
+            health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
         )
+
+    def health_spec(self, node: Node) -> HealthSpec:
+        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
+
+    def health(self, node: Node) -> dict[str, object]:
+        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
+        m = self.mapping(node, _HEALTH_KEYS)
+        found: dict[str, object] = {}
+        for key, value in m.entries.items():
+            if key == "recovery_action":
+                raw = self.scalar(value)
+                if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
+                    found[key] = RECOVERY_ACTIONS.index(raw)
+                elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
+                    found[key] = raw
+                elif raw is None:
+                    found[key] = None
+                else:
+                    raise self.fail(
+                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
+                    )
+            elif key == "retired_pages_pending" and self.scalar(value) is None:
+                found[key] = None
+            else:
+                found[key] = self.boolean(value)
+        return found
 
     def reserve(self, node: Node) -> None:
         """Give a process its name and PID before anything refers to it."""
@@ -568,6 +636,7 @@ class _Reader:
             visible=flags.get("visible", True),
             subreaper=flags.get("subreaper", False),
             stops_for_reset=flags.get("stops_for_reset", False),
+            files=self.choice(n, FILES) if (n := get("files")) is not None else None,
             line=m.line,
         )
 
@@ -663,6 +732,27 @@ class _Reader:
             return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
+        if action in ("xid", "health"):
+            keys = ("gpu", "xid") if action == "xid" else ("gpu", *_HEALTH_KEYS)
+            hm = self.mapping(value, keys)
+            gpu_node = hm.entries.get("gpu")
+            if gpu_node is None:
+                raise self.fail(hm, f"{action} needs 'gpu'")
+            gpu = self.gpu_index(gpu_node, gpu_indexes)
+            if action == "health":
+                rest = replace(
+                    hm,
+                    entries={k: v for k, v in hm.entries.items() if k != "gpu"},
+                    key_lines={k: v for k, v in hm.key_lines.items() if k != "gpu"},
+                )
+                return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
+            xid_node = hm.entries.get("xid")
+            if xid_node is None:
+                raise self.fail(hm, "xid needs 'xid' (the Xid number)")
+            number = self.integer(xid_node, 1)
+            if number > 0xFFFF:
+                raise self.fail(xid_node, "an Xid number is at most 65535")
+            return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
             sm = value if isinstance(value, Map) else None
             if sm is None or len(sm.entries) != 1:

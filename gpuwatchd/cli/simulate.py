@@ -53,6 +53,7 @@ __all__ = [
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
+SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -126,6 +127,7 @@ class Simulation:
             actuator=VirtualActuator(self),
             clock=VirtualClock(self),
             sink=TimelineSink(self),
+            hostname=SIM_HOSTNAME,
         )
 
     # -- bookkeeping --
@@ -285,6 +287,16 @@ class Simulation:
                 self.add("world.reap", "info", f"zombie {proc.name} was reaped", pid=proc.pid)
         elif action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+        elif action == "xid" and event.gpu is not None and event.xid is not None:
+            world.gpus[event.gpu].xids.append((event.xid, self.now))
+            self.add("world.xid", "info", f"GPU {event.gpu}: Xid {event.xid}",
+                     gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid)  # fmt: skip
+        elif action == "health" and event.gpu is not None and event.health is not None:
+            gpu = world.gpus[event.gpu]
+            gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
+            said = ", ".join(f"{k}={v}" for k, v in event.health.items())
+            self.add("world.health", "info", f"GPU {event.gpu}: {said}",
+                     gpu=gpu.spec.uuid, **event.health)  # fmt: skip
 
     def react(self, proc: _Proc, signal: str) -> None:
         spec = proc.spec

@@ -161,6 +161,10 @@ def _describe_hook(f: Mapping[str, object], sim: Names) -> str:
         return (
             f"{f.get('hook')} hook would run: {_argv(f.get('argv'))} ({f.get('reason')}) [dry-run]"
         )
+    if f.get("outcome") == "dropped":
+        return f"{f.get('hook')} hook not run: {f.get('detail')} ({f.get('reason')})"
+    if f.get("error"):
+        return f"{f.get('hook')} hook failed: {_argv(f.get('argv'))}: {f.get('error')}"
     status = "timed out" if f.get("timed_out") else f"exit {f.get('returncode')}"
     return f"{f.get('hook')} hook ran: {_argv(f.get('argv'))} → {status} ({f.get('reason')})"
 
@@ -169,6 +173,10 @@ _STEP_NOTES = {
     ("stop_nvml", "ok"): "the daemon's NVML worker stopped",
     ("final_scan", "clear"): "no other process holds the GPU",
 }
+
+
+def _join(items: object) -> str:
+    return "; ".join(str(i) for i in items) if isinstance(items, list) else str(items)
 
 
 _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
@@ -213,7 +221,21 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
         f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} (failure {f.get('failures')})"
     ),
     "reset.dry_run": lambda f, s: f"{s.gname(f.get('gpu'))}: reset would have run (dry-run)",
-    "gpu.needs_reboot": lambda f, s: f"{s.gname(f.get('gpu'))} needs a reboot",
+    "gpu.needs_reboot": lambda f, s: (
+        f"{s.gname(f.get('gpu'))} needs a reboot"
+        + (f": {f.get('why')}" if f.get("kind") == "reboot_required" else "")
+    ),
+    "health.drain_started": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: drain for {f.get('kind')}"
+        + (f"; waiting for {_join(f.get('blockers'))}" if f.get("blockers") else "")
+        + (" (dry-run)" if f.get("dry_run") else "")
+    ),
+    "health.drain_waiting": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: reset waits for {_join(f.get('blockers'))} (never signalled)"
+    ),
+    "health.drain_timed_out": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: drain timed out: {f.get('why')}"
+    ),
     "reset.step": _describe_reset_step,
     "action.signal": lambda f, s: (
         f"{f.get('signal')} → {s.pname(f.get('pid'))}: {f.get('outcome')}"
@@ -254,6 +276,7 @@ _COLUMN = {
     "reset": "reset",
     "gpu": "GPU",
     "hook": "hook",
+    "health": "health",
     "world": "world",
     "daemon": "admin",
 }

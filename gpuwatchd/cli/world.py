@@ -13,13 +13,15 @@ decides nothing and never touches the real host; the simulation's edges
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from gpuwatchd.cli.scenario import GpuSpec, ProcessSpec, Scenario
+from gpuwatchd.cli.scenario import GpuSpec, HealthSpec, ProcessSpec, Scenario
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
+    FileSharing,
+    GpuHealth,
     GpuInfo,
     GpuMemory,
     HolderScan,
@@ -27,6 +29,8 @@ from gpuwatchd.model import (
     NvmlReading,
     ProcessInfo,
     Snapshot,
+    Support,
+    XidEvent,
 )
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
@@ -93,6 +97,8 @@ class _Gpu:
     base: int  # allocated memory that no context accounts for (idle, or set_memory)
     lost: bool
     persistence: bool
+    health: HealthSpec = field(default_factory=HealthSpec)
+    xids: list[tuple[int, float]] = field(default_factory=list)  # queued until the next read
 
 
 class World:
@@ -101,7 +107,8 @@ class World:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.gpus = {
-            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence) for g in scenario.gpus
+            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence, g.health)
+            for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
         self.procs: dict[int, _Proc] = {}
@@ -213,11 +220,15 @@ class World:
 
     def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU and own no context of their own there."""
+        group members that hold the GPU and own no context of their own there. A process whose
+        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
+        pins none of the owner's memory."""
         minor = self.gpus[gpu].spec.minor
         found = set()
         for proc in self.procs.values():
             if proc is owner or not proc.alive or minor not in proc.minors:
+                continue
+            if proc.spec.files == "own":
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
@@ -256,8 +267,16 @@ class World:
         return min(gpu.base + charged, gpu.spec.total - gpu.spec.reserved)
 
     def restore(self, gpu: _Gpu) -> None:
-        """A successful reset: every context on the GPU is gone, memory back to idle."""
+        """A successful reset: every context on the GPU is gone, memory back to idle, and what
+        a reset applies is applied (a pending row remap; a recovery action asking for a
+        reset is cleared)."""
         gpu.base = gpu.spec.allocated
+        action = gpu.health.recovery_action
+        gpu.health = replace(
+            gpu.health,
+            remap_pending=False,
+            recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
+        )
         for ctx in self.contexts:
             if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
                 ctx.status = "freed"
@@ -301,7 +320,29 @@ class World:
             )
         return HolderScan(mode="full", holdings=holdings)
 
-    def nvml(self) -> NvmlReading:
+    def health(self, gpu: _Gpu, *, take_events: bool) -> GpuHealth:
+        """What NVML would say about the GPU's health; Xid events are read once."""
+        spec = gpu.health
+        xids = tuple(XidEvent(xid, WALL0 + at) for xid, at in gpu.xids) if take_events else ()
+        if take_events:
+            gpu.xids.clear()
+        action = spec.recovery_action
+        pages = spec.retired_pages_pending
+        return GpuHealth(
+            events=Support.OK,
+            xids=xids,
+            recovery_action=action,
+            recovery_support=Support.NOT_SUPPORTED if action is None else Support.OK,
+            remap_correctable=0,
+            remap_uncorrectable=1 if spec.remap_pending or spec.remap_failure else 0,
+            remap_pending=spec.remap_pending,
+            remap_failure=spec.remap_failure,
+            remap_support=Support.OK,
+            pages_pending=pages,
+            pages_support=Support.NOT_SUPPORTED if pages is None else Support.OK,
+        )
+
+    def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []
         for index in sorted(self.gpus):
             gpu = self.gpus[index]
@@ -333,9 +374,40 @@ class World:
                     nvlink_active=0,  # each virtual GPU resets alone
                     lost=gpu.lost,
                     error="GPU is lost" if gpu.lost else None,
+                    health=self.health(gpu, take_events=take_events),
                 )
             )
         return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
+
+    def file_sharing(self) -> tuple[FileSharing, ...]:
+        """kcmp's answers (collect/inherit.py): each holder whose scenario says ``files``,
+        against the live context owners above it in the process tree."""
+        owners = {c.pid for c in self.contexts if c.status == "live"}
+        found: list[FileSharing] = []
+        for pid, proc in sorted(self.procs.items()):
+            if proc.spec.files is None or not proc.alive or not proc.spec.visible:
+                continue
+            current, seen = proc.ppid, set()
+            while current > 1 and current not in seen and current in self.procs:
+                seen.add(current)
+                if current in owners and self.procs[current].alive:
+                    shared = proc.spec.files == "inherited"
+                    found.append(FileSharing(holder=pid, owner=current, shared=shared))
+                current = self.procs[current].ppid
+        return tuple(found)
+
+    def absent_pids(self) -> frozenset[int]:
+        """Session and process-group leaders of holders that are not in the process table."""
+        leaders = {
+            leader
+            for proc in self.procs.values()
+            if proc.present and (proc.minors or proc.ctl or proc.uvm)
+            for leader in (proc.spec.sid, proc.spec.pgid)
+            if leader > 1 and leader != proc.pid
+        }
+        return frozenset(
+            pid for pid in leaders if pid not in self.procs or not self.procs[pid].present
+        )
 
     def snapshot(self, now: float) -> Snapshot:
         host = self.scenario.host
@@ -343,10 +415,13 @@ class World:
             monotonic=now,
             wall_time=WALL0 + now,
             boot_id=BOOT_ID,
-            nvml=self.nvml(),
+            nvml=self.nvml(take_events=True),
             processes=self.processes(),
             holders=self.holders(),
             pid_max=host.pid_max,
             host_namespaces=host.host_namespaces,
             mps_server_running=host.mps_server_running,
+            ended_jobs=host.ended_jobs,
+            absent_pids=self.absent_pids(),
+            file_sharing=self.file_sharing(),
         )

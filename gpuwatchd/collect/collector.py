@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
+from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import ended_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
@@ -105,6 +106,8 @@ class Collector:
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
+    _inheritance: InheritanceProbe | None = None
+    ended_by_scheduler: frozenset[str] = frozenset()  # run --once --ended-job (jobs.py)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -163,6 +166,12 @@ class Collector:
         for pid in self_pids:
             processes.pop(pid, None)
 
+        # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
+        if self._inheritance is None:
+            self._inheritance = InheritanceProbe(scanner, self.procfs.root)
+        file_sharing = self._inheritance.compare(processes, holders, live_listed)
+        lost_leaders = absent_leaders(self.procfs.root, processes, holding_pids)
+
         return Snapshot(
             monotonic=now,
             wall_time=self.wall_clock(),
@@ -177,7 +186,10 @@ class Collector:
             nvidia_uvm_major=scanner.uvm_major(),
             ended_jobs=ended_jobs(
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
-            ),
+            )
+            | self.ended_by_scheduler,
+            absent_pids=lost_leaders,
+            file_sharing=file_sharing,
         )
 
     @property

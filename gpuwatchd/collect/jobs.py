@@ -18,12 +18,49 @@ cannot read it cheaply, and unknown never triggers an action.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 
 from gpuwatchd.collect.cgroups import parse_cgroup2_mount, slurm_job_dir
 from gpuwatchd.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
+
+# The scheduler's word (``run --once --ended-job KIND:ID``): job keys as ``CgroupInfo.job_key``
+# spells them, and the environment variable an epilog finds its job's id in.
+_ENDED_JOB_ID = {
+    "slurm": re.compile(r"[0-9]{1,20}"),
+    "pod": re.compile(r"[0-9a-fA-F_-]{1,64}"),
+    "container": re.compile(r"[0-9a-zA-Z]{1,128}"),
+    "unit": re.compile(r"[A-Za-z0-9:_.@\\-]{1,255}\.(?:service|scope)"),
+}
+_ENDED_JOB_ENV = {"slurm": "SLURM_JOB_ID"}
+
+
+def scheduler_ended_job(spec: str, environ: Mapping[str, str]) -> str:
+    """The job key named by ``--ended-job``: ``slurm:42``, ``pod:UID``, ``container:ID``,
+    ``unit:NAME.service``; a bare ``slurm`` reads ``SLURM_JOB_ID`` from ``environ`` (an epilog's
+    environment). Raises ValueError with a message naming the value. Pure.
+    """
+    kind, sep, ident = spec.partition(":")
+    if kind not in _ENDED_JOB_ID:
+        raise ValueError(
+            f"--ended-job {spec!r}: expected KIND:ID with KIND one of "
+            f"{', '.join(_ENDED_JOB_ID)} (e.g. slurm:42), or a bare slurm to read SLURM_JOB_ID"
+        )
+    if not sep:
+        variable = _ENDED_JOB_ENV.get(kind)
+        if variable is None:
+            raise ValueError(f"--ended-job {spec!r}: {kind} needs an id ({kind}:ID)")
+        ident = environ.get(variable, "")
+        if not ident:
+            raise ValueError(f"--ended-job {spec!r}: {variable} is not set in the environment")
+        source = f" (from {variable}={ident[:40]!r})"
+    else:
+        source = ""
+    if _ENDED_JOB_ID[kind].fullmatch(ident) is None:
+        raise ValueError(f"--ended-job {spec!r}{source}: {ident[:40]!r} is not a valid {kind} id")
+    return f"{kind}:{ident}"
 
 
 def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd import lazylog
+from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
 from gpuwatchd.vocabulary import EventName
 
@@ -509,4 +510,5 @@ def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         nvlink_active=_opt_int(raw.get("nvlink_active")),
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
+        health=to_health(raw.get("health")),
     )

@@ -42,6 +42,18 @@ What one GPU entry holds (``None`` always means unknown):
   elsewhere);
 - ``architecture`` (NVML_DEVICE_ARCH_*) and ``nvlink_active`` (active NVLink links, 0 without
   NVLink), read once with the identity: whether a reset needs the GPU's NVLink peers;
+- ``health`` (docs/findings.md#gpu-health): ``{"events", "xids": [{"xid", "wall"}],
+  "recovery_action": {"status", "value"}, "remapped_rows": {"status", "correctable",
+  "uncorrectable", "pending", "failure"}, "retired_pages": {"status", "pending", "single_bit",
+  "double_bit"}}``. Each ``status`` is ``"ok"``, ``"not_supported"`` (the driver or GPU does
+  not offer it: an answer) or ``"unknown"`` (any other failure, named in ``error``). Xid and
+  recovery-action events come from one event set, created once per worker and registered for
+  every GPU that supports them; each ``read`` waits on it for at most ``EVENT_WAIT_MS`` for the
+  first event, then takes whatever else is queued without waiting, at most
+  ``MAX_EVENTS_PER_READ`` — so a poll is never held up by events, and a storm of them is cut
+  off (the rest are read next poll). Events that happen while no worker runs (before a reset,
+  after a wedge) are not seen: the recovery action and the row-remapping status, read every
+  poll, are the driver's lasting record;
 - ``lost``: NVML_ERROR_GPU_IS_LOST (the GPU fell off the bus) on any call; the GPU keeps what was
   read of its identity and the other GPUs carry on;
 - ``error``: every other failure, as ``"nvmlDeviceGetX: message"`` joined by ``"; "``; the value
@@ -55,10 +67,12 @@ SIGINT (the daemon decides when it stops).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
@@ -67,6 +81,11 @@ import pynvml
 T = TypeVar("T")
 
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R570 and later; NotSupported before
+EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
+EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R570 and later)
+EVENT_WAIT_MS = 20  # the longest a poll waits for an event
+MAX_EVENTS_PER_READ = 256
 
 
 class GpuLostError(Exception):
@@ -128,6 +147,106 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
     return active
 
 
+def probe(name: str, fn: Callable[[], T], errors: list[str]) -> tuple[str, T | None]:
+    """One health query: ("ok", value), ("not_supported", None) or ("unknown", None) + error.
+
+    NotSupported and FunctionNotFound (an older driver) are answers; anything else is unknown.
+    """
+    try:
+        return "ok", fn()
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        return "not_supported", None
+    except pynvml.NVMLError as error:
+        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+            raise GpuLostError(name) from error
+        errors.append(f"{name}: {describe_error(error)}")
+        return "unknown", None
+    except Exception as error:  # a binding bug must not take the worker down
+        errors.append(f"{name}: {type(error).__name__}: {error}")
+        return "unknown", None
+
+
+def handle_address(handle: Any) -> int | None:
+    """The address a device handle points at: how an event names its GPU."""
+    try:
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+    return address if isinstance(address, int) else None
+
+
+def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
+    name = "nvmlDeviceGetFieldValues"
+    status, values = probe(
+        name,
+        lambda: pynvml.nvmlDeviceGetFieldValues(handle, [NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]),
+        errors,
+    )
+    if status != "ok" or values is None:
+        return {"status": status, "value": None}
+    field = values[0]
+    code = int(field.nvmlReturn)
+    if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
+        return {"status": "not_supported", "value": None}
+    if code == NVML_ERROR_GPU_IS_LOST:
+        raise GpuLostError(name)
+    if code != pynvml.NVML_SUCCESS:
+        errors.append(f"{name}(recovery action): NVML error {code}")
+        return {"status": "unknown", "value": None}
+    kind = int(field.valueType)
+    value = field.value
+    number = {
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: lambda: value.uiVal,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: lambda: value.ulVal,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: lambda: value.ullVal,
+        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: lambda: value.sllVal,
+        pynvml.NVML_VALUE_TYPE_SIGNED_INT: lambda: value.siVal,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: lambda: value.usVal,
+    }.get(kind)
+    if number is None:
+        errors.append(f"{name}(recovery action): unexpected value type {kind}")
+        return {"status": "unknown", "value": None}
+    return {"status": "ok", "value": int(number())}
+
+
+def read_remapped_rows(handle: Any, errors: list[str]) -> dict[str, Any]:
+    status, rows = probe(
+        "nvmlDeviceGetRemappedRows", lambda: pynvml.nvmlDeviceGetRemappedRows(handle), errors
+    )
+    if status != "ok" or rows is None:
+        return {"status": status}
+    correctable, uncorrectable, pending, failure = (int(v) for v in rows)
+    return {
+        "status": "ok",
+        "correctable": correctable,
+        "uncorrectable": uncorrectable,
+        "pending": bool(pending),
+        "failure": bool(failure),
+    }
+
+
+def read_retired_pages(handle: Any, errors: list[str]) -> dict[str, Any]:
+    status, pending = probe(
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle),
+        errors,
+    )
+    if status != "ok" or pending is None:
+        return {"status": status}
+    counts: dict[str, int | None] = {}
+    for key, cause in (
+        ("single_bit", pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+        ("double_bit", pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+    ):
+
+        def pages_of(cause: int = cause) -> Any:
+            return pynvml.nvmlDeviceGetRetiredPages_v2(handle, cause)
+
+        got, pages = probe("nvmlDeviceGetRetiredPages_v2", pages_of, errors)
+        counts[key] = len(pages) if got == "ok" and pages is not None else None
+    return {"status": "ok", "pending": bool(pending), **counts}
+
+
 class Worker:
     """NVML session state that lives as long as the worker process."""
 
@@ -136,6 +255,8 @@ class Worker:
         self.handles: dict[int, Any] = {}
         self.identity: dict[int, dict[str, Any]] = {}
         self.memory_v1: set[int] = set()
+        self.event_set: Any = None
+        self.events_status: dict[int, str] = {}  # GPU index → "ok", "not_supported", "unknown"
 
     # --- requests -------------------------------------------------------------------------
 
@@ -157,6 +278,11 @@ class Worker:
     def shutdown(self) -> None:
         if self.initialised:
             self.initialised = False
+            if self.event_set is not None:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlEventSetFree(self.event_set)
+                self.event_set = None
+                self.events_status.clear()
             self.handles.clear()
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
@@ -176,6 +302,7 @@ class Worker:
             driver = None
         notices: list[dict[str, Any]] = []
         gpus = [self.read_gpu(index, notices) for index in range(count)]
+        self.read_events(gpus)
         return {"available": True, "driver_version": driver, "gpus": gpus, "notices": notices}
 
     # --- one GPU --------------------------------------------------------------------------
@@ -230,12 +357,77 @@ class Worker:
             entry["numa_node"] = reader.call(
                 "nvmlDeviceGetNumaNodeId", lambda: pynvml.nvmlDeviceGetNumaNodeId(handle)
             )
+            entry["health"] = self.read_health(index, handle, reader.errors)
         except GpuLostError as lost:
             entry["lost"] = True
             reader.errors.append(f"{lost}: GPU is lost")
         if reader.errors:
             entry["error"] = "; ".join(reader.errors)
         return entry
+
+    # --- health ---------------------------------------------------------------------------
+
+    def read_health(self, index: int, handle: Any, errors: list[str]) -> dict[str, Any]:
+        """The health fields of one GPU; events are added by :meth:`read_events`."""
+        self.register_events(index, handle, errors)
+        return {
+            "events": self.events_status.get(index, "unknown"),
+            "xids": [],
+            "recovery_action": read_recovery_action(handle, errors),
+            "remapped_rows": read_remapped_rows(handle, errors),
+            "retired_pages": read_retired_pages(handle, errors),
+        }
+
+    def register_events(self, index: int, handle: Any, errors: list[str]) -> None:
+        """Register the GPU for Xid and recovery-action events, once per worker."""
+        if self.events_status.get(index) in ("ok", "not_supported"):
+            return
+        if self.event_set is None:
+            status, created = probe("nvmlEventSetCreate", pynvml.nvmlEventSetCreate, errors)
+            if status != "ok":
+                self.events_status[index] = status
+                return
+            self.event_set = created
+        status, supported = probe(
+            "nvmlDeviceGetSupportedEventTypes",
+            lambda: pynvml.nvmlDeviceGetSupportedEventTypes(handle),
+            errors,
+        )
+        wanted = int(supported or 0) & (EVENT_TYPE_XID | EVENT_TYPE_RECOVERY_ACTION)
+        if status != "ok" or not wanted:
+            self.events_status[index] = "not_supported" if status == "ok" else status
+            return
+        status, _ = probe(
+            "nvmlDeviceRegisterEvents",
+            lambda: pynvml.nvmlDeviceRegisterEvents(handle, wanted, self.event_set),
+            errors,
+        )
+        self.events_status[index] = status
+
+    def read_events(self, gpus: list[dict[str, Any]]) -> None:
+        """Take the queued Xid / recovery-action events into the GPUs' ``health`` entries.
+
+        Waits ``EVENT_WAIT_MS`` at most, for the first event only; at most
+        ``MAX_EVENTS_PER_READ`` are taken. A recovery-action event only says to read the field
+        again, which this poll already did, so only Xids are passed on.
+        """
+        if self.event_set is None:
+            return
+        by_address = {handle_address(h): i for i, h in self.handles.items()}
+        entries = {gpu["index"]: gpu for gpu in gpus}
+        wait = EVENT_WAIT_MS
+        for _ in range(MAX_EVENTS_PER_READ):
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self.event_set, wait)
+            except pynvml.NVMLError:
+                return  # Timeout: nothing (more) queued; any other error: try next poll
+            wait = 0
+            if int(data.eventType) != EVENT_TYPE_XID:
+                continue
+            index = by_address.get(handle_address(data.device))
+            health = entries.get(index, {}).get("health") if index is not None else None
+            if isinstance(health, dict):
+                health["xids"].append({"xid": int(data.eventData), "wall": time.time()})
 
     @staticmethod
     def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from gpuwatchd.config.yamlsrc import (
 )
 from gpuwatchd.decide.argv import (
     GPU_PLACEHOLDERS,
+    HOOK_PLACEHOLDERS,
     LITERAL_BUS_ID,
     LITERAL_UUID,
     ArgvError,
@@ -41,7 +42,9 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.policy import (
+    HEALTH_ACTIONS,
     Detection,
+    HealthPolicy,
     Hook,
     Limits,
     MetricsPolicy,
@@ -473,9 +476,11 @@ SECTIONS: dict[str, Section] = {
                 "protect": Nested("protect"),
                 "rules": Nested("rules[]", many=True),
                 "reset": Nested("reset"),
+                "health": Nested("health"),
                 "limits": Nested("limits"),
                 "detection": Nested("detection"),
                 "on_failure": HOOKS,
+                "on_action": HOOKS,
                 "metrics": Nested("metrics"),
             },
             flattened=(_LOG_FORMAT,),
@@ -521,7 +526,7 @@ SECTIONS: dict[str, Section] = {
             "hook",
             Hook,
             # Hooks run off the main loop; a drain may wait for a scheduler.
-            {"argv": argv(), "timeout": duration("1s", "10m")},
+            {"argv": argv(HOOK_PLACEHOLDERS), "timeout": duration("1s", "10m")},
             yaml_names={"argv": "command"},
         ),
         section_of(
@@ -547,6 +552,16 @@ SECTIONS: dict[str, Section] = {
             },
         ),
         section_of(
+            "health",
+            HealthPolicy,
+            {
+                "enabled": BOOL,
+                "action": one_of(HEALTH_ACTIONS),
+                "drain_timeout": duration("1m", "7d"),
+                "device_isolation": BOOL,
+            },
+        ),
+        section_of(
             "limits",
             Limits,
             {
@@ -564,6 +579,7 @@ SECTIONS: dict[str, Section] = {
                 "default_baseline": MEMORY,
                 "unaccounted_margin": MEMORY,
                 "pid_trust_min_unresolved": count(1, 1000),
+                "orphans_without_history": BOOL,
             },
         ),
     )

@@ -81,6 +81,11 @@ _WHY_NOT_SIGNALLABLE = {
     FindingKind.GHOST_MEMORY: "ghost memory is freed by the GPU reset; tune it under 'reset'",
     FindingKind.UNACCOUNTED_MEMORY: "unaccounted memory is report-only; "
     "the processes behind it are found as their own kinds",
+    # GPU health: never a reason to signal a job (docs/policy.md#health).
+    FindingKind.RESET_REQUIRED: "GPU health is handled under 'health'; live jobs are never "
+    "signalled for it",
+    FindingKind.REBOOT_REQUIRED: "a GPU that needs a reboot is handled under 'health'",
+    FindingKind.DRAIN_REQUIRED: "a GPU that needs draining is handled under 'health'",
 }
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).

@@ -1,7 +1,8 @@
 """The command lines a policy names (reset, persistence, health, hooks): what makes one safe to
 run, checked once when the policy is read, and filling one in for a GPU when it runs.
 
-Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``), the formats of
+Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``, and for hooks
+``{hostname}`` and ``{user}``), the formats of
 their values, the refusal of shells and inline code (also behind a launcher such as ``env``,
 ``sudo``, ``timeout`` or ``busybox``), the one-GPU rule with nvidia-smi's selector spellings
 (``-i X``, ``-iX``, ``--id X``, ``--id=X``), and the environment hooks get. The config reader
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "ARGV_PLACEHOLDERS",
     "GPU_PLACEHOLDERS",
+    "HOOK_PLACEHOLDERS",
     "ArgvError",
     "check_command",
     "check_hook_command",
@@ -30,9 +32,12 @@ __all__ = [
     "placeholders_in",
 ]
 
-ARGV_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor", "mode")
+ARGV_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor", "mode", "hostname", "user")
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
 GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
+# Hooks also know the node (``{hostname}``: to name it to a scheduler or in a message) and, for
+# an action on a process, the user who owned it (``{user}``: to tell them).
+HOOK_PLACEHOLDERS = (*GPU_PLACEHOLDERS, "hostname", "user")
 # The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
 _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
 
@@ -50,6 +55,19 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     ),
     "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)"),
     "mode": (re.compile("[01]"), "a persistence mode (0 or 1)"),
+    # RFC 1123 labels, dot-separated: what a scheduler accepts as a node name.
+    "hostname": (
+        re.compile(
+            r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+            r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+        ),
+        "a host name (letters, digits, '-' and '.', at most 253 characters, no leading '-')",
+    ),
+    # What useradd and directory services accept, without a leading '-' (never an option).
+    "user": (
+        re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?"),
+        "a user name (letters, digits, '_', '.', '-', at most 32 characters, no leading '-')",
+    ),
 }
 # Literal GPU names as an admin may write them (case-insensitive, bus id domain optional).
 LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
@@ -135,7 +153,8 @@ def check_value(name: str, value: str) -> str:
 
     ``{uuid}``: an NVML UUID, ``GPU-`` or ``MIG-`` and hex groups; ``{pci_bus_id}``:
     ``domain:bus:device.function`` in hex with a 4- or 8-digit domain; ``{minor}``: decimal
-    0..255; ``{mode}``: 0 or 1. So a filled-in value can never be a second GPU (no comma), an
+    0..255; ``{mode}``: 0 or 1; ``{hostname}``: RFC 1123 labels; ``{user}``: a plain user
+    name. So a filled-in value can never be a second GPU (no comma), an
     option (no leading ``-``) or anything but one argument's worth of plain text.
     """
     pattern, description = _VALUE_FORMATS[name]
@@ -147,7 +166,8 @@ def check_value(name: str, value: str) -> str:
 
 
 def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...]:
-    """Fill ``{uuid}``, ``{pci_bus_id}``, ``{minor}`` and ``{mode}`` in each argument.
+    """Fill the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``,
+    ``{hostname}``, ``{user}``) in each argument.
 
     ``{{`` and ``}}`` stand for literal braces. An unknown placeholder, a format spec or
     conversion, a placeholder whose value is missing or None (unknown), or a value that is not
@@ -208,7 +228,7 @@ def check_command(argv: Sequence[str], allowed: Sequence[str]) -> None:
         placeholders_in(arg, allowed)
 
 
-def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = GPU_PLACEHOLDERS) -> None:
+def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = HOOK_PLACEHOLDERS) -> None:
     """:func:`check_command`, and a hook that runs nvidia-smi must name exactly one GPU.
 
     Without ``-i`` nvidia-smi acts on every GPU, so a hook that calls it is held to the

@@ -13,23 +13,31 @@ evidence fields are documented in ``docs/findings.md``.
 
 Around it: ``host_view.py`` indexes the snapshot, ``assess_state.py`` owns what is carried
 between polls (lineage, owners, its JSON), ``baselines.py`` the idle-memory baselines. What is
-left here is one decision table — listings, holders, memory — and it is long (about 740 lines)
-because the orphan rule and its neighbours (worker, hidden, stuck, unknown) share one body of
+left here is one decision table — listings, holders, memory — and it is long (about 900 lines)
+because the orphan rule and its neighbours (worker, hidden, stuck, unknown, the likely heir of
+a leak from before the daemon watched, the kcmp proof of inheritance) share one body of
 evidence: split, each half would have to recompute the other's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from gpuwatchd.decide.assess_state import AssessState, Lineage, update_lineage, update_owners
+from gpuwatchd.decide.assess_state import (
+    AssessState,
+    Lineage,
+    update_inheritance,
+    update_lineage,
+    update_owners,
+)
 from gpuwatchd.decide.baselines import (
     V1_BASELINE_SUFFIX,
     learn_baselines,
     memory_figure,
 )
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.host_view import HostView, Listing, relation
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import (
@@ -190,6 +198,7 @@ class _Assessor:
             row.proc for rows in host.listings.values() for row in rows if row.proc is not None
         ]
         self.lineage = update_lineage(host, previous, tracked)
+        self.inheritance = update_inheritance(host, previous, self.lineage)
         self.baselines = learn_baselines(host, previous.baselines, detection)
         same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
         self.owners = update_owners(
@@ -491,8 +500,13 @@ class _Assessor:
                 return abandoned
             return _Outcome("context_owner", "owns a context (listed by NVML)")
         unknown_links: list[str] = []
+        heir_of = self.heir_of_dead_owner(proc)
         for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
             related, link = relation(host, proc, owner)
+            if related and heir_of is not None and _tree_link(host, proc, owner) is False:
+                # Only a session, group or job joins it to this live owner, and kcmp proved
+                # it holds a dead owner's own files (a dead torchrun rank's worker).
+                continue
             if related:
                 return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
             if related is None:
@@ -526,10 +540,29 @@ class _Assessor:
                 f"{hidden}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
                 "whether it owns a context there"
             )
+        if heir_of is not None:
+            gpu = held[0]
+            why = (
+                f"holds GPU {gpu.index} through open files of dead owner PID "
+                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
+                "anywhere and no live context owner is its ancestor or descendant"
+            )
+            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
                 continue
+            owner_pid = as_int(tie.get("dead_pid", tie.get("former_owner")))
+            if owner_pid is not None and self.opened_own_files(proc, owner_pid):
+                return _Outcome(
+                    "hidden",
+                    f"holds GPU {gpu.index} only through files it opened itself (kcmp: none is "
+                    f"PID {owner_pid}'s, a spawn/forkserver worker): killing it frees none of "
+                    "that owner's memory",
+                    kind=FindingKind.HIDDEN_HOLDER,
+                    gpu=gpu,
+                    evidence={"own_files": True, "owner": owner_pid},
+                )
             if tie["tie"] == "dead_owner":
                 why = (
                     f"inherited GPU {gpu.index} from dead owner PID {tie['dead_pid']} "
@@ -541,7 +574,109 @@ class _Assessor:
                     f"no live context owner accounts for; owns no context anywhere"
                 )
             return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
+        heir = self.likely_heir(proc, held)
+        if heir is not None:
+            return heir
         return self.hidden(f"{hidden}; nothing ties it to a dead owner")
+
+    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> _Outcome | None:
+        """A leak from before the daemon watched: the likely heir, without history.
+
+        Every other orphan condition holds (the caller checked them); on a GPU it holds, memory
+        above baseline + margin has no live context owner, the holder was known when that began,
+        and its session or process-group leader no longer exists (looked up this poll: positive
+        evidence, ``Snapshot.absent_pids``). A process that leads its own session (a notebook
+        kernel) never qualifies. Reported as a ``hidden_holder`` naming the lost leader, or
+        ``orphaned`` with ``tie: lost_leader`` under ``detection.orphans_without_history``.
+        """
+        lost = _lost_leader(proc, self.host.snapshot.absent_pids)
+        answers = self.recorded_inheritance(proc)
+        if lost is None or (answers and not any(shared for _, shared in answers)):
+            return None  # kcmp: it opened its own files, so it is nobody's heir
+        link, leader = lost
+        for gpu in held:
+            tie = self.memory_without_owner(gpu)
+            since = self.unaccounted_since.get(gpu.uuid)
+            recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+            if tie is None or since is None or recorded is None or recorded.first_seen > since:
+                continue
+            evidence: dict[str, object] = {
+                **tie,
+                "tie": "lost_leader",
+                "lost_leader": leader,
+                "link": link,
+                "unaccounted_since": since,
+                "first_seen": recorded.first_seen,
+            }
+            memory = f"{_mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            if self.detection.orphans_without_history:
+                why = (
+                    f"likely heir of the {memory} that no live context owner accounts for: its "
+                    f"{link} leader PID {leader} is gone and it owns no context anywhere "
+                    "(detection.orphans_without_history)"
+                )
+                return _Outcome(
+                    "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
+                )
+            del evidence["tie"]
+            evidence["likely_heir"] = True
+            why = (
+                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
+                f"leader PID {leader} is gone, but gpuwatchd never saw that owner alive (a leak "
+                f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
+                "detection.orphans_without_history: true"
+            )
+            return _Outcome(
+                "hidden", why, kind=FindingKind.HIDDEN_HOLDER, gpu=gpu, evidence=evidence
+            )
+        return None
+
+    def recorded_inheritance(self, proc: ProcessInfo) -> tuple[tuple[ProcessIdentity, bool], ...]:
+        return self.inheritance.get(proc.identity, ()) if proc.identity is not None else ()
+
+    def opened_own_files(self, proc: ProcessInfo, owner_pid: int) -> bool:
+        """kcmp found none of ``proc``'s device files to be owner ``owner_pid``'s own."""
+        answers = [shared for o, shared in self.recorded_inheritance(proc) if o.pid == owner_pid]
+        return bool(answers) and not any(answers)
+
+    def heir_of_dead_owner(self, proc: ProcessInfo) -> dict[str, object] | None:
+        """Evidence that ``proc`` holds open files of an owner that is now dead (kcmp).
+
+        Recorded while that owner lived (``FileSharing.shared`` True); its death must be
+        positive too: NVML lists its PID dead or as a zombie, its PID now names another
+        process, or its PID was looked up and does not exist.
+        """
+        host = self.host
+        listed_dead = {
+            row.entry.pid: row.status
+            for rows in host.listings.values()
+            for row in rows
+            if row.status != "alive" and row.entry.pid not in host.listed_alive
+        }
+        for owner, shared in self.recorded_inheritance(proc):
+            if not shared or owner.pid == proc.pid:
+                continue
+            now = host.procs.get(owner.pid)
+            if now is not None and now.start_ticks == owner.start_ticks:
+                if owner.pid not in listed_dead:
+                    continue  # alive (or a zombie that NVML does not list dead)
+                status = listed_dead[owner.pid]
+            elif owner.pid in listed_dead:
+                status = listed_dead[owner.pid]
+            elif now is not None and now.start_ticks is not None:
+                status = "reused"
+            elif owner.pid in host.snapshot.absent_pids:
+                status = "dead"
+            else:
+                continue
+            return {
+                "tie": "inherited_files",
+                "dead_pid": owner.pid,
+                "dead_start_ticks": owner.start_ticks,
+                "dead_status": status,
+                "link": "kcmp",
+            }
+        return None
 
     def hidden(self, note: str) -> _Outcome:
         return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER)
@@ -691,6 +826,7 @@ class _Assessor:
                 boot_id=self.host.snapshot.boot_id,
                 unaccounted_since=self.unaccounted_since,
                 owners=self.owners,
+                inheritance=self.inheritance,
             ),
             notes={uuid: tuple(lines) for uuid, lines in self.notes.items()},
         )
@@ -713,7 +849,15 @@ def assess(
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
-    return assessor.result()
+    result = assessor.result()
+    # GPU health (decide/health.py): its findings join the others; its history rides along.
+    boot_changed = previous.boot_id not in (None, snapshot.boot_id)
+    health = assess_health(snapshot, previous.health, boot_changed=boot_changed)
+    return replace(
+        result,
+        findings=result.findings + health.findings,
+        state=replace(result.state, health=health.state),
+    )
 
 
 def _process_evidence(
@@ -731,6 +875,29 @@ def _process_evidence(
         "recorded_ppid": recorded.ppid if recorded is not None else None,
         "first_seen": recorded.first_seen if recorded is not None else None,
     }
+
+
+def _tree_link(host: HostView, a: ProcessInfo, b: ProcessInfo) -> bool | None:
+    """Whether one of ``a`` and ``b`` descends from the other; None when a chain is broken."""
+    above_a, complete_a = host.ancestors(a)
+    above_b, complete_b = host.ancestors(b)
+    if b.pid in above_a or a.pid in above_b:
+        return True
+    return False if complete_a and complete_b else None
+
+
+def _lost_leader(proc: ProcessInfo, absent: frozenset[int]) -> tuple[str, int] | None:
+    """("session" or "process group", leader PID) when that leader is known not to exist.
+
+    None when ``proc`` leads its own session (a notebook kernel, a daemon: nothing was lost)
+    or when its session or group is unknown.
+    """
+    if proc.sid is None or proc.pgid is None or proc.sid == proc.pid:
+        return None
+    for link, leader in (("session", proc.sid), ("process group", proc.pgid)):
+        if leader != proc.pid and leader > 0 and leader in absent:
+            return link, leader
+    return None
 
 
 def _listed_pids(rows: Iterable[Listing]) -> set[int]:

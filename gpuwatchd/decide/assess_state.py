@@ -12,9 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.health import HealthState
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.model import ProcessIdentity, ProcessInfo, as_int
-from gpuwatchd.vocabulary import ASSESS_STATE_VERSION
+from gpuwatchd.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
+
+# Inheritance evidence kept per holder: a few owners at most (its ancestors that owned contexts).
+MAX_INHERITANCE_PER_HOLDER = 8
+
+# One holder's kcmp answers, recorded while each owner lived: (owner identity, shared?).
+Inheritance = tuple[tuple[ProcessIdentity, bool], ...]
 
 
 @dataclass(frozen=True)
@@ -40,8 +47,12 @@ class AssessState:
     UUID to when (monotonic) it began to hold memory above baseline + margin with no live
     context owner. ``owners`` are the processes seen as live context owners, kept while they live
     or while a recorded lineage still names their PID: what ties memory that no live owner holds
-    to an heir. Lineage, ``unaccounted_since`` and ``owners`` are dropped when the boot id
-    changes.
+    to an heir. ``inheritance`` maps a holder's identity to the kcmp answers recorded while its
+    owners lived: for each owner identity, whether the holder held that owner's own open file
+    descriptions (True: inherited by fork) or only files of its own (False); it is kept while
+    the holder's lineage is (so it is bounded by the lineage, and by
+    ``MAX_INHERITANCE_PER_HOLDER`` per holder). Lineage, ``unaccounted_since``, ``owners`` and
+    ``inheritance`` are dropped when the boot id changes.
     """
 
     baselines: Mapping[str, int] = field(default_factory=dict)
@@ -49,9 +60,12 @@ class AssessState:
     boot_id: str | None = None
     unaccounted_since: Mapping[str, float] = field(default_factory=dict)
     owners: frozenset[ProcessIdentity] = frozenset()
+    inheritance: Mapping[ProcessIdentity, Inheritance] = field(default_factory=dict)
+    health: HealthState = field(default_factory=HealthState)  # decide/health.py
 
     def to_json(self) -> dict[str, object]:
         return {
+            "health": self.health.to_json(),
             "version": ASSESS_STATE_VERSION,
             "boot_id": self.boot_id,
             "baselines": dict(sorted(self.baselines.items())),
@@ -69,6 +83,14 @@ class AssessState:
                 }
                 for ident, lin in sorted(self.lineage.items())
             ],
+            "inheritance": [
+                {
+                    "pid": ident.pid,
+                    "start_ticks": ident.start_ticks,
+                    "owners": [[o.pid, o.start_ticks, shared] for o, shared in answers],
+                }
+                for ident, answers in sorted(self.inheritance.items())
+            ],
         }
 
     @classmethod
@@ -76,7 +98,7 @@ class AssessState:
         """Rebuild the state written by :meth:`to_json`; raise ValueError on anything malformed."""
         if not isinstance(data, dict):
             raise ValueError("assess state must be an object")
-        if data.get("version") != ASSESS_STATE_VERSION:
+        if data.get("version") not in ASSESS_STATE_VERSIONS_READ:
             raise ValueError(f"unsupported assess state version: {data.get('version')!r}")
         boot_id = data.get("boot_id")
         if boot_id is not None and not isinstance(boot_id, str):
@@ -113,13 +135,39 @@ class AssessState:
             if len(pair) != 2 or pair[0] is None or pair[1] is None:
                 raise ValueError(f"bad owners entry: {entry!r}")
             owners.add(ProcessIdentity(pair[0], pair[1]))
+        raw_inheritance = data.get("inheritance", [])
+        if not isinstance(raw_inheritance, list):
+            raise ValueError("inheritance must be a list")
+        inheritance = dict(_inheritance_entry(entry) for entry in raw_inheritance)
         return cls(
             baselines=baselines,
             lineage=lineage,
             boot_id=boot_id,
             unaccounted_since=since,
             owners=frozenset(owners),
+            inheritance=inheritance,
+            health=HealthState.from_json(data.get("health", {})),
         )
+
+
+def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
+    if not isinstance(entry, dict):
+        raise ValueError(f"bad inheritance entry: {entry!r}")
+    pid, start = as_int(entry.get("pid")), as_int(entry.get("start_ticks"))
+    raw = entry.get("owners")
+    if pid is None or start is None or not isinstance(raw, list):
+        raise ValueError(f"inheritance entry needs pid, start_ticks and owners: {entry!r}")
+    if len(raw) > MAX_INHERITANCE_PER_HOLDER:
+        raise ValueError(f"inheritance entry names too many owners: {entry!r}")
+    answers: list[tuple[ProcessIdentity, bool]] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[2], bool):
+            raise ValueError(f"bad inheritance owner: {item!r}")
+        owner_pid, owner_start = as_int(item[0]), as_int(item[1])
+        if owner_pid is None or owner_start is None:
+            raise ValueError(f"bad inheritance owner: {item!r}")
+        answers.append((ProcessIdentity(owner_pid, owner_start), item[2]))
+    return ProcessIdentity(pid, start), tuple(answers)
 
 
 def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
@@ -175,6 +223,34 @@ def update_lineage(
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         kept[new] = Lineage(proc.ppid, proc.pgid, proc.sid, job, snapshot.monotonic)
     return kept
+
+
+def update_inheritance(
+    host: HostView, previous: AssessState, lineage: Mapping[ProcessIdentity, Lineage]
+) -> dict[ProcessIdentity, Inheritance]:
+    """Carry earlier kcmp answers forward and add this poll's definite ones.
+
+    An answer is about two identities, recorded while the owner lived; it stays true after the
+    owner dies, which is when it is needed. Entries live while the holder's lineage does
+    (same boot only); a newer answer for the same owner replaces the older one.
+    """
+    snapshot = host.snapshot
+    same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
+    kept: dict[ProcessIdentity, dict[ProcessIdentity, bool]] = {}
+    if same_boot:
+        for ident, answers in previous.inheritance.items():
+            if ident in lineage:
+                kept[ident] = dict(answers)
+    for answer in snapshot.file_sharing:
+        holder, owner = host.procs.get(answer.holder), host.procs.get(answer.owner)
+        if answer.shared is None or holder is None or owner is None:
+            continue
+        if holder.identity is None or owner.identity is None or holder.identity not in lineage:
+            continue
+        known = kept.setdefault(holder.identity, {})
+        if owner.identity in known or len(known) < MAX_INHERITANCE_PER_HOLDER:
+            known[owner.identity] = answer.shared
+    return {ident: tuple(sorted(answers.items())) for ident, answers in kept.items() if answers}
 
 
 def update_owners(

@@ -10,10 +10,10 @@ This module owns two questions every layer asks and must answer the same way:
   mode off, ``before`` hooks), and its final scan still refuses while anything holds the GPU.
   No configuration lowers this floor (docs/design-notes.md, section 10).
 * **Who holds this GPU right now?** (:func:`live_holder` for plan's gate over a poll's
-  snapshot, :func:`reset_blockers` for the final scan right before ``nvidia-smi --gpu-reset``):
-  any holder of the GPU's device file, a holder of ``nvidiactl``/``nvidia-uvm`` that cannot be
-  attributed to a GPU, and any process whose fds or maps could not be read — unknown is not none
-  (docs/design-notes.md, section 7).
+  snapshot, :func:`reset_blockers` for the final scan right before ``nvidia-smi --gpu-reset``,
+  :func:`driver_refusers` for the report): any holder of the GPU's device file, a non-floor
+  holder of ``nvidiactl``/``nvidia-uvm`` that cannot be attributed to a GPU, and any process
+  whose fds or maps could not be read — unknown is not none (docs/design-notes.md, section 7).
 
 Pure: no I/O, no clock, no logging.
 """
@@ -28,6 +28,7 @@ from gpuwatchd.model import HolderScan, ProcessInfo
 
 __all__ = [
     "COMM_LENGTH",
+    "driver_refusers",
     "infrastructure",
     "is_infrastructure",
     "live_holder",
@@ -118,9 +119,13 @@ def reset_blockers(
 
     Blocks: any holder of the GPU's node other than ourselves, infrastructure included (by now
     the procedure has turned persistence off and run the ``before`` hooks, so whatever still
-    holds the GPU would make the reset fail or hang); a holder of nvidiactl or nvidia-uvm
-    without any per-GPU node (it cannot be attributed to a GPU); any process whose fds or maps
-    could not be read (unknown is not none). A holder of *other* GPUs only does not block:
+    holds the GPU would make the reset fail or hang: these are the holders the driver itself
+    refuses, see :func:`driver_refusers`); a non-floor holder of nvidiactl or nvidia-uvm
+    without any per-GPU node (it cannot be attributed to a GPU: gpuwatchd's caution, not the
+    driver's); any process whose fds or maps could not be read (unknown is not none). A floor
+    process holding only nvidiactl or nvidia-uvm does not block: nvidia-persistenced keeps
+    nvidiactl open after persistence mode is turned off, and the driver refuses a reset only
+    while the GPU's own node is open. A holder of *other* GPUs only does not block either:
     resetting one GPU while others keep working is the point.
     """
     if minor is None:
@@ -135,6 +140,8 @@ def reset_blockers(
             via = "+".join(holding.via(minor))
             reasons.append(f"pid {pid} ({name}) holds the GPU's device file via {via}")
         elif not holding.gpu_minors and (holding.ctl or holding.uvm):
+            if proc is not None and is_infrastructure(proc):
+                continue  # persistenced keeps nvidiactl open; it does not hold this GPU
             reasons.append(
                 f"pid {pid} ({name}) holds nvidiactl/nvidia-uvm without a GPU node "
                 "(cannot be attributed)"
@@ -145,3 +152,18 @@ def reset_blockers(
         if pid not in self_pids
     )
     return reasons
+
+
+def driver_refusers(
+    holders: HolderScan, minor: int | None, self_pids: frozenset[int]
+) -> list[int] | None:
+    """The PIDs whose open ``/dev/nvidiaN`` would make the driver refuse a reset of GPU ``minor``.
+
+    Without device isolation (``CUDA_VISIBLE_DEVICES``, a cgroup device rule, a container's
+    device list) every CUDA process opens every GPU, so a job working on GPU 1 holds GPU 0's
+    node too and blocks GPU 0's reset. Infrastructure is included: the reset procedure must
+    stop it first. None when the minor, or some process's fds, could not be read.
+    """
+    if minor is None or holders.unreadable - self_pids:
+        return None
+    return sorted(h.pid for h in holders.holders_of(minor) if h.pid not in self_pids)

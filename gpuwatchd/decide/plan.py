@@ -18,9 +18,12 @@ The state it carries between polls, with that state's JSON form and validation, 
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
 
-It is long (about 1,000 lines) because ladders, resets, the kill cap and pause share one scratch
-state per call (``_Work``) and one set of deadlines: each decision reads what the others just
-decided in the same poll. Split, that state would have to be passed between modules.
+It is long (about 1,250 lines) because ladders, resets, the kill cap, pause and GPU health's
+drain-then-reset share one scratch state per call (``_Work``), one set of deadlines and one set
+of reset gates: each decision reads what the others just decided in the same poll. Split, that
+state would have to be passed between modules. What GPU health *means* is
+``decide/health.py``'s; only acting on it is here, so that a health reset goes through the very
+gates (``reset_gates``, the history gates) and the one ``ResetIntent`` of a ghost-memory reset.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
+from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan_state import (
+    HealthWait,
     Ladder,
     PlanState,
     ResetInFlight,
@@ -54,7 +59,9 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.vocabulary import (
+    ActionOutcome,
     EventName,
+    HookName,
     LadderStatus,
     ResetResult,
     SignalOutcome,
@@ -139,11 +146,13 @@ class ResetIntent:
     dry_run: bool
     reason: str
     facts: Mapping[str, object]
+    drained: bool = False  # the drain hooks ran already (health: drain, wait, then reset)
 
 
 @dataclass(frozen=True)
 class HookIntent:
-    """Run the configured hooks named ``hook`` (only "on_failure" so far)."""
+    """Run the configured hooks named ``hook`` (a :class:`HookName`). ``facts`` fill the
+    hooks' placeholders (``gpu``, ``pci_bus_id``, ``minor``, ``user``) and environment."""
 
     hook: str
     reason: str
@@ -207,6 +216,7 @@ class _Work:
         self.last_dry_reset = dict(state.last_dry_reset)
         self.reset_history = list(state.reset_history)
         self.signal_history = list(state.signal_history)
+        self.health_waits = dict(state.health_waits)
         self.new_targets = 0
         self.events: list[Event] = []
         self.intents: list[Intent] = []
@@ -244,6 +254,7 @@ class _Work:
             last_dry_reset=self.last_dry_reset,
             reset_history=tuple(self.reset_history),
             signal_history=tuple(self.signal_history),
+            health_waits=self.health_waits,
         )
 
 
@@ -313,6 +324,11 @@ def plan(
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind == FindingKind.GHOST_MEMORY and finding.gpu is not None:
             _consider_reset(w, ctx, finding)
+    # GPU health (decide/health.py): drain, then reset; reboot; drain.
+    w.health_waits = {g: wait for g, wait in w.health_waits.items() if wait.finding_key in current}
+    for finding in sorted(current.values(), key=lambda f: f.key):
+        if finding.kind in HEALTH_KINDS and finding.gpu is not None:
+            _consider_health(w, ctx, finding)
     # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
@@ -336,7 +352,9 @@ def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
         w.intents.append(
-            HookIntent("on_failure", f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx))
+            HookIntent(
+                HookName.ON_FAILURE, f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx)
+            )
         )
 
 
@@ -356,6 +374,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
             dropped_ladders=len(w.ladders),
         )
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
+        w.health_waits = {}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -409,6 +428,21 @@ def _ladder_fields(lad: Ladder) -> dict[str, object]:
     }
 
 
+def _action_ended(
+    lad: Ladder, outcome: ActionOutcome, why: str, *, signalled: int | None = None
+) -> tuple[HookIntent, ...]:
+    """The ``on_action`` notification for a ladder that just ended, if it acted for real.
+
+    ``signalled`` is how many of its steps were sent (default: every step emitted). A dry-run
+    ladder, or one whose sent steps were all report-only, did nothing anyone must be told of.
+    """
+    sent = lad.steps[: lad.step if signalled is None else signalled]
+    if lad.dry_run or not any(signal is not None for signal, _wait in sent):
+        return ()
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user}
+    return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)
+
+
 def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
     for finding in ctx.findings.values():
         identity = finding.identity
@@ -422,15 +456,15 @@ def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
         proc = ctx.snapshot.processes.get(lad.pid)
         if proc is None:
             if lad.finding_key not in ctx.findings and _stuck_finding(ctx, target) is None:
-                _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone")
+                _freed(w, lad, "target gone")
             continue  # listed by a finding but not described: unknown, so wait
         if proc.start_ticks is None:
             continue
         if proc.start_ticks != lad.start_ticks:
-            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target gone (PID reused)")
+            _freed(w, lad, "target gone (PID reused)")
             continue
         if proc.is_zombie:
-            _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "target exited (zombie)")
+            _freed(w, lad, "target exited (zombie)")
             _zombie_event(w, lad.finding_key, proc.ppid, lad.pid, lad.gpu, force=True)
             continue
         _advance_live_ladder(w, ctx, lad, proc)
@@ -454,7 +488,10 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
         return
     if finding is None:
-        _close(w, lad, EventName.ESCALATION_RESOLVED, "info", "finding resolved")
+        resolved = "finding resolved"
+        _close(
+            w, lad, EventName.ESCALATION_RESOLVED, "info", resolved, outcome=ActionOutcome.RELEASED
+        )
         return
     if lad.due is not None and ctx.now < lad.due:
         w.waiting[lad.finding_key] = lad.due
@@ -464,13 +501,15 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
         else:
             w.ladders[target] = _move(lad, LadderStatus.ENDED)
+            survived = "target still alive after the last step"
             w.event(
                 EventName.ESCALATION_ENDED,
                 "info" if lad.dry_run else "error",
-                why="target still alive after the last step",
+                why=survived,
                 **_ladder_fields(lad),
                 **process_facts(proc),
             )
+            w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
         return
     hold = _hold_reason(w, ctx)
     if hold is None and _dry(w, ctx) and not lad.dry_run:
@@ -487,6 +526,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     if why is not None:
         w.ladders[target] = _move(lad, LadderStatus.FAILED)
         w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
+        w.intents.extend(_action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
         return
     _emit_step(w, ctx, lad, proc, finding)
 
@@ -515,10 +555,25 @@ def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
     return ctx.blocked
 
 
-def _close(w: _Work, lad: Ladder, name: str, level: str, why: str) -> None:
+def _close(
+    w: _Work,
+    lad: Ladder,
+    name: str,
+    level: str,
+    why: str,
+    *,
+    outcome: ActionOutcome | None = None,
+) -> None:
+    """Drop the ladder; an active one says why, and tells ``on_action`` of its ``outcome``."""
     w.ladders.pop(lad.target, None)
     if lad.status is LadderStatus.ACTIVE:
         w.event(name, level, why=why, **_ladder_fields(lad))
+        if outcome is not None:
+            w.intents.extend(_action_ended(lad, outcome, why))
+
+
+def _freed(w: _Work, lad: Ladder, why: str) -> None:
+    _close(w, lad, EventName.ESCALATION_RESOLVED, "info", why, outcome=ActionOutcome.FREED)
 
 
 def _zombie_event(
@@ -541,8 +596,10 @@ def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why:
     facts = {**_ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, "critical", why=why + "; needs drain/reboot", **facts)
     w.intents.append(
-        HookIntent("on_failure", f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
+        HookIntent(HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
     )
+    if lad.status is LadderStatus.ACTIVE:
+        w.intents.extend(_action_ended(lad, ActionOutcome.STUCK, why))
 
 
 def _emit_step(
@@ -661,6 +718,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         status=LadderStatus.ACTIVE,
         dry_run=dry,
         started=ctx.now,
+        user=None if proc is None else proc.user,
     )
     if finding.kind == FindingKind.STUCK:
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
@@ -806,6 +864,17 @@ def _reset_blocker(
         holder = "live holder: an escalation on this GPU is in progress"
     if holder is not None:
         return refused, "info", holder
+    return _history_blocker(w, ctx, finding, gpu)
+
+
+def _history_blocker(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo
+) -> tuple[str, str, str] | None:
+    """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
+    pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
+    reset = ctx.policy.reset
+    refused = EventName.RESET_REFUSED
+    uuid = gpu.uuid
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
@@ -841,6 +910,15 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         return
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
+    lasted = ctx.now - w.seen[finding.key].first_seen
+    _start_reset(w, ctx, finding, gpu, f"ghost memory confirmed for {lasted:.0f}s")
+
+
+def _start_reset(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str, *, drained: bool = False
+) -> None:
+    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
+    (``drained``: the drain hooks ran already, before the health wait)."""
     dry = _dry(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
@@ -862,10 +940,125 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
             minor=gpu.minor,
             finding_key=finding.key,
             dry_run=dry,
-            reason=f"ghost memory confirmed for {lasted:.0f}s: {finding.reason}",
+            reason=f"{why}: {finding.reason}",
             facts=facts,
+            drained=drained,
         )
     )
+
+
+# --- GPU health -------------------------------------------------------------------------------
+
+
+def _health_once(w: _Work, finding: Finding, what: str) -> bool:
+    """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""
+    return w.noted(finding.key, what)
+
+
+def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
+    if ctx.policy.reset.drain:
+        w.intents.append(
+            HookIntent(HookName.RESET_DRAIN, why, _finding_fields(finding), dry_run=dry)
+        )
+
+
+def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    """What a health finding leads to (docs/policy.md#health). Never a signal to a job.
+
+    ``reboot_required``: said once (critical), ``on_failure`` and drain hooks once, no reset.
+    ``drain_required``, or a reset without ``action: reset``: drain hooks once. A
+    ``reset_required`` with ``action: reset``: drain, wait (bounded by ``drain_timeout``, the
+    wait persisted) until nothing holds the GPU, then the one reset path, under every gate.
+    """
+    health = ctx.policy.health
+    if not health.enabled or finding.gpu is None:
+        return
+    dry = _dry(w, ctx)
+    act = health.action != "report" and ctx.blocked is None and not w.state.paused
+    fields = _finding_fields(finding)
+    if finding.kind == FindingKind.REBOOT_REQUIRED:
+        if _health_once(w, finding, "health:reboot"):
+            w.event(EventName.GPU_NEEDS_REBOOT, "critical", why=finding.reason, **fields)
+            w.intents.append(
+                HookIntent(
+                    HookName.ON_FAILURE, f"{finding.gpu} needs a reboot", fields, dry_run=dry
+                )
+            )
+            if act:
+                _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
+        return
+    resetting = health.action == "reset" and ctx.policy.reset.enabled
+    if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
+        if act and _health_once(w, finding, "health:drain"):
+            w.event(EventName.HEALTH_DRAIN_STARTED, "warning", blockers=[], timeout=None, **fields)
+            _drain_hooks(w, ctx, finding, f"{finding.gpu}: {finding.reason}", dry)
+        return
+    _consider_health_reset(w, ctx, finding, dry)
+
+
+def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> None:
+    uuid = finding.gpu or ""
+    gates = reset_gates(
+        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
+        findings=ctx.findings.values(),
+    )  # fmt: skip
+    before = [g for g in gates if g.name != "live_holder"]
+    if before:
+        _say(w, finding, (EventName.RESET_REFUSED, before[0].level, before[0].why))
+        return
+    gpu = gpu_by_uuid(ctx.snapshot, uuid)
+    if gpu is None:
+        return  # a gate said so already; for the type checker
+    blockers = [g.why for g in gates if g.name == "live_holder"]
+    blockers += drain_blockers(
+        gpu, ctx.snapshot, device_isolation=ctx.policy.health.device_isolation
+    )
+    if any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values()):
+        blockers.append("an escalation on this GPU is in progress")
+    timeout = ctx.policy.health.drain_timeout
+    wait = w.health_waits.get(uuid)
+    if wait is None or wait.dry_run != dry:
+        hold = _hold_reason(w, ctx)
+        if hold is not None:
+            _say(w, finding, (EventName.RESET_REFUSED, "info", hold))
+            return
+        wait = HealthWait(finding.key, ctx.now, dry)
+        w.health_waits[uuid] = wait
+        w.event(
+            EventName.HEALTH_DRAIN_STARTED,
+            "warning",
+            blockers=blockers,
+            timeout=timeout,
+            dry_run=dry,
+            **_finding_fields(finding),
+        )
+        _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
+    if blockers:
+        if wait.expired:
+            return
+        if ctx.now - wait.since >= timeout:
+            w.health_waits[uuid] = replace(wait, expired=True)
+            held = "; ".join(blockers)
+            why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
+            facts = {**_finding_fields(finding), "blockers": blockers}
+            w.event(EventName.HEALTH_DRAIN_TIMED_OUT, "critical", why=why, **facts)
+            w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
+            return
+        w.waiting[finding.key] = wait.since + timeout
+        if w.noted(finding.key, "drain:" + "; ".join(blockers)):
+            w.event(
+                EventName.HEALTH_DRAIN_WAITING,
+                "info",
+                blockers=blockers,
+                until=wait.since + timeout,
+                **_finding_fields(finding),
+            )
+        return
+    blocker = _history_blocker(w, ctx, finding, gpu)
+    if blocker is not None:
+        _say(w, finding, blocker)
+        return
+    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset", drained=True)
 
 
 # --- outcomes from act ------------------------------------------------------------------------
@@ -888,6 +1081,7 @@ def record_signal(
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
     fields = {**_ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    intents: tuple[Intent, ...] = ()
     if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
         due = now + lad.steps[lad.step - 1][1]
         ladders[target] = replace(lad, due=due)
@@ -895,6 +1089,8 @@ def record_signal(
     elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
         del ladders[target]
         events.append(Event(EventName.ESCALATION_RESOLVED, "info", {**fields, "why": outcome}))
+        # Gone before this step's signal: an earlier step, if one was sent, freed it.
+        intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
@@ -909,7 +1105,8 @@ def record_signal(
     else:  # denied / failed: never retried
         ladders[target] = _move(lad, LadderStatus.FAILED)
         events.append(Event(EventName.ESCALATION_ENDED, "error", {**fields, "why": outcome}))
-    return PlanResult((), tuple(events), replace(state, ladders=ladders, waiting=waiting))
+        intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
+    return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
 
 def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
@@ -921,10 +1118,28 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     ladders = {k: v for k, v in state.ladders.items() if k != target}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     events: tuple[Event, ...] = ()
+    intents: tuple[Intent, ...] = ()
     if lad.status is LadderStatus.ACTIVE:
         fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
-    return PlanResult((), events, replace(state, ladders=ladders, waiting=waiting))
+        intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
+    return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
+
+
+def _reset_action(
+    intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
+) -> HookIntent:
+    """The ``on_action`` notification for a reset that ran (its command was started)."""
+    facts = {
+        **fields,
+        "minor": intent.minor,
+        "action": "reset",
+        "outcome": outcome,
+        "user": intent.facts.get("user"),
+    }
+    return HookIntent(
+        HookName.ON_ACTION, f"reset of {intent.gpu}: {outcome}", facts, dry_run=intent.dry_run
+    )
 
 
 def record_reset(
@@ -967,6 +1182,7 @@ def record_reset(
         w.reset_history.append((gpu, wall))
         w.state = replace(w.state, reset_failures=0)
         w.event(EventName.RESET_SUCCEEDED, "info", **fields)  # booked; reset.outcome said it
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
     else:  # failed / timeout
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
@@ -975,17 +1191,20 @@ def record_reset(
         w.event(EventName.RESET_FAILED, "info", failures=failures, **fields)  # as above
         w.intents.append(
             HookIntent(
-                "on_failure",
+                HookName.ON_FAILURE,
                 f"reset of {gpu} {outcome}",
                 {**fields, "failures": failures},
                 dry_run=intent.dry_run,
             )
         )
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
             w.intents.append(
-                HookIntent("on_failure", f"{gpu} needs a reboot", fields, dry_run=intent.dry_run)
+                HookIntent(
+                    HookName.ON_FAILURE, f"{gpu} needs a reboot", fields, dry_run=intent.dry_run
+                )
             )
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)

@@ -1,10 +1,10 @@
 """The planner's carried state: what survives restarts, its JSON form and its validation.
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
-(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``), the saved JSON
-format (``PlanState.to_json`` / ``PlanState.from_json``, version ``PLAN_STATE_VERSION``) and
-the checks applied when it is read back, so a damaged state file is a ValueError, never a wrong
-decision.
+(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``),
+the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
+``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
+a ValueError, never a wrong decision.
 
 It must not decide anything: what the values mean, and every transition between them, belong
 to ``plan.py`` (semantics in ``docs/escalation.md``). No I/O either: writing the file
@@ -51,6 +51,7 @@ class Ladder:
     status: LadderStatus
     dry_run: bool
     started: float
+    user: str | None = None  # the target's owner when the ladder started (for on_action)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,21 @@ class ResetInFlight:
     dry_run: bool
     since: float
     delay: float  # the post-action delay to apply when the outcome comes back
+
+
+@dataclass(frozen=True)
+class HealthWait:
+    """A health reset waiting for its GPU's users to finish (drain, then reset).
+
+    ``since`` is monotonic (when the drain began: the hooks were asked for then, and
+    ``health.drain_timeout`` counts from it); ``expired`` once the wait passed the timeout and
+    ``on_failure`` was asked for (once). Kept per GPU UUID while its finding lasts.
+    """
+
+    finding_key: str
+    since: float
+    dry_run: bool
+    expired: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,7 @@ class PlanState:
     paused: bool = False
     paused_reason: str | None = None
     last_wall: float | None = None
+    health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
@@ -122,6 +139,7 @@ def _dump_ladder(lad: Ladder) -> dict[str, object]:
         "status": lad.status,
         "dry_run": lad.dry_run,
         "started": lad.started,
+        "user": lad.user,
     }
 
 
@@ -158,6 +176,15 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         "paused": s.paused,
         "paused_reason": s.paused_reason,
         "last_wall": s.last_wall,
+        "health_waits": {
+            gpu: {
+                "finding": wait.finding_key,
+                "since": wait.since,
+                "dry_run": wait.dry_run,
+                "expired": wait.expired,
+            }
+            for gpu, wait in s.health_waits.items()
+        },
     }
 
 
@@ -247,6 +274,7 @@ def _load_ladder(value: object, what: str) -> Ladder:
         status=LadderStatus(status),
         dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
         started=_float(d.get("started"), f"{what}.started"),
+        user=_opt_str(d.get("user"), f"{what}.user"),  # absent in older state files: unknown
     )
 
 
@@ -300,4 +328,19 @@ def _load_state(data: object) -> PlanState:
         paused=_bool(d.get("paused", False), "plan.paused"),
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
+        health_waits=_load_health_waits(d.get("health_waits", {})),
     )
+
+
+def _load_health_waits(value: object) -> dict[str, HealthWait]:
+    waits = {}
+    for gpu, item in _obj(value, "plan.health_waits").items():
+        what = f"plan.health_waits.{gpu}"
+        e = _obj(item, what)
+        waits[gpu] = HealthWait(
+            finding_key=_str(e.get("finding"), f"{what}.finding"),
+            since=_float(e.get("since"), f"{what}.since"),
+            dry_run=_bool(e.get("dry_run"), f"{what}.dry_run"),
+            expired=_bool(e.get("expired", False), f"{what}.expired"),
+        )
+    return waits

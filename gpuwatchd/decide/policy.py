@@ -137,6 +137,28 @@ class ResetPolicy:
     allow_nvlink_group: bool = False
 
 
+HEALTH_ACTIONS = ("report", "drain", "reset")
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """What to do about GPU health findings (docs/policy.md#health).
+
+    ``action``: "report" (events only), "drain" (also run the ``reset.drain`` hooks once) or
+    "reset" (drain, wait until nothing holds the GPU, then the reset procedure, under every
+    reset gate and limit; without ``reset.enabled`` it is "drain"). ``drain_timeout`` bounds
+    that wait; then the ``on_failure`` hooks run once (the reset still follows if the GPU is
+    freed later: nothing is ever signalled for it). ``device_isolation``
+    says jobs only open the device files of their own GPUs (cgroup device isolation): without
+    it, a live job on any GPU keeps a health reset waiting.
+    """
+
+    enabled: bool = True
+    action: str = "reset"
+    drain_timeout: float = 7200.0
+    device_isolation: bool = False
+
+
 @dataclass(frozen=True)
 class Limits:
     """Damping (docs/design-notes.md §12): caps past which the daemon switches itself to dry-run."""
@@ -156,6 +178,9 @@ class Detection:
     default_baseline: int = 64 * MIB  # allocated memory assumed idle until one is learned
     unaccounted_margin: int = 1024 * MIB
     pid_trust_min_unresolved: int = 3  # this many listed PIDs not in /proc → stop trusting
+    # A likely heir of a leak from before the daemon watched (its session or process-group
+    # leader gone, no history) is ``orphaned`` instead of ``hidden_holder`` (docs/policy.md).
+    orphans_without_history: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,8 +209,10 @@ class Policy:
     protect: Protect = field(default_factory=Protect)
     rules: tuple[Rule, ...] = ()
     reset: ResetPolicy = field(default_factory=ResetPolicy)
+    health: HealthPolicy = field(default_factory=HealthPolicy)
     limits: Limits = field(default_factory=Limits)
     on_failure: tuple[Hook, ...] = ()
+    on_action: tuple[Hook, ...] = ()  # notifications after a real kill ladder or reset ended
     metrics: MetricsPolicy = field(default_factory=MetricsPolicy)
     log_format: str = "logfmt"  # "logfmt", "json" or "console"
     sources: tuple[str, ...] = ()  # files this policy was read from, in merge order

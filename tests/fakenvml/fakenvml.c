@@ -39,6 +39,7 @@ enum {
     NVML_ERROR_NOT_SUPPORTED = 3,
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
@@ -80,6 +81,27 @@ typedef struct {
     unsigned int gpuInstanceId;
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
+
+/* nvmlValue_t and nvmlFieldValue_t (40 bytes, as pynvml's c_nvmlFieldValue_t). */
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    long long sllVal;
+    int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    unsigned int valueType;
+    unsigned int nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
 
 /* A device handle points at one of these; the slot is the GPU's position in "gpus". */
 typedef struct {
@@ -1122,4 +1144,280 @@ EXPORT int nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
     int rc = gpu_setting("nvmlDeviceGetNumaNodeId", "numa_node", -1, device, &value);
     if (rc == NVML_SUCCESS) *node = (unsigned int)value;
     return rc;
+}
+
+/* ---- health: field values, row remapping, retired pages ----------------------------------- */
+
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230u
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1u
+
+/*
+ * "recovery_action": N answers field 230 (missing or null: NOT_SUPPORTED in that value's
+ * nvmlReturn, as a driver before R570 does); "field_errors": {"230": code} forces one field's
+ * nvmlReturn. Any other field id answers NOT_SUPPORTED. The call itself succeeds.
+ */
+EXPORT int nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldValue_t *values) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetFieldValues", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (values == NULL || count < 0) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (int i = 0; i < count; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        char id[16];
+        snprintf(id, sizeof id, "%u", v->fieldId);
+        v->timestamp = (long long)now.tv_sec * 1000000LL + now.tv_nsec / 1000;
+        v->latencyUsec = 0;
+        v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+        memset(&v->value, 0, sizeof v->value);
+        int forced = forced_error(json_get(gpu, "field_errors"), id);
+        const jvalue *action = json_get(gpu, "recovery_action");
+        unsigned long long number = 0;
+        if (forced >= 0) {
+            v->nvmlReturn = (unsigned int)forced;
+        } else if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !json_is_null(action) &&
+                   json_u64(action, &number) == 0) {
+            v->nvmlReturn = NVML_SUCCESS;
+            v->value.uiVal = (unsigned int)number;
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return finish(&state, NVML_SUCCESS);
+}
+
+/* "remapped_rows": {"correctable", "uncorrectable", "pending", "failure"}; missing/null: NOT_SUPPORTED. */
+EXPORT int nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corr, unsigned int *unc,
+                                     unsigned int *pending, unsigned int *failure) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetRemappedRows", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (corr == NULL || unc == NULL || pending == NULL || failure == NULL) {
+        return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    }
+    const jvalue *rows = json_get(gpu, "remapped_rows");
+    if (rows == NULL || rows->type != J_OBJECT) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    unsigned long long c = 0, u = 0;
+    (void)json_u64(json_get(rows, "correctable"), &c);
+    (void)json_u64(json_get(rows, "uncorrectable"), &u);
+    *corr = (unsigned int)c;
+    *unc = (unsigned int)u;
+    *pending = (unsigned int)json_truthy(json_get(rows, "pending"), 0);
+    *failure = (unsigned int)json_truthy(json_get(rows, "failure"), 0);
+    return finish(&state, NVML_SUCCESS);
+}
+
+/*
+ * "retired_pages": {"single_bit": [addresses], "double_bit": [addresses], "pending": bool};
+ * missing/null: NOT_SUPPORTED (Ampere and later use row remapping instead). Cause 0 is
+ * multiple single-bit ECC errors, 1 a double-bit ECC error. Size probe as the process lists.
+ */
+EXPORT int nvmlDeviceGetRetiredPages_v2(nvmlDevice_t device, unsigned int cause,
+                                        unsigned int *count, unsigned long long *addresses,
+                                        unsigned long long *timestamps) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetRetiredPages_v2", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (count == NULL || cause > 1) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    const jvalue *pages = json_get(gpu, "retired_pages");
+    if (pages == NULL || pages->type != J_OBJECT) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    const jvalue *list = json_get(pages, cause == 0 ? "single_bit" : "double_bit");
+    size_t n = (list != NULL && list->type == J_ARRAY) ? list->count : 0;
+    if (n == 0) {
+        *count = 0;
+        return finish(&state, NVML_SUCCESS);
+    }
+    if (addresses == NULL || *count < n) {
+        *count = (unsigned int)n;
+        return finish(&state, NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (size_t i = 0; i < n; i++) {
+        unsigned long long address = 0;
+        (void)json_u64(&list->items[i], &address);
+        addresses[i] = address;
+        if (timestamps != NULL) timestamps[i] = 1700000000ULL + i;
+    }
+    *count = (unsigned int)n;
+    return finish(&state, NVML_SUCCESS);
+}
+
+EXPORT int nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, unsigned int *pending) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetRetiredPagesPendingStatus", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (pending == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    const jvalue *pages = json_get(gpu, "retired_pages");
+    if (pages == NULL || pages->type != J_OBJECT) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    *pending = (unsigned int)json_truthy(json_get(pages, "pending"), 0);
+    return finish(&state, NVML_SUCCESS);
+}
+
+/* ---- events ------------------------------------------------------------------------------- */
+
+#define EVENT_XID 0x8ULL
+#define EVENT_RECOVERY_ACTION 0x8000ULL
+#define MAX_EVENT_SETS 8
+#define MAX_CONSUMED 4096
+
+typedef struct {
+    void *device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+/* An event set: which event types each GPU slot is registered for. */
+typedef struct {
+    int used;
+    unsigned long long registered[MAX_GPUS];
+} fake_event_set;
+
+typedef fake_event_set *nvmlEventSet_t;
+
+static fake_event_set event_sets[MAX_EVENT_SETS];
+
+/*
+ * Scripted events are delivered once: the "id" of each delivered event is appended to
+ * $FAKENVML_EVENTS_CONSUMED (default: the state file's path + ".consumed"), which survives a
+ * restart of the process that loaded the library, as an event read by one worker is gone for
+ * the next one.
+ */
+static void consumed_path(char *out, size_t size) {
+    const char *path = getenv("FAKENVML_EVENTS_CONSUMED");
+    if (path != NULL && *path != '\0') {
+        snprintf(out, size, "%s", path);
+        return;
+    }
+    const char *stateful = getenv("FAKENVML_STATE");
+    snprintf(out, size, "%s.consumed", stateful ? stateful : "fakenvml-state");
+}
+
+static int event_consumed(const char *id) {
+    char path[PATH_MAX];
+    consumed_path(path, sizeof path);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    char line[256];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f) != NULL) {
+        line[strcspn(line, "\n")] = '\0';
+        found = strcmp(line, id) == 0;
+    }
+    fclose(f);
+    return found;
+}
+
+static void consume_event(const char *id) {
+    char path[PATH_MAX];
+    consumed_path(path, sizeof path);
+    FILE *f = fopen(path, "a");
+    if (f == NULL) {
+        complain("cannot record consumed event in %s: %s", path, strerror(errno));
+        return;
+    }
+    fprintf(f, "%s\n", id);
+    fclose(f);
+}
+
+EXPORT int nvmlEventSetCreate(nvmlEventSet_t *set) {
+    jvalue state;
+    int rc = begin("nvmlEventSetCreate", NO_DEVICE, &state, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (set == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (!event_sets[i].used) {
+            memset(&event_sets[i], 0, sizeof event_sets[i]);
+            event_sets[i].used = 1;
+            *set = &event_sets[i];
+            return finish(&state, NVML_SUCCESS);
+        }
+    }
+    return finish(&state, NVML_ERROR_UNKNOWN);
+}
+
+static int valid_set(nvmlEventSet_t set) {
+    return set != NULL && set >= &event_sets[0] && set < &event_sets[MAX_EVENT_SETS] && set->used;
+}
+
+EXPORT int nvmlEventSetFree(nvmlEventSet_t set) {
+    jvalue state;
+    int rc = begin("nvmlEventSetFree", NO_DEVICE, &state, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!valid_set(set)) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    set->used = 0;
+    return finish(&state, NVML_SUCCESS);
+}
+
+/* "event_types": the mask of supported event types (default: Xid | GPU recovery action). */
+static unsigned long long supported_events(const jvalue *gpu) {
+    unsigned long long mask = EVENT_XID | EVENT_RECOVERY_ACTION;
+    (void)json_u64(json_get(gpu, "event_types"), &mask);
+    return mask;
+}
+
+EXPORT int nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *types) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetSupportedEventTypes", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (types == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    *types = supported_events(gpu);
+    return finish(&state, NVML_SUCCESS);
+}
+
+EXPORT int nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types,
+                                    nvmlEventSet_t set) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceRegisterEvents", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!valid_set(set)) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    if ((types & ~supported_events(gpu)) != 0) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    set->registered[device->slot] |= types;
+    return finish(&state, NVML_SUCCESS);
+}
+
+/*
+ * "events": [{"id": "e1", "gpu": 0, "type": 8, "data": 95}, ...] at the top of the state: the
+ * first one not yet consumed whose GPU (by position) is registered for its type is delivered.
+ * With none, the call sleeps for the timeout (the lock released) and answers TIMEOUT, like the
+ * real library; a test that writes an event meanwhile has it seen at the next call.
+ */
+EXPORT int nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms) {
+    jvalue state;
+    int rc = begin("nvmlEventSetWait_v2", NO_DEVICE, &state, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!valid_set(set) || data == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    const jvalue *events = json_get(&state, "events");
+    size_t n = (events != NULL && events->type == J_ARRAY) ? events->count : 0;
+    for (size_t i = 0; i < n && i < MAX_CONSUMED; i++) {
+        const jvalue *event = &events->items[i];
+        unsigned long long slot = 0, type = EVENT_XID, payload = 0;
+        (void)json_u64(json_get(event, "gpu"), &slot);
+        (void)json_u64(json_get(event, "type"), &type);
+        (void)json_u64(json_get(event, "data"), &payload);
+        char fallback[32];
+        snprintf(fallback, sizeof fallback, "event-%zu", i);
+        const char *id = gpu_string(event, "id", fallback);
+        if (slot >= gpu_count(&state) || (set->registered[slot] & type) == 0) continue;
+        if (event_consumed(id)) continue;
+        consume_event(id);
+        memset(data, 0, sizeof *data);
+        data->device = &devices[slot];
+        data->eventType = type;
+        data->eventData = payload;
+        data->gpuInstanceId = 0xFFFFFFFFu;
+        data->computeInstanceId = 0xFFFFFFFFu;
+        return finish(&state, NVML_SUCCESS);
+    }
+    release_state(&state);
+    pthread_mutex_unlock(&lock);
+    sleep_seconds((double)timeout_ms / 1000.0);
+    return NVML_ERROR_TIMEOUT;
 }

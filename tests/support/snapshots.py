@@ -25,6 +25,7 @@ from gpuwatchd.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,
+    FileSharing,
     GpuInfo,
     GpuMemory,
     HolderScan,
@@ -135,6 +136,8 @@ class HostBuilder:
         self._procs: dict[int, ProcessInfo] = {}
         self._holdings: dict[int, DeviceHolding] = {}
         self._unreadable: set[int] = set()
+        self._absent: set[int] = set()
+        self._sharing: list[FileSharing] = []
 
     # -- GPUs --
 
@@ -301,6 +304,16 @@ class HostBuilder:
         self._holdings.pop(pid, None)
         return self
 
+    def absent(self, *pids: int) -> HostBuilder:
+        """These PIDs were looked up (as session/group leaders) and do not exist."""
+        self._absent.update(pids)
+        return self
+
+    def sharing(self, holder: int, owner: int, shared: bool | None) -> HostBuilder:
+        """kcmp's answer: whether ``holder``'s device files are ``owner``'s own."""
+        self._sharing.append(FileSharing(holder=holder, owner=owner, shared=shared))
+        return self
+
     def at(self, monotonic: float) -> HostBuilder:
         self.monotonic = monotonic
         return self
@@ -330,4 +343,6 @@ class HostBuilder:
             pid_max=self.pid_max,
             host_namespaces=self.host_namespaces,
             mps_server_running=self.mps_server_running,
+            absent_pids=frozenset(self._absent),
+            file_sharing=tuple(self._sharing),
         )

@@ -14,8 +14,8 @@ command -v dh_python3 >/dev/null || need+=(dh-python)
 command -v lintian >/dev/null || need+=(lintian)
 command -v nsenter >/dev/null || need+=(util-linux)
 command -v promtool >/dev/null || need+=(prometheus)  # tests/test_metrics.py checks the alert rules
-dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-wheel >/dev/null 2>&1 \
-    || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-wheel)
+dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel >/dev/null 2>&1 \
+    || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel)
 [ ${#need[@]} -eq 0 ] && exit 0
 export DEBIAN_FRONTEND=noninteractive
 echo "host-setup: installing ${need[*]}"

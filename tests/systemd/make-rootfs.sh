@@ -7,7 +7,7 @@
 set -euo pipefail
 CACHE=${1:-${GPUWATCHD_ROOTFS_CACHE:-/var/cache/gpuwatchd-test-rootfs}}
 SUITE=bookworm
-PACKAGES=systemd,systemd-sysv,dbus,procps,python3,python3-psutil,python3-yaml,python3-structlog,python3-sdnotify,python3-prometheus-client
+PACKAGES=systemd,systemd-sysv,dbus,procps,python3,python3-yaml,python3-structlog,python3-sdnotify,python3-prometheus-client
 KEY=$(printf '%s\n%s\n' "$SUITE" "$PACKAGES" | sha256sum | cut -c1-16)
 ROOT=$CACHE/$KEY
 if [ -e "$ROOT/.complete" ]; then echo "$ROOT"; exit 0; fi

@@ -1,0 +1,241 @@
+"""Inheritance evidence: whose device files a holder holds, and whether its leaders still exist.
+
+This module owns two readings that tell an heir of a dead job's memory from a bystander
+(docs/findings.md, "ties"):
+
+- **kcmp proof** (:class:`InheritanceProbe`). Two processes share an open file description
+  exactly when one inherited it from the other (fork, or an fd passed over a socket). Linux
+  answers that question directly with ``kcmp(pid1, pid2, KCMP_FILE, fd1, fd2)`` (kcmp(2), since
+  Linux 3.5 with ``CONFIG_CHECKPOINT_RESTORE``, which mainstream distribution kernels enable; it
+  needs ptrace read access to both processes, i.e. CAP_SYS_PTRACE for other users' processes).
+  While a context owner lives, each holder below it in the process tree is compared with it: a
+  forked DataLoader worker holds the owner's own descriptions (``shared=True``); a worker
+  started with ``spawn``/``forkserver`` (fork + exec: CUDA opens its files close-on-exec) holds
+  only files it opened itself (``shared=False``) and frees none of the owner's memory when
+  killed. Where kcmp is missing (ENOSYS: an old kernel or a seccomp filter; EPERM: no
+  CAP_SYS_PTRACE; an unknown architecture) or a holder holds the GPU through mappings only, the
+  answer is None (unknown) and decisions fall back to the rules that need no such proof.
+- **Lost leaders** (:func:`absent_leaders`): the session and process-group leaders of holders
+  that were looked up this poll and do not exist — positive evidence, not "not read".
+
+It reads ``/proc`` only; it decides nothing and signals nothing. Answers are cached per pair of
+process identities (pid, start ticks), so each pair costs its syscalls once; the cache and the
+number of new pairs per poll are bounded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import stat
+from collections.abc import Callable, Iterable, Mapping
+
+import structlog
+
+from gpuwatchd.collect.holders import HolderScanner, match_device_name
+from gpuwatchd.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
+from gpuwatchd.vocabulary import EventName
+
+log = structlog.get_logger()
+
+__all__ = ["KCMP_FILE", "InheritanceProbe", "Kcmp", "absent_leaders"]
+
+KCMP_FILE = 0  # <linux/kcmp.h>
+# kcmp's syscall number; the generic table (aarch64, riscv64, loongarch64) shares 272.
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "loongarch64": 272, "ppc64le": 354}
+_MAX_DEVICE_FDS = 64  # device fds compared per process; a CUDA process holds a few dozen
+_MAX_NEW_PAIRS = 64  # new holder/owner pairs compared per poll; the rest wait for the next
+_MAX_CACHE = 8192  # remembered answers; cleared when full (they are recomputed cheaply)
+_MAX_ANCESTORS = 64
+_RETRY_UNKNOWN_POLLS = 12  # an unknown answer (mappings only, a race) is asked again this late
+
+
+class Kcmp:
+    """``kcmp(KCMP_FILE)`` through libc's ``syscall``; :meth:`same_file` is None when unknown."""
+
+    def __init__(self, number: int | None = None) -> None:
+        self.number = _SYS_KCMP.get(platform.machine()) if number is None else number
+        self._syscall: Callable[..., int] | None = None
+        self.unavailable: str | None = None  # why kcmp cannot be used at all (ENOSYS, EPERM)
+        if self.number is None:
+            self.unavailable = f"no kcmp syscall number known for {platform.machine()}"
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._syscall = libc.syscall
+        except (OSError, AttributeError) as err:
+            self.unavailable = f"libc syscall() not found: {err}"
+
+    def same_file(self, pid1: int, fd1: int, pid2: int, fd2: int) -> bool | None:
+        """Whether fd1 of pid1 and fd2 of pid2 are one open file description; None = unknown."""
+        if self._syscall is None or self.unavailable is not None:
+            return None
+        args = (self.number or 0, pid1, pid2, KCMP_FILE, fd1, fd2)
+        result = self._syscall(*(ctypes.c_long(value) for value in args))
+        if result == 0:
+            return True
+        if result in (1, 2, 3):  # ordered unequal (1, 2), or unequal without an order (3)
+            return False
+        code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+            self.unavailable = os.strerror(code)  # the same for every later pair: stop asking
+        return None  # EBADF (closed meanwhile), ESRCH (gone): unknown for this pair
+
+
+class InheritanceProbe:
+    """Compares each holder with the live context owners above it in the process tree.
+
+    ``scanner`` supplies how device files are recognised (by path in tests, by device number in
+    production), the same way the holder scan recognises them.
+    """
+
+    def __init__(self, scanner: HolderScanner, root: str, kcmp: Kcmp | None = None) -> None:
+        self.scanner = scanner
+        self.root = root.rstrip("/") or "/"
+        self.kcmp = kcmp if kcmp is not None else Kcmp()
+        self._known: dict[tuple[ProcessIdentity, ProcessIdentity], bool] = {}
+        self._unknown_until: dict[tuple[ProcessIdentity, ProcessIdentity], int] = {}
+        self._polls = 0
+        self._reported = False
+
+    def compare(
+        self,
+        processes: Mapping[int, ProcessInfo],
+        holders: HolderScan,
+        owners: Iterable[int],
+    ) -> tuple[FileSharing, ...]:
+        """One :class:`FileSharing` per (holder, live owner above it) pair; unknown included."""
+        live_owners = {
+            pid: processes[pid]
+            for pid in owners
+            if pid in processes and not processes[pid].is_zombie and pid in holders.holdings
+        }
+        self._polls += 1
+        if self.kcmp.unavailable is not None and not self._reported:
+            self._reported = True
+            log.warning(EventName.COLLECT_KCMP_UNAVAILABLE, reason=self.kcmp.unavailable)
+        if not live_owners:
+            return ()
+        found: list[FileSharing] = []
+        budget = _MAX_NEW_PAIRS
+        for pid in sorted(holders.holdings):
+            holder = processes.get(pid)
+            if holder is None or pid in live_owners or holder.identity is None:
+                continue
+            for owner in _owners_above(holder, processes, live_owners):
+                if owner.identity is None:
+                    continue
+                key = (holder.identity, owner.identity)
+                shared = self._known.get(key)
+                retry = self._unknown_until.get(key, 0) <= self._polls
+                if shared is None and retry and budget > 0 and self.kcmp.unavailable is None:
+                    budget -= 1
+                    shared = self._shares(pid, owner.pid)
+                    if len(self._known) + len(self._unknown_until) >= _MAX_CACHE:
+                        self._known.clear()
+                        self._unknown_until.clear()
+                    if shared is not None:
+                        self._known[key] = shared
+                        self._unknown_until.pop(key, None)
+                    else:
+                        self._unknown_until[key] = self._polls + _RETRY_UNKNOWN_POLLS
+                found.append(FileSharing(holder=pid, owner=owner.pid, shared=shared))
+        return tuple(found)
+
+    def _shares(self, holder: int, owner: int) -> bool | None:
+        mine, theirs = self.device_fds(holder), self.device_fds(owner)
+        if not mine or not theirs:
+            return None  # mappings only, or unreadable: nothing to compare
+        unknown = False
+        # A forked child keeps the parent's fd numbers: try those pairs first.
+        pairs = [(fd, fd) for fd in mine if fd in set(theirs)]
+        pairs += [(a, b) for a in mine for b in theirs if a != b]
+        for a, b in pairs:
+            same = self.kcmp.same_file(holder, a, owner, b)
+            if same:
+                return True
+            if same is None:
+                unknown = True
+                if self.kcmp.unavailable is not None:
+                    return None
+        return None if unknown else False
+
+    def device_fds(self, pid: int) -> list[int] | None:
+        """The fd numbers of ``pid`` that are NVIDIA device files; None when unreadable."""
+        fd_dir = f"{self.root}/{pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            return None
+        scanner = self.scanner
+        prefix = os.path.realpath(scanner.devices_dir).rstrip("/") + "/"
+        fds: list[int] = []
+        for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
+            if not name.isdigit():
+                continue
+            try:
+                target = os.readlink(f"{fd_dir}/{name}")
+            except OSError:
+                continue
+            if scanner.match_by_path:
+                if (
+                    not target.startswith(prefix)
+                    or match_device_name(target[len(prefix) :]) is None
+                ):
+                    continue
+            else:
+                if "/dev/" not in target and "nvidia" not in target:
+                    continue
+                try:
+                    st = os.stat(f"{fd_dir}/{name}")
+                except OSError:
+                    continue
+                majors = {scanner.device_major, scanner.uvm_major()}
+                if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) not in majors:
+                    continue
+            fds.append(int(name))
+            if len(fds) >= _MAX_DEVICE_FDS:
+                break
+        return fds
+
+
+def _owners_above(
+    holder: ProcessInfo, processes: Mapping[int, ProcessInfo], owners: Mapping[int, ProcessInfo]
+) -> list[ProcessInfo]:
+    """The live owners among ``holder``'s ancestors (fork-inherited files come from there)."""
+    found: list[ProcessInfo] = []
+    current = holder.ppid
+    seen: set[int] = set()
+    for _ in range(_MAX_ANCESTORS):
+        if current is None or current <= 1 or current in seen:
+            break
+        seen.add(current)
+        if current in owners:
+            found.append(owners[current])
+        parent = processes.get(current)
+        if parent is None:
+            break
+        current = parent.ppid
+    return found
+
+
+def absent_leaders(
+    root: str, processes: Mapping[int, ProcessInfo], holders: Iterable[int]
+) -> frozenset[int]:
+    """Session and process-group leaders of ``holders`` that do not exist now.
+
+    Only a missing ``/proc/PID`` directory counts (a leader that is present, even unreadable,
+    is not lost). Leaders already among ``processes`` exist by definition.
+    """
+    base = root.rstrip("/") or "/"
+    wanted: set[int] = set()
+    for pid in holders:
+        proc = processes.get(pid)
+        if proc is None:
+            continue
+        for leader in (proc.sid, proc.pgid):
+            if leader is not None and leader > 1 and leader != pid and leader not in processes:
+                wanted.add(leader)
+    return frozenset(pid for pid in wanted if not os.path.lexists(f"{base}/{pid}"))

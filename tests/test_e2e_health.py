@@ -1,0 +1,284 @@
+"""End to end, GPU health: the real daemon, the fake NVML's Xid events and health fields, in a
+PID namespace; its decisions are the ones ``simulate`` makes for the matching example scenario.
+
+Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py). The
+reset command is the fake ``nvidia-smi`` of tests/test_e2e_run.py, which restores the fake GPU
+(here: with the health the driver would report after the reset); nothing can reach a real
+reset, and the only process ever at stake is the test's own job, which the daemon must never
+signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatchd.cli.scenario import load_scenario
+from gpuwatchd.cli.simulate import simulate
+from tests.support.fakenvml import MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.test_e2e_run import Run, fake_smi, smi_calls
+
+pytestmark = [
+    pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    ),
+    pytest.mark.slow,
+]
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "examples" / "scenarios"
+HEALTH_KINDS = ("reset_required", "reboot_required", "drain_required")
+# The decisions compared between the daemon and simulate, in order.
+DECISIONS = (
+    "finding.new",
+    "health.drain_started",
+    "health.drain_waiting",
+    "health.drain_timed_out",
+    "reset.due",
+    "reset.outcome",
+    "gpu.needs_reboot",
+    "finding.resolved",
+    "action.signal",
+)
+
+
+def decisions(events: list[dict[str, Any]]) -> list[tuple[str, object]]:
+    """The health decisions in order: (event, finding kind or reset result)."""
+    found: list[tuple[str, object]] = []
+    for e in events:
+        name = e.get("event")
+        if name not in DECISIONS:
+            continue
+        finding = str(e.get("finding") or "")
+        if name in ("finding.new", "finding.resolved") and not finding.startswith(HEALTH_KINDS):
+            continue
+        detail = (
+            e.get("result")
+            if name == "reset.outcome"
+            else finding.split(":", maxsplit=1)[0] or None
+        )
+        if name == "health.drain_waiting" and found and found[-1] == (name, detail):
+            # Said again when the blockers change: on a real host the job's exit and NVML's
+            # listing change a poll apart, in a scenario at the same instant.
+            continue
+        found.append((str(name), detail))
+    return found
+
+
+def simulated(name: str) -> list[tuple[str, object]]:
+    result = simulate(load_scenario(str(SCENARIOS / f"{name}.yaml")))
+    return decisions([{"event": e.name, **e.fields} for e in result.timeline])
+
+
+def restore_to(host: SimHost, state: dict[str, Any]) -> None:
+    """What the fake reset writes back: the driver's view after a successful reset."""
+    (host.root / "restored.json").write_text(json.dumps(state))
+
+
+def host_xid_95_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        run = Run(host, reset={**reset, "cooldown": "0s"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events()}
+
+
+def host_row_remap_live_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.spawn("job", [{"open": host.cuda(1)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        pending = {"correctable": 0, "uncorrectable": 1, "pending": True, "failure": False}
+        applied = {**pending, "pending": False}
+        busy = [gpu(0, remapped_rows=pending),
+                gpu(1, allocated=900 * MiB, processes=[process(job, 900 * MiB)])]  # fmt: skip
+        host.nvml(busy)
+        reset = fake_smi(host)
+        restore_to(host, json.loads(json.dumps({**json.loads(host.fake.state_path.read_text()),
+                   "gpus": [gpu(0, remapped_rows=applied), gpu(1)]})))  # fmt: skip
+        run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
+        run.start()
+        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        time.sleep(2)  # ten polls: nothing may happen to the job, and no reset
+        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, remapped_rows=pending), gpu(1)])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {
+            "waited": waited,
+            "before_exit": before_exit,
+            "calls": smi_calls(host),
+            "events": run.events(),
+        }
+
+
+def run_host(name: str, tmp_path: Path) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", {}, root=tmp_path, timeout=120.0)
+
+
+def test_xid_95_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
+    result = run_host("host_xid_95_reset", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    assert decisions(result["events"]) == simulated("xid-95-reset")
+
+
+def test_pending_row_remap_waits_for_the_live_job_then_resets_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_row_remap_live_job", tmp_path)
+    assert result["waited"] is True
+    assert result["before_exit"]["alive"] is True
+    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert decisions(result["events"]) == simulated("pending-row-remap-unisolated")
+
+
+def marker_hook(host: SimHost, name: str) -> tuple[list[str], Path]:
+    """A hook that appends a line to ``<root>/<name>.log`` each time it runs."""
+    log = host.root / f"{name}.log"
+    script = host.root / f"{name}.sh"
+    script.write_text(f'#!/bin/sh\necho "$GPUWATCHD_EVENT" >> {log}\n')
+    script.chmod(0o755)
+    return [str(script)], log
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset={**reset, "drain": [drain]}, on_failure=[page])
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x79", "gpu": 1, "type": 8, "data": 79}])
+        run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
+        time.sleep(2)  # ten polls: nothing may repeat, nothing may be reset
+        run.stop()
+        return {
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+            "paged": lines(paged),
+        }
+
+
+def host_xid_154_drain_and_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+        host.nvml([busy])
+        reset = fake_smi(host)
+        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        drain, drained = marker_hook(host, "drain")
+        run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
+                  health={"drain_timeout": "10m"})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        asks = {**busy, "recovery_action": 4}  # DRAIN_AND_RESET, announced by Xid 154
+        host.nvml([asks], events=[{"id": "x154", "gpu": 0, "type": 8, "data": 154}])
+        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        time.sleep(2)  # the job runs on: never signalled, no reset
+        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, recovery_action=4)])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {
+            "waited": waited,
+            "before_exit": before_exit,
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+        }
+
+
+def host_xid_13_application(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.nvml([gpu(0)])
+        reset = fake_smi(host)
+        metrics = host.root / "gpuwatchd.prom"
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset=reset, on_failure=[page], metrics={"textfile": str(metrics)})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0)], events=[{"id": "x13", "gpu": 0, "type": 8, "data": 13}])
+
+        def counted() -> bool:
+            text = metrics.read_text() if metrics.exists() else ""
+            return any(
+                line.startswith("gpuwatchd_gpu_xid_events{") and 'xid="13"' in line
+                and line.endswith(" 1.0")
+                for line in text.splitlines()
+            )  # fmt: skip
+
+        seen = run.wait_for(counted, timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {"seen": seen, "calls": smi_calls(host), "events": run.events(),
+                "paged": lines(paged)}  # fmt: skip
+
+
+def test_xid_79_needs_a_reboot_hooks_once_and_never_a_reset_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_79_reboot", tmp_path)
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len(result["drained"]) == 1
+    assert len(result["paged"]) == 1
+    assert decisions(result["events"]) == simulated("xid-79-reboot")
+
+
+def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_154_drain_and_reset", tmp_path)
+    assert result["waited"] is True
+    assert result["before_exit"]["alive"] is True
+    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    assert len(result["drained"]) == 1  # before the wait; the reset itself does not drain again
+    assert decisions(result["events"]) == simulated("xid-154-drain-and-reset")
+
+
+def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_13_application", tmp_path)
+    assert result["seen"] is True  # the daemon read the event: the metric counts it
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert result["paged"] == []
+    assert decisions(result["events"]) == simulated("xid-13-application") == []

@@ -1,0 +1,149 @@
+"""The Debian package ships what the docs point at, and the shell completions know every command.
+
+The completions are generated from the real parser (packaging/completions.py, shtab); the .deb
+is built with packaging/build-deb.sh (skipped, with the reason, where dpkg-buildpackage, dh or
+python3-shtab is missing: tests/systemd/host-setup.sh installs them) and listed with dpkg -c.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.cli.main import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = "usr/share/doc/gpuwatchd"
+pytestmark = [pytest.mark.slow]
+
+
+def subcommands() -> list[str]:
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sorted(action.choices)
+
+
+def test_the_parser_has_the_commands_the_docs_name() -> None:
+    assert {"scan", "run", "check-clean", "check-config", "status"} <= set(subcommands())
+
+
+@pytest.fixture(scope="module")
+def completions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    pytest.importorskip("shtab", reason="pip install shtab (the [test] extra)")
+    out = tmp_path_factory.mktemp("completions")
+    subprocess.run(
+        [sys.executable, str(REPO / "packaging" / "completions.py"), out / "bash", out / "zsh"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return {shell: (out / shell).read_text() for shell in ("bash", "zsh")}
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_the_completion_knows_every_subcommand(completions: dict[str, str], shell: str) -> None:
+    text = completions[shell]
+    for command in subcommands():
+        assert re.search(rf"(?<![\w-]){re.escape(command)}(?![\w-])", text), (shell, command)
+    for flag in ("--config", "--json", "--once", "--timeout", "--gpu", "--clear-latches"):
+        assert flag in text, (shell, flag)
+
+
+def test_the_bash_completion_parses(completions: dict[str, str], tmp_path: Path) -> None:
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    script = tmp_path / "gpuwatchd"
+    script.write_text(completions["bash"])
+    proc = subprocess.run([bash, "-n", str(script)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _why_no_build() -> str | None:
+    missing = [t for t in ("dpkg-buildpackage", "dh", "dpkg-deb") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (run tests/systemd/host-setup.sh)"
+    probe = subprocess.run(
+        ["/usr/bin/python3", "-c", "import shtab"], capture_output=True, check=False
+    )
+    if probe.returncode != 0:
+        return "the system python3 lacks shtab (apt install python3-shtab)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def deb_listing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """{path in the package: its mode string}, from dpkg -c of a fresh build."""
+    why = _why_no_build()
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("deb")
+    build = subprocess.run(
+        [str(REPO / "packaging" / "build-deb.sh"), str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    (deb,) = out.glob("gpuwatchd_*_all.deb")
+    listing = subprocess.run(
+        ["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True
+    ).stdout
+    files = {}
+    for line in listing.splitlines():
+        mode, *_rest, name = line.split(None, 5)
+        files[name.removeprefix("./").split(" -> ")[0]] = mode
+    return files
+
+
+def test_the_package_ships_the_docs(deb_listing: dict[str, str]) -> None:
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        assert f"{DOC}/docs/{doc.name}.gz" in deb_listing or f"{DOC}/docs/{doc.name}" in (
+            deb_listing
+        ), doc.name
+    assert f"{DOC}/README.md.gz" in deb_listing
+
+
+def test_the_package_ships_the_scenarios_where_the_docs_point(
+    deb_listing: dict[str, str],
+) -> None:
+    where = "/usr/share/doc/gpuwatchd/examples/scenarios"
+    assert where in (REPO / "docs" / "operations.md").read_text()
+    for scenario in sorted((REPO / "examples" / "scenarios").glob("*.yaml")):
+        # Uncompressed: the docs run `gpuwatchd simulate <that folder>/*.yaml`.
+        assert f"{where.lstrip('/')}/{scenario.name}" in deb_listing, scenario.name
+
+
+def test_the_package_ships_contrib(deb_listing: dict[str, str]) -> None:
+    for path in sorted(p for p in (REPO / "contrib").rglob("*") if p.is_file()):
+        assert f"{DOC}/contrib/{path.relative_to(REPO / 'contrib')}" in deb_listing, path
+
+
+def test_the_package_installs_the_integration_commands_executable(
+    deb_listing: dict[str, str],
+) -> None:
+    for path in (
+        "usr/lib/gpuwatchd/slurm/gpuwatchd-slurm",
+        "usr/lib/gpuwatchd/slurm/gpuwatchd-prolog",
+        "usr/lib/gpuwatchd/slurm/gpuwatchd-epilog",
+        "usr/lib/gpuwatchd/kubernetes/gpuwatchd-npd",
+    ):
+        assert deb_listing.get(path) == "-rwxr-xr-x", path
+
+
+def test_the_package_ships_bash_and_zsh_completion(deb_listing: dict[str, str]) -> None:
+    assert "usr/share/bash-completion/completions/gpuwatchd" in deb_listing
+    assert "usr/share/zsh/vendor-completions/_gpuwatchd" in deb_listing
+
+
+def test_the_package_does_not_depend_on_psutil() -> None:
+    control = (REPO / "packaging" / "debian" / "control").read_text()
+    assert "psutil" not in control
+    importers = [p for p in REPO.glob("gpuwatchd/**/*.py") if "psutil" in p.read_text()]
+    assert importers == []

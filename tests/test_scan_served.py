@@ -85,7 +85,7 @@ def test_scan_beside_the_daemon_builds_on_its_view_and_finds_what_a_walk_finds(
     pids = result["pids"]
     served, full = result["served"], result["full"]
     assert served["view"]["used"] is True
-    assert served["mode"] == "targeted"
+    assert served["mode"] == "targeted", served["view"]
     assert full["view"]["used"] is False
     assert full["mode"] == "full"
     assert served["holders"] == full["holders"]

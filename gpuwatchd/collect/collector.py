@@ -148,7 +148,7 @@ class Collector:
                 scanner, sorted(targets - self_pids), reading, live_listed
             )
             found = frozenset(holders.holdings) - self_pids
-            if (reason := holder_gone(self._known_holders, found)) is not None:
+            if (reason := holder_gone(self._known_holders - self_pids, found)) is not None:
                 self.last_scan_reason = reason
                 self._scan_state = dataclasses.replace(self._scan_state, last_full=now)
                 holders, live_listed = self._full_scan(scanner, listed, reading)

@@ -48,8 +48,8 @@ What one GPU entry holds (``None`` always means unknown):
   "double_bit"}}``. Each ``status`` is ``"ok"``, ``"not_supported"`` (the driver or GPU does
   not offer it: an answer) or ``"unknown"`` (any other failure, named in ``error``). Xid and
   recovery-action events come from one event set, created once per worker and registered for
-  every GPU that supports them; each ``read`` waits on it for at most ``EVENT_WAIT_MS`` for the
-  first event, then takes whatever else is queued without waiting, at most
+  every GPU that supports them; each ``read`` takes what is queued there without waiting
+  (``EVENT_WAIT_MS`` is 0: the set queues events between polls), at most
   ``MAX_EVENTS_PER_READ`` — so a poll is never held up by events, and a storm of them is cut
   off (the rest are read next poll). Events that happen while no worker runs (before a reset,
   after a wedge) are not seen: the recovery action and the row-remapping status, read every
@@ -84,7 +84,9 @@ NVML_ERROR_GPU_IS_LOST = 15
 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R570 and later; NotSupported before
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
 EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R570 and later)
-EVENT_WAIT_MS = 20  # the longest a poll waits for an event
+# A poll never waits for an event: the event set queues them between polls, so asking with a
+# zero timeout takes what is there (NVML_ERROR_TIMEOUT: nothing) without holding the poll up.
+EVENT_WAIT_MS = 0
 MAX_EVENTS_PER_READ = 256
 
 
@@ -407,21 +409,19 @@ class Worker:
     def read_events(self, gpus: list[dict[str, Any]]) -> None:
         """Take the queued Xid / recovery-action events into the GPUs' ``health`` entries.
 
-        Waits ``EVENT_WAIT_MS`` at most, for the first event only; at most
-        ``MAX_EVENTS_PER_READ`` are taken. A recovery-action event only says to read the field
-        again, which this poll already did, so only Xids are passed on.
+        Never waits (``EVENT_WAIT_MS``); at most ``MAX_EVENTS_PER_READ`` are taken. A
+        recovery-action event only says to read the field again, which this poll already did,
+        so only Xids are passed on.
         """
         if self.event_set is None:
             return
         by_address = {handle_address(h): i for i, h in self.handles.items()}
         entries = {gpu["index"]: gpu for gpu in gpus}
-        wait = EVENT_WAIT_MS
         for _ in range(MAX_EVENTS_PER_READ):
             try:
-                data = pynvml.nvmlEventSetWait_v2(self.event_set, wait)
+                data = pynvml.nvmlEventSetWait_v2(self.event_set, EVENT_WAIT_MS)
             except pynvml.NVMLError:
                 return  # Timeout: nothing (more) queued; any other error: try next poll
-            wait = 0
             if int(data.eventType) != EVENT_TYPE_XID:
                 continue
             index = by_address.get(handle_address(data.device))

@@ -456,7 +456,10 @@ class EscalationMachine(RuleBasedStateMachine):
     def _check_reset(self, intent: ResetIntent, findings: list[Finding]) -> None:
         assert self.in_flight is None, "a second reset while one is in flight"
         if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
-            jobs = [pid for pid in self.listed if pid in self.procs]
+            # A zombie (its whole thread group gone) holds no file and no memory: not a job.
+            jobs = [
+                pid for pid in self.listed if pid in self.procs and self.procs[pid].state != "Z"
+            ]
             assert jobs == [], f"a health reset while NVML lists live jobs {jobs}"
             assert self.health.get(intent.gpu) is FindingKind.RESET_REQUIRED
         holders = [

@@ -142,6 +142,16 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
     )
 
 
+def _list_field(container: Mapping[str, object], key: str, where: str) -> list[object]:
+    """``container[key]`` if it is a list, ``[]`` if absent or null; else SnapshotError."""
+    value = container.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SnapshotError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
 def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict[str, float]]:
     """The snapshot, findings and first-seen times (wall) a report describes. SnapshotError
     (without the file name) names the first malformed field."""
@@ -165,17 +175,15 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         minor = gpu.minor
         gpus.append(gpu)
         for key in ("processes", "holders"):
-            entries = raw.get(key)
-            if entries is not None and not isinstance(entries, list):
-                raise SnapshotError(f"{where}.{key}: expected a list, got {type(entries).__name__}")
-            for j, entry in enumerate(entries or []):
+            for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
                 if not isinstance(entry, dict):
                     raise SnapshotError(f"{where}.{key}[{j}]: expected an object")
                 proc = _process(entry)
                 if proc is not None:
                     processes.setdefault(proc.pid, proc)
                 if key == "holders" and proc is not None and minor is not None:
-                    via = entry.get("via") or []
+                    via = entry.get("via")
+                    via = via if isinstance(via, list) else []
                     old = holdings.get(proc.pid, DeviceHolding(proc.pid))
                     holdings[proc.pid] = DeviceHolding(
                         proc.pid,
@@ -185,7 +193,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                         uvm=old.uvm or entry.get("uvm") is True,
                     )
     gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
-    for entry in report.get("node_holders") or []:  # type: ignore[attr-defined]
+    for entry in _list_field(report, "node_holders", "node_holders"):
         if isinstance(entry, dict) and (proc := _process(entry)) is not None:
             processes.setdefault(proc.pid, proc)
     findings: list[Finding] = []

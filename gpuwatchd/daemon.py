@@ -227,6 +227,10 @@ class Daemon:
     def _run_locked(self) -> int:
         self._install_signal_handlers()
         self._load_state()
+        # Say who runs before the NVML worker opens any device file: a scan or check-clean
+        # beside this daemon knows the worker as the daemon's (cli/scan.py) only through the
+        # PID in the state file, and a prolog at this moment must not see a dirty GPU.
+        self.save_state()
         log.info(
             EventName.DAEMON_START,
             version=__version__,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,24 @@ def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: 
     saved = json.loads((tmp_path / "state" / "state.json").read_text())
     assert saved["status"]["recent_actions"][-1]["pid"] == 24
     assert saved["status"]["mode"] == "dry-run"
+
+
+def test_the_state_names_the_daemon_before_its_first_poll_starts_the_nvml_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prolog's check-clean knows the daemon's NVML worker only through the PID in the state
+    file; written after the first poll, a check in that window saw the worker as a holder."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    (tmp_path / "state").mkdir(mode=0o700)
+    seen: list[object] = []
+
+    def first_poll() -> None:
+        state = tmp_path / "state" / "state.json"
+        seen.append(json.loads(state.read_text())["status"]["pid"] if state.exists() else None)
+        daemon._stop = True
+
+    monkeypatch.setattr(daemon, "poll_once", first_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    daemon.run()
+    assert seen == [os.getpid()]

@@ -843,28 +843,40 @@ def _reset_blocker(
     """Why this ghost_memory finding may not lead to a reset now: (event, level, why)."""
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
-    uuid = finding.gpu or ""
-    gates = reset_gates(
-        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
-        findings=ctx.findings.values(),
-    )  # fmt: skip
-    before = [g for g in gates if g.name != "live_holder"]
-    if before:
-        return refused, before[0].level, before[0].why
+    refusal, holders = _gates(ctx, finding)
+    if refusal is not None:
+        return refusal
     if gpu is None:
         return refused, "warning", "GPU not in this snapshot"  # for the type checker
     first_seen = w.seen[finding.key].first_seen
     if ctx.now - first_seen < reset.confirm_for:
         w.waiting[finding.key] = first_seen + reset.confirm_for
         return EventName.RESET_CONFIRMING, "debug", f"confirming for {reset.confirm_for:g}s"
-    holder = next((g.why for g in gates if g.name == "live_holder"), None)
-    if holder is None and any(
-        lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values()
-    ):
-        holder = "live holder: an escalation on this GPU is in progress"
-    if holder is not None:
-        return refused, "info", holder
+    if holders:
+        return refused, "info", holders[0]
+    if _escalating(w, gpu.uuid):
+        return refused, "info", f"live holder: {_ESCALATING}"
     return _history_blocker(w, ctx, finding, gpu)
+
+
+_ESCALATING = "an escalation on this GPU is in progress"
+
+
+def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, str, str] | None, list[str]]:
+    """The reset gates of ``finding`` (:func:`reset_gates`, shared with ``explain``): the first
+    refusal that is not a live holder as (event, level, why), and the live holders' reasons."""
+    gates = reset_gates(
+        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
+        findings=ctx.findings.values(),
+    )  # fmt: skip
+    before = [g for g in gates if g.name != "live_holder"]
+    refusal = (EventName.RESET_REFUSED, before[0].level, before[0].why) if before else None
+    return refusal, [g.why for g in gates if g.name == "live_holder"]
+
+
+def _escalating(w: _Work, uuid: str) -> bool:
+    """A kill ladder is under way on this GPU: a reset must wait for it."""
+    return any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values())
 
 
 def _history_blocker(
@@ -998,23 +1010,18 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
 
 def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> None:
     uuid = finding.gpu or ""
-    gates = reset_gates(
-        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
-        findings=ctx.findings.values(),
-    )  # fmt: skip
-    before = [g for g in gates if g.name != "live_holder"]
-    if before:
-        _say(w, finding, (EventName.RESET_REFUSED, before[0].level, before[0].why))
+    refusal, blockers = _gates(ctx, finding)
+    if refusal is not None:
+        _say(w, finding, refusal)
         return
     gpu = gpu_by_uuid(ctx.snapshot, uuid)
     if gpu is None:
         return  # a gate said so already; for the type checker
-    blockers = [g.why for g in gates if g.name == "live_holder"]
     blockers += drain_blockers(
         gpu, ctx.snapshot, device_isolation=ctx.policy.health.device_isolation
     )
-    if any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values()):
-        blockers.append("an escalation on this GPU is in progress")
+    if _escalating(w, uuid):
+        blockers.append(_ESCALATING)
     timeout = ctx.policy.health.drain_timeout
     wait = w.health_waits.get(uuid)
     if wait is None or wait.dry_run != dry:

@@ -168,7 +168,8 @@ def test_dataloader_workers_of_a_live_trainer_are_workers(workers: int, via: str
 def test_holder_related_to_live_owner_by_any_link_is_a_worker(
     name: str, columns: dict[str, object]
 ) -> None:
-    parent_of_owner = bool(columns.pop("holder_is_parent", False))
+    # Read, never pop: the parameter dict is shared by every run of this case in one process.
+    parent_of_owner = bool(columns.get("holder_is_parent", False))
     builder = HostBuilder().gpu(0, allocated=LEAK)
     builder.proc(
         611,

@@ -14,7 +14,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -254,18 +254,19 @@ def test_a_value_that_cannot_be_rendered_gives_a_fallback_line_not_an_exception(
 
 
 @pytest.mark.parametrize(
-    ("stream", "env", "expect"),
+    ("make_stream", "env", "expect"),
     [
-        (io.StringIO(), JOURNAL, "journald"),
-        (Terminal(), JOURNAL, "journald"),
-        (Terminal(), {}, "console"),
-        (io.StringIO(), {}, "logfmt"),
+        (io.StringIO, JOURNAL, "journald"),
+        (Terminal, JOURNAL, "journald"),
+        (Terminal, {}, "console"),
+        (io.StringIO, {}, "logfmt"),
     ],
     ids=["journald", "journald-tty", "tty", "pipe"],
 )
 def test_auto_format_picks_journald_then_console_then_logfmt(
-    stream: io.StringIO, env: dict[str, str], expect: str
+    make_stream: Callable[[], io.StringIO], env: dict[str, str], expect: str
 ) -> None:
+    stream = make_stream()  # a new stream per run: a shared one keeps the last run's lines
     configure_logging(fmt="auto", stream=stream, environ=env)
     get_logger().info("daemon.start", interval=5)
     (line,) = stream.getvalue().splitlines()

@@ -365,13 +365,24 @@ def _shell_in(argv: Sequence[str]) -> str | None:
 
 
 def _inline_flag(args: Sequence[str], options: _Options) -> str | None:
-    """The option among a program's leading options that runs inline code, or None."""
+    """The option among a program's leading options that runs inline code, or None.
+
+    ``--`` ends the options, not a launcher's operands (``flock -- FILE -c CMD`` runs a
+    shell). A long option without ``=`` may take the next argument as its value (``sudo --user
+    root -s``, ``node --require mod -e``): that argument is never taken for the program, so
+    the options after it are still looked at. A program's own option that looks like its
+    launcher's is then refused too; ``--`` before the program says where it starts.
+    """
     position = 0
     operands = options.positional
     while position < len(args):
         arg = args[position]
         position += 1
-        if arg == "--" or not arg.startswith("-") or arg == "-":
+        if arg == "--":
+            if operands == 0:
+                return None
+            continue
+        if not arg.startswith("-") or arg == "-":
             if operands == 0:
                 return None
             operands -= 1
@@ -380,6 +391,8 @@ def _inline_flag(args: Sequence[str], options: _Options) -> str | None:
             name = arg.split("=", 1)[0]
             if len(name) >= 3 and any(long.startswith(name) for long in options.long):
                 return arg
+            if "=" not in arg and position < len(args) and not args[position].startswith("-"):
+                position += 1  # perhaps its value
             continue
         for index, letter in enumerate(arg[1:], start=1):
             if letter in options.letters:

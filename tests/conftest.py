@@ -1,0 +1,45 @@
+"""Hypothesis profiles for every property, fuzz and state-machine test, chosen in one place.
+
+Loaded before any test module, so every ``@settings(...)`` in the tests inherits from the
+profile named by ``GPUWATCHD_HYPOTHESIS_PROFILE`` (the counts a test sets itself stay):
+
+- ``default`` (``make test``): derandomized, so a run on one machine is the run on another and
+  a test passes or fails the same way twice.
+- ``ci`` (``.ci/run``): derandomized too, with the longer runs (the state machines take 800
+  examples of 80 steps; the fuzz tests scale up where they read the profile).
+- ``explore`` (``make explore``): random and long, to look for what the fixed examples miss;
+  a failure prints the seed and the ``@reproduce_failure`` blob to replay it.
+- ``mutate`` (``make mutate``): derandomized, no shrinking (a mutant is caught by the first
+  failing example; shrinking it only costs time).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+_COMMON: dict[str, object] = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow],
+}
+
+settings.register_profile(
+    "default", max_examples=120, stateful_step_count=60, derandomize=True, database=None,
+    **_COMMON,  # type: ignore[arg-type]
+)  # fmt: skip
+settings.register_profile(
+    "ci", max_examples=800, stateful_step_count=80, derandomize=True, database=None,
+    print_blob=True, **_COMMON,  # type: ignore[arg-type]
+)  # fmt: skip
+settings.register_profile(
+    "explore", max_examples=4000, stateful_step_count=100, derandomize=False, print_blob=True,
+    **_COMMON,  # type: ignore[arg-type]
+)  # fmt: skip
+settings.register_profile(
+    "mutate", max_examples=120, stateful_step_count=60, derandomize=True, database=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate), **_COMMON,  # type: ignore[arg-type]
+)  # fmt: skip
+
+PROFILE = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default")
+settings.load_profile(PROFILE)

@@ -1,0 +1,133 @@
+"""What ``make mutate`` mutates, which tests judge the mutants, and which survivors fail CI.
+
+This module owns the scope of mutation testing (docs/architecture.md, "Mutation testing"):
+the decide/ modules, the functions of each (all of them, or the named ones for the long
+modules whose other parts are not safety gates), and which functions are *critical*: a
+surviving mutant there that is not a recorded equivalent fails ``make mutate`` and CI. A name
+listed here that the module no longer has is reported, not an error, so a rename in decide/
+does not break the tool (the report asks for this list to be updated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ALL", "TARGETS", "TEST_FILES", "Target"]
+
+ALL = ("*",)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module to mutate. ``functions``: qualified names, or ``ALL``. ``critical``: the
+    functions (or ``ALL``) where a surviving mutant means a safety gate is untested."""
+
+    name: str
+    file: str
+    functions: tuple[str, ...]
+    critical: tuple[str, ...]
+
+    def selects(self, qualname: str) -> bool:
+        return self.functions == ALL or qualname in self.functions
+
+    def is_critical(self, qualname: str) -> bool:
+        return self.critical == ALL or qualname in self.critical
+
+
+_RESET_GATES = (
+    "_node_block",
+    "_dry",
+    "_hold_reason",
+    "_live_holder",
+    "reset_gates",
+    "_gates",
+    "_reset_blocker",
+    "_escalating",
+    "_history_blocker",
+    "_consider_reset",
+    "_start_reset",
+    "_consider_health",
+    "_consider_health_reset",
+    "record_reset",
+)
+_KILL_LADDER = (
+    "_gate",
+    "_cap_exceeded",
+    "_consider_process_finding",
+    "_advance_ladders",
+    "_advance_live_ladder",
+    "_successor",
+    "_restart_after_dry_run",
+    "_stuck_finding",
+    "_emit_step",
+    "_mark_stuck",
+    "_close",
+    "_freed",
+    "_action_ended",
+    "record_signal",
+    "record_exit",
+)
+# What decides whether a signal is sent, and to whom.
+_KILL_DECISIONS = (
+    "_gate",
+    "_cap_exceeded",
+    "_consider_process_finding",
+    "_advance_ladders",
+    "_advance_live_ladder",
+    "_successor",
+    "_emit_step",
+    "record_signal",
+    "record_exit",
+)
+_ORPHAN_CLASSIFICATION = (
+    "_Assessor.blocked",
+    "_Assessor.add",
+    "_Assessor.assess_holders",
+    "_Assessor.classify",
+    "_Assessor.hidden",
+    "_Assessor.recorded_inheritance",
+    "_Assessor.opened_own_files",
+    "_Assessor.heir_of_dead_owner",
+    "_Assessor.dead_owner_tie",
+    "_Assessor.memory_without_owner",
+    "_Assessor.unaccounted_without_owner",
+    "_Assessor.likely_heir",
+    "_tree_link",
+    "_lost_leader",
+)
+
+TARGETS = (
+    Target("floor", "gpuwatchd/decide/floor.py", ALL, ALL),
+    Target("targets", "gpuwatchd/decide/targets.py", ALL, ALL),
+    Target("health", "gpuwatchd/decide/health.py", ALL, ("drain_blockers", "_known_pids")),
+    Target("argv", "gpuwatchd/decide/argv.py", ALL, ()),
+    Target(
+        "plan",
+        "gpuwatchd/decide/plan.py",
+        _RESET_GATES + _KILL_LADDER,
+        _RESET_GATES + _KILL_DECISIONS,
+    ),
+    Target("assess", "gpuwatchd/decide/assess.py", _ORPHAN_CLASSIFICATION, _ORPHAN_CLASSIFICATION),
+)
+
+# The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
+# mutant runs only those of them that call the mutated function, fastest first.
+TEST_FILES = (
+    "tests/test_floor.py",
+    "tests/test_gates.py",
+    "tests/test_orphan_evidence.py",
+    "tests/test_plan.py",
+    "tests/test_plan_stateful.py",
+    "tests/test_assess.py",
+    "tests/test_inherit.py",
+    "tests/test_health.py",
+    "tests/test_argv.py",
+    "tests/test_config.py",
+    "tests/test_config_hostile.py",
+    "tests/test_explain.py",
+    "tests/test_engine.py",
+    "tests/test_engine_replay.py",
+    "tests/test_scenarios.py",
+    "tests/test_simulate.py",
+    "tests/test_report.py",
+)

@@ -1,0 +1,174 @@
+"""Commands the daemon runs as root (decide/argv.py): no shell or inline code hidden behind an
+interpreter's or launcher's options, one GPU by a stable name, values filled in only in their
+documented format. Tables of argvs, each refused or accepted for a stated reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.decide.argv import (
+    GPU_PLACEHOLDERS,
+    HOOK_PLACEHOLDERS,
+    ArgvError,
+    check_command,
+    check_hook_command,
+    check_one_gpu,
+    format_argv,
+    hook_environment,
+)
+
+CODE = "import os; os.system('nvidia-smi -r')"
+UUID = "GPU-8f0a1e2b-0000-1111-2222-333344445555"
+DRAIN = "/usr/local/sbin/drain"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        # interpreter options before the inline code, with their values
+        (["python3", "-W", "ignore", "-c", CODE], "-c"),
+        (["python3", "-Wignore", "-c", CODE], "-c"),
+        (["python3", "-sW", "error", "-c", CODE], "-c"),
+        (["python3", "-X", "dev", "-I", "-c", CODE], "-c"),
+        (["python3", "-I", "-E", "-bb", "-c", CODE], "-c"),
+        (["python3", "-OO", "-c", CODE], "-c"),
+        (["python3", "--check-hash-based-pycs", "always", "-c", CODE], "-c"),
+        (["perl", "-I", "/opt/lib", "-e", CODE], "-e"),
+        (["ruby", "-r", "json", "-e", CODE], "-e"),
+        (["node", "-r", "tracing", "--eval", CODE], "--eval"),
+        (["node", "--require", "tracing", "-e", CODE], "-e"),
+        # launchers whose own options run a shell
+        (["sudo", "-u", "root", "-s"], "-s"),
+        (["sudo", "-uroot", "-i"], "-i"),
+        (["sudo", "--user", "root", "-i"], "-i"),
+        (["env", "--s", "nvidia-smi -r -i {uuid}"], "--s"),
+        (["env", "--split", "nvidia-smi -r -i {uuid}"], "--split"),
+        (["systemd-run", "--wait", "--pipe", "--shell"], "--shell"),
+        (["flock", "-w", "5", "/run/lock/gpu", "-c", "nvidia-smi -r"], "-c"),
+        (["flock", "--", "/run/lock/gpu", "-c", "nvidia-smi -r"], "-c"),
+        # A long option may take the next argument as its value: that argument is never taken
+        # for the program, so a program's own look-alike option needs "--" before the program.
+        (["systemd-run", "--collect", DRAIN, "-S", "x"], "-S"),
+    ],
+)
+def test_inline_code_behind_options_is_refused(argv: list[str], flag: str) -> None:
+    with pytest.raises(ArgvError) as caught:
+        check_command(argv, GPU_PLACEHOLDERS)
+    message = str(caught.value)
+    assert f"{flag}' runs a shell string or inline code" in message, message
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["python3", "-m", "site_drain", "-c", "/etc/drain.conf"], "-c belongs to the module"),
+        (["python3", "-Im", "site_drain", "-c", "x"], "-m ends python's options"),
+        (["python3", f"{DRAIN}.py", "-c", "/etc/drain.conf"], "-c belongs to the script"),
+        (["python3", "-Werror::DeprecationWarning", f"{DRAIN}.py"], "a -W value, not options"),
+        (["python3", "-W", "error", f"{DRAIN}.py", "-c", "x"], "-W takes the next argument"),
+        (["python3", "-V"], "options up to the last argument"),
+        (["flock", "/run/lock/gpu", DRAIN, "-c", "conf"], "-c belongs to the program"),
+        (["flock", "-w", "5", "/run/lock/gpu", DRAIN], "-w takes a value"),
+        (["flock", "--", "/run/lock/gpu", DRAIN, "-c", "conf"], "after the lock file"),
+        (["sudo", "-u", "gpuadmin", DRAIN, "-s", "fast"], "-s belongs to the program"),
+        (["systemd-run", "--wait", "--collect", "--", DRAIN, "-S", "x"], "-- ends the options"),
+        (["systemd-run", "--property=Nice=5", DRAIN], "a long option with its value"),
+        (["env", "LC_ALL=C", DRAIN, "--split", "x"], "--split belongs to the program"),
+    ],
+)
+def test_a_program_behind_options_is_accepted_with_its_own_options(
+    argv: list[str], why: str
+) -> None:
+    check_command(argv, GPU_PLACEHOLDERS)  # no ArgvError: {why}
+    assert why
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sh", "-c", "x"], "'sh' is a shell"),
+        (["timeout", "5", "/bin/bash", "x"], "argument 2 ('/bin/bash') is a shell"),
+    ],
+)
+def test_a_refused_shell_is_named_where_it_stands(argv: list[str], message: str) -> None:
+    with pytest.raises(ArgvError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        check_command(argv, GPU_PLACEHOLDERS)
+
+
+# --- one GPU, by a stable name ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "require_placeholder", "message"),
+    [
+        (
+            ["nvidia-smi", "-r", "-i", "{uuid}", "-iX"],
+            True,
+            "selects a GPU 2 times ('-i {uuid}', '-iX'); once only",
+        ),
+        (
+            ["nvidia-smi", "-r", "-i", UUID, "{uuid}"],
+            True,
+            "'-i GPU-8f0a1e2b-0000-1111-2222-333344445555' must select the GPU by {uuid} or "
+            "{pci_bus_id} alone",
+        ),
+        (["nvidia-smi", "-r", "-i", "0,abc"], False, "'-i 0,abc' selects a GPU by index"),
+    ],
+)
+def test_a_reset_command_names_one_gpu_once(
+    argv: list[str], require_placeholder: bool, message: str
+) -> None:
+    with pytest.raises(ArgvError) as caught:
+        check_one_gpu(argv, require_placeholder=require_placeholder)
+    assert message in str(caught.value)
+
+
+def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
+    check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=False)
+    with pytest.raises(ArgvError, match="must name exactly one GPU"):
+        check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=True)
+    # A hook that runs nvidia-smi is held to placeholders: a literal GPU there is refused.
+    with pytest.raises(ArgvError, match="must name exactly one GPU"):
+        check_hook_command(["nvidia-smi", "-q", "-i", UUID], HOOK_PLACEHOLDERS)
+    check_hook_command(["nvidia-smi", "-q", "-i", "{uuid}"], HOOK_PLACEHOLDERS)
+
+
+# --- placeholders and the values filled into them -----------------------------------------------
+
+
+def test_an_unknown_placeholder_after_an_escaped_brace_is_refused() -> None:
+    with pytest.raises(ArgvError, match=r"unknown placeholder \{nope\}"):
+        check_command(["tool", "{{literal}}-{nope}"], GPU_PLACEHOLDERS)
+
+
+@pytest.mark.parametrize(
+    ("template", "values", "error"),
+    [
+        (["-i", "{uuid}"], {}, "no value for {uuid}"),
+        (["-i", "{uuid}"], {"uuid": None}, "no value for {uuid}"),
+        (["-i", "{uuid!r}"], {"uuid": UUID}, "unknown placeholder {uuid}"),
+        (["-i", "{uuid}"], {"uuid": UUID, "colour": "red"}, "unknown placeholder value 'colour'"),
+    ],
+)
+def test_format_argv_refuses_what_it_cannot_fill_exactly(
+    template: list[str], values: dict[str, str | None], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error.replace("{", r"\{").replace("}", r"\}")):
+        format_argv(template, **values)
+
+
+def test_format_argv_fills_every_placeholder_and_keeps_escaped_braces() -> None:
+    assert format_argv(["tag={{{uuid}}}", "-i", "{minor}"], uuid=UUID, minor="3") == (
+        "tag={" + UUID + "}",
+        "-i",
+        "3",
+    )
+
+
+def test_hook_environment_names_only_known_values() -> None:
+    assert hook_environment("reset.failed", gpu=UUID, user=None, minor=0) == {
+        "GPUWATCHD_EVENT": "reset.failed",
+        "GPUWATCHD_GPU": UUID,
+        "GPUWATCHD_MINOR": "0",
+    }

@@ -6,7 +6,7 @@ FAKENVML_DIR := tests/fakenvml
 FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
 DSTATE := $(FAKENVML_DIR)/build/dstate
 
-.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv
+.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv mutate mutate-changed explore
 
 all: test
 
@@ -47,6 +47,24 @@ test: venv fakenvml lint typecheck unit
 test-gpu: venv
 	$(PY) -m pytest -m gpu -rs -v tests/test_gpu.py
 
+# Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
+# score per module and every survivor that is not a recorded equivalent; fails on one in a
+# critical function. About 10 minutes on 2 cores. MODULES="floor plan" mutates only those.
+MODULES ?=
+mutate: venv fakenvml
+	$(PY) -m tests.mutation --record $(MODULES)
+
+# What CI runs: only the functions changed since tests/mutation/fingerprints.json, time-boxed.
+MUTATE_TIME_LIMIT ?= 1200
+mutate-changed: venv fakenvml
+	$(PY) -m tests.mutation --changed --time-limit $(MUTATE_TIME_LIMIT)
+
+# The property and state-machine tests, random and long (make test runs them derandomized).
+explore: venv
+	GPUWATCHD_HYPOTHESIS_PROFILE=explore $(PY) -m pytest -p no:cacheprovider \
+		tests/test_plan_stateful.py tests/test_assess.py tests/test_plan.py tests/test_status.py \
+		tests/test_config_hostile.py tests/test_fuzz_inputs.py
+
 demo: venv fakenvml
 	$(PY) -m tests.support.demo
 
@@ -54,4 +72,5 @@ bench: venv fakenvml
 	$(PY) bench/run.py
 
 clean:
-	rm -rf $(VENV) $(FAKENVML_DIR)/build .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FAKENVML_DIR)/build .mypy_cache .ruff_cache .pytest_cache .hypothesis \
+		build/mutation

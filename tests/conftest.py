@@ -33,7 +33,7 @@ settings.register_profile(
     print_blob=True, **_COMMON,  # type: ignore[arg-type]
 )  # fmt: skip
 settings.register_profile(
-    "explore", max_examples=4000, stateful_step_count=100, derandomize=False, print_blob=True,
+    "explore", max_examples=2000, stateful_step_count=100, derandomize=False, print_blob=True,
     **_COMMON,  # type: ignore[arg-type]
 )  # fmt: skip
 settings.register_profile(

@@ -12,7 +12,8 @@ It prints the score per module, then every survivor that is not a recorded equiv
 entry ready to paste into ``tests/mutation/equivalents.yaml`` once someone has checked that no
 test can tell it apart (or, better, has written the test that does). Exit status: 0 when no
 *critical* function (scope.py) has such a survivor, 1 when one has, 2 when the tool itself
-could not do its work (collection error, a mutant that could not be installed, bad files).
+could not do its work (collection error, a mutant that could not be installed, bad files, a
+function named in scope.py that no longer exists, a test that fails when run twice).
 
 ``--changed`` (what CI runs) mutates only the functions whose syntax tree differs from the
 fingerprint recorded in ``tests/mutation/fingerprints.json``: a fresh clone needs no history
@@ -153,8 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.monotonic()
-    # Hypothesis examples must be the same in every child and the baseline (tests/conftest.py).
-    os.environ.setdefault("GPUWATCHD_HYPOTHESIS_PROFILE", "mutate")
+    # Hypothesis examples must be the same in every child and the baseline (tests/conftest.py),
+    # also under CI's profile.
+    os.environ["GPUWATCHD_HYPOTHESIS_PROFILE"] = "mutate"
 
     targets = _targets(args.targets)
     modules, missing = _load(targets)
@@ -182,9 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"mutation testing: {len(mutants)} mutants of {what}{len(modules)} module(s), "
         f"{args.jobs} job(s){f', time limit {args.time_limit:g}s' if args.time_limit else ''}"
     )
+    if missing:
+        _say(
+            "scope.py names functions that do not exist (renamed? update tests/mutation/scope.py):"
+        )
+        for name in missing:
+            _say(f"  {name}")
     if not mutants:
         _say("nothing to mutate: every function is as recorded in tests/mutation/fingerprints.json")
-        return 0
+        return 2 if missing else 0
 
     deadline = None if args.time_limit is None else started + args.time_limit
     plugin = MutationPlugin(modules, mutants, jobs=args.jobs, deadline=deadline, progress=_say)
@@ -246,13 +254,21 @@ def _report(
     gone = sorted(set(missing) | set(plugin.missing))
     if gone:
         _say("")
-        _say("scope.py names functions that do not exist (renamed? update the scope):")
+        _say(
+            "scope.py names functions that do not exist (renamed? update tests/mutation/scope.py):"
+        )
         for name in gone:
             _say(f"  {name}")
     if plugin.failed_baseline:
         _say("")
         _say("these tests failed without any mutant and judged nothing:")
         for nodeid in plugin.failed_baseline:
+            _say(f"  {nodeid}")
+    if plugin.unstable:
+        _say("")
+        _say("these tests pass alone but fail when run again in a child (they change a value")
+        _say("other runs share, or depend on one); they judged nothing, fix them:")
+        for nodeid in plugin.unstable:
             _say(f"  {nodeid}")
     not_run = sum(1 for v in verdicts if v.status == "not_run")
     if not_run:
@@ -266,7 +282,7 @@ def _report(
         f"\nmutation score {shown} (equivalents set aside); {len(critical)} critical survivor(s); "
         f"{elapsed:.0f}s; details in {RESULTS.relative_to(ROOT)}"
     )
-    if errors:
+    if errors or gone or plugin.unstable:
         return 2
     return 1 if critical else 0
 

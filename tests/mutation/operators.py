@@ -19,10 +19,10 @@ delete     a statement in a branch (the body of an ``if``/``else``, loop, ``try`
            ``case``) becomes ``pass``
 ========== =====================================================================================
 
-Nothing inside an f-string, a docstring, an annotation or a default value is mutated, nor the
-arguments of calls that only describe a decision (``LOG_CALLS``: ``w.event(...)``,
-``Event(...)``, ``self.note(...)``): what an event says is checked by the docs and log tests,
-and a mutant there changes text, never an action.
+Nothing inside an f-string, a docstring, an annotation or a default value is mutated, nor
+calls that only describe a decision (``LOG_CALLS``: ``w.event(...)``, ``Event(...)``,
+``self.note(...)``), their arguments or the statements they stand in: what an event says is
+checked by the docs and log tests, and a mutant there changes text, never an action.
 
 A mutant is named by text, never by line number, so that an edit elsewhere in the file leaves
 its name alone: the file, the function's qualified name, the operator, the stripped source line
@@ -323,6 +323,8 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[_Site]:
     ) -> Iterator[_Site]:
         if isinstance(child, ast.JoinedStr) or _is_log_call(child) or _is_docstring(child):
             return
+        if isinstance(child, ast.Expr) and _is_log_call(child.value):
+            return  # an event or note on its own line: what it says, not what is done
         # A nested function or lambda: its body, not its signature or defaults.
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for position, statement in enumerate(child.body):

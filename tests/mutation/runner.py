@@ -4,7 +4,9 @@ This module owns *how* mutants are judged. Once pytest has collected the test fi
 
 1. **Baseline.** Every test runs once, unmutated, while a profiler records which target
    functions it calls (nested functions and comprehensions count for the function around
-   them). A test that fails or is skipped here judges nothing.
+   them). A test that fails or is skipped here judges nothing; nor does one that fails when
+   the passing tests run once more, unmutated, in a child as the mutants will (it depends on
+   a value an earlier test changed, and would seem to kill every mutant).
 2. **Mutants.** Each mutant runs in a forked child: the mutated module is compiled, the one
    function's ``__code__`` is swapped for the mutated one (every reference to the function,
    ``from x import f`` included, sees the change), and only the tests that called that
@@ -143,6 +145,7 @@ class MutationPlugin:
         self.verdicts: list[Verdict] = []
         self.baseline: dict[str, _Baseline] = {}
         self.failed_baseline: list[str] = []
+        self.unstable: list[str] = []  # passed alone, failed when run again in a child
         self.missing: list[str] = []  # functions that could not be found at run time
         self.collection_failed = False
 
@@ -155,6 +158,7 @@ class MutationPlugin:
             return True
         items = list(session.items)
         self._run_baseline(items)
+        self._check_rerun(items)
         self._run_mutants(items)
         return True
 
@@ -188,6 +192,44 @@ class MutationPlugin:
             self.baseline[item.nodeid] = _Baseline(passed, time.monotonic() - started, called)
             if not passed and not any(r.skipped for r in reports):
                 self.failed_baseline.append(item.nodeid)
+
+    def _check_rerun(self, items: Sequence[pytest.Item]) -> None:
+        """Run the passing tests again, unmutated, in one child as a mutant would run them: a
+        test that fails there depends on what an earlier test left behind (a shared value it
+        changed) and would "kill" every mutant. It is set aside and reported."""
+        passing = [item for item in items if self.baseline[item.nodeid].passed]
+        spent = sum(self.baseline[item.nodeid].seconds for item in passing)
+        self.progress(f"rerun: {len(passing)} tests once more, unmutated, in a child")
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns
+            os.close(read_end)
+            self._rerun_child(passing, 30.0 + 3.0 * spent, write_end)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            failed = pipe.read().decode(errors="replace").split()
+        _pid, status = os.waitpid(pid, 0)
+        if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != _SURVIVED:
+            raise RuntimeError("the unmutated rerun of the tests did not finish")
+        for nodeid in failed:
+            self.unstable.append(nodeid)
+            self.baseline[nodeid].passed = False
+
+    def _rerun_child(self, tests: Sequence[pytest.Item], timeout: float, pipe: int) -> None:
+        code = _ERROR
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(max(1, math.ceil(timeout)))
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            for item in tests:
+                reports = runtestprotocol(item, nextitem=None, log=False)
+                if any(r.failed for r in reports):
+                    os.write(pipe, item.nodeid.encode() + b"\n")
+            code = _SURVIVED
+        finally:
+            os._exit(code)
 
     # -- mutants --
 

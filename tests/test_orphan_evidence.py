@@ -17,8 +17,8 @@ import pytest
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, ProcessIdentity, Snapshot
-from tests.support.snapshots import HostBuilder
+from gpuwatchd.model import MIB, FindingKind, ProcessIdentity, Snapshot
+from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 
 LEAK = 20 * 1024 * MIB
 DEFAULT = Detection()
@@ -61,10 +61,15 @@ def fd_family(at: float) -> HostBuilder:
     )
 
 
-def fd_family_before() -> Snapshot:
+def fd_family_before(also: dict[int, bool] | None = None) -> Snapshot:
+    """``also``: kcmp's answers about other owners (790, on GPU 1; or the rank 810)."""
     builder = fd_family(1000.0)
     builder.proc(800, ppid=700, holds={0}, uvm=True).nvml(0, 800, used=LEAK)
     builder.proc(815, ppid=800).proc(820, ppid=815, holds={0}, uvm=True, via="both")
+    for owner, shared in (also or {}).items():
+        if owner == 790:
+            builder.proc(790, ppid=700, holds={1}, uvm=True).nvml(1, 790, used=LEAK)
+        builder.sharing(820, owner, shared)
     return builder.sharing(820, 800, True).build()
 
 
@@ -92,6 +97,10 @@ def _owner_unknown(b: HostBuilder) -> None:
     pass  # not listed, not described, not looked up
 
 
+def _owner_zombie_with_threads(b: HostBuilder) -> None:
+    b.proc(800, ppid=700, state="Z", holds={0}, uvm=True).nvml(0, 800, used=LEAK)
+
+
 @pytest.mark.parametrize(
     ("case", "owner", "expected", "dead_status"),
     [
@@ -101,8 +110,10 @@ def _owner_unknown(b: HostBuilder) -> None:
         ("the owner's PID names another process now", _owner_pid_reused, "orphaned", "reused"),
         ("the owner was looked up and does not exist", _owner_absent, "orphaned", "dead"),
         ("the owner's fate is unknown", _owner_unknown, "worker of 810", None),
+        ("the owner is a zombie whose threads hold the GPU", _owner_zombie_with_threads,
+         "worker of 800", None),
     ],
-)
+)  # fmt: skip
 def test_a_holder_of_an_owners_own_files_is_its_heir_only_once_that_owner_is_known_dead(
     case: str, owner: Callable[[HostBuilder], None], expected: str, dead_status: str | None
 ) -> None:
@@ -116,6 +127,40 @@ def test_a_holder_of_an_owners_own_files_is_its_heir_only_once_that_owner_is_kno
         assert (evidence["tie"], evidence["dead_pid"]) == ("inherited_files", 800), case
         assert evidence["dead_status"] == dead_status, case
     assert verdict(result, 810)[0] == "context_owner", case  # the live rank is never a finding
+
+
+@pytest.mark.parametrize(
+    ("case", "also", "expected"),
+    [
+        ("kcmp: the files are not another owner's", {790: False}, "orphaned"),
+        ("kcmp: the files are also a live rank's own", {810: True}, "worker of 810"),
+        ("kcmp: the files are also those of an owner whose fate is unknown", {790: True},
+         "worker of 810"),
+    ],
+)  # fmt: skip
+def test_a_holder_is_the_heir_of_dead_owners_only_when_no_other_owner_shares_its_files(
+    case: str, also: dict[int, bool], expected: str
+) -> None:
+    """The dead owner's files are the holder's; if another owner, alive or of unknown fate,
+    shares them too, killing the holder frees nothing: it is nobody's heir."""
+    before = run(fd_family_before(also))
+    later = fd_family(1010.0).proc(820, ppid=1, pgid=700, sid=700, holds={0}, uvm=True)
+    later.nvml(0, 800, used=LEAK)  # the owner died
+    kind, evidence = verdict(run(later.build(), before.state), 820)
+    assert kind == expected, case
+    if expected == "orphaned":
+        assert (evidence["tie"], evidence["dead_pid"]) == ("inherited_files", 800), case
+
+
+def test_a_holder_sharing_a_session_with_one_live_owner_and_descending_from_another_is_a_worker(
+) -> None:  # fmt: skip
+    """The heir of a dead owner shares a session with live rank 810, which does not count, but
+    it descends from live owner 830: its worker."""
+    before = run(fd_family_before())
+    later = fd_family(1010.0).nvml(0, 800, used=LEAK)
+    later.proc(830, ppid=700, holds={1}, uvm=True).nvml(1, 830, used=LEAK)
+    later.proc(820, ppid=830, pgid=700, sid=700, holds={0}, uvm=True)
+    assert verdict(run(later.build(), before.state), 820)[0] == "worker of 830"
 
 
 @pytest.mark.parametrize("broken", ["the heir's parent", "the live rank's parent"])
@@ -180,6 +225,31 @@ def test_a_recorded_parent_whose_pid_now_names_a_live_job_is_no_dead_owner() -> 
     )
     kind, _ = verdict(run(later, first.state), 801)
     assert kind == "hidden_holder"
+
+
+def test_a_zombie_leader_whose_threads_hold_the_gpu_is_no_dead_owner() -> None:
+    """800 is a zombie leader, but its threads still hold GPU 0 (NVML lists it): a holder
+    that recorded it as its parent is not tied to a dead owner by it."""
+    before = (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .proc(801, ppid=800, pgid=801, sid=801, holds={0}, uvm=True)
+        .build()
+    )
+    first = run(before)
+    later = (
+        HostBuilder(monotonic=1010.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, state="Z", holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .proc(801, ppid=1, pgid=801, sid=801, holds={0}, uvm=True)
+        .build()
+    )
+    result = run(later, first.state)
+    assert verdict(result, 801)[0] == "hidden_holder"
+    assert verdict(result, 800)[0] == "zombie"  # its parent must reap it
 
 
 def test_a_holder_first_seen_in_the_poll_its_memory_lost_its_owner_is_the_heir() -> None:
@@ -280,7 +350,7 @@ def test_a_session_or_group_zero_is_never_a_lost_leader(sid: int, pgid: int) -> 
 def test_one_shared_answer_about_the_owners_pid_is_enough_to_make_the_heir() -> None:
     """kcmp was asked about two processes with PID 800 (the PID was reused while the holder
     lived): one of them shared its files with the holder, so the holder does not count as one
-    that opened its own files, and the dead owner's tie makes it the heir."""
+    that opened its own files, and the memory its former owner left makes it the heir."""
     alive = (
         HostBuilder(monotonic=1000.0)
         .gpu(0, allocated=LEAK)
@@ -300,11 +370,122 @@ def test_one_shared_answer_about_the_owners_pid_is_enough_to_make_the_heir() -> 
     )
     dead = (
         HostBuilder(monotonic=1010.0)
-        .gpu(0, allocated=LEAK)
-        .nvml(0, 800, used=LEAK)
+        .gpu(0, allocated=LEAK)  # nothing listed: the memory has no owner now
         .proc(801, ppid=1, pgid=800, sid=800, holds={0}, uvm=True)
         .build()
     )
     kind, evidence = verdict(run(dead, state), 801)
     assert kind == "orphaned"
-    assert "own_files" not in evidence
+    assert (evidence["tie"], evidence["former_owner"]) == ("unaccounted_memory", 800)
+    own = dataclasses.replace(first.state, inheritance={holder: ((owner, False),)})
+    kind, evidence = verdict(run(dead, own), 801)
+    assert (kind, evidence["own_files"]) == ("hidden_holder", True)
+
+
+# --- memory that no live owner accounts for ----------------------------------------------------
+
+
+def _unowned(gpu: Callable[[HostBuilder], HostBuilder]) -> str:
+    """The verdict on 801, whose recorded parent 800 owned GPU 0 and exited, given GPU 0 as
+    ``gpu`` builds it in the second poll."""
+    owned = (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=LEAK)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .nvml(0, 800, used=LEAK)
+        .proc(801, ppid=800, holds={0}, uvm=True)
+        .build()
+    )
+    first = run(owned)
+    later = gpu(HostBuilder(monotonic=1010.0)).proc(801, ppid=1, pgid=800, sid=800, holds={0},
+                                                    uvm=True)  # fmt: skip
+    return verdict(run(later.build(), first.state), 801)[0]
+
+
+MARGIN = DEFAULT.ghost_margin
+BASE = DEFAULT.default_baseline
+
+
+@pytest.mark.parametrize(
+    ("case", "gpu", "expected"),
+    [
+        ("memory above baseline and margin", lambda b: b.gpu(0, allocated=LEAK), "orphaned"),
+        ("memory at baseline plus margin", lambda b: b.gpu(0, allocated=BASE + MARGIN),
+         "hidden_holder"),
+        ("memory one byte above", lambda b: b.gpu(0, allocated=BASE + MARGIN + 1), "orphaned"),
+        ("allocated memory unknown", lambda b: b.gpu(0, allocated=None), "hidden_holder"),
+        ("coherent memory keeps pages by design", lambda b: b.gpu(0, allocated=LEAK, numa_node=0),
+         "hidden_holder"),
+    ],
+)  # fmt: skip
+def test_memory_without_an_owner_ties_the_heir_only_when_known_and_above_the_margin(
+    case: str, gpu: Callable[[HostBuilder], HostBuilder], expected: str
+) -> None:
+    assert _unowned(gpu) == expected, case
+
+
+# --- roles, and what makes a finding actionable ----------------------------------------------
+
+
+def test_roles_of_an_owner_its_worker_a_zombie_and_a_holder_without_facts() -> None:
+    snapshot = (
+        HostBuilder()
+        .gpu(0)
+        .gpu(1)
+        .proc(800, ppid=1, holds={0, 1}, uvm=True)  # owns a context on GPU 0 only
+        .nvml(0, 800)
+        .proc(801, ppid=800, holds={1}, uvm=True)  # its worker, on GPU 1
+        .proc(900, ppid=1, state="Z", holds={0}, uvm=True)  # a listed zombie: live threads
+        .nvml(0, 900)
+        .proc(901, ppid=1, state="Z", holds={1}, uvm=True)  # not listed
+        .hold(902, {1}, uvm=True)  # no process facts: exited during the scan?
+        .build()
+    )
+    roles = {(r.pid, r.gpu): (r.role.value, r.note) for r in run(snapshot).roles}
+    assert roles[(800, gpu_uuid(0))] == ("context_owner", "owns a context (listed by NVML)")
+    assert roles[(800, gpu_uuid(1))] == (
+        "context_owner", "owns a context on another GPU; CUDA opens every visible GPU"
+    )  # fmt: skip
+    assert roles[(801, gpu_uuid(1))][0] == "worker"
+    assert roles[(900, gpu_uuid(0))][0] == "context_owner"
+    assert roles[(901, gpu_uuid(1))] == (
+        "unknown", "zombie that still holds device files (live threads?)"
+    )  # fmt: skip
+    assert roles[(902, gpu_uuid(1))] == ("unknown", "no process facts (exited during the scan?)")
+
+
+def test_a_listed_owner_whose_job_ended_is_abandoned_and_still_an_owner() -> None:
+    snapshot = (
+        HostBuilder()
+        .gpu(0)
+        .proc(800, ppid=1, cgroup=cg_slurm("77"), holds={0}, uvm=True)
+        .nvml(0, 800)
+        .build()
+    )
+    result = assess(snapshot, AssessState(boot_id="boot-1"), DEFAULT, frozenset({"slurm:77"}))
+    assert verdict(result, 800)[0] == "abandoned"
+    assert [r.role.value for r in result.roles if r.pid == 800] == ["context_owner"]
+
+
+def test_an_orphan_that_also_holds_a_report_only_gpu_is_not_actionable() -> None:
+    """A holder of GPU 0 (fine) and GPU 1 (MIG: report-only) is reported, never acted on."""
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .gpu(1, mig=True)
+        .nvml(0, 600, used=LEAK)  # the dead owner
+        .proc(601, ppid=1, pgid=600, sid=600, holds={0, 1}, uvm=True)
+        .build()
+    )
+    (finding,) = [f for f in run(snapshot).findings if f.pid == 601]
+    assert (finding.kind, finding.actionable) == (FindingKind.ORPHANED, False)
+    alone = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .gpu(1, mig=True)
+        .nvml(0, 600, used=LEAK)
+        .proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True)
+        .build()
+    )
+    (finding,) = [f for f in run(alone).findings if f.pid == 601]
+    assert (finding.kind, finding.actionable) == (FindingKind.ORPHANED, True)

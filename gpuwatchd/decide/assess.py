@@ -644,7 +644,9 @@ class _Assessor:
 
         Recorded while that owner lived (``FileSharing.shared`` True); its death must be
         positive too: NVML lists its PID dead or as a zombie, its PID now names another
-        process, or its PID was looked up and does not exist.
+        process, or its PID was looked up and does not exist. That holds for every owner whose
+        files it shares: if one of them lives, or its fate is unknown, the files are still
+        that owner's too and killing the holder frees nothing, so it is nobody's heir.
         """
         host = self.host
         listed_dead = {
@@ -653,13 +655,14 @@ class _Assessor:
             for row in rows
             if row.status != "alive" and row.entry.pid not in host.listed_alive
         }
+        evidence: dict[str, object] | None = None
         for owner, shared in self.recorded_inheritance(proc):
             if not shared or owner.pid == proc.pid:
                 continue
             now = host.procs.get(owner.pid)
             if now is not None and now.start_ticks == owner.start_ticks:
                 if owner.pid not in listed_dead:
-                    continue  # alive (or a zombie that NVML does not list dead)
+                    return None  # alive (or a zombie that NVML does not list dead)
                 status = listed_dead[owner.pid]
             elif owner.pid in listed_dead:
                 status = listed_dead[owner.pid]
@@ -668,15 +671,16 @@ class _Assessor:
             elif owner.pid in host.snapshot.absent_pids:
                 status = "dead"
             else:
-                continue
-            return {
-                "tie": "inherited_files",
-                "dead_pid": owner.pid,
-                "dead_start_ticks": owner.start_ticks,
-                "dead_status": status,
-                "link": "kcmp",
-            }
-        return None
+                return None  # not described, not looked up: unknown is not dead
+            if evidence is None:
+                evidence = {
+                    "tie": "inherited_files",
+                    "dead_pid": owner.pid,
+                    "dead_start_ticks": owner.start_ticks,
+                    "dead_status": status,
+                    "link": "kcmp",
+                }
+        return evidence
 
     def hidden(self, note: str) -> _Outcome:
         return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER)

@@ -45,6 +45,7 @@ DRAIN = "/usr/local/sbin/drain"
         (["env", "--s", "nvidia-smi -r -i {uuid}"], "--s"),
         (["env", "--split", "nvidia-smi -r -i {uuid}"], "--split"),
         (["systemd-run", "--wait", "--pipe", "--shell"], "--shell"),
+        (["systemd-run", "--wait", "--shell"], "--shell"),
         (["flock", "-w", "5", "/run/lock/gpu", "-c", "nvidia-smi -r"], "-c"),
         (["flock", "--", "/run/lock/gpu", "-c", "nvidia-smi -r"], "-c"),
         # A long option may take the next argument as its value: that argument is never taken
@@ -68,6 +69,9 @@ def test_inline_code_behind_options_is_refused(argv: list[str], flag: str) -> No
         (["python3", "-Werror::DeprecationWarning", f"{DRAIN}.py"], "a -W value, not options"),
         (["python3", "-W", "error", f"{DRAIN}.py", "-c", "x"], "-W takes the next argument"),
         (["python3", "-V"], "options up to the last argument"),
+        (["python3", "--version"], "a long option as the last argument"),
+        (["python3", "-mcProfile", f"{DRAIN}.py"], "-m's value is the module cProfile"),
+        (["flock", "/var/lock/gpu", DRAIN], "the lock file is an operand, not options"),
         (["flock", "/run/lock/gpu", DRAIN, "-c", "conf"], "-c belongs to the program"),
         (["flock", "-w", "5", "/run/lock/gpu", DRAIN], "-w takes a value"),
         (["flock", "--", "/run/lock/gpu", DRAIN, "-c", "conf"], "after the lock file"),

@@ -879,15 +879,15 @@ def test_a_reset_waits_out_the_post_action_delay_of_a_signal_on_its_gpu() -> Non
 
 def test_a_started_reset_keeps_new_targets_on_its_gpu_waiting_and_says_how_long_it_waited() -> None:
     pol = _quiet_policy()
-    state = _plan([_ghost()], _idle_host(), PlanState(), pol, 0.0).state
-    result = _plan([_ghost()], _idle_host(), state, pol, 61.0)
+    state = _plan([_ghost()], _idle_host(), PlanState(), pol, 5.0).state
+    result = _plan([_ghost()], _idle_host(), state, pol, 66.0)
     (intent,) = _resets(result)
     assert intent.reason.startswith("ghost memory confirmed for 61s: ")
     assert (intent.facts["lasted"], intent.drained) == (61.0, False)
     snapshot = _job_host().build()
-    later = _plan([_ghost(), _orphan(snapshot)], snapshot, result.state, pol, 62.0)
+    later = _plan([_ghost(), _orphan(snapshot)], snapshot, result.state, pol, 67.0)
     assert _signals(later) == []
-    assert next_deadline(later.state) == 91.0  # 61 + post_action_delay
+    assert next_deadline(later.state) == 96.0  # 66 + post_action_delay
 
 
 @pytest.mark.parametrize(("delay", "due"), [(30.0, 130.0), (0.5, 100.5), (0.0, None)])
@@ -910,11 +910,14 @@ def test_a_booked_reset_keeps_its_gpu_quiet_for_the_post_action_delay(
     assert loose.state.quiet_until == {}
 
 
-def test_a_successful_reset_starts_the_cooldown_of_its_gpu() -> None:
-    pol = _policy(reset=replace(_policy().reset, confirm_for=0.0, cooldown=600.0, max_resets=5))
+@pytest.mark.parametrize("outcome", ["success", "failed", "timeout", "refused"])
+def test_a_reset_attempt_starts_the_cooldown_of_its_gpu(outcome: str) -> None:
+    pol = _policy(reset=replace(
+        _policy().reset, confirm_for=0.0, cooldown=600.0, max_resets=5, max_failures=5
+    ))  # fmt: skip
     result = _plan([_ghost()], _idle_host(), PlanState(), pol, 0.0)
     (intent,) = _resets(result)
-    state = record_reset(result.state, intent, "success", now=1.0, wall=WALL + 1.0).state
+    state = record_reset(result.state, intent, outcome, now=1.0, wall=WALL + 1.0).state
     again = _plan([_ghost()], _idle_host(), state, pol, 300.0)
     assert _resets(again) == []
     assert "cooldown" in _whys(again, EventName.RESET_REFUSED)

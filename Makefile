@@ -49,10 +49,10 @@ test-gpu: venv
 
 # Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
 # score per module and every survivor that is not a recorded equivalent; fails on one in a
-# critical function. About 10 minutes on 2 cores. MODULES="floor plan" mutates only those.
+# critical function. 4 to 10 minutes on 2 cores. MODULES="floor plan" mutates only those.
 MODULES ?=
 mutate: venv fakenvml
-	$(PY) -m tests.mutation --record $(MODULES)
+	$(PY) -m tests.mutation --record --time-limit 3600 $(MODULES)
 
 # What CI runs: only the functions changed since tests/mutation/fingerprints.json, time-boxed.
 MUTATE_TIME_LIMIT ?= 1200

@@ -1,0 +1,1 @@
+"""Mutation testing of decide/'s safety gates: ``python -m tests.mutation`` (``make mutate``)."""

@@ -115,6 +115,7 @@ TARGETS = (
 TEST_FILES = (
     "tests/test_floor.py",
     "tests/test_gates.py",
+    "tests/test_reset_gates.py",
     "tests/test_ladders.py",
     "tests/test_orphan_evidence.py",
     "tests/test_plan.py",

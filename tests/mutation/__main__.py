@@ -191,7 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in missing:
             _say(f"  {name}")
     if not mutants:
-        _say("nothing to mutate: every function is as recorded in tests/mutation/fingerprints.json")
+        if args.changed:
+            _say("nothing to mutate: every function is as tests/mutation/fingerprints.json records")
+        else:
+            _say("nothing to mutate: no function of the targets matches")
         return 2 if missing else 0
 
     deadline = None if args.time_limit is None else started + args.time_limit

@@ -47,18 +47,14 @@ from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import (
+    MAX_ENDED_JOBS,
     hand_over_ended_jobs,
     read_ended_jobs,
     read_pause,
     take_clear_latches,
 )
-from gpuwatchd.state import (
-    AlreadyRunning,
-    StateDirError,
-    StateStore,
-    check_state_dir,
-    write_atomically,
-)
+from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
+from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
@@ -137,9 +133,11 @@ class Daemon:
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
+        self._state_dir_error: str | None = None
         self.hook_queue = HookQueue()
         self._own_ended_jobs = ended_jobs
         self._handed_jobs: frozenset[str] = frozenset()
+        self._handed_over_limit = 0
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
@@ -185,7 +183,7 @@ class Daemon:
     def run(self) -> int:
         state_dir = self.policy.state_dir
         try:
-            check_state_dir(state_dir)
+            self.store.directory()  # the walk from / and the trust rule (gpuwatchd/statedir.py)
         except PermissionError:
             log.critical(EventName.DAEMON_NO_PERMISSION, path=state_dir)
             return ExitCode.NOPERM
@@ -212,6 +210,7 @@ class Daemon:
             self.signaller.close()
             self.nvml.close()
             self.device_watch.close()
+            self.store.close()
 
     def _start_device_watch(self) -> None:
         """Watch the device files for opens; without the watch, walk on the plain interval."""
@@ -273,15 +272,25 @@ class Daemon:
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
         remaining device holders are ``abandoned`` until the hand-over expires."""
-        handed, problems = read_ended_jobs(
-            self.policy.state_dir, self.wall_clock(), remove_stale=True
-        )
-        for problem in problems:
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
+        found = read_ended_jobs(state_dir, self.wall_clock(), remove_stale=True)
+        for problem in found.problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
-        for job in sorted(handed - self._handed_jobs):
+        for job in sorted(found.jobs - self._handed_jobs):
             log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
-        self._handed_jobs = handed
-        self.collector.ended_by_scheduler = self._own_ended_jobs | handed
+        if found.over_limit != self._handed_over_limit:
+            # Said when the number changes, not every poll; the files are kept, never dropped.
+            log.warning(
+                EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT,
+                waiting=found.over_limit,
+                honoured=len(found.jobs),
+                limit=MAX_ENDED_JOBS,
+            )
+            self._handed_over_limit = found.over_limit
+        self._handed_jobs = found.jobs
+        self.collector.ended_by_scheduler = self._own_ended_jobs | found.jobs
 
     def _finish_notifications(self) -> None:
         """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
@@ -351,11 +360,28 @@ class Daemon:
 
     # --- one poll -------------------------------------------------------------------------
 
+    def _state_dir(self) -> StateDir | None:
+        """The state directory opened at start (or now); None when it cannot be used, said
+        once per distinct error as ``state.dir_unusable``."""
+        try:
+            return self.store.directory()
+        except OSError as exc:
+            error = _os_error(exc)
+            if error != self._state_dir_error:
+                log.critical(EventName.STATE_DIR_UNUSABLE, path=self.policy.state_dir, error=error)
+                self._state_dir_error = error
+            return None
+
     def poll_once(self) -> PlanResult:
         """The admin switches, then one engine cycle, then the STATUS line."""
-        self.engine.set_paused(read_pause(self.policy.state_dir))
-        if take_clear_latches(self.policy.state_dir):
-            self.engine.clear_latches()
+        state_dir = self._state_dir()
+        if state_dir is None:
+            # Fail safe: no switch can be read and no step could be saved.
+            self.engine.set_paused("state_dir unusable")
+        else:
+            self.engine.set_paused(read_pause(state_dir))
+            if take_clear_latches(state_dir):
+                self.engine.clear_latches()
         self._take_ended_jobs()
         # The poll's start is its time in the status section: the engine's own checkpoint at
         # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
@@ -410,10 +436,11 @@ class Daemon:
             and snapshot.wall_time - self._view_polled < holder_view.REFRESH
         ):
             return
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
         try:
-            write_atomically(
-                self.policy.state_dir, holder_view.VIEW_FILE, json.dumps(view).encode()
-            )
+            state_dir.write(holder_view.VIEW_FILE, json.dumps(view).encode())
         except OSError as exc:
             log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=str(exc))
             return
@@ -512,8 +539,11 @@ class Daemon:
         if data and data.get("boot_id") != boot_id:
             log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
-    def save_state(self) -> None:
-        """Write the state when it changed (a quiet poll costs no write and no fsync)."""
+    def save_state(self) -> bool:
+        """Write the state when it changed (a quiet poll costs no write and no fsync).
+
+        True when what is on disk is the current state; False when it could not be written
+        (logged): the engine then takes no irreversible step (engine.py, ``checkpoint``)."""
         boot_id = self.procfs.boot_id()
         state = self.engine.state
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
@@ -529,7 +559,7 @@ class Daemon:
         # quiet node, so a quiet poll still costs no write most of the time.
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
-            return
+            return True
         data = {
             "version": STATE_FILE_VERSION,
             "boot_id": boot_id,
@@ -542,10 +572,11 @@ class Daemon:
         try:
             self.store.save(data)
         except OSError as exc:
-            log.error(EventName.STATE_SAVE_FAILED, error=str(exc), path=self.policy.state_dir)
-            return
+            log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
+            return False
         self._saved_key = key
         self._saved_poll_bucket = bucket
+        return True
 
     def status_section(self) -> dict[str, object]:
         """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
@@ -689,7 +720,7 @@ def run_daemon(
             # poll (and so does the waiter's scan), for as long as this wait may last.
             until = time.time() + once_timeout + ENDED_JOB_GRACE
             try:
-                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+                hand_over_ended_jobs(daemon.store.directory(), ended_jobs, until=until)
             except OSError as exc:
                 print(
                     f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",

@@ -85,6 +85,30 @@ def test_every_command_refuses_a_state_dir_another_user_can_write(
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("command", ["pause", "resume"])
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        ("file", "not a directory"),
+        ("parent-file", "not a directory"),
+    ],
+)
+def test_pause_and_resume_say_what_is_wrong_with_state_dir_in_one_line(
+    tmp_path: Path, command: str, make: str, says: str
+) -> None:
+    """A bad state_dir used to end ``pause``/``resume`` in a traceback."""
+    host = SimHost(tmp_path / "host")
+    bad = tmp_path / "bad"
+    bad.write_text("")
+    state_dir = bad if make == "file" else bad / "state"
+    result = host.gpuwatchd(command, "--config", str(host.config(state_dir=str(state_dir))))
+    assert result.returncode == 78, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert says in line
+    assert "the switch is not changed" in line
+
+
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777])
 def test_a_state_dir_writable_by_group_or_others_is_refused(tmp_path: Path, mode: int) -> None:
     path = tmp_path / "state"

@@ -63,6 +63,7 @@ log = structlog.get_logger("gpuwatchd")
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
+NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
 ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
@@ -135,13 +136,15 @@ class Daemon:
         self._reload = False
         self._state_dir_error: str | None = None
         self.hook_queue = HookQueue()
+        self.notify_stop_grace = NOTIFY_STOP_GRACE
+        self.actuator = HostActuator(self.signaller)
         self._own_ended_jobs = ended_jobs
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
-            actuator=HostActuator(self.signaller),
+            actuator=self.actuator,
             clock=SystemClock(clock, wall_clock),
             sink=_DaemonSink(self),
             self_ancestors=self._ancestors(),
@@ -293,18 +296,34 @@ class Daemon:
         self.collector.ended_by_scheduler = self._own_ended_jobs | found.jobs
 
     def _finish_notifications(self) -> None:
-        """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
-        should tell the owner before it exits), and log what ran; what is left is dropped."""
-        grace = min(NOTIFY_STOP_GRACE, max((h.timeout for h in self.policy.on_action), default=0))
-        left = self.hook_queue.close(grace)
+        """Give running and queued ``on_action`` hooks a bounded time to finish (an epilog's
+        ``run --once`` should tell the owner before it exits); then cancel the one still
+        running — its process tree is killed, and ``hook.run`` says ``outcome=cancelled`` —
+        and drop the ones that never started (said once). Nothing a hook started outlives
+        the daemon."""
+        grace = min(
+            self.notify_stop_grace, max((h.timeout for h in self.policy.on_action), default=0)
+        )
+        dropped = self.hook_queue.close(grace)
+        if self.hook_queue.busy:
+            self.actuator.cancel_commands()
+            if not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
+                log.error(
+                    EventName.HOOK_RUN,
+                    hook="on_action",
+                    outcome="cancelled",
+                    dry_run=False,
+                    detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+                    "cancelled (its processes are stuck?)",
+                )
         self.engine.report_background_hooks()
-        if left:
+        if dropped:
             log.warning(
                 EventName.HOOK_RUN,
                 hook="on_action",
                 outcome="dropped",
                 dry_run=False,
-                detail=f"{left} notification(s) not sent: the daemon stopped",
+                detail=f"{dropped} notification(s) not sent: the daemon stopped",
             )
 
     def _install_signal_handlers(self) -> None:

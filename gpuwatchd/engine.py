@@ -495,6 +495,8 @@ class Engine:
                 output=res.output[-2000:],
                 reason=intent.reason,
                 **({"error": res.error} if res.error else {}),
+                **({"outcome": "cancelled"} if res.cancelled else {}),
+                **({"leftovers": res.leftovers} if res.leftovers else {}),
             )
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:

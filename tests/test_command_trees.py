@@ -1,0 +1,171 @@
+"""Nothing a command or hook starts outlives it (gpuwatchd/act/commands.py, act/reaper.py).
+
+The attacks: a hook's child that calls ``setsid`` and clears its environment escaped the
+process-group kill and the environment marker, and outlived the deadline; the child of a
+command that had already exited was never ended at all; and ``run --once`` exited with an
+``on_action`` hook still running. Each command now runs under a keeper that is a child
+subreaper: every descendant stays in its tree, and the tree ends with the command. Real
+processes, all this test's own descendants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from structlog.testing import capture_logs
+
+from gpuwatchd.act.commands import Cancel, CommandResult, run_command
+from gpuwatchd.config.schema import default_policy
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.decide.plan import HookIntent
+from gpuwatchd.decide.policy import Hook
+from gpuwatchd.vocabulary import HookName
+from tests.test_act import is_dead
+
+# The command forks a child that leaves the session (setsid) and execs `sleep` with an empty
+# environment (no GPUWATCHD_COMMAND_ID), from a second fork: its parent exits at once, so it
+# is nobody's child in the command's tree but the keeper's. Then the command itself either
+# exits at once ("exit") or hangs ("hang").
+ESCAPES = """
+import os, sys, time
+child = os.fork()
+if child == 0:
+    os.setsid()
+    grandchild = os.fork()
+    if grandchild == 0:
+        os.execve("/bin/sleep", ["sleep", "1000"], {})
+    with open(sys.argv[1], "w") as out:
+        out.write(str(grandchild))
+    os._exit(0)
+os.waitpid(child, 0)
+print("started", flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(1000)
+"""
+
+
+def _escaped(pid_file: Path) -> int:
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the command never started its child"
+        time.sleep(0.01)
+    return int(pid_file.read_text())
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not is_dead(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return is_dead(pid)
+
+
+def _cleanup(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # our own descendant, if a test failed
+
+
+def test_a_setsid_child_with_a_cleared_environment_dies_at_the_deadline(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    result = run_command([sys.executable, "-c", ESCAPES, str(pid_file), "hang"], timeout=1.5)
+    escaped = _escaped(pid_file)
+    try:
+        assert result.timed_out
+        assert 1.5 <= result.duration < 10
+        assert "started" in result.output
+        assert _gone(escaped, timeout=1.0), "the setsid child outlived the command's deadline"
+    finally:
+        _cleanup(escaped)
+
+
+def test_what_a_command_leaves_running_when_it_exits_is_ended_with_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    result = run_command([sys.executable, "-c", ESCAPES, str(pid_file), "exit"], timeout=30)
+    escaped = _escaped(pid_file)
+    try:
+        assert result.returncode == 0
+        assert not result.timed_out
+        assert result.duration < 10, "ended when the command exited, not at its deadline"
+        assert result.leftovers == 1
+        assert "1 process(es) it left running were killed" in result.describe()
+        assert _gone(escaped, timeout=1.0), "the exited command's child outlived it"
+    finally:
+        _cleanup(escaped)
+
+
+def test_a_cancelled_command_ends_with_its_whole_tree_at_once(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    cancel = Cancel()
+    results: list[CommandResult] = []
+    argv = [sys.executable, "-c", ESCAPES, str(pid_file), "hang"]
+    worker = threading.Thread(
+        target=lambda: results.append(run_command(argv, timeout=60, cancel=cancel))
+    )
+    worker.start()
+    escaped = _escaped(pid_file)
+    try:
+        cancel.set()
+        worker.join(15)
+        assert not worker.is_alive()
+        (result,) = results
+        assert result.cancelled
+        assert not result.timed_out
+        assert result.duration < 15
+        assert "cancelled" in result.describe()
+        assert _gone(escaped, timeout=1.0)
+        after = run_command(["true"], timeout=5, cancel=cancel)
+        assert after.cancelled, "nothing new starts once cancelled"
+        assert after.returncode is None
+    finally:
+        _cleanup(escaped)
+
+
+HOOK = """
+import os, sys, time
+with open(sys.argv[1], "w") as out:
+    out.write(str(os.getpid()))
+time.sleep(1000)
+"""
+
+
+def test_a_stopping_daemon_cancels_a_notification_still_running_and_says_which(
+    tmp_path: Path,
+) -> None:
+    """``run --once`` (and a stopping daemon) waits a bounded time for its ``on_action`` hooks,
+    then cancels the one still running: its process is gone when the daemon returns, and
+    ``hook.run`` names it with ``outcome=cancelled``; the queued one never starts."""
+    pid_file = tmp_path / "hook.pid"
+    hook = Hook((sys.executable, "-c", HOOK, str(pid_file)), timeout=600.0)
+    policy = dataclasses.replace(
+        default_policy(), state_dir=str(tmp_path / "state"), on_action=(hook,)
+    )
+    daemon = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml")
+    daemon.notify_stop_grace = 0.5
+    notify = HookIntent(HookName.ON_ACTION, "4242@1: freed (target exited)", {"user": "alice"})
+    daemon.engine._carry_out(notify)
+    daemon.engine._carry_out(notify)  # queued behind the first
+    pid = _escaped(pid_file)
+    try:
+        with capture_logs() as logs:
+            started = time.monotonic()
+            daemon._finish_notifications()
+        assert time.monotonic() - started < 15
+        assert _gone(pid, timeout=0.5), "the hook outlived the daemon"
+        runs = [e for e in logs if e["event"] == "hook.run"]
+        cancelled = [e for e in runs if e.get("outcome") == "cancelled"]
+        assert len(cancelled) == 1
+        assert cancelled[0]["argv"] == list(hook.argv)
+        assert cancelled[0]["returncode"] == -signal.SIGKILL
+        assert "error" not in cancelled[0]
+        dropped = [e for e in runs if e.get("outcome") == "dropped"]
+        assert len(dropped) == 1
+        assert "1 notification(s) not sent" in dropped[0]["detail"]
+    finally:
+        _cleanup(pid)
+        daemon.signaller.close()

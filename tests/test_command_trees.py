@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.act.commands import Cancel, CommandResult, run_command
@@ -27,7 +29,9 @@ from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.plan import HookIntent
 from gpuwatchd.decide.policy import Hook
 from gpuwatchd.vocabulary import HookName
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 from tests.test_act import is_dead
+from tests.test_e2e_run import ORPHAN_RULE, orphan_host
 
 # The command forks a child that leaves the session (setsid) and execs `sleep` with an empty
 # environment (no GPUWATCHD_COMMAND_ID), from a second fork: its parent exits at once, so it
@@ -169,3 +173,39 @@ def test_a_stopping_daemon_cancels_a_notification_still_running_and_says_which(
     finally:
         _cleanup(pid)
         daemon.signaller.close()
+
+
+# --- end to end: run --once leaves nothing behind ----------------------------------------------
+
+
+def once_with_a_lingering_hook(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        orphan_host(host)
+        hook = root / "notify-hook"
+        hook.write_text(f"#!{sys.executable}\n{ESCAPES}")
+        hook.chmod(0o755)
+        pid_file = root / "escaped.pid"
+        config = host.config(
+            dry_run=False,
+            rules=[ORPHAN_RULE],
+            limits={"post_action_delay": "0s"},
+            on_action=[{"command": [str(hook), str(pid_file), "hang"], "timeout": "3s"}],
+        )
+        once = host.gpuwatchd("run", "--once", "--timeout", "30s", "--config", str(config))
+        escaped = int(pid_file.read_text()) if pid_file.exists() else None
+        alive = escaped is not None and not is_dead(escaped)
+        if alive:
+            assert escaped is not None
+            os.kill(escaped, signal.SIGKILL)
+        return {"code": once.returncode, "out": once.stdout + once.stderr,
+                "escaped": escaped, "alive_after_exit": alive}  # fmt: skip
+
+
+@pytest.mark.skipif(pid_namespace_command() is None, reason="needs a PID namespace")
+def test_run_once_exits_with_no_process_of_its_hooks_left(tmp_path: Path) -> None:
+    """An on_action hook whose child leaves the session with a cleared environment: when
+    ``run --once`` has exited, nothing of the hook is still running."""
+    out = run_in_pid_namespace(f"{__name__}:once_with_a_lingering_hook", {}, root=tmp_path)
+    assert out["code"] == 0, out["out"]
+    assert out["escaped"] is not None, out["out"]
+    assert not out["alive_after_exit"], "run --once exited with its hook's child running"

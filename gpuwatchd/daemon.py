@@ -296,27 +296,39 @@ class Daemon:
         self.collector.ended_by_scheduler = self._own_ended_jobs | found.jobs
 
     def _finish_notifications(self) -> None:
-        """Give running and queued ``on_action`` hooks a bounded time to finish (an epilog's
-        ``run --once`` should tell the owner before it exits); then cancel the one still
-        running — its process tree is killed, and ``hook.run`` says ``outcome=cancelled`` —
-        and drop the ones that never started (said once). Nothing a hook started outlives
-        the daemon."""
+        """Give running and queued ``on_action`` hooks — and what finished commands left
+        running — a bounded time to finish (an epilog's ``run --once`` should tell the owner
+        before it exits); then end what still runs: a hook still running is cancelled (its
+        process tree killed; ``hook.run`` says ``outcome=cancelled``), processes finished
+        commands left are killed, and hooks that never started are dropped (said once).
+        Nothing a command started outlives the daemon."""
         grace = min(
             self.notify_stop_grace, max((h.timeout for h in self.policy.on_action), default=0)
         )
+        until = time.monotonic() + grace
         dropped = self.hook_queue.close(grace)
-        if self.hook_queue.busy:
-            self.actuator.cancel_commands()
-            if not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
-                log.error(
-                    EventName.HOOK_RUN,
-                    hook="on_action",
-                    outcome="cancelled",
-                    dry_run=False,
-                    detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
-                    "cancelled (its processes are stuck?)",
-                )
+        self.actuator.commands.wait(max(0.0, until - time.monotonic()))
+        running = self.hook_queue.busy
+        ended = self.actuator.cancel_commands()
+        if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
+            log.error(
+                EventName.HOOK_RUN,
+                hook="on_action",
+                outcome="cancelled",
+                dry_run=False,
+                detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+                "cancelled (its processes are stuck?)",
+            )
         self.engine.report_background_hooks()
+        if ended:
+            log.warning(
+                EventName.HOOK_RUN,
+                hook=None,
+                outcome="cancelled",
+                dry_run=False,
+                detail=f"{ended} finished command(s) had left processes running before their "
+                "deadline; they were killed: the daemon stopped",
+            )
         if dropped:
             log.warning(
                 EventName.HOOK_RUN,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 
-from gpuwatchd.act.commands import Cancel, CommandResult, run_command
+from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
 from gpuwatchd.act.signals import Signaller, SignalResult
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
@@ -66,12 +66,13 @@ class HostActuator:
 
     def __init__(self, signaller: Signaller) -> None:
         self.signaller = signaller
-        self.cancel = Cancel()
+        self.commands = CommandScope()
 
-    def cancel_commands(self) -> None:
-        """End every command still running and every one started from now on (their process
-        trees are killed): the daemon is stopping, and a notification must not outlive it."""
-        self.cancel.set()
+    def cancel_commands(self) -> int:
+        """End every command still running, what finished ones left running, and every one
+        started from now on (their process trees are killed): the daemon is stopping, and
+        nothing a command started may outlive it. How many finished commands had left some."""
+        return self.commands.cancel()
 
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
         return self.signaller.send(identity, signal, dry_run=dry_run)
@@ -79,7 +80,7 @@ class HostActuator:
     def run_command(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult:
-        return run_command(argv, timeout=timeout, env=env, cancel=self.cancel)
+        return run_command(argv, timeout=timeout, env=env, scope=self.commands)
 
     def exits(self, timeout: float) -> list[ProcessIdentity]:
         return self.signaller.wait(timeout)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.act.commands import Cancel, CommandResult, run_command
+from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.plan import HookIntent
@@ -88,33 +88,42 @@ def test_a_setsid_child_with_a_cleared_environment_dies_at_the_deadline(tmp_path
         _cleanup(escaped)
 
 
-def test_what_a_command_leaves_running_when_it_exits_is_ended_with_it(tmp_path: Path) -> None:
+def test_what_a_command_leaves_running_when_it_exits_dies_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """The command's result comes when it exits; the child it left (outside its session, its
+    environment cleared) may run on until the command's deadline, and not a moment longer."""
     pid_file = tmp_path / "pid"
-    result = run_command([sys.executable, "-c", ESCAPES, str(pid_file), "exit"], timeout=30)
+    scope = CommandScope()
+    argv = [sys.executable, "-c", ESCAPES, str(pid_file), "exit"]
+    result = run_command(argv, timeout=3.0, scope=scope)
     escaped = _escaped(pid_file)
     try:
         assert result.returncode == 0
         assert not result.timed_out
-        assert result.duration < 10, "ended when the command exited, not at its deadline"
+        assert result.duration < 2.5, "the caller goes on when the command exits"
         assert result.leftovers == 1
-        assert "1 process(es) it left running were killed" in result.describe()
-        assert _gone(escaped, timeout=1.0), "the exited command's child outlived it"
+        assert "it left 1 process(es) running (killed at its deadline)" in result.describe()
+        assert not is_dead(escaped), "it may run until the deadline"
+        assert scope.lingering == 1
+        assert _gone(escaped, timeout=3.0), "the exited command's child outlived its deadline"
+        assert scope.wait(2.0)
     finally:
         _cleanup(escaped)
 
 
 def test_a_cancelled_command_ends_with_its_whole_tree_at_once(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    cancel = Cancel()
+    scope = CommandScope()
     results: list[CommandResult] = []
     argv = [sys.executable, "-c", ESCAPES, str(pid_file), "hang"]
     worker = threading.Thread(
-        target=lambda: results.append(run_command(argv, timeout=60, cancel=cancel))
+        target=lambda: results.append(run_command(argv, timeout=60, scope=scope))
     )
     worker.start()
     escaped = _escaped(pid_file)
     try:
-        cancel.set()
+        scope.cancel()
         worker.join(15)
         assert not worker.is_alive()
         (result,) = results
@@ -123,9 +132,25 @@ def test_a_cancelled_command_ends_with_its_whole_tree_at_once(tmp_path: Path) ->
         assert result.duration < 15
         assert "cancelled" in result.describe()
         assert _gone(escaped, timeout=1.0)
-        after = run_command(["true"], timeout=5, cancel=cancel)
+        after = run_command(["true"], timeout=5, scope=scope)
         assert after.cancelled, "nothing new starts once cancelled"
         assert after.returncode is None
+    finally:
+        _cleanup(escaped)
+
+
+def test_cancelling_ends_what_finished_commands_left_running(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    scope = CommandScope()
+    result = run_command(
+        [sys.executable, "-c", ESCAPES, str(pid_file), "exit"], timeout=60, scope=scope
+    )
+    escaped = _escaped(pid_file)
+    try:
+        assert result.leftovers == 1
+        assert scope.cancel() == 1
+        assert _gone(escaped, timeout=1.0)
+        assert scope.lingering == 0
     finally:
         _cleanup(escaped)
 
@@ -189,7 +214,7 @@ def once_with_a_lingering_hook(arg: dict[str, Any], root: Path) -> dict[str, Any
             dry_run=False,
             rules=[ORPHAN_RULE],
             limits={"post_action_delay": "0s"},
-            on_action=[{"command": [str(hook), str(pid_file), "hang"], "timeout": "3s"}],
+            on_action=[{"command": [str(hook), str(pid_file), "exit"], "timeout": "60s"}],
         )
         once = host.gpuwatchd("run", "--once", "--timeout", "30s", "--config", str(config))
         escaped = int(pid_file.read_text()) if pid_file.exists() else None
@@ -203,8 +228,9 @@ def once_with_a_lingering_hook(arg: dict[str, Any], root: Path) -> dict[str, Any
 
 @pytest.mark.skipif(pid_namespace_command() is None, reason="needs a PID namespace")
 def test_run_once_exits_with_no_process_of_its_hooks_left(tmp_path: Path) -> None:
-    """An on_action hook whose child leaves the session with a cleared environment: when
-    ``run --once`` has exited, nothing of the hook is still running."""
+    """An on_action hook that exits at once, leaving a child that left the session with a
+    cleared environment (it could run until the hook's 60 s deadline): when ``run --once`` has
+    exited, nothing of the hook is still running."""
     out = run_in_pid_namespace(f"{__name__}:once_with_a_lingering_hook", {}, root=tmp_path)
     assert out["code"] == 0, out["out"]
     assert out["escaped"] is not None, out["out"]

@@ -25,7 +25,7 @@ import pytest
 
 from gpuwatchd import holder_view
 from gpuwatchd.model import HolderScan
-from gpuwatchd.statedir import StateDir, StateDirError, open_directory
+from gpuwatchd.statedir import JsonFile, StateDir, StateDirError, Value, open_directory
 from tests.support.fakenvml import MiB, gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 from tests.test_e2e_run import Run, orphan_host
@@ -345,3 +345,26 @@ def test_no_signal_is_sent_while_state_dir_is_full(tmp_path: Path) -> None:
     assert [entry[0].split("@")[0] for entry in out["history"]] == [str(out["worker"])], (
         "the kill cap counts it"
     )
+
+
+def test_the_lenient_reader_gives_unknown_for_every_malformed_part(tmp_path: Path) -> None:
+    """One typed, lenient way to read what the state files say: a missing or malformed value
+    is None, never an exception (the readers of state.json share it)."""
+    doc = Value({"status": {"pid": 42, "bad": True, "big": 10**30, "t": 1.5, "nan": float("nan")}})
+    status = doc["status"]
+    assert status.integer("pid") == 42
+    assert status.integer("bad") is None
+    assert status.integer("big") is None
+    assert status.number("t") == 1.5
+    assert status.number("nan") is None
+    assert doc["missing"]["deeper"].integer("pid") is None
+    assert Value([1, 2])["status"].mapping() == {}
+    path = tmp_path / "state"
+    path.mkdir(mode=0o700)
+    (path / "state.json").write_text('{"a": ' + "1" * 5000 + "}")
+    with StateDir.open(str(path)) as directory:
+        read = directory.read_json("state.json", 1 << 20)
+        assert read.data == {}
+        assert read.present
+        assert "not valid JSON" in str(read.problem)
+        assert directory.read_json("absent.json", 10) == JsonFile({}, None, present=False)

@@ -20,6 +20,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -52,7 +53,8 @@ class CommandResult:
     ended it. ``output`` is stdout and stderr interleaved, its last :data:`OUTPUT_LIMIT` bytes.
     ``error`` says what went wrong on our side (exec failure, unreaped after SIGKILL).
     ``cancelled``: the daemon stopped while it ran, and its process tree was killed.
-    ``leftovers``: processes the command left running when it ended, killed with it.
+    ``leftovers``: processes the command left running when it exited; they may run until its
+    deadline, when they are killed (or when the daemon stops, if that comes first).
     """
 
     argv: tuple[str, ...]
@@ -82,27 +84,76 @@ class CommandResult:
         else:
             text = f"exit {self.returncode}"
         if self.leftovers and not (self.timed_out or self.cancelled):
-            text += f"; {self.leftovers} process(es) it left running were killed"
+            text += f"; it left {self.leftovers} process(es) running (killed at its deadline)"
         return text
 
 
-class Cancel:
-    """A switch that ends every command watching it: the daemon, stopping, cancels the
-    notifications still running (their process trees are killed). Set once; never reset."""
+class CommandScope:
+    """The commands of one daemon, for ending them all when it stops.
+
+    A command that exits may leave processes running until its deadline; its keeper lingers
+    as long, and is kept here (:meth:`adopt`) so that a stopping daemon can end them too.
+    :meth:`cancel` ends every command still running (their keepers watch :meth:`fileno`),
+    every lingering keeper's tree, and every command started later. Thread-safe: hooks run
+    on the notification thread."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
-        self.is_set = False
-
-    def set(self) -> None:
-        if not self.is_set:
-            self.is_set = True
-            with contextlib.suppress(OSError):
-                os.write(self._write, b"x")
+        self.cancelled = False
+        self._lingering: list[subprocess.Popen[bytes]] = []
+        self._lock = threading.Lock()
 
     def fileno(self) -> int:
         return self._read
+
+    def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
+        """Keep ``keeper``, whose command exited leaving processes that run on."""
+        with self._lock:
+            self._lingering = [p for p in self._lingering if p.poll() is None]
+            self._lingering.append(keeper)
+            if self.cancelled:
+                _stop_keeper(keeper)
+
+    @property
+    def lingering(self) -> int:
+        """How many finished commands still have processes running (before their deadline)."""
+        with self._lock:
+            self._lingering = [p for p in self._lingering if p.poll() is None]
+            return len(self._lingering)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for what finished commands left running to end by
+        itself; True when nothing is left."""
+        until = time.monotonic() + timeout
+        while self.lingering:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(_TICK)
+        return True
+
+    def cancel(self, wait: float = _KEEPER_MARGIN) -> int:
+        """End every command of this scope, now and from now on: running ones and what
+        finished ones left running (their process trees get SIGKILL). Waits up to ``wait``
+        seconds for the lingering keepers; returns how many processes' trees it ended that
+        finished commands had left running."""
+        with self._lock:
+            self.cancelled = True
+            with contextlib.suppress(OSError):
+                os.write(self._write, b"x")
+            keepers = [p for p in self._lingering if p.poll() is None]
+            for keeper in keepers:
+                _stop_keeper(keeper)
+        until = time.monotonic() + wait
+        for keeper in keepers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                keeper.wait(max(0.0, until - time.monotonic()))
+        return len(keepers)
+
+
+def _stop_keeper(keeper: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        keeper.send_signal(signal.SIGTERM)  # an unreaped child of ours: no reused PID
 
 
 class _Tail:
@@ -133,7 +184,7 @@ def run_command(
     timeout: float,
     env: Mapping[str, str] | None = None,
     output_limit: int = OUTPUT_LIMIT,
-    cancel: Cancel | None = None,
+    scope: CommandScope | None = None,
 ) -> CommandResult:
     """Run ``argv`` (no shell) in a new session, under ``timeout`` seconds; nothing it starts
     outlives it.
@@ -144,18 +195,20 @@ def run_command(
 
     The command runs under a keeper (:mod:`gpuwatchd.act.reaper`), a child subreaper of its
     own: every process the command starts stays the keeper's descendant, even one that calls
-    ``setsid`` and clears its environment, or whose parent exited. When the command exits,
-    what it left running is ended (SIGTERM, a second's grace, SIGKILL); at the deadline, or
-    when ``cancel`` is set, the whole tree gets SIGKILL. Should the keeper itself fail, the
-    process group and every process carrying the marker get SIGKILL. A process stuck in the
-    driver cannot die: then ``returncode`` is None and ``error`` says so. Output that
-    grandchildren keep writing after the command itself exited is collected only briefly.
+    ``setsid`` and clears its environment, or whose parent exited. This returns when the
+    command exits; what it left running may go on until the deadline (``leftovers`` counts
+    it), when the keeper kills it. At the deadline, or when ``scope`` is cancelled, the whole
+    tree gets SIGKILL. A keeper that outlives its command is handed to ``scope`` (without one,
+    the subprocess module reaps it later). Should the keeper itself fail, the process group
+    and every process carrying the marker get SIGKILL. A process stuck in the driver cannot
+    die: then ``returncode`` is None and ``error`` says so. Output that grandchildren keep
+    writing after the command itself exited is collected only briefly.
     """
     args = tuple(argv)
     started = time.monotonic()
     if not args:
         return CommandResult(args, None, "", False, 0.0, "empty command")
-    if cancel is not None and cancel.is_set:
+    if scope is not None and scope.cancelled:
         return CommandResult(args, None, "", False, 0.0, "not run: the daemon is stopping", True)
     marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
     # The caller's Python settings (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP...) never reach a
@@ -196,7 +249,7 @@ def run_command(
             tail,
             marker=marker.encode("ascii"),
             status_fd=status_read,
-            cancel=cancel,
+            scope=scope,
         )
     finally:
         os.close(status_read)
@@ -251,6 +304,7 @@ class _Keeper:
         self.status = bytearray()
         self.pipe_open = True
         self.asked_to_stop = False
+        self.reported = False
 
     def handle(self, key: selectors.SelectorKey, selector: selectors.BaseSelector) -> None:
         what, fileobj = key.data, key.fileobj
@@ -259,6 +313,7 @@ class _Keeper:
             self.pipe_open = False
         elif what == "status" and not _read_status(self.status_fd, self.status):
             selector.unregister(fileobj)
+            self.reported = True  # the keeper closed it: the command has ended
         elif what == "cancel" and not self.asked_to_stop:
             self.asked_to_stop = True
             selector.unregister(fileobj)
@@ -275,7 +330,7 @@ def _supervise(
     *,
     marker: bytes,
     status_fd: int,
-    cancel: Cancel | None,
+    scope: CommandScope | None,
 ) -> tuple[Mapping[str, object], str | None]:
     """Collect output and the keeper's report until the keeper exits; cancel it when asked.
 
@@ -296,9 +351,9 @@ def _supervise(
         selector.register(status_fd, selectors.EVENT_READ, "status")
         if pidfd is not None:
             selector.register(pidfd, selectors.EVENT_READ, "exit")
-        if cancel is not None:
-            selector.register(cancel.fileno(), selectors.EVENT_READ, "cancel")
-        while proc.poll() is None:
+        if scope is not None:
+            selector.register(scope.fileno(), selectors.EVENT_READ, "cancel")
+        while proc.poll() is None and not keeper.reported:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 error = "its keeper did not end it in time; process group killed"
@@ -313,6 +368,10 @@ def _supervise(
     keeper.pipe.close()
     if pidfd is not None:
         os.close(pidfd)
+    if scope is not None and error is None and proc.poll() is None:
+        # The command exited; what it left running may run until the deadline, its keeper
+        # with it (the scope ends them when the daemon stops).
+        scope.adopt(proc)
     report = _parse_report(bytes(keeper.status))
     if report is None:
         if error is None:

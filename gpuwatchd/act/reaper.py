@@ -10,17 +10,18 @@ clears its environment, or a grandchild whose parent exited, is re-parented to t
 not to init. It starts the command as its child (same session and process group, stdin and
 output inherited), waits for it, and then ends the tree:
 
-- the command exited: what it left running gets SIGTERM, a short grace
-  (:data:`LEFTOVER_GRACE`), then SIGKILL;
-- ``TIMEOUT`` seconds passed, or the daemon sent SIGTERM (it is stopping and cancels its
-  notifications): every process of the tree gets SIGKILL at once.
+- the command exited: its status is reported at once (the caller goes on); what it left
+  running may go on until the deadline, and is reaped as it ends;
+- ``TIMEOUT`` seconds passed, or the daemon sent SIGTERM (it is stopping and cancels what is
+  still running): every process of the tree gets SIGKILL at once.
 
 SIGKILL sweeps repeat until no descendant is left (a process killed cannot fork; one created
 just before is re-parented here and found by the next sweep), bounded by :data:`KILL_FOR`
 seconds for processes stuck in the kernel (D state). Each is signalled through a pidfd after
 its start time is checked again, so a reused PID is never hit. Then it writes one JSON line to
 ``STATUS_FD``: ``{"returncode", "error", "timed_out", "cancelled", "leftovers",
-"unkillable"}`` and exits 0.
+"unkillable"}`` (as soon as the command exits, or once the tree is ended) and exits when no
+process of the tree is left.
 
 Why a process of its own, and not cgroups: the daemon's unit has ``ProtectControlGroups=yes``
 and no ``Delegate=``, so it cannot make a cgroup per command; and the daemon itself cannot be
@@ -31,6 +32,7 @@ for exit statuses. A keeper per command has exactly one tree to end.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -39,7 +41,6 @@ import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_GRACE = 1.0  # seconds a finished command's leftovers get between SIGTERM and SIGKILL
 KILL_FOR = 5.0  # seconds of SIGKILL sweeps before giving up on processes stuck in the kernel
 _SWEEP_PAUSE = 0.01
 
@@ -107,18 +108,13 @@ def _reap() -> bool:
             return True
 
 
-def end_tree(*, gently: bool) -> tuple[frozenset[int], int]:
-    """End every descendant of this process: (the PIDs there were, how many would not die)."""
+def end_tree() -> tuple[frozenset[int], int]:
+    """SIGKILL every descendant of this process until none is left: (the PIDs there were, how
+    many would not die within :data:`KILL_FOR` seconds)."""
     me = os.getpid()
     if not _reap():
         return frozenset(), 0
     first = descendants(me)
-    if gently and first:
-        for pid, ticks in first.items():
-            _signal(pid, ticks, signal.SIGTERM)
-        until = time.monotonic() + LEFTOVER_GRACE
-        while _reap() and time.monotonic() < until:
-            time.sleep(_SWEEP_PAUSE)
     until = time.monotonic() + KILL_FOR
     stuck = 0
     while _reap():
@@ -142,6 +138,14 @@ def _become_subreaper() -> str | None:
     except (OSError, AttributeError) as err:
         return str(err)
     return None
+
+
+def _linger() -> None:
+    """After the command exited: wait while what it left running ends by itself (reaping it);
+    the deadline or the daemon's SIGTERM ends the wait with a :class:`_Stop`."""
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
 
 
 def main(argv: list[str]) -> int:
@@ -172,22 +176,39 @@ def main(argv: list[str]) -> int:
                 if pid == child:
                     report["returncode"] = os.waitstatus_to_exitcode(status)
                     break
+            if _reap():
+                # The command exited and left processes running: the caller learns how it
+                # ended now; they may go on until the deadline, and no longer.
+                report["leftovers"] = len(descendants(os.getpid()))
+                if problem is not None:
+                    report["error"] = f"not a subreaper ({problem}): some may escape"
+                _send(status_fd, report)
+                status_fd = -1
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 1)  # the command's output pipe closes once they close it too
+                os.dup2(null, 2)
+                _linger()
     except _Stop as stopped:
-        report[stopped.why] = True
+        if status_fd >= 0:
+            report[stopped.why] = True
     armed[0] = False  # from here on the tree is ended, whatever signal comes
     signal.setitimer(signal.ITIMER_REAL, 0)
     finished = report["returncode"] is not None
-    killed, stuck = end_tree(gently=finished)
-    report["leftovers"] = len(killed - {child})
-    report["unkillable"] = stuck
-    if not finished and child is not None and child in killed:
-        # Ended by the sweep; unknown (None) if it is stuck in the kernel still.
-        report["returncode"] = None if _stat(child) is not None else -signal.SIGKILL
-    if problem is not None and report["leftovers"]:
-        report["error"] = f"not a subreaper ({problem}): some processes may have escaped"
+    killed, stuck = end_tree()
+    if status_fd >= 0:  # stopped before the command exited (or it could not start)
+        report["leftovers"] = len(killed - {child})
+        report["unkillable"] = stuck
+        if not finished and child is not None and child in killed:
+            # Ended by the sweep; unknown (None) if it is stuck in the kernel still.
+            report["returncode"] = None if _stat(child) is not None else -signal.SIGKILL
+        with contextlib.suppress(OSError):  # (a signal may have cut the first send short)
+            _send(status_fd, report)
+    return 0
+
+
+def _send(status_fd: int, report: dict[str, object]) -> None:
     with os.fdopen(status_fd, "w") as out:
         out.write(json.dumps(report) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

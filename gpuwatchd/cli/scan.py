@@ -24,7 +24,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import StateStore
-from gpuwatchd.statedir import StateDir, StateDirError
+from gpuwatchd.statedir import StateDir, StateDirError, Value
 
 
 @dataclass(frozen=True)
@@ -306,13 +306,9 @@ def _first_seen_wall(
     saved: Mapping[str, object], now_monotonic: float, now_wall: float
 ) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
-    plan = saved.get("plan")
-    seen = plan.get("seen") if isinstance(plan, dict) else None
-    if not isinstance(seen, dict):
-        return {}
     result: dict[str, float] = {}
-    for key, entry in seen.items():
-        mono = entry.get("first_seen") if isinstance(entry, dict) else None
-        if isinstance(key, str) and isinstance(mono, (int, float)):
-            result[key] = now_wall - max(0.0, now_monotonic - float(mono))
+    for key, entry in Value(saved)["plan"]["seen"].mapping().items():
+        mono = Value(entry).number("first_seen")
+        if isinstance(key, str) and mono is not None:
+            result[key] = now_wall - max(0.0, now_monotonic - mono)
     return result

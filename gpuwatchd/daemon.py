@@ -47,18 +47,14 @@ from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import (
+    MAX_ENDED_JOBS,
     hand_over_ended_jobs,
     read_ended_jobs,
     read_pause,
     take_clear_latches,
 )
-from gpuwatchd.state import (
-    AlreadyRunning,
-    StateDirError,
-    StateStore,
-    check_state_dir,
-    write_atomically,
-)
+from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
+from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
@@ -67,6 +63,7 @@ log = structlog.get_logger("gpuwatchd")
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
+NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
 ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
@@ -137,13 +134,17 @@ class Daemon:
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
+        self._state_dir_error: str | None = None
         self.hook_queue = HookQueue()
+        self.notify_stop_grace = NOTIFY_STOP_GRACE
+        self.actuator = HostActuator(self.signaller)
         self._own_ended_jobs = ended_jobs
         self._handed_jobs: frozenset[str] = frozenset()
+        self._handed_over_limit = 0
         self.engine = Engine(
             policy,
             reader=HostReader(self.collector, self.procfs, self.nvml),
-            actuator=HostActuator(self.signaller),
+            actuator=self.actuator,
             clock=SystemClock(clock, wall_clock),
             sink=_DaemonSink(self),
             self_ancestors=self._ancestors(),
@@ -185,7 +186,7 @@ class Daemon:
     def run(self) -> int:
         state_dir = self.policy.state_dir
         try:
-            check_state_dir(state_dir)
+            self.store.directory()  # the walk from / and the trust rule (gpuwatchd/statedir.py)
         except PermissionError:
             log.critical(EventName.DAEMON_NO_PERMISSION, path=state_dir)
             return ExitCode.NOPERM
@@ -212,6 +213,7 @@ class Daemon:
             self.signaller.close()
             self.nvml.close()
             self.device_watch.close()
+            self.store.close()
 
     def _start_device_watch(self) -> None:
         """Watch the device files for opens; without the watch, walk on the plain interval."""
@@ -273,29 +275,67 @@ class Daemon:
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
         remaining device holders are ``abandoned`` until the hand-over expires."""
-        handed, problems = read_ended_jobs(
-            self.policy.state_dir, self.wall_clock(), remove_stale=True
-        )
-        for problem in problems:
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
+        found = read_ended_jobs(state_dir, self.wall_clock(), remove_stale=True)
+        for problem in found.problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
-        for job in sorted(handed - self._handed_jobs):
+        for job in sorted(found.jobs - self._handed_jobs):
             log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
-        self._handed_jobs = handed
-        self.collector.ended_by_scheduler = self._own_ended_jobs | handed
+        if found.over_limit != self._handed_over_limit:
+            # Said when the number changes, not every poll; the files are kept, never dropped.
+            log.warning(
+                EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT,
+                waiting=found.over_limit,
+                honoured=len(found.jobs),
+                limit=MAX_ENDED_JOBS,
+            )
+            self._handed_over_limit = found.over_limit
+        self._handed_jobs = found.jobs
+        self.collector.ended_by_scheduler = self._own_ended_jobs | found.jobs
 
     def _finish_notifications(self) -> None:
-        """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
-        should tell the owner before it exits), and log what ran; what is left is dropped."""
-        grace = min(NOTIFY_STOP_GRACE, max((h.timeout for h in self.policy.on_action), default=0))
-        left = self.hook_queue.close(grace)
+        """Give running and queued ``on_action`` hooks — and what finished commands left
+        running — a bounded time to finish (an epilog's ``run --once`` should tell the owner
+        before it exits); then end what still runs: a hook still running is cancelled (its
+        process tree killed; ``hook.run`` says ``outcome=cancelled``), processes finished
+        commands left are killed, and hooks that never started are dropped (said once).
+        Nothing a command started outlives the daemon."""
+        grace = min(
+            self.notify_stop_grace, max((h.timeout for h in self.policy.on_action), default=0)
+        )
+        until = time.monotonic() + grace
+        dropped = self.hook_queue.close(grace)
+        self.actuator.commands.wait(max(0.0, until - time.monotonic()))
+        running = self.hook_queue.busy
+        ended = self.actuator.cancel_commands()
+        if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
+            log.error(
+                EventName.HOOK_RUN,
+                hook="on_action",
+                outcome="cancelled",
+                dry_run=False,
+                detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+                "cancelled (its processes are stuck?)",
+            )
         self.engine.report_background_hooks()
-        if left:
+        if ended:
+            log.warning(
+                EventName.HOOK_RUN,
+                hook=None,
+                outcome="cancelled",
+                dry_run=False,
+                detail=f"{ended} finished command(s) had left processes running before their "
+                "deadline; they were killed: the daemon stopped",
+            )
+        if dropped:
             log.warning(
                 EventName.HOOK_RUN,
                 hook="on_action",
                 outcome="dropped",
                 dry_run=False,
-                detail=f"{left} notification(s) not sent: the daemon stopped",
+                detail=f"{dropped} notification(s) not sent: the daemon stopped",
             )
 
     def _install_signal_handlers(self) -> None:
@@ -351,11 +391,28 @@ class Daemon:
 
     # --- one poll -------------------------------------------------------------------------
 
+    def _state_dir(self) -> StateDir | None:
+        """The state directory opened at start (or now); None when it cannot be used, said
+        once per distinct error as ``state.dir_unusable``."""
+        try:
+            return self.store.directory()
+        except OSError as exc:
+            error = _os_error(exc)
+            if error != self._state_dir_error:
+                log.critical(EventName.STATE_DIR_UNUSABLE, path=self.policy.state_dir, error=error)
+                self._state_dir_error = error
+            return None
+
     def poll_once(self) -> PlanResult:
         """The admin switches, then one engine cycle, then the STATUS line."""
-        self.engine.set_paused(read_pause(self.policy.state_dir))
-        if take_clear_latches(self.policy.state_dir):
-            self.engine.clear_latches()
+        state_dir = self._state_dir()
+        if state_dir is None:
+            # Fail safe: no switch can be read and no step could be saved.
+            self.engine.set_paused("state_dir unusable")
+        else:
+            self.engine.set_paused(read_pause(state_dir))
+            if take_clear_latches(state_dir):
+                self.engine.clear_latches()
         self._take_ended_jobs()
         # The poll's start is its time in the status section: the engine's own checkpoint at
         # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
@@ -410,10 +467,11 @@ class Daemon:
             and snapshot.wall_time - self._view_polled < holder_view.REFRESH
         ):
             return
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
         try:
-            write_atomically(
-                self.policy.state_dir, holder_view.VIEW_FILE, json.dumps(view).encode()
-            )
+            state_dir.write(holder_view.VIEW_FILE, json.dumps(view).encode())
         except OSError as exc:
             log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=str(exc))
             return
@@ -512,8 +570,11 @@ class Daemon:
         if data and data.get("boot_id") != boot_id:
             log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
-    def save_state(self) -> None:
-        """Write the state when it changed (a quiet poll costs no write and no fsync)."""
+    def save_state(self) -> bool:
+        """Write the state when it changed (a quiet poll costs no write and no fsync).
+
+        True when what is on disk is the current state; False when it could not be written
+        (logged): the engine then takes no irreversible step (engine.py, ``checkpoint``)."""
         boot_id = self.procfs.boot_id()
         state = self.engine.state
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
@@ -529,7 +590,7 @@ class Daemon:
         # quiet node, so a quiet poll still costs no write most of the time.
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
-            return
+            return True
         data = {
             "version": STATE_FILE_VERSION,
             "boot_id": boot_id,
@@ -542,10 +603,11 @@ class Daemon:
         try:
             self.store.save(data)
         except OSError as exc:
-            log.error(EventName.STATE_SAVE_FAILED, error=str(exc), path=self.policy.state_dir)
-            return
+            log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
+            return False
         self._saved_key = key
         self._saved_poll_bucket = bucket
+        return True
 
     def status_section(self) -> dict[str, object]:
         """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
@@ -689,7 +751,7 @@ def run_daemon(
             # poll (and so does the waiter's scan), for as long as this wait may last.
             until = time.time() + once_timeout + ENDED_JOB_GRACE
             try:
-                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+                hand_over_ended_jobs(daemon.store.directory(), ended_jobs, until=until)
             except OSError as exc:
                 print(
                     f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",

@@ -66,7 +66,7 @@ from gpuwatchd.decide.plan import (
     record_signal,
     set_paused,
 )
-from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.model import (
     Finding,
@@ -99,6 +99,7 @@ __all__ = [
 ]
 
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
+STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
 
 T = TypeVar("T")
 
@@ -153,6 +154,15 @@ def _text(value: object) -> str | None:
     return None if value is None or isinstance(value, bool) else str(value)
 
 
+def _describe_intent(intent: Intent) -> str:
+    """``SIGTERM to pid 4242``, ``reset of GPU-…``, ``on_action hooks``: for events."""
+    if isinstance(intent, SignalIntent):
+        return f"{intent.signal} to pid {intent.identity.pid}"
+    if isinstance(intent, ResetIntent):
+        return f"reset of {intent.gpu}"
+    return f"{intent.hook} hooks"
+
+
 def run_inline(work: Callable[[], T]) -> T:
     """The default way to run slow work (a reset, hooks): right here. The daemon passes a
     runner that keeps the systemd watchdog fed while the work runs off the main loop."""
@@ -197,7 +207,7 @@ class Engine:
         sink: EventSink,
         state: EngineState | None = None,
         self_ancestors: frozenset[int] = frozenset(),
-        checkpoint: Callable[[], None] = lambda: None,
+        checkpoint: Callable[[], bool] = lambda: True,
         slow: Runner = run_inline,
         background: Background = run_now,
         hostname: str | None = None,
@@ -246,12 +256,17 @@ class Engine:
             report_only=assessment.report_only,
             self_ancestors=self.self_ancestors,
         )
+        if any(self._irreversible(intent) for intent in result.intents):
+            # The new plan state already counts each step and kill-cap entry as taken: it is
+            # saved before anything irreversible, so a crash in between never repeats a step
+            # nor forgets it (at worst one signal is not sent, and the ladder goes on after its
+            # wait). If it cannot be saved, nothing irreversible is done this poll.
+            previous = state.plan
+            state.plan = result.state
+            if not self.checkpoint():
+                state.plan = previous
+                result = self._replan_held(result, previous, assessment, snapshot)
         intents = self._take(result)
-        if any(not intent.dry_run for intent in intents):
-            # The plan state already counts each step and kill-cap entry as taken: persist it
-            # before anything irreversible, so a crash in between never repeats a step (at
-            # worst one signal is not sent, and the ladder goes on after its wait).
-            self.checkpoint()
         signalled = False
         for intent in intents:
             if self.stopping():
@@ -264,6 +279,43 @@ class Engine:
             self.note_exits(self.actuator.exits(EXIT_GRACE))
         self.checkpoint()
         return result
+
+    def _replan_held(
+        self,
+        result: PlanResult,
+        previous: PlanState,
+        assessment: Assessment,
+        snapshot: Snapshot,
+    ) -> PlanResult:
+        """The plan of this poll with every step held, because the state that would record
+        the steps cannot be saved: the steps are not taken (``action.withheld`` says which and
+        why), and the ladders wait as they do while paused, to be tried again next poll."""
+        self._withhold(result.intents)
+        held = plan(
+            assessment.findings,
+            snapshot,
+            set_paused(previous, True, reason=STATE_NOT_SAVED),
+            self.policy,
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
+            report_only=assessment.report_only,
+            self_ancestors=self.self_ancestors,
+        )
+        unpaused = set_paused(held.state, previous.paused, reason=previous.paused_reason or "")
+        return replace(held, state=unpaused)
+
+    def _withhold(self, intents: Sequence[Intent]) -> None:
+        """Say which irreversible steps are not taken because the state cannot be saved."""
+        steps = [_describe_intent(intent) for intent in intents if self._irreversible(intent)]
+        self._emit(EventName.ACTION_WITHHELD, "error", why=STATE_NOT_SAVED, steps=steps)
+
+    def _carry_out_all(self, intents: Sequence[Intent]) -> None:
+        """Follow-up intents (an outcome's hooks): saved first like a poll's, or withheld."""
+        if any(self._irreversible(intent) for intent in intents) and not self.checkpoint():
+            self._withhold(intents)
+            intents = [intent for intent in intents if not self._irreversible(intent)]
+        for intent in intents:
+            self._carry_out(intent)
 
     def wake_at(self) -> float:
         """When the next poll is due: ``interval`` from now, or earlier for a plan deadline."""
@@ -280,10 +332,9 @@ class Engine:
             self._emit(
                 EventName.TARGET_EXITED, "info", pid=identity.pid, start_ticks=identity.start_ticks
             )
-            for intent in self._take(
-                record_exit(self.state.plan, identity, now=self.clock.monotonic())
-            ):
-                self._carry_out(intent)
+            self._carry_out_all(
+                self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
+            )
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -324,8 +375,7 @@ class Engine:
             follow_up = self._reset(intent)
         else:
             follow_up = self._hooks(intent)
-        for next_intent in follow_up:
-            self._carry_out(next_intent)
+        self._carry_out_all(follow_up)
 
     def _signal(self, intent: SignalIntent) -> tuple[Intent, ...]:
         result = self.actuator.signal(intent.identity, intent.signal, dry_run=intent.dry_run)
@@ -355,10 +405,7 @@ class Engine:
         """Run the hooks ``intent`` names: ``on_failure`` and a health reset's ``reset.drain``
         here (watchdog-fed), ``on_action`` in the background (a notification never delays a
         poll)."""
-        hooks = {
-            HookName.ON_ACTION: self.policy.on_action,
-            HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
-        }.get(HookName(intent.hook), self.policy.on_failure)
+        hooks = self._hooks_for(intent)
         if not hooks:
             return ()
         if intent.dry_run:
@@ -414,6 +461,21 @@ class Engine:
         self.report_background_hooks()
         return ()
 
+    def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
+        return tuple(
+            {
+                HookName.ON_ACTION: self.policy.on_action,
+                HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
+            }.get(HookName(intent.hook), self.policy.on_failure)
+        )
+
+    def _irreversible(self, intent: Intent) -> bool:
+        """Whether carrying ``intent`` out does something to the host (a signal, a reset, a
+        hook that is configured), which the saved state must know of first."""
+        if intent.dry_run:
+            return False
+        return not isinstance(intent, HookIntent) or bool(self._hooks_for(intent))
+
     def report_background_hooks(self) -> None:
         """Log the hooks that finished in the background since the last call (main loop only)."""
         while self._hooks_done:
@@ -433,6 +495,8 @@ class Engine:
                 output=res.output[-2000:],
                 reason=intent.reason,
                 **({"error": res.error} if res.error else {}),
+                **({"outcome": "cancelled"} if res.cancelled else {}),
+                **({"leftovers": res.leftovers} if res.leftovers else {}),
             )
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
@@ -534,8 +598,7 @@ class Engine:
                 reason="resumed after an interruption",
                 facts={},
             )
-            for follow_up in self._book_reset(intent, outcome):
-                self._carry_out(follow_up)
+            self._carry_out_all(self._book_reset(intent, outcome))
             self.checkpoint()
 
 
@@ -571,7 +634,10 @@ class _ResetEnv:
             record = progress_record(target, step, data)
             record["since"] = engine.clock.wall()
             engine.state.reset_in_progress = record
-        engine.checkpoint()
+        if not engine.checkpoint():
+            # The procedure stops (and undoes what it did) rather than run a step a crash
+            # would forget: act/reset.py treats a failed record as an abort.
+            raise OSError(STATE_NOT_SAVED)
 
     def emit(self, event: str, level: str, **fields: object) -> None:
         self.engine.sink.emit(event, level, fields)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 
-from gpuwatchd.act.commands import CommandResult, run_command
+from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
 from gpuwatchd.act.signals import Signaller, SignalResult
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
@@ -66,6 +66,13 @@ class HostActuator:
 
     def __init__(self, signaller: Signaller) -> None:
         self.signaller = signaller
+        self.commands = CommandScope()
+
+    def cancel_commands(self) -> int:
+        """End every command still running, what finished ones left running, and every one
+        started from now on (their process trees are killed): the daemon is stopping, and
+        nothing a command started may outlive it. How many finished commands had left some."""
+        return self.commands.cancel()
 
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
         return self.signaller.send(identity, signal, dry_run=dry_run)
@@ -73,7 +80,7 @@ class HostActuator:
     def run_command(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult:
-        return run_command(argv, timeout=timeout, env=env)
+        return run_command(argv, timeout=timeout, env=env, scope=self.commands)
 
     def exits(self, timeout: float) -> list[ProcessIdentity]:
         return self.signaller.wait(timeout)
@@ -120,12 +127,13 @@ class HookQueue:
     At most ``capacity`` wait; a notification past that is refused (the engine logs it as
     dropped) rather than queued without bound behind a hook that hangs until its timeout.
     The thread starts with the first notification. :meth:`close` gives queued ones a bounded
-    time to finish when the daemon stops.
+    time to finish when the daemon stops, and drops those that never started.
     """
 
     def __init__(self, capacity: int = 32) -> None:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=capacity)
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     def __call__(self, work: Callable[[], None]) -> bool:
         if self._thread is None:
@@ -150,12 +158,36 @@ class HookQueue:
                 log.error(EventName.HOOK_RUN, hook="on_action", outcome="crashed", error=repr(err))
 
     def close(self, grace: float) -> int:
-        """Let queued notifications finish for up to ``grace`` seconds; return how many were
-        still waiting (not started) when it ran out."""
+        """Take no more work; let the queue finish for up to ``grace`` seconds. Returns how
+        many notifications never started (they are dropped now); :attr:`busy` says whether
+        one is still running (the daemon then cancels it)."""
         if self._thread is None:
             return 0
         deadline = time.monotonic() + grace
-        with contextlib.suppress(queue.Full):  # full: the join below runs out instead
-            self._queue.put(None, timeout=grace)
+        if not self._closing:
+            self._closing = True
+            with contextlib.suppress(queue.Full):  # full: the join below runs out instead
+                self._queue.put(None, timeout=grace)
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        return self._queue.qsize() if self._thread.is_alive() else 0
+        if not self._thread.is_alive():
+            return 0
+        dropped = 0
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            dropped += work is not None
+        self._queue.put_nowait(None)  # the thread ends after the one it runs
+        return dropped
+
+    @property
+    def busy(self) -> bool:
+        """Whether a notification is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the running notification; True when none runs."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.busy

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 from collections import Counter as Tally
 from collections.abc import Mapping
 
@@ -33,6 +32,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
+from gpuwatchd.statedir import open_directory
 from gpuwatchd.vocabulary import EventName, LadderStatus, ResetResult, SignalOutcome
 
 __all__ = ["TEXTFILE_MODE", "Metrics", "write_textfile"]
@@ -67,20 +67,37 @@ def write_textfile(path: str, data: bytes) -> None:
     (never a planted one; its name does not end in ``.prom``, so node_exporter skips it), mode
     :data:`TEXTFILE_MODE`, renamed over ``path`` (a link there is replaced, not followed).
 
+    The directory is reached by a walk from ``/`` that follows no symbolic link
+    (:func:`gpuwatchd.statedir.open_directory`), and both the file and the rename go through
+    its descriptor: node_exporter's folder is often another user's (Debian's ``prometheus``),
+    who could otherwise swap it, or a folder above it, for a link to anywhere and have root
+    write there. Its owner is not checked: it is not read back.
+
     No fsync: the file is rewritten every poll, and a reader sees the old file or the new one,
-    never half of one. Raises OSError; the temporary file is removed then.
+    never half of one. Raises OSError (StateDirError for a link on the way); the temporary file
+    is removed then.
     """
-    directory, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = open_directory(directory, owners=None, readable=False)
     try:
-        os.fchmod(fd, TEXTFILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, TEXTFILE_MODE, dir_fd=dir_fd)
+        try:
+            try:
+                os.fchmod(fd, TEXTFILE_MODE)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
 
 
 class _GpuGauges:

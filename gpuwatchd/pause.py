@@ -8,48 +8,45 @@ beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-j
 them, and the daemon removes them once expired. This module only reads and writes those files;
 what pausing or an ended job means is the planner's and assess's business.
 
-The files are opened as :mod:`gpuwatchd.state` opens its own: relative to ``state_dir``,
-never through a symbolic link, regular files only, size-capped. A switch that cannot be read
-counts as *paused* (fail safe), and its content never reaches the log unless it is a real
-pause file.
+Every function takes an open :class:`gpuwatchd.statedir.StateDir`, so the files are reached
+the one checked way: relative to ``state_dir``, never through a symbolic link, regular files
+owned by a trusted user only, size-capped. A switch that cannot be read counts as *paused*
+(fail safe), and its content never reaches the log unless it is a real pause file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.state import read_small, write_atomically
+from gpuwatchd.statedir import StateDir
 
 PAUSE_FILE = "paused"
 CLEAR_LATCHES_FILE = "clear-latches"
 MAX_REASON = 512  # characters of a pause reason kept
 ENDED_JOB_PREFIX = "ended-job-"
-MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more files are ignored (and expire)
+MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
 MAX_ENDED_JOB_FILE = 4096
 
 
-def set_pause(state_dir: str, *, reason: str | None) -> None:
+def set_pause(state_dir: StateDir, *, reason: str | None) -> None:
     """Pause (``reason`` a string, may be empty) or resume (``reason`` None)."""
-    path = os.path.join(state_dir, PAUSE_FILE)
     if reason is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        state_dir.discard(PAUSE_FILE)
         return
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
     body = json.dumps({"reason": reason, "since": time.time(), "by_uid": os.getuid()})
-    write_atomically(state_dir, PAUSE_FILE, (body + "\n").encode("utf-8"))
+    state_dir.write(PAUSE_FILE, (body + "\n").encode("utf-8"))
 
 
-def read_pause(state_dir: str) -> str | None:
+def read_pause(state_dir: StateDir) -> str | None:
     """The pause reason when paused (``""`` when none was given), else None."""
     try:
-        raw = read_small(state_dir, PAUSE_FILE, 64 * 1024)
+        raw = state_dir.read(PAUSE_FILE, 64 * 1024)
     except FileNotFoundError:
         return None
     except OSError:
@@ -62,20 +59,15 @@ def read_pause(state_dir: str) -> str | None:
     return str(reason)[:MAX_REASON] if reason is not None else ""
 
 
-def clear_latches(state_dir: str) -> None:
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    write_atomically(state_dir, CLEAR_LATCHES_FILE, f"{time.time()}\n".encode("ascii"))
+def clear_latches(state_dir: StateDir) -> None:
+    state_dir.write(CLEAR_LATCHES_FILE, f"{time.time()}\n".encode("ascii"))
 
 
-def take_clear_latches(state_dir: str) -> bool:
+def take_clear_latches(state_dir: StateDir) -> bool:
     """True once after ``resume --clear-latches`` (the request is consumed). Whatever the
     entry is (a file, a link), removing it is the request; one that cannot be removed is
     not taken (it would be taken again at every poll)."""
-    try:
-        os.unlink(os.path.join(state_dir, CLEAR_LATCHES_FILE))
-    except OSError:
-        return False
-    return True
+    return state_dir.remove(CLEAR_LATCHES_FILE)
 
 
 # --- the scheduler's word, handed to a running daemon --------------------------------------------
@@ -85,43 +77,52 @@ def _ended_job_file(job: str) -> str:
     return ENDED_JOB_PREFIX + hashlib.sha256(job.encode("utf-8")).hexdigest()[:32]
 
 
-def hand_over_ended_jobs(state_dir: str, jobs: Iterable[str], *, until: float) -> None:
+def hand_over_ended_jobs(state_dir: StateDir, jobs: Iterable[str], *, until: float) -> None:
     """Tell the running daemon (and every scan) that ``jobs`` ended, until wall time ``until``.
 
-    ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them. Each
-    gets a file of its own, written atomically; a second hand-over of the same job extends it.
+    ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them (at
+    most :data:`MAX_ENDED_JOBS`, as ``run --once`` accepts). Each gets a file of its own,
+    written atomically; a second hand-over of the same job extends it.
     """
-    for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
+    chosen = sorted(set(jobs))
+    if len(chosen) > MAX_ENDED_JOBS:
+        raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
+    for job in chosen:
         body = json.dumps({"job": job, "until": until, "by_uid": os.getuid()})
-        write_atomically(state_dir, _ended_job_file(job), (body + "\n").encode("utf-8"))
+        state_dir.write(_ended_job_file(job), (body + "\n").encode("utf-8"))
 
 
-def _ended_job_names(state_dir: str) -> list[str]:
-    try:
-        with os.scandir(state_dir) as entries:
-            names = sorted(e.name for e in entries if e.name.startswith(ENDED_JOB_PREFIX))
-    except OSError:
-        return []
-    return names
+@dataclass(frozen=True)
+class HandOvers:
+    """What :func:`read_ended_jobs` found: the jobs honoured now, the files that were wrong
+    (named), and how many valid hand-overs wait beyond :data:`MAX_ENDED_JOBS` (kept, not
+    honoured until others expire; files past the listing bound count too)."""
+
+    jobs: frozenset[str]
+    problems: tuple[str, ...]
+    over_limit: int
 
 
-def read_ended_jobs(
-    state_dir: str, now: float, *, remove_stale: bool = False
-) -> tuple[frozenset[str], list[str]]:
+def read_ended_jobs(state_dir: StateDir, now: float, *, remove_stale: bool = False) -> HandOvers:
     """The jobs handed over and not yet expired at wall time ``now``, and what was wrong.
 
-    Hostile input: a file that is not a small regular file, not JSON of the written shape,
-    names a job key that :func:`scheduler_ended_job` would not return, or has an expiry more
-    than a day ahead is ignored and named in the problems. With ``remove_stale`` (the daemon)
-    expired and bad files are removed, so nothing is honoured twice across restarts by mistake
-    and nothing piles up. At most :data:`MAX_ENDED_JOBS` are honoured.
+    Hostile input: a file that is not a small trusted regular file, not JSON of the written
+    shape, names a job key that :func:`scheduler_ended_job` would not return, or has an expiry
+    more than a day ahead is ignored and named in the problems. With ``remove_stale`` (the
+    daemon) expired and bad files are removed, so nothing is honoured twice across restarts
+    by mistake and nothing piles up. At most :data:`MAX_ENDED_JOBS` are honoured; a valid
+    hand-over beyond that is never removed, only counted in ``over_limit``.
     """
-    jobs: set[str] = set()
+    try:
+        names = state_dir.names(ENDED_JOB_PREFIX)
+    except OSError:
+        return HandOvers(frozenset(), (), 0)
+    examined = names[: 4 * MAX_ENDED_JOBS]
+    valid: list[str] = []
     problems: list[str] = []
-    for name in _ended_job_names(state_dir)[: 4 * MAX_ENDED_JOBS]:
-        stale = True
+    for name in examined:
         try:
-            data = json.loads(read_small(state_dir, name, MAX_ENDED_JOB_FILE).decode("utf-8"))
+            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
             job, until = data["job"], data["until"]
             if not isinstance(job, str) or scheduler_ended_job(job, {}) != job:
                 raise ValueError(f"not a job key: {str(job)[:80]!r}")
@@ -131,14 +132,15 @@ def read_ended_jobs(
                 raise ValueError("expiry more than a day ahead")
             if name != _ended_job_file(job):
                 raise ValueError("file name does not match the job")
-            if until >= now and len(jobs) < MAX_ENDED_JOBS:
-                jobs.add(job)
-                stale = False
         except FileNotFoundError:
             continue  # removed since the listing
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             problems.append(f"{name}: {err}")
-        if stale and remove_stale:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(state_dir, name))
-    return frozenset(jobs), problems
+        else:
+            if until >= now:
+                valid.append(job)
+                continue
+        if remove_stale:
+            state_dir.remove(name)
+    over = max(0, len(valid) - MAX_ENDED_JOBS) + (len(names) - len(examined))
+    return HandOvers(frozenset(valid[:MAX_ENDED_JOBS]), tuple(problems), over)

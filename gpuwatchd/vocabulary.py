@@ -95,6 +95,7 @@ class EventName(_Name):
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
     ACTION_SIGNAL = "action.signal"
+    ACTION_WITHHELD = "action.withheld"
     TARGET_EXITED = "target.exited"
     HOOK_RUN = "hook.run"
     RESET_STEP = "reset.step"
@@ -116,6 +117,7 @@ class EventName(_Name):
     DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
     SCHEDULER_ENDED_JOB = "scheduler.ended_job"
+    SCHEDULER_ENDED_JOBS_OVER_LIMIT = "scheduler.ended_jobs_over_limit"
     CONFIG_RELOADED = "config.reloaded"
     CONFIG_RELOAD_REJECTED = "config.reload_rejected"
     CONFIG_RELOAD_PARTIAL = "config.reload_partial"
@@ -253,6 +255,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     DATAERR = 65  # a malformed scenario or snapshot
     UNAVAILABLE = 69  # NVML/driver unavailable or wedged (scan, run --once)
+    IOERR = 74  # pause/resume: the switch could not be written (a full disk)
     TEMPFAIL = 75  # another instance holds the lock; run --once timed out
     NOPERM = 77  # insufficient privilege
     CONFIG = 78  # configuration error

@@ -123,3 +123,80 @@ def test_the_owner_notice_logs_and_mails_the_owner(tmp_path: Path) -> None:
     text = calls.read_text()
     assert "logger -t gpuwatchd-notify -- to alice: gpuwatchd on gpu17: signal freed" in text
     assert "mail -s gpuwatchd: your GPU process on gpu17 -- alice" in text
+
+
+HOSTILE_REASON = (
+    "4242@99: freed (evil\nSubject: you won\r\n~!id\x1b[2J\u2028<!channel> @here "
+    "<http://phish.example|your GPU quota> [click](http://phish.example) " + "x" * 5000 + ")"
+)
+
+
+def _tell_owner(tmp_path: Path, *args: str, reason: str) -> tuple[int, list[list[str]], str]:
+    """Run tell-owner with fake logger and mail that record each argument on its own line
+    (NUL-separated calls), and the mail body."""
+    calls = tmp_path / "calls"
+    body = tmp_path / "body"
+    logger = tmp_path / "logger"
+    logger.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\036" "$a"; done >> "{calls}"\n'
+                      f'printf "\\0" >> "{calls}"\n')  # fmt: skip
+    mail = tmp_path / "mail"
+    mail.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\036" "$a"; done >> "{calls}"\n'
+                    f'printf "\\0" >> "{calls}"\ncat > "{body}"\n')  # fmt: skip
+    for tool in (logger, mail):
+        tool.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", **FACTS, "GPUWATCHD_REASON": reason}
+    done = subprocess.run(
+        [str(TELL_OWNER), *args], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+        text=True, timeout=30, check=False,
+    )  # fmt: skip
+    recorded = calls.read_text() if calls.exists() else ""
+    argvs = [call.split("\036")[:-1] for call in recorded.split("\0") if call]
+    return done.returncode, argvs, body.read_text() if body.exists() else ""
+
+
+def test_the_owner_notice_keeps_a_hostile_reason_out_of_headers_and_syslog(tmp_path: Path) -> None:
+    """A process name with newlines and escapes cannot add a mail header, start a mailx tilde
+    command, paint a terminal or split the syslog line; everything is bounded."""
+    code, argvs, body = _tell_owner(tmp_path, "alice", "gpu17", reason=HOSTILE_REASON)
+    assert code == 0
+    (logger, mail) = argvs
+    assert logger[:3] == ["-t", "gpuwatchd-notify", "--"]
+    (line,) = logger[3:]
+    assert line.isprintable()
+    assert line.isascii()
+    assert len(line) < 1024
+    assert "Subject: you won" in line, "the text is kept, on one line"
+    assert mail == ["-s", "gpuwatchd: your GPU process on gpu17", "--", "alice"]
+    first, *rest = body.splitlines()
+    assert first.startswith("gpuwatchd on gpu17: signal freed: ")
+    assert first.isprintable()
+    assert first.isascii()
+    assert not any(part.startswith("~") for part in body.splitlines())
+    assert "Subject:" not in "\n".join(rest)
+
+
+@pytest.mark.parametrize("user", ["-oFoo", "bob\nCc: eve", "a b", ""])
+def test_the_owner_notice_refuses_what_is_not_a_user_name(tmp_path: Path, user: str) -> None:
+    code, argvs, _ = _tell_owner(tmp_path, user, "gpu17", reason="x")
+    assert code == 2
+    assert argvs == []
+
+
+def test_the_webhook_text_mentions_no_one_and_disguises_no_link(server: _Server) -> None:
+    env_reason = dict(FACTS, GPUWATCHD_REASON=HOSTILE_REASON)
+    done = subprocess.run(
+        [sys.executable, str(WEBHOOK), "gpu17"],
+        env={"PATH": os.environ["PATH"], "GPUWATCHD_WEBHOOK_URL": server.url, **env_reason},
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (body,) = server.bodies
+    text = str(body["text"])
+    for markup in ("<!channel>", "<http", "@here", "](", "http://", "\n", "\x1b", "\u2028"):
+        assert markup not in text, markup
+    assert "&lt;!\u200bchannel&gt;" in text, "shown as text, not dropped"
+    assert len(text) <= 1000
+    reason = str(body["reason"])
+    assert "\n" not in reason
+    assert "\x1b" not in reason
+    assert len(reason) <= 600

@@ -374,7 +374,7 @@ def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:
 
     first = rig(pol, orphan_host, actuator=DiesAfterSignal())
 
-    def checkpoint() -> None:
+    def checkpoint() -> bool:
         state = first.engine.state
         saved.append(
             EngineState(
@@ -382,6 +382,7 @@ def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:
                 plan=PlanState.from_json(state.plan.to_json()),
             )
         )
+        return True
 
     first.engine.checkpoint = checkpoint
     with contextlib.suppress(Killed):
@@ -395,6 +396,57 @@ def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:
     assert second.actuator.signals == [], "SIGTERM is not sent a second time"
     second.poll_at(31.0)
     assert second.actuator.signals == [(201, "SIGKILL", False)]
+
+
+def test_no_signal_is_sent_while_the_state_that_records_it_cannot_be_saved() -> None:
+    """state_dir full: the step is withheld (an event says which and why), the kill cap counts
+    nothing, the ladder holds; once the state can be saved the step is taken, exactly once."""
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    disk_full = [True]
+    saved: list[int] = []
+
+    def checkpoint() -> bool:
+        if disk_full[0]:
+            return False
+        saved.append(len(r.engine.state.plan.signal_history))
+        return True
+
+    r.engine.checkpoint = checkpoint
+    r.poll_at(0.0)
+    r.poll_at(5.0)
+    assert r.actuator.signals == []
+    withheld = r.sink.named("action.withheld")
+    assert len(withheld) == 2
+    assert withheld[0]["steps"] == ["SIGTERM to pid 201"]
+    assert "cannot be saved" in str(withheld[0]["why"])
+    assert r.engine.state.plan.signal_history == ()
+    assert not r.engine.state.plan.paused, "the hold is for one poll, not a pause"
+    disk_full[0] = False
+    r.poll_at(10.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+    assert saved[0] == 1, "saved with the signal counted, before it was sent"
+    r.poll_at(12.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)], "not repeated"
+
+
+def test_a_reset_stops_before_a_step_it_cannot_record() -> None:
+    """The reset procedure records each step before it runs; when that fails, the reset
+    command is never run."""
+    pol = make_policy("reset: {confirm_for: 0s}")
+    r = rig(pol, ghost_host)
+    calls = [0]
+
+    def checkpoint() -> bool:
+        calls[0] += 1
+        return calls[0] == 1  # the intent is saved; the procedure's first step is not
+
+    r.engine.checkpoint = checkpoint
+    for t in (0.0, 5.0, 10.0):
+        r.poll_at(t)
+    assert reset_commands(r) == []
+    steps = r.sink.named("reset.step")
+    assert any(e.get("status") == "record_failed" for e in steps), steps
 
 
 def test_a_gpu_that_is_lost_is_reported_once_as_needing_a_reboot_and_runs_on_failure() -> None:

@@ -26,7 +26,7 @@ IO_MODULES = frozenset(
         "structlog", "sdnotify", "pynvml", "psutil", "yaml", "json", "fcntl", "ctypes",
     }
 )  # fmt: skip
-APP_MODULES = ("daemon", "engine", "host", "state", "pause", "logs")
+APP_MODULES = ("daemon", "engine", "host", "state", "statedir", "pause", "logs")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -162,12 +162,33 @@ def test_a_link_at_the_path_is_replaced_not_followed(tmp_path: Path, textfile: P
     assert textfile.read_text() == "x 1\n"
 
 
+def test_a_folder_on_the_path_swapped_for_a_link_is_not_followed(tmp_path: Path) -> None:
+    """node_exporter's folder (or one above it) is often another user's: one replaced by a
+    link to elsewhere makes the write fail (logged), and nothing is written through it."""
+    owned_by_exporter = tmp_path / "prometheus"
+    (owned_by_exporter / "node-exporter").mkdir(parents=True)
+    textfile = owned_by_exporter / "node-exporter" / "gpuwatchd.prom"
+    metrics = Metrics(str(textfile))
+    assert poll(metrics, host()) is None
+    elsewhere = tmp_path / "etc-cron.d"
+    elsewhere.mkdir()
+    owned_by_exporter.rename(tmp_path / "moved")
+    owned_by_exporter.symlink_to(elsewhere)
+    (elsewhere / "node-exporter").mkdir()
+    with structlog.testing.capture_logs() as logs:
+        error = poll(metrics, host())
+    assert error is not None
+    assert "symbolic link" in error
+    assert list((elsewhere / "node-exporter").iterdir()) == []
+    assert [e["event"] for e in logs] == [EventName.METRICS_WRITE_FAILED]
+
+
 def test_a_failed_rename_leaves_the_old_file_and_no_temporary_file(
     textfile: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     textfile.write_text("old 1\n")
 
-    def refuse(src: str, dst: str) -> None:
+    def refuse(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError(28, "No space left on device", dst)
 
     monkeypatch.setattr(os, "replace", refuse)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from gpuwatchd.config.schema import ConfigError, parse_policy_documents, render_policy
-from gpuwatchd.decide.argv import check_value, format_argv
+from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.host import HookQueue, node_name
@@ -300,3 +300,19 @@ def test_hook_queue_survives_a_crashing_notification() -> None:
     assert queue(lambda: seen.append(1))
     assert queue.close(grace=5.0) == 0
     assert seen == [1]
+
+
+def test_hook_environment_values_carry_no_control_characters_and_are_bounded() -> None:
+    """A process's name is a user's text; in GPUWATCHD_REASON it must not carry a newline
+    (a forged mail header or log line in the hook) nor grow without bound."""
+    hostile = "pid 4242 (evil\nSubject: you won\r\x1b[2J\u2028\x85) " + "y" * 5000
+    env = hook_environment("on_action", reason=hostile, user="alice", pid=4242, outcome=None)
+    reason = env["GPUWATCHD_REASON"]
+    assert reason.isprintable()
+    assert reason.startswith("pid 4242 (evil\\nSubject: you won\\r\\x1b[2J\\u2028\\x85) yyy")
+    assert len(reason) == HOOK_VALUE_LIMIT
+    assert reason.endswith("...")
+    assert env["GPUWATCHD_USER"] == "alice"
+    assert env["GPUWATCHD_PID"] == "4242"
+    assert "GPUWATCHD_OUTCOME" not in env
+    assert all(value.isprintable() for value in env.values())

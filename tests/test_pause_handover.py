@@ -4,20 +4,33 @@ hostile until validated."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
+from gpuwatchd.config.schema import default_policy
+from gpuwatchd.daemon import Daemon
 from gpuwatchd.pause import (
     ENDED_JOB_PREFIX,
     MAX_ENDED_JOBS,
+    HandOvers,
     hand_over_ended_jobs,
     read_ended_jobs,
 )
+from gpuwatchd.statedir import StateDir
 
 NOW = 1_800_000_000.0
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[StateDir]:
+    with StateDir.open(str(tmp_path)) as directory:
+        yield directory
 
 
 def files(d: Path) -> list[str]:
@@ -25,28 +38,27 @@ def files(d: Path) -> list[str]:
 
 
 def test_a_hand_over_is_read_until_it_expires_and_then_removed_by_the_daemon(
-    tmp_path: Path,
+    tmp_path: Path, state: StateDir
 ) -> None:
-    hand_over_ended_jobs(str(tmp_path), ["slurm:42", "pod:abc-1"], until=NOW + 60)
+    hand_over_ended_jobs(state, ["slurm:42", "pod:abc-1"], until=NOW + 60)
     assert len(files(tmp_path)) == 2
-    jobs, problems = read_ended_jobs(str(tmp_path), NOW)
-    assert jobs == {"slurm:42", "pod:abc-1"}
-    assert problems == []
+    found = read_ended_jobs(state, NOW)
+    assert found == HandOvers(frozenset({"slurm:42", "pod:abc-1"}), (), 0)
     # A scan only reads; the daemon removes what expired.
-    assert read_ended_jobs(str(tmp_path), NOW + 61)[0] == frozenset()
+    assert read_ended_jobs(state, NOW + 61).jobs == frozenset()
     assert len(files(tmp_path)) == 2
-    assert read_ended_jobs(str(tmp_path), NOW + 61, remove_stale=True)[0] == frozenset()
+    assert read_ended_jobs(state, NOW + 61, remove_stale=True).jobs == frozenset()
     assert files(tmp_path) == []
 
 
 def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
-    tmp_path: Path,
+    tmp_path: Path, state: StateDir
 ) -> None:
-    hand_over_ended_jobs(str(tmp_path), ["slurm:1"], until=NOW + 10)
-    hand_over_ended_jobs(str(tmp_path), ["slurm:2"], until=NOW + 10)
-    hand_over_ended_jobs(str(tmp_path), ["slurm:1"], until=NOW + 100)
-    assert read_ended_jobs(str(tmp_path), NOW + 50)[0] == {"slurm:1"}
-    assert read_ended_jobs(str(tmp_path), NOW)[0] == {"slurm:1", "slurm:2"}
+    hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 10)
+    hand_over_ended_jobs(state, ["slurm:2"], until=NOW + 10)
+    hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 100)
+    assert read_ended_jobs(state, NOW + 50).jobs == {"slurm:1"}
+    assert read_ended_jobs(state, NOW).jobs == {"slurm:1", "slurm:2"}
 
 
 @pytest.mark.parametrize(
@@ -63,35 +75,67 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
     ],
 )
 def test_a_bad_hand_over_is_ignored_named_and_removed(
-    tmp_path: Path, body: bytes, why: str
+    tmp_path: Path, state: StateDir, body: bytes, why: str
 ) -> None:
-    hand_over_ended_jobs(str(tmp_path), ["slurm:7"], until=NOW + 5)
+    hand_over_ended_jobs(state, ["slurm:7"], until=NOW + 5)
     (name,) = files(tmp_path)
     (tmp_path / name).write_bytes(body)
-    jobs, problems = read_ended_jobs(str(tmp_path), NOW, remove_stale=True)
-    assert jobs == frozenset()
-    assert len(problems) == 1
-    assert problems[0].startswith(name)
-    assert why in problems[0]
+    found = read_ended_jobs(state, NOW, remove_stale=True)
+    assert found.jobs == frozenset()
+    assert len(found.problems) == 1
+    assert found.problems[0].startswith(name)
+    assert why in found.problems[0]
     assert files(tmp_path) == []
 
 
-def test_a_link_or_a_folder_is_not_followed(tmp_path: Path) -> None:
+def test_a_link_or_a_folder_is_not_followed(tmp_path: Path, state: StateDir) -> None:
     secret = tmp_path / "elsewhere.json"
     secret.write_text(json.dumps({"job": "slurm:9", "until": NOW + 5}))
     os.symlink(secret, tmp_path / f"{ENDED_JOB_PREFIX}link")
     (tmp_path / f"{ENDED_JOB_PREFIX}dir").mkdir()
-    jobs, problems = read_ended_jobs(str(tmp_path), NOW)
-    assert jobs == frozenset()
-    assert len(problems) == 2
+    found = read_ended_jobs(state, NOW)
+    assert found.jobs == frozenset()
+    assert len(found.problems) == 2
 
 
-def test_at_most_so_many_jobs_are_honoured(tmp_path: Path) -> None:
+def test_over_the_limit_valid_hand_overs_wait_and_are_never_removed(
+    tmp_path: Path, state: StateDir
+) -> None:
+    """A 65th epilog's hand-over is not honoured at once, but it is not deleted either: it
+    waits (counted) until others expire; only expired or bad files are ever removed."""
     jobs = [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 10)]
     for job in jobs:  # one epilog each
-        hand_over_ended_jobs(str(tmp_path), [job], until=NOW + 5)
-    assert len(read_ended_jobs(str(tmp_path), NOW)[0]) == MAX_ENDED_JOBS
+        hand_over_ended_jobs(state, [job], until=NOW + 5)
+    found = read_ended_jobs(state, NOW, remove_stale=True)
+    assert len(found.jobs) == MAX_ENDED_JOBS
+    assert found.over_limit == 10
+    assert len(files(tmp_path)) == MAX_ENDED_JOBS + 10, "no valid hand-over is dropped"
+    honoured = found.jobs
+    for job in sorted(honoured)[:10]:  # ten of the honoured ones expire
+        hand_over_ended_jobs(state, [job], until=NOW + 1)
+    later = read_ended_jobs(state, NOW + 2, remove_stale=True)
+    assert later.over_limit == 0
+    assert later.jobs == frozenset(jobs) - frozenset(sorted(honoured)[:10])
 
 
-def test_no_state_folder_is_no_hand_over(tmp_path: Path) -> None:
-    assert read_ended_jobs(str(tmp_path / "missing"), NOW) == (frozenset(), [])
+def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
+    tmp_path: Path, state: StateDir
+) -> None:
+    for i in range(MAX_ENDED_JOBS + 3):
+        hand_over_ended_jobs(state, [f"slurm:{i}"], until=NOW + 60)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
+    daemon = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml", wall_clock=lambda: NOW)
+    with capture_logs() as logs:
+        daemon._take_ended_jobs()
+        daemon._take_ended_jobs()
+    over = [e for e in logs if e["event"] == "scheduler.ended_jobs_over_limit"]
+    assert [(e["waiting"], e["honoured"], e["log_level"]) for e in over] == [
+        (3, MAX_ENDED_JOBS, "warning")
+    ]
+    assert len(files(tmp_path)) == MAX_ENDED_JOBS + 3
+    daemon.store.close()
+
+
+def test_more_than_the_limit_at_once_is_refused_not_cut(state: StateDir) -> None:
+    with pytest.raises(ValueError, match="at most"):
+        hand_over_ended_jobs(state, [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 1)], until=NOW)

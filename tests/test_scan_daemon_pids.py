@@ -1,13 +1,16 @@
 """A one-shot scan counts a running daemon's NVML worker as the daemon's, and nothing else.
 
-``running_daemon_pids`` (gpuwatchd/cli/scan.py) is what keeps ``check-clean`` from calling every
-GPU dirty beside a daemon that runs outside its systemd unit. Real processes, all this test's
-own children: a stand-in daemon (a program named ``gpuwatchd``) with one child whose command
-line names the NVML worker file and one that does not.
+``running_daemon`` (gpuwatchd/cli/scan.py) is what keeps ``check-clean`` from calling every
+GPU dirty beside a daemon that runs outside its systemd unit. Who the daemon is comes from the
+kernel — the process holding the instance lock in ``state_dir`` — never from a PID written in
+``state.json`` or ``holders.json``. Real processes, all this test's own children: a stand-in
+daemon (a program named ``gpuwatchd``) that takes the lock, with one child whose command line
+names the NVML worker file and one that does not.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,13 +21,19 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.cli.scan import procfs_for, running_daemon_pids
+from gpuwatchd import holder_view
+from gpuwatchd.cli.scan import daemon_view, procfs_for, running_daemon
 from gpuwatchd.collect.nvml import WORKER_FILE
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.model import HolderScan
+from gpuwatchd.statedir import StateDir
 
 DAEMON = """\
-import subprocess, sys, time
+import fcntl, os, subprocess, sys, time
 sleep = "import time; time.sleep(60)"
+if sys.argv[2] != "-":
+    lock = os.open(os.path.join(sys.argv[2], "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
 worker = subprocess.Popen([sys.executable, "-c", sleep, sys.argv[1]])
 other = subprocess.Popen([sys.executable, "-c", sleep, "something-else.py"])
 print(worker.pid, other.pid, flush=True)
@@ -32,39 +41,116 @@ time.sleep(60)
 """
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
-    """(daemon pid, worker pid, other child pid) of a stand-in daemon."""
+def _start(tmp_path: Path, state_dir: str) -> tuple[subprocess.Popen[str], int, int]:
     script = tmp_path / "gpuwatchd"
     script.write_text(f"#!{sys.executable}\n{DAEMON}")
     script.chmod(0o755)
     proc = subprocess.Popen(
-        [str(script), WORKER_FILE], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [str(script), WORKER_FILE, state_dir],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout is not None
     worker, other = (int(x) for x in proc.stdout.readline().split())
+    return proc, worker, other
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.05)
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[StateDir]:
+    with StateDir.open(str(tmp_path / "state"), create=True) as directory:
+        yield directory
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, state: StateDir) -> Iterator[tuple[int, int, int]]:
+    """(daemon pid, worker pid, other child pid) of a stand-in daemon holding the lock."""
+    proc, worker, other = _start(tmp_path, state.path)
     try:
         yield proc.pid, worker, other
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        time.sleep(0.05)
+        _stop(proc)
 
 
-def test_the_daemon_and_its_worker_are_recognised(daemon: tuple[int, int, int]) -> None:
+def test_the_lock_holder_and_its_worker_are_recognised(
+    daemon: tuple[int, int, int], state: StateDir
+) -> None:
     pid, worker, other = daemon
     policy = Policy()
-    found = running_daemon_pids(policy, {"status": {"pid": pid}}, procfs_for(policy))
-    assert found == frozenset({pid, worker})
-    assert other not in found
+    deadline = time.monotonic() + 10
+    while state.lock_holder() is None:  # the stand-in takes the lock right after it starts
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    found = running_daemon(policy, state, procfs_for(policy))
+    assert found is not None
+    assert (found.pid, found.workers) == (pid, frozenset({worker}))
+    assert other not in found.pids
 
 
-def test_a_pid_that_is_not_gpuwatchd_hides_nothing(daemon: tuple[int, int, int]) -> None:
-    _pid, worker, other = daemon
+def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: StateDir) -> None:
+    """What state.json says about the daemon's PID is not taken for it: without the lock, a
+    process named gpuwatchd (anyone may name one so) is an ordinary process."""
+    proc, _worker, _other = _start(tmp_path, "-")
+    try:
+        state.write_json("state.json", {"status": {"pid": proc.pid}})
+        assert state.lock_holder() is None
+        policy = Policy()
+        assert running_daemon(policy, state, procfs_for(policy)) is None
+        assert running_daemon(policy, None, procfs_for(policy)) is None
+    finally:
+        _stop(proc)
+
+
+def _forged_view(daemon_pid: int, workers: list[int], policy: Policy) -> bytes:
+    procfs = procfs_for(policy)
+    fields = procfs.read_stat(daemon_pid)
+    assert fields is not None
+    boot_id = procfs.boot_id()
+    assert boot_id is not None
+    view = holder_view.encode(
+        boot_id=boot_id,
+        daemon_pid=daemon_pid,
+        daemon_start_ticks=fields.starttime,
+        worker_pids=frozenset(workers),
+        polled=time.time(),
+        fresh_for=60.0,
+        settings=(policy.proc_root, policy.devices_dir, policy.device_major),
+        holders=HolderScan("full"),
+        start_ticks={},
+        dead_listed=frozenset(),
+    )
+    return json.dumps(view).encode()
+
+
+def test_a_holder_view_naming_another_process_as_the_daemon_is_not_used(
+    tmp_path: Path, state: StateDir, daemon: tuple[int, int, int]
+) -> None:
+    """holders.json could name any process (a GPU holder) as "the daemon": refused, and the
+    PIDs it names are never taken for the daemon's."""
+    pid, worker, other = daemon
     policy = Policy()
     procfs = procfs_for(policy)
-    # A reused PID: the state names a process that is not gpuwatchd.
-    assert running_daemon_pids(policy, {"status": {"pid": other}}, procfs) == frozenset()
-    assert running_daemon_pids(policy, {"status": {"pid": worker}}, procfs) == frozenset()
-    assert running_daemon_pids(policy, {}, procfs) == frozenset()
-    assert running_daemon_pids(policy, {"status": {"pid": "7"}}, procfs) == frozenset()
+    deadline = time.monotonic() + 10
+    while state.lock_holder() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    running = running_daemon(policy, state, procfs)
+    assert running is not None
+    state.write(holder_view.VIEW_FILE, _forged_view(other, [worker], policy))
+    view, why = daemon_view(policy, procfs, state, running)
+    assert view is None
+    assert f"pid {other} does not hold the instance lock" in why
+    state.write(holder_view.VIEW_FILE, _forged_view(pid, [worker, other], policy))
+    view, why = daemon_view(policy, procfs, state, running)
+    assert view is None
+    assert "not the daemon's NVML workers" in why
+    state.write(holder_view.VIEW_FILE, _forged_view(pid, [worker], policy))
+    view, why = daemon_view(policy, procfs, state, running)
+    assert view is not None, why
+    assert other not in running.pids

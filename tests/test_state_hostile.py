@@ -14,6 +14,7 @@ from gpuwatchd.config.schema import default_policy
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.pause import clear_latches, read_pause, set_pause, take_clear_latches
 from gpuwatchd.state import StateDirError, StateStore, check_state_dir
+from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import ExitCode
 
 SECRET = "a file the daemon must never touch: hunter2\n"  # noqa: S105 - a marker, no password
@@ -42,27 +43,34 @@ def test_a_linked_lock_file_is_refused_and_its_target_left_alone(
     assert victim.read_text() == SECRET
 
 
+def _open(state_dir: Path) -> StateDir:
+    return StateDir.open(str(state_dir))
+
+
 def test_a_linked_pause_file_is_paused_but_never_read(state_dir: Path, victim: Path) -> None:
     (state_dir / "paused").symlink_to(victim)
-    reason = read_pause(str(state_dir))
+    with _open(state_dir) as directory:
+        reason = read_pause(directory)
     assert reason == "pause file unreadable"
     assert "hunter2" not in reason
 
 
 def test_a_pause_file_that_is_a_fifo_does_not_block(state_dir: Path) -> None:
     os.mkfifo(state_dir / "paused")
-    assert read_pause(str(state_dir)) == "pause file unreadable"
+    with _open(state_dir) as directory:
+        assert read_pause(directory) == "pause file unreadable"
 
 
 def test_switches_never_write_through_a_planted_link(state_dir: Path, victim: Path) -> None:
     (state_dir / "clear-latches").symlink_to(victim)
     (state_dir / "paused").symlink_to(victim)
-    clear_latches(str(state_dir))
-    set_pause(str(state_dir), reason="maintenance")
-    assert victim.read_text() == SECRET
-    assert read_pause(str(state_dir)) == "maintenance"
-    assert take_clear_latches(str(state_dir)) is True
-    assert take_clear_latches(str(state_dir)) is False
+    with _open(state_dir) as directory:
+        clear_latches(directory)
+        set_pause(directory, reason="maintenance")
+        assert victim.read_text() == SECRET
+        assert read_pause(directory) == "maintenance"
+        assert take_clear_latches(directory) is True
+        assert take_clear_latches(directory) is False
 
 
 def test_a_linked_state_file_is_moved_aside_not_read(state_dir: Path, victim: Path) -> None:
@@ -102,7 +110,11 @@ def test_as_root_a_state_dir_others_can_write_is_refused(
     os.chown(path, uid, -1)
     with pytest.raises(StateDirError, match=message):
         check_state_dir(str(path), euid=0)
-    check_state_dir(str(path), euid=1000)  # not root: the owner's business
+    if mode == 0o700:
+        check_state_dir(str(path), euid=1000)  # the user running it may own it
+    else:
+        with pytest.raises(StateDirError, match=message):  # writable by others: never
+            check_state_dir(str(path), euid=1000)
 
 
 def test_a_new_state_dir_is_created_private(tmp_path: Path) -> None:

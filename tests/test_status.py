@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.cli import status as status_mod
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.status import (
@@ -33,6 +32,7 @@ from gpuwatchd.cli.status import (
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.state import StateStore
+from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import LadderStatus
 
 NOW = 1_800_000_000.0  # wall
@@ -608,7 +608,7 @@ def test_exit_4_when_the_state_cannot_be_read(
     def denied(*args: object, **kwargs: object) -> bytes:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(status_mod, "read_small", denied)
+    monkeypatch.setattr(StateDir, "read", denied)
     assert main(["status", "--config", str(config)]) == 4
     assert "permission denied (run as root)" in capsys.readouterr().out
 

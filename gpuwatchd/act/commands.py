@@ -1,34 +1,44 @@
-"""Running admin-configured commands (hooks, ``nvidia-smi``): argv only, no shell, own
-process group, a deadline, the output's tail kept.
+"""Running admin-configured commands (hooks, ``nvidia-smi``): argv only, no shell, a session of
+their own, a deadline, the output's tail kept, and a keeper (:mod:`gpuwatchd.act.reaper`) that
+ends everything a command started when it ends.
 
 Hook and command environment (for admins writing hooks; also in ``docs/reset.md``): every
 hook gets the daemon's environment plus ``GPUWATCHD_EVENT`` (what ran it: ``reset_drain``,
 ``reset_before``, ``reset_after``, ``on_failure``), and, where they apply,
 ``GPUWATCHD_GPU_UUID``, ``GPUWATCHD_GPU_PCI_BUS_ID``, ``GPUWATCHD_GPU_MINOR``,
 ``GPUWATCHD_RESULT`` (``success``, ``failed``, ``refused``, ``timeout``) and
+``GPUWATCHD_REASON``; every command gets ``GPUWATCHD_COMMAND_ID``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import selectors
 import signal
 import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Hook
 
 COMMAND_ID_VARIABLE = "GPUWATCHD_COMMAND_ID"  # marks a command and its descendants
 OUTPUT_LIMIT = 64 * 1024  # bytes of a command's output kept (the tail)
+KEEPER_FILE = str(Path(__file__).resolve().with_name("reaper.py"))
 _TICK = 0.05  # poll interval when pidfds are unavailable
 _DRAIN_GRACE = 0.2  # seconds to collect output after the command exits (grandchildren may hold it)
-_REAP_AFTER_KILL = 5.0  # seconds to wait for a SIGKILLed command to be reaped (D state)
+_REAP_AFTER_KILL = 5.0  # seconds to wait for a SIGKILLed keeper to be reaped
+# How long past a command's timeout its keeper may take to end the tree (reaper.py:
+# LEFTOVER_GRACE + KILL_FOR) before the daemon ends the keeper itself.
+_KEEPER_MARGIN = 8.0
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -42,6 +52,9 @@ class CommandResult:
     deadline and could not be reaped (stuck in uninterruptible sleep); negative when a signal
     ended it. ``output`` is stdout and stderr interleaved, its last :data:`OUTPUT_LIMIT` bytes.
     ``error`` says what went wrong on our side (exec failure, unreaped after SIGKILL).
+    ``cancelled``: the daemon stopped while it ran, and its process tree was killed.
+    ``leftovers``: processes the command left running when it exited; they may run until its
+    deadline, when they are killed (or when the daemon stops, if that comes first).
     """
 
     argv: tuple[str, ...]
@@ -50,6 +63,8 @@ class CommandResult:
     timed_out: bool
     duration: float
     error: str | None
+    cancelled: bool = False
+    leftovers: int = 0
 
     @property
     def ok(self) -> bool:
@@ -58,13 +73,87 @@ class CommandResult:
     def describe(self) -> str:
         """One line for logs and reasons: how it ended."""
         if self.error is not None and self.returncode is None and not self.timed_out:
-            return self.error
-        if self.timed_out:
-            text = f"timed out after {self.duration:.1f}s; process group killed"
-            return text if self.error is None else f"{text}; {self.error}"
-        if self.returncode is not None and self.returncode < 0:
-            return f"killed by signal {-self.returncode}"
-        return f"exit {self.returncode}"
+            text = self.error
+        elif self.cancelled:
+            text = "cancelled: the daemon stopped; its processes were killed"
+        elif self.timed_out:
+            text = f"timed out after {self.duration:.1f}s; its processes were killed"
+            text = text if self.error is None else f"{text}; {self.error}"
+        elif self.returncode is not None and self.returncode < 0:
+            text = f"killed by signal {-self.returncode}"
+        else:
+            text = f"exit {self.returncode}"
+        if self.leftovers and not (self.timed_out or self.cancelled):
+            text += f"; it left {self.leftovers} process(es) running (killed at its deadline)"
+        return text
+
+
+class CommandScope:
+    """The commands of one daemon, for ending them all when it stops.
+
+    A command that exits may leave processes running until its deadline; its keeper lingers
+    as long, and is kept here (:meth:`adopt`) so that a stopping daemon can end them too.
+    :meth:`cancel` ends every command still running (their keepers watch :meth:`fileno`),
+    every lingering keeper's tree, and every command started later. Thread-safe: hooks run
+    on the notification thread."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self.cancelled = False
+        self._lingering: list[subprocess.Popen[bytes]] = []
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._read
+
+    def adopt(self, keeper: subprocess.Popen[bytes]) -> None:
+        """Keep ``keeper``, whose command exited leaving processes that run on."""
+        with self._lock:
+            self._lingering = [p for p in self._lingering if p.poll() is None]
+            self._lingering.append(keeper)
+            if self.cancelled:
+                _stop_keeper(keeper)
+
+    @property
+    def lingering(self) -> int:
+        """How many finished commands still have processes running (before their deadline)."""
+        with self._lock:
+            self._lingering = [p for p in self._lingering if p.poll() is None]
+            return len(self._lingering)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for what finished commands left running to end by
+        itself; True when nothing is left."""
+        until = time.monotonic() + timeout
+        while self.lingering:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(_TICK)
+        return True
+
+    def cancel(self, wait: float = _KEEPER_MARGIN) -> int:
+        """End every command of this scope, now and from now on: running ones and what
+        finished ones left running (their process trees get SIGKILL). Waits up to ``wait``
+        seconds for the lingering keepers; returns how many processes' trees it ended that
+        finished commands had left running."""
+        with self._lock:
+            self.cancelled = True
+            with contextlib.suppress(OSError):
+                os.write(self._write, b"x")
+            keepers = [p for p in self._lingering if p.poll() is None]
+            for keeper in keepers:
+                _stop_keeper(keeper)
+        until = time.monotonic() + wait
+        for keeper in keepers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                keeper.wait(max(0.0, until - time.monotonic()))
+        return len(keepers)
+
+
+def _stop_keeper(keeper: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        keeper.send_signal(signal.SIGTERM)  # an unreaped child of ours: no reused PID
 
 
 class _Tail:
@@ -95,23 +184,32 @@ def run_command(
     timeout: float,
     env: Mapping[str, str] | None = None,
     output_limit: int = OUTPUT_LIMIT,
+    scope: CommandScope | None = None,
 ) -> CommandResult:
-    """Run ``argv`` (no shell) in a new session and process group, under ``timeout`` seconds.
+    """Run ``argv`` (no shell) in a new session, under ``timeout`` seconds; nothing it starts
+    outlives it.
 
     ``env`` is the complete environment (None: inherit the daemon's), plus
     ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits, less every ``PYTHON*``
     variable. It runs in ``/``, with stdin from /dev/null.
-    When the deadline passes the *whole process group* gets SIGKILL (a wrapper's children
-    too), and so does every process that still carries the marker: a child that left the
-    group with ``setsid`` or a double fork is ended with the command. The command is reaped
-    for at most a few seconds, since a process stuck in the driver cannot die; then
-    ``returncode`` is None and ``error`` says so. Output that grandchildren keep writing after
-    the command itself exited is collected only briefly.
+
+    The command runs under a keeper (:mod:`gpuwatchd.act.reaper`), a child subreaper of its
+    own: every process the command starts stays the keeper's descendant, even one that calls
+    ``setsid`` and clears its environment, or whose parent exited. This returns when the
+    command exits; what it left running may go on until the deadline (``leftovers`` counts
+    it), when the keeper kills it. At the deadline, or when ``scope`` is cancelled, the whole
+    tree gets SIGKILL. A keeper that outlives its command is handed to ``scope`` (without one,
+    the subprocess module reaps it later). Should the keeper itself fail, the process group
+    and every process carrying the marker get SIGKILL. A process stuck in the driver cannot
+    die: then ``returncode`` is None and ``error`` says so. Output that grandchildren keep
+    writing after the command itself exited is collected only briefly.
     """
     args = tuple(argv)
     started = time.monotonic()
     if not args:
         return CommandResult(args, None, "", False, 0.0, "empty command")
+    if scope is not None and scope.cancelled:
+        return CommandResult(args, None, "", False, 0.0, "not run: the daemon is stopping", True)
     marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
     # The caller's Python settings (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP...) never reach a
     # command: a hook written in Python must not import code from wherever the daemon was
@@ -120,86 +218,200 @@ def run_command(
         k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTHON")
     }
     child_env[COMMAND_ID_VARIABLE] = marker.partition("=")[2]
+    status_read, status_write = os.pipe()
+    keeper = [sys.executable, "-I", "-S", KEEPER_FILE, str(status_write), repr(timeout), "--"]
     try:
         proc = subprocess.Popen(
-            args,
+            [*keeper, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            pass_fds=(status_write,),
             cwd="/",  # never the caller's folder, which may be anyone's
             env=child_env,
         )
     except OSError as err:
+        os.close(status_read)
         reason = err.strerror or str(err)
         return CommandResult(
             args, None, "", False, time.monotonic() - started, f"cannot run {args[0]}: {reason}"
         )
+    finally:
+        os.close(status_write)
     tail = _Tail(output_limit)
-    timed_out, error = _supervise(proc, started + timeout, tail, marker.encode("ascii"))
+    deadline = started + timeout + _KEEPER_MARGIN
+    try:
+        report, keeper_error = _supervise(
+            proc,
+            deadline,
+            tail,
+            marker=marker.encode("ascii"),
+            status_fd=status_read,
+            scope=scope,
+        )
+    finally:
+        os.close(status_read)
+    return _result(args, report, keeper_error, tail, time.monotonic() - started)
+
+
+def _result(
+    args: tuple[str, ...],
+    report: Mapping[str, object],
+    keeper_error: str | None,
+    tail: _Tail,
+    duration: float,
+) -> CommandResult:
+    """The keeper's report as a CommandResult (a report that is not one counts as unknown)."""
+    code = report.get("returncode")
+    returncode = code if isinstance(code, int) and not isinstance(code, bool) else None
+    error = report.get("error")
+    errors = [error] if isinstance(error, str) and error else []
+    stuck = report.get("unkillable")
+    if isinstance(stuck, int) and stuck > 0:
+        errors.append(
+            f"{stuck} process(es) still running after SIGKILL "
+            "(uninterruptible sleep in the driver?)"
+        )
+    if keeper_error is not None:
+        errors.append(keeper_error)
+    leftovers = report.get("leftovers")
     return CommandResult(
         argv=args,
-        returncode=proc.returncode,
+        returncode=returncode,
         output=tail.text(),
-        timed_out=timed_out,
-        duration=time.monotonic() - started,
-        error=error,
+        timed_out=report.get("timed_out") is True,
+        duration=duration,
+        error="; ".join(errors) or None,
+        cancelled=report.get("cancelled") is True,
+        leftovers=leftovers if isinstance(leftovers, int) and leftovers > 0 else 0,
     )
 
 
-def _supervise(
-    proc: subprocess.Popen[bytes], deadline: float, tail: _Tail, marker: bytes
-) -> tuple[bool, str | None]:
-    """Collect output until ``proc`` exits or ``deadline`` passes; then kill its group.
+class _Keeper:
+    """The daemon's side of one command's keeper: its output, its report, its exit."""
 
-    Returns (timed out, error). The command's exit is seen through a pidfd (at once) where
-    available, else by polling every few tens of milliseconds.
+    def __init__(
+        self, proc: subprocess.Popen[bytes], tail: _Tail, marker: bytes, status_fd: int
+    ) -> None:
+        assert proc.stdout is not None  # noqa: S101 - stdout=PIPE guarantees it
+        self.proc = proc
+        self.pipe = proc.stdout
+        self.tail = tail
+        self.marker = marker
+        self.status_fd = status_fd
+        self.status = bytearray()
+        self.pipe_open = True
+        self.asked_to_stop = False
+        self.reported = False
+
+    def handle(self, key: selectors.SelectorKey, selector: selectors.BaseSelector) -> None:
+        what, fileobj = key.data, key.fileobj
+        if what == "pipe" and not _read_into(self.pipe.fileno(), self.tail):
+            selector.unregister(fileobj)
+            self.pipe_open = False
+        elif what == "status" and not _read_status(self.status_fd, self.status):
+            selector.unregister(fileobj)
+            self.reported = True  # the keeper closed it: the command has ended
+        elif what == "cancel" and not self.asked_to_stop:
+            self.asked_to_stop = True
+            selector.unregister(fileobj)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)  # the keeper kills the tree
+        elif what == "exit":
+            selector.unregister(fileobj)
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    deadline: float,
+    tail: _Tail,
+    *,
+    marker: bytes,
+    status_fd: int,
+    scope: CommandScope | None,
+) -> tuple[Mapping[str, object], str | None]:
+    """Collect output and the keeper's report until the keeper exits; cancel it when asked.
+
+    Returns (the keeper's report, an error of our own or None). The keeper ends the command at
+    its deadline itself; if it is still there ``_KEEPER_MARGIN`` seconds later, or exits
+    without a report, the command's group and every process carrying its marker get SIGKILL
+    here.
     """
-    assert proc.stdout is not None  # noqa: S101 - stdout=PIPE guarantees it
-    pipe = proc.stdout
-    timed_out = False
+    keeper = _Keeper(proc, tail, marker, status_fd)
     error: str | None = None
     pidfd: int | None = None
-    pidfd_open = getattr(os, "pidfd_open", None)
-    if pidfd_open is not None:
-        with contextlib.suppress(OSError):
-            pidfd = pidfd_open(proc.pid)  # our unreaped child: its PID cannot be reused
-    os.set_blocking(pipe.fileno(), False)
+    with contextlib.suppress(OSError):
+        pidfd = os.pidfd_open(proc.pid)  # our unreaped child: its PID cannot be reused
+    os.set_blocking(keeper.pipe.fileno(), False)
+    os.set_blocking(status_fd, False)
     with selectors.DefaultSelector() as selector:
-        selector.register(pipe, selectors.EVENT_READ, "pipe")
+        selector.register(keeper.pipe, selectors.EVENT_READ, "pipe")
+        selector.register(status_fd, selectors.EVENT_READ, "status")
         if pidfd is not None:
             selector.register(pidfd, selectors.EVENT_READ, "exit")
-        pipe_open = True
-        while proc.poll() is None:
+        if scope is not None:
+            selector.register(scope.fileno(), selectors.EVENT_READ, "cancel")
+        while proc.poll() is None and not keeper.reported:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                timed_out = True
+                error = "its keeper did not end it in time; process group killed"
+                _kill_keeper(proc, marker)
                 break
             wait = remaining if pidfd is not None else min(remaining, _TICK)
             for key, _events in selector.select(wait):
-                if key.data == "pipe" and not _read_into(pipe.fileno(), tail):
-                    selector.unregister(pipe)
-                    pipe_open = False
-                elif key.data == "exit":
-                    selector.unregister(key.fileobj)
-        if timed_out:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: wrappers' children too
-            kill_marked(marker)  # and those that left the group (setsid, double fork)
-            try:
-                proc.wait(timeout=_REAP_AFTER_KILL)
-            except subprocess.TimeoutExpired:
-                error = (
-                    f"still running {_REAP_AFTER_KILL:.0f}s after SIGKILL "
-                    "(uninterruptible sleep in the driver?)"
-                )
-        if pipe_open:
-            _drain(pipe.fileno(), tail, _DRAIN_GRACE)
-    pipe.close()
+                keeper.handle(key, selector)
+        if keeper.pipe_open:
+            _drain(keeper.pipe.fileno(), tail, _DRAIN_GRACE)
+    _read_status(status_fd, keeper.status)
+    keeper.pipe.close()
     if pidfd is not None:
         os.close(pidfd)
-    return timed_out, error
+    if scope is not None and error is None and proc.poll() is None:
+        # The command exited; what it left running may run until the deadline, its keeper
+        # with it (the scope ends them when the daemon stops).
+        scope.adopt(proc)
+    report = _parse_report(bytes(keeper.status))
+    if report is None:
+        if error is None:
+            error = f"its keeper failed (exit {proc.returncode}); process group killed"
+            _kill_keeper(proc, marker)
+        report = {}
+    return report, error
+
+
+def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:
+    """The fallback when the keeper failed: SIGKILL to the command's process group and to every
+    process that carries its marker (a setsid child that kept its environment)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_marked(marker)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=_REAP_AFTER_KILL)
+
+
+def _read_status(fd: int, into: bytearray) -> bool:
+    """Read what the keeper wrote; False at end of file."""
+    while len(into) < 4096:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        into += chunk
+    return False
+
+
+def _parse_report(raw: bytes) -> Mapping[str, object] | None:
+    try:
+        report = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def _carries(pid: int, marker: bytes) -> bool:

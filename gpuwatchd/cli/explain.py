@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
@@ -103,23 +104,71 @@ MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
 
 
 def load_report(path: str) -> Mapping[str, object]:
+    """The saved ``scan --json`` report at ``path``: a regular file of at most
+    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers have at most
+    :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_REPORT_BYTES + 1)
-        if len(raw) > MAX_REPORT_BYTES:
-            raise SnapshotError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a report")
-        data = json.loads(raw.decode("utf-8"))
+        raw = read_regular_file(path, MAX_REPORT_BYTES)
     except FileNotFoundError:
         raise SnapshotError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except NotARegularFile as err:
+        raise SnapshotError(f"{path}: {err}: a report is a regular file") from None
+    except FileTooLarge:
+        raise SnapshotError(
+            f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a report"
+        ) from None
+    except OSError as err:
+        raise SnapshotError(f"{path}: cannot read: {err.strerror or err}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+    except UnicodeDecodeError as err:
         raise SnapshotError(f"{path}: cannot read: {err}") from None
     except json.JSONDecodeError as err:
         raise SnapshotError(f"{path}:{err.lineno}: not JSON: {err.msg}") from None
     except RecursionError:
         raise SnapshotError(f"{path}: nested too deeply: not a report") from None
+    except ValueError as err:
+        raise SnapshotError(f"{path}: not JSON: {err}") from None
     if not isinstance(data, dict):
         raise SnapshotError(f"{path}: expected the object `gpuwatchd scan --json` prints")
+    try:
+        where = _first_huge_number(data, "")
+    except RecursionError:
+        raise SnapshotError(f"{path}: nested too deeply: not a report") from None
+    if where is not None:
+        raise SnapshotError(
+            f"{path}: {where}: a number of more than {MAX_DIGITS} digits is no value of a report"
+        )
     return data
+
+
+MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits
+
+
+class _HugeNumber(str):
+    """An integer in the report with more than :data:`MAX_DIGITS` digits, kept as its text so
+    the field can be named (Python refuses to convert more than a few thousand digits)."""
+
+
+def _bounded_int(text: str) -> int | _HugeNumber:
+    return int(text) if len(text.lstrip("-")) <= MAX_DIGITS else _HugeNumber(text)
+
+
+def _first_huge_number(value: object, where: str) -> str | None:
+    """The path (``gpus[0].memory.total``) of the first over-long integer in ``value``."""
+    if isinstance(value, _HugeNumber):
+        return where or "(top)"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_huge_number(item, f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _first_huge_number(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:

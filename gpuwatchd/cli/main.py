@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
 from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
+from gpuwatchd.statedir import StateDirError
 from gpuwatchd.vocabulary import ExitCode
 
 if TYPE_CHECKING:
@@ -142,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"gpuwatchd: {exc}", file=sys.stderr)
         return exc.code
+    except StateDirError as exc:  # a state_dir that cannot be trusted is never used
+        print(f"gpuwatchd: {exc}; refusing to use it", file=sys.stderr)
+        return ExitCode.CONFIG
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -348,19 +352,29 @@ def _status(args: argparse.Namespace) -> int:
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:
     from gpuwatchd.pause import clear_latches, set_pause
+    from gpuwatchd.statedir import StateDir, StateDirError
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
+    path = policy.state_dir
     try:
-        if paused:
-            set_pause(policy.state_dir, reason=args.reason)
-            print(f"gpuwatchd: actions paused ({policy.state_dir})")
-        else:
-            set_pause(policy.state_dir, reason=None)
-            if args.clear_latches:
-                clear_latches(policy.state_dir)
-            print("gpuwatchd: actions resumed")
+        with StateDir.open(path, create=True) as state_dir:
+            if paused:
+                set_pause(state_dir, reason=args.reason)
+                print(f"gpuwatchd: actions paused ({path})")
+            else:
+                set_pause(state_dir, reason=None)
+                if args.clear_latches:
+                    clear_latches(state_dir)
+                print("gpuwatchd: actions resumed")
     except PermissionError as exc:
-        raise CliError(f"{exc.filename}: permission denied (run as root)", ExitCode.NOPERM) from exc
+        where = exc.filename or path
+        raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc
+    except StateDirError as exc:
+        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
+    except OSError as exc:
+        raise CliError(
+            f"state_dir {path}: the switch is not changed: {exc.strerror or exc}", ExitCode.IOERR
+        ) from exc
     return ExitCode.OK
 
 

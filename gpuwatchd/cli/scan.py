@@ -23,7 +23,8 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
-from gpuwatchd.state import StateStore, read_small
+from gpuwatchd.state import StateStore
+from gpuwatchd.statedir import StateDir, StateDirError, Value
 
 
 @dataclass(frozen=True)
@@ -73,47 +74,95 @@ def read_boot_time(proc_root: str) -> float | None:
     return None
 
 
-def running_daemon_pids(
-    policy: Policy, saved: Mapping[str, object], procfs: ProcFS
-) -> frozenset[int]:
-    """The daemon that wrote ``saved`` and its NVML workers, when it runs now; else empty.
+@dataclass(frozen=True)
+class RunningDaemon:
+    """The gpuwatchd instance that holds the lock in ``state_dir`` now, and its NVML workers."""
+
+    pid: int
+    workers: frozenset[int]
+
+    @property
+    def pids(self) -> frozenset[int]:
+        return frozenset({self.pid, *self.workers})
+
+
+def open_state_dir(policy: Policy) -> StateDir | None:
+    """The daemon's state directory for a reader: None when it does not exist or this user
+    cannot open it (no daemon to build on); StateDirError when it exists but cannot be
+    trusted (a link on its path, another owner, writable by others) — the caller refuses."""
+    try:
+        return StateDir.open(policy.state_dir)
+    except StateDirError:
+        raise
+    except OSError:
+        return None
+
+
+def running_daemon(
+    policy: Policy, state_dir: StateDir | None, procfs: ProcFS
+) -> RunningDaemon | None:
+    """The daemon and its NVML workers, when one runs now beside this command; else None.
 
     The daemon counts its own NVML worker as itself, never as a holder; a scan beside it must
     too, or every GPU would show a ``hidden_holder`` (an NVML-only client) whenever the daemon
-    runs outside its systemd unit, in a Kubernetes pod say. Only a PID that is gpuwatchd now
-    (the test of ``status``) and runs as the user this command runs as (root, in production:
-    nobody else can start such a process), and its direct children of that user running the
-    worker file, qualify: a reused PID, or a look-alike started by another user, hides nothing.
+    runs outside its systemd unit, in a Kubernetes pod say. No file's word is taken for who
+    that is: the daemon is the process the kernel says holds the instance lock in
+    ``state_dir`` (:meth:`StateDir.lock_holder`), if it is gpuwatchd and runs as a trusted user
+    (root, or this user); its workers are its direct children of the same user running the
+    worker file. A PID named in ``state.json`` or ``holders.json`` hides nothing by itself.
     """
-    from gpuwatchd.cli.status import daemon_pid, look_at_process
+    from gpuwatchd.cli.status import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
-    pid = daemon_pid(saved)
+    if state_dir is None:
+        return None
+    pid = state_dir.lock_holder(policy.proc_root)
     if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
-        return frozenset()
-    me = os.geteuid()
+        return None
     daemon = procfs.read_process(pid)
-    if daemon is None or daemon.uid != me:
-        return frozenset()
+    if daemon is None or daemon.uid not in state_dir.owners:
+        return None
     workers = {
         child
         for child, info in procfs.read_processes(procfs.descendants([pid])).items()
-        if info.ppid == pid and info.uid == me and WORKER_FILE in (info.cmdline or ())
+        if info.ppid == pid and info.uid == daemon.uid and WORKER_FILE in (info.cmdline or ())
     }
-    return frozenset({pid, *workers})
+    return RunningDaemon(pid, frozenset(workers))
 
 
-def daemon_view(policy: Policy, procfs: ProcFS) -> tuple[HolderView | None, str]:
+def daemon_view(
+    policy: Policy,
+    procfs: ProcFS,
+    state_dir: StateDir | None = None,
+    daemon: RunningDaemon | None = None,
+) -> tuple[HolderView | None, str]:
     """The running daemon's published holder view if ``scan`` may build on it, else None;
-    and, either way, a short reason (shown in the report)."""
-    try:
-        raw = read_small(policy.state_dir, holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
-    except OSError:
+    and, either way, a short reason (shown in the report). The view must come from the
+    daemon that holds the lock now (``daemon``), and name no process but its workers."""
+    if state_dir is None:
         return None, "no holder view published by a running daemon"
+    try:
+        raw = state_dir.read(holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, "no holder view published by a running daemon"
+    except OSError as err:
+        return None, f"the daemon's holder view is unusable: {err.strerror or err}"
     try:
         view = holder_view.parse(raw)
     except ValueError as err:
         return None, f"the daemon's holder view is unusable: {err}"
+    if daemon is None or view.daemon_pid != daemon.pid:
+        return None, (
+            f"the daemon's holder view is not used: pid {view.daemon_pid} does not hold the "
+            "instance lock"
+        )
+    strangers = view.worker_pids - daemon.workers
+    if strangers:
+        shown = ", ".join(str(p) for p in sorted(strangers)[:4])
+        return None, (
+            f"the daemon's holder view is not used: it names processes that are not the "
+            f"daemon's NVML workers ({shown})"
+        )
     fields = procfs.read_stat(view.daemon_pid)
     why = holder_view.usable(
         view,
@@ -140,18 +189,34 @@ def scan_host(
     ``full=False`` builds on a running daemon's published holder view when there is a usable
     one (:mod:`gpuwatchd.holder_view`): a targeted scan of its holders, NVML's processes and
     their descendants, or a full walk whenever the daemon's own rule would walk; without a
-    usable view it walks all of ``/proc`` as ``full=True`` always does.
+    usable view it walks all of ``/proc`` as ``full=True`` always does. Raises StateDirError
+    when ``state_dir`` exists but cannot be trusted (:func:`open_state_dir`).
     """
+    state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
+    try:
+        return _scan_host(policy, state_dir, nvml_env=nvml_env, nvml=nvml, full=full)
+    finally:
+        if state_dir is not None:
+            state_dir.close()
+
+
+def _scan_host(
+    policy: Policy,
+    state_dir: StateDir | None,
+    *,
+    nvml_env: Mapping[str, str] | None,
+    nvml: NvmlClient | None,
+    full: bool,
+) -> ScanResult:
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
-    saved = StateStore(policy.state_dir).peek()
+    saved = StateStore(state_dir).peek() if state_dir is not None else {}
     procfs = procfs_for(policy)
-    daemon_pids = running_daemon_pids(policy, saved, procfs)
-    view, view_note = daemon_view(policy, procfs)
-    if view is not None:
-        # Its processes are the daemon's own, never holders (its NVML worker holds them all).
-        daemon_pids |= view.worker_pids | {view.daemon_pid}
+    daemon = running_daemon(policy, state_dir, procfs)
+    # Its processes are the daemon's own, never holders (its NVML worker holds them all).
+    daemon_pids = daemon.pids if daemon is not None else frozenset()
+    view, view_note = daemon_view(policy, procfs, state_dir, daemon)
     if full:
         view, view_note = None, "--full"
     try:
@@ -170,7 +235,8 @@ def scan_host(
             collector.seed(view.holders, view.dead_listed)
         # What an epilog told the running daemon (run --once --ended-job): this scan judges
         # those jobs as the daemon does.
-        collector.ended_by_scheduler = read_ended_jobs(policy.state_dir, time.time())[0]
+        if state_dir is not None:
+            collector.ended_by_scheduler = read_ended_jobs(state_dir, time.time()).jobs
         snapshot = collector.collect(full=view is None)
     finally:
         if own:
@@ -240,13 +306,9 @@ def _first_seen_wall(
     saved: Mapping[str, object], now_monotonic: float, now_wall: float
 ) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
-    plan = saved.get("plan")
-    seen = plan.get("seen") if isinstance(plan, dict) else None
-    if not isinstance(seen, dict):
-        return {}
     result: dict[str, float] = {}
-    for key, entry in seen.items():
-        mono = entry.get("first_seen") if isinstance(entry, dict) else None
-        if isinstance(key, str) and isinstance(mono, (int, float)):
-            result[key] = now_wall - max(0.0, now_monotonic - float(mono))
+    for key, entry in Value(saved)["plan"]["seen"].mapping().items():
+        mono = Value(entry).number("first_seen")
+        if isinstance(key, str) and mono is not None:
+            result[key] = now_wall - max(0.0, now_monotonic - mono)
     return result

@@ -23,8 +23,18 @@ import yaml
 
 from gpuwatchd.act.reset import ResetStep
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.config.schema import parse_duration, parse_size
-from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key, load_document
+from gpuwatchd.config.yamlsrc import (
+    MAX_DOCUMENT_BYTES,
+    ConfigError,
+    Map,
+    Node,
+    Scalar,
+    Seq,
+    join_key,
+    load_document,
+)
 from gpuwatchd.decide.argv import check_value
 from gpuwatchd.model import MIB
 
@@ -267,14 +277,19 @@ class Scenario:
 def load_scenario(path: str) -> Scenario:
     """Read and validate the scenario file at ``path``; ScenarioError on any problem."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        raw = read_regular_file(path, MAX_DOCUMENT_BYTES)
     except FileNotFoundError:
         raise ScenarioError("scenario file not found", path=path) from None
-    except UnicodeDecodeError as err:
-        raise ScenarioError(f"not UTF-8 text: {err.reason}", path=path) from None
+    except NotARegularFile as err:
+        raise ScenarioError(f"{err}: a scenario is a regular file", path=path) from None
+    except FileTooLarge as err:
+        raise ScenarioError(f"{err}: not a scenario", path=path) from None
     except OSError as err:
         raise ScenarioError(f"cannot read: {err.strerror}", path=path) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ScenarioError(f"not UTF-8 text: {err.reason}", path=path) from None
     return parse_scenario(path, text)
 
 

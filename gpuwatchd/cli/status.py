@@ -1,7 +1,8 @@
 """``gpuwatchd status``: what the daemon is doing, read from its state file, changing nothing.
 
 This module owns the ``status`` command: reading ``<state_dir>/state.json`` the way ``scan``
-does (``StateStore.peek``: never the lock, never a write, a corrupt file left where it is),
+does (:class:`gpuwatchd.statedir.StateDir`, the one checked way in: never the lock, never a
+write, a corrupt file left where it is, an untrusted directory or file not read),
 deciding whether the daemon is running (the PID its ``status`` section names is alive and looks
 like gpuwatchd, and it polled recently), and turning the saved state into a report — text for
 people, JSON for scripts (shape and exit codes in docs/operations.md, "status") — with an
@@ -36,7 +37,8 @@ from typing import IO
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
-from gpuwatchd.state import STATE_FILE, StateStore, read_small
+from gpuwatchd.state import MAX_STATE_BYTES, STATE_FILE
+from gpuwatchd.statedir import StateDir, StateDirError, UntrustedFile, decode_json_object
 from gpuwatchd.vocabulary import EventName, LadderStatus
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
@@ -742,20 +744,36 @@ def render_text(result: Mapping[str, object]) -> str:
 
 def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
     """``(state, None)``; ``(None, None)`` when there is no state file; ``(None, why)`` when it
-    cannot be read or is not a state file. Reads only; the lock and the folder are not touched."""
-    saved = StateStore(state_dir).peek()
-    if saved:
-        return saved, None
+    cannot be read, cannot be trusted or is not a state file. Reads only; nothing is created,
+    the lock and the folder are not touched."""
     path = os.path.join(state_dir, STATE_FILE)
-    try:  # peek says nothing about why it found nothing: look (one byte, read-only)
-        read_small(state_dir, STATE_FILE, 1)
+    try:
+        directory = StateDir.open(state_dir)
     except FileNotFoundError:
         return None, None
+    except StateDirError as exc:
+        return None, f"{exc}: not read (only root may be able to write there)"
     except PermissionError:
         return None, f"cannot read {path}: permission denied (run as root)"
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
-    return None, f"{path} is not a state file (malformed); the daemon moves it aside at start"
+    try:
+        with directory:
+            raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return None, None
+    except UntrustedFile as exc:
+        return None, f"{path}: {exc.strerror}: not read"
+    except PermissionError:
+        return None, f"cannot read {path}: permission denied (run as root)"
+    except OSError as exc:
+        return None, f"cannot read {path}: {exc.strerror or exc}"
+    try:
+        if len(raw) > MAX_STATE_BYTES:
+            raise ValueError("too large")
+        return decode_json_object(raw), None
+    except ValueError:
+        return None, f"{path} is not a state file (malformed); the daemon moves it aside at start"
 
 
 def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:

@@ -4,7 +4,9 @@ This module owns the I/O of the configuration: finding the drop-ins in ``conf.d/
 the main file, reading each file bounded (regular files only, never blocking on a FIFO or
 opening a device, at most :data:`MAX_DOCUMENT_BYTES`, UTF-8), and the StrictModes check that
 only root can change any of them. It returns (file name, text) pairs in merge order; what the
-text means is ``gpuwatchd.config.schema``'s. It never parses YAML and never acts.
+text means is ``gpuwatchd.config.schema``'s. It never parses YAML and never acts. Its bounded
+reader, :func:`read_regular_file`, is the one every command uses for a file it is given (a
+scenario, a saved report).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
 __all__ = [
     "MAX_DOCUMENT_BYTES",
     "MAX_DROP_INS",
+    "FileTooLarge",
+    "NotARegularFile",
     "check_config_permissions",
     "find_drop_ins",
     "read_config_file",
     "read_policy_files",
+    "read_regular_file",
 ]
 
 # A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
@@ -81,31 +86,24 @@ def find_drop_ins(main_file: str) -> list[str]:
 def read_config_file(path: str) -> str:
     """The text of the configuration file ``path``, bounded; ConfigError for anything else.
 
-    Only a regular file is read (a symbolic link to one is followed). The type is checked
-    before opening, so a device is never opened, and again on the open descriptor, which is
-    opened non-blocking, so a FIFO swapped in between cannot block the read. A file over
-    :data:`MAX_DOCUMENT_BYTES` is refused before it is parsed; bytes that are not UTF-8 are
-    refused naming their line.
+    Only a regular file is read (a symbolic link to one is followed), by
+    :func:`read_regular_file`. A file over :data:`MAX_DOCUMENT_BYTES` is refused before it is
+    parsed; bytes that are not UTF-8 are refused naming their line.
     """
     problem = _not_regular(path)
     if problem is not None:
         raise problem
     try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
-    try:
-        kind = _kind(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise ConfigError(_not_regular_message(kind), path=path)
-        data = _read_at_most(fd, MAX_DOCUMENT_BYTES + 1, path)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_DOCUMENT_BYTES:
+        data = read_regular_file(path, MAX_DOCUMENT_BYTES)
+    except FileTooLarge:
         raise ConfigError(
             f"larger than the 1 MiB limit of a configuration file ({MAX_DOCUMENT_BYTES} bytes)",
             path=path,
-        )
+        ) from None
+    except NotARegularFile as err:
+        raise ConfigError(_not_regular_message(err.kind), path=path) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -114,18 +112,59 @@ def read_config_file(path: str) -> str:
         raise ConfigError(f"not UTF-8 text: {err.reason}", path=path, line=line) from None
 
 
-def _read_at_most(fd: int, limit: int, path: str) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        try:
-            chunk = os.read(fd, min(65536, limit - size))
-        except OSError as err:
-            raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
+class NotARegularFile(OSError):
+    """A file argument that is a directory, FIFO, socket or device: never read. ``kind`` says
+    which, in words."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"not a regular file ({kind})")
+        self.filename = path
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return f"not a regular file ({self.kind})"
+
+
+class FileTooLarge(OSError):
+    """A file argument larger than its limit: refused before it is parsed."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        super().__init__(f"larger than {limit} bytes")
+        self.filename = path
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return f"larger than {self.limit} bytes"
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit``: every file a command is given.
+
+    The type is checked before opening, so a device is never opened, and again on the open
+    descriptor, which is opened non-blocking, so a FIFO (swapped in between or not) never
+    blocks and ``/dev/zero`` is never read. Raises FileNotFoundError, NotARegularFile,
+    FileTooLarge or another OSError.
+    """
+    kind = _kind(os.stat(path).st_mode)
+    if kind is not None:
+        raise NotARegularFile(path, kind)
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise NotARegularFile(path, kind)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, min(65536, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileTooLarge(path, limit)
     return b"".join(chunks)
 
 

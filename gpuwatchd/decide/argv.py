@@ -18,10 +18,13 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.escape import escape
+
 __all__ = [
     "ARGV_PLACEHOLDERS",
     "GPU_PLACEHOLDERS",
     "HOOK_PLACEHOLDERS",
+    "HOOK_VALUE_LIMIT",
     "ArgvError",
     "check_command",
     "check_hook_command",
@@ -29,6 +32,7 @@ __all__ = [
     "check_value",
     "format_argv",
     "hook_environment",
+    "hook_value",
     "placeholders_in",
 ]
 
@@ -194,12 +198,28 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
     return tuple(result)
 
 
+HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is cut
+
+
+def hook_value(value: object) -> str:
+    """A fact as a hook's environment value: every control, separator or format character
+    shown as a visible escape (``\\n``, ``\\x1b``, ``\\u2028``: the log's rule,
+    :func:`gpuwatchd.escape.escape`), at most :data:`HOOK_VALUE_LIMIT` characters (a longer
+    one ends in ``...``). A process's name or command line is a user's text: raw, a newline
+    in it could forge a line of the mail or log message a hook writes."""
+    text = escape(str(value))
+    if len(text) > HOOK_VALUE_LIMIT:
+        text = text[: HOOK_VALUE_LIMIT - 3] + "..."
+    return text
+
+
 def hook_environment(event: str, **fields: object) -> dict[str, str]:
-    """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None."""
-    env = {"GPUWATCHD_EVENT": event}
+    """``GPUWATCHD_EVENT=event`` plus ``GPUWATCHD_<FIELD>`` for each field that is not None,
+    each value made safe by :func:`hook_value`."""
+    env = {"GPUWATCHD_EVENT": hook_value(event)}
     for name, value in fields.items():
         if value is not None:
-            env[f"GPUWATCHD_{name.upper()}"] = str(value)
+            env[f"GPUWATCHD_{name.upper()}"] = hook_value(value)
     return env
 
 

@@ -1,0 +1,97 @@
+"""Every file a command is given is read bounded, and only if it is a regular file.
+
+``simulate SCENARIO`` and ``explain SNAPSHOT`` once read ``/dev/zero`` without end and hung on
+a FIFO; ``explain`` died with a traceback on a 5,000-digit integer (Python's limit on integer
+conversion). Each is now one line naming the file (and the field) with exit 65; a policy file
+that is not a regular file stays exit 78. Real commands, each under a timeout that a hang
+would exceed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.config.files import (
+    FileTooLarge,
+    NotARegularFile,
+    read_regular_file,
+)
+
+
+def gpuwatchd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,  # a FIFO that blocked the open would run into this
+        check=False,
+    )
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["simulate", "explain"])
+@pytest.mark.parametrize(
+    ("target", "kind"),
+    [("/dev/zero", "a character device"), ("fifo", "a FIFO"), ("dir", "a directory")],
+)
+def test_a_file_argument_that_is_not_a_regular_file_is_refused_at_once(
+    command: str, target: str, kind: str, fifo: Path, tmp_path: Path
+) -> None:
+    path = {"fifo": str(fifo), "dir": str(tmp_path)}.get(target, target)
+    result = gpuwatchd(command, path)
+    assert result.returncode == 65, result.stderr
+    assert result.stderr.startswith(f"gpuwatchd: {path}")
+    assert f"not a regular file ({kind})" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_a_policy_that_is_a_fifo_stays_a_configuration_error(fifo: Path) -> None:
+    result = gpuwatchd("check-config", str(fifo))
+    assert result.returncode == 78
+    assert "a FIFO" in result.stderr
+
+
+@pytest.mark.parametrize(("command", "limit"), [("simulate", 1 << 20), ("explain", 64 << 20)])
+def test_a_file_argument_over_its_limit_is_refused_unparsed(
+    command: str, limit: int, tmp_path: Path
+) -> None:
+    big = tmp_path / "big"
+    with open(big, "wb") as handle:
+        handle.truncate(limit + 1)  # sparse: costs no disk
+    result = gpuwatchd(command, str(big))
+    assert result.returncode == 65, result.stderr
+    assert "larger than" in result.stderr
+
+
+def test_explain_names_the_field_of_a_number_python_cannot_convert(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    report.write_text('{"gpus": [{"index": 0, "memory": {"total": ' + "9" * 5000 + "}}]}")
+    result = gpuwatchd("explain", str(report))
+    assert result.returncode == 65, result.stderr
+    assert "gpus[0].memory.total" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr) < 300, "the number itself is not echoed"
+
+
+def test_the_bounded_reader_checks_the_open_descriptor_too(tmp_path: Path, fifo: Path) -> None:
+    small = tmp_path / "small"
+    small.write_bytes(b"12345")
+    assert read_regular_file(str(small), 5) == b"12345"
+    with pytest.raises(FileTooLarge):
+        read_regular_file(str(small), 4)
+    with pytest.raises(NotARegularFile):
+        read_regular_file(str(fifo), 4)
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(str(tmp_path / "missing"), 4)

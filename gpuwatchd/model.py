@@ -101,6 +101,10 @@ class ProcessInfo:
 
     ``state`` is the one-letter state from ``/proc/PID/stat`` ("R", "S", "D", "Z", ...).
     ``cmdline`` is empty for kernel threads and zombies, None when it could not be read.
+    ``exe_trusted`` says whether the running executable (``/proc/PID/exe``, resolved) is a
+    regular file owned by root and writable by neither group nor others, in a directory that
+    is too: something only root can have put there. It is read only for processes that go by
+    an infrastructure name (``decide/floor.py``); None when not read or unreadable.
     """
 
     pid: int
@@ -117,6 +121,14 @@ class ProcessInfo:
     cgroup: CgroupInfo | None = None
     nspid: tuple[int, ...] | None = None
     kernel_thread: bool = False
+    exe_trusted: bool | None = None
+
+    @property
+    def exe_name(self) -> str | None:
+        """The executable's basename, as the kernel resolved it (not what argv[0] claims)."""
+        if not self.exe:
+            return None
+        return self.exe.rsplit("/", 1)[-1].removesuffix(" (deleted)") or None
 
     @cached_property
     def identity(self) -> ProcessIdentity | None:

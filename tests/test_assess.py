@@ -304,6 +304,9 @@ def test_floor_processes_are_never_findings(
             holds={0},
             uvm=uvm,
             state="D" if uvm else "S",
+            uid=0,  # root's, running a program only root can have installed
+            user="root",
+            exe_trusted=True,
         )
         .nvml(0, 959)
         .change(960, sid=959)
@@ -311,6 +314,42 @@ def test_floor_processes_are_never_findings(
     result = run(builder.build())
     assert all(f.pid != 960 for f in result.findings)
     assert role_of(result, 960)[0] == "management"
+
+
+@pytest.mark.parametrize(
+    ("comm", "exe", "argv0"),
+    [
+        ("nvidia-persiste", "/usr/bin/python3", None),
+        ("python3", "/home/mallory/nv-hostengine", None),
+        ("python3", "/usr/bin/python3", "nvidia-cuda-mps-server"),
+    ],
+)
+def test_a_users_look_alike_of_infrastructure_is_judged_like_any_process(
+    comm: str, exe: str, argv0: str | None
+) -> None:
+    """The look-alike holds a dead owner's GPU files (its session leader was listed): it is an
+    orphan like any other, and the floor does not shield it."""
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(
+            960,
+            ppid=1,
+            comm=comm,
+            exe=exe,
+            cmdline=(argv0 or comm, "x"),
+            holds={0},
+            uvm=True,
+            uid=1001,
+            user="mallory",
+            exe_trusted=False,
+        )
+        .nvml(0, 959)
+        .change(960, sid=959)
+    )
+    result = run(builder.build())
+    orphan = only(result, FindingKind.ORPHANED)
+    assert (orphan.pid, orphan.actionable) == (960, True)
 
 
 def test_floor_unit_process_is_floor_even_with_an_unknown_name() -> None:
@@ -515,12 +554,20 @@ def test_no_ghost_when_a_holder_may_exist_and_the_note_says_why(setup: object, w
 
 
 def test_unreadable_floor_process_does_not_block_ghost() -> None:
-    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2150, comm="nv-hostengine", unreadable=True)
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2150, comm="nv-hostengine", unreadable=True, uid=0, exe_trusted=True)
+    )
     assert only(run(builder.build()), FindingKind.GHOST_MEMORY)
 
 
 def test_floor_holder_does_not_block_ghost() -> None:
-    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2160, comm="nvidia-persiste", holds={0})
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2160, comm="nvidia-persiste", holds={0}, uid=0, exe_trusted=True)
+    )
     assert only(run(builder.build()), FindingKind.GHOST_MEMORY)
 
 
@@ -564,7 +611,9 @@ def test_baseline_keeps_the_minimum_and_learns_only_when_idle() -> None:
     for builder in not_idle:
         assert run(builder.build(), state).state.baselines == {gpu_uuid(0): 4 * MIB}
     with_floor = (
-        HostBuilder().gpu(0, allocated=3 * MIB).proc(2203, comm="nvidia-persiste", holds={0})
+        HostBuilder()
+        .gpu(0, allocated=3 * MIB)
+        .proc(2203, comm="nvidia-persiste", holds={0}, uid=0, exe_trusted=True)
     )
     assert run(with_floor.build(), state).state.baselines == {gpu_uuid(0): 3 * MIB}
 

@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -69,6 +70,8 @@ def proc(
     cgroup: CgroupInfo | None = None,
     kernel_thread: bool = False,
     ppid: int = 1,
+    uid: int | None = 1000,
+    exe_trusted: bool | None = None,
 ) -> ProcessInfo:
     return ProcessInfo(
         pid=pid,
@@ -77,13 +80,14 @@ def proc(
         ppid=ppid,
         pgid=pid,
         sid=pid,
-        uid=1000,
+        uid=uid,
         user=user,
         comm=comm,
         exe=exe,
         cmdline=cmdline,
         cgroup=cgroup if cgroup is not None else CgroupInfo(path="/user.slice/session-1.scope"),
         kernel_thread=kernel_thread,
+        exe_trusted=exe_trusted,
     )
 
 
@@ -320,6 +324,9 @@ def test_rule_for_picks_the_first_matching_rule_in_order() -> None:
 # --- refusal: floor, protect, identity --------------------------------------------------------
 
 
+ROOT: dict[str, Any] = {"uid": 0, "exe_trusted": True}
+
+
 def _refused(p: ProcessInfo | None, **kw: object) -> str | None:
     target = p if p is not None else proc()
     finding = orphan(target)
@@ -338,11 +345,16 @@ def _refused(p: ProcessInfo | None, **kw: object) -> str | None:
         (proc(3, kernel_thread=True, cmdline=()), "floor: kernel thread"),
         (proc(4242), "floor: the daemon itself"),
         (proc(77), "floor: an ancestor"),
-        (proc(comm="nvidia-persiste", exe=None, cmdline=None), "floor: infrastructure process"),
-        (proc(comm="x", exe="/usr/bin/nv-hostengine"), "floor: infrastructure process"),
-        (proc(comm="x", exe=None, cmdline=("/usr/bin/dcgm-exporter",)), "floor: infrastructure"),
-        (proc(comm="nvidia-smi", exe=None), "floor: infrastructure process nvidia-smi"),
-        (proc(comm="Xorg"), "floor: infrastructure process Xorg"),
+        (proc(comm="nvidia-persiste", cmdline=None, **ROOT), "floor: infrastructure process"),
+        (proc(comm="x", exe="/usr/bin/nv-hostengine", **ROOT), "floor: infrastructure process"),
+        (proc(comm="x", cmdline=("/usr/bin/dcgm-exporter",), **ROOT), "floor: infrastructure"),
+        (proc(comm="nvidia-smi", **ROOT), "floor: infrastructure process nvidia-smi"),
+        (proc(comm="Xorg", **ROOT), "floor: infrastructure process Xorg"),
+        # A user's look-alikes are ordinary targets; an unreadable identity is never signalled.
+        (proc(comm="nvidia-smi", exe_trusted=False), None),
+        (proc(comm="x", exe="/home/bob/nv-hostengine", exe_trusted=False), None),
+        (proc(comm="Xorg", uid=None), "floor: goes by 'Xorg'"),
+        (proc(comm="Xorg", uid=0), "floor: goes by 'Xorg'"),
         (
             proc(
                 cgroup=CgroupInfo(
@@ -763,7 +775,7 @@ def test_report_only_gpu_and_non_actionable_findings_are_refused_with_reason() -
 
 
 def test_protected_target_is_refused_once_and_never_signalled() -> None:
-    p = proc(comm="nv-hostengine", exe="/usr/bin/nv-hostengine")
+    p = proc(comm="nv-hostengine", exe="/usr/bin/nv-hostengine", **ROOT)
     f = orphan(p)
     state = PlanState()
     for now in (0.0, 5.0, 10.0):
@@ -1031,7 +1043,7 @@ def test_nvlink_gate_only_blocks_known_group_resets(
 
 
 def test_reset_not_blocked_by_infrastructure_or_our_own_worker_in_the_plan() -> None:
-    persistenced = proc(3001, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced")
+    persistenced = proc(3001, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", **ROOT)
     holders = {
         3001: DeviceHolding(3001, frozenset({0})),
         4242: DeviceHolding(4242, frozenset({0})),  # the daemon's own NVML worker

@@ -96,6 +96,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
         exe=_opt_str(entry, "exe"),
         cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
         cgroup=cgroup,
+        exe_trusted=trusted if isinstance(trusted := entry.get("exe_trusted"), bool) else None,
     )
 
 

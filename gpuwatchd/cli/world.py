@@ -297,9 +297,10 @@ class World:
             uid=spec.uid,
             user=spec.user,
             comm=spec.comm,
-            exe=None if zombie else spec.exe,
+            exe=None if zombie else spec.exe or spec.command[0],
             cmdline=() if zombie else spec.command,
             cgroup=parse_cgroup(f"0::{spec.cgroup}\n"),
+            exe_trusted=None if zombie else spec.exe_trusted,
         )
 
     def processes(self) -> dict[int, ProcessInfo]:

@@ -39,6 +39,7 @@ from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import ended_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
+from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
     FullScanState,
@@ -49,9 +50,8 @@ from gpuwatchd.decide.full_scan import (
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
 
-__all__ = ["MPS_SERVER_NAMES", "Collector", "listed_gpus", "listed_pids"]
+__all__ = ["Collector", "listed_gpus", "listed_pids"]
 
-MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 _MAX_ANCESTRY = 64
 
 _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
@@ -182,7 +182,7 @@ class Collector:
             self_pids=self_pids,
             pid_max=self.procfs.pid_max(),
             host_namespaces=self.procfs.sees_host_namespaces() if self.namespace_check else True,
-            mps_server_running=any(p.names & MPS_SERVER_NAMES for p in processes.values()),
+            mps_server_running=any(mps_server(p) for p in processes.values()),
             nvidia_uvm_major=scanner.uvm_major(),
             ended_jobs=ended_jobs(
                 (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root

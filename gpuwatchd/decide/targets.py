@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from gpuwatchd.decide.floor import infrastructure
+from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
@@ -118,6 +118,9 @@ def _floor_reason(
     infra = infrastructure(process)
     if infra is not None:
         return infra
+    unverified = unverified_infrastructure(process)
+    if unverified is not None:
+        return unverified  # unknown never leads to a kill
     holding = snapshot.holders.holdings.get(process.pid)
     uvm = finding.evidence.get("uvm")
     if uvm is False or (holding is not None and not holding.uvm):

@@ -215,6 +215,7 @@ class HostBuilder:
         uid: int | None = 1000,
         user: str | None = "alice",
         kernel_thread: bool = False,
+        exe_trusted: bool | None = None,
         holds: frozenset[int] | set[int] | tuple[int, ...] = (),
         via: str = "fd",
         uvm: bool = False,
@@ -255,6 +256,7 @@ class HostBuilder:
             cmdline=cmdline,
             cgroup=cgroup,
             kernel_thread=kernel_thread,
+            exe_trusted=exe_trusted,
         )
         if unreadable:
             self._unreadable.add(pid)

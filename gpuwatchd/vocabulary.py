@@ -78,6 +78,7 @@ class EventName(_Name):
     TARGET_STUCK = "target.stuck"
     ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
     LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
+    LIMITS_KILL_CAP_EXPIRED = "limits.kill_cap_expired"
     RESET_CONFIRMING = "reset.confirming"
     RESET_DUE = "reset.due"
     RESET_REFUSED = "reset.refused"

@@ -456,6 +456,9 @@ def test_refusal_pid_reused_between_finding_and_snapshot() -> None:
 # --- ladders ----------------------------------------------------------------------------------
 
 
+WALL = 1_700_000_000.0  # run()'s wall clock at now=0
+
+
 def run(
     findings: Sequence[Finding],
     s: Snapshot,
@@ -473,7 +476,7 @@ def run(
         state,
         pol,
         now=now,
-        wall=1_700_000_000.0 + now if wall is None else wall,
+        wall=WALL + now if wall is None else wall,
         report_only=report_only if isinstance(report_only, dict) else None,
     )
 
@@ -653,7 +656,7 @@ def test_targets_on_one_gpu_judged_in_the_same_poll_all_start() -> None:
 # --- kill cap, dry-run, pause -----------------------------------------------------------------
 
 
-def test_kill_cap_per_poll_forces_dry_run_with_one_critical_event() -> None:
+def test_kill_cap_per_poll_latches_that_user_into_dry_run_with_one_critical_event() -> None:
     pol = policy(limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=100))
     ps = [proc(1000 + i) for i in range(4)]
     r = run([orphan(p) for p in ps], snap(ps), PlanState(), pol, now=0.0)
@@ -662,18 +665,105 @@ def test_kill_cap_per_poll_forces_dry_run_with_one_critical_event() -> None:
     assert all(s.dry_run for s in signals(r) if s not in real)
     cap = [e for e in r.events if e.name == EventName.LIMITS_KILL_CAP_REACHED]
     assert len(cap) == 1
-    assert cap[0].level == "critical"
-    assert r.state.forced_dry_run
-    # Forced dry-run survives a restart and holds the real ladders already in progress.
+    assert (cap[0].level, cap[0].fields["scope"]) == ("critical", "uid:1000")
+    assert set(r.state.scope_latches) == {"uid:1000"}
+    assert not r.state.forced_dry_run  # one user's storm is not the node's
+    # The latch survives a restart and holds the user's real ladders already in progress.
     state = PlanState.from_json(json.loads(json.dumps(r.state.to_json())))
     for s in real:
         state = record_signal(state, s, "delivered", now=0.0).state
     r = run([orphan(p) for p in ps], snap(ps), state, pol, now=31.0)
     assert [s for s in signals(r) if not s.dry_run] == []
     assert EventName.LIMITS_KILL_CAP_REACHED not in names(r)
-    # Only an explicit clear lifts it.
+    # An explicit clear lifts it at once.
     r = run([orphan(p) for p in ps], snap(ps), clear_forced_dry_run(r.state), pol, now=32.0)
     assert {s.signal for s in signals(r) if not s.dry_run} >= {"SIGKILL"}
+
+
+def test_one_users_storm_of_seventeen_orphans_does_not_latch_the_node() -> None:
+    """The attack of issue 20: seventeen orphans of one dead parent passed the node-wide
+    per-poll cap (16) and switched the whole node to dry-run, until an admin came."""
+    storm = [proc(3000 + i, uid=1001, user="mallory") for i in range(17)]
+    other = proc(4000, uid=1002, user="olivia")
+    everyone = [*storm, other]
+    r = run([orphan(p) for p in everyone], snap(everyone), PlanState(), policy(limits=Limits()),
+            now=0.0)  # fmt: skip
+    real = {s.identity.pid for s in signals(r) if not s.dry_run}
+    assert other.pid in real
+    assert len(real & {p.pid for p in storm}) == 16
+    assert set(r.state.scope_latches) == {"uid:1001"}
+    assert not r.state.forced_dry_run
+    # Next poll: olivia's next orphan is acted on for real; mallory's stay dry-run.
+    late = proc(4001, uid=1002, user="olivia")
+    late_storm = proc(3100, uid=1001, user="mallory")
+    r = run([orphan(late), orphan(late_storm)], snap([late, late_storm]), r.state,
+            policy(limits=Limits()), now=20.0)  # fmt: skip
+    assert {(s.identity.pid, s.dry_run) for s in signals(r)} == {(4001, False), (3100, True)}
+
+
+def test_a_latch_expires_after_kill_cap_latch_with_a_warning_and_dry_run_ladders_restart() -> None:
+    limits = Limits(max_signalled_per_poll=1, max_signalled_per_hour=100, kill_cap_latch=600.0)
+    pol = policy(limits=limits)
+    a, b = proc(1000), proc(1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0)
+    assert [(s.identity.pid, s.dry_run) for s in signals(r)] == [(1000, False), (1001, True)]
+    until = event(r, EventName.LIMITS_KILL_CAP_REACHED)["until"]
+    assert until == WALL + 600.0
+    state = r.state
+    for s in signals(r):
+        state = record_signal(state, s, "dry_run" if s.dry_run else "delivered", now=0.0).state
+    r = run([orphan(a), orphan(b)], snap([a, b]), state, pol, now=599.0, wall=WALL + 599.0)
+    assert EventName.LIMITS_KILL_CAP_EXPIRED not in names(r)
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=600.0, wall=WALL + 600.0)
+    expired = event(r, EventName.LIMITS_KILL_CAP_EXPIRED)
+    assert (expired["scope"], expired["lasted"]) == ("uid:1000", 600.0)
+    assert [e.level for e in r.events if e.name == EventName.LIMITS_KILL_CAP_EXPIRED] == ["warning"]
+    assert r.state.scope_latches == {}
+    # b's dry-run ladder ends as it was, then b starts over for real (from SIGTERM).
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=640.0, wall=WALL + 640.0)
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=641.0, wall=WALL + 641.0)
+    assert EventName.ESCALATION_RESTARTED in names(r)
+    assert [(s.identity.pid, s.signal, s.dry_run) for s in signals(r)] == [(1001, "SIGTERM", False)]
+
+
+def test_the_node_cap_latches_everything_and_expires_too() -> None:
+    limits = Limits(max_signalled_per_poll=10, max_signalled_per_hour=10,
+                    node_max_signalled_per_hour=3, kill_cap_latch=60.0)  # fmt: skip
+    pol = policy(limits=limits)
+    ps = [proc(5000 + i, uid=2000 + i) for i in range(4)]
+    r = run([orphan(p) for p in ps], snap(ps), PlanState(), pol, now=0.0)
+    assert [s.dry_run for s in signals(r)] == [False, False, False, True]
+    assert r.state.forced_dry_run
+    assert event(r, EventName.LIMITS_KILL_CAP_REACHED)["scope"] == "node"
+    r = run([], snap([]), r.state, pol, now=61.0, wall=WALL + 61.0)
+    assert event(r, EventName.LIMITS_KILL_CAP_EXPIRED)["scope"] == "node"
+    assert not r.state.forced_dry_run
+
+
+def test_a_latch_saved_without_its_start_expires_after_a_restart_instead_of_never() -> None:
+    """A state file from before latches expired: forced dry-run with no start time. It must
+    not persist forever without an admin: its time starts at the first poll after loading."""
+    saved = PlanState(forced_dry_run=True, forced_reason="more than 64 processes in one hour")
+    state = PlanState.from_json(json.loads(json.dumps(saved.to_json())))
+    pol = policy(limits=Limits(kill_cap_latch=3600.0))
+    r = run([], snap([]), state, pol, now=0.0, wall=WALL)
+    assert r.state.forced_dry_run
+    assert r.state.forced_since == WALL
+    r = run([], snap([]), r.state, pol, now=3600.0, wall=WALL + 3600.0)
+    assert not r.state.forced_dry_run
+
+
+def test_setting_the_clock_back_does_not_shorten_a_latch() -> None:
+    pol = policy(limits=Limits(max_signalled_per_poll=1, kill_cap_latch=600.0))
+    a, b = proc(1000), proc(1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0, wall=WALL)
+    assert r.state.scope_latches
+    # Set back by 3300 s between two polls 300 s apart: that interval counts as no time.
+    r = run([], snap([]), r.state, pol, now=300.0, wall=WALL - 3000.0)
+    r = run([], snap([]), r.state, pol, now=899.0, wall=WALL - 2401.0)
+    assert r.state.scope_latches
+    r = run([], snap([]), r.state, pol, now=900.0, wall=WALL - 2400.0)
+    assert not r.state.scope_latches
 
 
 def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> None:
@@ -689,7 +779,8 @@ def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> N
     p = proc(2003)
     r = run([orphan(p)], snap([p]), state, pol, now=300.0)
     assert [s.dry_run for s in signals(r)] == [True]
-    assert event(r, EventName.LIMITS_KILL_CAP_REACHED)["why"] == "more than 3 processes in one hour"
+    why = event(r, EventName.LIMITS_KILL_CAP_REACHED)["why"]
+    assert why == "more than 3 processes of uid:1000 in one hour"
 
 
 def test_kill_cap_window_rolls_after_an_hour() -> None:
@@ -700,6 +791,7 @@ def test_kill_cap_window_rolls_after_an_hour() -> None:
     r = run([orphan(b)], snap([b]), r.state, pol, now=3600.0)
     assert [s.dry_run for s in signals(r)] == [False]
     assert not r.state.forced_dry_run
+    assert not r.state.scope_latches
 
 
 def test_dry_run_emits_intents_marked_dry_and_advances_the_timeline() -> None:

@@ -112,7 +112,13 @@ POLICY = Policy(
         Rule("stuck", FindingKind.STUCK, (Step(None, 0.0),)),
     ),
     protect=Protect(users=("alice",)),
-    limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=4, post_action_delay=3.0),
+    limits=Limits(
+        max_signalled_per_poll=2,
+        max_signalled_per_hour=4,
+        node_max_signalled_per_hour=6,
+        kill_cap_latch=600.0,
+        post_action_delay=3.0,
+    ),
     reset=ResetPolicy(
         confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2,
         drain=(Hook(("drain-node",)),),
@@ -123,12 +129,15 @@ HEALTH = (FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.D
 
 
 def is_floor_or_protected(p: ProcessInfo) -> bool:
+    """The oracle: never signalled. A floor name counts only from root (uid 0) whose program
+    is not known to be a user's: trusted, it is infrastructure; unread, it is unknown. A
+    user's process in a login session that calls itself so is a look-alike: a fair target."""
     floor_comms = {n[:15] for n in FLOOR_PROCESS_NAMES}
+    claims = bool(p.names & FLOOR_PROCESS_NAMES) or (p.comm or "") in floor_comms
     return (
         p.pid <= 2
         or p.pid == SELF_PID
-        or bool(p.names & FLOOR_PROCESS_NAMES)
-        or (p.comm or "") in floor_comms
+        or (claims and p.uid == 0 and p.exe_trusted is not False)
         or p.user in (None, "alice")
     )
 
@@ -150,6 +159,7 @@ class EscalationMachine(RuleBasedStateMachine):
         # Oracles, in the model's own time (monotonic; the wall clock only ever steps back).
         self.real_steps: dict[str, int] = {}
         self.first_signalled: dict[str, float] = {}
+        self.signalled_uid: dict[str, int | None] = {}  # whose cap a target counted against
         self.resets_done: list[tuple[str, float]] = []
         self.polls = 0
         self.health: dict[str, FindingKind] = {}  # GPU → its health finding
@@ -166,9 +176,19 @@ class EscalationMachine(RuleBasedStateMachine):
         user=st.sampled_from(USERS),
         kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
         job=st.booleans(),
+        root=st.booleans(),
+        exe_trusted=st.sampled_from((True, False, None)),
     )
     def spawn(
-        self, slot: int, name: str, user: str | None, kind: FindingKind | None, job: bool
+        self,
+        slot: int,
+        name: str,
+        user: str | None,
+        kind: FindingKind | None,
+        job: bool,
+        *,
+        root: bool = False,
+        exe_trusted: bool | None = None,
     ) -> None:
         if slot in self.procs:
             return
@@ -180,11 +200,12 @@ class EscalationMachine(RuleBasedStateMachine):
             ppid=1,
             pgid=slot,
             sid=slot,
-            uid=1000,
+            uid=0 if root else 1000,
             user=user,
             comm=name,
             cmdline=(name, "job.py"),
             cgroup=CgroupInfo("/user.slice/session-3.scope"),
+            exe_trusted=exe_trusted,
         )
         if kind is not None:
             self.set_finding(slot, kind)
@@ -284,6 +305,7 @@ class EscalationMachine(RuleBasedStateMachine):
             self.in_flight = None
             self.real_steps.clear()
             self.first_signalled.clear()
+            self.signalled_uid.clear()
 
     @rule(what=st.sampled_from(["pause", "resume", "clear_kill_cap", "clear_circuit", "restart"]))
     def admin(self, what: str) -> None:
@@ -388,11 +410,13 @@ class EscalationMachine(RuleBasedStateMachine):
         result = plan(findings, snapshot, self.state, self.policy, now=self.mono, wall=self.wall)
         self.state = result.state
         self.polls += 1
-        new_this_poll = 0
+        new_this_poll: dict[int | None, int] = {}  # uid -> identities first signalled
         for intent in result.intents:
             if isinstance(intent, SignalIntent):
                 assert intent.identity.pid in self.findings, "a signal for a health finding"
-                new_this_poll += self._check_and_deliver(intent, kill_works, term_works)
+                uid = self.procs[intent.identity.pid].uid
+                new = self._check_and_deliver(intent, kill_works, term_works)
+                new_this_poll[uid] = new_this_poll.get(uid, 0) + new
             elif isinstance(intent, ResetIntent):
                 self._check_reset(intent, findings)
             elif intent.hook == "reset_drain":
@@ -403,7 +427,7 @@ class EscalationMachine(RuleBasedStateMachine):
                 gpu = str(intent.facts.get("gpu"))
                 self.timeouts[gpu] = self.timeouts.get(gpu, 0) + 1
                 assert self.timeouts[gpu] == 1, "on_failure twice for one drain wait"
-        assert new_this_poll <= self.policy.limits.max_signalled_per_poll
+        assert all(n <= self.policy.limits.max_signalled_per_poll for n in new_this_poll.values())
         self._check_health_waits()
 
     def _check_health_waits(self) -> None:
@@ -442,9 +466,12 @@ class EscalationMachine(RuleBasedStateMachine):
             self.real_steps[key] = intent.step
             if key not in self.first_signalled:
                 self.first_signalled[key] = self.mono
+                self.signalled_uid[key] = p.uid
                 new = 1
-            hour = [t for t in self.first_signalled.values() if self.mono - t < 3600.0]
-            assert len(hour) <= self.policy.limits.max_signalled_per_hour
+            hour = [k for k, t in self.first_signalled.items() if self.mono - t < 3600.0]
+            assert len(hour) <= self.policy.limits.node_max_signalled_per_hour
+            mine = [k for k in hour if self.signalled_uid.get(k) == p.uid]
+            assert len(mine) <= self.policy.limits.max_signalled_per_hour
         outcome = "dry_run" if intent.dry_run else "delivered"
         self.state = record_signal(self.state, intent, outcome, now=self.mono).state
         dies = (intent.signal == "SIGKILL" and kill_works) or term_works

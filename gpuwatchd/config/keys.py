@@ -576,6 +576,8 @@ SECTIONS: dict[str, Section] = {
             {
                 "max_signalled_per_poll": count(0, 1000),
                 "max_signalled_per_hour": count(0, 10000),
+                "node_max_signalled_per_hour": count(0, 100000),
+                "kill_cap_latch": duration("1m", "7d"),
                 "post_action_delay": duration(0, "1h"),
             },
         ),

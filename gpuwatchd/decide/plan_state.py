@@ -1,7 +1,8 @@
 """The planner's carried state: what survives restarts, its JSON form and its validation.
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
-(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``),
+(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
+``Latch``),
 the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
@@ -81,13 +82,26 @@ class HealthWait:
 
 
 @dataclass(frozen=True)
+class Latch:
+    """A kill-cap latch: why, and since when (wall time, so it lasts across restarts and
+    reboots and expires after ``limits.kill_cap_latch``)."""
+
+    reason: str
+    since: float
+
+
+@dataclass(frozen=True)
 class PlanState:
     """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
 
     Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
     meaningful within one boot and are dropped when the boot id changes. Wall times
-    (``last_reset``, ``reset_history``) are kept; a backward wall-clock step shifts them back
-    by the step, so the step counts as no time passed.
+    (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
+    step shifts them back by the step, so the step counts as no time passed.
+
+    ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
+    kill-cap latch is ``forced_dry_run`` (since ``forced_since``), one user's is in
+    ``scope_latches``.
     """
 
     boot_id: str | None = None
@@ -105,6 +119,9 @@ class PlanState:
     signal_history: tuple[tuple[str, float], ...] = ()
     forced_dry_run: bool = False
     forced_reason: str | None = None
+    forced_since: float | None = None
+    signal_scopes: Mapping[str, str] = field(default_factory=dict)
+    scope_latches: Mapping[str, Latch] = field(default_factory=dict)
     paused: bool = False
     paused_reason: str | None = None
     last_wall: float | None = None
@@ -173,6 +190,12 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         "signal_history": [[t, at] for t, at in s.signal_history],
         "forced_dry_run": s.forced_dry_run,
         "forced_reason": s.forced_reason,
+        "forced_since": s.forced_since,
+        "signal_scopes": dict(s.signal_scopes),
+        "scope_latches": {
+            scope: {"reason": latch.reason, "since": latch.since}
+            for scope, latch in s.scope_latches.items()
+        },
         "paused": s.paused,
         "paused_reason": s.paused_reason,
         "last_wall": s.last_wall,
@@ -325,11 +348,29 @@ def _load_state(data: object) -> PlanState:
         signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
         forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
         forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
+        forced_since=_opt_float(d.get("forced_since"), "plan.forced_since"),
+        signal_scopes={
+            k: _str(v, f"plan.signal_scopes.{k}")
+            for k, v in _obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
+        },
+        scope_latches=_load_latches(d.get("scope_latches", {})),
         paused=_bool(d.get("paused", False), "plan.paused"),
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
     )
+
+
+def _load_latches(value: object) -> dict[str, Latch]:
+    latches = {}
+    for scope, item in _obj(value, "plan.scope_latches").items():
+        what = f"plan.scope_latches.{scope}"
+        e = _obj(item, what)
+        latches[scope] = Latch(
+            reason=_str(e.get("reason"), f"{what}.reason"),
+            since=_float(e.get("since"), f"{what}.since"),
+        )
+    return latches
 
 
 def _load_health_waits(value: object) -> dict[str, HealthWait]:

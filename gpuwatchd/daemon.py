@@ -344,6 +344,7 @@ class Daemon:
             self.collector.detection = self.policy.detection
             self.metrics.set_textfile(self.policy.metrics.textfile)
             self.engine.hostname = node_name()  # a renamed node is named right after a reload
+            self.engine.policy_reloaded()
             log.info(
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )

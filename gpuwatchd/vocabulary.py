@@ -87,6 +87,7 @@ class EventName(_Name):
     RESET_SUCCEEDED = "reset.succeeded"
     RESET_FAILED = "reset.failed"
     RESET_DRY_RUN = "reset.dry_run"
+    RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
     # GPU health (decide/plan.py over decide/health.py)
     HEALTH_DRAIN_STARTED = "health.drain_started"
@@ -166,6 +167,7 @@ class ResetResult(_Name):
     SUCCESS = "success"
     FAILED = "failed"
     REFUSED = "refused"  # stopped before the reset command ran, and undone
+    IN_USE = "in_use"  # the driver refused: in use by a client no scan found (a hidden holder)
     TIMEOUT = "timeout"  # the reset command missed its deadline and was killed
     DRY_RUN = "dry_run"
 
@@ -174,6 +176,7 @@ RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.WARNING,
     ResetResult.DRY_RUN: Level.WARNING,  # a would-be reset: reviewed with -p warning
     ResetResult.REFUSED: Level.WARNING,
+    ResetResult.IN_USE: Level.WARNING,
     ResetResult.FAILED: Level.ERROR,
     ResetResult.TIMEOUT: Level.ERROR,
 }

@@ -25,6 +25,8 @@ from gpuwatchd.decide.plan import (
     SignalIntent,
     clear_circuit,
     clear_forced_dry_run,
+    forget_reset_refusals,
+    hidden_holders,
     next_deadline,
     pending,
     plan,
@@ -43,6 +45,7 @@ from gpuwatchd.model import (
     Finding,
     FindingKind,
     GpuInfo,
+    GpuMemory,
     HolderScan,
     NvmlReading,
     ProcessIdentity,
@@ -1045,6 +1048,68 @@ def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() 
     assert EventName.RESET_CIRCUIT_OPEN not in names(r)  # said once
     r = _reset_run([g, h], clear_circuit(r.state), 500.0, pol=pol)
     assert len(resets(r)) == 1
+
+
+def _with_memory(allocated: int) -> GpuInfo:
+    memory = GpuMemory(total=80 << 30, free=None, reserved=512 * MIB, allocated=allocated)
+    return replace(gpu(), memory=memory)
+
+
+def test_in_use_is_refused_not_failed_and_holds_the_incident_until_memory_changes() -> None:
+    """nvidia-smi's "In use by another client" after a clear final scan: a hidden holder. No
+    failure, no breaker, no on_failure; the GPU gets a hidden-holder verdict and its incident
+    is not tried again (with its drain and before hooks) until something changes."""
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10, max_failures=1))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol, gpus=[_with_memory(10 << 30)])
+    (intent,) = resets(r)
+    out = record_reset(r.state, intent, "in_use", now=0.0, wall=WALL)
+    assert hooks(out) == []
+    assert out.state.reset_failures == 0
+    assert out.state.reset_history == ()
+    refused = event(out, EventName.RESET_REFUSED)
+    assert refused["hidden_holder"] is True
+    assert hidden_holders(out.state)[GPU0]["gap"] == "driver_in_use"
+    state = out.state
+    for t in (10.0, 3600.0, 7200.0):  # no cooldown here: the incident itself is held
+        r = _reset_run([g], state, t, pol=pol, gpus=[_with_memory(10 << 30)])
+        assert resets(r) == []
+        assert EventName.RESET_CIRCUIT_OPEN not in names(r)
+        state = r.state
+    assert state.reset_refusals[GPU0].allocated == 10 << 30
+    r = _reset_run([g], state, 7300.0, pol=pol, gpus=[_with_memory(6 << 30)])
+    assert event(r, EventName.RESET_REFUSAL_CLEARED)["gpu"] == GPU0
+    assert len(resets(r)) == 1
+
+
+@pytest.mark.parametrize("outcome", ["refused", "in_use"])
+def test_a_refused_incident_is_tried_again_only_when_it_ends_or_an_admin_or_reload_says(
+    outcome: str,
+) -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol)
+    state = record_reset(r.state, resets(r)[0], outcome, now=0.0, wall=WALL).state
+    r = _reset_run([g], state, 100.0, pol=pol)
+    assert resets(r) == []
+    assert "a reset for this incident was refused" in str(event(r, EventName.RESET_REFUSED)["why"])
+    # The admin's switch, a reload, the incident's end or a reboot each let it be tried again.
+    assert len(resets(_reset_run([g], clear_circuit(r.state), 101.0, pol=pol))) == 1
+    assert len(resets(_reset_run([g], forget_reset_refusals(r.state), 101.0, pol=pol))) == 1
+    gone = _reset_run([], r.state, 101.0, pol=pol)
+    assert gone.state.reset_refusals == {}
+    back = _reset_run([g], gone.state, 102.0, pol=pol)
+    assert len(resets(back)) == 1
+    rebooted = run([g], snap(boot_id="boot-b"), r.state, pol, now=1.0)
+    assert len(resets(rebooted)) == 1
+
+
+def test_a_refusal_survives_a_restart() -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    r = _reset_run([ghost()], PlanState(), 0.0, pol=pol)
+    state = record_reset(r.state, resets(r)[0], "in_use", now=0.0, wall=WALL).state
+    state = PlanState.from_json(json.loads(json.dumps(state.to_json())))
+    assert resets(_reset_run([ghost()], state, 100.0, pol=pol)) == []
 
 
 def test_reset_success_clears_the_consecutive_failure_count() -> None:

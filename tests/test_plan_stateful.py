@@ -155,6 +155,9 @@ class EscalationMachine(RuleBasedStateMachine):
         self.procs: dict[int, ProcessInfo] = {}
         self.findings: dict[int, FindingKind] = {}
         self.ghosts: set[str] = set()
+        # Incidents whose real reset was refused (final scan, hooks, the driver's "in use"):
+        # never reset again (drain and before hooks at most once) until the incident ends.
+        self.refused_incidents: set[str] = set()
         self.in_flight: ResetIntent | None = None
         # Oracles, in the model's own time (monotonic; the wall clock only ever steps back).
         self.real_steps: dict[str, int] = {}
@@ -306,6 +309,7 @@ class EscalationMachine(RuleBasedStateMachine):
             self.real_steps.clear()
             self.first_signalled.clear()
             self.signalled_uid.clear()
+            self.refused_incidents.clear()
 
     @rule(what=st.sampled_from(["pause", "resume", "clear_kill_cap", "clear_circuit", "restart"]))
     def admin(self, what: str) -> None:
@@ -316,11 +320,12 @@ class EscalationMachine(RuleBasedStateMachine):
             self.state = clear_forced_dry_run(self.state)
         elif what == "clear_circuit":
             self.state = clear_circuit(self.state)
+            self.refused_incidents.clear()
         else:
             self.state = PlanState.from_json(json.loads(json.dumps(self.state.to_json())))
 
     @precondition(lambda self: self.in_flight is not None)
-    @rule(outcome=st.sampled_from(["success", "failed", "timeout", "refused", "dry_run"]))
+    @rule(outcome=st.sampled_from(["success", "failed", "timeout", "refused", "in_use", "dry_run"]))
     def finish_reset(self, outcome: str) -> None:
         intent = self.in_flight
         assert intent is not None
@@ -331,6 +336,9 @@ class EscalationMachine(RuleBasedStateMachine):
         result = record_reset(self.state, intent, outcome, now=self.mono, wall=self.wall)
         self.state = result.state
         self.in_flight = None
+        if outcome in ("refused", "in_use"):
+            self.refused_incidents.add(intent.finding_key)
+            assert not [i for i in result.intents if isinstance(i, HookIntent)], "not a failure"
         if outcome in ("success", "failed", "timeout"):
             self.resets_done.append((intent.gpu, self.clock))
         if outcome == "success":
@@ -407,6 +415,7 @@ class EscalationMachine(RuleBasedStateMachine):
                 # which may start again from step 1.
                 self.real_steps.pop(f"{pid}@{p.start_ticks}", None)
         findings, snapshot = self._snapshot()
+        self.refused_incidents &= {f.key for f in findings}  # an incident that ended is over
         result = plan(findings, snapshot, self.state, self.policy, now=self.mono, wall=self.wall)
         self.state = result.state
         self.polls += 1
@@ -494,6 +503,7 @@ class EscalationMachine(RuleBasedStateMachine):
         ]
         assert holders == [], holders
         if not intent.dry_run:
+            assert intent.finding_key not in self.refused_incidents, "a refused incident again"
             window = self.policy.reset.window
             recent = [t for g, t in self.resets_done if g == intent.gpu and self.clock - t < window]
             assert len(recent) < self.policy.reset.max_resets

@@ -809,6 +809,28 @@ class _Assessor:
             },
         )
 
+    def assess_driver_refusals(self, refused: Mapping[str, Mapping[str, object]]) -> None:
+        """A GPU whose reset the driver refused as in use while no scan saw a holder has a
+        hidden holder: the one finding that says what a /proc walk cannot see."""
+        for gpu in self.host.gpus:
+            evidence = refused.get(gpu.uuid)
+            if evidence is None:
+                continue
+            self.add(
+                FindingKind.HIDDEN_HOLDER,
+                gpu,
+                None,
+                None,
+                f"the driver refused to reset GPU {gpu.index}: in use by another client, yet no "
+                "holder scan found one. Something holds the GPU where no walk of /proc looks: a "
+                "file descriptor in flight in a unix-socket message (SCM_RIGHTS), a holder in "
+                "another PID namespace or a VM, or a thread whose files could not be read. No "
+                "reset of this GPU until its memory changes, the incident ends, the "
+                "configuration is reloaded or `gpuwatchd resume --clear-latches` is run",
+                informational=True,
+                evidence=dict(evidence),
+            )
+
     def result(self) -> Assessment:
         order = {gpu.uuid: gpu.index for gpu in self.host.gpus}
         findings = sorted(
@@ -837,8 +859,14 @@ def assess(
     previous: AssessState,
     detection: Detection,
     ended_jobs: frozenset[str] | None = None,
+    *,
+    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
+
+    ``driver_refused`` maps a GPU UUID to the evidence of a reset the driver refused as in
+    use while no scan saw a holder (``plan.hidden_holders``): each is a GPU-level
+    ``hidden_holder`` while plan keeps the refusal.
 
     Pure: reads only its arguments. ``ended_jobs`` holds job keys (``CgroupInfo.job_key``) that
     collection knows to have ended (default: ``snapshot.ended_jobs``); processes still living
@@ -849,6 +877,7 @@ def assess(
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
+    assessor.assess_driver_refusals(driver_refused or {})
     result = assessor.result()
     # GPU health (decide/health.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)

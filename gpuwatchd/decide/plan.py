@@ -41,6 +41,7 @@ from gpuwatchd.decide.plan_state import (
     Latch,
     PlanState,
     ResetInFlight,
+    ResetRefusal,
     SeenFinding,
 )
 from gpuwatchd.decide.policy import Policy
@@ -85,7 +86,9 @@ __all__ = [
     "SignalIntent",
     "clear_circuit",
     "clear_forced_dry_run",
+    "forget_reset_refusals",
     "gpu_protected",
+    "hidden_holders",
     "kill_cap_scope",
     "next_deadline",
     "pending",
@@ -221,6 +224,7 @@ class _Work:
         self.signal_scopes = dict(state.signal_scopes)
         self.scope_latches = dict(state.scope_latches)
         self.health_waits = dict(state.health_waits)
+        self.reset_refusals = dict(state.reset_refusals)
         self.new_targets: dict[str, int] = {}  # scope -> targets first signalled this poll
         self.events: list[Event] = []
         self.intents: list[Intent] = []
@@ -269,6 +273,7 @@ class _Work:
             },
             scope_latches=self.scope_latches,
             health_waits=self.health_waits,
+            reset_refusals=self.reset_refusals,
         )
 
 
@@ -341,6 +346,7 @@ def plan(
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
     _expire_latches(w, ctx)
+    _review_refusals(w, ctx)
     _track_findings(w, ctx)
     _watch_lost_gpus(w, ctx)
     _advance_ladders(w, ctx)
@@ -402,6 +408,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
         w.signal_scopes = {}
         w.health_waits = {}
+        w.reset_refusals = {}  # a reboot resets every GPU
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -688,6 +695,41 @@ def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
     return None
 
 
+REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count as a change
+
+
+def _review_refusals(w: _Work, ctx: _Ctx) -> None:
+    """A refused incident may be tried again once something changed: its finding is gone (the
+    incident is over; a new one starts afresh), or the GPU's allocated memory moved by
+    :data:`REFUSAL_MEMORY_CHANGE` or more (a holder let go, or a new one came). A reload and
+    ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
+    :func:`clear_circuit`)."""
+    for uuid, held in sorted(w.reset_refusals.items()):
+        gpu = gpu_by_uuid(ctx.snapshot, uuid)
+        allocated = None if gpu is None or gpu.memory is None else gpu.memory.allocated
+        why = None
+        if held.finding_key not in ctx.findings:
+            why = "the incident is over (its finding resolved)"
+        elif allocated is not None and held.allocated is None:
+            w.reset_refusals[uuid] = replace(held, allocated=allocated)
+        elif (
+            allocated is not None
+            and held.allocated is not None
+            and abs(allocated - held.allocated) >= REFUSAL_MEMORY_CHANGE
+        ):
+            why = f"its allocated memory changed ({held.allocated} -> {allocated} bytes)"
+        if why is not None:
+            del w.reset_refusals[uuid]
+            w.event(
+                EventName.RESET_REFUSAL_CLEARED,
+                "info",
+                gpu=uuid,
+                finding=held.finding_key,
+                in_use=held.in_use,
+                why=why,
+            )
+
+
 def _expire_latches(w: _Work, ctx: _Ctx) -> None:
     """Kill-cap latches last ``limits.kill_cap_latch`` (wall time); then they lift, with a
     warning. A latch from a state file that did not record its start starts counting now."""
@@ -858,8 +900,12 @@ class ResetGate:
 
 def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
     for other in sorted(findings, key=lambda f: f.key):
-        if other.gpu == gpu.uuid and other.kind in _HOLDER_KINDS and other.pid is not None:
+        if other.gpu != gpu.uuid or other.kind not in _HOLDER_KINDS:
+            continue
+        if other.pid is not None:
             return f"{other.kind.value} pid {other.pid} holds the GPU"
+        if other.kind == FindingKind.HIDDEN_HOLDER:  # the driver said so (act/reset.py)
+            return "hidden_holder: the driver refused the last reset, in use by another client"
     return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
 
 
@@ -962,6 +1008,14 @@ def _history_blocker(
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
     uuid = gpu.uuid
+    held = w.reset_refusals.get(uuid)
+    if held is not None and held.finding_key == finding.key:
+        why = (
+            f"a reset for this incident was refused ({held.reason}); tried again when its "
+            "memory changes, the finding resolves, the configuration is reloaded or "
+            "`gpuwatchd resume --clear-latches` is run"
+        )
+        return refused, "info", why
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
@@ -1254,11 +1308,21 @@ def record_reset(
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
         w.event(EventName.RESET_DRY_RUN, "info", **fields)
-    elif outcome is ResetResult.REFUSED:
-        # Aborted before the command ran (e.g. the final holder scan found a holder): no
-        # history or failure, but the cooldown applies so the procedure is not retried at once.
+    elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
+        # Refused, not failed: aborted before the command ran (the final holder scan found a
+        # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
+        # No history, no failure, no breaker; the cooldown applies, and this incident's reset
+        # (with its drain and before hooks) is not tried again until something changes.
         w.last_reset[gpu] = wall
-        w.event(EventName.RESET_REFUSED, "warning", why="refused by the reset procedure", **fields)
+        in_use = outcome is ResetResult.IN_USE
+        why = (
+            "the driver refused: in use by another client that no holder scan found"
+            if in_use
+            else "refused by the reset procedure"
+        )
+        if not intent.dry_run:
+            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
+        w.event(EventName.RESET_REFUSED, "warning", why=why, hidden_holder=in_use, **fields)
     elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
@@ -1331,6 +1395,27 @@ def clear_forced_dry_run(state: PlanState) -> PlanState:
 
 
 def clear_circuit(state: PlanState) -> PlanState:
-    """Admin: close the reset circuit breaker and forget the consecutive failures."""
+    """Admin: close the reset circuit breaker, forget the consecutive failures and every
+    refused incident (their resets may be tried again)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
-    return replace(state, circuit_open=False, reset_failures=0, notes=notes)
+    return replace(state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={})
+
+
+def forget_reset_refusals(state: PlanState) -> PlanState:
+    """A reloaded configuration (new hooks, say) may succeed where the last one was refused."""
+    return replace(state, reset_refusals={})
+
+
+def hidden_holders(state: PlanState) -> dict[str, dict[str, object]]:
+    """GPU UUID → evidence, for each GPU whose last reset the driver refused as in use while
+    no scan saw a holder: assess reports it as a GPU-level ``hidden_holder``."""
+    return {
+        gpu: {
+            "gap": "driver_in_use",
+            "refused_at": r.since,
+            "incident": r.finding_key,
+            "allocated_then": r.allocated,
+        }
+        for gpu, r in state.reset_refusals.items()
+        if r.in_use
+    }

@@ -2,7 +2,7 @@
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
 (``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
-``Latch``),
+``Latch``, ``ResetRefusal``),
 the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
@@ -82,6 +82,24 @@ class HealthWait:
 
 
 @dataclass(frozen=True)
+class ResetRefusal:
+    """A reset of one GPU that did not happen, and for which incident (docs/reset.md).
+
+    ``finding_key`` is the incident (the ghost-memory or health finding the reset was for);
+    ``in_use`` says the driver itself refused ("In use by another client") although the final
+    scan found no holder; ``since`` is wall time. ``allocated`` is the GPU's allocated memory
+    at the first poll after the refusal (None until then, or unknown): a change of it is one of
+    the things that let the reset be tried again.
+    """
+
+    finding_key: str
+    reason: str
+    in_use: bool
+    since: float
+    allocated: int | None = None
+
+
+@dataclass(frozen=True)
 class Latch:
     """A kill-cap latch: why, and since when (wall time, so it lasts across restarts and
     reboots and expires after ``limits.kill_cap_latch``)."""
@@ -126,6 +144,7 @@ class PlanState:
     paused_reason: str | None = None
     last_wall: float | None = None
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
+    reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
@@ -207,6 +226,16 @@ def _dump_state(s: PlanState) -> dict[str, object]:
                 "expired": wait.expired,
             }
             for gpu, wait in s.health_waits.items()
+        },
+        "reset_refusals": {
+            gpu: {
+                "finding": r.finding_key,
+                "reason": r.reason,
+                "in_use": r.in_use,
+                "since": r.since,
+                "allocated": r.allocated,
+            }
+            for gpu, r in s.reset_refusals.items()
         },
     }
 
@@ -358,7 +387,24 @@ def _load_state(data: object) -> PlanState:
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
+        reset_refusals=_load_refusals(d.get("reset_refusals", {})),
     )
+
+
+def _load_refusals(value: object) -> dict[str, ResetRefusal]:
+    refusals = {}
+    for gpu, item in _obj(value, "plan.reset_refusals").items():
+        what = f"plan.reset_refusals.{gpu}"
+        e = _obj(item, what)
+        allocated = e.get("allocated")
+        refusals[gpu] = ResetRefusal(
+            finding_key=_str(e.get("finding"), f"{what}.finding"),
+            reason=_str(e.get("reason"), f"{what}.reason"),
+            in_use=_bool(e.get("in_use"), f"{what}.in_use"),
+            since=_float(e.get("since"), f"{what}.since"),
+            allocated=None if allocated is None else _int(allocated, f"{what}.allocated"),
+        )
+    return refusals
 
 
 def _load_latches(value: object) -> dict[str, Latch]:

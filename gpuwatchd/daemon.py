@@ -33,7 +33,7 @@ from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.jobs import boot_ticks_now, cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
@@ -115,6 +115,9 @@ class Daemon:
             policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
         )
         self.nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
+        # run --once --ended-job: the scheduler's word, said now (it covers processes older).
+        said = boot_ticks_now()
+        self._own_ended_jobs: dict[str, int | None] = dict.fromkeys(sorted(ended_jobs), said)
         self.collector = Collector(
             self.procfs,
             self.nvml,
@@ -124,7 +127,7 @@ class Daemon:
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
-            ended_by_scheduler=ended_jobs,  # run --once --ended-job: the scheduler's word
+            ended_by_scheduler=self._own_ended_jobs,
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
@@ -138,7 +141,6 @@ class Daemon:
         self._stop = False
         self._reload = False
         self.hook_queue = HookQueue()
-        self._own_ended_jobs = ended_jobs
         self._handed_jobs: frozenset[str] = frozenset()
         self.engine = Engine(
             policy,
@@ -274,14 +276,17 @@ class Daemon:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
         remaining device holders are ``abandoned`` until the hand-over expires."""
         handed, problems = read_ended_jobs(
-            self.policy.state_dir, self.wall_clock(), remove_stale=True
+            self.policy.state_dir,
+            self.wall_clock(),
+            remove_stale=True,
+            boot_id=self.procfs.boot_id(),
         )
         for problem in problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
-        for job in sorted(handed - self._handed_jobs):
-            log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
-        self._handed_jobs = handed
-        self.collector.ended_by_scheduler = self._own_ended_jobs | handed
+        for job in sorted(handed.keys() - self._handed_jobs):
+            log.info(EventName.SCHEDULER_ENDED_JOB, job=job, said_at_ticks=handed[job])
+        self._handed_jobs = frozenset(handed)
+        self.collector.ended_by_scheduler = {**handed, **self._own_ended_jobs}
 
     def _finish_notifications(self) -> None:
         """Give queued ``on_action`` hooks a bounded time to finish (an epilog's ``run --once``
@@ -690,7 +695,16 @@ def run_daemon(
             # poll (and so does the waiter's scan), for as long as this wait may last.
             until = time.time() + once_timeout + ENDED_JOB_GRACE
             try:
-                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+                said = min(
+                    (t for t in daemon._own_ended_jobs.values() if t is not None), default=None
+                )
+                hand_over_ended_jobs(
+                    daemon.policy.state_dir,
+                    ended_jobs,
+                    until=until,
+                    said_at=said,
+                    boot_id=daemon.procfs.boot_id(),
+                )
             except OSError as exc:
                 print(
                     f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",

@@ -85,14 +85,31 @@ def _ended_job_file(job: str) -> str:
     return ENDED_JOB_PREFIX + hashlib.sha256(job.encode("utf-8")).hexdigest()[:32]
 
 
-def hand_over_ended_jobs(state_dir: str, jobs: Iterable[str], *, until: float) -> None:
+def hand_over_ended_jobs(
+    state_dir: str,
+    jobs: Iterable[str],
+    *,
+    until: float,
+    said_at: int | None = None,
+    boot_id: str | None = None,
+) -> None:
     """Tell the running daemon (and every scan) that ``jobs`` ended, until wall time ``until``.
 
     ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them. Each
     gets a file of its own, written atomically; a second hand-over of the same job extends it.
+    ``said_at`` is when, in clock ticks since boot ``boot_id`` (the unit of a process's start
+    time): the word covers only processes that started before it.
     """
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
-        body = json.dumps({"job": job, "until": until, "by_uid": os.getuid()})
+        body = json.dumps(
+            {
+                "job": job,
+                "until": until,
+                "by_uid": os.getuid(),
+                "said_at_ticks": said_at,
+                "boot_id": boot_id,
+            }
+        )
         write_atomically(state_dir, _ended_job_file(job), (body + "\n").encode("utf-8"))
 
 
@@ -106,9 +123,11 @@ def _ended_job_names(state_dir: str) -> list[str]:
 
 
 def read_ended_jobs(
-    state_dir: str, now: float, *, remove_stale: bool = False
-) -> tuple[frozenset[str], list[str]]:
-    """The jobs handed over and not yet expired at wall time ``now``, and what was wrong.
+    state_dir: str, now: float, *, remove_stale: bool = False, boot_id: str | None = None
+) -> tuple[dict[str, int | None], list[str]]:
+    """The jobs handed over and not yet expired at wall time ``now`` (job key -> when it was
+    said, in clock ticks since boot; None when that is unknown, or was said in another boot
+    than ``boot_id``: such a word covers no process), and what was wrong.
 
     Hostile input: a file that is not a small regular file, not JSON of the written shape,
     names a job key that :func:`scheduler_ended_job` would not return, or has an expiry more
@@ -116,7 +135,7 @@ def read_ended_jobs(
     expired and bad files are removed, so nothing is honoured twice across restarts by mistake
     and nothing piles up. At most :data:`MAX_ENDED_JOBS` are honoured.
     """
-    jobs: set[str] = set()
+    jobs: dict[str, int | None] = {}
     problems: list[str] = []
     for name in _ended_job_names(state_dir)[: 4 * MAX_ENDED_JOBS]:
         stale = True
@@ -132,7 +151,10 @@ def read_ended_jobs(
             if name != _ended_job_file(job):
                 raise ValueError("file name does not match the job")
             if until >= now and len(jobs) < MAX_ENDED_JOBS:
-                jobs.add(job)
+                said = data.get("said_at_ticks")
+                valid = isinstance(said, int) and not isinstance(said, bool) and said >= 0
+                same_boot = boot_id is not None and data.get("boot_id") == boot_id
+                jobs[job] = said if valid and same_boot else None
                 stale = False
         except FileNotFoundError:
             continue  # removed since the listing
@@ -141,4 +163,4 @@ def read_ended_jobs(
         if stale and remove_stale:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(state_dir, name))
-    return frozenset(jobs), problems
+    return jobs, problems

@@ -6,15 +6,26 @@ with :class:`HostBuilder` and asserts the findings and the holders' roles.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.decide.assess import NODE, Assessment, assess
+from gpuwatchd.decide.assess import NODE, Assessment, assess, job_ended
 from gpuwatchd.decide.assess_state import AssessState, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, Finding, FindingKind, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.model import (
+    MIB,
+    CgroupInfo,
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 from tests.support.snapshots import (
     HostBuilder,
     cg_container,
@@ -34,11 +45,13 @@ EMPTY = AssessState()
 def run(
     snapshot: Snapshot,
     previous: AssessState = EMPTY,
-    ended_jobs: frozenset[str] = frozenset(),
+    handovers: Mapping[str, int | None] | None = None,
 ) -> Assessment:
     if previous is EMPTY:
         previous = AssessState(boot_id=snapshot.boot_id)
-    return assess(snapshot, previous, DETECTION, ended_jobs)
+    if handovers is not None:
+        snapshot = dataclasses.replace(snapshot, handovers=handovers)
+    return assess(snapshot, previous, DETECTION)
 
 
 def kinds(result: Assessment) -> list[tuple[str, int | None]]:
@@ -839,8 +852,64 @@ def test_holder_of_an_ended_job_is_abandoned_only_when_told(cgroup: object) -> N
     job = builder.build().processes[2600].cgroup.job_key  # type: ignore[union-attr]
     assert job is not None
     assert kinds(run(builder.build())) == []
-    abandoned = only(run(builder.build(), ended_jobs=frozenset({job})), FindingKind.ABANDONED)
+    said = 10**9  # the scheduler's word, after the process started
+    abandoned = only(run(builder.build(), handovers={job: said}), FindingKind.ABANDONED)
     assert (abandoned.pid, abandoned.evidence["job"]) == (2600, job)
+
+
+def _job_holder(start: int, cgroup: CgroupInfo) -> HostBuilder:
+    return (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2600, ppid=1, cgroup=cgroup, holds={0}, uvm=True, start=start)
+        .nvml(0, 2600)
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "said", "stepd", "abandoned"),
+    [
+        (5_000, 9_000, None, True),  # older than the word: covered
+        (9_000, 9_000, None, False),  # started as the word was said: not older
+        (9_500, 9_000, None, False),  # a requeued job's process, younger than the word
+        (5_000, None, None, False),  # when it was said is unknown: covers nothing
+        (5_000, 9_000, 4_000, True),  # the ended job's own slurmstepd, still around
+        (5_000, 9_000, 9_100, False),  # a slurmstepd started after the word: requeued
+    ],
+)
+def test_the_schedulers_word_covers_only_processes_older_than_it_and_no_requeued_job(
+    start: int, said: int | None, stepd: int | None, abandoned: bool
+) -> None:
+    snapshot = _job_holder(start, cg_slurm("42")).build()
+    stepds = {} if stepd is None else {"slurm:42": stepd}
+    snapshot = dataclasses.replace(snapshot, handovers={"slurm:42": said}, job_stepds=stepds)
+    result = assess(snapshot, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert (FindingKind.ABANDONED in {f.kind for f in result.findings}) is abandoned
+    if stepd is not None and not abandoned:
+        assert job_ended(snapshot.processes[2600], snapshot) is None
+
+
+def test_a_job_directory_judged_ended_ends_that_directory_only() -> None:
+    """The attack of issue 20: a forged …/slurmstepd.scope/job_42 with no step marked the real,
+    running job 42 abandoned, because the job was judged once per id. Now a directory judged
+    ended (collect/jobs.py does so only at root's own location) ends its own processes."""
+    forged = cg_slurm("42", scope="/deleg.slice/forged/slurmstepd.scope")
+    real = cg_slurm("42")
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2600, ppid=1, cgroup=real, holds={0}, uvm=True)
+        .proc(2601, ppid=1, cgroup=forged, holds={0}, uvm=True)
+        .build()
+    )
+    assert real.slurm_job_dir is not None
+    assert forged.slurm_job_dir is not None
+    ended = dataclasses.replace(snapshot, ended_job_dirs=frozenset({forged.slurm_job_dir}))
+    result = assess(ended, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert [f.pid for f in result.findings if f.kind is FindingKind.ABANDONED] == [2601]
+    really = dataclasses.replace(snapshot, ended_job_dirs=frozenset({real.slurm_job_dir}))
+    result = assess(really, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert [f.pid for f in result.findings if f.kind is FindingKind.ABANDONED] == [2600]
 
 
 def test_holder_of_ctl_and_uvm_only_is_an_unattributed_hidden_holder() -> None:

@@ -30,12 +30,12 @@ def test_a_hand_over_is_read_until_it_expires_and_then_removed_by_the_daemon(
     hand_over_ended_jobs(str(tmp_path), ["slurm:42", "pod:abc-1"], until=NOW + 60)
     assert len(files(tmp_path)) == 2
     jobs, problems = read_ended_jobs(str(tmp_path), NOW)
-    assert jobs == {"slurm:42", "pod:abc-1"}
+    assert set(jobs) == {"slurm:42", "pod:abc-1"}
     assert problems == []
     # A scan only reads; the daemon removes what expired.
-    assert read_ended_jobs(str(tmp_path), NOW + 61)[0] == frozenset()
+    assert not read_ended_jobs(str(tmp_path), NOW + 61)[0]
     assert len(files(tmp_path)) == 2
-    assert read_ended_jobs(str(tmp_path), NOW + 61, remove_stale=True)[0] == frozenset()
+    assert not read_ended_jobs(str(tmp_path), NOW + 61, remove_stale=True)[0]
     assert files(tmp_path) == []
 
 
@@ -45,8 +45,8 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
     hand_over_ended_jobs(str(tmp_path), ["slurm:1"], until=NOW + 10)
     hand_over_ended_jobs(str(tmp_path), ["slurm:2"], until=NOW + 10)
     hand_over_ended_jobs(str(tmp_path), ["slurm:1"], until=NOW + 100)
-    assert read_ended_jobs(str(tmp_path), NOW + 50)[0] == {"slurm:1"}
-    assert read_ended_jobs(str(tmp_path), NOW)[0] == {"slurm:1", "slurm:2"}
+    assert set(read_ended_jobs(str(tmp_path), NOW + 50)[0]) == {"slurm:1"}
+    assert set(read_ended_jobs(str(tmp_path), NOW)[0]) == {"slurm:1", "slurm:2"}
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_a_bad_hand_over_is_ignored_named_and_removed(
     (name,) = files(tmp_path)
     (tmp_path / name).write_bytes(body)
     jobs, problems = read_ended_jobs(str(tmp_path), NOW, remove_stale=True)
-    assert jobs == frozenset()
+    assert not jobs
     assert len(problems) == 1
     assert problems[0].startswith(name)
     assert why in problems[0]
@@ -82,7 +82,7 @@ def test_a_link_or_a_folder_is_not_followed(tmp_path: Path) -> None:
     os.symlink(secret, tmp_path / f"{ENDED_JOB_PREFIX}link")
     (tmp_path / f"{ENDED_JOB_PREFIX}dir").mkdir()
     jobs, problems = read_ended_jobs(str(tmp_path), NOW)
-    assert jobs == frozenset()
+    assert not jobs
     assert len(problems) == 2
 
 
@@ -94,4 +94,16 @@ def test_at_most_so_many_jobs_are_honoured(tmp_path: Path) -> None:
 
 
 def test_no_state_folder_is_no_hand_over(tmp_path: Path) -> None:
-    assert read_ended_jobs(str(tmp_path / "missing"), NOW) == (frozenset(), [])
+    assert read_ended_jobs(str(tmp_path / "missing"), NOW) == ({}, [])
+
+
+def test_a_hand_over_says_when_and_in_which_boot_it_was_said(tmp_path: Path) -> None:
+    """The word covers only processes older than it (assess), so it carries its time in
+    boot ticks; a word from another boot, or one without a time, covers nothing (None)."""
+    hand_over_ended_jobs(str(tmp_path), ["slurm:42"], until=NOW + 5, said_at=777, boot_id="b1")
+    hand_over_ended_jobs(str(tmp_path), ["slurm:43"], until=NOW + 5)  # an older writer's file
+    assert read_ended_jobs(str(tmp_path), NOW, boot_id="b1")[0] == {
+        "slurm:42": 777,
+        "slurm:43": None,
+    }
+    assert read_ended_jobs(str(tmp_path), NOW, boot_id="b2")[0]["slurm:42"] is None

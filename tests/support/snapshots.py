@@ -58,11 +58,14 @@ def gpu_uuid(index: int) -> str:
 # --- cgroups, as collection would map them ----------------------------------------------------
 
 
-def cg_slurm(job: str, step: str = "batch") -> CgroupInfo:
+def cg_slurm(
+    job: str, step: str = "batch", scope: str = "/system.slice/slurmstepd.scope"
+) -> CgroupInfo:
     return CgroupInfo(
-        path=f"/system.slice/slurmstepd.scope/job_{job}/step_{step}/user/task_0",
+        path=f"{scope}/job_{job}/step_{step}/user/task_0",
         slurm_job=job,
         slurm_step=step,
+        slurm_job_dir=f"{scope}/job_{job}",
     )
 
 

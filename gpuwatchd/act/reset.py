@@ -71,7 +71,7 @@ record. It does run the read-only final holder scan, so the admin sees whether a
 would be refused. The outcome's result is then ``dry_run``. The resume rules after a crash are
 in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins.
 
-This module is long (about 770 lines) because the procedure, its undo and its resumption after
+This module is long (about 800 lines) because the procedure, its undo and its resumption after
 a crash share one record format and one table of steps: kept together, a new step is one change.
 """
 

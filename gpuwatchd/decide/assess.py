@@ -13,7 +13,7 @@ evidence fields are documented in ``docs/findings.md``.
 
 Around it: ``host_view.py`` indexes the snapshot, ``assess_state.py`` owns what is carried
 between polls (lineage, owners, its JSON), ``baselines.py`` the idle-memory baselines. What is
-left here is one decision table — listings, holders, memory — and it is long (about 900 lines)
+left here is one decision table — listings, holders, memory — and it is long (about 950 lines)
 because the orphan rule and its neighbours (worker, hidden, stuck, unknown, the likely heir of
 a leak from before the daemon watched, the kcmp proof of inheritance) share one body of
 evidence: split, each half would have to recompute the other's.

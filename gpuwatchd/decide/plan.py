@@ -1,10 +1,10 @@
 """The escalation state machine: findings + carried state + policy + time → intents and events.
 
 This module owns every decision about *acting*: per-target signal ladders (SIGTERM → wait →
-SIGKILL → wait → ended), confirmation windows, the post-action delay, the node-wide kill cap
-that forces dry-run, pause, and the GPU reset gates (confirmation, live holders, MIG, cooldown,
-count per window, circuit breaker, one reset in flight). The semantics are documented in
-``docs/escalation.md``.
+SIGKILL → wait → ended), confirmation windows, the post-action delay, the kill caps (per user
+and node-wide) whose latches force dry-run until they expire, pause, and the GPU reset gates
+(confirmation, live holders, MIG, a refused incident, cooldown, count per window, circuit
+breaker, one reset in flight). The semantics are documented in ``docs/escalation.md``.
 
 It is pure: no I/O, no clock reads, no logging. Time comes in as ``now`` (monotonic seconds,
 for deadlines) and ``wall`` (wall-clock seconds, only for reset limits that must survive a
@@ -18,7 +18,7 @@ The state it carries between polls, with that state's JSON form and validation, 
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
 
-It is long (about 1,250 lines) because ladders, resets, the kill cap, pause and GPU health's
+It is long (about 1,400 lines) because ladders, resets, the kill cap, pause and GPU health's
 drain-then-reset share one scratch state per call (``_Work``), one set of deadlines and one set
 of reset gates: each decision reads what the others just decided in the same poll. Split, that
 state would have to be passed between modules. What GPU health *means* is

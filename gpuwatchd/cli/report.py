@@ -761,7 +761,19 @@ def _finding_lines(
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
     lines.extend(_likely_heir_advice(findings, paint))
+    lines.extend(_unseen_note(findings))
     return lines
+
+
+def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
+    """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
+    if not any(_as_str(f.get("kind")) == "ghost_memory" for f in findings):
+        return []
+    return [
+        "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
+        "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
+        "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
+    ]
 
 
 def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:

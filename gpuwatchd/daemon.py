@@ -33,7 +33,7 @@ from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.jobs import boot_ticks_now, cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
@@ -112,6 +112,9 @@ class Daemon:
             policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
         )
         self.nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
+        # run --once --ended-job: the scheduler's word, said now (it covers processes older).
+        said = boot_ticks_now()
+        self._own_ended_jobs: dict[str, int | None] = dict.fromkeys(sorted(ended_jobs), said)
         self.collector = Collector(
             self.procfs,
             self.nvml,
@@ -121,7 +124,7 @@ class Daemon:
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
-            ended_by_scheduler=ended_jobs,  # run --once --ended-job: the scheduler's word
+            ended_by_scheduler=self._own_ended_jobs,
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
@@ -138,7 +141,6 @@ class Daemon:
         self.hook_queue = HookQueue()
         self.notify_stop_grace = NOTIFY_STOP_GRACE
         self.actuator = HostActuator(self.signaller)
-        self._own_ended_jobs = ended_jobs
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
         self.engine = Engine(
@@ -278,11 +280,13 @@ class Daemon:
         state_dir = self._state_dir()
         if state_dir is None:
             return
-        found = read_ended_jobs(state_dir, self.wall_clock(), remove_stale=True)
+        found = read_ended_jobs(
+            state_dir, self.wall_clock(), remove_stale=True, boot_id=self.procfs.boot_id()
+        )
         for problem in found.problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
-        for job in sorted(found.jobs - self._handed_jobs):
-            log.info(EventName.SCHEDULER_ENDED_JOB, job=job)
+        for job in sorted(found.jobs.keys() - self._handed_jobs):
+            log.info(EventName.SCHEDULER_ENDED_JOB, job=job, said_at_ticks=found.jobs[job])
         if found.over_limit != self._handed_over_limit:
             # Said when the number changes, not every poll; the files are kept, never dropped.
             log.warning(
@@ -292,8 +296,8 @@ class Daemon:
                 limit=MAX_ENDED_JOBS,
             )
             self._handed_over_limit = found.over_limit
-        self._handed_jobs = found.jobs
-        self.collector.ended_by_scheduler = self._own_ended_jobs | found.jobs
+        self._handed_jobs = frozenset(found.jobs)
+        self.collector.ended_by_scheduler = {**found.jobs, **self._own_ended_jobs}
 
     def _finish_notifications(self) -> None:
         """Give running and queued ``on_action`` hooks — and what finished commands left
@@ -384,6 +388,7 @@ class Daemon:
             self.collector.detection = self.policy.detection
             self.metrics.set_textfile(self.policy.metrics.textfile)
             self.engine.hostname = node_name()  # a renamed node is named right after a reload
+            self.engine.policy_reloaded()
             log.info(
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )
@@ -751,7 +756,16 @@ def run_daemon(
             # poll (and so does the waiter's scan), for as long as this wait may last.
             until = time.time() + once_timeout + ENDED_JOB_GRACE
             try:
-                hand_over_ended_jobs(daemon.store.directory(), ended_jobs, until=until)
+                said = min(
+                    (t for t in daemon._own_ended_jobs.values() if t is not None), default=None
+                )
+                hand_over_ended_jobs(
+                    daemon.store.directory(),
+                    ended_jobs,
+                    until=until,
+                    said_at=said,
+                    boot_id=daemon.procfs.boot_id(),
+                )
             except OSError as exc:
                 print(
                     f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",

@@ -59,6 +59,8 @@ from gpuwatchd.decide.plan import (
     SignalIntent,
     clear_circuit,
     clear_forced_dry_run,
+    forget_reset_refusals,
+    hidden_holders,
     next_deadline,
     plan,
     record_exit,
@@ -241,7 +243,12 @@ class Engine:
         snapshot = self.reader.collect()
         self.last_snapshot = snapshot
         state = self.state
-        assessment = assess(snapshot, state.assess, self.policy.detection)
+        assessment = assess(
+            snapshot,
+            state.assess,
+            self.policy.detection,
+            driver_refused=hidden_holders(state.plan),
+        )
         state.assess = assessment.state
         self.last_assessment = assessment
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
@@ -352,9 +359,21 @@ class Engine:
                    reason=reason)  # fmt: skip
 
     def clear_latches(self) -> None:
-        """Admin: lift a forced dry-run and close the reset circuit breaker."""
+        """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
+        be tried again."""
         self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
         self._emit(EventName.LIMITS_LATCHES_CLEARED, "warning")
+
+    def policy_reloaded(self) -> None:
+        """A new configuration (new ``before`` hooks, say) may succeed where a reset was
+        refused: those incidents may be tried again."""
+        if self.state.plan.reset_refusals:
+            gpus = sorted(self.state.plan.reset_refusals)
+            self.state.plan = forget_reset_refusals(self.state.plan)
+            for gpu in gpus:
+                self._emit(
+                    EventName.RESET_REFUSAL_CLEARED, "info", gpu=gpu, why="configuration reloaded"
+                )
 
     # --- carrying out intents -----------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class CgroupInfo:
     slurm_job: str | None = None
     slurm_step: str | None = None
     systemd_unit: str | None = None
+    slurm_job_dir: str | None = None  # the ``…/job_<ID>`` part of ``path`` (collect/cgroups.py)
 
     @property
     def job_key(self) -> str | None:
@@ -101,6 +102,10 @@ class ProcessInfo:
 
     ``state`` is the one-letter state from ``/proc/PID/stat`` ("R", "S", "D", "Z", ...).
     ``cmdline`` is empty for kernel threads and zombies, None when it could not be read.
+    ``exe_trusted`` says whether the running executable (``/proc/PID/exe``, resolved) is a
+    regular file owned by root and writable by neither group nor others, in a directory that
+    is too: something only root can have put there. It is read only for processes that go by
+    an infrastructure name (``decide/floor.py``); None when not read or unreadable.
     """
 
     pid: int
@@ -117,6 +122,14 @@ class ProcessInfo:
     cgroup: CgroupInfo | None = None
     nspid: tuple[int, ...] | None = None
     kernel_thread: bool = False
+    exe_trusted: bool | None = None
+
+    @property
+    def exe_name(self) -> str | None:
+        """The executable's basename, as the kernel resolved it (not what argv[0] claims)."""
+        if not self.exe:
+            return None
+        return self.exe.rsplit("/", 1)[-1].removesuffix(" (deleted)") or None
 
     @cached_property
     def identity(self) -> ProcessIdentity | None:
@@ -364,8 +377,15 @@ class Snapshot:
     holders, their parents and process-tree relatives). ``self_pids`` are the daemon's own
     processes (itself, its NVML worker), never holders or targets. ``host_namespaces`` is False
     when the daemon does not see the host PID and cgroup namespaces (then NVML's PIDs point at
-    the wrong processes and everything is report-only). ``ended_jobs`` names the jobs
-    (``CgroupInfo.job_key``) of device holders that are known to be over.
+    the wrong processes and everything is report-only).
+
+    Jobs that are over (``collect/jobs.py``): ``ended_job_dirs`` are the Slurm job cgroup
+    directories (as ``/proc/PID/cgroup`` spells them) judged ended at the scheduler's own,
+    root-owned location; ``handovers`` maps a job key (``CgroupInfo.job_key``) the scheduler
+    said has ended (``run --once --ended-job``) to when it said so, in clock ticks since boot
+    (the unit of ``ProcessInfo.start_ticks``; None when unknown: it then covers no process);
+    ``job_stepds`` maps a job key to the start ticks of the youngest live ``slurmstepd``
+    serving it.
     """
 
     monotonic: float
@@ -379,7 +399,9 @@ class Snapshot:
     host_namespaces: bool | None = True
     mps_server_running: bool = False
     nvidia_uvm_major: int | None = None
-    ended_jobs: frozenset[str] = frozenset()  # job keys known to have ended (jobs.py)
+    ended_job_dirs: frozenset[str] = frozenset()
+    handovers: Mapping[str, int | None] = field(default_factory=dict)
+    job_stepds: Mapping[str, int] = field(default_factory=dict)
     # Inheritance evidence (collect/inherit.py): session/process-group leaders of holders
     # looked up this poll and found not to exist, and kcmp answers for holder/owner pairs.
     absent_pids: frozenset[int] = frozenset()

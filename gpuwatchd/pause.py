@@ -4,7 +4,8 @@
 --clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
 to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
 beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
-(one per job, so two epilogs never overwrite each other), each with an expiry; every scan reads
+(one per job, so two epilogs never overwrite each other), each with an expiry and when it was
+said (clock ticks of this boot: it covers only processes older than that); every scan reads
 them, and the daemon removes them once expired. This module only reads and writes those files;
 what pausing or an ended job means is the planner's and assess's business.
 
@@ -20,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
@@ -77,34 +78,69 @@ def _ended_job_file(job: str) -> str:
     return ENDED_JOB_PREFIX + hashlib.sha256(job.encode("utf-8")).hexdigest()[:32]
 
 
-def hand_over_ended_jobs(state_dir: StateDir, jobs: Iterable[str], *, until: float) -> None:
+def hand_over_ended_jobs(
+    state_dir: StateDir,
+    jobs: Iterable[str],
+    *,
+    until: float,
+    said_at: int | None = None,
+    boot_id: str | None = None,
+) -> None:
     """Tell the running daemon (and every scan) that ``jobs`` ended, until wall time ``until``.
 
     ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them (at
     most :data:`MAX_ENDED_JOBS`, as ``run --once`` accepts). Each gets a file of its own,
-    written atomically; a second hand-over of the same job extends it.
+    written atomically; a second hand-over of the same job extends it. ``said_at`` is when, in
+    clock ticks since boot ``boot_id`` (the unit of a process's start time): the word covers
+    only processes that started before it.
     """
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
     for job in chosen:
-        body = json.dumps({"job": job, "until": until, "by_uid": os.getuid()})
+        body = json.dumps(
+            {
+                "job": job,
+                "until": until,
+                "by_uid": os.getuid(),
+                "said_at_ticks": said_at,
+                "boot_id": boot_id,
+            }
+        )
         state_dir.write(_ended_job_file(job), (body + "\n").encode("utf-8"))
 
 
 @dataclass(frozen=True)
 class HandOvers:
-    """What :func:`read_ended_jobs` found: the jobs honoured now, the files that were wrong
-    (named), and how many valid hand-overs wait beyond :data:`MAX_ENDED_JOBS` (kept, not
-    honoured until others expire; files past the listing bound count too)."""
+    """What :func:`read_ended_jobs` found: the jobs honoured now (job key -> when it was said,
+    in clock ticks since boot; None when that is unknown or was said in another boot: such a
+    word covers no process), the files that were wrong (named), and how many valid hand-overs
+    wait beyond :data:`MAX_ENDED_JOBS` (kept, not honoured until others expire; files past the
+    listing bound count too)."""
 
-    jobs: frozenset[str]
+    jobs: Mapping[str, int | None]
     problems: tuple[str, ...]
     over_limit: int
 
 
-def read_ended_jobs(state_dir: StateDir, now: float, *, remove_stale: bool = False) -> HandOvers:
-    """The jobs handed over and not yet expired at wall time ``now``, and what was wrong.
+def _said_at(data: dict[str, object], boot_id: str | None) -> int | None:
+    """When a hand-over was said, in ticks of this boot; None (covers nothing) when it has no
+    valid time or was said in another boot than ``boot_id`` (or ``boot_id`` is unknown)."""
+    said = data.get("said_at_ticks")
+    valid = isinstance(said, int) and not isinstance(said, bool) and 0 <= said < 1 << 62
+    same_boot = boot_id is not None and data.get("boot_id") == boot_id
+    return said if valid and same_boot and isinstance(said, int) else None
+
+
+def read_ended_jobs(
+    state_dir: StateDir,
+    now: float,
+    *,
+    remove_stale: bool = False,
+    boot_id: str | None = None,
+) -> HandOvers:
+    """The jobs handed over and not yet expired at wall time ``now``, with when each was said
+    (see :class:`HandOvers`; ``boot_id`` is this boot's), and what was wrong.
 
     Hostile input: a file that is not a small trusted regular file, not JSON of the written
     shape, names a job key that :func:`scheduler_ended_job` would not return, or has an expiry
@@ -116,9 +152,9 @@ def read_ended_jobs(state_dir: StateDir, now: float, *, remove_stale: bool = Fal
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:
-        return HandOvers(frozenset(), (), 0)
+        return HandOvers({}, (), 0)
     examined = names[: 4 * MAX_ENDED_JOBS]
-    valid: list[str] = []
+    valid: list[tuple[str, int | None]] = []
     problems: list[str] = []
     for name in examined:
         try:
@@ -138,9 +174,9 @@ def read_ended_jobs(state_dir: StateDir, now: float, *, remove_stale: bool = Fal
             problems.append(f"{name}: {err}")
         else:
             if until >= now:
-                valid.append(job)
+                valid.append((job, _said_at(data, boot_id)))
                 continue
         if remove_stale:
             state_dir.remove(name)
     over = max(0, len(valid) - MAX_ENDED_JOBS) + (len(names) - len(examined))
-    return HandOvers(frozenset(valid[:MAX_ENDED_JOBS]), tuple(problems), over)
+    return HandOvers(dict(valid[:MAX_ENDED_JOBS]), tuple(problems), over)

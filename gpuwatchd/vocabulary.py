@@ -78,6 +78,7 @@ class EventName(_Name):
     TARGET_STUCK = "target.stuck"
     ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
     LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
+    LIMITS_KILL_CAP_EXPIRED = "limits.kill_cap_expired"
     RESET_CONFIRMING = "reset.confirming"
     RESET_DUE = "reset.due"
     RESET_REFUSED = "reset.refused"
@@ -86,6 +87,7 @@ class EventName(_Name):
     RESET_SUCCEEDED = "reset.succeeded"
     RESET_FAILED = "reset.failed"
     RESET_DRY_RUN = "reset.dry_run"
+    RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
     # GPU health (decide/plan.py over decide/health.py)
     HEALTH_DRAIN_STARTED = "health.drain_started"
@@ -167,6 +169,7 @@ class ResetResult(_Name):
     SUCCESS = "success"
     FAILED = "failed"
     REFUSED = "refused"  # stopped before the reset command ran, and undone
+    IN_USE = "in_use"  # the driver refused: in use by a client no scan found (a hidden holder)
     TIMEOUT = "timeout"  # the reset command missed its deadline and was killed
     DRY_RUN = "dry_run"
 
@@ -175,6 +178,7 @@ RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.WARNING,
     ResetResult.DRY_RUN: Level.WARNING,  # a would-be reset: reviewed with -p warning
     ResetResult.REFUSED: Level.WARNING,
+    ResetResult.IN_USE: Level.WARNING,
     ResetResult.FAILED: Level.ERROR,
     ResetResult.TIMEOUT: Level.ERROR,
 }

@@ -6,15 +6,26 @@ with :class:`HostBuilder` and asserts the findings and the holders' roles.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.decide.assess import NODE, Assessment, assess
+from gpuwatchd.decide.assess import NODE, Assessment, assess, job_ended
 from gpuwatchd.decide.assess_state import AssessState, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, Finding, FindingKind, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.model import (
+    MIB,
+    CgroupInfo,
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 from tests.support.snapshots import (
     HostBuilder,
     cg_container,
@@ -34,11 +45,13 @@ EMPTY = AssessState()
 def run(
     snapshot: Snapshot,
     previous: AssessState = EMPTY,
-    ended_jobs: frozenset[str] = frozenset(),
+    handovers: Mapping[str, int | None] | None = None,
 ) -> Assessment:
     if previous is EMPTY:
         previous = AssessState(boot_id=snapshot.boot_id)
-    return assess(snapshot, previous, DETECTION, ended_jobs)
+    if handovers is not None:
+        snapshot = dataclasses.replace(snapshot, handovers=handovers)
+    return assess(snapshot, previous, DETECTION)
 
 
 def kinds(result: Assessment) -> list[tuple[str, int | None]]:
@@ -305,6 +318,9 @@ def test_floor_processes_are_never_findings(
             holds={0},
             uvm=uvm,
             state="D" if uvm else "S",
+            uid=0,  # root's, running a program only root can have installed
+            user="root",
+            exe_trusted=True,
         )
         .nvml(0, 959)
         .change(960, sid=959)
@@ -312,6 +328,42 @@ def test_floor_processes_are_never_findings(
     result = run(builder.build())
     assert all(f.pid != 960 for f in result.findings)
     assert role_of(result, 960)[0] == "management"
+
+
+@pytest.mark.parametrize(
+    ("comm", "exe", "argv0"),
+    [
+        ("nvidia-persiste", "/usr/bin/python3", None),
+        ("python3", "/home/mallory/nv-hostengine", None),
+        ("python3", "/usr/bin/python3", "nvidia-cuda-mps-server"),
+    ],
+)
+def test_a_users_look_alike_of_infrastructure_is_judged_like_any_process(
+    comm: str, exe: str, argv0: str | None
+) -> None:
+    """The look-alike holds a dead owner's GPU files (its session leader was listed): it is an
+    orphan like any other, and the floor does not shield it."""
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(
+            960,
+            ppid=1,
+            comm=comm,
+            exe=exe,
+            cmdline=(argv0 or comm, "x"),
+            holds={0},
+            uvm=True,
+            uid=1001,
+            user="mallory",
+            exe_trusted=False,
+        )
+        .nvml(0, 959)
+        .change(960, sid=959)
+    )
+    result = run(builder.build())
+    orphan = only(result, FindingKind.ORPHANED)
+    assert (orphan.pid, orphan.actionable) == (960, True)
 
 
 def test_floor_unit_process_is_floor_even_with_an_unknown_name() -> None:
@@ -516,12 +568,20 @@ def test_no_ghost_when_a_holder_may_exist_and_the_note_says_why(setup: object, w
 
 
 def test_unreadable_floor_process_does_not_block_ghost() -> None:
-    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2150, comm="nv-hostengine", unreadable=True)
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2150, comm="nv-hostengine", unreadable=True, uid=0, exe_trusted=True)
+    )
     assert only(run(builder.build()), FindingKind.GHOST_MEMORY)
 
 
 def test_floor_holder_does_not_block_ghost() -> None:
-    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2160, comm="nvidia-persiste", holds={0})
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2160, comm="nvidia-persiste", holds={0}, uid=0, exe_trusted=True)
+    )
     assert only(run(builder.build()), FindingKind.GHOST_MEMORY)
 
 
@@ -565,7 +625,9 @@ def test_baseline_keeps_the_minimum_and_learns_only_when_idle() -> None:
     for builder in not_idle:
         assert run(builder.build(), state).state.baselines == {gpu_uuid(0): 4 * MIB}
     with_floor = (
-        HostBuilder().gpu(0, allocated=3 * MIB).proc(2203, comm="nvidia-persiste", holds={0})
+        HostBuilder()
+        .gpu(0, allocated=3 * MIB)
+        .proc(2203, comm="nvidia-persiste", holds={0}, uid=0, exe_trusted=True)
     )
     assert run(with_floor.build(), state).state.baselines == {gpu_uuid(0): 3 * MIB}
 
@@ -791,8 +853,64 @@ def test_holder_of_an_ended_job_is_abandoned_only_when_told(cgroup: object) -> N
     job = builder.build().processes[2600].cgroup.job_key  # type: ignore[union-attr]
     assert job is not None
     assert kinds(run(builder.build())) == []
-    abandoned = only(run(builder.build(), ended_jobs=frozenset({job})), FindingKind.ABANDONED)
+    said = 10**9  # the scheduler's word, after the process started
+    abandoned = only(run(builder.build(), handovers={job: said}), FindingKind.ABANDONED)
     assert (abandoned.pid, abandoned.evidence["job"]) == (2600, job)
+
+
+def _job_holder(start: int, cgroup: CgroupInfo) -> HostBuilder:
+    return (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2600, ppid=1, cgroup=cgroup, holds={0}, uvm=True, start=start)
+        .nvml(0, 2600)
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "said", "stepd", "abandoned"),
+    [
+        (5_000, 9_000, None, True),  # older than the word: covered
+        (9_000, 9_000, None, False),  # started as the word was said: not older
+        (9_500, 9_000, None, False),  # a requeued job's process, younger than the word
+        (5_000, None, None, False),  # when it was said is unknown: covers nothing
+        (5_000, 9_000, 4_000, True),  # the ended job's own slurmstepd, still around
+        (5_000, 9_000, 9_100, False),  # a slurmstepd started after the word: requeued
+    ],
+)
+def test_the_schedulers_word_covers_only_processes_older_than_it_and_no_requeued_job(
+    start: int, said: int | None, stepd: int | None, abandoned: bool
+) -> None:
+    snapshot = _job_holder(start, cg_slurm("42")).build()
+    stepds = {} if stepd is None else {"slurm:42": stepd}
+    snapshot = dataclasses.replace(snapshot, handovers={"slurm:42": said}, job_stepds=stepds)
+    result = assess(snapshot, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert (FindingKind.ABANDONED in {f.kind for f in result.findings}) is abandoned
+    if stepd is not None and not abandoned:
+        assert job_ended(snapshot.processes[2600], snapshot) is None
+
+
+def test_a_job_directory_judged_ended_ends_that_directory_only() -> None:
+    """The attack of issue 20: a forged …/slurmstepd.scope/job_42 with no step marked the real,
+    running job 42 abandoned, because the job was judged once per id. Now a directory judged
+    ended (collect/jobs.py does so only at root's own location) ends its own processes."""
+    forged = cg_slurm("42", scope="/deleg.slice/forged/slurmstepd.scope")
+    real = cg_slurm("42")
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2600, ppid=1, cgroup=real, holds={0}, uvm=True)
+        .proc(2601, ppid=1, cgroup=forged, holds={0}, uvm=True)
+        .build()
+    )
+    assert real.slurm_job_dir is not None
+    assert forged.slurm_job_dir is not None
+    ended = dataclasses.replace(snapshot, ended_job_dirs=frozenset({forged.slurm_job_dir}))
+    result = assess(ended, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert [f.pid for f in result.findings if f.kind is FindingKind.ABANDONED] == [2601]
+    really = dataclasses.replace(snapshot, ended_job_dirs=frozenset({real.slurm_job_dir}))
+    result = assess(really, AssessState(boot_id=snapshot.boot_id), DETECTION)
+    assert [f.pid for f in result.findings if f.kind is FindingKind.ABANDONED] == [2600]
 
 
 def test_holder_of_ctl_and_uvm_only_is_an_unattributed_hidden_holder() -> None:

@@ -92,20 +92,23 @@ STOLEN = "0::/system.slice/slurmstepd.scope/job_999/step_0/user/task_0"
         pytest.param(
             "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_1\n",
             CgroupInfo("/system.slice/slurmstepd.scope/job_4242/step_0/user/task_1",
-                       slurm_job="4242", slurm_step="0", systemd_unit="slurmstepd.scope"),
+                       slurm_job="4242", slurm_step="0", systemd_unit="slurmstepd.scope",
+                       slurm_job_dir="/system.slice/slurmstepd.scope/job_4242"),
             id="slurm-v2-step",
         ),
         pytest.param(
             "0::/system.slice/slurmstepd.scope/job_77/step_batch/user/task_0\n",
             CgroupInfo("/system.slice/slurmstepd.scope/job_77/step_batch/user/task_0",
-                       slurm_job="77", slurm_step="batch", systemd_unit="slurmstepd.scope"),
+                       slurm_job="77", slurm_step="batch", systemd_unit="slurmstepd.scope",
+                       slurm_job_dir="/system.slice/slurmstepd.scope/job_77"),
             id="slurm-v2-batch",
         ),
         pytest.param(
             "0::/system.slice/node07_slurmstepd.scope/job_77/step_extern/slurm_processes\n",
             CgroupInfo("/system.slice/node07_slurmstepd.scope/job_77/step_extern/"
                        "slurm_processes", slurm_job="77", slurm_step="extern",
-                       systemd_unit="node07_slurmstepd.scope"),
+                       systemd_unit="node07_slurmstepd.scope",
+                       slurm_job_dir="/system.slice/node07_slurmstepd.scope/job_77"),
             id="slurm-v2-multi-slurmd-extern",
         ),
         pytest.param(
@@ -119,7 +122,8 @@ STOLEN = "0::/system.slice/slurmstepd.scope/job_999/step_0/user/task_0"
             "5:devices:/slurm/uid_1000/job_913/step_interactive/task_0\n"
             "1:name=systemd:/system.slice/slurmd.service\n",
             CgroupInfo("/slurm/uid_1000/job_913/step_interactive/task_0",
-                       slurm_job="913", slurm_step="interactive"),
+                       slurm_job="913", slurm_step="interactive",
+                       slurm_job_dir="/slurm/uid_1000/job_913"),
             id="slurm-v1",
         ),
         pytest.param(

@@ -295,7 +295,10 @@ def test_wake_at_is_the_next_step_or_the_interval() -> None:
 # --- resets -------------------------------------------------------------------------------------
 
 
-def test_a_refused_reset_is_retried_after_the_cooldown() -> None:
+def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_reload() -> None:
+    """The final scan refuses (a holder the poll did not see, e.g. one that opens nvidiactl
+    now and then): the drain and before hooks ran once. The same incident is not tried again
+    every cooldown; a reload (or ``resume --clear-latches``) lets it be tried again."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 10m}")
     r = rig(pol, ghost_host)
     r.reader.blockers = [777]  # the final scan finds a holder: refused, nothing run
@@ -305,8 +308,14 @@ def test_a_refused_reset_is_retried_after_the_cooldown() -> None:
     assert r.engine.state.plan.reset_in_flight is None
     r.reader.blockers = []
     r.poll_at(300.0)  # within the cooldown
+    r.poll_at(601.0)  # after it: still the same incident
+    r.poll_at(3601.0)
     assert r.reader.final_scans == 1
-    r.poll_at(601.0)  # after it
+    whys = [e["why"] for e in r.sink.named("reset.refused")]
+    assert any("a reset for this incident was refused" in str(why) for why in whys)
+    r.engine.policy_reloaded()
+    assert r.sink.named("reset.refusal_cleared")
+    r.poll_at(3602.0)
     assert r.reader.final_scans == 2
     assert len(reset_commands(r)) == 1
     assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused", "success"]

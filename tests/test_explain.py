@@ -166,11 +166,11 @@ def _limits(text: str) -> Policy:
 def test_the_kill_cap_is_listed_when_this_report_alone_would_exceed_it() -> None:
     policy = _limits("limits: {max_signalled_per_poll: 2}\n")
     stops = _stops(explain_report(report_at("dataloader-orphans", 25.0), policy), 4250)
-    assert "kill cap: 3 findings here would be signalled" in stops
+    assert "kill cap: 3 findings of one user here would be signalled" in stops
     assert "max_signalled_per_poll (2)" in stops
     near = _limits("limits: {max_signalled_per_poll: 3}\n")
     stops = _stops(explain_report(report_at("dataloader-orphans", 25.0), near), 4250)
-    assert "kill cap near: 3 findings here would be signalled" in stops
+    assert "kill cap near: 3 findings of one user here would be signalled" in stops
 
 
 def test_the_kill_cap_is_listed_when_the_daemon_says_it_is_reached_or_near() -> None:
@@ -179,13 +179,14 @@ def test_the_kill_cap_is_listed_when_the_daemon_says_it_is_reached_or_near() -> 
     stops = _stops(explain_report(report, POLICY), 4250)
     assert "kill cap: reached (more than 64 in one hour); the daemon forced dry-run" in stops
     assert "`gpuwatchd resume --clear-latches` lifts it" in stops
-    report["daemon"] = {"signalled_last_hour": 62}
-    assert "kill cap: 62 processes signalled in the last hour plus 3" in _stops(
+    # The daemon's count of the last hour is the node's: judged against the node's cap (256).
+    report["daemon"] = {"signalled_last_hour": 254}
+    assert "kill cap: 254 processes signalled in the last hour plus 3" in _stops(
         explain_report(report, POLICY), 4250
     )
-    report["daemon"] = {"signalled_last_hour": 50}
-    assert "kill cap near: 50 processes" in _stops(explain_report(report, POLICY), 4250)
-    report["daemon"] = {"signalled_last_hour": 10}
+    report["daemon"] = {"signalled_last_hour": 210}
+    assert "kill cap near: 210 processes" in _stops(explain_report(report, POLICY), 4250)
+    report["daemon"] = {"signalled_last_hour": 62}
     assert "kill cap" not in _stops(explain_report(report, POLICY), 4250)
 
 

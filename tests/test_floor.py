@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.floor import infrastructure, live_holder, reset_blockers
+from gpuwatchd.decide.floor import (
+    infrastructure,
+    live_holder,
+    mps_server,
+    reset_blockers,
+    system_cgroup,
+    unverified_infrastructure,
+)
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
-from gpuwatchd.model import MIB, FindingKind, ProcessInfo
-from tests.support.snapshots import HostBuilder, cg_session, cg_unit
+from gpuwatchd.decide.targets import refusal
+from gpuwatchd.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
+from tests.support.snapshots import HostBuilder, cg_container, cg_session, cg_unit
+
+ROOT_EXE = {"uid": 0, "exe_trusted": True}
+
+
+def _proc(pid: int, **fields: Any) -> ProcessInfo:
+    return ProcessInfo(pid, 1, "S", 1, pid, pid, **fields)
 
 
 @pytest.mark.parametrize(
@@ -20,30 +35,159 @@ from tests.support.snapshots import HostBuilder, cg_session, cg_unit
     [
         (ProcessInfo(1, 1, "S", 0, 1, 1, comm="systemd"), "pid 1 is init or kthreadd"),
         (ProcessInfo(9, 1, "S", 2, 0, 0, comm="kworker/0:1", kernel_thread=True), "kernel thread"),
-        (ProcessInfo(70, 1, "S", 1, 70, 70, comm="nvidia-persiste"), "nvidia-persiste"),
         (
-            ProcessInfo(71, 1, "S", 1, 71, 71, comm="x", exe="/usr/bin/nv-hostengine"),
-            "nv-hostengine",
+            _proc(70, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", **ROOT_EXE),
+            "nvidia-persistenced",
+        ),
+        (_proc(71, comm="x", exe="/usr/bin/nv-hostengine", **ROOT_EXE), "nv-hostengine"),
+        # Root's own names count (root needs no disguise), a 15-character cut included.
+        (_proc(73, comm="nvidia-persiste", exe="/usr/bin/python3", **ROOT_EXE), "nvidia-persiste"),
+        # nvidia-persistenced drops to its own user; its system service cgroup vouches for it.
+        (
+            _proc(
+                74,
+                comm="nvidia-persiste",
+                exe="/usr/bin/nvidia-persistenced",
+                uid=117,
+                exe_trusted=True,
+                cgroup=CgroupInfo("/system.slice/foo.service", systemd_unit="foo.service"),
+            ),
+            "nvidia-persistenced",
         ),
         (
-            ProcessInfo(
-                72, 1, "S", 1, 72, 72, comm="worker", cgroup=cg_unit("nvidia-dcgm.service")
-            ),
+            _proc(72, comm="worker", uid=1000, cgroup=cg_unit("nvidia-dcgm.service")),
             "infrastructure unit nvidia-dcgm.service",
         ),
     ],
 )
-def test_infrastructure_by_pid_kind_name_and_unit(proc: ProcessInfo, why: str) -> None:
+def test_infrastructure_by_pid_kind_trusted_identity_and_system_unit(
+    proc: ProcessInfo, why: str
+) -> None:
     reason = infrastructure(proc)
     assert reason is not None
     assert why in reason
+
+
+USER_DCGM = CgroupInfo(
+    "/user.slice/user-1001.slice/user@1001.service/app.slice/nvidia-dcgm.service",
+    systemd_unit="nvidia-dcgm.service",
+)
+SESSION = cg_session(uid=1001)
+
+
+@pytest.mark.parametrize(
+    "proc",
+    [
+        # argv[0] and comm say MPS server; the program is the user's python.
+        _proc(
+            80,
+            comm="nvidia-cuda-mp",
+            exe="/usr/bin/python3",
+            cmdline=("nvidia-cuda-mps-server",),
+            uid=1001,
+            exe_trusted=False,
+            cgroup=SESSION,
+        ),
+        # A copy of the program in the user's home: owned by the user.
+        _proc(81, exe="/home/u/bin/nv-hostengine", uid=1001, exe_trusted=False, cgroup=SESSION),
+        # The genuine program, run by the user: root's file, the user's process.
+        _proc(82, exe="/usr/bin/nv-hostengine", uid=1001, exe_trusted=True, cgroup=SESSION),
+        # A service account renaming itself: only the executable's name counts for it.
+        _proc(
+            83,
+            comm="nvidia-persiste",
+            exe="/usr/sbin/apache2",
+            uid=33,
+            exe_trusted=True,
+            cgroup=cg_unit("apache2.service"),
+        ),
+        # The user's own systemd manager may start a unit of any name.
+        _proc(84, comm="worker", uid=1001, exe_trusted=False, cgroup=USER_DCGM),
+        _proc(85, comm="worker", uid=0, exe_trusted=True, cgroup=USER_DCGM),
+        # Root's program deleted and replaced: no longer the file that was installed.
+        _proc(86, exe="/usr/bin/nv-hostengine (deleted)", uid=0, exe_trusted=False),
+        # A container is not the system's cgroup, and its files are its image's.
+        _proc(
+            87,
+            exe="/usr/bin/nv-hostengine",
+            uid=1001,
+            exe_trusted=True,
+            cgroup=cg_container("ab" * 32),
+        ),
+    ],
+    ids=[
+        "argv0-and-comm",
+        "user-owned-copy",
+        "genuine-program-run-by-a-user",
+        "service-account-renamed",
+        "user-manager-unit",
+        "user-manager-unit-as-root",
+        "deleted-program",
+        "container",
+    ],
+)
+def test_a_look_alike_is_an_ordinary_process(proc: ProcessInfo) -> None:
+    assert infrastructure(proc) is None
+    assert not mps_server(proc)
+    assert unverified_infrastructure(proc) is None  # known not to be it: may be a target
+
+
+@pytest.mark.parametrize(
+    "proc",
+    [
+        _proc(90, comm="nvidia-cuda-mp", exe="/usr/bin/nvidia-cuda-mps-server", uid=0),
+        _proc(91, comm="nv-hostengine", uid=None, exe_trusted=True, cgroup=None),
+        _proc(92, comm="nv-hostengine", exe=None, uid=0, exe_trusted=None),
+    ],
+    ids=["exe-owner-unread", "uid-and-cgroup-unread", "no-exe-link"],
+)
+def test_an_unverifiable_claim_is_never_signalled_and_grants_nothing(proc: ProcessInfo) -> None:
+    """Unknown is never a kill; but neither does an unread identity make the process
+    infrastructure (no reset immunity) or an MPS server (no report-only node)."""
+    assert infrastructure(proc) is None
+    assert not mps_server(proc)
+    assert unverified_infrastructure(proc) is not None
+    finding = Finding(FindingKind.ORPHANED, "gpu", proc.pid, 1, "orphaned")
+    snapshot = HostBuilder().build()
+    why = refusal(proc, finding, snapshot, default_policy(), frozenset())
+    assert why is not None
+    assert why.startswith("floor: goes by")
+
+
+def test_a_trusted_mps_server_makes_the_node_report_only_and_a_users_does_not() -> None:
+    real = _proc(
+        95,
+        comm="nvidia-cuda-mps",
+        exe="/usr/bin/nvidia-cuda-mps-server",
+        uid=0,
+        exe_trusted=True,
+        cgroup=cg_unit("nvidia-mps.service"),
+    )
+    fake = dataclasses.replace(
+        real, exe="/usr/bin/python3", uid=1001, cgroup=SESSION, exe_trusted=False
+    )
+    assert mps_server(real)
+    assert not mps_server(fake)
+
+
+def test_system_cgroup_is_below_system_slice_and_never_a_users_or_a_containers() -> None:
+    assert system_cgroup(cg_unit("nvidia-dcgm.service")) is True
+    assert system_cgroup(CgroupInfo("/init.scope")) is True
+    assert system_cgroup(USER_DCGM) is False
+    assert system_cgroup(SESSION) is False
+    assert system_cgroup(cg_container("ab" * 32)) is False
+    assert system_cgroup(CgroupInfo("/")) is False
+    assert system_cgroup(None) is None
+    user_below_system = CgroupInfo("/system.slice/user-1001.slice/x.service")
+    assert system_cgroup(user_below_system) is False
 
 
 def test_a_job_process_is_not_infrastructure() -> None:
     proc = ProcessInfo(500, 1, "S", 1, 500, 500, comm="python3", cgroup=cg_session())
     assert infrastructure(proc) is None
     # A 15-character comm that is no floor name's cut is not infrastructure either.
-    assert infrastructure(ProcessInfo(501, 1, "S", 1, 501, 501, comm="nvidia-persistX")) is None
+    other = _proc(501, comm="nvidia-persistX", uid=0, exe_trusted=True)
+    assert infrastructure(other) is None
 
 
 def _dcgm_worker_host(monotonic: float) -> HostBuilder:

@@ -65,9 +65,19 @@ WALL = 1_700_000_000.0
 ROLES = ("persistenced", "dcgm", "self", "job")
 
 
+# Root's own nvidia-persistenced: infrastructure only from facts a user cannot forge (floor.py).
+PERSISTENCED: dict[str, object] = {
+    "comm": "nvidia-persiste",
+    "exe": "/usr/bin/nvidia-persistenced",
+    "uid": 0,
+    "user": "root",
+    "exe_trusted": True,
+}
+
+
 def _add(builder: HostBuilder, role: str, pid: int, minors: frozenset[int]) -> None:
     if role == "persistenced":
-        builder.proc(pid, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", holds=minors)
+        builder.proc(pid, **PERSISTENCED, holds=minors)
     elif role == "dcgm":
         # infrastructure by its unit, not by its name
         builder.proc(pid, comm="exporter", cgroup=cg_unit("nvidia-dcgm.service"), holds=minors)
@@ -238,7 +248,7 @@ def test_a_job_holding_only_nvidiactl_after_infrastructure_blocks_the_final_scan
     if first == "self":
         builder.hold(other, (), ctl=True)
     elif first == "persistenced":
-        builder.proc(other, comm="nvidia-persiste", holds=(), ctl=True)
+        builder.proc(other, **PERSISTENCED, holds=(), ctl=True)
     else:
         builder.proc(other, comm="x", cgroup=cg_unit("nvidia-dcgm.service"), holds=(), ctl=True)
     builder.proc(job, holds=(), uvm=True)
@@ -359,8 +369,8 @@ def _protect(**kw: object) -> Policy:
             f"protect: GPU {GPU1} is protected",
         ),
         (
-            "it exec'd into nvidia-persistenced",
-            _job_host(comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced"),
+            "it exec'd into root's nvidia-persistenced",
+            _job_host(**PERSISTENCED),
             _policy(),
             "floor: infrastructure process",
         ),
@@ -572,14 +582,31 @@ def test_a_gpu_protected_by_a_pci_bus_id_with_a_hex_domain_is_never_reset(
 # --- which rule selects a finding; what may never be signalled ---------------------------------
 
 
-def test_a_recorded_nvidia_unit_is_infrastructure_whatever_the_cgroup_path_says() -> None:
-    """A snapshot read back from a report carries the unit beside the path; either names it."""
-    for path in ("/", "/system.slice/other.scope"):
-        proc = ProcessInfo(
-            900, 1, "S", 1, 900, 900, comm="worker",
-            cgroup=CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service"),
-        )  # fmt: skip
-        assert infrastructure(proc) == "infrastructure unit nvidia-persistenced.service", path
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        (
+            "/system.slice/nvidia-persistenced.service",
+            "infrastructure unit nvidia-persistenced.service",
+        ),
+        ("/", None),
+        ("/system.slice/other.scope", None),
+        (
+            "/user.slice/user-1001.slice/user@1001.service/app.slice/nvidia-persistenced.service",
+            None,
+        ),
+    ],
+)
+def test_an_nvidia_unit_is_infrastructure_only_where_its_cgroup_path_is_a_system_service(
+    path: str, why: str | None
+) -> None:
+    """The path, which only root can place a process in, names the unit; a unit name recorded
+    beside another path (a report, a user's own ``user@`` unit of that name) grants nothing."""
+    proc = ProcessInfo(
+        900, 1, "S", 1, 900, 900, comm="worker",
+        cgroup=CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service"),
+    )  # fmt: skip
+    assert infrastructure(proc) == why
 
 
 def _finding(memory: int | None = 512 * MIB, start_ticks: int | None = 14_900) -> Finding:

@@ -305,3 +305,78 @@ def test_real_zombie_leader_is_scanned_through_its_live_thread(spawn: Spawn, dev
     _wait_for_state(holders.procfs, child.pid, "Z")
     holding = holders.scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_fd == {0}
+
+
+# --- threads with a file descriptor table of their own (issue 20) ------------------------------
+
+CLONE_FILES = 0x400
+OWN_TABLE = """
+libc = ctypes.CDLL(None, use_errno=True)
+import threading
+opened = threading.Event()
+
+def hold():
+    if libc.unshare({clone_files}) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+    held = os.open({path!r}, os.O_RDONLY)  # in this thread's table only
+    opened.set()
+    time.sleep(60)
+
+threading.Thread(target=hold, daemon=True).start()
+opened.wait()
+{leader}
+"""
+
+
+def _own_table(path: str, leader: str = "") -> str:
+    body = OWN_TABLE.format(clone_files=CLONE_FILES, path=path, leader=leader)
+    return HOLD_FD.format(body=body)
+
+
+def _fds_of(pid: int) -> set[str]:
+    return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_a_thread_holding_a_device_in_a_table_of_its_own_is_a_holder(
+    spawn: Spawn, devices: Path
+) -> None:
+    """The attack of issue 20: a thread that called unshare(CLONE_FILES) keeps /dev/nvidia0
+    open where /proc/PID/fd does not show it. Before, every scan said nobody held the GPU."""
+    child = spawn(_own_table(str(devices / "nvidia0")))
+    assert str(devices / "nvidia0") not in _fds_of(child.pid)  # the leader's table is clean
+    targeted = scanner(devices_dir=str(devices)).scan([child.pid])
+    assert targeted.holdings[child.pid].gpu_minors_fd == {0}
+    assert child.pid not in targeted.unreadable
+    full = scanner(devices_dir=str(devices)).scan()
+    assert full.holdings[child.pid].gpu_minors_fd == {0}
+
+
+def test_without_kcmp_every_threads_table_is_read(spawn: Spawn, devices: Path) -> None:
+    """Where kcmp cannot tell (ENOSYS under seccomp, say) the walk reads each thread's table
+    instead of trusting that threads share one: slower, never blind."""
+    from gpuwatchd.collect.kcmp import Kcmp
+
+    child = spawn(_own_table(str(devices / "nvidia1")))
+    holders = scanner(devices_dir=str(devices))
+    holders._kcmp = Kcmp(number=-1)  # no such syscall: ENOSYS
+    holding = holders.scan([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_fd == {1}
+
+
+def test_threads_sharing_the_leaders_table_add_nothing(spawn: Spawn, devices: Path) -> None:
+    """A process whose threads share its table is judged by /proc/PID/fd alone: what the
+    leader holds, no more (and a thread's private table is added to it, not instead)."""
+    leader_holds = f"kept = os.open({str(devices / 'nvidiactl')!r}, os.O_RDONLY)"
+    child = spawn(_own_table(str(devices / "nvidia3"), leader=leader_holds))
+    holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
+    assert holding.ctl
+    assert holding.gpu_minors_fd == {3}
+    plain = spawn(
+        HOLD_FD.format(
+            body=f"import threading\nheld = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()"
+        )
+    )
+    shared = scanner(devices_dir=str(devices)).scan([plain.pid]).holdings[plain.pid]
+    assert shared.gpu_minors_fd == {0}
+    assert not shared.ctl

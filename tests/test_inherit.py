@@ -357,7 +357,7 @@ def test_driver_refusers_include_jobs_of_other_gpus_and_infrastructure() -> None
         .proc(300, holds={0, 1}, uvm=True)  # a job on GPU 1 that opened every GPU
         .nvml(1, 300)
         .proc(900, comm="nv-hostengine", holds={0})
-        .proc(950, comm="nvidia-persiste", ctl=True)
+        .proc(950, comm="nvidia-persiste", ctl=True, uid=0, exe_trusted=True)
         .build()
     )
     assert driver_refusers(snapshot.holders, 0, frozenset()) == [300, 900]

@@ -462,7 +462,9 @@ def test_a_listed_owner_whose_job_ended_is_abandoned_and_still_an_owner() -> Non
         .nvml(0, 800)
         .build()
     )
-    result = assess(snapshot, AssessState(boot_id="boot-1"), DEFAULT, frozenset({"slurm:77"}))
+    # The scheduler said job 77 ended after the owner started (clock ticks since boot).
+    ended = dataclasses.replace(snapshot, handovers={"slurm:77": 10**9})
+    result = assess(ended, AssessState(boot_id="boot-1"), DEFAULT)
     assert verdict(result, 800)[0] == "abandoned"
     assert [r.role.value for r in result.roles if r.pid == 800] == ["context_owner"]
 

@@ -43,11 +43,11 @@ def test_a_hand_over_is_read_until_it_expires_and_then_removed_by_the_daemon(
     hand_over_ended_jobs(state, ["slurm:42", "pod:abc-1"], until=NOW + 60)
     assert len(files(tmp_path)) == 2
     found = read_ended_jobs(state, NOW)
-    assert found == HandOvers(frozenset({"slurm:42", "pod:abc-1"}), (), 0)
+    assert found == HandOvers({"slurm:42": None, "pod:abc-1": None}, (), 0)
     # A scan only reads; the daemon removes what expired.
-    assert read_ended_jobs(state, NOW + 61).jobs == frozenset()
+    assert not read_ended_jobs(state, NOW + 61).jobs
     assert len(files(tmp_path)) == 2
-    assert read_ended_jobs(state, NOW + 61, remove_stale=True).jobs == frozenset()
+    assert not read_ended_jobs(state, NOW + 61, remove_stale=True).jobs
     assert files(tmp_path) == []
 
 
@@ -57,8 +57,8 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
     hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 10)
     hand_over_ended_jobs(state, ["slurm:2"], until=NOW + 10)
     hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 100)
-    assert read_ended_jobs(state, NOW + 50).jobs == {"slurm:1"}
-    assert read_ended_jobs(state, NOW).jobs == {"slurm:1", "slurm:2"}
+    assert set(read_ended_jobs(state, NOW + 50).jobs) == {"slurm:1"}
+    assert set(read_ended_jobs(state, NOW).jobs) == {"slurm:1", "slurm:2"}
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_a_bad_hand_over_is_ignored_named_and_removed(
     (name,) = files(tmp_path)
     (tmp_path / name).write_bytes(body)
     found = read_ended_jobs(state, NOW, remove_stale=True)
-    assert found.jobs == frozenset()
+    assert not found.jobs
     assert len(found.problems) == 1
     assert found.problems[0].startswith(name)
     assert why in found.problems[0]
@@ -94,7 +94,7 @@ def test_a_link_or_a_folder_is_not_followed(tmp_path: Path, state: StateDir) -> 
     os.symlink(secret, tmp_path / f"{ENDED_JOB_PREFIX}link")
     (tmp_path / f"{ENDED_JOB_PREFIX}dir").mkdir()
     found = read_ended_jobs(state, NOW)
-    assert found.jobs == frozenset()
+    assert not found.jobs
     assert len(found.problems) == 2
 
 
@@ -115,7 +115,7 @@ def test_over_the_limit_valid_hand_overs_wait_and_are_never_removed(
         hand_over_ended_jobs(state, [job], until=NOW + 1)
     later = read_ended_jobs(state, NOW + 2, remove_stale=True)
     assert later.over_limit == 0
-    assert later.jobs == frozenset(jobs) - frozenset(sorted(honoured)[:10])
+    assert set(later.jobs) == set(jobs) - set(sorted(honoured)[:10])
 
 
 def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
@@ -139,3 +139,13 @@ def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
 def test_more_than_the_limit_at_once_is_refused_not_cut(state: StateDir) -> None:
     with pytest.raises(ValueError, match="at most"):
         hand_over_ended_jobs(state, [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 1)], until=NOW)
+
+
+def test_a_hand_over_says_when_and_in_which_boot_it_was_said(state: StateDir) -> None:
+    """The word covers only processes older than it (assess), so it carries its time in
+    boot ticks; a word from another boot, or one without a time, covers nothing (None)."""
+    hand_over_ended_jobs(state, ["slurm:42"], until=NOW + 5, said_at=777, boot_id="b1")
+    hand_over_ended_jobs(state, ["slurm:43"], until=NOW + 5)  # an older writer's file
+    assert read_ended_jobs(state, NOW, boot_id="b1").jobs == {"slurm:42": 777, "slurm:43": None}
+    assert read_ended_jobs(state, NOW, boot_id="b2").jobs["slurm:42"] is None
+    assert read_ended_jobs(state, NOW).jobs["slurm:42"] is None  # this boot unknown

@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -24,6 +25,8 @@ from gpuwatchd.decide.plan import (
     SignalIntent,
     clear_circuit,
     clear_forced_dry_run,
+    forget_reset_refusals,
+    hidden_holders,
     next_deadline,
     pending,
     plan,
@@ -42,6 +45,7 @@ from gpuwatchd.model import (
     Finding,
     FindingKind,
     GpuInfo,
+    GpuMemory,
     HolderScan,
     NvmlReading,
     ProcessIdentity,
@@ -69,6 +73,8 @@ def proc(
     cgroup: CgroupInfo | None = None,
     kernel_thread: bool = False,
     ppid: int = 1,
+    uid: int | None = 1000,
+    exe_trusted: bool | None = None,
 ) -> ProcessInfo:
     return ProcessInfo(
         pid=pid,
@@ -77,13 +83,14 @@ def proc(
         ppid=ppid,
         pgid=pid,
         sid=pid,
-        uid=1000,
+        uid=uid,
         user=user,
         comm=comm,
         exe=exe,
         cmdline=cmdline,
         cgroup=cgroup if cgroup is not None else CgroupInfo(path="/user.slice/session-1.scope"),
         kernel_thread=kernel_thread,
+        exe_trusted=exe_trusted,
     )
 
 
@@ -320,6 +327,9 @@ def test_rule_for_picks_the_first_matching_rule_in_order() -> None:
 # --- refusal: floor, protect, identity --------------------------------------------------------
 
 
+ROOT: dict[str, Any] = {"uid": 0, "exe_trusted": True}
+
+
 def _refused(p: ProcessInfo | None, **kw: object) -> str | None:
     target = p if p is not None else proc()
     finding = orphan(target)
@@ -338,11 +348,16 @@ def _refused(p: ProcessInfo | None, **kw: object) -> str | None:
         (proc(3, kernel_thread=True, cmdline=()), "floor: kernel thread"),
         (proc(4242), "floor: the daemon itself"),
         (proc(77), "floor: an ancestor"),
-        (proc(comm="nvidia-persiste", exe=None, cmdline=None), "floor: infrastructure process"),
-        (proc(comm="x", exe="/usr/bin/nv-hostengine"), "floor: infrastructure process"),
-        (proc(comm="x", exe=None, cmdline=("/usr/bin/dcgm-exporter",)), "floor: infrastructure"),
-        (proc(comm="nvidia-smi", exe=None), "floor: infrastructure process nvidia-smi"),
-        (proc(comm="Xorg"), "floor: infrastructure process Xorg"),
+        (proc(comm="nvidia-persiste", cmdline=None, **ROOT), "floor: infrastructure process"),
+        (proc(comm="x", exe="/usr/bin/nv-hostengine", **ROOT), "floor: infrastructure process"),
+        (proc(comm="x", cmdline=("/usr/bin/dcgm-exporter",), **ROOT), "floor: infrastructure"),
+        (proc(comm="nvidia-smi", **ROOT), "floor: infrastructure process nvidia-smi"),
+        (proc(comm="Xorg", **ROOT), "floor: infrastructure process Xorg"),
+        # A user's look-alikes are ordinary targets; an unreadable identity is never signalled.
+        (proc(comm="nvidia-smi", exe_trusted=False), None),
+        (proc(comm="x", exe="/home/bob/nv-hostengine", exe_trusted=False), None),
+        (proc(comm="Xorg", uid=None), "floor: goes by 'Xorg'"),
+        (proc(comm="Xorg", uid=0), "floor: goes by 'Xorg'"),
         (
             proc(
                 cgroup=CgroupInfo(
@@ -444,6 +459,9 @@ def test_refusal_pid_reused_between_finding_and_snapshot() -> None:
 # --- ladders ----------------------------------------------------------------------------------
 
 
+WALL = 1_700_000_000.0  # run()'s wall clock at now=0
+
+
 def run(
     findings: Sequence[Finding],
     s: Snapshot,
@@ -461,7 +479,7 @@ def run(
         state,
         pol,
         now=now,
-        wall=1_700_000_000.0 + now if wall is None else wall,
+        wall=WALL + now if wall is None else wall,
         report_only=report_only if isinstance(report_only, dict) else None,
     )
 
@@ -641,7 +659,7 @@ def test_targets_on_one_gpu_judged_in_the_same_poll_all_start() -> None:
 # --- kill cap, dry-run, pause -----------------------------------------------------------------
 
 
-def test_kill_cap_per_poll_forces_dry_run_with_one_critical_event() -> None:
+def test_kill_cap_per_poll_latches_that_user_into_dry_run_with_one_critical_event() -> None:
     pol = policy(limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=100))
     ps = [proc(1000 + i) for i in range(4)]
     r = run([orphan(p) for p in ps], snap(ps), PlanState(), pol, now=0.0)
@@ -650,18 +668,105 @@ def test_kill_cap_per_poll_forces_dry_run_with_one_critical_event() -> None:
     assert all(s.dry_run for s in signals(r) if s not in real)
     cap = [e for e in r.events if e.name == EventName.LIMITS_KILL_CAP_REACHED]
     assert len(cap) == 1
-    assert cap[0].level == "critical"
-    assert r.state.forced_dry_run
-    # Forced dry-run survives a restart and holds the real ladders already in progress.
+    assert (cap[0].level, cap[0].fields["scope"]) == ("critical", "uid:1000")
+    assert set(r.state.scope_latches) == {"uid:1000"}
+    assert not r.state.forced_dry_run  # one user's storm is not the node's
+    # The latch survives a restart and holds the user's real ladders already in progress.
     state = PlanState.from_json(json.loads(json.dumps(r.state.to_json())))
     for s in real:
         state = record_signal(state, s, "delivered", now=0.0).state
     r = run([orphan(p) for p in ps], snap(ps), state, pol, now=31.0)
     assert [s for s in signals(r) if not s.dry_run] == []
     assert EventName.LIMITS_KILL_CAP_REACHED not in names(r)
-    # Only an explicit clear lifts it.
+    # An explicit clear lifts it at once.
     r = run([orphan(p) for p in ps], snap(ps), clear_forced_dry_run(r.state), pol, now=32.0)
     assert {s.signal for s in signals(r) if not s.dry_run} >= {"SIGKILL"}
+
+
+def test_one_users_storm_of_seventeen_orphans_does_not_latch_the_node() -> None:
+    """The attack of issue 20: seventeen orphans of one dead parent passed the node-wide
+    per-poll cap (16) and switched the whole node to dry-run, until an admin came."""
+    storm = [proc(3000 + i, uid=1001, user="mallory") for i in range(17)]
+    other = proc(4000, uid=1002, user="olivia")
+    everyone = [*storm, other]
+    r = run([orphan(p) for p in everyone], snap(everyone), PlanState(), policy(limits=Limits()),
+            now=0.0)  # fmt: skip
+    real = {s.identity.pid for s in signals(r) if not s.dry_run}
+    assert other.pid in real
+    assert len(real & {p.pid for p in storm}) == 16
+    assert set(r.state.scope_latches) == {"uid:1001"}
+    assert not r.state.forced_dry_run
+    # Next poll: olivia's next orphan is acted on for real; mallory's stay dry-run.
+    late = proc(4001, uid=1002, user="olivia")
+    late_storm = proc(3100, uid=1001, user="mallory")
+    r = run([orphan(late), orphan(late_storm)], snap([late, late_storm]), r.state,
+            policy(limits=Limits()), now=20.0)  # fmt: skip
+    assert {(s.identity.pid, s.dry_run) for s in signals(r)} == {(4001, False), (3100, True)}
+
+
+def test_a_latch_expires_after_kill_cap_latch_with_a_warning_and_dry_run_ladders_restart() -> None:
+    limits = Limits(max_signalled_per_poll=1, max_signalled_per_hour=100, kill_cap_latch=600.0)
+    pol = policy(limits=limits)
+    a, b = proc(1000), proc(1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0)
+    assert [(s.identity.pid, s.dry_run) for s in signals(r)] == [(1000, False), (1001, True)]
+    until = event(r, EventName.LIMITS_KILL_CAP_REACHED)["until"]
+    assert until == WALL + 600.0
+    state = r.state
+    for s in signals(r):
+        state = record_signal(state, s, "dry_run" if s.dry_run else "delivered", now=0.0).state
+    r = run([orphan(a), orphan(b)], snap([a, b]), state, pol, now=599.0, wall=WALL + 599.0)
+    assert EventName.LIMITS_KILL_CAP_EXPIRED not in names(r)
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=600.0, wall=WALL + 600.0)
+    expired = event(r, EventName.LIMITS_KILL_CAP_EXPIRED)
+    assert (expired["scope"], expired["lasted"]) == ("uid:1000", 600.0)
+    assert [e.level for e in r.events if e.name == EventName.LIMITS_KILL_CAP_EXPIRED] == ["warning"]
+    assert r.state.scope_latches == {}
+    # b's dry-run ladder ends as it was, then b starts over for real (from SIGTERM).
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=640.0, wall=WALL + 640.0)
+    r = run([orphan(a), orphan(b)], snap([a, b]), r.state, pol, now=641.0, wall=WALL + 641.0)
+    assert EventName.ESCALATION_RESTARTED in names(r)
+    assert [(s.identity.pid, s.signal, s.dry_run) for s in signals(r)] == [(1001, "SIGTERM", False)]
+
+
+def test_the_node_cap_latches_everything_and_expires_too() -> None:
+    limits = Limits(max_signalled_per_poll=10, max_signalled_per_hour=10,
+                    node_max_signalled_per_hour=3, kill_cap_latch=60.0)  # fmt: skip
+    pol = policy(limits=limits)
+    ps = [proc(5000 + i, uid=2000 + i) for i in range(4)]
+    r = run([orphan(p) for p in ps], snap(ps), PlanState(), pol, now=0.0)
+    assert [s.dry_run for s in signals(r)] == [False, False, False, True]
+    assert r.state.forced_dry_run
+    assert event(r, EventName.LIMITS_KILL_CAP_REACHED)["scope"] == "node"
+    r = run([], snap([]), r.state, pol, now=61.0, wall=WALL + 61.0)
+    assert event(r, EventName.LIMITS_KILL_CAP_EXPIRED)["scope"] == "node"
+    assert not r.state.forced_dry_run
+
+
+def test_a_latch_saved_without_its_start_expires_after_a_restart_instead_of_never() -> None:
+    """A state file from before latches expired: forced dry-run with no start time. It must
+    not persist forever without an admin: its time starts at the first poll after loading."""
+    saved = PlanState(forced_dry_run=True, forced_reason="more than 64 processes in one hour")
+    state = PlanState.from_json(json.loads(json.dumps(saved.to_json())))
+    pol = policy(limits=Limits(kill_cap_latch=3600.0))
+    r = run([], snap([]), state, pol, now=0.0, wall=WALL)
+    assert r.state.forced_dry_run
+    assert r.state.forced_since == WALL
+    r = run([], snap([]), r.state, pol, now=3600.0, wall=WALL + 3600.0)
+    assert not r.state.forced_dry_run
+
+
+def test_setting_the_clock_back_does_not_shorten_a_latch() -> None:
+    pol = policy(limits=Limits(max_signalled_per_poll=1, kill_cap_latch=600.0))
+    a, b = proc(1000), proc(1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0, wall=WALL)
+    assert r.state.scope_latches
+    # Set back by 3300 s between two polls 300 s apart: that interval counts as no time.
+    r = run([], snap([]), r.state, pol, now=300.0, wall=WALL - 3000.0)
+    r = run([], snap([]), r.state, pol, now=899.0, wall=WALL - 2401.0)
+    assert r.state.scope_latches
+    r = run([], snap([]), r.state, pol, now=900.0, wall=WALL - 2400.0)
+    assert not r.state.scope_latches
 
 
 def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> None:
@@ -677,7 +782,8 @@ def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> N
     p = proc(2003)
     r = run([orphan(p)], snap([p]), state, pol, now=300.0)
     assert [s.dry_run for s in signals(r)] == [True]
-    assert event(r, EventName.LIMITS_KILL_CAP_REACHED)["why"] == "more than 3 processes in one hour"
+    why = event(r, EventName.LIMITS_KILL_CAP_REACHED)["why"]
+    assert why == "more than 3 processes of uid:1000 in one hour"
 
 
 def test_kill_cap_window_rolls_after_an_hour() -> None:
@@ -688,6 +794,7 @@ def test_kill_cap_window_rolls_after_an_hour() -> None:
     r = run([orphan(b)], snap([b]), r.state, pol, now=3600.0)
     assert [s.dry_run for s in signals(r)] == [False]
     assert not r.state.forced_dry_run
+    assert not r.state.scope_latches
 
 
 def test_dry_run_emits_intents_marked_dry_and_advances_the_timeline() -> None:
@@ -763,7 +870,7 @@ def test_report_only_gpu_and_non_actionable_findings_are_refused_with_reason() -
 
 
 def test_protected_target_is_refused_once_and_never_signalled() -> None:
-    p = proc(comm="nv-hostengine", exe="/usr/bin/nv-hostengine")
+    p = proc(comm="nv-hostengine", exe="/usr/bin/nv-hostengine", **ROOT)
     f = orphan(p)
     state = PlanState()
     for now in (0.0, 5.0, 10.0):
@@ -943,6 +1050,68 @@ def test_reset_circuit_breaker_opens_after_consecutive_failures_until_cleared() 
     assert len(resets(r)) == 1
 
 
+def _with_memory(allocated: int) -> GpuInfo:
+    memory = GpuMemory(total=80 << 30, free=None, reserved=512 * MIB, allocated=allocated)
+    return replace(gpu(), memory=memory)
+
+
+def test_in_use_is_refused_not_failed_and_holds_the_incident_until_memory_changes() -> None:
+    """nvidia-smi's "In use by another client" after a clear final scan: a hidden holder. No
+    failure, no breaker, no on_failure; the GPU gets a hidden-holder verdict and its incident
+    is not tried again (with its drain and before hooks) until something changes."""
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10, max_failures=1))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol, gpus=[_with_memory(10 << 30)])
+    (intent,) = resets(r)
+    out = record_reset(r.state, intent, "in_use", now=0.0, wall=WALL)
+    assert hooks(out) == []
+    assert out.state.reset_failures == 0
+    assert out.state.reset_history == ()
+    refused = event(out, EventName.RESET_REFUSED)
+    assert refused["hidden_holder"] is True
+    assert hidden_holders(out.state)[GPU0]["gap"] == "driver_in_use"
+    state = out.state
+    for t in (10.0, 3600.0, 7200.0):  # no cooldown here: the incident itself is held
+        r = _reset_run([g], state, t, pol=pol, gpus=[_with_memory(10 << 30)])
+        assert resets(r) == []
+        assert EventName.RESET_CIRCUIT_OPEN not in names(r)
+        state = r.state
+    assert state.reset_refusals[GPU0].allocated == 10 << 30
+    r = _reset_run([g], state, 7300.0, pol=pol, gpus=[_with_memory(6 << 30)])
+    assert event(r, EventName.RESET_REFUSAL_CLEARED)["gpu"] == GPU0
+    assert len(resets(r)) == 1
+
+
+@pytest.mark.parametrize("outcome", ["refused", "in_use"])
+def test_a_refused_incident_is_tried_again_only_when_it_ends_or_an_admin_or_reload_says(
+    outcome: str,
+) -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol)
+    state = record_reset(r.state, resets(r)[0], outcome, now=0.0, wall=WALL).state
+    r = _reset_run([g], state, 100.0, pol=pol)
+    assert resets(r) == []
+    assert "a reset for this incident was refused" in str(event(r, EventName.RESET_REFUSED)["why"])
+    # The admin's switch, a reload, the incident's end or a reboot each let it be tried again.
+    assert len(resets(_reset_run([g], clear_circuit(r.state), 101.0, pol=pol))) == 1
+    assert len(resets(_reset_run([g], forget_reset_refusals(r.state), 101.0, pol=pol))) == 1
+    gone = _reset_run([], r.state, 101.0, pol=pol)
+    assert gone.state.reset_refusals == {}
+    back = _reset_run([g], gone.state, 102.0, pol=pol)
+    assert len(resets(back)) == 1
+    rebooted = run([g], snap(boot_id="boot-b"), r.state, pol, now=1.0)
+    assert len(resets(rebooted)) == 1
+
+
+def test_a_refusal_survives_a_restart() -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    r = _reset_run([ghost()], PlanState(), 0.0, pol=pol)
+    state = record_reset(r.state, resets(r)[0], "in_use", now=0.0, wall=WALL).state
+    state = PlanState.from_json(json.loads(json.dumps(state.to_json())))
+    assert resets(_reset_run([ghost()], state, 100.0, pol=pol)) == []
+
+
 def test_reset_success_clears_the_consecutive_failure_count() -> None:
     pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10, max_failures=2))
     state = PlanState()
@@ -1031,7 +1200,7 @@ def test_nvlink_gate_only_blocks_known_group_resets(
 
 
 def test_reset_not_blocked_by_infrastructure_or_our_own_worker_in_the_plan() -> None:
-    persistenced = proc(3001, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced")
+    persistenced = proc(3001, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", **ROOT)
     holders = {
         3001: DeviceHolding(3001, frozenset({0})),
         4242: DeviceHolding(4242, frozenset({0})),  # the daemon's own NVML worker

@@ -95,7 +95,13 @@ POLICY = Policy(
         Rule("stuck", FindingKind.STUCK, (Step(None, 0.0),)),
     ),
     protect=Protect(users=("alice",)),
-    limits=Limits(max_signalled_per_poll=2, max_signalled_per_hour=4, post_action_delay=3.0),
+    limits=Limits(
+        max_signalled_per_poll=2,
+        max_signalled_per_hour=4,
+        node_max_signalled_per_hour=6,
+        kill_cap_latch=600.0,
+        post_action_delay=3.0,
+    ),
     reset=ResetPolicy(
         confirm_for=10.0, cooldown=20.0, max_resets=2, window=200.0, max_failures=2,
         drain=(Hook(("drain-node",)),),
@@ -106,12 +112,15 @@ HEALTH = (FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.D
 
 
 def is_floor_or_protected(p: ProcessInfo) -> bool:
+    """The oracle: never signalled. A floor name counts only from root (uid 0) whose program
+    is not known to be a user's: trusted, it is infrastructure; unread, it is unknown. A
+    user's process in a login session that calls itself so is a look-alike: a fair target."""
     floor_comms = {n[:15] for n in FLOOR_PROCESS_NAMES}
+    claims = bool(p.names & FLOOR_PROCESS_NAMES) or (p.comm or "") in floor_comms
     return (
         p.pid <= 2
         or p.pid == SELF_PID
-        or bool(p.names & FLOOR_PROCESS_NAMES)
-        or (p.comm or "") in floor_comms
+        or (claims and p.uid == 0 and p.exe_trusted is not False)
         or p.user in (None, "alice")
     )
 
@@ -129,10 +138,14 @@ class EscalationMachine(RuleBasedStateMachine):
         self.procs: dict[int, ProcessInfo] = {}
         self.findings: dict[int, FindingKind] = {}
         self.ghosts: set[str] = set()
+        # Incidents whose real reset was refused (final scan, hooks, the driver's "in use"):
+        # never reset again (drain and before hooks at most once) until the incident ends.
+        self.refused_incidents: set[str] = set()
         self.in_flight: ResetIntent | None = None
         # Oracles, in the model's own time (monotonic; the wall clock only ever steps back).
         self.real_steps: dict[str, int] = {}
         self.first_signalled: dict[str, float] = {}
+        self.signalled_uid: dict[str, int | None] = {}  # whose cap a target counted against
         self.resets_done: list[tuple[str, float]] = []
         self.polls = 0
         self.health: dict[str, FindingKind] = {}  # GPU → its health finding
@@ -149,9 +162,19 @@ class EscalationMachine(RuleBasedStateMachine):
         user=st.sampled_from(USERS),
         kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
         job=st.booleans(),
+        root=st.booleans(),
+        exe_trusted=st.sampled_from((True, False, None)),
     )
     def spawn(
-        self, slot: int, name: str, user: str | None, kind: FindingKind | None, job: bool
+        self,
+        slot: int,
+        name: str,
+        user: str | None,
+        kind: FindingKind | None,
+        job: bool,
+        *,
+        root: bool = False,
+        exe_trusted: bool | None = None,
     ) -> None:
         if slot in self.procs:
             return
@@ -163,11 +186,12 @@ class EscalationMachine(RuleBasedStateMachine):
             ppid=1,
             pgid=slot,
             sid=slot,
-            uid=1000,
+            uid=0 if root else 1000,
             user=user,
             comm=name,
             cmdline=(name, "job.py"),
             cgroup=CgroupInfo("/user.slice/session-3.scope"),
+            exe_trusted=exe_trusted,
         )
         if kind is not None:
             self.set_finding(slot, kind)
@@ -267,6 +291,8 @@ class EscalationMachine(RuleBasedStateMachine):
             self.in_flight = None
             self.real_steps.clear()
             self.first_signalled.clear()
+            self.signalled_uid.clear()
+            self.refused_incidents.clear()
 
     @rule(what=st.sampled_from(["pause", "resume", "clear_kill_cap", "clear_circuit", "restart"]))
     def admin(self, what: str) -> None:
@@ -277,11 +303,12 @@ class EscalationMachine(RuleBasedStateMachine):
             self.state = clear_forced_dry_run(self.state)
         elif what == "clear_circuit":
             self.state = clear_circuit(self.state)
+            self.refused_incidents.clear()
         else:
             self.state = PlanState.from_json(json.loads(json.dumps(self.state.to_json())))
 
     @precondition(lambda self: self.in_flight is not None)
-    @rule(outcome=st.sampled_from(["success", "failed", "timeout", "refused", "dry_run"]))
+    @rule(outcome=st.sampled_from(["success", "failed", "timeout", "refused", "in_use", "dry_run"]))
     def finish_reset(self, outcome: str) -> None:
         intent = self.in_flight
         assert intent is not None
@@ -292,6 +319,9 @@ class EscalationMachine(RuleBasedStateMachine):
         result = record_reset(self.state, intent, outcome, now=self.mono, wall=self.wall)
         self.state = result.state
         self.in_flight = None
+        if outcome in ("refused", "in_use"):
+            self.refused_incidents.add(intent.finding_key)
+            assert not [i for i in result.intents if isinstance(i, HookIntent)], "not a failure"
         if outcome in ("success", "failed", "timeout"):
             self.resets_done.append((intent.gpu, self.clock))
         if outcome == "success":
@@ -368,14 +398,17 @@ class EscalationMachine(RuleBasedStateMachine):
                 # which may start again from step 1.
                 self.real_steps.pop(f"{pid}@{p.start_ticks}", None)
         findings, snapshot = self._snapshot()
+        self.refused_incidents &= {f.key for f in findings}  # an incident that ended is over
         result = plan(findings, snapshot, self.state, self.policy, now=self.mono, wall=self.wall)
         self.state = result.state
         self.polls += 1
-        new_this_poll = 0
+        new_this_poll: dict[int | None, int] = {}  # uid -> identities first signalled
         for intent in result.intents:
             if isinstance(intent, SignalIntent):
                 assert intent.identity.pid in self.findings, "a signal for a health finding"
-                new_this_poll += self._check_and_deliver(intent, kill_works, term_works)
+                uid = self.procs[intent.identity.pid].uid
+                new = self._check_and_deliver(intent, kill_works, term_works)
+                new_this_poll[uid] = new_this_poll.get(uid, 0) + new
             elif isinstance(intent, ResetIntent):
                 self._check_reset(intent, findings)
             elif intent.hook == "reset_drain":
@@ -386,7 +419,7 @@ class EscalationMachine(RuleBasedStateMachine):
                 gpu = str(intent.facts.get("gpu"))
                 self.timeouts[gpu] = self.timeouts.get(gpu, 0) + 1
                 assert self.timeouts[gpu] == 1, "on_failure twice for one drain wait"
-        assert new_this_poll <= self.policy.limits.max_signalled_per_poll
+        assert all(n <= self.policy.limits.max_signalled_per_poll for n in new_this_poll.values())
         self._check_health_waits()
 
     def _check_health_waits(self) -> None:
@@ -425,9 +458,12 @@ class EscalationMachine(RuleBasedStateMachine):
             self.real_steps[key] = intent.step
             if key not in self.first_signalled:
                 self.first_signalled[key] = self.mono
+                self.signalled_uid[key] = p.uid
                 new = 1
-            hour = [t for t in self.first_signalled.values() if self.mono - t < 3600.0]
-            assert len(hour) <= self.policy.limits.max_signalled_per_hour
+            hour = [k for k, t in self.first_signalled.items() if self.mono - t < 3600.0]
+            assert len(hour) <= self.policy.limits.node_max_signalled_per_hour
+            mine = [k for k in hour if self.signalled_uid.get(k) == p.uid]
+            assert len(mine) <= self.policy.limits.max_signalled_per_hour
         outcome = "dry_run" if intent.dry_run else "delivered"
         self.state = record_signal(self.state, intent, outcome, now=self.mono).state
         dies = (intent.signal == "SIGKILL" and kill_works) or term_works
@@ -450,6 +486,7 @@ class EscalationMachine(RuleBasedStateMachine):
         ]
         assert holders == [], holders
         if not intent.dry_run:
+            assert intent.finding_key not in self.refused_incidents, "a refused incident again"
             window = self.policy.reset.window
             recent = [t for g, t in self.resets_done if g == intent.gpu and self.clock - t < window]
             assert len(recent) < self.policy.reset.max_resets

@@ -530,6 +530,10 @@ def test_text_lists_findings_with_their_reasons_under_their_gpu() -> None:
     assert "gpu" in ghost.split()
     assert "696 MiB" in ghost
     assert "for 10m" in ghost
+    # Ghost memory is "no holder that /proc shows": the text says what no walk can see.
+    (unseen,) = lines_with(text, "nobody that /proc shows holds it")
+    assert text.index(unseen) > text.index(ghost)
+    assert lines_with(text, "(SCM_RIGHTS)")
     (dead,) = lines_with(text, "NVML lists pid 1999")
     assert "report only" in dead
     # findings come after their own GPU's header and before the next GPU's

@@ -348,11 +348,16 @@ def test_a_state_file_that_cannot_be_written_stops_the_reset_before_it_starts(
 # --- the reset command's result ---------------------------------------------------------------
 
 
-def test_in_use_by_another_client_fails_with_the_reason_and_restores(smi: FakeSmi) -> None:
+def test_in_use_by_another_client_is_a_hidden_holder_refused_not_failed(smi: FakeSmi) -> None:
+    """nvidia-smi exit 255 "In use by another client" after a clear final scan: the driver's
+    proof of a holder no scan saw. Refused (``in_use``), never ``failed``: nothing was reset,
+    the reason names the gap, and everything is restored."""
     smi.set(reset="in_use")
     env = FakeEnvironment(smi)
     outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
-    assert outcome.result == "failed"
+    assert outcome.result == "in_use"
+    assert "unix-socket message" in outcome.reason
+    assert env.finished()[0] == "warning"
     assert outcome.step is S.RESET
     assert not outcome.needs_reboot
     assert "in use by another client" in outcome.reason
@@ -361,7 +366,7 @@ def test_in_use_by_another_client_fails_with_the_reason_and_restores(smi: FakeSm
     assert outcome.command.returncode == 255
     assert smi.calls() == [DRAIN, BEFORE, PM_OFF, RESET, PM_ON, AFTER], "no health check"
     assert "memory" not in env.calls
-    assert smi.entries()[-1]["env"]["GPUWATCHD_RESULT"] == "failed"
+    assert smi.entries()[-1]["env"]["GPUWATCHD_RESULT"] == "in_use"
 
 
 def test_a_gpu_that_fell_off_the_bus_needs_a_reboot(smi: FakeSmi) -> None:
@@ -506,10 +511,10 @@ def result_of(
     ("command", "result", "needs_reboot", "message"),
     [
         (result_of(0, "GPU x was successfully reset."), "success", False, "successfully reset"),
-        (result_of(255, "GPU x: In use by another client"), "failed", False, "in use"),
+        (result_of(255, "GPU x: In use by another client"), "in_use", False, "in use"),
         (
             result_of(255, "GPU x is currently in use by another process."),
-            "failed",
+            "in_use",
             False,
             "in use",
         ),
@@ -710,7 +715,7 @@ def test_an_injected_runners_results_are_read_like_real_ones(smi: FakeSmi) -> No
     outcome = perform_reset(
         TARGET, symbolic_policy(), FakeEnvironment(smi), dry_run=False, runner=runner
     )
-    assert outcome.result == "failed"
+    assert outcome.result == "in_use"
     assert "in use by another client" in outcome.reason
     assert runner.argvs()[-2:] == [["nvidia-smi", *PM_ON], ["after-hook", "0"]]
 

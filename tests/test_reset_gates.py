@@ -15,6 +15,7 @@ from gpuwatchd.decide.plan import (
     EventName,
     PlanState,
     ResetIntent,
+    forget_reset_refusals,
     next_deadline,
     plan,
     record_exit,
@@ -287,14 +288,19 @@ def test_a_booked_reset_keeps_its_gpu_quiet_for_the_post_action_delay(
     assert loose.state.quiet_until == {}
 
 
-@pytest.mark.parametrize("outcome", ["success", "failed", "timeout", "refused"])
+@pytest.mark.parametrize("outcome", ["success", "failed", "timeout", "refused", "in_use"])
 def test_a_reset_attempt_starts_the_cooldown_of_its_gpu(outcome: str) -> None:
+    """Also a refused one: once its incident may be tried again (here: a reload forgot the
+    refusal), the cooldown still holds the next attempt."""
     pol = _policy(reset=replace(
         _policy().reset, confirm_for=0.0, cooldown=600.0, max_resets=5, max_failures=5
     ))  # fmt: skip
     result = _plan([_ghost()], _idle_host(), PlanState(), pol, 0.0)
     (intent,) = _resets(result)
     state = record_reset(result.state, intent, outcome, now=1.0, wall=WALL + 1.0).state
+    if outcome in ("refused", "in_use"):
+        assert set(state.reset_refusals) == {GPU0}
+        state = forget_reset_refusals(state)
     again = _plan([_ghost()], _idle_host(), state, pol, 300.0)
     assert _resets(again) == []
     assert "cooldown" in _whys(again, EventName.RESET_REFUSED)

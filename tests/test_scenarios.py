@@ -136,6 +136,24 @@ def test_reset_blocked_hidden_holder() -> None:
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
 
 
+def test_reset_refused_in_use() -> None:
+    """The driver's "in use" is a hidden holder: refused, not failed; a finding names the gap;
+    the drain hook is not run again for the incident until the memory changes."""
+    r = run("reset-refused-in-use")
+    assert [(t, result) for t, _, result in r.resets()] == [(60.0, "in_use"), (660.0, "success")]
+    assert r.entries("reset.failed") == []
+    assert r.entries("hook.run") == []  # no on_failure: nothing failed
+    hidden = [e for e in r.entries("finding.new") if e.fields["kind"] == "hidden_holder"]
+    assert [(e.t, e.fields["pid"], e.fields["actionable"]) for e in hidden] == [(65.0, None, False)]
+    assert "unix-socket message" in str(hidden[0].fields["reason"])
+    drains = [e.t for e in r.entries("reset.step") if e.fields["step"] == "drain"]
+    assert drains == [60.0, 660.0]  # once for the refused attempt, once after the change
+    [cleared] = r.entries("reset.refusal_cleared")
+    assert cleared.t == 480.0
+    assert "allocated memory changed" in str(cleared.fields["why"])
+    assert r.final["open_findings"] == []
+
+
 def test_reset_fails_drain() -> None:
     r = run("reset-fails-drain")
     assert [result for _, _, result in r.resets()] == ["failed"]

@@ -207,7 +207,7 @@ def ghost(result: str = "success", dry: str = "false") -> str:
     [
         ("success", "success", 60.0, False, "successfully reset"),
         ("fail", "failed", 60.0, False, "exit 255: nvidia-smi reported an error"),
-        ("in_use", "failed", 60.0, False, "exit 255: GPU in use by another client"),
+        ("in_use", "in_use", 60.0, False, "the driver says the GPU is in use by another client"),
         ("hang", "timeout", 150.0, False, "did not finish within 90.0s"),
         ("fell_off_bus", "failed", 60.0, True, "exit 15: GPU has fallen off the bus"),
     ],

@@ -325,9 +325,18 @@ def test_signals_in_the_last_hour_are_counted_against_the_cap() -> None:
     )
     result = run_describe(saved(plan=plan))
     assert result["kill_cap"]["signalled_last_hour"] == 2
-    assert "kill cap: not latched; 2 of 64 processes signalled in the last hour" in render_text(
+    assert "kill cap: not latched; 2 of 256 processes signalled in the last hour" in render_text(
         result
     )
+
+
+def test_a_users_kill_cap_latch_is_shown_and_needs_attention() -> None:
+    plan = plan_json(scope_latches={"uid:1001": {"reason": "more than 16", "since": NOW - 60}})
+    result = run_describe(saved(plan=plan))
+    assert result["kill_cap"]["users_latched"] == ["uid:1001"]
+    text = render_text(result)
+    assert "latched for uid:1001" in text
+    assert "kill cap reached for uid:1001" in text
 
 
 # --- actions and resets -------------------------------------------------------------------------

@@ -50,10 +50,17 @@ code  meaning                                result       needs reboot
 6     GPU not found                          failed       no
 9     driver not loaded                      failed       no
 15    GPU fell off the bus / inaccessible    failed       **yes**
-255   "In use by another client" or other    failed       no
+255   "In use by another client"             in_use       no
+255   any other error                        failed       no
 —     no exit within ``reset.timeout``       timeout      only if unkillable
 —     could not be started                   failed       no
 ====  =====================================  ===========  ============
+
+``in_use`` is the driver's own proof of a holder the final scan did not see (a file
+descriptor in flight in a unix-socket message, a holder in another PID namespace or VM, a
+thread whose table could not be read): the reset was refused, not failed. Nothing was reset;
+plan books it without the circuit breaker and holds further resets of that GPU
+(docs/reset.md).
 
 A health check that fails after a reset that exited 0 also means *needs reboot*: NVIDIA
 recommends power-cycling a GPU that is unhealthy after a reset. A custom ``reset.command``
@@ -64,7 +71,7 @@ record. It does run the read-only final holder scan, so the admin sees whether a
 would be refused. The outcome's result is then ``dry_run``. The resume rules after a crash are
 in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins.
 
-This module is long (about 770 lines) because the procedure, its undo and its resumption after
+This module is long (about 800 lines) because the procedure, its undo and its resumption after
 a crash share one record format and one table of steps: kept together, a new step is one change.
 """
 
@@ -133,7 +140,8 @@ class ResetOutcome:
     """How a reset ended.
 
     ``result`` is ``success``, ``failed``, ``refused`` (stopped before the reset command ran,
-    and undone), ``timeout`` (the reset command missed its deadline) or ``dry_run``. ``step``
+    and undone), ``in_use`` (the driver refused: a holder no scan found), ``timeout`` (the
+    reset command missed its deadline) or ``dry_run``. ``step``
     is where it ended (``done`` when it went all the way). ``blockers`` are the final scan's
     reasons. ``command`` is the reset command's result when it ran.
     """
@@ -216,6 +224,11 @@ _EXIT_MEANINGS = {
     15: "GPU has fallen off the bus or is inaccessible",
 }
 _IN_USE_MARKERS = ("in use by another client", "currently in use", "being used by")
+IN_USE_REASON = (
+    "exit 255: the driver says the GPU is in use by another client, which the final holder "
+    "scan did not see (a hidden holder: a file descriptor in flight in a unix-socket message, "
+    "a holder in another PID namespace or a VM, or a thread whose files could not be read)"
+)
 
 
 def _fold(output: str) -> str:
@@ -273,7 +286,7 @@ def interpret_reset_exit(result: CommandResult) -> tuple[str, bool, str]:
     if code == 255:
         lowered = result.output.lower()
         if any(marker in lowered for marker in _IN_USE_MARKERS):
-            return "failed", False, "exit 255: GPU in use by another client" + output
+            return "in_use", False, IN_USE_REASON + output
         return "failed", False, "exit 255: nvidia-smi reported an error" + output
     meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
     return "failed", False, f"exit {code}: {meaning}" + output
@@ -480,7 +493,8 @@ class _Procedure:
             reason = f"{reason}; " + "; ".join(self.notes)
         self.result = result
         self.begin(ResetStep.DONE)
-        level = {"success": "info", "dry_run": "info", "refused": "warning"}.get(result, "error")
+        levels = {"success": "info", "dry_run": "info", "refused": "warning", "in_use": "warning"}
+        level = levels.get(result, "error")
         if needs_reboot:
             level = "critical"
         self.env.emit(

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
-from gpuwatchd.decide.plan import reset_gates
+from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
 from gpuwatchd.escape import escape
@@ -97,6 +97,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
         exe=_opt_str(entry, "exe"),
         cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
         cgroup=cgroup,
+        exe_trusted=trusted if isinstance(trusted := entry.get("exe_trusted"), bool) else None,
     )
 
 
@@ -369,38 +370,44 @@ def daemon_view(report: Mapping[str, object]) -> DaemonView:
     )
 
 
-def kill_cap_note(would_signal: int, daemon: DaemonView, limits: Limits) -> str | None:
+def kill_cap_note(
+    would_signal: int, daemon: DaemonView, limits: Limits, *, node_total: int | None = None
+) -> str | None:
     """The kill-cap line, only when a cap is reached or near; None when it is not, or unknown.
 
-    ``would_signal`` is how many findings of the report a rule would signal. The per-poll cap is
-    judged from them alone; the hourly one needs the daemon's count of the last hour.
+    ``would_signal`` is how many findings of the report a rule would signal for the one user
+    with the most of them (the per-user caps count one user's processes); ``node_total`` how
+    many for everyone (default: the same). The per-poll cap is judged from them alone; the
+    hourly ones need the daemon's count of the last hour, which is node-wide, so only the
+    node's hourly cap is judged from it.
     """
     hint = "`gpuwatchd resume --clear-latches` lifts it"
     if daemon.forced_dry_run:
         why = f" ({daemon.forced_reason})" if daemon.forced_reason else ""
         return f"kill cap: reached{why}; the daemon forced dry-run, nothing is sent; {hint}"
-    per_poll, per_hour = limits.max_signalled_per_poll, limits.max_signalled_per_hour
+    total_here = would_signal if node_total is None else node_total
+    per_poll, per_hour = limits.max_signalled_per_poll, limits.node_max_signalled_per_hour
     hour = daemon.signalled_last_hour
-    total = None if hour is None else hour + would_signal
+    total = None if hour is None else hour + total_here
     if would_signal > per_poll:
         return (
-            f"kill cap: {would_signal} findings here would be signalled; more than "
-            f"max_signalled_per_poll ({per_poll}) in one poll forces dry-run"
+            f"kill cap: {would_signal} findings of one user here would be signalled; more "
+            f"than max_signalled_per_poll ({per_poll}) in one poll forces dry-run for that user"
         )
     if total is not None and total > per_hour:
         return (
-            f"kill cap: {hour} processes signalled in the last hour plus {would_signal} here "
-            f"is more than max_signalled_per_hour ({per_hour}): dry-run would be forced"
+            f"kill cap: {hour} processes signalled in the last hour plus {total_here} here "
+            f"is more than node_max_signalled_per_hour ({per_hour}): dry-run would be forced"
         )
     if would_signal >= KILL_CAP_NEAR * per_poll:
         return (
-            f"kill cap near: {would_signal} findings here would be signalled; "
+            f"kill cap near: {would_signal} findings of one user here would be signalled; "
             f"max_signalled_per_poll is {per_poll}"
         )
     if total is not None and total >= KILL_CAP_NEAR * per_hour:
         return (
-            f"kill cap near: {hour} processes signalled in the last hour plus {would_signal} "
-            f"here; max_signalled_per_hour is {per_hour}"
+            f"kill cap near: {hour} processes signalled in the last hour plus {total_here} "
+            f"here; node_max_signalled_per_hour is {per_hour}"
         )
     return None
 
@@ -487,7 +494,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             stops.append(f"pause: the daemon is paused{reason}; `gpuwatchd resume` lifts it")
         item["stopped_by"] = stops
         items.append(item)
-    _note_limits(signalled, daemon, policy)
+    _note_limits(signalled, daemon, policy, snapshot)
     return {
         "time": now,
         "policy": list(policy.sources) or ["built-in defaults"],
@@ -497,12 +504,29 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
 
 
 def _note_limits(
-    signalled: list[tuple[dict[str, object], Finding]], daemon: DaemonView, policy: Policy
+    signalled: list[tuple[dict[str, object], Finding]],
+    daemon: DaemonView,
+    policy: Policy,
+    snapshot: Snapshot,
 ) -> None:
     """Add the kill-cap line (when near or reached) and the post-action delay (when another
     finding on the same GPU would be signalled too) to the findings a rule would signal. In
     dry-run the caps count nothing (nothing is sent); the delay still spaces the logged steps."""
-    note = None if policy.dry_run else kill_cap_note(len(signalled), daemon, policy.limits)
+    per_user: dict[str, int] = {}
+    for _, finding in signalled:
+        owner = snapshot.processes.get(finding.pid) if finding.pid is not None else None
+        scope = kill_cap_scope(owner)
+        per_user[scope] = per_user.get(scope, 0) + 1
+    note = (
+        None
+        if policy.dry_run
+        else kill_cap_note(
+            max(per_user.values(), default=0),
+            daemon,
+            policy.limits,
+            node_total=len(signalled),
+        )
+    )
     per_gpu: dict[str | None, int] = {}
     for _, finding in signalled:
         per_gpu[finding.gpu] = per_gpu.get(finding.gpu, 0) + 1

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument(
         "--clear-latches",
         action="store_true",
-        help="also clear the kill-cap dry-run latch and the reset circuit breaker",
+        help="also clear the kill-cap latches, the reset circuit breaker and refused resets",
     )
     status = sub.add_parser(
         "status",

@@ -368,6 +368,7 @@ def _process_facts(
             "sid": None,
             "comm": None,
             "exe": None,
+            "exe_trusted": None,
             "cmdline": None,
             "nspid": None,
             "cgroup": None,
@@ -387,6 +388,7 @@ def _process_facts(
         "sid": info.sid,
         "comm": info.comm,
         "exe": info.exe,
+        "exe_trusted": info.exe_trusted,
         "cmdline": None if info.cmdline is None else list(info.cmdline),
         "nspid": None if info.nspid is None else list(info.nspid),
         "cgroup": _cgroup_entry(info.cgroup),
@@ -759,7 +761,19 @@ def _finding_lines(
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
     lines.extend(_likely_heir_advice(findings, paint))
+    lines.extend(_unseen_note(findings))
     return lines
+
+
+def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
+    """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
+    if not any(_as_str(f.get("kind")) == "ghost_memory" for f in findings):
+        return []
+    return [
+        "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
+        "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
+        "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
+    ]
 
 
 def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:

@@ -236,7 +236,9 @@ def _scan_host(
         # What an epilog told the running daemon (run --once --ended-job): this scan judges
         # those jobs as the daemon does.
         if state_dir is not None:
-            collector.ended_by_scheduler = read_ended_jobs(state_dir, time.time()).jobs
+            collector.ended_by_scheduler = read_ended_jobs(
+                state_dir, time.time(), boot_id=procfs.boot_id()
+            ).jobs
         snapshot = collector.collect(full=view is None)
     finally:
         if own:

@@ -108,6 +108,7 @@ _PROCESS_KEYS = (
     "command",
     "comm",
     "exe",
+    "exe_trusted",
     "cgroup",
     "state",
     "holds",
@@ -123,6 +124,7 @@ _PROCESS_KEYS = (
 )
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 _HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
+_SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default
 
 
 class ScenarioError(Exception):
@@ -228,6 +230,7 @@ class ProcessSpec:
     subreaper: bool = False
     stops_for_reset: bool = False
     files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
+    exe_trusted: bool | None = None  # its program is root's (floor.py); None: cannot be read
     line: int = 0
 
 
@@ -611,6 +614,10 @@ class _Reader:
         command = self.command(get("command"), name)
         comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
         exe = self.string(n) if (n := get("exe")) is not None else None
+        if (n := get("exe_trusted")) is not None:
+            exe_trusted: bool | None = None if self.scalar(n) is None else self.boolean(n)
+        else:  # installed by the admin where programs are installed
+            exe_trusted = (exe or command[0]).startswith(_SYSTEM_PROGRAM_DIRS)
         cgroup = self.string(n) if (n := get("cgroup")) is not None else _default_cgroup(uid)
         if not cgroup.startswith("/"):
             raise self.fail(get("cgroup") or m, "a cgroup path starts with '/'")
@@ -652,6 +659,7 @@ class _Reader:
             subreaper=flags.get("subreaper", False),
             stops_for_reset=flags.get("stops_for_reset", False),
             files=self.choice(n, FILES) if (n := get("files")) is not None else None,
+            exe_trusted=exe_trusted,
             line=m.line,
         )
 

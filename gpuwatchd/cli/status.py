@@ -326,11 +326,15 @@ def _kill_cap(
         times = [clock.wall(_num(p[1])) for p in history if isinstance(p, list) and len(p) == 2]
         if all(t is not None for t in times):
             recent = sum(1 for t in times if t is not None and now_wall - t < HOUR)
+    scopes = plan.get("scope_latches")
+    users = sorted(str(k) for k in scopes) if isinstance(scopes, dict) else []
     return {
         "latched": latched,
         "reason": _str(plan.get("forced_reason")) if latched else None,
+        "users_latched": users[:64],
         "signalled_last_hour": recent,
-        "max_per_hour": policy.limits.max_signalled_per_hour,
+        "max_per_hour": policy.limits.node_max_signalled_per_hour,
+        "max_per_user_hour": policy.limits.max_signalled_per_hour,
         "max_per_poll": policy.limits.max_signalled_per_poll,
     }
 
@@ -495,6 +499,10 @@ def _attention(
     if kill_cap["latched"]:
         why = f" ({kill_cap['reason']})" if kill_cap["reason"] else ""
         out.append(f"kill cap reached{why}: dry-run forced; clear with `{CLEAR_LATCHES}`")
+    users = kill_cap.get("users_latched")
+    if isinstance(users, list) and users:
+        shown = ", ".join(escape(str(u)) for u in users)
+        out.append(f"kill cap reached for {shown}: their targets in dry-run until it expires")
     if breaker["open"]:
         failures = breaker["failures"]
         after = f" after {failures} failed reset(s)" if failures is not None else ""
@@ -657,6 +665,9 @@ def _latch_lines(result: Mapping[str, object]) -> list[str]:
     latched = cap.get("latched")
     state = "LATCHED: dry-run forced" if latched else ("not latched" if latched is False else None)
     lines = [f"kill cap: {_text(state)}{count}"]
+    users = cap.get("users_latched")
+    if isinstance(users, list) and users:
+        lines.append(f"          latched for {', '.join(escape(str(u)) for u in users)}")
     breaker = _map(result.get("circuit_breaker"))
     is_open = breaker.get("open")
     state = "OPEN: resets stopped" if is_open else ("closed" if is_open is False else None)

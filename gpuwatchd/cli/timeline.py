@@ -208,7 +208,16 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
         f"{_target(f, s)} is a zombie; its parent "
         f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it"
     ),
-    "limits.kill_cap_reached": lambda f, s: f"kill cap reached ({f.get('why')}): dry-run engaged",
+    "limits.kill_cap_reached": lambda f, s: (
+        f"kill cap reached ({f.get('why')}): dry-run engaged for "
+        + ("the whole node" if f.get("scope") == "node" else str(f.get("scope")))
+    ),
+    "limits.kill_cap_expired": lambda f, s: (
+        f"kill cap latch of {f.get('scope')} expired after {_num(f.get('lasted')):g}s"
+    ),
+    "reset.refusal_cleared": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: a refused reset may be tried again: {f.get('why')}"
+    ),
     "reset.confirming": lambda f, s: f"{s.gname(f.get('gpu'))}: ghost memory, {f.get('why')}",
     "reset.due": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: reset due" + (" [dry-run]" if f.get("dry_run") else "")

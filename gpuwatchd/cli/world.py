@@ -34,6 +34,7 @@ from gpuwatchd.model import (
 )
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
+SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
 
@@ -116,7 +117,9 @@ class World:
         self.contexts: list[_Context] = []
         self.leak_on_exit: set[str] = set()
         self.reset_results: list[str] = []
-        self.ticks = itertools.count(1_000_000, 100)
+        # Start ticks: the scenario's first processes get pid * 100 (below 4.2e8); processes
+        # started by events come after SAID_AT, when the scenario's `host.ended_jobs` was said.
+        self.ticks = itertools.count(SAID_AT, 100)
         for spec in scenario.processes:
             self.start(spec, at=0.0, initial=True)
 
@@ -297,9 +300,10 @@ class World:
             uid=spec.uid,
             user=spec.user,
             comm=spec.comm,
-            exe=None if zombie else spec.exe,
+            exe=None if zombie else spec.exe or spec.command[0],
             cmdline=() if zombie else spec.command,
             cgroup=parse_cgroup(f"0::{spec.cgroup}\n"),
+            exe_trusted=None if zombie else spec.exe_trusted,
         )
 
     def processes(self) -> dict[int, ProcessInfo]:
@@ -421,7 +425,7 @@ class World:
             pid_max=host.pid_max,
             host_namespaces=host.host_namespaces,
             mps_server_running=host.mps_server_running,
-            ended_jobs=host.ended_jobs,
+            handovers=dict.fromkeys(sorted(host.ended_jobs), SAID_AT),
             absent_pids=self.absent_pids(),
             file_sharing=self.file_sharing(),
         )

@@ -131,6 +131,7 @@ def _read_path(path: str) -> _Reading:
         slurm_job=slurm_job,
         slurm_step=slurm_step,
         systemd_unit=unit,
+        slurm_job_dir=None if slurm_index is None else "/" + "/".join(parts[: slurm_index + 1]),
     )
     return _Reading(info, slurm_index)
 
@@ -147,13 +148,9 @@ def slurm_job_dir(path: str) -> str | None:
     """The Slurm job's own cgroup (``…/slurmstepd.scope/job_<ID>``) above ``path``, if any. Pure.
 
     None unless :func:`classify_cgroup_path` finds a Slurm job in ``path``: the two never
-    disagree about which part is the job.
+    disagree about which part is the job (it is ``CgroupInfo.slurm_job_dir``).
     """
-    reading = _read_path(path)
-    if reading.slurm_job_index is None:
-        return None
-    parts = [p for p in path.split("/") if p]
-    return "/" + "/".join(parts[: reading.slurm_job_index + 1])
+    return _read_path(path).info.slurm_job_dir
 
 
 def parse_cgroup(text: str) -> CgroupInfo | None:

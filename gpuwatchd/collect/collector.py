@@ -30,15 +30,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
-from gpuwatchd.collect.jobs import ended_jobs
+from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
+from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
     FullScanState,
@@ -49,9 +50,8 @@ from gpuwatchd.decide.full_scan import (
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
 
-__all__ = ["MPS_SERVER_NAMES", "Collector", "listed_gpus", "listed_pids"]
+__all__ = ["Collector", "listed_gpus", "listed_pids"]
 
-MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 _MAX_ANCESTRY = 64
 
 _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
@@ -107,7 +107,8 @@ class Collector:
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
     _inheritance: InheritanceProbe | None = None
-    ended_by_scheduler: frozenset[str] = frozenset()  # run --once --ended-job (jobs.py)
+    # run --once --ended-job (jobs.py): job key -> when the scheduler said it ended (boot ticks)
+    ended_by_scheduler: Mapping[str, int | None] = field(default_factory=dict)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -171,6 +172,11 @@ class Collector:
             self._inheritance = InheritanceProbe(scanner, self.procfs.root)
         file_sharing = self._inheritance.compare(processes, holders, live_listed)
         lost_leaders = absent_leaders(self.procfs.root, processes, holding_pids)
+        jobs = judge_jobs(
+            (processes[pid] for pid in holding_pids if pid in processes),
+            self.cgroup_root,
+            self._stepd_identity,
+        )
 
         return Snapshot(
             monotonic=now,
@@ -182,15 +188,26 @@ class Collector:
             self_pids=self_pids,
             pid_max=self.procfs.pid_max(),
             host_namespaces=self.procfs.sees_host_namespaces() if self.namespace_check else True,
-            mps_server_running=any(p.names & MPS_SERVER_NAMES for p in processes.values()),
+            mps_server_running=any(mps_server(p) for p in processes.values()),
             nvidia_uvm_major=scanner.uvm_major(),
-            ended_jobs=ended_jobs(
-                (processes[pid] for pid in holding_pids if pid in processes), self.cgroup_root
-            )
-            | self.ended_by_scheduler,
+            ended_job_dirs=jobs.ended_dirs,
+            handovers=dict(self.ended_by_scheduler),
+            job_stepds=jobs.stepds,
             absent_pids=lost_leaders,
             file_sharing=file_sharing,
         )
+
+    def _stepd_identity(self, pid: int) -> tuple[int | None, bool | None] | None:
+        """(start ticks, root's trusted program?) of a process in a job's slurm cgroup."""
+        info = self.procfs.read_process(pid)
+        if info is None:
+            return None
+        if info.uid is not None and info.uid != 0:
+            return info.start_ticks, False
+        trusted = self.procfs.exe_trusted(pid, info.exe)
+        if info.uid is None:  # root's directory, owner unread: not known to be anything else
+            return info.start_ticks, False if trusted is False else None
+        return info.start_ticks, trusted
 
     @property
     def dead_listed(self) -> frozenset[int]:

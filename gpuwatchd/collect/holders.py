@@ -28,6 +28,22 @@ process, in one of two match modes:
   ``nvidia-uvm``. Tests can force device-number mode with real character devices by passing
   ``match_by_path=False`` and e.g. ``device_major=1`` (``/dev/null`` is 1:3, so "GPU 3").
 
+**Threads with a table of their own.** Threads normally share their process's file descriptor
+table, which ``/proc/PID/fd`` shows. A thread that called ``unshare(CLONE_FILES)`` has one of
+its own, visible only in ``/proc/PID/task/TID/fd``: a holder no plain walk sees. So for each
+process with more than one thread (``/proc/PID/task``'s link count is 2 + threads: one
+``stat``, no listing for the single-threaded majority), each thread is compared with the leader
+by ``kcmp(KCMP_FILES)`` (:mod:`gpuwatchd.collect.kcmp`: one syscall per thread) and only a
+thread whose table differs (or cannot be compared: no kcmp, no ptrace access) has its own fd
+directory read, once per distinct table.
+
+**What no walk of /proc can see.** A file descriptor in flight — sent in an ``SCM_RIGHTS``
+message over a unix socket and not yet received — belongs to no process's table until it is
+received: it holds the device open while every ``/proc/*/fd`` and ``task/*/fd`` says nothing.
+So does a holder in another PID namespace this ``/proc`` does not show. "No holder found" is
+therefore evidence, not proof: the driver's own refusal of a reset ("In use by another
+client") is the proof, and the reset procedure treats it so (docs/reset.md).
+
 "Unreadable": a process whose fd directory, fd links or maps could not be read (EACCES/EPERM,
 or anything else that is not "gone") is listed in ``HolderScan.unreadable``. That means
 *unknown*, never "holds nothing"; whatever was read before the failure is still reported. A
@@ -56,6 +72,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 
 from gpuwatchd.collect import spread
+from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import GONE_ERRNOS, ProcFS, read_proc_file
 from gpuwatchd.model import DeviceHolding, HolderScan
 
@@ -167,6 +184,7 @@ class HolderScanner:
         self._uvm_major = uvm_major
         self._uvm_major_read = uvm_major is not None
         self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
+        self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
 
     def uvm_major(self) -> int | None:
         """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
@@ -389,6 +407,8 @@ class HolderScanner:
         had_fds = had_maps = True
         try:
             had_fds = self._scan_fds(f"{base}/fd", found)
+            if not self._scan_thread_tables(pid, base, found):
+                unreadable = True
         except _Gone:
             return None, False
         except _Denied:
@@ -410,6 +430,39 @@ class HolderScanner:
             if fields.state == "Z" and fields.num_threads > 1 and not unreadable:
                 return self._scan_live_thread(pid, by_inode)
         return found, unreadable
+
+    def _scan_thread_tables(self, pid: int, base: str, found: _Found) -> bool:
+        """Add what threads with fd tables of their own hold; False when one could not be read.
+
+        Cheap for the usual process: one ``stat`` tells a single-threaded one (the link count
+        of ``task/`` is 2 + threads); a thread sharing the leader's table costs one kcmp.
+        """
+        try:
+            threads = os.stat(f"{base}/task").st_nlink - 2
+        except OSError as err:
+            raise _classify_error(err) from None
+        if threads <= 1:
+            return True
+        try:
+            tids = [int(name) for name in os.listdir(f"{base}/task") if name.isdigit()]
+        except OSError as err:
+            raise _classify_error(err) from None
+        if self._kcmp is None:
+            self._kcmp = Kcmp()
+        read = [pid]  # one thread per distinct table read so far
+        complete = True
+        for tid in tids:
+            if tid == pid or any(self._kcmp.same_files(tid, other) is True for other in read):
+                continue
+            try:
+                self._scan_fds(f"{base}/task/{tid}/fd", found)
+            except _Gone:
+                continue  # the thread ended
+            except _Denied:
+                complete = False
+                continue
+            read.append(tid)
+        return complete
 
     def _scan_live_thread(
         self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]

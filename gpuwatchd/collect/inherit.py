@@ -25,16 +25,14 @@ number of new pairs per poll are bounded.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import platform
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import structlog
 
 from gpuwatchd.collect.holders import HolderScanner, match_device_name
+from gpuwatchd.collect.kcmp import KCMP_FILE, Kcmp
 from gpuwatchd.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.vocabulary import EventName
 
@@ -42,46 +40,11 @@ log = structlog.get_logger()
 
 __all__ = ["KCMP_FILE", "InheritanceProbe", "Kcmp", "absent_leaders"]
 
-KCMP_FILE = 0  # <linux/kcmp.h>
-# kcmp's syscall number; the generic table (aarch64, riscv64, loongarch64) shares 272.
-_SYS_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "loongarch64": 272, "ppc64le": 354}
 _MAX_DEVICE_FDS = 64  # device fds compared per process; a CUDA process holds a few dozen
 _MAX_NEW_PAIRS = 64  # new holder/owner pairs compared per poll; the rest wait for the next
 _MAX_CACHE = 8192  # remembered answers; cleared when full (they are recomputed cheaply)
 _MAX_ANCESTORS = 64
 _RETRY_UNKNOWN_POLLS = 12  # an unknown answer (mappings only, a race) is asked again this late
-
-
-class Kcmp:
-    """``kcmp(KCMP_FILE)`` through libc's ``syscall``; :meth:`same_file` is None when unknown."""
-
-    def __init__(self, number: int | None = None) -> None:
-        self.number = _SYS_KCMP.get(platform.machine()) if number is None else number
-        self._syscall: Callable[..., int] | None = None
-        self.unavailable: str | None = None  # why kcmp cannot be used at all (ENOSYS, EPERM)
-        if self.number is None:
-            self.unavailable = f"no kcmp syscall number known for {platform.machine()}"
-            return
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._syscall = libc.syscall
-        except (OSError, AttributeError) as err:
-            self.unavailable = f"libc syscall() not found: {err}"
-
-    def same_file(self, pid1: int, fd1: int, pid2: int, fd2: int) -> bool | None:
-        """Whether fd1 of pid1 and fd2 of pid2 are one open file description; None = unknown."""
-        if self._syscall is None or self.unavailable is not None:
-            return None
-        args = (self.number or 0, pid1, pid2, KCMP_FILE, fd1, fd2)
-        result = self._syscall(*(ctypes.c_long(value) for value in args))
-        if result == 0:
-            return True
-        if result in (1, 2, 3):  # ordered unequal (1, 2), or unequal without an order (3)
-            return False
-        code = ctypes.get_errno()
-        if code in (errno.ENOSYS, errno.EPERM, errno.EACCES):
-            self.unavailable = os.strerror(code)  # the same for every later pair: stop asking
-        return None  # EBADF (closed meanwhile), ESRCH (gone): unknown for this pair
 
 
 class InheritanceProbe:

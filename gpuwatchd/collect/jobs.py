@@ -13,15 +13,33 @@ cgroups is left behind. Every other kind of job (Slurm on cgroup v1, pods, conta
 units) is never judged ended here: their runtimes either kill stragglers themselves (a
 container's processes die with its PID namespace) or keep the job's state where a daemon
 cannot read it cheaply, and unknown never triggers an action.
+
+A cgroup path is a name anyone who may create cgroups can choose, so the judgement is made
+**per job directory**, never per job id, and **only where the scheduler itself would have made
+the directory** (:func:`trusted_job_dir`): no user's delegated subtree (``user@UID.service``,
+``user.slice``, ``user-UID.slice``) on the way, and every directory from the hierarchy's root
+down to the job's owned by root and writable by neither group nor others — a directory a user
+made is theirs. A forged ``…/slurmstepd.scope/job_42`` with no step in it therefore ends
+nothing, least of all the real job 42. And no directory of a job counts as ended while a live
+``slurmstepd`` serves that job in any of its trusted directories.
+
+The scheduler's own word (``run --once --ended-job``, handed to a running daemon in the
+``ended-job-*`` files) says *when* it was given, in clock ticks since boot
+(:func:`boot_ticks_now`, the unit of a process's start time): ``assess`` applies it only to
+processes older than that, and never while a ``slurmstepd`` started after it (a requeued job
+with the same id) serves the job (:attr:`JobEvidence.stepds`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
-from gpuwatchd.collect.cgroups import parse_cgroup2_mount, slurm_job_dir
+from gpuwatchd.collect.cgroups import parse_cgroup2_mount
 from gpuwatchd.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
@@ -73,47 +91,128 @@ def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
     return parse_cgroup2_mount(os.fsdecode(raw))
 
 
-def slurm_job_ended(job_dir: str) -> bool | None:
-    """True when no step of the Slurm job at ``job_dir`` has a live slurmstepd.
+_MAX_STEPD_PIDS = 64  # processes of a step's slurm cgroup looked at; slurmstepd is one
+_PROCS_LIMIT = 64 * 1024
+_DELEGATED = re.compile(r"user\.slice|user-\d+\.slice|user@\d+\.service")
 
-    None (unknown) when the job's cgroup cannot be read or has no step at all: a job that is
-    only starting has no step yet, and a missing directory is not proof of anything.
+# (pid) -> (start ticks, whether it is root's trusted program: True, False or None = unknown)
+StepdIdentity = Callable[[int], "tuple[int | None, bool | None] | None"]
+
+
+def boot_ticks_now() -> int:
+    """Now, in the unit of ``/proc/PID/stat``'s start time: clock ticks since boot."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+@dataclass(frozen=True)
+class JobEvidence:
+    """What the scheduler's bookkeeping says this poll (see the module docstring).
+
+    ``ended_dirs``: job cgroup directories (paths as ``/proc/PID/cgroup`` spells them) judged
+    ended. ``stepds``: job key -> start ticks of the youngest live ``slurmstepd`` serving it
+    in a trusted directory (one not known to be anything else).
     """
+
+    ended_dirs: frozenset[str] = frozenset()
+    stepds: Mapping[str, int] = field(default_factory=dict)
+
+
+def _root_only(st: os.stat_result) -> bool:
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
+
+
+def trusted_job_dir(cgroup_root: str, job_dir: str) -> bool:
+    """Whether ``job_dir`` (a cgroup path) is where the scheduler, as root, made it: no user's
+    delegated subtree on the way, and every directory from the root of the hierarchy down to
+    it owned by root and writable by neither group nor others (not a symlink either)."""
+    parts = [p for p in job_dir.split("/") if p]
+    if not parts or any(_DELEGATED.fullmatch(p) for p in parts):
+        return False
+    path = cgroup_root.rstrip("/")
+    for part in parts:
+        path = f"{path}/{part}"
+        try:
+            if not _root_only(os.lstat(path)):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _step_procs(job_path: str) -> list[int] | None:
+    """The PIDs in the job's steps' ``slurm`` cgroups; None when the job has no step or its
+    directory cannot be read (a job only starting has no step yet: unknown, not ended)."""
     try:
-        steps = [entry.path for entry in os.scandir(job_dir) if entry.name.startswith("step_")]
+        steps = [entry.path for entry in os.scandir(job_path) if entry.name.startswith("step_")]
     except OSError:
         return None
     if not steps:
         return None
+    pids: list[int] = []
     for step in steps:
         try:
-            with open(os.path.join(step, "slurm", "cgroup.procs"), encoding="ascii") as handle:
-                if handle.read().strip():
-                    return False
+            with open(os.path.join(step, "slurm", "cgroup.procs"), "rb") as handle:
+                text = handle.read(_PROCS_LIMIT).decode("ascii", "replace")
         except FileNotFoundError:
             continue
         except OSError:
             return None
-    return True
+        pids.extend(int(n) for n in text.split()[:_MAX_STEPD_PIDS] if n.isdigit())
+    return pids
 
 
-def ended_jobs(processes: Iterable[ProcessInfo], cgroup_root: str | None) -> frozenset[str]:
-    """Job keys (``CgroupInfo.job_key``) of these processes whose job is known to have ended."""
+def slurm_job_ended(job_dir: str) -> bool | None:
+    """True when no step of the Slurm job at ``job_dir`` (a filesystem path) has a live
+    slurmstepd; None (unknown) when the job's cgroup cannot be read or has no step at all."""
+    pids = _step_procs(job_dir)
+    if pids is None:
+        return None
+    return not pids
+
+
+def judge_jobs(
+    processes: Iterable[ProcessInfo],
+    cgroup_root: str | None,
+    identify: StepdIdentity | None = None,
+) -> JobEvidence:
+    """The job directories of these processes that have ended, and the jobs' live stepds.
+
+    ``identify`` tells a PID's start ticks and whether it runs root's trusted program (None:
+    every live PID of a step's ``slurm`` cgroup counts as its slurmstepd, unknown start).
+    """
     if cgroup_root is None:
-        return frozenset()
-    ended: set[str] = set()
+        return JobEvidence()
+    candidates: dict[str, str] = {}  # ended-looking job dir -> job key
+    served: set[str] = set()  # job keys with a live slurmstepd in a trusted directory
+    stepds: dict[str, int] = {}
     judged: set[str] = set()
     for proc in processes:
         cgroup = proc.cgroup
         if cgroup is None or cgroup.slurm_job is None:
             continue
-        job_dir = slurm_job_dir(cgroup.path)
+        job_dir = cgroup.slurm_job_dir
         if job_dir is None or not job_dir.endswith(f"/job_{cgroup.slurm_job}"):
             continue
-        key = f"slurm:{cgroup.slurm_job}"
-        if key in judged:
+        if job_dir in judged:
             continue
-        judged.add(key)
-        if slurm_job_ended(cgroup_root.rstrip("/") + job_dir):
-            ended.add(key)
-    return frozenset(ended)
+        judged.add(job_dir)
+        if not trusted_job_dir(cgroup_root, job_dir):
+            continue  # a directory a user could have made: it says nothing
+        key = f"slurm:{cgroup.slurm_job}"
+        pids = _step_procs(cgroup_root.rstrip("/") + job_dir)
+        if pids is None:
+            continue
+        for pid in pids:
+            known = identify(pid) if identify is not None else (None, None)
+            if known is None:
+                continue  # gone since the listing
+            ticks, trusted = known
+            if trusted is False:
+                continue  # root's directory, but not root's program: not a slurmstepd
+            served.add(key)
+            if ticks is not None:
+                stepds[key] = max(stepds.get(key, ticks), ticks)
+        if not pids:
+            candidates[job_dir] = key
+    ended = frozenset(d for d, key in candidates.items() if key not in served)
+    return JobEvidence(ended_dirs=ended, stepds=stepds)

@@ -8,7 +8,10 @@ it could not see. The scan for holders of NVIDIA device files (fds and mappings)
 
 What is read, per process: ``stat`` (state, ppid, pgrp, session, flags, thread count, start time
 in clock ticks, and ``comm``, which the kernel keeps in the same buffer as ``/proc/PID/comm``),
-``status`` (effective uid, ``NSpid``), ``cmdline``, the ``exe`` link and ``cgroup``. Host-wide:
+``status`` (effective uid, ``NSpid``), ``cmdline``, the ``exe`` link and ``cgroup``. For a
+process that goes by an infrastructure name (``decide/floor.py``), also who owns its executable
+and the executable's directory (:meth:`ProcFS.exe_trusted`: two ``stat`` calls, so only for
+those few). Host-wide:
 ``sys/kernel/random/boot_id``, ``sys/kernel/pid_max``, ``devices`` and the ``ns`` links of
 ``self``. A process that vanishes mid-read is a normal outcome (``read_process`` returns None).
 
@@ -24,14 +27,17 @@ which forward to its :attr:`ProcFS.holders` scanner; ``parse_cgroup`` is re-expo
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pwd
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuwatchd.collect.cgroups import kernel_lines, parse_cgroup
+from gpuwatchd.decide.floor import claims_infrastructure
 from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
 if TYPE_CHECKING:
@@ -149,6 +155,11 @@ def _status_field(status: str, name: str) -> list[str]:
         return []
     end = status.find("\n", at + 1)
     return status[at + len(name) + 2 : None if end < 0 else end].split()
+
+
+def _root_only(st: os.stat_result) -> bool:
+    """Owned by root and writable by neither group nor others."""
+    return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _decode(raw: bytes) -> str:
@@ -381,7 +392,7 @@ class ProcFS:
                 return None
             if fields is not None and (again is None or again.starttime != fields.starttime):
                 return None
-        return ProcessInfo(
+        info = ProcessInfo(
             pid=pid,
             start_ticks=fields.starttime if fields else None,
             state=fields.state if fields else None,
@@ -396,6 +407,34 @@ class ProcFS:
             cgroup=cgroup,
             nspid=nspid,
             kernel_thread=kernel_thread,
+        )
+        if not kernel_thread and claims_infrastructure(info.names):
+            info = dataclasses.replace(info, exe_trusted=self.exe_trusted(pid, exe))
+        return info
+
+    def exe_trusted(self, pid: int, exe: str | None) -> bool | None:
+        """Whether the program ``pid`` runs is one only root can have put where it is.
+
+        True when the executable itself (``/proc/PID/exe`` followed: the running file, not
+        whatever now has its name) is a regular file owned by root and writable by neither
+        group nor others, and so is its directory, looked up in the process's own root (a
+        container's files are judged as the container sees them). False when either is not,
+        or the executable was deleted; None when it cannot be read (gone, or no privilege).
+        """
+        if exe is None:
+            return None
+        if exe.endswith(" (deleted)") or not exe.startswith("/"):
+            return False
+        try:
+            program = os.stat(f"{self.root}/{pid}/exe")
+            folder = os.stat(f"{self.root}/{pid}/root{os.path.dirname(exe)}")
+        except OSError:
+            return None
+        return (
+            stat.S_ISREG(program.st_mode)
+            and _root_only(program)
+            and stat.S_ISDIR(folder.st_mode)
+            and _root_only(folder)
         )
 
     def read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:

@@ -41,6 +41,7 @@ from gpuwatchd.decide.argv import (
     check_hook_command,
     check_one_gpu,
 )
+from gpuwatchd.decide.patterns import NotLinear, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
     Detection,
@@ -299,9 +300,17 @@ def _read_regex(node: Node) -> re.Pattern[str]:
     if len(pattern) > MAX_PATTERN:
         raise node.error(f"regular expression longer than {MAX_PATTERN} characters")
     try:
-        return re.compile(pattern)
+        compiled = re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as err:
         raise node.error(f"invalid regular expression {shown(pattern)}: {err}") from None
+    try:
+        check_linear(compiled)  # searched in hostile command lines: never by backtracking
+    except NotLinear as err:
+        raise node.error(
+            f"regular expression {shown(pattern)} cannot be matched in linear time: {err} "
+            "(command lines are chosen by users; see docs/policy.md#patterns)"
+        ) from None
+    return compiled
 
 
 def normalize_gpu_id(text: str) -> str:
@@ -567,6 +576,8 @@ SECTIONS: dict[str, Section] = {
             {
                 "max_signalled_per_poll": count(0, 1000),
                 "max_signalled_per_hour": count(0, 10000),
+                "node_max_signalled_per_hour": count(0, 100000),
+                "kill_cap_latch": duration("1m", "7d"),
                 "post_action_delay": duration(0, "1h"),
             },
         ),

@@ -13,7 +13,7 @@ evidence fields are documented in ``docs/findings.md``.
 
 Around it: ``host_view.py`` indexes the snapshot, ``assess_state.py`` owns what is carried
 between polls (lineage, owners, its JSON), ``baselines.py`` the idle-memory baselines. What is
-left here is one decision table — listings, holders, memory — and it is long (about 900 lines)
+left here is one decision table — listings, holders, memory — and it is long (about 950 lines)
 because the orphan rule and its neighbours (worker, hidden, stuck, unknown, the likely heir of
 a leak from before the daemon watched, the kcmp proof of inheritance) share one body of
 evidence: split, each half would have to recompute the other's.
@@ -187,11 +187,9 @@ class _Assessor:
         snapshot: Snapshot,
         previous: AssessState,
         detection: Detection,
-        ended_jobs: frozenset[str],
     ) -> None:
         self.host = HostView(snapshot)
         self.detection = detection
-        self.ended_jobs = ended_jobs
         host = self.host
         tracked = [host.procs[pid] for pid in host.holdings if pid in host.procs]
         tracked += [
@@ -487,15 +485,16 @@ class _Assessor:
         if proc.is_uninterruptible:
             return _Outcome("stuck", "uninterruptible sleep (D)")
         job = proc.cgroup.job_key if proc.cgroup is not None else None
-        job_ended = job is not None and job in self.ended_jobs
+        ended = job_ended(proc, host.snapshot)
+        job_ended_now = ended is not None
         abandoned = _Outcome(
             "hidden",
-            f"its job {job} has ended while it still holds the GPU",
+            f"its job {job} has ended while it still holds the GPU ({ended})",
             kind=FindingKind.ABANDONED,
-            evidence={"job": job},
+            evidence={"job": job, "ended_by": ended},
         )
         if pid in host.listed_alive:
-            if job_ended:
+            if job_ended_now:
                 abandoned.role = "context_owner"
                 return abandoned
             return _Outcome("context_owner", "owns a context (listed by NVML)")
@@ -511,7 +510,7 @@ class _Assessor:
                 return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
             if related is None:
                 unknown_links.append(f"PID {owner.pid}: {link}")
-        if job_ended:
+        if job_ended_now:
             return abandoned
         if not holding.uvm:
             return _Outcome(
@@ -813,6 +812,28 @@ class _Assessor:
             },
         )
 
+    def assess_driver_refusals(self, refused: Mapping[str, Mapping[str, object]]) -> None:
+        """A GPU whose reset the driver refused as in use while no scan saw a holder has a
+        hidden holder: the one finding that says what a /proc walk cannot see."""
+        for gpu in self.host.gpus:
+            evidence = refused.get(gpu.uuid)
+            if evidence is None:
+                continue
+            self.add(
+                FindingKind.HIDDEN_HOLDER,
+                gpu,
+                None,
+                None,
+                f"the driver refused to reset GPU {gpu.index}: in use by another client, yet no "
+                "holder scan found one. Something holds the GPU where no walk of /proc looks: a "
+                "file descriptor in flight in a unix-socket message (SCM_RIGHTS), a holder in "
+                "another PID namespace or a VM, or a thread whose files could not be read. No "
+                "reset of this GPU until its memory changes, the incident ends, the "
+                "configuration is reloaded or `gpuwatchd resume --clear-latches` is run",
+                informational=True,
+                evidence=dict(evidence),
+            )
+
     def result(self) -> Assessment:
         order = {gpu.uuid: gpu.index for gpu in self.host.gpus}
         findings = sorted(
@@ -836,23 +857,51 @@ class _Assessor:
         )
 
 
+def job_ended(proc: ProcessInfo, snapshot: Snapshot) -> str | None:
+    """Why ``proc``'s job is known to be over, or None (collect/jobs.py gathers the facts).
+
+    Its own job cgroup directory was judged ended at the scheduler's location (a directory
+    of the same job id elsewhere says nothing about this one); or the scheduler said the job
+    ended, *after* this process started, and no slurmstepd started since serves the job (a
+    requeued job with the same id). An unknown start time is never older than anything.
+    """
+    cgroup = proc.cgroup
+    job = cgroup.job_key if cgroup is not None else None
+    if cgroup is None or job is None:
+        return None
+    job_dir = cgroup.slurm_job_dir
+    if job_dir is not None and job_dir in snapshot.ended_job_dirs:
+        return f"no slurmstepd is left in {job_dir}"
+    said = snapshot.handovers.get(job)
+    if said is None or proc.start_ticks is None or proc.start_ticks >= said:
+        return None
+    stepd = snapshot.job_stepds.get(job)
+    if stepd is not None and stepd >= said:
+        return None  # a slurmstepd started after the word: the job id runs again (requeued)
+    return "the scheduler said so after it started"
+
+
 def assess(
     snapshot: Snapshot,
     previous: AssessState,
     detection: Detection,
-    ended_jobs: frozenset[str] | None = None,
+    *,
+    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
-    Pure: reads only its arguments. ``ended_jobs`` holds job keys (``CgroupInfo.job_key``) that
-    collection knows to have ended (default: ``snapshot.ended_jobs``); processes still living
-    in them are ``abandoned``.
+    ``driver_refused`` maps a GPU UUID to the evidence of a reset the driver refused as in
+    use while no scan saw a holder (``plan.hidden_holders``): each is a GPU-level
+    ``hidden_holder`` while plan keeps the refusal.
+
+    Pure: reads only its arguments. Processes whose job is known to be over
+    (:func:`job_ended`) are ``abandoned``.
     """
-    ended = snapshot.ended_jobs if ended_jobs is None else ended_jobs
-    assessor = _Assessor(snapshot, previous, detection, ended)
+    assessor = _Assessor(snapshot, previous, detection)
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
+    assessor.assess_driver_refusals(driver_refused or {})
     result = assessor.result()
     # GPU health (decide/health.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)

@@ -3,12 +3,22 @@
 This module owns two questions every layer asks and must answer the same way:
 
 * **Is this process infrastructure?** (:func:`infrastructure`) — init and kthreadd, kernel
-  threads, the NVIDIA and display services by name (``comm`` — which the kernel cuts to 15
-  characters — the executable's and argv[0]'s basenames) or by systemd unit / cgroup path
-  component. Infrastructure is never a finding, never a signal target, and does not count as a
-  live holder when plan weighs a reset; the reset procedure itself deals with it (persistence
-  mode off, ``before`` hooks), and its final scan still refuses while anything holds the GPU.
-  No configuration lowers this floor (docs/design-notes.md, section 10).
+  threads, and the NVIDIA and display services, recognised only by facts a user cannot forge
+  (docs/design-notes.md, section 10): the *resolved* executable (``/proc/PID/exe``, not comm
+  or argv[0]) is owned by root in a root-owned directory that neither group nor others may
+  write (``ProcessInfo.exe_trusted``), and the process runs as root or inside a system
+  service's cgroup (below ``system.slice``, not delegated to a user, not a container); or it
+  runs inside one of the infrastructure's systemd units in such a system cgroup. A user's
+  look-alike — a program named ``nvidia-cuda-mps-server``, a process that renamed itself, a
+  ``user@…/nvidia-dcgm.service`` of its own — is an ordinary process. Infrastructure is never
+  a finding, never a signal target, and does not count as a live holder when plan weighs a
+  reset; the reset procedure deals with it (persistence mode off, ``before`` hooks), and its
+  final scan still refuses while anything holds the GPU. No configuration lowers this floor.
+  A process that *claims* an infrastructure name whose identity cannot be read
+  (:func:`unverified_infrastructure`) is never signalled (unknown never leads to a kill) but
+  is otherwise an ordinary process: it counts as a holder and grants nothing.
+  :func:`mps_server` is the same test for the MPS server, whose presence makes the node
+  report-only.
 * **Who holds this GPU right now?** (:func:`live_holder` for plan's gate over a poll's
   snapshot, :func:`reset_blockers` for the final scan right before ``nvidia-smi --gpu-reset``,
   :func:`driver_refusers` for the report): any holder of the GPU's device file, a non-floor
@@ -24,61 +34,151 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
-from gpuwatchd.model import HolderScan, ProcessInfo
+from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
 __all__ = [
     "COMM_LENGTH",
+    "MPS_SERVER_NAMES",
+    "claims_infrastructure",
     "driver_refusers",
     "infrastructure",
     "is_infrastructure",
     "live_holder",
+    "mps_server",
     "reset_blockers",
+    "system_cgroup",
+    "trusted_identity",
+    "unverified_infrastructure",
 ]
 
 COMM_LENGTH = 15  # the kernel cuts comm to 15 characters
+MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
+# Where systemd's system manager puts system services; nothing below them is a user's.
+_SYSTEM_ROOTS = ("system.slice", "init.scope")
 
 
-def _floor_name(name: str) -> bool:
-    if name in FLOOR_PROCESS_NAMES:
+def _name_matches(name: str, names: frozenset[str]) -> bool:
+    if name in names:
         return True
     # "nvidia-persiste" is the kernel's cut of "nvidia-persistenced".
-    return len(name) == COMM_LENGTH and any(f.startswith(name) for f in FLOOR_PROCESS_NAMES)
+    return len(name) == COMM_LENGTH and any(f.startswith(name) for f in names)
 
 
-def _unit_parts(proc: ProcessInfo) -> Iterable[str]:
-    cgroup = proc.cgroup
+def claims_infrastructure(names: Iterable[str]) -> bool:
+    """Whether any of these names (comm, argv[0], the executable's) is an infrastructure name.
+
+    A claim is not an identity: collection reads the executable's ownership only for processes
+    that make one (the check costs two ``stat`` calls).
+    """
+    return any(_name_matches(name, FLOOR_PROCESS_NAMES) for name in names)
+
+
+def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
+    """Whether ``cgroup`` is a system service's: below ``system.slice`` or ``init.scope``, with
+    no user's delegated subtree (``user@UID.service``, ``user.slice``, ``user-UID.slice``) and
+    no container or pod on the way. Only root (systemd, a root daemon) can place a process
+    there. None when the cgroup is unknown."""
     if cgroup is None:
-        return ()
+        return None
     parts = [p for p in cgroup.path.split("/") if p]
-    if cgroup.systemd_unit is not None:
-        parts.append(cgroup.systemd_unit)
-    return parts
+    if not parts or parts[0] not in _SYSTEM_ROOTS:
+        return False
+    if cgroup.container_id is not None or cgroup.pod_uid is not None:
+        return False
+    return not any(
+        part == "user.slice"
+        or (part.startswith("user-") and part.endswith(".slice"))
+        or (part.startswith("user@") and part.endswith(".service"))
+        for part in parts
+    )
+
+
+def trusted_identity(proc: ProcessInfo) -> bool | None:
+    """Whether ``proc`` is something only root can have started as it is: a root-owned
+    executable in a root-owned directory (``exe_trusted``), run as root (uid 0) or inside a
+    system service's cgroup (:func:`system_cgroup`). None when a fact it needs is unknown."""
+    if proc.exe_trusted is False:
+        return False
+    system = system_cgroup(proc.cgroup)
+    if proc.uid == 0 or system is True:
+        return proc.exe_trusted  # True, or None (unknown)
+    if proc.uid is not None and system is False:
+        return False
+    return None
+
+
+def _trusted_name(proc: ProcessInfo, names: frozenset[str]) -> str | None:
+    """The infrastructure name ``proc`` may be believed to go by, or None.
+
+    The executable's basename counts for any trusted process; the other names (comm, argv[0])
+    only for root's: a service account may rename itself, root needs no disguise.
+    """
+    if trusted_identity(proc) is not True:
+        return None
+    exe = proc.exe_name
+    if exe is not None and exe in names:
+        return exe
+    if proc.uid == 0:
+        for name in sorted(proc.names):
+            if _name_matches(name, names):
+                return name
+    return None
+
+
+def _system_unit(proc: ProcessInfo) -> str | None:
+    """The infrastructure unit whose system cgroup ``proc`` runs in, or None."""
+    cgroup = proc.cgroup
+    if cgroup is None or system_cgroup(cgroup) is not True:
+        return None
+    parts = [p for p in cgroup.path.split("/") if p]
+    for part in parts:
+        for pattern in FLOOR_UNIT_PATTERNS:
+            if fnmatch.fnmatchcase(part, pattern):
+                return part
+    return None
 
 
 def infrastructure(proc: ProcessInfo) -> str | None:
     """Why ``proc`` is infrastructure that gpuwatchd never touches, or None.
 
-    By PID (init, kthreadd), kernel-thread flag, name (comm, exe and argv[0] basenames; a
-    15-character comm matches the longer name it is the kernel's cut of) or systemd unit /
-    cgroup path component (``nvidia-dcgm.service`` and friends).
+    By PID (init, kthreadd), kernel-thread flag, a trusted identity that goes by an
+    infrastructure name (see the module docstring), or an infrastructure systemd unit in a
+    system cgroup (``/system.slice/nvidia-dcgm.service`` and friends).
     """
     if proc.pid <= 2:
         return f"pid {proc.pid} is init or kthreadd"
     if proc.kernel_thread:
         return "kernel thread"
-    for name in sorted(proc.names):
-        if _floor_name(name):
-            return f"infrastructure process {name}"
-    for part in _unit_parts(proc):
-        for pattern in FLOOR_UNIT_PATTERNS:
-            if fnmatch.fnmatchcase(part, pattern):
-                return f"infrastructure unit {part}"
+    name = _trusted_name(proc, FLOOR_PROCESS_NAMES)
+    if name is not None:
+        return f"infrastructure process {name} (root-owned {proc.exe})"
+    unit = _system_unit(proc)
+    if unit is not None:
+        return f"infrastructure unit {unit}"
     return None
 
 
 def is_infrastructure(proc: ProcessInfo) -> bool:
     """:func:`infrastructure` as a predicate."""
     return infrastructure(proc) is not None
+
+
+def unverified_infrastructure(proc: ProcessInfo) -> str | None:
+    """Why ``proc`` may not be signalled although it is not known infrastructure: it goes by an
+    infrastructure name and its identity cannot be read (no executable link, its owner
+    unknown). None for infrastructure itself and for a look-alike known to be one."""
+    if is_infrastructure(proc) or not claims_infrastructure(proc.names):
+        return None
+    if trusted_identity(proc) is not None:
+        return None
+    claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+    return f"goes by {claimed[0]!r}, but whether it is that program cannot be read"
+
+
+def mps_server(proc: ProcessInfo) -> bool:
+    """Whether ``proc`` is a trusted MPS control daemon or server (see the module docstring).
+    A user's process of that name, or one whose identity cannot be read, is not."""
+    return _trusted_name(proc, MPS_SERVER_NAMES) is not None
 
 
 def live_holder(

@@ -1,10 +1,10 @@
 """The escalation state machine: findings + carried state + policy + time → intents and events.
 
 This module owns every decision about *acting*: per-target signal ladders (SIGTERM → wait →
-SIGKILL → wait → ended), confirmation windows, the post-action delay, the node-wide kill cap
-that forces dry-run, pause, and the GPU reset gates (confirmation, live holders, MIG, cooldown,
-count per window, circuit breaker, one reset in flight). The semantics are documented in
-``docs/escalation.md``.
+SIGKILL → wait → ended), confirmation windows, the post-action delay, the kill caps (per user
+and node-wide) whose latches force dry-run until they expire, pause, and the GPU reset gates
+(confirmation, live holders, MIG, a refused incident, cooldown, count per window, circuit
+breaker, one reset in flight). The semantics are documented in ``docs/escalation.md``.
 
 It is pure: no I/O, no clock reads, no logging. Time comes in as ``now`` (monotonic seconds,
 for deadlines) and ``wall`` (wall-clock seconds, only for reset limits that must survive a
@@ -18,7 +18,7 @@ The state it carries between polls, with that state's JSON form and validation, 
 floor, then ``protect``) is decided in ``targets.py``. Both are re-exported here, so callers can
 import everything from ``plan``.
 
-It is long (about 1,250 lines) because ladders, resets, the kill cap, pause and GPU health's
+It is long (about 1,400 lines) because ladders, resets, the kill cap, pause and GPU health's
 drain-then-reset share one scratch state per call (``_Work``), one set of deadlines and one set
 of reset gates: each decision reads what the others just decided in the same poll. Split, that
 state would have to be passed between modules. What GPU health *means* is
@@ -38,8 +38,10 @@ from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan_state import (
     HealthWait,
     Ladder,
+    Latch,
     PlanState,
     ResetInFlight,
+    ResetRefusal,
     SeenFinding,
 )
 from gpuwatchd.decide.policy import Policy
@@ -84,7 +86,10 @@ __all__ = [
     "SignalIntent",
     "clear_circuit",
     "clear_forced_dry_run",
+    "forget_reset_refusals",
     "gpu_protected",
+    "hidden_holders",
+    "kill_cap_scope",
     "next_deadline",
     "pending",
     "plan",
@@ -216,8 +221,11 @@ class _Work:
         self.last_dry_reset = dict(state.last_dry_reset)
         self.reset_history = list(state.reset_history)
         self.signal_history = list(state.signal_history)
+        self.signal_scopes = dict(state.signal_scopes)
+        self.scope_latches = dict(state.scope_latches)
         self.health_waits = dict(state.health_waits)
-        self.new_targets = 0
+        self.reset_refusals = dict(state.reset_refusals)
+        self.new_targets: dict[str, int] = {}  # scope -> targets first signalled this poll
         self.events: list[Event] = []
         self.intents: list[Intent] = []
         self.state = state
@@ -239,6 +247,12 @@ class _Work:
             self.last_reset = {g: t - step for g, t in self.last_reset.items()}
             self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
             self.reset_history = [(g, t - step) for g, t in self.reset_history]
+            self.scope_latches = {
+                k: replace(v, since=v.since - step) for k, v in self.scope_latches.items()
+            }
+            since = self.state.forced_since
+            if since is not None:
+                self.state = replace(self.state, forced_since=since - step)
             self.event(EventName.CLOCK_STEPPED_BACK, "warning", seconds=step, wall=wall)
         self.state = replace(self.state, last_wall=wall)
 
@@ -254,7 +268,12 @@ class _Work:
             last_dry_reset=self.last_dry_reset,
             reset_history=tuple(self.reset_history),
             signal_history=tuple(self.signal_history),
+            signal_scopes={
+                t: self.signal_scopes[t] for t, _ in self.signal_history if t in self.signal_scopes
+            },
+            scope_latches=self.scope_latches,
             health_waits=self.health_waits,
+            reset_refusals=self.reset_refusals,
         )
 
 
@@ -271,8 +290,19 @@ class _Ctx:
     blocked: str | None  # a node-wide reason no action may be taken this poll
 
 
-def _dry(w: _Work, ctx: _Ctx) -> bool:
-    return ctx.policy.dry_run or w.state.forced_dry_run
+def _dry(w: _Work, ctx: _Ctx, scope: str | None = None) -> bool:
+    """Whether intents are dry runs: by policy, the node's kill-cap latch, or (for a target's
+    signals) the latch of the user it belongs to."""
+    if ctx.policy.dry_run or w.state.forced_dry_run:
+        return True
+    return scope is not None and scope in w.scope_latches
+
+
+def kill_cap_scope(proc: ProcessInfo | None) -> str:
+    """Whose kill cap a target counts against: its owner's uid (``uid:N``); processes whose
+    owner is unknown share one scope (``uid:unknown``)."""
+    uid = None if proc is None else proc.uid
+    return f"uid:{'unknown' if uid is None else uid}"
 
 
 def _node_block(snapshot: Snapshot) -> str | None:
@@ -315,6 +345,8 @@ def plan(
     w.quiet_until = dict(ctx.quiet_before)
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
+    _expire_latches(w, ctx)
+    _review_refusals(w, ctx)
     _track_findings(w, ctx)
     _watch_lost_gpus(w, ctx)
     _advance_ladders(w, ctx)
@@ -374,7 +406,9 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
             dropped_ladders=len(w.ladders),
         )
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
+        w.signal_scopes = {}
         w.health_waits = {}
+        w.reset_refusals = {}  # a reboot resets every GPU
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -479,8 +513,9 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         # ladder follows the process, keeping its steps, so a kind flip never skips a wait.
         lad = replace(lad, finding_key=finding.key)
         w.ladders[target] = lad
+    scope = kill_cap_scope(proc)
     if lad.status is not LadderStatus.ACTIVE:
-        if lad.dry_run and not _dry(w, ctx) and _hold_reason(w, ctx) is None:
+        if lad.dry_run and not _dry(w, ctx, scope) and _hold_reason(w, ctx) is None:
             _restart_after_dry_run(w, lad)
         return
     stuck = _stuck_finding(ctx, target)
@@ -512,14 +547,15 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
         return
     hold = _hold_reason(w, ctx)
-    if hold is None and _dry(w, ctx) and not lad.dry_run:
-        hold = "dry_run (kill cap engaged)" if w.state.forced_dry_run else "dry_run"
+    if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
+        capped = w.state.forced_dry_run or scope in w.scope_latches
+        hold = "dry_run (kill cap engaged)" if capped else "dry_run"
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
             w.event(EventName.ACTION_REFUSED, "info", why=hold, **_ladder_fields(lad))
         return
-    if lad.dry_run and not _dry(w, ctx):
+    if lad.dry_run and not _dry(w, ctx, scope):
         _restart_after_dry_run(w, lad)
         return
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
@@ -621,8 +657,10 @@ def _emit_step(
             w.quiet_until.get(lad.gpu, 0.0), ctx.now + ctx.policy.limits.post_action_delay
         )
     if not lad.dry_run and all(t != lad.target for t, _ in w.signal_history):
+        scope = kill_cap_scope(proc)
         w.signal_history.append((lad.target, ctx.now))
-        w.new_targets += 1
+        w.signal_scopes[lad.target] = scope
+        w.new_targets[scope] = w.new_targets.get(scope, 0) + 1
     w.intents.append(
         SignalIntent(
             identity=ProcessIdentity(lad.pid, lad.start_ticks),
@@ -643,13 +681,82 @@ def _refuse(w: _Work, key: str, why: str, level: str, finding: Finding) -> None:
         w.event(EventName.ACTION_REFUSED, level, why=why, **_finding_fields(finding))
 
 
-def _cap_exceeded(w: _Work, ctx: _Ctx) -> str | None:
+def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
+    """(the scope latched: ``scope`` or "node", why) when one more target would pass a cap."""
     limits = ctx.policy.limits
-    if w.new_targets + 1 > limits.max_signalled_per_poll:
-        return f"more than {limits.max_signalled_per_poll} processes in one poll"
-    if len(w.signal_history) + 1 > limits.max_signalled_per_hour:
-        return f"more than {limits.max_signalled_per_hour} processes in one hour"
+    if len(w.signal_history) + 1 > limits.node_max_signalled_per_hour:
+        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
+        return "node", why
+    if w.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
+        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
+    mine = sum(1 for t, _ in w.signal_history if w.signal_scopes.get(t) == scope)
+    if mine + 1 > limits.max_signalled_per_hour:
+        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
     return None
+
+
+REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count as a change
+
+
+def _review_refusals(w: _Work, ctx: _Ctx) -> None:
+    """A refused incident may be tried again once something changed: its finding is gone (the
+    incident is over; a new one starts afresh), or the GPU's allocated memory moved by
+    :data:`REFUSAL_MEMORY_CHANGE` or more (a holder let go, or a new one came). A reload and
+    ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
+    :func:`clear_circuit`)."""
+    for uuid, held in sorted(w.reset_refusals.items()):
+        gpu = gpu_by_uuid(ctx.snapshot, uuid)
+        allocated = None if gpu is None or gpu.memory is None else gpu.memory.allocated
+        why = None
+        if held.finding_key not in ctx.findings:
+            why = "the incident is over (its finding resolved)"
+        elif allocated is not None and held.allocated is None:
+            w.reset_refusals[uuid] = replace(held, allocated=allocated)
+        elif (
+            allocated is not None
+            and held.allocated is not None
+            and abs(allocated - held.allocated) >= REFUSAL_MEMORY_CHANGE
+        ):
+            why = f"its allocated memory changed ({held.allocated} -> {allocated} bytes)"
+        if why is not None:
+            del w.reset_refusals[uuid]
+            w.event(
+                EventName.RESET_REFUSAL_CLEARED,
+                "info",
+                gpu=uuid,
+                finding=held.finding_key,
+                in_use=held.in_use,
+                why=why,
+            )
+
+
+def _expire_latches(w: _Work, ctx: _Ctx) -> None:
+    """Kill-cap latches last ``limits.kill_cap_latch`` (wall time); then they lift, with a
+    warning. A latch from a state file that did not record its start starts counting now."""
+    lasts = ctx.policy.limits.kill_cap_latch
+    if w.state.forced_dry_run:
+        since = w.state.forced_since
+        if since is None:
+            w.state = replace(w.state, forced_since=ctx.wall)
+        elif ctx.wall - since >= lasts:
+            w.event(
+                EventName.LIMITS_KILL_CAP_EXPIRED,
+                "warning",
+                scope="node",
+                why=w.state.forced_reason,
+                lasted=ctx.wall - since,
+            )
+            w.state = replace(w.state, forced_dry_run=False, forced_reason=None, forced_since=None)
+    for scope, latch in sorted(w.scope_latches.items()):
+        if ctx.wall - latch.since >= lasts:
+            del w.scope_latches[scope]
+            w.event(
+                EventName.LIMITS_KILL_CAP_EXPIRED,
+                "warning",
+                scope=scope,
+                why=latch.reason,
+                lasted=ctx.wall - latch.since,
+            )
 
 
 def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
@@ -704,7 +811,8 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 **_finding_fields(finding),
             )
         return
-    dry = _dry(w, ctx)
+    scope = kill_cap_scope(proc)
+    dry = _dry(w, ctx, scope)
     lad = Ladder(
         target=target,
         pid=identity.pid,
@@ -724,13 +832,22 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
         return
     if not dry:
-        exceeded = _cap_exceeded(w, ctx)
+        exceeded = _cap_exceeded(w, ctx, scope)
         if exceeded is not None:
-            w.state = replace(w.state, forced_dry_run=True, forced_reason=exceeded)
+            latched, over = exceeded
+            if latched == "node":
+                w.state = replace(
+                    w.state, forced_dry_run=True, forced_reason=over, forced_since=ctx.wall
+                )
+            else:
+                w.scope_latches[latched] = Latch(over, ctx.wall)
             w.event(
                 EventName.LIMITS_KILL_CAP_REACHED,
                 "critical",
-                why=exceeded,
+                why=over,
+                scope=latched,
+                user=None if proc is None else proc.user,
+                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
                 signalled_this_hour=len(w.signal_history),
                 **_finding_fields(finding),
             )
@@ -783,8 +900,12 @@ class ResetGate:
 
 def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
     for other in sorted(findings, key=lambda f: f.key):
-        if other.gpu == gpu.uuid and other.kind in _HOLDER_KINDS and other.pid is not None:
+        if other.gpu != gpu.uuid or other.kind not in _HOLDER_KINDS:
+            continue
+        if other.pid is not None:
             return f"{other.kind.value} pid {other.pid} holds the GPU"
+        if other.kind == FindingKind.HIDDEN_HOLDER:  # the driver said so (act/reset.py)
+            return "hidden_holder: the driver refused the last reset, in use by another client"
     return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
 
 
@@ -887,6 +1008,14 @@ def _history_blocker(
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
     uuid = gpu.uuid
+    held = w.reset_refusals.get(uuid)
+    if held is not None and held.finding_key == finding.key:
+        why = (
+            f"a reset for this incident was refused ({held.reason}); tried again when its "
+            "memory changes, the finding resolves, the configuration is reloaded or "
+            "`gpuwatchd resume --clear-latches` is run"
+        )
+        return refused, "info", why
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
@@ -1179,11 +1308,21 @@ def record_reset(
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
         w.event(EventName.RESET_DRY_RUN, "info", **fields)
-    elif outcome is ResetResult.REFUSED:
-        # Aborted before the command ran (e.g. the final holder scan found a holder): no
-        # history or failure, but the cooldown applies so the procedure is not retried at once.
+    elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
+        # Refused, not failed: aborted before the command ran (the final holder scan found a
+        # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
+        # No history, no failure, no breaker; the cooldown applies, and this incident's reset
+        # (with its drain and before hooks) is not tried again until something changes.
         w.last_reset[gpu] = wall
-        w.event(EventName.RESET_REFUSED, "warning", why="refused by the reset procedure", **fields)
+        in_use = outcome is ResetResult.IN_USE
+        why = (
+            "the driver refused: in use by another client that no holder scan found"
+            if in_use
+            else "refused by the reset procedure"
+        )
+        if not intent.dry_run:
+            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
+        w.event(EventName.RESET_REFUSED, "warning", why=why, hidden_holder=in_use, **fields)
     elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
@@ -1248,11 +1387,35 @@ def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:
 
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:
-    """Admin: lift the dry-run the kill cap engaged (``resume`` does not do it by itself)."""
-    return replace(state, forced_dry_run=False, forced_reason=None)
+    """Admin: lift the dry-run the kill cap engaged, the node's and every user's (``resume``
+    does not do it by itself)."""
+    return replace(
+        state, forced_dry_run=False, forced_reason=None, forced_since=None, scope_latches={}
+    )
 
 
 def clear_circuit(state: PlanState) -> PlanState:
-    """Admin: close the reset circuit breaker and forget the consecutive failures."""
+    """Admin: close the reset circuit breaker, forget the consecutive failures and every
+    refused incident (their resets may be tried again)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
-    return replace(state, circuit_open=False, reset_failures=0, notes=notes)
+    return replace(state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={})
+
+
+def forget_reset_refusals(state: PlanState) -> PlanState:
+    """A reloaded configuration (new hooks, say) may succeed where the last one was refused."""
+    return replace(state, reset_refusals={})
+
+
+def hidden_holders(state: PlanState) -> dict[str, dict[str, object]]:
+    """GPU UUID → evidence, for each GPU whose last reset the driver refused as in use while
+    no scan saw a holder: assess reports it as a GPU-level ``hidden_holder``."""
+    return {
+        gpu: {
+            "gap": "driver_in_use",
+            "refused_at": r.since,
+            "incident": r.finding_key,
+            "allocated_then": r.allocated,
+        }
+        for gpu, r in state.reset_refusals.items()
+        if r.in_use
+    }

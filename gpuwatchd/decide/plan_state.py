@@ -1,7 +1,8 @@
 """The planner's carried state: what survives restarts, its JSON form and its validation.
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
-(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``),
+(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
+``Latch``, ``ResetRefusal``),
 the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
@@ -81,13 +82,44 @@ class HealthWait:
 
 
 @dataclass(frozen=True)
+class ResetRefusal:
+    """A reset of one GPU that did not happen, and for which incident (docs/reset.md).
+
+    ``finding_key`` is the incident (the ghost-memory or health finding the reset was for);
+    ``in_use`` says the driver itself refused ("In use by another client") although the final
+    scan found no holder; ``since`` is wall time. ``allocated`` is the GPU's allocated memory
+    at the first poll after the refusal (None until then, or unknown): a change of it is one of
+    the things that let the reset be tried again.
+    """
+
+    finding_key: str
+    reason: str
+    in_use: bool
+    since: float
+    allocated: int | None = None
+
+
+@dataclass(frozen=True)
+class Latch:
+    """A kill-cap latch: why, and since when (wall time, so it lasts across restarts and
+    reboots and expires after ``limits.kill_cap_latch``)."""
+
+    reason: str
+    since: float
+
+
+@dataclass(frozen=True)
 class PlanState:
     """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
 
     Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
     meaningful within one boot and are dropped when the boot id changes. Wall times
-    (``last_reset``, ``reset_history``) are kept; a backward wall-clock step shifts them back
-    by the step, so the step counts as no time passed.
+    (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
+    step shifts them back by the step, so the step counts as no time passed.
+
+    ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
+    kill-cap latch is ``forced_dry_run`` (since ``forced_since``), one user's is in
+    ``scope_latches``.
     """
 
     boot_id: str | None = None
@@ -105,10 +137,14 @@ class PlanState:
     signal_history: tuple[tuple[str, float], ...] = ()
     forced_dry_run: bool = False
     forced_reason: str | None = None
+    forced_since: float | None = None
+    signal_scopes: Mapping[str, str] = field(default_factory=dict)
+    scope_latches: Mapping[str, Latch] = field(default_factory=dict)
     paused: bool = False
     paused_reason: str | None = None
     last_wall: float | None = None
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
+    reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
@@ -173,6 +209,12 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         "signal_history": [[t, at] for t, at in s.signal_history],
         "forced_dry_run": s.forced_dry_run,
         "forced_reason": s.forced_reason,
+        "forced_since": s.forced_since,
+        "signal_scopes": dict(s.signal_scopes),
+        "scope_latches": {
+            scope: {"reason": latch.reason, "since": latch.since}
+            for scope, latch in s.scope_latches.items()
+        },
         "paused": s.paused,
         "paused_reason": s.paused_reason,
         "last_wall": s.last_wall,
@@ -184,6 +226,16 @@ def _dump_state(s: PlanState) -> dict[str, object]:
                 "expired": wait.expired,
             }
             for gpu, wait in s.health_waits.items()
+        },
+        "reset_refusals": {
+            gpu: {
+                "finding": r.finding_key,
+                "reason": r.reason,
+                "in_use": r.in_use,
+                "since": r.since,
+                "allocated": r.allocated,
+            }
+            for gpu, r in s.reset_refusals.items()
         },
     }
 
@@ -325,11 +377,46 @@ def _load_state(data: object) -> PlanState:
         signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
         forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
         forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
+        forced_since=_opt_float(d.get("forced_since"), "plan.forced_since"),
+        signal_scopes={
+            k: _str(v, f"plan.signal_scopes.{k}")
+            for k, v in _obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
+        },
+        scope_latches=_load_latches(d.get("scope_latches", {})),
         paused=_bool(d.get("paused", False), "plan.paused"),
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
+        reset_refusals=_load_refusals(d.get("reset_refusals", {})),
     )
+
+
+def _load_refusals(value: object) -> dict[str, ResetRefusal]:
+    refusals = {}
+    for gpu, item in _obj(value, "plan.reset_refusals").items():
+        what = f"plan.reset_refusals.{gpu}"
+        e = _obj(item, what)
+        allocated = e.get("allocated")
+        refusals[gpu] = ResetRefusal(
+            finding_key=_str(e.get("finding"), f"{what}.finding"),
+            reason=_str(e.get("reason"), f"{what}.reason"),
+            in_use=_bool(e.get("in_use"), f"{what}.in_use"),
+            since=_float(e.get("since"), f"{what}.since"),
+            allocated=None if allocated is None else _int(allocated, f"{what}.allocated"),
+        )
+    return refusals
+
+
+def _load_latches(value: object) -> dict[str, Latch]:
+    latches = {}
+    for scope, item in _obj(value, "plan.scope_latches").items():
+        what = f"plan.scope_latches.{scope}"
+        e = _obj(item, what)
+        latches[scope] = Latch(
+            reason=_str(e.get("reason"), f"{what}.reason"),
+            since=_float(e.get("since"), f"{what}.since"),
+        )
+    return latches
 
 
 def _load_health_waits(value: object) -> dict[str, HealthWait]:

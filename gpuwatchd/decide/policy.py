@@ -161,12 +161,21 @@ class HealthPolicy:
 
 @dataclass(frozen=True)
 class Limits:
-    """Damping (docs/design-notes.md §12): caps past which the daemon switches itself to dry-run."""
+    """Damping (docs/design-notes.md §12): caps past which the daemon switches to dry-run.
+
+    ``max_signalled_per_poll`` and ``max_signalled_per_hour`` count the distinct processes of
+    one user (uid): past them only that user's targets go dry-run, so one user's storm cannot
+    stop enforcement for everyone. ``node_max_signalled_per_hour`` counts the whole node: past
+    it everything goes dry-run (a bug or a strange node). Each latch lifts by itself after
+    ``kill_cap_latch`` (or earlier by ``resume --clear-latches``).
+    """
 
     # One crashed 8-GPU job can leave 8 DataLoader workers per GPU: the caps sit above that
-    # everyday incident and below a node-wide massacre.
+    # everyday incident and below a massacre.
     max_signalled_per_poll: int = 16
     max_signalled_per_hour: int = 64
+    node_max_signalled_per_hour: int = 256
+    kill_cap_latch: float = 3600.0
     post_action_delay: float = 15.0
 
 

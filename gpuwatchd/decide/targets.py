@@ -18,7 +18,8 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from gpuwatchd.decide.floor import infrastructure
+from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
+from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
 
@@ -66,7 +67,8 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
         if process.cmdline is None:
             return False
         joined = " ".join(process.cmdline)
-        if not any(p.search(joined) for p in rule.commands):
+        # Unknown (a line longer than the searched part) selects nothing.
+        if not any(command_search(p, joined) for p in rule.commands):
             return False
     cgroup = process.cgroup
     if rule.cgroups and not _glob_any(None if cgroup is None else cgroup.path, rule.cgroups):
@@ -116,6 +118,9 @@ def _floor_reason(
     infra = infrastructure(process)
     if infra is not None:
         return infra
+    unverified = unverified_infrastructure(process)
+    if unverified is not None:
+        return unverified  # unknown never leads to a kill
     holding = snapshot.holders.holdings.get(process.pid)
     uvm = finding.evidence.get("uvm")
     if uvm is False or (holding is not None and not holding.uvm):
@@ -134,8 +139,14 @@ def _protect_reason(
             return "command line unknown"
         joined = " ".join(process.cmdline)
         for pattern in protect.commands:
-            if pattern.search(joined):
+            found = command_search(pattern, joined)
+            if found:
                 return f"command matches {pattern.pattern!r}"
+            if found is None:  # unknown protects
+                return (
+                    f"command line longer than the {MAX_COMMAND_TEXT} characters "
+                    f"{pattern.pattern!r} is searched in"
+                )
     if protect.users:
         if process.user is None:
             return "user unknown"

@@ -58,11 +58,14 @@ def gpu_uuid(index: int) -> str:
 # --- cgroups, as collection would map them ----------------------------------------------------
 
 
-def cg_slurm(job: str, step: str = "batch") -> CgroupInfo:
+def cg_slurm(
+    job: str, step: str = "batch", scope: str = "/system.slice/slurmstepd.scope"
+) -> CgroupInfo:
     return CgroupInfo(
-        path=f"/system.slice/slurmstepd.scope/job_{job}/step_{step}/user/task_0",
+        path=f"{scope}/job_{job}/step_{step}/user/task_0",
         slurm_job=job,
         slurm_step=step,
+        slurm_job_dir=f"{scope}/job_{job}",
     )
 
 
@@ -215,6 +218,7 @@ class HostBuilder:
         uid: int | None = 1000,
         user: str | None = "alice",
         kernel_thread: bool = False,
+        exe_trusted: bool | None = None,
         holds: frozenset[int] | set[int] | tuple[int, ...] = (),
         via: str = "fd",
         uvm: bool = False,
@@ -255,6 +259,7 @@ class HostBuilder:
             cmdline=cmdline,
             cgroup=cgroup,
             kernel_thread=kernel_thread,
+            exe_trusted=exe_trusted,
         )
         if unreadable:
             self._unreadable.add(pid)

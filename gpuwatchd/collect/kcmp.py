@@ -1,0 +1,73 @@
+"""``kcmp(2)``: whether two processes share a kernel object, asked through libc's ``syscall``.
+
+This module owns the one wrapper of the syscall. The holder scan asks it whether a thread has
+a file descriptor table of its own (``KCMP_FILES``: a thread that called
+``unshare(CLONE_FILES)`` holds files its process's ``/proc/PID/fd`` does not show); the
+inheritance probe asks it whether two processes hold the same open file description
+(``KCMP_FILE``). kcmp exists since Linux 3.5 with ``CONFIG_CHECKPOINT_RESTORE``, which
+mainstream distribution kernels enable, and needs ptrace read access to both tasks
+(CAP_SYS_PTRACE for other users'). It decides nothing; an answer it cannot give is None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+from collections.abc import Callable
+
+__all__ = ["KCMP_FILE", "KCMP_FILES", "Kcmp"]
+
+KCMP_FILE = 0  # <linux/kcmp.h>: one open file description each
+KCMP_FILES = 2  # the whole file descriptor table
+# kcmp's syscall number; the generic table (aarch64, riscv64, loongarch64) shares 272.
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "loongarch64": 272, "ppc64le": 354}
+
+
+class Kcmp:
+    """``kcmp`` through libc's ``syscall``; each question is None when it cannot be answered.
+
+    ``unavailable`` says why kcmp cannot be used at all (no syscall number, ENOSYS, or, for
+    :meth:`same_file`, EPERM/EACCES: the inheritance probe compares other users' processes only,
+    so one refusal stands for all of them).
+    """
+
+    def __init__(self, number: int | None = None) -> None:
+        self.number = _SYS_KCMP.get(platform.machine()) if number is None else number
+        self._syscall: Callable[..., int] | None = None
+        self.unavailable: str | None = None
+        if self.number is None:
+            self.unavailable = f"no kcmp syscall number known for {platform.machine()}"
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._syscall = libc.syscall
+        except (OSError, AttributeError) as err:
+            self.unavailable = f"libc syscall() not found: {err}"
+
+    def _compare(self, pid1: int, pid2: int, kind: int, a: int, b: int) -> bool | None:
+        """True (same object), False (different), None (errno in ``ctypes.get_errno()``)."""
+        if self._syscall is None or self.unavailable is not None:
+            return None
+        args = (self.number or 0, pid1, pid2, kind, a, b)
+        result = self._syscall(*(ctypes.c_long(value) for value in args))
+        if result == 0:
+            return True
+        if result in (1, 2, 3):  # ordered unequal (1, 2), or unequal without an order (3)
+            return False
+        if ctypes.get_errno() == errno.ENOSYS:
+            self.unavailable = os.strerror(errno.ENOSYS)  # the same for every later question
+        return None
+
+    def same_file(self, pid1: int, fd1: int, pid2: int, fd2: int) -> bool | None:
+        """Whether fd1 of pid1 and fd2 of pid2 are one open file description; None = unknown."""
+        same = self._compare(pid1, pid2, KCMP_FILE, fd1, fd2)
+        if same is None and ctypes.get_errno() in (errno.EPERM, errno.EACCES):
+            self.unavailable = os.strerror(ctypes.get_errno())  # stop asking
+        return same  # None also for EBADF (closed meanwhile), ESRCH (gone)
+
+    def same_files(self, tid1: int, tid2: int) -> bool | None:
+        """Whether two tasks (thread ids) share one file descriptor table; None = unknown
+        (no kcmp, no ptrace access to one of them, or one of them is gone)."""
+        return self._compare(tid1, tid2, KCMP_FILES, 0, 0)

@@ -1,0 +1,173 @@
+"""Admin regexes against hostile command lines (gpuwatchd/decide/patterns.py): same answers as
+``re.search``, in time linear in the line, and what cannot be matched so is refused at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.decide.patterns import (
+    MAX_COMMAND_TEXT,
+    NotLinear,
+    check_linear,
+    command_search,
+)
+from gpuwatchd.decide.policy import Policy, Protect, Rule, Step
+from gpuwatchd.decide.targets import refusal, rule_for
+from gpuwatchd.model import Finding, FindingKind
+from tests.support.snapshots import HostBuilder
+
+DROP_IN = "/etc/gpuwatchd/conf.d/50-site.yaml"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text"),
+    [
+        (r"a+b", "xxaab"),
+        (r"^x$", "x\n"),
+        (r"x$", "x\n\n"),
+        (r"(?i:ab)c", "ABc"),
+        (r"(?i:ab)c", "ABC"),
+        (r"[^a-z\d]", "abc1"),
+        (r"\bfoo\B", "a foox"),
+        (r"\bfoo\b", "a foox"),
+        (r"a{2,5}?", "a"),
+        (r"(a|b)*c", "ababd"),
+        (r"\Afoo\Z", "foo\n"),
+        (r"(?s).", "\n"),
+        (r".", "\n"),
+        (r"(?m)^a$", "b\na\nc"),
+        (r"", ""),
+        (r"python.*train.*\.py", "python x train y.py"),
+        (r"(foo|bar|baz)+$", "foobarbaz"),
+        (r"(?i)straße", "STRASSE"),
+        (r"(?a)\w+", "é"),
+        (r"\w+", "é"),
+        (r"\d{3}-\w+", "tel 123-abc"),
+        (r"(x*)*y", "xxxxy"),
+        (r"^/opt/serving/bin/triton", "/opt/serving/bin/triton --model-repo /m"),
+        (r"jupyter-lab", "/usr/bin/python3 /usr/local/bin/jupyter-lab --no-browser"),
+    ],
+)
+def test_command_search_answers_as_re_search_does(pattern: str, text: str) -> None:
+    compiled = re.compile(pattern)
+    assert command_search(compiled, text) == (compiled.search(text) is not None)
+
+
+_ATOMS = st.sampled_from(["a", "b", ".", "[ab]", "[^a]", r"\w", r"\s", r"\d", "x", " "])
+
+
+def _patterns() -> st.SearchStrategy[str]:
+    def extend(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.tuples(inner, inner).map("".join),
+            st.tuples(inner, inner).map(lambda p: f"(?:{p[0]}|{p[1]})"),
+            st.tuples(inner, st.sampled_from(["*", "+", "?", "*?", "{2}", "{1,3}", "{0,2}?"])).map(
+                lambda p: f"(?:{p[0]}){p[1]}"
+            ),
+        )
+
+    body = st.recursive(_ATOMS, extend, max_leaves=8)
+    return st.tuples(
+        st.sampled_from(["", "^", r"\b"]), body, st.sampled_from(["", "$", r"\b", r"\B"])
+    ).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_patterns(), st.text(alphabet="ab x1\n", max_size=24))
+def test_any_supported_pattern_agrees_with_re_on_any_text(pattern: str, text: str) -> None:
+    compiled = re.compile(pattern)
+    assert command_search(compiled, text) == (compiled.search(text) is not None)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "line"),
+    [
+        # Exponential for a backtracking engine: `re` would not finish before the sun does.
+        (r"^(a+)+$", "a" * 4000 + "!"),
+        (r"(\w+\s?)+$", "word " * 800 + "!"),
+        # Polynomial (n^3 over 4096 characters): tens of seconds with `re`.
+        (r"python.*train.*\.py", "pythontrain" * 372),
+    ],
+    ids=["nested-plus", "words", "dot-stars"],
+)
+def test_a_line_crafted_for_a_backtracking_pattern_is_searched_in_milliseconds(
+    pattern: str, line: str
+) -> None:
+    compiled = re.compile(pattern)
+    check_linear(compiled)  # accepted at load: the automaton does not care
+    started = time.perf_counter()
+    assert command_search(compiled, line) is False
+    assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    ("pattern", "what"),
+    [
+        (r"(a)\1", "a backreference"),
+        (r"python(?!3)", "a negative lookahead or lookbehind"),
+        (r"(?<=/)serve", "a lookahead or lookbehind"),
+        (r"(?>a+)b", "an atomic group"),
+        (r"a*+b", "a possessive repeat"),
+        (r"(a)?(?(1)b|c)", "a conditional"),
+        (r"(a{100}){300}", "more than 20000 states"),
+    ],
+)
+def test_what_cannot_be_matched_in_linear_time_is_refused_at_load_naming_file_key_and_pattern(
+    pattern: str, what: str
+) -> None:
+    with pytest.raises(NotLinear, match=re.escape(what)):
+        check_linear(re.compile(pattern))
+    for section in ("protect: {commands: [%s]}", "rules: [{name: r, kind: orphaned, "
+                    "commands: [%s], steps: [{signal: SIGTERM, wait: 1s}]}]"):  # fmt: skip
+        text = section % repr(pattern).replace("\\\\", "\\")
+        with pytest.raises(ConfigError) as caught:
+            parse_policy_documents([(DROP_IN, text + "\n")])
+        message = str(caught.value)
+        assert DROP_IN in message
+        assert "commands[0]" in message
+        assert repr(pattern) in message
+        assert "cannot be matched in linear time" in message
+
+
+def _orphan(cmdline: tuple[str, ...]) -> tuple[HostBuilder, Finding]:
+    host = HostBuilder().gpu(0).proc(500, cmdline=cmdline, holds={0}, uvm=True)
+    finding = Finding(FindingKind.ORPHANED, "gpu", 500, 10_000 + 500 * 7, "orphaned")
+    return host, finding
+
+
+def test_a_line_longer_than_the_searched_part_is_protected_not_guessed() -> None:
+    """A protect pattern that did not match in the first 4096 characters might match further
+    on: unknown protects. A rule's filter is not selected by unknown either."""
+    long_line = ("python3", "x" * MAX_COMMAND_TEXT, "--serve")
+    host, finding = _orphan(long_line)
+    snapshot = host.build()
+    protect = Protect(commands=(re.compile("--serve$"),))
+    policy = dataclasses.replace(Policy(), protect=protect)
+    why = refusal(snapshot.processes[500], finding, snapshot, policy, frozenset())
+    assert why is not None
+    assert "longer than the 4096 characters" in why
+    rule = Rule("r", FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), commands=(re.compile("--s"),))
+    assert rule_for(finding, snapshot.processes[500], Policy(rules=(rule,)), lasted=60) is None
+    short = _orphan(("python3", "--serve"))[0].build()
+    why = refusal(short.processes[500], finding, short, policy, frozenset())
+    assert "command matches" in str(why)
+    assert rule_for(finding, short.processes[500], Policy(rules=(rule,)), lasted=60) is rule
+
+
+def test_a_crafted_line_does_not_stall_the_protect_check() -> None:
+    """The attack: an admin protects `^(a+)+$` (a natural mistake); a user's process runs with
+    a line of 4000 'a' and a '!'. `re.search` would never return; the poll would stall."""
+    host, finding = _orphan(("a" * 4000 + "!",))
+    snapshot = host.build()
+    policy = Policy(protect=Protect(commands=(re.compile(r"^(a+)+$"),)))
+    started = time.perf_counter()
+    assert refusal(snapshot.processes[500], finding, snapshot, policy, frozenset()) is None
+    assert time.perf_counter() - started < 2.0

@@ -65,19 +65,18 @@ WALL = 1_700_000_000.0
 ROLES = ("persistenced", "dcgm", "self", "job")
 
 
-# Root's own nvidia-persistenced: infrastructure only from facts a user cannot forge (floor.py).
-PERSISTENCED: dict[str, object] = {
-    "comm": "nvidia-persiste",
-    "exe": "/usr/bin/nvidia-persistenced",
-    "uid": 0,
-    "user": "root",
-    "exe_trusted": True,
-}
+def _persistenced(builder: HostBuilder, pid: int, minors: Sequence[int], ctl: bool | None) -> None:
+    """Root's own nvidia-persistenced: infrastructure only from facts a user cannot forge
+    (floor.py: root's executable in root's folder, run by root)."""
+    builder.proc(
+        pid, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", uid=0, user="root",
+        exe_trusted=True, holds=tuple(minors), ctl=ctl,
+    )  # fmt: skip
 
 
 def _add(builder: HostBuilder, role: str, pid: int, minors: frozenset[int]) -> None:
     if role == "persistenced":
-        builder.proc(pid, **PERSISTENCED, holds=minors)
+        _persistenced(builder, pid, sorted(minors), ctl=None)
     elif role == "dcgm":
         # infrastructure by its unit, not by its name
         builder.proc(pid, comm="exporter", cgroup=cg_unit("nvidia-dcgm.service"), holds=minors)
@@ -248,7 +247,7 @@ def test_a_job_holding_only_nvidiactl_after_infrastructure_blocks_the_final_scan
     if first == "self":
         builder.hold(other, (), ctl=True)
     elif first == "persistenced":
-        builder.proc(other, **PERSISTENCED, holds=(), ctl=True)
+        _persistenced(builder, other, (), ctl=True)
     else:
         builder.proc(other, comm="x", cgroup=cg_unit("nvidia-dcgm.service"), holds=(), ctl=True)
     builder.proc(job, holds=(), uvm=True)
@@ -370,7 +369,13 @@ def _protect(**kw: object) -> Policy:
         ),
         (
             "it exec'd into root's nvidia-persistenced",
-            _job_host(**PERSISTENCED),
+            _job_host(
+                comm="nvidia-persiste",
+                exe="/usr/bin/nvidia-persistenced",
+                uid=0,
+                user="root",
+                exe_trusted=True,
+            ),
             _policy(),
             "floor: infrastructure process",
         ),

@@ -39,8 +39,9 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanResult, PlanState, pending
+from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
 from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
@@ -59,7 +60,7 @@ from gpuwatchd.state import (
     check_state_dir,
     write_atomically,
 )
-from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
+from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -166,6 +167,7 @@ class Daemon:
             maxlen=RECENT_ACTIONS
         )
         self.actions_seen = 0
+        self.last_action: float | None = None  # monotonic: the last action or target exit
         self.policy_rejected: dict[str, object] | None = None
 
     @property
@@ -257,11 +259,9 @@ class Daemon:
                         code = ExitCode.UNAVAILABLE
                         break
                     watched = frozenset(f.key for f in self.engine.findings)
-                if not pending(self.engine.state.plan, watched):
-                    break
-                if self.clock() - started >= self.once_timeout:
-                    log.warning(EventName.RUN_ONCE_TIMEOUT, pending=sorted(watched))
-                    code = ExitCode.TEMPFAIL
+                once = self._once_progress(watched, started)
+                if once is not None:
+                    code = once
                     break
             self._wait()
         self.notifier.notify("STOPPING=1")
@@ -269,6 +269,47 @@ class Daemon:
         self.save_state()
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
+
+    def _once_progress(self, watched: frozenset[str], started: float) -> ExitCode | None:
+        """``run --once``: its exit code when it is done (0: nothing under way for the
+        findings seen at its start, and every GPU clean — the memory back, no dead owner
+        listed; 75: what is left will not change, or ``--timeout``), else None (poll again)."""
+        waited = self.clock() - started
+        verdict = self.engine.last_verdict
+        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, watched)]
+        snapshot = self.engine.last_snapshot
+        acted = self.last_action
+        if snapshot is not None and acted is not None and acted >= snapshot.monotonic:
+            busy.append("acted since the GPUs were last read: looking again")
+        if verdict is None or verdict.unavailable is not None:
+            why = verdict.unavailable if verdict is not None else None
+            step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
+        else:
+            step, left = once_progress(verdict, busy)
+        if step is OnceStep.DONE:
+            log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
+            return ExitCode.OK
+        code = ExitCode.TEMPFAIL
+        if verdict is not None and self._unproven_for_lack_of_privilege(verdict):
+            code = ExitCode.NOPERM  # as check-clean: nothing dirty, but nothing proven clean
+        if step is OnceStep.STUCK:
+            log.warning(
+                EventName.RUN_ONCE_UNRESOLVED, left=left, waited=round(waited, 3), exit_code=code
+            )
+            return code
+        if waited >= self.once_timeout:
+            pending = pending_keys(self.engine.state.plan, watched)
+            log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
+            return code
+        return None
+
+    def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
+        """No GPU is dirty, some are unknown because processes could not be inspected, and
+        this process lacks the capabilities to inspect them (run as root)."""
+        gpus = verdict.gpus
+        if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
+            return False
+        return bool(missing_capabilities(self.policy.proc_root))
 
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
@@ -473,7 +514,13 @@ class Daemon:
         return 5.0
 
     def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
-        status = describe_status(snapshot, assessment, self.engine.state.plan, self.policy.dry_run)
+        status = describe_status(
+            snapshot,
+            assessment,
+            self.engine.state.plan,
+            self.policy.dry_run,
+            self.engine.last_verdict,
+        )
         if self.policy_rejected is not None:
             status = f"policy rejected, running the previous one ({self.config_path}); {status}"
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
@@ -551,6 +598,7 @@ class Daemon:
         """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
         actions, a rejected policy (shape documented in docs/operations.md)."""
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
+        verdict = self.engine.last_verdict
         nvml: dict[str, object] = {"state": "unknown", "error": None}
         if snapshot is not None:
             reading = snapshot.nvml
@@ -567,6 +615,8 @@ class Daemon:
             "nvml": nvml,
             "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
             "findings": len(assessment.findings) if assessment is not None else None,
+            # Each GPU clean for a new job? (decide/verdict.py, as check-clean says it)
+            "verdict": None if verdict is None else verdict.to_json(),
             "policy": list(self.policy.sources) or [self.config_path],
             "policy_rejected": self.policy_rejected,
             "recent_actions": list(self.recent_actions),
@@ -587,6 +637,8 @@ class _DaemonSink:
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
         self.log.emit(name, level, fields)
         self.daemon.metrics.observe(name, level, fields)
+        if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
+            self.daemon.last_action = self.daemon.clock()
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
             code = fields.get("returncode")
@@ -616,7 +668,11 @@ def _os_error(exc: BaseException) -> str:
 
 
 def describe_status(
-    snapshot: Snapshot, assessment: Assessment, state: PlanState, dry_run: bool
+    snapshot: Snapshot,
+    assessment: Assessment,
+    state: PlanState,
+    dry_run: bool,
+    verdict: NodeVerdict | None = None,
 ) -> str:
     """The one-line ``systemctl status`` text."""
     reading = snapshot.nvml
@@ -628,6 +684,9 @@ def describe_status(
     lost = [g for g in reading.gpus if g.lost]
     if lost:
         parts.append(f"{len(lost)} lost (needs reboot)")
+    if verdict is not None and verdict.unavailable is None:
+        dirty = sum(1 for g in verdict.gpus if not g.clean)
+        parts.append(f"{dirty} not clean" if dirty else "all clean")
     count = len(assessment.findings)
     parts.append(f"{count} finding{'s' if count != 1 else ''}")
     ladders = list(state.ladders.values())

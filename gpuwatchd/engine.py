@@ -68,6 +68,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.model import (
     Finding,
     GpuInfo,
@@ -221,6 +222,8 @@ class Engine:
         )
         self.last_snapshot: Snapshot | None = None
         self.last_assessment: Assessment | None = None
+        # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
+        self.last_verdict: NodeVerdict | None = None
         self._paused_reason: str | None = None
 
     # --- the cycle ----------------------------------------------------------------------------
@@ -234,6 +237,7 @@ class Engine:
         assessment = assess(snapshot, state.assess, self.policy.detection)
         state.assess = assessment.state
         self.last_assessment = assessment
+        self.last_verdict = judge(snapshot, assessment, self.policy)
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
         # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(

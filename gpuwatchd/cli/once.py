@@ -3,8 +3,11 @@
 This module owns what ``run --once`` does when the daemon already holds the lock in
 ``state_dir`` (docs/operations.md §4, a Slurm epilog on a node where the package started the
 daemon). Two actors would race, so this one only watches: a read-only scan
-(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until no finding is
-actionable any more — nothing is left for the daemon to do — or ``--timeout`` passes.
+(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until the daemon has
+nothing actionable left and every GPU is clean by the one verdict
+(:func:`gpuwatchd.decide.verdict.once_progress`, as ``run --once`` decides without a daemon:
+the memory back, no dead owner listed), until what is left will not change, or until
+``--timeout`` passes.
 
 While the daemon's state says a reset is under way, no scan is taken: the scan opens the GPUs
 through NVML, and the reset's final holder scan would see it and refuse.
@@ -20,6 +23,7 @@ from typing import TextIO
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import OnceStep, once_progress
 from gpuwatchd.escape import escape
 from gpuwatchd.state import StateStore
 from gpuwatchd.vocabulary import ExitCode
@@ -32,7 +36,7 @@ def _as_map(value: object) -> Mapping[str, object]:
 
 
 def actionable_findings(report: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """The report's findings the daemon still has to act on."""
+    """The report's findings the daemon still has to act on: while there are, it is busy."""
     findings = report.get("findings")
     if not isinstance(findings, list):
         return []
@@ -40,13 +44,13 @@ def actionable_findings(report: Mapping[str, object]) -> list[Mapping[str, objec
 
 
 def describe_findings(findings: list[Mapping[str, object]]) -> str:
-    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…``."""
+    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…`` (not escaped)."""
     parts = []
     for finding in findings:
         pid = finding.get("pid")
         where = f" pid {pid}" if isinstance(pid, int) else ""
         parts.append(f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}")
-    return escape(", ".join(parts))
+    return ", ".join(parts)
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
@@ -79,8 +83,9 @@ def wait_for_daemon(
     sleep: Callable[[float], None] = time.sleep,
     out: TextIO = sys.stderr,
 ) -> int:
-    """Exit 0 as soon as nothing is actionable; 75 at the timeout naming what is left; 69
-    when NVML is unavailable. Never signals, resets or writes anything."""
+    """Exit 0 as soon as the daemon has nothing actionable left and every GPU is clean; 75
+    naming what is left when that will not change, or at the timeout; 69 when NVML is
+    unavailable. Never signals, resets or writes anything."""
     read_state = peek or StateStore(policy.state_dir).peek
     started = clock()
     deadline = started + timeout
@@ -89,36 +94,46 @@ def wait_for_daemon(
         f"gpuwatchd: the daemon (pid {daemon_pid(state) or '?'}) is running; "
         f"waiting up to {format_duration(timeout)} for it to clean this node\n"
     )
-    left: list[Mapping[str, object]] = []
-    resetting: str | None = None
+    left: list[str] = []
     while True:
         resetting = reset_under_way(state)
-        if resetting is None:
+        if resetting is not None:
+            left = [f"a reset of {resetting} under way"]
+        else:
             result = scan(policy)
+            verdict = result.verdict
             if result.report is None or result.error is not None:
                 out.write(f"gpuwatchd: {result.error or 'NVIDIA driver/NVML not available'}\n")
                 return ExitCode.UNAVAILABLE
-            if result.wedged:
-                out.write("gpuwatchd: NVML did not answer within nvml_timeout\n")
+            if result.wedged or verdict is None or verdict.unavailable is not None:
+                why = verdict.unavailable if verdict is not None else None
+                out.write(f"gpuwatchd: {why or 'NVML did not answer within nvml_timeout'}\n")
                 return ExitCode.UNAVAILABLE
-            left = actionable_findings(result.report)
-            if not left:
-                waited = format_duration(max(0.0, clock() - started))
-                out.write(f"gpuwatchd: clean: nothing left to act on (after {waited})\n")
+            actionable = actionable_findings(result.report)
+            busy = (
+                [f"{len(actionable)} actionable finding(s): {describe_findings(actionable)}"]
+                if actionable
+                else []
+            )
+            step, left = once_progress(verdict, busy)
+            waited = format_duration(max(0.0, clock() - started))
+            if step is OnceStep.DONE:
+                out.write(f"gpuwatchd: clean: every GPU, nothing left to act on (after {waited})\n")
                 return ExitCode.OK
+            if step is OnceStep.STUCK:
+                out.write(
+                    f"gpuwatchd: not clean, and nothing the daemon does will change it "
+                    f"(after {waited}): {escape('; '.join(left))}\n"
+                )
+                return ExitCode.TEMPFAIL
         remaining = deadline - clock()
         if remaining <= 0:
             break
         sleep(min(policy.interval, MAX_PAUSE, remaining))
         state = read_state()
-    pending = []
-    if left:
-        pending.append(f"{len(left)} actionable finding(s) left: {describe_findings(left)}")
-    if resetting is not None:
-        pending.append(f"a reset of {escape(resetting)} under way")
     ladders = active_ladders(state)
     out.write(
-        f"gpuwatchd: timed out after {format_duration(timeout)}: {'; '.join(pending)} "
+        f"gpuwatchd: timed out after {format_duration(timeout)}: {escape('; '.join(left))} "
         f"(daemon pid {daemon_pid(state) or '?'}, {ladders} ladder(s) active)\n"
     )
     return ExitCode.TEMPFAIL

@@ -21,6 +21,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import StateStore, read_small
@@ -28,10 +29,14 @@ from gpuwatchd.state import StateStore, read_small
 
 @dataclass(frozen=True)
 class ScanResult:
+    """One scan: its report, and the verdict on each GPU (:mod:`gpuwatchd.decide.verdict`) that
+    ``check-clean`` and ``run --once`` answer with and the report shows."""
+
     report: dict[str, object] | None
     error: str | None = None
     permission_note: str | None = None
     wedged: bool = False
+    verdict: NodeVerdict | None = None
 
 
 def procfs_for(policy: Policy) -> ProcFS:
@@ -188,6 +193,7 @@ def scan_host(
         except ValueError:
             previous = AssessState()
     assessment = assess(snapshot, previous, policy.detection)
+    verdict = judge(snapshot, assessment, policy)
     report = build_report(
         snapshot,
         assessment.findings,
@@ -205,6 +211,7 @@ def scan_host(
         boot_time=read_boot_time(policy.proc_root),
         clock_ticks=os.sysconf("SC_CLK_TCK"),
         notes=assessment.notes,
+        verdict=verdict,
     )
     report["daemon_view"] = {
         "used": view is not None,
@@ -222,7 +229,9 @@ def scan_host(
             f"{count} processes could not be inspected (their fds/maps are unreadable; "
             f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
-    return ScanResult(report, error=error, permission_note=note, wedged=snapshot.nvml.wedged)
+    return ScanResult(
+        report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
+    )
 
 
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:

@@ -16,7 +16,7 @@ confirmation windows, limits, resets): that is ``plan.py``, which calls these fu
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpuwatchd.decide.floor import infrastructure
 from gpuwatchd.decide.policy import Policy, Rule
@@ -26,6 +26,7 @@ __all__ = [
     "gpu_by_uuid",
     "gpu_protected",
     "process_facts",
+    "protect_match",
     "refusal",
     "rule_for",
 ]
@@ -125,35 +126,57 @@ def _floor_reason(
     return None
 
 
-def _protect_reason(
-    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
-) -> str | None:
+def _process_protect_checks(process: ProcessInfo, policy: Policy) -> Iterator[tuple[bool, str]]:
+    """Each ``protect`` entry that speaks about ``process`` (commands, users, units, cgroups), in
+    order: (True, what matched) or (False, the fact that is unknown)."""
     protect = policy.protect
     if protect.commands:
         if process.cmdline is None:
-            return "command line unknown"
-        joined = " ".join(process.cmdline)
-        for pattern in protect.commands:
-            if pattern.search(joined):
-                return f"command matches {pattern.pattern!r}"
+            yield False, "command line unknown"
+        else:
+            joined = " ".join(process.cmdline)
+            for pattern in protect.commands:
+                if pattern.search(joined):
+                    yield True, f"command matches {pattern.pattern!r}"
     if protect.users:
         if process.user is None:
-            return "user unknown"
-        for glob in protect.users:
-            if fnmatch.fnmatchcase(process.user, glob):
-                return f"user {process.user} matches {glob!r}"
+            yield False, "user unknown"
+        else:
+            for glob in protect.users:
+                if fnmatch.fnmatchcase(process.user, glob):
+                    yield True, f"user {process.user} matches {glob!r}"
     cgroup = process.cgroup
     if protect.units or protect.cgroups:
         if cgroup is None:
-            return "cgroup unknown"
+            yield False, "cgroup unknown"
+            return
         unit = cgroup.systemd_unit
         for glob in protect.units:
             if unit is not None and fnmatch.fnmatchcase(unit, glob):
-                return f"unit {unit} matches {glob!r}"
+                yield True, f"unit {unit} matches {glob!r}"
         for glob in protect.cgroups:
             if fnmatch.fnmatchcase(cgroup.path, glob):
-                return f"cgroup {cgroup.path} matches {glob!r}"
-    if protect.gpus:
+                yield True, f"cgroup {cgroup.path} matches {glob!r}"
+
+
+def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
+    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None.
+
+    Only a positive match counts: an unknown command line, user or cgroup names nothing (for
+    a refusal it refuses, :func:`refusal`; for the clean verdict it excuses nothing).
+    """
+    for matched, why in _process_protect_checks(process, policy):
+        if matched:
+            return why
+    return None
+
+
+def _protect_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
+) -> str | None:
+    for _matched, why in _process_protect_checks(process, policy):
+        return why  # a match, or an unknown fact: either way the target is refused
+    if policy.protect.gpus:
         uuids: list[str | None] = [finding.gpu]
         holding = snapshot.holders.holdings.get(process.pid)
         if holding is not None:

@@ -52,6 +52,7 @@ from gpuwatchd.pause import (
     read_ended_jobs,
     read_pause,
     take_clear_latches,
+    withdraw_ended_jobs,
 )
 from gpuwatchd.state import (
     AlreadyRunning,
@@ -68,7 +69,7 @@ log = structlog.get_logger("gpuwatchd")
 T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
-ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
+ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
@@ -315,7 +316,10 @@ class Daemon:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
         remaining device holders are ``abandoned`` until the hand-over expires."""
         handed, problems = read_ended_jobs(
-            self.policy.state_dir, self.wall_clock(), remove_stale=True
+            self.policy.state_dir,
+            self.wall_clock(),
+            waiting=self.procfs.is_running,
+            remove_stale=True,
         )
         for problem in problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
@@ -660,6 +664,12 @@ class _DaemonSink:
             )
 
 
+def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
+    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
+    fields = procfs.read_stat(os.getpid())
+    return None if fields is None else (os.getpid(), fields.starttime)
+
+
 def _os_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
@@ -743,24 +753,34 @@ def run_daemon(
         # only watches the daemon's progress until nothing is left to act on.
         from gpuwatchd.cli.once import wait_for_daemon
 
+        state_dir = daemon.policy.state_dir
+        waiter = _own_identity(daemon.procfs)
+        handed = False
         if ended_jobs:
             # The running daemon takes the scheduler's word from the state folder at its next
-            # poll (and so does the waiter's scan), for as long as this wait may last.
+            # poll (and so does the waiter's scan) while this process waits, and no longer.
             until = time.time() + once_timeout + ENDED_JOB_GRACE
             try:
-                hand_over_ended_jobs(daemon.policy.state_dir, ended_jobs, until=until)
+                if waiter is None:
+                    raise OSError("this process's own start time cannot be read")
+                hand_over_ended_jobs(state_dir, ended_jobs, until=until, waiter=waiter)
             except OSError as exc:
                 print(
                     f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
                     file=sys.stderr,
                 )
             else:
+                handed = True
                 print(
                     "gpuwatchd: handed to the running daemon: "
                     f"{', '.join(sorted(ended_jobs))} ended",
                     file=sys.stderr,
                 )
-        return wait_for_daemon(daemon.policy, once_timeout)
+        try:
+            return wait_for_daemon(daemon.policy, once_timeout)
+        finally:
+            if handed and waiter is not None:
+                withdraw_ended_jobs(state_dir, ended_jobs, waiter=waiter)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
             log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))

@@ -1,12 +1,18 @@
-"""End to end: one verdict for "is this GPU clean for a new job?" (decide/verdict.py).
+"""End to end: what the scheduler's commands say about a node (issue 21).
 
-``scan``, ``check-clean`` (a prolog) and ``run --once`` (an epilog) must agree, for every GPU
-alone and for the whole node, with or without a running daemon. Like tests/test_e2e_run.py,
-each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py).
+One verdict for "is this GPU clean for a new job?" (decide/verdict.py): ``scan``,
+``check-clean`` (a prolog) and ``run --once`` (an epilog) agree, for every GPU alone and for
+the whole node, with or without a running daemon; ``run --once`` returns only once the driver
+has let go; an epilog's hand-over is taken for its own job and wait alone. Like
+tests/test_e2e_run.py, each ``host_*`` function runs as PID 1 of its own PID namespace
+(tests/support/simhost.py).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +21,13 @@ import pytest
 
 from tests.support.fakenvml import gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import ORPHAN_RULE, Run, orphan_host
+from tests.test_e2e_run import (
+    ORPHAN_RULE,
+    SLURM_SCOPE,
+    Run,
+    cgroup_base,  # noqa: F401 - a fixture
+    orphan_host,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -137,3 +149,88 @@ def test_run_once_returns_only_when_the_driver_has_let_go_so_the_epilog_never_dr
     assert result["once_code"] == 0, result["once_output"]
     assert result["took"] >= TEARDOWN, result["once_output"]
     assert result["check"] == {"code": 0, "out": "", "err": ""}, result["once_output"]
+
+
+ENDED_JOBS_RULE = {
+    "name": "ended-jobs",
+    "kind": "abandoned",
+    "for": "0s",
+    "steps": [{"signal": "SIGTERM", "wait": "2s"}, {"signal": "SIGKILL", "wait": "1s"}],
+}
+
+
+def host_hand_over_is_for_its_epilog_only(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Job 42's epilog hands its job to a running (dry-run) daemon and is killed mid-wait, as
+    slurmd kills an epilog past its time: its hand-over stays on disk. The daemon stops. Job
+    42 runs again on this node (requeued: the same id; its task holds GPU 1). Then job 43's
+    epilog runs with no daemon: it must not take job 42's hand-over for its own."""
+    base = Path(arg["cgroup_base"])
+    dirs = {}
+    for sub in ("slurm", "user/task_0"):
+        path = base / SLURM_SCOPE / "job_42" / "step_0" / sub
+        path.mkdir(parents=True, exist_ok=True)
+        dirs[sub] = str(path)
+    with SimHost(root, gpus=2) as host:
+        host.spawn("stepd42", [{"cgroup": dirs["slurm"]}, {"sleep": 3600}])
+        host.spawn(
+            "task42",
+            [{"setsid": True}, {"cgroup": dirs["user/task_0"]}, {"open": host.cuda(1)},
+             {"sleep": 3600}],
+        )  # fmt: skip
+        pids = host.wait_ready("stepd42", "task42")
+        host.nvml([gpu(0), gpu(1)])
+        daemon = Run(host, dry_run=True, rules=[ENDED_JOBS_RULE])
+        daemon.start()
+        assert daemon.wait_for(lambda: daemon.saw("daemon.start")), "the daemon did not start"
+        argv = ["run", "--once", "--ended-job", "slurm:42", "--timeout", "60s"]
+        epilog42 = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", *argv, "--config", str(daemon.config)],
+            env=host.env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        taken = daemon.wait_for(lambda: daemon.saw("scheduler.ended_job", job="slurm:42"))
+        epilog42.kill()
+        epilog42.wait()
+        left_behind = sorted(p.name for p in host.state_dir.glob("ended-job-*"))
+        daemon.stop()
+        enforcing = host.config(
+            dry_run=False,
+            rules=[ENDED_JOBS_RULE],
+            limits={"post_action_delay": "0s"},
+            log={"format": "json"},
+        )
+        once43 = host.gpuwatchd(
+            "run", "--once", "--ended-job", "slurm:43", "--timeout", "10s", "--config",
+            str(enforcing),
+        )  # fmt: skip
+        return {
+            "taken_by_daemon": taken,
+            "left_behind": left_behind,
+            "once43_code": once43.returncode,
+            "once43_output": once43.stdout + once43.stderr,
+            "task42_alive": host.alive(pids["task42"]),
+            "files_after": sorted(p.name for p in host.state_dir.glob("ended-job-*")),
+        }
+
+
+def test_a_hand_over_is_taken_only_for_the_job_and_the_epilog_it_names(
+    tmp_path: Path,
+    cgroup_base: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    result = run_in_pid_namespace(
+        f"{__name__}:host_hand_over_is_for_its_epilog_only",
+        {"cgroup_base": str(cgroup_base)},
+        root=tmp_path,
+        timeout=120,
+    )
+    assert result["taken_by_daemon"] is True
+    assert len(result["left_behind"]) == 1  # a killed epilog cannot withdraw it
+    output = result["once43_output"]
+    events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    taken = [e.get("job") for e in events if e.get("event") == "scheduler.ended_job"]
+    assert taken == [], output  # job 42's hand-over is not job 43's
+    assert not [e for e in events if e.get("event") == "action.signal"], output
+    assert result["task42_alive"] is True  # the requeued job 42 runs on
+    assert result["once43_code"] == 0, output
+    assert result["files_after"] == []  # job 43's run found job 42's epilog gone: removed

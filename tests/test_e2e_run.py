@@ -836,7 +836,7 @@ def test_epilog_ended_job_makes_its_holders_abandoned_for_that_run(
         assert signalled == {result["pids"]["task42"]}
         names = [e.get("event") for e in events]
         assert names.index("scheduler.ended_job") < names.index("action.signal")
-        assert len(result["handed_over"]) == 1  # not expired yet: the daemon keeps it
+        assert result["handed_over"] == []  # withdrawn when the epilog's wait ended
     assert result["bad_code"] == 78
     assert "'4x2' is not a valid slurm id" in result["bad_err"]
     assert result["once_code"] == 0, result["once_output"]

@@ -175,7 +175,9 @@ def scan_host(
             collector.seed(view.holders, view.dead_listed)
         # What an epilog told the running daemon (run --once --ended-job): this scan judges
         # those jobs as the daemon does.
-        collector.ended_by_scheduler = read_ended_jobs(policy.state_dir, time.time())[0]
+        collector.ended_by_scheduler = read_ended_jobs(
+            policy.state_dir, time.time(), waiting=procfs.is_running
+        )[0]
         snapshot = collector.collect(full=view is None)
     finally:
         if own:

@@ -273,11 +273,16 @@ class Daemon:
 
     def _once_progress(self, watched: frozenset[str], started: float) -> ExitCode | None:
         """``run --once``: its exit code when it is done (0: nothing under way for the
-        findings seen at its start, and every GPU clean — the memory back, no dead owner
-        listed; 75: what is left will not change, or ``--timeout``), else None (poll again)."""
+        findings seen at its start or on a GPU that is not clean, and every GPU clean — the
+        memory back, no dead owner listed; 75: what is left will not change, or
+        ``--timeout``), else None (poll again)."""
         waited = self.clock() - started
         verdict = self.engine.last_verdict
-        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, watched)]
+        # Under way: what was seen at the start, and whatever is being done about a GPU that
+        # is not clean now (a job another epilog handed over since, say).
+        dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
+        keys = watched | {f.key for f in self.engine.findings if f.gpu in dirty}
+        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, keys)]
         snapshot = self.engine.last_snapshot
         acted = self.last_action
         if snapshot is not None and acted is not None and acted >= snapshot.monotonic:
@@ -299,7 +304,7 @@ class Daemon:
             )
             return code
         if waited >= self.once_timeout:
-            pending = pending_keys(self.engine.state.plan, watched)
+            pending = pending_keys(self.engine.state.plan, keys)
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None

@@ -89,13 +89,20 @@ def test_a_monitor_client_makes_no_gpu_dirty_alone_protected_or_beside_a_daemon(
     result = run_in_pid_namespace(f"{__name__}:host_monitor_client", {}, root=tmp_path)
     monitor = result["monitor"]
     for scan in (result["scan"], result["beside_scan"]):
+        assert scan["verdict"]["clean"] is True
         for entry in scan["gpus"]:
             roles = [h["role"] for h in entry["holders"] if h["pid"] == monitor]
             assert roles == ["management"], entry
+            assert entry["verdict"]["state"] == "clean"
+            assert [b["pid"] for b in entry["verdict"]["reset_blockers"]] == [monitor]
     for case in ("alone", "protected", "beside"):
         for selection, check in result[case].items():
             assert check["code"] == 0, (case, selection, check)
             assert check["out"] == "", (case, selection, check)
+            # said apart, on stderr: what would block a reset of each GPU asked about
+            notes = check["err"].splitlines()
+            assert len(notes) == (2 if selection in ("all", "both") else 1), check
+            assert all(f"clean; would block a reset: pid {monitor}" in n for n in notes)
     assert result["monitor_alive"] is True
 
 

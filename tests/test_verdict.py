@@ -525,3 +525,55 @@ def test_the_verdict_is_built_from_the_assessment_scan_shows() -> None:
         "Assessment",
         Assessment,
     )
+
+
+# --- the verdict as scan and status show it -------------------------------------------------------
+
+
+def test_status_shows_the_verdict_the_daemon_published() -> None:
+    from gpuwatchd.cli.status import render_text
+    from tests.test_status import run_describe, saved
+
+    verdict = verdict_of(orphaned_worker().proc(900, comm="gpustat", holds={1}).build())
+    result = run_describe(saved(verdict=verdict.to_json()))
+    shown = result["verdict"]
+    assert shown["clean"] is False
+    assert [(g["index"], g["state"], g["kind"]) for g in shown["gpus"]] == [
+        (0, "dirty", "dead_process"),
+        (1, "clean", None),
+    ]
+    text = render_text(result)
+    assert "GPUs:     1 of 2 clean for a new job" in text
+    assert f"not clean: GPU 0 {gpu_uuid(0)}: dead_process" in text
+    assert result["exit_code"] == 0  # a dirty GPU is the daemon's work, not a daemon problem
+    assert run_describe(saved())["verdict"] is None  # a daemon that wrote none
+
+
+def test_scan_reports_each_gpus_verdict_in_json_and_text() -> None:
+    from gpuwatchd.cli.report import build_report, render_text
+
+    snapshot = orphaned_worker().proc(900, comm="gpustat", holds={1}).build()
+    assessment = assess(snapshot, AssessState(boot_id=snapshot.boot_id), POLICY.detection)
+    verdict = judge(snapshot, assessment, POLICY)
+    report = build_report(
+        snapshot,
+        assessment.findings,
+        assessment.roles,
+        assessment.report_only,
+        {},
+        version="test",
+        verdict=verdict,
+    )
+    assert report["verdict"] == {
+        "checked": True,
+        "error": None,
+        "clean": False,
+        "not_clean": [gpu_uuid(0)],
+    }
+    gpus = report["gpus"]
+    assert isinstance(gpus, list)
+    assert [g["verdict"]["state"] for g in gpus] == ["dirty", "clean"]
+    text = render_text(report)
+    assert "verdict  NOT CLEAN (dirty)" in text
+    assert "verdict  clean: a new job may have it" in text
+    assert "pid 900 (gpustat): management client" in text

@@ -573,6 +573,7 @@ class Daemon:
         boot_id = self.procfs.boot_id()
         state = self.engine.state
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
+        verdict = self.engine.last_verdict
         key = (
             boot_id,
             state.assess,
@@ -580,6 +581,8 @@ class Daemon:
             state.reset_in_progress,
             self.actions_seen,
             self.policy_rejected,
+            # A GPU turning clean or not is news for `status` (its wording alone is not).
+            None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
         )
         # The status section's last_poll proves the daemon alive: refreshed once a minute on a
         # quiet node, so a quiet poll still costs no write most of the time.
@@ -752,42 +755,86 @@ def run_daemon(
         ended_jobs=ended_jobs,
     )
     try:
-        return daemon.run()
-    except AlreadyRunning:
+        try:
+            return daemon.run()
+        except AlreadyRunning:
+            pass
         # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
         # only watches the daemon's progress until nothing is left to act on.
-        from gpuwatchd.cli.once import wait_for_daemon
-
-        state_dir = daemon.policy.state_dir
-        waiter = _own_identity(daemon.procfs)
-        handed = False
-        if ended_jobs:
-            # The running daemon takes the scheduler's word from the state folder at its next
-            # poll (and so does the waiter's scan) while this process waits, and no longer.
-            until = time.time() + once_timeout + ENDED_JOB_GRACE
-            try:
-                if waiter is None:
-                    raise OSError("this process's own start time cannot be read")
-                hand_over_ended_jobs(state_dir, ended_jobs, until=until, waiter=waiter)
-            except OSError as exc:
-                print(
-                    f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
-                    file=sys.stderr,
-                )
-            else:
-                handed = True
-                print(
-                    "gpuwatchd: handed to the running daemon: "
-                    f"{', '.join(sorted(ended_jobs))} ended",
-                    file=sys.stderr,
-                )
-        try:
-            return wait_for_daemon(daemon.policy, once_timeout)
-        finally:
-            if handed and waiter is not None:
-                withdraw_ended_jobs(state_dir, ended_jobs, waiter=waiter)
+        return _once_beside_the_daemon(
+            policy,
+            daemon,
+            config_path=config_path,
+            dry_run=dry_run,
+            once_timeout=once_timeout,
+            ended_jobs=ended_jobs,
+        )
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
             log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
             return ExitCode.NOPERM
         raise
+
+
+def _once_beside_the_daemon(
+    policy: Policy,
+    refused: Daemon,
+    *,
+    config_path: str,
+    dry_run: bool,
+    once_timeout: float,
+    ended_jobs: frozenset[str],
+) -> int:
+    """``run --once`` while another instance holds the lock: hand the ended jobs over, wait for
+    its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
+    another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
+    from gpuwatchd.cli.once import wait_for_daemon
+
+    deadline = time.monotonic() + once_timeout
+    state_dir = refused.policy.state_dir
+    waiter = _own_identity(refused.procfs)
+    handed = False
+    if ended_jobs:
+        # The running daemon takes the scheduler's word from the state folder at its next
+        # poll (and so does the waiter's scan) while this process waits, and no longer.
+        until = time.time() + once_timeout + ENDED_JOB_GRACE
+        try:
+            if waiter is None:
+                raise OSError("this process's own start time cannot be read")
+            hand_over_ended_jobs(state_dir, ended_jobs, until=until, waiter=waiter)
+        except OSError as exc:
+            print(
+                f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+                file=sys.stderr,
+            )
+        else:
+            handed = True
+            print(
+                f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
+                file=sys.stderr,
+            )
+    try:
+        while True:
+            code = wait_for_daemon(refused.policy, max(0.0, deadline - time.monotonic()))
+            if code is not None:
+                return code
+            print(
+                "gpuwatchd: the instance that held the lock has stopped; going on alone",
+                file=sys.stderr,
+            )
+            successor = Daemon(
+                policy,
+                config_path=config_path,
+                dry_run=dry_run,
+                once=True,
+                once_timeout=max(0.0, deadline - time.monotonic()),
+                ended_jobs=ended_jobs,
+            )
+            try:
+                return successor.run()
+            except AlreadyRunning:
+                # Another instance took the lock first: wait for it in turn.
+                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
+    finally:
+        if handed and waiter is not None:
+            withdraw_ended_jobs(state_dir, ended_jobs, waiter=waiter)

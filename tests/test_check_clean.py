@@ -163,7 +163,7 @@ class Fakes:
         assert 0 < seconds <= 5.0
         self.now += seconds
 
-    def run(self, timeout: float, interval: float = 1.0) -> int:
+    def run(self, timeout: float, interval: float = 1.0) -> int | None:
         return wait_for_daemon(
             Policy(interval=interval),
             timeout,
@@ -172,10 +172,12 @@ class Fakes:
             clock=lambda: self.now,
             sleep=self.sleep,
             out=self.out,
+            running=lambda state: state.get("status") != GONE["status"],
         )
 
 
 DAEMON = {"status": {"pid": 777}, "plan": {"ladders": {}, "reset_in_flight": None}}
+GONE = {"status": {"pid": 778}, "plan": {"ladders": {}, "reset_in_flight": None}}
 
 
 def test_once_exits_0_once_nothing_is_actionable_and_every_gpu_is_clean() -> None:
@@ -229,3 +231,12 @@ def test_once_exits_69_when_nvml_is_unavailable() -> None:
     fakes = Fakes([None], [DAEMON])
     assert fakes.run(timeout=60) == 69
     assert "driver not loaded" in fakes.out.getvalue()
+
+
+def test_once_hands_back_to_its_caller_when_the_daemon_stops_mid_wait() -> None:
+    """The caller (daemon.py) then takes the lock and goes on alone for the time left."""
+    dirty = report(finding("orphaned", UUID0, actionable=True))
+    fakes = Fakes([dirty], [DAEMON, DAEMON, GONE])
+    assert fakes.run(timeout=60) is None
+    assert fakes.scans == 2
+    assert fakes.now == 2.0

@@ -241,3 +241,46 @@ def test_a_hand_over_is_taken_only_for_the_job_and_the_epilog_it_names(
     assert result["task42_alive"] is True  # the requeued job 42 runs on
     assert result["once43_code"] == 0, output
     assert result["files_after"] == []  # job 43's run found job 42's epilog gone: removed
+
+
+def host_epilog_goes_on_when_the_daemon_stops(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The epilog waits beside the daemon, whose rule is still in its 3 s confirmation window,
+    and the daemon is stopped meanwhile (an upgrade, an admin): the epilog must not wait for
+    nobody — it takes the lock and finishes the job itself."""
+    with SimHost(root) as host:
+        orphan_host(host)
+        host.free_when_gone(["worker"], [gpu(0)], delay=0.5)
+        run = Run(host, rules=[{**ORPHAN_RULE, "for": "3s"}])
+        run.start()
+        assert run.wait_for(lambda: run.saw("finding.new", kind="orphaned")), "no finding"
+        epilog = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--once", "--timeout", "30s",
+             "--config", str(run.config)],
+            env=host.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        time.sleep(1.0)
+        stopped = run.stop()
+        output, _ = epilog.communicate(timeout=60)
+        daemon_signalled = run.saw("action.signal")
+        return {
+            "stopped": stopped,
+            "code": epilog.returncode,
+            "output": output,
+            "daemon_signalled": daemon_signalled,
+            "worker_alive": host.alive(host.pids["worker"]),
+        }
+
+
+def test_an_epilog_beside_a_daemon_that_stops_goes_on_alone(tmp_path: Path) -> None:
+    result = run_in_pid_namespace(
+        f"{__name__}:host_epilog_goes_on_when_the_daemon_stops", {}, root=tmp_path
+    )
+    assert result["stopped"] == 0
+    assert result["daemon_signalled"] is False  # the daemon stopped before its window ended
+    assert "is running; waiting" in result["output"]
+    assert "going on alone" in result["output"]
+    assert result["code"] == 0, result["output"]
+    assert result["worker_alive"] is False

@@ -73,6 +73,16 @@ def daemon_pid(state: Mapping[str, object]) -> object:
     return _as_map(state.get("status")).get("pid")
 
 
+def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
+    """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
+    as running: only a PID known gone or reused lets the waiter go on alone."""
+    from gpuwatchd.cli.status import daemon_pid as status_pid
+    from gpuwatchd.cli.status import look_at_process
+
+    pid = status_pid(state)
+    return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
+
+
 def wait_for_daemon(
     policy: Policy,
     timeout: float,
@@ -82,11 +92,15 @@ def wait_for_daemon(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     out: TextIO = sys.stderr,
-) -> int:
+    running: Callable[[Mapping[str, object]], bool] | None = None,
+) -> int | None:
     """Exit 0 as soon as the daemon has nothing actionable left and every GPU is clean; 75
     naming what is left when that will not change, or at the timeout; 69 when NVML is
-    unavailable. Never signals, resets or writes anything."""
+    unavailable; None when the daemon has stopped meanwhile (the caller may go on alone).
+    Never signals, resets or writes anything. ``running(state)`` says whether the instance
+    that wrote ``state`` still runs (default: its PID is gpuwatchd now)."""
     read_state = peek or StateStore(policy.state_dir).peek
+    still_running = running or (lambda saved: _still_running(policy, saved))
     started = clock()
     deadline = started + timeout
     state = read_state()
@@ -131,6 +145,8 @@ def wait_for_daemon(
             break
         sleep(min(policy.interval, MAX_PAUSE, remaining))
         state = read_state()
+        if not still_running(state):
+            return None
     ladders = active_ladders(state)
     out.write(
         f"gpuwatchd: timed out after {format_duration(timeout)}: {escape('; '.join(left))} "

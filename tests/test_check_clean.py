@@ -14,9 +14,10 @@ import pytest
 from gpuwatchd.cli.check_clean import SelectionError, answer, split_selectors
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
+from gpuwatchd.decide.plan_state import Ladder, PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, Reason
-from gpuwatchd.vocabulary import Cleanliness
+from gpuwatchd.vocabulary import Cleanliness, LadderStatus
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -116,15 +117,14 @@ def test_selectors_split_like_cuda_visible_devices() -> None:
 # --- run --once beside the daemon ----------------------------------------------------------
 
 
-def finding(
-    kind: str, uuid: str | None, *, actionable: bool = False, pid: int | None = 42
-) -> dict[str, Any]:
+def finding(kind: str, uuid: str | None, *, pid: int | None = 42) -> dict[str, Any]:
     return {
         "kind": kind,
         "gpu": uuid,
         "pid": pid,
         "reason": f"{kind} here",
-        "actionable": actionable,
+        "actionable": True,
+        "key": f"{kind}:{uuid}:{'gpu' if pid is None else f'{pid}@7'}",
     }
 
 
@@ -139,6 +139,36 @@ def verdict_for(scan: dict[str, Any]) -> NodeVerdict:
         mine = [(f["kind"], f["reason"]) for f in scan["findings"] if f["gpu"] == uuid]
         gpus.append(gpu(index, uuid, *mine))
     return NodeVerdict(tuple(gpus))
+
+
+def daemon(
+    *findings: dict[str, Any], under_way: tuple[dict[str, Any], ...] = (), pid: int = 777
+) -> dict[str, Any]:
+    """The daemon's state file: it has seen ``findings`` (and ``under_way``), and has a
+    ladder running for each of ``under_way``."""
+    ladders = {
+        f"{f['pid']}@7": Ladder(
+            target=f"{f['pid']}@7",
+            pid=f["pid"],
+            start_ticks=7,
+            finding_key=f["key"],
+            rule="orphans",
+            gpu=f["gpu"],
+            steps=(("SIGTERM", 2.0), ("SIGKILL", 1.0)),
+            step=1,
+            due=100.0,
+            status=LadderStatus.ACTIVE,
+            dry_run=False,
+            started=90.0,
+        )
+        for f in under_way
+    }
+    seen = {
+        f["key"]: SeenFinding(first_seen=90.0, digest="d", gpu=f["gpu"], target=None)
+        for f in (*findings, *under_way)
+    }
+    plan = PlanState(boot_id="boot", seen=seen, ladders=ladders).to_json()
+    return {"status": {"pid": pid}, "plan": plan}
 
 
 class Fakes:
@@ -172,19 +202,26 @@ class Fakes:
             clock=lambda: self.now,
             sleep=self.sleep,
             out=self.out,
-            running=lambda state: state.get("status") != GONE["status"],
+            running=lambda state: _as_status(state).get("pid") != GONE_PID,
         )
 
 
-DAEMON = {"status": {"pid": 777}, "plan": {"ladders": {}, "reset_in_flight": None}}
-GONE = {"status": {"pid": 778}, "plan": {"ladders": {}, "reset_in_flight": None}}
+GONE_PID = 778
+DAEMON = daemon()
+ORPHAN = finding("orphaned", UUID0, pid=4242)
+DEAD = finding("dead_process", UUID0, pid=4241)
 
 
-def test_once_exits_0_once_nothing_is_actionable_and_every_gpu_is_clean() -> None:
-    dirty = report(finding("orphaned", UUID0, actionable=True))
+def _as_status(state: dict[str, Any]) -> dict[str, Any]:
+    status = state.get("status")
+    return status if isinstance(status, dict) else {}
+
+
+def test_once_exits_0_once_nothing_is_under_way_and_every_gpu_is_clean() -> None:
     # The worker is gone; the driver still lists its dead owner for a moment.
-    tearing_down = report(finding("dead_process", UUID0))
-    fakes = Fakes([dirty, dirty, tearing_down, report()], [DAEMON])
+    scans = [report(ORPHAN, DEAD), report(ORPHAN, DEAD), report(DEAD), report()]
+    states = [daemon(DEAD, under_way=(ORPHAN,)), daemon(DEAD, under_way=(ORPHAN,)), daemon(DEAD)]
+    fakes = Fakes(scans, states)
     assert fakes.run(timeout=60) == 0
     assert fakes.scans == 4
     assert fakes.now == 3.0
@@ -192,30 +229,46 @@ def test_once_exits_0_once_nothing_is_actionable_and_every_gpu_is_clean() -> Non
     assert "clean" in fakes.out.getvalue().splitlines()[-1]
 
 
-def test_once_gives_up_at_once_when_nothing_will_change() -> None:
-    """Nothing actionable, and a hidden holder nobody acts on: waiting changes nothing."""
-    fakes = Fakes([report(finding("hidden_holder", UUID1))], [DAEMON])
+def test_once_gives_up_at_once_when_nothing_the_daemon_does_will_change_it() -> None:
+    """The daemon has seen the orphan and runs no ladder for it (no rule, dry-run ended,
+    paused): waiting changes nothing."""
+    fakes = Fakes([report(ORPHAN)], [daemon(ORPHAN)])
     assert fakes.run(timeout=60) == 75
     assert fakes.scans == 1
     last = fakes.out.getvalue().splitlines()[-1]
     assert "nothing the daemon does will change it" in last
-    assert f"GPU 1 {UUID1}: hidden_holder" in last
+    assert f"GPU 0 {UUID0}: orphaned" in last
+
+
+def test_once_waits_for_what_the_daemon_has_not_seen_yet() -> None:
+    """A leftover that appeared since the daemon's last poll (or a job handed over, taken at
+    its next poll) has no ladder yet: that is no reason to give up."""
+    fakes = Fakes([report(ORPHAN)], [DAEMON, DAEMON, daemon(ORPHAN)])
+    assert fakes.run(timeout=60) == 75
+    assert fakes.scans == 3
+    assert "not seen by the daemon" not in fakes.out.getvalue().splitlines()[-1]
 
 
 def test_once_times_out_with_75_naming_what_is_left() -> None:
-    dirty = report(finding("orphaned", UUID0, actionable=True, pid=4242))
-    fakes = Fakes([dirty], [DAEMON])
+    fakes = Fakes([report(ORPHAN)], [daemon(under_way=(ORPHAN,))])
     assert fakes.run(timeout=12, interval=30) == 75
     assert fakes.now == 12.0  # slept at most 5 s at a time, never past the timeout
     last = fakes.out.getvalue().splitlines()[-1]
     assert "timed out" in last
-    assert f"orphaned on {UUID0} pid 4242" in last
+    assert f"orphaned on {UUID0} pid 4242: under way" in last
+
+
+def test_an_unreadable_daemon_state_is_waited_out() -> None:
+    broken = {"status": {"pid": 777}, "plan": {"version": "?"}}
+    fakes = Fakes([report(ORPHAN)], [broken])
+    assert fakes.run(timeout=3) == 75
+    assert "cannot be read" in fakes.out.getvalue().splitlines()[-1]
 
 
 def test_once_does_not_scan_while_the_daemon_resets() -> None:
     resetting = {
         **DAEMON,
-        "plan": {"ladders": {}, "reset_in_flight": {"gpu": UUID0, "since": 1.0}},
+        "plan": {**DAEMON["plan"], "reset_in_flight": {"gpu": UUID0, "since": 1.0}},
     }
     fakes = Fakes([report()], [resetting, resetting, DAEMON])
     assert fakes.run(timeout=60) == 0
@@ -235,8 +288,7 @@ def test_once_exits_69_when_nvml_is_unavailable() -> None:
 
 def test_once_hands_back_to_its_caller_when_the_daemon_stops_mid_wait() -> None:
     """The caller (daemon.py) then takes the lock and goes on alone for the time left."""
-    dirty = report(finding("orphaned", UUID0, actionable=True))
-    fakes = Fakes([dirty], [DAEMON, DAEMON, GONE])
+    fakes = Fakes([report(ORPHAN)], [DAEMON, DAEMON, daemon(pid=GONE_PID)])
     assert fakes.run(timeout=60) is None
     assert fakes.scans == 2
     assert fakes.now == 2.0

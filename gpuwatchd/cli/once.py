@@ -3,11 +3,11 @@
 This module owns what ``run --once`` does when the daemon already holds the lock in
 ``state_dir`` (docs/operations.md §4, a Slurm epilog on a node where the package started the
 daemon). Two actors would race, so this one only watches: a read-only scan
-(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until the daemon has
-nothing actionable left and every GPU is clean by the one verdict
-(:func:`gpuwatchd.decide.verdict.once_progress`, as ``run --once`` decides without a daemon:
-the memory back, no dead owner listed), until what is left will not change, or until
-``--timeout`` passes.
+(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until the daemon —
+by the plan in its state file — has nothing left under way and every GPU is clean by the one
+verdict (:func:`gpuwatchd.decide.verdict.once_progress`, as ``run --once`` decides without a
+daemon: the memory back, no dead owner listed), until what is left will not change, or until
+``--timeout`` passes. Should the daemon stop meanwhile, it says so and its caller goes on alone.
 
 While the daemon's state says a reset is under way, no scan is taken: the scan opens the GPUs
 through NVML, and the reset's final holder scan would see it and refuse.
@@ -22,6 +22,7 @@ from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
+from gpuwatchd.decide.plan import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import OnceStep, once_progress
 from gpuwatchd.escape import escape
@@ -35,12 +36,31 @@ def _as_map(value: object) -> Mapping[str, object]:
     return value if isinstance(value, Mapping) else {}
 
 
-def actionable_findings(report: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """The report's findings the daemon still has to act on: while there are, it is busy."""
+def daemon_busy(
+    state: Mapping[str, object], report: Mapping[str, object], dirty: set[str]
+) -> list[str]:
+    """What the daemon, by its state file, still has to do about the findings of ``report``
+    on the GPUs that are not clean (``dirty``, UUIDs): a finding it has not seen yet (it was
+    not polling since it appeared, or it takes an epilog's hand-over at its next poll), or one
+    with a ladder, a confirmation window or a reset under way (:func:`pending_keys`, as
+    ``run --once`` without a daemon asks its own plan). Empty: nothing it does will change the
+    GPUs that are not clean."""
+    try:
+        plan = PlanState.from_json(state.get("plan"))
+    except ValueError:
+        return ["the daemon's state cannot be read (yet)"]
     findings = report.get("findings")
-    if not isinstance(findings, list):
-        return []
-    return [_as_map(f) for f in findings if _as_map(f).get("actionable") is True]
+    keyed = {
+        str(f.get("key")): f
+        for f in (_as_map(item) for item in (findings if isinstance(findings, list) else []))
+        if f.get("gpu") in dirty and isinstance(f.get("key"), str)
+    }
+    busy = [
+        f"{describe_findings([keyed[key]])}: not seen by the daemon yet"
+        for key in sorted(set(keyed) - set(plan.seen))
+    ]
+    busy += [f"{describe_findings([keyed[k]])}: under way" for k in pending_keys(plan, keyed)]
+    return busy
 
 
 def describe_findings(findings: list[Mapping[str, object]]) -> str:
@@ -94,9 +114,9 @@ def wait_for_daemon(
     out: TextIO = sys.stderr,
     running: Callable[[Mapping[str, object]], bool] | None = None,
 ) -> int | None:
-    """Exit 0 as soon as the daemon has nothing actionable left and every GPU is clean; 75
-    naming what is left when that will not change, or at the timeout; 69 when NVML is
-    unavailable; None when the daemon has stopped meanwhile (the caller may go on alone).
+    """Exit 0 as soon as the daemon has nothing left under way (:func:`daemon_busy`) and every
+    GPU is clean; 75 naming what is left when that will not change, or at the timeout; 69 when
+    NVML is unavailable; None when the daemon has stopped meanwhile (the caller may go on alone).
     Never signals, resets or writes anything. ``running(state)`` says whether the instance
     that wrote ``state`` still runs (default: its PID is gpuwatchd now)."""
     read_state = peek or StateStore(policy.state_dir).peek
@@ -123,13 +143,8 @@ def wait_for_daemon(
                 why = verdict.unavailable if verdict is not None else None
                 out.write(f"gpuwatchd: {why or 'NVML did not answer within nvml_timeout'}\n")
                 return ExitCode.UNAVAILABLE
-            actionable = actionable_findings(result.report)
-            busy = (
-                [f"{len(actionable)} actionable finding(s): {describe_findings(actionable)}"]
-                if actionable
-                else []
-            )
-            step, left = once_progress(verdict, busy)
+            dirty = {g.uuid for g in verdict.gpus if not g.clean}
+            step, left = once_progress(verdict, daemon_busy(state, result.report, dirty))
             waited = format_duration(max(0.0, clock() - started))
             if step is OnceStep.DONE:
                 out.write(f"gpuwatchd: clean: every GPU, nothing left to act on (after {waited})\n")

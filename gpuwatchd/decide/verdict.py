@@ -420,7 +420,7 @@ class OnceStep(str, enum.Enum):
 
 def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, list[str]]:
     """Whether ``run --once`` is done, and what is left (one line each: ``busy`` first, then
-    each GPU that is not clean with its first reason).
+    each GPU that is not clean with its reasons' kinds and PIDs).
 
     ``busy`` describes what the acting side still has under way for the findings ``run
     --once`` watches (a ladder, a confirmation window, a reset). Done means nothing is under
@@ -432,7 +432,7 @@ def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, 
     been judged (``unavailable`` None).
     """
     dirty = [g for g in verdict.gpus if not g.clean]
-    left = [*busy, *(describe(g) for g in dirty)]
+    left = [*busy, *(_summary(g) for g in dirty)]
     if not busy and not dirty:
         return OnceStep.DONE, left
     if not busy and all(any(r.kind not in SETTLING for r in g.reasons) for g in dirty):
@@ -447,6 +447,14 @@ def describe(gpu: GpuVerdict) -> str:
     first = gpu.reasons[0]
     more = f" (and {len(gpu.reasons) - 1} more)" if len(gpu.reasons) > 1 else ""
     return f"GPU {gpu.index} {gpu.uuid}: {first.kind} {first.text}".rstrip() + more
+
+
+def _summary(gpu: GpuVerdict) -> str:
+    """``GPU 0 GPU-…: dead_process pid 4241, orphaned pid 4242``: every reason, briefly."""
+    reasons = ", ".join(
+        r.kind + (f" pid {r.pid}" if r.pid is not None else "") for r in gpu.reasons
+    )
+    return f"GPU {gpu.index} {gpu.uuid}: {reasons or gpu.state.value}"
 
 
 def not_clean(verdict: NodeVerdict, uuids: Iterable[str] | None = None) -> list[GpuVerdict]:

@@ -7,6 +7,7 @@ Whether a GPU is clean is decide/verdict.py's (tests/test_verdict.py); here: whi
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -212,14 +213,19 @@ ORPHAN = finding("orphaned", UUID0, pid=4242)
 DEAD = finding("dead_process", UUID0, pid=4241)
 
 
-def _as_status(state: dict[str, Any]) -> dict[str, Any]:
+def _as_status(state: Mapping[str, object]) -> Mapping[str, object]:
     status = state.get("status")
     return status if isinstance(status, dict) else {}
 
 
 def test_once_exits_0_once_nothing_is_under_way_and_every_gpu_is_clean() -> None:
     # The worker is gone; the driver still lists its dead owner for a moment.
-    scans = [report(ORPHAN, DEAD), report(ORPHAN, DEAD), report(DEAD), report()]
+    scans: list[dict[str, Any] | None] = [
+        report(ORPHAN, DEAD),
+        report(ORPHAN, DEAD),
+        report(DEAD),
+        report(),
+    ]
     states = [daemon(DEAD, under_way=(ORPHAN,)), daemon(DEAD, under_way=(ORPHAN,)), daemon(DEAD)]
     fakes = Fakes(scans, states)
     assert fakes.run(timeout=60) == 0

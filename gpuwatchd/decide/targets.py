@@ -4,7 +4,9 @@ This module owns target selection for ``plan``: ``rule_for`` (the first policy r
 ``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of
 docs/design-notes.md §10, which no configuration lowers, then ``protect``, then an identity that
 cannot be told apart from PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or
-PCI bus id) and
+PCI bus id),
+``protect_match`` (what in ``protect`` positively names a process: the clean verdict,
+``decide/verdict.py``, never counts such a process as dirt) and
 ``process_facts`` (what a target's intents and events say about it). The semantics are documented
 in ``docs/escalation.md``.
 

@@ -39,8 +39,9 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanResult, PlanState, pending
+from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
 from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
@@ -52,10 +53,11 @@ from gpuwatchd.pause import (
     read_ended_jobs,
     read_pause,
     take_clear_latches,
+    withdraw_ended_jobs,
 )
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import STATE_FILE_VERSION, EventName, ExitCode
+from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -64,7 +66,7 @@ T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
-ENDED_JOB_GRACE = 60.0  # seconds a handed-over --ended-job outlives the epilog's wait
+ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
 
 
@@ -95,6 +97,7 @@ class Daemon:
         once: bool = False,
         once_timeout: float = 600.0,
         ended_jobs: frozenset[str] = frozenset(),
+        ended_jobs_said: Mapping[str, int | None] | None = None,
         nvml_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -112,9 +115,13 @@ class Daemon:
             policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
         )
         self.nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
-        # run --once --ended-job: the scheduler's word, said now (it covers processes older).
+        # run --once --ended-job: the scheduler's word, said now (it covers processes older),
+        # or when an earlier instance of this run --once heard it (``ended_jobs_said``).
         said = boot_ticks_now()
-        self._own_ended_jobs: dict[str, int | None] = dict.fromkeys(sorted(ended_jobs), said)
+        self.own_ended_jobs: dict[str, int | None] = {
+            job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
+            for job in sorted(ended_jobs)
+        }
         self.collector = Collector(
             self.procfs,
             self.nvml,
@@ -124,7 +131,7 @@ class Daemon:
             cgroup_root=cgroup2_mount(),
             clock=clock,
             wall_clock=wall_clock,
-            ended_by_scheduler=self._own_ended_jobs,
+            ended_by_scheduler=self.own_ended_jobs,
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
@@ -169,6 +176,7 @@ class Daemon:
             maxlen=RECENT_ACTIONS
         )
         self.actions_seen = 0
+        self.last_action: float | None = None  # monotonic: the last action or target exit
         self.policy_rejected: dict[str, object] | None = None
 
     @property
@@ -261,11 +269,9 @@ class Daemon:
                         code = ExitCode.UNAVAILABLE
                         break
                     watched = frozenset(f.key for f in self.engine.findings)
-                if not pending(self.engine.state.plan, watched):
-                    break
-                if self.clock() - started >= self.once_timeout:
-                    log.warning(EventName.RUN_ONCE_TIMEOUT, pending=sorted(watched))
-                    code = ExitCode.TEMPFAIL
+                once = self._once_progress(watched, started)
+                if once is not None:
+                    code = once
                     break
             self._wait()
         self.notifier.notify("STOPPING=1")
@@ -274,6 +280,52 @@ class Daemon:
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
 
+    def _once_progress(self, watched: frozenset[str], started: float) -> ExitCode | None:
+        """``run --once``: its exit code when it is done (0: nothing under way for the
+        findings seen at its start or on a GPU that is not clean, and every GPU clean — the
+        memory back, no dead owner listed; 75: what is left will not change, or
+        ``--timeout``), else None (poll again)."""
+        waited = self.clock() - started
+        verdict = self.engine.last_verdict
+        # Under way: what was seen at the start, and whatever is being done about a GPU that
+        # is not clean now (a job another epilog handed over since, say).
+        dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
+        keys = watched | {f.key for f in self.engine.findings if f.gpu in dirty}
+        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, keys)]
+        snapshot = self.engine.last_snapshot
+        acted = self.last_action
+        if snapshot is not None and acted is not None and acted >= snapshot.monotonic:
+            busy.append("acted since the GPUs were last read: looking again")
+        if verdict is None or verdict.unavailable is not None:
+            why = verdict.unavailable if verdict is not None else None
+            step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
+        else:
+            step, left = once_progress(verdict, busy)
+        if step is OnceStep.DONE:
+            log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
+            return ExitCode.OK
+        code = ExitCode.TEMPFAIL
+        if verdict is not None and self._unproven_for_lack_of_privilege(verdict):
+            code = ExitCode.NOPERM  # as check-clean: nothing dirty, but nothing proven clean
+        if step is OnceStep.STUCK:
+            log.warning(
+                EventName.RUN_ONCE_UNRESOLVED, left=left, waited=round(waited, 3), exit_code=code
+            )
+            return code
+        if waited >= self.once_timeout:
+            pending = pending_keys(self.engine.state.plan, keys)
+            log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
+            return code
+        return None
+
+    def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
+        """No GPU is dirty, some are unknown because processes could not be inspected, and
+        this process lacks the capabilities to inspect them (run as root)."""
+        gpus = verdict.gpus
+        if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
+            return False
+        return bool(missing_capabilities(self.policy.proc_root))
+
     def _take_ended_jobs(self) -> None:
         """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
         remaining device holders are ``abandoned`` until the hand-over expires."""
@@ -281,7 +333,11 @@ class Daemon:
         if state_dir is None:
             return
         found = read_ended_jobs(
-            state_dir, self.wall_clock(), remove_stale=True, boot_id=self.procfs.boot_id()
+            state_dir,
+            self.wall_clock(),
+            waiting=self.procfs.is_running,
+            remove_stale=True,
+            boot_id=self.procfs.boot_id(),
         )
         for problem in found.problems:
             log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
@@ -297,7 +353,7 @@ class Daemon:
             )
             self._handed_over_limit = found.over_limit
         self._handed_jobs = frozenset(found.jobs)
-        self.collector.ended_by_scheduler = {**found.jobs, **self._own_ended_jobs}
+        self.collector.ended_by_scheduler = {**found.jobs, **self.own_ended_jobs}
 
     def _finish_notifications(self) -> None:
         """Give running and queued ``on_action`` hooks — and what finished commands left
@@ -536,7 +592,13 @@ class Daemon:
         return 5.0
 
     def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
-        status = describe_status(snapshot, assessment, self.engine.state.plan, self.policy.dry_run)
+        status = describe_status(
+            snapshot,
+            assessment,
+            self.engine.state.plan,
+            self.policy.dry_run,
+            self.engine.last_verdict,
+        )
         if self.policy_rejected is not None:
             status = f"policy rejected, running the previous one ({self.config_path}); {status}"
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
@@ -583,6 +645,7 @@ class Daemon:
         boot_id = self.procfs.boot_id()
         state = self.engine.state
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
+        verdict = self.engine.last_verdict
         key = (
             boot_id,
             state.assess,
@@ -590,6 +653,8 @@ class Daemon:
             state.reset_in_progress,
             self.actions_seen,
             self.policy_rejected,
+            # A GPU turning clean or not is news for `status` (its wording alone is not).
+            None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
         )
         # The status section's last_poll proves the daemon alive: refreshed once a minute on a
         # quiet node, so a quiet poll still costs no write most of the time.
@@ -618,6 +683,7 @@ class Daemon:
         """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
         actions, a rejected policy (shape documented in docs/operations.md)."""
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
+        verdict = self.engine.last_verdict
         nvml: dict[str, object] = {"state": "unknown", "error": None}
         if snapshot is not None:
             reading = snapshot.nvml
@@ -634,6 +700,8 @@ class Daemon:
             "nvml": nvml,
             "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
             "findings": len(assessment.findings) if assessment is not None else None,
+            # Each GPU clean for a new job? (decide/verdict.py, as check-clean says it)
+            "verdict": None if verdict is None else verdict.to_json(),
             "policy": list(self.policy.sources) or [self.config_path],
             "policy_rejected": self.policy_rejected,
             "recent_actions": list(self.recent_actions),
@@ -654,6 +722,8 @@ class _DaemonSink:
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
         self.log.emit(name, level, fields)
         self.daemon.metrics.observe(name, level, fields)
+        if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
+            self.daemon.last_action = self.daemon.clock()
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
             code = fields.get("returncode")
@@ -675,6 +745,12 @@ class _DaemonSink:
             )
 
 
+def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
+    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
+    fields = procfs.read_stat(os.getpid())
+    return None if fields is None else (os.getpid(), fields.starttime)
+
+
 def _os_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
@@ -683,7 +759,11 @@ def _os_error(exc: BaseException) -> str:
 
 
 def describe_status(
-    snapshot: Snapshot, assessment: Assessment, state: PlanState, dry_run: bool
+    snapshot: Snapshot,
+    assessment: Assessment,
+    state: PlanState,
+    dry_run: bool,
+    verdict: NodeVerdict | None = None,
 ) -> str:
     """The one-line ``systemctl status`` text."""
     reading = snapshot.nvml
@@ -695,6 +775,9 @@ def describe_status(
     lost = [g for g in reading.gpus if g.lost]
     if lost:
         parts.append(f"{len(lost)} lost (needs reboot)")
+    if verdict is not None and verdict.unavailable is None:
+        dirty = sum(1 for g in verdict.gpus if not g.clean)
+        parts.append(f"{dirty} not clean" if dirty else "all clean")
     count = len(assessment.findings)
     parts.append(f"{count} finding{'s' if count != 1 else ''}")
     ladders = list(state.ladders.values())
@@ -745,41 +828,98 @@ def run_daemon(
         ended_jobs=ended_jobs,
     )
     try:
-        return daemon.run()
-    except AlreadyRunning:
+        try:
+            return daemon.run()
+        except AlreadyRunning:
+            pass
         # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
         # only watches the daemon's progress until nothing is left to act on.
-        from gpuwatchd.cli.once import wait_for_daemon
-
-        if ended_jobs:
-            # The running daemon takes the scheduler's word from the state folder at its next
-            # poll (and so does the waiter's scan), for as long as this wait may last.
-            until = time.time() + once_timeout + ENDED_JOB_GRACE
-            try:
-                said = min(
-                    (t for t in daemon._own_ended_jobs.values() if t is not None), default=None
-                )
-                hand_over_ended_jobs(
-                    daemon.store.directory(),
-                    ended_jobs,
-                    until=until,
-                    said_at=said,
-                    boot_id=daemon.procfs.boot_id(),
-                )
-            except OSError as exc:
-                print(
-                    f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
-                    file=sys.stderr,
-                )
-            else:
-                print(
-                    "gpuwatchd: handed to the running daemon: "
-                    f"{', '.join(sorted(ended_jobs))} ended",
-                    file=sys.stderr,
-                )
-        return wait_for_daemon(daemon.policy, once_timeout)
+        return _once_beside_the_daemon(
+            policy,
+            daemon,
+            config_path=config_path,
+            dry_run=dry_run,
+            once_timeout=once_timeout,
+            ended_jobs=ended_jobs,
+        )
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
             log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
             return ExitCode.NOPERM
         raise
+
+
+def _once_beside_the_daemon(
+    policy: Policy,
+    refused: Daemon,
+    *,
+    config_path: str,
+    dry_run: bool,
+    once_timeout: float,
+    ended_jobs: frozenset[str],
+) -> int:
+    """``run --once`` while another instance holds the lock: hand the ended jobs over, wait for
+    its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
+    another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
+    from gpuwatchd.cli.once import wait_for_daemon
+
+    deadline = time.monotonic() + once_timeout
+    waiter = _own_identity(refused.procfs)
+    handed: StateDir | None = None
+    if ended_jobs:
+        # The running daemon takes the scheduler's word from the state folder at its next
+        # poll (and so does the waiter's scan) while this process waits, and no longer; the
+        # word covers only processes older than when it was said (this process's start).
+        until = time.time() + once_timeout + ENDED_JOB_GRACE
+        said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
+        try:
+            if waiter is None:
+                raise OSError("this process's own start time cannot be read")
+            state_dir = refused.store.directory()
+            hand_over_ended_jobs(
+                state_dir,
+                ended_jobs,
+                until=until,
+                waiter=waiter,
+                said_at=said,
+                boot_id=refused.procfs.boot_id(),
+            )
+        except OSError as exc:
+            print(
+                f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+                file=sys.stderr,
+            )
+        else:
+            handed = state_dir
+            print(
+                f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
+                file=sys.stderr,
+            )
+    try:
+        while True:
+            code = wait_for_daemon(refused.policy, max(0.0, deadline - time.monotonic()))
+            if code is not None:
+                return code
+            print(
+                "gpuwatchd: the instance that held the lock has stopped; going on alone",
+                file=sys.stderr,
+            )
+            successor = Daemon(
+                policy,
+                config_path=config_path,
+                dry_run=dry_run,
+                once=True,
+                once_timeout=max(0.0, deadline - time.monotonic()),
+                ended_jobs=ended_jobs,
+                # The scheduler said it when this epilog started, not now: the successor's
+                # word covers the same processes (only those older than it).
+                ended_jobs_said=refused.own_ended_jobs,
+            )
+            try:
+                return successor.run()
+            except AlreadyRunning:
+                # Another instance took the lock first: wait for it in turn.
+                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
+    finally:
+        if handed is not None and waiter is not None:
+            withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)

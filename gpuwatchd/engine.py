@@ -24,6 +24,11 @@ exit), then reports exits with :meth:`Engine.note_exits` and calls :meth:`Engine
 Lifecycle — lock, signals, sd_notify and the watchdog, reload, the state file — is the
 daemon's (``gpuwatchd/daemon.py``); the virtual world and its timeline are ``cli/simulate.py``'s.
 See docs/architecture.md.
+
+This module is long (about 670 lines) because the cycle and the carrying out of its intents
+(signals, the reset procedure, hooks, a step withheld while the state cannot be saved, the
+admin's switches) share one state and one order of events: split, the cycle would be written
+twice.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.model import (
     Finding,
     GpuInfo,
@@ -233,6 +239,8 @@ class Engine:
         )
         self.last_snapshot: Snapshot | None = None
         self.last_assessment: Assessment | None = None
+        # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
+        self.last_verdict: NodeVerdict | None = None
         self._paused_reason: str | None = None
 
     # --- the cycle ----------------------------------------------------------------------------
@@ -251,6 +259,7 @@ class Engine:
         )
         state.assess = assessment.state
         self.last_assessment = assessment
+        self.last_verdict = judge(snapshot, assessment, self.policy)
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
         # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(

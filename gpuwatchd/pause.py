@@ -4,10 +4,14 @@
 --clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
 to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
 beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
-(one per job, so two epilogs never overwrite each other), each with an expiry and when it was
-said (clock ticks of this boot: it covers only processes older than that); every scan reads
-them, and the daemon removes them once expired. This module only reads and writes those files;
-what pausing or an ended job means is the planner's and assess's business.
+(one per job, so two epilogs never overwrite each other), each naming the epilog's waiting
+process (PID and start ticks), when the scheduler's word was said (clock ticks of this boot:
+it covers only processes older than that) and an expiry. A hand-over counts only while that
+process still waits — so it is taken for the job it names and for that epilog alone, never by
+a later run for another job (a requeued Slurm job keeps its id) — and the waiter withdraws it
+when its wait ends; every scan reads them, and the daemon removes those whose waiter is gone
+or that expired. This module only reads and writes those files; what pausing or an ended job
+means is the planner's and assess's business.
 
 Every function takes an open :class:`gpuwatchd.statedir.StateDir`, so the files are reached
 the one checked way: relative to ``state_dir``, never through a symbolic link, regular files
@@ -21,7 +25,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
@@ -83,31 +87,65 @@ def hand_over_ended_jobs(
     jobs: Iterable[str],
     *,
     until: float,
+    waiter: tuple[int, int],
     said_at: int | None = None,
     boot_id: str | None = None,
 ) -> None:
-    """Tell the running daemon (and every scan) that ``jobs`` ended, until wall time ``until``.
+    """Tell the running daemon (and every scan) that ``jobs`` ended, while ``waiter`` (the
+    epilog's own PID and start ticks) waits, and never past wall time ``until``.
 
     ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them (at
     most :data:`MAX_ENDED_JOBS`, as ``run --once`` accepts). Each gets a file of its own,
-    written atomically; a second hand-over of the same job extends it. ``said_at`` is when, in
-    clock ticks since boot ``boot_id`` (the unit of a process's start time): the word covers
+    written atomically; a second hand-over of the same job takes it over. ``said_at`` is when,
+    in clock ticks since boot ``boot_id`` (the unit of a process's start time): the word covers
     only processes that started before it.
     """
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
+    pid, ticks = waiter
     for job in chosen:
         body = json.dumps(
             {
                 "job": job,
                 "until": until,
                 "by_uid": os.getuid(),
+                "waiter": [pid, ticks],
                 "said_at_ticks": said_at,
                 "boot_id": boot_id,
             }
         )
         state_dir.write(_ended_job_file(job), (body + "\n").encode("utf-8"))
+
+
+def withdraw_ended_jobs(
+    state_dir: StateDir, jobs: Iterable[str], *, waiter: tuple[int, int]
+) -> None:
+    """The epilog's wait is over: remove its hand-overs (those that still name ``waiter``; a
+    later epilog's hand-over of the same job is its own)."""
+    for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
+        name = _ended_job_file(job)
+        try:
+            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
+            if _waiter(data) != waiter:
+                continue
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            continue
+        state_dir.remove(name)
+
+
+def _waiter(data: object) -> tuple[int, int]:
+    """The waiting epilog a hand-over names: (PID, start ticks); ValueError when malformed."""
+    raw = data.get("waiter") if isinstance(data, dict) else None
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+        or not 0 < raw[0] < 1 << 31
+        or not 0 <= raw[1] < 1 << 62
+    ):
+        raise ValueError("no waiting process named")
+    return raw[0], raw[1]
 
 
 @dataclass(frozen=True)
@@ -136,18 +174,23 @@ def read_ended_jobs(
     state_dir: StateDir,
     now: float,
     *,
+    waiting: Callable[[int, int], bool],
     remove_stale: bool = False,
     boot_id: str | None = None,
 ) -> HandOvers:
-    """The jobs handed over and not yet expired at wall time ``now``, with when each was said
-    (see :class:`HandOvers`; ``boot_id`` is this boot's), and what was wrong.
+    """The jobs handed over whose epilog still waits, not expired at wall time ``now``, with
+    when each was said (see :class:`HandOvers`; ``boot_id`` is this boot's), and what was
+    wrong.
 
-    Hostile input: a file that is not a small trusted regular file, not JSON of the written
-    shape, names a job key that :func:`scheduler_ended_job` would not return, or has an expiry
-    more than a day ahead is ignored and named in the problems. With ``remove_stale`` (the
-    daemon) expired and bad files are removed, so nothing is honoured twice across restarts
-    by mistake and nothing piles up. At most :data:`MAX_ENDED_JOBS` are honoured; a valid
-    hand-over beyond that is never removed, only counted in ``over_limit``.
+    ``waiting(pid, start_ticks)`` says whether the epilog a hand-over names still runs (the
+    same process: PID and start ticks). Hostile input: a file that is not a small trusted
+    regular file, not JSON of the written shape, names a job key that
+    :func:`scheduler_ended_job` would not return or no waiting process, or has an expiry more
+    than a day ahead is ignored and named in the problems. With ``remove_stale`` (the daemon)
+    expired and bad files, and those whose epilog is gone, are removed, so nothing is honoured
+    twice across restarts by mistake and nothing piles up. At most :data:`MAX_ENDED_JOBS` are
+    honoured; a valid hand-over beyond that (its epilog still waiting) is never removed, only
+    counted in ``over_limit``.
     """
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
@@ -168,12 +211,13 @@ def read_ended_jobs(
                 raise ValueError("expiry more than a day ahead")
             if name != _ended_job_file(job):
                 raise ValueError("file name does not match the job")
+            waiter = _waiter(data)
         except FileNotFoundError:
             continue  # removed since the listing
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             problems.append(f"{name}: {err}")
         else:
-            if until >= now:
+            if until >= now and waiting(*waiter):
                 valid.append((job, _said_at(data, boot_id)))
                 continue
         if remove_stale:

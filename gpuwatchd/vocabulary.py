@@ -25,12 +25,14 @@ __all__ = [
     "SIGNAL_OUTCOME_LEVELS",
     "STATE_FILE_VERSION",
     "ActionOutcome",
+    "Cleanliness",
     "EventName",
     "ExitCode",
     "HolderRoleName",
     "HookName",
     "IllegalTransition",
     "LadderStatus",
+    "LeftoverName",
     "Level",
     "ResetResult",
     "SignalOutcome",
@@ -118,6 +120,8 @@ class EventName(_Name):
     DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
     DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
+    RUN_ONCE_DONE = "run_once.done"
+    RUN_ONCE_UNRESOLVED = "run_once.unresolved"
     SCHEDULER_ENDED_JOB = "scheduler.ended_job"
     SCHEDULER_ENDED_JOBS_OVER_LIMIT = "scheduler.ended_jobs_over_limit"
     CONFIG_RELOADED = "config.reloaded"
@@ -251,6 +255,24 @@ class HolderRoleName(_Name):
     HIDDEN = "hidden"  # holds the GPU, owns no context, nothing explains it
     STUCK = "stuck"  # in D state
     UNKNOWN = "unknown"  # listed by NVML, but whether it holds the GPU cannot be told
+
+
+class Cleanliness(_Name):
+    """The verdict on one GPU: may it be handed to a new job? (decide/verdict.py)"""
+
+    CLEAN = "clean"  # nothing left behind; what would block a reset is said apart
+    DIRTY = "dirty"  # something is left behind, or the driver asks for a reset, reboot or drain
+    UNKNOWN = "unknown"  # cannot be told (a holder unreadable or unexplained): not clean either
+
+
+class LeftoverName(_Name):
+    """Why a GPU is not clean, where no finding kind says it (decide/verdict.py)."""
+
+    LOST = "lost"  # NVML reports the GPU lost
+    LEFTOVER_MEMORY = "leftover_memory"  # allocated above the idle baseline, no live owner's
+    UNKNOWN_HOLDER = "unknown_holder"  # a holder whose role could not be told
+    UNREADABLE = "unreadable"  # a process whose fds or maps could not be read
+    PROCESSES_UNKNOWN = "processes_unknown"  # NVML could not list the GPU's processes
 
 
 class ExitCode(enum.IntEnum):

@@ -711,6 +711,8 @@ def host_leak_before_watch(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             detection={"orphans_without_history": True},
             log={"format": "json"},
         )
+        # As the driver does: the memory comes back a moment after its last holder is gone.
+        host.free_when_gone(["worker"], [gpu(0)], delay=1.0)
         once = host.gpuwatchd("run", "--once", "--timeout", "30s", "--config", str(opt_in))
         host.reap()
         return {
@@ -767,15 +769,10 @@ def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, An
                 ],
             )
         pids = host.wait_ready("stepd41", "stepd42", "task41", "task42")
-        # Beside the daemon the waiter asks about the whole node, and the fake NVML would keep
-        # reporting GPU 1's memory after its holder died (a real driver frees it): ghost memory.
-        leftover = 2 * MiB if arg.get("daemon") else GiB
-        host.nvml(
-            [
-                gpu(0, allocated=GiB, processes=[process(pids["task41"], GiB)]),
-                gpu(1, allocated=leftover),
-            ]
-        )
+        job41 = gpu(0, allocated=GiB, processes=[process(pids["task41"], GiB)])
+        host.nvml([job41, gpu(1, allocated=GiB)])
+        # As the driver does: GPU 1's memory comes back a moment after task 42 is gone.
+        host.free_when_gone(["task42"], [job41, gpu(1)], delay=0.5)
         rule = {
             "name": "ended-jobs",
             "kind": "abandoned",
@@ -839,7 +836,7 @@ def test_epilog_ended_job_makes_its_holders_abandoned_for_that_run(
         assert signalled == {result["pids"]["task42"]}
         names = [e.get("event") for e in events]
         assert names.index("scheduler.ended_job") < names.index("action.signal")
-        assert len(result["handed_over"]) == 1  # not expired yet: the daemon keeps it
+        assert result["handed_over"] == []  # withdrawn when the epilog's wait ended
     assert result["bad_code"] == 78
     assert "'4x2' is not a valid slurm id" in result["bad_err"]
     assert result["once_code"] == 0, result["once_output"]

@@ -276,13 +276,19 @@ def host_requeued_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )  # fmt: skip
         pids = host.wait_ready("stepd_old", "old_task")
         idle = 2 * MiB  # no memory nobody owns: the epilog waits for the job's leftovers only
-        host.nvml([gpu(0, allocated=idle), gpu(1, allocated=idle)])
+        # NVML lists the old task's context; after it is killed the driver keeps listing the
+        # dead owner (until this test says otherwise), so the epilog is still waiting — and its
+        # hand-over still counts — while Slurm requeues the job.
+        host.nvml(
+            [gpu(0, allocated=GiB, processes=[process(pids["old_task"], GiB)]),
+             gpu(1, allocated=idle)]
+        )  # fmt: skip
         run = Run(host, rules=[ABANDONED_RULE])
         run.start()
         run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
-        # The epilog of the first run: "job 42 ended" (handed to the daemon, valid 90 s).
-        epilog = host.gpuwatchd(
-            "run", "--once", "--ended-job", "slurm:42", "--timeout", "30s",
+        # The epilog of the first run: "job 42 ended", handed to the daemon while it waits.
+        epilog = host.start_daemon(
+            "run", "--once", "--ended-job", "slurm:42", "--timeout", "60s",
             "--config", str(run.config),
         )  # fmt: skip
         old_gone = run.wait_for(lambda: host.state_of(pids["old_task"]) is None, timeout=20)
@@ -298,20 +304,33 @@ def host_requeued_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         pids.update(host.wait_ready("stepd_new", "new_task"))
         host.nvml(
             [
-                gpu(0, allocated=idle),
+                gpu(0, allocated=GiB, processes=[process(pids["old_task"], GiB)]),
                 gpu(1, allocated=GiB, processes=[process(pids["new_task"], GiB)]),
             ]
         )
         time.sleep(5)  # many polls while the hand-over is still valid
         handed = [p.name for p in host.state_dir.glob("ended-job-*")]
+        epilog_waiting = epilog.poll() is None
+        # The driver has torn the dead context down: the epilog is done, and withdraws.
+        host.nvml(
+            [
+                gpu(0, allocated=idle),
+                gpu(1, allocated=GiB, processes=[process(pids["new_task"], GiB)]),
+            ]
+        )
+        output, _ = epilog.communicate(timeout=60)
+        withdrawn = [p.name for p in host.state_dir.glob("ended-job-*")]
+        new_alive = host.alive(pids["new_task"])
         run.stop()
         return {
             "pids": pids,
             "epilog": epilog.returncode,
-            "epilog_output": epilog.stdout + epilog.stderr,
+            "epilog_output": output,
+            "epilog_waiting": epilog_waiting,
             "old_gone": old_gone,
             "handed": handed,
-            "new_alive": host.alive(pids["new_task"]),
+            "withdrawn": withdrawn,
+            "new_alive": new_alive,
             "signals": signals(run),
         }
 
@@ -320,7 +339,9 @@ def test_an_epilogs_word_never_ends_a_requeued_run_of_the_same_job(
     open_root: Path, cgroup_base: Path
 ) -> None:
     """Before: the hand-over said "slurm:42 ended" for its whole validity, so the requeued
-    run's task (younger than the word, its own slurmstepd alive) was abandoned and killed."""
+    run's task (younger than the word, its own slurmstepd alive) was abandoned and killed.
+    Here the requeue comes while the first run's epilog still waits (its hand-over counts):
+    the word covers only processes older than it."""
     result = run_in_pid_namespace(
         f"{__name__}:host_requeued_job",
         {"cgroup_base": str(cgroup_base)},
@@ -329,7 +350,9 @@ def test_an_epilogs_word_never_ends_a_requeued_run_of_the_same_job(
     )
     assert result["epilog"] == 0, result["epilog_output"]
     assert result["old_gone"] is True  # the first run's leftover: older than the word
+    assert result["epilog_waiting"] is True, result["epilog_output"]
     assert result["handed"], "the hand-over was still valid during the requeued run"
+    assert result["withdrawn"] == [], "the epilog withdraws its hand-over when its wait ends"
     assert result["new_alive"] is True
     assert result["pids"]["new_task"] not in {s["pid"] for s in result["signals"]}
 

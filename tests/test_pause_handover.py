@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,16 +22,46 @@ from gpuwatchd.pause import (
     HandOvers,
     hand_over_ended_jobs,
     read_ended_jobs,
+    withdraw_ended_jobs,
 )
 from gpuwatchd.statedir import StateDir
 
 NOW = 1_800_000_000.0
+EPILOG = (4242, 987654)  # the waiting epilog: PID and start ticks
+LATER = (4242, 999999)  # another process that got the same PID later
+
+
+def waiting(pid: int, ticks: int) -> bool:
+    """The epilog :data:`EPILOG` still waits; nothing else runs."""
+    return (pid, ticks) == EPILOG
+
+
+def hand_over(
+    state: StateDir,
+    jobs: list[str],
+    until: float,
+    waiter: tuple[int, int] = EPILOG,
+    **said: object,
+) -> None:
+    hand_over_ended_jobs(state, jobs, until=until, waiter=waiter, **said)  # type: ignore[arg-type]
+
+
+def read(
+    state: StateDir, now: float, *, remove_stale: bool = False, boot_id: str | None = None
+) -> HandOvers:
+    return read_ended_jobs(state, now, waiting=waiting, remove_stale=remove_stale, boot_id=boot_id)
 
 
 @pytest.fixture
 def state(tmp_path: Path) -> Iterator[StateDir]:
     with StateDir.open(str(tmp_path)) as directory:
         yield directory
+
+
+def _own_start_ticks() -> int:
+    """This process's start time in clock ticks (/proc/self/stat, field 22)."""
+    stat = Path("/proc/self/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[19])
 
 
 def files(d: Path) -> list[str]:
@@ -40,25 +71,25 @@ def files(d: Path) -> list[str]:
 def test_a_hand_over_is_read_until_it_expires_and_then_removed_by_the_daemon(
     tmp_path: Path, state: StateDir
 ) -> None:
-    hand_over_ended_jobs(state, ["slurm:42", "pod:abc-1"], until=NOW + 60)
+    hand_over(state, ["slurm:42", "pod:abc-1"], NOW + 60)
     assert len(files(tmp_path)) == 2
-    found = read_ended_jobs(state, NOW)
+    found = read(state, NOW)
     assert found == HandOvers({"slurm:42": None, "pod:abc-1": None}, (), 0)
     # A scan only reads; the daemon removes what expired.
-    assert not read_ended_jobs(state, NOW + 61).jobs
+    assert not read(state, NOW + 61).jobs
     assert len(files(tmp_path)) == 2
-    assert not read_ended_jobs(state, NOW + 61, remove_stale=True).jobs
+    assert not read(state, NOW + 61, remove_stale=True).jobs
     assert files(tmp_path) == []
 
 
 def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
     tmp_path: Path, state: StateDir
 ) -> None:
-    hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 10)
-    hand_over_ended_jobs(state, ["slurm:2"], until=NOW + 10)
-    hand_over_ended_jobs(state, ["slurm:1"], until=NOW + 100)
-    assert set(read_ended_jobs(state, NOW + 50).jobs) == {"slurm:1"}
-    assert set(read_ended_jobs(state, NOW).jobs) == {"slurm:1", "slurm:2"}
+    hand_over(state, ["slurm:1"], NOW + 10)
+    hand_over(state, ["slurm:2"], NOW + 10)
+    hand_over(state, ["slurm:1"], NOW + 100)
+    assert set(read(state, NOW + 50).jobs) == {"slurm:1"}
+    assert set(read(state, NOW).jobs) == {"slurm:1", "slurm:2"}
 
 
 @pytest.mark.parametrize(
@@ -72,15 +103,24 @@ def test_two_epilogs_never_overwrite_each_other_and_a_second_hand_over_extends(
         (json.dumps({"job": "slurm:7", "until": True}).encode(), "no expiry"),
         (json.dumps({"job": "slurm:7", "until": NOW + 7 * 86400}).encode(), "a day ahead"),
         (json.dumps({"job": "slurm:8", "until": NOW + 5}).encode(), "does not match"),
+        (json.dumps({"job": "slurm:7", "until": NOW + 5}).encode(), "no waiting process"),
+        (
+            json.dumps({"job": "slurm:7", "until": NOW + 5, "waiter": [0, 1]}).encode(),
+            "no waiting process",
+        ),
+        (
+            json.dumps({"job": "slurm:7", "until": NOW + 5, "waiter": [1, True]}).encode(),
+            "no waiting process",
+        ),
     ],
 )
 def test_a_bad_hand_over_is_ignored_named_and_removed(
     tmp_path: Path, state: StateDir, body: bytes, why: str
 ) -> None:
-    hand_over_ended_jobs(state, ["slurm:7"], until=NOW + 5)
+    hand_over(state, ["slurm:7"], NOW + 5)
     (name,) = files(tmp_path)
     (tmp_path / name).write_bytes(body)
-    found = read_ended_jobs(state, NOW, remove_stale=True)
+    found = read(state, NOW, remove_stale=True)
     assert not found.jobs
     assert len(found.problems) == 1
     assert found.problems[0].startswith(name)
@@ -93,7 +133,7 @@ def test_a_link_or_a_folder_is_not_followed(tmp_path: Path, state: StateDir) -> 
     secret.write_text(json.dumps({"job": "slurm:9", "until": NOW + 5}))
     os.symlink(secret, tmp_path / f"{ENDED_JOB_PREFIX}link")
     (tmp_path / f"{ENDED_JOB_PREFIX}dir").mkdir()
-    found = read_ended_jobs(state, NOW)
+    found = read(state, NOW)
     assert not found.jobs
     assert len(found.problems) == 2
 
@@ -105,15 +145,15 @@ def test_over_the_limit_valid_hand_overs_wait_and_are_never_removed(
     waits (counted) until others expire; only expired or bad files are ever removed."""
     jobs = [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 10)]
     for job in jobs:  # one epilog each
-        hand_over_ended_jobs(state, [job], until=NOW + 5)
-    found = read_ended_jobs(state, NOW, remove_stale=True)
+        hand_over(state, [job], NOW + 5)
+    found = read(state, NOW, remove_stale=True)
     assert len(found.jobs) == MAX_ENDED_JOBS
     assert found.over_limit == 10
     assert len(files(tmp_path)) == MAX_ENDED_JOBS + 10, "no valid hand-over is dropped"
     honoured = found.jobs
     for job in sorted(honoured)[:10]:  # ten of the honoured ones expire
-        hand_over_ended_jobs(state, [job], until=NOW + 1)
-    later = read_ended_jobs(state, NOW + 2, remove_stale=True)
+        hand_over(state, [job], NOW + 1)
+    later = read(state, NOW + 2, remove_stale=True)
     assert later.over_limit == 0
     assert set(later.jobs) == set(jobs) - set(sorted(honoured)[:10])
 
@@ -121,8 +161,9 @@ def test_over_the_limit_valid_hand_overs_wait_and_are_never_removed(
 def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
     tmp_path: Path, state: StateDir
 ) -> None:
+    me = (os.getpid(), _own_start_ticks())  # the daemon asks whether the waiter still runs
     for i in range(MAX_ENDED_JOBS + 3):
-        hand_over_ended_jobs(state, [f"slurm:{i}"], until=NOW + 60)
+        hand_over(state, [f"slurm:{i}"], NOW + 60, waiter=me)
     policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
     daemon = Daemon(policy, config_path="/nonexistent/gpuwatchd.yaml", wall_clock=lambda: NOW)
     with capture_logs() as logs:
@@ -138,14 +179,100 @@ def test_the_daemon_reports_waiting_hand_overs_when_their_number_changes(
 
 def test_more_than_the_limit_at_once_is_refused_not_cut(state: StateDir) -> None:
     with pytest.raises(ValueError, match="at most"):
-        hand_over_ended_jobs(state, [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 1)], until=NOW)
+        hand_over(state, [f"slurm:{i}" for i in range(MAX_ENDED_JOBS + 1)], NOW)
 
 
 def test_a_hand_over_says_when_and_in_which_boot_it_was_said(state: StateDir) -> None:
     """The word covers only processes older than it (assess), so it carries its time in
     boot ticks; a word from another boot, or one without a time, covers nothing (None)."""
-    hand_over_ended_jobs(state, ["slurm:42"], until=NOW + 5, said_at=777, boot_id="b1")
-    hand_over_ended_jobs(state, ["slurm:43"], until=NOW + 5)  # an older writer's file
-    assert read_ended_jobs(state, NOW, boot_id="b1").jobs == {"slurm:42": 777, "slurm:43": None}
-    assert read_ended_jobs(state, NOW, boot_id="b2").jobs["slurm:42"] is None
-    assert read_ended_jobs(state, NOW).jobs["slurm:42"] is None  # this boot unknown
+    hand_over(state, ["slurm:42"], NOW + 5, said_at=777, boot_id="b1")
+    hand_over(state, ["slurm:43"], NOW + 5)  # an older writer's file
+    assert read(state, NOW, boot_id="b1").jobs == {"slurm:42": 777, "slurm:43": None}
+    assert read(state, NOW, boot_id="b2").jobs["slurm:42"] is None
+    assert read(state, NOW).jobs["slurm:42"] is None  # this boot unknown
+
+
+def test_a_hand_over_counts_only_while_its_epilog_waits_and_never_for_a_later_run(
+    tmp_path: Path, state: StateDir
+) -> None:
+    """Job 42's epilog handed over and its wait ended without withdrawing (killed): a later
+    run — job 43's epilog, or job 42 requeued under the same id — must not take it."""
+    hand_over(state, ["slurm:42"], NOW + 600)
+    assert set(read(state, NOW).jobs) == {"slurm:42"}
+    gone = read_ended_jobs(state, NOW, waiting=lambda pid, ticks: False)
+    assert gone == HandOvers({}, (), 0)  # not a problem, not waiting over the limit: only over
+    assert len(files(tmp_path)) == 1  # a scan changes nothing
+    reused = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) == LATER)
+    assert not reused.jobs  # the PID alone is not the epilog
+    read_ended_jobs(state, NOW, waiting=lambda pid, ticks: False, remove_stale=True)
+    assert files(tmp_path) == []  # the daemon removes it
+
+
+def test_the_epilog_withdraws_its_own_hand_over_and_only_its_own(
+    tmp_path: Path, state: StateDir
+) -> None:
+    hand_over(state, ["slurm:42", "slurm:43"], NOW + 600)
+    hand_over(state, ["slurm:43"], NOW + 600, waiter=LATER)  # a second epilog's
+    withdraw_ended_jobs(state, ["slurm:42", "slurm:43"], waiter=EPILOG)
+    assert len(files(tmp_path)) == 1
+    found = read_ended_jobs(state, NOW, waiting=lambda p, t: (p, t) == LATER)
+    assert found == HandOvers({"slurm:43": None}, (), 0)
+
+
+def test_a_waiting_epilogs_word_still_covers_only_processes_older_than_it(
+    state: StateDir,
+) -> None:
+    """Both rules at once: the waiter decides whether the hand-over counts at all, its said
+    time (in this boot) which processes it covers."""
+    hand_over(state, ["slurm:42"], NOW + 600, said_at=5_000, boot_id="b1")
+    assert read(state, NOW, boot_id="b1").jobs == {"slurm:42": 5_000}
+    assert read_ended_jobs(state, NOW, waiting=lambda p, t: False, boot_id="b1").jobs == {}
+
+
+def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
+    tmp_path: Path, state: StateDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run --once --ended-job`` beside an instance that stops mid-wait takes the lock and
+    goes on alone: its word still dates from when the epilog heard it (covering only processes
+    older than that), never from the moment it took over; its hand-over named it as the waiter
+    and is withdrawn when it is done."""
+    from gpuwatchd import daemon as daemon_module
+    from gpuwatchd.cli import once as once_module
+
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
+    refused = Daemon(
+        policy,
+        config_path="/nonexistent/gpuwatchd.yaml",
+        once=True,
+        ended_jobs=frozenset({"slurm:42"}),
+        ended_jobs_said={"slurm:42": 777},
+    )
+    seen: dict[str, object] = {}
+
+    def stopped_meanwhile(policy: object, timeout: float) -> None:
+        found = read_ended_jobs(
+            state,
+            time.time(),
+            waiting=lambda p, t: p == os.getpid(),
+            boot_id=refused.procfs.boot_id(),
+        )
+        seen["handed"] = dict(found.jobs)
+
+    def successor_run(self: Daemon) -> int:
+        seen["successor"] = dict(self.own_ended_jobs)
+        return 0
+
+    monkeypatch.setattr(once_module, "wait_for_daemon", stopped_meanwhile)
+    monkeypatch.setattr(Daemon, "run", successor_run)
+    code = daemon_module._once_beside_the_daemon(
+        policy,
+        refused,
+        config_path="/nonexistent/gpuwatchd.yaml",
+        dry_run=True,
+        once_timeout=30.0,
+        ended_jobs=frozenset({"slurm:42"}),
+    )
+    assert code == 0
+    assert seen == {"handed": {"slurm:42": 777}, "successor": {"slurm:42": 777}}
+    assert files(tmp_path) == []  # withdrawn
+    refused.store.close()

@@ -706,32 +706,15 @@ def test_epilog_beside_the_daemon_exits_0_after_a_job_and_drains_nothing(slurm: 
 
 
 def test_epilog_and_prolog_refuse_a_gpu_that_stays_dirty(slurm: Container) -> None:
-    """A process nothing explains holds GPU 1 (report-only: the daemon never acts on it): the
-    epilog exits non-zero and drains naming GPU 1 and the finding; the prolog refuses it; a job
-    on GPU 0 still starts, and our drain stays while GPU 1 is dirty."""
+    """The driver asks to stop placing work on GPU 1 (recovery action DRAIN_P2P: the daemon
+    never acts on it, and a process that merely holds a GPU is no dirt since the one verdict,
+    issue 21): the epilog exits non-zero and drains naming GPU 1 and the finding; the prolog
+    refuses it; a job on GPU 0 still starts, and our drain stays while GPU 1 is dirty."""
     ct = slurm
-    ct.nvml(idle_gpus())
-    holder = "gpuwatchd-it-slurm-holder"
-    ct.run(
-        [
-            "systemd-run",
-            f"--unit={holder}",
-            "--quiet",
-            "sh",
-            "-c",
-            f"exec 3<{CI_DIR}/dev/nvidia1; exec sleep 600",
-        ]
-    )
+    ct.nvml([gpu(0), {**gpu(1), "recovery_action": 3}])
     try:
-
-        def holding() -> bool:
-            pid = ct.run(["systemctl", "show", "-p", "MainPID", "--value", holder]).stdout
-            link = ct.run(["readlink", f"/proc/{pid.strip()}/fd/3"], check=False).stdout
-            return link.strip() == f"{CI_DIR}/dev/nvidia1"
-
-        wait_for("the holder to hold GPU 1", holding, timeout=15)
         uuid1 = gpu(1)["uuid"]
-        reason = f"gpuwatchd: {uuid1} hidden_holder"
+        reason = f"gpuwatchd: {uuid1} drain_required"
         drain = ["update", f"nodename={SLURM_NODE}", "state=drain", f"reason={reason}"]
 
         _slurm_node(ct, "IDLE", "")
@@ -749,7 +732,7 @@ def test_epilog_and_prolog_refuse_a_gpu_that_stays_dirty(slurm: Container) -> No
         assert other.returncode == 0, other.stdout + other.stderr
         assert _slurm_updates(ct) == []  # GPU 1 is still dirty: our drain stays
     finally:
-        ct.run(["systemctl", "stop", holder], check=False)
+        ct.nvml(idle_gpus())
     ct.run(["systemctl", "is-active", UNIT])
     lifted = _slurm_script(ct, "epilog", "0")
     assert lifted.returncode == 0, lifted.stdout + lifted.stderr

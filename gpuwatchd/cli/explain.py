@@ -6,6 +6,10 @@ which rule matches (or why none does), which step would come next and when, and 
 it. It rebuilds the facts ``plan`` needs from the JSON and asks plan's own pure helpers
 (``rule_for``, ``refusal``, ``gpu_protected``), so its answers are the daemon's. It is pure
 apart from reading the one file, and it never acts. Output is documented in docs/simulate.md.
+
+This module is long (about 670 lines) because reading the report back field by field, strictly,
+and explaining every kind of finding (ladders, kill caps, reset gates, health) against it go
+together: the explanation asks for exactly the facts the reader rebuilt.
 """
 
 from __future__ import annotations

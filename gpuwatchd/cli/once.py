@@ -3,8 +3,11 @@
 This module owns what ``run --once`` does when the daemon already holds the lock in
 ``state_dir`` (docs/operations.md §4, a Slurm epilog on a node where the package started the
 daemon). Two actors would race, so this one only watches: a read-only scan
-(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until no finding is
-actionable any more — nothing is left for the daemon to do — or ``--timeout`` passes.
+(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until the daemon —
+by the plan in its state file — has nothing left under way and every GPU is clean by the one
+verdict (:func:`gpuwatchd.decide.verdict.once_progress`, as ``run --once`` decides without a
+daemon: the memory back, no dead owner listed), until what is left will not change, or until
+``--timeout`` passes. Should the daemon stop meanwhile, it says so and its caller goes on alone.
 
 While the daemon's state says a reset is under way, no scan is taken: the scan opens the GPUs
 through NVML, and the reset's final holder scan would see it and refuse.
@@ -19,7 +22,9 @@ from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
+from gpuwatchd.decide.plan import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import OnceStep, once_progress
 from gpuwatchd.escape import escape
 from gpuwatchd.state import StateStore
 from gpuwatchd.vocabulary import ExitCode
@@ -31,22 +36,41 @@ def _as_map(value: object) -> Mapping[str, object]:
     return value if isinstance(value, Mapping) else {}
 
 
-def actionable_findings(report: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """The report's findings the daemon still has to act on."""
+def daemon_busy(
+    state: Mapping[str, object], report: Mapping[str, object], dirty: set[str]
+) -> list[str]:
+    """What the daemon, by its state file, still has to do about the findings of ``report``
+    on the GPUs that are not clean (``dirty``, UUIDs): a finding it has not seen yet (it was
+    not polling since it appeared, or it takes an epilog's hand-over at its next poll), or one
+    with a ladder, a confirmation window or a reset under way (:func:`pending_keys`, as
+    ``run --once`` without a daemon asks its own plan). Empty: nothing it does will change the
+    GPUs that are not clean."""
+    try:
+        plan = PlanState.from_json(state.get("plan"))
+    except ValueError:
+        return ["the daemon's state cannot be read (yet)"]
     findings = report.get("findings")
-    if not isinstance(findings, list):
-        return []
-    return [_as_map(f) for f in findings if _as_map(f).get("actionable") is True]
+    keyed = {
+        str(f.get("key")): f
+        for f in (_as_map(item) for item in (findings if isinstance(findings, list) else []))
+        if f.get("gpu") in dirty and isinstance(f.get("key"), str)
+    }
+    busy = [
+        f"{describe_findings([keyed[key]])}: not seen by the daemon yet"
+        for key in sorted(set(keyed) - set(plan.seen))
+    ]
+    busy += [f"{describe_findings([keyed[k]])}: under way" for k in pending_keys(plan, keyed)]
+    return busy
 
 
 def describe_findings(findings: list[Mapping[str, object]]) -> str:
-    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…``."""
+    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…`` (not escaped)."""
     parts = []
     for finding in findings:
         pid = finding.get("pid")
         where = f" pid {pid}" if isinstance(pid, int) else ""
         parts.append(f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}")
-    return escape(", ".join(parts))
+    return ", ".join(parts)
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
@@ -69,6 +93,16 @@ def daemon_pid(state: Mapping[str, object]) -> object:
     return _as_map(state.get("status")).get("pid")
 
 
+def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
+    """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
+    as running: only a PID known gone or reused lets the waiter go on alone."""
+    from gpuwatchd.cli.status import daemon_pid as status_pid
+    from gpuwatchd.cli.status import look_at_process
+
+    pid = status_pid(state)
+    return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
+
+
 def wait_for_daemon(
     policy: Policy,
     timeout: float,
@@ -78,10 +112,15 @@ def wait_for_daemon(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     out: TextIO = sys.stderr,
-) -> int:
-    """Exit 0 as soon as nothing is actionable; 75 at the timeout naming what is left; 69
-    when NVML is unavailable. Never signals, resets or writes anything."""
+    running: Callable[[Mapping[str, object]], bool] | None = None,
+) -> int | None:
+    """Exit 0 as soon as the daemon has nothing left under way (:func:`daemon_busy`) and every
+    GPU is clean; 75 naming what is left when that will not change, or at the timeout; 69 when
+    NVML is unavailable; None when the daemon has stopped meanwhile (the caller may go on alone).
+    Never signals, resets or writes anything. ``running(state)`` says whether the instance
+    that wrote ``state`` still runs (default: its PID is gpuwatchd now)."""
     read_state = peek or StateStore(policy.state_dir).peek
+    still_running = running or (lambda saved: _still_running(policy, saved))
     started = clock()
     deadline = started + timeout
     state = read_state()
@@ -89,36 +128,43 @@ def wait_for_daemon(
         f"gpuwatchd: the daemon (pid {daemon_pid(state) or '?'}) is running; "
         f"waiting up to {format_duration(timeout)} for it to clean this node\n"
     )
-    left: list[Mapping[str, object]] = []
-    resetting: str | None = None
+    left: list[str] = []
     while True:
         resetting = reset_under_way(state)
-        if resetting is None:
+        if resetting is not None:
+            left = [f"a reset of {resetting} under way"]
+        else:
             result = scan(policy)
+            verdict = result.verdict
             if result.report is None or result.error is not None:
                 out.write(f"gpuwatchd: {result.error or 'NVIDIA driver/NVML not available'}\n")
                 return ExitCode.UNAVAILABLE
-            if result.wedged:
-                out.write("gpuwatchd: NVML did not answer within nvml_timeout\n")
+            if result.wedged or verdict is None or verdict.unavailable is not None:
+                why = verdict.unavailable if verdict is not None else None
+                out.write(f"gpuwatchd: {why or 'NVML did not answer within nvml_timeout'}\n")
                 return ExitCode.UNAVAILABLE
-            left = actionable_findings(result.report)
-            if not left:
-                waited = format_duration(max(0.0, clock() - started))
-                out.write(f"gpuwatchd: clean: nothing left to act on (after {waited})\n")
+            dirty = {g.uuid for g in verdict.gpus if not g.clean}
+            step, left = once_progress(verdict, daemon_busy(state, result.report, dirty))
+            waited = format_duration(max(0.0, clock() - started))
+            if step is OnceStep.DONE:
+                out.write(f"gpuwatchd: clean: every GPU, nothing left to act on (after {waited})\n")
                 return ExitCode.OK
+            if step is OnceStep.STUCK:
+                out.write(
+                    f"gpuwatchd: not clean, and nothing the daemon does will change it "
+                    f"(after {waited}): {escape('; '.join(left))}\n"
+                )
+                return ExitCode.TEMPFAIL
         remaining = deadline - clock()
         if remaining <= 0:
             break
         sleep(min(policy.interval, MAX_PAUSE, remaining))
         state = read_state()
-    pending = []
-    if left:
-        pending.append(f"{len(left)} actionable finding(s) left: {describe_findings(left)}")
-    if resetting is not None:
-        pending.append(f"a reset of {escape(resetting)} under way")
+        if not still_running(state):
+            return None
     ladders = active_ladders(state)
     out.write(
-        f"gpuwatchd: timed out after {format_duration(timeout)}: {'; '.join(pending)} "
+        f"gpuwatchd: timed out after {format_duration(timeout)}: {escape('; '.join(left))} "
         f"(daemon pid {daemon_pid(state) or '?'}, {ladders} ladder(s) active)\n"
     )
     return ExitCode.TEMPFAIL

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from gpuwatchd.decide.floor import driver_refusers
+from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
     CgroupInfo,
@@ -80,6 +81,7 @@ def build_report(
     boot_time: float | None = None,
     clock_ticks: int | None = None,
     notes: Mapping[str, Sequence[str]] | None = None,
+    verdict: NodeVerdict | None = None,
 ) -> dict[str, object]:
     """The ``scan --json`` document for one snapshot and its assessment. Pure.
 
@@ -88,6 +90,8 @@ def build_report(
     finding key to the wall time it was first seen. ``boot_time`` (wall seconds) and
     ``clock_ticks`` (``SC_CLK_TCK``) turn start ticks into start times when both are given.
     ``notes`` maps a GPU UUID (or "node") to why a check could not conclude there.
+    ``verdict`` is :func:`gpuwatchd.decide.verdict.judge` of the same snapshot and assessment
+    (each GPU's ``verdict``, and the node's); None leaves them out.
     The daemon's own processes (``snapshot.self_pids``) are never listed as holders.
     """
     seen = first_seen or {}
@@ -113,6 +117,11 @@ def build_report(
         for gpu in sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
     ]
     index_of = {gpu.uuid: gpu.index for gpu in snapshot.nvml.gpus}
+    if verdict is not None:
+        judged = {g.uuid: g for g in verdict.gpus}
+        for entry in gpus:
+            one = judged.get(str(entry["uuid"]))
+            entry["verdict"] = None if one is None else one.to_json()
 
     def finding_order(finding: Finding) -> tuple[int, str, int, int, str]:
         index = index_of.get(finding.gpu, 1 << 30) if finding.gpu is not None else 1 << 31
@@ -145,6 +154,17 @@ def build_report(
         "report_only": {key: report_only[key] for key in sorted(report_only)},
         "notes": {key: list(all_notes[key]) for key in sorted(all_notes)},
         "unreadable_pids": sorted(snapshot.holders.unreadable),
+        **({} if verdict is None else {"verdict": _node_verdict(verdict)}),
+    }
+
+
+def _node_verdict(verdict: NodeVerdict) -> dict[str, object]:
+    whole = verdict.to_json()
+    return {
+        "checked": whole["checked"],
+        "error": whole["error"],
+        "clean": whole["clean"],
+        "not_clean": [g.uuid for g in verdict.gpus if not g.clean],
     }
 
 
@@ -576,6 +596,28 @@ def _gpu_lines(
             f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
             "isolation every CUDA process opens every GPU)"
         )
+    lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
+    return lines
+
+
+def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
+    """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
+    block a reset (decide/verdict.py)."""
+    state = _as_str(verdict.get("state"))
+    if state is None:
+        return []
+    reasons = [_as_map(r) for r in _as_list(verdict.get("reasons"))]
+    if state == "clean":
+        lines = ["  verdict  clean: a new job may have it"]
+    else:
+        lines = [paint(f"  verdict  NOT CLEAN ({_clean(state)})", _RED)]
+        lines.extend(
+            f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
+        )
+    blockers = [_as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
+    if blockers:
+        lines.append("  would block a reset (not dirt):")
+        lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
     return lines
 
 

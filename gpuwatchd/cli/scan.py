@@ -21,6 +21,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import StateStore
@@ -29,10 +30,14 @@ from gpuwatchd.statedir import StateDir, StateDirError, Value
 
 @dataclass(frozen=True)
 class ScanResult:
+    """One scan: its report, and the verdict on each GPU (:mod:`gpuwatchd.decide.verdict`) that
+    ``check-clean`` and ``run --once`` answer with and the report shows."""
+
     report: dict[str, object] | None
     error: str | None = None
     permission_note: str | None = None
     wedged: bool = False
+    verdict: NodeVerdict | None = None
 
 
 def procfs_for(policy: Policy) -> ProcFS:
@@ -237,7 +242,7 @@ def _scan_host(
         # those jobs as the daemon does.
         if state_dir is not None:
             collector.ended_by_scheduler = read_ended_jobs(
-                state_dir, time.time(), boot_id=procfs.boot_id()
+                state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
             ).jobs
         snapshot = collector.collect(full=view is None)
     finally:
@@ -256,6 +261,7 @@ def _scan_host(
         except ValueError:
             previous = AssessState()
     assessment = assess(snapshot, previous, policy.detection)
+    verdict = judge(snapshot, assessment, policy)
     report = build_report(
         snapshot,
         assessment.findings,
@@ -273,6 +279,7 @@ def _scan_host(
         boot_time=read_boot_time(policy.proc_root),
         clock_ticks=os.sysconf("SC_CLK_TCK"),
         notes=assessment.notes,
+        verdict=verdict,
     )
     report["daemon_view"] = {
         "used": view is not None,
@@ -290,7 +297,9 @@ def _scan_host(
             f"{count} processes could not be inspected (their fds/maps are unreadable; "
             f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
-    return ScanResult(report, error=error, permission_note=note, wedged=snapshot.nvml.wedged)
+    return ScanResult(
+        report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
+    )
 
 
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:

@@ -248,6 +248,7 @@ def describe(
         },
         "gpus": _count(status.get("gpus")),
         "findings": _count(status.get("findings")),
+        "verdict": _verdict(status.get("verdict")),
         "policy": {
             "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
             "rejected": None
@@ -400,6 +401,33 @@ def _pending(
         due = clock.wall(_num(raw))
         out.append({"finding": key, "due": due, "due_in": None if due is None else due - now_wall})
     return out
+
+
+def _verdict(raw: object) -> dict[str, object] | None:
+    """The daemon's last verdict on each GPU (decide/verdict.py, what ``check-clean`` says):
+    ``clean`` (true, false, or null when NVML could not be asked) and each GPU's ``state``
+    with its first reason. None when the daemon wrote none."""
+    if not isinstance(raw, Mapping):
+        return None
+    whole = _map(raw)
+    gpus = []
+    for item in _seq(whole.get("gpus"))[:256]:
+        entry = _map(item)
+        reasons = [_map(r) for r in _seq(entry.get("reasons"))]
+        first = reasons[0] if reasons else {}
+        state = _str(entry.get("state"))
+        gpus.append(
+            {
+                "index": _int(entry.get("index")),
+                "uuid": _str(entry.get("uuid")),
+                "state": state if state in ("clean", "dirty", "unknown") else None,
+                "kind": _str(first.get("kind")),
+                "reason": _str(first.get("reason")),
+                "reasons": len(reasons),
+                "reset_blockers": len(_seq(entry.get("reset_blockers"))),
+            }
+        )
+    return {"clean": _bool(whole.get("clean")), "error": _str(whole.get("error")), "gpus": gpus}
 
 
 def _actions(raw: object) -> list[dict[str, object]]:
@@ -690,6 +718,7 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
         f"NVML:     {_text(nvml.get('state'))}{error}; {_text(result.get('gpus'))} GPUs; "
         f"{_text(result.get('findings'))} findings"
     ]
+    lines.extend(_verdict_lines(result.get("verdict")))
     policy = _map(result.get("policy"))
     files = policy.get("files")
     shown = (", ".join(files) or "built-in defaults") if isinstance(files, list) else None
@@ -699,6 +728,28 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
         lines.append(
             f"          reload rejected {_at(now, rejected.get('at'))}: "
             f"{_text(rejected.get('error'))}"
+        )
+    return lines
+
+
+def _verdict_lines(raw: object) -> list[str]:
+    """``GPUs:     3 clean; not clean: GPU 1 GPU-…: orphaned <why> (and 1 more)``."""
+    verdict = _map(raw)
+    if not verdict:
+        return []
+    if verdict.get("clean") is None:
+        return [f"GPUs:     not judged ({_text(verdict.get('error'))})"]
+    gpus = [_map(g) for g in _seq(verdict.get("gpus"))]
+    clean = sum(1 for g in gpus if g.get("state") == "clean")
+    lines = [f"GPUs:     {clean} of {len(gpus)} clean for a new job (as check-clean says)"]
+    for gpu in gpus:
+        if gpu.get("state") == "clean":
+            continue
+        count = _count(gpu.get("reasons")) or 0
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        lines.append(
+            f"  not clean: GPU {_text(gpu.get('index'))} {_text(gpu.get('uuid'))}: "
+            f"{_text(gpu.get('kind'))} {_text(gpu.get('reason'))}{more}"
         )
     return lines
 

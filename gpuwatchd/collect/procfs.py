@@ -339,6 +339,16 @@ class ProcFS:
         except OSError:
             return None
 
+    def is_running(self, pid: int, start_ticks: int) -> bool:
+        """Whether ``pid`` is still the process that started at ``start_ticks`` and has not
+        exited (a zombie has)."""
+        fields = self.read_stat(pid)
+        return (
+            fields is not None
+            and fields.starttime == start_ticks
+            and fields.state not in ("Z", "X")
+        )
+
     def _user(self, uid: int) -> str | None:
         if uid not in self._users:
             try:

@@ -529,15 +529,17 @@ class _Assessor:
         hidden = "holds the GPU without a context; not explained by a live context owner"
         if unknown_links:
             return self.hidden(
-                f"{hidden}; its relation to live owners is unknown ({'; '.join(unknown_links)})"
+                f"{hidden}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
+                undecided=True,
             )
         if proc.identity is None:
-            return self.hidden(f"{hidden}; its start time is unknown")
+            return self.hidden(f"{hidden}; its start time is unknown", undecided=True)
         unseen = [g for g in host.gpus if g.lost or g.processes is None]
         if unseen:
             return self.hidden(
                 f"{hidden}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
-                "whether it owns a context there"
+                "whether it owns a context there",
+                undecided=True,
             )
         if heir_of is not None:
             gpu = held[0]
@@ -681,8 +683,12 @@ class _Assessor:
                 }
         return evidence
 
-    def hidden(self, note: str) -> _Outcome:
-        return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER)
+    def hidden(self, note: str, *, undecided: bool = False) -> _Outcome:
+        """A hidden holder; ``undecided``: the orphan rule could not be decided for it (a
+        relation, its start time or a GPU's list unknown), recorded as ``evidence.undecided``
+        so the clean verdict (decide/verdict.py) counts it unknown, not merely a holder."""
+        evidence: dict[str, object] = {"undecided": True} if undecided else {}
+        return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 
     def dead_owner_tie(self, proc: ProcessInfo, gpu: GpuInfo) -> dict[str, object] | None:
         """A dead or zombie PID listed on ``gpu`` that is its parent, group or session."""

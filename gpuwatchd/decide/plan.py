@@ -92,6 +92,7 @@ __all__ = [
     "kill_cap_scope",
     "next_deadline",
     "pending",
+    "pending_keys",
     "plan",
     "process_facts",
     "record_exit",
@@ -1370,15 +1371,21 @@ def next_deadline(state: PlanState) -> float | None:
 
 def pending(state: PlanState, keys: Iterable[str]) -> bool:
     """True while any of these findings has a ladder, confirmation window or reset in progress."""
+    return bool(pending_keys(state, keys))
+
+
+def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
+    """Those of these findings that have a ladder, confirmation window or reset in progress."""
     wanted = set(keys)
+    found = {k for k in state.waiting if k in wanted}
     if state.reset_in_flight is not None and state.reset_in_flight.finding_key in wanted:
-        return True
-    if any(k in wanted for k in state.waiting):
-        return True
-    return any(
-        lad.status is LadderStatus.ACTIVE and lad.finding_key in wanted
+        found.add(state.reset_in_flight.finding_key)
+    found.update(
+        lad.finding_key
         for lad in state.ladders.values()
+        if lad.status is LadderStatus.ACTIVE and lad.finding_key in wanted
     )
+    return sorted(found)
 
 
 def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:

@@ -4,7 +4,9 @@ This module owns target selection for ``plan``: ``rule_for`` (the first policy r
 ``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of
 docs/design-notes.md §10, which no configuration lowers, then ``protect``, then an identity that
 cannot be told apart from PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or
-PCI bus id) and
+PCI bus id),
+``protect_match`` (what in ``protect`` positively names a process: the clean verdict,
+``decide/verdict.py``, never counts such a process as dirt) and
 ``process_facts`` (what a target's intents and events say about it). The semantics are documented
 in ``docs/escalation.md``.
 
@@ -16,7 +18,7 @@ confirmation windows, limits, resets): that is ``plan.py``, which calls these fu
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
@@ -27,6 +29,7 @@ __all__ = [
     "gpu_by_uuid",
     "gpu_protected",
     "process_facts",
+    "protect_match",
     "refusal",
     "rule_for",
 ]
@@ -130,41 +133,64 @@ def _floor_reason(
     return None
 
 
-def _protect_reason(
-    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
-) -> str | None:
+def _process_protect_checks(process: ProcessInfo, policy: Policy) -> Iterator[tuple[bool, str]]:
+    """Each ``protect`` entry that speaks about ``process`` (commands, users, units, cgroups), in
+    order: (True, what matched) or (False, the fact that is unknown)."""
     protect = policy.protect
     if protect.commands:
         if process.cmdline is None:
-            return "command line unknown"
-        joined = " ".join(process.cmdline)
-        for pattern in protect.commands:
-            found = command_search(pattern, joined)
-            if found:
-                return f"command matches {pattern.pattern!r}"
-            if found is None:  # unknown protects
-                return (
-                    f"command line longer than the {MAX_COMMAND_TEXT} characters "
-                    f"{pattern.pattern!r} is searched in"
-                )
+            yield False, "command line unknown"
+        else:
+            joined = " ".join(process.cmdline)
+            for pattern in protect.commands:
+                found = command_search(pattern, joined)
+                if found:
+                    yield True, f"command matches {pattern.pattern!r}"
+                elif found is None:  # unknown: refuses a target, excuses no dirt
+                    yield (
+                        False,
+                        f"command line longer than the {MAX_COMMAND_TEXT} characters "
+                        f"{pattern.pattern!r} is searched in",
+                    )
     if protect.users:
         if process.user is None:
-            return "user unknown"
-        for glob in protect.users:
-            if fnmatch.fnmatchcase(process.user, glob):
-                return f"user {process.user} matches {glob!r}"
+            yield False, "user unknown"
+        else:
+            for glob in protect.users:
+                if fnmatch.fnmatchcase(process.user, glob):
+                    yield True, f"user {process.user} matches {glob!r}"
     cgroup = process.cgroup
     if protect.units or protect.cgroups:
         if cgroup is None:
-            return "cgroup unknown"
+            yield False, "cgroup unknown"
+            return
         unit = cgroup.systemd_unit
         for glob in protect.units:
             if unit is not None and fnmatch.fnmatchcase(unit, glob):
-                return f"unit {unit} matches {glob!r}"
+                yield True, f"unit {unit} matches {glob!r}"
         for glob in protect.cgroups:
             if fnmatch.fnmatchcase(cgroup.path, glob):
-                return f"cgroup {cgroup.path} matches {glob!r}"
-    if protect.gpus:
+                yield True, f"cgroup {cgroup.path} matches {glob!r}"
+
+
+def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
+    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None.
+
+    Only a positive match counts: an unknown command line, user or cgroup names nothing (for
+    a refusal it refuses, :func:`refusal`; for the clean verdict it excuses nothing).
+    """
+    for matched, why in _process_protect_checks(process, policy):
+        if matched:
+            return why
+    return None
+
+
+def _protect_reason(
+    process: ProcessInfo, finding: Finding, snapshot: Snapshot, policy: Policy
+) -> str | None:
+    for _matched, why in _process_protect_checks(process, policy):
+        return why  # a match, or an unknown fact: either way the target is refused
+    if policy.protect.gpus:
         uuids: list[str | None] = [finding.gpu]
         holding = snapshot.holders.holdings.get(process.pid)
         if holding is not None:

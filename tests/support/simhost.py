@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -162,6 +163,26 @@ class SimHost:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
         self.reap()
+
+    def free_when_gone(
+        self, names: Sequence[str], gpus: Sequence[Mapping[str, Any]], *, delay: float = 0.0
+    ) -> threading.Thread:
+        """Play the driver: once every named actor is dead (a zombie counts, it holds nothing),
+        wait ``delay`` seconds — a real driver takes a moment to tear a context down, and NVML
+        keeps listing the dead owner with its memory meanwhile — then make ``gpus`` the NVML
+        state. Runs in a thread; never reaps (the main thread's subprocesses keep their own
+        children's exit status)."""
+
+        def run() -> None:
+            deadline = time.monotonic() + 120
+            while any(self.alive(self.pids[n]) for n in names) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(delay)
+            self.nvml(gpus)
+
+        thread = threading.Thread(target=run, name="fake-driver", daemon=True)
+        thread.start()
+        return thread
 
     # --- NVML and policy ------------------------------------------------------------------
 

@@ -1,0 +1,482 @@
+"""The one verdict: may this GPU be handed to a new job?
+
+This module owns that answer, per GPU, and what ``run --once`` makes of it. Every command that
+answers the question calls :func:`judge` on one poll's snapshot and the assessment of it (the
+findings and holder roles ``scan`` shows): ``check-clean`` (a Slurm prolog, the
+node-problem-detector plugin), ``run --once`` (an epilog: its exit 0), ``scan`` (its
+``verdict``) and the daemon's status. None of them looks at findings itself
+(``tests/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
+
+A GPU is judged on facts about that GPU alone, so ``check-clean --gpu N`` and ``check-clean``
+give GPU N the same verdict:
+
+* **dirty** — NVML lists a dead or zombie process there (its memory is still charged); a
+  leftover process holds its device file (``orphaned``, ``abandoned``, ``stuck``, or a
+  ``hidden_holder`` that is the likely heir of memory leaked before gpuwatchd watched — on
+  *every* GPU whose file it holds); a GPU-level ``hidden_holder`` (the driver refused its
+  reset as in use by a holder no walk of /proc found: something still holds it);
+  ``ghost_memory``, ``unaccounted_memory``; the driver asks for a reset, a reboot or a
+  drain; allocated memory more than the margin above the idle baseline that no live process
+  accounts for (``leftover_memory``, the daemon's baseline logic); NVML reports the GPU lost.
+* **unknown** (not clean either) — NVML could not list the GPU's processes; a holder whose
+  role could not be told, or one the orphan rule could not decide (``evidence.undecided``); a
+  process whose fds or maps could not be read (on every GPU: it may hold any of them).
+  Unknown is not none.
+* **never dirt** — infrastructure and NVML-only clients (holder role ``management``: gpustat,
+  an exporter, ``nvidia-smi -l``), processes ``protect`` names (commands, users, units,
+  cgroups), live jobs (context owners and their workers), and any other ``hidden_holder``: a
+  process that holds the device without a context while nothing ties it to memory left
+  behind (memory left behind is dirt of its own). When they hold the GPU's device file they
+  are listed as what *would block a reset*, which is not dirt.
+* NVML unavailable or wedged: no GPU can be judged (:attr:`NodeVerdict.unavailable`).
+
+Pure: no I/O, no clock, no logging.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
+from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.targets import protect_match
+from gpuwatchd.model import MIB, Finding, FindingKind, GpuInfo, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import Cleanliness, HolderRoleName, LeftoverName
+
+__all__ = [
+    "SETTLING",
+    "GpuVerdict",
+    "NodeVerdict",
+    "OnceStep",
+    "Reason",
+    "describe",
+    "judge",
+    "not_clean",
+    "once_progress",
+]
+
+_MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dirt, by why
+_PROTECTED = "protected"
+# Findings about a process that holds device files: dirt on every GPU whose file it holds.
+_HOLDING_KINDS = frozenset(
+    {FindingKind.ORPHANED, FindingKind.ABANDONED, FindingKind.STUCK, FindingKind.HIDDEN_HOLDER}
+)
+_MEMORY_KINDS = frozenset({FindingKind.GHOST_MEMORY, FindingKind.UNACCOUNTED_MEMORY})
+_LISTING_KINDS = frozenset({FindingKind.DEAD_PROCESS, FindingKind.ZOMBIE})
+_UNKNOWN_KINDS = frozenset(
+    {
+        LeftoverName.UNKNOWN_HOLDER.value,
+        LeftoverName.UNREADABLE.value,
+        LeftoverName.PROCESSES_UNKNOWN.value,
+    }
+)
+# What may go away without anyone acting: the driver tears a dead context down a moment after
+# its last holder exits (NVML lists the dead owner, with its memory, until then), a parent
+# reaps its zombie, a holder that exited during the scan is gone at the next one.
+SETTLING = frozenset(
+    {
+        FindingKind.DEAD_PROCESS.value,
+        FindingKind.ZOMBIE.value,
+        FindingKind.GHOST_MEMORY.value,
+        FindingKind.UNACCOUNTED_MEMORY.value,
+        LeftoverName.LEFTOVER_MEMORY.value,
+        LeftoverName.UNKNOWN_HOLDER.value,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One thing said about a GPU. ``kind``: a finding kind or a :class:`LeftoverName` for
+    what makes it not clean; the holder's role, ``management`` or ``protected`` for a reset
+    blocker."""
+
+    kind: str
+    pid: int | None
+    text: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", str(self.kind))  # a plain string, never an enum
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "pid": self.pid, "reason": self.text}
+
+
+@dataclass(frozen=True)
+class GpuVerdict:
+    """The verdict on one GPU. ``reasons`` say why it is not clean (dirt first, then what is
+    unknown); ``reset_blockers`` name processes that are not dirt but hold its device file
+    (a reset would wait for them); ``notes`` say what could not be judged (memory)."""
+
+    uuid: str
+    index: int
+    pci_bus_id: str | None
+    state: Cleanliness
+    reasons: tuple[Reason, ...] = ()
+    reset_blockers: tuple[Reason, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        return self.state is Cleanliness.CLEAN
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "state": self.state.value,
+            "reasons": [r.to_json() for r in self.reasons],
+            "reset_blockers": [r.to_json() for r in self.reset_blockers],
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """The verdict on every GPU NVML reported; ``unavailable`` says why none could be judged."""
+
+    gpus: tuple[GpuVerdict, ...]
+    unavailable: str | None = None
+
+    @property
+    def clean(self) -> bool | None:
+        """Every GPU clean; None when NVML could not be asked."""
+        if self.unavailable is not None:
+            return None
+        return all(g.clean for g in self.gpus)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "checked": self.unavailable is None,
+            "error": self.unavailable,
+            "clean": self.clean,
+            "gpus": [
+                {"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, **g.to_json()}
+                for g in self.gpus
+            ],
+        }
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+
+class _Judge:
+    def __init__(self, snapshot: Snapshot, assessment: Assessment, policy: Policy) -> None:
+        self.snapshot = snapshot
+        self.assessment = assessment
+        self.policy = policy
+        self.gpus = sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
+        self.roles: dict[tuple[str, int], HolderRole] = {}
+        for role in assessment.roles:
+            self.roles.setdefault((role.gpu, role.pid), role)
+        self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
+        self.excused: dict[tuple[str, int], Reason] = {}
+        self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        return self.snapshot.processes.get(pid)
+
+    def role(self, uuid: str, pid: int) -> HolderRole | None:
+        return self.roles.get((uuid, pid)) or self.roles.get((NODE, pid))
+
+    def excuse(self, finding: Finding, uuid: str) -> Reason | None:
+        """Why ``finding`` is not dirt on GPU ``uuid`` (a management client or infrastructure,
+        or a process ``protect`` names), as the reset blocker it still is. None: it is dirt."""
+        pid = finding.pid
+        if pid is None:
+            # About the GPU itself (memory, the driver's word, a GPU-level hidden_holder after
+            # a reset refused as in use): no process to excuse, so it is dirt.
+            return None
+        role = self.role(uuid, pid)
+        proc = self.process(pid)
+        name = proc.comm if proc is not None and proc.comm else "?"
+        if (role is not None and role.role is HolderRoleName.MANAGEMENT) or (
+            finding.evidence.get("nvml_only") is True
+        ):
+            note = role.note if role is not None else "NVML-only client"
+            return Reason(_MANAGEMENT, pid, f"pid {pid} ({name}): management client: {note}")
+        if proc is not None and is_infrastructure(proc):
+            return Reason(_MANAGEMENT, pid, f"pid {pid} ({name}): infrastructure")
+        matched = None if proc is None else protect_match(proc, self.policy)
+        if matched is not None:
+            return Reason(
+                _PROTECTED,
+                pid,
+                f"pid {pid} ({name}): protected, {matched} ({finding.kind.value}: "
+                f"{finding.reason})",
+            )
+        evidence = finding.evidence
+        if (
+            finding.kind is FindingKind.HIDDEN_HOLDER
+            and evidence.get("likely_heir") is not True
+            and evidence.get("undecided") is not True
+        ):
+            # Holds the device without a context and nothing ties it to memory left behind
+            # (what a dead job left shows as memory, on this GPU): it only blocks a reset.
+            return Reason(HolderRoleName.HIDDEN.value, pid, f"pid {pid} ({name}): {finding.reason}")
+        return None
+
+    def gpus_of(self, finding: Finding) -> list[str]:
+        uuids = [] if finding.gpu is None else [finding.gpu]
+        if finding.kind in _HOLDING_KINDS:
+            held = finding.evidence.get("gpus")
+            if isinstance(held, list):
+                uuids += [u for u in held if isinstance(u, str) and u not in uuids]
+        return [u for u in uuids if u in self.reasons]
+
+    def add_findings(self) -> None:
+        for finding in self.assessment.findings:
+            uuids = self.gpus_of(finding)
+            if not uuids and finding.gpu is None and finding.pid is not None:
+                continue  # holds only nvidiactl/nvidia-uvm: a reset blocker everywhere, below
+            if not uuids:
+                uuids = list(self.reasons)  # about no GPU this poll knows: every GPU, unknown
+            for uuid in uuids:
+                excused = self.excuse(finding, uuid)
+                if excused is not None and finding.pid is not None:
+                    self.excused.setdefault((uuid, finding.pid), excused)
+                    continue
+                kind = finding.kind.value
+                if finding.evidence.get("undecided") is True:
+                    kind = LeftoverName.UNKNOWN_HOLDER.value  # the orphan rule could not decide
+                self.reasons[uuid].append(Reason(kind, finding.pid, finding.reason))
+
+    def add_unknowns(self) -> None:
+        snapshot = self.snapshot
+        own = snapshot.self_pids
+        unreadable = sorted(
+            pid
+            for pid in snapshot.holders.unreadable - own
+            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
+        )
+        for gpu in self.gpus:
+            reasons = self.reasons[gpu.uuid]
+            if gpu.lost:
+                reasons.insert(
+                    0, Reason(LeftoverName.LOST, None, gpu.error or "NVML reports the GPU lost")
+                )
+                continue
+            if gpu.processes is None:
+                reasons.append(
+                    Reason(
+                        LeftoverName.PROCESSES_UNKNOWN, None, "NVML could not list its processes"
+                    )
+                )
+            if gpu.minor is None:
+                reasons.append(
+                    Reason(
+                        LeftoverName.UNKNOWN_HOLDER,
+                        None,
+                        "its minor number is unknown: who holds its device file cannot be told",
+                    )
+                )
+            for role in self.assessment.roles:
+                if role.gpu == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
+                    reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
+            if unreadable:
+                shown = ", ".join(str(pid) for pid in unreadable[:8])
+                more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
+                reasons.append(
+                    Reason(
+                        LeftoverName.UNREADABLE,
+                        unreadable[0],
+                        f"the fds/maps of PID(s) {shown}{more} could not be read: what they "
+                        "hold is unknown",
+                    )
+                )
+
+    def add_memory(self, gpu: GpuInfo) -> None:
+        """``leftover_memory``: allocated memory above the idle baseline plus the margin that
+        no live process accounts for (decide/baselines.py's figure and baseline)."""
+        kinds = {r.kind for r in self.reasons[gpu.uuid]}
+        said = {k.value for k in _MEMORY_KINDS | _LISTING_KINDS}
+        if gpu.lost or gpu.processes is None or kinds & said:
+            return
+        notes = self.notes[gpu.uuid]
+        if gpu.coherent_memory or gpu.mig_enabled:
+            why = "coherent memory" if gpu.coherent_memory else "MIG enabled"
+            notes.append(f"memory not judged: {why}")
+            return
+        baselines = self.assessment.state.baselines
+        figure = memory_figure(gpu, baselines)
+        if figure is None:
+            notes.append("memory not judged: allocated memory unknown")
+            return
+        key, value = figure
+        baseline = baselines.get(key)
+        learned = baseline is not None
+        if baseline is None:
+            if key.endswith(V1_BASELINE_SUFFIX):
+                notes.append("memory not judged: v1 memory API and no idle baseline learned yet")
+                return
+            baseline = self.policy.detection.default_baseline
+        live = [
+            entry
+            for entry in gpu.processes
+            if entry.pid not in self.snapshot.self_pids
+            and (proc := self.process(entry.pid)) is not None
+            and not proc.is_zombie
+        ]
+        figures = [entry.used_memory for entry in live]
+        if any(f is None for f in figures):
+            notes.append("memory not judged: a live owner's memory figure is unknown")
+            return
+        accounted = sum(f for f in figures if f is not None)
+        detection = self.policy.detection
+        margin = detection.unaccounted_margin if live else detection.ghost_margin
+        excess = value - accounted - baseline
+        if excess <= margin:
+            return
+        owners = f", {_mib(accounted)} of it live processes'" if live else ""
+        self.reasons[gpu.uuid].append(
+            Reason(
+                LeftoverName.LEFTOVER_MEMORY,
+                None,
+                f"{_mib(value)} allocated{owners}: {_mib(excess)} above its "
+                f"{'learned' if learned else 'default'} idle baseline that no live process "
+                "accounts for",
+            )
+        )
+
+    def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
+        """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
+        dirt here: the driver, or gpuwatchd's final scan, would refuse a reset while they hold
+        it. Infrastructure is left out: the reset procedure itself stops it."""
+        snapshot = self.snapshot
+        dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
+        found: list[Reason] = []
+        for pid, holding in sorted(snapshot.holders.holdings.items()):
+            on_gpu = gpu.minor is not None and gpu.minor in holding.gpu_minors
+            node_only = not holding.gpu_minors and (holding.ctl or holding.uvm)
+            if not (on_gpu or node_only) or pid in snapshot.self_pids or pid in dirty:
+                continue
+            proc = self.process(pid)
+            if proc is not None and is_infrastructure(proc):
+                continue
+            excused = self.excused.get((gpu.uuid, pid))
+            if excused is None and node_only:  # excused on any GPU: it holds none of them
+                excused = next((r for (_, p), r in sorted(self.excused.items()) if p == pid), None)
+            if excused is not None:
+                found.append(excused)
+                continue
+            role = self.role(gpu.uuid, pid)
+            name = proc.comm if proc is not None and proc.comm else "?"
+            kind = role.role.value if role is not None else "holder"
+            label = _role_label(role, node_only)
+            found.append(Reason(kind, pid, f"pid {pid} ({name}): {label}"))
+        return found
+
+    def verdict(self) -> NodeVerdict:
+        nvml = self.snapshot.nvml
+        if not nvml.available:
+            return NodeVerdict((), nvml.error or "NVIDIA driver/NVML not available")
+        if nvml.wedged:
+            return NodeVerdict((), "NVML did not answer within nvml_timeout (driver wedged?)")
+        self.add_findings()
+        self.add_unknowns()
+        for gpu in self.gpus:
+            self.add_memory(gpu)
+        result = []
+        for gpu in self.gpus:
+            reasons = self.reasons[gpu.uuid]
+            dirt = [r for r in reasons if r.kind not in _UNKNOWN_KINDS]
+            unknown = [r for r in reasons if r.kind in _UNKNOWN_KINDS]
+            state = (
+                Cleanliness.DIRTY if dirt else Cleanliness.UNKNOWN if unknown else Cleanliness.CLEAN
+            )
+            result.append(
+                GpuVerdict(
+                    uuid=gpu.uuid,
+                    index=gpu.index,
+                    pci_bus_id=gpu.pci_bus_id,
+                    state=state,
+                    reasons=tuple(dirt + unknown),
+                    reset_blockers=tuple(self.reset_blockers(gpu)),
+                    notes=tuple(self.notes[gpu.uuid]),
+                )
+            )
+        return NodeVerdict(tuple(result))
+
+
+def judge(snapshot: Snapshot, assessment: Assessment, policy: Policy) -> NodeVerdict:
+    """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
+    exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.assess` of ``snapshot``;
+    ``policy`` gives ``protect`` and the memory margins. Pure."""
+    return _Judge(snapshot, assessment, policy).verdict()
+
+
+# --- run --once: done, wait, or nothing more will change ---------------------------------------
+
+
+class OnceStep(str, enum.Enum):
+    """Where ``run --once`` stands after a poll (:func:`once_progress`)."""
+
+    DONE = "done"  # nothing under way, every GPU clean: exit 0
+    WAIT = "wait"  # something is under way, or may still settle: poll again (until --timeout)
+    STUCK = "stuck"  # nothing under way, and what is left will not change by waiting: exit 75
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, list[str]]:
+    """Whether ``run --once`` is done, and what is left (one line each: ``busy`` first, then
+    each GPU that is not clean with its reasons' kinds and PIDs).
+
+    ``busy`` describes what the acting side still has under way for the findings ``run
+    --once`` watches (a ladder, a confirmation window, a reset). Done means nothing is under
+    way and every GPU is clean: the memory is back and NVML lists no dead owner. With nothing
+    under way, a GPU whose reasons include one that does not settle by itself (a leftover
+    process nobody acts on, a lost GPU, the driver asking for a reset) will not get clean by
+    waiting; when every GPU that is not clean is such a GPU, the answer is STUCK at once.
+    Otherwise (the driver is still tearing a dead context down) WAIT. ``verdict`` must have
+    been judged (``unavailable`` None).
+    """
+    dirty = [g for g in verdict.gpus if not g.clean]
+    left = [*busy, *(_summary(g) for g in dirty)]
+    if not busy and not dirty:
+        return OnceStep.DONE, left
+    if not busy and all(any(r.kind not in SETTLING for r in g.reasons) for g in dirty):
+        return OnceStep.STUCK, left
+    return OnceStep.WAIT, left
+
+
+def describe(gpu: GpuVerdict) -> str:
+    """``GPU 1 GPU-…: orphaned <why> (and 2 more)``: the GPU and its first reason."""
+    if not gpu.reasons:
+        return f"GPU {gpu.index} {gpu.uuid}: {gpu.state.value}"
+    first = gpu.reasons[0]
+    more = f" (and {len(gpu.reasons) - 1} more)" if len(gpu.reasons) > 1 else ""
+    return f"GPU {gpu.index} {gpu.uuid}: {first.kind} {first.text}".rstrip() + more
+
+
+def _summary(gpu: GpuVerdict) -> str:
+    """``GPU 0 GPU-…: dead_process pid 4241, orphaned pid 4242``: every reason, briefly."""
+    reasons = ", ".join(
+        r.kind + (f" pid {r.pid}" if r.pid is not None else "") for r in gpu.reasons
+    )
+    return f"GPU {gpu.index} {gpu.uuid}: {reasons or gpu.state.value}"
+
+
+def not_clean(verdict: NodeVerdict, uuids: Iterable[str] | None = None) -> list[GpuVerdict]:
+    """The GPUs (all, or those named) that are not clean."""
+    wanted = None if uuids is None else set(uuids)
+    return [g for g in verdict.gpus if not g.clean and (wanted is None or g.uuid in wanted)]
+
+
+def _role_label(role: HolderRole | None, node_only: bool) -> str:
+    if role is None:
+        return "holds nvidiactl/nvidia-uvm only" if node_only else "holds its device file"
+    if role.role is HolderRoleName.WORKER and role.owner_pid is not None:
+        return f"worker of PID {role.owner_pid} (a live job)"
+    if role.role is HolderRoleName.CONTEXT_OWNER:
+        return f"context owner (a live job): {role.note}"
+    if role.role is HolderRoleName.MANAGEMENT:
+        return f"management client: {role.note}"
+    return f"{role.role.value}: {role.note}"
+
+
+def _mib(value: int) -> str:
+    return f"{value // MIB} MiB"

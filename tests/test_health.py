@@ -12,11 +12,11 @@ import pytest
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.health import (
-    XID_ACTIONS,
     HealthState,
     XidAction,
     assess_health,
     note_reset,
+    xid_action,
 )
 from gpuwatchd.decide.plan import (
     EventName,
@@ -118,7 +118,7 @@ def kinds(h: GpuHealth, state: HealthState | None = None) -> list[FindingKind]:
         ({"recovery_action": 4}, [FindingKind.RESET_REQUIRED]),
         ({"recovery_action": 2}, [FindingKind.REBOOT_REQUIRED]),
         ({"recovery_action": 3}, [FindingKind.DRAIN_REQUIRED]),
-        ({"recovery_action": 200}, []),  # unknown value: never an action
+        ({"recovery_action": 200}, [FindingKind.DRAIN_REQUIRED]),  # reported, not actionable
         ({"recovery_action": None, "recovery_support": Support.UNKNOWN}, []),
         ({"remap_pending": True}, [FindingKind.RESET_REQUIRED]),
         ({"remap_failure": True}, [FindingKind.REBOOT_REQUIRED]),
@@ -147,9 +147,9 @@ def test_health_readings_give_the_strongest_finding(
 
 
 def test_application_xids_are_counted_but_never_a_reason() -> None:
-    assert {xid for xid, a in XID_ACTIONS.items() if a is XidAction.APPLICATION} == {
-        13, 31, 43, 45, 68, 109,
-    }  # fmt: skip
+    assert xid_action(13) is XidAction.RESTART_APP
+    assert xid_action(31) is XidAction.RESTART_APP
+    assert xid_action(43) is XidAction.IGNORE
     result = assess_health(
         snap(gpu(0, GPU0, health(xids=(XidEvent(13, 5.0), XidEvent(13, 6.0))))),
         HealthState(),
@@ -168,9 +168,9 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     assert finding.kind is FindingKind.RESET_REQUIRED
     assert finding.pid is None
     assert finding.evidence["xids"] == {
-        "95": {"count": 2, "first": 10.0, "last": 20.0, "action": "reset"}
+        "95": {"count": 2, "first": 10.0, "last": 20.0, "action": "reset", "bucket": "RESET_GPU"}
     }
-    assert "Xid 95 seen 2 time(s)" in finding.reason
+    assert "Xid 95 (Uncontained memory error) seen 2 time(s)" in finding.reason
     assert finding.evidence["since"] == first.findings[0].evidence["since"]
     # A new boot forgets them.
     after_boot = assess_health(snap(gpu(0, GPU0, health())), second.state, boot_changed=True)

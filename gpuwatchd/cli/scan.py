@@ -187,7 +187,7 @@ def scan_host(
             previous = AssessState.from_json(saved.get("assess", {}))
         except ValueError:
             previous = AssessState()
-    assessment = assess(snapshot, previous, policy.detection)
+    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     report = build_report(
         snapshot,
         assessment.findings,

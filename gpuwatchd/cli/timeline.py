@@ -208,7 +208,11 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
         f"{_target(f, s)} is a zombie; its parent "
         f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it"
     ),
-    "limits.kill_cap_reached": lambda f, s: f"kill cap reached ({f.get('why')}): dry-run engaged",
+    "limits.kill_cap_reached": lambda f, s: (
+        f"kill cap would be reached ({f.get('why')}): enforcement would switch to dry-run here"
+        if f.get("dry_run")
+        else f"kill cap reached ({f.get('why')}): dry-run engaged"
+    ),
     "reset.confirming": lambda f, s: f"{s.gname(f.get('gpu'))}: ghost memory, {f.get('why')}",
     "reset.due": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: reset due" + (" [dry-run]" if f.get("dry_run") else "")
@@ -220,7 +224,12 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
     "reset.failed": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} (failure {f.get('failures')})"
     ),
-    "reset.dry_run": lambda f, s: f"{s.gname(f.get('gpu'))}: reset would have run (dry-run)",
+    "reset.dry_run": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: reset would have run (dry-run); assumed to have succeeded "
+        "for what follows (it counts against reset.max_resets)"
+        if str(f.get("assumed", "")).startswith("success")
+        else f"{s.gname(f.get('gpu'))}: reset would have been refused (dry-run)"
+    ),
     "gpu.needs_reboot": lambda f, s: (
         f"{s.gname(f.get('gpu'))} needs a reboot"
         + (f": {f.get('why')}" if f.get("kind") == "reboot_required" else "")

@@ -39,7 +39,7 @@ from gpuwatchd.decide.baselines import (
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.host_view import HostView, Listing, relation
-from gpuwatchd.decide.policy import Detection
+from gpuwatchd.decide.policy import Detection, HealthPolicy
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
@@ -837,12 +837,15 @@ def assess(
     previous: AssessState,
     detection: Detection,
     ended_jobs: frozenset[str] | None = None,
+    *,
+    health_policy: HealthPolicy | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
     Pure: reads only its arguments. ``ended_jobs`` holds job keys (``CgroupInfo.job_key``) that
     collection knows to have ended (default: ``snapshot.ended_jobs``); processes still living
-    in them are ``abandoned``.
+    in them are ``abandoned``. ``health_policy`` carries GPU health's detection options
+    (``health.xid_63``, ``xid_94``, ``fabric_stuck_after``; default: the built-in ones).
     """
     ended = snapshot.ended_jobs if ended_jobs is None else ended_jobs
     assessor = _Assessor(snapshot, previous, detection, ended)
@@ -852,7 +855,9 @@ def assess(
     result = assessor.result()
     # GPU health (decide/health.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)
-    health = assess_health(snapshot, previous.health, boot_changed=boot_changed)
+    health = assess_health(
+        snapshot, previous.health, boot_changed=boot_changed, policy=health_policy
+    )
     return replace(
         result,
         findings=result.findings + health.findings,

@@ -43,6 +43,7 @@ from gpuwatchd.decide.plan_state import (
     SeenFinding,
 )
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.shadow import ShadowWork
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
     gpu_protected,
@@ -89,6 +90,7 @@ __all__ = [
     "pending",
     "plan",
     "process_facts",
+    "record_assumed_exit",
     "record_exit",
     "record_reset",
     "record_signal",
@@ -217,6 +219,7 @@ class _Work:
         self.reset_history = list(state.reset_history)
         self.signal_history = list(state.signal_history)
         self.health_waits = dict(state.health_waits)
+        self.shadow = ShadowWork(state.shadow)  # dry-run's would-be limits (shadow.py)
         self.new_targets = 0
         self.events: list[Event] = []
         self.intents: list[Intent] = []
@@ -239,6 +242,7 @@ class _Work:
             self.last_reset = {g: t - step for g, t in self.last_reset.items()}
             self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
             self.reset_history = [(g, t - step) for g, t in self.reset_history]
+            self.shadow.shift(step)
             self.event(EventName.CLOCK_STEPPED_BACK, "warning", seconds=step, wall=wall)
         self.state = replace(self.state, last_wall=wall)
 
@@ -255,6 +259,7 @@ class _Work:
             reset_history=tuple(self.reset_history),
             signal_history=tuple(self.signal_history),
             health_waits=self.health_waits,
+            shadow=self.shadow.freeze(),
         )
 
 
@@ -273,6 +278,12 @@ class _Ctx:
 
 def _dry(w: _Work, ctx: _Ctx) -> bool:
     return ctx.policy.dry_run or w.state.forced_dry_run
+
+
+def _previewing(w: _Work, ctx: _Ctx) -> bool:
+    """A policy's dry run, which keeps the would-be kill cap (shadow.py); under the dry run
+    the real kill cap forced, enforcement's own latch is already there."""
+    return ctx.policy.dry_run and not w.state.forced_dry_run
 
 
 def _node_block(snapshot: Snapshot) -> str | None:
@@ -313,6 +324,11 @@ def plan(
         blocked=_node_block(snapshot),
     )
     w.quiet_until = dict(ctx.quiet_before)
+    if _dry(w, ctx):
+        w.shadow.prune(now=now, wall=wall, window=policy.reset.window, findings=current,
+                       ladders=w.ladders)  # fmt: skip
+    else:
+        w.shadow.drop()  # what dry-run would have done never blocks the real thing
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
     _track_findings(w, ctx)
@@ -375,6 +391,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         )
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
         w.health_waits = {}
+        w.shadow.new_boot()
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -514,6 +531,8 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     hold = _hold_reason(w, ctx)
     if hold is None and _dry(w, ctx) and not lad.dry_run:
         hold = "dry_run (kill cap engaged)" if w.state.forced_dry_run else "dry_run"
+    if hold is None and _previewing(w, ctx) and w.shadow.holds(lad.target):
+        hold = "dry_run (kill cap engaged)"  # where enforcement's latch would hold it
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
@@ -623,6 +642,8 @@ def _emit_step(
     if not lad.dry_run and all(t != lad.target for t, _ in w.signal_history):
         w.signal_history.append((lad.target, ctx.now))
         w.new_targets += 1
+    elif _previewing(w, ctx):
+        w.shadow.count(lad.target, ctx.now)
     w.intents.append(
         SignalIntent(
             identity=ProcessIdentity(lad.pid, lad.start_ticks),
@@ -735,6 +756,17 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 **_finding_fields(finding),
             )
             lad = replace(lad, dry_run=True)
+    elif _previewing(w, ctx):
+        capped = w.shadow.admit(target, ctx.policy.limits)
+        if capped is not None:
+            w.event(
+                EventName.LIMITS_KILL_CAP_REACHED,
+                "warning",  # a would-be latch: nothing was switched
+                why=capped,
+                dry_run=True,
+                signalled_this_hour=len(w.shadow.signalled),
+                **_finding_fields(finding),
+            )
     _emit_step(w, ctx, lad, proc, finding)
 
 
@@ -893,6 +925,12 @@ def _history_blocker(
         why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
         return EventName.RESET_CIRCUIT_OPEN, "critical", why
     recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
+    if _dry(w, ctx):
+        if finding.key in w.shadow.done:
+            done = w.shadow.done[finding.key]
+            why = f"dry run: the would-be reset at {done:.0f} is assumed to have dealt with it"
+            return refused, "info", why
+        recent += w.shadow.recent_resets(uuid, ctx.wall, reset.window)  # would-be resets
     if len(recent) >= reset.max_resets:
         why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
         return EventName.RESET_LIMIT_REACHED, "warning", why
@@ -988,6 +1026,12 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     dry = _dry(w, ctx)
     act = health.action != "report" and ctx.blocked is None and not w.state.paused
     fields = _finding_fields(finding)
+    if not finding.actionable:
+        # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
+        if _health_once(w, finding, "health:report"):
+            w.event(EventName.ACTION_REFUSED, "warning", why="report only: not actionable",
+                    **fields)  # fmt: skip
+        return
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         if _health_once(w, finding, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, "critical", why=finding.reason, **fields)
@@ -1133,6 +1177,34 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
 
 
+def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
+    """A dry run's would-be SIGKILL went to ``identity``: assumed to end it, as a real one would.
+
+    SIGKILL cannot be caught (only uninterruptible sleep delays it, and that is ``stuck``), so
+    the preview ends the ladder as enforcement would when the target exits: resolved, with the
+    would-be ``on_action`` notification. The ladder stays, terminal, while the process lives,
+    so a dry run never signals it again; it is dropped (and starts over for real) when the
+    daemon acts for real. A SIGTERM is never assumed to end anything: it can be caught.
+    """
+    target = target_key(identity)
+    lad = state.ladders.get(target)
+    if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
+        return PlanResult((), (), state)
+    ladders = {**state.ladders, target: _move(lad, LadderStatus.ENDED)}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    why = "would-be SIGKILL: assumed to end the target (dry run)"
+    fields = {**_ladder_fields(lad), "why": why, "after": now - lad.started}
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
+             "user": lad.user}  # fmt: skip
+    notify = HookIntent(HookName.ON_ACTION, f"{target}: {ActionOutcome.FREED} ({why})", facts,
+                        dry_run=True)  # fmt: skip
+    return PlanResult(
+        (notify,),
+        (Event(EventName.ESCALATION_RESOLVED, "info", fields),),
+        replace(state, ladders=ladders, waiting=waiting),
+    )
+
+
 def _reset_action(
     intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
 ) -> HookIntent:
@@ -1157,8 +1229,15 @@ def record_reset(
     now: float,
     wall: float,
     needs_reboot: bool = False,
+    would_succeed: bool = False,
 ) -> PlanResult:
-    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure."""
+    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure.
+
+    A dry run's reset that would have gone all the way (``would_succeed``: its read-only final
+    scan found the GPU clear) is booked in the dry-run shadow as enforcement would book a
+    success: it counts against ``max_resets``, is assumed to have dealt with its finding, and
+    the ``on_action`` notification is shown as a would-be one.
+    """
     if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)
@@ -1178,7 +1257,13 @@ def record_reset(
     }
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
-        w.event(EventName.RESET_DRY_RUN, "info", **fields)
+        if would_succeed:
+            w.shadow.book_reset(gpu, intent.finding_key, wall)
+            assumed = "success: assumed for the decisions that follow (dry run)"
+            w.event(EventName.RESET_DRY_RUN, "info", assumed=assumed, **fields)
+            w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        else:
+            w.event(EventName.RESET_DRY_RUN, "info", assumed="refused", **fields)
     elif outcome is ResetResult.REFUSED:
         # Aborted before the command ran (e.g. the final holder scan found a holder): no
         # history or failure, but the cooldown applies so the procedure is not retried at once.
@@ -1248,8 +1333,10 @@ def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:
 
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:
-    """Admin: lift the dry-run the kill cap engaged (``resume`` does not do it by itself)."""
-    return replace(state, forced_dry_run=False, forced_reason=None)
+    """Admin: lift the dry-run the kill cap engaged (``resume`` does not do it by itself), and
+    the would-be latch a dry run keeps in its shadow."""
+    shadow = replace(state.shadow, capped=None, forced=())
+    return replace(state, forced_dry_run=False, forced_reason=None, shadow=shadow)
 
 
 def clear_circuit(state: PlanState) -> PlanState:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.shadow import DryShadow
 from gpuwatchd.model import as_int
 from gpuwatchd.vocabulary import PLAN_STATE_VERSION, LadderStatus
 
@@ -109,6 +110,7 @@ class PlanState:
     paused_reason: str | None = None
     last_wall: float | None = None
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
+    shadow: DryShadow = field(default_factory=DryShadow)  # dry-run's would-be limits (shadow.py)
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
@@ -185,6 +187,7 @@ def _dump_state(s: PlanState) -> dict[str, object]:
             }
             for gpu, wait in s.health_waits.items()
         },
+        "shadow": s.shadow.to_json(),
     }
 
 
@@ -329,6 +332,7 @@ def _load_state(data: object) -> PlanState:
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
+        shadow=DryShadow.from_json(d.get("shadow")),
     )
 
 

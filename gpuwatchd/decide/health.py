@@ -594,6 +594,8 @@ def assess_health(
         evidence = _evidence(gpu, health, xids, carried, notes)
         evidence["since"] = since[kind.value]
         evidence["reasons"] = [r.text for r in reasons[kind]]
+        # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
+        evidence["other_reasons"] = [r.text for k in _STRENGTH if k is not kind for r in reasons[k]]
         findings.append(
             Finding(
                 kind=kind,

@@ -105,7 +105,7 @@ policy:
     max_resets: 2
     cooldown: 2m
     drain:
-      - command: [scontrol, update, "nodename={hostname}", state=drain, "reason=gpu {uuid}"]
+      - command: [scontrol, update, "nodename={hostname}", drain, "reason={uuid} {pci_bus_id}"]
     after:
       - command: [/usr/local/sbin/undrain, "{pci_bus_id}"]
 gpus:
@@ -146,11 +146,12 @@ def test_would_be_hooks_show_their_argv_filled_in() -> None:
     dry, enforcing = both(FLAPPING)
     drains = [e for e in dry.entries("hook.run") if e.fields["hook"] == "reset_drain"]
     assert drains[0].fields["argv"] == [
-        "scontrol", "update", "nodename=sim-node", "state=drain", f"reason=gpu {GPU0}",
+        "scontrol", "update", "nodename=sim-node", "drain", f"reason={GPU0} 00000000:17:00.0",
     ]  # fmt: skip
     assert drains[0].fields["dry_run"] is True
     real = [e for e in enforcing.entries("hook.run") if e.fields["hook"] == "reset_drain"]
     assert real[0].fields["argv"] == drains[0].fields["argv"]
+    assert real[0].fields["returncode"] == 0  # it ran: every placeholder had its value
     # The reset procedure's own would-be hooks are filled in as well.
     after = [
         e for e in dry.entries("reset.step")

@@ -470,3 +470,46 @@ def test_a_reset_waits_for_the_nvlink_fabric_before_it_counts_and_undrains(
     assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
     # Fabric Manager was never touched: the only commands were the reset procedure's own.
     assert all(c.split()[0] in ("--gpu-reset", "-pm", "-q") for c in result["calls"])
+
+
+def host_xid_48_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        # No cooldown and room for five resets: only the dry-run shadow keeps the preview to
+        # the one reset enforcement would make.
+        run = Run(host, dry_run=True,
+                  reset={**reset, "cooldown": "0s", "max_resets": 5,
+                         "drain": [[*drain, "{uuid}", "{pci_bus_id}"]]})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(2)  # ten more polls
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events(), "drained": lines(drained)}
+
+
+def test_the_journal_of_a_dry_run_daemon_previews_one_reset_with_hooks_filled_in(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_48_dry_run", tmp_path)
+    assert result["calls"] == []  # nothing ran: no reset, no persistence, no health query
+    assert result["drained"] == []  # the hook was never started
+    outcomes = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert [(e["result"], e["dry_run"]) for e in outcomes] == [("dry_run", True)]
+    (booked,) = [e for e in result["events"] if e.get("event") == "reset.dry_run"]
+    assert booked["assumed"].startswith("success")
+    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    assert hook["dry_run"] is True
+    uuid, bus = hook["argv"][-2:]
+    assert uuid == "GPU-00000000-face-4000-8000-000000000000"
+    assert bus == outcomes[0]["pci_bus_id"]
+    assert "detail" not in hook  # it would run: every placeholder has its value
+    # The same decisions as the enforcing daemon and simulate, marked would-be.
+    assert decisions(result["events"]) == [
+        (name, "dry_run" if result_ == "success" else result_)
+        for name, result_ in simulated("xid-48-solo-idle")
+    ]

@@ -927,8 +927,7 @@ def _history_blocker(
     recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
     if _dry(w, ctx):
         if finding.key in w.shadow.done:
-            done = w.shadow.done[finding.key]
-            why = f"dry run: the would-be reset at {done:.0f} is assumed to have dealt with it"
+            why = "dry run: a would-be reset is assumed to have dealt with it already"
             return refused, "info", why
         recent += w.shadow.recent_resets(uuid, ctx.wall, reset.window)  # would-be resets
     if len(recent) >= reset.max_resets:
@@ -1007,9 +1006,14 @@ def _health_once(w: _Work, finding: Finding, what: str) -> bool:
 
 def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
     if ctx.policy.reset.drain:
-        w.intents.append(
-            HookIntent(HookName.RESET_DRAIN, why, _finding_fields(finding), dry_run=dry)
-        )
+        # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
+        gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+        facts = {
+            **_finding_fields(finding),
+            "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
+            "minor": None if gpu is None else gpu.minor,
+        }
+        w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
 
 
 def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:

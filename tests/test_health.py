@@ -1,4 +1,4 @@
-"""GPU health, pure: the Xid table, the recovery action, row remapping and retired pages give
+"""GPU health, pure: the Xid catalogue, the recovery action, row remapping and retired pages give
 findings (decide/health.py), and plan turns them into drain, wait, reset or reboot hooks —
 never a signal, never a reset with a live holder, the wait bounded and kept across restarts."""
 

@@ -87,7 +87,7 @@ NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R565 and later; NotSupported before
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
-EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R570 and later)
+EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R565 and later)
 # A poll never waits for an event: the event set queues them between polls, so asking with a
 # zero timeout takes what is there (NVML_ERROR_TIMEOUT: nothing) without holding the poll up.
 EVENT_WAIT_MS = 0

@@ -381,3 +381,14 @@ def test_health_state_with_assumptions_and_fabric_round_trips_and_rejects_garbag
     ):
         with pytest.raises(ValueError, match="health"):
             HealthState.from_json(bad)
+
+
+def test_an_unreadable_fabric_keeps_the_stuck_clock_and_is_never_stuck_itself() -> None:
+    pol = replace(HealthPolicy(), fabric_stuck_after=300.0)
+    _, state = judge(fabric_health(2), pol=pol)
+    unread = replace(fabric_health(2), fabric_support=Support.UNKNOWN, fabric_state=None)
+    blind, state = judge(unread, state, t=1400.0, pol=pol)
+    assert blind == []  # unknown is never a fault
+    assert state.gpus[GPU0].fabric_since == WALL  # nor a reason to start the clock over
+    stuck, _ = judge(fabric_health(2), state, t=1401.0, pol=pol)
+    assert kinds_of(stuck) == [FindingKind.DRAIN_REQUIRED]

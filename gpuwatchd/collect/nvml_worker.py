@@ -65,6 +65,9 @@ What one GPU entry holds (``None`` always means unknown):
 The worker never crashes on an NVML error, writes nothing but replies to its stdout (the real
 stdout is moved aside at start so a chatty library cannot corrupt the protocol) and ignores
 SIGINT (the daemon decides when it stops).
+
+It is long (about 650 lines) because it runs as a script by path and imports nothing from
+gpuwatchd: every NVML reader the daemon needs has to live in this one file.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ This module owns what the driver's health signals *mean* (docs/findings.md#gpu-h
   gpuwatchd never restarts;
 - the three GPU-level findings, one per GPU at most, the strongest winning: ``reboot_required``,
   ``reset_required``, ``drain_required``;
-- :class:`HealthState`, what is carried between polls (Xid counts per GPU, the last reset, a
-  dry run's assumed reset, since when each finding and a registering fabric hold) with its
-  checked JSON form;
+- every change to :class:`HealthState`, what is carried between polls (Xid counts per GPU,
+  the last reset, a dry run's assumed reset, since when each finding and a registering fabric
+  hold; its shape and checked JSON form are ``health_state.py``'s, re-exported here);
 - :func:`drain_blockers`: which live processes keep a health reset waiting.
 
 Whether and when to act (report, drain, reset; the gates and the drain wait) is ``plan.py``'s.
@@ -30,14 +30,14 @@ Pure: no I/O, no clock; ``None`` and ``Support.UNKNOWN`` never lead to a finding
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from gpuwatchd.decide import fabric
+from gpuwatchd.decide.health_state import MAX_XID_KINDS, GpuHealthState, HealthState, XidRecord
 from gpuwatchd.decide.policy import HealthPolicy
 from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
-from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, Snapshot, Support, as_int
+from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, Snapshot, Support
 
 __all__ = [
     "HEALTH_KINDS",
@@ -59,7 +59,6 @@ __all__ = [
 HEALTH_KINDS = frozenset(
     {FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED}
 )
-MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 MAX_COUNT = 2**31
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
 # "solo" rules are judged over it. A poll reads every queued event at once, so Xids of one
@@ -133,131 +132,6 @@ def recovery_name(value: int | None) -> str | None:
         return f"{RecoveryAction(value).name} ({value})"
     except ValueError:
         return f"unknown ({value})"
-
-
-# --- carried state ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class XidRecord:
-    """How often one Xid was seen on one GPU, and when first and last (wall seconds)."""
-
-    count: int
-    first: float
-    last: float
-
-
-@dataclass(frozen=True)
-class GpuHealthState:
-    """One GPU's health history: Xids seen, its last successful reset, since when the
-    current health finding holds (``since``: kind → wall seconds), since when its NVLink
-    fabric has been registering (``fabric_since``).
-
-    ``assumed_reset`` is a dry run's would-be reset, assumed to have succeeded for the
-    decisions that follow (Xids before it no longer count; ``assumed_cured`` names what the
-    reset would have applied — ``recovery:N``, ``remap`` — which the unchanged reading may
-    still show). It is dropped as soon as the daemon acts for real (:func:`drop_assumed`).
-
-    The first reading after a real reset is its health check (``checked_reset``): what the
-    reset should have applied and is still there (``unhealed``) means a reboot, for as long
-    as the reading shows it; the same signal appearing later is a new incident.
-    """
-
-    xids: Mapping[int, XidRecord] = field(default_factory=dict)
-    last_reset: float | None = None
-    since: Mapping[str, float] = field(default_factory=dict)
-    assumed_reset: float | None = None
-    assumed_cured: tuple[str, ...] = ()
-    fabric_since: float | None = None
-    checked_reset: float | None = None  # the last_reset whose health check was read
-    unhealed: tuple[str, ...] = ()  # what that check found the reset had not applied
-
-    @property
-    def reset_at(self) -> float | None:
-        """The latest reset, real or assumed."""
-        times = [t for t in (self.last_reset, self.assumed_reset) if t is not None]
-        return max(times) if times else None
-
-
-@dataclass(frozen=True)
-class HealthState:
-    """Per GPU UUID; dropped when the boot id changes (a reboot re-initialises every GPU)."""
-
-    gpus: Mapping[str, GpuHealthState] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            uuid: {
-                "xids": {
-                    str(xid): [rec.count, rec.first, rec.last]
-                    for xid, rec in sorted(gpu.xids.items())
-                },
-                "last_reset": gpu.last_reset,
-                "since": dict(sorted(gpu.since.items())),
-                "assumed_reset": gpu.assumed_reset,
-                "assumed_cured": list(gpu.assumed_cured),
-                "fabric_since": gpu.fabric_since,
-                "checked_reset": gpu.checked_reset,
-                "unhealed": list(gpu.unhealed),
-            }
-            for uuid, gpu in sorted(self.gpus.items())
-        }
-
-    @classmethod
-    def from_json(cls, data: object) -> HealthState:
-        """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
-        if not isinstance(data, dict):
-            raise ValueError("health must be an object")
-        gpus: dict[str, GpuHealthState] = {}
-        for uuid, entry in data.items():
-            what = f"health.{uuid}"
-            if not isinstance(uuid, str) or not isinstance(entry, dict):
-                raise ValueError(f"{what}: expected an object")
-            raw_xids = entry.get("xids", {})
-            if not isinstance(raw_xids, dict) or len(raw_xids) > MAX_XID_KINDS:
-                raise ValueError(f"{what}.xids: expected an object of at most {MAX_XID_KINDS}")
-            xids: dict[int, XidRecord] = {}
-            for key, triple in raw_xids.items():
-                xid = int(key) if isinstance(key, str) and key.isdigit() else None
-                values = triple if isinstance(triple, list) and len(triple) == 3 else None
-                count = as_int(values[0]) if values else None
-                if xid is None or values is None or count is None or count < 0:
-                    raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
-                xids[xid] = XidRecord(count, _time(values[1], what), _time(values[2], what))
-            since = entry.get("since", {})
-            if not isinstance(since, dict):
-                raise ValueError(f"{what}.since: expected an object")
-            cured = _signatures(entry.get("assumed_cured", []), f"{what}.assumed_cured")
-            unhealed = _signatures(entry.get("unhealed", []), f"{what}.unhealed")
-            gpus[uuid] = GpuHealthState(
-                xids=xids,
-                last_reset=_opt_time(entry.get("last_reset"), what),
-                since={str(k): _time(v, what) for k, v in since.items()},
-                assumed_reset=_opt_time(entry.get("assumed_reset"), what),
-                assumed_cured=cured,
-                fabric_since=_opt_time(entry.get("fabric_since"), what),
-                checked_reset=_opt_time(entry.get("checked_reset"), what),
-                unhealed=unhealed,
-            )
-        return cls(gpus=gpus)
-
-
-def _time(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite time, got {value!r}")
-    return float(value)
-
-
-def _opt_time(value: object, what: str) -> float | None:
-    return None if value is None else _time(value, what)
-
-
-def _signatures(value: object, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > 8:
-        raise ValueError(f"{what}: expected a list of at most 8")
-    if not all(isinstance(c, str) and 0 < len(c) <= 32 for c in value):
-        raise ValueError(f"{what}: expected short strings")
-    return tuple(value)
 
 
 def _cured_by_reset(health: GpuHealth) -> tuple[str, ...]:
@@ -572,10 +446,14 @@ def assess_health(
         carried = old.get(gpu.uuid, GpuHealthState())
         carried = _carry_cures(carried, health)
         xids = _merge_xids(carried.xids, health)
-        registering = fabric.registering(health) is True
-        fabric_since = (carried.fabric_since or wall) if registering else None
+        registering = fabric.registering(health)
+        if registering is None:  # not read this poll: unknown keeps the clock as it was
+            fabric_since = carried.fabric_since
+        else:
+            fabric_since = (carried.fabric_since or wall) if registering else None
         stuck = (
-            fabric_since is not None
+            registering is True
+            and fabric_since is not None
             and wall - fabric_since >= options.fabric_stuck_after
             and not fabric.waiting_for_partition(health)
         )

@@ -34,6 +34,7 @@ twice.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
@@ -49,12 +50,13 @@ from gpuwatchd.act.reset import (
     resume_interrupted,
 )
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.decide.argv import hook_environment
+from gpuwatchd.decide import fabric
+from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.health import note_reset
+from gpuwatchd.decide.health import drop_assumed, note_reset
 from gpuwatchd.decide.plan import (
     HookIntent,
     Intent,
@@ -68,6 +70,7 @@ from gpuwatchd.decide.plan import (
     hidden_holders,
     next_deadline,
     plan,
+    record_assumed_exit,
     record_exit,
     record_reset,
     record_signal,
@@ -220,6 +223,7 @@ class Engine:
         background: Background = run_now,
         hostname: str | None = None,
         stopping: Callable[[], bool] = lambda: False,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.policy = policy
         self.reader = reader
@@ -233,6 +237,9 @@ class Engine:
         self.background = background
         self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
         self.stopping = stopping
+        self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
+        # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
+        self._assumed_exits: list[ProcessIdentity] = []
         # (intent, results) of hooks that ran in the background, reported by the main loop.
         self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult]]] = (
             collections.deque()
@@ -251,11 +258,15 @@ class Engine:
         snapshot = self.reader.collect()
         self.last_snapshot = snapshot
         state = self.state
+        if not (self.policy.dry_run or state.plan.forced_dry_run):
+            # Acting for real: a dry run's assumed resets never stand in for real ones.
+            state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
         assessment = assess(
             snapshot,
             state.assess,
             self.policy.detection,
             driver_refused=hidden_holders(state.plan),
+            health_policy=self.policy.health,
         )
         state.assess = assessment.state
         self.last_assessment = assessment
@@ -293,6 +304,7 @@ class Engine:
             # Most targets die within milliseconds of a signal: see that before the checkpoint
             # (whose fsyncs can take tens of ms), not after it.
             self.note_exits(self.actuator.exits(EXIT_GRACE))
+        self._note_assumed_exits()
         self.checkpoint()
         return result
 
@@ -352,6 +364,17 @@ class Engine:
                 self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
             )
 
+    def _note_assumed_exits(self) -> None:
+        """Targets of a dry run's would-be SIGKILL: assumed to have exited, where a real
+        SIGKILL's exit would be seen (plan.record_assumed_exit)."""
+        assumed, self._assumed_exits = self._assumed_exits, []
+        for identity in assumed:
+            self._carry_out_all(
+                self._take(
+                    record_assumed_exit(self.state.plan, identity, now=self.clock.monotonic())
+                )
+            )
+
     @property
     def findings(self) -> tuple[Finding, ...]:
         return self.last_assessment.findings if self.last_assessment else ()
@@ -408,6 +431,8 @@ class Engine:
     def _signal(self, intent: SignalIntent) -> tuple[Intent, ...]:
         result = self.actuator.signal(intent.identity, intent.signal, dry_run=intent.dry_run)
         outcome = SignalOutcome(result.outcome)
+        if intent.dry_run and intent.signal == "SIGKILL" and outcome is SignalOutcome.DRY_RUN:
+            self._assumed_exits.append(intent.identity)
         self._emit(
             EventName.ACTION_SIGNAL,
             SIGNAL_OUTCOME_LEVELS[outcome],
@@ -436,18 +461,6 @@ class Engine:
         hooks = self._hooks_for(intent)
         if not hooks:
             return ()
-        if intent.dry_run:
-            for hook in hooks:
-                self._emit(
-                    EventName.HOOK_RUN,
-                    "warning",  # a would-be action: reviewed with -p warning
-                    hook=intent.hook,
-                    argv=list(hook.argv),
-                    dry_run=True,
-                    outcome="dry_run",
-                    reason=intent.reason,
-                )
-            return ()
         facts = intent.facts
         values = {
             "uuid": _text(facts.get("gpu")),
@@ -456,6 +469,23 @@ class Engine:
             "user": _text(facts.get("user")),
             "hostname": self.hostname,
         }
+        if intent.dry_run:
+            for hook in hooks:
+                try:  # the argv as it would run, placeholders filled
+                    argv, detail = list(format_argv(hook.argv, **values)), None
+                except ValueError as err:
+                    argv, detail = list(hook.argv), f"would not run: {err}"
+                self._emit(
+                    EventName.HOOK_RUN,
+                    "warning",  # a would-be action: reviewed with -p warning
+                    hook=intent.hook,
+                    argv=argv,
+                    dry_run=True,
+                    outcome="dry_run",
+                    reason=intent.reason,
+                    **({"detail": detail} if detail else {}),
+                )
+            return ()
         env = hook_environment(
             intent.hook,
             reason=intent.reason,
@@ -535,6 +565,8 @@ class Engine:
             minor=intent.minor,
             persistence_was_on=gpu.persistence_mode if gpu else None,
             hostname=self.hostname,
+            # An NVSwitch system's GPU: the reset is done once its fabric re-registered.
+            fabric=gpu is not None and gpu.health is not None and fabric.supported(gpu.health),
         )
         env = _ResetEnv(self)
 
@@ -547,6 +579,7 @@ class Engine:
                 hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
                 runner=self.actuator.run_command,
                 drained=intent.drained,
+                fabric_wait=self._wait_for_fabric,
             )
 
         try:
@@ -558,13 +591,43 @@ class Engine:
             )
         return self._book_reset(intent, outcome)
 
+    def _wait_for_fabric(self, target: ResetTarget, timeout: float) -> tuple[bool, str]:
+        """Read the GPU until its NVLink fabric registration is COMPLETED (decide/fabric.py
+        judges each reading), at most ``timeout`` seconds, a second apart."""
+        deadline = self.clock.monotonic() + timeout
+        detail = "not read yet"
+        while True:
+            reading = self.reader.read_gpu(target.uuid)
+            verdict, detail = fabric.after_reset(None if reading is None else reading.health)
+            if verdict == "completed":
+                return True, detail
+            if verdict == "failed":
+                return False, detail
+            if self.clock.monotonic() >= deadline:
+                return False, f"{detail} after {timeout:g}s"
+            self.sleep(1.0)
+
     def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+        would_succeed = (
+            intent.dry_run
+            and outcome.result == ResetResult.DRY_RUN
+            and outcome.step is ResetStep.DONE
+        )
+        assessed = self.state.assess
         if outcome.result == ResetResult.SUCCESS and not intent.dry_run:
             # GPU health: Xids before this reset are dealt with; the next reading is the
             # health check after it (decide/health.py).
-            assessed = self.state.assess
             health = note_reset(assessed.health, intent.gpu, self.clock.wall())
             self.state.assess = replace(assessed, health=health)
+        elif would_succeed:
+            # A dry run's would-be reset is assumed to have succeeded for the decisions that
+            # follow, as enforcement's would have (decide/shadow.py, decide/health.py).
+            gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
+            if gpu is not None and gpu.health is not None:
+                health = note_reset(
+                    assessed.health, intent.gpu, self.clock.wall(), assumed_from=gpu.health
+                )
+                self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
@@ -577,6 +640,7 @@ class Engine:
                 now=self.clock.monotonic(),
                 wall=self.clock.wall(),
                 needs_reboot=outcome.needs_reboot,
+                would_succeed=would_succeed,
             )
         )
 

@@ -282,10 +282,13 @@ class GpuHealth:
 
     ``xids`` are the Xid events read since the previous poll (events are consumed once: the
     history is kept by ``decide/health.py``). ``recovery_action`` is NVML's
-    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P,
-    4 drain and reset; R570 and later). ``remap_*`` come from ``nvmlDeviceGetRemappedRows``
-    (Ampere and later, not under MIG), ``pages_pending`` from the retired-page pending status
-    (before Ampere). Each value is None unless its ``*_support`` is ``Support.OK``.
+    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (the field from R565: 0 none, 1 GPU reset, 2 node
+    reboot, 3 drain P2P; 4 drain and reset from R570; 5-7 from R595/R615). ``remap_*`` come
+    from ``nvmlDeviceGetRemappedRows`` (Ampere and later, not under MIG), ``pages_pending``
+    from the retired-page pending status
+    (before Ampere), ``fabric_*`` from ``nvmlDeviceGetGpuFabricInfoV`` (NVSwitch systems; what
+    the values mean is ``decide/fabric.py``'s). Each value is None unless its ``*_support`` is
+    ``Support.OK``.
     """
 
     events: Support = Support.UNKNOWN
@@ -301,6 +304,14 @@ class GpuHealth:
     pages_single_bit: int | None = None
     pages_double_bit: int | None = None
     pages_support: Support = Support.UNKNOWN
+    # The NVLink fabric (NVSwitch systems; nvmlDeviceGetGpuFabricInfoV): the registration
+    # state (0 not supported, 1 not started, 2 in progress, 3 completed), the probe's NVML
+    # status (meaningful once completed), the health mask and, from struct v3, the summary.
+    fabric_support: Support = Support.UNKNOWN
+    fabric_state: int | None = None
+    fabric_status: int | None = None
+    fabric_health_mask: int | None = None
+    fabric_health_summary: int | None = None
 
 
 @dataclass(frozen=True)

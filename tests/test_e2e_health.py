@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gpuwatchd.cli.scenario import load_scenario
 from gpuwatchd.cli.simulate import simulate
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import Run, fake_smi, smi_calls
+from tests.test_e2e_run import Run, _epoch, fake_smi, smi_calls
 
 pytestmark = [
     pytest.mark.skipif(
@@ -282,3 +283,233 @@ def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says
     assert [c for c in result["calls"] if "--gpu-reset" in c] == []
     assert result["paged"] == []
     assert decisions(result["events"]) == simulated("xid-13-application") == []
+
+
+# --- NVIDIA's catalogue, recovery actions and the fabric, through the daemon ------------------
+
+
+def host_xid_48_solo(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        # An R535/R550 driver: no recovery-action field (the fake's default), so the Xid decides.
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        run = Run(host, reset={**reset, "cooldown": "0s"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)  # five more polls: no second reset
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events()}
+
+
+def test_a_solo_xid_48_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
+    result = run_host("host_xid_48_solo", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    (new,) = [e for e in result["events"] if e.get("event") == "finding.new"]
+    assert "solo: NVIDIA: reset the GPU" in new["reason"]
+    assert new["evidence"]["recovery_action"].startswith("unknown (not_supported")
+    assert decisions(result["events"]) == simulated("xid-48-solo-idle")
+
+
+def xid_counted(metrics: Path, xid: int) -> Callable[[], bool]:
+    def counted() -> bool:
+        text = metrics.read_text() if metrics.exists() else ""
+        return any(
+            line.startswith("gpuwatchd_gpu_xid_events{") and f'xid="{xid}"' in line
+            and line.endswith(" 1.0")
+            for line in text.splitlines()
+        )  # fmt: skip
+
+    return counted
+
+
+def host_xid_94_two_jobs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.spawn("train", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        host.spawn("serve", [{"open": host.cuda(1)}, {"sleep": 3600}])
+        pids = host.wait_ready("train", "serve")
+        busy = [
+            gpu(0, allocated=900 * MiB, processes=[process(pids["train"], 900 * MiB)]),
+            gpu(1, allocated=500 * MiB, processes=[process(pids["serve"], 500 * MiB)]),
+        ]
+        host.nvml(busy)
+        reset = fake_smi(host)
+        metrics = host.root / "gpuwatchd.prom"
+        drain, drained = marker_hook(host, "drain")
+        run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
+                  metrics={"textfile": str(metrics)})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml(busy, events=[{"id": "x94", "gpu": 0, "type": 8, "data": 94}])
+        seen = run.wait_for(xid_counted(metrics, 94), timeout=30)
+        time.sleep(2)  # ten polls: nothing may happen
+        alive = {name: host.alive(pid) for name, pid in pids.items()}
+        run.stop()
+        return {"seen": seen, "alive": alive, "calls": smi_calls(host), "events": run.events(),
+                "drained": lines(drained)}  # fmt: skip
+
+
+def test_xid_94_under_two_jobs_is_counted_and_never_resets_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_94_two_jobs", tmp_path)
+    assert result["seen"] is True
+    assert result["alive"] == {"train": True, "serve": True}
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert result["drained"] == []
+    assert decisions(result["events"]) == simulated("xid-94-two-jobs") == []
+
+
+def host_drain_p2p(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+        host.nvml([busy])
+        reset = fake_smi(host)
+        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([{**busy, "recovery_action": 3}],
+                  events=[{"id": "x154a", "gpu": 0, "type": 8, "data": 154}])  # fmt: skip
+        drained = run.wait_for(lambda: run.saw("health.drain_started"), timeout=30)
+        time.sleep(2)  # ten polls of DRAIN_P2P: no reset, the job runs on
+        during = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, recovery_action=3)])
+        time.sleep(1)
+        # The driver settles on GPU_RESET, with no Xid 154 to say so: only re-reading sees it.
+        host.nvml([gpu(0, recovery_action=1)])
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(
+            lambda: run.saw("finding.resolved", finding="reset_required:"
+                            "GPU-00000000-face-4000-8000-000000000000:gpu"),
+            timeout=30,
+        )  # fmt: skip
+        run.stop()
+        return {"drained": drained, "during": during, "calls": smi_calls(host),
+                "events": run.events()}  # fmt: skip
+
+
+def test_drain_p2p_is_re_read_until_it_settles_then_one_reset_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_drain_p2p", tmp_path)
+    assert result["drained"] is True
+    assert result["during"]["alive"] is True
+    assert [c for c in result["during"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    kinds = [e["kind"] for e in result["events"] if e.get("event") == "finding.new"]
+    assert [k for k in kinds if k in HEALTH_KINDS] == ["drain_required", "reset_required"]
+    assert decisions(result["events"]) == simulated("drain-p2p-settles-to-reset")
+
+
+def host_fabric_in_progress(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        completed = {"state": 3, "status": 0, "health_mask": 0, "health_summary": 1}
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)])
+        reset = fake_smi(host)
+        # After the reset Fabric Manager has not registered the GPU again yet.
+        registering = {**completed, "state": 2}
+        restored = json.loads(host.fake.state_path.read_text())
+        restored["gpus"] = [gpu(0, fabric=registering), gpu(1, fabric=completed)]
+        restore_to(host, restored)
+        after, undrained = marker_hook(host, "after")
+        run = Run(host, reset={**reset, "cooldown": "0s", "after": [after],
+                               "fabric_timeout": "60s"})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)],
+                  events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])  # fmt: skip
+        waiting = run.wait_for(lambda: run.saw("reset.step", status="fabric_waiting"), timeout=30)
+        time.sleep(3)  # three reads a second apart: still IN_PROGRESS
+        held = {"after": lines(undrained), "outcome": run.saw("reset.outcome")}
+        completed_at = time.time()
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)])
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        run.stop()
+        return {
+            "waiting": waiting,
+            "held": held,
+            "completed_at": completed_at,
+            "after": lines(undrained),
+            "calls": smi_calls(host),
+            "events": run.events(),
+        }
+
+
+def test_a_reset_waits_for_the_nvlink_fabric_before_it_counts_and_undrains(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_fabric_in_progress", tmp_path)
+    assert result["waiting"] is True
+    assert result["held"] == {"after": [], "outcome": False}
+    assert result["after"] == ["reset_after"]
+    (outcome,) = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert outcome["result"] == "success"
+    assert "fabric registration COMPLETED" in outcome["reason"]
+    (done,) = [
+        e
+        for e in result["events"]
+        if e.get("event") == "reset.step" and e.get("status") == "fabric_completed"
+    ]
+    assert _epoch(done["timestamp"]) >= result["completed_at"] - 0.01
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    # Fabric Manager was never touched: the only commands were the reset procedure's own.
+    assert all(c.split()[0] in ("--gpu-reset", "-pm", "-q") for c in result["calls"])
+
+
+def host_xid_48_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        # No cooldown and room for five resets: only the dry-run shadow keeps the preview to
+        # the one reset enforcement would make.
+        run = Run(host, dry_run=True,
+                  reset={**reset, "cooldown": "0s", "max_resets": 5,
+                         "drain": [[*drain, "{uuid}", "{pci_bus_id}"]]})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(2)  # ten more polls
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events(), "drained": lines(drained)}
+
+
+def test_the_journal_of_a_dry_run_daemon_previews_one_reset_with_hooks_filled_in(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_48_dry_run", tmp_path)
+    assert result["calls"] == []  # nothing ran: no reset, no persistence, no health query
+    assert result["drained"] == []  # the hook was never started
+    outcomes = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert [(e["result"], e["dry_run"]) for e in outcomes] == [("dry_run", True)]
+    (booked,) = [e for e in result["events"] if e.get("event") == "reset.dry_run"]
+    assert booked["assumed"].startswith("success")
+    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    assert hook["dry_run"] is True
+    uuid, bus = hook["argv"][-2:]
+    assert uuid == "GPU-00000000-face-4000-8000-000000000000"
+    assert bus == outcomes[0]["pci_bus_id"]
+    assert "detail" not in hook  # it would run: every placeholder has its value
+    # The same decisions as the enforcing daemon and simulate, marked would-be.
+    assert decisions(result["events"]) == [
+        (name, "dry_run" if result_ == "success" else result_)
+        for name, result_ in simulated("xid-48-solo-idle")
+    ]

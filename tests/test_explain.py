@@ -265,3 +265,13 @@ def test_health_finding_is_explained_as_drain_then_reset_with_its_blockers() -> 
     assert "drain" in str(item["next"])
     assert any("no device isolation" in stop for stop in item["stopped_by"])
     assert "reset_required" in render_explanation(result)
+
+
+def test_a_health_finding_gpuwatchd_may_not_act_on_is_explained_as_reported_only() -> None:
+    report = report_at("recovery-action-unknown", 40.0)
+    result = explain_report(json.loads(json.dumps(report)), POLICY)
+    items = result["findings"]
+    assert isinstance(items, list)
+    (item,) = [i for i in items if i["kind"] == "drain_required"]
+    assert item["next"] is None
+    assert any("not actionable" in stop for stop in item["stopped_by"])

@@ -200,3 +200,46 @@ def test_init_error_fails_init_and_opens_nothing(lib: ctypes.CDLL, fake: FakeNvm
     assert open_device_files(os.getpid(), fake.devices_dir) == set()
     count = ctypes.c_uint()
     assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == UNINITIALIZED
+
+
+class FabricInfoV3(ctypes.Structure):
+    """nvmlGpuFabricInfo_v3_t as nvml.h and pynvml lay it out (v2 is the first 36 bytes)."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * 16),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint),
+        ("healthMask", ctypes.c_uint32),
+        ("healthSummary", ctypes.c_uint8),
+    ]
+
+
+FABRIC_V2, FABRIC_V3 = 0x02000024, 0x03000028
+
+
+def test_fabric_info_checks_the_struct_version_and_never_writes_past_v2(
+    session: ctypes.CDLL, fake: FakeNvml
+) -> None:
+    assert ctypes.sizeof(FabricInfoV3) == FABRIC_V3 & 0xFFFFFF
+    fabric = {"state": 3, "status": 0, "health_mask": 0x1102, "health_summary": 1, "clique_id": 7}
+    fake.write(state([gpu(0, fabric={**fabric, "max_version": 2}), gpu(1)]))
+    info = FabricInfoV3(version=FABRIC_V2, healthSummary=0xEE)
+    assert session.nvmlDeviceGetGpuFabricInfoV(handle(session, 0), ctypes.byref(info)) == SUCCESS
+    assert (info.state, info.healthMask, info.cliqueId) == (3, 0x1102, 7)
+    assert info.healthSummary == 0xEE  # byte 36 belongs to the caller under v2
+    v3 = FabricInfoV3(version=FABRIC_V3)
+    assert session.nvmlDeviceGetGpuFabricInfoV(handle(session, 0), ctypes.byref(v3)) == (
+        VERSION_MISMATCH
+    )
+    fake.write(state([gpu(0, fabric=fabric), gpu(1)]))
+    assert session.nvmlDeviceGetGpuFabricInfoV(handle(session, 0), ctypes.byref(v3)) == SUCCESS
+    assert v3.healthSummary == 1
+    odd = FabricInfoV3(version=0x01000020)
+    assert session.nvmlDeviceGetGpuFabricInfoV(handle(session, 0), ctypes.byref(odd)) == (
+        VERSION_MISMATCH
+    )
+    assert session.nvmlDeviceGetGpuFabricInfoV(handle(session, 1), ctypes.byref(v3)) == (
+        NOT_SUPPORTED
+    )

@@ -1,4 +1,4 @@
-"""GPU health, pure: the Xid table, the recovery action, row remapping and retired pages give
+"""GPU health, pure: the Xid catalogue, the recovery action, row remapping and retired pages give
 findings (decide/health.py), and plan turns them into drain, wait, reset or reboot hooks —
 never a signal, never a reset with a live holder, the wait bounded and kept across restarts."""
 
@@ -12,11 +12,11 @@ import pytest
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.health import (
-    XID_ACTIONS,
     HealthState,
     XidAction,
     assess_health,
     note_reset,
+    xid_action,
 )
 from gpuwatchd.decide.plan import (
     EventName,
@@ -118,7 +118,7 @@ def kinds(h: GpuHealth, state: HealthState | None = None) -> list[FindingKind]:
         ({"recovery_action": 4}, [FindingKind.RESET_REQUIRED]),
         ({"recovery_action": 2}, [FindingKind.REBOOT_REQUIRED]),
         ({"recovery_action": 3}, [FindingKind.DRAIN_REQUIRED]),
-        ({"recovery_action": 200}, []),  # unknown value: never an action
+        ({"recovery_action": 200}, [FindingKind.DRAIN_REQUIRED]),  # reported, not actionable
         ({"recovery_action": None, "recovery_support": Support.UNKNOWN}, []),
         ({"remap_pending": True}, [FindingKind.RESET_REQUIRED]),
         ({"remap_failure": True}, [FindingKind.REBOOT_REQUIRED]),
@@ -147,9 +147,9 @@ def test_health_readings_give_the_strongest_finding(
 
 
 def test_application_xids_are_counted_but_never_a_reason() -> None:
-    assert {xid for xid, a in XID_ACTIONS.items() if a is XidAction.APPLICATION} == {
-        13, 31, 43, 45, 68, 109,
-    }  # fmt: skip
+    assert xid_action(13) is XidAction.RESTART_APP
+    assert xid_action(31) is XidAction.RESTART_APP
+    assert xid_action(43) is XidAction.IGNORE
     result = assess_health(
         snap(gpu(0, GPU0, health(xids=(XidEvent(13, 5.0), XidEvent(13, 6.0))))),
         HealthState(),
@@ -168,9 +168,9 @@ def test_xids_are_remembered_across_polls_with_counts_and_times() -> None:
     assert finding.kind is FindingKind.RESET_REQUIRED
     assert finding.pid is None
     assert finding.evidence["xids"] == {
-        "95": {"count": 2, "first": 10.0, "last": 20.0, "action": "reset"}
+        "95": {"count": 2, "first": 10.0, "last": 20.0, "action": "reset", "bucket": "RESET_GPU"}
     }
-    assert "Xid 95 seen 2 time(s)" in finding.reason
+    assert "Xid 95 (Uncontained memory error) seen 2 time(s)" in finding.reason
     assert finding.evidence["since"] == first.findings[0].evidence["since"]
     # A new boot forgets them.
     after_boot = assess_health(snap(gpu(0, GPU0, health())), second.state, boot_changed=True)
@@ -332,6 +332,63 @@ def test_reboot_required_runs_on_failure_and_drain_once_and_never_resets() -> No
     assert hooks(second) == []
     assert resets(second) == []
     assert EventName.GPU_NEEDS_REBOOT not in names(second)
+
+
+def test_drain_p2p_settling_to_gpu_reset_drains_once_and_a_later_incident_drains_again() -> None:
+    """DRAIN_P2P (drain_required) then GPU_RESET (reset_required) is one incident on one GPU:
+    the drain hooks ran for the first finding, so the reset that follows is drained already
+    (also across a restart). After the reset's after hooks undrained the node, a new incident
+    of the GPU drains again."""
+    run = Run(policy())
+    p2p = run.poll(snap(gpu(0, GPU0, health(recovery_action=3))))
+    assert hooks(p2p) == ["reset_drain"]
+    assert run.plan_state.health_drained == {GPU0: False}
+    run.restart()
+    settled = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1100.0))
+    assert hooks(settled) == [], "drained already for this incident"
+    (started,) = [e for e in settled.events if e.name == EventName.HEALTH_DRAIN_STARTED]
+    assert started.fields["drained_already"] is True
+    (intent,) = resets(settled)
+    assert intent.drained
+    run.book(intent, 1101.0)
+    assert run.plan_state.health_drained == {}
+    run.poll(snap(gpu(0, GPU0, health()), t=1110.0))  # resolved
+    again = run.poll(snap(gpu(0, GPU0, health(recovery_action=3)), t=2000.0))
+    assert hooks(again) == ["reset_drain"]
+
+
+def test_a_failed_health_reset_leaves_the_incident_drained() -> None:
+    """Only a reset that succeeded had its after hooks undo the drain (an undrain hook learns
+    the result and keeps a failed GPU's node drained): after a failure the incident's next
+    finding does not drain again."""
+    run = Run(policy())
+    (intent,) = resets(run.poll(snap(gpu(0, GPU0, health(recovery_action=1)))))
+    run.book(intent, 1001.0, outcome="failed")
+    assert run.plan_state.health_drained == {GPU0: False}
+    worse = run.poll(snap(gpu(0, GPU0, health(recovery_action=2)), t=1100.0))
+    assert hooks(worse) == ["on_failure"]  # reboot_required: paged, not drained twice
+
+
+def test_a_drain_incident_that_ends_without_a_reset_drains_again_next_time() -> None:
+    run = Run(policy())
+    assert hooks(run.poll(snap(gpu(0, GPU0, health(recovery_action=3))))) == ["reset_drain"]
+    run.poll(snap(gpu(0, GPU0, health()), t=1100.0))  # the driver's answer: nothing to do
+    assert run.plan_state.health_drained == {}
+    later = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1200.0))
+    assert hooks(later) == ["reset_drain"]
+
+
+def test_a_dry_runs_drain_does_not_stand_in_for_a_real_one() -> None:
+    run = Run(replace(policy(), dry_run=True))
+    first = run.poll(snap(gpu(0, GPU0, health(recovery_action=3))))
+    assert [(i.hook, i.dry_run) for i in first.intents if isinstance(i, HookIntent)] == [
+        ("reset_drain", True)
+    ]
+    run.policy = replace(run.policy, dry_run=False)  # a reload: enforcing now
+    real = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1100.0))
+    assert [(i.hook, i.dry_run) for i in real.intents if isinstance(i, HookIntent)] == [
+        ("reset_drain", False)
+    ]
 
 
 def test_still_unhealthy_after_the_reset_escalates_to_reboot() -> None:

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from gpuwatchd.decide.health import MAX_XID_KINDS, HealthState, assess_health, recovery_name
+from gpuwatchd.decide.health import HealthState, assess_health, recovery_name
+from gpuwatchd.decide.health_state import MAX_XID_KINDS
 from gpuwatchd.model import (
     FindingKind,
     GpuHealth,
@@ -49,7 +50,10 @@ def judge(
 def test_a_gpu_whose_health_was_not_read_does_not_hide_the_next_one() -> None:
     kinds, evidence, _ = judge(gpu(0, GPU0, None), gpu(1, GPU1, replace(QUIET, recovery_action=1)))
     assert kinds == {GPU1: FindingKind.RESET_REQUIRED}
-    assert evidence[GPU1]["reasons"] == ["the driver's recovery action is GPU_RESET (1)"]
+    assert evidence[GPU1]["reasons"] == [
+        "the driver's recovery action is GPU_RESET (1): NVIDIA: end the GPU's processes and "
+        "reset it"
+    ]
     assert evidence[GPU1]["recovery_action"] == "GPU_RESET (1)"
 
 
@@ -94,7 +98,9 @@ def test_an_xid_from_before_the_last_reset_does_not_hide_a_later_one() -> None:
         gpu(0, GPU0, replace(QUIET, xids=(XidEvent(95, 60.0),))), state=state
     )
     assert kinds == {GPU0: FindingKind.RESET_REQUIRED}
-    assert evidence[GPU0]["reasons"] == ["Xid 95 seen 1 time(s) (NVIDIA: reset the GPU)"]
+    assert evidence[GPU0]["reasons"] == [
+        "Xid 95 (Uncontained memory error) seen 1 time(s) (NVIDIA: reset the GPU)"
+    ]
 
 
 def test_the_xid_history_keeps_at_most_its_bound_of_kinds_and_still_counts_known_ones() -> None:

@@ -116,13 +116,19 @@ def test_a_full_queue_drops_the_notification_and_says_so() -> None:
     assert notify_commands(r) == []
 
 
-def test_dry_run_notifies_nobody() -> None:
+def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> None:
     background = Deferred()
     r = with_background(rig(policy(NOTIFY, dry_run=True), orphan_host), background)
     for t in (0.0, 31.0, 42.0, 60.0):  # the whole would-be ladder
         r.poll_at(t)
     assert background.pending == []
-    assert [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"] == []
+    assert notify_commands(r) == []
+    # The would-be SIGKILL is assumed to end the target (as enforcement's would): its
+    # notification is shown as enforcement would send it, marked would-be, once.
+    (shown,) = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
+    assert shown["dry_run"] is True
+    assert shown["outcome"] == "dry_run"
+    assert shown["argv"] == ["notify", "alice", "gpu17", GPU0]
 
 
 def test_a_target_that_survives_its_ladder_notifies_survived() -> None:

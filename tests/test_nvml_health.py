@@ -198,6 +198,19 @@ def test_event_wait_never_holds_up_the_poll(fake_nvml: FakeNvml, client: NvmlCli
         ({"retired_pages": {"status": "ok", "pending": "yes"}}, "pages_support", Support.UNKNOWN),
         ({"xids": [{"xid": 2**20, "wall": 1.0}, {"xid": 79, "wall": float("nan")}]}, "xids", ()),
         ({"xids": "95"}, "xids", ()),
+        ({"fabric": {"status": "ok", "state": 7}}, "fabric_support", Support.UNKNOWN),
+        (
+            {"fabric": {"status": "ok", "state": 3, "health_mask": 2**40}},
+            "fabric_health_mask",
+            None,
+        ),
+        (
+            {"fabric": {"status": "ok", "state": 3, "health_summary": -1}},
+            "fabric_health_summary",
+            None,
+        ),
+        ({"fabric": {"status": "not_supported", "state": 3}}, "fabric_state", None),
+        ({"fabric": "COMPLETED"}, "fabric_support", Support.UNKNOWN),
         ({"events": None}, "events", Support.UNKNOWN),
     ],
 )
@@ -218,3 +231,50 @@ def test_xids_are_capped_per_poll() -> None:
 def test_missing_health_entry_is_none() -> None:
     assert to_health(None) is None
     assert to_health([1, 2]) is None
+
+
+def test_the_fabric_is_read_through_the_v3_struct_and_v2_on_older_drivers(
+    fake_nvml: FakeNvml, client: NvmlClient
+) -> None:
+    mask = 2 | (1 << 8) | (1 << 12)
+    fake_nvml.write(
+        state(
+            [
+                gpu(0, fabric={"state": 2, "status": 0, "health_mask": mask, "health_summary": 1}),
+                gpu(1, fabric={"state": 3, "status": 5, "health_mask": 4, "max_version": 2}),
+                gpu(2),
+            ]
+        )
+    )
+    first, older, pcie = (g.health for g in client.read().gpus)
+    assert first is not None
+    assert older is not None
+    assert pcie is not None
+    assert (first.fabric_support, first.fabric_state, first.fabric_status) == (Support.OK, 2, 0)
+    assert (first.fabric_health_mask, first.fabric_health_summary) == (mask, 1)
+    # Struct v3 refused with a version mismatch: v2, which has no summary.
+    assert (older.fabric_support, older.fabric_state, older.fabric_status) == (Support.OK, 3, 5)
+    assert (older.fabric_health_mask, older.fabric_health_summary) == (4, None)
+    # No NVSwitch fabric: an answer, not an error.
+    assert pcie.fabric_support is Support.NOT_SUPPORTED
+    assert pcie.fabric_state is None
+
+
+@pytest.mark.parametrize(
+    ("code", "support"),
+    [(NVML_ERROR_FUNCTION_NOT_FOUND, Support.NOT_SUPPORTED), (NVML_ERROR_NO_PERMISSION,
+     Support.UNKNOWN)],
+)  # fmt: skip
+def test_a_driver_without_the_fabric_call_or_an_error_is_not_a_fabric_state(
+    fake_nvml: FakeNvml, client: NvmlClient, code: int, support: Support
+) -> None:
+    fake_nvml.write(
+        state([gpu(0, fabric={"state": 3})], errors={"nvmlDeviceGetGpuFabricInfoV": code})
+    )
+    info = client.read().gpus[0]
+    assert info.health is not None
+    assert info.health.fabric_support is support
+    assert info.health.fabric_state is None
+    if support is Support.UNKNOWN:
+        assert info.error is not None
+        assert "nvmlDeviceGetGpuFabricInfoV" in info.error

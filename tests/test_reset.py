@@ -761,3 +761,81 @@ def test_resume_runs_its_commands_through_the_injected_runner(smi: FakeSmi) -> N
     assert outcome.result == "success", outcome.reason
     assert runner.argvs() == [["nvidia-smi", *QUERY], ["nvidia-smi", *PM_ON], ["after-hook", "0"]]
     assert smi.calls() == []
+
+
+# --- NVSwitch systems: the NVLink fabric after the reset -------------------------------------
+
+
+class FabricWaiter:
+    """Answers the procedure's fabric wait; records when it was asked (after which commands)."""
+
+    def __init__(self, smi: FakeSmi, answer: tuple[bool, str]) -> None:
+        self.smi = smi
+        self.answer = answer
+        self.asked: list[tuple[str, float, list[list[str]]]] = []
+
+    def __call__(self, target: ResetTarget, timeout: float) -> tuple[bool, str]:
+        self.asked.append((target.uuid, timeout, self.smi.calls()))
+        return self.answer
+
+
+FABRIC_TARGET = replace(TARGET, fabric=True)
+
+
+def test_on_an_nvswitch_system_the_after_hooks_wait_for_the_fabric(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    waiter = FabricWaiter(smi, (True, "fabric registration COMPLETED"))
+    policy = make_policy(smi, fabric_timeout=45.0)
+    outcome = perform_reset(FABRIC_TARGET, policy, env, dry_run=False, fabric_wait=waiter)
+    assert outcome.result == "success"
+    ((uuid, timeout, before),) = waiter.asked
+    assert (uuid, timeout) == (UUID, 45.0)
+    # Asked after the reset and its health query, before persistence on and the after hooks.
+    assert before[-2:] == [RESET, QUERY]
+    assert smi.calls()[-2:] == [PM_ON, AFTER]
+    statuses = [f["status"] for f in env.step_events(S.HEALTH_CHECK)]
+    assert statuses[-2:] == ["fabric_waiting", "fabric_completed"]
+    assert "fabric registration COMPLETED" in outcome.reason
+
+
+@pytest.mark.parametrize(
+    "waiter_answer",
+    [(False, "fabric registration IN_PROGRESS after 45s"), None],
+    ids=["stuck", "no-way-to-read-it"],
+)
+def test_a_fabric_that_does_not_complete_fails_the_reset_and_never_restarts_fabric_manager(
+    smi: FakeSmi, waiter_answer: tuple[bool, str] | None
+) -> None:
+    env = FakeEnvironment(smi)
+    waiter = None if waiter_answer is None else FabricWaiter(smi, waiter_answer)
+    outcome = perform_reset(FABRIC_TARGET, make_policy(smi), env, dry_run=False, fabric_wait=waiter)
+    assert outcome.result == "failed"
+    assert not outcome.needs_reboot
+    assert "Fabric Manager must register the GPU; gpuwatchd never restarts it" in outcome.reason
+    # The after hooks still run (they learn result=failed); nothing touched Fabric Manager.
+    assert smi.calls()[-1] == AFTER
+    assert not any("fabric" in " ".join(call).lower() for call in smi.calls())
+    stuck = [f for f in env.step_events(S.HEALTH_CHECK) if f["status"] == "fabric_stuck"]
+    assert len(stuck) == 1
+
+
+def test_a_gpu_without_a_fabric_and_a_dry_run_never_wait(smi: FakeSmi) -> None:
+    waiter = FabricWaiter(smi, (False, "never asked"))
+    plain = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False,
+                          fabric_wait=waiter)  # fmt: skip
+    assert plain.result == "success"
+    env = FakeEnvironment(smi)
+    dry = perform_reset(FABRIC_TARGET, make_policy(smi), env, dry_run=True, fabric_wait=waiter)
+    assert dry.result == "dry_run"
+    assert waiter.asked == []
+    statuses = [f["status"] for f in env.step_events(S.HEALTH_CHECK)]
+    assert "would_wait_fabric" in statuses
+
+
+def test_a_dry_runs_hooks_are_shown_filled_in(smi: FakeSmi) -> None:
+    policy = make_policy(smi, after=(Hook(("/usr/local/sbin/undrain", "{pci_bus_id}", "{minor}")),))
+    env = FakeEnvironment(smi)
+    perform_reset(TARGET, policy, env, dry_run=True)
+    (after,) = [f for f in env.step_events(S.AFTER_HOOKS) if f["status"] == "would_run"]
+    assert after["hooks"] == [["/usr/local/sbin/undrain", BUS, "0"]]
+    assert smi.calls() == []

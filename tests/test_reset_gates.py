@@ -16,6 +16,7 @@ from gpuwatchd.decide.plan import (
     PlanState,
     ResetIntent,
     forget_reset_refusals,
+    hidden_holders,
     next_deadline,
     plan,
     record_exit,
@@ -339,3 +340,27 @@ def test_the_health_drain_wait_is_due_at_its_timeout_and_ends_exactly_there() ->
     freed = _plan([_health()], _idle_host(), result.state, pol, 900.0)
     (intent,) = _resets(freed)
     assert intent.drained  # the drain hooks ran before the wait: act does not run them again
+
+
+def test_a_dry_runs_refused_reset_holds_its_incident_as_enforcement_would_until_it_acts() -> None:
+    """Enforcement books a reset its final scan refused and does not try that incident again
+    (its drain and before hooks once). A dry run previews the same: its would-be reset whose
+    read-only final scan found the GPU held holds the incident past the cooldown — in the
+    preview only: the moment the daemon enforces, the would-be refusal is gone."""
+    dry = _policy(dry_run=True, reset=replace(
+        _policy().reset, confirm_for=0.0, cooldown=60.0, max_resets=5
+    ))  # fmt: skip
+    first = _plan([_ghost()], _idle_host(), PlanState(), dry, 0.0)
+    (intent,) = _resets(first)
+    assert intent.dry_run
+    state = record_reset(first.state, intent, "dry_run", now=1.0, wall=WALL + 1.0).state
+    assert state.reset_refusals[GPU0].dry_run
+    later = _plan([_ghost()], _idle_host(), state, dry, 300.0)  # past the cooldown
+    assert _resets(later) == []
+    assert any("would have been refused" in w for w in _whys(later, EventName.RESET_REFUSED))
+    assert hidden_holders(later.state) == {}  # no driver's word: no hidden holder
+    enforcing = replace(dry, dry_run=False)
+    real = _plan([_ghost()], _idle_host(), later.state, enforcing, 301.0)
+    assert real.state.reset_refusals == {}
+    (again,) = _resets(real)
+    assert not again.dry_run

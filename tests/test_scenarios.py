@@ -326,3 +326,101 @@ def test_xid_13_application() -> None:
     assert r.entries("hook.run") == []
     assert r.resets() == []
     assert r.signals() == []
+
+
+def test_xid_48_solo_idle() -> None:
+    r = run("xid-48-solo-idle")
+    (new,) = r.entries("finding.new")
+    assert new.fields["kind"] == "reset_required"
+    assert "solo: NVIDIA: reset the GPU" in str(new.fields["reason"])
+    assert new.fields["evidence"]["recovery_action_support"] == "not_supported"  # type: ignore[index]
+    assert [(t, result) for t, _, result in r.resets()] == [(30.0, "success")]
+    assert hook_names(r) == [(30.0, "reset_drain")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+
+
+def test_xid_94_two_jobs() -> None:
+    r = run("xid-94-two-jobs")
+    assert [e.t for e in r.entries("world.xid")] == [60.0]
+    assert r.entries("finding.new") == []
+    assert r.entries("hook.run") == []
+    assert r.resets() == []
+    assert r.signals() == []
+    statuses = {p["name"]: p["status"] for p in r.final["processes"]}  # type: ignore[attr-defined]
+    assert statuses == {"train": "alive", "serve": "alive"}
+
+
+def test_xid_94_two_jobs_with_the_stricter_peer_choice_drains_only() -> None:
+    scenario = load_scenario(str(SCENARIOS / "xid-94-two-jobs.yaml"))
+    policy_file, text = scenario.policy_doc or ("", "")
+    strict = dataclasses.replace(
+        scenario, policy_doc=(policy_file, text + "  health: {xid_94: drain}\n")
+    )
+    r = simulate(strict)
+    assert [e.fields["kind"] for e in r.entries("finding.new")] == ["drain_required"]
+    assert hook_names(r) == [(60.0, "reset_drain")]
+    assert r.resets() == []
+    assert r.signals() == []
+
+
+def test_drain_p2p_settles_to_reset() -> None:
+    r = run("drain-p2p-settles-to-reset")
+    kinds = [(e.t, e.fields["kind"]) for e in r.entries("finding.new")]
+    assert kinds == [(60.0, "drain_required"), (240.0, "reset_required")]
+    assert "read the field again" in str(r.entries("finding.new")[0].fields["reason"])
+    assert signals_to(r, "job") == []
+    assert [(t, result) for t, _, result in r.resets()] == [(240.0, "success")]
+    assert r.final["open_findings"] == []
+    # One incident, one drain: the reset that follows finds the node drained already.
+    assert hook_names(r) == [(60.0, "reset_drain")]
+
+
+def test_fabric_stuck_after_reset() -> None:
+    r = run("fabric-stuck-after-reset")
+    steps = [(e.t, e.fields["status"]) for e in r.entries("reset.step")
+             if str(e.fields["status"]).startswith("fabric")]  # fmt: skip
+    assert steps == [(30.0, "fabric_waiting"), (150.0, "fabric_stuck")]
+    ((t, _, result),) = r.resets()
+    assert (t, result) == (150.0, "failed")
+    (outcome,) = r.entries("reset.outcome")
+    assert "Fabric Manager" in str(outcome.fields["reason"])
+    assert "never restarts it" in str(outcome.fields["reason"])
+    # The after hook (the undrain) ran only once the wait was over, and learned the failure.
+    after = [e for e in r.entries("reset.step") if e.fields["step"] == "after_hooks"]
+    assert [e.t for e in after] == [150.0]
+    assert hook_names(r) == [(30.0, "reset_drain"), (150.0, "on_failure")]
+    assert r.entries("reset.limit_reached")  # one reset a day: never a second attempt
+    assert r.final["open_findings"] == [
+        "reset_required:GPU-00000000-0000-4000-8000-000000000000:gpu"
+    ]
+
+
+def test_fabric_that_settles_lets_the_reset_succeed_after_the_wait() -> None:
+    scenario = load_scenario(str(SCENARIOS / "fabric-stuck-after-reset.yaml"))
+    gpu0 = scenario.gpus[0]
+    settles = dataclasses.replace(gpu0.health, fabric_after_reset=20.0)
+    healthy = dataclasses.replace(
+        scenario, gpus=(dataclasses.replace(gpu0, health=settles), *scenario.gpus[1:])
+    )
+    r = simulate(healthy)
+    steps = [(e.t, e.fields["status"]) for e in r.entries("reset.step")
+             if str(e.fields["status"]).startswith("fabric")]  # fmt: skip
+    assert steps == [(30.0, "fabric_waiting"), (50.0, "fabric_completed")]
+    assert [(t, result) for t, _, result in r.resets()] == [(50.0, "success")]
+    assert r.final["open_findings"] == []
+
+
+def test_recovery_action_unknown() -> None:
+    r = run("recovery-action-unknown")
+    (new,) = r.entries("finding.new")
+    assert new.fields["kind"] == "drain_required"
+    assert new.fields["actionable"] is False
+    assert "unknown (9)" in str(new.fields["reason"])
+    (said,) = r.entries("action.refused")
+    assert said.level == "warning"
+    assert r.entries("hook.run") == []
+    assert r.resets() == []
+    assert r.final["open_findings"] == [
+        "drain_required:GPU-00000000-0000-4000-8000-000000000000:gpu"
+    ]

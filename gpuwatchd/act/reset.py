@@ -28,7 +28,10 @@ step                  what happens
 ``reset``             ``reset.command`` under ``reset.timeout``; exit code read per the table
 ``health_check``      ``reset.health_command`` must exit 0, and memory must be back to the
                       baseline (unknown memory is logged, not failed); skipped when the reset
-                      command failed
+                      command failed. On an NVSwitch system the NVLink fabric must then reach
+                      COMPLETED within ``reset.fabric_timeout`` (Fabric Manager re-registers
+                      the GPU; it is never restarted): until then the reset is not done and
+                      the after hooks (which undrain) wait; otherwise ``failed``
 ``persistence_on``    ``{mode}`` = 1, only if this procedure turned it off
 ``after_hooks``       ``reset.after`` hooks, always, also after an abort (they undo ``before``)
 ``done``              recorded last: nothing left to finish
@@ -91,6 +94,7 @@ from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, EventName, Level, ResetRes
 
 __all__ = [
     "CommandRunner",
+    "FabricWait",
     "ResetEnvironment",
     "ResetOutcome",
     "ResetStep",
@@ -133,6 +137,7 @@ class ResetTarget:
     minor: int | None
     persistence_was_on: bool | None
     hostname: str | None = None  # {hostname} in the drain/before/after hooks
+    fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,14 @@ class ResetEnvironment(Protocol):
 
     def emit(self, event: str, level: str, **fields: object) -> None:
         """Log one structured event."""
+
+
+class FabricWait(Protocol):
+    """After a reset on an NVSwitch system: wait (bounded by ``timeout`` seconds) until the
+    GPU's NVLink fabric registration is COMPLETED. True when it is, False when it failed or
+    did not complete in time; with a detail saying which (the last state read)."""
+
+    def __call__(self, target: ResetTarget, timeout: float) -> tuple[bool, str]: ...
 
 
 class CommandRunner(Protocol):
@@ -312,6 +325,15 @@ def _values(target: ResetTarget) -> dict[str, str | None]:
     }
 
 
+def _would_run(template: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
+    """A dry run's hook as it would run: placeholders filled, or the template when one cannot
+    be (the real run would then not start it)."""
+    try:
+        return list(format_argv(template, **values))
+    except ValueError:
+        return list(template)
+
+
 def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
     """Fill every command up front (a bad template must not surface halfway); or say why not."""
     values = _values(target)
@@ -353,6 +375,7 @@ class _Procedure:
         self.dry_run = dry_run
         self.hook_env = hook_env
         self.runner = runner
+        self.fabric_wait: FabricWait | None = None
         self.persistence_off = False
         self.reset_started = False
         self.result: str | None = None
@@ -420,7 +443,8 @@ class _Procedure:
             self.event(step, "skipped", detail="no hooks configured")
             return None
         if self.dry_run:
-            self.event(step, "would_run", hooks=[list(h.argv) for h in hooks])
+            filled = [_would_run(h.argv, _values(self.target)) for h in hooks]
+            self.event(step, "would_run", hooks=filled)
             return None
         env = {
             **self.hook_env,
@@ -546,11 +570,14 @@ def perform_reset(
     hook_env: Mapping[str, str] = _EMPTY,
     runner: CommandRunner = run_command,
     drained: bool = False,
+    fabric_wait: FabricWait | None = None,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target`` (see the module docstring for the steps).
 
     ``drained``: the caller ran the ``drain`` hooks already (a health reset drains, then waits
     for the GPU's users to finish); the drain step is recorded as skipped, not run twice.
+    ``fabric_wait`` waits for the NVLink fabric after the reset of a ``target.fabric`` GPU
+    (none given: such a reset cannot be confirmed and counts as failed).
 
     ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
     :func:`gpuwatchd.decide.argv.hook_environment` always win). ``runner`` runs every command and
@@ -581,6 +608,7 @@ def perform_reset(
         runner=runner,
         drained=drained,
     )
+    proc.fabric_wait = fabric_wait
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
         return stopped
@@ -668,6 +696,10 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
     command = proc.command(ResetStep.RESET, prepared.reset)
     if command is None:
         proc.health_check()
+        if target.fabric:
+            proc.event(ResetStep.HEALTH_CHECK, "would_wait_fabric",
+                       detail=f"would wait up to {proc.policy.fabric_timeout:g}s for the NVLink "
+                       "fabric to reach COMPLETED")  # fmt: skip
         proc.restore("dry_run", "dry-run")
         return proc.finish(
             "dry_run", ResetStep.DONE, f"would reset {target.uuid} with {list(prepared.reset)!r}"
@@ -692,8 +724,40 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
         proc.result = "failed"
         proc.restore("failed", reason)
         return proc.finish("failed", ResetStep.HEALTH_CHECK, reason, command=command)
+    if target.fabric:
+        completed, fabric_detail = _wait_for_fabric(proc)
+        reason = f"{reason}; {fabric_detail}"
+        if not completed:
+            proc.result = "failed"
+            proc.restore("failed", reason)
+            return proc.finish("failed", ResetStep.HEALTH_CHECK, reason, command=command)
     proc.restore("success", reason)
     return proc.finish("success", ResetStep.DONE, reason, command=command)
+
+
+def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
+    """The NVLink fabric after the reset: COMPLETED within ``fabric_timeout``, or the reset is
+    not done. Fabric Manager is never stopped or restarted here, whatever the answer."""
+    timeout = proc.policy.fabric_timeout
+    proc.event(ResetStep.HEALTH_CHECK, "fabric_waiting", timeout=timeout,
+               detail="waiting for the NVLink fabric registration to reach COMPLETED")  # fmt: skip
+    if proc.fabric_wait is None:
+        completed, detail = False, "the NVLink fabric state cannot be read here"
+    else:
+        try:
+            completed, detail = proc.fabric_wait(proc.target, timeout)
+        except Exception as err:  # unknown is not completed
+            completed, detail = False, f"reading the NVLink fabric failed: {err}"
+    if completed:
+        proc.event(ResetStep.HEALTH_CHECK, "fabric_completed", detail=detail)
+        return True, detail
+    text = (
+        f"NVLink fabric not ready after the reset ({detail}): Fabric Manager must register the "
+        "GPU; gpuwatchd never restarts it (without resetting every GPU that breaks NVLink "
+        "SHARP for the GPUs still running)"
+    )
+    proc.event(ResetStep.HEALTH_CHECK, "fabric_stuck", level="error", detail=text)
+    return False, text
 
 
 # --- after a crash ----------------------------------------------------------------------------

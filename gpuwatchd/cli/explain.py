@@ -600,6 +600,9 @@ def _explain_health(
     if health.action == "report":
         stops.append("health.action is report: logged only")
         return
+    if not finding.actionable:
+        stops.append("not actionable (e.g. a recovery action gpuwatchd does not know): reported")
+        return
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         item["next"] = {"action": "on_failure and reset.drain hooks, once; never a reset", **now_}
         return

@@ -104,11 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
 
+    # simulate reads no policy file unless told to: its own --config says so (the shared one
+    # names the daemon's default file).
+    simulate_config = argparse.ArgumentParser(add_help=False)
+    simulate_config.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="simulate under this policy file and its conf.d/ drop-ins instead (the "
+        "scenario's own policy is then ignored); default: the built-in defaults with the "
+        "scenario's policy over them",
+    )
     simulate = sub.add_parser(
-        "simulate", parents=[common], help="play a scenario through the decision core"
+        "simulate", parents=[simulate_config], help="play a scenario through the decision core"
     )
     simulate.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file")
     simulate.add_argument("--json", action="store_true", help="print the timeline as JSON")
+    simulate.add_argument(
+        "--enforce",
+        action="store_true",
+        help="preview a dry-run policy as enforcing: dry_run is turned off, nothing else",
+    )
 
     explain = sub.add_parser(
         "explain", parents=[common], help="say what the policy would do with a scan --json report"
@@ -310,7 +326,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from gpuwatchd.config.schema import ConfigError
 
     try:
-        result = simulate(load_scenario(args.scenario), args.config)
+        result = simulate(load_scenario(args.scenario), args.config, enforce=args.enforce)
     except (ScenarioError, SimulationError) as exc:
         raise CliError(str(exc), ExitCode.DATAERR) from exc
     except ConfigError as exc:

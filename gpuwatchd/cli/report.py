@@ -337,6 +337,13 @@ def _health_entry(health: GpuHealth | None) -> dict[str, object] | None:
             "single_bit": health.pages_single_bit,
             "double_bit": health.pages_double_bit,
         },
+        "fabric": {
+            "support": health.fabric_support.value,
+            "state": health.fabric_state,
+            "status": health.fabric_status,
+            "health_mask": health.fabric_health_mask,
+            "health_summary": health.fabric_health_summary,
+        },
     }
 
 
@@ -657,6 +664,15 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     action = health.get("recovery_action")
     if isinstance(action, int) and not isinstance(action, bool) and action != 0:
         flags.append(f"recovery action {action} (the driver asks for recovery)")
+    support = health.get("recovery_action_support")
+    if support == "not_supported":
+        flags.append("recovery action unknown (this driver has no such field)")
+    elif support == "unknown":
+        flags.append("recovery action unknown (could not be read)")
+    fabric = _as_map(health.get("fabric"))
+    state = fabric.get("state")
+    if fabric.get("support") == "ok" and state in (1, 2):
+        flags.append(f"NVLink fabric {'NOT_STARTED' if state == 1 else 'IN_PROGRESS'}")
     rows = _as_map(health.get("remapped_rows"))
     if rows.get("pending") is True:
         flags.append("row remap pending (a reset applies it)")

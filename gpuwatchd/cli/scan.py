@@ -260,7 +260,7 @@ def _scan_host(
             previous = AssessState.from_json(saved.get("assess", {}))
         except ValueError:
             previous = AssessState()
-    assessment = assess(snapshot, previous, policy.detection)
+    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy)
     report = build_report(
         snapshot,

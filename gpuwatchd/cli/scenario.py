@@ -59,9 +59,18 @@ EVENT_ACTIONS = (
     "xid",
     "health",
 )
-# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping and
-# retired pages; a successful reset clears what a reset applies.
-_HEALTH_KEYS = ("recovery_action", "remap_pending", "remap_failure", "retired_pages_pending")
+# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
+# retired pages and the NVLink fabric; a successful reset clears what a reset applies.
+_HEALTH_KEYS = (
+    "recovery_action",
+    "remap_pending",
+    "remap_failure",
+    "retired_pages_pending",
+    "fabric",
+    "fabric_after_reset",
+)
+FABRIC_STATES = ("NOT_SUPPORTED", "NOT_STARTED", "IN_PROGRESS", "COMPLETED")
+FABRIC_SETTLE = 5.0  # seconds the fabric takes to register again after a reset, by default
 RECOVERY_ACTIONS = (
     "NONE",
     "GPU_RESET",
@@ -160,12 +169,16 @@ class HostSpec:
 @dataclass(frozen=True)
 class HealthSpec:
     """A virtual GPU's health. ``recovery_action`` None: the driver does not offer the field
-    (before R570); ``retired_pages_pending`` None: no page retirement (Ampere and later)."""
+    (before R565); ``retired_pages_pending`` None: no page retirement (Ampere and later);
+    ``fabric`` None: no NVSwitch fabric, else its registration state (FABRIC_STATES index),
+    which a reset sets IN_PROGRESS for ``fabric_after_reset`` seconds (None: never done)."""
 
     recovery_action: int | None = None
     remap_pending: bool = False
     remap_failure: bool = False
     retired_pages_pending: bool | None = None
+    fabric: int | None = None
+    fabric_after_reset: float | None = FABRIC_SETTLE
 
 
 @dataclass(frozen=True)
@@ -568,6 +581,13 @@ class _Reader:
                     )
             elif key == "retired_pages_pending" and self.scalar(value) is None:
                 found[key] = None
+            elif key == "fabric":
+                raw = self.scalar(value)
+                if raw is not None and raw not in FABRIC_STATES:
+                    raise self.fail(value, f"expected one of {', '.join(FABRIC_STATES)} or null")
+                found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
+            elif key == "fabric_after_reset":
+                found[key] = None if self.scalar(value) == "never" else self.duration(value)
             else:
                 found[key] = self.boolean(value)
         return found

@@ -128,6 +128,7 @@ class Simulation:
             clock=VirtualClock(self),
             sink=TimelineSink(self),
             hostname=SIM_HOSTNAME,
+            sleep=self.sleep,
         )
 
     # -- bookkeeping --
@@ -199,6 +200,12 @@ class Simulation:
             if self.exited:
                 return True
         return False
+
+    def sleep(self, seconds: float) -> None:
+        """A wait inside the reset procedure (the NVLink fabric): virtual time passes, and
+        the world's happenings in it take place."""
+        self.now += seconds
+        self.advance(self.now)
 
     def take_exits(self) -> list[ProcessIdentity]:
         exited, self.exited = self.exited, []
@@ -436,6 +443,7 @@ class VirtualReader:
         self.sim = sim
 
     def collect(self) -> Snapshot:
+        self.sim.world.settle(self.sim.now)
         return self.sim.world.snapshot(self.sim.now)
 
     def stop_nvml(self) -> bool:
@@ -456,6 +464,7 @@ class VirtualReader:
         return scan, world.processes()
 
     def read_gpu(self, uuid: str) -> GpuInfo | None:
+        self.sim.world.settle(self.sim.now)
         return next((g for g in self.sim.world.nvml().gpus if g.uuid == uuid), None)
 
     def self_pids(self) -> frozenset[int]:
@@ -571,7 +580,7 @@ class VirtualActuator:
         world, sim = self.sim.world, self.sim
         scripted = world.reset_results.pop(0) if world.reset_results else "success"
         if scripted == "success":
-            world.restore(gpu)
+            world.restore(gpu, sim.now)
             done = f"GPU {bus} was successfully reset.\nAll done."
             return CommandResult(argv, 0, done, False, 2.0, None)
         if scripted == "hang":
@@ -590,7 +599,16 @@ class VirtualActuator:
         )
 
 
-def simulate(scenario: Scenario, config_path: str | None = None) -> SimulationResult:
-    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline."""
+def simulate(
+    scenario: Scenario, config_path: str | None = None, *, enforce: bool = False
+) -> SimulationResult:
+    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline.
+
+    ``enforce`` previews a dry-run policy as enforcing: ``dry_run`` is turned off, nothing
+    else changes (the kill cap's forced dry run still engages where enforcement would).
+    """
     policy, source = scenario_policy(scenario, config_path)
+    if enforce:
+        source += " (--enforce: dry_run off)" if policy.dry_run else " (--enforce)"
+        policy = dataclasses.replace(policy, dry_run=False)
     return Simulation(scenario, policy, source).run()

@@ -209,11 +209,17 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
         f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it"
     ),
     "limits.kill_cap_reached": lambda f, s: (
-        f"kill cap reached ({f.get('why')}): dry-run engaged for "
-        + ("the whole node" if f.get("scope") == "node" else str(f.get("scope")))
+        (
+            f"kill cap would be reached ({f.get('why')}): enforcement would switch to dry-run "
+            "here for "
+            if f.get("dry_run")
+            else f"kill cap reached ({f.get('why')}): dry-run engaged for "
+        )
+        + ("the whole node" if f.get("scope") in ("node", None) else str(f.get("scope")))
     ),
     "limits.kill_cap_expired": lambda f, s: (
-        f"kill cap latch of {f.get('scope')} expired after {_num(f.get('lasted')):g}s"
+        f"{'would-be ' if f.get('dry_run') else ''}kill cap latch of {f.get('scope')} expired "
+        f"after {_num(f.get('lasted')):g}s"
     ),
     "reset.refusal_cleared": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: a refused reset may be tried again: {f.get('why')}"
@@ -229,13 +235,19 @@ _DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
     "reset.failed": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} (failure {f.get('failures')})"
     ),
-    "reset.dry_run": lambda f, s: f"{s.gname(f.get('gpu'))}: reset would have run (dry-run)",
+    "reset.dry_run": lambda f, s: (
+        f"{s.gname(f.get('gpu'))}: reset would have run (dry-run); assumed to have succeeded "
+        "for what follows (it counts against reset.max_resets)"
+        if str(f.get("assumed", "")).startswith("success")
+        else f"{s.gname(f.get('gpu'))}: reset would have been refused (dry-run)"
+    ),
     "gpu.needs_reboot": lambda f, s: (
         f"{s.gname(f.get('gpu'))} needs a reboot"
         + (f": {f.get('why')}" if f.get("kind") == "reboot_required" else "")
     ),
     "health.drain_started": lambda f, s: (
         f"{s.gname(f.get('gpu'))}: drain for {f.get('kind')}"
+        + (" (drained already for this incident)" if f.get("drained_already") else "")
         + (f"; waiting for {_join(f.get('blockers'))}" if f.get("blockers") else "")
         + (" (dry-run)" if f.get("dry_run") else "")
     ),

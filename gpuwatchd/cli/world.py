@@ -37,6 +37,7 @@ WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
+FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
 
 
 class SimulationError(Exception):
@@ -100,6 +101,7 @@ class _Gpu:
     persistence: bool
     health: HealthSpec = field(default_factory=HealthSpec)
     xids: list[tuple[int, float]] = field(default_factory=list)  # queued until the next read
+    fabric_ready_at: float | None = None  # after a reset: when the fabric is COMPLETED again
 
 
 class World:
@@ -269,10 +271,11 @@ class World:
         )
         return min(gpu.base + charged, gpu.spec.total - gpu.spec.reserved)
 
-    def restore(self, gpu: _Gpu) -> None:
-        """A successful reset: every context on the GPU is gone, memory back to idle, and what
-        a reset applies is applied (a pending row remap; a recovery action asking for a
-        reset is cleared)."""
+    def restore(self, gpu: _Gpu, now: float) -> None:
+        """A successful reset at ``now``: every context on the GPU is gone, memory back to
+        idle, and what a reset applies is applied (a pending row remap; a recovery action
+        asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
+        ``fabric_after_reset``, then COMPLETED (never, when that is None)."""
         gpu.base = gpu.spec.allocated
         action = gpu.health.recovery_action
         gpu.health = replace(
@@ -280,6 +283,10 @@ class World:
             remap_pending=False,
             recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
         )
+        if gpu.health.fabric not in (None, FABRIC_NOT_SUPPORTED):
+            gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
+            settle = gpu.health.fabric_after_reset
+            gpu.fabric_ready_at = None if settle is None else now + settle
         for ctx in self.contexts:
             if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
                 ctx.status = "freed"
@@ -332,6 +339,7 @@ class World:
             gpu.xids.clear()
         action = spec.recovery_action
         pages = spec.retired_pages_pending
+        fabric = spec.fabric
         return GpuHealth(
             events=Support.OK,
             xids=xids,
@@ -344,7 +352,19 @@ class World:
             remap_support=Support.OK,
             pages_pending=pages,
             pages_support=Support.NOT_SUPPORTED if pages is None else Support.OK,
+            fabric_support=Support.NOT_SUPPORTED if fabric is None else Support.OK,
+            fabric_state=fabric,
+            fabric_status=None if fabric is None else 0,
+            fabric_health_mask=None if fabric is None else 0,
+            fabric_health_summary=None if fabric is None else 1,  # HEALTHY
         )
+
+    def settle(self, now: float) -> None:
+        """NVLink fabrics whose registration after a reset is done by ``now`` are COMPLETED."""
+        for gpu in self.gpus.values():
+            if gpu.fabric_ready_at is not None and gpu.fabric_ready_at <= now:
+                gpu.fabric_ready_at = None
+                gpu.health = replace(gpu.health, fabric=FABRIC_COMPLETED)
 
     def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []

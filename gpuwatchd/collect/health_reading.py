@@ -19,6 +19,10 @@ MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this 
 MAX_RECOVERY_ACTION = 255
 MAX_COUNT = 2**32 - 1  # NVML's counters are unsigned int
 MAX_XIDS_PER_POLL = 256  # the worker takes no more; a longer list is cut
+MAX_FABRIC_STATE = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
+MAX_NVML_RETURN = 0xFFFF  # nvmlReturn_t values are small (999 is "unknown")
+MAX_MASK = 2**32 - 1
+MAX_SUMMARY = 255  # an unsigned char
 
 
 def _support(raw: object) -> Support:
@@ -80,6 +84,12 @@ def to_health(raw: object) -> GpuHealth | None:
     if pages_support is Support.OK and pending is None:
         pages_support = Support.UNKNOWN
     ok_pages = pages_support is Support.OK
+    fabric = _section(raw, "fabric")
+    fabric_support = _support(fabric.get("status"))
+    fabric_state = _bounded(fabric.get("state"), MAX_FABRIC_STATE)
+    if fabric_support is Support.OK and fabric_state is None:
+        fabric_support = Support.UNKNOWN
+    ok_fabric = fabric_support is Support.OK
     return GpuHealth(
         events=_support(raw.get("events")),
         xids=_xids(raw.get("xids")),
@@ -94,4 +104,11 @@ def to_health(raw: object) -> GpuHealth | None:
         pages_single_bit=_bounded(pages.get("single_bit"), MAX_COUNT) if ok_pages else None,
         pages_double_bit=_bounded(pages.get("double_bit"), MAX_COUNT) if ok_pages else None,
         pages_support=pages_support,
+        fabric_support=fabric_support,
+        fabric_state=fabric_state if ok_fabric else None,
+        fabric_status=_bounded(fabric.get("probe_status"), MAX_NVML_RETURN) if ok_fabric else None,
+        fabric_health_mask=_bounded(fabric.get("health_mask"), MAX_MASK) if ok_fabric else None,
+        fabric_health_summary=(
+            _bounded(fabric.get("health_summary"), MAX_SUMMARY) if ok_fabric else None
+        ),
     )

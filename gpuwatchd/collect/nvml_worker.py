@@ -45,8 +45,11 @@ What one GPU entry holds (``None`` always means unknown):
 - ``health`` (docs/findings.md#gpu-health): ``{"events", "xids": [{"xid", "wall"}],
   "recovery_action": {"status", "value"}, "remapped_rows": {"status", "correctable",
   "uncorrectable", "pending", "failure"}, "retired_pages": {"status", "pending", "single_bit",
-  "double_bit"}}``. Each ``status`` is ``"ok"``, ``"not_supported"`` (the driver or GPU does
-  not offer it: an answer) or ``"unknown"`` (any other failure, named in ``error``). Xid and
+  "double_bit"}, "fabric": {"status", "version", "state", "probe_status", "health_mask",
+  "health_summary"}}`` (the fabric through ``nvmlDeviceGetGpuFabricInfoV``, struct v3 and, on
+  a version mismatch, v2 for the worker's lifetime). Each ``status`` is ``"ok"``,
+  ``"not_supported"`` (the driver or GPU does not offer it: an answer) or ``"unknown"`` (any
+  other failure, named in ``error``). Xid and
   recovery-action events come from one event set, created once per worker and registered for
   every GPU that supports them; each ``read`` takes what is queued there without waiting
   (``EVENT_WAIT_MS`` is 0: the set queues events between polls), at most
@@ -62,6 +65,9 @@ What one GPU entry holds (``None`` always means unknown):
 The worker never crashes on an NVML error, writes nothing but replies to its stdout (the real
 stdout is moved aside at start so a chatty library cannot corrupt the protocol) and ignores
 SIGINT (the daemon decides when it stops).
+
+It is long (about 650 lines) because it runs as a script by path and imports nothing from
+gpuwatchd: every NVML reader the daemon needs has to live in this one file.
 """
 
 from __future__ import annotations
@@ -81,9 +87,10 @@ import pynvml
 T = TypeVar("T")
 
 NVML_ERROR_GPU_IS_LOST = 15
-NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R570 and later; NotSupported before
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R565 and later; NotSupported before
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
-EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R570 and later)
+EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R565 and later)
 # A poll never waits for an event: the event set queues them between polls, so asking with a
 # zero timeout takes what is there (NVML_ERROR_TIMEOUT: nothing) without holding the poll up.
 EVENT_WAIT_MS = 0
@@ -211,6 +218,51 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
     return {"status": "ok", "value": int(number())}
 
 
+def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str, Any], int]:
+    """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV``: the struct of
+    ``version`` (3 carries the health summary), falling back to 2 when the driver answers
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH. Returns the entry and the version to use next time.
+
+    NotSupported (no NVSwitch fabric) and FunctionNotFound (a driver before the call existed)
+    are "not_supported"; any other error is "unknown". pynvml passes the argument through, so
+    the struct goes by reference, its version field set by the struct's constructor.
+    """
+    name = "nvmlDeviceGetGpuFabricInfoV"
+    structs = {3: "c_nvmlGpuFabricInfo_v3_t", 2: "c_nvmlGpuFabricInfo_v2_t"}
+    while True:
+        struct = getattr(pynvml, structs[version], None)
+        if struct is None:
+            if version == 2:
+                return {"status": "not_supported"}, version
+            version = 2
+            continue
+        info = struct()
+        try:
+            pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return {"status": "not_supported"}, version
+        except pynvml.NVMLError as error:
+            code = getattr(error, "value", None)
+            if code == NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError(name) from error
+            if code == NVML_ERROR_ARGUMENT_VERSION_MISMATCH and version == 3:
+                version = 2
+                continue
+            errors.append(f"{name}: {describe_error(error)}")
+            return {"status": "unknown"}, version
+        except Exception as error:  # a binding bug must not take the worker down
+            errors.append(f"{name}: {type(error).__name__}: {error}")
+            return {"status": "unknown"}, version
+        return {
+            "status": "ok",
+            "version": version,
+            "state": int(info.state),
+            "probe_status": int(info.status),
+            "health_mask": int(info.healthMask),
+            "health_summary": int(info.healthSummary) if version >= 3 else None,
+        }, version
+
+
 def read_remapped_rows(handle: Any, errors: list[str]) -> dict[str, Any]:
     status, rows = probe(
         "nvmlDeviceGetRemappedRows", lambda: pynvml.nvmlDeviceGetRemappedRows(handle), errors
@@ -259,6 +311,7 @@ class Worker:
         self.memory_v1: set[int] = set()
         self.event_set: Any = None
         self.events_status: dict[int, str] = {}  # GPU index → "ok", "not_supported", "unknown"
+        self.fabric_version: dict[int, int] = {}  # GPU index → fabric struct version that works
 
     # --- requests -------------------------------------------------------------------------
 
@@ -372,12 +425,16 @@ class Worker:
     def read_health(self, index: int, handle: Any, errors: list[str]) -> dict[str, Any]:
         """The health fields of one GPU; events are added by :meth:`read_events`."""
         self.register_events(index, handle, errors)
+        fabric, self.fabric_version[index] = read_fabric(
+            handle, errors, self.fabric_version.get(index, 3)
+        )
         return {
             "events": self.events_status.get(index, "unknown"),
             "xids": [],
             "recovery_action": read_recovery_action(handle, errors),
             "remapped_rows": read_remapped_rows(handle, errors),
             "retired_pages": read_retired_pages(handle, errors),
+            "fabric": fabric,
         }
 
     def register_events(self, index: int, handle: Any, errors: list[str]) -> None:

@@ -44,6 +44,8 @@ from gpuwatchd.decide.argv import (
 from gpuwatchd.decide.patterns import NotLinear, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
+    XID_63_CHOICES,
+    XID_94_CHOICES,
     Detection,
     HealthPolicy,
     Hook,
@@ -558,6 +560,8 @@ SECTIONS: dict[str, Section] = {
                 "max_failures": count(1, 100),
                 "allow_mig": BOOL,
                 "allow_nvlink_group": BOOL,
+                # Waited for off the main loop, like the reset command itself.
+                "fabric_timeout": duration("1s", "30m"),
             },
         ),
         section_of(
@@ -568,6 +572,9 @@ SECTIONS: dict[str, Section] = {
                 "action": one_of(HEALTH_ACTIONS),
                 "drain_timeout": duration("1m", "7d"),
                 "device_isolation": BOOL,
+                "xid_63": one_of(XID_63_CHOICES),
+                "xid_94": one_of(XID_94_CHOICES),
+                "fabric_stuck_after": duration("1m", "1d"),
             },
         ),
         section_of(

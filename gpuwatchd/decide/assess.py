@@ -39,7 +39,7 @@ from gpuwatchd.decide.baselines import (
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.host_view import HostView, Listing, relation
-from gpuwatchd.decide.policy import Detection
+from gpuwatchd.decide.policy import Detection, HealthPolicy
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
@@ -893,12 +893,15 @@ def assess(
     detection: Detection,
     *,
     driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+    health_policy: HealthPolicy | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
     ``driver_refused`` maps a GPU UUID to the evidence of a reset the driver refused as in
     use while no scan saw a holder (``plan.hidden_holders``): each is a GPU-level
-    ``hidden_holder`` while plan keeps the refusal.
+    ``hidden_holder`` while plan keeps the refusal. ``health_policy`` carries GPU health's
+    detection options (``health.xid_63``, ``xid_94``, ``fabric_stuck_after``; default: the
+    built-in ones).
 
     Pure: reads only its arguments. Processes whose job is known to be over
     (:func:`job_ended`) are ``abandoned``.
@@ -911,7 +914,9 @@ def assess(
     result = assessor.result()
     # GPU health (decide/health.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)
-    health = assess_health(snapshot, previous.health, boot_changed=boot_changed)
+    health = assess_health(
+        snapshot, previous.health, boot_changed=boot_changed, policy=health_policy
+    )
     return replace(
         result,
         findings=result.findings + health.findings,

@@ -1,21 +1,27 @@
-"""GPU health: Xid events, the recovery action, row remapping and retired pages → findings.
+"""GPU health: Xid events, the recovery action, row remapping, retired pages and the NVLink
+fabric → findings.
 
 This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health):
 
-- the Xid table (:data:`XID_ACTIONS`): which Xids ask for a GPU reset, a reboot, the recovery
-  action, or nothing from us; application Xids (13, 31, 43, 45, 68, 109) are the job's fault,
-  counted but never a reason to act — 45 is also what our own kills produce;
-- the recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, R570 and later) and what each
-  value asks for; when the driver does not offer it, the Xid and row-remapping rules decide;
-- the three GPU-level findings, one per GPU at most, the strongest winning: ``reboot_required``
-  (recovery action NODE_REBOOT, Xid 79, a row-remapping failure, retired pages pending, or a GPU
-  still unhealthy after a reset), ``reset_required`` (recovery action GPU_RESET or
-  DRAIN_AND_RESET, a pending row remap, a reset-class Xid since the last reset) and
-  ``drain_required`` (recovery action DRAIN_P2P);
-- :class:`HealthState`, what is carried between polls (Xid counts per GPU, the last reset, since
-  when each finding holds) with its checked JSON form;
-- :func:`drain_blockers`: which live processes keep a health reset waiting (any live GPU
-  process on the node without device isolation).
+- each Xid's class, from NVIDIA's catalogue (``xid_catalogue.py``): reset-class Xids ask for
+  ``reset_required``, reboot-class for ``reboot_required``, restart-app and ignore Xids are
+  counted only (45 is also what our own kills produce); the catalogue's *solo* rules are
+  judged over :data:`XID_WINDOW` of co-occurring Xids (48: reset when solo, drain and reset
+  with 63/64; 45: Fabric Manager when solo, else follow the other Xids); an NVLink Xid (74)
+  on a peer right after one of our resets is expected, not a new incident; the stricter peer
+  choices (``health.xid_63`` / ``xid_94: drain``) are options, off by default;
+- the recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, R565 and later) and what each
+  value asks for, per NVIDIA's text; a value gpuwatchd does not know is reported with its
+  number and never acted on; a driver without the field is "unknown", never "healthy";
+- the NVLink fabric (``fabric.py``): a registration stuck for ``health.fabric_stuck_after``
+  or a completed fabric that is unhealthy asks for a drain naming Fabric Manager, which
+  gpuwatchd never restarts;
+- the three GPU-level findings, one per GPU at most, the strongest winning: ``reboot_required``,
+  ``reset_required``, ``drain_required``;
+- every change to :class:`HealthState`, what is carried between polls (Xid counts per GPU,
+  the last reset, a dry run's assumed reset, since when each finding and a registering fabric
+  hold; its shape and checked JSON form are ``health_state.py``'s, re-exported here);
+- :func:`drain_blockers`: which live processes keep a health reset waiting.
 
 Whether and when to act (report, drain, reset; the gates and the drain wait) is ``plan.py``'s.
 Pure: no I/O, no clock; ``None`` and ``Support.UNKNOWN`` never lead to a finding that acts.
@@ -24,57 +30,48 @@ Pure: no I/O, no clock; ``None`` and ``Support.UNKNOWN`` never lead to a finding
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, Snapshot, Support, as_int
+from gpuwatchd.decide import fabric
+from gpuwatchd.decide.health_state import MAX_XID_KINDS, GpuHealthState, HealthState, XidRecord
+from gpuwatchd.decide.policy import HealthPolicy
+from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
+from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, Snapshot, Support
+
+__all__ = [
+    "HEALTH_KINDS",
+    "XID_WINDOW",
+    "GpuHealthState",
+    "HealthAssessment",
+    "HealthState",
+    "RecoveryAction",
+    "XidAction",
+    "XidRecord",
+    "assess_health",
+    "drain_blockers",
+    "drop_assumed",
+    "note_reset",
+    "recovery_name",
+    "xid_action",
+]
 
 HEALTH_KINDS = frozenset(
     {FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED}
 )
-MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 MAX_COUNT = 2**31
-
-
-class XidAction(str, enum.Enum):
-    """What NVIDIA's Xid catalogue says to do about one Xid (docs/findings.md#xid-table)."""
-
-    APPLICATION = "application"  # the job's fault: restart the job; never a reset
-    IGNORE = "ignore"  # informational
-    RESTART_APP = "restart_app"  # contained error: restart the application
-    RESET = "reset"  # reset the GPU
-    REBOOT = "reboot"  # reboot the node
-    RECOVERY_ACTION = "recovery_action"  # read the recovery action field
-    MEMORY = "memory"  # ECC: row remapping / retired pages decide
-    REPORT = "report"  # not in our table: counted and reported only
-
-    def __str__(self) -> str:
-        return self.value
-
-
-XID_ACTIONS: Mapping[int, XidAction] = {
-    13: XidAction.APPLICATION,  # graphics engine exception (out-of-range access, illegal insn)
-    31: XidAction.APPLICATION,  # GPU memory page fault
-    43: XidAction.APPLICATION,  # GPU stopped processing (the job's own fault)
-    45: XidAction.APPLICATION,  # preemptive cleanup: a killed process (ours too)
-    68: XidAction.APPLICATION,  # video processor exception
-    109: XidAction.APPLICATION,  # context switch timeout
-    63: XidAction.IGNORE,  # ECC page retirement / row remapping recorded
-    92: XidAction.IGNORE,  # high single-bit ECC error rate
-    94: XidAction.RESTART_APP,  # contained ECC error: the application must restart
-    48: XidAction.MEMORY,  # double-bit ECC error
-    64: XidAction.RESET,  # ECC page retirement or row remapping failure to record
-    95: XidAction.RESET,  # uncontained ECC error
-    119: XidAction.RESET,  # GSP RPC timeout
-    120: XidAction.RESET,  # GSP error
-    79: XidAction.REBOOT,  # the GPU fell off the bus
-    154: XidAction.RECOVERY_ACTION,  # GPU recovery action changed: read the field
-}
-
-
-def xid_action(xid: int) -> XidAction:
-    return XID_ACTIONS.get(xid, XidAction.REPORT)
+# Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
+# "solo" rules are judged over it. A poll reads every queued event at once, so Xids of one
+# incident read in one poll, or in polls up to this far apart, count as one burst.
+XID_WINDOW = 60.0
+# An NVLink error (Xid 74) on another GPU this close to one of our resets (real or a dry run's
+# assumed one) is what resetting an NVLink peer causes: expected, not an incident.
+PEER_XID_WINDOW = 300.0
+_NVLINK_XID = 74
+_FABRIC_MANAGER = (
+    "check Fabric Manager (nvidia-fabricmanager); gpuwatchd never stops or restarts it: a "
+    "restart without resetting every GPU breaks NVLink SHARP (NCCL) on the GPUs still running"
+)
 
 
 class RecoveryAction(enum.IntEnum):
@@ -84,22 +81,48 @@ class RecoveryAction(enum.IntEnum):
     GPU_RESET = 1
     NODE_REBOOT = 2
     DRAIN_P2P = 3
-    DRAIN_AND_RESET = 4
-    RECOVER_IMEX_DOMAIN = 5  # newer headers
-    BUS_RESET = 6
-    SYSTEM_REBOOT = 7
+    DRAIN_AND_RESET = 4  # R570
+    RECOVER_IMEX_DOMAIN = 5  # R595
+    BUS_RESET = 6  # R615
+    SYSTEM_REBOOT = 7  # R615
 
 
-_RECOVERY_KIND: Mapping[int, FindingKind] = {
-    RecoveryAction.GPU_RESET: FindingKind.RESET_REQUIRED,
-    RecoveryAction.DRAIN_AND_RESET: FindingKind.RESET_REQUIRED,
-    RecoveryAction.NODE_REBOOT: FindingKind.REBOOT_REQUIRED,
-    RecoveryAction.BUS_RESET: FindingKind.REBOOT_REQUIRED,  # not ours to do: a reboot does it
-    RecoveryAction.SYSTEM_REBOOT: FindingKind.REBOOT_REQUIRED,
-    RecoveryAction.DRAIN_P2P: FindingKind.DRAIN_REQUIRED,
-    RecoveryAction.RECOVER_IMEX_DOMAIN: FindingKind.DRAIN_REQUIRED,
+# What each value asks for, in gpuwatchd's terms, and NVIDIA's text in our words (NVIDIA's
+# memory error management guide, "Error Recovery and Response Flags", for 0-4; for 5-7 NVML's
+# header gives only the name, so they are never a reset and always name the raw number).
+_RECOVERY: Mapping[int, tuple[FindingKind, str]] = {
+    RecoveryAction.GPU_RESET: (
+        FindingKind.RESET_REQUIRED,
+        "NVIDIA: end the GPU's processes and reset it",
+    ),
+    RecoveryAction.NODE_REBOOT: (
+        FindingKind.REBOOT_REQUIRED,
+        "NVIDIA: the fault may have left the operating system inconsistent; reboot",
+    ),
+    RecoveryAction.DRAIN_P2P: (
+        FindingKind.DRAIN_REQUIRED,
+        "NVIDIA: quiesce peer-to-peer traffic (end the processes using it, turn UVM "
+        "persistence mode off), then read the field again; re-read every poll until it "
+        "settles on another action",
+    ),
+    RecoveryAction.DRAIN_AND_RESET: (
+        FindingKind.RESET_REQUIRED,
+        "NVIDIA: schedule no new work on this GPU and reset it once existing work has drained",
+    ),
+    RecoveryAction.RECOVER_IMEX_DOMAIN: (
+        FindingKind.DRAIN_REQUIRED,
+        "the IMEX domain must be recovered, which is outside gpuwatchd; never a reset",
+    ),
+    RecoveryAction.BUS_RESET: (
+        FindingKind.REBOOT_REQUIRED,
+        "a reset of the GPU's PCIe bus, which gpuwatchd never does; a reboot does it",
+    ),
+    RecoveryAction.SYSTEM_REBOOT: (FindingKind.REBOOT_REQUIRED, "reboot the system"),
 }
 _STRENGTH = (FindingKind.REBOOT_REQUIRED, FindingKind.RESET_REQUIRED, FindingKind.DRAIN_REQUIRED)
+# What a reset applies (a dry run assumes it did): the recovery action asking for one, a
+# pending row remap. Named by a signature that survives between polls.
+_RESET_ACTIONS = (RecoveryAction.GPU_RESET, RecoveryAction.DRAIN_AND_RESET)
 
 
 def recovery_name(value: int | None) -> str | None:
@@ -111,92 +134,45 @@ def recovery_name(value: int | None) -> str | None:
         return f"unknown ({value})"
 
 
-# --- carried state ----------------------------------------------------------------------------
+def _cured_by_reset(health: GpuHealth) -> tuple[str, ...]:
+    """Signatures of what a reset applies that this reading shows."""
+    cured = []
+    if health.recovery_support is Support.OK and health.recovery_action in _RESET_ACTIONS:
+        cured.append(f"recovery:{health.recovery_action}")
+    if health.remap_support is Support.OK and health.remap_pending is True:
+        cured.append("remap")
+    return tuple(cured)
 
 
-@dataclass(frozen=True)
-class XidRecord:
-    """How often one Xid was seen on one GPU, and when first and last (wall seconds)."""
-
-    count: int
-    first: float
-    last: float
-
-
-@dataclass(frozen=True)
-class GpuHealthState:
-    """One GPU's health history: Xids seen, its last successful reset, since when the
-    current health finding holds (``since``: kind → wall seconds)."""
-
-    xids: Mapping[int, XidRecord] = field(default_factory=dict)
-    last_reset: float | None = None
-    since: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class HealthState:
-    """Per GPU UUID; dropped when the boot id changes (a reboot re-initialises every GPU)."""
-
-    gpus: Mapping[str, GpuHealthState] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            uuid: {
-                "xids": {
-                    str(xid): [rec.count, rec.first, rec.last]
-                    for xid, rec in sorted(gpu.xids.items())
-                },
-                "last_reset": gpu.last_reset,
-                "since": dict(sorted(gpu.since.items())),
-            }
-            for uuid, gpu in sorted(self.gpus.items())
-        }
-
-    @classmethod
-    def from_json(cls, data: object) -> HealthState:
-        """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
-        if not isinstance(data, dict):
-            raise ValueError("health must be an object")
-        gpus: dict[str, GpuHealthState] = {}
-        for uuid, entry in data.items():
-            what = f"health.{uuid}"
-            if not isinstance(uuid, str) or not isinstance(entry, dict):
-                raise ValueError(f"{what}: expected an object")
-            raw_xids = entry.get("xids", {})
-            if not isinstance(raw_xids, dict) or len(raw_xids) > MAX_XID_KINDS:
-                raise ValueError(f"{what}.xids: expected an object of at most {MAX_XID_KINDS}")
-            xids: dict[int, XidRecord] = {}
-            for key, triple in raw_xids.items():
-                xid = int(key) if isinstance(key, str) and key.isdigit() else None
-                values = triple if isinstance(triple, list) and len(triple) == 3 else None
-                count = as_int(values[0]) if values else None
-                if xid is None or values is None or count is None or count < 0:
-                    raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
-                xids[xid] = XidRecord(count, _time(values[1], what), _time(values[2], what))
-            last_reset = entry.get("last_reset")
-            since = entry.get("since", {})
-            if not isinstance(since, dict):
-                raise ValueError(f"{what}.since: expected an object")
-            gpus[uuid] = GpuHealthState(
-                xids=xids,
-                last_reset=None if last_reset is None else _time(last_reset, what),
-                since={str(k): _time(v, what) for k, v in since.items()},
-            )
-        return cls(gpus=gpus)
-
-
-def _time(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite time, got {value!r}")
-    return float(value)
-
-
-def note_reset(state: HealthState, uuid: str, wall: float) -> HealthState:
+def note_reset(
+    state: HealthState, uuid: str, wall: float, *, assumed_from: GpuHealth | None = None
+) -> HealthState:
     """A reset of ``uuid`` succeeded at ``wall``: Xids before it no longer ask for one, and the
-    next reading is the health check after it (still unhealthy → ``reboot_required``)."""
+    next reading is the health check after it (still unhealthy → ``reboot_required``).
+
+    With ``assumed_from`` (the reading the would-be reset was decided on) it is a dry run's
+    would-be reset instead, assumed to have succeeded: Xids before it no longer count, and what
+    the reset would have applied is taken as applied while the reading still shows it.
+    """
     gpus = dict(state.gpus)
-    gpus[uuid] = replace(gpus.get(uuid, GpuHealthState()), last_reset=wall)
+    old = gpus.get(uuid, GpuHealthState())
+    if assumed_from is None:
+        gpus[uuid] = replace(old, last_reset=wall)
+    else:
+        gpus[uuid] = replace(old, assumed_reset=wall, assumed_cured=_cured_by_reset(assumed_from))
     return HealthState(gpus=gpus)
+
+
+def drop_assumed(state: HealthState) -> HealthState:
+    """Forget every dry-run assumption: what dry-run would have done never blocks the real
+    thing (called when the daemon acts for real)."""
+    if not any(g.assumed_reset is not None or g.assumed_cured for g in state.gpus.values()):
+        return state
+    return HealthState(
+        gpus={
+            uuid: replace(g, assumed_reset=None, assumed_cured=()) for uuid, g in state.gpus.items()
+        }
+    )
 
 
 # --- findings ---------------------------------------------------------------------------------
@@ -206,6 +182,13 @@ def note_reset(state: HealthState, uuid: str, wall: float) -> HealthState:
 class HealthAssessment:
     findings: tuple[Finding, ...]
     state: HealthState
+
+
+@dataclass(frozen=True)
+class _Reason:
+    text: str
+    actionable: bool = True
+    cured: str | None = None  # a reset applies it: the signature of _cured_by_reset
 
 
 def _merge_xids(old: Mapping[int, XidRecord], health: GpuHealth) -> dict[int, XidRecord]:
@@ -223,60 +206,183 @@ def _merge_xids(old: Mapping[int, XidRecord], health: GpuHealth) -> dict[int, Xi
     return xids
 
 
+def _co_occurring(xid: int, xids: Mapping[int, XidRecord]) -> list[int]:
+    """The other Xids seen within :data:`XID_WINDOW` of ``xid``'s occurrences."""
+    rec = xids[xid]
+    return sorted(
+        other
+        for other, r in xids.items()
+        if other != xid and r.last >= rec.first - XID_WINDOW and r.first <= rec.last + XID_WINDOW
+    )
+
+
+def _label(xid: int) -> str:
+    entry = XID_CATALOGUE.get(xid)
+    return f"Xid {xid}" + (f" ({entry.name})" if entry is not None else "")
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What judging one GPU needs besides its reading."""
+
+    wall: float
+    policy: HealthPolicy
+    peer_resets: tuple[float, ...]  # resets (real or assumed) of the node's other GPUs
+    fabric_stuck: bool  # the fabric has been registering for longer than allowed
+
+
+def _judge_xids(
+    xids: Mapping[int, XidRecord],
+    since_reset: float | None,
+    ctx: _Context,
+    fabric_faults: list[str],
+) -> tuple[dict[FindingKind, list[_Reason]], dict[int, str]]:
+    """The reasons the Xid history gives, and a note per Xid saying how it was judged."""
+    found: dict[FindingKind, list[_Reason]] = {kind: [] for kind in _STRENGTH}
+    notes: dict[int, str] = {}
+    for xid, rec in sorted(xids.items()):
+        if since_reset is not None and rec.last <= since_reset:
+            notes[xid] = "before the last reset: dealt with"
+            continue
+        action = xid_action(xid)
+        seen = f"{_label(xid)} seen {rec.count} time(s)"
+        if xid == _NVLINK_XID and any(
+            abs(rec.first - t) <= PEER_XID_WINDOW and rec.last <= t + PEER_XID_WINDOW
+            for t in ctx.peer_resets
+        ):
+            notes[xid] = "expected: an NVLink peer was reset by gpuwatchd just then"
+            continue
+        if action is XidAction.RESET:
+            bucket = XID_CATALOGUE[xid].immediate
+            if bucket is Bucket.WORKFLOW_XID_48:
+                with_remap = [x for x in _co_occurring(xid, xids) if x in (63, 64)]
+                why = (
+                    f"with Xid {', '.join(map(str, with_remap))}: NVIDIA: drain and reset"
+                    if with_remap
+                    else "solo: NVIDIA: reset the GPU"
+                )
+                notes[xid] = why
+            elif bucket is Bucket.WORKFLOW_NVLINK_ERR:
+                why = "NVIDIA: reset the GPU (a reboot if that does not help)"
+            else:
+                why = "NVIDIA: reset the GPU"
+            found[FindingKind.RESET_REQUIRED].append(_Reason(f"{seen} ({why})"))
+        elif action is XidAction.REBOOT:
+            what = "power-cycle" if XID_CATALOGUE[xid].immediate is Bucket.RESTART_BM else "reboot"
+            found[FindingKind.REBOOT_REQUIRED].append(_Reason(f"{seen} (NVIDIA: {what})"))
+        elif action is XidAction.FABRIC_MANAGER:
+            others = _co_occurring(xid, xids)
+            if others:
+                notes[xid] = f"not solo (with Xid {', '.join(map(str, others))}): follow them"
+            elif ctx.wall - rec.last < XID_WINDOW:
+                notes[xid] = "solo so far: judged once the window has passed"
+            elif fabric_faults:
+                found[FindingKind.DRAIN_REQUIRED].append(
+                    _Reason(f"{seen}, solo (NVIDIA: restart Fabric Manager)")
+                )
+                notes[xid] = "solo, and the NVLink fabric is unhealthy: Fabric Manager"
+            else:
+                notes[xid] = (
+                    "solo; no unhealthy NVLink fabric here, so a process was torn down "
+                    "(not Fabric Manager)"
+                )
+        elif xid == 63 and ctx.policy.xid_63 == "drain":
+            found[FindingKind.DRAIN_REQUIRED].append(
+                _Reason(f"{seen} (health.xid_63: drain; NVIDIA: ignore)")
+            )
+        elif xid == 94 and ctx.policy.xid_94 == "drain":
+            found[FindingKind.DRAIN_REQUIRED].append(
+                _Reason(f"{seen} (health.xid_94: drain; NVIDIA: restart the application)")
+            )
+    return found, notes
+
+
 def _reasons(
-    health: GpuHealth, xids: Mapping[int, XidRecord], last_reset: float | None
-) -> dict[FindingKind, list[str]]:
-    """Every reason this reading gives, by the finding kind it asks for."""
-    found: dict[FindingKind, list[str]] = {kind: [] for kind in _STRENGTH}
-    cured_by_reset: list[str] = []  # what a reset applies: after one, it must be gone
+    health: GpuHealth,
+    xids: Mapping[int, XidRecord],
+    carried: GpuHealthState,
+    ctx: _Context,
+) -> tuple[dict[FindingKind, list[_Reason]], dict[int, str]]:
+    """Every reason this reading gives, by the finding kind it asks for; notes per Xid."""
+    fabric_faults = fabric.problems(health)
+    if ctx.fabric_stuck:
+        fabric_faults.append(
+            f"NVLink fabric registration not completed after "
+            f"{ctx.policy.fabric_stuck_after:g}s (state {fabric.evidence(health)['state']})"
+        )
+    found, notes = _judge_xids(xids, carried.reset_at, ctx, fabric_faults)
     action = health.recovery_action if health.recovery_support is Support.OK else None
     if action is not None and action != RecoveryAction.NONE:
-        kind = _RECOVERY_KIND.get(action)
-        if kind is not None:
-            text = f"the driver's recovery action is {recovery_name(action)}"
-            found[kind].append(text)
-            if kind is FindingKind.RESET_REQUIRED:
-                cured_by_reset.append(text)
+        said = f"the driver's recovery action is {recovery_name(action)}"
+        known = _RECOVERY.get(action)
+        if known is None:
+            found[FindingKind.DRAIN_REQUIRED].append(
+                _Reason(
+                    f"{said}: a value gpuwatchd does not know; reported, never acted on",
+                    actionable=False,
+                )
+            )
+        else:
+            kind, meaning = known
+            cured = f"recovery:{action}" if action in _RESET_ACTIONS else None
+            found[kind].append(_Reason(f"{said}: {meaning}", cured=cured))
     if health.remap_support is Support.OK:
         if health.remap_failure is True:
-            found[FindingKind.REBOOT_REQUIRED].append("row remapping failed")
+            found[FindingKind.REBOOT_REQUIRED].append(_Reason("row remapping failed"))
         if health.remap_pending is True:
-            text = "a row remap is pending (applied by a reset)"
-            found[FindingKind.RESET_REQUIRED].append(text)
-            cured_by_reset.append(text)
+            found[FindingKind.RESET_REQUIRED].append(
+                _Reason("a row remap is pending (applied by a reset)", cured="remap")
+            )
     if health.pages_support is Support.OK and health.pages_pending is True:
-        found[FindingKind.REBOOT_REQUIRED].append("retired pages are pending (applied at reboot)")
-    for xid, rec in sorted(xids.items()):
-        if last_reset is not None and rec.last <= last_reset:
-            continue  # seen before the last reset: that reset dealt with it
-        what = xid_action(xid)
-        seen = f"Xid {xid} seen {rec.count} time(s)"
-        if what is XidAction.RESET:
-            found[FindingKind.RESET_REQUIRED].append(f"{seen} (NVIDIA: reset the GPU)")
-        elif what is XidAction.REBOOT:
-            found[FindingKind.REBOOT_REQUIRED].append(f"{seen} (NVIDIA: the GPU fell off the bus)")
-    if last_reset is not None and cured_by_reset:
-        # The health check after a reset: what the reset should have applied is still there.
         found[FindingKind.REBOOT_REQUIRED].append(
-            "still unhealthy after the GPU reset: " + "; ".join(cured_by_reset)
+            _Reason("retired pages are pending (applied at reboot)")
         )
-    return found
+    if fabric_faults:
+        found[FindingKind.DRAIN_REQUIRED].append(
+            _Reason(f"{'; '.join(fabric_faults)}: {_FABRIC_MANAGER}")
+        )
+    # What a reset applies. After a dry run's assumed reset the unchanged reading still shows
+    # it: taken as applied. After a real reset it must be gone: still there means a reboot.
+    for kind in _STRENGTH:
+        found[kind] = [
+            r for r in found[kind] if r.cured is None or r.cured not in carried.assumed_cured
+        ]
+    still = [r for r in found[FindingKind.RESET_REQUIRED] if r.cured in carried.unhealed]
+    if still:
+        found[FindingKind.REBOOT_REQUIRED].append(
+            _Reason("still unhealthy after the GPU reset: " + "; ".join(r.text for r in still))
+        )
+    return found, notes
 
 
 def _evidence(
-    gpu: GpuInfo, health: GpuHealth, xids: Mapping[int, XidRecord], last_reset: float | None
+    gpu: GpuInfo,
+    health: GpuHealth,
+    xids: Mapping[int, XidRecord],
+    carried: GpuHealthState,
+    notes: Mapping[int, str],
 ) -> dict[str, object]:
+    xid_entries: dict[str, object] = {}
+    for xid, r in sorted(xids.items()):
+        entry = XID_CATALOGUE.get(xid)
+        xid_entries[str(xid)] = {
+            "count": r.count,
+            "first": r.first,
+            "last": r.last,
+            "action": str(xid_action(xid)),
+            "bucket": None if entry is None else str(entry.immediate),
+            **({"note": notes[xid]} if xid in notes else {}),
+        }
+    recovery = (
+        recovery_name(health.recovery_action)
+        if health.recovery_support is Support.OK
+        else f"unknown ({health.recovery_support}: the driver does not offer it)"
+        if health.recovery_support is Support.NOT_SUPPORTED
+        else "unknown (could not be read)"
+    )
     return {
-        "xids": {
-            str(xid): {
-                "count": r.count,
-                "first": r.first,
-                "last": r.last,
-                "action": str(xid_action(xid)),
-            }
-            for xid, r in sorted(xids.items())
-        },
-        "recovery_action": recovery_name(health.recovery_action),
+        "xids": xid_entries,
+        "recovery_action": recovery,
         "recovery_action_support": str(health.recovery_support),
         "remapped_rows": {
             "support": str(health.remap_support),
@@ -287,20 +393,48 @@ def _evidence(
         },
         "retired_pages_pending": health.pages_pending,
         "retired_pages_support": str(health.pages_support),
-        "last_reset": last_reset,
+        "fabric": dict(fabric.evidence(health)),
+        "last_reset": carried.last_reset,
+        "assumed_reset": carried.assumed_reset,
         "pci_bus_id": gpu.pci_bus_id,
     }
 
 
+def _carry_cures(carried: GpuHealthState, health: GpuHealth) -> GpuHealthState:
+    """Bring the reset bookkeeping up to this reading: an assumed cure or an unhealed signal
+    the reading no longer shows is forgotten (its return is a new incident); the first reading
+    after a real reset is its health check."""
+    showing = _cured_by_reset(health)
+    if carried.last_reset is not None and carried.checked_reset != carried.last_reset:
+        return replace(
+            carried,
+            checked_reset=carried.last_reset,
+            unhealed=showing,
+            assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
+        )
+    return replace(
+        carried,
+        unhealed=tuple(c for c in carried.unhealed if c in showing),
+        assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
+    )
+
+
 def assess_health(
-    snapshot: Snapshot, previous: HealthState, *, boot_changed: bool
+    snapshot: Snapshot,
+    previous: HealthState,
+    *,
+    boot_changed: bool,
+    policy: HealthPolicy | None = None,
 ) -> HealthAssessment:
     """Merge this poll's Xids into the history and judge every GPU's health. Pure.
 
     One finding per GPU at most, the strongest kind: reboot over reset over drain (a reboot
     makes a reset pointless). A lost GPU is left to the ``gpu.needs_reboot`` path, and a GPU
-    whose health was not read keeps its history unchanged and gets no finding.
+    whose health was not read keeps its history unchanged and gets no finding. A finding whose
+    reasons are all ones gpuwatchd may not act on (an unknown recovery action) is reported
+    with ``actionable`` false.
     """
+    options = policy if policy is not None else HealthPolicy()
     old = {} if boot_changed else dict(previous.gpus)
     gpus: dict[str, GpuHealthState] = dict(old)
     findings: list[Finding] = []
@@ -310,24 +444,44 @@ def assess_health(
         if not gpu.uuid or health is None or gpu.lost:
             continue
         carried = old.get(gpu.uuid, GpuHealthState())
+        carried = _carry_cures(carried, health)
         xids = _merge_xids(carried.xids, health)
-        reasons = _reasons(health, xids, carried.last_reset)
+        registering = fabric.registering(health)
+        if registering is None:  # not read this poll: unknown keeps the clock as it was
+            fabric_since = carried.fabric_since
+        else:
+            fabric_since = (carried.fabric_since or wall) if registering else None
+        stuck = (
+            registering is True
+            and fabric_since is not None
+            and wall - fabric_since >= options.fabric_stuck_after
+            and not fabric.waiting_for_partition(health)
+        )
+        peers = tuple(
+            t
+            for uuid, state in old.items()
+            if uuid != gpu.uuid and (t := state.reset_at) is not None
+        )
+        ctx = _Context(wall, options, peers, stuck)
+        reasons, notes = _reasons(health, xids, carried, ctx)
         kind = next((k for k in _STRENGTH if reasons[k]), None)
         since = {} if kind is None else {kind.value: carried.since.get(kind.value, wall)}
-        gpus[gpu.uuid] = GpuHealthState(xids=xids, last_reset=carried.last_reset, since=since)
+        gpus[gpu.uuid] = replace(carried, xids=xids, since=since, fabric_since=fabric_since)
         if kind is None:
             continue
-        evidence = _evidence(gpu, health, xids, carried.last_reset)
+        evidence = _evidence(gpu, health, xids, carried, notes)
         evidence["since"] = since[kind.value]
-        evidence["reasons"] = list(reasons[kind])
+        evidence["reasons"] = [r.text for r in reasons[kind]]
+        # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
+        evidence["other_reasons"] = [r.text for k in _STRENGTH if k is not kind for r in reasons[k]]
         findings.append(
             Finding(
                 kind=kind,
                 gpu=gpu.uuid,
                 pid=None,
                 start_ticks=None,
-                reason="; ".join(reasons[kind]),
-                actionable=True,
+                reason="; ".join(r.text for r in reasons[kind]),
+                actionable=any(r.actionable for r in reasons[kind]),
                 evidence=evidence,
             )
         )

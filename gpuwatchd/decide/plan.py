@@ -45,6 +45,7 @@ from gpuwatchd.decide.plan_state import (
     SeenFinding,
 )
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.shadow import ShadowWork
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
     gpu_protected,
@@ -95,6 +96,7 @@ __all__ = [
     "pending_keys",
     "plan",
     "process_facts",
+    "record_assumed_exit",
     "record_exit",
     "record_reset",
     "record_signal",
@@ -226,7 +228,9 @@ class _Work:
         self.scope_latches = dict(state.scope_latches)
         self.health_waits = dict(state.health_waits)
         self.reset_refusals = dict(state.reset_refusals)
+        self.health_drained = dict(state.health_drained)
         self.new_targets: dict[str, int] = {}  # scope -> targets first signalled this poll
+        self.shadow = ShadowWork(state.shadow)  # dry-run's would-be limits (shadow.py)
         self.events: list[Event] = []
         self.intents: list[Intent] = []
         self.state = state
@@ -254,6 +258,7 @@ class _Work:
             since = self.state.forced_since
             if since is not None:
                 self.state = replace(self.state, forced_since=since - step)
+            self.shadow.shift(step)
             self.event(EventName.CLOCK_STEPPED_BACK, "warning", seconds=step, wall=wall)
         self.state = replace(self.state, last_wall=wall)
 
@@ -275,6 +280,8 @@ class _Work:
             scope_latches=self.scope_latches,
             health_waits=self.health_waits,
             reset_refusals=self.reset_refusals,
+            health_drained=self.health_drained,
+            shadow=self.shadow.freeze(),
         )
 
 
@@ -304,6 +311,12 @@ def kill_cap_scope(proc: ProcessInfo | None) -> str:
     owner is unknown share one scope (``uid:unknown``)."""
     uid = None if proc is None else proc.uid
     return f"uid:{'unknown' if uid is None else uid}"
+
+
+def _previewing(w: _Work, ctx: _Ctx) -> bool:
+    """A policy's dry run, which keeps the would-be kill cap (shadow.py); under the dry run
+    the real kill cap forced, enforcement's own latch is already there."""
+    return ctx.policy.dry_run and not w.state.forced_dry_run
 
 
 def _node_block(snapshot: Snapshot) -> str | None:
@@ -344,6 +357,15 @@ def plan(
         blocked=_node_block(snapshot),
     )
     w.quiet_until = dict(ctx.quiet_before)
+    if _dry(w, ctx):
+        w.shadow.prune(now=now, wall=wall, window=policy.reset.window, findings=current,
+                       ladders=w.ladders)  # fmt: skip
+        for scope, why, lasted in w.shadow.expire(wall, policy.limits.kill_cap_latch):
+            w.event(EventName.LIMITS_KILL_CAP_EXPIRED, "info", scope=scope, why=why,
+                    lasted=lasted, dry_run=True)  # fmt: skip
+    else:
+        w.shadow.drop()  # what dry-run would have done never blocks the real thing
+        w.reset_refusals = {g: r for g, r in w.reset_refusals.items() if not r.dry_run}
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
     _expire_latches(w, ctx)
@@ -359,6 +381,9 @@ def plan(
             _consider_reset(w, ctx, finding)
     # GPU health (decide/health.py): drain, then reset; reboot; drain.
     w.health_waits = {g: wait for g, wait in w.health_waits.items() if wait.finding_key in current}
+    # A GPU stays drained while any of its health findings lasts: one incident, one drain.
+    unhealthy = {f.gpu for f in current.values() if f.kind in HEALTH_KINDS}
+    w.health_drained = {g: dry for g, dry in w.health_drained.items() if g in unhealthy}
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind in HEALTH_KINDS and finding.gpu is not None:
             _consider_health(w, ctx, finding)
@@ -410,6 +435,8 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         w.signal_scopes = {}
         w.health_waits = {}
         w.reset_refusals = {}  # a reboot resets every GPU
+        w.health_drained = {}
+        w.shadow.new_boot()
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         w.state = replace(w.state, reset_in_flight=None)
     w.state = replace(w.state, boot_id=new)
@@ -551,6 +578,8 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
         capped = w.state.forced_dry_run or scope in w.scope_latches
         hold = "dry_run (kill cap engaged)" if capped else "dry_run"
+    if hold is None and _previewing(w, ctx) and w.shadow.holds(lad.target, scope):
+        hold = "dry_run (kill cap engaged)"  # where enforcement's latch would hold it
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
@@ -662,6 +691,8 @@ def _emit_step(
         w.signal_history.append((lad.target, ctx.now))
         w.signal_scopes[lad.target] = scope
         w.new_targets[scope] = w.new_targets.get(scope, 0) + 1
+    elif _previewing(w, ctx):
+        w.shadow.count(lad.target, kill_cap_scope(proc), ctx.now)
     w.intents.append(
         SignalIntent(
             identity=ProcessIdentity(lad.pid, lad.start_ticks),
@@ -832,6 +863,19 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     if finding.kind == FindingKind.STUCK:
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
         return
+    lad = _kill_caps(w, ctx, lad, proc, finding)
+    _emit_step(w, ctx, lad, proc, finding)
+
+
+def _kill_caps(
+    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+) -> Ladder:
+    """A new ladder against the kill caps (its owner's scope and the node's): past one, a
+    real ladder starts as a dry run and the latch engages; a policy's dry run books the same
+    in its shadow, where enforcement would latch (shadow.py)."""
+    scope = kill_cap_scope(proc)
+    dry = lad.dry_run
+    target = lad.target
     if not dry:
         exceeded = _cap_exceeded(w, ctx, scope)
         if exceeded is not None:
@@ -853,7 +897,22 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 **_finding_fields(finding),
             )
             lad = replace(lad, dry_run=True)
-    _emit_step(w, ctx, lad, proc, finding)
+    elif _previewing(w, ctx):
+        capped = w.shadow.admit(target, scope, ctx.policy.limits, ctx.wall)
+        if capped is not None:
+            latched, over = capped
+            w.event(
+                EventName.LIMITS_KILL_CAP_REACHED,
+                "warning",  # a would-be latch: nothing was switched
+                why=over,
+                scope=latched,
+                user=None if proc is None else proc.user,
+                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
+                dry_run=True,
+                signalled_this_hour=len(w.shadow.signalled),
+                **_finding_fields(finding),
+            )
+    return lad
 
 
 def _gate(
@@ -1011,8 +1070,9 @@ def _history_blocker(
     uuid = gpu.uuid
     held = w.reset_refusals.get(uuid)
     if held is not None and held.finding_key == finding.key:
+        would = "would have been refused" if held.dry_run else "was refused"
         why = (
-            f"a reset for this incident was refused ({held.reason}); tried again when its "
+            f"a reset for this incident {would} ({held.reason}); tried again when its "
             "memory changes, the finding resolves, the configuration is reloaded or "
             "`gpuwatchd resume --clear-latches` is run"
         )
@@ -1023,6 +1083,11 @@ def _history_blocker(
         why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
         return EventName.RESET_CIRCUIT_OPEN, "critical", why
     recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
+    if _dry(w, ctx):
+        if finding.key in w.shadow.done:
+            why = "dry run: a would-be reset is assumed to have dealt with it already"
+            return refused, "info", why
+        recent += w.shadow.recent_resets(uuid, ctx.wall, reset.window)  # would-be resets
     if len(recent) >= reset.max_resets:
         why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
         return EventName.RESET_LIMIT_REACHED, "warning", why
@@ -1097,11 +1162,29 @@ def _health_once(w: _Work, finding: Finding, what: str) -> bool:
     return w.noted(finding.key, what)
 
 
+def _drained_already(w: _Work, uuid: str, dry: bool) -> bool:
+    """Whether this GPU's health incident ran its drain hooks already (a real drain covers a
+    later dry run too; a dry run's does not cover a real one)."""
+    earlier = w.health_drained.get(uuid)
+    return earlier is not None and (not earlier or dry)
+
+
 def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
+    """The ``reset.drain`` hooks, at most once per health incident of the GPU: a finding that
+    follows another on the same GPU (DRAIN_P2P settling to GPU_RESET) finds it drained."""
+    uuid = finding.gpu or ""
+    if _drained_already(w, uuid, dry):
+        return
+    w.health_drained[uuid] = dry
     if ctx.policy.reset.drain:
-        w.intents.append(
-            HookIntent(HookName.RESET_DRAIN, why, _finding_fields(finding), dry_run=dry)
-        )
+        # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
+        gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+        facts = {
+            **_finding_fields(finding),
+            "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
+            "minor": None if gpu is None else gpu.minor,
+        }
+        w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
 
 
 def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
@@ -1118,6 +1201,12 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     dry = _dry(w, ctx)
     act = health.action != "report" and ctx.blocked is None and not w.state.paused
     fields = _finding_fields(finding)
+    if not finding.actionable:
+        # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
+        if _health_once(w, finding, "health:report"):
+            w.event(EventName.ACTION_REFUSED, "warning", why="report only: not actionable",
+                    **fields)  # fmt: skip
+        return
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         if _health_once(w, finding, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, "critical", why=finding.reason, **fields)
@@ -1167,6 +1256,7 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
             blockers=blockers,
             timeout=timeout,
             dry_run=dry,
+            drained_already=_drained_already(w, uuid, dry),
             **_finding_fields(finding),
         )
         _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
@@ -1263,6 +1353,34 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
 
 
+def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
+    """A dry run's would-be SIGKILL went to ``identity``: assumed to end it, as a real one would.
+
+    SIGKILL cannot be caught (only uninterruptible sleep delays it, and that is ``stuck``), so
+    the preview ends the ladder as enforcement would when the target exits: resolved, with the
+    would-be ``on_action`` notification. The ladder stays, terminal, while the process lives,
+    so a dry run never signals it again; it is dropped (and starts over for real) when the
+    daemon acts for real. A SIGTERM is never assumed to end anything: it can be caught.
+    """
+    target = target_key(identity)
+    lad = state.ladders.get(target)
+    if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
+        return PlanResult((), (), state)
+    ladders = {**state.ladders, target: _move(lad, LadderStatus.ENDED)}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    why = "would-be SIGKILL: assumed to end the target (dry run)"
+    fields = {**_ladder_fields(lad), "why": why, "after": now - lad.started}
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
+             "user": lad.user}  # fmt: skip
+    notify = HookIntent(HookName.ON_ACTION, f"{target}: {ActionOutcome.FREED} ({why})", facts,
+                        dry_run=True)  # fmt: skip
+    return PlanResult(
+        (notify,),
+        (Event(EventName.ESCALATION_RESOLVED, "info", fields),),
+        replace(state, ladders=ladders, waiting=waiting),
+    )
+
+
 def _reset_action(
     intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
 ) -> HookIntent:
@@ -1279,6 +1397,21 @@ def _reset_action(
     )
 
 
+def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
+    """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was
+    not the one in flight). ``undrained``: it succeeded (or a dry run's would have), so its
+    after hooks undid the drain — an undrain hook learns the result and keeps the node
+    drained otherwise — and a later health incident of this GPU drains again (a dry run's
+    would-be undrain undoes no real drain)."""
+    if undrained and (not intent.dry_run or w.health_drained.get(intent.gpu) is True):
+        w.health_drained.pop(intent.gpu, None)
+    in_flight = w.state.reset_in_flight
+    if in_flight is None or in_flight.gpu != intent.gpu:
+        return 0.0
+    w.state = replace(w.state, reset_in_flight=None)
+    return in_flight.delay
+
+
 def record_reset(
     state: PlanState,
     intent: ResetIntent,
@@ -1287,18 +1420,22 @@ def record_reset(
     now: float,
     wall: float,
     needs_reboot: bool = False,
+    would_succeed: bool = False,
 ) -> PlanResult:
-    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure."""
+    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure.
+
+    A dry run's reset that would have gone all the way (``would_succeed``: its read-only final
+    scan found the GPU clear) is booked in the dry-run shadow as enforcement would book a
+    success: it counts against ``max_resets``, is assumed to have dealt with its finding, and
+    the ``on_action`` notification is shown as a would-be one.
+    """
     if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)
     w = _Work(state)
     w.rebase_wall(wall)
-    in_flight = w.state.reset_in_flight
-    delay = 0.0
-    if in_flight is not None and in_flight.gpu == intent.gpu:
-        delay = in_flight.delay
-        w.state = replace(w.state, reset_in_flight=None)
+    succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
+    delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
     fields: dict[str, object] = {
         "gpu": gpu,
@@ -1308,7 +1445,17 @@ def record_reset(
     }
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
-        w.event(EventName.RESET_DRY_RUN, "info", **fields)
+        if would_succeed:
+            w.shadow.book_reset(gpu, intent.finding_key, wall)
+            assumed = "success: assumed for the decisions that follow (dry run)"
+            w.event(EventName.RESET_DRY_RUN, "info", assumed=assumed, **fields)
+            w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        else:
+            # Enforcement's final scan would have found the GPU held as well: the incident is
+            # held as enforcement's would be (drain and before hooks once), in the preview only.
+            why = "a dry run's final holder scan found the GPU held"
+            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, False, wall, dry_run=True)
+            w.event(EventName.RESET_DRY_RUN, "info", assumed="refused", **fields)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
         # Refused, not failed: aborted before the command ran (the final holder scan found a
         # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
@@ -1395,9 +1542,14 @@ def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:
     """Admin: lift the dry-run the kill cap engaged, the node's and every user's (``resume``
-    does not do it by itself)."""
+    does not do it by itself), and the would-be latches a dry run keeps in its shadow."""
     return replace(
-        state, forced_dry_run=False, forced_reason=None, forced_since=None, scope_latches={}
+        state,
+        forced_dry_run=False,
+        forced_reason=None,
+        forced_since=None,
+        scope_latches={},
+        shadow=state.shadow.without_latches(),
     )
 
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.decide.shadow import DryShadow
 from gpuwatchd.model import as_int
 from gpuwatchd.vocabulary import PLAN_STATE_VERSION, LadderStatus
 
@@ -89,7 +90,9 @@ class ResetRefusal:
     ``in_use`` says the driver itself refused ("In use by another client") although the final
     scan found no holder; ``since`` is wall time. ``allocated`` is the GPU's allocated memory
     at the first poll after the refusal (None until then, or unknown): a change of it is one of
-    the things that let the reset be tried again.
+    the things that let the reset be tried again. ``dry_run``: a dry run's would-be reset that
+    its read-only final scan found held, kept so the preview holds the incident as enforcement
+    would; dropped the moment the daemon acts for real.
     """
 
     finding_key: str
@@ -97,6 +100,7 @@ class ResetRefusal:
     in_use: bool
     since: float
     allocated: int | None = None
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,10 @@ class PlanState:
 
     ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
     kill-cap latch is ``forced_dry_run`` (since ``forced_since``), one user's is in
-    ``scope_latches``.
+    ``scope_latches``. ``health_drained`` maps a GPU UUID to whether the ``reset.drain`` hooks
+    its health incident ran were a dry run: kept while any health finding of that GPU lasts
+    (DRAIN_P2P settling to GPU_RESET is one incident, drained once) and until a reset of it
+    succeeded (its ``after`` hooks undid the drain).
     """
 
     boot_id: str | None = None
@@ -145,6 +152,8 @@ class PlanState:
     last_wall: float | None = None
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
     reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
+    health_drained: Mapping[str, bool] = field(default_factory=dict)
+    shadow: DryShadow = field(default_factory=DryShadow)  # dry-run's would-be limits (shadow.py)
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
@@ -234,9 +243,12 @@ def _dump_state(s: PlanState) -> dict[str, object]:
                 "in_use": r.in_use,
                 "since": r.since,
                 "allocated": r.allocated,
+                "dry_run": r.dry_run,
             }
             for gpu, r in s.reset_refusals.items()
         },
+        "health_drained": dict(sorted(s.health_drained.items())),
+        "shadow": s.shadow.to_json(),
     }
 
 
@@ -388,6 +400,11 @@ def _load_state(data: object) -> PlanState:
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
         reset_refusals=_load_refusals(d.get("reset_refusals", {})),
+        health_drained={
+            gpu: _bool(dry, f"plan.health_drained.{gpu}")
+            for gpu, dry in _obj(d.get("health_drained", {}), "plan.health_drained").items()
+        },
+        shadow=DryShadow.from_json(d.get("shadow")),
     )
 
 
@@ -403,6 +420,7 @@ def _load_refusals(value: object) -> dict[str, ResetRefusal]:
             in_use=_bool(e.get("in_use"), f"{what}.in_use"),
             since=_float(e.get("since"), f"{what}.since"),
             allocated=None if allocated is None else _int(allocated, f"{what}.allocated"),
+            dry_run=_bool(e.get("dry_run", False), f"{what}.dry_run"),
         )
     return refusals
 

@@ -135,9 +135,14 @@ class ResetPolicy:
     max_failures: int = 2  # circuit breaker: node-wide failures before resets stop
     allow_mig: bool = False
     allow_nvlink_group: bool = False
+    # On an NVSwitch system, how long a reset waits for the GPU's NVLink fabric registration to
+    # reach COMPLETED before the reset counts as done (and the after hooks undrain).
+    fabric_timeout: float = 120.0
 
 
 HEALTH_ACTIONS = ("report", "drain", "reset")
+XID_63_CHOICES = ("ignore", "drain")  # NVIDIA: ignore; EC2 replaces the instance
+XID_94_CHOICES = ("restart_app", "drain")  # NVIDIA: restart the application; DCGM warns
 
 
 @dataclass(frozen=True)
@@ -150,13 +155,22 @@ class HealthPolicy:
     that wait; then the ``on_failure`` hooks run once (the reset still follows if the GPU is
     freed later: nothing is ever signalled for it). ``device_isolation``
     says jobs only open the device files of their own GPUs (cgroup device isolation): without
-    it, a live job on any GPU keeps a health reset waiting.
+    it, a live job on any GPU keeps a health reset waiting. ``xid_63`` / ``xid_94``: the
+    stricter peer choices (``drain``) instead of NVIDIA's buckets. ``fabric_stuck_after``: how
+    long a fabric may take to register before it counts as stuck.
     """
 
     enabled: bool = True
     action: str = "reset"
     drain_timeout: float = 7200.0
     device_isolation: bool = False
+    # Stricter choices some peers make, off by default (docs/policy.md#health): "drain" takes
+    # the GPU out of service on Xid 63 (a row remapped) or Xid 94 (a contained memory error).
+    xid_63: str = "ignore"
+    xid_94: str = "restart_app"
+    # A GPU whose NVLink fabric registration stays NOT_STARTED or IN_PROGRESS this long is
+    # stuck (drain_required naming Fabric Manager).
+    fabric_stuck_after: float = 600.0
 
 
 @dataclass(frozen=True)

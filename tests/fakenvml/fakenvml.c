@@ -1257,6 +1257,70 @@ EXPORT int nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, unsigned 
     return finish(&state, NVML_SUCCESS);
 }
 
+/* ---- the NVLink fabric (NVSwitch systems) ------------------------------------------------ */
+
+/*
+ * nvmlGpuFabricInfo_v2_t / _v3_t as nvml.h and pynvml lay them out: version, clusterUuid[16],
+ * status (nvmlReturn_t), cliqueId, state (nvmlGpuFabricState_t), healthMask, and in v3 one more
+ * byte, healthSummary. The version word is NVML_STRUCT_VERSION: the struct's size | (n << 24).
+ */
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[16];
+    int status;
+    unsigned int cliqueId;
+    unsigned int state;
+    unsigned int healthMask;
+    unsigned char healthSummary; /* v3 only */
+} nvmlGpuFabricInfo_v3_t;
+
+#define NVML_GPU_FABRIC_INFO_V2 (0x02000000u | 36u)
+#define NVML_GPU_FABRIC_INFO_V3 (0x03000000u | (unsigned int)sizeof(nvmlGpuFabricInfo_v3_t))
+_Static_assert(sizeof(nvmlGpuFabricInfo_v3_t) == 40, "nvmlGpuFabricInfo_v3_t is 40 bytes");
+
+/*
+ * "fabric": {"state": 0-3, "status": NVML code of the probe, "health_mask": N,
+ * "health_summary": N, "clique_id": N, "max_version": 2 or 3 (default 3)}; missing or null:
+ * NOT_SUPPORTED (no NVSwitch fabric). A struct version above max_version, or one this library
+ * does not know, answers NVML_ERROR_ARGUMENT_VERSION_MISMATCH, as an older driver does; a v2
+ * caller gets nothing written past its 36 bytes.
+ */
+EXPORT int nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfo_v3_t *info) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetGpuFabricInfoV", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (info == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    const jvalue *fabric = json_get(gpu, "fabric");
+    if (fabric == NULL || fabric->type != J_OBJECT) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    unsigned long long max_version = 3, value = 0;
+    (void)json_u64(json_get(fabric, "max_version"), &max_version);
+    unsigned int version = info->version;
+    int v3 = version == NVML_GPU_FABRIC_INFO_V3;
+    if (!(v3 || version == NVML_GPU_FABRIC_INFO_V2) || (v3 && max_version < 3)) {
+        return finish(&state, NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    }
+    memset(info->clusterUuid, 0xab, sizeof info->clusterUuid);
+    long long status = 0;
+    (void)json_i64(json_get(fabric, "status"), &status);
+    info->status = (int)status;
+    value = 0;
+    (void)json_u64(json_get(fabric, "clique_id"), &value);
+    info->cliqueId = (unsigned int)value;
+    value = 0;
+    (void)json_u64(json_get(fabric, "state"), &value);
+    info->state = (unsigned int)value;
+    value = 0;
+    (void)json_u64(json_get(fabric, "health_mask"), &value);
+    info->healthMask = (unsigned int)value;
+    if (v3) {
+        value = 0;
+        (void)json_u64(json_get(fabric, "health_summary"), &value);
+        info->healthSummary = (unsigned char)value;
+    }
+    return finish(&state, NVML_SUCCESS);
+}
+
 /* ---- events ------------------------------------------------------------------------------- */
 
 #define EVENT_XID 0x8ULL

@@ -1,0 +1,285 @@
+"""Dry-run's shadow: the limits and history enforcement would have, so a preview is the same
+decisions, once.
+
+A dry run previews what enforcement would do, and an admin decides from it whether to enforce.
+So a would-be action must count as the real one would: a would-be reset against
+``reset.max_resets`` within ``reset.window`` (the cooldown already counts it), and — assumed to
+have succeeded — it deals with its finding, so the preview does not repeat it every cooldown; a
+would-be ladder against the kill caps as enforcement counts them (per user: the target's
+``uid:N`` scope, per poll and per hour; and the node-wide hourly cap), whose would-be latches
+then hold the ladders enforcement would have held — that user's only, or the node's — and
+lift after ``limits.kill_cap_latch`` as enforcement's do. This module owns that bookkeeping
+(:class:`DryShadow`, kept in the plan state, with its checked JSON form) and the small
+questions ``plan.py`` asks of it.
+
+The shadow is only a preview's: it is dropped the moment the daemon acts for real, so what
+dry-run would have done never blocks the real thing; and the kill-cap part applies only to a
+policy's dry run, not to the dry run the real kill cap forced (enforcement is already there).
+The assumed success of a would-be reset on GPU health is ``health.py``'s (``note_reset`` with
+``assumed_from``). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from gpuwatchd.decide.policy import Limits
+
+__all__ = ["HOUR", "DryShadow", "ShadowWork"]
+
+HOUR = 3600.0
+MAX_ENTRIES = 10_000  # a saved shadow longer than this is damaged, not a preview
+
+
+@dataclass(frozen=True)
+class DryShadow:
+    """What enforcement would have booked during a dry run.
+
+    ``resets``: (GPU UUID, wall time) of would-be resets assumed to have succeeded (they count
+    against ``max_resets``); ``done``: finding key → wall time of the would-be reset assumed to
+    have dealt with it (kept while the finding lasts); ``signalled``: (target, monotonic time)
+    of would-be ladders within the hour (the kill caps), ``scopes`` whose cap each counts
+    against (target → ``uid:N``); ``capped``: why enforcement would have reached the
+    node-wide cap (a would-be latch, cleared with the real one), since ``capped_since`` (wall
+    time); ``latches``: scope → (why, since) of the would-be per-user latches; ``forced``:
+    targets whose ladders enforcement would have run as forced dry runs (started after a cap).
+    """
+
+    resets: tuple[tuple[str, float], ...] = ()
+    done: Mapping[str, float] = field(default_factory=dict)
+    signalled: tuple[tuple[str, float], ...] = ()
+    capped: str | None = None
+    forced: tuple[str, ...] = ()
+    scopes: Mapping[str, str] = field(default_factory=dict)
+    capped_since: float | None = None
+    latches: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "resets": [[g, t] for g, t in self.resets],
+            "done": dict(sorted(self.done.items())),
+            "signalled": [[t, at] for t, at in self.signalled],
+            "capped": self.capped,
+            "forced": list(self.forced),
+            "scopes": dict(sorted(self.scopes.items())),
+            "capped_since": self.capped_since,
+            "latches": {k: [why, since] for k, (why, since) in sorted(self.latches.items())},
+        }
+
+    def without_latches(self) -> DryShadow:
+        """``resume --clear-latches``: the would-be latches go with the real ones."""
+        return replace(self, capped=None, capped_since=None, latches={}, forced=())
+
+    @classmethod
+    def from_json(cls, data: object) -> DryShadow:
+        """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ValueError("plan.shadow: expected an object")
+        done = data.get("done", {})
+        if not isinstance(done, dict) or len(done) > MAX_ENTRIES:
+            raise ValueError("plan.shadow.done: expected an object")
+        capped = data.get("capped")
+        if capped is not None and not isinstance(capped, str):
+            raise ValueError("plan.shadow.capped: expected a string or null")
+        forced = data.get("forced", [])
+        if not isinstance(forced, list) or len(forced) > MAX_ENTRIES:
+            raise ValueError("plan.shadow.forced: expected a list")
+        if not all(isinstance(t, str) for t in forced):
+            raise ValueError("plan.shadow.forced: expected strings")
+        scopes = data.get("scopes", {})
+        if not isinstance(scopes, dict) or len(scopes) > MAX_ENTRIES:
+            raise ValueError("plan.shadow.scopes: expected an object")
+        since = data.get("capped_since")
+        latches = data.get("latches", {})
+        if not isinstance(latches, dict) or len(latches) > MAX_ENTRIES:
+            raise ValueError("plan.shadow.latches: expected an object")
+        return cls(
+            resets=_pairs(data.get("resets", []), "plan.shadow.resets"),
+            done={
+                _str(k, "plan.shadow.done"): _time(v, f"plan.shadow.done.{k}")
+                for k, v in done.items()
+            },
+            signalled=_pairs(data.get("signalled", []), "plan.shadow.signalled"),
+            capped=capped,
+            forced=tuple(forced),
+            scopes={
+                _str(k, "plan.shadow.scopes"): _str(v, f"plan.shadow.scopes.{k}")
+                for k, v in scopes.items()
+            },
+            capped_since=None if since is None else _time(since, "plan.shadow.capped_since"),
+            latches={
+                _str(k, "plan.shadow.latches"): _latch(v, f"plan.shadow.latches.{k}")
+                for k, v in latches.items()
+            },
+        )
+
+
+def _latch(value: object, what: str) -> tuple[str, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"{what}: expected [why, since]")
+    return _str(value[0], what), _time(value[1], what)
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected a string")
+    return value
+
+
+def _time(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number")
+    return float(value)
+
+
+def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, list) or len(value) > MAX_ENTRIES:
+        raise ValueError(f"{what}: expected a list")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"{what}[{i}]: expected [name, time]")
+        out.append((_str(item[0], f"{what}[{i}]"), _time(item[1], f"{what}[{i}]")))
+    return tuple(out)
+
+
+class ShadowWork:
+    """The mutable copy of a :class:`DryShadow` while one ``plan`` call decides."""
+
+    def __init__(self, shadow: DryShadow) -> None:
+        self.resets = list(shadow.resets)
+        self.done = dict(shadow.done)
+        self.signalled = list(shadow.signalled)
+        self.capped = shadow.capped
+        self.capped_since = shadow.capped_since
+        self.latches = dict(shadow.latches)
+        self.scopes = dict(shadow.scopes)
+        self.forced = set(shadow.forced)
+        self.new_targets: dict[str, int] = {}  # scope -> would-be ladders started this poll
+
+    def freeze(self) -> DryShadow:
+        return DryShadow(
+            resets=tuple(self.resets),
+            done=self.done,
+            signalled=tuple(self.signalled),
+            capped=self.capped,
+            forced=tuple(sorted(self.forced)),
+            scopes={t: self.scopes[t] for t, _ in self.signalled if t in self.scopes},
+            capped_since=self.capped_since,
+            latches=self.latches,
+        )
+
+    # -- keeping it current --
+
+    def drop(self) -> None:
+        """Not a dry run any more: the shadow never blocks the real thing."""
+        self.resets, self.done, self.signalled = [], {}, []
+        self.capped, self.forced, self.new_targets = None, set(), {}
+        self.capped_since, self.latches, self.scopes = None, {}, {}
+
+    def prune(
+        self,
+        *,
+        now: float,
+        wall: float,
+        window: float,
+        findings: Iterable[str],
+        ladders: Iterable[str],
+    ) -> None:
+        """Forget what enforcement would have forgotten by now, and what is gone."""
+        current, live = set(findings), set(ladders)
+        self.resets = [(g, t) for g, t in self.resets if wall - t < window]
+        self.done = {k: t for k, t in self.done.items() if k in current}
+        self.signalled = [(t, at) for t, at in self.signalled if now - at < HOUR]
+        self.forced &= live
+
+    def shift(self, step: float) -> None:
+        """The wall clock went back by ``step``: that counts as no time passed."""
+        self.resets = [(g, t - step) for g, t in self.resets]
+        self.done = {k: t - step for k, t in self.done.items()}
+        if self.capped_since is not None:
+            self.capped_since -= step
+        self.latches = {k: (why, t - step) for k, (why, t) in self.latches.items()}
+
+    def new_boot(self) -> None:
+        """Process identities mean nothing after a reboot; wall-time reset history stays, and
+        so do the would-be latches (enforcement's last across reboots, until they expire)."""
+        self.signalled, self.forced, self.scopes = [], set(), {}
+
+    def expire(self, wall: float, lasts: float) -> list[tuple[str, str, float]]:
+        """Would-be latches that enforcement's ``limits.kill_cap_latch`` would have lifted by
+        wall time ``wall``: (scope, why, how long it lasted) each; a latch saved before its
+        start was recorded starts counting now. Ladders it forced stay forced."""
+        ended: list[tuple[str, str, float]] = []
+        if self.capped is not None:
+            if self.capped_since is None:
+                self.capped_since = wall
+            elif wall - self.capped_since >= lasts:
+                ended.append(("node", self.capped, wall - self.capped_since))
+                self.capped, self.capped_since = None, None
+        for scope, (why, since) in sorted(self.latches.items()):
+            if wall - since >= lasts:
+                ended.append((scope, why, wall - since))
+                del self.latches[scope]
+        return ended
+
+    # -- resets --
+
+    def recent_resets(self, gpu: str, wall: float, window: float) -> list[float]:
+        return [t for g, t in self.resets if g == gpu and wall - t < window]
+
+    def book_reset(self, gpu: str, finding_key: str, wall: float) -> None:
+        """A would-be reset assumed to have succeeded."""
+        self.resets.append((gpu, wall))
+        self.done[finding_key] = wall
+
+    # -- the kill cap --
+
+    def latched(self, scope: str) -> bool:
+        """Whether enforcement would run ``scope``'s new ladders as forced dry runs now."""
+        return self.capped is not None or scope in self.latches
+
+    def admit(self, target: str, scope: str, limits: Limits, wall: float) -> tuple[str, str] | None:
+        """A would-be ladder for ``target`` (whose kill-cap scope is ``scope``, ``uid:N``)
+        starts: (the scope latched, ``scope`` or "node", and why) when it would pass a cap
+        — said once, when the would-be latch engages — or None. After a latch every new
+        ladder in its reach is one enforcement would have run as a forced dry run."""
+        if self.latched(scope):
+            self.forced.add(target)
+            return None
+        mine = sum(1 for t, _ in self.signalled if self.scopes.get(t) == scope)
+        if len(self.signalled) + 1 > limits.node_max_signalled_per_hour:
+            why = (
+                f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
+            )
+            self.capped, self.capped_since = why, wall
+            latched = "node"
+        elif self.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
+            why = f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
+            self.latches[scope] = (why, wall)
+            latched = scope
+        elif mine + 1 > limits.max_signalled_per_hour:
+            why = f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
+            self.latches[scope] = (why, wall)
+            latched = scope
+        else:
+            return None
+        self.forced.add(target)
+        return latched, why
+
+    def count(self, target: str, scope: str, now: float) -> None:
+        """A would-be ladder sent its first signal (as enforcement counts a real one)."""
+        if target in self.forced or any(t == target for t, _ in self.signalled):
+            return
+        self.signalled.append((target, now))
+        self.scopes[target] = scope
+        self.new_targets[scope] = self.new_targets.get(scope, 0) + 1
+
+    def holds(self, target: str, scope: str) -> bool:
+        """After a would-be latch, the ladders in its reach that enforcement ran for real
+        would be held (the node's latch holds every one, a user's only that user's)."""
+        return self.latched(scope) and target not in self.forced

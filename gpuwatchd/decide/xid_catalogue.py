@@ -1,0 +1,384 @@
+"""NVIDIA's Xid catalogue as data, and what gpuwatchd does with each resolution bucket.
+
+This module owns the table: one :class:`XidEntry` per Xid that NVIDIA's catalogue for Ampere
+and later GPUs lists (docs/findings.md#xid-table), with its mnemonic, a short name, the
+catalogue's two resolution buckets (the *immediate* action an operator takes now, the
+*investigatory* one an engineer follows later) and where the entry was checked. It also owns
+the one mapping from a bucket to what the daemon does (:func:`xid_action`), and the
+Markdown table of docs/findings.md (:func:`render_markdown`; a test keeps the page equal to it).
+
+It decides nothing about one GPU's history (solo or co-occurring Xids, an NVLink peer's Xid
+during our own reset, the recovery action): ``health.py`` does. Pure data, no I/O.
+
+Sources (docs/findings.md cites them in full): NVIDIA, "Analyzing Xid Errors with the Xid
+Catalog" (the published catalogue and its spreadsheet) for every row; NVIDIA's GPU memory error
+management guide for the memory rows. The rows were read on NVIDIA's page where it could be
+read directly (Xids 1-13) and otherwise from a public machine-readable copy of the same
+spreadsheet (generated 2025-10-29); buckets the catalogue leaves blank are marked as such.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "CATALOGUE_SOURCE",
+    "XID_CATALOGUE",
+    "Bucket",
+    "XidAction",
+    "XidEntry",
+    "render_markdown",
+    "xid_action",
+]
+
+CATALOGUE_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
+
+
+class Bucket(str, enum.Enum):
+    """The catalogue's immediate resolution buckets (its own spelling)."""
+
+    RESET_GPU = "RESET_GPU"  # terminate the GPU's processes, reset it (nvidia-smi -r)
+    RESTART_APP = "RESTART_APP"  # the application must restart; the GPU is fine
+    IGNORE = "IGNORE"  # informational
+    CONTACT_SUPPORT = "CONTACT_SUPPORT"  # no operator remedy (most are unused Xids)
+    RESTART_BM = "RESTART_BM"  # power-cycle the machine: the GPU left the bus
+    RESTART_VM = "RESTART_VM"  # restart the (confidential-computing) virtual machine
+    WORKFLOW_XID_45 = "WORKFLOW_XID_45"  # solo: restart Fabric Manager; else follow the other Xid
+    WORKFLOW_XID_48 = "WORKFLOW_XID_48"  # solo: reset the GPU; with 63 or 64: drain and reset
+    WORKFLOW_NVLINK_ERR = "WORKFLOW_NVLINK_ERR"  # reset the GPU or reboot the node
+    WORKFLOW_NVLINK5_ERR = "WORKFLOW_NVLINK5_ERR"  # depends on the error's detail (kernel log)
+    XID_154 = "XID_154"  # the recovery action changed: read it
+    CHECK_MECHANICALS = "CHECK_MECHANICALS"  # check power cables and seating
+    UPDATE_SWFW = "UPDATE_SWFW"  # update software or firmware
+    CHECK_UVM = "CHECK_UVM"  # check the UVM driver / coherent interconnect
+    NONE = ""  # the catalogue gives no bucket
+
+    def __str__(self) -> str:
+        return self.value or "(none given)"
+
+
+class XidAction(str, enum.Enum):
+    """What gpuwatchd does about one Xid (docs/findings.md#xid-table)."""
+
+    RESET = "reset"  # reset_required: drain, wait until nothing holds the GPU, reset
+    REBOOT = "reboot"  # reboot_required: reboot or power-cycle; never a reset
+    RECOVERY_ACTION = "recovery_action"  # the driver's recovery action field decides
+    FABRIC_MANAGER = "fabric_manager"  # solo: points at Fabric Manager; else follow the others
+    RESTART_APP = "restart_app"  # the job's fault: counted, never a GPU action
+    IGNORE = "ignore"  # informational: counted
+    REPORT = "report"  # no remedy the daemon can take: counted and named in the evidence
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class XidEntry:
+    """One row of the catalogue. ``investigatory`` is the catalogue's text ("" when blank)."""
+
+    xid: int
+    mnemonic: str
+    name: str
+    immediate: Bucket
+    investigatory: str
+    memory: bool = False  # also covered by NVIDIA's memory error management guide
+    read_directly: bool = False  # read on NVIDIA's page itself (else: the spreadsheet's copy)
+
+
+_B = Bucket
+_CS = "CONTACT_SUPPORT"
+_UNUSED = "Unused"
+# (xid, mnemonic, name, immediate, investigatory). Rows 1-13 were read on NVIDIA's page.
+_ROWS: tuple[tuple[int, str, str, Bucket, str], ...] = (
+    (1, "ROBUST_CHANNEL_FIFO_ERROR_FIFO_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (2, "ROBUST_CHANNEL_FIFO_ERROR_SW_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (3, "ROBUST_CHANNEL_FIFO_ERROR_UNK_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (4, "ROBUST_CHANNEL_FIFO_ERROR_CHANNEL_BUSY", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (5, "ROBUST_CHANNEL_FIFO_ERROR_RUNOUT_OVERFLOW", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (6, "ROBUST_CHANNEL_FIFO_ERROR_PARSE_ERR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (7, "ROBUST_CHANNEL_FIFO_ERROR_PTE_ERR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (8, "ROBUST_CHANNEL_FIFO_ERROR_IDLE_TIMEOUT", "GPU stopped processing", _B.RESTART_APP, _CS),
+    (9, "ROBUST_CHANNEL_GR_ERROR_INSTANCE", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (10, "ROBUST_CHANNEL_GR_ERROR_SINGLE_STEP", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (11, "ROBUST_CHANNEL_GR_ERROR_MISSING_HW", "Invalid or corrupted push buffer stream",
+     _B.RESTART_APP, "CHECK_APP/CUDA"),
+    (12, "ROBUST_CHANNEL_GR_ERROR_SW_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (13, "ROBUST_CHANNEL_GR_EXCEPTION", "Graphics engine exception", _B.RESTART_APP,
+     "WORKFLOW_XID_13"),
+    (14, "ROBUST_CHANNEL_FAKE_ERROR", _UNUSED, _B.IGNORE, _CS),
+    (15, "ROBUST_CHANNEL_SCANLINE_TIMEOUT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (16, "ROBUST_CHANNEL_VBLANK_CALLBACK_TIMEOUT", _UNUSED, _B.CONTACT_SUPPORT, _CS),
+    (17, "ROBUST_CHANNEL_PARAMETER_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (18, "ROBUST_CHANNEL_BUS_MASTER_TIMEOUT_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (19, "ROBUST_CHANNEL_DISP_MISSED_NOTIFIER", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (20, "ROBUST_CHANNEL_MPEG_ERROR_SW_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (21, "ROBUST_CHANNEL_ME_ERROR_SW_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (22, "ROBUST_CHANNEL_VP_ERROR_SW_METHOD", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (23, "ROBUST_CHANNEL_RC_LOGGING_ENABLED", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (24, "ROBUST_CHANNEL_GR_SEMAPHORE_TIMEOUT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (25, "ROBUST_CHANNEL_GR_ILLEGAL_NOTIFY", "Invalid or illegal push buffer stream",
+     _B.RESTART_APP, "CHECK_APP/CUDA"),
+    (26, "ROBUST_CHANNEL_FIFO_ERROR_FBISTATE_TIMEOUT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (27, "ROBUST_CHANNEL_VP_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (28, "ROBUST_CHANNEL_VP2_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (29, "ROBUST_CHANNEL_BSP_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (30, "ROBUST_CHANNEL_BAD_ADDR_ACCESS", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR_FLT", "GPU memory page fault", _B.RESTART_APP,
+     "WORKFLOW_XID_31"),
+    (32, "ROBUST_CHANNEL_PBDMA_ERROR", "Invalid or corrupted push buffer stream",
+     _B.RESTART_APP, "CHECK_APP/CUDA"),
+    (33, "ROBUST_CHANNEL_SEC_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (34, "ROBUST_CHANNEL_MSVLD_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (35, "ROBUST_CHANNEL_MSPDEC_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (36, "ROBUST_CHANNEL_MSPPP_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (37, "ROBUST_CHANNEL_FECS_ERR_UNIMP_FIRMWARE_METHOD", "Driver firmware error", _B.IGNORE,
+     "CHECK_APP/CUDA"),
+    (38, "ROBUST_CHANNEL_FECS_ERR_WATCHDOG_TIMEOUT", "Driver firmware error", _B.IGNORE, _CS),
+    (39, "ROBUST_CHANNEL_CE0_ERROR", "Copy engine exception", _B.RESTART_APP, _CS),
+    (40, "ROBUST_CHANNEL_CE1_ERROR", "Copy engine exception", _B.RESTART_APP, _CS),
+    (41, "ROBUST_CHANNEL_CE2_ERROR", "Copy engine exception", _B.RESTART_APP, _CS),
+    (42, "ROBUST_CHANNEL_VIC_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (43, "ROBUST_CHANNEL_RESETCHANNEL_VERIF_ERROR", "GPU stopped processing", _B.IGNORE, _CS),
+    (44, "ROBUST_CHANNEL_GR_FAULT_DURING_CTXSW", "Graphics engine fault during context switch",
+     _B.IGNORE, _CS),
+    (45, "ROBUST_CHANNEL_PREEMPTIVE_REMOVAL", "Preemptive cleanup after earlier errors",
+     _B.WORKFLOW_XID_45, "Solo: RESTART_FM; not solo: IGNORE (follow the other Xid)"),
+    (46, "ROBUST_CHANNEL_GPU_TIMEOUT_ERROR", "GPU stopped processing", _B.RESET_GPU, _CS),
+    (47, "ROBUST_CHANNEL_NVENC0_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (48, "ROBUST_CHANNEL_GPU_ECC_DBE", "Double-bit ECC error", _B.WORKFLOW_XID_48,
+     "WORKFLOW_XID_48"),
+    (49, "SILENT_RUNNING_CONSTANT_LEVEL_SET_BY_REGISTRY", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (50, "SILENT_RUNNING_LEVEL_TRANSITION_DUE_TO_RC_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (51, "SILENT_RUNNING_STRESS_TEST_FAILURE", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (52, "SILENT_RUNNING_LEVEL_TRANS_DUE_TO_TEMP_RISE", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (53, "SILENT_RUNNING_TEMP_REDUCED_CLOCKING", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (54, "SILENT_RUNNING_PWR_REDUCED_CLOCKING", "Auxiliary power not connected",
+     _B.CHECK_MECHANICALS, _CS),
+    (55, "SILENT_RUNNING_TEMPERATURE_READ_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (56, "DISPLAY_CHANNEL_EXCEPTION", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (57, "FB_LINK_TRAINING_FAILURE_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (58, "FB_MEMORY_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (59, "PMU_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (60, "ROBUST_CHANNEL_SEC2_ERROR", "Video processor exception", _B.RESTART_APP,
+     "INVESTIGATE_SW"),
+    (61, "PMU_BREAKPOINT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (62, "PMU_HALT_ERROR", "Internal micro-controller halt", _B.RESET_GPU, _CS),
+    (63, "INFOROM_DRAM_RETIREMENT_EVENT", "GPU memory remapping event", _B.IGNORE, "IGNORE"),
+    (64, "INFOROM_DRAM_RETIREMENT_FAILURE", "GPU memory remapping failure", _B.RESET_GPU, _CS),
+    (65, "ROBUST_CHANNEL_NVENC1_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (66, "ROBUST_CHANNEL_FECS_ERR_REG_ACCESS_VIOLATION", "Illegal access by driver", _B.IGNORE,
+     "INVESTIGATE_SW"),
+    (67, "ROBUST_CHANNEL_FECS_ERR_VERIF_VIOLATION", "Illegal access by driver", _B.IGNORE, _CS),
+    (68, "ROBUST_CHANNEL_NVDEC0_ERROR", "NVDEC0 exception", _B.RESTART_APP, _CS),
+    (69, "ROBUST_CHANNEL_GR_CLASS_ERROR", "Graphics engine class error", _B.RESTART_APP,
+     "CHECK_APP/CUDA"),
+    (70, "ROBUST_CHANNEL_CE3_ERROR", "Copy engine 3 error", _B.RESTART_APP, _CS),
+    (71, "ROBUST_CHANNEL_CE4_ERROR", "Copy engine 4 error", _B.RESTART_APP, _CS),
+    (72, "ROBUST_CHANNEL_CE5_ERROR", "Copy engine 5 error", _B.RESTART_APP, _CS),
+    (73, "ROBUST_CHANNEL_NVENC2_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (74, "NVLINK_ERROR", "NVLink error", _B.WORKFLOW_NVLINK_ERR, _CS),
+    (75, "ROBUST_CHANNEL_CE6_ERROR", "Copy engine 6 error", _B.RESTART_APP, _CS),
+    (76, "ROBUST_CHANNEL_CE7_ERROR", "Copy engine 7 error", _B.RESTART_APP, _CS),
+    (77, "ROBUST_CHANNEL_CE8_ERROR", "Copy engine 8 error", _B.RESTART_APP, _CS),
+    (78, "VGPU_START_ERROR", "vGPU start error", _B.UPDATE_SWFW, "UPDATE_SWFW"),
+    (79, "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS", "GPU has fallen off the bus",
+     _B.RESTART_BM, _CS),
+    (80, "PBDMA_PUSHBUFFER_CRC_MISMATCH", "Corrupted data sent to the GPU", _B.RESTART_APP,
+     "CHECK_APP/CUDA"),
+    (81, "ROBUST_CHANNEL_VGA_SUBSYSTEM_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (82, "ROBUST_CHANNEL_NVJPG0_ERROR", "NVJPG0 error", _B.RESTART_APP, _CS),
+    (83, "ROBUST_CHANNEL_NVDEC1_ERROR", "NVDEC1 error", _B.RESTART_APP, _CS),
+    (84, "ROBUST_CHANNEL_NVDEC2_ERROR", "NVDEC2 error", _B.RESTART_APP, _CS),
+    (85, "ROBUST_CHANNEL_CE9_ERROR", "Copy engine 9 error", _B.RESTART_APP, _CS),
+    (86, "ROBUST_CHANNEL_OFA0_ERROR", "Optical flow accelerator exception", _B.RESTART_APP, _CS),
+    (87, "NVTELEMETRY_DRIVER_REPORT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (88, "ROBUST_CHANNEL_NVDEC3_ERROR", "NVDEC3 error", _B.RESTART_APP, _CS),
+    (89, "ROBUST_CHANNEL_NVDEC4_ERROR", "NVDEC4 error", _B.RESTART_APP, _CS),
+    (90, "LTC_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (91, "RESERVED_XID", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (92, "EXCESSIVE_SBE_INTERRUPTS", "High single-bit ECC error rate", _B.IGNORE, _CS),
+    (93, "INFOROM_ERASE_LIMIT_EXCEEDED", "InfoROM wear limit exceeded (non-fatal)", _B.IGNORE,
+     _CS),
+    (94, "ROBUST_CHANNEL_CONTAINED_ERROR", "Contained memory error", _B.RESTART_APP,
+     "IGNORE (sympathetic)"),
+    (95, "ROBUST_CHANNEL_UNCONTAINED_ERROR", "Uncontained memory error", _B.RESET_GPU,
+     "IGNORE (sympathetic)"),
+    (96, "ROBUST_CHANNEL_NVDEC5_ERROR", "NVDEC5 error", _B.RESTART_APP, _CS),
+    (97, "ROBUST_CHANNEL_NVDEC6_ERROR", "NVDEC6 error", _B.RESTART_APP, _CS),
+    (98, "ROBUST_CHANNEL_NVDEC7_ERROR", "NVDEC7 error", _B.RESTART_APP, _CS),
+    (99, "ROBUST_CHANNEL_NVJPG1_ERROR", "NVJPG1 error", _B.RESTART_APP, _CS),
+    (100, "ROBUST_CHANNEL_NVJPG2_ERROR", "NVJPG2 error", _B.RESTART_APP, _CS),
+    (101, "ROBUST_CHANNEL_NVJPG3_ERROR", "NVJPG3 error", _B.RESTART_APP, _CS),
+    (102, "ROBUST_CHANNEL_NVJPG4_ERROR", "NVJPG4 error", _B.RESTART_APP, _CS),
+    (103, "ROBUST_CHANNEL_NVJPG5_ERROR", "NVJPG5 error", _B.RESTART_APP, _CS),
+    (104, "ROBUST_CHANNEL_NVJPG6_ERROR", "NVJPG6 error", _B.RESTART_APP, _CS),
+    (105, "ROBUST_CHANNEL_NVJPG7_ERROR", "NVJPG7 error", _B.RESTART_APP, _CS),
+    (106, "SMBPBI_TEST_MESSAGE", "SMBPBI test message", _B.IGNORE, "IGNORE"),
+    (107, "SMBPBI_TEST_MESSAGE_SILENT", "SMBPBI test message (silent)", _B.IGNORE, "IGNORE"),
+    (108, "NVLINK_REMOTE_TRANSLATION_ERROR", _UNUSED, _B.IGNORE, "XID_137_FLOW"),
+    (109, "ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR", "Context switch timeout", _B.RESET_GPU, _CS),
+    (110, "SEC_FAULT_ERROR", "Security fault", _B.RESET_GPU, "INVESTIGATE_SW"),
+    (111, "BUNDLE_ERROR_EVENT", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (112, "DISP_SUPERVISOR_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (113, "DP_LT_FAILURE", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (114, "HEAD_RG_UNDERFLOW", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (115, "CORE_CHANNEL_REGS", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (116, "WINDOW_CHANNEL_REGS", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (117, "CURSOR_CHANNEL_REGS", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (118, "HEAD_REGS", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (119, "GSP_RPC_TIMEOUT", "GSP RPC timeout", _B.RESET_GPU, "INVESTIGATE_SW"),
+    (120, "GSP_ERROR", "GSP error", _B.RESET_GPU, "INVESTIGATE_SW"),
+    (121, "C2C_ERROR", "C2C (chip-to-chip link) error", _B.IGNORE, _CS),
+    (122, "SPI_PMU_RPC_READ_FAIL", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (123, "SPI_PMU_RPC_WRITE_FAIL", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (124, "SPI_PMU_RPC_ERASE_FAIL", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (125, "INFOROM_FS_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (126, "ROBUST_CHANNEL_CE10_ERROR", "Copy engine 10 error", _B.RESTART_APP, _CS),
+    (127, "ROBUST_CHANNEL_CE11_ERROR", "Copy engine 11 error", _B.RESTART_APP, _CS),
+    (128, "ROBUST_CHANNEL_CE12_ERROR", "Copy engine 12 error", _B.RESTART_APP, _CS),
+    (129, "ROBUST_CHANNEL_CE13_ERROR", "Copy engine 13 error", _B.RESTART_APP, _CS),
+    (130, "ROBUST_CHANNEL_CE14_ERROR", "Copy engine 14 error", _B.RESTART_APP, _CS),
+    (131, "ROBUST_CHANNEL_CE15_ERROR", "Copy engine 15 error", _B.RESTART_APP, _CS),
+    (132, "ROBUST_CHANNEL_CE16_ERROR", "Copy engine 16 error", _B.RESTART_APP, _CS),
+    (133, "ROBUST_CHANNEL_CE17_ERROR", "Copy engine 17 error", _B.RESTART_APP, _CS),
+    (134, "ROBUST_CHANNEL_CE18_ERROR", "Copy engine 18 error", _B.RESTART_APP, _CS),
+    (135, "ROBUST_CHANNEL_CE19_ERROR", "Copy engine 19 error", _B.RESTART_APP, _CS),
+    (136, "ALI_TRAINING_FAIL", "NVLink training failed", _B.RESET_GPU, "INVESTIGATE_LINK_SI"),
+    (137, "NVLINK_PRIV_ERR", "NVLink privilege error", _B.IGNORE, "XID_137_FLOW"),
+    (138, "ROBUST_CHANNEL_DLA_ERROR", _UNUSED, _B.CONTACT_SUPPORT, ""),
+    (139, "ROBUST_CHANNEL_OFA1_ERROR", "Optical flow accelerator 1 error", _B.RESTART_APP, _CS),
+    (140, "UNRECOVERABLE_ECC_ERROR_ESCAPE", "Unrecovered ECC error", _B.RESET_GPU, _CS),
+    (141, "ROBUST_CHANNEL_FAST_PATH_ERROR", "CUDA fast path error", _B.IGNORE, _CS),
+    (142, "ROBUST_CHANNEL_NVENC3_ERROR", "NVENC3 error", _B.CONTACT_SUPPORT, ""),
+    (143, "GPU_INIT_ERROR", "GPU initialization error", _B.RESET_GPU, _CS),
+    (144, "NVLINK_SAW_ERROR", "NVLink5 SAW error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (145, "NVLINK_RLW_ERROR", "NVLink5 RLW error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (146, "NVLINK_TLW_ERROR", "NVLink5 TLW error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (147, "NVLINK_TREX_ERROR", "NVLink5 TREX error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (148, "NVLINK_NVLPW_CTRL_ERROR", "NVLink5 NVLPW_CTRL error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (149, "NVLINK_NETIR_ERROR", "NVLink5 NETIR error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (150, "NVLINK_MSE_ERROR", "NVLink5 MSE error", _B.WORKFLOW_NVLINK5_ERR,
+     "WORKFLOW_NVLINK5_ERR"),
+    (151, "ROBUST_CHANNEL_KEY_ROTATION_ERROR", "Key rotation error (confidential computing)",
+     _B.RESTART_VM, _CS),
+    (152, "ROBUST_CHANNEL_DLA_SMMU_ERROR", "DLA SMMU error", _B.IGNORE, _CS),
+    (153, "ROBUST_CHANNEL_DLA_TIMEOUT", "DLA timeout", _B.IGNORE, _CS),
+    (154, "GPU_RECOVERY_ACTION_CHANGED", "GPU recovery action changed", _B.XID_154,
+     "N/A: informational, about another Xid"),
+    (155, "NVLINK_SW_DEFINED_ERROR", "NVLink software-defined error", _B.RESET_GPU,
+     "INVESTIGATE_SW_USER"),
+    (156, "RESOURCE_RETIREMENT_EVENT", "Resource retirement event", _B.RESET_GPU, "IGNORE"),
+    (157, "RESOURCE_RETIREMENT_FAILURE", "Resource retirement failure", _B.IGNORE, _CS),
+    (158, "GPU_FATAL_TIMEOUT", "GPU fatal timeout", _B.RESET_GPU, _CS),
+    (159, "ROBUST_CHANNEL_CHI_NON_DATA_ERROR", "CHI non-data error", _B.CHECK_UVM,
+     "SYMPATHETIC_REPORT_SOLO"),
+    (160, "CHANNEL_RETIREMENT_EVENT", "Channel retirement event", _B.IGNORE, "INVESTIGATE_SW"),
+    (161, "CHANNEL_RETIREMENT_FAILURE", "Channel retirement failure", _B.IGNORE,
+     "INVESTIGATE_SW"),
+    (162, "PSHC_REENGAGED", "Power smoothing circuitry re-engaged", _B.NONE, ""),
+    (163, "PSHC_DISENGAGED", "Power smoothing circuitry disengaged", _B.NONE, ""),
+    (164, "PSHC_LOW_LIFETIME", "Power smoothing circuitry: low lifetime left", _B.NONE, ""),
+    (165, "PSHC_ZERO_LIFETIME", "Power smoothing circuitry: lifetime exhausted", _B.NONE, ""),
+    (166, "NVLINK_SECURE_CRYPTO_ERR", "NVLink traffic before encryption was set up", _B.NONE,
+     ""),
+    (167, "PCIE_FATAL_TIMEOUT", "PCIe fatal timeout", _B.NONE, ""),
+    (168, "REDUCED_GPU_MEMORY_CAPACITY", "Errors in the write-protected region", _B.NONE, ""),
+    (169, "SEC2_HALT_ERROR", "Internal micro-controller (SEC2) halt", _B.NONE, ""),
+    (170, "NVLINK_SECURE_OTHER", "Interrupt in confidential-computing mode", _B.NONE, ""),
+    (171, "UNCORRECTABLE_DRAM_ERROR", "Detail of Xid 48: DRAM", _B.NONE, ""),
+    (172, "UNCORRECTABLE_SRAM_ERROR", "Detail of Xid 48: SRAM", _B.NONE, ""),
+)  # fmt: skip
+
+# The rows NVIDIA's GPU memory error management guide is also about (ECC, remapping,
+# containment, page and resource retirement).
+_MEMORY_ROWS = frozenset({48, 63, 64, 92, 94, 95, 140, 156, 157, 171, 172})
+
+XID_CATALOGUE: Mapping[int, XidEntry] = {
+    xid: XidEntry(
+        xid,
+        mnemonic,
+        name,
+        immediate,
+        investigatory,
+        memory=xid in _MEMORY_ROWS,
+        read_directly=xid <= 13,
+    )
+    for xid, mnemonic, name, immediate, investigatory in _ROWS
+}
+
+_BY_BUCKET: Mapping[Bucket, XidAction] = {
+    Bucket.RESET_GPU: XidAction.RESET,
+    Bucket.WORKFLOW_XID_48: XidAction.RESET,  # solo: reset; with 63/64: drain and reset
+    Bucket.WORKFLOW_NVLINK_ERR: XidAction.RESET,  # reset the GPU (or, if that fails, reboot)
+    Bucket.RESTART_BM: XidAction.REBOOT,
+    Bucket.RESTART_VM: XidAction.REBOOT,  # from inside the VM: restarting it is a reboot
+    Bucket.XID_154: XidAction.RECOVERY_ACTION,
+    Bucket.WORKFLOW_XID_45: XidAction.FABRIC_MANAGER,
+    Bucket.RESTART_APP: XidAction.RESTART_APP,
+    Bucket.IGNORE: XidAction.IGNORE,
+    Bucket.CONTACT_SUPPORT: XidAction.REPORT,
+    Bucket.CHECK_MECHANICALS: XidAction.REPORT,
+    Bucket.UPDATE_SWFW: XidAction.REPORT,
+    Bucket.CHECK_UVM: XidAction.REPORT,
+    Bucket.WORKFLOW_NVLINK5_ERR: XidAction.REPORT,  # needs the kernel log's detail
+    Bucket.NONE: XidAction.REPORT,
+}
+
+_WHAT: Mapping[XidAction, str] = {
+    XidAction.RESET: "`reset_required`",
+    XidAction.REBOOT: "`reboot_required`",
+    XidAction.RECOVERY_ACTION: "the recovery action decides",
+    XidAction.FABRIC_MANAGER: "solo: names Fabric Manager when the fabric is unhealthy",
+    XidAction.RESTART_APP: "counted",
+    XidAction.IGNORE: "counted",
+    XidAction.REPORT: "counted, reported",
+}
+
+
+def xid_action(xid: int) -> XidAction:
+    """What the daemon does about ``xid``; an Xid the catalogue does not list is reported."""
+    entry = XID_CATALOGUE.get(xid)
+    return XidAction.REPORT if entry is None else _BY_BUCKET[entry.immediate]
+
+
+def entry_of(xid: int) -> XidEntry | None:
+    return XID_CATALOGUE.get(xid)
+
+
+def _bucket_cell(entry: XidEntry) -> str:
+    if entry.immediate is Bucket.NONE:
+        return "*none given*"
+    return f"`{entry.immediate.value}`"
+
+
+def _investigatory_cell(entry: XidEntry) -> str:
+    return entry.investigatory.replace("|", "/") if entry.investigatory else "*none given*"
+
+
+def render_markdown() -> str:
+    """The Xid table of docs/findings.md, one row per catalogue entry (tests keep them equal).
+
+    Columns: Xid, mnemonic, name, NVIDIA's immediate and investigatory buckets, what gpuwatchd
+    does, and the sources ([C] the catalogue, [M] the memory error management guide; a ``*``
+    marks the rows read on NVIDIA's page itself rather than its spreadsheet's public copy).
+    """
+    lines = [
+        "| Xid | mnemonic | name | immediate | investigatory | gpuwatchd | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for xid in sorted(XID_CATALOGUE):
+        entry = XID_CATALOGUE[xid]
+        source = "[C]" + ("*" if entry.read_directly else "") + (" [M]" if entry.memory else "")
+        lines.append(
+            f"| {xid} | `{entry.mnemonic}` | {entry.name} | {_bucket_cell(entry)} | "
+            f"{_investigatory_cell(entry)} | {_WHAT[xid_action(xid)]} | {source} |"
+        )
+    return "\n".join(lines) + "\n"

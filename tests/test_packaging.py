@@ -64,6 +64,87 @@ def test_the_bash_completion_parses(completions: dict[str, str], tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
 
 
+def _bash_completion(python: str, out: Path) -> Path:
+    """The bash completion packaging/completions.py writes with ``python``'s shtab."""
+    subprocess.run(
+        [python, str(REPO / "packaging" / "completions.py"), out / "bash", out / "zsh"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return out / "bash"
+
+
+def _shtabs() -> list[object]:
+    """The shtabs to generate with: the system python3's (Debian 12: python3-shtab 1.5, what
+    the package is built with) and this interpreter's (pip), each skipped when absent."""
+    system = subprocess.run(
+        ["/usr/bin/python3", "-c", "import shtab"], capture_output=True, check=False
+    )
+    return [
+        pytest.param(
+            "/usr/bin/python3",
+            id="system-shtab",
+            marks=pytest.mark.skipif(
+                system.returncode != 0, reason="the system python3 lacks shtab (python3-shtab)"
+            ),
+        ),
+        pytest.param(sys.executable, id="pip-shtab"),
+    ]
+
+
+def _complete(script: Path, words: list[str], cwd: Path) -> list[str]:
+    """What bash offers for the last of ``words`` (the word being completed), one per line,
+    calling the completion function as bash's `complete -F` does."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    program = (
+        'source "$1"; shift; COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); '
+        "_shtab_gpuwatchd; printf '%s\\n' \"${COMPREPLY[@]}\""
+    )
+    proc = subprocess.run(
+        [bash, "-c", program, "bash", str(script), *words],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if line]
+
+
+@pytest.mark.parametrize("python", _shtabs())
+def test_bash_completes_every_subcommand_and_file_names(python: str, tmp_path: Path) -> None:
+    """`gpuwatchd <Tab>` offers every command (shtab 1.5 offered the first alone), a prefix
+    narrows them, choices complete, and FILE, SCENARIO and SNAPSHOT complete file names."""
+    if python == sys.executable:
+        pytest.importorskip("shtab", reason="pip install shtab (the [test] extra)")
+    out = tmp_path / "out"
+    script = _bash_completion(python, out)
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "site policy.yaml").write_text("")
+    (files / "scenario.yaml").write_text("")
+    assert sorted(_complete(script, ["gpuwatchd", ""], files)) == subcommands()
+    assert _complete(script, ["gpuwatchd", "check-c"], files) == ["check-clean", "check-config"]
+    assert _complete(script, ["gpuwatchd", "scan", "--color", ""], files) == [
+        "auto",
+        "always",
+        "never",
+    ]
+    everything = sorted(["site policy.yaml", "scenario.yaml"])
+    for words in (
+        ["gpuwatchd", "check-config", ""],
+        ["gpuwatchd", "--config", ""],
+        ["gpuwatchd", "status", "--config", ""],
+        ["gpuwatchd", "simulate", ""],
+        ["gpuwatchd", "explain", "--json", ""],
+    ):
+        assert sorted(_complete(script, words, files)) == everything, words
+    assert _complete(script, ["gpuwatchd", "simulate", "sc"], files) == ["scenario.yaml"]
+    assert "--gpu" in _complete(script, ["gpuwatchd", "check-clean", "--"], files)
+
+
 def _why_no_build() -> str | None:
     missing = [t for t in ("dpkg-buildpackage", "dh", "dpkg-deb") if shutil.which(t) is None]
     if missing:

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     parser = build_parser()
     mark_file_arguments(parser, shtab.FILE)
-    for shell, target in zip(("bash", "zsh"), argv):
+    for shell, target in zip(("bash", "zsh"), argv, strict=True):
         path = Path(target)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = shtab.complete(parser, shell=shell)

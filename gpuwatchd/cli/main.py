@@ -289,7 +289,18 @@ def _run(args: argparse.Namespace) -> int:
     if len(args.ended_job) > 64:
         raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
-    policy = load_policy_or_exit(config_path, required=True)
+    rejected = None
+    try:
+        policy = load_policy_or_exit(config_path, required=True)
+    except CliError as exc:
+        if args.once or exc.code != ExitCode.CONFIG:
+            raise  # run --once (an epilog) says so and exits 78: the script drains
+        # The daemon does not leave the node unwatched over a rejected file: it runs with the
+        # last policy it accepted (else the defaults, dry-run), loudly (gpuwatchd/accepted.py).
+        from gpuwatchd.accepted import load_fallback
+
+        fallback = load_fallback(config_path)
+        policy, rejected = fallback.policy, (str(exc), fallback)
     return run_daemon(
         policy,
         config_path=config_path,
@@ -297,6 +308,7 @@ def _run(args: argparse.Namespace) -> int:
         once=bool(args.once),
         once_timeout=timeout,
         ended_jobs=frozenset(ended),
+        rejected=rejected,
     )
 
 

@@ -1,0 +1,131 @@
+"""The last policy the daemon accepted, kept in ``state_dir``, and the fallback to it at start.
+
+A daemon that exits at start over a rejected drop-in leaves the node unwatched until a person
+looks — after every reboot too, since systemd does not retry exit 78. So the daemon saves each
+policy it accepts (at start and at every accepted reload) as :data:`ACCEPTED_FILE` in its
+``state_dir``, and when the configured policy is rejected at start it runs with that one, and
+says so in the journal (``config.start_rejected``, critical), in STATUS, in ``gpuwatchd status``
+and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (a first start), it runs
+the built-in defaults in dry-run: it watches and reports, and acts on nothing.
+
+This module owns that file: writing it, and finding and reading it back when the configured
+policy cannot be loaded. Where to look comes from the configured files themselves, as far as
+they can be trusted: the ``state_dir`` of the longest run of them (the main file, then the
+drop-ins in order) that still loads, else the built-in default. The saved file is read only
+from a ``state_dir`` that passes the daemon's checks, only when it is a regular file (never
+through a link) that nobody but its owner (root, when run as root) can write, and it is
+validated like any policy. It decides nothing and logs nothing: the daemon does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import time
+
+from gpuwatchd.config.files import read_policy_files
+from gpuwatchd.config.schema import (
+    ConfigError,
+    default_policy,
+    parse_policy_documents,
+    render_policy,
+)
+from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.state import StateDirError, check_state_dir, open_in, write_atomically
+
+__all__ = ["ACCEPTED_FILE", "Fallback", "load_fallback", "render_accepted", "save_accepted"]
+
+ACCEPTED_FILE = "policy.accepted.yaml"
+BUILT_IN = "built-in defaults (dry-run)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """What the daemon runs when its configured policy is rejected at start."""
+
+    policy: Policy
+    source: str  # the saved file's path, or BUILT_IN
+    saved_at: float | None  # when the saved file was written (its mtime); None for BUILT_IN
+    problems: tuple[str, ...] = ()  # why saved files that were looked at were not used
+
+    def describe(self) -> str:
+        """``the last accepted policy (/var/lib/gpuwatchd/policy.accepted.yaml, saved …)``."""
+        if self.saved_at is None:
+            return BUILT_IN
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.saved_at))
+        return f"the last accepted policy ({self.source}, saved {when})"
+
+
+def render_accepted(policy: Policy) -> str:
+    """The text saved for ``policy``: the effective policy, every key spelled out, which
+    reads back as an equal policy (:func:`gpuwatchd.config.schema.render_policy`)."""
+    return (
+        "# The last policy gpuwatchd accepted, saved by the daemon; run with when the configured\n"
+        "# one is rejected at start (docs/operations.md, 'Failure modes'). Do not edit.\n"
+        + render_policy(policy)
+    )
+
+
+def save_accepted(policy: Policy) -> None:
+    """Save ``policy`` (as loaded: no command-line dry-run) in its ``state_dir``; OSError."""
+    write_atomically(policy.state_dir, ACCEPTED_FILE, render_accepted(policy).encode())
+
+
+def _state_dir_hints(config_path: str) -> list[str]:
+    """Where the saved policy may be: the ``state_dir`` of the longest leading run of the
+    configured files that loads, else the built-in default. Files that fail the permission
+    check name no place (anyone might have written them)."""
+    default = default_policy().state_dir
+    try:
+        docs = read_policy_files(config_path)
+    except ConfigError:
+        return [default]
+    for count in range(len(docs) - 1, 0, -1):
+        try:
+            hint = parse_policy_documents(docs[:count]).state_dir
+        except ConfigError:
+            continue
+        return [hint]
+    return [default]
+
+
+def _read_saved(state_dir: str) -> tuple[str, float]:
+    """The saved text and its mtime; OSError, StateDirError or ValueError saying why not."""
+    check_state_dir(state_dir)
+    fd = open_in(state_dir, ACCEPTED_FILE, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError("writable by someone other than its owner, or not ours")
+        data = os.read(fd, MAX_DOCUMENT_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ValueError("larger than a policy may be")
+    return data.decode("utf-8", errors="strict"), info.st_mtime
+
+
+def load_fallback(config_path: str) -> Fallback:
+    """The policy to run with when ``config_path``'s is rejected at start: the last one the
+    daemon accepted, else the built-in defaults, forced to dry-run. Never raises."""
+    problems: list[str] = []
+    for state_dir in _state_dir_hints(config_path):
+        path = os.path.join(state_dir, ACCEPTED_FILE)
+        try:
+            text, saved_at = _read_saved(state_dir)
+            policy = parse_policy_documents([(path, text)])
+        except FileNotFoundError:
+            continue
+        except (OSError, StateDirError, ValueError, ConfigError) as err:
+            problems.append(f"{path}: {err}")
+            continue
+        if policy.state_dir != state_dir:
+            problems.append(f"{path}: names another state_dir ({policy.state_dir})")
+            continue
+        return Fallback(policy, path, saved_at, tuple(problems))
+    built_in = dataclasses.replace(default_policy(), dry_run=True)
+    return Fallback(built_in, BUILT_IN, None, tuple(problems))

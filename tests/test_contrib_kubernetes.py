@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuwatchd.config.files import read_only_everywhere
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 from tests.test_e2e_run import ORPHAN_RULE, orphan_host
@@ -114,12 +115,17 @@ def test_the_daemon_enters_the_host_cgroup_namespace() -> None:
 
 
 def configmap_tree(root: Path, data: dict[str, str]) -> Path:
-    """Lay ``data`` out as the kubelet does: files in a timestamped folder, ``..data`` linking
+    """Lay ``data`` out as the kubelet does: the volume's folder mode 0777 (an emptyDir), the
+    files (0644, the default ``defaultMode``) in a timestamped folder (0755), ``..data`` linking
     to it, and each key a link through ``..data``."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o777)
     stamp = root / "..2026_12_03_08_00_00.000000001"
-    stamp.mkdir(parents=True)
+    stamp.mkdir()
+    stamp.chmod(0o755)
     for key, text in data.items():
         (stamp / key).write_text(text)
+        (stamp / key).chmod(0o644)
     (root / "..data").symlink_to(stamp.name)
     for key in data:
         (root / key).symlink_to(f"..data/{key}")
@@ -132,7 +138,9 @@ def test_the_configmap_policy_passes_check_config(tmp_path: Path) -> None:
     (etc / "gpuwatchd.yaml").write_text((REPO / "config" / "gpuwatchd.yaml").read_text())
     data = find("ConfigMap", "gpuwatchd-policy")["data"]
     assert data, "the policy ConfigMap has no drop-ins"
-    configmap_tree(etc / "conf.d", data)
+    # The content and the merge order here; the 0777 folder on its read-only mount, as root:
+    # test_the_daemon_accepts_the_configmap_mounted_as_the_kubelet_mounts_it.
+    configmap_tree(etc / "conf.d", data).chmod(0o755)
     proc = subprocess.run(
         [
             sys.executable,
@@ -151,6 +159,142 @@ def test_the_configmap_policy_passes_check_config(tmp_path: Path) -> None:
     merged_from = [line for line in proc.stdout.splitlines() if line.startswith("#   ")]
     assert [Path(line[4:]).name for line in merged_from] == ["gpuwatchd.yaml", *sorted(data)]
     assert "log: {format: json}" in proc.stdout.splitlines()  # the drop-in is in force
+
+
+# The kubelet's ConfigMap volume as a container sees it: the node's file system (8:1) shows the
+# volume's folder through one read-only bind; the same device is also mounted read-write for a
+# hostPath volume and /etc/hosts, whose folders do not contain it.
+KUBELET = "/var/lib/kubelet/pods/7f3c/volumes/kubernetes.io~configmap/policy"
+CONTAINER_MOUNTS = f"""\
+1020 990 0:312 / / rw,relatime - overlay overlay rw,lowerdir=/l,upperdir=/u,workdir=/w
+1021 1020 0:315 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+1030 1020 8:1 /var/lib/gpuwatchd /var/lib/gpuwatchd rw,relatime - ext4 /dev/sda1 rw
+1031 1020 8:1 /var/lib/kubelet/pods/7f3c/etc-hosts /etc/hosts rw,relatime - ext4 /dev/sda1 rw
+1032 1020 8:1 {KUBELET} /etc/gpuwatchd/conf.d ro,relatime - ext4 /dev/sda1 rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("mounts", "path", "read_only"),
+    [
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd/conf.d", True),
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd/conf.d/..2026_12_03/50-site.yaml", True),
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd", False),  # the overlay: writable
+        (CONTAINER_MOUNTS, "/var/lib/gpuwatchd", False),
+        # The same bind on a host whose root file system (the same device) is mounted
+        # read-write: the folder can be written through / — refused.
+        (
+            "1 0 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+            + CONTAINER_MOUNTS.splitlines()[-1]
+            + "\n",
+            "/etc/gpuwatchd/conf.d",
+            False,
+        ),
+        # A writable mount showing a folder above the volume's, elsewhere: refused.
+        (
+            CONTAINER_MOUNTS + "1040 1020 8:1 /var/lib/kubelet /mnt rw - ext4 /dev/sda1 rw\n",
+            "/etc/gpuwatchd/conf.d",
+            False,
+        ),
+        # Read-only mounted over a writable one at the same point: the last one is on top.
+        (
+            "1 0 0:40 / /cfg rw - tmpfs tmpfs rw\n2 1 0:41 / /cfg ro - tmpfs tmpfs rw\n",
+            "/cfg",
+            True,
+        ),
+        (
+            "1 0 0:41 / /cfg ro - tmpfs tmpfs rw\n2 1 0:40 / /cfg rw - tmpfs tmpfs rw\n",
+            "/cfg",
+            False,
+        ),
+        # Escaped names (\\040 is a space), and nothing parsable.
+        ("1 0 0:42 / /my\\040cfg ro - tmpfs tmpfs rw\n", "/my cfg/a.yaml", True),
+        ("garbage\n", "/etc/gpuwatchd/conf.d", False),
+    ],
+)
+def test_read_only_everywhere_tells_a_configmap_mount_from_a_writable_folder(
+    mounts: str, path: str, read_only: bool
+) -> None:
+    assert read_only_everywhere(mounts, path) is read_only
+
+
+def _in_mount_namespace(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (sh) as root in a private mount namespace of its own."""
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mounts a read-only file system")
+def test_the_daemon_accepts_the_configmap_mounted_as_the_kubelet_mounts_it(tmp_path: Path) -> None:
+    """The policy ConfigMap laid out as the kubelet does (0777 folder, ``..data``) on a
+    read-only mount that only it shows: check-config accepts it (as root, with the permission
+    check on), and the daemon starts with it and polls (``run --once`` on the fake NVML). The
+    same folder writable, or read-only but writable elsewhere (a bind of a folder / shows), is
+    refused with exit 78 naming it."""
+    fakenvml = pytest.importorskip("tests.support.fakenvml")
+    library = fakenvml.ensure_built()
+    etc = tmp_path / "etc" / "gpuwatchd"
+    conf_d = etc / "conf.d"
+    conf_d.mkdir(parents=True)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    data = dict(find("ConfigMap", "gpuwatchd-policy")["data"])
+    data["70-test.yaml"] = f"state_dir: {state}\ndevices_dir: {tmp_path / 'dev'}\n"
+    (tmp_path / "dev").mkdir()
+    (etc / "gpuwatchd.yaml").write_text((REPO / "config" / "gpuwatchd.yaml").read_text())
+    layout = tmp_path / "layout"
+    configmap_tree(layout, data)
+    nvml_state = tmp_path / "nvml.json"
+    nvml_state.write_text(json.dumps({"gpus": [gpu(0)]}))
+    gpuwatchd = f"{sys.executable} -m gpuwatchd"
+    config = f"--config {etc / 'gpuwatchd.yaml'}"
+    env = {
+        "LD_LIBRARY_PATH": str(library.parent),
+        "FAKENVML_STATE": str(nvml_state),
+        "FAKENVML_DEVICES_DIR": str(tmp_path / "dev"),
+    }
+    # The kubelet's view: a file system of its own holding the volume, mounted read-only.
+    kubelet = _in_mount_namespace(
+        f"""
+        mount -t tmpfs -o mode=0755 tmpfs {conf_d}
+        cp -a {layout}/. {conf_d}/
+        chmod 0777 {conf_d}
+        mount -o remount,ro {conf_d}
+        stat -c %a {conf_d}
+        {gpuwatchd} check-config {config} >/dev/null
+        {gpuwatchd} run --once --timeout 20s {config}
+        """,
+        **env,
+    )
+    assert kubelet.returncode == 0, kubelet.stdout + kubelet.stderr
+    assert kubelet.stdout.splitlines()[0] == "777"
+    assert "daemon.start" in kubelet.stderr
+    # The same layout, writable by anyone: refused.
+    writable = _in_mount_namespace(
+        f"""
+        mount -t tmpfs -o mode=0777 tmpfs {conf_d}
+        cp -a {layout}/. {conf_d}/
+        exec {gpuwatchd} check-config {config}
+        """
+    )
+    assert writable.returncode == 78, writable.stdout + writable.stderr
+    assert f"{conf_d}: writable by group or others" in writable.stderr
+    # Read-only here, but a bind of a folder the read-write / (or /tmp) also shows: refused.
+    bound = _in_mount_namespace(
+        f"""
+        mount --bind {layout} {conf_d}
+        mount -o remount,bind,ro {conf_d}
+        exec {gpuwatchd} check-config {config}
+        """
+    )
+    assert bound.returncode == 78, bound.stdout + bound.stderr
+    assert "writable by group or others" in bound.stderr
 
 
 # --- node-problem-detector -----------------------------------------------------------------

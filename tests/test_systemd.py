@@ -61,6 +61,13 @@ pytestmark = [
 ]
 
 
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout: float, step: float = 0.2) -> float:
     """Poll ``check`` until true; return the seconds it took, or fail naming ``what``."""
     start = time.monotonic()
@@ -127,6 +134,8 @@ class Container:
             if self.nspawn.poll() is not None:
                 log = (self.artifacts / "console.log").read_text(errors="replace")
                 pytest.fail(f"systemd-nspawn exited {self.nspawn.returncode}:\n{log[-3000:]}")
+            if self.leader and not Path(f"/proc/{self.leader}").exists():
+                self.leader = 0  # a helper nspawn forks on the way, gone: look again
             if not self.leader:
                 kids = subprocess.run(
                     ["pgrep", "-P", str(self.nspawn.pid)],
@@ -134,9 +143,11 @@ class Container:
                     text=True,
                     check=False,
                 ).stdout.split()
-                if not kids:
+                # The container's PID 1 is systemd; nspawn's helpers are not.
+                inits = [k for k in kids if _comm(int(k)) == "systemd"]
+                if not inits:
                     return False
-                self.leader = int(kids[0])
+                self.leader = int(inits[0])
             state = self.sh("systemctl is-system-running", check=False).stdout.strip()
             return state in ("running", "degraded")
 

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also clear the kill-cap dry-run latch and the reset circuit breaker",
     )
+    sub.add_parser(
+        "reload",
+        parents=[common],
+        help="check the policy, then make the running daemon reread it (where systemd does "
+        "not run it: a Kubernetes pod)",
+    )
     status = sub.add_parser(
         "status",
         parents=[common],
@@ -173,6 +179,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _explain(args)
     if command == "status":
         return _status(args)
+    if command == "reload":
+        return _reload(args)
     raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
 
 
@@ -354,8 +362,26 @@ def _explain(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.status import status_command
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    try:
+        policy = load_policy_or_exit(args.config, required=args.config is not None)
+    except CliError as exc:
+        if exc.code != ExitCode.CONFIG:
+            raise
+        # The daemon runs on despite a rejected policy (gpuwatchd/accepted.py): show it, from
+        # the state_dir it uses, after saying what is wrong with the files.
+        from gpuwatchd.accepted import load_fallback
+
+        print(f"gpuwatchd: {exc}", file=sys.stderr)
+        policy = load_fallback(args.config or DEFAULT_CONFIG_PATH).policy
     return status_command(policy, as_json=bool(args.json), out=sys.stdout)
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.reload import reload_command
+
+    config_path = args.config or DEFAULT_CONFIG_PATH
+    policy = load_policy_or_exit(config_path, required=True)  # a broken policy: 78, no signal
+    return reload_command(policy, config_path, out=sys.stdout, err=sys.stderr)
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

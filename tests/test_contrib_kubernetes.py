@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,20 +92,110 @@ def test_the_daemon_gets_the_units_capabilities_and_nothing_more() -> None:
     assert daemon["allowPrivilegeEscalation"] is False
     assert daemon["capabilities"]["drop"] == ["ALL"]
     assert set(daemon["capabilities"]["add"]) == unit_capabilities()
-    # The plugin only reads: never KILL.
+    # The plugin only reads: no KILL, and no SYS_ADMIN (#20: least privilege).
     npd = container("node-problem-detector")["securityContext"]
-    assert set(npd["capabilities"]["add"]) == unit_capabilities() - {"KILL"}
+    assert set(npd["capabilities"]["add"]) == {"SYS_PTRACE", "DAC_READ_SEARCH"}
     assert npd["capabilities"]["drop"] == ["ALL"]
+    assert npd["allowPrivilegeEscalation"] is False
 
 
-def test_the_only_host_path_is_the_state_directory() -> None:
+def test_the_host_paths_are_the_state_and_the_metrics_folder() -> None:
     volumes = pod_spec()["volumes"]
     host_paths = [v["hostPath"]["path"] for v in volumes if "hostPath" in v]
-    assert host_paths == ["/var/lib/gpuwatchd"]
+    assert host_paths == ["/var/lib/gpuwatchd", "/var/lib/gpuwatchd-metrics"]
     mounts = {m["mountPath"]: m for m in container("node-problem-detector")["volumeMounts"]}
     assert mounts["/var/lib/gpuwatchd"]["readOnly"] is True  # the plugin never writes state
+    assert "/var/lib/gpuwatchd-metrics" not in mounts
     daemon = {m["mountPath"] for m in container("gpuwatchd")["volumeMounts"]}
-    assert daemon == {"/etc/gpuwatchd/conf.d", "/var/lib/gpuwatchd", "/tmp"}
+    assert daemon == {
+        "/etc/gpuwatchd/conf.d",
+        "/var/lib/gpuwatchd",
+        "/var/lib/gpuwatchd-metrics",
+        "/tmp",
+    }
+
+
+def test_the_metrics_file_is_written_to_the_metrics_host_path() -> None:
+    """A textfile for the node's node_exporter, not a port (docs/operations.md says why)."""
+    policy = yaml.safe_load(find("ConfigMap", "gpuwatchd-policy")["data"]["50-kubernetes.yaml"])
+    textfile = Path(policy["metrics"]["textfile"])
+    assert textfile.suffix == ".prom"
+    assert str(textfile.parent) == "/var/lib/gpuwatchd-metrics"
+    assert not any("ports" in c for c in pod_spec()["containers"])
+
+
+def test_the_namespace_allows_the_privileged_pod_security_level() -> None:
+    labels = find("Namespace", "gpuwatchd")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_only_the_npd_container_gets_an_api_token() -> None:
+    assert find("ServiceAccount", "gpuwatchd")["automountServiceAccountToken"] is False
+    assert pod_spec()["automountServiceAccountToken"] is False
+    mounted_at = "/var/run/secrets/kubernetes.io/" + "serviceaccount"
+    daemon = [m["mountPath"] for m in container("gpuwatchd")["volumeMounts"]]
+    assert mounted_at not in daemon
+    npd = {m["mountPath"]: m for m in container("node-problem-detector")["volumeMounts"]}
+    assert npd[mounted_at]["readOnly"] is True
+    (volume,) = [v for v in pod_spec()["volumes"] if v["name"] == npd[mounted_at]["name"]]
+    sources = volume["projected"]["sources"]
+    assert any("serviceAccountToken" in source for source in sources)
+
+
+def test_npd_may_change_the_status_of_its_own_node_only() -> None:
+    """RBAC grants node status patches (it cannot name "its own node"); the admission policy
+    lets the pod's service account change only the node its token was issued on. Events only
+    in "default", where node events go."""
+    role = find("ClusterRole", "gpuwatchd-npd")
+    granted = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
+    assert granted == {("nodes", "get"), ("nodes/status", "patch")}
+    events = find("Role", "gpuwatchd-npd-events")
+    assert events["metadata"]["namespace"] == "default"
+    account = f"system:serviceaccount:gpuwatchd:{pod_spec()['serviceAccountName']}"
+    policy = find("ValidatingAdmissionPolicy", "gpuwatchd-npd-own-node")["spec"]
+    assert policy["failurePolicy"] == "Fail"
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["nodes/status"]
+    assert rule["operations"] == ["UPDATE"]  # a PATCH is admitted as an UPDATE
+    (condition,) = policy["matchConditions"]
+    assert f"'{account}'" in condition["expression"]
+    (check,) = policy["validations"]
+    assert "authentication.kubernetes.io/node-name" in check["expression"]
+    assert "object.metadata.name" in check["expression"]
+    binding = find("ValidatingAdmissionPolicyBinding", "gpuwatchd-npd-own-node")["spec"]
+    assert binding == {"policyName": "gpuwatchd-npd-own-node", "validationActions": ["Deny"]}
+
+
+def test_reload_is_the_command_that_finds_the_daemon_never_pid_1() -> None:
+    text = MANIFEST.read_text()
+    assert "gpuwatchd reload" in text
+    assert re.search(r"--\s+kill\s+-HUP", text) is None
+
+
+APPARMOR = K8S / "apparmor"
+
+
+@pytest.mark.parametrize("name", ["gpuwatchd", "node-problem-detector"])
+def test_each_container_has_an_apparmor_profile_with_its_capabilities(name: str) -> None:
+    """The profile the manifest names is shipped, declares that name, allows exactly the
+    container's capabilities, and parses (apparmor_parser, without loading it)."""
+    context = container(name)["securityContext"]
+    assert context["appArmorProfile"]["type"] == "Localhost"
+    profile = context["appArmorProfile"]["localhostProfile"]
+    text = (APPARMOR / profile).read_text()
+    assert re.search(rf"^profile {re.escape(profile)} ", text, re.M)
+    allowed = {c.upper() for c in re.findall(r"^\s*capability (\w+),", text, re.M)}
+    assert allowed == set(context["capabilities"]["add"])
+    assert re.search(r"^\s*deny mount,", text, re.M)
+    parser = shutil.which("apparmor_parser")
+    if parser is None:
+        pytest.skip("apparmor_parser not installed (run tests/systemd/host-setup.sh)")
+    proc = subprocess.run(
+        [parser, "--skip-kernel-load", "--skip-cache", "--stdout", str(APPARMOR / profile)],
+        capture_output=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
 
 
 def test_the_daemon_enters_the_host_cgroup_namespace() -> None:

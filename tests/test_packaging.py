@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,36 @@ def test_bash_completes_every_subcommand_and_file_names(python: str, tmp_path: P
         assert sorted(_complete(script, words, files)) == everything, words
     assert _complete(script, ["gpuwatchd", "simulate", "sc"], files) == ["scenario.yaml"]
     assert "--gpu" in _complete(script, ["gpuwatchd", "check-clean", "--"], files)
+
+
+@pytest.mark.skipif(shutil.which("dpkg-checkbuilddeps") is None, reason="dpkg-dev not installed")
+def test_missing_build_dependencies_are_named_with_the_command_to_install_them() -> None:
+    """On a machine without them (here: one that does not exist), build-deb's check names the
+    missing build dependencies and how to install them, as a user who cannot install them."""
+    with tempfile.TemporaryDirectory() as scratch:  # readable by nobody, unlike tmp_path
+        os.chmod(scratch, 0o755)  # noqa: S103 - nobody must read the copied control file
+        _check_missing_build_dep(Path(scratch) / "src")
+
+
+def _check_missing_build_dep(src: Path) -> None:
+    shutil.copytree(REPO / "packaging" / "debian", src / "debian")
+    control = src / "debian" / "control"
+    control.write_text(
+        control.read_text().replace(
+            "Build-Depends: debhelper-compat (= 13),",
+            "Build-Depends: debhelper-compat (= 13), gpuwatchd-no-such-build-dep (>= 1),",
+        )
+    )
+    argv = [str(REPO / "packaging" / "check-build-deps.sh"), str(src)]
+    if os.geteuid() == 0:  # as root it would install them: check as nobody
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "missing build dependencies: gpuwatchd-no-such-build-dep (>= 1)" in proc.stderr
+    assert "apt-get install --no-install-recommends" in proc.stderr
+    install = next(line for line in proc.stderr.splitlines() if "apt-get install" in line)
+    assert "gpuwatchd-no-such-build-dep" in install
+    assert "(" not in install.split("apt-get install", 1)[1]  # names apt takes as they are
 
 
 def _why_no_build() -> str | None:

@@ -451,6 +451,44 @@ def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
     assert ct.prop("MainPID") == pid
 
 
+def test_a_drop_in_rejected_at_start_leaves_the_node_watched_and_says_so(
+    configured: Container,
+) -> None:
+    """A restart (as at boot) with a drop-in the daemon rejects: the unit is active, on the last
+    policy it accepted (saved in /var/lib/gpuwatchd), and says so at critical in the journal,
+    in STATUS and in `gpuwatchd status` (exit 1); a fixed policy reloads as usual."""
+    ct = configured
+    saved = ct.root / "var/lib/gpuwatchd/policy.accepted.yaml"
+    wait_for("the accepted policy to be saved", saved.exists, timeout=15)
+    assert saved.stat().st_mode & 0o777 == 0o600
+    assert "\ninterval: 1s\n" in saved.read_text()
+    ct.write("/etc/gpuwatchd/conf.d/90-broken.yaml", "interval: sometimes\n")
+    try:
+        restarted = ct.run(["systemctl", "restart", UNIT], check=False)
+        assert restarted.returncode == 0, restarted.stderr
+        assert ct.prop("ActiveState") == "active"
+        assert "policy rejected at start" in ct.prop("StatusText")
+        rejected = [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.start_rejected"]
+        assert rejected, ct.messages()[-10:]
+        assert rejected[-1]["PRIORITY"] == "2"  # critical
+        assert "90-broken.yaml" in rejected[-1]["GPUWATCHD_ERROR"]
+        assert "policy.accepted.yaml" in rejected[-1]["GPUWATCHD_RUNNING"]
+        status = ct.run(["gpuwatchd", "status", "--json"], check=False)
+        assert status.returncode == 1, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["running"] is True
+        assert report["policy"]["rejected"]["at_start"] is True
+        assert report["daemon"]["interval"] == 1.0  # the accepted policy's, from 50-test.yaml
+    finally:
+        (ct.root / "etc/gpuwatchd/conf.d/90-broken.yaml").unlink()
+    ct.run(["systemctl", "reload", UNIT])
+    wait_for(
+        "STATUS no longer says rejected",
+        lambda: "rejected" not in ct.prop("StatusText"),
+        timeout=30,
+    )
+
+
 def test_watchdog_restarts_a_stopped_main_loop(configured: Container) -> None:
     ct = configured
     before = int(ct.prop("NRestarts"))

@@ -118,8 +118,8 @@ SLURM_DEFAULTS = "GPUWATCHD_EPILOG_TIMEOUT=15s\n"
 # The timer's 2 minutes are too long for a test: every 2 s here, the same unit otherwise.
 TIMER_DROPIN = """\
 [Timer]
-OnBootSec=
-OnBootSec=1s
+OnActiveSec=
+OnActiveSec=1s
 OnUnitInactiveSec=
 OnUnitInactiveSec=2s
 AccuracySec=1s

@@ -115,12 +115,12 @@ metrics:
 # default, would make each job that leaves ghost memory (which the daemon counts as work to do,
 # resets or not) take two minutes to end.
 SLURM_DEFAULTS = "GPUWATCHD_EPILOG_TIMEOUT=15s\n"
-# The timer's 2 minutes are too long for a test: every 2 s here, the same unit otherwise.
+# The timer's 2 minutes are too long for a test: every 2 s here, the same unit otherwise. (An
+# empty OnActiveSec= drops every time the unit set, of all kinds; then both are set again.)
 TIMER_DROPIN = """\
 [Timer]
 OnActiveSec=
 OnActiveSec=1s
-OnUnitInactiveSec=
 OnUnitInactiveSec=2s
 AccuracySec=1s
 """

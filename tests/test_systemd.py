@@ -371,11 +371,26 @@ def test_install_enables_and_starts_the_unit(ct: Container) -> None:
     assert ct.prop("ActiveState") == "active", ct.messages()[-20:]
 
 
-def test_systemd_analyze_verify_is_silent_on_the_installed_unit(ct: Container) -> None:
+@pytest.mark.parametrize(
+    "unit", [UNIT, "gpuwatchd-slurm-undrain.service", "gpuwatchd-slurm-undrain.timer"]
+)
+def test_systemd_analyze_verify_is_silent_on_the_installed_unit(ct: Container, unit: str) -> None:
     proc = ct.run(
-        ["systemd-analyze", "verify", "--man=no", f"/lib/systemd/system/{UNIT}"], check=False
+        ["systemd-analyze", "verify", "--man=no", f"/lib/systemd/system/{unit}"], check=False
     )
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_the_undrain_timer_is_enabled_and_does_nothing_without_slurm(ct: Container) -> None:
+    """Installed everywhere, the timer must be harmless on a node without Slurm: its service
+    ends at once, successfully."""
+    timer = "gpuwatchd-slurm-undrain.timer"
+    assert ct.run(["systemctl", "is-enabled", timer], check=False).stdout.strip() == "enabled"
+    ct.run(["systemctl", "start", "gpuwatchd-slurm-undrain.service"])
+    result = ct.run(
+        ["systemctl", "show", "-p", "Result", "--value", "gpuwatchd-slurm-undrain.service"]
+    )
+    assert result.stdout.strip() == "success"
 
 
 def test_installed_daemon_accepts_the_shipped_policy(ct: Container) -> None:

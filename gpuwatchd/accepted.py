@@ -5,8 +5,9 @@ looks — after every reboot too, since systemd does not retry exit 78. So the d
 policy it accepts (at start and at every accepted reload) as :data:`ACCEPTED_FILE` in its
 ``state_dir``, and when the configured policy is rejected at start it runs with that one, and
 says so in the journal (``config.start_rejected``, critical), in STATUS, in ``gpuwatchd status``
-and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (a first start), it runs
-the built-in defaults in dry-run: it watches and reports, and acts on nothing.
+and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (nothing was ever
+accepted: someone is setting the node up) there is nothing to fall back to, and the daemon
+exits 78 as before.
 
 This module owns that file: writing it, and finding and reading it back when the configured
 policy cannot be loaded. Where to look comes from the configured files themselves, as far as
@@ -38,22 +39,21 @@ from gpuwatchd.state import StateDirError, check_state_dir, open_in, write_atomi
 __all__ = ["ACCEPTED_FILE", "Fallback", "load_fallback", "render_accepted", "save_accepted"]
 
 ACCEPTED_FILE = "policy.accepted.yaml"
-BUILT_IN = "built-in defaults (dry-run)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
     """What the daemon runs when its configured policy is rejected at start."""
 
-    policy: Policy
-    source: str  # the saved file's path, or BUILT_IN
-    saved_at: float | None  # when the saved file was written (its mtime); None for BUILT_IN
+    policy: Policy | None  # None: no usable saved policy
+    source: str  # the saved file's path
+    saved_at: float | None  # when the saved file was written (its mtime)
     problems: tuple[str, ...] = ()  # why saved files that were looked at were not used
 
     def describe(self) -> str:
         """``the last accepted policy (/var/lib/gpuwatchd/policy.accepted.yaml, saved …)``."""
         if self.saved_at is None:
-            return BUILT_IN
+            return f"no saved policy ({self.source})"
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.saved_at))
         return f"the last accepted policy ({self.source}, saved {when})"
 
@@ -111,9 +111,10 @@ def _read_saved(state_dir: str) -> tuple[str, float]:
 
 def load_fallback(config_path: str) -> Fallback:
     """The policy to run with when ``config_path``'s is rejected at start: the last one the
-    daemon accepted, else the built-in defaults, forced to dry-run. Never raises."""
+    daemon accepted; ``policy`` None when there is none (or none usable). Never raises."""
     problems: list[str] = []
-    for state_dir in _state_dir_hints(config_path):
+    hints = _state_dir_hints(config_path)
+    for state_dir in hints:
         path = os.path.join(state_dir, ACCEPTED_FILE)
         try:
             text, saved_at = _read_saved(state_dir)
@@ -127,5 +128,4 @@ def load_fallback(config_path: str) -> Fallback:
             problems.append(f"{path}: names another state_dir ({policy.state_dir})")
             continue
         return Fallback(policy, path, saved_at, tuple(problems))
-    built_in = dataclasses.replace(default_policy(), dry_run=True)
-    return Fallback(built_in, BUILT_IN, None, tuple(problems))
+    return Fallback(None, os.path.join(hints[0], ACCEPTED_FILE), None, tuple(problems))

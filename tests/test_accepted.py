@@ -2,8 +2,8 @@
 
 Pins gpuwatchd/accepted.py: a saved policy reads back equal; it is found through the state_dir
 the configured files name as far as they load; one that anyone else could have written, that
-is a link, or that names another state_dir is not used (and says why); with none, the
-built-in defaults run in dry-run. The daemon under real systemd: tests/test_systemd.py.
+is a link, or that names another state_dir is not used (and says why); with none there is no
+fallback (the daemon exits 78). The daemon under real systemd: tests/test_systemd.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.accepted import ACCEPTED_FILE, BUILT_IN, load_fallback, save_accepted
+from gpuwatchd.accepted import ACCEPTED_FILE, load_fallback, save_accepted
 from gpuwatchd.config.schema import default_policy, load_policy
 
 
@@ -45,6 +45,7 @@ def test_a_saved_policy_is_the_fallback_when_a_drop_in_is_rejected(tmp_path: Pat
     assert fallback.source == str(saved)
     assert fallback.saved_at is not None
     assert fallback.problems == ()
+    assert fallback.policy is not None
     assert dataclasses.replace(fallback.policy, sources=()) == dataclasses.replace(
         accepted, sources=()
     )
@@ -52,16 +53,15 @@ def test_a_saved_policy_is_the_fallback_when_a_drop_in_is_rejected(tmp_path: Pat
     assert "the last accepted policy (" in fallback.describe()
 
 
-def test_without_a_saved_policy_the_defaults_run_in_dry_run(tmp_path: Path) -> None:
+def test_without_a_saved_policy_there_is_no_fallback(tmp_path: Path) -> None:
+    """Nothing was ever accepted (a node being set up): the daemon exits 78 as before."""
     state = _state(tmp_path)
     main = _config(tmp_path, state, ("90-broken.yaml", "rules: 3\n"))
     fallback = load_fallback(str(main))
-    assert fallback.source == BUILT_IN
+    assert fallback.policy is None
     assert fallback.saved_at is None
-    assert fallback.policy.dry_run is True
-    assert dataclasses.replace(fallback.policy, dry_run=False) == dataclasses.replace(
-        default_policy(), dry_run=False
-    )
+    assert fallback.source == str(state / ACCEPTED_FILE)
+    assert fallback.problems == ()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the checks are root's")
@@ -82,8 +82,7 @@ def test_a_saved_policy_that_cannot_be_trusted_is_not_used(tmp_path: Path, how: 
         saved.rename(other / "real.yaml")
         saved.symlink_to(other / "real.yaml")
     fallback = load_fallback(str(main))
-    assert fallback.source == BUILT_IN
-    assert fallback.policy.dry_run is True
+    assert fallback.policy is None
     assert len(fallback.problems) == 1
     assert str(saved) in fallback.problems[0]
 
@@ -101,4 +100,5 @@ def test_the_state_dir_comes_from_the_files_that_load_else_the_default(tmp_path:
     save_accepted(dataclasses.replace(default_policy(), state_dir=str(moved), interval=3.0))
     fallback = load_fallback(str(main))
     assert fallback.source == str(moved / ACCEPTED_FILE)
+    assert fallback.policy is not None
     assert fallback.policy.interval == 3.0

@@ -3,8 +3,8 @@ policy rejected at start does not leave the node unwatched.
 
 Pins gpuwatchd/cli/reload.py (the daemon found by its state, its lock and its process, never
 by a PID number like 1; a broken policy refused before any signal; none running: exit 3) and
-the start-up fallback of gpuwatchd/accepted.py: the daemon runs with the last policy it
-accepted, logs ``config.start_rejected`` at critical, and ``gpuwatchd status`` (even with the
+the start-up fallback of gpuwatchd/accepted.py: a daemon that never accepted a policy exits 78
+over a broken one; one that did runs with the last policy it accepted, logs ``config.start_rejected`` at critical, and ``gpuwatchd status`` (even with the
 broken files) says so and exits 1. Real daemons in a PID namespace (tests/support/simhost.py);
 the same under real systemd: tests/test_systemd.py.
 """
@@ -42,6 +42,10 @@ def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str,
         conf_d.mkdir(exist_ok=True)
         config = ["--config", str(run.config)]
         out: dict[str, Any] = {"none": _result(host.gpuwatchd("reload", *config))}
+        # Never accepted a policy (a node being set up): a broken one is refused, exit 78.
+        (conf_d / "90-broken.yaml").write_text("interval: sometimes\n")
+        out["first_start"] = _result(host.gpuwatchd("run", *config, timeout=30))
+        (conf_d / "90-broken.yaml").unlink()
         run.start()
         assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
         (conf_d / "50-site.yaml").write_text("interval: 300ms\n")
@@ -80,6 +84,9 @@ def test_reload_and_a_rejected_start(tmp_path: Path) -> None:
     )
     assert r["none"]["code"] == 3, r["none"]
     assert "no daemon state" in r["none"]["stderr"]
+    assert r["first_start"]["code"] == 78, r["first_start"]
+    assert "90-broken.yaml" in r["first_start"]["stderr"]
+    assert "not started: no saved policy" in r["first_start"]["stderr"]
     assert r["reload"]["code"] == 0, r["reload"]
     assert "asked the daemon (pid " in r["reload"]["stdout"]
     assert r["reloaded"] is True

@@ -301,13 +301,16 @@ def _run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy_or_exit(config_path, required=True)
     except CliError as exc:
-        if args.once or exc.code != ExitCode.CONFIG:
-            raise  # run --once (an epilog) says so and exits 78: the script drains
+        if args.once or exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
+            raise  # run --once (an epilog) exits 78: the script drains; no file: a typo
         # The daemon does not leave the node unwatched over a rejected file: it runs with the
-        # last policy it accepted (else the defaults, dry-run), loudly (gpuwatchd/accepted.py).
+        # last policy it accepted, loudly (gpuwatchd/accepted.py). Never accepted one: 78.
         from gpuwatchd.accepted import load_fallback
 
         fallback = load_fallback(config_path)
+        if fallback.policy is None:
+            why = "; ".join(fallback.problems) or f"{fallback.describe()} to fall back to"
+            raise CliError(f"{exc}\n(not started: {why})", ExitCode.CONFIG) from exc
         policy, rejected = fallback.policy, (str(exc), fallback)
     return run_daemon(
         policy,
@@ -371,8 +374,11 @@ def _status(args: argparse.Namespace) -> int:
         # the state_dir it uses, after saying what is wrong with the files.
         from gpuwatchd.accepted import load_fallback
 
+        fallback = load_fallback(args.config or DEFAULT_CONFIG_PATH)
+        if fallback.policy is None:
+            raise
         print(f"gpuwatchd: {exc}", file=sys.stderr)
-        policy = load_fallback(args.config or DEFAULT_CONFIG_PATH).policy
+        policy = fallback.policy
     return status_command(policy, as_json=bool(args.json), out=sys.stdout)
 
 

@@ -267,7 +267,8 @@ class _StateGauges:
             "reset_circuit_open": "1 while the reset circuit breaker is open (no resets)",
             "nvml_wedged": "1 when an NVML call missed its deadline this poll",
             "nvml_unavailable": "1 when NVML could not be used this poll",
-            "policy_rejected": "1 when the last reload was rejected (the old policy stays)",
+            "policy_rejected": "1 when the last reload, or the start, rejected the policy (an "
+            "older one is in force)",
         }
         self.flags = {
             name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()

@@ -4,8 +4,8 @@ policy rejected at start does not leave the node unwatched.
 Pins gpuwatchd/cli/reload.py (the daemon found by its state, its lock and its process, never
 by a PID number like 1; a broken policy refused before any signal; none running: exit 3) and
 the start-up fallback of gpuwatchd/accepted.py: a daemon that never accepted a policy exits 78
-over a broken one; one that did runs with the last policy it accepted, logs ``config.start_rejected`` at critical, and ``gpuwatchd status`` (even with the
-broken files) says so and exits 1. Real daemons in a PID namespace (tests/support/simhost.py);
+over a broken one; one that did runs with the last policy it accepted, logs ``config.start_rejected`` at critical, sets ``gpuwatchd_policy_rejected``, and
+``gpuwatchd status`` (even with the broken files) says so and exits 1. Real daemons in a PID namespace (tests/support/simhost.py);
 the same under real systemd: tests/test_systemd.py.
 """
 
@@ -37,7 +37,8 @@ def _result(proc: Any) -> dict[str, Any]:
 def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root, gpus=1) as host:
         host.nvml([gpu(0)])
-        run = Run(host)
+        metrics = host.root / "gpuwatchd.prom"
+        run = Run(host, metrics={"textfile": str(metrics)})
         conf_d = run.config.parent / "conf.d"
         conf_d.mkdir(exist_ok=True)
         config = ["--config", str(run.config)]
@@ -69,6 +70,8 @@ def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str,
         out["status_stderr"] = status.stderr
         out["status"] = json.loads(status.stdout) if status.stdout.strip() else None
         out["alive"] = run.proc is not None and run.proc.poll() is None
+        run.wait_for(lambda: metrics.exists() and "policy_rejected 1" in metrics.read_text())
+        out["metrics"] = metrics.read_text() if metrics.exists() else ""
         (conf_d / "90-broken.yaml").unlink()
         out["fixed"] = _result(host.gpuwatchd("reload", *config))
         out["reloaded_after_fix"] = run.wait_for(
@@ -111,5 +114,6 @@ def test_reload_and_a_rejected_start(tmp_path: Path) -> None:
     assert status["running"] is True
     assert status["policy"]["rejected"]["at_start"] is True
     assert any("rejected at start" in a for a in status["attention"])
+    assert "\ngpuwatchd_policy_rejected 1.0\n" in r["metrics"]
     assert r["fixed"]["code"] == 0
     assert r["reloaded_after_fix"] is True

@@ -249,6 +249,11 @@ def test_the_package_installs_the_integration_commands_executable(
         assert deb_listing.get(path) == "-rwxr-xr-x", path
 
 
+def test_the_package_ships_the_slurm_undrain_timer(deb_listing: dict[str, str]) -> None:
+    for unit in ("gpuwatchd-slurm-undrain.service", "gpuwatchd-slurm-undrain.timer"):
+        assert f"lib/systemd/system/{unit}" in deb_listing, unit
+
+
 def test_the_package_ships_bash_and_zsh_completion(deb_listing: dict[str, str]) -> None:
     assert "usr/share/bash-completion/completions/gpuwatchd" in deb_listing
     assert "usr/share/zsh/vendor-completions/_gpuwatchd" in deb_listing

@@ -92,7 +92,10 @@ def _state_dir_hints(config_path: str) -> list[str]:
 
 
 def _read_saved(state_dir: str) -> tuple[str, float]:
-    """The saved text and its mtime; OSError, StateDirError or ValueError saying why not."""
+    """The saved text and its mtime; OSError, StateDirError or ValueError saying why not.
+    Looking creates nothing: a missing ``state_dir`` is FileNotFoundError."""
+    if not os.path.isdir(state_dir):
+        raise FileNotFoundError(state_dir)
     check_state_dir(state_dir)
     fd = open_in(state_dir, ACCEPTED_FILE, os.O_RDONLY | os.O_NONBLOCK)
     try:

@@ -102,3 +102,11 @@ def test_the_state_dir_comes_from_the_files_that_load_else_the_default(tmp_path:
     assert fallback.source == str(moved / ACCEPTED_FILE)
     assert fallback.policy is not None
     assert fallback.policy.interval == 3.0
+
+
+def test_looking_for_a_saved_policy_creates_no_state_dir(tmp_path: Path) -> None:
+    missing = tmp_path / "no-state"
+    main = _config(tmp_path, missing, ("90-broken.yaml", "interval: sometimes\n"))
+    fallback = load_fallback(str(main))
+    assert fallback.policy is None
+    assert not missing.exists()

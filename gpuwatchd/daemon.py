@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import structlog
 
 from gpuwatchd import __version__, holder_view
+from gpuwatchd.accepted import Fallback, render_accepted, save_accepted
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
@@ -101,9 +102,12 @@ class Daemon:
         nvml_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        rejected_at_start: Mapping[str, object] | None = None,
     ) -> None:
         self.config_path = config_path
         self.dry_run_flag = dry_run
+        self._loaded = policy  # as read, without --dry-run: what is saved as accepted
+        self._accepted_text: str | None = None
         policy = self._effective(policy)
         self.once = once
         self.once_timeout = once_timeout
@@ -177,7 +181,11 @@ class Daemon:
         )
         self.actions_seen = 0
         self.last_action: float | None = None  # monotonic: the last action or target exit
-        self.policy_rejected: dict[str, object] | None = None
+        # A rejected policy: at start ({at, error, at_start: true, running}; the daemon runs
+        # with the last accepted one, gpuwatchd/accepted.py) or at a reload ({at, error}).
+        self.policy_rejected: dict[str, object] | None = (
+            dict(rejected_at_start) if rejected_at_start is not None else None
+        )
 
     @property
     def policy(self) -> Policy:
@@ -243,6 +251,8 @@ class Daemon:
         # beside this daemon knows the worker as the daemon's (cli/scan.py) only through the
         # PID in the state file, and a prolog at this moment must not see a dirty GPU.
         self.save_state()
+        if self.policy_rejected is None:
+            self._save_accepted(self._loaded)
         log.info(
             EventName.DAEMON_START,
             version=__version__,
@@ -437,6 +447,7 @@ class Daemon:
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
+            self._save_accepted(new)
             self.engine.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
@@ -449,6 +460,24 @@ class Daemon:
                 EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
             )
         self.notifier.notify("READY=1")
+
+    def _save_accepted(self, policy: Policy) -> None:
+        """Keep ``policy`` as the last accepted one (the daemon's fallback at a rejected start);
+        written only when it changed. ``run --once`` keeps none: it is not the daemon."""
+        if self.once:
+            return
+        text = render_accepted(policy)
+        if text == self._accepted_text:
+            return
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return  # said as state.dir_unusable
+        try:
+            save_accepted(state_dir, policy)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=policy.state_dir, error=_os_error(exc))
+            return
+        self._accepted_text = text
 
     # --- one poll -------------------------------------------------------------------------
 
@@ -599,7 +628,10 @@ class Daemon:
             self.policy.dry_run,
             self.engine.last_verdict,
         )
-        if self.policy_rejected is not None:
+        rejected = self.policy_rejected
+        if rejected is not None and rejected.get("at_start"):
+            status = f"policy rejected at start, running {rejected.get('running')}; {status}"
+        elif rejected is not None:
             status = f"policy rejected, running the previous one ({self.config_path}); {status}"
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
 
@@ -805,9 +837,29 @@ def run_daemon(
     once: bool,
     once_timeout: float,
     ended_jobs: frozenset[str] = frozenset(),
+    rejected: tuple[str, Fallback] | None = None,
 ) -> int:
+    """Run the daemon (or ``run --once``). ``rejected``: the configured policy was rejected
+    (its error) and ``policy`` is the fallback (gpuwatchd/accepted.py) the daemon runs with."""
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
+    rejected_at_start: dict[str, object] | None = None
+    if rejected is not None:
+        error, fallback = rejected
+        log.critical(
+            EventName.CONFIG_START_REJECTED,
+            error=error,
+            config=config_path,
+            running=fallback.describe(),
+            dry_run=policy.dry_run or dry_run,
+            unusable=list(fallback.problems),
+        )
+        rejected_at_start = {
+            "at": time.time(),
+            "error": error,
+            "at_start": True,
+            "running": fallback.describe(),
+        }
     missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
     if missing:
         effective_dry_run = dry_run or policy.dry_run
@@ -826,6 +878,7 @@ def run_daemon(
         once=once,
         once_timeout=once_timeout,
         ended_jobs=ended_jobs,
+        rejected_at_start=rejected_at_start,
     )
     try:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections import Counter as Tally
 from collections.abc import Mapping
 
@@ -35,13 +36,16 @@ from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.statedir import open_directory
 from gpuwatchd.vocabulary import EventName, LadderStatus, ResetResult, SignalOutcome
 
-__all__ = ["TEXTFILE_MODE", "Metrics", "write_textfile"]
+__all__ = ["DEBIAN_TEXTFILE", "TEXTFILE_MODE", "Metrics", "remove_textfile", "write_textfile"]
 
 log = structlog.get_logger("gpuwatchd")
 
 # node_exporter runs as its own user (Debian: prometheus); the unit's UMask=0077 would make
 # the file unreadable to it, so the mode is set explicitly. The file holds no secret.
 TEXTFILE_MODE = 0o644
+# Where docs/metrics.md tells Debian users to put the file (node_exporter's textfile directory
+# there); the package's prerm removes our file from it, and from the policy's path.
+DEBIAN_TEXTFILE = "/var/lib/prometheus/node-exporter/gpuwatchd.prom"
 OTHER = "other"  # the label value of anything outside a bounded set (a bug, or a new name)
 GPU_LABELS = ("gpu", "index")
 _HOOK_NAME = re.compile(r"[a-z_]{1,32}")
@@ -98,6 +102,52 @@ def write_textfile(path: str, data: bytes) -> None:
             raise
     finally:
         os.close(dir_fd)
+
+
+def remove_textfile(path: str) -> bool:
+    """Remove ``path`` if it is a metrics file gpuwatchd wrote; True when it was removed.
+
+    For the package's removal: node_exporter would go on serving the last samples of a daemon
+    that is gone. Only a regular file named ``*.prom``, reached as :func:`write_textfile`
+    reaches it (a walk from ``/`` that follows no symbolic link, then the folder's descriptor),
+    whose first MiB holds gpuwatchd's ``gpuwatchd_build_info`` sample, is removed; anything
+    else (a missing file included) is left alone. Never raises.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    if not name.endswith(".prom"):
+        return False
+    try:
+        dir_fd = open_directory(directory, owners=None, readable=False)
+    except OSError:
+        return False
+    try:
+        return _remove_ours(dir_fd, name)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_ours(dir_fd: int, name: str) -> bool:
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 1 << 20)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if b"\ngpuwatchd_build_info{" not in b"\n" + head:
+        return False
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
 
 
 class _GpuGauges:
@@ -249,7 +299,8 @@ class _StateGauges:
             "reset_circuit_open": "1 while the reset circuit breaker is open (no resets)",
             "nvml_wedged": "1 when an NVML call missed its deadline this poll",
             "nvml_unavailable": "1 when NVML could not be used this poll",
-            "policy_rejected": "1 when the last reload was rejected (the old policy stays)",
+            "policy_rejected": "1 when the last reload, or the start, rejected the policy (an "
+            "older one is in force)",
         }
         self.flags = {
             name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()

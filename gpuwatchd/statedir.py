@@ -292,9 +292,13 @@ class StateDir:
     def read(self, name: str, limit: int) -> bytes:
         """At most ``limit`` bytes of the trusted regular file ``name`` (never blocking on a
         FIFO, never through a link). FileNotFoundError, UntrustedFile or OSError otherwise."""
+        return self.read_with_stat(name, limit)[0]
+
+    def read_with_stat(self, name: str, limit: int) -> tuple[bytes, os.stat_result]:
+        """:meth:`read`, and the file's status as checked (its ``st_mtime``, say)."""
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _FILE, dir_fd=self.fd)
         try:
-            self._trusted(fd, name)
+            st = self._trusted(fd, name)
             chunks: list[bytes] = []
             size = 0
             while size < limit:
@@ -303,7 +307,7 @@ class StateDir:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
-            return b"".join(chunks)
+            return b"".join(chunks), st
         finally:
             os.close(fd)
 

@@ -28,12 +28,20 @@ for f in config/gpuwatchd.yaml docs/man/gpuwatchd.8 docs/man/gpuwatchd.yaml.5 sy
     [ -f "$SRC/$f" ] || { echo "build-deb: $f is missing from the tree" >&2; exit 1; }
 done
 
+# The build dependencies (debian/control): installed when root, else named (with the command).
+"$REPO/packaging/check-build-deps.sh" "$SRC"
+
 # 2. nvidia-ml-py: fetched now, bundled in the package, never committed.
 mkdir -p "$WORK/wheel" "$SRC/vendor"
 if [ -n "${NVML_PY_WHEEL:-}" ]; then
     cp "$NVML_PY_WHEEL" "$WORK/wheel/"
 else
     PY=python3; [ -x "$REPO/.venv/bin/python" ] && PY=$REPO/.venv/bin/python
+    "$PY" -m pip --version >/dev/null 2>&1 || {
+        echo "build-deb: pip is needed to fetch nvidia-ml-py (apt-get install python3-pip," \
+            "or run make venv; offline: NVML_PY_WHEEL=path/to/nvidia_ml_py-*.whl)" >&2
+        exit 1
+    }
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: \
         -d "$WORK/wheel" "nvidia-ml-py==$NVML_PY_VERSION"
 fi
@@ -53,7 +61,9 @@ cp "$DEB" "$OUT/"
 echo "built $OUT/$(basename "$DEB")"
 
 # 4. lintian: errors fail the build; warnings are fixed or overridden with a reason.
-if [ "${LINTIAN:-1}" != 0 ] && command -v lintian >/dev/null; then
+if [ "${LINTIAN:-1}" != 0 ] && ! command -v lintian >/dev/null; then
+    echo "build-deb: lintian is not installed: the package is not checked (apt-get install lintian)" >&2
+elif [ "${LINTIAN:-1}" != 0 ]; then
     rc=0
     lintian --fail-on error,warning --info "$OUT/$(basename "$DEB")" >"$OUT/lintian.txt" 2>&1 || rc=$?
     grep -v 'running with root privileges' "$OUT/lintian.txt" || true

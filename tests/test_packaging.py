@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,117 @@ def test_the_bash_completion_parses(completions: dict[str, str], tmp_path: Path)
     script.write_text(completions["bash"])
     proc = subprocess.run([bash, "-n", str(script)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def _bash_completion(python: str, out: Path) -> Path:
+    """The bash completion packaging/completions.py writes with ``python``'s shtab."""
+    subprocess.run(
+        [python, str(REPO / "packaging" / "completions.py"), out / "bash", out / "zsh"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return out / "bash"
+
+
+def _shtabs() -> list[object]:
+    """The shtabs to generate with: the system python3's (Debian 12: python3-shtab 1.5, what
+    the package is built with) and this interpreter's (pip), each skipped when absent."""
+    system = subprocess.run(
+        ["/usr/bin/python3", "-c", "import shtab"], capture_output=True, check=False
+    )
+    return [
+        pytest.param(
+            "/usr/bin/python3",
+            id="system-shtab",
+            marks=pytest.mark.skipif(
+                system.returncode != 0, reason="the system python3 lacks shtab (python3-shtab)"
+            ),
+        ),
+        pytest.param(sys.executable, id="pip-shtab"),
+    ]
+
+
+def _complete(script: Path, words: list[str], cwd: Path) -> list[str]:
+    """What bash offers for the last of ``words`` (the word being completed), one per line,
+    calling the completion function as bash's `complete -F` does."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    program = (
+        'source "$1"; shift; COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); '
+        "_shtab_gpuwatchd; printf '%s\\n' \"${COMPREPLY[@]}\""
+    )
+    proc = subprocess.run(
+        [bash, "-c", program, "bash", str(script), *words],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if line]
+
+
+@pytest.mark.parametrize("python", _shtabs())
+def test_bash_completes_every_subcommand_and_file_names(python: str, tmp_path: Path) -> None:
+    """`gpuwatchd <Tab>` offers every command (shtab 1.5 offered the first alone), a prefix
+    narrows them, choices complete, and FILE, SCENARIO and SNAPSHOT complete file names."""
+    if python == sys.executable:
+        pytest.importorskip("shtab", reason="pip install shtab (the [test] extra)")
+    out = tmp_path / "out"
+    script = _bash_completion(python, out)
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "site policy.yaml").write_text("")
+    (files / "scenario.yaml").write_text("")
+    assert sorted(_complete(script, ["gpuwatchd", ""], files)) == subcommands()
+    assert _complete(script, ["gpuwatchd", "check-c"], files) == ["check-clean", "check-config"]
+    assert _complete(script, ["gpuwatchd", "scan", "--color", ""], files) == [
+        "auto",
+        "always",
+        "never",
+    ]
+    everything = sorted(["site policy.yaml", "scenario.yaml"])
+    for words in (
+        ["gpuwatchd", "check-config", ""],
+        ["gpuwatchd", "--config", ""],
+        ["gpuwatchd", "status", "--config", ""],
+        ["gpuwatchd", "simulate", ""],
+        ["gpuwatchd", "explain", "--json", ""],
+    ):
+        assert sorted(_complete(script, words, files)) == everything, words
+    assert _complete(script, ["gpuwatchd", "simulate", "sc"], files) == ["scenario.yaml"]
+    assert "--gpu" in _complete(script, ["gpuwatchd", "check-clean", "--"], files)
+
+
+@pytest.mark.skipif(shutil.which("dpkg-checkbuilddeps") is None, reason="dpkg-dev not installed")
+def test_missing_build_dependencies_are_named_with_the_command_to_install_them() -> None:
+    """On a machine without them (here: one that does not exist), build-deb's check names the
+    missing build dependencies and how to install them, as a user who cannot install them."""
+    with tempfile.TemporaryDirectory() as scratch:  # readable by nobody, unlike tmp_path
+        os.chmod(scratch, 0o755)  # noqa: S103 - nobody must read the copied control file
+        _check_missing_build_dep(Path(scratch) / "src")
+
+
+def _check_missing_build_dep(src: Path) -> None:
+    shutil.copytree(REPO / "packaging" / "debian", src / "debian")
+    control = src / "debian" / "control"
+    control.write_text(
+        control.read_text().replace(
+            "Build-Depends: debhelper-compat (= 13),",
+            "Build-Depends: debhelper-compat (= 13), gpuwatchd-no-such-build-dep (>= 1),",
+        )
+    )
+    argv = [str(REPO / "packaging" / "check-build-deps.sh"), str(src)]
+    if os.geteuid() == 0:  # as root it would install them: check as nobody
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "missing build dependencies: gpuwatchd-no-such-build-dep (>= 1)" in proc.stderr
+    assert "apt-get install --no-install-recommends" in proc.stderr
+    install = next(line for line in proc.stderr.splitlines() if "apt-get install" in line)
+    assert "gpuwatchd-no-such-build-dep" in install
+    assert "(" not in install.split("apt-get install", 1)[1]  # names apt takes as they are
 
 
 def _why_no_build() -> str | None:
@@ -135,6 +247,11 @@ def test_the_package_installs_the_integration_commands_executable(
         "usr/lib/gpuwatchd/kubernetes/gpuwatchd-npd",
     ):
         assert deb_listing.get(path) == "-rwxr-xr-x", path
+
+
+def test_the_package_ships_the_slurm_undrain_timer(deb_listing: dict[str, str]) -> None:
+    for unit in ("gpuwatchd-slurm-undrain.service", "gpuwatchd-slurm-undrain.timer"):
+        assert f"lib/systemd/system/{unit}" in deb_listing, unit
 
 
 def test_the_package_ships_bash_and_zsh_completion(deb_listing: dict[str, str]) -> None:

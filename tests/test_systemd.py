@@ -61,6 +61,13 @@ pytestmark = [
 ]
 
 
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout: float, step: float = 0.2) -> float:
     """Poll ``check`` until true; return the seconds it took, or fail naming ``what``."""
     start = time.monotonic()
@@ -127,6 +134,8 @@ class Container:
             if self.nspawn.poll() is not None:
                 log = (self.artifacts / "console.log").read_text(errors="replace")
                 pytest.fail(f"systemd-nspawn exited {self.nspawn.returncode}:\n{log[-3000:]}")
+            if self.leader and not Path(f"/proc/{self.leader}").exists():
+                self.leader = 0  # a helper nspawn forks on the way, gone: look again
             if not self.leader:
                 kids = subprocess.run(
                     ["pgrep", "-P", str(self.nspawn.pid)],
@@ -134,9 +143,11 @@ class Container:
                     text=True,
                     check=False,
                 ).stdout.split()
-                if not kids:
+                # The container's PID 1 is systemd; nspawn's helpers are not.
+                inits = [k for k in kids if _comm(int(k)) == "systemd"]
+                if not inits:
                     return False
-                self.leader = int(kids[0])
+                self.leader = int(inits[0])
             state = self.sh("systemctl is-system-running", check=False).stdout.strip()
             return state in ("running", "degraded")
 
@@ -360,11 +371,26 @@ def test_install_enables_and_starts_the_unit(ct: Container) -> None:
     assert ct.prop("ActiveState") == "active", ct.messages()[-20:]
 
 
-def test_systemd_analyze_verify_is_silent_on_the_installed_unit(ct: Container) -> None:
+@pytest.mark.parametrize(
+    "unit", [UNIT, "gpuwatchd-slurm-undrain.service", "gpuwatchd-slurm-undrain.timer"]
+)
+def test_systemd_analyze_verify_is_silent_on_the_installed_unit(ct: Container, unit: str) -> None:
     proc = ct.run(
-        ["systemd-analyze", "verify", "--man=no", f"/lib/systemd/system/{UNIT}"], check=False
+        ["systemd-analyze", "verify", "--man=no", f"/lib/systemd/system/{unit}"], check=False
     )
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_the_undrain_timer_is_enabled_and_does_nothing_without_slurm(ct: Container) -> None:
+    """Installed everywhere, the timer must be harmless on a node without Slurm: its service
+    ends at once, successfully."""
+    timer = "gpuwatchd-slurm-undrain.timer"
+    assert ct.run(["systemctl", "is-enabled", timer], check=False).stdout.strip() == "enabled"
+    ct.run(["systemctl", "start", "gpuwatchd-slurm-undrain.service"])
+    result = ct.run(
+        ["systemctl", "show", "-p", "Result", "--value", "gpuwatchd-slurm-undrain.service"]
+    )
+    assert result.stdout.strip() == "success"
 
 
 def test_installed_daemon_accepts_the_shipped_policy(ct: Container) -> None:
@@ -438,6 +464,44 @@ def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
     time.sleep(1.5)
     assert ct.prop("ActiveState") == "active"
     assert ct.prop("MainPID") == pid
+
+
+def test_a_drop_in_rejected_at_start_leaves_the_node_watched_and_says_so(
+    configured: Container,
+) -> None:
+    """A restart (as at boot) with a drop-in the daemon rejects: the unit is active, on the last
+    policy it accepted (saved in /var/lib/gpuwatchd), and says so at critical in the journal,
+    in STATUS and in `gpuwatchd status` (exit 1); a fixed policy reloads as usual."""
+    ct = configured
+    saved = ct.root / "var/lib/gpuwatchd/policy.accepted.yaml"
+    wait_for("the accepted policy to be saved", saved.exists, timeout=15)
+    assert saved.stat().st_mode & 0o777 == 0o600
+    assert "\ninterval: 1s\n" in saved.read_text()
+    ct.write("/etc/gpuwatchd/conf.d/90-broken.yaml", "interval: sometimes\n")
+    try:
+        restarted = ct.run(["systemctl", "restart", UNIT], check=False)
+        assert restarted.returncode == 0, restarted.stderr
+        assert ct.prop("ActiveState") == "active"
+        assert "policy rejected at start" in ct.prop("StatusText")
+        rejected = [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.start_rejected"]
+        assert rejected, ct.messages()[-10:]
+        assert rejected[-1]["PRIORITY"] == "2"  # critical
+        assert "90-broken.yaml" in rejected[-1]["GPUWATCHD_ERROR"]
+        assert "policy.accepted.yaml" in rejected[-1]["GPUWATCHD_RUNNING"]
+        status = ct.run(["gpuwatchd", "status", "--json"], check=False)
+        assert status.returncode == 1, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["running"] is True
+        assert report["policy"]["rejected"]["at_start"] is True
+        assert report["daemon"]["interval"] == 1.0  # the accepted policy's, from 50-test.yaml
+    finally:
+        (ct.root / "etc/gpuwatchd/conf.d/90-broken.yaml").unlink()
+    ct.run(["systemctl", "reload", UNIT])
+    wait_for(
+        "STATUS no longer says rejected",
+        lambda: "rejected" not in ct.prop("StatusText"),
+        timeout=30,
+    )
 
 
 def test_watchdog_restarts_a_stopped_main_loop(configured: Container) -> None:

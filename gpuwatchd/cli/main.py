@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also clear the kill-cap latches, the reset circuit breaker and refused resets",
     )
+    sub.add_parser(
+        "reload",
+        parents=[common],
+        help="check the policy, then make the running daemon reread it (where systemd does "
+        "not run it: a Kubernetes pod)",
+    )
     status = sub.add_parser(
         "status",
         parents=[common],
@@ -193,6 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _explain(args)
     if command == "status":
         return _status(args)
+    if command == "reload":
+        return _reload(args)
     raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
 
 
@@ -309,7 +317,21 @@ def _run(args: argparse.Namespace) -> int:
     if len(args.ended_job) > 64:
         raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
-    policy = load_policy_or_exit(config_path, required=True)
+    rejected = None
+    try:
+        policy = load_policy_or_exit(config_path, required=True)
+    except CliError as exc:
+        if args.once or exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
+            raise  # run --once (an epilog) exits 78: the script drains; no file: a typo
+        # The daemon does not leave the node unwatched over a rejected file: it runs with the
+        # last policy it accepted, loudly (gpuwatchd/accepted.py). Never accepted one: 78.
+        from gpuwatchd.accepted import load_fallback
+
+        fallback = load_fallback(config_path)
+        if fallback.policy is None:
+            why = "; ".join(fallback.problems) or f"{fallback.describe()} to fall back to"
+            raise CliError(f"{exc}\n(not started: {why})", ExitCode.CONFIG) from exc
+        policy, rejected = fallback.policy, (str(exc), fallback)
     return run_daemon(
         policy,
         config_path=config_path,
@@ -317,6 +339,7 @@ def _run(args: argparse.Namespace) -> int:
         once=bool(args.once),
         once_timeout=timeout,
         ended_jobs=frozenset(ended),
+        rejected=rejected,
     )
 
 
@@ -362,8 +385,29 @@ def _explain(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.status import status_command
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    try:
+        policy = load_policy_or_exit(args.config, required=args.config is not None)
+    except CliError as exc:
+        if exc.code != ExitCode.CONFIG:
+            raise
+        # The daemon runs on despite a rejected policy (gpuwatchd/accepted.py): show it, from
+        # the state_dir it uses, after saying what is wrong with the files.
+        from gpuwatchd.accepted import load_fallback
+
+        fallback = load_fallback(args.config or DEFAULT_CONFIG_PATH)
+        if fallback.policy is None:
+            raise
+        print(f"gpuwatchd: {exc}", file=sys.stderr)
+        policy = fallback.policy
     return status_command(policy, as_json=bool(args.json), out=sys.stdout)
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.reload import reload_command
+
+    config_path = args.config or DEFAULT_CONFIG_PATH
+    policy = load_policy_or_exit(config_path, required=True)  # a broken policy: 78, no signal
+    return reload_command(policy, config_path, out=sys.stdout, err=sys.stderr)
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

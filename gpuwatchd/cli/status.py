@@ -253,7 +253,12 @@ def describe(
             "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
             "rejected": None
             if rejected is None
-            else {"at": _num(rejected.get("at")), "error": _str(rejected.get("error"))},
+            else {
+                "at": _num(rejected.get("at")),
+                "error": _str(rejected.get("error")),
+                "at_start": rejected.get("at_start") is True,
+                "running": _str(rejected.get("running")),
+            },
         },
         "clock": clock.source,
         "ladders": ladders,
@@ -542,7 +547,14 @@ def _attention(
         out.append(f"NVML unavailable{why}: no GPU is watched")
     if rejected is not None:
         error = _str(rejected.get("error")) or "unknown error"
-        out.append(f"policy reload rejected ({error}); the previous policy stays in force")
+        if rejected.get("at_start") is True:
+            running = _str(rejected.get("running")) or "another policy"
+            out.append(
+                f"policy rejected at start ({error}); running {running} instead: fix the "
+                "policy, then `systemctl reload gpuwatchd`"
+            )
+        else:
+            out.append(f"policy reload rejected ({error}); the previous policy stays in force")
     stuck = [lad for lad in ladders if lad["status"] == LadderStatus.STUCK]
     if stuck:
         pids = ", ".join(str(lad["pid"] if lad["pid"] is not None else "?") for lad in stuck)
@@ -725,10 +737,12 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
     lines.append(f"policy:   {_text(shown)}")
     rejected = policy.get("rejected")
     if isinstance(rejected, Mapping):
+        what = "rejected at start" if rejected.get("at_start") is True else "reload rejected"
         lines.append(
-            f"          reload rejected {_at(now, rejected.get('at'))}: "
-            f"{_text(rejected.get('error'))}"
+            f"          {what} {_at(now, rejected.get('at'))}: {_text(rejected.get('error'))}"
         )
+        if rejected.get("at_start") is True:
+            lines.append(f"          running {_text(rejected.get('running'))} instead")
     return lines
 
 

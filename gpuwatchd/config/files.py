@@ -12,6 +12,7 @@ scenario, a saved report).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Sequence
 
@@ -237,13 +238,80 @@ def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
             f"as root, so only root may control this path. Fix: chown root: {path}",
             path=path,
         )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_root_dir:
+    if (
+        info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        and not sticky_root_dir
+        and not _read_only_everywhere(path)
+    ):
         return ConfigError(
             f"writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}); gpuwatchd runs "
             f"the commands its config names as root. Fix: chmod go-w {path}",
             path=path,
         )
     return None
+
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _read_only_everywhere(path: str) -> bool:
+    """Whether nobody can write to ``path``: it lies on a read-only mount, and no writable
+    mount here shows the same place (see :func:`read_only_everywhere`). The kubelet mounts a
+    ConfigMap volume so: a 0777 directory, read-only, seen through that mount alone."""
+    try:
+        if not os.statvfs(path).f_flag & os.ST_RDONLY:
+            return False
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as handle:
+            mounts = handle.read(1 << 22)
+    except OSError:
+        return False
+    return read_only_everywhere(mounts, os.path.realpath(path))
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _within(path: str, top: str) -> bool:
+    return top in ("/", path) or path.startswith(top.rstrip("/") + "/")
+
+
+def read_only_everywhere(mountinfo: str, path: str) -> bool:
+    """Whether the resolved ``path`` is on a read-only mount whose content no writable mount
+    in ``mountinfo`` (``/proc/self/mountinfo``'s text) also shows. Pure.
+
+    The mount ``path`` lies on is the last one whose mount point contains it. It must be
+    mounted read-only; and no mount of the same device that is writable may have a root (the
+    folder of the file system it shows) at or above that mount's root — through such a mount
+    the same files could be written. A read-only bind of a folder anyone can write elsewhere is
+    therefore still refused; a ConfigMap volume, whose folder only the kubelet's own mount
+    shows, is not. Anything unparsable counts as writable.
+    """
+    entries: list[tuple[str, str, str, bool]] = []  # (device, root, mount point, writable)
+    for line in mountinfo.split("\n"):
+        fields = line.split(" ")
+        if len(fields) < 6:
+            continue
+        device, root, point, options = (
+            fields[2],
+            _unescape(fields[3]),
+            _unescape(fields[4]),
+            fields[5],
+        )
+        entries.append((device, root, point, "rw" in options.split(",")))
+    mine = [e for e in entries if _within(path, e[2])]
+    if not mine:
+        return False
+    point = max((e[2] for e in mine), key=len)  # the innermost mount point
+    device, root, _point, writable = [e for e in mine if e[2] == point][-1]  # last: on top
+    if writable:
+        return False
+    inner = root if path == point else os.path.join(root, os.path.relpath(path, point))
+    return not any(
+        other_device == device and other_writable and _within(inner, other_root)
+        for other_device, other_root, _other_point, other_writable in entries
+    )
 
 
 def check_config_permissions(

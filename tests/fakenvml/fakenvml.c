@@ -466,6 +466,30 @@ static int gpu_fds[MAX_GPUS];
 static int gpu_fds_ready = 0;
 static fake_device devices[MAX_GPUS];
 
+/*
+ * FAKENVML_STATE and FAKENVML_DEVICES_DIR, from the environment; unset there, from defaults a
+ * build may compile in (-DFAKENVML_DEFAULT_STATE="..." -DFAKENVML_DEFAULT_DEVICES_DIR="...").
+ * tests/test_systemd_slurm.py builds such a copy: slurmd runs the prolog and epilog with an
+ * environment of its own making, as a real driver needs none.
+ */
+static const char *setting(const char *name) {
+    const char *value = getenv(name);
+    if (value != NULL && *value != '\0') {
+        return value;
+    }
+#ifdef FAKENVML_DEFAULT_STATE
+    if (strcmp(name, "FAKENVML_STATE") == 0) {
+        return FAKENVML_DEFAULT_STATE;
+    }
+#endif
+#ifdef FAKENVML_DEFAULT_DEVICES_DIR
+    if (strcmp(name, "FAKENVML_DEVICES_DIR") == 0) {
+        return FAKENVML_DEFAULT_DEVICES_DIR;
+    }
+#endif
+    return value;
+}
+
 static void complain(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -511,7 +535,7 @@ static int parse_state_file(const char *path, jvalue *state);
 /* Loads the state (parsing the file only when it changed); on failure says why, returns -1. */
 static int load_state(jvalue *state) {
     memset(state, 0, sizeof *state);
-    const char *path = getenv("FAKENVML_STATE");
+    const char *path = setting("FAKENVML_STATE");
     if (path == NULL || *path == '\0') {
         complain("FAKENVML_STATE is not set");
         return -1;
@@ -739,7 +763,7 @@ static unsigned int gpu_minor(const jvalue *gpu, size_t slot) {
 }
 
 static void open_device_file(const char *name, int *fd) {
-    const char *dir = getenv("FAKENVML_DEVICES_DIR");
+    const char *dir = setting("FAKENVML_DEVICES_DIR");
     if (dir == NULL || *dir == '\0' || *fd >= 0) {
         return;
     }
@@ -1358,7 +1382,7 @@ static void consumed_path(char *out, size_t size) {
         snprintf(out, size, "%s", path);
         return;
     }
-    const char *stateful = getenv("FAKENVML_STATE");
+    const char *stateful = setting("FAKENVML_STATE");
     snprintf(out, size, "%s.consumed", stateful ? stateful : "fakenvml-state");
 }
 

@@ -13,6 +13,8 @@ command -v dh >/dev/null || need+=(debhelper)
 command -v dh_python3 >/dev/null || need+=(dh-python)
 command -v lintian >/dev/null || need+=(lintian)
 command -v nsenter >/dev/null || need+=(util-linux)
+command -v ip >/dev/null || need+=(iproute2)  # tests/test_systemd_slurm.py: an address for slurmd
+command -v apparmor_parser >/dev/null || need+=(apparmor)  # tests/test_contrib_kubernetes.py: the profiles parse
 command -v promtool >/dev/null || need+=(prometheus)  # tests/test_metrics.py checks the alert rules
 dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel >/dev/null 2>&1 \
     || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel)

@@ -1,0 +1,81 @@
+"""``gpuwatchd reload``: check the policy, then ask the running daemon to reread it (SIGHUP).
+
+For a daemon systemd does not run — a Kubernetes pod, where ``kubectl exec … kill -HUP 1``
+would signal the host's init under ``hostPID: true``. The daemon is found as every command
+finds it, never by name nor by a PID written in a file: the process the kernel says holds the
+instance lock in ``state_dir`` (:meth:`gpuwatchd.statedir.StateDir.lock_holder`:
+``/proc/locks`` and that process's own ``fdinfo``), when it is gpuwatchd now and runs as this
+command's user.
+The policy has been checked by the caller (a broken one exits 78 and the daemon keeps its
+own); the daemon rereads its own ``--config`` file, which should be the one checked.
+
+Exit codes: 0 the signal was sent; 3 no running daemon found (LSB "not running"); 77 not
+allowed to signal it. This module reads the state and ``/proc``; it writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import IO
+
+from gpuwatchd.cli.status import look_at_process
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.statedir import StateDir
+from gpuwatchd.vocabulary import ExitCode
+
+NOT_RUNNING = 3
+
+
+def _uid_of(proc_root: str, pid: int) -> int | None:
+    try:
+        with open(os.path.join(proc_root, str(pid), "status"), encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])  # the effective uid
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def find_daemon(policy: Policy) -> tuple[int | None, str]:
+    """The running daemon's PID, or None and why none was found."""
+    where = policy.state_dir
+    try:
+        with StateDir.open(where) as state_dir:
+            pid = state_dir.lock_holder(policy.proc_root)
+    except FileNotFoundError:
+        return None, f"no state folder {where}: is gpuwatchd running?"
+    except PermissionError:
+        return None, f"cannot read {where}: permission denied (run as root)"
+    except OSError as exc:
+        return None, f"{exc}: not used (only root may be able to write there)"
+    if pid is None:
+        return None, f"nobody holds the instance lock in {where}: is gpuwatchd running?"
+    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
+        return None, f"pid {pid} holds the lock in {where} but is not gpuwatchd"
+    if _uid_of(policy.proc_root, pid) != os.geteuid():
+        return None, f"pid {pid} runs as another user: not the daemon this command may signal"
+    return pid, ""
+
+
+def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:
+    """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
+    pid, why = find_daemon(policy)
+    if pid is None:
+        print(f"gpuwatchd: {why}", file=err)
+        return NOT_RUNNING
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=err)
+        return NOT_RUNNING
+    except PermissionError:
+        print(f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=err)
+        return ExitCode.NOPERM
+    print(
+        f"gpuwatchd: {config_path} is valid; asked the daemon (pid {pid}) to reload it "
+        "(`gpuwatchd status` and the log say when it has)",
+        file=out,
+    )
+    return ExitCode.OK

@@ -29,6 +29,7 @@ from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.plan import HookIntent
 from gpuwatchd.decide.policy import Hook
 from gpuwatchd.vocabulary import HookName
+from tests.support.fakenvml import gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 from tests.test_act import is_dead
 from tests.test_e2e_run import ORPHAN_RULE, orphan_host
@@ -216,6 +217,9 @@ def once_with_a_lingering_hook(arg: dict[str, Any], root: Path) -> dict[str, Any
             limits={"post_action_delay": "0s"},
             on_action=[{"command": [str(hook), str(pid_file), "exit"], "timeout": "60s"}],
         )
+        # The driver frees the dead trainer's memory once its last holder is gone: run --once
+        # is done (exit 0) only when the GPU is clean again.
+        host.free_when_gone(["worker"], [gpu(0)])
         once = host.gpuwatchd("run", "--once", "--timeout", "30s", "--config", str(config))
         escaped = int(pid_file.read_text()) if pid_file.exists() else None
         alive = escaped is not None and not is_dead(escaped)

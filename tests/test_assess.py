@@ -876,6 +876,7 @@ def _job_holder(start: int, cgroup: CgroupInfo) -> HostBuilder:
         (5_000, None, None, False),  # when it was said is unknown: covers nothing
         (5_000, 9_000, 4_000, True),  # the ended job's own slurmstepd, still around
         (5_000, 9_000, 9_100, False),  # a slurmstepd started after the word: requeued
+        (5_000, 9_000, 9_000, False),  # ... or in the same tick: not known to be older
     ],
 )
 def test_the_schedulers_word_covers_only_processes_older_than_it_and_no_requeued_job(
@@ -1018,3 +1019,13 @@ def test_property_holders_in_a_live_owners_tree_are_never_orphaned(
     result = assess(snapshot, previous, DETECTION)
     assert FindingKind.ORPHANED not in {f.kind for f in result.findings}
     assert all(r.role != "orphaned" for r in result.roles)
+
+
+def test_a_reset_the_driver_refused_is_a_hidden_holder_on_that_gpu_only() -> None:
+    snapshot = HostBuilder().gpu(0).gpu(1).gpu(2).build()
+    refused = {gpu_uuid(1): {"gap": "driver_in_use", "incident": "ghost_memory:x"}}
+    result = assess(snapshot, AssessState(boot_id=snapshot.boot_id), DETECTION,
+                    driver_refused=refused)  # fmt: skip
+    hidden = [(f.gpu, f.pid, f.evidence.get("gap")) for f in result.findings
+              if f.kind is FindingKind.HIDDEN_HOLDER]  # fmt: skip
+    assert hidden == [(gpu_uuid(1), None, "driver_in_use")]

@@ -114,6 +114,8 @@ SESSION = cg_session(uid=1001)
             exe_trusted=True,
             cgroup=cg_container("ab" * 32),
         ),
+        # Not root's program: a look-alike, even with its owner and cgroup unread.
+        _proc(88, comm="nv-hostengine", exe="/tmp/nv-hostengine", exe_trusted=False, uid=None),
     ],
     ids=[
         "argv0-and-comm",
@@ -124,6 +126,7 @@ SESSION = cg_session(uid=1001)
         "user-manager-unit-as-root",
         "deleted-program",
         "container",
+        "untrusted-program-owner-unread",
     ],
 )
 def test_a_look_alike_is_an_ordinary_process(proc: ProcessInfo) -> None:

@@ -340,11 +340,13 @@ def test_drain_p2p_settling_to_gpu_reset_drains_once_and_a_later_incident_drains
     (also across a restart). After the reset's after hooks undrained the node, a new incident
     of the GPU drains again."""
     run = Run(policy())
-    p2p = run.poll(snap(gpu(0, GPU0, health(recovery_action=3))))
+    p2p = run.poll(snap(gpu(1, GPU0, health(recovery_action=3))))
     assert hooks(p2p) == ["reset_drain"]
+    (drain,) = [i for i in p2p.intents if isinstance(i, HookIntent)]
+    assert (drain.facts["pci_bus_id"], drain.facts["minor"]) == ("00000000:11:00.0", 1)
     assert run.plan_state.health_drained == {GPU0: False}
     run.restart()
-    settled = run.poll(snap(gpu(0, GPU0, health(recovery_action=1)), t=1100.0))
+    settled = run.poll(snap(gpu(1, GPU0, health(recovery_action=1)), t=1100.0))
     assert hooks(settled) == [], "drained already for this incident"
     (started,) = [e for e in settled.events if e.name == EventName.HEALTH_DRAIN_STARTED]
     assert started.fields["drained_already"] is True
@@ -352,8 +354,8 @@ def test_drain_p2p_settling_to_gpu_reset_drains_once_and_a_later_incident_drains
     assert intent.drained
     run.book(intent, 1101.0)
     assert run.plan_state.health_drained == {}
-    run.poll(snap(gpu(0, GPU0, health()), t=1110.0))  # resolved
-    again = run.poll(snap(gpu(0, GPU0, health(recovery_action=3)), t=2000.0))
+    run.poll(snap(gpu(1, GPU0, health()), t=1110.0))  # resolved
+    again = run.poll(snap(gpu(1, GPU0, health(recovery_action=3)), t=2000.0))
     assert hooks(again) == ["reset_drain"]
 
 
@@ -440,3 +442,21 @@ def test_application_xid_13_changes_nothing() -> None:
     result = run.poll(snap(gpu(0, GPU0, health(xids=(XidEvent(13, 1.0),)))))
     assert result.intents == ()
     assert EventName.FINDING_NEW not in names(result)
+
+
+@pytest.mark.parametrize(
+    ("drained", "would_succeed", "left"),
+    [
+        (True, True, {}),  # a dry drain, undone by the would-be reset's after hooks
+        (True, False, {GPU0: True}),  # a would-be reset refused: no undrain would run
+        (False, True, {GPU0: False}),  # a real drain: a dry run's reset undoes nothing
+    ],
+)
+def test_a_dry_runs_reset_undoes_only_a_dry_runs_drain(
+    drained: bool, would_succeed: bool, left: dict[str, bool]
+) -> None:
+    intent = ResetIntent(GPU0, None, 0, f"reset_required:{GPU0}:gpu", True, "test", {})
+    state = PlanState(health_drained={GPU0: drained})
+    booked = record_reset(state, intent, "dry_run", now=1.0, wall=1_700_000_001.0,
+                          would_succeed=would_succeed)  # fmt: skip
+    assert booked.state.health_drained == left

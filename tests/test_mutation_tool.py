@@ -14,7 +14,7 @@ import pytest
 
 from tests.mutation.equivalents import EquivalentsError, load_equivalents, stale, to_yaml
 from tests.mutation.operators import OPERATORS, apply, find_functions, fingerprint, mutants_of
-from tests.mutation.runner import ModuleSource, function_code
+from tests.mutation.runner import ModuleSource, MutationPlugin, _resolve, function_code
 from tests.mutation.scope import ALL, TARGETS, TEST_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,6 +133,45 @@ def test_an_installed_mutant_changes_what_the_running_function_does(
     assert module.gate([5, 7], {5}, W()) == "holder 7"
     assert ModuleSource("mutsample", "mutsample.py", tree, functions).functions == functions
     sys.modules.pop("mutsample", None)
+
+
+CACHED = textwrap.dedent(
+    """
+    import functools
+
+
+    @functools.lru_cache(maxsize=8)
+    def doubled(n):
+        return n * 2
+    """
+)
+
+
+def test_a_cached_function_is_found_and_its_mutant_not_hidden_by_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An lru_cache'd target (patterns.py's matcher) resolves to the function it wraps, and the
+    plugin empties the module's caches, so a result cached unmutated hides no mutant."""
+    (tmp_path / "mutcached.py").write_text(CACHED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("mutcached")
+    assert module.doubled(3) == 6  # cached now
+    tree = ast.parse(CACHED)
+    functions = find_functions(tree)
+    plugin = MutationPlugin(
+        [ModuleSource("mutcached", "mutcached.py", tree, functions)], [],
+        jobs=1, deadline=None, progress=lambda _: None,
+    )  # fmt: skip
+    function = _resolve("mutcached", "doubled")
+    original = function.__code__
+    try:
+        function.__code__ = compile("def doubled(n):\n    return n * 3\n", "x", "exec").co_consts[0]
+        assert module.doubled(3) == 6  # the cache still answers
+        plugin._clear_caches()
+        assert module.doubled(3) == 9  # the mutant runs
+    finally:
+        function.__code__ = original
+        sys.modules.pop("mutcached", None)
 
 
 # --- the checked-in files ------------------------------------------------------------------------

@@ -54,6 +54,31 @@ DROP_IN = "/etc/gpuwatchd/conf.d/50-site.yaml"
         (r"(x*)*y", "xxxxy"),
         (r"^/opt/serving/bin/triton", "/opt/serving/bin/triton --model-repo /m"),
         (r"jupyter-lab", "/usr/bin/python3 /usr/local/bin/jupyter-lab --no-browser"),
+        # Anchors where a command line has newlines (argv may hold any byte but NUL), and at
+        # its edges: each answer is re's.
+        (r"(?m)^a", "a"),
+        (r"(?m)^b", "a\nb"),
+        (r"(?m)^b", "ab"),
+        (r"(?m)^b", "xb\n"),
+        (r"(?m)^a", "\na"),
+        (r"(?m)a$", "a"),
+        (r"(?m)a$", "a\nb"),
+        (r"(?m)a$", "ab"),
+        (r"(?m)a$", "ba\n"),
+        (r"train\Z", "python train"),
+        (r"train\Z", "python train\n"),
+        (r"\Atrain", "train x"),
+        (r"\Atrain", "x train"),
+        (r"train$", "python train\n"),
+        (r"train$", "python train\nx"),
+        (r"train$", "python trainx"),
+        (r"\bx", "x"),
+        (r"x\b", "ax"),
+        (r"\Bx", "ax"),
+        (r"\bx\b", "a x b"),
+        (r"\b", ""),
+        (r"\B", ""),
+        (r"\B", "a"),
     ],
 )
 def test_command_search_answers_as_re_search_does(pattern: str, text: str) -> None:
@@ -171,3 +196,17 @@ def test_a_crafted_line_does_not_stall_the_protect_check() -> None:
     started = time.perf_counter()
     assert refusal(snapshot.processes[500], finding, snapshot, policy, frozenset()) is None
     assert time.perf_counter() - started < 2.0
+
+
+def test_a_pattern_that_cannot_be_matched_in_linear_time_is_unknown_never_no() -> None:
+    """The loader refuses such a pattern; should one reach the matcher anyway, its answer is
+    unknown (a protect pattern then protects), not "no match"."""
+    assert command_search(re.compile(r"(a)\1"), "aa") is None
+    assert command_search(re.compile(r"(?=a)a"), "b") is None
+
+
+def test_a_line_of_exactly_the_searched_length_is_searched_whole() -> None:
+    exact = "x" * MAX_COMMAND_TEXT
+    assert command_search(re.compile("--serve"), exact) is False
+    assert command_search(re.compile("--serve"), exact + "y") is None
+    assert command_search(re.compile("x$"), exact) is True

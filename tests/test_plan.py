@@ -678,6 +678,8 @@ def test_kill_cap_per_poll_latches_that_user_into_dry_run_with_one_critical_even
     r = run([orphan(p) for p in ps], snap(ps), state, pol, now=31.0)
     assert [s for s in signals(r) if not s.dry_run] == []
     assert EventName.LIMITS_KILL_CAP_REACHED not in names(r)
+    held = [e.fields["why"] for e in r.events if e.name == EventName.ACTION_REFUSED]
+    assert held == ["dry_run (kill cap engaged)"] * len(real)  # the user's latch, said so
     # An explicit clear lifts it at once.
     r = run([orphan(p) for p in ps], snap(ps), clear_forced_dry_run(r.state), pol, now=32.0)
     assert {s.signal for s in signals(r) if not s.dry_run} >= {"SIGKILL"}
@@ -738,6 +740,8 @@ def test_the_node_cap_latches_everything_and_expires_too() -> None:
     assert [s.dry_run for s in signals(r)] == [False, False, False, True]
     assert r.state.forced_dry_run
     assert event(r, EventName.LIMITS_KILL_CAP_REACHED)["scope"] == "node"
+    r = run([], snap([]), r.state, pol, now=59.0, wall=WALL + 59.0)
+    assert r.state.forced_dry_run  # not before limits.kill_cap_latch
     r = run([], snap([]), r.state, pol, now=61.0, wall=WALL + 61.0)
     assert event(r, EventName.LIMITS_KILL_CAP_EXPIRED)["scope"] == "node"
     assert not r.state.forced_dry_run
@@ -1361,3 +1365,17 @@ def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:
     assert signals(r) == []
     r = run([flipped], snap([p]), r.state, pol, now=30.0)
     assert [(s.signal, s.step, s.finding_key) for s in signals(r)] == [("SIGKILL", 2, flipped.key)]
+
+
+@pytest.mark.parametrize(("moved", "cleared"), [(64 * MIB - 1, False), (64 * MIB, True)])
+def test_a_refused_incident_is_tried_again_once_its_memory_moved_64_mib(
+    moved: int, cleared: bool
+) -> None:
+    pol = policy(reset=ResetPolicy(confirm_for=0.0, cooldown=0.0, max_resets=10))
+    g = ghost()
+    r = _reset_run([g], PlanState(), 0.0, pol=pol, gpus=[_with_memory(10 << 30)])
+    state = record_reset(r.state, resets(r)[0], "in_use", now=0.0, wall=WALL).state
+    state = _reset_run([g], state, 10.0, pol=pol, gpus=[_with_memory(10 << 30)]).state
+    r = _reset_run([g], state, 20.0, pol=pol, gpus=[_with_memory((10 << 30) - moved)])
+    assert (EventName.RESET_REFUSAL_CLEARED in names(r)) is cleared
+    assert len(resets(r)) == int(cleared)

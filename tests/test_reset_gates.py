@@ -13,6 +13,7 @@ import pytest
 from gpuwatchd.decide.health import drain_blockers
 from gpuwatchd.decide.plan import (
     EventName,
+    HookIntent,
     PlanState,
     ResetIntent,
     forget_reset_refusals,
@@ -24,10 +25,11 @@ from gpuwatchd.decide.plan import (
     reset_gates,
 )
 from gpuwatchd.decide.policy import HealthPolicy, Limits, Policy
-from gpuwatchd.model import Finding, ProcessIdentity, Snapshot
+from gpuwatchd.model import Finding, FindingKind, ProcessIdentity, Snapshot
 from tests.support.snapshots import HostBuilder, gpu_uuid
 from tests.test_gates import (
     GPU0,
+    GPU1,
     JOB,
     RESET_DRAIN,
     SELF,
@@ -364,3 +366,44 @@ def test_a_dry_runs_refused_reset_holds_its_incident_as_enforcement_would_until_
     assert real.state.reset_refusals == {}
     (again,) = _resets(real)
     assert not again.dry_run
+
+
+def test_a_gpu_the_driver_says_is_in_use_has_a_live_holder_for_every_reset() -> None:
+    """The GPU-level hidden_holder (a reset the driver refused as in use) holds every reset of
+    that GPU — a health reset too, not only the refused incident's."""
+    hidden = Finding(
+        kind=FindingKind.HIDDEN_HOLDER, gpu=GPU0, pid=None, start_ticks=None,
+        reason="the driver refused to reset GPU 0", evidence={"gap": "driver_in_use"},
+    )  # fmt: skip
+    for finding in (_ghost(), _health()):
+        gates = reset_gates(finding, _idle_host(), _policy(), report_only={}, findings=[hidden])
+        assert [(g.name, g.why) for g in gates] == [
+            ("live_holder", "live holder: hidden_holder: the driver refused the last reset, "
+             "in use by another client")
+        ]  # fmt: skip
+    other = reset_gates(_ghost(GPU1), _idle_host(), _policy(), report_only={}, findings=[hidden])
+    assert other == []
+
+
+def test_a_dry_runs_would_be_reset_deals_with_its_incident_and_starts_the_cooldown() -> None:
+    """Assumed to have succeeded: the same incident is not reset again while it lasts, and a
+    new one on that GPU waits for the cooldown, as after a real reset; its would-be
+    notification is shown."""
+    dry = _policy(dry_run=True, reset=replace(
+        _policy().reset, confirm_for=0.0, cooldown=600.0, max_resets=5
+    ))  # fmt: skip
+    first = _plan([_ghost()], _idle_host(), PlanState(), dry, 0.0)
+    (intent,) = _resets(first)
+    booked = record_reset(
+        first.state, intent, "dry_run", now=1.0, wall=WALL + 1.0, would_succeed=True
+    )
+    assert [(i.hook, i.dry_run) for i in booked.intents if isinstance(i, HookIntent)] == [
+        ("on_action", True)
+    ]
+    later = _plan([_ghost()], _idle_host(), booked.state, dry, 900.0)  # past the cooldown
+    assert _resets(later) == []
+    assert any("assumed to have dealt with it" in w for w in _whys(later, EventName.RESET_REFUSED))
+    gone = _plan([], _idle_host(), booked.state, dry, 100.0)  # the incident ended
+    again = _plan([_ghost()], _idle_host(), gone.state, dry, 200.0)  # a new one, too soon
+    assert _resets(again) == []
+    assert "cooldown" in _whys(again, EventName.RESET_REFUSED)

@@ -26,6 +26,7 @@ from gpuwatchd.decide.verdict import (
     OnceStep,
     Reason,
     judge,
+    not_clean,
     once_progress,
 )
 from gpuwatchd.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
@@ -631,3 +632,162 @@ def test_a_reset_the_driver_refused_as_in_use_leaves_the_gpu_dirty_and_run_once_
     step, left = once_progress(verdict, [])
     assert step is OnceStep.STUCK
     assert "hidden_holder" in left[0]
+
+
+# --- the verdict's edges (each a gate make mutate found untested) ---------------------------
+
+
+def test_memory_one_mib_past_the_margin_beside_a_holder_is_dirt_and_at_it_is_not() -> None:
+    """With a monitor holding the GPU no idle baseline is learned: the default one counts, and
+    the margin itself is still clean."""
+    at = Detection().default_baseline + Detection().ghost_margin
+    monitor = HostBuilder().proc(900, comm="gpustat", holds={0}, uvm=False)
+    assert verdict_of(monitor.gpu(0, allocated=at).build()).clean is True
+    over = verdict_of(monitor.gpu(0, allocated=at + MIB).build())
+    assert kinds(over.gpus[0]) == ["leftover_memory"]
+    assert "above its default idle baseline" in over.gpus[0].reasons[0].text
+
+
+@pytest.mark.parametrize(
+    ("builder", "note"),
+    [
+        (
+            HostBuilder().gpu(0, allocated=None).proc(900, comm="gpustat", holds={0}, uvm=False),
+            "allocated memory unknown",
+        ),
+        (
+            HostBuilder().gpu(0, allocated=3 * LEAK).proc(300, holds={0}, uvm=True)
+            .nvml(0, 300, used=None),
+            "a live owner's memory figure is unknown",
+        ),
+    ],
+)  # fmt: skip
+def test_memory_with_an_unknown_figure_is_noted_never_judged(
+    builder: HostBuilder, note: str
+) -> None:
+    verdict = verdict_of(builder.build())
+    assert verdict.clean is True
+    assert any(note in n for n in verdict.gpus[0].notes)
+
+
+def test_our_own_nvml_worker_listed_by_nvml_accounts_for_no_memory() -> None:
+    snapshot = (
+        HostBuilder(self_pids=frozenset({4242}))
+        .gpu(0, allocated=600 * MIB)
+        .proc(900, comm="gpustat", holds={0}, uvm=False)
+        .nvml(0, 4242, used=600 * MIB)
+        .build()
+    )
+    assert kinds(verdict_of(snapshot).gpus[0]) == ["leftover_memory"]
+
+
+def test_a_lost_gpu_says_only_that_and_the_next_gpu_is_still_judged() -> None:
+    verdict = verdict_of(HostBuilder().gpu(0, lost=True).gpu(1, processes_readable=False).build())
+    assert [kinds(g) for g in verdict.gpus] == [["lost"], ["processes_unknown"]]
+    assert states(verdict) == ["dirty", "unknown"]
+    # Nothing else is said about a lost GPU, not even what unreadable processes may hold.
+    unread = verdict_of(HostBuilder().gpu(0, lost=True).gpu(1).proc(700, unreadable=True).build())
+    assert [kinds(g) for g in unread.gpus] == [["lost"], ["unreadable"]]
+
+
+def test_a_gpu_whose_minor_number_is_unknown_is_unknown() -> None:
+    verdict = verdict_of(HostBuilder().gpu(0, minor=None).build())
+    assert kinds(verdict.gpus[0]) == ["unknown_holder"]
+    assert verdict.gpus[0].state is Cleanliness.UNKNOWN
+
+
+@pytest.mark.parametrize(("count", "more"), [(8, ""), (9, " and 1 more")])
+def test_unreadable_processes_are_named_eight_at_most(count: int, more: str) -> None:
+    builder = HostBuilder().gpu(0)
+    for pid in range(700, 700 + count):
+        builder.proc(pid, unreadable=True)
+    (reason,) = verdict_of(builder.build()).gpus[0].reasons
+    shown = ", ".join(str(pid) for pid in range(700, 708))
+    assert reason.text.startswith(f"the fds/maps of PID(s) {shown}{more} could not be read")
+
+
+def test_a_holder_whose_start_time_or_context_cannot_be_told_is_unknown_not_excused() -> None:
+    """The orphan rule cannot decide for a holder whose start time is unknown, or while a GPU
+    could not say who owns a context there: unknown, never a mere reset blocker."""
+    no_start = verdict_of(two_gpus().proc(910, start=None, holds={0}, uvm=True).build())
+    assert states(no_start) == ["unknown", "clean"]
+    assert kinds(no_start.gpus[0]) == ["unknown_holder"]
+    unseen = verdict_of(
+        HostBuilder().gpu(0).gpu(1, processes_readable=False).proc(910, holds={0}, uvm=True).build()
+    )
+    assert states(unseen) == ["unknown", "unknown"]
+    assert kinds(unseen.gpus[0]) == ["unknown_holder"]
+
+
+def _about(kind: FindingKind, gpu: str | None, pid: int | None, **evidence: object) -> Finding:
+    start = None if pid is None else 10_000 + pid * 7
+    return Finding(kind=kind, gpu=gpu, pid=pid, start_ticks=start, reason=f"{kind.value} here",
+                   evidence=evidence)  # fmt: skip
+
+
+def test_a_leftover_holding_no_gpus_node_is_no_dirt_but_blocks_every_reset() -> None:
+    """A finding about a process that holds only nvidiactl/nvidia-uvm names no GPU: it dirties
+    none (the findings after it are still judged) and would block each one's reset."""
+    builder = two_gpus().proc(400, holds=(), ctl=True, uvm=True)
+    extra = (
+        _about(FindingKind.ABANDONED, None, 400),
+        _about(FindingKind.DEAD_PROCESS, gpu_uuid(1), 77),
+    )
+    verdict = verdict_of(builder.build(), extra=extra)
+    assert states(verdict) == ["clean", "dirty"]
+    assert kinds(verdict.gpus[1]) == ["dead_process"]
+    assert blockers(verdict.gpus[0]) == [400]
+
+
+def test_a_finding_about_a_gpu_this_poll_does_not_know_leaves_no_gpu_clean() -> None:
+    verdict = verdict_of(two_gpus().build(), extra=(_about(FindingKind.ZOMBIE, "GPU-gone", 88),))
+    assert states(verdict) == ["dirty", "dirty"]
+    assert [kinds(g) for g in verdict.gpus] == [["zombie"], ["zombie"]]
+
+
+def test_an_nvml_only_client_or_infrastructure_is_never_dirt_whatever_the_finding() -> None:
+    """The excuse does not depend on the finding's kind: a process whose finding says it is an
+    NVML-only client (even without a holder role), or root's own infrastructure."""
+    # Root's persistenced holding no GPU node here, so it has no holder role to excuse it.
+    builder = two_gpus().proc(901, holds={0}, uvm=False).proc(50, **ROOTS_PERSISTENCED)
+    extra = (
+        _about(FindingKind.ORPHANED, gpu_uuid(0), 99, nvml_only=True),
+        _about(FindingKind.ORPHANED, gpu_uuid(1), 50),
+    )
+    verdict = verdict_of(builder.build(), extra=extra)
+    assert states(verdict) == ["clean", "clean"]
+
+
+def test_not_clean_names_the_gpus_that_are_not_clean_among_those_asked() -> None:
+    gpus = (gpu_verdict(0, "dead_process"), gpu_verdict(1), gpu_verdict(2, "zombie"))
+    verdict = NodeVerdict(gpus)
+    assert [g.index for g in not_clean(verdict)] == [0, 2]
+    assert [g.index for g in not_clean(verdict, [gpu_uuid(2), gpu_uuid(1)])] == [2]
+    assert not_clean(verdict, []) == []
+
+
+@pytest.mark.parametrize(
+    ("protect", "change"),
+    [
+        (Protect(users=("bob",)), {"user": None}),
+        (Protect(units=("jupyter*.service",)), {"cgroup": None}),
+        (Protect(cgroups=("/system.slice/jupyter*",)), {"cgroup": None}),
+        (Protect(commands=(re.compile("--port"),)), {"cmdline": ("notebook", "x" * 5000)}),
+    ],
+    ids=["user-unknown", "unit-unknown", "cgroup-unknown", "command-longer-than-searched"],
+)
+def test_a_protect_entry_that_cannot_be_checked_excuses_no_dirt(
+    protect: Protect, change: dict[str, Any]
+) -> None:
+    """Unknown refuses a target (targets.refusal) but names nothing protected: the leftover
+    stays dirt."""
+    ended = frozenset({f"unit:{JUPYTER}"})
+    builder = leftover_kernel().change(910, **change)
+    snapshot = replace(builder.build(), handovers=dict.fromkeys(ended, 10**12))
+    if change.get("cgroup", True) is None:
+        abandoned = _about(FindingKind.ABANDONED, gpu_uuid(0), 910, gpus=[gpu_uuid(0)])
+        verdict = verdict_of(snapshot, replace(POLICY, protect=protect), extra=(abandoned,))
+        assert states(verdict)[0] == "dirty"
+        return
+    verdict = verdict_of(snapshot, replace(POLICY, protect=protect))
+    assert states(verdict) == ["dirty", "dirty"]

@@ -13,6 +13,10 @@ This module owns *how* mutants are judged. Once pytest has collected the test fi
    function run, fastest first, stopping at the first failure. The child's own alarm bounds
    it (a mutant that loops forever is killed by the timeout, which counts as detected).
 
+A target module's ``functools`` caches are emptied before every test (baseline, rerun and
+mutant alike): a result cached by an earlier test would otherwise hide a call to a cached
+function (from the recording) and a mutant of it (from the tests).
+
 Verdicts: ``killed`` (a test failed), ``timeout`` (detected too), ``survived`` (every test
 passed), ``uncovered`` (no test calls the function: a survivor by another name), ``error``
 (the mutant could not be installed: a bug of this tool), ``not_run`` (the time limit came
@@ -80,6 +84,9 @@ def _resolve(module: str, qualname: str) -> types.FunctionType:
         obj = vars(obj)[part] if isinstance(obj, type) else getattr(obj, part)
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
+    if isinstance(obj, property):
+        obj = obj.fget
+    obj = getattr(obj, "__wrapped__", obj)  # functools.lru_cache wraps the function itself
     if not isinstance(obj, types.FunctionType):
         raise TypeError(f"{module}.{qualname} is not a plain function")
     return obj
@@ -162,6 +169,14 @@ class MutationPlugin:
         self._run_mutants(items)
         return True
 
+    def _clear_caches(self) -> None:
+        for source in self.modules.values():
+            module = sys.modules.get(source.module)
+            for value in vars(module).values() if module is not None else ():
+                clear = getattr(value, "cache_clear", None)
+                if callable(clear):
+                    clear()
+
     # -- baseline --
 
     def _code_map(self) -> dict[types.CodeType, str]:
@@ -182,6 +197,7 @@ class MutationPlugin:
         self.progress(f"baseline: {len(items)} tests, recording which functions each calls")
         for item in items:
             called: set[str] = set()
+            self._clear_caches()
             started = time.monotonic()
             sys.setprofile(_recorder(codes, called))
             try:
@@ -224,6 +240,7 @@ class MutationPlugin:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             for item in tests:
+                self._clear_caches()
                 reports = runtestprotocol(item, nextitem=None, log=False)
                 if any(r.failed for r in reports):
                     os.write(pipe, item.nodeid.encode() + b"\n")
@@ -315,6 +332,7 @@ class MutationPlugin:
             self._install(mutant)
             code = _SURVIVED
             for item in tests:
+                self._clear_caches()
                 reports = runtestprotocol(item, nextitem=None, log=False)
                 if any(r.failed for r in reports):
                     os.write(pipe, item.nodeid.encode())

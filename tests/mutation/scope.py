@@ -49,10 +49,20 @@ _RESET_GATES = (
     "_consider_health",
     "_consider_health_reset",
     "record_reset",
+    # A refused reset holds its incident (drain and before hooks once) until something changes.
+    "_review_refusals",
+    "_reset_came_back",
+    "hidden_holders",
+    # reset.drain once per health incident of a GPU.
+    "_drained_already",
+    "_drain_hooks",
 )
 _KILL_LADDER = (
     "_gate",
     "_cap_exceeded",
+    "_kill_caps",
+    "kill_cap_scope",
+    "_expire_latches",
     "_consider_process_finding",
     "_advance_ladders",
     "_advance_live_ladder",
@@ -71,6 +81,9 @@ _KILL_LADDER = (
 _KILL_DECISIONS = (
     "_gate",
     "_cap_exceeded",
+    "_kill_caps",
+    "kill_cap_scope",
+    "_expire_latches",
     "_consider_process_finding",
     "_advance_ladders",
     "_advance_live_ladder",
@@ -94,7 +107,27 @@ _ORPHAN_CLASSIFICATION = (
     "_Assessor.likely_heir",
     "_tree_link",
     "_lost_leader",
+    # A GPU whose reset the driver refused as in use: a hidden holder (it blocks resets).
+    "_Assessor.assess_driver_refusals",
+    # Whether a job ended: its holders are abandoned (what opt-in rules may kill).
+    "job_ended",
 )
+# The one verdict "clean for a new job?" (a Slurm prolog's check-clean, an epilog's run --once
+# exit 0): what makes a GPU dirty or unknown, what excuses a holder, and when run --once is
+# done. Its wording (describe, the reset blockers' labels) is not a gate.
+_VERDICT = (
+    "_Judge.excuse",
+    "_Judge.gpus_of",
+    "_Judge.add_findings",
+    "_Judge.add_unknowns",
+    "_Judge.add_memory",
+    "_Judge.verdict",
+    "once_progress",
+    "not_clean",
+)
+# protect.commands and rules' command filters, matched in linear time: a wrong match would
+# leave a protected process unprotected.
+_PATTERNS = ("command_search", "_search", "_close", "_holds", "_one_char")
 
 TARGETS = (
     Target("floor", "gpuwatchd/decide/floor.py", ALL, ALL),
@@ -108,6 +141,8 @@ TARGETS = (
         _RESET_GATES + _KILL_DECISIONS,
     ),
     Target("assess", "gpuwatchd/decide/assess.py", _ORPHAN_CLASSIFICATION, _ORPHAN_CLASSIFICATION),
+    Target("verdict", "gpuwatchd/decide/verdict.py", ALL, _VERDICT),
+    Target("patterns", "gpuwatchd/decide/patterns.py", ALL, _PATTERNS),
 )
 
 # The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
@@ -133,4 +168,8 @@ TEST_FILES = (
     "tests/test_scenarios.py",
     "tests/test_simulate.py",
     "tests/test_report.py",
+    "tests/test_verdict.py",
+    "tests/test_patterns.py",
+    "tests/test_dry_run_preview.py",
+    "tests/test_check_clean.py",
 )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gpuwatchd import __version__, holder_view
 from gpuwatchd.cli.report import build_report
+from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
@@ -44,27 +45,6 @@ def procfs_for(policy: Policy) -> ProcFS:
     return ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
     )
-
-
-# Capabilities needed to read other users' /proc/PID/fd and maps (docs/design-notes.md §9).
-_INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
-# ... and to signal them.
-ACT_CAPABILITIES = {**_INSPECT_CAPABILITIES, "CAP_KILL": 5}
-
-
-def missing_capabilities(
-    proc_root: str, wanted: dict[str, int] = _INSPECT_CAPABILITIES
-) -> list[str]:
-    """Which of the ``wanted`` capabilities this process lacks (from CapEff)."""
-    try:
-        with open(os.path.join(proc_root, "self", "status"), encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("CapEff:"):
-                    effective = int(line.split()[1], 16)
-                    return [name for name, bit in wanted.items() if not effective & (1 << bit)]
-    except (OSError, ValueError, IndexError):
-        pass
-    return [] if os.geteuid() == 0 else list(wanted)
 
 
 def read_boot_time(proc_root: str) -> float | None:

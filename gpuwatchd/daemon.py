@@ -52,9 +52,15 @@ from gpuwatchd.pause import (
     read_pause,
     take_clear_latches,
 )
-from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
+from gpuwatchd.state import (
+    AlreadyRunning,
+    StateDirError,
+    StateStore,
+    check_version,
+    state_document,
+)
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
+from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -652,8 +658,7 @@ class Daemon:
             return
         state = self.engine.state
         try:
-            if data.get("version") != STATE_FILE_VERSION:
-                raise ValueError(f"unsupported state version {data.get('version')!r}")
+            check_version(data)
             state.assess = AssessState.from_json(data.get("assess"))
             state.plan = PlanState.from_json(data.get("plan"))
             record = data.get("reset_in_progress")
@@ -688,15 +693,14 @@ class Daemon:
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
-        data = {
-            "version": STATE_FILE_VERSION,
-            "boot_id": boot_id,
-            "saved_at": self.wall_clock(),
-            "assess": state.assess.to_json(),
-            "plan": state.plan.to_json(),
-            "reset_in_progress": state.reset_in_progress,
-            "status": self.status_section(),
-        }
+        data = state_document(
+            boot_id=boot_id,
+            saved_at=self.wall_clock(),
+            assess=state.assess.to_json(),
+            plan=state.plan.to_json(),
+            reset_in_progress=state.reset_in_progress,
+            status=self.status_section(),
+        )
         try:
             self.store.save(data)
         except OSError as exc:

@@ -99,8 +99,8 @@ def test_the_checker_sees_lazy_imports(tmp_path: pathlib.Path) -> None:
 # The layering of docs/architecture.md, bottom first: a module imports only from its own layer
 # or a lower one. A new module is placed here (by the longest matching prefix) when it is added.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("gpuwatchd", "gpuwatchd.escape", "gpuwatchd.lazylog", "gpuwatchd.model",
-                    "gpuwatchd.vocabulary")),
+    ("foundation", ("gpuwatchd", "gpuwatchd.checked", "gpuwatchd.escape", "gpuwatchd.lazylog",
+                    "gpuwatchd.model", "gpuwatchd.vocabulary")),
     ("decide", ("gpuwatchd.decide",)),
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",
                "gpuwatchd.logs", "gpuwatchd.holder_view")),

@@ -25,7 +25,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
-from gpuwatchd.state import StateStore
+from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
 
 
@@ -196,7 +196,7 @@ def _scan_host(
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
-    saved = StateStore(state_dir).peek() if state_dir is not None else {}
+    saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     procfs = procfs_for(policy)
     daemon = running_daemon(policy, state_dir, procfs)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
@@ -235,9 +235,9 @@ def _scan_host(
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
     previous = AssessState()
-    if saved.get("boot_id") == snapshot.boot_id:
+    if saved.same_boot(snapshot.boot_id):
         try:
-            previous = AssessState.from_json(saved.get("assess", {}))
+            previous = AssessState.from_json(saved.data.get("assess", {}))
         except ValueError:
             previous = AssessState()
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
@@ -250,7 +250,7 @@ def _scan_host(
         assessment.state.baselines,
         first_seen=(
             _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
-            if saved.get("boot_id") == snapshot.boot_id  # monotonic times of an older boot lie
+            if saved.same_boot(snapshot.boot_id)  # monotonic times of an older boot lie
             else {}
         ),
         now_wall=snapshot.wall_time,
@@ -293,12 +293,10 @@ def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
     return False
 
 
-def _first_seen_wall(
-    saved: Mapping[str, object], now_monotonic: float, now_wall: float
-) -> dict[str, float]:
+def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
     result: dict[str, float] = {}
-    for key, entry in Value(saved)["plan"]["seen"].mapping().items():
+    for key, entry in saved.value["plan"]["seen"].mapping().items():
         mono = Value(entry).number("first_seen")
         if isinstance(key, str) and mono is not None:
             result[key] = now_wall - max(0.0, now_monotonic - mono)

@@ -27,6 +27,7 @@ from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
+from gpuwatchd.wiring import procfs_for
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,6 @@ class ScanResult:
     permission_note: str | None = None
     wedged: bool = False
     verdict: NodeVerdict | None = None
-
-
-def procfs_for(policy: Policy) -> ProcFS:
-    return ProcFS(
-        policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
-    )
 
 
 def read_boot_time(proc_root: str) -> float | None:

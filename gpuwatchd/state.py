@@ -79,10 +79,6 @@ class SavedState:
         return Value(self.data)
 
     @property
-    def version(self) -> int | None:
-        return as_int(self.data.get("version"))
-
-    @property
     def boot_id(self) -> str | None:
         return as_text(self.data.get("boot_id"))
 
@@ -95,10 +91,6 @@ class SavedState:
     def status(self) -> Mapping[str, object]:
         """The daemon's ``status`` section (docs/operations.md, "status")."""
         return as_map(self.data.get("status"))
-
-    @property
-    def plan(self) -> Mapping[str, object]:
-        return as_map(self.data.get("plan"))
 
     @property
     def daemon_pid(self) -> int | None:

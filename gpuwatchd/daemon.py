@@ -3,8 +3,8 @@
 This module owns what only a long-running process has: the lock in ``state_dir`` (one instance
 at a time), loading and saving the state file, finishing a reset a crash interrupted, SIGTERM /
 SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the admin switch
-files, the wait between polls (woken at once by a signalled target's exit), and ``run --once``
-(beside a running daemon it only waits for the daemon's progress: :mod:`gpuwatchd.cli.once`).
+files, and the wait between polls (woken at once by a signalled target's exit). Starting it, and
+``run --once`` beside a running daemon, are :mod:`gpuwatchd.cli.run`.
 The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's edges from
 :mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself.
 """
@@ -19,24 +19,17 @@ import json
 import os
 import select
 import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 
 from gpuwatchd import __version__, holder_view
-from gpuwatchd.accepted import Fallback, render_accepted, save_accepted
-from gpuwatchd.act.signals import Signaller
-from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
-from gpuwatchd.collect.collector import Collector
-from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.collect.jobs import boot_ticks_now, cgroup2_mount
-from gpuwatchd.collect.nvml import NvmlClient
-from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.accepted import render_accepted, save_accepted
+from gpuwatchd.collect.capabilities import missing_capabilities
+from gpuwatchd.collect.jobs import boot_ticks_now
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
@@ -44,21 +37,26 @@ from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
-from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
-from gpuwatchd.logs import configure_logging
+from gpuwatchd.host import LogSink, SystemClock, node_name
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import (
     MAX_ENDED_JOBS,
-    hand_over_ended_jobs,
     read_ended_jobs,
     read_pause,
     take_clear_latches,
-    withdraw_ended_jobs,
 )
-from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
+from gpuwatchd.state import (
+    AlreadyRunning,
+    StateDirError,
+    StateStore,
+    check_version,
+    state_document,
+)
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
+from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
+from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode
+from gpuwatchd.wiring import build_real_host
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -67,23 +65,7 @@ T = TypeVar("T")
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
-ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
-
-
-class Notifier:
-    """sd_notify when systemd asked for it (NOTIFY_SOCKET set); silent otherwise."""
-
-    def __init__(self) -> None:
-        self._notifier: Any = None
-        if os.environ.get("NOTIFY_SOCKET"):
-            import sdnotify
-
-            self._notifier = sdnotify.SystemdNotifier()
-
-    def notify(self, message: str) -> None:
-        if self._notifier is not None:
-            self._notifier.notify(message)
 
 
 class Daemon:
@@ -115,10 +97,6 @@ class Daemon:
         self.wall_clock = wall_clock
         self.notifier = Notifier()
         self.store = StateStore(policy.state_dir)
-        self.procfs = ProcFS(
-            policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
-        )
-        self.nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
         # run --once --ended-job: the scheduler's word, said now (it covers processes older),
         # or when an earlier instance of this run --once heard it (``ended_jobs_said``).
         said = boot_ticks_now()
@@ -126,37 +104,35 @@ class Daemon:
             job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
             for job in sorted(ended_jobs)
         }
-        self.collector = Collector(
-            self.procfs,
-            self.nvml,
-            namespace_check=policy.namespace_check,
-            full_scan_interval=policy.full_scan_interval,
-            detection=policy.detection,
-            cgroup_root=cgroup2_mount(),
+        self.host = build_real_host(
+            policy,
+            nvml_env=nvml_env,
             clock=clock,
             wall_clock=wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
         )
-        # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
-        # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
-        self.device_watch = DeviceWatch(policy.devices_dir)
-        self.collector.backstop = policy.full_scan_backstop
+        self.procfs, self.nvml, self.collector = (
+            self.host.procfs,
+            self.host.nvml,
+            self.host.collector,
+        )
+        self.device_watch = self.host.device_watch  # started in _run_locked: by the lock holder
         self._own_start_ticks: int | None = None
         self._view_written: dict[str, object] | None = None
         self._view_polled = 0.0
-        self.signaller = Signaller(policy.proc_root)
+        self.signaller = self.host.signaller
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
         self._state_dir_error: str | None = None
-        self.hook_queue = HookQueue()
+        self.hook_queue = self.host.hook_queue
         self.notify_stop_grace = NOTIFY_STOP_GRACE
-        self.actuator = HostActuator(self.signaller)
+        self.actuator = self.host.actuator
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
         self.engine = Engine(
             policy,
-            reader=HostReader(self.collector, self.procfs, self.nvml),
+            reader=self.host.reader,
             actuator=self.actuator,
             clock=SystemClock(clock, wall_clock),
             sink=_DaemonSink(self),
@@ -228,9 +204,7 @@ class Daemon:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         finally:
-            self.signaller.close()
-            self.nvml.close()
-            self.device_watch.close()
+            self.host.close()
             self.store.close()
 
     def _start_device_watch(self) -> None:
@@ -448,11 +422,8 @@ class Daemon:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
             self._save_accepted(new)
-            self.engine.policy = self._effective(new)
-            self.nvml.timeout = self.policy.nvml_timeout
-            self.collector.full_scan_interval = self.policy.full_scan_interval
-            self.collector.backstop = self.policy.full_scan_backstop
-            self.collector.detection = self.policy.detection
+            self.engine.policy = self._effective(new)  # the one place the policy is held
+            self.host.apply(self.policy)
             self.metrics.set_textfile(self.policy.metrics.textfile)
             self.engine.hostname = node_name()  # a renamed node is named right after a reload
             self.engine.policy_reloaded()
@@ -568,24 +539,8 @@ class Daemon:
         self._view_written, self._view_polled = content, snapshot.wall_time
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
-        """Run slow work (a reset, hooks) off the main loop, feeding the watchdog meanwhile."""
-        box: list[T] = []
-        errors: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                box.append(work())
-            except BaseException as err:  # handed to the main thread below
-                errors.append(err)
-
-        thread = threading.Thread(target=target, name="gpuwatchd-slow", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=1.0)
-            self.notifier.notify("WATCHDOG=1")
-        if errors:
-            raise errors[0]
-        return box[0]
+        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
+        return keep_watchdog_fed(self.notifier, work)
 
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
@@ -598,7 +553,7 @@ class Daemon:
             poller.register(self._wakeup_r, select.POLLIN)
             for fd in self.signaller.fileno_list():
                 poller.register(fd, select.POLLIN)
-            slice_s = min(remaining, max(1.0, self._watchdog_slice()))
+            slice_s = min(remaining, max(1.0, watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
             except InterruptedError:  # pragma: no cover - PEP 475 retries
@@ -612,13 +567,6 @@ class Daemon:
             if exited:
                 self.save_state()
                 return
-
-    @staticmethod
-    def _watchdog_slice() -> float:
-        usec = os.environ.get("WATCHDOG_USEC")
-        if usec and usec.isdigit():
-            return int(usec) / 1e6 / 3
-        return 5.0
 
     def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
         status = describe_status(
@@ -657,8 +605,7 @@ class Daemon:
             return
         state = self.engine.state
         try:
-            if data.get("version") != STATE_FILE_VERSION:
-                raise ValueError(f"unsupported state version {data.get('version')!r}")
+            check_version(data)
             state.assess = AssessState.from_json(data.get("assess"))
             state.plan = PlanState.from_json(data.get("plan"))
             record = data.get("reset_in_progress")
@@ -693,15 +640,14 @@ class Daemon:
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
-        data = {
-            "version": STATE_FILE_VERSION,
-            "boot_id": boot_id,
-            "saved_at": self.wall_clock(),
-            "assess": state.assess.to_json(),
-            "plan": state.plan.to_json(),
-            "reset_in_progress": state.reset_in_progress,
-            "status": self.status_section(),
-        }
+        data = state_document(
+            boot_id=boot_id,
+            saved_at=self.wall_clock(),
+            assess=state.assess.to_json(),
+            plan=state.plan.to_json(),
+            reset_in_progress=state.reset_in_progress,
+            status=self.status_section(),
+        )
         try:
             self.store.save(data)
         except OSError as exc:
@@ -777,202 +723,8 @@ class _DaemonSink:
             )
 
 
-def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
-    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
-    fields = procfs.read_stat(os.getpid())
-    return None if fields is None else (os.getpid(), fields.starttime)
-
-
 def _os_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
         return f"{exc.strerror}{where}"
     return str(exc)
-
-
-def describe_status(
-    snapshot: Snapshot,
-    assessment: Assessment,
-    state: PlanState,
-    dry_run: bool,
-    verdict: NodeVerdict | None = None,
-) -> str:
-    """The one-line ``systemctl status`` text."""
-    reading = snapshot.nvml
-    if not reading.available:
-        return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
-    parts = [f"{len(reading.gpus)} GPUs watched"]
-    if reading.wedged:
-        parts.insert(0, "driver wedged")
-    lost = [g for g in reading.gpus if g.lost]
-    if lost:
-        parts.append(f"{len(lost)} lost (needs reboot)")
-    if verdict is not None and verdict.unavailable is None:
-        dirty = sum(1 for g in verdict.gpus if not g.clean)
-        parts.append(f"{dirty} not clean" if dirty else "all clean")
-    count = len(assessment.findings)
-    parts.append(f"{count} finding{'s' if count != 1 else ''}")
-    ladders = list(state.ladders.values())
-    active = sum(1 for lad in ladders if lad.status == "active")
-    parts.append(f"{active} action{'s' if active != 1 else ''} under way")
-    stuck = sum(1 for lad in ladders if lad.status == "stuck")
-    if stuck:
-        parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
-    if state.paused:
-        parts.append("paused")
-    if state.forced_dry_run:
-        parts.append("kill cap reached: forced dry-run")
-    elif dry_run:
-        parts.append("dry-run")
-    if state.circuit_open:
-        parts.append("resets stopped (circuit breaker)")
-    return ", ".join(parts)
-
-
-def run_daemon(
-    policy: Policy,
-    *,
-    config_path: str,
-    dry_run: bool,
-    once: bool,
-    once_timeout: float,
-    ended_jobs: frozenset[str] = frozenset(),
-    rejected: tuple[str, Fallback] | None = None,
-) -> int:
-    """Run the daemon (or ``run --once``). ``rejected``: the configured policy was rejected
-    (its error) and ``policy`` is the fallback (gpuwatchd/accepted.py) the daemon runs with."""
-    interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
-    configure_logging(fmt="console" if interactive else policy.log_format)
-    rejected_at_start: dict[str, object] | None = None
-    if rejected is not None:
-        error, fallback = rejected
-        log.critical(
-            EventName.CONFIG_START_REJECTED,
-            error=error,
-            config=config_path,
-            running=fallback.describe(),
-            dry_run=policy.dry_run or dry_run,
-            unusable=list(fallback.problems),
-        )
-        rejected_at_start = {
-            "at": time.time(),
-            "error": error,
-            "at_start": True,
-            "running": fallback.describe(),
-        }
-    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
-    if missing:
-        effective_dry_run = dry_run or policy.dry_run
-        if not effective_dry_run:
-            log.critical(
-                EventName.DAEMON_NO_PERMISSION,
-                missing=missing,
-                detail="enforcing needs these capabilities (run as root); refusing to start",
-            )
-            return ExitCode.NOPERM
-        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
-    daemon = Daemon(
-        policy,
-        config_path=config_path,
-        dry_run=dry_run,
-        once=once,
-        once_timeout=once_timeout,
-        ended_jobs=ended_jobs,
-        rejected_at_start=rejected_at_start,
-    )
-    try:
-        try:
-            return daemon.run()
-        except AlreadyRunning:
-            pass
-        # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
-        # only watches the daemon's progress until nothing is left to act on.
-        return _once_beside_the_daemon(
-            policy,
-            daemon,
-            config_path=config_path,
-            dry_run=dry_run,
-            once_timeout=once_timeout,
-            ended_jobs=ended_jobs,
-        )
-    except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
-            return ExitCode.NOPERM
-        raise
-
-
-def _once_beside_the_daemon(
-    policy: Policy,
-    refused: Daemon,
-    *,
-    config_path: str,
-    dry_run: bool,
-    once_timeout: float,
-    ended_jobs: frozenset[str],
-) -> int:
-    """``run --once`` while another instance holds the lock: hand the ended jobs over, wait for
-    its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
-    another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
-    from gpuwatchd.cli.once import wait_for_daemon
-
-    deadline = time.monotonic() + once_timeout
-    waiter = _own_identity(refused.procfs)
-    handed: StateDir | None = None
-    if ended_jobs:
-        # The running daemon takes the scheduler's word from the state folder at its next
-        # poll (and so does the waiter's scan) while this process waits, and no longer; the
-        # word covers only processes older than when it was said (this process's start).
-        until = time.time() + once_timeout + ENDED_JOB_GRACE
-        said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
-        try:
-            if waiter is None:
-                raise OSError("this process's own start time cannot be read")
-            state_dir = refused.store.directory()
-            hand_over_ended_jobs(
-                state_dir,
-                ended_jobs,
-                until=until,
-                waiter=waiter,
-                said_at=said,
-                boot_id=refused.procfs.boot_id(),
-            )
-        except OSError as exc:
-            print(
-                f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
-                file=sys.stderr,
-            )
-        else:
-            handed = state_dir
-            print(
-                f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
-                file=sys.stderr,
-            )
-    try:
-        while True:
-            code = wait_for_daemon(refused.policy, max(0.0, deadline - time.monotonic()))
-            if code is not None:
-                return code
-            print(
-                "gpuwatchd: the instance that held the lock has stopped; going on alone",
-                file=sys.stderr,
-            )
-            successor = Daemon(
-                policy,
-                config_path=config_path,
-                dry_run=dry_run,
-                once=True,
-                once_timeout=max(0.0, deadline - time.monotonic()),
-                ended_jobs=ended_jobs,
-                # The scheduler said it when this epilog started, not now: the successor's
-                # word covers the same processes (only those older than it).
-                ended_jobs_said=refused.own_ended_jobs,
-            )
-            try:
-                return successor.run()
-            except AlreadyRunning:
-                # Another instance took the lock first: wait for it in turn.
-                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
-    finally:
-        if handed is not None and waiter is not None:
-            withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)

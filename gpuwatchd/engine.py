@@ -176,7 +176,8 @@ def _describe_intent(intent: Intent) -> str:
 
 def run_inline(work: Callable[[], T]) -> T:
     """The default way to run slow work (a reset, hooks): right here. The daemon passes a
-    runner that keeps the systemd watchdog fed while the work runs off the main loop."""
+    runner that also keeps the systemd watchdog fed meanwhile (the work still runs here, on
+    the loop's own thread: :func:`gpuwatchd.systemd_notify.keep_watchdog_fed`)."""
     return work()
 
 

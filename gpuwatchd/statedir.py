@@ -30,11 +30,12 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+
+from gpuwatchd.checked import Value
 
 __all__ = [
     "LOCK_FILE",
@@ -170,38 +171,6 @@ def open_directory(
 
 
 # --- reading JSON leniently ---------------------------------------------------------------------
-
-
-class Value:
-    """Typed, lenient access to a decoded JSON value: a missing or malformed part is None
-    (unknown), never an exception. ``Value(doc)["status"].integer("pid")``."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: object) -> None:
-        self.raw = raw
-
-    def __getitem__(self, key: str) -> Value:
-        return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
-
-    def integer(self, key: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
-        value = self[key].raw
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            return None
-        return value
-
-    def number(self, key: str) -> float | None:
-        value = self[key].raw
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        return float(value) if math.isfinite(value) else None
-
-    def text(self, key: str, limit: int = 4096) -> str | None:
-        value = self[key].raw
-        return value if isinstance(value, str) and len(value) <= limit else None
-
-    def mapping(self) -> Mapping[str, object]:
-        return self.raw if isinstance(self.raw, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.daemon import Daemon, describe_status
+from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
@@ -25,6 +25,7 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.systemd_notify import describe_status
 from gpuwatchd.vocabulary import LadderStatus
 
 

@@ -18,7 +18,12 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.collect.holders import HolderScanner, lines_containing, match_device_name
+from gpuwatchd.collect.holders import (
+    HolderScanner,
+    ProcessTable,
+    lines_containing,
+    match_device_name,
+)
 from gpuwatchd.collect.procfs import ProcFS
 from tests.support.children import HOLD_FD, Spawn, hold, spawn
 from tests.support.fakeproc import FakeProc, make_devices
@@ -242,7 +247,7 @@ def test_shared_dev_zero_mapping_is_anonymous_memory_not_a_device(
     assert child.pid not in holders.scan([child.pid]).holdings
 
 
-def _wait_for_state(procfs: ProcFS, pid: int, state: str) -> None:
+def _wait_for_state(procfs: ProcessTable, pid: int, state: str) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         fields = procfs.read_stat(pid)

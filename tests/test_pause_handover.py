@@ -236,8 +236,7 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
     goes on alone: its word still dates from when the epilog heard it (covering only processes
     older than that), never from the moment it took over; its hand-over named it as the waiter
     and is withdrawn when it is done."""
-    from gpuwatchd import daemon as daemon_module
-    from gpuwatchd.cli import once as once_module
+    from gpuwatchd.cli import run as run_module
 
     policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path), dry_run=True)
     refused = Daemon(
@@ -262,9 +261,9 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
         seen["successor"] = dict(self.own_ended_jobs)
         return 0
 
-    monkeypatch.setattr(once_module, "wait_for_daemon", stopped_meanwhile)
+    monkeypatch.setattr(run_module, "wait_for_daemon", stopped_meanwhile)
     monkeypatch.setattr(Daemon, "run", successor_run)
-    code = daemon_module._once_beside_the_daemon(
+    code = run_module._once_beside_the_daemon(
         policy,
         refused,
         config_path="/nonexistent/gpuwatchd.yaml",

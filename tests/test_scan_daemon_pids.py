@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd import holder_view
-from gpuwatchd.cli.scan import daemon_view, procfs_for, running_daemon
+from gpuwatchd.cli.scan import daemon_view, running_daemon
 from gpuwatchd.collect.nvml import WORKER_FILE
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.model import HolderScan
 from gpuwatchd.statedir import StateDir
+from gpuwatchd.wiring import procfs_for
 
 DAEMON = """\
 import fcntl, os, subprocess, sys, time

@@ -150,3 +150,48 @@ def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
     Path(store.path).write_text("{not json")
     assert store.peek() == {}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # not moved aside
+
+
+def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_path: Path) -> None:
+    """status, run --once and scan read state.json through read_saved_state: a missing file is
+    nothing found, a malformed one a problem (left in place), a well-formed one typed."""
+    from gpuwatchd.state import read_saved_state, state_document
+
+    missing = read_saved_state(str(tmp_path / "none"))
+    assert (missing.found, missing.problem, missing.daemon_pid) == (False, None, None)
+    store = StateStore(str(tmp_path))
+    store.save(
+        state_document(
+            boot_id="b1",
+            saved_at=1.0,
+            assess={},
+            plan={"ladders": {}},
+            reset_in_progress=None,
+            status={"pid": 4242},
+        )
+    )
+    saved = read_saved_state(str(tmp_path))
+    assert saved.found
+    assert saved.problem is None
+    assert (saved.boot_id, saved.daemon_pid) == ("b1", 4242)
+    assert saved.value["plan"]["ladders"].mapping() == {}
+    assert saved.same_boot("b1")
+    assert not saved.same_boot("b2")
+    (tmp_path / "state.json").write_text('{"status": {"pid": -3}, "boot_id": 7}')
+    odd = read_saved_state(str(tmp_path))
+    assert (odd.daemon_pid, odd.boot_id, odd.status) == (None, None, {"pid": -3})
+    (tmp_path / "state.json").write_text("{not json")
+    broken = read_saved_state(str(tmp_path))
+    assert not broken.found
+    assert broken.data == {}
+    assert broken.problem is not None
+    assert "is not a state file (malformed)" in broken.problem
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # left in place
+
+
+def test_a_state_file_of_another_version_is_refused() -> None:
+    from gpuwatchd.state import check_version
+
+    check_version({"version": 1})
+    with pytest.raises(ValueError, match="unsupported state version 2"):
+        check_version({"version": 2})

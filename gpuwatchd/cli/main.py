@@ -298,9 +298,9 @@ def _check_clean(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.run import run_daemon
     from gpuwatchd.collect.jobs import scheduler_ended_job
     from gpuwatchd.config.schema import ConfigError, parse_duration
-    from gpuwatchd.daemon import run_daemon
 
     try:
         timeout = parse_duration(args.timeout, where="--timeout")

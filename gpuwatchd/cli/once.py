@@ -20,20 +20,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from gpuwatchd.checked import as_map as _as_map
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.decide.plan import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import OnceStep, once_progress
 from gpuwatchd.escape import escape
-from gpuwatchd.state import StateStore
+from gpuwatchd.state import SavedState, StateStore
 from gpuwatchd.vocabulary import ExitCode
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
-
-
-def _as_map(value: object) -> Mapping[str, object]:
-    return value if isinstance(value, Mapping) else {}
 
 
 def daemon_busy(
@@ -89,17 +86,16 @@ def active_ladders(state: Mapping[str, object]) -> int:
     return sum(1 for lad in ladders.values() if _as_map(lad).get("status") == "active")
 
 
-def daemon_pid(state: Mapping[str, object]) -> object:
-    return _as_map(state.get("status")).get("pid")
+def daemon_pid(state: Mapping[str, object]) -> int | None:
+    return SavedState(state).daemon_pid
 
 
 def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
     as running: only a PID known gone or reused lets the waiter go on alone."""
-    from gpuwatchd.cli.status import daemon_pid as status_pid
     from gpuwatchd.cli.status import look_at_process
 
-    pid = status_pid(state)
+    pid = daemon_pid(state)
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 
 

@@ -21,6 +21,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from gpuwatchd.checked import as_map as _as_map
+from gpuwatchd.checked import as_text as _as_str
 from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.escape import escape
@@ -947,16 +949,8 @@ def _clean(text: str) -> str:
     return escape(text)
 
 
-def _as_map(value: object) -> Mapping[str, object]:
-    return value if isinstance(value, Mapping) else {}
-
-
 def _as_list(value: object) -> list[object]:
     return list(value) if isinstance(value, (list, tuple)) else []
-
-
-def _as_str(value: object) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def _as_float(value: object) -> float | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gpuwatchd import __version__, holder_view
 from gpuwatchd.cli.report import build_report
+from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
@@ -24,8 +25,9 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
-from gpuwatchd.state import StateStore
+from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
+from gpuwatchd.wiring import procfs_for
 
 
 @dataclass(frozen=True)
@@ -38,33 +40,6 @@ class ScanResult:
     permission_note: str | None = None
     wedged: bool = False
     verdict: NodeVerdict | None = None
-
-
-def procfs_for(policy: Policy) -> ProcFS:
-    return ProcFS(
-        policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
-    )
-
-
-# Capabilities needed to read other users' /proc/PID/fd and maps (docs/design-notes.md §9).
-_INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
-# ... and to signal them.
-ACT_CAPABILITIES = {**_INSPECT_CAPABILITIES, "CAP_KILL": 5}
-
-
-def missing_capabilities(
-    proc_root: str, wanted: dict[str, int] = _INSPECT_CAPABILITIES
-) -> list[str]:
-    """Which of the ``wanted`` capabilities this process lacks (from CapEff)."""
-    try:
-        with open(os.path.join(proc_root, "self", "status"), encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("CapEff:"):
-                    effective = int(line.split()[1], 16)
-                    return [name for name, bit in wanted.items() if not effective & (1 << bit)]
-    except (OSError, ValueError, IndexError):
-        pass
-    return [] if os.geteuid() == 0 else list(wanted)
 
 
 def read_boot_time(proc_root: str) -> float | None:
@@ -216,7 +191,7 @@ def _scan_host(
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
-    saved = StateStore(state_dir).peek() if state_dir is not None else {}
+    saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     procfs = procfs_for(policy)
     daemon = running_daemon(policy, state_dir, procfs)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
@@ -255,9 +230,9 @@ def _scan_host(
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
     previous = AssessState()
-    if saved.get("boot_id") == snapshot.boot_id:
+    if saved.same_boot(snapshot.boot_id):
         try:
-            previous = AssessState.from_json(saved.get("assess", {}))
+            previous = AssessState.from_json(saved.data.get("assess", {}))
         except ValueError:
             previous = AssessState()
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
@@ -270,7 +245,7 @@ def _scan_host(
         assessment.state.baselines,
         first_seen=(
             _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
-            if saved.get("boot_id") == snapshot.boot_id  # monotonic times of an older boot lie
+            if saved.same_boot(snapshot.boot_id)  # monotonic times of an older boot lie
             else {}
         ),
         now_wall=snapshot.wall_time,
@@ -313,12 +288,10 @@ def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
     return False
 
 
-def _first_seen_wall(
-    saved: Mapping[str, object], now_monotonic: float, now_wall: float
-) -> dict[str, float]:
+def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:
     """First-seen times from the daemon's plan state, converted from monotonic to wall time."""
     result: dict[str, float] = {}
-    for key, entry in Value(saved)["plan"]["seen"].mapping().items():
+    for key, entry in saved.value["plan"]["seen"].mapping().items():
         mono = Value(entry).number("first_seen")
         if isinstance(key, str) and mono is not None:
             result[key] = now_wall - max(0.0, now_monotonic - mono)

@@ -34,11 +34,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from gpuwatchd.checked import as_count as _count
+from gpuwatchd.checked import as_flag as _bool
+from gpuwatchd.checked import as_int as _int
+from gpuwatchd.checked import as_list as _seq
+from gpuwatchd.checked import as_map as _map
+from gpuwatchd.checked import as_number as _num
+from gpuwatchd.checked import as_text as _str
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
-from gpuwatchd.state import MAX_STATE_BYTES, STATE_FILE
-from gpuwatchd.statedir import StateDir, StateDirError, UntrustedFile, decode_json_object
+from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.vocabulary import EventName, LadderStatus
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
@@ -61,46 +67,9 @@ class StatusCode(enum.IntEnum):
     UNKNOWN = 4  # the state cannot be read (permission) or is not a state file
 
 
-# --- tolerant readers: a malformed value is None (unknown), never an exception ----------------
-
-
-def _num(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _count(value: object) -> int | None:
-    number = _int(value)
-    return number if number is not None and number >= 0 else None
-
-
-def _str(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _bool(value: object) -> bool | None:
-    return value if isinstance(value, bool) else None
-
-
-def _map(value: object) -> Mapping[str, object]:
-    if isinstance(value, Mapping):
-        return {k: v for k, v in value.items() if isinstance(k, str)}
-    return {}
-
-
-def _seq(value: object) -> Sequence[object]:
-    return value if isinstance(value, list) else []
-
-
 def daemon_pid(saved: Mapping[str, object] | None) -> int | None:
     """The PID the daemon wrote in its ``status`` section; None when absent or malformed."""
-    pid = _int(_map(_map(saved).get("status")).get("pid"))
-    return pid if pid is not None and pid > 0 else None
+    return SavedState(saved or {}).daemon_pid
 
 
 # --- the pure part ----------------------------------------------------------------------------
@@ -820,36 +789,9 @@ def render_text(result: Mapping[str, object]) -> str:
 
 def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
     """``(state, None)``; ``(None, None)`` when there is no state file; ``(None, why)`` when it
-    cannot be read, cannot be trusted or is not a state file. Reads only; nothing is created,
-    the lock and the folder are not touched."""
-    path = os.path.join(state_dir, STATE_FILE)
-    try:
-        directory = StateDir.open(state_dir)
-    except FileNotFoundError:
-        return None, None
-    except StateDirError as exc:
-        return None, f"{exc}: not read (only root may be able to write there)"
-    except PermissionError:
-        return None, f"cannot read {path}: permission denied (run as root)"
-    except OSError as exc:
-        return None, f"cannot read {path}: {exc.strerror or exc}"
-    try:
-        with directory:
-            raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
-    except FileNotFoundError:
-        return None, None
-    except UntrustedFile as exc:
-        return None, f"{path}: {exc.strerror}: not read"
-    except PermissionError:
-        return None, f"cannot read {path}: permission denied (run as root)"
-    except OSError as exc:
-        return None, f"cannot read {path}: {exc.strerror or exc}"
-    try:
-        if len(raw) > MAX_STATE_BYTES:
-            raise ValueError("too large")
-        return decode_json_object(raw), None
-    except ValueError:
-        return None, f"{path} is not a state file (malformed); the daemon moves it aside at start"
+    cannot be read, cannot be trusted or is not a state file (:func:`read_saved_state`)."""
+    saved = read_saved_state(state_dir)
+    return (dict(saved.data) if saved.found else None), saved.problem
 
 
 def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatchd.checked import as_flag as _flag
 from gpuwatchd.model import GpuHealth, Support, XidEvent, as_int
 
 MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
@@ -35,10 +36,6 @@ def _support(raw: object) -> Support:
 def _bounded(value: object, high: int) -> int | None:
     number = as_int(value)
     return number if number is not None and 0 <= number <= high else None
-
-
-def _flag(value: object) -> bool | None:
-    return value if isinstance(value, bool) else None
 
 
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

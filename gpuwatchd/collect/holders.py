@@ -70,10 +70,11 @@ import re
 import stat
 from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import Protocol
 
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
-from gpuwatchd.collect.procfs import GONE_ERRNOS, ProcFS, read_proc_file
+from gpuwatchd.collect.procread import GONE_ERRNOS, StatFields, read_proc_file
 from gpuwatchd.model import DeviceHolding, HolderScan
 
 NVIDIA_MAJOR = 195
@@ -84,6 +85,18 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm")
 
 _Match = tuple[str, int]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0)
+
+
+class ProcessTable(Protocol):
+    """What the scan reads about processes: :class:`gpuwatchd.collect.procfs.ProcFS` is one."""
+
+    root: str
+    self_pid: int
+
+    def char_device_majors(self) -> dict[str, int] | None: ...
+    def list_pids(self) -> list[int]: ...
+    def kernel_threads(self) -> frozenset[int]: ...
+    def read_stat(self, pid: int) -> StatFields | None: ...
 
 
 class _Gone(Exception):
@@ -163,7 +176,7 @@ class HolderScanner:
 
     def __init__(
         self,
-        procfs: ProcFS,
+        procfs: ProcessTable,
         *,
         devices_dir: str = "/dev",
         device_major: int = NVIDIA_MAJOR,

@@ -33,10 +33,16 @@ import os
 import pwd
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuwatchd.collect.cgroups import kernel_lines, parse_cgroup
+from gpuwatchd.collect.procread import (
+    GONE_ERRNOS,
+    PF_KTHREAD,
+    StatFields,
+    parse_stat,
+    read_proc_file,
+)
 from gpuwatchd.decide.floor import claims_infrastructure
 from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
@@ -57,64 +63,13 @@ __all__ = [
     "read_proc_file",
 ]
 
-PF_KTHREAD = 0x00200000
 DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
 PROC_CGROUP_INIT_INO = 0xEFFFFFFB
-GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
 # --- pure parsers -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StatFields:
-    """The fields of ``/proc/PID/stat`` gpuwatchd uses. ``starttime`` is field 22 (ticks)."""
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    pgrp: int
-    session: int
-    flags: int
-    num_threads: int
-    starttime: int
-
-    @property
-    def kernel_thread(self) -> bool:
-        return bool(self.flags & PF_KTHREAD)
-
-
-def parse_stat(text: str) -> StatFields | None:
-    """Parse one ``/proc/PID/stat`` line; None when it is malformed. Pure.
-
-    ``comm`` may hold anything but NUL (``foo) Z 1 (`` included), so it is taken from the first
-    ``(`` to the *last* ``)``; the numeric fields follow the last ``)``.
-    """
-    opening = text.find("(")
-    closing = text.rfind(")")
-    if opening < 0 or closing < opening:
-        return None
-    rest = text[closing + 1 :].split()
-    if len(rest) < 20:  # fields 3..22
-        return None
-    try:
-        return StatFields(
-            pid=int(text[:opening]),
-            comm=text[opening + 1 : closing],
-            state=rest[0],
-            ppid=int(rest[1]),
-            pgrp=int(rest[2]),
-            session=int(rest[3]),
-            flags=int(rest[6]),
-            num_threads=int(rest[17]),
-            starttime=int(rest[19]),
-        )
-    except ValueError:
-        return None
 
 
 def parse_proc_devices(text: str) -> dict[str, int]:
@@ -164,18 +119,6 @@ def _root_only(st: os.stat_result) -> bool:
 
 def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
-
-
-def read_proc_file(path: str) -> bytes:
-    """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 # --- the reader -------------------------------------------------------------------------------

@@ -536,7 +536,7 @@ SECTIONS: dict[str, Section] = {
         section_of(
             "hook",
             Hook,
-            # Hooks run off the main loop; a drain may wait for a scheduler.
+            # The watchdog is fed while hooks run; a drain may wait for a scheduler.
             {"argv": argv(HOOK_PLACEHOLDERS), "timeout": duration("1s", "10m")},
             yaml_names={"argv": "command"},
         ),
@@ -560,7 +560,7 @@ SECTIONS: dict[str, Section] = {
                 "max_failures": count(1, 100),
                 "allow_mig": BOOL,
                 "allow_nvlink_group": BOOL,
-                # Waited for off the main loop, like the reset command itself.
+                # Waited for with the watchdog fed, like the reset command itself.
                 "fabric_timeout": duration("1s", "30m"),
             },
         ),

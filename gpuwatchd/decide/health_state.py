@@ -8,10 +8,11 @@ mean and every change to them belong to ``health.py``; no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.checked import number as _time
+from gpuwatchd.checked import opt_number as _opt_time
 from gpuwatchd.model import as_int
 
 __all__ = ["MAX_XID_KINDS", "GpuHealthState", "HealthState", "XidRecord"]
@@ -121,16 +122,6 @@ class HealthState:
                 unhealed=unhealed,
             )
         return cls(gpus=gpus)
-
-
-def _time(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite time, got {value!r}")
-    return float(value)
-
-
-def _opt_time(value: object, what: str) -> float | None:
-    return None if value is None else _time(value, what)
 
 
 def _signatures(value: object, what: str) -> tuple[str, ...]:

@@ -14,12 +14,20 @@ atomically is ``state.py``'s and the daemon's job.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.checked import flag as _bool
+from gpuwatchd.checked import integer as _int
+from gpuwatchd.checked import items as _list
+from gpuwatchd.checked import number as _float
+from gpuwatchd.checked import numbers as _floats
+from gpuwatchd.checked import obj as _obj
+from gpuwatchd.checked import opt_number as _opt_float
+from gpuwatchd.checked import opt_text as _opt_str
+from gpuwatchd.checked import pairs as _pairs
+from gpuwatchd.checked import text as _str
 from gpuwatchd.decide.shadow import DryShadow
-from gpuwatchd.model import as_int
 from gpuwatchd.vocabulary import PLAN_STATE_VERSION, LadderStatus
 
 
@@ -250,67 +258,6 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         "health_drained": dict(sorted(s.health_drained.items())),
         "shadow": s.shadow.to_json(),
     }
-
-
-def _obj(value: object, what: str) -> Mapping[str, object]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ValueError(f"{what}: expected an object")
-    return value
-
-
-def _list(value: object, what: str) -> list[object]:
-    if not isinstance(value, list):
-        raise ValueError(f"{what}: expected a list")
-    return value
-
-
-def _str(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a string")
-    return value
-
-
-def _opt_str(value: object, what: str) -> str | None:
-    return None if value is None else _str(value, what)
-
-
-def _int(value: object, what: str) -> int:
-    number = as_int(value)
-    if number is None:
-        raise ValueError(f"{what}: expected an integer")
-    return number
-
-
-def _float(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what}: expected a number")
-    if not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite number")
-    return float(value)
-
-
-def _opt_float(value: object, what: str) -> float | None:
-    return None if value is None else _float(value, what)
-
-
-def _bool(value: object, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{what}: expected true or false")
-    return value
-
-
-def _floats(value: object, what: str) -> dict[str, float]:
-    return {k: _float(v, f"{what}.{k}") for k, v in _obj(value, what).items()}
-
-
-def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
-    out = []
-    for i, item in enumerate(_list(value, what)):
-        pair = _list(item, f"{what}[{i}]")
-        if len(pair) != 2:
-            raise ValueError(f"{what}[{i}]: expected [name, time]")
-        out.append((_str(pair[0], f"{what}[{i}]"), _float(pair[1], f"{what}[{i}]")))
-    return tuple(out)
 
 
 def _load_ladder(value: object, what: str) -> Ladder:

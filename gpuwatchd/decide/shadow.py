@@ -21,10 +21,12 @@ The assumed success of a would-be reset on GPU health is ``health.py``'s (``note
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from gpuwatchd.checked import number as _time
+from gpuwatchd.checked import pairs
+from gpuwatchd.checked import text as _str
 from gpuwatchd.decide.policy import Limits
 
 __all__ = ["HOUR", "DryShadow", "ShadowWork"]
@@ -98,12 +100,12 @@ class DryShadow:
         if not isinstance(latches, dict) or len(latches) > MAX_ENTRIES:
             raise ValueError("plan.shadow.latches: expected an object")
         return cls(
-            resets=_pairs(data.get("resets", []), "plan.shadow.resets"),
+            resets=pairs(data.get("resets", []), "plan.shadow.resets", MAX_ENTRIES),
             done={
                 _str(k, "plan.shadow.done"): _time(v, f"plan.shadow.done.{k}")
                 for k, v in done.items()
             },
-            signalled=_pairs(data.get("signalled", []), "plan.shadow.signalled"),
+            signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=capped,
             forced=tuple(forced),
             scopes={
@@ -122,29 +124,6 @@ def _latch(value: object, what: str) -> tuple[str, float]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"{what}: expected [why, since]")
     return _str(value[0], what), _time(value[1], what)
-
-
-def _str(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a string")
-    return value
-
-
-def _time(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{what}: expected a finite number")
-    return float(value)
-
-
-def _pairs(value: object, what: str) -> tuple[tuple[str, float], ...]:
-    if not isinstance(value, list) or len(value) > MAX_ENTRIES:
-        raise ValueError(f"{what}: expected a list")
-    out = []
-    for i, item in enumerate(value):
-        if not isinstance(item, list) or len(item) != 2:
-            raise ValueError(f"{what}[{i}]: expected [name, time]")
-        out.append((_str(item[0], f"{what}[{i}]"), _time(item[1], f"{what}[{i}]")))
-    return tuple(out)
 
 
 class ShadowWork:

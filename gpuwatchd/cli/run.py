@@ -1,0 +1,184 @@
+"""``gpuwatchd run``: start the daemon (or ``run --once``), and ``run --once`` beside a running one.
+
+This module owns what happens between the parsed command line and :class:`gpuwatchd.daemon.Daemon`:
+logging set up, the capability check (enforcing without them is refused), a policy rejected at
+start reported, and, when another instance holds the lock, ``run --once`` handing its ended jobs
+over and waiting on that instance's progress (:mod:`gpuwatchd.cli.once`) before going on alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+
+import structlog
+
+from gpuwatchd.accepted import Fallback
+from gpuwatchd.cli.once import wait_for_daemon
+from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.logs import configure_logging
+from gpuwatchd.pause import hand_over_ended_jobs, withdraw_ended_jobs
+from gpuwatchd.state import AlreadyRunning
+from gpuwatchd.statedir import StateDir
+from gpuwatchd.vocabulary import EventName, ExitCode
+
+log = structlog.get_logger("gpuwatchd")
+ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
+
+
+def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
+    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
+    fields = procfs.read_stat(os.getpid())
+    return None if fields is None else (os.getpid(), fields.starttime)
+
+
+def run_daemon(
+    policy: Policy,
+    *,
+    config_path: str,
+    dry_run: bool,
+    once: bool,
+    once_timeout: float,
+    ended_jobs: frozenset[str] = frozenset(),
+    rejected: tuple[str, Fallback] | None = None,
+) -> int:
+    """Run the daemon (or ``run --once``). ``rejected``: the configured policy was rejected
+    (its error) and ``policy`` is the fallback (gpuwatchd/accepted.py) the daemon runs with."""
+    interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
+    configure_logging(fmt="console" if interactive else policy.log_format)
+    rejected_at_start: dict[str, object] | None = None
+    if rejected is not None:
+        error, fallback = rejected
+        log.critical(
+            EventName.CONFIG_START_REJECTED,
+            error=error,
+            config=config_path,
+            running=fallback.describe(),
+            dry_run=policy.dry_run or dry_run,
+            unusable=list(fallback.problems),
+        )
+        rejected_at_start = {
+            "at": time.time(),
+            "error": error,
+            "at_start": True,
+            "running": fallback.describe(),
+        }
+    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
+    if missing:
+        effective_dry_run = dry_run or policy.dry_run
+        if not effective_dry_run:
+            log.critical(
+                EventName.DAEMON_NO_PERMISSION,
+                missing=missing,
+                detail="enforcing needs these capabilities (run as root); refusing to start",
+            )
+            return ExitCode.NOPERM
+        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
+    daemon = Daemon(
+        policy,
+        config_path=config_path,
+        dry_run=dry_run,
+        once=once,
+        once_timeout=once_timeout,
+        ended_jobs=ended_jobs,
+        rejected_at_start=rejected_at_start,
+    )
+    try:
+        try:
+            return daemon.run()
+        except AlreadyRunning:
+            pass
+        # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
+        # only watches the daemon's progress until nothing is left to act on.
+        return _once_beside_the_daemon(
+            policy,
+            daemon,
+            config_path=config_path,
+            dry_run=dry_run,
+            once_timeout=once_timeout,
+            ended_jobs=ended_jobs,
+        )
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
+            return ExitCode.NOPERM
+        raise
+
+
+def _once_beside_the_daemon(
+    policy: Policy,
+    refused: Daemon,
+    *,
+    config_path: str,
+    dry_run: bool,
+    once_timeout: float,
+    ended_jobs: frozenset[str],
+) -> int:
+    """``run --once`` while another instance holds the lock: hand the ended jobs over, wait for
+    its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
+    another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
+    deadline = time.monotonic() + once_timeout
+    waiter = _own_identity(refused.procfs)
+    handed: StateDir | None = None
+    if ended_jobs:
+        # The running daemon takes the scheduler's word from the state folder at its next
+        # poll (and so does the waiter's scan) while this process waits, and no longer; the
+        # word covers only processes older than when it was said (this process's start).
+        until = time.time() + once_timeout + ENDED_JOB_GRACE
+        said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
+        try:
+            if waiter is None:
+                raise OSError("this process's own start time cannot be read")
+            state_dir = refused.store.directory()
+            hand_over_ended_jobs(
+                state_dir,
+                ended_jobs,
+                until=until,
+                waiter=waiter,
+                said_at=said,
+                boot_id=refused.procfs.boot_id(),
+            )
+        except OSError as exc:
+            print(
+                f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+                file=sys.stderr,
+            )
+        else:
+            handed = state_dir
+            print(
+                f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
+                file=sys.stderr,
+            )
+    try:
+        while True:
+            code = wait_for_daemon(refused.policy, max(0.0, deadline - time.monotonic()))
+            if code is not None:
+                return code
+            print(
+                "gpuwatchd: the instance that held the lock has stopped; going on alone",
+                file=sys.stderr,
+            )
+            successor = Daemon(
+                policy,
+                config_path=config_path,
+                dry_run=dry_run,
+                once=True,
+                once_timeout=max(0.0, deadline - time.monotonic()),
+                ended_jobs=ended_jobs,
+                # The scheduler said it when this epilog started, not now: the successor's
+                # word covers the same processes (only those older than it).
+                ended_jobs_said=refused.own_ended_jobs,
+            )
+            try:
+                return successor.run()
+            except AlreadyRunning:
+                # Another instance took the lock first: wait for it in turn.
+                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
+    finally:
+        if handed is not None and waiter is not None:
+            withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)

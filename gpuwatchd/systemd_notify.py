@@ -1,0 +1,105 @@
+"""systemd's notification protocol: READY/RELOADING/STOPPING, the watchdog, the STATUS line.
+
+This module owns what the daemon tells systemd (``sd_notify``, only when systemd asked for it
+with ``NOTIFY_SOCKET``): the watchdog's period (a third of ``WATCHDOG_USEC``), feeding it while
+slow work runs (the work on the caller's own thread, a helper thread that only feeds), and the
+one-line ``systemctl status`` text. It decides nothing and reads no file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.plan import PlanState
+from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.model import Snapshot
+
+__all__ = ["Notifier", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
+
+T = TypeVar("T")
+FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
+
+
+class Notifier:
+    """sd_notify when systemd asked for it (NOTIFY_SOCKET set); silent otherwise."""
+
+    def __init__(self) -> None:
+        self._notifier: Any = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            import sdnotify
+
+            self._notifier = sdnotify.SystemdNotifier()
+
+    def notify(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+
+def watchdog_slice() -> float:
+    """How often the watchdog wants feeding: a third of ``WATCHDOG_USEC``; 5 s without one."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    if usec and usec.isdigit():
+        return int(usec) / 1e6 / 3
+    return 5.0
+
+
+def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY) -> T:
+    """Run slow work (a reset, hooks) right here, on the loop's own thread, while a helper
+    thread only feeds the watchdog: the work calls back into nothing from another thread."""
+    done = threading.Event()
+
+    def feed() -> None:
+        while not done.wait(every):
+            notifier.notify("WATCHDOG=1")
+
+    feeder = threading.Thread(target=feed, name="gpuwatchd-watchdog", daemon=True)
+    feeder.start()
+    try:
+        return work()
+    finally:
+        done.set()
+        feeder.join()
+        notifier.notify("WATCHDOG=1")
+
+
+def describe_status(
+    snapshot: Snapshot,
+    assessment: Assessment,
+    state: PlanState,
+    dry_run: bool,
+    verdict: NodeVerdict | None = None,
+) -> str:
+    """The one-line ``systemctl status`` text."""
+    reading = snapshot.nvml
+    if not reading.available:
+        return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
+    parts = [f"{len(reading.gpus)} GPUs watched"]
+    if reading.wedged:
+        parts.insert(0, "driver wedged")
+    lost = [g for g in reading.gpus if g.lost]
+    if lost:
+        parts.append(f"{len(lost)} lost (needs reboot)")
+    if verdict is not None and verdict.unavailable is None:
+        dirty = sum(1 for g in verdict.gpus if not g.clean)
+        parts.append(f"{dirty} not clean" if dirty else "all clean")
+    count = len(assessment.findings)
+    parts.append(f"{count} finding{'s' if count != 1 else ''}")
+    ladders = list(state.ladders.values())
+    active = sum(1 for lad in ladders if lad.status == "active")
+    parts.append(f"{active} action{'s' if active != 1 else ''} under way")
+    stuck = sum(1 for lad in ladders if lad.status == "stuck")
+    if stuck:
+        parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
+    if state.paused:
+        parts.append("paused")
+    if state.forced_dry_run:
+        parts.append("kill cap reached: forced dry-run")
+    elif dry_run:
+        parts.append("dry-run")
+    if state.circuit_open:
+        parts.append("resets stopped (circuit breaker)")
+    return ", ".join(parts)

@@ -1,0 +1,63 @@
+"""sd_notify and the watchdog (gpuwatchd/systemd_notify.py): slow work runs on the caller's own
+thread while a helper thread only feeds the watchdog."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpuwatchd.systemd_notify import Notifier, keep_watchdog_fed, watchdog_slice
+
+
+class _Recorder(Notifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, str]] = []
+
+    def notify(self, message: str) -> None:
+        self.messages.append((message, threading.current_thread().name))
+
+
+def _feeders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gpuwatchd-watchdog"]
+
+
+def test_slow_work_runs_on_the_callers_thread_and_the_watchdog_is_fed_meanwhile() -> None:
+    notifier = _Recorder()
+    caller = threading.current_thread()
+
+    def work() -> threading.Thread:
+        time.sleep(0.35)
+        return threading.current_thread()
+
+    ran_on = keep_watchdog_fed(notifier, work, every=0.05)
+    assert ran_on is caller
+    pings = [name for message, name in notifier.messages if message == "WATCHDOG=1"]
+    assert pings.count("gpuwatchd-watchdog") >= 3  # fed while the work ran, not only after
+    assert _feeders() == []
+
+
+def test_an_error_in_slow_work_reaches_the_caller_and_the_feeder_stops() -> None:
+    notifier = _Recorder()
+
+    def work() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        keep_watchdog_fed(notifier, work, every=0.05)
+    assert _feeders() == []
+
+
+@pytest.mark.parametrize(
+    ("usec", "expected"), [("30000000", 10.0), (None, 5.0), ("bogus", 5.0), ("-3", 5.0)]
+)
+def test_the_watchdog_is_fed_three_times_a_period(
+    monkeypatch: pytest.MonkeyPatch, usec: str | None, expected: float
+) -> None:
+    if usec is None:
+        monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    else:
+        monkeypatch.setenv("WATCHDOG_USEC", usec)
+    assert watchdog_slice() == expected

@@ -387,8 +387,8 @@ class Engine:
             return
         self._paused_reason = reason
         self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
-        self._emit(EventName.DAEMON_PAUSED if reason is not None else "daemon.resumed", "warning",
-                   reason=reason)  # fmt: skip
+        name = EventName.DAEMON_PAUSED if reason is not None else EventName.DAEMON_RESUMED
+        self._emit(name, "warning", reason=reason)
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
@@ -587,7 +587,12 @@ class Engine:
         except Exception as err:  # a bug in the procedure must not end the daemon
             self._emit(EventName.RESET_CRASHED, "error", gpu=intent.gpu, error=repr(err))
             outcome = ResetOutcome(
-                "failed", ResetStep.DONE, f"the reset procedure crashed: {err!r}", False, None, ()
+                ResetResult.FAILED,
+                ResetStep.DONE,
+                f"the reset procedure crashed: {err!r}",
+                False,
+                None,
+                (),
             )
         return self._book_reset(intent, outcome)
 

@@ -22,6 +22,7 @@ __all__ = [
     "LADDER_TRANSITIONS",
     "PLAN_STATE_VERSION",
     "RESET_RESULT_LEVELS",
+    "RESET_STEPS",
     "SIGNAL_OUTCOME_LEVELS",
     "STATE_FILE_VERSION",
     "ActionOutcome",
@@ -35,6 +36,8 @@ __all__ = [
     "LeftoverName",
     "Level",
     "ResetResult",
+    "ResetStep",
+    "ResetStepStatus",
     "SignalOutcome",
     "check_ladder_transition",
 ]
@@ -187,6 +190,41 @@ RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.FAILED: Level.ERROR,
     ResetResult.TIMEOUT: Level.ERROR,
 }
+
+
+class ResetStep(_Name):
+    """The steps of the reset procedure, in order (act/reset.py; docs/reset.md)."""
+
+    DRAIN = "drain"
+    STOP_NVML = "stop_nvml"
+    BEFORE_HOOKS = "before_hooks"
+    PERSISTENCE_OFF = "persistence_off"
+    FINAL_SCAN = "final_scan"
+    RESET = "reset"
+    HEALTH_CHECK = "health_check"
+    PERSISTENCE_ON = "persistence_on"
+    AFTER_HOOKS = "after_hooks"
+    DONE = "done"  # where a finished procedure stands; never a ``reset.step`` of its own
+
+
+RESET_STEPS: tuple[ResetStep, ...] = tuple(step for step in ResetStep if step is not ResetStep.DONE)
+
+
+class ResetStepStatus(_Name):
+    """How one step of the reset procedure went (``reset.step``'s ``status``)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CLEAR = "clear"  # final scan: nothing else holds the GPU
+    BLOCKED = "blocked"  # final scan: something holds it
+    WOULD_RUN = "would_run"  # dry run
+    RECORD_FAILED = "record_failed"  # the step could not be recorded in the state file
+    MEMORY_UNKNOWN = "memory_unknown"  # health check: memory could not be read
+    WOULD_WAIT_FABRIC = "would_wait_fabric"
+    FABRIC_WAITING = "fabric_waiting"
+    FABRIC_COMPLETED = "fabric_completed"
+    FABRIC_STUCK = "fabric_stuck"
 
 
 class LadderStatus(_Name):

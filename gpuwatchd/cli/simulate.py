@@ -39,7 +39,7 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import SignalOutcome
+from gpuwatchd.vocabulary import EventName, SignalOutcome
 
 __all__ = [
     "BUSY_POLLS",
@@ -390,10 +390,12 @@ class Simulation:
             "resets": [
                 {"t": e.t, "gpu": e.fields["gpu"], "result": e.fields["result"]}
                 for e in self.timeline
-                if e.name == "reset.outcome"
+                if e.name == EventName.RESET_OUTCOME
             ],
             "hooks_run": sum(
-                1 for e in self.timeline if e.name == "hook.run" and not e.fields.get("dry_run")
+                1
+                for e in self.timeline
+                if e.name == EventName.HOOK_RUN and not e.fields.get("dry_run")
             ),
             "forced_dry_run": state.forced_dry_run,
             "circuit_open": state.circuit_open,
@@ -427,12 +429,12 @@ class TimelineSink:
     def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
         sim = self.sim
         extra: dict[str, object] = {}
-        if name == "action.signal":
+        if name == EventName.ACTION_SIGNAL:
             pid = fields.get("pid")
             proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
             extra["process"] = proc.name if proc is not None else None
         sim.add(name, level, describe_event(name, fields, sim), **{**fields, **extra})
-        if name == "reset.step":
+        if name == EventName.RESET_STEP:
             sim.reached(str(fields.get("step")))
 
 

@@ -78,6 +78,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.event_catalogue import notification
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.model import (
     Finding,
@@ -498,6 +499,7 @@ class Engine:
             outcome=facts.get("outcome"),
             pid=facts.get("pid"),
             rule=facts.get("rule"),
+            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
         )
 
         def work() -> list[CommandResult]:

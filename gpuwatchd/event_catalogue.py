@@ -309,7 +309,8 @@ def _known(step: str) -> bool:
 
 
 def _reset_finished(s: _Said) -> str:
-    return _dry(s, f"{_reset_of(s)} ended at step {s('step')}: {s('result')}{s.why('reason')}.")
+    """Short: the ``reset.outcome`` line that follows gives the reason."""
+    return _dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
 
 
 def _reset_outcome(s: _Said) -> str:
@@ -509,7 +510,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_REFUSED: _e(
         INFO,
-        f"{_FINDING} why hidden_holder",
+        f"{_FINDING} why hidden_holder outcome pci_bus_id",
         lambda s: f"No reset of {s.gpu()} now{s.why()}.",
         WARNING,
         DEBUG,
@@ -543,7 +544,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
         "gpu finding in_use why",
         lambda s: f"A refused reset of {s.gpu()} may be tried again{s.why()}.",
     ),
-    EventName.GPU_NEEDS_REBOOT: _e(CRITICAL, f"{_RESET} why", _needs_reboot),
+    EventName.GPU_NEEDS_REBOOT: _e(CRITICAL, f"{_RESET} pid start_ticks why", _needs_reboot),
     # GPU health
     EventName.HEALTH_DRAIN_STARTED: _e(
         WARNING, f"{_FINDING} blockers timeout dry_run drained_already", _drain_started
@@ -576,7 +577,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     # carrying out (engine.py, act/)
     EventName.ACTION_SIGNAL: _e(
         WARNING,
-        f"pid start_ticks signal gpu rule step dry_run outcome detail reason {_PROCESS}",
+        f"pid start_ticks signal gpu rule step dry_run outcome detail reason finding kind memory {_PROCESS}",
         _signal,
         ERROR,
         INFO,
@@ -601,7 +602,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_STEP: _e(
         INFO,
-        "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout",
+        "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout duration",
         _reset_step,
         WARNING,
         ERROR,
@@ -709,7 +710,8 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
         WARNING,
         "waiting honoured limit",
         lambda s: (
-            f"{s('waiting')} ended-job hand-over(s) wait: only {s('limit')} are honoured at once."
+            f"Too many ended-job hand-overs: {s('waiting')} wait, only {s('limit')} are"
+            " honoured at once."
         ),
     ),
     EventName.CONFIG_RELOADED: _e(INFO, "config dry_run changed", _reloaded),

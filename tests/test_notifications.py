@@ -99,6 +99,11 @@ def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_pol
     assert env["GPUWATCHD_HOSTNAME"] == "gpu17"
     assert env["GPUWATCHD_PID"] == "201"
     assert env["GPUWATCHD_RULE"] == "orphans"
+    # One sentence for a chat or a mail, worded by the event catalogue (no internal key).
+    assert env["GPUWATCHD_MESSAGE"] == (
+        f"PID 201 of user alice on {GPU0}, signalled by rule orphans, was stopped; its GPU"
+        " memory is freed (target exited)."
+    )
     assert r.sink.named("hook.run") == []  # reported by the main loop, at its next poll
     r.poll_at(1.0)
     (ran,) = r.sink.named("hook.run")
@@ -163,6 +168,7 @@ on_action:
     assert argv[:2] == ("notify", "gpu17")
     assert env["GPUWATCHD_ACTION"] == "reset"
     assert env["GPUWATCHD_OUTCOME"] == "reset"
+    assert env["GPUWATCHD_MESSAGE"] == f"{GPU0} was reset."
     assert "GPUWATCHD_USER" not in env
     r.poll_at(1.0)
     ran = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]

@@ -316,7 +316,9 @@ def test_confirmation_windows_are_listed_with_their_time() -> None:
     assert result["pending"] == [
         {"finding": "ghost_memory:GPU-2:gpu", "due": NOW + 420, "due_in": 420.0}
     ]
-    assert "  ghost_memory:GPU-2:gpu: in 7m" in render_text(result)
+    text = render_text(result)
+    assert "  ghost_memory GPU-2: in 7m" in text  # in words, not the internal key
+    assert "ghost_memory:GPU-2:gpu" not in text
 
 
 def test_signals_in_the_last_hour_are_counted_against_the_cap() -> None:

@@ -37,6 +37,7 @@ from typing import IO
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
+from gpuwatchd.event_catalogue import JournalNamer, finding_label
 from gpuwatchd.state import MAX_STATE_BYTES, STATE_FILE
 from gpuwatchd.statedir import StateDir, StateDirError, UntrustedFile, decode_json_object
 from gpuwatchd.vocabulary import EventName, LadderStatus
@@ -783,7 +784,7 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
         for item in pending:
             due_in = _num(item.get("due_in"))
             when = "due" if due_in is None else until(due_in)
-            lines.append(f"  {_text(item.get('finding'))}: {when}")
+            lines.append(f"  {finding_label(item.get('finding'), JournalNamer())}: {when}")
     return lines
 
 

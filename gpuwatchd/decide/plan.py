@@ -501,7 +501,8 @@ def _action_ended(
     sent = lad.steps[: lad.step if signalled is None else signalled]
     if lad.dry_run or not any(signal is not None for signal, _wait in sent):
         return ()
-    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user}
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user,
+             "why": why}  # fmt: skip
     return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)
 
 

@@ -78,8 +78,8 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
-from gpuwatchd.event_catalogue import notification
 from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
     GpuInfo,

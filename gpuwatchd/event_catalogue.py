@@ -577,7 +577,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     # carrying out (engine.py, act/)
     EventName.ACTION_SIGNAL: _e(
         WARNING,
-        f"pid start_ticks signal gpu rule step dry_run outcome detail reason finding kind memory {_PROCESS}",
+        f"pid start_ticks signal gpu rule step dry_run outcome detail reason {_FINDING} {_PROCESS}",
         _signal,
         ERROR,
         INFO,
@@ -602,7 +602,8 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_STEP: _e(
         INFO,
-        "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout duration",
+        "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
+        " duration",
         _reset_step,
         WARNING,
         ERROR,

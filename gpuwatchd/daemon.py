@@ -44,6 +44,7 @@ from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.event_catalogue import hook_outcome
 from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
@@ -58,7 +59,14 @@ from gpuwatchd.pause import (
 )
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
+from gpuwatchd.vocabulary import (
+    STATE_FILE_VERSION,
+    Cleanliness,
+    EventName,
+    ExitCode,
+    HookOutcome,
+    Level,
+)
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -381,31 +389,23 @@ class Daemon:
         running = self.hook_queue.busy
         ended = self.actuator.cancel_commands()
         if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
-            log.error(
-                EventName.HOOK_RUN,
-                hook="on_action",
-                outcome="cancelled",
-                dry_run=False,
-                detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
                 "cancelled (its processes are stuck?)",
+                level=Level.ERROR,
             )
         self.engine.report_background_hooks()
         if ended:
-            log.warning(
-                EventName.HOOK_RUN,
-                hook=None,
-                outcome="cancelled",
-                dry_run=False,
-                detail=f"{ended} finished command(s) had left processes running before their "
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"{ended} finished command(s) had left processes running before their "
                 "deadline; they were killed: the daemon stopped",
+                hook=None,
             )
         if dropped:
-            log.warning(
-                EventName.HOOK_RUN,
-                hook="on_action",
-                outcome="dropped",
-                dry_run=False,
-                detail=f"{dropped} notification(s) not sent: the daemon stopped",
+            self.engine.hooks_not_run(
+                HookOutcome.DROPPED, f"{dropped} notification(s) not sent: the daemon stopped"
             )
 
     def _install_signal_handlers(self) -> None:
@@ -758,10 +758,9 @@ class _DaemonSink:
             self.daemon.last_action = self.daemon.clock()
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
-            code = fields.get("returncode")
             outcome = fields.get("outcome") or fields.get("result")
-            if outcome is None and code is not None:
-                outcome = f"exit {code}"
+            if name == EventName.HOOK_RUN:
+                outcome = hook_outcome(fields)
             self.daemon.actions_seen += 1
             self.daemon.recent_actions.append(
                 {

@@ -93,6 +93,8 @@ from gpuwatchd.vocabulary import (
     SIGNAL_OUTCOME_LEVELS,
     EventName,
     HookName,
+    HookOutcome,
+    Level,
     ResetResult,
     SignalOutcome,
 )
@@ -241,8 +243,9 @@ class Engine:
         self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
         # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
         self._assumed_exits: list[ProcessIdentity] = []
-        # (intent, results) of hooks that ran in the background, reported by the main loop.
-        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult]]] = (
+        # Hooks that ran in the background, reported by the main loop: (intent, results), or
+        # (intent, error) for a notification that raised (a bug).
+        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult] | str]] = (
             collections.deque()
         )
         self.last_snapshot: Snapshot | None = None
@@ -482,7 +485,7 @@ class Engine:
                     hook=intent.hook,
                     argv=argv,
                     dry_run=True,
-                    outcome="dry_run",
+                    outcome=HookOutcome.DRY_RUN,
                     reason=intent.reason,
                     **({"detail": detail} if detail else {}),
                 )
@@ -508,18 +511,38 @@ class Engine:
         if intent.hook != HookName.ON_ACTION:
             self._report_hooks(intent, self.slow(work))
             return ()
-        if not self.background(lambda: self._hooks_done.append((intent, work()))):
-            self._emit(
-                EventName.HOOK_RUN,
-                "warning",
+
+        def notify() -> None:  # on the background thread: the main loop reports it
+            try:
+                self._hooks_done.append((intent, work()))
+            except Exception as err:  # a bug in one notification must not stop the others
+                self._hooks_done.append((intent, repr(err)))
+
+        if not self.background(notify):
+            self.hooks_not_run(
+                HookOutcome.DROPPED,
+                "the notification queue is full; this notification is not sent",
                 hook=intent.hook,
-                dry_run=False,
-                outcome="dropped",
                 reason=intent.reason,
-                detail="the notification queue is full; this notification is not sent",
             )
         self.report_background_hooks()
         return ()
+
+    def hooks_not_run(
+        self,
+        outcome: HookOutcome,
+        detail: str,
+        *,
+        hook: str | None = HookName.ON_ACTION,
+        reason: str | None = None,
+        level: Level = Level.WARNING,
+    ) -> None:
+        """Say through the event sink (so metrics count it) that hooks did not run to their
+        end: dropped, cancelled when the daemon stopped, or crashed."""
+        fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
+        if reason is not None:
+            fields["reason"] = reason
+        self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
 
     def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
         return tuple(
@@ -540,7 +563,18 @@ class Engine:
         """Log the hooks that finished in the background since the last call (main loop only)."""
         while self._hooks_done:
             intent, results = self._hooks_done.popleft()
-            self._report_hooks(intent, results)
+            if isinstance(results, str):  # the notification raised
+                self._emit(
+                    EventName.HOOK_RUN,
+                    Level.ERROR,
+                    hook=intent.hook,
+                    dry_run=False,
+                    outcome=HookOutcome.CRASHED,
+                    reason=intent.reason,
+                    error=results,
+                )
+            else:
+                self._report_hooks(intent, results)
 
     def _report_hooks(self, intent: HookIntent, results: Sequence[CommandResult]) -> None:
         for res in results:
@@ -555,7 +589,7 @@ class Engine:
                 output=res.output[-2000:],
                 reason=intent.reason,
                 **({"error": res.error} if res.error else {}),
-                **({"outcome": "cancelled"} if res.cancelled else {}),
+                **({"outcome": HookOutcome.CANCELLED} if res.cancelled else {}),
                 **({"leftovers": res.leftovers} if res.leftovers else {}),
             )
 

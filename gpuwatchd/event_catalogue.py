@@ -26,6 +26,7 @@ from gpuwatchd.vocabulary import (
     RESET_STEPS,
     ActionOutcome,
     EventName,
+    HookOutcome,
     Level,
     ResetResult,
     ResetStep,
@@ -35,6 +36,7 @@ from gpuwatchd.vocabulary import (
 
 __all__ = [
     "CATALOGUE",
+    "HOOK_SUCCEEDED",
     "EventSpec",
     "JournalNamer",
     "Namer",
@@ -221,33 +223,37 @@ def _signal(s: _Said) -> str:
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
-    """How one ``hook.run`` ended, worked out once: ``dry_run``, ``dropped``, ``cancelled``,
-    ``crashed``, ``error`` (not started), ``timed_out``, ``ok`` (exit 0) or ``exit N``."""
+    """How one ``hook.run`` ended, worked out once (the sentence, ``status``'s recent actions
+    and the metrics' result label all take it from here): ``dry_run``, ``dropped``,
+    ``cancelled``, ``crashed`` (:class:`HookOutcome`), ``error`` (it could not be started),
+    ``timed_out``, ``exit N`` (``exit 0``: it succeeded), or ``unknown``."""
     outcome = fields.get("outcome")
     if fields.get("dry_run") is True:
-        return "dry_run"
-    if outcome in ("dropped", "cancelled", "crashed"):
-        return str(outcome)
+        return HookOutcome.DRY_RUN.value
+    if isinstance(outcome, str) and outcome in _HOOK_OUTCOMES:
+        return outcome
     if fields.get("error"):
         return "error"
     if fields.get("timed_out") is True:
         return "timed_out"
     code = fields.get("returncode")
-    if code == 0:
-        return "ok"
-    return f"exit {code}" if code is not None else "unknown"
+    return f"exit {code}" if isinstance(code, int) else "unknown"
+
+
+HOOK_SUCCEEDED = "exit 0"
+_HOOK_OUTCOMES = frozenset(member.value for member in HookOutcome)
 
 
 def _hook(s: _Said) -> str:
     hook, argv, outcome = s("hook", "a"), s.argv(), hook_outcome(s.f)
     why = f" ({s('reason')})" if s.has("reason") else ""
-    if outcome == "dry_run":
+    if outcome == HookOutcome.DRY_RUN:
         return f"Dry run: would run the {hook} hook {argv}{why}."
-    if outcome == "dropped":
+    if outcome == HookOutcome.DROPPED:
         return f"The {hook} hook was not run: {s('detail')}{why}."
-    if outcome == "cancelled":
+    if outcome == HookOutcome.CANCELLED:
         return f"The {hook} hook was cancelled: {s('detail', 'the daemon stopped')}."
-    if outcome == "crashed":
+    if outcome == HookOutcome.CRASHED:
         return f"An {hook} notification crashed: {s('error')}."
     if outcome == "error":
         return f"The {hook} hook {argv} failed: {s('error')}."

@@ -31,6 +31,7 @@ __all__ = [
     "ExitCode",
     "HolderRoleName",
     "HookName",
+    "HookOutcome",
     "IllegalTransition",
     "LadderStatus",
     "LeftoverName",
@@ -270,6 +271,16 @@ class HookName(_Name):
     ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
     ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
     RESET_DRAIN = "reset_drain"  # GPU health: reset.drain, once, before waiting for the GPU
+
+
+class HookOutcome(_Name):
+    """``hook.run``'s ``outcome`` where a hook did not simply run to its exit status
+    (:func:`gpuwatchd.event_catalogue.hook_outcome` says how any ``hook.run`` ended)."""
+
+    DRY_RUN = "dry_run"  # a would-be hook: never started
+    DROPPED = "dropped"  # a notification not run: the queue was full, or the daemon stopped
+    CANCELLED = "cancelled"  # still running when the daemon stopped: its process tree killed
+    CRASHED = "crashed"  # the notification itself raised (a bug): not run to the end
 
 
 class ActionOutcome(_Name):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
+from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.config.schema import ConfigError, parse_policy_documents, render_policy
 from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
@@ -119,6 +120,32 @@ def test_a_full_queue_drops_the_notification_and_says_so() -> None:
     assert dropped["outcome"] == "dropped"
     assert "queue is full" in str(dropped["detail"])
     assert notify_commands(r) == []
+
+
+class CrashingActuator(Actuator):
+    """A command runner with a bug: it raises instead of returning a result."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if argv and argv[0] == "notify":
+            raise RuntimeError("bug in the runner")
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_crashing_notification_is_one_hook_run_through_the_event_sink() -> None:
+    """Not logged past the sink on the notification's thread: reported by the main loop as
+    ``hook.run`` ``outcome=crashed`` (error), so metrics and status see it too."""
+    background = Deferred()
+    r = with_background(rig(policy(NOTIFY), orphan_host, actuator=CrashingActuator()), background)
+    kill_worker(r)
+    background.run_all()  # the notification raises on its thread: nothing escapes
+    r.poll_at(1.0)
+    (crashed,) = r.sink.named("hook.run")
+    assert crashed["outcome"] == "crashed"
+    assert crashed["hook"] == "on_action"
+    assert "bug in the runner" in str(crashed["error"])
+    assert [level for name, level, _ in r.sink.events if name == "hook.run"] == ["error"]
 
 
 def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> None:

@@ -751,7 +751,7 @@ class _DaemonSink:
         self.daemon = daemon
         self.log = LogSink()
 
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         self.log.emit(name, level, fields)
         self.daemon.metrics.observe(name, level, fields)
         if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:

@@ -159,7 +159,7 @@ class Clock(Protocol):
 
 
 class EventSink(Protocol):
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         """One structured event (names and levels: docs/events.md)."""
 
 
@@ -339,7 +339,7 @@ class Engine:
     def _withhold(self, intents: Sequence[Intent]) -> None:
         """Say which irreversible steps are not taken because the state cannot be saved."""
         steps = [_describe_intent(intent) for intent in intents if self._irreversible(intent)]
-        self._emit(EventName.ACTION_WITHHELD, "error", why=STATE_NOT_SAVED, steps=steps)
+        self._emit(EventName.ACTION_WITHHELD, Level.ERROR, why=STATE_NOT_SAVED, steps=steps)
 
     def _carry_out_all(self, intents: Sequence[Intent]) -> None:
         """Follow-up intents (an outcome's hooks): saved first like a poll's, or withheld."""
@@ -362,7 +362,10 @@ class Engine:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
             self._emit(
-                EventName.TARGET_EXITED, "info", pid=identity.pid, start_ticks=identity.start_ticks
+                EventName.TARGET_EXITED,
+                Level.INFO,
+                pid=identity.pid,
+                start_ticks=identity.start_ticks,
             )
             self._carry_out_all(
                 self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
@@ -392,13 +395,13 @@ class Engine:
         self._paused_reason = reason
         self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
         name = EventName.DAEMON_PAUSED if reason is not None else EventName.DAEMON_RESUMED
-        self._emit(name, "warning", reason=reason)
+        self._emit(name, Level.WARNING, reason=reason)
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
         be tried again."""
         self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-        self._emit(EventName.LIMITS_LATCHES_CLEARED, "warning")
+        self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def policy_reloaded(self) -> None:
         """A new configuration (new ``before`` hooks, say) may succeed where a reset was
@@ -408,12 +411,15 @@ class Engine:
             self.state.plan = forget_reset_refusals(self.state.plan)
             for gpu in gpus:
                 self._emit(
-                    EventName.RESET_REFUSAL_CLEARED, "info", gpu=gpu, why="configuration reloaded"
+                    EventName.RESET_REFUSAL_CLEARED,
+                    Level.INFO,
+                    gpu=gpu,
+                    why="configuration reloaded",
                 )
 
     # --- carrying out intents -----------------------------------------------------------------
 
-    def _emit(self, name: str, level: str, **fields: object) -> None:
+    def _emit(self, name: str, level: Level, **fields: object) -> None:
         self.sink.emit(name, level, fields)
 
     def _take(self, result: PlanResult) -> tuple[Intent, ...]:
@@ -481,7 +487,7 @@ class Engine:
                     argv, detail = list(hook.argv), f"would not run: {err}"
                 self._emit(
                     EventName.HOOK_RUN,
-                    "warning",  # a would-be action: reviewed with -p warning
+                    Level.WARNING,  # a would-be action: reviewed with -p warning
                     hook=intent.hook,
                     argv=argv,
                     dry_run=True,
@@ -580,7 +586,7 @@ class Engine:
         for res in results:
             self._emit(
                 EventName.HOOK_RUN,
-                "warning",
+                Level.WARNING,
                 hook=intent.hook,
                 dry_run=False,
                 argv=list(res.argv),
@@ -621,7 +627,7 @@ class Engine:
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
-            self._emit(EventName.RESET_CRASHED, "error", gpu=intent.gpu, error=repr(err))
+            self._emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
             outcome = ResetOutcome(
                 ResetResult.FAILED,
                 ResetStep.DONE,
@@ -697,7 +703,7 @@ class Engine:
         record = self.state.reset_in_progress
         if not record:
             return
-        self._emit(EventName.RESET_RESUME, "warning", record=record)
+        self._emit(EventName.RESET_RESUME, Level.WARNING, record=record)
         outcome = resume_interrupted(
             record,
             self.policy.reset,
@@ -711,7 +717,7 @@ class Engine:
             return
         self._emit(
             EventName.RESET_RESUMED,
-            "warning",
+            Level.WARNING,
             gpu=record.get("uuid"),
             result=outcome.result,
             step=outcome.step.value,
@@ -772,5 +778,5 @@ class _ResetEnv:
             # would forget: act/reset.py treats a failed record as an abort.
             raise OSError(STATE_NOT_SAVED)
 
-    def emit(self, event: str, level: str, **fields: object) -> None:
+    def emit(self, event: str, level: Level, **fields: object) -> None:
         self.engine.sink.emit(event, level, fields)

@@ -45,7 +45,6 @@ import array
 import errno
 import fcntl
 import json
-import logging
 import os
 import re
 import socket
@@ -62,32 +61,17 @@ import structlog
 
 from gpuwatchd.escape import escape
 from gpuwatchd.event_catalogue import render
+from gpuwatchd.vocabulary import LEVEL_ALIASES, Level, level_of
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
 
 FORMATS = ("auto", "logfmt", "json", "console")
-LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "warn": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
+# Names accepted for log.level (``warn`` too), and their numbers in Python's logging.
+LEVELS = {level.value: level.number for level in Level} | {"warn": Level.WARNING.number}
 # sd-daemon(3) priorities, keyed by structlog method name (exception logs at error).
-_PRIORITIES = {
-    "debug": 7,
-    "info": 6,
-    "msg": 6,
-    "log": 6,
-    "warning": 4,
-    "warn": 4,
-    "error": 3,
-    "err": 3,
-    "exception": 3,
-    "critical": 2,
-    "fatal": 2,
+_PRIORITIES = {level.value: level.priority for level in Level} | {
+    alias: level.priority for alias, level in LEVEL_ALIASES.items()
 }
 _TRACEBACK_FRAMES = 6
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -366,9 +350,7 @@ _NEWLINES = {ord("\n"): "\\n", ord("\r"): "\\r"}
 
 
 def _fallback_line(method: str, event: object, error: Exception) -> str:
-    level = {"warn": "warning", "exception": "error", "err": "error", "fatal": "critical"}.get(
-        method, method
-    )
+    level = str(level_of(method) or method)
     try:
         shown = json.dumps(str(event))
     except Exception:  # even str() of the event may fail

@@ -35,7 +35,14 @@ from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.event_catalogue import HOOK_SUCCEEDED, hook_outcome
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.statedir import open_directory
-from gpuwatchd.vocabulary import EventName, HookOutcome, LadderStatus, ResetResult, SignalOutcome
+from gpuwatchd.vocabulary import (
+    EventName,
+    HookOutcome,
+    LadderStatus,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
 
 __all__ = ["DEBIAN_TEXTFILE", "TEXTFILE_MODE", "Metrics", "remove_textfile", "write_textfile"]
 
@@ -457,7 +464,7 @@ class Metrics:
         self._written: str | None = None  # the path last written successfully
         self._last_error: str | None = None  # the failure last logged, until a write succeeds
 
-    def observe(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def observe(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         """Count one engine event (``level`` is not used; the signature is the event sink's)."""
         self._events.observe(name, fields)
 

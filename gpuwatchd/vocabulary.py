@@ -20,6 +20,7 @@ __all__ = [
     "ASSESS_STATE_VERSION",
     "ASSESS_STATE_VERSIONS_READ",
     "LADDER_TRANSITIONS",
+    "LEVEL_ALIASES",
     "PLAN_STATE_VERSION",
     "RESET_RESULT_LEVELS",
     "RESET_STEPS",
@@ -41,6 +42,7 @@ __all__ = [
     "ResetStepStatus",
     "SignalOutcome",
     "check_ladder_transition",
+    "level_of",
 ]
 
 
@@ -55,13 +57,46 @@ class _Name(str, enum.Enum):
 
 
 class Level(_Name):
-    """Log levels (structlog method names; journald priorities 7, 6, 4, 3, 2)."""
+    """Log levels: structlog method names, with their journald priority (sd-daemon(3)) and
+    their number in Python's logging. The only definition of levels: the log setup, the lazy
+    loggers and every event's level (``event_catalogue.py``) take them from here."""
 
     DEBUG = "debug"
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
     CRITICAL = "critical"
+
+    @property
+    def priority(self) -> int:
+        """The journald priority: 7 debug, 6 info, 4 warning, 3 error, 2 critical."""
+        return _PRIORITY[self.value]
+
+    @property
+    def number(self) -> int:
+        """The level's number in Python's ``logging`` (10 debug ... 50 critical)."""
+        return _NUMBER[self.value]
+
+
+_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+_NUMBER = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+# Other structlog method names and the level each logs at.
+LEVEL_ALIASES: Mapping[str, Level] = {
+    "msg": Level.INFO,
+    "log": Level.INFO,
+    "warn": Level.WARNING,
+    "err": Level.ERROR,
+    "exception": Level.ERROR,
+    "fatal": Level.CRITICAL,
+}
+
+
+def level_of(method: str) -> Level | None:
+    """The level a structlog method name (``warning``, ``warn``, ``exception``...) logs at."""
+    name = method.lower()
+    if name in _PRIORITY:
+        return Level(name)
+    return LEVEL_ALIASES.get(name)
 
 
 class EventName(_Name):

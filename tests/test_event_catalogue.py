@@ -6,6 +6,7 @@ short story (golden files under tests/golden/)."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -15,8 +16,8 @@ from gpuwatchd.cli.scenario import load_scenario
 from gpuwatchd.cli.simulate import SimulationResult, simulate
 from gpuwatchd.cli.timeline import describe_event, finding_label
 from gpuwatchd.event_catalogue import CATALOGUE, JournalNamer, notification, render
-from gpuwatchd.logs import sentence
-from gpuwatchd.vocabulary import RESET_STEPS, EventName
+from gpuwatchd.logs import LEVELS, priority_prefix, sentence
+from gpuwatchd.vocabulary import RESET_STEPS, EventName, Level, level_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "examples" / "scenarios"
@@ -236,3 +237,49 @@ def test_the_journal_of_a_reset_reads_as_one_story() -> None:
     assert len(steps) >= len(RESET_STEPS) - 2
     reset_lines = [ln for ln in story.splitlines() if "step" in ln or "booked" in ln]
     assert all(f"Reset of {gpu}" in ln for ln in reset_lines), story
+
+
+# --- levels: one definition ---------------------------------------------------------------
+
+
+def test_levels_are_defined_once_in_the_vocabulary() -> None:
+    """The journald priorities and logging numbers of the log setup are the vocabulary's."""
+    assert [(lv.value, lv.priority) for lv in Level] == [
+        ("debug", 7), ("info", 6), ("warning", 4), ("error", 3), ("critical", 2),
+    ]  # fmt: skip
+    for level in Level:
+        assert priority_prefix(level) == f"<{level.priority}>"
+        assert LEVELS[level.value] == level.number
+    assert level_of("exception") is Level.ERROR
+    assert level_of("warn") is Level.WARNING
+    assert priority_prefix("fatal") == "<2>"
+
+
+def _bare_level_arguments(tree: ast.AST) -> list[int]:
+    """Lines of ``Event(name, "info", …)``, ``.event(…)``, ``.emit(…)``, ``._emit(…)`` and
+    ``.add(…)`` calls whose level is a bare string instead of a :class:`Level`."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or len(node.args) < 2:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        level = node.args[1]
+        if name in ("Event", "event", "emit", "_emit", "add") and (
+            isinstance(level, ast.Constant) and str(level.value) in {lv.value for lv in Level}
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_event_is_given_a_bare_level_string() -> None:
+    offenders = []
+    for path in sorted((ROOT / "gpuwatchd").rglob("*.py")):
+        for line in _bare_level_arguments(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not offenders, "use gpuwatchd.vocabulary.Level:\n" + "\n".join(offenders)
+
+
+def test_the_bare_level_finder_finds_them() -> None:
+    tree = ast.parse('w.event(E.X, "info", a=1)\nw.event(E.X, Level.INFO)\nEvent(n, "error", {})')
+    assert _bare_level_arguments(tree) == [1, 3]

@@ -33,7 +33,7 @@ from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.state import StateStore
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import LadderStatus
+from gpuwatchd.vocabulary import LadderStatus, Level
 
 NOW = 1_800_000_000.0  # wall
 MONO = 50_000.0  # the same instant on the monotonic clock
@@ -679,7 +679,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     daemon = Daemon(policy, config_path=str(config))
     daemon.engine.sink.emit(
         "action.signal",
-        "info",
+        Level.INFO,
         {"pid": 77, "signal": "SIGTERM", "outcome": "dry_run", "gpu": "GPU-1", "dry_run": True},
     )
     daemon.save_state()

@@ -254,7 +254,7 @@ def _quote(output: str) -> str:
 
 def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
-) -> tuple[str, dict[str, object]]:
+) -> tuple[Level, dict[str, object]]:
     """The level and fields of the ``reset.outcome`` event (the daemon's and simulate's)."""
     result = ResetResult(outcome.result)
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]

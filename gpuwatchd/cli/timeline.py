@@ -17,7 +17,7 @@ from gpuwatchd.cli.scenario import Scenario
 from gpuwatchd.cli.world import size_text
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.model import MIB
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.vocabulary import EventName, Level
 
 
 class Names(Protocol):
@@ -35,7 +35,7 @@ class Entry:
 
     t: float
     name: str
-    level: str
+    level: Level
     text: str
     fields: Mapping[str, object]
 

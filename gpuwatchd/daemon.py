@@ -37,6 +37,7 @@ from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.jobs import boot_ticks_now, cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
@@ -448,6 +449,7 @@ class Daemon:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
             self._save_accepted(new)
+            before = self.policy
             self.engine.policy = self._effective(new)
             self.nvml.timeout = self.policy.nvml_timeout
             self.collector.full_scan_interval = self.policy.full_scan_interval
@@ -457,7 +459,10 @@ class Daemon:
             self.engine.hostname = node_name()  # a renamed node is named right after a reload
             self.engine.policy_reloaded()
             log.info(
-                EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
+                EventName.CONFIG_RELOADED,
+                config=list(self.policy.sources),
+                dry_run=new.dry_run,
+                changed=policy_changes(before, self.policy),  # what changed, not the policy
             )
         self.notifier.notify("READY=1")
 

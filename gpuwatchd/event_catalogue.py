@@ -372,7 +372,7 @@ def _reloaded(s: _Said) -> str:
     if isinstance(changed, Mapping):
         if not changed:
             return "Policy reloaded: nothing changed."
-        keys = ", ".join(_short(k) for k in changed)
+        keys = ", ".join(f"{_short(key)} ({_short(value)})" for key, value in changed.items())
         return _short_sentence(f"Policy reloaded; changed: {keys}.")
     return "Policy reloaded."
 

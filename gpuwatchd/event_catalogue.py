@@ -425,7 +425,7 @@ _RESET = "gpu pci_bus_id finding outcome kind memory reason"
 
 CATALOGUE: Mapping[EventName, EventSpec] = {
     # findings and escalation (decide/plan.py)
-    EventName.FINDING_NEW: _e(INFO, f"{_FINDING} actionable evidence", _finding_new, WARNING),
+    EventName.FINDING_NEW: _e(WARNING, f"{_FINDING} actionable evidence", _finding_new, INFO),
     EventName.FINDING_CHANGED: _e(INFO, f"{_FINDING} actionable lasted", _finding_changed),
     EventName.FINDING_RESOLVED: _e(INFO, "finding gpu lasted", _finding_resolved),
     EventName.RULE_REPORT_ONLY: _e(

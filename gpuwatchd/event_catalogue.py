@@ -16,7 +16,9 @@ sentence; split, an event's sentence would live apart from its level and fields.
 
 from __future__ import annotations
 
+import re
 import shlex
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,11 +39,15 @@ from gpuwatchd.vocabulary import (
 __all__ = [
     "CATALOGUE",
     "HOOK_SUCCEEDED",
+    "JOURNAL_FIELDS",
+    "MESSAGE_ID_NAMESPACE",
     "EventSpec",
     "JournalNamer",
     "Namer",
     "finding_label",
     "hook_outcome",
+    "journal_field_name",
+    "message_id",
     "notification",
     "render",
 ]
@@ -872,3 +878,39 @@ _ENDED: Mapping[str, str] = {
     ActionOutcome.STUCK.value: "is stuck in D state and cannot be killed",
     ActionOutcome.FAILED.value: "could not be signalled",
 }
+
+
+# --- what the journal calls an event ------------------------------------------------------------
+
+# Fixed for good: every MESSAGE_ID is derived from it and the event name (docs/events.md).
+MESSAGE_ID_NAMESPACE = uuid.UUID("691e00fc-97cc-49ac-bf26-5f292abf0526")
+# Event fields with a name of their own in the journal; any other ``foo`` is GPUWATCHD_FOO.
+JOURNAL_FIELDS: Mapping[str, str] = {
+    "gpu": "GPU_UUID",
+    "pid": "TARGET_PID",
+    "rule": "RULE",
+    "dry_run": "DRY_RUN",
+    "outcome": "OUTCOME",
+    "signal": "SIGNAL",
+    "kind": "FINDING_KIND",
+    "finding": "FINDING",
+}
+_FIELD_NAME_MAX = 64  # journald drops longer names
+_NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
+
+
+def message_id(event: str) -> str:
+    """The journal MESSAGE_ID of an event: 32 lower-case hex digits, the same forever."""
+    return uuid.uuid5(MESSAGE_ID_NAMESPACE, str(event)).hex
+
+
+def journal_field_name(key: str) -> str:
+    """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO.
+
+    Always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
+    trusted fields (``_PID``...) that only journald may set.
+    """
+    name = JOURNAL_FIELDS.get(key)
+    if name is None:
+        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
+    return name[:_FIELD_NAME_MAX]

@@ -53,14 +53,17 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
 from gpuwatchd.escape import escape
-from gpuwatchd.event_catalogue import render
+from gpuwatchd.event_catalogue import (
+    journal_field_name,
+    message_id,
+    render,
+)
 from gpuwatchd.vocabulary import LEVEL_ALIASES, Level, level_of
 
 if TYPE_CHECKING:
@@ -370,41 +373,12 @@ def _safe_str(value: object) -> str:
 
 # --- native journal entries -------------------------------------------------------------------
 
-# Fixed for good: every MESSAGE_ID is derived from it and the event name (docs/events.md).
-MESSAGE_ID_NAMESPACE = uuid.UUID("691e00fc-97cc-49ac-bf26-5f292abf0526")
 SYSLOG_IDENTIFIER = "gpuwatchd"
-# Event fields with a name of their own in the journal; any other ``foo`` is GPUWATCHD_FOO.
-JOURNAL_FIELDS: Mapping[str, str] = {
-    "gpu": "GPU_UUID",
-    "pid": "TARGET_PID",
-    "rule": "RULE",
-    "dry_run": "DRY_RUN",
-    "outcome": "OUTCOME",
-    "signal": "SIGNAL",
-    "kind": "FINDING_KIND",
-    "finding": "FINDING",
-}
+# MESSAGE_ID_NAMESPACE, message_id, JOURNAL_FIELDS and journal_field_name (what the journal
+# calls an event and its fields) are the event catalogue's: gpuwatchd/event_catalogue.py.
 _FIELD_NAME_MAX = 64  # journald drops longer names
-_NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
 _NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
 _BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
-
-
-def message_id(event: str) -> str:
-    """The journal MESSAGE_ID of an event: 32 lower-case hex digits, the same forever."""
-    return uuid.uuid5(MESSAGE_ID_NAMESPACE, str(event)).hex
-
-
-def journal_field_name(key: str) -> str:
-    """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO.
-
-    Always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
-    trusted fields (``_PID``...) that only journald may set.
-    """
-    name = JOURNAL_FIELDS.get(key)
-    if name is None:
-        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
-    return name[:_FIELD_NAME_MAX]
 
 
 def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:

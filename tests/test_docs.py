@@ -8,8 +8,7 @@ import ast
 import pathlib
 import re
 
-from gpuwatchd.event_catalogue import CATALOGUE
-from gpuwatchd.logs import MESSAGE_ID_NAMESPACE, message_id
+from gpuwatchd.event_catalogue import CATALOGUE, MESSAGE_ID_NAMESPACE, message_id
 from gpuwatchd.vocabulary import EventName, Level
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,7 +118,7 @@ def test_every_event_has_its_message_id_documented() -> None:
     if documented_message_ids() != expected:
         table = "\n".join(f"| `{e}` | `{i}` |" for e, i in sorted(expected.items()))
         raise AssertionError(
-            "docs/events.md's MESSAGE_ID table differs from gpuwatchd.logs.message_id over "
+            "docs/events.md's MESSAGE_ID table differs from event_catalogue.message_id over "
             f"EventName; the table should read:\n{table}"
         )
 

@@ -23,11 +23,10 @@ import structlog
 from structlog.testing import capture_logs
 
 from gpuwatchd import logs
+from gpuwatchd.event_catalogue import journal_field_name, message_id
 from gpuwatchd.logs import (
     configure_logging,
     get_logger,
-    journal_field_name,
-    message_id,
     priority_prefix,
     sentence,
     under_journald,

@@ -45,7 +45,7 @@ from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
-from gpuwatchd.event_catalogue import hook_outcome
+from gpuwatchd.event_catalogue import JournalNamer, finding_label, hook_outcome
 from gpuwatchd.host import HookQueue, HostActuator, HostReader, LogSink, SystemClock, node_name
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.metrics import Metrics
@@ -310,7 +310,11 @@ class Daemon:
         # is not clean now (a job another epilog handed over since, say).
         dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
         keys = watched | {f.key for f in self.engine.findings if f.gpu in dirty}
-        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, keys)]
+        names = JournalNamer()  # findings in words, not their internal keys
+        busy = [
+            f"{finding_label(key, names)}: under way"
+            for key in pending_keys(self.engine.state.plan, keys)
+        ]
         snapshot = self.engine.last_snapshot
         acted = self.last_action
         if snapshot is not None and acted is not None and acted >= snapshot.monotonic:

@@ -7,7 +7,10 @@ renderer: the journal's ``MESSAGE`` (``logs.py``), ``simulate``'s timeline (``cl
 ``status`` and the ``on_action`` notification all word events through it. They differ only in
 their :class:`Namer` (the journal says ``PID 4242 (python)`` and the GPU's UUID, the timeline
 ``pid 4242 (trainer)`` and ``GPU 0``). The events of one reset share one subject ("Reset of
-GPU …") and number their steps, so the journal of a reset reads as one story.
+GPU …") and number their steps, so the journal of a reset reads as one story. It also owns what
+the journal calls an event: its MESSAGE_ID (:func:`message_id`) and the journal names of its
+fields (:func:`journal_field_name`), which ``packaging/journal_catalog.py`` turns into the
+``journalctl -x`` catalogue.
 
 Pure: no I/O; never raises from :func:`render`. Imports only the vocabulary and the escape rule.
 Long (over 600 lines) because it is a table of about 80 events, each with its level, fields and

@@ -390,17 +390,6 @@ def _short_sentence(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 4] + "...."
 
 
-def _said_by(template: str) -> Callable[[_Said], str]:
-    """A sentence that only names the GPU and the target and adds the ``why``."""
-
-    def say(s: _Said) -> str:
-        return template.format(target=s.target(), gpu=s.gpu(), process=s.process()) + (
-            s.why() + "."
-        )
-
-    return say
-
-
 @dataclass(frozen=True)
 class EventSpec:
     """One event: its usual level, the other levels an outcome may give it, its fields, and

@@ -6,7 +6,7 @@ FAKENVML_DIR := tests/fakenvml
 FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
 DSTATE := $(FAKENVML_DIR)/build/dstate
 
-.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv mutate mutate-changed explore
+.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv mutate mutate-changed explore catalog
 
 all: test
 
@@ -70,6 +70,11 @@ demo: venv fakenvml
 
 bench: venv fakenvml
 	$(PY) bench/run.py
+
+# The journal message catalogue (journalctl -x), generated from the event catalogue; the .deb
+# installs it in /usr/lib/systemd/catalog/ (packaging/debian/rules).
+catalog: venv
+	PYTHONPATH=. $(PY) packaging/journal_catalog.py build/gpuwatchd.catalog
 
 clean:
 	rm -rf $(VENV) $(FAKENVML_DIR)/build .mypy_cache .ruff_cache .pytest_cache .hypothesis \

@@ -30,6 +30,7 @@ from gpuwatchd import __version__, holder_view
 from gpuwatchd.accepted import render_accepted, save_accepted
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
+from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
@@ -37,6 +38,7 @@ from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.event_catalogue import JournalNamer, finding_label, hook_outcome
 from gpuwatchd.host import LogSink, SystemClock, node_name
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
@@ -55,7 +57,7 @@ from gpuwatchd.state import (
 )
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
-from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode
+from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.wiring import build_real_host
 
 log = structlog.get_logger("gpuwatchd")
@@ -275,7 +277,11 @@ class Daemon:
         # is not clean now (a job another epilog handed over since, say).
         dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
         keys = watched | {f.key for f in self.engine.findings if f.gpu in dirty}
-        busy = [f"{key}: under way" for key in pending_keys(self.engine.state.plan, keys)]
+        names = JournalNamer()  # findings in words, not their internal keys
+        busy = [
+            f"{finding_label(key, names)}: under way"
+            for key in pending_keys(self.engine.state.plan, keys)
+        ]
         snapshot = self.engine.last_snapshot
         acted = self.last_action
         if snapshot is not None and acted is not None and acted >= snapshot.monotonic:
@@ -355,31 +361,23 @@ class Daemon:
         running = self.hook_queue.busy
         ended = self.actuator.cancel_commands()
         if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
-            log.error(
-                EventName.HOOK_RUN,
-                hook="on_action",
-                outcome="cancelled",
-                dry_run=False,
-                detail=f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
                 "cancelled (its processes are stuck?)",
+                level=Level.ERROR,
             )
         self.engine.report_background_hooks()
         if ended:
-            log.warning(
-                EventName.HOOK_RUN,
-                hook=None,
-                outcome="cancelled",
-                dry_run=False,
-                detail=f"{ended} finished command(s) had left processes running before their "
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"{ended} finished command(s) had left processes running before their "
                 "deadline; they were killed: the daemon stopped",
+                hook=None,
             )
         if dropped:
-            log.warning(
-                EventName.HOOK_RUN,
-                hook="on_action",
-                outcome="dropped",
-                dry_run=False,
-                detail=f"{dropped} notification(s) not sent: the daemon stopped",
+            self.engine.hooks_not_run(
+                HookOutcome.DROPPED, f"{dropped} notification(s) not sent: the daemon stopped"
             )
 
     def _install_signal_handlers(self) -> None:
@@ -422,13 +420,17 @@ class Daemon:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
             self._save_accepted(new)
+            before = self.policy
             self.engine.policy = self._effective(new)  # the one place the policy is held
             self.host.apply(self.policy)
             self.metrics.set_textfile(self.policy.metrics.textfile)
             self.engine.hostname = node_name()  # a renamed node is named right after a reload
             self.engine.policy_reloaded()
             log.info(
-                EventName.CONFIG_RELOADED, config=list(self.policy.sources), dry_run=new.dry_run
+                EventName.CONFIG_RELOADED,
+                config=list(self.policy.sources),
+                dry_run=new.dry_run,
+                changed=policy_changes(before, self.policy),  # what changed, not the policy
             )
         self.notifier.notify("READY=1")
 
@@ -697,17 +699,16 @@ class _DaemonSink:
         self.daemon = daemon
         self.log = LogSink()
 
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         self.log.emit(name, level, fields)
         self.daemon.metrics.observe(name, level, fields)
         if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
             self.daemon.last_action = self.daemon.clock()
         if name in _ACTION_EVENTS:
             pid = fields.get("pid")
-            code = fields.get("returncode")
             outcome = fields.get("outcome") or fields.get("result")
-            if outcome is None and code is not None:
-                outcome = f"exit {code}"
+            if name == EventName.HOOK_RUN:
+                outcome = hook_outcome(fields)
             self.daemon.actions_seen += 1
             self.daemon.recent_actions.append(
                 {

@@ -79,6 +79,7 @@ from gpuwatchd.decide.plan import (
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
     GpuInfo,
@@ -92,6 +93,8 @@ from gpuwatchd.vocabulary import (
     SIGNAL_OUTCOME_LEVELS,
     EventName,
     HookName,
+    HookOutcome,
+    Level,
     ResetResult,
     SignalOutcome,
 )
@@ -156,7 +159,7 @@ class Clock(Protocol):
 
 
 class EventSink(Protocol):
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         """One structured event (names and levels: docs/events.md)."""
 
 
@@ -241,8 +244,9 @@ class Engine:
         self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
         # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
         self._assumed_exits: list[ProcessIdentity] = []
-        # (intent, results) of hooks that ran in the background, reported by the main loop.
-        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult]]] = (
+        # Hooks that ran in the background, reported by the main loop: (intent, results), or
+        # (intent, error) for a notification that raised (a bug).
+        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult] | str]] = (
             collections.deque()
         )
         self.last_snapshot: Snapshot | None = None
@@ -336,7 +340,7 @@ class Engine:
     def _withhold(self, intents: Sequence[Intent]) -> None:
         """Say which irreversible steps are not taken because the state cannot be saved."""
         steps = [_describe_intent(intent) for intent in intents if self._irreversible(intent)]
-        self._emit(EventName.ACTION_WITHHELD, "error", why=STATE_NOT_SAVED, steps=steps)
+        self._emit(EventName.ACTION_WITHHELD, Level.ERROR, why=STATE_NOT_SAVED, steps=steps)
 
     def _carry_out_all(self, intents: Sequence[Intent]) -> None:
         """Follow-up intents (an outcome's hooks): saved first like a poll's, or withheld."""
@@ -359,7 +363,10 @@ class Engine:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
             self._emit(
-                EventName.TARGET_EXITED, "info", pid=identity.pid, start_ticks=identity.start_ticks
+                EventName.TARGET_EXITED,
+                Level.INFO,
+                pid=identity.pid,
+                start_ticks=identity.start_ticks,
             )
             self._carry_out_all(
                 self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
@@ -388,14 +395,14 @@ class Engine:
             return
         self._paused_reason = reason
         self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
-        self._emit(EventName.DAEMON_PAUSED if reason is not None else "daemon.resumed", "warning",
-                   reason=reason)  # fmt: skip
+        name = EventName.DAEMON_PAUSED if reason is not None else EventName.DAEMON_RESUMED
+        self._emit(name, Level.WARNING, reason=reason)
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
         be tried again."""
         self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-        self._emit(EventName.LIMITS_LATCHES_CLEARED, "warning")
+        self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def policy_reloaded(self) -> None:
         """A new configuration (new ``before`` hooks, say) may succeed where a reset was
@@ -405,12 +412,15 @@ class Engine:
             self.state.plan = forget_reset_refusals(self.state.plan)
             for gpu in gpus:
                 self._emit(
-                    EventName.RESET_REFUSAL_CLEARED, "info", gpu=gpu, why="configuration reloaded"
+                    EventName.RESET_REFUSAL_CLEARED,
+                    Level.INFO,
+                    gpu=gpu,
+                    why="configuration reloaded",
                 )
 
     # --- carrying out intents -----------------------------------------------------------------
 
-    def _emit(self, name: str, level: str, **fields: object) -> None:
+    def _emit(self, name: str, level: Level, **fields: object) -> None:
         self.sink.emit(name, level, fields)
 
     def _take(self, result: PlanResult) -> tuple[Intent, ...]:
@@ -478,11 +488,11 @@ class Engine:
                     argv, detail = list(hook.argv), f"would not run: {err}"
                 self._emit(
                     EventName.HOOK_RUN,
-                    "warning",  # a would-be action: reviewed with -p warning
+                    Level.WARNING,  # a would-be action: reviewed with -p warning
                     hook=intent.hook,
                     argv=argv,
                     dry_run=True,
-                    outcome="dry_run",
+                    outcome=HookOutcome.DRY_RUN,
                     reason=intent.reason,
                     **({"detail": detail} if detail else {}),
                 )
@@ -499,6 +509,7 @@ class Engine:
             outcome=facts.get("outcome"),
             pid=facts.get("pid"),
             rule=facts.get("rule"),
+            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
         )
 
         def work() -> list[CommandResult]:
@@ -507,18 +518,38 @@ class Engine:
         if intent.hook != HookName.ON_ACTION:
             self._report_hooks(intent, self.slow(work))
             return ()
-        if not self.background(lambda: self._hooks_done.append((intent, work()))):
-            self._emit(
-                EventName.HOOK_RUN,
-                "warning",
+
+        def notify() -> None:  # on the background thread: the main loop reports it
+            try:
+                self._hooks_done.append((intent, work()))
+            except Exception as err:  # a bug in one notification must not stop the others
+                self._hooks_done.append((intent, repr(err)))
+
+        if not self.background(notify):
+            self.hooks_not_run(
+                HookOutcome.DROPPED,
+                "the notification queue is full; this notification is not sent",
                 hook=intent.hook,
-                dry_run=False,
-                outcome="dropped",
                 reason=intent.reason,
-                detail="the notification queue is full; this notification is not sent",
             )
         self.report_background_hooks()
         return ()
+
+    def hooks_not_run(
+        self,
+        outcome: HookOutcome,
+        detail: str,
+        *,
+        hook: str | None = HookName.ON_ACTION,
+        reason: str | None = None,
+        level: Level = Level.WARNING,
+    ) -> None:
+        """Say through the event sink (so metrics count it) that hooks did not run to their
+        end: dropped, cancelled when the daemon stopped, or crashed."""
+        fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
+        if reason is not None:
+            fields["reason"] = reason
+        self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
 
     def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
         return tuple(
@@ -539,13 +570,24 @@ class Engine:
         """Log the hooks that finished in the background since the last call (main loop only)."""
         while self._hooks_done:
             intent, results = self._hooks_done.popleft()
-            self._report_hooks(intent, results)
+            if isinstance(results, str):  # the notification raised
+                self._emit(
+                    EventName.HOOK_RUN,
+                    Level.ERROR,
+                    hook=intent.hook,
+                    dry_run=False,
+                    outcome=HookOutcome.CRASHED,
+                    reason=intent.reason,
+                    error=results,
+                )
+            else:
+                self._report_hooks(intent, results)
 
     def _report_hooks(self, intent: HookIntent, results: Sequence[CommandResult]) -> None:
         for res in results:
             self._emit(
                 EventName.HOOK_RUN,
-                "warning",
+                Level.WARNING,
                 hook=intent.hook,
                 dry_run=False,
                 argv=list(res.argv),
@@ -554,7 +596,7 @@ class Engine:
                 output=res.output[-2000:],
                 reason=intent.reason,
                 **({"error": res.error} if res.error else {}),
-                **({"outcome": "cancelled"} if res.cancelled else {}),
+                **({"outcome": HookOutcome.CANCELLED} if res.cancelled else {}),
                 **({"leftovers": res.leftovers} if res.leftovers else {}),
             )
 
@@ -586,9 +628,14 @@ class Engine:
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
-            self._emit(EventName.RESET_CRASHED, "error", gpu=intent.gpu, error=repr(err))
+            self._emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
             outcome = ResetOutcome(
-                "failed", ResetStep.DONE, f"the reset procedure crashed: {err!r}", False, None, ()
+                ResetResult.FAILED,
+                ResetStep.DONE,
+                f"the reset procedure crashed: {err!r}",
+                False,
+                None,
+                (),
             )
         return self._book_reset(intent, outcome)
 
@@ -657,7 +704,7 @@ class Engine:
         record = self.state.reset_in_progress
         if not record:
             return
-        self._emit(EventName.RESET_RESUME, "warning", record=record)
+        self._emit(EventName.RESET_RESUME, Level.WARNING, record=record)
         outcome = resume_interrupted(
             record,
             self.policy.reset,
@@ -671,7 +718,7 @@ class Engine:
             return
         self._emit(
             EventName.RESET_RESUMED,
-            "warning",
+            Level.WARNING,
             gpu=record.get("uuid"),
             result=outcome.result,
             step=outcome.step.value,
@@ -732,5 +779,5 @@ class _ResetEnv:
             # would forget: act/reset.py treats a failed record as an abort.
             raise OSError(STATE_NOT_SAVED)
 
-    def emit(self, event: str, level: str, **fields: object) -> None:
+    def emit(self, event: str, level: Level, **fields: object) -> None:
         self.engine.sink.emit(event, level, fields)

@@ -107,7 +107,7 @@ class SystemClock:
 class LogSink:
     """Every engine event as one structlog event at its level (journald priority)."""
 
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         known = level in set(Level)
         getattr(log, level if known else Level.INFO)(name, **fields)
 

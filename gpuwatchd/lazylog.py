@@ -14,7 +14,7 @@ below it are dropped at once, without loading anything; :func:`reset` (in a ``fi
 it, so a command run in-process (tests) leaves no floor behind. The daemon never defers: its
 logging is configured before the first poll, and every event reaches structlog's own filter.
 
-It imports nothing from gpuwatchd and does no I/O itself.
+It imports only the vocabulary (for the levels) from gpuwatchd and does no I/O itself.
 """
 
 from __future__ import annotations
@@ -22,18 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatchd.vocabulary import LEVEL_ALIASES, Level
+
 __all__ = ["defer_setup", "get_logger", "reset"]
 
-_LEVELS = {
-    "debug": 10,
-    "info": 20,
-    "msg": 20,
-    "warning": 30,
-    "warn": 30,
-    "error": 40,
-    "exception": 40,
-    "critical": 50,
-    "fatal": 50,
+# structlog method names and the numbers of their levels (the vocabulary's, aliases included).
+_LEVELS = {level.value: level.number for level in Level} | {
+    alias: level.number for alias, level in LEVEL_ALIASES.items()
 }
 
 

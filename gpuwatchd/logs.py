@@ -27,8 +27,8 @@ inode (not merely set) each event is sent instead as one entry over journald's n
 ``MESSAGE_ID`` (:func:`message_id`), ``GPUWATCHD_EVENT`` and one upper-case field per event
 field (:func:`journal_field_name`), values unescaped. docs/events.md ("Journal fields") lists
 them. If the entry cannot be sent, that event goes to the stream as the prefixed line instead.
-The module is long (over 600 lines) because the protocol, its sentences and its fallbacks are
-written by hand here: python-systemd would need a C build.
+The protocol and its fallbacks are written by hand here: python-systemd would need a C build.
+The sentence of each event is the event catalogue's (``gpuwatchd/event_catalogue.py``).
 
 Event names form one catalogue, ``area.what`` (:class:`gpuwatchd.vocabulary.EventName`,
 documented in docs/events.md). The area says which part of gpuwatchd speaks; the name after
@@ -45,7 +45,6 @@ import array
 import errno
 import fcntl
 import json
-import logging
 import os
 import re
 import socket
@@ -54,40 +53,28 @@ import sys
 import threading
 import time
 import traceback
-import uuid
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
 from gpuwatchd.escape import escape
-from gpuwatchd.vocabulary import EventName, ResetResult, SignalOutcome
+from gpuwatchd.event_catalogue import (
+    journal_field_name,
+    message_id,
+    render,
+)
+from gpuwatchd.vocabulary import LEVEL_ALIASES, Level, level_of
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
 
 FORMATS = ("auto", "logfmt", "json", "console")
-LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "warn": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
+# Names accepted for log.level (``warn`` too), and their numbers in Python's logging.
+LEVELS = {level.value: level.number for level in Level} | {"warn": Level.WARNING.number}
 # sd-daemon(3) priorities, keyed by structlog method name (exception logs at error).
-_PRIORITIES = {
-    "debug": 7,
-    "info": 6,
-    "msg": 6,
-    "log": 6,
-    "warning": 4,
-    "warn": 4,
-    "error": 3,
-    "err": 3,
-    "exception": 3,
-    "critical": 2,
-    "fatal": 2,
+_PRIORITIES = {level.value: level.priority for level in Level} | {
+    alias: level.priority for alias, level in LEVEL_ALIASES.items()
 }
 _TRACEBACK_FRAMES = 6
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -366,9 +353,7 @@ _NEWLINES = {ord("\n"): "\\n", ord("\r"): "\\r"}
 
 
 def _fallback_line(method: str, event: object, error: Exception) -> str:
-    level = {"warn": "warning", "exception": "error", "err": "error", "fatal": "critical"}.get(
-        method, method
-    )
+    level = str(level_of(method) or method)
     try:
         shown = json.dumps(str(event))
     except Exception:  # even str() of the event may fail
@@ -388,42 +373,12 @@ def _safe_str(value: object) -> str:
 
 # --- native journal entries -------------------------------------------------------------------
 
-# Fixed for good: every MESSAGE_ID is derived from it and the event name (docs/events.md).
-MESSAGE_ID_NAMESPACE = uuid.UUID("691e00fc-97cc-49ac-bf26-5f292abf0526")
 SYSLOG_IDENTIFIER = "gpuwatchd"
-# Event fields with a name of their own in the journal; any other ``foo`` is GPUWATCHD_FOO.
-JOURNAL_FIELDS: Mapping[str, str] = {
-    "gpu": "GPU_UUID",
-    "pid": "TARGET_PID",
-    "rule": "RULE",
-    "dry_run": "DRY_RUN",
-    "outcome": "OUTCOME",
-    "signal": "SIGNAL",
-    "kind": "FINDING_KIND",
-    "finding": "FINDING",
-}
+# MESSAGE_ID_NAMESPACE, message_id, JOURNAL_FIELDS and journal_field_name (what the journal
+# calls an event and its fields) are the event catalogue's: gpuwatchd/event_catalogue.py.
 _FIELD_NAME_MAX = 64  # journald drops longer names
-_NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
 _NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
-_SENTENCE_VALUE_MAX = 160
 _BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
-
-
-def message_id(event: str) -> str:
-    """The journal MESSAGE_ID of an event: 32 lower-case hex digits, the same forever."""
-    return uuid.uuid5(MESSAGE_ID_NAMESPACE, str(event)).hex
-
-
-def journal_field_name(key: str) -> str:
-    """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO.
-
-    Always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
-    trusted fields (``_PID``...) that only journald may set.
-    """
-    name = JOURNAL_FIELDS.get(key)
-    if name is None:
-        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
-    return name[:_FIELD_NAME_MAX]
 
 
 def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:
@@ -490,150 +445,10 @@ def _utf8(text: str) -> bytes:
 
 
 def sentence(event: str, fields: Mapping[str, Any]) -> str:
-    """One line a person reads first in ``journalctl``: the event said in words.
-
-    The important events have their own (:data:`_SENTENCES`); the others say their name and
-    their ``reason`` or ``why``. Values are escaped and shortened; never raises.
-    """
-    try:
-        said = _SENTENCES.get(event)
-        if said is not None:
-            return said(fields)
-        why = _said(fields, "why", "") or _said(fields, "reason", "")
-        return f"{escape(event)}: {why}." if why else f"{escape(event)}."
-    except Exception:  # a sentence must never cost the event
-        return f"{escape(_safe_str(event))}."
-
-
-def _said(fields: Mapping[str, Any], key: str, default: str = "?") -> str:
-    value = fields.get(key)
-    if value is None or value == "":
-        return default
-    if isinstance(value, (list, tuple)):
-        value = " ".join(_safe_str(item) for item in value)
-    text = escape(_safe_str(value))
-    if len(text) > _SENTENCE_VALUE_MAX:
-        text = text[: _SENTENCE_VALUE_MAX - 3] + "..."
-    return text
-
-
-def _process(f: Mapping[str, Any]) -> str:
-    """``PID 1234 (python) on GPU-…``, with what is known."""
-    text = f"PID {_said(f, 'pid')}"
-    if f.get("comm"):
-        text += f" ({_said(f, 'comm')})"
-    if f.get("gpu"):
-        text += f" on {_said(f, 'gpu')}"
-    return text
-
-
-def _dry(f: Mapping[str, Any], text: str) -> str:
-    return f"Dry run: {text}" if f.get("dry_run") is True else text
-
-
-def _signal_sentence(f: Mapping[str, Any]) -> str:
-    sig, who, outcome = _said(f, "signal"), _process(f), f.get("outcome")
-    why = f" (rule {_said(f, 'rule')}, step {_said(f, 'step')})" if f.get("rule") else ""
-    if outcome == SignalOutcome.DELIVERED:
-        return f"Sent {sig} to {who}{why}."
-    if outcome == SignalOutcome.DRY_RUN:
-        return f"Dry run: would send {sig} to {who}{why}."
-    if outcome == SignalOutcome.DENIED:
-        return f"Sending {sig} to {who} was denied (no permission)."
-    if outcome == SignalOutcome.GONE:
-        return f"{sig} not sent: {who} had already exited."
-    if outcome == SignalOutcome.REUSED:
-        return f"{sig} not sent: PID {_said(f, 'pid')} now belongs to another process."
-    if outcome == SignalOutcome.ZOMBIE:
-        return f"{sig} not sent: {who} is a zombie."
-    return f"Sending {sig} to {who} failed: {_said(f, 'detail')}."
-
-
-def _hook_sentence(f: Mapping[str, Any]) -> str:
-    hook, argv = _said(f, "hook", "on_failure"), _said(f, "argv")
-    if f.get("dry_run") is True:
-        return f"Dry run: would run the {hook} hook {argv}."
-    if f.get("outcome") == "dropped":
-        return f"The {hook} hook was not run: {_said(f, 'detail')}."
-    if f.get("error"):
-        return f"The {hook} hook {argv} failed: {_said(f, 'error')}."
-    if f.get("timed_out") is True:
-        return f"The {hook} hook {argv} timed out."
-    return f"Ran the {hook} hook {argv}: exit status {_said(f, 'returncode')}."
-
-
-def _reset_sentence(f: Mapping[str, Any]) -> str:
-    gpu, result, step = _said(f, "gpu", "the GPU"), f.get("result"), _said(f, "step")
-    if f.get("needs_reboot") is True:
-        return f"{gpu} needs a reboot: its reset ended {_said(f, 'result')} at step {step}."
-    if result == ResetResult.SUCCESS:
-        return f"{gpu} was reset."
-    if result == ResetResult.DRY_RUN:
-        return f"Dry run: {gpu} would have been reset."
-    if result == ResetResult.REFUSED:
-        return f"Reset of {gpu} refused at step {step} and undone: {_said(f, 'reason')}."
-    if result == ResetResult.TIMEOUT:
-        return f"Reset of {gpu} timed out at step {step}."
-    return f"Reset of {gpu} failed at step {step}: {_said(f, 'reason')}."
-
-
-def _finding_sentence(f: Mapping[str, Any]) -> str:
-    pid = f", PID {_said(f, 'pid')}" if f.get("pid") is not None else ""
-    return f"New {_said(f, 'kind')} finding on {_said(f, 'gpu')}{pid}: {_said(f, 'reason')}."
-
-
-def _step_sentence(f: Mapping[str, Any]) -> str:
-    signal = _said(f, "signal", "no signal (report only)")
-    step = f"Step {_said(f, 'step')} of {_said(f, 'of')} of rule {_said(f, 'rule')}"
-    return _dry(f, f"{step} is due for {_process(f)}: {signal}.")
-
-
-_SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
-    EventName.ACTION_SIGNAL: _signal_sentence,
-    EventName.HOOK_RUN: _hook_sentence,
-    EventName.RESET_OUTCOME: _reset_sentence,
-    EventName.FINDING_NEW: _finding_sentence,
-    EventName.ESCALATION_STEP_DUE: _step_sentence,
-    EventName.ESCALATION_ENDED: lambda f: _dry(
-        f, f"Gave up on {_process(f)}: {_said(f, 'why')}; it is never signalled again."
-    ),
-    EventName.TARGET_STUCK: lambda f: (
-        f"{_process(f)} is stuck in D state and is never signalled: {_said(f, 'why')}."
-    ),
-    EventName.GPU_NEEDS_REBOOT: lambda f: (
-        f"{_said(f, 'gpu')} needs a reboot: {_said(f, 'why', '') or _said(f, 'outcome')}."
-    ),
-    EventName.LIMITS_KILL_CAP_REACHED: lambda f: (
-        f"Kill cap reached ({_said(f, 'why')}): dry-run is forced until"
-        " 'gpuwatchd resume --clear-latches'."
-    ),
-    EventName.RESET_CIRCUIT_OPEN: lambda f: (
-        f"No more GPU resets until cleared by hand: {_said(f, 'why')}."
-    ),
-    EventName.RESET_DUE: lambda f: _dry(f, f"A reset of {_said(f, 'gpu')} starts."),
-    EventName.DAEMON_START: lambda f: (
-        f"gpuwatchd {_said(f, 'version')} started"
-        f"{' in dry-run' if f.get('dry_run') is True else ''}."
-    ),
-    EventName.DAEMON_STOP: lambda f: f"gpuwatchd stopped (exit code {_said(f, 'exit_code')}).",
-    EventName.DAEMON_NO_PERMISSION: lambda f: (
-        f"Not enough privilege: {_said(f, 'error', '') or _said(f, 'detail')}."
-    ),
-    EventName.DAEMON_PAUSED: lambda f: f"Actions paused by an admin: {_said(f, 'reason')}.",
-    EventName.DAEMON_RESUMED: lambda _f: "Actions resumed.",
-    EventName.CONFIG_RELOADED: lambda _f: "Policy reloaded.",
-    EventName.CONFIG_RELOAD_REJECTED: lambda f: (
-        f"Reload rejected, the old policy stays in force: {_said(f, 'error')}."
-    ),
-    EventName.NVML_WEDGED: lambda f: (
-        f"NVML is wedged (a call missed its {_said(f, 'timeout')}s deadline):"
-        " no destructive action."
-    ),
-    EventName.NVML_UNAVAILABLE: lambda f: f"NVML is unavailable: {_said(f, 'reason')}.",
-    EventName.STATE_DIR_UNUSABLE: lambda f: (
-        f"The state directory {_said(f, 'path')} is unusable: {_said(f, 'error')}."
-    ),
-}
+    """One line a person reads first in ``journalctl``: the event said in words, by the one
+    renderer of the event catalogue (:func:`gpuwatchd.event_catalogue.render`), which names
+    processes ``PID 4242 (python)`` and GPUs by UUID. Escaped and shortened; never raises."""
+    return render(event, fields)
 
 
 class _JournalEntry:

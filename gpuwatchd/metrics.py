@@ -32,9 +32,17 @@ from gpuwatchd.config.keys import SIGNAL_NAMES
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.event_catalogue import HOOK_SUCCEEDED, hook_outcome
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.statedir import open_directory
-from gpuwatchd.vocabulary import EventName, LadderStatus, ResetResult, SignalOutcome
+from gpuwatchd.vocabulary import (
+    EventName,
+    HookOutcome,
+    LadderStatus,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
 
 __all__ = ["DEBIAN_TEXTFILE", "TEXTFILE_MODE", "Metrics", "remove_textfile", "write_textfile"]
 
@@ -420,10 +428,11 @@ def _hook_name(value: object) -> str:
 
 
 def _hook_result(fields: Mapping[str, object]) -> str:
-    if fields.get("dry_run") is True:
+    """The metric's label (ok, failed, dry_run) of how a hook ended (``hook_outcome``)."""
+    outcome = hook_outcome(fields)
+    if outcome == HookOutcome.DRY_RUN:
         return "dry_run"
-    ok = fields.get("returncode") == 0 and fields.get("timed_out") is not True
-    return "ok" if ok else "failed"
+    return "ok" if outcome == HOOK_SUCCEEDED else "failed"
 
 
 class Metrics:
@@ -455,7 +464,7 @@ class Metrics:
         self._written: str | None = None  # the path last written successfully
         self._last_error: str | None = None  # the failure last logged, until a write succeeds
 
-    def observe(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def observe(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         """Count one engine event (``level`` is not used; the signature is the event sink's)."""
         self._events.observe(name, fields)
 

@@ -20,8 +20,10 @@ __all__ = [
     "ASSESS_STATE_VERSION",
     "ASSESS_STATE_VERSIONS_READ",
     "LADDER_TRANSITIONS",
+    "LEVEL_ALIASES",
     "PLAN_STATE_VERSION",
     "RESET_RESULT_LEVELS",
+    "RESET_STEPS",
     "SIGNAL_OUTCOME_LEVELS",
     "STATE_FILE_VERSION",
     "ActionOutcome",
@@ -30,13 +32,17 @@ __all__ = [
     "ExitCode",
     "HolderRoleName",
     "HookName",
+    "HookOutcome",
     "IllegalTransition",
     "LadderStatus",
     "LeftoverName",
     "Level",
     "ResetResult",
+    "ResetStep",
+    "ResetStepStatus",
     "SignalOutcome",
     "check_ladder_transition",
+    "level_of",
 ]
 
 
@@ -51,13 +57,46 @@ class _Name(str, enum.Enum):
 
 
 class Level(_Name):
-    """Log levels (structlog method names; journald priorities 7, 6, 4, 3, 2)."""
+    """Log levels: structlog method names, with their journald priority (sd-daemon(3)) and
+    their number in Python's logging. The only definition of levels: the log setup, the lazy
+    loggers and every event's level (``event_catalogue.py``) take them from here."""
 
     DEBUG = "debug"
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
     CRITICAL = "critical"
+
+    @property
+    def priority(self) -> int:
+        """The journald priority: 7 debug, 6 info, 4 warning, 3 error, 2 critical."""
+        return _PRIORITY[self.value]
+
+    @property
+    def number(self) -> int:
+        """The level's number in Python's ``logging`` (10 debug ... 50 critical)."""
+        return _NUMBER[self.value]
+
+
+_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+_NUMBER = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+# Other structlog method names and the level each logs at.
+LEVEL_ALIASES: Mapping[str, Level] = {
+    "msg": Level.INFO,
+    "log": Level.INFO,
+    "warn": Level.WARNING,
+    "err": Level.ERROR,
+    "exception": Level.ERROR,
+    "fatal": Level.CRITICAL,
+}
+
+
+def level_of(method: str) -> Level | None:
+    """The level a structlog method name (``warning``, ``warn``, ``exception``...) logs at."""
+    name = method.lower()
+    if name in _PRIORITY:
+        return Level(name)
+    return LEVEL_ALIASES.get(name)
 
 
 class EventName(_Name):
@@ -189,6 +228,41 @@ RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
 }
 
 
+class ResetStep(_Name):
+    """The steps of the reset procedure, in order (act/reset.py; docs/reset.md)."""
+
+    DRAIN = "drain"
+    STOP_NVML = "stop_nvml"
+    BEFORE_HOOKS = "before_hooks"
+    PERSISTENCE_OFF = "persistence_off"
+    FINAL_SCAN = "final_scan"
+    RESET = "reset"
+    HEALTH_CHECK = "health_check"
+    PERSISTENCE_ON = "persistence_on"
+    AFTER_HOOKS = "after_hooks"
+    DONE = "done"  # where a finished procedure stands; never a ``reset.step`` of its own
+
+
+RESET_STEPS: tuple[ResetStep, ...] = tuple(step for step in ResetStep if step is not ResetStep.DONE)
+
+
+class ResetStepStatus(_Name):
+    """How one step of the reset procedure went (``reset.step``'s ``status``)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CLEAR = "clear"  # final scan: nothing else holds the GPU
+    BLOCKED = "blocked"  # final scan: something holds it
+    WOULD_RUN = "would_run"  # dry run
+    RECORD_FAILED = "record_failed"  # the step could not be recorded in the state file
+    MEMORY_UNKNOWN = "memory_unknown"  # health check: memory could not be read
+    WOULD_WAIT_FABRIC = "would_wait_fabric"
+    FABRIC_WAITING = "fabric_waiting"
+    FABRIC_COMPLETED = "fabric_completed"
+    FABRIC_STUCK = "fabric_stuck"
+
+
 class LadderStatus(_Name):
     """Where one target's escalation ladder stands (decide/plan_state.py)."""
 
@@ -232,6 +306,16 @@ class HookName(_Name):
     ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
     ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
     RESET_DRAIN = "reset_drain"  # GPU health: reset.drain, once, before waiting for the GPU
+
+
+class HookOutcome(_Name):
+    """``hook.run``'s ``outcome`` where a hook did not simply run to its exit status
+    (:func:`gpuwatchd.event_catalogue.hook_outcome` says how any ``hook.run`` ended)."""
+
+    DRY_RUN = "dry_run"  # a would-be hook: never started
+    DROPPED = "dropped"  # a notification not run: the queue was full, or the daemon stopped
+    CANCELLED = "cancelled"  # still running when the daemon stopped: its process tree killed
+    CRASHED = "crashed"  # the notification itself raised (a bug): not run to the end
 
 
 class ActionOutcome(_Name):

@@ -90,6 +90,25 @@ def test_the_webhook_posts_the_facts_as_json(server: _Server) -> None:
     assert "alice" in str(body["text"])
 
 
+def test_the_webhook_text_is_the_daemon_s_sentence_when_it_is_given(server: _Server) -> None:
+    """GPUWATCHD_MESSAGE (the event catalogue's wording) is the chat line, not the bare facts
+    ("signal freed of alice (4242@99: …)"); still neutralised for chat markup."""
+    message = "PID 4242 of user alice on GPU-8f0a…, signalled by rule orphans, was stopped <!here>."
+    env = {"PATH": os.environ["PATH"], "GPUWATCHD_WEBHOOK_URL": server.url, **FACTS,
+           "GPUWATCHD_MESSAGE": message}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(WEBHOOK), "gpu17"], env=env, capture_output=True, text=True,
+        timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (body,) = server.bodies
+    text = str(body["text"])
+    assert text.startswith("gpuwatchd on gpu17: PID 4242 of user alice on GPU-8f0a…, signalled")
+    assert "4242@99" not in text
+    assert "<!here>" not in text
+    assert "&lt;!\u200bhere&gt;" in text
+
+
 @pytest.mark.parametrize("server", [500], indirect=True)
 def test_a_server_error_is_a_failed_hook(server: _Server) -> None:
     done = run_webhook(server.url, "gpu17")

@@ -26,7 +26,7 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.systemd_notify import describe_status
-from gpuwatchd.vocabulary import LadderStatus
+from gpuwatchd.vocabulary import LadderStatus, Level
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -227,9 +227,10 @@ def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: 
     daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
     sink = daemon.engine.sink
     for pid in range(25):
-        sink.emit("action.signal", "info", {"pid": pid, "signal": "SIGTERM", "outcome": "dry_run",
-                                            "gpu": "GPU-1", "dry_run": True})  # fmt: skip
-    sink.emit("finding.new", "warning", {"pid": 1})
+        sink.emit("action.signal", Level.INFO, {"pid": pid, "signal": "SIGTERM",
+                                                "outcome": "dry_run", "gpu": "GPU-1",
+                                                "dry_run": True})  # fmt: skip
+    sink.emit("finding.new", Level.WARNING, {"pid": 1})
     actions = daemon.status_section()["recent_actions"]
     assert isinstance(actions, list)
     assert len(actions) == 20

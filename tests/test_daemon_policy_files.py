@@ -53,6 +53,7 @@ def host_reload_and_rejected_start(arg: dict[str, Any], root: Path) -> dict[str,
         (conf_d / "50-site.yaml").write_text("interval: 300ms\n")
         out["reload"] = _result(host.gpuwatchd("reload", *config))
         out["reloaded"] = run.wait_for(lambda: run.saw("config.reloaded"))
+        out["reloaded_event"] = next(e for e in run.events() if e.get("event") == "config.reloaded")
         (conf_d / "90-broken.yaml").write_text("interval: sometimes\n")
         out["broken"] = _result(host.gpuwatchd("reload", *config))
         run.wait_for(lambda: False, timeout=1.0)
@@ -94,6 +95,9 @@ def test_reload_and_a_rejected_start(tmp_path: Path) -> None:
     assert r["reload"]["code"] == 0, r["reload"]
     assert "asked the daemon (pid " in r["reload"]["stdout"]
     assert r["reloaded"] is True
+    # The journal says what changed, in a line, not the whole merged policy.
+    assert r["reloaded_event"]["changed"]["interval"].endswith(" -> 300ms")
+    assert set(r["reloaded_event"]["changed"]) == {"interval"}
     # A broken policy is refused by the command: the daemon gets no signal.
     assert r["broken"]["code"] == 78, r["broken"]
     assert "90-broken.yaml" in r["broken"]["stderr"]

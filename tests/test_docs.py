@@ -1,5 +1,6 @@
-"""docs/events.md documents exactly the event catalogue (gpuwatchd.vocabulary.EventName), and
-every logging call names its event through that catalogue."""
+"""docs/events.md documents exactly the event catalogue (gpuwatchd.vocabulary.EventName and
+gpuwatchd/event_catalogue.py: names, levels), every logging call names its event through that
+catalogue, and no code spells an event name as a string."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import ast
 import pathlib
 import re
 
-from gpuwatchd.logs import MESSAGE_ID_NAMESPACE, message_id
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.event_catalogue import CATALOGUE, MESSAGE_ID_NAMESPACE, message_id
+from gpuwatchd.vocabulary import EventName, Level
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EVENTS_DOC = ROOT / "docs" / "events.md"
@@ -31,6 +32,43 @@ def test_every_documented_event_is_in_the_catalogue() -> None:
     catalogue = {str(e) for e in EventName}
     extra = sorted(n for n in documented_events() - catalogue if not n.startswith(SIMULATION_ONLY))
     assert not extra, f"docs/events.md documents events the code cannot emit: {extra}"
+
+
+def documented_levels() -> dict[str, str]:
+    """Each event's level column in docs/events.md's tables (not the MESSAGE_ID table)."""
+    text = EVENTS_DOC.read_text().partition("### MESSAGE_ID per event")[0]
+    return dict(re.findall(r"^\| `([a-z0-9_]+\.[a-z0-9_]+)` \| ([^|]*) \|", text, re.M))
+
+
+def test_each_event_is_documented_at_the_catalogue_s_levels() -> None:
+    """The level column starts with the catalogue's usual level, and every other level it
+    names (outside a parenthesis or a quoted name) is one the catalogue allows."""
+    names = {level.value for level in Level}
+    wrong = []
+    for event, column in sorted(documented_levels().items()):
+        spec = CATALOGUE.get(EventName(event)) if event in {e.value for e in EventName} else None
+        if spec is None:
+            continue  # the simulator's own: docs/simulate.md
+        plain = re.sub(r"\([^)]*\)|`[^`]*`", "", column)
+        said = [word for word in re.findall(r"[a-z]+", plain) if word in names]
+        allowed = {level.value for level in spec.levels}
+        if not said or said[0] != spec.level or not set(said) <= allowed:
+            wrong.append(f"{event}: docs say {column!r}; catalogue {spec.level}, {sorted(allowed)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_string_in_the_code_is_an_event_name() -> None:
+    """An event is named by its EventName member, anywhere: not spelled as a string in a
+    comparison, a table or a call (only gpuwatchd/vocabulary.py says the names)."""
+    names = {e.value for e in EventName}
+    offenders = []
+    for path in sorted((ROOT / "gpuwatchd").rglob("*.py")):
+        if path.name == "vocabulary.py" and path.parent.name == "gpuwatchd":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not offenders, "use gpuwatchd.vocabulary.EventName:\n" + "\n".join(offenders)
 
 
 def _literal_event_calls(tree: ast.AST) -> list[tuple[int, str]]:
@@ -80,7 +118,7 @@ def test_every_event_has_its_message_id_documented() -> None:
     if documented_message_ids() != expected:
         table = "\n".join(f"| `{e}` | `{i}` |" for e, i in sorted(expected.items()))
         raise AssertionError(
-            "docs/events.md's MESSAGE_ID table differs from gpuwatchd.logs.message_id over "
+            "docs/events.md's MESSAGE_ID table differs from event_catalogue.message_id over "
             f"EventName; the table should read:\n{table}"
         )
 

@@ -427,8 +427,8 @@ def test_simulate_enforce_previews_a_dry_run_policy_as_enforcing(
         "enforcing; policy: built-in defaults + the scenario's policy (--enforce: dry_run off)"
         in enforcing
     )
-    assert "SIGKILL → pid 4250 (worker-0): delivered" in enforcing
-    assert "SIGKILL → pid 4250 (worker-0): dry_run" in dry
+    assert "Sent SIGKILL to pid 4250 (worker-0) on GPU 0" in enforcing
+    assert "Dry run: would send SIGKILL to pid 4250 (worker-0) on GPU 0" in dry
 
 
 def test_simulate_help_tells_where_its_policy_comes_from(

@@ -101,7 +101,7 @@ def _timeline_events(sim: Simulation) -> list[tuple[str, str, dict[str, object]]
         if entry.name == "action.signal":
             fields.pop("process", None)  # the timeline names the scenario's process
         fields.pop("during", None)
-        events.append((entry.name, entry.level, fields))
+        events.append((entry.name, str(entry.level), fields))
     return events
 
 

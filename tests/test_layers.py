@@ -100,6 +100,7 @@ def test_the_checker_sees_lazy_imports(tmp_path: pathlib.Path) -> None:
 # or a lower one. A new module is placed here (by the longest matching prefix) when it is added.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("gpuwatchd", "gpuwatchd.checked", "gpuwatchd.escape", "gpuwatchd.lazylog",
+                    "gpuwatchd.event_catalogue",
                     "gpuwatchd.model", "gpuwatchd.vocabulary")),
     ("decide", ("gpuwatchd.decide",)),
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",

@@ -23,11 +23,10 @@ import structlog
 from structlog.testing import capture_logs
 
 from gpuwatchd import logs
+from gpuwatchd.event_catalogue import journal_field_name, message_id
 from gpuwatchd.logs import (
     configure_logging,
     get_logger,
-    journal_field_name,
-    message_id,
     priority_prefix,
     sentence,
     under_journald,
@@ -667,9 +666,20 @@ def test_message_ids_are_fixed_128_bit_ids_one_per_event() -> None:
         (EventName.DAEMON_START, {"version": "1.0", "dry_run": True}, "gpuwatchd 1.0 started in"),
         (EventName.DAEMON_STOP, {"exit_code": 0}, "gpuwatchd stopped (exit code 0)."),
         (EventName.CONFIG_RELOAD_REJECTED, {"error": "bad"}, "Reload rejected, the old policy"),
-        (EventName.FINDING_RESOLVED, {"finding": "k"}, "finding.resolved."),
-        (EventName.RESET_REFUSED, {"why": "cooldown"}, "reset.refused: cooldown."),
-        (EventName.RESET_FAILED, {"reason": "x\ny"}, "reset.failed: x\\ny."),
+        (EventName.FINDING_RESOLVED, {"finding": "k"}, "Finding resolved: k."),
+        (
+            EventName.FINDING_RESOLVED,
+            {"finding": "orphaned:GPU-1:77@12", "lasted": 30},
+            "Finding resolved after 30s: orphaned PID 77 on GPU-1.",
+        ),
+        (EventName.RESET_REFUSED, {"gpu": "GPU-1", "why": "cooldown"}, "No reset of GPU-1"),
+        (
+            EventName.RESET_STEP,
+            {"gpu": "GPU-1", "step": "final_scan", "status": "clear"},
+            "Reset of GPU-1, step 5/9 final_scan: no other process holds the GPU.",
+        ),
+        (EventName.TARGET_EXITED, {"pid": 7}, "PID 7 exited (seen through its pidfd)."),
+        ("test.event", {"reason": "x\ny"}, "test.event: x\\ny."),
     ],
 )
 def test_each_message_starts_with_a_sentence(

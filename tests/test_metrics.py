@@ -40,7 +40,7 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
-from gpuwatchd.vocabulary import EventName, LadderStatus
+from gpuwatchd.vocabulary import EventName, LadderStatus, Level
 from tests.support.snapshots import GIB, HostBuilder, gpu_uuid
 
 REPO = Path(__file__).resolve().parent.parent
@@ -412,7 +412,7 @@ def test_counters_count_events(textfile: Path) -> None:
         (EventName.RESET_STEP, {"step": "reset", "status": "ok"}),  # not an outcome
     ]
     for name, fields in events:
-        metrics.observe(name, "info", fields)
+        metrics.observe(name, Level.INFO, fields)
     assert metrics.write() is None
     s = written(textfile)
     assert value(s, "gpuwatchd_signals_total", signal="SIGTERM", outcome="delivered") == 2
@@ -454,8 +454,10 @@ SUFFIXES = ("_bucket", "_count", "_sum")
 def names_written() -> set[str]:
     """Every family and sample name Metrics writes, with all its metrics populated."""
     metrics = Metrics(None)
-    metrics.observe(EventName.ACTION_SIGNAL, "info", {"signal": "SIGTERM", "outcome": "delivered"})
-    metrics.observe(EventName.HOOK_RUN, "info", {"hook": "on_failure", "returncode": 0})
+    metrics.observe(
+        EventName.ACTION_SIGNAL, Level.INFO, {"signal": "SIGTERM", "outcome": "delivered"}
+    )
+    metrics.observe(EventName.HOOK_RUN, Level.INFO, {"hook": "on_failure", "returncode": 0})
     poll(metrics, host())
     names: set[str] = set()
     for family in text_string_to_metric_families(metrics.render().decode()):

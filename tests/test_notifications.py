@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
+from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.config.schema import ConfigError, parse_policy_documents, render_policy
 from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
@@ -99,6 +100,11 @@ def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_pol
     assert env["GPUWATCHD_HOSTNAME"] == "gpu17"
     assert env["GPUWATCHD_PID"] == "201"
     assert env["GPUWATCHD_RULE"] == "orphans"
+    # One sentence for a chat or a mail, worded by the event catalogue (no internal key).
+    assert env["GPUWATCHD_MESSAGE"] == (
+        f"PID 201 of user alice on {GPU0}, signalled by rule orphans, was stopped; its GPU"
+        " memory is freed (target exited)."
+    )
     assert r.sink.named("hook.run") == []  # reported by the main loop, at its next poll
     r.poll_at(1.0)
     (ran,) = r.sink.named("hook.run")
@@ -114,6 +120,32 @@ def test_a_full_queue_drops_the_notification_and_says_so() -> None:
     assert dropped["outcome"] == "dropped"
     assert "queue is full" in str(dropped["detail"])
     assert notify_commands(r) == []
+
+
+class CrashingActuator(Actuator):
+    """A command runner with a bug: it raises instead of returning a result."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        if argv and argv[0] == "notify":
+            raise RuntimeError("bug in the runner")
+        return super().run_command(argv, timeout=timeout, env=env)
+
+
+def test_a_crashing_notification_is_one_hook_run_through_the_event_sink() -> None:
+    """Not logged past the sink on the notification's thread: reported by the main loop as
+    ``hook.run`` ``outcome=crashed`` (error), so metrics and status see it too."""
+    background = Deferred()
+    r = with_background(rig(policy(NOTIFY), orphan_host, actuator=CrashingActuator()), background)
+    kill_worker(r)
+    background.run_all()  # the notification raises on its thread: nothing escapes
+    r.poll_at(1.0)
+    (crashed,) = r.sink.named("hook.run")
+    assert crashed["outcome"] == "crashed"
+    assert crashed["hook"] == "on_action"
+    assert "bug in the runner" in str(crashed["error"])
+    assert [level for name, level, _ in r.sink.events if name == "hook.run"] == ["error"]
 
 
 def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> None:
@@ -163,6 +195,7 @@ on_action:
     assert argv[:2] == ("notify", "gpu17")
     assert env["GPUWATCHD_ACTION"] == "reset"
     assert env["GPUWATCHD_OUTCOME"] == "reset"
+    assert env["GPUWATCHD_MESSAGE"] == f"{GPU0} was reset."
     assert "GPUWATCHD_USER" not in env
     r.poll_at(1.0)
     ran = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]

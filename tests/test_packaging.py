@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli.main import build_parser
+from gpuwatchd.event_catalogue import message_id
+from gpuwatchd.vocabulary import EventName
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = "usr/share/doc/gpuwatchd"
@@ -176,6 +178,39 @@ def _check_missing_build_dep(src: Path) -> None:
     assert "(" not in install.split("apt-get install", 1)[1]  # names apt takes as they are
 
 
+def test_the_journal_catalog_loads_in_journalctl_with_one_entry_per_event(
+    tmp_path: Path,
+) -> None:
+    """packaging/journal_catalog.py, run as the package build runs it (the system python3,
+    no third-party module), gives journalctl one entry per event under its MESSAGE_ID, with
+    the event's meaning as its subject and its fields by their journal names."""
+    journalctl = shutil.which("journalctl")
+    if journalctl is None:
+        pytest.skip("no journalctl (systemd) on this machine")
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    catalog = tmp_path / "usr" / "lib" / "systemd" / "catalog" / "gpuwatchd.catalog"
+    subprocess.run(
+        [python, "-I", "-c", "import runpy, sys; sys.path.insert(0, sys.argv[1]); "
+         "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+         str(REPO), str(REPO / "packaging" / "journal_catalog.py"), str(catalog)],
+        check=True,
+    )  # fmt: skip
+    subprocess.run([journalctl, f"--root={tmp_path}", "--update-catalog"], check=True)
+    listed = subprocess.run(
+        [journalctl, f"--root={tmp_path}", "--list-catalog"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    ids = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    assert ids == {message_id(event) for event in EventName}
+    dumped = subprocess.run(
+        [journalctl, f"--root={tmp_path}", "--dump-catalog", message_id(EventName.ACTION_SIGNAL)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "Subject: action.signal: one signal, after the pidfd identity check" in dumped
+    assert "TARGET_PID: pid" in dumped
+    assert "Level: warning (also error, info, by outcome)" in dumped
+
+
 def _why_no_build() -> str | None:
     missing = [t for t in ("dpkg-buildpackage", "dh", "dpkg-deb") if shutil.which(t) is None]
     if missing:
@@ -252,6 +287,10 @@ def test_the_package_installs_the_integration_commands_executable(
 def test_the_package_ships_the_slurm_undrain_timer(deb_listing: dict[str, str]) -> None:
     for unit in ("gpuwatchd-slurm-undrain.service", "gpuwatchd-slurm-undrain.timer"):
         assert f"lib/systemd/system/{unit}" in deb_listing, unit
+
+
+def test_the_package_ships_the_journal_catalog(deb_listing: dict[str, str]) -> None:
+    assert "usr/lib/systemd/catalog/gpuwatchd.catalog" in deb_listing
 
 
 def test_the_package_ships_bash_and_zsh_completion(deb_listing: dict[str, str]) -> None:

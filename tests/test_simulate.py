@@ -152,7 +152,7 @@ def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     path.write_text(scenario())
     assert main(["simulate", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "   +40.0s  action   SIGTERM → pid" in out
+    assert "   +40.0s  action   Sent SIGTERM to pid" in out
     assert "final state at +180.0s" in out
     assert main(["simulate", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -33,7 +33,7 @@ from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.state import StateStore
 from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import LadderStatus
+from gpuwatchd.vocabulary import LadderStatus, Level
 
 NOW = 1_800_000_000.0  # wall
 MONO = 50_000.0  # the same instant on the monotonic clock
@@ -316,7 +316,9 @@ def test_confirmation_windows_are_listed_with_their_time() -> None:
     assert result["pending"] == [
         {"finding": "ghost_memory:GPU-2:gpu", "due": NOW + 420, "due_in": 420.0}
     ]
-    assert "  ghost_memory:GPU-2:gpu: in 7m" in render_text(result)
+    text = render_text(result)
+    assert "  ghost_memory GPU-2: in 7m" in text  # in words, not the internal key
+    assert "ghost_memory:GPU-2:gpu" not in text
 
 
 def test_signals_in_the_last_hour_are_counted_against_the_cap() -> None:
@@ -677,7 +679,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     daemon = Daemon(policy, config_path=str(config))
     daemon.engine.sink.emit(
         "action.signal",
-        "info",
+        Level.INFO,
         {"pid": 77, "signal": "SIGTERM", "outcome": "dry_run", "gpu": "GPU-1", "dry_run": True},
     )
     daemon.save_state()

@@ -81,7 +81,6 @@ a crash share one record format and one table of steps: kept together, a new ste
 from __future__ import annotations
 
 import dataclasses
-import enum
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,7 +89,14 @@ from typing import Protocol
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook, ResetPolicy
-from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, EventName, Level, ResetResult
+from gpuwatchd.vocabulary import (
+    RESET_RESULT_LEVELS,
+    EventName,
+    Level,
+    ResetResult,
+    ResetStep,
+    ResetStepStatus,
+)
 
 __all__ = [
     "CommandRunner",
@@ -108,24 +114,13 @@ __all__ = [
 REASON_OUTPUT_LIMIT = 2000  # characters of a command's output quoted in a reason
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
 _UNRECORDED = "could not record reset progress in the state file"
-
-
-class ResetStep(str, enum.Enum):
-    """The steps of the reset procedure, in order (docs/design-notes.md §7)."""
-
-    DRAIN = "drain"
-    STOP_NVML = "stop_nvml"
-    BEFORE_HOOKS = "before_hooks"
-    PERSISTENCE_OFF = "persistence_off"
-    FINAL_SCAN = "final_scan"
-    RESET = "reset"
-    HEALTH_CHECK = "health_check"
-    PERSISTENCE_ON = "persistence_on"
-    AFTER_HOOKS = "after_hooks"
-    DONE = "done"
-
-    def __str__(self) -> str:
-        return self.value
+# reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
+_FINISHED_LEVELS: Mapping[ResetResult, Level] = {
+    ResetResult.SUCCESS: Level.INFO,
+    ResetResult.DRY_RUN: Level.INFO,
+    ResetResult.REFUSED: Level.WARNING,
+    ResetResult.IN_USE: Level.WARNING,
+}
 
 
 @dataclass(frozen=True)
@@ -151,7 +146,7 @@ class ResetOutcome:
     reasons. ``command`` is the reset command's result when it ran.
     """
 
-    result: str
+    result: ResetResult
     step: ResetStep
     reason: str
     needs_reboot: bool
@@ -174,7 +169,7 @@ class ResetEnvironment(Protocol):
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         """Persist progress before ``step`` runs (see :func:`progress_record`)."""
 
-    def emit(self, event: str, level: str, **fields: object) -> None:
+    def emit(self, event: str, level: Level, **fields: object) -> None:
         """Log one structured event."""
 
 
@@ -259,7 +254,7 @@ def _quote(output: str) -> str:
 
 def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
-) -> tuple[str, dict[str, object]]:
+) -> tuple[Level, dict[str, object]]:
     """The level and fields of the ``reset.outcome`` event (the daemon's and simulate's)."""
     result = ResetResult(outcome.result)
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
@@ -275,7 +270,7 @@ def outcome_event(
     }
 
 
-def interpret_reset_exit(result: CommandResult) -> tuple[str, bool, str]:
+def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
     """``(result, needs_reboot, reason)`` for a finished reset command; see the module table.
 
     The reason quotes the command's output (whitespace folded, last 2000 characters).
@@ -286,23 +281,27 @@ def interpret_reset_exit(result: CommandResult) -> tuple[str, bool, str]:
         reason = f"reset command did not finish within {result.duration:.1f}s and was killed"
         if unkillable:
             reason += f"; {result.error}: the GPU is probably wedged"
-        return "timeout", unkillable, reason + output
+        return ResetResult.TIMEOUT, unkillable, reason + output
     if result.returncode is None:
-        return "failed", False, f"reset command could not run: {result.error}"
+        return ResetResult.FAILED, False, f"reset command could not run: {result.error}"
     code = result.returncode
     if code == 0:
-        return "success", False, "GPU reset" + output
+        return ResetResult.SUCCESS, False, "GPU reset" + output
     if code < 0:
-        return "failed", False, f"reset command was killed by signal {-code}" + output
+        return ResetResult.FAILED, False, f"reset command was killed by signal {-code}" + output
     if code == 15:
-        return "failed", True, f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output
+        return (
+            ResetResult.FAILED,
+            True,
+            f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output,
+        )
     if code == 255:
         lowered = result.output.lower()
         if any(marker in lowered for marker in _IN_USE_MARKERS):
-            return "in_use", False, IN_USE_REASON + output
-        return "failed", False, "exit 255: nvidia-smi reported an error" + output
+            return ResetResult.IN_USE, False, IN_USE_REASON + output
+        return ResetResult.FAILED, False, "exit 255: nvidia-smi reported an error" + output
     meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
-    return "failed", False, f"exit {code}: {meaning}" + output
+    return ResetResult.FAILED, False, f"exit {code}: {meaning}" + output
 
 
 # --- the procedure ----------------------------------------------------------------------------
@@ -378,7 +377,7 @@ class _Procedure:
         self.fabric_wait: FabricWait | None = None
         self.persistence_off = False
         self.reset_started = False
-        self.result: str | None = None
+        self.result: ResetResult | None = None
         self.notes: list[str] = []
 
     # -- recording and events ----------------------------------------------------------------
@@ -395,11 +394,18 @@ class _Procedure:
         try:
             self.env.record_step(self.target, step, data)
         except Exception as err:  # any failure to persist is the same problem
-            self.event(step, "record_failed", detail=str(err), level="error")
+            self.event(step, ResetStepStatus.RECORD_FAILED, detail=str(err), level=Level.ERROR)
             return False
         return True
 
-    def event(self, step: ResetStep, status: str, *, level: str = "info", **fields: object) -> None:
+    def event(
+        self,
+        step: ResetStep,
+        status: ResetStepStatus,
+        *,
+        level: Level = Level.INFO,
+        **fields: object,
+    ) -> None:
         self.env.emit(
             EventName.RESET_STEP,
             level,
@@ -415,13 +421,13 @@ class _Procedure:
     def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None:
         """Run ``argv`` for ``step`` (None in dry-run) and emit the step's event."""
         if self.dry_run:
-            self.event(step, "would_run", argv=list(argv))
+            self.event(step, ResetStepStatus.WOULD_RUN, argv=list(argv))
             return None
         result = self.runner(argv, timeout=self.policy.timeout)
         self.event(
             step,
-            "ok" if result.ok else "failed",
-            level="info" if result.ok else "warning",
+            ResetStepStatus.OK if result.ok else ResetStepStatus.FAILED,
+            level=Level.INFO if result.ok else Level.WARNING,
             argv=list(argv),
             detail=result.describe(),
             duration=round(result.duration, 3),
@@ -440,11 +446,11 @@ class _Procedure:
     ) -> str | None:
         """Run the hooks of ``step``; the first failure's description, or None."""
         if not hooks:
-            self.event(step, "skipped", detail="no hooks configured")
+            self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
             return None
         if self.dry_run:
             filled = [_would_run(h.argv, _values(self.target)) for h in hooks]
-            self.event(step, "would_run", hooks=filled)
+            self.event(step, ResetStepStatus.WOULD_RUN, hooks=filled)
             return None
         env = {
             **self.hook_env,
@@ -470,8 +476,8 @@ class _Procedure:
         ]
         self.event(
             step,
-            "failed" if failures else "ok",
-            level="warning" if failures else "info",
+            ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
+            level=Level.WARNING if failures else Level.INFO,
             hooks=[list(r.argv) for r in results],
             detail="; ".join(failures) if failures else f"{len(results)} hook(s) ran",
         )
@@ -479,7 +485,7 @@ class _Procedure:
 
     # -- ending ------------------------------------------------------------------------------
 
-    def restore(self, result: str, reason: str) -> None:
+    def restore(self, result: ResetResult, reason: str) -> None:
         """Persistence mode back on (if this procedure turned it off), then the after hooks."""
         if self.persistence_off and self.commands.persistence_on is not None:
             self.begin(ResetStep.PERSISTENCE_ON)
@@ -491,7 +497,11 @@ class _Procedure:
             elif done is not None:
                 self.persistence_off = False  # restored: a resume must not do it again
         else:
-            self.event(ResetStep.PERSISTENCE_ON, "skipped", detail="persistence mode not changed")
+            self.event(
+                ResetStep.PERSISTENCE_ON,
+                ResetStepStatus.SKIPPED,
+                detail="persistence mode not changed",
+            )
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
             ResetStep.AFTER_HOOKS,
@@ -505,7 +515,7 @@ class _Procedure:
 
     def finish(
         self,
-        result: str,
+        result: ResetResult,
         step: ResetStep,
         reason: str,
         *,
@@ -517,10 +527,9 @@ class _Procedure:
             reason = f"{reason}; " + "; ".join(self.notes)
         self.result = result
         self.begin(ResetStep.DONE)
-        levels = {"success": "info", "dry_run": "info", "refused": "warning", "in_use": "warning"}
-        level = levels.get(result, "error")
+        level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
         if needs_reboot:
-            level = "critical"
+            level = Level.CRITICAL
         self.env.emit(
             EventName.RESET_FINISHED,
             level,
@@ -536,10 +545,12 @@ class _Procedure:
 
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
-        self.restore("refused", reason)
+        self.restore(ResetResult.REFUSED, reason)
         if self.dry_run:
-            return self.finish("dry_run", step, f"would be refused: {reason}", blockers=blockers)
-        return self.finish("refused", step, reason, blockers=blockers)
+            return self.finish(
+                ResetResult.DRY_RUN, step, f"would be refused: {reason}", blockers=blockers
+            )
+        return self.finish(ResetResult.REFUSED, step, reason, blockers=blockers)
 
     def health_check(self) -> tuple[bool, bool | None, str]:
         """(health command passed, memory back to baseline, detail)."""
@@ -552,7 +563,12 @@ class _Procedure:
         try:
             memory = self.env.memory_back_to_baseline(self.target)
         except Exception as err:  # unknown, logged; never counted as good
-            self.event(ResetStep.HEALTH_CHECK, "memory_unknown", detail=str(err), level="warning")
+            self.event(
+                ResetStep.HEALTH_CHECK,
+                ResetStepStatus.MEMORY_UNKNOWN,
+                detail=str(err),
+                level=Level.WARNING,
+            )
             memory = None
         if memory is False:
             return True, False, "memory is not back to the baseline after the reset"
@@ -588,16 +604,16 @@ def perform_reset(
     if isinstance(prepared, str):
         env.emit(
             EventName.RESET_FINISHED,
-            "error",
+            Level.ERROR,
             gpu=target.uuid,
-            result="refused",
+            result=ResetResult.REFUSED,
             step=ResetStep.DRAIN.value,
             reason=prepared,
             needs_reboot=False,
             blockers=[],
             dry_run=dry_run,
         )
-        return ResetOutcome("refused", ResetStep.DRAIN, prepared, False, None, ())
+        return ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
     proc = _Procedure(
         target,
         reset,
@@ -620,9 +636,11 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     target, reset, env, dry_run = proc.target, proc.policy, proc.env, proc.dry_run
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
-        return proc.finish("refused", ResetStep.DRAIN, _UNRECORDED)
+        return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, _UNRECORDED)
     if proc.drained and reset.drain:
-        proc.event(ResetStep.DRAIN, "skipped", detail="drained already, before the wait")
+        proc.event(
+            ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
+        )
     else:
         failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
         if failure is not None:
@@ -631,14 +649,16 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)
     if dry_run:
-        proc.event(ResetStep.STOP_NVML, "would_run", detail="would stop the NVML worker")
+        proc.event(
+            ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
+        )
     else:
         try:
             released = env.stop_nvml()
         except Exception as err:  # an error here means "not released"
             released = False
             proc.notes.append(f"stopping NVML raised: {err}")
-        proc.event(ResetStep.STOP_NVML, "ok" if released else "failed")
+        proc.event(ResetStep.STOP_NVML, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
         if not released:
             return proc.abort(ResetStep.STOP_NVML, "our own NVML worker still holds the device")
 
@@ -665,7 +685,7 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
             if target.persistence_was_on is False
             else "persistence mode is unknown; left as it is"
         )
-        proc.event(ResetStep.PERSISTENCE_OFF, "skipped", detail=why)
+        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=why)
 
     if not proc.begin(ResetStep.FINAL_SCAN):
         return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
@@ -675,8 +695,8 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
         blockers = [f"the holder scan failed: {err}"]
     proc.event(
         ResetStep.FINAL_SCAN,
-        "blocked" if blockers else "clear",
-        level="warning" if blockers else "info",
+        ResetStepStatus.BLOCKED if blockers else ResetStepStatus.CLEAR,
+        level=Level.WARNING if blockers else Level.INFO,
         blockers=blockers,
     )
     if blockers:
@@ -697,16 +717,18 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
     if command is None:
         proc.health_check()
         if target.fabric:
-            proc.event(ResetStep.HEALTH_CHECK, "would_wait_fabric",
+            proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.WOULD_WAIT_FABRIC,
                        detail=f"would wait up to {proc.policy.fabric_timeout:g}s for the NVLink "
                        "fabric to reach COMPLETED")  # fmt: skip
-        proc.restore("dry_run", "dry-run")
+        proc.restore(ResetResult.DRY_RUN, "dry-run")
         return proc.finish(
-            "dry_run", ResetStep.DONE, f"would reset {target.uuid} with {list(prepared.reset)!r}"
+            ResetResult.DRY_RUN,
+            ResetStep.DONE,
+            f"would reset {target.uuid} with {list(prepared.reset)!r}",
         )
     result, needs_reboot, reason = interpret_reset_exit(command)
     proc.result = result
-    if result != "success":
+    if result != ResetResult.SUCCESS:
         proc.restore(result, reason)
         return proc.finish(
             result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command
@@ -715,31 +737,31 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
     healthy, memory, detail = proc.health_check()
     reason = f"{reason}; {detail}"
     if not healthy:
-        proc.result = "failed"
-        proc.restore("failed", reason)
+        proc.result = ResetResult.FAILED
+        proc.restore(ResetResult.FAILED, reason)
         return proc.finish(
-            "failed", ResetStep.HEALTH_CHECK, reason, needs_reboot=True, command=command
+            ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, needs_reboot=True, command=command
         )
     if memory is False:
-        proc.result = "failed"
-        proc.restore("failed", reason)
-        return proc.finish("failed", ResetStep.HEALTH_CHECK, reason, command=command)
+        proc.result = ResetResult.FAILED
+        proc.restore(ResetResult.FAILED, reason)
+        return proc.finish(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
     if target.fabric:
         completed, fabric_detail = _wait_for_fabric(proc)
         reason = f"{reason}; {fabric_detail}"
         if not completed:
-            proc.result = "failed"
-            proc.restore("failed", reason)
-            return proc.finish("failed", ResetStep.HEALTH_CHECK, reason, command=command)
-    proc.restore("success", reason)
-    return proc.finish("success", ResetStep.DONE, reason, command=command)
+            proc.result = ResetResult.FAILED
+            proc.restore(ResetResult.FAILED, reason)
+            return proc.finish(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
+    proc.restore(ResetResult.SUCCESS, reason)
+    return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
 
 
 def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
     """The NVLink fabric after the reset: COMPLETED within ``fabric_timeout``, or the reset is
     not done. Fabric Manager is never stopped or restarted here, whatever the answer."""
     timeout = proc.policy.fabric_timeout
-    proc.event(ResetStep.HEALTH_CHECK, "fabric_waiting", timeout=timeout,
+    proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.FABRIC_WAITING, timeout=timeout,
                detail="waiting for the NVLink fabric registration to reach COMPLETED")  # fmt: skip
     if proc.fabric_wait is None:
         completed, detail = False, "the NVLink fabric state cannot be read here"
@@ -749,14 +771,14 @@ def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
         except Exception as err:  # unknown is not completed
             completed, detail = False, f"reading the NVLink fabric failed: {err}"
     if completed:
-        proc.event(ResetStep.HEALTH_CHECK, "fabric_completed", detail=detail)
+        proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.FABRIC_COMPLETED, detail=detail)
         return True, detail
     text = (
         f"NVLink fabric not ready after the reset ({detail}): Fabric Manager must register the "
         "GPU; gpuwatchd never restarts it (without resetting every GPU that breaks NVLink "
         "SHARP for the GPUs still running)"
     )
-    proc.event(ResetStep.HEALTH_CHECK, "fabric_stuck", level="error", detail=text)
+    proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.FABRIC_STUCK, level=Level.ERROR, detail=text)
     return False, text
 
 
@@ -828,8 +850,8 @@ def resume_interrupted(
         return None
     if step is None or target is None:
         reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
-        env.emit(EventName.RESET_RESUME_FAILED, "error", reason=reason)
-        return ResetOutcome("failed", ResetStep.DONE, reason, False, None, ())
+        env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
+        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
 
     prepared = _prepare(target, reset)
     if isinstance(prepared, str):
@@ -839,10 +861,12 @@ def resume_interrupted(
     proc.persistence_off = record.get("persistence_off") is True
     proc.reset_started = record.get("reset_started") is True
     recorded = record.get("result")
-    proc.result = recorded if isinstance(recorded, str) else None
+    # An unknown recorded result is no result: the GPU is checked again below.
+    known = isinstance(recorded, str) and recorded in {r.value for r in ResetResult}
+    proc.result = ResetResult(recorded) if known else None
     env.emit(
         EventName.RESET_RESUMED,
-        "warning",
+        Level.WARNING,
         gpu=target.uuid,
         step=step.value,
         reset_started=proc.reset_started,
@@ -853,8 +877,8 @@ def resume_interrupted(
 
     if not proc.reset_started:
         reason = f"interrupted at step {step.value} before the reset command ran; undone"
-        proc.restore("refused", reason)
-        return proc.finish("refused", step, reason)
+        proc.restore(ResetResult.REFUSED, reason)
+        return proc.finish(ResetResult.REFUSED, step, reason)
 
     if step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or proc.result is None:
         unhealthy = False
@@ -864,7 +888,7 @@ def resume_interrupted(
         else:
             healthy, memory, detail = proc.health_check()
             unhealthy = not healthy
-        result = "success" if not unhealthy and memory is True else "failed"
+        result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
         reason = f"interrupted at step {step.value} after the reset command started; {detail}"
         proc.result = result
         proc.restore(result, reason)

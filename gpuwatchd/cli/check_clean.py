@@ -13,11 +13,11 @@ first line); on stderr, for a clean GPU, each process that would block a reset o
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 from gpuwatchd.escape import escape
@@ -26,20 +26,9 @@ from gpuwatchd.vocabulary import Cleanliness, ExitCode
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
 
-_BUS_ID = re.compile(r"^(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])$")
-
 
 class SelectionError(ValueError):
     """A ``--gpu`` value that names no GPU of this host."""
-
-
-def _bus_key(text: str) -> tuple[int, int, int, int] | None:
-    """``00000000:17:00.0``, ``0000:17:00.0`` and ``17:00.0`` all name the same function."""
-    match = _BUS_ID.match(text.strip().lower())
-    if match is None:
-        return None
-    domain, bus, device, function = match.groups()
-    return (int(domain or "0", 16), int(bus, 16), int(device, 16), int(function, 16))
 
 
 def split_selectors(values: Sequence[str] | None) -> list[str] | None:
@@ -55,8 +44,7 @@ def _names(gpu: GpuVerdict, selector: str) -> bool:
         return True
     if selector.isdigit() and int(selector) == gpu.index:
         return True
-    key = _bus_key(selector)
-    return key is not None and gpu.pci_bus_id is not None and key == _bus_key(gpu.pci_bus_id)
+    return gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id)
 
 
 def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[GpuVerdict]:

@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config", parents=[common], help="validate and print the effective policy"
     )
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
+    check.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="validate only: print no policy, just the OK line (the unit's reload check)",
+    )
 
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
@@ -184,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     command: str = args.command
     if command == "check-config":
-        return _check_config(args.file or args.config)
+        return _check_config(args.file or args.config, quiet=args.quiet)
     if command == "scan":
         return _scan(args)
     if command == "check-clean":
@@ -217,11 +223,12 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
         raise CliError(str(exc), ExitCode.CONFIG) from exc
 
 
-def _check_config(path: str | None) -> int:
+def _check_config(path: str | None, *, quiet: bool = False) -> int:
     from gpuwatchd.config.schema import render_policy
 
     policy = load_policy_or_exit(path, required=True)
-    sys.stdout.write(render_policy(policy))
+    if not quiet:
+        sys.stdout.write(render_policy(policy))
     files = ", ".join(policy.sources) or "(built-in defaults)"
     print(f"# OK: {files}", file=sys.stderr)
     return ExitCode.OK

@@ -39,7 +39,7 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import SignalOutcome
+from gpuwatchd.vocabulary import EventName, Level, SignalOutcome
 
 __all__ = [
     "BUSY_POLLS",
@@ -136,7 +136,7 @@ class Simulation:
     def schedule(self, at: float, kind: str, payload: object) -> None:
         heapq.heappush(self.queue, (at, next(self.seq), kind, payload))
 
-    def add(self, name: str, level: str, text: str, **fields: object) -> None:
+    def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
 
     def pname(self, pid: object) -> str:
@@ -163,7 +163,7 @@ class Simulation:
             until = self.engine.wake_at()
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
-                self.add("sim.busy_loop", "warning", "the daemon would poll in a busy loop")
+                self.add("sim.busy_loop", Level.WARNING, "the daemon would poll in a busy loop")
                 until = self.now + self.engine.policy.interval
                 busy = 0
             if until > duration:
@@ -222,7 +222,9 @@ class Simulation:
         if proc.exited_at != self.now:
             return
         text = f"{proc.name} (pid {proc.pid}) exited ({why})"
-        self.add("world.exit", "info", "; ".join([text, *notes]), process=proc.name, pid=proc.pid)
+        self.add(
+            "world.exit", Level.INFO, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
+        )
         if identity in self.watched:
             self.watched.discard(identity)
             self.exited.append(identity)
@@ -239,7 +241,7 @@ class Simulation:
             proc = world.start(spec, at=self.now)
             self.add(
                 "world.start",
-                "info",
+                Level.INFO,
                 f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}",
                 process=spec.name,
                 pid=spec.pid,
@@ -254,7 +256,7 @@ class Simulation:
             gpu.base = max(0, event.memory - charged)
             self.add(
                 "world.memory",
-                "info",
+                Level.INFO,
                 f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}",
                 gpu=gpu.spec.uuid,
                 allocated=event.memory,
@@ -263,7 +265,7 @@ class Simulation:
             world.leak_on_exit.add(event.target)
             self.add(
                 "world.leak",
-                "info",
+                Level.INFO,
                 f"{event.target}'s GPU memory will stay allocated after it exits (driver fault)",
                 process=event.target,
             )
@@ -271,7 +273,7 @@ class Simulation:
             world.reset_results.append(event.value)
             self.add(
                 "world.reset_result",
-                "info",
+                Level.INFO,
                 f"the next GPU reset will end: {event.value}",
                 result=event.value,
             )
@@ -281,7 +283,7 @@ class Simulation:
                 proc.state = event.value
                 self.add(
                     "world.state",
-                    "info",
+                    Level.INFO,
                     f"{proc.name} (pid {proc.pid}) is now in state {event.value}",
                     process=proc.name,
                     pid=proc.pid,
@@ -291,18 +293,18 @@ class Simulation:
             proc = world.by_name(event.target)
             if proc is not None and proc.present and not proc.alive:
                 world.reap(proc)
-                self.add("world.reap", "info", f"zombie {proc.name} was reaped", pid=proc.pid)
+                self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
         elif action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
         elif action == "xid" and event.gpu is not None and event.xid is not None:
             world.gpus[event.gpu].xids.append((event.xid, self.now))
-            self.add("world.xid", "info", f"GPU {event.gpu}: Xid {event.xid}",
+            self.add("world.xid", Level.INFO, f"GPU {event.gpu}: Xid {event.xid}",
                      gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid)  # fmt: skip
         elif action == "health" and event.gpu is not None and event.health is not None:
             gpu = world.gpus[event.gpu]
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
             said = ", ".join(f"{k}={v}" for k, v in event.health.items())
-            self.add("world.health", "info", f"GPU {event.gpu}: {said}",
+            self.add("world.health", Level.INFO, f"GPU {event.gpu}: {said}",
                      gpu=gpu.spec.uuid, **event.health)  # fmt: skip
 
     def react(self, proc: _Proc, signal: str) -> None:
@@ -314,7 +316,7 @@ class Simulation:
                 proc.state = "D"
                 self.add(
                     "world.state",
-                    "info",
+                    Level.INFO,
                     f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL",
                     process=proc.name,
                     pid=proc.pid,
@@ -390,10 +392,12 @@ class Simulation:
             "resets": [
                 {"t": e.t, "gpu": e.fields["gpu"], "result": e.fields["result"]}
                 for e in self.timeline
-                if e.name == "reset.outcome"
+                if e.name == EventName.RESET_OUTCOME
             ],
             "hooks_run": sum(
-                1 for e in self.timeline if e.name == "hook.run" and not e.fields.get("dry_run")
+                1
+                for e in self.timeline
+                if e.name == EventName.HOOK_RUN and not e.fields.get("dry_run")
             ),
             "forced_dry_run": state.forced_dry_run,
             "circuit_open": state.circuit_open,
@@ -424,15 +428,15 @@ class TimelineSink:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
 
-    def emit(self, name: str, level: str, fields: Mapping[str, object]) -> None:
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         sim = self.sim
         extra: dict[str, object] = {}
-        if name == "action.signal":
+        if name == EventName.ACTION_SIGNAL:
             pid = fields.get("pid")
             proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
             extra["process"] = proc.name if proc is not None else None
         sim.add(name, level, describe_event(name, fields, sim), **{**fields, **extra})
-        if name == "reset.step":
+        if name == EventName.RESET_STEP:
             sim.reached(str(fields.get("step")))
 
 

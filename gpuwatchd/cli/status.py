@@ -44,6 +44,7 @@ from gpuwatchd.checked import as_text as _str
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
+from gpuwatchd.event_catalogue import JournalNamer, finding_label
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.vocabulary import EventName, LadderStatus
 
@@ -752,7 +753,7 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
         for item in pending:
             due_in = _num(item.get("due_in"))
             when = "due" if due_in is None else until(due_in)
-            lines.append(f"  {_text(item.get('finding'))}: {when}")
+            lines.append(f"  {finding_label(item.get('finding'), JournalNamer())}: {when}")
     return lines
 
 

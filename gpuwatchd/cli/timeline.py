@@ -8,15 +8,16 @@ the JSON form. It decides nothing. Output formats are documented in ``docs/simul
 
 from __future__ import annotations
 
-import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpuwatchd import event_catalogue
 from gpuwatchd.cli.scenario import Scenario
 from gpuwatchd.cli.world import size_text
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.model import MIB
+from gpuwatchd.vocabulary import EventName, Level
 
 
 class Names(Protocol):
@@ -34,7 +35,7 @@ class Entry:
 
     t: float
     name: str
-    level: str
+    level: Level
     text: str
     fields: Mapping[str, object]
 
@@ -66,14 +67,14 @@ class SimulationResult:
         """(t, process name, signal, outcome) for every signal the daemon sent or would send."""
         return [
             (e.t, str(e.fields.get("process")), str(e.fields["signal"]), str(e.fields["outcome"]))
-            for e in self.entries("action.signal")
+            for e in self.entries(EventName.ACTION_SIGNAL)
         ]
 
     def resets(self) -> list[tuple[float, str, str]]:
         """(t, GPU UUID, result) for every reset attempt the daemon made."""
         return [
             (e.t, str(e.fields["gpu"]), str(e.fields["result"]))
-            for e in self.entries("reset.outcome")
+            for e in self.entries(EventName.RESET_OUTCOME)
         ]
 
     def to_json(self) -> dict[str, object]:
@@ -90,202 +91,42 @@ class SimulationResult:
         }
 
 
-def _num(value: object) -> float:
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
 def _fmt_t(seconds: float) -> str:
     return f"+{seconds:.1f}s"
 
 
-def _target(fields: Mapping[str, object], sim: Names) -> str:
-    pid = fields.get("pid")
-    return sim.pname(pid) if isinstance(pid, int) else sim.gname(fields.get("gpu"))
+class TimelineNamer:
+    """The event catalogue's :class:`~gpuwatchd.event_catalogue.Namer` over a timeline's
+    names: "pid 4242 (trainer)" and "GPU 0"."""
 
+    def __init__(self, names: Names) -> None:
+        self.names = names
 
-def _describe_finding_new(f: Mapping[str, object], sim: Names) -> str:
-    tag = "" if f.get("actionable") else " [report only]"
-    where = f" on {sim.gname(f.get('gpu'))}" if isinstance(f.get("pid"), int) else ""
-    return f"{f.get('kind')} {_target(f, sim)}{where}{tag}: {f.get('reason')}"
+    def process(self, pid: object, comm: object = None) -> str:
+        del comm  # the scenario's own name for the process says more
+        return self.names.pname(pid)
+
+    def gpu(self, uuid: object) -> str:
+        return self.names.gname(uuid)
+
+    def moment(self, monotonic: object) -> str | None:
+        """The timeline's clock is the monotonic one: ``+50.0s``."""
+        return _fmt_t(float(monotonic)) if isinstance(monotonic, (int, float)) else None
 
 
 def finding_label(key: object, sim: Names) -> str:
     """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) as people read it:
     "orphaned pid 4252 (worker-2) on GPU 0", "ghost_memory GPU 1"."""
-    kind, _, rest = str(key).partition(":")
-    gpu, _, target = rest.rpartition(":")
-    pid = target.split("@", 1)[0]
-    if pid.isdigit():
-        return f"{kind} {sim.pname(int(pid))} on {sim.gname(gpu)}"
-    return f"{kind} {sim.gname(gpu)}"
-
-
-def _describe_resolved(f: Mapping[str, object], sim: Names) -> str:
-    who = finding_label(f.get("finding"), sim)
-    lasted = f.get("lasted")
-    after = f"{lasted:g}s" if isinstance(lasted, (int, float)) else "?"
-    return f"{who} resolved after {after}"
-
-
-def _argv(value: object) -> str:
-    return shlex.join(str(a) for a in value) if isinstance(value, (list, tuple)) else "?"
-
-
-def _describe_reset_step(f: Mapping[str, object], sim: Names) -> str:
-    """One line per ``reset.step`` event: the step, how it went, what ran or blocked it."""
-    status = str(f.get("status"))
-    line = f"reset {sim.gname(f.get('gpu'))}: {f.get('step')} {status}"
-    blockers, hooks, argv = f.get("blockers"), f.get("hooks"), f.get("argv")
-    detail = f.get("detail")
-    if isinstance(blockers, list) and blockers:
-        return f"{line}: " + "; ".join(str(b) for b in blockers)
-    if status == "failed" and isinstance(hooks, list):
-        return f"{line}: {detail}"
-    if isinstance(hooks, list):
-        return f"{line}: " + "; ".join(_argv(h) for h in hooks)
-    if argv is not None:
-        line += f": {_argv(argv)}"
-        if detail is not None:
-            line += f" → {detail}"
-        output = f.get("output")
-        if output and status == "failed":
-            line += f" ({output})"
-        return line
-    detail = detail or _STEP_NOTES.get((str(f.get("step")), status))
-    return f"{line} ({detail})" if detail else line
-
-
-def _describe_hook(f: Mapping[str, object], sim: Names) -> str:
-    """One line per ``hook.run`` event: ran (with its exit status) or would have run."""
-    if f.get("dry_run"):
-        return (
-            f"{f.get('hook')} hook would run: {_argv(f.get('argv'))} ({f.get('reason')}) [dry-run]"
-        )
-    if f.get("outcome") == "dropped":
-        return f"{f.get('hook')} hook not run: {f.get('detail')} ({f.get('reason')})"
-    if f.get("error"):
-        return f"{f.get('hook')} hook failed: {_argv(f.get('argv'))}: {f.get('error')}"
-    status = "timed out" if f.get("timed_out") else f"exit {f.get('returncode')}"
-    return f"{f.get('hook')} hook ran: {_argv(f.get('argv'))} → {status} ({f.get('reason')})"
-
-
-_STEP_NOTES = {
-    ("stop_nvml", "ok"): "the daemon's NVML worker stopped",
-    ("final_scan", "clear"): "no other process holds the GPU",
-}
-
-
-def _join(items: object) -> str:
-    return "; ".join(str(i) for i in items) if isinstance(items, list) else str(items)
-
-
-_DESCRIBERS: dict[str, Callable[[Mapping[str, object], Names], str]] = {
-    "finding.new": _describe_finding_new,
-    "finding.changed": lambda f, s: f"{f.get('kind')} {_target(f, s)} changed: {f.get('reason')}",
-    "finding.resolved": _describe_resolved,
-    "escalation.confirming": lambda f, s: (
-        f"{f.get('kind')} {_target(f, s)} matches rule "
-        f"{f.get('rule')}; confirming until {_fmt_t(_num(f.get('due')))}"
-    ),
-    "escalation.step_due": lambda f, s: (
-        f"rule {f.get('rule')} step {f.get('step')}/{f.get('of')}: "
-        f"{f.get('signal') or 'report'} {_target(f, s)}, then wait {_num(f.get('wait')):g}s"
-        + (" [dry-run]" if f.get("dry_run") else "")
-    ),
-    "escalation.resolved": lambda f, s: f"escalation of {_target(f, s)} resolved: {f.get('why')}",
-    "escalation.ended": lambda f, s: f"escalation of {_target(f, s)} ended: {f.get('why')}",
-    "escalation.aborted": lambda f, s: f"escalation of {_target(f, s)} aborted: {f.get('why')}",
-    "escalation.restarted": lambda f, s: f"escalation of {_target(f, s)} restarted: {f.get('why')}",
-    "action.refused": lambda f, s: f"no action on {_target(f, s)}: {f.get('why')}",
-    "action.deferred": lambda f, s: (
-        f"{_target(f, s)} deferred: {f.get('why')} until {_fmt_t(_num(f.get('until')))}"
-    ),
-    "rule.report_only": lambda f, s: (
-        f"{f.get('kind')} {_target(f, s)} matches report-only rule {f.get('rule')}"
-    ),
-    "target.stuck": lambda f, s: f"{_target(f, s)} is stuck: {f.get('why')}",
-    "zombie.needs_reap": lambda f, s: (
-        f"{_target(f, s)} is a zombie; its parent "
-        f"{s.pname(f.get('parent')) if f.get('parent') else '(unknown)'} must reap it"
-    ),
-    "limits.kill_cap_reached": lambda f, s: (
-        (
-            f"kill cap would be reached ({f.get('why')}): enforcement would switch to dry-run "
-            "here for "
-            if f.get("dry_run")
-            else f"kill cap reached ({f.get('why')}): dry-run engaged for "
-        )
-        + ("the whole node" if f.get("scope") in ("node", None) else str(f.get("scope")))
-    ),
-    "limits.kill_cap_expired": lambda f, s: (
-        f"{'would-be ' if f.get('dry_run') else ''}kill cap latch of {f.get('scope')} expired "
-        f"after {_num(f.get('lasted')):g}s"
-    ),
-    "reset.refusal_cleared": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: a refused reset may be tried again: {f.get('why')}"
-    ),
-    "reset.confirming": lambda f, s: f"{s.gname(f.get('gpu'))}: ghost memory, {f.get('why')}",
-    "reset.due": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: reset due" + (" [dry-run]" if f.get("dry_run") else "")
-    ),
-    "reset.refused": lambda f, s: f"{s.gname(f.get('gpu'))}: no reset: {f.get('why')}",
-    "reset.limit_reached": lambda f, s: f"{s.gname(f.get('gpu'))}: reset limit: {f.get('why')}",
-    "reset.circuit_open": lambda f, s: f"resets stopped: {f.get('why')}",
-    "reset.succeeded": lambda f, s: f"{s.gname(f.get('gpu'))}: reset succeeded",
-    "reset.failed": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: reset {f.get('outcome')} (failure {f.get('failures')})"
-    ),
-    "reset.dry_run": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: reset would have run (dry-run); assumed to have succeeded "
-        "for what follows (it counts against reset.max_resets)"
-        if str(f.get("assumed", "")).startswith("success")
-        else f"{s.gname(f.get('gpu'))}: reset would have been refused (dry-run)"
-    ),
-    "gpu.needs_reboot": lambda f, s: (
-        f"{s.gname(f.get('gpu'))} needs a reboot"
-        + (f": {f.get('why')}" if f.get("kind") == "reboot_required" else "")
-    ),
-    "health.drain_started": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: drain for {f.get('kind')}"
-        + (" (drained already for this incident)" if f.get("drained_already") else "")
-        + (f"; waiting for {_join(f.get('blockers'))}" if f.get("blockers") else "")
-        + (" (dry-run)" if f.get("dry_run") else "")
-    ),
-    "health.drain_waiting": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: reset waits for {_join(f.get('blockers'))} (never signalled)"
-    ),
-    "health.drain_timed_out": lambda f, s: (
-        f"{s.gname(f.get('gpu'))}: drain timed out: {f.get('why')}"
-    ),
-    "reset.step": _describe_reset_step,
-    "action.signal": lambda f, s: (
-        f"{f.get('signal')} → {s.pname(f.get('pid'))}: {f.get('outcome')}"
-        + (" (dry-run: nothing sent)" if f.get("outcome") == "dry_run" else "")
-    ),
-    "target.exited": lambda f, s: f"{s.pname(f.get('pid'))} exited (seen through its pidfd)",
-    "hook.run": _describe_hook,
-    "reset.outcome": lambda f, s: (
-        f"reset {s.gname(f.get('gpu'))}: {f.get('result')} — {f.get('reason')}"
-    ),
-    "daemon.paused": lambda f, s: f"an administrator ran gpuwatchd pause ({f.get('reason')})",
-    "daemon.resumed": lambda f, s: "an administrator ran gpuwatchd resume",
-    "reset.finished": lambda f, s: (
-        f"reset {s.gname(f.get('gpu'))} finished at {f.get('step')}: {f.get('result')} "
-        f"— {f.get('reason')}"
-    ),
-}
+    return event_catalogue.finding_label(key, TimelineNamer(sim))
 
 
 def describe_event(name: str, fields: Mapping[str, object], sim: Names) -> str:
-    """One human line for a planner event."""
-    describer = _DESCRIBERS.get(name)
-    if describer is not None:
-        return describer(fields, sim)
-    return ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    """One human line for a daemon event: the journal's sentence, in the timeline's names."""
+    return event_catalogue.render(name, fields, TimelineNamer(sim))
 
 
 # reset.finished says what the reset.outcome line after it says again.
-_QUIET = frozenset({"escalation.signal_recorded", "reset.finished"})
+_QUIET = frozenset({EventName.ESCALATION_SIGNAL_RECORDED, EventName.RESET_FINISHED})
 _COLUMN = {
     "finding": "finding",
     "escalation": "plan",

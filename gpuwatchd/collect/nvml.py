@@ -74,6 +74,9 @@ log = lazylog.get_logger()
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
 WORKER_FILE = str(Path(__file__).resolve().with_name("nvml_worker.py"))
+# The worker's notice that a GPU answers only the v1 memory query (nvml_worker's of that name:
+# the worker imports nothing from gpuwatchd).
+MEMORY_V1_NOTICE = "memory_v1"
 WORKER_CWD = "/"
 # Inherited by the worker; everything else in our environment stays behind. The real
 # libnvidia-ml needs none of them: PATH is for the interpreter's own use, LD_LIBRARY_PATH for a
@@ -443,7 +446,7 @@ class NvmlClient:
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
         gpus = tuple(_to_gpu(raw) for raw in reply.get("gpus") or ())
         for notice in reply.get("notices") or ():
-            if notice.get("event") != EventName.NVML_MEMORY_V1_FALLBACK:
+            if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue
             uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")
             if uuid not in self._v1_logged:

@@ -31,7 +31,7 @@ What one GPU entry holds (``None`` always means unknown):
   the worker falls back to v1, once per GPU for its lifetime: ``{"api": "v1", "total", "free",
   "used_v1", "reserved": null, "allocated": null}`` — v1's "used" includes the driver's
   reservation, so allocated is unknown. The first fallback is announced in ``notices`` as
-  ``{"event": "nvml.memory_v1_fallback", "index", "uuid", "reason"}`` so the parent logs it once;
+  ``{"notice": "memory_v1", "index", "uuid", "reason"}`` so the parent logs it once;
 - ``processes``: compute, graphics and MPS lists (``{"pid", "used_memory", "kind"}``), each
   through the ``_v3`` symbol, then ``_v2`` on FunctionNotFound. NVML's "not available" memory
   (2^64-1, which pynvml turns into None) stays ``null``. If the compute list cannot be read the
@@ -85,6 +85,8 @@ from typing import IO, Any, TypeVar
 import pynvml
 
 T = TypeVar("T")
+# The reply's notice that a GPU answers only the v1 memory query (the client logs it once).
+MEMORY_V1_NOTICE = "memory_v1"
 
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
@@ -523,7 +525,7 @@ class Worker:
                 self.memory_v1.add(entry["index"])
                 notices.append(
                     {
-                        "event": "nvml.memory_v1_fallback",
+                        "notice": MEMORY_V1_NOTICE,
                         "index": entry["index"],
                         "uuid": entry["uuid"],
                         "reason": f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}",

@@ -41,6 +41,7 @@ from gpuwatchd.decide.argv import (
     check_hook_command,
     check_one_gpu,
 )
+from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key
 from gpuwatchd.decide.patterns import NotLinear, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
@@ -323,10 +324,9 @@ def normalize_gpu_id(text: str) -> str:
     text = text.strip()
     if LITERAL_UUID.fullmatch(text):
         return "GPU-" + text[4:].lower()
-    if LITERAL_BUS_ID.fullmatch(text):
-        parts = text.upper().split(":")
-        domain = parts[0] if len(parts) == 3 else "0"
-        return f"{int(domain, 16):08X}:{parts[-2]}:{parts[-1]}"
+    key = pci_bus_key(text) if LITERAL_BUS_ID.fullmatch(text) else None
+    if key is not None:
+        return nvml_bus_id(key)
     raise ValueError(
         f"{shown(text)} is neither a GPU UUID (GPU-...) nor a PCI bus id (0000:3b:00.0)"
     )

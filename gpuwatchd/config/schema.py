@@ -66,6 +66,7 @@ __all__ = [
     "parse_duration",
     "parse_policy_documents",
     "parse_size",
+    "policy_data",
     "render_policy",
     "validate_reset_command",
 ]
@@ -426,6 +427,12 @@ def _render(obj: object, section: Section) -> dict[str, object]:
         if rendered is not OMIT:
             data[key.name] = rendered
     return data
+
+
+def policy_data(policy: Policy) -> dict[str, object]:
+    """The policy as the plain data :func:`render_policy` writes as YAML (key names as the
+    policy file spells them, durations and sizes as text)."""
+    return _render(policy, SECTIONS[""])
 
 
 def render_policy(policy: Policy) -> str:

@@ -66,6 +66,7 @@ from gpuwatchd.vocabulary import (
     EventName,
     HookName,
     LadderStatus,
+    Level,
     ResetResult,
     SignalOutcome,
     check_ladder_transition,
@@ -176,7 +177,7 @@ class Event:
     """One decision, to be logged as one structured event. ``name`` is from ``EventName``."""
 
     name: str
-    level: str
+    level: Level
     fields: Mapping[str, object]
 
 
@@ -235,7 +236,7 @@ class _Work:
         self.intents: list[Intent] = []
         self.state = state
 
-    def event(self, name: str, level: str, **fields: object) -> None:
+    def event(self, name: str, level: Level, **fields: object) -> None:
         self.events.append(Event(name, level, fields))
 
     def noted(self, key: str, text: str) -> bool:
@@ -259,7 +260,7 @@ class _Work:
             if since is not None:
                 self.state = replace(self.state, forced_since=since - step)
             self.shadow.shift(step)
-            self.event(EventName.CLOCK_STEPPED_BACK, "warning", seconds=step, wall=wall)
+            self.event(EventName.CLOCK_STEPPED_BACK, Level.WARNING, seconds=step, wall=wall)
         self.state = replace(self.state, last_wall=wall)
 
     def freeze(self) -> PlanState:
@@ -361,7 +362,7 @@ def plan(
         w.shadow.prune(now=now, wall=wall, window=policy.reset.window, findings=current,
                        ladders=w.ladders)  # fmt: skip
         for scope, why, lasted in w.shadow.expire(wall, policy.limits.kill_cap_latch):
-            w.event(EventName.LIMITS_KILL_CAP_EXPIRED, "info", scope=scope, why=why,
+            w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.INFO, scope=scope, why=why,
                     lasted=lasted, dry_run=True)  # fmt: skip
     else:
         w.shadow.drop()  # what dry-run would have done never blocks the real thing
@@ -408,7 +409,7 @@ def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
             continue
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
-        w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
+        w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         w.intents.append(
             HookIntent(
                 HookName.ON_FAILURE, f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx)
@@ -426,7 +427,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         # history, the circuit breaker, forced dry-run and pause are kept.
         w.event(
             EventName.STATE_BOOT_CHANGED,
-            "info",
+            Level.INFO,
             old=old,
             new=new,
             dropped_ladders=len(w.ladders),
@@ -449,7 +450,7 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
         target = None if finding.identity is None else target_key(finding.identity)
         if seen is None:
             w.seen[key] = SeenFinding(ctx.now, digest, finding.gpu, target)
-            level = "warning" if finding.actionable else "info"
+            level = Level.WARNING if finding.actionable else Level.INFO
             w.event(
                 EventName.FINDING_NEW,
                 level,
@@ -461,7 +462,7 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
             w.seen[key] = replace(seen, digest=digest)
             w.event(
                 EventName.FINDING_CHANGED,
-                "info",
+                Level.INFO,
                 actionable=finding.actionable,
                 lasted=ctx.now - seen.first_seen,
                 **_finding_fields(finding),
@@ -470,7 +471,7 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
         seen = w.seen.pop(key)
         w.event(
             EventName.FINDING_RESOLVED,
-            "info",
+            Level.INFO,
             finding=key,
             gpu=seen.gpu,
             lasted=max(0.0, ctx.now - seen.first_seen),
@@ -501,7 +502,8 @@ def _action_ended(
     sent = lad.steps[: lad.step if signalled is None else signalled]
     if lad.dry_run or not any(signal is not None for signal, _wait in sent):
         return ()
-    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user}
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user,
+             "why": why}  # fmt: skip
     return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)
 
 
@@ -553,7 +555,12 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     if finding is None:
         resolved = "finding resolved"
         _close(
-            w, lad, EventName.ESCALATION_RESOLVED, "info", resolved, outcome=ActionOutcome.RELEASED
+            w,
+            lad,
+            EventName.ESCALATION_RESOLVED,
+            Level.INFO,
+            resolved,
+            outcome=ActionOutcome.RELEASED,
         )
         return
     if lad.due is not None and ctx.now < lad.due:
@@ -567,7 +574,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             survived = "target still alive after the last step"
             w.event(
                 EventName.ESCALATION_ENDED,
-                "info" if lad.dry_run else "error",
+                Level.INFO if lad.dry_run else Level.ERROR,
                 why=survived,
                 **_ladder_fields(lad),
                 **process_facts(proc),
@@ -583,7 +590,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
-            w.event(EventName.ACTION_REFUSED, "info", why=hold, **_ladder_fields(lad))
+            w.event(EventName.ACTION_REFUSED, Level.INFO, why=hold, **_ladder_fields(lad))
         return
     if lad.dry_run and not _dry(w, ctx, scope):
         _restart_after_dry_run(w, lad)
@@ -591,7 +598,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
         w.ladders[target] = _move(lad, LadderStatus.FAILED)
-        w.event(EventName.ACTION_REFUSED, "warning", why=why, **_ladder_fields(lad))
+        w.event(EventName.ACTION_REFUSED, Level.WARNING, why=why, **_ladder_fields(lad))
         w.intents.extend(_action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
         return
     _emit_step(w, ctx, lad, proc, finding)
@@ -612,7 +619,7 @@ def _restart_after_dry_run(w: _Work, lad: Ladder) -> None:
     """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
     target starts over, for real, from step 1."""
     del w.ladders[lad.target]
-    w.event(EventName.ESCALATION_RESTARTED, "info", why="dry-run ended", **_ladder_fields(lad))
+    w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **_ladder_fields(lad))
 
 
 def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
@@ -625,7 +632,7 @@ def _close(
     w: _Work,
     lad: Ladder,
     name: str,
-    level: str,
+    level: Level,
     why: str,
     *,
     outcome: ActionOutcome | None = None,
@@ -639,7 +646,7 @@ def _close(
 
 
 def _freed(w: _Work, lad: Ladder, why: str) -> None:
-    _close(w, lad, EventName.ESCALATION_RESOLVED, "info", why, outcome=ActionOutcome.FREED)
+    _close(w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, why, outcome=ActionOutcome.FREED)
 
 
 def _zombie_event(
@@ -648,7 +655,7 @@ def _zombie_event(
     if w.noted(key, "zombie") or force:
         w.event(
             EventName.ZOMBIE_NEEDS_REAP,
-            "warning",
+            Level.WARNING,
             finding=key,
             pid=pid,
             gpu=gpu,
@@ -660,7 +667,7 @@ def _zombie_event(
 def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
     w.ladders[lad.target] = _move(lad, LadderStatus.STUCK)
     facts = {**_ladder_fields(lad), **process_facts(proc)}
-    w.event(EventName.TARGET_STUCK, "critical", why=why + "; needs drain/reboot", **facts)
+    w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
     w.intents.append(
         HookIntent(HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
     )
@@ -678,7 +685,7 @@ def _emit_step(
     facts = {**_finding_fields(finding), **process_facts(proc)}
     fields = {**_ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
     # info: the action itself (action.signal) is the one warning line, real or would-be.
-    w.event(EventName.ESCALATION_STEP_DUE, "info", **fields)
+    w.event(EventName.ESCALATION_STEP_DUE, Level.INFO, **fields)
     w.waiting[lad.finding_key] = ctx.now + wait
     if signal is None:
         return  # a report-only step: the wait still counts
@@ -708,7 +715,7 @@ def _emit_step(
     )
 
 
-def _refuse(w: _Work, key: str, why: str, level: str, finding: Finding) -> None:
+def _refuse(w: _Work, key: str, why: str, level: Level, finding: Finding) -> None:
     if w.noted(key, why):
         w.event(EventName.ACTION_REFUSED, level, why=why, **_finding_fields(finding))
 
@@ -754,7 +761,7 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
             del w.reset_refusals[uuid]
             w.event(
                 EventName.RESET_REFUSAL_CLEARED,
-                "info",
+                Level.INFO,
                 gpu=uuid,
                 finding=held.finding_key,
                 in_use=held.in_use,
@@ -773,7 +780,7 @@ def _expire_latches(w: _Work, ctx: _Ctx) -> None:
         elif ctx.wall - since >= lasts:
             w.event(
                 EventName.LIMITS_KILL_CAP_EXPIRED,
-                "warning",
+                Level.WARNING,
                 scope="node",
                 why=w.state.forced_reason,
                 lasted=ctx.wall - since,
@@ -784,7 +791,7 @@ def _expire_latches(w: _Work, ctx: _Ctx) -> None:
             del w.scope_latches[scope]
             w.event(
                 EventName.LIMITS_KILL_CAP_EXPIRED,
-                "warning",
+                Level.WARNING,
                 scope=scope,
                 why=latch.reason,
                 lasted=ctx.wall - latch.since,
@@ -812,7 +819,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         if w.noted(key, "confirming"):
             w.event(
                 EventName.ESCALATION_CONFIRMING,
-                "debug",
+                Level.DEBUG,
                 rule=pending_rule.name,
                 due=first_seen + pending_rule.for_,
                 **_finding_fields(finding),
@@ -820,7 +827,9 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         return
     if finding.kind != FindingKind.STUCK and all(step.signal is None for step in rule.steps):
         if w.noted(key, f"report:{rule.name}"):
-            w.event(EventName.RULE_REPORT_ONLY, "info", rule=rule.name, **_finding_fields(finding))
+            w.event(
+                EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name, **_finding_fields(finding)
+            )
         return
     why = _gate(w, ctx, finding, proc)
     if why is not None:
@@ -837,7 +846,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         if w.noted(key, "quiet"):
             w.event(
                 EventName.ACTION_DEFERRED,
-                "debug",
+                Level.DEBUG,
                 why="post_action_delay",
                 until=until,
                 **_finding_fields(finding),
@@ -888,7 +897,7 @@ def _kill_caps(
                 w.scope_latches[latched] = Latch(over, ctx.wall)
             w.event(
                 EventName.LIMITS_KILL_CAP_REACHED,
-                "critical",
+                Level.CRITICAL,
                 why=over,
                 scope=latched,
                 user=None if proc is None else proc.user,
@@ -903,7 +912,7 @@ def _kill_caps(
             latched, over = capped
             w.event(
                 EventName.LIMITS_KILL_CAP_REACHED,
-                "warning",  # a would-be latch: nothing was switched
+                Level.WARNING,  # a would-be latch: nothing was switched
                 why=over,
                 scope=latched,
                 user=None if proc is None else proc.user,
@@ -917,26 +926,26 @@ def _kill_caps(
 
 def _gate(
     w: _Work, ctx: _Ctx, finding: Finding, proc: ProcessInfo | None
-) -> tuple[str, str] | None:
+) -> tuple[str, Level] | None:
     """Why a new ladder may not start now (text, level), or None."""
     if not finding.actionable:
-        return "not_actionable: the assessment is report-only", "info"
+        return "not_actionable: the assessment is report-only", Level.INFO
     if finding.gpu is not None and finding.gpu in ctx.report_only:
-        return f"report_only: {ctx.report_only[finding.gpu]}", "info"
+        return f"report_only: {ctx.report_only[finding.gpu]}", Level.INFO
     if ctx.blocked is not None:
-        return f"blocked: {ctx.blocked}", "warning"
+        return f"blocked: {ctx.blocked}", Level.WARNING
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
-        return why, "info"
+        return why, Level.INFO
     if w.state.paused:
-        return f"paused: {w.state.paused_reason or 'by an administrator'}", "info"
+        return f"paused: {w.state.paused_reason or 'by an administrator'}", Level.INFO
     return None
 
 
 # --- resets -----------------------------------------------------------------------------------
 
 
-def _say(w: _Work, finding: Finding, said: tuple[str, str, str]) -> None:
+def _say(w: _Work, finding: Finding, said: tuple[str, Level, str]) -> None:
     """Log a reset decision (event name, level, why) once per finding until it changes."""
     name, level, why = said
     # The circuit breaker is node-wide: said once, not once per GPU.
@@ -955,7 +964,7 @@ class ResetGate:
 
     name: str
     why: str
-    level: str
+    level: Level
 
 
 def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
@@ -987,7 +996,7 @@ def reset_gates(
     reset = policy.reset
     gates: list[ResetGate] = []
 
-    def gate(name: str, why: str, level: str = "info") -> None:
+    def gate(name: str, why: str, level: Level = Level.INFO) -> None:
         gates.append(ResetGate(name, why, level))
 
     uuid = finding.gpu or ""
@@ -998,10 +1007,10 @@ def reset_gates(
     if uuid in report_only:
         gate("report_only", f"report_only: {report_only[uuid]}")
     if blocked is not None:
-        gate("blocked", f"blocked: {blocked}", "warning")
+        gate("blocked", f"blocked: {blocked}", Level.WARNING)
     if gpu is None or gpu.lost:
         why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
-        gate("gpu", why, "warning")
+        gate("gpu", why, Level.WARNING)
         return gates
     entry = gpu_protected(uuid, gpu, policy)
     if entry is not None:
@@ -1020,7 +1029,7 @@ def reset_gates(
 
 def _reset_blocker(
     w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo | None
-) -> tuple[str, str, str] | None:
+) -> tuple[str, Level, str] | None:
     """Why this ghost_memory finding may not lead to a reset now: (event, level, why)."""
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
@@ -1028,22 +1037,22 @@ def _reset_blocker(
     if refusal is not None:
         return refusal
     if gpu is None:
-        return refused, "warning", "GPU not in this snapshot"  # for the type checker
+        return refused, Level.WARNING, "GPU not in this snapshot"  # for the type checker
     first_seen = w.seen[finding.key].first_seen
     if ctx.now - first_seen < reset.confirm_for:
         w.waiting[finding.key] = first_seen + reset.confirm_for
-        return EventName.RESET_CONFIRMING, "debug", f"confirming for {reset.confirm_for:g}s"
+        return EventName.RESET_CONFIRMING, Level.DEBUG, f"confirming for {reset.confirm_for:g}s"
     if holders:
-        return refused, "info", holders[0]
+        return refused, Level.INFO, holders[0]
     if _escalating(w, gpu.uuid):
-        return refused, "info", f"live holder: {_ESCALATING}"
+        return refused, Level.INFO, f"live holder: {_ESCALATING}"
     return _history_blocker(w, ctx, finding, gpu)
 
 
 _ESCALATING = "an escalation on this GPU is in progress"
 
 
-def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, str, str] | None, list[str]]:
+def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, list[str]]:
     """The reset gates of ``finding`` (:func:`reset_gates`, shared with ``explain``): the first
     refusal that is not a live holder as (event, level, why), and the live holders' reasons."""
     gates = reset_gates(
@@ -1062,7 +1071,7 @@ def _escalating(w: _Work, uuid: str) -> bool:
 
 def _history_blocker(
     w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo
-) -> tuple[str, str, str] | None:
+) -> tuple[str, Level, str] | None:
     """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
     pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
     reset = ctx.policy.reset
@@ -1076,34 +1085,34 @@ def _history_blocker(
             "memory changes, the finding resolves, the configuration is reloaded or "
             "`gpuwatchd resume --clear-latches` is run"
         )
-        return refused, "info", why
+        return refused, Level.INFO, why
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:
         why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
-        return EventName.RESET_CIRCUIT_OPEN, "critical", why
+        return EventName.RESET_CIRCUIT_OPEN, Level.CRITICAL, why
     recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
     if _dry(w, ctx):
         if finding.key in w.shadow.done:
             why = "dry run: a would-be reset is assumed to have dealt with it already"
-            return refused, "info", why
+            return refused, Level.INFO, why
         recent += w.shadow.recent_resets(uuid, ctx.wall, reset.window)  # would-be resets
     if len(recent) >= reset.max_resets:
         why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
-        return EventName.RESET_LIMIT_REACHED, "warning", why
+        return EventName.RESET_LIMIT_REACHED, Level.WARNING, why
     last = w.last_reset.get(gpu.uuid)
     if _dry(w, ctx) and gpu.uuid in w.last_dry_reset:
         last = max(last if last is not None else -math.inf, w.last_dry_reset[gpu.uuid])
     if last is not None and ctx.wall - last < reset.cooldown:
-        return refused, "debug", "cooldown"
+        return refused, Level.DEBUG, "cooldown"
     if w.state.reset_in_flight is not None:
-        return refused, "info", "another reset is in flight"
+        return refused, Level.INFO, "another reset is in flight"
     hold = _hold_reason(w, ctx)
     if hold is not None:
-        return refused, "info", hold
+        return refused, Level.INFO, hold
     if gpu.uuid in ctx.quiet_before:
         w.waiting[finding.key] = ctx.quiet_before[gpu.uuid]
-        return EventName.ACTION_DEFERRED, "debug", "post_action_delay"
+        return EventName.ACTION_DEFERRED, Level.DEBUG, "post_action_delay"
     return None
 
 
@@ -1139,7 +1148,7 @@ def _start_reset(
     flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
     w.state = replace(w.state, reset_in_flight=flight)
     w.quiet_until[gpu.uuid] = ctx.now + delay
-    w.event(EventName.RESET_DUE, "info", dry_run=dry, **facts)  # reset.outcome is the warning
+    w.event(EventName.RESET_DUE, Level.INFO, dry_run=dry, **facts)  # reset.outcome is the warning
     w.intents.append(
         ResetIntent(
             gpu=gpu.uuid,
@@ -1204,12 +1213,12 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     if not finding.actionable:
         # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
         if _health_once(w, finding, "health:report"):
-            w.event(EventName.ACTION_REFUSED, "warning", why="report only: not actionable",
+            w.event(EventName.ACTION_REFUSED, Level.WARNING, why="report only: not actionable",
                     **fields)  # fmt: skip
         return
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         if _health_once(w, finding, "health:reboot"):
-            w.event(EventName.GPU_NEEDS_REBOOT, "critical", why=finding.reason, **fields)
+            w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
             w.intents.append(
                 HookIntent(
                     HookName.ON_FAILURE, f"{finding.gpu} needs a reboot", fields, dry_run=dry
@@ -1221,7 +1230,9 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     resetting = health.action == "reset" and ctx.policy.reset.enabled
     if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
         if act and _health_once(w, finding, "health:drain"):
-            w.event(EventName.HEALTH_DRAIN_STARTED, "warning", blockers=[], timeout=None, **fields)
+            w.event(
+                EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=[], timeout=None, **fields
+            )
             _drain_hooks(w, ctx, finding, f"{finding.gpu}: {finding.reason}", dry)
         return
     _consider_health_reset(w, ctx, finding, dry)
@@ -1246,13 +1257,13 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
     if wait is None or wait.dry_run != dry:
         hold = _hold_reason(w, ctx)
         if hold is not None:
-            _say(w, finding, (EventName.RESET_REFUSED, "info", hold))
+            _say(w, finding, (EventName.RESET_REFUSED, Level.INFO, hold))
             return
         wait = HealthWait(finding.key, ctx.now, dry)
         w.health_waits[uuid] = wait
         w.event(
             EventName.HEALTH_DRAIN_STARTED,
-            "warning",
+            Level.WARNING,
             blockers=blockers,
             timeout=timeout,
             dry_run=dry,
@@ -1268,14 +1279,14 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
             held = "; ".join(blockers)
             why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
             facts = {**_finding_fields(finding), "blockers": blockers}
-            w.event(EventName.HEALTH_DRAIN_TIMED_OUT, "critical", why=why, **facts)
+            w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
             w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
             return
         w.waiting[finding.key] = wait.since + timeout
         if w.noted(finding.key, "drain:" + "; ".join(blockers)):
             w.event(
                 EventName.HEALTH_DRAIN_WAITING,
-                "info",
+                Level.INFO,
                 blockers=blockers,
                 until=wait.since + timeout,
                 **_finding_fields(finding),
@@ -1302,10 +1313,10 @@ def record_signal(
     lad = state.ladders.get(target)
     base = {"target": target, "signal": intent.signal, "outcome": outcome, "step": intent.step}
     if lad is None or lad.step != intent.step or lad.status is not LadderStatus.ACTIVE:
-        ev = Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", {**base, "stale": True})
+        ev = Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, {**base, "stale": True})
         return PlanResult((), (ev,), state)
     ladders = dict(state.ladders)
-    events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, "debug", base)]
+    events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, base)]
     fields = {**_ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     intents: tuple[Intent, ...] = ()
@@ -1315,23 +1326,25 @@ def record_signal(
         waiting[lad.finding_key] = due
     elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
         del ladders[target]
-        events.append(Event(EventName.ESCALATION_RESOLVED, "info", {**fields, "why": outcome}))
+        events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, {**fields, "why": outcome}))
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
         intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
                     EventName.ZOMBIE_NEEDS_REAP,
-                    "warning",
+                    Level.WARNING,
                     {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
                 )
             )
     elif outcome is SignalOutcome.REUSED:
         del ladders[target]
-        events.append(Event(EventName.ESCALATION_ABORTED, "warning", {**fields, "why": outcome}))
+        events.append(
+            Event(EventName.ESCALATION_ABORTED, Level.WARNING, {**fields, "why": outcome})
+        )
     else:  # denied / failed: never retried
         ladders[target] = _move(lad, LadderStatus.FAILED)
-        events.append(Event(EventName.ESCALATION_ENDED, "error", {**fields, "why": outcome}))
+        events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, {**fields, "why": outcome}))
         intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
     return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
@@ -1348,7 +1361,7 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     intents: tuple[Intent, ...] = ()
     if lad.status is LadderStatus.ACTIVE:
         fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
-        events = (Event(EventName.ESCALATION_RESOLVED, "info", fields),)
+        events = (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),)
         intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
     return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
 
@@ -1376,7 +1389,7 @@ def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: flo
                         dry_run=True)  # fmt: skip
     return PlanResult(
         (notify,),
-        (Event(EventName.ESCALATION_RESOLVED, "info", fields),),
+        (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),),
         replace(state, ladders=ladders, waiting=waiting),
     )
 
@@ -1448,14 +1461,14 @@ def record_reset(
         if would_succeed:
             w.shadow.book_reset(gpu, intent.finding_key, wall)
             assumed = "success: assumed for the decisions that follow (dry run)"
-            w.event(EventName.RESET_DRY_RUN, "info", assumed=assumed, **fields)
+            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
             w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
         else:
             # Enforcement's final scan would have found the GPU held as well: the incident is
             # held as enforcement's would be (drain and before hooks once), in the preview only.
             why = "a dry run's final holder scan found the GPU held"
             w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, False, wall, dry_run=True)
-            w.event(EventName.RESET_DRY_RUN, "info", assumed="refused", **fields)
+            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
         # Refused, not failed: aborted before the command ran (the final holder scan found a
         # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
@@ -1470,19 +1483,19 @@ def record_reset(
         )
         if not intent.dry_run:
             w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
-        w.event(EventName.RESET_REFUSED, "warning", why=why, hidden_holder=in_use, **fields)
+        w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
     elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
         w.state = replace(w.state, reset_failures=0)
-        w.event(EventName.RESET_SUCCEEDED, "info", **fields)  # booked; reset.outcome said it
+        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
         w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
     else:  # failed / timeout
         w.last_reset[gpu] = wall
         w.reset_history.append((gpu, wall))
         failures = w.state.reset_failures + 1
         w.state = replace(w.state, reset_failures=failures)
-        w.event(EventName.RESET_FAILED, "info", failures=failures, **fields)  # as above
+        w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
         w.intents.append(
             HookIntent(
                 HookName.ON_FAILURE,
@@ -1493,7 +1506,7 @@ def record_reset(
         )
         w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
     if needs_reboot:
-        w.event(EventName.GPU_NEEDS_REBOOT, "critical", **fields)
+        w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
             w.intents.append(
                 HookIntent(

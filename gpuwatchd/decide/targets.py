@@ -21,6 +21,7 @@ import fnmatch
 from collections.abc import Iterator, Sequence
 
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
+from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
@@ -81,25 +82,13 @@ def _filters_match(rule: Rule, process: ProcessInfo | None) -> bool:
     return not (rule.jobs and not _glob_any(None if cgroup is None else cgroup.job_key, rule.jobs))
 
 
-def _normal_bus_id(bus_id: str) -> str:
-    """'00000000:3B:00.0' and '0000:3b:00.0' name the same device."""
-    text = bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if sep and rest.count(":") == 1:
-        try:
-            return f"{int(domain, 16):x}:{rest}"
-        except ValueError:
-            return text
-    return text
-
-
 def gpu_protected(gpu_uuid: str | None, gpu: GpuInfo | None, policy: Policy) -> str | None:
     """Which ``protect.gpus`` entry names this GPU (by UUID or PCI bus id), or None."""
     for entry in policy.protect.gpus:
         if gpu_uuid is not None and entry.lower() == gpu_uuid.lower():
             return entry
         bus_id = None if gpu is None else gpu.pci_bus_id
-        if bus_id is not None and _normal_bus_id(entry) == _normal_bus_id(bus_id):
+        if bus_id is not None and same_pci_bus_id(entry, bus_id):
             return entry
     return None
 

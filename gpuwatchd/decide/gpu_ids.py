@@ -1,0 +1,40 @@
+"""PCI bus ids, read and compared one way.
+
+NVML spells a GPU's bus id ``00000000:3B:00.0`` (8-digit domain, upper case); admins and tools
+write ``0000:3b:00.0`` or ``3b:00.0``. This module owns the one reading of all of them
+(:func:`pci_bus_key`), the comparison (:func:`same_pci_bus_id`) and NVML's spelling
+(:func:`nvml_bus_id`): ``protect.gpus`` (``decide/targets.py``), the policy's reader
+(``config/keys.py``) and ``check-clean --gpu`` (``cli/check_clean.py``) use them. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["BusKey", "nvml_bus_id", "pci_bus_key", "same_pci_bus_id"]
+
+BusKey = tuple[int, int, int, int]  # domain, bus, device, function
+_BUS_ID = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])")
+
+
+def pci_bus_key(text: str) -> BusKey | None:
+    """``00000000:17:00.0``, ``0000:17:00.0`` and ``17:00.0`` as (0, 0x17, 0, 0); None for
+    anything that is not a bus id."""
+    match = _BUS_ID.fullmatch(text.strip().lower())
+    if match is None:
+        return None
+    domain, bus, device, function = match.groups()
+    return (int(domain or "0", 16), int(bus, 16), int(device, 16), int(function, 16))
+
+
+def same_pci_bus_id(one: str, other: str) -> bool:
+    """Whether two bus ids name the same PCI function, however each is spelled. Text that is
+    not a bus id names nothing (never equal, not even to itself)."""
+    key = pci_bus_key(one)
+    return key is not None and key == pci_bus_key(other)
+
+
+def nvml_bus_id(key: BusKey) -> str:
+    """A bus id as NVML spells it: ``00000000:3B:00.0``."""
+    domain, bus, device, function = key
+    return f"{domain:08X}:{bus:02X}:{device:02X}.{function:X}"

@@ -1,0 +1,43 @@
+"""PCI bus ids are read and compared one way (gpuwatchd/decide/gpu_ids.py), wherever an admin
+names a GPU by one: protect.gpus, check-clean --gpu, the policy reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.config.keys import normalize_gpu_id
+from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("00000000:3B:00.0", (0, 0x3B, 0, 0)),
+        ("0000:3b:00.0", (0, 0x3B, 0, 0)),
+        ("3b:00.0", (0, 0x3B, 0, 0)),
+        (" 0001:17:1f.7 ", (1, 0x17, 0x1F, 7)),
+        ("0000:3b:00.8", None),  # functions are 0..7
+        ("3b:00", None),
+        ("GPU-1", None),
+        ("", None),
+        ("000000000:3b:00.0", None),  # a domain of 9 digits
+    ],
+)
+def test_a_bus_id_is_read_however_it_is_spelled(text: str, key: tuple[int, ...] | None) -> None:
+    assert pci_bus_key(text) == key
+
+
+def test_two_spellings_of_one_function_are_the_same_and_text_is_never_a_bus_id() -> None:
+    assert same_pci_bus_id("0000:3b:00.0", "00000000:3B:00.0")
+    assert same_pci_bus_id("3b:00.0", "00000000:3B:00.0")
+    assert not same_pci_bus_id("0000:3b:00.0", "0000:3b:00.1")
+    assert not same_pci_bus_id("0001:3b:00.0", "0000:3b:00.0")
+    assert not same_pci_bus_id("weird", "weird")  # names nothing, not even itself
+
+
+def test_the_policy_spells_a_bus_id_as_nvml_does() -> None:
+    assert nvml_bus_id((0, 0x3B, 0, 0)) == "00000000:3B:00.0"
+    assert normalize_gpu_id("0000:3b:00.0") == "00000000:3B:00.0"
+    assert normalize_gpu_id("3B:1f.7") == "00000000:3B:1F.7"
+    with pytest.raises(ValueError, match="neither a GPU UUID"):
+        normalize_gpu_id("3b:00")

@@ -621,6 +621,15 @@ _SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
     ),
     EventName.DAEMON_PAUSED: lambda f: f"Actions paused by an admin: {_said(f, 'reason')}.",
     EventName.DAEMON_RESUMED: lambda _f: "Actions resumed.",
+    EventName.SPARE_STARTED: lambda f: (
+        f"{_said(f, 'target')} is spared until {_said(f, 'until')}: {_said(f, 'reason')}."
+    ),
+    EventName.SPARE_ENDED: lambda f: (
+        f"{_said(f, 'target')} is no longer spared: {_said(f, 'why')}."
+    ),
+    EventName.NVML_RECOVERED: lambda f: (
+        f"NVML answers again after {_said(f, 'gone_for')}s {_said(f, 'was')}."
+    ),
     EventName.CONFIG_RELOADED: lambda _f: "Policy reloaded.",
     EventName.CONFIG_RELOAD_REJECTED: lambda f: (
         f"Reload rejected, the old policy stays in force: {_said(f, 'error')}."

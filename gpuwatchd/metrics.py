@@ -305,6 +305,11 @@ class _StateGauges:
         self.flags = {
             name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
         }
+        self.paused_until = Gauge(
+            "gpuwatchd_paused_until_timestamp_seconds",
+            "Unix time the current pause ends by itself (0 when not paused)",
+            registry=registry,
+        )
 
     def update(
         self,
@@ -332,6 +337,8 @@ class _StateGauges:
         }
         for name, gauge in self.flags.items():
             gauge.set(_flag(values[name]))
+        ends = state.paused_until if state.paused else None
+        self.paused_until.set(0.0 if ends is None else ends)
 
 
 class _PollGauges:

@@ -122,7 +122,7 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
         def wedged() -> bool:
             seen.append(_status(host, run.config))
-            return seen[-1][1].get("nvml", {}).get("state") == "wedged"
+            return bool(seen[-1][1].get("nvml", {}).get("state") == "wedged")
 
         run.wait_for(wedged, timeout=30)
         out["status_wedged"] = seen[-1]

@@ -56,7 +56,7 @@ from gpuwatchd.pause import (
     take_clear_latches,
     withdraw_ended_jobs,
 )
-from gpuwatchd.spares import read_spares
+from gpuwatchd.spares import booted_at, read_spares
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
@@ -508,7 +508,7 @@ class Daemon:
             spares = read_spares(
                 state_dir,
                 self.wall_clock(),
-                boot_id=self.procfs.boot_id(),
+                boot_wall=booted_at(self.wall_clock()),
                 max_spare=self.policy.limits.max_spare,
                 remove_stale=True,
             )

@@ -3,10 +3,13 @@ the daemon reads them every poll.
 
 A spare leaves one process (named by PID *and* start ticks, in this boot) or every process of
 one job (``slurm:42``, ``pod:UID``, ``container:ID``, ``unit:NAME.service``) alone until a wall
-time. Each lives in ``<state_dir>/spare-<hash of its target>``, so sparing the same target
-again replaces it and two targets never overwrite each other. The files are reached the one
-checked way (:class:`gpuwatchd.statedir.StateDir`: never through a link, trusted regular files
-only, size-capped); a file that is not of the written shape is ignored and named. The daemon
+time. A process spare given before this boot names nobody now: that is told by its ``since``
+against the boot's wall time (:func:`booted_at`), not by the boot id, which a container
+manager may show differently to a sandboxed service and to a shell. Each spare lives in
+``<state_dir>/spare-<hash of its target>``, so sparing the same target again replaces it and
+two targets never overwrite each other. The files are reached the one checked way
+(:class:`gpuwatchd.statedir.StateDir`: never through a link, trusted regular files only,
+size-capped); a file that is not of the written shape is ignored and named. The daemon
 (``remove_stale``) removes spares whose time is up, those of a process from another boot, and
 bad files, so nothing piles up and a spare never outlives its time.
 
@@ -30,6 +33,7 @@ __all__ = [
     "MAX_SPARES",
     "SPARE_PREFIX",
     "SpareFiles",
+    "booted_at",
     "cancel_spare",
     "parse_target",
     "read_spares",
@@ -117,7 +121,18 @@ def _int(data: dict[str, object], key: str, low: int, high: int) -> int | None:
     return value
 
 
-def _spare(data: object, name: str, boot_id: str | None, max_spare: float, now: float) -> Spare:
+def booted_at(now: float) -> float | None:
+    """The wall time this boot began (``now`` less the time since boot), or None."""
+    try:
+        return now - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        return None
+
+
+BOOT_SLACK = 60.0  # seconds: clock adjustments between two readings of the boot's wall time
+
+
+def _spare(data: object, name: str, boot_wall: float | None, max_spare: float, now: float) -> Spare:
     """One file's spare; ValueError naming what is wrong."""
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
@@ -133,13 +148,14 @@ def _spare(data: object, name: str, boot_id: str | None, max_spare: float, now: 
     if until > now + max_spare + 60:
         raise ValueError("ends later than limits.max_spare allows")
     start_ticks = _int(data, "start_ticks", 0, 1 << 62)
+    since = data.get("since")
     if pid is not None:
         if start_ticks is None:
             raise ValueError("a process spare without its start time")
-        if boot_id is None or data.get("boot_id") != boot_id:
+        given = since if isinstance(since, (int, float)) and not isinstance(since, bool) else None
+        if boot_wall is None or given is None or given < boot_wall - BOOT_SLACK:
             raise ValueError("a process of another boot")
     reason = data.get("reason")
-    since = data.get("since")
     return Spare(
         target=target,
         until=float(until),
@@ -158,14 +174,15 @@ def read_spares(
     state_dir: StateDir,
     now: float,
     *,
-    boot_id: str | None,
+    boot_wall: float | None,
     max_spare: float,
     remove_stale: bool = False,
 ) -> SpareFiles:
-    """The spares in force at wall time ``now`` in boot ``boot_id``, and the bad files.
+    """The spares in force at wall time ``now``, and the bad files. ``boot_wall`` is when this
+    boot began (:func:`booted_at`): a process spare given before it is of another boot.
 
     With ``remove_stale`` (the daemon), spares whose time is up, those of a process from
-    another boot (or when this boot is unknown), and bad files are removed. A spare that ends
+    another boot (or when the boot's time is unknown), and bad files are removed. A spare that ends
     later than ``max_spare`` from now (a hand-made file, a clock set back) is bad.
     """
     try:
@@ -177,7 +194,7 @@ def read_spares(
     for name in names[: 4 * MAX_SPARES]:
         try:
             data = json.loads(state_dir.read(name, MAX_SPARE_FILE).decode("utf-8"))
-            spare = _spare(data, name, boot_id, max_spare, now)
+            spare = _spare(data, name, boot_wall, max_spare, now)
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:

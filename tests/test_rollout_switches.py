@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,17 +223,19 @@ def test_spare_files_round_trip_and_end_by_themselves(state: StateDir, tmp_path:
         state, "pid:1000", until=NOW + 60, reason="r", pid=1000, start_ticks=5, boot_id="b1"
     )
     write_spare(state, "job:slurm:42", until=NOW + 120, reason="bench", job="slurm:42")
-    found = read_spares(state, NOW, boot_id="b1", max_spare=DAY, remove_stale=True)
+    this_boot = time.time() - 3600  # the spares were given in this boot...
+    found = read_spares(state, NOW, boot_wall=this_boot, max_spare=DAY, remove_stale=True)
     assert [s.target for s in found.spares] == ["pid:1000", "job:slurm:42"]
     assert found.spares[0].start_ticks == 5
     assert found.problems == ()
     # Another boot: the process spare names nobody now, and is removed; the job's stays.
-    other = read_spares(state, NOW, boot_id="b2", max_spare=DAY, remove_stale=True)
+    later_boot = time.time() + 3600  # ...and before a later one
+    other = read_spares(state, NOW, boot_wall=later_boot, max_spare=DAY, remove_stale=True)
     assert [s.target for s in other.spares] == ["job:slurm:42"]
     assert any("another boot" in p for p in other.problems)
     # Its time up: gone, and removed.
     assert (
-        read_spares(state, NOW + 120, boot_id="b2", max_spare=DAY, remove_stale=True).spares == ()
+        read_spares(state, NOW + 120, boot_wall=None, max_spare=DAY, remove_stale=True).spares == ()
     )
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("spare-")] == []
     write_spare(state, "job:slurm:7", until=NOW + 60, reason="", job="slurm:7")
@@ -245,7 +248,7 @@ def test_hostile_spare_files_are_ignored_and_named(state: StateDir, tmp_path: Pa
     name = next(p.name for p in tmp_path.iterdir() if p.name.startswith("spare-"))
     (tmp_path / "spare-0000").write_text(json.dumps({"target": "job:slurm:1", "until": NOW + 9}))
     (tmp_path / "spare-link").symlink_to("/etc/passwd")
-    found = read_spares(state, NOW, boot_id="b", max_spare=DAY, remove_stale=True)
+    found = read_spares(state, NOW, boot_wall=None, max_spare=DAY, remove_stale=True)
     assert found.spares == ()
     text = " ".join(found.problems)
     assert f"{name}: ends later than limits.max_spare" in text

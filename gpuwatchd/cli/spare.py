@@ -20,7 +20,14 @@ from gpuwatchd.config.schema import ConfigError
 from gpuwatchd.config.units import parse_duration
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
-from gpuwatchd.spares import SpareFiles, cancel_spare, parse_target, read_spares, write_spare
+from gpuwatchd.spares import (
+    SpareFiles,
+    booted_at,
+    cancel_spare,
+    parse_target,
+    read_spares,
+    write_spare,
+)
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import ExitCode
 
@@ -121,7 +128,7 @@ def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[
     try:
         with StateDir.open(policy.state_dir) as state_dir:
             found = read_spares(
-                state_dir, now, boot_id=procfs.boot_id(), max_spare=policy.limits.max_spare
+                state_dir, now, boot_wall=booted_at(now), max_spare=policy.limits.max_spare
             )
     except FileNotFoundError:
         found = SpareFiles((), ())

@@ -473,9 +473,17 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
             EventName.FINDING_RESOLVED,
             "info",
             finding=key,
+            kind=key.split(":", 1)[0],  # which finding, as finding.new said it
             gpu=seen.gpu,
+            pid=_target_pid(seen.target),
             lasted=max(0.0, ctx.now - seen.first_seen),
         )
+
+
+def _target_pid(target: str | None) -> int | None:
+    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding."""
+    pid = None if target is None else target.split("@", 1)[0]
+    return int(pid) if pid is not None and pid.isdigit() else None
 
 
 def _ladder_fields(lad: Ladder) -> dict[str, object]:

@@ -621,16 +621,13 @@ _SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
     ),
     EventName.DAEMON_PAUSED: lambda f: f"Actions paused by an admin: {_said(f, 'reason')}.",
     EventName.DAEMON_RESUMED: lambda _f: "Actions resumed.",
-    EventName.FINDING_RESOLVED: lambda f: (
-        f"The {_said(f, 'kind')} finding on {_said(f, 'gpu')}"
-        + (f", PID {_said(f, 'pid')}," if f.get("pid") is not None else "")
-        + f" is resolved after {_said(f, 'lasted')}s."
-    ),
     EventName.SPARE_STARTED: lambda f: (
         f"{_said(f, 'target')} is spared until {_said(f, 'until')}: {_said(f, 'reason')}."
     ),
     EventName.SPARE_ENDED: lambda f: (
         f"{_said(f, 'target')} is no longer spared: {_said(f, 'why')}."
+        if f.get("target") is not None
+        else f"A spare file was not honoured: {_said(f, 'why')}."
     ),
     EventName.NVML_RECOVERED: lambda f: (
         f"NVML answers again after {_said(f, 'gone_for')}s {_said(f, 'was')}."

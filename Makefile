@@ -10,24 +10,29 @@ DSTATE := $(FAKENVML_DIR)/build/dstate
 
 all: test
 
+# Set-up is quiet: pip's and the build backend's output go to $(VENV)/setup.log, shown only
+# when the set-up fails.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
 		{ echo "gpuwatchd needs Python >= 3.10 (set PYTHON=...)" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $@
+	@echo "Setting up $(VENV) (pip's output: $(VENV)/setup.log)"
+	@$(PYTHON) -m venv $(VENV)
+	@{ $(PY) -m pip install --quiet --upgrade pip && \
+		$(PY) -m pip install --quiet -e '.[test]'; } >$(VENV)/setup.log 2>&1 || \
+		{ cat $(VENV)/setup.log >&2; echo "set-up failed (log: $(VENV)/setup.log)" >&2; exit 1; }
+	@touch $@
 
 venv: $(VENV)/.installed
 
 $(FAKENVML): $(FAKENVML_DIR)/fakenvml.c
-	mkdir -p $(FAKENVML_DIR)/build
-	$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -shared -fPIC \
+	@echo "Building the fake NVML library ($@)"
+	@mkdir -p $(FAKENVML_DIR)/build
+	@$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -shared -fPIC \
 		-Wl,-soname,libnvidia-ml.so.1 -o $@ $< -lpthread
 
 $(DSTATE): tests/support/dstate.c
-	mkdir -p $(FAKENVML_DIR)/build
-	$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -o $@ $<
+	@mkdir -p $(FAKENVML_DIR)/build
+	@$${CC:-cc} -std=c11 -O2 -Wall -Wextra -Werror -o $@ $<
 
 fakenvml: $(FAKENVML) $(DSTATE)
 
@@ -66,7 +71,7 @@ explore: venv
 		tests/test_config_hostile.py tests/test_fuzz_inputs.py
 
 demo: venv fakenvml
-	$(PY) -m tests.support.demo
+	@$(PY) -m tests.support.demo
 
 bench: venv fakenvml
 	$(PY) bench/run.py

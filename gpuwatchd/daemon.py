@@ -44,10 +44,11 @@ from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import (
     MAX_ENDED_JOBS,
+    poll_pause,
     read_ended_jobs,
-    read_pause,
     take_clear_latches,
 )
+from gpuwatchd.spares import booted_at, read_spares
 from gpuwatchd.state import (
     AlreadyRunning,
     StateDirError,
@@ -473,7 +474,20 @@ class Daemon:
             # Fail safe: no switch can be read and no step could be saved.
             self.engine.set_paused("state_dir unusable")
         else:
-            self.engine.set_paused(read_pause(state_dir))
+            switch = poll_pause(
+                state_dir, self.wall_clock(), max_pause=self.policy.limits.max_pause
+            )
+            self.engine.set_paused(switch.reason, until=switch.until, resumed=switch.resumed)
+            spares = read_spares(
+                state_dir,
+                self.wall_clock(),
+                boot_wall=booted_at(self.wall_clock()),
+                max_spare=self.policy.limits.max_spare,
+                remove_stale=True,
+            )
+            for problem in spares.problems:
+                log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
+            self.engine.set_spares(spares.spares)
             if take_clear_latches(state_dir):
                 self.engine.clear_latches()
         self._take_ended_jobs()
@@ -634,6 +648,9 @@ class Daemon:
             state.reset_in_progress,
             self.actions_seen,
             self.policy_rejected,
+            self.engine.spares,
+            # NVML lost or back is news for `status` at once, not at the next minute's write.
+            self.engine.nvml_availability.state,
             # A GPU turning clean or not is news for `status` (its wording alone is not).
             None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
         )
@@ -664,11 +681,8 @@ class Daemon:
         actions, a rejected policy (shape documented in docs/operations.md)."""
         snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
         verdict = self.engine.last_verdict
-        nvml: dict[str, object] = {"state": "unknown", "error": None}
-        if snapshot is not None:
-            reading = snapshot.nvml
-            state = "unavailable" if not reading.available else "wedged" if reading.wedged else "ok"
-            nvml = {"state": state, "error": reading.error}
+        # From the first failed reading on, with since when (decide/nvml_state.py).
+        nvml = self.engine.nvml_availability.to_json()
         return {
             "pid": os.getpid(),
             "started": self.started_wall,
@@ -685,6 +699,11 @@ class Daemon:
             "policy": list(self.policy.sources) or [self.config_path],
             "policy_rejected": self.policy_rejected,
             "recent_actions": list(self.recent_actions),
+            # gpuwatchd spare: what this daemon honours now (cli/spare.py --list reads files).
+            "spares": [
+                {"target": s.target, "until": s.until, "reason": s.reason}
+                for s in self.engine.spares
+            ],
         }
 
 

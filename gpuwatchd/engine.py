@@ -57,6 +57,7 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health import drop_assumed, note_reset
+from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import (
     HookIntent,
     Intent,
@@ -77,6 +78,7 @@ from gpuwatchd.decide.plan import (
     set_paused,
 )
 from gpuwatchd.decide.policy import Hook, Policy
+from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.event_catalogue import notification
@@ -87,6 +89,7 @@ from gpuwatchd.model import (
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
+    Spare,
     as_int,
 )
 from gpuwatchd.vocabulary import (
@@ -254,6 +257,10 @@ class Engine:
         # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
         self.last_verdict: NodeVerdict | None = None
         self._paused_reason: str | None = None
+        # NVML as a state with transitions (decide/nvml_state.py): status, nvml.recovered.
+        self.nvml_availability = NvmlAvailability()
+        # ``gpuwatchd spare``: put into each snapshot, so every decision sees them.
+        self.spares: tuple[Spare, ...] = ()
 
     # --- the cycle ----------------------------------------------------------------------------
 
@@ -261,6 +268,13 @@ class Engine:
         """Collect, assess, plan, carry out the intents, feed the outcomes back, checkpoint."""
         self.report_background_hooks()
         snapshot = self.reader.collect()
+        if self.spares:
+            snapshot = replace(snapshot, spares=self.spares)
+        self.nvml_availability, changes = next_availability(
+            self.nvml_availability, snapshot.nvml, snapshot.wall_time
+        )
+        for name, level, fields in changes:
+            self._emit(name, level, **fields)
         self.last_snapshot = snapshot
         state = self.state
         if not (self.policy.dry_run or state.plan.forced_dry_run):
@@ -334,7 +348,12 @@ class Engine:
             report_only=assessment.report_only,
             self_ancestors=self.self_ancestors,
         )
-        unpaused = set_paused(held.state, previous.paused, reason=previous.paused_reason or "")
+        unpaused = set_paused(
+            held.state,
+            previous.paused,
+            reason=previous.paused_reason or "",
+            until=previous.paused_until,
+        )
         return replace(held, state=unpaused)
 
     def _withhold(self, intents: Sequence[Intent]) -> None:
@@ -389,14 +408,37 @@ class Engine:
 
     # --- admin switches -----------------------------------------------------------------------
 
-    def set_paused(self, reason: str | None) -> None:
-        """The admin pause switch (``gpuwatchd pause``/``resume``); logged when it changes."""
-        if reason == self._paused_reason:
+    def set_paused(
+        self, reason: str | None, *, until: float | None = None, resumed: str | None = None
+    ) -> None:
+        """The admin pause switch (``gpuwatchd pause``/``resume``); logged when it changes:
+        a pause with its end (wall time ``until``), a resume with why (``resumed``)."""
+        plan = self.state.plan
+        if (
+            reason == self._paused_reason
+            and (reason is not None) == plan.paused
+            and until == plan.paused_until
+        ):
             return
+        # A saved state may be paused while this engine has not said so yet (a restart).
+        was_paused = self._paused_reason is not None or plan.paused
         self._paused_reason = reason
-        self.state.plan = set_paused(self.state.plan, reason is not None, reason=reason or "admin")
-        name = EventName.DAEMON_PAUSED if reason is not None else EventName.DAEMON_RESUMED
-        self._emit(name, Level.WARNING, reason=reason)
+        self.state.plan = set_paused(
+            self.state.plan, reason is not None, reason=reason or "admin", until=until
+        )
+        if reason is not None:
+            self._emit(EventName.DAEMON_PAUSED, Level.WARNING, reason=reason, until=until)
+        elif was_paused:
+            self._emit(
+                EventName.DAEMON_RESUMED, Level.WARNING, reason=resumed or "gpuwatchd resume"
+            )
+
+    def set_spares(self, spares: tuple[Spare, ...]) -> None:
+        """The administrator's spares in force now (``gpuwatchd spare``); each that starts or
+        ends is logged (``spare.started``, ``spare.ended``)."""
+        for name, level, fields in spare_changes(self.spares, spares, self.clock.wall()):
+            self._emit(name, level, **fields)
+        self.spares = spares
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets

@@ -19,6 +19,7 @@ sentence; split, an event's sentence would live apart from its level and fields.
 
 from __future__ import annotations
 
+import datetime
 import re
 import shlex
 import uuid
@@ -182,6 +183,18 @@ def _finding_changed(s: _Said) -> str:
 def _finding_resolved(s: _Said) -> str:
     lasted = f" after {s.seconds('lasted')}" if s.has("lasted") else ""
     return f"Finding resolved{lasted}: {s.finding()}."
+
+
+def _wall(s: _Said, key: str) -> str:
+    """A wall-clock time field (seconds since the epoch) in UTC, or its raw value."""
+    value = s.f.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            moment = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            return s(key)
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return s(key)
 
 
 def _step_due(s: _Said) -> str:
@@ -425,7 +438,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     # findings and escalation (decide/plan.py)
     EventName.FINDING_NEW: _e(WARNING, f"{_FINDING} actionable evidence", _finding_new, INFO),
     EventName.FINDING_CHANGED: _e(INFO, f"{_FINDING} actionable lasted", _finding_changed),
-    EventName.FINDING_RESOLVED: _e(INFO, "finding gpu lasted", _finding_resolved),
+    EventName.FINDING_RESOLVED: _e(INFO, "finding kind gpu pid lasted", _finding_resolved),
     EventName.RULE_REPORT_ONLY: _e(
         INFO,
         f"{_FINDING} rule",
@@ -650,10 +663,27 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     # admin switches and lifecycle
     EventName.DAEMON_PAUSED: _e(
         WARNING,
-        "reason",
-        lambda s: f"Actions paused by an admin{s.why('reason')}; nothing is done until resume.",
+        "reason until",
+        lambda s: (
+            f"Actions paused by an admin{s.why('reason')}; nothing is done until resume"
+            f"{' or ' + _wall(s, 'until') if s.has('until') else ''}."
+        ),
     ),
-    EventName.DAEMON_RESUMED: _e(WARNING, "reason", lambda s: "Actions resumed."),
+    EventName.DAEMON_RESUMED: _e(WARNING, "reason", lambda s: f"Actions resumed{s.why('reason')}."),
+    EventName.SPARE_STARTED: _e(
+        WARNING,
+        "target pid start_ticks job reason until by_uid",
+        lambda s: f"Spared {s('target')} until {_wall(s, 'until')}{s.why('reason')}.",
+    ),
+    EventName.SPARE_ENDED: _e(
+        WARNING,
+        "target pid start_ticks job reason until by_uid why",
+        lambda s: (
+            f"No longer spared: {s('target')}{s.why('why')}."
+            if s.has("target")
+            else f"A spare file was not honoured{s.why('why')}."
+        ),
+    ),
     EventName.LIMITS_LATCHES_CLEARED: _e(
         WARNING,
         "",
@@ -782,6 +812,11 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
         ),
     ),
     # NVML
+    EventName.NVML_RECOVERED: _e(
+        WARNING,
+        "was since gone_for error",
+        lambda s: f"NVML answers again after {s.seconds('gone_for')} {s('was')}.",
+    ),
     EventName.NVML_UNAVAILABLE: _e(
         WARNING, "reason", lambda s: f"NVML is unavailable{s.why('reason')}; retrying."
     ),

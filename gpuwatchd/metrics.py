@@ -18,6 +18,7 @@ private, never prometheus_client's global one, so nothing else can add to the fi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -62,6 +63,38 @@ _SIGNALS = frozenset(SIGNAL_NAMES)
 _SIGNAL_OUTCOMES = frozenset(o.value for o in SignalOutcome)
 _RESET_RESULTS = frozenset(r.value for r in ResetResult)
 _KINDS = frozenset(k.value for k in FindingKind)
+
+
+def _without_created(text: bytes) -> bytes:
+    """``text`` (the text exposition format) less every ``*_created`` family: its HELP and
+    TYPE lines and its samples. No metric of ours is named so on purpose."""
+    kept = []
+    for line in text.split(b"\n"):
+        words = line.split(b" ", 3)
+        name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
+        if not name.split(b"{", 1)[0].endswith(b"_created"):
+            kept.append(line)
+    return b"\n".join(kept)
+
+
+def _why_not_written(path: str, err: OSError) -> str:
+    """The write error, and for the two a folder made after the daemon started gives, what
+    to do: a unit with ``ProtectSystem=strict`` sees a folder as writable only if it is in
+    ``ReadWritePaths=`` and existed when the unit started."""
+    error = err.strerror or str(err)
+    folder = os.path.dirname(os.path.abspath(path))
+    if err.errno == errno.EROFS:
+        return (
+            f"{error}: {folder} is read-only to gpuwatchd; under systemd a folder must be in "
+            "the unit's ReadWritePaths= and exist when the unit starts: add it "
+            "(systemctl edit gpuwatchd), or restart gpuwatchd if it was made after the start"
+        )
+    if err.errno == errno.ENOENT:
+        return (
+            f"{error}: {folder} does not exist; create it (node_exporter's textfile "
+            "directory), then restart gpuwatchd so the unit's ReadWritePaths= covers it"
+        )
+    return error
 
 
 def _label(value: object, allowed: frozenset[str]) -> str:
@@ -313,6 +346,11 @@ class _StateGauges:
         self.flags = {
             name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
         }
+        self.paused_until = Gauge(
+            "gpuwatchd_paused_until_timestamp_seconds",
+            "Unix time the current pause ends by itself (0 when not paused)",
+            registry=registry,
+        )
 
     def update(
         self,
@@ -340,6 +378,8 @@ class _StateGauges:
         }
         for name, gauge in self.flags.items():
             gauge.set(_flag(values[name]))
+        ends = state.paused_until if state.paused else None
+        self.paused_until.set(0.0 if ends is None else ends)
 
 
 class _PollGauges:
@@ -492,8 +532,10 @@ class Metrics:
         return self.write()
 
     def render(self) -> bytes:
-        """The metrics in Prometheus' text exposition format."""
-        return generate_latest(self.registry)
+        """The metrics in Prometheus' text exposition format, without the ``*_created``
+        series prometheus_client adds to every counter and summary (a start time per label
+        set: noise in a textfile, and twice the series)."""
+        return _without_created(generate_latest(self.registry))
 
     def write(self) -> str | None:
         """Write the file (if configured); why it failed, or None."""
@@ -521,7 +563,7 @@ class Metrics:
     def _failed(self, path: str, err: OSError) -> str:
         # Without the file name: it may be the random temporary one, and a failure that lasts
         # is said once.
-        error = err.strerror or str(err)
+        error = _why_not_written(path, err)
         if error != self._last_error:
             log.error(EventName.METRICS_WRITE_FAILED, path=path, error=error)
             self._last_error = error

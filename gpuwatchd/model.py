@@ -381,6 +381,27 @@ class NvmlReading:
 
 
 @dataclass(frozen=True)
+class Spare:
+    """An administrator's ``gpuwatchd spare``: leave one process, or every process of one job,
+    alone until wall time ``until`` (``gpuwatchd/spares.py`` keeps them, ``decide/spares.py``
+    says what they cover).
+
+    ``target`` is ``pid:N`` or ``job:KEY`` (``KEY`` as ``CgroupInfo.job_key`` spells it). A
+    process is named by PID *and* start ticks (``pid``, ``start_ticks``), so a later process
+    reusing the PID is not spared; a job by ``job``.
+    """
+
+    target: str
+    until: float
+    reason: str
+    pid: int | None = None
+    start_ticks: int | None = None
+    job: str | None = None
+    since: float | None = None
+    by_uid: int | None = None
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything one poll learned about the host, frozen. Decisions read only this.
 
@@ -417,6 +438,8 @@ class Snapshot:
     # looked up this poll and found not to exist, and kcmp answers for holder/owner pairs.
     absent_pids: frozenset[int] = frozenset()
     file_sharing: tuple[FileSharing, ...] = ()
+    # ``gpuwatchd spare``: processes and jobs an administrator asked to leave alone for a while.
+    spares: tuple[Spare, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

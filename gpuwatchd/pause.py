@@ -1,6 +1,8 @@
 """The admin's switches, kept as small files in ``state_dir`` so they survive restarts.
 
-``gpuwatchd pause`` / ``resume`` write and remove ``<state_dir>/paused``; ``resume
+``gpuwatchd pause`` / ``resume`` write and remove ``<state_dir>/paused`` (a pause names when
+it ends, ``pause --for``, and the daemon removes it then; ``resume --reason`` leaves its reason
+in ``<state_dir>/resumed`` for the daemon's log); ``resume
 --clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
 to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
 beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -39,29 +42,121 @@ MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) u
 MAX_ENDED_JOB_FILE = 4096
 
 
-def set_pause(state_dir: StateDir, *, reason: str | None) -> None:
-    """Pause (``reason`` a string, may be empty) or resume (``reason`` None)."""
+RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``daemon.resumed``
+MAX_PAUSE_FILE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PauseSwitch:
+    """The pause file as read: its reason (``""`` when none was given), when it was set and
+    when it ends (wall times; None when unknown, or for a pause written without an end)."""
+
+    reason: str
+    since: float | None = None
+    until: float | None = None
+
+    def ends(self, max_pause: float) -> float | None:
+        """When this pause ends: its own end, else (a pause from before pauses had one)
+        ``max_pause`` after it was set; None when neither is known."""
+        if self.until is not None:
+            return self.until
+        return None if self.since is None else self.since + max_pause
+
+
+def set_pause(state_dir: StateDir, *, reason: str | None, until: float | None = None) -> None:
+    """Pause (``reason`` a string, may be empty) until wall time ``until``, or resume
+    (``reason`` None)."""
     if reason is None:
         state_dir.discard(PAUSE_FILE)
         return
-    body = json.dumps({"reason": reason, "since": time.time(), "by_uid": os.getuid()})
+    body = json.dumps(
+        {"reason": reason, "since": time.time(), "until": until, "by_uid": os.getuid()}
+    )
     state_dir.write(PAUSE_FILE, (body + "\n").encode("utf-8"))
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
+    """The pause file, or None when there is none. Unreadable or malformed counts as a pause
+    without an end (fail safe); its content is kept only as a reason, cut short."""
+    try:
+        raw = state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return PauseSwitch("pause file unreadable")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return PauseSwitch(raw.decode("utf-8", "replace").strip()[:MAX_REASON])
+    if not isinstance(data, dict):
+        return PauseSwitch("")
+    reason = data.get("reason")
+    return PauseSwitch(
+        str(reason)[:MAX_REASON] if reason is not None else "",
+        since=_finite(data.get("since")),
+        until=_finite(data.get("until")),
+    )
 
 
 def read_pause(state_dir: StateDir) -> str | None:
     """The pause reason when paused (``""`` when none was given), else None."""
+    switch = read_pause_switch(state_dir)
+    return None if switch is None else switch.reason
+
+
+@dataclass(frozen=True)
+class PauseNow:
+    """What the daemon makes of the pause switch at one poll: the reason and end of a pause in
+    force (``reason`` None: not paused), and, when a pause has just ended, why."""
+
+    reason: str | None
+    until: float | None = None
+    resumed: str | None = None
+
+
+def note_resume(state_dir: StateDir, reason: str) -> None:
+    """``resume --reason``: leave the reason for the daemon's ``daemon.resumed`` event."""
+    body = json.dumps({"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()})
+    state_dir.write(RESUMED_FILE, (body + "\n").encode("utf-8"))
+
+
+def _take_resume_note(state_dir: StateDir) -> str | None:
     try:
-        raw = state_dir.read(PAUSE_FILE, 64 * 1024)
+        raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
     except FileNotFoundError:
         return None
-    except OSError:
-        return "pause file unreadable"  # fail safe: an unreadable switch counts as paused
+    except OSError:  # untrusted or unreadable: never shown, never left to explain a later one
+        state_dir.remove(RESUMED_FILE)
+        return None
+    state_dir.remove(RESUMED_FILE)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw.decode("utf-8", "replace").strip()[:MAX_REASON]
+        return None
     reason = data.get("reason") if isinstance(data, dict) else None
-    return str(reason)[:MAX_REASON] if reason is not None else ""
+    return str(reason)[:MAX_REASON] if isinstance(reason, str) and reason else None
+
+
+def poll_pause(state_dir: StateDir, now: float, *, max_pause: float) -> PauseNow:
+    """The pause switch at wall time ``now`` (the daemon, once a poll): a pause whose end has
+    passed is removed here, and said as ended by itself; with no pause file, why the
+    administrator resumed (``resume --reason``), or plain ``gpuwatchd resume``. The resume
+    note is consumed either way, so an old one never explains a later resume."""
+    switch = read_pause_switch(state_dir)
+    if switch is None:
+        note = _take_resume_note(state_dir)
+        return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+    ends = switch.ends(max_pause)
+    if ends is not None and ends <= now:
+        state_dir.remove(PAUSE_FILE)
+        return PauseNow(None, resumed="the pause ended by itself (its time was up)")
+    return PauseNow(switch.reason, until=ends)
 
 
 def clear_latches(state_dir: StateDir) -> None:

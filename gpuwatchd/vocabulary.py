@@ -151,6 +151,8 @@ class EventName(_Name):
     # admin switches and lifecycle (engine.py, daemon.py)
     DAEMON_PAUSED = "daemon.paused"
     DAEMON_RESUMED = "daemon.resumed"
+    SPARE_STARTED = "spare.started"
+    SPARE_ENDED = "spare.ended"
     LIMITS_LATCHES_CLEARED = "limits.latches_cleared"
     DAEMON_START = "daemon.start"
     DAEMON_STOP = "daemon.stop"
@@ -182,6 +184,7 @@ class EventName(_Name):
     NVML_WORKER_HUNG = "nvml.worker_hung"
     NVML_HUNG_WORKER_EXITED = "nvml.hung_worker_exited"
     NVML_MEMORY_V1_FALLBACK = "nvml.memory_v1_fallback"
+    NVML_RECOVERED = "nvml.recovered"
 
 
 class SignalOutcome(_Name):

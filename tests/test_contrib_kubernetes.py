@@ -487,6 +487,9 @@ def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         env = {**host.env(), "GPUWATCHD": str(Path(sys.executable).parent / "gpuwatchd")}
         env["GPUWATCHD_CONFIG"] = str(config)
         run = [sys.executable, str(NPD_COMMAND)]
+        # The rollout week: a dry-run policy reports, never raises the problem.
+        dry = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
+        env["GPUWATCHD_NPD_PROBLEM"] = "yes"
         dirty = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
         uuid = host.scan_json(config)["gpus"][0]["uuid"]
         os.kill(host.pids["worker"], 9)
@@ -500,7 +503,12 @@ def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "uuid0": uuid,
             **{
                 name: {"code": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
-                for name, p in (("dirty", dirty), ("clean", clean), ("broken", broken))
+                for name, p in (
+                    ("dry", dry),
+                    ("dirty", dirty),
+                    ("clean", clean),
+                    ("broken", broken),
+                )
             },
         }
 
@@ -508,7 +516,12 @@ def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.skipif(pid_namespace_command() is None, reason="needs a PID namespace")
 def test_npd_exit_codes_on_a_dirty_and_a_clean_simulated_host(tmp_path: Path) -> None:
+    """Dry-run policy: OK with what would be reported; GPUWATCHD_NPD_PROBLEM=yes: a problem."""
     r = run_in_pid_namespace(f"{__name__}:host_npd", {}, root=tmp_path, timeout=120)
+    assert r["dry"]["code"] == 0, r["dry"]
+    assert re.fullmatch(
+        rf"dry-run: would report (dead_process|orphaned) on {r['uuid0']}\n", r["dry"]["stdout"]
+    )
     assert r["dirty"]["code"] == 1, r["dirty"]
     message = r["dirty"]["stdout"].rstrip("\n")
     assert "\n" not in message

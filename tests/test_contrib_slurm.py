@@ -3,7 +3,9 @@
 Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py) with
 the fake NVML and real processes, with and without a daemon. The fake ``scontrol`` logs every
 call and keeps the node's state and drain reason in a file, so a drain made by one script is
-what the next one sees. What is checked: a clean node exits 0 and is never drained; a GPU that
+what the next one sees. What is checked: a clean node exits 0 and is never drained; under a
+dry-run policy (GPUWATCHD_SLURM_DRAIN=auto, the default) a dirty GPU drains nothing, waits for
+nothing, exits 0 and reports the drain it would have made; with draining on, a GPU that
 stays dirty exits 1 and drains with the GPU and the finding in the reason; an admin's drain is
 never undrained nor overwritten; gpuwatchd's own drain is lifted once every GPU is clean.
 """
@@ -84,6 +86,7 @@ class Slurm:
         self.gpuwatchd.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpuwatchd "$@"\n')
         self.gpuwatchd.chmod(0o755)
         self.state = self.dir / "state"  # the scripts' drain records
+        self.drain: str | None = None  # GPUWATCHD_SLURM_DRAIN; None: unset (auto)
         self.set_node("IDLE", "")
 
     def set_node(self, state: str, reason: str, at: float | None = None) -> None:
@@ -100,6 +103,11 @@ class Slurm:
     def record(self) -> str | None:
         """The drain record the scripts keep for this node, if any."""
         path = self.state / f"drained.{NODE}"
+        return path.read_text() if path.exists() else None
+
+    def would_drain(self) -> str | None:
+        """The dry-run report of the drain the scripts would have made, if any."""
+        path = self.state / f"would-drain.{NODE}"
         return path.read_text() if path.exists() else None
 
     def write_record(self, at: float, reason: str) -> None:
@@ -138,6 +146,9 @@ class Slurm:
         for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
             env.pop(var, None)
         env.pop("SLURM_JOB_ID", None)
+        env.pop("GPUWATCHD_SLURM_DRAIN", None)
+        if self.drain is not None:
+            env["GPUWATCHD_SLURM_DRAIN"] = self.drain
         if gpus is not None:
             env["SLURM_JOB_GPUS"] = gpus
         if job is not None:
@@ -186,10 +197,12 @@ def _free_when_gone(host: SimHost, name: str) -> None:
 
 
 def host_without_daemon_in_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    """No daemon; the policy is dry-run, so the orphan on GPU 0 stays."""
+    """No daemon; the policy is dry-run, so the orphan on GPU 0 stays; draining is switched on
+    (GPUWATCHD_SLURM_DRAIN=yes), so the drain bookkeeping is what is seen."""
     with SimHost(root, gpus=2) as host:
         _dirty_gpu0(host)
         slurm = Slurm(host, host.config(rules=[ORPHAN_RULE]))
+        slurm.drain = "yes"
         out: dict[str, Any] = {"uuid0": host.scan_json()["gpus"][0]["uuid"]}
         out["prolog_dirty"] = slurm.script("prolog", "0")
         out["record_after_drain"] = slurm.record()
@@ -235,7 +248,9 @@ def host_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
         driver.start()
         out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
-        out["epilog"] = slurm.script("epilog", "0", timeout="20s" if not arg["dry_run"] else "3s")
+        slurm.drain = arg.get("drain")
+        out["epilog"] = slurm.script("epilog", "0", timeout="20s" if not arg["dry_run"] else "30s")
+        out["would_drain"] = slurm.would_drain()
         out["worker_alive"] = host.alive(host.pids["worker"])
         if arg["dry_run"]:
             slurm.set_node("IDLE", "")
@@ -332,14 +347,37 @@ def test_beside_an_enforcing_daemon_the_epilog_waits_and_exits_0(tmp_path: Path)
     assert "is running; waiting" in r["epilog"]["stderr"]
 
 
-def test_beside_a_dry_run_daemon_a_gpu_that_stays_dirty_drains(tmp_path: Path) -> None:
+def test_beside_a_dry_run_daemon_nothing_drains_nothing_waits_and_the_drain_is_reported(
+    tmp_path: Path,
+) -> None:
+    """The rollout week: the policy is dry-run, so the scripts (GPUWATCHD_SLURM_DRAIN=auto)
+    never drain and never fail; the epilog does not wait its timeout for what nothing can free;
+    the drain enforcement would have made is said and recorded."""
     r = run_scenario("host_beside_daemon", tmp_path, dry_run=True)
-    ours = _our_reason(r)
     assert r["worker_alive"] is True
+    for name in ("epilog", "prolog"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"] == {"state": "IDLE", "reason": ""}
+        assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
+        assert "dry_run: true (GPUWATCHD_SLURM_DRAIN=auto)" in r[name]["stderr"]
+    assert r["epilog"]["took"] < 20, "the dry-run epilog waited for run --once"
+    record = r["would_drain"]
+    assert record is not None
+    assert "mode=epilog\n" in record
+    assert f"reason=gpuwatchd: {r['uuid0']} " in record
+
+
+def test_beside_a_dry_run_daemon_draining_switched_on_drains(tmp_path: Path) -> None:
+    """GPUWATCHD_SLURM_DRAIN=yes: the old behaviour, a GPU that stays dirty drains even in
+    dry-run."""
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=True, drain="yes")
+    ours = _our_reason(r)
     assert r["epilog"]["code"] == 1, r["epilog"]["stderr"]
     assert r["epilog"]["updates"] == [_drain(ours)]
     assert r["prolog"]["code"] == 1, r["prolog"]["stderr"]
     assert r["prolog"]["updates"] == [_drain(ours)]
+    assert r["would_drain"] is None
 
 
 def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:

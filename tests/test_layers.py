@@ -106,7 +106,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",
                "gpuwatchd.logs", "gpuwatchd.holder_view")),
     ("services", ("gpuwatchd.state", "gpuwatchd.pause", "gpuwatchd.accepted",
-                  "gpuwatchd.metrics", "gpuwatchd.engine", "gpuwatchd.host",
+                  "gpuwatchd.metrics", "gpuwatchd.engine", "gpuwatchd.host", "gpuwatchd.spares",
                   "gpuwatchd.systemd_notify", "gpuwatchd.wiring")),
     ("lifecycle", ("gpuwatchd.daemon",)),
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),

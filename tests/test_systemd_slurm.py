@@ -14,6 +14,8 @@ prolog and epilog with an environment of its own). It pins:
 - (c) a node someone else drained is neither overwritten nor lifted;
 - (d) our drain is lifted by the timer once every GPU is clean — also when Slurm has put its
   own "Epilog error" over our reason (our record says the drain is ours);
+- the rollout week of docs/operations.md ("Roll out in dry-run first"), step by step:
+  ``test_the_rollout_week``;
 - node_exporter (Debian's prometheus-node-exporter, its default textfile directory) serves our
   series over HTTP; removing the package removes the file, and node_exporter stops serving
   them; purge removes what packaging/README.md says it removes.
@@ -447,6 +449,146 @@ def test_a_drain_set_by_someone_else_is_neither_overwritten_nor_lifted(cluster: 
     assert cluster.sinfo_reasons() == [admin]
     cluster.sh(f"scontrol update nodename={NODE} state=resume")
     cluster.wait_idle("the admin's resume")
+
+
+# -- the rollout week -------------------------------------------------------------------------
+# docs/operations.md, "Roll out in dry-run first": the preview loop, word for word.
+PREVIEW_LOOP = """\
+for s in /usr/share/doc/gpuwatchd/examples/scenarios/*.yaml; do
+    echo "== $(basename "$s" .yaml)"
+    gpuwatchd simulate --enforce --config /etc/gpuwatchd/gpuwatchd.yaml "$s" |
+        sed -n '/^final state/,$p'
+done
+"""
+ROLLOUT_DROPIN = "/etc/gpuwatchd/conf.d/60-rollout.yaml"
+HANG = {"nvmlDeviceGetComputeRunningProcesses_v3": 3600.0}
+
+
+def _preview(text: str) -> dict[str, list[str]]:
+    """The preview loop's output: scenario name -> its final-state lines."""
+    found: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("== "):
+            current = found.setdefault(line.removeprefix("== "), [])
+        else:
+            current.append(line.strip())
+    return found
+
+
+def _delivered(lines: list[str]) -> int:
+    (total,) = [line for line in lines if line.startswith("signals delivered: ")]
+    return int(total.removeprefix("signals delivered: ").split(";")[0])
+
+
+def _events(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.journal("gpuwatchd.service") if e.get("GPUWATCHD_EVENT") == name]
+
+
+def _status(cluster: Cluster) -> tuple[int, dict[str, Any]]:
+    proc = cluster.sh("gpuwatchd status --json", check=False)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_the_rollout_week(cluster: Cluster) -> None:
+    """What docs/operations.md's rollout section walks through, in its order: dry-run (the
+    preview loop with `simulate --enforce`; a leaky job whose epilog neither waits nor drains
+    and reports the drain it would have made); a spare and a timed pause, then enforcing (the
+    pause ends by itself, the spared worker is left alone, then freed when the spare ends);
+    NVML wedged and back (status from the first failed reading, `nvml.recovered`)."""
+    ct = cluster.ct
+    cluster.idle()
+    cluster.wait_idle("an idle node")
+    try:
+        # Day 1: dry-run, and the preview of enforcement over the incident library.
+        ct.write(ROLLOUT_DROPIN, "dry_run: true\nnvml_timeout: 2s\n")
+        cluster.sh("systemctl reload gpuwatchd")
+        _until("dry-run in force", lambda: any(
+            e.get("GPUWATCHD_DRY_RUN") == "true" or e.get("DRY_RUN") == "true"
+            for e in _events(cluster, "config.reloaded")))  # fmt: skip
+        preview = _preview(ct.run(["sh", "-c", PREVIEW_LOOP], timeout=300).stdout)
+        assert len(preview) >= 20, sorted(preview)
+        assert _delivered(preview["nohup-job"]) == 0, preview["nohup-job"]
+        torchrun = preview["torchrun-agent-died"]
+        for healthy in ("rank-0 (", "rank-0-loader ("):
+            (line,) = [x for x in torchrun if x.startswith(healthy)]
+            assert line.endswith("never signalled"), line
+        assert _delivered(preview["dataloader-orphans"]) > 0, preview["dataloader-orphans"]
+
+        # Day 2: a job leaks a worker; dry-run: no drain, no wait, the would-be drain said.
+        pids = ct.ci / "job-r.pids"
+        job = cluster.submit("job-r", f"{CI_DIR}/orphan-maker {CI_DIR}/dev 0 {CI_DIR}/job-r.pids\n")
+        _until("the job's trainer and worker", pids.exists)
+        trainer, worker = (int(x) for x in pids.read_text().split())
+        ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": trainer, "used_memory": GiB}]), gpu(1)])
+        assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+        _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
+        assert cluster.node()["State"] == "IDLE", cluster.node()
+        assert cluster.sinfo_reasons() == []
+        record = ct.root / RECORDS.lstrip("/") / f"would-drain.{NODE}"
+        assert record.exists()
+        assert f"reason=gpuwatchd: {gpu(0)['uuid']} " in record.read_text()
+        said = cluster.sh("journalctl -t gpuwatchd-slurm -o cat --no-pager").stdout
+        assert f"epilog dry-run: would drain {NODE}: gpuwatchd: {gpu(0)['uuid']} " in said
+        _until("the would-be signal to the worker", lambda: any(
+            e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "dry_run"
+            for e in _events(cluster, "action.signal")))  # fmt: skip
+
+        def alive() -> bool:
+            return ct.run(["kill", "-0", str(worker)], check=False).returncode == 0
+
+        assert alive()
+
+        # Day 5: spare the worker (its owner looks at it), pause, then enforce.
+        cluster.sh(f"gpuwatchd spare {worker} --for 40s --reason 'owner looks at it'")
+        cluster.sh("gpuwatchd pause --for 15s --reason 'switching to enforce'")
+        _until("the pause and the spare", lambda: bool(_events(cluster, "daemon.paused")
+               and _events(cluster, "spare.started")))  # fmt: skip
+        code, status = _status(cluster)
+        assert (code, status["effective_mode"]) == (0, "paused"), status
+        assert status["paused_until"] is not None
+        assert [s["target"] for s in status["spares"]] == [f"pid:{worker}"]
+        ct.write(ROLLOUT_DROPIN, "nvml_timeout: 2s\n")  # dry_run: false again (50-test.yaml)
+        cluster.sh("systemctl reload gpuwatchd")
+        _until("the pause to end by itself", lambda: any(
+            "ended by itself" in str(e.get("GPUWATCHD_REASON"))
+            for e in _events(cluster, "daemon.resumed")), timeout=60)  # fmt: skip
+        assert alive(), "the spared worker was signalled after the pause"
+        _until("the spare to end", lambda: bool(_events(cluster, "spare.ended")), timeout=60)
+        _until("the worker to be freed", lambda: not alive(), timeout=60)
+        cluster.idle()
+        events = [
+            e.get("GPUWATCHD_EVENT")
+            for e in cluster.journal("gpuwatchd.service")
+            if e.get("GPUWATCHD_EVENT") in ("spare.ended", "daemon.resumed")
+            or (e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "delivered")
+        ]
+        assert events.index("daemon.resumed") < events.index("spare.ended")
+        assert events.index("spare.ended") < events.index("action.signal"), events
+        (ended,) = _events(cluster, "spare.ended")
+        assert ended["GPUWATCHD_WHY"] == "its time was up"
+
+        # Day 6: NVML wedges, then answers again.
+        ct.nvml([gpu(0, delays=HANG), gpu(1)])
+        took = wait_for(
+            "status to say NVML is wedged",
+            lambda: _status(cluster)[1]["nvml"]["state"] == "wedged",
+            timeout=30,
+            step=0.5,
+        )
+        assert took < 20, "status said NVML: ok long after the first failed reading"
+        assert _status(cluster)[0] == 1
+        assert "NVML:     wedged since" in cluster.sh("gpuwatchd status", check=False).stdout
+        cluster.idle()
+        _until("nvml.recovered", lambda: bool(_events(cluster, "nvml.recovered")), timeout=90)
+        (back,) = _events(cluster, "nvml.recovered")
+        assert back["GPUWATCHD_WAS"] == "wedged"
+        assert float(back["GPUWATCHD_GONE_FOR"]) > 0
+        _until("status to say NVML is ok", lambda: _status(cluster)[0] == 0, timeout=30)
+    finally:
+        (ct.root / ROLLOUT_DROPIN.lstrip("/")).unlink(missing_ok=True)
+        cluster.sh("gpuwatchd resume; systemctl reload gpuwatchd", check=False)
+        cluster.idle()
 
 
 # -- node_exporter ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -140,12 +141,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     pause = sub.add_parser("pause", parents=[common], help="stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
+    pause.add_argument(
+        "--for",
+        dest="for_",
+        metavar="DURATION",
+        help="how long (30m, 2h); at most the policy's limits.max_pause, which is also how "
+        "long a pause without --for lasts; the daemon resumes by itself then",
+    )
     resume = sub.add_parser("resume", parents=[common], help="allow actions again")
+    resume.add_argument("--reason", default="", help="why (logged with daemon.resumed)")
     resume.add_argument(
         "--clear-latches",
         action="store_true",
         help="also clear the kill-cap latches, the reset circuit breaker and refused resets",
     )
+    spare = sub.add_parser(
+        "spare",
+        parents=[common],
+        help="leave one process (PID) or one job's processes (job:ID) alone for a while",
+    )
+    spare.add_argument(
+        "target",
+        nargs="?",
+        metavar="PID|job:ID",
+        help="a process (by PID; its start time is recorded, so a reused PID is not spared) "
+        "or a job (job:42 for Slurm job 42, job:pod:UID, job:container:ID, job:unit:NAME)",
+    )
+    spare.add_argument(
+        "--for",
+        dest="for_",
+        metavar="DURATION",
+        help="how long (30m, 2h); at most the policy's limits.max_spare",
+    )
+    spare.add_argument("--reason", help="why (logged with spare.started, shown in status)")
+    spare.add_argument("--cancel", action="store_true", help="end the spare of the target now")
+    spare.add_argument("--list", dest="list_", action="store_true", help="show the spares in force")
+    spare.add_argument("--json", action="store_true", help="with --list: print JSON")
     sub.add_parser(
         "reload",
         parents=[common],
@@ -199,6 +230,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     if command in ("pause", "resume"):
         return _pause(args, paused=command == "pause")
+    if command == "spare":
+        return _spare(args)
     if command == "simulate":
         return _simulate(args)
     if command == "explain":
@@ -417,18 +450,72 @@ def _reload(args: argparse.Namespace) -> int:
     return reload_command(policy, config_path, out=sys.stdout, err=sys.stderr)
 
 
+def _spare(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.spare import SpareError, spare_command
+
+    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    try:
+        return spare_command(
+            policy,
+            target=args.target,
+            for_=args.for_,
+            reason=args.reason,
+            cancel=args.cancel,
+            listing=args.list_,
+            as_json=args.json,
+            out=sys.stdout,
+        )
+    except SpareError as exc:
+        raise CliError(str(exc), exc.code) from exc
+    except PermissionError as exc:
+        where = exc.filename or policy.state_dir
+        raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc
+    except OSError as exc:
+        raise CliError(
+            f"state_dir {policy.state_dir}: nothing is changed: {exc.strerror or exc}",
+            ExitCode.IOERR,
+        ) from exc
+
+
+def _pause_length(text: str | None, max_pause: float) -> float:
+    """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
+    from gpuwatchd.cli.humantime import duration
+    from gpuwatchd.config.schema import ConfigError
+    from gpuwatchd.config.units import parse_duration
+
+    if text is None:
+        return max_pause
+    try:
+        seconds = parse_duration(text, where="--for")
+    except ConfigError as exc:
+        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
+    if not 1 <= seconds <= max_pause:
+        raise CliError(
+            f"pause --for {text}: must be between 1s and limits.max_pause "
+            f"({duration(max_pause)}); the switch is not changed",
+            ExitCode.CONFIG,
+        )
+    return seconds
+
+
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:
-    from gpuwatchd.pause import clear_latches, set_pause
+    from gpuwatchd.cli.humantime import duration
+    from gpuwatchd.pause import clear_latches, note_resume, set_pause
     from gpuwatchd.statedir import StateDir, StateDirError
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     path = policy.state_dir
+    length = _pause_length(args.for_, policy.limits.max_pause) if paused else 0.0
     try:
         with StateDir.open(path, create=True) as state_dir:
             if paused:
-                set_pause(state_dir, reason=args.reason)
-                print(f"gpuwatchd: actions paused ({path})")
+                ends = time.time() + length
+                set_pause(state_dir, reason=args.reason, until=ends)
+                when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ends))
+                print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
             else:
+                if args.reason:
+                    note_resume(state_dir, args.reason)
                 set_pause(state_dir, reason=None)
                 if args.clear_latches:
                     clear_latches(state_dir)

@@ -215,7 +215,9 @@ def describe(
         "nvml": {
             "state": nvml_state if nvml_state in ("ok", "wedged", "unavailable") else None,
             "error": _str(nvml.get("error")),
+            "since": _num(nvml.get("since")),
         },
+        "spares": _spares(status.get("spares")),
         "gpus": _count(status.get("gpus")),
         "findings": _count(status.get("findings")),
         "verdict": _verdict(status.get("verdict")),
@@ -286,7 +288,22 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         "effective_mode": effective,
         "paused": paused,
         "paused_reason": _str(plan.get("paused_reason")) if paused else None,
+        "paused_until": _num(plan.get("paused_until")) if paused else None,
     }
+
+
+def _spares(raw: object) -> list[dict[str, object]]:
+    """The daemon's spares in force (``gpuwatchd spare``), each checked."""
+    out: list[dict[str, object]] = []
+    for item in _seq(raw)[:64]:
+        row = _map(item)
+        target = _str(row.get("target"))
+        if target is None:
+            continue
+        out.append(
+            {"target": target, "until": _num(row.get("until")), "reason": _str(row.get("reason"))}
+        )
+    return out
 
 
 def _kill_cap(
@@ -555,6 +572,13 @@ def _at(now: float, when: object) -> str:
     return f"{stamp} ({ago(now - t)})"
 
 
+def _stamp(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
 def _header(result: Mapping[str, object]) -> str:
     daemon = _map(result.get("daemon"))
     now = _num(result.get("now")) or 0.0
@@ -577,7 +601,14 @@ def _mode_line(result: Mapping[str, object]) -> str:
     if effective == "paused":
         reason = result.get("paused_reason")
         why = f" ({reason})" if reason else ""
-        return f"mode:     paused{why}: actions hold until `gpuwatchd resume`; {configured}"
+        ends = _num(result.get("paused_until"))
+        now = _num(result.get("now"))
+        lasts = (
+            f"until {_stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
+            if ends is not None and now is not None
+            else "until `gpuwatchd resume`"
+        )
+        return f"mode:     paused{why}: actions hold {lasts}; {configured}"
     if effective == "forced-dry-run":
         return f"mode:     dry-run, forced by the kill-cap latch; {configured}"
     if mode == "dry-run":
@@ -696,10 +727,21 @@ def _latch_lines(result: Mapping[str, object]) -> list[str]:
 def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
     nvml = _map(result.get("nvml"))
     error = f" ({nvml['error']})" if nvml.get("error") else ""
+    since = (
+        f" since {_at(now, nvml['since'])}"
+        if nvml.get("state") != "ok" and nvml.get("since")
+        else ""
+    )
     lines = [
-        f"NVML:     {_text(nvml.get('state'))}{error}; {_text(result.get('gpus'))} GPUs; "
+        f"NVML:     {_text(nvml.get('state'))}{since}{error}; {_text(result.get('gpus'))} GPUs; "
         f"{_text(result.get('findings'))} findings"
     ]
+    for spare in _seq(result.get("spares")):
+        row = _map(spare)
+        ends = _num(row.get("until"))
+        left = "" if ends is None else f" until {_stamp(ends)} ({until(ends - now)})"
+        why = f": {row['reason']}" if row.get("reason") else ""
+        lines.append(f"spared:   {_text(row.get('target'))}{left}{why}")
     lines.extend(_verdict_lines(result.get("verdict")))
     policy = _map(result.get("policy"))
     files = policy.get("files")

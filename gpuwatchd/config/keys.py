@@ -586,6 +586,8 @@ SECTIONS: dict[str, Section] = {
                 "node_max_signalled_per_hour": count(0, 100000),
                 "kill_cap_latch": duration("1m", "7d"),
                 "post_action_delay": duration(0, "1h"),
+                "max_pause": duration("1m", "7d"),
+                "max_spare": duration("1m", "7d"),
             },
         ),
         section_of("metrics", MetricsPolicy, {"textfile": Value(_read_textfile, _same)}),

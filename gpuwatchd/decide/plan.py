@@ -46,6 +46,7 @@ from gpuwatchd.decide.plan_state import (
 )
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.shadow import ShadowWork
+from gpuwatchd.decide.spares import spare_reason
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
     gpu_protected,
@@ -473,9 +474,17 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
             EventName.FINDING_RESOLVED,
             Level.INFO,
             finding=key,
+            kind=key.split(":", 1)[0],  # which finding, as finding.new said it
             gpu=seen.gpu,
+            pid=_target_pid(seen.target),
             lasted=max(0.0, ctx.now - seen.first_seen),
         )
+
+
+def _target_pid(target: str | None) -> int | None:
+    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding."""
+    pid = None if target is None else target.split("@", 1)[0]
+    return int(pid) if pid is not None and pid.isdigit() else None
 
 
 def _ladder_fields(lad: Ladder) -> dict[str, object]:
@@ -582,6 +591,10 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
             w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
         return
     hold = _hold_reason(w, ctx)
+    if hold is None:
+        # An administrator's spare holds the ladder (it goes on when the spare ends).
+        spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time)
+        hold = None if spared is None else f"spare: {spared}"
     if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
         capped = w.state.forced_dry_run or scope in w.scope_latches
         hold = "dry_run (kill cap engaged)" if capped else "dry_run"
@@ -1548,9 +1561,17 @@ def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
     return sorted(found)
 
 
-def set_paused(state: PlanState, paused: bool, *, reason: str) -> PlanState:
-    """The admin pause switch: while paused no intent is emitted (ladders hold, events say so)."""
-    return replace(state, paused=paused, paused_reason=reason if paused else None)
+def set_paused(
+    state: PlanState, paused: bool, *, reason: str, until: float | None = None
+) -> PlanState:
+    """The admin pause switch: while paused no intent is emitted (ladders hold, events say so).
+    ``until`` (wall time) is when the pause ends, for status and metrics; the caller ends it."""
+    return replace(
+        state,
+        paused=paused,
+        paused_reason=reason if paused else None,
+        paused_until=until if paused else None,
+    )
 
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:

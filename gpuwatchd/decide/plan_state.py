@@ -157,6 +157,7 @@ class PlanState:
     scope_latches: Mapping[str, Latch] = field(default_factory=dict)
     paused: bool = False
     paused_reason: str | None = None
+    paused_until: float | None = None  # wall time a timed pause ends (pause --for)
     last_wall: float | None = None
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
     reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
@@ -234,6 +235,7 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         },
         "paused": s.paused,
         "paused_reason": s.paused_reason,
+        "paused_until": s.paused_until,
         "last_wall": s.last_wall,
         "health_waits": {
             gpu: {
@@ -344,6 +346,7 @@ def _load_state(data: object) -> PlanState:
         scope_latches=_load_latches(d.get("scope_latches", {})),
         paused=_bool(d.get("paused", False), "plan.paused"),
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
+        paused_until=_opt_float(d.get("paused_until"), "plan.paused_until"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
         health_waits=_load_health_waits(d.get("health_waits", {})),
         reset_refusals=_load_refusals(d.get("reset_refusals", {})),

@@ -191,6 +191,10 @@ class Limits:
     node_max_signalled_per_hour: int = 256
     kill_cap_latch: float = 3600.0
     post_action_delay: float = 15.0
+    # The longest an admin's `pause --for` / `spare --for` may last (a forgotten pause or
+    # spare must not disable the node for good): also the length of a `pause` without --for.
+    max_pause: float = 86400.0
+    max_spare: float = 86400.0
 
 
 @dataclass(frozen=True)

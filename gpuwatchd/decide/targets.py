@@ -24,6 +24,7 @@ from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
+from gpuwatchd.decide.spares import spare_reason
 from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
 
 __all__ = [
@@ -198,17 +199,21 @@ def refusal(
     policy: Policy,
     self_ancestors: frozenset[int],
 ) -> str | None:
-    """Why this target may never be signalled, as "floor: …", "protect: …" or "identity: …".
+    """Why this target may not be signalled, as "floor: …", "spare: …", "protect: …" or
+    "identity: …".
 
-    The floor (docs/design-notes.md §10) comes first and no configuration lowers it; then
-    ``protect``; an identity that cannot be told apart from a later process reusing the PID is
-    refused too.
+    The floor (docs/design-notes.md §10) comes first and no configuration lowers it; then an
+    administrator's ``gpuwatchd spare`` in force (``decide/spares.py``); then ``protect``; an
+    identity that cannot be told apart from a later process reusing the PID is refused too.
     """
     if process is None:
         return "identity: process not in the snapshot"
     floor = _floor_reason(process, finding, snapshot, self_ancestors)
     if floor is not None:
         return f"floor: {floor}"
+    spared = spare_reason(process, snapshot.spares, snapshot.wall_time)
+    if spared is not None:
+        return f"spare: {spared}"
     protect = _protect_reason(process, finding, snapshot, policy)
     if protect is not None:
         return f"protect: {protect}"

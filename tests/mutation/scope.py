@@ -172,4 +172,5 @@ TEST_FILES = (
     "tests/test_patterns.py",
     "tests/test_dry_run_preview.py",
     "tests/test_check_clean.py",
+    "tests/test_rollout_switches.py",
 )

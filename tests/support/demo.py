@@ -77,7 +77,9 @@ def compact(log_lines: str, started: float) -> str:
 
 
 def banner(text: str) -> None:
-    print(f"\n\033[1m=== {text}\033[0m\n", flush=True)
+    """A section heading, in bold only on a terminal (never ANSI codes into a pipe or file)."""
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    print(f"\n{bold}=== {text}{plain}\n", flush=True)
 
 
 def free_released_gpus(host: SimHost) -> bool:

@@ -1,0 +1,160 @@
+"""``gpuwatchd spare``: leave one process, or one job's processes, alone for a while.
+
+This module owns the command: ``spare PID|job:ID --for DURATION --reason TEXT`` writes the
+spare (``gpuwatchd/spares.py``) — a process by its PID and the start time read from
+``/proc/PID/stat`` now, so a later process that reuses the PID is not spared — ``spare
+--list`` shows the spares in force, ``spare --cancel PID|job:ID`` ends one. The running daemon
+reads them at its next poll (``spare.started``, ``spare.ended``); each ends by itself, at most
+``limits.max_spare`` after it was given.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import IO
+
+from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.config.schema import ConfigError
+from gpuwatchd.config.units import parse_duration
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.escape import escape
+from gpuwatchd.spares import (
+    SpareFiles,
+    booted_at,
+    cancel_spare,
+    parse_target,
+    read_spares,
+    write_spare,
+)
+from gpuwatchd.statedir import StateDir
+from gpuwatchd.vocabulary import ExitCode
+
+__all__ = ["SpareError", "spare_command"]
+
+
+class SpareError(Exception):
+    """A refused ``spare`` (one line, an exit code); nothing was changed."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _length(text: str | None, max_spare: float) -> float:
+    if text is None:
+        raise SpareError("spare needs --for DURATION (how long to leave it alone)", ExitCode.CONFIG)
+    try:
+        seconds = parse_duration(text, where="--for")
+    except ConfigError as exc:
+        raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+    if not 1 <= seconds <= max_spare:
+        raise SpareError(
+            f"spare --for {text}: must be between 1s and limits.max_spare "
+            f"({duration(max_spare)}); nothing is spared",
+            ExitCode.CONFIG,
+        )
+    return seconds
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
+
+
+def spare_command(
+    policy: Policy,
+    *,
+    target: str | None,
+    for_: str | None,
+    reason: str | None,
+    cancel: bool,
+    listing: bool,
+    as_json: bool,
+    out: IO[str],
+) -> int:
+    """Run ``gpuwatchd spare``; raises :class:`SpareError`, ``OSError`` (the state directory)."""
+    procfs = ProcFS(policy.proc_root)
+    now = time.time()
+    if listing or target is None:
+        if target is not None or cancel:
+            raise SpareError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
+        return _list(policy, procfs, now, as_json=as_json, out=out)
+    try:
+        key, pid, job = parse_target(target)
+    except ValueError as exc:
+        raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+    if cancel:
+        with StateDir.open(policy.state_dir, create=True) as state_dir:
+            gone = cancel_spare(state_dir, key)
+        print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"), file=out)
+        return ExitCode.OK
+    seconds = _length(for_, policy.limits.max_spare)
+    if not reason:
+        raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
+    start_ticks = boot_id = None
+    if pid is not None:
+        stat = procfs.read_stat(pid)
+        boot_id = procfs.boot_id()
+        if stat is None or boot_id is None:
+            raise SpareError(
+                f"spare {target}: no such process (or its start time cannot be read); "
+                "nothing is spared",
+                ExitCode.CONFIG,
+            )
+        start_ticks = stat.starttime
+    ends = now + seconds
+    with StateDir.open(policy.state_dir, create=True) as state_dir:
+        write_spare(
+            state_dir,
+            key,
+            until=ends,
+            reason=reason,
+            pid=pid,
+            start_ticks=start_ticks,
+            boot_id=boot_id,
+            job=job,
+        )
+    what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
+    print(
+        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {_stamp(ends)}: "
+        "never signalled until then (the daemon reads it at its next poll)",
+        file=out,
+    )
+    return ExitCode.OK
+
+
+def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[str]) -> int:
+    try:
+        with StateDir.open(policy.state_dir) as state_dir:
+            found = read_spares(
+                state_dir, now, boot_wall=booted_at(now), max_spare=policy.limits.max_spare
+            )
+    except FileNotFoundError:
+        found = SpareFiles((), ())
+    spares, problems = found.spares, found.problems
+    if as_json:
+        rows = [
+            {
+                "target": s.target,
+                "pid": s.pid,
+                "start_ticks": s.start_ticks,
+                "job": s.job,
+                "until": s.until,
+                "since": s.since,
+                "reason": s.reason,
+                "by_uid": s.by_uid,
+            }
+            for s in spares
+        ]
+        json.dump({"spares": rows, "problems": list(problems)}, out, indent=2)
+        out.write("\n")
+        return ExitCode.OK
+    if not spares:
+        print("no spares", file=out)
+    for s in spares:
+        line = f"{s.target}  until {_stamp(s.until)} ({until(s.until - now)})  {s.reason}"
+        print(escape(line), file=out)
+    for problem in problems:
+        print(escape(f"ignored: {problem}"), file=out)
+    return ExitCode.OK

@@ -1,0 +1,71 @@
+"""NVML's availability as a state with transitions: ``ok``, ``wedged`` (a call missed its
+deadline), ``unavailable`` (library or driver missing, init failed), and since when.
+
+This module owns the state and its one transition function, :func:`next_availability`: each
+poll's reading moves it, from the first failed reading on (so ``gpuwatchd status`` says
+"wedged" from then, not a minute later), and the return to ``ok`` is one event,
+``nvml.recovered``, saying what it was and how long it was gone. The losses themselves are
+logged where they are seen (``nvml.wedged``, ``nvml.unavailable``, ``collect/nvml.py``).
+
+It is pure: the reading and the wall time are passed in; events come back as data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuwatchd.model import NvmlReading
+from gpuwatchd.vocabulary import EventName, Level
+
+__all__ = ["NvmlAvailability", "next_availability", "state_of"]
+
+OK = "ok"
+WEDGED = "wedged"
+UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class NvmlAvailability:
+    """NVML's state, the wall time of the first reading in that state, and the last error.
+    ``state`` None: no reading yet."""
+
+    state: str | None = None
+    since: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"state": self.state or "unknown", "since": self.since, "error": self.error}
+
+
+def state_of(reading: NvmlReading) -> str:
+    """One reading's state: ``unavailable``, ``wedged`` or ``ok``."""
+    if not reading.available:
+        return UNAVAILABLE
+    return WEDGED if reading.wedged else OK
+
+
+def next_availability(
+    previous: NvmlAvailability, reading: NvmlReading, wall: float
+) -> tuple[NvmlAvailability, list[tuple[str, Level, dict[str, object]]]]:
+    """The state after ``reading`` (taken at wall time ``wall``), and the events of the
+    transition: ``nvml.recovered`` when NVML answers after being wedged or unavailable."""
+    state = state_of(reading)
+    if state == previous.state:
+        error = reading.error if state != OK else None
+        return NvmlAvailability(state, previous.since, error or previous.error), []
+    events: list[tuple[str, Level, dict[str, object]]] = []
+    if state == OK and previous.state in (WEDGED, UNAVAILABLE):
+        since = previous.since
+        events.append(
+            (
+                EventName.NVML_RECOVERED,
+                Level.WARNING,
+                {
+                    "was": previous.state,
+                    "since": since,
+                    "gone_for": None if since is None else round(max(0.0, wall - since), 3),
+                    "error": previous.error,
+                },
+            )
+        )
+    return NvmlAvailability(state, wall, reading.error if state != OK else None), events

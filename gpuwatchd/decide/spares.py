@@ -1,0 +1,94 @@
+"""What an administrator's spares cover: which process ``gpuwatchd spare`` leaves alone, and
+when a spare starts and ends (the events that journal both ends).
+
+A spare (:class:`gpuwatchd.model.Spare`) names a process by PID *and* start ticks, or a job by
+its key (``slurm:42``, as ``CgroupInfo.job_key`` spells it). :func:`spare_reason` says why a
+process may not be signalled now; ``targets.refusal`` and the planner's ladders call it, so
+every decision that could signal a process honours it. Unknown never excuses a signal: a
+process whose start ticks (for a PID spare of its PID) or whose cgroup (while a job is spared)
+cannot be read counts as spared.
+
+It is pure: no I/O, no clock (wall time is passed in), no logging (changes come back as
+:class:`gpuwatchd.decide.plan.Event`). Reading and writing the spare files is
+``gpuwatchd/spares.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from gpuwatchd.model import ProcessInfo, Spare
+from gpuwatchd.vocabulary import EventName, Level
+
+__all__ = ["SpareEvent", "spare_changes", "spare_reason", "spare_text"]
+
+SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
+
+
+def _in_force(spares: Iterable[Spare], wall: float) -> list[Spare]:
+    return [spare for spare in spares if spare.until > wall]
+
+
+def spare_text(spare: Spare) -> str:
+    """How a spare is named in refusals and events: ``pid 123 (start 456)`` or ``job
+    slurm:42``, with its reason."""
+    if spare.job is not None:
+        what = f"job {spare.job}"
+    else:
+        what = f"pid {spare.pid} (start ticks {spare.start_ticks})"
+    return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
+
+
+def spare_reason(process: ProcessInfo, spares: Sequence[Spare], wall: float) -> str | None:
+    """Why ``process`` is left alone at wall time ``wall`` because of a spare in force, or
+    None. The text names the spare, not how long it has left, so it stays the same while the
+    spare lasts (a hold is said once)."""
+    for spare in _in_force(spares, wall):
+        if spare.pid is not None and spare.pid == process.pid:
+            if process.start_ticks is None:
+                return f"{spare_text(spare)}; this process's start time is unknown"
+            if process.start_ticks == spare.start_ticks:
+                return spare_text(spare)
+        if spare.job is not None:
+            job = None if process.cgroup is None else process.cgroup.job_key
+            if process.cgroup is None:
+                return f"{spare_text(spare)}; this process's job is unknown"
+            if job == spare.job:
+                return spare_text(spare)
+    return None
+
+
+def _fields(spare: Spare) -> dict[str, object]:
+    return {
+        "target": spare.target,
+        "pid": spare.pid,
+        "start_ticks": spare.start_ticks,
+        "job": spare.job,
+        "reason": spare.reason,
+        "until": spare.until,
+        "by_uid": spare.by_uid,
+    }
+
+
+def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) -> list[SpareEvent]:
+    """The events between two readings of the spares: ``spare.started`` for each new (or
+    changed) spare, ``spare.ended`` for each that is gone, with why: its time was up, or it was
+    cancelled (``gpuwatchd spare --cancel``) or replaced."""
+    events: list[SpareEvent] = []
+    old = {spare.target: spare for spare in before}
+    new = {spare.target: spare for spare in _in_force(after, wall)}
+    for target, spare in sorted(old.items()):
+        replaced = new.get(target)
+        if replaced == spare:
+            continue
+        if replaced is not None:
+            why = "replaced by a new spare"
+        elif spare.until <= wall:
+            why = "its time was up"
+        else:
+            why = "cancelled"
+        events.append((EventName.SPARE_ENDED, Level.WARNING, {**_fields(spare), "why": why}))
+    for target, spare in sorted(new.items()):
+        if old.get(target) != spare:
+            events.append((EventName.SPARE_STARTED, Level.WARNING, _fields(spare)))
+    return events

@@ -15,7 +15,6 @@ import collections
 import contextlib
 import dataclasses
 import errno
-import json
 import os
 import select
 import signal
@@ -33,7 +32,6 @@ from gpuwatchd.accepted import Fallback, render_accepted, save_accepted
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.cli.scan import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.collector import Collector
-from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.jobs import boot_ticks_now, cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
@@ -58,6 +56,7 @@ from gpuwatchd.pause import (
 )
 from gpuwatchd.state import AlreadyRunning, StateDirError, StateStore
 from gpuwatchd.statedir import StateDir
+from gpuwatchd.view_guard import GuardedWatch, ViewPublisher, early_poll_at
 from gpuwatchd.vocabulary import STATE_FILE_VERSION, Cleanliness, EventName, ExitCode
 
 log = structlog.get_logger("gpuwatchd")
@@ -139,11 +138,11 @@ class Daemon:
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
-        self.device_watch = DeviceWatch(policy.devices_dir)
+        # Its events are read only after the published holder view says dirty (view_guard.py).
+        self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
+        self.device_watch = GuardedWatch(policy.devices_dir, self._view.mark_dirty)
         self.collector.backstop = policy.full_scan_backstop
         self._own_start_ticks: int | None = None
-        self._view_written: dict[str, object] | None = None
-        self._view_polled = 0.0
         self.signaller = Signaller(policy.proc_root)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
@@ -550,22 +549,12 @@ class Daemon:
             holders=snapshot.holders,
             start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
             dead_listed=self.collector.dead_listed,
+            watch_fd=self.device_watch.fileno(),
         )
-        content = {key: value for key, value in view.items() if key != "polled"}
-        if (
-            content == self._view_written
-            and snapshot.wall_time - self._view_polled < holder_view.REFRESH
-        ):
-            return
-        state_dir = self._state_dir()
-        if state_dir is None:
-            return
-        try:
-            state_dir.write(holder_view.VIEW_FILE, json.dumps(view).encode())
-        except OSError as exc:
-            log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=str(exc))
-            return
-        self._view_written, self._view_polled = content, snapshot.wall_time
+        self._view.publish(view)
+
+    def _view_write_failed(self, error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks) off the main loop, feeding the watchdog meanwhile."""
@@ -590,6 +579,7 @@ class Daemon:
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
         until = self.engine.wake_at()
+        watch_fd = self.device_watch.fileno()
         while not self._stop and not self._reload:
             remaining = until - self.clock()
             if remaining <= 0:
@@ -598,6 +588,8 @@ class Daemon:
             poller.register(self._wakeup_r, select.POLLIN)
             for fd in self.signaller.fileno_list():
                 poller.register(fd, select.POLLIN)
+            if watch_fd is not None:
+                poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
             slice_s = min(remaining, max(1.0, self._watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
@@ -607,6 +599,10 @@ class Daemon:
             if any(fd == self._wakeup_r for fd, _ in ready):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
+            if watch_fd is not None and any(fd == watch_fd for fd, _ in ready):
+                self.device_watch.mark_if_pending()
+                early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
+                until, watch_fd = min(until, early), None  # read at the poll, not here
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
             if exited:

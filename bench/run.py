@@ -13,6 +13,7 @@ Numbers from ``--quick`` mean nothing; only the default run is reported in docs/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -201,7 +202,11 @@ def _wait_for_view(host: SimHost, daemon: int, holders: int, timeout: float = 12
     while time.monotonic() < deadline:
         try:
             view = json.loads(path.read_text())
-            if view["daemon"]["pid"] == daemon and len(view["holders"]) >= holders:
+            if (
+                view["daemon"]["pid"] == daemon
+                and len(view["holders"]) >= holders
+                and view.get("clean") is True
+            ):
                 return True
         except (OSError, ValueError, KeyError):
             pass
@@ -236,6 +241,7 @@ def cli_scans(pool: ProcessPool, root: Path, cfg: dict[str, Any]) -> list[dict[s
                     rounds=cfg["cli_rounds"],
                     with_lsof=False,
                     ignore=frozenset({daemon.pid, *ProcFS().children(daemon.pid)}),
+                    before_each=functools.partial(_wait_for_view, host, daemon.pid, len(expected)),
                 )
         finally:
             daemon.terminate()

@@ -199,6 +199,8 @@ class NvmlClient:
         self._buffer = b""
         self._pending = False  # a read request was sent ahead (prefetch) and not yet answered
         self._v1_logged: set[str] = set()
+        # Each GPU's last reply and what it was decoded into: a quiet GPU's is reused.
+        self._decoded: list[tuple[Mapping[str, Any], GpuInfo]] = []
 
     # --- public ---------------------------------------------------------------------------
 
@@ -441,7 +443,15 @@ class NvmlClient:
     # --- conversion -----------------------------------------------------------------------
 
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
-        gpus = tuple(_to_gpu(raw) for raw in reply.get("gpus") or ())
+        # Decoding is pure in the reply: a GPU whose part equals the last poll's (a C-level
+        # comparison of the parsed JSON) gets the same GpuInfo back.
+        last = self._decoded
+        decoded = [
+            (raw, last[i][1] if i < len(last) and last[i][0] == raw else _to_gpu(raw))
+            for i, raw in enumerate(reply.get("gpus") or ())
+        ]
+        self._decoded = decoded
+        gpus = tuple(gpu for _, gpu in decoded)
         for notice in reply.get("notices") or ():
             if notice.get("event") != EventName.NVML_MEMORY_V1_FALLBACK:
                 continue

@@ -14,12 +14,15 @@ facts, as before). A zombie still reads, with state ``Z``. So the answer is alwa
 fresh open would give at that moment.
 
 Bounded: at most :data:`MAX_OPEN` descriptors (the rest are read the old way), and
-:meth:`StatFiles.retain` closes those of processes the last poll did not look at.
+:meth:`StatFiles.retain` closes those of processes the last poll did not look at. Only on a
+real ``proc`` file system (``statfs``'s magic number): a ``proc_root`` that is a plain folder
+(a test's, say) keeps no descriptor, since a kept plain file would not fail when replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections.abc import Iterable
 
@@ -30,6 +33,20 @@ __all__ = ["MAX_OPEN", "StatFiles"]
 MAX_OPEN = 256
 _SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
+PROC_SUPER_MAGIC = 0x9FA0
+
+
+def is_procfs(path: str) -> bool:
+    """Whether ``path`` is on a ``proc`` file system (False when that cannot be told)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    f_type: int = ctypes.c_long.from_buffer(buf).value
+    return f_type == PROC_SUPER_MAGIC
 
 
 class StatFiles:
@@ -37,6 +54,7 @@ class StatFiles:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self.keeping = is_procfs(root)  # else every read opens afresh
         self._fds: dict[int, int] = {}
         self._last: dict[int, tuple[bytes, StatFields | None]] = {}  # what the fd read last
         self._threads: dict[int, int] = {}  # threads of each PID read since the last retain
@@ -70,16 +88,20 @@ class StatFiles:
         except OSError:
             os.close(fd)
             return None
-        if not raw or len(raw) >= _SIZE or len(self._fds) >= MAX_OPEN:
+        if not raw or len(raw) >= _SIZE or len(self._fds) >= MAX_OPEN or not self.keeping:
             os.close(fd)
             if len(raw) >= _SIZE:  # longer than any stat line: read it whole, as procfs does
                 try:
                     raw = read_proc_file(f"{self.root}/{pid}/stat")
                 except OSError:
                     return None
+            kept = False
         else:
             self._fds[pid] = fd
+            kept = True
         fields = parse_stat(raw.decode("utf-8", "replace")) if raw else None
+        if kept:
+            self._last[pid] = (raw, fields)
         if fields is not None:
             self._threads[pid] = fields.num_threads
         return fields
@@ -89,7 +111,7 @@ class StatFiles:
         :meth:`retain` (its one thread's ``children`` file, through a kept descriptor: the
         same list ``/proc/PID/task/*/children`` gives, without listing ``task``); None when
         not known that way (the caller reads them the usual way)."""
-        if self._threads.get(pid) != 1:
+        if not self.keeping or self._threads.get(pid) != 1:
             return None
         fd = self._children.get(pid)
         if fd is None:

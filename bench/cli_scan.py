@@ -198,3 +198,36 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def stale_rounds(
+    host: SimHost, config: Path, rounds: int, before_each: Callable[[], object]
+) -> dict[str, Any]:
+    """Beside a running daemon: a process opens ``nvidia0`` and, the moment the open has
+    returned, a whole ``scan --json`` runs; each report must list the opener (docs/scan.md,
+    "When a served scan can miss a holder"). Each round starts from a clean view."""
+    path = host.devices_dir / "nvidia0"
+    missed: list[dict[str, Any]] = []
+    served = 0
+    reasons: dict[str, int] = {}
+    for _ in range(rounds):
+        before_each()
+        opener = subprocess.Popen(
+            ["sh", "-c", f'exec 3<"{path}"; echo opened; exec sleep 600'],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert opener.stdout is not None
+            opener.stdout.readline()  # the open has returned
+            _, report = run_scan(host, config)
+        finally:
+            opener.kill()
+            opener.wait()
+        view = report.get("daemon_view", {})
+        served += view.get("used") is True
+        reason = str(view.get("reason"))
+        reasons[reason] = reasons.get(reason, 0) + 1
+        if opener.pid not in scan_pids(report):
+            missed.append(view)
+    return {"rounds": rounds, "missed": len(missed), "served": served, "reasons": reasons,
+            "missed_views": missed[:3]}  # fmt: skip

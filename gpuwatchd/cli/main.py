@@ -249,6 +249,8 @@ def _scan(args: argparse.Namespace) -> int:
     nvml = NvmlClient()
     if args.full:
         nvml.prefetch()
+    else:
+        nvml.start_idle()  # NVML opens the device files only when asked, after the probe
     try:
         return _scan_with(args, nvml)
     finally:

@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +98,13 @@ def compare_cli(
     extra: Sequence[str] = (),
     with_lsof: bool = True,
     ignore: frozenset[int] = frozenset(),
+    before_each: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
     """Interleave ``rounds`` whole-process scans with fuser (and lsof); medians, sets.
     ``ignore``: PIDs left out of every set (a running daemon and its NVML worker, which the
-    tools list and gpuwatchd rightly does not)."""
+    tools list and gpuwatchd rightly does not). ``before_each``: called before each of our scans
+    (beside a daemon: wait until its view is clean again — the previous scan's NVML worker
+    opened the device files, which the daemon re-walks for)."""
     ours: list[float] = []
     tools: dict[str, list[float]] = {"fuser": [], "lsof": []} if with_lsof else {"fuser": []}
     same = True
@@ -112,10 +115,14 @@ def compare_cli(
         "lsof": ["lsof", "-n", "-P", "-w", "-F", "p", *files],
     }
     run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
+    served = 0
     for _ in range(rounds):
+        if before_each is not None:
+            before_each()
         wall, report = run_scan(host, config, extra)
         ours.append(wall)
         scan_mode = report.get("scan_mode")
+        served += report.get("daemon_view", {}).get("used") is True
         found = scan_pids(report) - ignore
         same &= found == expected
         if found != expected:
@@ -132,6 +139,7 @@ def compare_cli(
         "scan_mode": scan_mode,
         "gpuwatchd_ms": median * 1e3,
         "identical_sets": same,
+        "served_rounds": served,
     }
     if differences:
         result["differences"] = differences
@@ -190,3 +198,36 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def stale_rounds(
+    host: SimHost, config: Path, rounds: int, before_each: Callable[[], object]
+) -> dict[str, Any]:
+    """Beside a running daemon: a process opens ``nvidia0`` and, the moment the open has
+    returned, a whole ``scan --json`` runs; each report must list the opener (docs/scan.md,
+    "When a served scan can miss a holder"). Each round starts from a clean view."""
+    path = host.devices_dir / "nvidia0"
+    missed: list[dict[str, Any]] = []
+    served = 0
+    reasons: dict[str, int] = {}
+    for _ in range(rounds):
+        before_each()
+        opener = subprocess.Popen(
+            ["sh", "-c", f'exec 3<"{path}"; echo opened; exec sleep 600'],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert opener.stdout is not None
+            opener.stdout.readline()  # the open has returned
+            _, report = run_scan(host, config)
+        finally:
+            opener.kill()
+            opener.wait()
+        view = report.get("daemon_view", {})
+        served += view.get("used") is True
+        reason = str(view.get("reason"))
+        reasons[reason] = reasons.get(reason, 0) + 1
+        if opener.pid not in scan_pids(report):
+            missed.append(view)
+    return {"rounds": rounds, "missed": len(missed), "served": served, "reasons": reasons,
+            "missed_views": missed[:3]}  # fmt: skip

@@ -15,7 +15,6 @@ import collections
 import contextlib
 import dataclasses
 import errno
-import json
 import os
 import select
 import signal
@@ -58,6 +57,7 @@ from gpuwatchd.state import (
 )
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
+from gpuwatchd.view_guard import ViewPublisher, early_poll_at
 from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.wiring import build_real_host
 
@@ -107,8 +107,12 @@ class Daemon:
             job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
             for job in sorted(ended_jobs)
         }
+        # Scan on cause (docs/scan.md): the holder view this daemon publishes for `scan`,
+        # marked dirty by the device watch before its events are read (view_guard.py).
+        self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
         self.host = build_real_host(
             policy,
+            on_device_event=self._view.mark_dirty,
             nvml_env=nvml_env,
             clock=clock,
             wall_clock=wall_clock,
@@ -119,10 +123,10 @@ class Daemon:
             self.host.nvml,
             self.host.collector,
         )
-        self.device_watch = self.host.device_watch  # started in _run_locked: by the lock holder
+        # started in _run_locked: by the lock holder; its events are read only after the
+        # published holder view says dirty (view_guard.py)
+        self.device_watch = self.host.device_watch
         self._own_start_ticks: int | None = None
-        self._view_written: dict[str, object] | None = None
-        self._view_polled = 0.0
         self.signaller = self.host.signaller
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
@@ -537,22 +541,12 @@ class Daemon:
             holders=snapshot.holders,
             start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
             dead_listed=self.collector.dead_listed,
+            watch_fd=self.device_watch.fileno(),
         )
-        content = {key: value for key, value in view.items() if key != "polled"}
-        if (
-            content == self._view_written
-            and snapshot.wall_time - self._view_polled < holder_view.REFRESH
-        ):
-            return
-        state_dir = self._state_dir()
-        if state_dir is None:
-            return
-        try:
-            state_dir.write(holder_view.VIEW_FILE, json.dumps(view).encode())
-        except OSError as exc:
-            log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=str(exc))
-            return
-        self._view_written, self._view_polled = content, snapshot.wall_time
+        self._view.publish(view)
+
+    def _view_write_failed(self, error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
@@ -561,6 +555,7 @@ class Daemon:
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
         until = self.engine.wake_at()
+        watch_fd = self.device_watch.fileno()
         while not self._stop and not self._reload:
             remaining = until - self.clock()
             if remaining <= 0:
@@ -569,6 +564,8 @@ class Daemon:
             poller.register(self._wakeup_r, select.POLLIN)
             for fd in self.signaller.fileno_list():
                 poller.register(fd, select.POLLIN)
+            if watch_fd is not None:
+                poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
             slice_s = min(remaining, max(1.0, watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
@@ -578,6 +575,10 @@ class Daemon:
             if any(fd == self._wakeup_r for fd, _ in ready):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
+            if watch_fd is not None and any(fd == watch_fd for fd, _ in ready):
+                self.device_watch.mark_if_pending()
+                early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
+                until, watch_fd = min(until, early), None  # read at the poll, not here
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
             if exited:

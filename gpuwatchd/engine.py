@@ -52,7 +52,7 @@ from gpuwatchd.act.reset import (
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.decide import fabric
 from gpuwatchd.decide.argv import format_argv, hook_environment
-from gpuwatchd.decide.assess import Assessment, assess
+from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
@@ -78,9 +78,10 @@ from gpuwatchd.decide.plan import (
     set_paused,
 )
 from gpuwatchd.decide.policy import Hook, Policy
+from gpuwatchd.decide.reuse import Reuse
 from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
-from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
@@ -256,6 +257,7 @@ class Engine:
         self.last_assessment: Assessment | None = None
         # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
         self.last_verdict: NodeVerdict | None = None
+        self.reuse = Reuse()  # the last assessment and verdict, when the inputs are equal
         self._paused_reason: str | None = None
         # NVML as a state with transitions (decide/nvml_state.py): status, nvml.recovered.
         self.nvml_availability = NvmlAvailability()
@@ -280,7 +282,7 @@ class Engine:
         if not (self.policy.dry_run or state.plan.forced_dry_run):
             # Acting for real: a dry run's assumed resets never stand in for real ones.
             state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
-        assessment = assess(
+        assessment = self.reuse.assess(
             snapshot,
             state.assess,
             self.policy.detection,
@@ -289,7 +291,7 @@ class Engine:
         )
         state.assess = assessment.state
         self.last_assessment = assessment
-        self.last_verdict = judge(snapshot, assessment, self.policy)
+        self.last_verdict = self.reuse.judge(snapshot, assessment, self.policy)
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
         # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(

@@ -18,7 +18,10 @@ a daemon that is not running now (PID and start ticks checked), for other settin
 (``proc_root``, ``devices_dir``, ``device_major``), from a daemon without a working watch, or
 older than its own ``fresh_for`` (bounded by :data:`MAX_FRESH`). The daemon writes it when its
 content changes and at least every :data:`REFRESH` seconds, so a running daemon's view is
-never older than that plus one poll.
+never older than that plus one poll. It also says ``clean`` (false from the moment the daemon
+is about to read an event of its device watch until the walk after it) and names the watch's
+descriptor (``watch_fd``): :mod:`gpuwatchd.view_guard` owns that rule and asks the watch
+itself before a clean view is believed.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class HolderView:
     holders: frozenset[int]
     holder_ticks: Mapping[int, int]
     dead_listed: frozenset[int]
+    # The daemon's inotify descriptor (gpuwatchd/view_guard.py asks it for queued events), and
+    # whether the daemon had read no event since the walk this view reflects; a view without
+    # either is never used.
+    watch_fd: int | None = None
+    clean: bool = False
+    dirty_since: float | None = None
 
 
 def encode(
@@ -69,9 +78,13 @@ def encode(
     holders: HolderScan,
     start_ticks: Mapping[int, int | None],
     dead_listed: frozenset[int],
+    watch_fd: int | None = None,
+    clean: bool = True,
 ) -> dict[str, object]:
     """The view as a JSON-able document (the daemon writes ``json.dumps`` of it)."""
     return {
+        "watch_fd": watch_fd,
+        "clean": clean,
         "version": VERSION,
         "boot_id": boot_id,
         "daemon": {"pid": daemon_pid, "start_ticks": daemon_start_ticks},
@@ -152,6 +165,9 @@ def parse(raw: bytes) -> HolderView:
         holders=frozenset(holders),
         holder_ticks=ticks,
         dead_listed=frozenset(_int(p) for p in _list(data.get("dead_listed"))),
+        watch_fd=None if data.get("watch_fd") is None else _int(data.get("watch_fd"), 0),
+        clean=data.get("clean") is True,
+        dirty_since=(None if data.get("dirty_since") is None else _number(data.get("dirty_since"))),
     )
 
 

@@ -295,11 +295,12 @@ class StateDir:
         except ValueError as err:
             return JsonFile({}, str(err), present=True)
 
-    def write(self, name: str, data: bytes, *, mode: int = 0o600) -> None:
+    def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None:
         """Replace ``name`` with ``data`` atomically: a fresh temporary file (created here,
         never a planted one), fsync, rename over the old name (a link there is replaced, not
         followed), fsync of the folder. Raises OSError (ENOSPC on a full disk); the temporary
-        file is removed then."""
+        file is removed then. ``sync=False``: no fsync (a file only other processes read
+        while this one runs; the rename is seen at once)."""
         tmp = f".{name}.{os.urandom(6).hex()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, mode, dir_fd=self.fd)
         try:
@@ -308,7 +309,8 @@ class StateDir:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
@@ -316,7 +318,8 @@ class StateDir:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.fd)
             raise
-        os.fsync(self.fd)
+        if sync:
+            os.fsync(self.fd)
 
     def write_json(self, name: str, value: Mapping[str, object]) -> None:
         """:meth:`write` of ``value`` as compact, sorted JSON (no NaN or infinity)."""

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.collect.collector import Collector
-from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.host import HookQueue, HostActuator, HostReader
+from gpuwatchd.view_guard import GuardedWatch
 
 __all__ = ["RealHost", "build_real_host", "procfs_for"]
 
@@ -39,7 +39,7 @@ class RealHost:
     procfs: ProcFS
     nvml: NvmlClient
     collector: Collector
-    device_watch: DeviceWatch
+    device_watch: GuardedWatch
     signaller: Signaller
     actuator: HostActuator
     reader: HostReader
@@ -63,12 +63,15 @@ class RealHost:
 def build_real_host(
     policy: Policy,
     *,
+    on_device_event: Callable[[], bool] = lambda: True,
     nvml_env: Mapping[str, str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     ended_by_scheduler: Mapping[str, int | None] | None = None,
 ) -> RealHost:
-    """Build the real host for ``policy``. ``ended_by_scheduler``: the jobs ``run --once
+    """Build the real host for ``policy``. ``on_device_event``: called before the device
+    watch's queued events are read (the daemon marks its published holder view dirty; False
+    closes the watch). ``ended_by_scheduler``: the jobs ``run --once
     --ended-job`` was told of (job -> when it was said, in boot ticks)."""
     procfs = procfs_for(policy)
     nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
@@ -90,7 +93,7 @@ def build_real_host(
         collector=collector,
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the daemon starts the watch once it holds the lock.
-        device_watch=DeviceWatch(policy.devices_dir),
+        device_watch=GuardedWatch(policy.devices_dir, on_device_event),
         signaller=signaller,
         actuator=HostActuator(signaller),
         reader=HostReader(collector, procfs, nvml),

@@ -100,5 +100,14 @@ def test_quick_bench_whole_process_scan_alone_and_beside_the_daemon(
     beside = row["with_daemon"]
     assert beside["identical_sets"]
     assert beside["scan_mode"] == "targeted"
+    # Each served round starts from a clean view: each is served (issue 25).
+    assert beside["served_rounds"] == beside["rounds"]
+    # An open just before a served scan is never missed (walked or served, it is listed).
+    stale = row["stale"]
+    assert stale["rounds"] >= 1
+    assert stale["missed"] == 0, stale
     cpu = quick_results["main"]["daemon_cpu"]
     assert cpu["opens_every_30s"]["walks"] >= 1  # the opens made the daemon walk
+    real = cpu["real_quiet"]
+    assert real["cpu_s"] > 0, real  # the real daemon ran and was measured
+    assert not real["worker_restarted"]

@@ -104,7 +104,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "gpuwatchd.model", "gpuwatchd.vocabulary")),
     ("decide", ("gpuwatchd.decide",)),
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",
-               "gpuwatchd.logs", "gpuwatchd.holder_view")),
+               "gpuwatchd.logs", "gpuwatchd.holder_view", "gpuwatchd.view_guard")),
     ("services", ("gpuwatchd.state", "gpuwatchd.pause", "gpuwatchd.accepted",
                   "gpuwatchd.metrics", "gpuwatchd.engine", "gpuwatchd.host", "gpuwatchd.spares",
                   "gpuwatchd.systemd_notify", "gpuwatchd.wiring")),

@@ -45,6 +45,19 @@ def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def _doc(view: Path) -> dict[str, Any]:
+    try:
+        doc: dict[str, Any] = json.loads(view.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc
+
+
+def _clean(view: Path) -> bool:
+    """The daemon published a clean view (no device file opened since its walk)."""
+    return _doc(view).get("clean") is True
+
+
 def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
@@ -56,7 +69,7 @@ def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         daemon = host.start_daemon("run", "--config", str(config))
         view = host.state_dir / holder_view.VIEW_FILE
         try:
-            _wait_for(view.exists)
+            _wait_for(lambda: _clean(view))
             served = _scan(host, config)
             full = _scan(host, config, "--full")
             out["served"] = {"view": served["daemon_view"], "mode": served["scan_mode"],
@@ -66,7 +79,7 @@ def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             host.spawn("late", [{"open": host.dev("nvidia0")}])
             pids.update(host.wait_ready("late"))
             late = pids["late"]
-            _wait_for(lambda: late in {h[0] for h in json.loads(view.read_text())["holders"]})
+            _wait_for(lambda: _clean(view) and late in {h[0] for h in _doc(view)["holders"]})
             again = _scan(host, config)
             out["late"] = {"view": again["daemon_view"], "holders": sorted(scan_pids(again))}
         finally:
@@ -84,7 +97,7 @@ def test_scan_beside_the_daemon_builds_on_its_view_and_finds_what_a_walk_finds(
     result = run_in_pid_namespace(f"{__name__}:host_served", {}, root=tmp_path, timeout=120)
     pids = result["pids"]
     served, full = result["served"], result["full"]
-    assert served["view"]["used"] is True
+    assert served["view"]["used"] is True, served["view"]
     assert served["mode"] == "targeted", served["view"]
     assert full["view"]["used"] is False
     assert full["mode"] == "full"

@@ -282,11 +282,15 @@ def _errors_only_logging() -> None:
 
 def _scan(args: argparse.Namespace) -> int:
     # The NVML worker first, its request sent: its start-up overlaps our imports and the walk.
+    # Beside a daemon, its device watch is asked first (the worker opens the device files).
     from gpuwatchd.collect.nvml import NvmlClient
 
     _errors_only_logging()
     nvml = NvmlClient()
-    nvml.prefetch()
+    if args.full:
+        nvml.prefetch()
+    else:
+        nvml.start_idle()  # NVML opens the device files only when asked, after the probe
     try:
         return _scan_with(args, nvml)
     finally:
@@ -294,10 +298,16 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
-    from gpuwatchd.cli.scan import scan_host
+    from gpuwatchd.view_guard import probe_path
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
-    result = scan_host(policy, nvml=nvml, full=bool(args.full))
+    watch_probe = None
+    if not args.full:
+        watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)
+    nvml.prefetch()
+    from gpuwatchd.cli.scan import scan_host
+
+    result = scan_host(policy, nvml=nvml, full=bool(args.full), watch_probe=watch_probe)
     if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:

@@ -543,8 +543,13 @@ def _title_line(report: Mapping[str, object]) -> str:
         f"{len(findings)} findings",
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
-    if _as_map(report.get("daemon_view")).get("used") is True:
-        parts.append("on the daemon's holder view")
+    view = _as_map(report.get("daemon_view"))
+    if view.get("used") is True:
+        age = view.get("age")
+        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
+        parts.append(f"on the daemon's holder view{old}")
+    elif view.get("clean") is False:
+        parts.append("(the daemon's view was not current: walked)")
     return "  ".join(parts)
 
 

@@ -27,6 +27,7 @@ from gpuwatchd.holder_view import HolderView
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
+from gpuwatchd.view_guard import Probe, probe
 from gpuwatchd.wiring import procfs_for
 
 
@@ -115,14 +116,17 @@ def daemon_view(
     procfs: ProcFS,
     state_dir: StateDir | None = None,
     daemon: RunningDaemon | None = None,
+    raw: bytes | None = None,
 ) -> tuple[HolderView | None, str]:
     """The running daemon's published holder view if ``scan`` may build on it, else None;
     and, either way, a short reason (shown in the report). The view must come from the
-    daemon that holds the lock now (``daemon``), and name no process but its workers."""
+    daemon that holds the lock now (``daemon``), and name no process but its workers. ``raw``:
+    the file as read already (:func:`gpuwatchd.view_guard.probe`)."""
     if state_dir is None:
         return None, "no holder view published by a running daemon"
     try:
-        raw = state_dir.read(holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
+        if raw is None:
+            raw = state_dir.read(holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
     except FileNotFoundError:
         return None, "no holder view published by a running daemon"
     except OSError as err:
@@ -162,6 +166,7 @@ def scan_host(
     nvml_env: Mapping[str, str] | None = None,
     nvml: NvmlClient | None = None,
     full: bool = True,
+    watch_probe: Probe | None = None,
 ) -> ScanResult:
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead
     (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
@@ -169,12 +174,19 @@ def scan_host(
     ``full=False`` builds on a running daemon's published holder view when there is a usable
     one (:mod:`gpuwatchd.holder_view`): a targeted scan of its holders, NVML's processes and
     their descendants, or a full walk whenever the daemon's own rule would walk; without a
-    usable view it walks all of ``/proc`` as ``full=True`` always does. Raises StateDirError
-    when ``state_dir`` exists but cannot be trusted (:func:`open_state_dir`).
+    usable view it walks all of ``/proc`` as ``full=True`` always does. The view is used only
+    when it is clean and ``watch_probe`` (:func:`probe_view`, taken before this process's NVML
+    worker opened any device file; taken here when None) found the daemon's watch covering
+    every device file with no event queued. Raises StateDirError when ``state_dir`` exists
+    but cannot be trusted (:func:`open_state_dir`).
     """
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
-        return _scan_host(policy, state_dir, nvml_env=nvml_env, nvml=nvml, full=full)
+        if not full and watch_probe is None:
+            watch_probe = probe(state_dir, policy.proc_root, policy.devices_dir)
+        return _scan_host(
+            policy, state_dir, nvml_env=nvml_env, nvml=nvml, full=full, watch_probe=watch_probe
+        )
     finally:
         if state_dir is not None:
             state_dir.close()
@@ -187,6 +199,7 @@ def _scan_host(
     nvml_env: Mapping[str, str] | None,
     nvml: NvmlClient | None,
     full: bool,
+    watch_probe: Probe | None = None,
 ) -> ScanResult:
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
@@ -196,9 +209,16 @@ def _scan_host(
     daemon = running_daemon(policy, state_dir, procfs)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
     daemon_pids = daemon.pids if daemon is not None else frozenset()
-    view, view_note = daemon_view(policy, procfs, state_dir, daemon)
+    raw = watch_probe.view if watch_probe is not None and not full else None
+    view, view_note = daemon_view(policy, procfs, state_dir, daemon, raw)
+    clean = None if view is None else view.clean
+    age = None if view is None else round(max(0.0, time.time() - view.polled), 3)
     if full:
         view, view_note = None, "--full"
+    elif view is not None:
+        stale = _stale(view, watch_probe)
+        if stale is not None:
+            view, view_note, clean = None, f"walked: {stale}", False
     try:
         collector = Collector(
             procfs,
@@ -260,6 +280,8 @@ def _scan_host(
         "used": view is not None,
         "reason": view_note,
         "polled": None if view is None else view.polled,
+        "clean": clean,
+        "age": age,
         "scan_reason": None
         if collector.last_scan_reason is None
         else collector.last_scan_reason.value,
@@ -275,6 +297,20 @@ def _scan_host(
     return ScanResult(
         report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
     )
+
+
+def _stale(view: HolderView, watch_probe: Probe | None) -> str | None:
+    """Why a view that passed the identity checks may miss a holder now (None: it cannot,
+    for any open of a watched device file; :mod:`gpuwatchd.view_guard`)."""
+    if watch_probe is None:
+        return "the daemon's device watch was not asked"
+    if not watch_probe.empty:
+        return watch_probe.reason
+    if view.daemon_pid != watch_probe.daemon_pid or view.watch_fd != watch_probe.watch_fd:
+        return "the daemon's holder view changed hands while it was checked"
+    if not view.clean:
+        return "the daemon's holder view is dirty (a device file was opened; it is walking)"
+    return None
 
 
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:

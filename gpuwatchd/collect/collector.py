@@ -39,6 +39,7 @@ from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
+from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
@@ -107,6 +108,7 @@ class Collector:
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
     _inheritance: InheritanceProbe | None = None
+    _stat_files: StatFiles | None = None  # identity re-checks through kept descriptors
     # run --once --ended-job (jobs.py): job key -> when the scheduler said it ended (boot ticks)
     ended_by_scheduler: Mapping[str, int | None] = field(default_factory=dict)
 
@@ -144,7 +146,8 @@ class Collector:
             # Descendants of every known holder, not only of listed ones: a holder's fork
             # inherits its files without opening anything (no inotify event).
             targets = set(listed) | set(self._known_holders)
-            targets |= self.procfs.descendants(targets)
+            files = self._stat_files
+            targets |= self.procfs.descendants(targets, None if files is None else files.children)
             holders = self._targeted_scan(
                 scanner, sorted(targets - self_pids), reading, live_listed
             )
@@ -164,6 +167,8 @@ class Collector:
         processes.update(self._read_processes(wanted))
         self._add_ancestry(processes)
         self._facts = self._facts_seen
+        if self._stat_files is not None:
+            self._stat_files.retain(self._facts)
         for pid in self_pids:
             processes.pop(pid, None)
 
@@ -262,7 +267,9 @@ class Collector:
     def _read_process(self, pid: int) -> ProcessInfo | None:
         cached = self._facts.get(pid)
         if cached is not None:
-            fields = self.procfs.read_stat(pid)
+            if self._stat_files is None:
+                self._stat_files = StatFiles(self.procfs.root)
+            fields = self._stat_files.read(pid)
             if fields is None:
                 return None  # gone (or unreadable: read_process would say the same)
             if _signature_of_stat(fields) == _signature_of_info(cached):

@@ -29,14 +29,13 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 
-import structlog
-
+from gpuwatchd import lazylog
 from gpuwatchd.collect.holders import HolderScanner, match_device_name
 from gpuwatchd.collect.kcmp import KCMP_FILE, Kcmp
 from gpuwatchd.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.vocabulary import EventName
 
-log = structlog.get_logger()
+log = lazylog.get_logger()  # structlog only if it logs: scan's start-up
 
 __all__ = ["KCMP_FILE", "InheritanceProbe", "Kcmp", "absent_leaders"]
 

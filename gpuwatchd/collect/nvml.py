@@ -202,6 +202,8 @@ class NvmlClient:
         self._buffer = b""
         self._pending = False  # a read request was sent ahead (prefetch) and not yet answered
         self._v1_logged: set[str] = set()
+        # Each GPU's last reply and what it was decoded into: a quiet GPU's is reused.
+        self._decoded: list[tuple[Mapping[str, Any], GpuInfo]] = []
 
     # --- public ---------------------------------------------------------------------------
 
@@ -230,17 +232,30 @@ class NvmlClient:
 
         A short command calls this first thing, so the worker's start-up (an interpreter,
         pynvml, ``nvmlInit``) overlaps the caller's own; :meth:`read` then collects the reply,
-        with its deadline counted from when it is called. Does nothing while a worker is
-        already up, a hung one lives or a retry is backing off; a worker that cannot be started
-        is left to :meth:`read` to report.
+        with its deadline counted from when it is called. A worker already started
+        (:meth:`start_idle`) is sent the request. Does nothing while a request is pending, a
+        hung worker lives or a retry is backing off; a worker that cannot be started is left to
+        :meth:`read` to report.
         """
+        self._reap_hung()
+        if self._pending or self._hung is not None or self._retry_at is not None:
+            return
+        with contextlib.suppress(OSError, _WorkerGone):
+            if self._proc is None:
+                self._start()
+            self._send({"op": "read"})
+            self._pending = True
+
+    def start_idle(self) -> None:
+        """Start the worker now without asking it anything: its interpreter and pynvml load
+        while the caller goes on, and NVML itself (``nvmlInit``, which opens the device files)
+        waits for the first request (:meth:`prefetch` or :meth:`read`). ``scan`` asks the
+        daemon's device watch in between (:mod:`gpuwatchd.view_guard`)."""
         self._reap_hung()
         if self._proc is not None or self._hung is not None or self._retry_at is not None:
             return
-        with contextlib.suppress(OSError, _WorkerGone):
+        with contextlib.suppress(OSError):
             self._start()
-            self._send({"op": "read"})
-            self._pending = True
 
     def read(self) -> NvmlReading:
         """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""
@@ -444,7 +459,15 @@ class NvmlClient:
     # --- conversion -----------------------------------------------------------------------
 
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
-        gpus = tuple(_to_gpu(raw) for raw in reply.get("gpus") or ())
+        # Decoding is pure in the reply: a GPU whose part equals the last poll's (a C-level
+        # comparison of the parsed JSON) gets the same GpuInfo back.
+        last = self._decoded
+        decoded = [
+            (raw, last[i][1] if i < len(last) and last[i][0] == raw else _to_gpu(raw))
+            for i, raw in enumerate(reply.get("gpus") or ())
+        ]
+        self._decoded = decoded
+        gpus = tuple(gpu for _, gpu in decoded)
         for notice in reply.get("notices") or ():
             if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue

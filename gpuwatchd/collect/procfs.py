@@ -32,7 +32,7 @@ import errno
 import os
 import pwd
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from gpuwatchd.collect.cgroups import kernel_lines, parse_cgroup
@@ -430,9 +430,13 @@ class ProcFS:
                 by_parent.setdefault(fields.ppid, []).append(child)
         return by_parent
 
-    def descendants(self, pids: Iterable[int]) -> set[int]:
+    def descendants(
+        self, pids: Iterable[int], children: Callable[[int], list[int] | None] | None = None
+    ) -> set[int]:
         """Every descendant of ``pids``; a given PID is included only if it descends from
-        another given PID. Without children files this costs one stat scan of /proc."""
+        another given PID. Without children files this costs one stat scan of /proc.
+        ``children``: a cheaper source of a PID's children when it knows them (None: ask
+        :meth:`children`)."""
         frontier = list(dict.fromkeys(pids))
         by_parent: dict[int, list[int]] | None = None
         if any(not self._children_files(pid) for pid in frontier):
@@ -440,7 +444,11 @@ class ProcFS:
         seen: set[int] = set()
         while frontier:
             pid = frontier.pop()
-            kids = self.children(pid) if by_parent is None else by_parent.get(pid, [])
+            if by_parent is not None:
+                kids = by_parent.get(pid, [])
+            else:
+                known = None if children is None else children(pid)
+                kids = self.children(pid) if known is None else known
             for kid in kids:
                 if kid not in seen:
                     seen.add(kid)

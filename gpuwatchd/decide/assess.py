@@ -906,12 +906,35 @@ def assess(
     Pure: reads only its arguments. Processes whose job is known to be over
     (:func:`job_ended`) are ``abandoned``.
     """
+    result = assess_processes(snapshot, previous, detection, driver_refused=driver_refused)
+    return with_health(result, snapshot, previous, health_policy)
+
+
+def assess_processes(
+    snapshot: Snapshot,
+    previous: AssessState,
+    detection: Detection,
+    *,
+    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+) -> Assessment:
+    """:func:`assess` without GPU health: the findings about processes and memory, the roles,
+    and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters
+    only as ``snapshot.monotonic`` stamped on state entries that are new."""
     assessor = _Assessor(snapshot, previous, detection)
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
     assessor.assess_driver_refusals(driver_refused or {})
-    result = assessor.result()
+    return assessor.result()
+
+
+def with_health(
+    result: Assessment,
+    snapshot: Snapshot,
+    previous: AssessState,
+    health_policy: HealthPolicy | None,
+) -> Assessment:
+    """``result`` (:func:`assess_processes`) with GPU health assessed and joined."""
     # GPU health (decide/health.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)
     health = assess_health(

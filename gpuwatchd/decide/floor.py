@@ -138,13 +138,31 @@ def _system_unit(proc: ProcessInfo) -> str | None:
     return None
 
 
+_MEMO = "_floor_infrastructure"  # the answer, kept on the (frozen) ProcessInfo it is about
+_MPS_MEMO = "_floor_mps_server"
+
+
 def infrastructure(proc: ProcessInfo) -> str | None:
     """Why ``proc`` is infrastructure that gpuwatchd never touches, or None.
 
     By PID (init, kthreadd), kernel-thread flag, a trusted identity that goes by an
     infrastructure name (see the module docstring), or an infrastructure systemd unit in a
     system cgroup (``/system.slice/nvidia-dcgm.service`` and friends).
+
+    The answer depends on ``proc``'s fields alone, and a ``ProcessInfo`` is frozen: it is
+    computed once per object (as ``model``'s cached properties are) — the collector hands back
+    the same object while a process's facts are unchanged, so a steady poll asks it once.
     """
+    memo = proc.__dict__
+    if _MEMO in memo:
+        answer: str | None = memo[_MEMO]
+        return answer
+    answer = _infrastructure(proc)
+    memo[_MEMO] = answer
+    return answer
+
+
+def _infrastructure(proc: ProcessInfo) -> str | None:
     if proc.pid <= 2:
         return f"pid {proc.pid} is init or kthreadd"
     if proc.kernel_thread:
@@ -177,8 +195,15 @@ def unverified_infrastructure(proc: ProcessInfo) -> str | None:
 
 def mps_server(proc: ProcessInfo) -> bool:
     """Whether ``proc`` is a trusted MPS control daemon or server (see the module docstring).
-    A user's process of that name, or one whose identity cannot be read, is not."""
-    return _trusted_name(proc, MPS_SERVER_NAMES) is not None
+    A user's process of that name, or one whose identity cannot be read, is not. Computed once
+    per ``ProcessInfo`` object, as :func:`infrastructure` is."""
+    memo = proc.__dict__
+    if _MPS_MEMO in memo:
+        known: bool = memo[_MPS_MEMO]
+        return known
+    answer = _trusted_name(proc, MPS_SERVER_NAMES) is not None
+    memo[_MPS_MEMO] = answer
+    return answer
 
 
 def live_holder(

@@ -44,7 +44,15 @@ from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
-from gpuwatchd.model import MIB, Finding, FindingKind, GpuInfo, ProcessInfo, Snapshot
+from gpuwatchd.model import (
+    MIB,
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    ProcessInfo,
+    Snapshot,
+)
 from gpuwatchd.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 
 __all__ = [
@@ -174,6 +182,7 @@ class _Judge:
         self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
         self.excused: dict[tuple[str, int], Reason] = {}
         self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
+        self._holders_by_minor: dict[int | None, list[tuple[int, DeviceHolding]]] | None = None
 
     def process(self, pid: int) -> ProcessInfo | None:
         return self.snapshot.processes.get(pid)
@@ -347,7 +356,7 @@ class _Judge:
         snapshot = self.snapshot
         dirty = {r.pid for r in self.reasons[gpu.uuid] if r.pid is not None}
         found: list[Reason] = []
-        for pid, holding in sorted(snapshot.holders.holdings.items()):
+        for pid, holding in self._holders_of(gpu.minor):
             on_gpu = gpu.minor is not None and gpu.minor in holding.gpu_minors
             node_only = not holding.gpu_minors and (holding.ctl or holding.uvm)
             if not (on_gpu or node_only) or pid in snapshot.self_pids or pid in dirty:
@@ -367,6 +376,20 @@ class _Judge:
             label = _role_label(role, node_only)
             found.append(Reason(kind, pid, f"pid {pid} ({name}): {label}"))
         return found
+
+    def _holders_of(self, minor: int | None) -> list[tuple[int, DeviceHolding]]:
+        """The holdings on GPU ``minor`` and those of nvidiactl/nvidia-uvm only, by PID: the
+        only ones :meth:`reset_blockers` can list (indexed once, not walked per GPU)."""
+        index = self._holders_by_minor
+        if index is None:
+            index = {}
+            for pid, holding in sorted(self.snapshot.holders.holdings.items()):
+                for key in holding.gpu_minors or ((None,) if holding.ctl or holding.uvm else ()):
+                    index.setdefault(key, []).append((pid, holding))
+            self._holders_by_minor = index
+        if minor is None:
+            return index.get(None, [])
+        return sorted(index.get(minor, []) + index.get(None, []), key=lambda item: item[0])
 
     def verdict(self) -> NodeVerdict:
         nvml = self.snapshot.nvml

@@ -1,0 +1,169 @@
+"""``/proc/PID/stat`` of the processes a steady poll looks at, read through descriptors kept open.
+
+This module owns one cost of the steady poll (docs/performance.md): the identity and state
+check of every known process (NVML's, the holders, their ancestors) each poll. Instead of
+opening ``/proc/PID/stat`` afresh (a path walk through ``/proc``, an open, two reads and a
+close), the descriptor of each such process is kept and read again with one ``pread`` — the
+kernel renders the file anew on every read from offset 0.
+
+Why this is safe for identity: a descriptor of ``/proc/PID/stat`` belongs to the process it was
+opened for, not to the number. Once that process is reaped, reading it fails (``ESRCH``) even
+if the PID names another process by then; the descriptor is then closed and the file opened
+afresh, which shows the new process (whose start ticks differ: the caller re-reads all its
+facts, as before). A zombie still reads, with state ``Z``. So the answer is always the one a
+fresh open would give at that moment.
+
+Bounded: at most :data:`MAX_OPEN` descriptors (the rest are read the old way), and
+:meth:`StatFiles.retain` closes those of processes the last poll did not look at. Only on a
+real ``proc`` file system (``statfs``'s magic number): a ``proc_root`` that is a plain folder
+(a test's, say) keeps no descriptor, since a kept plain file would not fail when replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterable
+
+from gpuwatchd.collect.procfs import StatFields, parse_stat, read_proc_file
+
+__all__ = ["MAX_OPEN", "StatFiles"]
+
+MAX_OPEN = 256
+_SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+PROC_SUPER_MAGIC = 0x9FA0
+
+
+def is_procfs(path: str) -> bool:
+    """Whether ``path`` is on a ``proc`` file system (False when that cannot be told)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    f_type: int = ctypes.c_long.from_buffer(buf).value
+    return f_type == PROC_SUPER_MAGIC
+
+
+class StatFiles:
+    """Kept-open ``/proc/PID/stat`` descriptors under ``root`` (module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.keeping = is_procfs(root)  # else every read opens afresh
+        self._fds: dict[int, int] = {}
+        self._last: dict[int, tuple[bytes, StatFields | None]] = {}  # what the fd read last
+        self._threads: dict[int, int] = {}  # threads of each PID read since the last retain
+        self._children: dict[int, int] = {}  # PID -> its task/PID/children, kept open
+
+    def read(self, pid: int) -> StatFields | None:
+        """``/proc/PID/stat`` parsed now; None when the process is gone or it is unreadable."""
+        fd = self._fds.get(pid)
+        if fd is not None:
+            try:
+                raw = os.pread(fd, _SIZE, 0)
+            except OSError:
+                raw = b""  # that process was reaped: the PID is looked up afresh below
+            if raw and len(raw) < _SIZE:
+                last = self._last.get(pid)
+                if last is not None and last[0] == raw:
+                    fields = last[1]  # the same bytes parse the same (a sleeping process)
+                else:
+                    fields = parse_stat(raw.decode("utf-8", "replace"))
+                    self._last[pid] = (raw, fields)
+                if fields is not None:
+                    self._threads[pid] = fields.num_threads
+                return fields
+            self._close(pid)
+        try:
+            fd = os.open(f"{self.root}/{pid}/stat", _FLAGS)
+        except OSError:
+            return None
+        try:
+            raw = os.pread(fd, _SIZE, 0)
+        except OSError:
+            os.close(fd)
+            return None
+        if not raw or len(raw) >= _SIZE or len(self._fds) >= MAX_OPEN or not self.keeping:
+            os.close(fd)
+            if len(raw) >= _SIZE:  # longer than any stat line: read it whole, as procfs does
+                try:
+                    raw = read_proc_file(f"{self.root}/{pid}/stat")
+                except OSError:
+                    return None
+            kept = False
+        else:
+            self._fds[pid] = fd
+            kept = True
+        fields = parse_stat(raw.decode("utf-8", "replace")) if raw else None
+        if kept:
+            self._last[pid] = (raw, fields)
+        if fields is not None:
+            self._threads[pid] = fields.num_threads
+        return fields
+
+    def children(self, pid: int) -> list[int] | None:
+        """The children of ``pid`` when it was read single-threaded since the last
+        :meth:`retain` (its one thread's ``children`` file, through a kept descriptor: the
+        same list ``/proc/PID/task/*/children`` gives, without listing ``task``); None when
+        not known that way (the caller reads them the usual way)."""
+        if not self.keeping or self._threads.get(pid) != 1:
+            return None
+        fd = self._children.get(pid)
+        if fd is None:
+            if len(self._children) >= MAX_OPEN:
+                return None
+            try:
+                fd = os.open(f"{self.root}/{pid}/task/{pid}/children", _FLAGS)
+            except OSError:
+                return None
+            self._children[pid] = fd
+        try:
+            raw = os.pread(fd, _SIZE, 0)
+        except OSError:
+            self._close_children(pid)  # reaped since: ask the usual way
+            return None
+        if len(raw) >= _SIZE:
+            return None  # a long list: the usual way reads it whole
+        try:
+            return sorted(int(n) for n in raw.split())
+        except ValueError:
+            return None
+
+    def retain(self, pids: Iterable[int]) -> None:
+        """Close the descriptors of processes not in ``pids``; forget the thread counts read
+        (the next poll reads them again)."""
+        keep = set(pids)
+        for pid in [p for p in self._fds if p not in keep]:
+            self._close(pid)
+        for pid in [p for p in self._children if p not in keep]:
+            self._close_children(pid)
+        self._threads.clear()
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self._close(pid)
+        for pid in list(self._children):
+            self._close_children(pid)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _close_children(self, pid: int) -> None:
+        fd = self._children.pop(pid, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _close(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        self._last.pop(pid, None)
+        self._threads.pop(pid, None)
+        self._close_children(pid)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,128 @@
+"""The last assessment and verdict, reused when a poll's inputs equal the previous poll's.
+
+This module owns one saving of the daemon's steady poll (docs/performance.md): on a quiet node
+most polls see the same processes, holdings and NVML reading as the one before, and assessing
+them again gives the same answer. It is exact, not a heuristic — each reuse is a case where
+recomputing is proven to give an equal result:
+
+- :func:`gpuwatchd.decide.assess.assess_processes` is pure, and the clock enters it only as
+  ``snapshot.monotonic`` stamped on state entries that are *new*. So when the snapshot equals
+  the last one in every field but its two times, the state it is given equals the one the last
+  call was given (GPU health aside), and that call returned that same state — nothing was new
+  then, so nothing is stamped now — the result is the last result. Any other case is computed.
+- GPU health (:func:`gpuwatchd.decide.assess.with_health`) counts time itself (how long a
+  condition has lasted): it is always assessed afresh.
+- :func:`gpuwatchd.decide.verdict.judge` reads no clock, and of the assessment only its
+  findings, roles and baselines: the verdict is reused when those, the snapshot (times aside)
+  and the policy equal the last ones.
+
+Equality is Python's ``==`` over the frozen inputs; the collector hands back the same objects
+for unchanged processes and GPUs, so most comparisons end at an identity check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from gpuwatchd.decide.assess import Assessment, assess_processes, with_health
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
+from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.model import Snapshot
+
+__all__ = ["Reuse", "same_but_time"]
+
+_TIMES = frozenset({"monotonic", "wall_time"})
+_SNAPSHOT_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name not in _TIMES)
+_STATE_FIELDS = tuple(f.name for f in fields(AssessState) if f.name != "health")
+
+
+def same_but_time(a: Snapshot, b: Snapshot) -> bool:
+    """Whether two snapshots are equal in every field but ``monotonic`` and ``wall_time``."""
+    return a is b or all(getattr(a, name) == getattr(b, name) for name in _SNAPSHOT_FIELDS)
+
+
+def _without_health(state: AssessState) -> tuple[object, ...]:
+    return tuple(getattr(state, name) for name in _STATE_FIELDS)
+
+
+@dataclass(frozen=True)
+class _Assessed:
+    snapshot: Snapshot
+    given: tuple[object, ...]  # the state it was given, health aside
+    detection: Detection
+    driver_refused: Mapping[str, Mapping[str, object]]
+    result: Assessment
+    stable: bool  # it returned the state it was given (health aside)
+
+
+def _judged_part(assessment: Assessment) -> tuple[object, ...]:
+    """What :func:`judge` reads of an assessment."""
+    return (assessment.findings, assessment.roles, assessment.state.baselines)
+
+
+@dataclass(frozen=True)
+class _Judged:
+    snapshot: Snapshot
+    assessment: tuple[object, ...]
+    policy: Policy
+    verdict: NodeVerdict
+
+
+class Reuse:
+    """:func:`assess` and :func:`judge` for one daemon, remembering the last poll's (module
+    docstring). ``hits`` counts the assessments reused (for the benchmark)."""
+
+    def __init__(self) -> None:
+        self._assessed: _Assessed | None = None
+        self._judged: _Judged | None = None
+        self.hits = 0
+
+    def assess(
+        self,
+        snapshot: Snapshot,
+        previous: AssessState,
+        detection: Detection,
+        *,
+        driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+        health_policy: HealthPolicy | None = None,
+    ) -> Assessment:
+        refused = driver_refused or {}
+        given = _without_health(previous)
+        last = self._assessed
+        if (
+            last is not None
+            and last.stable
+            and last.detection == detection
+            and last.driver_refused == refused
+            and last.given == given
+            and same_but_time(last.snapshot, snapshot)
+        ):
+            self.hits += 1
+            result = last.result
+        else:
+            result = assess_processes(snapshot, previous, detection, driver_refused=refused)
+            self._assessed = _Assessed(
+                snapshot,
+                given,
+                detection,
+                dict(refused),
+                result,
+                _without_health(result.state) == given,
+            )
+        return with_health(result, snapshot, previous, health_policy)
+
+    def judge(self, snapshot: Snapshot, assessment: Assessment, policy: Policy) -> NodeVerdict:
+        last = self._judged
+        part = _judged_part(assessment)
+        if (
+            last is not None
+            and last.policy == policy
+            and last.assessment == part
+            and same_but_time(last.snapshot, snapshot)
+        ):
+            return last.verdict
+        verdict = judge(snapshot, assessment, policy)
+        self._judged = _Judged(snapshot, part, policy, verdict)
+        return verdict

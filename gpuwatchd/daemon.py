@@ -136,6 +136,7 @@ class Daemon:
             clock=clock,
             wall_clock=wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
+            mig_minors_file=policy.mig_minors_file,
         )
         # Scan on cause (docs/scan.md): walk /proc when a device file is opened, else on the
         # backstop; the watch starts in _run_locked, so only the lock holder keeps one.
@@ -442,7 +443,7 @@ class Daemon:
             self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
         else:
             self.policy_rejected = None
-            fixed = ("state_dir", "devices_dir", "proc_root", "device_major")
+            fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)

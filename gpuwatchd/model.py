@@ -161,7 +161,7 @@ class ProcessInfo:
 # --- device holders ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class MigCapability:
     """One MIG access capability: GPU instance ``gi`` of the GPU with minor ``gpu_minor``, or
     compute instance ``ci`` inside it (None: the GPU instance's own access).
@@ -175,6 +175,10 @@ class MigCapability:
     gpu_minor: int
     gi: int
     ci: int | None = None
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        return (self.gpu_minor, self.gi, -1 if self.ci is None else self.ci)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
+from gpuwatchd.decide.mig import parent_of
 from gpuwatchd.decide.plan_state import (
     HealthWait,
     Ladder,
@@ -999,6 +1000,9 @@ def reset_gates(
         gate("report_only", f"report_only: {report_only[uuid]}")
     if blocked is not None:
         gate("blocked", f"blocked: {blocked}", "warning")
+    if gpu is None and (mig := parent_of(snapshot, finding.gpu)) is not None:
+        gate("mig", f"a MIG instance of GPU {mig[0].index}: no GPU reset of an instance")
+        return gates
     if gpu is None or gpu.lost:
         why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
         gate("gpu", why, "warning")

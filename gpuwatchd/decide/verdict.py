@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.mig import parent_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
 from gpuwatchd.model import MIB, Finding, FindingKind, GpuInfo, ProcessInfo, Snapshot
@@ -224,7 +225,9 @@ class _Judge:
             held = finding.evidence.get("gpus")
             if isinstance(held, list):
                 uuids += [u for u in held if isinstance(u, str) and u not in uuids]
-        return [u for u in uuids if u in self.reasons]
+        # A MIG instance's finding is about its GPU (decide/mig.py).
+        uuids = [mig[0].uuid if (mig := parent_of(self.snapshot, u)) else u for u in uuids]
+        return [u for u in dict.fromkeys(uuids) if u in self.reasons]
 
     def add_findings(self) -> None:
         for finding in self.assessment.findings:

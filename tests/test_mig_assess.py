@@ -1,0 +1,284 @@
+"""MIG in the pure core (decide/mig.py through assess, plan and the verdict).
+
+Each host has GPU 0 in MIG mode with GPU instances 1 and 2 (and a plain GPU 1 beside it). A
+process is attributed to an instance only by the capability files it holds; the parent node
+``/dev/nvidia0``, which every MIG process holds, attributes nothing. Orphans of one instance
+are found with the same evidence as on a whole GPU, and a live job in the other instance
+neither explains nor blocks them, nor suffers anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpuwatchd.decide.assess import Assessment, assess
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.mig import mig_layout
+from gpuwatchd.decide.plan import PlanState, SignalIntent, plan, reset_gates
+from gpuwatchd.decide.policy import Detection, Policy, ResetPolicy, default_rules
+from gpuwatchd.decide.verdict import judge
+from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
+from tests.support.migsnap import Inst, mig_uuid, with_mig
+from tests.support.snapshots import HostBuilder, gpu_uuid
+
+LEAK = 4 * 1024 * MIB
+GI1 = mig_uuid(0, 1)
+GI2 = mig_uuid(0, 2)
+
+
+def run(snapshot: Snapshot, previous: AssessState | None = None) -> Assessment:
+    state = previous if previous is not None else AssessState(boot_id=snapshot.boot_id)
+    return assess(snapshot, state, Detection())
+
+
+def findings_of(result: Assessment, pid: int) -> list[Finding]:
+    return [f for f in result.findings if f.pid == pid]
+
+
+def leak_beside_live_job(**mig: object) -> Snapshot:
+    """GI 1: its trainer 600 died (NVML still lists it), its worker 601 (session 600) holds
+    GI 1's capabilities. GI 2: a live trainer 700 with its worker 701. All hold /dev/nvidia0."""
+    base = (
+        HostBuilder()
+        .gpu(0)
+        .gpu(1)
+        .proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True)
+        .proc(700, ppid=1, pgid=700, sid=700, holds={0}, uvm=True)
+        .proc(701, ppid=700, holds={0}, uvm=True)
+        .build()
+    )
+    options: dict[str, object] = {
+        "instances": [
+            Inst(1, allocated=LEAK, processes=((600, LEAK),)),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb"),
+        ],
+        "caps": {601: [(1, 0)], 700: [(2, 0)], 701: [(2, 0)]},
+    }
+    options.update(mig)
+    return with_mig(base, **options)  # type: ignore[arg-type]
+
+
+def test_an_orphan_of_one_instance_is_orphaned_there_and_the_live_job_beside_it_is_not() -> None:
+    result = run(leak_beside_live_job())
+
+    (orphan,) = findings_of(result, 601)
+    assert (orphan.kind, orphan.actionable, orphan.gpu) == (FindingKind.ORPHANED, True, GI1)
+    assert orphan.evidence["mig"] == {
+        "gpu": gpu_uuid(0),
+        "gpu_index": 0,
+        "gi": 1,
+        "ci": [0],
+        "profile": "1g.10gb",
+        "mig_uuids": [GI1],
+    }
+    assert "MIG GPU instance 1 (1g.10gb) of GPU 0" in orphan.reason
+    assert findings_of(result, 700) == []
+    assert findings_of(result, 701) == []
+    roles = {(r.pid, r.gpu): r.role.value for r in result.roles}
+    assert roles[(700, GI2)] == "context_owner"
+    assert roles[(701, GI2)] == "worker"
+    assert (601, GI2) not in roles
+
+
+def test_the_same_holder_on_a_whole_gpu_with_a_live_job_is_still_judged_as_before() -> None:
+    """Contrast: without MIG, the dead owner's worker on a GPU is orphaned too (the live job
+    is on another GPU); what MIG changes is only which device files say which GPU."""
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .gpu(1, allocated=LEAK)
+        .nvml(0, 600, used=LEAK)
+        .proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True)
+        .proc(700, ppid=1, pgid=700, sid=700, holds={1}, uvm=True)
+        .nvml(1, 700, used=LEAK)
+        .build()
+    )
+    (orphan,) = findings_of(run(snapshot), 601)
+    assert (orphan.kind, orphan.gpu) == (FindingKind.ORPHANED, gpu_uuid(0))
+    assert "mig" not in orphan.evidence
+
+
+def test_a_process_holding_only_the_parent_node_is_never_attributed_to_an_instance() -> None:
+    """601 holds /dev/nvidia0 and nvidia-uvm but no capability: the same ties to dead owner
+    600 would make it an orphan if it held GI 1's capability; here it is reported only."""
+    result = run(leak_beside_live_job(caps={700: [(2, 0)], 701: [(2, 0)]}))
+
+    (finding,) = findings_of(result, 601)
+    assert finding.kind is FindingKind.HIDDEN_HOLDER
+    assert finding.actionable is False
+    assert finding.gpu == gpu_uuid(0)
+    assert finding.evidence["mig_parent_only"] is True
+    assert "never a target" in finding.reason
+    assert {r.gpu for r in result.roles if r.pid == 601} == {gpu_uuid(0)}
+
+
+def test_capabilities_through_procfs_files_attribute_as_device_files_do() -> None:
+    result = run(
+        leak_beside_live_job(caps={700: [(2, 0)], 701: [(2, 0)]}, cap_files={601: [(1, 0)]})
+    )
+    (orphan,) = findings_of(result, 601)
+    assert (orphan.kind, orphan.gpu, orphan.actionable) == (FindingKind.ORPHANED, GI1, True)
+
+
+def test_a_capability_held_through_a_mapping_shows_as_the_map_route() -> None:
+    result = run(leak_beside_live_job(via="map"))
+    vias = {(r.pid, r.gpu): r.via for r in result.roles}
+    assert vias[(601, GI1)] == ("map",)
+
+
+def test_a_capability_naming_an_instance_nvml_does_not_list_attributes_nothing() -> None:
+    """GI 5 is in the capability table but not in NVML's reading (a layout changed between
+    the two): its holder is parent-only, never an orphan of some other instance."""
+    result = run(leak_beside_live_job(caps={601: [(5, 0)], 700: [(2, 0)], 701: [(2, 0)]}))
+    (finding,) = findings_of(result, 601)
+    assert (finding.kind, finding.evidence.get("mig_parent_only")) == (
+        FindingKind.HIDDEN_HOLDER,
+        True,
+    )
+
+
+def test_without_the_capability_table_a_mig_gpu_stays_report_only_and_says_why() -> None:
+    result = run(leak_beside_live_job(table=False))
+
+    assert result.report_only[gpu_uuid(0)].startswith("MIG enabled")
+    assert "mig_minors_file /x" in result.report_only[gpu_uuid(0)]
+    assert all(not f.actionable for f in result.findings if f.pid is not None)
+    assert all(f.gpu != GI1 for f in result.findings)
+
+
+def test_an_instance_whose_process_list_is_unknown_leaves_its_holders_undecided() -> None:
+    snapshot = leak_beside_live_job(
+        instances=[
+            Inst(1, allocated=LEAK, processes=((600, LEAK),), readable=False),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),)),
+        ]
+    )
+    result = run(snapshot)
+    (finding,) = findings_of(result, 601)
+    assert finding.kind is FindingKind.HIDDEN_HOLDER
+    assert finding.evidence.get("undecided") is True
+    assert result.report_only[GI1] == "its process list could not be read"
+
+
+def test_ghost_memory_in_one_instance_is_found_while_the_other_instance_is_busy() -> None:
+    base = HostBuilder().gpu(0).proc(700, ppid=1, pgid=700, sid=700, holds={0}, uvm=True).build()
+    snapshot = with_mig(
+        base,
+        instances=[Inst(1, allocated=LEAK), Inst(2, allocated=LEAK, processes=((700, LEAK),))],
+        caps={700: [(2, 0)]},
+    )
+    result = run(snapshot)
+
+    ghosts = [f for f in result.findings if f.kind is FindingKind.GHOST_MEMORY]
+    assert [(g.gpu, g.actionable) for g in ghosts] == [(GI1, True)]
+    assert ghosts[0].evidence["mig"]["gi"] == 1  # type: ignore[index]
+    assert result.report_only[gpu_uuid(0)].startswith("MIG enabled: the GPU as a whole")
+
+
+def test_an_instance_learns_its_own_idle_baseline() -> None:
+    base = HostBuilder().gpu(0).build()
+    idle = with_mig(base, instances=[Inst(1, allocated=30 * MIB), Inst(2, allocated=5 * MIB)])
+    state = run(idle).state
+    assert state.baselines[GI1] == 30 * MIB
+    assert state.baselines[GI2] == 5 * MIB
+    assert gpu_uuid(0) not in state.baselines
+
+
+def test_a_parent_only_cuda_holder_keeps_an_instance_from_being_called_ghost() -> None:
+    """Which instance a CUDA process holding the parent node without capabilities uses is
+    unknown: it may hold GI 1's memory, so no live holder is not known there."""
+    base = HostBuilder().gpu(0).proc(800, ppid=1, holds={0}, uvm=True).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
+    result = run(snapshot)
+    (memory,) = [f for f in result.findings if f.gpu == GI1]
+    assert (memory.kind, memory.actionable) == (FindingKind.UNACCOUNTED_MEMORY, False)
+    assert memory.evidence["parent_only_holders"] == [800]
+
+
+def test_the_layout_names_each_instance_and_its_holders() -> None:
+    layout = mig_layout(leak_beside_live_job())
+    assert sorted(layout.instances) == sorted([GI1, GI2])
+    assert layout.attributed[601] == {GI1: ("fd",)}
+    assert layout.attributed[701] == {GI2: ("fd",)}
+    assert layout.parent_only == {}
+    assert layout.instances[GI2].profile == "3g.40gb"
+
+
+def test_several_compute_instances_share_their_gpu_instance() -> None:
+    """GI 2 with compute instances 0 and 1: a holder of CI 1 is attributed to GI 2."""
+    snapshot = leak_beside_live_job(
+        instances=[
+            Inst(1, allocated=LEAK, processes=((600, LEAK),)),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),), cis=(0, 1), profile="1c.3g.40gb"),
+        ],
+        caps={601: [(1, 0)], 700: [(2, 0)], 701: [(2, 1)]},
+    )
+    layout = mig_layout(snapshot)
+    assert layout.attributed[701] == {GI2: ("fd",)}
+    assert layout.instances[GI2].cis == (0, 1)
+    assert layout.instances[GI2].profile == "3g.40gb"
+    assert findings_of(run(snapshot), 701) == []
+
+
+# --- plan and verdict -------------------------------------------------------------------------
+
+
+def policy(*, allow_mig: bool = False) -> Policy:
+    return dataclasses.replace(
+        Policy(dry_run=False, rules=default_rules()),
+        reset=dataclasses.replace(ResetPolicy(enabled=True), allow_mig=allow_mig),
+    )
+
+
+def test_plan_signals_the_orphan_of_one_instance_and_never_the_live_job_beside_it() -> None:
+    snapshot = leak_beside_live_job()
+    result = run(snapshot)
+    signalled: set[int] = set()
+    state = PlanState()
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, policy(), now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        signalled |= {i.identity.pid for i in out.intents if isinstance(i, SignalIntent)}
+    assert signalled == {601}
+
+
+def test_protecting_the_parent_gpu_protects_its_instances() -> None:
+    snapshot = leak_beside_live_job()
+    result = run(snapshot)
+    protected = dataclasses.replace(
+        policy(), protect=dataclasses.replace(Policy().protect, gpus=(gpu_uuid(0),))
+    )
+    state = PlanState()
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, protected, now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        assert not [i for i in out.intents if isinstance(i, SignalIntent)]
+
+
+@pytest.mark.parametrize("allow_mig", [False, True])
+def test_ghost_memory_of_an_instance_never_asks_for_a_gpu_reset(allow_mig: bool) -> None:
+    base = HostBuilder().gpu(0).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
+    result = run(snapshot)
+    (ghost,) = [f for f in result.findings if f.kind is FindingKind.GHOST_MEMORY]
+    gates = reset_gates(
+        ghost, snapshot, policy(allow_mig=allow_mig), report_only=result.report_only,
+        findings=result.findings,
+    )  # fmt: skip
+    assert [(g.name, g.why) for g in gates] == [
+        ("mig", "a MIG instance of GPU 0: no GPU reset of an instance")
+    ]
+
+
+def test_an_orphan_in_a_mig_instance_makes_its_gpu_dirty_and_no_other() -> None:
+    snapshot = leak_beside_live_job()
+    result = run(snapshot)
+    verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
+    assert any(r.pid == 601 for r in verdicts[gpu_uuid(0)].reasons)
+    assert not any(r.pid == 601 for r in verdicts[gpu_uuid(1)].reasons)

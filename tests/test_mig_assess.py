@@ -282,3 +282,37 @@ def test_an_orphan_in_a_mig_instance_makes_its_gpu_dirty_and_no_other() -> None:
     verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
     assert any(r.pid == 601 for r in verdicts[gpu_uuid(0)].reasons)
     assert not any(r.pid == 601 for r in verdicts[gpu_uuid(1)].reasons)
+
+
+# --- a whole-GPU reset of a MIG GPU -----------------------------------------------------------
+
+
+def _health_finding(uuid: str) -> Finding:
+    return Finding(FindingKind.RESET_REQUIRED, uuid, None, None, "the driver asks for a reset")
+
+
+def _gate_names(snapshot: Snapshot, allow_mig: bool) -> list[tuple[str, str]]:
+    result = run(snapshot)
+    finding = _health_finding(gpu_uuid(0))
+    gates = reset_gates(
+        finding, snapshot, policy(allow_mig=allow_mig), report_only={}, findings=result.findings
+    )
+    return [(g.name, g.why) for g in gates]
+
+
+def test_a_whole_mig_gpu_is_reset_only_with_allow_mig_and_every_instance_idle() -> None:
+    idle = with_mig(HostBuilder().gpu(0).build(), instances=[Inst(1), Inst(2)])
+    assert _gate_names(idle, allow_mig=False) == [("mig", "MIG enabled")]
+    assert _gate_names(idle, allow_mig=True) == []
+
+    busy = leak_beside_live_job()
+    gates = dict(_gate_names(busy, allow_mig=True))
+    assert gates["mig_busy"] == (
+        "MIG: GPU instance 1 is in use (PID 601); GPU instance 2 is in use (PID 700, 701)"
+    )
+
+
+def test_a_mig_gpu_whose_instances_cannot_be_judged_is_never_idle() -> None:
+    unknown = with_mig(HostBuilder().gpu(0).build(), instances=[Inst(1)], table=False)
+    gates = dict(_gate_names(unknown, allow_mig=True))
+    assert gates["mig_busy"].startswith("MIG: its MIG instances cannot be told idle: ")

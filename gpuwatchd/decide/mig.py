@@ -402,3 +402,33 @@ def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice]
             if uuid in (device.uuid, f"MIG-{gpu.uuid}/{device.gi}/{ci}"):
                 return gpu, device
     return None
+
+
+def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
+    """Why MIG GPU ``gpu`` is not idle in every GPU instance, or None when it is.
+
+    A whole-GPU reset takes every instance down with it, so with ``reset.allow_mig`` it is
+    allowed only when no instance has a live listed process or a holder of its capabilities;
+    a GPU whose instances cannot be judged is never known to be idle.
+    """
+    if gpu.mig_enabled is not True:
+        return None
+    layout = mig_layout(snapshot)
+    if gpu.uuid in layout.unjudged:
+        return f"its MIG instances cannot be told idle: {layout.unjudged[gpu.uuid]}"
+    busy: list[str] = []
+    for instance in layout.instances_of(gpu.uuid):
+        users: set[int] = set()
+        for device in instance.devices:
+            for entry in device.processes or ():
+                proc = snapshot.processes.get(entry.pid)
+                if proc is not None and not proc.is_zombie:
+                    users.add(entry.pid)
+            if device.processes is None:
+                busy.append(f"GPU instance {instance.gi}: its process list is unknown")
+        users |= {pid for pid, named in layout.attributed.items() if instance.uuid in named}
+        users -= set(snapshot.self_pids)
+        if users:
+            shown = ", ".join(str(pid) for pid in sorted(users)[:5])
+            busy.append(f"GPU instance {instance.gi} is in use (PID {shown})")
+    return "; ".join(busy) or None

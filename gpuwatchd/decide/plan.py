@@ -35,7 +35,7 @@ from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
-from gpuwatchd.decide.mig import parent_of
+from gpuwatchd.decide.mig import busy_instances, parent_of
 from gpuwatchd.decide.plan_state import (
     HealthWait,
     Ladder,
@@ -1012,6 +1012,8 @@ def reset_gates(
         gate("protect", f"protect: gpus {entry}")
     if gpu.mig_enabled is not False and not reset.allow_mig:
         gate("mig", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
+    elif (busy := busy_instances(snapshot, gpu)) is not None:
+        gate("mig_busy", f"MIG: {busy}")  # a whole-GPU reset takes every instance down
     # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
     # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
     if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:

@@ -15,11 +15,12 @@ import pytest
 
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.mig import mig_layout
+from gpuwatchd.decide.mig import busy_instances, instance_view, mig_layout, parent_of
 from gpuwatchd.decide.plan import PlanState, SignalIntent, plan, reset_gates
 from gpuwatchd.decide.policy import Detection, Policy, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
+from tests.support.fakenvml import cap_minor
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -316,3 +317,202 @@ def test_a_mig_gpu_whose_instances_cannot_be_judged_is_never_idle() -> None:
     unknown = with_mig(HostBuilder().gpu(0).build(), instances=[Inst(1)], table=False)
     gates = dict(_gate_names(unknown, allow_mig=True))
     assert gates["mig_busy"].startswith("MIG: its MIG instances cannot be told idle: ")
+
+
+# --- the layout, edge by edge -----------------------------------------------------------------
+
+
+def two_mig_gpus(*, first: dict[str, object] | None = None) -> Snapshot:
+    """GPU 0 plain, GPUs 1 and 2 in MIG mode (minors 1 and 2), each with GI 1 and GI 2."""
+    base = (
+        HostBuilder()
+        .gpu(0)
+        .gpu(1)
+        .gpu(2)
+        .proc(900, ppid=1, holds={0, 1}, uvm=True)  # GPU 0 and GPU 1's parent node
+        .proc(901, ppid=1, holds={2}, uvm=True)
+        .build()
+    )
+    snapshot = with_mig(base, gpu=1, instances=[Inst(1), Inst(2)], **(first or {}))  # type: ignore[arg-type]
+    return with_mig(snapshot, gpu=2, instances=[Inst(1), Inst(2)], caps={901: [(2, 0)]})
+
+
+def test_each_mig_gpu_is_judged_with_its_own_minor_beside_a_plain_gpu() -> None:
+    snapshot = two_mig_gpus(first={"caps": {900: [(1, 0)]}})
+    layout = mig_layout(snapshot)
+    gpu1 = next(g for g in snapshot.nvml.gpus if g.index == 1)
+    gpu2 = next(g for g in snapshot.nvml.gpus if g.index == 2)
+    assert layout.judged == {gpu1.uuid, gpu2.uuid}
+    assert layout.parent_minors == {1, 2}
+    assert layout.attributed[900] == {mig_uuid(1, 1): ("fd",)}
+    assert layout.attributed[901] == {mig_uuid(2, 2): ("fd",)}
+    assert layout.parent_only == {}
+    view = instance_view(snapshot, layout)
+    assert [(g.index, g.uuid, g.minor) for g in view.nvml.gpus][:2] == [
+        (0, gpu_uuid(0), 0),
+        (1, gpu1.uuid, None),
+    ]
+    assert [g.uuid for g in view.nvml.gpus] == [
+        gpu_uuid(0), gpu1.uuid, mig_uuid(1, 1), mig_uuid(1, 2),
+        gpu2.uuid, mig_uuid(2, 1), mig_uuid(2, 2),
+    ]  # fmt: skip
+    parent = view.nvml.gpus[1]
+    assert parent.processes == ()
+    holding = view.holders.holdings[900]
+    instance = layout.instances[mig_uuid(1, 1)]
+    assert holding.gpu_minors_fd == {0, instance.minor}  # GPU 0 stays; GPU 1's node goes
+    assert holding.gpu_minors_map == frozenset()
+
+
+def test_a_snapshot_without_mig_is_judged_as_it_is() -> None:
+    snapshot = HostBuilder().gpu(0).proc(5, ppid=1, holds={0}, uvm=True).build()
+    layout = mig_layout(snapshot)
+    assert instance_view(snapshot, layout) is snapshot
+    assert (layout.judged, layout.unjudged, layout.parent_only) == (frozenset(), {}, {})
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"mig_devices": None}, "its MIG devices could not be read"),
+        ({"minor": None}, "its minor number is unknown"),
+    ],
+)
+def test_why_instances_cannot_be_judged(change: dict[str, object], why: str) -> None:
+    snapshot = leak_beside_live_job()
+    gpus = tuple(
+        dataclasses.replace(g, **change) if g.index == 0 else g  # type: ignore[arg-type]
+        for g in snapshot.nvml.gpus
+    )
+    broken = dataclasses.replace(snapshot, nvml=dataclasses.replace(snapshot.nvml, gpus=gpus))
+    layout = mig_layout(broken)
+    assert layout.unjudged == {gpu_uuid(0): why}
+    assert layout.judged == frozenset()
+    assert layout.parent_only == {}
+
+
+def test_one_mig_device_without_its_instance_id_leaves_the_gpu_unjudged() -> None:
+    snapshot = leak_beside_live_job()
+    (gpu0, gpu1) = snapshot.nvml.gpus
+    assert gpu0.mig_devices is not None
+    devices = (gpu0.mig_devices[0], dataclasses.replace(gpu0.mig_devices[1], gi=None))
+    broken = dataclasses.replace(
+        snapshot,
+        nvml=dataclasses.replace(
+            snapshot.nvml, gpus=(dataclasses.replace(gpu0, mig_devices=devices), gpu1)
+        ),
+    )
+    assert mig_layout(broken).unjudged == {
+        gpu_uuid(0): "a MIG device's GPU instance id could not be read"
+    }
+
+
+def test_a_lost_mig_gpu_is_neither_judged_nor_explained_as_mig() -> None:
+    snapshot = leak_beside_live_job()
+    (gpu0, gpu1) = snapshot.nvml.gpus
+    lost = dataclasses.replace(
+        snapshot,
+        nvml=dataclasses.replace(snapshot.nvml, gpus=(dataclasses.replace(gpu0, lost=True), gpu1)),
+    )
+    layout = mig_layout(lost)
+    assert (layout.judged, layout.unjudged) == (frozenset(), {})
+    assert run(lost).report_only[gpu_uuid(0)].startswith("GPU lost")
+
+
+def test_capabilities_that_name_no_listed_instance_attribute_nothing_but_valid_ones_do() -> None:
+    """Minor 9999 is not in the table; CI 5 of GI 1 does not exist; GI 1's procfs file does:
+    unknown capabilities first, then the valid one, which alone attributes."""
+    snapshot = leak_beside_live_job(caps={700: [(2, 0)], 701: [(2, 0)]}, cap_files={601: [(1, 0)]})
+    holding = snapshot.holders.holdings[601]
+    odd = dataclasses.replace(holding, cap_minors_fd=frozenset({9999, cap_minor(0, 1, 5)}))
+    holders = dataclasses.replace(
+        snapshot.holders, holdings={**snapshot.holders.holdings, 601: odd}
+    )
+    layout = mig_layout(dataclasses.replace(snapshot, holders=holders))
+    assert layout.attributed[601] == {GI1: ("fd",)}
+    only_odd = dataclasses.replace(odd, cap_files=frozenset())
+    holders = dataclasses.replace(
+        snapshot.holders, holdings={**snapshot.holders.holdings, 601: only_odd}
+    )
+    layout = mig_layout(dataclasses.replace(snapshot, holders=holders))
+    assert 601 not in layout.attributed
+    assert layout.parent_only[601] == (gpu_uuid(0),)
+
+
+def test_a_gpu_instance_capability_alone_attributes_to_its_instance() -> None:
+    snapshot = leak_beside_live_job(caps={601: [(1, None)], 700: [(2, 0)], 701: [(2, 0)]})
+    assert mig_layout(snapshot).attributed[601] == {GI1: ("fd",)}
+
+
+def test_parent_of_names_an_instance_by_its_uuid_or_nvml_legacy_form() -> None:
+    snapshot = leak_beside_live_job()
+    found = parent_of(snapshot, GI1)
+    assert found is not None
+    assert (found[0].uuid, found[1].gi) == (gpu_uuid(0), 1)
+    assert parent_of(snapshot, gpu_uuid(0)) is None
+    assert parent_of(snapshot, None) is None
+    (gpu0, gpu1) = snapshot.nvml.gpus
+    assert gpu0.mig_devices is not None
+    nameless = tuple(
+        dataclasses.replace(d, uuid=None, ci=ci)
+        for d, ci in zip(gpu0.mig_devices, (1, None), strict=True)
+    )
+    legacy = dataclasses.replace(
+        snapshot,
+        nvml=dataclasses.replace(
+            snapshot.nvml, gpus=(dataclasses.replace(gpu0, mig_devices=nameless), gpu1)
+        ),
+    )
+    assert parent_of(legacy, None) is None
+    one = parent_of(legacy, f"MIG-{gpu_uuid(0)}/1/1")
+    two = parent_of(legacy, f"MIG-{gpu_uuid(0)}/2/0")
+    assert one is not None
+    assert one[1].gi == 1
+    assert two is not None
+    assert two[1].gi == 2
+    assert parent_of(legacy, f"MIG-{gpu_uuid(0)}/1/0") is None
+
+
+def test_busy_instances_name_listed_users_holders_and_unknown_lists() -> None:
+    base = (
+        HostBuilder()
+        .gpu(0)
+        .proc(700, ppid=1, holds={0}, uvm=True)
+        .proc(710, ppid=1, state="Z")
+        .proc(720, ppid=1, holds={0}, uvm=True)
+        .build()
+    )
+    snapshot = with_mig(
+        base,
+        instances=[
+            Inst(1, processes=((700, MIB),)),  # listed, holds no capability
+            Inst(2, processes=((710, MIB), (711, MIB))),  # a zombie and a dead PID: idle
+            Inst(3, readable=False),
+            Inst(4),
+        ],
+        caps={720: [(4, 0)]},
+    )
+    snapshot = dataclasses.replace(snapshot, self_pids=frozenset({720}))
+    gpu = snapshot.nvml.gpus[0]
+    assert busy_instances(snapshot, gpu) == (
+        "GPU instance 1 is in use (PID 700); GPU instance 3: its process list is unknown"
+    )
+    plain = HostBuilder().gpu(0).build()
+    assert busy_instances(plain, plain.nvml.gpus[0]) is None
+
+
+def test_a_parent_only_holder_keeps_ghost_only_if_it_is_a_cuda_process_not_ours() -> None:
+    for holder, uvm, own in ((800, False, False), (800, True, True)):
+        base = HostBuilder().gpu(0).proc(holder, ppid=1, holds={0}, uvm=uvm).build()
+        snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
+        if own:
+            snapshot = dataclasses.replace(snapshot, self_pids=frozenset({holder}))
+        kinds = [f.kind for f in run(snapshot).findings if f.gpu == GI1]
+        assert kinds == [FindingKind.GHOST_MEMORY], (uvm, own)
+
+
+def test_the_not_ghost_reason_names_the_parent_only_holders() -> None:
+    base = HostBuilder().gpu(0).proc(800, ppid=1, holds={0}, uvm=True).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
+    (memory,) = [f for f in run(snapshot).findings if f.gpu == GI1]
+    assert "not ghost: PID(s) 800 hold the GPU's node and nvidia-uvm" in memory.reason

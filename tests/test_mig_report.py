@@ -154,3 +154,14 @@ def test_explain_says_an_instance_has_no_gpu_reset() -> None:
     result = explain_report(report, POLICY)
     text = json.dumps(result)
     assert "no GPU reset of an instance" in text
+
+
+def test_instances_of_a_gpu_that_cannot_be_judged_are_listed_from_nvml_alone() -> None:
+    snapshot = leak_beside_live_job(table=False)
+    report = report_of(snapshot, run(snapshot))
+    instances = report["gpus"][0]["mig_instances"]
+    assert [(i["gi"], i["judged"]) for i in instances] == [(1, False), (2, False)]
+    assert "holders" not in instances[0]
+    text = render_text(report)
+    assert "not judged (see the GPU's report-only reason)" in text
+    assert "mig_minors_file /x" in text

@@ -109,8 +109,9 @@ class MigLayout:
     instances are judged. ``unjudged``: parent UUID → why its instances cannot be judged.
     ``attributed``: PID → the instance UUIDs its capability files name, each with the routes
     ("fd", "map"). ``parent_only``: PID → the judged parents whose node it holds with no
-    capability of theirs. ``unknown_caps``: PID → capabilities it holds that name no instance
-    NVML listed (a layout changed between the readings): never attributed.
+    capability of theirs (a capability naming an instance NVML does not list, the layout
+    changed between the readings, attributes nothing). ``parent_minors``: the judged GPUs'
+    device minors.
     """
 
     instances: Mapping[str, MigInstance] = field(default_factory=dict)
@@ -118,7 +119,7 @@ class MigLayout:
     unjudged: Mapping[str, str] = field(default_factory=dict)
     attributed: Mapping[int, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
     parent_only: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
-    unknown_caps: Mapping[int, tuple[MigCapability, ...]] = field(default_factory=dict)
+    parent_minors: frozenset[int] = frozenset()
 
     def instance_of(self, uuid: str | None) -> MigInstance | None:
         return None if uuid is None else self.instances.get(uuid)
@@ -185,37 +186,32 @@ def mig_layout(snapshot: Snapshot) -> MigLayout:
         for instance in _instances(gpu):
             instances[instance.uuid] = instance
             by_place[(gpu.minor or 0, instance.gi)] = instance
-    if not judged:
-        return MigLayout(unjudged=unjudged)
     table = snapshot.mig_caps or {}
     attributed: dict[int, dict[str, tuple[str, ...]]] = {}
     parent_only: dict[int, tuple[str, ...]] = {}
-    unknown: dict[int, tuple[MigCapability, ...]] = {}
     for pid, holding in sorted(snapshot.holders.holdings.items()):
         mine: dict[str, tuple[str, ...]] = {}
-        strange: list[MigCapability] = []
         for cap, route in _capabilities(holding, table):
-            if cap is None:
-                continue  # a minor the table does not name: no instance of a judged GPU
-            named = by_place.get((cap.gpu_minor, cap.gi))
-            if named is None or (cap.ci is not None and cap.ci not in named.cis):
-                if cap.gpu_minor in parents:
-                    strange.append(cap)
+            # A minor the table does not name, or an instance NVML does not list: nothing.
+            named = None if cap is None else by_place.get((cap.gpu_minor, cap.gi))
+            if named is None or (
+                cap is not None and cap.ci is not None and cap.ci not in named.cis
+            ):
                 continue
             routes = mine.get(named.uuid, ())
             if route not in routes:
                 mine[named.uuid] = (*routes, route)
         if mine:
             attributed[pid] = mine
-        if strange:
-            unknown[pid] = tuple(strange)
         used = {instances[u].parent.minor for u in mine}
         lonely = [
             parents[m].uuid for m in sorted(holding.gpu_minors) if m in parents and m not in used
         ]
         if lonely:
             parent_only[pid] = tuple(lonely)
-    return MigLayout(instances, frozenset(judged), unjudged, attributed, parent_only, unknown)
+    return MigLayout(
+        instances, frozenset(judged), unjudged, attributed, parent_only, frozenset(parents)
+    )
 
 
 def _merge_processes(devices: Iterable[MigDevice]) -> tuple[NvmlProcess, ...] | None:
@@ -268,13 +264,7 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
             continue
         gpus.append(replace(gpu, minor=None, processes=()))
         gpus += [instance_gpu(i) for i in layout.instances_of(gpu.uuid)]
-    parent_minors = {
-        i.parent.minor for i in layout.instances.values() if i.parent.minor is not None
-    } | {
-        gpu.minor
-        for gpu in snapshot.nvml.gpus
-        if gpu.uuid in layout.judged and gpu.minor is not None
-    }
+    parent_minors = layout.parent_minors
     holdings: dict[int, DeviceHolding] = {}
     for pid, holding in snapshot.holders.holdings.items():
         via_fd = set(holding.gpu_minors_fd - parent_minors)
@@ -394,8 +384,8 @@ def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> d
 
 def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice] | None:
     """The MIG GPU and MIG device a finding's ``gpu`` names, when it names an instance."""
-    if uuid is None or not uuid.startswith("MIG-"):
-        return None
+    if uuid is None:
+        return None  # a device whose UUID is unknown is named by no finding
     for gpu in snapshot.nvml.gpus:
         for device in gpu.mig_devices or ():
             ci = device.ci if device.ci is not None else 0

@@ -281,7 +281,7 @@ def test_an_orphan_in_a_mig_instance_makes_its_gpu_dirty_and_no_other() -> None:
     snapshot = leak_beside_live_job()
     result = run(snapshot)
     verdicts = {v.uuid: v for v in judge(snapshot, result, Policy()).gpus}
-    assert any(r.pid == 601 for r in verdicts[gpu_uuid(0)].reasons)
+    assert [r.kind for r in verdicts[gpu_uuid(0)].reasons if r.pid == 601] == ["orphaned"]
     assert not any(r.pid == 601 for r in verdicts[gpu_uuid(1)].reasons)
 
 
@@ -516,3 +516,15 @@ def test_the_not_ghost_reason_names_the_parent_only_holders() -> None:
     snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
     (memory,) = [f for f in run(snapshot).findings if f.gpu == GI1]
     assert "not ghost: PID(s) 800 hold the GPU's node and nvidia-uvm" in memory.reason
+
+
+def test_an_unjudged_mig_gpu_does_not_keep_the_next_one_from_being_judged() -> None:
+    snapshot = two_mig_gpus()
+    gpus = tuple(
+        dataclasses.replace(g, mig_devices=None) if g.index == 1 else g for g in snapshot.nvml.gpus
+    )
+    mixed = dataclasses.replace(snapshot, nvml=dataclasses.replace(snapshot.nvml, gpus=gpus))
+    layout = mig_layout(mixed)
+    assert list(layout.unjudged) == [gpus[1].uuid]
+    assert layout.judged == {gpus[2].uuid}
+    assert layout.attributed[901] == {mig_uuid(2, 2): ("fd",)}

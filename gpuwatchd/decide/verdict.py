@@ -220,14 +220,20 @@ class _Judge:
         return None
 
     def gpus_of(self, finding: Finding) -> list[str]:
-        uuids = [] if finding.gpu is None else [finding.gpu]
+        uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
         if finding.kind in _HOLDING_KINDS:
             held = finding.evidence.get("gpus")
             if isinstance(held, list):
-                uuids += [u for u in held if isinstance(u, str) and u not in uuids]
-        # A MIG instance's finding is about its GPU (decide/mig.py).
-        uuids = [mig[0].uuid if (mig := parent_of(self.snapshot, u)) else u for u in uuids]
-        return [u for u in dict.fromkeys(uuids) if u in self.reasons]
+                uuids += [
+                    w for u in held if isinstance(u, str) and (w := self.whole(u)) not in uuids
+                ]
+        return [u for u in uuids if u in self.reasons]
+
+    def whole(self, uuid: str) -> str:
+        """A MIG instance's finding is about its GPU (decide/mig.py): the GPU's UUID for an
+        instance's, any other UUID as it is."""
+        mig = parent_of(self.snapshot, uuid)
+        return uuid if mig is None else mig[0].uuid
 
     def add_findings(self) -> None:
         for finding in self.assessment.findings:

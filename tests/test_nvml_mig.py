@@ -309,3 +309,35 @@ def test_an_unreadable_mig_device_list_is_unknown(client: tuple[FakeNvml, NvmlCl
     assert mig_gpu.mig_devices is None
     assert mig_gpu.error is not None
     assert "nvmlDeviceGetMaxMigDeviceCount" in mig_gpu.error
+
+
+def test_an_instance_without_the_v2_memory_query_reads_v1_and_leaves_allocated_unknown(
+    client: tuple[FakeNvml, NvmlClient],
+) -> None:
+    fake, nvml = client
+    fake.write(state([two_instances(v2_memory=False)]))
+
+    (mig_gpu,) = nvml.read().gpus
+
+    assert mig_gpu.mig_devices is not None
+    memory = mig_gpu.mig_devices[0].memory
+    assert memory is not None
+    assert (memory.api, memory.allocated, memory.used_v1) == ("v1", None, 600 * MiB)
+    assert mig_gpu.mig_devices[0].error is None
+
+
+def test_a_failing_instance_memory_query_is_unknown_and_named(
+    client: tuple[FakeNvml, NvmlClient],
+) -> None:
+    fake, nvml = client
+    broken = two_instances()
+    broken["mig_devices"][0]["errors"] = {"nvmlDeviceGetMemoryInfo_v2": 999}
+    fake.write(state([broken]))
+
+    (mig_gpu,) = nvml.read().gpus
+
+    assert mig_gpu.mig_devices is not None
+    first = mig_gpu.mig_devices[0]
+    assert first.memory is None
+    assert first.error is not None
+    assert "nvmlDeviceGetMemoryInfo_v2" in first.error

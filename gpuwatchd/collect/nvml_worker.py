@@ -619,7 +619,7 @@ def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | N
     ``gi`` and ``ci`` (GPU and compute instance ids), ``gi_profile_id`` and ``placement``
     (``[start, size]``, from the GPU instance's info: what re-creating it needs), ``memory``
     (the GPU instance's, which its compute instances share: ``nvmlDeviceGetMemoryInfo`` on a MIG
-    handle), ``processes`` (the MIG device's own lists, as for a GPU) and ``error``. NVML's
+    handle, v2, else v1 with allocated unknown), ``processes`` (the MIG device's own lists, as for a GPU) and ``error``. NVML's
     per-instance figures come only from MIG handles: on the parent they are aggregates.
     A missing index (NotFound) is a hole, not an error; GPU lost ends the GPU's reading.
     """
@@ -670,10 +670,26 @@ def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dic
             profile_id = int(info.profileId)
             placement = [int(info.placement.start), int(info.placement.size)]
     memory = None
-    v2 = own.call(
-        "nvmlDeviceGetMemoryInfo_v2",
-        lambda: pynvml.nvmlDeviceGetMemoryInfo(mig, version=pynvml.nvmlMemory_v2),
-    )
+    v2: Any = None
+    try:
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(mig, version=pynvml.nvmlMemory_v2)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        # v1, whose "used" includes the reservation: allocated unknown, as for a GPU (no
+        # ghost detection in the instance until an idle baseline is learned).
+        v1 = own.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(mig))
+        if v1 is not None:
+            memory = {
+                "api": "v1",
+                "total": int(v1.total),
+                "free": int(v1.free),
+                "reserved": None,
+                "allocated": None,
+                "used_v1": int(v1.used),
+            }
+    except pynvml.NVMLError as error:
+        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+            raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
+        own.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
     if v2 is not None:
         total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
         allocated = total - free - reserved

@@ -619,8 +619,9 @@ def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | N
     ``gi`` and ``ci`` (GPU and compute instance ids), ``gi_profile_id`` and ``placement``
     (``[start, size]``, from the GPU instance's info: what re-creating it needs), ``memory``
     (the GPU instance's, which its compute instances share: ``nvmlDeviceGetMemoryInfo`` on a MIG
-    handle, v2, else v1 with allocated unknown), ``processes`` (the MIG device's own lists, as for a GPU) and ``error``. NVML's
-    per-instance figures come only from MIG handles: on the parent they are aggregates.
+    handle, v2, else v1 with allocated unknown), ``processes`` (the MIG device's own lists, as
+    for a GPU) and ``error``. NVML's per-instance figures come only from MIG handles: on the
+    parent they are aggregates.
     A missing index (NotFound) is a hole, not an error; GPU lost ends the GPU's reading.
     """
     count = reader.call(

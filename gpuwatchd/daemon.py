@@ -419,7 +419,7 @@ class Daemon:
             self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
         else:
             self.policy_rejected = None
-            fixed = ("state_dir", "devices_dir", "proc_root", "device_major")
+            fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)

@@ -34,6 +34,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.event_catalogue import HOOK_SUCCEEDED, hook_outcome
+from gpuwatchd.metrics_mig import MigGauges
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.statedir import open_directory
 from gpuwatchd.vocabulary import (
@@ -494,6 +495,7 @@ class Metrics:
         self._events = _EventCounters(self.registry)
         self._gpus = _GpuGauges(self.registry)
         self._health = _HealthGauges(self.registry)
+        self._mig = MigGauges(self.registry)
         self._state = _StateGauges(self.registry)
         self._poll = _PollGauges(self.registry)
         self._write_errors = Counter(
@@ -524,6 +526,7 @@ class Metrics:
         Returns why the write failed (also logged), or None. Never raises for a write.
         """
         self._gpus.update(snapshot, assessment)
+        self._mig.update(snapshot, assessment)
         self._health.update(snapshot, assessment)
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected

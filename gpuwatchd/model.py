@@ -162,12 +162,34 @@ class ProcessInfo:
 
 
 @dataclass(frozen=True)
+class MigCapability:
+    """One MIG access capability: GPU instance ``gi`` of the GPU with minor ``gpu_minor``, or
+    compute instance ``ci`` inside it (None: the GPU instance's own access).
+
+    The driver names them ``gpu<minor>/gi<id>/access`` and ``gpu<minor>/gi<id>/ci<id>/access``
+    in ``/proc/driver/nvidia-caps/mig-minors`` (with each one's ``nvidia-cap`` device minor),
+    and as files under ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/`` when the capability
+    device nodes are off (docs/findings.md#mig).
+    """
+
+    gpu_minor: int
+    gi: int
+    ci: int | None = None
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        return (self.gpu_minor, self.gi, -1 if self.ci is None else self.ci)
+
+
+@dataclass(frozen=True)
 class DeviceHolding:
     """Which NVIDIA device files one process holds, and how.
 
     ``gpu_minors_fd`` / ``gpu_minors_map`` are the minors of ``/dev/nvidiaN`` held through an
     open fd / a memory mapping. ``ctl`` and ``uvm`` say whether ``/dev/nvidiactl`` and
-    ``/dev/nvidia-uvm`` are held (by either route).
+    ``/dev/nvidia-uvm`` are held (by either route). MIG: ``cap_minors_fd`` / ``cap_minors_map``
+    are the minors of the ``/dev/nvidia-caps/nvidia-cap<N>`` files it holds, ``cap_files`` the
+    capabilities it holds as procfs files (the form without capability device nodes).
     """
 
     pid: int
@@ -175,6 +197,9 @@ class DeviceHolding:
     gpu_minors_map: frozenset[int] = frozenset()
     ctl: bool = False
     uvm: bool = False
+    cap_minors_fd: frozenset[int] = frozenset()
+    cap_minors_map: frozenset[int] = frozenset()
+    cap_files: frozenset[MigCapability] = frozenset()
 
     @cached_property
     def gpu_minors(self) -> frozenset[int]:
@@ -315,6 +340,29 @@ class GpuHealth:
 
 
 @dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (a compute instance inside a GPU instance) as NVML reported it.
+
+    ``memory`` is its GPU instance's, which the compute instances of that GPU instance share;
+    ``processes`` its own process list (None: unreadable). ``profile`` is the name's profile
+    part (``1g.10gb``, ``1c.3g.40gb``); ``gi_profile_id`` and ``placement`` (start, size) are
+    what re-creating the GPU instance in the same place needs. Any value may be None (unknown).
+    """
+
+    index: int
+    uuid: str | None
+    gi: int | None
+    ci: int | None
+    name: str | None = None
+    profile: str | None = None
+    gi_profile_id: int | None = None
+    placement: tuple[int, int] | None = None
+    memory: GpuMemory | None = None
+    processes: tuple[NvmlProcess, ...] | None = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reported it in one poll.
 
@@ -339,6 +387,8 @@ class GpuInfo:
     lost: bool = False
     error: str | None = None
     health: GpuHealth | None = None  # None: not read (e.g. a reading from before health)
+    # With MIG on: its MIG devices (None: not read, or MIG off).
+    mig_devices: tuple[MigDevice, ...] | None = None
 
     @property
     def coherent_memory(self) -> bool:
@@ -440,6 +490,10 @@ class Snapshot:
     file_sharing: tuple[FileSharing, ...] = ()
     # ``gpuwatchd spare``: processes and jobs an administrator asked to leave alone for a while.
     spares: tuple[Spare, ...] = ()
+    # MIG (collect/mig.py): nvidia-cap device minor → the capability it grants, from the
+    # mig-minors file; None when not read (no GPU has MIG on) or unreadable (``mig_caps_error``).
+    mig_caps: Mapping[int, MigCapability] | None = None
+    mig_caps_error: str | None = None
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -47,8 +47,8 @@ class RealHost:
 
     def apply(self, policy: Policy) -> None:
         """Hand the policy's reloadable settings to the parts that keep a copy of them. The
-        fixed ones (``state_dir``, ``devices_dir``, ``proc_root``, ``device_major``) need a
-        restart: the daemon's reload keeps them."""
+        fixed ones (``state_dir``, ``devices_dir``, ``proc_root``, ``device_major``,
+        ``mig_minors_file``) need a restart: the daemon's reload keeps them."""
         self.nvml.timeout = policy.nvml_timeout
         self.collector.full_scan_interval = policy.full_scan_interval
         self.collector.backstop = policy.full_scan_backstop
@@ -85,6 +85,7 @@ def build_real_host(
         clock=clock,
         wall_clock=wall_clock,
         ended_by_scheduler={} if ended_by_scheduler is None else ended_by_scheduler,
+        mig_minors_file=policy.mig_minors_file,
     )
     signaller = Signaller(policy.proc_root)
     host = RealHost(

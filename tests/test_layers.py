@@ -106,8 +106,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",
                "gpuwatchd.logs", "gpuwatchd.holder_view", "gpuwatchd.view_guard")),
     ("services", ("gpuwatchd.state", "gpuwatchd.pause", "gpuwatchd.accepted",
-                  "gpuwatchd.metrics", "gpuwatchd.engine", "gpuwatchd.host", "gpuwatchd.spares",
-                  "gpuwatchd.systemd_notify", "gpuwatchd.wiring")),
+                  "gpuwatchd.metrics", "gpuwatchd.metrics_mig", "gpuwatchd.engine",
+                  "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",
+                  "gpuwatchd.wiring")),
     ("lifecycle", ("gpuwatchd.daemon",)),
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),
 )  # fmt: skip

@@ -424,3 +424,25 @@ def test_recovery_action_unknown() -> None:
     assert r.final["open_findings"] == [
         "drain_required:GPU-00000000-0000-4000-8000-000000000000:gpu"
     ]
+
+
+def test_mig_notebook_kernel_died() -> None:
+    r = run("mig-notebook-kernel-died")
+    assert signals_to(r, "loader-alice") == [(50.0, "SIGTERM")]
+    assert {name for _, name, _, _ in r.signals()} == {"loader-alice"}
+    orphans = [e for e in r.entries("finding.new") if e.fields.get("kind") == "orphaned"]
+    assert [e.fields.get("gpu") for e in orphans] == ["MIG-00000000-0001-4000-8000-000000000001"]
+    assert r.final["open_findings"] == []
+    assert r.resets() == []
+
+
+def test_mig_leak_beside_live_job() -> None:
+    r = run("mig-leak-beside-live-job")
+    assert signals_to(r, "loader-carol-0") == [(60.0, "SIGTERM")]
+    assert signals_to(r, "loader-carol-1") == [(60.0, "SIGTERM"), (90.0, "SIGKILL")]
+    assert {name for _, name, _, _ in r.signals()} == {"loader-carol-0", "loader-carol-1"}
+    assert r.resets() == []
+    parent_only = [e for e in r.entries("finding.new") if e.fields.get("pid") == 5190]
+    assert [(e.fields.get("kind"), e.fields.get("actionable")) for e in parent_only] == [
+        ("hidden_holder", False)
+    ]

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.cli.mig_report import instance_process_entries, mig_devices_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
@@ -225,9 +226,12 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         where = f"gpus[{i}]"
         if not isinstance(raw, dict):
             raise SnapshotError(f"{where}: expected an object")
-        gpu = _gpu(raw, where)
+        gpu = dataclasses.replace(_gpu(raw, where), mig_devices=mig_devices_from_report(raw))
         minor = gpu.minor
         gpus.append(gpu)
+        for listed in instance_process_entries(raw):  # MIG: who is in each instance
+            if (proc := _process(listed)) is not None:
+                processes.setdefault(proc.pid, proc)
         for key in ("processes", "holders"):
             for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
                 if not isinstance(entry, dict):

@@ -23,7 +23,15 @@ from typing import Protocol
 
 from gpuwatchd.checked import as_map as _as_map
 from gpuwatchd.checked import as_text as _as_str
+from gpuwatchd.cli.mig_report import (
+    instance_uuids,
+    mig_instance_lines,
+    mig_instances_json,
+    mig_judged,
+    parent_rows,
+)
 from gpuwatchd.decide.floor import driver_refusers
+from gpuwatchd.decide.mig import instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
@@ -118,7 +126,21 @@ def build_report(
         )
         for gpu in sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
     ]
+    # MIG (cli/mig_report.py): each GPU instance under its GPU, built as a GPU's entry is.
+    layout = mig_layout(snapshot)
+    view = instance_view(snapshot, layout)
+
+    def instance_entry(instance: GpuInfo) -> dict[str, object]:
+        notes_of = all_notes.get(instance.uuid, ())
+        return _gpu_entry(instance, view, roles_by_key=roles_by_key, report_only=report_only,
+                          baselines=baselines, notes=notes_of, facts=facts)  # fmt: skip
+
+    for gpu_info, entry in zip(
+        sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)), gpus, strict=True
+    ):
+        entry["mig_instances"] = mig_instances_json(gpu_info, layout, instance_entry)
     index_of = {gpu.uuid: gpu.index for gpu in snapshot.nvml.gpus}
+    index_of.update({uuid: i.parent.index for uuid, i in layout.instances.items()})
     if verdict is not None:
         judged = {g.uuid: g for g in verdict.gpus}
         for entry in gpus:
@@ -179,7 +201,7 @@ def _node_holders(
     listed rather than dropped.
     """
     known_minors = {gpu.minor for gpu in snapshot.nvml.gpus if gpu.minor is not None}
-    known_uuids = {gpu.uuid for gpu in snapshot.nvml.gpus}
+    known_uuids = {gpu.uuid for gpu in snapshot.nvml.gpus} | set(mig_layout(snapshot).instances)
     pids = {
         pid
         for pid, holding in snapshot.holders.holdings.items()
@@ -506,6 +528,7 @@ def render_text(
             gpu_uuids.add(uuid)
         lines.append("")
         lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
+    gpu_uuids |= instance_uuids(report)
     node_findings = [f for f in findings if _as_str(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [_as_map(h) for h in _as_list(report.get("node_holders"))]
@@ -585,21 +608,18 @@ def _gpu_lines(
     if flags:
         lines.append("  " + paint("; ".join(flags), _YELLOW))
 
-    rows, alarms = _holder_rows(gpu, now, command_width)
+    judged_mig = mig_judged(gpu)
+    rows, alarms = _holder_rows(parent_rows(gpu) if judged_mig else gpu, now, command_width)
     if rows:
         header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
         table = _table([header_row, *rows])
         lines.append("  " + paint(table[0], _DIM))
         for line, alarm in zip(table[1:], alarms, strict=True):
             lines.append("  " + (paint(line, _RED) if alarm else line))
-    elif gpu.get("lost") is True:
-        lines.append("  processes: ? (the GPU is lost)")
-    elif gpu.get("processes_known") is False:
-        lines.append("  processes: ? (NVML could not list them)")
-    elif as_int(gpu.get("minor")) is None:
-        lines.append("  no process listed by NVML; device-file holders ? (minor number unknown)")
-    else:
-        lines.append("  no process holds this GPU")
+    if judged_mig:
+        lines.append("  processes and holders: by MIG instance, below")
+    elif not rows:
+        lines.append(_no_rows_line(gpu))
 
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
     lines.extend(_finding_lines(own, now, paint))
@@ -611,7 +631,51 @@ def _gpu_lines(
             "isolation every CUDA process opens every GPU)"
         )
     lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
+    lines.extend(
+        mig_instance_lines(
+            gpu,
+            findings,
+            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
+            finding_lines=lambda own: _finding_lines(own, now, paint),
+            memory_line=_memory_line,
+        )
+    )
     return lines
+
+
+def _holder_table(
+    gpu: Mapping[str, object], now: float | None, paint: _Paint, command_width: int
+) -> list[str]:
+    rows, alarms = _holder_rows(gpu, now, command_width)
+    if not rows:
+        return []
+    header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
+    table = _table([header_row, *rows])
+    lines = ["  " + paint(table[0], _DIM)]
+    for line, alarm in zip(table[1:], alarms, strict=True):
+        lines.append("  " + (paint(line, _RED) if alarm else line))
+    return lines
+
+
+def _memory_line(gpu: Mapping[str, object]) -> str:
+    memory = _as_map(gpu.get("memory"))
+    return "  memory  " + "  ".join(
+        [
+            f"total {_bytes(memory.get('total'))}",
+            f"allocated {_bytes(memory.get('used'))}",
+            f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
+        ]
+    )
+
+
+def _no_rows_line(gpu: Mapping[str, object]) -> str:
+    if gpu.get("lost") is True:
+        return "  processes: ? (the GPU is lost)"
+    if gpu.get("processes_known") is False:
+        return "  processes: ? (NVML could not list them)"
+    if as_int(gpu.get("minor")) is None:
+        return "  no process listed by NVML; device-file holders ? (minor number unknown)"
+    return "  no process holds this GPU"
 
 
 def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:

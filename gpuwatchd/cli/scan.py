@@ -228,6 +228,7 @@ def _scan_host(
             full_scan_interval=holder_view.MAX_FRESH,
             detection=policy.detection,
             daemon_pids=daemon_pids,
+            mig_minors_file=policy.mig_minors_file,
         )
         if view is not None and _holder_replaced(procfs, view):
             view, view_note = None, "a holder in the daemon's view has exited"

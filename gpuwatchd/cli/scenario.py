@@ -15,6 +15,7 @@ each naming its own line and key; splitting them would scatter one file format.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -106,6 +107,8 @@ _GPU_KEYS = (
     "health",
 )
 _MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
+_MIG_KEYS = ("instances",)
+_INSTANCE_KEYS = ("gi", "profile", "total", "allocated", "leaked")
 _PROCESS_KEYS = (
     "name",
     "pid",
@@ -132,7 +135,8 @@ _PROCESS_KEYS = (
     "files",
 )
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
-_HOLDS_KEYS = ("gpus", "via", "ctl", "uvm")
+_HOLDS_KEYS = ("gpus", "via", "ctl", "uvm", "mig")
+_PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
 _SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default
 
 
@@ -182,6 +186,17 @@ class HealthSpec:
 
 
 @dataclass(frozen=True)
+class MigInstanceSpec:
+    """One GPU instance of a virtual MIG GPU (one compute instance, id 0): its own memory."""
+
+    gi: int
+    profile: str = "1g.10gb"
+    total: int = 10 * GIB
+    allocated: int = 4 * MIB
+    leaked: int = 0
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores);
     ``leaked`` is memory already held by no process at the start (freed only by a reset)."""
@@ -200,16 +215,20 @@ class GpuSpec:
     persistence: bool = True
     lost: bool = False
     health: HealthSpec = HealthSpec()
+    mig_instances: tuple[MigInstanceSpec, ...] = ()  # with ``mig``: its GPU instances
 
 
 @dataclass(frozen=True)
 class HoldSpec:
-    """Which device files a process holds: GPUs by index, through fd and/or map."""
+    """Which device files a process holds: GPUs by index, through fd and/or map; ``mig``: the
+    GPU instance whose capability files it holds on each MIG GPU it holds (None: none, a
+    parent-only process), where its contexts there live."""
 
     gpus: tuple[int, ...] = ()
     via: str = "both"
     ctl: bool = True
     uvm: bool = True
+    mig: int | None = None
 
 
 @dataclass(frozen=True)
@@ -456,6 +475,7 @@ class _Reader:
                 self.reserve(node.entries["start"])
         processes = tuple(self.process(n, indexes) for n in proc_nodes)
         events = tuple(self.event(n, indexes) for n in event_nodes)
+        self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
         policy_doc = None
         if "policy" in top.entries:
             policy_node = top.entries["policy"]
@@ -537,8 +557,11 @@ class _Reader:
             leaked = self.size(n) if (n := mm.entries.get("leaked")) is not None else leaked
             if allocated + leaked + reserved > total:
                 raise self.fail(mem, "allocated + leaked + reserved is more than total")
+        instances: tuple[MigInstanceSpec, ...] = ()
+        if isinstance(n := get("mig"), Map):
+            instances = self.mig_instances(n)
         flags = {
-            key: self.boolean(n)
+            key: True if key == "mig" and instances else self.boolean(n)
             for key in ("mig", "coherent", "persistence", "lost")
             if (n := get(key)) is not None
         }
@@ -557,7 +580,58 @@ class _Reader:
             persistence=flags.get("persistence", True),
             lost=flags.get("lost", False),
             health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
+            mig_instances=instances,
         )
+
+    def mig_instances(self, node: Map) -> tuple[MigInstanceSpec, ...]:
+        """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
+        m = self.mapping(node, _MIG_KEYS)
+        found: list[MigInstanceSpec] = []
+        for item in self.items(m.entries["instances"]) if "instances" in m.entries else []:
+            im = self.mapping(item, _INSTANCE_KEYS)
+            get = im.entries.get
+            if (n := get("gi")) is None:
+                raise self.fail(im, "missing required field 'gi' (the GPU instance id)", "gi")
+            gi = self.integer(n)
+            if gi > 14:
+                raise self.fail(n, "a GPU instance id is 0 to 14")
+            profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
+            if not _PROFILE.fullmatch(profile):
+                raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
+            spec = MigInstanceSpec(
+                gi=gi,
+                profile=profile,
+                total=self.size(n) if (n := get("total")) is not None else 10 * GIB,
+                allocated=self.size(n) if (n := get("allocated")) is not None else 4 * MIB,
+                leaked=self.size(n) if (n := get("leaked")) is not None else 0,
+            )
+            if spec.allocated + spec.leaked > spec.total:
+                raise self.fail(im, "allocated + leaked is more than total")
+            found.append(spec)
+        if not found:
+            raise self.fail(node, "a MIG GPU needs at least one instance ({gi: 1})")
+        if len({i.gi for i in found}) != len(found):
+            raise self.fail(node, "two GPU instances have the same gi")
+        return tuple(found)
+
+    def check_mig(self, processes: Sequence[ProcessSpec], gpus: Sequence[GpuSpec]) -> None:
+        """A context on a MIG GPU lives in a GPU instance: ``holds.mig`` must name one of it."""
+        for proc in processes:
+            for gpu in gpus:
+                if not gpu.mig_instances:
+                    continue
+                known = {i.gi for i in gpu.mig_instances}
+                mig = proc.holds.mig
+                if gpu.index in proc.nvml and mig is None:
+                    raise ScenarioError(
+                        f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)",
+                        path=self.path, line=proc.line, key=f"{proc.name}.holds",
+                    )  # fmt: skip
+                if mig is not None and gpu.index in proc.holds.gpus and mig not in known:
+                    raise ScenarioError(
+                        f"GPU {gpu.index} has no GPU instance {mig}",
+                        path=self.path, line=proc.line, key=f"{proc.name}.holds.mig",
+                    )  # fmt: skip
 
     def health_spec(self, node: Node) -> HealthSpec:
         return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
@@ -725,7 +799,8 @@ class _Reader:
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
         ctl = self.boolean(n) if (n := get("ctl")) is not None else True
         uvm = self.boolean(n) if (n := get("uvm")) is not None else True
-        return HoldSpec(gpus, via, ctl, uvm)
+        mig = self.integer(n) if (n := get("mig")) is not None else None
+        return HoldSpec(gpus, via, ctl, uvm, mig)
 
     def nvml(self, node: Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
         if node is None:

@@ -4,7 +4,9 @@
 This module owns the world a scenario describes: processes that start, exit (their children
 reparented to the nearest live subreaper or init), leave zombies, hang in D state; contexts
 whose memory outlives their owner while inheritors still hold the device (or for good, when
-the scenario says the driver leaks it); GPUs that get lost or reset. :meth:`World.snapshot`
+the scenario says the driver leaks it); GPUs that get lost or reset; MIG GPUs whose GPU
+instances have their own memory, contexts and capability files (mig-minors numbering as the
+driver gives it). :meth:`World.snapshot`
 renders it as the frozen :class:`gpuwatchd.model.Snapshot` the engine's reader returns. It
 decides nothing and never touches the real host; the simulation's edges
 (``cli/simulate.py``) mutate it when the engine acts.
@@ -25,6 +27,8 @@ from gpuwatchd.model import (
     GpuInfo,
     GpuMemory,
     HolderScan,
+    MigCapability,
+    MigDevice,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -38,6 +42,18 @@ SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the 
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
 FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
+
+
+def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The nvidia-cap minor the driver numbers a MIG capability with in mig-minors (``config``
+    1, ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances)."""
+    base = 3 + gpu_minor * 135 + gi * 9
+    return base if ci is None else base + 1 + ci
+
+
+def mig_uuid(gpu: int, gi: int) -> str:
+    """A virtual MIG device's UUID (compute instance 0 of GPU instance ``gi``)."""
+    return f"MIG-{gpu:08x}-{gi:04x}-4000-8000-{gi:012x}"
 
 
 class SimulationError(Exception):
@@ -91,6 +107,7 @@ class _Context:
     size: int | None
     status: str = "live"  # live, dead, leaked, freed
     heirs: set[int] = field(default_factory=set)
+    gi: int | None = None  # on a MIG GPU: the GPU instance it lives in
 
 
 @dataclass
@@ -102,6 +119,8 @@ class _Gpu:
     health: HealthSpec = field(default_factory=HealthSpec)
     xids: list[tuple[int, float]] = field(default_factory=list)  # queued until the next read
     fabric_ready_at: float | None = None  # after a reset: when the fabric is COMPLETED again
+    # MIG: GPU instance id -> allocated memory no context accounts for (idle + leaked)
+    instance_base: dict[int, int] = field(default_factory=dict)
 
 
 class World:
@@ -110,7 +129,14 @@ class World:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.gpus = {
-            g.index: _Gpu(g, g.allocated + g.leaked, g.lost, g.persistence, g.health)
+            g.index: _Gpu(
+                g,
+                g.allocated + g.leaked,
+                g.lost,
+                g.persistence,
+                g.health,
+                instance_base={i.gi: i.allocated + i.leaked for i in g.mig_instances},
+            )
             for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
@@ -151,7 +177,8 @@ class World:
         self.procs[spec.pid] = proc
         self.history.append(proc)
         for index, size in spec.nvml.items():
-            self.contexts.append(_Context(spec.pid, spec.name, index, size))
+            gi = spec.holds.mig if self.gpus[index].spec.mig_instances else None
+            self.contexts.append(_Context(spec.pid, spec.name, index, size, gi=gi))
         return proc
 
     def by_name(self, name: str) -> _Proc | None:
@@ -181,6 +208,8 @@ class World:
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
         for ctx in self._live_contexts(proc):
             heirs = heirs_by_gpu.get(ctx.gpu, set())
+            if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
+                heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
             if leak:
                 ctx.status = "leaked"
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
@@ -263,13 +292,21 @@ class World:
     def gpu_by_uuid(self, uuid: str) -> _Gpu | None:
         return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
 
-    def allocated(self, gpu: _Gpu) -> int:
+    def allocated(self, gpu: _Gpu, gi: int | None = None) -> int:
+        """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
+        is the aggregate of its instances' (as NVML gives a privileged caller)."""
         charged = sum(
             c.size or 0
             for c in self.contexts
-            if c.gpu == gpu.spec.index and c.status in ("live", "dead", "leaked")
+            if c.gpu == gpu.spec.index
+            and c.status in ("live", "dead", "leaked")
+            and (gi is None or c.gi == gi)
         )
-        return min(gpu.base + charged, gpu.spec.total - gpu.spec.reserved)
+        if gi is not None:
+            instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
+            return min(gpu.instance_base.get(gi, 0) + charged, instance.total)
+        base = gpu.base + sum(gpu.instance_base.values())
+        return min(base + charged, gpu.spec.total - gpu.spec.reserved)
 
     def restore(self, gpu: _Gpu, now: float) -> None:
         """A successful reset at ``now``: every context on the GPU is gone, memory back to
@@ -277,6 +314,7 @@ class World:
         asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
         ``fabric_after_reset``, then COMPLETED (never, when that is None)."""
         gpu.base = gpu.spec.allocated
+        gpu.instance_base = {i.gi: i.allocated for i in gpu.spec.mig_instances}
         action = gpu.health.recovery_action
         gpu.health = replace(
             gpu.health,
@@ -322,14 +360,73 @@ class World:
             if not proc.spec.visible or not (proc.minors or proc.ctl or proc.uvm):
                 continue
             via = proc.spec.holds.via
+            caps = self._capabilities(proc)
             holdings[pid] = DeviceHolding(
                 pid=pid,
                 gpu_minors_fd=proc.minors if via in ("fd", "both") else frozenset(),
                 gpu_minors_map=proc.minors if via in ("map", "both") else frozenset(),
                 ctl=proc.ctl,
                 uvm=proc.uvm,
+                cap_minors_fd=caps,  # the driver keeps the capability fd in the fd table
             )
         return HolderScan(mode="full", holdings=holdings)
+
+    def _capabilities(self, proc: _Proc) -> frozenset[int]:
+        """The nvidia-cap minors of the GPU instance (and its compute instance 0) that
+        ``proc`` holds on each MIG GPU it holds."""
+        gi = proc.spec.holds.mig
+        if gi is None:
+            return frozenset()
+        found: set[int] = set()
+        for gpu in self.gpus.values():
+            if gpu.spec.minor in proc.minors and gpu.spec.mig_instances:
+                found |= {cap_minor(gpu.spec.minor, gi), cap_minor(gpu.spec.minor, gi, 0)}
+        return frozenset(found)
+
+    def mig_caps(self) -> dict[int, MigCapability] | None:
+        """The mig-minors table of the MIG GPUs (None when there is none)."""
+        minors = [g.spec.minor for g in self.gpus.values() if g.spec.mig_instances]
+        if not minors:
+            return None
+        table: dict[int, MigCapability] = {}
+        for minor in minors:
+            for gi in range(15):
+                table[cap_minor(minor, gi)] = MigCapability(minor, gi)
+                for ci in range(8):
+                    table[cap_minor(minor, gi, ci)] = MigCapability(minor, gi, ci)
+        return table
+
+    def mig_devices(self, gpu: _Gpu) -> tuple[MigDevice, ...] | None:
+        """What NVML's MIG device handles say: one compute instance (0) per GPU instance."""
+        if not gpu.spec.mig_instances:
+            return None
+        devices = []
+        for position, instance in enumerate(gpu.spec.mig_instances):
+            listed = [
+                NvmlProcess(c.pid, c.size, "compute")
+                for c in self.contexts
+                if c.gpu == gpu.spec.index and c.gi == instance.gi and c.status in ("live", "dead")
+            ]
+            allocated = self.allocated(gpu, instance.gi)
+            devices.append(
+                MigDevice(
+                    index=position,
+                    uuid=mig_uuid(gpu.spec.index, instance.gi),
+                    gi=instance.gi,
+                    ci=0,
+                    name=f"{gpu.spec.name} MIG {instance.profile}",
+                    profile=instance.profile,
+                    placement=(instance.gi, 1),
+                    memory=GpuMemory(
+                        total=instance.total,
+                        free=instance.total - allocated,
+                        reserved=0,
+                        allocated=allocated,
+                    ),
+                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                )
+            )
+        return tuple(devices)
 
     def health(self, gpu: _Gpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""
@@ -399,6 +496,7 @@ class World:
                     lost=gpu.lost,
                     error="GPU is lost" if gpu.lost else None,
                     health=self.health(gpu, take_events=take_events),
+                    mig_devices=self.mig_devices(gpu),
                 )
             )
         return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
@@ -448,4 +546,5 @@ class World:
             handovers=dict.fromkeys(sorted(host.ended_jobs), SAID_AT),
             absent_pids=self.absent_pids(),
             file_sharing=self.file_sharing(),
+            mig_caps=self.mig_caps(),
         )

@@ -37,6 +37,7 @@ from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
+from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.collect.statfiles import StatFiles
@@ -111,6 +112,8 @@ class Collector:
     _stat_files: StatFiles | None = None  # identity re-checks through kept descriptors
     # run --once --ended-job (jobs.py): job key -> when the scheduler said it ended (boot ticks)
     ended_by_scheduler: Mapping[str, int | None] = field(default_factory=dict)
+    # MIG (collect/mig.py): read each poll in which a GPU has MIG on
+    mig_minors_file: str = DEFAULT_MIG_MINORS_FILE
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -183,6 +186,10 @@ class Collector:
             self._stepd_identity,
         )
 
+        mig_caps, mig_caps_error = None, None
+        if any(gpu.mig_enabled for gpu in reading.gpus):
+            mig_caps, mig_caps_error = read_mig_minors(self.mig_minors_file)
+
         return Snapshot(
             monotonic=now,
             wall_time=self.wall_clock(),
@@ -200,6 +207,8 @@ class Collector:
             job_stepds=jobs.stepds,
             absent_pids=lost_leaders,
             file_sharing=file_sharing,
+            mig_caps=mig_caps,
+            mig_caps_error=mig_caps_error,
         )
 
     def _stepd_identity(self, pid: int) -> tuple[int | None, bool | None] | None:

@@ -28,6 +28,16 @@ process, in one of two match modes:
   ``nvidia-uvm``. Tests can force device-number mode with real character devices by passing
   ``match_by_path=False`` and e.g. ``device_major=1`` (``/dev/null`` is 1:3, so "GPU 3").
 
+**MIG capabilities.** A process using a MIG instance also holds the capability files of its
+GPU instance and compute instance: ``/dev/nvidia-caps/nvidia-cap<N>`` (device-number mode: the
+``nvidia-caps`` major from ``/proc/devices``; path mode: ``<devices_dir>/nvidia-caps/``), or,
+with the driver's capability device nodes off, the procfs files
+``/proc/driver/nvidia/capabilities/gpu<M>/mig/gi<G>[/ci<C>]/access`` (path mode:
+``<devices_dir>/driver/nvidia/capabilities/``), recognised by path since only the driver
+creates files there. They are reported in ``DeviceHolding.cap_minors_fd``/``cap_minors_map``
+and ``cap_files``; which instance a minor is comes from the mig-minors file
+(``collect/mig.py``), and what that means is ``decide/mig.py``'s.
+
 **Threads with a table of their own.** Threads normally share their process's file descriptor
 table, which ``/proc/PID/fd`` shows. A thread that called ``unshare(CLONE_FILES)`` has one of
 its own, visible only in ``/proc/PID/task/TID/fd``: a holder no plain walk sees. So for each
@@ -74,17 +84,52 @@ from typing import Protocol
 
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
+from gpuwatchd.collect.mig import CAPABILITIES_DIR, match_cap_file
 from gpuwatchd.collect.procread import GONE_ERRNOS, StatFields, read_proc_file
-from gpuwatchd.model import DeviceHolding, HolderScan
+from gpuwatchd.model import DeviceHolding, HolderScan, MigCapability
 
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm")
+_DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
 
-_Match = tuple[str, int]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0)
+_Match = tuple[
+    str, int
+]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+
+# Capabilities travel in the scan rows' GPU tuples (collect/spread.py's Row is shared with the
+# fork workers), offset past any device minor (MINORBITS is 20): an nvidia-cap minor as
+# _CAP_BASE + minor, a procfs capability file as _CAP_FILE_BASE + its code.
+_CAP_BASE = 1 << 24
+_CAP_FILE_BASE = 1 << 28
+
+
+def _cap_file_code(cap: MigCapability) -> int:
+    return (cap.gpu_minor << 18) | (cap.gi << 9) | (0 if cap.ci is None else cap.ci + 1)
+
+
+def _cap_of_code(code: int) -> MigCapability:
+    ci = code & 0x1FF
+    return MigCapability(code >> 18, (code >> 9) & 0x1FF, None if ci == 0 else ci - 1)
+
+
+def _split_minors(
+    minors: Iterable[int],
+) -> tuple[frozenset[int], frozenset[int], frozenset[MigCapability]]:
+    """A row's minors → (GPU minors, nvidia-cap minors, procfs capabilities)."""
+    gpus: set[int] = set()
+    caps: set[int] = set()
+    files: set[MigCapability] = set()
+    for value in minors:
+        if value >= _CAP_FILE_BASE:
+            files.add(_cap_of_code(value - _CAP_FILE_BASE))
+        elif value >= _CAP_BASE:
+            caps.add(value - _CAP_BASE)
+        else:
+            gpus.add(value)
+    return frozenset(gpus), frozenset(caps), frozenset(files)
 
 
 class ProcessTable(Protocol):
@@ -118,6 +163,8 @@ def match_device_name(name: str) -> _Match | None:
         return None
     if match.group(1) is not None:
         return ("gpu", int(match.group(1)))
+    if match.group(2) is not None:
+        return ("cap", int(match.group(2)))
     return ("ctl", 0) if name == "nvidiactl" else ("uvm", 0)
 
 
@@ -158,6 +205,10 @@ class _Found:
     def add(self, kind: str, minor: int, via_map: bool) -> None:
         if kind == "gpu":
             (self.gpu_map if via_map else self.gpu_fd).add(minor)
+        elif kind == "cap":
+            (self.gpu_map if via_map else self.gpu_fd).add(_CAP_BASE + minor)
+        elif kind == "capfile":
+            self.gpu_fd.add(_CAP_FILE_BASE + minor)
         elif kind == "ctl":
             self.ctl = True
         elif kind == "uvm":
@@ -166,9 +217,15 @@ class _Found:
     def holding(self, pid: int) -> DeviceHolding | None:
         if not (self.gpu_fd or self.gpu_map or self.ctl or self.uvm):
             return None
-        return DeviceHolding(
-            pid, frozenset(self.gpu_fd), frozenset(self.gpu_map), self.ctl, self.uvm
-        )
+        return _holding(pid, self.gpu_fd, self.gpu_map, self.ctl, self.uvm)
+
+
+def _holding(
+    pid: int, gpu_fd: Iterable[int], gpu_map: Iterable[int], ctl: bool, uvm: bool
+) -> DeviceHolding:
+    gpus_fd, caps_fd, files_fd = _split_minors(gpu_fd)
+    gpus_map, caps_map, files_map = _split_minors(gpu_map)
+    return DeviceHolding(pid, gpus_fd, gpus_map, ctl, uvm, caps_fd, caps_map, files_fd | files_map)
 
 
 class HolderScanner:
@@ -185,6 +242,7 @@ class HolderScanner:
         uvm_minor: int = 0,
         match_by_path: bool | None = None,
         workers: int | None = None,
+        caps_major: int | None = None,
     ) -> None:
         self.procfs = procfs
         self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
@@ -197,6 +255,13 @@ class HolderScanner:
         self._uvm_major = uvm_major
         self._uvm_major_read = uvm_major is not None
         self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
+        self._caps_major = caps_major
+        self._caps_major_read = caps_major is not None
+        self.capabilities_dir = (
+            self._device_prefix + "driver/nvidia/capabilities"
+            if self.match_by_path
+            else CAPABILITIES_DIR
+        )
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
 
     def uvm_major(self) -> int | None:
@@ -208,6 +273,16 @@ class HolderScanner:
             self._uvm_major = majors.get("nvidia-uvm")
             self._uvm_major_read = True
         return self._uvm_major
+
+    def caps_major(self) -> int | None:
+        """nvidia-caps' dynamic major from ``/proc/devices``, read once; None when absent."""
+        if not self._caps_major_read:
+            majors = self.procfs.char_device_majors()
+            if majors is None:
+                return None
+            self._caps_major = majors.get("nvidia-caps")
+            self._caps_major_read = True
+        return self._caps_major
 
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
@@ -227,7 +302,7 @@ class HolderScanner:
             if denied:
                 unreadable.add(pid)
             if gpu_fd or gpu_map or ctl or uvm:
-                holdings[pid] = DeviceHolding(pid, frozenset(gpu_fd), frozenset(gpu_map), ctl, uvm)
+                holdings[pid] = _holding(pid, gpu_fd, gpu_map, ctl, uvm)
                 if named:
                     by_name.add(pid)
         return HolderScan(
@@ -274,7 +349,14 @@ class HolderScanner:
             return ("uvm", 0)
         if major == self.device_major and minor <= MAX_GPU_MINOR:
             return ("gpu", minor)
+        caps_major = self.caps_major()
+        if caps_major is not None and major == caps_major and major != self.device_major:
+            return ("cap", minor)
         return None
+
+    def _match_cap_file(self, target: str) -> _Match | None:
+        cap = match_cap_file(target, self.capabilities_dir)
+        return None if cap is None else ("capfile", _cap_file_code(cap))
 
     def _scan_fds(self, fd_dir: str, found: _Found) -> bool:
         """Add what the fds in ``fd_dir`` hold; False when the fd table was empty."""
@@ -297,6 +379,10 @@ class HolderScanner:
             if not self._may_hold(targets):
                 return bool(names)
             fd_of = dict(zip(targets, names, strict=True))
+            for target in fd_of:
+                cap = self._match_cap_file(target) if "/capabilities/" in target else None
+                if cap is not None:
+                    found.add(*cap, via_map=False)
             if self.match_by_path:
                 prefix = self._device_prefix
                 for target in fd_of:
@@ -331,7 +417,7 @@ class HolderScanner:
         text (no marker holds the separator, so joining creates hits but never hides one)."""
         joined = "\n".join(targets)
         if self.match_by_path:
-            return self._device_prefix in joined
+            return self._device_prefix in joined or self.capabilities_dir in joined
         return "/dev/" in joined or "nvidia" in joined
 
     @staticmethod

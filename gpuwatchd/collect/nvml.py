@@ -66,6 +66,7 @@ from typing import Any
 
 from gpuwatchd import lazylog
 from gpuwatchd.collect.health_reading import to_health
+from gpuwatchd.collect.mig import to_mig_devices
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
 from gpuwatchd.vocabulary import EventName
 
@@ -505,6 +506,19 @@ def _to_memory(raw: Mapping[str, Any] | None) -> GpuMemory | None:
     )
 
 
+def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
+    if processes is None:
+        return None
+    return tuple(
+        NvmlProcess(
+            pid=int(p["pid"]),
+            used_memory=_opt_int(p.get("used_memory")),
+            kind=str(p.get("kind") or "compute"),
+        )
+        for p in processes
+    )
+
+
 def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     processes = raw.get("processes")
     mig = raw.get("mig_mode")
@@ -537,4 +551,5 @@ def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
         health=to_health(raw.get("health")),
+        mig_devices=to_mig_devices(raw.get("mig_devices"), _to_memory, _to_processes),
     )

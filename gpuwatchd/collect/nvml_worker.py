@@ -37,7 +37,9 @@ What one GPU entry holds (``None`` always means unknown):
   (2^64-1, which pynvml turns into None) stays ``null``. If the compute list cannot be read the
   whole list is ``null`` (unknown); an unsupported graphics or MPS list contributes nothing;
 - ``mig_mode`` (current mode; NotSupported means the GPU has no MIG, so 0 — known disabled,
-  which matters because an unknown MIG mode refuses a reset), ``persistence_mode``,
+  which matters because an unknown MIG mode refuses a reset); with MIG on, ``mig_devices``
+  (:func:`read_mig_devices`: each MIG device's instance ids, UUID, profile, placement, memory
+  and processes; null when the list could not be read), ``persistence_mode``,
   ``numa_node`` (set only on coherent-memory systems; NotSupported is the normal answer
   elsewhere);
 - ``architecture`` (NVML_DEVICE_ARCH_*) and ``nvlink_active`` (active NVLink links, 0 without
@@ -407,6 +409,8 @@ class Worker:
             elif len(reader.errors) == errors_before:
                 # NotSupported: a GPU without MIG cannot have it enabled (known, not unknown).
                 entry["mig_mode"] = 0
+            if entry["mig_mode"] == 1:
+                entry["mig_devices"] = read_mig_devices(reader, handle)
             persistence = reader.call(
                 "nvmlDeviceGetPersistenceMode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle)
             )
@@ -608,6 +612,111 @@ def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | Non
             return None
     reader.errors.append(f"{base}: no _v3 or _v2 symbol in this driver")
     return None
+
+
+def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
+    """The MIG devices of a GPU with MIG on, by index; None when the list cannot be read.
+
+    Each: ``index``, ``uuid`` (``MIG-...``), ``name`` (the driver's "<GPU> MIG <profile>"),
+    ``gi`` and ``ci`` (GPU and compute instance ids), ``gi_profile_id`` and ``placement``
+    (``[start, size]``, from the GPU instance's info: what re-creating it needs), ``memory``
+    (the GPU instance's, which its compute instances share: ``nvmlDeviceGetMemoryInfo`` on a MIG
+    handle, v2, else v1 with allocated unknown), ``processes`` (the MIG device's own lists, as
+    for a GPU) and ``error``. NVML's per-instance figures come only from MIG handles: on the
+    parent they are aggregates.
+    A missing index (NotFound) is a hole, not an error; GPU lost ends the GPU's reading.
+    """
+    count = reader.call(
+        "nvmlDeviceGetMaxMigDeviceCount", lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    )
+    if count is None:
+        return None
+    found: list[dict[str, Any]] = []
+    for index in range(min(int(count), 16)):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+        except pynvml.NVMLError_NotFound:
+            continue
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError("nvmlDeviceGetMigDeviceHandleByIndex") from error
+            reader.errors.append(f"nvmlDeviceGetMigDeviceHandleByIndex: {describe_error(error)}")
+            return None
+        found.append(read_mig_device(reader, handle, mig, index))
+    return found
+
+
+def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dict[str, Any]:
+    own = GpuReader(reader.index)
+    name = own.call("nvmlDeviceGetName", lambda: pynvml.nvmlDeviceGetName(mig))
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    uuid = own.call("nvmlDeviceGetUUID", lambda: pynvml.nvmlDeviceGetUUID(mig))
+    if isinstance(uuid, bytes):
+        uuid = uuid.decode(errors="replace")
+    gi = own.call("nvmlDeviceGetGpuInstanceId", lambda: pynvml.nvmlDeviceGetGpuInstanceId(mig))
+    ci = own.call(
+        "nvmlDeviceGetComputeInstanceId", lambda: pynvml.nvmlDeviceGetComputeInstanceId(mig)
+    )
+    profile_id = placement = None
+    if gi is not None:
+        instance = own.call(
+            "nvmlDeviceGetGpuInstanceById",
+            lambda: pynvml.nvmlDeviceGetGpuInstanceById(parent, gi),
+        )
+        info = (
+            None
+            if instance is None
+            else own.call("nvmlGpuInstanceGetInfo", lambda: pynvml.nvmlGpuInstanceGetInfo(instance))
+        )
+        if info is not None:
+            profile_id = int(info.profileId)
+            placement = [int(info.placement.start), int(info.placement.size)]
+    memory = None
+    v2: Any = None
+    try:
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(mig, version=pynvml.nvmlMemory_v2)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        # v1, whose "used" includes the reservation: allocated unknown, as for a GPU (no
+        # ghost detection in the instance until an idle baseline is learned).
+        v1 = own.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(mig))
+        if v1 is not None:
+            memory = {
+                "api": "v1",
+                "total": int(v1.total),
+                "free": int(v1.free),
+                "reserved": None,
+                "allocated": None,
+                "used_v1": int(v1.used),
+            }
+    except pynvml.NVMLError as error:
+        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+            raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
+        own.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+    if v2 is not None:
+        total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
+        allocated = total - free - reserved
+        memory = {
+            "api": "v2",
+            "total": total,
+            "free": free,
+            "reserved": reserved,
+            "allocated": allocated if allocated >= 0 else None,
+            "used_v1": None,
+        }
+    processes = Worker.read_processes(own, mig)
+    return {
+        "index": index,
+        "uuid": uuid,
+        "name": name,
+        "gi": None if gi is None else int(gi),
+        "ci": None if ci is None else int(ci),
+        "gi_profile_id": profile_id,
+        "placement": placement,
+        "memory": memory,
+        "processes": processes,
+        "error": "; ".join(own.errors) or None,
+    }
 
 
 def serve(requests: IO[str], replies: IO[str]) -> int:

@@ -476,6 +476,7 @@ SECTIONS: dict[str, Section] = {
                 "dry_run": BOOL,
                 "state_dir": ABS_PATH,
                 "devices_dir": ABS_PATH,
+                "mig_minors_file": ABS_PATH,
                 "proc_root": ABS_PATH,
                 "device_major": count(0, 4095),
                 "namespace_check": BOOL,

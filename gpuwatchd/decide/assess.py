@@ -39,6 +39,13 @@ from gpuwatchd.decide.baselines import (
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.host_view import HostView, Listing, relation
+from gpuwatchd.decide.mig import (
+    MigLayout,
+    annotate_findings,
+    annotate_report_only,
+    instance_view,
+    mig_layout,
+)
 from gpuwatchd.decide.policy import Detection, HealthPolicy
 from gpuwatchd.model import (
     MIB,
@@ -920,12 +927,14 @@ def assess_processes(
     """:func:`assess` without GPU health: the findings about processes and memory, the roles,
     and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters
     only as ``snapshot.monotonic`` stamped on state entries that are new."""
-    assessor = _Assessor(snapshot, previous, detection)
+    # MIG (decide/mig.py): each GPU instance is judged as a GPU of its own.
+    layout = mig_layout(snapshot)
+    assessor = _Assessor(instance_view(snapshot, layout), previous, detection)
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
     assessor.assess_driver_refusals(driver_refused or {})
-    return assessor.result()
+    return _with_mig(assessor.result(), layout, snapshot)
 
 
 def with_health(
@@ -944,6 +953,24 @@ def with_health(
         result,
         findings=result.findings + health.findings,
         state=replace(result.state, health=health.state),
+    )
+
+
+def _with_mig(result: Assessment, layout: MigLayout, snapshot: Snapshot) -> Assessment:
+    """Findings about a MIG instance name it; a parent-only holder is said to be one."""
+    if not layout.judged and not layout.unjudged:
+        return result
+    roles = tuple(
+        replace(role, gpu=layout.parent_only[role.pid][0])
+        if role.gpu == NODE and role.pid in layout.parent_only
+        else role
+        for role in result.roles
+    )
+    return replace(
+        result,
+        findings=tuple(annotate_findings(result.findings, layout, snapshot)),
+        roles=roles,
+        report_only=annotate_report_only(result.report_only, layout),
     )
 
 

@@ -35,6 +35,7 @@ from typing import TypeAlias
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
+from gpuwatchd.decide.mig import busy_instances, parent_of
 from gpuwatchd.decide.plan_state import (
     HealthWait,
     Ladder,
@@ -1021,6 +1022,9 @@ def reset_gates(
         gate("report_only", f"report_only: {report_only[uuid]}")
     if blocked is not None:
         gate("blocked", f"blocked: {blocked}", Level.WARNING)
+    if gpu is None and (mig := parent_of(snapshot, finding.gpu)) is not None:
+        gate("mig", f"a MIG instance of GPU {mig[0].index}: no GPU reset of an instance")
+        return gates
     if gpu is None or gpu.lost:
         why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
         gate("gpu", why, Level.WARNING)
@@ -1030,6 +1034,8 @@ def reset_gates(
         gate("protect", f"protect: gpus {entry}")
     if gpu.mig_enabled is not False and not reset.allow_mig:
         gate("mig", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
+    elif (busy := busy_instances(snapshot, gpu)) is not None:
+        gate("mig_busy", f"MIG: {busy}")  # a whole-GPU reset takes every instance down
     # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
     # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
     if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:

@@ -225,6 +225,8 @@ class Policy:
     dry_run: bool = True
     state_dir: str = "/var/lib/gpuwatchd"
     devices_dir: str = "/dev"
+    # MIG: the driver's table of capability minors (collect/mig.py); tests point it at a file
+    mig_minors_file: str = "/proc/driver/nvidia-caps/mig-minors"
     proc_root: str = "/proc"
     device_major: int = 195
     namespace_check: bool = True  # False: trust the PID namespace we run in (tests only)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
 from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.mig import parent_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
 from gpuwatchd.model import (
@@ -228,12 +229,20 @@ class _Judge:
         return None
 
     def gpus_of(self, finding: Finding) -> list[str]:
-        uuids = [] if finding.gpu is None else [finding.gpu]
+        uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
         if finding.kind in _HOLDING_KINDS:
             held = finding.evidence.get("gpus")
             if isinstance(held, list):
-                uuids += [u for u in held if isinstance(u, str) and u not in uuids]
+                uuids += [
+                    w for u in held if isinstance(u, str) and (w := self.whole(u)) not in uuids
+                ]
         return [u for u in uuids if u in self.reasons]
+
+    def whole(self, uuid: str) -> str:
+        """A MIG instance's finding is about its GPU (decide/mig.py): the GPU's UUID for an
+        instance's, any other UUID as it is."""
+        mig = parent_of(self.snapshot, uuid)
+        return uuid if mig is None else mig[0].uuid
 
     def add_findings(self) -> None:
         for finding in self.assessment.findings:

@@ -467,6 +467,21 @@ static int gpu_fds_ready = 0;
 static fake_device devices[MAX_GPUS];
 
 /*
+ * MIG: a MIG device handle points into mig_handles (slot = parent position * MAX_MIG + MIG
+ * device index), a GPU instance handle into gi_handles. Functions that know nothing of MIG take
+ * a MIG handle for an invalid device (slot_of answers BAD_DEVICE), as NVML refuses most
+ * whole-GPU queries on MIG handles.
+ */
+#define MAX_MIG 8
+static fake_device mig_handles[MAX_GPUS * MAX_MIG];
+typedef struct {
+    int slot;
+    unsigned int id;
+} fake_gpu_instance;
+static fake_gpu_instance gi_handles[MAX_GPUS * MAX_MIG];
+typedef fake_gpu_instance *nvmlGpuInstance_t;
+
+/*
  * FAKENVML_STATE and FAKENVML_DEVICES_DIR, from the environment; unset there, from defaults a
  * build may compile in (-DFAKENVML_DEFAULT_STATE="..." -DFAKENVML_DEFAULT_DEVICES_DIR="...").
  * tests/test_systemd_slurm.py builds such a copy: slurmd runs the prolog and epilog with an
@@ -504,6 +519,9 @@ static void reset_fds(void) {
         for (int i = 0; i < MAX_GPUS; i++) {
             gpu_fds[i] = -1;
             devices[i].slot = i;
+        }
+        for (int i = 0; i < MAX_GPUS * MAX_MIG; i++) {
+            mig_handles[i].slot = i;
         }
         gpu_fds_ready = 1;
     }
@@ -927,14 +945,87 @@ EXPORT int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
     return finish(&state, NVML_ERROR_NOT_FOUND);
 }
 
+/* ---- MIG: instances, their handles and what they answer ------------------------------------ */
+
+/* The GPU's current MIG mode: missing 0, null or not a number -1 (no MIG support). */
+static int mig_mode_of(const jvalue *gpu) {
+    long long mode = 0;
+    const jvalue *v = json_get(gpu, "mig_mode");
+    if (v == NULL) return 0;
+    if (json_i64(v, &mode) != 0) return -1;
+    return (int)mode;
+}
+
+static const jvalue *mig_list(const jvalue *gpu) {
+    const jvalue *list = json_get(gpu, "mig_devices");
+    return (list != NULL && list->type == J_ARRAY) ? list : NULL;
+}
+
+/* The MIG device at `index` of `gpu`; NULL when MIG is off, past the list, or a hole (null). */
+static const jvalue *mig_entry(const jvalue *gpu, size_t index) {
+    if (mig_mode_of(gpu) != 1) return NULL;
+    const jvalue *list = mig_list(gpu);
+    if (list == NULL || index >= list->count || index >= MAX_MIG) return NULL;
+    const jvalue *entry = &list->items[index];
+    return entry->type == J_OBJECT ? entry : NULL;
+}
+
+static unsigned int mig_id(const jvalue *entry, const char *key, unsigned int fallback) {
+    unsigned long long value;
+    if (json_u64(json_get(entry, key), &value) == 0) return (unsigned int)value;
+    return fallback;
+}
+
+static int is_mig_handle(nvmlDevice_t device) {
+    return device != NULL && device >= &mig_handles[0] && device < &mig_handles[MAX_GPUS * MAX_MIG];
+}
+
+/*
+ * begin() for any device handle. A MIG handle answers with its parent's "lost" and forced
+ * errors, then its own "errors"; a handle whose MIG device is gone since (destroyed, MIG off)
+ * is INVALID_ARGUMENT. `*mig` is the MIG device's entry, or NULL for a whole-GPU handle.
+ */
+static int begin_device(const char *fn, nvmlDevice_t device, jvalue *state, const jvalue **gpu,
+                        const jvalue **mig) {
+    *mig = NULL;
+    if (!is_mig_handle(device)) return begin(fn, slot_of(device), state, gpu);
+    int rc = begin(fn, device->slot / MAX_MIG, state, gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    const jvalue *entry = mig_entry(*gpu, (size_t)(device->slot % MAX_MIG));
+    if (entry == NULL) return finish(state, NVML_ERROR_INVALID_ARGUMENT);
+    int code = forced_error(json_get(entry, "errors"), fn);
+    if (code > 0) return finish(state, code);
+    *mig = entry;
+    return NVML_SUCCESS;
+}
+
+/* Whether `entry` is the first MIG device of its GPU instance (its memory counts once). */
+static int first_of_gi(const jvalue *gpu, const jvalue *entry) {
+    const jvalue *list = mig_list(gpu);
+    unsigned int gi = mig_id(entry, "gi", 0);
+    for (size_t i = 0; list != NULL && i < list->count && i < MAX_MIG; i++) {
+        const jvalue *other = &list->items[i];
+        if (other->type != J_OBJECT) continue;
+        if (other == entry) return 1;
+        if (mig_id(other, "gi", 0) == gi) return 0;
+    }
+    return 1;
+}
+
 /* ---- per-device queries ------------------------------------------------------------------- */
 
 EXPORT int nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     jvalue state;
     const jvalue *gpu;
-    int rc = begin("nvmlDeviceGetUUID", slot_of(device), &state, &gpu);
+    const jvalue *mig;
+    int rc = begin_device("nvmlDeviceGetUUID", device, &state, &gpu, &mig);
     if (rc != NVML_SUCCESS) return rc;
     char fallback[64];
+    if (mig != NULL) {
+        snprintf(fallback, sizeof fallback, "MIG-%08x-0000-4000-8000-%012x",
+                 (unsigned int)(device->slot / MAX_MIG), (unsigned int)(device->slot % MAX_MIG));
+        return finish(&state, copy_string(uuid, length, gpu_string(mig, "uuid", fallback)));
+    }
     snprintf(fallback, sizeof fallback, "GPU-00000000-0000-0000-0000-%012d", device->slot);
     return finish(&state, copy_string(uuid, length, gpu_string(gpu, "uuid", fallback)));
 }
@@ -942,10 +1033,17 @@ EXPORT int nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int lengt
 EXPORT int nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
     jvalue state;
     const jvalue *gpu;
-    int rc = begin("nvmlDeviceGetName", slot_of(device), &state, &gpu);
+    const jvalue *mig;
+    int rc = begin_device("nvmlDeviceGetName", device, &state, &gpu, &mig);
     if (rc != NVML_SUCCESS) return rc;
-    return finish(&state,
-                  copy_string(name, length, gpu_string(gpu, "name", "NVIDIA H100 80GB HBM3")));
+    const char *whole = gpu_string(gpu, "name", "NVIDIA H100 80GB HBM3");
+    if (mig != NULL) {
+        /* As the real driver names a MIG device: "<GPU name> MIG <profile>". */
+        char text[160];
+        snprintf(text, sizeof text, "%s MIG %s", whole, gpu_string(mig, "profile", "1g.10gb"));
+        return finish(&state, copy_string(name, length, text));
+    }
+    return finish(&state, copy_string(name, length, whole));
 }
 
 EXPORT int nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) {
@@ -982,16 +1080,31 @@ EXPORT int nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
     return finish(&state, NVML_SUCCESS);
 }
 
-/* Memory as the state gives it: allocated ("used") and reserved default to 0, free to the rest. */
-static void gpu_memory(const jvalue *gpu, unsigned long long *total, unsigned long long *free_,
-                       unsigned long long *reserved, unsigned long long *allocated) {
-    const jvalue *memory = json_get(gpu, "memory");
-    *total = 80ULL << 30;
+/*
+ * Memory as the state gives it: allocated ("used") and reserved default to 0, free to the rest.
+ * `holder` is a GPU or a MIG device entry. A MIG device answers its GPU instance's memory (its
+ * own "memory"; compute instances of one GPU instance share it). A whole GPU with MIG on answers
+ * the aggregate, as NVML does for a privileged caller: its own "used" (what belongs to no
+ * instance) plus each GPU instance's, counted once.
+ */
+static void gpu_memory(const jvalue *gpu, const jvalue *holder, unsigned long long *total,
+                       unsigned long long *free_, unsigned long long *reserved,
+                       unsigned long long *allocated) {
+    const jvalue *memory = json_get(holder, "memory");
+    *total = holder == gpu ? 80ULL << 30 : 10ULL << 30;
     *reserved = 0;
     *allocated = 0;
     (void)json_u64(json_get(memory, "total"), total);
     (void)json_u64(json_get(memory, "reserved"), reserved);
     (void)json_u64(json_get(memory, "used"), allocated);
+    const jvalue *list = holder == gpu && mig_mode_of(gpu) == 1 ? mig_list(gpu) : NULL;
+    for (size_t i = 0; list != NULL && i < list->count && i < MAX_MIG; i++) {
+        const jvalue *entry = &list->items[i];
+        unsigned long long used = 0;
+        if (entry->type != J_OBJECT || !first_of_gi(gpu, entry)) continue;
+        (void)json_u64(json_get(json_get(entry, "memory"), "used"), &used);
+        *allocated += used;
+    }
     unsigned long long taken = *reserved + *allocated;
     *free_ = taken < *total ? *total - taken : 0;
     (void)json_u64(json_get(memory, "free"), free_);
@@ -999,12 +1112,12 @@ static void gpu_memory(const jvalue *gpu, unsigned long long *total, unsigned lo
 
 EXPORT int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     jvalue state;
-    const jvalue *gpu;
-    int rc = begin("nvmlDeviceGetMemoryInfo", slot_of(device), &state, &gpu);
+    const jvalue *gpu, *mig;
+    int rc = begin_device("nvmlDeviceGetMemoryInfo", device, &state, &gpu, &mig);
     if (rc != NVML_SUCCESS) return rc;
     if (memory == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
     unsigned long long total, free_, reserved, allocated;
-    gpu_memory(gpu, &total, &free_, &reserved, &allocated);
+    gpu_memory(gpu, mig != NULL ? mig : gpu, &total, &free_, &reserved, &allocated);
     memory->total = total;
     memory->free = free_;
     /* v1 "used" is everything not free: the driver's reservation included. */
@@ -1014,8 +1127,8 @@ EXPORT int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
 
 EXPORT int nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
     jvalue state;
-    const jvalue *gpu;
-    int rc = begin("nvmlDeviceGetMemoryInfo_v2", slot_of(device), &state, &gpu);
+    const jvalue *gpu, *mig;
+    int rc = begin_device("nvmlDeviceGetMemoryInfo_v2", device, &state, &gpu, &mig);
     if (rc != NVML_SUCCESS) return rc;
     if (memory == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
     if (!json_truthy(json_get(gpu, "v2_memory"), 1)) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
@@ -1023,7 +1136,7 @@ EXPORT int nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memo
         return finish(&state, NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     }
     unsigned long long total, free_, reserved, allocated;
-    gpu_memory(gpu, &total, &free_, &reserved, &allocated);
+    gpu_memory(gpu, mig != NULL ? mig : gpu, &total, &free_, &reserved, &allocated);
     memory->total = total;
     memory->reserved = reserved;
     memory->free = free_;
@@ -1031,16 +1144,60 @@ EXPORT int nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memo
     return finish(&state, NVML_SUCCESS);
 }
 
+/* Appends the `kind` list of `holder` with instance ids gi/ci; returns the new count. */
+static size_t add_processes(const jvalue *holder, const char *kind, unsigned int gi,
+                            unsigned int ci, nvmlProcessInfo_t *infos, size_t at, size_t room) {
+    const jvalue *list = json_get(json_get(holder, "processes"), kind);
+    size_t n = (list != NULL && list->type == J_ARRAY) ? list->count : 0;
+    for (size_t i = 0; i < n; i++, at++) {
+        if (infos == NULL || at >= room) continue;
+        const jvalue *entry = &list->items[i];
+        unsigned long long pid = 0, used = VALUE_NOT_AVAILABLE;
+        (void)json_u64(json_get(entry, "pid"), &pid);
+        const jvalue *memory = json_get(entry, "used_memory");
+        if (!json_is_null(memory)) {
+            (void)json_u64(memory, &used);
+        }
+        infos[at].pid = (unsigned int)pid;
+        infos[at].usedGpuMemory = used;
+        infos[at].gpuInstanceId = gi;
+        infos[at].computeInstanceId = ci;
+    }
+    return at;
+}
+
+/*
+ * Every entry of the list: a MIG device's own processes carry its GPU and compute instance
+ * ids; a whole GPU with MIG on lists every instance's processes (the aggregate a privileged
+ * caller gets), each with its instance's ids; without MIG both ids are 0xFFFFFFFF.
+ */
+static size_t fill_processes(const jvalue *gpu, const jvalue *mig, const char *kind,
+                             nvmlProcessInfo_t *infos, size_t room) {
+    if (mig != NULL) {
+        return add_processes(mig, kind, mig_id(mig, "gi", 0), mig_id(mig, "ci", 0), infos, 0,
+                             room);
+    }
+    const jvalue *list = mig_mode_of(gpu) == 1 ? mig_list(gpu) : NULL;
+    if (list == NULL) return add_processes(gpu, kind, 0xFFFFFFFFu, 0xFFFFFFFFu, infos, 0, room);
+    size_t at = 0;
+    for (size_t i = 0; i < list->count && i < MAX_MIG; i++) {
+        const jvalue *entry = &list->items[i];
+        if (entry->type != J_OBJECT) continue;
+        at = add_processes(entry, kind, mig_id(entry, "gi", 0), mig_id(entry, "ci", 0), infos,
+                           at, room);
+    }
+    return at;
+}
+
 /* The size-probe-then-fill protocol shared by all process-list functions. */
 static int list_processes(const char *fn, const char *kind, nvmlDevice_t device,
                           unsigned int *count, nvmlProcessInfo_t *infos) {
     jvalue state;
-    const jvalue *gpu;
-    int rc = begin(fn, slot_of(device), &state, &gpu);
+    const jvalue *gpu, *mig;
+    int rc = begin_device(fn, device, &state, &gpu, &mig);
     if (rc != NVML_SUCCESS) return rc;
     if (count == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
-    const jvalue *list = json_get(json_get(gpu, "processes"), kind);
-    size_t n = (list != NULL && list->type == J_ARRAY) ? list->count : 0;
+    size_t n = fill_processes(gpu, mig, kind, NULL, 0);
     if (n == 0) {
         *count = 0;
         return finish(&state, NVML_SUCCESS);
@@ -1049,20 +1206,7 @@ static int list_processes(const char *fn, const char *kind, nvmlDevice_t device,
         *count = (unsigned int)n;
         return finish(&state, NVML_ERROR_INSUFFICIENT_SIZE);
     }
-    for (size_t i = 0; i < n; i++) {
-        const jvalue *entry = &list->items[i];
-        unsigned long long pid = 0, used = VALUE_NOT_AVAILABLE;
-        (void)json_u64(json_get(entry, "pid"), &pid);
-        const jvalue *memory = json_get(entry, "used_memory");
-        if (!json_is_null(memory)) {
-            (void)json_u64(memory, &used);
-        }
-        infos[i].pid = (unsigned int)pid;
-        infos[i].usedGpuMemory = used;
-        infos[i].gpuInstanceId = 0xFFFFFFFFu;
-        infos[i].computeInstanceId = 0xFFFFFFFFu;
-    }
-    *count = (unsigned int)n;
+    *count = (unsigned int)fill_processes(gpu, mig, kind, infos, n);
     return finish(&state, NVML_SUCCESS);
 }
 
@@ -1151,6 +1295,146 @@ EXPORT int nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsi
     *current = (unsigned int)mode;
     *pending = (unsigned int)next;
     return NVML_SUCCESS;
+}
+
+/* nvmlGpuInstancePlacement_t and nvmlGpuInstanceInfo_t, as nvml.h and pynvml lay them out. */
+typedef struct {
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstancePlacement_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlGpuInstancePlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+EXPORT int nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetMaxMigDeviceCount", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (count == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    if (mig_mode_of(gpu) != 1) {
+        *count = 0; /* "zero if MIG is not supported or enabled" */
+        return finish(&state, NVML_SUCCESS);
+    }
+    unsigned int most = 7; /* the most MIG devices of an A100/H100/H200 */
+    const jvalue *list = mig_list(gpu);
+    if (list != NULL && list->count > most) most = list->count > MAX_MIG ? MAX_MIG : list->count;
+    *count = most;
+    return finish(&state, NVML_SUCCESS);
+}
+
+/*
+ * The MIG device at `index` (0 .. max count - 1): NOT_FOUND when none is there (MIG off, a
+ * hole in the list, past its end), INVALID_ARGUMENT past the max count, NOT_SUPPORTED without
+ * MIG support.
+ */
+EXPORT int nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                               nvmlDevice_t *migDevice) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetMigDeviceHandleByIndex", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (migDevice == NULL || index >= MAX_MIG) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    if (mig_mode_of(gpu) < 0) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    if (mig_entry(gpu, index) == NULL) return finish(&state, NVML_ERROR_NOT_FOUND);
+    *migDevice = &mig_handles[device->slot * MAX_MIG + (int)index];
+    return finish(&state, NVML_SUCCESS);
+}
+
+EXPORT int nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice) {
+    if (isMigDevice == NULL || (!is_mig_handle(device) && slot_of(device) < 0)) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *isMigDevice = is_mig_handle(device) ? 1u : 0u;
+    return NVML_SUCCESS;
+}
+
+/* The GPU instance id ("gi") or compute instance id ("ci") of a MIG device handle. */
+static int instance_id(const char *fn, const char *key, nvmlDevice_t device, unsigned int *id) {
+    jvalue state;
+    const jvalue *gpu, *mig;
+    if (id == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!is_mig_handle(device)) {
+        /* A whole GPU's handle has no instance id: NOT_SUPPORTED, as nvml.h says. */
+        if (slot_of(device) < 0) return NVML_ERROR_INVALID_ARGUMENT;
+        int rc = begin(fn, slot_of(device), &state, &gpu);
+        if (rc != NVML_SUCCESS) return rc;
+        return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    }
+    int rc = begin_device(fn, device, &state, &gpu, &mig);
+    if (rc != NVML_SUCCESS) return rc;
+    *id = mig_id(mig, key, 0);
+    return finish(&state, NVML_SUCCESS);
+}
+
+EXPORT int nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    return instance_id("nvmlDeviceGetGpuInstanceId", "gi", device, id);
+}
+
+EXPORT int nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    return instance_id("nvmlDeviceGetComputeInstanceId", "ci", device, id);
+}
+
+EXPORT int nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                        nvmlDevice_t *device) {
+    jvalue state;
+    const jvalue *gpu, *mig;
+    if (device == NULL || !is_mig_handle(migDevice)) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = begin_device("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice, &state, &gpu,
+                          &mig);
+    if (rc != NVML_SUCCESS) return rc;
+    *device = &devices[migDevice->slot / MAX_MIG];
+    return finish(&state, NVML_SUCCESS);
+}
+
+/* A GPU instance by id: NOT_FOUND when no MIG device of the GPU has that "gi". */
+EXPORT int nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                        nvmlGpuInstance_t *gpuInstance) {
+    jvalue state;
+    const jvalue *gpu;
+    int rc = begin("nvmlDeviceGetGpuInstanceById", slot_of(device), &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    if (gpuInstance == NULL) return finish(&state, NVML_ERROR_INVALID_ARGUMENT);
+    if (mig_mode_of(gpu) != 1) return finish(&state, NVML_ERROR_NOT_SUPPORTED);
+    for (size_t i = 0; i < MAX_MIG; i++) {
+        const jvalue *entry = mig_entry(gpu, i);
+        if (entry != NULL && mig_id(entry, "gi", 0) == id) {
+            fake_gpu_instance *gi = &gi_handles[device->slot * MAX_MIG + (int)i];
+            gi->slot = device->slot * MAX_MIG + (int)i;
+            gi->id = id;
+            *gpuInstance = gi;
+            return finish(&state, NVML_SUCCESS);
+        }
+    }
+    return finish(&state, NVML_ERROR_NOT_FOUND);
+}
+
+/* Its profile id ("gi_profile_id", default 0) and placement ("placement": {start, size}). */
+EXPORT int nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info) {
+    jvalue state;
+    const jvalue *gpu;
+    if (info == NULL || gpuInstance == NULL || gpuInstance < &gi_handles[0] ||
+        gpuInstance >= &gi_handles[MAX_GPUS * MAX_MIG]) {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    int slot = gpuInstance->slot / MAX_MIG;
+    int rc = begin("nvmlGpuInstanceGetInfo", slot, &state, &gpu);
+    if (rc != NVML_SUCCESS) return rc;
+    const jvalue *entry = mig_entry(gpu, (size_t)(gpuInstance->slot % MAX_MIG));
+    if (entry == NULL || mig_id(entry, "gi", 0) != gpuInstance->id) {
+        return finish(&state, NVML_ERROR_INVALID_ARGUMENT); /* destroyed since */
+    }
+    const jvalue *placement = json_get(entry, "placement");
+    info->device = &devices[slot];
+    info->id = gpuInstance->id;
+    info->profileId = mig_id(entry, "gi_profile_id", 0);
+    info->placement.start = mig_id(placement, "start", 0);
+    info->placement.size = mig_id(placement, "size", 1);
+    return finish(&state, NVML_SUCCESS);
 }
 
 EXPORT int nvmlDeviceGetPersistenceMode(nvmlDevice_t device, unsigned int *mode) {

@@ -143,6 +143,22 @@ TARGETS = (
     Target("assess", "gpuwatchd/decide/assess.py", _ORPHAN_CLASSIFICATION, _ORPHAN_CLASSIFICATION),
     Target("verdict", "gpuwatchd/decide/verdict.py", ALL, _VERDICT),
     Target("patterns", "gpuwatchd/decide/patterns.py", ALL, _PATTERNS),
+    # MIG: which instance a holder uses (by capability only), and the per-instance view the
+    # orphan rule and ghost memory judge; its wording (describe, evidence) is not a gate.
+    Target(
+        "mig",
+        "gpuwatchd/decide/mig.py",
+        ALL,
+        (
+            "_why_not_judged",
+            "mig_layout",
+            "instance_view",
+            "annotate_findings",
+            "_parent_only_cuda",
+            "busy_instances",
+            "parent_of",
+        ),
+    ),
 )
 
 # The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
@@ -173,4 +189,7 @@ TEST_FILES = (
     "tests/test_dry_run_preview.py",
     "tests/test_check_clean.py",
     "tests/test_rollout_switches.py",
+    "tests/test_mig_assess.py",
+    "tests/test_mig_report.py",
+    "tests/test_mig_simulate.py",
 )

@@ -92,6 +92,60 @@ def gpu(
     return entry
 
 
+def mig_device(
+    gi: int,
+    ci: int = 0,
+    *,
+    gpu_index: int = 0,
+    profile: str = "1g.10gb",
+    total: int = 10 * GiB,
+    allocated: int = 2 * MiB,
+    processes: Iterable[Mapping[str, Any]] = (),
+    placement: tuple[int, int] | None = None,
+    gi_profile_id: int = 19,
+    **over: Any,
+) -> dict[str, Any]:
+    """One MIG device (compute instance ``ci`` of GPU instance ``gi``) of a fake GPU.
+
+    Its memory is the GPU instance's; give every compute instance of one GPU instance the same
+    ``allocated`` (the fake counts a GPU instance's memory once in the parent's aggregate).
+    """
+    entry: dict[str, Any] = {
+        "gi": gi,
+        "ci": ci,
+        "uuid": f"MIG-{gpu_index:08x}-{gi:04x}-4{ci:03x}-8000-{gi * 16 + ci:012x}",
+        "profile": profile,
+        "gi_profile_id": gi_profile_id,
+        "placement": {
+            "start": gi if placement is None else placement[0],
+            "size": 1 if placement is None else placement[1],
+        },
+        "memory": {"total": total, "used": allocated},
+        "processes": {"compute": list(processes)},
+    }
+    entry.update(over)
+    return entry
+
+
+def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The ``nvidia-cap`` minor the driver gives a MIG capability (its mig-minors numbering:
+    ``config`` 1, ``monitor`` 2, then per GPU 15 GPU instances of 1 + 8 compute instances)."""
+    base = 3 + gpu_minor * 135 + gi * 9
+    return base if ci is None else base + 1 + ci
+
+
+def mig_minors_text(gpu_minors: Iterable[int] = (0,)) -> str:
+    """The whole mig-minors file for GPUs with these minors, as the driver writes it."""
+    lines = ["config 1", "monitor 2"]
+    for minor in gpu_minors:
+        for gi in range(15):
+            lines.append(f"gpu{minor}/gi{gi}/access {cap_minor(minor, gi)}")
+            lines += [
+                f"gpu{minor}/gi{gi}/ci{ci}/access {cap_minor(minor, gi, ci)}" for ci in range(8)
+            ]
+    return "\n".join(lines) + "\n"
+
+
 def process(pid: int, used_memory: int | None = 500 * MiB) -> dict[str, Any]:
     """One NVML process-list entry."""
     return {"pid": pid, "used_memory": used_memory}
@@ -116,6 +170,7 @@ class FakeNvml:
     gpu = staticmethod(gpu)
     state = staticmethod(state)
     process = staticmethod(process)
+    mig_device = staticmethod(mig_device)
 
     def __init__(self, tmp_path: Path, devices_dir: Path | None = None) -> None:
         ensure_built()
@@ -151,8 +206,14 @@ class FakeNvml:
     def make_device_files(self, new_state: Mapping[str, Any]) -> None:
         names = ["nvidiactl"]
         for position, entry in enumerate(new_state.get("gpus", ())):
-            names.append(f"nvidia{entry.get('minor', position)}")
+            minor = entry.get("minor", position)
+            names.append(f"nvidia{minor}")
+            for mig in entry.get("mig_devices") or ():
+                if isinstance(mig, Mapping):  # the capability files of its GI and CI
+                    names.append(f"nvidia-caps/nvidia-cap{cap_minor(minor, mig['gi'])}")
+                    names.append(f"nvidia-caps/nvidia-cap{cap_minor(minor, mig['gi'], mig['ci'])}")
         for name in names:
+            (self.devices_dir / name).parent.mkdir(exist_ok=True)
             (self.devices_dir / name).touch(exist_ok=True)
 
     def env(self) -> dict[str, str]:

@@ -1,0 +1,187 @@
+"""MIG in ``scan``: each MIG GPU's instances, under their GPU, in the JSON document and the text.
+
+This module owns the ``mig_instances`` list of a GPU entry (docs/scan.md) and its lines in
+the text view. An instance entry is built like a GPU's (``cli/report.py`` passes its own
+builder, run over :func:`gpuwatchd.decide.mig.instance_view`), so its processes, holders,
+memory, report-only reason and notes read the same way, and is then given the instance's MIG
+facts. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from gpuwatchd.decide.mig import MigInstance, MigLayout, instance_gpu
+from gpuwatchd.model import GpuInfo, MigDevice
+
+# The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
+_KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
+
+
+def mig_instances_json(
+    gpu: GpuInfo,
+    layout: MigLayout,
+    entry_for: Callable[[GpuInfo], dict[str, object]],
+) -> list[dict[str, object]] | None:
+    """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices read.
+
+    Instances of a GPU whose instances are not judged (``layout.unjudged``) are listed from
+    NVML's reading alone (``judged`` false, no holders).
+    """
+    if gpu.mig_enabled is not True or gpu.mig_devices is None:
+        return None
+    judged = gpu.uuid in layout.judged
+    found: list[dict[str, object]] = []
+    if judged:
+        for instance in layout.instances_of(gpu.uuid):
+            whole = entry_for(instance_gpu(instance))
+            entry = _facts(instance)
+            entry.update({key: whole.get(key) for key in _KEPT if key in whole})
+            entry["judged"] = True
+            found.append(entry)
+        return found
+    for device in gpu.mig_devices:
+        found.append(
+            {
+                "gi": device.gi,
+                "ci": [] if device.ci is None else [device.ci],
+                "uuid": device.uuid,
+                "mig_uuids": [device.uuid],
+                "profile": device.profile,
+                "gi_profile_id": device.gi_profile_id,
+                "placement": None if device.placement is None else list(device.placement),
+                "judged": False,
+            }
+        )
+    return found
+
+
+def _facts(instance: MigInstance) -> dict[str, object]:
+    device = instance.memory_device
+    return {
+        "gi": instance.gi,
+        "ci": list(instance.cis),
+        "uuid": instance.uuid,
+        "mig_uuids": [d.uuid for d in instance.devices],
+        "profile": instance.profile,
+        "gi_profile_id": device.gi_profile_id,
+        "placement": None if device.placement is None else list(device.placement),
+    }
+
+
+def mig_instance_lines(
+    gpu: Mapping[str, object],
+    findings: Sequence[Mapping[str, object]],
+    holder_lines: Callable[[Mapping[str, object]], list[str]],
+    finding_lines: Callable[[Sequence[Mapping[str, object]]], list[str]],
+    memory_line: Callable[[Mapping[str, object]], str],
+) -> list[str]:
+    """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
+    instances = gpu.get("mig_instances")
+    if not isinstance(instances, list):
+        return []
+    lines: list[str] = []
+    for raw in instances:
+        if not isinstance(raw, Mapping):
+            continue
+        cis = raw.get("ci")
+        ci_text = ", ".join(str(c) for c in cis) if isinstance(cis, list) else "?"
+        header = (
+            f"  MIG GPU instance {raw.get('gi')} (CI {ci_text})  {raw.get('profile') or '?'}  "
+            f"{raw.get('uuid') or '?'}"
+        )
+        lines.append(header)
+        if raw.get("judged") is not True:
+            lines.append("    not judged (see the GPU's report-only reason)")
+            continue
+        lines.append("  " + memory_line(raw))
+        reason = raw.get("report_only")
+        if isinstance(reason, str) and reason:
+            lines.append(f"    report-only: {reason}")
+        for note in raw.get("notes") or ():
+            lines.append(f"    note: {note}")
+        rows = holder_lines(raw)
+        if rows:
+            lines.extend("  " + line for line in rows)
+        else:
+            lines.append("    no process holds this instance")
+        uuid = raw.get("uuid")
+        own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
+        lines.extend("  " + line for line in finding_lines(own))
+    return lines
+
+
+def mig_judged(gpu: Mapping[str, object]) -> bool:
+    """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
+    instances = gpu.get("mig_instances")
+    return isinstance(instances, list) and any(
+        isinstance(i, Mapping) and i.get("judged") is True for i in instances
+    )
+
+
+def parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
+    """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
+    NVML's aggregate list and the instances' holders are shown under the instances."""
+    holders = gpu.get("holders")
+    kept = [
+        h for h in (holders if isinstance(holders, list) else ()) if isinstance(h, Mapping)
+        and h.get("role") is not None
+    ]  # fmt: skip
+    return {**gpu, "processes": [], "holders": kept}
+
+
+def instance_uuids(report: Mapping[str, object]) -> set[str]:
+    """Every judged instance UUID of a report: findings about them are no node findings."""
+    found: set[str] = set()
+    gpus = report.get("gpus")
+    for gpu in gpus if isinstance(gpus, list) else ():
+        instances = gpu.get("mig_instances") if isinstance(gpu, Mapping) else None
+        for raw in instances if isinstance(instances, list) else ():
+            if isinstance(raw, Mapping) and isinstance(raw.get("uuid"), str):
+                found.add(str(raw["uuid"]))
+    return found
+
+
+def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
+    """A saved GPU entry's ``mig_instances`` back as MIG devices (``explain``), so that a
+    finding naming an instance is known to be about this GPU. Malformed entries are skipped;
+    None when the entry has none."""
+    instances = raw.get("mig_instances")
+    if not isinstance(instances, list):
+        return None
+    devices: list[MigDevice] = []
+    for item in instances[:16]:
+        if not isinstance(item, Mapping):
+            continue
+        gi = item.get("gi")
+        if not isinstance(gi, int) or isinstance(gi, bool):
+            continue
+        ids = [c for c in _items(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
+        names = [u if isinstance(u, str) else None for u in _items(item.get("mig_uuids"))]
+        profile = item.get("profile")
+        for position, ci in enumerate(ids or [0]):
+            devices.append(
+                MigDevice(
+                    index=len(devices),
+                    uuid=names[position] if position < len(names) else None,
+                    gi=gi,
+                    ci=ci,
+                    profile=profile if isinstance(profile, str) else None,
+                )
+            )
+    return tuple(devices)
+
+
+def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The process and holder entries of a saved GPU entry's instances (``explain``)."""
+    found: list[Mapping[str, object]] = []
+    for item in _items(raw.get("mig_instances")):
+        if not isinstance(item, Mapping):
+            continue
+        for key in ("processes", "holders"):
+            found += [e for e in _items(item.get(key)) if isinstance(e, Mapping)]
+    return found
+
+
+def _items(value: object) -> list[object]:
+    return value if isinstance(value, list) else []

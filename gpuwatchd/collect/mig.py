@@ -1,0 +1,191 @@
+"""MIG inputs: the capability minors file, capability file paths, and the worker's MIG devices.
+
+This module owns how the MIG facts that are not in NVML's per-GPU reading are read and
+validated (docs/findings.md#mig):
+
+- ``/proc/driver/nvidia-caps/mig-minors`` (the setting ``mig_minors_file``): one line per
+  capability, ``gpu<minor>/gi<id>/access <N>`` or ``gpu<minor>/gi<id>/ci<id>/access <N>``,
+  where ``N`` is the minor of ``/dev/nvidia-caps/nvidia-cap<N>``; other capabilities
+  (``config``, ``monitor``, fabric ones) are skipped. Every line is checked: a malformed one,
+  an out-of-range number or a minor named twice makes the whole table unknown, with an error
+  naming the file and line (a wrong table would attribute processes to the wrong instance).
+- the procfs form of a capability, when the driver's capability device nodes are off:
+  ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>[/ci<id>]/access``;
+- the NVML worker's ``mig_devices`` entries, each value bounded, into :class:`MigDevice`.
+
+It reads files and parses text; it decides nothing (``decide/mig.py`` attributes holders).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
+
+DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
+CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
+MAX_MINORS_FILE = 1 << 20  # bytes; the real file has a few thousand short lines
+MAX_GPU_MINOR = 255
+MAX_INSTANCE_ID = 255
+MAX_CAP_MINOR = (1 << 20) - 1  # MINORBITS
+MAX_MIG_DEVICES = 16
+
+_LINE = re.compile(r"gpu(\d{1,3})/gi(\d{1,3})(?:/ci(\d{1,3}))?/access (\d{1,7})")
+_OTHER = re.compile(r"[A-Za-z0-9_./-]{1,128} \d{1,7}")
+_CAP_FILE = re.compile(r"gpu(\d{1,3})/mig/gi(\d{1,3})(?:/ci(\d{1,3}))?/access")
+_PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
+
+
+def _ids(match: re.Match[str]) -> tuple[int, int, int | None]:
+    """(GPU minor, GPU instance, compute instance or None) of a capability pattern's match."""
+    ci = match.group(3)
+    return int(match.group(1)), int(match.group(2)), None if ci is None else int(ci)
+
+
+class MigMinorsError(ValueError):
+    """The mig-minors file could not be read or is not what the driver writes."""
+
+
+def parse_mig_minors(text: str, path: str) -> dict[int, MigCapability]:
+    """The table ``nvidia-cap`` minor → capability; raises :class:`MigMinorsError`. Pure."""
+    table: dict[int, MigCapability] = {}
+    named: set[MigCapability] = set()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line:
+            continue
+        match = _LINE.fullmatch(line)
+        if match is None:
+            if _OTHER.fullmatch(line) is None:
+                raise MigMinorsError(
+                    f"{path} line {number}: {line[:80]!r} is not '<capability> <minor>'"
+                )
+            continue  # config, monitor, fabric capabilities: not about an instance
+        gpu, gi, ci = _ids(match)
+        minor = int(match.group(4))
+        if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+            raise MigMinorsError(f"{path} line {number}: {line!r}: an id out of range")
+        if minor > MAX_CAP_MINOR:
+            raise MigMinorsError(f"{path} line {number}: minor {minor} out of range")
+        capability = MigCapability(gpu, gi, ci)
+        if minor in table or capability in named:
+            raise MigMinorsError(
+                f"{path} line {number}: {line!r} names a minor or capability twice"
+            )
+        table[minor] = capability
+        named.add(capability)
+    return table
+
+
+def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | None]:
+    """(table, None), or (None, why) when the file cannot be read or is malformed.
+
+    A regular file or a procfs file is read (at most :data:`MAX_MINORS_FILE` bytes, no
+    symlink followed at the last component); the text must be ASCII.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        return None, f"mig_minors_file {path}: {err.strerror or err}"
+    try:
+        data = os.read(fd, MAX_MINORS_FILE + 1)
+    except OSError as err:
+        return None, f"mig_minors_file {path}: {err.strerror or err}"
+    finally:
+        os.close(fd)
+    if len(data) > MAX_MINORS_FILE:
+        return None, f"mig_minors_file {path}: larger than {MAX_MINORS_FILE} bytes"
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        return None, f"mig_minors_file {path}: not ASCII text"
+    try:
+        return parse_mig_minors(text, f"mig_minors_file {path}"), None
+    except MigMinorsError as err:
+        return None, str(err)
+
+
+def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCapability | None:
+    """The capability a procfs capability file stands for, or None. Pure.
+
+    Only paths directly under ``capabilities_dir`` count (only the driver creates files
+    there); ``gpu0/mig/gi1/ci0/access`` → ``MigCapability(0, 1, 0)``.
+    """
+    prefix = capabilities_dir.rstrip("/") + "/"
+    if not path.startswith(prefix):
+        return None
+    match = _CAP_FILE.fullmatch(path[len(prefix) :])
+    if match is None:
+        return None
+    gpu, gi, ci = _ids(match)
+    if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+        return None
+    return MigCapability(gpu, gi, ci)
+
+
+# --- the NVML worker's MIG devices -------------------------------------------------------------
+
+
+def _bounded(value: Any, most: int) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        return None
+    return value
+
+
+def _text(value: Any, most: int = 256) -> str | None:
+    return value[:most] if isinstance(value, str) else None
+
+
+def profile_of(name: str | None) -> str | None:
+    """``1g.10gb`` from ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``, the driver's MIG device name."""
+    if name is None:
+        return None
+    match = _PROFILE.search(name)
+    return None if match is None else match.group(1)
+
+
+def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevice, ...] | None:
+    """The worker's ``mig_devices`` list as :class:`MigDevice` values; None when unknown.
+
+    ``to_memory`` and ``to_processes`` are the reading's own converters (collect/nvml.py), so
+    an instance's memory and processes are read exactly as a GPU's. Entries that are not
+    objects are dropped; at most :data:`MAX_MIG_DEVICES` are kept.
+    """
+    if not isinstance(raw, list):
+        return None
+    devices: list[MigDevice] = []
+    for entry in raw[:MAX_MIG_DEVICES]:
+        if not isinstance(entry, Mapping):
+            continue
+        placement = entry.get("placement")
+        where: tuple[int, int] | None = None
+        if isinstance(placement, list) and len(placement) == 2:
+            start, size = (_bounded(v, MAX_INSTANCE_ID) for v in placement)
+            where = None if start is None or size is None else (start, size)
+        name = _text(entry.get("name"))
+        try:
+            processes: tuple[NvmlProcess, ...] | None = to_processes(entry.get("processes"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            processes = None  # not the worker's shape: unknown, never "none"
+        try:
+            memory: GpuMemory | None = to_memory(entry.get("memory"))
+        except (TypeError, ValueError, AttributeError):
+            memory = None
+        devices.append(
+            MigDevice(
+                index=_bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
+                uuid=_text(entry.get("uuid"), 96),
+                gi=_bounded(entry.get("gi"), MAX_INSTANCE_ID),
+                ci=_bounded(entry.get("ci"), MAX_INSTANCE_ID),
+                name=name,
+                profile=profile_of(name),
+                gi_profile_id=_bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
+                placement=where,
+                memory=memory,
+                processes=processes,
+                error=_text(entry.get("error"), 1024),
+            )
+        )
+    return tuple(devices)

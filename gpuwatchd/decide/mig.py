@@ -1,0 +1,424 @@
+"""MIG in decisions: which GPU instance each holder uses, and the per-instance view assess judges.
+
+On a GPU with MIG on, memory and processes belong to GPU instances (GIs); the compute
+instances (CIs) of one GI share its memory. Every process using any instance holds the
+*parent* device node ``/dev/nvidia<minor>``, so that node says nothing about which instance it
+uses; the capability files of its GI and CI do (``/dev/nvidia-caps/nvidia-cap<N>``, the minors
+listed in mig-minors; or their procfs form). docs/findings.md#mig has the sources.
+
+This module owns that model:
+
+- :func:`mig_layout`: which MIG GPUs can be judged instance by instance (MIG on, its MIG
+  devices read, the capability table read), their GPU instances, and each holder's instances
+  from its capability files. A holder of a judged GPU's parent node with no capability of it
+  is *parent-only*: never attributed to an instance, never a target.
+- :func:`instance_view`: the snapshot as assess judges it. Each GPU instance stands in as a
+  GPU of its own (its MIG UUID, its memory, its processes; a device minor of its own past every
+  real one, :data:`INSTANCE_MINOR_BASE`), held by exactly the processes whose capabilities
+  name it; the parent stays, report-only, held by nobody. So the orphan rule, ghost memory
+  against a learned baseline and every other check run per instance with the same evidence as
+  on a whole GPU, and a live job in one instance neither explains nor blocks anything in
+  another.
+- :func:`annotate`: the assessment made readable again: findings about an instance name it
+  (``evidence.mig``), parent-only holders are said to be so, report-only reasons say why.
+
+Pure: no I/O, no clock. A GPU whose instances cannot be judged stays report-only, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from gpuwatchd.model import (
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    HolderScan,
+    MigCapability,
+    MigDevice,
+    NvmlProcess,
+    NvmlReading,
+    Snapshot,
+)
+
+# Device "minors" of GPU instances in the view: past MINORBITS (20), so never a real node's.
+INSTANCE_MINOR_BASE = 1 << 21
+
+WHOLE_GPU = (
+    "MIG enabled: the GPU as a whole is report-only; its GPU instances are judged one by one"
+)
+NOT_JUDGED = "MIG enabled: processes and memory live in MIG instances"
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """One GPU instance of a judged MIG GPU.
+
+    ``uuid`` names it in findings: the MIG UUID of its first compute instance (NVML's
+    ``MIG-GPU-<uuid>/<gi>/<ci>`` form when that UUID is unknown). ``devices`` are its MIG
+    devices (one per compute instance), in CI order.
+    """
+
+    parent: GpuInfo
+    gi: int
+    uuid: str
+    devices: tuple[MigDevice, ...]
+    minor: int  # its device minor in the view
+
+    @property
+    def cis(self) -> tuple[int, ...]:
+        return tuple(d.ci for d in self.devices if d.ci is not None)
+
+    @property
+    def profile(self) -> str | None:
+        """The GPU instance's profile: the first MIG device's (``1c.3g.40gb`` → ``3g.40gb``
+        when its GI has several compute instances)."""
+        names = [d.profile for d in self.devices if d.profile is not None]
+        if not names:
+            return None
+        if len(self.devices) > 1 and names[0].count(".") == 2:
+            return names[0].split(".", 1)[1]
+        return names[0]
+
+    @property
+    def memory_device(self) -> MigDevice:
+        return self.devices[0]
+
+    def describe(self) -> str:
+        profile = f" ({self.profile})" if self.profile else ""
+        return f"MIG GPU instance {self.gi}{profile} of GPU {self.parent.index}"
+
+    def evidence(self) -> dict[str, object]:
+        return {
+            "gpu": self.parent.uuid,
+            "gpu_index": self.parent.index,
+            "gi": self.gi,
+            "ci": list(self.cis),
+            "profile": self.profile,
+            "mig_uuids": [d.uuid for d in self.devices],
+        }
+
+
+@dataclass(frozen=True)
+class MigLayout:
+    """What one snapshot says about its MIG GPUs.
+
+    ``instances``: judged GPU instances by their ``uuid``. ``judged``: parent UUIDs whose
+    instances are judged. ``unjudged``: parent UUID → why its instances cannot be judged.
+    ``attributed``: PID → the instance UUIDs its capability files name, each with the routes
+    ("fd", "map"). ``parent_only``: PID → the judged parents whose node it holds with no
+    capability of theirs (a capability naming an instance NVML does not list, the layout
+    changed between the readings, attributes nothing). ``parent_minors``: the judged GPUs'
+    device minors.
+    """
+
+    instances: Mapping[str, MigInstance] = field(default_factory=dict)
+    judged: frozenset[str] = frozenset()
+    unjudged: Mapping[str, str] = field(default_factory=dict)
+    attributed: Mapping[int, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    parent_only: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    parent_minors: frozenset[int] = frozenset()
+
+    def instance_of(self, uuid: str | None) -> MigInstance | None:
+        return None if uuid is None else self.instances.get(uuid)
+
+    def instances_of(self, parent_uuid: str) -> list[MigInstance]:
+        return [i for i in self.instances.values() if i.parent.uuid == parent_uuid]
+
+
+def _why_not_judged(gpu: GpuInfo, snapshot: Snapshot) -> str | None:
+    """Why the instances of MIG GPU ``gpu`` cannot be judged one by one, or None."""
+    if gpu.mig_devices is None:
+        return "its MIG devices could not be read"
+    if gpu.minor is None:
+        return "its minor number is unknown"
+    if snapshot.mig_caps is None:
+        return snapshot.mig_caps_error or "the MIG capability minors were not read"
+    if any(d.gi is None for d in gpu.mig_devices):
+        return "a MIG device's GPU instance id could not be read"
+    return None
+
+
+def _instances(gpu: GpuInfo) -> list[MigInstance]:
+    by_gi: dict[int, list[MigDevice]] = {}
+    for device in gpu.mig_devices or ():
+        if device.gi is not None:
+            by_gi.setdefault(device.gi, []).append(device)
+    found = []
+    for gi, devices in sorted(by_gi.items()):
+        devices.sort(key=lambda d: (d.ci is None, d.ci or 0, d.index))
+        first = devices[0]
+        uuid = first.uuid or f"MIG-{gpu.uuid}/{gi}/{first.ci if first.ci is not None else 0}"
+        minor = INSTANCE_MINOR_BASE + (gpu.minor or 0) * 256 + gi
+        found.append(MigInstance(gpu, gi, uuid, tuple(devices), minor))
+    return found
+
+
+def _capabilities(
+    holding: DeviceHolding, table: Mapping[int, MigCapability]
+) -> list[tuple[MigCapability | None, str]]:
+    """Each capability a holder holds, with its route; None for a minor the table lacks."""
+    held: list[tuple[MigCapability | None, str]] = []
+    for minors, route in ((holding.cap_minors_fd, "fd"), (holding.cap_minors_map, "map")):
+        held += [(table.get(minor), route) for minor in sorted(minors)]
+    held += [(cap, "fd") for cap in sorted(holding.cap_files, key=lambda c: c.order)]
+    return held
+
+
+def mig_layout(snapshot: Snapshot) -> MigLayout:
+    """The MIG GPUs of ``snapshot``, their GPU instances, and who holds which. Pure."""
+    instances: dict[str, MigInstance] = {}
+    by_place: dict[tuple[int, int], MigInstance] = {}
+    judged: set[str] = set()
+    unjudged: dict[str, str] = {}
+    parents: dict[int, GpuInfo] = {}
+    for gpu in snapshot.nvml.gpus:
+        if gpu.mig_enabled is not True or gpu.lost:
+            continue
+        why = _why_not_judged(gpu, snapshot)
+        if why is not None:
+            unjudged[gpu.uuid] = why
+            continue
+        judged.add(gpu.uuid)
+        parents[gpu.minor or 0] = gpu
+        for instance in _instances(gpu):
+            instances[instance.uuid] = instance
+            by_place[(gpu.minor or 0, instance.gi)] = instance
+    table = snapshot.mig_caps or {}
+    attributed: dict[int, dict[str, tuple[str, ...]]] = {}
+    parent_only: dict[int, tuple[str, ...]] = {}
+    for pid, holding in sorted(snapshot.holders.holdings.items()):
+        mine: dict[str, tuple[str, ...]] = {}
+        for cap, route in _capabilities(holding, table):
+            # A minor the table does not name, or an instance NVML does not list: nothing.
+            named = None if cap is None else by_place.get((cap.gpu_minor, cap.gi))
+            if named is None or (
+                cap is not None and cap.ci is not None and cap.ci not in named.cis
+            ):
+                continue
+            routes = mine.get(named.uuid, ())
+            if route not in routes:
+                mine[named.uuid] = (*routes, route)
+        if mine:
+            attributed[pid] = mine
+        used = {instances[u].parent.minor for u in mine}
+        lonely = [
+            parents[m].uuid for m in sorted(holding.gpu_minors) if m in parents and m not in used
+        ]
+        if lonely:
+            parent_only[pid] = tuple(lonely)
+    return MigLayout(
+        instances, frozenset(judged), unjudged, attributed, parent_only, frozenset(parents)
+    )
+
+
+def _merge_processes(devices: Iterable[MigDevice]) -> tuple[NvmlProcess, ...] | None:
+    found: list[NvmlProcess] = []
+    seen: set[int] = set()
+    for device in devices:
+        if device.processes is None:
+            return None
+        for entry in device.processes:
+            if entry.pid not in seen:
+                seen.add(entry.pid)
+                found.append(entry)
+    return tuple(found)
+
+
+def instance_gpu(instance: MigInstance) -> GpuInfo:
+    """A GPU instance as a GPU of its own, for the assessment (see the module docstring)."""
+    parent = instance.parent
+    errors = [d.error for d in instance.devices if d.error]
+    return GpuInfo(
+        index=parent.index,
+        uuid=instance.uuid,
+        name=instance.memory_device.name,
+        pci_bus_id=parent.pci_bus_id,
+        minor=instance.minor,
+        memory=instance.memory_device.memory,
+        processes=_merge_processes(instance.devices),
+        mig_enabled=False,
+        persistence_mode=parent.persistence_mode,
+        numa_node=parent.numa_node,
+        architecture=parent.architecture,
+        nvlink_active=parent.nvlink_active,
+        error="; ".join(errors) or None,
+    )
+
+
+def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
+    """``snapshot`` with each judged MIG GPU's instances as GPUs of their own. Pure.
+
+    The parent stays (report-only, no processes, no device minor: nobody holds it in the
+    view); each holder holds the instances its capabilities name, by the same routes, and no
+    longer the judged parents' nodes. Nothing else changes.
+    """
+    if not layout.judged:
+        return snapshot
+    gpus: list[GpuInfo] = []
+    for gpu in snapshot.nvml.gpus:
+        if gpu.uuid not in layout.judged:
+            gpus.append(gpu)
+            continue
+        gpus.append(replace(gpu, minor=None, processes=()))
+        gpus += [instance_gpu(i) for i in layout.instances_of(gpu.uuid)]
+    parent_minors = layout.parent_minors
+    holdings: dict[int, DeviceHolding] = {}
+    for pid, holding in snapshot.holders.holdings.items():
+        via_fd = set(holding.gpu_minors_fd - parent_minors)
+        via_map = set(holding.gpu_minors_map - parent_minors)
+        for uuid, routes in layout.attributed.get(pid, {}).items():
+            minor = layout.instances[uuid].minor
+            if "fd" in routes:
+                via_fd.add(minor)
+            if "map" in routes:
+                via_map.add(minor)
+        holdings[pid] = replace(
+            holding, gpu_minors_fd=frozenset(via_fd), gpu_minors_map=frozenset(via_map)
+        )
+    holders = HolderScan(
+        mode=snapshot.holders.mode,
+        holdings=holdings,
+        unreadable=snapshot.holders.unreadable,
+        matched_by_name=snapshot.holders.matched_by_name,
+    )
+    nvml = NvmlReading(
+        available=snapshot.nvml.available,
+        wedged=snapshot.nvml.wedged,
+        error=snapshot.nvml.error,
+        driver_version=snapshot.nvml.driver_version,
+        gpus=tuple(gpus),
+    )
+    return replace(snapshot, nvml=nvml, holders=holders)
+
+
+# --- the assessment, readable again -----------------------------------------------------------
+
+
+def _parent_only_finding(finding: Finding, layout: MigLayout, snapshot: Snapshot) -> Finding:
+    """A holder that holds only judged MIG parents' nodes (no GPU of the view): say so."""
+    parents = layout.parent_only.get(finding.pid or -1, ())
+    indexes = [g.index for g in snapshot.nvml.gpus if g.uuid in parents]
+    shown = ", ".join(str(i) for i in indexes)
+    return replace(
+        finding,
+        gpu=parents[0],
+        actionable=False,
+        reason=(
+            f"holds the device node of MIG GPU(s) {shown} but the capability of none of their "
+            "instances: which instance it uses cannot be told, so it is never a target (it "
+            "blocks a reset of the whole GPU)"
+        ),
+        evidence={**finding.evidence, "mig_parent_only": True, "gpus": list(parents)},
+    )
+
+
+def annotate_findings(
+    findings: Iterable[Finding], layout: MigLayout, snapshot: Snapshot
+) -> list[Finding]:
+    """Name the instance in each finding about one; say what parent-only holders are.
+
+    A ghost_memory finding on an instance whose GPU has a parent-only holder that holds
+    nvidia-uvm (a CUDA process whose instance cannot be told: it may hold this one's memory)
+    is turned into an informational ``unaccounted_memory``: "no live holder" is not known.
+    """
+    result: list[Finding] = []
+    for finding in findings:
+        instance = layout.instance_of(finding.gpu)
+        if instance is not None:
+            evidence = {**finding.evidence, "mig": instance.evidence()}
+            reason = f"{finding.reason} [{instance.describe()}]"
+            kind, actionable = finding.kind, finding.actionable
+            if kind is FindingKind.GHOST_MEMORY:
+                suspects = _parent_only_cuda(layout, snapshot, instance.parent.uuid)
+                if suspects:
+                    evidence["parent_only_holders"] = suspects
+                    kind, actionable = FindingKind.UNACCOUNTED_MEMORY, False
+                    reason += (
+                        f"; not ghost: PID(s) {', '.join(map(str, suspects))} hold the GPU's "
+                        "node and nvidia-uvm with no instance capability (which instance they "
+                        "use cannot be told)"
+                    )
+            result.append(
+                replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
+            )
+            continue
+        if (
+            finding.gpu is None
+            and finding.pid is not None
+            and finding.pid in layout.parent_only
+            and finding.evidence.get("unattributed") is True
+        ):
+            result.append(_parent_only_finding(finding, layout, snapshot))
+            continue
+        result.append(finding)
+    return result
+
+
+def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -> list[int]:
+    found = []
+    for pid, parents in sorted(layout.parent_only.items()):
+        holding = snapshot.holders.holdings.get(pid)
+        if (
+            parent_uuid in parents
+            and pid not in snapshot.self_pids
+            and holding is not None
+            and holding.uvm
+        ):
+            found.append(pid)
+    return found
+
+
+def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> dict[str, str]:
+    """The parents' report-only reasons: judged instance by instance, or why not."""
+    result = dict(report_only)
+    for uuid in layout.judged:
+        result[uuid] = WHOLE_GPU
+    for uuid, why in layout.unjudged.items():
+        if uuid in result and why != "its MIG devices could not be read":
+            result[uuid] = f"{NOT_JUDGED}; its instances cannot be judged: {why}"
+    return result
+
+
+def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice] | None:
+    """The MIG GPU and MIG device a finding's ``gpu`` names, when it names an instance."""
+    if uuid is None:
+        return None  # a device whose UUID is unknown is named by no finding
+    for gpu in snapshot.nvml.gpus:
+        for device in gpu.mig_devices or ():
+            ci = device.ci if device.ci is not None else 0
+            if uuid in (device.uuid, f"MIG-{gpu.uuid}/{device.gi}/{ci}"):
+                return gpu, device
+    return None
+
+
+def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
+    """Why MIG GPU ``gpu`` is not idle in every GPU instance, or None when it is.
+
+    A whole-GPU reset takes every instance down with it, so with ``reset.allow_mig`` it is
+    allowed only when no instance has a live listed process or a holder of its capabilities;
+    a GPU whose instances cannot be judged is never known to be idle.
+    """
+    if gpu.mig_enabled is not True:
+        return None
+    layout = mig_layout(snapshot)
+    if gpu.uuid in layout.unjudged:
+        return f"its MIG instances cannot be told idle: {layout.unjudged[gpu.uuid]}"
+    busy: list[str] = []
+    for instance in layout.instances_of(gpu.uuid):
+        users: set[int] = set()
+        for device in instance.devices:
+            for entry in device.processes or ():
+                proc = snapshot.processes.get(entry.pid)
+                if proc is not None and not proc.is_zombie:
+                    users.add(entry.pid)
+            if device.processes is None:
+                busy.append(f"GPU instance {instance.gi}: its process list is unknown")
+        users |= {pid for pid, named in layout.attributed.items() if instance.uuid in named}
+        users -= set(snapshot.self_pids)
+        if users:
+            shown = ", ".join(str(pid) for pid in sorted(users)[:5])
+            busy.append(f"GPU instance {instance.gi} is in use (PID {shown})")
+    return "; ".join(busy) or None

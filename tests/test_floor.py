@@ -34,6 +34,7 @@ def _proc(pid: int, **fields: Any) -> ProcessInfo:
     ("proc", "why"),
     [
         (ProcessInfo(1, 1, "S", 0, 1, 1, comm="systemd"), "pid 1 is init or kthreadd"),
+        (ProcessInfo(2, 1, "S", 0, 0, 0, comm="kthreadd"), "pid 2 is init or kthreadd"),
         (ProcessInfo(9, 1, "S", 2, 0, 0, comm="kworker/0:1", kernel_thread=True), "kernel thread"),
         (
             _proc(70, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", **ROOT_EXE),
@@ -63,9 +64,11 @@ def _proc(pid: int, **fields: Any) -> ProcessInfo:
 def test_infrastructure_by_pid_kind_trusted_identity_and_system_unit(
     proc: ProcessInfo, why: str
 ) -> None:
+    proc = dataclasses.replace(proc)  # a fresh object: the floor keeps its answer on each one
     reason = infrastructure(proc)
     assert reason is not None
     assert why in reason
+    assert infrastructure(proc) == reason  # asked again (the kept answer), the same
 
 
 USER_DCGM = CgroupInfo(
@@ -130,6 +133,7 @@ SESSION = cg_session(uid=1001)
     ],
 )
 def test_a_look_alike_is_an_ordinary_process(proc: ProcessInfo) -> None:
+    proc = dataclasses.replace(proc)  # a fresh object: the floor keeps its answer on each one
     assert infrastructure(proc) is None
     assert not mps_server(proc)
     assert unverified_infrastructure(proc) is None  # known not to be it: may be a target
@@ -147,6 +151,7 @@ def test_a_look_alike_is_an_ordinary_process(proc: ProcessInfo) -> None:
 def test_an_unverifiable_claim_is_never_signalled_and_grants_nothing(proc: ProcessInfo) -> None:
     """Unknown is never a kill; but neither does an unread identity make the process
     infrastructure (no reset immunity) or an MPS server (no report-only node)."""
+    proc = dataclasses.replace(proc)  # a fresh object: the floor keeps its answer on each one
     assert infrastructure(proc) is None
     assert not mps_server(proc)
     assert unverified_infrastructure(proc) is not None
@@ -171,6 +176,7 @@ def test_a_trusted_mps_server_makes_the_node_report_only_and_a_users_does_not() 
     )
     assert mps_server(real)
     assert not mps_server(fake)
+    assert mps_server(real) and not mps_server(fake)  # asked again (the kept answer), the same
 
 
 def test_system_cgroup_is_below_system_slice_and_never_a_users_or_a_containers() -> None:
@@ -183,6 +189,11 @@ def test_system_cgroup_is_below_system_slice_and_never_a_users_or_a_containers()
     assert system_cgroup(None) is None
     user_below_system = CgroupInfo("/system.slice/user-1001.slice/x.service")
     assert system_cgroup(user_below_system) is False
+
+
+def test_pid_3_is_judged_by_what_it_is_not_by_its_number() -> None:
+    """Only PIDs 1 and 2 (init, kthreadd) are infrastructure by number."""
+    assert infrastructure(_proc(3, comm="python", uid=1001, exe_trusted=False)) is None
 
 
 def test_a_job_process_is_not_infrastructure() -> None:

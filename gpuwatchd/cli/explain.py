@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.mig_report import instance_process_entries, mig_devices_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
@@ -466,7 +467,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         elif finding.kind in HEALTH_KINDS:
             _explain_health(item=item, stops=stops, finding=finding, findings=findings,
                             snapshot=snapshot, policy=policy)  # fmt: skip
-        elif finding.kind in (FindingKind.ZOMBIE, FindingKind.DEAD_PROCESS):
+        elif finding.kind in kinds.LISTING:
             stops.append(
                 "never signalled: a zombie's parent must reap it"
                 if finding.kind == FindingKind.ZOMBIE

@@ -151,6 +151,7 @@ class Daemon:
             hostname=node_name(),
             stopping=lambda: self._stop,
         )
+        self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)

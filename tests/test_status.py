@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -784,3 +785,24 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     result = described()
     assert result["exit_code"] == 1
     assert "policy reload rejected" in render_text(result)
+
+
+def test_every_field_of_status_json_is_documented() -> None:
+    """docs/operations.md's table names each top-level field and each field of the ladders,
+    pending windows, recent actions and resets (STATUS_FORMAT's shape)."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = docs[docs.index("## 10. Status") : docs.index("## 11.")]
+    plan = plan_json(waiting={"ghost_memory:GPU-2:gpu": MONO + 60}, last_reset={"GPU-2": NOW})
+    result = run_describe(saved(plan=plan))
+    rows = {
+        "": result,
+        "ladders": result["ladders"][0],
+        "pending": result["pending"][0],
+        "recent_actions": result["recent_actions"][0],
+        "resets": result["resets"],
+        "resets.gpus": result["resets"]["gpus"][0],
+    }
+    for where, row in rows.items():
+        for key in row:
+            named = f"`{key}`" in section or re.search(rf"[{{ ]{key}[,}}:]", section)
+            assert named, f"status --json {where}.{key} is not in docs/operations.md"

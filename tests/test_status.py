@@ -488,16 +488,25 @@ def test_a_malformed_document_value_is_unknown_never_a_traceback(path: str, valu
     render_text(result)
 
 
-def test_a_state_without_a_status_document_asks_for_a_restart() -> None:
-    """A daemon of another version wrote no document this reader knows: nothing is guessed
-    from its plan, and the status says to restart it."""
-    result = run_describe(saved(plan=plan_json(forced_dry_run=True)), written=None)
+def test_a_state_written_before_the_status_document_is_shown_by_the_daemons_builder() -> None:
+    """An upgraded node whose daemon still runs the old code saved no document: ``status``
+    works it out with the daemon's own builder, its deadlines through the local clock in the
+    same boot (or the daemon's clock pair when it saved one), and says there is no document."""
+    old = saved(plan=plan_json(forced_dry_run=True))
+    result = run_describe(old, written=None)
+    assert result["document"] is None
+    assert result["clock"] == "local"
     assert result["exit_code"] == StatusCode.ATTENTION
-    assert result["kill_cap"]["latched"] is None
-    assert result["mode"] is None
-    text = render_text(result)
-    assert "no status document" in text
-    assert "restart it" in text
+    assert result["kill_cap"]["latched"] is True
+    assert result == {**run_describe(old), "clock": "local", "document": None}
+    (lad,) = result["ladders"]
+    assert lad["due_in"] == 25.0
+    paired = run_describe(saved(monotonic=MONO + 100), boot_id=None, written=None)
+    assert paired["clock"] == "daemon"
+    assert paired["ladders"][0]["due_in"] == pytest.approx(25.0 - 100.0 - 2.0)
+    unplaced = run_describe(saved(), boot_id=None, written=None)
+    assert unplaced["clock"] is None
+    assert "next SIGKILL due (time unknown)" in render_text(unplaced)
 
 
 def test_unknown_values_print_as_unknown() -> None:

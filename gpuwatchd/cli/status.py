@@ -8,7 +8,9 @@ recently), and rendering the status document the daemon wrote
 (:mod:`gpuwatchd.status_document`) — text for people, JSON for scripts (shape and exit codes
 in docs/operations.md, "status") — with an LSB-style exit code. It works nothing out from the
 plan: every value comes from the document, checked (a malformed one is unknown, never a
-traceback); only the daemon's liveness and "how long from now" are this reader's own.
+traceback); only the daemon's liveness and "how long from now" are this reader's own. A state
+written before the document (an upgraded node whose daemon still runs the old code) gets it
+from the daemon's own builder.
 
 :func:`describe` and :func:`render_text` are pure; the I/O — the state file, ``/proc/PID``,
 the boot id, the clocks — is at the edge, in :func:`status_command`.
@@ -34,7 +36,13 @@ from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
 from gpuwatchd.state import SavedState, read_saved_state
-from gpuwatchd.status_document import CLEAR_LATCHES, DOCUMENT_FORMAT, MAX_ACTIONS, NVML_STATES
+from gpuwatchd.status_document import (
+    CLEAR_LATCHES,
+    DOCUMENT_FORMAT,
+    MAX_ACTIONS,
+    NVML_STATES,
+    build_document,
+)
 from gpuwatchd.vocabulary import LadderStatus
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
@@ -90,17 +98,17 @@ def describe(
     the status section's PID showed: "gpuwatchd", "other" (a reused PID, or this very
     process), "gone", "unknown" (unreadable), or None (not looked at); with "unknown" or None,
     a recent last poll alone says it is running. ``read_error`` says why the state could not
-    be read (exit 4). ``now_monotonic`` is no longer needed (the daemon converts its own
-    deadlines) and kept for callers.
+    be read (exit 4). ``now_monotonic`` places the deadlines of a state written before the
+    status document (:func:`_older_state`).
     """
-    del now_monotonic
     data = _map(saved)
     status = _map(data.get("status"))
-    doc = _map(status.get("document"))
-    if _int(doc.get("format")) != DOCUMENT_FORMAT:
-        doc = {}
     state_boot = _str(data.get("boot_id"))
     same_boot = None if state_boot is None or boot_id is None else state_boot == boot_id
+    doc: Mapping[str, object] = _map(status.get("document"))
+    clock: str | None = "daemon"
+    if _int(doc.get("format")) != DOCUMENT_FORMAT:
+        doc, clock = _older_state(saved, policy, now_wall, now_monotonic, same_boot=same_boot)
 
     record = data.get("reset_in_progress")
     reset_since = _num(_map(record).get("since")) if isinstance(record, Mapping) else None
@@ -129,8 +137,6 @@ def describe(
     )
     running = None if read_error is not None else why_not is None
     attention = [a for a in _seq(doc.get("attention"))[:64] if isinstance(a, str)]
-    if saved is not None and pid is not None and not doc:
-        attention.append(NO_DOCUMENT)
     kill_cap = _pick(doc.get("kill_cap"), _KILL_CAP)
     breaker = _pick(doc.get("circuit_breaker"), _BREAKER)
     if read_error is not None:
@@ -172,7 +178,7 @@ def describe(
         "findings": _count(doc.get("findings")),
         "verdict": _verdict(doc.get("verdict")),
         "policy": _policy(doc.get("policy")),
-        "clock": "daemon" if doc else None,
+        "clock": clock,
         "document": _num(doc.get("written_at")),
         "ladders": [_due_in(lad, now_wall) for lad in _rows(doc.get("ladders"), _LADDER, 1024)],
         "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
@@ -181,10 +187,31 @@ def describe(
     }
 
 
-NO_DOCUMENT = (
-    "the daemon wrote no status document this gpuwatchd can read (another version?): "
-    "restart it (`systemctl restart gpuwatchd`)"
-)
+def _older_state(
+    saved: Mapping[str, object] | None,
+    policy: Policy,
+    now_wall: float,
+    now_monotonic: float | None,
+    *,
+    same_boot: bool | None,
+) -> tuple[Mapping[str, object], str | None]:
+    """The status document of a state with none this reader knows (written by a gpuwatchd
+    from before it, whose daemon was not restarted after an upgrade): worked out from what it
+    saved by the daemon's own code (:func:`build_document`), its monotonic times placed
+    through the daemon's clock pair (``status.monotonic`` with ``status.last_poll``) when it
+    wrote one, else through this host's clock in the same boot, else not at all."""
+    if saved is None:
+        return {}, None
+    status = _map(saved.get("status"))
+    daemon_mono, last_poll = _num(status.get("monotonic")), _num(status.get("last_poll"))
+    monotonic: float | None = None
+    clock: str | None = None
+    if daemon_mono is not None and last_poll is not None:
+        monotonic, clock = daemon_mono + (now_wall - last_poll), "daemon"
+    elif same_boot is True and now_monotonic is not None:
+        monotonic, clock = now_monotonic, "local"
+    doc = build_document(saved, policy=policy, wall=now_wall, monotonic=monotonic)
+    return {**doc, "written_at": None}, clock  # no document was written
 
 
 def _why_not_running(

@@ -56,6 +56,7 @@ from gpuwatchd.state import (
     state_document,
 )
 from gpuwatchd.statedir import StateDir
+from gpuwatchd.status_document import action_sentence, build_document
 from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
 from gpuwatchd.view_guard import ViewPublisher, early_poll_at
 from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
@@ -150,6 +151,7 @@ class Daemon:
             hostname=node_name(),
             stopping=lambda: self._stop,
         )
+        self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -660,13 +662,18 @@ class Daemon:
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
+        status = self.status_section()
         data = state_document(
             boot_id=boot_id,
             saved_at=self.wall_clock(),
             assess=state.assess.to_json(),
             plan=state.plan.to_json(),
             reset_in_progress=state.reset_in_progress,
-            status=self.status_section(),
+            status=status,
+        )
+        # Everything `status` shows, worked out here: it only renders (status_document.py).
+        status["document"] = build_document(
+            data, policy=self.policy, wall=self.wall_clock(), monotonic=self.clock()
         )
         try:
             self.store.save(data)
@@ -740,6 +747,7 @@ class _DaemonSink:
                     "hook": fields.get("hook"),
                     "outcome": outcome,
                     "dry_run": fields.get("dry_run") is True,
+                    "sentence": action_sentence(name, fields),
                 }
             )
 

@@ -253,6 +253,7 @@ class Engine:
         self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult] | str]] = (
             collections.deque()
         )
+        self._crashed: collections.deque[str] = collections.deque()  # background_crashed
         self.last_snapshot: Snapshot | None = None
         self.last_assessment: Assessment | None = None
         # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
@@ -610,22 +611,32 @@ class Engine:
             return False
         return not isinstance(intent, HookIntent) or bool(self._hooks_for(intent))
 
+    def background_crashed(self, error: str) -> None:
+        """A background job raised past its own guard (``host.HookQueue`` calls this on its
+        thread): the main loop says it as a crashed ``hook.run`` (report_background_hooks)."""
+        self._crashed.append(error)
+
     def report_background_hooks(self) -> None:
         """Log the hooks that finished in the background since the last call (main loop only)."""
+        while self._crashed:
+            self._hook_crashed(HookName.ON_ACTION, None, self._crashed.popleft())
         while self._hooks_done:
             intent, results = self._hooks_done.popleft()
             if isinstance(results, str):  # the notification raised
-                self._emit(
-                    EventName.HOOK_RUN,
-                    Level.ERROR,
-                    hook=intent.hook,
-                    dry_run=False,
-                    outcome=HookOutcome.CRASHED,
-                    reason=intent.reason,
-                    error=results,
-                )
+                self._hook_crashed(intent.hook, intent.reason, results)
             else:
                 self._report_hooks(intent, results)
+
+    def _hook_crashed(self, hook: str, reason: str | None, error: str) -> None:
+        self._emit(
+            EventName.HOOK_RUN,
+            Level.ERROR,
+            hook=hook,
+            dry_run=False,
+            outcome=HookOutcome.CRASHED,
+            reason=reason,
+            error=error,
+        )
 
     def _report_hooks(self, intent: HookIntent, results: Sequence[CommandResult]) -> None:
         for res in results:

@@ -27,7 +27,7 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import EventName, Level
+from gpuwatchd.vocabulary import EventName, HookName, HookOutcome, Level
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -127,13 +127,16 @@ class HookQueue:
     At most ``capacity`` wait; a notification past that is refused (the engine logs it as
     dropped) rather than queued without bound behind a hook that hangs until its timeout.
     The thread starts with the first notification. :meth:`close` gives queued ones a bounded
-    time to finish when the daemon stops, and drops those that never started.
+    time to finish when the daemon stops, and drops those that never started. A notification
+    that raises is handed to ``on_crash`` (the daemon's engine: ``Engine.background_crashed``,
+    said by the main loop through the event sink); only a queue with none logs it itself.
     """
 
     def __init__(self, capacity: int = 32) -> None:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=capacity)
         self._thread: threading.Thread | None = None
         self._closing = False
+        self.on_crash: Callable[[str], None] | None = None
 
     def __call__(self, work: Callable[[], None]) -> bool:
         if self._thread is None:
@@ -155,7 +158,22 @@ class HookQueue:
             try:
                 work()
             except Exception as err:  # a bug in one notification must not stop the others
-                log.error(EventName.HOOK_RUN, hook="on_action", outcome="crashed", error=repr(err))
+                self._crashed(repr(err))
+
+    def _crashed(self, error: str) -> None:
+        if self.on_crash is not None:
+            try:
+                self.on_crash(error)
+            except Exception:  # noqa: S110 - said below, the last resort
+                pass
+            else:
+                return
+        # No engine to say it (a queue on its own): the catalogue's outcome, logged here.
+        LogSink().emit(
+            EventName.HOOK_RUN,
+            Level.ERROR,
+            {"hook": HookName.ON_ACTION, "outcome": HookOutcome.CRASHED, "error": error},
+        )
 
     def close(self, grace: float) -> int:
         """Take no more work; let the queue finish for up to ``grace`` seconds. Returns how

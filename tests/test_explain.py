@@ -245,7 +245,7 @@ def test_the_json_keeps_its_keys() -> None:
     assert set(result) == {"time", "policy", "dry_run", "findings"}
     assert set(orphan(result, 4250)) == {
         "key", "kind", "gpu", "pid", "reason", "first_seen", "rule", "no_rule_because",
-        "next", "then", "stopped_by",
+        "next", "then", "stopped_by", "spared",
     }  # fmt: skip
     nxt = orphan(result, 4250)["next"]
     assert isinstance(nxt, dict)

@@ -106,6 +106,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("edges", ("gpuwatchd.collect", "gpuwatchd.act", "gpuwatchd.config", "gpuwatchd.statedir",
                "gpuwatchd.logs", "gpuwatchd.holder_view", "gpuwatchd.view_guard")),
     ("services", ("gpuwatchd.state", "gpuwatchd.pause", "gpuwatchd.accepted",
+                  "gpuwatchd.status_document",
                   "gpuwatchd.metrics", "gpuwatchd.metrics_mig", "gpuwatchd.engine",
                   "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",
                   "gpuwatchd.wiring")),

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from gpuwatchd.model import CgroupInfo, NvmlReading, Spare
 from gpuwatchd.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
 from gpuwatchd.spares import cancel_spare, parse_target, read_spares, write_spare
 from gpuwatchd.statedir import StateDir
+from gpuwatchd.status_document import with_document
 from gpuwatchd.vocabulary import EventName
 from tests.test_plan import orphan, policy, proc, signals, snap
 
@@ -94,10 +95,15 @@ def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
     assert 1790 < saved["until"] - saved["since"] <= 1800
 
 
+def _written(saved: Mapping[str, object]) -> dict[str, object]:
+    """``saved`` with the status document the daemon would write at NOW."""
+    return with_document(saved, policy=default_policy(), wall=NOW, monotonic=None)
+
+
 def test_status_shows_the_pause_end() -> None:
     plan_state = set_paused(PlanState(), True, reason="swap", until=NOW + 600)
     saved = {"plan": plan_state.to_json(), "status": {"pid": 1, "last_poll": NOW}}
-    result = describe(saved, policy=default_policy(), now_wall=NOW)
+    result = describe(_written(saved), policy=default_policy(), now_wall=NOW)
     assert result["paused_until"] == NOW + 600
     assert "ends by itself" in render_text(result)
     assert "in 10m" in render_text(result)
@@ -294,7 +300,7 @@ def test_status_lists_the_daemons_spares() -> None:
             "spares": [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}],
         },
     }
-    result = describe(saved, policy=default_policy(), now_wall=NOW)
+    result = describe(_written(saved), policy=default_policy(), now_wall=NOW)
     assert result["spares"] == [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}]
     assert "spared:   job:slurm:42 until" in render_text(result)
 
@@ -332,7 +338,7 @@ def test_status_says_since_when_nvml_is_wedged_and_needs_attention() -> None:
             "nvml": {"state": "wedged", "since": NOW - 30, "error": "hung"},
         },
     }
-    result = describe(saved, policy=default_policy(), now_wall=NOW)
+    result = describe(_written(saved), policy=default_policy(), now_wall=NOW)
     assert result["nvml"] == {"state": "wedged", "error": "hung", "since": NOW - 30}
     assert "NVML:     wedged since" in render_text(result)
     assert "30s ago" in render_text(result)

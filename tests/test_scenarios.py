@@ -446,3 +446,13 @@ def test_mig_leak_beside_live_job() -> None:
     assert [(e.fields.get("kind"), e.fields.get("actionable")) for e in parent_only] == [
         ("hidden_holder", False)
     ]
+
+
+def test_spared_orphan_debugging() -> None:
+    r = run("spared-orphan-debugging")
+    assert signals_to(r, "worker") == [(130.0, "SIGTERM")]  # not before its spare ends
+    assert [e.t for e in r.entries("spare.started")] == [10.0]
+    assert [(e.t, e.fields.get("why")) for e in r.entries("spare.ended")] == [
+        (130.0, "its time was up")
+    ]
+    assert r.final["open_findings"] == []

@@ -1,8 +1,10 @@
 """status: the daemon's saved state read without touching it, rendered, and an LSB exit code.
 
 Rendering is tested from hand-written state dicts (the ``plan`` section comes from the real
-``PlanState.to_json`` so the shape cannot drift); the exit codes through ``main([...])`` with a
-temporary config whose ``state_dir`` and ``proc_root`` are temporary folders.
+``PlanState.to_json`` so the shape cannot drift) whose status document is worked out the way
+the daemon writes it (:func:`gpuwatchd.status_document.with_document`), then rendered; the exit
+codes through ``main([...])`` with a temporary config whose ``state_dir`` and ``proc_root`` are
+temporary folders.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,6 +36,7 @@ from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.state import StateStore
 from gpuwatchd.statedir import StateDir
+from gpuwatchd.status_document import with_document
 from gpuwatchd.vocabulary import LadderStatus, Level
 
 NOW = 1_800_000_000.0  # wall
@@ -101,10 +105,21 @@ def saved(*, plan: dict[str, object] | None = None, **status: object) -> dict[st
     }
 
 
+Clock = tuple[float, float | None]
+
+
 def run_describe(
-    state: dict[str, object] | None, *, process: str | None = "gpuwatchd", **kw: Any
+    state: dict[str, object] | None,
+    *,
+    process: str | None = "gpuwatchd",
+    written: Clock | None = (NOW, MONO),
+    **kw: Any,
 ) -> dict[str, Any]:
-    """``describe`` at NOW in the state's boot; ``kw`` overrides its arguments."""
+    """``describe`` at NOW in the state's boot, its status document written by the daemon at
+    ``written`` (its wall and monotonic clocks then; None: the state is taken as it is);
+    ``kw`` overrides describe's arguments."""
+    if state is not None and written is not None:
+        state = with_document(state, policy=POLICY, wall=written[0], monotonic=written[1])
     args: dict[str, Any] = {
         "policy": POLICY,
         "now_wall": NOW,
@@ -279,17 +294,17 @@ def test_a_reset_in_progress_counts_as_a_sign_of_life() -> None:
 # --- ladders: monotonic deadlines shown as wall time only when that is reliable ----------------
 
 
-def test_a_ladder_shows_step_next_signal_and_when_from_the_local_clock_in_the_same_boot() -> None:
+def test_a_ladder_shows_step_next_signal_and_when_converted_by_the_daemon() -> None:
     result = run_describe(saved())
-    assert result["clock"] == "local"
+    assert result["clock"] == "daemon"
     (lad,) = result["ladders"]
     assert (lad["step"], lad["steps"], lad["next"], lad["due_in"]) == (1, 2, "SIGKILL", 25.0)
     assert "pid 4250  rule orphans  GPU-1  step 1/2: next SIGKILL in 25s" in render_text(result)
 
 
-def test_the_daemons_own_clock_pair_is_preferred() -> None:
-    # The daemon's clock read MONO + 100 at its last poll, 2 s ago: the ladder is 77 s overdue.
-    result = run_describe(saved(monotonic=MONO + 100), boot_id=None)
+def test_the_daemons_own_clock_places_its_deadlines_whatever_the_readers_boot() -> None:
+    # The daemon's clock read MONO + 100 when it wrote, 2 s ago: the ladder is 77 s overdue.
+    result = run_describe(saved(), boot_id=None, written=(NOW - 2, MONO + 100))
     assert result["clock"] == "daemon"
     (lad,) = result["ladders"]
     assert lad["due_in"] == pytest.approx(25.0 - 100.0 - 2.0)
@@ -297,8 +312,7 @@ def test_the_daemons_own_clock_pair_is_preferred() -> None:
 
 
 def test_without_a_reliable_clock_a_ladder_is_due_without_a_time() -> None:
-    result = run_describe(saved(), boot_id=None)
-    assert result["clock"] is None
+    result = run_describe(saved(), boot_id=None, written=(NOW, None))
     (lad,) = result["ladders"]
     assert lad["due_in"] is None
     assert "next SIGKILL due (time unknown)" in render_text(result)
@@ -314,7 +328,12 @@ def test_confirmation_windows_are_listed_with_their_time() -> None:
     plan = plan_json(waiting={"ghost_memory:GPU-2:gpu": MONO + 420, LADDER.finding_key: MONO})
     result = run_describe(saved(plan=plan))
     assert result["pending"] == [
-        {"finding": "ghost_memory:GPU-2:gpu", "due": NOW + 420, "due_in": 420.0}
+        {
+            "finding": "ghost_memory:GPU-2:gpu",
+            "label": "ghost_memory GPU-2",
+            "due": NOW + 420,
+            "due_in": 420.0,
+        }
     ]
     text = render_text(result)
     assert "  ghost_memory GPU-2: in 7m" in text  # in words, not the internal key
@@ -354,11 +373,17 @@ def test_recent_actions_read_as_sentences_newest_last_at_most_20() -> None:
     result = run_describe(saved(recent_actions=actions))
     assert len(result["recent_actions"]) == 20
     text = render_text(result)
-    assert "  1m ago: reset of GPU-2: success" in text
-    assert "hook on_failure: exit 24 (dry-run)" in text
-    assert "hook: exit 23 (dry-run)" in text
-    assert "exit 4 " not in text
-    assert "  5s ago: SIGTERM to pid 4250 on GPU-1: delivered" in render_text(run_describe(saved()))
+    assert "  1m ago: GPU-2 was reset." in text
+    assert "exit 23" not in text
+    assert "Dry run: would run the on_failure hook" in text  # the catalogue's sentences
+    assert text.count("Dry run: would run the a hook") == 18
+    assert "  5s ago: Sent SIGTERM to PID 4250 on GPU-1." in render_text(run_describe(saved()))
+
+
+def test_a_recent_action_reads_as_the_catalogues_sentence_the_daemon_kept() -> None:
+    action = {"at": NOW - 5, "event": "action.signal", "sentence": "Sent SIGKILL to PID 9 (x)."}
+    text = render_text(run_describe(saved(recent_actions=[action])))
+    assert "  5s ago: Sent SIGKILL to PID 9 (x).\n" in text
 
 
 def test_reset_history_cooldown_and_window_limit() -> None:
@@ -417,6 +442,22 @@ MALFORMED: list[tuple[str, object]] = [
     ("saved_at", "x"),
     ("boot_id", 7),
 ]
+DOCUMENT_MALFORMED: list[tuple[str, object]] = [
+    ("status.document", "x"),
+    ("status.document.format", 99),
+    ("status.document.mode", "turbo"),
+    ("status.document.kill_cap", [1]),
+    ("status.document.kill_cap.users_latched", "uid:1"),
+    ("status.document.nvml", {"state": "melted", "since": "then"}),
+    ("status.document.verdict", {"gpus": [3, {"index": "0", "state": "shiny"}]}),
+    ("status.document.policy", {"files": "p.yaml", "rejected": 4}),
+    ("status.document.ladders", [{"step": -1, "due": "soon", "status": "odd"}, 5]),
+    ("status.document.pending", {"a": 1}),
+    ("status.document.recent_actions", [1, {"at": "x", "sentence": 5}]),
+    ("status.document.resets", {"gpus": [{"cooldown_ends": "x", "history": 3}], "window": "1d"}),
+    ("status.document.attention", [1, None, "ok"]),
+    ("status.document.spares", [{"target": 4}, "x"]),
+]
 
 
 @pytest.mark.parametrize(("path", "value"), MALFORMED, ids=[f"{p}={v!r}" for p, v in MALFORMED])
@@ -428,6 +469,44 @@ def test_a_malformed_field_is_unknown_never_a_traceback(path: str, value: object
     json.dumps(result, allow_nan=False)
     text = render_text(result)
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize(
+    ("path", "value"), DOCUMENT_MALFORMED, ids=[f"{p}={v!r}" for p, v in DOCUMENT_MALFORMED]
+)
+def test_a_malformed_document_value_is_unknown_never_a_traceback(path: str, value: object) -> None:
+    state = with_document(
+        saved(plan=plan_json(last_reset={"GPU-1": NOW - 5})),
+        policy=POLICY,
+        wall=NOW,
+        monotonic=MONO,
+    )
+    _edit(path, value)(state)
+    result = run_describe(state, written=None)
+    assert result["exit_code"] in (0, 1)
+    json.dumps(result, allow_nan=False)
+    render_text(result)
+
+
+def test_a_state_written_before_the_status_document_is_shown_by_the_daemons_builder() -> None:
+    """An upgraded node whose daemon still runs the old code saved no document: ``status``
+    works it out with the daemon's own builder, its deadlines through the local clock in the
+    same boot (or the daemon's clock pair when it saved one), and says there is no document."""
+    old = saved(plan=plan_json(forced_dry_run=True))
+    result = run_describe(old, written=None)
+    assert result["document"] is None
+    assert result["clock"] == "local"
+    assert result["exit_code"] == StatusCode.ATTENTION
+    assert result["kill_cap"]["latched"] is True
+    assert result == {**run_describe(old), "clock": "local", "document": None}
+    (lad,) = result["ladders"]
+    assert lad["due_in"] == 25.0
+    paired = run_describe(saved(monotonic=MONO + 100), boot_id=None, written=None)
+    assert paired["clock"] == "daemon"
+    assert paired["ladders"][0]["due_in"] == pytest.approx(25.0 - 100.0 - 2.0)
+    unplaced = run_describe(saved(), boot_id=None, written=None)
+    assert unplaced["clock"] is None
+    assert "next SIGKILL due (time unknown)" in render_text(unplaced)
 
 
 def test_unknown_values_print_as_unknown() -> None:
@@ -470,6 +549,7 @@ def test_any_one_value_changed_still_renders(data: st.DataObject) -> None:
         plan=plan_json(reset_history=[["GPU-1", NOW - 5]], signal_history=[["a@1", MONO]])
     )
     state["reset_in_progress"] = {"uuid": "GPU-1", "step": "reset", "since": NOW}
+    state = with_document(state, policy=POLICY, wall=NOW, monotonic=MONO)  # mutated too
     node: object = state
     while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
         keys = list(node) if isinstance(node, dict) else list(range(len(node)))
@@ -480,7 +560,7 @@ def test_any_one_value_changed_still_renders(data: st.DataObject) -> None:
     if isinstance(node, (dict, list)) and node:
         keys = list(node) if isinstance(node, dict) else list(range(len(node)))
         node[data.draw(st.sampled_from(keys))] = data.draw(_mutations())
-    result = run_describe(copy.deepcopy(state))
+    result = run_describe(copy.deepcopy(state), written=None)
     json.dumps(result, allow_nan=False)
     render_text(result)
 
@@ -550,6 +630,7 @@ def _save(state_dir: Path, state: dict[str, object]) -> None:
     if isinstance(status, dict):  # times against the real clock: the command reads it
         status["last_poll"] = time.time() - 1
         status["started"] = time.time() - 100
+    state = with_document(state, policy=POLICY, wall=time.time(), monotonic=time.monotonic())
     StateStore(str(state_dir)).save(state)
 
 
@@ -703,10 +784,34 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
         os.getpid(),
     )
     assert result["clock"] in ("daemon", "local")
-    assert "SIGTERM to pid 77 on GPU-1: dry_run (dry-run)" in render_text(result)
+    assert "Dry run: would send SIGTERM to PID 77 on GPU-1." in render_text(result)
+    assert (
+        result["recent_actions"][0]["sentence"] == "Dry run: would send SIGTERM to PID 77 on GPU-1."
+    )
     config.write_text("dry_run: maybe\n")
     daemon._do_reload()
     daemon.save_state()
     result = described()
     assert result["exit_code"] == 1
     assert "policy reload rejected" in render_text(result)
+
+
+def test_every_field_of_status_json_is_documented() -> None:
+    """docs/operations.md's table names each top-level field and each field of the ladders,
+    pending windows, recent actions and resets (STATUS_FORMAT's shape)."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = docs[docs.index("## 10. Status") : docs.index("## 11.")]
+    plan = plan_json(waiting={"ghost_memory:GPU-2:gpu": MONO + 60}, last_reset={"GPU-2": NOW})
+    result = run_describe(saved(plan=plan))
+    rows = {
+        "": result,
+        "ladders": result["ladders"][0],
+        "pending": result["pending"][0],
+        "recent_actions": result["recent_actions"][0],
+        "resets": result["resets"],
+        "resets.gpus": result["resets"]["gpus"][0],
+    }
+    for where, row in rows.items():
+        for key in row:
+            named = f"`{key}`" in section or re.search(rf"[{{ ]{key}[,}}:]", section)
+            assert named, f"status --json {where}.{key} is not in docs/operations.md"

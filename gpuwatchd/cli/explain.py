@@ -21,7 +21,9 @@ from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.mig_report import instance_process_entries, mig_devices_from_report
+from gpuwatchd.cli.spared import spare_stops, spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
@@ -291,6 +293,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         processes=processes,
         holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
         host_namespaces=host.get("host_namespaces", True),
+        spares=spares_from_report(report),
     )
     return snapshot, findings, first_seen
 
@@ -444,6 +447,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
             "next": None,
             "then": [],
             "stopped_by": [],
+            "spared": None,
         }
         stops: list[str] = []
         if not finding.actionable:
@@ -466,7 +470,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         elif finding.kind in HEALTH_KINDS:
             _explain_health(item=item, stops=stops, finding=finding, findings=findings,
                             snapshot=snapshot, policy=policy)  # fmt: skip
-        elif finding.kind in (FindingKind.ZOMBIE, FindingKind.DEAD_PROCESS):
+        elif finding.kind in kinds.LISTING:
             stops.append(
                 "never signalled: a zombie's parent must reap it"
                 if finding.kind == FindingKind.ZOMBIE
@@ -491,9 +495,14 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                     for before, step in zip(rule.steps[:-1], rest, strict=True)
                 ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
             why = refusal(proc, finding, snapshot, policy, frozenset())
-            if why is not None:
-                stops.append(why)
-            elif rule is not None and rule.steps[0].signal is not None and finding.actionable:
+            item["spared"], said = spare_stops(proc, snapshot, why)
+            stops.extend(said)
+            if (
+                not said
+                and rule is not None
+                and rule.steps[0].signal is not None
+                and finding.actionable
+            ):
                 signalled.append((item, finding))
             if policy.dry_run:
                 stops.append("dry_run: true — the step is logged, nothing is sent")

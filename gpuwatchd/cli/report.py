@@ -30,6 +30,7 @@ from gpuwatchd.cli.mig_report import (
     mig_judged,
     parent_rows,
 )
+from gpuwatchd.cli.spared import spared_lines
 from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig import instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
@@ -622,6 +623,9 @@ def _gpu_lines(
         lines.append(_no_rows_line(gpu))
 
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
+    noted = {f.get("pid") for f in own}  # a spared finding says so itself
+    holders = [h for h in map(_as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+    lines.extend(f"  holder {line}" for line in spared_lines(holders, now))
     lines.extend(_finding_lines(own, now, paint))
     refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
     if own and refusers:
@@ -889,6 +893,7 @@ def _finding_lines(
     lines = ["  findings"]
     for line, act in zip(_table(rows), actionable, strict=True):
         lines.append("    " + (paint(line, _RED) if act else line))
+    lines.extend(f"    {line}" for line in spared_lines(findings, now))  # gpuwatchd spare
     lines.extend(_likely_heir_advice(findings, paint))
     lines.extend(_unseen_note(findings))
     return lines

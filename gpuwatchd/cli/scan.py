@@ -277,6 +277,10 @@ def _scan_host(
         notes=assessment.notes,
         verdict=verdict,
     )
+    from gpuwatchd.cli.spared import mark_spared, spares_in_force
+
+    # What `gpuwatchd spare` leaves alone, said on each finding and holder it covers.
+    mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
     report["daemon_view"] = {
         "used": view is not None,
         "reason": view_note,

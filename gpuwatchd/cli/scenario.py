@@ -59,6 +59,7 @@ EVENT_ACTIONS = (
     "resume",
     "xid",
     "health",
+    "spare",
 )
 # A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
 # retired pages and the NVLink fabric; a successful reset clears what a reset applies.
@@ -285,6 +286,8 @@ class EventSpec:
     during: str | None = None  # a reset step instead of a time
     xid: int | None = None  # xid (on ``gpu``)
     health: Mapping[str, object] | None = None  # health: the fields that change (on ``gpu``)
+    job: str | None = None  # spare: the job key (``slurm:42``) instead of a process (``target``)
+    lasts: float | None = None  # spare: for how long
 
 
 @dataclass(frozen=True)
@@ -879,8 +882,34 @@ class _Reader:
             self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
             return EventSpec(at, action, m.line, target=proc_name, value=letter)
+        if action == "spare":
+            return self.spare(value, at, m.line)
         reason = self.string(value) if self.scalar(value) is not None else ""
         return EventSpec(at, action, m.line, value=reason)  # pause / resume
+
+    def spare(self, node: Node, at: float, line: int) -> EventSpec:
+        """``spare: {process: NAME | job: ID, for: DURATION, reason: TEXT}``: as ``gpuwatchd
+        spare PID|job:ID --for DURATION --reason TEXT`` at that moment."""
+        from gpuwatchd.spares import parse_target
+
+        sm = self.mapping(node, ("process", "job", "for", "reason"))
+        who = [k for k in ("process", "job") if k in sm.entries]
+        if len(who) != 1 or "for" not in sm.entries:
+            raise self.fail(sm, "spare needs 'for' and one of 'process' or 'job'")
+        lasts = self.duration(sm.entries["for"])
+        if lasts <= 0:
+            raise self.fail(sm.entries["for"], "a spare lasts more than 0s")
+        reason_node = sm.entries.get("reason")
+        reason = self.string(reason_node) if reason_node is not None else ""
+        if who == ["process"]:
+            name = self.name_ref(sm.entries["process"])
+            return EventSpec(at, "spare", line, target=name, value=reason, lasts=lasts)
+        job_node = sm.entries["job"]
+        try:
+            _, _, job = parse_target(f"job:{self.string(job_node)}")
+        except ValueError as exc:
+            raise self.fail(job_node, str(exc)) from None
+        return EventSpec(at, "spare", line, job=job, value=reason, lasts=lasts)
 
     def name_ref(self, node: Node) -> str:
         name = self.string(node)

@@ -38,7 +38,7 @@ from gpuwatchd.config.schema import render_policy as _render_policy
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
-from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.vocabulary import EventName, Level, SignalOutcome
 
 __all__ = [
@@ -104,6 +104,7 @@ class Simulation:
         self.queue: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
         self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
+        self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
         for event in scenario.events:
             if event.during is not None:
                 self.during.setdefault(event.during, []).append(event)
@@ -159,6 +160,8 @@ class Simulation:
         while self.now <= duration:
             previous = self.now
             self.polls += 1
+            wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
+            self.engine.set_spares(tuple(s for s in self.spares.values() if s.until > wall))
             self.engine.poll()
             until = self.engine.wake_at()
             busy = busy + 1 if until <= previous else 0
@@ -296,6 +299,8 @@ class Simulation:
                 self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
         elif action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+        elif action == "spare" and (spare := world.spare(event, WALL0 + self.now)) is not None:
+            self.spares[spare.target] = spare
         elif action == "xid" and event.gpu is not None and event.xid is not None:
             world.gpus[event.gpu].xids.append((event.xid, self.now))
             self.add("world.xid", Level.INFO, f"GPU {event.gpu}: Xid {event.xid}",

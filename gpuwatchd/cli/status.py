@@ -1,37 +1,28 @@
 """``gpuwatchd status``: what the daemon is doing, read from its state file, changing nothing.
 
-This module owns the ``status`` command: reading ``<state_dir>/state.json`` the way ``scan``
-does (:class:`gpuwatchd.statedir.StateDir`, the one checked way in: never the lock, never a
-write, a corrupt file left where it is, an untrusted directory or file not read),
-deciding whether the daemon is running (the PID its ``status`` section names is alive and looks
-like gpuwatchd, and it polled recently), and turning the saved state into a report — text for
-people, JSON for scripts (shape and exit codes in docs/operations.md, "status") — with an
-LSB-style exit code.
+This module owns the ``status`` command: reading ``<state_dir>/state.json`` through
+:func:`gpuwatchd.state.read_saved_state` (never the lock, never a write, a corrupt file left
+where it is, an untrusted directory or file not read), deciding whether the daemon is running
+(the PID its ``status`` section names is alive and looks like gpuwatchd, and it polled
+recently), and rendering the status document the daemon wrote
+(:mod:`gpuwatchd.status_document`) — text for people, JSON for scripts (shape and exit codes
+in docs/operations.md, "status") — with an LSB-style exit code. It works nothing out from the
+plan: every value comes from the document, checked (a malformed one is unknown, never a
+traceback); only the daemon's liveness and "how long from now" are this reader's own. A state
+written before the document (an upgraded node whose daemon still runs the old code) gets it
+from the daemon's own builder.
 
-:func:`describe` and :func:`render_text` are pure: the saved state is a plain dict, and every
-field in it is optional and may be malformed (shown as unknown, never a traceback). The I/O —
-the state file, ``/proc/PID``, the boot id, the clocks — is at the edge, in
-:func:`status_command`.
-
-Times: wall times in the state (``last_poll``, resets) are shown against the caller's wall
-clock. Ladder deadlines are the daemon's *monotonic* times; they are converted through the pair
-the daemon wrote at one instant (``status.monotonic`` with ``status.last_poll``) when present,
-else through this host's own monotonic clock when the state was written in this boot (the same
-``CLOCK_MONOTONIC``, as ``scan`` converts first-seen times). Otherwise a deadline is shown as
-"due" without a time rather than guessed.
-
-It is long (about 800 lines) because every field of the saved state is read defensively, one
-small checked reader each, and shown in both forms; splitting text and JSON would repeat them.
+:func:`describe` and :func:`render_text` are pure; the I/O — the state file, ``/proc/PID``,
+the boot id, the clocks — is at the edge, in :func:`status_command`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from gpuwatchd.checked import as_count as _count
@@ -44,19 +35,22 @@ from gpuwatchd.checked import as_text as _str
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
-from gpuwatchd.event_catalogue import JournalNamer, finding_label
 from gpuwatchd.state import SavedState, read_saved_state
-from gpuwatchd.vocabulary import EventName, LadderStatus
+from gpuwatchd.status_document import (
+    CLEAR_LATCHES,
+    DOCUMENT_FORMAT,
+    MAX_ACTIONS,
+    NVML_STATES,
+    build_document,
+)
+from gpuwatchd.vocabulary import LadderStatus
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
-CLEAR_LATCHES = "gpuwatchd resume --clear-latches"
 # The daemon rewrites ``status.last_poll`` at least once a minute even when nothing else changed
 # (daemon.py, STATUS_REFRESH), so the saved time may lag a live daemon by that much plus a poll.
 STATUS_REFRESH = 60.0
 STALE_POLLS = 3  # stale: no sign of life for a refresh plus this many intervals (and NVML)...
 STALE_MIN = 120.0  # ...and never sooner than this many seconds
-MAX_ACTIONS = 20  # recent actions shown (the daemon keeps as many)
-HOUR = 3600.0
 
 
 class StatusCode(enum.IntEnum):
@@ -74,31 +68,6 @@ def daemon_pid(saved: Mapping[str, object] | None) -> int | None:
 
 
 # --- the pure part ----------------------------------------------------------------------------
-
-
-class _Clock:
-    """Converts the daemon's monotonic times to wall time, when that can be done reliably."""
-
-    def __init__(
-        self,
-        status: Mapping[str, object],
-        *,
-        same_boot: bool | None,
-        now_wall: float,
-        now_monotonic: float | None,
-    ) -> None:
-        self.offset: float | None = None
-        self.source: str | None = None
-        daemon_mono, last_poll = _num(status.get("monotonic")), _num(status.get("last_poll"))
-        if daemon_mono is not None and last_poll is not None:
-            self.offset, self.source = last_poll - daemon_mono, "daemon"
-        elif same_boot is True and now_monotonic is not None:
-            self.offset, self.source = now_wall - now_monotonic, "local"
-
-    def wall(self, monotonic: float | None) -> float | None:
-        if monotonic is None or self.offset is None:
-            return None
-        return monotonic + self.offset
 
 
 def _stale_after(policy: Policy, interval: float, resetting: bool) -> float:
@@ -123,24 +92,30 @@ def describe(
 ) -> dict[str, object]:
     """The ``status --json`` document for a saved state (None: there is none).
 
-    ``process`` is what ``/proc/PID`` of the status section's PID showed: "gpuwatchd",
-    "other" (a reused PID, or this very process), "gone", "unknown" (unreadable), or None (not
-    looked at); with "unknown" or None, a recent last poll alone says it is running.
-    ``read_error`` says why the state could not be read (exit 4).
+    What the daemon wrote in its status document is taken as it is (each value checked);
+    this adds only what a reader alone knows: whether the daemon is alive, and how far away
+    each of the document's times is from ``now_wall``. ``process`` is what ``/proc/PID`` of
+    the status section's PID showed: "gpuwatchd", "other" (a reused PID, or this very
+    process), "gone", "unknown" (unreadable), or None (not looked at); with "unknown" or None,
+    a recent last poll alone says it is running. ``read_error`` says why the state could not
+    be read (exit 4). ``now_monotonic`` places the deadlines of a state written before the
+    status document (:func:`_older_state`).
     """
     data = _map(saved)
     status = _map(data.get("status"))
-    plan = _map(data.get("plan"))
     state_boot = _str(data.get("boot_id"))
     same_boot = None if state_boot is None or boot_id is None else state_boot == boot_id
-    clock = _Clock(status, same_boot=same_boot, now_wall=now_wall, now_monotonic=now_monotonic)
+    doc: Mapping[str, object] = _map(status.get("document"))
+    clock: str | None = "daemon"
+    if _int(doc.get("format")) != DOCUMENT_FORMAT:
+        doc, clock = _older_state(saved, policy, now_wall, now_monotonic, same_boot=same_boot)
 
-    reset_record = data.get("reset_in_progress")
-    in_progress = _reset_in_progress(reset_record) if isinstance(reset_record, Mapping) else None
+    record = data.get("reset_in_progress")
+    reset_since = _num(_map(record).get("since")) if isinstance(record, Mapping) else None
     last_poll = _num(status.get("last_poll"))
     started = _num(status.get("started"))
     # Signs of life: the last poll, the last step of a reset, or the start (before a first poll).
-    signs = [last_poll, None if in_progress is None else _num(in_progress["since"])]
+    signs = [last_poll, reset_since]
     if last_poll is None:
         signs.append(started)
     last_sign = max((t for t in signs if t is not None), default=None)
@@ -148,7 +123,7 @@ def describe(
     interval = _num(status.get("interval"))  # the daemon's own, when it wrote one
     if interval is None or interval <= 0:
         interval = policy.interval
-    stale_after = _stale_after(policy, interval, in_progress is not None)
+    stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
     pid = daemon_pid(data)
 
     why_not = read_error or _why_not_running(
@@ -161,24 +136,9 @@ def describe(
         state_dir=policy.state_dir,
     )
     running = None if read_error is not None else why_not is None
-
-    modes = _modes(status, plan)
-    ladders = _ladders(plan, clock, now_wall)
-    kill_cap = _kill_cap(plan, policy, clock, now_wall)
-    breaker = _breaker(plan, policy)
-    nvml = _map(status.get("nvml"))
-    nvml_state = _str(nvml.get("state"))
-    raw_rejected = status.get("policy_rejected")
-    rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
-    files = status.get("policy")
-    attention = _attention(
-        kill_cap=kill_cap,
-        breaker=breaker,
-        nvml_state=nvml_state,
-        nvml_error=_str(nvml.get("error")),
-        rejected=rejected,
-        ladders=ladders,
-    )
+    attention = [a for a in _seq(doc.get("attention"))[:64] if isinstance(a, str)]
+    kill_cap = _pick(doc.get("kill_cap"), _KILL_CAP)
+    breaker = _pick(doc.get("circuit_breaker"), _BREAKER)
     if read_error is not None:
         code, health = StatusCode.UNKNOWN, "unknown"
     elif not running:
@@ -208,36 +168,50 @@ def describe(
             "saved_at": _num(data.get("saved_at")),
             "same_boot": same_boot,
         },
-        **modes,
+        **_pick(doc, _MODES),
         "kill_cap": kill_cap,
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-        "nvml": {
-            "state": nvml_state if nvml_state in ("ok", "wedged", "unavailable") else None,
-            "error": _str(nvml.get("error")),
-            "since": _num(nvml.get("since")),
-        },
-        "spares": _spares(status.get("spares")),
-        "gpus": _count(status.get("gpus")),
-        "findings": _count(status.get("findings")),
-        "verdict": _verdict(status.get("verdict")),
-        "policy": {
-            "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-            "rejected": None
-            if rejected is None
-            else {
-                "at": _num(rejected.get("at")),
-                "error": _str(rejected.get("error")),
-                "at_start": rejected.get("at_start") is True,
-                "running": _str(rejected.get("running")),
-            },
-        },
-        "clock": clock.source,
-        "ladders": ladders,
-        "pending": _pending(plan, ladders, clock, now_wall),
-        "recent_actions": _actions(status.get("recent_actions")),
-        "resets": _resets(plan, in_progress, policy, now_wall, modes),
+        "nvml": _pick(doc.get("nvml"), _NVML),
+        "spares": [s for s in _rows(doc.get("spares"), _SPARE, 64) if s["target"] is not None],
+        "gpus": _count(doc.get("gpus")),
+        "findings": _count(doc.get("findings")),
+        "verdict": _verdict(doc.get("verdict")),
+        "policy": _policy(doc.get("policy")),
+        "clock": clock,
+        "document": _num(doc.get("written_at")),
+        "ladders": [_due_in(lad, now_wall) for lad in _rows(doc.get("ladders"), _LADDER, 1024)],
+        "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
+        "recent_actions": _rows(doc.get("recent_actions"), _ACTION, MAX_ACTIONS, newest=True),
+        "resets": _resets(doc.get("resets"), now_wall),
     }
+
+
+def _older_state(
+    saved: Mapping[str, object] | None,
+    policy: Policy,
+    now_wall: float,
+    now_monotonic: float | None,
+    *,
+    same_boot: bool | None,
+) -> tuple[Mapping[str, object], str | None]:
+    """The status document of a state with none this reader knows (written by a gpuwatchd
+    from before it, whose daemon was not restarted after an upgrade): worked out from what it
+    saved by the daemon's own code (:func:`build_document`), its monotonic times placed
+    through the daemon's clock pair (``status.monotonic`` with ``status.last_poll``) when it
+    wrote one, else through this host's clock in the same boot, else not at all."""
+    if saved is None:
+        return {}, None
+    status = _map(saved.get("status"))
+    daemon_mono, last_poll = _num(status.get("monotonic")), _num(status.get("last_poll"))
+    monotonic: float | None = None
+    clock: str | None = None
+    if daemon_mono is not None and last_poll is not None:
+        monotonic, clock = daemon_mono + (now_wall - last_poll), "daemon"
+    elif same_boot is True and now_monotonic is not None:
+        monotonic, clock = now_monotonic, "local"
+    doc = build_document(saved, policy=policy, wall=now_wall, monotonic=monotonic)
+    return {**doc, "written_at": None}, clock  # no document was written
 
 
 def _why_not_running(
@@ -270,283 +244,156 @@ def _why_not_running(
     return None
 
 
-def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str, object]:
-    dry = _bool(status.get("dry_run"))
-    mode = _str(status.get("mode"))
-    if mode not in ("enforcing", "dry-run"):
-        mode = None if dry is None else ("dry-run" if dry else "enforcing")
-    paused = _bool(plan.get("paused"))
-    forced = _bool(plan.get("forced_dry_run"))
-    if paused:
-        effective: str | None = "paused"
-    elif forced:
-        effective = "forced-dry-run"
-    else:
-        effective = mode
-    return {
-        "mode": mode,
-        "effective_mode": effective,
-        "paused": paused,
-        "paused_reason": _str(plan.get("paused_reason")) if paused else None,
-        "paused_until": _num(plan.get("paused_until")) if paused else None,
-    }
+# --- the document's values, each checked: a malformed one is unknown ---------------------------
+
+_Check = Callable[[object], object]
 
 
-def _spares(raw: object) -> list[dict[str, object]]:
-    """The daemon's spares in force (``gpuwatchd spare``), each checked."""
-    out: list[dict[str, object]] = []
-    for item in _seq(raw)[:64]:
-        row = _map(item)
-        target = _str(row.get("target"))
-        if target is None:
-            continue
-        out.append(
-            {"target": target, "until": _num(row.get("until")), "reason": _str(row.get("reason"))}
-        )
-    return out
+def _one_of(*allowed: str) -> _Check:
+    return lambda value: value if isinstance(value, str) and value in allowed else None
 
 
-def _kill_cap(
-    plan: Mapping[str, object],
-    policy: Policy,
-    clock: _Clock,
-    now_wall: float,
-) -> dict[str, object]:
-    latched = _bool(plan.get("forced_dry_run"))
-    history = plan.get("signal_history")
-    recent: int | None = None
-    if isinstance(history, list) and clock.offset is not None:
-        times = [clock.wall(_num(p[1])) for p in history if isinstance(p, list) and len(p) == 2]
-        if all(t is not None for t in times):
-            recent = sum(1 for t in times if t is not None and now_wall - t < HOUR)
-    scopes = plan.get("scope_latches")
-    users = sorted(str(k) for k in scopes) if isinstance(scopes, dict) else []
-    return {
-        "latched": latched,
-        "reason": _str(plan.get("forced_reason")) if latched else None,
-        "users_latched": users[:64],
-        "signalled_last_hour": recent,
-        "max_per_hour": policy.limits.node_max_signalled_per_hour,
-        "max_per_user_hour": policy.limits.max_signalled_per_hour,
-        "max_per_poll": policy.limits.max_signalled_per_poll,
-    }
+def _texts(value: object) -> list[str]:
+    return [v for v in _seq(value)[:64] if isinstance(v, str)]
 
 
-def _breaker(plan: Mapping[str, object], policy: Policy) -> dict[str, object]:
-    return {
-        "open": _bool(plan.get("circuit_open")),
-        "failures": _count(plan.get("reset_failures")),
-        "max_failures": policy.reset.max_failures,
-    }
+def _numbers(value: object) -> list[float]:
+    return [n for v in _seq(value)[:256] if (n := _num(v)) is not None]
 
 
-def _ladders(plan: Mapping[str, object], clock: _Clock, now_wall: float) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
-    for target, raw in sorted(_map(plan.get("ladders")).items()):
-        lad = _map(raw)
-        steps = lad.get("steps")
-        total = len(steps) if isinstance(steps, list) else None
-        step = _count(lad.get("step"))
-        nxt: str | None = None
-        if isinstance(steps, list) and total is not None and step is not None and step <= total:
-            if step == total:
-                nxt = "end"
-            else:
-                pair = steps[step]
-                signal = pair[0] if isinstance(pair, list) and len(pair) == 2 else 0
-                nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
-        state = _str(lad.get("status"))
-        due = clock.wall(_num(lad.get("due")))
-        out.append(
-            {
-                "target": target,
-                "pid": _int(lad.get("pid")),
-                "rule": _str(lad.get("rule")),
-                "gpu": _str(lad.get("gpu")),
-                "finding": _str(lad.get("finding")),
-                "status": state if state in set(LadderStatus) else None,
-                "dry_run": _bool(lad.get("dry_run")),
-                "step": step,
-                "steps": total,
-                "next": nxt,
-                "scheduled": _num(lad.get("due")) is not None,
-                "due": due,
-                "due_in": None if due is None else due - now_wall,
-                "started": clock.wall(_num(lad.get("started"))),
-            }
-        )
-    return out
+def _pick(raw: object, spec: Mapping[str, _Check]) -> dict[str, object]:
+    row = _map(raw)
+    return {key: check(row.get(key)) for key, check in spec.items()}
 
 
-def _pending(
-    plan: Mapping[str, object],
-    ladders: Sequence[Mapping[str, object]],
-    clock: _Clock,
-    now_wall: float,
+def _rows(
+    raw: object, spec: Mapping[str, _Check], limit: int, *, newest: bool = False
 ) -> list[dict[str, object]]:
-    """Confirmation windows and delays not already shown as a ladder's next step."""
-    laddered = {lad["finding"] for lad in ladders if lad["status"] == LadderStatus.ACTIVE}
-    out: list[dict[str, object]] = []
-    for key, raw in sorted(_map(plan.get("waiting")).items()):
-        if key in laddered:
-            continue
-        due = clock.wall(_num(raw))
-        out.append({"finding": key, "due": due, "due_in": None if due is None else due - now_wall})
-    return out
+    items = _seq(raw)
+    chosen = items[-limit:] if newest else items[:limit]
+    return [_pick(item, spec) for item in chosen]
+
+
+_MODES: Mapping[str, _Check] = {
+    "mode": _one_of("enforcing", "dry-run"),
+    "effective_mode": _one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
+    "paused": _bool,
+    "paused_reason": _str,
+    "paused_until": _num,
+}
+_KILL_CAP: Mapping[str, _Check] = {
+    "latched": _bool,
+    "reason": _str,
+    "users_latched": _texts,
+    "signalled_last_hour": _count,
+    "max_per_hour": _count,
+    "max_per_user_hour": _count,
+    "max_per_poll": _count,
+}
+_BREAKER: Mapping[str, _Check] = {"open": _bool, "failures": _count, "max_failures": _count}
+_NVML: Mapping[str, _Check] = {"state": _one_of(*NVML_STATES), "error": _str, "since": _num}
+_SPARE: Mapping[str, _Check] = {"target": _str, "until": _num, "reason": _str}
+_GPU: Mapping[str, _Check] = {
+    "index": _int,
+    "uuid": _str,
+    "state": _one_of("clean", "dirty", "unknown"),
+    "kind": _str,
+    "reason": _str,
+    "reasons": _count,
+    "reset_blockers": _count,
+}
+_REJECTED: Mapping[str, _Check] = {
+    "at": _num,
+    "error": _str,
+    "at_start": lambda v: v is True,
+    "running": _str,
+}
+_LADDER: Mapping[str, _Check] = {
+    "target": _str,
+    "pid": _int,
+    "rule": _str,
+    "gpu": _str,
+    "finding": _str,
+    "label": _str,
+    "status": _one_of(*LadderStatus),
+    "dry_run": _bool,
+    "step": _count,
+    "steps": _count,
+    "next": _str,
+    "scheduled": _bool,
+    "due": _num,
+    "started": _num,
+}
+_PENDING: Mapping[str, _Check] = {"finding": _str, "label": _str, "due": _num}
+_ACTION: Mapping[str, _Check] = {
+    "at": _num,
+    "event": _str,
+    "gpu": _str,
+    "pid": _int,
+    "signal": _str,
+    "hook": _str,
+    "outcome": _str,
+    "dry_run": _bool,
+    "sentence": _str,
+}
+_IN_PROGRESS: Mapping[str, _Check] = {"gpu": _str, "pci_bus_id": _str, "step": _str, "since": _num}
+_RESET_GPU: Mapping[str, _Check] = {
+    "gpu": _str,
+    "last": _num,
+    "last_dry_run": _num,
+    "history": _numbers,
+    "in_window": _count,
+    "cooldown_ends": _num,
+    "limit_lifts": _num,
+    "never": _bool,
+}
+
+
+def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:
+    due = _num(row.get("due"))
+    row["due_in"] = None if due is None else due - now_wall
+    return row
 
 
 def _verdict(raw: object) -> dict[str, object] | None:
-    """The daemon's last verdict on each GPU (decide/verdict.py, what ``check-clean`` says):
-    ``clean`` (true, false, or null when NVML could not be asked) and each GPU's ``state``
-    with its first reason. None when the daemon wrote none."""
+    """Each GPU clean for a new job, as the daemon judged it (decide/verdict.py)."""
     if not isinstance(raw, Mapping):
         return None
     whole = _map(raw)
-    gpus = []
-    for item in _seq(whole.get("gpus"))[:256]:
-        entry = _map(item)
-        reasons = [_map(r) for r in _seq(entry.get("reasons"))]
-        first = reasons[0] if reasons else {}
-        state = _str(entry.get("state"))
-        gpus.append(
-            {
-                "index": _int(entry.get("index")),
-                "uuid": _str(entry.get("uuid")),
-                "state": state if state in ("clean", "dirty", "unknown") else None,
-                "kind": _str(first.get("kind")),
-                "reason": _str(first.get("reason")),
-                "reasons": len(reasons),
-                "reset_blockers": len(_seq(entry.get("reset_blockers"))),
-            }
-        )
-    return {"clean": _bool(whole.get("clean")), "error": _str(whole.get("error")), "gpus": gpus}
-
-
-def _actions(raw: object) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
-    for item in _seq(raw)[-MAX_ACTIONS:]:
-        entry = _map(item)
-        out.append(
-            {
-                "at": _num(entry.get("at")),
-                "event": _str(entry.get("event")),
-                "gpu": _str(entry.get("gpu")),
-                "pid": _int(entry.get("pid")),
-                "signal": _str(entry.get("signal")),
-                "hook": _str(entry.get("hook")),
-                "outcome": _str(entry.get("outcome")),
-                "dry_run": _bool(entry.get("dry_run")),
-            }
-        )
-    return out
-
-
-def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
     return {
-        "gpu": _str(record.get("uuid")),
-        "pci_bus_id": _str(record.get("pci_bus_id")),
-        "step": _str(record.get("step")),
-        "since": _num(record.get("since")),
+        "clean": _bool(whole.get("clean")),
+        "error": _str(whole.get("error")),
+        "gpus": _rows(whole.get("gpus"), _GPU, 256),
     }
 
 
-def _resets(
-    plan: Mapping[str, object],
-    in_progress: Mapping[str, object] | None,
-    policy: Policy,
-    now_wall: float,
-    modes: Mapping[str, object],
-) -> dict[str, object]:
-    reset = policy.reset
-    last = {k: t for k, v in _map(plan.get("last_reset")).items() if (t := _num(v)) is not None}
-    last_dry = {
-        k: t for k, v in _map(plan.get("last_dry_reset")).items() if (t := _num(v)) is not None
-    }
-    history: dict[str, list[float]] = {}
-    for pair in _seq(plan.get("reset_history")):
-        if isinstance(pair, list) and len(pair) == 2:
-            gpu, at = _str(pair[0]), _num(pair[1])
-            if gpu is not None and at is not None:
-                history.setdefault(gpu, []).append(at)
-    # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
-    dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
-    gpus = []
-    for gpu in sorted(set(last) | set(last_dry) | set(history)):
-        times = sorted(history.get(gpu, []))
-        window = [t for t in times if now_wall - t < reset.window]
-        latest = last.get(gpu)
-        if dry and gpu in last_dry:
-            latest = max(latest if latest is not None else -math.inf, last_dry[gpu])
-        cooldown_left = None if latest is None else max(0.0, latest + reset.cooldown - now_wall)
-        # The limit lifts when enough of the resets in the window have aged out of it.
-        limit_left: float | None = 0.0
-        if reset.max_resets < 1:
-            limit_left = None  # never allowed
-        elif len(window) >= reset.max_resets:
-            oldest_to_leave = window[len(window) - reset.max_resets]
-            limit_left = max(0.0, oldest_to_leave + reset.window - now_wall)
-        gpus.append(
-            {
-                "gpu": gpu,
-                "last": last.get(gpu),
-                "last_dry_run": last_dry.get(gpu),
-                "history": times,
-                "in_window": len(window),
-                "cooldown_left": cooldown_left,
-                "limit_left": limit_left,
-            }
-        )
+def _policy(raw: object) -> dict[str, object]:
+    policy = _map(raw)
+    files = policy.get("files")
+    rejected = policy.get("rejected")
     return {
-        "cooldown": reset.cooldown,
-        "max_resets": reset.max_resets,
-        "window": reset.window,
-        "in_progress": None if in_progress is None else dict(in_progress),
+        "files": _texts(files) if isinstance(files, list) else None,
+        "rejected": _pick(rejected, _REJECTED) if isinstance(rejected, Mapping) else None,
+    }
+
+
+def _resets(raw: object, now_wall: float) -> dict[str, object]:
+    resets = _map(raw)
+    progress = resets.get("in_progress")
+    gpus = []
+    for row in _rows(resets.get("gpus"), _RESET_GPU, 256):
+        ends, lifts = _num(row["cooldown_ends"]), _num(row["limit_lifts"])
+        row["cooldown_left"] = None if ends is None else max(0.0, ends - now_wall)
+        limit_left = 0.0 if lifts is None else max(0.0, lifts - now_wall)
+        row["limit_left"] = None if row["never"] else limit_left
+        gpus.append(row)
+    return {
+        "cooldown": _num(resets.get("cooldown")),
+        "max_resets": _count(resets.get("max_resets")),
+        "window": _num(resets.get("window")),
+        "in_progress": _pick(progress, _IN_PROGRESS) if isinstance(progress, Mapping) else None,
         "gpus": gpus,
     }
-
-
-def _attention(
-    *,
-    kill_cap: Mapping[str, object],
-    breaker: Mapping[str, object],
-    nvml_state: str | None,
-    nvml_error: str | None,
-    rejected: Mapping[str, object] | None,
-    ladders: Sequence[Mapping[str, object]],
-) -> list[str]:
-    """What needs a human, from the saved state (said even when the daemon is not running)."""
-    out = []
-    if kill_cap["latched"]:
-        why = f" ({kill_cap['reason']})" if kill_cap["reason"] else ""
-        out.append(f"kill cap reached{why}: dry-run forced; clear with `{CLEAR_LATCHES}`")
-    users = kill_cap.get("users_latched")
-    if isinstance(users, list) and users:
-        shown = ", ".join(escape(str(u)) for u in users)
-        out.append(f"kill cap reached for {shown}: their targets in dry-run until it expires")
-    if breaker["open"]:
-        failures = breaker["failures"]
-        after = f" after {failures} failed reset(s)" if failures is not None else ""
-        out.append(f"reset circuit breaker open{after}; clear with `{CLEAR_LATCHES}`")
-    if nvml_state == "wedged":
-        out.append("NVML wedged: the driver did not answer (drain and reboot if it persists)")
-    elif nvml_state == "unavailable":
-        why = f": {nvml_error}" if nvml_error else ""
-        out.append(f"NVML unavailable{why}: no GPU is watched")
-    if rejected is not None:
-        error = _str(rejected.get("error")) or "unknown error"
-        if rejected.get("at_start") is True:
-            running = _str(rejected.get("running")) or "another policy"
-            out.append(
-                f"policy rejected at start ({error}); running {running} instead: fix the "
-                "policy, then `systemctl reload gpuwatchd`"
-            )
-        else:
-            out.append(f"policy reload rejected ({error}); the previous policy stays in force")
-    stuck = [lad for lad in ladders if lad["status"] == LadderStatus.STUCK]
-    if stuck:
-        pids = ", ".join(str(lad["pid"] if lad["pid"] is not None else "?") for lad in stuck)
-        out.append(f"target(s) stuck in D state (pid {pids}): needs drain/reboot")
-    return out
 
 
 # --- text ---------------------------------------------------------------------------------------
@@ -641,22 +488,12 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
 
 
 def _action_line(now: float, action: Mapping[str, object]) -> str:
+    """``  5s ago: Sent SIGTERM to PID 4250 on GPU-1.`` (the catalogue's sentence)."""
     at = _num(action.get("at"))
     when = ago(now - at) if at is not None else "unknown time"
-    event, gpu, pid = action.get("event"), action.get("gpu"), action.get("pid")
-    on = f" on {gpu}" if gpu else ""
-    outcome = _text(action.get("outcome"))
-    if event == EventName.ACTION_SIGNAL:
-        what = f"{_text(action.get('signal'))} to pid {_text(pid)}{on}: {outcome}"
-    elif event == EventName.RESET_OUTCOME:
-        what = f"reset of {_text(gpu)}: {outcome}"
-    elif event == EventName.HOOK_RUN:
-        hook = action.get("hook")
-        what = f"hook {hook}{on}: {outcome}" if hook else f"hook{on}: {outcome}"
-    else:
-        what = f"{_text(event)}{on}: {outcome}"
-    dry = " (dry-run)" if action.get("dry_run") else ""
-    return f"  {when}: {what}{dry}"
+    sentence = action.get("sentence")
+    what = sentence if isinstance(sentence, str) else f"{_text(action.get('event'))}: unknown"
+    return f"  {when}: {what}"
 
 
 def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
@@ -795,7 +632,8 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
         for item in pending:
             due_in = _num(item.get("due_in"))
             when = "due" if due_in is None else until(due_in)
-            lines.append(f"  {finding_label(item.get('finding'), JournalNamer())}: {when}")
+            label = item.get("label") or item.get("finding")
+            lines.append(f"  {_text(label)}: {when}")
     return lines
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.cli.scenario import GpuSpec, HealthSpec, ProcessSpec, Scenario
+from gpuwatchd.cli.scenario import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
@@ -33,6 +33,7 @@ from gpuwatchd.model import (
     NvmlReading,
     ProcessInfo,
     Snapshot,
+    Spare,
     Support,
     XidEvent,
 )
@@ -180,6 +181,19 @@ class World:
             gi = spec.holds.mig if self.gpus[index].spec.mig_instances else None
             self.contexts.append(_Context(spec.pid, spec.name, index, size, gi=gi))
         return proc
+
+    def spare(self, event: EventSpec, wall: float) -> Spare | None:
+        """The spare a ``spare`` event gives at wall time ``wall``: the named process (by PID
+        and start ticks, as ``gpuwatchd spare PID`` reads them) or the job; None when the
+        process has exited."""
+        until, reason = wall + (event.lasts or 0.0), event.value or ""
+        if event.job is not None:
+            return Spare(f"job:{event.job}", until, reason, job=event.job, since=wall, by_uid=0)
+        proc = None if event.target is None else self.by_name(event.target)
+        if proc is None or not proc.alive:
+            return None
+        return Spare(f"pid:{proc.pid}", until, reason, pid=proc.pid,
+                     start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
 
     def by_name(self, name: str) -> _Proc | None:
         for proc in reversed(self.history):

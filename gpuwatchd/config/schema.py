@@ -48,6 +48,7 @@ from gpuwatchd.config.yamlsrc import (
     join_key,
     load_document,
 )
+from gpuwatchd.decide import kinds
 from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
 from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Hook, Policy, Rule, Step, default_rules
 from gpuwatchd.model import FindingKind
@@ -72,21 +73,11 @@ __all__ = [
 ]
 
 # Kinds a rule may send signals for. The others are report-only or handled by the reset.
-SIGNALLABLE_KINDS = (FindingKind.ORPHANED, FindingKind.ABANDONED)
+SIGNALLABLE_KINDS = tuple(kind for kind in FindingKind if kind in kinds.SIGNALLABLE)
 _WHY_NOT_SIGNALLABLE = {
-    FindingKind.DEAD_PROCESS: "a dead process cannot be signalled",
-    FindingKind.ZOMBIE: "zombies are never signalled (their parent must reap them)",
-    FindingKind.STUCK: "a process in uninterruptible sleep (D) cannot be killed; "
-    "the on_failure hooks run for it",
-    FindingKind.HIDDEN_HOLDER: "hidden holders are report-only",
-    FindingKind.GHOST_MEMORY: "ghost memory is freed by the GPU reset; tune it under 'reset'",
-    FindingKind.UNACCOUNTED_MEMORY: "unaccounted memory is report-only; "
-    "the processes behind it are found as their own kinds",
-    # GPU health: never a reason to signal a job (docs/policy.md#health).
-    FindingKind.RESET_REQUIRED: "GPU health is handled under 'health'; live jobs are never "
-    "signalled for it",
-    FindingKind.REBOOT_REQUIRED: "a GPU that needs a reboot is handled under 'health'",
-    FindingKind.DRAIN_REQUIRED: "a GPU that needs draining is handled under 'health'",
+    kind: row.why_not_signallable
+    for kind, row in kinds.KINDS.items()
+    if row.why_not_signallable is not None
 }
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).

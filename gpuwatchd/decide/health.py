@@ -33,7 +33,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from gpuwatchd.decide import fabric
+from gpuwatchd.decide import fabric, kinds
 from gpuwatchd.decide.health_state import MAX_XID_KINDS, GpuHealthState, HealthState, XidRecord
 from gpuwatchd.decide.policy import HealthPolicy
 from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
@@ -56,9 +56,7 @@ __all__ = [
     "xid_action",
 ]
 
-HEALTH_KINDS = frozenset(
-    {FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED}
-)
+HEALTH_KINDS = kinds.HEALTH
 MAX_COUNT = 2**31
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
 # "solo" rules are judged over it. A poll reads every queued event at once, so Xids of one

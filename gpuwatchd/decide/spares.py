@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from gpuwatchd.model import ProcessInfo, Spare
 from gpuwatchd.vocabulary import EventName, Level
 
-__all__ = ["SpareEvent", "spare_changes", "spare_reason", "spare_text"]
+__all__ = ["SpareEvent", "spare_changes", "spare_covering", "spare_reason", "spare_text"]
 
 SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
 
@@ -39,23 +39,34 @@ def spare_text(spare: Spare) -> str:
     return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
+def spare_covering(
+    process: ProcessInfo, spares: Sequence[Spare], wall: float
+) -> tuple[Spare, str | None] | None:
+    """The spare in force at wall time ``wall`` that covers ``process``, with what is unknown
+    about the process that makes it count as spared (None: it is the spared one), or None."""
+    for spare in _in_force(spares, wall):
+        if spare.pid is not None and spare.pid == process.pid:
+            if process.start_ticks is None:
+                return spare, "this process's start time is unknown"
+            if process.start_ticks == spare.start_ticks:
+                return spare, None
+        if spare.job is not None:
+            if process.cgroup is None:
+                return spare, "this process's job is unknown"
+            if process.cgroup.job_key == spare.job:
+                return spare, None
+    return None
+
+
 def spare_reason(process: ProcessInfo, spares: Sequence[Spare], wall: float) -> str | None:
     """Why ``process`` is left alone at wall time ``wall`` because of a spare in force, or
     None. The text names the spare, not how long it has left, so it stays the same while the
     spare lasts (a hold is said once)."""
-    for spare in _in_force(spares, wall):
-        if spare.pid is not None and spare.pid == process.pid:
-            if process.start_ticks is None:
-                return f"{spare_text(spare)}; this process's start time is unknown"
-            if process.start_ticks == spare.start_ticks:
-                return spare_text(spare)
-        if spare.job is not None:
-            job = None if process.cgroup is None else process.cgroup.job_key
-            if process.cgroup is None:
-                return f"{spare_text(spare)}; this process's job is unknown"
-            if job == spare.job:
-                return spare_text(spare)
-    return None
+    found = spare_covering(process, spares, wall)
+    if found is None:
+        return None
+    spare, unknown = found
+    return spare_text(spare) + (f"; {unknown}" if unknown else "")
 
 
 def _fields(spare: Spare) -> dict[str, object]:

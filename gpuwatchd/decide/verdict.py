@@ -39,6 +39,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.decide import kinds
 from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
 from gpuwatchd.decide.floor import is_infrastructure
@@ -71,11 +72,9 @@ __all__ = [
 _MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dirt, by why
 _PROTECTED = "protected"
 # Findings about a process that holds device files: dirt on every GPU whose file it holds.
-_HOLDING_KINDS = frozenset(
-    {FindingKind.ORPHANED, FindingKind.ABANDONED, FindingKind.STUCK, FindingKind.HIDDEN_HOLDER}
-)
-_MEMORY_KINDS = frozenset({FindingKind.GHOST_MEMORY, FindingKind.UNACCOUNTED_MEMORY})
-_LISTING_KINDS = frozenset({FindingKind.DEAD_PROCESS, FindingKind.ZOMBIE})
+_HOLDING_KINDS = kinds.HOLDING_DEVICE
+_MEMORY_KINDS = kinds.MEMORY
+_LISTING_KINDS = kinds.LISTING
 _UNKNOWN_KINDS = frozenset(
     {
         LeftoverName.UNKNOWN_HOLDER.value,
@@ -87,14 +86,8 @@ _UNKNOWN_KINDS = frozenset(
 # its last holder exits (NVML lists the dead owner, with its memory, until then), a parent
 # reaps its zombie, a holder that exited during the scan is gone at the next one.
 SETTLING = frozenset(
-    {
-        FindingKind.DEAD_PROCESS.value,
-        FindingKind.ZOMBIE.value,
-        FindingKind.GHOST_MEMORY.value,
-        FindingKind.UNACCOUNTED_MEMORY.value,
-        LeftoverName.LEFTOVER_MEMORY.value,
-        LeftoverName.UNKNOWN_HOLDER.value,
-    }
+    {kind.value for kind in kinds.SETTLING}
+    | {LeftoverName.LEFTOVER_MEMORY.value, LeftoverName.UNKNOWN_HOLDER.value}
 )
 
 

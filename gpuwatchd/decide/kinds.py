@@ -1,0 +1,188 @@
+"""What each finding kind is: one row per :class:`gpuwatchd.model.FindingKind`.
+
+This module owns the properties of a finding kind that the rest of gpuwatchd asks about — its
+words for a person, whether it is about a process or a GPU, whether the process behind it
+holds the device (dirt on every GPU it holds), whether it is a live holder, about memory or
+an NVML listing, whether it may settle by itself, whether it is GPU health, whether a rule may
+signal for it (and if not, why), and its section in docs/findings.md. A new kind is one row
+here (tests/test_kinds.py checks that every kind has one and that the docs list it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.model import FindingKind
+
+__all__ = [
+    "HEALTH",
+    "HOLDING_DEVICE",
+    "KINDS",
+    "LISTING",
+    "LIVE_HOLDER",
+    "MEMORY",
+    "SETTLING",
+    "SIGNALLABLE",
+    "KindProperties",
+    "Scope",
+    "properties",
+    "words",
+]
+
+
+class Scope(str, enum.Enum):
+    """What a finding of the kind is about."""
+
+    PROCESS = "process"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class KindProperties:
+    """One kind's properties (see the module docstring)."""
+
+    kind: FindingKind
+    words: str  # for a person: "a process that holds a GPU after its job ended"
+    scope: Scope
+    holds_device: bool = False  # a live process holding device files: dirt on each GPU it holds
+    live_holder: bool = False  # the GPU has a live holder while it lasts
+    memory: bool = False  # memory no live process accounts for
+    listing: bool = False  # NVML lists a process that no longer runs
+    settling: bool = False  # may go away without anyone acting
+    health: bool = False  # GPU health (decide/health.py); never a reason to signal a job
+    why_not_signallable: str | None = None  # None: a rule may send signals for it
+
+    @property
+    def signallable(self) -> bool:
+        return self.why_not_signallable is None
+
+    @property
+    def anchor(self) -> str:
+        """Its section in docs/findings.md (the health kinds share "GPU health")."""
+        if self.health:
+            return "gpu-health"
+        return f"{self.kind.value}-gpu-level" if self.scope is Scope.GPU else self.kind.value
+
+
+_K = FindingKind
+_HEALTH_WHY = "a GPU that needs {} is handled under 'health'"
+
+KINDS: Mapping[FindingKind, KindProperties] = {
+    row.kind: row
+    for row in (
+        KindProperties(
+            _K.DEAD_PROCESS,
+            "NVML lists a process that no longer exists",
+            Scope.PROCESS,
+            listing=True,
+            settling=True,
+            why_not_signallable="a dead process cannot be signalled",
+        ),
+        KindProperties(
+            _K.ZOMBIE,
+            "a zombie process still listed on the GPU",
+            Scope.PROCESS,
+            live_holder=True,
+            listing=True,
+            settling=True,
+            why_not_signallable="zombies are never signalled (their parent must reap them)",
+        ),
+        KindProperties(
+            _K.ORPHANED,
+            "a process left pinning a dead job's GPU memory (a worker whose trainer died)",
+            Scope.PROCESS,
+            holds_device=True,
+            live_holder=True,
+        ),
+        KindProperties(
+            _K.ABANDONED,
+            "a live process still holding the GPU after its job ended",
+            Scope.PROCESS,
+            holds_device=True,
+            live_holder=True,
+        ),
+        KindProperties(
+            _K.STUCK,
+            "a process stuck in uninterruptible sleep (D) on the GPU",
+            Scope.PROCESS,
+            holds_device=True,
+            live_holder=True,
+            why_not_signallable="a process in uninterruptible sleep (D) cannot be killed; "
+            "the on_failure hooks run for it",
+        ),
+        KindProperties(
+            _K.HIDDEN_HOLDER,
+            "a process holding the GPU's device file without a context of its own",
+            Scope.PROCESS,
+            holds_device=True,
+            live_holder=True,
+            why_not_signallable="hidden holders are report-only",
+        ),
+        KindProperties(
+            _K.GHOST_MEMORY,
+            "GPU memory still allocated with no live holder at all",
+            Scope.GPU,
+            memory=True,
+            settling=True,
+            why_not_signallable="ghost memory is freed by the GPU reset; tune it under 'reset'",
+        ),
+        KindProperties(
+            _K.UNACCOUNTED_MEMORY,
+            "GPU memory in use that the listed processes do not account for",
+            Scope.GPU,
+            memory=True,
+            settling=True,
+            why_not_signallable="unaccounted memory is report-only; "
+            "the processes behind it are found as their own kinds",
+        ),
+        KindProperties(
+            _K.RESET_REQUIRED,
+            "a GPU that needs a reset to be healthy",
+            Scope.GPU,
+            health=True,
+            why_not_signallable="GPU health is handled under 'health'; live jobs are never "
+            "signalled for it",
+        ),
+        KindProperties(
+            _K.REBOOT_REQUIRED,
+            "a GPU that needs the node rebooted",
+            Scope.GPU,
+            health=True,
+            why_not_signallable=_HEALTH_WHY.format("a reboot"),
+        ),
+        KindProperties(
+            _K.DRAIN_REQUIRED,
+            "a GPU whose node needs draining",
+            Scope.GPU,
+            health=True,
+            why_not_signallable=_HEALTH_WHY.format("draining"),
+        ),
+    )
+}
+
+
+def properties(kind: FindingKind) -> KindProperties:
+    return KINDS[kind]
+
+
+def words(kind: object) -> str | None:
+    """The kind in words; None for a value that is no finding kind."""
+    try:
+        return KINDS[FindingKind(kind)].words
+    except ValueError:
+        return None
+
+
+def _where(test: str) -> frozenset[FindingKind]:
+    return frozenset(k for k, row in KINDS.items() if getattr(row, test))
+
+
+HOLDING_DEVICE = _where("holds_device")
+LIVE_HOLDER = _where("live_holder")
+MEMORY = _where("memory")
+LISTING = _where("listing")
+SETTLING = _where("settling")
+HEALTH = _where("health")
+SIGNALLABLE = _where("signallable")

@@ -176,7 +176,9 @@ def test_a_trusted_mps_server_makes_the_node_report_only_and_a_users_does_not() 
     )
     assert mps_server(real)
     assert not mps_server(fake)
-    assert mps_server(real) and not mps_server(fake)  # asked again (the kept answer), the same
+    # Asked again (the answer kept on each object), the same.
+    assert mps_server(real)
+    assert not mps_server(fake)
 
 
 def test_system_cgroup_is_below_system_slice_and_never_a_users_or_a_containers() -> None:

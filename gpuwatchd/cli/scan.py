@@ -28,7 +28,6 @@ from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
 from gpuwatchd.view_guard import Probe, probe
-from gpuwatchd.wiring import procfs_for
 
 
 @dataclass(frozen=True)
@@ -205,7 +204,11 @@ def _scan_host(
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
-    procfs = procfs_for(policy)
+    # As :func:`gpuwatchd.wiring.procfs_for` builds it; that module is not imported here: it
+    # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
+    procfs = ProcFS(
+        policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
+    )
     daemon = running_daemon(policy, state_dir, procfs)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
     daemon_pids = daemon.pids if daemon is not None else frozenset()

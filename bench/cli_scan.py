@@ -74,13 +74,16 @@ def scan_env(host: SimHost) -> dict[str, str]:
 
 
 def run_scan(
-    host: SimHost, config: Path, extra: Sequence[str] = ()
+    host: SimHost, config: Path, extra: Sequence[str] = (), source: Path | None = None
 ) -> tuple[float, dict[str, Any]]:
-    """(wall seconds, parsed report) of one whole ``gpuwatchd scan --json`` process."""
+    """(wall seconds, parsed report) of one whole ``gpuwatchd scan --json`` process.
+    ``source``: run the ``gpuwatchd`` package found in this folder instead (an A/B run)."""
     argv = [sys.executable, "-m", "gpuwatchd", "--config", str(config), "scan", "--json", *extra]
     env = scan_env(host)
+    if source is not None:  # and run there: `-m` puts the working directory first on the path
+        env["PYTHONPATH"] = str(source)
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=env, capture_output=True, check=False)
+    proc = subprocess.run(argv, env=env, capture_output=True, check=False, cwd=source)
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 77):
         raise RuntimeError(f"scan failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}")
@@ -99,13 +102,16 @@ def compare_cli(
     with_lsof: bool = True,
     ignore: frozenset[int] = frozenset(),
     before_each: Callable[[], object] | None = None,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     """Interleave ``rounds`` whole-process scans with fuser (and lsof); medians, sets.
     ``ignore``: PIDs left out of every set (a running daemon and its NVML worker, which the
     tools list and gpuwatchd rightly does not). ``before_each``: called before each of our scans
     (beside a daemon: wait until its view is clean again — the previous scan's NVML worker
-    opened the device files, which the daemon re-walks for)."""
+    opened the device files, which the daemon re-walks for). ``baseline``: a folder holding
+    another ``gpuwatchd`` package (an older commit's, say), run in the same rounds too."""
     ours: list[float] = []
+    theirs: list[float] = []
     tools: dict[str, list[float]] = {"fuser": [], "lsof": []} if with_lsof else {"fuser": []}
     same = True
     scan_mode = None
@@ -115,8 +121,16 @@ def compare_cli(
         "lsof": ["lsof", "-n", "-P", "-w", "-F", "p", *files],
     }
     run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
+    if baseline is not None:
+        run_scan(host, config, extra, baseline)
     served = 0
     for _ in range(rounds):
+        if baseline is not None:
+            if before_each is not None:
+                before_each()
+            wall, report = run_scan(host, config, extra, baseline)
+            theirs.append(wall)
+            same &= scan_pids(report) - ignore == expected
         if before_each is not None:
             before_each()
         wall, report = run_scan(host, config, extra)
@@ -147,26 +161,50 @@ def compare_cli(
         ref = statistics.median(walls)
         result[f"{name}_ms"] = ref * 1e3
         result[f"ratio_vs_{name}"] = median / ref if ref else None
+    if theirs:
+        result["baseline_ms"] = statistics.median(theirs) * 1e3
+        ref = statistics.median(tools["fuser"])
+        result["baseline_ratio_vs_fuser"] = statistics.median(theirs) / ref if ref else None
     return result
 
 
 def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    from bench.run import nvml_state
+    import functools
+
+    from bench.run import _wait_for_view, nvml_state
+    from gpuwatchd.collect.procfs import ProcFS
 
     counts = arg["counts"]
+    baseline = Path(arg["baseline"]) if arg.get("baseline") else None
     results = []
     with SimHost(root, gpus=8) as host:
         pool = ProcessPool(root / "scratch", fds=50)
         try:
             holders = pool.set_holders(cuda_devices(host.devices_dir, 64, 8))
             nvml_state(host, pool.holders, 8)
-            config = host.config()
+            config = host.config(interval="1s") if arg["served"] else host.config()
             files = [str(p) for p in sorted(host.devices_dir.iterdir())]
             for count in counts:
                 pool.set_fillers(count)
-                row = compare_cli(
-                    host, config, files, set(holders), rounds=arg["rounds"], with_lsof=False
-                )
+                if not arg["served"]:
+                    row = compare_cli(
+                        host, config, files, set(holders), rounds=arg["rounds"],
+                        with_lsof=False, baseline=baseline,
+                    )  # fmt: skip
+                else:
+                    daemon = host.start_daemon("run", "--config", str(config))
+                    try:
+                        wait = functools.partial(_wait_for_view, host, daemon.pid, len(holders))
+                        if not wait():
+                            raise RuntimeError("the daemon published no clean view")
+                        row = compare_cli(
+                            host, config, files, set(holders), rounds=arg["rounds"],
+                            with_lsof=False, baseline=baseline, before_each=wait,
+                            ignore=frozenset({daemon.pid, *ProcFS().children(daemon.pid)}),
+                        )  # fmt: skip
+                    finally:
+                        daemon.terminate()
+                        daemon.wait(timeout=60)
                 row["processes"] = count
                 results.append(row)
         finally:
@@ -175,24 +213,41 @@ def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    import argparse
     import tempfile
 
     from tests.support.simhost import run_in_pid_namespace
 
-    counts = [int(n) for n in sys.argv[1:]] or [2000]
+    parser = argparse.ArgumentParser(description="whole-process scan against fuser")
+    parser.add_argument("counts", nargs="*", type=int, default=[2000], help="other processes")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--served", action="store_true", help="beside a running daemon")
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="a folder with another gpuwatchd package, run too"
+    )
+    args = parser.parse_args()
+    baseline = str(Path(args.baseline).resolve()) if args.baseline else None
     with tempfile.TemporaryDirectory(prefix="gw-cliscan-") as tmp:
         result = run_in_pid_namespace(
             "bench.cli_scan:_standalone",
-            {"counts": counts, "rounds": 7},
+            {"counts": args.counts, "rounds": args.rounds, "served": args.served,
+             "baseline": baseline},
             root=Path(tmp),
-            timeout=900,
-        )
+            timeout=1800,
+        )  # fmt: skip
     for row in result["rows"]:
-        print(
+        line = (
             f"{row['processes']:>6} procs  scan {row['gpuwatchd_ms']:7.1f} ms  "
             f"fuser {row['fuser_ms']:7.1f} ms  ratio {row['ratio_vs_fuser']:.2f}  "
-            f"same {row['identical_sets']}  mode {row['scan_mode']}"
+            f"same {row['identical_sets']}  mode {row['scan_mode']}  "
+            f"served {row['served_rounds']}/{row['rounds']}"
         )
+        if "baseline_ms" in row:
+            line += (
+                f"  baseline {row['baseline_ms']:7.1f} ms "
+                f"ratio {row['baseline_ratio_vs_fuser']:.2f}"
+            )
+        print(line)
     return 0
 
 

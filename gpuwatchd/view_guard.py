@@ -256,7 +256,7 @@ def probe(state_dir: StateDir | None, proc_root: str, devices_dir: str) -> Probe
     pid, fd = _numbers(raw)
     if pid is None or fd is None:
         return Probe(False, "the holder view names no device watch")
-    if state_dir.lock_holder(proc_root) != pid:
+    if not state_dir.lock_held_by(pid, proc_root):
         return Probe(False, f"pid {pid} does not hold the instance lock")
     try:
         dup = _pidfd_getfd(pid, fd)

@@ -94,6 +94,28 @@ def test_the_lock_holder_and_its_worker_are_recognised(
     assert other not in found.pids
 
 
+def test_a_candidate_pid_is_checked_by_its_own_fdinfo_not_taken_on_its_word(
+    daemon: tuple[int, int, int], state: StateDir
+) -> None:
+    """A served scan names the PID its device-watch probe found holding the lock: that PID is
+    verified through its own fdinfo (no /proc/locks read); a wrong candidate (the worker,
+    another process) is not believed, and the lock's real holder is still found."""
+    pid, worker, other = daemon
+    policy = Policy()
+    deadline = time.monotonic() + 10
+    while state.lock_holder() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert state.lock_held_by(pid)
+    assert not state.lock_held_by(worker)
+    assert not state.lock_held_by(other)
+    assert not state.lock_held_by(0)
+    for candidate in (pid, worker, other, 0):
+        found = running_daemon(policy, state, procfs_for(policy), candidate=candidate)
+        assert found is not None
+        assert (found.pid, found.workers) == (pid, frozenset({worker}))
+
+
 def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: StateDir) -> None:
     """What state.json says about the daemon's PID is not taken for it: without the lock, a
     process named gpuwatchd (anyone may name one so) is an ordinary process."""
@@ -104,6 +126,9 @@ def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: Sta
         policy = Policy()
         assert running_daemon(policy, state, procfs_for(policy)) is None
         assert running_daemon(policy, None, procfs_for(policy)) is None
+        # Named as the candidate (as a holders.json would name it), it is still not believed.
+        assert not state.lock_held_by(proc.pid)
+        assert running_daemon(policy, state, procfs_for(policy), candidate=proc.pid) is None
     finally:
         _stop(proc)
 

@@ -28,7 +28,6 @@ from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
 from gpuwatchd.view_guard import Probe, probe
-from gpuwatchd.wiring import procfs_for
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def open_state_dir(policy: Policy) -> StateDir | None:
 
 
 def running_daemon(
-    policy: Policy, state_dir: StateDir | None, procfs: ProcFS
+    policy: Policy, state_dir: StateDir | None, procfs: ProcFS, candidate: int | None = None
 ) -> RunningDaemon | None:
     """The daemon and its NVML workers, when one runs now beside this command; else None.
 
@@ -91,13 +90,20 @@ def running_daemon(
     ``state_dir`` (:meth:`StateDir.lock_holder`), if it is gpuwatchd and runs as a trusted user
     (root, or this user); its workers are its direct children of the same user running the
     worker file. A PID named in ``state.json`` or ``holders.json`` hides nothing by itself.
+    ``candidate``: a PID to check first (the one the device-watch probe found holding the
+    lock), by the same kernel evidence, which spares reading ``/proc/locks``
+    (:meth:`StateDir.lock_held_by`); any other answer asks ``/proc/locks`` as before.
     """
     from gpuwatchd.cli.status import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:
         return None
-    pid = state_dir.lock_holder(policy.proc_root)
+    pid = None
+    if candidate is not None and state_dir.lock_held_by(candidate, policy.proc_root):
+        pid = candidate
+    if pid is None:
+        pid = state_dir.lock_holder(policy.proc_root)
     if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
         return None
     daemon = procfs.read_process(pid)
@@ -205,8 +211,13 @@ def _scan_host(
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
-    procfs = procfs_for(policy)
-    daemon = running_daemon(policy, state_dir, procfs)
+    # As :func:`gpuwatchd.wiring.procfs_for` builds it; that module is not imported here: it
+    # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
+    procfs = ProcFS(
+        policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
+    )
+    candidate = None if watch_probe is None else watch_probe.daemon_pid
+    daemon = running_daemon(policy, state_dir, procfs, candidate)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
     daemon_pids = daemon.pids if daemon is not None else frozenset()
     raw = watch_probe.view if watch_probe is not None and not full else None

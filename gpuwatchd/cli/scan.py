@@ -19,11 +19,12 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
+from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
@@ -198,6 +199,21 @@ def scan_host(
             state_dir.close()
 
 
+def _judged(
+    snapshot: Snapshot, saved: SavedState, policy: Policy
+) -> tuple[Assessment, NodeVerdict]:
+    """The snapshot assessed as the daemon would (with its saved history of this boot) and
+    judged."""
+    previous = AssessState()
+    if saved.same_boot(snapshot.boot_id):
+        try:
+            previous = AssessState.from_json(saved.data.get("assess", {}))
+        except ValueError:
+            previous = AssessState()
+    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
+    return assessment, judge(snapshot, assessment, policy)
+
+
 def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
@@ -261,14 +277,7 @@ def _scan_host(
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    previous = AssessState()
-    if saved.same_boot(snapshot.boot_id):
-        try:
-            previous = AssessState.from_json(saved.data.get("assess", {}))
-        except ValueError:
-            previous = AssessState()
-    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
-    verdict = judge(snapshot, assessment, policy)
+    assessment, verdict = _judged(snapshot, saved, policy)
     report = build_report(
         snapshot,
         assessment.findings,

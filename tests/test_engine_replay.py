@@ -2,7 +2,7 @@
 
 A scenario is played by ``simulate``. Every answer its edges give the engine (snapshots, final
 scans, signal and command results, exits, clock readings) and every call its loop makes into
-the engine (poll, note_exits, pause) is recorded. The same sequence is then replayed into a
+the engine (poll, note_exits, pause, spares) is recorded. The same sequence is then replayed into a
 fresh engine whose sink is the daemon's (:class:`gpuwatchd.host.LogSink`, structlog), and the
 two event streams must be the same: same names, levels, fields, in the same order. A decision
 that only one of them made would show up here.
@@ -75,7 +75,7 @@ def _record(path: pathlib.Path) -> tuple[Simulation, list[tuple[str, str, object
     engine.clock = Recorder(engine.clock, edges, "clock")  # type: ignore[assignment]
     calls: list[Any] = []  # the loop's calls into the engine, with their arguments
     depth = [0]  # the engine calls note_exits itself inside poll: only the loop's count
-    for name in ("poll", "note_exits", "set_paused", "wake_at"):
+    for name in ("poll", "note_exits", "set_paused", "set_spares", "wake_at"):
         inner = getattr(engine, name)
 
         def call(*args: object, _name: str = name, _inner: Any = inner) -> object:

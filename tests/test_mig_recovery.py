@@ -16,6 +16,7 @@ from gpuwatchd.decide.mig_recovery import (
     DEFAULT_COMMANDS,
     MIG_PLACEHOLDERS,
     InstanceRecovery,
+    instance_blockers,
     recovered,
     recovery_argvs,
     recovery_of,
@@ -145,3 +146,40 @@ def test_recovery_is_verified_by_the_same_profile_and_placement_with_its_memory_
     assert recovered(recovery, gone, max_used=64 * MIB) == (
         "no GPU instance with GI profile 19 at placement 1"
     )
+
+
+def test_an_idle_leaky_instance_has_no_blocker_though_the_other_instance_is_busy() -> None:
+    assert instance_blockers(LEAKY, mig_uuid(0, 1)) == []
+    assert instance_blockers(LEAKY, mig_uuid(0, 2)) == [
+        "GPU instance 2: PID 700 listed by NVML in it",
+        "GPU instance 2: PID 700 holding its capability files",
+    ]
+
+
+def test_a_holder_of_the_instance_capabilities_blocks_its_recovery() -> None:
+    base = HostBuilder().gpu(0).proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)], caps={601: [(1, 0)]})
+
+    assert instance_blockers(snapshot, mig_uuid(0, 1)) == [
+        "GPU instance 1: PID 601 holding its capability files"
+    ]
+
+
+def test_a_parent_only_holder_blocks_every_instance_of_its_gpu() -> None:
+    base = HostBuilder().gpu(0).proc(650, ppid=1, pgid=650, sid=650, holds={0}, uvm=True).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)], caps={})
+
+    assert instance_blockers(snapshot, mig_uuid(0, 1)) == [
+        "GPU instance 1: PID 650 holding its GPU's device node, instance unknown"
+    ]
+
+
+def test_an_unreadable_process_list_or_an_unknown_instance_blocks() -> None:
+    snapshot = host(Inst(1, allocated=LEAK, readable=False), Inst(2))
+
+    assert "GPU instance 1: its process list is unknown" in instance_blockers(
+        snapshot, mig_uuid(0, 1)
+    )
+    assert instance_blockers(LEAKY, gpu_uuid(0)) == [
+        "not a judged MIG GPU instance in this snapshot"
+    ]

@@ -15,6 +15,10 @@ This module owns, purely (no I/O, no clock):
 - :data:`DEFAULT_COMMANDS`: the ``nvidia-smi mig`` command lines of a recovery, and
   :func:`recovery_argvs`, which fills them in through :func:`~gpuwatchd.decide.argv.format_argv`
   (so every value is checked against its documented format before anything runs).
+- :func:`instance_blockers`: who may still use the instance (a live process NVML lists in it,
+  a holder of its capability files, a holder of the parent node whose instance is unknown, an
+  unreadable process list): the recovery's own live-holder gate, the other instances' users
+  never among them.
 - :func:`recovered`: whether a later snapshot shows the instance back (same profile and
   placement) with its memory freed.
 
@@ -35,6 +39,7 @@ __all__ = [
     "DEFAULT_COMMANDS",
     "MIG_PLACEHOLDERS",
     "InstanceRecovery",
+    "instance_blockers",
     "recovered",
     "recovery_argvs",
     "recovery_of",
@@ -121,6 +126,38 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
         placement=start,
         size=size,
     )
+
+
+def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
+    """Why GPU instance ``instance_uuid`` may be in use in ``snapshot``; empty when nothing
+    is known to hold it. Unknown counts as in use: an instance not judged, an unreadable
+    process list, a holder of the parent node with no capability of any instance (it may use
+    this one). The daemon's own PIDs are left out; users of the other instances never count."""
+    layout = mig_layout(snapshot)
+    instance = layout.instance_of(instance_uuid)
+    if instance is None:
+        return ["not a judged MIG GPU instance in this snapshot"]
+    own = set(snapshot.self_pids)
+    why: list[str] = []
+    listed: set[int] = set()
+    for device in instance.devices:
+        if device.processes is None:
+            why.append(f"GPU instance {instance.gi}: its process list is unknown")
+        for entry in device.processes or ():
+            proc = snapshot.processes.get(entry.pid)
+            if proc is not None and not proc.is_zombie:
+                listed.add(entry.pid)
+    holders = {pid for pid, named in layout.attributed.items() if instance_uuid in named}
+    unsure = {pid for pid, parents in layout.parent_only.items() if instance.parent.uuid in parents}
+    for pids, what in (
+        (listed - own, "listed by NVML in it"),
+        (holders - own, "holding its capability files"),
+        (unsure - holders - own, "holding its GPU's device node, instance unknown"),
+    ):
+        if pids:
+            shown = ", ".join(str(pid) for pid in sorted(pids)[:5])
+            why.append(f"GPU instance {instance.gi}: PID {shown} {what}")
+    return why
 
 
 def recovery_argvs(

@@ -93,10 +93,17 @@ def test_a_gpu_is_answered_the_same_alone_and_among_all() -> None:
     assert whole == answer(verdict, ["0"])[1] + answer(verdict, ["1"])[1]
 
 
-@pytest.mark.parametrize("selector", ["2", "GPU-nope", "00000000:99:00.0", "MIG-xyz", "gpu0"])
+@pytest.mark.parametrize("selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0"])
 def test_an_unknown_gpu_is_a_selection_error(selector: str) -> None:
     with pytest.raises(SelectionError, match="names no GPU"):
         answer(node(), [selector])
+
+
+@pytest.mark.parametrize("selector", ["MIG-xyz", "mig-00000000-0001-4000-8000-000000000010"])
+def test_a_mig_device_selector_is_refused_saying_to_name_its_gpu(selector: str) -> None:
+    """Slurm may hand out MIG UUIDs; check-clean judges whole GPUs and says so."""
+    with pytest.raises(SelectionError, match="is a MIG device: check-clean judges whole GPUs"):
+        answer(node(gpu(0, UUID0)), [selector])
 
 
 def test_hostile_reason_is_escaped() -> None:

@@ -52,6 +52,12 @@ def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[Gp
     chosen: set[int] = set()
     for selector in selectors:
         found = next((pos for pos, gpu in enumerate(gpus) if _names(gpu, selector)), None)
+        if found is None and selector[:4].upper() == "MIG-":
+            raise SelectionError(
+                f"--gpu {escape(selector)!r} is a MIG device: check-clean judges whole GPUs "
+                "(a MIG GPU is dirty when any of its instances is); name its GPU by UUID, "
+                "index or PCI bus id (`gpuwatchd scan` lists each instance under its GPU)"
+            )
         if found is None:
             known = ", ".join(f"{g.index} {g.uuid} {g.pci_bus_id}" for g in gpus)
             raise SelectionError(

@@ -1,8 +1,9 @@
 """The command lines a policy names (reset, persistence, health, hooks): what makes one safe to
 run, checked once when the policy is read, and filling one in for a GPU when it runs.
 
-Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``, and for hooks
-``{hostname}`` and ``{user}``), the formats of
+Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``, for hooks
+``{hostname}`` and ``{user}``, for a MIG instance's recovery ``{gi}``, ``{ci}``, ``{mig_uuid}``,
+``{profile}`` and ``{placement}``), the formats of
 their values, the refusal of shells and inline code (also behind a launcher such as ``env``,
 ``sudo``, ``timeout`` or ``busybox``), the one-GPU rule with nvidia-smi's selector spellings
 (``-i X``, ``-iX``, ``--id X``, ``--id=X``), and the environment hooks get. The config reader
@@ -36,7 +37,11 @@ __all__ = [
     "placeholders_in",
 ]
 
-ARGV_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor", "mode", "hostname", "user")
+ARGV_PLACEHOLDERS = (
+    *("uuid", "pci_bus_id", "minor", "mode", "hostname", "user"),
+    # A MIG GPU instance's recovery (decide/mig_recovery.py): ``{uuid}`` is then its parent's.
+    *("gi", "ci", "mig_uuid", "profile", "placement"),
+)
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
 GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
 # Hooks also know the node (``{hostname}``: to name it to a scheduler or in a message) and, for
@@ -59,6 +64,14 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     ),
     "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)"),
     "mode": (re.compile("[01]"), "a persistence mode (0 or 1)"),
+    "gi": (re.compile("0|[1-9][0-9]?"), "a GPU instance id (decimal 0..99)"),
+    "ci": (re.compile("0|[1-9][0-9]?"), "a compute instance id (decimal 0..99)"),
+    "mig_uuid": (
+        re.compile(f"MIG-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
+        "a MIG device UUID (MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex)",
+    ),
+    "profile": (re.compile("0|[1-9][0-9]?"), "a GPU instance profile id (decimal 0..99)"),
+    "placement": (re.compile("0|[1-9][0-9]?"), "a placement start slice (decimal 0..99)"),
     # RFC 1123 labels, dot-separated: what a scheduler accepts as a node name.
     "hostname": (
         re.compile(
@@ -157,9 +170,10 @@ def check_value(name: str, value: str) -> str:
 
     ``{uuid}``: an NVML UUID, ``GPU-`` or ``MIG-`` and hex groups; ``{pci_bus_id}``:
     ``domain:bus:device.function`` in hex with a 4- or 8-digit domain; ``{minor}``: decimal
-    0..255; ``{mode}``: 0 or 1; ``{hostname}``: RFC 1123 labels; ``{user}``: a plain user
-    name. So a filled-in value can never be a second GPU (no comma), an
-    option (no leading ``-``) or anything but one argument's worth of plain text.
+    0..255; ``{mode}``: 0 or 1; ``{gi}``, ``{ci}``, ``{profile}``, ``{placement}``: decimal
+    0..99; ``{mig_uuid}``: a ``MIG-`` UUID; ``{hostname}``: RFC 1123 labels; ``{user}``: a
+    plain user name. So a filled-in value can never be a second GPU (no comma), an option
+    (no leading ``-``) or anything but one argument's worth of plain text.
     """
     pattern, description = _VALUE_FORMATS[name]
     if pattern.fullmatch(value) is None or (name == "minor" and int(value) > 255):

@@ -129,17 +129,81 @@ _VERDICT = (
 # leave a protected process unprotected.
 _PATTERNS = ("command_search", "_search", "_close", "_holds", "_one_char")
 
+# Which of decide/plan*.py holds each planner function named above.
+_PLAN_MODULES = {
+    "plan": ("hidden_holders",),
+    "plan_intents": (
+        "_dry",
+        "_hold_reason",
+        "kill_cap_scope",
+        "_action_ended",
+    ),
+    "plan_ladders": (
+        "_gate",
+        "_cap_exceeded",
+        "_kill_caps",
+        "_expire_latches",
+        "_consider_process_finding",
+        "_advance_ladders",
+        "_advance_live_ladder",
+        "_successor",
+        "_restart_after_dry_run",
+        "_stuck_finding",
+        "_emit_step",
+        "_mark_stuck",
+        "_close",
+        "_freed",
+    ),
+    "plan_resets": (
+        "_node_block",
+        "_live_holder",
+        "reset_gates",
+        "_gates",
+        "_reset_blocker",
+        "_escalating",
+        "_history_blocker",
+        "_consider_reset",
+        "_start_reset",
+        "_review_refusals",
+    ),
+    "plan_health": (
+        "_consider_health",
+        "_consider_health_reset",
+        "_drained_already",
+        "_drain_hooks",
+    ),
+    "plan_outcomes": (
+        "record_reset",
+        "_reset_came_back",
+        "record_signal",
+        "record_exit",
+    ),
+}
+
+
+def _plan_targets() -> tuple[Target, ...]:
+    """One target per planner module: its share of the functions and critical functions above."""
+    where = {name: module for module, names in _PLAN_MODULES.items() for name in names}
+    unplaced = sorted(set(_RESET_GATES + _KILL_LADDER) - where.keys())
+    if unplaced:
+        raise ValueError(f"add to _PLAN_MODULES: {', '.join(unplaced)}")
+    return tuple(
+        Target(
+            module,
+            f"gpuwatchd/decide/{module}.py",
+            tuple(n for n in _RESET_GATES + _KILL_LADDER if where[n] == module),
+            tuple(n for n in _RESET_GATES + _KILL_DECISIONS if where[n] == module),
+        )
+        for module in _PLAN_MODULES
+    )
+
+
 TARGETS = (
     Target("floor", "gpuwatchd/decide/floor.py", ALL, ALL),
     Target("targets", "gpuwatchd/decide/targets.py", ALL, ALL),
     Target("health", "gpuwatchd/decide/health.py", ALL, ("drain_blockers", "_known_pids")),
     Target("argv", "gpuwatchd/decide/argv.py", ALL, ()),
-    Target(
-        "plan",
-        "gpuwatchd/decide/plan.py",
-        _RESET_GATES + _KILL_LADDER,
-        _RESET_GATES + _KILL_DECISIONS,
-    ),
+    *_plan_targets(),
     Target("assess", "gpuwatchd/decide/assess.py", _ORPHAN_CLASSIFICATION, _ORPHAN_CLASSIFICATION),
     Target("verdict", "gpuwatchd/decide/verdict.py", ALL, _VERDICT),
     Target("patterns", "gpuwatchd/decide/patterns.py", ALL, _PATTERNS),

@@ -25,12 +25,8 @@ from gpuwatchd.decide.plan_resets import (
     _say,
     _start_reset,
 )
-from gpuwatchd.decide.plan_state import (
-    HealthWait,
-)
-from gpuwatchd.decide.targets import (
-    gpu_by_uuid,
-)
+from gpuwatchd.decide.plan_state import HealthWait
+from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.model import (
     Finding,
     FindingKind,

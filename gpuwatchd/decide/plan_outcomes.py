@@ -27,9 +27,7 @@ from gpuwatchd.decide.plan_state import (
     PlanState,
     ResetRefusal,
 )
-from gpuwatchd.model import (
-    ProcessIdentity,
-)
+from gpuwatchd.model import ProcessIdentity
 from gpuwatchd.vocabulary import (
     ActionOutcome,
     EventName,

@@ -21,9 +21,7 @@ from gpuwatchd.decide.plan_intents import (
     _hold_reason,
     _Work,
 )
-from gpuwatchd.decide.plan_state import (
-    ResetInFlight,
-)
+from gpuwatchd.decide.plan_state import ResetInFlight
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,

@@ -221,7 +221,6 @@ LONG_MODULE_LINES = 650
 LONG_MODULES = {
     "gpuwatchd.act.reset": "the reset procedure, its undo and its resumption share one step table",
     "gpuwatchd.cli.explain": "reads a scan report back strictly and explains every finding kind",
-    "gpuwatchd.cli.report": "the scan report's JSON document and its text view, field by field",
     "gpuwatchd.cli.scenario": "a schema: one validator per scenario field, naming line and key",
     "gpuwatchd.cli.status": "every saved-state field read defensively, shown as text and JSON",
     "gpuwatchd.collect.nvml_worker": "runs by path and imports nothing: every NVML reader is here",

@@ -1,8 +1,9 @@
 """The daemon's published holder view: what it knows holds the GPUs, for ``scan`` to build on.
 
 This module owns the file ``holders.json`` in ``state_dir``: its format, writing it (the
-daemon, atomically, through :func:`gpuwatchd.state.write_atomically`) and reading it back as
-hostile input (``gpuwatchd scan``). It decides nothing about findings.
+daemon, through :class:`gpuwatchd.view_guard.ViewPublisher`, from :func:`encode`) and reading
+it back as hostile input (``gpuwatchd scan``: :func:`parse`, then :func:`usable`). It decides
+nothing about findings.
 
 What it says: as of the daemon's poll at ``polled`` (wall seconds), with its inotify watch on
 every device file working, these processes (PID and start ticks) held these device files,
@@ -12,7 +13,7 @@ processes, NVML's and their descendants (a targeted scan), and walks all of ``/p
 whenever that rule would (a newly listed dead PID, memory without an owner, a published
 holder gone).
 
-When ``scan`` does not use it (:func:`read_view` returns None with the reason): the file is
+When ``scan`` does not use it (:func:`parse` refuses it, or :func:`usable` says why): the file is
 missing, unreadable, larger than :data:`MAX_BYTES`, not this version, from another boot, from
 a daemon that is not running now (PID and start ticks checked), for other settings
 (``proc_root``, ``devices_dir``, ``device_major``), from a daemon without a working watch, or

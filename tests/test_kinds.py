@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.config.yamlsrc import ConfigError
-from gpuwatchd.decide import health, kinds, plan, verdict
+from gpuwatchd.decide import health, kinds, plan_resets, verdict
 from gpuwatchd.model import FindingKind
 
 FINDINGS_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "findings.md"
@@ -57,11 +57,11 @@ def test_the_properties_are_consistent() -> None:
 
 
 def test_the_modules_ask_the_table() -> None:
-    """verdict, health and (until it moves) plan hold the table's sets, not their own."""
+    """verdict, health and plan's reset gates hold the table's sets, not their own."""
     assert health.HEALTH_KINDS == kinds.HEALTH
     assert {k.value for k in kinds.SETTLING} <= verdict.SETTLING
     assert verdict._HOLDING_KINDS == kinds.HOLDING_DEVICE
-    assert plan._HOLDER_KINDS == kinds.LIVE_HOLDER  # plan keeps its copy during its split
+    assert plan_resets._HOLDER_KINDS is kinds.LIVE_HOLDER
 
 
 @pytest.mark.parametrize("kind", sorted(set(FindingKind) - kinds.SIGNALLABLE))

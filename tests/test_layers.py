@@ -216,15 +216,44 @@ def test_the_measures_see_a_circle_and_a_back_arrow(tmp_path: pathlib.Path) -> N
     assert back_arrows(graph) == ["gpuwatchd.daemon (lifecycle) imports gpuwatchd.cli.scan (cli)"]
 
 
-def test_no_module_is_much_over_600_lines_without_saying_why() -> None:
-    long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        text = path.read_text()
-        lines = text.count("\n")
-        docstring = ast.get_docstring(ast.parse(text)) or ""
-        if lines > 650 and not re.search(r"\b(long|lines)\b", docstring):
-            long.append(f"{_module_name(path)} ({lines} lines)")
-    assert not long, "a module over ~600 lines says why in its docstring: " + ", ".join(long)
+# The modules allowed over LONG_MODULE_LINES, each with why it is long. A new long module fails
+# the test below: split it along its seams, or add it here with its reason. Shrink this list.
+LONG_MODULE_LINES = 650
+LONG_MODULES = {
+    "gpuwatchd.act.reset": "the reset procedure, its undo and its resumption share one step table",
+    "gpuwatchd.cli.explain": "reads a scan report back strictly and explains every finding kind",
+    "gpuwatchd.cli.scenario": "a schema: one validator per scenario field, naming line and key",
+    "gpuwatchd.cli.status": "every saved-state field read defensively, shown as text and JSON",
+    "gpuwatchd.collect.nvml_worker": "runs by path and imports nothing: every NVML reader is here",
+    "gpuwatchd.daemon": "the lifecycle: lock, saved state, signals, reload, switches, the wait",
+    "gpuwatchd.engine": "the poll cycle and the carrying out of its intents share one state",
+    "gpuwatchd.event_catalogue": "a table of every event's level, fields and sentence",
+}
+
+
+def _module_lines() -> dict[str, int]:
+    return {
+        _module_name(path): path.read_text().count("\n") for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def test_no_module_is_over_the_size_limit_unless_listed_with_its_reason() -> None:
+    long = [
+        f"{name} ({lines} lines)"
+        for name, lines in _module_lines().items()
+        if lines > LONG_MODULE_LINES and name not in LONG_MODULES
+    ]
+    assert not long, (
+        f"over {LONG_MODULE_LINES} lines: split along its seams, or add to LONG_MODULES with "
+        "why: " + ", ".join(long)
+    )
+
+
+def test_the_long_module_list_names_only_modules_still_long() -> None:
+    """An entry for a module that was split or removed is dropped, so the list only shrinks."""
+    lines = _module_lines()
+    stale = [name for name in LONG_MODULES if lines.get(name, 0) <= LONG_MODULE_LINES]
+    assert not stale, "remove from LONG_MODULES (no longer long or gone): " + ", ".join(stale)
 
 
 # Import name → distribution, for the runtime dependencies pyproject.toml declares.

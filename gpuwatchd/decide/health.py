@@ -23,7 +23,8 @@ This module owns what the driver's health signals *mean* (docs/findings.md#gpu-h
   hold; its shape and checked JSON form are ``health_state.py``'s, re-exported here);
 - :func:`drain_blockers`: which live processes keep a health reset waiting.
 
-Whether and when to act (report, drain, reset; the gates and the drain wait) is ``plan.py``'s.
+Whether and when to act (report, drain, reset; the gates and the drain wait) is
+``plan_health.py``'s.
 Pure: no I/O, no clock; ``None`` and ``Support.UNKNOWN`` never lead to a finding that acts.
 """
 

@@ -19,8 +19,9 @@ This module owns that model:
   against a learned baseline and every other check run per instance with the same evidence as
   on a whole GPU, and a live job in one instance neither explains nor blocks anything in
   another.
-- :func:`annotate`: the assessment made readable again: findings about an instance name it
-  (``evidence.mig``), parent-only holders are said to be so, report-only reasons say why.
+- :func:`annotate_findings`, :func:`annotate_report_only`: the assessment made readable again:
+  findings about an instance name it (``evidence.mig``), parent-only holders are said to be so,
+  report-only reasons say why.
 
 Pure: no I/O, no clock. A GPU whose instances cannot be judged stays report-only, as before.
 """

@@ -92,26 +92,29 @@ _KILL_DECISIONS = (
     "record_signal",
     "record_exit",
 )
+# The orphan rule and what it rests on (decide/assess_*.py, by module).
+_ORPHAN_SHARED = (
+    "_AssessorState.blocked",
+    "_AssessorState.add",
+    "_AssessorState.memory_without_owner",
+)
 _ORPHAN_CLASSIFICATION = (
-    "_Assessor.blocked",
-    "_Assessor.add",
-    "_Assessor.assess_holders",
-    "_Assessor.classify",
-    "_Assessor.hidden",
-    "_Assessor.recorded_inheritance",
-    "_Assessor.opened_own_files",
-    "_Assessor.heir_of_dead_owner",
-    "_Assessor.dead_owner_tie",
-    "_Assessor.memory_without_owner",
-    "_Assessor.unaccounted_without_owner",
-    "_Assessor.likely_heir",
+    "_HolderPass.assess_holders",
+    "_HolderPass.classify",
+    "_HolderPass.hidden",
+    "_HolderPass.recorded_inheritance",
+    "_HolderPass.opened_own_files",
+    "_HolderPass.heir_of_dead_owner",
+    "_HolderPass.dead_owner_tie",
+    "_HolderPass.unaccounted_without_owner",
+    "_HolderPass.likely_heir",
     "_tree_link",
     "_lost_leader",
-    # A GPU whose reset the driver refused as in use: a hidden holder (it blocks resets).
-    "_Assessor.assess_driver_refusals",
     # Whether a job ended: its holders are abandoned (what opt-in rules may kill).
     "job_ended",
 )
+# A GPU whose reset the driver refused as in use: a hidden holder (it blocks resets).
+_DRIVER_REFUSALS = ("_MemoryPass.assess_driver_refusals",)
 # The one verdict "clean for a new job?" (a Slurm prolog's check-clean, an epilog's run --once
 # exit 0): what makes a GPU dirty or unknown, what excuses a holder, and when run --once is
 # done. Its wording (describe, the reset blockers' labels) is not a gate.
@@ -129,18 +132,91 @@ _VERDICT = (
 # leave a protected process unprotected.
 _PATTERNS = ("command_search", "_search", "_close", "_holds", "_one_char")
 
+# Which of decide/plan*.py holds each planner function named above.
+_PLAN_MODULES = {
+    "plan": ("hidden_holders",),
+    "plan_intents": (
+        "_dry",
+        "_hold_reason",
+        "kill_cap_scope",
+        "_action_ended",
+    ),
+    "plan_ladders": (
+        "_gate",
+        "_cap_exceeded",
+        "_kill_caps",
+        "_expire_latches",
+        "_consider_process_finding",
+        "_advance_ladders",
+        "_advance_live_ladder",
+        "_successor",
+        "_restart_after_dry_run",
+        "_stuck_finding",
+        "_emit_step",
+        "_mark_stuck",
+        "_close",
+        "_freed",
+    ),
+    "plan_resets": (
+        "_node_block",
+        "_live_holder",
+        "reset_gates",
+        "_gates",
+        "_reset_blocker",
+        "_escalating",
+        "_history_blocker",
+        "_consider_reset",
+        "_start_reset",
+        "_review_refusals",
+    ),
+    "plan_health": (
+        "_consider_health",
+        "_consider_health_reset",
+        "_drained_already",
+        "_drain_hooks",
+    ),
+    "plan_outcomes": (
+        "record_reset",
+        "_reset_came_back",
+        "record_signal",
+        "record_exit",
+    ),
+}
+
+
+def _plan_targets() -> tuple[Target, ...]:
+    """One target per planner module: its share of the functions and critical functions above."""
+    where = {name: module for module, names in _PLAN_MODULES.items() for name in names}
+    unplaced = sorted(set(_RESET_GATES + _KILL_LADDER) - where.keys())
+    if unplaced:
+        raise ValueError(f"add to _PLAN_MODULES: {', '.join(unplaced)}")
+    return tuple(
+        Target(
+            module,
+            f"gpuwatchd/decide/{module}.py",
+            tuple(n for n in _RESET_GATES + _KILL_LADDER if where[n] == module),
+            tuple(n for n in _RESET_GATES + _KILL_DECISIONS if where[n] == module),
+        )
+        for module in _PLAN_MODULES
+    )
+
+
 TARGETS = (
     Target("floor", "gpuwatchd/decide/floor.py", ALL, ALL),
     Target("targets", "gpuwatchd/decide/targets.py", ALL, ALL),
     Target("health", "gpuwatchd/decide/health.py", ALL, ("drain_blockers", "_known_pids")),
     Target("argv", "gpuwatchd/decide/argv.py", ALL, ()),
+    *_plan_targets(),
+    Target("assess_shared", "gpuwatchd/decide/assess_shared.py", _ORPHAN_SHARED, _ORPHAN_SHARED),
     Target(
-        "plan",
-        "gpuwatchd/decide/plan.py",
-        _RESET_GATES + _KILL_LADDER,
-        _RESET_GATES + _KILL_DECISIONS,
+        "assess_holders",
+        "gpuwatchd/decide/assess_holders.py",
+        _ORPHAN_CLASSIFICATION,
+        _ORPHAN_CLASSIFICATION,
     ),
-    Target("assess", "gpuwatchd/decide/assess.py", _ORPHAN_CLASSIFICATION, _ORPHAN_CLASSIFICATION),
+    Target(
+        "assess_memory", "gpuwatchd/decide/assess_memory.py", _DRIVER_REFUSALS, _DRIVER_REFUSALS
+    ),
     Target("verdict", "gpuwatchd/decide/verdict.py", ALL, _VERDICT),
     Target("patterns", "gpuwatchd/decide/patterns.py", ALL, _PATTERNS),
     # MIG: which instance a holder uses (by capability only), and the per-instance view the

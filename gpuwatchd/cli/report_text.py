@@ -1,0 +1,572 @@
+"""The plain ``gpuwatchd scan`` view: the report's data (``report.py``) as aligned text.
+
+This module owns ``render_text``. It reads the report as plain data (it may come from a file or
+another version), so it checks every value it uses and never raises on a missing or oddly typed
+one; an unknown value is ``?``. Pure: no I/O, no clock, no environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from gpuwatchd.checked import as_map as _as_map
+from gpuwatchd.checked import as_text as _as_str
+from gpuwatchd.cli.mig_report import (
+    instance_uuids,
+    mig_instance_lines,
+    mig_judged,
+    parent_rows,
+)
+from gpuwatchd.cli.spared import spared_lines
+from gpuwatchd.escape import escape
+from gpuwatchd.model import (
+    as_int,
+)
+
+__all__ = ["render_text"]
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+COMMAND_WIDTH = 60  # characters of a command line shown in the text view
+
+
+# --- rendering text ---------------------------------------------------------------------------
+
+_ROLE_LABELS = {
+    "context_owner": "context owner",
+    "management": "management client",
+    "self": "gpuwatchd",
+    "hidden": "hidden holder",
+    "stuck": "stuck (D state)",
+    "unknown": "unknown",
+}
+_ALARM_ROLES = frozenset({"orphaned", "stuck"})
+
+_BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
+
+
+def render_text(
+    report: Mapping[str, object], *, color: bool = False, command_width: int = COMMAND_WIDTH
+) -> str:
+    """The human view of a ``build_report`` document, ending with a newline. Pure.
+
+    Per GPU: a header (index, name, UUID, PCI bus id), a memory line, a table of every process
+    that NVML lists or that holds the GPU's device file, then that GPU's findings. Then the
+    node: notes (NVML trouble, report-only reasons, unreadable processes), processes holding
+    only nvidiactl / nvidia-uvm, and findings tied to no listed GPU. ANSI colours only
+    when ``color`` is True. Unknown values print as ``?``, absent ones as ``-``.
+    """
+    paint = _painter(color)
+    now = _as_float(report.get("time"))
+    lines = [_title_line(report)]
+    gpu_uuids: set[str] = set()
+    findings = [_as_map(f) for f in _as_list(report.get("findings"))]
+    for gpu in (_as_map(g) for g in _as_list(report.get("gpus"))):
+        uuid = _as_str(gpu.get("uuid"))
+        if uuid is not None:
+            gpu_uuids.add(uuid)
+        lines.append("")
+        lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
+    gpu_uuids |= instance_uuids(report)
+    node_findings = [f for f in findings if _as_str(f.get("gpu")) not in gpu_uuids]
+    notes = _node_notes(report, gpu_uuids)
+    holders = [_as_map(h) for h in _as_list(report.get("node_holders"))]
+    if notes or node_findings or holders:
+        lines.append("")
+        lines.append(paint("node", _BOLD))
+        lines.extend(f"  {paint(note, _YELLOW)}" for note in notes)
+        if holders:
+            lines.append("  holding NVIDIA device files of no listed GPU:")
+            lines.extend(_node_holder_lines(holders, now, paint, command_width))
+        lines.extend(_finding_lines(node_findings, now, paint))
+    return "\n".join(lines) + "\n"
+
+
+class _Paint(Protocol):
+    def __call__(self, text: str, code: str, /) -> str: ...
+
+
+def _painter(color: bool) -> _Paint:
+    def paint(text: str, code: str, /) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if color and text else text
+
+    return paint
+
+
+def _title_line(report: Mapping[str, object]) -> str:
+    host = _as_map(report.get("host"))
+    nvml = _as_map(report.get("nvml"))
+    findings = _as_list(report.get("findings"))
+    parts = [
+        f"gpuwatchd {_text(report.get('version'))} scan",
+        f"host {_text(host.get('hostname'))}",
+        f"driver {_text(nvml.get('driver_version'))}",
+        f"{len(_as_list(report.get('gpus')))} GPUs",
+        f"{len(findings)} findings",
+        f"{_text(report.get('scan_mode'))} holder scan",
+    ]
+    view = _as_map(report.get("daemon_view"))
+    if view.get("used") is True:
+        age = view.get("age")
+        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
+        parts.append(f"on the daemon's holder view{old}")
+    elif view.get("clean") is False:
+        parts.append("(the daemon's view was not current: walked)")
+    return "  ".join(parts)
+
+
+def _gpu_lines(
+    gpu: Mapping[str, object],
+    findings: Sequence[Mapping[str, object]],
+    now: float | None,
+    paint: _Paint,
+    command_width: int,
+) -> list[str]:
+    uuid = _as_str(gpu.get("uuid"))
+    header = "  ".join(
+        [
+            f"GPU {_text(gpu.get('index'))}",
+            _text(gpu.get("name")),
+            _text(uuid),
+            _text(gpu.get("pci_bus_id")),
+        ]
+    )
+    lines = [paint(header, _BOLD)]
+    memory = _as_map(gpu.get("memory"))
+    allocated = f"allocated {_bytes(memory.get('used'))}"
+    if memory.get("api") == "v1":
+        allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
+    memory_parts = [
+        f"total {_bytes(memory.get('total'))}",
+        allocated,
+        f"reserved {_bytes(memory.get('reserved'))}",
+        f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
+    ]
+    lines.append("  memory  " + "  ".join(memory_parts))
+    flags = _gpu_flags(gpu)
+    if flags:
+        lines.append("  " + paint("; ".join(flags), _YELLOW))
+
+    judged_mig = mig_judged(gpu)
+    rows, alarms = _holder_rows(parent_rows(gpu) if judged_mig else gpu, now, command_width)
+    if rows:
+        header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
+        table = _table([header_row, *rows])
+        lines.append("  " + paint(table[0], _DIM))
+        for line, alarm in zip(table[1:], alarms, strict=True):
+            lines.append("  " + (paint(line, _RED) if alarm else line))
+    if judged_mig:
+        lines.append("  processes and holders: by MIG instance, below")
+    elif not rows:
+        lines.append(_no_rows_line(gpu))
+
+    own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
+    noted = {f.get("pid") for f in own}  # a spared finding says so itself
+    holders = [h for h in map(_as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+    lines.extend(f"  holder {line}" for line in spared_lines(holders, now))
+    lines.extend(_finding_lines(own, now, paint))
+    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    if own and refusers:
+        lines.append(
+            f"  a reset now would be refused by the driver while PID "
+            f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
+            "isolation every CUDA process opens every GPU)"
+        )
+    lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
+    lines.extend(
+        mig_instance_lines(
+            gpu,
+            findings,
+            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
+            finding_lines=lambda own: _finding_lines(own, now, paint),
+            memory_line=_memory_line,
+        )
+    )
+    return lines
+
+
+def _holder_table(
+    gpu: Mapping[str, object], now: float | None, paint: _Paint, command_width: int
+) -> list[str]:
+    rows, alarms = _holder_rows(gpu, now, command_width)
+    if not rows:
+        return []
+    header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
+    table = _table([header_row, *rows])
+    lines = ["  " + paint(table[0], _DIM)]
+    for line, alarm in zip(table[1:], alarms, strict=True):
+        lines.append("  " + (paint(line, _RED) if alarm else line))
+    return lines
+
+
+def _memory_line(gpu: Mapping[str, object]) -> str:
+    memory = _as_map(gpu.get("memory"))
+    return "  memory  " + "  ".join(
+        [
+            f"total {_bytes(memory.get('total'))}",
+            f"allocated {_bytes(memory.get('used'))}",
+            f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
+        ]
+    )
+
+
+def _no_rows_line(gpu: Mapping[str, object]) -> str:
+    if gpu.get("lost") is True:
+        return "  processes: ? (the GPU is lost)"
+    if gpu.get("processes_known") is False:
+        return "  processes: ? (NVML could not list them)"
+    if as_int(gpu.get("minor")) is None:
+        return "  no process listed by NVML; device-file holders ? (minor number unknown)"
+    return "  no process holds this GPU"
+
+
+def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
+    """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
+    block a reset (decide/verdict.py)."""
+    state = _as_str(verdict.get("state"))
+    if state is None:
+        return []
+    reasons = [_as_map(r) for r in _as_list(verdict.get("reasons"))]
+    if state == "clean":
+        lines = ["  verdict  clean: a new job may have it"]
+    else:
+        lines = [paint(f"  verdict  NOT CLEAN ({_clean(state)})", _RED)]
+        lines.extend(
+            f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
+        )
+    blockers = [_as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
+    if blockers:
+        lines.append("  would block a reset (not dirt):")
+        lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
+    return lines
+
+
+def _node_holder_lines(
+    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint, command_width: int
+) -> list[str]:
+    rows = []
+    for holder in holders:
+        row = _row(
+            {**holder, "via": holder.get("devices")},
+            _role_label(_as_str(holder.get("role")), holder.get("owner_pid")),
+            "-",
+            now,
+        )
+        rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
+        rows[-1][-1] = _truncate(rows[-1][-1], command_width)
+    header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
+    table = _table([header, *rows])
+    return ["    " + paint(table[0], _DIM), *("    " + line for line in table[1:])]
+
+
+def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
+    flags: list[str] = []
+    if gpu.get("lost") is True:
+        flags.append("LOST: the GPU stopped answering")
+    error = _as_str(gpu.get("error"))
+    if error:
+        flags.append(f"error: {_clean(error)}")
+    if gpu.get("mig_enabled") is True:
+        flags.append("MIG enabled")
+    if gpu.get("coherent_memory") is True:
+        flags.append("coherent memory (memory-based detection off)")
+    persistence = gpu.get("persistence_mode")
+    if isinstance(persistence, bool):
+        flags.append(f"persistence mode {'on' if persistence else 'off'}")
+    health = _as_map(gpu.get("health"))
+    action = health.get("recovery_action")
+    if isinstance(action, int) and not isinstance(action, bool) and action != 0:
+        flags.append(f"recovery action {action} (the driver asks for recovery)")
+    support = health.get("recovery_action_support")
+    if support == "not_supported":
+        flags.append("recovery action unknown (this driver has no such field)")
+    elif support == "unknown":
+        flags.append("recovery action unknown (could not be read)")
+    fabric = _as_map(health.get("fabric"))
+    state = fabric.get("state")
+    if fabric.get("support") == "ok" and state in (1, 2):
+        flags.append(f"NVLink fabric {'NOT_STARTED' if state == 1 else 'IN_PROGRESS'}")
+    rows = _as_map(health.get("remapped_rows"))
+    if rows.get("pending") is True:
+        flags.append("row remap pending (a reset applies it)")
+    if rows.get("failure") is True:
+        flags.append("row remapping failed")
+    reason = _as_str(gpu.get("report_only"))
+    if reason:
+        flags.append(f"report-only: {_clean(reason)}")
+    flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
+    return flags
+
+
+def _holder_rows(
+    gpu: Mapping[str, object], now: float | None, command_width: int
+) -> tuple[list[list[str]], list[bool]]:
+    """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
+    holders = [_as_map(h) for h in _as_list(gpu.get("holders"))]
+    holder_pids = {as_int(h.get("pid")) for h in holders}
+    listed = [_as_map(p) for p in _as_list(gpu.get("processes"))]
+    rows: list[tuple[int, list[str], bool]] = []
+    for holder in holders:
+        memory = holder.get("used_memory")
+        memory_text = _bytes(memory) if holder.get("nvml_listed") is True else "-"
+        role = _as_str(holder.get("role"))
+        rows.append(
+            (
+                as_int(holder.get("pid")) or 0,
+                _row(holder, _role_label(role, holder.get("owner_pid")), memory_text, now),
+                role in _ALARM_ROLES,
+            )
+        )
+    for process in listed:
+        pid = as_int(process.get("pid"))
+        if pid in holder_pids:
+            continue
+        label = _role_label(_as_str(process.get("role")), None)
+        if process.get("role") is None:
+            label = _nvml_only_label(process)
+        rows.append(
+            (
+                pid or 0,
+                _row(process, label, _bytes(process.get("used_memory")), now),
+                process.get("alive") is False,
+            )
+        )
+    rows.sort(key=lambda row: row[0])
+    table = [row for _, row, _ in rows]
+    for row in table:
+        row[-1] = _truncate(row[-1], command_width)
+    return table, [alarm for _, _, alarm in rows]
+
+
+def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None) -> list[str]:
+    via = [v for v in _as_list(entry.get("via")) if isinstance(v, str)]
+    gone = entry.get("alive") is False and entry.get("state") is None
+    return [
+        _text(entry.get("pid")),
+        "-" if gone else _user(entry),
+        "-" if gone else _text(entry.get("state")),
+        role,
+        memory,
+        _clean(",".join(via)) or "-",
+        _job(entry.get("cgroup"), known=not gone),
+        "-" if gone else _age(now, _as_float(entry.get("started"))),
+        _command(entry),
+    ]
+
+
+def _role_label(role: str | None, owner: object) -> str:
+    owner_pid = as_int(owner)
+    if role is None:
+        return "-"
+    if role == "worker":
+        return f"worker of {owner_pid}" if owner_pid is not None else "worker"
+    if role == "orphaned":
+        return f"orphaned from {owner_pid}" if owner_pid is not None else "orphaned"
+    return _ROLE_LABELS.get(role, _clean(role.replace("_", " ")))
+
+
+def _nvml_only_label(process: Mapping[str, object]) -> str:
+    if process.get("alive") is False:
+        return "zombie (NVML)" if process.get("state") == "Z" else "dead (NVML)"
+    return "listed by NVML"
+
+
+def _user(entry: Mapping[str, object]) -> str:
+    user = _as_str(entry.get("user"))
+    if user:
+        return _clean(user)
+    uid = as_int(entry.get("uid"))
+    return str(uid) if uid is not None else "?"
+
+
+def _job(cgroup: object, *, known: bool) -> str:
+    """A short name for the job a process belongs to; "-" when its cgroup names none."""
+    if not isinstance(cgroup, Mapping):
+        return "?" if known else "-"
+    slurm = _as_str(cgroup.get("slurm_job"))
+    if slurm:
+        return _clean(f"slurm:{slurm}")
+    pod = _as_str(cgroup.get("pod_uid"))
+    if pod:
+        return _clean(f"pod:{pod[:8]}")
+    container = _as_str(cgroup.get("container_id"))
+    if container:
+        runtime = _as_str(cgroup.get("container_runtime")) or "container"
+        return _clean(f"{runtime}:{container[:12]}")
+    unit = _as_str(cgroup.get("systemd_unit"))
+    return _clean(unit) if unit else "-"
+
+
+def _command(entry: Mapping[str, object]) -> str:
+    cmdline = entry.get("cmdline")
+    if isinstance(cmdline, list) and cmdline:
+        return _clean(" ".join(str(arg) for arg in cmdline))
+    comm = _as_str(entry.get("comm"))
+    if comm:
+        return _clean(f"[{comm}]")
+    return "-" if entry.get("alive") is False else "?"
+
+
+def _finding_lines(
+    findings: Sequence[Mapping[str, object]], now: float | None, paint: _Paint
+) -> list[str]:
+    if not findings:
+        return []
+    rows: list[list[str]] = []
+    actionable: list[bool] = []
+    for finding in findings:
+        pid = as_int(finding.get("pid"))
+        since = _age(now, _as_float(finding.get("first_seen")), unknown="")
+        status = "actionable" if finding.get("actionable") is True else "report only"
+        rows.append(
+            [
+                _text(finding.get("kind")),
+                f"pid {pid}" if pid is not None else "gpu",
+                _bytes(finding.get("memory"), unknown="-"),
+                f"{status}, for {since}" if since else status,
+                _text(finding.get("reason")),
+            ]
+        )
+        actionable.append(finding.get("actionable") is True)
+    lines = ["  findings"]
+    for line, act in zip(_table(rows), actionable, strict=True):
+        lines.append("    " + (paint(line, _RED) if act else line))
+    lines.extend(f"    {line}" for line in spared_lines(findings, now))  # gpuwatchd spare
+    lines.extend(_likely_heir_advice(findings, paint))
+    lines.extend(_unseen_note(findings))
+    return lines
+
+
+def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
+    """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
+    if not any(_as_str(f.get("kind")) == "ghost_memory" for f in findings):
+        return []
+    return [
+        "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
+        "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
+        "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
+    ]
+
+
+def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:
+    """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
+    heirs = [
+        as_int(f.get("pid"))
+        for f in findings
+        if _as_map(f.get("evidence")).get("likely_heir") is True
+    ]
+    shown = ", ".join(str(pid) for pid in heirs if pid is not None)
+    if not shown:
+        return []
+    return [
+        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {shown}", _YELLOW),
+        f"    check with `ps -o pid,lstart,args -p {shown.replace(', ', ',')}`; kill it by hand,",
+        "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
+    ]
+
+
+def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
+    notes: list[str] = []
+    nvml = _as_map(report.get("nvml"))
+    if nvml.get("available") is False:
+        notes.append(f"NVML unavailable: {_text(nvml.get('error'))}")
+    if nvml.get("wedged") is True:
+        notes.append(
+            "driver wedged: an NVML call missed its deadline "
+            f"({_text(nvml.get('error'))}); no destructive action until it answers again"
+        )
+    node_reasons = {
+        key: reason
+        for key, reason in _as_map(report.get("report_only")).items()
+        if key not in gpu_uuids
+    }
+    for key in sorted(node_reasons):
+        notes.append(f"report-only ({_clean(key)}): {_text(node_reasons[key])}")
+    host = _as_map(report.get("host"))
+    if host.get("host_namespaces") is False and not node_reasons:
+        notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
+    if host.get("mps_server_running") is True and not node_reasons:
+        notes.append("an MPS server is running: its clients' GPUs are report-only")
+    for key, values in sorted(_as_map(report.get("notes")).items()):
+        if key not in gpu_uuids:
+            notes.extend(f"note ({_clean(key)}): {_text(value)}" for value in _as_list(values))
+    unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]
+    if unreadable:
+        shown = ", ".join(str(pid) for pid in unreadable[:10])
+        more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
+        notes.append(
+            f"{len(unreadable)} processes could not be inspected (fds/maps unreadable: "
+            f"{shown}{more}); what they hold is unknown"
+        )
+    return notes
+
+
+# --- small formatting helpers -----------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as left-aligned columns two spaces apart; the last column is not padded."""
+    if not rows:
+        return []
+    widths = [0] * max(len(row) for row in rows)
+    for row in rows:
+        for column, cell in enumerate(row[:-1]):
+            widths[column] = max(widths[column], len(cell))
+    return [
+        "  ".join(cell.ljust(widths[column]) for column, cell in enumerate(row)).rstrip()
+        for row in rows
+    ]
+
+
+def _bytes(value: object, *, unknown: str = "?") -> str:
+    amount = as_int(value)
+    if amount is None:
+        return unknown
+    if abs(amount) >= GIB:
+        return f"{amount / GIB:.1f} GiB"
+    return f"{round(amount / MIB)} MiB"
+
+
+def _age(now: float | None, then: float | None, *, unknown: str = "?") -> str:
+    """Elapsed time as a compact, ps-like string: 45s, 12m, 3h04m, 2d03h."""
+    if now is None or then is None:
+        return unknown
+    seconds = max(0, int(now - then))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _truncate(text: str, width: int) -> str:
+    if width < 4 or len(text) <= width:
+        return text
+    return text[: width - 3] + "..."
+
+
+def _text(value: object) -> str:
+    """A scalar as display text; "?" when unknown, control characters escaped."""
+    if value is None or isinstance(value, (Mapping, list)):
+        return "?"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return _clean(str(value))
+
+
+def _clean(text: str) -> str:
+    """Escape control characters, which a hostile command line could use to forge lines."""
+    return escape(text)
+
+
+def _as_list(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _as_float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)

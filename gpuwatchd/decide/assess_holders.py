@@ -1,0 +1,418 @@
+"""The holder pass: each process that holds device files, classified by the orphan rule.
+
+This module owns the roles (context owner, worker, management, hidden, stuck, unknown) and the
+orphan rule with its positive evidence: a dead owner's tie, kcmp inheritance, memory without an
+owner, the likely heir of a leak from before the daemon watched; and ``job_ended``.
+Semantics: ``docs/findings.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from gpuwatchd.decide.assess_shared import _AssessorState, _mib, _Outcome
+from gpuwatchd.decide.assess_state import Lineage
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.host_view import HostView, Listing, relation
+from gpuwatchd.model import (
+    DeviceHolding,
+    FindingKind,
+    GpuInfo,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    as_int,
+)
+
+__all__ = ["job_ended"]
+
+
+class _HolderPass(_AssessorState):
+    """Every process that holds device files."""
+
+    def assess_holders(self) -> None:
+        host = self.host
+        for pid, holding in sorted(host.holdings.items()):
+            held = host.held_gpus(holding)
+            proc = host.procs.get(pid)
+            outcome = self.classify(pid, proc, holding, held)
+            if proc is not None and outcome.kind is not None:
+                target = outcome.gpu or (held[0] if held else None)
+                memory = as_int(outcome.evidence.get("memory"))
+                self.add(
+                    outcome.kind,
+                    target,
+                    pid,
+                    proc.start_ticks,
+                    outcome.note,
+                    memory=memory,
+                    informational=outcome.kind is FindingKind.HIDDEN_HOLDER,
+                    gpus=held,
+                    evidence={
+                        **outcome.evidence,
+                        "gpus": [g.uuid for g in held],
+                        "uvm": holding.uvm,
+                        "ctl": holding.ctl,
+                        **_process_evidence(proc, self.lineage),
+                    },
+                )
+            if outcome.role == "stuck" and proc is not None:
+                self.add_stuck(proc, held[0] if held else None, held)
+            targets: list[GpuInfo | None] = list(held) or [None]
+            for gpu in targets:
+                role, owner, note = outcome.role, outcome.owner_pid, outcome.note
+                listed_here = gpu is not None and pid in _listed_pids(host.listings[gpu.uuid])
+                if role == "context_owner" and gpu is not None and not listed_here:
+                    note = "owns a context on another GPU; CUDA opens every visible GPU"
+                self.role(pid, gpu, role, owner, note)
+
+    def classify(
+        self,
+        pid: int,
+        proc: ProcessInfo | None,
+        holding: DeviceHolding,
+        held: list[GpuInfo],
+    ) -> _Outcome:
+        host = self.host
+        if proc is None:
+            return _Outcome("unknown", "no process facts (exited during the scan?)")
+        if is_infrastructure(proc):
+            return _Outcome("management", "infrastructure (never a target)")
+        if proc.is_zombie:
+            if pid in host.listed_alive:
+                return _Outcome("context_owner", "zombie leader; live threads")
+            return _Outcome("unknown", "zombie that still holds device files (live threads?)")
+        if proc.is_uninterruptible:
+            return _Outcome("stuck", "uninterruptible sleep (D)")
+        job = proc.cgroup.job_key if proc.cgroup is not None else None
+        ended = job_ended(proc, host.snapshot)
+        job_ended_now = ended is not None
+        abandoned = _Outcome(
+            "hidden",
+            f"its job {job} has ended while it still holds the GPU ({ended})",
+            kind=FindingKind.ABANDONED,
+            evidence={"job": job, "ended_by": ended},
+        )
+        if pid in host.listed_alive:
+            if job_ended_now:
+                abandoned.role = "context_owner"
+                return abandoned
+            return _Outcome("context_owner", "owns a context (listed by NVML)")
+        unknown_links: list[str] = []
+        heir_of = self.heir_of_dead_owner(proc)
+        for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
+            related, link = relation(host, proc, owner)
+            if related and heir_of is not None and _tree_link(host, proc, owner) is False:
+                # Only a session, group or job joins it to this live owner, and kcmp proved
+                # it holds a dead owner's own files (a dead torchrun rank's worker).
+                continue
+            if related:
+                return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
+            if related is None:
+                unknown_links.append(f"PID {owner.pid}: {link}")
+        if job_ended_now:
+            return abandoned
+        if not holding.uvm:
+            return _Outcome(
+                "management",
+                "NVML-only client (no nvidia-uvm): not a kill target, but it blocks a reset",
+                kind=FindingKind.HIDDEN_HOLDER if held else None,
+                evidence={"nvml_only": True},
+            )
+        if not held:
+            return _Outcome(
+                "hidden",
+                "holds nvidiactl/nvidia-uvm but no GPU's device file: cannot be attributed",
+                kind=FindingKind.HIDDEN_HOLDER,
+                evidence={"unattributed": True},
+            )
+        hidden = "holds the GPU without a context; not explained by a live context owner"
+        if unknown_links:
+            return self.hidden(
+                f"{hidden}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
+                undecided=True,
+            )
+        if proc.identity is None:
+            return self.hidden(f"{hidden}; its start time is unknown", undecided=True)
+        unseen = [g for g in host.gpus if g.lost or g.processes is None]
+        if unseen:
+            return self.hidden(
+                f"{hidden}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
+                "whether it owns a context there",
+                undecided=True,
+            )
+        if heir_of is not None:
+            gpu = held[0]
+            why = (
+                f"holds GPU {gpu.index} through open files of dead owner PID "
+                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
+                "anywhere and no live context owner is its ancestor or descendant"
+            )
+            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+        for gpu in held:
+            tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
+            if tie is None:
+                continue
+            owner_pid = as_int(tie.get("dead_pid", tie.get("former_owner")))
+            if owner_pid is not None and self.opened_own_files(proc, owner_pid):
+                return _Outcome(
+                    "hidden",
+                    f"holds GPU {gpu.index} only through files it opened itself (kcmp: none is "
+                    f"PID {owner_pid}'s, a spawn/forkserver worker): killing it frees none of "
+                    "that owner's memory",
+                    kind=FindingKind.HIDDEN_HOLDER,
+                    gpu=gpu,
+                    evidence={"own_files": True, "owner": owner_pid},
+                )
+            if tie["tie"] == "dead_owner":
+                why = (
+                    f"inherited GPU {gpu.index} from dead owner PID {tie['dead_pid']} "
+                    f"({tie['link']}); owns no context and no live owner explains it"
+                )
+            else:
+                why = (
+                    f"holds GPU {gpu.index}, whose {_mib(as_int(tie['allocated']))} allocated "
+                    f"no live context owner accounts for; owns no context anywhere"
+                )
+            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
+        heir = self.likely_heir(proc, held)
+        if heir is not None:
+            return heir
+        return self.hidden(f"{hidden}; nothing ties it to a dead owner")
+
+    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> _Outcome | None:
+        """A leak from before the daemon watched: the likely heir, without history.
+
+        Every other orphan condition holds (the caller checked them); on a GPU it holds, memory
+        above baseline + margin has no live context owner, the holder was known when that began,
+        and its session or process-group leader no longer exists (looked up this poll: positive
+        evidence, ``Snapshot.absent_pids``). A process that leads its own session (a notebook
+        kernel) never qualifies. Reported as a ``hidden_holder`` naming the lost leader, or
+        ``orphaned`` with ``tie: lost_leader`` under ``detection.orphans_without_history``.
+        """
+        lost = _lost_leader(proc, self.host.snapshot.absent_pids)
+        answers = self.recorded_inheritance(proc)
+        if lost is None or (answers and not any(shared for _, shared in answers)):
+            return None  # kcmp: it opened its own files, so it is nobody's heir
+        link, leader = lost
+        for gpu in held:
+            tie = self.memory_without_owner(gpu)
+            since = self.unaccounted_since.get(gpu.uuid)
+            recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+            if tie is None or since is None or recorded is None or recorded.first_seen > since:
+                continue
+            evidence: dict[str, object] = {
+                **tie,
+                "tie": "lost_leader",
+                "lost_leader": leader,
+                "link": link,
+                "unaccounted_since": since,
+                "first_seen": recorded.first_seen,
+            }
+            memory = f"{_mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            if self.detection.orphans_without_history:
+                why = (
+                    f"likely heir of the {memory} that no live context owner accounts for: its "
+                    f"{link} leader PID {leader} is gone and it owns no context anywhere "
+                    "(detection.orphans_without_history)"
+                )
+                return _Outcome(
+                    "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
+                )
+            del evidence["tie"]
+            evidence["likely_heir"] = True
+            why = (
+                f"likely heir of the {memory} that no live context owner accounts for: its {link} "
+                f"leader PID {leader} is gone, but gpuwatchd never saw that owner alive (a leak "
+                f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
+                "detection.orphans_without_history: true"
+            )
+            return _Outcome(
+                "hidden", why, kind=FindingKind.HIDDEN_HOLDER, gpu=gpu, evidence=evidence
+            )
+        return None
+
+    def recorded_inheritance(self, proc: ProcessInfo) -> tuple[tuple[ProcessIdentity, bool], ...]:
+        return self.inheritance.get(proc.identity, ()) if proc.identity is not None else ()
+
+    def opened_own_files(self, proc: ProcessInfo, owner_pid: int) -> bool:
+        """kcmp found none of ``proc``'s device files to be owner ``owner_pid``'s own."""
+        answers = [shared for o, shared in self.recorded_inheritance(proc) if o.pid == owner_pid]
+        return bool(answers) and not any(answers)
+
+    def heir_of_dead_owner(self, proc: ProcessInfo) -> dict[str, object] | None:
+        """Evidence that ``proc`` holds open files of an owner that is now dead (kcmp).
+
+        Recorded while that owner lived (``FileSharing.shared`` True); its death must be
+        positive too: NVML lists its PID dead or as a zombie, its PID now names another
+        process, or its PID was looked up and does not exist. That holds for every owner whose
+        files it shares: if one of them lives, or its fate is unknown, the files are still
+        that owner's too and killing the holder frees nothing, so it is nobody's heir.
+        """
+        host = self.host
+        listed_dead = {
+            row.entry.pid: row.status
+            for rows in host.listings.values()
+            for row in rows
+            if row.status != "alive" and row.entry.pid not in host.listed_alive
+        }
+        evidence: dict[str, object] | None = None
+        for owner, shared in self.recorded_inheritance(proc):
+            if not shared or owner.pid == proc.pid:
+                continue
+            now = host.procs.get(owner.pid)
+            if now is not None and now.start_ticks == owner.start_ticks:
+                if owner.pid not in listed_dead:
+                    return None  # alive (or a zombie that NVML does not list dead)
+                status = listed_dead[owner.pid]
+            elif owner.pid in listed_dead:
+                status = listed_dead[owner.pid]
+            elif now is not None and now.start_ticks is not None:
+                status = "reused"
+            elif owner.pid in host.snapshot.absent_pids:
+                status = "dead"
+            else:
+                return None  # not described, not looked up: unknown is not dead
+            if evidence is None:
+                evidence = {
+                    "tie": "inherited_files",
+                    "dead_pid": owner.pid,
+                    "dead_start_ticks": owner.start_ticks,
+                    "dead_status": status,
+                    "link": "kcmp",
+                }
+        return evidence
+
+    def hidden(self, note: str, *, undecided: bool = False) -> _Outcome:
+        """A hidden holder; ``undecided``: the orphan rule could not be decided for it (a
+        relation, its start time or a GPU's list unknown), recorded as ``evidence.undecided``
+        so the clean verdict (decide/verdict.py) counts it unknown, not merely a holder."""
+        evidence: dict[str, object] = {"undecided": True} if undecided else {}
+        return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
+
+    def dead_owner_tie(self, proc: ProcessInfo, gpu: GpuInfo) -> dict[str, object] | None:
+        """A dead or zombie PID listed on ``gpu`` that is its parent, group or session."""
+        recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+        links = [
+            ("recorded parent", recorded.ppid if recorded is not None else None),
+            ("parent", proc.ppid),
+            ("process group", proc.pgid),
+            ("session", proc.sid),
+        ]
+        for row in self.host.listings[gpu.uuid]:
+            if row.status == "alive" or row.entry.pid in self.host.listed_alive:
+                continue
+            for link, value in links:
+                if value is not None and value == row.entry.pid:
+                    return {
+                        "tie": "dead_owner",
+                        "dead_pid": row.entry.pid,
+                        "dead_status": row.status,
+                        "link": link,
+                        "memory": row.entry.used_memory,
+                    }
+        return None
+
+    def unaccounted_without_owner(
+        self, gpu: GpuInfo, proc: ProcessInfo
+    ) -> dict[str, object] | None:
+        """Evidence that ``proc`` may be the heir of memory on ``gpu`` that no live owner holds.
+
+        The memory must be above baseline + margin with no live context owner at all, and the
+        process must have been seen no later than the moment that state began: a process that
+        arrived afterwards (a new job's process that opened every GPU but has no context yet)
+        cannot have inherited it.
+        """
+        tie = self.memory_without_owner(gpu)
+        since = self.unaccounted_since.get(gpu.uuid)
+        recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+        if tie is None or since is None or recorded is None or recorded.first_seen > since:
+            return None
+        # Positive evidence: when first seen, its parent, group or session was a process this
+        # daemon saw owning a context (and which owns none now). A process that merely
+        # initialised CUDA before the leak (a notebook that asked for the device count) has no
+        # such link and stays a hidden holder.
+        live = set(self.host.listed_alive)
+        former = {o.pid for o in self.owners if o.pid not in live}
+        for link, value in (
+            ("recorded parent", recorded.ppid),
+            ("recorded process group", recorded.pgid),
+            ("recorded session", recorded.sid),
+        ):
+            if value is not None and value in former and value != proc.pid:
+                return {
+                    **tie,
+                    "unaccounted_since": since,
+                    "first_seen": recorded.first_seen,
+                    "former_owner": value,
+                    "link": link,
+                }
+        return None
+
+
+def job_ended(proc: ProcessInfo, snapshot: Snapshot) -> str | None:
+    """Why ``proc``'s job is known to be over, or None (collect/jobs.py gathers the facts).
+
+    Its own job cgroup directory was judged ended at the scheduler's location (a directory
+    of the same job id elsewhere says nothing about this one); or the scheduler said the job
+    ended, *after* this process started, and no slurmstepd started since serves the job (a
+    requeued job with the same id). An unknown start time is never older than anything.
+    """
+    cgroup = proc.cgroup
+    job = cgroup.job_key if cgroup is not None else None
+    if cgroup is None or job is None:
+        return None
+    job_dir = cgroup.slurm_job_dir
+    if job_dir is not None and job_dir in snapshot.ended_job_dirs:
+        return f"no slurmstepd is left in {job_dir}"
+    said = snapshot.handovers.get(job)
+    if said is None or proc.start_ticks is None or proc.start_ticks >= said:
+        return None
+    stepd = snapshot.job_stepds.get(job)
+    if stepd is not None and stepd >= said:
+        return None  # a slurmstepd started after the word: the job id runs again (requeued)
+    return "the scheduler said so after it started"
+
+
+def _process_evidence(
+    proc: ProcessInfo, lineage: Mapping[ProcessIdentity, Lineage]
+) -> dict[str, object]:
+    recorded = lineage.get(proc.identity) if proc.identity is not None else None
+    return {
+        "ppid": proc.ppid,
+        "pgid": proc.pgid,
+        "sid": proc.sid,
+        "user": proc.user,
+        "cmdline": " ".join(proc.cmdline) if proc.cmdline is not None else None,
+        "cgroup": proc.cgroup.path if proc.cgroup is not None else None,
+        "job": proc.cgroup.job_key if proc.cgroup is not None else None,
+        "recorded_ppid": recorded.ppid if recorded is not None else None,
+        "first_seen": recorded.first_seen if recorded is not None else None,
+    }
+
+
+def _tree_link(host: HostView, a: ProcessInfo, b: ProcessInfo) -> bool | None:
+    """Whether one of ``a`` and ``b`` descends from the other; None when a chain is broken."""
+    above_a, complete_a = host.ancestors(a)
+    above_b, complete_b = host.ancestors(b)
+    if b.pid in above_a or a.pid in above_b:
+        return True
+    return False if complete_a and complete_b else None
+
+
+def _lost_leader(proc: ProcessInfo, absent: frozenset[int]) -> tuple[str, int] | None:
+    """("session" or "process group", leader PID) when that leader is known not to exist.
+
+    None when ``proc`` leads its own session (a notebook kernel, a daemon: nothing was lost)
+    or when its session or group is unknown.
+    """
+    if proc.sid is None or proc.pgid is None or proc.sid == proc.pid:
+        return None
+    for link, leader in (("session", proc.sid), ("process group", proc.pgid)):
+        if leader != proc.pid and leader > 0 and leader in absent:
+            return link, leader
+    return None
+
+
+def _listed_pids(rows: Iterable[Listing]) -> set[int]:
+    return {row.entry.pid for row in rows}

@@ -1,0 +1,95 @@
+"""The NVML listing pass: each process NVML lists on a GPU, dead, zombie, stuck or unknown.
+
+This module owns ``dead_process`` and listed ``zombie`` findings, with the live processes that
+descend from a dead one, and the roles of listed processes whose device files do not match.
+"""
+
+from __future__ import annotations
+
+from gpuwatchd.decide.assess_shared import _AssessorState
+from gpuwatchd.model import FindingKind
+
+__all__ = []
+
+
+class _ListingPass(_AssessorState):
+    """The NVML listings of every GPU."""
+
+    def assess_listings(self) -> None:
+        host = self.host
+        for gpu in host.gpus:
+            for row in host.listings[gpu.uuid]:
+                pid, used = row.entry.pid, row.entry.used_memory
+                if row.status == "dead":
+                    heirs = self.heirs_of(pid)
+                    self.add(
+                        FindingKind.DEAD_PROCESS,
+                        gpu,
+                        pid,
+                        None,
+                        f"NVML lists PID {pid} on GPU {gpu.index}, but no such process exists"
+                        + (f"; {len(heirs)} live process(es) descend from it" if heirs else ""),
+                        memory=used,
+                        evidence={
+                            "used_memory": used,
+                            "process_kind": row.entry.kind,
+                            "heirs": heirs,
+                            "seen_alive": any(i.pid == pid for i in self.lineage),
+                        },
+                    )
+                    continue
+                proc = row.proc
+                if proc is None:  # never: only dead rows lack their process
+                    continue
+                if row.status == "zombie":
+                    holding = host.holds_anything(pid)
+                    self.add(
+                        FindingKind.ZOMBIE,
+                        gpu,
+                        pid,
+                        proc.start_ticks,
+                        f"NVML lists zombie PID {pid} on GPU {gpu.index}; its parent "
+                        f"{proc.ppid if proc.ppid is not None else '(unknown)'} must reap it",
+                        memory=used,
+                        evidence={
+                            "used_memory": used,
+                            "ppid": proc.ppid,
+                            "parent_cmdline": self.cmdline_of(proc.ppid),
+                            "holds_device_files": holding,
+                        },
+                    )
+                    if holding:
+                        self.role(pid, gpu, "context_owner", None, "zombie leader; live threads")
+                    continue
+                if proc.is_uninterruptible:
+                    self.add_stuck(proc, gpu, [gpu])
+                holds = host.holds_gpu(pid, gpu)
+                if holds is None:
+                    self.role(
+                        pid, gpu, "unknown", None, "listed; whether it holds the GPU is unknown"
+                    )
+                elif not holds:
+                    self.role(
+                        pid,
+                        gpu,
+                        "unknown",
+                        None,
+                        "listed by NVML but holds no device file of this GPU (PID reused?)",
+                    )
+
+    def heirs_of(self, dead_pid: int) -> list[int]:
+        heirs = []
+        for pid, proc in sorted(self.host.procs.items()):
+            recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
+            ids = {proc.ppid, proc.pgid, proc.sid}
+            if recorded is not None:
+                ids.add(recorded.ppid)
+            if dead_pid in ids and not proc.is_zombie:
+                heirs.append(pid)
+        return heirs
+
+    def cmdline_of(self, pid: int | None) -> str | None:
+        proc = self.host.procs.get(pid) if pid is not None else None
+        if proc is None or proc.cmdline is None:
+            return None
+        return " ".join(proc.cmdline)

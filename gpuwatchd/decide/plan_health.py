@@ -1,0 +1,173 @@
+"""Acting on GPU health: report, drain hooks, then a reset through the reset gates.
+
+What GPU health *means* is ``decide/health.py``'s; this module decides when to drain and
+reset, through the same gates as a ghost-memory reset (``plan_resets.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gpuwatchd.decide.health import drain_blockers
+from gpuwatchd.decide.plan_intents import (
+    HookIntent,
+    _Ctx,
+    _dry,
+    _finding_fields,
+    _hold_reason,
+    _Work,
+)
+from gpuwatchd.decide.plan_resets import (
+    _ESCALATING,
+    _escalating,
+    _gates,
+    _history_blocker,
+    _say,
+    _start_reset,
+)
+from gpuwatchd.decide.plan_state import HealthWait
+from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.model import (
+    Finding,
+    FindingKind,
+)
+from gpuwatchd.vocabulary import (
+    EventName,
+    HookName,
+    Level,
+)
+
+__all__ = []
+
+
+def _health_once(w: _Work, finding: Finding, what: str) -> bool:
+    """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""
+    return w.noted(finding.key, what)
+
+
+def _drained_already(w: _Work, uuid: str, dry: bool) -> bool:
+    """Whether this GPU's health incident ran its drain hooks already (a real drain covers a
+    later dry run too; a dry run's does not cover a real one)."""
+    earlier = w.health_drained.get(uuid)
+    return earlier is not None and (not earlier or dry)
+
+
+def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
+    """The ``reset.drain`` hooks, at most once per health incident of the GPU: a finding that
+    follows another on the same GPU (DRAIN_P2P settling to GPU_RESET) finds it drained."""
+    uuid = finding.gpu or ""
+    if _drained_already(w, uuid, dry):
+        return
+    w.health_drained[uuid] = dry
+    if ctx.policy.reset.drain:
+        # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
+        gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+        facts = {
+            **_finding_fields(finding),
+            "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
+            "minor": None if gpu is None else gpu.minor,
+        }
+        w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
+
+
+def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    """What a health finding leads to (docs/policy.md#health). Never a signal to a job.
+
+    ``reboot_required``: said once (critical), ``on_failure`` and drain hooks once, no reset.
+    ``drain_required``, or a reset without ``action: reset``: drain hooks once. A
+    ``reset_required`` with ``action: reset``: drain, wait (bounded by ``drain_timeout``, the
+    wait persisted) until nothing holds the GPU, then the one reset path, under every gate.
+    """
+    health = ctx.policy.health
+    if not health.enabled or finding.gpu is None:
+        return
+    dry = _dry(w, ctx)
+    act = health.action != "report" and ctx.blocked is None and not w.state.paused
+    fields = _finding_fields(finding)
+    if not finding.actionable:
+        # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
+        if _health_once(w, finding, "health:report"):
+            w.event(EventName.ACTION_REFUSED, Level.WARNING, why="report only: not actionable",
+                    **fields)  # fmt: skip
+        return
+    if finding.kind == FindingKind.REBOOT_REQUIRED:
+        if _health_once(w, finding, "health:reboot"):
+            w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
+            w.intents.append(
+                HookIntent(
+                    HookName.ON_FAILURE, f"{finding.gpu} needs a reboot", fields, dry_run=dry
+                )
+            )
+            if act:
+                _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
+        return
+    resetting = health.action == "reset" and ctx.policy.reset.enabled
+    if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
+        if act and _health_once(w, finding, "health:drain"):
+            w.event(
+                EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=[], timeout=None, **fields
+            )
+            _drain_hooks(w, ctx, finding, f"{finding.gpu}: {finding.reason}", dry)
+        return
+    _consider_health_reset(w, ctx, finding, dry)
+
+
+def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> None:
+    uuid = finding.gpu or ""
+    refusal, blockers = _gates(ctx, finding)
+    if refusal is not None:
+        _say(w, finding, refusal)
+        return
+    gpu = gpu_by_uuid(ctx.snapshot, uuid)
+    if gpu is None:
+        return  # a gate said so already; for the type checker
+    blockers += drain_blockers(
+        gpu, ctx.snapshot, device_isolation=ctx.policy.health.device_isolation
+    )
+    if _escalating(w, uuid):
+        blockers.append(_ESCALATING)
+    timeout = ctx.policy.health.drain_timeout
+    wait = w.health_waits.get(uuid)
+    if wait is None or wait.dry_run != dry:
+        hold = _hold_reason(w, ctx)
+        if hold is not None:
+            _say(w, finding, (EventName.RESET_REFUSED, Level.INFO, hold))
+            return
+        wait = HealthWait(finding.key, ctx.now, dry)
+        w.health_waits[uuid] = wait
+        w.event(
+            EventName.HEALTH_DRAIN_STARTED,
+            Level.WARNING,
+            blockers=blockers,
+            timeout=timeout,
+            dry_run=dry,
+            drained_already=_drained_already(w, uuid, dry),
+            **_finding_fields(finding),
+        )
+        _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
+    if blockers:
+        if wait.expired:
+            return
+        if ctx.now - wait.since >= timeout:
+            w.health_waits[uuid] = replace(wait, expired=True)
+            held = "; ".join(blockers)
+            why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
+            facts = {**_finding_fields(finding), "blockers": blockers}
+            w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
+            w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
+            return
+        w.waiting[finding.key] = wait.since + timeout
+        if w.noted(finding.key, "drain:" + "; ".join(blockers)):
+            w.event(
+                EventName.HEALTH_DRAIN_WAITING,
+                Level.INFO,
+                blockers=blockers,
+                until=wait.since + timeout,
+                **_finding_fields(finding),
+            )
+        return
+    blocker = _history_blocker(w, ctx, finding, gpu)
+    if blocker is not None:
+        _say(w, finding, blocker)
+        return
+    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset", drained=True)

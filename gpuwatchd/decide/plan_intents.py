@@ -1,0 +1,271 @@
+"""What the planner returns and the scratch state of one planning call.
+
+This module owns the intents (signal, reset, hook), the events, ``PlanResult``, and ``_Work`` /
+``_Ctx``: the state one call of ``plan`` shares between its ladders, resets and health actions,
+with the small helpers every one of them reads (dry-run, preview, hold, kill-cap scope).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TypeAlias
+
+from gpuwatchd.decide.plan_state import (
+    Ladder,
+    PlanState,
+)
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.shadow import ShadowWork
+from gpuwatchd.model import (
+    Finding,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
+from gpuwatchd.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+    check_ladder_transition,
+)
+
+__all__ = [
+    "Event",
+    "HookIntent",
+    "Intent",
+    "PlanResult",
+    "ResetIntent",
+    "SignalIntent",
+    "kill_cap_scope",
+    "target_key",
+]
+
+
+@dataclass(frozen=True)
+class SignalIntent:
+    """Send ``signal`` to ``identity`` (act re-verifies the start time first).
+
+    ``step`` is 1-based: step 1 is the rule's first step. ``facts`` carries what justified it
+    (user, cmdline, cgroup/job, memory) for the log event.
+    """
+
+    identity: ProcessIdentity
+    signal: str
+    gpu: str | None
+    finding_key: str
+    rule: str
+    step: int
+    dry_run: bool
+    reason: str
+    facts: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class ResetIntent:
+    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id (design-notes §7)."""
+
+    gpu: str
+    pci_bus_id: str | None
+    minor: int | None
+    finding_key: str
+    dry_run: bool
+    reason: str
+    facts: Mapping[str, object]
+    drained: bool = False  # the drain hooks ran already (health: drain, wait, then reset)
+
+
+@dataclass(frozen=True)
+class HookIntent:
+    """Run the configured hooks named ``hook`` (a :class:`HookName`). ``facts`` fill the
+    hooks' placeholders (``gpu``, ``pci_bus_id``, ``minor``, ``user``) and environment."""
+
+    hook: str
+    reason: str
+    facts: Mapping[str, object]
+    dry_run: bool = False
+
+
+Intent: TypeAlias = SignalIntent | ResetIntent | HookIntent
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decision, to be logged as one structured event. ``name`` is from ``EventName``."""
+
+    name: str
+    level: Level
+    fields: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    intents: tuple[Intent, ...]
+    events: tuple[Event, ...]
+    state: PlanState
+
+
+def _move(lad: Ladder, status: LadderStatus) -> Ladder:
+    """The ladder in a terminal ``status``, nothing due; an illegal transition raises."""
+    return replace(lad, status=check_ladder_transition(lad.status, status), due=None)
+
+
+def target_key(identity: ProcessIdentity) -> str:
+    return f"{identity.pid}@{identity.start_ticks}"
+
+
+def _finding_fields(finding: Finding) -> dict[str, object]:
+    return {
+        "finding": finding.key,
+        "kind": finding.kind.value,
+        "gpu": finding.gpu,
+        "pid": finding.pid,
+        "start_ticks": finding.start_ticks,
+        "memory": finding.memory,
+        "reason": finding.reason,
+    }
+
+
+class _Work:
+    """The mutable scratch copy of a PlanState while one call decides."""
+
+    def __init__(self, state: PlanState) -> None:
+        self.seen = dict(state.seen)
+        self.notes = dict(state.notes)
+        self.waiting: dict[str, float] = dict(state.waiting)
+        self.ladders = dict(state.ladders)
+        self.quiet_until = dict(state.quiet_until)
+        self.last_reset = dict(state.last_reset)
+        self.last_dry_reset = dict(state.last_dry_reset)
+        self.reset_history = list(state.reset_history)
+        self.signal_history = list(state.signal_history)
+        self.signal_scopes = dict(state.signal_scopes)
+        self.scope_latches = dict(state.scope_latches)
+        self.health_waits = dict(state.health_waits)
+        self.reset_refusals = dict(state.reset_refusals)
+        self.health_drained = dict(state.health_drained)
+        self.new_targets: dict[str, int] = {}  # scope -> targets first signalled this poll
+        self.shadow = ShadowWork(state.shadow)  # dry-run's would-be limits (shadow.py)
+        self.events: list[Event] = []
+        self.intents: list[Intent] = []
+        self.state = state
+
+    def event(self, name: str, level: Level, **fields: object) -> None:
+        self.events.append(Event(name, level, fields))
+
+    def noted(self, key: str, text: str) -> bool:
+        """Record ``text`` as the last thing said about ``key``; True when it is news."""
+        if self.notes.get(key) == text:
+            return False
+        self.notes[key] = text
+        return True
+
+    def rebase_wall(self, wall: float) -> None:
+        last = self.state.last_wall
+        if last is not None and wall < last:
+            step = last - wall
+            self.last_reset = {g: t - step for g, t in self.last_reset.items()}
+            self.last_dry_reset = {g: t - step for g, t in self.last_dry_reset.items()}
+            self.reset_history = [(g, t - step) for g, t in self.reset_history]
+            self.scope_latches = {
+                k: replace(v, since=v.since - step) for k, v in self.scope_latches.items()
+            }
+            since = self.state.forced_since
+            if since is not None:
+                self.state = replace(self.state, forced_since=since - step)
+            self.shadow.shift(step)
+            self.event(EventName.CLOCK_STEPPED_BACK, Level.WARNING, seconds=step, wall=wall)
+        self.state = replace(self.state, last_wall=wall)
+
+    def freeze(self) -> PlanState:
+        return replace(
+            self.state,
+            seen=self.seen,
+            notes=self.notes,
+            waiting=self.waiting,
+            ladders=self.ladders,
+            quiet_until=self.quiet_until,
+            last_reset=self.last_reset,
+            last_dry_reset=self.last_dry_reset,
+            reset_history=tuple(self.reset_history),
+            signal_history=tuple(self.signal_history),
+            signal_scopes={
+                t: self.signal_scopes[t] for t, _ in self.signal_history if t in self.signal_scopes
+            },
+            scope_latches=self.scope_latches,
+            health_waits=self.health_waits,
+            reset_refusals=self.reset_refusals,
+            health_drained=self.health_drained,
+            shadow=self.shadow.freeze(),
+        )
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    snapshot: Snapshot
+    policy: Policy
+    now: float
+    wall: float
+    report_only: Mapping[str, str]
+    self_ancestors: frozenset[int]
+    findings: Mapping[str, Finding]
+    quiet_before: Mapping[str, float]
+    blocked: str | None  # a node-wide reason no action may be taken this poll
+
+
+def _dry(w: _Work, ctx: _Ctx, scope: str | None = None) -> bool:
+    """Whether intents are dry runs: by policy, the node's kill-cap latch, or (for a target's
+    signals) the latch of the user it belongs to."""
+    if ctx.policy.dry_run or w.state.forced_dry_run:
+        return True
+    return scope is not None and scope in w.scope_latches
+
+
+def kill_cap_scope(proc: ProcessInfo | None) -> str:
+    """Whose kill cap a target counts against: its owner's uid (``uid:N``); processes whose
+    owner is unknown share one scope (``uid:unknown``)."""
+    uid = None if proc is None else proc.uid
+    return f"uid:{'unknown' if uid is None else uid}"
+
+
+def _previewing(w: _Work, ctx: _Ctx) -> bool:
+    """A policy's dry run, which keeps the would-be kill cap (shadow.py); under the dry run
+    the real kill cap forced, enforcement's own latch is already there."""
+    return ctx.policy.dry_run and not w.state.forced_dry_run
+
+
+def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
+    if w.state.paused:
+        return "paused" + (f" ({w.state.paused_reason})" if w.state.paused_reason else "")
+    return ctx.blocked
+
+
+def _ladder_fields(lad: Ladder) -> dict[str, object]:
+    return {
+        "target": lad.target,
+        "pid": lad.pid,
+        "start_ticks": lad.start_ticks,
+        "finding": lad.finding_key,
+        "rule": lad.rule,
+        "gpu": lad.gpu,
+        "step": lad.step,
+        "dry_run": lad.dry_run,
+    }
+
+
+def _action_ended(
+    lad: Ladder, outcome: ActionOutcome, why: str, *, signalled: int | None = None
+) -> tuple[HookIntent, ...]:
+    """The ``on_action`` notification for a ladder that just ended, if it acted for real.
+
+    ``signalled`` is how many of its steps were sent (default: every step emitted). A dry-run
+    ladder, or one whose sent steps were all report-only, did nothing anyone must be told of.
+    """
+    sent = lad.steps[: lad.step if signalled is None else signalled]
+    if lad.dry_run or not any(signal is not None for signal, _wait in sent):
+        return ()
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user,
+             "why": why}  # fmt: skip
+    return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)

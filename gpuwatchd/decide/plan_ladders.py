@@ -1,0 +1,450 @@
+"""The per-target signal ladders and the kill caps.
+
+This module owns acting on process findings: confirmation, the kill caps (per user and
+node-wide) whose latches force dry-run until they expire, and each ladder's steps
+(SIGTERM, wait, SIGKILL, wait, ended or stuck). Semantics: ``docs/escalation.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from gpuwatchd.decide.plan_intents import (
+    HookIntent,
+    SignalIntent,
+    _action_ended,
+    _Ctx,
+    _dry,
+    _finding_fields,
+    _hold_reason,
+    _ladder_fields,
+    _move,
+    _previewing,
+    _Work,
+    kill_cap_scope,
+    target_key,
+)
+from gpuwatchd.decide.plan_state import (
+    Ladder,
+    Latch,
+)
+from gpuwatchd.decide.spares import spare_reason
+from gpuwatchd.decide.targets import (
+    process_facts,
+    refusal,
+    rule_for,
+)
+from gpuwatchd.model import (
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    ProcessInfo,
+)
+from gpuwatchd.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+)
+
+__all__ = []
+
+
+def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
+    for finding in ctx.findings.values():
+        identity = finding.identity
+        if finding.kind == FindingKind.STUCK and identity and target_key(identity) == target:
+            return finding
+    return None
+
+
+def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
+    for target, lad in sorted(w.ladders.items()):
+        proc = ctx.snapshot.processes.get(lad.pid)
+        if proc is None:
+            if lad.finding_key not in ctx.findings and _stuck_finding(ctx, target) is None:
+                _freed(w, lad, "target gone")
+            continue  # listed by a finding but not described: unknown, so wait
+        if proc.start_ticks is None:
+            continue
+        if proc.start_ticks != lad.start_ticks:
+            _freed(w, lad, "target gone (PID reused)")
+            continue
+        if proc.is_zombie:
+            _freed(w, lad, "target exited (zombie)")
+            _zombie_event(w, lad.finding_key, proc.ppid, lad.pid, lad.gpu, force=True)
+            continue
+        _advance_live_ladder(w, ctx, lad, proc)
+
+
+def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> None:
+    """One poll of a ladder whose target is alive and still the same process."""
+    target = lad.target
+    finding = ctx.findings.get(lad.finding_key) or _successor(ctx, lad, proc)
+    if finding is not None and finding.key != lad.finding_key:
+        # The same process, now described by another finding (e.g. orphaned → abandoned): the
+        # ladder follows the process, keeping its steps, so a kind flip never skips a wait.
+        lad = replace(lad, finding_key=finding.key)
+        w.ladders[target] = lad
+    scope = kill_cap_scope(proc)
+    if lad.status is not LadderStatus.ACTIVE:
+        if lad.dry_run and not _dry(w, ctx, scope) and _hold_reason(w, ctx) is None:
+            _restart_after_dry_run(w, lad)
+        return
+    stuck = _stuck_finding(ctx, target)
+    if stuck is not None:
+        _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
+        return
+    if finding is None:
+        resolved = "finding resolved"
+        _close(
+            w,
+            lad,
+            EventName.ESCALATION_RESOLVED,
+            Level.INFO,
+            resolved,
+            outcome=ActionOutcome.RELEASED,
+        )
+        return
+    if lad.due is not None and ctx.now < lad.due:
+        w.waiting[lad.finding_key] = lad.due
+        return
+    if lad.step >= len(lad.steps):
+        if proc.is_uninterruptible:
+            _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
+        else:
+            w.ladders[target] = _move(lad, LadderStatus.ENDED)
+            survived = "target still alive after the last step"
+            w.event(
+                EventName.ESCALATION_ENDED,
+                Level.INFO if lad.dry_run else Level.ERROR,
+                why=survived,
+                **_ladder_fields(lad),
+                **process_facts(proc),
+            )
+            w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
+        return
+    hold = _hold_reason(w, ctx)
+    if hold is None:
+        # An administrator's spare holds the ladder (it goes on when the spare ends).
+        spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time)
+        hold = None if spared is None else f"spare: {spared}"
+    if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
+        capped = w.state.forced_dry_run or scope in w.scope_latches
+        hold = "dry_run (kill cap engaged)" if capped else "dry_run"
+    if hold is None and _previewing(w, ctx) and w.shadow.holds(lad.target, scope):
+        hold = "dry_run (kill cap engaged)"  # where enforcement's latch would hold it
+    if hold is not None:
+        # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
+        if w.noted(lad.finding_key, f"hold:{hold}"):
+            w.event(EventName.ACTION_REFUSED, Level.INFO, why=hold, **_ladder_fields(lad))
+        return
+    if lad.dry_run and not _dry(w, ctx, scope):
+        _restart_after_dry_run(w, lad)
+        return
+    why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
+    if why is not None:
+        w.ladders[target] = _move(lad, LadderStatus.FAILED)
+        w.event(EventName.ACTION_REFUSED, Level.WARNING, why=why, **_ladder_fields(lad))
+        w.intents.extend(_action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
+        return
+    _emit_step(w, ctx, lad, proc, finding)
+
+
+def _successor(ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
+    """Another actionable finding about the ladder's target that some rule selects."""
+    for finding in sorted(ctx.findings.values(), key=lambda f: f.key):
+        identity = finding.identity
+        if identity is None or target_key(identity) != lad.target or not finding.actionable:
+            continue
+        if rule_for(finding, proc, ctx.policy, lasted=math.inf) is not None:
+            return finding
+    return None
+
+
+def _restart_after_dry_run(w: _Work, lad: Ladder) -> None:
+    """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
+    target starts over, for real, from step 1."""
+    del w.ladders[lad.target]
+    w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **_ladder_fields(lad))
+
+
+def _close(
+    w: _Work,
+    lad: Ladder,
+    name: str,
+    level: Level,
+    why: str,
+    *,
+    outcome: ActionOutcome | None = None,
+) -> None:
+    """Drop the ladder; an active one says why, and tells ``on_action`` of its ``outcome``."""
+    w.ladders.pop(lad.target, None)
+    if lad.status is LadderStatus.ACTIVE:
+        w.event(name, level, why=why, **_ladder_fields(lad))
+        if outcome is not None:
+            w.intents.extend(_action_ended(lad, outcome, why))
+
+
+def _freed(w: _Work, lad: Ladder, why: str) -> None:
+    _close(w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, why, outcome=ActionOutcome.FREED)
+
+
+def _zombie_event(
+    w: _Work, key: str, ppid: int | None, pid: int, gpu: str | None, *, force: bool = False
+) -> None:
+    if w.noted(key, "zombie") or force:
+        w.event(
+            EventName.ZOMBIE_NEEDS_REAP,
+            Level.WARNING,
+            finding=key,
+            pid=pid,
+            gpu=gpu,
+            parent=ppid,
+            why="a zombie holds nothing and cannot be signalled; its parent must reap it",
+        )
+
+
+def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
+    w.ladders[lad.target] = _move(lad, LadderStatus.STUCK)
+    facts = {**_ladder_fields(lad), **process_facts(proc)}
+    w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
+    w.intents.append(
+        HookIntent(HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
+    )
+    if lad.status is LadderStatus.ACTIVE:
+        w.intents.extend(_action_ended(lad, ActionOutcome.STUCK, why))
+
+
+def _emit_step(
+    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+) -> None:
+    signal, wait = lad.steps[lad.step]
+    number = lad.step + 1
+    lad = replace(lad, step=number, due=ctx.now + wait)
+    w.ladders[lad.target] = lad
+    facts = {**_finding_fields(finding), **process_facts(proc)}
+    fields = {**_ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
+    # info: the action itself (action.signal) is the one warning line, real or would-be.
+    w.event(EventName.ESCALATION_STEP_DUE, Level.INFO, **fields)
+    w.waiting[lad.finding_key] = ctx.now + wait
+    if signal is None:
+        return  # a report-only step: the wait still counts
+    if lad.gpu is not None:
+        w.quiet_until[lad.gpu] = max(
+            w.quiet_until.get(lad.gpu, 0.0), ctx.now + ctx.policy.limits.post_action_delay
+        )
+    if not lad.dry_run and all(t != lad.target for t, _ in w.signal_history):
+        scope = kill_cap_scope(proc)
+        w.signal_history.append((lad.target, ctx.now))
+        w.signal_scopes[lad.target] = scope
+        w.new_targets[scope] = w.new_targets.get(scope, 0) + 1
+    elif _previewing(w, ctx):
+        w.shadow.count(lad.target, kill_cap_scope(proc), ctx.now)
+    w.intents.append(
+        SignalIntent(
+            identity=ProcessIdentity(lad.pid, lad.start_ticks),
+            signal=signal,
+            gpu=lad.gpu,
+            finding_key=lad.finding_key,
+            rule=lad.rule,
+            step=number,
+            dry_run=lad.dry_run,
+            reason=f"rule {lad.rule} step {number}/{len(lad.steps)}: {finding.reason}",
+            facts=facts,
+        )
+    )
+
+
+def _refuse(w: _Work, key: str, why: str, level: Level, finding: Finding) -> None:
+    if w.noted(key, why):
+        w.event(EventName.ACTION_REFUSED, level, why=why, **_finding_fields(finding))
+
+
+def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
+    """(the scope latched: ``scope`` or "node", why) when one more target would pass a cap."""
+    limits = ctx.policy.limits
+    if len(w.signal_history) + 1 > limits.node_max_signalled_per_hour:
+        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
+        return "node", why
+    if w.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
+        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
+    mine = sum(1 for t, _ in w.signal_history if w.signal_scopes.get(t) == scope)
+    if mine + 1 > limits.max_signalled_per_hour:
+        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
+    return None
+
+
+def _expire_latches(w: _Work, ctx: _Ctx) -> None:
+    """Kill-cap latches last ``limits.kill_cap_latch`` (wall time); then they lift, with a
+    warning. A latch from a state file that did not record its start starts counting now."""
+    lasts = ctx.policy.limits.kill_cap_latch
+    if w.state.forced_dry_run:
+        since = w.state.forced_since
+        if since is None:
+            w.state = replace(w.state, forced_since=ctx.wall)
+        elif ctx.wall - since >= lasts:
+            w.event(
+                EventName.LIMITS_KILL_CAP_EXPIRED,
+                Level.WARNING,
+                scope="node",
+                why=w.state.forced_reason,
+                lasted=ctx.wall - since,
+            )
+            w.state = replace(w.state, forced_dry_run=False, forced_reason=None, forced_since=None)
+    for scope, latch in sorted(w.scope_latches.items()):
+        if ctx.wall - latch.since >= lasts:
+            del w.scope_latches[scope]
+            w.event(
+                EventName.LIMITS_KILL_CAP_EXPIRED,
+                Level.WARNING,
+                scope=scope,
+                why=latch.reason,
+                lasted=ctx.wall - latch.since,
+            )
+
+
+def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    key = finding.key
+    proc = None if finding.pid is None else ctx.snapshot.processes.get(finding.pid)
+    if finding.kind == FindingKind.ZOMBIE or (proc is not None and proc.is_zombie):
+        ppid = finding.evidence.get("ppid", None if proc is None else proc.ppid)
+        parent = ppid if isinstance(ppid, int) else None
+        _zombie_event(w, key, parent, finding.pid or 0, finding.gpu)
+        return
+    target = None if finding.identity is None else target_key(finding.identity)
+    if target is not None and target in w.ladders:
+        return  # in progress or finished for this identity
+    pending_rule = rule_for(finding, proc, ctx.policy, lasted=math.inf)
+    if pending_rule is None:
+        return
+    first_seen = w.seen[key].first_seen
+    rule = rule_for(finding, proc, ctx.policy, lasted=ctx.now - first_seen)
+    if rule is None:
+        w.waiting[key] = first_seen + pending_rule.for_
+        if w.noted(key, "confirming"):
+            w.event(
+                EventName.ESCALATION_CONFIRMING,
+                Level.DEBUG,
+                rule=pending_rule.name,
+                due=first_seen + pending_rule.for_,
+                **_finding_fields(finding),
+            )
+        return
+    if finding.kind != FindingKind.STUCK and all(step.signal is None for step in rule.steps):
+        if w.noted(key, f"report:{rule.name}"):
+            w.event(
+                EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name, **_finding_fields(finding)
+            )
+        return
+    why = _gate(w, ctx, finding, proc)
+    if why is not None:
+        text, level = why
+        _refuse(w, key, text, level, finding)
+        return
+    identity = finding.identity
+    if identity is None or target is None:
+        return  # refusal() already refused an unknown identity; this is for the type checker
+    gpu = finding.gpu
+    if finding.kind != FindingKind.STUCK and gpu is not None and gpu in ctx.quiet_before:
+        until = ctx.quiet_before[gpu]
+        w.waiting[key] = until
+        if w.noted(key, "quiet"):
+            w.event(
+                EventName.ACTION_DEFERRED,
+                Level.DEBUG,
+                why="post_action_delay",
+                until=until,
+                **_finding_fields(finding),
+            )
+        return
+    scope = kill_cap_scope(proc)
+    dry = _dry(w, ctx, scope)
+    lad = Ladder(
+        target=target,
+        pid=identity.pid,
+        start_ticks=identity.start_ticks,
+        finding_key=key,
+        rule=rule.name,
+        gpu=finding.gpu,
+        steps=tuple((s.signal, s.wait) for s in rule.steps),
+        step=0,
+        due=None,
+        status=LadderStatus.ACTIVE,
+        dry_run=dry,
+        started=ctx.now,
+        user=None if proc is None else proc.user,
+    )
+    if finding.kind == FindingKind.STUCK:
+        _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D); never signalled")
+        return
+    lad = _kill_caps(w, ctx, lad, proc, finding)
+    _emit_step(w, ctx, lad, proc, finding)
+
+
+def _kill_caps(
+    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+) -> Ladder:
+    """A new ladder against the kill caps (its owner's scope and the node's): past one, a
+    real ladder starts as a dry run and the latch engages; a policy's dry run books the same
+    in its shadow, where enforcement would latch (shadow.py)."""
+    scope = kill_cap_scope(proc)
+    dry = lad.dry_run
+    target = lad.target
+    if not dry:
+        exceeded = _cap_exceeded(w, ctx, scope)
+        if exceeded is not None:
+            latched, over = exceeded
+            if latched == "node":
+                w.state = replace(
+                    w.state, forced_dry_run=True, forced_reason=over, forced_since=ctx.wall
+                )
+            else:
+                w.scope_latches[latched] = Latch(over, ctx.wall)
+            w.event(
+                EventName.LIMITS_KILL_CAP_REACHED,
+                Level.CRITICAL,
+                why=over,
+                scope=latched,
+                user=None if proc is None else proc.user,
+                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
+                signalled_this_hour=len(w.signal_history),
+                **_finding_fields(finding),
+            )
+            lad = replace(lad, dry_run=True)
+    elif _previewing(w, ctx):
+        capped = w.shadow.admit(target, scope, ctx.policy.limits, ctx.wall)
+        if capped is not None:
+            latched, over = capped
+            w.event(
+                EventName.LIMITS_KILL_CAP_REACHED,
+                Level.WARNING,  # a would-be latch: nothing was switched
+                why=over,
+                scope=latched,
+                user=None if proc is None else proc.user,
+                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
+                dry_run=True,
+                signalled_this_hour=len(w.shadow.signalled),
+                **_finding_fields(finding),
+            )
+    return lad
+
+
+def _gate(
+    w: _Work, ctx: _Ctx, finding: Finding, proc: ProcessInfo | None
+) -> tuple[str, Level] | None:
+    """Why a new ladder may not start now (text, level), or None."""
+    if not finding.actionable:
+        return "not_actionable: the assessment is report-only", Level.INFO
+    if finding.gpu is not None and finding.gpu in ctx.report_only:
+        return f"report_only: {ctx.report_only[finding.gpu]}", Level.INFO
+    if ctx.blocked is not None:
+        return f"blocked: {ctx.blocked}", Level.WARNING
+    why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
+    if why is not None:
+        return why, Level.INFO
+    if w.state.paused:
+        return f"paused: {w.state.paused_reason or 'by an administrator'}", Level.INFO
+    return None

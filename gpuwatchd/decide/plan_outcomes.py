@@ -1,0 +1,258 @@
+"""Outcomes from act folded back into the planner's state.
+
+This module owns ``record_signal``, ``record_exit``, ``record_assumed_exit`` and
+``record_reset``: what a signal's, an exit's or a reset's result does to the ladders, the
+reset history and the hooks that follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from gpuwatchd.decide.plan_intents import (
+    Event,
+    HookIntent,
+    Intent,
+    PlanResult,
+    ResetIntent,
+    SignalIntent,
+    _action_ended,
+    _ladder_fields,
+    _move,
+    _Work,
+    target_key,
+)
+from gpuwatchd.decide.plan_state import (
+    PlanState,
+    ResetRefusal,
+)
+from gpuwatchd.model import ProcessIdentity
+from gpuwatchd.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
+
+__all__ = ["record_assumed_exit", "record_exit", "record_reset", "record_signal"]
+
+
+def record_signal(
+    state: PlanState, intent: SignalIntent, outcome: str, *, now: float
+) -> PlanResult:
+    """Advance the target's ladder by what act saw. The next step's wait starts now."""
+    if outcome not in set(SignalOutcome):
+        raise ValueError(f"unknown signal outcome {outcome!r}")
+    outcome = SignalOutcome(outcome)
+    target = target_key(intent.identity)
+    lad = state.ladders.get(target)
+    base = {"target": target, "signal": intent.signal, "outcome": outcome, "step": intent.step}
+    if lad is None or lad.step != intent.step or lad.status is not LadderStatus.ACTIVE:
+        ev = Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, {**base, "stale": True})
+        return PlanResult((), (ev,), state)
+    ladders = dict(state.ladders)
+    events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, base)]
+    fields = {**_ladder_fields(lad), "outcome": outcome}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    intents: tuple[Intent, ...] = ()
+    if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
+        due = now + lad.steps[lad.step - 1][1]
+        ladders[target] = replace(lad, due=due)
+        waiting[lad.finding_key] = due
+    elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
+        del ladders[target]
+        events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, {**fields, "why": outcome}))
+        # Gone before this step's signal: an earlier step, if one was sent, freed it.
+        intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
+        if outcome is SignalOutcome.ZOMBIE:
+            events.append(
+                Event(
+                    EventName.ZOMBIE_NEEDS_REAP,
+                    Level.WARNING,
+                    {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
+                )
+            )
+    elif outcome is SignalOutcome.REUSED:
+        del ladders[target]
+        events.append(
+            Event(EventName.ESCALATION_ABORTED, Level.WARNING, {**fields, "why": outcome})
+        )
+    else:  # denied / failed: never retried
+        ladders[target] = _move(lad, LadderStatus.FAILED)
+        events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, {**fields, "why": outcome}))
+        intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
+    return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
+
+
+def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
+    """Act saw the target exit (its pidfd became readable): its ladder is resolved."""
+    target = target_key(identity)
+    lad = state.ladders.get(target)
+    if lad is None:
+        return PlanResult((), (), state)
+    ladders = {k: v for k, v in state.ladders.items() if k != target}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    events: tuple[Event, ...] = ()
+    intents: tuple[Intent, ...] = ()
+    if lad.status is LadderStatus.ACTIVE:
+        fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
+        events = (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),)
+        intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
+    return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
+
+
+def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
+    """A dry run's would-be SIGKILL went to ``identity``: assumed to end it, as a real one would.
+
+    SIGKILL cannot be caught (only uninterruptible sleep delays it, and that is ``stuck``), so
+    the preview ends the ladder as enforcement would when the target exits: resolved, with the
+    would-be ``on_action`` notification. The ladder stays, terminal, while the process lives,
+    so a dry run never signals it again; it is dropped (and starts over for real) when the
+    daemon acts for real. A SIGTERM is never assumed to end anything: it can be caught.
+    """
+    target = target_key(identity)
+    lad = state.ladders.get(target)
+    if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
+        return PlanResult((), (), state)
+    ladders = {**state.ladders, target: _move(lad, LadderStatus.ENDED)}
+    waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
+    why = "would-be SIGKILL: assumed to end the target (dry run)"
+    fields = {**_ladder_fields(lad), "why": why, "after": now - lad.started}
+    facts = {**_ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
+             "user": lad.user}  # fmt: skip
+    notify = HookIntent(HookName.ON_ACTION, f"{target}: {ActionOutcome.FREED} ({why})", facts,
+                        dry_run=True)  # fmt: skip
+    return PlanResult(
+        (notify,),
+        (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),),
+        replace(state, ladders=ladders, waiting=waiting),
+    )
+
+
+def _reset_action(
+    intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
+) -> HookIntent:
+    """The ``on_action`` notification for a reset that ran (its command was started)."""
+    facts = {
+        **fields,
+        "minor": intent.minor,
+        "action": "reset",
+        "outcome": outcome,
+        "user": intent.facts.get("user"),
+    }
+    return HookIntent(
+        HookName.ON_ACTION, f"reset of {intent.gpu}: {outcome}", facts, dry_run=intent.dry_run
+    )
+
+
+def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
+    """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was
+    not the one in flight). ``undrained``: it succeeded (or a dry run's would have), so its
+    after hooks undid the drain — an undrain hook learns the result and keeps the node
+    drained otherwise — and a later health incident of this GPU drains again (a dry run's
+    would-be undrain undoes no real drain)."""
+    if undrained and (not intent.dry_run or w.health_drained.get(intent.gpu) is True):
+        w.health_drained.pop(intent.gpu, None)
+    in_flight = w.state.reset_in_flight
+    if in_flight is None or in_flight.gpu != intent.gpu:
+        return 0.0
+    w.state = replace(w.state, reset_in_flight=None)
+    return in_flight.delay
+
+
+def record_reset(
+    state: PlanState,
+    intent: ResetIntent,
+    outcome: str,
+    *,
+    now: float,
+    wall: float,
+    needs_reboot: bool = False,
+    would_succeed: bool = False,
+) -> PlanResult:
+    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure.
+
+    A dry run's reset that would have gone all the way (``would_succeed``: its read-only final
+    scan found the GPU clear) is booked in the dry-run shadow as enforcement would book a
+    success: it counts against ``max_resets``, is assumed to have dealt with its finding, and
+    the ``on_action`` notification is shown as a would-be one.
+    """
+    if outcome not in set(ResetResult):
+        raise ValueError(f"unknown reset outcome {outcome!r}")
+    outcome = ResetResult(outcome)
+    w = _Work(state)
+    w.rebase_wall(wall)
+    succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
+    delay = _reset_came_back(w, intent, succeeded)
+    gpu = intent.gpu
+    fields: dict[str, object] = {
+        "gpu": gpu,
+        "pci_bus_id": intent.pci_bus_id,
+        "finding": intent.finding_key,
+        "outcome": outcome,
+    }
+    if outcome is ResetResult.DRY_RUN:
+        w.last_dry_reset[gpu] = wall
+        if would_succeed:
+            w.shadow.book_reset(gpu, intent.finding_key, wall)
+            assumed = "success: assumed for the decisions that follow (dry run)"
+            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
+            w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        else:
+            # Enforcement's final scan would have found the GPU held as well: the incident is
+            # held as enforcement's would be (drain and before hooks once), in the preview only.
+            why = "a dry run's final holder scan found the GPU held"
+            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, False, wall, dry_run=True)
+            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
+    elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
+        # Refused, not failed: aborted before the command ran (the final holder scan found a
+        # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
+        # No history, no failure, no breaker; the cooldown applies, and this incident's reset
+        # (with its drain and before hooks) is not tried again until something changes.
+        w.last_reset[gpu] = wall
+        in_use = outcome is ResetResult.IN_USE
+        why = (
+            "the driver refused: in use by another client that no holder scan found"
+            if in_use
+            else "refused by the reset procedure"
+        )
+        if not intent.dry_run:
+            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
+        w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
+    elif outcome is ResetResult.SUCCESS:
+        w.last_reset[gpu] = wall
+        w.reset_history.append((gpu, wall))
+        w.state = replace(w.state, reset_failures=0)
+        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+    else:  # failed / timeout
+        w.last_reset[gpu] = wall
+        w.reset_history.append((gpu, wall))
+        failures = w.state.reset_failures + 1
+        w.state = replace(w.state, reset_failures=failures)
+        w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
+        w.intents.append(
+            HookIntent(
+                HookName.ON_FAILURE,
+                f"reset of {gpu} {outcome}",
+                {**fields, "failures": failures},
+                dry_run=intent.dry_run,
+            )
+        )
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
+    if needs_reboot:
+        w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
+        if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
+            w.intents.append(
+                HookIntent(
+                    HookName.ON_FAILURE, f"{gpu} needs a reboot", fields, dry_run=intent.dry_run
+                )
+            )
+    if delay > 0:
+        w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
+        w.waiting[intent.finding_key] = now + delay
+    return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())

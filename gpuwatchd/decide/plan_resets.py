@@ -1,0 +1,315 @@
+"""The GPU reset gates and the start of a reset.
+
+This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders,
+MIG, pause; then the history gates: a refused incident, cooldown, count per window, circuit
+breaker, one reset in flight) and the ``ResetIntent`` that starts one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from gpuwatchd.decide.floor import live_holder
+from gpuwatchd.decide.kinds import LIVE_HOLDER
+from gpuwatchd.decide.mig import busy_instances, parent_of
+from gpuwatchd.decide.plan_intents import (
+    ResetIntent,
+    _Ctx,
+    _dry,
+    _finding_fields,
+    _hold_reason,
+    _Work,
+)
+from gpuwatchd.decide.plan_state import ResetInFlight
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.targets import (
+    gpu_by_uuid,
+    gpu_protected,
+)
+from gpuwatchd.model import (
+    Finding,
+    FindingKind,
+    GpuInfo,
+    Snapshot,
+)
+from gpuwatchd.vocabulary import (
+    EventName,
+    LadderStatus,
+    Level,
+)
+
+__all__ = ["REFUSAL_MEMORY_CHANGE", "ResetGate", "reset_gates"]
+
+
+def _node_block(snapshot: Snapshot) -> str | None:
+    if not snapshot.nvml.available:
+        return "NVML unavailable"
+    if snapshot.nvml.wedged:
+        return "NVML is wedged (a call missed its deadline)"
+    if snapshot.host_namespaces is not True:
+        return "host PID/cgroup namespaces not visible"
+    return None
+
+
+REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count as a change
+
+
+def _review_refusals(w: _Work, ctx: _Ctx) -> None:
+    """A refused incident may be tried again once something changed: its finding is gone (the
+    incident is over; a new one starts afresh), or the GPU's allocated memory moved by
+    :data:`REFUSAL_MEMORY_CHANGE` or more (a holder let go, or a new one came). A reload and
+    ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
+    :func:`clear_circuit`)."""
+    for uuid, held in sorted(w.reset_refusals.items()):
+        gpu = gpu_by_uuid(ctx.snapshot, uuid)
+        allocated = None if gpu is None or gpu.memory is None else gpu.memory.allocated
+        why = None
+        if held.finding_key not in ctx.findings:
+            why = "the incident is over (its finding resolved)"
+        elif allocated is not None and held.allocated is None:
+            w.reset_refusals[uuid] = replace(held, allocated=allocated)
+        elif (
+            allocated is not None
+            and held.allocated is not None
+            and abs(allocated - held.allocated) >= REFUSAL_MEMORY_CHANGE
+        ):
+            why = f"its allocated memory changed ({held.allocated} -> {allocated} bytes)"
+        if why is not None:
+            del w.reset_refusals[uuid]
+            w.event(
+                EventName.RESET_REFUSAL_CLEARED,
+                Level.INFO,
+                gpu=uuid,
+                finding=held.finding_key,
+                in_use=held.in_use,
+                why=why,
+            )
+
+
+def _say(w: _Work, finding: Finding, said: tuple[str, Level, str]) -> None:
+    """Log a reset decision (event name, level, why) once per finding until it changes."""
+    name, level, why = said
+    # The circuit breaker is node-wide: said once, not once per GPU.
+    key = "node:circuit" if name == EventName.RESET_CIRCUIT_OPEN else finding.key
+    if w.noted(key, f"{name}:{why}"):
+        w.event(name, level, why=why, **_finding_fields(finding))
+
+
+@dataclass(frozen=True)
+class ResetGate:
+    """One reason, known from a snapshot alone, that a GPU may not be reset now.
+
+    ``name`` says which gate (``live_holder`` is checked only after the confirmation window,
+    the others before it); ``why`` is what ``reset.refused`` says; ``level`` its log level.
+    """
+
+    name: str
+    why: str
+    level: Level
+
+
+# Findings about a live process on a GPU: any of them means the GPU has a live holder.
+_HOLDER_KINDS = LIVE_HOLDER
+
+
+def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
+    for other in sorted(findings, key=lambda f: f.key):
+        if other.gpu != gpu.uuid or other.kind not in _HOLDER_KINDS:
+            continue
+        if other.pid is not None:
+            return f"{other.kind.value} pid {other.pid} holds the GPU"
+        if other.kind == FindingKind.HIDDEN_HOLDER:  # the driver said so (act/reset.py)
+            return "hidden_holder: the driver refused the last reset, in use by another client"
+    return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
+
+
+def reset_gates(
+    finding: Finding,
+    snapshot: Snapshot,
+    policy: Policy,
+    *,
+    report_only: Mapping[str, str],
+    findings: Iterable[Finding],
+) -> list[ResetGate]:
+    """Every gate that holds the reset of ``finding``'s GPU in this snapshot, in plan's order.
+
+    Pure. These are the gates that need no history; plan checks them (the first that holds
+    wins) around the confirmation window, then the ones that do need history (circuit
+    breaker, reset limits, cooldown, a reset in flight, pause, post-action delay). ``explain``
+    lists them all for a saved report.
+    """
+    reset = policy.reset
+    gates: list[ResetGate] = []
+
+    def gate(name: str, why: str, level: Level = Level.INFO) -> None:
+        gates.append(ResetGate(name, why, level))
+
+    uuid = finding.gpu or ""
+    gpu = gpu_by_uuid(snapshot, finding.gpu)
+    blocked = _node_block(snapshot)
+    if not finding.actionable:
+        gate("not_actionable", "not_actionable")
+    if uuid in report_only:
+        gate("report_only", f"report_only: {report_only[uuid]}")
+    if blocked is not None:
+        gate("blocked", f"blocked: {blocked}", Level.WARNING)
+    if gpu is None and (mig := parent_of(snapshot, finding.gpu)) is not None:
+        gate("mig", f"a MIG instance of GPU {mig[0].index}: no GPU reset of an instance")
+        return gates
+    if gpu is None or gpu.lost:
+        why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
+        gate("gpu", why, Level.WARNING)
+        return gates
+    entry = gpu_protected(uuid, gpu, policy)
+    if entry is not None:
+        gate("protect", f"protect: gpus {entry}")
+    if gpu.mig_enabled is not False and not reset.allow_mig:
+        gate("mig", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
+    elif (busy := busy_instances(snapshot, gpu)) is not None:
+        gate("mig_busy", f"MIG: {busy}")  # a whole-GPU reset takes every instance down
+    # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
+    # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
+    if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
+        gate("nvlink", "NVLink peers must be reset together (Volta, or Ampere with links)")
+    holder = _live_holder(gpu, snapshot, findings)
+    if holder is not None:
+        gate("live_holder", f"live holder: {holder}")
+    return gates
+
+
+def _reset_blocker(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo | None
+) -> tuple[str, Level, str] | None:
+    """Why this ghost_memory finding may not lead to a reset now: (event, level, why)."""
+    reset = ctx.policy.reset
+    refused = EventName.RESET_REFUSED
+    refusal, holders = _gates(ctx, finding)
+    if refusal is not None:
+        return refusal
+    if gpu is None:
+        return refused, Level.WARNING, "GPU not in this snapshot"  # for the type checker
+    first_seen = w.seen[finding.key].first_seen
+    if ctx.now - first_seen < reset.confirm_for:
+        w.waiting[finding.key] = first_seen + reset.confirm_for
+        return EventName.RESET_CONFIRMING, Level.DEBUG, f"confirming for {reset.confirm_for:g}s"
+    if holders:
+        return refused, Level.INFO, holders[0]
+    if _escalating(w, gpu.uuid):
+        return refused, Level.INFO, f"live holder: {_ESCALATING}"
+    return _history_blocker(w, ctx, finding, gpu)
+
+
+_ESCALATING = "an escalation on this GPU is in progress"
+
+
+def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, list[str]]:
+    """The reset gates of ``finding`` (:func:`reset_gates`, shared with ``explain``): the first
+    refusal that is not a live holder as (event, level, why), and the live holders' reasons."""
+    gates = reset_gates(
+        finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
+        findings=ctx.findings.values(),
+    )  # fmt: skip
+    before = [g for g in gates if g.name != "live_holder"]
+    refusal = (EventName.RESET_REFUSED, before[0].level, before[0].why) if before else None
+    return refusal, [g.why for g in gates if g.name == "live_holder"]
+
+
+def _escalating(w: _Work, uuid: str) -> bool:
+    """A kill ladder is under way on this GPU: a reset must wait for it."""
+    return any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values())
+
+
+def _history_blocker(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo
+) -> tuple[str, Level, str] | None:
+    """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
+    pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
+    reset = ctx.policy.reset
+    refused = EventName.RESET_REFUSED
+    uuid = gpu.uuid
+    held = w.reset_refusals.get(uuid)
+    if held is not None and held.finding_key == finding.key:
+        would = "would have been refused" if held.dry_run else "was refused"
+        why = (
+            f"a reset for this incident {would} ({held.reason}); tried again when its "
+            "memory changes, the finding resolves, the configuration is reloaded or "
+            "`gpuwatchd resume --clear-latches` is run"
+        )
+        return refused, Level.INFO, why
+    if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
+        w.state = replace(w.state, circuit_open=True)
+    if w.state.circuit_open:
+        why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
+        return EventName.RESET_CIRCUIT_OPEN, Level.CRITICAL, why
+    recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
+    if _dry(w, ctx):
+        if finding.key in w.shadow.done:
+            why = "dry run: a would-be reset is assumed to have dealt with it already"
+            return refused, Level.INFO, why
+        recent += w.shadow.recent_resets(uuid, ctx.wall, reset.window)  # would-be resets
+    if len(recent) >= reset.max_resets:
+        why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
+        return EventName.RESET_LIMIT_REACHED, Level.WARNING, why
+    last = w.last_reset.get(gpu.uuid)
+    if _dry(w, ctx) and gpu.uuid in w.last_dry_reset:
+        last = max(last if last is not None else -math.inf, w.last_dry_reset[gpu.uuid])
+    if last is not None and ctx.wall - last < reset.cooldown:
+        return refused, Level.DEBUG, "cooldown"
+    if w.state.reset_in_flight is not None:
+        return refused, Level.INFO, "another reset is in flight"
+    hold = _hold_reason(w, ctx)
+    if hold is not None:
+        return refused, Level.INFO, hold
+    if gpu.uuid in ctx.quiet_before:
+        w.waiting[finding.key] = ctx.quiet_before[gpu.uuid]
+        return EventName.ACTION_DEFERRED, Level.DEBUG, "post_action_delay"
+    return None
+
+
+def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+    if not ctx.policy.reset.enabled or finding.gpu is None:
+        return
+    gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+    blocker = _reset_blocker(w, ctx, finding, gpu)
+    if blocker is not None:
+        _say(w, finding, blocker)
+        return
+    if gpu is None:
+        return  # _reset_blocker refused it already; this is for the type checker
+    lasted = ctx.now - w.seen[finding.key].first_seen
+    _start_reset(w, ctx, finding, gpu, f"ghost memory confirmed for {lasted:.0f}s")
+
+
+def _start_reset(
+    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str, *, drained: bool = False
+) -> None:
+    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
+    (``drained``: the drain hooks ran already, before the health wait)."""
+    dry = _dry(w, ctx)
+    lasted = ctx.now - w.seen[finding.key].first_seen
+    facts = {
+        **_finding_fields(finding),
+        "pci_bus_id": gpu.pci_bus_id,
+        "minor": gpu.minor,
+        "lasted": lasted,
+        "evidence": dict(finding.evidence),
+    }
+    delay = ctx.policy.limits.post_action_delay
+    flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
+    w.state = replace(w.state, reset_in_flight=flight)
+    w.quiet_until[gpu.uuid] = ctx.now + delay
+    w.event(EventName.RESET_DUE, Level.INFO, dry_run=dry, **facts)  # reset.outcome is the warning
+    w.intents.append(
+        ResetIntent(
+            gpu=gpu.uuid,
+            pci_bus_id=gpu.pci_bus_id,
+            minor=gpu.minor,
+            finding_key=finding.key,
+            dry_run=dry,
+            reason=f"{why}: {finding.reason}",
+            facts=facts,
+            drained=drained,
+        )
+    )

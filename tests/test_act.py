@@ -24,6 +24,7 @@ from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook
 from gpuwatchd.model import ProcessIdentity
 from gpuwatchd.vocabulary import SignalOutcome
+from tests.support.liveness import is_dead
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IGNORES_SIGTERM = (
@@ -41,12 +42,6 @@ def identity_of(pid: int) -> ProcessIdentity:
     stat = stat_start_ticks("/proc", pid)
     assert stat is not None
     return ProcessIdentity(pid, stat[0])
-
-
-def is_dead(pid: int) -> bool:
-    """Gone from /proc or a zombie (PID 1 in some containers never reaps)."""
-    stat = stat_start_ticks("/proc", pid)
-    return stat is None or stat[1] == "Z"
 
 
 def wait_for_state(pid: int, state: str, timeout: float = 5.0) -> None:

@@ -19,15 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.fakenvml import gpu
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import (
+from tests.support.daemonrun import (
     ORPHAN_RULE,
     SLURM_SCOPE,
     Run,
-    cgroup_base,  # noqa: F401 - a fixture
     orphan_host,
 )
+from tests.support.fakenvml import gpu
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = [
     pytest.mark.skipif(
@@ -223,7 +222,7 @@ def host_hand_over_is_for_its_epilog_only(arg: dict[str, Any], root: Path) -> di
 
 def test_a_hand_over_is_taken_only_for_the_job_and_the_epilog_it_names(
     tmp_path: Path,
-    cgroup_base: Path,  # noqa: F811 - the fixture imported above
+    cgroup_base: Path,
 ) -> None:
     result = run_in_pid_namespace(
         f"{__name__}:host_hand_over_is_for_its_epilog_only",

@@ -31,12 +31,10 @@ from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient, library_folders, worker_environment
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
-from tests.support.fakenvml import FakeNvml, fake_nvml, gpu, open_device_files, state
+from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
 from tests.support.unkillable import HangingFuse, Unavailable
-
-__all__ = ["fake_nvml"]  # the fixture is used by name
 
 LINE_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 BREAK_IDS = [f"U+{ord(c):04X}" for c in LINE_BREAKS]

@@ -29,10 +29,10 @@ from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.plan import HookIntent
 from gpuwatchd.decide.policy import Hook
 from gpuwatchd.vocabulary import HookName
+from tests.support.daemonrun import ORPHAN_RULE, orphan_host
 from tests.support.fakenvml import gpu
+from tests.support.liveness import is_dead
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_act import is_dead
-from tests.test_e2e_run import ORPHAN_RULE, orphan_host
 
 # The command forks a child that leaves the session (setsid) and execs `sleep` with an empty
 # environment (no GPUWATCHD_COMMAND_ID), from a second fork: its parent exits at once, so it

@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from gpuwatchd.config.files import read_only_everywhere
+from tests.support.daemonrun import ORPHAN_RULE, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import ORPHAN_RULE, orphan_host
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "contrib" / "kubernetes"

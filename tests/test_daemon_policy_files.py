@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import Run
 from tests.support.fakenvml import gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import Run
 
 pytestmark = [
     pytest.mark.skipif(

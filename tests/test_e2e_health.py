@@ -22,9 +22,9 @@ import pytest
 
 from gpuwatchd.cli.scenario import load_scenario
 from gpuwatchd.cli.simulate import simulate
+from tests.support.daemonrun import Run, _epoch, fake_smi, smi_calls
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import Run, _epoch, fake_smi, smi_calls
 
 pytestmark = [
     pytest.mark.skipif(

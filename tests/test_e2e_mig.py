@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import ORPHAN_RULE, Run, _signals
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import ORPHAN_RULE, Run, _signals
 
 pytestmark = [
     pytest.mark.skipif(

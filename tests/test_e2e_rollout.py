@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_contrib_slurm import NODE, Slurm
-from tests.test_e2e_run import Run, orphan_host
+from tests.support.slurmfake import NODE, Slurm
 
 pytestmark = [
     pytest.mark.skipif(

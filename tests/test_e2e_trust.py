@@ -23,12 +23,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import SLURM_SCOPE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.fakesmi import FakeSmi
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import SLURM_SCOPE, Run, cgroup_base, orphan_host
-
-__all__ = ["cgroup_base"]  # the fixture is used by name
 
 MALLORY, OLIVIA = 1001, 1002
 ABANDONED_RULE = {

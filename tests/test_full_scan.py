@@ -24,12 +24,8 @@ from gpuwatchd.decide.full_scan import (
 )
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import MIB, GpuInfo, GpuMemory, NvmlProcess, NvmlReading, ProcessInfo
-from tests.support.children import Spawn, hold, spawn
-from tests.support.fakenvml import FakeNvml, fake_nvml, gpu, process, state
-
-__all__ = ["spawn"]  # the fixture is used by name
-
-__all__ = ["fake_nvml"]  # the fixture is used by name
+from tests.support.children import Spawn, hold
+from tests.support.fakenvml import FakeNvml, gpu, process, state
 
 DETECTION = Detection()  # default baseline 64 MiB, ghost margin 256 MiB
 LIVE, ZOMBIE, DEAD = 100, 101, 102

@@ -24,7 +24,7 @@ from gpuwatchd.cli.main import main
 from gpuwatchd.cli.scenario import ScenarioError, parse_scenario
 from gpuwatchd.cli.simulate import SimulationError, scenario_policy, simulate
 from gpuwatchd.config.schema import default_policy
-from tests.test_explain import report_at
+from tests.support.explainrig import report_at
 
 CI = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE") == "ci"
 FUZZ = settings(

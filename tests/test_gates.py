@@ -20,15 +20,9 @@ import pytest
 from gpuwatchd.decide.floor import driver_refusers, infrastructure, live_holder, reset_blockers
 from gpuwatchd.decide.plan import (
     EventName,
-    HookIntent,
-    PlanResult,
     PlanState,
-    ResetIntent,
-    SignalIntent,
-    plan,
     process_facts,
     record_exit,
-    record_signal,
     refusal,
     reset_gates,
     rule_for,
@@ -36,11 +30,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import (
     HealthPolicy,
-    Hook,
-    Limits,
     Policy,
-    Protect,
-    ResetPolicy,
     Rule,
     Step,
 )
@@ -53,11 +43,27 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from tests.support.snapshots import HostBuilder, cg_unit, gpu_uuid
-
-SELF = 4242  # the daemon's NVML worker
-GPU0, GPU1 = gpu_uuid(0), gpu_uuid(1)
-WALL = 1_700_000_000.0
+from tests.support.gatecases import (
+    GPU0,
+    GPU1,
+    JOB,
+    RESET_DRAIN,
+    SELF,
+    _after_sigterm,
+    _ghost,
+    _health,
+    _hooks,
+    _idle_host,
+    _job_host,
+    _orphan,
+    _plan,
+    _policy,
+    _protect,
+    _resets,
+    _signals,
+    _whys,
+)
+from tests.support.snapshots import HostBuilder, cg_unit
 
 # --- who holds the GPU: several holders, in every order ---------------------------------------
 
@@ -105,13 +111,6 @@ def _holders(
         if role != without:
             _add(builder, role, pids[role], frozenset({0}))
     return builder.build(), pids
-
-
-def _ghost(gpu: str = GPU0) -> Finding:
-    return Finding(
-        kind=FindingKind.GHOST_MEMORY, gpu=gpu, pid=None, start_ticks=None,
-        reason="4096 MiB allocated, no live process holds it", memory=4096 * MIB,
-    )  # fmt: skip
 
 
 def _id(case: tuple[tuple[str, ...], bool]) -> str:
@@ -263,41 +262,6 @@ def test_a_job_holding_only_nvidiactl_after_infrastructure_blocks_the_final_scan
 # --- plan's reset gate over the same holders --------------------------------------------------
 
 
-def _policy(**changes: object) -> Policy:
-    base = Policy(
-        dry_run=False,
-        rules=(
-            Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 30.0), Step("SIGKILL", 10.0))),
-        ),
-        limits=Limits(max_signalled_per_poll=4, max_signalled_per_hour=32, post_action_delay=0.0),
-        reset=ResetPolicy(confirm_for=60.0, cooldown=600.0, max_resets=2, window=3600.0),
-        health=HealthPolicy(action="reset", drain_timeout=600.0),
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
-
-
-def _plan(
-    findings: Sequence[Finding], snapshot: Snapshot, state: PlanState, pol: Policy, now: float
-) -> PlanResult:
-    return plan(findings, snapshot, state, pol, now=now, wall=WALL + now)
-
-
-def _resets(result: PlanResult) -> list[ResetIntent]:
-    return [i for i in result.intents if isinstance(i, ResetIntent)]
-
-
-def _signals(result: PlanResult) -> list[SignalIntent]:
-    return [i for i in result.intents if isinstance(i, SignalIntent)]
-
-
-def _hooks(result: PlanResult, name: str | None = None) -> list[HookIntent]:
-    return [i for i in result.intents if isinstance(i, HookIntent) and name in (None, i.hook)]
-
-
-def _whys(result: PlanResult, name: str) -> list[str]:
-    return [str(e.fields.get("why")) for e in result.events if e.name == name]
-
-
 @pytest.mark.parametrize("case", _orders()[::3], ids=[_id(c) for c in _orders()[::3]])
 def test_plan_never_resets_a_gpu_a_job_holds_beside_infrastructure(
     case: tuple[tuple[str, ...], bool],
@@ -315,39 +279,6 @@ def test_plan_never_resets_a_gpu_a_job_holds_beside_infrastructure(
 
 
 # --- a ladder whose target became untouchable sends nothing more -------------------------------
-
-JOB = 700
-
-
-def _job_host(*, holds: frozenset[int] = frozenset({0}), **changes: object) -> HostBuilder:
-    builder = HostBuilder(self_pids=frozenset({SELF})).gpu(0).gpu(1)
-    builder.proc(JOB, user="bob", cmdline=("python3", "train.py"), holds=holds, uvm=True)
-    if changes:
-        builder.change(JOB, **changes)
-    return builder
-
-
-def _orphan(snapshot: Snapshot, gpu: str = GPU0) -> Finding:
-    proc = snapshot.processes[JOB]
-    return Finding(
-        kind=FindingKind.ORPHANED, gpu=gpu, pid=JOB, start_ticks=proc.start_ticks,
-        reason="inherited the GPU from dead owner PID 600", memory=512 * MIB,
-        evidence={"uvm": True, "tie": "dead_owner"},
-    )  # fmt: skip
-
-
-def _after_sigterm(pol: Policy) -> tuple[PlanState, Finding]:
-    """A ladder for JOB whose SIGTERM was delivered at 0; the SIGKILL is due at 30."""
-    snapshot = _job_host().build()
-    finding = _orphan(snapshot)
-    first = _plan([finding], snapshot, PlanState(), pol, 0.0)
-    (sigterm,) = _signals(first)
-    assert (sigterm.signal, sigterm.step, sigterm.dry_run) == ("SIGTERM", 1, False)
-    return record_signal(first.state, sigterm, "delivered", now=0.0).state, finding
-
-
-def _protect(**kw: object) -> Policy:
-    return _policy(protect=Protect(**kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -425,22 +356,6 @@ def test_a_ladder_still_unprotected_at_its_next_step_sends_the_sigkill() -> None
 
 
 # --- pause: no reset of any kind ----------------------------------------------------------------
-
-RESET_DRAIN = (Hook(("drain-node", "{uuid}")),)
-
-
-def _health(kind: FindingKind = FindingKind.RESET_REQUIRED, gpu: str = GPU0) -> Finding:
-    return Finding(
-        kind=kind, gpu=gpu, pid=None, start_ticks=None,
-        reason="the driver's recovery action is GPU_RESET (1)", evidence={},
-    )  # fmt: skip
-
-
-def _idle_host(*, job_on: int | None = None) -> Snapshot:
-    builder = HostBuilder(self_pids=frozenset({SELF})).gpu(0).gpu(1)
-    if job_on is not None:
-        builder.proc(JOB, holds={job_on}, uvm=True).nvml(job_on, JOB)
-    return builder.build()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from gpuwatchd.decide.health import (
 )
 from gpuwatchd.decide.policy import HealthPolicy
 from gpuwatchd.model import Finding, FindingKind, GpuHealth, Support, XidEvent
-from tests.test_health import GPU0, GPU1, gpu, health, snap
+from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 
 T0 = 1_700_000_000.0  # snap()'s wall time at t=0
 WALL = T0 + 1000.0  # snap()'s default wall time

@@ -25,10 +25,8 @@ from gpuwatchd.collect.holders import (
     match_device_name,
 )
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, spawn
+from tests.support.children import HOLD_FD, Spawn, hold
 from tests.support.fakeproc import FakeProc, make_devices
-
-__all__ = ["spawn"]  # the fixture is used by name
 
 REPO = Path(__file__).resolve().parent.parent
 

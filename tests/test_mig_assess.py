@@ -13,52 +13,20 @@ import dataclasses
 
 import pytest
 
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.mig import busy_instances, instance_view, mig_layout, parent_of
 from gpuwatchd.decide.plan import PlanState, SignalIntent, plan, reset_gates
-from gpuwatchd.decide.policy import Detection, Policy, ResetPolicy, default_rules
+from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
 from tests.support.fakenvml import cap_minor
+from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
-
-LEAK = 4 * 1024 * MIB
-GI1 = mig_uuid(0, 1)
-GI2 = mig_uuid(0, 2)
-
-
-def run(snapshot: Snapshot, previous: AssessState | None = None) -> Assessment:
-    state = previous if previous is not None else AssessState(boot_id=snapshot.boot_id)
-    return assess(snapshot, state, Detection())
 
 
 def findings_of(result: Assessment, pid: int) -> list[Finding]:
     return [f for f in result.findings if f.pid == pid]
-
-
-def leak_beside_live_job(**mig: object) -> Snapshot:
-    """GI 1: its trainer 600 died (NVML still lists it), its worker 601 (session 600) holds
-    GI 1's capabilities. GI 2: a live trainer 700 with its worker 701. All hold /dev/nvidia0."""
-    base = (
-        HostBuilder()
-        .gpu(0)
-        .gpu(1)
-        .proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True)
-        .proc(700, ppid=1, pgid=700, sid=700, holds={0}, uvm=True)
-        .proc(701, ppid=700, holds={0}, uvm=True)
-        .build()
-    )
-    options: dict[str, object] = {
-        "instances": [
-            Inst(1, allocated=LEAK, processes=((600, LEAK),)),
-            Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb"),
-        ],
-        "caps": {601: [(1, 0)], 700: [(2, 0)], 701: [(2, 0)]},
-    }
-    options.update(mig)
-    return with_mig(base, **options)  # type: ignore[arg-type]
 
 
 def test_an_orphan_of_one_instance_is_orphaned_there_and_the_live_job_beside_it_is_not() -> None:

@@ -25,19 +25,15 @@ from gpuwatchd.collect.mig import (
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.model import MigCapability
-from tests.support.children import Spawn, hold, spawn
+from tests.support.children import Spawn, hold
 from tests.support.fakenvml import (
     FakeNvml,
     cap_minor,
-    fake_nvml,
     gpu,
     mig_device,
     mig_minors_text,
     state,
 )
-
-__all__ = ["fake_nvml", "spawn"]  # fixtures used by name
-
 
 # --- the mig-minors file ----------------------------------------------------------------------
 

@@ -20,9 +20,9 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import judge
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
+from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
-from tests.test_mig_assess import GI1, GI2, LEAK, leak_beside_live_job, run
 
 
 def samples_of(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

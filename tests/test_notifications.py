@@ -22,7 +22,7 @@ from gpuwatchd.engine import Engine
 from gpuwatchd.host import HookQueue, node_name
 from gpuwatchd.model import ProcessIdentity
 from gpuwatchd.vocabulary import SignalOutcome
-from tests.test_engine import (
+from tests.support.enginerig import (
     GPU0,
     Actuator,
     Rig,

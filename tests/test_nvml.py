@@ -30,14 +30,11 @@ from tests.support.fakenvml import (
     FakeNvml,
     GiB,
     MiB,
-    fake_nvml,
     gpu,
     open_device_files,
     process,
     state,
 )
-
-__all__ = ["fake_nvml"]  # the fixture is used by name
 
 
 @pytest.fixture

@@ -20,12 +20,9 @@ from tests.support.fakenvml import (
     NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_SUPPORTED,
     FakeNvml,
-    fake_nvml,
     gpu,
     state,
 )
-
-__all__ = ["fake_nvml"]  # the fixture is used by name
 
 XID = 0x8
 RECOVERY = 0x8000

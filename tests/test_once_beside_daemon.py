@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import ORPHAN_RULE, Run, orphan_host
 
 pytestmark = [
     pytest.mark.skipif(

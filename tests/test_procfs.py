@@ -23,10 +23,8 @@ from gpuwatchd.collect.procfs import (
     parse_proc_devices,
     parse_stat,
 )
-from tests.support.children import Spawn, spawn
+from tests.support.children import Spawn
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat, make_devices
-
-__all__ = ["spawn"]  # the fixture is used by name
 
 DOCKER_ID = "4f9a" * 16
 CTR_ID = "ab12" * 16

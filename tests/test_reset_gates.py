@@ -26,8 +26,7 @@ from gpuwatchd.decide.plan import (
 )
 from gpuwatchd.decide.policy import HealthPolicy, Limits, Policy
 from gpuwatchd.model import Finding, FindingKind, ProcessIdentity, Snapshot
-from tests.support.snapshots import HostBuilder, gpu_uuid
-from tests.test_gates import (
+from tests.support.gatecases import (
     GPU0,
     GPU1,
     JOB,
@@ -48,6 +47,7 @@ from tests.test_gates import (
     _signals,
     _whys,
 )
+from tests.support.snapshots import HostBuilder, gpu_uuid
 
 # --- what keeps a health reset waiting ----------------------------------------------------------
 

@@ -17,7 +17,7 @@ from gpuwatchd.logs import journal_entry
 from gpuwatchd.metrics import Metrics, _why_not_written
 from gpuwatchd.vocabulary import EventName, Level
 from tests.support.demo import banner
-from tests.test_plan import ghost, orphan, policy, proc, snap
+from tests.support.plancases import ghost, orphan, policy, proc, snap
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,7 +28,7 @@ from gpuwatchd.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, s
 from gpuwatchd.spares import cancel_spare, parse_target, read_spares, write_spare
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import EventName
-from tests.test_plan import orphan, policy, proc, signals, snap
+from tests.support.plancases import orphan, policy, proc, signals, snap
 
 NOW = 1_800_000_000.0
 DAY = 86400.0

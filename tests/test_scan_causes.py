@@ -30,10 +30,8 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import NvmlReading
-from tests.support.children import HOLD_FD, Spawn, spawn
-from tests.support.fakenvml import FakeNvml, fake_nvml, gpu, state
-
-__all__ = ["fake_nvml", "spawn"]  # fixtures used by name
+from tests.support.children import HOLD_FD, Spawn
+from tests.support.fakenvml import FakeNvml, gpu, state
 
 # --- the rule ---------------------------------------------------------------------------------
 

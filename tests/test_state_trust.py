@@ -26,9 +26,9 @@ import pytest
 from gpuwatchd import holder_view
 from gpuwatchd.model import HolderScan
 from gpuwatchd.statedir import JsonFile, StateDir, StateDirError, Value, open_directory
+from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import MiB, gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.test_e2e_run import Run, orphan_host
 
 ATTACKER = 1001  # an ordinary user's uid (no account needed: setpriv takes numbers)
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.container import _REASON as SYSTEMD_REASON
+from tests.support.container import CI_DIR, HARNESS, REPO, Container, wait_for
 from tests.support.fakenvml import FAKENVML_DIR, GiB, gpu
-from tests.test_systemd import _REASON as SYSTEMD_REASON
-from tests.test_systemd import CI_DIR, HARNESS, REPO, Container, wait_for
 
 NODE = "gpuwatchd-it"
 NODE_ADDR = "10.254.0.1"  # on the container's loopback (see the module docstring)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.simhost import pid_namespace_command, run_in_pid_namespace
-from tests.test_unit_static import memory_bytes, values
+from tests.support.unitfile import memory_bytes, values
 
 pytestmark = [
     pytest.mark.skipif(

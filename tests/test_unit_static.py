@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.decide.policy import Hook, ResetPolicy
+from tests.support.unitfile import REPO, UNIT, memory_bytes, values
 
-REPO = Path(__file__).resolve().parent.parent
-UNIT = REPO / "systemd" / "gpuwatchd.service"
 DEBIAN = REPO / "packaging" / "debian"
 MAX_EXPOSURE = 2.5
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -26,26 +25,6 @@ needs_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None,
     reason="systemd-analyze not installed (apt-get install systemd)",
 )
-
-
-def unit_entries() -> list[tuple[str, str, str]]:
-    """(section, key, value) for every assignment in the unit, in file order."""
-    entries: list[tuple[str, str, str]] = []
-    section = ""
-    for raw in UNIT.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            section = line.strip("[]")
-            continue
-        key, _, value = line.partition("=")
-        entries.append((section, key.strip(), value.strip()))
-    return entries
-
-
-def values(key: str, section: str = "Service") -> list[str]:
-    return [v for s, k, v in unit_entries() if s == section and k == key]
 
 
 def seconds(value: str) -> float:
@@ -198,13 +177,6 @@ def test_debian_package_depends_on_procps_for_exec_reload() -> None:
 # What bench/unit_limits.py measured, as the unit's comment and docs/operations.md state it.
 MEASURED_PEAK_RSS_MIB = 80
 MEASURED_PEAK_TASKS = 5
-
-
-def memory_bytes(value: str) -> int:
-    found = re.fullmatch(r"(\d+)([KMG]?)", value)
-    assert found is not None, value
-    number, unit = found.groups()
-    return int(number) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit]
 
 
 def test_unit_caps_memory_and_tasks_with_the_measured_headroom() -> None:

@@ -30,10 +30,8 @@ import pytest
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, spawn
+from tests.support.children import HOLD_FD, Spawn, hold
 from tests.support.fakeproc import FakeProc, make_devices
-
-__all__ = ["spawn"]  # the fixture is used by name
 
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
 

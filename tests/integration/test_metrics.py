@@ -22,8 +22,6 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd import __version__
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import simulate
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import Ladder, PlanState
@@ -40,6 +38,8 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.vocabulary import EventName, LadderStatus, Level
 from tests.support.snapshots import GIB, HostBuilder, gpu_uuid
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 
 from gpuwatchd.cli.report import build_report
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import Simulation, scenario_policy
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import Simulation, scenario_policy
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 

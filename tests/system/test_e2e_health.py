@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import simulate
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import simulate
 from tests.support.daemonrun import Run, _epoch, fake_smi, smi_calls
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace

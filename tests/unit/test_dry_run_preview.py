@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 
 from gpuwatchd.cli.main import main
-from gpuwatchd.cli.scenario import load_scenario, parse_scenario
-from gpuwatchd.cli.simulate import SimulationResult, simulate
 from gpuwatchd.decide.plan import (
     EventName,
     HookIntent,
@@ -32,6 +30,8 @@ from gpuwatchd.decide.plan_state import Ladder
 from gpuwatchd.decide.policy import Limits
 from gpuwatchd.decide.shadow import DryShadow, ShadowWork
 from gpuwatchd.model import ProcessIdentity
+from gpuwatchd.sim.scenario import load_scenario, parse_scenario
+from gpuwatchd.sim.simulation import SimulationResult, simulate
 from gpuwatchd.vocabulary import LadderStatus
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import Simulation, scenario_policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.host import LogSink
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import Simulation, scenario_policy
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 

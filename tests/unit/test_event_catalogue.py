@@ -12,11 +12,11 @@ import re
 
 import pytest
 
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import SimulationResult, simulate
-from gpuwatchd.cli.timeline import describe_event, finding_label
 from gpuwatchd.event_catalogue import CATALOGUE, JournalNamer, notification, render
 from gpuwatchd.logs import LEVELS, priority_prefix, sentence
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import SimulationResult, simulate
+from gpuwatchd.sim.timeline import describe_event, finding_label
 from gpuwatchd.vocabulary import RESET_STEPS, EventName, Level, level_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from gpuwatchd.cli.explain import SnapshotError, explain_report, load_report
 from gpuwatchd.cli.main import main
-from gpuwatchd.cli.scenario import ScenarioError, parse_scenario
-from gpuwatchd.cli.simulate import SimulationError, scenario_policy, simulate
 from gpuwatchd.config.schema import default_policy
+from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
+from gpuwatchd.sim.simulation import SimulationError, scenario_policy, simulate
 from tests.support.explainrig import report_at
 
 CI = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE") == "ci"

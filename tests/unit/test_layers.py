@@ -110,6 +110,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",
                   "gpuwatchd.wiring")),
     ("lifecycle", ("gpuwatchd.daemon",)),
+    ("sim", ("gpuwatchd.sim",)),
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),
 )  # fmt: skip
 

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from gpuwatchd.cli.scenario import load_scenario
-from gpuwatchd.cli.simulate import SimulationResult, render_text, simulate
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import SimulationResult, render_text, simulate
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from gpuwatchd.cli.main import main
-from gpuwatchd.cli.scenario import ScenarioError, parse_scenario
-from gpuwatchd.cli.simulate import render_text, simulate
+from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
+from gpuwatchd.sim.simulation import render_text, simulate
 
 ORPHANS = """\
 duration: 3m
@@ -298,7 +298,7 @@ class _Names:
 
 
 def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
-    from gpuwatchd.cli.timeline import finding_label
+    from gpuwatchd.sim.timeline import finding_label
 
     key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234@None"
     assert finding_label(key, _Names()) == "dead_process pid 91234 (trainer) on GPU 0"

@@ -9,7 +9,7 @@ instances have their own memory, contexts and capability files (mig-minors numbe
 driver gives it). :meth:`World.snapshot`
 renders it as the frozen :class:`gpuwatchd.model.Snapshot` the engine's reader returns. It
 decides nothing and never touches the real host; the simulation's edges
-(``cli/simulate.py``) mutate it when the engine acts.
+(``sim/simulation.py``) mutate it when the engine acts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.cli.scenario import GpuSpec, HealthSpec, ProcessSpec, Scenario
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.model import (
     MIB,
@@ -36,6 +35,7 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.sim.scenario import GpuSpec, HealthSpec, ProcessSpec, Scenario
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd import event_catalogue
-from gpuwatchd.cli.scenario import Scenario
-from gpuwatchd.cli.world import size_text
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.model import MIB
+from gpuwatchd.sim.scenario import Scenario
+from gpuwatchd.sim.world import size_text
 from gpuwatchd.vocabulary import EventName, Level
 
 

@@ -50,7 +50,7 @@ test: venv fakenvml lint typecheck unit
 
 # On a real GPU machine: the read-only `gpu`-marked tests (they skip visibly elsewhere).
 test-gpu: venv
-	$(PY) -m pytest -m gpu -rs -v tests/test_gpu.py
+	$(PY) -m pytest -m gpu -rs -v tests/system/test_gpu.py
 
 # Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
 # score per module and every survivor that is not a recorded equivalent; fails on one in a
@@ -67,8 +67,9 @@ mutate-changed: venv fakenvml
 # The property and state-machine tests, random and long (make test runs them derandomized).
 explore: venv
 	GPUWATCHD_HYPOTHESIS_PROFILE=explore $(PY) -m pytest -p no:cacheprovider \
-		tests/test_plan_stateful.py tests/test_assess.py tests/test_plan.py tests/test_status.py \
-		tests/test_config_hostile.py tests/test_fuzz_inputs.py
+		tests/unit/test_plan_stateful.py tests/unit/test_assess.py tests/unit/test_plan.py \
+		tests/integration/test_status.py tests/integration/test_config_hostile.py \
+		tests/unit/test_fuzz_inputs.py
 
 demo: venv fakenvml
 	@$(PY) -m tests.support.demo

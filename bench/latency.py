@@ -23,9 +23,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tests.support.daemonrun import Run
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost
-from tests.test_e2e_run import Run
 
 
 def _exit_time(pid: int, box: dict[str, float]) -> threading.Thread:

@@ -6,7 +6,7 @@ whole run re-executes itself as PID 1 of a fresh PID namespace (``unshare --pid 
 processes, every count is exact, and everything it started dies with it. Without a namespace it
 runs on the host and skips the latency scenarios (they signal processes).
 
-``--quick`` shrinks every figure to a seconds-long smoke run (``tests/test_bench_smoke.py``).
+``--quick`` shrinks every figure to a seconds-long smoke run (``tests/system/test_bench_smoke.py``).
 Numbers from ``--quick`` mean nothing; only the default run is reported in docs/performance.md.
 """
 

@@ -22,7 +22,7 @@ and keeps no state beyond :class:`EngineState`, which the caller persists when t
 (``checkpoint``). It never sleeps: the caller waits until :meth:`Engine.wake_at` (or an
 exit), then reports exits with :meth:`Engine.note_exits` and calls :meth:`Engine.poll` again.
 Lifecycle — lock, signals, sd_notify and the watchdog, reload, the state file — is the
-daemon's (``gpuwatchd/daemon.py``); the virtual world and its timeline are ``cli/simulate.py``'s.
+daemon's (``gpuwatchd/daemon.py``); the virtual world and its timeline are ``sim/simulation.py``'s.
 See docs/architecture.md.
 
 This module is long (about 670 lines) because the cycle and the carrying out of its intents

@@ -3,7 +3,7 @@
 Names are :class:`gpuwatchd.vocabulary.EventName`; this module owns what is said about each:
 :data:`CATALOGUE` gives the usual level (and the others an outcome may give it), the fields it
 carries and a sentence an administrator understands without the docs. :func:`render` is the one
-renderer: the journal's ``MESSAGE`` (``logs.py``), ``simulate``'s timeline (``cli/timeline.py``),
+renderer: the journal's ``MESSAGE`` (``logs.py``), ``simulate``'s timeline (``sim/timeline.py``),
 ``status`` and the ``on_action`` notification all word events through it. They differ only in
 their :class:`Namer` (the journal says ``PID 4242 (python)`` and the GPU's UUID, the timeline
 ``pid 4242 (trainer)`` and ``GPU 0``). The events of one reset share one subject ("Reset of

@@ -12,7 +12,7 @@ Two things are added here. Arguments that name a file (``--config FILE``, ``chec
 script of shtab 1.5 (Debian 12's) offers only the first of a list of choices — ``gpuwatchd
 <Tab>`` gave ``scan`` alone — and splits the choices at newlines only: :func:`fix_bash` rewrites
 those two spots as later shtab releases write them, and leaves a script without them as it is.
-tests/test_packaging.py runs the result in bash, with the system's shtab where it has one.
+tests/system/test_packaging.py runs the result in bash, with the system's shtab where it has one.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and each of its fields with the journal field that carries it (both from the eve
 ``gpuwatchd/event_catalogue.py``). The entry's own journal ``MESSAGE`` already says what
 happened in words; ``journalctl -x`` adds this explanation below it. The format is systemd's
 (catalog(7) in systemd's documentation: ``-- ID`` lines, ``Subject:`` and other headers, a
-blank line, the text). tests/test_packaging.py loads the result with the real ``journalctl``.
+blank line, the text). tests/system/test_packaging.py loads the result with the real ``journalctl``.
 """
 
 from __future__ import annotations

@@ -43,3 +43,8 @@ settings.register_profile(
 
 PROFILE = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default")
 settings.load_profile(PROFILE)
+
+# The shared fixtures, found by name in every test module without an import: ``spawn`` (real
+# child processes), ``fake_nvml`` (the fake NVML library's state) and ``cgroup_base`` (a scratch
+# cgroup v2 subtree).
+pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]

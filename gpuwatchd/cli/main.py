@@ -394,9 +394,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.scenario import ScenarioError, load_scenario
-    from gpuwatchd.cli.simulate import SimulationError, render_text, simulate
     from gpuwatchd.config.schema import ConfigError
+    from gpuwatchd.sim.scenario import ScenarioError, load_scenario
+    from gpuwatchd.sim.simulation import SimulationError, render_text, simulate
 
     try:
         result = simulate(load_scenario(args.scenario), args.config, enforce=args.enforce)

@@ -1,7 +1,7 @@
 """Reading YAML text into nodes that remember where they were written.
 
 This module owns the position-tracking YAML reader shared by the policy files
-(``gpuwatchd.config.schema``) and the scenario files (``gpuwatchd.cli.scenario``):
+(``gpuwatchd.config.schema``) and the scenario files (``gpuwatchd.sim.scenario``):
 :func:`load_document` turns text into a tree of :class:`Map`, :class:`Seq` and :class:`Scalar`
 nodes, each knowing its file, 1-based line and key path. It treats the text as hostile: it is
 bounded *before* it is parsed (size, control characters) and while it is composed (nesting

@@ -5,7 +5,7 @@ words for a person, whether it is about a process or a GPU, whether the process 
 holds the device (dirt on every GPU it holds), whether it is a live holder, about memory or
 an NVML listing, whether it may settle by itself, whether it is GPU health, whether a rule may
 signal for it (and if not, why), and its section in docs/findings.md. A new kind is one row
-here (tests/test_kinds.py checks that every kind has one and that the docs list it).
+here (tests/unit/test_kinds.py checks that every kind has one and that the docs list it).
 """
 
 from __future__ import annotations

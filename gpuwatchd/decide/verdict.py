@@ -5,7 +5,7 @@ answers the question calls :func:`judge` on one poll's snapshot and the assessme
 findings and holder roles ``scan`` shows): ``check-clean`` (a Slurm prolog, the
 node-problem-detector plugin), ``run --once`` (an epilog: its exit 0), ``scan`` (its
 ``verdict``) and the daemon's status. None of them looks at findings itself
-(``tests/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
+(``tests/unit/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
 
 A GPU is judged on facts about that GPU alone, so ``check-clean --gpu N`` and ``check-clean``
 give GPU N the same verdict:

@@ -484,7 +484,7 @@ typedef fake_gpu_instance *nvmlGpuInstance_t;
 /*
  * FAKENVML_STATE and FAKENVML_DEVICES_DIR, from the environment; unset there, from defaults a
  * build may compile in (-DFAKENVML_DEFAULT_STATE="..." -DFAKENVML_DEFAULT_DEVICES_DIR="...").
- * tests/test_systemd_slurm.py builds such a copy: slurmd runs the prolog and epilog with an
+ * tests/system/test_systemd_slurm.py builds such a copy: slurmd runs the prolog and epilog with an
  * environment of its own making, as a real driver needs none.
  */
 static const char *setting(const char *name) {

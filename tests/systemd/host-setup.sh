@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the host tools tests/test_systemd.py needs (Debian/Ubuntu, root). Idempotent and
+# Install the host tools tests/system/test_systemd.py needs (Debian/Ubuntu, root). Idempotent and
 # quiet when everything is there; does nothing (exit 0) when not root or without apt-get,
 # so that `make test` still runs elsewhere and the systemd tests skip with a reason.
 set -euo pipefail
@@ -13,9 +13,9 @@ command -v dh >/dev/null || need+=(debhelper)
 command -v dh_python3 >/dev/null || need+=(dh-python)
 command -v lintian >/dev/null || need+=(lintian)
 command -v nsenter >/dev/null || need+=(util-linux)
-command -v ip >/dev/null || need+=(iproute2)  # tests/test_systemd_slurm.py: an address for slurmd
-command -v apparmor_parser >/dev/null || need+=(apparmor)  # tests/test_contrib_kubernetes.py: the profiles parse
-command -v promtool >/dev/null || need+=(prometheus)  # tests/test_metrics.py checks the alert rules
+command -v ip >/dev/null || need+=(iproute2)  # tests/system/test_systemd_slurm.py: an address for slurmd
+command -v apparmor_parser >/dev/null || need+=(apparmor)  # tests/integration/test_contrib_kubernetes.py: the profiles parse
+command -v promtool >/dev/null || need+=(prometheus)  # tests/integration/test_metrics.py checks the alert rules
 dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel >/dev/null 2>&1 \
     || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel)
 [ ${#need[@]} -eq 0 ] && exit 0

@@ -2,11 +2,11 @@
 # Print the path of a cached minimal Debian 12 root file system with systemd and gpuwatchd's
 # runtime dependencies, building it first when the cache has none for this package list:
 #   make-rootfs.sh [CACHE_DIR]      (default /var/cache/gpuwatchd-test-rootfs)
-# GPUWATCHD_ROOTFS_EXTRA (a comma list) adds packages: tests/test_systemd_slurm.py asks for
+# GPUWATCHD_ROOTFS_EXTRA (a comma list) adds packages: tests/system/test_systemd_slurm.py asks for
 # munge, slurmctld, slurmd, slurm-client and prometheus-node-exporter, in a tree of its own, so
 # the other container tests keep their small one.
 # The cache key is a hash of suite + package list, so changing the list builds a new one.
-# Callers must not modify the cached tree: copy it (tests/test_systemd.py does).
+# Callers must not modify the cached tree: copy it (tests/system/test_systemd.py does).
 set -euo pipefail
 CACHE=${1:-${GPUWATCHD_ROOTFS_CACHE:-/var/cache/gpuwatchd-test-rootfs}}
 SUITE=bookworm

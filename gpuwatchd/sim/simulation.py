@@ -1,0 +1,623 @@
+"""The simulation behind ``gpuwatchd simulate``: the engine on a virtual clock over a scenario.
+
+This module owns the simulation's four edges and its timeline loop. Every poll is
+:meth:`gpuwatchd.engine.Engine.poll` — the same cycle ``gpuwatchd run`` runs — given a reader
+over the virtual host (:mod:`gpuwatchd.sim.world`), an actuator that makes virtual processes
+react to signals and answers the reset procedure's commands as a scripted ``nvidia-smi``
+would (hooks: exit 0, and the reset's ``drain``/``before`` hooks stop the processes the
+scenario marks ``stops_for_reset``), the virtual clock, and a sink that writes the timeline.
+Between polls it waits as the daemon does: until :meth:`Engine.wake_at`, or at once when a
+signalled process exits. Scenario events happen at their time, or (``during``) when a reset
+reaches their step. It never touches the real host: no ``/proc``, no NVML, no signals, no
+commands. It makes no decision of its own: the engine's are the daemon's. Output formats are
+documented in ``docs/simulate.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.config.schema import ConfigError, default_policy, load_policy, parse_policy_documents
+from gpuwatchd.config.schema import render_policy as _render_policy
+from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.engine import Engine
+from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.sim.scenario import EventSpec, Scenario, ScenarioError
+from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event, render_text
+from gpuwatchd.sim.world import (
+    WALL0,
+    SimulationError,
+    World,
+    _Gpu,
+    _Proc,
+    size_text,
+)
+from gpuwatchd.vocabulary import EventName, Level, SignalOutcome
+
+__all__ = [
+    "BUSY_POLLS",
+    "Simulation",
+    "SimulationError",
+    "SimulationResult",
+    "render_text",
+    "scenario_policy",
+    "simulate",
+]
+
+BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
+MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
+SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
+
+
+# --- the policy -------------------------------------------------------------------------------
+
+
+def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy, str]:
+    """The policy to simulate under, and a phrase saying where it came from.
+
+    With ``--config`` that file and its drop-ins are the whole policy, as the daemon would read
+    them (the scenario's inline ``policy:`` is ignored; StrictModes is not checked). Without it,
+    the scenario's ``policy:`` is a drop-in over the built-in defaults. A broken ``--config``
+    raises ConfigError (exit 78); a broken inline policy is a malformed scenario (exit 65).
+    """
+    if config_path is not None:
+        return load_policy(config_path, check_permissions=False), config_path
+    docs = [("<built-in defaults>", _render_policy(default_policy()))]
+    source = "built-in defaults"
+    if scenario.policy_doc is not None:
+        docs.append(scenario.policy_doc)
+        source = "built-in defaults + the scenario's policy"
+    try:
+        return parse_policy_documents(docs), source
+    except ConfigError as err:
+        first = err.problems[0]
+        key = f"policy.{first.key}" if first.key else "policy"
+        extra = f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else ""
+        raise ScenarioError(
+            first.message + extra, path=scenario.path, line=first.line, key=key
+        ) from None
+
+
+# --- the simulation ---------------------------------------------------------------------------
+
+
+class Simulation:
+    """One run of a scenario. Construct, then :meth:`run`."""
+
+    def __init__(self, scenario: Scenario, policy: Policy, policy_source: str = "") -> None:
+        self.scenario = scenario
+        self.policy = policy
+        self.policy_source = policy_source
+        self.world = World(scenario)
+        self.now = 0.0
+        self.timeline: list[Entry] = []
+        self.polls = 0
+        self.watched: set[ProcessIdentity] = set()  # the daemon's kept pidfds
+        self.exited: list[ProcessIdentity] = []  # watched exits not yet reported
+        self.queue: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
+        self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
+        for event in scenario.events:
+            if event.during is not None:
+                self.during.setdefault(event.during, []).append(event)
+            else:
+                self.schedule(event.at, "event", event)
+        for spec in scenario.processes:
+            if spec.exits_at is not None:
+                self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
+        self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
+        interval = scenario.interval or policy.interval
+        polls = scenario.duration / interval
+        if polls > MAX_POLLS:
+            raise SimulationError(
+                f"{scenario.path}: duration {scenario.duration:g}s at interval {interval:g}s is "
+                f"{polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
+                "lengthen interval)"
+            )
+        self.engine = Engine(
+            dataclasses.replace(policy, interval=interval),
+            reader=VirtualReader(self),
+            actuator=VirtualActuator(self),
+            clock=VirtualClock(self),
+            sink=TimelineSink(self),
+            hostname=SIM_HOSTNAME,
+            sleep=self.sleep,
+        )
+
+    # -- bookkeeping --
+
+    def schedule(self, at: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.queue, (at, next(self.seq), kind, payload))
+
+    def add(self, name: str, level: Level, text: str, **fields: object) -> None:
+        self.timeline.append(Entry(self.now, name, level, text, fields))
+
+    def pname(self, pid: object) -> str:
+        if not isinstance(pid, int):
+            return "pid ?"
+        proc = self.world.procs.get(pid) or next(
+            (p for p in reversed(self.world.history) if p.pid == pid), None
+        )
+        return f"pid {pid} ({proc.name})" if proc else f"pid {pid}"
+
+    def gname(self, uuid: object) -> str:
+        return self.gpu_names.get(str(uuid), str(uuid))
+
+    # -- the loop (the daemon's: poll, then wait until wake_at or an exit) --
+
+    def run(self) -> SimulationResult:
+        self.advance(0.0)
+        busy = 0
+        duration = self.scenario.duration
+        while self.now <= duration:
+            previous = self.now
+            self.polls += 1
+            wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
+            self.engine.set_spares(tuple(s for s in self.spares.values() if s.until > wall))
+            self.engine.poll()
+            until = self.engine.wake_at()
+            busy = busy + 1 if until <= previous else 0
+            if busy >= BUSY_POLLS:
+                self.add("sim.busy_loop", Level.WARNING, "the daemon would poll in a busy loop")
+                until = self.now + self.engine.policy.interval
+                busy = 0
+            if until > duration:
+                self.advance(duration)
+                self.now = duration
+                self.report_exits()
+                break
+            if not self.advance(until):
+                self.now = until
+            self.report_exits()
+        return SimulationResult(
+            scenario=self.scenario,
+            policy=self.policy,
+            policy_source=self.policy_source,
+            timeline=self.timeline,
+            final=self.final_state(),
+            polls=self.polls,
+        )
+
+    def advance(self, until: float) -> bool:
+        """Apply the world's happenings up to ``until``; True when a watched process exited
+        (the daemon's pidfd wait returns at once, and it polls then)."""
+        while self.queue and self.queue[0][0] <= until:
+            at, _, kind, payload = heapq.heappop(self.queue)
+            self.now = max(self.now, at)
+            if kind == "event":
+                assert isinstance(payload, EventSpec)  # noqa: S101 - scheduled as such
+                self.apply(payload)
+            else:
+                name, why, identity = cast("tuple[str, str, int | None]", payload)
+                proc = self.world.by_name(name)
+                if proc is not None and (identity is None or proc.start_ticks == identity):
+                    self.exit_process(proc, why)
+            if self.exited:
+                return True
+        return False
+
+    def sleep(self, seconds: float) -> None:
+        """A wait inside the reset procedure (the NVLink fabric): virtual time passes, and
+        the world's happenings in it take place."""
+        self.now += seconds
+        self.advance(self.now)
+
+    def take_exits(self) -> list[ProcessIdentity]:
+        exited, self.exited = self.exited, []
+        return exited
+
+    def report_exits(self) -> None:
+        self.engine.note_exits(self.take_exits())
+
+    # -- world events --
+
+    def exit_process(self, proc: _Proc, why: str) -> None:
+        identity = ProcessIdentity(proc.pid, proc.start_ticks)
+        notes = self.world.exit(proc, self.now, why)
+        if proc.exited_at != self.now:
+            return
+        text = f"{proc.name} (pid {proc.pid}) exited ({why})"
+        self.add(
+            "world.exit", Level.INFO, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
+        )
+        if identity in self.watched:
+            self.watched.discard(identity)
+            self.exited.append(identity)
+
+    def apply(self, event: EventSpec) -> None:
+        world = self.world
+        action = event.action
+        if action == "exit" and event.target is not None:
+            proc = world.by_name(event.target)
+            if proc is not None and proc.alive:
+                self.exit_process(proc, "scenario: exit")
+        elif action == "start" and event.process is not None:
+            spec = event.process
+            proc = world.start(spec, at=self.now)
+            self.add(
+                "world.start",
+                Level.INFO,
+                f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}",
+                process=spec.name,
+                pid=spec.pid,
+            )
+            if spec.exits_at is not None:
+                self.schedule(
+                    self.now + spec.exits_at, "exit", (spec.name, "exits_at", proc.start_ticks)
+                )
+        elif action == "set_memory" and event.gpu is not None and event.memory is not None:
+            gpu = world.gpus[event.gpu]
+            charged = world.allocated(gpu) - gpu.base
+            gpu.base = max(0, event.memory - charged)
+            self.add(
+                "world.memory",
+                Level.INFO,
+                f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}",
+                gpu=gpu.spec.uuid,
+                allocated=event.memory,
+            )
+        elif action == "memory_stays_allocated" and event.target is not None:
+            world.leak_on_exit.add(event.target)
+            self.add(
+                "world.leak",
+                Level.INFO,
+                f"{event.target}'s GPU memory will stay allocated after it exits (driver fault)",
+                process=event.target,
+            )
+        elif action == "reset_result" and event.value is not None:
+            world.reset_results.append(event.value)
+            self.add(
+                "world.reset_result",
+                Level.INFO,
+                f"the next GPU reset will end: {event.value}",
+                result=event.value,
+            )
+        elif action == "state" and event.target is not None and event.value is not None:
+            proc = world.by_name(event.target)
+            if proc is not None and proc.alive:
+                proc.state = event.value
+                self.add(
+                    "world.state",
+                    Level.INFO,
+                    f"{proc.name} (pid {proc.pid}) is now in state {event.value}",
+                    process=proc.name,
+                    pid=proc.pid,
+                    state=event.value,
+                )
+        elif action == "reap" and event.target is not None:
+            proc = world.by_name(event.target)
+            if proc is not None and proc.present and not proc.alive:
+                world.reap(proc)
+                self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
+        elif action in ("pause", "resume"):
+            self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+        elif action == "spare" and (spare := world.spare(event, WALL0 + self.now)) is not None:
+            self.spares[spare.target] = spare
+        elif action == "xid" and event.gpu is not None and event.xid is not None:
+            world.gpus[event.gpu].xids.append((event.xid, self.now))
+            self.add("world.xid", Level.INFO, f"GPU {event.gpu}: Xid {event.xid}",
+                     gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid)  # fmt: skip
+        elif action == "health" and event.gpu is not None and event.health is not None:
+            gpu = world.gpus[event.gpu]
+            gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
+            said = ", ".join(f"{k}={v}" for k, v in event.health.items())
+            self.add("world.health", Level.INFO, f"GPU {event.gpu}: {said}",
+                     gpu=gpu.spec.uuid, **event.health)  # fmt: skip
+
+    def react(self, proc: _Proc, signal: str) -> None:
+        spec = proc.spec
+        if proc.state == "D":
+            return  # the signal stays pending until it leaves uninterruptible sleep
+        if signal == "SIGKILL":
+            if spec.on_sigkill == "stuck":
+                proc.state = "D"
+                self.add(
+                    "world.state",
+                    Level.INFO,
+                    f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL",
+                    process=proc.name,
+                    pid=proc.pid,
+                    state="D",
+                )
+            else:
+                self.schedule(
+                    self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks)
+                )
+            return
+        if spec.on_sigterm == "exit":
+            self.schedule(self.now, "exit", (proc.name, f"on {signal}", proc.start_ticks))
+        elif spec.on_sigterm == "exit_after":
+            self.schedule(
+                self.now + spec.sigterm_delay,
+                "exit",
+                (proc.name, f"{spec.sigterm_delay:g}s after {signal}", proc.start_ticks),
+            )
+
+    def reached(self, step: str) -> None:
+        """The reset procedure has run ``step``: the scenario's ``during: STEP`` events happen
+        now (once each, at the first reset that gets there)."""
+        for event in self.during.pop(step, []):
+            first = len(self.timeline)
+            self.apply(event)
+            for i in range(first, len(self.timeline)):
+                entry = self.timeline[i]
+                self.timeline[i] = dataclasses.replace(
+                    entry,
+                    text=f"{entry.text} (during the reset's {step} step)",
+                    fields={**entry.fields, "during": step},
+                )
+
+    # -- the end --
+
+    def final_state(self) -> dict[str, object]:
+        world = self.world
+        gpus = []
+        for index in sorted(world.gpus):
+            gpu = world.gpus[index]
+            gpus.append(
+                {
+                    "index": index,
+                    "uuid": gpu.spec.uuid,
+                    "allocated": world.allocated(gpu),
+                    "idle": gpu.spec.allocated,
+                    "lost": gpu.lost,
+                }
+            )
+        processes = []
+        for proc in world.history:
+            status = "alive" if proc.alive else ("zombie" if proc.present else "exited")
+            if proc.alive and proc.state == "D":
+                status = "stuck (D)"
+            processes.append(
+                {
+                    "name": proc.name,
+                    "pid": proc.pid,
+                    "status": status,
+                    "exited_at": proc.exited_at,
+                    "exit_why": proc.exit_why,
+                    "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
+                }
+            )
+        findings = [f.key for f in self.engine.findings]
+        state = self.engine.state.plan
+        return {
+            "t": self.now,
+            "gpus": gpus,
+            "processes": processes,
+            "open_findings": findings,
+            "signals_delivered": sum(len(p.signals) for p in world.history),
+            "resets": [
+                {"t": e.t, "gpu": e.fields["gpu"], "result": e.fields["result"]}
+                for e in self.timeline
+                if e.name == EventName.RESET_OUTCOME
+            ],
+            "hooks_run": sum(
+                1
+                for e in self.timeline
+                if e.name == EventName.HOOK_RUN and not e.fields.get("dry_run")
+            ),
+            "forced_dry_run": state.forced_dry_run,
+            "circuit_open": state.circuit_open,
+            "paused": state.paused,
+        }
+
+
+# --- the simulation's edges for the engine ----------------------------------------------------
+
+
+class VirtualClock:
+    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def monotonic(self) -> float:
+        return self.sim.now
+
+    def wall(self) -> float:
+        return WALL0 + self.sim.now
+
+
+class TimelineSink:
+    """Each engine event as a timeline entry with its human line; a ``reset.step`` also fires
+    the scenario's ``during`` events for that step."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        sim = self.sim
+        extra: dict[str, object] = {}
+        if name == EventName.ACTION_SIGNAL:
+            pid = fields.get("pid")
+            proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
+            extra["process"] = proc.name if proc is not None else None
+        sim.add(name, level, describe_event(name, fields, sim), **{**fields, **extra})
+        if name == EventName.RESET_STEP:
+            sim.reached(str(fields.get("step")))
+
+
+class VirtualReader:
+    """The engine's reader over the virtual host (nothing of the daemon's holds a GPU)."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def collect(self) -> Snapshot:
+        self.sim.world.settle(self.sim.now)
+        return self.sim.world.snapshot(self.sim.now)
+
+    def stop_nvml(self) -> bool:
+        return True  # the daemon's NVML worker is virtual too: nothing of ours holds the GPU
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        world = self.sim.world
+        scan = world.holders()
+        gpu = world.by_minor.get(minor) if minor is not None else None
+        if gpu is not None and not gpu.persistence:
+            # nvidia-persistenced lets go of a GPU once its persistence mode is off.
+            kept = {
+                pid: holding
+                for pid, holding in scan.holdings.items()
+                if not world.procs[pid].spec.comm.startswith("nvidia-persiste")
+            }
+            scan = dataclasses.replace(scan, holdings=kept)
+        return scan, world.processes()
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        self.sim.world.settle(self.sim.now)
+        return next((g for g in self.sim.world.nvml().gpus if g.uuid == uuid), None)
+
+    def self_pids(self) -> frozenset[int]:
+        return frozenset()
+
+
+class VirtualActuator:
+    """The engine's actuator over the virtual host: processes react to signals as their
+    scenario says, and commands are answered, never executed.
+
+    =============================  ==========================================================
+    command (matched by argv)      answer
+    =============================  ==========================================================
+    ``reset.command``              the next scripted ``reset_result`` (default ``success``):
+                                   ``success`` exit 0, every dead or leaked context on the
+                                   GPU freed; ``fail`` exit 255; ``in_use`` exit 255 "In use
+                                   by another client"; ``hang`` killed at its timeout, the
+                                   clock advanced by it; ``fell_off_bus`` exit 15, GPU lost
+    ``reset.persistence_command``  exit 0, persistence mode set (exit 15 on a lost GPU)
+    ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
+    a hook                         exit 0; the reset's ``drain`` and ``before`` hooks stop
+                                   the ``stops_for_reset`` processes
+    anything else                  could not be started
+    =============================  ==========================================================
+    """
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        reset = sim.policy.reset
+        self.commands: dict[tuple[str, ...], tuple[str, _Gpu]] = {}
+        for gpu in sim.world.gpus.values():
+            spec = gpu.spec
+            values: dict[str, str | None] = {
+                "uuid": spec.uuid,
+                "pci_bus_id": spec.pci_bus_id,
+                "minor": str(spec.minor),
+            }
+            for what, template, mode in (
+                ("reset", reset.command, None),
+                ("health", reset.health_command, None),
+                ("persistence_off", reset.persistence_command, "0"),
+                ("persistence_on", reset.persistence_command, "1"),
+            ):
+                try:
+                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+                except ValueError:
+                    continue  # perform_reset refuses before anything runs
+                self.commands.setdefault(argv, (what, gpu))
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        sim = self.sim
+        proc = sim.world.procs.get(identity.pid)
+        if proc is None or not proc.spec.visible:
+            outcome, detail = SignalOutcome.GONE, f"PID {identity.pid} does not exist"
+        elif proc.start_ticks != identity.start_ticks:
+            outcome, detail = SignalOutcome.REUSED, f"PID {identity.pid} now belongs to {proc.name}"
+        elif proc.state == "Z":
+            outcome, detail = SignalOutcome.ZOMBIE, f"PID {identity.pid} is a zombie"
+        elif dry_run:
+            outcome, detail = SignalOutcome.DRY_RUN, f"would send {signal}"
+        else:
+            outcome, detail = SignalOutcome.DELIVERED, f"{signal} sent"
+        if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
+            sim.watched.add(identity)
+        if proc is not None and outcome is SignalOutcome.DELIVERED:
+            proc.signals.append((sim.now, signal, outcome.value))
+            sim.react(proc, signal)
+        return SignalResult(outcome, detail)
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        """The world's happenings within ``timeout``: a target that dies on its signal at once
+        is seen before the checkpoint, as the daemon's short pidfd wait sees it."""
+        sim = self.sim
+        if sim.exited or sim.advance(sim.now + timeout) or sim.exited:
+            return sim.take_exits()
+        return []
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        hook = (env or {}).get("GPUWATCHD_EVENT")
+        if hook is not None:
+            return self.hook(args, hook)
+        known = self.commands.get(args)
+        if known is None:
+            error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
+            return CommandResult(args, None, "", False, 0.0, error)
+        what, gpu = known
+        bus = gpu.spec.pci_bus_id or gpu.spec.uuid
+        if gpu.lost:
+            lost = f"Unable to determine the device handle for GPU {bus}: GPU is lost."
+            return CommandResult(args, 15, lost, False, 0.1, None)
+        if what == "reset":
+            return self.reset(args, gpu, bus, timeout)
+        if what in ("persistence_off", "persistence_on"):
+            gpu.persistence = what == "persistence_on"
+            state = "Enabled" if gpu.persistence else "Disabled"
+            return CommandResult(
+                args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
+            )
+        return CommandResult(args, 0, "", False, 0.2, None)  # the health query
+
+    def hook(self, argv: tuple[str, ...], event: str) -> CommandResult:
+        if event in ("reset_drain", "reset_before"):
+            phase = event.removeprefix("reset_")
+            for proc in list(self.sim.world.procs.values()):
+                if proc.spec.stops_for_reset and proc.alive:
+                    self.sim.exit_process(proc, f"stopped by the reset's {phase} hook")
+        return CommandResult(argv, 0, "", False, 0.0, None)
+
+    def reset(self, argv: tuple[str, ...], gpu: _Gpu, bus: str, timeout: float) -> CommandResult:
+        world, sim = self.sim.world, self.sim
+        scripted = world.reset_results.pop(0) if world.reset_results else "success"
+        if scripted == "success":
+            world.restore(gpu, sim.now)
+            done = f"GPU {bus} was successfully reset.\nAll done."
+            return CommandResult(argv, 0, done, False, 2.0, None)
+        if scripted == "hang":
+            sim.now += timeout
+            sim.advance(sim.now)
+            return CommandResult(argv, -9, "", True, timeout, None)  # killed with its group
+        if scripted == "fell_off_bus":
+            gpu.lost = True
+            lost = f"Unable to reset GPU {bus}: GPU has fallen off the bus."
+            return CommandResult(argv, 15, lost, False, 1.0, None)
+        if scripted == "in_use":
+            in_use = f"GPU {bus}: In use by another client"
+            return CommandResult(argv, 255, in_use, False, 0.5, None)
+        return CommandResult(
+            argv, 255, f"Unable to reset GPU {bus}: Unknown Error", False, 0.5, None
+        )
+
+
+def simulate(
+    scenario: Scenario, config_path: str | None = None, *, enforce: bool = False
+) -> SimulationResult:
+    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline.
+
+    ``enforce`` previews a dry-run policy as enforcing: ``dry_run`` is turned off, nothing
+    else changes (the kill cap's forced dry run still engages where enforcement would).
+    """
+    policy, source = scenario_policy(scenario, config_path)
+    if enforce:
+        source += " (--enforce: dry_run off)" if policy.dry_run else " (--enforce)"
+        policy = dataclasses.replace(policy, dry_run=False)
+    return Simulation(scenario, policy, source).run()

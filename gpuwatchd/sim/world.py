@@ -1,0 +1,564 @@
+"""The virtual host of ``gpuwatchd simulate``: GPUs, processes, contexts, and what NVML and
+``/proc`` would say about them.
+
+This module owns the world a scenario describes: processes that start, exit (their children
+reparented to the nearest live subreaper or init), leave zombies, hang in D state; contexts
+whose memory outlives their owner while inheritors still hold the device (or for good, when
+the scenario says the driver leaks it); GPUs that get lost or reset; MIG GPUs whose GPU
+instances have their own memory, contexts and capability files (mig-minors numbering as the
+driver gives it). :meth:`World.snapshot`
+renders it as the frozen :class:`gpuwatchd.model.Snapshot` the engine's reader returns. It
+decides nothing and never touches the real host; the simulation's edges
+(``sim/simulation.py``) mutate it when the engine acts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from gpuwatchd.collect.cgroups import parse_cgroup
+from gpuwatchd.model import (
+    MIB,
+    DeviceHolding,
+    FileSharing,
+    GpuHealth,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    MigCapability,
+    MigDevice,
+    NvmlProcess,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+    Spare,
+    Support,
+    XidEvent,
+)
+from gpuwatchd.sim.scenario import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
+
+WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
+SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)
+BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
+ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
+FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
+
+
+def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The nvidia-cap minor the driver numbers a MIG capability with in mig-minors (``config``
+    1, ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances)."""
+    base = 3 + gpu_minor * 135 + gi * 9
+    return base if ci is None else base + 1 + ci
+
+
+def mig_uuid(gpu: int, gi: int) -> str:
+    """A virtual MIG device's UUID (compute instance 0 of GPU instance ``gi``)."""
+    return f"MIG-{gpu:08x}-{gi:04x}-4000-8000-{gi:012x}"
+
+
+class SimulationError(Exception):
+    """The scenario cannot be played (its inline policy is invalid, say). Exit 65."""
+
+
+def size_text(value: object) -> str:
+    """A byte count for people: "4 GiB", "1.5 GiB", "512 MiB"."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return "an unknown amount"
+    if value >= 1024 * MIB and value % (1024 * MIB) == 0:
+        return f"{value // (1024 * MIB)} GiB"
+    if value >= 1024 * MIB:
+        return f"{value / (1024 * MIB):.1f} GiB"
+    return f"{value // MIB} MiB"
+
+
+@dataclass
+class _Proc:
+    spec: ProcessSpec
+    start_ticks: int
+    started_at: float
+    ppid: int
+    state: str
+    minors: frozenset[int]
+    ctl: bool
+    uvm: bool
+    alive: bool = True  # False once exited (a zombie is not alive but still present)
+    present: bool = True  # in the process table (alive or zombie)
+    exited_at: float | None = None
+    exit_why: str | None = None
+    signals: list[tuple[float, str, str]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.spec.pid
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class _Context:
+    """GPU memory charged to one process on one GPU; it outlives the process while heirs hold
+    the device (status "dead"), or for good when leaked (status "leaked", NVML lists nothing)."""
+
+    pid: int
+    owner: str
+    gpu: int
+    size: int | None
+    status: str = "live"  # live, dead, leaked, freed
+    heirs: set[int] = field(default_factory=set)
+    gi: int | None = None  # on a MIG GPU: the GPU instance it lives in
+
+
+@dataclass
+class _Gpu:
+    spec: GpuSpec
+    base: int  # allocated memory that no context accounts for (idle, or set_memory)
+    lost: bool
+    persistence: bool
+    health: HealthSpec = field(default_factory=HealthSpec)
+    xids: list[tuple[int, float]] = field(default_factory=list)  # queued until the next read
+    fabric_ready_at: float | None = None  # after a reset: when the fabric is COMPLETED again
+    # MIG: GPU instance id -> allocated memory no context accounts for (idle + leaked)
+    instance_base: dict[int, int] = field(default_factory=dict)
+
+
+class World:
+    """The virtual host. Mutated only by the scenario's events and by the daemon's intents."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.gpus = {
+            g.index: _Gpu(
+                g,
+                g.allocated + g.leaked,
+                g.lost,
+                g.persistence,
+                g.health,
+                instance_base={i.gi: i.allocated + i.leaked for i in g.mig_instances},
+            )
+            for g in scenario.gpus
+        }
+        self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
+        self.procs: dict[int, _Proc] = {}
+        self.history: list[_Proc] = []
+        self.contexts: list[_Context] = []
+        self.leak_on_exit: set[str] = set()
+        self.reset_results: list[str] = []
+        # Start ticks: the scenario's first processes get pid * 100 (below 4.2e8); processes
+        # started by events come after SAID_AT, when the scenario's `host.ended_jobs` was said.
+        self.ticks = itertools.count(SAID_AT, 100)
+        for spec in scenario.processes:
+            self.start(spec, at=0.0, initial=True)
+
+    # -- processes --
+
+    def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> _Proc:
+        old = self.procs.get(spec.pid)
+        if old is not None and old.present:
+            raise SimulationError(
+                f"{self.scenario.path}:{spec.line}: pid {spec.pid} ({spec.name}) is still in use "
+                f"by {old.name} at +{at:g}s"
+            )
+        minors = frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus)
+        ticks = spec.pid * 100 if initial else next(self.ticks) + int(at * 100)
+        proc = _Proc(
+            spec=spec,
+            start_ticks=ticks,
+            started_at=at,
+            ppid=spec.ppid,
+            state=spec.state,
+            minors=minors,
+            ctl=spec.holds.ctl,
+            uvm=spec.holds.uvm,
+        )
+        if spec.state == "Z":
+            proc.alive = False
+        self.procs[spec.pid] = proc
+        self.history.append(proc)
+        for index, size in spec.nvml.items():
+            gi = spec.holds.mig if self.gpus[index].spec.mig_instances else None
+            self.contexts.append(_Context(spec.pid, spec.name, index, size, gi=gi))
+        return proc
+
+    def spare(self, event: EventSpec, wall: float) -> Spare | None:
+        """The spare a ``spare`` event gives at wall time ``wall``: the named process (by PID
+        and start ticks, as ``gpuwatchd spare PID`` reads them) or the job; None when the
+        process has exited."""
+        until, reason = wall + (event.lasts or 0.0), event.value or ""
+        if event.job is not None:
+            return Spare(f"job:{event.job}", until, reason, job=event.job, since=wall, by_uid=0)
+        proc = None if event.target is None else self.by_name(event.target)
+        if proc is None or not proc.alive:
+            return None
+        return Spare(f"pid:{proc.pid}", until, reason, pid=proc.pid,
+                     start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
+
+    def by_name(self, name: str) -> _Proc | None:
+        for proc in reversed(self.history):
+            if proc.name == name:
+                return proc
+        return None
+
+    def exit(self, proc: _Proc, at: float, why: str) -> list[str]:
+        """The process exits: children reparented, device files closed, contexts settled."""
+        if not proc.alive:
+            return []
+        notes: list[str] = []
+        proc.alive, proc.exited_at, proc.exit_why = False, at, why
+        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in self._live_contexts(proc)}
+        reaper = self._reaper(proc)
+        for child in self.procs.values():
+            if child.ppid == proc.pid and child.present and child is not proc:
+                child.ppid = reaper
+        proc.minors, proc.ctl, proc.uvm = frozenset(), False, False
+        if proc.spec.on_exit == "zombie":
+            proc.state = "Z"
+            notes.append("left a zombie (its parent does not reap it)")
+        else:
+            proc.present = False
+            del self.procs[proc.pid]
+        leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
+        for ctx in self._live_contexts(proc):
+            heirs = heirs_by_gpu.get(ctx.gpu, set())
+            if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
+                heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
+            if leak:
+                ctx.status = "leaked"
+                notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
+            elif heirs:
+                ctx.status, ctx.heirs = "dead", heirs
+                names = ", ".join(self._name(pid) for pid in sorted(heirs))
+                notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays pinned by {names}")
+            else:
+                ctx.status = "freed"
+        for ctx in self.contexts:
+            if ctx.status == "dead" and proc.pid in ctx.heirs:
+                ctx.heirs.discard(proc.pid)
+                if not ctx.heirs:
+                    ctx.status = "leaked" if ctx.owner in self.leak_on_exit else "freed"
+                    if ctx.status == "freed":
+                        notes.append(
+                            f"last holder gone: {ctx.owner}'s {size_text(ctx.size)} on GPU "
+                            f"{ctx.gpu} is freed"
+                        )
+        return notes
+
+    def reap(self, proc: _Proc) -> None:
+        if proc.present and not proc.alive:
+            proc.present = False
+            self.procs.pop(proc.pid, None)
+
+    def _live_contexts(self, proc: _Proc) -> list[_Context]:
+        return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
+
+    def _descends(self, proc: _Proc, ancestor: int) -> bool:
+        seen: set[int] = set()
+        current = proc.ppid
+        while current > 1 and current not in seen:
+            if current == ancestor:
+                return True
+            seen.add(current)
+            parent = self.procs.get(current)
+            if parent is None:
+                return False
+            current = parent.ppid
+        return False
+
+    def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
+        """Live processes that inherited ``owner``'s device files: its descendants or process
+        group members that hold the GPU and own no context of their own there. A process whose
+        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
+        pins none of the owner's memory."""
+        minor = self.gpus[gpu].spec.minor
+        found = set()
+        for proc in self.procs.values():
+            if proc is owner or not proc.alive or minor not in proc.minors:
+                continue
+            if proc.spec.files == "own":
+                continue
+            if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
+                continue
+            if self._descends(proc, owner.pid) or proc.spec.pgid == owner.spec.pgid:
+                found.add(proc.pid)
+        return found
+
+    def _reaper(self, proc: _Proc) -> int:
+        current = proc.ppid
+        seen: set[int] = set()
+        while current > 1 and current not in seen:
+            seen.add(current)
+            parent = self.procs.get(current)
+            if parent is None:
+                break
+            if parent.spec.subreaper and parent.alive:
+                return parent.pid
+            current = parent.ppid
+        return 1
+
+    def _name(self, pid: int) -> str:
+        proc = self.procs.get(pid)
+        return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
+
+    # -- GPUs --
+
+    def gpu_by_uuid(self, uuid: str) -> _Gpu | None:
+        return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
+
+    def allocated(self, gpu: _Gpu, gi: int | None = None) -> int:
+        """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
+        is the aggregate of its instances' (as NVML gives a privileged caller)."""
+        charged = sum(
+            c.size or 0
+            for c in self.contexts
+            if c.gpu == gpu.spec.index
+            and c.status in ("live", "dead", "leaked")
+            and (gi is None or c.gi == gi)
+        )
+        if gi is not None:
+            instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
+            return min(gpu.instance_base.get(gi, 0) + charged, instance.total)
+        base = gpu.base + sum(gpu.instance_base.values())
+        return min(base + charged, gpu.spec.total - gpu.spec.reserved)
+
+    def restore(self, gpu: _Gpu, now: float) -> None:
+        """A successful reset at ``now``: every context on the GPU is gone, memory back to
+        idle, and what a reset applies is applied (a pending row remap; a recovery action
+        asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
+        ``fabric_after_reset``, then COMPLETED (never, when that is None)."""
+        gpu.base = gpu.spec.allocated
+        gpu.instance_base = {i.gi: i.allocated for i in gpu.spec.mig_instances}
+        action = gpu.health.recovery_action
+        gpu.health = replace(
+            gpu.health,
+            remap_pending=False,
+            recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
+        )
+        if gpu.health.fabric not in (None, FABRIC_NOT_SUPPORTED):
+            gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
+            settle = gpu.health.fabric_after_reset
+            gpu.fabric_ready_at = None if settle is None else now + settle
+        for ctx in self.contexts:
+            if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
+                ctx.status = "freed"
+                ctx.heirs.clear()
+
+    # -- what the daemon would read --
+
+    def process_info(self, proc: _Proc) -> ProcessInfo:
+        spec = proc.spec
+        zombie = proc.state == "Z"
+        return ProcessInfo(
+            pid=spec.pid,
+            start_ticks=proc.start_ticks,
+            state=proc.state,
+            ppid=proc.ppid,
+            pgid=spec.pgid,
+            sid=spec.sid,
+            uid=spec.uid,
+            user=spec.user,
+            comm=spec.comm,
+            exe=None if zombie else spec.exe or spec.command[0],
+            cmdline=() if zombie else spec.command,
+            cgroup=parse_cgroup(f"0::{spec.cgroup}\n"),
+            exe_trusted=None if zombie else spec.exe_trusted,
+        )
+
+    def processes(self) -> dict[int, ProcessInfo]:
+        return {pid: self.process_info(p) for pid, p in self.procs.items() if p.spec.visible}
+
+    def holders(self) -> HolderScan:
+        holdings: dict[int, DeviceHolding] = {}
+        for pid, proc in self.procs.items():
+            if not proc.spec.visible or not (proc.minors or proc.ctl or proc.uvm):
+                continue
+            via = proc.spec.holds.via
+            caps = self._capabilities(proc)
+            holdings[pid] = DeviceHolding(
+                pid=pid,
+                gpu_minors_fd=proc.minors if via in ("fd", "both") else frozenset(),
+                gpu_minors_map=proc.minors if via in ("map", "both") else frozenset(),
+                ctl=proc.ctl,
+                uvm=proc.uvm,
+                cap_minors_fd=caps,  # the driver keeps the capability fd in the fd table
+            )
+        return HolderScan(mode="full", holdings=holdings)
+
+    def _capabilities(self, proc: _Proc) -> frozenset[int]:
+        """The nvidia-cap minors of the GPU instance (and its compute instance 0) that
+        ``proc`` holds on each MIG GPU it holds."""
+        gi = proc.spec.holds.mig
+        if gi is None:
+            return frozenset()
+        found: set[int] = set()
+        for gpu in self.gpus.values():
+            if gpu.spec.minor in proc.minors and gpu.spec.mig_instances:
+                found |= {cap_minor(gpu.spec.minor, gi), cap_minor(gpu.spec.minor, gi, 0)}
+        return frozenset(found)
+
+    def mig_caps(self) -> dict[int, MigCapability] | None:
+        """The mig-minors table of the MIG GPUs (None when there is none)."""
+        minors = [g.spec.minor for g in self.gpus.values() if g.spec.mig_instances]
+        if not minors:
+            return None
+        table: dict[int, MigCapability] = {}
+        for minor in minors:
+            for gi in range(15):
+                table[cap_minor(minor, gi)] = MigCapability(minor, gi)
+                for ci in range(8):
+                    table[cap_minor(minor, gi, ci)] = MigCapability(minor, gi, ci)
+        return table
+
+    def mig_devices(self, gpu: _Gpu) -> tuple[MigDevice, ...] | None:
+        """What NVML's MIG device handles say: one compute instance (0) per GPU instance."""
+        if not gpu.spec.mig_instances:
+            return None
+        devices = []
+        for position, instance in enumerate(gpu.spec.mig_instances):
+            listed = [
+                NvmlProcess(c.pid, c.size, "compute")
+                for c in self.contexts
+                if c.gpu == gpu.spec.index and c.gi == instance.gi and c.status in ("live", "dead")
+            ]
+            allocated = self.allocated(gpu, instance.gi)
+            devices.append(
+                MigDevice(
+                    index=position,
+                    uuid=mig_uuid(gpu.spec.index, instance.gi),
+                    gi=instance.gi,
+                    ci=0,
+                    name=f"{gpu.spec.name} MIG {instance.profile}",
+                    profile=instance.profile,
+                    placement=(instance.gi, 1),
+                    memory=GpuMemory(
+                        total=instance.total,
+                        free=instance.total - allocated,
+                        reserved=0,
+                        allocated=allocated,
+                    ),
+                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                )
+            )
+        return tuple(devices)
+
+    def health(self, gpu: _Gpu, *, take_events: bool) -> GpuHealth:
+        """What NVML would say about the GPU's health; Xid events are read once."""
+        spec = gpu.health
+        xids = tuple(XidEvent(xid, WALL0 + at) for xid, at in gpu.xids) if take_events else ()
+        if take_events:
+            gpu.xids.clear()
+        action = spec.recovery_action
+        pages = spec.retired_pages_pending
+        fabric = spec.fabric
+        return GpuHealth(
+            events=Support.OK,
+            xids=xids,
+            recovery_action=action,
+            recovery_support=Support.NOT_SUPPORTED if action is None else Support.OK,
+            remap_correctable=0,
+            remap_uncorrectable=1 if spec.remap_pending or spec.remap_failure else 0,
+            remap_pending=spec.remap_pending,
+            remap_failure=spec.remap_failure,
+            remap_support=Support.OK,
+            pages_pending=pages,
+            pages_support=Support.NOT_SUPPORTED if pages is None else Support.OK,
+            fabric_support=Support.NOT_SUPPORTED if fabric is None else Support.OK,
+            fabric_state=fabric,
+            fabric_status=None if fabric is None else 0,
+            fabric_health_mask=None if fabric is None else 0,
+            fabric_health_summary=None if fabric is None else 1,  # HEALTHY
+        )
+
+    def settle(self, now: float) -> None:
+        """NVLink fabrics whose registration after a reset is done by ``now`` are COMPLETED."""
+        for gpu in self.gpus.values():
+            if gpu.fabric_ready_at is not None and gpu.fabric_ready_at <= now:
+                gpu.fabric_ready_at = None
+                gpu.health = replace(gpu.health, fabric=FABRIC_COMPLETED)
+
+    def nvml(self, *, take_events: bool = False) -> NvmlReading:
+        infos = []
+        for index in sorted(self.gpus):
+            gpu = self.gpus[index]
+            spec = gpu.spec
+            listed = []
+            for ctx in self.contexts:
+                if ctx.gpu == index and ctx.status in ("live", "dead"):
+                    listed.append(NvmlProcess(ctx.pid, ctx.size, "compute"))
+            allocated = self.allocated(gpu)
+            memory = GpuMemory(
+                total=spec.total,
+                free=spec.total - spec.reserved - allocated,
+                reserved=spec.reserved,
+                allocated=allocated,
+            )
+            infos.append(
+                GpuInfo(
+                    index=index,
+                    uuid=spec.uuid,
+                    name=spec.name,
+                    pci_bus_id=spec.pci_bus_id,
+                    minor=spec.minor,
+                    memory=memory,
+                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    mig_enabled=spec.mig,
+                    persistence_mode=gpu.persistence,
+                    numa_node=1 if spec.coherent else None,
+                    architecture=ARCH_HOPPER,
+                    nvlink_active=0,  # each virtual GPU resets alone
+                    lost=gpu.lost,
+                    error="GPU is lost" if gpu.lost else None,
+                    health=self.health(gpu, take_events=take_events),
+                    mig_devices=self.mig_devices(gpu),
+                )
+            )
+        return NvmlReading(available=True, driver_version="550.54.15", gpus=tuple(infos))
+
+    def file_sharing(self) -> tuple[FileSharing, ...]:
+        """kcmp's answers (collect/inherit.py): each holder whose scenario says ``files``,
+        against the live context owners above it in the process tree."""
+        owners = {c.pid for c in self.contexts if c.status == "live"}
+        found: list[FileSharing] = []
+        for pid, proc in sorted(self.procs.items()):
+            if proc.spec.files is None or not proc.alive or not proc.spec.visible:
+                continue
+            current, seen = proc.ppid, set()
+            while current > 1 and current not in seen and current in self.procs:
+                seen.add(current)
+                if current in owners and self.procs[current].alive:
+                    shared = proc.spec.files == "inherited"
+                    found.append(FileSharing(holder=pid, owner=current, shared=shared))
+                current = self.procs[current].ppid
+        return tuple(found)
+
+    def absent_pids(self) -> frozenset[int]:
+        """Session and process-group leaders of holders that are not in the process table."""
+        leaders = {
+            leader
+            for proc in self.procs.values()
+            if proc.present and (proc.minors or proc.ctl or proc.uvm)
+            for leader in (proc.spec.sid, proc.spec.pgid)
+            if leader > 1 and leader != proc.pid
+        }
+        return frozenset(
+            pid for pid in leaders if pid not in self.procs or not self.procs[pid].present
+        )
+
+    def snapshot(self, now: float) -> Snapshot:
+        host = self.scenario.host
+        return Snapshot(
+            monotonic=now,
+            wall_time=WALL0 + now,
+            boot_id=BOOT_ID,
+            nvml=self.nvml(take_events=True),
+            processes=self.processes(),
+            holders=self.holders(),
+            pid_max=host.pid_max,
+            host_namespaces=host.host_namespaces,
+            mps_server_running=host.mps_server_running,
+            handovers=dict.fromkeys(sorted(host.ended_jobs), SAID_AT),
+            absent_pids=self.absent_pids(),
+            file_sharing=self.file_sharing(),
+            mig_caps=self.mig_caps(),
+        )

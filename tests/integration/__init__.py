@@ -1,0 +1,1 @@
+"""Integration tests: real processes, files and the fake NVML library (tests/README.md)."""

@@ -1,0 +1,466 @@
+"""Collection on a hostile host: text that fakes lines, a current folder and environment that
+try to steer the NVML worker, and a worker that SIGKILL cannot end.
+
+The daemon runs as root and reads text that unprivileged users partly write (cgroup names,
+file paths, ``comm``). Every test here is one such attack or failure, and pins that collection
+sees through it: lines break at ``\\n`` only; the worker runs isolated (``python -I``, ``/`` as
+its folder, an environment built from scratch); a worker stuck in the kernel is the only one
+left behind, NVML reads as wedged without blocking, and a new worker starts with backoff once
+it is gone. The unkillable worker is made twice: at the subprocess seam (a worker whose SIGKILL
+is lost, runs anywhere) and for real (a FUSE file whose FLUSH never returns, root only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from structlog.testing import capture_logs
+
+from gpuwatchd.collect.holders import HolderScanner
+from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient, library_folders, worker_environment
+from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
+from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
+from tests.support.fakeproc import FakeProc, make_devices
+from tests.support.simhost import SimHost
+from tests.support.unkillable import HangingFuse, Unavailable
+
+LINE_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+BREAK_IDS = [f"U+{ord(c):04X}" for c in LINE_BREAKS]
+USER_SUBTREE = "/user.slice/user-1000.slice/user@1000.service/app.slice"
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+@pytest.fixture
+def clock() -> list[float]:
+    """A hand-driven monotonic clock for backoff: ``clock[0]`` is now."""
+    return [1000.0]
+
+
+# --- kernel text split at \n only -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS, ids=BREAK_IDS)
+def test_process_in_a_cgroup_named_to_inject_a_line_keeps_its_own_job(
+    fake: FakeProc, brk: str
+) -> None:
+    path = f"{USER_SUBTREE}/x{brk}0::/system.slice/slurmstepd.scope/job_999/step_0/user/task_0"
+    fake.add(300, cgroup=f"0::{path}\n")
+
+    info = ProcFS(str(fake.root)).read_process(300)
+
+    assert info is not None
+    assert info.cgroup is not None
+    assert info.cgroup.path == path
+    assert info.cgroup.slurm_job is None
+    assert info.cgroup.job_key != "slurm:999"
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS, ids=BREAK_IDS)
+def test_comm_with_a_line_break_cannot_fake_a_status_field(fake: FakeProc, brk: str) -> None:
+    """``comm`` (15 bytes, the process's own choice) is the ``Name:`` line of status."""
+    base = fake.add(310, uid=1000, nspid=(310, 7))
+    (base / "status").write_text(
+        f"Name:\tx{brk}Uid:\t0\t0\t0\t0{brk}NSpid:\t1\n"
+        "Umask:\t0022\nState:\tS\nUid:\t1000\t1000\t1000\t1000\nNSpid:\t310\t7\n"
+    )
+
+    info = ProcFS(str(fake.root)).read_process(310)
+
+    assert info is not None
+    assert (info.uid, info.nspid) == (1000, (310, 7))
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS, ids=BREAK_IDS)
+def test_mapped_path_with_a_line_break_cannot_fake_a_device_mapping(
+    fake: FakeProc, tmp_path: Path, brk: str
+) -> None:
+    """The kernel escapes only ``\\n`` in a mapped path; a user may name folders anything."""
+    devices = make_devices(tmp_path / "devs", minors=(0,))
+    forged = f"7f0000001000-7f0000002000 rw-s 00000000 00:05 77 {devices}/nvidia0"
+    fake.add(320, maps=[f"7f0000000000-7f0000001000 rw-s 00000000 00:05 76   /tmp/x{brk}{forged}"])
+
+    scan = HolderScanner(ProcFS(str(fake.root)), devices_dir=str(devices)).scan()
+
+    assert 320 not in scan.holdings
+
+
+def test_proc_devices_lines_break_at_newline_only() -> None:
+    assert parse_proc_devices("Character devices:\n 10 misc\x1e234 nvidia-uvm\n") == {}
+
+
+def test_cgroup2_mount_point_with_a_carriage_return_is_read_whole(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"30 24 0:26 / /run ro - tmpfs tmpfs ro\n31 30 0:27 / /mnt/cg\rroup rw - cgroup2 none rw\n"
+    )
+    assert cgroup2_mount(str(mountinfo)) == "/mnt/cg\rroup"
+
+
+# --- the NVML worker runs isolated -------------------------------------------------------------
+
+
+def plant_hostile_code(folder: Path, marker: Path) -> None:
+    """What a user who can write ``folder`` would leave there for a root ``gpuwatchd``."""
+    payload = f"import pathlib\npathlib.Path({str(marker)!r}).write_text(__file__)\n"
+    for relative in (
+        "gpuwatchd/__init__.py",
+        "gpuwatchd/collect/__init__.py",
+        "gpuwatchd/collect/nvml_worker.py",
+        "pynvml.py",
+    ):
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(payload)
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> tuple[Path, Path]:
+    """(a folder full of hostile modules, the file they write when run)."""
+    folder = tmp_path / "hostile"
+    marker = tmp_path / "hostile-code-ran"
+    plant_hostile_code(folder, marker)
+    return folder, marker
+
+
+def test_worker_ignores_modules_in_the_current_folder(
+    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, marker = hostile
+    fake_nvml.write(state([gpu(0)]))
+    monkeypatch.chdir(folder)
+    client = NvmlClient(timeout=5.0, env=fake_nvml.env())
+    try:
+        reading = client.read()
+    finally:
+        client.close()
+
+    assert not marker.exists(), f"ran {marker.read_text()}"
+    assert reading.available
+    assert len(reading.gpus) == 1
+
+
+def test_worker_ignores_pythonpath_from_the_environment_and_from_env(
+    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, marker = hostile
+    fake_nvml.write(state([gpu(0)]))
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+    client = NvmlClient(timeout=5.0, env={**fake_nvml.env(), "PYTHONPATH": str(folder)})
+    try:
+        reading = client.read()
+    finally:
+        client.close()
+
+    assert not marker.exists(), f"ran {marker.read_text()}"
+    assert reading.available
+
+
+def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
+    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_nvml.write(state([gpu(0)]))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPUWATCHD_TEST_SECRET", "not for the worker")
+    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
+    client = NvmlClient(timeout=5.0, env=fake_nvml.env())
+    try:
+        client.read()
+        (pid,) = client.worker_pids
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        cmdline = psutil.Process(pid).cmdline()
+    finally:
+        client.close()
+
+    names = {entry.split(b"=", 1)[0].decode() for entry in raw.split(b"\0") if entry}
+    assert cwd == "/"
+    assert names == {"PATH", "LD_LIBRARY_PATH", "FAKENVML_STATE", "FAKENVML_DEVICES_DIR"}
+    assert cmdline[1:3] == ["-I", "-c"]
+    assert WORKER_FILE in cmdline
+
+
+@pytest.mark.parametrize(
+    ("inherited", "extra", "expected"),
+    [
+        ({"PATH": "/bin", "HOME": "/root", "LD_PRELOAD": "/x.so"}, {}, {"PATH": "/bin"}),
+        ({}, {}, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}),
+        ({"FAKENVML_STATE": "/s", "PYTHONPATH": "/h"}, {"PYTHONHOME": "/h", "X": "1"},
+         {"FAKENVML_STATE": "/s", "X": "1", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}),
+        ({"LD_LIBRARY_PATH": "/a"}, {"LD_LIBRARY_PATH": "/b"},
+         {"LD_LIBRARY_PATH": "/b", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}),
+    ],
+    ids=["drops-the-rest", "default-path", "no-python-variables", "extra-overrides"],
+)  # fmt: skip
+def test_worker_environment_keeps_only_the_allowed_names(
+    inherited: dict[str, str], extra: dict[str, str], expected: dict[str, str]
+) -> None:
+    assert worker_environment(inherited, extra) == expected
+
+
+def test_library_folder_is_never_the_current_folder_or_a_relative_entry(tmp_path: Path) -> None:
+    here, vendor, site = tmp_path / "here", tmp_path / "vendor", tmp_path / "site"
+    for folder in (here, vendor, site):
+        folder.mkdir()
+        (folder / "pynvml.py").write_text("")
+    # python -m puts the current folder first; an empty PYTHONPATH element adds it again.
+    path = [str(here), "", ".", "here", str(here), str(tmp_path / "empty"), str(vendor), str(site)]
+
+    assert library_folders(path, cwd=str(here)) == [str(vendor)]
+    assert library_folders([str(here)], cwd=str(here)) == []
+
+
+def test_scan_from_a_hostile_folder_does_not_run_its_code(
+    tmp_path: Path, hostile: tuple[Path, Path]
+) -> None:
+    """The attack as an admin would meet it: ``gpuwatchd scan`` (the installed script) run as
+    root from a folder another user can write."""
+    folder, marker = hostile
+    script = Path(sys.executable).with_name("gpuwatchd")
+    if not script.exists():
+        pytest.skip(f"no installed console script at {script}")
+    with SimHost(tmp_path / "host") as host:
+        host.nvml([gpu(0)])
+        result = subprocess.run(
+            [str(script), "scan", "--json", "--config", str(host.config())],
+            cwd=folder,
+            env=host.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    assert not marker.exists(), f"ran {marker.read_text()}"
+    assert result.returncode in (0, 77), result.stderr
+
+
+def test_worker_finds_pynvml_in_a_vendor_folder_as_the_debian_launcher_sets_it(
+    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .deb vendors pynvml in /usr/lib/gpuwatchd/vendor and puts it on the launcher's
+    sys.path; the isolated worker must be given that folder (PYTHONPATH no longer reaches it)."""
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if sys.prefix == sys.base_prefix or not base.exists():
+        pytest.skip("needs a base interpreter without this virtualenv's packages")
+    probe = subprocess.run(
+        [str(base), "-I", "-c", "import pynvml"], capture_output=True, check=False
+    )
+    if probe.returncode == 0:
+        pytest.skip(f"{base} has pynvml of its own")
+    spec = importlib.util.find_spec("pynvml")
+    assert spec is not None
+    assert spec.origin is not None
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    shutil.copy(spec.origin, vendor / "pynvml.py")
+    monkeypatch.syspath_prepend(str(vendor))  # what the launcher's sys.path.insert does
+    fake_nvml.write(state([gpu(0)]))
+    client = NvmlClient(timeout=10.0, env=fake_nvml.env(), python=str(base))
+    try:
+        reading = client.read()
+    finally:
+        client.close()
+
+    assert reading.available, reading.error
+    assert len(reading.gpus) == 1
+
+
+# --- a worker that SIGKILL cannot end ----------------------------------------------------------
+
+
+class _LostKill(subprocess.Popen[bytes]):
+    """A real worker whose SIGKILL never arrives: what the client sees of a process stuck in
+    the driver (D state), which keeps living after SIGKILL until its kernel call returns."""
+
+    def send_signal(self, sig: int) -> None:
+        if sig != signal.SIGKILL:
+            super().send_signal(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Spawner:
+    """The client's ``spawn``: unkillable workers while ``unkillable`` is set, normal ones after."""
+
+    def __init__(self) -> None:
+        self.unkillable = True
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        kind = _LostKill if self.unkillable else subprocess.Popen
+        proc = kind(*args, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def end_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)  # our own child, for real
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def spawner() -> Iterator[Spawner]:
+    spawner = Spawner()
+    yield spawner
+    spawner.end_all()
+
+
+def _events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_after_it(
+    fake_nvml: FakeNvml, clock: list[float], spawner: Spawner
+) -> None:
+    fake_nvml.write(state([gpu(0)], delays={"nvmlDeviceGetComputeRunningProcesses_v3": 60.0}))
+    client = NvmlClient(
+        timeout=1.0,
+        env=fake_nvml.env(),
+        clock=lambda: clock[0],
+        backoff_initial=5.0,
+        spawn=spawner,
+    )
+    try:
+        with capture_logs() as logs:
+            started = time.monotonic()
+            wedged = client.read()
+            took = time.monotonic() - started
+        assert wedged.wedged
+        assert wedged.available
+        assert took < 2.0  # the deadline plus the reaping grace, never the 60 s hang
+        (hung,) = spawner.started
+        assert client.hung_worker_pid == hung.pid
+        assert hung.poll() is None
+        assert [e["log_level"] for e in _events(logs, "nvml.worker_hung")] == ["critical"]
+        assert open_device_files(hung.pid, fake_nvml.devices_dir) == {"nvidiactl", "nvidia0"}
+
+        # Past the backoff, and still no second worker while the hung one lives.
+        clock[0] += 10.0
+        started = time.monotonic()
+        again = client.read()
+        assert time.monotonic() - started < 0.2
+        assert again.wedged
+        assert again.error is not None
+        assert f"pid {hung.pid}" in again.error
+        assert len(spawner.started) == 1
+        assert client.worker_pids == {hung.pid}
+        assert client.stop() is False  # it still holds the device files: no reset now
+
+        # The kernel call returns at last and the worker dies: the next poll starts afresh.
+        spawner.unkillable = False
+        fake_nvml.write(state([gpu(0)]))
+        os.kill(hung.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while psutil.Process(hung.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with capture_logs() as logs:
+            recovered = client.read()
+        assert recovered.available
+        assert not recovered.wedged
+        assert len(spawner.started) == 2
+        assert client.hung_worker_pid is None
+        assert client.worker_pids == {spawner.started[1].pid}
+        assert _events(logs, "nvml.hung_worker_exited")
+    finally:
+        client.close()
+
+
+def _state_of(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+@pytest.fixture
+def hanging_fuse(tmp_path: Path) -> Iterator[HangingFuse]:
+    try:
+        fuse = HangingFuse(tmp_path / "fuse").start()
+    except Unavailable as why:
+        pytest.skip(f"no unkillable process without FUSE: {why}")
+    try:
+        yield fuse
+    finally:
+        fuse.close()  # aborts the connection first: nothing stays stuck
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_backoff(
+    fake_nvml: FakeNvml, clock: list[float], tmp_path: Path, hanging_fuse: HangingFuse
+) -> None:
+    """A real unkillable worker: it holds a file whose close never completes, so SIGKILL leaves
+    it in state D. Until it is gone no worker starts; then one does, once the backoff is over."""
+    starts = tmp_path / "starts"
+    recovered_flag = tmp_path / "driver-recovered"
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'echo "$$" >> "{starts}"\n'
+        f'if [ -e "{recovered_flag}" ]; then exec "{sys.executable}" "$@"; fi\n'
+        f'exec 3<"{hanging_fuse.file}"\n'
+        "exec sleep 3600\n"
+    )
+    python.chmod(0o755)
+    fake_nvml.write(state([gpu(0)]))
+    client = NvmlClient(
+        timeout=2.0,
+        env=fake_nvml.env(),
+        python=str(python),
+        clock=lambda: clock[0],
+        backoff_initial=5.0,
+    )
+    try:
+        with capture_logs() as logs:
+            started = time.monotonic()
+            wedged = client.read()
+            took = time.monotonic() - started
+        assert wedged.wedged
+        assert took < 3.0
+        pid = client.hung_worker_pid
+        assert pid is not None
+        assert _state_of(pid) == "D"
+        assert hanging_fuse.flushes >= 1
+        assert _events(logs, "nvml.worker_hung")
+
+        clock[0] += 1.0  # within the backoff
+        started = time.monotonic()
+        assert client.read().wedged
+        assert time.monotonic() - started < 0.2
+        assert client.worker_pids == {pid}
+
+        hanging_fuse.release()  # the kernel call returns; the worker finishes dying
+        deadline = time.monotonic() + 10
+        while client.hung_worker_pid is not None:
+            assert time.monotonic() < deadline, f"pid {pid} still {_state_of(pid)}"
+            time.sleep(0.05)
+        recovered_flag.touch()
+        clock[0] += 1.0  # gone, but the backoff (5 s from the wedge) is not over
+        assert client.read().wedged
+        assert starts.read_text().split() == [str(pid)]
+
+        clock[0] += 4.0
+        recovered = client.read()
+        assert recovered.available, recovered.error
+        assert len(starts.read_text().split()) == 2
+    finally:
+        client.close()

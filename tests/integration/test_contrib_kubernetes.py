@@ -1,0 +1,537 @@
+"""contrib/kubernetes: the manifests validate, ask for no more than the unit does, carry a policy
+that ``check-config`` accepts, and the node-problem-detector plugin keeps NPD's protocol.
+
+Not tested here (no cluster in CI): that the pods schedule and start, the NVIDIA runtime's
+device injection, the ``nsenter`` into the host cgroup namespace under a real runtime's
+seccomp/AppArmor, and NPD actually setting the node condition. The schema check uses the
+offline Kubernetes JSON schemas bundled by the ``kubernetes-validate`` package ([test] extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuwatchd.config.files import read_only_everywhere
+from tests.support.daemonrun import ORPHAN_RULE, orphan_host
+from tests.support.fakenvml import GiB, MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "contrib" / "kubernetes"
+MANIFEST = K8S / "gpuwatchd.yaml"
+NPD_CONFIG = K8S / "gpuwatchd-npd.json"
+NPD_COMMAND = K8S / "gpuwatchd-npd"
+KUBERNETES_VERSION = "1.30.0"  # the oldest release with securityContext.appArmorProfile
+NPD_COMMAND_INSTALLED = "/usr/lib/gpuwatchd/kubernetes/gpuwatchd-npd"
+
+
+def documents() -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def pod_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = find("DaemonSet", "gpuwatchd")["spec"]["template"]["spec"]
+    return spec
+
+
+def container(name: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [c for c in pod_spec()["containers"] if c["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+# --- the manifests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", range(len(documents())))
+def test_each_manifest_validates_against_the_kubernetes_schema(index: int) -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (the [test] extra)"
+    )
+    doc = documents()[index]
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_schema_check_would_catch_a_misspelt_field() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    daemonset = find("DaemonSet", "gpuwatchd")
+    daemonset["spec"]["template"]["spec"]["hostPid"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(daemonset, KUBERNETES_VERSION, strict=True)
+
+
+def unit_capabilities() -> set[str]:
+    unit = (REPO / "systemd" / "gpuwatchd.service").read_text()
+    found = re.search(r"^CapabilityBoundingSet=(.*)$", unit, re.M)
+    assert found
+    return {cap.removeprefix("CAP_") for cap in found.group(1).split()}
+
+
+def test_the_daemon_gets_the_units_capabilities_and_nothing_more() -> None:
+    spec = pod_spec()
+    assert spec["hostPID"] is True
+    assert not spec.get("hostNetwork")
+    assert not spec.get("hostIPC")
+    daemon = container("gpuwatchd")["securityContext"]
+    assert daemon["privileged"] is False
+    assert daemon["allowPrivilegeEscalation"] is False
+    assert daemon["capabilities"]["drop"] == ["ALL"]
+    assert set(daemon["capabilities"]["add"]) == unit_capabilities()
+    # The plugin only reads: no KILL, and no SYS_ADMIN (#20: least privilege).
+    npd = container("node-problem-detector")["securityContext"]
+    assert set(npd["capabilities"]["add"]) == {"SYS_PTRACE", "DAC_READ_SEARCH"}
+    assert npd["capabilities"]["drop"] == ["ALL"]
+    assert npd["allowPrivilegeEscalation"] is False
+
+
+def test_the_host_paths_are_the_state_and_the_metrics_folder() -> None:
+    volumes = pod_spec()["volumes"]
+    host_paths = [v["hostPath"]["path"] for v in volumes if "hostPath" in v]
+    assert host_paths == ["/var/lib/gpuwatchd", "/var/lib/gpuwatchd-metrics"]
+    mounts = {m["mountPath"]: m for m in container("node-problem-detector")["volumeMounts"]}
+    assert mounts["/var/lib/gpuwatchd"]["readOnly"] is True  # the plugin never writes state
+    assert "/var/lib/gpuwatchd-metrics" not in mounts
+    daemon = {m["mountPath"] for m in container("gpuwatchd")["volumeMounts"]}
+    assert daemon == {
+        "/etc/gpuwatchd/conf.d",
+        "/var/lib/gpuwatchd",
+        "/var/lib/gpuwatchd-metrics",
+        "/tmp",
+    }
+
+
+def test_the_metrics_file_is_written_to_the_metrics_host_path() -> None:
+    """A textfile for the node's node_exporter, not a port (docs/operations.md says why)."""
+    policy = yaml.safe_load(find("ConfigMap", "gpuwatchd-policy")["data"]["50-kubernetes.yaml"])
+    textfile = Path(policy["metrics"]["textfile"])
+    assert textfile.suffix == ".prom"
+    assert str(textfile.parent) == "/var/lib/gpuwatchd-metrics"
+    assert not any("ports" in c for c in pod_spec()["containers"])
+
+
+def test_the_namespace_allows_the_privileged_pod_security_level() -> None:
+    labels = find("Namespace", "gpuwatchd")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_only_the_npd_container_gets_an_api_token() -> None:
+    assert find("ServiceAccount", "gpuwatchd")["automountServiceAccountToken"] is False
+    assert pod_spec()["automountServiceAccountToken"] is False
+    mounted_at = "/var/run/secrets/kubernetes.io/" + "serviceaccount"
+    daemon = [m["mountPath"] for m in container("gpuwatchd")["volumeMounts"]]
+    assert mounted_at not in daemon
+    npd = {m["mountPath"]: m for m in container("node-problem-detector")["volumeMounts"]}
+    assert npd[mounted_at]["readOnly"] is True
+    (volume,) = [v for v in pod_spec()["volumes"] if v["name"] == npd[mounted_at]["name"]]
+    sources = volume["projected"]["sources"]
+    assert any("serviceAccountToken" in source for source in sources)
+
+
+def test_npd_may_change_the_status_of_its_own_node_only() -> None:
+    """RBAC grants node status patches (it cannot name "its own node"); the admission policy
+    lets the pod's service account change only the node its token was issued on. Events only
+    in "default", where node events go."""
+    role = find("ClusterRole", "gpuwatchd-npd")
+    granted = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
+    assert granted == {("nodes", "get"), ("nodes/status", "patch")}
+    events = find("Role", "gpuwatchd-npd-events")
+    assert events["metadata"]["namespace"] == "default"
+    account = f"system:serviceaccount:gpuwatchd:{pod_spec()['serviceAccountName']}"
+    policy = find("ValidatingAdmissionPolicy", "gpuwatchd-npd-own-node")["spec"]
+    assert policy["failurePolicy"] == "Fail"
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["nodes/status"]
+    assert rule["operations"] == ["UPDATE"]  # a PATCH is admitted as an UPDATE
+    (condition,) = policy["matchConditions"]
+    assert f"'{account}'" in condition["expression"]
+    (check,) = policy["validations"]
+    assert "authentication.kubernetes.io/node-name" in check["expression"]
+    assert "object.metadata.name" in check["expression"]
+    binding = find("ValidatingAdmissionPolicyBinding", "gpuwatchd-npd-own-node")["spec"]
+    assert binding == {"policyName": "gpuwatchd-npd-own-node", "validationActions": ["Deny"]}
+
+
+def test_reload_is_the_command_that_finds_the_daemon_never_pid_1() -> None:
+    text = MANIFEST.read_text()
+    assert "gpuwatchd reload" in text
+    assert re.search(r"--\s+kill\s+-HUP", text) is None
+
+
+APPARMOR = K8S / "apparmor"
+
+
+@pytest.mark.parametrize("name", ["gpuwatchd", "node-problem-detector"])
+def test_each_container_has_an_apparmor_profile_with_its_capabilities(name: str) -> None:
+    """The profile the manifest names is shipped, declares that name, allows exactly the
+    container's capabilities, and parses (apparmor_parser, without loading it)."""
+    context = container(name)["securityContext"]
+    assert context["appArmorProfile"]["type"] == "Localhost"
+    profile = context["appArmorProfile"]["localhostProfile"]
+    text = (APPARMOR / profile).read_text()
+    assert re.search(rf"^profile {re.escape(profile)} ", text, re.M)
+    allowed = {c.upper() for c in re.findall(r"^\s*capability (\w+),", text, re.M)}
+    assert allowed == set(context["capabilities"]["add"])
+    assert re.search(r"^\s*deny mount,", text, re.M)
+    parser = shutil.which("apparmor_parser")
+    if parser is None:
+        pytest.skip("apparmor_parser not installed (run tests/systemd/host-setup.sh)")
+    proc = subprocess.run(
+        [parser, "--skip-kernel-load", "--skip-cache", "--stdout", str(APPARMOR / profile)],
+        capture_output=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+
+
+def test_the_daemon_enters_the_host_cgroup_namespace() -> None:
+    """Without it namespace_check keeps the daemon report-only (docs/operations.md)."""
+    command = container("gpuwatchd")["command"]
+    assert command[:2] == ["nsenter", "--cgroup=/proc/1/ns/cgroup"]
+    assert command[-2:] == ["/usr/bin/gpuwatchd", "run"]
+
+
+def configmap_tree(root: Path, data: dict[str, str]) -> Path:
+    """Lay ``data`` out as the kubelet does: the volume's folder mode 0777 (an emptyDir), the
+    files (0644, the default ``defaultMode``) in a timestamped folder (0755), ``..data`` linking
+    to it, and each key a link through ``..data``."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o777)
+    stamp = root / "..2026_12_03_08_00_00.000000001"
+    stamp.mkdir()
+    stamp.chmod(0o755)
+    for key, text in data.items():
+        (stamp / key).write_text(text)
+        (stamp / key).chmod(0o644)
+    (root / "..data").symlink_to(stamp.name)
+    for key in data:
+        (root / key).symlink_to(f"..data/{key}")
+    return root
+
+
+def test_the_configmap_policy_passes_check_config(tmp_path: Path) -> None:
+    etc = tmp_path / "etc" / "gpuwatchd"
+    etc.mkdir(parents=True)
+    (etc / "gpuwatchd.yaml").write_text((REPO / "config" / "gpuwatchd.yaml").read_text())
+    data = find("ConfigMap", "gpuwatchd-policy")["data"]
+    assert data, "the policy ConfigMap has no drop-ins"
+    # The content and the merge order here; the 0777 folder on its read-only mount, as root:
+    # test_the_daemon_accepts_the_configmap_mounted_as_the_kubelet_mounts_it.
+    configmap_tree(etc / "conf.d", data).chmod(0o755)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "check-config",
+            "--config",
+            str(etc / "gpuwatchd.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged_from = [line for line in proc.stdout.splitlines() if line.startswith("#   ")]
+    assert [Path(line[4:]).name for line in merged_from] == ["gpuwatchd.yaml", *sorted(data)]
+    assert "log: {format: json}" in proc.stdout.splitlines()  # the drop-in is in force
+
+
+# The kubelet's ConfigMap volume as a container sees it: the node's file system (8:1) shows the
+# volume's folder through one read-only bind; the same device is also mounted read-write for a
+# hostPath volume and /etc/hosts, whose folders do not contain it.
+KUBELET = "/var/lib/kubelet/pods/7f3c/volumes/kubernetes.io~configmap/policy"
+CONTAINER_MOUNTS = f"""\
+1020 990 0:312 / / rw,relatime - overlay overlay rw,lowerdir=/l,upperdir=/u,workdir=/w
+1021 1020 0:315 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+1030 1020 8:1 /var/lib/gpuwatchd /var/lib/gpuwatchd rw,relatime - ext4 /dev/sda1 rw
+1031 1020 8:1 /var/lib/kubelet/pods/7f3c/etc-hosts /etc/hosts rw,relatime - ext4 /dev/sda1 rw
+1032 1020 8:1 {KUBELET} /etc/gpuwatchd/conf.d ro,relatime - ext4 /dev/sda1 rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("mounts", "path", "read_only"),
+    [
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd/conf.d", True),
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd/conf.d/..2026_12_03/50-site.yaml", True),
+        (CONTAINER_MOUNTS, "/etc/gpuwatchd", False),  # the overlay: writable
+        (CONTAINER_MOUNTS, "/var/lib/gpuwatchd", False),
+        # The same bind on a host whose root file system (the same device) is mounted
+        # read-write: the folder can be written through / — refused.
+        (
+            "1 0 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+            + CONTAINER_MOUNTS.splitlines()[-1]
+            + "\n",
+            "/etc/gpuwatchd/conf.d",
+            False,
+        ),
+        # A writable mount showing a folder above the volume's, elsewhere: refused.
+        (
+            CONTAINER_MOUNTS + "1040 1020 8:1 /var/lib/kubelet /mnt rw - ext4 /dev/sda1 rw\n",
+            "/etc/gpuwatchd/conf.d",
+            False,
+        ),
+        # Read-only mounted over a writable one at the same point: the last one is on top.
+        (
+            "1 0 0:40 / /cfg rw - tmpfs tmpfs rw\n2 1 0:41 / /cfg ro - tmpfs tmpfs rw\n",
+            "/cfg",
+            True,
+        ),
+        (
+            "1 0 0:41 / /cfg ro - tmpfs tmpfs rw\n2 1 0:40 / /cfg rw - tmpfs tmpfs rw\n",
+            "/cfg",
+            False,
+        ),
+        # Escaped names (\\040 is a space), and nothing parsable.
+        ("1 0 0:42 / /my\\040cfg ro - tmpfs tmpfs rw\n", "/my cfg/a.yaml", True),
+        ("garbage\n", "/etc/gpuwatchd/conf.d", False),
+    ],
+)
+def test_read_only_everywhere_tells_a_configmap_mount_from_a_writable_folder(
+    mounts: str, path: str, read_only: bool
+) -> None:
+    assert read_only_everywhere(mounts, path) is read_only
+
+
+def _in_mount_namespace(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (sh) as root in a private mount namespace of its own."""
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mounts a read-only file system")
+def test_the_daemon_accepts_the_configmap_mounted_as_the_kubelet_mounts_it(tmp_path: Path) -> None:
+    """The policy ConfigMap laid out as the kubelet does (0777 folder, ``..data``) on a
+    read-only mount that only it shows: check-config accepts it (as root, with the permission
+    check on), and the daemon starts with it and polls (``run --once`` on the fake NVML). The
+    same folder writable, or read-only but writable elsewhere (a bind of a folder / shows), is
+    refused with exit 78 naming it."""
+    fakenvml = pytest.importorskip("tests.support.fakenvml")
+    library = fakenvml.ensure_built()
+    etc = tmp_path / "etc" / "gpuwatchd"
+    conf_d = etc / "conf.d"
+    conf_d.mkdir(parents=True)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    data = dict(find("ConfigMap", "gpuwatchd-policy")["data"])
+    data["70-test.yaml"] = f"state_dir: {state}\ndevices_dir: {tmp_path / 'dev'}\n"
+    (tmp_path / "dev").mkdir()
+    (etc / "gpuwatchd.yaml").write_text((REPO / "config" / "gpuwatchd.yaml").read_text())
+    layout = tmp_path / "layout"
+    configmap_tree(layout, data)
+    nvml_state = tmp_path / "nvml.json"
+    nvml_state.write_text(json.dumps({"gpus": [gpu(0)]}))
+    gpuwatchd = f"{sys.executable} -m gpuwatchd"
+    config = f"--config {etc / 'gpuwatchd.yaml'}"
+    env = {
+        "LD_LIBRARY_PATH": str(library.parent),
+        "FAKENVML_STATE": str(nvml_state),
+        "FAKENVML_DEVICES_DIR": str(tmp_path / "dev"),
+    }
+    # The kubelet's view: a file system of its own holding the volume, mounted read-only.
+    kubelet = _in_mount_namespace(
+        f"""
+        mount -t tmpfs -o mode=0755 tmpfs {conf_d}
+        cp -a {layout}/. {conf_d}/
+        chmod 0777 {conf_d}
+        mount -o remount,ro {conf_d}
+        stat -c %a {conf_d}
+        {gpuwatchd} check-config {config} >/dev/null
+        {gpuwatchd} run --once --timeout 20s {config}
+        """,
+        **env,
+    )
+    assert kubelet.returncode == 0, kubelet.stdout + kubelet.stderr
+    assert kubelet.stdout.splitlines()[0] == "777"
+    assert "daemon.start" in kubelet.stderr
+    # The same layout, writable by anyone: refused.
+    writable = _in_mount_namespace(
+        f"""
+        mount -t tmpfs -o mode=0777 tmpfs {conf_d}
+        cp -a {layout}/. {conf_d}/
+        exec {gpuwatchd} check-config {config}
+        """
+    )
+    assert writable.returncode == 78, writable.stdout + writable.stderr
+    assert f"{conf_d}: writable by group or others" in writable.stderr
+    # Read-only here, but a bind of a folder the read-write / (or /tmp) also shows: refused.
+    bound = _in_mount_namespace(
+        f"""
+        mount --bind {layout} {conf_d}
+        mount -o remount,bind,ro {conf_d}
+        exec {gpuwatchd} check-config {config}
+        """
+    )
+    assert bound.returncode == 78, bound.stdout + bound.stderr
+    assert "writable by group or others" in bound.stderr
+
+
+# --- node-problem-detector -----------------------------------------------------------------
+
+_GO_DURATION = re.compile(r"^([0-9]+(ns|us|ms|s|m|h))+$")
+
+
+def _seconds(text: str) -> float:
+    units = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ns|us|ms|s|m|h)", text))
+
+
+def test_the_npd_config_has_what_npd_requires() -> None:
+    """What NPD's custom plugin monitor checks when it loads a config (plugin "custom", rule
+    timeouts within the global one, a default condition for each permanent rule), and the
+    fields it reads."""
+    config = json.loads(NPD_CONFIG.read_text())
+    assert config["plugin"] == "custom"
+    assert config["source"]
+    plugin = config["pluginConfig"]
+    for key in ("invoke_interval", "timeout"):
+        assert _GO_DURATION.match(plugin[key]), key
+    assert isinstance(plugin["max_output_length"], int)
+    assert plugin["max_output_length"] >= 80  # the command keeps within 80
+    defaults = {c["type"] for c in config["conditions"]}
+    for condition in config["conditions"]:
+        assert set(condition) == {"type", "reason", "message"}
+        assert all(condition.values())
+    assert config["rules"]
+    for rule in config["rules"]:
+        assert rule["type"] in ("permanent", "temporary")
+        assert rule["reason"]
+        if rule["type"] == "permanent":
+            assert rule["condition"] in defaults
+        assert _GO_DURATION.match(rule["timeout"])
+        assert _seconds(rule["timeout"]) <= _seconds(plugin["timeout"])
+        assert rule["path"] == NPD_COMMAND_INSTALLED
+    assert _seconds(plugin["timeout"]) < _seconds(plugin["invoke_interval"])
+
+
+def test_the_configmap_carries_the_npd_config_file() -> None:
+    data = find("ConfigMap", "gpuwatchd-npd")["data"]
+    assert json.loads(data["gpuwatchd-npd.json"]) == json.loads(NPD_CONFIG.read_text())
+
+
+def _fake_gpuwatchd(tmp_path: Path, status: dict[str, Any]) -> Path:
+    script = tmp_path / "gpuwatchd"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path}/calls"\n'
+        f"case \"$1\" in status) cat '{tmp_path}/status.json' ;; check-clean) exit 0 ;; esac\n"
+    )
+    script.chmod(0o755)
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    return script
+
+
+def _npd(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(NPD_COMMAND)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_npd_says_unknown_and_scans_nothing_while_the_daemon_resets(tmp_path: Path) -> None:
+    status = {"running": True, "resets": {"in_progress": {"gpu": "GPU-1234", "step": "reset"}}}
+    proc = _npd({"GPUWATCHD": str(_fake_gpuwatchd(tmp_path, status))})
+    assert proc.returncode == 2
+    assert proc.stdout == "gpuwatchd is resetting GPU-1234; not scanned\n"
+    assert (tmp_path / "calls").read_text().split("\n")[0].startswith("status")
+    assert "check-clean" not in (tmp_path / "calls").read_text()
+
+
+def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
+    script = tmp_path / "gpuwatchd"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in status) echo "{}" ;; check-clean) echo "boom"; '
+        f'echo "{"x" * 300}" >&2; exit 69 ;; esac\n'
+    )
+    script.chmod(0o755)
+    proc = _npd({"GPUWATCHD": str(script)})
+    assert proc.returncode == 2
+    assert len(proc.stdout.rstrip("\n")) == 80
+    assert proc.stdout.startswith("check-clean exit 69: xxx")
+
+
+def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The NPD command on a host with a dead job's memory on GPU 0, then on a clean one."""
+    with SimHost(root, gpus=2) as host:
+        orphan_host(host)
+        pinned = [process(host.pids["trainer"], 700 * MiB)]
+        host.nvml([gpu(0, allocated=3 * GiB, processes=pinned), gpu(1)])
+        config = host.config(rules=[ORPHAN_RULE])
+        env = {**host.env(), "GPUWATCHD": str(Path(sys.executable).parent / "gpuwatchd")}
+        env["GPUWATCHD_CONFIG"] = str(config)
+        run = [sys.executable, str(NPD_COMMAND)]
+        # The rollout week: a dry-run policy reports, never raises the problem.
+        dry = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
+        env["GPUWATCHD_NPD_PROBLEM"] = "yes"
+        dirty = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
+        uuid = host.scan_json(config)["gpus"][0]["uuid"]
+        os.kill(host.pids["worker"], 9)
+        host.wait_gone("worker")
+        host.nvml([gpu(0), gpu(1)])
+        clean = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
+        (root / "bad.yaml").write_text("interval: sometimes\n")
+        env["GPUWATCHD_CONFIG"] = str(root / "bad.yaml")
+        broken = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
+        return {
+            "uuid0": uuid,
+            **{
+                name: {"code": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+                for name, p in (
+                    ("dry", dry),
+                    ("dirty", dirty),
+                    ("clean", clean),
+                    ("broken", broken),
+                )
+            },
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(pid_namespace_command() is None, reason="needs a PID namespace")
+def test_npd_exit_codes_on_a_dirty_and_a_clean_simulated_host(tmp_path: Path) -> None:
+    """Dry-run policy: OK with what would be reported; GPUWATCHD_NPD_PROBLEM=yes: a problem."""
+    r = run_in_pid_namespace(f"{__name__}:host_npd", {}, root=tmp_path, timeout=120)
+    assert r["dry"]["code"] == 0, r["dry"]
+    assert re.fullmatch(
+        rf"dry-run: would report (dead_process|orphaned) on {r['uuid0']}\n", r["dry"]["stdout"]
+    )
+    assert r["dirty"]["code"] == 1, r["dirty"]
+    message = r["dirty"]["stdout"].rstrip("\n")
+    assert "\n" not in message
+    assert len(message) <= 80
+    assert re.fullmatch(rf"(dead_process|orphaned) on {r['uuid0']}", message), message
+    assert r["clean"] == {"code": 0, "stdout": "gpuwatchd: every GPU is clean\n", "stderr": ""}
+    assert r["broken"]["code"] == 2
+    assert r["broken"]["stdout"].startswith("check-clean exit 78: ")
+
+
+def test_the_npd_command_is_executable() -> None:
+    assert os.access(NPD_COMMAND, os.X_OK)
+    assert NPD_COMMAND.read_text().startswith("#!/usr/bin/python3\n")

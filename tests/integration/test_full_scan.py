@@ -1,0 +1,246 @@
+"""The full-scan rule (gpuwatchd.decide.full_scan) and the collector that follows it.
+
+The rule is pinned by a table over hand-built NVML readings; the collector by real polls of
+this host through the fake NVML: which polls scan all of /proc, and why.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.decide.full_scan import (
+    FullScanReason,
+    FullScanState,
+    full_scan_due,
+    has_unowned_memory,
+)
+from gpuwatchd.decide.policy import Detection
+from gpuwatchd.model import MIB, GpuInfo, GpuMemory, NvmlProcess, NvmlReading, ProcessInfo
+from tests.support.children import Spawn, hold
+from tests.support.fakenvml import FakeNvml, gpu, process, state
+
+DETECTION = Detection()  # default baseline 64 MiB, ghost margin 256 MiB
+LIVE, ZOMBIE, DEAD = 100, 101, 102
+
+
+def _gpu(
+    allocated: int | None = 2 * MIB,
+    pids: tuple[int, ...] | None = (),
+    *,
+    api: str = "v2",
+    numa_node: int | None = None,
+    lost: bool = False,
+) -> GpuInfo:
+    memory = GpuMemory(
+        total=80 * 1024 * MIB,
+        free=None,
+        reserved=512 * MIB,
+        allocated=allocated,
+        api=api,
+        used_v1=None if allocated is None else allocated + 512 * MIB,
+    )
+    return GpuInfo(
+        index=0,
+        uuid="GPU-0",
+        name="H100",
+        pci_bus_id="00000000:18:00.0",
+        minor=0,
+        memory=None if lost else memory,
+        processes=None
+        if pids is None
+        else tuple(NvmlProcess(pid, 500 * MIB, "compute") for pid in pids),
+        numa_node=numa_node,
+        lost=lost,
+    )
+
+
+def _reading(*gpus: GpuInfo) -> NvmlReading:
+    return NvmlReading(available=True, gpus=gpus)
+
+
+def _proc(pid: int, state: str = "S") -> ProcessInfo:
+    return ProcessInfo(pid=pid, start_ticks=1, state=state, ppid=1, pgid=pid, sid=pid)
+
+
+LIVE_PROCS = {LIVE: _proc(LIVE), ZOMBIE: _proc(ZOMBIE, "Z")}
+RECENT = FullScanState(last_full=990.0, dead_listed=frozenset({DEAD}))
+ZOMBIE_KNOWN = FullScanState(last_full=990.0, dead_listed=frozenset({ZOMBIE}))
+
+
+@pytest.mark.parametrize(
+    ("reading", "previous", "forced", "reason"),
+    [
+        pytest.param(_reading(_gpu()), RECENT, True, FullScanReason.FORCED, id="forced"),
+        pytest.param(_reading(_gpu()), FullScanState(), False, FullScanReason.FIRST, id="first"),
+        pytest.param(_reading(_gpu()), FullScanState(last_full=900.0), False,
+                     FullScanReason.PERIODIC, id="periodic"),
+        pytest.param(_reading(_gpu()), RECENT, False, None, id="idle-gpu"),
+        pytest.param(_reading(_gpu(2 * MIB, (LIVE, 55))), RECENT, False,
+                     FullScanReason.NEW_DEAD_PID, id="newly-listed-dead-pid"),
+        pytest.param(_reading(_gpu(2 * MIB, (LIVE, ZOMBIE))), RECENT, False,
+                     FullScanReason.NEW_DEAD_PID, id="newly-listed-zombie"),
+        pytest.param(_reading(_gpu(2 * MIB, (LIVE, DEAD))), RECENT, False, None,
+                     id="dead-pid-still-listed"),
+        pytest.param(_reading(_gpu(65 * MIB)), RECENT, False, FullScanReason.UNOWNED_MEMORY,
+                     id="memory-and-nothing-listed"),
+        pytest.param(_reading(_gpu(64 * MIB)), RECENT, False, None, id="at-the-threshold"),
+        pytest.param(_reading(_gpu(3000 * MIB, (DEAD,))), RECENT, False,
+                     FullScanReason.UNOWNED_MEMORY, id="memory-of-a-dead-listed-pid"),
+        pytest.param(_reading(_gpu(3000 * MIB, (ZOMBIE,))), ZOMBIE_KNOWN, False, None,
+                     id="memory-of-a-listed-zombie"),
+        pytest.param(_reading(_gpu(3000 * MIB, (LIVE,))), RECENT, False, None,
+                     id="memory-of-a-live-owner"),
+        pytest.param(_reading(_gpu(3000 * MIB, None)), RECENT, False,
+                     FullScanReason.UNOWNED_MEMORY, id="process-list-unknown"),
+        pytest.param(_reading(_gpu(3000 * MIB, numa_node=1)), RECENT, False, None,
+                     id="coherent-memory"),
+        pytest.param(_reading(_gpu(lost=True)), RECENT, False, None, id="lost-gpu"),
+        pytest.param(_reading(_gpu(None, api="v1")), RECENT, False, None, id="v1-only"),
+    ],
+)  # fmt: skip
+def test_full_scan_is_due_exactly_when_the_targeted_view_cannot_answer(
+    reading: NvmlReading, previous: FullScanState, forced: bool, reason: FullScanReason | None
+) -> None:
+    due, after = full_scan_due(
+        reading, LIVE_PROCS, previous, 1000.0, interval=60.0, detection=DETECTION, forced=forced
+    )
+    assert due == reason
+    assert after.last_full == (1000.0 if reason is not None else previous.last_full)
+
+
+def test_dead_pids_are_remembered_on_every_poll_so_one_scan_follows_each() -> None:
+    """Also on the first and periodic polls: the PID they scanned for is not new next time."""
+    listing = _reading(_gpu(2 * MIB, (DEAD,)))
+    state = FullScanState()
+    reasons = []
+    for now in (1000.0, 1005.0, 1061.0, 1065.0):
+        reason, state = full_scan_due(listing, {}, state, now, interval=60.0, detection=DETECTION)
+        reasons.append(reason)
+    assert reasons == [FullScanReason.FIRST, None, FullScanReason.PERIODIC, None]
+
+
+@pytest.mark.parametrize(
+    ("margin", "allocated", "expected"),
+    [(256 * MIB, 100 * MIB, True), (32 * MIB, 40 * MIB, True), (32 * MIB, 30 * MIB, False)],
+)
+def test_a_lowered_ghost_margin_lowers_the_memory_threshold(
+    margin: int, allocated: int, expected: bool
+) -> None:
+    """Ghost memory is anything above a learned baseline (maybe near 0) plus the margin."""
+    detection = Detection(ghost_margin=margin)
+    assert has_unowned_memory(_gpu(allocated), {}, detection) is expected
+
+
+# --- the collector follows the rule -----------------------------------------------------------
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The PID of a child of ours that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+@pytest.fixture
+def collector(fake_nvml: FakeNvml) -> Iterator[tuple[Collector, list[float]]]:
+    clock = [1000.0]
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    collector = Collector(
+        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
+        nvml,
+        namespace_check=False,
+        clock=lambda: clock[0],
+        wall_clock=lambda: clock[0],
+    )
+    yield collector, clock
+    nvml.close()
+
+
+def _poll_modes(collector: Collector, clock: list[float], polls: int) -> list[str | None]:
+    reasons = []
+    for _ in range(polls):
+        snapshot = collector.collect()
+        reason = collector.last_scan_reason
+        assert snapshot.holders.mode == ("targeted" if reason is None else "full")
+        reasons.append(None if reason is None else reason.value)
+        clock[0] += 5.0
+    return reasons
+
+
+def test_ghost_memory_of_a_dead_listed_pid_is_judged_on_a_full_scan_every_poll(
+    fake_nvml: FakeNvml, collector: tuple[Collector, list[float]], dead_pid: int
+) -> None:
+    """NVML still charges 3 GiB to a dead PID and nothing holds the GPU: a targeted poll in
+    between would make ghost_memory vanish and reappear, never lasting its confirmation."""
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB, processes=[process(dead_pid, 3 << 30)])]))
+    assert _poll_modes(*collector, polls=4) == ["first", *["unowned_memory"] * 3]
+
+
+def test_a_dead_pid_seen_by_the_first_scan_does_not_scan_again(
+    fake_nvml: FakeNvml, collector: tuple[Collector, list[float]], dead_pid: int, tmp_path: Path
+) -> None:
+    """A small leftover (below the threshold) with a dead listed PID: one full scan finds its
+    inheritors; the targeted scans follow them from then on."""
+    fake_nvml.write(state([gpu(0, allocated=20 * MIB, processes=[process(dead_pid, 20 * MIB)])]))
+    assert _poll_modes(*collector, polls=3) == ["first", None, None]
+
+
+def test_a_coherent_memory_gpu_keeping_pages_does_not_scan_every_poll(
+    fake_nvml: FakeNvml, collector: tuple[Collector, list[float]]
+) -> None:
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB, numa_node=1)]))
+    assert _poll_modes(*collector, polls=3) == ["first", None, None]
+
+
+def test_memory_with_no_process_listed_scans_every_poll_and_idle_does_not(
+    fake_nvml: FakeNvml, collector: tuple[Collector, list[float]]
+) -> None:
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB), gpu(1)]))
+    assert _poll_modes(*collector, polls=3) == ["first", "unowned_memory", "unowned_memory"]
+    fake_nvml.write(state([gpu(0), gpu(1)]))
+    assert _poll_modes(*collector, polls=2) == [None, None]
+
+
+def test_a_known_holder_of_the_gpu_exempts_it_from_scanning_every_poll() -> None:
+    """With a live holder there is no ghost memory to conclude: the targeted scan follows it."""
+    listing = _reading(_gpu(3000 * MIB, (DEAD,)))
+    held, _ = full_scan_due(
+        listing, {}, RECENT, 1000.0, interval=60.0, detection=DETECTION, held_minors=frozenset({0})
+    )
+    unheld, _ = full_scan_due(listing, {}, RECENT, 1000.0, interval=60.0, detection=DETECTION)
+    assert (held, unheld) == (None, FullScanReason.UNOWNED_MEMORY)
+
+
+def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(
+    fake_nvml: FakeNvml,
+    collector: tuple[Collector, list[float]],
+    dead_pid: int,
+    spawn: Spawn,
+) -> None:
+    """NVML charges 3 GiB to the dead trainer while its worker still holds the GPU (the common
+    orphan case): one full scan finds the worker, then targeted polls follow it, so a ladder
+    against it is not delayed by a full scan on every poll. Once it is gone, scans resume."""
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB, processes=[process(dead_pid, 3 << 30)])]))
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    worker = spawn(hold([str(node)]))
+    collector_, clock = collector
+    assert _poll_modes(collector_, clock, polls=3) == ["first", None, None]
+    worker.kill()
+    worker.wait(timeout=10)
+    # The worker's exit is itself a cause (its children, if any, inherited the file and are no
+    # longer its descendants); then the memory with no live owner keeps the scans full.
+    assert _poll_modes(collector_, clock, polls=3) == [
+        "holder_gone",
+        "unowned_memory",
+        "unowned_memory",
+    ]

@@ -1,0 +1,385 @@
+"""Tests for gpuwatchd.collect.holders: the scan for holders of NVIDIA device files.
+
+Scans run over fake /proc trees (tests/support/fakeproc.py) and over real child processes of
+this test, which hold stand-in device files (path mode) or real character devices
+(device-number mode with ``device_major=1``: /dev/null is 1:3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatchd.collect.holders import (
+    HolderScanner,
+    ProcessTable,
+    lines_containing,
+    match_device_name,
+)
+from gpuwatchd.collect.procfs import ProcFS
+from tests.support.children import HOLD_FD, Spawn, hold
+from tests.support.fakeproc import FakeProc, make_devices
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scanner(root: str = "/proc", **settings: Any) -> HolderScanner:
+    """A holder scanner over the /proc tree at ``root``."""
+    return HolderScanner(ProcFS(root), **settings)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+@pytest.fixture
+def devices(tmp_path: Path) -> Path:
+    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
+
+
+# --- pure helpers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("nvidia0", ("gpu", 0)), ("nvidia247", ("gpu", 247)), ("nvidiactl", ("ctl", 0)),
+        ("nvidia-uvm", ("uvm", 0)), ("nvidia-uvm-tools", None), ("nvidia-modeset", None),
+        ("nvidia0x", None), ("null", None),
+    ],
+)  # fmt: skip
+def test_device_names_stand_for_a_gpu_nvidiactl_or_nvidia_uvm(
+    name: str, expected: tuple[str, int] | None
+) -> None:
+    assert match_device_name(name) == expected
+
+
+def test_lines_containing_splits_at_newline_only_and_reports_each_line_once() -> None:
+    data = "a /dev/x nvidia\nb\rc /dev/y\u2028\nplain\nlast /dev/z".encode()
+    assert lines_containing(data, (b"/dev/", b"nvidia")) == [
+        b"a /dev/x nvidia",
+        "b\rc /dev/y\u2028".encode(),
+        b"last /dev/z",
+    ]
+
+
+# --- holder scans over a fake /proc -------------------------------------------------------
+
+
+def test_path_mode_finds_fd_and_map_holders(fake: FakeProc, devices: Path) -> None:
+    fds = {0: "/dev/null", 3: "pipe:[77]", 4: f"{devices}/nvidia0", 5: f"{devices}/nvidiactl"}
+    fake.add(700, fds={**fds, 6: f"{devices}/nvidia-uvm", 7: f"{devices}/nvidia0"})
+    fake.add(701, fds={3: f"{devices}/nvidia1-not-a-device", 4: str(devices)})
+    fake.add(702)
+    fake.add_mapping(702, f"{devices}/nvidia3")
+    fake.add_mapping(702, f"{devices}/nvidiactl")
+    scan = scanner(str(fake.root), devices_dir=str(devices)).scan()
+    assert scan.mode == "full"
+    assert set(scan.holdings) == {700, 702}
+    assert scan.holdings[700].gpu_minors_fd == {0}
+    assert not scan.holdings[700].gpu_minors_map
+    assert scan.holdings[700].ctl
+    assert scan.holdings[700].uvm
+    assert scan.holdings[702].gpu_minors_map == {3}
+    assert not scan.holdings[702].gpu_minors_fd
+    assert scan.holdings[702].ctl
+    assert not scan.holdings[702].uvm
+    assert scan.unreadable == frozenset()
+
+
+def test_targeted_scan_looks_at_exactly_the_given_pids(fake: FakeProc, devices: Path) -> None:
+    fake.add(710, fds={3: f"{devices}/nvidia0"})
+    fake.add(711, fds={3: f"{devices}/nvidia1"})
+    holders = scanner(str(fake.root), devices_dir=str(devices))
+    scan = holders.scan([711, 999])
+    assert scan.mode == "targeted"
+    assert set(scan.holdings) == {711}
+    assert set(holders.scan(exclude=[710]).holdings) == {711}
+
+
+def test_scan_skips_kernel_threads_and_records_unreadable_processes(
+    fake: FakeProc, devices: Path
+) -> None:
+    fake.add_kernel_thread(2)
+    base = fake.add(720, fds={3: f"{devices}/nvidia0"})
+    fake.add_mapping(720, f"{devices}/nvidia1")
+    (base / "fd" / "3").unlink()
+    (base / "fd").rmdir()
+    (base / "fd").write_text("not a directory")  # reading the fds fails: unknown
+    scan = scanner(str(fake.root), devices_dir=str(devices)).scan()
+    assert scan.unreadable == {720}
+    assert scan.holdings[720].gpu_minors_map == {1}  # what could be read is still reported
+    assert 2 not in scan.holdings
+
+
+def test_scan_skips_processes_that_vanish(fake: FakeProc, devices: Path) -> None:
+    base = fake.add(730, fds={3: f"{devices}/nvidia0"})
+    shutil.rmtree(base / "fd")
+    (base / "maps").unlink()
+    scan = scanner(str(fake.root), devices_dir=str(devices)).scan([730])
+    assert scan.holdings == {}
+    assert scan.unreadable == frozenset()
+
+
+def test_device_number_mode_identifies_fds_by_rdev_not_name(fake: FakeProc) -> None:
+    # In a container host GPU 3 can be called /dev/nvidia0: the number wins over the name.
+    fake.add(740, fds={3: "/dev/null", 4: "/dev/full", 5: "socket:[1]"})
+    fake.add(741, fds={3: "/tmp/nvidia0"})  # a regular file named like a GPU
+    holders = scanner(str(fake.root), match_by_path=False, device_major=1, ctl_minor=7)
+    scan = holders.scan()
+    assert set(scan.holdings) == {740}
+    assert scan.holdings[740].gpu_minors_fd == {3}
+    assert scan.holdings[740].ctl
+
+
+def test_device_number_mode_identifies_mappings_through_map_files(fake: FakeProc) -> None:
+    fake.add(750)
+    fake.add_mapping(750, "/dev/nvidia0", map_file="/dev/null", inode=11)
+    fake.add_mapping(750, "/dev/nvidia-uvm", map_file="/dev/random", inode=12)
+    fake.add_mapping(750, "/dev/shm/torch_123", map_file="/dev/null", inode=13)
+    holders = scanner(str(fake.root), match_by_path=False, device_major=1, uvm_major=1, uvm_minor=8)
+    scan = holders.scan()
+    assert scan.holdings[750].gpu_minors_map == {3}  # 1:3, whatever the path says
+    assert scan.holdings[750].uvm
+    assert scan.matched_by_name == frozenset()
+
+
+def test_device_number_mode_falls_back_to_the_root_path_when_its_inode_matches(
+    fake: FakeProc,
+) -> None:
+    null_inode = os.stat("/dev/null").st_ino
+    fake.add(760)
+    fake.add_mapping(760, "/dev/null", inode=null_inode)
+    fake.set_root_link(760, "/")
+    fake.add(761)
+    fake.add_mapping(761, "/dev/null", inode=null_inode + 1)  # another file by now
+    fake.set_root_link(761, "/")
+    scan = scanner(str(fake.root), match_by_path=False, device_major=1).scan()
+    assert set(scan.holdings) == {760}
+    assert scan.holdings[760].gpu_minors_map == {3}
+
+
+def test_device_number_mode_falls_back_to_the_name_and_says_so(fake: FakeProc) -> None:
+    fake.add(770)
+    fake.add_mapping(770, "/dev/nvidia2")
+    fake.add_mapping(770, "/dev/zero (deleted)")
+    scan = scanner(str(fake.root), match_by_path=False).scan()
+    assert scan.holdings[770].gpu_minors_map == {2}
+    assert scan.matched_by_name == {770}
+
+
+# --- real child processes -----------------------------------------------------------------
+
+# Python's mmap.mmap keeps a dup of the fd, so map through libc to leave a mapping alone.
+MAP_ONLY = """
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.open({path!r}, os.O_RDWR)
+addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)
+"""
+
+
+def _map_only(path: str) -> str:
+    return HOLD_FD.format(body=MAP_ONLY.format(path=path))
+
+
+def test_real_child_holding_a_device_file_through_an_fd(spawn: Spawn, devices: Path) -> None:
+    child = spawn(hold([f"{devices}/nvidia0"]))
+    scan = scanner(devices_dir=str(devices)).scan([child.pid])
+    assert scan.holdings[child.pid].gpu_minors_fd == {0}
+    assert scan.holdings[child.pid].gpu_minors_map == frozenset()
+    full = scanner(devices_dir=str(devices)).scan()
+    assert full.holdings[child.pid] == scan.holdings[child.pid]
+    assert os.getpid() not in full.holdings
+
+
+def test_real_child_holding_a_device_through_a_mapping_only(spawn: Spawn, devices: Path) -> None:
+    child = spawn(_map_only(f"{devices}/nvidia1"))
+    holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_map == {1}
+    assert holding.gpu_minors_fd == frozenset()
+    assert holding.via(1) == ("map",)
+
+
+def test_real_child_holding_ctl_and_uvm(spawn: Spawn, devices: Path) -> None:
+    child = spawn(hold([f"{devices}/nvidiactl", f"{devices}/nvidia-uvm"]))
+    holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
+    assert holding.ctl
+    assert holding.uvm
+    assert holding.gpu_minors == frozenset()
+
+
+def test_real_child_in_device_number_mode_with_real_character_devices(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    child = spawn(hold(["/dev/null", "/dev/full", "/dev/random"]))
+    holders = scanner(
+        devices_dir=str(tmp_path), match_by_path=False, device_major=1, ctl_minor=7,
+        uvm_major=1, uvm_minor=8,
+    )  # fmt: skip
+    holding = holders.scan([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_fd == {3}  # /dev/null is 1:3
+    assert holding.ctl
+    assert holding.uvm
+
+
+def test_shared_dev_zero_mapping_is_anonymous_memory_not_a_device(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    # mmap(MAP_SHARED) of /dev/zero becomes shmem ("/dev/zero (deleted)"), not device 1:5.
+    child = spawn(_map_only("/dev/zero"))
+    holders = scanner(devices_dir=str(tmp_path), match_by_path=False, device_major=1)
+    assert child.pid not in holders.scan([child.pid]).holdings
+
+
+def _wait_for_state(procfs: ProcessTable, pid: int, state: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        fields = procfs.read_stat(pid)
+        if fields is not None and fields.state == state:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"pid {pid} never reached state {state}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the scan as another user")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_unprivileged_scan_records_another_users_process_as_unreadable(
+    spawn: Spawn, devices: Path
+) -> None:
+    child = spawn(hold([f"{devices}/nvidia0"]))  # runs as root
+    code = (
+        "import json, sys\n"
+        "from gpuwatchd.collect.holders import HolderScanner\n"
+        "from gpuwatchd.collect.procfs import ProcFS\n"
+        f"p = HolderScanner(ProcFS(), devices_dir={str(devices)!r})\n"
+        f"t = p.scan([{child.pid}]); f = p.scan()\n"
+        "print(json.dumps({'t': sorted(t.unreadable), 'h': sorted(t.holdings), "
+        "'f': sorted(f.unreadable)}))\n"
+    )
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd="/",
+    )  # fmt: skip
+    seen = json.loads(out.stdout)
+    assert seen["t"] == [child.pid]
+    assert seen["h"] == []
+    assert child.pid in seen["f"]
+    procfs = ProcFS()
+    kernel_threads = {
+        pid
+        for pid in procfs.list_pids()
+        if (fields := procfs.read_stat(pid)) is not None and fields.kernel_thread
+    }
+    assert kernel_threads
+    assert not kernel_threads & set(seen["f"])
+
+
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(SYS_EXIT is None, reason="exit(2) syscall number unknown on this machine")
+def test_real_zombie_leader_is_scanned_through_its_live_thread(spawn: Spawn, devices: Path) -> None:
+    # The main thread alone exits (SYS_exit, not exit_group): the leader turns Z while another
+    # thread keeps the shared fd table, and so the device file, alive.
+    body = (
+        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
+        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('ready', flush=True)\n"
+        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
+    )
+    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    holders = scanner(devices_dir=str(devices))
+    _wait_for_state(holders.procfs, child.pid, "Z")
+    holding = holders.scan([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_fd == {0}
+
+
+# --- threads with a file descriptor table of their own (issue 20) ------------------------------
+
+CLONE_FILES = 0x400
+OWN_TABLE = """
+libc = ctypes.CDLL(None, use_errno=True)
+import threading
+opened = threading.Event()
+
+def hold():
+    if libc.unshare({clone_files}) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+    held = os.open({path!r}, os.O_RDONLY)  # in this thread's table only
+    opened.set()
+    time.sleep(60)
+
+threading.Thread(target=hold, daemon=True).start()
+opened.wait()
+{leader}
+"""
+
+
+def _own_table(path: str, leader: str = "") -> str:
+    body = OWN_TABLE.format(clone_files=CLONE_FILES, path=path, leader=leader)
+    return HOLD_FD.format(body=body)
+
+
+def _fds_of(pid: int) -> set[str]:
+    return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_a_thread_holding_a_device_in_a_table_of_its_own_is_a_holder(
+    spawn: Spawn, devices: Path
+) -> None:
+    """The attack of issue 20: a thread that called unshare(CLONE_FILES) keeps /dev/nvidia0
+    open where /proc/PID/fd does not show it. Before, every scan said nobody held the GPU."""
+    child = spawn(_own_table(str(devices / "nvidia0")))
+    assert str(devices / "nvidia0") not in _fds_of(child.pid)  # the leader's table is clean
+    targeted = scanner(devices_dir=str(devices)).scan([child.pid])
+    assert targeted.holdings[child.pid].gpu_minors_fd == {0}
+    assert child.pid not in targeted.unreadable
+    full = scanner(devices_dir=str(devices)).scan()
+    assert full.holdings[child.pid].gpu_minors_fd == {0}
+
+
+def test_without_kcmp_every_threads_table_is_read(spawn: Spawn, devices: Path) -> None:
+    """Where kcmp cannot tell (ENOSYS under seccomp, say) the walk reads each thread's table
+    instead of trusting that threads share one: slower, never blind."""
+    from gpuwatchd.collect.kcmp import Kcmp
+
+    child = spawn(_own_table(str(devices / "nvidia1")))
+    holders = scanner(devices_dir=str(devices))
+    holders._kcmp = Kcmp(number=-1)  # no such syscall: ENOSYS
+    holding = holders.scan([child.pid]).holdings[child.pid]
+    assert holding.gpu_minors_fd == {1}
+
+
+def test_threads_sharing_the_leaders_table_add_nothing(spawn: Spawn, devices: Path) -> None:
+    """A process whose threads share its table is judged by /proc/PID/fd alone: what the
+    leader holds, no more (and a thread's private table is added to it, not instead)."""
+    leader_holds = f"kept = os.open({str(devices / 'nvidiactl')!r}, os.O_RDONLY)"
+    child = spawn(_own_table(str(devices / "nvidia3"), leader=leader_holds))
+    holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
+    assert holding.ctl
+    assert holding.gpu_minors_fd == {3}
+    plain = spawn(
+        HOLD_FD.format(
+            body=f"import threading\nheld = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()"
+        )
+    )
+    shared = scanner(devices_dir=str(devices)).scan([plain.pid]).holdings[plain.pid]
+    assert shared.gpu_minors_fd == {0}
+    assert not shared.ctl

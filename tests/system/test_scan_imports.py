@@ -1,0 +1,129 @@
+"""``gpuwatchd scan`` loads only what a scan uses (issue 25: start-up is most of a small scan).
+
+End to end, inside a PID namespace: the real command line runs a scan in a fresh interpreter,
+once walking ``/proc`` (no daemon) and once served from a running daemon's holder view, and
+reports which modules it had loaded when it finished. Neither loads structlog (nor asyncio,
+which structlog brings), pynvml (the NVML worker's, in its own process), the daemon's actuator
+and wiring, the plan, or another command's module. A structural property, never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatchd import holder_view
+from tests.support.fakenvml import MiB, gpu, process
+from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+
+pytestmark = pytest.mark.skipif(
+    pid_namespace_command() is None,
+    reason="needs a PID namespace (root, or unprivileged user namespaces) for end-to-end tests",
+)
+
+# Runs the command line as `python -m gpuwatchd` would, then writes the loaded modules to the
+# descriptor named by its first argument.
+_PROBE = """
+import json, os, sys
+from gpuwatchd.cli.main import main
+code = main(sys.argv[2:])
+with os.fdopen(int(sys.argv[1]), "w") as out:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, out)
+"""
+
+# Modules a scan must not load: (module, why it is not needed).
+NOT_LOADED = {
+    "structlog": "logging is lazy: loaded only for an error (gpuwatchd.lazylog)",
+    "asyncio": "only structlog brings it",
+    "pynvml": "NVML is read in the worker process, never in the command",
+    "gpuwatchd.wiring": "the daemon's host: actuator, hooks, signaller",
+    "gpuwatchd.host": "the daemon's host reader and actuator",
+    "gpuwatchd.act.commands": "a scan never acts",
+    "gpuwatchd.act.signals": "a scan never signals",
+    "gpuwatchd.config.changes": "the reload diff, the daemon.s",
+    "gpuwatchd.daemon": "another command's",
+    "gpuwatchd.engine": "another command's",
+    "gpuwatchd.decide.plan": "a scan judges (verdict), it does not plan",
+    "gpuwatchd.sim.simulation": "another command's",
+    "gpuwatchd.cli.explain": "another command's",
+    "gpuwatchd.cli.run": "another command's",
+}
+
+
+def _scan_modules(host: SimHost, config: Path) -> tuple[dict[str, Any], set[str]]:
+    """(the report, the modules loaded) of one scan in a fresh interpreter."""
+    read, write = os.pipe()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _PROBE, str(write), "--config", str(config), "scan", "--json"],
+            env=host.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(write,),
+            text=True,
+        ) as proc:
+            os.close(write)
+            write = -1
+            stdout, stderr = proc.communicate(timeout=60)
+            with os.fdopen(read) as handle:
+                read = -1
+                loaded = json.loads(handle.read() or "{}")
+    finally:
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
+    assert loaded.get("code") == 0, stderr
+    assert loaded["code"] == 0, stderr
+    report: dict[str, Any] = json.loads(stdout)
+    return report, set(loaded["modules"])
+
+
+def _clean(view: Path) -> bool:
+    try:
+        return json.loads(view.read_text()).get("clean") is True
+    except (OSError, ValueError):
+        return False
+
+
+def host_imports(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with SimHost(root) as host:
+        host.spawn("job", [{"open": host.cuda(0)}])
+        pids = host.wait_ready("job")
+        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        config = host.config(interval="200ms")
+        report, modules = _scan_modules(host, config)
+        out["alone"] = {"view": report["daemon_view"], "modules": sorted(modules)}
+        daemon = host.start_daemon("run", "--config", str(config))
+        view = host.state_dir / holder_view.VIEW_FILE
+        try:
+            deadline = time.monotonic() + 30
+            while not _clean(view) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            report, modules = _scan_modules(host, config)
+            out["served"] = {"view": report["daemon_view"], "modules": sorted(modules)}
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=30)
+    return out
+
+
+def test_a_scan_alone_and_a_served_scan_load_no_logging_nvml_or_daemon_modules(
+    tmp_path: Path,
+) -> None:
+    result = run_in_pid_namespace(f"{__name__}:host_imports", {}, root=tmp_path, timeout=120)
+    assert result["alone"]["view"]["used"] is False
+    assert result["served"]["view"]["used"] is True, result["served"]["view"]
+    for case in ("alone", "served"):
+        modules = set(result[case]["modules"])
+        assert "gpuwatchd.cli.scan" in modules  # the probe saw a real scan
+        loaded = {name: why for name, why in NOT_LOADED.items() if name in modules}
+        assert not loaded, f"{case}: loaded {loaded}"

@@ -1,0 +1,1 @@
+"""Unit tests: pure functions and in-memory objects (see tests/README.md)."""

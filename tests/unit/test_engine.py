@@ -1,0 +1,350 @@
+"""The engine's cycle with fake edges: no processes, no sleeping, no commands.
+
+Each test builds an :class:`Engine` over a scripted reader (snapshots from HostBuilder), a
+recording actuator, a hand-moved clock and a list sink, and pins one behaviour of the one poll
+cycle that ``run``, ``run --once`` and ``simulate`` share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.plan import PlanState
+from gpuwatchd.engine import EngineState
+from gpuwatchd.model import MIB, ProcessIdentity
+from gpuwatchd.vocabulary import SignalOutcome
+from tests.support.enginerig import (
+    GPU0,
+    LEAK,
+    W0,
+    Actuator,
+    Rig,
+    T,
+    ghost_host,
+    make_policy,
+    orphan_host,
+    rig,
+)
+from tests.support.snapshots import HostBuilder
+
+
+def reset_commands(r: Rig) -> list[tuple[str, ...]]:
+    return [argv for argv, env in r.actuator.commands if "--gpu-reset" in argv]
+
+
+# --- dry-run ------------------------------------------------------------------------------------
+
+
+def test_dry_run_runs_no_hook_signal_or_reset_command_and_says_what_it_would_do() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}", dry_run=True)
+
+    def host(t: float) -> HostBuilder:
+        # GPU 0: a leaked context's memory and nothing holding it (ghost memory → reset).
+        # GPU 1: a dead trainer's worker in D state (stuck → on_failure hooks), and one that
+        # is not stuck (orphaned → signals).
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True, state="D")
+        return b.proc(302, ppid=1, pgid=300, sid=300, holds={1}, uvm=True)
+
+    r = rig(pol, host)
+    for t in (0.0, 31.0, 42.0, 100.0):
+        r.poll_at(t)
+    assert r.actuator.commands == [], "dry-run must never run a command or hook"
+    assert r.actuator.signals, "dry-run goes through the signal path (signal 0)"
+    assert all(dry for _, _, dry in r.actuator.signals)
+    hooks = r.sink.named("hook.run")
+    assert hooks
+    assert all(h["outcome"] == "dry_run" and h["dry_run"] is True for h in hooks)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["dry_run"]
+    assert {s["outcome"] for s in r.sink.named("action.signal")} == {"dry_run"}
+    assert r.reader.stopped == 0, "a dry-run reset does not stop the NVML worker"
+    # What an admin reviews with `journalctl -p warning`: each would-be action, once.
+    warned = {n for n, level, _ in r.sink.events if level == "warning"}
+    assert {"action.signal", "hook.run", "reset.outcome"} <= warned
+    assert not {"escalation.step_due", "reset.due", "reset.dry_run"} & warned
+
+
+def test_enforcing_runs_the_hooks_and_the_reset_through_the_slow_runner() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}")
+
+    def host(t: float) -> HostBuilder:
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        return b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True, state="D")
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    r.poll_at(61.0)
+    hook_runs = [(argv, env) for argv, env in r.actuator.commands if argv[0] == "drain-node"]
+    assert len(hook_runs) == 1
+    assert hook_runs[0][1] is not None
+    assert hook_runs[0][1]["GPUWATCHD_EVENT"] == "on_failure"
+    assert len(reset_commands(r)) == 1
+    assert r.slow_calls == ["slow", "slow"], "each reset and each hook run is slow work"
+    (hook,) = r.sink.named("hook.run")
+    assert (hook["returncode"], hook["dry_run"]) == (0, False)
+
+
+# --- ladders ------------------------------------------------------------------------------------
+
+
+def test_a_ladder_continues_across_a_restart() -> None:
+    pol = make_policy()
+    first = rig(pol, orphan_host)
+    first.poll_at(0.0)
+    assert first.actuator.signals == [(201, "SIGTERM", False)]
+    # The daemon stops; its state goes through the state file's JSON and back.
+    saved = first.engine.state
+    restored = EngineState(
+        assess=AssessState.from_json(saved.assess.to_json()),
+        plan=PlanState.from_json(saved.plan.to_json()),
+    )
+    second = rig(pol, orphan_host, state=restored)
+    second.poll_at(10.0)
+    assert second.actuator.signals == [], "the SIGTERM's 30s wait is still running"
+    second.poll_at(31.0)
+    assert second.actuator.signals == [(201, "SIGKILL", False)], "step 2, not step 1 again"
+
+
+def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host, actuator=Actuator(outcome=SignalOutcome.DENIED))
+    r.poll_at(0.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+    (ended,) = r.sink.named("escalation.ended")
+    assert ended["outcome"] == "denied"
+    for t in (31.0, 60.0, 120.0):
+        r.poll_at(t)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+
+
+def test_an_exit_reported_by_the_actuator_resolves_the_ladder() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    r.poll_at(0.0)
+    (pid, _, _) = r.actuator.signals[0]
+    snapshot = orphan_host(0.0).build()
+    identity = ProcessIdentity(pid, snapshot.processes[pid].start_ticks or 0)
+    r.clock.now = 0.5
+    r.engine.note_exits([identity])
+    assert r.sink.named("target.exited")
+    assert r.sink.named("escalation.resolved")
+    assert r.engine.state.plan.ladders == {}
+
+
+def test_wake_at_is_the_next_step_or_the_interval() -> None:
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    r.poll_at(0.0)
+    assert r.engine.wake_at() == pol.interval  # the SIGTERM's wait (30s) is further off
+    r.clock.now = 28.0
+    assert r.engine.wake_at() == 30.0
+
+
+# --- resets -------------------------------------------------------------------------------------
+
+
+def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_reload() -> None:
+    """The final scan refuses (a holder the poll did not see, e.g. one that opens nvidiactl
+    now and then): the drain and before hooks ran once. The same incident is not tried again
+    every cooldown; a reload (or ``resume --clear-latches``) lets it be tried again."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 10m}")
+    r = rig(pol, ghost_host)
+    r.reader.blockers = [777]  # the final scan finds a holder: refused, nothing run
+    r.poll_at(0.0)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused"]
+    assert reset_commands(r) == []
+    assert r.engine.state.plan.reset_in_flight is None
+    r.reader.blockers = []
+    r.poll_at(300.0)  # within the cooldown
+    r.poll_at(601.0)  # after it: still the same incident
+    r.poll_at(3601.0)
+    assert r.reader.final_scans == 1
+    whys = [e["why"] for e in r.sink.named("reset.refused")]
+    assert any("a reset for this incident was refused" in str(why) for why in whys)
+    r.engine.policy_reloaded()
+    assert r.sink.named("reset.refusal_cleared")
+    r.poll_at(3602.0)
+    assert r.reader.final_scans == 2
+    assert len(reset_commands(r)) == 1
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused", "success"]
+    assert r.sink.named("reset.succeeded")
+
+
+def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
+    pol = make_policy("reset: {confirm_for: 0s}")
+    r = rig(pol, ghost_host, actuator=Actuator(returncode=255))
+    r.poll_at(0.0)
+    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["failed"]
+    assert r.sink.named("reset.failed")
+    hooks = r.sink.named("hook.run")
+    assert [h["hook"] for h in hooks] == ["on_failure"]
+    assert hooks[0]["returncode"] == 255  # the fake answers every command alike
+
+
+def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_flight() -> None:
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    first = rig(pol, ghost_host)
+
+    def crash(work: Callable[[], T]) -> T:
+        raise KeyboardInterrupt  # the daemon is killed while the reset runs
+
+    # Run up to the reset; record the in-flight plan state and a progress record as the
+    # procedure would have written them just before the reset command.
+    first.engine.slow = crash
+    with contextlib.suppress(KeyboardInterrupt):
+        first.poll_at(0.0)
+    flight = first.engine.state.plan.reset_in_flight
+    assert flight is not None
+    record: dict[str, object] = {
+        "uuid": GPU0,
+        "pci_bus_id": "00000000:10:00.0",
+        "minor": 0,
+        "persistence_was_on": False,
+        "step": "reset",
+        "reset_started": True,
+    }
+    state = EngineState(
+        assess=first.engine.state.assess, plan=first.engine.state.plan, reset_in_progress=record
+    )
+    second = rig(pol, lambda t: ghost_host(t, allocated=2 * MIB), state=state)
+    second.clock.now = 5.0
+    second.engine.resume_interrupted_reset()
+    assert reset_commands(second) == [], "the reset command is never run again"
+    assert second.engine.state.reset_in_progress is None
+    assert second.engine.state.plan.reset_in_flight is None
+    assert second.sink.named("reset.succeeded")
+
+
+def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:
+    """A daemon killed right after sending a signal, before its end-of-poll save, must neither
+    repeat the step on restart nor forget it in the kill cap."""
+    pol = make_policy()
+    saved: list[EngineState] = []
+
+    class Killed(Exception):
+        pass
+
+    class DiesAfterSignal(Actuator):
+        def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+            super().signal(identity, signal, dry_run=dry_run)
+            raise Killed  # SIGKILL of the daemon right after the signal left
+
+    first = rig(pol, orphan_host, actuator=DiesAfterSignal())
+
+    def checkpoint() -> bool:
+        state = first.engine.state
+        saved.append(
+            EngineState(
+                assess=AssessState.from_json(state.assess.to_json()),
+                plan=PlanState.from_json(state.plan.to_json()),
+            )
+        )
+        return True
+
+    first.engine.checkpoint = checkpoint
+    with contextlib.suppress(Killed):
+        first.poll_at(0.0)
+    assert first.actuator.signals == [(201, "SIGTERM", False)]
+    assert saved, "nothing was persisted before the signal"
+    on_disk = saved[-1]
+    assert len(on_disk.plan.signal_history) == 1, "the kill cap counts the target"
+    second = rig(pol, orphan_host, state=on_disk)
+    second.poll_at(5.0)
+    assert second.actuator.signals == [], "SIGTERM is not sent a second time"
+    second.poll_at(31.0)
+    assert second.actuator.signals == [(201, "SIGKILL", False)]
+
+
+def test_no_signal_is_sent_while_the_state_that_records_it_cannot_be_saved() -> None:
+    """state_dir full: the step is withheld (an event says which and why), the kill cap counts
+    nothing, the ladder holds; once the state can be saved the step is taken, exactly once."""
+    pol = make_policy()
+    r = rig(pol, orphan_host)
+    disk_full = [True]
+    saved: list[int] = []
+
+    def checkpoint() -> bool:
+        if disk_full[0]:
+            return False
+        saved.append(len(r.engine.state.plan.signal_history))
+        return True
+
+    r.engine.checkpoint = checkpoint
+    r.poll_at(0.0)
+    r.poll_at(5.0)
+    assert r.actuator.signals == []
+    withheld = r.sink.named("action.withheld")
+    assert len(withheld) == 2
+    assert withheld[0]["steps"] == ["SIGTERM to pid 201"]
+    assert "cannot be saved" in str(withheld[0]["why"])
+    assert r.engine.state.plan.signal_history == ()
+    assert not r.engine.state.plan.paused, "the hold is for one poll, not a pause"
+    disk_full[0] = False
+    r.poll_at(10.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)]
+    assert saved[0] == 1, "saved with the signal counted, before it was sent"
+    r.poll_at(12.0)
+    assert r.actuator.signals == [(201, "SIGTERM", False)], "not repeated"
+
+
+def test_a_reset_stops_before_a_step_it_cannot_record() -> None:
+    """The reset procedure records each step before it runs; when that fails, the reset
+    command is never run."""
+    pol = make_policy("reset: {confirm_for: 0s}")
+    r = rig(pol, ghost_host)
+    calls = [0]
+
+    def checkpoint() -> bool:
+        calls[0] += 1
+        return calls[0] == 1  # the intent is saved; the procedure's first step is not
+
+    r.engine.checkpoint = checkpoint
+    for t in (0.0, 5.0, 10.0):
+        r.poll_at(t)
+    assert reset_commands(r) == []
+    steps = r.sink.named("reset.step")
+    assert any(e.get("status") == "record_failed" for e in steps), steps
+
+
+def test_a_gpu_that_is_lost_is_reported_once_as_needing_a_reboot_and_runs_on_failure() -> None:
+    pol = make_policy()
+    lost = [False]
+
+    def host(t: float) -> HostBuilder:
+        return HostBuilder(monotonic=t, wall_time=W0 + t).gpu(0, allocated=LEAK, lost=lost[0])
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    assert r.sink.named("gpu.needs_reboot") == []
+    lost[0] = True
+    r.poll_at(5.0)
+    r.poll_at(10.0)
+    (event,) = r.sink.named("gpu.needs_reboot")
+    assert event["gpu"] == GPU0
+    assert ("gpu.needs_reboot", "critical") in {(n, lvl) for n, lvl, _ in r.sink.events}
+    hooks = [argv for argv, env in r.actuator.commands if env and env.get("GPUWATCHD_EVENT")]
+    assert hooks == [("drain-node", "reason=gpu")], "on_failure runs once per loss"
+    lost[0] = False
+    r.poll_at(15.0)
+    lost[0] = True
+    r.poll_at(20.0)
+    assert len(r.sink.named("gpu.needs_reboot")) == 2
+
+
+def test_each_real_action_is_one_warning_line() -> None:
+    """A signal used to be said twice at warning (step due, action), a reset three times."""
+    pol = make_policy("reset: {confirm_for: 0s}")
+
+    def host(t: float) -> HostBuilder:
+        b = ghost_host(t).gpu(1, allocated=LEAK).nvml(1, 300, used=LEAK)
+        return b.proc(301, ppid=1, pgid=300, sid=300, holds={1}, uvm=True)
+
+    r = rig(pol, host)
+    r.poll_at(0.0)
+    warned = [
+        n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
+    ]
+    assert sorted(warned) == ["action.signal", "reset.outcome"], warned

@@ -1,0 +1,77 @@
+"""The finding kinds' table (decide/kinds.py): one row per kind, documented, and the one
+source of what verdict, health, the policy schema and the planner ask about a kind."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.decide import health, kinds, plan_resets, verdict
+from gpuwatchd.model import FindingKind
+
+FINDINGS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "findings.md"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer gives the headings: lower case, punctuation dropped
+    (but ``-`` and ``_``), spaces as ``-``."""
+    out = set()
+    for line in markdown.splitlines():
+        match = re.match(r"#+\s+(.*)", line)
+        if match:
+            title = re.sub(r"[^\w\- ]", "", match.group(1).lower())
+            out.add(title.replace(" ", "-"))
+    return out
+
+
+def test_every_kind_has_a_row_with_words() -> None:
+    assert set(kinds.KINDS) == set(FindingKind)
+    for kind, row in kinds.KINDS.items():
+        assert row.kind is kind
+        assert row.words
+        assert row.words == kinds.words(kind.value)
+    assert kinds.words("no_such_kind") is None
+
+
+def test_docs_findings_has_a_section_for_every_kind() -> None:
+    text = FINDINGS_DOC.read_text()
+    anchors = _anchors(text)
+    for kind, row in kinds.KINDS.items():
+        assert row.anchor in anchors, f"docs/findings.md has no section #{row.anchor} ({kind})"
+        assert f"`{kind.value}`" in text
+
+
+def test_the_properties_are_consistent() -> None:
+    for row in kinds.KINDS.values():
+        if row.holds_device or row.listing or row.live_holder:
+            assert row.scope is kinds.Scope.PROCESS
+        if row.memory or row.health:
+            assert row.scope is kinds.Scope.GPU
+            assert not row.signallable
+    # A rule may signal for orphaned and abandoned processes, and for nothing else.
+    assert {FindingKind.ORPHANED, FindingKind.ABANDONED} == kinds.SIGNALLABLE
+
+
+def test_the_modules_ask_the_table() -> None:
+    """verdict, health and plan's reset gates hold the table's sets, not their own."""
+    assert health.HEALTH_KINDS == kinds.HEALTH
+    assert {k.value for k in kinds.SETTLING} <= verdict.SETTLING
+    assert verdict._HOLDING_KINDS == kinds.HOLDING_DEVICE
+    assert plan_resets._HOLDER_KINDS is kinds.LIVE_HOLDER
+
+
+@pytest.mark.parametrize("kind", sorted(set(FindingKind) - kinds.SIGNALLABLE))
+def test_a_rule_that_signals_a_kind_that_cannot_be_signalled_is_refused_with_the_tables_reason(
+    kind: FindingKind,
+) -> None:
+    step = "      - signal: SIGTERM\n        wait: 30s\n"
+    doc = f"rules:\n  - name: r\n    kind: {kind.value}\n    steps:\n{step}"
+    with pytest.raises(ConfigError) as caught:
+        parse_policy_documents([("p.yaml", doc)])
+    why = kinds.properties(kind).why_not_signallable
+    assert why is not None
+    assert why in str(caught.value)

@@ -1,0 +1,329 @@
+"""simulate: scenario validation (file, line, field; exit 65), the daemon's wake-up semantics,
+dry-run, speed, and the CLI's text and JSON output."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+
+from gpuwatchd.cli.main import main
+from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
+from gpuwatchd.sim.simulation import render_text, simulate
+
+ORPHANS = """\
+duration: 3m
+policy:
+  dry_run: {dry}
+gpus:
+  - index: 0
+processes:
+  - name: trainer
+    holds: [0]
+    nvml: {{0: 4GiB}}
+  - name: worker
+    ppid: trainer
+    pgid: trainer
+    holds: {{gpus: [0], via: map}}
+    on_sigterm: {sigterm}
+events:
+  - at: 10s
+    exit: trainer
+"""
+
+
+def scenario(dry: str = "false", sigterm: str = "exit") -> str:
+    return ORPHANS.format(dry=dry, sigterm=sigterm)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key", "message"),
+    [
+        ("gpus: [{index: 0}]\n", 1, "duration", "missing required field"),
+        ("duration: 5x\ngpus: [{index: 0}]\n", 1, "duration", "invalid duration"),
+        (
+            "duration: 1m\ngpus:\n  - index: 0\n    memroy: {}\n",
+            4,
+            "gpus[0].memroy",
+            "did you mean",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    ppid: nobody\n",
+            5,
+            "processes[0].ppid",
+            "not a PID or a process name",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    holds: [3]\n",
+            5,
+            "processes[0].holds[0]",
+            "no GPU with index 3",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    on_sigterm: sulk\n",
+            5,
+            "processes[0].on_sigterm",
+            "expected exit, ignore",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n    exit: ghost\n",
+            5,
+            "events[0].exit",
+            "no process named",
+        ),
+        ("duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n", 4, "events[0]", "exactly one"),
+        ("duration: [1m\n", 2, None, "YAML syntax"),
+    ],
+)
+def test_malformed_scenario_names_line_and_field(
+    text: str, line: int, key: str | None, message: str
+) -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert err.value.line == line
+    assert err.value.key == key
+    assert message in err.value.message
+    assert str(err.value).startswith(f"s.yaml:{line}: ")
+
+
+def test_inline_policy_errors_keep_the_scenario_line_numbers() -> None:
+    text = "duration: 1m\ngpus: [{index: 0}]\npolicy:\n  dry_run: false\n  intervall: 5s\n"
+    with pytest.raises(ScenarioError) as err:
+        simulate(parse_scenario("s.yaml", text))
+    assert err.value.line == 5
+    assert err.value.key == "policy.intervall"
+    assert "did you mean 'interval'" in err.value.message
+
+
+def test_cli_exits_65_on_a_malformed_scenario(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("duration: 1m\ngpus:\n  - index: zero\n")
+    assert main(["simulate", str(path)]) == 65
+    assert f"{path}:3: gpus[0].index:" in capsys.readouterr().err
+
+
+def test_worker_ignoring_sigterm_gets_sigkill_when_the_wait_ends() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(sigterm="ignore")))
+    # confirmed 30s after it appeared at +10s; SIGKILL after the 30s wait.
+    assert r.signals() == [
+        (40.0, "worker", "SIGTERM", "delivered"),
+        (70.0, "worker", "SIGKILL", "delivered"),
+    ]
+
+
+def test_exit_after_a_delay_is_seen_at_once_not_at_the_next_poll() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(sigterm="exit_after 2500ms")))
+    exits = r.entries("target.exited")
+    assert [e.t for e in exits] == [42.5]
+    assert [s for _, _, s, _ in r.signals()] == ["SIGTERM"]
+
+
+def test_dry_run_sends_nothing_and_says_what_it_would_do() -> None:
+    r = simulate(parse_scenario("s.yaml", scenario(dry="true")))
+    assert r.signals() == [
+        (40.0, "worker", "SIGTERM", "dry_run"),
+        (70.0, "worker", "SIGKILL", "dry_run"),
+    ]
+    assert r.final["signals_delivered"] == 0
+    assert all(p["status"] != "exited" or p["name"] == "trainer" for p in r.final["processes"])  # type: ignore[attr-defined]
+
+
+def test_pause_holds_the_ladder_until_resume() -> None:
+    text = scenario() + "  - at: 5s\n    pause: maintenance\n  - at: 100s\n    resume: null\n"
+    r = simulate(parse_scenario("s.yaml", text))
+    assert [t for t, *_ in r.signals()] == [100.0]
+
+
+def test_one_hour_scenario_runs_in_well_under_a_second() -> None:
+    text = scenario().replace("duration: 3m", "duration: 1h")
+    parsed = parse_scenario("s.yaml", text)
+    started = time.perf_counter()
+    r = simulate(parsed)
+    assert time.perf_counter() - started < 1.0
+    assert r.polls >= 3600 / 5
+
+
+def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(scenario())
+    assert main(["simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "   +40.0s  action   Sent SIGTERM to pid" in out
+    assert "final state at +180.0s" in out
+    assert main(["simulate", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dry_run"] is False
+    assert any(e["event"] == "action.signal" and e["t"] == 40.0 for e in doc["timeline"])
+
+
+def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        "dry_run: true\nrules:\n"
+        "  - {name: o, kind: orphaned, steps: [{signal: SIGKILL, wait: 1s}]}\n"
+    )
+    r = simulate(parse_scenario("s.yaml", scenario()), str(config))
+    assert r.signals() == [(10.0, "worker", "SIGKILL", "dry_run")]
+
+
+# --- the reset: reset.perform_reset itself, against the virtual host ---------------------------
+
+GHOST = """\
+duration: 5m
+policy:
+  dry_run: {dry}
+  reset:
+    confirm_for: 1m
+    timeout: 90s
+    command: [/nonexistent/nvidia-smi, --gpu-reset, -i, "{{uuid}}"]
+    before:
+      - command: [systemctl, stop, nvidia-dcgm]
+    after:
+      - command: [systemctl, start, nvidia-dcgm]
+gpus:
+  - index: 0
+    memory: {{leaked: 8GiB}}
+processes:
+  - name: nv-hostengine
+    command: /usr/bin/nv-hostengine -n
+    cgroup: /system.slice/nvidia-dcgm.service
+    holds: {{gpus: [0], uvm: false}}
+    stops_for_reset: true
+events:
+  - {{at: 0s, reset_result: {result}}}
+"""
+
+
+def ghost(result: str = "success", dry: str = "false") -> str:
+    return GHOST.format(result=result, dry=dry)
+
+
+@pytest.mark.parametrize(
+    ("scripted", "result", "at", "needs_reboot", "reason"),
+    [
+        ("success", "success", 60.0, False, "successfully reset"),
+        ("fail", "failed", 60.0, False, "exit 255: nvidia-smi reported an error"),
+        ("in_use", "in_use", 60.0, False, "the driver says the GPU is in use by another client"),
+        ("hang", "timeout", 150.0, False, "did not finish within 90.0s"),
+        ("fell_off_bus", "failed", 60.0, True, "exit 15: GPU has fallen off the bus"),
+    ],
+)
+def test_the_real_reset_procedure_reads_each_scripted_nvidia_smi_answer(
+    scripted: str, result: str, at: float, needs_reboot: bool, reason: str
+) -> None:
+    r = simulate(parse_scenario("s.yaml", ghost(scripted)))
+    [outcome] = r.entries("reset.outcome")
+    assert (outcome.t, outcome.fields["result"]) == (at, result)
+    assert outcome.fields["needs_reboot"] is needs_reboot
+    assert reason in str(outcome.fields["reason"])
+    assert r.final["gpus"][0]["lost"] is (scripted == "fell_off_bus")  # type: ignore[index]
+    [command] = [e for e in r.entries("reset.step") if e.fields["step"] == "reset"]
+    assert command.fields["argv"] == [
+        "/nonexistent/nvidia-smi",
+        "--gpu-reset",
+        "-i",
+        r.scenario.gpus[0].uuid,
+    ]
+    # The undo and the after hooks run whatever the result.
+    steps = [e.fields["step"] for e in r.entries("reset.step")]
+    assert steps[-2:] == ["persistence_on", "after_hooks"]
+    freed = r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+    assert freed is (result == "success")
+
+
+def test_a_before_hook_stops_the_processes_that_stop_for_a_reset() -> None:
+    r = simulate(parse_scenario("s.yaml", ghost()))
+    [exit_] = r.entries("world.exit")
+    assert exit_.t == 60.0
+    assert "stopped by the reset's before hook" in exit_.text
+    [scan] = [e for e in r.entries("reset.step") if e.fields["step"] == "final_scan"]
+    assert scan.fields["status"] == "clear"
+    assert r.resets()[0][2] == "success"
+
+
+def test_a_dry_run_reset_runs_nothing_but_still_scans_for_holders() -> None:
+    r = simulate(parse_scenario("s.yaml", ghost(dry="true")))
+    outcome = r.entries("reset.outcome")[0]
+    assert outcome.fields["result"] == "dry_run"
+    # dry-run: no hook ran, so DCGM was never stopped, and the scan says a real reset would fail.
+    assert "would be refused" in str(outcome.fields["reason"])
+    assert "nv-hostengine" in str(outcome.fields["blockers"])
+    assert r.entries("world.exit") == []
+    statuses = {e.fields["status"] for e in r.entries("reset.step")}
+    assert statuses <= {"would_run", "blocked", "skipped"}
+    assert r.final["gpus"][0]["allocated"] > r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_a_during_event_happens_once_at_that_reset_step() -> None:
+    text = ghost("in_use").replace(
+        "events:\n",
+        "events:\n  - during: persistence_off\n    set_memory: {gpu: 0, allocated: 9GiB}\n",
+    )
+    r = simulate(parse_scenario("s.yaml", text))
+    [memory] = r.entries("world.memory")
+    assert memory.t == 60.0
+    assert memory.fields["during"] == "persistence_off"
+    assert "(during the reset's persistence_off step)" in memory.text
+    names = [e.name for e in r.timeline if e.t == 60.0]
+    assert names.index("world.memory") < names.index("reset.outcome")
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        ("{during: rest, exit: a}", "expected one of drain, stop_nvml"),
+        ("{during: done, exit: a}", "expected one of drain"),
+        ("{at: 1s, during: drain, exit: a}", "'at' or 'during', not both"),
+        ("{exit: a}", "missing required field 'at'"),
+    ],
+)
+def test_malformed_during_events_are_refused(event: str, message: str) -> None:
+    text = f"duration: 1m\ngpus: [{{index: 0}}]\nprocesses: [{{name: a}}]\nevents:\n  - {event}\n"
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert message in err.value.message
+    assert err.value.line == 5
+
+
+class _Names:
+    def pname(self, pid: object) -> str:
+        return f"pid {pid} (trainer)"
+
+    def gname(self, uuid: object) -> str:
+        return "GPU 0"
+
+
+def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
+    from gpuwatchd.sim.timeline import finding_label
+
+    key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234@None"
+    assert finding_label(key, _Names()) == "dead_process pid 91234 (trainer) on GPU 0"
+    gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
+    assert finding_label(gpu_key, _Names()) == "ghost_memory GPU 0"
+
+
+def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:
+    text = ORPHANS.format(dry="true", sigterm="ignore").replace("4GiB", "5GiB")
+    path = "one-unit.yaml"
+    result = simulate(parse_scenario(path, text))
+    (line,) = [ln for ln in render_text(result).splitlines() if ln.strip().startswith("GPU 0:")]
+    assert "GiB" not in line
+    assert "MiB allocated (idle" in line
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("uuid", "GPU-1,GPU-2"), ("uuid", "GPU-not-hex"), ("pci_bus_id", "-i0")],
+)
+def test_a_gpu_id_the_driver_would_never_report_is_refused_with_its_line(
+    field: str, value: str
+) -> None:
+    text = f"duration: 1m\ngpus:\n  - index: 0\n    {field}: '{value}'\n"
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario("ids.yaml", text)
+    assert caught.value.line == 4
+    assert f"gpus[0].{field}" in str(caught.value)

@@ -1,0 +1,80 @@
+"""simulate's ``spare`` event: ``gpuwatchd spare`` in a scenario, honoured by the daemon's own
+rule (a PID with its start time, or a job), ended by itself, and refused when malformed."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
+from gpuwatchd.sim.simulation import SimulationResult, simulate
+
+JOB = "/system.slice/slurmstepd.scope/job_42/step_0"
+BASE = f"""\
+description: an orphan, spared or not
+duration: 4m
+policy: {{dry_run: false}}
+gpus: [{{index: 0}}]
+processes:
+  - {{name: trainer, pid: 4242, command: python t.py, holds: [0], nvml: {{0: 8GiB}},
+      cgroup: {JOB}}}
+  - {{name: worker, pid: 4250, ppid: trainer, pgid: trainer, command: python t.py,
+      holds: {{gpus: [0], via: map}}, cgroup: {JOB}}}
+events:
+  - {{at: 20s, exit: trainer}}
+"""
+
+
+def play(*events: str) -> SimulationResult:
+    text = BASE + "".join(f"  - {e}\n" for e in events)
+    return simulate(parse_scenario("s.yaml", text))
+
+
+def sigterms(result: SimulationResult) -> list[float]:
+    return [t for t, name, sig, _ in result.signals() if name == "worker" and sig == "SIGTERM"]
+
+
+def test_without_a_spare_the_orphan_is_stopped_after_its_confirmation() -> None:
+    assert sigterms(play()) == [50.0]
+
+
+def test_a_job_spare_holds_every_process_of_the_job_until_it_ends() -> None:
+    r = play('{at: 5s, spare: {job: "42", for: 100s, reason: bench}}')
+    assert sigterms(r) == [105.0]
+    (started,) = r.entries("spare.started")
+    assert (started.fields["target"], started.fields["reason"]) == ("job:slurm:42", "bench")
+
+
+def test_a_process_spare_given_after_it_exited_spares_nobody() -> None:
+    r = play("{at: 5s, exit: worker}", "{at: 6s, spare: {process: worker, for: 1h}}")
+    assert r.entries("spare.started") == []
+
+
+def test_a_later_spare_of_the_same_target_replaces_the_first() -> None:
+    r = play(
+        "{at: 5s, spare: {process: worker, for: 60s}}",
+        "{at: 30s, spare: {process: worker, for: 60s, reason: longer}}",
+    )
+    assert sigterms(r) == [90.0]
+    assert [e.fields.get("why") for e in r.entries("spare.ended")] == [
+        "replaced by a new spare",
+        "its time was up",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        ("{at: 5s, spare: {process: worker}}", "spare needs 'for'"),
+        ("{at: 5s, spare: {for: 1m}}", "one of 'process' or 'job'"),
+        ("{at: 5s, spare: {process: worker, job: '42', for: 1m}}", "one of 'process' or 'job'"),
+        ("{at: 5s, spare: {process: nobody, for: 1m}}", "no process named 'nobody'"),
+        ("{at: 5s, spare: {job: 'a b', for: 1m}}", "spare"),
+        ("{at: 5s, spare: {process: worker, for: 0s}}", "more than 0s"),
+        ("{at: 5s, spare: {process: worker, for: 1m, until: 2m}}", "until"),
+    ],
+)
+def test_a_malformed_spare_event_is_refused_naming_the_line(event: str, message: str) -> None:
+    with pytest.raises(ScenarioError) as caught:
+        play(event)
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("s.yaml:12:")

@@ -717,7 +717,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
 def test_every_field_of_status_json_is_documented() -> None:
     """docs/operations.md's table names each top-level field and each field of the ladders,
     pending windows, recent actions and resets (STATUS_FORMAT's shape)."""
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     section = docs[docs.index("## 10. Status") : docs.index("## 11.")]
     plan = plan_json(waiting={"ghost_memory:GPU-2:gpu": MONO + 60}, last_reset={"GPU-2": NOW})
     result = run_describe(saved(plan=plan))

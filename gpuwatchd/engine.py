@@ -1,34 +1,8 @@
 """The poll cycle, written once: collect → assess → plan → carry out → feed back → next wake-up.
 
-This module owns the one cycle that ``run``, ``run --once`` and ``simulate`` share. It is
-given four edges and nothing else:
+This module owns the one cycle that ``run``, ``run --once`` and ``simulate`` share.
 
-============  ===============================================  ===========================
-edge          the daemon (``gpuwatchd run``)                   ``gpuwatchd simulate``
-============  ===============================================  ===========================
-HostReader    NVML worker + ``/proc`` (collect.Collector)      the scenario's virtual host
-Actuator      pidfd signals, argv commands and hooks           the virtual processes and a
-                                                               scripted ``nvidia-smi``
-Clock         ``time.monotonic`` / ``time.time``               the virtual timeline
-EventSink     structlog → journald                             the timeline it prints
-============  ===============================================  ===========================
-
-and so a preview is the daemon's own decisions, not a copy of them. Decisions come from
-``decide`` (``assess``, ``plan`` and its ``record_*`` feedback); dry-run is decided there, per
-intent, and every actuator honours the intent's ``dry_run`` — a dry-run hook is logged as
-``hook.run`` with ``outcome=dry_run`` and never started; a dry-run reset runs no command. The
-engine re-verifies nothing itself (the actuator does, right before each irreversible step)
-and keeps no state beyond :class:`EngineState`, which the caller persists when told to
-(``checkpoint``). It never sleeps: the caller waits until :meth:`Engine.wake_at` (or an
-exit), then reports exits with :meth:`Engine.note_exits` and calls :meth:`Engine.poll` again.
-Lifecycle — lock, signals, sd_notify and the watchdog, reload, the state file — is the
-daemon's (``gpuwatchd/daemon.py``); the virtual world and its timeline are ``sim/simulation.py``'s.
-See docs/architecture.md.
-
-This module is long (about 670 lines) because the cycle and the carrying out of its intents
-(signals, the reset procedure, hooks, a step withheld while the state cannot be saved, the
-admin's switches) share one state and one order of events: split, the cycle would be written
-twice.
+In detail: docs/internals.md, section `gpuwatchd.engine`.
 """
 
 from __future__ import annotations

@@ -6,37 +6,7 @@ or broken stdout/stderr (``gpuwatchd scan | head``, a journald restart) must not
 daemon down — and it must keep working with structlog 22.1 (Debian's) up to 26.x, so it uses
 only APIs that 22.1 already had.
 
-Formats (``configure_logging(fmt=...)``):
-
-- ``logfmt``: ``timestamp=… level=warning event=action.signal gpu=GPU-… pid=1234 …``
-- ``json``: one JSON object per line.
-- ``console``: structlog's aligned console view, coloured on a terminal (``NO_COLOR`` honoured).
-- ``auto``: logfmt under journald, console on a terminal, logfmt otherwise.
-
-Under journald (``JOURNAL_STREAM`` set and naming our stream) every line starts with the
-sd-daemon priority prefix ``<N>`` — ``<7>`` debug, ``<6>`` info, ``<4>`` warning, ``<3>`` error,
-``<2>`` critical — which journald turns into the entry's PRIORITY, and no timestamp is written
-(journald records its own). Elsewhere timestamps are ISO-8601 UTC. Every event is exactly one
-line: exceptions are flattened into ``exc`` and ``exc_trace`` fields, and control
-characters in values (a hostile command line) are escaped.
-
-Native journal fields: when ``JOURNAL_STREAM`` is verified against the stream's own device and
-inode (not merely set) each event is sent instead as one entry over journald's native protocol
-(a datagram to ``/run/systemd/journal/socket``; a sealed memfd for an entry too big for one):
-``MESSAGE`` (a human sentence, then the logfmt fields), ``PRIORITY``, ``SYSLOG_IDENTIFIER``,
-``MESSAGE_ID`` (:func:`message_id`), ``GPUWATCHD_EVENT`` and one upper-case field per event
-field (:func:`journal_field_name`), values unescaped. docs/events.md ("Journal fields") lists
-them. If the entry cannot be sent, that event goes to the stream as the prefixed line instead.
-The protocol and its fallbacks are written by hand here: python-systemd would need a C build.
-The sentence of each event is the event catalogue's (``gpuwatchd/event_catalogue.py``).
-
-Event names form one catalogue, ``area.what`` (:class:`gpuwatchd.vocabulary.EventName`,
-documented in docs/events.md). The area says which part of gpuwatchd speaks; the name after
-the dot says what happened. The fields carry the inputs that justified a decision, with the same
-names everywhere: ``gpu`` (UUID), ``pid``, ``start_ticks``, ``user``, ``cmdline``, ``job``,
-``memory`` (bytes), ``kind``, ``rule``, ``step``, ``dry_run``, ``outcome``, ``reason``. Levels
-follow docs/events.md: actions are warning, failed actions error, a wedged driver or "needs
-reboot" critical, routine info/debug.
+In detail: docs/internals.md, section `gpuwatchd.logs`.
 """
 
 from __future__ import annotations

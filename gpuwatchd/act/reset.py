@@ -12,70 +12,7 @@ simulated reset is this very procedure. This module never unbinds, rebinds or wr
 never resets without ``-i``-style addressing of exactly one GPU, and never re-runs a reset
 command that may already have run.
 
-The procedure, one event per step, each step recorded with ``record_step`` *before* it runs:
-
-====================  ==========================================================================
-step                  what happens
-====================  ==========================================================================
-``drain``             ``reset.drain`` hooks (e.g. drain the node in the scheduler); one failing
-                      aborts (undo, ``refused``)
-``stop_nvml``         the daemon stops its NVML worker; False (a handle of ours remains) aborts
-``before_hooks``      ``reset.before`` hooks (stop DCGM, exporters...); one failing aborts
-``persistence_off``   ``reset.persistence_command`` with ``{mode}`` = 0, only when
-                      ``toggle_persistence`` is set and persistence mode was *known* to be on;
-                      failure aborts
-``final_scan``        a fresh full holder scan; any blocker aborts, each named in the outcome
-``reset``             ``reset.command`` under ``reset.timeout``; exit code read per the table
-``health_check``      ``reset.health_command`` must exit 0, and memory must be back to the
-                      baseline (unknown memory is logged, not failed); skipped when the reset
-                      command failed. On an NVSwitch system the NVLink fabric must then reach
-                      COMPLETED within ``reset.fabric_timeout`` (Fabric Manager re-registers
-                      the GPU; it is never restarted): until then the reset is not done and
-                      the after hooks (which undrain) wait; otherwise ``failed``
-``persistence_on``    ``{mode}`` = 1, only if this procedure turned it off
-``after_hooks``       ``reset.after`` hooks, always, also after an abort (they undo ``before``)
-``done``              recorded last: nothing left to finish
-====================  ==========================================================================
-
-An abort *undoes*: persistence mode back on (if it was turned off), then the ``after`` hooks.
-The caller restarts its NVML worker after :func:`perform_reset` returns, whatever the outcome.
-
-Exit codes of ``nvidia-smi --gpu-reset`` (nvidia-smi(1), docs/design-notes.md §7), as read by
-:func:`interpret_reset_exit`:
-
-====  =====================================  ===========  ============
-code  meaning                                result       needs reboot
-====  =====================================  ===========  ============
-0     reset done                             success      no
-2     invalid argument                       failed       no
-3     not supported on this device           failed       no
-4     no permission (needs CAP_SYS_ADMIN)    failed       no
-6     GPU not found                          failed       no
-9     driver not loaded                      failed       no
-15    GPU fell off the bus / inaccessible    failed       **yes**
-255   "In use by another client"             in_use       no
-255   any other error                        failed       no
-—     no exit within ``reset.timeout``       timeout      only if unkillable
-—     could not be started                   failed       no
-====  =====================================  ===========  ============
-
-``in_use`` is the driver's own proof of a holder the final scan did not see (a file
-descriptor in flight in a unix-socket message, a holder in another PID namespace or VM, a
-thread whose table could not be read): the reset was refused, not failed. Nothing was reset;
-plan books it without the circuit breaker and holds further resets of that GPU
-(docs/reset.md).
-
-A health check that fails after a reset that exited 0 also means *needs reboot*: NVIDIA
-recommends power-cycling a GPU that is unhealthy after a reset. A custom ``reset.command``
-should follow the same convention (0 success, anything else failure).
-
-Dry-run walks the same steps and runs nothing: no hooks, no commands, no NVML stop, no state
-record. It does run the read-only final holder scan, so the admin sees whether a real reset
-would be refused. The outcome's result is then ``dry_run``. The resume rules after a crash are
-in :func:`resume_interrupted`; ``docs/reset.md`` explains all of this for admins.
-
-This module is long (about 800 lines) because the procedure, its undo and its resumption after
-a crash share one record format and one table of steps: kept together, a new step is one change.
+In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 """
 
 from __future__ import annotations

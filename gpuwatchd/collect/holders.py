@@ -6,71 +6,7 @@ be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
 :class:`~gpuwatchd.collect.procfs.ProcFS` it is given; it never signals, never decides, and
 never imports NVML.
 
-The scan looks at every fd (``/proc/PID/fd``) and every mapping (``/proc/PID/maps``) of a
-process, in one of two match modes:
-
-- **Device-number mode** (production, ``devices_dir == "/dev"``): an fd link is read with
-  ``readlink`` (cheap); only a target that is a path containing ``/dev/`` or ``nvidia`` is then
-  ``stat``-ed through the fd itself, and it counts when it is a character device with major
-  ``device_major`` (195): minor 0-247 is that GPU, ``ctl_minor`` (255) is nvidiactl; major
-  ``uvm_major`` (from ``/proc/devices``) with ``uvm_minor`` (0) is nvidia-uvm. Inside a container
-  host GPU 3 can be called ``/dev/nvidia0``, which is why names are not trusted. The maps text is
-  searched for ``/dev/`` or ``nvidia`` as a whole, and only matching lines (split at ``\\n``
-  alone: the kernel escapes only ``\\n`` in a mapped path) are split into fields; each
-  distinct mapped file is identified by device number through ``/proc/PID/map_files/<range>``
-  (needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE), else through the path under
-  ``/proc/PID/root/`` when that path's inode equals the mapped inode, else by its name alone, in
-  which case the PID is listed in ``HolderScan.matched_by_name`` (its minor may be a container's
-  numbering). Mappings under ``/dev/shm/`` (a ``nodev`` tmpfs) and shared anonymous memory
-  (``/dev/zero (deleted)``) are skipped without a ``stat``.
-- **Path mode** (tests, ``devices_dir`` elsewhere, or ``match_by_path=True``): a holder is a
-  process whose fd link or mapping path is exactly ``<devices_dir>/nvidiaN``, ``nvidiactl`` or
-  ``nvidia-uvm``. Tests can force device-number mode with real character devices by passing
-  ``match_by_path=False`` and e.g. ``device_major=1`` (``/dev/null`` is 1:3, so "GPU 3").
-
-**MIG capabilities.** A process using a MIG instance also holds the capability files of its
-GPU instance and compute instance: ``/dev/nvidia-caps/nvidia-cap<N>`` (device-number mode: the
-``nvidia-caps`` major from ``/proc/devices``; path mode: ``<devices_dir>/nvidia-caps/``), or,
-with the driver's capability device nodes off, the procfs files
-``/proc/driver/nvidia/capabilities/gpu<M>/mig/gi<G>[/ci<C>]/access`` (path mode:
-``<devices_dir>/driver/nvidia/capabilities/``), recognised by path since only the driver
-creates files there. They are reported in ``DeviceHolding.cap_minors_fd``/``cap_minors_map``
-and ``cap_files``; which instance a minor is comes from the mig-minors file
-(``collect/mig.py``), and what that means is ``decide/mig.py``'s.
-
-**Threads with a table of their own.** Threads normally share their process's file descriptor
-table, which ``/proc/PID/fd`` shows. A thread that called ``unshare(CLONE_FILES)`` has one of
-its own, visible only in ``/proc/PID/task/TID/fd``: a holder no plain walk sees. So for each
-process with more than one thread (``/proc/PID/task``'s link count is 2 + threads: one
-``stat``, no listing for the single-threaded majority), each thread is compared with the leader
-by ``kcmp(KCMP_FILES)`` (:mod:`gpuwatchd.collect.kcmp`: one syscall per thread) and only a
-thread whose table differs (or cannot be compared: no kcmp, no ptrace access) has its own fd
-directory read, once per distinct table.
-
-**What no walk of /proc can see.** A file descriptor in flight — sent in an ``SCM_RIGHTS``
-message over a unix socket and not yet received — belongs to no process's table until it is
-received: it holds the device open while every ``/proc/*/fd`` and ``task/*/fd`` says nothing.
-So does a holder in another PID namespace this ``/proc`` does not show. "No holder found" is
-therefore evidence, not proof: the driver's own refusal of a reset ("In use by another
-client") is the proof, and the reset procedure treats it so (docs/reset.md).
-
-"Unreadable": a process whose fd directory, fd links or maps could not be read (EACCES/EPERM,
-or anything else that is not "gone") is listed in ``HolderScan.unreadable``. That means
-*unknown*, never "holds nothing"; whatever was read before the failure is still reported. A
-process that vanished (ENOENT/ESRCH) is skipped silently. Kernel threads and the scanning
-process itself are skipped. A zombie thread-group leader whose other threads still run is
-scanned through one of those threads (a zombie leader's own fd table and memory are gone).
-
-Cost (docs/performance.md): a process's fd links are read in one C-level pass and searched
-as one joined text for the markers the exact tests need (:meth:`HolderScanner._may_hold`,
-which says why this prefilter cannot miss a holder); only on a hit does the per-fd matching
-run, on the same targets (no second read). Kernel threads are skipped in full scans without
-reading their files (:meth:`~gpuwatchd.collect.procfs.ProcFS.kernel_threads`), and the
-per-process work is spread over idle CPUs by fork (:mod:`gpuwatchd.collect.spread`), merged
-in the order of the PID list.
-
-Fd targets are stat-ed once per distinct target string per process (a CUDA process holds dozens
-of fds on the same node), and mapped files once per (device, inode) pair per scan.
+In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 """
 
 from __future__ import annotations

@@ -6,47 +6,7 @@ read and the fallbacks), asks it for one poll at a time over a pipe, and turns t
 into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides anything about
 processes or GPUs.
 
-Why a separate process (docs/design-notes.md §7, §8): an NVML call can hang forever in the kernel on
-a wedged GPU and cannot be cancelled, and every NVML handle keeps ``/dev/nvidia*`` open, which
-blocks a GPU reset. A worker can be abandoned when it hangs and stopped before a reset.
-
-Semantics of :meth:`NvmlClient.read`:
-
-- The worker is started on demand and kept for the next poll. Each poll has a deadline
-  (``timeout``, the policy's ``nvml_timeout``), enforced with ``select`` on the reply pipe; the
-  caller is never blocked past it (plus a fraction of a second to reap the worker).
-- **Wedged**: the deadline passed. The reading says ``wedged=True`` (``available=True``: the
-  driver is there but not answering), the event ``nvml.wedged`` is logged as critical, and the
-  worker is sent SIGKILL. A worker stuck in uninterruptible sleep does not die: it is remembered
-  as *the* hung worker, and no new worker is started while it lives, so at most one hung worker
-  is ever left behind (each is an unkillable holder of the device files that blocks resets).
-  New workers are tried with exponential backoff (``backoff_initial`` doubling up to
-  ``backoff_max``); until then ``read`` answers at once with a wedged reading and starts nothing.
-- **Unavailable**: the library is missing or ``nvmlInit`` fails (no driver, driver not loaded,
-  library/driver mismatch) or the worker dies: ``available=False`` with
-  ``error="NVIDIA driver/NVML not available: <reason>"``. Retries follow the same backoff; the
-  daemon keeps running, since the driver may load later.
-- A worker that answered is reused; backoff resets after a successful reading.
-
-The worker runs as root and must not be steerable by whoever chose our current folder or
-environment (``gpuwatchd scan`` run from a folder another user can write, say). So it is
-started as ``python -I -c <bootstrap> <worker file> [<library folder>]`` (:func:`worker_command`):
-isolated mode puts neither the current folder nor the user's site-packages on ``sys.path`` and
-ignores every ``PYTHON*`` variable; the worker is the file beside this module, run by absolute
-path, so no ``gpuwatchd`` package is looked up at all; the one folder added to ``sys.path`` is
-the one where this process itself would find pynvml (the Debian package vendors it in
-``/usr/lib/gpuwatchd/vendor``), never the current folder or a relative entry. It runs in ``/``,
-with an environment built from scratch (:func:`worker_environment`): ``PATH``,
-``LD_LIBRARY_PATH`` and the fake library's ``FAKENVML_*`` settings are inherited (the real
-library reads none of those), plus the ``env`` given to the client; nothing else.
-
-:meth:`NvmlClient.stop` shuts the worker down (``nvmlShutdown``, then exit) so the daemon holds no
-``/dev/nvidia*`` file; the next ``read`` starts a fresh one. :attr:`NvmlClient.worker_pids` are
-the daemon's own processes: never device holders, never targets.
-
-The first time a GPU falls back to the v1 memory query, ``nvml.memory_v1_fallback`` is logged as
-a warning (once per GPU UUID for the life of the client); :attr:`NvmlClient.memory_v1_gpus`
-lists those GPUs.
+In detail: docs/internals.md, section `gpuwatchd.collect.nvml`.
 """
 
 from __future__ import annotations

@@ -6,46 +6,7 @@ process (docs/design-notes.md §1, §4). It reads no files and no clock: the col
 has read this poll, ``now`` and the state returned by the previous call. It imports only
 ``gpuwatchd.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
 
-A full scan is due (reasons in :class:`FullScanReason`, checked in this order):
-
-1. ``forced``: the caller asked (``gpuwatchd scan``, a reset's final scan);
-2. ``first``: no full scan yet;
-3. ``periodic``: ``interval`` seconds since the last one — or, while the daemon's inotify
-   watch on the device files works (``watching``), ``backstop``: ``backstop`` seconds since
-   the last one, the slow sweep for what no cause below can see;
-3a. ``device_opened``: (only while ``watching``) a device file was opened, a device file
-   appeared or its watch was lost, or events were lost, since the previous poll
-   (:mod:`gpuwatchd.collect.devwatch` reads that; here it is one flag);
-4. ``new_dead_pid``: NVML lists a PID that is dead or a zombie and was not listed that way at the
-   previous poll. Its inheritors are found by one full scan and then followed by the targeted
-   scans (they become known holders), so a PID that stays listed does not scan again;
-5. ``unowned_memory``: a GPU holds memory that no live process NVML lists can own — only a full
-   scan shows that nobody holds it, and ``ghost_memory`` is only ever concluded on a full scan,
-   so it must see one on every poll while the question stands, or the finding would come and go
-   and never last through its confirmation window. "Live" counts a listed zombie (it may still
-   have threads holding the GPU) and not a dead or invalid PID, as ``assess`` does. The memory
-   is the v2 *allocated* figure; the threshold is the lower of ``detection.default_baseline``
-   (memory an idle GPU is assumed not to hold) and ``detection.ghost_margin`` (ghost memory is
-   more than a learned baseline, which may be near zero, plus this margin), so no poll that
-   could find ghost memory is ever a targeted one. GPUs with coherent memory (ghost detection is
-   off there: they keep pages after exit by design), lost GPUs and v1-only GPUs (allocated
-   unknown; the learned baselines live in ``assess``' state) are left to the periodic scan.
-   An unreadable process list (``None``) counts as no live owner: without NVML's list the
-   targeted scan has nothing to start from. A GPU whose device file a known holder held at the
-   previous poll is exempt: with a live holder there is no ghost memory to conclude, and the
-   targeted scan follows that holder (the inheritors of a dead trainer, say, which a ladder is
-   escalating against: scanning all of ``/proc`` every poll then would only delay its steps).
-   Once the holder is gone, the next poll scans in full.
-
-After a targeted scan, :func:`holder_gone` adds one more cause, ``holder_gone``: a process
-that held a device file at the previous poll no longer does (it exited or closed the file).
-Its children may have inherited the files without opening anything (no inotify event) and,
-with their parent gone, are no longer its descendants, which the targeted scan follows; a
-walk finds them. docs/scan.md lists what each cause cannot see.
-
-The memory a listed owner reports is not compared with the allocated figure: per-process
-figures are often missing or exclude UVM pages, so on busy nodes that comparison would make
-nearly every poll a full one; a holder hiding beside a live job is found by the periodic scan.
+In detail: docs/internals.md, section `gpuwatchd.decide.full_scan`.
 """
 
 from __future__ import annotations

@@ -7,30 +7,7 @@ node-problem-detector plugin), ``run --once`` (an epilog: its exit 0), ``scan`` 
 ``verdict``) and the daemon's status. None of them looks at findings itself
 (``tests/unit/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
 
-A GPU is judged on facts about that GPU alone, so ``check-clean --gpu N`` and ``check-clean``
-give GPU N the same verdict:
-
-* **dirty** — NVML lists a dead or zombie process there (its memory is still charged); a
-  leftover process holds its device file (``orphaned``, ``abandoned``, ``stuck``, or a
-  ``hidden_holder`` that is the likely heir of memory leaked before gpuwatchd watched — on
-  *every* GPU whose file it holds); a GPU-level ``hidden_holder`` (the driver refused its
-  reset as in use by a holder no walk of /proc found: something still holds it);
-  ``ghost_memory``, ``unaccounted_memory``; the driver asks for a reset, a reboot or a
-  drain; allocated memory more than the margin above the idle baseline that no live process
-  accounts for (``leftover_memory``, the daemon's baseline logic); NVML reports the GPU lost.
-* **unknown** (not clean either) — NVML could not list the GPU's processes; a holder whose
-  role could not be told, or one the orphan rule could not decide (``evidence.undecided``); a
-  process whose fds or maps could not be read (on every GPU: it may hold any of them).
-  Unknown is not none.
-* **never dirt** — infrastructure and NVML-only clients (holder role ``management``: gpustat,
-  an exporter, ``nvidia-smi -l``), processes ``protect`` names (commands, users, units,
-  cgroups), live jobs (context owners and their workers), and any other ``hidden_holder``: a
-  process that holds the device without a context while nothing ties it to memory left
-  behind (memory left behind is dirt of its own). When they hold the GPU's device file they
-  are listed as what *would block a reset*, which is not dirt.
-* NVML unavailable or wedged: no GPU can be judged (:attr:`NodeVerdict.unavailable`).
-
-Pure: no I/O, no clock, no logging.
+In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 """
 
 from __future__ import annotations

@@ -267,6 +267,26 @@ RUNTIME_DISTRIBUTIONS = {
 }
 
 
+DOCSTRING_MAX_LINES = 30  # what a module owns, in a few lines; how it works: docs/internals.md
+
+
+def test_a_module_docstring_says_what_it_owns_and_leaves_the_long_story_to_the_docs() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if docstring.count("\n") + 1 > DOCSTRING_MAX_LINES:
+            long.append(f"{_module_name(path)} ({docstring.count(chr(10)) + 1} lines)")
+    assert not long, "move the explanation to docs/internals.md: " + ", ".join(long)
+
+
+def test_every_section_docs_internals_names_is_there() -> None:
+    internals = (ROOT / "docs" / "internals.md").read_text()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        for section in re.findall(r"docs/internals\.md, section `([\w.]+)`", docstring):
+            assert f"## `{section}`" in internals, f"{_module_name(path)} names {section}"
+
+
 def test_the_package_imports_only_the_standard_library_and_declared_dependencies() -> None:
     """An import of something pyproject.toml does not declare (psutil was dropped) would
     fail on an installed node, not here where the test extras are installed."""

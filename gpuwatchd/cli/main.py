@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd import __version__
 from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
 from gpuwatchd.statedir import StateDirError
-from gpuwatchd.vocabulary import ExitCode
+from gpuwatchd.vocabulary import EventName, ExitCode
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.nvml import NvmlClient
@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         "long a pause without --for lasts; the daemon resumes by itself then",
     )
     resume = sub.add_parser("resume", parents=[common], help="allow actions again")
-    resume.add_argument("--reason", default="", help="why (logged with daemon.resumed)")
+    resume.add_argument(
+        "--reason", default="", help=f"why (logged with {EventName.DAEMON_RESUMED})"
+    )
     resume.add_argument(
         "--clear-latches",
         action="store_true",
@@ -173,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="how long (30m, 2h); at most the policy's limits.max_spare",
     )
-    spare.add_argument("--reason", help="why (logged with spare.started, shown in status)")
+    spare.add_argument(
+        "--reason", help=f"why (logged with {EventName.SPARE_STARTED}, shown in status)"
+    )
     spare.add_argument("--cancel", action="store_true", help="end the spare of the target now")
     spare.add_argument("--list", dest="list_", action="store_true", help="show the spares in force")
     spare.add_argument("--json", action="store_true", help="with --list: print JSON")

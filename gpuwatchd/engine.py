@@ -31,6 +31,7 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health import drop_assumed, note_reset
+from gpuwatchd.decide.mig_recovery import from_record, recovered, recovery_blockers
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import (
     HookIntent,
@@ -631,16 +632,25 @@ class Engine:
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
         gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
+        whole = intent.instance is None  # else: re-create one MIG GPU instance of the GPU
         target = ResetTarget(
             uuid=intent.gpu,
             pci_bus_id=intent.pci_bus_id,
             minor=intent.minor,
-            persistence_was_on=gpu.persistence_mode if gpu else None,
+            persistence_was_on=gpu.persistence_mode if gpu and whole else None,
             hostname=self.hostname,
             # An NVSwitch system's GPU: the reset is done once its fabric re-registered.
-            fabric=gpu is not None and gpu.health is not None and fabric.supported(gpu.health),
+            fabric=whole
+            and gpu is not None
+            and gpu.health is not None
+            and fabric.supported(gpu.health),
+            recovery=intent.instance,
         )
         env = _ResetEnv(self)
+        hook_env = {"GPUWATCHD_GPU_UUID": intent.gpu}
+        if intent.instance is not None:
+            hook_env["GPUWATCHD_MIG_INSTANCE"] = intent.instance.mig_uuid
+            hook_env["GPUWATCHD_MIG_GI"] = str(intent.instance.gi)
 
         def work() -> ResetOutcome:
             return perform_reset(
@@ -648,7 +658,7 @@ class Engine:
                 self.policy.reset,
                 env,
                 dry_run=intent.dry_run,
-                hook_env={"GPUWATCHD_GPU_UUID": intent.gpu},
+                hook_env=hook_env,
                 runner=self.actuator.run_command,
                 drained=intent.drained,
                 fabric_wait=self._wait_for_fabric,
@@ -691,7 +701,9 @@ class Engine:
             and outcome.step is ResetStep.DONE
         )
         assessed = self.state.assess
-        if outcome.result == ResetResult.SUCCESS and not intent.dry_run:
+        if intent.instance is not None:
+            pass  # one MIG GPU instance re-created: the GPU's health is as it was
+        elif outcome.result == ResetResult.SUCCESS and not intent.dry_run:
             # GPU health: Xids before this reset are dealt with; the next reading is the
             # health check after it (decide/health.py).
             health = note_reset(assessed.health, intent.gpu, self.clock.wall())
@@ -708,6 +720,8 @@ class Engine:
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
+        if intent.instance is not None:
+            fields.update(intent.instance.fields())
         self.sink.emit(EventName.RESET_OUTCOME, level, fields)
         return self._take(
             record_reset(
@@ -766,6 +780,7 @@ class Engine:
                 dry_run=False,
                 reason="resumed after an interruption",
                 facts={},
+                instance=from_record(record.get("recovery")),
             )
             self._carry_out_all(self._book_reset(intent, outcome))
             self.checkpoint()
@@ -783,7 +798,24 @@ class _ResetEnv:
     def final_blockers(self, target: ResetTarget) -> list[str]:
         reader = self.engine.reader
         holders, processes = reader.final_scan(target.minor)
+        if target.recovery is not None:
+            last = self.engine.last_snapshot
+            if last is None:
+                return ["no snapshot to place the holders in MIG GPU instances"]
+            return recovery_blockers(
+                last, holders, processes, reader.self_pids(), target.recovery.mig_uuid
+            )
         return reset_blockers(holders, processes, target.minor, reader.self_pids())
+
+    def instance_back(self, target: ResetTarget) -> str | None:
+        recovery = target.recovery
+        if recovery is None:
+            return "not a MIG GPU instance's recovery"
+        engine = self.engine
+        detection = engine.policy.detection
+        baseline = engine.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
+        snapshot = engine.reader.collect()
+        return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         gpu = self.engine.reader.read_gpu(target.uuid)

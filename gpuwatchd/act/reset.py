@@ -18,6 +18,7 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.decide.argv import format_argv, hook_environment
+from gpuwatchd.decide.mig_recovery import InstanceRecovery, from_record, recovery_argvs
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.vocabulary import (
     RESET_RESULT_LEVELS,
@@ -70,6 +72,8 @@ class ResetTarget:
     persistence_was_on: bool | None
     hostname: str | None = None  # {hostname} in the drain/before/after hooks
     fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
+    # Re-create this MIG GPU instance of the GPU in place instead of resetting the GPU.
+    recovery: InstanceRecovery | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,11 @@ class ResetEnvironment(Protocol):
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         """After the reset: restart NVML and read memory. None = unknown."""
+
+    def instance_back(self, target: ResetTarget) -> str | None:
+        """After a MIG recovery (``target.recovery``): restart NVML and read the GPU and the
+        mig-minors table. None when the instance is back, listed, and its memory freed; else
+        what is not (unknown is not back)."""
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         """Persist progress before ``step`` runs (see :func:`progress_record`)."""
@@ -143,7 +152,7 @@ def progress_record(
     reset command was about to run or ran) and ``result`` (the reset command's result once
     known). :func:`resume_interrupted` reads exactly this shape back.
     """
-    return {
+    record: dict[str, object] = {
         "uuid": target.uuid,
         "pci_bus_id": target.pci_bus_id,
         "minor": target.minor,
@@ -151,6 +160,9 @@ def progress_record(
         "step": step.value,
         **data,
     }
+    if target.recovery is not None:
+        record["recovery"] = target.recovery.record()
+    return record
 
 
 # --- reading the result -----------------------------------------------------------------------
@@ -207,6 +219,12 @@ def outcome_event(
     }
 
 
+def _says_in_use(result: CommandResult) -> bool:
+    """The command failed with nvidia-smi's "in use by another client" text."""
+    lowered = result.output.lower()
+    return not result.ok and any(marker in lowered for marker in _IN_USE_MARKERS)
+
+
 def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
     """``(result, needs_reboot, reason)`` for a finished reset command; see the module table.
 
@@ -232,10 +250,9 @@ def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]
             True,
             f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output,
         )
+    if code == 255 and _says_in_use(result):
+        return ResetResult.IN_USE, False, IN_USE_REASON + output
     if code == 255:
-        lowered = result.output.lower()
-        if any(marker in lowered for marker in _IN_USE_MARKERS):
-            return ResetResult.IN_USE, False, IN_USE_REASON + output
         return ResetResult.FAILED, False, "exit 255: nvidia-smi reported an error" + output
     meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
     return ResetResult.FAILED, False, f"exit {code}: {meaning}" + output
@@ -246,7 +263,7 @@ def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]
 
 @dataclass(frozen=True)
 class _Commands:
-    reset: tuple[str, ...]
+    reset: tuple[tuple[str, ...], ...]  # one reset command, or a MIG recovery's commands
     health: tuple[str, ...]
     persistence_off: tuple[str, ...] | None
     persistence_on: tuple[str, ...] | None
@@ -273,19 +290,26 @@ def _would_run(template: Sequence[str], values: Mapping[str, str | None]) -> lis
 def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
     """Fill every command up front (a bad template must not surface halfway); or say why not."""
     values = _values(target)
+    key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
     try:
-        reset = format_argv(policy.command, **values)
+        if target.recovery is None:
+            resets: tuple[tuple[str, ...], ...] = (format_argv(policy.command, **values),)
+        else:
+            resets = recovery_argvs(target.recovery, policy.mig_recovery_commands)
         health = format_argv(policy.health_command, **values)
         off = format_argv(policy.persistence_command, mode="0", **values)
         on = format_argv(policy.persistence_command, mode="1", **values)
     except ValueError as err:
-        return f"cannot build the reset commands for {target.uuid}: {err}"
+        return f"cannot build the {key} for {target.uuid}: {err}"
     names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
-    if not any(name in arg for arg in reset for name in names):
-        # The last line of defence behind check-config: never a command that does not name
-        # this GPU (nvidia-smi without -i resets every GPU).
-        return f"reset.command {list(reset)!r} does not name GPU {target.uuid}; refusing"
-    return _Commands(reset, health, off, on)
+    for reset in resets:
+        if not any(name in arg for arg in reset for name in names):
+            # The last line of defence behind check-config: never a command that does not
+            # name this GPU (nvidia-smi without -i resets every GPU).
+            return f"{key} {list(reset)!r} does not name GPU {target.uuid}; refusing"
+    if not resets:
+        return f"{key} is empty; refusing"
+    return _Commands(resets, health, off, on)
 
 
 class _Procedure:
@@ -497,6 +521,8 @@ class _Procedure:
             return True, None, "dry-run"
         if not done.ok:
             return False, None, f"health check failed: {done.describe()}{_quote(done.output)}"
+        if self.target.recovery is not None:
+            return self.instance_check()
         try:
             memory = self.env.memory_back_to_baseline(self.target)
         except Exception as err:  # unknown, logged; never counted as good
@@ -512,6 +538,18 @@ class _Procedure:
         if memory is None:
             return True, None, "health check passed; memory could not be verified"
         return True, True, "health check passed; memory back to baseline"
+
+    def instance_check(self) -> tuple[bool, bool | None, str]:
+        """After a MIG recovery: (health passed, instance back with its memory freed, detail)."""
+        try:
+            wrong = self.env.instance_back(self.target)
+        except Exception as err:  # unknown is not back
+            wrong = f"reading the GPU instance failed: {err}"
+        if wrong is not None:
+            self.event(ResetStep.HEALTH_CHECK, ResetStepStatus.MEMORY_UNKNOWN, detail=wrong,
+                       level=Level.WARNING)  # fmt: skip
+            return True, False, f"health check passed; the MIG GPU instance is not back: {wrong}"
+        return True, True, "health check passed; the MIG GPU instance is back, its memory freed"
 
 
 def perform_reset(
@@ -605,7 +643,10 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
-    if reset.toggle_persistence and target.persistence_was_on is True:
+    if target.recovery is not None:
+        detail = "a MIG GPU instance's re-creation leaves persistence mode as it is"
+        proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=detail)
+    elif reset.toggle_persistence and target.persistence_was_on is True:
         proc.persistence_off = True  # recorded before the command: undo restores it regardless
         if not proc.begin(ResetStep.PERSISTENCE_OFF):
             return proc.abort(ResetStep.PERSISTENCE_OFF, _UNRECORDED)
@@ -650,7 +691,7 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
     if not proc.begin(ResetStep.RESET):
         proc.reset_started = False
         return proc.abort(ResetStep.RESET, _UNRECORDED)
-    command = proc.command(ResetStep.RESET, prepared.reset)
+    command, result, needs_reboot, reason = _run_resets(proc)
     if command is None:
         proc.health_check()
         if target.fabric:
@@ -658,12 +699,9 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
                        detail=f"would wait up to {proc.policy.fabric_timeout:g}s for the NVLink "
                        "fabric to reach COMPLETED")  # fmt: skip
         proc.restore(ResetResult.DRY_RUN, "dry-run")
-        return proc.finish(
-            ResetResult.DRY_RUN,
-            ResetStep.DONE,
-            f"would reset {target.uuid} with {list(prepared.reset)!r}",
-        )
-    result, needs_reboot, reason = interpret_reset_exit(command)
+        shown = " then ".join(repr(list(argv)) for argv in prepared.reset)
+        what = f"reset {target.uuid}" if target.recovery is None else target.recovery.describe()
+        return proc.finish(ResetResult.DRY_RUN, ResetStep.DONE, f"would {what} with {shown}")
     proc.result = result
     if result != ResetResult.SUCCESS:
         proc.restore(result, reason)
@@ -692,6 +730,44 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
             return proc.finish(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
     proc.restore(ResetResult.SUCCESS, reason)
     return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
+
+
+def _run_resets(proc: _Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
+    """Run the reset command, or a MIG recovery's commands in order until one fails: (the
+    last result, None in a dry run; its reading by :func:`interpret_reset_exit`). Only the
+    first of a recovery's commands may end ``in_use`` (nothing changed then); a later one's
+    failure leaves the instance half done, which only an administrator can finish."""
+    commands = proc.commands.reset
+    recovery = proc.target.recovery
+    result: CommandResult | None = None
+    for number, argv in enumerate(commands):
+        result = proc.command(ResetStep.RESET, argv)
+        if result is None:
+            continue  # dry run: each would run
+        verdict, needs_reboot, reason = interpret_reset_exit(result)
+        if verdict is ResetResult.SUCCESS:
+            continue
+        if recovery is not None and number == 0 and _says_in_use(result):
+            # Nothing was destroyed: the driver refuses while anything uses the instance.
+            verdict = ResetResult.IN_USE
+            reason = (
+                f"the driver says {recovery.describe().removeprefix('re-create ')} is in use "
+                f"by another client, which the final holder scan did not see{_quote(result.output)}"
+            )
+        elif recovery is not None and number > 0:
+            done = "; ".join(shlex.join(c) for c in commands[:number])
+            reason = (
+                f"{reason}; {recovery.describe()} is half done (ran: {done}): check "
+                "`nvidia-smi mig -lgi` and re-create the instance by hand"
+            )
+            verdict = ResetResult.TIMEOUT if verdict is ResetResult.TIMEOUT else ResetResult.FAILED
+        return result, verdict, needs_reboot, reason
+    if result is None:
+        return None, ResetResult.DRY_RUN, False, "dry-run"
+    if recovery is None:
+        return result, *interpret_reset_exit(result)
+    done = f"{recovery.describe()}: done{_quote(result.output)}"
+    return result, ResetResult.SUCCESS, False, done
 
 
 def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
@@ -729,11 +805,17 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
     was_on = record.get("persistence_was_on")
     if not isinstance(uuid, str) or not uuid:
         return None
+    recovery = None
+    if "recovery" in record:  # a MIG recovery's: never resumed as a whole GPU's reset
+        recovery = from_record(record["recovery"])
+        if recovery is None or recovery.uuid != uuid:
+            return None
     return ResetTarget(
         uuid=uuid,
         pci_bus_id=pci if isinstance(pci, str) else None,
         minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
         persistence_was_on=was_on if isinstance(was_on, bool) else None,
+        recovery=recovery,
     )
 
 

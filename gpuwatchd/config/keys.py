@@ -37,6 +37,7 @@ from gpuwatchd.decide.argv import (
     HOOK_PLACEHOLDERS,
     LITERAL_BUS_ID,
     LITERAL_UUID,
+    MIG_PLACEHOLDERS,
     ArgvError,
     check_hook_command,
     check_one_gpu,
@@ -387,6 +388,19 @@ def argv(allowed: Sequence[str] = GPU_PLACEHOLDERS, *, one_gpu: bool = False) ->
     return Value(read, list)
 
 
+def _commands(value: Value) -> Value:
+    """A non-empty list of argv ``value``s: the commands of one action, run in order."""
+    many = list_of(value)
+
+    def read(node: Node) -> tuple[Any, ...]:
+        commands = tuple(many.read(node))
+        if not commands:
+            raise node.error("expected at least one command (a list of argv lists)")
+        return commands
+
+    return Value(read, many.render)
+
+
 def _read_signal(node: Node) -> str | None:
     value = _scalar(node)
     if value is None:
@@ -560,6 +574,8 @@ SECTIONS: dict[str, Section] = {
                 "cooldown": duration(0, "7d"),
                 "max_failures": count(1, 100),
                 "allow_mig": BOOL,
+                "mig_recovery": BOOL,
+                "mig_recovery_commands": _commands(argv(MIG_PLACEHOLDERS, one_gpu=True)),
                 "allow_nvlink_group": BOOL,
                 # Waited for with the watchdog fed, like the reset command itself.
                 "fabric_timeout": duration("1s", "30m"),

@@ -47,6 +47,8 @@ GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
 # Hooks also know the node (``{hostname}``: to name it to a scheduler or in a message) and, for
 # an action on a process, the user who owned it (``{user}``: to tell them).
 HOOK_PLACEHOLDERS = (*GPU_PLACEHOLDERS, "hostname", "user")
+# A MIG recovery command names the parent GPU by its stable names, and the GPU instance.
+MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "placement")
 # The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
 _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
 

@@ -20,7 +20,9 @@ This module owns, purely (no I/O, no clock):
   unreadable process list): the recovery's own live-holder gate, the other instances' users
   never among them.
 - :func:`recovered`: whether a later snapshot shows the instance back (same profile and
-  placement) with its memory freed.
+  placement, listed in mig-minors) with its memory freed.
+- :meth:`InstanceRecovery.record` / :func:`from_record`: its form in the state file while it
+  runs, read back with every field checked.
 
 The gates around it (confirmation window, live holders, limits, dry-run) are the GPU reset's;
 this module only says what the action is.
@@ -28,34 +30,30 @@ this module only says what the action is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.argv import MIG_PLACEHOLDERS, format_argv
+from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig import mig_layout
-from gpuwatchd.model import Snapshot
+from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
+from gpuwatchd.model import HolderScan, ProcessInfo, Snapshot
 
 __all__ = [
     "DEFAULT_COMMANDS",
     "MIG_PLACEHOLDERS",
     "InstanceRecovery",
+    "from_record",
     "instance_blockers",
     "recovered",
     "recovery_argvs",
+    "recovery_blockers",
     "recovery_of",
 ]
 
-# What a recovery command may name: the parent GPU by its stable names, and the instance.
-MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "placement")
 
-# Destroy the GPU instance's compute instances, then the GPU instance, then create it again
-# with the same GI profile at the same placement start, with its default compute instance
-# (-C). nvidia-smi names the GPU by its UUID: an index may change across the re-creation.
-DEFAULT_COMMANDS: tuple[tuple[str, ...], ...] = (
-    ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"),
-    ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
-    ("nvidia-smi", "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"),
-)
+# The commands of a recovery unless ``reset.mig_recovery_commands`` says otherwise.
+DEFAULT_COMMANDS = DEFAULT_MIG_RECOVERY_COMMANDS
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,51 @@ class InstanceRecovery:
             f"re-create MIG GPU instance {self.gi} of GPU {self.gpu_index} "
             f"(GI profile {self.profile}, placement {self.placement}:{self.size})"
         )
+
+    def fields(self) -> dict[str, object]:
+        """What the reset events of its recovery say about it, besides the parent GPU."""
+        return {"instance": self.mig_uuid, "gi": self.gi, "recovery": self.describe()}
+
+    def record(self) -> dict[str, object]:
+        """The JSON-able form the state file keeps while it runs (:func:`from_record`)."""
+        return {
+            "uuid": self.uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "gpu_index": self.gpu_index,
+            "gi": self.gi,
+            "ci": self.ci,
+            "mig_uuid": self.mig_uuid,
+            "profile": self.profile,
+            "placement": self.placement,
+            "size": self.size,
+        }
+
+
+def from_record(record: object) -> InstanceRecovery | None:
+    """The recovery a state file's record names, or None when it is not one (a field missing
+    or of the wrong type): a resumed procedure then cannot check the instance, and says so."""
+    if not isinstance(record, dict):
+        return None
+    ints = {}
+    for name in ("gpu_index", "gi", "ci", "profile", "placement", "size"):
+        value = record.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return None
+        ints[name] = value
+    uuid, mig_uuid, pci = record.get("uuid"), record.get("mig_uuid"), record.get("pci_bus_id")
+    if not isinstance(uuid, str) or not isinstance(mig_uuid, str) or not uuid or not mig_uuid:
+        return None
+    return InstanceRecovery(
+        uuid=uuid,
+        pci_bus_id=pci if isinstance(pci, str) else None,
+        gpu_index=ints["gpu_index"],
+        gi=ints["gi"],
+        ci=ints["ci"],
+        mig_uuid=mig_uuid,
+        profile=ints["profile"],
+        placement=ints["placement"],
+        size=ints["size"],
+    )
 
 
 def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecovery | str:
@@ -132,7 +175,9 @@ def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
     """Why GPU instance ``instance_uuid`` may be in use in ``snapshot``; empty when nothing
     is known to hold it. Unknown counts as in use: an instance not judged, an unreadable
     process list, a holder of the parent node with no capability of any instance (it may use
-    this one). The daemon's own PIDs are left out; users of the other instances never count."""
+    this one) unless it is verified infrastructure (nvidia-persistenced, DCGM: they hold every
+    GPU's node and use no instance). The daemon's own PIDs are left out; users of the other
+    instances never count."""
     layout = mig_layout(snapshot)
     instance = layout.instance_of(instance_uuid)
     if instance is None:
@@ -148,7 +193,12 @@ def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
             if proc is not None and not proc.is_zombie:
                 listed.add(entry.pid)
     holders = {pid for pid, named in layout.attributed.items() if instance_uuid in named}
-    unsure = {pid for pid, parents in layout.parent_only.items() if instance.parent.uuid in parents}
+    unsure = {
+        pid
+        for pid, parents in layout.parent_only.items()
+        if instance.parent.uuid in parents
+        and not ((proc := snapshot.processes.get(pid)) is not None and is_infrastructure(proc))
+    }
     for pids, what in (
         (listed - own, "listed by NVML in it"),
         (holders - own, "holding its capability files"),
@@ -157,6 +207,32 @@ def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
         if pids:
             shown = ", ".join(str(pid) for pid in sorted(pids)[:5])
             why.append(f"GPU instance {instance.gi}: PID {shown} {what}")
+    return why
+
+
+def recovery_blockers(
+    last: Snapshot,
+    holders: HolderScan,
+    processes: Mapping[int, ProcessInfo],
+    self_pids: frozenset[int],
+    instance_uuid: str,
+) -> list[str]:
+    """The final scan of a recovery: :func:`instance_blockers` with a fresh full holder scan
+    (``holders``, their ``processes``) in place of the last poll's, whose NVML reading and
+    mig-minors table still say which instance each capability names. A process whose files
+    could not be read blocks (unknown is not none)."""
+    fresh = replace(
+        last,
+        holders=holders,
+        processes={**last.processes, **processes},
+        self_pids=self_pids,
+    )
+    why = instance_blockers(fresh, instance_uuid)
+    why += [
+        f"pid {pid}: fds/maps unreadable (unknown is not none)"
+        for pid in sorted(holders.unreadable)
+        if pid not in self_pids
+    ]
     return why
 
 
@@ -170,8 +246,9 @@ def recovery_argvs(
 
 def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) -> str | None:
     """None when ``snapshot`` shows a GPU instance of the same GPU with the same profile at the
-    same placement using at most ``max_used`` bytes; else what is still wrong. Its GPU
-    instance id and MIG UUID may be new: the driver chooses them."""
+    same placement using at most ``max_used`` bytes, its capability in the snapshot's
+    mig-minors table; else what is still wrong. Its GPU instance id and MIG UUID may be new:
+    the driver chooses them."""
     layout = mig_layout(snapshot)
     if recovery.uuid not in layout.judged:
         why = layout.unjudged.get(recovery.uuid, "the GPU is not in MIG mode in this snapshot")
@@ -189,5 +266,9 @@ def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) 
             return f"GPU instance {instance.gi} is back; its memory use is unknown"
         if used > max_used:
             return f"GPU instance {instance.gi} is back but still uses {used} bytes"
+        table = (snapshot.mig_caps or {}).values()
+        minor = instance.parent.minor
+        if not any(c.gpu_minor == minor and c.gi == instance.gi and c.ci is None for c in table):
+            return f"GPU instance {instance.gi} is back but mig-minors does not list it"
         return None
     return f"no GPU instance with GI profile {recovery.profile} at placement {recovery.placement}"

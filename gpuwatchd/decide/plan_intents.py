@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
+from gpuwatchd.decide.mig_recovery import InstanceRecovery
 from gpuwatchd.decide.plan_state import (
     Ladder,
     PlanState,
@@ -65,7 +66,12 @@ class SignalIntent:
 
 @dataclass(frozen=True)
 class ResetIntent:
-    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id (design-notes §7)."""
+    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id (design-notes §7).
+
+    With ``instance`` the procedure re-creates that MIG GPU instance of the GPU in place
+    instead of resetting the GPU (docs/reset.md#mig); ``gpu`` is then its parent's UUID, and
+    the limits, cooldown and history are the parent GPU's.
+    """
 
     gpu: str
     pci_bus_id: str | None
@@ -75,6 +81,7 @@ class ResetIntent:
     reason: str
     facts: Mapping[str, object]
     drained: bool = False  # the drain hooks ran already (health: drain, wait, then reset)
+    instance: InstanceRecovery | None = None
 
 
 @dataclass(frozen=True)

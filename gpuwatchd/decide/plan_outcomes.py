@@ -137,15 +137,16 @@ def _reset_action(
     intent: ResetIntent, outcome: ActionOutcome, fields: Mapping[str, object]
 ) -> HookIntent:
     """The ``on_action`` notification for a reset that ran (its command was started)."""
+    action = "reset" if intent.instance is None else "mig_recovery"
     facts = {
         **fields,
         "minor": intent.minor,
-        "action": "reset",
+        "action": action,
         "outcome": outcome,
         "user": intent.facts.get("user"),
     }
     return HookIntent(
-        HookName.ON_ACTION, f"reset of {intent.gpu}: {outcome}", facts, dry_run=intent.dry_run
+        HookName.ON_ACTION, f"{action} of {intent.gpu}: {outcome}", facts, dry_run=intent.dry_run
     )
 
 
@@ -155,6 +156,9 @@ def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
     after hooks undid the drain — an undrain hook learns the result and keeps the node
     drained otherwise — and a later health incident of this GPU drains again (a dry run's
     would-be undrain undoes no real drain)."""
+    # One MIG GPU instance re-created leaves its GPU's health drain as it was.
+    if intent.instance is not None:
+        undrained = False
     if undrained and (not intent.dry_run or w.health_drained.get(intent.gpu) is True):
         w.health_drained.pop(intent.gpu, None)
     in_flight = w.state.reset_in_flight
@@ -162,6 +166,19 @@ def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
         return 0.0
     w.state = replace(w.state, reset_in_flight=None)
     return in_flight.delay
+
+
+def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, object]:
+    """The fields of the events that book a reset (and a MIG recovery: its instance)."""
+    fields: dict[str, object] = {
+        "gpu": intent.gpu,
+        "pci_bus_id": intent.pci_bus_id,
+        "finding": intent.finding_key,
+        "outcome": outcome,
+    }
+    if intent.instance is not None:
+        fields.update(intent.instance.fields())
+    return fields
 
 
 def record_reset(
@@ -189,12 +206,7 @@ def record_reset(
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
-    fields: dict[str, object] = {
-        "gpu": gpu,
-        "pci_bus_id": intent.pci_bus_id,
-        "finding": intent.finding_key,
-        "outcome": outcome,
-    }
+    fields = _booked_fields(intent, outcome)
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
         if would_succeed:

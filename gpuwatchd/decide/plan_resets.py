@@ -2,18 +2,22 @@
 
 This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders,
 MIG, pause; then the history gates: a refused incident, cooldown, count per window, circuit
-breaker, one reset in flight) and the ``ResetIntent`` that starts one.
+breaker, one reset in flight) and the ``ResetIntent`` that starts one. Ghost memory inside a
+MIG GPU instance passes the same gates, the instance's own (``reset.mig_recovery``, whether it
+can be re-created in place, its own live holders) in place of the GPU's, and the history gates
+of its parent GPU; its intent re-creates the instance (decide/mig_recovery.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
 from gpuwatchd.decide.mig import busy_instances, parent_of
+from gpuwatchd.decide.mig_recovery import InstanceRecovery, instance_blockers, recovery_of
 from gpuwatchd.decide.plan_intents import (
     ResetIntent,
     _Ctx,
@@ -156,7 +160,7 @@ def reset_gates(
     if blocked is not None:
         gate("blocked", f"blocked: {blocked}", Level.WARNING)
     if gpu is None and (mig := parent_of(snapshot, finding.gpu)) is not None:
-        gate("mig", f"a MIG instance of GPU {mig[0].index}: no GPU reset of an instance")
+        _instance_gates(gate, finding, snapshot, policy, parent=mig[0], findings=findings)
         return gates
     if gpu is None or gpu.lost:
         why = "GPU not in this snapshot" if gpu is None else "GPU is lost (needs reboot)"
@@ -179,6 +183,45 @@ def reset_gates(
     return gates
 
 
+def _instance_gates(
+    gate: Callable[..., None],
+    finding: Finding,
+    snapshot: Snapshot,
+    policy: Policy,
+    *,
+    parent: GpuInfo,
+    findings: Iterable[Finding],
+) -> None:
+    """The gates of re-creating the MIG GPU instance ``finding`` is about (its GPU is
+    ``parent``): the switch, the parent's state and protection, whether the instance can be
+    re-created in place, and its own live holders; a user of another instance never counts."""
+    where = f"a MIG instance of GPU {parent.index}"
+    if not policy.reset.mig_recovery:
+        gate("mig", f"{where}: no GPU reset of an instance (reset.mig_recovery is off)")
+        return
+    if parent.lost:
+        gate("gpu", "GPU is lost (needs reboot)", Level.WARNING)
+        return
+    entry = gpu_protected(parent.uuid, parent, policy) or gpu_protected(finding.gpu, None, policy)
+    if entry is not None:
+        gate("protect", f"protect: gpus {entry}")
+    recovery = recovery_of(snapshot, finding.gpu)
+    if isinstance(recovery, str):
+        gate("mig_recovery", f"{where} cannot be re-created in place: {recovery}", Level.WARNING)
+        return
+    for other in sorted(findings, key=lambda f: f.key):
+        if other.gpu == finding.gpu and other.kind in _HOLDER_KINDS and other.pid is not None:
+            gate("live_holder", f"live holder: {other.kind.value} pid {other.pid} holds it")
+    for why in instance_blockers(snapshot, recovery.mig_uuid):
+        gate("live_holder", f"live holder: {why}")
+
+
+def instance_recovery(snapshot: Snapshot, finding: Finding) -> InstanceRecovery | None:
+    """The re-creation ``finding``'s MIG GPU instance needs, when it names one that can be."""
+    recovery = recovery_of(snapshot, finding.gpu) if finding.gpu is not None else None
+    return recovery if isinstance(recovery, InstanceRecovery) else None
+
+
 def _reset_blocker(
     w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo | None
 ) -> tuple[str, Level, str] | None:
@@ -196,7 +239,7 @@ def _reset_blocker(
         return EventName.RESET_CONFIRMING, Level.DEBUG, f"confirming for {reset.confirm_for:g}s"
     if holders:
         return refused, Level.INFO, holders[0]
-    if _escalating(w, gpu.uuid):
+    if _escalating(w, finding.gpu or gpu.uuid):  # an instance: its own ladders only
         return refused, Level.INFO, f"live holder: {_ESCALATING}"
     return _history_blocker(w, ctx, finding, gpu)
 
@@ -262,9 +305,10 @@ def _history_blocker(
     hold = _hold_reason(w, ctx)
     if hold is not None:
         return refused, Level.INFO, hold
-    if gpu.uuid in ctx.quiet_before:
-        w.waiting[finding.key] = ctx.quiet_before[gpu.uuid]
-        return EventName.ACTION_DEFERRED, Level.DEBUG, "post_action_delay"
+    for quiet in dict.fromkeys((gpu.uuid, finding.gpu)):  # an instance's, and its GPU's
+        if quiet is not None and quiet in ctx.quiet_before:
+            w.waiting[finding.key] = ctx.quiet_before[quiet]
+            return EventName.ACTION_DEFERRED, Level.DEBUG, "post_action_delay"
     return None
 
 
@@ -272,6 +316,8 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     if not ctx.policy.reset.enabled or finding.gpu is None:
         return
     gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
+    if gpu is None and (mig := parent_of(ctx.snapshot, finding.gpu)) is not None:
+        gpu = mig[0]  # a MIG GPU instance: its parent's limits, cooldown and history
     blocker = _reset_blocker(w, ctx, finding, gpu)
     if blocker is not None:
         _say(w, finding, blocker)
@@ -279,23 +325,41 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
     lasted = ctx.now - w.seen[finding.key].first_seen
-    _start_reset(w, ctx, finding, gpu, f"ghost memory confirmed for {lasted:.0f}s")
+    why = f"ghost memory confirmed for {lasted:.0f}s"
+    if gpu.uuid != finding.gpu:
+        instance = instance_recovery(ctx.snapshot, finding)
+        if instance is None:
+            return  # the gates refused it already; this is for the type checker
+        _start_reset(w, ctx, finding, gpu, why, instance=instance)
+        return
+    _start_reset(w, ctx, finding, gpu, why)
 
 
 def _start_reset(
-    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo, why: str, *, drained: bool = False
+    w: _Work,
+    ctx: _Ctx,
+    finding: Finding,
+    gpu: GpuInfo,
+    why: str,
+    *,
+    drained: bool = False,
+    instance: InstanceRecovery | None = None,
 ) -> None:
     """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
-    (``drained``: the drain hooks ran already, before the health wait)."""
+    (``drained``: the drain hooks ran already, before the health wait), and for the
+    re-creation of one MIG GPU instance of ``gpu`` (``instance``)."""
     dry = _dry(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
         **_finding_fields(finding),
+        "gpu": gpu.uuid,
         "pci_bus_id": gpu.pci_bus_id,
         "minor": gpu.minor,
         "lasted": lasted,
         "evidence": dict(finding.evidence),
     }
+    if instance is not None:
+        facts.update(instance.fields())
     delay = ctx.policy.limits.post_action_delay
     flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
     w.state = replace(w.state, reset_in_flight=flight)
@@ -311,5 +375,6 @@ def _start_reset(
             reason=f"{why}: {finding.reason}",
             facts=facts,
             drained=drained,
+            instance=instance,
         )
     )

@@ -14,6 +14,15 @@ from gpuwatchd.model import MIB, FindingKind
 
 DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
 DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
+# The re-creation of one MIG GPU instance in place (decide/mig_recovery.py): destroy its compute
+# instance, then the GPU instance, then create it again with the same GI profile at the same
+# placement start, with its default compute instance (-C). The GPU is named by UUID: an index
+# may change across the re-creation.
+DEFAULT_MIG_RECOVERY_COMMANDS: tuple[tuple[str, ...], ...] = (
+    ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"),
+    ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
+    ("nvidia-smi", "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"),
+)
 
 # Infrastructure that no configuration can make a target (docs/design-notes.md §10). Matched against
 # comm (cut to 15 characters by the kernel), the executable's basename and argv[0]'s basename.
@@ -134,6 +143,9 @@ class ResetPolicy:
     cooldown: float = 3600.0  # per GPU, after any reset attempt
     max_failures: int = 2  # circuit breaker: node-wide failures before resets stop
     allow_mig: bool = False
+    # Ghost memory inside a MIG GPU instance: re-create that instance in place (off: report).
+    mig_recovery: bool = False
+    mig_recovery_commands: tuple[tuple[str, ...], ...] = DEFAULT_MIG_RECOVERY_COMMANDS
     allow_nvlink_group: bool = False
     # On an NVSwitch system, how long a reset waits for the GPU's NVLink fabric registration to
     # reach COMPLETED before the reset counts as done (and the after hooks undrain).

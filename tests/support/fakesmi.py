@@ -3,10 +3,11 @@
 Owns writing an executable POSIX shell script (shell, not Python: it starts in a millisecond)
 into a temp folder. Every call appends one line to ``fakesmi.log`` (its argv after the program
 name and its ``GPUWATCHD_*`` environment), then acts by operation — ``reset``
-(``--gpu-reset``/``-r``), ``persistence`` (``-pm``), ``query`` (``-q``), a named hook (argv
-``hook NAME``) or ``other`` — as the ``fakesmi.<operation>`` files beside it say. Those are
-re-read on every call, so a test can change the behaviour between calls. It never calls a real
-``nvidia-smi`` and knows nothing about gpuwatchd.
+(``--gpu-reset``/``-r``), ``persistence`` (``-pm``), ``query`` (``-q``), the MIG instance
+commands ``mig.dci``/``mig.dgi``/``mig.cgi`` (``nvidia-smi mig -dci``, ``-dgi``, ``-cgi``), a
+named hook (argv ``hook NAME``) or ``other`` — as the ``fakesmi.<operation>`` files beside it
+say. Those are re-read on every call, so a test can change the behaviour between calls. It
+never calls a real ``nvidia-smi`` and knows nothing about gpuwatchd.
 
 Behaviours: ``ok``, ``in_use`` (exit 255 with nvidia-smi's "In use by another client" text),
 ``error255`` (exit 255, other text), ``fell_off_bus`` (15), ``not_supported`` (3),
@@ -54,6 +55,9 @@ case " $* " in
     *" --gpu-reset "* | *" -r "*) operation=reset ;;
     *" -pm "*) operation=persistence ;;
     *" -q "*) operation=query ;;
+    *" -dci "*) operation=mig.dci ;;
+    *" -dgi "*) operation=mig.dgi ;;
+    *" -cgi "*) operation=mig.cgi ;;
 esac
 if [ "$1" = hook ]; then operation="hook.$2"; fi
 behaviour=ok
@@ -67,9 +71,17 @@ ok)
         reset) printf 'GPU %s was successfully reset.\nAll done.\n' "$bus" ;;
         persistence) printf 'Persistence mode set for GPU %s.\n' "$bus" ;;
         query) printf 'GPU %s\n    Product Name : Fake GPU\n' "$bus" ;;
+        mig.dci) printf 'Successfully destroyed compute instance from GPU %s\n' "$bus" ;;
+        mig.dgi) printf 'Successfully destroyed GPU instance from GPU %s\n' "$bus" ;;
+        mig.cgi) printf 'Successfully created GPU and compute instance on GPU %s\n' "$bus" ;;
     esac
     exit 0 ;;
 in_use)
+    case $operation in mig.*)
+        printf 'Unable to destroy compute instance from GPU %s: In use by another client\n' "$bus"
+        printf 'Failed to destroy compute instances: In use by another client\n'
+        exit 255 ;;
+    esac
     printf 'The following GPUs could not be reset:\n  GPU %s: In use by another client\n\n' "$bus"
     printf '1 device is currently being used by one or more other processes (e.g., Fabric '
     printf 'Manager, CUDA application, graphics application such as an X server, or a '
@@ -126,16 +138,22 @@ class FakeSmi:
         query: str = "ok",
         other: str = "ok",
         hooks: dict[str, str] | None = None,
+        mig: dict[str, str] | None = None,
         bus_id: str = "00000000:1A:00.0",
     ) -> None:
         """Set the behaviour of each operation (files replaced atomically; re-read per call).
 
-        Hooks not named in ``hooks`` succeed.
+        Hooks not named in ``hooks`` succeed; so do the MIG commands (``dci``, ``dgi``, ``cgi``)
+        not named in ``mig``.
         """
-        for stale in self.directory.glob("fakesmi.hook.*"):
+        for stale in [
+            *self.directory.glob("fakesmi.hook.*"),
+            *self.directory.glob("fakesmi.mig.*"),
+        ]:
             stale.unlink()
         settings = {"reset": reset, "persistence": persistence, "query": query, "other": other}
         settings.update({f"hook.{name}": value for name, value in (hooks or {}).items()})
+        settings.update({f"mig.{name}": value for name, value in (mig or {}).items()})
         for value in settings.values():
             if value not in BEHAVIOURS and not value.startswith("exit:"):
                 raise ValueError(f"unknown fake nvidia-smi behaviour {value!r}")

@@ -232,6 +232,8 @@ def test_protecting_the_parent_gpu_protects_its_instances() -> None:
 
 @pytest.mark.parametrize("allow_mig", [False, True])
 def test_ghost_memory_of_an_instance_never_asks_for_a_gpu_reset(allow_mig: bool) -> None:
+    """Without ``reset.mig_recovery`` (off by default), whatever ``allow_mig`` says: the
+    instance's recovery is tests/unit/test_mig_recovery_plan.py's."""
     base = HostBuilder().gpu(0).build()
     snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
     result = run(snapshot)
@@ -241,7 +243,7 @@ def test_ghost_memory_of_an_instance_never_asks_for_a_gpu_reset(allow_mig: bool)
         findings=result.findings,
     )  # fmt: skip
     assert [(g.name, g.why) for g in gates] == [
-        ("mig", "a MIG instance of GPU 0: no GPU reset of an instance")
+        ("mig", "a MIG instance of GPU 0: no GPU reset of an instance (reset.mig_recovery is off)")
     ]
 
 

@@ -19,12 +19,12 @@ from gpuwatchd.act.reset import (
     ResetTarget,
     interpret_reset_exit,
     perform_reset,
-    progress_record,
     resume_interrupted,
 )
 from gpuwatchd.act.signals import stat_start_ticks
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
+from tests.support.resetrig import FakeEnvironment, make_policy, smi_commands
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 BUS = "00000000:1A:00.0"
@@ -53,85 +53,9 @@ ALL_STEPS = [
 ]
 
 
-class FakeEnvironment:
-    """Records every call; what the daemon would answer is set in the constructor."""
-
-    def __init__(
-        self,
-        smi: FakeSmi,
-        *,
-        released: bool = True,
-        blockers: Sequence[str] = (),
-        memory: bool | None = True,
-        record_fails: bool = False,
-        scan_raises: bool = False,
-    ) -> None:
-        self.smi = smi
-        self.released = released
-        self.blockers = list(blockers)
-        self.memory = memory
-        self.record_fails = record_fails
-        self.scan_raises = scan_raises
-        self.calls: list[str] = []
-        self.steps: list[ResetStep] = []
-        self.records: list[dict[str, object]] = []
-        self.events: list[tuple[str, str, dict[str, object]]] = []
-        self.commands_seen_at: dict[str, list[list[str]]] = {}
-
-    def stop_nvml(self) -> bool:
-        self.calls.append("stop_nvml")
-        self.commands_seen_at["stop_nvml"] = self.smi.calls()
-        return self.released
-
-    def final_blockers(self, target: ResetTarget) -> list[str]:
-        self.calls.append("final_blockers")
-        self.commands_seen_at["final_blockers"] = self.smi.calls()
-        if self.scan_raises:
-            raise OSError("cannot read /proc")
-        return list(self.blockers)
-
-    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        self.calls.append("memory")
-        return self.memory
-
-    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
-        if self.record_fails:
-            raise OSError("disk full")
-        self.steps.append(step)
-        self.records.append(progress_record(target, step, data))
-
-    def emit(self, event: str, level: str, **fields: object) -> None:
-        self.events.append((event, level, fields))
-
-    def finished(self) -> tuple[str, dict[str, object]]:
-        [(level, fields)] = [(lvl, f) for e, lvl, f in self.events if e == "reset.finished"]
-        return level, fields
-
-    def step_events(self, step: ResetStep) -> list[dict[str, object]]:
-        return [f for e, _l, f in self.events if e == "reset.step" and f["step"] == step.value]
-
-
 @pytest.fixture
 def smi(tmp_path: Path) -> FakeSmi:
     return FakeSmi(tmp_path / "bin")
-
-
-def make_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
-    policy = ResetPolicy(
-        command=smi.argv("--gpu-reset", "-i", "{uuid}"),
-        persistence_command=smi.argv("-pm", "{mode}", "-i", "{uuid}"),
-        health_command=smi.argv("-q", "-i", "{uuid}"),
-        drain=(Hook(smi.hook("drain"), timeout=10),),
-        before=(Hook(smi.hook("before"), timeout=10),),
-        after=(Hook(smi.hook("after"), timeout=10),),
-        timeout=10.0,
-    )
-    return replace(policy, **changes)  # type: ignore[arg-type]
-
-
-def smi_commands(smi: FakeSmi) -> list[list[str]]:
-    """The calls that were nvidia-smi commands, not hooks."""
-    return [call for call in smi.calls() if call[:1] != ["hook"]]
 
 
 def is_dead(pid: int) -> bool:

@@ -1,0 +1,185 @@
+"""Ghost memory in a MIG GPU instance, in the plan: the instance's own gates, then its recovery.
+
+GPU 0 is in MIG mode with GPU instances 1 and 2. GPU instance 1 holds memory nothing uses
+(ghost memory); in GPU instance 2 a trainer lives. With ``reset.mig_recovery`` the plan asks
+act to re-create GPU instance 1 in place (a :class:`ResetIntent` with ``instance``), after the
+confirmation window, under its parent GPU's limits; never a reset of the GPU, never anything
+for GPU instance 2, and never while anything may use GPU instance 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpuwatchd.decide.plan import (
+    HookIntent,
+    PlanState,
+    ResetIntent,
+    plan,
+    record_reset,
+    reset_gates,
+)
+from gpuwatchd.decide.policy import Policy, Protect, ResetPolicy, default_rules
+from gpuwatchd.model import FindingKind, Snapshot
+from gpuwatchd.vocabulary import EventName, ResetResult
+from tests.support.migcases import GI1, LEAK, run
+from tests.support.migsnap import Inst, with_mig
+from tests.support.snapshots import HostBuilder, gpu_uuid
+
+CONFIRM = 60.0
+
+
+def policy(*, recovery: bool = True, dry_run: bool = False) -> Policy:
+    return dataclasses.replace(
+        Policy(dry_run=dry_run, rules=default_rules()),
+        reset=ResetPolicy(enabled=True, confirm_for=CONFIRM, mig_recovery=recovery),
+    )
+
+
+def ghost_beside_live_job(builder: HostBuilder | None = None, **mig: object) -> Snapshot:
+    """GI 1: 4 GiB allocated, no process listed, no holder. GI 2: live trainer 700 (listed,
+    holding GI 2's capabilities and the parent node)."""
+    base = (builder or HostBuilder()).gpu(0).proc(700, ppid=1, holds={0}, uvm=True).build()
+    options: dict[str, object] = {
+        "instances": [
+            Inst(1, allocated=LEAK),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb"),
+        ],
+        "caps": {700: [(2, 0)]},
+    }
+    options.update(mig)
+    return with_mig(base, **options)  # type: ignore[arg-type]
+
+
+def play(snapshot: Snapshot, chosen: Policy, steps: int = 12) -> list[ResetIntent]:
+    """Plan the same snapshot every 10 s; the reset intents asked for."""
+    result = run(snapshot)
+    state = PlanState()
+    asked: list[ResetIntent] = []
+    for step in range(steps):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        asked += [i for i in out.intents if isinstance(i, ResetIntent)]
+    return asked
+
+
+def gates_of(snapshot: Snapshot, chosen: Policy) -> list[tuple[str, str]]:
+    """The gates of GI 1's ghost memory (found with nothing holding it) in ``snapshot``, as
+    the plan checks them when the finding is still open and something may hold it now."""
+    clean = run(ghost_beside_live_job())
+    (ghost,) = [f for f in clean.findings if f.kind is FindingKind.GHOST_MEMORY]
+    assert ghost.gpu == GI1
+    result = run(snapshot)
+    gates = reset_gates(ghost, snapshot, chosen, report_only=result.report_only,
+                        findings=result.findings)  # fmt: skip
+    return [(g.name, g.why) for g in gates]
+
+
+def test_ghost_memory_in_one_instance_asks_for_its_recovery_once_and_for_nothing_else() -> None:
+    asked = play(ghost_beside_live_job(), policy())
+    assert len(asked) == 1
+    (intent,) = asked
+    assert intent.gpu == gpu_uuid(0)  # the parent: its limits and history
+    assert intent.instance is not None
+    assert (intent.instance.gi, intent.instance.mig_uuid, intent.instance.profile) == (1, GI1, 19)
+    assert (intent.instance.placement, intent.instance.size) == (1, 1)
+    assert intent.dry_run is False
+    assert intent.facts["instance"] == GI1
+
+
+def test_no_recovery_before_the_confirmation_window_ends() -> None:
+    assert play(ghost_beside_live_job(), policy(), steps=6) == []  # 50 s < 60 s
+
+
+def test_without_mig_recovery_the_instance_is_only_reported() -> None:
+    chosen = policy(recovery=False)
+    assert gates_of(ghost_beside_live_job(), chosen) == [
+        ("mig", "a MIG instance of GPU 0: no GPU reset of an instance (reset.mig_recovery is off)")
+    ]
+    assert play(ghost_beside_live_job(), chosen) == []
+
+
+def test_a_dry_run_asks_for_the_same_recovery_marked_dry() -> None:
+    (intent,) = play(ghost_beside_live_job(), policy(dry_run=True))
+    assert intent.dry_run is True
+    assert intent.instance is not None
+    assert intent.instance.gi == 1
+
+
+def test_the_live_job_in_the_other_instance_is_no_gate_of_this_one() -> None:
+    assert gates_of(ghost_beside_live_job(), policy()) == []
+
+
+def test_a_live_holder_of_the_instance_capabilities_blocks_its_recovery() -> None:
+    snapshot = ghost_beside_live_job(
+        HostBuilder().proc(800, ppid=1, holds={0}, uvm=True), caps={700: [(2, 0)], 800: [(1, 0)]}
+    )
+    gates = gates_of(snapshot, policy())
+    assert ("live_holder", "live holder: GPU instance 1: PID 800 holding its capability files") in (
+        gates
+    )
+
+
+def test_a_user_process_holding_only_the_parent_node_blocks_as_unknown() -> None:
+    snapshot = ghost_beside_live_job(HostBuilder().proc(801, ppid=1, holds={0}))
+    assert gates_of(snapshot, policy()) == [
+        (
+            "live_holder",
+            "live holder: GPU instance 1: PID 801 holding its GPU's device node, instance unknown",
+        )
+    ]
+
+
+def test_verified_infrastructure_holding_the_parent_node_does_not_block() -> None:
+    persistenced = HostBuilder().proc(
+        802, ppid=1, holds={0}, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced",
+        uid=0, user="root", exe_trusted=True,
+    )  # fmt: skip
+    snapshot = ghost_beside_live_job(persistenced)
+    assert gates_of(snapshot, policy()) == []
+    assert len(play(snapshot, policy())) == 1
+
+
+def test_an_instance_with_two_compute_instances_is_not_recreated() -> None:
+    snapshot = ghost_beside_live_job(
+        instances=[
+            Inst(1, allocated=LEAK, cis=(0, 1)),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb"),
+        ]
+    )
+    (gate,) = gates_of(snapshot, policy())
+    assert gate[0] == "mig_recovery"
+    assert "has 2 compute instances" in gate[1]
+    assert play(snapshot, policy()) == []
+
+
+@pytest.mark.parametrize("protected", ["parent", "instance"])
+def test_protecting_the_gpu_or_the_instance_protects_it(protected: str) -> None:
+    entry = gpu_uuid(0) if protected == "parent" else GI1
+    chosen = dataclasses.replace(policy(), protect=Protect(gpus=(entry,)))
+    assert ("protect", f"protect: gpus {entry}") in gates_of(ghost_beside_live_job(), chosen)
+    assert play(ghost_beside_live_job(), chosen) == []
+
+
+def test_a_recovery_is_booked_on_its_parent_gpu_with_its_instance_named() -> None:
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    state = PlanState()
+    intent = None
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, policy(), now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
+    assert intent is not None
+    booked = record_reset(state, intent, ResetResult.SUCCESS, now=200.0, wall=200.0)
+    assert list(booked.state.reset_history) == [(gpu_uuid(0), 200.0)]
+    (success,) = [e for e in booked.events if e.name == EventName.RESET_SUCCEEDED]
+    assert success.fields["instance"] == GI1
+    (action,) = [i for i in booked.intents if isinstance(i, HookIntent) and i.hook == "on_action"]
+    assert action.facts["action"] == "mig_recovery"

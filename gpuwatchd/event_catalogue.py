@@ -288,6 +288,10 @@ def _hook(s: _Said) -> str:
 
 
 def _reset_of(s: _Said) -> str:
+    """The subject of one reset's events: the GPU's reset, or the re-creation of one of its
+    MIG GPU instances (``instance``, ``gi``: reset.mig_recovery)."""
+    if s.has("instance"):
+        return f"Re-creation of MIG GPU instance {s('gi', '?')} of {s.gpu()}"
     return f"Reset of {s.gpu()}"
 
 
@@ -321,6 +325,8 @@ def _reset_step(s: _Said) -> str:
         said = f"{head}{'ran' if status == ResetStepStatus.OK else 'FAILED:'} {ran}{code}"
     else:
         said = head + _STEP_STATUS.get(status, _short(status))
+        if status == ResetStepStatus.CLEAR and s.has("instance"):
+            said = head + "no process holds the GPU instance"
         if s.has("blockers"):
             said += f" {s.items('blockers')}"
         elif ran is not None:
@@ -343,6 +349,8 @@ def _reset_finished(s: _Said) -> str:
 
 def _reset_outcome(s: _Said) -> str:
     gpu, result, step = s.gpu(), s.f.get("result"), s("step")
+    if s.has("instance"):
+        return _recovery_outcome(s)
     if s.f.get("needs_reboot") is True:
         return f"{gpu} needs a reboot: its reset ended {s('result')} at step {step}."
     if result == ResetResult.SUCCESS:
@@ -356,6 +364,19 @@ def _reset_outcome(s: _Said) -> str:
     if result == ResetResult.TIMEOUT:
         return f"Reset of {gpu} timed out at step {step}."
     return f"Reset of {gpu} failed at step {step}{s.why('reason')}."
+
+
+def _recovery_outcome(s: _Said) -> str:
+    """``reset.outcome`` of a MIG GPU instance's re-creation."""
+    what, result, step = _reset_of(s), s.f.get("result"), s("step")
+    instance = f"MIG GPU instance {s('gi', '?')} of {s.gpu()}"
+    if result == ResetResult.SUCCESS:
+        return f"{instance} was re-created; its memory is free."
+    if result == ResetResult.DRY_RUN:
+        return f"Dry run: {instance} would have been re-created{s.why('reason')}."
+    if result in (ResetResult.REFUSED, ResetResult.IN_USE):
+        return f"{what} refused at step {step}, nothing destroyed{s.why('reason')}."
+    return f"{what} failed at step {step}{s.why('reason')}."
 
 
 def _reset_dry_run(s: _Said) -> str:
@@ -432,7 +453,8 @@ DEBUG, INFO, WARNING, ERROR, CRITICAL = (
 _FINDING = "finding kind gpu pid start_ticks memory reason"
 _LADDER = "target pid start_ticks finding rule gpu step dry_run"
 _PROCESS = "user uid comm cmdline state ppid pgid sid cgroup job unit"
-_RESET = "gpu pci_bus_id finding outcome kind memory reason"
+_MIG = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
+_RESET = f"gpu pci_bus_id finding outcome kind memory reason {_MIG}"
 
 CATALOGUE: Mapping[EventName, EventSpec] = {
     # findings and escalation (decide/plan.py)
@@ -522,7 +544,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_DUE: _e(
         INFO,
-        f"{_FINDING} dry_run pci_bus_id minor lasted evidence",
+        f"{_FINDING} dry_run pci_bus_id minor lasted evidence {_MIG}",
         lambda s: _dry(s, f"{_reset_of(s)} starts ({s('kind', 'a finding')}{s.why('reason')})."),
     ),
     EventName.RESET_REFUSED: _e(
@@ -620,14 +642,14 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     EventName.RESET_STEP: _e(
         INFO,
         "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
-        " duration",
+        f" duration {_MIG}",
         _reset_step,
         WARNING,
         ERROR,
     ),
     EventName.RESET_FINISHED: _e(
         INFO,
-        "gpu result step reason needs_reboot blockers dry_run",
+        f"gpu result step reason needs_reboot blockers dry_run {_MIG}",
         _reset_finished,
         WARNING,
         ERROR,
@@ -635,7 +657,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_OUTCOME: _e(
         WARNING,
-        "gpu pci_bus_id result step reason needs_reboot blockers dry_run",
+        f"gpu pci_bus_id result step reason needs_reboot blockers dry_run {_MIG}",
         _reset_outcome,
         ERROR,
         CRITICAL,

@@ -269,6 +269,11 @@ class _Commands:
     persistence_on: tuple[str, ...] | None
 
 
+def _instance_fields(target: ResetTarget) -> dict[str, object]:
+    """What every event of a MIG GPU instance's re-creation says about the instance."""
+    return {} if target.recovery is None else target.recovery.fields()
+
+
 def _values(target: ResetTarget) -> dict[str, str | None]:
     return {
         "uuid": target.uuid,
@@ -374,6 +379,7 @@ class _Procedure:
             step=step.value,
             status=status,
             dry_run=self.dry_run,
+            **_instance_fields(self.target),
             **fields,
         )
 
@@ -501,6 +507,7 @@ class _Procedure:
             needs_reboot=needs_reboot,
             blockers=list(blockers),
             dry_run=self.dry_run,
+            **_instance_fields(self.target),
         )
         return ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
 
@@ -587,6 +594,7 @@ def perform_reset(
             needs_reboot=False,
             blockers=[],
             dry_run=dry_run,
+            **_instance_fields(target),
         )
         return ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
     proc = _Procedure(

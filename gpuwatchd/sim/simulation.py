@@ -29,6 +29,7 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario import EventSpec, Scenario, ScenarioError
 from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event, render_text
 from gpuwatchd.sim.world import (
@@ -494,6 +495,10 @@ class VirtualActuator:
                                    clock advanced by it; ``fell_off_bus`` exit 15, GPU lost
     ``reset.persistence_command``  exit 0, persistence mode set (exit 15 on a lost GPU)
     ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
+    ``reset.mig_recovery_commands``  of one GPU instance: exit 255 "In use by another client"
+                                   while a process holds its capability files, else exit 0;
+                                   the last one re-creates the instance (its dead and leaked
+                                   memory freed)
     a hook                         exit 0; the reset's ``drain`` and ``before`` hooks stop
                                    the ``stops_for_reset`` processes
     anything else                  could not be started
@@ -504,6 +509,7 @@ class VirtualActuator:
         self.sim = sim
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, _Gpu]] = {}
+        self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
         for gpu in sim.world.gpus.values():
             spec = gpu.spec
             values: dict[str, str | None] = {
@@ -558,6 +564,9 @@ class VirtualActuator:
         hook = (env or {}).get("GPUWATCHD_EVENT")
         if hook is not None:
             return self.hook(args, hook)
+        answer = self.mig.answer(args, self.sim.now)
+        if answer is not None:
+            return answer
         known = self.commands.get(args)
         if known is None:
             error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"

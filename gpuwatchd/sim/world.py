@@ -52,6 +52,14 @@ def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
     return base if ci is None else base + 1 + ci
 
 
+# NVML's GPU instance profile ids of the H100 and H200 profiles (``nvidia-smi mig -lgip``): what
+# re-creating an instance with ``-cgi`` needs. A profile not listed has an unknown id.
+GI_PROFILE_IDS = {
+    "1g.10gb": 19, "1g.20gb": 15, "2g.20gb": 14, "3g.40gb": 9, "4g.40gb": 5, "7g.80gb": 0,
+    "1g.18gb": 19, "1g.35gb": 15, "2g.35gb": 14, "3g.71gb": 9, "4g.71gb": 5, "7g.141gb": 0,
+}  # fmt: skip
+
+
 def mig_uuid(gpu: int, gi: int) -> str:
     """A virtual MIG device's UUID (compute instance 0 of GPU instance ``gi``)."""
     return f"MIG-{gpu:08x}-{gi:04x}-4000-8000-{gi:012x}"
@@ -322,6 +330,24 @@ class World:
         base = gpu.base + sum(gpu.instance_base.values())
         return min(base + charged, gpu.spec.total - gpu.spec.reserved)
 
+    def instance_users(self, gpu: _Gpu, gi: int) -> list[str]:
+        """The processes that hold GPU instance ``gi`` of ``gpu`` (its capability files)."""
+        return [
+            proc.name
+            for proc in self.procs.values()
+            if proc.present and proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
+        ]
+
+    def recreate_instance(self, gpu: _Gpu, gi: int) -> None:
+        """GPU instance ``gi`` destroyed and created again: its dead and leaked contexts are
+        gone, its memory back to idle; the other instances are untouched."""
+        instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
+        gpu.instance_base[gi] = instance.allocated
+        for ctx in self.contexts:
+            if ctx.gpu == gpu.spec.index and ctx.gi == gi and ctx.status in ("dead", "leaked"):
+                ctx.status = "freed"
+                ctx.heirs.clear()
+
     def restore(self, gpu: _Gpu, now: float) -> None:
         """A successful reset at ``now``: every context on the GPU is gone, memory back to
         idle, and what a reset applies is applied (a pending row remap; a recovery action
@@ -430,6 +456,7 @@ class World:
                     ci=0,
                     name=f"{gpu.spec.name} MIG {instance.profile}",
                     profile=instance.profile,
+                    gi_profile_id=GI_PROFILE_IDS.get(instance.profile),
                     placement=(instance.gi, 1),
                     memory=GpuMemory(
                         total=instance.total,

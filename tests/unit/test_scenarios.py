@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from pathlib import Path
 
 import pytest
 
@@ -445,6 +446,39 @@ def test_mig_leak_beside_live_job() -> None:
     parent_only = [e for e in r.entries("finding.new") if e.fields.get("pid") == 5190]
     assert [(e.fields.get("kind"), e.fields.get("actionable")) for e in parent_only] == [
         ("hidden_holder", False)
+    ]
+
+
+def test_mig_ghost_instance_recovery() -> None:
+    r = run("mig-ghost-instance-recovery")
+    gpu = "GPU-00000000-0000-4000-8000-000000000000"
+    assert r.resets() == [(120.0, gpu, "success")]  # after confirm_for, once
+    (outcome,) = r.entries("reset.outcome")
+    assert outcome.fields["instance"] == "MIG-00000000-0001-4000-8000-000000000001"
+    assert outcome.fields["gi"] == 1
+    commands = [e.fields["argv"] for e in r.entries("reset.step") if e.fields["step"] == "reset"]
+    assert [c[4:] for c in commands] == [  # type: ignore[index]
+        ["-gi", "1", "-ci", "0", "-dci"],
+        ["-gi", "1", "-dgi"],
+        ["-cgi", "19:1", "-C"],
+    ]
+    assert not [c for c in commands if "--gpu-reset" in c]  # type: ignore[operator]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+    memory = {g["index"]: g for g in r.final["gpus"]}  # type: ignore[attr-defined]
+    assert memory[0]["allocated"] < 21 * 1024**3  # the 6 GiB are gone; erin's 20 GiB stay
+
+
+def test_mig_ghost_instance_is_only_reported_without_mig_recovery(tmp_path: Path) -> None:
+    """The same scenario under a policy without ``reset.mig_recovery``: no command runs."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: false\nreset:\n  enabled: true\n  confirm_for: 2m\n")
+    scenario = load_scenario(str(SCENARIOS / "mig-ghost-instance-recovery.yaml"))
+    r = simulate(scenario, str(config))
+    assert r.resets() == []
+    refused = [e.fields["why"] for e in r.entries("reset.refused")]
+    assert refused == [
+        "a MIG instance of GPU 0: no GPU reset of an instance (reset.mig_recovery is off)"
     ]
 
 

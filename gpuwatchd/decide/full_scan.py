@@ -12,11 +12,11 @@ In detail: docs/internals.md, section `gpuwatchd.decide.full_scan`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import GpuInfo, NvmlReading, ProcessInfo
+from gpuwatchd.model import GpuInfo, MigDevice, NvmlReading, ProcessInfo
 
 
 class FullScanReason(str, enum.Enum):
@@ -63,8 +63,14 @@ def has_unowned_memory(
     held_minors: frozenset[int] = frozenset(),
 ) -> bool:
     """Whether ``gpu`` holds memory no live listed process can own and no known holder holds
-    (rule 5). Pure."""
-    if gpu.lost or gpu.coherent_memory or gpu.memory is None:
+    (rule 5). Pure. On a MIG GPU whose instances were read, each GPU instance is asked on its
+    own (its memory, the processes NVML lists in its compute instances): the parent's figures
+    are aggregates, and every MIG process holds the parent's node."""
+    if gpu.lost or gpu.coherent_memory:
+        return False
+    if gpu.mig_enabled and gpu.mig_devices is not None:
+        return _unowned_instance(gpu.mig_devices, live, detection)
+    if gpu.memory is None:
         return False
     if gpu.minor is not None and gpu.minor in held_minors:
         return False
@@ -72,6 +78,24 @@ def has_unowned_memory(
     if allocated is None or allocated <= unowned_memory_threshold(detection):
         return False
     return not any(proc.pid in live for proc in gpu.processes or ())
+
+
+def _unowned_instance(
+    devices: Iterable[MigDevice], live: Mapping[int, ProcessInfo], detection: Detection
+) -> bool:
+    """Whether a GPU instance among ``devices`` holds more than the threshold with no live
+    process listed in any of its compute instances (an unreadable list lists none)."""
+    by_gi: dict[int | None, list[MigDevice]] = {}
+    for device in devices:
+        by_gi.setdefault(device.gi, []).append(device)
+    for group in by_gi.values():
+        memory = group[0].memory
+        allocated = None if memory is None else memory.allocated
+        if allocated is None or allocated <= unowned_memory_threshold(detection):
+            continue
+        if not any(p.pid in live for d in group for p in d.processes or ()):
+            return True
+    return False
 
 
 def full_scan_due(

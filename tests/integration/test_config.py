@@ -454,6 +454,41 @@ def test_every_nvidia_smi_command_of_the_reset_names_one_gpu(key: str, argv: str
     assert err.key == f"reset.{key}"
 
 
+def test_mig_recovery_is_off_by_default_and_its_commands_are_read_in_order() -> None:
+    assert parse("").reset.mig_recovery is False
+    policy = parse(
+        "reset:\n  mig_recovery: true\n  mig_recovery_commands:\n"
+        "    - [nvidia-smi, mig, -i, '{uuid}', -gi, '{gi}', -dgi]\n"
+        "    - [nvidia-smi, mig, -i, '{pci_bus_id}', -cgi, '{profile}:{placement}', -C]\n"
+    )
+    assert policy.reset.mig_recovery is True
+    assert policy.reset.mig_recovery_commands == (
+        ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
+        ("nvidia-smi", "mig", "-i", "{pci_bus_id}", "-cgi", "{profile}:{placement}", "-C"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("[]", "expected at least one command"),
+        ("[[nvidia-smi, mig, -gi, '{gi}', -dgi]]", "must name exactly one GPU"),
+        ("[[nvidia-smi, mig, -i, '{uuid}', -gi, '{g}', -dgi]]", "did you mean 'gi'"),
+        ("[[nvidia-smi, mig, -i, '{uuid}', -gi, '{minor}', -dgi]]", "minor"),
+        ("[[nvidia-smi, mig, -i, '0', -dgi]]", "index"),
+        ("{a: 1}", "expected a list"),
+    ],
+)
+def test_a_bad_mig_recovery_command_list_is_refused_naming_the_key_and_line(
+    value: str, said: str
+) -> None:
+    err = error_of(f"reset:\n  mig_recovery: true\n  mig_recovery_commands: {value}\n")
+    assert err.key is not None
+    assert err.key.startswith("reset.mig_recovery_commands")
+    assert err.line == 3
+    assert said in err.message
+
+
 # --- drop-ins and merging -----------------------------------------------------------------------
 
 MAIN = """\

@@ -6,6 +6,7 @@ this host through the fake NVML: which polls scan all of /proc, and why.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,15 @@ from gpuwatchd.decide.full_scan import (
     has_unowned_memory,
 )
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, GpuInfo, GpuMemory, NvmlProcess, NvmlReading, ProcessInfo
+from gpuwatchd.model import (
+    MIB,
+    GpuInfo,
+    GpuMemory,
+    MigDevice,
+    NvmlProcess,
+    NvmlReading,
+    ProcessInfo,
+)
 from tests.support.children import Spawn, hold
 from tests.support.fakenvml import FakeNvml, gpu, process, state
 
@@ -218,6 +227,46 @@ def test_a_known_holder_of_the_gpu_exempts_it_from_scanning_every_poll() -> None
     )
     unheld, _ = full_scan_due(listing, {}, RECENT, 1000.0, interval=60.0, detection=DETECTION)
     assert (held, unheld) == (None, FullScanReason.UNOWNED_MEMORY)
+
+
+def _mig_gpu(*instances: tuple[int, int, tuple[int, ...] | None]) -> GpuInfo:
+    """A MIG GPU with (gi, allocated, listed pids) per GPU instance (one compute instance
+    each), its parent's figures the aggregate: a live process listed in any instance."""
+    devices = tuple(
+        MigDevice(
+            index=position,
+            uuid=f"MIG-{gi}",
+            gi=gi,
+            ci=0,
+            memory=GpuMemory(total=10 * 1024 * MIB, free=None, reserved=0, allocated=allocated),
+            processes=None if pids is None else tuple(NvmlProcess(p, 1, "compute") for p in pids),
+        )
+        for position, (gi, allocated, pids) in enumerate(instances)
+    )
+    parent = _gpu(sum(a for _, a, _ in instances), (LIVE,))
+    return dataclasses.replace(parent, mig_enabled=True, mig_devices=devices)
+
+
+@pytest.mark.parametrize(
+    ("instances", "due"),
+    [
+        # GI 1 holds 3 GiB with nothing listed beside a live job in GI 2: scan every poll.
+        (((1, 3000 * MIB, ()), (2, 900 * MIB, (LIVE,))), True),
+        (((1, 3000 * MIB, None), (2, 900 * MIB, (LIVE,))), True),  # unreadable lists none
+        (((1, 3000 * MIB, (DEAD,)), (2, 900 * MIB, (LIVE,))), True),
+        # Idle beside the live job, or the memory owned by a live listed process: no need.
+        (((1, 2 * MIB, ()), (2, 900 * MIB, (LIVE,))), False),
+        (((1, 3000 * MIB, (LIVE,)), (2, 2 * MIB, ())), False),
+    ],
+)
+def test_a_mig_gpu_is_asked_instance_by_instance_whatever_its_parent_says(
+    instances: tuple[tuple[int, int, tuple[int, ...] | None], ...], due: bool
+) -> None:
+    """The parent lists the live job and its node is held by it: on a whole GPU that would
+    explain the memory; on a MIG GPU it says nothing about GPU instance 1."""
+    live = {LIVE: _proc(LIVE)}
+    held = frozenset({0})
+    assert has_unowned_memory(_mig_gpu(*instances), live, DETECTION, held) is due
 
 
 def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(

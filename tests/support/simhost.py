@@ -203,7 +203,7 @@ class SimHost:
         """Write a policy pointing at this host; ``overrides`` are top-level YAML keys.
 
         Unless a test gives its own ``reset`` section, every command the reset procedure could
-        run points at :meth:`no_reset_command`.
+        run (a MIG instance's recovery too) points at :meth:`no_reset_command`.
         """
         fake = self.no_reset_command()
         policy: dict[str, Any] = {
@@ -217,6 +217,7 @@ class SimHost:
                 "command": [fake, "--gpu-reset", "-i", "{uuid}"],
                 "persistence_command": [fake, "-pm", "{mode}", "-i", "{uuid}"],
                 "health_command": [fake, "-q", "-i", "{uuid}"],
+                "mig_recovery_commands": [[fake, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"]],
             },
         }
         policy.update(overrides)

@@ -1,5 +1,7 @@
 """End to end on a MIG GPU: the real ``gpuwatchd run`` daemon, the fake NVML, real processes.
 
+Two hosts. The first:
+
 GPU 0 is in MIG mode with GPU instances 1 and 2 (tests/fakenvml: MIG device handles, instance
 ids, per-instance memory and processes). Its capability files stand in under
 ``<devices_dir>/nvidia-caps/`` and the driver's mig-minors table is a file the policy names
@@ -8,12 +10,20 @@ capability files; in GPU instance 2 a trainer lives with its worker; beside them
 to a dead owner listed in GI 1 holds only the parent node ``nvidia0`` and no capability. The
 daemon must kill the first worker and nothing else, and a dry run must show exactly that.
 
+The second: ghost memory in GPU instance 1 (3 GiB allocated, no process listed, nothing holding
+its capability files) beside the live trainer in GPU instance 2. With ``reset.mig_recovery``
+the daemon re-creates GPU instance 1 through a fake ``nvidia-smi mig`` (which, like the
+driver, refuses while a process holds the instance's capability files, and on ``-cgi`` writes
+the fake NVML state with the instance's memory freed); it never resets the GPU and never
+signals the trainer. A dry run runs no command and says the same plan.
+
 Each ``host_*`` function runs as PID 1 of its own PID namespace (tests/support/simhost.py): the
 daemon can only ever see and signal processes this test started.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +31,16 @@ from typing import Any
 import pytest
 
 from tests.support.daemonrun import ORPHAN_RULE, Run, _signals
-from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process
+from tests.support.fakenvml import (
+    GiB,
+    MiB,
+    cap_minor,
+    gpu,
+    mig_device,
+    mig_minors_text,
+    process,
+    state,
+)
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = [
@@ -116,6 +135,116 @@ def host_mig_leak_beside_live_job(arg: dict[str, Any], root: Path) -> dict[str, 
         }
 
 
+# A stand-in for `nvidia-smi` on a MIG GPU: logs its argv. `mig -dci/-dgi` refuse "in use" while
+# any process holds GPU instance 1's capability files (as the driver does); `mig -cgi` writes
+# the fake NVML state with GPU instance 1's memory back to idle. Nothing else does anything.
+FAKE_MIG_SMI = r"""#!/bin/sh
+echo "$*" >> "%(log)s"
+case " $* " in
+*" -dci "* | *" -dgi "*)
+    for fd in /proc/[0-9]*/fd/*; do
+        case $(readlink "$fd" 2>/dev/null) in
+        "%(gi_cap)s" | "%(ci_cap)s")
+            echo "Unable to destroy GPU instance ID 1 from GPU 0: In use by another client"
+            exit 255 ;;
+        esac
+    done
+    echo "Successfully destroyed an instance of GPU 0" ;;
+*" -cgi "*)
+    cp "%(recreated)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+    echo "Successfully created GPU instance ID 1 on GPU 0 using profile MIG 1g.10gb (ID 19)" ;;
+esac
+exit 0
+"""
+
+
+def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
+    """GI 1 with ghost memory, GI 2 with a live trainer and its worker; the fake nvidia-smi.
+    Returns the actors' PIDs and the reset section pointing every command at the fake."""
+    (host.root / "mig-minors").write_text(mig_minors_text([0]))
+    caps(host, 1)
+    host.spawn(
+        "trainer2",
+        [{"setsid": True}, {"open": host.cuda(0) + caps(host, 2)},
+         {"fork": host.script("worker2", [{"sleep": 3600}])}, {"sleep": 3600}],
+    )  # fmt: skip
+    pids = host.wait_ready("trainer2", "worker2")
+
+    def layout(gi1_allocated: int) -> list[dict[str, Any]]:
+        return [
+            gpu(0, mig_mode=1, mig_devices=[
+                mig_device(1, 0, allocated=gi1_allocated),
+                mig_device(2, 0, profile="3g.40gb", allocated=900 * MiB,
+                           processes=[process(pids["trainer2"], 900 * MiB)]),
+            ])
+        ]  # fmt: skip
+
+    host.nvml(layout(3 * GiB))
+    recreated = host.root / "recreated.json"
+    recreated.write_text(json.dumps(state(layout(2 * MiB))))
+    script = host.root / "fake-nvidia-smi"
+    script.write_text(
+        FAKE_MIG_SMI
+        % {
+            "log": host.root / "smi.log",
+            "gi_cap": host.devices_dir / f"nvidia-caps/nvidia-cap{cap_minor(0, 1)}",
+            "ci_cap": host.devices_dir / f"nvidia-caps/nvidia-cap{cap_minor(0, 1, 0)}",
+            "recreated": recreated,
+            "state": host.fake.state_path,
+        }
+    )
+    script.chmod(0o755)
+    smi = str(script)
+    reset = {
+        "enabled": True,
+        "mig_recovery": True,
+        "command": [smi, "--gpu-reset", "-i", "{uuid}"],
+        "persistence_command": [smi, "-pm", "{mode}", "-i", "{uuid}"],
+        "health_command": [smi, "-q", "-i", "{uuid}"],
+        "mig_recovery_commands": [
+            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
+            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
+            [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
+        ],
+        "confirm_for": "1s",
+        "timeout": "5s",
+        "cooldown": "1h",
+    }
+    return pids, reset
+
+
+def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root) as host:
+        pids, reset = ghost_host(host)
+        run = Run(
+            host,
+            dry_run=arg["dry_run"],
+            reset=reset,
+            mig_minors_file=str(host.root / "mig-minors"),
+        )
+        run.start()
+        run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
+        time.sleep(2)  # several more polls, within the cooldown
+        run.stop()
+        log = host.root / "smi.log"
+        gi1 = json.loads(host.fake.state_path.read_text())["gpus"][0]["mig_devices"][0]
+        return {
+            "pids": pids,
+            "calls": log.read_text().splitlines() if log.exists() else [],
+            "outcomes": [e for e in run.events() if e.get("event") == "reset.outcome"],
+            "due": [e for e in run.events() if e.get("event") == "reset.due"],
+            "signals": _signals(run),
+            "alive": {name: host.alive(pids[name]) for name in ("trainer2", "worker2")},
+            "gi1_used": gi1["memory"]["used"],
+            "refused_calls": (host.root / "refused-calls.log").exists(),
+            "said": [  # what the daemon said about resets and findings, for a failure's message
+                (e.get("event"), e.get("why") or e.get("reason") or e.get("kind"), e.get("gpu"))
+                for e in run.events()
+                if not str(e.get("event", "")).startswith(("poll", "scan."))
+            ],
+        }
+
+
 def run_scenario(name: str, tmp_path: Path, **arg: Any) -> dict[str, Any]:
     return run_in_pid_namespace(f"{__name__}:{name}", arg, root=tmp_path, timeout=150)
 
@@ -149,3 +278,42 @@ def test_a_dry_run_on_a_mig_gpu_shows_the_same_single_target(tmp_path: Path) -> 
     assert [(f["pid"], f["gpu"]) for f in orphans] == [
         (pids["worker1"], result["instances"][0]["uuid"])
     ]
+
+
+GPU0 = "GPU-00000000-face-4000-8000-000000000000"
+
+
+def test_ghost_memory_in_one_instance_recreates_it_and_never_resets_the_gpu(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False)
+    assert result["calls"] == [
+        f"mig -i {GPU0} -gi 1 -ci 0 -dci",
+        f"mig -i {GPU0} -gi 1 -dgi",
+        f"mig -i {GPU0} -cgi 19:1 -C",
+        f"-q -i {GPU0}",
+    ], result["said"]
+    assert not [c for c in result["calls"] if "--gpu-reset" in c or "-pm" in c]
+    assert not result["refused_calls"]
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "success", outcome["reason"]
+    assert outcome["gi"] == 1
+    assert outcome["instance"].startswith("MIG-")
+    assert result["gi1_used"] == 2 * MiB
+    assert result["signals"] == []
+    assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_a_dry_run_of_the_instance_recovery_runs_nothing_and_says_the_same_plan(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=True)
+    assert result["calls"] == []
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "dry_run"
+    assert outcome["gi"] == 1
+    assert "would re-create MIG GPU instance 1 of GPU 0" in outcome["reason"]
+    assert "-cgi', '19:1', '-C'" in outcome["reason"]
+    assert [d["gi"] for d in result["due"]] == [1]
+    assert result["gi1_used"] == 3 * GiB
+    assert result["alive"] == {"trainer2": True, "worker2": True}

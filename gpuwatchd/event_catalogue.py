@@ -549,7 +549,7 @@ CATALOGUE: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_REFUSED: _e(
         INFO,
-        f"{_FINDING} why hidden_holder outcome pci_bus_id",
+        f"{_FINDING} why hidden_holder outcome pci_bus_id {_MIG}",
         lambda s: f"No reset of {s.gpu()} now{s.why()}.",
         WARNING,
         DEBUG,

@@ -434,6 +434,12 @@ class _EventCounters:
         self.resets = Counter(
             "gpuwatchd_resets", "GPU reset procedures, by result", ["result"], registry=registry
         )
+        self.mig_recoveries = Counter(
+            "gpuwatchd_mig_recoveries",
+            "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
+            ["result"],
+            registry=registry,
+        )
         self.hooks = Counter(
             "gpuwatchd_hooks",
             "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
@@ -448,6 +454,7 @@ class _EventCounters:
         )
         for result in ResetResult:  # known from the start, so increase() sees the first one
             self.resets.labels(result.value)
+            self.mig_recoveries.labels(result.value)
         for kind in FindingKind:
             self.findings_new.labels(kind.value)
 
@@ -456,7 +463,9 @@ class _EventCounters:
             signal = _label(fields.get("signal"), _SIGNALS)
             self.signals.labels(signal, _label(fields.get("outcome"), _SIGNAL_OUTCOMES)).inc()
         elif name == EventName.RESET_OUTCOME:  # also said for a resumed reset it books
-            self.resets.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
+            # A MIG GPU instance's re-creation is the reset procedure, but not a GPU reset.
+            counter = self.mig_recoveries if fields.get("instance") else self.resets
+            counter.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
         elif name == EventName.HOOK_RUN:
             self.hooks.labels(_hook_name(fields.get("hook")), _hook_result(fields)).inc()
         elif name == EventName.FINDING_NEW:

@@ -430,6 +430,18 @@ def test_counters_count_events(textfile: Path) -> None:
     assert not any("pid" in dict(labels) for _, labels in s)
 
 
+def test_a_mig_instance_recreated_is_counted_as_a_recovery_not_a_gpu_reset() -> None:
+    result = simulate(
+        load_scenario(str(REPO / "examples/scenarios/mig-ghost-instance-recovery.yaml"))
+    )
+    metrics = Metrics(None)
+    for entry in result.timeline:
+        metrics.observe(entry.name, entry.level, entry.fields)
+    s = samples_of(metrics.render().decode())
+    assert value(s, "gpuwatchd_mig_recoveries_total", result="success") == 1
+    assert value(s, "gpuwatchd_resets_total", result="success") == 0
+
+
 def test_the_engines_event_fields_are_the_ones_counted() -> None:
     """Feed real engine events (a simulated scenario) to observe: a renamed field shows."""
     result = simulate(load_scenario(str(REPO / "examples/scenarios/reset-fails-drain.yaml")))
@@ -439,6 +451,7 @@ def test_the_engines_event_fields_are_the_ones_counted() -> None:
         metrics.observe(entry.name, entry.level, entry.fields)
     s = samples_of(metrics.render().decode())
     assert value(s, "gpuwatchd_resets_total", result="failed") == 1
+    assert value(s, "gpuwatchd_mig_recoveries_total", result="failed") == 0
     assert value(s, "gpuwatchd_hooks_total", hook="on_failure", result="ok") == 1
     assert value(s, "gpuwatchd_findings_new_total", kind="ghost_memory") == 1
     assert value(s, "gpuwatchd_findings_new_total", kind="orphaned") == 3

@@ -20,12 +20,17 @@ import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
-from gpuwatchd.cli.mig_report import instance_process_entries, mig_devices_from_report
+from gpuwatchd.cli.mig_report import (
+    capabilities_from_report,
+    instance_process_entries,
+    mig_devices_from_report,
+)
 from gpuwatchd.cli.spared import spare_stops, spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
+from gpuwatchd.decide.plan_resets import instance_recovery
 from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
 from gpuwatchd.escape import escape
@@ -36,6 +41,7 @@ from gpuwatchd.model import (
     FindingKind,
     GpuInfo,
     HolderScan,
+    MigCapability,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -252,10 +258,9 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                         ctl=old.ctl or entry.get("ctl") is True,
                         uvm=old.uvm or entry.get("uvm") is True,
                     )
+    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
     gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
-    for entry in _list_field(report, "node_holders", "node_holders"):
-        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
-            processes.setdefault(proc.pid, proc)
+    _add_node_holders(report, processes)
     findings: list[Finding] = []
     first_seen: dict[str, float] = {}
     kinds = {k.value for k in FindingKind}
@@ -294,8 +299,37 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
         host_namespaces=host.get("host_namespaces", True),
         spares=spares_from_report(report),
+        mig_caps=caps or None,
     )
     return snapshot, findings, first_seen
+
+
+def _add_node_holders(report: Mapping[str, object], processes: dict[int, ProcessInfo]) -> None:
+    """The processes of the report's node holders (nvidiactl, nvidia-uvm only) not known yet."""
+    for entry in _list_field(report, "node_holders", "node_holders"):
+        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
+            processes.setdefault(proc.pid, proc)
+
+
+def _with_capabilities(
+    holdings: dict[int, DeviceHolding], gpus: list[GpuInfo], gpus_raw: list[object]
+) -> dict[int, MigCapability]:
+    """The capability table of the report's judged MIG GPUs; each instance holder's
+    capabilities added to ``holdings``, so the instances are judged as the daemon judged them."""
+    table: dict[int, MigCapability] = {}
+    for gpu, raw in zip(gpus, gpus_raw, strict=True):
+        if not isinstance(raw, dict):
+            continue
+        caps, held = capabilities_from_report(raw, gpu.minor)
+        table.update(caps)
+        for pid, (fd, mapped) in held.items():
+            holding = holdings.get(pid, DeviceHolding(pid))
+            holdings[pid] = dataclasses.replace(
+                holding,
+                cap_minors_fd=holding.cap_minors_fd | fd,
+                cap_minors_map=holding.cap_minors_map | mapped,
+            )
+    return table
 
 
 def _with_listed(gpu: GpuInfo, raw: Mapping[str, object]) -> GpuInfo:
@@ -577,10 +611,15 @@ def _explain_reset(
         stops.append("reset.enabled is false")
         return
     item["rule"] = "reset"
-    item["next"] = {"action": "GPU reset", **_when(now, since, reset.confirm_for)}
+    action = "GPU reset"
+    instance = instance_recovery(snapshot, finding) if reset.mig_recovery else None
+    if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
+        action = instance.describe().replace("re-create", "re-creation of", 1)
+    item["next"] = {"action": action, **_when(now, since, reset.confirm_for)}
     item["then"] = [
         f"cooldown {duration(reset.cooldown)}; "
         f"at most {reset.max_resets} per {duration(reset.window)}"
+        + (" (the parent GPU's)" if instance is not None else "")
     ]
     # plan's own gates (the ones a snapshot can answer); report-only is said above.
     gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)

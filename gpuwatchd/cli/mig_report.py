@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.decide.mig import MigInstance, MigLayout, instance_gpu
-from gpuwatchd.model import GpuInfo, MigDevice
+from gpuwatchd.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
@@ -159,6 +159,17 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
         ids = [c for c in _items(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
         names = [u if isinstance(u, str) else None for u in _items(item.get("mig_uuids"))]
         profile = item.get("profile")
+        profile_id = as_int(item.get("gi_profile_id"))
+        place = [p for p in (as_int(p) for p in _items(item.get("placement"))) if p is not None]
+        placement = (place[0], place[1]) if len(place) == 2 else None
+        memory = item.get("memory")
+        used = as_int(memory.get("used")) if isinstance(memory, Mapping) else None
+        total = as_int(memory.get("total")) if isinstance(memory, Mapping) else None
+        listed = tuple(
+            NvmlProcess(pid, as_int(e.get("used_memory")), str(e.get("type") or "compute"))
+            for e in _items(item.get("processes"))
+            if isinstance(e, Mapping) and (pid := as_int(e.get("pid"))) is not None
+        )
         for position, ci in enumerate(ids or [0]):
             devices.append(
                 MigDevice(
@@ -167,9 +178,51 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
                     gi=gi,
                     ci=ci,
                     profile=profile if isinstance(profile, str) else None,
+                    gi_profile_id=profile_id if profile_id is None or profile_id >= 0 else None,
+                    placement=placement,
+                    memory=None if used is None else GpuMemory(total, None, 0, used),
+                    # a saved report lists an instance's processes once, for all its CIs
+                    processes=listed if position == 0 and item.get("processes_known") else (),
                 )
             )
     return tuple(devices)
+
+
+def _cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """A capability minor for a rebuilt report: a saved report keeps which instance each
+    holder holds, not the driver's numbers, so any one-to-one numbering will do."""
+    base = 3 + gpu_minor * 135 + gi * 9
+    return base if ci is None else base + 1 + ci
+
+
+def capabilities_from_report(
+    raw: Mapping[str, object], gpu_minor: int | None
+) -> tuple[dict[int, MigCapability], dict[int, tuple[set[int], set[int]]]]:
+    """A saved GPU entry's judged instances back as a capability table and, per holder PID,
+    the capability minors it holds (by fd, by mapping): so ``explain`` places each holder in
+    its instance as the daemon did. Empty when the entry's instances were not judged."""
+    table: dict[int, MigCapability] = {}
+    held: dict[int, tuple[set[int], set[int]]] = {}
+    if gpu_minor is None:
+        return table, held
+    for item in _items(raw.get("mig_instances")):
+        gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
+        if not isinstance(item, Mapping) or item.get("judged") is not True or gi is None:
+            continue
+        cis = [c for c in (as_int(c) for c in _items(item.get("ci"))) if c is not None]
+        minors = {_cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
+        minors.update({_cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
+        table.update(minors)
+        for entry in _items(item.get("holders")):
+            pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
+            if pid is None or not isinstance(entry, Mapping):
+                continue
+            via = _items(entry.get("via"))
+            fd, mapped = held.setdefault(pid, (set(), set()))
+            (fd if "fd" in via or not via else mapped).update(minors)
+            if "map" in via:
+                mapped.update(minors)
+    return table, held
 
 
 def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:

@@ -156,6 +156,22 @@ def test_explain_says_an_instance_has_no_gpu_reset() -> None:
     assert "no GPU reset of an instance" in text
 
 
+def test_explain_with_mig_recovery_says_the_instance_is_recreated_not_the_gpu_reset() -> None:
+    base = HostBuilder().gpu(0).build()
+    snapshot = with_mig(base, instances=[Inst(1, allocated=LEAK), Inst(2)])
+    report = report_of(snapshot, run(snapshot))
+    recovering = parse_policy_documents(
+        [("p.yaml", "dry_run: false\nreset: {enabled: true, mig_recovery: true}\n")]
+    )
+    result: dict[str, Any] = json.loads(json.dumps(explain_report(report, recovering)))
+    (item,) = [i for i in result["findings"] if i["kind"] == "ghost_memory"]
+    assert item["next"]["action"] == (
+        "re-creation of MIG GPU instance 1 of GPU 0 (GI profile 19, placement 1:1)"
+    )
+    assert "no GPU reset of an instance" not in json.dumps(result)
+    assert "(the parent GPU's)" in item["then"][0]
+
+
 def test_instances_of_a_gpu_that_cannot_be_judged_are_listed_from_nvml_alone() -> None:
     snapshot = leak_beside_live_job(table=False)
     report = report_of(snapshot, run(snapshot))

@@ -46,6 +46,9 @@ _RESET_GATES = (
     "_history_blocker",
     "_consider_reset",
     "_start_reset",
+    # Ghost memory in a MIG GPU instance: its own gates, the instance it re-creates.
+    "_instance_gates",
+    "instance_recovery",
     "_consider_health",
     "_consider_health_reset",
     "record_reset",
@@ -168,6 +171,8 @@ _PLAN_MODULES = {
         "_consider_reset",
         "_start_reset",
         "_review_refusals",
+        "_instance_gates",
+        "instance_recovery",
     ),
     "plan_health": (
         "_consider_health",
@@ -235,6 +240,23 @@ TARGETS = (
             "parent_of",
         ),
     ),
+    # MIG: the recovery of one GPU instance — what may still use it (its own live-holder
+    # gate and final scan), whether it can be re-created in place, whether it came back, and
+    # a state file's record of it read back; its commands' wording is argv's.
+    Target(
+        "mig_recovery",
+        "gpuwatchd/decide/mig_recovery.py",
+        ALL,
+        ("recovery_of", "instance_blockers", "recovery_blockers", "recovered", "from_record"),
+    ),
+    # When a poll must walk all of /proc: a GPU instance's unowned memory must make it one, or
+    # its ghost memory is never confirmed.
+    Target(
+        "full_scan",
+        "gpuwatchd/decide/full_scan.py",
+        ("has_unowned_memory", "_unowned_instance"),
+        ("has_unowned_memory", "_unowned_instance"),
+    ),
 )
 
 # The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
@@ -268,4 +290,9 @@ TEST_FILES = (
     "tests/unit/test_mig_assess.py",
     "tests/unit/test_mig_report.py",
     "tests/unit/test_mig_simulate.py",
+    "tests/unit/test_mig_recovery.py",
+    "tests/unit/test_mig_recovery_plan.py",
+    "tests/unit/test_mig_recovery_edges.py",
+    "tests/unit/test_reset_mig.py",
+    "tests/integration/test_full_scan.py",
 )

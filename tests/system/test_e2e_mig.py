@@ -139,6 +139,10 @@ def host_mig_leak_beside_live_job(arg: dict[str, Any], root: Path) -> dict[str, 
 # any process holds GPU instance 1's capability files (as the driver does); `mig -cgi` writes
 # the fake NVML state with GPU instance 1's memory back to idle. Nothing else does anything.
 FAKE_MIG_SMI = r"""#!/bin/sh
+if [ "$1" = hook ]; then
+    echo "hook $2 $GPUWATCHD_EVENT $GPUWATCHD_MIG_INSTANCE $GPUWATCHD_MIG_GI" >> "%(log)s"
+    exit 0
+fi
 echo "$*" >> "%(log)s"
 case " $* " in
 *" -dci "* | *" -dgi "*)
@@ -201,6 +205,8 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
         "command": [smi, "--gpu-reset", "-i", "{uuid}"],
         "persistence_command": [smi, "-pm", "{mode}", "-i", "{uuid}"],
         "health_command": [smi, "-q", "-i", "{uuid}"],
+        "drain": [[smi, "hook", "drain"]],
+        "after": [[smi, "hook", "after"]],
         "mig_recovery_commands": [
             [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
             [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
@@ -287,11 +293,14 @@ def test_ghost_memory_in_one_instance_recreates_it_and_never_resets_the_gpu(
     tmp_path: Path,
 ) -> None:
     result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False)
+    gi1 = result["outcomes"][0]["instance"] if result["outcomes"] else "?"
     assert result["calls"] == [
+        f"hook drain reset_drain {gi1} 1",
         f"mig -i {GPU0} -gi 1 -ci 0 -dci",
         f"mig -i {GPU0} -gi 1 -dgi",
         f"mig -i {GPU0} -cgi 19:1 -C",
         f"-q -i {GPU0}",
+        f"hook after reset_after {gi1} 1",
     ], result["said"]
     assert not [c for c in result["calls"] if "--gpu-reset" in c or "-pm" in c]
     assert not result["refused_calls"]

@@ -305,11 +305,14 @@ def _actions(raw: object) -> list[dict[str, object]]:
 
 
 def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
+    recovery = _map(record.get("recovery"))  # a MIG GPU instance's re-creation
     return {
         "gpu": _str(record.get("uuid")),
         "pci_bus_id": _str(record.get("pci_bus_id")),
         "step": _str(record.get("step")),
         "since": _num(record.get("since")),
+        "instance": _str(recovery.get("mig_uuid")),
+        "gi": _int(recovery.get("gi")),
     }
 
 

@@ -336,7 +336,9 @@ _ACTION: Mapping[str, _Check] = {
     "dry_run": _bool,
     "sentence": _str,
 }
-_IN_PROGRESS: Mapping[str, _Check] = {"gpu": _str, "pci_bus_id": _str, "step": _str, "since": _num}
+_IN_PROGRESS: Mapping[str, _Check] = {
+    "gpu": _str, "pci_bus_id": _str, "step": _str, "since": _num, "instance": _str, "gi": _int,
+}  # fmt: skip
 _RESET_GPU: Mapping[str, _Check] = {
     "gpu": _str,
     "last": _num,
@@ -502,10 +504,10 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
     if isinstance(progress, Mapping):
         since = _num(progress.get("since"))
         when = f", since {ago(now - since)}" if since is not None else ""
-        lines.append(
-            f"  in progress: {_text(progress.get('gpu'))} at step "
-            f"{_text(progress.get('step'))}{when}"
-        )
+        what = _text(progress.get("gpu"))
+        if progress.get("instance") is not None:  # a MIG GPU instance's re-creation
+            what = f"re-creation of MIG GPU instance {_text(progress.get('gi'))} of {what}"
+        lines.append(f"  in progress: {what} at step {_text(progress.get('step'))}{when}")
     window = duration(resets.get("window"))
     for gpu in _seq(resets.get("gpus")):
         entry = _map(gpu)

@@ -209,6 +209,19 @@ def test_a_reset_in_progress_counts_as_a_sign_of_life() -> None:
     assert "in progress: GPU-1 at step reset, since 30s ago" in render_text(result)
 
 
+def test_a_mig_instance_being_recreated_is_said_to_be_one() -> None:
+    state = saved(last_poll=NOW - 5)
+    state["reset_in_progress"] = {
+        "uuid": "GPU-1", "step": "reset", "since": NOW - 3,
+        "recovery": {"mig_uuid": "MIG-1", "gi": 2, "uuid": "GPU-1"},
+    }  # fmt: skip
+    result = run_describe(state)
+    progress = result["resets"]["in_progress"]
+    assert (progress["instance"], progress["gi"]) == ("MIG-1", 2)
+    text = render_text(result)
+    assert "in progress: re-creation of MIG GPU instance 2 of GPU-1 at step reset" in text
+
+
 # --- ladders: monotonic deadlines shown as wall time only when that is reliable ----------------
 
 

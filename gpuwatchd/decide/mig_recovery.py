@@ -10,8 +10,8 @@ This module owns, purely (no I/O, no clock):
 
 - :func:`recovery_of`: the :class:`InstanceRecovery` of a finding's instance (its parent GPU,
   GPU instance id, its compute instance, GI profile id and placement), or why it cannot be
-  re-created in place (any of those unknown; several compute instances, which ``-C`` would
-  not bring back as they were).
+  re-created in place (any of those unknown; several compute instances, or one that is only
+  a part of its GPU instance, which ``-C`` would not bring back as they were).
 - :data:`DEFAULT_COMMANDS`: the ``nvidia-smi mig`` command lines of a recovery, and
   :func:`recovery_argvs`, which fills them in through :func:`~gpuwatchd.decide.argv.format_argv`
   (so every value is checked against its documented format before anything runs).
@@ -157,6 +157,13 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
         return f"GPU instance {instance.gi}: its placement is unknown"
     if device.uuid is None:
         return f"GPU instance {instance.gi}: its MIG UUID is unknown"
+    if device.profile is None:
+        return f"GPU instance {instance.gi}: its compute instance's profile is unknown"
+    if device.profile.count(".") == 2:  # "1c.3g.40gb": a compute instance of part of it
+        return (
+            f"GPU instance {instance.gi}: its compute instance ({device.profile}) is a part of "
+            "it, which -C would not bring back; recover it by hand"
+        )
     start, size = device.placement
     return InstanceRecovery(
         uuid=instance.parent.uuid,

@@ -119,6 +119,20 @@ def test_an_unknown_compute_instance_or_mig_uuid_refuses_the_recovery() -> None:
     assert recovery_of(no_uuid, named) == "GPU instance 1: its MIG UUID is unknown"
 
 
+def test_a_compute_instance_of_part_of_its_gpu_instance_or_of_unknown_size_is_not_recreated() -> (
+    None
+):
+    """``-C`` creates the GPU instance's full-size compute instance: a ``1c.3g.40gb`` one (one
+    slice of a 3-slice GPU instance) would not come back as it was."""
+    partial = host(Inst(1, allocated=LEAK, profile="1c.3g.40gb"), Inst(2))
+    assert recovery_of(partial, GI1) == (
+        "GPU instance 1: its compute instance (1c.3g.40gb) is a part of it, which -C would not "
+        "bring back; recover it by hand"
+    )
+    unknown = with_devices(LEAKY, profile=None)
+    assert recovery_of(unknown, GI1) == "GPU instance 1: its compute instance's profile is unknown"
+
+
 # --- what may still use it ---------------------------------------------------------------------
 
 

@@ -123,7 +123,7 @@ def compare_cli(
     run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
     if baseline is not None:
         run_scan(host, config, extra, baseline)
-    served = 0
+    served = daemon_reading = 0
     for _ in range(rounds):
         if baseline is not None:
             if before_each is not None:
@@ -137,6 +137,7 @@ def compare_cli(
         ours.append(wall)
         scan_mode = report.get("scan_mode")
         served += report.get("daemon_view", {}).get("used") is True
+        daemon_reading += report.get("nvml_reading", {}).get("source") == "daemon"
         found = scan_pids(report) - ignore
         same &= found == expected
         if found != expected:
@@ -154,6 +155,7 @@ def compare_cli(
         "gpuwatchd_ms": median * 1e3,
         "identical_sets": same,
         "served_rounds": served,
+        "daemon_reading_rounds": daemon_reading,
     }
     if differences:
         result["differences"] = differences
@@ -240,7 +242,8 @@ def main() -> int:
             f"{row['processes']:>6} procs  scan {row['gpuwatchd_ms']:7.1f} ms  "
             f"fuser {row['fuser_ms']:7.1f} ms  ratio {row['ratio_vs_fuser']:.2f}  "
             f"same {row['identical_sets']}  mode {row['scan_mode']}  "
-            f"served {row['served_rounds']}/{row['rounds']}"
+            f"served {row['served_rounds']}/{row['rounds']}  "
+            f"daemon's NVML {row['daemon_reading_rounds']}/{row['rounds']}"
         )
         if "baseline_ms" in row:
             line += (

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import structlog
 
-from gpuwatchd import __version__, holder_view
+from gpuwatchd import __version__, holder_view, nvml_view
 from gpuwatchd.accepted import render_accepted, save_accepted
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
@@ -111,6 +111,7 @@ class Daemon:
         # Scan on cause (docs/scan.md): the holder view this daemon publishes for `scan`,
         # marked dirty by the device watch before its events are read (view_guard.py).
         self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
+        self._reading = nvml_view.ReadingPublisher(self._state_dir, self._view_write_failed)
         self.host = build_real_host(
             policy,
             on_device_event=self._view.mark_dirty,
@@ -546,6 +547,21 @@ class Daemon:
             watch_fd=self.device_watch.fileno(),
         )
         self._view.publish(view)
+        # Beside it, this poll's NVML reading, for a served scan (gpuwatchd/nvml_view.py).
+        reply, asked = self.nvml.last_reply, self.nvml.last_asked_wall
+        self._reading.publish(
+            None
+            if reply is None or asked is None
+            else nvml_view.encode(
+                boot_id=snapshot.boot_id,
+                daemon_pid=os.getpid(),
+                daemon_start_ticks=self._own_start_ticks,
+                read_at=asked,
+                polled=snapshot.wall_time,
+                interval=self.policy.interval,
+                reply=reply,
+            )
+        )
 
     def _view_write_failed(self, error: str) -> None:
         log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)

@@ -285,16 +285,15 @@ def _errors_only_logging() -> None:
 
 
 def _scan(args: argparse.Namespace) -> int:
-    # The NVML worker first, its request sent: its start-up overlaps our imports and the walk.
-    # Beside a daemon, its device watch is asked first (the worker opens the device files).
+    # --full: the NVML worker first, its request sent: its start-up overlaps our imports and
+    # the walk. Otherwise the daemon's device watch is asked first (the worker opens the device
+    # files), and a served scan may take the daemon's NVML reading and start no worker.
     from gpuwatchd.collect.nvml import NvmlClient
 
     _errors_only_logging()
     nvml = NvmlClient()
     if args.full:
         nvml.prefetch()
-    else:
-        nvml.start_idle()  # NVML opens the device files only when asked, after the probe
     try:
         return _scan_with(args, nvml)
     finally:
@@ -308,10 +307,17 @@ def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
     watch_probe = None
     if not args.full:
         watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)
-    nvml.prefetch()
+    if watch_probe is None or not watch_probe.empty:
+        nvml.prefetch()  # no view to serve from: no daemon reading either
     from gpuwatchd.cli.scan import scan_host
 
-    result = scan_host(policy, nvml=nvml, full=bool(args.full), watch_probe=watch_probe)
+    result = scan_host(
+        policy,
+        nvml=nvml,
+        full=bool(args.full),
+        watch_probe=watch_probe,
+        nvml_from_daemon=not args.full,
+    )
     if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:

@@ -95,7 +95,7 @@ def running_daemon(
     lock), by the same kernel evidence, which spares reading ``/proc/locks``
     (:meth:`StateDir.lock_held_by`); any other answer asks ``/proc/locks`` as before.
     """
-    from gpuwatchd.cli.status import look_at_process
+    from gpuwatchd.cli.process_kind import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:

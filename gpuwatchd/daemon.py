@@ -29,6 +29,7 @@ from gpuwatchd import __version__, holder_view, nvml_view
 from gpuwatchd.accepted import render_accepted, save_accepted
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
+from gpuwatchd.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
@@ -447,12 +448,16 @@ class Daemon:
         written only when it changed. ``run --once`` keeps none: it is not the daemon."""
         if self.once:
             return
-        text = render_accepted(policy)
-        if text == self._accepted_text:
-            return
         state_dir = self._state_dir()
         if state_dir is None:
             return  # said as state.dir_unusable
+        try:  # for scan: the policy the files say now, compiled (gpuwatchd/compiled_policy.py)
+            save_compiled(state_dir, self.config_path, load_policy, strict=os.geteuid() == 0)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=COMPILED_FILE, error=_os_error(exc))
+        text = render_accepted(policy)
+        if text == self._accepted_text:
+            return
         try:
             save_accepted(state_dir, policy)
         except OSError as exc:

@@ -301,9 +301,13 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
+    from gpuwatchd.compiled_policy import load_compiled
     from gpuwatchd.view_guard import probe_path
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    # The running daemon's compiled policy when the files are unchanged: no YAML to parse.
+    policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
+    if policy is None:
+        policy = load_policy_or_exit(args.config, required=args.config is not None)
     watch_probe = None
     if not args.full:
         watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)

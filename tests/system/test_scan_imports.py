@@ -5,8 +5,9 @@ once walking ``/proc`` (no daemon) and once served from a running daemon's holde
 NVML reading (no NVML worker started), and reports which modules it had loaded when it
 finished. Neither loads structlog (nor asyncio, which structlog brings), pynvml (the NVML
 worker's, in its own process), the daemon's actuator and wiring, the plan, another command's
-module, or the standard modules only a rare path needs (hashlib, platform). A structural
-property, never a timing.
+module, or the standard modules only a rare path needs (hashlib, platform); served, not even
+YAML and the config schema (the daemon's compiled policy). A structural property, never a
+timing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ NOT_LOADED = {
     "gpuwatchd.event_catalogue": "the daemon's and status's event text",
     "hashlib": "names spare and hand-over files only, loaded when one is there (OpenSSL: ~3 ms)",
     "platform": "kcmp's machine name comes from os.uname() (~2 ms)",
+}
+
+
+# ... and what a served scan does not load either: the policy comes compiled from the daemon.
+SERVED_NOT_LOADED = {
+    "yaml": "the daemon's compiled policy is used (gpuwatchd/compiled_policy.py)",
+    "gpuwatchd.config.schema": "the daemon's compiled policy is used",
 }
 
 
@@ -136,5 +144,6 @@ def test_a_scan_alone_and_a_served_scan_load_no_logging_nvml_or_daemon_modules(
     for case in ("alone", "served"):
         modules = set(result[case]["modules"])
         assert "gpuwatchd.cli.scan" in modules  # the probe saw a real scan
-        loaded = {name: why for name, why in NOT_LOADED.items() if name in modules}
+        unwanted = {**NOT_LOADED, **(SERVED_NOT_LOADED if case == "served" else {})}
+        loaded = {name: why for name, why in unwanted.items() if name in modules}
         assert not loaded, f"{case}: loaded {loaded}"

@@ -107,6 +107,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "gpuwatchd.logs", "gpuwatchd.holder_view", "gpuwatchd.view_guard",
                "gpuwatchd.nvml_view")),
     ("services", ("gpuwatchd.state", "gpuwatchd.pause", "gpuwatchd.accepted",
+                  "gpuwatchd.compiled_policy",
                   "gpuwatchd.status_document",
                   "gpuwatchd.metrics", "gpuwatchd.metrics_mig", "gpuwatchd.engine",
                   "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",

@@ -292,6 +292,16 @@ def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             nvml_state(host, pool.holders, 8)
             config = host.config(interval="1s") if arg["served"] else host.config()
             files = [str(p) for p in sorted(host.devices_dir.iterdir())]
+            if arg.get("after_daemon"):
+                # A node where the daemon ran (and stopped): its compiled policy is kept in
+                # state_dir (gpuwatchd/compiled_policy.py), so scan reads no YAML.
+                daemon = host.start_daemon("run", "--config", str(config))
+                try:
+                    if not _wait_for_view(host, daemon.pid, len(holders)):
+                        raise RuntimeError("the daemon published no clean view")
+                finally:
+                    daemon.terminate()
+                    daemon.wait(timeout=60)
             for count in counts:
                 pool.set_fillers(count)
                 if arg["served"] and baseline is not None:
@@ -336,6 +346,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--served", action="store_true", help="beside a running daemon")
     parser.add_argument(
+        "--after-daemon",
+        action="store_true",
+        help="alone, where a daemon ran before (its compiled policy is in state_dir)",
+    )
+    parser.add_argument(
         "--baseline", metavar="DIR", help="a folder with another gpuwatchd package, run too"
     )
     args = parser.parse_args()
@@ -344,7 +359,7 @@ def main() -> int:
         result = run_in_pid_namespace(
             "bench.cli_scan:_standalone",
             {"counts": args.counts, "rounds": args.rounds, "served": args.served,
-             "baseline": baseline},
+             "baseline": baseline, "after_daemon": args.after_daemon},
             root=Path(tmp),
             timeout=1800,
         )  # fmt: skip

@@ -287,7 +287,8 @@ def _errors_only_logging() -> None:
 def _scan(args: argparse.Namespace) -> int:
     # --full: the NVML worker first, its request sent: its start-up overlaps our imports and
     # the walk. Otherwise the daemon's device watch is asked first (the worker opens the device
-    # files), and a served scan may take the daemon's NVML reading and start no worker.
+    # files), and a served scan may take the daemon's NVML reading and start no worker: the
+    # worker starts once the policy says none is likely (_scan_with).
     from gpuwatchd.collect.nvml import NvmlClient
 
     _errors_only_logging()
@@ -304,9 +305,12 @@ def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
     from gpuwatchd.compiled_policy import load_compiled
     from gpuwatchd.view_guard import probe_path
 
-    # The running daemon's compiled policy when the files are unchanged: no YAML to parse.
+    # The daemon's compiled policy when the files are unchanged: no YAML to parse.
     policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
     if policy is None:
+        # No daemon compiled this policy, so most likely none serves this scan either: the
+        # worker's start-up overlaps parsing the YAML (NVML itself waits for the probe).
+        nvml.start_idle()
         policy = load_policy_or_exit(args.config, required=args.config is not None)
     watch_probe = None
     if not args.full:

@@ -112,7 +112,7 @@ class Daemon:
         # Scan on cause (docs/scan.md): the holder view this daemon publishes for `scan`,
         # marked dirty by the device watch before its events are read (view_guard.py).
         self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
-        self._reading = nvml_view.ReadingPublisher(self._state_dir, self._view_write_failed)
+        self._reading = nvml_view.ReadingPublisher(self._state_dir, self._reading_write_failed)
         self.host = build_real_host(
             policy,
             on_device_event=self._view.mark_dirty,
@@ -445,7 +445,8 @@ class Daemon:
 
     def _save_accepted(self, policy: Policy) -> None:
         """Keep ``policy`` as the last accepted one (the daemon's fallback at a rejected start);
-        written only when it changed. ``run --once`` keeps none: it is not the daemon."""
+        written only when it changed; and, for ``scan``, the policy the files say now, compiled
+        (gpuwatchd/compiled_policy.py). ``run --once`` keeps neither: it is not the daemon."""
         if self.once:
             return
         state_dir = self._state_dir()
@@ -570,6 +571,9 @@ class Daemon:
 
     def _view_write_failed(self, error: str) -> None:
         log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
+
+    def _reading_write_failed(self, error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=nvml_view.READING_FILE, error=error)
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""

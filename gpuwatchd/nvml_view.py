@@ -262,6 +262,7 @@ class ReadingPublisher:
         self._state_dir = state_dir
         self._on_error = on_error
         self._present = True  # unknown at start: a failed first read removes a leftover
+        self._error: str | None = None  # the last error said (each poll would repeat it)
 
     def publish(self, doc: Mapping[str, object] | None) -> None:
         """Write ``doc`` (from :func:`encode`), or remove the file when None."""
@@ -277,6 +278,9 @@ class ReadingPublisher:
                 # No fsync: only running scans read it, and after a crash its daemon is gone.
                 state_dir.write(READING_FILE, json.dumps(doc).encode(), sync=False)
         except OSError as exc:
-            self._on_error(str(exc))
+            why = exc.strerror or str(exc)  # not the temporary file's name: new each time
+            if why != self._error:
+                self._error = why
+                self._on_error(why)
             return
-        self._present = doc is not None
+        self._present, self._error = doc is not None, None

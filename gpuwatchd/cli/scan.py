@@ -187,7 +187,7 @@ def scan_host(
     worker opened any device file; taken here when None) found the daemon's watch covering
     every device file with no event queued. ``nvml_from_daemon`` (``scan``, never
     ``check-clean``): on a used view, take the daemon's published NVML reading when it is fresh
-    (:mod:`gpuwatchd.nvml_view`) instead of asking NVML; ``nvml`` is then never started.
+    (:mod:`gpuwatchd.nvml_view`) instead of asking NVML; ``nvml`` is then never asked.
     Raises StateDirError when ``state_dir`` exists but cannot be trusted
     (:func:`open_state_dir`).
     """

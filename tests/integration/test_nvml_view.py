@@ -203,3 +203,19 @@ def test_the_publisher_writes_after_a_good_read_and_removes_after_a_failed_one(
     assert not path.exists()
     publisher.publish(None)  # nothing to remove: no error
     assert errors == []
+
+
+def test_a_write_that_keeps_failing_is_said_once_until_it_works_again(state: StateDir) -> None:
+    errors: list[str] = []
+    broken = StateDir(state.path, -1, state.owners)  # a closed descriptor: every write fails
+    current = [broken]
+    publisher = nvml_view.ReadingPublisher(lambda: current[0], errors.append)
+    for _ in range(3):
+        publisher.publish(_doc())
+    assert len(errors) == 1  # once a poll would flood the journal
+    current[0] = state
+    publisher.publish(_doc())
+    assert (Path(state.path) / nvml_view.READING_FILE).exists()
+    current[0] = broken
+    publisher.publish(_doc())
+    assert len(errors) == 2  # failing again after it worked is said again

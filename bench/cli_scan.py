@@ -12,7 +12,10 @@ fresh PID namespace and prints one line per process count.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -123,7 +126,7 @@ def compare_cli(
     run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
     if baseline is not None:
         run_scan(host, config, extra, baseline)
-    served = 0
+    served = daemon_reading = 0
     for _ in range(rounds):
         if baseline is not None:
             if before_each is not None:
@@ -137,6 +140,7 @@ def compare_cli(
         ours.append(wall)
         scan_mode = report.get("scan_mode")
         served += report.get("daemon_view", {}).get("used") is True
+        daemon_reading += report.get("nvml_reading", {}).get("source") == "daemon"
         found = scan_pids(report) - ignore
         same &= found == expected
         if found != expected:
@@ -154,6 +158,7 @@ def compare_cli(
         "gpuwatchd_ms": median * 1e3,
         "identical_sets": same,
         "served_rounds": served,
+        "daemon_reading_rounds": daemon_reading,
     }
     if differences:
         result["differences"] = differences
@@ -168,9 +173,112 @@ def compare_cli(
     return result
 
 
-def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    import functools
+def _start_daemon(host: SimHost, config: Path, source: Path | None) -> subprocess.Popen[bytes]:
+    """``gpuwatchd run`` from this checkout, or from the package in ``source``."""
+    env = host.env()
+    if source is not None:
+        env["PYTHONPATH"] = str(source)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config", str(config)],
+        env=env, cwd=source, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
 
+
+def _cpu_ticks(pids: Sequence[int]) -> int:
+    """utime + stime of ``pids`` (clock ticks; a gone one counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                fields = handle.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def compare_served_ab(
+    host: SimHost,
+    config: Path,
+    files: Sequence[str],
+    expected: set[int],
+    *,
+    rounds: int,
+    baseline: Path,
+    blocks: int = 3,
+) -> dict[str, Any]:
+    """Served scans of this checkout and of ``baseline``, each beside a daemon of its own code,
+    in alternating blocks (a daemon per block), with fuser in every round; medians.
+
+    A scan counts a daemon's NVML worker as the daemon's own only when it runs the scan's own
+    worker file (``gpuwatchd.cli.scan.running_daemon``); a scan from another folder therefore
+    never builds on this checkout's daemon, and would be timed walking: each version needs its
+    own daemon."""
+    from bench.run import _wait_for_view
+    from gpuwatchd.collect.procfs import ProcFS
+
+    walls: dict[str, list[float]] = {"ours": [], "base": []}
+    cpus: dict[str, list[float]] = {"ours": [], "base": []}  # the scan and its NVML worker
+    daemon_cpu: dict[str, float] = {"ours": 0.0, "base": 0.0}  # the daemon's, while serving
+    tick = os.sysconf("SC_CLK_TCK")
+    fuser: list[float] = []
+    served = {"ours": 0, "base": 0}
+    daemon_reading = {"ours": 0, "base": 0}
+    same = True
+    per_block = max(1, -(-rounds // blocks))
+    for source in (None, baseline):  # warm-up: fills the bytecode cache and the page cache
+        run_scan(host, config, (), source)
+    for _ in range(blocks):
+        for name, source in (("base", baseline), ("ours", None)):
+            daemon = _start_daemon(host, config, source)
+            try:
+                wait = functools.partial(_wait_for_view, host, daemon.pid, len(expected))
+                if not wait():
+                    raise RuntimeError(f"the {name} daemon published no clean view")
+                ignore = frozenset({daemon.pid, *ProcFS().children(daemon.pid)})
+                before = _cpu_ticks(sorted(ignore))
+                for _ in range(per_block):
+                    wait()
+                    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    wall, report = run_scan(host, config, (), source)
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    cpus[name].append(
+                        after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
+                    )
+                    walls[name].append(wall)
+                    served[name] += report.get("daemon_view", {}).get("used") is True
+                    source_name = report.get("nvml_reading", {}).get("source")
+                    daemon_reading[name] += source_name == "daemon"
+                    same &= scan_pids(report) - ignore == expected
+                    tool_wall, _, pids = _run_tool(["fuser", "-v", *files])
+                    fuser.append(tool_wall)
+                    same &= pids - ignore == expected
+                wait()  # the walk the last scan caused, if any, is counted too
+                daemon_cpu[name] += (_cpu_ticks(sorted(ignore)) - before) / tick
+            finally:
+                daemon.terminate()
+                daemon.wait(timeout=60)
+    ours, base, ref = (statistics.median(v) for v in (walls["ours"], walls["base"], fuser))
+    return {
+        "rounds": len(walls["ours"]),
+        "scan_mode": "served",
+        "gpuwatchd_ms": ours * 1e3,
+        "baseline_ms": base * 1e3,
+        "fuser_ms": ref * 1e3,
+        "ratio_vs_fuser": ours / ref,
+        "baseline_ratio_vs_fuser": base / ref,
+        "identical_sets": same,
+        "served_rounds": served["ours"],
+        "baseline_served_rounds": served["base"],
+        "daemon_reading_rounds": daemon_reading["ours"],
+        "scan_cpu_ms": statistics.median(cpus["ours"]) * 1e3,
+        "baseline_scan_cpu_ms": statistics.median(cpus["base"]) * 1e3,
+        "daemon_cpu_ms_per_scan": daemon_cpu["ours"] * 1e3 / len(walls["ours"]),
+        "baseline_daemon_cpu_ms_per_scan": daemon_cpu["base"] * 1e3 / len(walls["base"]),
+    }
+
+
+def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     from bench.run import _wait_for_view, nvml_state
     from gpuwatchd.collect.procfs import ProcFS
 
@@ -184,9 +292,24 @@ def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             nvml_state(host, pool.holders, 8)
             config = host.config(interval="1s") if arg["served"] else host.config()
             files = [str(p) for p in sorted(host.devices_dir.iterdir())]
+            if arg.get("after_daemon"):
+                # A node where the daemon ran (and stopped): its compiled policy is kept in
+                # state_dir (gpuwatchd/compiled_policy.py), so scan reads no YAML.
+                daemon = host.start_daemon("run", "--config", str(config))
+                try:
+                    if not _wait_for_view(host, daemon.pid, len(holders)):
+                        raise RuntimeError("the daemon published no clean view")
+                finally:
+                    daemon.terminate()
+                    daemon.wait(timeout=60)
             for count in counts:
                 pool.set_fillers(count)
-                if not arg["served"]:
+                if arg["served"] and baseline is not None:
+                    row = compare_served_ab(
+                        host, config, files, set(holders), rounds=arg["rounds"],
+                        baseline=baseline,
+                    )  # fmt: skip
+                elif not arg["served"]:
                     row = compare_cli(
                         host, config, files, set(holders), rounds=arg["rounds"],
                         with_lsof=False, baseline=baseline,
@@ -223,6 +346,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--served", action="store_true", help="beside a running daemon")
     parser.add_argument(
+        "--after-daemon",
+        action="store_true",
+        help="alone, where a daemon ran before (its compiled policy is in state_dir)",
+    )
+    parser.add_argument(
         "--baseline", metavar="DIR", help="a folder with another gpuwatchd package, run too"
     )
     args = parser.parse_args()
@@ -231,7 +359,7 @@ def main() -> int:
         result = run_in_pid_namespace(
             "bench.cli_scan:_standalone",
             {"counts": args.counts, "rounds": args.rounds, "served": args.served,
-             "baseline": baseline},
+             "baseline": baseline, "after_daemon": args.after_daemon},
             root=Path(tmp),
             timeout=1800,
         )  # fmt: skip
@@ -240,12 +368,21 @@ def main() -> int:
             f"{row['processes']:>6} procs  scan {row['gpuwatchd_ms']:7.1f} ms  "
             f"fuser {row['fuser_ms']:7.1f} ms  ratio {row['ratio_vs_fuser']:.2f}  "
             f"same {row['identical_sets']}  mode {row['scan_mode']}  "
-            f"served {row['served_rounds']}/{row['rounds']}"
+            f"served {row['served_rounds']}/{row['rounds']}  "
+            f"daemon's NVML {row['daemon_reading_rounds']}/{row['rounds']}"
         )
         if "baseline_ms" in row:
             line += (
                 f"  baseline {row['baseline_ms']:7.1f} ms "
                 f"ratio {row['baseline_ratio_vs_fuser']:.2f}"
+            )
+        if "baseline_served_rounds" in row:
+            line += (
+                f" served {row['baseline_served_rounds']}/{row['rounds']}\n"
+                f"        CPU per scan (scan + its NVML worker): {row['scan_cpu_ms']:.1f} ms, "
+                f"baseline {row['baseline_scan_cpu_ms']:.1f} ms; the daemon's, per scan: "
+                f"{row['daemon_cpu_ms_per_scan']:.1f} ms, "
+                f"baseline {row['baseline_daemon_cpu_ms_per_scan']:.1f} ms"
             )
         print(line)
     return 0

@@ -25,10 +25,11 @@ from typing import TypeVar
 
 import structlog
 
-from gpuwatchd import __version__, holder_view
+from gpuwatchd import __version__, holder_view, nvml_view
 from gpuwatchd.accepted import render_accepted, save_accepted
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
+from gpuwatchd.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.assess import Assessment
@@ -111,6 +112,7 @@ class Daemon:
         # Scan on cause (docs/scan.md): the holder view this daemon publishes for `scan`,
         # marked dirty by the device watch before its events are read (view_guard.py).
         self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
+        self._reading = nvml_view.ReadingPublisher(self._state_dir, self._reading_write_failed)
         self.host = build_real_host(
             policy,
             on_device_event=self._view.mark_dirty,
@@ -443,15 +445,20 @@ class Daemon:
 
     def _save_accepted(self, policy: Policy) -> None:
         """Keep ``policy`` as the last accepted one (the daemon's fallback at a rejected start);
-        written only when it changed. ``run --once`` keeps none: it is not the daemon."""
+        written only when it changed; and, for ``scan``, the policy the files say now, compiled
+        (gpuwatchd/compiled_policy.py). ``run --once`` keeps neither: it is not the daemon."""
         if self.once:
-            return
-        text = render_accepted(policy)
-        if text == self._accepted_text:
             return
         state_dir = self._state_dir()
         if state_dir is None:
             return  # said as state.dir_unusable
+        try:  # for scan: the policy the files say now, compiled (gpuwatchd/compiled_policy.py)
+            save_compiled(state_dir, self.config_path, load_policy, strict=os.geteuid() == 0)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=COMPILED_FILE, error=_os_error(exc))
+        text = render_accepted(policy)
+        if text == self._accepted_text:
+            return
         try:
             save_accepted(state_dir, policy)
         except OSError as exc:
@@ -546,9 +553,27 @@ class Daemon:
             watch_fd=self.device_watch.fileno(),
         )
         self._view.publish(view)
+        # Beside it, this poll's NVML reading, for a served scan (gpuwatchd/nvml_view.py).
+        reply, asked = self.nvml.last_reply, self.nvml.last_asked_wall
+        self._reading.publish(
+            None
+            if reply is None or asked is None
+            else nvml_view.encode(
+                boot_id=snapshot.boot_id,
+                daemon_pid=os.getpid(),
+                daemon_start_ticks=self._own_start_ticks,
+                read_at=asked,
+                polled=snapshot.wall_time,
+                interval=self.policy.interval,
+                reply=reply,
+            )
+        )
 
     def _view_write_failed(self, error: str) -> None:
         log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
+
+    def _reading_write_failed(self, error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=nvml_view.READING_FILE, error=error)
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""

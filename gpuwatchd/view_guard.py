@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwatchd.collect.devwatch import IN_OPEN, DeviceWatch, WatchNews
+from gpuwatchd.collect.devwatch import CAPS_FOLDER, IN_OPEN, DeviceWatch, WatchNews
 from gpuwatchd.collect.holders import match_device_name
 from gpuwatchd.holder_view import MAX_BYTES, REFRESH, VIEW_FILE
 from gpuwatchd.statedir import StateDir
@@ -220,10 +220,13 @@ def _watched(proc_root: str, fd: int) -> set[tuple[int, int]] | None:
 
 
 def _device_files(devices_dir: str) -> set[tuple[int, int]] | None:
-    """(inode, kernel device number) of every device file in ``devices_dir``."""
+    """(inode, kernel device number) of every device file in ``devices_dir`` and its
+    ``nvidia-caps/`` (MIG capability files)."""
     found: set[tuple[int, int]] = set()
     try:
         names = os.listdir(devices_dir)
+        if CAPS_FOLDER in names:
+            names += [f"{CAPS_FOLDER}/{n}" for n in os.listdir(f"{devices_dir}/{CAPS_FOLDER}")]
     except OSError:
         return None
     for name in names:

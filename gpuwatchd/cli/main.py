@@ -285,16 +285,16 @@ def _errors_only_logging() -> None:
 
 
 def _scan(args: argparse.Namespace) -> int:
-    # The NVML worker first, its request sent: its start-up overlaps our imports and the walk.
-    # Beside a daemon, its device watch is asked first (the worker opens the device files).
+    # --full: the NVML worker first, its request sent: its start-up overlaps our imports and
+    # the walk. Otherwise the daemon's device watch is asked first (the worker opens the device
+    # files), and a served scan may take the daemon's NVML reading and start no worker: the
+    # worker starts once the policy says none is likely (_scan_with).
     from gpuwatchd.collect.nvml import NvmlClient
 
     _errors_only_logging()
     nvml = NvmlClient()
     if args.full:
         nvml.prefetch()
-    else:
-        nvml.start_idle()  # NVML opens the device files only when asked, after the probe
     try:
         return _scan_with(args, nvml)
     finally:
@@ -302,16 +302,30 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
+    from gpuwatchd.compiled_policy import load_compiled
     from gpuwatchd.view_guard import probe_path
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    # The daemon's compiled policy when the files are unchanged: no YAML to parse.
+    policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
+    if policy is None:
+        # No daemon compiled this policy, so most likely none serves this scan either: the
+        # worker's start-up overlaps parsing the YAML (NVML itself waits for the probe).
+        nvml.start_idle()
+        policy = load_policy_or_exit(args.config, required=args.config is not None)
     watch_probe = None
     if not args.full:
         watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)
-    nvml.prefetch()
+    if watch_probe is None or not watch_probe.empty:
+        nvml.prefetch()  # no view to serve from: no daemon reading either
     from gpuwatchd.cli.scan import scan_host
 
-    result = scan_host(policy, nvml=nvml, full=bool(args.full), watch_probe=watch_probe)
+    result = scan_host(
+        policy,
+        nvml=nvml,
+        full=bool(args.full),
+        watch_probe=watch_probe,
+        nvml_from_daemon=not args.full,
+    )
     if result.report is None or (result.error is not None and not args.json):
         raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
     if args.json:

@@ -93,7 +93,7 @@ def daemon_pid(state: Mapping[str, object]) -> int | None:
 def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
     as running: only a PID known gone or reused lets the waiter go on alone."""
-    from gpuwatchd.cli.status import look_at_process
+    from gpuwatchd.cli.process_kind import look_at_process
 
     pid = daemon_pid(state)
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")

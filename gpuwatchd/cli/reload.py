@@ -19,7 +19,7 @@ import os
 import signal
 from typing import IO
 
-from gpuwatchd.cli.status import look_at_process
+from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import ExitCode

@@ -113,6 +113,11 @@ def _title_line(report: Mapping[str, object]) -> str:
         parts.append(f"on the daemon's holder view{old}")
     elif view.get("clean") is False:
         parts.append("(the daemon's view was not current: walked)")
+    reading = _as_map(report.get("nvml_reading"))
+    if reading.get("source") == "daemon":
+        age = reading.get("age_s")
+        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
+        parts.append(f"NVML: the daemon's reading{old}")
     return "  ".join(parts)
 
 

@@ -12,12 +12,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd import __version__, holder_view
+from gpuwatchd import __version__, holder_view, nvml_view
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
-from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
@@ -95,7 +95,7 @@ def running_daemon(
     lock), by the same kernel evidence, which spares reading ``/proc/locks``
     (:meth:`StateDir.lock_held_by`); any other answer asks ``/proc/locks`` as before.
     """
-    from gpuwatchd.cli.status import look_at_process
+    from gpuwatchd.cli.process_kind import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:
@@ -174,6 +174,7 @@ def scan_host(
     nvml: NvmlClient | None = None,
     full: bool = True,
     watch_probe: Probe | None = None,
+    nvml_from_daemon: bool = False,
 ) -> ScanResult:
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead
     (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
@@ -184,15 +185,24 @@ def scan_host(
     usable view it walks all of ``/proc`` as ``full=True`` always does. The view is used only
     when it is clean and ``watch_probe`` (:func:`probe_view`, taken before this process's NVML
     worker opened any device file; taken here when None) found the daemon's watch covering
-    every device file with no event queued. Raises StateDirError when ``state_dir`` exists
-    but cannot be trusted (:func:`open_state_dir`).
+    every device file with no event queued. ``nvml_from_daemon`` (``scan``, never
+    ``check-clean``): on a used view, take the daemon's published NVML reading when it is fresh
+    (:mod:`gpuwatchd.nvml_view`) instead of asking NVML; ``nvml`` is then never asked.
+    Raises StateDirError when ``state_dir`` exists but cannot be trusted
+    (:func:`open_state_dir`).
     """
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
         if not full and watch_probe is None:
             watch_probe = probe(state_dir, policy.proc_root, policy.devices_dir)
         return _scan_host(
-            policy, state_dir, nvml_env=nvml_env, nvml=nvml, full=full, watch_probe=watch_probe
+            policy,
+            state_dir,
+            nvml_env=nvml_env,
+            nvml=nvml,
+            full=full,
+            watch_probe=watch_probe,
+            nvml_from_daemon=nvml_from_daemon,
         )
     finally:
         if state_dir is not None:
@@ -222,6 +232,7 @@ def _scan_host(
     nvml: NvmlClient | None,
     full: bool,
     watch_probe: Probe | None = None,
+    nvml_from_daemon: bool = False,
 ) -> ScanResult:
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
@@ -246,10 +257,16 @@ def _scan_host(
         stale = _stale(view, watch_probe)
         if stale is not None:
             view, view_note, clean = None, f"walked: {stale}", False
+    if view is not None and _holder_replaced(procfs, view):
+        view, view_note = None, "a holder in the daemon's view has exited"
+    published, nvml_note = None, "read by this scan"
+    if nvml_from_daemon:
+        published, nvml_note = _daemon_reading(state_dir, view, procfs, policy)
+    source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
     try:
         collector = Collector(
             procfs,
-            client,
+            source,
             namespace_check=policy.namespace_check,
             cgroup_root=cgroup2_mount(),
             full_scan_interval=holder_view.MAX_FRESH,
@@ -257,8 +274,6 @@ def _scan_host(
             daemon_pids=daemon_pids,
             mig_minors_file=policy.mig_minors_file,
         )
-        if view is not None and _holder_replaced(procfs, view):
-            view, view_note = None, "a holder in the daemon's view has exited"
         if view is not None:
             collector.seed(view.holders, view.dead_listed)
         # What an epilog told the running daemon (run --once --ended-job): this scan judges
@@ -271,6 +286,7 @@ def _scan_host(
     finally:
         if own:
             client.close()
+    read_at = client.last_asked_wall if published is None else published.read_at
     error = None
     if not snapshot.nvml.available:
         # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a
@@ -311,6 +327,11 @@ def _scan_host(
         if collector.last_scan_reason is None
         else collector.last_scan_reason.value,
     }
+    report["nvml_reading"] = {
+        "source": "own" if published is None else "daemon",
+        "age_s": None if read_at is None else round(max(0.0, snapshot.wall_time - read_at), 3),
+        "reason": nvml_note,
+    }
     note = None
     missing = missing_capabilities(policy.proc_root)
     if snapshot.holders.unreadable and missing:
@@ -336,6 +357,34 @@ def _stale(view: HolderView, watch_probe: Probe | None) -> str | None:
     if not view.clean:
         return "the daemon's holder view is dirty (a device file was opened; it is walking)"
     return None
+
+
+def _daemon_reading(
+    state_dir: StateDir | None, view: HolderView | None, procfs: ProcFS, policy: Policy
+) -> tuple[nvml_view.Published | None, str]:
+    """The daemon's published NVML reading when it may stand for one taken now, with what
+    the report says of it; else None and why this scan reads NVML itself. ``view``: the
+    holder view this scan uses (its daemon holds the lock; its start ticks were checked)."""
+    if view is None or state_dir is None:
+        return None, "read by this scan: the daemon's holder view is not used"
+    published, note = nvml_view.read_published(state_dir)
+    if published is None:
+        return None, f"read by this scan: {note}"
+    why = nvml_view.usable(
+        published,
+        now_wall=time.time(),
+        boot_id=procfs.boot_id(),
+        daemon_pid=view.daemon_pid,
+        daemon_start_ticks=view.daemon_start_ticks,
+        view_polled=view.polled,
+        interval=policy.interval,
+    )
+    if why is not None:
+        return None, f"read by this scan: the daemon's NVML reading is not used: {why}"
+    return (
+        published,
+        f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
+    )
 
 
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:

@@ -22,7 +22,7 @@ import enum
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import IO
 
 from gpuwatchd.checked import as_count as _count
@@ -33,6 +33,7 @@ from gpuwatchd.checked import as_map as _map
 from gpuwatchd.checked import as_number as _num
 from gpuwatchd.checked import as_text as _str
 from gpuwatchd.cli.humantime import ago, duration, until
+from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
 from gpuwatchd.state import SavedState, read_saved_state
@@ -675,47 +676,6 @@ def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
     cannot be read, cannot be trusted or is not a state file (:func:`read_saved_state`)."""
     saved = read_saved_state(state_dir)
     return (dict(saved.data) if saved.found else None), saved.problem
-
-
-def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:
-    if comm is not None and comm.startswith("gpuwatchd"):
-        return True
-    for arg in argv[:4]:  # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
-        name = os.path.basename(arg)
-        if name == "gpuwatchd" or name.startswith("gpuwatchd."):
-            return True
-    return False
-
-
-def look_at_process(proc_root: str, pid: int) -> str:
-    """What PID ``pid`` is: "gpuwatchd", "other", "gone", or "unknown" (unreadable)."""
-    if pid == os.getpid():
-        return "other"  # this very process: the daemon's PID was reused by `status` itself
-    base = os.path.join(proc_root, str(pid))
-    try:
-        with open(os.path.join(base, "stat"), "rb") as handle:
-            stat = handle.read(4096)
-    except FileNotFoundError:
-        return "gone"
-    except OSError:
-        stat = b""
-    fields = stat.rpartition(b")")[2].split()
-    if fields and fields[0] in (b"Z", b"X"):
-        return "gone"  # exited; its parent has not reaped it yet
-    comm: str | None = None
-    argv: list[str] = []
-    try:
-        with open(os.path.join(base, "comm"), "rb") as handle:
-            comm = handle.read(64).decode("utf-8", "replace").strip()
-        with open(os.path.join(base, "cmdline"), "rb") as handle:
-            raw = handle.read(4096)
-        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-    except FileNotFoundError:
-        return "gone"
-    except OSError:
-        if comm is None:
-            return "unknown" if os.path.isdir(base) else "gone"
-    return "gpuwatchd" if _looks_like_gpuwatchd(comm, argv) else "other"
 
 
 def read_boot_id(proc_root: str) -> str | None:

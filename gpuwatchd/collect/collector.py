@@ -38,7 +38,7 @@ from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
-from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.decide.floor import mps_server
@@ -86,7 +86,7 @@ class Collector:
     """
 
     procfs: ProcFS
-    nvml: NvmlClient
+    nvml: NvmlSource
     full_scan_interval: float = 60.0
     namespace_check: bool = True
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs

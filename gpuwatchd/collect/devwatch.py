@@ -2,7 +2,8 @@
 
 This module owns the one I/O source of the daemon's *scan on cause* (docs/scan.md, "When the
 daemon walks /proc"): an ``IN_OPEN`` watch on every device file a holder can hold
-(``nvidiaN``, ``nvidiactl``, ``nvidia-uvm`` in ``devices_dir``) and a watch on that folder for
+(``nvidiaN``, ``nvidiactl``, ``nvidia-uvm`` in ``devices_dir``, and the MIG capability files
+``nvidia-capN`` in its ``nvidia-caps/`` when there is one) and a watch on those folders for
 device files created or moved in. :meth:`DeviceWatch.drain` reads what happened since the
 previous call without blocking and reports it as a :class:`WatchNews`; whether that means a
 walk of ``/proc`` is decided in :mod:`gpuwatchd.decide.full_scan`. It never scans, signals or
@@ -36,7 +37,9 @@ from dataclasses import dataclass
 
 from gpuwatchd.collect.holders import match_device_name
 
-__all__ = ["DeviceWatch", "WatchNews"]
+__all__ = ["CAPS_FOLDER", "DeviceWatch", "WatchNews"]
+
+CAPS_FOLDER = "nvidia-caps"  # MIG capability device files: devices_dir/nvidia-caps/nvidia-capN
 
 IN_OPEN = 0x00000020
 IN_MOVED_TO = 0x00000080
@@ -70,6 +73,7 @@ class DeviceWatch:
         self._libc: ctypes.CDLL | None = None
         self._files: dict[int, str] = {}  # watch descriptor -> device file name
         self._folder_wd: int | None = None
+        self._caps_wd: int | None = None  # devices_dir/nvidia-caps, while it exists
         self._stale = True  # (re)watch every device file present at the next drain
         self._incomplete = False  # a device file present could not be watched
         self.error: str | None = None
@@ -104,6 +108,7 @@ class DeviceWatch:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
         self._fd, self._files, self._folder_wd, self._stale = None, {}, None, True
+        self._caps_wd = None
 
     def drain(self) -> WatchNews:
         """Everything queued since the last call, without blocking."""
@@ -134,9 +139,12 @@ class DeviceWatch:
                     self._files.pop(wd, None)
                     if wd == self._folder_wd:
                         self._folder_wd = None
+                    if wd == self._caps_wd:
+                        self._caps_wd = None
                     rewatch = True
-                elif wd == self._folder_wd:
-                    if match_device_name(os.fsdecode(name)) is not None:
+                elif wd in (self._folder_wd, self._caps_wd):
+                    decoded = os.fsdecode(name)
+                    if decoded == CAPS_FOLDER or match_device_name(decoded) is not None:
                         rewatch = True
                 elif mask & IN_OPEN:
                     opened += 1
@@ -171,9 +179,20 @@ class DeviceWatch:
         except OSError:
             self._stale = True
             return 0
+        caps_unlisted = False
+        if CAPS_FOLDER in names:
+            caps = f"{self.devices_dir}/{CAPS_FOLDER}"
+            if self._caps_wd is None:
+                wd = self._add(caps, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
+                self._caps_wd = wd if wd >= 0 else None
+            try:
+                names += [f"{CAPS_FOLDER}/{name}" for name in os.listdir(caps)]
+            except OSError:
+                caps_unlisted = True  # tried again next time; until then, not complete
         watched = set(self._files.values())
         added = 0
-        self._incomplete = False
+        self._incomplete = caps_unlisted
+        self._stale = caps_unlisted
         for name in names:
             if name in watched or match_device_name(name) is None:
                 continue

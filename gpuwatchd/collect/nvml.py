@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gpuwatchd import lazylog
 from gpuwatchd.collect.health_reading import to_health
@@ -122,6 +122,16 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     return proc.poll() is not None
 
 
+class NvmlSource(Protocol):
+    """Where a collector's NVML reading comes from: an :class:`NvmlClient`, or the daemon's
+    published reading (:class:`gpuwatchd.nvml_view.DaemonReading`, a served ``scan``)."""
+
+    @property
+    def worker_pids(self) -> frozenset[int]: ...
+
+    def read(self) -> NvmlReading: ...
+
+
 class _WorkerGone(Exception):
     """The worker closed its pipe or died before answering."""
 
@@ -162,6 +172,12 @@ class NvmlClient:
         self._hung: subprocess.Popen[bytes] | None = None
         self._buffer = b""
         self._pending = False  # a read request was sent ahead (prefetch) and not yet answered
+        self._asked_wall = 0.0  # when the pending request was sent (wall seconds)
+        # The last read's reply when it succeeded, and when it was asked for (wall seconds: the
+        # reading is at most this old); None after a failed one. The daemon publishes it
+        # (gpuwatchd/nvml_view.py).
+        self.last_reply: Mapping[str, Any] | None = None
+        self.last_asked_wall: float | None = None
         self._v1_logged: set[str] = set()
         # Each GPU's last reply and what it was decoded into: a quiet GPU's is reused.
         self._decoded: list[tuple[Mapping[str, Any], GpuInfo]] = []
@@ -206,6 +222,7 @@ class NvmlClient:
                 self._start()
             self._send({"op": "read"})
             self._pending = True
+            self._asked_wall = time.time()
 
     def start_idle(self) -> None:
         """Start the worker now without asking it anything: its interpreter and pynvml load
@@ -221,6 +238,7 @@ class NvmlClient:
     def read(self) -> NvmlReading:
         """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""
         self._reap_hung()
+        self.last_reply = self.last_asked_wall = None
         if self._proc is None:
             if self._hung is not None:
                 return self._hung_reading(self._hung.pid)
@@ -234,8 +252,10 @@ class NvmlClient:
                 self._start()
             if self._pending:
                 self._pending = False
+                asked = self._asked_wall
                 reply = self._receive(deadline)
             else:
+                asked = time.time()
                 reply = self._request({"op": "read"}, deadline)
         except TimeoutError:
             return self._wedged()
@@ -244,6 +264,7 @@ class NvmlClient:
         if not reply.get("available"):
             return self._unavailable(str(reply.get("error") or "unknown reason"))
         reading = self._to_reading(reply)
+        self.last_reply, self.last_asked_wall = reply, asked
         self._backoff = self._backoff_initial
         self._retry_at = None
         self._last_failure = None
@@ -424,7 +445,7 @@ class NvmlClient:
         # comparison of the parsed JSON) gets the same GpuInfo back.
         last = self._decoded
         decoded = [
-            (raw, last[i][1] if i < len(last) and last[i][0] == raw else _to_gpu(raw))
+            (raw, last[i][1] if i < len(last) and last[i][0] == raw else decode_gpu(raw))
             for i, raw in enumerate(reply.get("gpus") or ())
         ]
         self._decoded = decoded
@@ -479,7 +500,10 @@ def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
     )
 
 
-def _to_gpu(raw: Mapping[str, Any]) -> GpuInfo:
+def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
+    """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
+    :mod:`gpuwatchd.nvml_view`, which bounds the result). KeyError, TypeError or ValueError
+    on an entry not of the worker's shape."""
     processes = raw.get("processes")
     mig = raw.get("mig_mode")
     persistence = raw.get("persistence_mode")

@@ -124,6 +124,45 @@ def test_a_new_device_file_is_watched(watched: tuple[DeviceWatch, Path]) -> None
     assert watch.drain().opened == 1
 
 
+def test_an_open_of_a_mig_capability_file_is_news(watched: tuple[DeviceWatch, Path]) -> None:
+    """``nvidia-caps/`` (MIG capability files) is watched too, also when it appears later: a
+    process entering a MIG instance opens its capability file, and a served scan must not
+    take a view that predates it."""
+    watch, folder = watched
+    caps = folder / "nvidia-caps"
+    caps.mkdir()
+    (caps / "nvidia-cap12").touch()
+    (caps / "not-a-cap").touch()
+    news = watch.drain()
+    assert news.changed  # the folder appeared: watched, with what is in it
+    assert news.rewatched == 1
+    assert watch.available
+    os.close(os.open(caps / "not-a-cap", os.O_RDONLY))
+    assert not watch.drain().changed
+    os.close(os.open(caps / "nvidia-cap12", os.O_RDONLY))
+    assert watch.drain().opened == 1
+    (caps / "nvidia-cap13").touch()  # a new instance's capability file
+    assert watch.drain().rewatched == 1
+    os.close(os.open(caps / "nvidia-cap13", os.O_RDONLY))
+    assert watch.drain().opened == 1
+
+
+def test_a_capability_folder_present_at_start_is_watched(tmp_path: Path) -> None:
+    folder = tmp_path / "dev"
+    (folder / "nvidia-caps").mkdir(parents=True)
+    (folder / "nvidia0").touch()
+    (folder / "nvidia-caps" / "nvidia-cap1").touch()
+    watch = DeviceWatch(str(folder))
+    if not watch.start():
+        pytest.skip(f"no inotify here: {watch.error}")
+    try:
+        assert not watch.drain().changed
+        os.close(os.open(folder / "nvidia-caps" / "nvidia-cap1", os.O_RDONLY))
+        assert watch.drain().opened == 1
+    finally:
+        watch.close()
+
+
 def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
     watch, folder = watched
     try:

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.cli.main import main
+from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status import (
     StatusCode,
     describe,
-    look_at_process,
     read_saved,
     render_text,
 )

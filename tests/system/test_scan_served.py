@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 
 from bench.cli_scan import scan_pids
-from gpuwatchd import holder_view
+from gpuwatchd import holder_view, nvml_view
 from gpuwatchd.model import HolderScan
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
@@ -107,6 +109,123 @@ def test_scan_beside_the_daemon_builds_on_its_view_and_finds_what_a_walk_finds(
     assert pids["late"] in result["late"]["holders"]
     assert result["stopped"]["view"]["used"] is False
     assert result["stopped"]["mode"] == "full"
+
+
+# --- the daemon's NVML reading ----------------------------------------------------------------
+
+
+def _scan_env(host: SimHost, config: Path, env: dict[str, str], *extra: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "--config", str(config), "scan", *extra],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with SimHost(root) as host:
+        host.spawn("job", [{"open": host.cuda(0)}])
+        pids = host.wait_ready("job")
+        host.nvml([gpu(0, allocated=600 * MiB, processes=[process(pids["job"], 600 * MiB)])])
+        # A long interval: the daemon polls again only when a device file is opened (the
+        # scans' own NVML workers), so a file forged here stays until the next scan reads it.
+        config = host.config(interval="60s")
+        daemon = host.start_daemon("run", "--config", str(config))
+        view = host.state_dir / holder_view.VIEW_FILE
+        reading = host.state_dir / nvml_view.READING_FILE
+
+        def polled() -> object:
+            return _doc(reading).get("polled")
+
+        def republished(before: object) -> bool:
+            return _clean(view) and polled() not in (None, before)
+
+        def settled() -> None:
+            """Wait until the daemon has stopped re-polling (each device file a scan's NVML
+            worker opened may wake it once, a second apart)."""
+            last, since = polled(), time.monotonic()
+            while time.monotonic() - since < 2.5 or not _clean(view):
+                time.sleep(0.1)
+                if polled() != last:
+                    last, since = polled(), time.monotonic()
+
+        try:
+            _wait_for(lambda: republished(None))
+            # The scan's own NVML would find nothing: a report with the GPU came from the daemon.
+            blind = {**host.env(), "FAKENVML_STATE": str(root / "no-such-state.json")}
+            served = _scan_env(host, config, blind, "--json")
+            full = _scan_env(host, config, blind, "--json", "--full")
+            text = _scan_env(host, config, blind)
+            out["served"] = {"code": served.returncode, "stderr": served.stderr,
+                             "report": json.loads(served.stdout or "{}")}  # fmt: skip
+            out["full"] = {"code": full.returncode}
+            out["text"] = text.stdout.splitlines()[:1]
+            for name, change in (
+                ("garbage", None),
+                ("old", {"read_at": time.time() - 300}),
+                ("other daemon", {"daemon": {"pid": 1, "start_ticks": 1}}),
+            ):
+                settled()
+                before = polled()
+                forged = (
+                    b"{not json"
+                    if change is None
+                    else json.dumps({**_doc(reading), **change}).encode()
+                )
+                reading.write_bytes(forged)  # as the daemon's user, mode 0600: trusted
+                result = _scan_env(host, config, host.env(), "--json")
+                report = json.loads(result.stdout or "{}")
+                out[name] = {"code": result.returncode, "view": report.get("daemon_view"),
+                             "nvml": report.get("nvml_reading"),
+                             "gpus": len(report.get("gpus", []))}  # fmt: skip
+                _wait_for(lambda before=before: republished(before))
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=30)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reading_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One end-to-end run for the tests below (a daemon start costs seconds)."""
+    root = tmp_path_factory.mktemp("reading")
+    result: dict[str, Any] = run_in_pid_namespace(
+        f"{__name__}:host_reading", {}, root=root, timeout=180
+    )
+    return result
+
+
+def test_a_served_scan_takes_the_daemons_fresh_nvml_reading_and_says_so(
+    reading_run: dict[str, Any],
+) -> None:
+    result = reading_run
+    served = result["served"]
+    assert served["code"] == 0, served["stderr"]
+    report = served["report"]
+    assert report["daemon_view"]["used"] is True, report["daemon_view"]
+    assert report["nvml_reading"]["source"] == "daemon", report["nvml_reading"]
+    age = report["nvml_reading"]["age_s"]
+    assert isinstance(age, float)
+    assert 0.0 <= age <= 61.0
+    assert report["gpus"][0]["memory"]["used"] == 600 * MiB
+    # The same scan reading NVML itself (--full) finds no driver: the report above was the
+    # daemon's reading, and this scan started no NVML worker.
+    assert result["full"]["code"] == 69
+    assert "NVML: the daemon's reading" in result["text"][0]
+
+
+@pytest.mark.parametrize("forged", ["garbage", "old", "other daemon"])
+def test_a_forged_corrupt_or_stale_daemon_reading_is_not_believed_the_scan_reads_nvml(
+    reading_run: dict[str, Any], forged: str
+) -> None:
+    case = reading_run[forged]
+    assert case["code"] == 0
+    assert case["view"]["used"] is True, case["view"]
+    assert case["nvml"]["source"] == "own", case["nvml"]
+    why = {"garbage": "unusable: not JSON", "old": "old (older than 61s)",
+           "other daemon": "another process than the running daemon"}  # fmt: skip
+    assert why[forged] in case["nvml"]["reason"]
+    assert case["gpus"] == 1
 
 
 # --- the view as hostile input ----------------------------------------------------------------

@@ -167,6 +167,14 @@ def test_the_probe_refuses_what_is_not_the_daemons_complete_watch(
             (devices / "nvidia2").write_bytes(b"")
             assert "does not cover" in probe(state, "/proc", str(devices)).reason
             (devices / "nvidia2").unlink()
+            # A MIG capability file the watch has not looked at yet: not covered either,
+            # until the watch has (its next drain).
+            (devices / "nvidia-caps").mkdir()
+            (devices / "nvidia-caps" / "nvidia-cap7").write_bytes(b"")
+            assert "does not cover" in probe(state, "/proc", str(devices)).reason
+            watch.drain()
+            covered = probe(state, "/proc", str(devices))
+            assert covered.empty, covered.reason
             # A descriptor that is no inotify at all.
             doc = {**_view(watch), "watch_fd": read_end}
             state.write(holder_view.VIEW_FILE, json.dumps(doc).encode())

@@ -1,0 +1,56 @@
+"""What a PID is to the commands that look for the running daemon: gpuwatchd, another
+process, gone, or unknown.
+
+This module owns that one look at ``/proc/PID`` (``stat``, ``comm``, ``cmdline``), used by
+``status``, ``reload``, ``run --once`` and ``scan``. It is apart from :mod:`gpuwatchd.cli.status`
+so that a ``scan`` does not import the status document and the event catalogue (~7 ms of every
+scan's start). It decides nothing: what the caller makes of the answer is its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+__all__ = ["look_at_process"]
+
+
+def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:
+    if comm is not None and comm.startswith("gpuwatchd"):
+        return True
+    for arg in argv[:4]:  # /usr/bin/gpuwatchd run; python3 /usr/bin/gpuwatchd; python3 -m gpuwatchd
+        name = os.path.basename(arg)
+        if name == "gpuwatchd" or name.startswith("gpuwatchd."):
+            return True
+    return False
+
+
+def look_at_process(proc_root: str, pid: int) -> str:
+    """What PID ``pid`` is: "gpuwatchd", "other", "gone", or "unknown" (unreadable)."""
+    if pid == os.getpid():
+        return "other"  # this very process: the daemon's PID was reused by `status` itself
+    base = os.path.join(proc_root, str(pid))
+    try:
+        with open(os.path.join(base, "stat"), "rb") as handle:
+            stat = handle.read(4096)
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        stat = b""
+    fields = stat.rpartition(b")")[2].split()
+    if fields and fields[0] in (b"Z", b"X"):
+        return "gone"  # exited; its parent has not reaped it yet
+    comm: str | None = None
+    argv: list[str] = []
+    try:
+        with open(os.path.join(base, "comm"), "rb") as handle:
+            comm = handle.read(64).decode("utf-8", "replace").strip()
+        with open(os.path.join(base, "cmdline"), "rb") as handle:
+            raw = handle.read(4096)
+        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        if comm is None:
+            return "unknown" if os.path.isdir(base) else "gone"
+    return "gpuwatchd" if _looks_like_gpuwatchd(comm, argv) else "other"

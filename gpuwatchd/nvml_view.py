@@ -1,0 +1,286 @@
+"""The daemon's published NVML reading: what NVML said at its last poll, for ``scan`` to reuse.
+
+This module owns the file ``nvml.json`` in ``state_dir``: its format, writing it (the daemon,
+after every poll in which it serves its holder view: :class:`ReadingPublisher`, from
+:func:`encode`), reading it back as hostile input (``gpuwatchd scan``: :func:`read_published`,
+through :mod:`gpuwatchd.statedir`'s trust rule, then :func:`parse` and :func:`usable`), and
+:class:`DaemonReading`, the NVML source a served scan's collector reads instead of starting an
+NVML worker of its own. It decides nothing about findings.
+
+What it says: the daemon (PID and start ticks, in this boot) asked NVML at ``read_at`` (wall
+seconds; the reply came later, so the reading is at most this old) during its poll at
+``polled``, and got these GPUs: the NVML worker's reply as the daemon received it
+(:mod:`gpuwatchd.collect.nvml_worker`), decoded by the same converters as a scan's own, less
+the Xid events (the daemon consumed them; a scan's own worker, registering afresh, sees none
+either). The daemon writes it only after a successful read, and removes it after a failed one.
+
+When ``scan`` uses it (docs/scan.md, "Beside a running daemon"): only when it also uses the
+daemon's holder view (clean, the device watch asked: :mod:`gpuwatchd.view_guard`), so no device
+file was opened since the walk that view reflects — a new CUDA context opens one; the file is
+from the daemon that holds the instance lock now (PID and start ticks) and this boot; its poll
+is the one the view reflects or a later one (``polled`` not before the view's); and it is no
+older than the shorter of the daemon's ``interval`` and the scan's own, plus
+:data:`READ_SLACK` (one poll's own duration). Memory figures can change at any time without a
+device event, so the report always says the reading's age. Otherwise, or when the file is
+missing, untrusted, larger than :data:`MAX_BYTES` or malformed, ``scan`` starts its own NVML
+worker as before; nothing in the file can make it fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.collect.nvml import decode_gpu
+from gpuwatchd.model import GpuInfo, NvmlReading
+from gpuwatchd.statedir import StateDir
+
+__all__ = [
+    "MAX_BYTES",
+    "READING_FILE",
+    "DaemonReading",
+    "Published",
+    "ReadingPublisher",
+    "encode",
+    "parse",
+    "read_published",
+    "usable",
+]
+
+READING_FILE = "nvml.json"
+VERSION = 1
+MAX_BYTES = 4 << 20
+MAX_GPUS = 1024
+MAX_PROCESSES = 65536  # per GPU
+MAX_PID = 1 << 31
+MAX_BYTES_VALUE = 1 << 64  # memory figures are unsigned 64-bit in NVML
+MAX_MINOR = 255
+MAX_UUID = 96
+READ_SLACK = 1.0  # seconds: a poll's own duration, beyond the interval between polls
+
+
+@dataclass(frozen=True)
+class Published:
+    """A validated published reading (module docstring)."""
+
+    boot_id: str
+    daemon_pid: int
+    daemon_start_ticks: int
+    read_at: float
+    polled: float
+    interval: float
+    reading: NvmlReading
+
+
+def encode(
+    *,
+    boot_id: str,
+    daemon_pid: int,
+    daemon_start_ticks: int,
+    read_at: float,
+    polled: float,
+    interval: float,
+    reply: Mapping[str, Any],
+) -> dict[str, object]:
+    """The document the daemon writes: ``reply`` is the worker's last successful reply
+    (:attr:`gpuwatchd.collect.nvml.NvmlClient.last_reply`), its Xid events left out."""
+    gpus = []
+    for entry in reply.get("gpus") or ():
+        health = entry.get("health") if isinstance(entry, Mapping) else None
+        if isinstance(health, Mapping) and health.get("xids"):
+            entry = {**entry, "health": {**health, "xids": []}}  # noqa: PLW2901 - a copy
+        gpus.append(entry)
+    return {
+        "version": VERSION,
+        "boot_id": boot_id,
+        "daemon": {"pid": daemon_pid, "start_ticks": daemon_start_ticks},
+        "read_at": read_at,
+        "polled": polled,
+        "interval": interval,
+        "driver_version": reply.get("driver_version"),
+        "gpus": gpus,
+    }
+
+
+def _int(value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"not an integer in {low}..{high}: {value!r}")
+    return value
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"not a number: {value!r}")
+    return float(value)
+
+
+def _check_bytes(value: int | None, what: str) -> None:
+    if value is not None and not 0 <= value < MAX_BYTES_VALUE:
+        raise ValueError(f"{what} out of range: {value}")
+
+
+def _checked_gpu(raw: object) -> GpuInfo:
+    """One GPU entry decoded as a scan's own worker reply is, then bounded."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("a GPU entry is not an object")
+    try:
+        gpu = decode_gpu(raw)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+        raise ValueError(f"a GPU entry is malformed: {err!r}"[:200]) from None
+    _int(gpu.index, 0, MAX_GPUS)
+    if gpu.minor is not None:
+        _int(gpu.minor, 0, MAX_MINOR)
+    if len(gpu.uuid) > MAX_UUID:
+        raise ValueError("a GPU's uuid is too long")
+    if gpu.memory is not None:
+        for what in ("total", "free", "reserved", "allocated", "used_v1"):
+            _check_bytes(getattr(gpu.memory, what), f"memory.{what}")
+    for processes in (
+        gpu.processes,
+        *(device.processes for device in gpu.mig_devices or ()),
+    ):
+        if processes is None:
+            continue
+        if len(processes) > MAX_PROCESSES:
+            raise ValueError("too many processes on a GPU")
+        for process in processes:
+            _int(process.pid, 0, MAX_PID)
+            _check_bytes(process.used_memory, "used_memory")
+    return gpu
+
+
+def parse(raw: bytes) -> Published:
+    """Validate a published reading; ValueError naming what is wrong (never another error)."""
+    if len(raw) > MAX_BYTES:
+        raise ValueError(f"larger than {MAX_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"not JSON: {err}"[:200]) from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        raise ValueError(f"not a version {VERSION} NVML reading")
+    boot_id = data.get("boot_id")
+    if not isinstance(boot_id, str) or not 0 < len(boot_id) <= 64:
+        raise ValueError("bad boot_id")
+    daemon = data.get("daemon")
+    if not isinstance(daemon, dict):
+        raise ValueError("bad daemon")
+    driver = data.get("driver_version")
+    if driver is not None and (not isinstance(driver, str) or len(driver) > 64):
+        raise ValueError("bad driver_version")
+    gpus = data.get("gpus")
+    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
+        raise ValueError("bad gpus")
+    return Published(
+        boot_id=boot_id,
+        daemon_pid=_int(daemon.get("pid"), 1, MAX_PID),
+        daemon_start_ticks=_int(daemon.get("start_ticks"), 0, 1 << 62),
+        read_at=_number(data.get("read_at")),
+        polled=_number(data.get("polled")),
+        interval=max(0.0, _number(data.get("interval"))),
+        reading=NvmlReading(
+            available=True,
+            driver_version=driver,
+            gpus=tuple(_checked_gpu(entry) for entry in gpus),
+        ),
+    )
+
+
+def usable(
+    published: Published,
+    *,
+    now_wall: float,
+    boot_id: str | None,
+    daemon_pid: int,
+    daemon_start_ticks: int | None,
+    view_polled: float,
+    interval: float,
+) -> str | None:
+    """Why ``published`` cannot stand for a reading taken now (None: it can). Pure.
+
+    ``daemon_pid``, ``daemon_start_ticks``: the daemon that holds the instance lock now, its
+    start ticks read now; ``view_polled``: the poll of the holder view this scan uses;
+    ``interval``: this scan's own policy's.
+    """
+    if boot_id is None or published.boot_id != boot_id:
+        return "written in another boot"
+    if (
+        published.daemon_pid != daemon_pid
+        or daemon_start_ticks is None
+        or published.daemon_start_ticks != daemon_start_ticks
+    ):
+        return "written by another process than the running daemon"
+    if published.polled < view_polled:
+        return "older than the daemon's holder view"
+    age = now_wall - published.read_at
+    limit = min(published.interval, interval) + READ_SLACK
+    if age < -READ_SLACK:
+        return "dated in the future (the clock was set back)"
+    if age > limit:
+        return f"{age:.1f}s old (older than {limit:g}s)"
+    return None
+
+
+def read_published(state_dir: StateDir) -> tuple[Published | None, str]:
+    """The published reading read through the trust rule and validated, else None; and, either
+    way, what was found (shown in the report when the scan reads NVML itself)."""
+    try:
+        raw = state_dir.read(READING_FILE, MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, "the daemon published no NVML reading"
+    except OSError as err:
+        return None, f"the daemon's NVML reading is unusable: {err.strerror or err}"
+    try:
+        return parse(raw), "the daemon's NVML reading"
+    except ValueError as err:
+        return None, f"the daemon's NVML reading is unusable: {err}"
+
+
+class DaemonReading:
+    """An NVML source (:class:`gpuwatchd.collect.nvml.NvmlSource`) that answers with the
+    daemon's published reading and starts no worker."""
+
+    worker_pids: frozenset[int] = frozenset()
+
+    def __init__(self, published: Published) -> None:
+        self.published = published
+
+    def read(self) -> NvmlReading:
+        return self.published.reading
+
+
+class ReadingPublisher:
+    """Writes ``nvml.json`` for the daemon after each served poll, or removes it when the
+    poll's NVML read failed (module docstring)."""
+
+    def __init__(
+        self, state_dir: Callable[[], StateDir | None], on_error: Callable[[str], None]
+    ) -> None:
+        self._state_dir = state_dir
+        self._on_error = on_error
+        self._present = True  # unknown at start: a failed first read removes a leftover
+        self._error: str | None = None  # the last error said (each poll would repeat it)
+
+    def publish(self, doc: Mapping[str, object] | None) -> None:
+        """Write ``doc`` (from :func:`encode`), or remove the file when None."""
+        if doc is None and not self._present:
+            return
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
+        try:
+            if doc is None:
+                state_dir.discard(READING_FILE)
+            else:
+                # No fsync: only running scans read it, and after a crash its daemon is gone.
+                state_dir.write(READING_FILE, json.dumps(doc).encode(), sync=False)
+        except OSError as exc:
+            why = exc.strerror or str(exc)  # not the temporary file's name: new each time
+            if why != self._error:
+                self._error = why
+                self._on_error(why)
+            return
+        self._present, self._error = doc is not None, None

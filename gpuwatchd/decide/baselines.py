@@ -3,7 +3,8 @@
 This module owns the memory baseline (docs/design-notes.md, section 6): the figure a GPU is
 judged by (v2 allocated memory, or v1 "used" kept under its own key since it includes the
 driver's reservation), learning the idle minimum only from moments when nothing could hold
-the GPU, and the check after a reset. Pure: no I/O, no clock.
+the GPU (and forgetting those of MIG GPU instances that are gone), and the check after a
+reset. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -64,7 +65,24 @@ def learn_baselines(
         if key not in learned and value > ceiling:
             continue
         learned[key] = min(value, learned.get(key, value))
-    return learned
+    return _without_gone_instances(learned, host)
+
+
+def _without_gone_instances(learned: dict[str, int], host: HostView) -> dict[str, int]:
+    """``learned`` less the baselines of MIG GPU instances NVML no longer shows. The driver
+    names an instance anew each time it is created (a re-creation, a layout applied after a
+    reboot), so these keys would only pile up in the state file. An instance that is only not
+    judged this poll relearns its baseline, and the default stands in meanwhile: never lower
+    than what learning allows. Nothing is dropped while NVML cannot be read."""
+    nvml = host.snapshot.nvml
+    if not nvml.available or nvml.wedged:
+        return learned
+    present = {gpu.uuid for gpu in host.gpus}
+    return {
+        key: value
+        for key, value in learned.items()
+        if not key.startswith("MIG-") or key.removesuffix(V1_BASELINE_SUFFIX) in present
+    }
 
 
 def back_to_baseline(

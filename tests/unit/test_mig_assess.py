@@ -155,6 +155,22 @@ def test_an_instance_learns_its_own_idle_baseline() -> None:
     assert gpu_uuid(0) not in state.baselines
 
 
+def test_the_baseline_of_an_instance_that_is_gone_is_forgotten_unless_nvml_is_unread() -> None:
+    """A re-created instance (or a layout applied after a reboot) gets a new MIG UUID: the old
+    one's baseline would pile up in the state file. Whole GPUs keep theirs."""
+    base = HostBuilder().gpu(0).gpu(1).build()
+    idle = with_mig(base, instances=[Inst(1, allocated=30 * MIB), Inst(2, allocated=5 * MIB)])
+    state = run(idle).state
+    assert set(state.baselines) == {GI1, GI2, gpu_uuid(1)}
+    only_gi2 = with_mig(base, instances=[Inst(2, allocated=5 * MIB)])
+    later = run(only_gi2, state).state
+    assert set(later.baselines) == {GI2, gpu_uuid(1)}
+    unread = dataclasses.replace(
+        only_gi2, nvml=dataclasses.replace(only_gi2.nvml, available=False, gpus=())
+    )
+    assert set(run(unread, state).state.baselines) == {GI1, GI2, gpu_uuid(1)}
+
+
 def test_a_parent_only_cuda_holder_keeps_an_instance_from_being_called_ghost() -> None:
     """Which instance a CUDA process holding the parent node without capabilities uses is
     unknown: it may hold GI 1's memory, so no live holder is not known there."""

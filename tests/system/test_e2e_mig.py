@@ -146,6 +146,10 @@ fi
 echo "$*" >> "%(log)s"
 case " $* " in
 *" -dci "* | *" -dgi "*)
+    if [ -f "%(hidden)s" ]; then  # a holder no scan can see (a test's stand-in)
+        echo "Unable to destroy compute instance ID 0 from GPU 0: In use by another client"
+        exit 255
+    fi
     for fd in /proc/[0-9]*/fd/*; do
         case $(readlink "$fd" 2>/dev/null) in
         "%(gi_cap)s" | "%(ci_cap)s")
@@ -195,6 +199,7 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
             "ci_cap": host.devices_dir / f"nvidia-caps/nvidia-cap{cap_minor(0, 1, 0)}",
             "recreated": recreated,
             "state": host.fake.state_path,
+            "hidden": host.root / "hidden-holder",
         }
     )
     script.chmod(0o755)
@@ -220,8 +225,17 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
 
 
 def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """``arg["variant"]``: None; ``hidden_holder`` (the driver refuses the first command "in
+    use"); ``parent_only`` (a user's process holds /dev/nvidia0 and no capability: which
+    instance it uses is unknown, so GPU instance 1 is not known to be free)."""
     with SimHost(root) as host:
         pids, reset = ghost_host(host)
+        variant = arg.get("variant")
+        if variant == "hidden_holder":
+            (host.root / "hidden-holder").touch()
+        if variant == "parent_only":
+            host.spawn("monitor", [{"open": host.dev("nvidiactl", "nvidia0")}, {"sleep": 3600}])
+            pids.update(host.wait_ready("monitor"))
         run = Run(
             host,
             dry_run=arg["dry_run"],
@@ -229,7 +243,10 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             mig_minors_file=str(host.root / "mig-minors"),
         )
         run.start()
-        run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
+        if variant == "parent_only":
+            run.wait_for(lambda: run.saw("reset.refused"), timeout=40)
+        else:
+            run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
         time.sleep(2)  # several more polls, within the cooldown
         run.stop()
         log = host.root / "smi.log"
@@ -239,6 +256,7 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "calls": log.read_text().splitlines() if log.exists() else [],
             "outcomes": [e for e in run.events() if e.get("event") == "reset.outcome"],
             "due": [e for e in run.events() if e.get("event") == "reset.due"],
+            "refused": [e.get("why") for e in run.events() if e.get("event") == "reset.refused"],
             "signals": _signals(run),
             "alive": {name: host.alive(pids[name]) for name in ("trainer2", "worker2")},
             "gi1_used": gi1["memory"]["used"],
@@ -325,4 +343,34 @@ def test_a_dry_run_of_the_instance_recovery_runs_nothing_and_says_the_same_plan(
     assert "-cgi', '19:1', '-C'" in outcome["reason"]
     assert [d["gi"] for d in result["due"]] == [1]
     assert result["gi1_used"] == 3 * GiB
+    assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_the_driver_refusing_the_instance_as_in_use_destroys_nothing_and_is_not_retried(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario(
+        "host_mig_ghost_recovery", tmp_path, dry_run=False, variant="hidden_holder"
+    )
+    gi1 = result["outcomes"][0]["instance"] if result["outcomes"] else "?"
+    assert result["calls"] == [
+        f"hook drain reset_drain {gi1} 1",
+        f"mig -i {GPU0} -gi 1 -ci 0 -dci",
+        f"hook after reset_after {gi1} 1",
+    ], result["said"]
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "in_use"
+    assert result["gi1_used"] == 3 * GiB
+    assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_a_process_holding_only_the_parent_node_keeps_the_instance_from_being_recreated(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False, variant="parent_only")
+    assert result["calls"] == [], result["said"]
+    assert result["outcomes"] == []
+    monitor = result["pids"]["monitor"]
+    assert any(f"PID {monitor} holding its GPU's device node" in str(w) for w in result["refused"])
+    assert result["signals"] == []
     assert result["alive"] == {"trainer2": True, "worker2": True}

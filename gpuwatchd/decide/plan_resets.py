@@ -62,13 +62,13 @@ REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count
 
 def _review_refusals(w: _Work, ctx: _Ctx) -> None:
     """A refused incident may be tried again once something changed: its finding is gone (the
-    incident is over; a new one starts afresh), or the GPU's allocated memory moved by
-    :data:`REFUSAL_MEMORY_CHANGE` or more (a holder let go, or a new one came). A reload and
+    incident is over; a new one starts afresh), or the GPU's allocated memory (a MIG GPU
+    instance's own, for its re-creation) moved by :data:`REFUSAL_MEMORY_CHANGE` or more (a
+    holder let go, or a new one came). A reload and
     ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
     :func:`clear_circuit`)."""
     for uuid, held in sorted(w.reset_refusals.items()):
-        gpu = gpu_by_uuid(ctx.snapshot, uuid)
-        allocated = None if gpu is None or gpu.memory is None else gpu.memory.allocated
+        allocated = _refused_memory(ctx, uuid, held.finding_key)
         why = None
         if held.finding_key not in ctx.findings:
             why = "the incident is over (its finding resolved)"
@@ -90,6 +90,20 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
                 in_use=held.in_use,
                 why=why,
             )
+
+
+def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:
+    """The allocated memory a refused reset of GPU ``uuid`` watches: its own, or, for the
+    re-creation of one of its MIG GPU instances, that instance's (the other instances' users
+    come and go and say nothing about it)."""
+    finding = ctx.findings.get(finding_key)
+    mig = parent_of(ctx.snapshot, finding.gpu) if finding is not None else None
+    if mig is not None and finding is not None and finding.gpu != uuid:
+        memory = mig[1].memory
+    else:
+        gpu = gpu_by_uuid(ctx.snapshot, uuid)
+        memory = None if gpu is None else gpu.memory
+    return None if memory is None else memory.allocated
 
 
 def _say(w: _Work, finding: Finding, said: tuple[str, Level, str]) -> None:

@@ -22,7 +22,7 @@ from gpuwatchd.decide.plan import (
     reset_gates,
 )
 from gpuwatchd.decide.policy import Policy, Protect, ResetPolicy, default_rules
-from gpuwatchd.model import FindingKind, Snapshot
+from gpuwatchd.model import MIB, FindingKind, Snapshot
 from gpuwatchd.vocabulary import EventName, ResetResult
 from tests.support.migcases import GI1, LEAK, run
 from tests.support.migsnap import Inst, with_mig
@@ -31,10 +31,12 @@ from tests.support.snapshots import HostBuilder, gpu_uuid
 CONFIRM = 60.0
 
 
-def policy(*, recovery: bool = True, dry_run: bool = False) -> Policy:
+def policy(*, recovery: bool = True, dry_run: bool = False, cooldown: float = 3600.0) -> Policy:
     return dataclasses.replace(
         Policy(dry_run=dry_run, rules=default_rules()),
-        reset=ResetPolicy(enabled=True, confirm_for=CONFIRM, mig_recovery=recovery),
+        reset=ResetPolicy(
+            enabled=True, confirm_for=CONFIRM, mig_recovery=recovery, cooldown=cooldown
+        ),
     )
 
 
@@ -183,3 +185,52 @@ def test_a_recovery_is_booked_on_its_parent_gpu_with_its_instance_named() -> Non
     assert success.fields["instance"] == GI1
     (action,) = [i for i in booked.intents if isinstance(i, HookIntent) and i.hook == "on_action"]
     assert action.facts["action"] == "mig_recovery"
+
+
+def test_a_refused_recovery_waits_for_its_own_instance_s_memory_not_the_other_s() -> None:
+    """The driver refused GPU instance 1 "in use": tried again only when something changed
+    there. The live job in GPU instance 2 growing by 1 GiB changes nothing about GPU instance
+    1; GPU instance 1's own memory moving by 128 MiB does."""
+    chosen = policy(cooldown=0.0)
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    state = PlanState()
+    intent = None
+    now = snapshot.monotonic
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
+        if intent is not None:
+            break
+    assert intent is not None
+    state = record_reset(state, intent, ResetResult.IN_USE, now=now, wall=now).state
+
+    def poll(snap: Snapshot, at: float) -> tuple[list[str], list[ResetIntent]]:
+        nonlocal state
+        found = run(snap)
+        out = plan(found.findings, snap, state, chosen, now=at, wall=at,
+                   report_only=found.report_only)  # fmt: skip
+        state = out.state
+        cleared = [str(e.fields["why"]) for e in out.events
+                   if e.name == EventName.RESET_REFUSAL_CLEARED]  # fmt: skip
+        return cleared, [i for i in out.intents if isinstance(i, ResetIntent)]
+
+    assert poll(snapshot, now + 10) == ([], [])  # notes GPU instance 1's memory
+    other_grew = ghost_beside_live_job(
+        instances=[
+            Inst(1, allocated=LEAK),
+            Inst(2, allocated=LEAK + 1024 * MIB, processes=((700, LEAK),), profile="3g.40gb"),
+        ]
+    )
+    assert poll(other_grew, now + 20) == ([], [])
+    own_moved = ghost_beside_live_job(
+        instances=[
+            Inst(1, allocated=LEAK + 128 * MIB),
+            Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb"),
+        ]
+    )
+    cleared, _ = poll(own_moved, now + 30)
+    assert cleared == [f"its allocated memory changed ({LEAK} -> {LEAK + 128 * MIB} bytes)"]

@@ -49,6 +49,7 @@ _RESET_GATES = (
     # Ghost memory in a MIG GPU instance: its own gates, the instance it re-creates.
     "_instance_gates",
     "instance_recovery",
+    "_refused_memory",
     "_consider_health",
     "_consider_health_reset",
     "record_reset",
@@ -173,6 +174,7 @@ _PLAN_MODULES = {
         "_review_refusals",
         "_instance_gates",
         "instance_recovery",
+        "_refused_memory",
     ),
     "plan_health": (
         "_consider_health",

@@ -31,6 +31,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.model import HolderScan
 
@@ -120,22 +121,35 @@ def _list(value: object, limit: int = MAX_HOLDERS) -> list[object]:
     return value
 
 
-def parse(raw: bytes) -> HolderView:
-    """Validate a published view; ValueError naming what is wrong."""
-    if len(raw) > MAX_BYTES:
-        raise ValueError(f"larger than {MAX_BYTES} bytes")
+def published_header(
+    raw: bytes, *, max_bytes: int, version: int, what: str
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """What every file the daemon publishes for ``scan`` begins with, checked: (the document,
+    its ``boot_id``, its ``daemon`` object). ValueError naming what is wrong, never another
+    error: the file is hostile input (this view's, and the NVML reading's,
+    :mod:`gpuwatchd.nvml_view`)."""
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as err:
-        raise ValueError(f"not JSON: {err}") from None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        raise ValueError(f"not a version {VERSION} holder view")
+        raise ValueError(f"not JSON: {err}"[:200]) from None
+    if not isinstance(data, dict) or data.get("version") != version:
+        raise ValueError(f"not a version {version} {what}")
     boot_id = data.get("boot_id")
     if not isinstance(boot_id, str) or not 0 < len(boot_id) <= 64:
         raise ValueError("bad boot_id")
     daemon = data.get("daemon")
     if not isinstance(daemon, dict):
         raise ValueError("bad daemon")
+    return data, boot_id, daemon
+
+
+def parse(raw: bytes) -> HolderView:
+    """Validate a published view; ValueError naming what is wrong."""
+    data, boot_id, daemon = published_header(
+        raw, max_bytes=MAX_BYTES, version=VERSION, what="holder view"
+    )
     settings = _list(data.get("settings"), 3)
     if (
         len(settings) != 3

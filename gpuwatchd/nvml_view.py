@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.collect.nvml import decode_gpu
+from gpuwatchd.holder_view import published_header
 from gpuwatchd.model import GpuInfo, NvmlReading
 from gpuwatchd.statedir import StateDir
 
@@ -154,20 +155,9 @@ def _checked_gpu(raw: object) -> GpuInfo:
 
 def parse(raw: bytes) -> Published:
     """Validate a published reading; ValueError naming what is wrong (never another error)."""
-    if len(raw) > MAX_BYTES:
-        raise ValueError(f"larger than {MAX_BYTES} bytes")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as err:
-        raise ValueError(f"not JSON: {err}"[:200]) from None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        raise ValueError(f"not a version {VERSION} NVML reading")
-    boot_id = data.get("boot_id")
-    if not isinstance(boot_id, str) or not 0 < len(boot_id) <= 64:
-        raise ValueError("bad boot_id")
-    daemon = data.get("daemon")
-    if not isinstance(daemon, dict):
-        raise ValueError("bad daemon")
+    data, boot_id, daemon = published_header(
+        raw, max_bytes=MAX_BYTES, version=VERSION, what="NVML reading"
+    )
     driver = data.get("driver_version")
     if driver is not None and (not isinstance(driver, str) or len(driver) > 64):
         raise ValueError("bad driver_version")

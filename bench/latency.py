@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gpuwatchd.vocabulary import EventName
 from tests.support.daemonrun import Run
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost
@@ -74,7 +75,7 @@ def trial(root: Path, cfg: dict[str, Any], *, ignore_term: bool) -> dict[str, An
         }
         run = Run(host, interval=f"{interval}s", rules=[rule])
         run.start()
-        run.wait_for(lambda: run.saw("daemon.start"), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.DAEMON_START), timeout=30)
         time.sleep(2 * interval + 0.2)  # a few quiet polls: the trainer is alive and listed
         trainer_box: dict[str, float] = {}
         worker_box: dict[str, float] = {}
@@ -82,16 +83,20 @@ def trial(root: Path, cfg: dict[str, Any], *, ignore_term: bool) -> dict[str, An
         trainer_thread = _exit_time(pids["trainer"], trainer_box)
         os.kill(pids["trainer"], signal.SIGKILL)  # our own child: the job dies
         trainer_thread.join(timeout=5)
-        run.wait_for(lambda: run.saw("target.exited", pid=pids["worker"]), timeout=30)
+        run.wait_for(lambda: run.saw(EventName.TARGET_EXITED, pid=pids["worker"]), timeout=30)
         worker_thread.join(timeout=5)
         worker_box["stop"] = 1.0
         run.stop()
         events = run.events()
     signals = [
-        e for e in events if e.get("event") == "action.signal" and e.get("pid") == pids["worker"]
+        e
+        for e in events
+        if e.get("event") == EventName.ACTION_SIGNAL and e.get("pid") == pids["worker"]
     ]
     exited = [
-        e for e in events if e.get("event") == "target.exited" and e.get("pid") == pids["worker"]
+        e
+        for e in events
+        if e.get("event") == EventName.TARGET_EXITED and e.get("pid") == pids["worker"]
     ]
     result: dict[str, Any] = {
         "ignore_term": ignore_term,

@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from gpuwatchd.vocabulary import EventName  # noqa: E402
 from tests.support.daemonrun import Run, fake_smi, orphan_host  # noqa: E402
 from tests.support.fakenvml import gpu  # noqa: E402
 from tests.support.simhost import SimHost, run_in_pid_namespace  # noqa: E402
@@ -103,14 +104,14 @@ def measure(root: Path) -> dict[str, Any]:
             run.wait_for(lambda: not host.alive(worker), timeout=30)
             # As the driver would: the job is gone from NVML, its memory is not (a leak).
             host.nvml([gpu(0, allocated=3 * 1024**3), gpu(1)])
-            run.wait_for(lambda: run.saw("reset.outcome"), timeout=60)
-            run.wait_for(lambda: run.saw("hook.run", hook="on_action"), timeout=10)
+            run.wait_for(lambda: run.saw(EventName.RESET_OUTCOME), timeout=60)
+            run.wait_for(lambda: run.saw(EventName.HOOK_RUN, hook="on_action"), timeout=10)
             time.sleep(1.5)  # the notification after the reset, and its hook.run event
         finally:
             sampler.stop.set()
             sampler.join()
             run.stop()
-        if not run.saw("daemon.start"):
+        if not run.saw(EventName.DAEMON_START):
             raise RuntimeError(f"the daemon did not start: {run.events()[-3:]}")
         result = {
             "peak_rss_mib": round(sampler.peak_rss_kib / 1024, 1),
@@ -118,18 +119,18 @@ def measure(root: Path) -> dict[str, Any]:
             "peak_processes": sampler.peak_processes,
             "samples": sampler.samples,
             "killed": not host.alive(worker),
-            "reset": run.saw("reset.outcome"),
+            "reset": run.saw(EventName.RESET_OUTCOME),
             "hooks": sum(
                 1
                 for e in run.events()
-                if e.get("event") == "reset.step"
+                if e.get("event") == EventName.RESET_STEP
                 and e.get("step") in ("drain", "before_hooks", "after_hooks")
                 and e.get("status") == "ok"
             ),
             "on_action": sum(
                 1
                 for e in run.events()
-                if e.get("event") == "hook.run" and e.get("hook") == "on_action"
+                if e.get("event") == EventName.HOOK_RUN and e.get("hook") == "on_action"
             ),
         }
     print(

@@ -19,6 +19,8 @@ import os
 
 from hypothesis import HealthCheck, Phase, settings
 
+from tests.support.smiguard import install
+
 _COMMON: dict[str, object] = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow],
@@ -43,6 +45,10 @@ settings.register_profile(
 
 PROFILE = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE", "default")
 settings.load_profile(PROFILE)
+
+# On a GPU machine, a guard stands in front of the real nvidia-smi for the whole run (and every
+# process the tests start): it refuses anything that would change a GPU (tests/support/smiguard.py).
+SMI_GUARD = install()
 
 # The shared fixtures, found by name in every test module without an import: ``spawn`` (real
 # child processes), ``fake_nvml`` (the fake NVML library's state) and ``cgroup_base`` (a scratch

@@ -21,8 +21,8 @@ from gpuwatchd.act.reset import (
     outcome_event,
     perform_reset,
     progress_record,
-    resume_interrupted,
 )
+from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.decide import fabric
 from gpuwatchd.decide.argv import format_argv, hook_environment

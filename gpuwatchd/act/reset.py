@@ -2,34 +2,44 @@
 
 The facts behind it are in docs/design-notes.md §7.
 
-This module owns the *order* of a reset and the reading of its result. Whether a GPU should be
-reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink peers) is plan.py's
-decision; stopping the NVML worker, scanning holders and persisting state belong to the
-engine's edges, which hand them in as a :class:`ResetEnvironment`. Every command and hook runs
-through one :class:`CommandRunner`, by default :func:`gpuwatchd.act.commands.run_command` (argv,
-no shell, own process group, deadline); ``gpuwatchd simulate`` passes a virtual one, so the
-simulated reset is this very procedure. This module never unbinds, rebinds or writes sysfs,
-never resets without ``-i``-style addressing of exactly one GPU, and never re-runs a reset
-command that may already have run.
+This module owns the *order* of a reset (and of a MIG GPU instance's re-creation, the same steps
+with its own commands): the steps, their records and events, the undo. Its data and contracts
+are :mod:`gpuwatchd.act.reset_target`'s, reading a command's result
+:mod:`gpuwatchd.act.reset_result`'s, resuming after a crash :mod:`gpuwatchd.act.reset_resume`'s.
+Whether a GPU should be reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink
+peers) is decide/plan_resets.py's decision; stopping the NVML worker, scanning holders and
+persisting state belong to the engine's edges, which hand them in as a
+:class:`ResetEnvironment`. Every command and hook runs through one :class:`CommandRunner`, by
+default :func:`gpuwatchd.act.commands.run_command` (argv, no shell, own process group,
+deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset is this very
+procedure. This module never unbinds, rebinds or writes sysfs, never resets without ``-i``-style
+addressing of exactly one GPU, and never re-runs a reset command that may already have run.
 
 In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
+from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output, says_in_use
+from gpuwatchd.act.reset_target import (
+    CommandRunner,
+    FabricWait,
+    ResetEnvironment,
+    ResetOutcome,
+    ResetTarget,
+    outcome_event,
+    progress_record,
+)
 from gpuwatchd.decide.argv import format_argv, hook_environment
-from gpuwatchd.decide.mig_recovery import InstanceRecovery, from_record, recovery_argvs
+from gpuwatchd.decide.mig_recovery import recovery_argvs
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.vocabulary import (
-    RESET_RESULT_LEVELS,
     EventName,
     Level,
     ResetResult,
@@ -45,13 +55,12 @@ __all__ = [
     "ResetStep",
     "ResetTarget",
     "interpret_reset_exit",
+    "outcome_event",
     "perform_reset",
     "progress_record",
-    "resume_interrupted",
 ]
 
-REASON_OUTPUT_LIMIT = 2000  # characters of a command's output quoted in a reason
-_EMPTY: Mapping[str, str] = types.MappingProxyType({})
+EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
 _UNRECORDED = "could not record reset progress in the state file"
 # reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
@@ -62,207 +71,11 @@ _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
 }
 
 
-@dataclass(frozen=True)
-class ResetTarget:
-    """The GPU to reset. ``persistence_was_on`` None (unknown) means it is not toggled."""
-
-    uuid: str
-    pci_bus_id: str | None
-    minor: int | None
-    persistence_was_on: bool | None
-    hostname: str | None = None  # {hostname} in the drain/before/after hooks
-    fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
-    # Re-create this MIG GPU instance of the GPU in place instead of resetting the GPU.
-    recovery: InstanceRecovery | None = None
-
-
-@dataclass(frozen=True)
-class ResetOutcome:
-    """How a reset ended.
-
-    ``result`` is ``success``, ``failed``, ``refused`` (stopped before the reset command ran,
-    and undone), ``in_use`` (the driver refused: a holder no scan found), ``timeout`` (the
-    reset command missed its deadline) or ``dry_run``. ``step``
-    is where it ended (``done`` when it went all the way). ``blockers`` are the final scan's
-    reasons. ``command`` is the reset command's result when it ran.
-    """
-
-    result: ResetResult
-    step: ResetStep
-    reason: str
-    needs_reboot: bool
-    command: CommandResult | None
-    blockers: tuple[str, ...]
-
-
-class ResetEnvironment(Protocol):
-    """What the reset needs from the daemon. Tests pass a fake."""
-
-    def stop_nvml(self) -> bool:
-        """Stop the NVML worker; True when no NVML handle of ours remains."""
-
-    def final_blockers(self, target: ResetTarget) -> list[str]:
-        """A fresh full holder scan: one human-readable reason per blocker; empty = clear."""
-
-    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        """After the reset: restart NVML and read memory. None = unknown."""
-
-    def instance_back(self, target: ResetTarget) -> str | None:
-        """After a MIG recovery (``target.recovery``): restart NVML and read the GPU and the
-        mig-minors table. None when the instance is back, listed, and its memory freed; else
-        what is not (unknown is not back)."""
-
-    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
-        """Persist progress before ``step`` runs (see :func:`progress_record`)."""
-
-    def emit(self, event: str, level: Level, **fields: object) -> None:
-        """Log one structured event."""
-
-
-class FabricWait(Protocol):
-    """After a reset on an NVSwitch system: wait (bounded by ``timeout`` seconds) until the
-    GPU's NVLink fabric registration is COMPLETED. True when it is, False when it failed or
-    did not complete in time; with a detail saying which (the last state read)."""
-
-    def __call__(self, target: ResetTarget, timeout: float) -> tuple[bool, str]: ...
-
-
-class CommandRunner(Protocol):
-    """Runs one command with :func:`gpuwatchd.act.commands.run_command`'s contract: ``argv``
-    (no shell), a deadline of ``timeout`` seconds, ``env`` the complete environment (None:
-    inherit), and a :class:`~gpuwatchd.act.commands.CommandResult` back, never an exception for
-    a failing command.
-
-    The reset command, the persistence and health commands and every hook go through it (a
-    hook gets its ``GPUWATCHD_*`` variables in ``env``; the commands get no ``env``).
-    """
-
-    def __call__(
-        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
-    ) -> CommandResult: ...
-
-
-def progress_record(
-    target: ResetTarget, step: ResetStep, data: Mapping[str, object]
-) -> dict[str, object]:
-    """The JSON-able record the state file keeps for a reset in progress.
-
-    ``data`` is what :func:`perform_reset` passes to ``record_step``: ``persistence_off``
-    (this procedure turned persistence mode off, or was about to), ``reset_started`` (the
-    reset command was about to run or ran) and ``result`` (the reset command's result once
-    known). :func:`resume_interrupted` reads exactly this shape back.
-    """
-    record: dict[str, object] = {
-        "uuid": target.uuid,
-        "pci_bus_id": target.pci_bus_id,
-        "minor": target.minor,
-        "persistence_was_on": target.persistence_was_on,
-        "step": step.value,
-        **data,
-    }
-    if target.recovery is not None:
-        record["recovery"] = target.recovery.record()
-    return record
-
-
-# --- reading the result -----------------------------------------------------------------------
-
-_EXIT_MEANINGS = {
-    2: "invalid argument",
-    3: "reset is not supported on this GPU",
-    4: "no permission to reset (needs root with CAP_SYS_ADMIN)",
-    6: "GPU not found",
-    8: "GPU power cables not connected",
-    9: "NVIDIA driver not loaded",
-    10: "GPU interrupt (IRQ) problem",
-    12: "NVML library not found",
-    13: "function not implemented",
-    14: "GPU infoROM corrupted",
-    15: "GPU has fallen off the bus or is inaccessible",
-}
-_IN_USE_MARKERS = ("in use by another client", "currently in use", "being used by")
-IN_USE_REASON = (
-    "exit 255: the driver says the GPU is in use by another client, which the final holder "
-    "scan did not see (a hidden holder: a file descriptor in flight in a unix-socket message, "
-    "a holder in another PID namespace or a VM, or a thread whose files could not be read)"
-)
-
-
-def _fold(output: str) -> str:
-    """Output on one line (whitespace folded), its last :data:`REASON_OUTPUT_LIMIT` characters."""
-    text = " ".join(output.split())
-    if len(text) > REASON_OUTPUT_LIMIT:
-        text = "..." + text[-REASON_OUTPUT_LIMIT:]
-    return text
-
-
-def _quote(output: str) -> str:
-    text = _fold(output)
-    return f"; output: {text!r}" if text else ""
-
-
-def outcome_event(
-    outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
-) -> tuple[Level, dict[str, object]]:
-    """The level and fields of the ``reset.outcome`` event (the daemon's and simulate's)."""
-    result = ResetResult(outcome.result)
-    level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
-    return level, {
-        "gpu": gpu,
-        "pci_bus_id": pci_bus_id,
-        "result": outcome.result,
-        "step": outcome.step.value,
-        "reason": outcome.reason,
-        "needs_reboot": outcome.needs_reboot,
-        "blockers": list(outcome.blockers),
-        "dry_run": dry_run,
-    }
-
-
-def _says_in_use(result: CommandResult) -> bool:
-    """The command failed with nvidia-smi's "in use by another client" text."""
-    lowered = result.output.lower()
-    return not result.ok and any(marker in lowered for marker in _IN_USE_MARKERS)
-
-
-def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
-    """``(result, needs_reboot, reason)`` for a finished reset command; see the module table.
-
-    The reason quotes the command's output (whitespace folded, last 2000 characters).
-    """
-    output = _quote(result.output)
-    if result.timed_out:
-        unkillable = result.returncode is None
-        reason = f"reset command did not finish within {result.duration:.1f}s and was killed"
-        if unkillable:
-            reason += f"; {result.error}: the GPU is probably wedged"
-        return ResetResult.TIMEOUT, unkillable, reason + output
-    if result.returncode is None:
-        return ResetResult.FAILED, False, f"reset command could not run: {result.error}"
-    code = result.returncode
-    if code == 0:
-        return ResetResult.SUCCESS, False, "GPU reset" + output
-    if code < 0:
-        return ResetResult.FAILED, False, f"reset command was killed by signal {-code}" + output
-    if code == 15:
-        return (
-            ResetResult.FAILED,
-            True,
-            f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output,
-        )
-    if code == 255 and _says_in_use(result):
-        return ResetResult.IN_USE, False, IN_USE_REASON + output
-    if code == 255:
-        return ResetResult.FAILED, False, "exit 255: nvidia-smi reported an error" + output
-    meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
-    return ResetResult.FAILED, False, f"exit {code}: {meaning}" + output
-
-
 # --- the procedure ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Commands:
+class Commands:
     reset: tuple[tuple[str, ...], ...]  # one reset command, or a MIG recovery's commands
     health: tuple[str, ...]
     persistence_off: tuple[str, ...] | None
@@ -292,7 +105,7 @@ def _would_run(template: Sequence[str], values: Mapping[str, str | None]) -> lis
         return list(template)
 
 
-def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
+def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str:
     """Fill every command up front (a bad template must not surface halfway); or say why not."""
     values = _values(target)
     key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
@@ -314,10 +127,10 @@ def _prepare(target: ResetTarget, policy: ResetPolicy) -> _Commands | str:
             return f"{key} {list(reset)!r} does not name GPU {target.uuid}; refusing"
     if not resets:
         return f"{key} is empty; refusing"
-    return _Commands(resets, health, off, on)
+    return Commands(resets, health, off, on)
 
 
-class _Procedure:
+class Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
     def __init__(
@@ -325,7 +138,7 @@ class _Procedure:
         target: ResetTarget,
         policy: ResetPolicy,
         env: ResetEnvironment,
-        commands: _Commands,
+        commands: Commands,
         *,
         dry_run: bool,
         hook_env: Mapping[str, str],
@@ -398,7 +211,7 @@ class _Procedure:
             argv=list(argv),
             detail=result.describe(),
             duration=round(result.duration, 3),
-            output=_fold(result.output),
+            output=fold_output(result.output),
         )
         return result
 
@@ -409,7 +222,7 @@ class _Procedure:
         event: str,
         *,
         stop_on_failure: bool,
-        extra: Mapping[str, object] = _EMPTY,
+        extra: Mapping[str, object] = EMPTY_ENV,
     ) -> str | None:
         """Run the hooks of ``step``; the first failure's description, or None."""
         if not hooks:
@@ -437,7 +250,7 @@ class _Procedure:
             runner=self.runner,
         )
         failures = [
-            f"hook {list(r.argv)!r} failed: {r.describe()}{_quote(r.output)}"
+            f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
             for r in results
             if not r.ok
         ]
@@ -527,7 +340,7 @@ class _Procedure:
         if done is None:
             return True, None, "dry-run"
         if not done.ok:
-            return False, None, f"health check failed: {done.describe()}{_quote(done.output)}"
+            return False, None, f"health check failed: {done.describe()}{quote_output(done.output)}"
         if self.target.recovery is not None:
             return self.instance_check()
         try:
@@ -565,7 +378,7 @@ def perform_reset(
     env: ResetEnvironment,
     *,
     dry_run: bool,
-    hook_env: Mapping[str, str] = _EMPTY,
+    hook_env: Mapping[str, str] = EMPTY_ENV,
     runner: CommandRunner = run_command,
     drained: bool = False,
     fabric_wait: FabricWait | None = None,
@@ -582,7 +395,7 @@ def perform_reset(
     hook (default: the real :func:`gpuwatchd.act.commands.run_command`). Never raises for a failing
     step: every way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
     """
-    prepared = _prepare(target, reset)
+    prepared = prepare_commands(target, reset)
     if isinstance(prepared, str):
         env.emit(
             EventName.RESET_FINISHED,
@@ -597,7 +410,7 @@ def perform_reset(
             **_instance_fields(target),
         )
         return ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
-    proc = _Procedure(
+    proc = Procedure(
         target,
         reset,
         env,
@@ -614,7 +427,7 @@ def perform_reset(
     return _reset_and_check(proc)
 
 
-def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
+def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
     target, reset, env, dry_run = proc.target, proc.policy, proc.env, proc.dry_run
     prepared = proc.commands
@@ -661,7 +474,9 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
         assert prepared.persistence_off is not None  # noqa: S101 - built by _prepare
         done = proc.command(ResetStep.PERSISTENCE_OFF, prepared.persistence_off)
         if done is not None and not done.ok:
-            reason = f"could not turn persistence mode off: {done.describe()}{_quote(done.output)}"
+            reason = (
+                f"could not turn persistence mode off: {done.describe()}{quote_output(done.output)}"
+            )
             return proc.abort(ResetStep.PERSISTENCE_OFF, reason)
     else:
         why = (
@@ -692,7 +507,7 @@ def _up_to_final_scan(proc: _Procedure) -> ResetOutcome | None:
     return None
 
 
-def _reset_and_check(proc: _Procedure) -> ResetOutcome:
+def _reset_and_check(proc: Procedure) -> ResetOutcome:
     """Steps reset to done, once the final scan found the GPU clear."""
     target, prepared = proc.target, proc.commands
     proc.reset_started = True
@@ -740,7 +555,7 @@ def _reset_and_check(proc: _Procedure) -> ResetOutcome:
     return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
 
 
-def _run_resets(proc: _Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
+def _run_resets(proc: Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
     """Run the reset command, or a MIG recovery's commands in order until one fails: (the
     last result, None in a dry run; its reading by :func:`interpret_reset_exit`). Only the
     first of a recovery's commands may end ``in_use`` (nothing changed then); a later one's
@@ -755,12 +570,13 @@ def _run_resets(proc: _Procedure) -> tuple[CommandResult | None, ResetResult, bo
         verdict, needs_reboot, reason = interpret_reset_exit(result)
         if verdict is ResetResult.SUCCESS:
             continue
-        if recovery is not None and number == 0 and _says_in_use(result):
+        if recovery is not None and number == 0 and says_in_use(result):
             # Nothing was destroyed: the driver refuses while anything uses the instance.
             verdict = ResetResult.IN_USE
+            what = recovery.describe().removeprefix("re-create ")
             reason = (
-                f"the driver says {recovery.describe().removeprefix('re-create ')} is in use "
-                f"by another client, which the final holder scan did not see{_quote(result.output)}"
+                f"the driver says {what} is in use by another client, which the final holder "
+                f"scan did not see{quote_output(result.output)}"
             )
         elif recovery is not None and number > 0:
             done = "; ".join(shlex.join(c) for c in commands[:number])
@@ -774,11 +590,11 @@ def _run_resets(proc: _Procedure) -> tuple[CommandResult | None, ResetResult, bo
         return None, ResetResult.DRY_RUN, False, "dry-run"
     if recovery is None:
         return result, *interpret_reset_exit(result)
-    done = f"{recovery.describe()}: done{_quote(result.output)}"
+    done = f"{recovery.describe()}: done{quote_output(result.output)}"
     return result, ResetResult.SUCCESS, False, done
 
 
-def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
+def _wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
     """The NVLink fabric after the reset: COMPLETED within ``fabric_timeout``, or the reset is
     not done. Fabric Manager is never stopped or restarted here, whatever the answer."""
     timeout = proc.policy.fabric_timeout
@@ -801,126 +617,3 @@ def _wait_for_fabric(proc: _Procedure) -> tuple[bool, str]:
     )
     proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.FABRIC_STUCK, level=Level.ERROR, detail=text)
     return False, text
-
-
-# --- after a crash ----------------------------------------------------------------------------
-
-
-def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
-    uuid = record.get("uuid")
-    pci = record.get("pci_bus_id")
-    minor = record.get("minor")
-    was_on = record.get("persistence_was_on")
-    if not isinstance(uuid, str) or not uuid:
-        return None
-    recovery = None
-    if "recovery" in record:  # a MIG recovery's: never resumed as a whole GPU's reset
-        recovery = from_record(record["recovery"])
-        if recovery is None or recovery.uuid != uuid:
-            return None
-    return ResetTarget(
-        uuid=uuid,
-        pci_bus_id=pci if isinstance(pci, str) else None,
-        minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
-        persistence_was_on=was_on if isinstance(was_on, bool) else None,
-        recovery=recovery,
-    )
-
-
-def resume_interrupted(
-    record: Mapping[str, object],
-    reset: ResetPolicy,
-    env: ResetEnvironment,
-    *,
-    runner: CommandRunner = run_command,
-    hostname: str | None = None,
-) -> ResetOutcome | None:
-    """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
-
-    Call it at start, before anything else, with the record the state kept (the shape of
-    :func:`progress_record`). The reset command is **never** run again: it may have run.
-
-    =========================================  ==============================  ================
-    last recorded step                         what happens now                result
-    =========================================  ==============================  ================
-    ``done``                                   nothing (returns None)          —
-    ``drain``, ``stop_nvml``, ``before_hooks`` ``after`` hooks                 ``refused``
-    ``persistence_off``, ``final_scan``        persistence on if it was        ``refused``
-                                               turned off, ``after`` hooks
-    ``persistence_on``/``after_hooks`` before  finish that undo                ``refused``
-    the reset started (an undo in progress)
-    ``reset``, ``health_check``                health check, persistence on,   ``success`` only
-                                               ``after`` hooks                 if healthy and
-                                                                               memory is back;
-                                                                               else ``failed``
-    ``persistence_on`` after the reset         persistence on, ``after`` hooks  recorded result
-    ``after_hooks`` after the reset            ``after`` hooks                 recorded result
-    =========================================  ==============================  ================
-
-    Persistence mode is restored from the record (``persistence_off``), not from today's
-    policy. A record that cannot be read (no GPU UUID, unknown step) changes nothing and
-    returns ``failed`` with the reason, so the daemon can log it and drop the record. The
-    caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
-    second time after a crash inside them, so ``after`` hooks should be idempotent.
-    ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
-    ``{hostname}`` in them (it is not part of the record).
-    """
-    step_value = record.get("step")
-    try:
-        step = ResetStep(step_value)
-    except ValueError:
-        step = None
-    target = _target_from(record)
-    if target is not None:
-        target = dataclasses.replace(target, hostname=hostname)
-    if step is ResetStep.DONE:
-        return None
-    if step is None or target is None:
-        reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
-        env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
-        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
-
-    prepared = _prepare(target, reset)
-    if isinstance(prepared, str):
-        # Today's policy cannot build the commands; still run the after hooks, and say so.
-        prepared = _Commands((), (), None, None)
-    proc = _Procedure(target, reset, env, prepared, dry_run=False, hook_env=_EMPTY, runner=runner)
-    proc.persistence_off = record.get("persistence_off") is True
-    proc.reset_started = record.get("reset_started") is True
-    recorded = record.get("result")
-    # An unknown recorded result is no result: the GPU is checked again below.
-    known = isinstance(recorded, str) and recorded in {r.value for r in ResetResult}
-    proc.result = ResetResult(recorded) if known else None
-    env.emit(
-        EventName.RESET_RESUMED,
-        Level.WARNING,
-        gpu=target.uuid,
-        step=step.value,
-        reset_started=proc.reset_started,
-        persistence_off=proc.persistence_off,
-    )
-    if proc.persistence_off and prepared.persistence_on is None:
-        proc.notes.append("persistence mode could not be restored: the command cannot be built")
-
-    if not proc.reset_started:
-        reason = f"interrupted at step {step.value} before the reset command ran; undone"
-        proc.restore(ResetResult.REFUSED, reason)
-        return proc.finish(ResetResult.REFUSED, step, reason)
-
-    if step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or proc.result is None:
-        unhealthy = False
-        if not prepared.health:
-            memory: bool | None = None
-            detail = "the health check command cannot be built; GPU state unknown"
-        else:
-            healthy, memory, detail = proc.health_check()
-            unhealthy = not healthy
-        result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
-        reason = f"interrupted at step {step.value} after the reset command started; {detail}"
-        proc.result = result
-        proc.restore(result, reason)
-        return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
-
-    reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
-    proc.restore(proc.result, reason)
-    return proc.finish(proc.result, ResetStep.DONE, reason)

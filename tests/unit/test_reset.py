@@ -19,8 +19,8 @@ from gpuwatchd.act.reset import (
     ResetTarget,
     interpret_reset_exit,
     perform_reset,
-    resume_interrupted,
 )
+from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.signals import stat_start_ticks
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi

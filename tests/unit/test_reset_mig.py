@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset, resume_interrupted
+from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
+from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
 from tests.support.fakesmi import FakeSmi

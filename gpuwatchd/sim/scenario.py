@@ -9,23 +9,20 @@ the text with ``yamlsrc.py``, the position-tracking reader policies use too, and
 ``config``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
 policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
 
-It is long (about 800 lines) because it is a schema: one small validator per scenario field,
-each naming its own line and key; splitting them would scatter one file format.
+The format's values are :mod:`gpuwatchd.sim.scenario_spec`'s; the reader's typed values
+and its GPU part (host, GPUs, MIG layouts, health) :mod:`gpuwatchd.sim.scenario_gpus`'s; this
+module reads the rest (processes, events, the inline policy) and the whole file.
 """
 
 from __future__ import annotations
 
-import re
 import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 import yaml
 
-from gpuwatchd.act.reset import ResetStep
-from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.config.schema import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -36,53 +33,22 @@ from gpuwatchd.config.yamlsrc import (
     join_key,
     load_document,
 )
-from gpuwatchd.decide.argv import check_value
-from gpuwatchd.model import MIB
+from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader, kind_of_node
+from gpuwatchd.sim.scenario_spec import (
+    EVENT_ACTIONS,
+    EXIT_MODES,
+    FILES,
+    RESET_RESULTS,
+    RESET_STEPS,
+    SIGKILL_REACTIONS,
+    VIA,
+    EventSpec,
+    HoldSpec,
+    ProcessSpec,
+    Scenario,
+    ScenarioError,
+)
 
-GIB = 1024 * MIB
-FIRST_AUTO_PID = 1000
-SIGKILL_REACTIONS = ("exit", "stuck")
-EXIT_MODES = ("release", "zombie", "leak")
-RESET_RESULTS = ("success", "fail", "in_use", "hang", "fell_off_bus")
-VIA = ("fd", "map", "both")
-# The reset steps an event can be tied to (``during``); ``done`` is bookkeeping, not a moment.
-RESET_STEPS = tuple(step.value for step in ResetStep if step is not ResetStep.DONE)
-EVENT_ACTIONS = (
-    "exit",
-    "start",
-    "set_memory",
-    "memory_stays_allocated",
-    "reset_result",
-    "state",
-    "reap",
-    "pause",
-    "resume",
-    "xid",
-    "health",
-    "spare",
-)
-# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
-# retired pages and the NVLink fabric; a successful reset clears what a reset applies.
-_HEALTH_KEYS = (
-    "recovery_action",
-    "remap_pending",
-    "remap_failure",
-    "retired_pages_pending",
-    "fabric",
-    "fabric_after_reset",
-)
-FABRIC_STATES = ("NOT_SUPPORTED", "NOT_STARTED", "IN_PROGRESS", "COMPLETED")
-FABRIC_SETTLE = 5.0  # seconds the fabric takes to register again after a reset, by default
-RECOVERY_ACTIONS = (
-    "NONE",
-    "GPU_RESET",
-    "NODE_REBOOT",
-    "DRAIN_P2P",
-    "DRAIN_AND_RESET",
-    "RECOVER_IMEX_DOMAIN",
-    "BUS_RESET",
-    "SYSTEM_REBOOT",
-)
 _TOP_KEYS = (
     "description",
     "duration",
@@ -93,23 +59,8 @@ _TOP_KEYS = (
     "processes",
     "events",
 )
-_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
-_GPU_KEYS = (
-    "index",
-    "uuid",
-    "name",
-    "pci_bus_id",
-    "minor",
-    "memory",
-    "mig",
-    "coherent",
-    "persistence",
-    "lost",
-    "health",
-)
-_MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
-_MIG_KEYS = ("instances",)
-_INSTANCE_KEYS = ("gi", "profile", "total", "allocated", "leaked")
+
+
 _PROCESS_KEYS = (
     "name",
     "pid",
@@ -135,181 +86,11 @@ _PROCESS_KEYS = (
     "stops_for_reset",
     "files",
 )
-FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
+
 _HOLDS_KEYS = ("gpus", "via", "ctl", "uvm", "mig")
-_PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
+
+
 _SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default
-
-
-class ScenarioError(Exception):
-    """A malformed scenario: ``file:line: field: message``. The CLI exits 65 on it."""
-
-    def __init__(
-        self, message: str, *, path: str, line: int | None = None, key: str | None = None
-    ) -> None:
-        self.message = message
-        self.path = path
-        self.line = line
-        self.key = key
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        return f"{where}: {self.key + ': ' if self.key else ''}{self.message}"
-
-
-# --- the parsed scenario ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """Node-wide facts: whether the daemon sees the host namespaces, an MPS server, pid_max."""
-
-    host_namespaces: bool | None = True
-    mps_server_running: bool = False
-    pid_max: int = 4194304
-    ended_jobs: frozenset[str] = frozenset()  # what an epilog's run --once --ended-job says
-
-
-@dataclass(frozen=True)
-class HealthSpec:
-    """A virtual GPU's health. ``recovery_action`` None: the driver does not offer the field
-    (before R565); ``retired_pages_pending`` None: no page retirement (Ampere and later);
-    ``fabric`` None: no NVSwitch fabric, else its registration state (FABRIC_STATES index),
-    which a reset sets IN_PROGRESS for ``fabric_after_reset`` seconds (None: never done)."""
-
-    recovery_action: int | None = None
-    remap_pending: bool = False
-    remap_failure: bool = False
-    retired_pages_pending: bool | None = None
-    fabric: int | None = None
-    fabric_after_reset: float | None = FABRIC_SETTLE
-
-
-@dataclass(frozen=True)
-class MigInstanceSpec:
-    """One GPU instance of a virtual MIG GPU (one compute instance, id 0): its own memory."""
-
-    gi: int
-    profile: str = "1g.10gb"
-    total: int = 10 * GIB
-    allocated: int = 4 * MIB
-    leaked: int = 0
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """One virtual GPU. ``allocated`` is its idle allocation (what a reset restores);
-    ``leaked`` is memory already held by no process at the start (freed only by a reset)."""
-
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    minor: int
-    total: int
-    allocated: int
-    reserved: int
-    leaked: int = 0
-    mig: bool = False
-    coherent: bool = False
-    persistence: bool = True
-    lost: bool = False
-    health: HealthSpec = HealthSpec()
-    mig_instances: tuple[MigInstanceSpec, ...] = ()  # with ``mig``: its GPU instances
-
-
-@dataclass(frozen=True)
-class HoldSpec:
-    """Which device files a process holds: GPUs by index, through fd and/or map; ``mig``: the
-    GPU instance whose capability files it holds on each MIG GPU it holds (None: none, a
-    parent-only process), where its contexts there live."""
-
-    gpus: tuple[int, ...] = ()
-    via: str = "both"
-    ctl: bool = True
-    uvm: bool = True
-    mig: int | None = None
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs.
-
-    ``nvml`` maps a GPU index to the memory NVML charges to this process there (it owns a
-    context); None as a value means NVML lists it without a figure.
-    """
-
-    name: str
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    user: str
-    uid: int
-    command: tuple[str, ...]
-    comm: str
-    exe: str | None
-    cgroup: str
-    state: str
-    holds: HoldSpec
-    nvml: Mapping[int, int | None]
-    on_sigterm: str = "exit"
-    sigterm_delay: float = 0.0
-    on_sigkill: str = "exit"
-    on_exit: str = "release"
-    exits_at: float | None = None
-    visible: bool = True
-    subreaper: bool = False
-    stops_for_reset: bool = False
-    files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
-    exe_trusted: bool | None = None  # its program is root's (floor.py); None: cannot be read
-    line: int = 0
-
-
-@dataclass(frozen=True)
-class EventSpec:
-    """One event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it.
-
-    It happens at ``at`` seconds, or, when ``during`` names a reset step (RESET_STEPS), once:
-    right after the first reset procedure that reaches that step has run it (``at`` is 0 then).
-    """
-
-    at: float
-    action: str
-    line: int
-    target: str | None = None  # a process name (exit, memory_stays_allocated, reap, state)
-    process: ProcessSpec | None = None  # start
-    gpu: int | None = None  # set_memory
-    memory: int | None = None  # set_memory
-    value: str | None = None  # reset_result, state letter, pause reason
-    during: str | None = None  # a reset step instead of a time
-    xid: int | None = None  # xid (on ``gpu``)
-    health: Mapping[str, object] | None = None  # health: the fields that change (on ``gpu``)
-    job: str | None = None  # spare: the job key (``slurm:42``) instead of a process (``target``)
-    lasts: float | None = None  # spare: for how long
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """A whole scenario, validated. ``policy_doc`` is the inline policy as a (file, text) pair
-    whose text keeps the scenario's line numbers, ready for ``config.parse_policy_documents``."""
-
-    path: str
-    description: str
-    duration: float
-    interval: float | None
-    policy_doc: tuple[str, str] | None
-    host: HostSpec
-    gpus: tuple[GpuSpec, ...]
-    processes: tuple[ProcessSpec, ...]
-    events: tuple[EventSpec, ...] = field(default_factory=tuple)
-
-    def gpu(self, index: int) -> GpuSpec | None:
-        return next((g for g in self.gpus if g.index == index), None)
-
-
-# --- reading ----------------------------------------------------------------------------------
 
 
 def load_scenario(path: str) -> Scenario:
@@ -360,85 +141,18 @@ def _policy_text(text: str) -> str | None:
     return None
 
 
-class _Reader:
+__all__ = [
+    "Scenario",
+    "ScenarioError",
+    "load_scenario",
+    "parse_scenario",
+]
+
+
+class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 
-    def __init__(self, path: str, text: str) -> None:
-        self.path = path
-        self.text = text
-        self.next_pid = FIRST_AUTO_PID
-        self.used_pids: set[int] = set()
-        self.names: dict[str, int] = {}
-
-    def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
-        return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
-
     # -- typed values --
-
-    def mapping(self, node: Node, keys: Sequence[str]) -> Map:
-        if not isinstance(node, Map):
-            raise self.fail(node, f"expected a mapping, got {_kind(node)}")
-        for key, line in node.key_lines.items():
-            if key not in keys:
-                import difflib
-
-                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ScenarioError(
-                    f"unknown field{hint}; known: {', '.join(keys)}",
-                    path=self.path,
-                    line=line,
-                    key=join_key(node.path, key),
-                )
-        return node
-
-    def items(self, node: Node) -> list[Node]:
-        if isinstance(node, Scalar) and node.value is None:
-            return []
-        if not isinstance(node, Seq):
-            raise self.fail(node, f"expected a list, got {_kind(node)}")
-        return node.items
-
-    def scalar(self, node: Node) -> object:
-        if not isinstance(node, Scalar):
-            raise self.fail(node, f"expected a single value, got {_kind(node)}")
-        return node.value
-
-    def string(self, node: Node) -> str:
-        value = self.scalar(node)
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise self.fail(node, f"expected a string, got {_kind(node)}")
-        return str(value)
-
-    def boolean(self, node: Node) -> bool:
-        value = self.scalar(node)
-        if not isinstance(value, bool):
-            raise self.fail(node, f"expected true or false, got {_kind(node)}")
-        return value
-
-    def integer(self, node: Node, minimum: int = 0) -> int:
-        value = self.scalar(node)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(node, f"expected an integer >= {minimum}, got {_kind(node)}")
-        return value
-
-    def duration(self, node: Node) -> float:
-        try:
-            return parse_duration(self.scalar(node), where=node.path)
-        except ConfigError as err:
-            raise self.fail(node, err.message) from None
-
-    def size(self, node: Node) -> int:
-        try:
-            return parse_size(self.scalar(node), where=node.path)
-        except ConfigError as err:
-            raise self.fail(node, err.message) from None
-
-    def choice(self, node: Node, choices: Sequence[str]) -> str:
-        value = self.string(node)
-        if value not in choices:
-            raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
-        return value
 
     # -- the document --
 
@@ -485,7 +199,7 @@ class _Reader:
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
-                raise self.fail(policy_node, f"expected a mapping, got {_kind(policy_node)}")
+                raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
             policy_text = _policy_text(self.text)
             if policy_text is not None:
                 policy_doc = (self.path, policy_text)
@@ -507,167 +221,6 @@ class _Reader:
             if value in seen:
                 raise self.fail(node, f"two GPUs have the same {what} {value!r}")
             seen.add(value)
-
-    def host(self, node: Node | None) -> HostSpec:
-        if node is None:
-            return HostSpec()
-        m = self.mapping(node, _HOST_KEYS)
-        spec = HostSpec()
-        namespaces = spec.host_namespaces
-        if (n := m.entries.get("host_namespaces")) is not None:
-            value = self.scalar(n)
-            if value is not None and not isinstance(value, bool):
-                raise self.fail(n, "expected true, false or null (unknown)")
-            namespaces = value
-        mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
-        pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
-        ended: set[str] = set()
-        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
-            try:
-                ended.add(scheduler_ended_job(self.string(item), {}))
-            except ValueError as err:
-                raise self.fail(item, str(err)) from None
-        return HostSpec(namespaces, mps, pid_max, frozenset(ended))
-
-    def nvml_value(self, node: Node, name: str, value: str) -> None:
-        """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
-        anything else into a reset command, so the scenario says so up front)."""
-        try:
-            check_value(name, value)
-        except ValueError as err:
-            raise self.fail(node, str(err).removesuffix("; refusing to run")) from None
-
-    def gpu(self, node: Node, position: int) -> GpuSpec:
-        m = self.mapping(node, _GPU_KEYS)
-        get = m.entries.get
-        index = self.integer(n) if (n := get("index")) is not None else position
-        uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
-        if not uuid.startswith("GPU-"):
-            raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
-        self.nvml_value(get("uuid") or m, "uuid", uuid)
-        name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
-        bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
-        self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
-        minor = self.integer(n) if (n := get("minor")) is not None else index
-        total, allocated, reserved, leaked = 80 * GIB, 4 * MIB, 512 * MIB, 0
-        if (mem := get("memory")) is not None:
-            mm = self.mapping(mem, _MEMORY_KEYS)
-            total = self.size(n) if (n := mm.entries.get("total")) is not None else total
-            allocated = (
-                self.size(n) if (n := mm.entries.get("allocated")) is not None else allocated
-            )
-            reserved = self.size(n) if (n := mm.entries.get("reserved")) is not None else reserved
-            leaked = self.size(n) if (n := mm.entries.get("leaked")) is not None else leaked
-            if allocated + leaked + reserved > total:
-                raise self.fail(mem, "allocated + leaked + reserved is more than total")
-        instances: tuple[MigInstanceSpec, ...] = ()
-        if isinstance(n := get("mig"), Map):
-            instances = self.mig_instances(n)
-        flags = {
-            key: True if key == "mig" and instances else self.boolean(n)
-            for key in ("mig", "coherent", "persistence", "lost")
-            if (n := get(key)) is not None
-        }
-        return GpuSpec(
-            index=index,
-            uuid=uuid,
-            name=name,
-            pci_bus_id=bus,
-            minor=minor,
-            total=total,
-            allocated=allocated,
-            reserved=reserved,
-            leaked=leaked,
-            mig=flags.get("mig", False),
-            coherent=flags.get("coherent", False),
-            persistence=flags.get("persistence", True),
-            lost=flags.get("lost", False),
-            health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
-            mig_instances=instances,
-        )
-
-    def mig_instances(self, node: Map) -> tuple[MigInstanceSpec, ...]:
-        """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
-        m = self.mapping(node, _MIG_KEYS)
-        found: list[MigInstanceSpec] = []
-        for item in self.items(m.entries["instances"]) if "instances" in m.entries else []:
-            im = self.mapping(item, _INSTANCE_KEYS)
-            get = im.entries.get
-            if (n := get("gi")) is None:
-                raise self.fail(im, "missing required field 'gi' (the GPU instance id)", "gi")
-            gi = self.integer(n)
-            if gi > 14:
-                raise self.fail(n, "a GPU instance id is 0 to 14")
-            profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
-            if not _PROFILE.fullmatch(profile):
-                raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
-            spec = MigInstanceSpec(
-                gi=gi,
-                profile=profile,
-                total=self.size(n) if (n := get("total")) is not None else 10 * GIB,
-                allocated=self.size(n) if (n := get("allocated")) is not None else 4 * MIB,
-                leaked=self.size(n) if (n := get("leaked")) is not None else 0,
-            )
-            if spec.allocated + spec.leaked > spec.total:
-                raise self.fail(im, "allocated + leaked is more than total")
-            found.append(spec)
-        if not found:
-            raise self.fail(node, "a MIG GPU needs at least one instance ({gi: 1})")
-        if len({i.gi for i in found}) != len(found):
-            raise self.fail(node, "two GPU instances have the same gi")
-        return tuple(found)
-
-    def check_mig(self, processes: Sequence[ProcessSpec], gpus: Sequence[GpuSpec]) -> None:
-        """A context on a MIG GPU lives in a GPU instance: ``holds.mig`` must name one of it."""
-        for proc in processes:
-            for gpu in gpus:
-                if not gpu.mig_instances:
-                    continue
-                known = {i.gi for i in gpu.mig_instances}
-                mig = proc.holds.mig
-                if gpu.index in proc.nvml and mig is None:
-                    raise ScenarioError(
-                        f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds",
-                    )  # fmt: skip
-                if mig is not None and gpu.index in proc.holds.gpus and mig not in known:
-                    raise ScenarioError(
-                        f"GPU {gpu.index} has no GPU instance {mig}",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds.mig",
-                    )  # fmt: skip
-
-    def health_spec(self, node: Node) -> HealthSpec:
-        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
-
-    def health(self, node: Node) -> dict[str, object]:
-        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
-        m = self.mapping(node, _HEALTH_KEYS)
-        found: dict[str, object] = {}
-        for key, value in m.entries.items():
-            if key == "recovery_action":
-                raw = self.scalar(value)
-                if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
-                    found[key] = RECOVERY_ACTIONS.index(raw)
-                elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
-                    found[key] = raw
-                elif raw is None:
-                    found[key] = None
-                else:
-                    raise self.fail(
-                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
-                    )
-            elif key == "retired_pages_pending" and self.scalar(value) is None:
-                found[key] = None
-            elif key == "fabric":
-                raw = self.scalar(value)
-                if raw is not None and raw not in FABRIC_STATES:
-                    raise self.fail(value, f"expected one of {', '.join(FABRIC_STATES)} or null")
-                found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
-            elif key == "fabric_after_reset":
-                found[key] = None if self.scalar(value) == "never" else self.duration(value)
-            else:
-                found[key] = self.boolean(value)
-        return found
 
     def reserve(self, node: Node) -> None:
         """Give a process its name and PID before anything refers to it."""
@@ -854,7 +407,7 @@ class _Reader:
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
         if action in ("xid", "health"):
-            keys = ("gpu", "xid") if action == "xid" else ("gpu", *_HEALTH_KEYS)
+            keys = ("gpu", "xid") if action == "xid" else ("gpu", *HEALTH_KEYS)
             hm = self.mapping(value, keys)
             gpu_node = hm.entries.get("gpu")
             if gpu_node is None:
@@ -917,25 +470,6 @@ class _Reader:
             known = ", ".join(sorted(self.names)) or "none"
             raise self.fail(node, f"no process named {name!r} in this scenario ({known})")
         return name
-
-
-def _kind(node: Node) -> str:
-    if isinstance(node, Map):
-        return "a mapping"
-    if isinstance(node, Seq):
-        return "a list"
-    value = node.value if isinstance(node, Scalar) else None
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r}"
-
-
-def _default_uuid(index: int) -> str:
-    return f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
-
-
-def _default_bus(index: int) -> str:
-    return f"00000000:{(0x17 + 0x10 * index) % 256:02X}:00.0"
 
 
 def _default_cgroup(uid: int) -> str:

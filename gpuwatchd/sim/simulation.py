@@ -30,7 +30,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine import Engine
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.sim.mig_commands import VirtualMig
-from gpuwatchd.sim.scenario import EventSpec, Scenario, ScenarioError
+from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
 from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event, render_text
 from gpuwatchd.sim.world import (
     WALL0,

@@ -15,7 +15,7 @@ from typing import Protocol
 from gpuwatchd import event_catalogue
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.model import MIB
-from gpuwatchd.sim.scenario import Scenario
+from gpuwatchd.sim.scenario_spec import Scenario
 from gpuwatchd.sim.world import size_text
 from gpuwatchd.vocabulary import EventName, Level
 

@@ -36,7 +36,7 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
-from gpuwatchd.sim.scenario import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
+from gpuwatchd.sim.scenario_spec import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)

@@ -1,0 +1,334 @@
+"""Reading a scenario's GPUs for ``gpuwatchd simulate``: the reader's typed values and its GPU part.
+
+This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds the
+whole :class:`~gpuwatchd.sim.scenario_spec.Scenario` on them): :class:`ReaderBase`, the typed
+values every field is read as (a mapping with known keys, a string, a size, a duration, a
+choice), each failure a :class:`~gpuwatchd.sim.scenario_spec.ScenarioError` naming the file,
+line and key; and :class:`GpuReader`, the host section and the GPUs: memory, MIG layouts and
+their processes' instances, health (recovery action, row remapping, retired pages, fabric).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.config.schema import parse_duration, parse_size
+from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key
+from gpuwatchd.decide.argv import check_value
+from gpuwatchd.model import MIB
+from gpuwatchd.sim.scenario_spec import (
+    FABRIC_STATES,
+    FIRST_AUTO_PID,
+    GIB,
+    RECOVERY_ACTIONS,
+    GpuSpec,
+    HealthSpec,
+    HostSpec,
+    MigInstanceSpec,
+    ProcessSpec,
+    ScenarioError,
+)
+
+__all__ = ["HEALTH_KEYS", "GpuReader", "ReaderBase", "kind_of_node"]
+
+# A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
+# retired pages and the NVLink fabric; a successful reset clears what a reset applies.
+HEALTH_KEYS = (
+    "recovery_action",
+    "remap_pending",
+    "remap_failure",
+    "retired_pages_pending",
+    "fabric",
+    "fabric_after_reset",
+)
+
+_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
+
+_GPU_KEYS = (
+    "index",
+    "uuid",
+    "name",
+    "pci_bus_id",
+    "minor",
+    "memory",
+    "mig",
+    "coherent",
+    "persistence",
+    "lost",
+    "health",
+)
+
+_MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
+
+_MIG_KEYS = ("instances",)
+
+_INSTANCE_KEYS = ("gi", "profile", "total", "allocated", "leaked")
+
+_PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
+
+
+class ReaderBase:
+    """The typed values of a scenario, each failure naming its file, line and key."""
+
+    def __init__(self, path: str, text: str) -> None:
+        self.path = path
+        self.text = text
+        self.next_pid = FIRST_AUTO_PID
+        self.used_pids: set[int] = set()
+        self.names: dict[str, int] = {}
+
+    def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
+        return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
+
+    def mapping(self, node: Node, keys: Sequence[str]) -> Map:
+        if not isinstance(node, Map):
+            raise self.fail(node, f"expected a mapping, got {kind_of_node(node)}")
+        for key, line in node.key_lines.items():
+            if key not in keys:
+                import difflib
+
+                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ScenarioError(
+                    f"unknown field{hint}; known: {', '.join(keys)}",
+                    path=self.path,
+                    line=line,
+                    key=join_key(node.path, key),
+                )
+        return node
+
+    def items(self, node: Node) -> list[Node]:
+        if isinstance(node, Scalar) and node.value is None:
+            return []
+        if not isinstance(node, Seq):
+            raise self.fail(node, f"expected a list, got {kind_of_node(node)}")
+        return node.items
+
+    def scalar(self, node: Node) -> object:
+        if not isinstance(node, Scalar):
+            raise self.fail(node, f"expected a single value, got {kind_of_node(node)}")
+        return node.value
+
+    def string(self, node: Node) -> str:
+        value = self.scalar(node)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise self.fail(node, f"expected a string, got {kind_of_node(node)}")
+        return str(value)
+
+    def boolean(self, node: Node) -> bool:
+        value = self.scalar(node)
+        if not isinstance(value, bool):
+            raise self.fail(node, f"expected true or false, got {kind_of_node(node)}")
+        return value
+
+    def integer(self, node: Node, minimum: int = 0) -> int:
+        value = self.scalar(node)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(node, f"expected an integer >= {minimum}, got {kind_of_node(node)}")
+        return value
+
+    def duration(self, node: Node) -> float:
+        try:
+            return parse_duration(self.scalar(node), where=node.path)
+        except ConfigError as err:
+            raise self.fail(node, err.message) from None
+
+    def size(self, node: Node) -> int:
+        try:
+            return parse_size(self.scalar(node), where=node.path)
+        except ConfigError as err:
+            raise self.fail(node, err.message) from None
+
+    def choice(self, node: Node, choices: Sequence[str]) -> str:
+        value = self.string(node)
+        if value not in choices:
+            raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+
+
+class GpuReader(ReaderBase):
+    """The host section and the GPUs of a scenario (memory, MIG layout, health)."""
+
+    def host(self, node: Node | None) -> HostSpec:
+        if node is None:
+            return HostSpec()
+        m = self.mapping(node, _HOST_KEYS)
+        spec = HostSpec()
+        namespaces = spec.host_namespaces
+        if (n := m.entries.get("host_namespaces")) is not None:
+            value = self.scalar(n)
+            if value is not None and not isinstance(value, bool):
+                raise self.fail(n, "expected true, false or null (unknown)")
+            namespaces = value
+        mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
+        pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
+        ended: set[str] = set()
+        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
+            try:
+                ended.add(scheduler_ended_job(self.string(item), {}))
+            except ValueError as err:
+                raise self.fail(item, str(err)) from None
+        return HostSpec(namespaces, mps, pid_max, frozenset(ended))
+
+    def nvml_value(self, node: Node, name: str, value: str) -> None:
+        """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
+        anything else into a reset command, so the scenario says so up front)."""
+        try:
+            check_value(name, value)
+        except ValueError as err:
+            raise self.fail(node, str(err).removesuffix("; refusing to run")) from None
+
+    def gpu(self, node: Node, position: int) -> GpuSpec:
+        m = self.mapping(node, _GPU_KEYS)
+        get = m.entries.get
+        index = self.integer(n) if (n := get("index")) is not None else position
+        uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
+        if not uuid.startswith("GPU-"):
+            raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
+        self.nvml_value(get("uuid") or m, "uuid", uuid)
+        name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
+        bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
+        self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
+        minor = self.integer(n) if (n := get("minor")) is not None else index
+        total, allocated, reserved, leaked = 80 * GIB, 4 * MIB, 512 * MIB, 0
+        if (mem := get("memory")) is not None:
+            mm = self.mapping(mem, _MEMORY_KEYS)
+            total = self.size(n) if (n := mm.entries.get("total")) is not None else total
+            allocated = (
+                self.size(n) if (n := mm.entries.get("allocated")) is not None else allocated
+            )
+            reserved = self.size(n) if (n := mm.entries.get("reserved")) is not None else reserved
+            leaked = self.size(n) if (n := mm.entries.get("leaked")) is not None else leaked
+            if allocated + leaked + reserved > total:
+                raise self.fail(mem, "allocated + leaked + reserved is more than total")
+        instances: tuple[MigInstanceSpec, ...] = ()
+        if isinstance(n := get("mig"), Map):
+            instances = self.mig_instances(n)
+        flags = {
+            key: True if key == "mig" and instances else self.boolean(n)
+            for key in ("mig", "coherent", "persistence", "lost")
+            if (n := get(key)) is not None
+        }
+        return GpuSpec(
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=bus,
+            minor=minor,
+            total=total,
+            allocated=allocated,
+            reserved=reserved,
+            leaked=leaked,
+            mig=flags.get("mig", False),
+            coherent=flags.get("coherent", False),
+            persistence=flags.get("persistence", True),
+            lost=flags.get("lost", False),
+            health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
+            mig_instances=instances,
+        )
+
+    def mig_instances(self, node: Map) -> tuple[MigInstanceSpec, ...]:
+        """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
+        m = self.mapping(node, _MIG_KEYS)
+        found: list[MigInstanceSpec] = []
+        for item in self.items(m.entries["instances"]) if "instances" in m.entries else []:
+            im = self.mapping(item, _INSTANCE_KEYS)
+            get = im.entries.get
+            if (n := get("gi")) is None:
+                raise self.fail(im, "missing required field 'gi' (the GPU instance id)", "gi")
+            gi = self.integer(n)
+            if gi > 14:
+                raise self.fail(n, "a GPU instance id is 0 to 14")
+            profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
+            if not _PROFILE.fullmatch(profile):
+                raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
+            spec = MigInstanceSpec(
+                gi=gi,
+                profile=profile,
+                total=self.size(n) if (n := get("total")) is not None else 10 * GIB,
+                allocated=self.size(n) if (n := get("allocated")) is not None else 4 * MIB,
+                leaked=self.size(n) if (n := get("leaked")) is not None else 0,
+            )
+            if spec.allocated + spec.leaked > spec.total:
+                raise self.fail(im, "allocated + leaked is more than total")
+            found.append(spec)
+        if not found:
+            raise self.fail(node, "a MIG GPU needs at least one instance ({gi: 1})")
+        if len({i.gi for i in found}) != len(found):
+            raise self.fail(node, "two GPU instances have the same gi")
+        return tuple(found)
+
+    def check_mig(self, processes: Sequence[ProcessSpec], gpus: Sequence[GpuSpec]) -> None:
+        """A context on a MIG GPU lives in a GPU instance: ``holds.mig`` must name one of it."""
+        for proc in processes:
+            for gpu in gpus:
+                if not gpu.mig_instances:
+                    continue
+                known = {i.gi for i in gpu.mig_instances}
+                mig = proc.holds.mig
+                if gpu.index in proc.nvml and mig is None:
+                    raise ScenarioError(
+                        f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)",
+                        path=self.path, line=proc.line, key=f"{proc.name}.holds",
+                    )  # fmt: skip
+                if mig is not None and gpu.index in proc.holds.gpus and mig not in known:
+                    raise ScenarioError(
+                        f"GPU {gpu.index} has no GPU instance {mig}",
+                        path=self.path, line=proc.line, key=f"{proc.name}.holds.mig",
+                    )  # fmt: skip
+
+    def health_spec(self, node: Node) -> HealthSpec:
+        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
+
+    def health(self, node: Node) -> dict[str, object]:
+        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
+        m = self.mapping(node, HEALTH_KEYS)
+        found: dict[str, object] = {}
+        for key, value in m.entries.items():
+            if key == "recovery_action":
+                raw = self.scalar(value)
+                if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
+                    found[key] = RECOVERY_ACTIONS.index(raw)
+                elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
+                    found[key] = raw
+                elif raw is None:
+                    found[key] = None
+                else:
+                    raise self.fail(
+                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
+                    )
+            elif key == "retired_pages_pending" and self.scalar(value) is None:
+                found[key] = None
+            elif key == "fabric":
+                raw = self.scalar(value)
+                if raw is not None and raw not in FABRIC_STATES:
+                    raise self.fail(value, f"expected one of {', '.join(FABRIC_STATES)} or null")
+                found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
+            elif key == "fabric_after_reset":
+                found[key] = None if self.scalar(value) == "never" else self.duration(value)
+            else:
+                found[key] = self.boolean(value)
+        return found
+
+
+def kind_of_node(node: Node) -> str:
+    """What a YAML node is, for a message: ``a mapping``, ``a list``, ``null``, ``int 3``."""
+    if isinstance(node, Map):
+        return "a mapping"
+    if isinstance(node, Seq):
+        return "a list"
+    value = node.value if isinstance(node, Scalar) else None
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _default_uuid(index: int) -> str:
+    return f"GPU-{index:08x}-0000-4000-8000-{index:012x}"
+
+
+def _default_bus(index: int) -> str:
+    return f"00000000:{(0x17 + 0x10 * index) % 256:02X}:00.0"

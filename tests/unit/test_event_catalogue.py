@@ -172,6 +172,10 @@ def test_a_finding_key_is_said_in_words_not_as_the_internal_key() -> None:
             {"action": "reset", "outcome": "reset_failed", "gpu": GPU, "user": "ann"},
             f"{GPU} of user ann could not be reset.",
         ),
+        (
+            {"action": "mig_recovery", "outcome": "reset", "gpu": GPU, "gi": 1},
+            f"MIG GPU instance 1 of {GPU} was re-created.",
+        ),
     ],
 )
 def test_a_notification_reads_as_a_sentence(facts: dict[str, object], said: str) -> None:

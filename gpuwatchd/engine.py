@@ -11,7 +11,7 @@ import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
 from gpuwatchd.act.reset import (
@@ -23,7 +23,6 @@ from gpuwatchd.act.reset import (
     progress_record,
 )
 from gpuwatchd.act.reset_resume import resume_interrupted
-from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.decide import fabric
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.assess import Assessment
@@ -57,13 +56,20 @@ from gpuwatchd.decide.reuse import Reuse
 from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.engine_edges import (
+    Actuator,
+    Background,
+    Clock,
+    EventSink,
+    HostReader,
+    Runner,
+    run_inline,
+    run_now,
+)
 from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
-    GpuInfo,
-    HolderScan,
     ProcessIdentity,
-    ProcessInfo,
     Snapshot,
     Spare,
     as_int,
@@ -97,51 +103,6 @@ STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
 T = TypeVar("T")
 
 
-class HostReader(Protocol):
-    """Where the engine's facts come from."""
-
-    def collect(self) -> Snapshot:
-        """One snapshot of NVML and the process table (its clocks are the snapshot's)."""
-
-    def stop_nvml(self) -> bool:
-        """Release every NVML handle of ours before a reset; True when none remains."""
-
-    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
-        """A fresh full holder scan right before a reset, with the holders' process facts."""
-
-    def read_gpu(self, uuid: str) -> GpuInfo | None:
-        """A fresh NVML reading of one GPU (after a reset); None when it is not there."""
-
-    def self_pids(self) -> frozenset[int]:
-        """Our own processes (the daemon and its NVML worker): never holders or blockers."""
-
-
-class Actuator(Protocol):
-    """What the engine does to the host. Each call re-verifies before it acts."""
-
-    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
-        """Signal exactly ``identity`` (dry-run: check it, send nothing)."""
-
-    def run_command(
-        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
-    ) -> CommandResult:
-        """Run one argv command (the reset procedure's commands and every hook)."""
-
-    def exits(self, timeout: float) -> list[ProcessIdentity]:
-        """Signalled targets seen to exit within ``timeout`` seconds (0: only those already)."""
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def wall(self) -> float: ...
-
-
-class EventSink(Protocol):
-    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
-        """One structured event (names and levels: docs/events.md)."""
-
-
 def _text(value: object) -> str | None:
     """A fact as a placeholder value: None stays unknown (the hook that needs it is not run)."""
     return None if value is None or isinstance(value, bool) else str(value)
@@ -154,29 +115,6 @@ def _describe_intent(intent: Intent) -> str:
     if isinstance(intent, ResetIntent):
         return f"reset of {intent.gpu}"
     return f"{intent.hook} hooks"
-
-
-def run_inline(work: Callable[[], T]) -> T:
-    """The default way to run slow work (a reset, hooks): right here. The daemon passes a
-    runner that also keeps the systemd watchdog fed meanwhile (the work still runs here, on
-    the loop's own thread: :func:`gpuwatchd.systemd_notify.keep_watchdog_fed`)."""
-    return work()
-
-
-class Runner(Protocol):
-    def __call__(self, work: Callable[[], T], /) -> T: ...
-
-
-class Background(Protocol):
-    def __call__(self, work: Callable[[], None], /) -> bool:
-        """Start ``work`` off the main loop and return at once; False if it cannot be taken
-        (the queue is full). Used for ``on_action`` notifications, which no poll waits for."""
-
-
-def run_now(work: Callable[[], None]) -> bool:
-    """The default background: right here (``simulate``, tests), so results are deterministic."""
-    work()
-    return True
 
 
 @dataclass

@@ -111,6 +111,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "gpuwatchd.compiled_policy",
                   "gpuwatchd.status_document",
                   "gpuwatchd.metrics", "gpuwatchd.metrics_mig", "gpuwatchd.engine",
+                  "gpuwatchd.engine_edges",
                   "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",
                   "gpuwatchd.wiring")),
     ("lifecycle", ("gpuwatchd.daemon",)),

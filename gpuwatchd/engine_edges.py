@@ -1,0 +1,100 @@
+"""The engine's edges: what it reads, what it acts through, its clock, where its events go.
+
+This module owns the contracts :class:`gpuwatchd.engine.Engine` is built with — the
+:class:`HostReader` (snapshots, releasing NVML, the final holder scan, a fresh GPU reading), the
+:class:`Actuator` (signals, the command runner, exits of signalled targets), the :class:`Clock`
+and the :class:`EventSink` — and how slow work runs (:class:`Runner`, :class:`Background`,
+:func:`run_inline`, :func:`run_now`). ``host.py`` implements them on the real host, ``simulate``
+on a virtual one (docs/architecture.md, "The four edges").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import Level
+
+__all__ = [
+    "Actuator",
+    "Background",
+    "Clock",
+    "EventSink",
+    "HostReader",
+    "Runner",
+    "run_inline",
+    "run_now",
+]
+
+T = TypeVar("T")
+
+
+class HostReader(Protocol):
+    """Where the engine's facts come from."""
+
+    def collect(self) -> Snapshot:
+        """One snapshot of NVML and the process table (its clocks are the snapshot's)."""
+
+    def stop_nvml(self) -> bool:
+        """Release every NVML handle of ours before a reset; True when none remains."""
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        """A fresh full holder scan right before a reset, with the holders' process facts."""
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        """A fresh NVML reading of one GPU (after a reset); None when it is not there."""
+
+    def self_pids(self) -> frozenset[int]:
+        """Our own processes (the daemon and its NVML worker): never holders or blockers."""
+
+
+class Actuator(Protocol):
+    """What the engine does to the host. Each call re-verifies before it acts."""
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        """Signal exactly ``identity`` (dry-run: check it, send nothing)."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        """Run one argv command (the reset procedure's commands and every hook)."""
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        """Signalled targets seen to exit within ``timeout`` seconds (0: only those already)."""
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class EventSink(Protocol):
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """One structured event (names and levels: docs/events.md)."""
+
+
+def run_inline(work: Callable[[], T]) -> T:
+    """The default way to run slow work (a reset, hooks): right here. The daemon passes a
+    runner that also keeps the systemd watchdog fed meanwhile (the work still runs here, on
+    the loop's own thread: :func:`gpuwatchd.systemd_notify.keep_watchdog_fed`)."""
+    return work()
+
+
+class Runner(Protocol):
+    def __call__(self, work: Callable[[], T], /) -> T: ...
+
+
+class Background(Protocol):
+    def __call__(self, work: Callable[[], None], /) -> bool:
+        """Start ``work`` off the main loop and return at once; False if it cannot be taken
+        (the queue is full). Used for ``on_action`` notifications, which no poll waits for."""
+
+
+def run_now(work: Callable[[], None]) -> bool:
+    """The default background: right here (``simulate``, tests), so results are deterministic."""
+    work()
+    return True

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli.main import main
-from gpuwatchd.cli.status import describe, render_text
+from gpuwatchd.cli.status import describe
+from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import plan, set_paused

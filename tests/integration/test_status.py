@@ -30,8 +30,8 @@ from gpuwatchd.cli.status import (
     StatusCode,
     describe,
     read_saved,
-    render_text,
 )
+from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.state import StateStore
 from gpuwatchd.statedir import StateDir

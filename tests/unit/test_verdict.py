@@ -564,7 +564,7 @@ def test_the_verdict_is_built_from_the_assessment_scan_shows() -> None:
 
 
 def test_status_shows_the_verdict_the_daemon_published() -> None:
-    from gpuwatchd.cli.status import render_text
+    from gpuwatchd.cli.status_text import render_text
     from tests.support.statusrig import run_describe, saved
 
     verdict = verdict_of(orphaned_worker().proc(900, comm="gpustat", holds={1}).build())

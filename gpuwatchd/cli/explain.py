@@ -1,32 +1,24 @@
 """``gpuwatchd explain``: what the policy would do with each finding of a ``scan --json`` report.
 
-This module owns reading a saved report back (strictly: a malformed one is a
-:class:`SnapshotError` naming the file and field; the CLI exits 65) and explaining, per finding,
+This module owns explaining a saved report (read back strictly by
+:mod:`gpuwatchd.cli.report_read`: a malformed one is a :class:`SnapshotError` naming the file
+and field; the CLI exits 65), per finding:
 which rule matches (or why none does), which step would come next and when, and what would stop
 it. It rebuilds the facts ``plan`` needs from the JSON and asks plan's own pure helpers
 (``rule_for``, ``refusal``, ``gpu_protected``), so its answers are the daemon's. It is pure
 apart from reading the one file, and it never acts. Output is documented in docs/simulate.md.
 
-This module is long (about 670 lines) because reading the report back field by field, strictly,
-and explaining every kind of finding (ladders, kill caps, reset gates, health) against it go
-together: the explanation asks for exactly the facts the reader rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
-from gpuwatchd.cli.mig_report import (
-    capabilities_from_report,
-    instance_process_entries,
-    mig_devices_from_report,
-)
-from gpuwatchd.cli.spared import spare_stops, spares_from_report
-from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.cli.report_read import SnapshotError, load_report, opt_str, rebuild
+from gpuwatchd.cli.spared import spare_stops
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
 from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
@@ -35,313 +27,21 @@ from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
 from gpuwatchd.escape import escape
 from gpuwatchd.model import (
-    CgroupInfo,
-    DeviceHolding,
     Finding,
     FindingKind,
-    GpuInfo,
-    HolderScan,
-    MigCapability,
-    NvmlProcess,
-    NvmlReading,
     ProcessInfo,
     Snapshot,
     as_int,
 )
 
-
-class SnapshotError(Exception):
-    """A report that is not a ``scan --json`` document: ``file: field: message``."""
-
-
-def _need(data: Mapping[str, object], key: str, types: tuple[type, ...], where: str) -> object:
-    if key not in data:
-        raise SnapshotError(f"{where}.{key}: missing")
-    value = data[key]
-    if value is None and type(None) in types:
-        return None
-    if isinstance(value, bool) and bool not in types:
-        raise SnapshotError(f"{where}.{key}: expected {_names(types)}, got {value!r}")
-    if not isinstance(value, types):
-        raise SnapshotError(f"{where}.{key}: expected {_names(types)}, got {type(value).__name__}")
-    return value
-
-
-def _names(types: tuple[type, ...]) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
-
-
-def _opt_int(data: Mapping[str, object], key: str) -> int | None:
-    return as_int(data.get(key))
-
-
-def _opt_str(data: Mapping[str, object], key: str) -> str | None:
-    value = data.get(key)
-    return value if isinstance(value, str) else None
-
-
-def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
-    pid = _opt_int(entry, "pid")
-    if pid is None or (entry.get("alive") is None and entry.get("state") is None):
-        return None
-    cg = entry.get("cgroup")
-    cgroup = None
-    if isinstance(cg, dict) and isinstance(cg.get("path"), str):
-        cgroup = CgroupInfo(
-            path=cg["path"],
-            container_id=_opt_str(cg, "container_id"),
-            container_runtime=_opt_str(cg, "container_runtime"),
-            pod_uid=_opt_str(cg, "pod_uid"),
-            slurm_job=_opt_str(cg, "slurm_job"),
-            slurm_step=_opt_str(cg, "slurm_step"),
-            systemd_unit=_opt_str(cg, "systemd_unit"),
-        )
-    cmdline = entry.get("cmdline")
-    return ProcessInfo(
-        pid=pid,
-        start_ticks=_opt_int(entry, "start_ticks"),
-        state=_opt_str(entry, "state"),
-        ppid=_opt_int(entry, "ppid"),
-        pgid=_opt_int(entry, "pgid"),
-        sid=_opt_int(entry, "sid"),
-        uid=_opt_int(entry, "uid"),
-        user=_opt_str(entry, "user"),
-        comm=_opt_str(entry, "comm"),
-        exe=_opt_str(entry, "exe"),
-        cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
-        cgroup=cgroup,
-        exe_trusted=trusted if isinstance(trusted := entry.get("exe_trusted"), bool) else None,
-    )
-
-
-MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
-
-
-def load_report(path: str) -> Mapping[str, object]:
-    """The saved ``scan --json`` report at ``path``: a regular file of at most
-    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers have at most
-    :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise."""
-    try:
-        raw = read_regular_file(path, MAX_REPORT_BYTES)
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: file not found") from None
-    except NotARegularFile as err:
-        raise SnapshotError(f"{path}: {err}: a report is a regular file") from None
-    except FileTooLarge:
-        raise SnapshotError(
-            f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a report"
-        ) from None
-    except OSError as err:
-        raise SnapshotError(f"{path}: cannot read: {err.strerror or err}") from None
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
-    except UnicodeDecodeError as err:
-        raise SnapshotError(f"{path}: cannot read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise SnapshotError(f"{path}:{err.lineno}: not JSON: {err.msg}") from None
-    except RecursionError:
-        raise SnapshotError(f"{path}: nested too deeply: not a report") from None
-    except ValueError as err:
-        raise SnapshotError(f"{path}: not JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise SnapshotError(f"{path}: expected the object `gpuwatchd scan --json` prints")
-    try:
-        where = _first_huge_number(data, "")
-    except RecursionError:
-        raise SnapshotError(f"{path}: nested too deeply: not a report") from None
-    if where is not None:
-        raise SnapshotError(
-            f"{path}: {where}: a number of more than {MAX_DIGITS} digits is no value of a report"
-        )
-    return data
-
-
-MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits
-
-
-class _HugeNumber(str):
-    """An integer in the report with more than :data:`MAX_DIGITS` digits, kept as its text so
-    the field can be named (Python refuses to convert more than a few thousand digits)."""
-
-
-def _bounded_int(text: str) -> int | _HugeNumber:
-    return int(text) if len(text.lstrip("-")) <= MAX_DIGITS else _HugeNumber(text)
-
-
-def _first_huge_number(value: object, where: str) -> str | None:
-    """The path (``gpus[0].memory.total``) of the first over-long integer in ``value``."""
-    if isinstance(value, _HugeNumber):
-        return where or "(top)"
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = _first_huge_number(item, f"{where}.{key}" if where else str(key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _first_huge_number(item, f"{where}[{index}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
-    uuid = _need(raw, "uuid", (str,), where)
-    index = _need(raw, "index", (int,), where)
-    assert isinstance(uuid, str)  # noqa: S101 - checked by _need
-    assert isinstance(index, int)  # noqa: S101 - checked by _need
-    mig = raw.get("mig_enabled")
-    return GpuInfo(
-        index=index,
-        uuid=uuid,
-        name=_opt_str(raw, "name"),
-        pci_bus_id=_opt_str(raw, "pci_bus_id"),
-        minor=_opt_int(raw, "minor"),
-        mig_enabled=mig if isinstance(mig, bool) else None,
-        persistence_mode=None,
-        architecture=_opt_int(raw, "architecture"),
-        nvlink_active=_opt_int(raw, "nvlink_active"),
-        lost=raw.get("lost") is True,
-    )
-
-
-def _list_field(container: Mapping[str, object], key: str, where: str) -> list[object]:
-    """``container[key]`` if it is a list, ``[]`` if absent or null; else SnapshotError."""
-    value = container.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise SnapshotError(f"{where}: expected a list, got {type(value).__name__}")
-    return value
-
-
-def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict[str, float]]:
-    """The snapshot, findings and first-seen times (wall) a report describes. SnapshotError
-    (without the file name) names the first malformed field."""
-    now = _need(report, "time", (int, float), "snapshot")
-    gpus_raw = _need(report, "gpus", (list,), "snapshot")
-    findings_raw = _need(report, "findings", (list,), "snapshot")
-    host = report.get("host") if isinstance(report.get("host"), dict) else {}
-    nvml = report.get("nvml") if isinstance(report.get("nvml"), dict) else {}
-    assert isinstance(gpus_raw, list)  # noqa: S101 - checked by _need
-    assert isinstance(findings_raw, list)  # noqa: S101 - checked by _need
-    assert isinstance(host, dict)  # noqa: S101 - chosen above
-    assert isinstance(nvml, dict)  # noqa: S101 - chosen above
-    gpus: list[GpuInfo] = []
-    processes: dict[int, ProcessInfo] = {}
-    holdings: dict[int, DeviceHolding] = {}
-    for i, raw in enumerate(gpus_raw):
-        where = f"gpus[{i}]"
-        if not isinstance(raw, dict):
-            raise SnapshotError(f"{where}: expected an object")
-        gpu = dataclasses.replace(_gpu(raw, where), mig_devices=mig_devices_from_report(raw))
-        minor = gpu.minor
-        gpus.append(gpu)
-        for listed in instance_process_entries(raw):  # MIG: who is in each instance
-            if (proc := _process(listed)) is not None:
-                processes.setdefault(proc.pid, proc)
-        for key in ("processes", "holders"):
-            for j, entry in enumerate(_list_field(raw, key, f"{where}.{key}")):
-                if not isinstance(entry, dict):
-                    raise SnapshotError(f"{where}.{key}[{j}]: expected an object")
-                proc = _process(entry)
-                if proc is not None:
-                    processes.setdefault(proc.pid, proc)
-                if key == "holders" and proc is not None and minor is not None:
-                    via = entry.get("via")
-                    via = via if isinstance(via, list) else []
-                    old = holdings.get(proc.pid, DeviceHolding(proc.pid))
-                    holdings[proc.pid] = DeviceHolding(
-                        proc.pid,
-                        old.gpu_minors_fd | ({minor} if "fd" in via else set()),
-                        old.gpu_minors_map | ({minor} if "map" in via else set()),
-                        ctl=old.ctl or entry.get("ctl") is True,
-                        uvm=old.uvm or entry.get("uvm") is True,
-                    )
-    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
-    _add_node_holders(report, processes)
-    findings: list[Finding] = []
-    first_seen: dict[str, float] = {}
-    kinds = {k.value for k in FindingKind}
-    for i, raw in enumerate(findings_raw):
-        where = f"findings[{i}]"
-        if not isinstance(raw, dict):
-            raise SnapshotError(f"{where}: expected an object")
-        kind = _need(raw, "kind", (str,), where)
-        if kind not in kinds:
-            raise SnapshotError(f"{where}.kind: unknown finding kind {kind!r}")
-        evidence = _need(raw, "evidence", (dict,), where)
-        finding = Finding(
-            kind=FindingKind(kind),
-            gpu=_need(raw, "gpu", (str, type(None)), where),  # type: ignore[arg-type]
-            pid=_need(raw, "pid", (int, type(None)), where),  # type: ignore[arg-type]
-            start_ticks=_need(raw, "start_ticks", (int, type(None)), where),  # type: ignore[arg-type]
-            reason=str(_need(raw, "reason", (str,), where)),
-            memory=_need(raw, "memory", (int, type(None)), where),  # type: ignore[arg-type]
-            actionable=bool(_need(raw, "actionable", (bool,), where)),
-            evidence=evidence,  # type: ignore[arg-type]
-        )
-        seen = raw.get("first_seen")
-        if isinstance(seen, (int, float)) and not isinstance(seen, bool):
-            first_seen[finding.key] = float(seen)
-        findings.append(finding)
-    snapshot = Snapshot(
-        monotonic=float(now),  # type: ignore[arg-type]
-        wall_time=float(now),  # type: ignore[arg-type]
-        boot_id=_opt_str(host, "boot_id"),
-        nvml=NvmlReading(
-            available=nvml.get("available", True) is True,
-            wedged=nvml.get("wedged") is True,
-            gpus=tuple(gpus),
-        ),
-        processes=processes,
-        holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
-        host_namespaces=host.get("host_namespaces", True),
-        spares=spares_from_report(report),
-        mig_caps=caps or None,
-    )
-    return snapshot, findings, first_seen
-
-
-def _add_node_holders(report: Mapping[str, object], processes: dict[int, ProcessInfo]) -> None:
-    """The processes of the report's node holders (nvidiactl, nvidia-uvm only) not known yet."""
-    for entry in _list_field(report, "node_holders", "node_holders"):
-        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
-            processes.setdefault(proc.pid, proc)
-
-
-def _with_capabilities(
-    holdings: dict[int, DeviceHolding], gpus: list[GpuInfo], gpus_raw: list[object]
-) -> dict[int, MigCapability]:
-    """The capability table of the report's judged MIG GPUs; each instance holder's
-    capabilities added to ``holdings``, so the instances are judged as the daemon judged them."""
-    table: dict[int, MigCapability] = {}
-    for gpu, raw in zip(gpus, gpus_raw, strict=True):
-        if not isinstance(raw, dict):
-            continue
-        caps, held = capabilities_from_report(raw, gpu.minor)
-        table.update(caps)
-        for pid, (fd, mapped) in held.items():
-            holding = holdings.get(pid, DeviceHolding(pid))
-            holdings[pid] = dataclasses.replace(
-                holding,
-                cap_minors_fd=holding.cap_minors_fd | fd,
-                cap_minors_map=holding.cap_minors_map | mapped,
-            )
-    return table
-
-
-def _with_listed(gpu: GpuInfo, raw: Mapping[str, object]) -> GpuInfo:
-    """``gpu`` with NVML's process list as the report gives it (validated by ``rebuild``): a
-    health reset waits for these."""
-    entries = raw.get("processes")
-    listed = [
-        NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
-        for entry in (entries if isinstance(entries, list) else [])
-        if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
-    ]
-    return dataclasses.replace(gpu, processes=tuple(listed))
+__all__ = [
+    "SnapshotError",
+    "explain_file",
+    "explain_report",
+    "load_report",
+    "rebuild",
+    "render_explanation",
+]
 
 
 def _when(now: float, since: float | None, window: float) -> dict[str, object]:
@@ -408,9 +108,9 @@ def daemon_view(report: Mapping[str, object]) -> DaemonView:
     count = as_int(raw.get("signalled_last_hour"))
     return DaemonView(
         paused=flag("paused"),
-        paused_reason=_opt_str(raw, "paused_reason"),
+        paused_reason=opt_str(raw, "paused_reason"),
         forced_dry_run=flag("forced_dry_run"),
-        forced_reason=_opt_str(raw, "forced_reason"),
+        forced_reason=opt_str(raw, "forced_reason"),
         signalled_last_hour=count if count is not None and count >= 0 else None,
     )
 

@@ -225,7 +225,6 @@ def test_the_measures_see_a_circle_and_a_back_arrow(tmp_path: pathlib.Path) -> N
 # the test below: split it along its seams, or add it here with its reason. Shrink this list.
 LONG_MODULE_LINES = 650
 LONG_MODULES = {
-    "gpuwatchd.cli.explain": "reads a scan report back strictly and explains every finding kind",
     "gpuwatchd.collect.nvml_worker": "runs by path and imports nothing: every NVML reader is here",
     "gpuwatchd.daemon": "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "gpuwatchd.engine": "the poll cycle and the carrying out of its intents share one state",

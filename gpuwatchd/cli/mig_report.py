@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.decide.mig import MigInstance, MigLayout, instance_gpu
 from gpuwatchd.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
 
@@ -188,13 +189,6 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
     return tuple(devices)
 
 
-def _cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """A capability minor for a rebuilt report: a saved report keeps which instance each
-    holder holds, not the driver's numbers, so any one-to-one numbering will do."""
-    base = 3 + gpu_minor * 135 + gi * 9
-    return base if ci is None else base + 1 + ci
-
-
 def capabilities_from_report(
     raw: Mapping[str, object], gpu_minor: int | None
 ) -> tuple[dict[int, MigCapability], dict[int, tuple[set[int], set[int]]]]:
@@ -210,8 +204,8 @@ def capabilities_from_report(
         if not isinstance(item, Mapping) or item.get("judged") is not True or gi is None:
             continue
         cis = [c for c in (as_int(c) for c in _items(item.get("ci"))) if c is not None]
-        minors = {_cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
-        minors.update({_cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
+        minors = {cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
+        minors.update({cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
         table.update(minors)
         for entry in _items(item.get("holders")):
             pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None

@@ -28,6 +28,17 @@ from gpuwatchd.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
 DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
 CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
 MAX_MINORS_FILE = 1 << 20  # bytes; the real file has a few thousand short lines
+
+
+def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The nvidia-cap minor current drivers give a MIG capability in mig-minors (``config`` 1,
+    ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances each).
+    The daemon always reads the real table; this numbering is for tables made up where none is
+    read: ``simulate``'s virtual host, and a saved report read back by ``explain``."""
+    base = 3 + gpu_minor * 135 + gi * 9
+    return base if ci is None else base + 1 + ci
+
+
 MAX_GPU_MINOR = 255
 MAX_INSTANCE_ID = 255
 MAX_CAP_MINOR = (1 << 20) - 1  # MINORBITS

@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
+from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.model import (
     MIB,
     DeviceHolding,
@@ -43,13 +44,6 @@ SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the 
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
 FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
-
-
-def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """The nvidia-cap minor the driver numbers a MIG capability with in mig-minors (``config``
-    1, ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances)."""
-    base = 3 + gpu_minor * 135 + gi * 9
-    return base if ci is None else base + 1 + ci
 
 
 # NVML's GPU instance profile ids of the H100 and H200 profiles (``nvidia-smi mig -lgip``): what

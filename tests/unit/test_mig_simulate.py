@@ -9,10 +9,11 @@ import pathlib
 
 import pytest
 
+from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.decide.mig import mig_layout
 from gpuwatchd.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.sim.world import World, cap_minor
+from gpuwatchd.sim.world import World
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 

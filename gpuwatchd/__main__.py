@@ -2,6 +2,6 @@
 
 import sys
 
-from gpuwatchd.cli.main import main
+from gpuwatchd.cli.entry import main
 
 sys.exit(main())

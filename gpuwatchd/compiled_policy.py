@@ -26,11 +26,20 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatchd.config.peek import guess_state_dir
 from gpuwatchd.decide import policy as policy_module
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.statedir import StateDir
 
-__all__ = ["COMPILED_FILE", "decode", "encode", "identity", "load_compiled", "save_compiled"]
+__all__ = [
+    "COMPILED_FILE",
+    "decode",
+    "encode",
+    "guess_state_dir",
+    "identity",
+    "load_compiled",
+    "save_compiled",
+]
 
 COMPILED_FILE = "policy.compiled.json"
 VERSION = 1
@@ -44,8 +53,6 @@ _TYPES: dict[str, type] = {
     and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
     and value is not enum.Enum
 }
-_STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?$", re.MULTILINE)
-_PLAIN = re.compile(r"""'([^']*)'|"([^"\\]*)"|([^'"\s{\[][^#]*)""")
 
 
 # --- the typed JSON form ------------------------------------------------------------------------
@@ -206,36 +213,6 @@ def save_compiled(
 
 
 # --- the reader's side --------------------------------------------------------------------------
-
-
-def guess_state_dir(main_file: str) -> str | None:
-    """The ``state_dir`` the last top-level ``state_dir:`` line of the main file and its
-    drop-ins names (a plain or simply quoted value), None when there is none or it is not
-    simple. Only where to look: never believed (module docstring)."""
-    found: str | None = None
-    folder = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        names = []
-    files = [main_file] + [
-        os.path.join(folder, n) for n in names if n.endswith(".yaml") and not n.startswith(".")
-    ]
-    for path in files:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            text = os.read(fd, MAX_BYTES).decode("utf-8", "replace")
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        for match in _STATE_DIR_LINE.finditer(text):
-            value = _PLAIN.fullmatch(match.group(1))
-            found = None if value is None else next(g for g in value.groups() if g is not None)
-    return found.strip() if found else None
 
 
 def load_compiled(main_file: str, default_state_dir: str) -> Policy | None:

@@ -48,6 +48,7 @@ from gpuwatchd.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
+from gpuwatchd.scan_socket import ScanAnswer, ScanRequest, ScanServer
 from gpuwatchd.spares import booted_at, read_spares
 from gpuwatchd.state import (
     AlreadyRunning,
@@ -67,6 +68,9 @@ log = structlog.get_logger("gpuwatchd")
 
 
 T = TypeVar("T")
+# What answers a `scan` that asked: (request, the daemon's main file, its state_dir); it is the
+# command line's (cli/served.py), handed in by cli/run.py.
+ScanAnswerer = Callable[[ScanRequest, str, str], ScanAnswer]
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
@@ -90,6 +94,7 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         rejected_at_start: Mapping[str, object] | None = None,
+        scan_answer: ScanAnswerer | None = None,
     ) -> None:
         self.config_path = config_path
         self.dry_run_flag = dry_run
@@ -154,6 +159,15 @@ class Daemon:
             stopping=lambda: self._stop,
         )
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
+        # A `scan` asks the daemon, which answers between polls (scan_socket.py); not run --once.
+        self._scan_server = (
+            None
+            if scan_answer is None or once
+            else ScanServer(
+                lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
+                lambda problem: log.info(EventName.DAEMON_SCAN_REQUEST_FAILED, problem=problem),
+            )
+        )
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -215,6 +229,8 @@ class Daemon:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         finally:
+            if self._scan_server is not None:
+                self._scan_server.close()
             self.host.close()
             self.store.close()
 
@@ -228,6 +244,20 @@ class Daemon:
             reason=self.device_watch.error,
             consequence=f"all of /proc is walked every {self.policy.full_scan_interval:g}s",
         )
+
+    def _start_scan_server(self) -> None:
+        """Listen for ``scan`` on the socket in ``state_dir``; without it, scans run alone."""
+        if self._scan_server is None:
+            return
+        state_dir = self._state_dir()
+        error = "state_dir unusable" if state_dir is None else self._scan_server.start(state_dir.fd)
+        if error is not None:
+            log.warning(
+                EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE,
+                reason=error,
+                consequence="each scan builds on the published holder view by itself",
+            )
+            self._scan_server = None
 
     def _run_locked(self) -> int:
         self._install_signal_handlers()
@@ -258,6 +288,7 @@ class Daemon:
             if not self._ready_sent:
                 self.notifier.notify("READY=1")
                 self._ready_sent = True
+                self._start_scan_server()
             if self.once:
                 if watched is None:
                     if not self.last_snapshot or not self.last_snapshot.nvml.available:
@@ -593,6 +624,9 @@ class Daemon:
                 poller.register(fd, select.POLLIN)
             if watch_fd is not None:
                 poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
+            server_fd = None if self._scan_server is None else self._scan_server.fileno()
+            if server_fd is not None:
+                poller.register(server_fd, select.POLLIN)  # a scan asks
             slice_s = min(remaining, max(1.0, watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
@@ -606,6 +640,8 @@ class Daemon:
                 self.device_watch.mark_if_pending()
                 early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
                 until, watch_fd = min(until, early), None  # read at the poll, not here
+            if self._scan_server is not None and any(fd == server_fd for fd, _ in ready):
+                self._scan_server.serve()  # after the watch: an open just seen declines it
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
             if exited:

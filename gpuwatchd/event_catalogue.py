@@ -387,6 +387,19 @@ _OTHERS: Mapping[EventName, EventSpec] = {
         "reason consequence",
         lambda s: f"The device-file watch cannot be used{s.why('reason')}; {s('consequence', '')}.",
     ),
+    EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE: spec(
+        WARNING,
+        "reason consequence",
+        lambda s: (
+            f"The socket on which scan asks this daemon cannot be used{s.why('reason')}; "
+            f"{s('consequence', '')}."
+        ),
+    ),
+    EventName.DAEMON_SCAN_REQUEST_FAILED: spec(
+        INFO,
+        "problem",
+        lambda s: f"A scan that asked this daemon scans by itself: {s('problem', 'unknown')}.",
+    ),
     EventName.RUN_ONCE_TIMEOUT: spec(
         WARNING,
         "pending left exit_code",

@@ -160,6 +160,8 @@ class EventName(_Name):
     DAEMON_NO_PERMISSION = "daemon.no_permission"
     DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
     DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
+    DAEMON_SCAN_SOCKET_UNAVAILABLE = "daemon.scan_socket_unavailable"
+    DAEMON_SCAN_REQUEST_FAILED = "daemon.scan_request_failed"
     RUN_ONCE_TIMEOUT = "run_once.timeout"
     RUN_ONCE_DONE = "run_once.done"
     RUN_ONCE_UNRESOLVED = "run_once.unresolved"

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
-from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Policy
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.statedir import StateDirError
 from gpuwatchd.vocabulary import EventName, ExitCode
 
@@ -317,7 +318,7 @@ def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
         watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)
     if watch_probe is None or not watch_probe.empty:
         nvml.prefetch()  # no view to serve from: no daemon reading either
-    from gpuwatchd.cli.scan import scan_host
+    from gpuwatchd.cli.scan import scan_host, scan_output
 
     result = scan_host(
         policy,
@@ -326,32 +327,14 @@ def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
         watch_probe=watch_probe,
         nvml_from_daemon=not args.full,
     )
-    if result.report is None or (result.error is not None and not args.json):
-        raise CliError(result.error or "NVIDIA driver/NVML not available", ExitCode.UNAVAILABLE)
-    if args.json:
-        import json
-
-        # One string, one write (json.dump would issue thousands of small writes).
-        sys.stdout.write(json.dumps(result.report, indent=2, sort_keys=False) + "\n")
-    else:
-        from gpuwatchd.cli.report import render_text
-
-        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        sys.stdout.write(render_text(result.report, color=color))
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    output = scan_output(result, as_json=bool(args.json), color=color)
+    # One string, one write (json.dump would issue thousands of small writes).
+    sys.stdout.write(output.stdout)
     sys.stdout.flush()  # the report is out before the worker is reaped
-    if result.error is not None:
-        print(f"gpuwatchd: {result.error}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
-    if result.wedged:
-        print(
-            "gpuwatchd: NVML did not answer within nvml_timeout: the driver may be wedged",
-            file=sys.stderr,
-        )
-        return ExitCode.UNAVAILABLE
-    if result.permission_note:
-        print(f"gpuwatchd: {result.permission_note}", file=sys.stderr)
-        return ExitCode.NOPERM
-    return ExitCode.OK
+    for line in output.stderr:
+        print(line, file=sys.stderr)
+    return output.exit_code
 
 
 def _check_clean(args: argparse.Namespace) -> int:

@@ -118,6 +118,8 @@ def _title_line(report: Mapping[str, object]) -> str:
         age = reading.get("age_s")
         old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
         parts.append(f"NVML: the daemon's reading{old}")
+    if view.get("answered_by") == "daemon":
+        parts.append("answered by the daemon")
     return "  ".join(parts)
 
 

@@ -23,6 +23,7 @@ from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.logs import configure_logging
 from gpuwatchd.pause import hand_over_ended_jobs, withdraw_ended_jobs
+from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state import AlreadyRunning
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.vocabulary import EventName, ExitCode
@@ -87,6 +88,7 @@ def run_daemon(
         once_timeout=once_timeout,
         ended_jobs=ended_jobs,
         rejected_at_start=rejected_at_start,
+        scan_answer=_answer_scan,
     )
     try:
         try:
@@ -182,3 +184,10 @@ def _once_beside_the_daemon(
     finally:
         if handed is not None and waiter is not None:
             withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)
+
+
+def _answer_scan(request: ScanRequest, config_path: str, state_dir: str) -> ScanAnswer:
+    """The daemon's answer to a ``scan`` that asked it (gpuwatchd/cli/served.py)."""
+    from gpuwatchd.cli.served import answer
+
+    return answer(request, config_path=config_path, state_dir=state_dir)

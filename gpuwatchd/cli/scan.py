@@ -7,13 +7,15 @@ each finding has been seen.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpuwatchd import __version__, holder_view, nvml_view
-from gpuwatchd.cli.report import build_report
+from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -29,6 +31,7 @@ from gpuwatchd.pause import read_ended_jobs
 from gpuwatchd.state import SavedState, read_saved_state
 from gpuwatchd.statedir import StateDir, StateDirError, Value
 from gpuwatchd.view_guard import Probe, probe
+from gpuwatchd.vocabulary import ExitCode
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,36 @@ class ScanResult:
     permission_note: str | None = None
     wedged: bool = False
     verdict: NodeVerdict | None = None
+    declined: str | None = None  # served_only: why the served path could not be taken
+
+
+class ScanOutput(NamedTuple):
+    """What ``scan`` prints (stdout, then each stderr line) and the code it exits with."""
+
+    stdout: str
+    stderr: tuple[str, ...]
+    exit_code: int
+
+
+def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput:
+    """The one rendering of a scan's outcome, for the command and for the daemon answering it
+    (:mod:`gpuwatchd.cli.served`): the report as JSON or text, and the exit code of
+    docs/scan.md with its one line on stderr."""
+    if result.report is None or (result.error is not None and not as_json):
+        error = result.error or "NVIDIA driver/NVML not available"
+        return ScanOutput("", (f"gpuwatchd: {error}",), ExitCode.UNAVAILABLE)
+    if as_json:
+        text = json.dumps(result.report, indent=2, sort_keys=False) + "\n"
+    else:
+        text = render_text(result.report, color=color)
+    if result.error is not None:
+        return ScanOutput(text, (f"gpuwatchd: {result.error}",), ExitCode.UNAVAILABLE)
+    if result.wedged:
+        wedged = "gpuwatchd: NVML did not answer within nvml_timeout: the driver may be wedged"
+        return ScanOutput(text, (wedged,), ExitCode.UNAVAILABLE)
+    if result.permission_note:
+        return ScanOutput(text, (f"gpuwatchd: {result.permission_note}",), ExitCode.NOPERM)
+    return ScanOutput(text, (), ExitCode.OK)
 
 
 def read_boot_time(proc_root: str) -> float | None:
@@ -105,7 +138,10 @@ def running_daemon(
         pid = candidate
     if pid is None:
         pid = state_dir.lock_holder(policy.proc_root)
-    if pid is None or look_at_process(policy.proc_root, pid) != "gpuwatchd":
+    if pid is None:
+        return None
+    # The lock holder is this very process when the daemon answers a scan (cli/served.py).
+    if pid != os.getpid() and look_at_process(policy.proc_root, pid) != "gpuwatchd":
         return None
     daemon = procfs.read_process(pid)
     if daemon is None or daemon.uid not in state_dir.owners:
@@ -175,6 +211,7 @@ def scan_host(
     full: bool = True,
     watch_probe: Probe | None = None,
     nvml_from_daemon: bool = False,
+    served_only: bool = False,
 ) -> ScanResult:
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead
     (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
@@ -188,8 +225,10 @@ def scan_host(
     every device file with no event queued. ``nvml_from_daemon`` (``scan``, never
     ``check-clean``): on a used view, take the daemon's published NVML reading when it is fresh
     (:mod:`gpuwatchd.nvml_view`) instead of asking NVML; ``nvml`` is then never asked.
-    Raises StateDirError when ``state_dir`` exists but cannot be trusted
-    (:func:`open_state_dir`).
+    ``served_only`` (the daemon answering a command, :mod:`gpuwatchd.cli.served`): when the
+    view or the daemon's NVML reading is not used, return at once with no report and
+    ``declined`` saying why, rather than walk or ask NVML. Raises StateDirError when
+    ``state_dir`` exists but cannot be trusted (:func:`open_state_dir`).
     """
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
@@ -203,6 +242,7 @@ def scan_host(
             full=full,
             watch_probe=watch_probe,
             nvml_from_daemon=nvml_from_daemon,
+            served_only=served_only,
         )
     finally:
         if state_dir is not None:
@@ -233,10 +273,8 @@ def _scan_host(
     full: bool,
     watch_probe: Probe | None = None,
     nvml_from_daemon: bool = False,
+    served_only: bool = False,
 ) -> ScanResult:
-    own = nvml is None
-    client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
-    client.timeout = policy.nvml_timeout
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     # As :func:`gpuwatchd.wiring.procfs_for` builds it; that module is not imported here: it
     # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
@@ -247,21 +285,17 @@ def _scan_host(
     daemon = running_daemon(policy, state_dir, procfs, candidate)
     # Its processes are the daemon's own, never holders (its NVML worker holds them all).
     daemon_pids = daemon.pids if daemon is not None else frozenset()
-    raw = watch_probe.view if watch_probe is not None and not full else None
-    view, view_note = daemon_view(policy, procfs, state_dir, daemon, raw)
-    clean = None if view is None else view.clean
-    age = None if view is None else round(max(0.0, time.time() - view.polled), 3)
-    if full:
-        view, view_note = None, "--full"
-    elif view is not None:
-        stale = _stale(view, watch_probe)
-        if stale is not None:
-            view, view_note, clean = None, f"walked: {stale}", False
-    if view is not None and _holder_replaced(procfs, view):
-        view, view_note = None, "a holder in the daemon's view has exited"
+    view, view_note, clean, age = _chosen_view(
+        policy, state_dir, procfs, daemon, watch_probe, full=full
+    )
     published, nvml_note = None, "read by this scan"
     if nvml_from_daemon:
         published, nvml_note = _daemon_reading(state_dir, view, procfs, policy)
+    if served_only and (view is None or published is None):
+        return ScanResult(None, declined=view_note if view is None else nvml_note)
+    own = nvml is None
+    client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
+    client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
     try:
         collector = Collector(
@@ -326,6 +360,7 @@ def _scan_host(
         "scan_reason": None
         if collector.last_scan_reason is None
         else collector.last_scan_reason.value,
+        "answered_by": "daemon" if served_only else "this scan",
     }
     report["nvml_reading"] = {
         "source": "own" if published is None else "daemon",
@@ -343,6 +378,32 @@ def _scan_host(
     return ScanResult(
         report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
     )
+
+
+def _chosen_view(
+    policy: Policy,
+    state_dir: StateDir | None,
+    procfs: ProcFS,
+    daemon: RunningDaemon | None,
+    watch_probe: Probe | None,
+    *,
+    full: bool,
+) -> tuple[HolderView | None, str, bool | None, float | None]:
+    """The daemon's view this scan builds on (None: it walks), the report's reason, and what
+    the report says of the published view: clean or not, and its age in seconds."""
+    raw = watch_probe.view if watch_probe is not None and not full else None
+    view, view_note = daemon_view(policy, procfs, state_dir, daemon, raw)
+    clean = None if view is None else view.clean
+    age = None if view is None else round(max(0.0, time.time() - view.polled), 3)
+    if full:
+        view, view_note = None, "--full"
+    elif view is not None:
+        stale = _stale(view, watch_probe)
+        if stale is not None:
+            view, view_note, clean = None, f"walked: {stale}", False
+    if view is not None and _holder_replaced(procfs, view):
+        view, view_note = None, "a holder in the daemon's view has exited"
+    return view, view_note, clean, age
 
 
 def _stale(view: HolderView, watch_probe: Probe | None) -> str | None:

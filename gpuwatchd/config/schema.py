@@ -50,8 +50,9 @@ from gpuwatchd.config.yamlsrc import (
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
-from gpuwatchd.decide.policy import DEFAULT_CONFIG_PATH, Hook, Policy, Rule, Step, default_rules
+from gpuwatchd.decide.policy import Hook, Policy, Rule, Step, default_rules
 from gpuwatchd.model import FindingKind
+from gpuwatchd.paths import DEFAULT_CONFIG_PATH
 
 __all__ = [
     "GPU_PLACEHOLDERS",

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 from gpuwatchd.model import MIB, FindingKind
+from gpuwatchd.paths import DEFAULT_STATE_DIR
 
-DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
 DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
 # The re-creation of one MIG GPU instance in place (decide/mig_recovery.py): destroy its compute
 # instance, then the GPU instance, then create it again with the same GI profile at the same
@@ -235,7 +235,7 @@ class Policy:
 
     interval: float = 5.0
     dry_run: bool = True
-    state_dir: str = "/var/lib/gpuwatchd"
+    state_dir: str = DEFAULT_STATE_DIR
     devices_dir: str = "/dev"
     # MIG: the driver's table of capability minors (collect/mig.py); tests point it at a file
     mig_minors_file: str = "/proc/driver/nvidia-caps/mig-minors"

@@ -1,0 +1,105 @@
+"""The ``gpuwatchd`` command's entry point: a running daemon is asked for a ``scan`` first.
+
+A served ``scan`` costs the command mostly Python's start and its imports (docs/performance.md).
+So before the rest of the command line is imported, a plain ``scan`` (``--json``, ``--config``
+and ``--color`` alone, in argparse's spelling) asks the daemon of its configuration over the
+daemon's socket (:mod:`gpuwatchd.scan_socket`), which runs the served scan itself. When the
+daemon answers, its answer is what this process prints and exits with; when it declines, or
+none listens, or the arguments are any other, :func:`gpuwatchd.cli.main.main` runs as always.
+
+This module owns that first step and nothing else; it imports only what asking needs.
+``GPUWATCHD_ASK_DAEMON=0`` in the environment skips it (the command then scans by itself).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from gpuwatchd.paths import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
+
+ASK_TIMEOUT = 2.0  # seconds the daemon may take to answer before this command scans itself
+SKIP_VARIABLE = "GPUWATCHD_ASK_DAEMON"
+_COLORS = ("auto", "always", "never")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    code = answered_by_daemon(args)
+    if code is not None:
+        return code
+    from gpuwatchd.cli.main import main as full_main
+
+    return full_main(args)
+
+
+def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
+    """(``--config`` or None, ``--json``, ``--color``) when ``argv`` is a plain ``scan`` that
+    argparse would read the same way, else None (any other word, a repeated option, ``--full``,
+    an abbreviation: the full command line reads it)."""
+    config: str | None = None
+    as_json = False
+    color = "auto"
+    seen_scan = False
+    seen: set[str] = set()
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "scan" and not seen_scan:
+            seen_scan = True
+            continue
+        name, eq, value = word.partition("=")
+        if name == "--json" and seen_scan and not eq and name not in seen:
+            seen.add(name)
+            as_json = True
+            continue
+        if name not in ("--config", "--color") or name in seen:
+            return None
+        if name == "--color" and not seen_scan:
+            return None
+        if not eq:
+            if not words or words[0].startswith("-"):
+                return None
+            value = words.pop(0)
+        seen.add(name)
+        if name == "--config":
+            if not value:
+                return None
+            config = value
+        elif value in _COLORS:
+            color = value
+        else:
+            return None
+    return (config, as_json, color) if seen_scan else None
+
+
+def answered_by_daemon(argv: Sequence[str]) -> int | None:
+    """Print the running daemon's answer to the ``scan`` in ``argv`` and return its exit
+    code; None when the daemon was not asked or declined (module docstring)."""
+    parsed = scan_arguments(argv)
+    if parsed is None or os.environ.get(SKIP_VARIABLE) == "0":
+        return None
+    config, as_json, color = parsed
+    from gpuwatchd.config.peek import guess_state_dir
+    from gpuwatchd.scan_socket import ScanRequest, ask
+
+    main_file = os.path.abspath(config or DEFAULT_CONFIG_PATH)
+    guessed = guess_state_dir(main_file)
+    folders = [f for f in dict.fromkeys((guessed, DEFAULT_STATE_DIR)) if f and os.path.isabs(f)]
+    colored = color == "always" or (color == "auto" and sys.stdout.isatty())
+    answer = ask(folders, ScanRequest(main_file, as_json, colored), ASK_TIMEOUT)
+    if not answer.answered:
+        return None
+    try:
+        sys.stdout.write(answer.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `gpuwatchd scan --json | head`, as the full command says it
+        import contextlib
+
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    for line in answer.stderr:
+        print(line, file=sys.stderr)
+    return answer.exit_code

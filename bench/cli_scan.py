@@ -126,7 +126,7 @@ def compare_cli(
     run_scan(host, config, extra)  # warm-up: fills the bytecode cache and the page cache
     if baseline is not None:
         run_scan(host, config, extra, baseline)
-    served = daemon_reading = 0
+    served = answered = daemon_reading = 0
     for _ in range(rounds):
         if baseline is not None:
             if before_each is not None:
@@ -140,6 +140,7 @@ def compare_cli(
         ours.append(wall)
         scan_mode = report.get("scan_mode")
         served += report.get("daemon_view", {}).get("used") is True
+        answered += report.get("daemon_view", {}).get("answered_by") == "daemon"
         daemon_reading += report.get("nvml_reading", {}).get("source") == "daemon"
         found = scan_pids(report) - ignore
         same &= found == expected
@@ -158,6 +159,7 @@ def compare_cli(
         "gpuwatchd_ms": median * 1e3,
         "identical_sets": same,
         "served_rounds": served,
+        "answered_rounds": answered,
         "daemon_reading_rounds": daemon_reading,
     }
     if differences:
@@ -369,6 +371,7 @@ def main() -> int:
             f"fuser {row['fuser_ms']:7.1f} ms  ratio {row['ratio_vs_fuser']:.2f}  "
             f"same {row['identical_sets']}  mode {row['scan_mode']}  "
             f"served {row['served_rounds']}/{row['rounds']}  "
+            f"answered by the daemon {row.get('answered_rounds', 0)}/{row['rounds']}  "
             f"daemon's NVML {row['daemon_reading_rounds']}/{row['rounds']}"
         )
         if "baseline_ms" in row:
@@ -400,7 +403,7 @@ def stale_rounds(
     "When a served scan can miss a holder"). Each round starts from a clean view."""
     path = host.devices_dir / "nvidia0"
     missed: list[dict[str, Any]] = []
-    served = 0
+    served = answered = 0
     reasons: dict[str, int] = {}
     for _ in range(rounds):
         before_each()
@@ -417,9 +420,10 @@ def stale_rounds(
             opener.wait()
         view = report.get("daemon_view", {})
         served += view.get("used") is True
+        answered += view.get("answered_by") == "daemon"
         reason = str(view.get("reason"))
         reasons[reason] = reasons.get(reason, 0) + 1
         if opener.pid not in scan_pids(report):
             missed.append(view)
-    return {"rounds": rounds, "missed": len(missed), "served": served, "reasons": reasons,
-            "missed_views": missed[:3]}  # fmt: skip
+    return {"rounds": rounds, "missed": len(missed), "served": served, "answered": answered,
+            "reasons": reasons, "missed_views": missed[:3]}  # fmt: skip

@@ -510,13 +510,16 @@ def _cli_lines(cli_scan: list[dict[str, Any]]) -> list[str]:
             lines.append(line + f" | {same}")
             if beside is not None and "served_rounds" in beside:
                 lines.append(
-                    f"        served from the view: {beside['served_rounds']}/{beside['rounds']}"
+                    f"        served from the view: {beside['served_rounds']}/{beside['rounds']}, "
+                    f"answered by the daemon: {beside.get('answered_rounds', 0)}/"
+                    f"{beside['rounds']}"
                 )
             stale = row.get("stale")
             if stale:
                 lines.append(
                     f"        an open, then a served scan at once: {stale['missed']} missed of "
-                    f"{stale['rounds']} ({stale['served']} served; the rest walked) "
+                    f"{stale['rounds']} ({stale['served']} served, {stale.get('answered', 0)} "
+                    "of them answered by the daemon; the rest walked) "
                     f"[must be 0: {'ok' if stale['missed'] == 0 else 'MISS'}]"
                 )
     return lines

@@ -257,3 +257,77 @@ def test_health_apis_answer_read_only_and_are_recorded(tmp_path: Path) -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu-health.json").write_text(json.dumps(record, indent=2))
+
+
+@needs_driver
+def test_a_scan_beside_a_dry_run_daemon_is_answered_by_it_and_finds_what_a_walk_finds(
+    tmp_path: Path,
+) -> None:
+    """On the real driver: a dry-run daemon this test starts (every reset command ``false``,
+    no hooks) publishes its view and answers a plain ``scan`` over its socket; the answer
+    lists the same GPUs and holders as ``scan --full``, which walks ``/proc`` and reads NVML
+    itself (docs/scan.md, "Answered by the daemon"). Only this test's own daemon is signalled."""
+    state = tmp_path / "state"
+    config = tmp_path / "gpuwatchd.yaml"
+    false = shutil.which("false") or "/bin/false"
+    config.write_text(
+        f"interval: 1s\ndry_run: true\nstate_dir: {state}\n"
+        f"reset:\n  command: [{false}]\n  persistence_command: [{false}]\n"
+        f"  health_command: [{false}]\n  mig_recovery_commands: [[{false}]]\n"
+    )
+    log = (tmp_path / "daemon.log").open("w")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config", str(config)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "scan.sock").exists() or not _view_clean(state):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the daemon published no clean view: {_tail(tmp_path)}")
+            time.sleep(0.1)
+        answered = _scan(config)
+        full = _scan(config, "--full")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+        log.close()
+    view = answered["daemon_view"]
+    record = {"answered_by": view.get("answered_by"), "reason": view.get("reason"),
+              "nvml_reading": answered["nvml_reading"]}  # fmt: skip
+    print(f"real-driver observation: {json.dumps(record)}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu-answered-scan.json").write_text(json.dumps(record, indent=2))
+    assert view["answered_by"] == "daemon", view
+    assert full["daemon_view"]["answered_by"] == "this scan"
+    assert [g["uuid"] for g in answered["gpus"]] == [g["uuid"] for g in full["gpus"]]
+    for ours, walked in zip(answered["gpus"], full["gpus"], strict=True):
+        assert ours["memory"]["total"] == walked["memory"]["total"]
+        assert {h["pid"] for h in ours["holders"]} == {h["pid"] for h in walked["holders"]}
+    assert daemon.returncode == 0, _tail(tmp_path)
+    assert not (state / "scan.sock").exists()
+
+
+def _view_clean(state: Path) -> bool:
+    try:
+        return json.loads((state / "holders.json").read_text()).get("clean") is True
+    except (OSError, ValueError):
+        return False
+
+
+def _tail(folder: Path) -> str:
+    try:
+        return (folder / "daemon.log").read_text()[-3000:]
+    except OSError:
+        return "(no log)"
+
+
+def _scan(config: Path, *extra: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "scan", "--json", "--config", str(config), *extra],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode in (0, 77), result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data

@@ -27,8 +27,8 @@ from bench.cli_scan import scan_pids
 from gpuwatchd import holder_view
 from gpuwatchd.scan_socket import SOCKET_NAME, ScanRequest, ask
 from tests.support.fakenvml import MiB, gpu, process
+from tests.support.opener import opener, tell
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
-from tests.system.test_view_guard import _ask, _helper
 
 pytestmark = pytest.mark.skipif(
     pid_namespace_command() is None,
@@ -210,12 +210,12 @@ def host_answers_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         config = host.config(interval="5s")
         view = host.state_dir / holder_view.VIEW_FILE
         daemon = host.start_daemon("run", "--config", str(config))
-        pid, to_w, from_r = _helper(host.dev("nvidia0")[0])
+        pid, to_w, from_r = opener(host.dev("nvidia0")[0])
         request = ScanRequest(str(config.resolve()), True, False)
         try:
             _wait_for(lambda: _clean(view) and (host.state_dir / SOCKET_NAME).exists())
             for round_ in range(arg["rounds"]):
-                _ask(to_w, from_r, b"o")  # the open has returned
+                tell(to_w, from_r, b"o")  # the open has returned
                 answer = ask([str(host.state_dir)], request, 5.0)
                 if answer.answered:
                     out["answered"] += 1
@@ -229,7 +229,7 @@ def host_answers_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                     out["answered"] += answer.answered
                     if answer.answered and pid not in scan_pids(json.loads(answer.stdout)):
                         out["missed"].append(round_)
-                _ask(to_w, from_r, b"c")
+                tell(to_w, from_r, b"c")
         finally:
             os.write(to_w, b"x")
             os.waitpid(pid, 0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from gpuwatchd.view_guard import (
     queued_bytes,
 )
 from tests.support.fakenvml import gpu
+from tests.support.opener import opener, tell
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1")
@@ -208,37 +208,6 @@ def test_a_view_without_the_clean_mark_or_the_watch_parses_as_not_clean() -> Non
 ROUNDS = 300
 
 
-def _helper(path: str) -> tuple[int, int, int]:
-    """A child that opens ``path`` on "o" and closes it on "c", answering each: (pid, to, from)."""
-    to_r, to_w = os.pipe()
-    from_r, from_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(to_w)
-        os.close(from_r)
-        held: int | None = None
-        while True:
-            command = os.read(to_r, 1)
-            if command == b"o":
-                held = os.open(path, os.O_RDONLY)
-            elif command == b"c" and held is not None:
-                os.close(held)
-                held = None
-            else:
-                os._exit(0)
-            os.write(from_w, b"k")
-    os.close(to_r)
-    os.close(from_w)
-    return pid, to_w, from_r
-
-
-def _ask(to_w: int, from_r: int, command: bytes) -> None:
-    os.write(to_w, command)
-    ready, _, _ = select.select([from_r], [], [], 10.0)
-    assert ready
-    assert os.read(from_r, 1) == b"k"
-
-
 def host_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     from gpuwatchd.cli.scan import scan_host
     from gpuwatchd.collect.nvml import NvmlClient
@@ -252,7 +221,7 @@ def host_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         policy = load_policy(str(config))
         view = host.state_dir / holder_view.VIEW_FILE
         daemon = host.start_daemon("run", "--config", str(config))
-        pid, to_w, from_r = _helper(host.dev("nvidia0")[0])
+        pid, to_w, from_r = opener(host.dev("nvidia0")[0])
         client = NvmlClient(policy.nvml_timeout, env=host.fake.env())
         try:
 
@@ -269,7 +238,7 @@ def host_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                 time.sleep(0.02)
             reactions = []
             for round_ in range(arg["rounds"]):
-                _ask(to_w, from_r, b"o")
+                tell(to_w, from_r, b"o")
                 report = scan_host(policy, nvml=client, full=False)
                 assert report.report is not None
                 seen = scan_pids(report.report)
@@ -298,7 +267,7 @@ def host_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                         *out.get("served_after_walk", []),
                         again["used"] is True and pid in scan_pids(served.report),
                     ]
-                _ask(to_w, from_r, b"c")
+                tell(to_w, from_r, b"c")
             out["reactions"] = reactions
         finally:
             client.close()

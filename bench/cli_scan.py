@@ -225,6 +225,7 @@ def compare_served_ab(
     tick = os.sysconf("SC_CLK_TCK")
     fuser: list[float] = []
     served = {"ours": 0, "base": 0}
+    answered = {"ours": 0, "base": 0}
     daemon_reading = {"ours": 0, "base": 0}
     same = True
     per_block = max(1, -(-rounds // blocks))
@@ -249,6 +250,7 @@ def compare_served_ab(
                     )
                     walls[name].append(wall)
                     served[name] += report.get("daemon_view", {}).get("used") is True
+                    answered[name] += report.get("daemon_view", {}).get("answered_by") == "daemon"
                     source_name = report.get("nvml_reading", {}).get("source")
                     daemon_reading[name] += source_name == "daemon"
                     same &= scan_pids(report) - ignore == expected
@@ -272,6 +274,7 @@ def compare_served_ab(
         "identical_sets": same,
         "served_rounds": served["ours"],
         "baseline_served_rounds": served["base"],
+        "answered_rounds": answered["ours"],
         "daemon_reading_rounds": daemon_reading["ours"],
         "scan_cpu_ms": statistics.median(cpus["ours"]) * 1e3,
         "baseline_scan_cpu_ms": statistics.median(cpus["base"]) * 1e3,

@@ -262,7 +262,9 @@ def probe(state_dir: StateDir | None, proc_root: str, devices_dir: str) -> Probe
     if not state_dir.lock_held_by(pid, proc_root):
         return Probe(False, f"pid {pid} does not hold the instance lock")
     try:
-        dup = _pidfd_getfd(pid, fd)
+        # The daemon answering a scan asks its own watch (cli/served.py): a plain dup, as its
+        # unit's system-call filter refuses pidfd_getfd.
+        dup = os.dup(fd) if pid == os.getpid() else _pidfd_getfd(pid, fd)
     except OSError as err:
         return Probe(False, f"the daemon's device watch cannot be asked: {err.strerror or err}")
     try:

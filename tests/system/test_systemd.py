@@ -242,6 +242,53 @@ def test_status_shows_the_status_line(configured: Container) -> None:
     assert re.search(r'Status: "2 GPUs watched', out), out
 
 
+# Asks the daemon in the container directly, to say why it declined (a failure's diagnosis).
+ASK_DAEMON = (
+    "from gpuwatchd.scan_socket import ScanRequest, ask; "
+    "print(ask(['/var/lib/gpuwatchd'], "
+    "ScanRequest('/etc/gpuwatchd/gpuwatchd.yaml', True, False), 5.0)[:2])"
+)
+
+
+def test_scan_beside_the_unit_is_answered_by_the_daemon_inside_its_sandbox(
+    configured: Container,
+) -> None:
+    """The unit's sandbox (PrivateNetwork=, RestrictAddressFamilies=AF_UNIX,
+    ProtectSystem=strict) lets the daemon listen on state_dir/scan.sock, mode 0600; the
+    installed `gpuwatchd scan` is answered by it, with the GPUs the command finds by itself
+    (docs/scan.md, "Answered by the daemon")."""
+    ct = configured
+    sock = "/var/lib/gpuwatchd/scan.sock"
+    wait_for(
+        "the scan socket",
+        lambda: ct.run(["test", "-S", sock], check=False).returncode == 0,
+        timeout=15,
+    )
+    assert ct.run(["stat", "-c", "%a %U", sock]).stdout.split() == ["600", "root"]
+    reports: dict[str, Any] = {}
+
+    def answered() -> bool:
+        out = ct.run(["gpuwatchd", "scan", "--json"], check=False)
+        reports["daemon"] = json.loads(out.stdout or "{}")
+        return bool(reports["daemon"].get("daemon_view", {}).get("answered_by") == "daemon")
+
+    try:
+        wait_for("a scan answered by the daemon", answered, timeout=20)
+    except BaseException:
+        asked = ct.run(["python3", "-c", ASK_DAEMON], check=False)
+        print(f"the daemon's own word: {asked.stdout}{asked.stderr}")
+        print(f"the last report's daemon_view: {reports['daemon'].get('daemon_view')}")
+        raise
+    fake = [f"FAKENVML_STATE={CI_DIR}/nvml.json", f"FAKENVML_DEVICES_DIR={CI_DIR}/dev"]
+    alone = ct.run(
+        ["env", "GPUWATCHD_ASK_DAEMON=0", *fake, "gpuwatchd", "scan", "--json"], check=False
+    )
+    itself = json.loads(alone.stdout or "{}")
+    assert itself["daemon_view"]["answered_by"] == "this scan", alone.stderr
+    assert [g["uuid"] for g in reports["daemon"]["gpus"]] == [g["uuid"] for g in itself["gpus"]]
+    assert len(itself["gpus"]) == 2
+
+
 def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
     configured: Container,
 ) -> None:

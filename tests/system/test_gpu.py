@@ -122,6 +122,9 @@ CUDA_CHILD = textwrap.dedent(
     if sys.argv[1] == "orphan":
         worker = os.fork()
         if worker == 0:                      # the "DataLoader worker": inherits, never uses CUDA
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)                 # not the launcher's pipes: its reader sees EOF
+            os.dup2(null, 2)
             time.sleep(600)
             os._exit(0)
         print(os.getpid(), worker, flush=True)
@@ -271,9 +274,11 @@ def test_a_scan_beside_a_dry_run_daemon_is_answered_by_it_and_finds_what_a_walk_
     config = tmp_path / "gpuwatchd.yaml"
     false = shutil.which("false") or "/bin/false"
     config.write_text(
-        f"interval: 1s\ndry_run: true\nstate_dir: {state}\n"
-        f"reset:\n  command: [{false}]\n  persistence_command: [{false}]\n"
-        f"  health_command: [{false}]\n  mig_recovery_commands: [[{false}]]\n"
+        f"interval: 1s\ndry_run: true\nstate_dir: {state}\nreset:\n"
+        f'  command: [{false}, "{{uuid}}"]\n'
+        f'  persistence_command: [{false}, "{{mode}}", "{{uuid}}"]\n'
+        f'  health_command: [{false}, "{{uuid}}"]\n'
+        f'  mig_recovery_commands: [[{false}, "{{uuid}}", "{{gi}}"]]\n'
     )
     log = (tmp_path / "daemon.log").open("w")
     daemon = subprocess.Popen(

@@ -290,8 +290,17 @@ def _scan(args: argparse.Namespace) -> int:
     # the walk. Otherwise the daemon's device watch is asked first (the worker opens the device
     # files), and a served scan may take the daemon's NVML reading and start no worker: the
     # worker starts once the policy says none is likely (_scan_with).
+    import atexit
+    import gc
+
     from gpuwatchd.collect.nvml import NvmlClient
 
+    # At exit the interpreter's last cycle collection would walk every object the imports
+    # made (~10 ms) to free memory the process is about to give back whole: frozen, they are
+    # skipped. A scan leaves nothing for a finalizer to do: the report is flushed, the NVML
+    # worker stopped, and it writes no file.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     _errors_only_logging()
     nvml = NvmlClient()
     if args.full:

@@ -124,6 +124,9 @@ class Collector:
         news = self.watch.drain() if self.watch is not None else None
         now = self.clock()
         listed = listed_pids(reading)
+        # Nothing remembered (the first poll, a one-shot scan): every fact below is read now,
+        # so a full scan need not read the listed processes a second time.
+        fresh = not self._facts
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
         self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids
@@ -144,7 +147,9 @@ class Collector:
         )
         self.last_scan_reason = reason
         if reason is not None:
-            holders, live_listed = self._full_scan(scanner, listed, reading)
+            holders, live_listed = self._full_scan(
+                scanner, listed, reading, live_listed if fresh else None
+            )
         else:
             # Descendants of every known holder, not only of listed ones: a holder's fork
             # inherits its files without opening anything (no inotify event).
@@ -237,11 +242,17 @@ class Collector:
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
     def _full_scan(
-        self, scanner: HolderScanner, listed: frozenset[int], reading: NvmlReading
+        self,
+        scanner: HolderScanner,
+        listed: frozenset[int],
+        reading: NvmlReading,
+        read_now: dict[int, ProcessInfo] | None = None,
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
-        """Scan all of /proc with everything fresh: no remembered fact or holding survives."""
+        """Scan all of /proc with everything fresh: no remembered fact or holding survives.
+        ``read_now``: the listed processes' facts when this poll read them all afresh (no
+        remembered fact was used), which then stand; else they are read again here."""
         self._facts_seen, self._held = {}, {}
-        live_listed = self.procfs.read_processes(listed)
+        live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
         holders = scanner.scan(None)
         self._remember_holdings(holders, reading, live_listed)

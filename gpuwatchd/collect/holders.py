@@ -15,7 +15,6 @@ import os
 import re
 import stat
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Protocol
 
 from gpuwatchd.collect import spread
@@ -199,6 +198,10 @@ class HolderScanner:
             else CAPABILITIES_DIR
         )
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
+        # What a mapping line must contain to be looked at (:meth:`_scan_maps`)
+        self._map_markers: tuple[bytes, ...] = (
+            (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
+        )
 
     def uvm_major(self) -> int | None:
         """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
@@ -296,6 +299,7 @@ class HolderScanner:
 
     def _scan_fds(self, fd_dir: str, found: _Found) -> bool:
         """Add what the fds in ``fd_dir`` hold; False when the fd table was empty."""
+        readlink = os.readlink
         try:
             dfd = os.open(fd_dir, _DIR_FLAGS)
         except OSError as err:
@@ -306,8 +310,9 @@ class HolderScanner:
             except OSError as err:
                 raise _classify_error(err) from None
             try:
-                # One C-level loop over the fds; the careful loop only when an fd misbehaves.
-                targets = list(map(partial(os.readlink, dir_fd=dfd), names))
+                # All the fds at once; the careful loop only when an fd misbehaves. (A
+                # comprehension passes dir_fd without the dict partial() copies per call.)
+                targets = [readlink(name, dir_fd=dfd) for name in names]
             except OSError as err:
                 if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
                     raise _classify_error(err) from None
@@ -379,11 +384,8 @@ class HolderScanner:
             data = read_proc_file(f"{base}/maps")
         except OSError as err:
             raise _classify_error(err) from None
-        if self.match_by_path:
-            markers: tuple[bytes, ...] = (os.fsencode(self._device_prefix),)
-        else:
-            markers = (b"/dev/", b"nvidia")
-        if not any(marker in data for marker in markers):
+        markers = self._map_markers
+        if not any(map(data.__contains__, markers)):
             return bool(data)
         for line in lines_containing(data, markers):
             fields = line.split(None, 5)

@@ -17,7 +17,6 @@ files.
 
 from __future__ import annotations
 
-import difflib
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -159,8 +158,11 @@ def shown(value: object) -> str:
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """`` (did you mean 'x'?)`` for the choice closest to ``word``, or an empty string."""
-    same_letters = [choice for choice in choices if choice.lower() == word.lower()]
-    close = same_letters or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    close = [choice for choice in choices if choice.lower() == word.lower()]
+    if not close:
+        import difflib  # only for this message: a policy without a typo never loads it
+
+        close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -6,6 +6,7 @@ this host through the fake NVML: which polls scan all of /proc, and why.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import subprocess
 import sys
@@ -293,3 +294,40 @@ def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(
         "unowned_memory",
         "unowned_memory",
     ]
+
+
+class _CountingProcFS(ProcFS):
+    """The real ProcFS, counting the full reads of each process's facts."""
+
+    def __init__(self, devices_dir: str) -> None:
+        super().__init__(devices_dir=devices_dir)
+        self.reads: collections.Counter[int] = collections.Counter()
+
+    def read_process(self, pid: int) -> ProcessInfo | None:
+        self.reads[pid] += 1
+        return super().read_process(pid)
+
+
+def test_a_walk_with_nothing_remembered_reads_each_listed_process_once(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """A fresh collector's forced walk (a one-shot ``scan``) reads the facts of a listed
+    process once, not again once it has decided to walk; a collector that remembers facts
+    still reads them afresh for a walk (nothing remembered survives one)."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(trainer.pid)])]))
+    procfs = _CountingProcFS(str(fake_nvml.devices_dir))
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    try:
+        collector = Collector(procfs, nvml, namespace_check=False)
+        first = collector.collect(full=True)
+        assert trainer.pid in first.holders.holdings
+        assert trainer.pid in first.processes
+        assert procfs.reads[trainer.pid] == 1
+        again = collector.collect(full=True)
+        assert again.processes[trainer.pid] == first.processes[trainer.pid]
+        assert procfs.reads[trainer.pid] == 2
+    finally:
+        nvml.close()

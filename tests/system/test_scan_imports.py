@@ -62,6 +62,7 @@ NOT_LOADED = {
     "gpuwatchd.event_catalogue": "the daemon's and status's event text",
     "hashlib": "names spare and hand-over files only, loaded when one is there (OpenSSL: ~3 ms)",
     "platform": "kcmp's machine name comes from os.uname() (~2 ms)",
+    "difflib": "suggests a key name for a typo in the policy only, loaded then",
 }
 
 

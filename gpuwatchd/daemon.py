@@ -583,7 +583,7 @@ class Daemon:
             dead_listed=self.collector.dead_listed,
             watch_fd=self.device_watch.fileno(),
         )
-        self._view.publish(view)
+        rewritten = self._view.publish(view)
         # Beside it, this poll's NVML reading, for a served scan (gpuwatchd/nvml_view.py).
         reply, asked = self.nvml.last_reply, self.nvml.last_asked_wall
         self._reading.publish(
@@ -597,7 +597,8 @@ class Daemon:
                 polled=snapshot.wall_time,
                 interval=self.policy.interval,
                 reply=reply,
-            )
+            ),
+            rewrite=rewritten,
         )
 
     def _view_write_failed(self, error: str) -> None:

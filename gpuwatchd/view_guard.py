@@ -93,23 +93,25 @@ class ViewPublisher:
         self._polled = 0.0
         self.dirty = False  # what is on disk says dirty (or is gone)
 
-    def publish(self, view: dict[str, object]) -> None:
+    def publish(self, view: dict[str, object]) -> bool:
         """Write the clean ``view`` (from :func:`gpuwatchd.holder_view.encode`) when it
-        changed, when the file says dirty, or every :data:`REFRESH` seconds."""
+        changed, when the file says dirty, or every :data:`REFRESH` seconds; True when it
+        was written now."""
         content = {key: value for key, value in view.items() if key != "polled"}
         polled = view.get("polled")
         wall = float(polled) if isinstance(polled, (int, float)) else self._wall_clock()
         if not self.dirty and content == self._content and wall - self._polled < REFRESH:
-            return
+            return False
         state_dir = self._state_dir()
         if state_dir is None:
-            return
+            return False
         try:
             state_dir.write(VIEW_FILE, json.dumps(view).encode())
         except OSError as exc:
             self._on_error(str(exc))
-            return
+            return False
         self._doc, self._content, self._polled, self.dirty = view, content, wall, False
+        return True
 
     def mark_dirty(self) -> bool:
         """Say on disk that the view may be stale, before any watch event is read; False when

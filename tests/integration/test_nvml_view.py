@@ -90,7 +90,8 @@ def _bad_documents() -> list[tuple[str, bytes]]:
         ("a list", b"[]"),
         ("deep", b"[" * 100_000),
         ("not utf-8", b"\xff\xfe{}"),
-        ("another version", _doc(version=2)),
+        ("another version", _doc(version=nvml_view.VERSION + 1)),
+        ("the version before the file time counted", _doc(version=1)),
         ("no boot", _doc(boot_id=None)),
         ("daemon not an object", _doc(daemon=[100, 5000])),
         ("pid zero", _doc(daemon={"pid": 0, "start_ticks": 1})),
@@ -219,3 +220,90 @@ def test_a_write_that_keeps_failing_is_said_once_until_it_works_again(state: Sta
     current[0] = broken
     publisher.publish(_doc())
     assert len(errors) == 2  # failing again after it worked is said again
+
+
+# --- a reading confirmed, not written again ---------------------------------------------------
+
+
+def _times(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_an_unchanged_reading_is_confirmed_by_its_time_not_written_again(
+    state: StateDir,
+) -> None:
+    """A quiet poll's reply equals the last but for its times: the file stays (same inode) and
+    only its time moves to the new poll's read_at, which a reader takes as when NVML was
+    asked; the poll it is from is the later of its own and that time."""
+    errors: list[str] = []
+    publisher = nvml_view.ReadingPublisher(lambda: state, errors.append)
+    path = Path(state.join(nvml_view.READING_FILE))
+    publisher.publish(_doc())
+    first_inode, first_time = _times(path)
+    assert first_time == 1000 * 10**9  # the time says read_at from the first write
+    publisher.publish(_doc(read_at=1005.0, polled=1005.2))
+    inode, mtime = _times(path)
+    assert inode == first_inode
+    assert mtime == 1005 * 10**9
+    published, _ = nvml_view.read_published(state)
+    assert published is not None
+    assert published.read_at == 1005.0
+    assert published.polled == 1005.0  # confirmed at 1005.0: no later than the poll began
+    assert nvml_view.parse(path.read_bytes()).read_at == 1000.0  # the text itself is as written
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rewrite": True},  # the holder view was written this poll
+        {"driver_version": "555.1"},  # the reply changed
+    ],
+)
+def test_a_changed_reading_or_a_rewritten_view_writes_the_file_afresh(
+    state: StateDir, change: dict[str, Any]
+) -> None:
+    errors: list[str] = []
+    publisher = nvml_view.ReadingPublisher(lambda: state, errors.append)
+    path = Path(state.join(nvml_view.READING_FILE))
+    publisher.publish(_doc())
+    first_inode, _ = _times(path)
+    rewrite = bool(change.pop("rewrite", False))
+    publisher.publish(_doc(read_at=1005.0, polled=1005.2, **change), rewrite=rewrite)
+    inode, mtime = _times(path)
+    assert inode != first_inode
+    assert mtime == 1005 * 10**9
+    published, _ = nvml_view.read_published(state)
+    assert published is not None
+    assert (published.read_at, published.polled) == (1005.0, 1005.2)
+
+
+def test_a_file_touched_by_anyone_else_is_written_again_not_confirmed(state: StateDir) -> None:
+    errors: list[str] = []
+    publisher = nvml_view.ReadingPublisher(lambda: state, errors.append)
+    path = Path(state.join(nvml_view.READING_FILE))
+    publisher.publish(_doc())
+    forged = _doc(daemon={"pid": 1, "start_ticks": 1})
+    path.write_bytes(_raw(forged))  # in place: same inode, another size and time
+    publisher.publish(_doc(read_at=1005.0, polled=1005.2))
+    assert nvml_view.parse(path.read_bytes()).daemon_pid == 100  # the daemon's own again
+    os.utime(path, ns=(2000 * 10**9, 2000 * 10**9))  # only its time moved
+    publisher.publish(_doc(read_at=1010.0, polled=1010.2))
+    published, _ = nvml_view.read_published(state)
+    assert published is not None
+    assert published.read_at == 1010.0  # written again: not believed as of 2000
+
+
+def test_a_reading_last_confirmed_long_ago_is_old() -> None:
+    raw = _raw(_doc())
+    assert nvml_view.parse(raw, confirmed_at=900.0).read_at == 1000.0  # earlier: the text's
+    confirmed = nvml_view.parse(raw, confirmed_at=1003.0)
+    assert (confirmed.read_at, confirmed.polled) == (1003.0, 1003.0)
+    args: dict[str, Any] = {"boot_id": BOOT, "daemon_pid": 100, "daemon_start_ticks": 5000,
+                            "view_polled": 1000.2, "interval": 5.0}  # fmt: skip
+    assert nvml_view.usable(confirmed, now_wall=1008.0, **args) is None
+    assert "old" in str(nvml_view.usable(confirmed, now_wall=1010.0, **args))
+    assert "older than the daemon's holder view" in str(
+        nvml_view.usable(confirmed, now_wall=1004.0, **{**args, "view_polled": 1003.5})
+    )

@@ -11,6 +11,7 @@ garbage, another boot or a dead daemon's view is refused with a reason.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -173,6 +174,8 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                     else json.dumps({**_doc(reading), **change}).encode()
                 )
                 reading.write_bytes(forged)  # as the daemon's user, mode 0600: trusted
+                if change is not None and "read_at" in change:  # last confirmed then, too
+                    os.utime(reading, (change["read_at"], change["read_at"]))
                 result = _scan_env(host, config, host.env(), "--json")
                 report = json.loads(result.stdout or "{}")
                 out[name] = {"code": result.returncode, "view": report.get("daemon_view"),

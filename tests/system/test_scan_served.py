@@ -174,8 +174,9 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                     else json.dumps({**_doc(reading), **change}).encode()
                 )
                 reading.write_bytes(forged)  # as the daemon's user, mode 0600: trusted
-                if change is not None and "read_at" in change:  # last confirmed then, too
-                    os.utime(reading, (change["read_at"], change["read_at"]))
+                stamp = None if change is None else change.get("read_at")
+                if isinstance(stamp, float):  # last confirmed then, too (the file's time)
+                    os.utime(reading, (stamp, stamp))
                 result = _scan_env(host, config, host.env(), "--json")
                 report = json.loads(result.stdout or "{}")
                 out[name] = {"code": result.returncode, "view": report.get("daemon_view"),

@@ -12,16 +12,9 @@ seconds; the reply came later, so the reading is at most this old) during its po
 ``polled``, and got these GPUs: the NVML worker's reply as the daemon received it
 (:mod:`gpuwatchd.collect.nvml_worker`), decoded by the same converters as a scan's own, less
 the Xid events (the daemon consumed them; a scan's own worker, registering afresh, sees none
-either). The daemon writes it only after a successful read, and removes it after a failed one.
-Its modification time is part of what it says: the daemon sets it to ``read_at``, and when a
-later poll's reply is the same (all but the two times) it does not write the file again but
-moves its modification time to that poll's ``read_at`` (one ``futimens`` instead of a new file
-renamed into place: ~0.25 ms of each quiet poll). A reader takes the later of ``read_at`` and
-the file's time as when NVML was asked, and the later of ``polled`` and that time as the poll it
-is from: that poll began after the walk of any holder view written before it, and a poll that
-writes the holder view writes the reading too (so both say the same poll). Only a trusted user
-can set either (the file's own trust rule), and the daemon confirms only the file it wrote
-itself (same inode, size and time as it left them); anything else is written again.
+either). The daemon writes it only after a successful read, and removes it after a failed one;
+an unchanged reading is confirmed by the file's time instead of written again
+(docs/internals.md, ``gpuwatchd.nvml_view``).
 
 When ``scan`` uses it (docs/scan.md, "Beside a running daemon"): only when it also uses the
 daemon's holder view (clean, the device watch asked: :mod:`gpuwatchd.view_guard`), so no device

@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from gpuwatchd import holder_view
 from gpuwatchd.scan_socket import SOCKET_NAME, ScanRequest, ask
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.opener import opener, tell
+from tests.support.published import view_clean, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = pytest.mark.skipif(
@@ -53,21 +53,6 @@ NOT_LOADED = (
     "gpuwatchd.cli.main", "gpuwatchd.cli.scan", "gpuwatchd.decide", "gpuwatchd.model",
     "gpuwatchd.collect", "gpuwatchd.statedir", "argparse", "dataclasses", "yaml",
 )  # fmt: skip
-
-
-def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.05)
-
-
-def _clean(view: Path) -> bool:
-    try:
-        return json.loads(view.read_text()).get("clean") is True
-    except (OSError, ValueError):
-        return False
 
 
 def _run(host: SimHost, *args: str, env: dict[str, str] | None = None) -> Any:
@@ -117,26 +102,28 @@ def host_answered(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         view = host.state_dir / holder_view.VIEW_FILE
         alone = {**host.env(), "GPUWATCHD_ASK_DAEMON": "0"}
         try:
-            _wait_for(lambda: _clean(view) and (host.state_dir / SOCKET_NAME).exists())
+            wait_for(
+                lambda: view_clean(view) and (host.state_dir / SOCKET_NAME).exists(), timeout=30
+            )
             out["answered"] = _summary(_run(host, "--config", str(config), "scan", "--json"))
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             out["itself"] = _summary(
                 _run(host, "scan", "--json", "--config", str(config), env=alone)
             )
             out["full"] = _summary(_run(host, "scan", "--json", "--full", "--config", str(config)))
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             text = _run(host, "scan", "--config", str(config), "--color", "never")
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             text_alone = _run(host, "scan", "--config", str(config), "--color", "never", env=alone)
             out["text"] = {"code": text.returncode, "first": text.stdout.splitlines()[:1],
                            "first_alone": text_alone.stdout.splitlines()[:1],
                            "job_shown": str(pids["job"]) in text.stdout}  # fmt: skip
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             out["modules"] = _probe_modules(host, config)
             # An edit the daemon has not read: it declines; the command reads the files itself.
             with open(config, "a", encoding="utf-8") as handle:
                 handle.write("# edited, not reloaded\n")
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             out["edited"] = _summary(_run(host, "scan", "--json", "--config", str(config)))
         finally:
             daemon.send_signal(signal.SIGTERM)
@@ -213,7 +200,9 @@ def host_answers_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         pid, to_w, from_r = opener(host.dev("nvidia0")[0])
         request = ScanRequest(str(config.resolve()), True, False)
         try:
-            _wait_for(lambda: _clean(view) and (host.state_dir / SOCKET_NAME).exists())
+            wait_for(
+                lambda: view_clean(view) and (host.state_dir / SOCKET_NAME).exists(), timeout=30
+            )
             for round_ in range(arg["rounds"]):
                 tell(to_w, from_r, b"o")  # the open has returned
                 answer = ask([str(host.state_dir)], request, 5.0)
@@ -224,7 +213,7 @@ def host_answers_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                 else:
                     out["declined"][answer.reason] = out["declined"].get(answer.reason, 0) + 1
                 if round_ % 10 == 0:  # let the daemon re-walk, so that it answers again
-                    _wait_for(lambda: _clean(view))
+                    wait_for(lambda: view_clean(view))
                     answer = ask([str(host.state_dir)], request, 5.0)
                     out["answered"] += answer.answered
                     if answer.answered and pid not in scan_pids(json.loads(answer.stdout)):

@@ -10,6 +10,7 @@ garbage, another boot or a dead daemon's view is refused with a reason.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from bench.cli_scan import scan_pids
 from gpuwatchd import holder_view, nvml_view
 from gpuwatchd.model import HolderScan
 from tests.support.fakenvml import MiB, gpu, process
+from tests.support.published import doc, view_clean, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 pytestmark = pytest.mark.skipif(
@@ -40,27 +42,6 @@ def _scan(host: SimHost, config: Path, *extra: str) -> dict[str, Any]:
     return report
 
 
-def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.05)
-
-
-def _doc(view: Path) -> dict[str, Any]:
-    try:
-        doc: dict[str, Any] = json.loads(view.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc
-
-
-def _clean(view: Path) -> bool:
-    """The daemon published a clean view (no device file opened since its walk)."""
-    return _doc(view).get("clean") is True
-
-
 def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SimHost(root) as host:
@@ -72,7 +53,7 @@ def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         daemon = host.start_daemon("run", "--config", str(config))
         view = host.state_dir / holder_view.VIEW_FILE
         try:
-            _wait_for(lambda: _clean(view))
+            wait_for(lambda: view_clean(view))
             served = _scan(host, config)
             full = _scan(host, config, "--full")
             out["served"] = {"view": served["daemon_view"], "mode": served["scan_mode"],
@@ -82,7 +63,7 @@ def host_served(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             host.spawn("late", [{"open": host.dev("nvidia0")}])
             pids.update(host.wait_ready("late"))
             late = pids["late"]
-            _wait_for(lambda: _clean(view) and late in {h[0] for h in _doc(view)["holders"]})
+            wait_for(lambda: view_clean(view) and late in {h[0] for h in doc(view)["holders"]})
             again = _scan(host, config)
             out["late"] = {"view": again["daemon_view"], "holders": sorted(scan_pids(again))}
         finally:
@@ -136,22 +117,22 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         reading = host.state_dir / nvml_view.READING_FILE
 
         def polled() -> object:
-            return _doc(reading).get("polled")
+            return doc(reading).get("polled")
 
         def republished(before: object) -> bool:
-            return _clean(view) and polled() not in (None, before)
+            return view_clean(view) and polled() not in (None, before)
 
         def settled() -> None:
             """Wait until the daemon has stopped re-polling (each device file a scan's NVML
             worker opened may wake it once, a second apart)."""
             last, since = polled(), time.monotonic()
-            while time.monotonic() - since < 2.5 or not _clean(view):
+            while time.monotonic() - since < 2.5 or not view_clean(view):
                 time.sleep(0.1)
                 if polled() != last:
                     last, since = polled(), time.monotonic()
 
         try:
-            _wait_for(lambda: republished(None))
+            wait_for(lambda: republished(None))
             # The scan's own NVML would find nothing: a report with the GPU came from the daemon.
             blind = {**host.env(), "FAKENVML_STATE": str(root / "no-such-state.json")}
             served = _scan_env(host, config, blind, "--json")
@@ -171,7 +152,7 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                 forged = (
                     b"{not json"
                     if change is None
-                    else json.dumps({**_doc(reading), **change}).encode()
+                    else json.dumps({**doc(reading), **change}).encode()
                 )
                 reading.write_bytes(forged)  # as the daemon's user, mode 0600: trusted
                 stamp = None if change is None else change.get("read_at")
@@ -182,7 +163,7 @@ def host_reading(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                 out[name] = {"code": result.returncode, "view": report.get("daemon_view"),
                              "nvml": report.get("nvml_reading"),
                              "gpus": len(report.get("gpus", []))}  # fmt: skip
-                _wait_for(lambda before=before: republished(before))
+                wait_for(functools.partial(republished, before))
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=30)

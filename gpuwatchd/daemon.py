@@ -25,13 +25,14 @@ from typing import TypeVar
 
 import structlog
 
-from gpuwatchd import __version__, holder_view, nvml_view
+from gpuwatchd import __version__
 from gpuwatchd.accepted import render_accepted, save_accepted
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
 from gpuwatchd.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.schema import ConfigError, load_policy
+from gpuwatchd.daemon_serving import ScanServing
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
@@ -48,7 +49,7 @@ from gpuwatchd.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.scan_socket import ScanAnswer, ScanRequest, ScanServer
+from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.spares import booted_at, read_spares
 from gpuwatchd.state import (
     AlreadyRunning,
@@ -60,7 +61,7 @@ from gpuwatchd.state import (
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.status_document import action_sentence, build_document
 from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
-from gpuwatchd.view_guard import ViewPublisher, early_poll_at
+from gpuwatchd.view_guard import early_poll_at
 from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.wiring import build_real_host
 
@@ -114,13 +115,18 @@ class Daemon:
             job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
             for job in sorted(ended_jobs)
         }
-        # Scan on cause (docs/scan.md): the holder view this daemon publishes for `scan`,
-        # marked dirty by the device watch before its events are read (view_guard.py).
-        self._view = ViewPublisher(self._state_dir, self._view_write_failed, wall_clock)
-        self._reading = nvml_view.ReadingPublisher(self._state_dir, self._reading_write_failed)
+        # Scan on cause (docs/scan.md): what this daemon serves to `scan` (daemon_serving.py);
+        # it answers a `scan` that asks between polls, but not as run --once.
+        self._serving = ScanServing(
+            self._state_dir,
+            wall_clock,
+            None
+            if scan_answer is None or once
+            else lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
+        )
         self.host = build_real_host(
             policy,
-            on_device_event=self._view.mark_dirty,
+            on_device_event=self._serving.view.mark_dirty,
             nvml_env=nvml_env,
             clock=clock,
             wall_clock=wall_clock,
@@ -134,7 +140,6 @@ class Daemon:
         # started in _run_locked: by the lock holder; its events are read only after the
         # published holder view says dirty (view_guard.py)
         self.device_watch = self.host.device_watch
-        self._own_start_ticks: int | None = None
         self.signaller = self.host.signaller
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
@@ -159,15 +164,6 @@ class Daemon:
             stopping=lambda: self._stop,
         )
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
-        # A `scan` asks the daemon, which answers between polls (scan_socket.py); not run --once.
-        self._scan_server = (
-            None
-            if scan_answer is None or once
-            else ScanServer(
-                lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
-                lambda problem: log.info(EventName.DAEMON_SCAN_REQUEST_FAILED, problem=problem),
-            )
-        )
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)
@@ -229,8 +225,7 @@ class Daemon:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         finally:
-            if self._scan_server is not None:
-                self._scan_server.close()
+            self._serving.close()
             self.host.close()
             self.store.close()
 
@@ -244,20 +239,6 @@ class Daemon:
             reason=self.device_watch.error,
             consequence=f"all of /proc is walked every {self.policy.full_scan_interval:g}s",
         )
-
-    def _start_scan_server(self) -> None:
-        """Listen for ``scan`` on the socket in ``state_dir``; without it, scans run alone."""
-        if self._scan_server is None:
-            return
-        state_dir = self._state_dir()
-        error = "state_dir unusable" if state_dir is None else self._scan_server.start(state_dir.fd)
-        if error is not None:
-            log.warning(
-                EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE,
-                reason=error,
-                consequence="each scan builds on the published holder view by itself",
-            )
-            self._scan_server = None
 
     def _run_locked(self) -> int:
         self._install_signal_handlers()
@@ -288,7 +269,7 @@ class Daemon:
             if not self._ready_sent:
                 self.notifier.notify("READY=1")
                 self._ready_sent = True
-                self._start_scan_server()
+                self._serving.listen()
             if self.once:
                 if watched is None:
                     if not self.last_snapshot or not self.last_snapshot.nvml.available:
@@ -556,56 +537,16 @@ class Daemon:
                     policy_rejected=self.policy_rejected is not None,
                 )
             self._notify_status(snapshot, assessment)
-            self._publish_holder_view(snapshot)
+            self._serving.publish(
+                snapshot,
+                policy=self.policy,
+                procfs=self.procfs,
+                nvml=self.nvml,
+                watch=self.collector.watch,
+                dead_listed=self.collector.dead_listed,
+                watch_fd=self.device_watch.fileno(),
+            )
         return result
-
-    def _publish_holder_view(self, snapshot: Snapshot) -> None:
-        """Write the holder view ``scan`` builds on (gpuwatchd/holder_view.py): only while the
-        device watch works, when it changed, or every holder_view.REFRESH seconds."""
-        watch = self.collector.watch
-        if watch is None or not watch.available or snapshot.boot_id is None:
-            return
-        if self._own_start_ticks is None:
-            own = self.procfs.read_stat(os.getpid())
-            if own is None:
-                return
-            self._own_start_ticks = own.starttime
-        view = holder_view.encode(
-            boot_id=snapshot.boot_id,
-            daemon_pid=os.getpid(),
-            daemon_start_ticks=self._own_start_ticks,
-            worker_pids=self.nvml.worker_pids,
-            polled=snapshot.wall_time,
-            fresh_for=holder_view.REFRESH + 2 * self.policy.interval + self.policy.nvml_timeout,
-            settings=(self.policy.proc_root, self.policy.devices_dir, self.policy.device_major),
-            holders=snapshot.holders,
-            start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
-            dead_listed=self.collector.dead_listed,
-            watch_fd=self.device_watch.fileno(),
-        )
-        rewritten = self._view.publish(view)
-        # Beside it, this poll's NVML reading, for a served scan (gpuwatchd/nvml_view.py).
-        reply, asked = self.nvml.last_reply, self.nvml.last_asked_wall
-        self._reading.publish(
-            None
-            if reply is None or asked is None
-            else nvml_view.encode(
-                boot_id=snapshot.boot_id,
-                daemon_pid=os.getpid(),
-                daemon_start_ticks=self._own_start_ticks,
-                read_at=asked,
-                polled=snapshot.wall_time,
-                interval=self.policy.interval,
-                reply=reply,
-            ),
-            rewrite=rewritten,
-        )
-
-    def _view_write_failed(self, error: str) -> None:
-        log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
-
-    def _reading_write_failed(self, error: str) -> None:
-        log.error(EventName.STATE_SAVE_FAILED, path=nvml_view.READING_FILE, error=error)
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
@@ -625,7 +566,7 @@ class Daemon:
                 poller.register(fd, select.POLLIN)
             if watch_fd is not None:
                 poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
-            server_fd = None if self._scan_server is None else self._scan_server.fileno()
+            server_fd = self._serving.fileno()
             if server_fd is not None:
                 poller.register(server_fd, select.POLLIN)  # a scan asks
             slice_s = min(remaining, max(1.0, watchdog_slice()))
@@ -641,8 +582,8 @@ class Daemon:
                 self.device_watch.mark_if_pending()
                 early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
                 until, watch_fd = min(until, early), None  # read at the poll, not here
-            if self._scan_server is not None and any(fd == server_fd for fd, _ in ready):
-                self._scan_server.serve()  # after the watch: an open just seen declines it
+            if server_fd is not None and any(fd == server_fd for fd, _ in ready):
+                self._serving.answer()  # after the watch: an open just seen declines it
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
             if exited:

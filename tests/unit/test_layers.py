@@ -114,7 +114,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "gpuwatchd.engine_edges",
                   "gpuwatchd.host", "gpuwatchd.spares", "gpuwatchd.systemd_notify",
                   "gpuwatchd.wiring")),
-    ("lifecycle", ("gpuwatchd.daemon",)),
+    ("lifecycle", ("gpuwatchd.daemon", "gpuwatchd.daemon_serving")),
     ("sim", ("gpuwatchd.sim",)),
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),
 )  # fmt: skip

@@ -15,6 +15,7 @@ import array
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import socket
@@ -228,11 +229,16 @@ def _render_logfmt(
     Our own renderer rather than structlog's LogfmtRenderer, whose escaping differs between
     the versions we support (22.1 leaves newlines raw, which splits an event over lines; 26.x
     doubles backslashes only inside quotes): the format must not depend on the installed
-    structlog. Quoted values escape ``\\``, ``"`` and control characters; None is empty.
+    structlog. Quoted values escape ``\\``, ``"`` and control characters; a field that is None
+    or empty is left out (unknown reads as absent, not as ``key=``); floats keep three decimals.
     """
     keys = [key for key in _LEADING if key in event_dict]
     keys.extend(key for key in event_dict if key not in _LEADING)
-    return " ".join(f"{_logfmt_key(key)}={_logfmt_value(event_dict[key])}" for key in keys)
+    return " ".join(
+        f"{_logfmt_key(key)}={_logfmt_value(event_dict[key])}"
+        for key in keys
+        if event_dict[key] is not None and event_dict[key] != ""
+    )
 
 
 def _logfmt_key(key: object) -> str:
@@ -246,11 +252,22 @@ def _logfmt_value(value: object) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = str(value)
+    text = rounded(value) if isinstance(value, float) else str(value)
     if text and text.isprintable() and not any(c in text for c in ' ="\\'):
         return text
     escaped = escape(text.replace("\\", "\\\\").replace('"', '\\"'))
     return f'"{escaped}"'
+
+
+def rounded(value: float) -> str:
+    """A float as a person reads it: at most three decimals (``0.125``, ``12.5``, ``3``);
+    three significant digits below a thousandth; ``nan``/``inf`` as Python writes them."""
+    if not math.isfinite(value):
+        return str(value)
+    text = f"{value:.3f}".rstrip("0").rstrip(".")
+    if text in ("0", "-0") and value != 0:
+        return f"{value:.3g}"
+    return "0" if text == "-0" else text
 
 
 def _plain(item: object) -> bool:
@@ -389,7 +406,7 @@ def _journal_value(value: object) -> str | None:
         value = sorted(value, key=repr)
     if isinstance(value, (list, tuple, dict)):
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_json_default)
-    return str(value)
+    return rounded(value) if isinstance(value, float) else str(value)
 
 
 def _unused(name: str, used: set[str]) -> str:

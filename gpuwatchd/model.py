@@ -526,8 +526,14 @@ class Finding:
 
     @property
     def key(self) -> str:
-        """A stable key: the same problem in the next poll has the same key."""
-        target = "gpu" if self.pid is None else f"{self.pid}@{self.start_ticks}"
+        """A stable key: the same problem in the next poll has the same key (``@start_ticks``
+        left out when the start time is unknown, as for a dead process)."""
+        if self.pid is None:
+            target = "gpu"
+        elif self.start_ticks is None:
+            target = str(self.pid)
+        else:
+            target = f"{self.pid}@{self.start_ticks}"
         return f"{self.kind.value}:{self.gpu}:{target}"
 
     @property

@@ -52,8 +52,13 @@ def parse_target(text: str) -> tuple[str, int | None, str | None]:
     text = text.strip()
     if text.isdigit():
         pid = int(text)
+        if pid == 1:
+            raise ValueError(
+                "spare '1': PID 1 is the init process, which gpuwatchd never signals (the "
+                "safety floor): there is nothing to spare"
+            )
         if not 1 < pid < 1 << 22:
-            raise ValueError(f"spare {text!r}: not a process id")
+            raise ValueError(f"spare {text!r}: not a process id (1 < PID < {1 << 22})")
         return f"pid:{pid}", pid, None
     kind, sep, rest = text.partition(":")
     if kind != "job" or not sep or not rest:

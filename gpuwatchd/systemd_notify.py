@@ -77,7 +77,8 @@ def describe_status(
     reading = snapshot.nvml
     if not reading.available:
         return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
-    parts = [f"{len(reading.gpus)} GPUs watched"]
+    gpus = len(reading.gpus)
+    parts = [f"{gpus} GPU{'s' if gpus != 1 else ''} watched"]
     if reading.wedged:
         parts.insert(0, "driver wedged")
     lost = [g for g in reading.gpus if g.lost]

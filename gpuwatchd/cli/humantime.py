@@ -1,4 +1,5 @@
-"""Durations and relative times as people read them: ``9m53s``, ``in 25s``, ``3m ago``, ``now``.
+"""Durations, relative times and counts as people read them: ``9m53s``, ``in 25s``, ``3m ago``,
+``now``, ``1 finding``.
 
 Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Pure.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ago", "duration", "until"]
+__all__ = ["ago", "counted", "duration", "until"]
 
 
 def duration(seconds: object) -> str:
@@ -57,3 +58,11 @@ def ago(seconds: object) -> str:
     if seconds < 1:
         return "just now"
     return f"{duration(float(int(seconds)))} ago"
+
+
+def counted(count: object, noun: str, unknown: str = "?") -> str:
+    """``1 finding``, ``2 findings``, ``0 findings``; ``? findings`` (``unknown``) when not a
+    count."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        return f"{unknown} {noun}s"
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

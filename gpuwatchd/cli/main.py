@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.helptext import describe
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.statedir import StateDirError
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
+    for name, command in sub.choices.items():
+        describe(command, name)
     return parser
 
 

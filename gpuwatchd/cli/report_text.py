@@ -12,6 +12,7 @@ from typing import Protocol
 
 from gpuwatchd.checked import as_map as _as_map
 from gpuwatchd.checked import as_text as _as_str
+from gpuwatchd.cli.humantime import counted
 from gpuwatchd.cli.mig_report import (
     instance_uuids,
     mig_instance_lines,
@@ -102,8 +103,8 @@ def _title_line(report: Mapping[str, object]) -> str:
         f"gpuwatchd {_text(report.get('version'))} scan",
         f"host {_text(host.get('hostname'))}",
         f"driver {_text(nvml.get('driver_version'))}",
-        f"{len(_as_list(report.get('gpus')))} GPUs",
-        f"{len(findings)} findings",
+        counted(len(_as_list(report.get("gpus"))), "GPU"),
+        counted(len(findings), "finding"),
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
     view = _as_map(report.get("daemon_view"))

@@ -16,7 +16,7 @@ from gpuwatchd.checked import as_count as _count
 from gpuwatchd.checked import as_list as _seq
 from gpuwatchd.checked import as_map as _map
 from gpuwatchd.checked import as_number as _num
-from gpuwatchd.cli.humantime import ago, duration, until
+from gpuwatchd.cli.humantime import ago, counted, duration, until
 from gpuwatchd.escape import escape
 from gpuwatchd.vocabulary import LadderStatus
 
@@ -194,8 +194,9 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
         else ""
     )
     lines = [
-        f"NVML:     {_text(nvml.get('state'))}{since}{error}; {_text(result.get('gpus'))} GPUs; "
-        f"{_text(result.get('findings'))} findings"
+        f"NVML:     {_text(nvml.get('state'))}{since}{error}; "
+        f"{counted(result.get('gpus'), 'GPU', 'unknown')}; "
+        f"{counted(result.get('findings'), 'finding', 'unknown')}"
     ]
     for spare in _seq(result.get("spares")):
         row = _map(spare)

@@ -80,13 +80,13 @@ GPUS = (GpuInfo(0, "GPU-0"), GpuInfo(1, "GPU-1", lost=True))
             NvmlReading(available=True, gpus=GPUS[:1]),
             PlanState(),
             False,
-            "1 GPUs watched, 0 findings, 0 actions under way",
+            "1 GPU watched, 0 findings, 0 actions under way",
         ),
         (
             NvmlReading(available=True, wedged=True, gpus=GPUS[:1]),
             PlanState(),
             True,
-            "driver wedged, 1 GPUs watched",
+            "driver wedged, 1 GPU watched",
         ),
         (NvmlReading(available=True, gpus=GPUS), PlanState(), True, "1 lost (needs reboot)"),
         (

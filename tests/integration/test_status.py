@@ -444,7 +444,7 @@ def test_unknown_values_print_as_unknown() -> None:
     state = saved(nvml={"state": "melted"}, gpus="eight", mode=None, dry_run=None, policy=3)
     text = render_text(run_describe(state))
     assert "mode:     unknown" in text
-    assert "NVML:     unknown; unknown GPUs; 1 findings" in text
+    assert "NVML:     unknown; unknown GPUs; 1 finding" in text
     assert "policy:   unknown" in text
 
 

@@ -50,8 +50,9 @@ exit 0
 SHOWN_FIELDS = ("kind", "pid", "signal", "outcome", "step", "status", "result", "rule")
 
 
-def compact(log_lines: str, started: float) -> str:
-    """The daemon's JSON events as one short line each (the journal keeps every field)."""
+def compact(log_lines: str, started: float, indices: dict[str, int]) -> str:
+    """The daemon's JSON events as one short line each (the journal keeps every field); a GPU
+    is shown by its index (``indices``: UUID to NVML index, from ``scan --json``)."""
     out = []
     for line in log_lines.splitlines():
         try:
@@ -64,7 +65,7 @@ def compact(log_lines: str, started: float) -> str:
             f"{key}={event[key]}" for key in SHOWN_FIELDS if event.get(key) not in (None, "")
         )
         gpu = str(event.get("gpu") or "")
-        where = f"GPU {gpu[4:12]}" if gpu.startswith("GPU-") else ""
+        where = f"GPU {indices[gpu]}" if gpu in indices else (f"GPU {gpu}" if gpu else "")
         reason = str(event.get("reason") or event.get("why") or "")
         if len(reason) > 90:
             reason = reason[:87] + "..."
@@ -186,6 +187,8 @@ def demo(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             },
         )
         print(host.gpuwatchd("scan", "--config", str(config)).stdout)
+        listed = json.loads(host.gpuwatchd("scan", "--json", "--config", str(config)).stdout)
+        indices = {g["uuid"]: g["index"] for g in listed["gpus"]}
 
         banner("2. gpuwatchd run --once (enforcing) — escalate, then reset the leaked GPU")
         stop = threading.Event()
@@ -195,7 +198,7 @@ def demo(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         proc = host.gpuwatchd(
             "run", "--once", "--timeout", "60s", "--config", str(config), timeout=120
         )
-        print(compact(proc.stdout + proc.stderr, wall))
+        print(compact(proc.stdout + proc.stderr, wall, indices))
         print(f"\n(run --once exited {proc.returncode} after {time.monotonic() - started:.1f}s;")
         print(" every event above is one structured journal entry with all its inputs)")
         stop.set()

@@ -515,7 +515,7 @@ def test_dead_listed_pid_is_a_dead_process_with_its_memory() -> None:
     result = run(HostBuilder().gpu(0, allocated=LEAK).nvml(0, 1800, used=LEAK).build())
     dead = only(result, FindingKind.DEAD_PROCESS)
     assert (dead.pid, dead.start_ticks, dead.memory, dead.actionable) == (1800, None, LEAK, True)
-    assert dead.key == f"dead_process:{gpu_uuid(0)}:1800@None"
+    assert dead.key == f"dead_process:{gpu_uuid(0)}:1800"
 
 
 # --- ghost memory and baselines ---------------------------------------------------------------

@@ -153,7 +153,7 @@ def test_logfmt_has_key_value_fields_in_a_stable_order() -> None:
     assert 'cmdline="python train.py"' in line
     assert fields["cmdline"] == "python train.py"
     assert json.loads(fields["evidence"] or "") == {"dead_owner": 9}
-    assert fields["memory"] is None
+    assert "memory" not in fields  # unknown is left out, never an empty ``memory=``
 
 
 def test_logfmt_escapes_control_characters_so_an_event_stays_one_line() -> None:
@@ -165,7 +165,7 @@ def test_logfmt_escapes_control_characters_so_an_event_stays_one_line() -> None:
     fields = parse_logfmt(line)
     assert fields["cmdline"] == hostile
     assert fields["tab"] == "a\tb"
-    assert fields["empty"] == ""
+    assert "empty" not in fields
     assert fields["level"] == "info"
 
 
@@ -827,3 +827,33 @@ def test_events_from_threads_each_arrive_whole(journal: FakeJournal) -> None:
         thread.join()
     assert received == list(range(8))
     assert journal.lines() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(0.123456789, "0.123"), (12.5, "12.5"), (3.0, "3"), (0.0000123456, "1.23e-05"), (-0.0, "0")],
+)
+def test_floats_are_rounded_for_people(value: float, shown: str) -> None:
+    (line,) = emit("info", lasted=value)
+    assert parse_logfmt(line)["lasted"] == shown
+
+
+def test_the_journal_message_has_no_none_no_empty_field_and_no_long_float() -> None:
+    entry = logs.journal_entry(
+        "warning",
+        {
+            "event": "finding.resolved",
+            "finding": "dead_process:GPU-1:4",
+            "lasted": 65.123456789,
+            "memory": None,
+            "cmdline": "",
+            "pid": 4,
+        },
+    )
+    message = next(line for line in entry.decode().splitlines() if line.startswith("MESSAGE="))
+    tail = message.split(" event=", 1)[1]
+    assert "None" not in message
+    assert "memory=" not in tail
+    assert "cmdline=" not in tail
+    assert "lasted=65.123 " in tail + " "
+    assert "65.123456789" not in entry.decode()

@@ -300,7 +300,7 @@ class _Names:
 def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
     from gpuwatchd.sim.timeline import finding_label
 
-    key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234@None"
+    key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234"
     assert finding_label(key, _Names()) == "dead_process pid 91234 (trainer) on GPU 0"
     gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
     assert finding_label(gpu_key, _Names()) == "ghost_memory GPU 0"

@@ -420,9 +420,12 @@ class NvmlClient:
             error=f"NVML call did not return within {timeout} (driver may be hung)",
         )
         proc, self._proc = self._proc, None
-        log.critical(
-            EventName.NVML_WEDGED, timeout=self.timeout, pid=None if proc is None else proc.pid
-        )
+        if not (self._last_failure is not None and self._last_failure.wedged):
+            # Once a stretch: each retry of a hung driver would repeat it (nvml.recovered
+            # ends the stretch; status and the status line show it meanwhile).
+            log.critical(
+                EventName.NVML_WEDGED, timeout=self.timeout, pid=None if proc is None else proc.pid
+            )
         if proc is not None:
             self._finish(proc)
             if self._hung is not proc:
@@ -442,7 +445,8 @@ class NvmlClient:
         # is found.
         self._retire_worker()
         reading = NvmlReading(available=False, error=UNAVAILABLE_PREFIX + reason)
-        log.warning(EventName.NVML_UNAVAILABLE, reason=reason)
+        if self._last_failure is None or self._last_failure.error != reading.error:
+            log.warning(EventName.NVML_UNAVAILABLE, reason=reason)  # once a reason, as wedged
         return self._schedule_retry(reading)
 
     # --- conversion -----------------------------------------------------------------------

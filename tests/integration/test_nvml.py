@@ -434,6 +434,29 @@ def test_unavailable_driver_is_retried_only_after_backoff(
 # --- deadlines --------------------------------------------------------------------------------
 
 
+def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
+    fake_nvml: FakeNvml, clock: list[float]
+) -> None:
+    hang = {"nvmlDeviceGetComputeRunningProcesses_v3": 30.0}
+    fake_nvml.write(state([gpu(0)], delays=hang))
+    client = NvmlClient(
+        timeout=0.5, env=fake_nvml.env(), clock=lambda: clock[0], backoff_initial=1.0
+    )
+    try:
+        with capture_logs() as logs:
+            for _ in range(3):  # three retries of a driver that stays hung
+                assert client.read().wedged
+                clock[0] += 60.0
+            fake_nvml.write(state([gpu(0)]))
+            assert client.read().available
+            fake_nvml.write(state([gpu(0)], delays=hang))
+            assert client.read().wedged  # a new stretch is logged again
+        wedged = [e for e in logs if e["event"] == "nvml.wedged"]
+        assert [e["log_level"] for e in wedged] == ["critical", "critical"]
+    finally:
+        client.close()
+
+
 def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backoff(
     fake_nvml: FakeNvml, clock: list[float]
 ) -> None:

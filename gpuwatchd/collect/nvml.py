@@ -45,23 +45,8 @@ WORKER_CWD = "/"
 _INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
 _INHERITED_PREFIXES = ("FAKENVML_",)
 _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-# Runs under ``python -I``: argv[1] is the worker file, the rest are folders for sys.path.
-# The file runs as ``__main__`` through the import system's loader, which keeps its compiled
-# code in ``__pycache__`` beside it (``runpy.run_path`` compiled the 700 lines at every start:
-# ~7 ms of each worker's start-up).
-_BOOTSTRAP = """\
-import sys
-from importlib.util import module_from_spec, spec_from_file_location
-worker, *folders = sys.argv[1:]
-for folder in reversed(folders):
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-del sys.argv[1:]
-spec = spec_from_file_location("__main__", worker)
-module = module_from_spec(spec)
-sys.modules["__main__"] = module
-spec.loader.exec_module(module)
-"""
+# Runs under ``python -I`` with the worker file and the folders for sys.path as arguments.
+LAUNCHER_FILE = str(Path(__file__).resolve().with_name("nvml_launch.py"))
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 
@@ -101,7 +86,7 @@ def library_folders(
 
 def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FILE) -> list[str]:
     """The argv that starts the worker: isolated interpreter, worker file by absolute path."""
-    return [python, "-I", "-c", _BOOTSTRAP, worker, *folders]
+    return [python, "-I", LAUNCHER_FILE, worker, *folders]
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:

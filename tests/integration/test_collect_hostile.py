@@ -29,7 +29,13 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.jobs import cgroup2_mount
-from gpuwatchd.collect.nvml import WORKER_FILE, NvmlClient, library_folders, worker_environment
+from gpuwatchd.collect.nvml import (
+    LAUNCHER_FILE,
+    WORKER_FILE,
+    NvmlClient,
+    library_folders,
+    worker_environment,
+)
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
@@ -191,8 +197,9 @@ def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
     names = {entry.split(b"=", 1)[0].decode() for entry in raw.split(b"\0") if entry}
     assert cwd == "/"
     assert names == {"PATH", "LD_LIBRARY_PATH", "FAKENVML_STATE", "FAKENVML_DEVICES_DIR"}
-    assert cmdline[1:3] == ["-I", "-c"]
+    assert cmdline[1:3] == ["-I", LAUNCHER_FILE]
     assert WORKER_FILE in cmdline
+    assert not any("\n" in arg for arg in cmdline)  # one readable line in systemctl status
 
 
 @pytest.mark.parametrize(

@@ -142,10 +142,11 @@ def ct() -> Iterator[Container]:
     try:
         step("boot", container.boot)
         container.run(["ldconfig"])
-        step(
+        installed = step(
             "install",
             lambda: container.run(["apt-get", "install", "-y", "-q", f"{CI_DIR}/{deb.name}"]),
         )
+        (artifacts / "install.txt").write_text(installed.stdout + installed.stderr)
         timings["setup-total"] = round(time.monotonic() - t0, 1)
         print(f"systemd test setup timings (s): {timings}")
         yield container
@@ -179,6 +180,12 @@ def configured(ct: Container) -> Container:
 
 
 # -- the package -----------------------------------------------------------------------------
+def test_install_says_nothing_about_a_static_unit(ct: Container) -> None:
+    said = (ct.artifacts / "install.txt").read_text()
+    assert "static unit" not in said, said
+    assert "gpuwatchd-slurm-undrain.service" not in said, said
+
+
 def test_install_enables_and_starts_the_unit(ct: Container) -> None:
     assert ct.run(["systemctl", "is-enabled", UNIT], check=False).stdout.strip() == "enabled"
     assert (ct.root / "lib/systemd/system" / UNIT).is_file()
@@ -554,6 +561,20 @@ def test_journal_priorities_follow_the_event_levels(enforcing: Container) -> Non
     assert {"4", "6"} <= {e["PRIORITY"] for e in entries}
 
 
+def test_journal_lines_carry_no_none_no_empty_field_and_no_long_float(
+    enforcing: Container,
+) -> None:
+    """What `journalctl -u gpuwatchd` shows after the sentence: only known values, each a
+    value, floats with at most three decimals."""
+    messages = [str(e.get("MESSAGE", "")) for e in enforcing.journal() if e.get("GPUWATCHD_EVENT")]
+    assert messages
+    for message in messages:
+        assert "None" not in message, message
+        tail = message.split(" event=", 1)[-1]
+        assert not re.search(r"(^|\s)[\w.]+=(\s|$)", tail), message
+        assert not re.search(r"=-?\d+\.\d{4,}(\s|$)", tail), message
+
+
 # -- Slurm prolog and epilog beside the running daemon ---------------------------------------
 SLURM_DIR = f"{CI_DIR}/slurm"
 SLURM_NODE = "gpuwatchd-it"
@@ -678,7 +699,17 @@ def test_stop_is_clean(configured: Container) -> None:
 
 
 def test_purge_removes_the_unit_and_state(ct: Container) -> None:
+    ct.run(["gpuwatchd", "--version"])  # the package's modules are used (and compiled) first
+    listed = ct.run(["dpkg", "-L", "gpuwatchd"]).stdout.split()
+    folders = {p for p in listed if "gpuwatchd" in p and (ct.root / p.lstrip("/")).is_dir()}
     ct.run(["apt-get", "purge", "-y", "-q", "gpuwatchd"])
+    left = sorted(
+        str(path)
+        for folder in folders
+        if (ct.root / folder.lstrip("/")).exists()
+        for path in (ct.root / folder.lstrip("/")).rglob("*")
+    )
+    assert not left, f"purge left files of the package behind: {left[:10]}"
     assert not (ct.root / "lib/systemd/system" / UNIT).exists()
     assert not (ct.root / "var/lib/gpuwatchd").exists()
     assert not (ct.root / "etc/systemd/system/multi-user.target.wants" / UNIT).exists()

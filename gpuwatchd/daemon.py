@@ -535,6 +535,7 @@ class Daemon:
                     poll_seconds=self.clock() - started,
                     now_wall=self.last_poll_wall,
                     policy_rejected=self.policy_rejected is not None,
+                    verdict=self.engine.last_verdict,
                 )
             self._notify_status(snapshot, assessment)
             self._serving.publish(

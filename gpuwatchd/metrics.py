@@ -33,6 +33,7 @@ from gpuwatchd.config.keys import SIGNAL_NAMES
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.event_catalogue import HOOK_SUCCEEDED, hook_outcome
 from gpuwatchd.metrics_mig import MigGauges
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
@@ -41,6 +42,7 @@ from gpuwatchd.vocabulary import (
     EventName,
     HookOutcome,
     LadderStatus,
+    LeftoverName,
     Level,
     ResetResult,
     SignalOutcome,
@@ -244,6 +246,42 @@ class _GpuGauges:
             ghost = ghosts.get(gpu.uuid, 0 if allocated is not None else None)
             if ghost is not None:
                 self.ghost.labels(*labels).set(ghost)
+
+
+class _VerdictGauges:
+    """Whether a new job may have each GPU, as ``check-clean`` says it (decide/verdict.py), and
+    why not, by reason kind (finding kinds and leftover names: a bounded set). No sample for
+    a GPU when the node could not be judged."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.clean = Gauge(
+            "gpuwatchd_gpu_clean",
+            "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
+            GPU_LABELS,
+            registry=registry,
+        )
+        self.reasons = Gauge(
+            "gpuwatchd_gpu_not_clean_reasons",
+            "Why the GPU is not clean: the verdict's reasons, by kind",
+            (*GPU_LABELS, "kind"),
+            registry=registry,
+        )
+
+    def update(self, verdict: NodeVerdict | None) -> None:
+        self.clean.clear()
+        self.reasons.clear()
+        if verdict is None or verdict.unavailable is not None:
+            return
+        for gpu in verdict.gpus:
+            labels = (gpu.uuid, str(gpu.index))
+            self.clean.labels(*labels).set(_flag(gpu.clean))
+            for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
+                self.reasons.labels(*labels, kind).set(count)
+
+
+_REASON_KINDS = {
+    name: name for name in (*(k.value for k in FindingKind), *(n.value for n in LeftoverName))
+}
 
 
 class _HealthGauges:
@@ -506,6 +544,7 @@ class Metrics:
         self._health = _HealthGauges(self.registry)
         self._mig = MigGauges(self.registry)
         self._state = _StateGauges(self.registry)
+        self._verdict = _VerdictGauges(self.registry)
         self._poll = _PollGauges(self.registry)
         self._write_errors = Counter(
             "gpuwatchd_textfile_write_errors",
@@ -529,6 +568,7 @@ class Metrics:
         poll_seconds: float,
         now_wall: float,
         policy_rejected: bool,
+        verdict: NodeVerdict | None = None,
     ) -> str | None:
         """Set the gauges from one completed poll, then write the file if one is configured.
 
@@ -540,6 +580,7 @@ class Metrics:
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
         )
+        self._verdict.update(verdict)
         self._poll.update(snapshot, poll_seconds, now_wall)
         return self.write()
 

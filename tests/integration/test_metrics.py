@@ -25,7 +25,8 @@ from gpuwatchd import __version__
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import Ladder, PlanState
-from gpuwatchd.decide.policy import Detection
+from gpuwatchd.decide.policy import Detection, Policy
+from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
 from gpuwatchd.model import (
     MIB,
@@ -311,6 +312,44 @@ def test_a_gpu_that_disappears_loses_its_samples(textfile: Path) -> None:
     poll(metrics, HostBuilder().gpu(0).build())
     gpus = {dict(labels).get("gpu") for _, labels in written(textfile)}
     assert gpus - {None} == {gpu_uuid(0)}
+
+
+def test_each_gpu_says_whether_a_new_job_may_have_it_and_why_not(textfile: Path) -> None:
+    """check-clean's verdict per GPU (what node-problem-detector reads); a node that could
+    not be judged has no sample, never a 0 or a 1."""
+    snapshot = host()
+    assessment = assessed(snapshot)
+    verdict = judge(snapshot, assessment, Policy())
+    metrics = Metrics(str(textfile))
+    metrics.after_poll(
+        snapshot,
+        assessment,
+        PlanState(),
+        dry_run=True,
+        poll_seconds=0.1,
+        now_wall=WALL,
+        policy_rejected=False,
+        verdict=verdict,
+    )
+    s = written(textfile)
+    assert value(s, "gpuwatchd_gpu_clean", **gpu(0)) == 1  # a live trainer: clean
+    assert value(s, "gpuwatchd_gpu_clean", **gpu(1)) == 0  # ghost memory
+    reasons = value(s, "gpuwatchd_gpu_not_clean_reasons", **gpu(1), kind="ghost_memory")
+    assert reasons is not None
+    assert reasons >= 1
+    assert value(s, "gpuwatchd_gpu_clean", **gpu(4)) == 0  # lost
+    unjudged = NodeVerdict(gpus=verdict.gpus, unavailable="NVML unavailable")
+    metrics.after_poll(
+        snapshot,
+        assessment,
+        PlanState(),
+        dry_run=True,
+        poll_seconds=0.1,
+        now_wall=WALL,
+        policy_rejected=False,
+        verdict=unjudged,
+    )
+    assert not [key for key in written(textfile) if key[0] == "gpuwatchd_gpu_clean"]
 
 
 def test_findings_by_kind_every_kind_present(textfile: Path) -> None:

@@ -18,6 +18,9 @@ command -v apparmor_parser >/dev/null || need+=(apparmor)  # tests/integration/t
 command -v promtool >/dev/null || need+=(prometheus)  # tests/integration/test_metrics.py checks the alert rules
 dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel >/dev/null 2>&1 \
     || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel)
+# tests/integration/test_contrib_kubernetes.py runs the node-problem-detector plugin as nobody
+# with Debian's python3, as in the image.
+dpkg -s python3-prometheus-client >/dev/null 2>&1 || need+=(python3-prometheus-client)
 [ ${#need[@]} -eq 0 ] && exit 0
 export DEBIAN_FRONTEND=noninteractive
 echo "host-setup: installing ${need[*]}"

@@ -122,7 +122,7 @@ def test_infrastructure_is_neither_dirt_nor_a_reset_blocker_here() -> None:
     snapshot = (
         two_gpus()
         .proc(50, **ROOTS_PERSISTENCED, holds={0, 1}, uvm=False)
-        .proc(51, comm="nv-hostengine", cgroup=cg_unit("nvidia-dcgm.service"), holds={0, 1})
+        .proc(51, comm="nv-hostengine", uid=0, cgroup=cg_unit("nvidia-dcgm.service"), holds={0, 1})
         .build()
     )
     verdict = verdict_of(snapshot)

@@ -35,6 +35,7 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.cgroups import (
     delegation_mark,
     kernel_lines,
@@ -68,6 +69,7 @@ __all__ = [
     "read_proc_file",
 ]
 
+_CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -378,13 +380,16 @@ class ProcFS:
     def delegated(self, path: str) -> bool | None:
         """Whether systemd marked cgroup ``path`` or one above it as delegated
         (:func:`gpuwatchd.collect.cgroups.delegation_mark`), in the hierarchy this ``/proc``'s
-        ``self/mountinfo`` says systemd keeps; None when that, or the mark, cannot be read."""
+        ``self/mountinfo`` says systemd keeps; None when that, or the mark, cannot be read.
+        Without CAP_SYS_ADMIN the kernel hides ``trusted.delegate`` (every read says "none"),
+        so the mark is then unknown."""
         if not self._systemd_mount_read:
             try:
                 mountinfo = self._read_text(f"{self.root}/self/mountinfo")
             except OSError:
                 mountinfo = ""
-            self._systemd_mount = parse_systemd_mount(mountinfo)
+            blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": _CAP_SYS_ADMIN})
+            self._systemd_mount = None if blind else parse_systemd_mount(mountinfo)
             self._systemd_mount_read = True
         mount = self._systemd_mount
         return None if mount is None else delegation_mark(mount, path)

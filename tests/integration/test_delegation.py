@@ -207,7 +207,7 @@ def _facts(pid: int) -> ProcessInfo:
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-def test_an_mps_daemon_a_user_starts_in_a_slurm_job_is_no_mps_server(
+def test_an_mps_daemon_a_user_starts_in_a_slurm_job_or_a_crontab_is_no_mps_server(
     system_slice: list[Path], mps_program: str
 ) -> None:
     """Before: root's program run by a user in ``system.slice/slurmstepd.scope/job_*`` was in
@@ -219,9 +219,15 @@ def test_an_mps_daemon_a_user_starts_in_a_slurm_job_is_no_mps_server(
         _start_in(system_slice, job, mps_program, USER),
         _start_in(system_slice, "/system.slice/nvidia-mps.service", mps_program, 0),
         _start_in(system_slice, "/system.slice/nvidia-mps.service", mps_program, USER),
+        # A crontab job where cron's PAM stack has no pam_systemd.
+        _start_in(system_slice, "/system.slice/cron.service", mps_program, USER),
     ]
     try:
-        in_job, roots, in_unit = (_facts(child.pid) for child in children)
+        in_job, roots, in_unit, in_cron = (_facts(child.pid) for child in children)
+        assert in_cron.cgroup is not None
+        assert in_cron.cgroup.systemd_unit == "cron.service"
+        assert not mps_server(in_cron)
+        assert infrastructure(in_cron) is None
         assert in_job.cgroup is not None
         assert in_job.cgroup.slurm_job == "4242"
         assert (in_job.uid, in_job.exe_trusted) == (USER, True)
@@ -236,3 +242,17 @@ def test_an_mps_daemon_a_user_starts_in_a_slurm_job_is_no_mps_server(
         for child in children:
             child.kill()
             child.wait(timeout=10)
+
+
+def test_without_cap_sys_admin_the_mark_is_unknown(fake_host: FakeProc, cgroup_base: Path) -> None:
+    """The kernel hides trusted.* from a reader without CAP_SYS_ADMIN: every read would say
+    "no mark", so the mark is unknown and root's worker in the DCGM unit only unverified."""
+    _cgroup(cgroup_base, "system.slice/nvidia-dcgm.service")
+    fake_host.write("self/status", "Name:\tgpuwatchd\nCapEff:\t0000000000080000\n")  # PTRACE
+    fake_host.add(300, comm="worker", uid=0, cgroup="0::/system.slice/nvidia-dcgm.service\n")
+    info = ProcFS(str(fake_host.root)).read_process(300)
+    assert info is not None
+    assert info.cgroup is not None
+    assert info.cgroup.delegated is None
+    assert infrastructure(info) is None
+    assert unverified_infrastructure(info) is not None

@@ -482,3 +482,25 @@ def test_system_cgroup_needs_the_delegation_mark_read_and_absent() -> None:
     assert (
         system_cgroup(_placed("/system.slice/user-1001.slice/x.service", delegated=None)) is False
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/system.slice/nvidia-dcgm.service", True),
+        ("/system.slice/system-nvidia.slice/nvidia-imex@0.service", True),
+        ("/init.scope", True),
+        ("/system.slice/slurmstepd.scope/system", False),
+        ("/system.slice/n1_slurmstepd.scope/system", False),
+        ("/system.slice/slurm/uid_1001/job_7/step_0", False),  # v1's form, wherever it sits
+        ("/system.slice/user.slice/x.service", False),
+        ("/system.slice/user@1001.service/app.slice/x.service", False),
+        ("/system.slice/user-1001.slice/x.service", False),
+        (f"/system.slice/docker-{'ab' * 32}.scope", False),
+        ("/user.slice/user-1001.slice/session-3.scope", False),
+        ("/", False),
+    ],
+)
+def test_system_cgroup_table(path: str, expected: bool) -> None:
+    """Read with no delegation mark: only the placement in the path decides."""
+    assert system_cgroup(_placed(path)) is expected

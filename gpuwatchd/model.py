@@ -72,6 +72,11 @@ class CgroupInfo:
     slurm_step: str | None = None
     systemd_unit: str | None = None
     slurm_job_dir: str | None = None  # the ``…/job_<ID>`` part of ``path`` (collect/cgroups.py)
+    # systemd's delegation mark (xattr ``trusted.delegate`` / ``user.delegate``) on this cgroup
+    # or one above it: True, marked (a Delegate= unit: whoever it was delegated to may place
+    # processes and make cgroups below it); False, every level read and none marked; None,
+    # not read (read only where the floor asks, collect/cgroups.py ``delegation_mark``).
+    delegated: bool | None = None
 
     @property
     def job_key(self) -> str | None:

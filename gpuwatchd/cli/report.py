@@ -440,6 +440,7 @@ def _cgroup_entry(cgroup: CgroupInfo | None) -> dict[str, object] | None:
         "slurm_job": cgroup.slurm_job,
         "slurm_step": cgroup.slurm_step,
         "systemd_unit": cgroup.systemd_unit,
+        "delegated": cgroup.delegated,
         "job": cgroup.job_key,
     }
 

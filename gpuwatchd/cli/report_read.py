@@ -84,6 +84,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
             slurm_job=opt_str(cg, "slurm_job"),
             slurm_step=opt_str(cg, "slurm_step"),
             systemd_unit=opt_str(cg, "systemd_unit"),
+            delegated=marked if isinstance(marked := cg.get("delegated"), bool) else None,
         )
     cmdline = entry.get("cmdline")
     return ProcessInfo(

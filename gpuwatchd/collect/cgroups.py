@@ -4,8 +4,10 @@ This module owns the meaning of cgroup names: which container, pod, Slurm job an
 systemd unit a path of ``/proc/PID/cgroup`` names (:func:`parse_cgroup`,
 :func:`classify_cgroup_path`), where a Slurm job's own cgroup directory is
 (:func:`slurm_job_dir`), and where the unified hierarchy is mounted according to
-``/proc/self/mountinfo`` (:func:`parse_cgroup2_mount`). Every function is pure: text in, values
-out. Reading the files is ``procfs``'s and ``jobs``' business.
+``/proc/self/mountinfo`` (:func:`parse_cgroup2_mount`). Every function is pure, text in and
+values out, but one reader beside the names it completes: :func:`delegation_mark`, systemd's
+delegation mark on a cgroup and above it (docs/internals.md, section
+`gpuwatchd.collect.cgroups`). Reading the other files is ``procfs``'s and ``jobs``' business.
 
 The text is hostile. Directory names in a cgroup path are chosen by whoever created them, and
 the kernel prints them unescaped; it refuses only ``\\n`` in a cgroup name. So lines are split on
@@ -29,7 +31,9 @@ nothing), which is the safe direction: fewer processes become "another job's", n
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import re
 from dataclasses import dataclass
 
@@ -203,3 +207,52 @@ def parse_cgroup2_mount(mountinfo: str) -> str | None:
         if len(fields) >= 5:
             return unescape_mount_path(fields[4])
     return None
+
+
+def parse_systemd_mount(mountinfo: str) -> str | None:
+    """Where systemd keeps its cgroup tree according to ``/proc/PID/mountinfo`` text. Pure.
+
+    The ``name=systemd`` (cgroup v1) hierarchy where one is mounted (the legacy and hybrid
+    set-ups, in which systemd sets its extended attributes there), else the unified (v2) one;
+    None without either. Lines are split at ``\\n`` only (see :func:`parse_cgroup2_mount`).
+    """
+    for line in kernel_lines(mountinfo):
+        left, separator, right = line.partition(" - ")
+        after = right.split(" ")
+        if not separator or after[0] != "cgroup" or len(after) < 3:
+            continue
+        fields = left.split(" ")
+        if "name=systemd" in after[2].split(",") and len(fields) >= 5:
+            return unescape_mount_path(fields[4])
+    return parse_cgroup2_mount(mountinfo)
+
+
+DELEGATION_MARKS = ("trusted.delegate", "user.delegate")
+_NO_MARK_ERRNOS = frozenset({errno.ENODATA, errno.EOPNOTSUPP})  # none set / none settable
+
+
+def delegation_mark(mount: str, path: str) -> bool | None:
+    """Whether systemd marked cgroup ``path`` (as ``/proc/PID/cgroup`` spells it, below
+    ``mount``) or a cgroup above it as delegated (:data:`DELEGATION_MARKS`).
+
+    True at the first level that carries a mark (a value other than ``0``); False when every
+    level below the root was read and none carries one; None when a level cannot be read (the
+    process moved and the cgroup is gone, no privilege, a path that is not a cgroup's), so that
+    unknown stays unknown.
+    """
+    parts = [p for p in path.split("/") if p]
+    if any(part in (".", "..") for part in parts):
+        return None
+    current = mount.rstrip("/")
+    for part in parts:
+        current = f"{current}/{part}"
+        for name in DELEGATION_MARKS:
+            try:
+                value = os.getxattr(current, name, follow_symlinks=False)
+            except OSError as err:
+                if err.errno in _NO_MARK_ERRNOS:
+                    continue
+                return None
+            if value.strip(b"\0\n ") != b"0":
+                return True
+    return False

@@ -35,7 +35,13 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from gpuwatchd.collect.cgroups import kernel_lines, parse_cgroup
+from gpuwatchd.collect.capabilities import missing_capabilities
+from gpuwatchd.collect.cgroups import (
+    delegation_mark,
+    kernel_lines,
+    parse_cgroup,
+    parse_systemd_mount,
+)
 from gpuwatchd.collect.procread import (
     GONE_ERRNOS,
     PF_KTHREAD,
@@ -43,7 +49,7 @@ from gpuwatchd.collect.procread import (
     parse_stat,
     read_proc_file,
 )
-from gpuwatchd.decide.floor import claims_infrastructure
+from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
 if TYPE_CHECKING:
@@ -63,6 +69,7 @@ __all__ = [
     "read_proc_file",
 ]
 
+_CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304
 # Inode numbers of the initial namespaces, fixed by the kernel (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -148,6 +155,8 @@ class ProcFS:
         self.root = root.rstrip("/") or "/"
         self._users: dict[int, str | None] = {}
         self._has_children_files: bool | None = None
+        self._systemd_mount: str | None = None  # where systemd's cgroups are (read once)
+        self._systemd_mount_read = False
         self.self_pid = self._read_self_pid()
         self.holders: HolderScanner = holders.HolderScanner(
             self,
@@ -363,7 +372,27 @@ class ProcFS:
         )
         if not kernel_thread and claims_infrastructure(info.names):
             info = dataclasses.replace(info, exe_trusted=self.exe_trusted(pid, exe))
+        if not kernel_thread and cgroup is not None and names_infrastructure_unit(cgroup):
+            marked = dataclasses.replace(cgroup, delegated=self.delegated(cgroup.path))
+            info = dataclasses.replace(info, cgroup=marked)
         return info
+
+    def delegated(self, path: str) -> bool | None:
+        """Whether systemd marked cgroup ``path`` or one above it as delegated
+        (:func:`gpuwatchd.collect.cgroups.delegation_mark`), in the hierarchy this ``/proc``'s
+        ``self/mountinfo`` says systemd keeps; None when that, or the mark, cannot be read.
+        Without CAP_SYS_ADMIN the kernel hides ``trusted.delegate`` (every read says "none"),
+        so the mark is then unknown."""
+        if not self._systemd_mount_read:
+            try:
+                mountinfo = self._read_text(f"{self.root}/self/mountinfo")
+            except OSError:
+                mountinfo = ""
+            blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": _CAP_SYS_ADMIN})
+            self._systemd_mount = None if blind else parse_systemd_mount(mountinfo)
+            self._systemd_mount_read = True
+        mount = self._systemd_mount
+        return None if mount is None else delegation_mark(mount, path)
 
     def exe_trusted(self, pid: int, exe: str | None) -> bool | None:
         """Whether the program ``pid`` runs is one only root can have put where it is.

@@ -3,29 +3,23 @@
 This module owns two questions every layer asks and must answer the same way:
 
 * **Is this process infrastructure?** (:func:`infrastructure`) — init and kthreadd, kernel
-  threads, and the NVIDIA and display services, recognised only by facts a user cannot forge
-  (docs/design-notes.md, section 10): the *resolved* executable (``/proc/PID/exe``, not comm
-  or argv[0]) is owned by root in a root-owned directory that neither group nor others may
-  write (``ProcessInfo.exe_trusted``), and the process runs as root or inside a system
-  service's cgroup (below ``system.slice``, not delegated to a user, not a container); or it
-  runs inside one of the infrastructure's systemd units in such a system cgroup. A user's
-  look-alike — a program named ``nvidia-cuda-mps-server``, a process that renamed itself, a
-  ``user@…/nvidia-dcgm.service`` of its own — is an ordinary process. Infrastructure is never
-  a finding, never a signal target, and does not count as a live holder when plan weighs a
-  reset; the reset procedure deals with it (persistence mode off, ``before`` hooks), and its
-  final scan still refuses while anything holds the GPU. No configuration lowers this floor.
-  A process that *claims* an infrastructure name whose identity cannot be read
-  (:func:`unverified_infrastructure`) is never signalled (unknown never leads to a kill) but
-  is otherwise an ordinary process: it counts as a holder and grants nothing.
-  :func:`mps_server` is the same test for the MPS server, whose presence makes the node
-  report-only.
+  threads, and the NVIDIA and display services, recognised only by facts a user cannot forge:
+  root's program (``ProcessInfo.exe_trusted``) run as root or in that program's own systemd
+  unit (``FLOOR_NAME_UNITS``), or root's process in an infrastructure unit; a unit counts only
+  where root alone places processes (:func:`system_cgroup`: no Slurm job, delegation mark,
+  user's subtree or container). Below ``system.slice`` alone proves nothing: root daemons put
+  users' work there. Infrastructure is never a finding, never a target, and no live holder
+  for plan's reset gate; no configuration lowers this floor. A claim whose facts cannot be
+  read (:func:`unverified_infrastructure`) is never signalled and grants nothing.
+  :func:`mps_server` is the same test for the MPS daemon, which makes the node report-only.
 * **Who holds this GPU right now?** (:func:`live_holder` for plan's gate over a poll's
   snapshot, :func:`reset_blockers` for the final scan right before ``nvidia-smi --gpu-reset``,
   :func:`driver_refusers` for the report): any holder of the GPU's device file, a non-floor
   holder of ``nvidiactl``/``nvidia-uvm`` that cannot be attributed to a GPU, and any process
   whose fds or maps could not be read — unknown is not none (docs/design-notes.md, section 7).
 
-Pure: no I/O, no clock, no logging.
+In detail: docs/internals.md, section `gpuwatchd.decide.floor`. Pure: no I/O, no clock, no
+logging.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.decide.policy import FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
+from gpuwatchd.decide.policy import FLOOR_NAME_UNITS, FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
 from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
 __all__ = [
@@ -45,6 +39,7 @@ __all__ = [
     "is_infrastructure",
     "live_holder",
     "mps_server",
+    "names_infrastructure_unit",
     "reset_blockers",
     "system_cgroup",
     "trusted_identity",
@@ -73,11 +68,26 @@ def claims_infrastructure(names: Iterable[str]) -> bool:
     return any(_name_matches(name, FLOOR_PROCESS_NAMES) for name in names)
 
 
+def _is_slurm_scope(part: str) -> bool:
+    return part == "slurmstepd.scope" or part.endswith("_slurmstepd.scope")
+
+
+def _is_users_part(part: str) -> bool:
+    return (
+        part == "user.slice"
+        or (part.startswith("user-") and part.endswith(".slice"))
+        or (part.startswith("user@") and part.endswith(".service"))
+    )
+
+
 def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
-    """Whether ``cgroup`` is a system service's: below ``system.slice`` or ``init.scope``, with
-    no user's delegated subtree (``user@UID.service``, ``user.slice``, ``user-UID.slice``) and
-    no container or pod on the way. Only root (systemd, a root daemon) can place a process
-    there. None when the cgroup is unknown."""
+    """Whether only root places processes in ``cgroup``: below ``system.slice`` or
+    ``init.scope``, with no user's subtree (``user@UID.service``, ``user.slice``,
+    ``user-UID.slice``), no Slurm job (``slurmstepd.scope``, whose jobs sit below it), no
+    container or pod on the way, and no systemd delegation mark on it or above it
+    (``CgroupInfo.delegated``: a ``Delegate=`` unit's manager, or the user it runs as, places
+    processes and makes cgroups there). None when the cgroup, or its delegation mark, is
+    unknown: unknown never makes a process trusted."""
     if cgroup is None:
         return None
     parts = [p for p in cgroup.path.split("/") if p]
@@ -85,24 +95,61 @@ def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
         return False
     if cgroup.container_id is not None or cgroup.pod_uid is not None:
         return False
-    return not any(
-        part == "user.slice"
-        or (part.startswith("user-") and part.endswith(".slice"))
-        or (part.startswith("user@") and part.endswith(".service"))
-        for part in parts
-    )
+    if cgroup.slurm_job is not None:
+        return False
+    if any(_is_users_part(part) or _is_slurm_scope(part) for part in parts):
+        return False
+    if cgroup.delegated is None:
+        return None
+    return not cgroup.delegated
+
+
+def _top_unit(cgroup: CgroupInfo) -> str | None:
+    """The unit systemd started for ``cgroup``: its first part after the slices. A name below
+    it is the unit's own sub-cgroup, named by whoever runs in it, never systemd's word."""
+    for part in cgroup.path.split("/"):
+        if not part or part.endswith(".slice"):
+            continue
+        return part if part.endswith((".service", ".scope")) else None
+    return None
+
+
+def _in_unit(cgroup: CgroupInfo | None, patterns: Iterable[str]) -> bool | None:
+    """Whether ``cgroup`` is (below) a unit matching ``patterns`` that only root places
+    processes in (:func:`system_cgroup`). None when it names such a unit and whether root
+    alone places processes there is unknown, or when the cgroup is unknown."""
+    if cgroup is None:
+        return None
+    unit = _top_unit(cgroup)
+    if unit is None or not any(fnmatch.fnmatchcase(unit, p) for p in patterns):
+        return False
+    return system_cgroup(cgroup)
+
+
+_FLOOR_UNITS = (*FLOOR_UNIT_PATTERNS, *(p for units in FLOOR_NAME_UNITS.values() for p in units))
+
+
+def names_infrastructure_unit(cgroup: CgroupInfo) -> bool:
+    """Whether ``cgroup``'s unit is an infrastructure unit, or an infrastructure program's own:
+    then the floor's answer depends on the cgroup's delegation mark, which collection reads
+    for these few (``CgroupInfo.delegated``)."""
+    return _in_unit(cgroup, _FLOOR_UNITS) is not False
 
 
 def trusted_identity(proc: ProcessInfo) -> bool | None:
-    """Whether ``proc`` is something only root can have started as it is: a root-owned
-    executable in a root-owned directory (``exe_trusted``), run as root (uid 0) or inside a
-    system service's cgroup (:func:`system_cgroup`). None when a fact it needs is unknown."""
+    """Whether ``proc`` may be believed to be the infrastructure program it runs: a root-owned
+    executable in a root-owned directory (``exe_trusted``), run as root (uid 0) or inside one
+    of that program's own system units (``FLOOR_NAME_UNITS``, :func:`system_cgroup`). A user's
+    run of the genuine program anywhere else (a Slurm job, cron.service, sshd.service) is not.
+    None when a fact it needs is unknown."""
     if proc.exe_trusted is False:
         return False
-    system = system_cgroup(proc.cgroup)
-    if proc.uid == 0 or system is True:
+    if proc.uid == 0:
         return proc.exe_trusted  # True, or None (unknown)
-    if proc.uid is not None and system is False:
+    own = _in_unit(proc.cgroup, FLOOR_NAME_UNITS.get(proc.exe_name or "", ()))
+    if own is True:
+        return proc.exe_trusted
+    if proc.uid is not None and own is False:
         return False
     return None
 
@@ -126,16 +173,13 @@ def _trusted_name(proc: ProcessInfo, names: frozenset[str]) -> str | None:
 
 
 def _system_unit(proc: ProcessInfo) -> str | None:
-    """The infrastructure unit whose system cgroup ``proc`` runs in, or None."""
+    """The infrastructure unit ``proc`` runs in as root, placed there by root, or None. A
+    non-root process there counts only by its own name (:func:`trusted_identity`): a display
+    manager without ``pam_systemd`` keeps its users' sessions in its own unit."""
     cgroup = proc.cgroup
-    if cgroup is None or system_cgroup(cgroup) is not True:
+    if proc.uid != 0 or cgroup is None or _in_unit(cgroup, FLOOR_UNIT_PATTERNS) is not True:
         return None
-    parts = [p for p in cgroup.path.split("/") if p]
-    for part in parts:
-        for pattern in FLOOR_UNIT_PATTERNS:
-            if fnmatch.fnmatchcase(part, pattern):
-                return part
-    return None
+    return _top_unit(cgroup)
 
 
 _MEMO = "_floor_infrastructure"  # the answer, kept on the (frozen) ProcessInfo it is about
@@ -182,15 +226,25 @@ def is_infrastructure(proc: ProcessInfo) -> bool:
 
 
 def unverified_infrastructure(proc: ProcessInfo) -> str | None:
-    """Why ``proc`` may not be signalled although it is not known infrastructure: it goes by an
-    infrastructure name and its identity cannot be read (no executable link, its owner
-    unknown). None for infrastructure itself and for a look-alike known to be one."""
-    if is_infrastructure(proc) or not claims_infrastructure(proc.names):
+    """Why ``proc`` may not be signalled although it is not known infrastructure: it goes by
+    an infrastructure name, or runs in an infrastructure unit, and whether it is that program
+    or root's process placed there by root cannot be read (no executable link, its owner or
+    its unit's delegation mark unknown). None for infrastructure itself and for a look-alike
+    known to be one."""
+    if is_infrastructure(proc):
         return None
-    if trusted_identity(proc) is not None:
-        return None
-    claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
-    return f"goes by {claimed[0]!r}, but whether it is that program cannot be read"
+    if claims_infrastructure(proc.names) and trusted_identity(proc) is None:
+        claimed = sorted(n for n in proc.names if _name_matches(n, FLOOR_PROCESS_NAMES))
+        return f"goes by {claimed[0]!r}, but whether it is that program cannot be read"
+    cgroup = proc.cgroup
+    placed = None if cgroup is None else _in_unit(cgroup, FLOOR_UNIT_PATTERNS)
+    # Root's process in root's unit is infrastructure: unknown owner or placement is neither.
+    if cgroup is not None and proc.uid in (0, None) and placed is not False:
+        return (
+            f"runs in {_top_unit(cgroup)}, but whether as root, placed there by root, "
+            "cannot be read"
+        )
+    return None
 
 
 def mps_server(proc: ProcessInfo) -> bool:

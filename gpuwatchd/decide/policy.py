@@ -8,7 +8,9 @@ are float seconds and sizes are int bytes here; the YAML spells them ``30s`` and
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from gpuwatchd.model import MIB, FindingKind
 from gpuwatchd.paths import DEFAULT_STATE_DIR
@@ -69,6 +71,25 @@ FLOOR_UNIT_PATTERNS = (
     "gdm*.service",
     "sddm.service",
     "lightdm.service",
+)
+# The systemd units an infrastructure program runs in when it is not root (it dropped to a
+# service account, as nvidia-persistenced --user and nv-hostengine --service-account do): by
+# its executable's name, such a program is believed only as root or inside one of its own
+# units (decide/floor.py). A name absent here is believed only as root.
+FLOOR_NAME_UNITS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "nvidia-persistenced": ("nvidia-persistenced.service",),
+        "nv-hostengine": ("nvidia-dcgm.service", "dcgm.service"),
+        "dcgm-exporter": ("dcgm-exporter.service",),
+        "nvidia-cuda-mps-control": ("nvidia-mps.service", "nvidia-cuda-mps*.service"),
+        "nvidia-cuda-mps-server": ("nvidia-mps.service", "nvidia-cuda-mps*.service"),
+        "nv-fabricmanager": ("nvidia-fabricmanager.service",),
+        "nvidia-fabricmanager": ("nvidia-fabricmanager.service",),
+        "nvidia-imex": ("nvidia-imex.service",),
+        "nvidia-powerd": ("nvidia-powerd.service",),
+        "nvsm": ("nvsm*.service",),
+        "gpuwatchd": ("gpuwatchd.service",),
+    }
 )
 
 

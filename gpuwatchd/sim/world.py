@@ -21,6 +21,7 @@ from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.model import (
     MIB,
+    CgroupInfo,
     DeviceHolding,
     FileSharing,
     GpuHealth,
@@ -72,6 +73,11 @@ def size_text(value: object) -> str:
     if value >= 1024 * MIB:
         return f"{value / (1024 * MIB):.1f} GiB"
     return f"{value // MIB} MiB"
+
+
+def _unmarked(cgroup: CgroupInfo | None) -> CgroupInfo | None:
+    """The simulated host's cgroups carry no systemd delegation mark (read, and absent)."""
+    return None if cgroup is None else replace(cgroup, delegated=False)
 
 
 @dataclass
@@ -381,7 +387,7 @@ class World:
             comm=spec.comm,
             exe=None if zombie else spec.exe or spec.command[0],
             cmdline=() if zombie else spec.command,
-            cgroup=parse_cgroup(f"0::{spec.cgroup}\n"),
+            cgroup=_unmarked(parse_cgroup(f"0::{spec.cgroup}\n")),
             exe_trusted=None if zombie else spec.exe_trusted,
         )
 

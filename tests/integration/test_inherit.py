@@ -331,7 +331,11 @@ def one_gpu_node(*, ctl_holder: str) -> Snapshot:
     builder = HostBuilder().gpu(0)
     if ctl_holder == "persistenced":
         builder.proc(
-            900, comm="nvidia-persiste", cgroup=cg_unit("nvidia-persistenced.service"), ctl=True
+            900,
+            comm="nvidia-persiste",
+            uid=0,
+            cgroup=cg_unit("nvidia-persistenced.service"),
+            ctl=True,
         )
     else:
         builder.proc(900, comm="python3", ctl=True)

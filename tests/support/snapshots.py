@@ -84,8 +84,9 @@ def cg_container(cid: str) -> CgroupInfo:
     )
 
 
-def cg_unit(unit: str) -> CgroupInfo:
-    return CgroupInfo(path=f"/system.slice/{unit}", systemd_unit=unit)
+def cg_unit(unit: str, *, delegated: bool | None = False) -> CgroupInfo:
+    """A system service's cgroup; by default read, and without systemd's delegation mark."""
+    return CgroupInfo(path=f"/system.slice/{unit}", systemd_unit=unit, delegated=delegated)
 
 
 def cg_session(number: int = 1, uid: int = 1000) -> CgroupInfo:

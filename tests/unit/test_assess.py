@@ -375,6 +375,7 @@ def test_floor_unit_process_is_floor_even_with_an_unknown_name() -> None:
         pgid=970,
         sid=970,
         comm="worker",
+        uid=0,
         cgroup=cg_unit("nvidia-dcgm.service"),
     )
     assert is_infrastructure(proc)

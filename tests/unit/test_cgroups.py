@@ -15,6 +15,7 @@ from gpuwatchd.collect.cgroups import (
     kernel_lines,
     parse_cgroup,
     parse_cgroup2_mount,
+    parse_systemd_mount,
     slurm_job_dir,
     unescape_mount_path,
 )
@@ -298,3 +299,29 @@ def test_cgroup2_mount_is_parsed_from_newline_separated_mountinfo(
 def test_unescape_mount_path_undoes_the_kernels_octal_escapes() -> None:
     assert unescape_mount_path("/a\\040b\\011c\\012d\\134e") == "/a b\tc\nd\\e"
     assert unescape_mount_path("/plain") == "/plain"
+
+
+HYBRID = (
+    "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
+    "40 31 0:37 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,xattr,name=systemd\n"
+    "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("25 20 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n", "/sys/fs/cgroup"),
+        (HYBRID, "/sys/fs/cgroup/systemd"),  # where systemd sets its marks on a hybrid host
+        (HYBRID.split("\n")[1] + "\n", "/sys/fs/cgroup/systemd"),  # legacy: v1 only
+        ("32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", None),
+        # A FUSE mount a user named like systemd's hierarchy is not a cgroup mount.
+        ("50 31 0:50 / /home/u/x rw - fuse.sshfs name=systemd rw,name=systemd\n", None),
+        ("", None),
+    ],
+    ids=["unified", "hybrid", "legacy", "no-systemd-hierarchy", "fuse-look-alike", "empty"],
+)  # fmt: skip
+def test_parse_systemd_mount_finds_where_systemd_keeps_its_cgroups(
+    text: str, expected: str | None
+) -> None:
+    assert parse_systemd_mount(text) == expected

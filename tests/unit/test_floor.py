@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.collect.cgroups import classify_cgroup_path
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
@@ -43,7 +44,7 @@ def _proc(pid: int, **fields: Any) -> ProcessInfo:
         (_proc(71, comm="x", exe="/usr/bin/nv-hostengine", **ROOT_EXE), "nv-hostengine"),
         # Root's own names count (root needs no disguise), a 15-character cut included.
         (_proc(73, comm="nvidia-persiste", exe="/usr/bin/python3", **ROOT_EXE), "nvidia-persiste"),
-        # nvidia-persistenced drops to its own user; its system service cgroup vouches for it.
+        # nvidia-persistenced drops to its own user; its own unit vouches for it.
         (
             _proc(
                 74,
@@ -51,12 +52,12 @@ def _proc(pid: int, **fields: Any) -> ProcessInfo:
                 exe="/usr/bin/nvidia-persistenced",
                 uid=117,
                 exe_trusted=True,
-                cgroup=CgroupInfo("/system.slice/foo.service", systemd_unit="foo.service"),
+                cgroup=cg_unit("nvidia-persistenced.service"),
             ),
             "nvidia-persistenced",
         ),
         (
-            _proc(72, comm="worker", uid=1000, cgroup=cg_unit("nvidia-dcgm.service")),
+            _proc(72, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service")),
             "infrastructure unit nvidia-dcgm.service",
         ),
     ],
@@ -183,7 +184,7 @@ def test_a_trusted_mps_server_makes_the_node_report_only_and_a_users_does_not() 
 
 def test_system_cgroup_is_below_system_slice_and_never_a_users_or_a_containers() -> None:
     assert system_cgroup(cg_unit("nvidia-dcgm.service")) is True
-    assert system_cgroup(CgroupInfo("/init.scope")) is True
+    assert system_cgroup(CgroupInfo("/init.scope", delegated=False)) is True
     assert system_cgroup(USER_DCGM) is False
     assert system_cgroup(SESSION) is False
     assert system_cgroup(cg_container("ab" * 32)) is False
@@ -212,7 +213,7 @@ def _dcgm_worker_host(monotonic: float) -> HostBuilder:
     return (
         HostBuilder(monotonic=monotonic, wall_time=1_700_000_000.0 + monotonic)
         .gpu(0, allocated=4096 * MIB)
-        .proc(600, comm="worker", cgroup=cg_unit("nvidia-dcgm.service"), holds={0}, uvm=True)
+        .proc(600, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service"), holds={0}, uvm=True)
     )
 
 
@@ -261,3 +262,245 @@ def test_a_job_holder_is_a_live_holder_and_a_blocker() -> None:
     assert live_holder(holders, procs, 0, frozenset({700})) is None  # ourselves
     assert reset_blockers(holders, procs, 0, frozenset())
     assert live_holder(holders, procs, None, frozenset()) is not None  # unknown is not none
+
+
+# --- issue 34, finding 3: below system.slice is not yet root's placement --------------------
+
+
+def _placed(path: str, *, delegated: bool | None = False) -> CgroupInfo:
+    """``path`` as collection reads it: the parser's reading, and the delegation mark."""
+    return dataclasses.replace(classify_cgroup_path(path), delegated=delegated)
+
+
+SLURM_TASK = "/system.slice/slurmstepd.scope/job_42/step_0/user/task_0"
+USERS_PROGRAM = {"uid": 1001, "exe_trusted": True}  # root's genuine program, run by a user
+
+
+@pytest.mark.parametrize(
+    ("exe", "cgroup"),
+    [
+        ("/usr/bin/nvidia-smi", _placed(SLURM_TASK)),
+        ("/usr/bin/nvidia-cuda-mps-control", _placed(SLURM_TASK)),
+        ("/usr/bin/nvidia-cuda-mps-server", _placed(SLURM_TASK)),
+        # Several slurmd per host name their scope <node>_slurmstepd.scope.
+        ("/usr/bin/nvidia-smi", _placed("/system.slice/n1_slurmstepd.scope/job_7/step_0")),
+        # Slurm's own processes of the scope, where the parser names no job.
+        ("/usr/bin/nvidia-smi", _placed("/system.slice/slurmstepd.scope/system")),
+        # cgroup v1: slurm/uid_<UID>/job_<ID>.
+        ("/usr/bin/nv-hostengine", _placed("/slurm/uid_1001/job_7/step_0/task_0")),
+        # A crontab job where cron's PAM stack has no pam_systemd.
+        ("/usr/bin/nvidia-smi", _placed("/system.slice/cron.service")),
+        ("/usr/bin/nvidia-cuda-mps-control", _placed("/system.slice/cron.service")),
+        # An ssh session without pam_systemd; a JupyterHub kernel in the hub's unit.
+        ("/usr/bin/nvidia-persistenced", _placed("/system.slice/ssh.service")),
+        ("/usr/bin/nv-hostengine", _placed("/system.slice/jupyterhub.service")),
+        # A Delegate= unit (systemd's mark): its manager places users' work below it.
+        ("/usr/bin/nvidia-smi", _placed("/system.slice/batch.service/w1", delegated=True)),
+        # The program's own unit, but delegated: not root's placement any more.
+        (
+            "/usr/bin/nvidia-persistenced",
+            _placed("/system.slice/nvidia-persistenced.service", delegated=True),
+        ),
+        # The program's own unit name below another unit: the unit's own sub-cgroup.
+        ("/usr/bin/nv-hostengine", _placed("/system.slice/batch.service/nvidia-dcgm.service")),
+    ],
+    ids=[
+        "slurm-job-nvidia-smi",
+        "slurm-job-mps-control",
+        "slurm-job-mps-server",
+        "slurm-job-several-slurmd",
+        "slurmstepd-scope-without-job",
+        "slurm-v1-job",
+        "cron-without-pam-systemd",
+        "cron-mps-control",
+        "sshd-without-pam-systemd",
+        "jupyterhub-kernel",
+        "delegated-unit",
+        "own-unit-delegated",
+        "own-unit-name-below-another-unit",
+    ],
+)
+def test_a_users_run_of_roots_program_below_system_slice_is_an_ordinary_process(
+    exe: str, cgroup: CgroupInfo
+) -> None:
+    """Before: below system.slice was "a system service's cgroup", so root's program run by a
+    user there (a Slurm job, a crontab, an ssh session) was infrastructure: never a finding,
+    no live holder, and an MPS daemon started there made the whole node report-only."""
+    name = exe.rsplit("/", 1)[1]
+    proc = _proc(600, comm=name[:15], exe=exe, cmdline=(exe,), cgroup=cgroup, **USERS_PROGRAM)
+    assert infrastructure(proc) is None
+    assert not mps_server(proc)
+    assert unverified_infrastructure(proc) is None  # known: an ordinary process
+
+
+@pytest.mark.parametrize(
+    "proc",
+    [
+        # A user's process in a display manager's unit (a session without pam_systemd).
+        _proc(610, comm="python3", uid=1001, cgroup=cg_unit("lightdm.service")),
+        # A user's process in an NVIDIA unit: only root's processes count there by the unit.
+        _proc(611, comm="worker", uid=1001, cgroup=cg_unit("nvidia-dcgm.service")),
+        # Root's process in a delegated NVIDIA unit.
+        _proc(612, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service", delegated=True)),
+    ],
+    ids=["display-manager-session", "users-process-in-dcgm-unit", "delegated-dcgm-unit"],
+)
+def test_a_process_in_an_infrastructure_unit_counts_only_as_roots_placed_by_root(
+    proc: ProcessInfo,
+) -> None:
+    assert infrastructure(proc) is None
+    assert unverified_infrastructure(proc) is None
+
+
+@pytest.mark.parametrize(
+    "proc",
+    [
+        # Root's process in the DCGM unit, the unit's delegation mark unread.
+        _proc(620, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service", delegated=None)),
+        # The mark read, the owner not.
+        _proc(621, comm="worker", uid=None, cgroup=cg_unit("nvidia-dcgm.service")),
+        # nvidia-persistenced as its service account, its unit's mark unread.
+        _proc(
+            622,
+            comm="nvidia-persiste",
+            exe="/usr/bin/nvidia-persistenced",
+            uid=117,
+            exe_trusted=True,
+            cgroup=cg_unit("nvidia-persistenced.service", delegated=None),
+        ),
+    ],
+    ids=["unit-mark-unread", "unit-owner-unread", "own-unit-mark-unread"],
+)
+def test_an_infrastructure_claim_whose_placement_is_unknown_is_never_signalled_nor_trusted(
+    proc: ProcessInfo,
+) -> None:
+    assert infrastructure(proc) is None
+    assert not mps_server(proc)
+    assert unverified_infrastructure(proc) is not None
+    finding = Finding(FindingKind.ORPHANED, "gpu", proc.pid, 1, "orphaned")
+    why = refusal(proc, finding, HostBuilder().build(), default_policy(), frozenset())
+    assert why is not None
+    assert why.startswith("floor: ")
+
+
+SERVICE_ACCOUNT = {"uid": 117, "exe_trusted": True}
+
+
+@pytest.mark.parametrize(
+    ("proc", "why"),
+    [
+        (
+            _proc(
+                630,
+                exe="/usr/bin/nvidia-persistenced",
+                cgroup=cg_unit("nvidia-persistenced.service"),
+                **ROOT_EXE,
+            ),
+            "infrastructure process nvidia-persistenced",
+        ),
+        (
+            _proc(
+                631,
+                exe="/usr/bin/nvidia-persistenced",
+                cgroup=cg_unit("nvidia-persistenced.service"),
+                **SERVICE_ACCOUNT,
+            ),
+            "infrastructure process nvidia-persistenced",
+        ),
+        (
+            _proc(
+                632, exe="/usr/bin/nv-hostengine", cgroup=cg_unit("nvidia-dcgm.service"), **ROOT_EXE
+            ),
+            "infrastructure process nv-hostengine",
+        ),
+        (
+            _proc(
+                633,
+                exe="/usr/bin/nv-hostengine",
+                cgroup=cg_unit("nvidia-dcgm.service"),
+                **SERVICE_ACCOUNT,
+            ),
+            "infrastructure process nv-hostengine",
+        ),
+        (
+            _proc(634, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service")),
+            "infrastructure unit nvidia-dcgm.service",
+        ),
+        (
+            _proc(
+                635,
+                exe="/usr/bin/nvidia-cuda-mps-control",
+                cgroup=cg_unit("nvidia-mps.service"),
+                **ROOT_EXE,
+            ),
+            "infrastructure process nvidia-cuda-mps-control",
+        ),
+        # Root's program as root needs no unit at all (a DaemonSet's container, an admin).
+        (
+            _proc(636, exe="/usr/bin/nvidia-cuda-mps-control", cgroup=None, **ROOT_EXE),
+            "infrastructure process nvidia-cuda-mps-control",
+        ),
+    ],
+    ids=[
+        "root-persistenced",
+        "persistenced-service-account",
+        "root-hostengine",
+        "hostengine-service-account",
+        "root-worker-in-dcgm-unit",
+        "root-mps-daemon-in-its-unit",
+        "root-mps-daemon-anywhere",
+    ],
+)
+def test_real_infrastructure_is_still_recognised(proc: ProcessInfo, why: str) -> None:
+    assert why in str(infrastructure(proc))
+    assert mps_server(proc) == ("mps" in why)
+
+
+def test_an_mps_daemon_a_user_starts_inside_a_job_leaves_the_node_watched() -> None:
+    """Before: `nvidia-cuda-mps-control -d` from a Slurm job under cgroup v2 was trusted (root's
+    program below system.slice), and the whole node went report-only."""
+    mps = _proc(
+        640,
+        comm="nvidia-cuda-mps",
+        exe="/usr/bin/nvidia-cuda-mps-control",
+        cmdline=("nvidia-cuda-mps-control", "-d"),
+        cgroup=_placed(SLURM_TASK),
+        **USERS_PROGRAM,
+    )
+    snapshot = dataclasses.replace(HostBuilder().gpu(0).build(), mps_server_running=mps_server(mps))
+    assessment = assess(snapshot, AssessState(), default_policy().detection)
+    assert not snapshot.mps_server_running
+    assert not assessment.report_only
+
+
+def test_system_cgroup_needs_the_delegation_mark_read_and_absent() -> None:
+    assert system_cgroup(cg_unit("nvidia-dcgm.service")) is True
+    assert system_cgroup(cg_unit("nvidia-dcgm.service", delegated=True)) is False
+    assert system_cgroup(cg_unit("nvidia-dcgm.service", delegated=None)) is None
+    # Whatever the mark says, a Slurm job's or a user's cgroup is never root's placement.
+    assert system_cgroup(_placed(SLURM_TASK, delegated=None)) is False
+    assert (
+        system_cgroup(_placed("/system.slice/user-1001.slice/x.service", delegated=None)) is False
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/system.slice/nvidia-dcgm.service", True),
+        ("/system.slice/system-nvidia.slice/nvidia-imex@0.service", True),
+        ("/init.scope", True),
+        ("/system.slice/slurmstepd.scope/system", False),
+        ("/system.slice/n1_slurmstepd.scope/system", False),
+        ("/system.slice/slurm/uid_1001/job_7/step_0", False),  # v1's form, wherever it sits
+        ("/system.slice/user.slice/x.service", False),
+        ("/system.slice/user@1001.service/app.slice/x.service", False),
+        ("/system.slice/user-1001.slice/x.service", False),
+        (f"/system.slice/docker-{'ab' * 32}.scope", False),
+        ("/user.slice/user-1001.slice/session-3.scope", False),
+        ("/", False),
+    ],
+)
+def test_system_cgroup_table(path: str, expected: bool) -> None:
+    """Read with no delegation mark: only the placement in the path decides."""
+    assert system_cgroup(_placed(path)) is expected

@@ -84,8 +84,10 @@ def _add(builder: HostBuilder, role: str, pid: int, minors: frozenset[int]) -> N
     if role == "persistenced":
         _persistenced(builder, pid, sorted(minors), ctl=None)
     elif role == "dcgm":
-        # infrastructure by its unit, not by its name
-        builder.proc(pid, comm="exporter", cgroup=cg_unit("nvidia-dcgm.service"), holds=minors)
+        # infrastructure by its unit, not by its name: root's process in root's unit
+        builder.proc(
+            pid, comm="exporter", uid=0, cgroup=cg_unit("nvidia-dcgm.service"), holds=minors
+        )
     elif role == "self":
         builder.hold(pid, minors)  # the daemon's own processes are in no snapshot's processes
     else:
@@ -248,7 +250,9 @@ def test_a_job_holding_only_nvidiactl_after_infrastructure_blocks_the_final_scan
     elif first == "persistenced":
         _persistenced(builder, other, (), ctl=True)
     else:
-        builder.proc(other, comm="x", cgroup=cg_unit("nvidia-dcgm.service"), holds=(), ctl=True)
+        builder.proc(
+            other, comm="x", uid=0, cgroup=cg_unit("nvidia-dcgm.service"), holds=(), ctl=True
+        )
     builder.proc(job, holds=(), uvm=True)
     builder.proc(1000, holds={1}, uvm=True)  # a job on the other GPU only: no blocker here
     snapshot = builder.build()
@@ -312,7 +316,7 @@ def test_plan_never_resets_a_gpu_a_job_holds_beside_infrastructure(
         ),
         (
             "it moved into the DCGM unit",
-            _job_host(cgroup=cg_unit("nvidia-dcgm.service")),
+            _job_host(cgroup=cg_unit("nvidia-dcgm.service"), uid=0, user="root"),
             _policy(),
             "floor: infrastructure unit",
         ),
@@ -523,8 +527,8 @@ def test_an_nvidia_unit_is_infrastructure_only_where_its_cgroup_path_is_a_system
     """The path, which only root can place a process in, names the unit; a unit name recorded
     beside another path (a report, a user's own ``user@`` unit of that name) grants nothing."""
     proc = ProcessInfo(
-        900, 1, "S", 1, 900, 900, comm="worker",
-        cgroup=CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service"),
+        900, 1, "S", 1, 900, 900, comm="worker", uid=0,
+        cgroup=CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service", delegated=False),
     )  # fmt: skip
     assert infrastructure(proc) == why
 

@@ -229,15 +229,17 @@ def _refused(p: ProcessInfo | None, **kw: object) -> str | None:
         (proc(comm="Xorg", uid=0), "floor: goes by 'Xorg'"),
         (
             proc(
+                uid=0,
                 cgroup=CgroupInfo(
                     "/system.slice/nvidia-persistenced.service",
                     systemd_unit="nvidia-persistenced.service",
-                )
+                    delegated=False,
+                ),
             ),
             "floor: infrastructure unit",
         ),
         (
-            proc(cgroup=CgroupInfo("/system.slice/nvsm-core.service")),
+            proc(uid=0, cgroup=CgroupInfo("/system.slice/nvsm-core.service", delegated=False)),
             "floor: infrastructure unit",
         ),
         (None, "identity: process not in the snapshot"),

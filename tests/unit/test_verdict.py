@@ -122,7 +122,7 @@ def test_infrastructure_is_neither_dirt_nor_a_reset_blocker_here() -> None:
     snapshot = (
         two_gpus()
         .proc(50, **ROOTS_PERSISTENCED, holds={0, 1}, uvm=False)
-        .proc(51, comm="nv-hostengine", cgroup=cg_unit("nvidia-dcgm.service"), holds={0, 1})
+        .proc(51, comm="nv-hostengine", uid=0, cgroup=cg_unit("nvidia-dcgm.service"), holds={0, 1})
         .build()
     )
     verdict = verdict_of(snapshot)
@@ -158,6 +158,23 @@ def test_a_live_job_is_no_dirt_but_would_block_a_reset() -> None:
     assert states(verdict) == ["clean", "clean"]
     assert [blockers(g) for g in verdict.gpus] == [[300, 301], [300, 301]]
     assert "worker of PID 300" in verdict.gpus[1].reset_blockers[1].text
+
+
+def test_roots_program_run_by_a_user_in_a_slurm_job_is_that_jobs_process() -> None:
+    """Issue 34, finding 3. Before: `/usr/bin/nvidia-smi` (CUDA code under it with LD_PRELOAD)
+    run by a user in `system.slice/slurmstepd.scope/job_*` was infrastructure: no blocker,
+    and the memory its context holds no live holder's."""
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK + 2 * MIB)
+        .proc(300, comm="nvidia-smi", exe="/usr/bin/nvidia-smi", exe_trusted=True,
+              uid=1001, holds={0}, uvm=True, cgroup=cg_slurm("7"))
+        .nvml(0, 300, used=LEAK)
+        .build()
+    )  # fmt: skip
+    verdict = verdict_of(snapshot)
+    assert [blockers(g) for g in verdict.gpus] == [[300]]
+    assert verdict.gpus[0].reset_blockers[0].kind != "management"
 
 
 JUPYTER = "jupyter@bob.service"

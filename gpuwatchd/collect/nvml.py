@@ -21,20 +21,20 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
-from pathlib import Path
 from typing import Any, Protocol
 
 from gpuwatchd import lazylog
 from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.collect.mig import to_mig_devices
 from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.vocabulary import EventName
 
 log = lazylog.get_logger()
 
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
-WORKER_FILE = str(Path(__file__).resolve().with_name("nvml_worker.py"))
+WORKER_FILE = NVML_WORKER_FILE
 # The worker's notice that a GPU answers only the v1 memory query (nvml_worker's of that name:
 # the worker imports nothing from gpuwatchd).
 MEMORY_V1_NOTICE = "memory_v1"
@@ -46,7 +46,7 @@ _INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
 _INHERITED_PREFIXES = ("FAKENVML_",)
 _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 # Runs under ``python -I`` with the worker file and the folders for sys.path as arguments.
-LAUNCHER_FILE = str(Path(__file__).resolve().with_name("nvml_launch.py"))
+LAUNCHER_FILE = NVML_LAUNCHER_FILE
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 

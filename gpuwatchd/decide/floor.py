@@ -29,12 +29,14 @@ from collections.abc import Iterable, Mapping
 
 from gpuwatchd.decide.policy import FLOOR_NAME_UNITS, FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
 from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
+from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 
 __all__ = [
     "COMM_LENGTH",
     "MPS_SERVER_NAMES",
     "claims_infrastructure",
     "driver_refusers",
+    "gpuwatchd_worker",
     "infrastructure",
     "is_infrastructure",
     "live_holder",
@@ -217,7 +219,23 @@ def _infrastructure(proc: ProcessInfo) -> str | None:
     unit = _system_unit(proc)
     if unit is not None:
         return f"infrastructure unit {unit}"
+    if gpuwatchd_worker(proc):
+        return "the NVML worker of a gpuwatchd command run as root"
     return None
+
+
+def gpuwatchd_worker(proc: ProcessInfo) -> bool:
+    """Whether ``proc`` is the NVML worker of a gpuwatchd command run as root (``check-clean``
+    in a Slurm prolog, ``run --once`` in an epilog, ``scan``): uid 0 — which only root can
+    give — started as the NVML client starts it, from this installation's files. It holds the
+    GPUs for a moment; without this, each such command was a hidden holder to the daemon, and
+    ghost memory was no ghost while it ran."""
+    cmdline = proc.cmdline
+    return (
+        proc.uid == 0
+        and cmdline is not None
+        and tuple(cmdline[1:4]) == ("-I", NVML_LAUNCHER_FILE, NVML_WORKER_FILE)
+    )
 
 
 def is_infrastructure(proc: ProcessInfo) -> bool:

@@ -22,6 +22,7 @@ from gpuwatchd.decide.floor import (
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
 from gpuwatchd.decide.targets import refusal
 from gpuwatchd.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
+from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from tests.support.snapshots import HostBuilder, cg_container, cg_session, cg_unit
 
 ROOT_EXE = {"uid": 0, "exe_trusted": True}
@@ -504,3 +505,40 @@ def test_system_cgroup_needs_the_delegation_mark_read_and_absent() -> None:
 def test_system_cgroup_table(path: str, expected: bool) -> None:
     """Read with no delegation mark: only the placement in the path decides."""
     assert system_cgroup(_placed(path)) is expected
+
+
+# --- another gpuwatchd command's NVML worker ------------------------------------------------
+
+WORKER_ARGV = ("/usr/bin/python3", "-I", NVML_LAUNCHER_FILE, NVML_WORKER_FILE, "/usr/lib/x")
+
+
+@pytest.mark.parametrize(
+    ("uid", "cmdline", "floor"),
+    [
+        (0, WORKER_ARGV, True),  # check-clean in a prolog, run --once in an epilog
+        (1000, WORKER_ARGV, False),  # a user's copy of the command line is a user's process
+        (None, WORKER_ARGV, False),  # unknown uid grants nothing
+        (0, ("/usr/bin/python3", "-I", "/tmp/nvml_launch.py", NVML_WORKER_FILE), False),
+        (0, ("/usr/bin/python3", NVML_LAUNCHER_FILE, NVML_WORKER_FILE), False),
+        (0, None, False),
+    ],
+)
+def test_a_gpuwatchd_commands_nvml_worker_run_as_root_is_floor(
+    uid: int | None, cmdline: tuple[str, ...] | None, floor: bool
+) -> None:
+    proc = _proc(80, comm="python3", exe="/usr/bin/python3.11", uid=uid, cmdline=cmdline)
+    assert (infrastructure(proc) is not None) is floor
+
+
+def test_a_prologs_check_clean_is_no_hidden_holder_and_leaves_ghost_memory_ghost() -> None:
+    """Each check-clean or run --once beside the daemon held the GPUs through its NVML worker
+    for a moment: a hidden_holder appeared and resolved, and ghost memory stopped being ghost
+    while the command ran (a finding that flapped while the epilog waited)."""
+    snapshot = (
+        HostBuilder()
+        .gpu(0, allocated=4096 * MIB)
+        .proc(90, comm="python3", uid=0, cmdline=WORKER_ARGV, holds={0})
+        .build()
+    )
+    assessment = assess(snapshot, AssessState(), default_policy().detection)
+    assert {f.kind for f in assessment.findings} == {FindingKind.GHOST_MEMORY}

@@ -128,7 +128,8 @@ class PlanState:
     """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
 
     Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
-    meaningful within one boot and are dropped when the boot id changes. Wall times
+    meaningful within one boot and are dropped when the boot id changes (the latches'
+    ``since_monotonic`` too: a latch is anchored again, see :class:`Latch`). Wall times
     (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
     step shifts them back by the step, so the step counts as no time passed.
 

@@ -176,11 +176,10 @@ def _cut(
     administrator's, never overwritten)."""
     body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
     try:
-        if state_dir.read(name, MAX_SPARE_FILE) != raw:
-            return
+        if state_dir.read(name, MAX_SPARE_FILE) == raw:
+            state_dir.write(name, (json.dumps(body) + "\n").encode("utf-8"))
     except OSError:
-        return
-    state_dir.write(name, (json.dumps(body) + "\n").encode("utf-8"))
+        pass  # not written (a full disk, say): cut again, and said again, at the next poll
 
 
 def read_spares(

@@ -104,6 +104,10 @@ def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["alive_at_the_end"] = host.alive(worker)
         out["files"] = files
         out["stepped_back"] = run.saw("clock.stepped_back")  # the daemon's wall clock did step
+        out["counts"] = {
+            name: sum(1 for e in run.events() if e.get("event") == name)
+            for name in ("spare.started", "daemon.paused")
+        }
         run.stop()
     return out
 
@@ -124,3 +128,7 @@ def test_wall_clock_steps_neither_end_nor_drop_a_spare_or_a_pause(tmp_path: Path
     assert r["files_after_cut"] == r["files"]
     assert r["alive_at_the_end"] is False
     assert r["stepped_back"] is True
+    # Said once each, not at every poll while the wall end moves: the spare once; the pause
+    # when set and when each step moved its wall end.
+    assert r["counts"]["spare.started"] == 1
+    assert r["counts"]["daemon.paused"] <= 3

@@ -11,6 +11,11 @@ spare ended by itself): the worker lives and its spare file stays. A one-hour pa
 while the clock steps forward two hours and back. A reload lowering ``limits.max_spare``
 cuts the spare (``spare.cut``), never drops it. Cancelled and resumed, the worker is freed:
 the daemon enforced all along.
+
+The kill-cap latch too: two orphans of one user at a cap of one a poll latch that user into
+dry-run for ``limits.kill_cap_latch``; stepped forward two hours, the wall clock lifted the
+latch at once and the second orphan was killed; now it holds, and ``resume --clear-latches``
+frees the orphan.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import glob
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import Run, orphan_host
+from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
+from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
 FAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
@@ -47,8 +54,9 @@ def _spare_files(host: SimHost) -> list[str]:
     return sorted(p.name for p in host.state_dir.iterdir() if p.name.startswith("spare-"))
 
 
-def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _faketime(root: Path) -> tuple[dict[str, str], Callable[[str], None]]:
+    """The daemon's environment under libfaketime, and a function that steps its wall clock
+    to an offset from the real one (``+7200``, ``-120``) and lets a few polls pass."""
     offset = root / "faketime-offset"
     offset.write_text("+0\n")
     env = {
@@ -61,6 +69,13 @@ def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     def step(to: str) -> None:
         offset.write_text(f"{to}\n")
         time.sleep(SETTLE)
+
+    return env, step
+
+
+def host_clock_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    env, step = _faketime(root)
 
     with SimHost(root) as host:
         orphan_host(host)
@@ -132,3 +147,41 @@ def test_wall_clock_steps_neither_end_nor_drop_a_spare_or_a_pause(tmp_path: Path
     # when set and when each step moved its wall end.
     assert r["counts"]["spare.started"] == 1
     assert r["counts"]["daemon.paused"] <= 3
+
+
+def host_latch_steps(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    env, step = _faketime(root)
+    with SimHost(root) as host:
+        first = host.script("worker-1", [{"sleep": 3600}])
+        second = host.script("worker-2", [{"sleep": 3600}])
+        host.spawn("trainer", [{"setsid": True}, {"open": host.cuda(0)}, {"fork": first},
+                               {"fork": second}, {"exit": 0}])  # fmt: skip
+        pids = host.wait_ready("trainer", "worker-1", "worker-2")
+        host.wait_gone("trainer")
+        host.nvml([gpu(0, allocated=700 * MiB, processes=[process(pids["trainer"], 700 * MiB)])])
+        limits = {"post_action_delay": "0s", "max_signalled_per_poll": 1, "kill_cap_latch": "1h"}
+        run = Run(host, rules=[ORPHAN_RULE], limits=limits)
+        run.start(env=env)
+        out["latched"] = run.wait_for(lambda: run.saw("limits.kill_cap_reached"), timeout=30)
+        workers = [pids["worker-1"], pids["worker-2"]]
+        run.wait_for(lambda: sum(host.alive(w) for w in workers) == 1, timeout=30)
+        (held,) = [w for w in workers if host.alive(w)]
+        for name, to in (("forward", "+7200"), ("back", "-600")):
+            step(to)
+            out[name] = {"alive": host.alive(held), "expired": run.saw("limits.kill_cap_expired")}
+        cleared = host.gpuwatchd("resume", "--clear-latches", "--config", str(run.config))
+        out["clear_cli"] = cleared.returncode
+        run.wait_for(lambda: not host.alive(held), timeout=30)
+        out["alive_at_the_end"] = host.alive(held)
+        run.stop()
+    return out
+
+
+def test_a_wall_clock_step_does_not_lift_a_kill_cap_latch(tmp_path: Path) -> None:
+    r = run_in_pid_namespace(f"{__name__}:host_latch_steps", {}, root=tmp_path, timeout=180)
+    assert r["latched"] is True
+    assert r["forward"] == {"alive": True, "expired": False}
+    assert r["back"] == {"alive": True, "expired": False}
+    assert r["clear_cli"] == 0
+    assert r["alive_at_the_end"] is False

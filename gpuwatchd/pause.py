@@ -62,11 +62,10 @@ class PauseSwitch:
         """Seconds this pause has left at ``clock``: by its own end (on the boot clock when
         it was set in this boot), else (a pause from before pauses had one) ``max_pause``
         after it was set; None when neither is known."""
-        if self.stamp is not None and (left := clock.left(self.stamp)) is not None:
-            return left
-        if self.until is not None:
-            return self.until - clock.wall
-        return None if self.since is None else self.since + max_pause - clock.wall
+        left = None if self.stamp is None else clock.left(self.stamp)
+        if left is None and self.since is not None:
+            left = self.since + max_pause - clock.wall
+        return left
 
 
 def set_pause(

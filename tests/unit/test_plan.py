@@ -667,6 +667,25 @@ def test_a_latch_from_before_a_reboot_holds_the_wall_time_it_has_left() -> None:
     assert not r.state.scope_latches
 
 
+def test_a_latch_from_a_state_file_before_the_monotonic_anchor_holds_its_wall_time_left() -> None:
+    """State files users have: latches with a wall ``since`` only. They load, and hold the
+    time they have left by the wall clock, then on the monotonic clock."""
+    pol = policy(limits=Limits(max_signalled_per_poll=1, node_max_signalled_per_hour=1,
+                               kill_cap_latch=600.0))  # fmt: skip
+    a, b = proc(1000), proc(1001, uid=1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0, wall=WALL)
+    saved = r.state.to_json()
+    assert saved.pop("forced_since_monotonic") == 0.0
+    old = PlanState.from_json(saved)
+    assert old.forced_dry_run
+    assert old.forced_since_monotonic is None
+    r = run([], snap([]), old, pol, now=9000.0, wall=WALL + 100.0)  # a restart, 100 s later
+    r = run([], snap([]), r.state, pol, now=9499.0, wall=WALL + 7200.0)  # and a step
+    assert r.state.forced_dry_run
+    r = run([], snap([]), r.state, pol, now=9500.0, wall=WALL + 7201.0)
+    assert not r.state.forced_dry_run
+
+
 def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> None:
     pol = policy(limits=Limits(max_signalled_per_poll=10, max_signalled_per_hour=3))
     state = PlanState()

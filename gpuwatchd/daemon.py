@@ -27,6 +27,7 @@ import structlog
 
 from gpuwatchd import __version__
 from gpuwatchd.accepted import render_accepted, save_accepted
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
 from gpuwatchd.compiled_policy import COMPILED_FILE, save_compiled
@@ -50,7 +51,7 @@ from gpuwatchd.pause import (
     take_clear_latches,
 )
 from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
-from gpuwatchd.spares import booted_at, read_spares
+from gpuwatchd.spares import read_spares
 from gpuwatchd.state import (
     AlreadyRunning,
     StateDirError,
@@ -499,20 +500,24 @@ class Daemon:
             # Fail safe: no switch can be read and no step could be saved.
             self.engine.set_paused("state_dir unusable")
         else:
-            switch = poll_pause(
-                state_dir, self.wall_clock(), max_pause=self.policy.limits.max_pause
-            )
+            # Spares and pauses last on the boot clock, not the wall clock (collect/boottime.py).
+            clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
+            switch = poll_pause(state_dir, clock, max_pause=self.policy.limits.max_pause)
             self.engine.set_paused(switch.reason, until=switch.until, resumed=switch.resumed)
             spares = read_spares(
-                state_dir,
-                self.wall_clock(),
-                boot_wall=booted_at(self.wall_clock()),
-                max_spare=self.policy.limits.max_spare,
-                remove_stale=True,
+                state_dir, clock, max_spare=self.policy.limits.max_spare, remove_stale=True
             )
             for problem in spares.problems:
                 log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
-            self.engine.set_spares(spares.spares)
+            for spare, was in spares.cut:
+                log.warning(
+                    EventName.SPARE_CUT,
+                    target=spare.target,
+                    until=spare.until,
+                    was_until=was,
+                    max_spare=self.policy.limits.max_spare,
+                )
+            self.engine.set_spares(spares.spares, read_at=clock.wall)
             if take_clear_latches(state_dir):
                 self.engine.clear_latches()
         self._take_ended_jobs()

@@ -177,6 +177,7 @@ class Engine:
         self.nvml_availability = NvmlAvailability()
         # ``gpuwatchd spare``: put into each snapshot, so every decision sees them.
         self.spares: tuple[Spare, ...] = ()
+        self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
 
     # --- the cycle ----------------------------------------------------------------------------
 
@@ -185,7 +186,11 @@ class Engine:
         self.report_background_hooks()
         snapshot = self.reader.collect()
         if self.spares:
-            snapshot = replace(snapshot, spares=self.spares)
+            # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
+            # whatever the wall clock did since (a step must not end one early).
+            shift = snapshot.wall_time - self._spares_read
+            spares = tuple(replace(s, until=s.until + shift) for s in self.spares)
+            snapshot = replace(snapshot, spares=spares)
         self.nvml_availability, changes = next_availability(
             self.nvml_availability, snapshot.nvml, snapshot.wall_time
         )
@@ -330,11 +335,11 @@ class Engine:
         """The admin pause switch (``gpuwatchd pause``/``resume``); logged when it changes:
         a pause with its end (wall time ``until``), a resume with why (``resumed``)."""
         plan = self.state.plan
-        if (
-            reason == self._paused_reason
-            and (reason is not None) == plan.paused
-            and until == plan.paused_until
-        ):
+        same_end = until == plan.paused_until or (
+            until is not None and plan.paused_until is not None
+            and abs(until - plan.paused_until) < 1.0  # a wall end read again after a step
+        )  # fmt: skip
+        if reason == self._paused_reason and (reason is not None) == plan.paused and same_end:
             return
         # A saved state may be paused while this engine has not said so yet (a restart).
         was_paused = self._paused_reason is not None or plan.paused
@@ -349,12 +354,14 @@ class Engine:
                 EventName.DAEMON_RESUMED, Level.WARNING, reason=resumed or "gpuwatchd resume"
             )
 
-    def set_spares(self, spares: tuple[Spare, ...]) -> None:
-        """The administrator's spares in force now (``gpuwatchd spare``); each that starts or
-        ends is logged (``spare.started``, ``spare.ended``)."""
-        for name, level, fields in spare_changes(self.spares, spares, self.clock.wall()):
+    def set_spares(self, spares: tuple[Spare, ...], *, read_at: float | None = None) -> None:
+        """The administrator's spares in force at wall time ``read_at`` (now when None;
+        ``gpuwatchd spare``); each that starts or ends is logged (``spare.started``,
+        ``spare.ended``)."""
+        wall = self.clock.wall() if read_at is None else read_at
+        for name, level, fields in spare_changes(self.spares, spares, wall):
             self._emit(name, level, **fields)
-        self.spares = spares
+        self.spares, self._spares_read = spares, wall
 
     def clear_latches(self) -> None:
         """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets

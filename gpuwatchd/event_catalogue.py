@@ -356,6 +356,14 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             else f"A spare file was not honoured{s.why('why')}."
         ),
     ),
+    EventName.SPARE_CUT: spec(
+        WARNING,
+        "target until was_until max_spare",
+        lambda s: (
+            f"Spare of {s('target')} cut to limits.max_spare: it ends {_wall(s, 'until')},"
+            f" not {_wall(s, 'was_until')}."
+        ),
+    ),
     EventName.LIMITS_LATCHES_CLEARED: spec(
         WARNING,
         "",

@@ -1,8 +1,9 @@
 """The admin's switches, kept as small files in ``state_dir`` so they survive restarts.
 
 ``gpuwatchd pause`` / ``resume`` write and remove ``<state_dir>/paused`` (a pause names when
-it ends, ``pause --for``, and the daemon removes it then; ``resume --reason`` leaves its reason
-in ``<state_dir>/resumed`` for the daemon's log); ``resume
+it ends, ``pause --for``, measured on the boot clock, so a wall clock step neither ends it
+early nor stretches it (``collect/boottime.py``), and the daemon removes it then; ``resume
+--reason`` leaves its reason in ``<state_dir>/resumed`` for the daemon's log); ``resume
 --clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
 to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
 beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.statedir import StateDir
 
@@ -48,29 +50,40 @@ MAX_PAUSE_FILE = 64 * 1024
 @dataclass(frozen=True)
 class PauseSwitch:
     """The pause file as read: its reason (``""`` when none was given), when it was set and
-    when it ends (wall times; None when unknown, or for a pause written without an end)."""
+    when it ends (wall times; None when unknown, or for a pause written without an end), and
+    its stamp on the boot clock (``stamp``: the file's fields, for :meth:`BootTime.left`)."""
 
     reason: str
     since: float | None = None
     until: float | None = None
+    stamp: Mapping[str, object] | None = None
 
-    def ends(self, max_pause: float) -> float | None:
-        """When this pause ends: its own end, else (a pause from before pauses had one)
-        ``max_pause`` after it was set; None when neither is known."""
-        if self.until is not None:
-            return self.until
-        return None if self.since is None else self.since + max_pause
+    def left(self, clock: BootTime, max_pause: float) -> float | None:
+        """Seconds this pause has left at ``clock``: by its own end (on the boot clock when
+        it was set in this boot), else (a pause from before pauses had one) ``max_pause``
+        after it was set; None when neither is known."""
+        left = None if self.stamp is None else clock.left(self.stamp)
+        if left is None and self.since is not None:
+            left = self.since + max_pause - clock.wall
+        return left
 
 
-def set_pause(state_dir: StateDir, *, reason: str | None, until: float | None = None) -> None:
-    """Pause (``reason`` a string, may be empty) until wall time ``until``, or resume
-    (``reason`` None)."""
+def set_pause(
+    state_dir: StateDir,
+    *,
+    reason: str | None,
+    clock: BootTime | None = None,
+    seconds: float | None = None,
+) -> None:
+    """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), or
+    resume (``reason`` None)."""
     if reason is None:
         state_dir.discard(PAUSE_FILE)
         return
-    body = json.dumps(
-        {"reason": reason, "since": time.time(), "until": until, "by_uid": os.getuid()}
-    )
+    stamp: dict[str, object] = {"since": time.time(), "until": None}
+    if clock is not None and seconds is not None:
+        stamp = clock.stamp(seconds)
+    body = json.dumps({"reason": reason, **stamp, "by_uid": os.getuid()})
     state_dir.write(PAUSE_FILE, (body + "\n").encode("utf-8"))
 
 
@@ -100,6 +113,7 @@ def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
         str(reason)[:MAX_REASON] if reason is not None else "",
         since=_finite(data.get("since")),
         until=_finite(data.get("until")),
+        stamp=data,
     )
 
 
@@ -142,19 +156,26 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
     return str(reason)[:MAX_REASON] if isinstance(reason, str) and reason else None
 
 
-def poll_pause(state_dir: StateDir, now: float, *, max_pause: float) -> PauseNow:
-    """The pause switch at wall time ``now`` (the daemon, once a poll): a pause whose end has
-    passed is removed here, and said as ended by itself; with no pause file, why the
+def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+    """The pause switch at ``clock`` (the daemon, once a poll): a pause whose time is up is
+    removed here, and said as ended by itself; its end is shown in wall time (from its own
+    wall ``until`` while the wall clock agrees with the boot clock within a second, so an
+    unchanged pause reads the same at every poll); with no pause file, why the
     administrator resumed (``resume --reason``), or plain ``gpuwatchd resume``. The resume
     note is consumed either way, so an old one never explains a later resume."""
     switch = read_pause_switch(state_dir)
     if switch is None:
         note = _take_resume_note(state_dir)
         return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
-    ends = switch.ends(max_pause)
-    if ends is not None and ends <= now:
+    left = switch.left(clock, max_pause)
+    if left is None:
+        return PauseNow(switch.reason)
+    if left <= 0:
         state_dir.remove(PAUSE_FILE)
         return PauseNow(None, resumed="the pause ended by itself (its time was up)")
+    ends = clock.wall + left
+    if switch.until is not None and abs(switch.until - ends) < 1.0:
+        ends = switch.until
     return PauseNow(switch.reason, until=ends)
 
 

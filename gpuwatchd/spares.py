@@ -2,10 +2,13 @@
 the daemon reads them every poll.
 
 A spare leaves one process (named by PID *and* start ticks, in this boot) or every process of
-one job (``slurm:42``, ``pod:UID``, ``container:ID``, ``unit:NAME.service``) alone until a wall
-time. A process spare given before this boot names nobody now: that is told by its ``since``
-against the boot's wall time (:func:`booted_at`), not by the boot id, which a container
-manager may show differently to a sandboxed service and to a shell. Each spare lives in
+one job (``slurm:42``, ``pod:UID``, ``container:ID``, ``unit:NAME.service``) alone for a while.
+How long is measured on the boot clock (:class:`gpuwatchd.collect.boottime.BootTime`: a wall
+clock step neither ends a spare early nor makes it outlive its time) and shown in wall time. A
+process spare of another boot (another boot id, see ``boottime``) names nobody now. A spare
+with more time left than ``limits.max_spare`` (a hand-made file, a file from before the boot
+clock and a clock set back, a lowered limit) is cut to the limit, never dropped: the daemon
+writes the cut into the file and says so (``spare.cut``). Each spare lives in
 ``<state_dir>/spare-<hash of its target>``, so sparing the same target again replaces it and
 two targets never overwrite each other. The files are reached the one checked way
 (:class:`gpuwatchd.statedir.StateDir`: never through a link, trusted regular files only,
@@ -21,9 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.model import Spare
 from gpuwatchd.statedir import StateDir
@@ -32,7 +35,6 @@ __all__ = [
     "MAX_SPARES",
     "SPARE_PREFIX",
     "SpareFiles",
-    "booted_at",
     "cancel_spare",
     "parse_target",
     "read_spares",
@@ -81,23 +83,22 @@ def write_spare(
     state_dir: StateDir,
     target: str,
     *,
-    until: float,
+    clock: BootTime,
+    seconds: float,
     reason: str,
     pid: int | None = None,
     start_ticks: int | None = None,
-    boot_id: str | None = None,
     job: str | None = None,
 ) -> None:
-    """Spare ``target`` (from :func:`parse_target`) until wall time ``until``; a process also
-    by its start ticks in boot ``boot_id``. Replaces an earlier spare of the same target."""
+    """Spare ``target`` (from :func:`parse_target`) for ``seconds`` from ``clock`` (now, with
+    this boot's id); a process also by its start ticks. Replaces an earlier spare of the same
+    target."""
     body = {
         "target": target,
         "pid": pid,
         "start_ticks": start_ticks,
-        "boot_id": boot_id,
         "job": job,
-        "until": until,
-        "since": time.time(),
+        **clock.stamp(seconds),
         "reason": reason[:MAX_REASON],
         "by_uid": os.getuid(),
     }
@@ -111,11 +112,13 @@ def cancel_spare(state_dir: StateDir, target: str) -> bool:
 
 @dataclass(frozen=True)
 class SpareFiles:
-    """What :func:`read_spares` found: the spares in force (at most :data:`MAX_SPARES`) and
-    the files that were wrong, named."""
+    """What :func:`read_spares` found: the spares in force (at most :data:`MAX_SPARES`), the
+    files that were wrong, named, and the spares cut to ``limits.max_spare`` this reading
+    (each with the wall time it would have ended at)."""
 
     spares: tuple[Spare, ...]
     problems: tuple[str, ...]
+    cut: tuple[tuple[Spare, float], ...] = ()
 
 
 def _int(data: dict[str, object], key: str, low: int, high: int) -> int | None:
@@ -127,19 +130,16 @@ def _int(data: dict[str, object], key: str, low: int, high: int) -> int | None:
     return value
 
 
-def booted_at(now: float) -> float | None:
-    """The wall time this boot began (``now`` less the time since boot), or None."""
-    try:
-        return now - time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):
+def _number(data: dict[str, object], key: str) -> float | None:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
+    return float(value)
 
 
-BOOT_SLACK = 60.0  # seconds: clock adjustments between two readings of the boot's wall time
-
-
-def _spare(data: object, name: str, boot_wall: float | None, max_spare: float, now: float) -> Spare:
-    """One file's spare; ValueError naming what is wrong."""
+def _spare(data: object, name: str, clock: BootTime) -> tuple[Spare, float]:
+    """One file's spare, ending when it ends by its own stamp, and the seconds it has left;
+    ValueError naming what is wrong."""
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     target = data.get("target")
@@ -148,48 +148,59 @@ def _spare(data: object, name: str, boot_wall: float | None, max_spare: float, n
     key, pid, job = parse_target(target.split(":", 1)[1] if target.startswith("pid:") else target)
     if key != target:
         raise ValueError(f"not a target: {target[:80]!r}")
-    until = data.get("until")
-    if isinstance(until, bool) or not isinstance(until, (int, float)) or not math.isfinite(until):
+    if _number(data, "until") is None:
         raise ValueError("no end time")
-    if until > now + max_spare + 60:
-        raise ValueError("ends later than limits.max_spare allows")
+    left = clock.left(data)
+    if left is None:
+        raise ValueError("no end time")
     start_ticks = _int(data, "start_ticks", 0, 1 << 62)
-    since = data.get("since")
     if pid is not None:
         if start_ticks is None:
             raise ValueError("a process spare without its start time")
-        given = since if isinstance(since, (int, float)) and not isinstance(since, bool) else None
-        if boot_wall is None or given is None or given < boot_wall - BOOT_SLACK:
+        if not clock.same_boot(data):
             raise ValueError("a process of another boot")
     reason = data.get("reason")
-    return Spare(
+    spare = Spare(
         target=target,
-        until=float(until),
+        until=clock.wall + left,
         reason=str(reason)[:MAX_REASON] if isinstance(reason, str) else "",
         pid=pid,
         start_ticks=start_ticks if pid is not None else None,
         job=job,
-        since=float(since)
-        if isinstance(since, (int, float)) and not isinstance(since, bool)
-        else None,
+        since=_number(data, "since"),
         by_uid=_int(data, "by_uid", 0, 1 << 32),
     )
+    return spare, left
+
+
+def _cut(
+    state_dir: StateDir, name: str, raw: bytes, data: dict[str, object], *, end: dict[str, object]
+) -> None:
+    """Write a spare's cut ``end`` (a :meth:`BootTime.stamp`) into its file (the daemon),
+    unless the file changed since it was read (``raw``: a new spare of the same target is the
+    administrator's, never overwritten)."""
+    body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
+    try:
+        if state_dir.read(name, MAX_SPARE_FILE) == raw:
+            state_dir.write(name, (json.dumps(body) + "\n").encode("utf-8"))
+    except OSError:
+        pass  # not written (a full disk, say): cut again, and said again, at the next poll
 
 
 def read_spares(
     state_dir: StateDir,
-    now: float,
+    clock: BootTime,
     *,
-    boot_wall: float | None,
     max_spare: float,
     remove_stale: bool = False,
 ) -> SpareFiles:
-    """The spares in force at wall time ``now``, and the bad files. ``boot_wall`` is when this
-    boot began (:func:`booted_at`): a process spare given before it is of another boot.
+    """The spares in force at ``clock`` (wall time and boot clock now, with this boot's id),
+    and the bad files. A spare with more than ``max_spare`` left is cut to ``max_spare`` (and
+    listed in ``cut``).
 
     With ``remove_stale`` (the daemon), spares whose time is up, those of a process from
-    another boot (or when the boot's time is unknown), and bad files are removed. A spare that ends
-    later than ``max_spare`` from now (a hand-made file, a clock set back) is bad.
+    another boot, and bad files are removed, and a cut is written into its file (so it holds
+    across polls and restarts).
     """
     try:
         names = state_dir.names(SPARE_PREFIX)
@@ -197,19 +208,26 @@ def read_spares(
         return SpareFiles((), ())
     found: list[Spare] = []
     problems: list[str] = []
+    cut: list[tuple[Spare, float]] = []
     for name in names[: 4 * MAX_SPARES]:
         try:
-            data = json.loads(state_dir.read(name, MAX_SPARE_FILE).decode("utf-8"))
-            spare = _spare(data, name, boot_wall, max_spare, now)
+            raw = state_dir.read(name, MAX_SPARE_FILE)
+            data = json.loads(raw.decode("utf-8"))
+            spare, left = _spare(data, name, clock)
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             problems.append(f"{name}: {err}")
         else:
-            if spare.until > now:
+            if left > 0:
+                if left > max_spare:
+                    cut.append((replace(spare, until=clock.wall + max_spare), spare.until))
+                    spare = cut[-1][0]
+                    if remove_stale:
+                        _cut(state_dir, name, raw, data, end=clock.stamp(max_spare))
                 found.append(spare)
                 continue
         if remove_stale:
             state_dir.remove(name)
     found.sort(key=lambda spare: (spare.until, spare.target))
-    return SpareFiles(tuple(found[:MAX_SPARES]), tuple(problems))
+    return SpareFiles(tuple(found[:MAX_SPARES]), tuple(problems), tuple(cut))

@@ -153,6 +153,7 @@ class EventName(_Name):
     DAEMON_RESUMED = "daemon.resumed"
     SPARE_STARTED = "spare.started"
     SPARE_ENDED = "spare.ended"
+    SPARE_CUT = "spare.cut"
     LIMITS_LATCHES_CLEARED = "limits.latches_cleared"
     DAEMON_START = "daemon.start"
     DAEMON_STOP = "daemon.stop"

@@ -523,6 +523,8 @@ def _pause_length(text: str | None, max_pause: float) -> float:
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:
     from gpuwatchd.cli.humantime import duration
+    from gpuwatchd.collect.boottime import BootTime
+    from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.pause import clear_latches, note_resume, set_pause
     from gpuwatchd.statedir import StateDir, StateDirError
 
@@ -532,8 +534,9 @@ def _pause(args: argparse.Namespace, *, paused: bool) -> int:
     try:
         with StateDir.open(path, create=True) as state_dir:
             if paused:
-                ends = time.time() + length
-                set_pause(state_dir, reason=args.reason, until=ends)
+                clock = BootTime.read(time.time(), ProcFS(policy.proc_root).boot_id())
+                ends = clock.wall + length
+                set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
                 when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ends))
                 print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
             else:

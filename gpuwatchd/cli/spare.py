@@ -15,6 +15,7 @@ import time
 from typing import IO
 
 from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError
 from gpuwatchd.config.units import parse_duration
@@ -22,7 +23,6 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.escape import escape
 from gpuwatchd.spares import (
     SpareFiles,
-    booted_at,
     cancel_spare,
     parse_target,
     read_spares,
@@ -92,10 +92,10 @@ def spare_command(
     seconds = _length(for_, policy.limits.max_spare)
     if not reason:
         raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
-    start_ticks = boot_id = None
+    start_ticks = None
+    boot_id = procfs.boot_id()
     if pid is not None:
         stat = procfs.read_stat(pid)
-        boot_id = procfs.boot_id()
         if stat is None or boot_id is None:
             raise SpareError(
                 f"spare {target}: no such process (or its start time cannot be read); "
@@ -108,11 +108,11 @@ def spare_command(
         write_spare(
             state_dir,
             key,
-            until=ends,
+            clock=BootTime.read(now, boot_id),
+            seconds=seconds,
             reason=reason,
             pid=pid,
             start_ticks=start_ticks,
-            boot_id=boot_id,
             job=job,
         )
     what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
@@ -127,9 +127,8 @@ def spare_command(
 def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[str]) -> int:
     try:
         with StateDir.open(policy.state_dir) as state_dir:
-            found = read_spares(
-                state_dir, now, boot_wall=booted_at(now), max_spare=policy.limits.max_spare
-            )
+            clock = BootTime.read(now, procfs.boot_id())
+            found = read_spares(state_dir, clock, max_spare=policy.limits.max_spare)
     except FileNotFoundError:
         found = SpareFiles((), ())
     spares, problems = found.spares, found.problems

@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 
 from gpuwatchd.checked import as_int, as_list, as_map, as_number, as_text
 from gpuwatchd.cli.humantime import until
+from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
 from gpuwatchd.model import ProcessInfo, Snapshot, Spare
-from gpuwatchd.spares import booted_at, read_spares
+from gpuwatchd.spares import read_spares
 from gpuwatchd.statedir import StateDir
 
 __all__ = [
@@ -37,9 +39,8 @@ def spares_in_force(state_dir: StateDir | None, policy: Policy, now: float) -> t
     """The spares in force at wall time ``now`` in ``state_dir`` (none without one)."""
     if state_dir is None:
         return ()
-    return read_spares(
-        state_dir, now, boot_wall=booted_at(now), max_spare=policy.limits.max_spare
-    ).spares
+    clock = BootTime.read(now, ProcFS(policy.proc_root).boot_id())
+    return read_spares(state_dir, clock, max_spare=policy.limits.max_spare).spares
 
 
 def spare_row(spare: Spare, unknown: str | None = None) -> dict[str, object]:

@@ -222,8 +222,10 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         w.reset_refusals = {}  # a reboot resets every GPU
         w.health_drained = {}
         w.shadow.new_boot()
+        # Latches hold on: their monotonic anchors are of the old boot (anchored again).
+        w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
-        w.state = replace(w.state, reset_in_flight=None)
+        w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None)
     w.state = replace(w.state, boot_id=new)
 
 
@@ -320,6 +322,7 @@ def clear_forced_dry_run(state: PlanState) -> PlanState:
         forced_dry_run=False,
         forced_reason=None,
         forced_since=None,
+        forced_since_monotonic=None,
         scope_latches={},
         shadow=state.shadow.without_latches(),
     )

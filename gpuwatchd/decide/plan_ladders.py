@@ -277,33 +277,56 @@ def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
     return None
 
 
+def _held(since: float, since_monotonic: float | None, ctx: _Ctx) -> tuple[float, float]:
+    """How long a latch has held, and its anchor on the plan's monotonic clock: measured there,
+    so a wall clock step changes nothing. A latch without an anchor (an older state file, or
+    set before this boot) is anchored once by the wall time it has held (none, if negative)."""
+    if since_monotonic is None:
+        since_monotonic = ctx.now - max(0.0, ctx.wall - since)
+    return ctx.now - since_monotonic, since_monotonic
+
+
 def _expire_latches(w: _Work, ctx: _Ctx) -> None:
-    """Kill-cap latches last ``limits.kill_cap_latch`` (wall time); then they lift, with a
-    warning. A latch from a state file that did not record its start starts counting now."""
+    """Kill-cap latches last ``limits.kill_cap_latch`` (on the monotonic clock, :func:`_held`);
+    then they lift, with a warning. A latch from a state file that did not record its start
+    starts counting now."""
     lasts = ctx.policy.limits.kill_cap_latch
     if w.state.forced_dry_run:
         since = w.state.forced_since
         if since is None:
-            w.state = replace(w.state, forced_since=ctx.wall)
-        elif ctx.wall - since >= lasts:
-            w.event(
-                EventName.LIMITS_KILL_CAP_EXPIRED,
-                Level.WARNING,
-                scope="node",
-                why=w.state.forced_reason,
-                lasted=ctx.wall - since,
-            )
-            w.state = replace(w.state, forced_dry_run=False, forced_reason=None, forced_since=None)
+            w.state = replace(w.state, forced_since=ctx.wall, forced_since_monotonic=ctx.now)
+        else:
+            lasted, anchor = _held(since, w.state.forced_since_monotonic, ctx)
+            if lasted >= lasts:
+                w.event(
+                    EventName.LIMITS_KILL_CAP_EXPIRED,
+                    Level.WARNING,
+                    scope="node",
+                    why=w.state.forced_reason,
+                    lasted=lasted,
+                )
+                w.state = replace(
+                    w.state,
+                    forced_dry_run=False,
+                    forced_reason=None,
+                    forced_since=None,
+                    forced_since_monotonic=None,
+                )
+            else:
+                w.state = replace(w.state, forced_since_monotonic=anchor)
     for scope, latch in sorted(w.scope_latches.items()):
-        if ctx.wall - latch.since >= lasts:
+        lasted, anchor = _held(latch.since, latch.since_monotonic, ctx)
+        if lasted >= lasts:
             del w.scope_latches[scope]
             w.event(
                 EventName.LIMITS_KILL_CAP_EXPIRED,
                 Level.WARNING,
                 scope=scope,
                 why=latch.reason,
-                lasted=ctx.wall - latch.since,
+                lasted=lasted,
             )
+        else:
+            w.scope_latches[scope] = replace(latch, since_monotonic=anchor)
 
 
 def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
@@ -399,10 +422,14 @@ def _kill_caps(
             latched, over = exceeded
             if latched == "node":
                 w.state = replace(
-                    w.state, forced_dry_run=True, forced_reason=over, forced_since=ctx.wall
+                    w.state,
+                    forced_dry_run=True,
+                    forced_reason=over,
+                    forced_since=ctx.wall,
+                    forced_since_monotonic=ctx.now,
                 )
             else:
-                w.scope_latches[latched] = Latch(over, ctx.wall)
+                w.scope_latches[latched] = Latch(over, ctx.wall, ctx.now)
             w.event(
                 EventName.LIMITS_KILL_CAP_REACHED,
                 Level.CRITICAL,

@@ -113,11 +113,14 @@ class ResetRefusal:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, and since when (wall time, so it lasts across restarts and
-    reboots and expires after ``limits.kill_cap_latch``)."""
+    """A kill-cap latch: why, and since when. It holds ``limits.kill_cap_latch`` measured on
+    the plan's monotonic clock from ``since_monotonic`` (a wall clock step neither lifts it
+    early nor stretches it); ``since`` (wall time) shows it and, across a reboot or from an
+    older state file (``since_monotonic`` None), anchors it once on the monotonic clock."""
 
     reason: str
     since: float
+    since_monotonic: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,14 @@ class PlanState:
     """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
 
     Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
-    meaningful within one boot and are dropped when the boot id changes. Wall times
+    meaningful within one boot and are dropped when the boot id changes (the latches'
+    ``since_monotonic`` too: a latch is anchored again, see :class:`Latch`). Wall times
     (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
     step shifts them back by the step, so the step counts as no time passed.
 
     ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
-    kill-cap latch is ``forced_dry_run`` (since ``forced_since``), one user's is in
+    kill-cap latch is ``forced_dry_run`` (since ``forced_since``, and ``forced_since_monotonic``
+    as a :class:`Latch`'s ``since_monotonic``), one user's is in
     ``scope_latches``. ``health_drained`` maps a GPU UUID to whether the ``reset.drain`` hooks
     its health incident ran were a dry run: kept while any health finding of that GPU lasts
     (DRAIN_P2P settling to GPU_RESET is one incident, drained once) and until a reset of it
@@ -153,6 +158,7 @@ class PlanState:
     forced_dry_run: bool = False
     forced_reason: str | None = None
     forced_since: float | None = None
+    forced_since_monotonic: float | None = None
     signal_scopes: Mapping[str, str] = field(default_factory=dict)
     scope_latches: Mapping[str, Latch] = field(default_factory=dict)
     paused: bool = False
@@ -228,9 +234,14 @@ def _dump_state(s: PlanState) -> dict[str, object]:
         "forced_dry_run": s.forced_dry_run,
         "forced_reason": s.forced_reason,
         "forced_since": s.forced_since,
+        "forced_since_monotonic": s.forced_since_monotonic,
         "signal_scopes": dict(s.signal_scopes),
         "scope_latches": {
-            scope: {"reason": latch.reason, "since": latch.since}
+            scope: {
+                "reason": latch.reason,
+                "since": latch.since,
+                "since_monotonic": latch.since_monotonic,
+            }
             for scope, latch in s.scope_latches.items()
         },
         "paused": s.paused,
@@ -339,6 +350,9 @@ def _load_state(data: object) -> PlanState:
         forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
         forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
         forced_since=_opt_float(d.get("forced_since"), "plan.forced_since"),
+        forced_since_monotonic=_opt_float(
+            d.get("forced_since_monotonic"), "plan.forced_since_monotonic"
+        ),  # absent in older state files: anchored once by wall time
         signal_scopes={
             k: _str(v, f"plan.signal_scopes.{k}")
             for k, v in _obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
@@ -383,6 +397,7 @@ def _load_latches(value: object) -> dict[str, Latch]:
         latches[scope] = Latch(
             reason=_str(e.get("reason"), f"{what}.reason"),
             since=_float(e.get("since"), f"{what}.since"),
+            since_monotonic=_opt_float(e.get("since_monotonic"), f"{what}.since_monotonic"),
         )
     return latches
 

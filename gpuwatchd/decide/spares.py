@@ -16,6 +16,7 @@ It is pure: no I/O, no clock (wall time is passed in), no logging (changes come 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from gpuwatchd.model import ProcessInfo, Spare
 from gpuwatchd.vocabulary import EventName, Level
@@ -81,6 +82,13 @@ def _fields(spare: Spare) -> dict[str, object]:
     }
 
 
+def _same(a: Spare, b: Spare) -> bool:
+    """The same spare read twice: its wall end moves with the wall clock (and a cut has its
+    own event), so it is told by everything else; a new spare of the target has a new
+    ``since``."""
+    return replace(a, until=0.0) == replace(b, until=0.0)
+
+
 def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) -> list[SpareEvent]:
     """The events between two readings of the spares: ``spare.started`` for each new (or
     changed) spare, ``spare.ended`` for each that is gone, with why: its time was up, or it was
@@ -90,7 +98,7 @@ def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) 
     new = {spare.target: spare for spare in _in_force(after, wall)}
     for target, spare in sorted(old.items()):
         replaced = new.get(target)
-        if replaced == spare:
+        if replaced is not None and _same(replaced, spare):
             continue
         if replaced is not None:
             why = "replaced by a new spare"
@@ -100,6 +108,7 @@ def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) 
             why = "cancelled"
         events.append((EventName.SPARE_ENDED, Level.WARNING, {**_fields(spare), "why": why}))
     for target, spare in sorted(new.items()):
-        if old.get(target) != spare:
+        earlier = old.get(target)
+        if earlier is None or not _same(earlier, spare):
             events.append((EventName.SPARE_STARTED, Level.WARNING, _fields(spare)))
     return events

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.status import describe
 from gpuwatchd.cli.status_text import render_text
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import plan, set_paused
@@ -48,38 +48,61 @@ def state(tmp_path: Path) -> Iterator[StateDir]:
 def test_a_timed_pause_holds_until_its_end_then_is_removed_and_said_to_have_ended(
     state: StateDir, tmp_path: Path
 ) -> None:
-    set_pause(state, reason="driver upgrade", until=NOW + 3600)
-    now = poll_pause(state, NOW + 3599, max_pause=DAY)
+    set_pause(state, reason="driver upgrade", clock=BootTime(NOW, 1000.0, "b1"), seconds=3600)
+    now = poll_pause(state, BootTime(NOW + 3599, 4599.0, "b1"), max_pause=DAY)
     assert (now.reason, now.until, now.resumed) == ("driver upgrade", NOW + 3600, None)
-    ended = poll_pause(state, NOW + 3600, max_pause=DAY)
+    ended = poll_pause(state, BootTime(NOW + 3600, 4600.0, "b1"), max_pause=DAY)
     assert ended.reason is None
     assert ended.resumed is not None
     assert "ended by itself" in ended.resumed
     assert not (tmp_path / PAUSE_FILE).exists()
 
 
+@pytest.mark.parametrize("step", [-600.0, +7200.0], ids=["back", "forward"])
+def test_a_wall_clock_step_neither_ends_a_timed_pause_early_nor_stretches_it(
+    state: StateDir, step: float
+) -> None:
+    """Issue 34, finding 2: ``pause --for 1h``, then the clock stepped forward two hours: the
+    pause ended at once (stepped back, it lasted the step longer). It lasts its hour on the
+    boot clock; its end is shown in the stepped wall time."""
+    set_pause(state, reason="swap", clock=BootTime(NOW, 1000.0, "b1"), seconds=3600)
+    now = poll_pause(state, BootTime(NOW + 10 + step, 1010.0, "b1"), max_pause=DAY)
+    assert (now.reason, now.until) == ("swap", NOW + step + 3600)
+    still = poll_pause(state, BootTime(NOW + 3599 + step, 4599.0, "b1"), max_pause=DAY)
+    assert still.reason == "swap"
+    ended = poll_pause(state, BootTime(NOW + 3600 + step, 4600.0, "b1"), max_pause=DAY)
+    assert ended.reason is None
+
+
 def test_a_pause_without_an_end_lasts_max_pause_from_when_it_was_set(state: StateDir) -> None:
     """A pause file from before pauses had an end (or hand-made) still ends: a forgotten
     pause never disables the node for good."""
     state.write(PAUSE_FILE, json.dumps({"reason": "old", "since": NOW}).encode())
-    assert poll_pause(state, NOW + 100, max_pause=3600).until == NOW + 3600
-    assert poll_pause(state, NOW + 3600, max_pause=3600).reason is None
+    assert poll_pause(state, BootTime(NOW + 100, 1.0, "b1"), max_pause=3600).until == NOW + 3600
+    assert poll_pause(state, BootTime(NOW + 3600, 2.0, "b1"), max_pause=3600).reason is None
+
+
+def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:
+    state.write(PAUSE_FILE, json.dumps({"reason": "old", "since": NOW, "until": NOW + 60}).encode())
+    assert poll_pause(state, BootTime(NOW + 59, 1.0, "b1"), max_pause=DAY).until == NOW + 60
+    assert poll_pause(state, BootTime(NOW + 60, 2.0, "b1"), max_pause=DAY).reason is None
 
 
 def test_an_unreadable_pause_file_stays_paused_without_an_end(
     state: StateDir, tmp_path: Path
 ) -> None:
     os.mkfifo(tmp_path / PAUSE_FILE)
-    now = poll_pause(state, NOW + 10 * DAY, max_pause=DAY)
+    now = poll_pause(state, BootTime(NOW + 10 * DAY, 1.0, "b1"), max_pause=DAY)
     assert now.reason == "pause file unreadable"
     assert now.until is None
 
 
 def test_resume_reason_is_said_once_and_then_consumed(state: StateDir, tmp_path: Path) -> None:
     note_resume(state, "upgrade done")
-    assert poll_pause(state, NOW, max_pause=DAY).resumed == "gpuwatchd resume: upgrade done"
+    clock = BootTime(NOW, 1.0, "b1")
+    assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume: upgrade done"
     assert not (tmp_path / RESUMED_FILE).exists()
-    assert poll_pause(state, NOW, max_pause=DAY).resumed == "gpuwatchd resume"
+    assert poll_pause(state, clock, max_pause=DAY).resumed == "gpuwatchd resume"
 
 
 def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
@@ -93,7 +116,8 @@ def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
     assert main(["pause", "--config", str(config), "--for", "30m", "--reason", "swap"]) == 0
     saved = json.loads((tmp_path / "st" / PAUSE_FILE).read_text())
     assert saved["reason"] == "swap"
-    assert 1790 < saved["until"] - saved["since"] <= 1800
+    assert saved["until"] - saved["since"] == pytest.approx(1800)
+    assert saved["until_boot"] - saved["since_boot"] == pytest.approx(1800)  # the boot clock
 
 
 def _written(saved: Mapping[str, object]) -> dict[str, object]:
@@ -225,46 +249,151 @@ def test_bad_spare_targets_are_refused_by_name(text: str) -> None:
         parse_target(text)
 
 
+def boot(wall: float, seconds: float, boot_id: str = "b1") -> BootTime:
+    """A reading of the clocks: wall time, seconds since boot, the boot id."""
+    return BootTime(wall, seconds, boot_id)
+
+
+GIVEN = boot(NOW, 1000.0)  # when the spares below were given: 1000 s into boot b1
+
+
 def test_spare_files_round_trip_and_end_by_themselves(state: StateDir, tmp_path: Path) -> None:
-    write_spare(
-        state, "pid:1000", until=NOW + 60, reason="r", pid=1000, start_ticks=5, boot_id="b1"
-    )
-    write_spare(state, "job:slurm:42", until=NOW + 120, reason="bench", job="slurm:42")
-    this_boot = time.time() - 3600  # the spares were given in this boot...
-    found = read_spares(state, NOW, boot_wall=this_boot, max_spare=DAY, remove_stale=True)
+    write_spare(state, "pid:1000", clock=GIVEN, seconds=60, reason="r", pid=1000, start_ticks=5)
+    write_spare(state, "job:slurm:42", clock=GIVEN, seconds=7200, reason="bench", job="slurm:42")
+    found = read_spares(state, boot(NOW + 10, 1010.0), max_spare=DAY, remove_stale=True)
     assert [s.target for s in found.spares] == ["pid:1000", "job:slurm:42"]
+    assert [s.until for s in found.spares] == [NOW + 60, NOW + 7200]
     assert found.spares[0].start_ticks == 5
-    assert found.problems == ()
-    # Another boot: the process spare names nobody now, and is removed; the job's stays.
-    later_boot = time.time() + 3600  # ...and before a later one
-    other = read_spares(state, NOW, boot_wall=later_boot, max_spare=DAY, remove_stale=True)
-    assert [s.target for s in other.spares] == ["job:slurm:42"]
+    assert (found.problems, found.cut) == ((), ())
+    # Another boot (another boot id, begun after the spare was given): the process spare names
+    # nobody now, and is removed; the job's stays, by its wall end (the boot clock restarted).
+    other = read_spares(state, boot(NOW + 3600, 50.0, "b2"), max_spare=DAY, remove_stale=True)
+    assert [(s.target, s.until) for s in other.spares] == [("job:slurm:42", NOW + 7200)]
     assert any("another boot" in p for p in other.problems)
     # Its time up: gone, and removed.
-    assert (
-        read_spares(state, NOW + 120, boot_wall=None, max_spare=DAY, remove_stale=True).spares == ()
-    )
+    later = read_spares(state, boot(NOW + 7200, 8200.0), max_spare=DAY, remove_stale=True)
+    assert later.spares == ()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("spare-")] == []
-    write_spare(state, "job:slurm:7", until=NOW + 60, reason="", job="slurm:7")
+    write_spare(state, "job:slurm:7", clock=GIVEN, seconds=60, reason="", job="slurm:7")
     assert cancel_spare(state, "job:slurm:7")
     assert not cancel_spare(state, "job:slurm:7")
 
 
+def _spare_files(tmp_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("spare-")}
+
+
+@pytest.mark.parametrize("step", [-120.0, +2 * DAY], ids=["back 2 min", "forward 2 days"])
+def test_a_wall_clock_step_neither_drops_nor_ends_a_spare(
+    state: StateDir, tmp_path: Path, step: float
+) -> None:
+    """Issue 34, finding 1: ``spare --for 24h`` at the default 24 h limit, then the clock
+    stepped back two minutes: the file was deleted as "ends later than limits.max_spare
+    allows" and the process a target again. Stepped forward, the spare ended early. It
+    lasts its time on the boot clock, and shows its end in the stepped wall time."""
+    write_spare(state, "pid:1000", clock=GIVEN, seconds=DAY, reason="r", pid=1000, start_ticks=5)
+    write_spare(state, "job:slurm:42", clock=GIVEN, seconds=DAY, reason="", job="slurm:42")
+    files = _spare_files(tmp_path)
+    stepped = boot(NOW + 10 + step, 1010.0)
+    found = read_spares(state, stepped, max_spare=DAY, remove_stale=True)
+    assert [(s.target, s.until) for s in found.spares] == [
+        ("job:slurm:42", stepped.wall + DAY - 10),
+        ("pid:1000", stepped.wall + DAY - 10),
+    ]
+    assert (found.problems, found.cut) == ((), ())
+    assert _spare_files(tmp_path) == files  # nothing removed, nothing rewritten
+    end = read_spares(state, boot(NOW + step + DAY, 1000.0 + DAY), max_spare=DAY)
+    assert end.spares == ()  # it still ends on time
+
+
+def test_a_forward_step_early_in_the_boot_keeps_a_process_spare_of_this_boot_id(
+    state: StateDir,
+) -> None:
+    """Issue 34, finding 2: a spare given 5 s into the boot, then the wall clock stepped
+    forward an hour: the boot's start recomputed from the wall clock fell after the spare,
+    which was deleted as "of another boot". Another boot is another boot id."""
+    given = boot(NOW, 5.0)
+    write_spare(state, "pid:1000", clock=given, seconds=DAY, reason="r", pid=1000, start_ticks=5)
+    found = read_spares(state, boot(NOW + 3600 + 10, 15.0), max_spare=DAY, remove_stale=True)
+    assert [s.target for s in found.spares] == ["pid:1000"]
+    assert found.problems == ()
+    # A shell and a sandboxed service may see different boot ids in a container: a spare
+    # given after this boot began (by the wall clock) is then still this boot's.
+    container = read_spares(state, boot(NOW + 20, 25.0, "service-view"), max_spare=DAY)
+    assert [s.target for s in container.spares] == ["pid:1000"]
+
+
+def test_lowering_max_spare_cuts_the_spares_in_force_never_drops_them(
+    state: StateDir, tmp_path: Path
+) -> None:
+    """A reload that lowered ``limits.max_spare`` silently deleted every longer spare; now
+    each is cut to the new limit from now, the cut is written into its file (it holds at the
+    next poll and after a restart) and listed, for ``spare.cut``."""
+    write_spare(state, "pid:1000", clock=GIVEN, seconds=DAY, reason="r", pid=1000, start_ticks=5)
+    write_spare(state, "job:slurm:42", clock=GIVEN, seconds=600, reason="", job="slurm:42")
+    now = boot(NOW + 10, 1010.0)
+    listing = read_spares(state, now, max_spare=3600)  # spare --list: says it, writes nothing
+    assert [(s.target, s.until) for s in listing.spares] == [
+        ("job:slurm:42", NOW + 600),
+        ("pid:1000", NOW + 10 + 3600),
+    ]
+    files = _spare_files(tmp_path)
+    found = read_spares(state, now, max_spare=3600, remove_stale=True)
+    assert [(s.target, s.until, was) for s, was in found.cut] == [
+        ("pid:1000", NOW + 10 + 3600, NOW + DAY)
+    ]
+    assert found.spares == listing.spares
+    assert found.problems == ()
+    later = read_spares(state, boot(NOW + 1000, 2000.0), max_spare=3600, remove_stale=True)
+    assert later.cut == ()
+    assert [(s.target, s.until) for s in later.spares] == [("pid:1000", NOW + 10 + 3600)]
+    (name,) = _spare_files(tmp_path)  # the job's ended
+    assert _spare_files(tmp_path)[name] != files[name]
+    gone = read_spares(state, boot(NOW + 3610, 1010.0 + 3600), max_spare=3600, remove_stale=True)
+    assert gone.spares == ()
+
+
+def test_a_spare_file_from_before_the_boot_clock_still_loads_and_is_cut_not_dropped(
+    state: StateDir,
+) -> None:
+    """The files users have: ``until`` and ``since`` in wall time only, with the boot id for
+    a process. Set back two minutes after a 24 h spare, it has more than the limit left by
+    the wall clock: it is cut to the limit, never dropped."""
+    old = {
+        "target": "pid:1000", "pid": 1000, "start_ticks": 5, "boot_id": "b1", "job": None,
+        "until": NOW + DAY, "since": NOW, "reason": "old", "by_uid": 0,
+    }  # fmt: skip
+    name = next(iter(_written_name(state, old)))
+    found = read_spares(state, boot(NOW - 120, 1010.0), max_spare=DAY, remove_stale=True)
+    assert [(s.target, s.reason, s.until) for s in found.spares] == [
+        ("pid:1000", "old", NOW - 120 + DAY)
+    ]
+    assert [was for _, was in found.cut] == [NOW + DAY]
+    assert found.problems == ()
+    assert json.loads(state.read(name, 4096))["until_boot"] == 1010.0 + DAY
+
+
+def _written_name(state: StateDir, body: dict[str, object]) -> list[str]:
+    """Write ``body`` as the spare file of its target (as an older version wrote it)."""
+    write_spare(state, str(body["target"]), clock=GIVEN, seconds=1, reason="", pid=1000,
+                start_ticks=5)  # fmt: skip
+    (name,) = state.names("spare-")
+    state.write(name, json.dumps(body).encode())
+    return [name]
+
+
 def test_hostile_spare_files_are_ignored_and_named(state: StateDir, tmp_path: Path) -> None:
-    write_spare(state, "job:slurm:42", until=NOW + 10 * DAY, reason="forever", job="slurm:42")
-    name = next(p.name for p in tmp_path.iterdir() if p.name.startswith("spare-"))
     (tmp_path / "spare-0000").write_text(json.dumps({"target": "job:slurm:1", "until": NOW + 9}))
     (tmp_path / "spare-link").symlink_to("/etc/passwd")
-    found = read_spares(state, NOW, boot_wall=None, max_spare=DAY, remove_stale=True)
+    found = read_spares(state, boot(NOW, 1000.0), max_spare=DAY, remove_stale=True)
     assert found.spares == ()
     text = " ".join(found.problems)
-    assert f"{name}: ends later than limits.max_spare" in text
     assert "spare-0000: the file name does not match" in text
     assert "spare-link" in text
     # Bad files are removed (the link itself, never what it points at).
     assert not (tmp_path / "spare-link").is_symlink()
     assert os.path.exists("/etc/passwd")
-    assert not (tmp_path / name).exists()
+    assert not (tmp_path / "spare-0000").exists()
 
 
 def test_spare_cli_records_the_process_start_time_lists_and_cancels(

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,12 @@ class Run:
         self.config = host.config(**config)
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self, *extra: str) -> None:
+    def start(self, *extra: str, env: Mapping[str, str] | None = None) -> None:
+        """Start the daemon; ``env`` adds to the host's environment (libfaketime, say)."""
         handle = open(self.log, "a", encoding="utf-8")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuwatchd", "run", "--config", str(self.config), *extra],
-            env=self.host.env(),
+            env={**self.host.env(), **(env or {})},
             stdout=handle,
             stderr=subprocess.STDOUT,
             text=True,

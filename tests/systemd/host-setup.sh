@@ -16,6 +16,7 @@ command -v nsenter >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)  # tests/system/test_systemd_slurm.py: an address for slurmd
 command -v apparmor_parser >/dev/null || need+=(apparmor)  # tests/integration/test_contrib_kubernetes.py: the profiles parse
 command -v promtool >/dev/null || need+=(prometheus)  # tests/integration/test_metrics.py checks the alert rules
+command -v faketime >/dev/null || need+=(faketime)  # tests/system/test_e2e_clock_step.py steps the daemon's wall clock
 dpkg -s pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel >/dev/null 2>&1 \
     || need+=(pybuild-plugin-pyproject python3-all python3-setuptools python3-shtab python3-wheel)
 # tests/integration/test_contrib_kubernetes.py runs the node-problem-detector plugin as nobody

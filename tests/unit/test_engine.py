@@ -14,7 +14,7 @@ from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanState
 from gpuwatchd.engine import EngineState
-from gpuwatchd.model import MIB, ProcessIdentity
+from gpuwatchd.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.vocabulary import SignalOutcome
 from tests.support.enginerig import (
     GPU0,
@@ -106,6 +106,22 @@ def test_a_ladder_continues_across_a_restart() -> None:
     assert second.actuator.signals == [], "the SIGTERM's 30s wait is still running"
     second.poll_at(31.0)
     assert second.actuator.signals == [(201, "SIGKILL", False)], "step 2, not step 1 again"
+
+
+def test_a_spare_keeps_the_time_it_had_left_when_the_wall_clock_steps_before_the_snapshot() -> None:
+    """The daemon reads the spares, then collects the snapshot: a wall clock stepped forward
+    in between must not end a spare early (issue 34). Its end moves with the snapshot's wall
+    time, by the time it had left when read."""
+    r = rig(make_policy(), orphan_host)
+    ticks = orphan_host(0.0).build().processes[201].start_ticks
+    read_at = W0 - 7200.0  # read two hours of wall time before the snapshot's
+    spare = Spare(target="pid:201", until=read_at + 60.0, reason="debug", pid=201,
+                  start_ticks=ticks)  # fmt: skip
+    r.engine.set_spares((spare,), read_at=read_at)
+    r.poll_at(0.0)
+    assert r.actuator.signals == []
+    assert r.engine.last_snapshot is not None
+    assert [s.until for s in r.engine.last_snapshot.spares] == [W0 + 60.0]
 
 
 def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:

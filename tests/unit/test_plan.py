@@ -631,17 +631,61 @@ def test_a_latch_saved_without_its_start_expires_after_a_restart_instead_of_neve
     assert not r.state.forced_dry_run
 
 
-def test_setting_the_clock_back_does_not_shorten_a_latch() -> None:
+@pytest.mark.parametrize("step", [-3300.0, +7200.0], ids=["back", "forward"])
+def test_a_wall_clock_step_either_way_neither_lifts_nor_stretches_a_latch(step: float) -> None:
+    """Issue 34: a latch holds ``kill_cap_latch`` on the monotonic clock. Stepped forward
+    (chrony after a bad RTC), the wall clock lifted it at once; stepped back, it held for the
+    step too. Both latches, the node's and one user's."""
+    limits = Limits(max_signalled_per_poll=1, node_max_signalled_per_hour=2, kill_cap_latch=600.0)
+    pol = policy(limits=limits)
+    ps = [proc(1000), proc(1001), proc(2000, uid=2000), proc(2001, uid=2000)]
+    r = run([orphan(p) for p in ps], snap(ps), PlanState(), pol, now=0.0, wall=WALL)
+    assert r.state.scope_latches
+    assert r.state.forced_dry_run
+    state = PlanState.from_json(json.loads(json.dumps(r.state.to_json())))  # a restart
+    r = run([], snap([]), state, pol, now=300.0, wall=WALL + 300.0 + step)
+    r = run([], snap([]), r.state, pol, now=599.0, wall=WALL + 599.0 + step)
+    assert r.state.scope_latches
+    assert r.state.forced_dry_run
+    r = run([], snap([]), r.state, pol, now=600.0, wall=WALL + 600.0 + step)
+    assert not r.state.scope_latches
+    assert not r.state.forced_dry_run
+    lasted = [e.fields["lasted"] for e in r.events if e.name == EventName.LIMITS_KILL_CAP_EXPIRED]
+    assert lasted == [600.0, 600.0]
+
+
+def test_a_latch_from_before_a_reboot_holds_the_wall_time_it_has_left() -> None:
+    """Across a reboot the monotonic clock restarts: the latch is anchored again once, by the
+    wall time it has held, and counts on the new boot's clock from there."""
     pol = policy(limits=Limits(max_signalled_per_poll=1, kill_cap_latch=600.0))
     a, b = proc(1000), proc(1001)
-    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0, wall=WALL)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=5000.0, wall=WALL)
+    rebooted = snap([], boot_id="boot-b")
+    r = run([], rebooted, r.state, pol, now=10.0, wall=WALL + 200.0)
     assert r.state.scope_latches
-    # Set back by 3300 s between two polls 300 s apart: that interval counts as no time.
-    r = run([], snap([]), r.state, pol, now=300.0, wall=WALL - 3000.0)
-    r = run([], snap([]), r.state, pol, now=899.0, wall=WALL - 2401.0)
+    r = run([], rebooted, r.state, pol, now=409.0, wall=WALL + 599.0 + 3600.0)  # and a step
     assert r.state.scope_latches
-    r = run([], snap([]), r.state, pol, now=900.0, wall=WALL - 2400.0)
+    r = run([], rebooted, r.state, pol, now=410.0, wall=WALL + 600.0 + 3600.0)
     assert not r.state.scope_latches
+
+
+def test_a_latch_from_a_state_file_before_the_monotonic_anchor_holds_its_wall_time_left() -> None:
+    """State files users have: latches with a wall ``since`` only. They load, and hold the
+    time they have left by the wall clock, then on the monotonic clock."""
+    pol = policy(limits=Limits(max_signalled_per_poll=1, node_max_signalled_per_hour=1,
+                               kill_cap_latch=600.0))  # fmt: skip
+    a, b = proc(1000), proc(1001, uid=1001)
+    r = run([orphan(a), orphan(b)], snap([a, b]), PlanState(), pol, now=0.0, wall=WALL)
+    saved = r.state.to_json()
+    assert saved.pop("forced_since_monotonic") == 0.0
+    old = PlanState.from_json(saved)
+    assert old.forced_dry_run
+    assert old.forced_since_monotonic is None
+    r = run([], snap([]), old, pol, now=9000.0, wall=WALL + 100.0)  # a restart, 100 s later
+    r = run([], snap([]), r.state, pol, now=9499.0, wall=WALL + 7200.0)  # and a step
+    assert r.state.forced_dry_run
+    r = run([], snap([]), r.state, pol, now=9500.0, wall=WALL + 7201.0)
+    assert not r.state.forced_dry_run
 
 
 def test_kill_cap_per_hour_counts_distinct_identities_over_a_rolling_hour() -> None:

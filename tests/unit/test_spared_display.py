@@ -14,6 +14,8 @@ from typing import Any
 from gpuwatchd.cli.explain import explain_report, render_explanation
 from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.cli.spared import mark_spared, spares_in_force
+from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
@@ -126,8 +128,9 @@ def test_scan_reads_the_spares_gpuwatchd_spare_wrote(tmp_path: Path) -> None:
     os.chmod(tmp_path, 0o700)
     now = time.time()
     with StateDir.open(str(tmp_path)) as state:
-        write_spare(state, "job:slurm:42", until=now + 600, reason="bench", job="slurm:42")
-        write_spare(state, "job:slurm:7", until=now - 1, reason="over", job="slurm:7")
+        clock = BootTime.read(now, ProcFS(POLICY.proc_root).boot_id())
+        write_spare(state, "job:slurm:42", clock=clock, seconds=600, reason="bench", job="slurm:42")
+        write_spare(state, "job:slurm:7", clock=clock, seconds=-1, reason="over", job="slurm:7")
         found = spares_in_force(state, POLICY, now)
     assert [(s.target, s.reason, s.by_uid) for s in found] == [
         ("job:slurm:42", "bench", os.getuid())

@@ -1,6 +1,6 @@
 """The daemon and its policy files: `gpuwatchd reload` finds the running daemon, files that stop
-validating show at once (status, metrics), and a
-policy rejected at start does not leave the node unwatched.
+validating show at once (status, metrics), and a policy rejected at start does not leave the
+node unwatched.
 
 Pins gpuwatchd/cli/reload.py (the daemon found by its state, its lock and its process, never
 by a PID number like 1; a broken policy refused before any signal; none running: exit 3) and

@@ -153,6 +153,9 @@ def host_bad_drop_in(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["would_drain"] = slurm.would_drain()
         if out["worker_alive"]:
             _clean_up(host)
+        # Clean by the policy the daemon runs: our drain is lifted, bad files or not.
+        slurm.set_node("IDLE+DRAIN", f"gpuwatchd: {out['uuid0']} orphaned")
+        out["undrain"] = slurm.script("undrain", None)
         return out
 
 
@@ -277,6 +280,10 @@ def test_beside_a_dry_run_daemon_draining_switched_on_drains(tmp_path: Path) -> 
     assert r["would_drain"] is None
 
 
+def _lifted(r: dict[str, Any]) -> None:
+    assert r["undrain"]["updates"] == [RESUME], r["undrain"]["stderr"]
+
+
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "enforcing"])
 def test_a_bad_drop_in_drains_nothing_by_itself(tmp_path: Path, dry_run: bool) -> None:
     """Issue 35, finding 1: policy files that do not validate are judged by the policy the
@@ -304,7 +311,9 @@ def test_a_bad_drop_in_drains_nothing_by_itself(tmp_path: Path, dry_run: bool) -
         assert r["epilog_dirty"]["took"] < 15, "the dry-run epilog waited for run --once"
         assert r["worker_alive"] is True
         assert r["would_drain"] is not None
+        _lifted(r)
         return
+    _lifted(r)
     assert dirty["code"] == 1, dirty["stderr"]
     (update,) = dirty["updates"]
     assert update[:3] == ["update", f"nodename={NODE}", "state=drain"]

@@ -477,6 +477,28 @@ def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
     assert proc.stdout.startswith("check-clean exit 69: xxx")
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_npd_takes_the_mode_check_clean_judged_with_when_the_files_do_not_validate(
+    tmp_path: Path, dry: bool
+) -> None:
+    """Issue 35: a bad drop-in is no reason to raise the problem; check-clean judged with the
+    policy the daemon runs, and that one's dry_run decides (check-config prints none)."""
+    note = "the policy files do not validate; judged with the policy the daemon runs"
+    script = tmp_path / "gpuwatchd"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in status) echo "{}" ;; check-config) exit 78 ;;\n'
+        f"check-clean) echo 'gpuwatchd: {note} (dry_run: {str(dry).lower()}): x' >&2\n"
+        "  echo 'GPU 0 GPU-1: orphaned pid 7'; exit 1 ;; esac\n"
+    )
+    script.chmod(0o755)
+    proc = _npd({"GPUWATCHD": str(script)})
+    if dry:
+        assert (proc.returncode, proc.stdout) == (0, "dry-run: would report orphaned on GPU-1\n")
+    else:
+        assert (proc.returncode, proc.stdout) == (1, "orphaned on GPU-1\n")
+
+
 def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """The NPD command on a host with a dead job's memory on GPU 0, then on a clean one."""
     with SimHost(root, gpus=2) as host:

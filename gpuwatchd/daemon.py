@@ -459,8 +459,13 @@ class Daemon:
             new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
-            # Said in STATUS and `gpuwatchd status` until a good policy loads.
-            self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
+            # Said in STATUS and `gpuwatchd status` until a good policy loads; one rejected at
+            # start stays so (the daemon still runs its fallback, whatever the files say next).
+            self.policy_rejected = {
+                **(self.policy_rejected or {}),
+                "at": self.wall_clock(),
+                "error": str(exc),
+            }
         else:
             self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")

@@ -272,6 +272,29 @@ def test_policy_files_that_stop_validating_show_without_any_reload(tmp_path: Pat
     assert daemon.policy.interval == default_policy().interval  # applied only at a reload
 
 
+def test_a_rejected_reload_while_running_the_fallback_keeps_saying_so(tmp_path: Path) -> None:
+    """Started on its last accepted policy, the daemon keeps saying so through a rejected
+    reload and files that validate again: only a reload leaves the fallback."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: maybe\n")
+    config.chmod(0o644)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    at_start = {"at": 1.0, "error": "old", "at_start": True, "running": "the last accepted"}
+    daemon = Daemon(policy, config_path=str(config), rejected_at_start=at_start)
+    daemon._files_key = policy_files_key(str(config))
+    daemon._do_reload()
+    rejected = daemon.status_section()["policy_rejected"]
+    assert isinstance(rejected, dict)
+    assert rejected["at_start"] is True
+    assert rejected["running"] == "the last accepted"
+    assert "dry_run" in str(rejected["error"])
+    config.write_text("dry_run: true\n")
+    daemon._check_files()
+    assert daemon.status_section()["policy_rejected"] == rejected
+    daemon._do_reload()
+    assert daemon.status_section()["policy_rejected"] is None
+
+
 def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: Path) -> None:
     daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
     sink = daemon.engine.sink

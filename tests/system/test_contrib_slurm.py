@@ -363,6 +363,19 @@ def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: 
     assert proc.returncode == 1, proc.stderr
     reason = (tmp_path / "node.reason").read_text()
     assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 69: "), reason
+    # gpuwatchd failing every command (check-config included) is no policy problem: it drains.
+    broken = tmp_path / "broken-gpuwatchd"
+    broken.write_text("#!/bin/sh\necho 'Traceback: boom' >&2\nexit 70\n")
+    broken.chmod(0o755)
+    env["GPUWATCHD"] = str(broken)
+    (tmp_path / "node.state").write_text("IDLE")
+    (tmp_path / "node.reason").write_text("")
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    reason = (tmp_path / "node.reason").read_text()
+    assert reason == "gpuwatchd: cannot check the GPUs (check-clean exit 70: Traceback: boom)"
 
 
 def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ policy it accepts (at start and at every accepted reload) as :data:`ACCEPTED_FIL
 says so in the journal (``config.start_rejected``, critical), in STATUS, in ``gpuwatchd status``
 and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (nothing was ever
 accepted: someone is setting the node up) there is nothing to fall back to, and the daemon
-exits 78 as before.
+exits 78 as before. ``run --once`` falls back the same way, and ``check-clean`` judges with
+this policy when the files do not validate (a policy problem is never a reason to drain).
 
 This module owns that file: writing it, and finding and reading it back when the configured
 policy cannot be loaded. Where to look comes from the configured files themselves, as far as

@@ -32,6 +32,7 @@ from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
 from gpuwatchd.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.config.changes import policy_changes
+from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.daemon_serving import ScanServing
 from gpuwatchd.decide.assess import Assessment
@@ -184,6 +185,7 @@ class Daemon:
         self.policy_rejected: dict[str, object] | None = (
             dict(rejected_at_start) if rejected_at_start is not None else None
         )
+        self._files_key: tuple[object, ...] | None = None  # the files as last read (_check_files)
 
     @property
     def policy(self) -> Policy:
@@ -248,6 +250,7 @@ class Daemon:
         # beside this daemon knows the worker as the daemon's (cli/scan.py) only through the
         # PID in the state file, and a prolog at this moment must not see a dirty GPU.
         self.save_state()
+        self._files_key = policy_files_key(self.config_path)  # read just before this start
         if self.policy_rejected is None:
             self._save_accepted(self._loaded)
         log.info(
@@ -266,6 +269,8 @@ class Daemon:
         while not self._stop:
             if self._reload:
                 self._do_reload()
+            elif not self.once:
+                self._check_files()
             self.poll_once()
             if not self._ready_sent:
                 self.notifier.notify("READY=1")
@@ -424,16 +429,44 @@ class Daemon:
             return dataclasses.replace(policy, dry_run=True)
         return policy
 
+    def _check_files(self) -> None:
+        """Validate the policy files again when they changed on disk (a stat each, every
+        poll), applying nothing: files that do not validate are said at once (journal,
+        STATUS, ``status``, metrics), not only at a reload the unit's own check refuses before
+        any signal, or at the next start; files that validate again clear it. A policy
+        rejected at start stays said until a reload: the daemon still runs its fallback."""
+        key = policy_files_key(self.config_path)
+        if key == self._files_key:
+            return
+        self._files_key = key
+        rejected = self.policy_rejected
+        if rejected is not None and rejected.get("at_start"):
+            return
+        try:
+            self._keep_watchdog_fed(lambda: load_policy(self.config_path))
+        except ConfigError as exc:
+            if rejected is None or rejected.get("error") != str(exc):
+                log.error(EventName.CONFIG_FILES_REJECTED, error=str(exc), config=self.config_path)
+                self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
+        else:
+            self.policy_rejected = None
+
     def _do_reload(self) -> None:
         self._reload = False
         self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
+        self._files_key = policy_files_key(self.config_path)  # before reading them
         try:
             # Reading and validating a large policy must not starve the watchdog.
             new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
-            # Said in STATUS and `gpuwatchd status` until a good policy loads.
-            self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
+            # Said in STATUS and `gpuwatchd status` until a good policy loads; one rejected at
+            # start stays so (the daemon still runs its fallback, whatever the files say next).
+            self.policy_rejected = {
+                **(self.policy_rejected or {}),
+                "at": self.wall_clock(),
+                "error": str(exc),
+            }
         else:
             self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")

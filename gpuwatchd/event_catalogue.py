@@ -453,6 +453,14 @@ _OTHERS: Mapping[EventName, EventSpec] = {
         "needs_restart",
         lambda s: f"Reloaded, but these keys change only on restart: {s.items('needs_restart')}.",
     ),
+    EventName.CONFIG_FILES_REJECTED: spec(
+        ERROR,
+        "error config",
+        lambda s: (
+            f"The policy files changed and do not validate{s.why('error')}; the running policy"
+            " stays in force."
+        ),
+    ),
     EventName.CONFIG_START_REJECTED: spec(
         CRITICAL,
         "error config running dry_run unusable",

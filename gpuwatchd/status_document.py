@@ -404,7 +404,10 @@ def _attention(
                 "policy, then `systemctl reload gpuwatchd`"
             )
         else:
-            out.append(f"policy reload rejected ({error}); the previous policy stays in force")
+            out.append(
+                f"policy files rejected ({error}); the running policy stays in force: fix "
+                "them (`gpuwatchd check-config`), then reload"
+            )
     stuck = [lad for lad in ladders if lad["status"] == LadderStatus.STUCK]
     if stuck:
         pids = ", ".join(str(lad["pid"] if lad["pid"] is not None else "?") for lad in stuck)

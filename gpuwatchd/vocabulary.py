@@ -172,6 +172,7 @@ class EventName(_Name):
     CONFIG_RELOAD_REJECTED = "config.reload_rejected"
     CONFIG_RELOAD_PARTIAL = "config.reload_partial"
     CONFIG_START_REJECTED = "config.start_rejected"
+    CONFIG_FILES_REJECTED = "config.files_rejected"
     STATE_INVALID = "state.invalid"
     STATE_CORRUPT = "state.corrupt"
     STATE_NEW_BOOT = "state.new_boot"

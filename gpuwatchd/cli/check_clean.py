@@ -9,10 +9,20 @@ Output: one line on stdout per selected GPU that is not clean, ``GPU <index> <uu
 <why>`` with ``(and N more)`` (the Slurm scripts and the node-problem-detector plugin read the
 first line); on stderr, for a clean GPU, each process that would block a reset of it
 (``gpuwatchd: GPU <index> <uuid>: clean; would block a reset: …``), which is not dirt.
+
+A policy problem is never a reason to drain. When the policy files do not validate, the GPUs
+are judged with the policy the daemon runs — its last accepted one, as the daemon itself falls
+back at start (:mod:`gpuwatchd.accepted`) — and stderr says so first, with that policy's mode
+(:data:`RUNNING_POLICY`, ``… (dry_run: false)``: the Slurm scripts read it to know whether a
+dirty GPU drains). A GPU dirty by that policy still exits 1; otherwise the exit is 78 (the
+files' own code): "cannot judge by the files: do not drain, report", also when there is no
+accepted policy to judge with.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -21,10 +31,41 @@ from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 from gpuwatchd.escape import escape
+from gpuwatchd.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.vocabulary import Cleanliness, ExitCode
 
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
+EXIT_POLICY = ExitCode.CONFIG  # cannot judge by the policy files: never a reason to drain
+# The first stderr line when the files do not validate; the Slurm scripts read its mode.
+RUNNING_POLICY = "the policy files do not validate; judged with the policy the daemon runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Judge:
+    """The policy the GPUs are judged with, and why it is not the files' when it is not."""
+
+    policy: Policy | None  # None: nothing to judge with
+    problem: str | None = None  # the files' error: they do not validate
+    running: str | None = None  # which policy stands in for them (accepted.Fallback.describe)
+
+
+def judging_policy(config: str | None) -> Judge:
+    """The files' policy (``config``, else the default file; none there: the built-in one);
+    when they do not validate, the one the daemon runs: its last accepted, or None."""
+    from gpuwatchd.config.schema import ConfigError, default_policy, load_policy
+
+    chosen = config or DEFAULT_CONFIG_PATH
+    if config is None and not os.path.exists(chosen):
+        return Judge(default_policy())
+    try:
+        return Judge(load_policy(chosen))
+    except ConfigError as exc:
+        from gpuwatchd.accepted import load_fallback
+
+        fallback = load_fallback(chosen)
+        problems = "".join(f"; {p}" for p in fallback.problems)
+        return Judge(fallback.policy, str(exc), fallback.describe() + problems)
 
 
 class SelectionError(ValueError):
@@ -85,14 +126,39 @@ def answer(
 
 
 def check_clean(
-    policy: Policy,
+    config: str | None,
     selectors: Sequence[str] | None,
     *,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
 ) -> tuple[int, str | None]:
-    """Scan once (a full walk of ``/proc``) and answer; returns (exit code, a one-line error
-    for stderr or None)."""
+    """Judge with the policy of :func:`judging_policy` and answer; returns (exit code, an
+    error for stderr or None). Files that do not validate: 1 for a GPU dirty by the policy
+    the daemon runs, else 78 (module docstring); 2 and 69 as always."""
+    judge = judging_policy(config)
+    if judge.policy is None:
+        return EXIT_POLICY, (
+            f"{judge.problem}\n(cannot judge: {judge.running} to judge with instead; "
+            "a policy problem drains nothing)"
+        )
+    if judge.problem is None:
+        return _judged(judge.policy, selectors, out, err)
+    dry = "true" if judge.policy.dry_run else "false"
+    err.write(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {escape(str(judge.running))}\n")
+    err.flush()  # before the scan's own lines
+    code, error = _judged(judge.policy, selectors, out, err)
+    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE):
+        return code, error
+    return EXIT_POLICY, (
+        f"{judge.problem}\n(no GPU asked about is dirty by the policy the daemon runs; "
+        "cannot judge by the files: fix them, `gpuwatchd check-config`)"
+    )
+
+
+def _judged(
+    policy: Policy, selectors: Sequence[str] | None, out: TextIO, err: TextIO
+) -> tuple[int, str | None]:
+    """Scan once (a full walk of ``/proc``) and answer by ``policy``."""
     from gpuwatchd.cli.scan import scan_host
 
     result = scan_host(policy)

@@ -353,8 +353,7 @@ def _check_clean(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.check_clean import check_clean, split_selectors
 
     _errors_only_logging()
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
-    code, error = check_clean(policy, split_selectors(args.gpu), out=sys.stdout)
+    code, error = check_clean(args.config, split_selectors(args.gpu), out=sys.stdout)
     if error is not None:
         raise CliError(error, code)
     return code
@@ -384,10 +383,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy_or_exit(config_path, required=True)
     except CliError as exc:
-        if args.once or exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
-            raise  # run --once (an epilog) exits 78: the script drains; no file: a typo
+        if exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
+            raise  # no file: a typo
         # The daemon does not leave the node unwatched over a rejected file: it runs with the
-        # last policy it accepted, loudly (gpuwatchd/accepted.py). Never accepted one: 78.
+        # last policy it accepted, loudly (gpuwatchd/accepted.py); so does run --once (an
+        # epilog waits as the running daemon works, by that policy). Never accepted one: 78.
         from gpuwatchd.accepted import load_fallback
 
         fallback = load_fallback(config_path)

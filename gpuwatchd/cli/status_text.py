@@ -211,7 +211,7 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
     lines.append(f"policy:   {_text(shown)}")
     rejected = policy.get("rejected")
     if isinstance(rejected, Mapping):
-        what = "rejected at start" if rejected.get("at_start") is True else "reload rejected"
+        what = "rejected at start" if rejected.get("at_start") is True else "files rejected"
         lines.append(
             f"          {what} {_at(now, rejected.get('at'))}: {_text(rejected.get('error'))}"
         )

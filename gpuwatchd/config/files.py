@@ -25,6 +25,7 @@ __all__ = [
     "NotARegularFile",
     "check_config_permissions",
     "find_drop_ins",
+    "policy_files_key",
     "read_config_file",
     "read_policy_files",
     "read_regular_file",
@@ -82,6 +83,31 @@ def find_drop_ins(main_file: str) -> list[str]:
     if problems:
         raise ConfigError.combine(problems)
     return paths
+
+
+def policy_files_key(main_file: str) -> tuple[object, ...]:
+    """What changes when the policy's files do: the main file, ``conf.d/`` and each drop-in
+    named like one (followed through links, as they are read), by identity, owner, mode, size
+    and times, or the error looking at one gave. A stat each, no read: the daemon compares it
+    every poll and reads the files again only when it changed."""
+    conf_d = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+    try:
+        names = sorted(os.listdir(conf_d))
+    except OSError:
+        names = []  # conf.d's own entry below says why
+    drop_ins = [n for n in names if n.endswith(".yaml") and not n.startswith(".")]
+    key: list[object] = []
+    for path in [main_file, conf_d, *(os.path.join(conf_d, n) for n in drop_ins)][
+        : MAX_DROP_INS + 3
+    ]:
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            key.append((path, err.errno))
+            continue
+        key.append((path, st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_size))
+        key.append((st.st_mtime_ns, st.st_ctime_ns))
+    return (len(drop_ins), *key)
 
 
 def read_config_file(path: str) -> str:

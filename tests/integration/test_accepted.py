@@ -133,3 +133,34 @@ def test_a_state_dir_reached_through_a_link_is_not_read(tmp_path: Path) -> None:
     assert fallback.policy is None
     assert len(fallback.problems) == 1
     assert "link" in fallback.problems[0]
+
+
+def test_check_clean_judges_with_the_running_policy_when_the_files_do_not_validate(
+    tmp_path: Path,
+) -> None:
+    """Issue 35, finding 1: check-clean (the Slurm prolog) judges valid files by themselves,
+    files that do not validate by the policy the daemon runs (its last accepted one), and with
+    none saved it has nothing to judge with (exit 78, which the scripts never drain on)."""
+    from gpuwatchd.cli.check_clean import judging_policy
+
+    state = _state(tmp_path)
+    main = _config(tmp_path, state, ("50-site.yaml", "dry_run: false\n"))
+    judge = judging_policy(str(main))
+    assert judge.problem is None
+    assert judge.policy is not None
+    assert judge.policy.dry_run is False
+    broken = main.parent / "conf.d" / "90-broken.yaml"
+    broken.write_text("interval: sometimes\n")
+    judge = judging_policy(str(main))
+    assert judge.policy is None
+    assert "90-broken.yaml" in str(judge.problem)
+    assert "no saved policy" in str(judge.running)
+    broken.unlink()
+    _save(load_policy(str(main), check_permissions=False))
+    broken.write_text("dry_run: true\ninterval: sometimes\n")
+    judge = judging_policy(str(main))
+    assert "90-broken.yaml" in str(judge.problem)
+    assert judge.policy is not None
+    assert judge.policy.dry_run is False  # the daemon's, not what the broken drop-in says
+    assert judge.policy.interval == 7.0
+    assert "the last accepted policy (" in str(judge.running)

@@ -518,6 +518,28 @@ def test_npd_message_fits_the_limit(tmp_path: Path) -> None:
     assert proc.stdout.startswith(f"not clean on {uuid[:20]}")
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_npd_takes_the_mode_of_the_policy_the_daemon_runs_when_the_files_do_not_validate(
+    tmp_path: Path, dry: bool
+) -> None:
+    """Issue 35: a bad drop-in is no reason to raise the problem. The daemon runs its last
+    accepted policy and writes that one's dry_run beside gpuwatchd_policy_rejected; that
+    dry_run decides."""
+    env = _metrics_file(
+        tmp_path / "rejected.prom",
+        f"gpuwatchd_last_successful_poll_timestamp_seconds {time.time()}\n"
+        "gpuwatchd_policy_rejected 1.0\n"
+        f"gpuwatchd_dry_run {1.0 if dry else 0.0}\n"
+        'gpuwatchd_gpu_clean{gpu="GPU-1",index="0"} 0.0\n'
+        'gpuwatchd_gpu_not_clean_reasons{gpu="GPU-1",index="0",kind="orphaned"} 1.0\n',
+    )
+    proc = _npd(env)
+    if dry:
+        assert (proc.returncode, proc.stdout) == (0, "dry-run: would report orphaned on GPU-1\n")
+    else:
+        assert (proc.returncode, proc.stdout) == (1, "orphaned on GPU-1\n")
+
+
 def host_npd(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """The NPD command reading the metrics a real daemon wrote: a dead job's memory on GPU 0
     (dry-run, then enforcing), then a clean host."""

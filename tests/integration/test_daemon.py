@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
+from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.decide.assess import Assessment
@@ -25,7 +27,7 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.systemd_notify import describe_status
+from gpuwatchd.systemd_notify import Notifier, describe_status
 from gpuwatchd.vocabulary import LadderStatus, Level
 
 
@@ -219,6 +221,76 @@ def test_a_rejected_reload_is_kept_in_the_status_until_a_good_policy_loads(
     saved = json.loads((tmp_path / "state" / "state.json").read_text())
     assert saved["status"]["policy_rejected"]["error"] == rejected["error"]
     config.write_text("dry_run: true\n")
+    daemon._do_reload()
+    assert daemon.status_section()["policy_rejected"] is None
+
+
+class _Recorder(Notifier):
+    """What the daemon would tell systemd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    def notify(self, message: str) -> None:
+        self.sent.append(message)
+
+
+def test_policy_files_that_stop_validating_show_without_any_reload(tmp_path: Path) -> None:
+    """`systemctl reload` checks the files first and sends no signal when they are bad, so the
+    daemon reads them again itself when they change: a typo in a drop-in shows at the next
+    poll in the status, its exit code and the STATUS line (issue 35, finding 2), and goes
+    when the files validate again; the running policy is untouched throughout."""
+    daemon, config = _daemon_with_config(tmp_path, "dry_run: true\n")
+    daemon._files_key = policy_files_key(str(config))  # as at start
+    daemon.notifier = recorder = _Recorder()
+    daemon._check_files()  # nothing changed: nothing read, nothing said
+    assert daemon.policy_rejected is None
+    drop_in = tmp_path / "conf.d" / "90-typo.yaml"
+    drop_in.parent.mkdir()
+    drop_in.write_text("interval: sometimes\n")
+    drop_in.chmod(0o644)
+    with capture_logs() as logs:
+        daemon._check_files()
+        daemon._check_files()  # unchanged since: said once
+    (event,) = [e for e in logs if e["event"] == "config.files_rejected"]
+    assert event["log_level"] == "error"
+    assert "90-typo.yaml" in event["error"]
+    rejected = daemon.status_section()["policy_rejected"]
+    assert isinstance(rejected, dict)
+    assert "90-typo.yaml" in str(rejected["error"])
+    assert daemon.policy.dry_run is True
+    assert daemon.policy.interval == default_policy().interval
+    daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert any("policy files rejected" in a for a in saved["status"]["document"]["attention"])
+    daemon._notify_status(snapshot(NvmlReading(available=True, gpus=GPUS[:1])), assessment())
+    assert recorder.sent[-1].startswith("STATUS=policy rejected, running the previous one")
+    drop_in.write_text("interval: 10s\n")
+    daemon._check_files()
+    assert daemon.status_section()["policy_rejected"] is None
+    assert daemon.policy.interval == default_policy().interval  # applied only at a reload
+
+
+def test_a_rejected_reload_while_running_the_fallback_keeps_saying_so(tmp_path: Path) -> None:
+    """Started on its last accepted policy, the daemon keeps saying so through a rejected
+    reload and files that validate again: only a reload leaves the fallback."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: maybe\n")
+    config.chmod(0o644)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    at_start = {"at": 1.0, "error": "old", "at_start": True, "running": "the last accepted"}
+    daemon = Daemon(policy, config_path=str(config), rejected_at_start=at_start)
+    daemon._files_key = policy_files_key(str(config))
+    daemon._do_reload()
+    rejected = daemon.status_section()["policy_rejected"]
+    assert isinstance(rejected, dict)
+    assert rejected["at_start"] is True
+    assert rejected["running"] == "the last accepted"
+    assert "dry_run" in str(rejected["error"])
+    config.write_text("dry_run: true\n")
+    daemon._check_files()
+    assert daemon.status_section()["policy_rejected"] == rejected
     daemon._do_reload()
     assert daemon.status_section()["policy_rejected"] is None
 

@@ -123,7 +123,7 @@ CASES: list[tuple[str, Callable[[dict[str, object]], None] | None, dict[str, obj
         _edit("status.policy_rejected", {"at": NOW - 60, "error": "p.yaml:3: unknown key"}),
         {},
         1,
-        "policy reload rejected (p.yaml:3: unknown key)",
+        "policy files rejected (p.yaml:3: unknown key)",
     ),
 ]
 
@@ -724,7 +724,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     daemon.save_state()
     result = described()
     assert result["exit_code"] == 1
-    assert "policy reload rejected" in render_text(result)
+    assert "policy files rejected" in render_text(result)
 
 
 def test_every_field_of_status_json_is_documented() -> None:

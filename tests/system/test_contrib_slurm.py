@@ -126,6 +126,39 @@ def host_beside_daemon(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         return out
 
 
+def host_bad_drop_in(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A daemon accepted a policy (dry-run or enforcing) and was stopped (its saved policy is
+    what it runs at its next start); then a drop-in with a typo arrives, as configuration
+    management pushes it to every node. Clean GPUs, then GPU 0 dirty."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0), gpu(1)])
+        run = Run(host, dry_run=arg["dry_run"])
+        slurm = Slurm(host, run.config)
+        out: dict[str, Any] = {"uuid0": host.scan_json(run.config)["gpus"][0]["uuid"]}
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        run.stop()
+        conf_d = run.config.parent / "conf.d"
+        conf_d.mkdir(exist_ok=True)
+        (conf_d / "90-typo.yaml").write_text("interval: sometimes\n")
+        out["prolog_clean"] = slurm.script("prolog", "0")
+        out["epilog_clean"] = slurm.script("epilog", "0", timeout="5s")
+        _dirty_gpu0(host)
+        out["prolog_dirty"] = slurm.script("prolog", "0")
+        slurm.set_node("IDLE", "")
+        driver = threading.Thread(target=_free_when_gone, args=(host, "worker"), daemon=True)
+        driver.start()
+        out["epilog_dirty"] = slurm.script("epilog", "0", timeout="20s")
+        out["worker_alive"] = host.alive(host.pids["worker"])
+        out["would_drain"] = slurm.would_drain()
+        if out["worker_alive"]:
+            _clean_up(host)
+        # Clean by the policy the daemon runs: our drain is lifted, bad files or not.
+        slurm.set_node("IDLE+DRAIN", f"gpuwatchd: {out['uuid0']} orphaned")
+        out["undrain"] = slurm.script("undrain", None)
+        return out
+
+
 # --- tests ---------------------------------------------------------------------------------
 
 
@@ -247,10 +280,58 @@ def test_beside_a_dry_run_daemon_draining_switched_on_drains(tmp_path: Path) -> 
     assert r["would_drain"] is None
 
 
-def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
-    """gpuwatchd failing (here: a policy that does not parse) is not "clean"."""
+def _lifted(r: dict[str, Any]) -> None:
+    assert r["undrain"]["updates"] == [RESUME], r["undrain"]["stderr"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "enforcing"])
+def test_a_bad_drop_in_drains_nothing_by_itself(tmp_path: Path, dry_run: bool) -> None:
+    """Issue 35, finding 1: policy files that do not validate are judged by the policy the
+    daemon runs (its last accepted one). A clean node drains nothing, in dry-run and
+    enforcing; a dirty GPU drains only where that policy enforces, and the epilog waits for
+    it to be freed by that policy as always."""
+    r = run_scenario("host_bad_drop_in", tmp_path, dry_run=dry_run)
+    note = "the policy files do not validate; judged with the policy the daemon runs"
+    for name in ("prolog_clean", "epilog_clean"):
+        assert r[name]["code"] == 0, r[name]["stderr"]
+        assert r[name]["updates"] == [], name
+        assert r[name]["node"] == {"state": "IDLE", "reason": ""}
+        assert f"{note} (dry_run: {str(dry_run).lower()})" in r[name]["stderr"]
+        assert "a policy problem drains nothing" in r[name]["stderr"]
+        assert "90-typo.yaml" in r[name]["stderr"]
+    dirty = r["prolog_dirty"]
+    if dry_run:
+        for name in ("prolog_dirty", "epilog_dirty"):
+            assert r[name]["code"] == 0, r[name]["stderr"]
+            assert r[name]["updates"] == [], name
+            assert f"dry-run: would drain {NODE}: gpuwatchd: {r['uuid0']} " in r[name]["stderr"]
+            assert (
+                "policy files invalid: judged by the policy the daemon runs" in (r[name]["stderr"])
+            )
+        assert r["epilog_dirty"]["took"] < 15, "the dry-run epilog waited for run --once"
+        assert r["worker_alive"] is True
+        assert r["would_drain"] is not None
+        _lifted(r)
+        return
+    _lifted(r)
+    assert dirty["code"] == 1, dirty["stderr"]
+    (update,) = dirty["updates"]
+    assert update[:3] == ["update", f"nodename={NODE}", "state=drain"]
+    assert update[3].startswith(f"reason=gpuwatchd: {r['uuid0']} ")
+    assert update[3].endswith("[policy files invalid: judged by the policy the daemon runs]")
+    # The epilog's run --once runs the daemon's policy too, frees GPU 0, and exits clean.
+    assert r["epilog_dirty"]["code"] == 0, r["epilog_dirty"]["stderr"]
+    assert r["epilog_dirty"]["updates"] == []
+    assert r["worker_alive"] is False
+
+
+def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: Path) -> None:
+    """gpuwatchd failing (here: no NVML) is not "clean", and drains; a policy that does not
+    parse, with no policy the daemon ran to judge by instead, drains nothing: it is said."""
+    good = tmp_path / "good.yaml"
+    good.write_text(f"state_dir: {tmp_path / 'st'}\ndry_run: false\n")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("interval: sometimes\n")
+    bad.write_text(f"state_dir: {tmp_path / 'st'}\ninterval: sometimes\n")
     (tmp_path / "node.state").write_text("IDLE")
     (tmp_path / "node.reason").write_text("")
     scontrol = tmp_path / "scontrol"
@@ -270,9 +351,31 @@ def test_a_check_that_cannot_run_drains_with_the_reason(tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
     )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "node.reason").read_text() == ""
+    assert "cannot judge the GPUs by gpuwatchd's policy (check-clean exit 78: " in proc.stderr
+    assert "bad.yaml" in proc.stderr
+    env["GPUWATCHD_CONFIG"] = str(good)
+    env["LD_LIBRARY_PATH"] = str(tmp_path / "no-nvml")
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 1, proc.stderr
     reason = (tmp_path / "node.reason").read_text()
-    assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 78: "), reason
+    assert reason.startswith("gpuwatchd: cannot check the GPUs (check-clean exit 69: "), reason
+    # gpuwatchd failing every command (check-config included) is no policy problem: it drains.
+    broken = tmp_path / "broken-gpuwatchd"
+    broken.write_text("#!/bin/sh\necho 'Traceback: boom' >&2\nexit 70\n")
+    broken.chmod(0o755)
+    env["GPUWATCHD"] = str(broken)
+    (tmp_path / "node.state").write_text("IDLE")
+    (tmp_path / "node.reason").write_text("")
+    proc = subprocess.run(
+        [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    reason = (tmp_path / "node.reason").read_text()
+    assert reason == "gpuwatchd: cannot check the GPUs (check-clean exit 70: Traceback: boom)"
 
 
 def host_clean_after_slurm_replaced_our_reason(arg: dict[str, Any], root: Path) -> dict[str, Any]:

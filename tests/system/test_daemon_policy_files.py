@@ -1,5 +1,6 @@
-"""The daemon and its policy files: `gpuwatchd reload` finds the running daemon, and a
-policy rejected at start does not leave the node unwatched.
+"""The daemon and its policy files: `gpuwatchd reload` finds the running daemon, files that stop
+validating show at once (status, metrics), and a policy rejected at start does not leave the
+node unwatched.
 
 Pins gpuwatchd/cli/reload.py (the daemon found by its state, its lock and its process, never
 by a PID number like 1; a broken policy refused before any signal; none running: exit 3) and
@@ -122,3 +123,55 @@ def test_reload_and_a_rejected_start(tmp_path: Path) -> None:
     assert "\ngpuwatchd_policy_rejected 1.0\n" in r["metrics"]
     assert r["fixed"]["code"] == 0
     assert r["reloaded_after_fix"] is True
+
+
+def host_files_rejected_while_running(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    with SimHost(root, gpus=1) as host:
+        host.nvml([gpu(0)])
+        metrics = host.root / "gpuwatchd.prom"
+        run = Run(host, metrics={"textfile": str(metrics)}, interval="200ms")
+        conf_d = run.config.parent / "conf.d"
+        conf_d.mkdir(exist_ok=True)
+        config = ["--config", str(run.config)]
+        run.start()
+        assert run.wait_for(lambda: run.saw("daemon.start")), "the daemon did not start"
+        out: dict[str, Any] = {}
+        out["status_before"] = host.gpuwatchd("status", "--json", *config).returncode
+        (conf_d / "90-typo.yaml").write_text("interval: sometimes\n")
+        out["reload"] = _result(host.gpuwatchd("reload", *config))  # refused: no signal
+        out["said"] = run.wait_for(lambda: run.saw("config.files_rejected"))
+        run.wait_for(lambda: metrics.exists() and "policy_rejected 1" in metrics.read_text())
+        out["metrics"] = metrics.read_text() if metrics.exists() else ""
+        status = host.gpuwatchd("status", "--json", *config)
+        out["status_code"] = status.returncode
+        out["status"] = json.loads(status.stdout) if status.stdout.strip() else None
+        (conf_d / "90-typo.yaml").unlink()
+        run.wait_for(lambda: metrics.exists() and "policy_rejected 0" in metrics.read_text())
+        out["metrics_fixed"] = metrics.read_text() if metrics.exists() else ""
+        out["status_fixed"] = host.gpuwatchd("status", "--json", *config).returncode
+        out["reload_rejected"] = run.saw("config.reload_rejected")
+        run.stop()
+        return out
+
+
+def test_files_that_stop_validating_show_in_status_and_metrics_without_a_reload(
+    tmp_path: Path,
+) -> None:
+    """Issue 35, finding 2: `gpuwatchd reload` (like the unit's ExecReload) refuses bad files
+    before any signal, so the daemon looks at its files itself: the refusal shows in `status`
+    (exit 1, attention) and gpuwatchd_policy_rejected until the files validate again."""
+    r = run_in_pid_namespace(
+        f"{__name__}:host_files_rejected_while_running", {}, root=tmp_path, timeout=180
+    )
+    assert r["status_before"] == 0
+    assert r["reload"]["code"] == 78, r["reload"]
+    assert r["said"] is True
+    assert r["reload_rejected"] is False  # no signal was sent: the daemon saw the files itself
+    assert "\ngpuwatchd_policy_rejected 1.0\n" in r["metrics"]
+    assert r["status_code"] == 1
+    status = r["status"]
+    assert status["running"] is True
+    assert "90-typo.yaml" in status["policy"]["rejected"]["error"]
+    assert any("policy files rejected" in a for a in status["attention"])
+    assert "\ngpuwatchd_policy_rejected 0.0\n" in r["metrics_fixed"]
+    assert r["status_fixed"] == 0

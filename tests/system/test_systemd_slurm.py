@@ -591,6 +591,83 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         cluster.idle()
 
 
+# -- a bad drop-in ----------------------------------------------------------------------------
+TYPO_DROPIN = "/etc/gpuwatchd/conf.d/70-typo.yaml"
+DRY_DROPIN = "/etc/gpuwatchd/conf.d/65-dry.yaml"
+
+
+def _slurm_said(cluster: Cluster) -> str:
+    return cluster.sh("journalctl -t gpuwatchd-slurm -o cat --no-pager").stdout
+
+
+def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> None:
+    """Issue 35, findings 1 and 2: a drop-in with a typo, pushed to a node. `systemctl reload`
+    refuses it, and the daemon says so anyway (journal, `status`, STATUS, metrics); jobs on a
+    clean node run and nothing drains, enforcing or dry-run; a dirty GPU still drains under the
+    enforcing policy the daemon runs, and only says so under a dry-run one; our drain is lifted
+    once clean, bad files or not."""
+    ct = cluster.ct
+    cluster.idle()
+    cluster.wait_idle("an idle node")
+    typo = ct.root / TYPO_DROPIN.lstrip("/")
+    try:
+        ct.write(TYPO_DROPIN, "interval: sometimes\n")
+        assert cluster.sh("systemctl reload gpuwatchd", check=False).returncode != 0
+        _until("config.files_rejected", lambda: bool(_events(cluster, "config.files_rejected")))
+        code, status = _status(cluster)
+        assert code == 1, status
+        assert "70-typo.yaml" in status["policy"]["rejected"]["error"]
+        assert any("policy files rejected" in a for a in status["attention"])
+        line = cluster.sh("systemctl show -p StatusText --value gpuwatchd").stdout
+        assert line.startswith("policy rejected, running the previous one"), line
+        _until("gpuwatchd_policy_rejected 1", lambda: "\ngpuwatchd_policy_rejected 1" in (
+            ct.root / METRICS_FILE.lstrip("/")).read_text())  # fmt: skip
+
+        # Enforcing (the policy the daemon runs), clean: the job runs, nothing drains.
+        job = cluster.submit("job-t1", "echo ran\n", gpus=2)
+        assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+        _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
+        assert cluster.node()["State"] == "IDLE", cluster.node()
+        assert "a policy problem drains nothing" in _slurm_said(cluster)
+
+        # Enforcing, GPU 1 dirty: the prolog still drains, saying how it judged.
+        cluster.ghost_on_gpu1()
+        job = cluster.submit("job-t2", "echo ran\n", gpus=2)
+        _until("the prolog's drain", cluster.drained)
+        (reason,) = cluster.sinfo_reasons()
+        assert reason.startswith(f"gpuwatchd: {gpu(1)['uuid']} ghost_memory"), reason
+        assert reason.endswith("[policy files invalid: judged by the policy the daemon runs]")
+        cluster.sh(f"scancel {job}")
+        cluster.idle()
+        cluster.wait_idle("the timer to lift our drain, bad files or not", timeout=60)
+
+        # The daemon runs a dry-run policy: a dirty GPU drains nothing, the drain is said.
+        typo.unlink()
+        ct.write(DRY_DROPIN, "dry_run: true\n")
+        cluster.sh("systemctl reload gpuwatchd")
+        _until("status clear again", lambda: _status(cluster)[0] == 0)
+        ct.write(TYPO_DROPIN, "interval: sometimes\n")
+        _until("the new typo said", lambda: len(_events(cluster, "config.files_rejected")) >= 2)
+        job = cluster.submit("job-t3", "echo ran\n", gpus=2)
+        assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+        cluster.ghost_on_gpu1()
+        job = cluster.submit("job-t4", "echo ran\n", gpus=2)
+        assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+        _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
+        assert cluster.node()["State"] == "IDLE", cluster.node()
+        assert cluster.sinfo_reasons() == []
+        said = _slurm_said(cluster)
+        assert f"prolog dry-run: would drain {NODE}: gpuwatchd: {gpu(1)['uuid']} " in said
+        assert "[policy files invalid: judged by the policy the daemon runs]" in said
+    finally:
+        typo.unlink(missing_ok=True)
+        (ct.root / DRY_DROPIN.lstrip("/")).unlink(missing_ok=True)
+        cluster.sh("systemctl reload gpuwatchd", check=False)
+        cluster.idle()
+    _until("status clear after the fix", lambda: _status(cluster)[0] == 0)
+    cluster.wait_idle("an idle node at the end")
+
+
 # -- node_exporter ----------------------------------------------------------------------------
 def _scrape(cluster: Cluster) -> str:
     return cluster.sh("curl -sf http://127.0.0.1:9100/metrics").stdout

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.check_clean import SelectionError, answer, split_selectors
+from gpuwatchd.cli.check_clean import RUNNING_POLICY, SelectionError, answer, split_selectors
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
 from gpuwatchd.decide.plan_state import Ladder, PlanState, SeenFinding
@@ -305,3 +306,12 @@ def test_once_hands_back_to_its_caller_when_the_daemon_stops_mid_wait() -> None:
     assert fakes.run(timeout=60) is None
     assert fakes.scans == 2
     assert fakes.now == 2.0
+
+
+def test_the_scripts_read_the_line_check_clean_writes_when_the_files_do_not_validate() -> None:
+    """The Slurm script learns the mode of the policy the daemon runs from this line (a bad
+    drop-in must not drain): one spelling in both. (The node-problem-detector plugin reads
+    the running policy's mode from the daemon's metrics file instead.)"""
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "contrib/slurm/gpuwatchd-slurm"
+    assert f'"{RUNNING_POLICY}"' in script.read_text()

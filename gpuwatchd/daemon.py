@@ -468,6 +468,7 @@ class Daemon:
                 "error": str(exc),
             }
         else:
+            ended = self.policy_rejected
             self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
@@ -486,6 +487,8 @@ class Daemon:
                 config=list(self.policy.sources),
                 dry_run=new.dry_run,
                 changed=policy_changes(before, self.policy),  # what changed, not the policy
+                # The rejection (at start: the fallback ran) this reload ends, if any.
+                rejection_ended=None if ended is None else str(ended.get("error") or "?"),
             )
         self.notifier.notify("READY=1")
 

@@ -199,12 +199,14 @@ def _started(s: Said) -> str:
 
 def _reloaded(s: Said) -> str:
     changed = s.f.get("changed")
+    ended = s.f.get("rejection_ended") is not None
+    head = "Policy reloaded: the files validate again" if ended else "Policy reloaded"
     if isinstance(changed, Mapping):
         if not changed:
-            return "Policy reloaded: nothing changed."
+            return f"{head}; nothing else changed." if ended else f"{head}: nothing changed."
         keys = ", ".join(f"{short(key)} ({short(value)})" for key, value in changed.items())
-        return short_sentence(f"Policy reloaded; changed: {keys}.")
-    return "Policy reloaded."
+        return short_sentence(f"{head}; changed: {keys}.")
+    return f"{head}."
 
 
 _OTHERS: Mapping[EventName, EventSpec] = {
@@ -442,7 +444,7 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             " honoured at once."
         ),
     ),
-    EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed", _reloaded),
+    EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
     EventName.CONFIG_RELOAD_REJECTED: spec(
         ERROR,
         "error config",

@@ -17,6 +17,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import Ladder, PlanState
+from gpuwatchd.logs import sentence
 from gpuwatchd.model import (
     DeviceHolding,
     Finding,
@@ -28,7 +29,7 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.systemd_notify import Notifier, describe_status
-from gpuwatchd.vocabulary import LadderStatus, Level
+from gpuwatchd.vocabulary import EventName, LadderStatus, Level
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -291,8 +292,15 @@ def test_a_rejected_reload_while_running_the_fallback_keeps_saying_so(tmp_path: 
     config.write_text("dry_run: true\n")
     daemon._check_files()
     assert daemon.status_section()["policy_rejected"] == rejected
-    daemon._do_reload()
+    with capture_logs() as logs:
+        daemon._do_reload()
     assert daemon.status_section()["policy_rejected"] is None
+    # Leaving the fallback is said, even where the policy itself is the same.
+    (reloaded,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOADED]
+    assert "dry_run" in reloaded["rejection_ended"]  # the last error said
+    said = sentence(str(EventName.CONFIG_RELOADED), reloaded)
+    assert said.startswith("Policy reloaded: the files validate again;"), said
+    assert "nothing changed" not in said
 
 
 def test_actions_are_remembered_for_status_and_written_with_the_state(tmp_path: Path) -> None:

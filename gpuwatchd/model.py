@@ -223,12 +223,15 @@ class HolderScan:
     ``mode`` is "targeted" (NVML's PIDs and their process trees) or "full" (all of /proc).
     ``matched_by_name`` lists holders with a mapping identified by its path alone (its device
     number could not be read), so its GPU minor may be a container's numbering, not the host's.
+    ``thread_tables_unread`` lists the unreadable PIDs whose threads have more fd tables of
+    their own than the scan reads of one process (``collect/holders.THREAD_TABLE_BUDGET``).
     """
 
     mode: str
     holdings: Mapping[int, DeviceHolding] = field(default_factory=dict)
     unreadable: frozenset[int] = frozenset()
     matched_by_name: frozenset[int] = frozenset()
+    thread_tables_unread: frozenset[int] = frozenset()
 
     def holders_of(self, minor: int) -> tuple[DeviceHolding, ...]:
         return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)

@@ -62,11 +62,12 @@ class Run:
         self.config = host.config(**config)
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self, *extra: str) -> None:
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        """``gpuwatchd run`` in the background; ``env`` adds to the host's environment."""
         handle = open(self.log, "a", encoding="utf-8")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuwatchd", "run", "--config", str(self.config), *extra],
-            env=self.host.env(),
+            env={**self.host.env(), **(env or {})},
             stdout=handle,
             stderr=subprocess.STDOUT,
             text=True,

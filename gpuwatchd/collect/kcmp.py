@@ -43,8 +43,11 @@ class Kcmp:
             self.unavailable = f"no kcmp syscall number known for {machine}"
             return
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._syscall = libc.syscall
+            libc = ctypes.CDLL(None, use_errno=True)  # its own function objects: typed here only
+            syscall = libc.syscall
+            syscall.argtypes = [ctypes.c_long] * 6  # plain ints in: no c_long made per call
+            syscall.restype = ctypes.c_long
+            self._syscall = syscall
         except (OSError, AttributeError) as err:
             self.unavailable = f"libc syscall() not found: {err}"
 
@@ -53,8 +56,7 @@ class Kcmp:
         3 (different, no order); None on an error (its errno in ``ctypes.get_errno()``)."""
         if self._syscall is None or self.unavailable is not None:
             return None
-        args = (self.number or 0, pid1, pid2, kind, a, b)
-        result = self._syscall(*(ctypes.c_long(value) for value in args))
+        result = self._syscall(self.number or 0, pid1, pid2, kind, a, b)
         if result in (0, 1, 2, 3):
             return int(result)
         if ctypes.get_errno() == errno.ENOSYS:

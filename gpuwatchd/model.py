@@ -455,6 +455,20 @@ class Spare:
 
 
 @dataclass(frozen=True)
+class SubIdRange:
+    """``count`` uids from ``first`` that ``/etc/subuid`` gives to a user: ``owner_uid`` (None
+    when the name there resolves to no uid; ``owner`` is the name as written)."""
+
+    first: int
+    count: int
+    owner: str
+    owner_uid: int | None
+
+    def holds(self, uid: int) -> bool:
+        return self.first <= uid < self.first + self.count
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything one poll learned about the host, frozen. Decisions read only this.
 
@@ -497,6 +511,9 @@ class Snapshot:
     # mig-minors file; None when not read (no GPU has MIG on) or unreadable (``mig_caps_error``).
     mig_caps: Mapping[int, MigCapability] | None = None
     mig_caps_error: str | None = None
+    # /etc/subuid (collect/subids.py): the sub-uid ranges users own (rootless containers run
+    # their users there); the kill cap counts such a process against the range's owner.
+    subuid_ranges: tuple[SubIdRange, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -42,6 +42,7 @@ from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.collect.statfiles import StatFiles
+from gpuwatchd.collect.subids import SubUidFile
 from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
@@ -119,6 +120,8 @@ class Collector:
     ended_by_scheduler: Mapping[str, int | None] = field(default_factory=dict)
     # MIG (collect/mig.py): read each poll in which a GPU has MIG on
     mig_minors_file: str = DEFAULT_MIG_MINORS_FILE
+    # Sub-uid ranges for the kill cap (collect/subids.py); path None: not read
+    subuids: SubUidFile = field(default_factory=SubUidFile)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -220,6 +223,7 @@ class Collector:
             file_sharing=file_sharing,
             mig_caps=mig_caps,
             mig_caps_error=mig_caps_error,
+            subuid_ranges=self.subuids.ranges(),
         )
 
     def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:

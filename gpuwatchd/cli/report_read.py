@@ -4,8 +4,9 @@ This module owns :func:`load_report` (the file: bounded in bytes, values and nes
 regular file, JSON with no oversized number) and :func:`rebuild` (the
 :class:`~gpuwatchd.model.Snapshot`, the findings and their first-seen times, every field
 checked: a malformed one is a :class:`SnapshotError` naming it), so that ``explain`` asks
-the daemon's own pure helpers about exactly the facts the scan saw. MIG instances come back with their capabilities, profile, placement and processes
-(:mod:`gpuwatchd.cli.mig_report`). Pure apart from reading the one file.
+the daemon's own pure helpers about exactly the facts the scan saw. MIG instances come back
+with their capabilities, profile, placement and processes (:mod:`gpuwatchd.cli.mig_report`).
+Pure apart from reading the one file.
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ def own_table(path, workers):
     done.release()
     forever.wait()
 
+spare = [os.open("/dev/null", os.O_RDONLY) for _ in range({fds})]  # copied into each table
 for number in range({threads}):
     path = {path!r} if number == {threads} - 1 else None
     sharing = {sharing} if number == 0 else 0
@@ -79,8 +80,9 @@ time.sleep(600)
 """
 
 
-def private_tables(threads: int, path: str | None = None, sharing: int = 0) -> str:
+def private_tables(threads: int, path: str | None = None, sharing: int = 0, fds: int = 0) -> str:
     """Code for a child with ``threads`` threads that each called ``unshare(CLONE_FILES)``
     (a file descriptor table of their own); the last holds ``path`` open in its table, the
-    first starts ``sharing`` more threads that share its table."""
-    return PRIVATE_TABLES.format(threads=threads, path=path, sharing=sharing)
+    first starts ``sharing`` more threads that share its table; ``fds`` more descriptors
+    are open in the leader's table first (so in every copy)."""
+    return PRIVATE_TABLES.format(threads=threads, path=path, sharing=sharing, fds=fds)

@@ -81,7 +81,7 @@ def host_thread_flood(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     with SimHost(root) as host:
         host.nvml([gpu(0, allocated=2 * GiB)])  # memory no listed process owns
         flood = host.root / "flood.py"
-        flood.write_text(private_tables(arg["threads"], host.dev("nvidia0")[0]))
+        flood.write_text(private_tables(arg["threads"], host.dev("nvidia0")[0], fds=arg["fds"]))
         child = _start(host, [sys.executable, str(flood)])
         _wait_ready(child, arg["threads"])
         _start(host, [sys.executable, "-c", OPENER, host.dev("nvidiactl")[0]])
@@ -139,7 +139,7 @@ def test_four_thousand_private_tables_keep_every_poll_inside_the_watchdog(tmp_pa
     hidden holder, and ends far inside the watchdog; no ping gap nears WatchdogSec."""
     result = run_in_pid_namespace(
         f"{__name__}:host_thread_flood",
-        {"threads": 4000, "polls": 8, "within": 120},
+        {"threads": 4000, "fds": 0, "polls": 8, "within": 120},
         root=tmp_path,
         timeout=240,
     )
@@ -148,4 +148,22 @@ def test_four_thousand_private_tables_keep_every_poll_inside_the_watchdog(tmp_pa
     assert result["unread"] == []  # every table read: the budget is not reached
     assert result["max_ping_gap"] is not None
     assert result["max_ping_gap"] < WATCHDOG_USEC / 1e6 / 3, result
+    assert max(result["poll_gaps"]) < 10, result
+
+
+def test_a_process_past_the_thread_table_budget_is_said_once_and_blocks_without_a_finding(
+    tmp_path: Path,
+) -> None:
+    """1,200 private tables of 70 descriptors each pass the per-process budget (65,536): the
+    scan stops reading them, says so once (``collect.thread_tables_unread``), and the process
+    is an unknown holder (no finding names it: it is never a target); polls stay short."""
+    result = run_in_pid_namespace(
+        f"{__name__}:host_thread_flood",
+        {"threads": 1200, "fds": 64, "polls": 6, "within": 90},
+        root=tmp_path,
+        timeout=200,
+    )
+    assert result["polls"] >= 6, result
+    assert result["unread"] == [result["flood"]], result
+    assert result["flood"] not in [pid for _, pid in result["new"]]
     assert max(result["poll_gaps"]) < 10, result

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -120,8 +121,6 @@ def host_thread_flood(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
 
 def _start(host: SimHost, argv: list[str]) -> Any:
-    import subprocess
-
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     host.children.append(child.pid)
     return child

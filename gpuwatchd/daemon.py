@@ -62,7 +62,13 @@ from gpuwatchd.state import (
 )
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.status_document import action_sentence, build_document
-from gpuwatchd.systemd_notify import Notifier, describe_status, keep_watchdog_fed, watchdog_slice
+from gpuwatchd.systemd_notify import (
+    Notifier,
+    WatchdogPinger,
+    describe_status,
+    keep_watchdog_fed,
+    watchdog_slice,
+)
 from gpuwatchd.view_guard import early_poll_at
 from gpuwatchd.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.wiring import build_real_host
@@ -139,6 +145,8 @@ class Daemon:
             self.host.nvml,
             self.host.collector,
         )
+        # A long holder scan (thousands of processes or threads) feeds the watchdog as it goes.
+        self.procfs.holders.progress = WatchdogPinger(lambda: self.notifier.notify("WATCHDOG=1"))
         # started in _run_locked: by the lock holder; its events are read only after the
         # published holder view says dirty (view_guard.py)
         self.device_watch = self.host.device_watch

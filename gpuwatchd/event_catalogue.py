@@ -514,6 +514,15 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             " without that proof."
         ),
     ),
+    EventName.COLLECT_THREAD_TABLES_UNREAD: spec(
+        WARNING,
+        "pid comm budget",
+        lambda s: (
+            f"{s.process()} has more threads with file tables of their own than a scan reads"
+            f" ({s('budget')} descriptors): what it holds is unknown, so it blocks resets and"
+            " is never a target."
+        ),
+    ),
     # NVML
     EventName.NVML_RECOVERED: spec(
         WARNING,

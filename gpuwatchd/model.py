@@ -228,12 +228,15 @@ class HolderScan:
     ``mode`` is "targeted" (NVML's PIDs and their process trees) or "full" (all of /proc).
     ``matched_by_name`` lists holders with a mapping identified by its path alone (its device
     number could not be read), so its GPU minor may be a container's numbering, not the host's.
+    ``thread_tables_unread`` lists the unreadable PIDs whose threads have more fd tables of
+    their own than the scan reads of one process (``collect/holders.THREAD_TABLE_BUDGET``).
     """
 
     mode: str
     holdings: Mapping[int, DeviceHolding] = field(default_factory=dict)
     unreadable: frozenset[int] = frozenset()
     matched_by_name: frozenset[int] = frozenset()
+    thread_tables_unread: frozenset[int] = frozenset()
 
     def holders_of(self, minor: int) -> tuple[DeviceHolding, ...]:
         return tuple(h for h in self.holdings.values() if minor in h.gpu_minors)
@@ -457,6 +460,20 @@ class Spare:
 
 
 @dataclass(frozen=True)
+class SubIdRange:
+    """``count`` uids from ``first`` that ``/etc/subuid`` gives to a user: ``owner_uid`` (None
+    when the name there resolves to no uid; ``owner`` is the name as written)."""
+
+    first: int
+    count: int
+    owner: str
+    owner_uid: int | None
+
+    def holds(self, uid: int) -> bool:
+        return self.first <= uid < self.first + self.count
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything one poll learned about the host, frozen. Decisions read only this.
 
@@ -499,6 +516,9 @@ class Snapshot:
     # mig-minors file; None when not read (no GPU has MIG on) or unreadable (``mig_caps_error``).
     mig_caps: Mapping[int, MigCapability] | None = None
     mig_caps_error: str | None = None
+    # /etc/subuid (collect/subids.py): the sub-uid ranges users own (rootless containers run
+    # their users there); the kill cap counts such a process against the range's owner.
+    subuid_ranges: tuple[SubIdRange, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -2,7 +2,8 @@
 
 This module owns what the daemon tells systemd (``sd_notify``, only when systemd asked for it
 with ``NOTIFY_SOCKET``): the watchdog's period (a third of ``WATCHDOG_USEC``), feeding it while
-slow work runs (the work on the caller's own thread, a helper thread that only feeds), and the
+slow work runs (the work on the caller's own thread, a helper thread that only feeds) or while
+work that reports its progress runs long (:class:`WatchdogPinger`: a long holder scan), and the
 one-line ``systemctl status`` text. It decides nothing and reads no file.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,7 +20,7 @@ from gpuwatchd.decide.plan import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.model import Snapshot
 
-__all__ = ["Notifier", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
+__all__ = ["Notifier", "WatchdogPinger", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
@@ -45,6 +47,31 @@ def watchdog_slice() -> float:
     if usec and usec.isdigit():
         return int(usec) / 1e6 / 3
     return 5.0
+
+
+class WatchdogPinger:
+    """Feeds the watchdog from work that reports its own progress (the holder scan calls it
+    after each process): ``WATCHDOG=1`` at most every ``every`` seconds, and only from the
+    process that made it (a forked scan worker's ping would be refused: ``NotifyAccess=main``).
+    No thread: work stuck in one call pings nothing, so systemd still sees a hung loop."""
+
+    def __init__(
+        self,
+        ping: Callable[[], None],
+        every: float = FEED_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ping = ping  # sends WATCHDOG=1
+        self.every = every
+        self.clock = clock
+        self.pid = os.getpid()
+        self.last = clock()
+
+    def __call__(self) -> None:
+        now = self.clock()
+        if now - self.last >= self.every and os.getpid() == self.pid:
+            self.last = now
+            self.ping()
 
 
 def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY) -> T:

@@ -181,6 +181,7 @@ class EventName(_Name):
     METRICS_WRITE_FAILED = "metrics.write_failed"
     # inheritance evidence (collect/inherit.py)
     COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
+    COLLECT_THREAD_TABLES_UNREAD = "collect.thread_tables_unread"  # collect/holders.py budget
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"

@@ -266,7 +266,7 @@ def _note_limits(
     per_user: dict[str, int] = {}
     for _, finding in signalled:
         owner = snapshot.processes.get(finding.pid) if finding.pid is not None else None
-        scope = kill_cap_scope(owner)
+        scope = kill_cap_scope(owner, snapshot.subuid_ranges)
         per_user[scope] = per_user.get(scope, 0) + 1
     note = (
         None

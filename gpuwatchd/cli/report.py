@@ -161,6 +161,7 @@ def build_report(
         "report_only": {key: report_only[key] for key in sorted(report_only)},
         "notes": {key: list(all_notes[key]) for key in sorted(all_notes)},
         "unreadable_pids": sorted(snapshot.holders.unreadable),
+        "thread_tables_unread_pids": sorted(snapshot.holders.thread_tables_unread),
         **({} if verdict is None else {"verdict": _node_verdict(verdict)}),
     }
 

@@ -1,17 +1,19 @@
 """Reading a ``scan --json`` report back, strictly, as the snapshot and findings it describes.
 
-This module owns :func:`load_report` (the file: bounded, a regular file, JSON with no
-oversized number) and :func:`rebuild` (the :class:`~gpuwatchd.model.Snapshot`, the findings and
-their first-seen times, every field checked: a malformed one is a :class:`SnapshotError` naming
-it), so that ``explain`` asks the daemon's own pure helpers about exactly the facts the scan
-saw. MIG instances come back with their capabilities, profile, placement and processes
-(:mod:`gpuwatchd.cli.mig_report`). Pure apart from reading the one file.
+This module owns :func:`load_report` (the file: bounded in bytes, values and nesting, a
+regular file, JSON with no oversized number) and :func:`rebuild` (the
+:class:`~gpuwatchd.model.Snapshot`, the findings and their first-seen times, every field
+checked: a malformed one is a :class:`SnapshotError` naming it), so that ``explain`` asks
+the daemon's own pure helpers about exactly the facts the scan saw. MIG instances come back
+with their capabilities, profile, placement and processes (:mod:`gpuwatchd.cli.mig_report`).
+Pure apart from reading the one file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 
 from gpuwatchd.cli.mig_report import (
@@ -105,6 +107,30 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
 
 
 MAX_REPORT_BYTES = 64 << 20  # a scan of a very large host is a few MiB
+# Bounded by shape as well as bytes: 64 MiB of `[[],[],...` is 20 million lists (1.5 GB parsed).
+# A report of 8,000 processes has a few hundred thousand values and nests 7 deep.
+MAX_REPORT_VALUES = 1_000_000
+MAX_REPORT_DEPTH = 32
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET = re.compile(rb"[\[{\]}]")
+
+
+def _shape_problem(raw: bytes) -> str | None:
+    """Why ``raw`` cannot be a report by its shape alone (too many values, nested too deeply),
+    told before it is parsed; None when its shape is within the bounds. Strings are set aside
+    first (their brackets and commas are text); each value past the first in a list or object
+    follows a comma, each list or object opens with a bracket, so their counts bound the
+    values parsing would make."""
+    bare = _JSON_STRING.sub(b'""', raw)
+    values = bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+    if values > MAX_REPORT_VALUES:
+        return f"more than {MAX_REPORT_VALUES} values"
+    depth = 0
+    for bracket in _BRACKET.finditer(bare):
+        depth += 1 if bracket.group() in (b"[", b"{") else -1
+        if depth > MAX_REPORT_DEPTH:
+            return f"nested more than {MAX_REPORT_DEPTH} deep"
+    return None
 
 
 def load_report(path: str) -> Mapping[str, object]:
@@ -123,6 +149,9 @@ def load_report(path: str) -> Mapping[str, object]:
         ) from None
     except OSError as err:
         raise SnapshotError(f"{path}: cannot read: {err.strerror or err}") from None
+    problem = _shape_problem(raw)
+    if problem is not None:
+        raise SnapshotError(f"{path}: {problem}: not a report")
     try:
         data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
     except UnicodeDecodeError as err:

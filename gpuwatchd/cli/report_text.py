@@ -507,6 +507,12 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             f"{len(unreadable)} processes could not be inspected (fds/maps unreadable: "
             f"{shown}{more}); what they hold is unknown"
         )
+    unread = [p for p in _as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
+    if unread:
+        notes.append(
+            f"{len(unread)} of them ({', '.join(str(pid) for pid in unread[:10])}) have more "
+            "threads with fd tables of their own than a scan reads"
+        )
     return notes
 
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd import lazylog
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
@@ -41,6 +42,7 @@ from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.collect.statfiles import StatFiles
+from gpuwatchd.collect.subids import SubUidFile
 from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
@@ -51,10 +53,13 @@ from gpuwatchd.decide.full_scan import (
 )
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.vocabulary import EventName
 
 __all__ = ["Collector", "listed_gpus", "listed_pids"]
 
 _MAX_ANCESTRY = 64
+
+log = lazylog.get_logger()
 
 _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
 
@@ -105,6 +110,7 @@ class Collector:
     _scan_state: FullScanState = field(default_factory=FullScanState)
     _known_holders: frozenset[int] = field(default_factory=frozenset)
     _held_minors: frozenset[int] = field(default_factory=frozenset)
+    _said_unread: frozenset[int] = field(default_factory=frozenset)  # thread_tables_unread
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
@@ -114,6 +120,8 @@ class Collector:
     ended_by_scheduler: Mapping[str, int | None] = field(default_factory=dict)
     # MIG (collect/mig.py): read each poll in which a GPU has MIG on
     mig_minors_file: str = DEFAULT_MIG_MINORS_FILE
+    # Sub-uid ranges for the kill cap (collect/subids.py); path None: not read
+    subuids: SubUidFile = field(default_factory=SubUidFile)
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -166,6 +174,7 @@ class Collector:
                 holders, live_listed = self._full_scan(scanner, listed, reading)
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
+        self._say_thread_tables_unread(holders, scanner)
         self._held_minors = frozenset(
             minor for pid in holding_pids for minor in holders.holdings[pid].gpu_minors
         )
@@ -214,7 +223,22 @@ class Collector:
             file_sharing=file_sharing,
             mig_caps=mig_caps,
             mig_caps_error=mig_caps_error,
+            subuid_ranges=self.subuids.ranges(),
         )
+
+    def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:
+        """``collect.thread_tables_unread`` once per process the scan stopped reading."""
+        root = self.procfs.root
+        said = {pid for pid in self._said_unread if os.path.exists(f"{root}/{pid}")}
+        for pid in sorted(holders.thread_tables_unread - said):
+            info = self._facts_seen.get(pid) or self.procfs.read_process(pid)
+            log.warning(
+                EventName.COLLECT_THREAD_TABLES_UNREAD,
+                pid=pid,
+                comm=None if info is None else info.comm,
+                budget=scanner.thread_table_budget,
+            )
+        self._said_unread = frozenset(said | holders.thread_tables_unread)
 
     def _stepd_identity(self, pid: int) -> tuple[int | None, bool | None] | None:
         """(start ticks, root's trusted program?) of a process in a job's slurm cgroup."""
@@ -330,6 +354,7 @@ class Collector:
             holdings=holdings,
             unreadable=scan.unreadable,
             matched_by_name=scan.matched_by_name,
+            thread_tables_unread=scan.thread_tables_unread,
         )
         self._remember_holdings(merged, reading, live_listed)
         return merged

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from gpuwatchd.collect import spread
@@ -26,6 +26,11 @@ from gpuwatchd.model import DeviceHolding, HolderScan, MigCapability
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
+# What one process's threads with fd tables of their own may cost a scan: fd entries read from
+# those tables (each table one more). Past it the process is unknown (``HolderScan.unreadable``
+# and ``thread_tables_unread``): a holder that blocks resets and is never a target. A thread's
+# table is a copy of its process's (a few dozen fds), so a budget spent is hundreds of tables.
+THREAD_TABLE_BUDGET = 65_536
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
@@ -128,7 +133,7 @@ def lines_containing(data: bytes, markers: tuple[bytes, ...]) -> list[bytes]:
 class _Found:
     """What one process was seen holding, accumulated across fds and mappings."""
 
-    __slots__ = ("by_name", "ctl", "gpu_fd", "gpu_map", "uvm")
+    __slots__ = ("by_name", "capped", "ctl", "gpu_fd", "gpu_map", "uvm")
 
     def __init__(self) -> None:
         self.gpu_fd: set[int] = set()
@@ -136,6 +141,7 @@ class _Found:
         self.ctl = False
         self.uvm = False
         self.by_name = False
+        self.capped = False  # threads' own fd tables left unread: the budget ran out
 
     def add(self, kind: str, minor: int, via_map: bool) -> None:
         if kind == "gpu":
@@ -161,6 +167,24 @@ def _holding(
     gpus_fd, caps_fd, files_fd = _split_minors(gpu_fd)
     gpus_map, caps_map, files_map = _split_minors(gpu_map)
     return DeviceHolding(pid, gpus_fd, gpus_map, ctl, uvm, caps_fd, caps_map, files_fd | files_map)
+
+
+def _place_table(kcmp: Kcmp, tid: int, tables: list[int]) -> tuple[int, bool] | None:
+    """(where ``tid``'s fd table sorts among the threads ``tables``, kept in kcmp's order;
+    whether it is one of theirs); None when kcmp cannot order it (a binary search)."""
+    low, high = 0, len(tables)
+    while low < high:
+        middle = (low + high) // 2
+        order = kcmp.order_files(tid, tables[middle])
+        if order is None:
+            return None
+        if order == 0:
+            return middle, True
+        if order < 0:
+            high = middle
+        else:
+            low = middle + 1
+    return low, False
 
 
 class HolderScanner:
@@ -198,6 +222,11 @@ class HolderScanner:
             else CAPABILITIES_DIR
         )
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
+        # Per process: fd entries read from threads' own tables (each table counts one more).
+        self.thread_table_budget = THREAD_TABLE_BUDGET
+        # Called after each process scanned here (never in a forked worker): the daemon feeds
+        # its watchdog through it while a long scan makes progress.
+        self.progress: Callable[[], None] | None = None
         # What a mapping line must contain to be looked at (:meth:`_scan_maps`)
         self._map_markers: tuple[bytes, ...] = (
             (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
@@ -235,11 +264,18 @@ class HolderScanner:
         holdings: dict[int, DeviceHolding] = {}
         unreadable: set[int] = set()
         by_name: set[int] = set()
-        for pid, gpu_fd, gpu_map, ctl, uvm, named, denied in spread.scan_spread(
-            self._scan_chunk, todo, workers=self.workers, min_slice=self.min_slice
+        capped: set[int] = set()
+        for pid, gpu_fd, gpu_map, ctl, uvm, named, denied, over in spread.scan_spread(
+            self._scan_chunk,
+            todo,
+            workers=self.workers,
+            min_slice=self.min_slice,
+            progress=self.progress,
         ):
             if denied:
                 unreadable.add(pid)
+            if over:
+                capped.add(pid)
             if gpu_fd or gpu_map or ctl or uvm:
                 holdings[pid] = _holding(pid, gpu_fd, gpu_map, ctl, uvm)
                 if named:
@@ -249,15 +285,19 @@ class HolderScanner:
             holdings=holdings,
             unreadable=frozenset(unreadable),
             matched_by_name=frozenset(by_name),
+            thread_tables_unread=frozenset(capped),
         )
 
-    def _scan_chunk(self, pids: Sequence[int]) -> list[spread.Row]:
+    def _scan_chunk(self, pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
         """What each of ``pids`` holds, as plain rows (processes that hold nothing and were
-        fully read are left out). Runs in a forked worker or here; see :mod:`.spread`."""
+        fully read are left out); ``tick`` is called after each. Runs in a forked worker or
+        here; see :mod:`.spread`."""
         rows: list[spread.Row] = []
         by_inode: dict[tuple[bytes, bytes], _Match | None] = {}
         for pid in pids:
             found, denied = self._scan_process(pid, by_inode)
+            if tick is not None:
+                tick()
             if found is None:
                 continue
             holds = bool(found.gpu_fd or found.gpu_map or found.ctl or found.uvm)
@@ -271,6 +311,7 @@ class HolderScanner:
                         found.uvm,
                         found.by_name and holds,
                         denied,
+                        found.capped,
                     )
                 )
         return rows
@@ -297,8 +338,8 @@ class HolderScanner:
         cap = match_cap_file(target, self.capabilities_dir)
         return None if cap is None else ("capfile", _cap_file_code(cap))
 
-    def _scan_fds(self, fd_dir: str, found: _Found) -> bool:
-        """Add what the fds in ``fd_dir`` hold; False when the fd table was empty."""
+    def _scan_fds(self, fd_dir: str, found: _Found) -> int:
+        """Add what the fds in ``fd_dir`` hold; how many fds the table had (0: empty)."""
         readlink = os.readlink
         try:
             dfd = os.open(fd_dir, _DIR_FLAGS)
@@ -318,7 +359,7 @@ class HolderScanner:
                     raise _classify_error(err) from None
                 names, targets = self._readlinks_carefully(dfd, names)
             if not self._may_hold(targets):
-                return bool(names)
+                return len(names)
             fd_of = dict(zip(targets, names, strict=True))
             for target in fd_of:
                 cap = self._match_cap_file(target) if "/capabilities/" in target else None
@@ -334,7 +375,7 @@ class HolderScanner:
                     )
                     if what is not None:
                         found.add(*what, via_map=False)
-                return bool(names)
+                return len(names)
             for target, name in fd_of.items():
                 if target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
                     continue
@@ -346,7 +387,7 @@ class HolderScanner:
                     raise _classify_error(err) from None
                 if what is not None:
                     found.add(*what, via_map=False)
-            return bool(names)
+            return len(names)
         finally:
             os.close(dfd)
 
@@ -443,7 +484,7 @@ class HolderScanner:
         unreadable = False
         had_fds = had_maps = True
         try:
-            had_fds = self._scan_fds(f"{base}/fd", found)
+            had_fds = self._scan_fds(f"{base}/fd", found) > 0
             if not self._scan_thread_tables(pid, base, found):
                 unreadable = True
         except _Gone:
@@ -469,10 +510,14 @@ class HolderScanner:
         return found, unreadable
 
     def _scan_thread_tables(self, pid: int, base: str, found: _Found) -> bool:
-        """Add what threads with fd tables of their own hold; False when one could not be read.
+        """Add what threads with fd tables of their own hold; False when one could not be read,
+        or when :attr:`HolderScanner.thread_table_budget` ran out first (``found.capped``).
 
-        Cheap for the usual process: one ``stat`` tells a single-threaded one (the link count
-        of ``task/`` is 2 + threads); a thread sharing the leader's table costs one kcmp.
+        Linear in threads. One ``stat`` tells a single-threaded process (the link count of
+        ``task/`` is 2 + threads); a thread sharing the leader's table costs one kcmp; one
+        that does not is looked up among the tables read so far, kept in kcmp's order (a binary
+        search), so each distinct table is read once. A thread that kcmp cannot place (no
+        kcmp, no ptrace access, a thread gone meanwhile) is read without being kept.
         """
         try:
             threads = os.stat(f"{base}/task").st_nlink - 2
@@ -486,19 +531,28 @@ class HolderScanner:
             raise _classify_error(err) from None
         if self._kcmp is None:
             self._kcmp = Kcmp()
-        read = [pid]  # one thread per distinct table read so far
+        kcmp = self._kcmp
+        tables: list[int] = []  # one thread per distinct table read, in kcmp's order
+        spent = 0
         complete = True
         for tid in tids:
-            if tid == pid or any(self._kcmp.same_files(tid, other) is True for other in read):
+            if tid == pid or kcmp.same_files(tid, pid) is True:
                 continue
+            place = _place_table(kcmp, tid, tables)
+            if place is not None and place[1]:
+                continue  # a table already read
+            if spent >= self.thread_table_budget:
+                found.capped = True
+                return False
             try:
-                self._scan_fds(f"{base}/task/{tid}/fd", found)
+                spent += 1 + self._scan_fds(f"{base}/task/{tid}/fd", found)
             except _Gone:
                 continue  # the thread ended
             except _Denied:
                 complete = False
                 continue
-            read.append(tid)
+            if place is not None:
+                tables.insert(place[0], tid)
         return complete
 
     def _scan_live_thread(

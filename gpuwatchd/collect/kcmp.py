@@ -2,11 +2,13 @@
 
 This module owns the one wrapper of the syscall. The holder scan asks it whether a thread has
 a file descriptor table of its own (``KCMP_FILES``: a thread that called
-``unshare(CLONE_FILES)`` holds files its process's ``/proc/PID/fd`` does not show); the
-inheritance probe asks it whether two processes hold the same open file description
-(``KCMP_FILE``). kcmp exists since Linux 3.5 with ``CONFIG_CHECKPOINT_RESTORE``, which
-mainstream distribution kernels enable, and needs ptrace read access to both tasks
-(CAP_SYS_PTRACE for other users'). It decides nothing; an answer it cannot give is None.
+``unshare(CLONE_FILES)`` holds files its process's ``/proc/PID/fd`` does not show), and in
+which order two tables sort (kcmp orders what it compares, so the scan keeps the tables it
+read sorted and finds a thread's by binary search); the inheritance probe asks it whether two
+processes hold the same open file description (``KCMP_FILE``). kcmp exists since Linux 3.5
+with ``CONFIG_CHECKPOINT_RESTORE``, which mainstream distribution kernels enable, and needs
+ptrace read access to both tasks (CAP_SYS_PTRACE for other users'). It decides nothing; an
+answer it cannot give is None.
 """
 
 from __future__ import annotations
@@ -43,33 +45,42 @@ class Kcmp:
             self.unavailable = f"no kcmp syscall number known for {machine}"
             return
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._syscall = libc.syscall
+            libc = ctypes.CDLL(None, use_errno=True)  # its own function objects: typed here only
+            syscall = libc.syscall
+            syscall.argtypes = [ctypes.c_long] * 6  # plain ints in: no c_long made per call
+            syscall.restype = ctypes.c_long
+            self._syscall = syscall
         except (OSError, AttributeError) as err:
             self.unavailable = f"libc syscall() not found: {err}"
 
-    def _compare(self, pid1: int, pid2: int, kind: int, a: int, b: int) -> bool | None:
-        """True (same object), False (different), None (errno in ``ctypes.get_errno()``)."""
+    def _ask(self, pid1: int, pid2: int, kind: int, a: int, b: int) -> int | None:
+        """kcmp's answer: 0 (the same object), 1 (pid1's sorts first), 2 (pid2's sorts first),
+        3 (different, no order); None on an error (its errno in ``ctypes.get_errno()``)."""
         if self._syscall is None or self.unavailable is not None:
             return None
-        args = (self.number or 0, pid1, pid2, kind, a, b)
-        result = self._syscall(*(ctypes.c_long(value) for value in args))
-        if result == 0:
-            return True
-        if result in (1, 2, 3):  # ordered unequal (1, 2), or unequal without an order (3)
-            return False
+        result = self._syscall(self.number or 0, pid1, pid2, kind, a, b)
+        if result in (0, 1, 2, 3):
+            return int(result)
         if ctypes.get_errno() == errno.ENOSYS:
             self.unavailable = os.strerror(errno.ENOSYS)  # the same for every later question
         return None
 
     def same_file(self, pid1: int, fd1: int, pid2: int, fd2: int) -> bool | None:
         """Whether fd1 of pid1 and fd2 of pid2 are one open file description; None = unknown."""
-        same = self._compare(pid1, pid2, KCMP_FILE, fd1, fd2)
-        if same is None and ctypes.get_errno() in (errno.EPERM, errno.EACCES):
+        answer = self._ask(pid1, pid2, KCMP_FILE, fd1, fd2)
+        if answer is None and ctypes.get_errno() in (errno.EPERM, errno.EACCES):
             self.unavailable = os.strerror(ctypes.get_errno())  # stop asking
-        return same  # None also for EBADF (closed meanwhile), ESRCH (gone)
+        return None if answer is None else answer == 0  # None also for EBADF, ESRCH
 
     def same_files(self, tid1: int, tid2: int) -> bool | None:
         """Whether two tasks (thread ids) share one file descriptor table; None = unknown
         (no kcmp, no ptrace access to one of them, or one of them is gone)."""
-        return self._compare(tid1, tid2, KCMP_FILES, 0, 0)
+        answer = self._ask(tid1, tid2, KCMP_FILES, 0, 0)
+        return None if answer is None else answer == 0
+
+    def order_files(self, tid1: int, tid2: int) -> int | None:
+        """-1, 0 or 1 as tid1's file descriptor table sorts before, is, or sorts after tid2's;
+        None = unknown. The order is the kernel's (of the tables' obfuscated addresses): the
+        same for every question while both tables exist, so tables can be kept sorted by it."""
+        answer = self._ask(tid1, tid2, KCMP_FILES, 0, 0)
+        return None if answer is None or answer == 3 else (0, -1, 1)[answer]

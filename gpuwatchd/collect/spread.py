@@ -26,16 +26,22 @@ import marshal
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 __all__ = ["MAX_WORKERS", "MIN_SLICE", "Row", "scan_spread", "worker_count"]
 
 # (pid, GPU minors via fd, GPU minors via mapping, nvidiactl, nvidia-uvm, matched by name,
-# partly unreadable)
-Row = tuple[int, tuple[int, ...], tuple[int, ...], bool, bool, bool, bool]
+# partly unreadable, threads' own fd tables left unread)
+Row = tuple[int, tuple[int, ...], tuple[int, ...], bool, bool, bool, bool, bool]
+# What a scan of a slice is given besides its PIDs: a call after each process (or None)
+Tick = Callable[[], None] | None
+Scan = Callable[[Sequence[int], Tick], list[Row]]
 
 MIN_SLICE = 400  # fewer processes than this per worker: a fork costs more than it saves
 MAX_WORKERS = 4
+HEARTBEAT = 0.5  # seconds between a worker's signs of progress on its pipe
+_ALIVE, _ROWS = b".", b"R"  # a worker's pipe: any number of _ALIVE, then _ROWS + its rows
 
 
 def idle_cpus(loadavg: str, cpus: int) -> int:
@@ -79,38 +85,55 @@ def _idle(cpus: int) -> int:
 
 
 def scan_spread(
-    scan: Callable[[Sequence[int]], list[Row]],
+    scan: Scan,
     pids: Sequence[int],
     *,
     workers: int | None = None,
     min_slice: int = MIN_SLICE,
+    progress: Tick = None,
 ) -> list[Row]:
-    """``scan(pids)``, its work spread over forked workers where that pays (module docstring).
+    """``scan(pids, progress)``, its work spread over forked workers where that pays (module
+    docstring).
 
     ``workers``: None decides from the idle CPUs; 1 never forks; n forks up to n - 1 workers
     whatever the load (still no more than the CPUs, only for :data:`MIN_SLICE` processes
-    each, and never beside other threads).
+    each, and never beside other threads). ``progress`` is called in this process only, as its
+    own slice advances and whenever a worker shows progress (a byte on its pipe at most every
+    :data:`HEARTBEAT` seconds while its slice advances): a worker stuck in a system call is
+    never reported as progress.
     """
     if workers == 1 or threading.active_count() > 1:
-        return scan(pids)
+        return scan(pids, progress)
     cpus = _cpus()
     idle = _idle(cpus) if workers is None else cpus
     count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice)
     if count <= 1:
-        return scan(pids)
+        return scan(pids, progress)
     size = -(-len(pids) // count)
     slices = [pids[at : at + size] for at in range(0, len(pids), size)]
     started = [_fork(scan, part) for part in slices[1:]]
-    rows = scan(slices[0])
+    rows = scan(slices[0], progress)
     for part, child in zip(slices[1:], started, strict=True):
-        answer = _collect(child) if child is not None else None
-        rows.extend(scan(part) if answer is None else answer)
+        answer = _collect(child, progress) if child is not None else None
+        rows.extend(scan(part, progress) if answer is None else answer)
     return rows
 
 
-def _fork(
-    scan: Callable[[Sequence[int]], list[Row]], part: Sequence[int]
-) -> tuple[int, int] | None:
+def _heartbeat(write_end: int) -> Callable[[], None]:
+    """A worker's tick: one :data:`_ALIVE` byte on its pipe, at most every :data:`HEARTBEAT`."""
+    last = time.monotonic()
+
+    def tick() -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= HEARTBEAT:
+            last = now
+            os.write(write_end, _ALIVE)
+
+    return tick
+
+
+def _fork(scan: Scan, part: Sequence[int]) -> tuple[int, int] | None:
     """(pid, read end) of a worker scanning ``part``; None when no worker could be forked."""
     try:
         read_end, write_end = os.pipe()
@@ -128,7 +151,7 @@ def _fork(
             os.close(read_end)
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(signum, signal.SIG_DFL)
-            data = memoryview(marshal.dumps(scan(part)))
+            data = memoryview(_ROWS + marshal.dumps(scan(part, _heartbeat(write_end))))
             while data:
                 data = data[os.write(write_end, data) :]
             status = 0
@@ -138,13 +161,16 @@ def _fork(
     return pid, read_end
 
 
-def _collect(child: tuple[int, int]) -> list[Row] | None:
-    """A worker's rows, read to the end of its pipe, the worker reaped; None if it failed."""
+def _collect(child: tuple[int, int], progress: Tick) -> list[Row] | None:
+    """A worker's rows, read to the end of its pipe, the worker reaped; None if it failed.
+    ``progress`` is called for each read (the worker's heartbeats and rows)."""
     pid, read_end = child
     chunks = []
     try:
         while chunk := os.read(read_end, 1 << 16):
             chunks.append(chunk)
+            if progress is not None:
+                progress()
     except OSError:
         chunks = []
     finally:
@@ -154,8 +180,11 @@ def _collect(child: tuple[int, int]) -> list[Row] | None:
         status = os.waitpid(pid, 0)[1]
     if status != 0:
         return None
+    data = b"".join(chunks).lstrip(_ALIVE)
+    if not data.startswith(_ROWS):
+        return None
     try:
-        rows = marshal.loads(b"".join(chunks))  # noqa: S302 - from our own fork, via our pipe
+        rows = marshal.loads(data[1:])  # noqa: S302 - from our own fork, via our pipe
     except (EOFError, ValueError, TypeError):
         return None
     return rows if isinstance(rows, list) else None

@@ -43,7 +43,7 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key
-from gpuwatchd.decide.patterns import NotLinear, check_linear
+from gpuwatchd.decide.patterns import NotLinear, TooCostly, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
     XID_63_CHOICES,
@@ -309,6 +309,8 @@ def _read_regex(node: Node) -> re.Pattern[str]:
         raise node.error(f"invalid regular expression {shown(pattern)}: {err}") from None
     try:
         check_linear(compiled)  # searched in hostile command lines: never by backtracking
+    except TooCostly as err:
+        raise node.error(f"regular expression {shown(pattern)} is too costly: {err}") from None
     except NotLinear as err:
         raise node.error(
             f"regular expression {shown(pattern)} cannot be matched in linear time: {err} "

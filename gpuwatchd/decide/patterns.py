@@ -44,14 +44,19 @@ _MAXREPEAT: int = _sre_parse.MAXREPEAT
 
 __all__ = [
     "MAX_COMMAND_TEXT",
+    "MAX_REPEAT",
     "MAX_STATES",
     "NotLinear",
+    "TooCostly",
     "check_linear",
     "command_search",
 ]
 
 MAX_COMMAND_TEXT = 4096  # characters of a command line a pattern sees
 MAX_STATES = 20_000  # automaton size; only counted repeats ({1000}) come near it
+# Copies the counted repeats of one pattern make in all (nested ones multiply): each copy can
+# be a live state on every character of every command line ([^/]{1,4000}: 2-3 s a 4 KiB line).
+MAX_REPEAT = 64
 
 _FLAG_MASK = re.IGNORECASE | re.DOTALL | re.ASCII | re.UNICODE
 _CATEGORIES = {
@@ -76,6 +81,10 @@ _UNSUPPORTED = {
 
 class NotLinear(ValueError):
     """The pattern uses something that cannot be matched in linear time (the message says what)."""
+
+
+class TooCostly(NotLinear):
+    """Linear, but with a factor too large to pay on every command line: a counted repeat."""
 
 
 # --- the automaton ----------------------------------------------------------------------------
@@ -137,6 +146,7 @@ class _Builder:
     def __init__(self, global_flags: int) -> None:
         self.states: list[_State] = [_State(_MATCH)]
         self.global_flags = global_flags
+        self.copies = 0  # copies made by counted repeats so far (each build of a body counted)
 
     def new(self, state: _State) -> int:
         if len(self.states) >= MAX_STATES:
@@ -202,8 +212,23 @@ class _Builder:
         self, body: list[tuple[object, object]], low: int, high: int, out: int, flags: int
     ) -> int:
         unbounded = high == _MAXREPEAT
-        if low > MAX_STATES or (not unbounded and high > MAX_STATES):
-            raise NotLinear("a counted repeat is too large")
+        if low > 1 or not (unbounded or high <= 1):  # a count, not *, +, ?
+            self.copies += low if unbounded else high
+        if self.copies > MAX_REPEAT:
+            shown = (
+                f"{{{low},}}" if unbounded else f"{{{low},{high}}}" if low != high else f"{{{low}}}"
+            )
+            raise TooCostly(
+                f"its counted repeats ({shown} here) make more than {MAX_REPEAT} copies in all: "
+                "each copy costs time on every character of every command line; use * or + "
+                "where the count does not matter"
+            )
+        return self._repeat(body, low, high, out, flags)
+
+    def _repeat(
+        self, body: list[tuple[object, object]], low: int, high: int, out: int, flags: int
+    ) -> int:
+        unbounded = high == _MAXREPEAT
         if unbounded:
             loop = self.new(_State(_SPLIT, alt=out))
             self.states[loop].out = self.sequence(body, loop, flags)

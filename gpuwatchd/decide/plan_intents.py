@@ -7,7 +7,7 @@ with the small helpers every one of them reads (dry-run, preview, hold, kill-cap
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
@@ -23,6 +23,7 @@ from gpuwatchd.model import (
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
+    SubIdRange,
 )
 from gpuwatchd.vocabulary import (
     ActionOutcome,
@@ -230,11 +231,19 @@ def _dry(w: _Work, ctx: _Ctx, scope: str | None = None) -> bool:
     return scope is not None and scope in w.scope_latches
 
 
-def kill_cap_scope(proc: ProcessInfo | None) -> str:
-    """Whose kill cap a target counts against: its owner's uid (``uid:N``); processes whose
-    owner is unknown share one scope (``uid:unknown``)."""
+def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ()) -> str:
+    """Whose kill cap a target counts against: its owner's uid (``uid:N``), or for a uid in a
+    user's sub-uid range (a rootless container's) that user's (``uid:N``, ``user:NAME`` when
+    the name has no uid); processes whose owner is unknown share one scope (``uid:unknown``)."""
     uid = None if proc is None else proc.uid
-    return f"uid:{'unknown' if uid is None else uid}"
+    if uid is None:
+        return "uid:unknown"
+    for entry in subuids:
+        if entry.holds(uid):
+            return (
+                f"uid:{entry.owner_uid}" if entry.owner_uid is not None else f"user:{entry.owner}"
+            )
+    return f"uid:{uid}"
 
 
 def _previewing(w: _Work, ctx: _Ctx) -> bool:

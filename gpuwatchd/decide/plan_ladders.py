@@ -88,7 +88,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         # ladder follows the process, keeping its steps, so a kind flip never skips a wait.
         lad = replace(lad, finding_key=finding.key)
         w.ladders[target] = lad
-    scope = kill_cap_scope(proc)
+    scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     if lad.status is not LadderStatus.ACTIVE:
         if lad.dry_run and not _dry(w, ctx, scope) and _hold_reason(w, ctx) is None:
             _restart_after_dry_run(w, lad)
@@ -237,12 +237,12 @@ def _emit_step(
             w.quiet_until.get(lad.gpu, 0.0), ctx.now + ctx.policy.limits.post_action_delay
         )
     if not lad.dry_run and all(t != lad.target for t, _ in w.signal_history):
-        scope = kill_cap_scope(proc)
+        scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
         w.signal_history.append((lad.target, ctx.now))
         w.signal_scopes[lad.target] = scope
         w.new_targets[scope] = w.new_targets.get(scope, 0) + 1
     elif _previewing(w, ctx):
-        w.shadow.count(lad.target, kill_cap_scope(proc), ctx.now)
+        w.shadow.count(lad.target, kill_cap_scope(proc, ctx.snapshot.subuid_ranges), ctx.now)
     w.intents.append(
         SignalIntent(
             identity=ProcessIdentity(lad.pid, lad.start_ticks),
@@ -383,7 +383,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 **_finding_fields(finding),
             )
         return
-    scope = kill_cap_scope(proc)
+    scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     dry = _dry(w, ctx, scope)
     lad = Ladder(
         target=target,
@@ -413,7 +413,7 @@ def _kill_caps(
     """A new ladder against the kill caps (its owner's scope and the node's): past one, a
     real ladder starts as a dry run and the latch engages; a policy's dry run books the same
     in its shadow, where enforcement would latch (shadow.py)."""
-    scope = kill_cap_scope(proc)
+    scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     dry = lad.dry_run
     target = lad.target
     if not dry:

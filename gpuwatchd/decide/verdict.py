@@ -266,12 +266,18 @@ class _Judge:
             if unreadable:
                 shown = ", ".join(str(pid) for pid in unreadable[:8])
                 more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
+                capped = len(snapshot.holders.thread_tables_unread.intersection(unreadable))
+                why = (
+                    f" ({capped} with more threads' own fd tables than a scan reads)"
+                    if capped
+                    else ""
+                )
                 reasons.append(
                     Reason(
                         LeftoverName.UNREADABLE,
                         unreadable[0],
-                        f"the fds/maps of PID(s) {shown}{more} could not be read: what they "
-                        "hold is unknown",
+                        f"the fds/maps of PID(s) {shown}{more} could not be read{why}: what "
+                        "they hold is unknown",
                     )
                 )
 

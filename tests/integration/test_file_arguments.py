@@ -9,6 +9,7 @@ would exceed.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,61 @@ def test_the_bounded_reader_checks_the_open_descriptor_too(tmp_path: Path, fifo:
         read_regular_file(str(fifo), 4)
     with pytest.raises(FileNotFoundError):
         read_regular_file(str(tmp_path / "missing"), 4)
+
+
+# `gpuwatchd ARGS`, then the process's peak resident memory in KiB on the last line of stdout
+_MEASURED = """
+import resource, sys
+from gpuwatchd.cli.main import main
+code = main(sys.argv[1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+sys.exit(code)
+"""
+
+
+def test_explain_refuses_a_report_by_its_shape_before_parsing_it(tmp_path: Path) -> None:
+    """Issue 34 #11: 60 MB of nested empty lists, under the 64 MiB cap, took explain 1.5 GB of
+    memory to parse. Now values and nesting are counted first (strings set aside): refused,
+    exit 65, in well under the memory the parse would take."""
+    report = tmp_path / "report.json"
+    with open(report, "w", encoding="ascii") as handle:
+        handle.write('{"gpus": [')
+        handle.write("[]," * 20_000_000)  # 60 MB
+        handle.write("[]]}")
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURED, "explain", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 65, result.stderr
+    assert "more than 1000000 values" in result.stderr
+    peak_mib = int(result.stdout.split()[-1]) // 1024
+    assert peak_mib < 400, peak_mib  # the parse alone: about 1,500
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"gpus": [' + "[]," * 1_000_000 + "[]]}", "more than 1000000 values"),
+        ('{"gpus": ' + "[" * 40 + "]" * 40 + "}", "nested more than 32 deep"),
+    ],
+)
+def test_a_report_past_a_shape_bound_is_a_snapshot_error(
+    text: str, problem: str, tmp_path: Path
+) -> None:
+    from gpuwatchd.cli.report_read import SnapshotError, load_report
+
+    report = tmp_path / "report.json"
+    report.write_text(text)
+    with pytest.raises(SnapshotError, match=problem):
+        load_report(str(report))
+
+
+def test_brackets_and_commas_inside_strings_are_text_not_shape(tmp_path: Path) -> None:
+    from gpuwatchd.cli.report_read import load_report
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"cmdline": "[{," * 400_000 + '\\"]', "gpus": []}))
+    assert load_report(str(report))["gpus"] == []

@@ -24,8 +24,9 @@ from gpuwatchd.collect.holders import (
     lines_containing,
     match_device_name,
 )
+from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold
+from tests.support.children import HOLD_FD, Spawn, hold, private_tables
 from tests.support.fakeproc import FakeProc, make_devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -383,3 +384,65 @@ def test_threads_sharing_the_leaders_table_add_nothing(spawn: Spawn, devices: Pa
     shared = scanner(devices_dir=str(devices)).scan([plain.pid]).holdings[plain.pid]
     assert shared.gpu_minors_fd == {0}
     assert not shared.ctl
+
+
+# --- the scan's cost in threads with tables of their own (issue 34, finding 10) ------------------
+
+
+class _CountingKcmp(Kcmp):
+    """The real kcmp, counting the system calls made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        syscall = self._syscall
+        assert syscall is not None
+
+        def counted(*args: Any) -> int:
+            self.asked += 1
+            return syscall(*args)
+
+        self._syscall = counted
+
+
+def test_private_tables_cost_kcmp_linear_in_threads_and_each_table_is_read_once(
+    spawn: Spawn, devices: Path
+) -> None:
+    """Before: each thread was compared with every table read so far, N²/2 kcmp calls (the
+    attack: 4,000 such threads made a scan 32 s). Now one kcmp with the leader, then a binary
+    search among the tables read: here 400 threads, under 430 x 11 questions (old: 80,000);
+    the 30 threads sharing the first thread's table add no read of it."""
+    threads = 400
+    child = spawn(private_tables(threads, str(devices / "nvidia3"), sharing=30))
+    holders = scanner(devices_dir=str(devices))
+    holders._kcmp = counting = _CountingKcmp()
+    reads: list[str] = []
+    real = holders._scan_fds
+
+    def counted(fd_dir: str, found: Any) -> int:
+        reads.append(fd_dir)
+        return real(fd_dir, found)
+
+    holders._scan_fds = counted  # type: ignore[method-assign]
+    scan = holders.scan([child.pid])
+    assert scan.holdings[child.pid].gpu_minors_fd == {3}
+    assert child.pid not in scan.unreadable
+    assert counting.asked < (threads + 30) * 11
+    assert len(reads) == 1 + threads  # the leader's table, then each thread's own once
+
+
+def test_a_process_past_the_thread_table_budget_is_an_unknown_holder(
+    spawn: Spawn, devices: Path
+) -> None:
+    """Past the budget the scan stops reading the process's thread tables: it is unreadable
+    (blocks resets, never a target) and says why in ``thread_tables_unread``."""
+    child = spawn(private_tables(40, str(devices / "nvidia1")))
+    holders = scanner(devices_dir=str(devices))
+    holders.thread_table_budget = 20
+    scan = holders.scan([child.pid])
+    assert child.pid in scan.unreadable
+    assert scan.thread_tables_unread == {child.pid}
+    full = scanner(devices_dir=str(devices)).scan([child.pid])
+    assert full.holdings[child.pid].gpu_minors_fd == {1}
+    assert not full.unreadable
+    assert not full.thread_tables_unread

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -190,8 +192,8 @@ def test_forked_workers_give_the_same_holdings_in_the_same_order(
 # --- the merge and the fork rules, alone ------------------------------------------------------
 
 
-def _rows(pids: object) -> list[spread.Row]:
-    return [(pid, (pid % 8,), (), True, False, False, pid % 5 == 0) for pid in pids]  # type: ignore[attr-defined]
+def _rows(pids: object, tick: spread.Tick = None) -> list[spread.Row]:
+    return [(pid, (pid % 8,), (), True, False, False, pid % 5 == 0, pid % 7 == 0) for pid in pids]  # type: ignore[attr-defined]
 
 
 def test_spread_merges_in_input_order_whatever_the_split() -> None:
@@ -203,13 +205,44 @@ def test_spread_merges_in_input_order_whatever_the_split() -> None:
 def test_a_slice_whose_worker_failed_is_scanned_here() -> None:
     parent = os.getpid()
 
-    def scan(pids: object) -> list[spread.Row]:
+    def scan(pids: object, tick: spread.Tick) -> list[spread.Row]:
         if os.getpid() != parent:
             raise RuntimeError("the worker dies")
         return _rows(pids)
 
     pids = list(range(50))
     assert spread.scan_spread(scan, pids, workers=3, min_slice=5) == _rows(pids)
+
+
+def test_a_slow_workers_progress_is_told_here_and_a_stuck_ones_is_not() -> None:
+    """The daemon feeds its watchdog through ``progress`` (only this process may notify
+    systemd): a worker whose slice advances slowly shows it by heartbeats on its pipe; one
+    stuck in one call sends none, so a hang is never hidden."""
+    parent = os.getpid()
+
+    def advancing(pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
+        for _ in range(12 if os.getpid() != parent else 0):  # 1.2 s in steps of 0.1 s
+            time.sleep(0.1)
+            assert tick is not None
+            tick()
+        return _rows(pids)
+
+    def stuck(pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
+        if os.getpid() != parent:
+            time.sleep(1.2)  # one long call, no tick
+        return _rows(pids)
+
+    pids = list(range(20))
+    told: list[int] = []
+    assert spread.scan_spread(
+        advancing, pids, workers=2, min_slice=5, progress=lambda: told.append(1)
+    ) == _rows(pids)
+    assert len(told) >= 3  # two heartbeats at least (one each 0.5 s), then the rows
+    quiet: list[int] = []
+    assert spread.scan_spread(
+        stuck, pids, workers=2, min_slice=5, progress=lambda: quiet.append(1)
+    ) == _rows(pids)
+    assert len(quiet) == 1  # the rows only: no heartbeat from a worker that made no progress
 
 
 @pytest.mark.parametrize(

@@ -50,3 +50,39 @@ def spawn() -> Iterator[Spawn]:
         if child.poll() is None:
             child.kill()
         child.wait(timeout=10)
+
+
+PRIVATE_TABLES = """
+import ctypes, os, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+threading.stack_size(256 * 1024)
+done = threading.Semaphore(0)
+forever = threading.Event()
+
+def own_table(path, workers):
+    if libc.unshare(0x400) != 0:  # CLONE_FILES: a table of this thread's own
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+    held = os.open(path, os.O_RDONLY) if path else None
+    for _ in range(workers):  # threads started here share this thread's table
+        threading.Thread(target=forever.wait, daemon=True).start()
+    done.release()
+    forever.wait()
+
+spare = [os.open("/dev/null", os.O_RDONLY) for _ in range({fds})]  # copied into each table
+for number in range({threads}):
+    path = {path!r} if number == {threads} - 1 else None
+    sharing = {sharing} if number == 0 else 0
+    threading.Thread(target=own_table, args=(path, sharing), daemon=True).start()
+for _ in range({threads}):
+    done.acquire()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def private_tables(threads: int, path: str | None = None, sharing: int = 0, fds: int = 0) -> str:
+    """Code for a child with ``threads`` threads that each called ``unshare(CLONE_FILES)``
+    (a file descriptor table of their own); the last holds ``path`` open in its table, the
+    first starts ``sharing`` more threads that share its table; ``fds`` more descriptors
+    are open in the leader's table first (so in every copy)."""
+    return PRIVATE_TABLES.format(threads=threads, path=path, sharing=sharing, fds=fds)

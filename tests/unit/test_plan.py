@@ -26,6 +26,7 @@ from gpuwatchd.decide.plan import (
     clear_forced_dry_run,
     forget_reset_refusals,
     hidden_holders,
+    kill_cap_scope,
     next_deadline,
     pending,
     plan,
@@ -48,6 +49,7 @@ from gpuwatchd.model import (
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
+    SubIdRange,
 )
 from tests.support.plancases import (
     BUS0,
@@ -575,6 +577,28 @@ def test_one_users_storm_of_seventeen_orphans_does_not_latch_the_node() -> None:
     r = run([orphan(late), orphan(late_storm)], snap([late, late_storm]), r.state,
             policy(limits=Limits()), now=20.0)  # fmt: skip
     assert {(s.identity.pid, s.dry_run) for s in signals(r)} == {(4001, False), (3100, True)}
+
+
+def test_a_users_orphans_spread_over_its_sub_uids_count_against_that_user_not_the_node() -> None:
+    """Issue 34 #11: a user owning a sub-uid range (/etc/subuid: rootless containers) ran
+    orphans as several of those uids; each uid had a cap of its own, so together they passed
+    the node-wide cap and latched the whole node. Now they count against the range's owner:
+    that user is latched, the node is not, and another user is still acted on."""
+    limits = Limits(max_signalled_per_poll=10, max_signalled_per_hour=4,
+                    node_max_signalled_per_hour=6)  # fmt: skip
+    ranges = (SubIdRange(100_000, 65_536, "mallory", 1001), SubIdRange(200_000, 10, "ghost", None))
+    storm = [proc(3000 + i, uid=100_000 + 7 * i, user=None) for i in range(8)]
+    other = proc(4000, uid=1002, user="olivia")
+    everyone = [*storm, other]
+    s = replace(snap(everyone), subuid_ranges=ranges)
+    r = run([orphan(p) for p in everyone], s, PlanState(), policy(limits=limits), now=0.0)
+    real = {x.identity.pid for x in signals(r) if not x.dry_run}
+    assert other.pid in real
+    assert len(real & {p.pid for p in storm}) == 4
+    assert set(r.state.scope_latches) == {"uid:1001"}
+    assert not r.state.forced_dry_run
+    assert kill_cap_scope(proc(uid=200_003), ranges) == "user:ghost"  # a name without a uid
+    assert kill_cap_scope(proc(uid=165_536), ranges) == "uid:165536"  # past the range
 
 
 def test_a_latch_expires_after_kill_cap_latch_with_a_warning_and_dry_run_ladders_restart() -> None:

@@ -287,6 +287,7 @@ def test_top_level_shape_and_node_facts() -> None:
         "report_only",
         "notes",
         "unreadable_pids",
+        "thread_tables_unread_pids",
     }
     assert report["version"] == "0.1.0"
     assert report["time"] == NOW

@@ -61,3 +61,23 @@ def test_the_watchdog_is_fed_three_times_a_period(
     else:
         monkeypatch.setenv("WATCHDOG_USEC", usec)
     assert watchdog_slice() == expected
+
+
+def test_the_pinger_feeds_at_most_once_per_period_and_never_from_a_forked_child() -> None:
+    """A long holder scan calls the pinger after each process: the watchdog hears of it at most
+    every ``every`` seconds, from this process only (NotifyAccess=main refuses a child's)."""
+    import os
+
+    from gpuwatchd.systemd_notify import WatchdogPinger
+
+    now = [100.0]
+    pings: list[float] = []
+    pinger = WatchdogPinger(lambda: pings.append(now[0]), every=1.0, clock=lambda: now[0])
+    for _ in range(12):  # 3 s of progress in steps of 0.25 s
+        now[0] += 0.25
+        pinger()
+    assert len(pings) == 3
+    pinger.pid = os.getpid() + 1  # as seen from a forked scan worker
+    now[0] += 5
+    pinger()
+    assert len(pings) == 3

@@ -1,0 +1,78 @@
+"""``/etc/subuid``: the ranges of subordinate uids each user owns, read for the kill cap.
+
+A rootless container (podman, rootless Docker, ``unshare --map-users``) runs its users as host
+uids from its owner's range, so one user can spread processes over thousands of uids. The kill
+cap counts a process against the user owning its uid's range (``decide/plan_intents.py``),
+so that spreading cannot pass the node-wide cap. This module owns reading the file: bounded,
+parsed line by line (``name:first:count``; a malformed line is skipped), each owner's name
+resolved to a uid once per change of the file. It decides nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Callable
+
+from gpuwatchd.model import SubIdRange
+
+__all__ = ["DEFAULT_SUBUID_FILE", "SubUidFile", "parse_subuid"]
+
+DEFAULT_SUBUID_FILE = "/etc/subuid"
+MAX_BYTES = 1 << 20
+MAX_RANGES = 65_536
+_MAX_UID = (1 << 32) - 1
+
+
+def _uid_of_name(name: str) -> int | None:
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except (KeyError, OSError):
+        return None
+
+
+def parse_subuid(
+    text: str, uid_of: Callable[[str], int | None] = _uid_of_name
+) -> tuple[SubIdRange, ...]:
+    """The ranges of ``/etc/subuid``'s text; an owner written as digits is that uid. Pure but
+    for ``uid_of`` (the user database)."""
+    ranges: list[SubIdRange] = []
+    for line in text.splitlines():
+        fields = line.strip().split(":")
+        if len(fields) != 3 or not fields[1].isdigit() or not fields[2].isdigit():
+            continue  # comments, blank and malformed lines
+        owner, first, count = fields[0], int(fields[1]), int(fields[2])
+        if not owner or count == 0 or first + count - 1 > _MAX_UID:
+            continue
+        owner_uid = int(owner) if owner.isdigit() else uid_of(owner)
+        ranges.append(SubIdRange(first, count, owner, owner_uid))
+        if len(ranges) >= MAX_RANGES:
+            break
+    return tuple(ranges)
+
+
+class SubUidFile:
+    """``path`` (None: not read), re-read only when its size, time or inode changed."""
+
+    def __init__(self, path: str | None = DEFAULT_SUBUID_FILE) -> None:
+        self.path = path
+        self._key: tuple[int, int, int] | None = None
+        self._ranges: tuple[SubIdRange, ...] = ()
+
+    def ranges(self) -> tuple[SubIdRange, ...]:
+        if self.path is None:
+            return ()
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._key, self._ranges = None, ()
+            return ()
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key != self._key:
+            try:
+                with open(self.path, "rb") as handle:
+                    text = handle.read(MAX_BYTES).decode("utf-8", errors="replace")
+            except OSError:
+                return self._ranges
+            self._key, self._ranges = key, parse_subuid(text)
+        return self._ranges

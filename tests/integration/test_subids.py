@@ -1,0 +1,69 @@
+"""Reading /etc/subuid for the kill cap (gpuwatchd/collect/subids.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.collect.subids import SubUidFile, parse_subuid
+from gpuwatchd.model import SubIdRange
+from tests.support.fakenvml import FakeNvml, gpu, state
+
+
+def test_lines_become_ranges_with_their_owner_resolved_and_junk_skipped() -> None:
+    text = (
+        "# a comment\n"
+        "alice:100000:65536\n"
+        "1002:165536:65536\n"
+        "nobody-known:231072:10\n"
+        "bad line\n"
+        "carol:x:5\n"
+        "dave:300000:0\n"
+        "erin:4294967290:100\n"
+    )
+    uids = {"alice": 1001}
+    assert parse_subuid(text, uids.get) == (
+        SubIdRange(100000, 65536, "alice", 1001),
+        SubIdRange(165536, 65536, "1002", 1002),
+        SubIdRange(231072, 10, "nobody-known", None),
+    )
+
+
+def test_the_file_is_read_again_only_when_it_changes_and_a_missing_one_is_empty(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "subuid"
+    subuids = SubUidFile(str(path))
+    assert subuids.ranges() == ()
+    path.write_text("1001:100000:65536\n")
+    assert subuids.ranges() == (SubIdRange(100000, 65536, "1001", 1001),)
+    first = subuids.ranges()
+    assert subuids.ranges() is first  # unchanged: not parsed again
+    path.write_text("1001:100000:65536\n1002:200000:100\n")
+    os.utime(path, ns=(1, 2))  # a new time as well as a new size
+    assert len(subuids.ranges()) == 2
+    assert SubUidFile(None).ranges() == ()
+
+
+def test_the_collector_puts_the_ranges_of_its_subuid_file_in_each_snapshot(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    """The kill cap's input comes from the file the collector is given (injectable)."""
+    path = tmp_path / "subuid"
+    path.write_text("1001:100000:65536\n")
+    fake_nvml.write(state([gpu(0)]))
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    try:
+        collector = Collector(
+            ProcFS(str(fake_nvml.devices_dir)),
+            nvml,
+            namespace_check=False,
+            subuids=SubUidFile(str(path)),
+        )
+        snapshot = collector.collect(full=True)
+    finally:
+        nvml.close()
+    assert snapshot.subuid_ranges == (SubIdRange(100000, 65536, "1001", 1001),)

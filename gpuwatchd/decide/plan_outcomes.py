@@ -206,6 +206,9 @@ def record_reset(
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
+    # A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
+    # (another instance's refusal of the same GPU must not overwrite it).
+    refused = gpu if intent.instance is None else intent.instance.mig_uuid
     fields = _booked_fields(intent, outcome)
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
@@ -218,7 +221,9 @@ def record_reset(
             # Enforcement's final scan would have found the GPU held as well: the incident is
             # held as enforcement's would be (drain and before hooks once), in the preview only.
             why = "a dry run's final holder scan found the GPU held"
-            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, False, wall, dry_run=True)
+            w.reset_refusals[refused] = ResetRefusal(
+                intent.finding_key, why, False, wall, dry_run=True
+            )
             w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
         # Refused, not failed: aborted before the command ran (the final holder scan found a
@@ -233,7 +238,7 @@ def record_reset(
             else "refused by the reset procedure"
         )
         if not intent.dry_run:
-            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
+            w.reset_refusals[refused] = ResetRefusal(intent.finding_key, why, in_use, wall)
         w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
     elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall

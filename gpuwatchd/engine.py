@@ -69,6 +69,7 @@ from gpuwatchd.engine_edges import (
 from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
+    GpuInfo,
     ProcessIdentity,
     Snapshot,
     Spare,
@@ -754,6 +755,13 @@ class _ResetEnv:
         baseline = engine.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
         snapshot = engine.reader.collect()
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
+
+    def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
+        reader = self.engine.reader
+        gpu = reader.read_gpu(target.uuid)
+        if not reader.stop_nvml():  # the next MIG command runs with nothing of ours held
+            raise OSError("our own NVML worker still holds the device")
+        return gpu
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         gpu = self.engine.reader.read_gpu(target.uuid)

@@ -53,6 +53,8 @@ _STEP_STATUS: Mapping[str, str] = {
     ResetStepStatus.FABRIC_WAITING.value: "waiting for the NVLink fabric",
     ResetStepStatus.FABRIC_COMPLETED.value: "the NVLink fabric is back",
     ResetStepStatus.FABRIC_STUCK.value: "the NVLink fabric is STUCK",
+    ResetStepStatus.AS_PLANNED.value: "the GPU read again is as planned",
+    ResetStepStatus.CHANGED.value: "the GPU read again is NOT as planned",
 }
 
 

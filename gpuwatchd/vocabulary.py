@@ -266,6 +266,8 @@ class ResetStepStatus(_Name):
     FABRIC_WAITING = "fabric_waiting"
     FABRIC_COMPLETED = "fabric_completed"
     FABRIC_STUCK = "fabric_stuck"
+    AS_PLANNED = "as_planned"  # a MIG recovery's GPU read again: as its next command needs it
+    CHANGED = "changed"  # ... not: the instance changed, or its placement is not free
 
 
 class LadderStatus(_Name):

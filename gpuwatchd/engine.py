@@ -50,6 +50,7 @@ from gpuwatchd.decide.plan import (
     record_reset,
     record_signal,
     set_paused,
+    unfinished_recoveries,
 )
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.reuse import Reuse
@@ -206,7 +207,9 @@ class Engine:
         )
         state.assess = assessment.state
         self.last_assessment = assessment
-        self.last_verdict = self.reuse.judge(snapshot, assessment, self.policy)
+        self.last_verdict = self.reuse.judge(
+            snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
+        )
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
         # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(

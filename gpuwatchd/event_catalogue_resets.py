@@ -195,6 +195,11 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
         "gpu finding in_use why",
         lambda s: f"A refused reset of {s.gpu()} may be tried again{s.why()}.",
     ),
+    EventName.RESET_MIG_UNFINISHED_CLEARED: spec(
+        INFO,
+        "gpu instance gi why",
+        lambda s: f"MIG GPU instance {s('gi')} of {s.gpu()} is no longer half done{s.why()}.",
+    ),
     EventName.GPU_NEEDS_REBOOT: spec(
         CRITICAL, f"{RESET_FIELDS} pid start_ticks why", _needs_reboot
     ),

@@ -24,6 +24,7 @@ from gpuwatchd.decide.plan_intents import (
     target_key,
 )
 from gpuwatchd.decide.plan_state import (
+    MigUnfinished,
     PlanState,
     ResetRefusal,
 )
@@ -272,4 +273,27 @@ def record_reset(
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
         w.waiting[intent.finding_key] = now + delay
-    return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
+    return PlanResult(
+        tuple(w.intents), tuple(w.events), _unfinished(w.freeze(), intent, outcome, wall)
+    )
+
+
+def _unfinished(
+    state: PlanState, intent: ResetIntent, outcome: ResetResult, wall: float
+) -> PlanState:
+    """A MIG recovery that failed once its commands started may be half done: its GPU stays
+    dirty (``mig_unfinished``) until its instance is seen back; one that succeeded is back."""
+    recovery = intent.instance
+    if recovery is None or intent.dry_run:
+        return state
+    unfinished = dict(state.mig_unfinished)
+    if outcome in (ResetResult.FAILED, ResetResult.TIMEOUT):
+        unfinished[recovery.mig_uuid] = MigUnfinished(
+            recovery.uuid, recovery.gi, recovery.profile, recovery.placement, recovery.size,
+            wall, outcome.value,
+        )  # fmt: skip
+    elif outcome is ResetResult.SUCCESS:
+        unfinished.pop(recovery.mig_uuid, None)
+    else:
+        return state
+    return replace(state, mig_unfinished=unfinished)

@@ -66,7 +66,9 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
     instance's own, for its re-creation) moved by :data:`REFUSAL_MEMORY_CHANGE` or more (a
     holder let go, or a new one came). A reload and
     ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
-    :func:`clear_circuit`)."""
+    :func:`clear_circuit`). A MIG recovery left half done is reviewed here too
+    (:func:`_review_unfinished`)."""
+    _review_unfinished(w, ctx)
     for uuid, held in sorted(w.reset_refusals.items()):
         allocated = _refused_memory(ctx, uuid, held.finding_key)
         why = None
@@ -90,6 +92,24 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
                 in_use=held.in_use,
                 why=why,
             )
+
+
+def _review_unfinished(w: _Work, ctx: _Ctx) -> None:
+    """A MIG recovery left half done is over once this snapshot shows an instance of its GI
+    profile at its placement on its GPU again (re-created by hand, say): its GPU may be clean."""
+    left = dict(w.state.mig_unfinished)
+    for mig, u in sorted(left.items()):
+        gpu = gpu_by_uuid(ctx.snapshot, u.gpu)
+        devices = () if gpu is None else gpu.mig_devices or ()
+        planned = (u.placement, u.size)
+        if not any(d.gi_profile_id == u.profile and d.placement == planned for d in devices):
+            continue
+        del left[mig]
+        why = f"an instance of GI profile {u.profile} is at placement {u.placement} again"
+        w.event(EventName.RESET_MIG_UNFINISHED_CLEARED, Level.INFO, gpu=u.gpu, instance=mig,
+                gi=u.gi, why=why)  # fmt: skip
+    if len(left) != len(w.state.mig_unfinished):
+        w.state = replace(w.state, mig_unfinished=left)
 
 
 def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:

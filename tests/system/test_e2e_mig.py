@@ -166,6 +166,10 @@ case " $* " in
         cp "%(destroyed)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s" ;;
     esac ;;
 *" -cgi "*)
+    if [ -f "%(cgi_fails)s" ]; then
+        echo "Failed to create GPU instances: Insufficient Resources"
+        exit 2
+    fi
     cp "%(recreated)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
     echo "Successfully created GPU instance ID 1 on GPU 0 using profile MIG 1g.10gb (ID 19)" ;;
 esac
@@ -212,6 +216,7 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
             "recreated": recreated,
             "destroyed": host.root / "destroyed.json",
             "admin": host.root / "admin",
+            "cgi_fails": host.root / "cgi-fails",
             "state": host.fake.state_path,
             "hidden": host.root / "hidden-holder",
         }
@@ -241,7 +246,8 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
 def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """``arg["variant"]``: None; ``hidden_holder`` (the driver refuses the first command "in
     use"); ``parent_only`` (a user's process holds /dev/nvidia0 and no capability: which
-    instance it uses is unknown, so GPU instance 1 is not known to be free); ``admin`` (while
+    instance it uses is unknown, so GPU instance 1 is not known to be free); ``cgi_fails``
+    (the re-create fails after the destroys: half done); ``admin`` (while
     the recovery drains, an administrator re-creates GPU instance 1: same ids, a new MIG
     UUID)."""
     with SimHost(root) as host:
@@ -251,6 +257,8 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             (host.root / "hidden-holder").touch()
         if variant == "admin":
             (host.root / "admin-layout.json").rename(host.root / "admin")
+        if variant == "cgi_fails":
+            (host.root / "cgi-fails").touch()
         if variant == "parent_only":
             host.spawn("monitor", [{"open": host.dev("nvidiactl", "nvidia0")}, {"sleep": 3600}])
             pids.update(host.wait_ready("monitor"))
@@ -267,6 +275,7 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
         time.sleep(2)  # several more polls, within the cooldown
         run.stop()
+        clean = host.gpuwatchd("check-clean", "--config", str(run.config))
         log = host.root / "smi.log"
         gi1 = json.loads(host.fake.state_path.read_text())["gpus"][0]["mig_devices"][0]
         steps = [e for e in run.events() if e.get("event") == "reset.step"]
@@ -280,6 +289,7 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "alive": {name: host.alive(pids[name]) for name in ("trainer2", "worker2")},
             "gi1_used": gi1["memory"]["used"],
             "gi1_uuid": gi1["uuid"],
+            "check_clean": (clean.returncode, clean.stdout),
             "readings": [
                 (e.get("status"), e.get("detail"))
                 for e in steps
@@ -421,3 +431,20 @@ def test_an_instance_re_created_by_an_admin_after_the_plan_is_never_destroyed(
     assert result["gi1_uuid"] == ADMIN_GI1
     assert result["signals"] == []
     assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_a_recovery_stopped_after_the_destroy_keeps_check_clean_from_calling_the_gpu_clean(
+    tmp_path: Path,
+) -> None:
+    """Issue 34, finding 5: ``-dgi`` ran and ``-cgi`` failed. GPU instance 1 is gone (NVML lists
+    only GPU instance 2), so no finding is left about it; ``check-clean``, reading the daemon's
+    saved state, still says GPU 0 is dirty (``mig_unfinished``), so a prolog or the undrain
+    timer does not hand it out."""
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False, variant="cgi_fails")
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "failed"
+    assert "is half done" in outcome["reason"]
+    assert result["gi1_uuid"] != "MIG-00000000-0001-4000-8000-000000000010"  # GI 1 is gone
+    code, said = result["check_clean"]
+    assert code != 0, said
+    assert "mig_unfinished" in said or "half done" in said, said

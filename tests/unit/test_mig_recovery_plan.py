@@ -23,11 +23,13 @@ from gpuwatchd.decide.plan import (
     plan,
     record_reset,
     reset_gates,
+    unfinished_recoveries,
 )
 from gpuwatchd.decide.plan_state import ResetRefusal
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
+from gpuwatchd.decide.verdict import judge
 from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
-from gpuwatchd.vocabulary import EventName, ResetResult
+from gpuwatchd.vocabulary import Cleanliness, EventName, ResetResult
 from tests.support.migcases import GI1, GI2, LEAK, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
@@ -294,3 +296,50 @@ def test_an_instance_the_driver_refused_in_use_blocks_a_reset_of_the_whole_gpu()
     gates = reset_gates(whole, snapshot, chosen, report_only={}, findings=found.findings)
     assert [g.name for g in gates] == ["live_holder"]
     assert GI1 in gates[0].why
+
+
+def test_a_recovery_stopped_halfway_keeps_its_gpu_dirty_until_the_instance_is_back() -> None:
+    """Issue 34, finding 5: ``-dgi`` ran, the re-create did not. GPU instance 1 is gone, and its
+    ghost_memory finding with it; the GPU must not be called clean (check-clean, the undrain
+    timer) until an instance of its GI profile is at its placement again."""
+    chosen = policy()
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    state = PlanState()
+    intent = None
+    now = snapshot.monotonic
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
+        if intent is not None:
+            break
+    assert intent is not None
+    state = record_reset(state, intent, ResetResult.FAILED, now=now, wall=now).state
+    assert list(state.mig_unfinished) == [GI1]
+    assert PlanState.from_json(state.to_json()) == state  # kept across a restart
+
+    trainer = Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb")
+    gone = ghost_beside_live_job(instances=[trainer])
+    found = run(gone)
+    before = judge(gone, found, chosen)  # what the verdict said without it: clean
+    assert before.gpus[0].state is Cleanliness.CLEAN
+    verdict = judge(gone, found, chosen, unfinished=unfinished_recoveries(state))
+    (parent,) = [g for g in verdict.gpus if g.uuid == gpu_uuid(0)]
+    assert parent.state is Cleanliness.DIRTY
+    assert [r.kind for r in parent.reasons] == ["mig_unfinished"]
+    assert "MIG GPU instance 1" in parent.reasons[0].text
+    out = plan(found.findings, gone, state, chosen, now=now + 10, wall=now + 10,
+               report_only=found.report_only)  # fmt: skip
+    assert out.state.mig_unfinished == state.mig_unfinished  # still gone: still dirty
+
+    back = ghost_beside_live_job(instances=[Inst(1), trainer])  # re-created by hand
+    found = run(back)
+    out = plan(found.findings, back, out.state, chosen, now=now + 20, wall=now + 20,
+               report_only=found.report_only)  # fmt: skip
+    assert out.state.mig_unfinished == {}
+    (cleared,) = [e for e in out.events if e.name == EventName.RESET_MIG_UNFINISHED_CLEARED]
+    assert cleared.fields["instance"] == GI1
+    assert judge(back, found, chosen, unfinished=unfinished_recoveries(out.state)).clean

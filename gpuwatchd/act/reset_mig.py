@@ -30,7 +30,7 @@ class _Commands(Protocol):
     def reset(self) -> tuple[tuple[str, ...], ...]: ...
 
 
-class Procedure(Protocol):
+class RecoveryRun(Protocol):
     """What of :class:`gpuwatchd.act.reset.Procedure` the commands need (that module runs
     them, so it is not imported here)."""
 
@@ -64,7 +64,7 @@ def half_done(recovery: InstanceRecovery, ran: str, why: str) -> str:
     )
 
 
-def _check(proc: Procedure, recovery: InstanceRecovery, *, before_first: bool) -> str | None:
+def _check(proc: RecoveryRun, recovery: InstanceRecovery, *, before_first: bool) -> str | None:
     """Read the parent GPU again: None when it is as the next command needs it (the plan's
     instance before the first; a free placement before the re-create), else why not."""
     try:
@@ -83,7 +83,7 @@ def _check(proc: Procedure, recovery: InstanceRecovery, *, before_first: bool) -
     return why
 
 
-def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
+def run_recovery(proc: RecoveryRun, start: int = 0, *, resumed: bool = False) -> Ran:
     """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
     when none ran or in a dry run; its reading). Only the first command of a fresh run may end
     ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy

@@ -343,3 +343,23 @@ def test_a_recovery_stopped_halfway_keeps_its_gpu_dirty_until_the_instance_is_ba
     (cleared,) = [e for e in out.events if e.name == EventName.RESET_MIG_UNFINISHED_CLEARED]
     assert cleared.fields["instance"] == GI1
     assert judge(back, found, chosen, unfinished=unfinished_recoveries(out.state)).clean
+
+
+def test_a_refusal_saved_under_the_parent_gpu_by_an_older_version_still_holds_its_instance() -> (
+    None
+):
+    """A state file from before refusals were kept per instance has GPU instance 1's refusal
+    under its parent GPU; it still holds GPU instance 1's incident (found by its key)."""
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    (ghost,) = [f for f in result.findings if f.kind is FindingKind.GHOST_MEMORY]
+    old = ResetRefusal(ghost.key, "the driver refused: in use", True, snapshot.wall_time)
+    state = PlanState(reset_refusals={gpu_uuid(0): old})
+    asked = []
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, policy(cooldown=0.0), now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        asked += [i for i in out.intents if isinstance(i, ResetIntent)]
+    assert asked == []

@@ -161,6 +161,8 @@ def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) 
             # "in use" (a hidden holder), which never turns into a reset of the whole GPU.
             mig = parent_of(snapshot, other.gpu)
             if mig is None or mig[0].uuid != gpu.uuid or other.pid is not None:
+                continue  # another GPU's; a process on an instance is mig_busy's
+            if other.kind is not FindingKind.HIDDEN_HOLDER:
                 continue
             return f"hidden_holder: the driver refused to re-create {other.gpu}, in use"
         if other.pid is not None:

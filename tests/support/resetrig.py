@@ -30,7 +30,7 @@ class FakeEnvironment:
         record_fails: bool = False,
         scan_raises: bool = False,
         instance: str | None = None,
-        rereads: Sequence[GpuInfo | None] | None = None,
+        rereads: Sequence[GpuInfo | Exception | None] | None = None,
     ) -> None:
         self.smi = smi
         self.released = released
@@ -39,8 +39,8 @@ class FakeEnvironment:
         self.record_fails = record_fails
         self.scan_raises = scan_raises
         self.instance = instance  # what instance_back answers after a MIG recovery
-        # What reread_gpu answers, in turn (the last one again); None: the planned instance
-        # until a -dgi ran, then its placement free (instance_gpu).
+        # What reread_gpu answers (an exception: raises it), in turn, the last one again; None:
+        # the planned instance until a -dgi ran, then its placement free (instance_gpu).
         self.rereads = None if rereads is None else list(rereads)
         self.calls: list[str] = []
         self.steps: list[ResetStep] = []
@@ -71,7 +71,10 @@ class FakeEnvironment:
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
         self.calls.append("reread")
         if self.rereads is not None:
-            return self.rereads.pop(0) if len(self.rereads) > 1 else self.rereads[0]
+            answer = self.rereads.pop(0) if len(self.rereads) > 1 else self.rereads[0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
         if target.recovery is None:
             return None
         destroyed = any("-dgi" in call for call in smi_commands(self.smi))

@@ -305,3 +305,13 @@ def test_the_destroys_are_confirmed_before_the_re_create(smi: FakeSmi) -> None:
     assert "the destroy commands did not free its placement" in outcome.reason
     assert "is half done" in outcome.reason
     assert smi_commands(smi) == [DCI, DGI]
+
+
+def test_a_gpu_that_cannot_be_read_again_is_never_touched(smi: FakeSmi) -> None:
+    """Unknown is not as planned: the NVML worker could not be stopped again after the
+    reading (or the reading failed), so nothing is destroyed."""
+    env = FakeEnvironment(smi, rereads=[OSError("our own NVML worker still holds the device")])
+    outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert "reading the GPU again failed: our own NVML worker" in outcome.reason
+    assert smi_commands(smi) == []

@@ -50,6 +50,7 @@ from gpuwatchd.decide.plan import (
     record_reset,
     record_signal,
     set_paused,
+    unfinished_recoveries,
 )
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.reuse import Reuse
@@ -69,6 +70,7 @@ from gpuwatchd.engine_edges import (
 from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
     Finding,
+    GpuInfo,
     ProcessIdentity,
     Snapshot,
     Spare,
@@ -210,7 +212,9 @@ class Engine:
         )
         state.assess = assessment.state
         self.last_assessment = assessment
-        self.last_verdict = self.reuse.judge(snapshot, assessment, self.policy)
+        self.last_verdict = self.reuse.judge(
+            snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
+        )
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
         # a long full scan of this same poll ended (its for-window must not start late).
         result = plan(
@@ -761,6 +765,13 @@ class _ResetEnv:
         baseline = engine.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
         snapshot = engine.reader.collect()
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
+
+    def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
+        reader = self.engine.reader
+        gpu = reader.read_gpu(target.uuid)
+        if not reader.stop_nvml():  # the next MIG command runs with nothing of ours held
+            raise OSError("our own NVML worker still holds the device")
+        return gpu
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         gpu = self.engine.reader.read_gpu(target.uuid)

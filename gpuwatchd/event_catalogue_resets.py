@@ -53,6 +53,8 @@ _STEP_STATUS: Mapping[str, str] = {
     ResetStepStatus.FABRIC_WAITING.value: "waiting for the NVLink fabric",
     ResetStepStatus.FABRIC_COMPLETED.value: "the NVLink fabric is back",
     ResetStepStatus.FABRIC_STUCK.value: "the NVLink fabric is STUCK",
+    ResetStepStatus.AS_PLANNED.value: "the GPU read again is as planned",
+    ResetStepStatus.CHANGED.value: "the GPU read again is NOT as planned",
 }
 
 
@@ -192,6 +194,11 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
         INFO,
         "gpu finding in_use why",
         lambda s: f"A refused reset of {s.gpu()} may be tried again{s.why()}.",
+    ),
+    EventName.RESET_MIG_UNFINISHED_CLEARED: spec(
+        INFO,
+        "gpu instance gi why",
+        lambda s: f"MIG GPU instance {s('gi')} of {s.gpu()} is no longer half done{s.why()}.",
     ),
     EventName.GPU_NEEDS_REBOOT: spec(
         CRITICAL, f"{RESET_FIELDS} pid start_ticks why", _needs_reboot

@@ -129,6 +129,7 @@ class EventName(_Name):
     RESET_FAILED = "reset.failed"
     RESET_DRY_RUN = "reset.dry_run"
     RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
+    RESET_MIG_UNFINISHED_CLEARED = "reset.mig_unfinished_cleared"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
     # GPU health (decide/plan.py over decide/health.py)
     HEALTH_DRAIN_STARTED = "health.drain_started"
@@ -269,6 +270,8 @@ class ResetStepStatus(_Name):
     FABRIC_WAITING = "fabric_waiting"
     FABRIC_COMPLETED = "fabric_completed"
     FABRIC_STUCK = "fabric_stuck"
+    AS_PLANNED = "as_planned"  # a MIG recovery's GPU read again: as its next command needs it
+    CHANGED = "changed"  # ... not: the instance changed, or its placement is not free
 
 
 class LadderStatus(_Name):
@@ -366,6 +369,7 @@ class LeftoverName(_Name):
     UNKNOWN_HOLDER = "unknown_holder"  # a holder whose role could not be told
     UNREADABLE = "unreadable"  # a process whose fds or maps could not be read
     PROCESSES_UNKNOWN = "processes_unknown"  # NVML could not list the GPU's processes
+    MIG_UNFINISHED = "mig_unfinished"  # a MIG GPU instance's re-creation stopped halfway
 
 
 class ExitCode(enum.IntEnum):

@@ -20,13 +20,13 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 
 from __future__ import annotations
 
-import shlex
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
-from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output, says_in_use
+from gpuwatchd.act.reset_mig import run_recovery
+from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
     CommandRunner,
     FabricWait,
@@ -157,6 +157,7 @@ class Procedure:
         self.persistence_off = False
         self.reset_started = False
         self.result: ResetResult | None = None
+        self.commands_done = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
         self.notes: list[str] = []
 
     # -- recording and events ----------------------------------------------------------------
@@ -165,11 +166,13 @@ class Procedure:
         """Record ``step`` before it runs. False if progress could not be persisted."""
         if self.dry_run:
             return True
-        data = {
+        data: dict[str, object] = {
             "persistence_off": self.persistence_off,
             "reset_started": self.reset_started,
             "result": self.result,
         }
+        if self.target.recovery is not None:
+            data["commands_done"] = self.commands_done
         try:
             self.env.record_step(self.target, step, data)
         except Exception as err:  # any failure to persist is the same problem
@@ -515,7 +518,7 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         proc.reset_started = False
         return proc.abort(ResetStep.RESET, _UNRECORDED)
     command, result, needs_reboot, reason = _run_resets(proc)
-    if command is None:
+    if proc.dry_run:
         proc.health_check()
         if target.fabric:
             proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.WOULD_WAIT_FABRIC,
@@ -556,42 +559,15 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
 
 
 def _run_resets(proc: Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
-    """Run the reset command, or a MIG recovery's commands in order until one fails: (the
-    last result, None in a dry run; its reading by :func:`interpret_reset_exit`). Only the
-    first of a recovery's commands may end ``in_use`` (nothing changed then); a later one's
-    failure leaves the instance half done, which only an administrator can finish."""
-    commands = proc.commands.reset
-    recovery = proc.target.recovery
-    result: CommandResult | None = None
-    for number, argv in enumerate(commands):
-        result = proc.command(ResetStep.RESET, argv)
-        if result is None:
-            continue  # dry run: each would run
-        verdict, needs_reboot, reason = interpret_reset_exit(result)
-        if verdict is ResetResult.SUCCESS:
-            continue
-        if recovery is not None and number == 0 and says_in_use(result):
-            # Nothing was destroyed: the driver refuses while anything uses the instance.
-            verdict = ResetResult.IN_USE
-            what = recovery.describe().removeprefix("re-create ")
-            reason = (
-                f"the driver says {what} is in use by another client, which the final holder "
-                f"scan did not see{quote_output(result.output)}"
-            )
-        elif recovery is not None and number > 0:
-            done = "; ".join(shlex.join(c) for c in commands[:number])
-            reason = (
-                f"{reason}; {recovery.describe()} is half done (ran: {done}): check "
-                "`nvidia-smi mig -lgi` and re-create the instance by hand"
-            )
-            verdict = ResetResult.TIMEOUT if verdict is ResetResult.TIMEOUT else ResetResult.FAILED
-        return result, verdict, needs_reboot, reason
+    """Run the reset command, or a MIG recovery's commands (:func:`run_recovery`): (its
+    result, None in a dry run; its reading by :func:`interpret_reset_exit`)."""
+    if proc.target.recovery is not None:
+        return run_recovery(proc)
+    (argv,) = proc.commands.reset
+    result = proc.command(ResetStep.RESET, argv)
     if result is None:
         return None, ResetResult.DRY_RUN, False, "dry-run"
-    if recovery is None:
-        return result, *interpret_reset_exit(result)
-    done = f"{recovery.describe()}: done{quote_output(result.output)}"
-    return result, ResetResult.SUCCESS, False, done
+    return result, *interpret_reset_exit(result)
 
 
 def _wait_for_fabric(proc: Procedure) -> tuple[bool, str]:

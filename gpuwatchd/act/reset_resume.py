@@ -2,14 +2,16 @@
 
 This module owns :func:`resume_interrupted`: called once at start with the record
 :func:`gpuwatchd.act.reset.progress_record` left, it reads the record back strictly (a damaged
-one changes nothing), never runs the reset command (or a MIG recovery's commands) again, and
-finishes or undoes what the record says was done, with the same steps and events as the
-procedure in :mod:`gpuwatchd.act.reset`.
+one changes nothing), never runs the reset command again, and finishes or undoes what the
+record says was done, with the same steps and events as the procedure in
+:mod:`gpuwatchd.act.reset`. A MIG recovery interrupted during its commands goes on at the first
+command not done, after reading the GPU again (:func:`_resume_recovery`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from collections.abc import Mapping
 
 from gpuwatchd.act.commands import run_command
@@ -23,7 +25,13 @@ from gpuwatchd.act.reset import (
     ResetTarget,
     prepare_commands,
 )
-from gpuwatchd.decide.mig_recovery import from_record
+from gpuwatchd.act.reset_mig import half_done, run_recovery
+from gpuwatchd.decide.mig_recovery import (
+    InstanceRecovery,
+    from_record,
+    instance_changed,
+    resume_point,
+)
 from gpuwatchd.decide.policy import ResetPolicy
 from gpuwatchd.vocabulary import EventName, Level, ResetResult, ResetStep
 
@@ -81,6 +89,12 @@ def resume_interrupted(
     ``after_hooks`` after the reset            ``after`` hooks                 recorded result
     =========================================  ==============================  ================
 
+    A MIG recovery's ``reset`` step is the exception (its commands are recorded one by one):
+    the GPU is read again, and the recovery is undone when its instance is still as planned
+    and no command completed, goes on at the first command not done when the instance is gone
+    and nothing occupies its placement, is only checked when the instance was re-created
+    already, and is left half done (``failed``) otherwise (:func:`_resume_recovery`).
+
     Persistence mode is restored from the record (``persistence_off``), not from today's
     policy. A record that cannot be read (no GPU UUID, unknown step) changes nothing and
     returns ``failed`` with the reason, so the daemon can log it and drop the record. The
@@ -131,6 +145,11 @@ def resume_interrupted(
         proc.restore(ResetResult.REFUSED, reason)
         return proc.finish(ResetResult.REFUSED, step, reason)
 
+    if target.recovery is not None and step is ResetStep.RESET and proc.result is None:
+        done = record.get("commands_done")
+        known_done = done if isinstance(done, int) and not isinstance(done, bool) else None
+        return _resume_recovery(proc, target.recovery, known_done)
+
     if step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or proc.result is None:
         unhealthy = False
         if not prepared.health:
@@ -148,3 +167,63 @@ def resume_interrupted(
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     proc.restore(proc.result, reason)
     return proc.finish(proc.result, ResetStep.DONE, reason)
+
+
+def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
+    """Go on with a MIG recovery that a crash interrupted during its commands, ``done`` of
+    them recorded as completed (None: a record from before they were counted).
+
+    The parent GPU is read again first. The planned instance still there as it was: none took
+    effect, so the recovery is undone (``refused``; the next poll plans again). Else it goes on
+    at the first command not done (:func:`resume_point`): a destroy that fails now may have
+    taken effect before the crash, and the re-create runs only while nothing occupies its
+    placement; or, when the instance was re-created already, it is only checked. Anything
+    else leaves it half done (``failed``), for an administrator."""
+    commands = proc.commands.reset
+    total = len(commands)
+    counted = "an unknown number" if done is None else str(done)
+    interrupted = f"interrupted during the recovery's commands ({counted} of {total} done)"
+    ran = "; ".join(shlex.join(c) for c in commands[: done or 0])
+    point: int | str
+    try:
+        gpu = proc.env.reread_gpu(proc.target)
+    except Exception as err:  # unknown: nothing is run
+        point = f"reading the GPU again failed: {err}"
+    else:
+        changed = instance_changed(recovery, gpu)
+        if changed is None and not done:
+            reason = f"{interrupted}; the instance is as planned: none took effect; undone"
+            proc.restore(ResetResult.REFUSED, reason)
+            return proc.finish(ResetResult.REFUSED, ResetStep.RESET, reason)
+        if changed is None:
+            point = f"the instance is still listed as planned after {done} command(s)"
+        elif not commands:
+            point = "its commands cannot be built from today's configuration"
+        else:
+            point = resume_point(recovery, gpu, done, total)
+    if isinstance(point, str):
+        reason = half_done(recovery, ran, f"{interrupted}; {point}")
+        proc.result = ResetResult.FAILED
+        proc.restore(ResetResult.FAILED, reason)
+        return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason)
+    if point < total:
+        proc.commands_done = point
+        if not proc.begin(ResetStep.RESET):
+            reason = half_done(recovery, ran, "could not record reset progress in the state file")
+            proc.result = ResetResult.FAILED
+            proc.restore(ResetResult.FAILED, reason)
+            return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason)
+        command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
+        if result is not ResetResult.SUCCESS:
+            reason = f"{interrupted}; {why}"
+            proc.result = result
+            proc.restore(result, reason)
+            return proc.finish(result, ResetStep.RESET, reason, needs_reboot=needs_reboot,
+                               command=command)  # fmt: skip
+    healthy, memory, detail = proc.health_check()
+    result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
+    went_on = f"went on at command {point + 1}" if point < total else "re-created already"
+    reason = f"{interrupted}; {went_on}; {detail}"
+    proc.result = result
+    proc.restore(result, reason)
+    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.model import GpuInfo
 from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 
 __all__ = [
@@ -79,6 +80,12 @@ class ResetEnvironment(Protocol):
         mig-minors table. None when the instance is back, listed, and its memory freed; else
         what is not (unknown is not back)."""
 
+    def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
+        """A MIG recovery, right before its first command and before its re-create: a fresh
+        NVML reading of ``target``'s GPU (its MIG devices), through the NVML worker, which is
+        stopped again before this returns (raises when it cannot be): nothing of ours holds
+        the GPU when the next command runs. None when the GPU is not in the reading."""
+
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         """Persist progress before ``step`` runs (see :func:`progress_record`)."""
 
@@ -117,7 +124,9 @@ def progress_record(
     ``data`` is what :func:`perform_reset` passes to ``record_step``: ``persistence_off``
     (this procedure turned persistence mode off, or was about to), ``reset_started`` (the
     reset command was about to run or ran) and ``result`` (the reset command's result once
-    known). :func:`resume_interrupted` reads exactly this shape back.
+    known); a MIG recovery's also ``commands_done`` (how many of its commands completed: the
+    one after them was about to run or ran). :func:`resume_interrupted` reads exactly this
+    shape back.
     """
     record: dict[str, object] = {
         "uuid": target.uuid,

@@ -23,6 +23,7 @@ from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.plan import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView
@@ -255,13 +256,18 @@ def _judged(
     """The snapshot assessed as the daemon would (with its saved history of this boot) and
     judged."""
     previous = AssessState()
+    unfinished: dict[str, str] = {}
     if saved.same_boot(snapshot.boot_id):
         try:
             previous = AssessState.from_json(saved.data.get("assess", {}))
         except ValueError:
             previous = AssessState()
+        try:  # a MIG recovery the daemon left half done keeps its GPU dirty
+            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
+        except ValueError:
+            unfinished = {}
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
-    return assessment, judge(snapshot, assessment, policy)
+    return assessment, judge(snapshot, assessment, policy, unfinished=unfinished)
 
 
 def _scan_host(

@@ -23,6 +23,8 @@ This module owns, purely (no I/O, no clock):
   placement, listed in mig-minors) with its memory freed.
 - :meth:`InstanceRecovery.record` / :func:`from_record`: its form in the state file while it
   runs, read back with every field checked.
+- :func:`instance_changed`, :func:`placement_taken`, :func:`resume_point`: what the GPU read
+  again says before the commands, before the re-create, and after a crash (where to go on).
 
 The gates around it (confirmation window, live holders, limits, dry-run) are the GPU reset's;
 this module only says what the action is.
@@ -37,7 +39,7 @@ from gpuwatchd.decide.argv import MIG_PLACEHOLDERS, format_argv
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig import mig_layout
 from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
-from gpuwatchd.model import HolderScan, ProcessInfo, Snapshot
+from gpuwatchd.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 
 __all__ = [
     "DEFAULT_COMMANDS",
@@ -45,10 +47,13 @@ __all__ = [
     "InstanceRecovery",
     "from_record",
     "instance_blockers",
+    "instance_changed",
+    "placement_taken",
     "recovered",
     "recovery_argvs",
     "recovery_blockers",
     "recovery_of",
+    "resume_point",
 ]
 
 
@@ -279,3 +284,105 @@ def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) 
             return f"GPU instance {instance.gi} is back but mig-minors does not list it"
         return None
     return f"no GPU instance with GI profile {recovery.profile} at placement {recovery.placement}"
+
+
+# --- a fresh reading of the parent GPU, right before (and between) the commands ---------------
+# The commands name GPU and compute instance ids, which the driver hands out again: an instance
+# an administrator or a MIG manager re-created since the plan may carry the same ids.
+
+
+def _devices(recovery: InstanceRecovery, gpu: GpuInfo | None) -> tuple[MigDevice, ...] | str:
+    """The MIG devices of a fresh reading of ``recovery``'s GPU, or why they are unknown."""
+    where = f"GPU {recovery.gpu_index}"
+    if gpu is None or gpu.uuid != recovery.uuid:
+        return f"{where} is not in the fresh NVML reading"
+    if gpu.lost:
+        return f"{where} is lost"
+    if gpu.mig_enabled is not True:
+        return f"{where} is not in MIG mode in the fresh NVML reading"
+    if gpu.mig_devices is None:
+        return f"{where}: its MIG devices could not be read"
+    return gpu.mig_devices
+
+
+def instance_changed(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | None:
+    """None when the fresh reading ``gpu`` still shows the planned instance: GPU instance
+    ``gi`` with one compute instance, ``ci``, of the planned MIG UUID, GI profile and placement;
+    else what changed (unknown counts as changed). Pure."""
+    devices = _devices(recovery, gpu)
+    if isinstance(devices, str):
+        return devices
+    gi = recovery.gi
+    same = [d for d in devices if d.gi == gi]
+    if not same:
+        return f"GPU instance {gi} is no longer listed"
+    if len(same) != 1:
+        return f"GPU instance {gi} now has {len(same)} compute instances"
+    device = same[0]
+    wrong = [
+        f"{what} {now} (planned {then})"
+        for what, now, then in (
+            ("MIG UUID", device.uuid, recovery.mig_uuid),
+            ("compute instance", device.ci, recovery.ci),
+            ("GI profile", device.gi_profile_id, recovery.profile),
+            ("placement", device.placement, (recovery.placement, recovery.size)),
+        )
+        if now != then
+    ]
+    if wrong:
+        return f"GPU instance {gi} is not the planned one any more: " + ", ".join(wrong)
+    return None
+
+
+def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | None:
+    """None when the fresh reading ``gpu`` lists no GPU instance ``gi`` and none whose
+    placement overlaps the planned one: the destroys took effect, and the re-create may run
+    (it is safe to run again then). Else what occupies it (an unknown placement counts as
+    overlapping). Pure."""
+    devices = _devices(recovery, gpu)
+    if isinstance(devices, str):
+        return devices
+    start, end = recovery.placement, recovery.placement + recovery.size
+    for device in devices:
+        if device.gi == recovery.gi:
+            return f"GPU instance {recovery.gi} is still listed ({device.uuid})"
+        if device.placement is None:
+            return f"GPU instance {device.gi}: its placement is unknown"
+        first, size = device.placement
+        if first < end and start < first + size:
+            return f"GPU instance {device.gi} ({device.uuid}) occupies placement {first}:{size}"
+    return None
+
+
+def _recreated(recovery: InstanceRecovery, devices: Sequence[MigDevice]) -> bool:
+    """A GPU instance of the planned GI profile at the planned placement, not the planned one
+    (a new MIG UUID): re-created, by this recovery's last command or by someone else."""
+    planned = (recovery.placement, recovery.size)
+    return any(
+        d.gi_profile_id == recovery.profile
+        and d.placement == planned
+        and d.uuid != recovery.mig_uuid
+        for d in devices
+    )
+
+
+def resume_point(
+    recovery: InstanceRecovery, gpu: GpuInfo | None, done: int | None, total: int
+) -> int | str:
+    """Where a recovery that a crash interrupted during its ``total`` commands goes on, from a
+    fresh reading ``gpu`` and ``done``, how many commands the state file says completed (None:
+    a record from before they were counted). The index of the first command to run again
+    (``total``: none, the instance is only checked), or why it cannot be finished safely (it is
+    left half done for an administrator). Only for an instance that is no longer the planned
+    one (:func:`instance_changed` says why); the last command is the re-create. Pure."""
+    devices = _devices(recovery, gpu)
+    if isinstance(devices, str):
+        return devices
+    if _recreated(recovery, devices):
+        return total
+    taken = placement_taken(recovery, gpu)
+    if taken is not None:
+        return taken
+    if done is None or not 0 <= done < total:
+        return total - 1  # the re-create alone: safe, as nothing occupies its placement
+    return done

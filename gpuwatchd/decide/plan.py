@@ -109,6 +109,7 @@ __all__ = [
     "rule_for",
     "set_paused",
     "target_key",
+    "unfinished_recoveries",
 ]
 
 HOUR = 3600.0
@@ -225,7 +226,10 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
         # Latches hold on: their monotonic anchors are of the old boot (anchored again).
         w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
-        w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None)
+        # ... and takes every MIG instance down: a half-done recovery is no longer half done.
+        w.state = replace(
+            w.state, reset_in_flight=None, forced_since_monotonic=None, mig_unfinished={}
+        )
     w.state = replace(w.state, boot_id=new)
 
 
@@ -330,9 +334,26 @@ def clear_forced_dry_run(state: PlanState) -> PlanState:
 
 def clear_circuit(state: PlanState) -> PlanState:
     """Admin: close the reset circuit breaker, forget the consecutive failures and every
-    refused incident (their resets may be tried again)."""
+    refused incident (their resets may be tried again), and every MIG recovery left half done
+    (the admin says it is dealt with)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
-    return replace(state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={})
+    return replace(
+        state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={},
+        mig_unfinished={},
+    )  # fmt: skip
+
+
+def unfinished_recoveries(state: PlanState) -> dict[str, str]:
+    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done
+    (decide/verdict.py's ``mig_unfinished``)."""
+    found: dict[str, list[str]] = {}
+    for mig, u in sorted(state.mig_unfinished.items()):
+        found.setdefault(u.gpu, []).append(
+            f"the re-creation of MIG GPU instance {u.gi} ({mig}, GI profile {u.profile}, "
+            f"placement {u.placement}:{u.size}) {u.outcome} after its commands started: it may "
+            "be half done (`nvidia-smi mig -lgi`; re-create it by hand)"
+        )
+    return {gpu: "; ".join(whys) for gpu, whys in found.items()}
 
 
 def forget_reset_refusals(state: PlanState) -> PlanState:

@@ -24,6 +24,7 @@ from gpuwatchd.decide.plan_intents import (
     target_key,
 )
 from gpuwatchd.decide.plan_state import (
+    MigUnfinished,
     PlanState,
     ResetRefusal,
 )
@@ -206,6 +207,9 @@ def record_reset(
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
+    # A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
+    # (another instance's refusal of the same GPU must not overwrite it).
+    refused = gpu if intent.instance is None else intent.instance.mig_uuid
     fields = _booked_fields(intent, outcome)
     if outcome is ResetResult.DRY_RUN:
         w.last_dry_reset[gpu] = wall
@@ -218,7 +222,9 @@ def record_reset(
             # Enforcement's final scan would have found the GPU held as well: the incident is
             # held as enforcement's would be (drain and before hooks once), in the preview only.
             why = "a dry run's final holder scan found the GPU held"
-            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, False, wall, dry_run=True)
+            w.reset_refusals[refused] = ResetRefusal(
+                intent.finding_key, why, False, wall, dry_run=True
+            )
             w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
         # Refused, not failed: aborted before the command ran (the final holder scan found a
@@ -233,7 +239,7 @@ def record_reset(
             else "refused by the reset procedure"
         )
         if not intent.dry_run:
-            w.reset_refusals[gpu] = ResetRefusal(intent.finding_key, why, in_use, wall)
+            w.reset_refusals[refused] = ResetRefusal(intent.finding_key, why, in_use, wall)
         w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
     elif outcome is ResetResult.SUCCESS:
         w.last_reset[gpu] = wall
@@ -267,4 +273,27 @@ def record_reset(
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
         w.waiting[intent.finding_key] = now + delay
-    return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
+    return PlanResult(
+        tuple(w.intents), tuple(w.events), _unfinished(w.freeze(), intent, outcome, wall)
+    )
+
+
+def _unfinished(
+    state: PlanState, intent: ResetIntent, outcome: ResetResult, wall: float
+) -> PlanState:
+    """A MIG recovery that failed once its commands started may be half done: its GPU stays
+    dirty (``mig_unfinished``) until its instance is seen back; one that succeeded is back."""
+    recovery = intent.instance
+    if recovery is None or intent.dry_run:
+        return state
+    unfinished = dict(state.mig_unfinished)
+    if outcome in (ResetResult.FAILED, ResetResult.TIMEOUT):
+        unfinished[recovery.mig_uuid] = MigUnfinished(
+            recovery.uuid, recovery.gi, recovery.profile, recovery.placement, recovery.size,
+            wall, outcome.value,
+        )  # fmt: skip
+    elif outcome is ResetResult.SUCCESS:
+        unfinished.pop(recovery.mig_uuid, None)
+    else:
+        return state
+    return replace(state, mig_unfinished=unfinished)

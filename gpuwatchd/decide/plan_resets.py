@@ -66,7 +66,9 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
     instance's own, for its re-creation) moved by :data:`REFUSAL_MEMORY_CHANGE` or more (a
     holder let go, or a new one came). A reload and
     ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
-    :func:`clear_circuit`)."""
+    :func:`clear_circuit`). A MIG recovery left half done is reviewed here too
+    (:func:`_review_unfinished`)."""
+    _review_unfinished(w, ctx)
     for uuid, held in sorted(w.reset_refusals.items()):
         allocated = _refused_memory(ctx, uuid, held.finding_key)
         why = None
@@ -92,13 +94,31 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
             )
 
 
+def _review_unfinished(w: _Work, ctx: _Ctx) -> None:
+    """A MIG recovery left half done is over once this snapshot shows an instance of its GI
+    profile at its placement on its GPU again (re-created by hand, say): its GPU may be clean."""
+    left = dict(w.state.mig_unfinished)
+    for mig, u in sorted(left.items()):
+        gpu = gpu_by_uuid(ctx.snapshot, u.gpu)
+        devices = () if gpu is None else gpu.mig_devices or ()
+        planned = (u.placement, u.size)
+        if not any(d.gi_profile_id == u.profile and d.placement == planned for d in devices):
+            continue
+        del left[mig]
+        why = f"an instance of GI profile {u.profile} is at placement {u.placement} again"
+        w.event(EventName.RESET_MIG_UNFINISHED_CLEARED, Level.INFO, gpu=u.gpu, instance=mig,
+                gi=u.gi, why=why)  # fmt: skip
+    if len(left) != len(w.state.mig_unfinished):
+        w.state = replace(w.state, mig_unfinished=left)
+
+
 def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:
-    """The allocated memory a refused reset of GPU ``uuid`` watches: its own, or, for the
-    re-creation of one of its MIG GPU instances, that instance's (the other instances' users
-    come and go and say nothing about it)."""
+    """The allocated memory a refused reset of ``uuid`` (a GPU, or one of its MIG GPU
+    instances) watches: the GPU's own, or, for the re-creation of an instance, that
+    instance's (the other instances' users come and go and say nothing about it)."""
     finding = ctx.findings.get(finding_key)
     mig = parent_of(ctx.snapshot, finding.gpu) if finding is not None else None
-    if mig is not None and finding is not None and finding.gpu != uuid:
+    if mig is not None:
         memory = mig[1].memory
     else:
         gpu = gpu_by_uuid(ctx.snapshot, uuid)
@@ -134,8 +154,17 @@ _HOLDER_KINDS = LIVE_HOLDER
 
 def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
     for other in sorted(findings, key=lambda f: f.key):
-        if other.gpu != gpu.uuid or other.kind not in _HOLDER_KINDS:
+        if other.kind not in _HOLDER_KINDS or other.gpu is None:
             continue
+        if other.gpu != gpu.uuid:
+            # One of its MIG GPU instances' own: the driver refused that instance's recovery
+            # "in use" (a hidden holder), which never turns into a reset of the whole GPU.
+            mig = parent_of(snapshot, other.gpu)
+            if mig is None or mig[0].uuid != gpu.uuid or other.pid is not None:
+                continue  # another GPU's; a process on an instance is mig_busy's
+            if other.kind is not FindingKind.HIDDEN_HOLDER:
+                continue
+            return f"hidden_holder: the driver refused to re-create {other.gpu}, in use"
         if other.pid is not None:
             return f"{other.kind.value} pid {other.pid} holds the GPU"
         if other.kind == FindingKind.HIDDEN_HOLDER:  # the driver said so (act/reset.py)
@@ -286,8 +315,19 @@ def _history_blocker(
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
     uuid = gpu.uuid
-    held = w.reset_refusals.get(uuid)
-    if held is not None and held.finding_key == finding.key:
+    # Kept per target: a MIG GPU instance's own (a state file written before refusals were
+    # kept per instance has it under the parent GPU; the incident's key still tells it).
+    held = next(
+        (
+            r
+            for key in dict.fromkeys((finding.gpu, uuid))
+            if key is not None
+            and (r := w.reset_refusals.get(key)) is not None
+            and r.finding_key == finding.key
+        ),
+        None,
+    )
+    if held is not None:
         would = "would have been refused" if held.dry_run else "was refused"
         why = (
             f"a reset for this incident {would} ({held.reason}); tried again when its "

@@ -2,7 +2,7 @@
 
 This module owns the state ``plan`` carries from poll to poll and saves across restarts
 (``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
-``Latch``, ``ResetRefusal``),
+``Latch``, ``ResetRefusal``, ``MigUnfinished``),
 the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
@@ -112,6 +112,23 @@ class ResetRefusal:
 
 
 @dataclass(frozen=True)
+class MigUnfinished:
+    """A MIG GPU instance whose re-creation failed once its commands had started: it may be
+    half done (destroyed, not created again), so its GPU is not clean (decide/verdict.py) until
+    a snapshot shows an instance of the planned GI ``profile`` at the planned ``placement``
+    (``size`` slices) on GPU ``gpu`` again. Kept by the instance's MIG UUID; ``since`` is wall
+    time, ``outcome`` the recovery's result (docs/reset.md)."""
+
+    gpu: str
+    gi: int
+    profile: int
+    placement: int
+    size: int
+    since: float
+    outcome: str
+
+
+@dataclass(frozen=True)
 class Latch:
     """A kill-cap latch: why, and since when. It holds ``limits.kill_cap_latch`` measured on
     the plan's monotonic clock from ``since_monotonic`` (a wall clock step neither lifts it
@@ -168,6 +185,7 @@ class PlanState:
     health_waits: Mapping[str, HealthWait] = field(default_factory=dict)
     reset_refusals: Mapping[str, ResetRefusal] = field(default_factory=dict)
     health_drained: Mapping[str, bool] = field(default_factory=dict)
+    mig_unfinished: Mapping[str, MigUnfinished] = field(default_factory=dict)
     shadow: DryShadow = field(default_factory=DryShadow)  # dry-run's would-be limits (shadow.py)
 
     def to_json(self) -> dict[str, object]:
@@ -269,6 +287,18 @@ def _dump_state(s: PlanState) -> dict[str, object]:
             for gpu, r in s.reset_refusals.items()
         },
         "health_drained": dict(sorted(s.health_drained.items())),
+        "mig_unfinished": {
+            mig: {
+                "gpu": u.gpu,
+                "gi": u.gi,
+                "profile": u.profile,
+                "placement": u.placement,
+                "size": u.size,
+                "since": u.since,
+                "outcome": u.outcome,
+            }
+            for mig, u in sorted(s.mig_unfinished.items())
+        },
         "shadow": s.shadow.to_json(),
     }
 
@@ -368,8 +398,26 @@ def _load_state(data: object) -> PlanState:
             gpu: _bool(dry, f"plan.health_drained.{gpu}")
             for gpu, dry in _obj(d.get("health_drained", {}), "plan.health_drained").items()
         },
+        mig_unfinished=_load_unfinished(d.get("mig_unfinished", {})),
         shadow=DryShadow.from_json(d.get("shadow")),
     )
+
+
+def _load_unfinished(value: object) -> dict[str, MigUnfinished]:
+    unfinished = {}
+    for mig, item in _obj(value, "plan.mig_unfinished").items():
+        what = f"plan.mig_unfinished.{mig}"
+        e = _obj(item, what)
+        unfinished[mig] = MigUnfinished(
+            gpu=_str(e.get("gpu"), f"{what}.gpu"),
+            gi=_int(e.get("gi"), f"{what}.gi"),
+            profile=_int(e.get("profile"), f"{what}.profile"),
+            placement=_int(e.get("placement"), f"{what}.placement"),
+            size=_int(e.get("size"), f"{what}.size"),
+            since=_float(e.get("since"), f"{what}.since"),
+            outcome=_str(e.get("outcome"), f"{what}.outcome"),
+        )
+    return unfinished
 
 
 def _load_refusals(value: object) -> dict[str, ResetRefusal]:

@@ -67,6 +67,7 @@ class _Judged:
     snapshot: Snapshot
     assessment: tuple[object, ...]
     policy: Policy
+    unfinished: Mapping[str, str]
     verdict: NodeVerdict
 
 
@@ -113,16 +114,25 @@ class Reuse:
             )
         return with_health(result, snapshot, previous, health_policy)
 
-    def judge(self, snapshot: Snapshot, assessment: Assessment, policy: Policy) -> NodeVerdict:
+    def judge(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        policy: Policy,
+        *,
+        unfinished: Mapping[str, str] | None = None,
+    ) -> NodeVerdict:
         last = self._judged
         part = _judged_part(assessment)
+        left = dict(unfinished or {})
         if (
             last is not None
             and last.policy == policy
             and last.assessment == part
+            and last.unfinished == left
             and same_but_time(last.snapshot, snapshot)
         ):
             return last.verdict
-        verdict = judge(snapshot, assessment, policy)
-        self._judged = _Judged(snapshot, part, policy, verdict)
+        verdict = judge(snapshot, assessment, policy, unfinished=left)
+        self._judged = _Judged(snapshot, part, policy, left, verdict)
         return verdict

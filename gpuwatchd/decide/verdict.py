@@ -13,7 +13,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.decide import kinds
@@ -376,13 +376,21 @@ class _Judge:
             return index.get(None, [])
         return sorted(index.get(minor, []) + index.get(None, []), key=lambda item: item[0])
 
-    def verdict(self) -> NodeVerdict:
+    def add_unfinished(self, unfinished: Mapping[str, str]) -> None:
+        """A MIG GPU instance whose re-creation stopped halfway (plan's ``mig_unfinished``):
+        the GPU is not as its users left it, whatever its findings say now."""
+        for uuid, why in sorted(unfinished.items()):
+            if uuid in self.reasons:
+                self.reasons[uuid].append(Reason(LeftoverName.MIG_UNFINISHED.value, None, why))
+
+    def verdict(self, unfinished: Mapping[str, str]) -> NodeVerdict:
         nvml = self.snapshot.nvml
         if not nvml.available:
             return NodeVerdict((), nvml.error or "NVIDIA driver/NVML not available")
         if nvml.wedged:
             return NodeVerdict((), "NVML did not answer within nvml_timeout (driver wedged?)")
         self.add_findings()
+        self.add_unfinished(unfinished)
         self.add_unknowns()
         for gpu in self.gpus:
             self.add_memory(gpu)
@@ -408,11 +416,18 @@ class _Judge:
         return NodeVerdict(tuple(result))
 
 
-def judge(snapshot: Snapshot, assessment: Assessment, policy: Policy) -> NodeVerdict:
+def judge(
+    snapshot: Snapshot,
+    assessment: Assessment,
+    policy: Policy,
+    *,
+    unfinished: Mapping[str, str] | None = None,
+) -> NodeVerdict:
     """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
     exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.assess` of ``snapshot``;
-    ``policy`` gives ``protect`` and the memory margins. Pure."""
-    return _Judge(snapshot, assessment, policy).verdict()
+    ``policy`` gives ``protect`` and the memory margins; ``unfinished`` maps a GPU UUID to why
+    a MIG recovery on it was left half done (``plan.unfinished_recoveries``): dirt. Pure."""
+    return _Judge(snapshot, assessment, policy).verdict(unfinished or {})
 
 
 # --- run --once: done, wait, or nothing more will change ---------------------------------------

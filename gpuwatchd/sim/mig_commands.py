@@ -3,8 +3,9 @@
 This module owns how the virtual host answers ``reset.mig_recovery_commands`` (filled in for
 every GPU instance of the scenario's MIG GPUs, as the reset procedure fills them): like the
 driver, each command is refused "In use by another client" while a process holds the
-instance's capability files, and the last one re-creates the instance, its dead and leaked
-memory freed and the other instances untouched. Nothing is executed.
+instance's capability files; the ones before the last destroy the instance (NVML lists it no
+more) and the last one re-creates it, its dead and leaked memory freed and the other instances
+untouched. Nothing is executed.
 """
 
 from __future__ import annotations
@@ -55,5 +56,6 @@ class VirtualMig:
             self.world.recreate_instance(gpu, gi)
             said = f"Successfully created GPU instance ID {gi} on GPU {gpu.spec.index}"
             return CommandResult(argv, 0, said, False, 0.5, None)
+        gpu.destroyed.add(gi)  # listed again once the last command re-creates it
         said = f"Successfully destroyed an instance of GPU instance ID {gi}"
         return CommandResult(argv, 0, said, False, 0.2, None)

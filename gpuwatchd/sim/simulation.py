@@ -497,7 +497,8 @@ class VirtualActuator:
     ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
     ``reset.mig_recovery_commands``  of one GPU instance: exit 255 "In use by another client"
                                    while a process holds its capability files, else exit 0;
-                                   the last one re-creates the instance (its dead and leaked
+                                   the ones before the last destroy the instance (NVML lists
+                                   it no more), the last re-creates it (its dead and leaked
                                    memory freed)
     a hook                         exit 0; the reset's ``drain`` and ``before`` hooks stop
                                    the ``stops_for_reset`` processes

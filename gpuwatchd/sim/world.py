@@ -130,6 +130,7 @@ class _Gpu:
     fabric_ready_at: float | None = None  # after a reset: when the fabric is COMPLETED again
     # MIG: GPU instance id -> allocated memory no context accounts for (idle + leaked)
     instance_base: dict[int, int] = field(default_factory=dict)
+    destroyed: set[int] = field(default_factory=set)  # GPU instances destroyed, not re-created
 
 
 class World:
@@ -342,6 +343,7 @@ class World:
         """GPU instance ``gi`` destroyed and created again: its dead and leaked contexts are
         gone, its memory back to idle; the other instances are untouched."""
         instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
+        gpu.destroyed.discard(gi)
         gpu.instance_base[gi] = instance.allocated
         for ctx in self.contexts:
             if ctx.gpu == gpu.spec.index and ctx.gi == gi and ctx.status in ("dead", "leaked"):
@@ -442,6 +444,8 @@ class World:
             return None
         devices = []
         for position, instance in enumerate(gpu.spec.mig_instances):
+            if instance.gi in gpu.destroyed:
+                continue  # NVML lists no MIG device for it until it is created again
             listed = [
                 NvmlProcess(c.pid, c.size, "compute")
                 for c in self.contexts

@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gpuwatchd.act.reset import ResetStep, ResetTarget, progress_record
+from gpuwatchd.decide.mig_recovery import InstanceRecovery
 from gpuwatchd.decide.policy import Hook, ResetPolicy
+from gpuwatchd.model import GpuInfo, MigDevice
 from tests.support.fakesmi import FakeSmi
 
 
@@ -28,6 +30,7 @@ class FakeEnvironment:
         record_fails: bool = False,
         scan_raises: bool = False,
         instance: str | None = None,
+        rereads: Sequence[GpuInfo | Exception | None] | None = None,
     ) -> None:
         self.smi = smi
         self.released = released
@@ -36,6 +39,9 @@ class FakeEnvironment:
         self.record_fails = record_fails
         self.scan_raises = scan_raises
         self.instance = instance  # what instance_back answers after a MIG recovery
+        # What reread_gpu answers (an exception: raises it), in turn, the last one again; None:
+        # the planned instance until a -dgi ran, then its placement free (instance_gpu).
+        self.rereads = None if rereads is None else list(rereads)
         self.calls: list[str] = []
         self.steps: list[ResetStep] = []
         self.records: list[dict[str, object]] = []
@@ -61,6 +67,18 @@ class FakeEnvironment:
     def instance_back(self, target: ResetTarget) -> str | None:
         self.calls.append("instance")
         return self.instance
+
+    def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
+        self.calls.append("reread")
+        if self.rereads is not None:
+            answer = self.rereads.pop(0) if len(self.rereads) > 1 else self.rereads[0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        if target.recovery is None:
+            return None
+        destroyed = any("-dgi" in call for call in smi_commands(self.smi))
+        return instance_gpu(target.recovery, present=not destroyed)
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         if self.record_fails:
@@ -95,3 +113,17 @@ def make_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
 def smi_commands(smi: FakeSmi) -> list[list[str]]:
     """The calls that were nvidia-smi commands, not hooks."""
     return [call for call in smi.calls() if call[:1] != ["hook"]]
+
+
+def instance_gpu(recovery: InstanceRecovery, *, present: bool = True, **device: object) -> GpuInfo:
+    """A fresh reading of ``recovery``'s GPU: the planned instance (its MIG device changed by
+    ``device``), or none at all (``present=False``: its placement free)."""
+    planned = MigDevice(
+        index=0, uuid=recovery.mig_uuid, gi=recovery.gi, ci=recovery.ci, profile="1g.10gb",
+        gi_profile_id=recovery.profile, placement=(recovery.placement, recovery.size),
+    )  # fmt: skip
+    devices = (replace(planned, **device),) if present else ()  # type: ignore[arg-type]
+    return GpuInfo(
+        index=recovery.gpu_index, uuid=recovery.uuid, pci_bus_id=recovery.pci_bus_id,
+        mig_enabled=True, mig_devices=devices,
+    )  # fmt: skip

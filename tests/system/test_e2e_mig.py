@@ -137,10 +137,14 @@ def host_mig_leak_beside_live_job(arg: dict[str, Any], root: Path) -> dict[str, 
 
 # A stand-in for `nvidia-smi` on a MIG GPU: logs its argv. `mig -dci/-dgi` refuse "in use" while
 # any process holds GPU instance 1's capability files (as the driver does); `mig -cgi` writes
-# the fake NVML state with GPU instance 1's memory back to idle. Nothing else does anything.
+# the fake NVML state with GPU instance 1's memory back to idle (`-dgi` with GPU instance 1 gone).
+# A `drain` hook copies the admin's layout in, when the test wrote one. Nothing else does anything.
 FAKE_MIG_SMI = r"""#!/bin/sh
 if [ "$1" = hook ]; then
     echo "hook $2 $GPUWATCHD_EVENT $GPUWATCHD_MIG_INSTANCE $GPUWATCHD_MIG_GI" >> "%(log)s"
+    if [ "$2" = drain ] && [ -f "%(admin)s" ]; then  # meanwhile, an admin re-creates GI 1
+        cp "%(admin)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+    fi
     exit 0
 fi
 echo "$*" >> "%(log)s"
@@ -157,8 +161,15 @@ case " $* " in
             exit 255 ;;
         esac
     done
-    echo "Successfully destroyed an instance of GPU 0" ;;
+    echo "Successfully destroyed an instance of GPU 0"
+    case " $* " in *" -dgi "*)  # NVML lists GPU instance 1 no more
+        cp "%(destroyed)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s" ;;
+    esac ;;
 *" -cgi "*)
+    if [ -f "%(cgi_fails)s" ]; then
+        echo "Failed to create GPU instances: Insufficient Resources"
+        exit 2
+    fi
     cp "%(recreated)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
     echo "Successfully created GPU instance ID 1 on GPU 0 using profile MIG 1g.10gb (ID 19)" ;;
 esac
@@ -178,10 +189,11 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
     )  # fmt: skip
     pids = host.wait_ready("trainer2", "worker2")
 
-    def layout(gi1_allocated: int) -> list[dict[str, Any]]:
+    def layout(gi1_allocated: int | None, **gi1: Any) -> list[dict[str, Any]]:
+        first = [] if gi1_allocated is None else [mig_device(1, 0, allocated=gi1_allocated, **gi1)]
         return [
             gpu(0, mig_mode=1, mig_devices=[
-                mig_device(1, 0, allocated=gi1_allocated),
+                *first,
                 mig_device(2, 0, profile="3g.40gb", allocated=900 * MiB,
                            processes=[process(pids["trainer2"], 900 * MiB)]),
             ])
@@ -190,6 +202,10 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
     host.nvml(layout(3 * GiB))
     recreated = host.root / "recreated.json"
     recreated.write_text(json.dumps(state(layout(2 * MiB))))
+    (host.root / "destroyed.json").write_text(json.dumps(state(layout(None))))
+    (host.root / "admin-layout.json").write_text(
+        json.dumps(state(layout(2 * MiB, uuid=ADMIN_GI1, profile="1g.10gb")))
+    )
     script = host.root / "fake-nvidia-smi"
     script.write_text(
         FAKE_MIG_SMI
@@ -198,6 +214,9 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
             "gi_cap": host.devices_dir / f"nvidia-caps/nvidia-cap{cap_minor(0, 1)}",
             "ci_cap": host.devices_dir / f"nvidia-caps/nvidia-cap{cap_minor(0, 1, 0)}",
             "recreated": recreated,
+            "destroyed": host.root / "destroyed.json",
+            "admin": host.root / "admin",
+            "cgi_fails": host.root / "cgi-fails",
             "state": host.fake.state_path,
             "hidden": host.root / "hidden-holder",
         }
@@ -227,12 +246,19 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
 def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """``arg["variant"]``: None; ``hidden_holder`` (the driver refuses the first command "in
     use"); ``parent_only`` (a user's process holds /dev/nvidia0 and no capability: which
-    instance it uses is unknown, so GPU instance 1 is not known to be free)."""
+    instance it uses is unknown, so GPU instance 1 is not known to be free); ``cgi_fails``
+    (the re-create fails after the destroys: half done); ``admin`` (while
+    the recovery drains, an administrator re-creates GPU instance 1: same ids, a new MIG
+    UUID)."""
     with SimHost(root) as host:
         pids, reset = ghost_host(host)
         variant = arg.get("variant")
         if variant == "hidden_holder":
             (host.root / "hidden-holder").touch()
+        if variant == "admin":
+            (host.root / "admin-layout.json").rename(host.root / "admin")
+        if variant == "cgi_fails":
+            (host.root / "cgi-fails").touch()
         if variant == "parent_only":
             host.spawn("monitor", [{"open": host.dev("nvidiactl", "nvidia0")}, {"sleep": 3600}])
             pids.update(host.wait_ready("monitor"))
@@ -249,8 +275,10 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
         time.sleep(2)  # several more polls, within the cooldown
         run.stop()
+        clean = host.gpuwatchd("check-clean", "--config", str(run.config))
         log = host.root / "smi.log"
         gi1 = json.loads(host.fake.state_path.read_text())["gpus"][0]["mig_devices"][0]
+        steps = [e for e in run.events() if e.get("event") == "reset.step"]
         return {
             "pids": pids,
             "calls": log.read_text().splitlines() if log.exists() else [],
@@ -260,6 +288,13 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "signals": _signals(run),
             "alive": {name: host.alive(pids[name]) for name in ("trainer2", "worker2")},
             "gi1_used": gi1["memory"]["used"],
+            "gi1_uuid": gi1["uuid"],
+            "check_clean": (clean.returncode, clean.stdout),
+            "readings": [
+                (e.get("status"), e.get("detail"))
+                for e in steps
+                if e.get("step") == "reset" and "argv" not in e
+            ],
             "refused_calls": (host.root / "refused-calls.log").exists(),
             "said": [  # what the daemon said about resets and findings, for a failure's message
                 (e.get("event"), e.get("why") or e.get("reason") or e.get("kind"), e.get("gpu"))
@@ -305,6 +340,7 @@ def test_a_dry_run_on_a_mig_gpu_shows_the_same_single_target(tmp_path: Path) -> 
 
 
 GPU0 = "GPU-00000000-face-4000-8000-000000000000"
+ADMIN_GI1 = "MIG-00000000-0001-4000-8000-00000000ad01"
 
 
 def test_ghost_memory_in_one_instance_recreates_it_and_never_resets_the_gpu(
@@ -374,3 +410,41 @@ def test_a_process_holding_only_the_parent_node_keeps_the_instance_from_being_re
     assert any(f"PID {monitor} holding its GPU's device node" in str(w) for w in result["refused"])
     assert result["signals"] == []
     assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_an_instance_re_created_by_an_admin_after_the_plan_is_never_destroyed(
+    tmp_path: Path,
+) -> None:
+    """Issue 34, finding 6: between the plan and ``-dci`` an administrator re-created GPU
+    instance 1 (the driver gave it the same ids, a new MIG UUID). The recovery reads the GPU
+    again right before its first command and refuses: nothing is destroyed."""
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False, variant="admin")
+    gi1 = result["outcomes"][0]["instance"] if result["outcomes"] else "?"
+    assert result["calls"] == [
+        f"hook drain reset_drain {gi1} 1",
+        f"hook after reset_after {gi1} 1",
+    ], result["said"]
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "refused"
+    assert f"MIG UUID {ADMIN_GI1}" in outcome["reason"]
+    assert result["readings"][0][0] == "changed"
+    assert result["gi1_uuid"] == ADMIN_GI1
+    assert result["signals"] == []
+    assert result["alive"] == {"trainer2": True, "worker2": True}
+
+
+def test_a_recovery_stopped_after_the_destroy_keeps_check_clean_from_calling_the_gpu_clean(
+    tmp_path: Path,
+) -> None:
+    """Issue 34, finding 5: ``-dgi`` ran and ``-cgi`` failed. GPU instance 1 is gone (NVML lists
+    only GPU instance 2), so no finding is left about it; ``check-clean``, reading the daemon's
+    saved state, still says GPU 0 is dirty (``mig_unfinished``), so a prolog or the undrain
+    timer does not hand it out."""
+    result = run_scenario("host_mig_ghost_recovery", tmp_path, dry_run=False, variant="cgi_fails")
+    (outcome,) = result["outcomes"]
+    assert outcome["result"] == "failed"
+    assert "is half done" in outcome["reason"]
+    assert result["gi1_uuid"] != "MIG-00000000-0001-4000-8000-000000000010"  # GI 1 is gone
+    code, said = result["check_clean"]
+    assert code != 0, said
+    assert "mig_unfinished" in said or "half done" in said, said

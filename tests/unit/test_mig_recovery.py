@@ -17,11 +17,14 @@ from gpuwatchd.decide.mig_recovery import (
     MIG_PLACEHOLDERS,
     InstanceRecovery,
     instance_blockers,
+    instance_changed,
+    placement_taken,
     recovered,
     recovery_argvs,
     recovery_of,
+    resume_point,
 )
-from gpuwatchd.model import MIB, Snapshot
+from gpuwatchd.model import MIB, GpuInfo, MigDevice, Snapshot
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -183,3 +186,79 @@ def test_an_unreadable_process_list_or_an_unknown_instance_blocks() -> None:
     assert instance_blockers(LEAKY, gpu_uuid(0)) == [
         "not a judged MIG GPU instance in this snapshot"
     ]
+
+
+# --- the GPU read again: before the commands, before the re-create, after a crash -------------
+
+_PLANNED = InstanceRecovery(
+    uuid="GPU-1", pci_bus_id=None, gpu_index=0, gi=1, ci=0, mig_uuid="MIG-1", profile=19,
+    placement=2, size=2,
+)  # fmt: skip
+
+
+def _reading(*devices: MigDevice | None, readable: bool = True) -> GpuInfo:
+    listed = tuple(d for d in devices if d is not None)
+    return GpuInfo(index=0, uuid="GPU-1", mig_enabled=True,
+                   mig_devices=listed if readable else None)  # fmt: skip
+
+
+def _device(gi: int, uuid: str, placement: tuple[int, int] | None, profile: int = 19) -> MigDevice:
+    return MigDevice(index=0, uuid=uuid, gi=gi, ci=0, gi_profile_id=profile, placement=placement)
+
+
+PLANNED_DEVICE = _device(1, "MIG-1", (2, 2))
+
+
+@pytest.mark.parametrize(
+    ("reading", "changed"),
+    [
+        (_reading(PLANNED_DEVICE), None),
+        (_reading(_device(1, "MIG-2", (2, 2))), "MIG UUID MIG-2 (planned MIG-1)"),
+        (_reading(_device(1, "MIG-1", (2, 2), profile=14)), "GI profile 14 (planned 19)"),
+        (_reading(_device(1, "MIG-1", None)), "placement None (planned (2, 2))"),
+        (_reading(), "GPU instance 1 is no longer listed"),
+        (_reading(readable=False), "its MIG devices could not be read"),
+        (None, "not in the fresh NVML reading"),
+    ],
+)
+def test_the_planned_instance_is_told_by_uuid_profile_and_placement(
+    reading: GpuInfo | None, changed: str | None
+) -> None:
+    said = instance_changed(_PLANNED, reading)
+    assert said == changed if changed is None else changed in str(said)
+
+
+@pytest.mark.parametrize(
+    ("reading", "taken"),
+    [
+        (_reading(_device(4, "MIG-4", (4, 1))), None),  # beside it
+        (_reading(_device(5, "MIG-5", (0, 2))), None),  # ends where it starts
+        (_reading(_device(3, "MIG-3", (3, 1))), "GPU instance 3 (MIG-3) occupies placement 3:1"),
+        (_reading(_device(6, "MIG-6", (0, 4))), "occupies placement 0:4"),  # spans it
+        (_reading(_device(1, "MIG-9", (6, 1))), "GPU instance 1 is still listed"),  # id reused
+        (_reading(_device(7, "MIG-7", None)), "GPU instance 7: its placement is unknown"),
+        (_reading(readable=False), "its MIG devices could not be read"),
+    ],
+)
+def test_the_re_create_needs_its_whole_placement_free(reading: GpuInfo, taken: str | None) -> None:
+    said = placement_taken(_PLANNED, reading)
+    assert said == taken if taken is None else taken in str(said)
+
+
+@pytest.mark.parametrize(
+    ("reading", "done", "point"),
+    [
+        (_reading(), 2, 2),  # between -dgi and -cgi: the re-create
+        (_reading(), 1, 1),  # during -dgi: -dgi again, then the re-create
+        (_reading(), None, 2),  # an old record: the re-create alone
+        (_reading(), 7, 2),  # a count out of range is no count
+        (_reading(_device(3, "MIG-3", (2, 2))), 2, 3),  # re-created (new UUID): checked only
+        (_reading(_device(3, "MIG-3", (2, 2), profile=9)), 2, "occupies placement 2:2"),
+        (_reading(readable=False), 2, "its MIG devices could not be read"),
+    ],
+)
+def test_a_crashed_recovery_goes_on_where_the_reading_allows(
+    reading: GpuInfo, done: int | None, point: int | str
+) -> None:
+    said = resume_point(_PLANNED, reading, done, 3)
+    assert said == point if isinstance(point, int) else point in str(said)

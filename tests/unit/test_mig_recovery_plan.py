@@ -13,18 +13,24 @@ import dataclasses
 
 import pytest
 
+from gpuwatchd.decide.assess import Assessment, assess
+from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import (
     HookIntent,
     PlanState,
     ResetIntent,
+    hidden_holders,
     plan,
     record_reset,
     reset_gates,
+    unfinished_recoveries,
 )
-from gpuwatchd.decide.policy import Policy, Protect, ResetPolicy, default_rules
-from gpuwatchd.model import MIB, FindingKind, Snapshot
-from gpuwatchd.vocabulary import EventName, ResetResult
-from tests.support.migcases import GI1, LEAK, run
+from gpuwatchd.decide.plan_state import ResetRefusal
+from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
+from gpuwatchd.decide.verdict import judge
+from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
+from gpuwatchd.vocabulary import Cleanliness, EventName, ResetResult
+from tests.support.migcases import GI1, GI2, LEAK, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -234,3 +240,126 @@ def test_a_refused_recovery_waits_for_its_own_instance_s_memory_not_the_other_s(
     )
     cleared, _ = poll(own_moved, now + 30)
     assert cleared == [f"its allocated memory changed ({LEAK} -> {LEAK + 128 * MIB} bytes)"]
+
+
+def test_each_instance_keeps_its_own_refusal_and_its_hidden_holder_evidence() -> None:
+    """Issue 34, finding 4: the driver refused GPU instance 1 "in use", then GPU instance 2's
+    recovery was refused by the procedure (a hook failed). Each refusal is kept for its own
+    instance: GPU instance 1 is not tried again (with its drain and hooks) at the next cooldown,
+    and its hidden-holder evidence stays; neither ever becomes a reset of the whole GPU."""
+    chosen = policy(cooldown=0.0)
+    snapshot = with_mig(
+        HostBuilder().gpu(0).build(),
+        instances=[Inst(1, allocated=LEAK), Inst(2, allocated=LEAK, profile="3g.40gb")],
+    )
+    result = run(snapshot)
+    state = PlanState()
+    outcomes = {GI1: ResetResult.IN_USE, GI2: ResetResult.REFUSED}
+    asked: list[str | None] = []
+    for step in range(30):
+        now = snapshot.monotonic + 10.0 * step
+        found = _with_refused(snapshot, state)
+        out = plan(found.findings, snapshot, state, chosen, now=now, wall=now,
+                   report_only=found.report_only)  # fmt: skip
+        state = out.state
+        for intent in out.intents:
+            if isinstance(intent, ResetIntent):
+                assert intent.instance is not None  # never the whole GPU
+                asked.append(intent.instance.mig_uuid)
+                booked = record_reset(state, intent, outcomes[intent.instance.mig_uuid],
+                                      now=now, wall=now)  # fmt: skip
+                state = booked.state
+    assert sorted(asked, key=str) == sorted([GI1, GI2])
+    assert set(state.reset_refusals) == {GI1, GI2}
+    assert list(hidden_holders(state)) == [GI1]
+    assert result.findings  # the ghosts were there all along
+
+
+def _with_refused(snapshot: Snapshot, state: PlanState) -> Assessment:
+    """The assessment as the daemon makes it: with the driver's refusals (plan.hidden_holders)."""
+    return assess(snapshot, AssessState(boot_id=snapshot.boot_id), Detection(),
+                  driver_refused=hidden_holders(state))  # fmt: skip
+
+
+def test_an_instance_the_driver_refused_in_use_blocks_a_reset_of_the_whole_gpu() -> None:
+    """Issue 34: "in use" with no holder found is retried later, never turned into a reset of
+    the whole GPU, even where ``reset.allow_mig`` allows one of an idle MIG GPU."""
+    snapshot = with_mig(HostBuilder().gpu(0).build(), instances=[Inst(1, allocated=LEAK)])
+    refusal = ResetRefusal("ghost_memory:" + GI1, "in use", True, 100.0)
+    found = _with_refused(snapshot, PlanState(reset_refusals={GI1: refusal}))
+    (hidden,) = [f for f in found.findings if f.kind is FindingKind.HIDDEN_HOLDER]
+    assert hidden.gpu == GI1
+    whole = Finding(FindingKind.GHOST_MEMORY, gpu_uuid(0), None, None, "leak")
+    chosen = dataclasses.replace(
+        policy(), reset=dataclasses.replace(policy().reset, allow_mig=True)
+    )
+    gates = reset_gates(whole, snapshot, chosen, report_only={}, findings=found.findings)
+    assert [g.name for g in gates] == ["live_holder"]
+    assert GI1 in gates[0].why
+
+
+def test_a_recovery_stopped_halfway_keeps_its_gpu_dirty_until_the_instance_is_back() -> None:
+    """Issue 34, finding 5: ``-dgi`` ran, the re-create did not. GPU instance 1 is gone, and its
+    ghost_memory finding with it; the GPU must not be called clean (check-clean, the undrain
+    timer) until an instance of its GI profile is at its placement again."""
+    chosen = policy()
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    state = PlanState()
+    intent = None
+    now = snapshot.monotonic
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
+        if intent is not None:
+            break
+    assert intent is not None
+    state = record_reset(state, intent, ResetResult.FAILED, now=now, wall=now).state
+    assert list(state.mig_unfinished) == [GI1]
+    assert PlanState.from_json(state.to_json()) == state  # kept across a restart
+
+    trainer = Inst(2, allocated=LEAK, processes=((700, LEAK),), profile="3g.40gb")
+    gone = ghost_beside_live_job(instances=[trainer])
+    found = run(gone)
+    before = judge(gone, found, chosen)  # what the verdict said without it: clean
+    assert before.gpus[0].state is Cleanliness.CLEAN
+    verdict = judge(gone, found, chosen, unfinished=unfinished_recoveries(state))
+    (parent,) = [g for g in verdict.gpus if g.uuid == gpu_uuid(0)]
+    assert parent.state is Cleanliness.DIRTY
+    assert [r.kind for r in parent.reasons] == ["mig_unfinished"]
+    assert "MIG GPU instance 1" in parent.reasons[0].text
+    out = plan(found.findings, gone, state, chosen, now=now + 10, wall=now + 10,
+               report_only=found.report_only)  # fmt: skip
+    assert out.state.mig_unfinished == state.mig_unfinished  # still gone: still dirty
+
+    back = ghost_beside_live_job(instances=[Inst(1), trainer])  # re-created by hand
+    found = run(back)
+    out = plan(found.findings, back, out.state, chosen, now=now + 20, wall=now + 20,
+               report_only=found.report_only)  # fmt: skip
+    assert out.state.mig_unfinished == {}
+    (cleared,) = [e for e in out.events if e.name == EventName.RESET_MIG_UNFINISHED_CLEARED]
+    assert cleared.fields["instance"] == GI1
+    assert judge(back, found, chosen, unfinished=unfinished_recoveries(out.state)).clean
+
+
+def test_a_refusal_saved_under_the_parent_gpu_by_an_older_version_still_holds_its_instance() -> (
+    None
+):
+    """A state file from before refusals were kept per instance has GPU instance 1's refusal
+    under its parent GPU; it still holds GPU instance 1's incident (found by its key)."""
+    snapshot = ghost_beside_live_job()
+    result = run(snapshot)
+    (ghost,) = [f for f in result.findings if f.kind is FindingKind.GHOST_MEMORY]
+    old = ResetRefusal(ghost.key, "the driver refused: in use", True, snapshot.wall_time)
+    state = PlanState(reset_refusals={gpu_uuid(0): old})
+    asked = []
+    for step in range(12):
+        now = snapshot.monotonic + 10.0 * step
+        out = plan(result.findings, snapshot, state, policy(cooldown=0.0), now=now, wall=now,
+                   report_only=result.report_only)  # fmt: skip
+        state = out.state
+        asked += [i for i in out.intents if isinstance(i, ResetIntent)]
+    assert asked == []

@@ -17,8 +17,9 @@ from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
+from gpuwatchd.model import GpuInfo
 from tests.support.fakesmi import FakeSmi
-from tests.support.resetrig import FakeEnvironment, make_policy, smi_commands
+from tests.support.resetrig import FakeEnvironment, instance_gpu, make_policy, smi_commands
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abd"
@@ -59,7 +60,7 @@ def test_a_clear_instance_is_recreated_in_order_and_checked_and_the_gpu_is_never
     assert outcome.result == "success", outcome.reason
     assert smi_commands(smi) == [DCI, DGI, CGI, QUERY]
     assert not [c for c in smi.calls() if "--gpu-reset" in c or "-pm" in c]
-    assert env.calls == ["stop_nvml", "final_blockers", "instance"]
+    assert env.calls == ["stop_nvml", "final_blockers", "reread", "reread", "instance"]
     assert "re-create MIG GPU instance 1 of GPU 0 (GI profile 19, placement 6:1)" in outcome.reason
     (skipped,) = env.step_events(ResetStep.PERSISTENCE_OFF)
     assert "leaves persistence mode as it is" in str(skipped["detail"])
@@ -85,7 +86,7 @@ def test_the_driver_refusing_the_first_command_as_in_use_changes_nothing(smi: Fa
     assert outcome.result == "in_use"
     assert "MIG GPU instance 1 of GPU 0" in outcome.reason
     assert smi_commands(smi) == [DCI]  # nothing after it, no health check
-    assert env.calls == ["stop_nvml", "final_blockers"]
+    assert env.calls == ["stop_nvml", "final_blockers", "reread"]
 
 
 @pytest.mark.parametrize("failing", ["dgi", "cgi"])
@@ -133,10 +134,14 @@ def test_a_command_that_does_not_name_the_gpu_is_refused_before_anything_runs(
     assert smi.calls() == []
 
 
-def test_a_recovery_interrupted_after_its_commands_started_is_checked_never_rerun(
+def test_a_recovery_record_from_before_commands_were_counted_re_creates_into_a_free_placement(
     smi: FakeSmi,
 ) -> None:
-    env = FakeEnvironment(smi, instance="no GPU instance with GI profile 19 at placement 6")
+    """A state file written when a recovery was one recorded step (no ``commands_done``): the
+    instance is gone and nothing occupies its placement, so only the re-create runs (safe to
+    run again), then the check."""
+    env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY, present=False)],
+                          instance="no GPU instance with GI profile 19 at placement 6")  # fmt: skip
     record = {
         "uuid": UUID, "pci_bus_id": BUS, "minor": 0, "persistence_was_on": None,
         "step": "reset", "persistence_off": False, "reset_started": True, "result": None,
@@ -146,8 +151,8 @@ def test_a_recovery_interrupted_after_its_commands_started_is_checked_never_reru
     assert outcome is not None
     assert outcome.result == "failed"
     assert "no GPU instance with GI profile 19 at placement 6" in outcome.reason
-    assert smi_commands(smi) == [QUERY]  # the health check only: no mig command again
-    assert env.calls == ["instance"]
+    assert smi_commands(smi) == [CGI, QUERY]  # never a destroy again
+    assert env.calls == ["reread", "reread", "instance"]
 
 
 def test_a_resume_record_with_a_damaged_recovery_changes_nothing(smi: FakeSmi) -> None:
@@ -159,3 +164,154 @@ def test_a_resume_record_with_a_damaged_recovery_changes_nothing(smi: FakeSmi) -
     assert outcome.result == "failed"
     assert "unreadable reset record" in outcome.reason
     assert smi.calls() == []
+
+
+# --- recorded command by command, read again, resumed (issue 34, findings 5 and 6) ------------
+# A crash is the state file as the procedure left it: the progress record written right before
+# the command that never completed (``commands_done``), taken from a real run against the fake
+# ``nvidia-smi``; the next start resumes from it with the fresh reading (``reread_gpu``) each
+# test sets.
+
+FREE = instance_gpu(RECOVERY, present=False)
+OTHER_UUID = "MIG-12345678-1234-1234-1234-1234567890ff"
+
+
+def crashed_before(command: int, tmp_path: Path) -> dict[str, object]:
+    """The state file's record when the daemon died right before the recovery's command
+    ``command`` (0-based) completed: the last record a full run wrote before running it."""
+    smi = FakeSmi(tmp_path / "first")
+    env = FakeEnvironment(smi)
+    assert perform_reset(TARGET, mig_policy(smi), env, dry_run=False).result == "success"
+    records = [r for r in env.records if r["step"] == "reset" and r["commands_done"] == command]
+    assert len(records) == 1, env.records
+    return records[0]
+
+
+def test_each_command_is_recorded_before_it_runs_with_the_commands_done(smi: FakeSmi) -> None:
+    env = FakeEnvironment(smi)
+    perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    done = [r["commands_done"] for r in env.records if r["step"] == "reset"]
+    assert done == [0, 1, 2]
+    (health,) = [r for r in env.records if r["step"] == "health_check"]
+    assert health["commands_done"] == 3
+
+
+def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(
+    smi: FakeSmi, tmp_path: Path
+) -> None:
+    """Finding 5: the GPU instance was destroyed, the daemon died before ``-cgi``. Resume
+    re-creates it (its placement is free) and checks it; before, it reported ``failed`` and
+    left the instance gone."""
+    record = crashed_before(2, tmp_path)
+    env = FakeEnvironment(smi, rereads=[FREE])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi_commands(smi) == [CGI, QUERY]
+    assert "went on at command 3" in outcome.reason
+
+
+def test_a_crash_during_dgi_runs_it_again_then_re_creates(smi: FakeSmi, tmp_path: Path) -> None:
+    record = crashed_before(1, tmp_path)
+    smi.set(mig={"dgi": "exit:6"})  # it took effect before the crash: nothing to destroy now
+    env = FakeEnvironment(smi, rereads=[FREE])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi_commands(smi) == [DGI, CGI, QUERY]
+    assert "resumed: " in outcome.reason
+    assert "-dgi failed" in outcome.reason
+
+
+def test_the_re_create_is_never_run_into_an_occupied_placement(
+    smi: FakeSmi, tmp_path: Path
+) -> None:
+    """Someone created another instance where the destroyed one was: nothing is run, the
+    recovery is half done, for an administrator."""
+    record = crashed_before(2, tmp_path)
+    theirs = instance_gpu(RECOVERY, gi=3, uuid=OTHER_UUID, gi_profile_id=14, placement=(4, 4))
+    env = FakeEnvironment(smi, rereads=[theirs])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert "is half done" in outcome.reason
+    assert "occupies placement 4:4" in outcome.reason
+    assert smi_commands(smi) == []
+
+
+def test_an_instance_re_created_already_is_only_checked(smi: FakeSmi, tmp_path: Path) -> None:
+    """The re-create ran and the daemon died before recording it: the instance is back under a
+    new MIG UUID at its placement; no command runs again."""
+    record = crashed_before(2, tmp_path)
+    env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY, uuid=OTHER_UUID)])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi_commands(smi) == [QUERY]
+
+
+def test_a_crash_before_any_command_took_effect_is_undone(smi: FakeSmi, tmp_path: Path) -> None:
+    record = crashed_before(0, tmp_path)
+    env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY)])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "refused"
+    assert smi_commands(smi) == []
+    assert [c[:2] for c in smi.calls()] == [["hook", "after"]]
+
+
+def test_the_gi_id_now_naming_another_instance_is_never_destroyed_on_resume(
+    smi: FakeSmi, tmp_path: Path
+) -> None:
+    record = crashed_before(1, tmp_path)
+    reused = instance_gpu(RECOVERY, uuid=OTHER_UUID, placement=(0, 1))
+    env = FakeEnvironment(smi, rereads=[reused])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert "GPU instance 1 is still listed" in outcome.reason
+    assert smi_commands(smi) == []
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        (instance_gpu(RECOVERY, uuid=OTHER_UUID), f"MIG UUID {OTHER_UUID} (planned {MIG_UUID})"),
+        (instance_gpu(RECOVERY, gi_profile_id=9), "GI profile 9 (planned 19)"),
+        (instance_gpu(RECOVERY, placement=(4, 2)), "placement (4, 2) (planned (6, 1))"),
+        (FREE, "GPU instance 1 is no longer listed"),
+        (None, "GPU 0 is not in the fresh NVML reading"),
+    ],
+)
+def test_an_instance_changed_since_the_plan_is_refused_before_its_first_command(
+    smi: FakeSmi, changed: GpuInfo | None, said: str
+) -> None:
+    """Finding 6: an administrator or a MIG manager re-created the instance between the plan
+    and ``-dci`` (the ids are reused): nothing is destroyed, the recovery is refused."""
+    env = FakeEnvironment(smi, rereads=[changed])
+    outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert said in outcome.reason
+    assert smi_commands(smi) == []
+    (blocked,) = [e for e in env.step_events(ResetStep.RESET) if e["status"] == "changed"]
+    assert said in str(blocked["detail"])
+
+
+def test_the_destroys_are_confirmed_before_the_re_create(smi: FakeSmi) -> None:
+    """After ``-dgi`` the GPU is listed again: the instance still there, nothing is created."""
+    env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY)])
+    outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    assert outcome.result == "failed"
+    assert "the destroy commands did not free its placement" in outcome.reason
+    assert "is half done" in outcome.reason
+    assert smi_commands(smi) == [DCI, DGI]
+
+
+def test_a_gpu_that_cannot_be_read_again_is_never_touched(smi: FakeSmi) -> None:
+    """Unknown is not as planned: the NVML worker could not be stopped again after the
+    reading (or the reading failed), so nothing is destroyed."""
+    env = FakeEnvironment(smi, rereads=[OSError("our own NVML worker still holds the device")])
+    outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
+    assert outcome.result == "refused"
+    assert "reading the GPU again failed: our own NVML worker" in outcome.reason
+    assert smi_commands(smi) == []

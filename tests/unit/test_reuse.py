@@ -105,8 +105,8 @@ def _play(path: pathlib.Path, *, fresh: bool) -> tuple[list[tuple[str, Level, st
             def assess(self, snapshot, previous, detection, **kw):  # type: ignore[no-untyped-def]
                 return assess(snapshot, previous, detection, **kw)
 
-            def judge(self, snapshot, assessment, policy):  # type: ignore[no-untyped-def]
-                return judge(snapshot, assessment, policy)
+            def judge(self, snapshot, assessment, policy, **kw):  # type: ignore[no-untyped-def]
+                return judge(snapshot, assessment, policy, **kw)
 
         sim.engine.reuse = Fresh()
     sim.run()

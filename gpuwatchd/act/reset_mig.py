@@ -1,0 +1,149 @@
+"""The ``reset`` step of a MIG GPU instance's re-creation: its commands, one recorded at a time.
+
+This module owns :func:`run_recovery`, which the reset procedure (:mod:`gpuwatchd.act.reset`)
+and its resume after a crash (:mod:`gpuwatchd.act.reset_resume`) call in place of the reset
+command: each command is recorded in the state file before it runs (``commands_done``), the
+parent GPU is read again right before the first command (the instance must still be the
+plan's: UUID, compute instance, GI profile and placement) and before the re-create (the
+destroys must have freed its placement), and a failure after the first destroy leaves the
+instance half done, said so. What the readings mean is :mod:`gpuwatchd.decide.mig_recovery`'s.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Protocol
+
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
+from gpuwatchd.act.reset_target import ResetEnvironment, ResetTarget
+from gpuwatchd.decide.mig_recovery import InstanceRecovery, instance_changed, placement_taken
+from gpuwatchd.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
+
+__all__ = ["HALF_DONE", "half_done", "run_recovery"]
+
+Ran = tuple[CommandResult | None, ResetResult, bool, str]
+
+
+class _Commands(Protocol):
+    @property
+    def reset(self) -> tuple[tuple[str, ...], ...]: ...
+
+
+class RecoveryRun(Protocol):
+    """What of :class:`gpuwatchd.act.reset.Procedure` the commands need (that module runs
+    them, so it is not imported here)."""
+
+    commands_done: int
+
+    @property
+    def target(self) -> ResetTarget: ...
+    @property
+    def env(self) -> ResetEnvironment: ...
+    @property
+    def commands(self) -> _Commands: ...
+    @property
+    def dry_run(self) -> bool: ...
+    @property
+    def notes(self) -> list[str]: ...
+    def begin(self, step: ResetStep) -> bool: ...
+    def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None: ...
+    def event(
+        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
+    ) -> None: ...
+
+
+HALF_DONE = "is half done"  # in every reason that leaves the instance for an administrator
+
+
+def half_done(recovery: InstanceRecovery, ran: str, why: str) -> str:
+    """The reason of a recovery left half done: what ran, and what to do by hand."""
+    return (
+        f"{why}; {recovery.describe()} {HALF_DONE} (ran: {ran or 'nothing that completed'}): "
+        "check `nvidia-smi mig -lgi` and re-create the instance by hand"
+    )
+
+
+def _check(proc: RecoveryRun, recovery: InstanceRecovery, *, before_first: bool) -> str | None:
+    """Read the parent GPU again: None when it is as the next command needs it (the plan's
+    instance before the first; a free placement before the re-create), else why not."""
+    try:
+        gpu = proc.env.reread_gpu(proc.target)
+    except Exception as err:  # unknown is not as planned
+        why: str | None = f"reading the GPU again failed: {err}"
+    else:
+        why = instance_changed(recovery, gpu) if before_first else placement_taken(recovery, gpu)
+    what = "the planned instance" if before_first else "its placement free for the re-create"
+    proc.event(
+        ResetStep.RESET,
+        ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
+        level=Level.WARNING if why else Level.INFO,
+        detail=why or what,
+    )
+    return why
+
+
+def run_recovery(proc: RecoveryRun, start: int = 0, *, resumed: bool = False) -> Ran:
+    """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
+    when none ran or in a dry run; its reading). Only the first command of a fresh run may end
+    ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy
+    command may already have taken effect, so its failure is no proof of anything; the reading
+    before the re-create decides."""
+    recovery = proc.target.recovery
+    assert recovery is not None  # noqa: S101 - called for a recovery only
+    commands = proc.commands.reset
+    last = len(commands) - 1
+    if proc.dry_run:
+        for argv in commands:
+            proc.command(ResetStep.RESET, argv)
+        return None, ResetResult.DRY_RUN, False, "dry-run"
+    result: CommandResult | None = None
+    for number in range(start, len(commands)):
+        ran = "; ".join(shlex.join(c) for c in commands[:number])
+        if number == 0 and not resumed:
+            changed = _check(proc, recovery, before_first=True)
+            if changed is not None:
+                why = f"the instance changed since the plan ({changed}); nothing was run"
+                return None, ResetResult.REFUSED, False, why
+        if number == last and number > 0:
+            taken = _check(proc, recovery, before_first=False)
+            if taken is not None:
+                return (
+                    result,
+                    ResetResult.FAILED,
+                    False,
+                    half_done(
+                        recovery, ran, f"the destroy commands did not free its placement ({taken})"
+                    ),
+                )
+        proc.commands_done = number
+        if number > start and not proc.begin(ResetStep.RESET):
+            return (
+                result,
+                ResetResult.FAILED,
+                False,
+                half_done(recovery, ran, "could not record reset progress in the state file"),
+            )
+        result = proc.command(ResetStep.RESET, commands[number])
+        assert result is not None  # noqa: S101 - not a dry run
+        verdict, needs_reboot, reason = interpret_reset_exit(result)
+        if verdict is ResetResult.SUCCESS:
+            continue
+        if number == 0 and not resumed and says_in_use(result):
+            # Nothing was destroyed: the driver refuses while anything uses the instance.
+            what = recovery.describe().removeprefix("re-create ")
+            reason = (
+                f"the driver says {what} is in use by another client, which the final holder "
+                f"scan did not see{quote_output(result.output)}"
+            )
+            return result, ResetResult.IN_USE, needs_reboot, reason
+        if resumed and number < last:
+            proc.notes.append(f"resumed: {shlex.join(commands[number])} failed ({reason})")
+            continue  # it may have taken effect before the crash; the next reading tells
+        if number > 0 or resumed:
+            verdict = ResetResult.TIMEOUT if verdict is ResetResult.TIMEOUT else ResetResult.FAILED
+            reason = half_done(recovery, ran, reason)
+        return result, verdict, needs_reboot, reason
+    proc.commands_done = len(commands)
+    output = "" if result is None else quote_output(result.output)
+    return result, ResetResult.SUCCESS, False, f"{recovery.describe()}: done{output}"

@@ -43,6 +43,7 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key
+from gpuwatchd.decide.monitors import MAX_MONITORS
 from gpuwatchd.decide.patterns import NotLinear, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
@@ -53,6 +54,7 @@ from gpuwatchd.decide.policy import (
     Hook,
     Limits,
     MetricsPolicy,
+    Monitor,
     Policy,
     Protect,
     ResetPolicy,
@@ -117,6 +119,7 @@ class Nested:
     section: str
     many: bool = False
     flatten: bool = False
+    most: int | None = None  # ``many``: at most this many items
 
 
 @dataclass(frozen=True)
@@ -429,7 +432,8 @@ BOOL = Value(_read_bool, _same)
 STRING = Value(_read_string, _same)
 ABS_PATH = Value(_read_abs_path, _same)
 STRINGS = list_of(STRING)
-REGEXES = list_of(Value(_read_regex, lambda pattern: pattern.pattern))
+REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
+REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
 # Largest GPU memory today is under 300 GB: a margin or a minimum past 1 TiB is a typo.
 MEMORY = size(0, "1TiB")
@@ -579,8 +583,10 @@ SECTIONS: dict[str, Section] = {
                 "allow_nvlink_group": BOOL,
                 # Waited for with the watchdog fed, like the reset command itself.
                 "fabric_timeout": duration("1s", "30m"),
+                "monitors": Nested("monitors[]", many=True, most=MAX_MONITORS),
             },
         ),
+        section_of("monitors[]", Monitor, {"unit": optional(STRING), "command": optional(REGEX)}),
         section_of(
             "health",
             HealthPolicy,

@@ -53,17 +53,15 @@ def monitor_entry(proc: ProcessInfo, monitors: Sequence[Monitor]) -> Monitor | N
     """The first ``reset.monitors`` entry that names ``proc``, or None.
 
     A ``unit`` entry names a process that runs in that systemd unit's system cgroup (only root
-    can place a process there); a ``command`` entry one whose command line matches. An unknown
-    cgroup or command line names nothing.
+    can place a process there); a ``command`` entry one whose command line matches. A process
+    of a Slurm job is the job's, never stopped; an unknown cgroup or command line names nothing.
     """
+    cgroup = proc.cgroup
+    if cgroup is None or cgroup.slurm_job is not None:
+        return None
     for entry in monitors:
-        cgroup = proc.cgroup
         if entry.unit is not None:
-            if (
-                cgroup is not None
-                and cgroup.systemd_unit == entry.unit
-                and system_cgroup(cgroup) is True
-            ):
+            if cgroup.systemd_unit == entry.unit and system_cgroup(cgroup) is True:
                 return entry
         elif (
             entry.command is not None

@@ -101,8 +101,8 @@ def _holder_let_go(w: _Work, ctx: _Ctx, uuid: str) -> str | None:
     procedure holds no memory, so its coming and going moves none) is tried again once a live
     holder was seen on the GPU after the refusal and has let go."""
     held, gpu = w.reset_refusals[uuid], gpu_by_uuid(ctx.snapshot, uuid)
-    if gpu is None:
-        return None
+    if gpu is None or gpu.mig_enabled is not False:
+        return None  # a MIG GPU: the other instances' users come and go and say nothing
     holder = _live_holder(gpu, ctx.snapshot, ctx.findings.values(), ctx.policy.reset.monitors)
     if holder is not None and not held.held:
         w.reset_refusals[uuid] = replace(held, held=True)

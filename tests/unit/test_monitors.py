@@ -28,7 +28,7 @@ from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy
 from gpuwatchd.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment
-from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid
+from tests.support.snapshots import HostBuilder, cg_session, cg_slurm, cg_unit, gpu_uuid
 
 LEAK = 1200 * MIB
 MONITOR = 4100
@@ -84,6 +84,8 @@ def test_a_listed_monitor_leaves_the_gate_open(entry: Monitor, cgroup: object) -
             BY_UNIT,
         ),
         ("other command", _host(cmdline=("/usr/bin/nvtop",)), BY_COMMAND),
+        ("a Slurm job's", _host(cgroup=cg_slurm("77")), BY_COMMAND),
+        ("cgroup unknown", _host(cgroup=None), BY_COMMAND),
         ("command line unknown", _host(cmdline=None), BY_COMMAND),
     ],
 )  # fmt: skip

@@ -57,7 +57,7 @@ _STEP_STATUS: Mapping[str, str] = {
 
 
 def _reset_step(s: Said) -> str:
-    """``Reset of GPU-…, step 4/9 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
+    """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
     step, status = str(s.f.get("step")), str(s.f.get("status"))
     number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
     head = f"{_reset_of(s)}, step {number}{short(step)}: "

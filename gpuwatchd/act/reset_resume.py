@@ -68,7 +68,7 @@ def resume_interrupted(
     last recorded step                         what happens now                result
     =========================================  ==============================  ================
     ``done``                                   nothing (returns None)          —
-    ``drain``, ``stop_nvml``, ``before_hooks`` ``after`` hooks                 ``refused``
+    ``drain`` … ``stop_monitors``              ``after`` hooks                 ``refused``
     ``persistence_off``, ``final_scan``        persistence on if it was        ``refused``
                                                turned off, ``after`` hooks
     ``persistence_on``/``after_hooks`` before  finish that undo                ``refused``

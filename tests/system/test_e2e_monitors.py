@@ -101,6 +101,9 @@ def host_monitors_beside_ghost(arg: dict[str, Any], root: Path) -> dict[str, Any
                 {"command": '"name": "smi-loop"'},
             ]
         run = Run(host, reset=reset)
+        # The prolog's verdict, before the daemon acts: dirty with ghost memory, the monitors
+        # named as what would block its reset (as beside dcgm-exporter, less that name).
+        check = host.gpuwatchd("check-clean", "--config", str(run.config))
         run.start()
         if arg["listed"]:
             run.wait_for(lambda: run.saw("reset.outcome"), timeout=40)
@@ -120,6 +123,7 @@ def host_monitors_beside_ghost(arg: dict[str, Any], root: Path) -> dict[str, Any
             "back": {name: _holds_node(host, pids[-1]) for name, pids in started.items()},
             "events": run.events(),
             "calls": smi_calls(host),
+            "check": {"code": check.returncode, "out": check.stdout, "err": check.stderr},
         }
 
 
@@ -143,6 +147,10 @@ def test_monitors_beside_ghost_memory_block_its_reset_naming_them(tmp_path: Path
     assert any(f"monitor pid {pid} (" in why for why in refused for pid in pids), refused
     assert not [c for c in result["calls"] if "--gpu-reset" in c]
     assert [len(p) for p in result["started"].values()] == [1, 1], "never signalled"
+    check = result["check"]
+    assert check["code"] == 1, check
+    assert check["out"].startswith("GPU 0 GPU-"), check
+    assert ": ghost_memory GPU 0 has 3072 MiB allocated" in check["out"], check
 
 
 def test_listed_monitors_are_stopped_for_the_reset_and_are_back_afterwards(tmp_path: Path) -> None:

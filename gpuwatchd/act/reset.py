@@ -29,6 +29,7 @@ from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.act.reset_monitors import start_monitors, stop_monitors
 from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output, says_in_use
 from gpuwatchd.act.reset_target import (
+    UNRECORDED,
     CommandRunner,
     FabricWait,
     ResetEnvironment,
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
-_UNRECORDED = "could not record reset progress in the state file"
+_UNRECORDED = UNRECORDED
 # reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.INFO,

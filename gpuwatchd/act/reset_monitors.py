@@ -15,13 +15,17 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from gpuwatchd.act.reset_result import quote_output
-from gpuwatchd.act.reset_target import CommandRunner, ResetEnvironment, ResetOutcome, ResetTarget
+from gpuwatchd.act.reset_target import (
+    UNRECORDED,
+    CommandRunner,
+    ResetEnvironment,
+    ResetOutcome,
+    ResetTarget,
+)
 from gpuwatchd.decide.policy import ResetPolicy
 from gpuwatchd.vocabulary import Level, ResetStep, ResetStepStatus
 
 __all__ = ["start_monitors", "stop_monitors"]
-
-_UNRECORDED = "could not record reset progress in the state file"
 
 
 class _Procedure(Protocol):
@@ -64,7 +68,7 @@ def stop_monitors(proc: _Procedure) -> tuple[ResetOutcome | None, frozenset[int]
         proc.event(step, ResetStepStatus.SKIPPED, detail=why)
         return None, frozenset()
     if not proc.begin(step):
-        return proc.abort(step, _UNRECORDED), frozenset()
+        return proc.abort(step, UNRECORDED), frozenset()
     try:
         found = proc.env.find_monitors(proc.target)
     except Exception as err:  # a scan that failed proves nothing: unknown blocks
@@ -82,7 +86,7 @@ def stop_monitors(proc: _Procedure) -> tuple[ResetOutcome | None, frozenset[int]
         return None, frozenset(m.identity.pid for m in found)
     proc.units_stopped = units  # recorded before the commands: an undo starts them regardless
     if units and not proc.begin(step):
-        return proc.abort(step, _UNRECORDED), frozenset()
+        return proc.abort(step, UNRECORDED), frozenset()
     failures = _systemctl(proc, "stop", units)
     processes = [m for m in found if m.entry.unit is None]
     if not failures and processes:

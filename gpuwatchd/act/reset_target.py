@@ -20,6 +20,7 @@ from gpuwatchd.decide.monitors import StoppableMonitor
 from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 
 __all__ = [
+    "UNRECORDED",
     "CommandRunner",
     "FabricWait",
     "ResetEnvironment",
@@ -28,6 +29,9 @@ __all__ = [
     "outcome_event",
     "progress_record",
 ]
+
+
+UNRECORDED = "could not record reset progress in the state file"  # why a step was not run
 
 
 @dataclass(frozen=True)

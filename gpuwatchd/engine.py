@@ -774,21 +774,20 @@ class _ResetEnv:
             sent = engine.actuator.signal(monitor.identity, "SIGTERM", dry_run=False)
             if sent.outcome not in _LET_GO:
                 failures.append(f"{monitor.who}: {sent.detail}")
-        # A real wait, with real sleeps: bounded by the real clock, whatever clock the engine
-        # keeps (simulate's is virtual, and would never reach the deadline).
-        deadline = time.monotonic() + timeout
+        # The engine's clock and sleep, as the fabric wait's: virtual in simulate.
+        deadline = engine.clock.monotonic() + timeout
         waiting = {m.identity.pid: m.who for m in monitors}
         while waiting and target.minor is not None:
             holders, _processes = engine.reader.final_scan(target.minor)
             still = {h.pid for h in holders.holders_of(target.minor)}
             waiting = {pid: who for pid, who in waiting.items() if pid in still}
-            if waiting and time.monotonic() >= deadline:
+            if waiting and engine.clock.monotonic() >= deadline:
                 failures += [
                     f"{who} still holds the GPU after {timeout:g}s" for who in waiting.values()
                 ]
                 break
             if waiting:
-                time.sleep(0.05)
+                engine.sleep(0.05)
         return failures
 
     def instance_back(self, target: ResetTarget) -> str | None:

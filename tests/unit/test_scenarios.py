@@ -147,6 +147,22 @@ def test_reset_blocked_hidden_holder() -> None:
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
 
 
+def test_monitor_beside_ghost() -> None:
+    """A monitor never keeps leaked memory from being ghost memory; reset.monitors names it,
+    so the reset stops it (SIGTERM, and the wait until it let go) and resets the GPU."""
+    r = run("monitor-beside-ghost")
+    found = [(e.t, e.fields["kind"]) for e in r.entries("finding.new")]
+    assert found == [(0.0, "ghost_memory"), (0.0, "hidden_holder")]
+    stop = [e for e in r.entries("reset.step") if e.fields["step"] == "stop_monitors"]
+    assert [(e.fields["status"], e.fields["monitors"]) for e in stop] == [
+        ("ok", ["pid 4100 (python3, unit session-2.scope)"])
+    ]
+    assert [result for _t, _gpu, result in r.resets()] == ["success"]
+    assert r.signals() == [], "no kill ladder: a monitor is never a target"
+    assert r.final["open_findings"] == []
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
 def test_reset_refused_in_use() -> None:
     """The driver's "in use" is a hidden holder: refused, not failed; a finding names the gap;
     the drain hook is not run again for the incident until the memory changes."""

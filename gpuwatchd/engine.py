@@ -760,7 +760,7 @@ class _ResetEnv:
             holders,
             processes,
             target.minor,
-            self_pids=engine.reader.self_pids(),
+            self_pids=engine.reader.self_pids() | engine.self_ancestors,  # never stopped
             context_owners=owners,
             monitors=engine.policy.reset.monitors,
         )

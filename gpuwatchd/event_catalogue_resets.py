@@ -215,7 +215,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_STEP: spec(
         INFO,
         "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
-        f" duration {MIG_FIELDS}",
+        f" duration monitors units {MIG_FIELDS}",
         _reset_step,
         WARNING,
         ERROR,

@@ -31,6 +31,7 @@ from gpuwatchd.decide.baselines import back_to_baseline
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health import drop_assumed, note_reset
 from gpuwatchd.decide.mig_recovery import from_record, recovered, recovery_blockers
+from gpuwatchd.decide.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import (
     HookIntent,
@@ -735,6 +736,10 @@ class Engine:
             self.checkpoint()
 
 
+# A monitor sent SIGTERM (or already gone) lets go of the GPU; any other outcome is a failure.
+_LET_GO = frozenset({SignalOutcome.DELIVERED, SignalOutcome.GONE, SignalOutcome.ZOMBIE})
+
+
 class _ResetEnv:
     """The engine's side of the reset procedure (``act.reset.ResetEnvironment``)."""
 
@@ -744,17 +749,57 @@ class _ResetEnv:
     def stop_nvml(self) -> bool:
         return self.engine.reader.stop_nvml()
 
-    def final_blockers(self, target: ResetTarget) -> list[str]:
+    def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
         reader = self.engine.reader
         holders, processes = reader.final_scan(target.minor)
+        own = reader.self_pids() | ignore
         if target.recovery is not None:
             last = self.engine.last_snapshot
             if last is None:
                 return ["no snapshot to place the holders in MIG GPU instances"]
-            return recovery_blockers(
-                last, holders, processes, reader.self_pids(), target.recovery.mig_uuid
-            )
-        return reset_blockers(holders, processes, target.minor, reader.self_pids())
+            return recovery_blockers(last, holders, processes, own, target.recovery.mig_uuid)
+        return reset_blockers(holders, processes, target.minor, own)
+
+    def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
+        engine = self.engine
+        last = engine.last_snapshot
+        if last is None:
+            return []  # no NVML reading to tell context owners: nothing is stopped
+        owners = {p.pid for g in last.nvml.gpus for p in g.processes or ()}
+        holders, processes = engine.reader.final_scan(target.minor)
+        return monitors_to_stop(
+            holders,
+            processes,
+            target.minor,
+            self_pids=engine.reader.self_pids() | engine.self_ancestors,  # never stopped
+            context_owners=owners,
+            monitors=engine.policy.reset.monitors,
+        )
+
+    def stop_monitors(
+        self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
+    ) -> list[str]:
+        engine = self.engine
+        failures = []
+        for monitor in monitors:
+            sent = engine.actuator.signal(monitor.identity, "SIGTERM", dry_run=False)
+            if sent.outcome not in _LET_GO:
+                failures.append(f"{monitor.who}: {sent.detail}")
+        # The engine's clock and sleep, as the fabric wait's: virtual in simulate.
+        deadline = engine.clock.monotonic() + timeout
+        waiting = {m.identity.pid: m.who for m in monitors}
+        while waiting and target.minor is not None:
+            holders, _processes = engine.reader.final_scan(target.minor)
+            still = {h.pid for h in holders.holders_of(target.minor)}
+            waiting = {pid: who for pid, who in waiting.items() if pid in still}
+            if waiting and engine.clock.monotonic() >= deadline:
+                failures += [
+                    f"{who} still holds the GPU after {timeout:g}s" for who in waiting.values()
+                ]
+                break
+            if waiting:
+                engine.sleep(0.05)
+        return failures
 
     def instance_back(self, target: ResetTarget) -> str | None:
         recovery = target.recovery

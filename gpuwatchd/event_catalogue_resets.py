@@ -59,7 +59,7 @@ _STEP_STATUS: Mapping[str, str] = {
 
 
 def _reset_step(s: Said) -> str:
-    """``Reset of GPU-…, step 4/9 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
+    """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
     step, status = str(s.f.get("step")), str(s.f.get("status"))
     number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
     head = f"{_reset_of(s)}, step {number}{short(step)}: "
@@ -222,7 +222,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_STEP: spec(
         INFO,
         "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
-        f" duration {MIG_FIELDS}",
+        f" duration monitors units {MIG_FIELDS}",
         _reset_step,
         WARNING,
         ERROR,

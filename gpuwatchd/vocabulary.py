@@ -243,11 +243,13 @@ class ResetStep(_Name):
     DRAIN = "drain"
     STOP_NVML = "stop_nvml"
     BEFORE_HOOKS = "before_hooks"
+    STOP_MONITORS = "stop_monitors"  # reset.monitors that hold the GPU (decide/monitors.py)
     PERSISTENCE_OFF = "persistence_off"
     FINAL_SCAN = "final_scan"
     RESET = "reset"
     HEALTH_CHECK = "health_check"
     PERSISTENCE_ON = "persistence_on"
+    START_MONITORS = "start_monitors"  # the units stop_monitors stopped
     AFTER_HOOKS = "after_hooks"
     DONE = "done"  # where a finished procedure stands; never a ``reset.step`` of its own
 

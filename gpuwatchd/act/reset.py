@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
 from gpuwatchd.act.reset_mig import run_recovery
+from gpuwatchd.act.reset_monitors import start_monitors, stop_monitors
 from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
+    UNRECORDED,
     CommandRunner,
     FabricWait,
     ResetEnvironment,
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
-_UNRECORDED = "could not record reset progress in the state file"
+_UNRECORDED = UNRECORDED
 # reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.INFO,
@@ -155,6 +157,7 @@ class Procedure:
         self.runner = runner
         self.fabric_wait: FabricWait | None = None
         self.persistence_off = False
+        self.units_stopped: list[str] = []  # the monitors' units stop_monitors stopped
         self.reset_started = False
         self.result: ResetResult | None = None
         self.commands_done = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
@@ -168,6 +171,7 @@ class Procedure:
             return True
         data: dict[str, object] = {
             "persistence_off": self.persistence_off,
+            "units_stopped": list(self.units_stopped),
             "reset_started": self.reset_started,
             "result": self.result,
         }
@@ -285,6 +289,7 @@ class Procedure:
                 ResetStepStatus.SKIPPED,
                 detail="persistence mode not changed",
             )
+        start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
             ResetStep.AFTER_HOOKS,
@@ -467,6 +472,10 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
+    stopped, would_stop = stop_monitors(proc)
+    if stopped is not None:
+        return stopped
+
     if target.recovery is not None:
         detail = "a MIG GPU instance's re-creation leaves persistence mode as it is"
         proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=detail)
@@ -494,7 +503,8 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if not proc.begin(ResetStep.FINAL_SCAN):
         return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
     try:
-        blockers = list(env.final_blockers(target))
+        # A dry run stops no monitor: those it would stop are not counted as holders.
+        blockers = list(env.final_blockers(target, would_stop))
     except Exception as err:  # a scan that failed proves nothing: unknown blocks
         blockers = [f"the holder scan failed: {err}"]
     proc.event(

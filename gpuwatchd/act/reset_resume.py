@@ -76,7 +76,7 @@ def resume_interrupted(
     last recorded step                         what happens now                result
     =========================================  ==============================  ================
     ``done``                                   nothing (returns None)          —
-    ``drain``, ``stop_nvml``, ``before_hooks`` ``after`` hooks                 ``refused``
+    ``drain`` … ``stop_monitors``              ``after`` hooks                 ``refused``
     ``persistence_off``, ``final_scan``        persistence on if it was        ``refused``
                                                turned off, ``after`` hooks
     ``persistence_on``/``after_hooks`` before  finish that undo                ``refused``
@@ -95,11 +95,12 @@ def resume_interrupted(
     and nothing occupies its placement, is only checked when the instance was re-created
     already, and is left half done (``failed``) otherwise (:func:`_resume_recovery`).
 
-    Persistence mode is restored from the record (``persistence_off``), not from today's
-    policy. A record that cannot be read (no GPU UUID, unknown step) changes nothing and
-    returns ``failed`` with the reason, so the daemon can log it and drop the record. The
-    caller starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a
-    second time after a crash inside them, so ``after`` hooks should be idempotent.
+    Persistence mode is restored from the record (``persistence_off``), and the monitors'
+    units it stopped are started (``units_stopped``), not from today's policy. A record
+    that cannot be read (no GPU UUID, unknown step) changes nothing and returns ``failed``
+    with the reason, so the daemon can log it and drop the record. The caller starts its NVML
+    worker afterwards, as after :func:`perform_reset`. Hooks may run a second time after a
+    crash inside them, so ``after`` hooks should be idempotent.
     ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
     ``{hostname}`` in them (it is not part of the record).
     """
@@ -124,6 +125,11 @@ def resume_interrupted(
         prepared = Commands((), (), None, None)
     proc = Procedure(target, reset, env, prepared, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
     proc.persistence_off = record.get("persistence_off") is True
+    units = record.get("units_stopped")
+    if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
+        proc.units_stopped = [
+            u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
+        ]
     proc.reset_started = record.get("reset_started") is True
     recorded = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.

@@ -16,10 +16,12 @@ from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.monitors import StoppableMonitor
 from gpuwatchd.model import GpuInfo
 from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 
 __all__ = [
+    "UNRECORDED",
     "CommandRunner",
     "FabricWait",
     "ResetEnvironment",
@@ -28,6 +30,9 @@ __all__ = [
     "outcome_event",
     "progress_record",
 ]
+
+
+UNRECORDED = "could not record reset progress in the state file"  # why a step was not run
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,19 @@ class ResetEnvironment(Protocol):
     def stop_nvml(self) -> bool:
         """Stop the NVML worker; True when no NVML handle of ours remains."""
 
-    def final_blockers(self, target: ResetTarget) -> list[str]:
-        """A fresh full holder scan: one human-readable reason per blocker; empty = clear."""
+    def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
+        """A fresh full holder scan: one human-readable reason per blocker; empty = clear.
+        ``ignore``: PIDs a dry run would have stopped (monitors), not counted."""
+
+    def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
+        """A fresh holder scan: the holders of the target's GPU that ``reset.monitors`` lets
+        the procedure stop (:func:`gpuwatchd.decide.monitors.monitors_to_stop`)."""
+
+    def stop_monitors(
+        self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
+    ) -> list[str]:
+        """Send each monitor process SIGTERM (its identity re-verified), then wait up to
+        ``timeout`` seconds until none holds the GPU: one reason per one that still does."""
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         """After the reset: restart NVML and read memory. None = unknown."""
@@ -122,7 +138,8 @@ def progress_record(
     """The JSON-able record the state file keeps for a reset in progress.
 
     ``data`` is what :func:`perform_reset` passes to ``record_step``: ``persistence_off``
-    (this procedure turned persistence mode off, or was about to), ``reset_started`` (the
+    (this procedure turned persistence mode off, or was about to), ``units_stopped`` (the
+    monitors' units it stopped, or was about to), ``reset_started`` (the
     reset command was about to run or ran) and ``result`` (the reset command's result once
     known); a MIG recovery's also ``commands_done`` (how many of its commands completed: the
     one after them was about to run or ran). :func:`resume_interrupted` reads exactly this

@@ -175,8 +175,13 @@ class Collector:
         holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
         self._known_holders = frozenset(holding_pids)
         self._say_thread_tables_unread(holders, scanner)
+        # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
+        # memory beside it still asks for a full scan (decide/monitors.py).
         self._held_minors = frozenset(
-            minor for pid in holding_pids for minor in holders.holdings[pid].gpu_minors
+            minor
+            for pid in holding_pids
+            if holders.holdings[pid].uvm or pid in listed
+            for minor in holders.holdings[pid].gpu_minors
         )
 
         processes = dict(live_listed)

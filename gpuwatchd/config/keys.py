@@ -1,11 +1,8 @@
 """The policy's keys: one table, from which validation, "did you mean", rendering, defaults
-and the documented bounds all come.
-
-Each section of the YAML is a policy dataclass (:mod:`gpuwatchd.decide.policy`); the table
-gives, for every field of it, the YAML key (the field name unless noted) and its
-:class:`Value`: how a node is read, bounded and checked, and how it is written back. Names,
-order of fields and defaults come from the dataclasses themselves (:func:`dataclasses.fields`):
-a field added there without a line here fails at import, so the two cannot drift. The bounds
+and the documented bounds all come. Each YAML section is a policy dataclass
+(:mod:`gpuwatchd.decide.policy`); the table gives, for every field, the YAML key and its
+:class:`Value`: how a node is read, bounded, checked and written back. Names, order and
+defaults come from the dataclasses (a field without a line here fails at import). The bounds
 are listed in ``docs/policy.md`` (a test keeps the two equal).
 
 It also owns how one value is read (booleans, bounded integers, durations and sizes,
@@ -43,6 +40,7 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key
+from gpuwatchd.decide.monitors import MAX_MONITORS
 from gpuwatchd.decide.patterns import NotLinear, TooCostly, check_linear
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
@@ -53,6 +51,7 @@ from gpuwatchd.decide.policy import (
     Hook,
     Limits,
     MetricsPolicy,
+    Monitor,
     Policy,
     Protect,
     ResetPolicy,
@@ -117,6 +116,7 @@ class Nested:
     section: str
     many: bool = False
     flatten: bool = False
+    most: int | None = None  # ``many``: at most this many items
 
 
 @dataclass(frozen=True)
@@ -431,7 +431,8 @@ BOOL = Value(_read_bool, _same)
 STRING = Value(_read_string, _same)
 ABS_PATH = Value(_read_abs_path, _same)
 STRINGS = list_of(STRING)
-REGEXES = list_of(Value(_read_regex, lambda pattern: pattern.pattern))
+REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
+REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
 # Largest GPU memory today is under 300 GB: a margin or a minimum past 1 TiB is a typo.
 MEMORY = size(0, "1TiB")
@@ -581,8 +582,10 @@ SECTIONS: dict[str, Section] = {
                 "allow_nvlink_group": BOOL,
                 # Waited for with the watchdog fed, like the reset command itself.
                 "fabric_timeout": duration("1s", "30m"),
+                "monitors": Nested("monitors[]", many=True, most=MAX_MONITORS),
             },
         ),
+        section_of("monitors[]", Monitor, {"unit": optional(STRING), "command": optional(REGEX)}),
         section_of(
             "health",
             HealthPolicy,

@@ -50,7 +50,8 @@ from gpuwatchd.config.yamlsrc import (
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
-from gpuwatchd.decide.policy import Hook, Policy, Rule, Step, default_rules
+from gpuwatchd.decide.monitors import UNIT_NAME
+from gpuwatchd.decide.policy import Hook, Monitor, Policy, Rule, Step, default_rules
 from gpuwatchd.model import FindingKind
 from gpuwatchd.paths import DEFAULT_CONFIG_PATH
 
@@ -273,6 +274,9 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     except ConfigError as err:
         problems.extend(err.problems)
         return _FAILED
+    if nested.most is not None and len(items) > nested.most:
+        problems.append(node.error(f"at most {nested.most} items, got {len(items)}"))
+        return _FAILED
     before = len(problems)
     results = [_ITEM_READERS[section.name](item, problems) for item in items]
     if len(problems) > before:
@@ -341,10 +345,33 @@ def _hook(node: Node, problems: list[ConfigError]) -> Hook | None:
     return None if len(problems) > before else Hook(**fields)
 
 
+def _monitor(node: Node, problems: list[ConfigError]) -> Monitor | None:
+    """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
+    section = SECTIONS["monitors[]"]
+    before = len(problems)
+    reader = _Section(node, section, problems, node.path)
+    fields = _read_fields(reader, section, problems)
+    if reader.map is None:
+        if len(problems) == before:
+            problems.append(node.error("expected a mapping with 'unit' or 'command'"))
+        return None
+    unit = fields.get("unit")
+    if len(problems) == before and len(reader.map.entries) != 1:
+        problems.append(node.error("a monitor has exactly one of 'unit' and 'command'"))
+    elif unit is not None and not UNIT_NAME.fullmatch(unit):
+        problems.append(
+            reader.map.entries["unit"].error(
+                f"expected a systemd service name such as 'gpustat.service', got {unit!r}"
+            )
+        )
+    return None if len(problems) > before else Monitor(**fields)
+
+
 _ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], Any]] = {
     "rules[]": _rule,
     "steps[]": _step,
     "hook": _hook,
+    "monitors[]": _monitor,
 }
 
 

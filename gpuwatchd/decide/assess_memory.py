@@ -1,7 +1,8 @@
 """The GPU-level pass: ghost and unaccounted memory, and the driver's refused resets.
 
 This module owns ``ghost_memory`` (memory above the idle baseline that no live process holds,
-with every reason it is not judged one), ``unaccounted_memory``, and the hidden holder a reset
+with every reason it is not judged one; an NVML-only client holding the GPU is no such reason,
+see decide/monitors.py), ``unaccounted_memory``, and the hidden holder a reset
 the driver refused as in use reveals.
 """
 
@@ -14,6 +15,7 @@ from gpuwatchd.model import (
     FindingKind,
     GpuInfo,
 )
+from gpuwatchd.vocabulary import HolderRoleName
 
 __all__ = []
 
@@ -57,7 +59,12 @@ class _MemoryPass(_AssessorState):
         live = [row.entry.pid for row in host.listings[gpu.uuid] if row.status != "dead"]
         if live:
             why_not.append(f"NVML lists live PID(s) {_pids(live)}")
-        holders = [h.pid for h in host.holders_of(gpu) if not host.is_floor(h.pid)]
+        monitors = self.monitors(gpu)
+        holders = [
+            h.pid
+            for h in host.holders_of(gpu)
+            if not host.is_floor(h.pid) and h.pid not in monitors
+        ]
         if holders:
             why_not.append(f"held by PID(s) {_pids(holders)}")
         if not host.full_scan:
@@ -84,6 +91,8 @@ class _MemoryPass(_AssessorState):
                 "margin": detection.ghost_margin,
                 "memory_api": gpu.memory.api if gpu.memory is not None else None,
                 "dead_pids": dead,
+                # NVML-only clients holding it: they block its reset, not this finding
+                "monitors": sorted(monitors),
             },
         )
 
@@ -92,7 +101,12 @@ class _MemoryPass(_AssessorState):
         memory = gpu.memory
         if memory is None or memory.allocated is None or gpu.processes is None:
             return
-        holders = [h.pid for h in host.holders_of(gpu) if not host.is_floor(h.pid)]
+        monitors = self.monitors(gpu)
+        holders = [
+            h.pid
+            for h in host.holders_of(gpu)
+            if not host.is_floor(h.pid) and h.pid not in monitors
+        ]
         if not holders:
             return
         baseline = self.baselines.get(gpu.uuid, self.detection.default_baseline)
@@ -123,6 +137,18 @@ class _MemoryPass(_AssessorState):
                 "holders": holders,
             },
         )
+
+    def monitors(self, gpu: GpuInfo) -> set[int]:
+        """The NVML-only clients holding ``gpu`` (role ``management`` from the holder pass, not
+        infrastructure): they hold no memory, so they neither hide ghost memory nor explain
+        unaccounted memory (decide/monitors.py)."""
+        return {
+            role.pid
+            for role in self.roles
+            if role.gpu == gpu.uuid
+            and role.role is HolderRoleName.MANAGEMENT
+            and not self.host.is_floor(role.pid)
+        }
 
     def assess_driver_refusals(self, refused: Mapping[str, Mapping[str, object]]) -> None:
         """A GPU whose reset the driver refused as in use while no scan saw a holder has a

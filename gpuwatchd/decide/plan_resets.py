@@ -1,8 +1,9 @@
 """The GPU reset gates and the start of a reset.
 
-This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders,
-MIG, pause; then the history gates: a refused incident, cooldown, count per window, circuit
-breaker, one reset in flight) and the ``ResetIntent`` that starts one. Ghost memory inside a
+This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders
+— a monitor, decide/monitors.py, unless ``reset.monitors`` names it —, MIG, pause; then the
+history gates: a refused incident, cooldown, count per window, circuit breaker, one reset in
+flight) and the ``ResetIntent`` that starts one. Ghost memory inside a
 MIG GPU instance passes the same gates, the instance's own (``reset.mig_recovery``, whether it
 can be re-created in place, its own live holders) in place of the GPU's, and the history gates
 of its parent GPU; its intent re-creates the instance (decide/mig_recovery.py).
@@ -11,13 +12,14 @@ of its parent GPU; its intent re-creates the instance (decide/mig_recovery.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
 from gpuwatchd.decide.mig import busy_instances, parent_of
 from gpuwatchd.decide.mig_recovery import InstanceRecovery, instance_blockers, recovery_of
+from gpuwatchd.decide.monitors import describe_monitor, monitor_entry
 from gpuwatchd.decide.plan_intents import (
     ResetIntent,
     _Ctx,
@@ -27,7 +29,7 @@ from gpuwatchd.decide.plan_intents import (
     _Work,
 )
 from gpuwatchd.decide.plan_state import ResetInFlight
-from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.policy import Monitor, Policy
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
     gpu_protected,
@@ -82,6 +84,8 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
             and abs(allocated - held.allocated) >= REFUSAL_MEMORY_CHANGE
         ):
             why = f"its allocated memory changed ({held.allocated} -> {allocated} bytes)"
+        if why is None and not held.in_use:
+            why = _holder_let_go(w, ctx, uuid)
         if why is not None:
             del w.reset_refusals[uuid]
             w.event(
@@ -110,6 +114,21 @@ def _review_unfinished(w: _Work, ctx: _Ctx) -> None:
                 gi=u.gi, why=why)  # fmt: skip
     if len(left) != len(w.state.mig_unfinished):
         w.state = replace(w.state, mig_unfinished=left)
+
+
+def _holder_let_go(w: _Work, ctx: _Ctx, uuid: str) -> str | None:
+    """A reset refused while something held the GPU (a monitor that started during the
+    procedure holds no memory, so its coming and going moves none) is tried again once a live
+    holder was seen on the GPU after the refusal and has let go."""
+    held, gpu = w.reset_refusals[uuid], gpu_by_uuid(ctx.snapshot, uuid)
+    if gpu is None or gpu.mig_enabled is not False:
+        return None  # a MIG GPU: the other instances' users come and go and say nothing
+    holder = _live_holder(gpu, ctx.snapshot, ctx.findings.values(), ctx.policy.reset.monitors)
+    if holder is not None and not held.held:
+        w.reset_refusals[uuid] = replace(held, held=True)
+    elif holder is None and held.held:
+        return "what held the GPU since the refusal has let go"
+    return None
 
 
 def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:
@@ -152,9 +171,28 @@ class ResetGate:
 _HOLDER_KINDS = LIVE_HOLDER
 
 
-def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) -> str | None:
-    for other in sorted(findings, key=lambda f: f.key):
-        if other.kind not in _HOLDER_KINDS or other.gpu is None:
+def _live_holder(
+    gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding], monitors: Sequence[Monitor]
+) -> str | None:
+    ordered = sorted(findings, key=lambda f: f.key)
+    seen: set[int] = set()  # monitors (decide/monitors.py): said last, they may be stoppable
+    blocking: list[str] = []
+    for other in ordered:
+        held = other.evidence.get("gpus")
+        if other.pid is None or other.evidence.get("nvml_only") is not True:
+            continue
+        if gpu.uuid != other.gpu and not (isinstance(held, list) and gpu.uuid in held):
+            continue
+        seen.add(other.pid)
+        proc = snapshot.processes.get(other.pid)
+        if proc is None or monitor_entry(proc, monitors) is None:
+            blocking.append(
+                f"monitor {describe_monitor(other.pid, proc)} holds the GPU: an NVML-only "
+                "client (no context, no memory, no nvidia-uvm); reset.monitors may name it "
+                "for the reset to stop it and bring it back"
+            )
+    for other in ordered:
+        if other.kind not in _HOLDER_KINDS or other.gpu is None or other.pid in seen:
             continue
         if other.gpu != gpu.uuid:
             # One of its MIG GPU instances' own: the driver refused that instance's recovery
@@ -169,7 +207,10 @@ def _live_holder(gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding]) 
             return f"{other.kind.value} pid {other.pid} holds the GPU"
         if other.kind == FindingKind.HIDDEN_HOLDER:  # the driver said so (act/reset.py)
             return "hidden_holder: the driver refused the last reset, in use by another client"
-    return live_holder(snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids)
+    other_holder = live_holder(
+        snapshot.holders, snapshot.processes, gpu.minor, snapshot.self_pids | seen
+    )
+    return other_holder or (blocking[0] if blocking else None)
 
 
 def reset_gates(
@@ -220,7 +261,7 @@ def reset_gates(
     # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
     if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
         gate("nvlink", "NVLink peers must be reset together (Volta, or Ampere with links)")
-    holder = _live_holder(gpu, snapshot, findings)
+    holder = _live_holder(gpu, snapshot, findings, reset.monitors)
     if holder is not None:
         gate("live_holder", f"live holder: {holder}")
     return gates

@@ -109,6 +109,8 @@ class ResetRefusal:
     since: float
     allocated: int | None = None
     dry_run: bool = False
+    # A live holder (a monitor, say) was seen on the GPU since: its letting go is a change.
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ def _dump_state(s: PlanState) -> dict[str, object]:
                 "since": r.since,
                 "allocated": r.allocated,
                 "dry_run": r.dry_run,
+                "held": r.held,
             }
             for gpu, r in s.reset_refusals.items()
         },
@@ -433,6 +436,7 @@ def _load_refusals(value: object) -> dict[str, ResetRefusal]:
             since=_float(e.get("since"), f"{what}.since"),
             allocated=None if allocated is None else _int(allocated, f"{what}.allocated"),
             dry_run=_bool(e.get("dry_run", False), f"{what}.dry_run"),
+            held=_bool(e.get("held", False), f"{what}.held"),
         )
     return refusals
 

@@ -145,6 +145,19 @@ class Protect:
 
 
 @dataclass(frozen=True)
+class Monitor:
+    """A monitor the reset procedure may stop and bring back (``reset.monitors``): an NVML-only
+    client (gpustat, ``nvidia-smi -l``, an exporter) that holds the GPU's device file and owns
+    no context. ``unit``: a system service, ``systemctl stop`` before the final scan and
+    ``systemctl start`` after the reset. ``command``: a process whose command line matches,
+    sent SIGTERM; whatever supervises it starts it again. Exactly one of the two is set
+    (docs/policy.md#reset, decide/monitors.py)."""
+
+    unit: str | None = None
+    command: re.Pattern[str] | None = None
+
+
+@dataclass(frozen=True)
 class ResetPolicy:
     """When and how a GPU is reset (docs/design-notes.md §7). Only ``ghost_memory`` can lead to
     one."""
@@ -171,6 +184,8 @@ class ResetPolicy:
     # On an NVSwitch system, how long a reset waits for the GPU's NVLink fabric registration to
     # reach COMPLETED before the reset counts as done (and the after hooks undrain).
     fabric_timeout: float = 120.0
+    # NVML-only monitors the procedure may stop and bring back; any other blocks the reset.
+    monitors: tuple[Monitor, ...] = ()
 
 
 HEALTH_ACTIONS = ("report", "drain", "reset")

@@ -219,6 +219,14 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("reset: {max_failures: 0}\n", "reset.max_failures", ">= 1"),
         ("reset: {window: 0s}\n", "reset.window", ">= 1m and <= 7d"),
         ("reset: [1]\n", "reset", "expected a mapping"),
+        ("reset: {monitors: [gpustat]}\n", "reset.monitors[0]", "expected a mapping"),
+        ("reset: {monitors: [{}]}\n", "reset.monitors[0]", "exactly one of 'unit' and"),
+        ("reset: {monitors: [{unit: a.service, command: a}]}\n", "reset.monitors[0]", "exactly"),
+        ("reset: {monitors: [{unit: gpustat}]}\n", "reset.monitors[0].unit", "service name"),
+        ("reset: {monitors: [{unit: -a.service}]}\n", "reset.monitors[0].unit", "service name"),
+        ("reset: {monitors: [{command: '(('}]}\n", "reset.monitors[0].command", "regular exp"),
+        ("reset: {monitors: [{name: a}]}\n", "reset.monitors[0].name", "unknown key"),
+        (f"reset: {{monitors: [{'{unit: a.service}, ' * 17}]}}\n", "reset.monitors", "at most 16"),
         ("protect: {users: bob}\n", "protect.users", "expected a list"),
         ("protect: {users: [1000]}\n", "protect.users[0]", "non-empty string"),
         ("protect: {commands: ['((']}\n", "protect.commands[0]", "invalid regular expression"),
@@ -680,6 +688,7 @@ reset:
   command: [/usr/sbin/site-reset, '{pci_bus_id}']
   drain: [{command: [drain, '{minor}'], timeout: 45s}]
   window: 36h
+  monitors: [{unit: gpustat-exporter.service}, {command: '^nvidia-smi -l '}]
 limits: {post_action_delay: 0s}
 detection: {ghost_margin: 300000000}
 on_failure: [[echo, failed]]
@@ -690,6 +699,10 @@ on_failure: [[echo, failed]]
     rendered = render_policy(policy)
     assert "#   10.yaml" in rendered
     assert without_sources(parse(rendered)) == without_sources(policy)
+    assert [(m.unit, m.command and m.command.pattern) for m in policy.reset.monitors] == [
+        ("gpustat-exporter.service", None),
+        (None, "^nvidia-smi -l "),
+    ]
 
 
 # --- StrictModes --------------------------------------------------------------------------------

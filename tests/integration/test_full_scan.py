@@ -278,11 +278,15 @@ def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(
 ) -> None:
     """NVML charges 3 GiB to the dead trainer while its worker still holds the GPU (the common
     orphan case): one full scan finds the worker, then targeted polls follow it, so a ladder
-    against it is not delayed by a full scan on every poll. Once it is gone, scans resume."""
+    against it is not delayed by a full scan on every poll. Once it is gone, scans resume. (It
+    holds nvidia-uvm, as a CUDA process's fork does: an NVML-only holder, a monitor, holds no
+    memory and keeps the scans full, test_memory_beside_a_monitor_keeps_the_scans_full.)"""
     fake_nvml.write(state([gpu(0, allocated=3072 * MIB, processes=[process(dead_pid, 3 << 30)])]))
     node = fake_nvml.devices_dir / "nvidia0"
+    uvm = fake_nvml.devices_dir / "nvidia-uvm"
     node.touch()
-    worker = spawn(hold([str(node)]))
+    uvm.touch()
+    worker = spawn(hold([str(node), str(uvm)]))
     collector_, clock = collector
     assert _poll_modes(collector_, clock, polls=3) == ["first", None, None]
     worker.kill()
@@ -294,6 +298,20 @@ def test_the_inheritors_of_a_dead_trainer_are_followed_not_rescanned_every_poll(
         "unowned_memory",
         "unowned_memory",
     ]
+
+
+def test_memory_beside_a_monitor_keeps_the_scans_full(
+    fake_nvml: FakeNvml, collector: tuple[Collector, list[float]], spawn: Spawn
+) -> None:
+    """A monitor (the GPU's node, no nvidia-uvm, not listed) holds no memory: memory no live
+    process owns beside it is still looked for in all of /proc, every poll, as ghost_memory
+    needs (decide/monitors.py)."""
+    fake_nvml.write(state([gpu(0, allocated=3072 * MIB)]))
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    spawn(hold([str(node)]))
+    collector_, clock = collector
+    assert _poll_modes(collector_, clock, polls=3) == ["first", "unowned_memory", "unowned_memory"]
 
 
 class _CountingProcFS(ProcFS):

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from gpuwatchd.act.reset import ResetStep, ResetTarget, progress_record
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.model import GpuInfo, MigDevice
 from tests.support.fakesmi import FakeSmi
@@ -31,6 +32,8 @@ class FakeEnvironment:
         scan_raises: bool = False,
         instance: str | None = None,
         rereads: Sequence[GpuInfo | Exception | None] | None = None,
+        monitors: Sequence[StoppableMonitor] = (),
+        monitors_left: Sequence[str] = (),
     ) -> None:
         self.smi = smi
         self.released = released
@@ -42,6 +45,9 @@ class FakeEnvironment:
         # What reread_gpu answers (an exception: raises it), in turn, the last one again; None:
         # the planned instance until a -dgi ran, then its placement free (instance_gpu).
         self.rereads = None if rereads is None else list(rereads)
+        self.monitors = list(monitors)  # what find_monitors answers
+        self.monitors_left = list(monitors_left)  # what stop_monitors answers
+        self.ignored: list[frozenset[int]] = []  # final_blockers' ignore, per call
         self.calls: list[str] = []
         self.steps: list[ResetStep] = []
         self.records: list[dict[str, object]] = []
@@ -53,8 +59,19 @@ class FakeEnvironment:
         self.commands_seen_at["stop_nvml"] = self.smi.calls()
         return self.released
 
-    def final_blockers(self, target: ResetTarget) -> list[str]:
+    def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
+        self.calls.append("find_monitors")
+        return list(self.monitors)
+
+    def stop_monitors(
+        self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
+    ) -> list[str]:
+        self.calls.append("stop_monitors " + " ".join(str(m.identity.pid) for m in monitors))
+        return list(self.monitors_left)
+
+    def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
         self.calls.append("final_blockers")
+        self.ignored.append(ignore)
         self.commands_seen_at["final_blockers"] = self.smi.calls()
         if self.scan_raises:
             raise OSError("cannot read /proc")

@@ -544,18 +544,46 @@ def test_ghost_needs_more_than_baseline_plus_margin(allocated: int, expect_ghost
     assert (FindingKind.GHOST_MEMORY in {f.kind for f in result.findings}) is expect_ghost
 
 
-def test_hidden_holder_blocks_ghost() -> None:
-    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2000, ppid=1, holds={0}, uvm=False)
+def test_a_holder_with_nvidia_uvm_blocks_ghost() -> None:
+    builder = HostBuilder().gpu(0, allocated=LEAK).proc(2000, ppid=1, holds={0}, uvm=True)
     result = run(builder.build())
-    assert kinds(result) == [("hidden_holder", 2000), ("unaccounted_memory", None)]
+    assert FindingKind.GHOST_MEMORY not in {f.kind for f in result.findings}
     assert "held by PID(s) 2000" in result.notes[gpu_uuid(0)][0]
+
+
+@pytest.mark.parametrize(
+    ("comm", "cmdline", "via"),
+    [
+        ("gpustat", ("/usr/bin/python3", "/usr/local/bin/gpustat", "--watch"), "fd"),
+        ("nvidia-smi", ("nvidia-smi", "-l", "5"), "fd"),  # a user's: not the floor's
+        ("exporter", ("/opt/exporter/bin/exporter", "--port=9400"), "map"),
+    ],
+)
+def test_a_monitor_beside_leaked_memory_leaves_it_ghost_memory(
+    comm: str, cmdline: tuple[str, ...], via: str
+) -> None:
+    """An NVML-only client (the GPU's node and nvidiactl, no nvidia-uvm, no context, no
+    memory) does not turn memory no live process owns into unaccounted_memory: it is
+    ghost_memory, the monitor a report-only hidden_holder that names it (the reset gate)."""
+    builder = (
+        HostBuilder()
+        .gpu(0, allocated=LEAK)
+        .proc(2000, ppid=1, uid=1000, comm=comm, cmdline=cmdline, holds={0}, via=via, uvm=False)
+    )
+    result = run(builder.build())
+    assert kinds(result) == [("ghost_memory", None), ("hidden_holder", 2000)]
+    ghost = only(result, FindingKind.GHOST_MEMORY)
+    assert ghost.actionable
+    assert ghost.evidence["monitors"] == [2000]
+    monitor = only(result, FindingKind.HIDDEN_HOLDER)
+    assert (monitor.actionable, monitor.evidence["nvml_only"]) == (False, True)
 
 
 @pytest.mark.parametrize(
     ("setup", "why"),
     [
         (lambda b: b.proc(2100, ppid=1, unreadable=True), "2100 could not be read"),
-        (lambda b: b.proc(2101, ppid=1, holds={0}, comm="top"), "held by PID(s) 2101"),
+        (lambda b: b.proc(2101, ppid=1, holds={0}, uvm=True, comm="top"), "held by PID(s) 2101"),
         (lambda b: setattr(b, "scan_mode", "targeted"), "targeted"),
         (lambda b: b.proc(2102, ppid=1).nvml(0, 2102), "NVML lists live PID(s) 2102"),
     ],

@@ -676,7 +676,7 @@ def test_message_ids_are_fixed_128_bit_ids_one_per_event() -> None:
         (
             EventName.RESET_STEP,
             {"gpu": "GPU-1", "step": "final_scan", "status": "clear"},
-            "Reset of GPU-1, step 5/9 final_scan: no other process holds the GPU.",
+            "Reset of GPU-1, step 6/11 final_scan: no other process holds the GPU.",
         ),
         (EventName.TARGET_EXITED, {"pid": 7}, "PID 7 exited (seen through its pidfd)."),
         ("test.event", {"reason": "x\ny"}, "test.event: x\\ny."),

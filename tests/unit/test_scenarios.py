@@ -100,9 +100,10 @@ def test_protected_dcgm() -> None:
 
 def test_reset_blocked_hidden_holder() -> None:
     r = run("reset-blocked-hidden-holder")
-    # Ghost memory is confirmed while nothing holds the GPU, and the reset starts.
+    # Ghost memory is confirmed while nothing holds the GPU, and the reset starts. The probe
+    # (a monitor: no context, no memory) never makes it anything but ghost memory.
     ghost = [e.t for e in r.entries("finding.new") if e.fields["kind"] == "ghost_memory"]
-    assert ghost == [0.0, 300.0]  # found at once; again when the probe has gone
+    assert ghost == [0.0]
     assert [e.t for e in r.entries("reset.due")] == [120.0, 720.0]
     # The probe starts during the drain step, and the final scan refuses, naming it.
     [start] = r.entries("world.start")
@@ -116,23 +117,48 @@ def test_reset_blocked_hidden_holder() -> None:
         ("drain", "ok"),
         ("stop_nvml", "ok"),
         ("before_hooks", "skipped"),
+        ("stop_monitors", "skipped"),  # no reset.monitors
         ("persistence_off", "ok"),
         ("final_scan", "blocked"),
         ("persistence_on", "ok"),  # the undo: persistence mode back on...
+        ("start_monitors", "skipped"),
         ("after_hooks", "ok"),  # ...then the after hook, which resumes the node
     ]
     blocker = "pid 2600 (python) holds the GPU's device file via fd+map"
-    assert first[4].fields["blockers"] == [blocker]
-    assert first[5].fields["argv"][:3] == ["nvidia-smi", "-pm", "1"]  # type: ignore[index]
-    assert "state=resume" in first[6].fields["hooks"][0]  # type: ignore[index]
+    assert first[5].fields["blockers"] == [blocker]
+    assert first[6].fields["argv"][:3] == ["nvidia-smi", "-pm", "1"]  # type: ignore[index]
+    assert "state=resume" in first[8].fields["hooks"][0]  # type: ignore[index]
     refused = r.entries("reset.outcome")[0]
     assert (refused.fields["result"], refused.fields["step"]) == ("refused", "final_scan")
     assert refused.fields["blockers"] == [blocker]
-    # The refusal starts the cooldown (10m): ghost memory is back at +5m, confirmed at +7m,
-    # but the second attempt waits for +12m, and then resets the GPU.
-    assert [e.t for e in r.entries("reset.refused") if e.fields["why"] == "cooldown"] == [420.0]
+    # While the probe holds the GPU the reset waits for it, naming it; its exit at +5m lifts
+    # the refusal, and the cooldown (10m) the refusal started holds the second attempt until
+    # +12m, which resets the GPU.
+    waits = [e for e in r.entries("reset.refused") if "monitor pid 2600" in str(e.fields["why"])]
+    assert [e.t for e in waits] == [125.0]
+    cleared = r.entries("reset.refusal_cleared")
+    assert [(e.t, e.fields["why"]) for e in cleared] == [
+        (300.0, "what held the GPU since the refusal has let go")
+    ]
+    assert [e.t for e in r.entries("reset.refused") if e.fields["why"] == "cooldown"] == [300.0]
     assert [(t, result) for t, _, result in r.resets()] == [(120.0, "refused"), (720.0, "success")]
     assert r.signals() == []
+    assert r.final["open_findings"] == []
+    assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
+
+
+def test_monitor_beside_ghost() -> None:
+    """A monitor never keeps leaked memory from being ghost memory; reset.monitors names it,
+    so the reset stops it (SIGTERM, and the wait until it let go) and resets the GPU."""
+    r = run("monitor-beside-ghost")
+    found = [(e.t, e.fields["kind"]) for e in r.entries("finding.new")]
+    assert found == [(0.0, "ghost_memory"), (0.0, "hidden_holder")]
+    stop = [e for e in r.entries("reset.step") if e.fields["step"] == "stop_monitors"]
+    assert [(e.fields["status"], e.fields["monitors"]) for e in stop] == [
+        ("ok", ["pid 4100 (python3, unit session-2.scope)"])
+    ]
+    assert [result for _t, _gpu, result in r.resets()] == ["success"]
+    assert r.signals() == [], "no kill ladder: a monitor is never a target"
     assert r.final["open_findings"] == []
     assert r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
 

@@ -230,7 +230,7 @@ def test_the_real_reset_procedure_reads_each_scripted_nvidia_smi_answer(
     ]
     # The undo and the after hooks run whatever the result.
     steps = [e.fields["step"] for e in r.entries("reset.step")]
-    assert steps[-2:] == ["persistence_on", "after_hooks"]
+    assert steps[-3:] == ["persistence_on", "start_monitors", "after_hooks"]
     freed = r.final["gpus"][0]["allocated"] == r.final["gpus"][0]["idle"]  # type: ignore[index]
     assert freed is (result == "success")
 

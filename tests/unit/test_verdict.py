@@ -302,9 +302,10 @@ def test_ghost_memory_is_dirt() -> None:
     assert kinds(verdict.gpus[0]) == ["ghost_memory"]
 
 
-def test_memory_not_back_is_dirt_even_when_a_monitor_hides_it_from_ghost_detection() -> None:
-    """A monitor holding the GPU keeps assess from calling leftover memory ghost_memory (it is
-    a holder), and it is below the unaccounted margin; the memory is still not back."""
+def test_ghost_memory_beside_a_monitor_is_dirt_a_reset_frees_and_the_monitor_blocks() -> None:
+    """A monitor (gpustat: the GPU's node, no nvidia-uvm, no context) holds no memory: what
+    no live process owns is ghost_memory beside it, as beside dcgm-exporter (dirty, and a
+    reset frees it); the monitor is named as what would block that reset, never as dirt."""
     snapshot = (
         HostBuilder()
         .gpu(0, allocated=600 * MIB)
@@ -312,9 +313,19 @@ def test_memory_not_back_is_dirt_even_when_a_monitor_hides_it_from_ghost_detecti
         .build()
     )
     verdict = verdict_of(snapshot)
-    assert kinds(verdict.gpus[0]) == ["leftover_memory"]
+    assert kinds(verdict.gpus[0]) == ["ghost_memory"]
     assert "600 MiB allocated" in verdict.gpus[0].reasons[0].text
     assert blockers(verdict.gpus[0]) == [900]
+
+
+def test_memory_not_back_is_dirt_even_when_a_targeted_scan_keeps_it_from_ghost_detection() -> None:
+    """A targeted holder scan keeps assess from calling leftover memory ghost_memory; the
+    memory is still not back."""
+    builder = HostBuilder().gpu(0, allocated=600 * MIB)
+    builder.scan_mode = "targeted"
+    verdict = verdict_of(builder.build())
+    assert kinds(verdict.gpus[0]) == ["leftover_memory"]
+    assert "600 MiB allocated" in verdict.gpus[0].reasons[0].text
 
 
 def test_memory_within_the_margin_of_the_baseline_is_clean() -> None:
@@ -655,12 +666,13 @@ def test_a_reset_the_driver_refused_as_in_use_leaves_the_gpu_dirty_and_run_once_
 
 
 def test_memory_one_mib_past_the_margin_beside_a_holder_is_dirt_and_at_it_is_not() -> None:
-    """With a monitor holding the GPU no idle baseline is learned: the default one counts, and
-    the margin itself is still clean."""
+    """Beside a targeted holder scan no idle baseline is learned (and no ghost_memory
+    judged): the default baseline counts, and the margin itself is still clean."""
     at = Detection().default_baseline + Detection().ghost_margin
-    monitor = HostBuilder().proc(900, comm="gpustat", holds={0}, uvm=False)
-    assert verdict_of(monitor.gpu(0, allocated=at).build()).clean is True
-    over = verdict_of(monitor.gpu(0, allocated=at + MIB).build())
+    beside = HostBuilder()
+    beside.scan_mode = "targeted"
+    assert verdict_of(beside.gpu(0, allocated=at).build()).clean is True
+    over = verdict_of(beside.gpu(0, allocated=at + MIB).build())
     assert kinds(over.gpus[0]) == ["leftover_memory"]
     assert "above its default idle baseline" in over.gpus[0].reasons[0].text
 
@@ -688,13 +700,9 @@ def test_memory_with_an_unknown_figure_is_noted_never_judged(
 
 
 def test_our_own_nvml_worker_listed_by_nvml_accounts_for_no_memory() -> None:
-    snapshot = (
-        HostBuilder(self_pids=frozenset({4242}))
-        .gpu(0, allocated=600 * MIB)
-        .proc(900, comm="gpustat", holds={0}, uvm=False)
-        .nvml(0, 4242, used=600 * MIB)
-        .build()
-    )
+    builder = HostBuilder(self_pids=frozenset({4242}))
+    builder.scan_mode = "targeted"  # no ghost_memory judged: the verdict's own memory check
+    snapshot = builder.gpu(0, allocated=600 * MIB).nvml(0, 4242, used=600 * MIB).build()
     assert kinds(verdict_of(snapshot).gpus[0]) == ["leftover_memory"]
 
 

@@ -1,0 +1,113 @@
+"""Monitors: NVML-only clients, which block a reset but never hide ghost memory.
+
+A monitor (gpustat, ``nvidia-smi -l``, a third-party exporter) holds ``nvidiactl`` and the GPU's
+device file, owns no context, has no memory and does not hold ``nvidia-uvm``: it cannot be what
+keeps memory allocated, so memory no live process owns is ``ghost_memory`` beside it
+(decide/assess_memory.py). It is never a kill target. What it changes is the reset: while it
+holds the GPU's device file the driver refuses one, so it blocks the reset with a reason that
+names it, unless ``reset.monitors`` names it, and the reset procedure stops it and brings it
+back (act/reset.py): a systemd unit by ``systemctl stop``/``start``, a process by SIGTERM (its
+supervisor starts it again).
+
+This module owns which ``reset.monitors`` entry names a process (:func:`monitor_entry`), the
+words that name a monitor (:func:`describe_monitor`) and which holders of a GPU the procedure
+stops (:func:`monitors_to_stop`). Pure: no I/O, no clock, no logging.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.decide.floor import is_infrastructure, system_cgroup
+from gpuwatchd.decide.patterns import command_search
+from gpuwatchd.decide.policy import Monitor
+from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo
+
+__all__ = [
+    "MAX_MONITORS",
+    "UNIT_NAME",
+    "StoppableMonitor",
+    "describe_monitor",
+    "monitor_entry",
+    "monitors_to_stop",
+]
+
+MAX_MONITORS = 16  # reset.monitors: more on one GPU node is a mistake
+# A unit entry's name: a system service, handed to ``systemctl stop`` as one argument (never
+# an option: it starts with a letter, digit or underscore).
+UNIT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9:_.\\@-]{0,246}\.service")
+
+
+@dataclass(frozen=True)
+class StoppableMonitor:
+    """One holder of the GPU that the reset procedure may stop: who, and by which entry."""
+
+    identity: ProcessIdentity
+    entry: Monitor
+    who: str  # :func:`describe_monitor`'s words
+
+
+def monitor_entry(proc: ProcessInfo, monitors: Sequence[Monitor]) -> Monitor | None:
+    """The first ``reset.monitors`` entry that names ``proc``, or None.
+
+    A ``unit`` entry names a process that runs in that systemd unit's system cgroup (only root
+    can place a process there); a ``command`` entry one whose command line matches. A process
+    of a Slurm job is the job's, never stopped; an unknown cgroup or command line names nothing.
+    """
+    cgroup = proc.cgroup
+    if cgroup is None or cgroup.slurm_job is not None:
+        return None
+    for entry in monitors:
+        if entry.unit is not None:
+            if cgroup.systemd_unit == entry.unit and system_cgroup(cgroup) is True:
+                return entry
+        elif (
+            entry.command is not None
+            and proc.cmdline is not None
+            and command_search(entry.command, " ".join(proc.cmdline)) is True
+        ):
+            return entry
+    return None
+
+
+def describe_monitor(pid: int, proc: ProcessInfo | None) -> str:
+    """``pid 4100 (gpustat, unit gpustat.service)``: what a reset refusal names."""
+    name = proc.comm if proc is not None and proc.comm else "?"
+    unit = proc.cgroup.systemd_unit if proc is not None and proc.cgroup is not None else None
+    return f"pid {pid} ({name}{f', unit {unit}' if unit else ''})"
+
+
+def monitors_to_stop(
+    holders: HolderScan,
+    processes: Mapping[int, ProcessInfo],
+    minor: int | None,
+    *,
+    self_pids: frozenset[int],
+    context_owners: Collection[int],
+    monitors: Sequence[Monitor],
+) -> list[StoppableMonitor]:
+    """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops.
+
+    Each is NVML-only as far as the scan and the last NVML reading tell (holds no
+    ``nvidia-uvm``, is not in ``context_owners``, the PIDs NVML listed), not infrastructure,
+    not a zombie or in D state, of known identity, and named by an entry of ``monitors``.
+    Anything else that holds the GPU is left for the final scan, which refuses the reset.
+    """
+    found: list[StoppableMonitor] = []
+    if minor is None or not monitors:
+        return found
+    for holding in holders.holders_of(minor):
+        pid = holding.pid
+        proc = processes.get(pid)
+        if pid in self_pids or holding.uvm or pid in context_owners or proc is None:
+            continue
+        if proc.identity is None or proc.is_zombie or proc.is_uninterruptible:
+            continue
+        if is_infrastructure(proc):
+            continue
+        entry = monitor_entry(proc, monitors)
+        if entry is not None:
+            found.append(StoppableMonitor(proc.identity, entry, describe_monitor(pid, proc)))
+    return sorted(found, key=lambda m: m.identity.pid)

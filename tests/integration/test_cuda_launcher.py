@@ -21,7 +21,10 @@ import yaml
 from tests.support.gpucoreloop import (
     LAUNCHER,
     LAUNCHER_NO_CUDA,
+    MiB,
+    RealGpus,
     build_fakecuda,
+    bus_key,
     core_loop_policy,
     launcher_argv,
     rule_pattern,
@@ -169,3 +172,23 @@ def test_the_core_loop_policy_passes_check_config(
     assert policy["dry_run"] is False
     assert policy["reset"]["enabled"] is False
     assert policy["health"]["enabled"] is False
+
+
+def test_the_real_readings_parse_what_nvidia_smi_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RealGpus reads memory and PIDs through nvidia-smi's CSV (a stand-in prints it here)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "--query-gpu=*) printf '00000000:17:00.0, 1234\\n00000000:3B:00.0, 5\\n' ;;\n"
+        "--query-compute-apps=*) printf '4242\\n[N/A]\\n77\\n' ;;\n"
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gpus = RealGpus()
+    assert gpus.memory() == {"0000:17:00.0": 1234 * MiB, "0000:3b:00.0": 5 * MiB}
+    assert gpus.listed() == {4242, 77}
+    assert bus_key("0000:3B:00.0") == bus_key("00000000:3b:00.0") == "0000:3b:00.0"

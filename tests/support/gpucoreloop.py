@@ -287,7 +287,6 @@ def _run(side: RealGpus | FakeGpus, arg: Mapping[str, Any], root: Path) -> dict[
     config.write_text(yaml.safe_dump(policy, sort_keys=False))
     log = root / "daemon.log"
     env = side.env()
-    before = side.memory()
     with open(log, "w", encoding="utf-8") as out:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "gpuwatchd", "run", "--config", str(config)],
@@ -299,6 +298,7 @@ def _run(side: RealGpus | FakeGpus, arg: Mapping[str, Any], root: Path) -> dict[
         if _until(lambda: _holders(state) is not None, BOUNDS["daemon"], time.monotonic()) is None:
             record["failed"] = "the daemon published no clean holder view"
             return record
+        before = side.memory()  # with the daemon's NVML worker up, as it stays
         with open(root / "launcher.err", "w", encoding="utf-8") as err:
             launcher = subprocess.Popen(
                 launcher_argv(tag, mib=mib, api=api),
@@ -321,6 +321,11 @@ def _run(side: RealGpus | FakeGpus, arg: Mapping[str, Any], root: Path) -> dict[
         record["report"] = report
         side.launched(report)
         bus = bus_key(report["pci_bus_id"])
+        if bus not in before:
+            record["failed"] = (
+                f"the launcher's GPU {bus} is not among nvidia-smi's {sorted(before)}"
+            )
+            return record
         if _until(lambda: owner in side.listed(), 10.0, time.monotonic()) is None:
             record["namespace_unusable"] = (
                 f"NVML does not list the launcher as PID {owner}: the driver reports PIDs of "

@@ -10,6 +10,13 @@ appears with its PID and memory; after its launcher dies while a forked worker k
 inherited device files, scan reports what docs/design-notes.md §4 predicts, and the test records
 what the real driver lists for the dead owner (docs/architecture.md, testing without a GPU; the
 documentation disagrees on it).
+
+The core loop (docs/design-notes.md, "The core loop on a real GPU"): a daemon in enforce mode,
+whose only rule matches this run's own CUDA launcher, sees the launcher die, signals its forked
+worker as ``orphaned``, and nvidia-smi shows the memory back, within bounded times
+(tests/support/gpucoreloop.py; the same scenario runs on the fake host in
+tests/system/test_core_loop_fake.py). Resets stay off. Where MIG is available, the real
+``mig-minors`` file is parsed and the instance profiles listed, read-only.
 """
 
 from __future__ import annotations
@@ -22,10 +29,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
+from tests.support.gpucoreloop import assert_core_loop, core_loop
+from tests.support.simhost import pid_namespace_command, run_in_pid_namespace
 
 pytestmark = pytest.mark.gpu
 
@@ -62,8 +74,23 @@ def _torch_cuda() -> str | None:
     return None if probe.returncode == 0 else "PyTorch with CUDA is not importable here"
 
 
+def _libcuda() -> str | None:
+    """Why the CUDA driver library cannot be loaded here (a child tries; this process never
+    loads it), or None when it can."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ctypes; ctypes.CDLL('libcuda.so.1')"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return None if probe.returncode == 0 else "libcuda.so.1 cannot be loaded"
+
+
 SKIP_DRIVER = _real_driver()
 needs_driver = pytest.mark.skipif(SKIP_DRIVER is not None, reason=SKIP_DRIVER or "")
+SKIP_CUDA = SKIP_DRIVER or _libcuda()
+needs_cuda = pytest.mark.skipif(
+    SKIP_CUDA is not None,
+    reason=f"no NVIDIA GPU/driver: libcuda.so.1 / NVML not found ({SKIP_CUDA})",
+)
 
 
 def scan_json(tmp_path: Path) -> dict[str, Any]:
@@ -336,3 +363,99 @@ def _scan(config: Path, *extra: str) -> dict[str, Any]:
     assert result.returncode in (0, 77), result.stderr
     data: dict[str, Any] = json.loads(result.stdout)
     return data
+
+
+def _record(name: str, record: Mapping[str, Any]) -> None:
+    """What the real driver did, printed and (on a lent machine) written to ``$OUT``."""
+    print(f"real-driver observation ({name}): {json.dumps(record)}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(json.dumps(record, indent=2))
+
+
+@needs_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["driver", "torch"])
+def test_the_daemon_frees_the_memory_a_dead_cuda_launchers_worker_pins(
+    tmp_path: Path, api: str
+) -> None:
+    """The mission on a real driver: enforce mode, only this run's tag, resets off.
+
+    Run in a PID namespace of its own where the driver reports PIDs as that namespace sees
+    them; where it does not (NVML lists the launcher under another PID), the same scenario runs
+    in the host's namespace, where the rule's tag, the kill cap of two and the pidfd-pinned
+    identities keep it to this test's two processes.
+    """
+    if api == "torch" and (reason := _torch_cuda()):
+        pytest.skip(reason)
+    enabled = [row[0] for row in smi("gpu", "index,mig.mode.current") if row[1] == "Enabled"]
+    if enabled:
+        pytest.skip(f"MIG mode on GPU(s) {enabled}: the core loop needs a whole GPU")
+    arg = {"mode": "real", "tag": f"gputest{os.getpid()}{api}", "api": api}
+    record: dict[str, Any] | None = None
+    if pid_namespace_command() is not None:
+        (tmp_path / "ns").mkdir()
+        record = run_in_pid_namespace(
+            "tests.support.gpucoreloop:core_loop", arg, root=tmp_path / "ns", timeout=420
+        )
+    if record is None or "namespace_unusable" in record:
+        first = record.get("namespace_unusable") if record else "no PID namespace here"
+        (tmp_path / "host").mkdir()
+        record = core_loop(arg, tmp_path / "host")
+        record["namespace_tried"] = first
+    _record(f"gpu-core-loop-{api}", {k: v for k, v in record.items() if k != "log_tail"})
+    if "skip" in record:
+        pytest.skip(record["skip"])
+    assert_core_loop(record)
+
+
+def _mig_available() -> dict[str, str]:
+    """``mig.mode.current`` per GPU index, for the GPUs that support MIG at all."""
+    rows = smi("gpu", "index,mig.mode.current")
+    return {row[0]: row[1] for row in rows if row[1] in ("Enabled", "Disabled")}
+
+
+@needs_driver
+def test_mig_minors_and_instance_profiles_are_read_read_only(tmp_path: Path) -> None:
+    """Where MIG is available: the driver's real ``mig-minors`` file parses with the daemon's
+    parser and names every MIG-capable GPU's minor; ``nvidia-smi mig -lgip`` lists the
+    instance profiles (a listing, never a change); each GPU instance scan reports sits in the
+    table and has one of the listed profiles. Nothing is created or destroyed."""
+    modes = _mig_available()
+    if not modes:
+        pytest.skip("MIG is not available on these GPUs (mig.mode.current is N/A)")
+    table, why = read_mig_minors(DEFAULT_MIG_MINORS_FILE)
+    assert why is None, why
+    assert table is not None
+    capabilities = set(table.values())
+    report = scan_json(tmp_path)
+    listing = subprocess.run(
+        ["nvidia-smi", "mig", "-lgip"], capture_output=True, text=True, timeout=60, check=False
+    )
+    record: dict[str, Any] = {
+        "mig_modes": modes,
+        "capabilities": len(capabilities),
+        "gpu_minors": sorted({c.gpu_minor for c in capabilities}),
+        "lgip_exit": listing.returncode,
+        "lgip": listing.stdout[-4000:],
+        "instances": [],
+    }
+    try:
+        for entry in report["gpus"]:
+            if str(entry["index"]) not in modes:
+                continue
+            assert any(c.gpu_minor == entry["minor"] for c in capabilities), entry["minor"]
+            for instance in entry.get("mig_instances") or []:
+                record["instances"].append(
+                    {k: instance.get(k) for k in ("gi", "ci", "profile", "placement")}
+                )
+                assert (entry["minor"], instance["gi"]) in {
+                    (c.gpu_minor, c.gi) for c in capabilities if c.ci is None
+                }
+                if instance.get("profile"):
+                    assert f"MIG {instance['profile']}" in listing.stdout, instance["profile"]
+        if "Enabled" in modes.values():
+            assert listing.returncode == 0, listing.stderr
+            assert "MIG " in listing.stdout
+    finally:
+        _record("gpu-mig-read-only", record)

@@ -139,6 +139,7 @@ class Daemon:
             clock=clock,
             wall_clock=wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
+            kernel_log=not once,
         )
         self.procfs, self.nvml, self.collector = (
             self.host.procfs,

@@ -62,6 +62,14 @@ def host_kernel_xids(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.kernel_xid(0, 31, f"pid={job}, name={comm}, MMU Fault")
         run.wait_for(lambda: run.saw("health.xid", xid=31), timeout=30)
         time.sleep(2)  # ten polls: a late duplicate would be counted by now
+        # A reload cannot switch the kernel log off: it is opened at start.
+        dropins = run.config.parent / "conf.d"
+        dropins.mkdir(exist_ok=True)
+        (dropins / "50-kernel-log.yaml").write_text("health:\n  kernel_log: 'off'\n")
+        os.kill(run.proc.pid, signal.SIGHUP)
+        run.wait_for(lambda: run.saw("config.reload_partial"), timeout=30)
+        host.kernel_xid(0, 43, "after the reload")
+        run.wait_for(lambda: run.saw("health.xid", xid=43), timeout=30)
         info = ProcFS("/proc").read_process(job)
         alive = host.alive(job)
         os.kill(job, signal.SIGTERM)  # ours: the test started it
@@ -134,3 +142,9 @@ def test_an_xid_seen_by_nvml_and_the_kernel_log_counts_once(played: dict[str, An
     assert sum(e["count"] for e in said) == 1
     (gpu_state,) = [g for g in played["health"].values() if "31" in g["xids"]]
     assert gpu_state["xids"]["31"][0] == 1
+
+
+def test_a_reload_keeps_the_kernel_log_the_daemon_started_with(played: dict[str, Any]) -> None:
+    partial = [e for e in played["events"] if e.get("event") == "config.reload_partial"]
+    assert [e["needs_restart"] for e in partial] == [["health.kernel_log"]]
+    assert len(xid_events(played, 43)) == 1  # still read after the reload

@@ -66,6 +66,7 @@ def host_kernel_xids(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         dropins = run.config.parent / "conf.d"
         dropins.mkdir(exist_ok=True)
         (dropins / "50-kernel-log.yaml").write_text("health:\n  kernel_log: 'off'\n")
+        assert run.proc is not None
         os.kill(run.proc.pid, signal.SIGHUP)
         run.wait_for(lambda: run.saw("config.reload_partial"), timeout=30)
         host.kernel_xid(0, 43, "after the reload")

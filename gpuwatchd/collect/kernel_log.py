@@ -82,7 +82,8 @@ _XID = re.compile(
     r"(?P<xid>[0-9]{1,5})(?:, (?P<rest>.*))?"
 )
 _PID = re.compile(r"pid=(?:(?P<pid>[0-9]{1,7})|'?<unknown>'?)")
-_NAME = re.compile(r"name=(?P<name><unknown>|[^,\s]{1,64})")
+# A comm may hold spaces ("Web Content") or commas: up to the next ", ", printable, short.
+_NAME = re.compile(r"name=(?P<name>.{1,64})")
 # /dev/kmsg: "prio,seq,usec,flags[,more];message" (Documentation/ABI/testing/dev-kmsg).
 _KMSG = re.compile(r"(?P<prio>[0-9]{1,4}),[0-9]{1,20},(?P<usec>[0-9]{1,20}),[^;]{0,64};(?P<m>.*)")
 # journalctl -o short-monotonic: "[  123.456789] host kernel: message".

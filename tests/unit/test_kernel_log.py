@@ -44,6 +44,12 @@ from gpuwatchd.model import CgroupInfo, ProcessInfo
             "NVRM: Xid (PCI:00000001:17:00.0): 95, pid=9, name=a, x",
             XidLine("00000001:17:00", 95, 9, "a", "x"),
         ),
+        (
+            "NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=Web Content, SM",
+            XidLine("0000:17:00", 13, 8, "Web Content", "SM"),
+        ),
+        ("NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=, SM", None),
+        ("NVRM: Xid (PCI:0000:17:00): 13, pid=8, name=" + "n" * 65 + ", SM", None),
         ("NVRM: Xid (PCI:0000:17:00): 95, pid=12x, name=a, x", None),  # malformed pid
         ("NVRM: Xid (PCI:0000:17:00): 95, pid=0, name=a, x", None),  # no such process
         ("NVRM: Xid (PCI:0000:17:00): 95, pid=99999999, name=a, x", None),  # past pid_max

@@ -151,6 +151,8 @@ def merge_sources(
             counted.append(Occurrence(run.xid, run.count - matched, run.first, run.last))
             fresh = min(run.count - matched, MAX_SIGHTINGS)
             pending.extend(Sighting(run.xid, run.last, KERNEL) for _ in range(fresh))
+            if len(pending) > 2 * MAX_SIGHTINGS:  # bounded while merging, not only after
+                del pending[:-MAX_SIGHTINGS]
         if run.xid in new_details or len(new_details) < MAX_XID_KINDS:
             new_details[run.xid] = XidDetail(
                 pid=run.pid,

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuwatchd.collect.kernel_log import (
     MAX_LINE,
@@ -182,3 +184,18 @@ def test_an_unreadable_source_is_said_once_and_reads_nothing(tmp_path: Path) -> 
 
 def test_off_reads_nothing() -> None:
     assert KernelLog("off").read() == ()
+
+
+XID_PREFIX = "NVRM: Xid (PCI:0000:17:00): "
+
+
+@given(st.text(max_size=300), st.sampled_from(["", XID_PREFIX, XID_PREFIX + "13, pid="]))
+def test_no_line_makes_the_parsers_raise(text: str, prefix: str) -> None:
+    line = parse_xid(prefix + text)
+    if line is not None:
+        assert 0 <= line.xid <= 99999
+        assert line.pid is None or 0 < line.pid <= 4194304
+        assert line.process is None or (line.process.isprintable() and len(line.process) <= 64)
+        assert line.text.isprintable()
+    parse_kmsg_record(prefix + text)
+    parse_journal_record(prefix + text)

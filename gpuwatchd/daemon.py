@@ -139,6 +139,7 @@ class Daemon:
             clock=clock,
             wall_clock=wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
+            kernel_log=not once,
         )
         self.procfs, self.nvml, self.collector = (
             self.host.procfs,
@@ -480,9 +481,17 @@ class Daemon:
             self.policy_rejected = None
             fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
             changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
+            kernel_log = self.policy.health.kernel_log  # opened at start (collect/kernel_log.py)
+            if new.health.kernel_log != kernel_log:
+                new = dataclasses.replace(
+                    new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
+                )
+                changed.append("health.kernel_log")
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
-                new = dataclasses.replace(new, **{k: getattr(self.policy, k) for k in changed})
+                new = dataclasses.replace(
+                    new, **{k: getattr(self.policy, k) for k in changed if k in fixed}
+                )
             self._save_accepted(new)
             before = self.policy
             self.engine.policy = self._effective(new)  # the one place the policy is held

@@ -213,6 +213,8 @@ class Engine:
         )
         state.assess = assessment.state
         self.last_assessment = assessment
+        for notice in assessment.xid_notices:  # decide/xid_sources.py: floods said once
+            self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
         self.last_verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
         )

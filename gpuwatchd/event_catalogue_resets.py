@@ -2,7 +2,8 @@
 
 This module owns the part of :data:`gpuwatchd.event_catalogue.CATALOGUE` about one GPU's
 reset (and a MIG GPU instance's re-creation, the same events naming the instance) and the
-health drain around it: ``reset.*``, ``health.drain_*`` and ``gpu.needs_reboot``. The events of
+health drain around it: ``reset.*``, ``health.drain_*`` and ``gpu.needs_reboot``; and the
+Xids the health findings are made of (``health.xid``, ``kernel_log.*``). The events of
 one reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
 and number their steps, so the journal of a reset reads as one story. Pure: no I/O.
 """
@@ -261,5 +262,40 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
         ERROR,
         "reason",
         lambda s: f"An interrupted reset could not be resumed{s.why('reason')}.",
+    ),
+    # the kernel log's Xids (collect/kernel_log.py, decide/xid_sources.py)
+    EventName.HEALTH_XID: spec(
+        INFO,
+        "gpu xid xid_name xid_action count first last sources repeated before_start pid process"
+        " job driver_text",
+        lambda s: (
+            f"Xid {s('xid')} ({s('xid_name')}) on {s.gpu()}, {s('count')} time(s)"
+            + (" since it was last said" if s.f.get("repeated") is True else "")
+            + (", logged before the daemon started" if s.f.get("before_start") is True else "")
+            + (
+                f", triggered by {s.names.process(s.f.get('pid'), s.f.get('process'))}"
+                if s.has("pid")
+                else ""
+            )
+            + (f" of job {s('job')}" if s.has("job") else "")
+            + f": {s('xid_action')}."
+        ),
+        WARNING,
+    ),
+    EventName.KERNEL_LOG_UNAVAILABLE: spec(
+        WARNING,
+        "source why retry_in",
+        lambda s: (
+            f"The kernel log ({s('source')}) cannot be read{s.why()}; Xids come from NVML"
+            f" alone until it can (tried again in {s.seconds('retry_in')})."
+        ),
+    ),
+    EventName.KERNEL_LOG_DROPPED: spec(
+        WARNING,
+        "lines kept",
+        lambda s: (
+            f"The kernel log had {s('lines')} Xid line(s) that were not counted: more distinct"
+            f" Xids, GPUs and processes in one poll than are kept ({s('kept')})."
+        ),
     ),
 }

@@ -310,6 +310,33 @@ class XidEvent:
 
 
 @dataclass(frozen=True)
+class KernelXid:
+    """Xid lines of the kernel log (``collect/kernel_log.py``): one GPU, one Xid number, one
+    process, read in one poll; a run of the same lines is folded into one, with its count.
+
+    ``pci`` is the PCI address as the kernel prints it (``0000:17:00``); ``first``/``last`` the
+    wall times of the first and last line folded in, ``position`` the last line's kernel
+    timestamp (microseconds since boot: where a restarted daemon resumes). ``before_start``:
+    the lines were logged before the daemon started. ``pid``/``process`` are what the driver
+    printed (None when it printed none); ``job`` the process's job (its cgroup's job key) when
+    it still lives, was started before the Xid, and goes by that name; ``text`` the rest of
+    the first line, cut short.
+    """
+
+    pci: str
+    xid: int
+    first: float
+    last: float
+    position: int
+    count: int = 1
+    before_start: bool = False
+    pid: int | None = None
+    process: str | None = None
+    job: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class GpuHealth:
     """The health fields of one GPU in one poll (docs/findings.md#gpu-health).
 
@@ -519,6 +546,8 @@ class Snapshot:
     # /etc/subuid (collect/subids.py): the sub-uid ranges users own (rootless containers run
     # their users there); the kill cap counts such a process against the range's owner.
     subuid_ranges: tuple[SubIdRange, ...] = ()
+    # Xids read from the kernel log this poll (collect/kernel_log.py), health.kernel_log.
+    kernel_xids: tuple[KernelXid, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
         for gpu in self.nvml.gpus:

@@ -135,6 +135,7 @@ class EventName(_Name):
     HEALTH_DRAIN_STARTED = "health.drain_started"
     HEALTH_DRAIN_WAITING = "health.drain_waiting"
     HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
+    HEALTH_XID = "health.xid"  # decide/xid_sources.py: an Xid, once per window with its count
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
@@ -183,6 +184,9 @@ class EventName(_Name):
     # inheritance evidence (collect/inherit.py)
     COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
     COLLECT_THREAD_TABLES_UNREAD = "collect.thread_tables_unread"  # collect/holders.py budget
+    # the kernel log's Xids (collect/kernel_log.py)
+    KERNEL_LOG_UNAVAILABLE = "kernel_log.unavailable"
+    KERNEL_LOG_DROPPED = "kernel_log.dropped"
     # NVML (collect/nvml.py)
     NVML_UNAVAILABLE = "nvml.unavailable"
     NVML_WEDGED = "nvml.wedged"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.act.signals import Signaller
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
+from gpuwatchd.collect.kernel_log import KernelLog
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.policy import Policy
@@ -55,6 +56,8 @@ class RealHost:
         self.collector.detection = policy.detection
 
     def close(self) -> None:
+        if self.collector.kernel_log is not None:
+            self.collector.kernel_log.close()
         self.signaller.close()
         self.nvml.close()
         self.device_watch.close()
@@ -68,11 +71,13 @@ def build_real_host(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     ended_by_scheduler: Mapping[str, int | None] | None = None,
+    kernel_log: bool = False,
 ) -> RealHost:
     """Build the real host for ``policy``. ``on_device_event``: called before the device
     watch's queued events are read (the daemon marks its published holder view dirty; False
     closes the watch). ``ended_by_scheduler``: the jobs ``run --once
-    --ended-job`` was told of (job -> when it was said, in boot ticks)."""
+    --ended-job`` was told of (job -> when it was said, in boot ticks). ``kernel_log``: read
+    the kernel log's Xids (``health.kernel_log``; the daemon, not ``run --once``)."""
     procfs = procfs_for(policy)
     nvml = NvmlClient(policy.nvml_timeout, env=nvml_env)
     collector = Collector(
@@ -86,6 +91,16 @@ def build_real_host(
         wall_clock=wall_clock,
         ended_by_scheduler={} if ended_by_scheduler is None else ended_by_scheduler,
         mig_minors_file=policy.mig_minors_file,
+        kernel_log=(
+            KernelLog(
+                policy.health.kernel_log,
+                read_process=procfs.read_process,
+                clock=clock,
+                wall_clock=wall_clock,
+            )
+            if kernel_log
+            else None
+        ),
     )
     signaller = Signaller(policy.proc_root)
     host = RealHost(

@@ -38,6 +38,7 @@ from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
+from gpuwatchd.collect.kernel_log import KernelLog
 from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS, StatFields
@@ -122,6 +123,8 @@ class Collector:
     mig_minors_file: str = DEFAULT_MIG_MINORS_FILE
     # Sub-uid ranges for the kill cap (collect/subids.py); path None: not read
     subuids: SubUidFile = field(default_factory=SubUidFile)
+    # Xids of the kernel log (collect/kernel_log.py); None: not read (one-shot commands)
+    kernel_log: KernelLog | None = None
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
@@ -209,6 +212,9 @@ class Collector:
         if any(gpu.mig_enabled for gpu in reading.gpus):
             mig_caps, mig_caps_error = read_mig_minors(self.mig_minors_file)
 
+        # Read only while NVML names the GPUs: a line of a GPU not known yet stays unread.
+        kernel_xids = () if self.kernel_log is None or not reading.gpus else self.kernel_log.read()
+
         return Snapshot(
             monotonic=now,
             wall_time=self.wall_clock(),
@@ -229,6 +235,7 @@ class Collector:
             mig_caps=mig_caps,
             mig_caps_error=mig_caps_error,
             subuid_ranges=self.subuids.ranges(),
+            kernel_xids=kernel_xids,
         )
 
     def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:

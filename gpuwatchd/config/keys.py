@@ -430,6 +430,9 @@ def _same(value: Any) -> object:
 BOOL = Value(_read_bool, _same)
 STRING = Value(_read_string, _same)
 ABS_PATH = Value(_read_abs_path, _same)
+KERNEL_LOG = Value(
+    lambda n: s if (s := _read_string(n)) in ("journal", "off") else _read_abs_path(n), _same
+)
 STRINGS = list_of(STRING)
 REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
 REGEXES = list_of(REGEX)
@@ -597,6 +600,7 @@ SECTIONS: dict[str, Section] = {
                 "xid_63": one_of(XID_63_CHOICES),
                 "xid_94": one_of(XID_94_CHOICES),
                 "fabric_stuck_after": duration("1m", "1d"),
+                "kernel_log": KERNEL_LOG,  # journal, off, or a file in /dev/kmsg's format
             },
         ),
         section_of(

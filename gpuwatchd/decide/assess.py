@@ -107,6 +107,7 @@ def with_health(
         result,
         findings=result.findings + health.findings,
         state=replace(result.state, health=health.state),
+        xid_notices=health.xid_notices,
     )
 
 

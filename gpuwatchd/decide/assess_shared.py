@@ -25,6 +25,7 @@ from gpuwatchd.decide.baselines import (
 )
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.policy import Detection
+from gpuwatchd.decide.xid_sources import XidNotice
 from gpuwatchd.model import (
     MIB,
     Finding,
@@ -74,6 +75,8 @@ class Assessment:
     report_only: Mapping[str, str]
     state: AssessState
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Xids to say this poll (decide/xid_sources.py): one health.xid event each.
+    xid_notices: tuple[XidNotice, ...] = ()
 
 
 def _dead_pid_explained(

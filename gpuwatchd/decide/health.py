@@ -35,10 +35,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpuwatchd.decide import fabric, kinds
-from gpuwatchd.decide.health_state import MAX_XID_KINDS, GpuHealthState, HealthState, XidRecord
+from gpuwatchd.decide.gpu_ids import pci_bus_key
+from gpuwatchd.decide.health_state import (
+    MAX_XID_KINDS,
+    GpuHealthState,
+    HealthState,
+    XidDetail,
+    XidRecord,
+)
 from gpuwatchd.decide.policy import HealthPolicy
 from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
-from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, Snapshot, Support
+from gpuwatchd.decide.xid_sources import Occurrence, XidNotice, merge_sources, notices
+from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, KernelXid, Snapshot, Support
 
 __all__ = [
     "HEALTH_KINDS",
@@ -48,6 +56,7 @@ __all__ = [
     "HealthState",
     "RecoveryAction",
     "XidAction",
+    "XidNotice",
     "XidRecord",
     "assess_health",
     "drain_blockers",
@@ -181,6 +190,7 @@ def drop_assumed(state: HealthState) -> HealthState:
 class HealthAssessment:
     findings: tuple[Finding, ...]
     state: HealthState
+    xid_notices: tuple[XidNotice, ...] = ()  # the health.xid events (decide/xid_sources.py)
 
 
 @dataclass(frozen=True)
@@ -190,19 +200,41 @@ class _Reason:
     cured: str | None = None  # a reset applies it: the signature of _cured_by_reset
 
 
-def _merge_xids(old: Mapping[int, XidRecord], health: GpuHealth) -> dict[int, XidRecord]:
+def _merge_xids(
+    old: Mapping[int, XidRecord], occurrences: Iterable[Occurrence]
+) -> dict[int, XidRecord]:
     xids = dict(old)
-    for event in health.xids:
-        rec = xids.get(event.xid)
+    for new in occurrences:
+        rec = xids.get(new.xid)
         if rec is None:
             if len(xids) >= MAX_XID_KINDS:
                 continue
-            xids[event.xid] = XidRecord(1, event.wall, event.wall)
+            xids[new.xid] = XidRecord(min(new.count, MAX_COUNT), new.first, new.last)
         else:
-            xids[event.xid] = XidRecord(
-                min(rec.count + 1, MAX_COUNT), min(rec.first, event.wall), max(rec.last, event.wall)
+            xids[new.xid] = XidRecord(
+                min(rec.count + new.count, MAX_COUNT),
+                min(rec.first, new.first),
+                max(rec.last, new.last),
             )
     return xids
+
+
+def _kernel_xids_by_gpu(snapshot: Snapshot) -> dict[str, list[KernelXid]]:
+    """The kernel log's Xids by GPU UUID: the kernel prints ``0000:17:00`` (domain, bus,
+    device), NVML ``00000000:17:00.0``; compared as numbers. A record naming no GPU NVML
+    reports is dropped."""
+    uuid_of: dict[tuple[int, int, int], str] = {}
+    for gpu in snapshot.nvml.gpus:
+        key = pci_bus_key(gpu.pci_bus_id) if gpu.pci_bus_id else None
+        if key is not None and gpu.uuid:
+            uuid_of[key[:3]] = gpu.uuid
+    found: dict[str, list[KernelXid]] = {}
+    for record in snapshot.kernel_xids:
+        key = pci_bus_key(record.pci + ".0")
+        uuid = uuid_of.get(key[:3]) if key is not None else None
+        if uuid is not None:
+            found.setdefault(uuid, []).append(record)
+    return found
 
 
 def _co_occurring(xid: int, xids: Mapping[int, XidRecord]) -> list[int]:
@@ -360,10 +392,13 @@ def _evidence(
     xids: Mapping[int, XidRecord],
     carried: GpuHealthState,
     notes: Mapping[int, str],
+    *,
+    details: Mapping[int, XidDetail],
 ) -> dict[str, object]:
     xid_entries: dict[str, object] = {}
     for xid, r in sorted(xids.items()):
         entry = XID_CATALOGUE.get(xid)
+        detail = details.get(xid)
         xid_entries[str(xid)] = {
             "count": r.count,
             "first": r.first,
@@ -371,6 +406,8 @@ def _evidence(
             "action": str(xid_action(xid)),
             "bucket": None if entry is None else str(entry.immediate),
             **({"note": notes[xid]} if xid in notes else {}),
+            # The kernel log's latest line of it: the process, its job, before the start?
+            **({"kernel_log": detail.to_json()} if detail is not None else {}),
         }
     recovery = (
         recovery_name(health.recovery_action)
@@ -437,14 +474,33 @@ def assess_health(
     old = {} if boot_changed else dict(previous.gpus)
     gpus: dict[str, GpuHealthState] = dict(old)
     findings: list[Finding] = []
+    said: list[XidNotice] = []
     wall = snapshot.wall_time
+    kernel = _kernel_xids_by_gpu(snapshot)
     for gpu in sorted(snapshot.nvml.gpus, key=lambda g: g.index):
         health = gpu.health
         if not gpu.uuid or health is None or gpu.lost:
             continue
         carried = old.get(gpu.uuid, GpuHealthState())
         carried = _carry_cures(carried, health)
-        xids = _merge_xids(carried.xids, health)
+        merged = merge_sources(
+            health.xids,
+            kernel.get(gpu.uuid, ()),
+            sightings=carried.sightings,
+            klog_pos=carried.klog_pos,
+            details=carried.details,
+            wall=wall,
+        )
+        xids = _merge_xids(carried.xids, merged.occurrences)
+        notes_now, xid_log = notices(gpu.uuid, merged, carried.xid_log, wall)
+        said.extend(notes_now)
+        carried = replace(
+            carried,
+            klog_pos=merged.klog_pos,
+            sightings=merged.sightings,
+            details=merged.details,
+            xid_log=xid_log,
+        )
         registering = fabric.registering(health)
         if registering is None:  # not read this poll: unknown keeps the clock as it was
             fabric_since = carried.fabric_since
@@ -468,7 +524,7 @@ def assess_health(
         gpus[gpu.uuid] = replace(carried, xids=xids, since=since, fabric_since=fabric_since)
         if kind is None:
             continue
-        evidence = _evidence(gpu, health, xids, carried, notes)
+        evidence = _evidence(gpu, health, xids, carried, notes, details=merged.details)
         evidence["since"] = since[kind.value]
         evidence["reasons"] = [r.text for r in reasons[kind]]
         # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
@@ -484,7 +540,7 @@ def assess_health(
                 evidence=evidence,
             )
         )
-    return HealthAssessment(tuple(findings), HealthState(gpus=gpus))
+    return HealthAssessment(tuple(findings), HealthState(gpus=gpus), tuple(said))
 
 
 # --- what keeps a health reset waiting --------------------------------------------------------

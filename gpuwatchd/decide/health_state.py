@@ -15,7 +15,15 @@ from gpuwatchd.checked import number as _time
 from gpuwatchd.checked import opt_number as _opt_time
 from gpuwatchd.model import as_int
 
-__all__ = ["MAX_XID_KINDS", "GpuHealthState", "HealthState", "XidRecord"]
+__all__ = [
+    "MAX_XID_KINDS",
+    "GpuHealthState",
+    "HealthState",
+    "Sighting",
+    "XidDetail",
+    "XidLog",
+    "XidRecord",
+]
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 
@@ -25,6 +33,50 @@ class XidRecord:
     """How often one Xid was seen on one GPU, and when first and last (wall seconds)."""
 
     count: int
+    first: float
+    last: float
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """An Xid one source saw (``nvml`` or ``kernel``) and the other has not yet matched."""
+
+    xid: int
+    wall: float
+    source: str
+
+
+@dataclass(frozen=True)
+class XidDetail:
+    """What the kernel log said about an Xid's latest line: the process the driver named (its
+    job when it still lived), the driver's text, whether it was logged before the daemon
+    started, and when (wall seconds)."""
+
+    pid: int | None
+    process: str | None
+    job: str | None
+    text: str
+    before_start: bool
+    wall: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "process": self.process,
+            "job": self.job,
+            "text": self.text,
+            "before_start": self.before_start,
+            "wall": self.wall,
+        }
+
+
+@dataclass(frozen=True)
+class XidLog:
+    """When an Xid was last said (``health.xid``), and what has come since: a count held
+    until the window has passed, between ``first`` and ``last``."""
+
+    logged_at: float
+    held: int
     first: float
     last: float
 
@@ -53,6 +105,13 @@ class GpuHealthState:
     fabric_since: float | None = None
     checked_reset: float | None = None  # the last_reset whose health check was read
     unhealed: tuple[str, ...] = ()  # what that check found the reset had not applied
+    # The kernel log (decide/xid_sources.py): the last record counted (microseconds since
+    # boot), what one source saw and the other has not yet matched, the latest detail per
+    # Xid, and when each Xid was last said.
+    klog_pos: int | None = None
+    sightings: tuple[Sighting, ...] = ()
+    details: Mapping[int, XidDetail] = field(default_factory=dict)
+    xid_log: Mapping[int, XidLog] = field(default_factory=dict)
 
     @property
     def reset_at(self) -> float | None:
@@ -81,6 +140,13 @@ class HealthState:
                 "fabric_since": gpu.fabric_since,
                 "checked_reset": gpu.checked_reset,
                 "unhealed": list(gpu.unhealed),
+                "klog_pos": gpu.klog_pos,
+                "sightings": [[s.xid, s.wall, s.source] for s in gpu.sightings],
+                "details": {str(x): d.to_json() for x, d in sorted(gpu.details.items())},
+                "xid_log": {
+                    str(x): [r.logged_at, r.held, r.first, r.last]
+                    for x, r in sorted(gpu.xid_log.items())
+                },
             }
             for uuid, gpu in sorted(self.gpus.items())
         }
@@ -111,6 +177,7 @@ class HealthState:
                 raise ValueError(f"{what}.since: expected an object")
             cured = _signatures(entry.get("assumed_cured", []), f"{what}.assumed_cured")
             unhealed = _signatures(entry.get("unhealed", []), f"{what}.unhealed")
+            kernel = _kernel_log_state(entry, what)
             gpus[uuid] = GpuHealthState(
                 xids=xids,
                 last_reset=_opt_time(entry.get("last_reset"), what),
@@ -120,6 +187,10 @@ class HealthState:
                 fabric_since=_opt_time(entry.get("fabric_since"), what),
                 checked_reset=_opt_time(entry.get("checked_reset"), what),
                 unhealed=unhealed,
+                klog_pos=kernel.klog_pos,
+                sightings=kernel.sightings,
+                details=kernel.details,
+                xid_log=kernel.xid_log,
             )
         return cls(gpus=gpus)
 
@@ -130,3 +201,68 @@ def _signatures(value: object, what: str) -> tuple[str, ...]:
     if not all(isinstance(c, str) and 0 < len(c) <= 32 for c in value):
         raise ValueError(f"{what}: expected short strings")
     return tuple(value)
+
+
+def _xid_key(key: object, what: str) -> int:
+    if not isinstance(key, str) or not key.isdigit() or len(key) > 5:
+        raise ValueError(f"{what}: expected Xid numbers as keys")
+    return int(key)
+
+
+def _bounded_map(value: object, what: str) -> dict[object, object]:
+    if not isinstance(value, dict) or len(value) > MAX_XID_KINDS:
+        raise ValueError(f"{what}: expected an object of at most {MAX_XID_KINDS}")
+    return value
+
+
+def _opt_str(value: object, what: str, limit: int = 200) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= limit):
+        return value
+    raise ValueError(f"{what}: expected a short string or null")
+
+
+def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
+    """The kernel-log fields of one GPU's entry (absent in older state files: defaults)."""
+    pos = as_int(entry.get("klog_pos"))
+    if (entry.get("klog_pos") is not None and pos is None) or (pos is not None and pos < 0):
+        raise ValueError(f"{what}.klog_pos: expected a non-negative integer or null")
+    raw_sightings = entry.get("sightings", [])
+    if not isinstance(raw_sightings, list) or len(raw_sightings) > 64:
+        raise ValueError(f"{what}.sightings: expected a list of at most 64")
+    sightings = []
+    for item in raw_sightings:
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or as_int(item[0]) is None
+            or item[2] not in ("nvml", "kernel")
+        ):
+            raise ValueError(f"{what}.sightings: expected [xid, wall, source]")
+        sightings.append(Sighting(int(item[0]), _time(item[1], what), str(item[2])))
+    details: dict[int, XidDetail] = {}
+    for key, raw in _bounded_map(entry.get("details", {}), f"{what}.details").items():
+        where = f"{what}.details.{key}"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected an object")
+        pid = raw.get("pid")
+        if pid is not None and as_int(pid) is None:
+            raise ValueError(f"{where}.pid: expected an integer or null")
+        text = _opt_str(raw.get("text", ""), where)
+        details[_xid_key(key, where)] = XidDetail(
+            pid=as_int(pid),
+            process=_opt_str(raw.get("process"), where, 64),
+            job=_opt_str(raw.get("job"), where),
+            text=text or "",
+            before_start=raw.get("before_start") is True,
+            wall=_time(raw.get("wall"), where),
+        )
+    logs: dict[int, XidLog] = {}
+    for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
+        where = f"{what}.xid_log.{key}"
+        held = as_int(raw[1]) if isinstance(raw, list) and len(raw) == 4 else None
+        if not isinstance(raw, list) or held is None or held < 0:
+            raise ValueError(f"{where}: expected [logged_at, held, first, last]")
+        logs[_xid_key(key, where)] = XidLog(
+            _time(raw[0], where), held, _time(raw[2], where), _time(raw[3], where)
+        )
+    return GpuHealthState(klog_pos=pos, sightings=tuple(sightings), details=details, xid_log=logs)

@@ -205,7 +205,8 @@ class HealthPolicy:
     says jobs only open the device files of their own GPUs (cgroup device isolation): without
     it, a live job on any GPU keeps a health reset waiting. ``xid_63`` / ``xid_94``: the
     stricter peer choices (``drain``) instead of NVIDIA's buckets. ``fabric_stuck_after``: how
-    long a fabric may take to register before it counts as stuck.
+    long a fabric may take to register before it counts as stuck. ``kernel_log``: where
+    Xids are read besides NVML's events (docs/findings.md#kernel-log).
     """
 
     enabled: bool = True
@@ -219,6 +220,10 @@ class HealthPolicy:
     # A GPU whose NVLink fabric registration stays NOT_STARTED or IN_PROGRESS this long is
     # stuck (drain_required naming Fabric Manager).
     fabric_stuck_after: float = 600.0
+    # Where Xids are also read from (collect/kernel_log.py): "journal" (journalctl's kernel
+    # messages of this boot, then followed), "off", or a file in /dev/kmsg's format. Read at
+    # start: a change needs a restart.
+    kernel_log: str = "journal"
 
 
 @dataclass(frozen=True)

@@ -221,9 +221,31 @@ class SimHost:
             },
         }
         policy.update(overrides)
+        # The kernel log is this host's file (kernel_xid writes it), never the machine's journal.
+        health = policy.setdefault("health", {})
+        if isinstance(health, dict):
+            health.setdefault("kernel_log", str(self.kmsg))
         path = self.root / "gpuwatchd.yaml"
         path.write_text(yaml.safe_dump(policy, sort_keys=False))
         return path
+
+    @property
+    def kmsg(self) -> Path:
+        """The host's kernel log: a file in /dev/kmsg's format (health.kernel_log)."""
+        path = self.root / "kmsg"
+        path.touch()
+        return path
+
+    def kernel_xid(
+        self, gpu_index: int, xid: int, rest: str = "", *, ago: float = 0.0, count: int = 1
+    ) -> None:
+        """Log ``count`` NVIDIA Xid lines for the fake GPU ``gpu_index`` (its PCI address as the
+        kernel prints it), stamped ``ago`` seconds ago on the kernel's clock."""
+        usec = int((time.clock_gettime(time.CLOCK_MONOTONIC) - ago) * 1e6)
+        pci = f"0000:{0x18 + 0x10 * gpu_index:02x}:00"  # fakenvml.gpu's bus id
+        tail = f", {rest}" if rest else ""
+        with self.kmsg.open("a") as log:
+            log.write(f"3,1,{usec},-;NVRM: Xid (PCI:{pci}): {xid}{tail}\n" * count)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

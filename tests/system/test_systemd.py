@@ -249,6 +249,21 @@ def test_status_shows_the_status_line(configured: Container) -> None:
     assert re.search(r'Status: "2 GPUs watched', out), out
 
 
+def test_the_unit_follows_the_kernel_log_through_the_journal_in_its_sandbox(
+    configured: Container,
+) -> None:
+    """health.kernel_log's default: ``journalctl --dmesg`` runs as the daemon's child under the
+    unit's hardening (ProtectKernelLogs=yes kept), and nothing says it cannot be read."""
+    ct = configured
+
+    def tree() -> str:
+        return ct.run(["systemctl", "status", "--no-pager", "--lines=0", UNIT], check=False).stdout
+
+    wait_for("journalctl in the unit's cgroup", lambda: "journalctl --dmesg" in tree(), timeout=15)
+    assert ct.journal("GPUWATCHD_EVENT=kernel_log.unavailable") == []
+    assert ct.prop("ActiveState") == "active"
+
+
 # Asks the daemon in the container directly, to say why it declined (a failure's diagnosis).
 ASK_DAEMON = (
     "from gpuwatchd.scan_socket import ScanRequest, ask; "

@@ -1,0 +1,225 @@
+"""Xids from two sources, counted once; a flood said once per window (docs/findings.md#kernel-log).
+
+This module owns how one GPU's Xids of one poll — NVML's events and the kernel log's lines
+(``collect/kernel_log.py``) — become what ``health.py`` counts and what the ``health.xid``
+event says:
+
+- **one Xid, two sources, counted once**: an NVML event and a kernel-log line of the same
+  GPU and Xid within :data:`DEDUP_WINDOW` of each other are one occurrence (matched one to
+  one: a flood of lines matches as many events as NVML delivered). What one source saw and
+  the other has not yet is remembered (:class:`Sighting`, at most :data:`MAX_SIGHTINGS` per
+  GPU, for the window), since the two may be read a poll apart;
+- **restarts**: kernel-log records at or before the position already counted for a GPU
+  (``klog_pos``) were counted by an earlier run of the daemon: skipped;
+- **floods**: each Xid is said (:class:`XidNotice`) at most once per :data:`LOG_WINDOW` per
+  GPU; what comes in between is held as a count and said with the next notice, once the
+  window has passed (``repeated``);
+- the latest kernel-log detail per Xid (the process, its job, the driver's text, whether it
+  was logged before the daemon started), for the findings' evidence.
+
+Pure: no I/O, no clock (``wall`` is the snapshot's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.decide.health_state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
+from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
+from gpuwatchd.model import KernelXid, XidEvent
+from gpuwatchd.vocabulary import Level
+
+__all__ = [
+    "DEDUP_WINDOW",
+    "KERNEL",
+    "LOG_WINDOW",
+    "MAX_SIGHTINGS",
+    "NVML",
+    "Merged",
+    "Occurrence",
+    "XidNotice",
+    "merge_sources",
+    "notices",
+]
+
+DEDUP_WINDOW = 30.0  # seconds: NVML's event is stamped when the worker read it, a poll later
+LOG_WINDOW = 60.0  # seconds between two health.xid events of one GPU's Xid
+MAX_SIGHTINGS = 64
+NVML = "nvml"
+KERNEL = "kernel"
+
+
+@dataclass(frozen=True)
+class Occurrence:
+    """``count`` new occurrences of ``xid`` between ``first`` and ``last`` (wall seconds)."""
+
+    xid: int
+    count: int
+    first: float
+    last: float
+
+
+@dataclass(frozen=True)
+class XidNotice:
+    """What one ``health.xid`` event says about one GPU's Xid."""
+
+    gpu: str
+    xid: int
+    count: int
+    first: float
+    last: float
+    sources: tuple[str, ...]
+    repeated: bool  # a held count, said once the window has passed
+    detail: XidDetail | None
+
+    @property
+    def level(self) -> Level:
+        """Warning when the catalogue asks for a reset or a reboot, else info."""
+        serious = xid_action(self.xid) in (XidAction.RESET, XidAction.REBOOT)
+        return Level.WARNING if serious else Level.INFO
+
+    def fields(self) -> dict[str, object]:
+        """The ``health.xid`` event's fields (docs/events.md)."""
+        entry = XID_CATALOGUE.get(self.xid)
+        detail = self.detail
+        return {
+            "gpu": self.gpu,
+            "xid": self.xid,
+            "xid_name": None if entry is None else entry.name,
+            "xid_action": str(xid_action(self.xid)),
+            "count": self.count,
+            "first": self.first,
+            "last": self.last,
+            "sources": list(self.sources),
+            "repeated": self.repeated,
+            "before_start": None if detail is None else detail.before_start,
+            "pid": None if detail is None else detail.pid,
+            "process": None if detail is None else detail.process,
+            "job": None if detail is None else detail.job,
+            "driver_text": None if detail is None else detail.text,
+        }
+
+
+@dataclass(frozen=True)
+class Merged:
+    """One GPU's poll of Xids, merged: what to count, and what to carry."""
+
+    occurrences: tuple[Occurrence, ...]
+    sightings: tuple[Sighting, ...]
+    klog_pos: int | None
+    details: Mapping[int, XidDetail]
+    sources: Mapping[int, tuple[str, ...]]  # per Xid: the sources that saw it this poll
+
+
+def _take(pending: list[Sighting], source: str, xid: int, low: float, high: float) -> bool:
+    """Remove the first sighting of ``xid`` by ``source`` within [low, high]; found?"""
+    for i, seen in enumerate(pending):
+        if seen.source == source and seen.xid == xid and low <= seen.wall <= high:
+            del pending[i]
+            return True
+    return False
+
+
+def merge_sources(
+    nvml: Sequence[XidEvent],
+    kernel: Sequence[KernelXid],
+    *,
+    sightings: Iterable[Sighting],
+    klog_pos: int | None,
+    details: Mapping[int, XidDetail],
+    wall: float,
+) -> Merged:
+    """Merge one GPU's NVML events and kernel-log records of one poll. Pure."""
+    pending = [s for s in sightings if wall - s.wall <= DEDUP_WINDOW]
+    counted: list[Occurrence] = []
+    seen_by: dict[int, set[str]] = {}
+    new_details = dict(details)
+    position = klog_pos
+    for run in kernel:
+        if klog_pos is not None and run.position <= klog_pos:
+            continue  # counted by an earlier run of the daemon
+        position = run.position if position is None else max(position, run.position)
+        seen_by.setdefault(run.xid, set()).add(KERNEL)
+        low, high = run.first - DEDUP_WINDOW, run.last + DEDUP_WINDOW
+        matched = 0
+        while matched < run.count and _take(pending, NVML, run.xid, low, high):
+            matched += 1
+        if matched:
+            seen_by[run.xid].add(NVML)
+        if run.count > matched:
+            counted.append(Occurrence(run.xid, run.count - matched, run.first, run.last))
+            fresh = min(run.count - matched, MAX_SIGHTINGS)
+            pending.extend(Sighting(run.xid, run.last, KERNEL) for _ in range(fresh))
+            if len(pending) > 2 * MAX_SIGHTINGS:  # bounded while merging, not only after
+                del pending[:-MAX_SIGHTINGS]
+        if run.xid in new_details or len(new_details) < MAX_XID_KINDS:
+            new_details[run.xid] = XidDetail(
+                pid=run.pid,
+                process=run.process,
+                job=run.job,
+                text=run.text,
+                before_start=run.before_start,
+                wall=run.last,
+            )
+    for event in nvml:
+        seen_by.setdefault(event.xid, set()).add(NVML)
+        window = (event.wall - DEDUP_WINDOW, event.wall + DEDUP_WINDOW)
+        if _take(pending, KERNEL, event.xid, *window):
+            seen_by[event.xid].add(KERNEL)
+            continue
+        counted.append(Occurrence(event.xid, 1, event.wall, event.wall))
+        pending.append(Sighting(event.xid, event.wall, NVML))
+    return Merged(
+        occurrences=tuple(counted),
+        sightings=tuple(pending[-MAX_SIGHTINGS:]),
+        klog_pos=position,
+        details=new_details,
+        sources={xid: tuple(sorted(s)) for xid, s in seen_by.items()},
+    )
+
+
+def notices(
+    gpu: str,
+    merged: Merged,
+    logs: Mapping[int, XidLog],
+    wall: float,
+) -> tuple[tuple[XidNotice, ...], dict[int, XidLog]]:
+    """The ``health.xid`` notices of this poll, and the carried log state. Pure.
+
+    An Xid not said within :data:`LOG_WINDOW` is said now with everything held for it; one
+    said more recently is held (counted) until the window has passed.
+    """
+    new: dict[int, list[Occurrence]] = {}
+    for occurrence in merged.occurrences:
+        new.setdefault(occurrence.xid, []).append(occurrence)
+    carried = dict(logs)
+    said: list[XidNotice] = []
+    for xid in sorted(set(new) | {x for x, rec in logs.items() if rec.held}):
+        fresh = new.get(xid, [])
+        rec = carried.get(xid)
+        count = sum(o.count for o in fresh) + (rec.held if rec else 0)
+        firsts = [o.first for o in fresh] + ([rec.first] if rec and rec.held else [])
+        lasts = [o.last for o in fresh] + ([rec.last] if rec and rec.held else [])
+        if rec is not None and wall - rec.logged_at < LOG_WINDOW:
+            carried[xid] = XidLog(rec.logged_at, count, min(firsts), max(lasts))
+            continue
+        if rec is None and len(carried) >= MAX_XID_KINDS:
+            continue
+        said.append(
+            XidNotice(
+                gpu=gpu,
+                xid=xid,
+                count=count,
+                first=min(firsts),
+                last=max(lasts),
+                sources=merged.sources.get(xid, ()),
+                repeated=not fresh,
+                detail=merged.details.get(xid) if KERNEL in merged.sources.get(xid, ()) else None,
+            )
+        )
+        carried[xid] = XidLog(wall, 0, wall, wall)
+    quiet = [x for x, r in carried.items() if not r.held and wall - r.logged_at >= LOG_WINDOW]
+    for xid in quiet:  # nothing held and the window over: as if never said
+        del carried[xid]
+    return tuple(said), carried

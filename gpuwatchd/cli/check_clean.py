@@ -2,8 +2,9 @@
 
 This module owns the command around the one verdict (:mod:`gpuwatchd.decide.verdict`): one
 read-only full scan, no waiting, beside a running daemon or not; which GPUs ``--gpu`` names;
-what it prints and its exit code (docs/operations.md §4). Whether a GPU is clean is decided
-there, never here: this module only selects GPUs and words the answer.
+what it prints and its exit code (docs/operations.md §4); ``--slurm-gpus``, GPUs by Slurm's
+GPU ids (``SLURM_JOB_GPUS``) numbered as Slurm numbers them (:func:`slurm_selectors`). Whether a
+GPU is clean is decided there, never here: this module only selects GPUs and words the answer.
 
 Output: one line on stdout per selected GPU that is not clean, ``GPU <index> <uuid>: <kind>
 <why>`` with ``(and N more)`` (the Slurm scripts and the node-problem-detector plugin read the
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from gpuwatchd.decide.gpu_ids import same_pci_bus_id
+from gpuwatchd.decide.gpu_ids import same_pci_bus_id, slurm_numbering
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 from gpuwatchd.escape import escape
@@ -67,6 +68,37 @@ def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[Gp
     return [gpu for position, gpu in enumerate(gpus) if position in chosen]
 
 
+def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> list[str]:
+    """The UUIDs of the GPUs Slurm's GPU ids ``ids`` name on this host (``gpus``: the report's
+    GPU entries, with ``index``, ``uuid`` and ``minor``), Slurm numbering them by ``order``
+    (``files`` or ``nvml``, :func:`gpuwatchd.decide.gpu_ids.slurm_numbering`). SelectionError
+    for an id that is not a number, or that no GPU has, or when the order cannot be told."""
+    entries = [g for g in gpus if isinstance(g, dict)]
+    by_index = {g.get("index"): str(g.get("uuid")) for g in entries}
+    pairs = [
+        (g["index"], g.get("minor") if isinstance(g.get("minor"), int) else None)
+        for g in entries
+        if isinstance(g.get("index"), int)
+    ]
+    numbered = slurm_numbering(pairs, order)
+    if numbered is None:
+        raise SelectionError(
+            "--slurm-gpus: a GPU's device minor is unknown, so Slurm's numbering by device "
+            "file cannot be told"
+        )
+    chosen: list[str] = []
+    for ident in ids:
+        if not ident.isdigit() or len(ident) > 6:
+            raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
+        if int(ident) >= len(numbered):
+            raise SelectionError(
+                f"--slurm-gpus {ident}: Slurm's GPU id {ident} names no GPU of this host "
+                f"({len(numbered)} GPU(s), numbered by {order} order)"
+            )
+        chosen.append(by_index[numbered[int(ident)]])
+    return chosen
+
+
 def answer(
     verdict: NodeVerdict, selectors: Sequence[str] | None
 ) -> tuple[int, list[str], list[str]]:
@@ -90,9 +122,11 @@ def check_clean(
     *,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    slurm: tuple[Sequence[str], str] | None = None,
 ) -> tuple[int, str | None]:
     """Scan once (a full walk of ``/proc``) and answer; returns (exit code, a one-line error
-    for stderr or None)."""
+    for stderr or None). ``slurm``: (Slurm GPU ids, order), the GPUs ``--slurm-gpus`` names,
+    added to ``selectors``."""
     from gpuwatchd.cli.scan import scan_host
 
     result = scan_host(policy)
@@ -101,6 +135,10 @@ def check_clean(
         why = result.error or (verdict.unavailable if verdict is not None else None)
         return ExitCode.UNAVAILABLE, why or "NVIDIA driver/NVML not available"
     try:
+        if slurm is not None:
+            gpus = result.report.get("gpus")
+            named = slurm_selectors(gpus if isinstance(gpus, list) else [], *slurm)
+            selectors = [*(selectors or ()), *named]
         code, lines, notes = answer(verdict, selectors)
     except SelectionError as exc:
         return EXIT_USAGE, str(exc)

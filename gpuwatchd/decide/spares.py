@@ -52,17 +52,21 @@ def spare_text(spare: Spare) -> str:
     return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
-# slurmstepd's process title: "slurmstepd: [42.batch]", "[42.0]", "[42.extern]".
-_STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.[^\]]{1,64}\]")
+# slurmstepd's process title: "slurmstepd: [42.batch]", "[42.0]", "[42.extern]" (the job id
+# and its dot are enough: the title is cut to the length of slurmstepd's own argv area).
+_STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.")
 _MAX_TREE_DEPTH = 64
 
 
 def stepd_job(process: ProcessInfo) -> str | None:
     """The Slurm job (``slurm:42``) a ``slurmstepd`` serves, when ``process`` is one that root
-    runs (effective uid 0, the executable ``slurmstepd``, not known to be a program someone
-    else could have written); its title says the job. None for anything else: only root can
+    runs (effective uid 0, the executable ``slurmstepd``, or Debian's ``slurmstepd-wlm``, not
+    known to be a program someone else could have written); its title says the job. None for anything else: only root can
     make a uid-0 process, and only it can write that process's title."""
-    if process.uid != 0 or process.exe_name != "slurmstepd" or process.exe_trusted is False:
+    program = process.exe_name or ""
+    if process.uid != 0 or process.exe_trusted is False:
+        return None
+    if program != "slurmstepd" and not program.startswith("slurmstepd-"):  # Debian: -wlm
         return None
     match = _STEPD_TITLE.match(" ".join(process.cmdline or ()))
     return None if match is None else f"slurm:{match.group(1)}"

@@ -45,6 +45,8 @@ def _tree(*changed: ProcessInfo) -> dict[int, ProcessInfo]:
 
 def test_a_process_in_a_root_slurmstepds_tree_is_the_jobs() -> None:
     assert slurm_tree_job(WORKER, _tree()) == "slurm:42"
+    debian = dataclasses.replace(STEPD, exe="/usr/sbin/slurmstepd-wlm")  # Debian's package
+    assert slurm_tree_job(WORKER, _tree(debian)) == "slurm:42"
     assert slurm_tree_job(STEPD, _tree()) is None  # its own job is by its title, not its tree
     assert {p.pid for p in job_processes("slurm:42", _tree())} == {100, 110, 120, 130}
     assert job_processes("slurm:43", _tree()) == []

@@ -61,8 +61,8 @@ _MAX_TREE_DEPTH = 64
 def stepd_job(process: ProcessInfo) -> str | None:
     """The Slurm job (``slurm:42``) a ``slurmstepd`` serves, when ``process`` is one that root
     runs (effective uid 0, the executable ``slurmstepd``, or Debian's ``slurmstepd-wlm``, not
-    known to be a program someone else could have written); its title says the job. None for anything else: only root can
-    make a uid-0 process, and only it can write that process's title."""
+    known to be a program someone else could have written); its title says the job. None for
+    anything else: only root can make a uid-0 process, and only it can write its title."""
     program = process.exe_name or ""
     if process.uid != 0 or process.exe_trusted is False:
         return None

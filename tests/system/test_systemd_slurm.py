@@ -16,8 +16,8 @@ prolog and epilog with an environment of its own). It pins:
   own "Epilog error" over our reason (our record says the drain is ours);
 - (e) on a host whose device minors are not in NVML's order, the prolog judges the GPU Slurm
   gave the job by Slurm's id (gres.conf's device files), not NVML's index;
-- (f) `spare job:ID` under `proctrack/linuxproc` (the job's processes in slurmd's cgroup):
-  the job's orphaned worker, in its step's process tree, is left alone until the spare is
+- (f) `spare job:ID` under `proctrack/linuxproc` (the job's processes in slurmd's cgroup) and
+  under `proctrack/cgroup`: the job's orphaned worker is left alone until the spare is
   cancelled; a job with no process on the node is refused;
 - the rollout week of docs/operations.md ("Roll out in dry-run first"), step by step:
   ``test_the_rollout_week``;
@@ -485,14 +485,15 @@ def test_the_prolog_judges_the_jobs_gpu_by_slurms_id_where_minors_are_not_in_nvm
 
 
 # -- (f) --------------------------------------------------------------------------------------
-# The job: a subreaper (as torchrun or tini are) runs orphan-maker; its trainer exits and the
-# worker it forked, holding GPU 0, is adopted by the subreaper: still in the step's tree.
+# The jobs: orphan-maker's trainer exits after 3 s; the worker it forked keeps GPU 0. Under
+# proctrack/linuxproc a subreaper in the job (as torchrun or tini are) adopts the worker, so it
+# stays in the step's process tree; under proctrack/cgroup it stays in the job's cgroup.
+ORPHAN_MAKER = f'["{CI_DIR}/orphan-maker", "{CI_DIR}/dev", "0", "{CI_DIR}/job-f.pids"]'
 SUBREAPER_JOB = f"""\
 exec python3 -c '
 import ctypes, os, subprocess, time
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-env = dict(os.environ, ORPHAN_PARENT_LIFETIME="3")
-subprocess.Popen(["{CI_DIR}/orphan-maker", "{CI_DIR}/dev", "0", "{CI_DIR}/job-f.pids"], env=env)
+subprocess.Popen({ORPHAN_MAKER}, env=dict(os.environ, ORPHAN_PARENT_LIFETIME="3"))
 while not os.path.exists("{CI_DIR}/job-f.go"):
     try:
         os.waitpid(-1, os.WNOHANG)
@@ -501,25 +502,29 @@ while not os.path.exists("{CI_DIR}/job-f.go"):
     time.sleep(0.2)
 '
 """
+PLAIN_JOB = f"""\
+ORPHAN_PARENT_LIFETIME=3 {CI_DIR}/orphan-maker {CI_DIR}/dev 0 {CI_DIR}/job-f.pids
+while [ ! -e {CI_DIR}/job-f.go ]; do sleep 0.2; done
+"""
+CGROUP_CONF = "CgroupPlugin=autodetect\nCgroupAutomount=yes\nIgnoreSystemd=yes\n"
 
 
-def test_a_job_spare_holds_under_proctrack_linuxproc(cluster: Cluster) -> None:
-    """`spare job:ID` with Slurm tracking the job by process (its processes sit in
-    slurmd.service's cgroup): the job's orphaned worker is refused with the spare as the
-    reason and lives until the spare is cancelled, then it is freed. A job id with no process
-    on the node, or a job that has ended, is refused: nothing is promised."""
+def _spare_holds_the_jobs_worker(cluster: Cluster, body: str) -> tuple[str, str]:
+    """Run ``body`` as a job, spare the job once its worker is orphaned, check the spare holds
+    it (refused with the spare as the reason, alive, never signalled) and that it is freed
+    once the spare is cancelled; then end the job. (what `spare` said, the worker's cgroup)"""
     ct = cluster.ct
     cluster.idle()
     cluster.wait_idle("an idle node")
     pids, go = ct.ci / "job-f.pids", ct.ci / "job-f.go"
-    job = cluster.submit("job-f", SUBREAPER_JOB, gpus=1)
+    pids.unlink(missing_ok=True)
+    go.unlink(missing_ok=True)
+    job = cluster.submit("job-f", body, gpus=1)
     try:
         _until("the job's trainer and worker", pids.exists)
         trainer, worker = (int(x) for x in pids.read_text().split())
         cgroup = ct.run(["cat", f"/proc/{worker}/cgroup"]).stdout
-        assert "slurmd.service" in cgroup, cgroup  # nothing in the cgroup says job {job}
         said = cluster.sh(f"gpuwatchd spare job:{job} --for 90s --reason 'owner debugs'")
-        assert "process tree" in said.stdout, said.stdout
         ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": trainer, "used_memory": GiB}]), gpu(1)])
 
         def alive() -> bool:
@@ -550,6 +555,47 @@ def test_a_job_spare_holds_under_proctrack_linuxproc(cluster: Cluster) -> None:
         assert proc.returncode == 78, proc.stderr
         assert f"no process of job slurm:{absent} found" in proc.stderr
     assert "no spares" in cluster.sh("gpuwatchd spare --list").stdout
+    return said.stdout, cgroup
+
+
+def test_a_job_spare_holds_under_proctrack_linuxproc(cluster: Cluster) -> None:
+    """`spare job:ID` with Slurm tracking the job by process: the job's processes sit in
+    slurmd.service's cgroup, and the spare finds them by slurmstepd's process tree (and says
+    so). A job id with no process on the node, or a job that has ended, is refused."""
+    said, cgroup = _spare_holds_the_jobs_worker(cluster, SUBREAPER_JOB)
+    assert "slurmd.service" in cgroup, cgroup  # nothing in the cgroup says which job
+    assert "process tree" in said, said
+
+
+def test_a_job_spare_holds_under_proctrack_cgroup(cluster: Cluster) -> None:
+    """The same with `proctrack/cgroup` (cgroup v2): the worker, reparented out of the job's
+    process tree, stays in the job's cgroup, which ties it to the job. Slurm is switched back
+    to proctrack/linuxproc afterwards."""
+    ct = cluster.ct
+
+    def switch(proctrack: str) -> bool:
+        ct.write("/etc/slurm/slurm.conf", SLURM_CONF.replace("proctrack/linuxproc", proctrack))
+        cluster.sh("systemctl restart slurmctld slurmd", check=False)
+        try:
+            cluster.wait_idle(f"the node to be idle under {proctrack}", timeout=60)
+        except BaseException:
+            return False
+        return True
+
+    ct.write("/etc/slurm/cgroup.conf", CGROUP_CONF)
+    try:
+        if not switch("proctrack/cgroup"):
+            log = cluster.sh(
+                "grep -E 'fatal|Read-only|not supported' /var/log/slurm/slurmd.log | tail -n 1",
+                check=False,
+            ).stdout
+            pytest.skip(f"slurmd does not run proctrack/cgroup in this container: {log}")
+        said, cgroup = _spare_holds_the_jobs_worker(cluster, PLAIN_JOB)
+        assert "/job_" in cgroup, cgroup
+        assert "process tree" not in said, said  # its cgroup ties it: no caveat
+    finally:
+        (ct.root / "etc/slurm/cgroup.conf").unlink(missing_ok=True)
+        assert switch("proctrack/linuxproc"), "slurmd did not come back under linuxproc"
 
 
 # -- the rollout week -------------------------------------------------------------------------

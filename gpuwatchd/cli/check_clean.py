@@ -2,8 +2,9 @@
 
 This module owns the command around the one verdict (:mod:`gpuwatchd.decide.verdict`): one
 read-only full scan, no waiting, beside a running daemon or not; which GPUs ``--gpu`` names;
-what it prints and its exit code (docs/operations.md §4). Whether a GPU is clean is decided
-there, never here: this module only selects GPUs and words the answer.
+what it prints and its exit code (docs/operations.md §4); ``--slurm-gpus``, GPUs by Slurm's
+GPU ids (``SLURM_JOB_GPUS``) numbered as Slurm numbers them (:func:`slurm_selectors`). Whether a
+GPU is clean is decided there, never here: this module only selects GPUs and words the answer.
 
 Output: one line on stdout per selected GPU that is not clean, ``GPU <index> <uuid>: <kind>
 <why>`` with ``(and N more)`` (the Slurm scripts and the node-problem-detector plugin read the
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from gpuwatchd.decide.gpu_ids import same_pci_bus_id
+from gpuwatchd.decide.gpu_ids import same_pci_bus_id, slurm_numbering
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 from gpuwatchd.escape import escape
@@ -108,6 +109,37 @@ def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[Gp
     return [gpu for position, gpu in enumerate(gpus) if position in chosen]
 
 
+def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> list[str]:
+    """The UUIDs of the GPUs Slurm's GPU ids ``ids`` name on this host (``gpus``: the report's
+    GPU entries, with ``index``, ``uuid`` and ``minor``), Slurm numbering them by ``order``
+    (``files`` or ``nvml``, :func:`gpuwatchd.decide.gpu_ids.slurm_numbering`). SelectionError
+    for an id that is not a number, or that no GPU has, or when the order cannot be told."""
+    entries = [g for g in gpus if isinstance(g, dict)]
+    by_index = {g.get("index"): str(g.get("uuid")) for g in entries}
+    pairs = [
+        (g["index"], g.get("minor") if isinstance(g.get("minor"), int) else None)
+        for g in entries
+        if isinstance(g.get("index"), int)
+    ]
+    numbered = slurm_numbering(pairs, order)
+    if numbered is None:
+        raise SelectionError(
+            "--slurm-gpus: a GPU's device minor is unknown, so Slurm's numbering by device "
+            "file cannot be told"
+        )
+    chosen: list[str] = []
+    for ident in ids:
+        if not ident.isdigit() or len(ident) > 6:
+            raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
+        if int(ident) >= len(numbered):
+            raise SelectionError(
+                f"--slurm-gpus {ident}: Slurm's GPU id {ident} names no GPU of this host "
+                f"({len(numbered)} GPU(s), numbered by {order} order)"
+            )
+        chosen.append(by_index[numbered[int(ident)]])
+    return chosen
+
+
 def answer(
     verdict: NodeVerdict, selectors: Sequence[str] | None
 ) -> tuple[int, list[str], list[str]]:
@@ -131,10 +163,12 @@ def check_clean(
     *,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    slurm: tuple[Sequence[str], str] | None = None,
 ) -> tuple[int, str | None]:
     """Judge with the policy of :func:`judging_policy` and answer; returns (exit code, an
     error for stderr or None). Files that do not validate: 1 for a GPU dirty by the policy
-    the daemon runs, else 78 (module docstring); 2 and 69 as always."""
+    the daemon runs, else 78 (module docstring); 2 and 69 as always. ``slurm``: (Slurm GPU ids,
+    order), the GPUs ``--slurm-gpus`` names, added to ``selectors``."""
     judge = judging_policy(config)
     if judge.policy is None:
         return EXIT_POLICY, (
@@ -142,11 +176,11 @@ def check_clean(
             "a policy problem drains nothing)"
         )
     if judge.problem is None:
-        return _judged(judge.policy, selectors, out, err)
+        return _judged(judge.policy, selectors, out, err, slurm)
     dry = "true" if judge.policy.dry_run else "false"
     err.write(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {escape(str(judge.running))}\n")
     err.flush()  # before the scan's own lines
-    code, error = _judged(judge.policy, selectors, out, err)
+    code, error = _judged(judge.policy, selectors, out, err, slurm)
     if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE):
         return code, error
     return EXIT_POLICY, (
@@ -156,7 +190,11 @@ def check_clean(
 
 
 def _judged(
-    policy: Policy, selectors: Sequence[str] | None, out: TextIO, err: TextIO
+    policy: Policy,
+    selectors: Sequence[str] | None,
+    out: TextIO,
+    err: TextIO,
+    slurm: tuple[Sequence[str], str] | None,
 ) -> tuple[int, str | None]:
     """Scan once (a full walk of ``/proc``) and answer by ``policy``."""
     from gpuwatchd.cli.scan import scan_host
@@ -167,6 +205,10 @@ def _judged(
         why = result.error or (verdict.unavailable if verdict is not None else None)
         return ExitCode.UNAVAILABLE, why or "NVIDIA driver/NVML not available"
     try:
+        if slurm is not None:
+            gpus = result.report.get("gpus")
+            named = slurm_selectors(gpus if isinstance(gpus, list) else [], *slurm)
+            selectors = [*(selectors or ()), *named]
         code, lines, notes = answer(verdict, selectors)
     except SelectionError as exc:
         return EXIT_USAGE, str(exc)

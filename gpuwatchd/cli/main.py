@@ -101,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a GPU by UUID, PCI bus id or index; repeat it or give a comma list "
         "(default: every GPU)",
     )
+    clean.add_argument(
+        "--slurm-gpus",
+        metavar="IDS",
+        help="GPUs by Slurm's GPU ids, a comma list as in $SLURM_JOB_GPUS (numbered as "
+        "--slurm-order says; with --gpu, both are checked)",
+    )
+    clean.add_argument(
+        "--slurm-order",
+        choices=("files", "nvml"),
+        default="files",
+        help="how Slurm numbers this node's GPUs: files (by device file /dev/nvidiaN, as "
+        "gres.conf's File= lines; the default) or nvml (NVML's order, gres.conf "
+        "AutoDetect=nvml)",
+    )
 
     check = sub.add_parser(
         "check-config", parents=[common], help="validate and print the effective policy"
@@ -353,7 +367,10 @@ def _check_clean(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.check_clean import check_clean, split_selectors
 
     _errors_only_logging()
-    code, error = check_clean(args.config, split_selectors(args.gpu), out=sys.stdout)
+    slurm = None
+    if args.slurm_gpus is not None:
+        slurm = (split_selectors([args.slurm_gpus]) or [], args.slurm_order)
+    code, error = check_clean(args.config, split_selectors(args.gpu), out=sys.stdout, slurm=slurm)
     if error is not None:
         raise CliError(error, code)
     return code

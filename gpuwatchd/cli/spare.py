@@ -20,6 +20,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError
 from gpuwatchd.config.units import parse_duration
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.spares import job_processes
 from gpuwatchd.escape import escape
 from gpuwatchd.spares import (
     SpareFiles,
@@ -94,6 +95,9 @@ def spare_command(
         raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
     start_ticks = None
     boot_id = procfs.boot_id()
+    caveat = ""
+    if job is not None:
+        caveat = _job_found(procfs, job, target)
     if pid is not None:
         stat = procfs.read_stat(pid)
         if stat is None or boot_id is None:
@@ -118,10 +122,31 @@ def spare_command(
     what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
     print(
         f"gpuwatchd: {what} is spared for {duration(seconds)}, until {_stamp(ends)}: "
-        "never signalled until then (the daemon reads it at its next poll)",
+        f"never signalled until then (the daemon reads it at its next poll){caveat}",
         file=out,
     )
     return ExitCode.OK
+
+
+def _job_found(procfs: ProcFS, job: str, target: str) -> str:
+    """Refuse a job spare when no process of the job can be found now (the daemon could tie
+    none to it either); else what the spare will not cover, for the message ("" when the
+    job's cgroup ties its processes to it)."""
+    processes = procfs.read_processes(procfs.list_pids())
+    found = job_processes(job, processes)
+    if not found:
+        raise SpareError(
+            f"spare {target}: no process of job {job} found (none in its cgroup, no "
+            "slurmstepd of root's serving it): nothing is spared; spare its processes by PID",
+            ExitCode.CONFIG,
+        )
+    if any(p.cgroup is not None and p.cgroup.job_key == job for p in found):
+        return ""
+    return (
+        f"; {len(found)} process(es) found by slurmstepd's process tree, as Slurm's "
+        "proctrack/linuxproc tracks them: a process that leaves that tree (its parent died) "
+        "is no longer the job's, spare it by PID"
+    )
 
 
 def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[str]) -> int:

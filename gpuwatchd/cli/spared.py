@@ -87,7 +87,7 @@ def _spared(snapshot: Snapshot, pid: object) -> dict[str, object] | None:
     process = snapshot.processes.get(pid) if isinstance(pid, int) else None
     if process is None:
         return None
-    found = spare_covering(process, snapshot.spares, snapshot.wall_time)
+    found = spare_covering(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
     return None if found is None else spare_row(*found)
 
 
@@ -149,13 +149,15 @@ def spare_stops(
     what stops a signal: the spare's line, then ``refused`` (``targets.refusal``'s reason)
     unless it is the spare's own, already said."""
     found = (
-        None if process is None else spare_covering(process, snapshot.spares, snapshot.wall_time)
+        None
+        if process is None
+        else spare_covering(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
     )
     if process is None or found is None:
         return None, [] if refused is None else [refused]
     row = spare_row(*found)
     stops = [spared_text(row, snapshot.wall_time)]
-    own = f"spare: {spare_reason(process, snapshot.spares, snapshot.wall_time)}"
+    own = f"spare: {spare_reason(process, snapshot.spares, snapshot.wall_time, snapshot.processes)}"
     if refused is not None and refused != own:  # targets.refusal's words for the same spare
         stops.append(refused)
     return row, stops

@@ -4,14 +4,23 @@ NVML spells a GPU's bus id ``00000000:3B:00.0`` (8-digit domain, upper case); ad
 write ``0000:3b:00.0`` or ``3b:00.0``. This module owns the one reading of all of them
 (:func:`pci_bus_key`), the comparison (:func:`same_pci_bus_id`) and NVML's spelling
 (:func:`nvml_bus_id`): ``protect.gpus`` (``decide/targets.py``), the policy's reader
-(``config/keys.py``) and ``check-clean --gpu`` (``cli/check_clean.py``) use them. Pure.
+(``config/keys.py``) and ``check-clean --gpu`` (``cli/check_clean.py``) use them. It also owns
+how Slurm numbers GPUs (:func:`slurm_numbering`, ``check-clean --slurm-gpus``). Pure.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-__all__ = ["BusKey", "nvml_bus_id", "pci_bus_key", "same_pci_bus_id"]
+__all__ = [
+    "SLURM_ORDERS",
+    "BusKey",
+    "nvml_bus_id",
+    "pci_bus_key",
+    "same_pci_bus_id",
+    "slurm_numbering",
+]
 
 BusKey = tuple[int, int, int, int]  # domain, bus, device, function
 _BUS_ID = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])")
@@ -38,3 +47,23 @@ def nvml_bus_id(key: BusKey) -> str:
     """A bus id as NVML spells it: ``00000000:3B:00.0``."""
     domain, bus, device, function = key
     return f"{domain:08X}:{bus:02X}:{device:02X}.{function:X}"
+
+
+# How Slurm numbers a node's GPUs (its GPU ids: ``SLURM_JOB_GPUS``, ``IDX`` in ``scontrol show
+# node -d``): docs/operations.md, "Which GPUs are the job's". ``files``: in the order of their
+# device files, /dev/nvidia<minor> (gres.conf's ``File=`` lines, listed in increasing order as
+# Slurm's docs ask; ``AutoDetect=nvidia``); ``nvml``: in NVML's order (``AutoDetect=nvml``).
+SLURM_ORDERS = ("files", "nvml")
+
+
+def slurm_numbering(gpus: Sequence[tuple[int, int | None]], order: str) -> list[int] | None:
+    """The NVML indices of ``gpus`` (each ``(index, minor)``) in the order Slurm numbers them:
+    Slurm's GPU id k is the k-th. None when ``order`` is ``files`` and a GPU's device minor is
+    unknown (its place cannot be told)."""
+    if order == "nvml":
+        return sorted(index for index, _ in gpus)
+    if order != "files":
+        raise ValueError(f"Slurm GPU order {order!r}: expected one of {', '.join(SLURM_ORDERS)}")
+    if any(minor is None for _, minor in gpus):
+        return None
+    return [index for index, minor in sorted(gpus, key=lambda gpu: (gpu[1], gpu[0]))]

@@ -129,7 +129,9 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
     hold = _hold_reason(w, ctx)
     if hold is None:
         # An administrator's spare holds the ladder (it goes on when the spare ends).
-        spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time)
+        spared = spare_reason(
+            proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes
+        )
         hold = None if spared is None else f"spare: {spared}"
     if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
         capped = w.state.forced_dry_run or scope in w.scope_latches

@@ -2,7 +2,10 @@
 when a spare starts and ends (the events that journal both ends).
 
 A spare (:class:`gpuwatchd.model.Spare`) names a process by PID *and* start ticks, or a job by
-its key (``slurm:42``, as ``CgroupInfo.job_key`` spells it). :func:`spare_reason` says why a
+its key (``slurm:42``, as ``CgroupInfo.job_key`` spells it). A job's processes are those in its
+cgroup, and, for a Slurm job, those in the process tree of a ``slurmstepd`` that root runs for
+it (:func:`slurm_tree_job`: how Slurm's ``proctrack/linuxproc`` tracks them, where the cgroup
+says nothing). :func:`spare_reason` says why a
 process may not be signalled now; ``targets.refusal`` and the planner's ladders call it, so
 every decision that could signal a process honours it. Unknown never excuses a signal: a
 process whose start ticks (for a PID spare of its PID) or whose cgroup (while a job is spared)
@@ -15,13 +18,23 @@ It is pure: no I/O, no clock (wall time is passed in), no logging (changes come 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpuwatchd.model import ProcessInfo, Spare
 from gpuwatchd.vocabulary import EventName, Level
 
-__all__ = ["SpareEvent", "spare_changes", "spare_covering", "spare_reason", "spare_text"]
+__all__ = [
+    "SpareEvent",
+    "job_processes",
+    "slurm_tree_job",
+    "spare_changes",
+    "spare_covering",
+    "spare_reason",
+    "spare_text",
+    "stepd_job",
+]
 
 SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
 
@@ -40,11 +53,64 @@ def spare_text(spare: Spare) -> str:
     return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
+# slurmstepd's process title: "slurmstepd: [42.batch]", "[42.0]", "[42.extern]" (the job id
+# and its dot are enough: the title is cut to the length of slurmstepd's own argv area).
+_STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.")
+_MAX_TREE_DEPTH = 64
+
+
+def stepd_job(process: ProcessInfo) -> str | None:
+    """The Slurm job (``slurm:42``) a ``slurmstepd`` serves, when ``process`` is one that root
+    runs (effective uid 0, the executable ``slurmstepd``, or Debian's ``slurmstepd-wlm``, not
+    known to be a program someone else could have written); its title says the job. None for
+    anything else: only root can make a uid-0 process, and only it can write its title."""
+    program = process.exe_name or ""
+    if process.uid != 0 or process.exe_trusted is False:
+        return None
+    if program != "slurmstepd" and not program.startswith("slurmstepd-"):  # Debian: -wlm
+        return None
+    match = _STEPD_TITLE.match(" ".join(process.cmdline or ()))
+    return None if match is None else f"slurm:{match.group(1)}"
+
+
+def slurm_tree_job(process: ProcessInfo, processes: Mapping[int, ProcessInfo]) -> str | None:
+    """The Slurm job whose ``slurmstepd`` has ``process`` in its process tree (its nearest such
+    ancestor in ``processes``), as ``proctrack/linuxproc`` tracks a job; None when the chain of
+    parents ends, is unknown, or a parent is younger than its child (its PID was reused)."""
+    child = process
+    for _ in range(_MAX_TREE_DEPTH):
+        parent = processes.get(child.ppid) if child.ppid else None
+        if parent is None or parent.start_ticks is None or child.start_ticks is None:
+            return None
+        if parent.start_ticks > child.start_ticks:
+            return None
+        job = stepd_job(parent)
+        if job is not None:
+            return job
+        child = parent
+    return None
+
+
+def job_processes(job: str, processes: Mapping[int, ProcessInfo]) -> list[ProcessInfo]:
+    """The processes of ``job`` (a job key): in its cgroup, its slurmstepds, or in one's tree."""
+    return [
+        p
+        for p in processes.values()
+        if (p.cgroup is not None and p.cgroup.job_key == job)
+        or stepd_job(p) == job
+        or (job.startswith("slurm:") and slurm_tree_job(p, processes) == job)
+    ]
+
+
 def spare_covering(
-    process: ProcessInfo, spares: Sequence[Spare], wall: float
+    process: ProcessInfo,
+    spares: Sequence[Spare],
+    wall: float,
+    processes: Mapping[int, ProcessInfo] | None = None,
 ) -> tuple[Spare, str | None] | None:
     """The spare in force at wall time ``wall`` that covers ``process``, with what is unknown
-    about the process that makes it count as spared (None: it is the spared one), or None."""
+    about the process that makes it count as spared (None: it is the spared one), or None.
+    ``processes`` (the snapshot's) lets a Slurm job's spare cover its step's process tree."""
     for spare in _in_force(spares, wall):
         if spare.pid is not None and spare.pid == process.pid:
             if process.start_ticks is None:
@@ -52,6 +118,8 @@ def spare_covering(
             if process.start_ticks == spare.start_ticks:
                 return spare, None
         if spare.job is not None:
+            if processes is not None and slurm_tree_job(process, processes) == spare.job:
+                return spare, None
             if process.cgroup is None:
                 return spare, "this process's job is unknown"
             if process.cgroup.job_key == spare.job:
@@ -59,11 +127,16 @@ def spare_covering(
     return None
 
 
-def spare_reason(process: ProcessInfo, spares: Sequence[Spare], wall: float) -> str | None:
+def spare_reason(
+    process: ProcessInfo,
+    spares: Sequence[Spare],
+    wall: float,
+    processes: Mapping[int, ProcessInfo] | None = None,
+) -> str | None:
     """Why ``process`` is left alone at wall time ``wall`` because of a spare in force, or
     None. The text names the spare, not how long it has left, so it stays the same while the
     spare lasts (a hold is said once)."""
-    found = spare_covering(process, spares, wall)
+    found = spare_covering(process, spares, wall, processes)
     if found is None:
         return None
     spare, unknown = found

@@ -61,6 +61,7 @@ class Slurm:
         self.gpuwatchd.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpuwatchd "$@"\n')
         self.gpuwatchd.chmod(0o755)
         self.state = self.dir / "state"  # the scripts' drain records
+        self.gres_conf = self.dir / "gres.conf"
         self.drain: str | None = None  # GPUWATCHD_SLURM_DRAIN; None: unset (auto)
         self.set_node("IDLE", "")
 
@@ -103,9 +104,16 @@ class Slurm:
         return [call for call in self.calls() if call[:1] == ["update"]]
 
     def script(
-        self, name: str, gpus: str | None, timeout: str = "20s", job: str | None = None
+        self,
+        name: str,
+        gpus: str | None,
+        timeout: str = "20s",
+        job: str | None = None,
+        extra: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Run ``gpuwatchd-prolog``/``-epilog`` as slurmd would, or ``gpuwatchd-slurm undrain``."""
+        """Run ``gpuwatchd-prolog``/``-epilog`` as slurmd would, or ``gpuwatchd-slurm undrain``;
+        ``gpus`` is ``SLURM_JOB_GPUS``, ``extra`` more environment. The gres.conf the scripts
+        read is ``gres_conf`` (none unless written)."""
         env = self.host.env()
         env.update(
             {
@@ -116,9 +124,15 @@ class Slurm:
                 "SLURMD_NODENAME": NODE,
                 "GPUWATCHD_SLURM_STATE": str(self.state),
                 "GPUWATCHD_SLURM_DEFAULTS": str(self.dir / "no-defaults"),
+                "GPUWATCHD_SLURM_GRES_CONF": str(self.gres_conf),
             }
         )
-        for var in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "GPUWATCHD_SLURM_GPUS"):
+        for var in (
+            "SLURM_JOB_GPUS",
+            "CUDA_VISIBLE_DEVICES",
+            "GPUWATCHD_SLURM_GPUS",
+            "GPUWATCHD_SLURM_GPU_ORDER",
+        ):
             env.pop(var, None)
         env.pop("SLURM_JOB_ID", None)
         env.pop("GPUWATCHD_SLURM_DRAIN", None)
@@ -128,6 +142,7 @@ class Slurm:
             env["SLURM_JOB_GPUS"] = gpus
         if job is not None:
             env["SLURM_JOB_ID"] = job
+        env.update(extra or {})
         (self.dir / "calls.log").write_text("")
         started = time.monotonic()
         proc = subprocess.run(

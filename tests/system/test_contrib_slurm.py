@@ -159,6 +159,32 @@ def host_bad_drop_in(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         return out
 
 
+def host_with_minors_not_in_nvml_order(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """NVML's GPU 0 is /dev/nvidia1 and GPU 1 is /dev/nvidia0; GPU 1 keeps ghost memory. No
+    daemon, draining on. The prolog asks about the job's GPUs by Slurm's ids."""
+    with SimHost(root, gpus=2) as host:
+        host.nvml([gpu(0, minor=1), gpu(1, minor=0, allocated=3 * GiB)])
+        slurm = Slurm(host, host.config())
+        slurm.drain = "yes"
+        out: dict[str, Any] = {"uuid1": host.scan_json()["gpus"][1]["uuid"]}
+        # gres.conf File=/dev/nvidia[0-1]: Slurm's id 0 is /dev/nvidia0, NVML's GPU 1.
+        slurm.gres_conf.write_text("Name=gpu File=/dev/nvidia[0-1]\n")
+        out["files_id0"] = slurm.script("prolog", "0")
+        slurm.set_node("IDLE", "")
+        out["files_id1"] = slurm.script("prolog", "1")
+        # What slurmd also sets in a prolog, and what the scripts used to fall back to.
+        out["cuda_only"] = slurm.script("prolog", None, extra={"CUDA_VISIBLE_DEVICES": "1"})
+        # AutoDetect=nvml: Slurm numbers the GPUs in NVML's order.
+        slurm.gres_conf.write_text("# AutoDetect=off\nAutoDetect=nvml\nName=gpu Count=2\n")
+        out["nvml_id0"] = slurm.script("prolog", "0")
+        out["nvml_id1"] = slurm.script("prolog", "1")
+        slurm.set_node("IDLE", "")
+        out["setting_files"] = slurm.script(
+            "prolog", "0", extra={"GPUWATCHD_SLURM_GPU_ORDER": "files"}
+        )
+        return out
+
+
 # --- tests ---------------------------------------------------------------------------------
 
 
@@ -280,6 +306,20 @@ def test_beside_a_dry_run_daemon_draining_switched_on_drains(tmp_path: Path) -> 
     assert r["would_drain"] is None
 
 
+def test_the_prolog_judges_the_gpus_slurm_gave_the_job_by_slurms_numbering(tmp_path: Path) -> None:
+    """Device minors not in NVML's order: Slurm's id 0 under gres.conf's File= lines is
+    /dev/nvidia0, which NVML calls GPU 1 (dirty); under AutoDetect=nvml it is NVML's GPU 0
+    (clean). CUDA_VISIBLE_DEVICES alone names nothing the scripts read."""
+    r = run_scenario("host_with_minors_not_in_nvml_order", tmp_path)
+    ours = f"gpuwatchd: {r['uuid1']} ghost_memory"
+    for name in ("files_id0", "nvml_id1", "setting_files"):
+        assert r[name]["code"] == 1, (name, r[name]["stderr"])
+        assert r[name]["updates"] == [_drain(ours)], name
+    for name in ("files_id1", "nvml_id0", "cuda_only"):
+        assert r[name]["code"] == 0, (name, r[name]["stderr"])
+        assert r[name]["updates"] == [], name
+
+
 def _lifted(r: dict[str, Any]) -> None:
     assert r["undrain"]["updates"] == [RESUME], r["undrain"]["stderr"]
 
@@ -346,7 +386,7 @@ def test_a_check_that_cannot_run_drains_but_a_policy_problem_does_not(tmp_path: 
         "GPUWATCHD_SLURM_NODE": NODE,
         "GPUWATCHD_SLURM_STATE": str(tmp_path / "state"),
         "GPUWATCHD_SLURM_DEFAULTS": str(tmp_path / "no-defaults"),
-        "CUDA_VISIBLE_DEVICES": "0",
+        "SLURM_JOB_GPUS": "0",
     }
     proc = subprocess.run(
         [str(SLURM / "gpuwatchd-prolog")], env=env, capture_output=True, text=True, check=False

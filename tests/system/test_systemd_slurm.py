@@ -14,6 +14,11 @@ prolog and epilog with an environment of its own). It pins:
 - (c) a node someone else drained is neither overwritten nor lifted;
 - (d) our drain is lifted by the timer once every GPU is clean — also when Slurm has put its
   own "Epilog error" over our reason (our record says the drain is ours);
+- (e) on a host whose device minors are not in NVML's order, the prolog judges the GPU Slurm
+  gave the job by Slurm's id (gres.conf's device files), not NVML's index;
+- (f) `spare job:ID` under `proctrack/linuxproc` (the job's processes in slurmd's cgroup) and
+  under `proctrack/cgroup`: the job's orphaned worker is left alone until the spare is
+  cancelled; a job with no process on the node is refused;
 - the rollout week of docs/operations.md ("Roll out in dry-run first"), step by step:
   ``test_the_rollout_week``;
 - node_exporter (Debian's prometheus-node-exporter, its default textfile directory) serves our
@@ -693,6 +698,148 @@ def test_node_exporter_serves_our_series_over_http(cluster: Cluster) -> None:
     # An orphan killed in (a) is counted, and served.
     delivered = [s for s in _samples(text, "gpuwatchd_signals_total") if "delivered" in s]
     assert delivered, _samples(text, "gpuwatchd_signals_total")
+
+
+# -- (e) (here: the rollout week reads every spare event of the journal) -----------------------
+def test_the_prolog_judges_the_jobs_gpu_by_slurms_id_where_minors_are_not_in_nvmls_order(
+    cluster: Cluster,
+) -> None:
+    """NVML's GPU 0 is /dev/nvidia1 and its GPU 1 is /dev/nvidia0 here. gres.conf lists
+    File=/dev/nvidia[0-1], so Slurm's GPU id 0, which a one-GPU job on an idle node gets, is
+    /dev/nvidia0: NVML's GPU 1. With NVML's GPU 0 dirty the job runs (not its GPU); with
+    NVML's GPU 1 dirty the prolog refuses it, naming GPU 1."""
+    cluster.idle()
+    cluster.wait_idle("an idle node")
+    try:
+        cluster.ct.nvml([gpu(0, minor=1, allocated=2 * GiB), gpu(1, minor=0)])
+        job = cluster.submit("job-e0", "echo ran\n", gpus=1)
+        assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+        assert cluster.job(job).get("Restarts") == "0"
+        _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
+        assert cluster.sinfo_reasons() == []
+
+        cluster.ct.nvml([gpu(0, minor=1), gpu(1, minor=0, allocated=2 * GiB)])
+        job = cluster.submit("job-e1", "echo ran\n", gpus=1)
+        _until("the prolog's drain", cluster.drained)
+        assert cluster.sinfo_reasons() == [f"gpuwatchd: {gpu(1)['uuid']} ghost_memory"]
+        cluster.sh(f"scancel {job}")
+    finally:
+        cluster.idle()
+    cluster.wait_idle("the timer to lift the prolog's drain", timeout=60)
+
+
+# -- (f) --------------------------------------------------------------------------------------
+# The jobs: orphan-maker's trainer exits after 3 s; the worker it forked keeps GPU 0. Under
+# proctrack/linuxproc a subreaper in the job (as torchrun or tini are) adopts the worker, so it
+# stays in the step's process tree; under proctrack/cgroup it stays in the job's cgroup.
+ORPHAN_MAKER = f'["{CI_DIR}/orphan-maker", "{CI_DIR}/dev", "0", "{CI_DIR}/job-f.pids"]'
+SUBREAPER_JOB = f"""\
+exec python3 -c '
+import ctypes, os, subprocess, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+subprocess.Popen({ORPHAN_MAKER}, env=dict(os.environ, ORPHAN_PARENT_LIFETIME="3"))
+while not os.path.exists("{CI_DIR}/job-f.go"):
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    time.sleep(0.2)
+'
+"""
+PLAIN_JOB = f"""\
+ORPHAN_PARENT_LIFETIME=3 {CI_DIR}/orphan-maker {CI_DIR}/dev 0 {CI_DIR}/job-f.pids
+while [ ! -e {CI_DIR}/job-f.go ]; do sleep 0.2; done
+"""
+CGROUP_CONF = "CgroupPlugin=autodetect\nCgroupAutomount=yes\nIgnoreSystemd=yes\n"
+
+
+def _spare_holds_the_jobs_worker(cluster: Cluster, body: str) -> tuple[str, str]:
+    """Run ``body`` as a job, spare the job once its worker is orphaned, check the spare holds
+    it (refused with the spare as the reason, alive, never signalled) and that it is freed
+    once the spare is cancelled; then end the job. (what `spare` said, the worker's cgroup)"""
+    ct = cluster.ct
+    cluster.idle()
+    cluster.wait_idle("an idle node")
+    pids, go = ct.ci / "job-f.pids", ct.ci / "job-f.go"
+    pids.unlink(missing_ok=True)
+    go.unlink(missing_ok=True)
+    job = cluster.submit("job-f", body, gpus=1)
+    try:
+        _until("the job's trainer and worker", pids.exists)
+        trainer, worker = (int(x) for x in pids.read_text().split())
+        cgroup = ct.run(["cat", f"/proc/{worker}/cgroup"]).stdout
+        said = cluster.sh(f"gpuwatchd spare job:{job} --for 90s --reason 'owner debugs'")
+        ct.nvml([gpu(0, allocated=GiB, processes=[{"pid": trainer, "used_memory": GiB}]), gpu(1)])
+
+        def alive() -> bool:
+            return ct.run(["kill", "-0", str(worker)], check=False).returncode == 0
+
+        def refused() -> bool:
+            return any(
+                e.get("TARGET_PID") == str(worker)
+                and str(e.get("GPUWATCHD_WHY", "")).startswith(f"spare: job slurm:{job}")
+                for e in _events(cluster, "action.refused")
+            )
+
+        _until("the spare to refuse the worker's ladder", refused, timeout=60)
+        assert alive(), "the spared job's worker was signalled"
+        assert not [
+            e for e in _events(cluster, "action.signal") if e.get("TARGET_PID") == str(worker)
+        ]
+        cluster.sh(f"gpuwatchd spare --cancel job:{job}")
+        _until("the worker to be freed once the spare is cancelled", lambda: not alive())
+        cluster.idle()
+    finally:
+        go.touch()
+        cluster.idle()
+    assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+    cluster.wait_idle("the node to be idle after the job")
+    for absent in (job, job + 100000):
+        proc = cluster.sh(f"gpuwatchd spare job:{absent} --for 1m --reason x", check=False)
+        assert proc.returncode == 78, proc.stderr
+        assert f"no process of job slurm:{absent} found" in proc.stderr
+    assert "no spares" in cluster.sh("gpuwatchd spare --list").stdout
+    return said.stdout, cgroup
+
+
+def test_a_job_spare_holds_under_proctrack_linuxproc(cluster: Cluster) -> None:
+    """`spare job:ID` with Slurm tracking the job by process: the job's processes sit in
+    slurmd.service's cgroup, and the spare finds them by slurmstepd's process tree (and says
+    so). A job id with no process on the node, or a job that has ended, is refused."""
+    said, cgroup = _spare_holds_the_jobs_worker(cluster, SUBREAPER_JOB)
+    assert "slurmd.service" in cgroup, cgroup  # nothing in the cgroup says which job
+    assert "process tree" in said, said
+
+
+def test_a_job_spare_holds_under_proctrack_cgroup(cluster: Cluster) -> None:
+    """The same with `proctrack/cgroup` (cgroup v2): the worker, reparented out of the job's
+    process tree, stays in the job's cgroup, which ties it to the job. Slurm is switched back
+    to proctrack/linuxproc afterwards."""
+    ct = cluster.ct
+
+    def switch(proctrack: str) -> bool:
+        ct.write("/etc/slurm/slurm.conf", SLURM_CONF.replace("proctrack/linuxproc", proctrack))
+        cluster.sh("systemctl restart slurmctld slurmd", check=False)
+        try:
+            cluster.wait_idle(f"the node to be idle under {proctrack}", timeout=60)
+        except BaseException:
+            return False
+        return True
+
+    ct.write("/etc/slurm/cgroup.conf", CGROUP_CONF)
+    try:
+        if not switch("proctrack/cgroup"):
+            log = cluster.sh(
+                "grep -E 'fatal|Read-only|not supported' /var/log/slurm/slurmd.log | tail -n 1",
+                check=False,
+            ).stdout
+            pytest.skip(f"slurmd does not run proctrack/cgroup in this container: {log}")
+        said, cgroup = _spare_holds_the_jobs_worker(cluster, PLAIN_JOB)
+        assert "/job_" in cgroup, cgroup
+        assert "process tree" not in said, said  # its cgroup ties it: no caveat
+    finally:
+        (ct.root / "etc/slurm/cgroup.conf").unlink(missing_ok=True)
+        assert switch("proctrack/linuxproc"), "slurmd did not come back under linuxproc"
 
 
 # -- removal ----------------------------------------------------------------------------------

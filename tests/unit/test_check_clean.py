@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.check_clean import RUNNING_POLICY, SelectionError, answer, split_selectors
+from gpuwatchd.cli.check_clean import (
+    RUNNING_POLICY,
+    SelectionError,
+    answer,
+    slurm_selectors,
+    split_selectors,
+)
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
 from gpuwatchd.decide.plan_state import Ladder, PlanState, SeenFinding
@@ -121,6 +127,37 @@ def test_selectors_split_like_cuda_visible_devices() -> None:
     assert split_selectors(["0,1", " 3 "]) == ["0", "1", "3"]
     assert split_selectors([""]) == []  # a job without GPUs: nothing to check
     assert answer(node(gpu(0, UUID0, ("orphaned", "x"))), []) == (0, [], [])
+
+
+def _report_gpus(*minors: int | None) -> list[dict[str, Any]]:
+    """The report's GPU entries: index i has device minor minors[i]."""
+    uuids = [UUID0, UUID1]
+    return [{"index": i, "uuid": uuids[i], "minor": m} for i, m in enumerate(minors)]
+
+
+def test_slurm_ids_name_gpus_by_device_file_when_minors_are_not_in_nvmls_order() -> None:
+    """NVML's GPU 0 is /dev/nvidia1 and GPU 1 is /dev/nvidia0. Slurm's id 0 (File=/dev/nvidia0
+    first in gres.conf) is NVML's GPU 1: a dirty GPU 1 is refused by Slurm id 0, not id 1;
+    in NVML's order (AutoDetect=nvml) id 0 is NVML's GPU 0."""
+    gpus = _report_gpus(1, 0)
+    assert slurm_selectors(gpus, ["0"], "files") == [UUID1]
+    assert slurm_selectors(gpus, ["1"], "files") == [UUID0]
+    assert slurm_selectors(gpus, ["0"], "nvml") == [UUID0]
+    dirty1 = node(gpu1=gpu(1, UUID1, ("ghost_memory", "2 GiB")))
+    assert answer(dirty1, slurm_selectors(gpus, ["0"], "files"))[0] == 1
+    assert answer(dirty1, slurm_selectors(gpus, ["1"], "files"))[0] == 0
+
+
+@pytest.mark.parametrize("ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000"])
+def test_a_slurm_id_that_names_no_gpu_is_a_selection_error(ident: str) -> None:
+    with pytest.raises(SelectionError, match="--slurm-gpus"):
+        slurm_selectors(_report_gpus(0, 1), [ident], "files")
+
+
+def test_slurm_ids_by_device_file_with_a_minor_unknown_are_refused_not_guessed() -> None:
+    with pytest.raises(SelectionError, match="device minor is unknown"):
+        slurm_selectors(_report_gpus(0, None), ["0"], "files")
+    assert slurm_selectors(_report_gpus(0, None), ["1"], "nvml") == [UUID1]
 
 
 # --- run --once beside the daemon ----------------------------------------------------------

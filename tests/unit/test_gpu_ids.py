@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.config.keys import normalize_gpu_id
-from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
+from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id, slurm_numbering
 
 
 @pytest.mark.parametrize(
@@ -41,3 +41,25 @@ def test_the_policy_spells_a_bus_id_as_nvml_does() -> None:
     assert normalize_gpu_id("3B:1f.7") == "00000000:3B:1F.7"
     with pytest.raises(ValueError, match="neither a GPU UUID"):
         normalize_gpu_id("3b:00")
+
+
+# --- how Slurm numbers GPUs (docs/operations.md, "Which GPUs are the job's") ---------------
+
+# (NVML index, device minor): minors not in NVML's order, as on hosts where the driver's
+# /dev/nvidiaN numbering and the PCI bus order differ.
+CROSSED = [(0, 2), (1, 0), (2, 3), (3, 1)]
+
+
+def test_slurm_numbers_gpus_by_device_file_or_in_nvmls_order() -> None:
+    """`files`: Slurm's id k is the GPU of the k-th device file (/dev/nvidia0 first), as
+    gres.conf's File=/dev/nvidia[0-3] numbers them; `nvml`: NVML's own order (AutoDetect=nvml)."""
+    assert slurm_numbering(CROSSED, "files") == [1, 3, 0, 2]
+    assert slurm_numbering(CROSSED, "nvml") == [0, 1, 2, 3]
+    assert slurm_numbering([(0, 0), (1, 1)], "files") == slurm_numbering([(0, 0), (1, 1)], "nvml")
+
+
+def test_an_unknown_minor_makes_the_file_order_unknown_not_a_guess() -> None:
+    assert slurm_numbering([(0, 0), (1, None)], "files") is None
+    assert slurm_numbering([(0, 0), (1, None)], "nvml") == [0, 1]
+    with pytest.raises(ValueError, match="expected one of files, nvml"):
+        slurm_numbering(CROSSED, "cuda")

@@ -204,8 +204,11 @@ def _evidence_report(proc_root: str) -> ReportBuilder:
         first_seen: Mapping[str, float],
     ) -> dict[str, object]:
         from gpuwatchd.cli.scan import snapshot_report  # only once a step is taken
+        from gpuwatchd.cli.spared import mark_spared
 
-        return snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
+        report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
+        mark_spared(report, snapshot, snapshot.spares)  # as scan marks them: explain honours them
+        return report
 
     return report
 

@@ -9,7 +9,9 @@ recently), and rendering the status document the daemon wrote (:mod:`gpuwatchd.s
 with an LSB-style exit code. It works nothing out from the plan: every value comes from the
 document, checked (a malformed one is unknown, never a traceback); only the daemon's liveness
 and "how long from now" are this reader's own. A state written before the document (an upgraded
-node whose daemon still runs the old code) gets it from the daemon's own builder.
+node whose daemon still runs the old code) gets it from the daemon's own builder. Beside it,
+the evidence files in the state directory are listed by their names
+(:mod:`gpuwatchd.act.evidence`).
 
 :func:`describe` is pure, and so is the text view (:mod:`gpuwatchd.cli.status_text`); the I/O —
 the state file, ``/proc/PID``, the boot id, the clocks — is at the edge, in

@@ -179,6 +179,7 @@ def evidence_files(host: SimHost, config: Path) -> dict[str, Any]:
                 **{k: doc.get(k) for k in ("action", "gpu", "dry_run", "reason", "truncated")},
                 "report_gpus": [g["uuid"] for g in (doc.get("report") or {}).get("gpus", [])],
                 "trees": [t["pid"] for t in doc.get("process_trees") or []],
+                "report_spares": (doc.get("report") or {}).get("spares"),
             }
         )
     explained: dict[str, Any] | None = None

@@ -445,6 +445,7 @@ def test_ghost_memory_gets_exactly_one_reset_then_cooldown(tmp_path: Path) -> No
     assert kept["mode"] == 0o600
     assert kept["report_gpus"] == [GPU0, GPU1]  # the scan --json report of the deciding poll
     assert kept["truncated"] == []
+    assert kept["report_spares"] == []  # marked as scan marks them
     explained = result["evidence"]["explain"]
     assert explained["code"] == 0, explained["stderr"]
     assert explained["evidence"]["action"] == "gpu_reset"

@@ -194,6 +194,8 @@ def host_reset_hangs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "outcomes": outcomes,
             "on_failure_ran": marker.exists(),
             "grandchild_alive": host.alive(hang_pid),
+            "hooks": [e for e in run.events() if e.get("event") == "hook.run"],
+            "evidence": evidence_files(host, run.config),
         }
 
 
@@ -466,6 +468,12 @@ def test_hanging_reset_is_killed_at_the_timeout_and_on_failure_runs(tmp_path: Pa
     assert result["outcomes"][0]["result"] == "timeout"
     assert result["on_failure_ran"] is True
     assert result["grandchild_alive"] is False
+    # Evidence before the reset, and again before the on_failure hooks that followed it.
+    reset, failure = result["evidence"]["files"]
+    assert [reset["action"], failure["action"]] == ["gpu_reset", "on_failure"]
+    assert result["outcomes"][0]["evidence_file"] == reset["path"]
+    (hook,) = result["hooks"]
+    assert (hook["hook"], hook["evidence_file"]) == ("on_failure", failure["path"])
 
 
 def test_restart_mid_escalation_continues_the_ladder(tmp_path: Path) -> None:

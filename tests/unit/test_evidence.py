@@ -239,6 +239,20 @@ def test_a_reset_leaves_one_evidence_file_named_by_its_outcome(
     assert len(resets) == (0 if dry_run else 1)
 
 
+def test_a_reset_the_final_scan_refuses_keeps_its_evidence_too(state_dir: StateDir) -> None:
+    """The evidence is kept before the procedure's first step (its drain hooks), so a reset
+    refused at the final scan has its file, named by the refusal's outcome."""
+    engine, sink, actuator = engine_with_evidence("reset: {confirm_for: 0s}", state_dir)
+    assert isinstance(engine.reader, Reader)
+    engine.reader.blockers = [4321]  # a holder appears before the final scan
+    engine.poll()
+    (outcome,) = sink.named("reset.outcome")
+    assert outcome["result"] == "refused"
+    (entry,) = list_evidence(state_dir)
+    assert outcome["evidence_file"] == state_dir.join(entry.name)
+    assert not [argv for argv, _ in actuator.commands if "--gpu-reset" in argv]
+
+
 @pytest.mark.parametrize("dry_run", [False, True], ids=["enforcing", "dry-run"])
 def test_a_health_drain_and_its_reset_each_leave_an_evidence_file(
     state_dir: StateDir, dry_run: bool

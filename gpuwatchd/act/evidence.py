@@ -154,7 +154,10 @@ def list_evidence(folder: EvidenceFolder) -> list[EvidenceEntry]:
 
 
 def _name(seq: int, wall: float, step: Step) -> str:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max(0.0, wall)))
+    try:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max(0.0, wall)))
+    except (OverflowError, OSError, ValueError):  # a wall clock far off: the sequence orders
+        stamp = "00000000T000000Z"
     gpu = step.instance_uuid or step.gpu
     tail = f"-{gpu}" if gpu is not None and _GPU_IN_NAME.match(gpu) else ""
     return f"{PREFIX}{seq:08d}-{stamp}-{step.action}{'-dry' if step.dry_run else ''}{tail}.json"

@@ -159,6 +159,9 @@ def test_under_a_storm_the_count_is_bounded_and_the_oldest_go_first(state_dir: S
     assert len(kept) == MAX_FILES
     assert [e.seq for e in kept] == list(range(2 * MAX_FILES + 1, 3 * MAX_FILES + 1))
     assert len(os.listdir(state_dir.path)) == MAX_FILES  # no temporary file left over
+    far_off = keep(k, snapshot, RESET, wall=1e300)  # a clock far off is no crash
+    assert "-00000000T000000Z-" in str(far_off.path)
+    assert list_evidence(state_dir)[-1].seq == 3 * MAX_FILES + 1
 
 
 def test_a_file_over_the_size_bound_is_cut_down_and_says_what_was_left_out(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
-from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Step
+from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import (
     ResetOutcome,
     ResetStep,
@@ -670,15 +670,18 @@ class Engine:
             key: now_wall - max(0.0, now_mono - seen.first_seen)
             for key, seen in self.state.plan.seen.items()
         }
-        kept = self.evidence.keep(
-            step,
-            snapshot=snapshot,
-            assessment=assessment,
-            verdict=self.last_verdict,
-            health=self.state.assess.health,
-            first_seen=first_seen,
-            wall=self.clock.wall(),
-        )
+        try:
+            kept = self.evidence.keep(
+                step,
+                snapshot=snapshot,
+                assessment=assessment,
+                verdict=self.last_verdict,
+                health=self.state.assess.health,
+                first_seen=first_seen,
+                wall=self.clock.wall(),
+            )
+        except Exception as err:  # a bug in keeping evidence must not stop the step
+            kept = Kept(None, error=f"crashed (a bug): {err!r}")
         if kept.path is None:
             self._emit(
                 EventName.EVIDENCE_UNSAVED,

@@ -33,7 +33,7 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.health_state import HealthState
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.engine import Engine
+from gpuwatchd.engine import Engine, EngineState
 from gpuwatchd.model import Snapshot
 from gpuwatchd.statedir import StateDir
 from tests.support.enginerig import (
@@ -301,6 +301,35 @@ def test_without_a_usable_state_dir_the_step_goes_on_and_says_so(state_dir: Stat
     (outcome,) = sink.named("reset.outcome")
     assert "evidence_file" not in outcome
     assert [argv for argv, _ in actuator.commands if "--gpu-reset" in argv]
+
+
+def test_a_bug_in_the_report_or_the_keeper_never_stops_the_step(state_dir: StateDir) -> None:
+    def broken(
+        snapshot: Snapshot,
+        assessment: Assessment,
+        verdict: NodeVerdict | None,
+        first_seen: Mapping[str, float],
+    ) -> dict[str, object]:
+        raise RuntimeError("bug")
+
+    engine, sink, actuator = engine_with_evidence("reset: {confirm_for: 0s}", state_dir)
+    engine.evidence = EvidenceKeeper(lambda: state_dir, broken)
+    engine.poll()
+    (entry,) = list_evidence(state_dir)  # still kept, saying why it has no report
+    doc = json.loads(Path(state_dir.join(entry.name)).read_text())
+    assert (doc["report"], doc["report_error"]) == (None, "RuntimeError('bug')")
+    assert doc["process_trees"] == []
+
+    class Crashing(EvidenceKeeper):
+        def keep(self, *args: object, **kwargs: object) -> Kept:
+            raise RuntimeError("bug")
+
+    engine.evidence = Crashing(lambda: state_dir, broken)
+    engine.state = EngineState()  # a new incident: the reset is planned again
+    engine.poll()
+    (unsaved,) = sink.named("evidence.unsaved")
+    assert unsaved["error"] == "crashed (a bug): RuntimeError('bug')"
+    assert len([argv for argv, _ in actuator.commands if "--gpu-reset" in argv]) == 2
 
 
 # --- explain and status read them --------------------------------------------------------------

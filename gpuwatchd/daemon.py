@@ -27,6 +27,7 @@ import structlog
 
 from gpuwatchd import __version__
 from gpuwatchd.accepted import render_accepted, save_accepted
+from gpuwatchd.act.evidence import EvidenceKeeper, ReportBuilder
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
@@ -104,6 +105,7 @@ class Daemon:
         wall_clock: Callable[[], float] = time.time,
         rejected_at_start: Mapping[str, object] | None = None,
         scan_answer: ScanAnswerer | None = None,
+        evidence_report: ReportBuilder | None = None,
     ) -> None:
         self.config_path = config_path
         self.dry_run_flag = dry_run
@@ -173,6 +175,11 @@ class Daemon:
             background=self.hook_queue,
             hostname=node_name(),
             stopping=lambda: self._stop,
+            # Before each destructive step, its evidence in state_dir (act/evidence.py); the
+            # report in it is the command line's scan --json, handed in by cli/run.py.
+            evidence=EvidenceKeeper(
+                self._state_dir, evidence_report, hostname=node_name(), version=__version__
+            ),
         )
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
         self._wakeup_r, self._wakeup_w = os.pipe()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
+from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import (
     ResetOutcome,
     ResetStep,
@@ -148,6 +149,7 @@ class Engine:
         hostname: str | None = None,
         stopping: Callable[[], bool] = lambda: False,
         sleep: Callable[[float], None] = time.sleep,
+        evidence: EvidenceKeeper | None = None,
     ) -> None:
         self.policy = policy
         self.reader = reader
@@ -162,6 +164,8 @@ class Engine:
         self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
         self.stopping = stopping
         self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
+        # Evidence files before each destructive step (act/evidence.py); none in simulate.
+        self.evidence = evidence
         # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
         self._assumed_exits: list[ProcessIdentity] = []
         # Hooks that ran in the background, reported by the main loop: (intent, results), or
@@ -445,6 +449,15 @@ class Engine:
         if not hooks:
             return ()
         facts = intent.facts
+        kept: dict[str, object] = {}
+        destructive = {
+            HookName.RESET_DRAIN: EvidenceAction.DRAIN,
+            HookName.ON_FAILURE: EvidenceAction.ON_FAILURE,
+        }.get(HookName(intent.hook))
+        if destructive is not None:  # a drain (or whatever on_failure does): evidence first
+            gpu = facts.get("gpu")
+            uuid = gpu if isinstance(gpu, str) else None
+            kept = self._keep_evidence(Step(destructive, uuid, intent.dry_run, intent.reason))
         values = {
             "uuid": _text(facts.get("gpu")),
             "pci_bus_id": _text(facts.get("pci_bus_id")),
@@ -467,6 +480,7 @@ class Engine:
                     outcome=HookOutcome.DRY_RUN,
                     reason=intent.reason,
                     **({"detail": detail} if detail else {}),
+                    **kept,
                 )
             return ()
         env = hook_environment(
@@ -488,7 +502,7 @@ class Engine:
             return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
 
         if intent.hook != HookName.ON_ACTION:
-            self._report_hooks(intent, self.slow(work))
+            self._report_hooks(intent, self.slow(work), kept)
             return ()
 
         def notify() -> None:  # on the background thread: the main loop reports it
@@ -565,7 +579,12 @@ class Engine:
             error=error,
         )
 
-    def _report_hooks(self, intent: HookIntent, results: Sequence[CommandResult]) -> None:
+    def _report_hooks(
+        self,
+        intent: HookIntent,
+        results: Sequence[CommandResult],
+        kept: Mapping[str, object] | None = None,
+    ) -> None:
         for res in results:
             self._emit(
                 EventName.HOOK_RUN,
@@ -580,6 +599,7 @@ class Engine:
                 **({"error": res.error} if res.error else {}),
                 **({"outcome": HookOutcome.CANCELLED} if res.cancelled else {}),
                 **({"leftovers": res.leftovers} if res.leftovers else {}),
+                **(kept or {}),
             )
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
@@ -603,6 +623,17 @@ class Engine:
         if intent.instance is not None:
             hook_env["GPUWATCHD_MIG_INSTANCE"] = intent.instance.mig_uuid
             hook_env["GPUWATCHD_MIG_GI"] = str(intent.instance.gi)
+        # Before the procedure's first step (its drain hooks): what led to it, for a human.
+        kept = self._keep_evidence(
+            Step(
+                EvidenceAction.GPU_RESET if whole else EvidenceAction.MIG_INSTANCE,
+                intent.gpu,
+                intent.dry_run,
+                intent.reason,
+                instance={} if intent.instance is None else intent.instance.fields(),
+                instance_uuid=None if intent.instance is None else intent.instance.mig_uuid,
+            )
+        )
 
         def work() -> ResetOutcome:
             return perform_reset(
@@ -628,7 +659,43 @@ class Engine:
                 None,
                 (),
             )
-        return self._book_reset(intent, outcome)
+        return self._book_reset(intent, outcome, kept)
+
+    def _keep_evidence(self, step: Step) -> dict[str, object]:
+        """Write the evidence file of ``step`` (act/evidence.py); the field naming it for the
+        step's event (``evidence_file``), or nothing when none is kept (said as
+        ``evidence.unsaved``: the step goes on, its reasons are still in the journal)."""
+        snapshot, assessment = self.last_snapshot, self.last_assessment
+        if self.evidence is None or snapshot is None or assessment is None:
+            return {}
+        now_mono, now_wall = snapshot.monotonic, snapshot.wall_time
+        first_seen = {
+            key: now_wall - max(0.0, now_mono - seen.first_seen)
+            for key, seen in self.state.plan.seen.items()
+        }
+        try:
+            kept = self.evidence.keep(
+                step,
+                snapshot=snapshot,
+                assessment=assessment,
+                verdict=self.last_verdict,
+                health=self.state.assess.health,
+                first_seen=first_seen,
+                wall=self.clock.wall(),
+            )
+        except Exception as err:  # a bug in keeping evidence must not stop the step
+            kept = Kept(None, error=f"crashed (a bug): {err!r}")
+        if kept.path is None:
+            self._emit(
+                EventName.EVIDENCE_UNSAVED,
+                Level.ERROR,
+                action=str(step.action),
+                gpu=step.gpu,
+                dry_run=step.dry_run,
+                error=kept.error,
+            )
+            return {}
+        return {"evidence_file": kept.path}
 
     def _wait_for_fabric(self, target: ResetTarget, timeout: float) -> tuple[bool, str]:
         """Read the GPU until its NVLink fabric registration is COMPLETED (decide/fabric.py
@@ -646,7 +713,12 @@ class Engine:
                 return False, f"{detail} after {timeout:g}s"
             self.sleep(1.0)
 
-    def _book_reset(self, intent: ResetIntent, outcome: ResetOutcome) -> tuple[Intent, ...]:
+    def _book_reset(
+        self,
+        intent: ResetIntent,
+        outcome: ResetOutcome,
+        kept: Mapping[str, object] | None = None,
+    ) -> tuple[Intent, ...]:
         would_succeed = (
             intent.dry_run
             and outcome.result == ResetResult.DRY_RUN
@@ -674,6 +746,7 @@ class Engine:
         )
         if intent.instance is not None:
             fields.update(intent.instance.fields())
+        fields.update(kept or {})
         self.sink.emit(EventName.RESET_OUTCOME, level, fields)
         return self._take(
             record_reset(

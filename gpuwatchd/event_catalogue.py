@@ -328,7 +328,8 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     ),
     EventName.HOOK_RUN: spec(
         WARNING,
-        "hook argv dry_run returncode timed_out output reason error outcome detail leftovers",
+        "hook argv dry_run returncode timed_out output reason error outcome detail leftovers"
+        " evidence_file",
         _hook,
         ERROR,
     ),

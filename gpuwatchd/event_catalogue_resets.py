@@ -2,8 +2,9 @@
 
 This module owns the part of :data:`gpuwatchd.event_catalogue.CATALOGUE` about one GPU's
 reset (and a MIG GPU instance's re-creation, the same events naming the instance) and the
-health drain around it: ``reset.*``, ``health.drain_*`` and ``gpu.needs_reboot``; and the
-Xids the health findings are made of (``health.xid``, ``kernel_log.*``). The events of
+health drain around it: ``reset.*``, ``health.drain_*``, ``gpu.needs_reboot`` and
+``evidence.unsaved`` (no evidence file before such a step); and the Xids the health findings
+are made of (``health.xid``, ``kernel_log.*``). The events of
 one reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
 and number their steps, so the journal of a reset reads as one story. Pure: no I/O.
 """
@@ -238,10 +239,21 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_OUTCOME: spec(
         WARNING,
-        f"gpu pci_bus_id result step reason needs_reboot blockers dry_run {MIG_FIELDS}",
+        f"gpu pci_bus_id result step reason needs_reboot blockers dry_run {MIG_FIELDS}"
+        " evidence_file",
         _reset_outcome,
         ERROR,
         CRITICAL,
+    ),
+    # kept before a reset, a re-creation, a drain or on_failure hooks (act/evidence.py)
+    EventName.EVIDENCE_UNSAVED: spec(
+        ERROR,
+        "action gpu dry_run error",
+        lambda s: (
+            f"No evidence file was kept before {s('action')}"
+            f"{' on ' + s.gpu() if s.has('gpu') else ''}{s.why('error')}; the step goes on,"
+            " its reasons are in the journal."
+        ),
     ),
     EventName.RESET_CRASHED: spec(
         ERROR,

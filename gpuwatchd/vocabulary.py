@@ -180,6 +180,7 @@ class EventName(_Name):
     STATE_NEW_BOOT = "state.new_boot"
     STATE_SAVE_FAILED = "state.save_failed"
     STATE_DIR_UNUSABLE = "state.dir_unusable"
+    EVIDENCE_UNSAVED = "evidence.unsaved"  # act/evidence.py
     METRICS_WRITE_FAILED = "metrics.write_failed"
     # inheritance evidence (collect/inherit.py)
     COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"

@@ -386,6 +386,8 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
     except SnapshotError as err:
         raise SnapshotError(f"{path}: {err}") from None
     result["snapshot"] = path
+    if "evidence" in report:  # an evidence file: the step it was kept for
+        result["evidence"] = report["evidence"]
     return result
 
 
@@ -400,6 +402,13 @@ def render_explanation(result: Mapping[str, object]) -> str:
         f"explain {result.get('snapshot')}: policy {', '.join(result['policy'])}"  # type: ignore[arg-type]
         + (" (dry-run)" if result.get("dry_run") else ""),
     ]
+    evidence = result.get("evidence")
+    if isinstance(evidence, Mapping):
+        dry = " (dry run)" if evidence.get("dry_run") else ""
+        lines.append(
+            f"evidence kept before {evidence.get('action')} of {evidence.get('gpu') or 'the node'}"
+            f"{dry}: {evidence.get('reason')}"
+        )
     items = result.get("findings") or []
     if not items:
         lines.append("no findings: nothing would be done")

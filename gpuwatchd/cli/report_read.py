@@ -4,7 +4,8 @@ This module owns :func:`load_report` (the file: bounded in bytes, values and nes
 regular file, JSON with no oversized number) and :func:`rebuild` (the
 :class:`~gpuwatchd.model.Snapshot`, the findings and their first-seen times, every field
 checked: a malformed one is a :class:`SnapshotError` naming it), so that ``explain`` asks
-the daemon's own pure helpers about exactly the facts the scan saw. MIG instances come back
+the daemon's own pure helpers about exactly the facts the scan saw. A daemon's evidence file
+(docs/operations.md, "Evidence files") is read as the report it holds. MIG instances come back
 with their capabilities, profile, placement and processes (:mod:`gpuwatchd.cli.mig_report`).
 Pure apart from reading the one file.
 """
@@ -38,7 +39,7 @@ from gpuwatchd.model import (
     as_int,
 )
 
-__all__ = ["SnapshotError", "load_report", "opt_str", "rebuild"]
+__all__ = ["SnapshotError", "evidence_header", "load_report", "opt_str", "rebuild"]
 
 
 class SnapshotError(Exception):
@@ -136,7 +137,8 @@ def _shape_problem(raw: bytes) -> str | None:
 def load_report(path: str) -> Mapping[str, object]:
     """The saved ``scan --json`` report at ``path``: a regular file of at most
     :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers have at most
-    :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise."""
+    :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise.
+    An evidence file gives its ``report``, with what it says of its step as ``evidence``."""
     try:
         raw = read_regular_file(path, MAX_REPORT_BYTES)
     except FileNotFoundError:
@@ -172,7 +174,29 @@ def load_report(path: str) -> Mapping[str, object]:
         raise SnapshotError(
             f"{path}: {where}: a number of more than {MAX_DIGITS} digits is no value of a report"
         )
+    if "evidence" in data:  # an evidence file (gpuwatchd/act/evidence.py): its report part
+        report = data.get("report")
+        if not isinstance(report, dict):
+            cut = data.get("truncated")
+            why = f" (cut to fit: {', '.join(map(str, cut))})" if isinstance(cut, list) else ""
+            raise SnapshotError(f"{path}: an evidence file without its scan report{why}")
+        return {**report, "evidence": evidence_header(data)}
     return data
+
+
+def evidence_header(data: Mapping[str, object]) -> dict[str, object]:
+    """What an evidence file says of its step (action, GPU, dry run, reason, when written),
+    each value checked: a malformed one is null."""
+    written = data.get("written")
+    return {
+        "action": opt_str(data, "action"),
+        "gpu": opt_str(data, "gpu"),
+        "dry_run": data.get("dry_run") if isinstance(data.get("dry_run"), bool) else None,
+        "reason": opt_str(data, "reason"),
+        "written": written
+        if isinstance(written, (int, float)) and not isinstance(written, bool)
+        else None,
+    }
 
 
 MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits

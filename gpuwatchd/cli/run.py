@@ -12,16 +12,21 @@ import errno
 import os
 import sys
 import time
+from collections.abc import Mapping
 
 import structlog
 
 from gpuwatchd.accepted import Fallback
+from gpuwatchd.act.evidence import ReportBuilder
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.daemon import Daemon
+from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.logs import configure_logging
+from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import hand_over_ended_jobs, withdraw_ended_jobs
 from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state import AlreadyRunning
@@ -89,6 +94,7 @@ def run_daemon(
         ended_jobs=ended_jobs,
         rejected_at_start=rejected_at_start,
         scan_answer=_answer_scan,
+        evidence_report=_evidence_report(policy.proc_root),
     )
     try:
         try:
@@ -175,6 +181,7 @@ def _once_beside_the_daemon(
                 # The scheduler said it when this epilog started, not now: the successor's
                 # word covers the same processes (only those older than it).
                 ended_jobs_said=refused.own_ended_jobs,
+                evidence_report=_evidence_report(policy.proc_root),
             )
             try:
                 return successor.run()
@@ -184,6 +191,26 @@ def _once_beside_the_daemon(
     finally:
         if handed is not None and waiter is not None:
             withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)
+
+
+def _evidence_report(proc_root: str) -> ReportBuilder:
+    """The report part of the daemon's evidence files: the ``scan --json`` document of the
+    poll that decided (gpuwatchd/act/evidence.py), built by the command's own encoder."""
+
+    def report(
+        snapshot: Snapshot,
+        assessment: Assessment,
+        verdict: NodeVerdict | None,
+        first_seen: Mapping[str, float],
+    ) -> dict[str, object]:
+        from gpuwatchd.cli.scan import snapshot_report  # only once a step is taken
+        from gpuwatchd.cli.spared import mark_spared
+
+        report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
+        mark_spared(report, snapshot, snapshot.spares)  # as scan marks them: explain honours them
+        return report
+
+    return report
 
 
 def _answer_scan(request: ScanRequest, config_path: str, state_dir: str) -> ScanAnswer:

@@ -334,24 +334,16 @@ def _scan_host(
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
     assessment, verdict = _judged(snapshot, saved, policy)
-    report = build_report(
+    report = snapshot_report(
         snapshot,
-        assessment.findings,
-        assessment.roles,
-        assessment.report_only,
-        assessment.state.baselines,
-        first_seen=(
+        assessment,
+        verdict,
+        (
             _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
             if saved.same_boot(snapshot.boot_id)  # monotonic times of an older boot lie
             else {}
         ),
-        now_wall=snapshot.wall_time,
-        version=__version__,
-        hostname=os.uname().nodename,
-        boot_time=read_boot_time(policy.proc_root),
-        clock_ticks=os.sysconf("SC_CLK_TCK"),
-        notes=assessment.notes,
-        verdict=verdict,
+        proc_root=policy.proc_root,
     )
     from gpuwatchd.cli.spared import mark_spared, spares_in_force
 
@@ -383,6 +375,33 @@ def _scan_host(
         )
     return ScanResult(
         report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
+    )
+
+
+def snapshot_report(
+    snapshot: Snapshot,
+    assessment: Assessment,
+    verdict: NodeVerdict | None,
+    first_seen: Mapping[str, float],
+    *,
+    proc_root: str,
+) -> dict[str, object]:
+    """The ``scan --json`` document of one snapshot and its assessment: this command's, and
+    the report part of the daemon's evidence files (gpuwatchd/act/evidence.py)."""
+    return build_report(
+        snapshot,
+        assessment.findings,
+        assessment.roles,
+        assessment.report_only,
+        assessment.state.baselines,
+        first_seen=first_seen,
+        now_wall=snapshot.wall_time,
+        version=__version__,
+        hostname=os.uname().nodename,
+        boot_time=read_boot_time(proc_root),
+        clock_ticks=os.sysconf("SC_CLK_TCK"),
+        notes=assessment.notes,
+        verdict=verdict,
     )
 
 

@@ -9,7 +9,9 @@ recently), and rendering the status document the daemon wrote (:mod:`gpuwatchd.s
 with an LSB-style exit code. It works nothing out from the plan: every value comes from the
 document, checked (a malformed one is unknown, never a traceback); only the daemon's liveness
 and "how long from now" are this reader's own. A state written before the document (an upgraded
-node whose daemon still runs the old code) gets it from the daemon's own builder.
+node whose daemon still runs the old code) gets it from the daemon's own builder. Beside it,
+the evidence files in the state directory are listed by their names
+(:mod:`gpuwatchd.act.evidence`).
 
 :func:`describe` is pure, and so is the text view (:mod:`gpuwatchd.cli.status_text`); the I/O —
 the state file, ``/proc/PID``, the boot id, the clocks — is at the edge, in
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO
 
+from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.checked import as_count as _count
 from gpuwatchd.checked import as_flag as _bool
 from gpuwatchd.checked import as_int as _int
@@ -37,6 +40,7 @@ from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state import SavedState, read_saved_state
+from gpuwatchd.statedir import StateDir
 from gpuwatchd.status_document import (
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
@@ -52,6 +56,7 @@ STATUS_FORMAT = 1  # the "format" of ``status --json``
 STATUS_REFRESH = 60.0
 STALE_POLLS = 3  # stale: no sign of life for a refresh plus this many intervals (and NVML)...
 STALE_MIN = 120.0  # ...and never sooner than this many seconds
+MAX_LISTED = 64  # evidence files listed (the daemon keeps 20: act/evidence.py)
 
 
 class StatusCode(enum.IntEnum):
@@ -90,6 +95,7 @@ def describe(
     boot_id: str | None = None,
     process: str | None = None,
     read_error: str | None = None,
+    evidence: list[dict[str, object]] | None = None,
 ) -> dict[str, object]:
     """The ``status --json`` document for a saved state (None: there is none).
 
@@ -100,7 +106,8 @@ def describe(
     process), "gone", "unknown" (unreadable), or None (not looked at); with "unknown" or None,
     a recent last poll alone says it is running. ``read_error`` says why the state could not
     be read (exit 4). ``now_monotonic`` places the deadlines of a state written before the
-    status document (:func:`_older_state`).
+    status document (:func:`_older_state`). ``evidence``: the evidence files in the state
+    directory, oldest first (:func:`read_evidence`; None: it could not be listed).
     """
     data = _map(saved)
     status = _map(data.get("status"))
@@ -185,6 +192,7 @@ def describe(
         "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
         "recent_actions": _rows(doc.get("recent_actions"), _ACTION, MAX_ACTIONS, newest=True),
         "resets": _resets(doc.get("resets"), now_wall),
+        "evidence": evidence,
     }
 
 
@@ -409,6 +417,20 @@ def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
     return (dict(saved.data) if saved.found else None), saved.problem
 
 
+def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
+    """The evidence files the daemon kept in ``state_dir`` (gpuwatchd/act/evidence.py), oldest
+    first, each as its name tells it, with its path; None when the folder cannot be listed (or
+    is not trusted: :class:`gpuwatchd.statedir.StateDir`)."""
+    try:
+        with StateDir.open(state_dir) as folder:
+            return [
+                {**entry.to_json(), "path": folder.join(entry.name)}
+                for entry in list_evidence(folder)[-MAX_LISTED:]
+            ]
+    except OSError:
+        return None
+
+
 def read_boot_id(proc_root: str) -> str | None:
     try:
         with open(os.path.join(proc_root, "sys/kernel/random/boot_id"), "rb") as handle:
@@ -429,6 +451,7 @@ def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
         boot_id=read_boot_id(policy.proc_root),
         process=None if pid is None else look_at_process(policy.proc_root, pid),
         read_error=error,
+        evidence=read_evidence(policy.state_dir),
     )
     if as_json:
         json.dump(result, out, indent=2)

@@ -3,8 +3,8 @@ in lines for people.
 
 This module owns the text view of ``status``: the header (running or not, for how long), the
 mode and latches, the ladders and their next step, the last actions, the resets with their
-cooldowns and limits, NVML's and the GPUs' health and the clean verdict. Every value comes from
-the checked result; nothing is read or worked out here. Pure.
+cooldowns and limits, the evidence files kept, NVML's and the GPUs' health and the clean
+verdict. Every value comes from the checked result; nothing is read or worked out here. Pure.
 """
 
 from __future__ import annotations
@@ -262,6 +262,25 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
     return lines
 
 
+EVIDENCE_SHOWN = 5  # the newest evidence files the text names (--json lists them all)
+
+
+def _evidence_lines(raw: object) -> list[str]:
+    """``evidence files (3, newest last):`` and the newest few: when, what, where."""
+    if raw is None:
+        return ["evidence files: unknown (state_dir not readable)"]
+    files = [_map(f) for f in _seq(raw)]
+    lines = [f"evidence files ({len(files)}, newest last):" if files else "evidence files: none"]
+    for entry in files[-EVIDENCE_SHOWN:]:
+        gpu = f" of {_text(entry.get('gpu'))}" if entry.get("gpu") else ""
+        dry = " (dry run)" if entry.get("dry_run") else ""
+        lines.append(
+            f"  {_text(entry.get('written'))} {_text(entry.get('action'))}{gpu}{dry}: "
+            f"{_text(entry.get('path'))}"
+        )
+    return lines
+
+
 def render_text(result: Mapping[str, object]) -> str:
     """The text report of a :func:`describe` document."""
     now = _num(result.get("now")) or 0.0
@@ -283,6 +302,7 @@ def render_text(result: Mapping[str, object]) -> str:
         cooldown = duration(resets.get("cooldown"))
         lines.append(f"resets (cooldown {cooldown}):" + ("" if reset_lines else " none"))
         lines.extend(reset_lines)
+        lines.extend(_evidence_lines(result.get("evidence")))
         attention = [str(a) for a in _seq(result.get("attention"))]
         if attention:
             lines.append("needs attention:")

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -159,6 +160,39 @@ def fake_smi(host: SimHost) -> dict[str, Any]:
         "cooldown": "1h",
         "max_resets": 3,
         "window": "1h",
+    }
+
+
+def evidence_files(host: SimHost, config: Path) -> dict[str, Any]:
+    """The evidence files the daemon kept in the host's state_dir (act/evidence.py): each one's
+    name, mode and header, and what ``explain --json`` (on the first) and ``status --json``
+    say of them, read with the real command line after the daemon stopped."""
+    paths = sorted(host.state_dir.glob("evidence-*.json"))
+    files = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        files.append(
+            {
+                "path": str(path),
+                "mode": stat.S_IMODE(path.stat().st_mode),
+                "size": path.stat().st_size,
+                **{k: doc.get(k) for k in ("action", "gpu", "dry_run", "reason", "truncated")},
+                "report_gpus": [g["uuid"] for g in (doc.get("report") or {}).get("gpus", [])],
+                "trees": [t["pid"] for t in doc.get("process_trees") or []],
+                "report_spares": (doc.get("report") or {}).get("spares"),
+            }
+        )
+    explained: dict[str, Any] | None = None
+    if paths:
+        out = host.gpuwatchd("explain", "--json", "--config", str(config), str(paths[0]))
+        explained = {"code": out.returncode, "stderr": out.stderr}
+        if out.returncode == 0:
+            explained.update(json.loads(out.stdout))
+    status = host.gpuwatchd("status", "--json", "--config", str(config))
+    return {
+        "files": files,
+        "explain": explained,
+        "status": json.loads(status.stdout).get("evidence") if status.stdout else None,
     }
 
 

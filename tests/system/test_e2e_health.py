@@ -22,7 +22,7 @@ import pytest
 
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from tests.support.daemonrun import Run, _epoch, fake_smi, smi_calls
+from tests.support.daemonrun import Run, _epoch, evidence_files, fake_smi, smi_calls
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -221,6 +221,7 @@ def host_xid_154_drain_and_reset(arg: dict[str, Any], root: Path) -> dict[str, A
             "calls": smi_calls(host),
             "events": run.events(),
             "drained": lines(drained),
+            "evidence": evidence_files(host, run.config),
         }
 
 
@@ -273,6 +274,15 @@ def test_xid_154_drain_and_reset_waits_for_the_job_then_resets_once_as_simulate_
     assert len([c for c in result["calls"] if "--gpu-reset" in c]) == 1
     assert len(result["drained"]) == 1  # before the wait; the reset itself does not drain again
     assert decisions(result["events"]) == simulated("xid-154-drain-and-reset")
+    # Evidence before the drain (its job still running) and before the reset, each named by
+    # its step's event.
+    drain, reset = result["evidence"]["files"]
+    assert [drain["action"], reset["action"]] == ["reset_drain", "gpu_reset"]
+    (hook,) = [e for e in result["events"] if e.get("event") == "hook.run"]
+    assert hook["evidence_file"] == drain["path"]
+    (outcome,) = [e for e in result["events"] if e.get("event") == "reset.outcome"]
+    assert outcome["evidence_file"] == reset["path"]
+    assert drain["trees"], "the drain's evidence names the job holding the GPU"
 
 
 def test_an_application_xid_is_counted_and_nothing_else_happens_as_simulate_says(

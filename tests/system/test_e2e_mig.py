@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import ORPHAN_RULE, Run, _signals
+from tests.support.daemonrun import ORPHAN_RULE, Run, _signals, evidence_files
 from tests.support.fakenvml import (
     GiB,
     MiB,
@@ -296,6 +296,7 @@ def host_mig_ghost_recovery(arg: dict[str, Any], root: Path) -> dict[str, Any]:
                 if e.get("step") == "reset" and "argv" not in e
             ],
             "refused_calls": (host.root / "refused-calls.log").exists(),
+            "evidence": evidence_files(host, run.config),
             "said": [  # what the daemon said about resets and findings, for a failure's message
                 (e.get("event"), e.get("why") or e.get("reason") or e.get("kind"), e.get("gpu"))
                 for e in run.events()
@@ -365,6 +366,11 @@ def test_ghost_memory_in_one_instance_recreates_it_and_never_resets_the_gpu(
     assert result["gi1_used"] == 2 * MiB
     assert result["signals"] == []
     assert result["alive"] == {"trainer2": True, "worker2": True}
+    (kept,) = result["evidence"]["files"]  # before the drain hook, the first step
+    assert (kept["action"], kept["gpu"], kept["dry_run"]) == ("mig_instance", GPU0, False)
+    assert kept["path"] == outcome["evidence_file"]
+    assert kept["path"].endswith(f"-mig_instance-{gi1}.json")
+    assert result["evidence"]["explain"]["code"] == 0, result["evidence"]["explain"]
 
 
 def test_a_dry_run_of_the_instance_recovery_runs_nothing_and_says_the_same_plan(
@@ -379,6 +385,9 @@ def test_a_dry_run_of_the_instance_recovery_runs_nothing_and_says_the_same_plan(
     assert "-cgi', '19:1', '-C'" in outcome["reason"]
     assert [d["gi"] for d in result["due"]] == [1]
     assert result["gi1_used"] == 3 * GiB
+    (kept,) = result["evidence"]["files"]  # what enforcement would have kept
+    assert (kept["action"], kept["dry_run"]) == ("mig_instance", True)
+    assert kept["path"] == outcome["evidence_file"]
     assert result["alive"] == {"trainer2": True, "worker2": True}
 
 

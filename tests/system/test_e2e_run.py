@@ -26,6 +26,7 @@ from tests.support.daemonrun import (
     Run,
     _epoch,
     _signals,
+    evidence_files,
     fake_smi,
     orphan_host,
     smi_calls,
@@ -148,7 +149,12 @@ def host_ghost_reset(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         run.stop()
         memory = json.loads(host.fake.state_path.read_text())["gpus"][0]["memory"]["used"]
         outcomes = [e for e in run.events() if e.get("event") == "reset.outcome"]
-        return {"calls": smi_calls(host), "memory": memory, "outcomes": outcomes}
+        return {
+            "calls": smi_calls(host),
+            "memory": memory,
+            "outcomes": outcomes,
+            "evidence": evidence_files(host, run.config),
+        }
 
 
 def host_reset_blocked_by_hidden_holder(arg: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -188,6 +194,8 @@ def host_reset_hangs(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             "outcomes": outcomes,
             "on_failure_ran": marker.exists(),
             "grandchild_alive": host.alive(hang_pid),
+            "hooks": [e for e in run.events() if e.get("event") == "hook.run"],
+            "evidence": evidence_files(host, run.config),
         }
 
 
@@ -367,6 +375,8 @@ def host_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         report = host.scan_json(run.config)  # reads the stopped daemon's state
         return {
             "first_seen": {f["kind"]: f["first_seen"] for f in report["findings"]},
+            "evidence": evidence_files(host, run.config),
+            "resets": [e for e in run.events() if e.get("event") == "reset.outcome"],
             "scanned_at": time.time(),
             "alive": host.alive(host.pids["worker"]),
             "signals": _signals(run),
@@ -376,6 +386,9 @@ def host_dry_run(arg: dict[str, Any], root: Path) -> dict[str, Any]:
 
 
 # --- tests ---------------------------------------------------------------------------------
+
+GPU0 = "GPU-00000000-face-4000-8000-000000000000"
+GPU1 = "GPU-00000001-face-4000-8000-000000000001"
 
 
 def run_scenario(name: str, tmp_path: Path, timeout: float = 120.0) -> dict[str, Any]:
@@ -427,6 +440,20 @@ def test_ghost_memory_gets_exactly_one_reset_then_cooldown(tmp_path: Path) -> No
     assert resets[0].endswith("-i GPU-00000000-face-4000-8000-000000000000")
     assert result["memory"] == 2 * MiB
     assert [o["result"] for o in result["outcomes"]] == ["success"]
+    # Before the procedure's first step: one evidence file, named by the outcome's event.
+    (kept,) = result["evidence"]["files"]
+    assert kept["path"] == result["outcomes"][0]["evidence_file"]
+    assert (kept["action"], kept["gpu"], kept["dry_run"]) == ("gpu_reset", GPU0, False)
+    assert kept["mode"] == 0o600
+    assert kept["report_gpus"] == [GPU0, GPU1]  # the scan --json report of the deciding poll
+    assert kept["truncated"] == []
+    assert kept["report_spares"] == []  # marked as scan marks them
+    explained = result["evidence"]["explain"]
+    assert explained["code"] == 0, explained["stderr"]
+    assert explained["evidence"]["action"] == "gpu_reset"
+    assert [f["kind"] for f in explained["findings"]] == ["ghost_memory"]
+    (listed,) = result["evidence"]["status"]
+    assert listed["path"] == kept["path"]
 
 
 def test_reset_refused_when_a_holder_appears_before_the_final_scan(tmp_path: Path) -> None:
@@ -441,6 +468,12 @@ def test_hanging_reset_is_killed_at_the_timeout_and_on_failure_runs(tmp_path: Pa
     assert result["outcomes"][0]["result"] == "timeout"
     assert result["on_failure_ran"] is True
     assert result["grandchild_alive"] is False
+    # Evidence before the reset, and again before the on_failure hooks that followed it.
+    reset, failure = result["evidence"]["files"]
+    assert [reset["action"], failure["action"]] == ["gpu_reset", "on_failure"]
+    assert result["outcomes"][0]["evidence_file"] == reset["path"]
+    (hook,) = result["hooks"]
+    assert (hook["hook"], hook["evidence_file"]) == ("on_failure", failure["path"])
 
 
 def test_restart_mid_escalation_continues_the_ladder(tmp_path: Path) -> None:
@@ -506,6 +539,12 @@ def test_dry_run_logs_the_same_decisions_and_touches_nothing(tmp_path: Path) -> 
     seen = result["first_seen"]
     assert {"orphaned", "ghost_memory"} <= set(seen)
     assert all(t is not None and t < result["scanned_at"] - 3 for t in seen.values()), seen
+    # The would-be reset leaves the evidence file enforcement would, marked a dry run's.
+    (outcome,) = result["resets"]
+    (kept,) = result["evidence"]["files"]
+    assert outcome["evidence_file"] == kept["path"]
+    assert (kept["action"], kept["gpu"], kept["dry_run"]) == ("gpu_reset", GPU1, True)
+    assert kept["path"].endswith(f"-gpu_reset-dry-{GPU1}.json")
 
 
 # --- issue 15: leaks from before the daemon watched; the scheduler's word ------------------------

@@ -1,0 +1,389 @@
+"""Evidence kept before a destructive step: one bounded file in the state directory.
+
+This module owns the evidence file (docs/operations.md, "Evidence files"): what it holds (the
+``scan --json`` report of the poll that decided, built by the caller's :class:`ReportBuilder`,
+which is the command line's own encoder; the Xid records and reset history the health state
+holds; each holder's process tree from the snapshot's process table), its bounds
+(:data:`MAX_FILES` files of at most :data:`MAX_BYTES` each, the oldest removed first, a file
+that would be larger cut down part by part and saying so), its name, and listing the files
+kept. Every file goes through the state directory's own writer (an :class:`EvidenceFolder`:
+a fresh temporary file, mode 0600, renamed into place, links refused). It decides nothing and
+never raises: the engine calls :meth:`EvidenceKeeper.keep` right before a GPU reset, a MIG
+GPU instance's re-creation, the ``reset.drain`` hooks of a health drain and the
+``on_failure`` hooks, in a dry run as in enforcement.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.health_state import HealthState
+from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.model import ProcessInfo, Snapshot
+
+__all__ = [
+    "FORMAT",
+    "MAX_BYTES",
+    "MAX_FILES",
+    "EvidenceAction",
+    "EvidenceEntry",
+    "EvidenceFolder",
+    "EvidenceKeeper",
+    "Kept",
+    "ReportBuilder",
+    "Step",
+    "list_evidence",
+    "process_trees",
+]
+
+FORMAT = 1  # the "evidence" value of the document
+MAX_FILES = 20  # evidence files kept; the oldest go first
+MAX_BYTES = 1 << 20  # bytes one evidence file may have
+PREFIX = "evidence-"
+MAX_TREES = 64  # holders whose process tree is kept
+MAX_ANCESTORS = 32
+MAX_CHILDREN = 64  # descendants kept per holder
+_NAME = re.compile(
+    r"^evidence-(?P<seq>\d{1,12})-(?P<stamp>\d{8}T\d{6}Z)-(?P<action>[a-z_]{1,24})"
+    r"(?P<dry>-dry)?(?:-(?P<gpu>(?:GPU|MIG)-[A-Za-z0-9-]{1,96}))?\.json$"
+)
+_GPU_IN_NAME = re.compile(r"^(?:GPU|MIG)-[A-Za-z0-9-]{1,96}$")
+
+
+class EvidenceAction(str, enum.Enum):
+    """The destructive step an evidence file was kept for."""
+
+    GPU_RESET = "gpu_reset"
+    MIG_INSTANCE = "mig_instance"  # one MIG GPU instance destroyed and created again
+    DRAIN = "reset_drain"  # a health drain's ``reset.drain`` hooks
+    ON_FAILURE = "on_failure"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class EvidenceFolder(Protocol):
+    """Where the files go: :class:`gpuwatchd.statedir.StateDir` is one."""
+
+    def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None: ...
+    def names(self, prefix: str = "") -> list[str]: ...
+    def remove(self, name: str) -> bool: ...
+    def join(self, name: str) -> str: ...
+
+
+class ReportBuilder(Protocol):
+    """The ``scan --json`` document of one poll (the command line's encoder, handed in)."""
+
+    def __call__(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        verdict: NodeVerdict | None,
+        first_seen: Mapping[str, float],
+    ) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """The step about to be taken: what, on which GPU (None: the node), dry run or not."""
+
+    action: EvidenceAction
+    gpu: str | None
+    dry_run: bool
+    reason: str
+    instance: Mapping[str, object] = field(default_factory=dict)  # a MIG instance's fields
+    instance_uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The file written (its path) and the old ones removed; or why none was written."""
+
+    path: str | None
+    removed: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EvidenceEntry:
+    """One evidence file, as its name tells it (``status`` lists these)."""
+
+    name: str
+    seq: int
+    written: str  # UTC, as ``20261206T022208Z``
+    action: str
+    dry_run: bool
+    gpu: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "written": self.written,
+            "action": self.action,
+            "dry_run": self.dry_run,
+            "gpu": self.gpu,
+        }
+
+
+def parse_name(name: str) -> EvidenceEntry | None:
+    found = _NAME.match(name)
+    if found is None:
+        return None
+    return EvidenceEntry(
+        name=name,
+        seq=int(found["seq"]),
+        written=found["stamp"],
+        action=found["action"],
+        dry_run=found["dry"] is not None,
+        gpu=found["gpu"],
+    )
+
+
+def list_evidence(folder: EvidenceFolder) -> list[EvidenceEntry]:
+    """The evidence files in ``folder``, oldest first (by their sequence number, not the
+    wall clock, which may have been stepped back); other names are not looked at."""
+    found = (parse_name(name) for name in folder.names(PREFIX))
+    return sorted((e for e in found if e is not None), key=lambda e: (e.seq, e.name))
+
+
+def _name(seq: int, wall: float, step: Step) -> str:
+    try:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max(0.0, wall)))
+    except (OverflowError, OSError, ValueError):  # a wall clock far off: the sequence orders
+        stamp = "00000000T000000Z"
+    gpu = step.instance_uuid or step.gpu
+    tail = f"-{gpu}" if gpu is not None and _GPU_IN_NAME.match(gpu) else ""
+    return f"{PREFIX}{seq:08d}-{stamp}-{step.action}{'-dry' if step.dry_run else ''}{tail}.json"
+
+
+# --- what a file holds ------------------------------------------------------------------------
+
+
+def _node(info: ProcessInfo) -> dict[str, object]:
+    return {
+        "pid": info.pid,
+        "ppid": info.ppid,
+        "start_ticks": info.start_ticks,
+        "state": info.state,
+        "user": info.user,
+        "comm": info.comm,
+        "exe": info.exe,
+        "cmdline": None if info.cmdline is None else list(info.cmdline),
+        "job": None if info.cgroup is None else info.cgroup.job_key,
+    }
+
+
+def _absent(pid: int) -> dict[str, object]:
+    return {"pid": pid, "in_snapshot": False}
+
+
+def process_trees(snapshot: Snapshot, pids: list[int]) -> list[dict[str, object]]:
+    """Each of ``pids`` with its ancestors (parent first) and descendants, as far as the
+    snapshot's process table knows them (a relative it did not read is ``in_snapshot:
+    false``), at most :data:`MAX_TREES` of them. Pure."""
+    table = snapshot.processes
+    children: dict[int, list[int]] = {}
+    for entry in table.values():
+        if entry.ppid is not None:
+            children.setdefault(entry.ppid, []).append(entry.pid)
+    trees: list[dict[str, object]] = []
+    for pid in sorted(set(pids))[:MAX_TREES]:
+        info = table.get(pid)
+        ancestors: list[dict[str, object]] = []
+        seen = {pid}
+        parent = None if info is None else info.ppid
+        while parent is not None and parent > 0 and parent not in seen:
+            if len(ancestors) >= MAX_ANCESTORS:
+                break
+            seen.add(parent)
+            up = table.get(parent)
+            ancestors.append(_absent(parent) if up is None else _node(up))
+            parent = None if up is None else up.ppid
+        below: list[dict[str, object]] = []
+        queue = sorted(children.get(pid, ()))
+        while queue and len(below) < MAX_CHILDREN:
+            child = queue.pop(0)
+            if child in seen:
+                continue
+            seen.add(child)
+            below.append(_node(table[child]))
+            queue.extend(sorted(children.get(child, ())))
+        trees.append(
+            {
+                "pid": pid,
+                "process": _absent(pid) if info is None else _node(info),
+                "ancestors": ancestors,
+                "descendants": below,
+            }
+        )
+    return trees
+
+
+def _pids_of_step(snapshot: Snapshot, assessment: Assessment, step: Step) -> list[int]:
+    """The holders, NVML-listed processes and finding targets of the step's GPU (all of them
+    for a step on the node), the daemon's own processes left out."""
+    gpus = {g.uuid: g for g in snapshot.nvml.gpus}
+    scope = {u for u in (step.gpu, step.instance_uuid) if u is not None}
+    pids: set[int] = set()
+    for uuid, gpu in gpus.items():
+        if scope and uuid not in scope:
+            continue
+        if gpu.minor is not None:
+            pids.update(h.pid for h in snapshot.holders.holders_of(gpu.minor))
+        pids.update(p.pid for p in gpu.processes or ())
+    if not scope:
+        pids.update(snapshot.holders.holdings)
+    pids.update(
+        f.pid
+        for f in assessment.findings
+        if f.pid is not None and (not scope or f.gpu in scope or f.gpu is None)
+    )
+    return sorted(pids - set(snapshot.self_pids))
+
+
+def _health_state(health: HealthState, step: Step) -> dict[str, object]:
+    whole = health.to_json()
+    if step.gpu is None:
+        return whole
+    return {uuid: entry for uuid, entry in whole.items() if uuid == step.gpu}
+
+
+def _target_only(report: object, step: Step) -> object:
+    """The report with only the step's GPU, and the findings on it."""
+    if not isinstance(report, dict) or step.gpu is None:
+        return report
+    scope = {u for u in (step.gpu, step.instance_uuid) if u is not None}
+    gpus = report.get("gpus")
+    findings = report.get("findings")
+    return {
+        **report,
+        "gpus": [g for g in gpus if isinstance(g, dict) and g.get("uuid") in scope]
+        if isinstance(gpus, list)
+        else gpus,
+        "findings": [f for f in findings if isinstance(f, dict) and f.get("gpu") in scope]
+        if isinstance(findings, list)
+        else findings,
+        "node_holders": [],
+    }
+
+
+def _cut_down(doc: dict[str, object], step: Step) -> Iterator[dict[str, object]]:
+    """The document whole, then with ever more left out, each cut said in ``truncated``."""
+    yield doc
+    doc = {**doc, "process_trees": None, "truncated": ["process_trees"]}
+    yield doc
+    doc = {
+        **doc,
+        "report": _target_only(doc["report"], step),
+        "truncated": ["process_trees", "report: other GPUs"],
+    }
+    yield doc
+    yield {**doc, "report": None, "truncated": ["process_trees", "report"]}
+    yield {**doc, "report": None, "health_state": None, "truncated": ["all but the step"]}
+
+
+def _encode(doc: Mapping[str, object]) -> bytes | None:
+    try:
+        text = json.dumps(doc, separators=(",", ":"), allow_nan=False, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return text.encode("utf-8")
+
+
+# --- the keeper -------------------------------------------------------------------------------
+
+
+class EvidenceKeeper:
+    """Writes the evidence files of one daemon into its state directory.
+
+    ``folder`` gives the open state directory (None when it cannot be used); ``report``
+    builds the ``scan --json`` document (None: the file holds no report, saying so)."""
+
+    def __init__(
+        self,
+        folder: Callable[[], EvidenceFolder | None],
+        report: ReportBuilder | None,
+        *,
+        hostname: str | None = None,
+        version: str = "",
+        max_files: int = MAX_FILES,
+        max_bytes: int = MAX_BYTES,
+    ) -> None:
+        self.folder = folder
+        self.report = report
+        self.hostname = hostname
+        self.version = version
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+
+    def keep(
+        self,
+        step: Step,
+        *,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        verdict: NodeVerdict | None,
+        health: HealthState,
+        first_seen: Mapping[str, float],
+        wall: float,
+    ) -> Kept:
+        """Write the evidence of ``step`` and remove the oldest files past the count.
+        Never raises: what went wrong is :attr:`Kept.error`."""
+        try:
+            folder = self.folder()
+        except OSError as err:
+            return Kept(None, error=f"state_dir unusable: {err}")
+        if folder is None:
+            return Kept(None, error="state_dir unusable")
+        report: object = None
+        report_error = None if self.report is not None else "no report builder"
+        if self.report is not None:
+            try:
+                report = self.report(snapshot, assessment, verdict, first_seen)
+            except Exception as err:  # a bug in the report must not stop the step's evidence
+                report_error = repr(err)
+        doc: dict[str, object] = {
+            "evidence": FORMAT,
+            "action": str(step.action),
+            "gpu": step.gpu,
+            **({"mig_instance": dict(step.instance)} if step.instance else {}),
+            "dry_run": step.dry_run,
+            "reason": step.reason,
+            "written": wall,
+            "hostname": self.hostname,
+            "version": self.version,
+            "report": report,
+            "report_error": report_error,
+            "health_state": _health_state(health, step),
+            "process_trees": process_trees(snapshot, _pids_of_step(snapshot, assessment, step)),
+            "truncated": [],
+        }
+        data = b""
+        for smaller in _cut_down(doc, step):
+            data = _encode(smaller) or b""
+            if data and len(data) <= self.max_bytes:
+                break
+        if not data or len(data) > self.max_bytes:
+            return Kept(None, error=f"the evidence does not fit in {self.max_bytes} bytes")
+        try:
+            kept = list_evidence(folder)
+            name = _name((kept[-1].seq if kept else 0) + 1, wall, step)
+            folder.write(name, data, mode=0o600)
+        except OSError as err:
+            return Kept(None, error=f"cannot write in state_dir: {err.strerror or err}")
+        removed = []
+        try:
+            kept = list_evidence(folder)
+        except OSError:
+            kept = []  # the next file removes them
+        for old in kept[: max(0, len(kept) - self.max_files)]:
+            if folder.remove(old.name):
+                removed.append(old.name)
+        return Kept(folder.join(name), tuple(removed))

@@ -23,7 +23,7 @@ from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanState, unfinished_recoveries
+from gpuwatchd.decide.plan_state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.holder_view import HolderView

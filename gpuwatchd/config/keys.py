@@ -3,12 +3,9 @@ and the documented bounds all come. Each YAML section is a policy dataclass
 (:mod:`gpuwatchd.decide.policy`); the table gives, for every field, the YAML key and its
 :class:`Value`: how a node is read, bounded, checked and written back. Names, order and
 defaults come from the dataclasses (a field without a line here fails at import). The bounds
-are listed in ``docs/policy.md`` (a test keeps the two equal).
-
-It also owns how one value is read (booleans, bounded integers, durations and sizes,
-strings without NUL, absolute paths, regexes, GPU ids, argv lists checked by
-:mod:`gpuwatchd.decide.argv`, signals, finding kinds). Reading whole sections, rules and
-drop-ins is ``gpuwatchd.config.schema``'s. Pure.
+are listed in ``docs/policy.md`` (a test keeps the two equal). It also owns how one value is
+read (booleans, numbers, durations, sizes, strings, paths, regexes, GPU ids, argv lists,
+signals, kinds); sections, rules and drop-ins are ``gpuwatchd.config.schema``'s. Pure.
 """
 
 from __future__ import annotations
@@ -437,8 +434,7 @@ STRINGS = list_of(STRING)
 REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
 REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
-# Largest GPU memory today is under 300 GB: a margin or a minimum past 1 TiB is a typo.
-MEMORY = size(0, "1TiB")
+MEMORY = size(0, "1TiB")  # GPU memory is under 300 GB today: past 1 TiB is a typo
 
 # --- the table ----------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from gpuwatchd.decide.plan_state import (
     PlanState,
     ResetInFlight,
     SeenFinding,
+    unfinished_recoveries,
 )
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import (
@@ -341,19 +342,6 @@ def clear_circuit(state: PlanState) -> PlanState:
         state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={},
         mig_unfinished={},
     )  # fmt: skip
-
-
-def unfinished_recoveries(state: PlanState) -> dict[str, str]:
-    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done
-    (decide/verdict.py's ``mig_unfinished``)."""
-    found: dict[str, list[str]] = {}
-    for mig, u in sorted(state.mig_unfinished.items()):
-        found.setdefault(u.gpu, []).append(
-            f"the re-creation of MIG GPU instance {u.gi} ({mig}, GI profile {u.profile}, "
-            f"placement {u.placement}:{u.size}) {u.outcome} after its commands started: it may "
-            "be half done (`nvidia-smi mig -lgi`; re-create it by hand)"
-        )
-    return {gpu: "; ".join(whys) for gpu, whys in found.items()}
 
 
 def forget_reset_refusals(state: PlanState) -> PlanState:

@@ -466,3 +466,16 @@ def _load_health_waits(value: object) -> dict[str, HealthWait]:
             expired=_bool(e.get("expired", False), f"{what}.expired"),
         )
     return waits
+
+
+def unfinished_recoveries(state: PlanState) -> dict[str, str]:
+    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done
+    (decide/verdict.py's ``mig_unfinished``)."""
+    found: dict[str, list[str]] = {}
+    for mig, u in sorted(state.mig_unfinished.items()):
+        found.setdefault(u.gpu, []).append(
+            f"the re-creation of MIG GPU instance {u.gi} ({mig}, GI profile {u.profile}, "
+            f"placement {u.placement}:{u.size}) {u.outcome} after its commands started: it may "
+            "be half done (`nvidia-smi mig -lgi`; re-create it by hand)"
+        )
+    return {gpu: "; ".join(whys) for gpu, whys in found.items()}

@@ -426,7 +426,7 @@ def judge(
     """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
     exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.assess` of ``snapshot``;
     ``policy`` gives ``protect`` and the memory margins; ``unfinished`` maps a GPU UUID to why
-    a MIG recovery on it was left half done (``plan.unfinished_recoveries``): dirt. Pure."""
+    a MIG recovery on it was left half done (``plan_state.unfinished_recoveries``): dirt. Pure."""
     return _Judge(snapshot, assessment, policy).verdict(unfinished or {})
 
 

@@ -50,7 +50,12 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
         recovery = from_record(record["recovery"])
         if recovery is None or recovery.uuid != uuid:
             return None
+    layout = record.get("mig_layout", [])
+    restored = [from_record(r) for r in layout] if isinstance(layout, list) else [None]
+    if any(r is None or r.uuid != uuid for r in restored):
+        return None  # a layout half read back would create the wrong instances
     return ResetTarget(
+        layout=tuple(r for r in restored if r is not None),
         uuid=uuid,
         pci_bus_id=pci if isinstance(pci, str) else None,
         minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,

@@ -355,9 +355,12 @@ def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, 
         finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
         findings=ctx.findings.values(),
     )  # fmt: skip
-    before = [g for g in gates if g.name != "live_holder"]
+    # A user of a MIG GPU's instance holds it as a live holder does: a health reset drains
+    # and waits for it (never signalled); a ghost's reset is refused after its window.
+    holding = ("live_holder", "mig_busy")
+    before = [g for g in gates if g.name not in holding]
     refusal = (EventName.RESET_REFUSED, before[0].level, before[0].why) if before else None
-    return refusal, [g.why for g in gates if g.name == "live_holder"]
+    return refusal, [g.why for g in gates if g.name in holding]
 
 
 def _escalating(w: _Work, uuid: str) -> bool:

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpuwatchd.decide.plan import PlanState, ResetIntent, plan, reset_gates
+from gpuwatchd.decide.plan import (
+    HookIntent,
+    PlanState,
+    ResetIntent,
+    plan,
+    record_reset,
+    reset_gates,
+    unfinished_recoveries,
+)
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from gpuwatchd.model import FindingKind, Snapshot
+from gpuwatchd.vocabulary import ResetResult
 from tests.support.healthcases import health
 from tests.support.migcases import LEAK, run
 from tests.support.migsnap import Inst, with_mig
@@ -21,7 +30,7 @@ from tests.support.snapshots import HostBuilder
 
 def policy(*, allow_mig: bool = True) -> Policy:
     return dataclasses.replace(
-        Policy(rules=default_rules()),
+        Policy(dry_run=False, rules=default_rules()),
         reset=ResetPolicy(enabled=True, confirm_for=0.0, allow_mig=allow_mig),
     )
 
@@ -101,3 +110,19 @@ def test_a_layout_that_could_not_be_created_again_refuses_the_reset() -> None:
     snapshot = needs_reset(cis=(0, 1))
     assert "mig_layout" in gate_names(snapshot, policy())
     assert play(snapshot, policy()) == []
+
+
+def test_a_failed_layout_restore_keeps_every_instance_unfinished_until_seen_back() -> None:
+    """The GPU is not clean (check-clean, status's verdict) while any instance of its layout
+    may be missing; a success clears them."""
+    (intent,) = play(needs_reset(), policy())
+    booked = record_reset(PlanState(), intent, ResetResult.FAILED, now=0.0, wall=0.0)
+    failed = booked.state
+    assert sorted(u.gi for u in failed.mig_unfinished.values()) == [1, 2]
+    said = unfinished_recoveries(failed)[intent.gpu]
+    assert "MIG GPU instance 1" in said
+    assert "MIG GPU instance 2" in said
+    hooks = [i.hook for i in booked.intents if isinstance(i, HookIntent)]
+    assert "on_failure" in hooks
+    done = record_reset(failed, intent, ResetResult.SUCCESS, now=1.0, wall=1.0).state
+    assert done.mig_unfinished == {}

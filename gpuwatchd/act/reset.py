@@ -276,17 +276,21 @@ class Procedure:
 
     # -- ending ------------------------------------------------------------------------------
 
+    def persistence_back_on(self) -> None:
+        """Persistence mode back on, when this procedure turned it off (and not yet back)."""
+        if not self.persistence_off or self.commands.persistence_on is None:
+            return
+        self.begin(ResetStep.PERSISTENCE_ON)
+        done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
+        if done is not None and not done.ok:
+            self.notes.append(f"persistence mode could not be turned back on: {done.describe()}")
+        else:
+            self.persistence_off = False  # restored: a resume must not do it again
+
     def restore(self, result: ResetResult, reason: str) -> None:
         """Persistence mode back on (if this procedure turned it off), then the after hooks."""
         if self.persistence_off and self.commands.persistence_on is not None:
-            self.begin(ResetStep.PERSISTENCE_ON)
-            done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
-            if done is not None and not done.ok:
-                self.notes.append(
-                    f"persistence mode could not be turned back on: {done.describe()}"
-                )
-            elif done is not None:
-                self.persistence_off = False  # restored: a resume must not do it again
+            self.persistence_back_on()
         else:
             self.event(
                 ResetStep.PERSISTENCE_ON,
@@ -351,6 +355,7 @@ class Procedure:
         done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
         if done is None:
             if self.target.layout:
+                self.persistence_back_on()
                 restore_layout(self)
             return True, None, "dry-run"
         if not done.ok:
@@ -358,6 +363,9 @@ class Procedure:
         if self.target.recovery is not None:
             return self.instance_check()
         if self.target.layout:  # a MIG GPU: its instances created again, then checked
+            # Persistence mode first: a GPU the driver deinitialises loses its instances.
+            self.persistence_back_on()
+            self.begin(ResetStep.HEALTH_CHECK)  # a crash from here on resumes the restore
             back, detail = restore_layout(self)
             return True, back, f"health check passed; {detail}"
         try:

@@ -157,9 +157,9 @@ def test_a_mig_gpu_asking_for_a_reset_waits_for_its_job_then_is_reset_once_with_
         f"-pm 0 -i {GPU0}",
         f"--gpu-reset -i {GPU0}",
         f"-q -i {GPU0}",
+        f"-pm 1 -i {GPU0}",  # before the creates: a deinitialised GPU loses its instances
         f"mig -i {GPU0} -cgi 19:1 -C",
         f"mig -i {GPU0} -cgi 9:4 -C",
-        f"-pm 1 -i {GPU0}",
     ], result["said"]
     (outcome,) = result["outcomes"]
     assert outcome["result"] == "success", outcome["reason"]

@@ -142,3 +142,19 @@ def test_a_dry_run_says_the_creates_it_would_run(smi: FakeSmi) -> None:
     assert smi.calls() == []
     would = [e["argv"] for e in env.step_events(ResetStep.HEALTH_CHECK) if "argv" in e]
     assert would[-2:] == [list(smi.argv(*CGI_A)), list(smi.argv(*CGI_B))]
+
+
+def test_persistence_mode_is_back_on_before_the_instances_are_created(smi: FakeSmi) -> None:
+    """A GPU the driver deinitialises (no client, persistence mode off) loses its instances:
+    the creates run with persistence mode on again, and the record says health_check after
+    it, so a crash from there on resumes the restore rather than finishing without it."""
+    target = ResetTarget(UUID, BUS, 0, persistence_was_on=True, layout=LAYOUT)
+    env = FakeEnvironment(smi)
+    outcome = perform_reset(target, mig_policy(smi), env, dry_run=False)
+    assert outcome.result == "success", outcome.reason
+    on = ["-pm", "1", "-i", UUID]
+    assert smi_commands(smi) == [["-pm", "0", "-i", UUID], RESET, QUERY, on, CGI_A, CGI_B]
+    steps = [(r["step"], r["persistence_off"]) for r in env.records]
+    after = steps[steps.index(("persistence_on", True)) + 1 :]
+    assert after[0] == ("health_check", False)
+    assert ("persistence_on", True) not in after  # not turned on twice

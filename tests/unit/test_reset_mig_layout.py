@@ -6,6 +6,7 @@ commands left. No real ``nvidia-smi`` runs: every command is tests/support/fakes
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,18 @@ def test_persistence_mode_is_back_on_before_the_instances_are_created(smi: FakeS
     after = steps[steps.index(("persistence_on", True)) + 1 :]
     assert after[0] == ("health_check", False)
     assert ("persistence_on", True) not in after  # not turned on twice
+
+
+def test_a_crash_while_persistence_mode_was_turned_back_on_still_restores_the_layout(
+    smi: FakeSmi,
+) -> None:
+    record = progress_record(
+        dataclasses.replace(TARGET, persistence_was_on=True), ResetStep.PERSISTENCE_ON,
+        {"persistence_off": True, "units_stopped": [], "reset_started": True,
+         "result": "success"},
+    )  # fmt: skip
+    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi_commands(smi) == [QUERY, ["-pm", "1", "-i", UUID], CGI_B]

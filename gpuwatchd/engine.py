@@ -617,6 +617,7 @@ class Engine:
             and gpu.health is not None
             and fabric.supported(gpu.health),
             recovery=intent.instance,
+            layout=intent.layout,
         )
         env = _ResetEnv(self)
         hook_env = {"GPUWATCHD_GPU_UUID": intent.gpu}

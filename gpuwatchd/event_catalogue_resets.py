@@ -158,7 +158,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_DUE: spec(
         INFO,
-        f"{FINDING_FIELDS} dry_run pci_bus_id minor lasted evidence {MIG_FIELDS}",
+        f"{FINDING_FIELDS} dry_run pci_bus_id minor lasted evidence mig_layout {MIG_FIELDS}",
         lambda s: dry(s, f"{_reset_of(s)} starts ({s('kind', 'a finding')}{s.why('reason')})."),
     ),
     EventName.RESET_REFUSED: spec(
@@ -224,7 +224,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_STEP: spec(
         INFO,
         "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
-        f" duration monitors units {MIG_FIELDS}",
+        f" duration monitors units remaining {MIG_FIELDS}",
         _reset_step,
         WARNING,
         ERROR,

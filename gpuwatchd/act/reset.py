@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
-from gpuwatchd.act.reset_mig import run_recovery
+from gpuwatchd.act.reset_mig import restore_layout, run_recovery
 from gpuwatchd.act.reset_monitors import start_monitors, stop_monitors
 from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
@@ -39,7 +39,7 @@ from gpuwatchd.act.reset_target import (
     progress_record,
 )
 from gpuwatchd.decide.argv import format_argv, hook_environment
-from gpuwatchd.decide.mig_recovery import recovery_argvs
+from gpuwatchd.decide.mig_recovery import layout_argvs, recovery_argvs
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.vocabulary import (
     EventName,
@@ -82,6 +82,7 @@ class Commands:
     health: tuple[str, ...]
     persistence_off: tuple[str, ...] | None
     persistence_on: tuple[str, ...] | None
+    restore: tuple[tuple[str, ...], ...] = ()  # a MIG GPU's reset: create its instances again
 
 
 def _instance_fields(target: ResetTarget) -> dict[str, object]:
@@ -119,17 +120,20 @@ def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str
         health = format_argv(policy.health_command, **values)
         off = format_argv(policy.persistence_command, mode="0", **values)
         on = format_argv(policy.persistence_command, mode="1", **values)
+        restore = layout_argvs(target.layout, policy.mig_recovery_commands)
     except ValueError as err:
         return f"cannot build the {key} for {target.uuid}: {err}"
     names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
-    for reset in resets:
+    for reset in resets + restore:
         if not any(name in arg for arg in reset for name in names):
             # The last line of defence behind check-config: never a command that does not
             # name this GPU (nvidia-smi without -i resets every GPU).
             return f"{key} {list(reset)!r} does not name GPU {target.uuid}; refusing"
     if not resets:
         return f"{key} is empty; refusing"
-    return Commands(resets, health, off, on)
+    if len(restore) != len(target.layout):
+        return f"reset.mig_recovery_commands is empty: the MIG layout of {target.uuid} is lost"
+    return Commands(resets, health, off, on, restore)
 
 
 class Procedure:
@@ -272,17 +276,21 @@ class Procedure:
 
     # -- ending ------------------------------------------------------------------------------
 
+    def persistence_back_on(self) -> None:
+        """Persistence mode back on, when this procedure turned it off (and not yet back)."""
+        if not self.persistence_off or self.commands.persistence_on is None:
+            return
+        self.begin(ResetStep.PERSISTENCE_ON)
+        done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
+        if done is not None and not done.ok:
+            self.notes.append(f"persistence mode could not be turned back on: {done.describe()}")
+        else:
+            self.persistence_off = False  # restored: a resume must not do it again
+
     def restore(self, result: ResetResult, reason: str) -> None:
         """Persistence mode back on (if this procedure turned it off), then the after hooks."""
         if self.persistence_off and self.commands.persistence_on is not None:
-            self.begin(ResetStep.PERSISTENCE_ON)
-            done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
-            if done is not None and not done.ok:
-                self.notes.append(
-                    f"persistence mode could not be turned back on: {done.describe()}"
-                )
-            elif done is not None:
-                self.persistence_off = False  # restored: a resume must not do it again
+            self.persistence_back_on()
         else:
             self.event(
                 ResetStep.PERSISTENCE_ON,
@@ -346,11 +354,20 @@ class Procedure:
         self.begin(ResetStep.HEALTH_CHECK)
         done = self.command(ResetStep.HEALTH_CHECK, self.commands.health)
         if done is None:
+            if self.target.layout:
+                self.persistence_back_on()
+                restore_layout(self)
             return True, None, "dry-run"
         if not done.ok:
             return False, None, f"health check failed: {done.describe()}{quote_output(done.output)}"
         if self.target.recovery is not None:
             return self.instance_check()
+        if self.target.layout:  # a MIG GPU: its instances created again, then checked
+            # Persistence mode first: a GPU the driver deinitialises loses its instances.
+            self.persistence_back_on()
+            self.begin(ResetStep.HEALTH_CHECK)  # a crash from here on resumes the restore
+            back, detail = restore_layout(self)
+            return True, back, f"health check passed; {detail}"
         try:
             memory = self.env.memory_back_to_baseline(self.target)
         except Exception as err:  # unknown, logged; never counted as good

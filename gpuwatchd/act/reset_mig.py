@@ -6,21 +6,29 @@ command: each command is recorded in the state file before it runs (``commands_d
 parent GPU is read again right before the first command (the instance must still be the
 plan's: UUID, compute instance, GI profile and placement) and before the re-create (the
 destroys must have freed its placement), and a failure after the first destroy leaves the
-instance half done, said so. What the readings mean is :mod:`gpuwatchd.decide.mig_recovery`'s.
+instance half done, said so. :func:`restore_layout` creates a MIG GPU's GPU instances again
+after its reset (those a fresh reading lacks, so a resume after a crash goes on where it
+stopped) and checks each back. What the readings mean is :mod:`gpuwatchd.decide.mig_recovery`'s.
 """
 
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
 from gpuwatchd.act.reset_target import ResetEnvironment, ResetTarget
-from gpuwatchd.decide.mig_recovery import InstanceRecovery, instance_changed, placement_taken
+from gpuwatchd.decide.mig_recovery import (
+    InstanceRecovery,
+    instance_changed,
+    layout_missing,
+    placement_taken,
+)
 from gpuwatchd.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 
-__all__ = ["HALF_DONE", "half_done", "run_recovery"]
+__all__ = ["HALF_DONE", "half_done", "restore_layout", "run_recovery"]
 
 Ran = tuple[CommandResult | None, ResetResult, bool, str]
 
@@ -28,6 +36,8 @@ Ran = tuple[CommandResult | None, ResetResult, bool, str]
 class _Commands(Protocol):
     @property
     def reset(self) -> tuple[tuple[str, ...], ...]: ...
+    @property
+    def restore(self) -> tuple[tuple[str, ...], ...]: ...
 
 
 class RecoveryRun(Protocol):
@@ -147,3 +157,59 @@ def run_recovery(proc: RecoveryRun, start: int = 0, *, resumed: bool = False) ->
     proc.commands_done = len(commands)
     output = "" if result is None else quote_output(result.output)
     return result, ResetResult.SUCCESS, False, f"{recovery.describe()}: done{output}"
+
+
+def restore_layout(proc: RecoveryRun) -> tuple[bool | None, str]:
+    """After a MIG GPU's reset (``proc.target.layout``): the GPU read again (MIG mode must be
+    on), each GPU instance it lacks created again by its command (``proc.commands.restore``),
+    progress recorded before each, then each instance checked back (GI profile, placement,
+    listed in mig-minors, memory at its baseline). (True, detail) when the layout is back;
+    (False, why, naming the commands left to run by hand); (None, ...) in a dry run. Run
+    again after a crash, it creates only what a fresh reading still lacks."""
+    layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
+    if proc.dry_run:
+        for argv in restore:
+            proc.command(step, argv)
+        return None, "dry-run"
+    left = list(range(len(layout)))
+    why: str | None = None
+    try:
+        missing = layout_missing(layout, proc.env.reread_gpu(proc.target))
+    except Exception as err:  # unknown is not restored
+        missing = f"reading the GPU again failed: {err}"
+    if isinstance(missing, str):
+        why = f"MIG mode is not confirmed after the reset: {missing}"
+    elif len(restore) != len(layout):
+        why = "the commands creating its GPU instances cannot be built from the configuration"
+    else:
+        left = list(missing)
+        todo = f"MIG mode on; {len(left)} of {len(layout)} GPU instance(s) to create"
+        proc.event(step, ResetStepStatus.AS_PLANNED, detail=todo)
+        for number in missing:
+            if not proc.begin(step):
+                why = "could not record reset progress in the state file"
+                break
+            result = proc.command(step, restore[number])
+            if result is not None and not result.ok:
+                why = f"{shlex.join(restore[number])} failed: {result.describe()}"
+                why += quote_output(result.output)
+                break
+            left.remove(number)
+    if why is None:
+        for instance in layout:
+            try:
+                wrong = proc.env.instance_back(replace(proc.target, recovery=instance, layout=()))
+            except Exception as err:  # unknown is not back
+                wrong = f"reading it failed: {err}"
+            if wrong is not None:
+                why = f"{instance.describe().removeprefix('re-create ')} is not back: {wrong}"
+                break
+    if why is None:
+        return True, f"its MIG layout is back ({len(layout)} GPU instance(s))"
+    commands = "; ".join(shlex.join(restore[n]) for n in left if n < len(restore))
+    proc.event(step, ResetStepStatus.CHANGED, level=Level.ERROR, detail=why,
+               remaining=[list(restore[n]) for n in left if n < len(restore)])  # fmt: skip
+    return False, (
+        f"the MIG layout is not restored: {why}; commands left to run by hand: "
+        f"{commands or 'none; check `nvidia-smi mig -lgi`'}"
+    )

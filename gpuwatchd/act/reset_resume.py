@@ -50,7 +50,12 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
         recovery = from_record(record["recovery"])
         if recovery is None or recovery.uuid != uuid:
             return None
+    layout = record.get("mig_layout", [])
+    restored = [from_record(r) for r in layout] if isinstance(layout, list) else [None]
+    if any(r is None or r.uuid != uuid for r in restored):
+        return None  # a layout half read back would create the wrong instances
     return ResetTarget(
+        layout=tuple(r for r in restored if r is not None),
         uuid=uuid,
         pci_bus_id=pci if isinstance(pci, str) else None,
         minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
@@ -88,6 +93,10 @@ def resume_interrupted(
     ``persistence_on`` after the reset         persistence on, ``after`` hooks  recorded result
     ``after_hooks`` after the reset            ``after`` hooks                 recorded result
     =========================================  ==============================  ================
+
+    A MIG GPU's reset (``mig_layout`` in the record) whose ``persistence_on`` step follows a
+    successful reset command is resumed as ``health_check``: its layout is created again after
+    persistence mode is back on, and only what the GPU lacks is created.
 
     A MIG recovery's ``reset`` step is the exception (its commands are recorded one by one):
     the GPU is read again, and the recovery is undone when its instance is still as planned
@@ -156,7 +165,14 @@ def resume_interrupted(
         known_done = done if isinstance(done, int) and not isinstance(done, bool) else None
         return _resume_recovery(proc, target.recovery, known_done)
 
-    if step in (ResetStep.RESET, ResetStep.HEALTH_CHECK) or proc.result is None:
+    # A MIG GPU's layout is created again after persistence mode is back on: a crash while it
+    # was turned on left the restore to do (it creates only what the GPU lacks).
+    restoring = bool(target.layout) and step is ResetStep.PERSISTENCE_ON
+    if (
+        step in (ResetStep.RESET, ResetStep.HEALTH_CHECK)
+        or proc.result is None
+        or (restoring and proc.result is ResetResult.SUCCESS)
+    ):
         unhealthy = False
         if not prepared.health:
             memory: bool | None = None

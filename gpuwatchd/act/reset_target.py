@@ -47,6 +47,8 @@ class ResetTarget:
     fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
     # Re-create this MIG GPU instance of the GPU in place instead of resetting the GPU.
     recovery: InstanceRecovery | None = None
+    # A MIG GPU's reset: its GPU instances, created again after it (act/reset_mig.py).
+    layout: tuple[InstanceRecovery, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ def progress_record(
     monitors' units it stopped, or was about to), ``reset_started`` (the
     reset command was about to run or ran) and ``result`` (the reset command's result once
     known); a MIG recovery's also ``commands_done`` (how many of its commands completed: the
-    one after them was about to run or ran). :func:`resume_interrupted` reads exactly this
+    one after them was about to run or ran); a MIG GPU's reset also ``mig_layout`` (its GPU
+    instances, created again after the reset). :func:`resume_interrupted` reads exactly this
     shape back.
     """
     record: dict[str, object] = {
@@ -155,6 +158,8 @@ def progress_record(
     }
     if target.recovery is not None:
         record["recovery"] = target.recovery.record()
+    if target.layout:
+        record["mig_layout"] = [r.record() for r in target.layout]
     return record
 
 

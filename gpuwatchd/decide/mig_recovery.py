@@ -19,15 +19,15 @@ This module owns, purely (no I/O, no clock):
   a holder of its capability files, a holder of the parent node whose instance is unknown, an
   unreadable process list): the recovery's own live-holder gate, the other instances' users
   never among them.
-- :func:`recovered`: whether a later snapshot shows the instance back (same profile and
-  placement, listed in mig-minors) with its memory freed.
+- :func:`recovered`: whether a later snapshot shows the instance back, its memory freed.
 - :meth:`InstanceRecovery.record` / :func:`from_record`: its form in the state file while it
   runs, read back with every field checked.
 - :func:`instance_changed`, :func:`placement_taken`, :func:`resume_point`: what the GPU read
   again says before the commands, before the re-create, and after a crash (where to go on).
+- :func:`layout_of`, :func:`layout_argvs`, :func:`layout_missing`: a MIG GPU's layout, which
+  its reset destroys, the commands creating it again, and what a fresh reading lacks of it.
 
-The gates around it (confirmation window, live holders, limits, dry-run) are the GPU reset's;
-this module only says what the action is.
+The gates around it (confirmation window, live holders, limits, dry-run) are the GPU reset's.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ __all__ = [
     "from_record",
     "instance_blockers",
     "instance_changed",
+    "layout_argvs",
+    "layout_missing",
+    "layout_of",
     "placement_taken",
     "recovered",
     "recovery_argvs",
@@ -386,3 +389,54 @@ def resume_point(
     if done is None or not 0 <= done < total:
         return total - 1  # the re-create alone: safe, as nothing occupies its placement
     return done
+
+
+# --- a whole MIG GPU's reset: its layout, recorded before and created again after ------------
+# The reset destroys every GPU instance; each is created again by its recovery's last command
+# (the re-create, ``-cgi {profile}:{placement} -C`` by default), so only a layout that a
+# recovery could re-create instance by instance can be restored: one compute instance per GPU
+# instance, spanning it.
+
+Layout = tuple[InstanceRecovery, ...]
+
+
+def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
+    """Every GPU instance of the judged MIG GPU ``gpu_uuid``, in placement order, as its
+    re-creation; or why the layout could not be created again as it is (an instance that
+    cannot be re-created in place, no instance, the instances not judged). Pure."""
+    layout = mig_layout(snapshot)
+    if gpu_uuid not in layout.judged:
+        return layout.unjudged.get(gpu_uuid, "its MIG instances are not judged")
+    found: list[InstanceRecovery] = []
+    for instance in layout.instances_of(gpu_uuid):
+        recovery = recovery_of(snapshot, instance.uuid)
+        if isinstance(recovery, str):
+            return recovery
+        found.append(recovery)
+    if not found:
+        return "it has no GPU instance to record"
+    return tuple(sorted(found, key=lambda r: (r.placement, r.gi)))
+
+
+def layout_argvs(
+    layout: Layout, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
+) -> tuple[tuple[str, ...], ...]:
+    """The command creating each GPU instance of ``layout`` again: the last of ``commands``
+    (a recovery's re-create), filled in with that instance's values. ValueError as
+    :func:`recovery_argvs`; none when ``commands`` is empty."""
+    if not commands:
+        return ()
+    return tuple(format_argv(commands[-1], **r.values()) for r in layout)
+
+
+def layout_missing(layout: Layout, gpu: GpuInfo | None) -> list[int] | str:
+    """The positions in ``layout`` of the GPU instances a fresh reading ``gpu`` does not show
+    (no instance of that GI profile at that placement); or why the reading says nothing (not
+    in MIG mode, lost, its MIG devices unreadable). Pure."""
+    if not layout:
+        return []
+    devices = _devices(layout[0], gpu)
+    if isinstance(devices, str):
+        return devices
+    present = {(d.gi_profile_id, d.placement) for d in devices}
+    return [n for n, r in enumerate(layout) if (r.profile, (r.placement, r.size)) not in present]

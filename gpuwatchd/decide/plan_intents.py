@@ -83,6 +83,8 @@ class ResetIntent:
     facts: Mapping[str, object]
     drained: bool = False  # the drain hooks ran already (health: drain, wait, then reset)
     instance: InstanceRecovery | None = None
+    # A MIG GPU's reset: its GPU instances, created again after it (docs/reset.md#mig).
+    layout: tuple[InstanceRecovery, ...] = ()
 
 
 @dataclass(frozen=True)

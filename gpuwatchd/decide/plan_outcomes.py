@@ -283,17 +283,19 @@ def _unfinished(
 ) -> PlanState:
     """A MIG recovery that failed once its commands started may be half done: its GPU stays
     dirty (``mig_unfinished``) until its instance is seen back; one that succeeded is back."""
-    recovery = intent.instance
-    if recovery is None or intent.dry_run:
+    # A MIG GPU's reset failed: each of its GPU instances likewise, until seen back.
+    recoveries = intent.layout if intent.instance is None else (intent.instance,)
+    if not recoveries or intent.dry_run:
         return state
     unfinished = dict(state.mig_unfinished)
-    if outcome in (ResetResult.FAILED, ResetResult.TIMEOUT):
-        unfinished[recovery.mig_uuid] = MigUnfinished(
-            recovery.uuid, recovery.gi, recovery.profile, recovery.placement, recovery.size,
-            wall, outcome.value,
-        )  # fmt: skip
-    elif outcome is ResetResult.SUCCESS:
-        unfinished.pop(recovery.mig_uuid, None)
-    else:
-        return state
+    for recovery in recoveries:
+        if outcome in (ResetResult.FAILED, ResetResult.TIMEOUT):
+            unfinished[recovery.mig_uuid] = MigUnfinished(
+                recovery.uuid, recovery.gi, recovery.profile, recovery.placement, recovery.size,
+                wall, outcome.value,
+            )  # fmt: skip
+        elif outcome is ResetResult.SUCCESS:
+            unfinished.pop(recovery.mig_uuid, None)
+        else:
+            return state
     return replace(state, mig_unfinished=unfinished)

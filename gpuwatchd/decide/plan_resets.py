@@ -17,8 +17,13 @@ from dataclasses import dataclass, replace
 
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
-from gpuwatchd.decide.mig import busy_instances, parent_of
-from gpuwatchd.decide.mig_recovery import InstanceRecovery, instance_blockers, recovery_of
+from gpuwatchd.decide.mig import WHOLE_GPU, busy_instances, parent_of
+from gpuwatchd.decide.mig_recovery import (
+    InstanceRecovery,
+    instance_blockers,
+    layout_of,
+    recovery_of,
+)
 from gpuwatchd.decide.monitors import describe_monitor, monitor_entry
 from gpuwatchd.decide.plan_intents import (
     ResetIntent,
@@ -239,7 +244,7 @@ def reset_gates(
     blocked = _node_block(snapshot)
     if not finding.actionable:
         gate("not_actionable", "not_actionable")
-    if uuid in report_only:
+    if uuid in report_only and not _mig_reset_asked(finding, report_only[uuid], policy):
         gate("report_only", f"report_only: {report_only[uuid]}")
     if blocked is not None:
         gate("blocked", f"blocked: {blocked}", Level.WARNING)
@@ -257,6 +262,9 @@ def reset_gates(
         gate("mig", "MIG enabled" if gpu.mig_enabled else "MIG mode unknown")
     elif (busy := busy_instances(snapshot, gpu)) is not None:
         gate("mig_busy", f"MIG: {busy}")  # a whole-GPU reset takes every instance down
+    elif gpu.mig_enabled and isinstance(lost := layout_of(snapshot, gpu.uuid), str):
+        # The reset destroys every instance: one that could not be created again is refused.
+        gate("mig_layout", f"MIG layout cannot be restored after a reset: {lost}", Level.WARNING)
     # Unknown topology is no blocker: nvidia-smi itself refuses (resetting nothing) when the
     # GPU's NVLink peers would have to be named too; this only spares a futile attempt.
     if gpu.reset_needs_nvlink_peers and not reset.allow_nvlink_group:
@@ -265,6 +273,15 @@ def reset_gates(
     if holder is not None:
         gate("live_holder", f"live holder: {holder}")
     return gates
+
+
+def _mig_reset_asked(finding: Finding, why: str, policy: Policy) -> bool:
+    """A judged MIG GPU is report-only as a whole, except for a GPU health finding asking for
+    its reset with ``reset.allow_mig`` on: the MIG gates decide that one (every instance idle,
+    its layout restorable)."""
+    return (
+        why == WHOLE_GPU and policy.reset.allow_mig and finding.kind is FindingKind.RESET_REQUIRED
+    )
 
 
 def _instance_gates(
@@ -338,9 +355,12 @@ def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, 
         finding, ctx.snapshot, ctx.policy, report_only=ctx.report_only,
         findings=ctx.findings.values(),
     )  # fmt: skip
-    before = [g for g in gates if g.name != "live_holder"]
+    # A user of a MIG GPU's instance holds it as a live holder does: a health reset drains
+    # and waits for it (never signalled); a ghost's reset is refused after its window.
+    holding = ("live_holder", "mig_busy")
+    before = [g for g in gates if g.name not in holding]
     refusal = (EventName.RESET_REFUSED, before[0].level, before[0].why) if before else None
-    return refusal, [g.why for g in gates if g.name == "live_holder"]
+    return refusal, [g.why for g in gates if g.name in holding]
 
 
 def _escalating(w: _Work, uuid: str) -> bool:
@@ -455,6 +475,10 @@ def _start_reset(
     }
     if instance is not None:
         facts.update(instance.fields())
+    restored = layout_of(ctx.snapshot, gpu.uuid) if gpu.mig_enabled and instance is None else ()
+    layout = restored if isinstance(restored, tuple) else ()  # a gate refused any other
+    if layout:
+        facts["mig_layout"] = [r.describe().removeprefix("re-create ") for r in layout]
     delay = ctx.policy.limits.post_action_delay
     flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
     w.state = replace(w.state, reset_in_flight=flight)
@@ -471,5 +495,6 @@ def _start_reset(
             facts=facts,
             drained=drained,
             instance=instance,
+            layout=layout,
         )
     )

@@ -354,8 +354,10 @@ class World:
         """A successful reset at ``now``: every context on the GPU is gone, memory back to
         idle, and what a reset applies is applied (a pending row remap; a recovery action
         asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
-        ``fabric_after_reset``, then COMPLETED (never, when that is None)."""
+        ``fabric_after_reset``, then COMPLETED (never, when that is None). A MIG GPU's GPU
+        instances are all destroyed (MIG mode stays on): its layout must be created again."""
         gpu.base = gpu.spec.allocated
+        gpu.destroyed = {i.gi for i in gpu.spec.mig_instances}
         gpu.instance_base = {i.gi: i.allocated for i in gpu.spec.mig_instances}
         action = gpu.health.recovery_action
         gpu.health = replace(

@@ -92,6 +92,8 @@ class FakeEnvironment:
             if isinstance(answer, Exception):
                 raise answer
             return answer
+        if target.layout:
+            return layout_gpu(target.layout, present=layout_present(self.smi, target.layout))
         if target.recovery is None:
             return None
         destroyed = any("-dgi" in call for call in smi_commands(self.smi))
@@ -143,4 +145,39 @@ def instance_gpu(recovery: InstanceRecovery, *, present: bool = True, **device: 
     return GpuInfo(
         index=recovery.gpu_index, uuid=recovery.uuid, pci_bus_id=recovery.pci_bus_id,
         mig_enabled=True, mig_devices=devices,
+    )  # fmt: skip
+
+
+def layout_present(smi: FakeSmi, layout: Sequence[InstanceRecovery]) -> set[int]:
+    """Which GPU instances of ``layout`` the fake GPU has: all until a ``--gpu-reset`` ran,
+    then those a ``-cgi <profile>:<placement>`` created since."""
+    calls = smi_commands(smi)
+    resets = [n for n, call in enumerate(calls) if "--gpu-reset" in call]
+    if not resets:
+        return set(range(len(layout)))
+    created = {call[call.index("-cgi") + 1] for call in calls[resets[-1] :] if "-cgi" in call}
+    return {n for n, r in enumerate(layout) if f"{r.profile}:{r.placement}" in created}
+
+
+def layout_gpu(
+    layout: Sequence[InstanceRecovery], *, present: set[int], mig_enabled: bool = True
+) -> GpuInfo:
+    """A fresh reading of a MIG GPU with the GPU instances of ``layout`` at ``present``."""
+    first = layout[0]
+    devices = tuple(
+        MigDevice(
+            index=n,
+            uuid=f"MIG-{n:08x}-0000-4000-8000-000000000000",
+            gi=n + 1,
+            ci=0,
+            profile="1g.10gb",
+            gi_profile_id=r.profile,
+            placement=(r.placement, r.size),
+        )
+        for n, r in enumerate(layout)
+        if n in present
+    )
+    return GpuInfo(
+        index=first.gpu_index, uuid=first.uuid, pci_bus_id=first.pci_bus_id,
+        mig_enabled=mig_enabled, mig_devices=devices,
     )  # fmt: skip

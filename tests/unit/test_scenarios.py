@@ -518,3 +518,30 @@ def test_spared_orphan_debugging() -> None:
         (130.0, "its time was up")
     ]
     assert r.final["open_findings"] == []
+
+
+def test_mig_gpu_reset_layout() -> None:
+    """Issue 37: GPU_RESET on a MIG GPU: drained and waited on while instance 2 is in use
+    (never signalled), reset once when idle, each GPU instance created again at its GI profile
+    and placement, and the finding resolved."""
+    r = run("mig-gpu-reset-layout")
+    gpu = "GPU-00000000-0000-4000-8000-000000000000"
+    assert r.resets() == [(300.0, gpu, "success")]
+    assert r.signals() == []
+    checks = [e.fields for e in r.entries("reset.step") if e.fields["step"] == "health_check"]
+    created = [f["argv"][4:] for f in checks if "-cgi" in f.get("argv", [])]  # type: ignore[index,operator]
+    assert created == [["-cgi", "19:1", "-C"], ["-cgi", "9:2", "-C"]]
+    (due,) = r.entries("reset.due")
+    assert due.fields["mig_layout"] == [
+        "MIG GPU instance 1 of GPU 0 (GI profile 19, placement 1:1)",
+        "MIG GPU instance 2 of GPU 0 (GI profile 9, placement 2:1)",
+    ]
+    assert r.final["open_findings"] == []
+
+
+def test_mig_gpu_reset_layout_is_only_reported_without_allow_mig(tmp_path: Path) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: false\nreset:\n  enabled: true\n")
+    r = simulate(load_scenario(str(SCENARIOS / "mig-gpu-reset-layout.yaml")), str(config))
+    assert r.resets() == []
+    assert r.signals() == []

@@ -20,27 +20,29 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from gpuwatchd.act.commands import CommandResult, run_command, run_hooks
+from gpuwatchd.act.commands import CommandResult, run_command
 from gpuwatchd.act.reset_mig import restore_layout, run_recovery
 from gpuwatchd.act.reset_monitors import start_monitors, stop_monitors
 from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
+    Commands,
     FabricWait,
+    PreparedHook,
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
     outcome_event,
+    prepare_commands,
     progress_record,
 )
-from gpuwatchd.decide.argv import format_argv, hook_environment
-from gpuwatchd.decide.mig_recovery import layout_argvs, recovery_argvs
-from gpuwatchd.decide.policy import Hook, ResetPolicy
+from gpuwatchd.decide.argv import hook_environment
+from gpuwatchd.decide.policy import ResetPolicy
 from gpuwatchd.vocabulary import (
     EventName,
     Level,
@@ -76,64 +78,9 @@ _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
 # --- the procedure ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Commands:
-    reset: tuple[tuple[str, ...], ...]  # one reset command, or a MIG recovery's commands
-    health: tuple[str, ...]
-    persistence_off: tuple[str, ...] | None
-    persistence_on: tuple[str, ...] | None
-    restore: tuple[tuple[str, ...], ...] = ()  # a MIG GPU's reset: create its instances again
-
-
 def _instance_fields(target: ResetTarget) -> dict[str, object]:
     """What every event of a MIG GPU instance's re-creation says about the instance."""
     return {} if target.recovery is None else target.recovery.fields()
-
-
-def _values(target: ResetTarget) -> dict[str, str | None]:
-    return {
-        "uuid": target.uuid,
-        "pci_bus_id": target.pci_bus_id,
-        "minor": None if target.minor is None else str(target.minor),
-        "hostname": target.hostname,
-    }
-
-
-def _would_run(template: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
-    """A dry run's hook as it would run: placeholders filled, or the template when one cannot
-    be (the real run would then not start it)."""
-    try:
-        return list(format_argv(template, **values))
-    except ValueError:
-        return list(template)
-
-
-def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str:
-    """Fill every command up front (a bad template must not surface halfway); or say why not."""
-    values = _values(target)
-    key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
-    try:
-        if target.recovery is None:
-            resets: tuple[tuple[str, ...], ...] = (format_argv(policy.command, **values),)
-        else:
-            resets = recovery_argvs(target.recovery, policy.mig_recovery_commands)
-        health = format_argv(policy.health_command, **values)
-        off = format_argv(policy.persistence_command, mode="0", **values)
-        on = format_argv(policy.persistence_command, mode="1", **values)
-        restore = layout_argvs(target.layout, policy.mig_recovery_commands)
-    except ValueError as err:
-        return f"cannot build the {key} for {target.uuid}: {err}"
-    names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
-    for reset in resets + restore:
-        if not any(name in arg for arg in reset for name in names):
-            # The last line of defence behind check-config: never a command that does not
-            # name this GPU (nvidia-smi without -i resets every GPU).
-            return f"{key} {list(reset)!r} does not name GPU {target.uuid}; refusing"
-    if not resets:
-        return f"{key} is empty; refusing"
-    if len(restore) != len(target.layout):
-        return f"reset.mig_recovery_commands is empty: the MIG layout of {target.uuid} is lost"
-    return Commands(resets, health, off, on, restore)
 
 
 class Procedure:
@@ -156,6 +103,9 @@ class Procedure:
         self.policy = policy
         self.env = env
         self.commands = commands
+        # What each step records of them; None: not recorded (an old record's resume that
+        # today's policy cannot build commands for, whose next resume must read it the same way).
+        self.recorded: dict[str, object] | None = commands.record()
         self.dry_run = dry_run
         self.hook_env = hook_env
         self.runner = runner
@@ -174,6 +124,7 @@ class Procedure:
         if self.dry_run:
             return True
         data: dict[str, object] = {
+            **({} if self.recorded is None else {"commands": self.recorded}),
             "persistence_off": self.persistence_off,
             "units_stopped": list(self.units_stopped),
             "reset_started": self.reset_started,
@@ -229,7 +180,7 @@ class Procedure:
     def hooks(
         self,
         step: ResetStep,
-        hooks: Sequence[Hook],
+        hooks: Sequence[PreparedHook],
         event: str,
         *,
         stop_on_failure: bool,
@@ -240,10 +191,10 @@ class Procedure:
             self.event(step, ResetStepStatus.SKIPPED, detail="no hooks configured")
             return None
         if self.dry_run:
-            filled = [_would_run(h.argv, _values(self.target)) for h in hooks]
-            self.event(step, ResetStepStatus.WOULD_RUN, hooks=filled)
+            self.event(step, ResetStepStatus.WOULD_RUN, hooks=[list(h.argv) for h in hooks])
             return None
         env = {
+            **os.environ,
             **self.hook_env,
             **hook_environment(
                 event,
@@ -253,13 +204,16 @@ class Procedure:
                 **extra,
             ),
         }
-        results = run_hooks(
-            hooks,
-            env=env,
-            values=_values(self.target),
-            stop_on_failure=stop_on_failure,
-            runner=self.runner,
-        )
+        results = []
+        for hook in hooks:  # filled in already: the hooks recorded, or to be
+            if hook.error is not None:
+                error = f"hook not run: {hook.error}"
+                result = CommandResult(hook.argv, None, "", False, 0.0, error)
+            else:
+                result = self.runner(hook.argv, timeout=hook.timeout, env=env)
+            results.append(result)
+            if stop_on_failure and not result.ok:
+                break
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
             for r in results
@@ -301,7 +255,7 @@ class Procedure:
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
             ResetStep.AFTER_HOOKS,
-            self.policy.after,
+            self.commands.after,
             "reset_after",
             stop_on_failure=False,
             extra={"result": result, "reason": reason},
@@ -458,12 +412,12 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, _UNRECORDED)
-    if proc.drained and reset.drain:
+    if proc.drained and prepared.drain:
         proc.event(
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
         )
     else:
-        failure = proc.hooks(ResetStep.DRAIN, reset.drain, "reset_drain", stop_on_failure=True)
+        failure = proc.hooks(ResetStep.DRAIN, prepared.drain, "reset_drain", stop_on_failure=True)
         if failure is not None:
             return proc.abort(ResetStep.DRAIN, failure)
 
@@ -485,7 +439,9 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
         return proc.abort(ResetStep.BEFORE_HOOKS, _UNRECORDED)
-    failure = proc.hooks(ResetStep.BEFORE_HOOKS, reset.before, "reset_before", stop_on_failure=True)
+    failure = proc.hooks(
+        ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
+    )
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 

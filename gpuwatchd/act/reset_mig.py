@@ -19,7 +19,7 @@ from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
-from gpuwatchd.act.reset_target import ResetEnvironment, ResetTarget
+from gpuwatchd.act.reset_target import Commands, ResetEnvironment, ResetTarget
 from gpuwatchd.decide.mig_recovery import (
     InstanceRecovery,
     instance_changed,
@@ -33,13 +33,6 @@ __all__ = ["HALF_DONE", "half_done", "restore_layout", "run_recovery"]
 Ran = tuple[CommandResult | None, ResetResult, bool, str]
 
 
-class _Commands(Protocol):
-    @property
-    def reset(self) -> tuple[tuple[str, ...], ...]: ...
-    @property
-    def restore(self) -> tuple[tuple[str, ...], ...]: ...
-
-
 class RecoveryRun(Protocol):
     """What of :class:`gpuwatchd.act.reset.Procedure` the commands need (that module runs
     them, so it is not imported here)."""
@@ -51,7 +44,7 @@ class RecoveryRun(Protocol):
     @property
     def env(self) -> ResetEnvironment: ...
     @property
-    def commands(self) -> _Commands: ...
+    def commands(self) -> Commands: ...
     @property
     def dry_run(self) -> bool: ...
     @property

@@ -15,17 +15,18 @@ import shlex
 from collections.abc import Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import (
-    EMPTY_ENV,
+from gpuwatchd.act.reset import EMPTY_ENV, Procedure
+from gpuwatchd.act.reset_mig import half_done, run_recovery
+from gpuwatchd.act.reset_target import (
     CommandRunner,
     Commands,
-    Procedure,
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
+    commands_from_record,
     prepare_commands,
+    prepare_hooks,
 )
-from gpuwatchd.act.reset_mig import half_done, run_recovery
 from gpuwatchd.decide.mig_recovery import (
     InstanceRecovery,
     from_record,
@@ -62,6 +63,25 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
         persistence_was_on=was_on if isinstance(was_on, bool) else None,
         recovery=recovery,
     )
+
+
+def _commands_of(
+    record: Mapping[str, object], target: ResetTarget, policy: ResetPolicy
+) -> Commands | str:
+    """The commands the reset worked out when it started, or what is wrong with them. A record
+    from before they were recorded has none: today's policy's then (none when it cannot build
+    them; the after hooks of the policy still run)."""
+    if "commands" in record:
+        return commands_from_record(record["commands"], target)
+    rebuilt = prepare_commands(target, policy)
+    if isinstance(rebuilt, str):
+        return Commands((), (), None, None, after=prepare_hooks(policy.after, target))
+    return rebuilt
+
+
+def _unreadable(env: ResetEnvironment, reason: str) -> ResetOutcome:
+    env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
+    return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
 
 
 def resume_interrupted(
@@ -124,15 +144,15 @@ def resume_interrupted(
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:
-        reason = f"unreadable reset record {dict(record)!r}; nothing was changed"
-        env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
-        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
+        return _unreadable(env, f"unreadable reset record {dict(record)!r}; nothing was changed")
+    commands = _commands_of(record, target, reset)
+    if isinstance(commands, str):
+        return _unreadable(env, f"unreadable reset record of {target.uuid}: its recorded "
+                           f"commands: {commands}; nothing was changed")  # fmt: skip
 
-    prepared = prepare_commands(target, reset)
-    if isinstance(prepared, str):
-        # Today's policy cannot build the commands; still run the after hooks, and say so.
-        prepared = Commands((), (), None, None)
-    proc = Procedure(target, reset, env, prepared, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
+    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
+    if not commands.reset:
+        proc.recorded = None  # none built: a crash now leaves the record to be read as today
     proc.persistence_off = record.get("persistence_off") is True
     units = record.get("units_stopped")
     if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
@@ -140,10 +160,10 @@ def resume_interrupted(
             u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
         ]
     proc.reset_started = record.get("reset_started") is True
-    recorded = record.get("result")
+    result = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.
-    known = isinstance(recorded, str) and recorded in {r.value for r in ResetResult}
-    proc.result = ResetResult(recorded) if known else None
+    known = isinstance(result, str) and result in {r.value for r in ResetResult}
+    proc.result = ResetResult(result) if known else None
     env.emit(
         EventName.RESET_RESUMED,
         Level.WARNING,
@@ -152,7 +172,7 @@ def resume_interrupted(
         reset_started=proc.reset_started,
         persistence_off=proc.persistence_off,
     )
-    if proc.persistence_off and prepared.persistence_on is None:
+    if proc.persistence_off and commands.persistence_on is None:
         proc.notes.append("persistence mode could not be restored: the command cannot be built")
 
     if not proc.reset_started:
@@ -174,7 +194,7 @@ def resume_interrupted(
         or (restoring and proc.result is ResetResult.SUCCESS)
     ):
         unhealthy = False
-        if not prepared.health:
+        if not commands.health:
             memory: bool | None = None
             detail = "the health check command cannot be built; GPU state unknown"
         else:

@@ -1,11 +1,13 @@
-"""What a reset is about and what it reports: the target, the outcome, the edges it needs.
+"""What a reset is about and what it reports: the target, its commands, the outcome, the edges.
 
 This module owns the reset procedure's data and contracts, apart from its steps
 (:mod:`gpuwatchd.act.reset`): :class:`ResetTarget` (the GPU, or one of its MIG GPU instances to
-re-create), :class:`ResetOutcome`, the :class:`ResetEnvironment` the daemon (or a test, or
-``simulate``) provides, the :class:`CommandRunner` and :class:`FabricWait` it calls,
-:func:`progress_record` (what the state file keeps while a reset runs, read back by
-:mod:`gpuwatchd.act.reset_resume`) and :func:`outcome_event` (the ``reset.outcome`` event).
+re-create), :class:`Commands` (every command and hook it may run, worked out once by
+:func:`prepare_commands`, recorded, and read back strictly by :func:`commands_from_record`),
+:class:`ResetOutcome`, the :class:`ResetEnvironment` the daemon (or a test, or ``simulate``)
+provides, the :class:`CommandRunner` and :class:`FabricWait` it calls, :func:`progress_record`
+(what the state file keeps while a reset runs, read back by :mod:`gpuwatchd.act.reset_resume`)
+and :func:`outcome_event` (the ``reset.outcome`` event).
 """
 
 from __future__ import annotations
@@ -15,19 +17,29 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.mig_recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.monitors import StoppableMonitor
+from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.model import GpuInfo
 from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 
 __all__ = [
+    "MAX_RECORDED_ARGS",
+    "MAX_RECORDED_CHARS",
+    "MAX_RECORDED_COMMANDS",
     "UNRECORDED",
     "CommandRunner",
+    "Commands",
     "FabricWait",
+    "PreparedHook",
     "ResetEnvironment",
     "ResetOutcome",
     "ResetTarget",
+    "commands_from_record",
     "outcome_event",
+    "prepare_commands",
+    "prepare_hooks",
     "progress_record",
 ]
 
@@ -49,6 +61,200 @@ class ResetTarget:
     recovery: InstanceRecovery | None = None
     # A MIG GPU's reset: its GPU instances, created again after it (act/reset_mig.py).
     layout: tuple[InstanceRecovery, ...] = ()
+
+
+# --- the commands, worked out once ------------------------------------------------------------
+
+Argv = tuple[str, ...]
+# A recorded reset's commands are read back from the state file as hostile input, within these
+# bounds (a policy whose filled-in commands exceed them is refused before the first step).
+MAX_RECORDED_COMMANDS = 100  # commands, or hooks, in one list
+MAX_RECORDED_ARGS = 1000  # arguments of one command
+MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
+_MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
+_HOOK_STEPS = ("drain", "before", "after")
+
+
+@dataclass(frozen=True)
+class PreparedHook:
+    """A hook with its placeholders filled in; when one cannot be, ``error`` says why (the
+    hook then fails without running) and ``argv`` is its template."""
+
+    argv: Argv
+    timeout: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Commands:
+    """Every command and hook a reset procedure may run, filled in once before its first step
+    and recorded with its progress (``commands``), so a resume runs these, not today's policy's.
+    ``persistence_off``/``persistence_on`` None: they cannot be built (an old record's resume)."""
+
+    reset: tuple[Argv, ...]  # one reset command, or a MIG recovery's commands
+    health: Argv
+    persistence_off: Argv | None
+    persistence_on: Argv | None
+    restore: tuple[Argv, ...] = ()  # a MIG GPU's reset: create its instances again
+    drain: tuple[PreparedHook, ...] = ()
+    before: tuple[PreparedHook, ...] = ()
+    after: tuple[PreparedHook, ...] = ()
+
+    def record(self) -> dict[str, object]:
+        """The JSON-able form :func:`commands_from_record` reads back."""
+        record: dict[str, object] = {
+            "reset": [list(argv) for argv in self.reset],
+            "health": list(self.health),
+            "persistence_off": None if self.persistence_off is None else list(self.persistence_off),
+            "persistence_on": None if self.persistence_on is None else list(self.persistence_on),
+            "restore": [list(argv) for argv in self.restore],
+        }
+        for step in _HOOK_STEPS:
+            hooks: tuple[PreparedHook, ...] = getattr(self, step)
+            record[step] = [
+                {"argv": list(h.argv), "timeout": h.timeout}
+                | ({} if h.error is None else {"error": h.error})
+                for h in hooks
+            ]
+        return record
+
+
+def _values(target: ResetTarget) -> dict[str, str | None]:
+    return {
+        "uuid": target.uuid,
+        "pci_bus_id": target.pci_bus_id,
+        "minor": None if target.minor is None else str(target.minor),
+        "hostname": target.hostname,
+    }
+
+
+def prepare_hooks(hooks: Sequence[Hook], target: ResetTarget) -> tuple[PreparedHook, ...]:
+    """``hooks`` filled in for ``target`` (each that cannot be says why, and will fail)."""
+    prepared = []
+    for hook in hooks:
+        try:
+            prepared.append(PreparedHook(format_argv(hook.argv, **_values(target)), hook.timeout))
+        except ValueError as err:  # this hook fails without running, when its turn comes
+            why = str(err)[:MAX_RECORDED_CHARS]
+            prepared.append(PreparedHook(tuple(hook.argv), hook.timeout, why))
+    return tuple(prepared)
+
+
+def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str:
+    """Fill every command and hook up front (a bad template must not surface halfway), once:
+    the procedure records them and a resume runs the record. Or say why they cannot be."""
+    values = _values(target)
+    key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
+    try:
+        if target.recovery is None:
+            resets: tuple[Argv, ...] = (format_argv(policy.command, **values),)
+        else:
+            resets = recovery_argvs(target.recovery, policy.mig_recovery_commands)
+        commands = Commands(
+            resets,
+            format_argv(policy.health_command, **values),
+            format_argv(policy.persistence_command, mode="0", **values),
+            format_argv(policy.persistence_command, mode="1", **values),
+            layout_argvs(target.layout, policy.mig_recovery_commands),
+            prepare_hooks(policy.drain, target),
+            prepare_hooks(policy.before, target),
+            prepare_hooks(policy.after, target),
+        )
+    except ValueError as err:
+        return f"cannot build the {key} for {target.uuid}: {err}"
+    unsafe = _unsafe(commands, target)
+    if unsafe is not None:
+        return unsafe
+    # What is recorded must read back: the record's bounds hold for these commands too.
+    read = commands_from_record(commands.record(), target)
+    return read if isinstance(read, Commands) else f"cannot record the commands: {read}"
+
+
+def _unsafe(commands: Commands, target: ResetTarget) -> str | None:
+    """Why ``commands`` must not run for ``target`` (built now, or read back from a record)."""
+    key = "reset.command" if target.recovery is None else "reset.mig_recovery_commands"
+    names = [target.uuid] + ([target.pci_bus_id] if target.pci_bus_id else [])
+    for reset in commands.reset + commands.restore:
+        if not any(name in arg for arg in reset for name in names):
+            # The last line of defence behind check-config: never a command that does not
+            # name this GPU (nvidia-smi without -i resets every GPU).
+            return f"{key} {list(reset)!r} does not name GPU {target.uuid}; refusing"
+    if not commands.reset:
+        return f"{key} is empty; refusing"
+    if target.recovery is None and len(commands.reset) != 1:
+        return f"a reset of {target.uuid} has one reset command, not {len(commands.reset)}"
+    if len(commands.restore) != len(target.layout):
+        return f"reset.mig_recovery_commands is empty: the MIG layout of {target.uuid} is lost"
+    return None
+
+
+def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:
+    """The ``commands`` of a progress record, read strictly (it is hostile input): exactly the
+    keys :meth:`Commands.record` writes, each command a non-empty list of strings (the program
+    not empty, no NUL) within the ``MAX_RECORDED_*`` bounds, each hook's ``timeout`` a number
+    of seconds in (0, 600], and the reset commands naming ``target``'s GPU. Or what is wrong."""
+    if not isinstance(raw, Mapping) or set(raw) != {*_HOOK_STEPS, *_COMMAND_KEYS}:
+        return "not an object with the keys " + ", ".join(sorted({*_HOOK_STEPS, *_COMMAND_KEYS}))
+    try:
+        commands = Commands(
+            _argvs(raw["reset"], "reset"),
+            _argv(raw["health"], "health"),
+            _argv(raw["persistence_off"], "persistence_off"),
+            _argv(raw["persistence_on"], "persistence_on"),
+            _argvs(raw["restore"], "restore"),
+            *(_hooks(raw[step], step) for step in _HOOK_STEPS),
+        )
+    except ValueError as err:
+        return str(err)
+    return _unsafe(commands, target) or commands
+
+
+_COMMAND_KEYS = ("reset", "health", "persistence_off", "persistence_on", "restore")
+
+
+def _argv(raw: object, where: str) -> Argv:
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_RECORDED_ARGS:
+        raise ValueError(f"{where}: not a command of 1 to {MAX_RECORDED_ARGS} arguments")
+    for arg in raw:
+        if not isinstance(arg, str) or len(arg) > MAX_RECORDED_CHARS or "\0" in arg:
+            raise ValueError(f"{where}: an argument is not a string of at most "
+                             f"{MAX_RECORDED_CHARS} characters without NUL")  # fmt: skip
+    if not raw[0]:
+        raise ValueError(f"{where}: the program is empty")
+    return tuple(raw)
+
+
+def _list(raw: object, where: str) -> list[object]:
+    if not isinstance(raw, list) or len(raw) > MAX_RECORDED_COMMANDS:
+        raise ValueError(f"{where}: not a list of at most {MAX_RECORDED_COMMANDS} entries")
+    return raw
+
+
+def _argvs(raw: object, where: str) -> tuple[Argv, ...]:
+    return tuple(_argv(item, f"{where}[{n}]") for n, item in enumerate(_list(raw, where)))
+
+
+def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
+    hooks = []
+    for n, item in enumerate(_list(raw, where)):
+        at = f"{where}[{n}]"
+        if not isinstance(item, Mapping) or not {"argv", "timeout"} <= set(item) <= {
+            "argv", "timeout", "error"
+        }:  # fmt: skip
+            raise ValueError(f"{at}: not an object with argv, timeout and perhaps error")
+        timeout, error = item["timeout"], item.get("error")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= _MAX_HOOK_TIMEOUT
+        ):
+            raise ValueError(f"{at}: the timeout is not a number of seconds in (0, 600]")
+        if error is not None and (
+            not isinstance(error, str) or not error or len(error) > MAX_RECORDED_CHARS
+        ):
+            raise ValueError(f"{at}: the error is not a text of 1 to {MAX_RECORDED_CHARS} chars")
+        hooks.append(PreparedHook(_argv(item["argv"], at), float(timeout), error))
+    return tuple(hooks)
 
 
 @dataclass(frozen=True)
@@ -139,7 +345,8 @@ def progress_record(
 ) -> dict[str, object]:
     """The JSON-able record the state file keeps for a reset in progress.
 
-    ``data`` is what :func:`perform_reset` passes to ``record_step``: ``persistence_off``
+    ``data`` is what :func:`perform_reset` passes to ``record_step``: ``commands`` (its
+    :meth:`Commands.record`, what a resume runs), ``persistence_off``
     (this procedure turned persistence mode off, or was about to), ``units_stopped`` (the
     monitors' units it stopped, or was about to), ``reset_started`` (the
     reset command was about to run or ran) and ``result`` (the reset command's result once

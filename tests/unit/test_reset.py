@@ -477,6 +477,18 @@ def records_of(smi: FakeSmi, **env_options: object) -> dict[str, dict[str, objec
     return {str(record["step"]): record for record in env.records}
 
 
+def reloaded_policy(smi: FakeSmi) -> ResetPolicy:
+    """The policy after a reload: every command and hook written differently."""
+    return make_policy(
+        smi,
+        command=smi.argv("--gpu-reset", "--id={uuid}"),
+        persistence_command=smi.argv("--persistence-mode={mode}", "-i", "{uuid}"),
+        health_command=smi.argv("-q", "-d", "MEMORY", "-i", "{uuid}"),
+        after=(Hook(smi.hook("reloaded-after"), timeout=5),),
+    )
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["same_policy", "reloaded_policy"])
 @pytest.mark.parametrize(
     ("step", "result", "expected_calls"),
     [
@@ -492,11 +504,15 @@ def records_of(smi: FakeSmi, **env_options: object) -> dict[str, dict[str, objec
     ],
 )
 def test_resume_finishes_or_undoes_from_each_step_and_never_resets_again(
-    smi: FakeSmi, step: str, result: str, expected_calls: list[list[str]]
+    smi: FakeSmi, step: str, result: str, expected_calls: list[list[str]], reloaded: bool
 ) -> None:
+    """The resume runs the commands and hooks the reset recorded when it started: a reload
+    between the crash and the resume (the policy at resume written differently) changes
+    none of them (issue 36)."""
     record = records_of(smi)[step]
     env = FakeEnvironment(smi)
-    outcome = resume_interrupted(record, make_policy(smi), env)
+    policy = reloaded_policy(smi) if reloaded else make_policy(smi)
+    outcome = resume_interrupted(record, policy, env)
     assert outcome is not None
     assert outcome.result == result, outcome.reason
     assert smi.calls() == expected_calls
@@ -677,8 +693,13 @@ def test_a_failing_hook_from_the_runner_aborts_like_a_real_one(smi: FakeSmi) -> 
     assert runner.argvs() == [["drain-hook", "x"], ["after-hook", "0"]]
 
 
-def test_resume_runs_its_commands_through_the_injected_runner(smi: FakeSmi) -> None:
+def test_an_old_record_without_commands_resumes_with_todays_through_the_injected_runner(
+    smi: FakeSmi,
+) -> None:
+    """A record written before the commands were recorded: they are built from the policy
+    of the new start, as that version did."""
     record = records_of(smi)["reset"]
+    del record["commands"]
     runner = RecordingRunner()
     outcome = resume_interrupted(record, symbolic_policy(), FakeEnvironment(smi), runner=runner)
     assert outcome is not None

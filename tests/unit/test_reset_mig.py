@@ -9,6 +9,7 @@ persistence mode left alone, and the instance (not the GPU's memory) checked aft
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
-from gpuwatchd.decide.policy import ResetPolicy
+from gpuwatchd.decide.policy import Hook, ResetPolicy
 from gpuwatchd.model import GpuInfo
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, instance_gpu, make_policy, smi_commands
@@ -176,12 +177,13 @@ FREE = instance_gpu(RECOVERY, present=False)
 OTHER_UUID = "MIG-12345678-1234-1234-1234-1234567890ff"
 
 
-def crashed_before(command: int, tmp_path: Path) -> dict[str, object]:
+def crashed_before(command: int, smi: FakeSmi) -> dict[str, object]:
     """The state file's record when the daemon died right before the recovery's command
-    ``command`` (0-based) completed: the last record a full run wrote before running it."""
-    smi = FakeSmi(tmp_path / "first")
+    ``command`` (0-based) completed: the last record a full run against ``smi`` wrote before
+    running it (its calls then forgotten)."""
     env = FakeEnvironment(smi)
     assert perform_reset(TARGET, mig_policy(smi), env, dry_run=False).result == "success"
+    smi.clear()
     records = [r for r in env.records if r["step"] == "reset" and r["commands_done"] == command]
     assert len(records) == 1, env.records
     return records[0]
@@ -196,13 +198,11 @@ def test_each_command_is_recorded_before_it_runs_with_the_commands_done(smi: Fak
     assert health["commands_done"] == 3
 
 
-def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(
-    smi: FakeSmi, tmp_path: Path
-) -> None:
+def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(smi: FakeSmi) -> None:
     """Finding 5: the GPU instance was destroyed, the daemon died before ``-cgi``. Resume
     re-creates it (its placement is free) and checks it; before, it reported ``failed`` and
     left the instance gone."""
-    record = crashed_before(2, tmp_path)
+    record = crashed_before(2, smi)
     env = FakeEnvironment(smi, rereads=[FREE])
     outcome = resume_interrupted(record, mig_policy(smi), env)
     assert outcome is not None
@@ -211,8 +211,31 @@ def test_a_crash_between_dgi_and_cgi_re_creates_the_instance_on_resume(
     assert "went on at command 3" in outcome.reason
 
 
-def test_a_crash_during_dgi_runs_it_again_then_re_creates(smi: FakeSmi, tmp_path: Path) -> None:
-    record = crashed_before(1, tmp_path)
+def test_a_reload_between_the_crash_and_the_resume_changes_none_of_its_commands(
+    smi: FakeSmi,
+) -> None:
+    """Issue 36: the resume runs the re-create, the health check and the after hooks the
+    recovery recorded when it started, not those the reloaded policy would build."""
+    record = crashed_before(2, smi)
+    reloaded = replace(
+        mig_policy(smi),
+        mig_recovery_commands=(
+            smi.argv("mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
+            smi.argv("mig", "-i", "{uuid}", "-cgi", "{profile}", "-C"),
+        ),
+        health_command=smi.argv("-q", "-d", "MEMORY", "-i", "{uuid}"),
+        after=(Hook(smi.hook("reloaded-after"), timeout=5),),
+    )
+    env = FakeEnvironment(smi, rereads=[FREE])
+    outcome = resume_interrupted(record, reloaded, env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi.calls() == [CGI, QUERY, ["hook", "after"]]
+    assert "went on at command 3" in outcome.reason
+
+
+def test_a_crash_during_dgi_runs_it_again_then_re_creates(smi: FakeSmi) -> None:
+    record = crashed_before(1, smi)
     smi.set(mig={"dgi": "exit:6"})  # it took effect before the crash: nothing to destroy now
     env = FakeEnvironment(smi, rereads=[FREE])
     outcome = resume_interrupted(record, mig_policy(smi), env)
@@ -223,12 +246,10 @@ def test_a_crash_during_dgi_runs_it_again_then_re_creates(smi: FakeSmi, tmp_path
     assert "-dgi failed" in outcome.reason
 
 
-def test_the_re_create_is_never_run_into_an_occupied_placement(
-    smi: FakeSmi, tmp_path: Path
-) -> None:
+def test_the_re_create_is_never_run_into_an_occupied_placement(smi: FakeSmi) -> None:
     """Someone created another instance where the destroyed one was: nothing is run, the
     recovery is half done, for an administrator."""
-    record = crashed_before(2, tmp_path)
+    record = crashed_before(2, smi)
     theirs = instance_gpu(RECOVERY, gi=3, uuid=OTHER_UUID, gi_profile_id=14, placement=(4, 4))
     env = FakeEnvironment(smi, rereads=[theirs])
     outcome = resume_interrupted(record, mig_policy(smi), env)
@@ -239,10 +260,10 @@ def test_the_re_create_is_never_run_into_an_occupied_placement(
     assert smi_commands(smi) == []
 
 
-def test_an_instance_re_created_already_is_only_checked(smi: FakeSmi, tmp_path: Path) -> None:
+def test_an_instance_re_created_already_is_only_checked(smi: FakeSmi) -> None:
     """The re-create ran and the daemon died before recording it: the instance is back under a
     new MIG UUID at its placement; no command runs again."""
-    record = crashed_before(2, tmp_path)
+    record = crashed_before(2, smi)
     env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY, uuid=OTHER_UUID)])
     outcome = resume_interrupted(record, mig_policy(smi), env)
     assert outcome is not None
@@ -250,8 +271,8 @@ def test_an_instance_re_created_already_is_only_checked(smi: FakeSmi, tmp_path: 
     assert smi_commands(smi) == [QUERY]
 
 
-def test_a_crash_before_any_command_took_effect_is_undone(smi: FakeSmi, tmp_path: Path) -> None:
-    record = crashed_before(0, tmp_path)
+def test_a_crash_before_any_command_took_effect_is_undone(smi: FakeSmi) -> None:
+    record = crashed_before(0, smi)
     env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY)])
     outcome = resume_interrupted(record, mig_policy(smi), env)
     assert outcome is not None
@@ -260,10 +281,8 @@ def test_a_crash_before_any_command_took_effect_is_undone(smi: FakeSmi, tmp_path
     assert [c[:2] for c in smi.calls()] == [["hook", "after"]]
 
 
-def test_the_gi_id_now_naming_another_instance_is_never_destroyed_on_resume(
-    smi: FakeSmi, tmp_path: Path
-) -> None:
-    record = crashed_before(1, tmp_path)
+def test_the_gi_id_now_naming_another_instance_is_never_destroyed_on_resume(smi: FakeSmi) -> None:
+    record = crashed_before(1, smi)
     reused = instance_gpu(RECOVERY, uuid=OTHER_UUID, placement=(0, 1))
     env = FakeEnvironment(smi, rereads=[reused])
     outcome = resume_interrupted(record, mig_policy(smi), env)

@@ -123,6 +123,28 @@ def test_a_crash_between_the_reset_and_the_restore_goes_on_with_the_restore(
     assert smi_commands(smi) == [QUERY, CGI_B]
 
 
+def test_a_reload_before_the_resume_does_not_change_the_commands_restoring_the_layout(
+    smi: FakeSmi,
+) -> None:
+    """Issue 36: a crash right after the reset command; the policy reloaded since says another
+    re-create command. The resume creates the layout with the commands recorded before the
+    reset (only the instance the GPU lacks)."""
+    env = FakeEnvironment(smi)
+    assert perform_reset(TARGET, mig_policy(smi), env, dry_run=False).result == "success"
+    record = next(r for r in env.records if r["step"] == "reset")
+    smi.clear()
+    reloaded = dataclasses.replace(
+        mig_policy(smi),
+        mig_recovery_commands=(smi.argv("mig", "-i", "{uuid}", "-cgi", "{profile}"),),
+        health_command=smi.argv("-q", "-d", "MEMORY", "-i", "{uuid}"),
+    )
+    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
+    outcome = resume_interrupted(record, reloaded, env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
+    assert smi_commands(smi) == [QUERY, CGI_B]
+
+
 def test_a_resume_record_with_a_damaged_layout_changes_nothing(smi: FakeSmi) -> None:
     record = progress_record(
         TARGET, ResetStep.HEALTH_CHECK, {"reset_started": True, "result": "success"}

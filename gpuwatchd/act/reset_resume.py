@@ -3,7 +3,8 @@
 This module owns :func:`resume_interrupted`: called once at start with the record
 :func:`gpuwatchd.act.reset.progress_record` left, it reads the record back strictly (a damaged
 one changes nothing), never runs the reset command again, and finishes or undoes what the
-record says was done, with the same steps and events as the procedure in
+record says was done, with the commands and hooks the record holds (worked out when the reset
+started, whatever the policy says now) and the same steps and events as the procedure in
 :mod:`gpuwatchd.act.reset`. A MIG recovery interrupted during its commands goes on at the first
 command not done, after reading the GPU again (:func:`_resume_recovery`).
 """
@@ -124,14 +125,16 @@ def resume_interrupted(
     and nothing occupies its placement, is only checked when the instance was re-created
     already, and is left half done (``failed``) otherwise (:func:`_resume_recovery`).
 
-    Persistence mode is restored from the record (``persistence_off``), and the monitors'
-    units it stopped are started (``units_stopped``), not from today's policy. A record
-    that cannot be read (no GPU UUID, unknown step) changes nothing and returns ``failed``
-    with the reason, so the daemon can log it and drop the record. The caller starts its NVML
-    worker afterwards, as after :func:`perform_reset`. Hooks may run a second time after a
-    crash inside them, so ``after`` hooks should be idempotent.
+    The commands and hooks run are the record's (``commands``: worked out when the reset
+    started), persistence mode is restored from the record (``persistence_off``), and the
+    monitors' units it stopped are started (``units_stopped``), not from today's policy; a
+    record from before the commands were recorded runs today's policy's. A record that cannot
+    be read (no GPU UUID, unknown step, a damaged command list) changes nothing and returns
+    ``failed`` with the reason, so the daemon can log it and drop the record. The caller
+    starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a second
+    time after a crash inside them, so ``after`` hooks should be idempotent.
     ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
-    ``{hostname}`` in them (it is not part of the record).
+    ``{hostname}`` in an old record's (the recorded ones were filled in already).
     """
     step_value = record.get("step")
     try:

@@ -3,7 +3,7 @@
 This module owns the metrics gpuwatchd exposes — their names, types, labels and meaning
 (``docs/metrics.md``) — and writing them. Counters are fed by the engine's events
 (:meth:`Metrics.observe`, called for every event); gauges are set from each poll's snapshot,
-assessment and plan state (:meth:`Metrics.after_poll`), which then rewrites the
+assessment and plan state, from its report (:meth:`Metrics.after_poll`), which then rewrites the
 ``metrics.textfile`` file atomically (a temporary file in the same directory, then a rename).
 The unit has no network (``PrivateNetwork=yes``), so there is no HTTP endpoint: node_exporter
 reads the file.

@@ -264,10 +264,12 @@ class Engine:
                 result = self._replan_held(result, previous, assessment, snapshot)
         intents = self._take(result)
         signalled = False
+        carried: list[Intent] = []
         for intent in intents:
             if self.stopping():
                 break
             self._carry_out(intent)
+            carried.append(intent)
             signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
         if signalled:
             # Most targets die within milliseconds of a signal: see that before the checkpoint
@@ -280,7 +282,7 @@ class Engine:
             assessment=assessment,
             plan=state.plan,
             verdict=self._verdict,
-            intents=intents,
+            intents=tuple(carried),
             started=started,
             started_wall=wall,
             seconds=self.clock.monotonic() - started,

@@ -163,7 +163,7 @@ class PollReport:
     assessment: Assessment
     plan: PlanState  # as the poll left it: ladders, pause, latches
     verdict: NodeVerdict | None = None  # each GPU clean for a new job? (None: not judged)
-    intents: tuple[Intent, ...] = ()  # what the plan asked for (carried out, or withheld)
+    intents: tuple[Intent, ...] = ()  # the plan's intents carried out (dry-run ones too)
     started: float = 0.0  # monotonic
     started_wall: float = 0.0
     seconds: float = 0.0  # how long the poll took

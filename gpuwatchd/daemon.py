@@ -6,7 +6,8 @@ SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the 
 files, and the wait between polls (woken at once by a signalled target's exit). Starting it, and
 ``run --once`` beside a running daemon, are :mod:`gpuwatchd.cli.run`.
 The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's edges from
-:mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself.
+:mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself. It hands each
+poll the switches as one ``PollInputs`` and reads what the poll did from its ``PollReport``.
 """
 
 from __future__ import annotations

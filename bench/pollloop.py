@@ -91,15 +91,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             if open_every and index and index % open_every == 0:
                 os.close(os.open(opened, os.O_RDONLY))
             t0 = time.process_time_ns()
-            daemon.poll_once()
+            report = daemon.poll_once()
             t1 = time.process_time_ns()
             workers_after = sorted(daemon.nvml.worker_pids)
             w1 = sum(task_cpu_ns(p) for p in workers_after)
             daemon_ns.append(t1 - t0)
             # A worker started during this poll counts from zero.
             worker_ns.append(max(0, w1 - w0) if workers == workers_after else w1)
-            snap = daemon.last_snapshot
-            full.append(bool(snap and snap.holders.mode == "full"))
+            full.append(report.snapshot.holders.mode == "full")
             if rss_every and (index + 1) % rss_every == 0:
                 rss.append(
                     {
@@ -109,7 +108,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                     }
                 )
             clock.now += step
-        findings = len(daemon.last_assessment.findings) if daemon.last_assessment else None
+        findings = len(daemon.report.assessment.findings) if daemon.report else None
     finally:
         daemon.signaller.close()
         daemon.nvml.close()

@@ -6,7 +6,8 @@ SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the 
 files, and the wait between polls (woken at once by a signalled target's exit). Starting it, and
 ``run --once`` beside a running daemon, are :mod:`gpuwatchd.cli.run`.
 The poll cycle itself is :class:`gpuwatchd.engine.Engine`, given the real host's edges from
-:mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself.
+:mod:`gpuwatchd.host`; this module decides nothing and acts on nothing itself. It hands each
+poll the switches as one ``PollInputs`` and reads what the poll did from its ``PollReport``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.daemon_serving import ScanServing
-from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanResult, PlanState, pending_keys
+from gpuwatchd.decide.plan import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
-from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.engine import Engine, EngineState, Pause, PollInputs, PollReport, Standing
 from gpuwatchd.event_catalogue import JournalNamer, finding_label, hook_outcome
 from gpuwatchd.host import LogSink, SystemClock, node_name
 from gpuwatchd.metrics import Metrics
-from gpuwatchd.model import Snapshot
 from gpuwatchd.pause import (
     MAX_ENDED_JOBS,
     poll_pause,
@@ -111,7 +110,8 @@ class Daemon:
         self.dry_run_flag = dry_run
         self._loaded = policy  # as read, without --dry-run: what is saved as accepted
         self._accepted_text: str | None = None
-        policy = self._effective(policy)
+        # The policy in force, as the engine was handed it (at start and at each reload).
+        self.policy = policy = self._effective(policy)
         self.once = once
         self.once_timeout = once_timeout
         self.clock = clock
@@ -202,18 +202,7 @@ class Daemon:
             dict(rejected_at_start) if rejected_at_start is not None else None
         )
         self._files_key: tuple[object, ...] | None = None  # the files as last read (_check_files)
-
-    @property
-    def policy(self) -> Policy:
-        return self.engine.policy
-
-    @property
-    def last_snapshot(self) -> Snapshot | None:
-        return self.engine.last_snapshot
-
-    @property
-    def last_assessment(self) -> Assessment | None:
-        return self.engine.last_assessment
+        self.report: PollReport | None = None  # what the last poll saw, decided and did
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -287,18 +276,18 @@ class Daemon:
                 self._do_reload()
             elif not self.once:
                 self._check_files()
-            self.poll_once()
+            report = self.poll_once()
             if not self._ready_sent:
                 self.notifier.notify("READY=1")
                 self._ready_sent = True
                 self._serving.listen()
             if self.once:
                 if watched is None:
-                    if not self.last_snapshot or not self.last_snapshot.nvml.available:
+                    if not report.snapshot.nvml.available:
                         code = ExitCode.UNAVAILABLE
                         break
-                    watched = frozenset(f.key for f in self.engine.findings)
-                once = self._once_progress(watched, started)
+                    watched = frozenset(f.key for f in report.assessment.findings)
+                once = self._once_progress(report, watched, started)
                 if once is not None:
                     code = once
                     break
@@ -309,25 +298,25 @@ class Daemon:
         log.info(EventName.DAEMON_STOP, exit_code=code)
         return code
 
-    def _once_progress(self, watched: frozenset[str], started: float) -> ExitCode | None:
+    def _once_progress(
+        self, report: PollReport, watched: frozenset[str], started: float
+    ) -> ExitCode | None:
         """``run --once``: its exit code when it is done (0: nothing under way for the
         findings seen at its start or on a GPU that is not clean, and every GPU clean — the
         memory back, no dead owner listed; 75: what is left will not change, or
         ``--timeout``), else None (poll again)."""
         waited = self.clock() - started
-        verdict = self.engine.last_verdict
+        verdict = report.verdict
         # Under way: what was seen at the start, and whatever is being done about a GPU that
         # is not clean now (a job another epilog handed over since, say).
         dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
-        keys = watched | {f.key for f in self.engine.findings if f.gpu in dirty}
+        keys = watched | {f.key for f in report.assessment.findings if f.gpu in dirty}
         names = JournalNamer()  # findings in words, not their internal keys
         busy = [
-            f"{finding_label(key, names)}: under way"
-            for key in pending_keys(self.engine.state.plan, keys)
+            f"{finding_label(key, names)}: under way" for key in pending_keys(report.plan, keys)
         ]
-        snapshot = self.engine.last_snapshot
         acted = self.last_action
-        if snapshot is not None and acted is not None and acted >= snapshot.monotonic:
+        if acted is not None and acted >= report.snapshot.monotonic:
             busy.append("acted since the GPUs were last read: looking again")
         if verdict is None or verdict.unavailable is not None:
             why = verdict.unavailable if verdict is not None else None
@@ -346,7 +335,7 @@ class Daemon:
             )
             return code
         if waited >= self.once_timeout:
-            pending = pending_keys(self.engine.state.plan, keys)
+            pending = pending_keys(report.plan, keys)
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None
@@ -501,11 +490,10 @@ class Daemon:
                 )
             self._save_accepted(new)
             before = self.policy
-            self.engine.policy = self._effective(new)  # the one place the policy is held
+            self.policy = self._effective(new)
+            self.engine.reload(self.policy, hostname=node_name())
             self.host.apply(self.policy)
             self.metrics.set_textfile(self.policy.metrics.textfile)
-            self.engine.hostname = node_name()  # a renamed node is named right after a reload
-            self.engine.policy_reloaded()
             log.info(
                 EventName.CONFIG_RELOADED,
                 config=list(self.policy.sources),
@@ -553,66 +541,69 @@ class Daemon:
                 self._state_dir_error = error
             return None
 
-    def poll_once(self) -> PlanResult:
-        """The admin switches, then one engine cycle, then the STATUS line."""
-        state_dir = self._state_dir()
-        if state_dir is None:
-            # Fail safe: no switch can be read and no step could be saved.
-            self.engine.set_paused("state_dir unusable")
-        else:
-            # Spares and pauses last on the boot clock, not the wall clock (collect/boottime.py).
-            clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
-            switch = poll_pause(state_dir, clock, max_pause=self.policy.limits.max_pause)
-            self.engine.set_paused(switch.reason, until=switch.until, resumed=switch.resumed)
-            spares = read_spares(
-                state_dir, clock, max_spare=self.policy.limits.max_spare, remove_stale=True
-            )
-            for problem in spares.problems:
-                log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
-            for spare, was in spares.cut:
-                log.warning(
-                    EventName.SPARE_CUT,
-                    target=spare.target,
-                    until=spare.until,
-                    was_until=was,
-                    max_spare=self.policy.limits.max_spare,
-                )
-            self.engine.set_spares(spares.spares, read_at=clock.wall)
-            if take_clear_latches(state_dir):
-                self.engine.clear_latches()
+    def poll_once(self) -> PollReport:
+        """The admin switches, then one engine cycle, then what observes it: the metrics, the
+        STATUS line and the served view, each from the poll's report."""
+        switches = self._read_switches()
         self._take_ended_jobs()
         # The poll's start is its time in the status section: the engine's own checkpoint at
         # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
-        started = self.clock()
+        self.last_poll_monotonic = self.clock()
         self.last_poll_wall = self.wall_clock()
-        self.last_poll_monotonic = started
-        result = self.engine.poll()
-        snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
-        if snapshot is not None and assessment is not None:
-            # Gauges only feed the textfile: without one, setting them is ~1 ms a poll wasted.
-            # (Event counters are kept regardless, by the sink.)
-            if self.metrics.textfile is not None:
-                self.metrics.after_poll(
-                    snapshot,
-                    assessment,
-                    self.engine.state.plan,
-                    dry_run=self.policy.dry_run,
-                    poll_seconds=self.clock() - started,
-                    now_wall=self.last_poll_wall,
-                    policy_rejected=self.policy_rejected is not None,
-                    verdict=self.engine.last_verdict,
-                )
-            self._notify_status(snapshot, assessment)
-            self._serving.publish(
-                snapshot,
-                policy=self.policy,
-                procfs=self.procfs,
-                nvml=self.nvml,
-                watch=self.collector.watch,
-                dead_listed=self.collector.dead_listed,
-                watch_fd=self.device_watch.fileno(),
+        report = self.engine.poll(
+            dataclasses.replace(
+                switches, started=self.last_poll_monotonic, started_wall=self.last_poll_wall
             )
-        return result
+        )
+        self.report = report
+        # Gauges only feed the textfile: without one, setting them is ~1 ms a poll wasted.
+        # (Event counters are kept regardless, by the sink.)
+        if self.metrics.textfile is not None:
+            self.metrics.after_poll(
+                report,
+                dry_run=self.policy.dry_run,
+                policy_rejected=self.policy_rejected is not None,
+            )
+        self._notify_status(report)
+        self._serving.publish(
+            report,
+            policy=self.policy,
+            procfs=self.procfs,
+            nvml=self.nvml,
+            watch=self.collector.watch,
+            dead_listed=self.collector.dead_listed,
+            watch_fd=self.device_watch.fileno(),
+        )
+        return report
+
+    def _read_switches(self) -> PollInputs:
+        """The admin switch files, as the next poll's inputs (their problems said here)."""
+        state_dir = self._state_dir()
+        if state_dir is None:
+            # Fail safe: no switch can be read and no step could be saved.
+            return PollInputs(pause=Pause("state_dir unusable"))
+        # Spares and pauses last on the boot clock, not the wall clock (collect/boottime.py).
+        clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
+        switch = poll_pause(state_dir, clock, max_pause=self.policy.limits.max_pause)
+        spares = read_spares(
+            state_dir, clock, max_spare=self.policy.limits.max_spare, remove_stale=True
+        )
+        for problem in spares.problems:
+            log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
+        for spare, was in spares.cut:
+            log.warning(
+                EventName.SPARE_CUT,
+                target=spare.target,
+                until=spare.until,
+                was_until=was,
+                max_spare=self.policy.limits.max_spare,
+            )
+        return PollInputs(
+            pause=Pause(switch.reason, until=switch.until, resumed=switch.resumed),
+            spares=spares.spares,
+            spares_read_at=clock.wall,
+            clear_latches=take_clear_latches(state_dir),
+        )
 
     def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
@@ -620,7 +611,7 @@ class Daemon:
 
     def _wait(self) -> None:
         """Sleep until the next poll or deadline, waking at once for exits and signals."""
-        until = self.engine.wake_at()
+        until = self.clock() if self.report is None else self.report.wake_at
         watch_fd = self.device_watch.fileno()
         while not self._stop and not self._reload:
             remaining = until - self.clock()
@@ -656,14 +647,8 @@ class Daemon:
                 self.save_state()
                 return
 
-    def _notify_status(self, snapshot: Snapshot, assessment: Assessment) -> None:
-        status = describe_status(
-            snapshot,
-            assessment,
-            self.engine.state.plan,
-            self.policy.dry_run,
-            self.engine.last_verdict,
-        )
+    def _notify_status(self, report: PollReport) -> None:
+        status = describe_status(report, self.policy.dry_run)
         rejected = self.policy_rejected
         if rejected is not None and rejected.get("at_start"):
             status = f"policy rejected at start, running {rejected.get('running')}; {status}"
@@ -691,16 +676,18 @@ class Daemon:
         boot_id = self.procfs.boot_id()
         if not data:
             return
-        state = self.engine.state
         try:
             check_version(data)
-            state.assess = AssessState.from_json(data.get("assess"))
-            state.plan = PlanState.from_json(data.get("plan"))
             record = data.get("reset_in_progress")
-            state.reset_in_progress = dict(record) if isinstance(record, dict) else None
+            state = EngineState(
+                assess=AssessState.from_json(data.get("assess")),
+                plan=PlanState.from_json(data.get("plan")),
+                reset_in_progress=dict(record) if isinstance(record, dict) else None,
+            )
         except ValueError as exc:
             log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
-            self.engine.state = EngineState()
+            state = EngineState()
+        self.engine.restore(state)
         if data and data.get("boot_id") != boot_id:
             log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
@@ -710,9 +697,9 @@ class Daemon:
         True when what is on disk is the current state; False when it could not be written
         (logged): the engine then takes no irreversible step (engine.py, ``checkpoint``)."""
         boot_id = self.procfs.boot_id()
-        state = self.engine.state
+        state = self.engine.standing()
         # last_wall moves every poll; an older one on disk only hides no backward clock step.
-        verdict = self.engine.last_verdict
+        verdict = state.verdict
         key = (
             boot_id,
             state.assess,
@@ -720,9 +707,9 @@ class Daemon:
             state.reset_in_progress,
             self.actions_seen,
             self.policy_rejected,
-            self.engine.spares,
+            state.spares,
             # NVML lost or back is news for `status` at once, not at the next minute's write.
-            self.engine.nvml_availability.state,
+            state.nvml.state,
             # A GPU turning clean or not is news for `status` (its wording alone is not).
             None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
         )
@@ -731,7 +718,7 @@ class Daemon:
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
-        status = self.status_section()
+        status = self.status_section(state)
         data = state_document(
             boot_id=boot_id,
             saved_at=self.wall_clock(),
@@ -753,13 +740,13 @@ class Daemon:
         self._saved_poll_bucket = bucket
         return True
 
-    def status_section(self) -> dict[str, object]:
+    def status_section(self, standing: Standing | None = None) -> dict[str, object]:
         """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
-        actions, a rejected policy (shape documented in docs/operations.md)."""
-        snapshot, assessment = self.engine.last_snapshot, self.engine.last_assessment
-        verdict = self.engine.last_verdict
-        # From the first failed reading on, with since when (decide/nvml_state.py).
-        nvml = self.engine.nvml_availability.to_json()
+        actions, a rejected policy (shape documented in docs/operations.md); from where the
+        engine stands now unless given."""
+        if standing is None:
+            standing = self.engine.standing()
+        snapshot, assessment, verdict = standing.snapshot, standing.assessment, standing.verdict
         return {
             "pid": os.getpid(),
             "started": self.started_wall,
@@ -768,7 +755,8 @@ class Daemon:
             "interval": self.policy.interval,
             "dry_run": self.policy.dry_run,
             "mode": "dry-run" if self.policy.dry_run else "enforcing",
-            "nvml": nvml,
+            # From the first failed reading on, with since when (decide/nvml_state.py).
+            "nvml": standing.nvml.to_json(),
             "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
             "findings": len(assessment.findings) if assessment is not None else None,
             # Each GPU clean for a new job? (decide/verdict.py, as check-clean says it)
@@ -778,8 +766,7 @@ class Daemon:
             "recent_actions": list(self.recent_actions),
             # gpuwatchd spare: what this daemon honours now (cli/spare.py --list reads files).
             "spares": [
-                {"target": s.target, "until": s.until, "reason": s.reason}
-                for s in self.engine.spares
+                {"target": s.target, "until": s.until, "reason": s.reason} for s in standing.spares
             ],
         }
 

@@ -22,7 +22,7 @@ from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.model import Snapshot
+from gpuwatchd.engine_edges import PollReport
 from gpuwatchd.scan_socket import ScanAnswer, ScanRequest, ScanServer
 from gpuwatchd.statedir import StateDir
 from gpuwatchd.view_guard import ViewPublisher
@@ -60,7 +60,7 @@ class ScanServing:
 
     def publish(
         self,
-        snapshot: Snapshot,
+        report: PollReport,
         *,
         policy: Policy,
         procfs: ProcFS,
@@ -71,7 +71,8 @@ class ScanServing:
     ) -> None:
         """Write the holder view ``scan`` builds on: only while the device watch works, when
         it changed, or every holder_view.REFRESH seconds; and beside it this poll's NVML
-        reading."""
+        reading (both from the poll's report)."""
+        snapshot = report.snapshot
         if watch is None or not watch.available or snapshot.boot_id is None:
             return
         if self._own_start_ticks is None:

@@ -65,13 +65,16 @@ from gpuwatchd.engine_edges import (
     Clock,
     EventSink,
     HostReader,
+    Pause,
+    PollInputs,
+    PollReport,
     Runner,
+    Standing,
     run_inline,
     run_now,
 )
 from gpuwatchd.event_catalogue import notification
 from gpuwatchd.model import (
-    Finding,
     GpuInfo,
     ProcessIdentity,
     Snapshot,
@@ -97,6 +100,10 @@ __all__ = [
     "EngineState",
     "EventSink",
     "HostReader",
+    "Pause",
+    "PollInputs",
+    "PollReport",
+    "Standing",
     "run_inline",
     "run_now",
 ]
@@ -174,10 +181,10 @@ class Engine:
             collections.deque()
         )
         self._crashed: collections.deque[str] = collections.deque()  # background_crashed
-        self.last_snapshot: Snapshot | None = None
-        self.last_assessment: Assessment | None = None
+        self._snapshot: Snapshot | None = None
+        self._assessment: Assessment | None = None
         # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
-        self.last_verdict: NodeVerdict | None = None
+        self._verdict: NodeVerdict | None = None
         self.reuse = Reuse()  # the last assessment and verdict, when the inputs are equal
         self._paused_reason: str | None = None
         # NVML as a state with transitions (decide/nvml_state.py): status, nvml.recovered.
@@ -188,8 +195,19 @@ class Engine:
 
     # --- the cycle ----------------------------------------------------------------------------
 
-    def poll(self) -> PlanResult:
-        """Collect, assess, plan, carry out the intents, feed the outcomes back, checkpoint."""
+    def poll(self, inputs: PollInputs | None = None) -> PollReport:
+        """Take the admin switches, collect, assess, plan, carry out the intents, feed the
+        outcomes back, checkpoint; report what the poll saw, decided and did."""
+        inputs = inputs or PollInputs()
+        started = self.clock.monotonic() if inputs.started is None else inputs.started
+        wall = self.clock.wall() if inputs.started_wall is None else inputs.started_wall
+        if inputs.pause is not None:
+            pause = inputs.pause
+            self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
+        if inputs.spares is not None:
+            self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
+        if inputs.clear_latches:
+            self.clear_latches()
         self.report_background_hooks()
         snapshot = self.reader.collect()
         if self.spares:
@@ -203,7 +221,7 @@ class Engine:
         )
         for name, level, fields in changes:
             self._emit(name, level, **fields)
-        self.last_snapshot = snapshot
+        self._snapshot = snapshot
         state = self.state
         if not (self.policy.dry_run or state.plan.forced_dry_run):
             # Acting for real: a dry run's assumed resets never stand in for real ones.
@@ -216,10 +234,10 @@ class Engine:
             health_policy=self.policy.health,
         )
         state.assess = assessment.state
-        self.last_assessment = assessment
+        self._assessment = assessment
         for notice in assessment.xid_notices:  # decide/xid_sources.py: floods said once
             self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
-        self.last_verdict = self.reuse.judge(
+        self._verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
         )
         # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
@@ -246,10 +264,12 @@ class Engine:
                 result = self._replan_held(result, previous, assessment, snapshot)
         intents = self._take(result)
         signalled = False
+        carried: list[Intent] = []
         for intent in intents:
             if self.stopping():
                 break
             self._carry_out(intent)
+            carried.append(intent)
             signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
         if signalled:
             # Most targets die within milliseconds of a signal: see that before the checkpoint
@@ -257,7 +277,36 @@ class Engine:
             self.note_exits(self.actuator.exits(EXIT_GRACE))
         self._note_assumed_exits()
         self.checkpoint()
-        return result
+        return PollReport(
+            snapshot=snapshot,
+            assessment=assessment,
+            plan=state.plan,
+            verdict=self._verdict,
+            intents=tuple(carried),
+            started=started,
+            started_wall=wall,
+            seconds=self.clock.monotonic() - started,
+            wake_at=self.wake_at(),
+        )
+
+    def restore(self, state: EngineState) -> None:
+        """Carry on from ``state`` (the state file's body, read at start before any poll)."""
+        self.state = state
+
+    def standing(self) -> Standing:
+        """Where the engine stands now (the state file's body, ``status``'s view of the last
+        poll): the checkpoint's to save, inside a poll too."""
+        state = self.state
+        return Standing(
+            assess=state.assess,
+            plan=state.plan,
+            reset_in_progress=state.reset_in_progress,
+            snapshot=self._snapshot,
+            assessment=self._assessment,
+            verdict=self._verdict,
+            spares=self.spares,
+            nvml=self.nvml_availability,
+        )
 
     def _replan_held(
         self,
@@ -334,10 +383,6 @@ class Engine:
                 )
             )
 
-    @property
-    def findings(self) -> tuple[Finding, ...]:
-        return self.last_assessment.findings if self.last_assessment else ()
-
     # --- admin switches -----------------------------------------------------------------------
 
     def set_paused(
@@ -379,6 +424,12 @@ class Engine:
         be tried again."""
         self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
         self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
+
+    def reload(self, policy: Policy, *, hostname: str | None) -> None:
+        """A reloaded policy, held from now on, and the node's name read again with it (a
+        renamed node is named right after a reload); see :meth:`policy_reloaded`."""
+        self.policy, self.hostname = policy, hostname
+        self.policy_reloaded()
 
     def policy_reloaded(self) -> None:
         """A new configuration (new ``before`` hooks, say) may succeed where a reset was
@@ -603,7 +654,7 @@ class Engine:
             )
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
-        gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
+        gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
         whole = intent.instance is None  # else: re-create one MIG GPU instance of the GPU
         target = ResetTarget(
             uuid=intent.gpu,
@@ -666,7 +717,7 @@ class Engine:
         """Write the evidence file of ``step`` (act/evidence.py); the field naming it for the
         step's event (``evidence_file``), or nothing when none is kept (said as
         ``evidence.unsaved``: the step goes on, its reasons are still in the journal)."""
-        snapshot, assessment = self.last_snapshot, self.last_assessment
+        snapshot, assessment = self._snapshot, self._assessment
         if self.evidence is None or snapshot is None or assessment is None:
             return {}
         now_mono, now_wall = snapshot.monotonic, snapshot.wall_time
@@ -679,7 +730,7 @@ class Engine:
                 step,
                 snapshot=snapshot,
                 assessment=assessment,
-                verdict=self.last_verdict,
+                verdict=self._verdict,
                 health=self.state.assess.health,
                 first_seen=first_seen,
                 wall=self.clock.wall(),
@@ -736,7 +787,7 @@ class Engine:
         elif would_succeed:
             # A dry run's would-be reset is assumed to have succeeded for the decisions that
             # follow, as enforcement's would have (decide/shadow.py, decide/health.py).
-            gpu = gpu_by_uuid(self.last_snapshot, intent.gpu) if self.last_snapshot else None
+            gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
             if gpu is not None and gpu.health is not None:
                 health = note_reset(
                     assessed.health, intent.gpu, self.clock.wall(), assumed_from=gpu.health
@@ -830,7 +881,7 @@ class _ResetEnv:
         holders, processes = reader.final_scan(target.minor)
         own = reader.self_pids() | ignore
         if target.recovery is not None:
-            last = self.engine.last_snapshot
+            last = self.engine._snapshot
             if last is None:
                 return ["no snapshot to place the holders in MIG GPU instances"]
             return recovery_blockers(last, holders, processes, own, target.recovery.mig_uuid)
@@ -838,7 +889,7 @@ class _ResetEnv:
 
     def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
         engine = self.engine
-        last = engine.last_snapshot
+        last = engine._snapshot
         if last is None:
             return []  # no NVML reading to tell context owners: nothing is stopped
         owners = {p.pid for g in last.nvml.gpus for p in g.processes or ()}

@@ -3,7 +3,7 @@
 This module owns the metrics gpuwatchd exposes — their names, types, labels and meaning
 (``docs/metrics.md``) — and writing them. Counters are fed by the engine's events
 (:meth:`Metrics.observe`, called for every event); gauges are set from each poll's snapshot,
-assessment and plan state (:meth:`Metrics.after_poll`), which then rewrites the
+assessment and plan state, from its report (:meth:`Metrics.after_poll`), which then rewrites the
 ``metrics.textfile`` file atomically (a temporary file in the same directory, then a rename).
 The unit has no network (``PrivateNetwork=yes``), so there is no HTTP endpoint: node_exporter
 reads the file.
@@ -34,6 +34,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.engine_edges import PollReport
 from gpuwatchd.event_catalogue import HOOK_SUCCEEDED, hook_outcome
 from gpuwatchd.metrics_mig import MigGauges
 from gpuwatchd.model import FindingKind, GpuInfo, Snapshot
@@ -558,30 +559,21 @@ class Metrics:
         """Count one engine event (``level`` is not used; the signature is the event sink's)."""
         self._events.observe(name, fields)
 
-    def after_poll(
-        self,
-        snapshot: Snapshot,
-        assessment: Assessment,
-        plan_state: PlanState,
-        *,
-        dry_run: bool,
-        poll_seconds: float,
-        now_wall: float,
-        policy_rejected: bool,
-        verdict: NodeVerdict | None = None,
-    ) -> str | None:
-        """Set the gauges from one completed poll, then write the file if one is configured.
+    def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
+        """Set the gauges from one completed poll's report, then write the file if one is
+        configured.
 
         Returns why the write failed (also logged), or None. Never raises for a write.
         """
+        snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
         self._gpus.update(snapshot, assessment)
         self._mig.update(snapshot, assessment)
         self._health.update(snapshot, assessment)
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
         )
-        self._verdict.update(verdict)
-        self._poll.update(snapshot, poll_seconds, now_wall)
+        self._verdict.update(report.verdict)
+        self._poll.update(snapshot, report.seconds, report.started_wall)
         return self.write()
 
     def render(self) -> bytes:

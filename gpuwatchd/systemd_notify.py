@@ -15,10 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.plan import PlanState
-from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.model import Snapshot
+from gpuwatchd.engine_edges import PollReport
 
 __all__ = ["Notifier", "WatchdogPinger", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
 
@@ -93,15 +90,9 @@ def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = 
         notifier.notify("WATCHDOG=1")
 
 
-def describe_status(
-    snapshot: Snapshot,
-    assessment: Assessment,
-    state: PlanState,
-    dry_run: bool,
-    verdict: NodeVerdict | None = None,
-) -> str:
-    """The one-line ``systemctl status`` text."""
-    reading = snapshot.nvml
+def describe_status(report: PollReport, dry_run: bool) -> str:
+    """The one-line ``systemctl status`` text, from one poll's report."""
+    reading, state, verdict = report.snapshot.nvml, report.plan, report.verdict
     if not reading.available:
         return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
     gpus = len(reading.gpus)
@@ -114,7 +105,7 @@ def describe_status(
     if verdict is not None and verdict.unavailable is None:
         dirty = sum(1 for g in verdict.gpus if not g.clean)
         parts.append(f"{dirty} not clean" if dirty else "all clean")
-    count = len(assessment.findings)
+    count = len(report.assessment.findings)
     parts.append(f"{count} finding{'s' if count != 1 else ''}")
     ladders = list(state.ladders.values())
     active = sum(1 for lad in ladders if lad.status == "active")

@@ -27,7 +27,7 @@ from gpuwatchd.config.schema import ConfigError, default_policy, load_policy, pa
 from gpuwatchd.config.schema import render_policy as _render_policy
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine import Engine
+from gpuwatchd.engine import Engine, PollInputs
 from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
@@ -115,7 +115,7 @@ class Simulation:
             if spec.exits_at is not None:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
-        interval = scenario.interval or policy.interval
+        self.interval = interval = scenario.interval or policy.interval
         polls = scenario.duration / interval
         if polls > MAX_POLLS:
             raise SimulationError(
@@ -162,13 +162,12 @@ class Simulation:
             previous = self.now
             self.polls += 1
             wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
-            self.engine.set_spares(tuple(s for s in self.spares.values() if s.until > wall))
-            self.engine.poll()
-            until = self.engine.wake_at()
+            spares = tuple(s for s in self.spares.values() if s.until > wall)
+            until = self.engine.poll(PollInputs(spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
                 self.add("sim.busy_loop", Level.WARNING, "the daemon would poll in a busy loop")
-                until = self.now + self.engine.policy.interval
+                until = self.now + self.interval
                 busy = 0
             if until > duration:
                 self.advance(duration)
@@ -387,8 +386,9 @@ class Simulation:
                     "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
                 }
             )
-        findings = [f.key for f in self.engine.findings]
-        state = self.engine.state.plan
+        standing = self.engine.standing()  # as the last poll and the exits since left it
+        findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
+        state = standing.plan
         return {
             "t": self.now,
             "gpus": gpus,

@@ -17,6 +17,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan import Ladder, PlanState
+from gpuwatchd.engine import PollReport
 from gpuwatchd.logs import sentence
 from gpuwatchd.model import (
     DeviceHolding,
@@ -126,14 +127,15 @@ GPUS = (GpuInfo(0, "GPU-0"), GpuInfo(1, "GPU-1", lost=True))
 def test_status_line_says_what_an_admin_needs_first(
     reading: NvmlReading, state: PlanState, dry_run: bool, expected: str
 ) -> None:
-    status = describe_status(snapshot(reading), assessment(), state, dry_run)
+    status = describe_status(PollReport(snapshot(reading), assessment(), state), dry_run)
     assert expected in status
     assert "\n" not in status
 
 
 def test_status_counts_findings() -> None:
     reading = NvmlReading(available=True, gpus=GPUS[:1])
-    assert "3 findings" in describe_status(snapshot(reading), assessment(3), PlanState(), True)
+    report = PollReport(snapshot(reading), assessment(3), PlanState())
+    assert "3 findings" in describe_status(report, True)
 
 
 def proc(pid: int, comm: str) -> ProcessInfo:
@@ -265,7 +267,8 @@ def test_policy_files_that_stop_validating_show_without_any_reload(tmp_path: Pat
     daemon.save_state()
     saved = json.loads((tmp_path / "state" / "state.json").read_text())
     assert any("policy files rejected" in a for a in saved["status"]["document"]["attention"])
-    daemon._notify_status(snapshot(NvmlReading(available=True, gpus=GPUS[:1])), assessment())
+    reading = NvmlReading(available=True, gpus=GPUS[:1])
+    daemon._notify_status(PollReport(snapshot(reading), assessment(), PlanState()))
     assert recorder.sent[-1].startswith("STATUS=policy rejected, running the previous one")
     drop_in.write_text("interval: 10s\n")
     daemon._check_files()

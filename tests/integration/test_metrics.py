@@ -27,6 +27,7 @@ from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.engine import PollReport
 from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
 from gpuwatchd.model import (
     MIB,
@@ -105,15 +106,10 @@ def poll(
     seconds: float = 0.25,
     rejected: bool = False,
 ) -> str | None:
-    return metrics.after_poll(
-        snapshot,
-        assessed(snapshot),
-        state or PlanState(),
-        dry_run=dry_run,
-        poll_seconds=seconds,
-        now_wall=WALL,
-        policy_rejected=rejected,
+    report = PollReport(
+        snapshot, assessed(snapshot), state or PlanState(), seconds=seconds, started_wall=WALL
     )
+    return metrics.after_poll(report, dry_run=dry_run, policy_rejected=rejected)
 
 
 @pytest.fixture
@@ -322,14 +318,9 @@ def test_each_gpu_says_whether_a_new_job_may_have_it_and_why_not(textfile: Path)
     verdict = judge(snapshot, assessment, Policy())
     metrics = Metrics(str(textfile))
     metrics.after_poll(
-        snapshot,
-        assessment,
-        PlanState(),
+        PollReport(snapshot, assessment, PlanState(), verdict, seconds=0.1, started_wall=WALL),
         dry_run=True,
-        poll_seconds=0.1,
-        now_wall=WALL,
         policy_rejected=False,
-        verdict=verdict,
     )
     s = written(textfile)
     assert value(s, "gpuwatchd_gpu_clean", **gpu(0)) == 1  # a live trainer: clean
@@ -340,14 +331,9 @@ def test_each_gpu_says_whether_a_new_job_may_have_it_and_why_not(textfile: Path)
     assert value(s, "gpuwatchd_gpu_clean", **gpu(4)) == 0  # lost
     unjudged = NodeVerdict(gpus=verdict.gpus, unavailable="NVML unavailable")
     metrics.after_poll(
-        snapshot,
-        assessment,
-        PlanState(),
+        PollReport(snapshot, assessment, PlanState(), unjudged, seconds=0.1, started_wall=WALL),
         dry_run=True,
-        poll_seconds=0.1,
-        now_wall=WALL,
         policy_rejected=False,
-        verdict=unjudged,
     )
     assert not [key for key in written(textfile) if key[0] == "gpuwatchd_gpu_clean"]
 
@@ -619,8 +605,8 @@ def test_gpu_health_gauges_follow_the_reading_and_unknown_has_no_sample() -> Non
     )
     assessment = assess(snapshot, AssessState(), Detection())
     metrics = Metrics(None)
-    metrics.after_poll(snapshot, assessment, PlanState(), dry_run=True, poll_seconds=0.1,
-                       now_wall=2.0, policy_rejected=False)  # fmt: skip
+    metrics.after_poll(PollReport(snapshot, assessment, PlanState(), seconds=0.1, started_wall=2.0),
+                       dry_run=True, policy_rejected=False)  # fmt: skip
     text = metrics.render().decode()
     assert 'gpuwatchd_gpu_xid_events{gpu="GPU-a",index="0",xid="13"} 2.0' in text
     assert 'gpuwatchd_gpu_xid_events{gpu="GPU-a",index="0",xid="95"} 1.0' in text

@@ -11,7 +11,7 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine import Engine, EngineState
+from gpuwatchd.engine import Engine, EngineState, PollReport
 from gpuwatchd.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
 from gpuwatchd.vocabulary import SignalOutcome
 from tests.support.snapshots import HostBuilder, gpu_uuid
@@ -145,9 +145,9 @@ class Rig:
     sink: Sink
     slow_calls: list[str] = field(default_factory=list)
 
-    def poll_at(self, t: float) -> None:
+    def poll_at(self, t: float) -> PollReport:
         self.clock.now = t
-        self.engine.poll()
+        return self.engine.poll()
 
 
 def rig(

@@ -118,10 +118,9 @@ def test_a_spare_keeps_the_time_it_had_left_when_the_wall_clock_steps_before_the
     spare = Spare(target="pid:201", until=read_at + 60.0, reason="debug", pid=201,
                   start_ticks=ticks)  # fmt: skip
     r.engine.set_spares((spare,), read_at=read_at)
-    r.poll_at(0.0)
+    report = r.poll_at(0.0)
     assert r.actuator.signals == []
-    assert r.engine.last_snapshot is not None
-    assert [s.until for s in r.engine.last_snapshot.spares] == [W0 + 60.0]
+    assert [s.until for s in report.snapshot.spares] == [W0 + 60.0]
 
 
 def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:

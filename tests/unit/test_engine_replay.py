@@ -78,12 +78,12 @@ def _record(path: pathlib.Path) -> tuple[Simulation, list[tuple[str, str, object
     for name in ("poll", "note_exits", "set_paused", "set_spares", "wake_at"):
         inner = getattr(engine, name)
 
-        def call(*args: object, _name: str = name, _inner: Any = inner) -> object:
+        def call(*args: object, _name: str = name, _inner: Any = inner, **kw: object) -> object:
             if depth[0] == 0:
-                calls.append((_name, args))
+                calls.append((_name, args, kw))
             depth[0] += 1
             try:
-                return _inner(*args)
+                return _inner(*args, **kw)
             finally:
                 depth[0] -= 1
 
@@ -117,8 +117,8 @@ def _replay(
         sink=LogSink(),
     )
     with capture_logs() as logs:
-        for name, args in calls:
-            getattr(engine, name)(*args)
+        for name, args, kw in calls:
+            getattr(engine, name)(*args, **kw)
     assert all(r.exhausted() for r in readers.values()), "the replay asked for less"
     events = []
     for entry in logs:

@@ -18,6 +18,7 @@ from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import judge
+from gpuwatchd.engine import PollReport
 from gpuwatchd.metrics import Metrics
 from gpuwatchd.model import Snapshot
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
@@ -109,8 +110,8 @@ def test_metrics_have_a_sample_set_per_instance() -> None:
     )
     result = run(snapshot)
     metrics = Metrics(None)
-    metrics.after_poll(snapshot, result, PlanState(), dry_run=True, poll_seconds=0.1,
-                       now_wall=0.0, policy_rejected=False)  # fmt: skip
+    metrics.after_poll(PollReport(snapshot, result, PlanState(), seconds=0.1), dry_run=True,
+                       policy_rejected=False)  # fmt: skip
     samples = samples_of(metrics)
     one = {"gpu": gpu_uuid(0), "index": "0", "gi": "1", "instance": GI1}
     two = {"gpu": gpu_uuid(0), "index": "0", "gi": "2", "instance": GI2}
@@ -122,8 +123,8 @@ def test_metrics_have_a_sample_set_per_instance() -> None:
     assert samples[("gpuwatchd_mig_instance_findings", ghosts)] == 1
     plain = Metrics(None)
     plain_snapshot = HostBuilder().gpu(0).build()
-    plain.after_poll(plain_snapshot, run(plain_snapshot), PlanState(), dry_run=True,
-                     poll_seconds=0.1, now_wall=0.0, policy_rejected=False)  # fmt: skip
+    plain.after_poll(PollReport(plain_snapshot, run(plain_snapshot), PlanState(), seconds=0.1),
+                     dry_run=True, policy_rejected=False)  # fmt: skip
     assert "gpuwatchd_mig_instance_memory_allocated_bytes{" not in plain.render().decode()
 
 

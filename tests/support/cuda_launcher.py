@@ -141,16 +141,24 @@ def allocate_torch(device: int, mib: int) -> tuple[str, str | None, object]:
 
 
 def fork_worker(lifetime: float) -> int:
-    """Fork the worker: it keeps the inherited device files and never calls CUDA."""
+    """Fork the worker: it keeps the inherited device files and never calls CUDA. Returns once
+    the worker has let go of the launcher's standard streams (it closes its end of a pipe
+    after moving them to /dev/null), so a reader of the report never waits on the worker."""
+    ready_r, ready_w = os.pipe()
     worker = os.fork()
     if worker == 0:
         try:
+            os.close(ready_r)
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
+            os.close(ready_w)
             time.sleep(lifetime)
         finally:
             os._exit(0)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # end of file: the worker's streams are /dev/null now
+    os.close(ready_r)
     return worker
 
 

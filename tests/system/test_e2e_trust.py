@@ -430,7 +430,9 @@ def test_a_thread_with_its_own_fd_table_is_seen_and_no_reset_runs(open_root: Pat
     `nvidia-smi --gpu-reset` ran on a GPU in use."""
     result = run_in_pid_namespace(f"{__name__}:host_thread_table_holder", {}, root=open_root)
     assert ["hidden_holder", result["holder"]] in result["new"]
-    assert ["ghost_memory", None] not in result["new"]
+    # The holder opened the GPU's node only (no nvidia-uvm, no context): to the daemon it is
+    # an NVML-only client, beside which leaked memory is ghost_memory (issue 35); what it
+    # changes is the reset, which it blocks.
     assert result["calls"] == []  # no hook, no persistence change, no reset
     assert result["holder_alive"] is True
 

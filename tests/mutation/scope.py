@@ -297,4 +297,5 @@ TEST_FILES = (
     "tests/unit/test_mig_recovery_edges.py",
     "tests/unit/test_reset_mig.py",
     "tests/integration/test_full_scan.py",
+    "tests/unit/test_gates_proven.py",
 )

@@ -10,12 +10,18 @@ helper signalled, and kcmp's answers about another process taken as the owner's.
 from __future__ import annotations
 
 import dataclasses
+import re
+
+import pytest
 
 from gpuwatchd.cli.check_clean import answer
+from gpuwatchd.decide import patterns
+from gpuwatchd.decide.argv import ArgvError, check_hook_command
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX
 from gpuwatchd.decide.mig_recovery import recovery_blockers
+from gpuwatchd.decide.patterns import command_search
 from gpuwatchd.decide.plan import EventName, PlanState, ResetIntent, plan, reset_gates
 from gpuwatchd.decide.plan_state import Ladder
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
@@ -266,3 +272,28 @@ def test_kcmp_answers_about_another_owner_do_not_excuse_files_the_holder_opened_
     (finding,) = [f for f in result.findings if f.pid == 801]
     assert finding.kind is FindingKind.HIDDEN_HOLDER
     assert finding.evidence["own_files"] is True
+
+
+# --- what was recorded as equivalent and is not -----------------------------------------------
+
+
+def test_after_double_dash_a_program_named_like_an_inline_flag_is_a_program() -> None:
+    """``python3 -- -c`` runs the script file ``-c``, not inline code (``--`` ends the
+    interpreter's options): accepted. ``python3 -c`` is refused, saying which flag."""
+    check_hook_command(["python3", "--", "-c"])
+    check_hook_command(["sudo", "--", "-s"])
+    with pytest.raises(ArgvError, match="'python3 -c' runs a shell string or inline code"):
+        check_hook_command(["python3", "-c", "x"])
+
+
+@pytest.mark.parametrize("boundary_on_empty", [False, True])
+def test_an_empty_command_line_meets_a_word_boundary_as_this_pythons_re_says(
+    boundary_on_empty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``re`` finds no ``\\B`` in "" before Python 3.14 and finds one from 3.14 on; the linear
+    matcher answers as the running Python's ``re`` does, both ways (the other one forced)."""
+    monkeypatch.setattr(patterns, "_NON_BOUNDARY_ON_EMPTY", boundary_on_empty)
+    patterns._search.cache_clear()  # answers are cached per (pattern, text)
+    assert command_search(re.compile(r"\B"), "") is boundary_on_empty
+    assert command_search(re.compile(r"\b"), "") is False
+    patterns._search.cache_clear()

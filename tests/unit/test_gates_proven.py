@@ -20,6 +20,7 @@ from gpuwatchd.decide.argv import ArgvError, check_hook_command
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX
+from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
 from gpuwatchd.decide.mig_recovery import recovery_blockers
 from gpuwatchd.decide.patterns import command_search
 from gpuwatchd.decide.plan import EventName, PlanState, ResetIntent, plan, reset_gates
@@ -297,3 +298,14 @@ def test_an_empty_command_line_meets_a_word_boundary_as_this_pythons_re_says(
     assert command_search(re.compile(r"\B"), "") is boundary_on_empty
     assert command_search(re.compile(r"\b"), "") is False
     patterns._search.cache_clear()
+
+
+# --- how a GPU is named ---------------------------------------------------------------------
+
+
+def test_a_pci_domain_of_two_hex_digits_is_read_as_hex() -> None:
+    """``001a:3b:00.0`` is domain 0x1a (NVML: ``0000001A:3B:00.0``), not another domain."""
+    assert pci_bus_key("001a:3b:1f.7") == (0x1A, 0x3B, 0x1F, 7)
+    assert nvml_bus_id((0x1A, 0x3B, 0x1F, 7)) == "0000001A:3B:1F.7"
+    assert same_pci_bus_id("001a:3b:00.0", "0000001A:3B:00.0")
+    assert not same_pci_bus_id("001a:3b:00.0", "001b:3b:00.0")

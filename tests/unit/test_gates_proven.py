@@ -17,7 +17,7 @@ import pytest
 from gpuwatchd.cli.check_clean import answer
 from gpuwatchd.decide import patterns
 from gpuwatchd.decide.argv import ArgvError, check_hook_command
-from gpuwatchd.decide.assess import assess
+from gpuwatchd.decide.assess import NODE, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
@@ -309,3 +309,38 @@ def test_a_pci_domain_of_two_hex_digits_is_read_as_hex() -> None:
     assert nvml_bus_id((0x1A, 0x3B, 0x1F, 7)) == "0000001A:3B:1F.7"
     assert same_pci_bus_id("001a:3b:00.0", "0000001A:3B:00.0")
     assert not same_pci_bus_id("001a:3b:00.0", "001b:3b:00.0")
+
+
+# --- PID trust: what explains a dead PID that NVML lists ---------------------------------------
+
+
+def _dead_ranks(builder: HostBuilder) -> HostBuilder:
+    for rank in (3001, 3002, 3003):
+        builder.nvml(0, rank)
+    return builder
+
+
+def test_dead_listed_pids_are_explained_only_by_a_process_descending_from_them() -> None:
+    """Three dead PIDs NVML lists lose trust (the node turns report-only) unless a live process
+    descends from them, now (its parent) or as first seen (its recorded parent): a live
+    process unrelated to them explains nothing."""
+    unrelated = _dead_ranks(HostBuilder().gpu(0, allocated=LEAK))
+    unrelated.proc(4000, ppid=1, pgid=4000, sid=4000)
+    result = assess(unrelated.build(), AssessState(boot_id="b"), Detection())
+    assert "do not resolve" in result.report_only[NODE]
+    children = _dead_ranks(HostBuilder().gpu(0, allocated=LEAK))
+    for rank in (3001, 3002, 3003):
+        children.proc(rank + 100, ppid=rank, pgid=rank + 100, sid=rank + 100)
+    result = assess(children.build(), AssessState(boot_id="b"), Detection())
+    assert NODE not in result.report_only
+    # Holders first seen as the ranks' children (the ranks never listed, never seen); now
+    # reparented.
+    before = HostBuilder(monotonic=1000.0).gpu(0)
+    for rank in (3001, 3002, 3003):
+        before.proc(rank + 100, ppid=rank, pgid=rank + 100, sid=rank + 100, holds={0}, uvm=True)
+    first = before.build()
+    state = assess(first, AssessState(boot_id=first.boot_id), Detection()).state
+    later = _dead_ranks(HostBuilder(monotonic=1010.0).gpu(0, allocated=LEAK))
+    for rank in (3001, 3002, 3003):
+        later.proc(rank + 100, ppid=1, pgid=rank + 100, sid=rank + 100, holds={0}, uvm=True)
+    assert NODE not in assess(later.build(), state, Detection()).report_only

@@ -171,14 +171,16 @@ def _verdict(snapshot: Snapshot, baselines: dict[str, int]) -> NodeVerdict:
 
 
 def test_leftover_memory_is_judged_against_the_learned_idle_baseline() -> None:
-    """A monitor (no context) holds GPU 0, so the verdict judges its memory itself. GPU 0
-    idles at 16 MiB (learned); the margin + 32 MiB allocated is a leak the default baseline
-    (64 MiB) would hide. Learned for v1 "used" memory too, which has its own baseline."""
+    """A targeted scan (no ghost_memory finding is made on one) leaves GPU 0's memory to the
+    verdict. GPU 0 idles at 16 MiB (learned); the margin + 32 MiB allocated is a leak the
+    default baseline (64 MiB) would hide. Learned for v1 "used" memory too, which has its own
+    baseline."""
     detection = Detection()
     learned = 16 * MIB
     leaked = learned + detection.ghost_margin + 16 * MIB
     assert leaked <= detection.default_baseline + detection.ghost_margin  # hidden by the default
     monitor = HostBuilder().proc(900, comm="gpustat", holds={0}, uvm=False)
+    monitor.scan_mode = "targeted"
     snapshot = monitor.gpu(0, allocated=leaked).build()
     (gpu,) = _verdict(snapshot, {gpu_uuid(0): learned}).gpus
     assert gpu.state is Cleanliness.DIRTY
@@ -186,6 +188,7 @@ def test_leftover_memory_is_judged_against_the_learned_idle_baseline() -> None:
     assert "above its learned idle baseline" in gpu.reasons[0].text
     assert _verdict(snapshot, {}).gpus[0].state is Cleanliness.CLEAN  # the default hides it
     monitor = HostBuilder().proc(900, comm="gpustat", holds={0}, uvm=False)
+    monitor.scan_mode = "targeted"
     v1 = monitor.gpu(0, allocated=None, api="v1", used_v1=leaked).build()
     (gpu,) = _verdict(v1, {gpu_uuid(0) + V1_BASELINE_SUFFIX: learned}).gpus
     assert gpu.state is Cleanliness.DIRTY

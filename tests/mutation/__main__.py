@@ -7,11 +7,16 @@ Usage (from the repository root, with the project's virtual environment)::
     python -m tests.mutation --only live_holder
     python -m tests.mutation --changed        # only functions changed since the last record
     python -m tests.mutation --record         # also record the fingerprints (make mutate)
+    python -m tests.mutation --wide --record  # the wide run (make mutate-wide)
+    python -m tests.mutation --tests tests/unit/test_gates_proven.py plan_resets
+                                              # judged by these test files only (a quick look;
+                                              # a survivor may be killed by another file)
 
 It prints the score per module, then every survivor that is not a recorded equivalent, as an
 entry ready to paste into ``tests/mutation/equivalents.yaml`` once someone has checked that no
 test can tell it apart (or, better, has written the test that does). Exit status: 0 when no
-*critical* function (scope.py) has such a survivor, 1 when one has, 2 when the tool itself
+*critical* function (scope.py) has such a survivor, 1 when one has (or when the time limit
+left a critical mutant unrun), 2 when the tool itself
 could not do its work (collection error, a mutant that could not be installed, bad files, a
 function named in scope.py that no longer exists, a test that fails when run twice).
 
@@ -19,6 +24,16 @@ function named in scope.py that no longer exists, a test that fails when run twi
 fingerprint recorded in ``tests/mutation/fingerprints.json``: a fresh clone needs no history
 to know what a change touched. ``--record`` rewrites the fingerprints of every function that
 was mutated in full and has no unexplained critical survivor.
+
+``--wide`` (``make mutate-wide``) is the wider run that is to become the default: the wide
+operators (operators.py), scope (scope.py's ``WIDE_TARGETS``, ``WIDE_TEST_FILES``) and a
+fingerprint of each function *with* everything in decide/ it reaches by name (its callees, the
+tables it reads, the policy defaults of the attributes it reads; tests/mutation/callees.py),
+recorded in ``tests/mutation/fingerprints-wide.json`` (``--wide --changed`` without that file
+mutates everything). Without ``--wide`` the mutants and fingerprints are the default run's.
+
+A critical mutant the time limit left unrun fails the run (exit 1) like a critical survivor:
+what was not judged is not proven.
 """
 
 from __future__ import annotations
@@ -36,14 +51,23 @@ from pathlib import Path
 import pytest
 
 from tests.mutation import equivalents as eq
-from tests.mutation.operators import Mutant, find_functions, fingerprint, mutants_of
+from tests.mutation.callees import Dependencies
+from tests.mutation.operators import WIDE_OPERATORS, Mutant, find_functions, fingerprint, mutants_of
 from tests.mutation.runner import ModuleSource, MutationPlugin, Verdict, function_id
-from tests.mutation.scope import ALL, TARGETS, TEST_FILES, Target
+from tests.mutation.scope import (
+    ALL,
+    TARGETS,
+    TEST_FILES,
+    WIDE_TARGETS,
+    WIDE_TEST_FILES,
+    Target,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 EQUIVALENTS = HERE / "equivalents.yaml"
 FINGERPRINTS = HERE / "fingerprints.json"
+FINGERPRINTS_WIDE = HERE / "fingerprints-wide.json"  # absent until a wide run records it
 RESULTS = ROOT / "build" / "mutation" / "results.json"
 DETECTED = ("killed", "timeout")
 
@@ -52,18 +76,19 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _targets(names: Sequence[str]) -> list[Target]:
+def _targets(names: Sequence[str], *, wide: bool = False) -> list[Target]:
+    scoped = WIDE_TARGETS if wide else TARGETS
     if not names:
-        return list(TARGETS)
+        return list(scoped)
     chosen = []
     for name in names:
-        found = [t for t in TARGETS if name in (t.name, t.file, Path(t.file).name)]
+        found = [t for t in scoped if name in (t.name, t.file, Path(t.file).name)]
         if found:
             chosen.extend(found)
         elif name.endswith(".py") and (ROOT / name).is_file():
             chosen.append(Target(Path(name).stem, name, ALL, ()))
         else:
-            known = ", ".join(t.name for t in TARGETS)
+            known = ", ".join(t.name for t in scoped)
             raise SystemExit(f"unknown target {name!r}; known: {known}, or a .py file")
     return chosen
 
@@ -84,12 +109,17 @@ def _load(targets: Sequence[Target]) -> tuple[list[ModuleSource], list[str]]:
     return modules, missing
 
 
-def _read_fingerprints() -> dict[str, str]:
-    if not FINGERPRINTS.exists():
+def _fingerprints_file(*, wide: bool) -> Path:
+    return FINGERPRINTS_WIDE if wide else FINGERPRINTS
+
+
+def _read_fingerprints(*, wide: bool = False) -> dict[str, str]:
+    path = _fingerprints_file(wide=wide)
+    if not path.exists():
         return {}
-    data = json.loads(FINGERPRINTS.read_text(encoding="utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-        raise SystemExit(f"{FINGERPRINTS}: expected an object of strings")
+        raise SystemExit(f"{path}: expected an object of strings")
     return {str(k): v for k, v in data.items()}
 
 
@@ -148,6 +178,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--record", action="store_true", help="record fingerprints of clean functions"
     )
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="the wide run: more operators and scope, callee-aware fingerprints-wide.json",
+    )
+    parser.add_argument(
+        "--tests",
+        action="append",
+        default=[],
+        help="judge with these test files only (default: scope's TEST_FILES or WIDE_TEST_FILES)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--time-limit", type=float, default=None, help="seconds; then stop starting mutants"
@@ -158,14 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # also under CI's profile.
     os.environ["GPUWATCHD_HYPOTHESIS_PROFILE"] = "mutate"
 
-    targets = _targets(args.targets)
+    targets = _targets(args.targets, wide=args.wide)
     modules, missing = _load(targets)
     try:
         equivalents = eq.load_equivalents(EQUIVALENTS)
     except eq.EquivalentsError as error:
         _say(f"error: {error}")
         return 2
-    recorded = _read_fingerprints()
+    recorded = _read_fingerprints(wide=args.wide)
+    dependencies = Dependencies(ROOT) if args.wide else None
     mutants: list[Mutant] = []
     prints: dict[str, str] = {}
     for source, target in zip(modules, targets, strict=True):
@@ -174,12 +216,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.only and not any(part in qualname for part in args.only):
                 continue
             fid = function_id(source.file, qualname)
-            prints[fid] = fingerprint(function)
+            prints[fid] = (
+                dependencies.fingerprint(function.node) if dependencies else fingerprint(function)
+            )
             if args.changed and recorded.get(fid) == prints[fid]:
                 continue
             critical = target.is_critical(qualname)
-            mutants += mutants_of(source.file, text, function, critical=critical)
-    what = "changed functions of " if args.changed else ""
+            mutants += mutants_of(source.file, text, function, critical=critical, wide=args.wide)
+    what = ("wide run, " if args.wide else "") + ("changed functions of " if args.changed else "")
     _say(
         f"mutation testing: {len(mutants)} mutants of {what}{len(modules)} module(s), "
         f"{args.jobs} job(s){f', time limit {args.time_limit:g}s' if args.time_limit else ''}"
@@ -192,14 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"  {name}")
     if not mutants:
         if args.changed:
-            _say("nothing to mutate: every function is as tests/mutation/fingerprints.json records")
+            record = _fingerprints_file(wide=args.wide).relative_to(ROOT)
+            _say(f"nothing to mutate: every function is as {record} records")
         else:
             _say("nothing to mutate: no function of the targets matches")
         return 2 if missing else 0
 
     deadline = None if args.time_limit is None else started + args.time_limit
     plugin = MutationPlugin(modules, mutants, jobs=args.jobs, deadline=deadline, progress=_say)
-    files = [f for f in TEST_FILES if (ROOT / f).exists()]
+    default_files = WIDE_TEST_FILES if args.wide else TEST_FILES
+    files = [f for f in args.tests or default_files if (ROOT / f).exists()]
     # No terminal plugin: pytest's own summary ("no tests ran") would be misleading here.
     options = ["-o", "addopts=", "--strict-markers", "--strict-config"]
     options += ["-p", "no:terminal", "-p", "no:cacheprovider"]
@@ -249,6 +295,11 @@ def _report(
     for verdict in errors:
         _say(f"error: {verdict.mutant.label} could not be installed: {verdict.killer}")
     stale = eq.stale(equivalents, [v.mutant for v in verdicts])
+    if not args.wide:  # entries only the wide run's operators can match are not stale here
+        wide_only = [e for e in stale if e.key[2] in WIDE_OPERATORS]
+        stale = [e for e in stale if e not in wide_only]
+        if wide_only:
+            _say(f"\n{len(wide_only)} entr(ies) of equivalents.yaml are the wide run's (--wide)")
     if stale:
         _say("")
         _say(f"{len(stale)} entr(ies) of equivalents.yaml match no mutant now (update or delete):")
@@ -273,12 +324,18 @@ def _report(
         _say("other runs share, or depend on one); they judged nothing, fix them:")
         for nodeid in plugin.unstable:
             _say(f"  {nodeid}")
-    not_run = sum(1 for v in verdicts if v.status == "not_run")
+    not_run = [v for v in verdicts if v.status == "not_run"]
+    unjudged = [v for v in not_run if v.mutant.critical]
     if not_run:
-        _say(f"\nthe time limit stopped the run: {not_run} mutant(s) not run")
+        _say(
+            f"\nthe time limit stopped the run: {len(not_run)} mutant(s) not run, "
+            f"{len(unjudged)} of them in critical functions (not proven: the run fails)"
+        )
+        for name in sorted({function_id(v.mutant.file, v.mutant.function) for v in unjudged}):
+            _say(f"  not run: {name}")
     _write_results(verdicts, equivalent)
-    if args.record:
-        _record(verdicts, equivalent, prints, recorded)
+    if args.record and not args.tests:  # fewer tests judge less: nothing to record
+        _record(verdicts, equivalent, prints, recorded, _fingerprints_file(wide=args.wide))
     elapsed = time.monotonic() - started
     shown = "-" if score is None else f"{score:.1f}%"
     _say(
@@ -287,7 +344,7 @@ def _report(
     )
     if errors or gone or plugin.unstable:
         return 2
-    return 1 if critical else 0
+    return 1 if critical or unjudged else 0
 
 
 def _write_results(verdicts: Sequence[Verdict], equivalent: set[Mutant]) -> None:
@@ -317,6 +374,7 @@ def _record(
     equivalent: set[Mutant],
     prints: dict[str, str],
     recorded: dict[str, str],
+    path: Path,
 ) -> None:
     """Fingerprint every function that was judged in full, unless a critical one has an
     unexplained survivor (then CI keeps mutating it until that is fixed)."""
@@ -340,9 +398,7 @@ def _record(
             updated.pop(fid, None)
         else:
             updated[fid] = print_
-    FINGERPRINTS.write_text(
-        json.dumps(dict(sorted(updated.items())), indent=1) + "\n", encoding="utf-8"
-    )
+    path.write_text(json.dumps(dict(sorted(updated.items())), indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

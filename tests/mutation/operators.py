@@ -9,15 +9,23 @@ compare    ``==``/``!=``, ``<``/``<=``, ``>``/``>=``, ``is``/``is not``, ``in``/
 boolop     ``and`` and ``or`` swapped
 not        ``not x`` becomes ``x``
 arith      ``+``/``-``, ``*``/``/``, ``//`` → ``*``, ``%`` → ``//``, ``|``/``&`` (sets) swapped
-augassign  ``+=`` and ``-=`` swapped
+augassign  ``+=`` and ``-=`` swapped; wide: any ``x op= y`` also becomes ``x = y``
 number     an int or float literal ``n`` becomes ``n + 1``
 bool       ``True`` and ``False`` swapped
 loop       ``break`` and ``continue`` swapped
 minmax     ``min(...)`` and ``max(...)``, ``any(...)`` and ``all(...)`` swapped
 return     ``return x`` becomes ``return None``
 delete     a statement in a branch (the body of an ``if``/``else``, loop, ``try``, ``with`` or
-           ``case``) becomes ``pass``
+           ``case``) becomes ``pass``; wide: also one at the top of the function's body
+argument   wide: one argument of a call (positional or keyword) becomes ``None``, or is dropped
+none       wide: the value of an assignment becomes ``None`` (``x = f()`` → ``x = None``)
+filter     wide: one ``if`` of a comprehension is removed
+condition  wide: the test of an ``if`` (statement or expression) becomes ``True``, or ``False``
 ========== =====================================================================================
+
+The default run (``wide=False``) makes exactly the mutants it made before the wide operators
+existed, numbered the same, and does not reach a call's positional arguments (its ``args``
+field, skipped with a signature's); the wide run (``--wide``) makes all of the above.
 
 Nothing inside an f-string, a docstring, an annotation or a default value is mutated, nor
 calls that only describe a decision (``LOG_CALLS``: ``w.event(...)``, ``Event(...)``,
@@ -37,12 +45,13 @@ import copy
 import hashlib
 import io
 import tokenize
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
     "LOG_CALLS",
     "OPERATORS",
+    "WIDE_OPERATORS",
     "FunctionSource",
     "Mutant",
     "apply",
@@ -63,7 +72,15 @@ OPERATORS = (
     "minmax",
     "return",
     "delete",
+    "argument",
+    "none",
+    "filter",
+    "condition",
 )
+# Only the wide run (``--wide``) makes these (and ``augassign``'s ``op=`` → ``=``, a call's
+# positional arguments, a top-level statement deleted); the default run's mutants are as they
+# were before they existed, so that its recorded fingerprints stay valid.
+WIDE_OPERATORS = ("argument", "none", "filter", "condition")
 
 # Calls whose arguments only describe a decision (events and notes).
 LOG_CALLS = frozenset({"event", "Event", "note"})
@@ -104,8 +121,11 @@ _BRANCHES: dict[type[ast.AST], tuple[str, ...]] = {
     ast.match_case: ("body",),
 }
 _BLOCK_FIELDS = frozenset({"body", "orelse", "finalbody", "handlers", "cases"})
-# Fields that are never mutated: what a function is called with, and type annotations.
-_SKIP_FIELDS = frozenset({"args", "returns", "decorator_list", "annotation", "type_comment"})
+# Fields that are never mutated: type annotations and decorators. A function's signature
+# (its ``args``) is never reached: a nested function or lambda is entered at its body only, so
+# ``args`` here is a call's positional arguments, which are mutated like any other expression.
+# (The default run skips ``args`` too, as it always has: wide=False keeps its mutants.)
+_SKIP_FIELDS = frozenset({"returns", "decorator_list", "annotation", "type_comment"})
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,7 @@ class Mutant:
     site: int
     alternative: int
     critical: bool = field(default=False, compare=False)
+    wide: bool = field(default=False, compare=False)  # made by the wide run's operators
 
     @property
     def key(self) -> tuple[str, str, str, str, str, str, int]:
@@ -213,8 +234,9 @@ def _swap_compare(index: int) -> Callable[[ast.AST], ast.AST]:
     return build
 
 
-def _alternatives(node: ast.AST) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
-    """The mutations of ``node`` itself, as (operator, builder of the replacement)."""
+def _alternatives(node: ast.AST, *, wide: bool) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
+    """The mutations of ``node`` itself, as (operator, builder of the replacement); ``wide``
+    adds the :data:`WIDE_OPERATORS`' ones."""
     found: list[tuple[str, Callable[[ast.AST], ast.AST]]] = []
     if isinstance(node, ast.Compare):
         for index, op in enumerate(node.ops):
@@ -248,6 +270,8 @@ def _alternatives(node: ast.AST) -> list[tuple[str, Callable[[ast.AST], ast.AST]
             return new
 
         found.append(("augassign", swap_aug))
+    if wide and isinstance(node, ast.AugAssign):
+        found.append(("augassign", _plain_assignment))
     elif isinstance(node, ast.Constant):
         constant = node.value
         if isinstance(constant, bool):
@@ -275,14 +299,87 @@ def _alternatives(node: ast.AST) -> list[tuple[str, Callable[[ast.AST], ast.AST]
 
         found.append(("minmax", swap_name))
     elif isinstance(node, ast.Return) and node.value is not None:
-        returned = node.value
-        if not (isinstance(returned, ast.Constant) and returned.value is None):
+        if not _is_none(node.value):
             found.append(("return", lambda n: ast.Return(value=ast.Constant(None))))
+    elif wide and isinstance(node, ast.comprehension):
+        found += [("filter", _without_filter(i)) for i in range(len(node.ifs))]
+    if wide and isinstance(node, ast.Call):
+        found += _argument_alternatives(node)
     return found
 
 
-def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[_Site]:
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _plain_assignment(node: ast.AST) -> ast.AST:
+    assert isinstance(node, ast.AugAssign)
+    plain = ast.Assign(targets=[copy.deepcopy(node.target)], value=copy.deepcopy(node.value))
+    return ast.copy_location(plain, node)
+
+
+def _without_filter(index: int) -> Callable[[ast.AST], ast.AST]:
+    def build(node: ast.AST) -> ast.AST:
+        assert isinstance(node, ast.comprehension)
+        new = copy.deepcopy(node)
+        del new.ifs[index]
+        return new
+
+    return build
+
+
+def _argument_alternatives(call: ast.Call) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
+    """Each argument of ``call`` as None, and dropped (``*args`` and ``**kw`` only dropped)."""
+    found: list[tuple[str, Callable[[ast.AST], ast.AST]]] = []
+
+    def change(field: str, index: int, *, drop: bool) -> Callable[[ast.AST], ast.AST]:
+        def build(node: ast.AST) -> ast.AST:
+            assert isinstance(node, ast.Call)
+            new = copy.deepcopy(node)
+            items = getattr(new, field)
+            if drop:
+                del items[index]
+            elif field == "args":
+                items[index] = ast.Constant(None)
+            else:
+                items[index].value = ast.Constant(None)
+            return new
+
+        return build
+
+    for index, arg in enumerate(call.args):
+        if not isinstance(arg, ast.Starred) and not _is_none(arg):
+            found.append(("argument", change("args", index, drop=False)))
+        found.append(("argument", change("args", index, drop=True)))
+    for index, keyword in enumerate(call.keywords):
+        if keyword.arg is not None and not _is_none(keyword.value):
+            found.append(("argument", change("keywords", index, drop=False)))
+        found.append(("argument", change("keywords", index, drop=True)))
+    return found
+
+
+def _in_context(
+    parent: ast.AST, name: str, child: ast.AST
+) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
+    """The mutations of ``child`` that depend on where it is: an assignment's value becomes
+    None, an ``if``'s test is forced."""
+    if name == "value" and isinstance(parent, ast.Assign | ast.AnnAssign) and not _is_none(child):
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+        if not any(isinstance(t, ast.Tuple | ast.List) for t in targets):  # unpacking None: a crash
+            return [("none", lambda n: ast.Constant(None))]
+        return []
+    if name == "test" and isinstance(parent, (ast.If, ast.IfExp)):
+        return [
+            ("condition", lambda n: ast.Constant(True)),
+            ("condition", lambda n: ast.Constant(False)),
+        ]
+    return []
+
+
+def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef, *, wide: bool) -> Iterator[_Site]:
     """Every mutable node of ``function``'s body, in a fixed order (the same for every copy).
+    ``wide``: a call's positional arguments, the wide operators, and the statements at the top
+    of the body are mutated too; without it the sites are exactly those of the default run.
 
     Each site also gets its context: the first line of the compound statement (``if``, loop,
     ``try``, ``with``, nested ``def``) whose block holds it, or of the function itself.
@@ -294,7 +391,7 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[_Site]:
             for name in node._fields
         )
         for name, value in ast.iter_fields(node):
-            if name in _SKIP_FIELDS:
+            if name in _SKIP_FIELDS or (name == "args" and not wide):
                 continue
             inner = (
                 getattr(node, "lineno", context) if compound and name in _BLOCK_FIELDS else context
@@ -337,16 +434,30 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[_Site]:
             return
         if isinstance(child, ast.ClassDef):
             return
-        alternatives = _alternatives(child)
-        if branch and isinstance(child, ast.stmt) and not isinstance(child, ast.Pass):
+        alternatives = _alternatives(child, wide=wide)
+        if wide:
+            alternatives += _in_context(parent, name, child)
+        # Deleting the only ``super()`` would change the function's closure (its __class__
+        # cell), and such a mutant cannot replace the function's code: not made.
+        deletable = (
+            branch
+            and isinstance(child, ast.stmt)
+            and not isinstance(child, ast.Pass)
+            and not (
+                wide and any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(child))
+            )
+        )
+        if deletable and not (parent is function and isinstance(child, ast.Return)):
             alternatives.append(("delete", lambda n: ast.Pass()))
         if alternatives:
             yield _Site(child, parent, name, index, alternatives, context)
         yield from visit(child, context)
 
+    # Wide: a statement at the top of the function's body may be deleted too (not its docstring, a
+    # nested function, nor a lone ``return``: that is the return operator's).
     for position, statement in enumerate(function.body):
         yield from visit_child(
-            statement, function, "body", position, branch=False, context=function.lineno
+            statement, function, "body", position, branch=wide, context=function.lineno
         )
 
 
@@ -366,7 +477,31 @@ def _code_only(line: str) -> str:
 def _describe(operator: str, old: ast.AST, new: ast.AST) -> str:
     if operator == "delete":
         return "delete"
+    if isinstance(old, ast.Call) and isinstance(new, ast.Call) and operator == "argument":
+        return _describe_argument(old, new)
+    if isinstance(old, ast.comprehension) and isinstance(new, ast.comprehension):
+        index = _first_difference(old.ifs, new.ifs)
+        return f"drop `if {_one_line(old.ifs[index])}`"
     return f"{_one_line(old)} → {_one_line(new)}"
+
+
+def _describe_argument(old: ast.Call, new: ast.Call) -> str:
+    """``f: argument 2 `b` → None`` or ``f: drop argument 2 `b```: the callee and the argument,
+    not the whole call."""
+    before: list[ast.AST] = [*old.args, *old.keywords]
+    after: list[ast.AST] = [*new.args, *new.keywords]
+    index = _first_difference(before, after)
+    what = f"argument {index + 1} `{_one_line(before[index])}`"
+    dropped = len(after) < len(before)
+    return f"{_one_line(old.func)}: {'drop ' + what if dropped else what + ' → None'}"
+
+
+def _first_difference(before: Sequence[ast.AST], after: Sequence[ast.AST]) -> int:
+    """The index of the first node of ``before`` that ``after`` changed or dropped."""
+    for index, node in enumerate(before):
+        if index >= len(after) or ast.dump(node) != ast.dump(after[index]):
+            return index
+    raise ValueError("no difference")
 
 
 def _one_line(node: ast.AST) -> str:
@@ -374,9 +509,10 @@ def _one_line(node: ast.AST) -> str:
 
 
 def mutants_of(
-    file: str, source: str, function: FunctionSource, *, critical: bool = False
+    file: str, source: str, function: FunctionSource, *, critical: bool = False, wide: bool = False
 ) -> list[Mutant]:
-    """Every mutant of ``function`` (parsed from ``source``, the text of ``file``)."""
+    """Every mutant of ``function`` (parsed from ``source``, the text of ``file``); ``wide``:
+    with the wide run's operators and sites too."""
     lines = source.splitlines()
     mutants: list[Mutant] = []
     seen: dict[tuple[str, str, str, str, str, str], int] = {}
@@ -384,8 +520,9 @@ def mutants_of(
     def text(lineno: int) -> str:
         return _code_only(lines[lineno - 1]) if 0 < lineno <= len(lines) else ""
 
-    for site_number, site in enumerate(_sites(function.node)):
-        lineno = getattr(site.node, "lineno", function.node.lineno)
+    for site_number, site in enumerate(_sites(function.node, wide=wide)):
+        where = site.node.target if isinstance(site.node, ast.comprehension) else site.node
+        lineno = getattr(where, "lineno", function.node.lineno)  # a comprehension has none
         line, context = text(lineno), text(site.context)
         for alt_number, (operator, build) in enumerate(site.alternatives):
             change = _describe(operator, site.node, build(site.node))
@@ -404,6 +541,7 @@ def mutants_of(
                     site=site_number,
                     alternative=alt_number,
                     critical=critical,
+                    wide=wide,
                 )
             )
     return mutants
@@ -413,7 +551,7 @@ def apply(tree: ast.Module, mutant: Mutant) -> ast.Module:
     """A copy of ``tree`` with ``mutant`` applied (``tree`` is left alone)."""
     mutated = copy.deepcopy(tree)
     function = find_functions(mutated)[mutant.function]
-    for number, site in enumerate(_sites(function.node)):
+    for number, site in enumerate(_sites(function.node, wide=mutant.wide)):
         if number != mutant.site:
             continue
         _operator, build = site.alternatives[mutant.alternative]

@@ -5,14 +5,15 @@ the decide/ modules, the functions of each (all of them, or the named ones for t
 modules whose other parts are not safety gates), and which functions are *critical*: a
 surviving mutant there that is not a recorded equivalent fails ``make mutate`` and CI. A name
 listed here that the module no longer has is reported, not an error, so a rename in decide/
-does not break the tool (the report asks for this list to be updated).
+does not break the tool (the report asks for this list to be updated). ``TARGETS`` and
+``TEST_FILES`` are the default run's; ``WIDE_TARGETS`` and ``WIDE_TEST_FILES`` the wide run's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL", "TARGETS", "TEST_FILES", "Target"]
+__all__ = ["ALL", "TARGETS", "TEST_FILES", "WIDE_TARGETS", "WIDE_TEST_FILES", "Target"]
 
 ALL = ("*",)
 
@@ -263,6 +264,74 @@ TARGETS = (
 
 # The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
 # mutant runs only those of them that call the mutated function, fastest first.
+
+# --- the wide run (``--wide``, ``make mutate-wide``) ------------------------------------------
+# The default run's targets, widened where a mutation run found gates it did not mutate or did
+# not count as critical, plus modules it left out. Its own record: fingerprints-wide.json.
+_WIDER = {
+    # What a GPU's health makes of it (drain reasons): a wrong reason drains or keeps a GPU.
+    "health": Target(
+        "health",
+        "gpuwatchd/decide/health.py",
+        ALL,
+        ("drain_blockers", "_known_pids", "_reasons", "assess_health"),
+    ),
+    # Whether a dead PID is explained, and whether PIDs can be trusted at all (a PID namespace).
+    "assess_shared": Target(
+        "assess_shared",
+        "gpuwatchd/decide/assess_shared.py",
+        (*_ORPHAN_SHARED, "_dead_pid_explained", "_pid_trust_problem"),
+        (*_ORPHAN_SHARED, "_dead_pid_explained", "_pid_trust_problem"),
+    ),
+    # Ghost memory and memory no live owner accounts for: what makes a GPU a reset candidate.
+    "assess_memory": Target(
+        "assess_memory",
+        "gpuwatchd/decide/assess_memory.py",
+        ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
+        ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
+    ),
+    # The verdict's own "clean" and a holder's role are gates too.
+    "verdict": Target(
+        "verdict",
+        "gpuwatchd/decide/verdict.py",
+        ALL,
+        ("GpuVerdict.clean", "NodeVerdict.clean", "_Judge.role", *_VERDICT),
+    ),
+    # The recovery's commands (which GI/CI ids they name) are a gate.
+    "mig_recovery": Target(
+        "mig_recovery",
+        "gpuwatchd/decide/mig_recovery.py",
+        ALL,
+        (
+            "recovery_of",
+            "instance_blockers",
+            "recovery_blockers",
+            "recovered",
+            "from_record",
+            "recovery_argvs",
+        ),
+    ),
+}
+WIDE_TARGETS = (
+    *(_WIDER.get(target.name, target) for target in TARGETS),
+    # How a GPU is named (protect.gpus, check-clean --gpu): a wrong match leaves a protected
+    # GPU unprotected or judges another GPU.
+    Target("gpu_ids", "gpuwatchd/decide/gpu_ids.py", ALL, ALL),
+    # Whether two processes are related (the orphan rule's worker of a live owner).
+    Target("host_view", "gpuwatchd/decide/host_view.py", ("relation",), ("relation",)),
+    # An admin's spare: which processes are spared, and until when.
+    Target(
+        "spares",
+        "gpuwatchd/decide/spares.py",
+        ALL,
+        ("_in_force", "spare_covering", "spare_reason"),
+    ),
+    # The idle baseline ghost memory and the verdict are judged against.
+    Target(
+        "baselines", "gpuwatchd/decide/baselines.py", ("learn_baselines",), ("learn_baselines",)
+    ),
+)
+
 TEST_FILES = (
     "tests/unit/test_floor.py",
     "tests/unit/test_gates.py",
@@ -298,4 +367,11 @@ TEST_FILES = (
     "tests/unit/test_reset_mig.py",
     "tests/integration/test_full_scan.py",
     "tests/unit/test_gates_proven.py",
+)
+# The wide run's: the default's and the tests of what it adds.
+WIDE_TEST_FILES = (
+    *TEST_FILES,
+    "tests/unit/test_gpu_ids.py",
+    "tests/unit/test_simulate_spare.py",
+    "tests/unit/test_spared_display.py",
 )

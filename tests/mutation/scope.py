@@ -367,6 +367,7 @@ TEST_FILES = (
     "tests/unit/test_reset_mig.py",
     "tests/integration/test_full_scan.py",
     "tests/unit/test_gates_proven.py",
+    "tests/unit/test_gates_killed_a.py",
 )
 # The wide run's: the default's and the tests of what it adds.
 WIDE_TEST_FILES = (

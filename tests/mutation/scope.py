@@ -298,4 +298,5 @@ TEST_FILES = (
     "tests/unit/test_reset_mig.py",
     "tests/integration/test_full_scan.py",
     "tests/unit/test_gates_proven.py",
+    "tests/unit/test_gates_killed_b.py",
 )

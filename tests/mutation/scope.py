@@ -368,6 +368,7 @@ TEST_FILES = (
     "tests/integration/test_full_scan.py",
     "tests/unit/test_gates_proven.py",
     "tests/unit/test_gates_killed_a.py",
+    "tests/unit/test_gates_killed_b.py",
 )
 # The wide run's: the default's and the tests of what it adds.
 WIDE_TEST_FILES = (

@@ -54,7 +54,7 @@ test-gpu: venv
 
 # Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
 # score per module and every survivor that is not a recorded equivalent; fails on one in a
-# critical function, or on a critical mutant the time limit left unrun. about 15 minutes on 2
+# critical function, or on a critical mutant the time limit left unrun. About 15 minutes on 2
 # cores. MODULES="floor plan" mutates only those. It records tests/mutation/fingerprints.json.
 MODULES ?=
 mutate: venv fakenvml

@@ -98,12 +98,15 @@ def test_the_bounded_reader_checks_the_open_descriptor_too(tmp_path: Path, fifo:
         read_regular_file(str(tmp_path / "missing"), 4)
 
 
-# `gpuwatchd ARGS`, then the process's peak resident memory in KiB on the last line of stdout
+# `gpuwatchd ARGS`, then the process's peak resident memory in KiB on the last line of stdout:
+# VmHWM, its own memory's high-water mark (ru_maxrss would also count the forked parent's, the
+# test runner's, which Linux carries over an exec).
 _MEASURED = """
-import resource, sys
+import sys
 from gpuwatchd.cli.main import main
 code = main(sys.argv[1:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+with open("/proc/self/status") as status:
+    print(next(line.split()[1] for line in status if line.startswith("VmHWM:")))
 sys.exit(code)
 """
 

@@ -526,3 +526,19 @@ def test_wide_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
         )
         == before
     )
+
+
+def test_a_callee_moved_to_another_file_of_decide_keeps_the_wide_print(tmp_path: Path) -> None:
+    """Reshaping decide/ into folders moves definitions between files: the print hashes what
+    a gate reaches by qualified name, so a move alone re-mutates nothing, an edit still does."""
+    before = _gate_print(tmp_path)
+    helpers = "\n\ndef deeper(kind):\n    return len(kind)\n"
+    moved = GATES.replace("\n\ndef deeper(kind):\n    return len(kind)\n", "")
+    (tmp_path / "gpuwatchd" / "decide" / "sub").mkdir(parents=True)
+    (tmp_path / "gpuwatchd" / "decide" / "sub" / "deep.py").write_text(helpers)
+    assert moved != GATES
+    assert _gate_print(tmp_path, moved) == before
+    (tmp_path / "gpuwatchd" / "decide" / "sub" / "deep.py").write_text(
+        helpers.replace("len(kind)", "len(kind) * 2")
+    )
+    assert _gate_print(tmp_path, moved) != before

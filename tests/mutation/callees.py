@@ -22,7 +22,7 @@ __all__ = ["DEPENDENCY_FILES", "Dependencies"]
 
 # Where a gate's callees, tables and defaults live (decide/ imports nothing else of ours but
 # model.py and vocabulary.py, whose names are data).
-DEPENDENCY_FILES = ("gpuwatchd/decide/*.py", "gpuwatchd/model.py")
+DEPENDENCY_FILES = ("gpuwatchd/decide/**/*.py", "gpuwatchd/model.py", "gpuwatchd/core/model.py")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,9 @@ class Dependencies:
         """A hash of ``node``'s syntax tree and of every definition it reaches: comments,
         formatting and position do not count."""
         digest = hashlib.sha256(_dump(node).encode())
-        for entry in self.reached(node):
-            if entry.dump != _dump(node):
-                digest.update(b"\0" + entry.where.encode() + b"\0" + entry.dump.encode())
+        # By qualified name, not file: moving a definition to another file changes no print.
+        reached = sorted((e.where.partition("::")[2], e.dump) for e in self.reached(node))
+        for where, dump in reached:
+            if dump != _dump(node):
+                digest.update(b"\0" + where.encode() + b"\0" + dump.encode())
         return digest.hexdigest()[:16]

@@ -299,7 +299,7 @@ def _standalone(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             files = [str(p) for p in sorted(host.devices_dir.iterdir())]
             if arg.get("after_daemon"):
                 # A node where the daemon ran (and stopped): its compiled policy is kept in
-                # state_dir (gpuwatchd/compiled_policy.py), so scan reads no YAML.
+                # state_dir (gpuwatchd/state/compiled_policy.py), so scan reads no YAML.
                 daemon = host.start_daemon("run", "--config", str(config))
                 try:
                     if not _wait_for_view(host, daemon.pid, len(holders)):

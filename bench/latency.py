@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.daemonrun import Run
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost

@@ -1,7 +1,8 @@
 """Child process: the real daemon's poll (collect, assess, plan, act, persist) in a tight loop.
 
-Run as ``python bench/pollloop.py SPEC_JSON``. Builds a real :class:`gpuwatchd.daemon.Daemon`
-from a policy file and calls :meth:`Daemon.poll_once` back to back, with a virtual monotonic
+Run as ``python bench/pollloop.py SPEC_JSON``. Builds a real
+:class:`gpuwatchd.daemon.lifecycle.Daemon` from a policy file and calls :meth:`Daemon.poll_once`
+back to back, with a virtual monotonic
 clock that advances ``virtual_interval`` seconds per poll, so the daemon's own cadence (a full
 holder scan every 60 s, ``for`` windows) plays out as at that interval without the sleeps.
 
@@ -24,8 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpuwatchd.config.schema import load_policy
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.logs import configure_logging
+from gpuwatchd.daemon.lifecycle import Daemon
+from gpuwatchd.events.logs import configure_logging
 
 
 def task_cpu_ns(pid: int) -> int:

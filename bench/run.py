@@ -33,8 +33,8 @@ from bench.cli_scan import compare_cli, stale_rounds  # noqa: E402
 from bench.host import ProcessPool, cuda_devices  # noqa: E402
 from bench.quiet import measure as measure_quiet  # noqa: E402
 from bench.scan import CHAR_PROCFS, CHAR_STANDINS, compare  # noqa: E402
-from gpuwatchd import holder_view  # noqa: E402
 from gpuwatchd.collect.procfs import ProcFS  # noqa: E402
+from gpuwatchd.served import holders as holder_view  # noqa: E402
 from tests.support.fakenvml import MiB, gpu, process  # noqa: E402
 from tests.support.simhost import SimHost, pid_namespace_command  # noqa: E402
 

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from gpuwatchd.vocabulary import EventName  # noqa: E402
+from gpuwatchd.core.vocabulary import EventName  # noqa: E402
 from tests.support.daemonrun import Run, fake_smi, orphan_host  # noqa: E402
 from tests.support.fakenvml import gpu  # noqa: E402
 from tests.support.simhost import SimHost, run_in_pid_namespace  # noqa: E402

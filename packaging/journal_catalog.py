@@ -7,7 +7,7 @@ systemd's package trigger runs ``journalctl --update-catalog``) and by ``make ca
 entry per event, under the event's fixed MESSAGE_ID (``event_catalogue.message_id``): a subject
 (the event's meaning, from docs/events.md), its level and the other levels an outcome gives it,
 and each of its fields with the journal field that carries it (both from the event catalogue,
-``gpuwatchd/event_catalogue.py``). The entry's own journal ``MESSAGE`` already says what
+``gpuwatchd/events/catalogue.py``). The entry's own journal ``MESSAGE`` already says what
 happened in words; ``journalctl -x`` adds this explanation below it. The format is systemd's
 (catalog(7) in systemd's documentation: ``-- ID`` lines, ``Subject:`` and other headers, a
 blank line, the text). tests/system/test_packaging.py loads the result with the real ``journalctl``.
@@ -19,8 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from gpuwatchd.event_catalogue import CATALOGUE, journal_field_name, message_id
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.events.catalogue import CATALOGUE, journal_field_name, message_id
+from gpuwatchd.core.vocabulary import EventName
 
 EVENTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "events.md"
 SUBJECT_MAX = 160

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpuwatchd.core.model import ProcessInfo, Snapshot
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.health_state import HealthState
 from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.model import ProcessInfo, Snapshot
 
 __all__ = [
     "FORMAT",
@@ -70,7 +70,7 @@ class EvidenceAction(str, enum.Enum):
 
 
 class EvidenceFolder(Protocol):
-    """Where the files go: :class:`gpuwatchd.statedir.StateDir` is one."""
+    """Where the files go: :class:`gpuwatchd.state.directory.StateDir` is one."""
 
     def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None: ...
     def names(self, prefix: str = "") -> list[str]: ...

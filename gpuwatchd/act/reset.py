@@ -41,15 +41,15 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     progress_record,
 )
-from gpuwatchd.decide.argv import hook_environment
-from gpuwatchd.decide.policy import ResetPolicy
-from gpuwatchd.vocabulary import (
+from gpuwatchd.core.vocabulary import (
     EventName,
     Level,
     ResetResult,
     ResetStep,
     ResetStepStatus,
 )
+from gpuwatchd.decide.argv import hook_environment
+from gpuwatchd.decide.policy import ResetPolicy
 
 __all__ = [
     "CommandRunner",

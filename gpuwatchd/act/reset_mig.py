@@ -20,13 +20,13 @@ from typing import Protocol
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
 from gpuwatchd.act.reset_target import Commands, ResetEnvironment, ResetTarget
+from gpuwatchd.core.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 from gpuwatchd.decide.mig_recovery import (
     InstanceRecovery,
     instance_changed,
     layout_missing,
     placement_taken,
 )
-from gpuwatchd.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 
 __all__ = ["HALF_DONE", "half_done", "restore_layout", "run_recovery"]
 

@@ -22,8 +22,8 @@ from gpuwatchd.act.reset_target import (
     ResetOutcome,
     ResetTarget,
 )
+from gpuwatchd.core.vocabulary import Level, ResetStep, ResetStepStatus
 from gpuwatchd.decide.policy import ResetPolicy
-from gpuwatchd.vocabulary import Level, ResetStep, ResetStepStatus
 
 __all__ = ["start_monitors", "stop_monitors"]
 

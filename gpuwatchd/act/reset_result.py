@@ -10,7 +10,7 @@ command's output in a reason on one bounded line. Pure: it runs nothing.
 from __future__ import annotations
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.vocabulary import ResetResult
+from gpuwatchd.core.vocabulary import ResetResult
 
 __all__ = [
     "IN_USE_REASON",

@@ -28,6 +28,7 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     prepare_hooks,
 )
+from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig_recovery import (
     InstanceRecovery,
     from_record,
@@ -35,7 +36,6 @@ from gpuwatchd.decide.mig_recovery import (
     resume_point,
 )
 from gpuwatchd.decide.policy import ResetPolicy
-from gpuwatchd.vocabulary import EventName, Level, ResetResult, ResetStep
 
 __all__ = ["resume_interrupted"]
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.core.model import GpuInfo
+from gpuwatchd.core.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.mig_recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
-from gpuwatchd.model import GpuInfo
-from gpuwatchd.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 
 __all__ = [
     "MAX_RECORDED_ARGS",

@@ -29,8 +29,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from gpuwatchd.model import ProcessIdentity
-from gpuwatchd.vocabulary import SignalOutcome
+from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.vocabulary import SignalOutcome
 
 _TICK = 0.05  # poll interval when pidfds are unavailable
 

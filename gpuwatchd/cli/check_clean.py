@@ -13,7 +13,7 @@ first line); on stderr, for a clean GPU, each process that would block a reset o
 
 A policy problem is never a reason to drain. When the policy files do not validate, the GPUs
 are judged with the policy the daemon runs — its last accepted one, as the daemon itself falls
-back at start (:mod:`gpuwatchd.accepted`) — and stderr says so first, with that policy's mode
+back at start (:mod:`gpuwatchd.state.accepted`) — and stderr says so first, with that policy's mode
 (:data:`RUNNING_POLICY`, ``… (dry_run: false)``: the Slurm scripts read it to know whether a
 dirty GPU drains). A GPU dirty by that policy still exits 1; otherwise the exit is 78 (the
 files' own code): "cannot judge by the files: do not drain, report", also when there is no
@@ -28,12 +28,12 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
+from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id, slurm_numbering
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
-from gpuwatchd.escape import escape
-from gpuwatchd.paths import DEFAULT_CONFIG_PATH
-from gpuwatchd.vocabulary import Cleanliness, ExitCode
 
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
@@ -62,7 +62,7 @@ def judging_policy(config: str | None) -> Judge:
     try:
         return Judge(load_policy(chosen))
     except ConfigError as exc:
-        from gpuwatchd.accepted import load_fallback
+        from gpuwatchd.state.accepted import load_fallback
 
         fallback = load_fallback(chosen)
         problems = "".join(f"; {p}" for p in fallback.problems)

@@ -3,7 +3,7 @@
 A served ``scan`` costs the command mostly Python's start and its imports (docs/performance.md).
 So before the rest of the command line is imported, a plain ``scan`` (``--json``, ``--config``
 and ``--color`` alone, in argparse's spelling) asks the daemon of its configuration over the
-daemon's socket (:mod:`gpuwatchd.scan_socket`), which runs the served scan itself. When the
+daemon's socket (:mod:`gpuwatchd.served.scan_socket`), which runs the served scan itself. When the
 daemon answers, its answer is what this process prints and exits with; when it declines, or
 none listens, or the arguments are any other, :func:`gpuwatchd.cli.main.main` runs as always.
 
@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpuwatchd.paths import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
+from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
 
 ASK_TIMEOUT = 2.0  # seconds the daemon may take to answer before this command scans itself
 SKIP_VARIABLE = "GPUWATCHD_ASK_DAEMON"
@@ -82,7 +82,7 @@ def answered_by_daemon(argv: Sequence[str]) -> int | None:
         return None
     config, as_json, color = parsed
     from gpuwatchd.config.peek import guess_state_dir
-    from gpuwatchd.scan_socket import ScanRequest, ask
+    from gpuwatchd.served.scan_socket import ScanRequest, ask
 
     main_file = os.path.abspath(config or DEFAULT_CONFIG_PATH)
     guessed = guess_state_dir(main_file)

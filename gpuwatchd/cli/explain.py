@@ -19,20 +19,20 @@ from collections.abc import Mapping
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.report_read import SnapshotError, load_report, opt_str, rebuild
 from gpuwatchd.cli.spared import spare_stops
-from gpuwatchd.decide import kinds
-from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
-from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
-from gpuwatchd.decide.plan_resets import instance_recovery
-from gpuwatchd.decide.policy import Limits, Policy
-from gpuwatchd.decide.targets import refusal, rule_for
-from gpuwatchd.escape import escape
-from gpuwatchd.model import (
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import (
     Finding,
     FindingKind,
     ProcessInfo,
     Snapshot,
     as_int,
 )
+from gpuwatchd.decide import kinds
+from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
+from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
+from gpuwatchd.decide.plan_resets import instance_recovery
+from gpuwatchd.decide.policy import Limits, Policy
+from gpuwatchd.decide.targets import refusal, rule_for
 
 __all__ = [
     "SnapshotError",

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.helptext import describe
+from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
+from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.paths import DEFAULT_CONFIG_PATH
-from gpuwatchd.statedir import StateDirError
-from gpuwatchd.vocabulary import EventName, ExitCode
+from gpuwatchd.state.directory import StateDirError
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.nvml import NvmlClient
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
     finally:
-        from gpuwatchd import lazylog
+        from gpuwatchd.events import lazylog
 
         lazylog.reset()
 
@@ -290,12 +290,12 @@ def _check_config(path: str | None, *, quiet: bool = False) -> int:
 
 
 def _errors_only_logging() -> None:
-    """Log errors only, and load structlog only if one is logged (:mod:`gpuwatchd.lazylog`):
+    """Log errors only, and load structlog only if one is logged (:mod:`gpuwatchd.events.lazylog`):
     what NVML or /proc lacked is said once, in the report and its exit line."""
-    from gpuwatchd import lazylog
+    from gpuwatchd.events import lazylog
 
     def setup() -> None:
-        from gpuwatchd.logs import configure_logging
+        from gpuwatchd.events.logs import configure_logging
 
         configure_logging(fmt="console" if sys.stderr.isatty() else "logfmt", level="error")
 
@@ -329,8 +329,8 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
-    from gpuwatchd.compiled_policy import load_compiled
-    from gpuwatchd.view_guard import probe_path
+    from gpuwatchd.served.guard import probe_path
+    from gpuwatchd.state.compiled_policy import load_compiled
 
     # The daemon's compiled policy when the files are unchanged: no YAML to parse.
     policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
@@ -403,9 +403,9 @@ def _run(args: argparse.Namespace) -> int:
         if exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
             raise  # no file: a typo
         # The daemon does not leave the node unwatched over a rejected file: it runs with the
-        # last policy it accepted, loudly (gpuwatchd/accepted.py); so does run --once (an
+        # last policy it accepted, loudly (gpuwatchd/state/accepted.py); so does run --once (an
         # epilog waits as the running daemon works, by that policy). Never accepted one: 78.
-        from gpuwatchd.accepted import load_fallback
+        from gpuwatchd.state.accepted import load_fallback
 
         fallback = load_fallback(config_path)
         if fallback.policy is None:
@@ -470,9 +470,9 @@ def _status(args: argparse.Namespace) -> int:
     except CliError as exc:
         if exc.code != ExitCode.CONFIG:
             raise
-        # The daemon runs on despite a rejected policy (gpuwatchd/accepted.py): show it, from
+        # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
         # the state_dir it uses, after saying what is wrong with the files.
-        from gpuwatchd.accepted import load_fallback
+        from gpuwatchd.state.accepted import load_fallback
 
         fallback = load_fallback(args.config or DEFAULT_CONFIG_PATH)
         if fallback.policy is None:
@@ -542,8 +542,8 @@ def _pause(args: argparse.Namespace, *, paused: bool) -> int:
     from gpuwatchd.cli.humantime import duration
     from gpuwatchd.collect.boottime import BootTime
     from gpuwatchd.collect.procfs import ProcFS
-    from gpuwatchd.pause import clear_latches, note_resume, set_pause
-    from gpuwatchd.statedir import StateDir, StateDirError
+    from gpuwatchd.state.directory import StateDir, StateDirError
+    from gpuwatchd.state.pause import clear_latches, note_resume, set_pause
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     path = policy.state_dir

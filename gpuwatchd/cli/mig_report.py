@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
+from gpuwatchd.core.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
 from gpuwatchd.decide.mig import MigInstance, MigLayout, instance_gpu
-from gpuwatchd.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")

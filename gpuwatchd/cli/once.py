@@ -20,15 +20,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from gpuwatchd.checked import as_map as _as_map
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
+from gpuwatchd.core.checked import as_map as _as_map
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import OnceStep, once_progress
-from gpuwatchd.escape import escape
-from gpuwatchd.state import SavedState, StateStore
-from gpuwatchd.vocabulary import ExitCode
+from gpuwatchd.state.saved import SavedState, StateStore
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 

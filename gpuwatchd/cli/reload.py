@@ -3,7 +3,7 @@
 For a daemon systemd does not run — a Kubernetes pod, where ``kubectl exec … kill -HUP 1``
 would signal the host's init under ``hostPID: true``. The daemon is found as every command
 finds it, never by name nor by a PID written in a file: the process the kernel says holds the
-instance lock in ``state_dir`` (:meth:`gpuwatchd.statedir.StateDir.lock_holder`:
+instance lock in ``state_dir`` (:meth:`gpuwatchd.state.directory.StateDir.lock_holder`:
 ``/proc/locks`` and that process's own ``fdinfo``), when it is gpuwatchd now and runs as this
 command's user.
 The policy has been checked by the caller (a broken one exits 78 and the daemon keeps its
@@ -20,9 +20,9 @@ import signal
 from typing import IO
 
 from gpuwatchd.cli.process_kind import look_at_process
+from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import ExitCode
+from gpuwatchd.state.directory import StateDir
 
 NOT_RUNNING = 3
 

@@ -17,10 +17,7 @@ from gpuwatchd.cli.mig_report import (
     mig_instances_json,
 )
 from gpuwatchd.cli.report_text import render_text
-from gpuwatchd.decide.floor import driver_refusers
-from gpuwatchd.decide.mig import instance_view, mig_layout
-from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
     Finding,
@@ -31,6 +28,9 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.decide.floor import driver_refusers
+from gpuwatchd.decide.mig import instance_view, mig_layout
+from gpuwatchd.decide.verdict import NodeVerdict
 
 __all__ = ["RoleLike", "build_report", "render_text"]
 

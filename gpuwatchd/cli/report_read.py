@@ -2,7 +2,7 @@
 
 This module owns :func:`load_report` (the file: bounded in bytes, values and nesting, a
 regular file, JSON with no oversized number) and :func:`rebuild` (the
-:class:`~gpuwatchd.model.Snapshot`, the findings and their first-seen times, every field
+:class:`~gpuwatchd.core.model.Snapshot`, the findings and their first-seen times, every field
 checked: a malformed one is a :class:`SnapshotError` naming it), so that ``explain`` asks
 the daemon's own pure helpers about exactly the facts the scan saw. A daemon's evidence file
 (docs/operations.md, "Evidence files") is read as the report it holds. MIG instances come back
@@ -24,7 +24,7 @@ from gpuwatchd.cli.mig_report import (
 )
 from gpuwatchd.cli.spared import spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
     Finding,

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from gpuwatchd.checked import as_map as _as_map
-from gpuwatchd.checked import as_text as _as_str
 from gpuwatchd.cli.humantime import counted
 from gpuwatchd.cli.mig_report import (
     instance_uuids,
@@ -20,8 +18,10 @@ from gpuwatchd.cli.mig_report import (
     parent_rows,
 )
 from gpuwatchd.cli.spared import spared_lines
-from gpuwatchd.escape import escape
-from gpuwatchd.model import (
+from gpuwatchd.core.checked import as_map as _as_map
+from gpuwatchd.core.checked import as_text as _as_str
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import (
     as_int,
 )
 

@@ -1,6 +1,7 @@
 """``gpuwatchd run``: start the daemon (or ``run --once``), and ``run --once`` beside a running one.
 
-This module owns what happens between the parsed command line and :class:`gpuwatchd.daemon.Daemon`:
+This module owns what happens between the parsed command line and
+:class:`gpuwatchd.daemon.lifecycle.Daemon`:
 logging set up, the capability check (enforcing without them is refused), a policy rejected at
 start reported, and, when another instance holds the lock, ``run --once`` handing its ended jobs
 over and waiting on that instance's progress (:mod:`gpuwatchd.cli.once`) before going on alone.
@@ -16,22 +17,22 @@ from collections.abc import Mapping
 
 import structlog
 
-from gpuwatchd.accepted import Fallback
 from gpuwatchd.act.evidence import ReportBuilder
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.daemon import Daemon
+from gpuwatchd.core.model import Snapshot
+from gpuwatchd.core.vocabulary import EventName, ExitCode
+from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.logs import configure_logging
-from gpuwatchd.model import Snapshot
-from gpuwatchd.pause import hand_over_ended_jobs, withdraw_ended_jobs
-from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
-from gpuwatchd.state import AlreadyRunning
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import EventName, ExitCode
+from gpuwatchd.events.logs import configure_logging
+from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
+from gpuwatchd.state.accepted import Fallback
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
+from gpuwatchd.state.saved import AlreadyRunning
 
 log = structlog.get_logger("gpuwatchd")
 ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
@@ -54,7 +55,8 @@ def run_daemon(
     rejected: tuple[str, Fallback] | None = None,
 ) -> int:
     """Run the daemon (or ``run --once``). ``rejected``: the configured policy was rejected
-    (its error) and ``policy`` is the fallback (gpuwatchd/accepted.py) the daemon runs with."""
+    (its error) and ``policy`` is the fallback (gpuwatchd/state/accepted.py) the daemon runs
+    with."""
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
     rejected_at_start: dict[str, object] | None = None

@@ -14,25 +14,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gpuwatchd import __version__, holder_view, nvml_view
+from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import Snapshot
+from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan_state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.holder_view import HolderView
-from gpuwatchd.model import Snapshot
-from gpuwatchd.pause import read_ended_jobs
-from gpuwatchd.state import SavedState, read_saved_state
-from gpuwatchd.statedir import StateDir, StateDirError, Value
-from gpuwatchd.view_guard import Probe, probe
-from gpuwatchd.vocabulary import ExitCode
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served import nvml as nvml_view
+from gpuwatchd.served.guard import Probe, probe
+from gpuwatchd.served.holders import HolderView
+from gpuwatchd.state.directory import StateDir, StateDirError, Value
+from gpuwatchd.state.pause import read_ended_jobs
+from gpuwatchd.state.saved import SavedState, read_saved_state
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def daemon_view(
     """The running daemon's published holder view if ``scan`` may build on it, else None;
     and, either way, a short reason (shown in the report). The view must come from the
     daemon that holds the lock now (``daemon``), and name no process but its workers. ``raw``:
-    the file as read already (:func:`gpuwatchd.view_guard.probe`)."""
+    the file as read already (:func:`gpuwatchd.served.guard.probe`)."""
     if state_dir is None:
         return None, "no holder view published by a running daemon"
     try:
@@ -218,14 +220,14 @@ def scan_host(
     (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
 
     ``full=False`` builds on a running daemon's published holder view when there is a usable
-    one (:mod:`gpuwatchd.holder_view`): a targeted scan of its holders, NVML's processes and
+    one (:mod:`gpuwatchd.served.holders`): a targeted scan of its holders, NVML's processes and
     their descendants, or a full walk whenever the daemon's own rule would walk; without a
     usable view it walks all of ``/proc`` as ``full=True`` always does. The view is used only
     when it is clean and ``watch_probe`` (:func:`probe_view`, taken before this process's NVML
     worker opened any device file; taken here when None) found the daemon's watch covering
     every device file with no event queued. ``nvml_from_daemon`` (``scan``, never
     ``check-clean``): on a used view, take the daemon's published NVML reading when it is fresh
-    (:mod:`gpuwatchd.nvml_view`) instead of asking NVML; ``nvml`` is then never asked.
+    (:mod:`gpuwatchd.served.nvml`) instead of asking NVML; ``nvml`` is then never asked.
     ``served_only`` (the daemon answering a command, :mod:`gpuwatchd.cli.served`): when the
     view or the daemon's NVML reading is not used, return at once with no report and
     ``declined`` saying why, rather than walk or ask NVML. Raises StateDirError when
@@ -282,7 +284,7 @@ def _scan_host(
     served_only: bool = False,
 ) -> ScanResult:
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
-    # As :func:`gpuwatchd.wiring.procfs_for` builds it; that module is not imported here: it
+    # As :func:`gpuwatchd.daemon.wiring.procfs_for` builds it; that module is not imported here: it
     # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
     procfs = ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
@@ -433,7 +435,7 @@ def _chosen_view(
 
 def _stale(view: HolderView, watch_probe: Probe | None) -> str | None:
     """Why a view that passed the identity checks may miss a holder now (None: it cannot,
-    for any open of a watched device file; :mod:`gpuwatchd.view_guard`)."""
+    for any open of a watched device file; :mod:`gpuwatchd.served.guard`)."""
     if watch_probe is None:
         return "the daemon's device watch was not asked"
     if not watch_probe.empty:

@@ -1,7 +1,7 @@
 """The daemon's answer to a ``scan`` that asked it (docs/scan.md, "Answered by the daemon").
 
 The command (:mod:`gpuwatchd.cli.entry`) asks over the daemon's socket
-(:mod:`gpuwatchd.scan_socket`); the daemon calls :func:`answer` in its own process, between
+(:mod:`gpuwatchd.served.scan_socket`); the daemon calls :func:`answer` in its own process, between
 polls. The answer is what the command would print had it scanned by itself on the served path,
 or a refusal saying why, after which the command does exactly that. So the daemon answers only
 when the command's own scan would have used the daemon's view and its NVML reading, and with
@@ -9,14 +9,14 @@ the policy the command would have used:
 
 - the request names the daemon's own main file, and that file, its drop-ins and every folder
   above them are unchanged since the daemon accepted them (the compiled policy's rule,
-  :func:`gpuwatchd.compiled_policy.load_compiled`, which gives the same policy the command
+  :func:`gpuwatchd.state.compiled_policy.load_compiled`, which gives the same policy the command
   would read), naming this ``state_dir``;
 - the scan is :func:`gpuwatchd.cli.scan.scan_host` with ``served_only``: the same checks of the
   device watch, the view and the NVML reading as the command makes, declining where the command
   would walk or ask NVML (the daemon never walks or starts an NVML worker for a command);
 - the output is :func:`gpuwatchd.cli.scan.scan_output`, the command's own rendering.
 
-This module owns that rule; the socket and its format are :mod:`gpuwatchd.scan_socket`'s.
+This module owns that rule; the socket and its format are :mod:`gpuwatchd.served.scan_socket`'s.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 
 from gpuwatchd.cli.scan import scan_host, scan_output
-from gpuwatchd.compiled_policy import load_compiled
-from gpuwatchd.scan_socket import ScanAnswer, ScanRequest
+from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
+from gpuwatchd.state.compiled_policy import load_compiled
 
 __all__ = ["answer"]
 

@@ -1,7 +1,7 @@
 """``gpuwatchd spare``: leave one process, or one job's processes, alone for a while.
 
 This module owns the command: ``spare PID|job:ID --for DURATION --reason TEXT`` writes the
-spare (``gpuwatchd/spares.py``) — a process by its PID and the start time read from
+spare (``gpuwatchd/state/spares.py``) — a process by its PID and the start time read from
 ``/proc/PID/stat`` now, so a later process that reuses the PID is not spared — ``spare
 --list`` shows the spares in force, ``spare --cancel PID|job:ID`` ends one. The running daemon
 reads them at its next poll (``spare.started``, ``spare.ended``); each ends by itself, at most
@@ -19,18 +19,18 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import ConfigError
 from gpuwatchd.config.units import parse_duration
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import job_processes
-from gpuwatchd.escape import escape
-from gpuwatchd.spares import (
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.spares import (
     SpareFiles,
     cancel_spare,
     parse_target,
     read_spares,
     write_spare,
 )
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.vocabulary import ExitCode
 
 __all__ = ["SpareError", "spare_command"]
 

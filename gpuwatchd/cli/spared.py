@@ -4,7 +4,7 @@ This module owns the ``spares`` list and each finding's and holder's ``spared`` 
 ``scan --json``, and the line that says it: "spared until 2026-12-04 14:00:00 (in 50m) by
 root (uid 0): kernel debugging". What a spare covers is :func:`gpuwatchd.decide.spares.
 spare_covering`'s (the daemon's rule); the spares are read from ``state_dir`` as the daemon
-reads them (:func:`gpuwatchd.spares.read_spares`), changing nothing.
+reads them (:func:`gpuwatchd.state.spares.read_spares`), changing nothing.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import pwd
 import time
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.checked import as_int, as_list, as_map, as_number, as_text
 from gpuwatchd.cli.humantime import until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.checked import as_int, as_list, as_map, as_number, as_text
+from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
-from gpuwatchd.model import ProcessInfo, Snapshot, Spare
-from gpuwatchd.spares import read_spares
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.spares import read_spares
 
 __all__ = [
     "mark_spared",

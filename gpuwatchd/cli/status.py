@@ -1,10 +1,11 @@
 """``gpuwatchd status``: what the daemon is doing, read from its state file, changing nothing.
 
 This module owns the ``status`` command: reading ``<state_dir>/state.json`` through
-:func:`gpuwatchd.state.read_saved_state` (never the lock, never a write, a corrupt file left
+:func:`gpuwatchd.state.saved.read_saved_state` (never the lock, never a write, a corrupt file left
 where it is, an untrusted directory or file not read), deciding whether the daemon is running
 (the PID its ``status`` section names is alive and looks like gpuwatchd, and it polled
-recently), and rendering the status document the daemon wrote (:mod:`gpuwatchd.status_document`)
+recently), and rendering the status document the daemon wrote
+(:mod:`gpuwatchd.state.status_document`)
 — text for people, JSON for scripts (shape and exit codes in docs/operations.md, "status") —
 with an LSB-style exit code. It works nothing out from the plan: every value comes from the
 document, checked (a malformed one is unknown, never a traceback); only the daemon's liveness
@@ -28,27 +29,27 @@ from collections.abc import Callable, Mapping
 from typing import IO
 
 from gpuwatchd.act.evidence import list_evidence
-from gpuwatchd.checked import as_count as _count
-from gpuwatchd.checked import as_flag as _bool
-from gpuwatchd.checked import as_int as _int
-from gpuwatchd.checked import as_list as _seq
-from gpuwatchd.checked import as_map as _map
-from gpuwatchd.checked import as_number as _num
-from gpuwatchd.checked import as_text as _str
 from gpuwatchd.cli.humantime import duration
 from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status_text import render_text
+from gpuwatchd.core.checked import as_count as _count
+from gpuwatchd.core.checked import as_flag as _bool
+from gpuwatchd.core.checked import as_int as _int
+from gpuwatchd.core.checked import as_list as _seq
+from gpuwatchd.core.checked import as_map as _map
+from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.state import SavedState, read_saved_state
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.status_document import (
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.saved import SavedState, read_saved_state
+from gpuwatchd.state.status_document import (
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
     MAX_ACTIONS,
     NVML_STATES,
     build_document,
 )
-from gpuwatchd.vocabulary import LadderStatus
 
 STATUS_FORMAT = 1  # the "format" of ``status --json``
 # The daemon rewrites ``status.last_poll`` at least once a minute even when nothing else changed
@@ -420,7 +421,7 @@ def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
 def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
     """The evidence files the daemon kept in ``state_dir`` (gpuwatchd/act/evidence.py), oldest
     first, each as its name tells it, with its path; None when the folder cannot be listed (or
-    is not trusted: :class:`gpuwatchd.statedir.StateDir`)."""
+    is not trusted: :class:`gpuwatchd.state.directory.StateDir`)."""
     try:
         with StateDir.open(state_dir) as folder:
             return [

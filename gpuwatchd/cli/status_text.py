@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from gpuwatchd.checked import as_count as _count
-from gpuwatchd.checked import as_list as _seq
-from gpuwatchd.checked import as_map as _map
-from gpuwatchd.checked import as_number as _num
 from gpuwatchd.cli.humantime import ago, counted, duration, until
-from gpuwatchd.escape import escape
-from gpuwatchd.vocabulary import LadderStatus
+from gpuwatchd.core.checked import as_count as _count
+from gpuwatchd.core.checked import as_list as _seq
+from gpuwatchd.core.checked import as_map as _map
+from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import LadderStatus
 
 __all__ = ["render_text"]
 

@@ -37,7 +37,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from gpuwatchd.model import CgroupInfo
+from gpuwatchd.core.model import CgroupInfo
 
 _DOCKER_SCOPE = re.compile(r"docker-([0-9a-f]{12,64})\.scope")
 _CONTAINERD_SCOPE = re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope")

@@ -1,4 +1,4 @@
-"""Collection: one poll of the host, turned into a frozen :class:`~gpuwatchd.model.Snapshot`.
+"""Collection: one poll of the host, turned into a frozen :class:`~gpuwatchd.core.model.Snapshot`.
 
 This module owns *what* is read each poll and in which scan mode; ``nvml``, ``procfs`` and
 ``holders`` own *how*. It decides nothing about findings and never acts. The cheap targeted
@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd import lazylog
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
@@ -44,6 +43,8 @@ from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS, StatFields
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.collect.subids import SubUidFile
+from gpuwatchd.core.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
@@ -53,8 +54,7 @@ from gpuwatchd.decide.full_scan import (
     listed_pids,
 )
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.events import lazylog
 
 __all__ = ["Collector", "listed_gpus", "listed_pids"]
 
@@ -272,7 +272,7 @@ class Collector:
     def seed(self, holders: frozenset[int], dead_listed: frozenset[int]) -> None:
         """Start from another collector's view instead of a first full scan: ``holders`` held
         device files and ``dead_listed`` were listed dead as of a poll that just happened
-        (``scan`` beside a running daemon, :mod:`gpuwatchd.holder_view`). The next
+        (``scan`` beside a running daemon, :mod:`gpuwatchd.served.holders`). The next
         :meth:`collect` is then targeted unless the full-scan rule says otherwise."""
         self._known_holders = holders
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)

@@ -1,4 +1,4 @@
-"""The NVML worker's health entry → :class:`gpuwatchd.model.GpuHealth`, every value bounded.
+"""The NVML worker's health entry → :class:`gpuwatchd.core.model.GpuHealth`, every value bounded.
 
 This module owns how the ``health`` part of a worker reply (see
 :mod:`gpuwatchd.collect.nvml_worker`) becomes model values. The reply comes from another
@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.checked import as_flag as _flag
-from gpuwatchd.model import GpuHealth, Support, XidEvent, as_int
+from gpuwatchd.core.checked import as_flag as _flag
+from gpuwatchd.core.model import GpuHealth, Support, XidEvent, as_int
 
 MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
 MAX_RECOVERY_ACTION = 255

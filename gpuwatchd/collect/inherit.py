@@ -29,11 +29,11 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd import lazylog
 from gpuwatchd.collect.holders import HolderScanner, match_device_name
 from gpuwatchd.collect.kcmp import KCMP_FILE, Kcmp
-from gpuwatchd.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.events import lazylog
 
 log = lazylog.get_logger()  # structlog only if it logs: scan's start-up
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.collect.cgroups import parse_cgroup2_mount
-from gpuwatchd.model import ProcessInfo
+from gpuwatchd.core.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
 

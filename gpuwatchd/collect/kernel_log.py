@@ -1,4 +1,5 @@
-"""The kernel log's Xid lines → :class:`gpuwatchd.model.KernelXid` (docs/findings.md#kernel-log).
+"""The kernel log's Xid lines → :class:`gpuwatchd.core.model.KernelXid`
+(docs/findings.md#kernel-log).
 
 This module owns reading the kernel log (the setting ``health.kernel_log``) and parsing
 NVIDIA's Xid lines in it. The sources:
@@ -34,9 +35,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gpuwatchd import lazylog
-from gpuwatchd.model import KernelXid, ProcessInfo
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.model import KernelXid, ProcessInfo
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.events import lazylog
 
 __all__ = [
     "JOURNAL_ARGV",

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
+from gpuwatchd.core.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
 
 DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
 CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"

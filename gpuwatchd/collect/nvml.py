@@ -3,7 +3,7 @@
 This module owns *how* NVML is reached: it starts the worker process
 (:mod:`gpuwatchd.collect.nvml_worker`, the only importer of pynvml, see that module for what is
 read and the fallbacks), asks it for one poll at a time over a pipe, and turns the JSON reply
-into :mod:`gpuwatchd.model` values. It never imports pynvml and never decides anything about
+into :mod:`gpuwatchd.core.model` values. It never imports pynvml and never decides anything about
 processes or GPUs.
 
 In detail: docs/internals.md, section `gpuwatchd.collect.nvml`.
@@ -23,12 +23,12 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
 from typing import Any, Protocol
 
-from gpuwatchd import lazylog
 from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.collect.mig import to_mig_devices
-from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
-from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.events import lazylog
 
 log = lazylog.get_logger()
 
@@ -116,7 +116,7 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 
 class NvmlSource(Protocol):
     """Where a collector's NVML reading comes from: an :class:`NvmlClient`, or the daemon's
-    published reading (:class:`gpuwatchd.nvml_view.DaemonReading`, a served ``scan``)."""
+    published reading (:class:`gpuwatchd.served.nvml.DaemonReading`, a served ``scan``)."""
 
     @property
     def worker_pids(self) -> frozenset[int]: ...
@@ -167,7 +167,7 @@ class NvmlClient:
         self._asked_wall = 0.0  # when the pending request was sent (wall seconds)
         # The last read's reply when it succeeded, and when it was asked for (wall seconds: the
         # reading is at most this old); None after a failed one. The daemon publishes it
-        # (gpuwatchd/nvml_view.py).
+        # (gpuwatchd/served/nvml.py).
         self.last_reply: Mapping[str, Any] | None = None
         self.last_asked_wall: float | None = None
         self._v1_logged: set[str] = set()
@@ -220,7 +220,7 @@ class NvmlClient:
         """Start the worker now without asking it anything: its interpreter and pynvml load
         while the caller goes on, and NVML itself (``nvmlInit``, which opens the device files)
         waits for the first request (:meth:`prefetch` or :meth:`read`). ``scan`` asks the
-        daemon's device watch in between (:mod:`gpuwatchd.view_guard`)."""
+        daemon's device watch in between (:mod:`gpuwatchd.served.guard`)."""
         self._reap_hung()
         if self._proc is not None or self._hung is not None or self._retry_at is not None:
             return
@@ -498,7 +498,7 @@ def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
 
 def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
-    :mod:`gpuwatchd.nvml_view`, which bounds the result). KeyError, TypeError or ValueError
+    :mod:`gpuwatchd.served.nvml`, which bounds the result). KeyError, TypeError or ValueError
     on an entry not of the worker's shape."""
     processes = raw.get("processes")
     mig = raw.get("mig_mode")

@@ -49,8 +49,8 @@ from gpuwatchd.collect.procread import (
     parse_stat,
     read_proc_file,
 )
+from gpuwatchd.core.model import CgroupInfo, HolderScan, ProcessInfo
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
-from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.holders import HolderScanner

@@ -14,7 +14,7 @@ import os
 import pwd
 from collections.abc import Callable
 
-from gpuwatchd.model import SubIdRange
+from gpuwatchd.core.model import SubIdRange
 
 __all__ = ["DEFAULT_SUBUID_FILE", "SubUidFile", "parse_subuid"]
 

@@ -26,6 +26,7 @@ from gpuwatchd.config.yamlsrc import (
     did_you_mean,
     shown,
 )
+from gpuwatchd.core.model import FindingKind
 from gpuwatchd.decide.argv import (
     GPU_PLACEHOLDERS,
     HOOK_PLACEHOLDERS,
@@ -55,7 +56,6 @@ from gpuwatchd.decide.policy import (
     Rule,
     Step,
 )
-from gpuwatchd.model import FindingKind
 
 __all__ = [
     "LOG_FORMATS",

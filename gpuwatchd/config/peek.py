@@ -4,7 +4,7 @@ This module owns one guess: the ``state_dir`` a policy's files name, taken from 
 top-level ``state_dir:`` line of the main file and its drop-ins (``conf.d/*.yaml``), when the
 value is plain or simply quoted. It serves the commands that must find a running daemon's state
 directory before they have read — or instead of reading — the YAML (the compiled policy,
-:mod:`gpuwatchd.compiled_policy`; asking the daemon, :mod:`gpuwatchd.cli.entry`). A guess is
+:mod:`gpuwatchd.state.compiled_policy`; asking the daemon, :mod:`gpuwatchd.cli.entry`). A guess is
 only where to look: what is found there is trusted by its own checks, never because of this.
 """
 

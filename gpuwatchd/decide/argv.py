@@ -19,7 +19,7 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.escape import escape
+from gpuwatchd.core.escape import escape
 
 __all__ = [
     "ARGV_PLACEHOLDERS",
@@ -220,7 +220,7 @@ HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is 
 def hook_value(value: object) -> str:
     """A fact as a hook's environment value: every control, separator or format character
     shown as a visible escape (``\\n``, ``\\x1b``, ``\\u2028``: the log's rule,
-    :func:`gpuwatchd.escape.escape`), at most :data:`HOOK_VALUE_LIMIT` characters (a longer
+    :func:`gpuwatchd.core.escape.escape`), at most :data:`HOOK_VALUE_LIMIT` characters (a longer
     one ends in ``...``). A process's name or command line is a user's text: raw, a newline
     in it could forge a line of the mail or log message a hook writes."""
     text = escape(str(value))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess_holders import _HolderPass, job_ended
 from gpuwatchd.decide.assess_listing import _ListingPass
 from gpuwatchd.decide.assess_memory import _MemoryPass
@@ -31,7 +32,6 @@ from gpuwatchd.decide.mig import (
     mig_layout,
 )
 from gpuwatchd.decide.policy import Detection, HealthPolicy
-from gpuwatchd.model import Snapshot
 
 __all__ = [
     "NODE",

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.decide.assess_shared import _AssessorState, _mib, _Outcome
-from gpuwatchd.decide.assess_state import Lineage
-from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.host_view import HostView, Listing, relation
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     DeviceHolding,
     FindingKind,
     GpuInfo,
@@ -23,6 +19,10 @@ from gpuwatchd.model import (
     Snapshot,
     as_int,
 )
+from gpuwatchd.decide.assess_shared import _AssessorState, _mib, _Outcome
+from gpuwatchd.decide.assess_state import Lineage
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.host_view import HostView, Listing, relation
 
 __all__ = ["job_ended"]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.decide.assess_shared import _AssessorState, _mib
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     FindingKind,
     GpuInfo,
 )
-from gpuwatchd.vocabulary import HolderRoleName
+from gpuwatchd.core.vocabulary import HolderRoleName
+from gpuwatchd.decide.assess_shared import _AssessorState, _mib
 
 __all__ = []
 

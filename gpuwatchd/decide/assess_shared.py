@@ -11,6 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.core.model import (
+    MIB,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
+from gpuwatchd.core.vocabulary import HolderRoleName
 from gpuwatchd.decide.assess_state import (
     AssessState,
     Lineage,
@@ -26,16 +36,6 @@ from gpuwatchd.decide.baselines import (
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.decide.xid_sources import XidNotice
-from gpuwatchd.model import (
-    MIB,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
-)
-from gpuwatchd.vocabulary import HolderRoleName
 
 __all__ = ["NODE", "Assessment", "HolderRole"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
+from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
 from gpuwatchd.decide.health import HealthState
 from gpuwatchd.decide.host_view import HostView
-from gpuwatchd.model import ProcessIdentity, ProcessInfo, as_int
-from gpuwatchd.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
 
 # Inheritance evidence kept per holder: a few owners at most (its ancestors that owned contexts).
 MAX_INHERITANCE_PER_HOLDER = 8

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpuwatchd.core.model import MIB, GpuInfo
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.host_view import HostView
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, GpuInfo
 
 V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart
 V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation

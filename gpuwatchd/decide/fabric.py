@@ -1,7 +1,7 @@
 """The NVLink fabric of NVSwitch systems: what NVML's fabric state and health mask mean.
 
 This module owns reading ``nvmlDeviceGetGpuFabricInfoV``'s answer (as carried in
-:class:`gpuwatchd.model.GpuHealth`): the registration state each GPU goes through after boot
+:class:`gpuwatchd.core.model.GpuHealth`): the registration state each GPU goes through after boot
 and after every reset (NOT_STARTED → IN_PROGRESS → COMPLETED, Fabric Manager doing the work),
 the probe status once completed, the health mask decoded field by field, and the v3 health
 summary. It answers three questions, each pure: is the fabric still registering
@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-from gpuwatchd.model import GpuHealth, Support
+from gpuwatchd.core.model import GpuHealth, Support
 
 __all__ = [
     "FabricState",

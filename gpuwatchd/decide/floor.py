@@ -27,9 +27,9 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping
 
+from gpuwatchd.core.model import CgroupInfo, HolderScan, ProcessInfo
+from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.decide.policy import FLOOR_NAME_UNITS, FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
-from gpuwatchd.model import CgroupInfo, HolderScan, ProcessInfo
-from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 
 __all__ = [
     "COMM_LENGTH",

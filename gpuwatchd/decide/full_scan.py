@@ -4,7 +4,7 @@ This module owns the choice the collector makes every poll between the cheap *ta
 scan (NVML's PIDs, their descendants, the holders seen before) and the *full* scan of every
 process (docs/design-notes.md §1, §4). It reads no files and no clock: the collector passes what it
 has read this poll, ``now`` and the state returned by the previous call. It imports only
-``gpuwatchd.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
+``gpuwatchd.core.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.full_scan`.
 """
@@ -15,8 +15,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.core.model import GpuInfo, MigDevice, NvmlReading, ProcessInfo
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import GpuInfo, MigDevice, NvmlReading, ProcessInfo
 
 
 class FullScanReason(str, enum.Enum):

@@ -34,6 +34,15 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from gpuwatchd.core.model import (
+    Finding,
+    FindingKind,
+    GpuHealth,
+    GpuInfo,
+    KernelXid,
+    Snapshot,
+    Support,
+)
 from gpuwatchd.decide import fabric, kinds
 from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.decide.health_state import (
@@ -46,7 +55,6 @@ from gpuwatchd.decide.health_state import (
 from gpuwatchd.decide.policy import HealthPolicy
 from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
 from gpuwatchd.decide.xid_sources import Occurrence, XidNotice, merge_sources, notices
-from gpuwatchd.model import Finding, FindingKind, GpuHealth, GpuInfo, KernelXid, Snapshot, Support
 
 __all__ = [
     "HEALTH_KINDS",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.checked import number as _time
-from gpuwatchd.checked import opt_number as _opt_time
-from gpuwatchd.model import as_int
+from gpuwatchd.core.checked import number as _time
+from gpuwatchd.core.checked import opt_number as _opt_time
+from gpuwatchd.core.model import as_int
 
 __all__ = [
     "MAX_XID_KINDS",

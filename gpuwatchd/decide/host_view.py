@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuwatchd.core.model import DeviceHolding, GpuInfo, NvmlProcess, ProcessInfo, Snapshot
 from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.model import DeviceHolding, GpuInfo, NvmlProcess, ProcessInfo, Snapshot
 
 
 @dataclass(frozen=True)

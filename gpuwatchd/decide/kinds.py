@@ -1,4 +1,4 @@
-"""What each finding kind is: one row per :class:`gpuwatchd.model.FindingKind`.
+"""What each finding kind is: one row per :class:`gpuwatchd.core.model.FindingKind`.
 
 This module owns the properties of a finding kind that the rest of gpuwatchd asks about — its
 words for a person, whether it is about a process or a GPU, whether the process behind it
@@ -14,7 +14,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.model import FindingKind
+from gpuwatchd.core.model import FindingKind
 
 __all__ = [
     "HEALTH",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     DeviceHolding,
     Finding,
     FindingKind,

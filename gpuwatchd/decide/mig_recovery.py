@@ -35,11 +35,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 from gpuwatchd.decide.argv import MIG_PLACEHOLDERS, format_argv
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig import mig_layout
 from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
-from gpuwatchd.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 
 __all__ = [
     "DEFAULT_COMMANDS",

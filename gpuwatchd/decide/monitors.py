@@ -20,10 +20,10 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.core.model import HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.decide.floor import is_infrastructure, system_cgroup
 from gpuwatchd.decide.patterns import command_search
 from gpuwatchd.decide.policy import Monitor
-from gpuwatchd.model import HolderScan, ProcessIdentity, ProcessInfo
 
 __all__ = [
     "MAX_MONITORS",

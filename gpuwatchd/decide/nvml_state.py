@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuwatchd.model import NvmlReading
-from gpuwatchd.vocabulary import EventName, Level
+from gpuwatchd.core.model import NvmlReading
+from gpuwatchd.core.vocabulary import EventName, Level
 
 __all__ = ["NvmlAvailability", "next_availability", "state_of"]
 

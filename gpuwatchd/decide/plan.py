@@ -16,6 +16,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from gpuwatchd.core.model import (
+    Finding,
+    FindingKind,
+    Snapshot,
+)
+from gpuwatchd.core.vocabulary import (
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+)
 from gpuwatchd.decide.health import HEALTH_KINDS
 from gpuwatchd.decide.plan_health import _consider_health
 from gpuwatchd.decide.plan_intents import (
@@ -63,17 +74,6 @@ from gpuwatchd.decide.targets import (
     process_facts,
     refusal,
     rule_for,
-)
-from gpuwatchd.model import (
-    Finding,
-    FindingKind,
-    Snapshot,
-)
-from gpuwatchd.vocabulary import (
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
 )
 
 __all__ = [

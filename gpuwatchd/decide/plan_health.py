@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gpuwatchd.core.model import (
+    Finding,
+    FindingKind,
+)
+from gpuwatchd.core.vocabulary import (
+    EventName,
+    HookName,
+    Level,
+)
 from gpuwatchd.decide.health import drain_blockers
 from gpuwatchd.decide.plan_intents import (
     HookIntent,
@@ -27,15 +36,6 @@ from gpuwatchd.decide.plan_resets import (
 )
 from gpuwatchd.decide.plan_state import HealthWait
 from gpuwatchd.decide.targets import gpu_by_uuid
-from gpuwatchd.model import (
-    Finding,
-    FindingKind,
-)
-from gpuwatchd.vocabulary import (
-    EventName,
-    HookName,
-    Level,
-)
 
 __all__ = []
 

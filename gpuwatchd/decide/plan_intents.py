@@ -11,21 +11,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
-from gpuwatchd.decide.plan_state import (
-    Ladder,
-    PlanState,
-)
-from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.shadow import ShadowWork
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     Finding,
     ProcessIdentity,
     ProcessInfo,
     Snapshot,
     SubIdRange,
 )
-from gpuwatchd.vocabulary import (
+from gpuwatchd.core.vocabulary import (
     ActionOutcome,
     EventName,
     HookName,
@@ -33,6 +26,13 @@ from gpuwatchd.vocabulary import (
     Level,
     check_ladder_transition,
 )
+from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.plan_state import (
+    Ladder,
+    PlanState,
+)
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.shadow import ShadowWork
 
 __all__ = [
     "Event",

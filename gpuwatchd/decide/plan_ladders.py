@@ -10,6 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from gpuwatchd.core.model import (
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    ProcessInfo,
+)
+from gpuwatchd.core.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+)
 from gpuwatchd.decide.plan_intents import (
     HookIntent,
     SignalIntent,
@@ -34,19 +47,6 @@ from gpuwatchd.decide.targets import (
     process_facts,
     refusal,
     rule_for,
-)
-from gpuwatchd.model import (
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    ProcessInfo,
-)
-from gpuwatchd.vocabulary import (
-    ActionOutcome,
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
 )
 
 __all__ = []

@@ -10,6 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookName,
+    LadderStatus,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
 from gpuwatchd.decide.plan_intents import (
     Event,
     HookIntent,
@@ -27,16 +37,6 @@ from gpuwatchd.decide.plan_state import (
     MigUnfinished,
     PlanState,
     ResetRefusal,
-)
-from gpuwatchd.model import ProcessIdentity
-from gpuwatchd.vocabulary import (
-    ActionOutcome,
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
-    ResetResult,
-    SignalOutcome,
 )
 
 __all__ = ["record_assumed_exit", "record_exit", "record_reset", "record_signal"]

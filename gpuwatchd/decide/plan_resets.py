@@ -15,6 +15,17 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gpuwatchd.core.model import (
+    Finding,
+    FindingKind,
+    GpuInfo,
+    Snapshot,
+)
+from gpuwatchd.core.vocabulary import (
+    EventName,
+    LadderStatus,
+    Level,
+)
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
 from gpuwatchd.decide.mig import WHOLE_GPU, busy_instances, parent_of
@@ -38,17 +49,6 @@ from gpuwatchd.decide.policy import Monitor, Policy
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
     gpu_protected,
-)
-from gpuwatchd.model import (
-    Finding,
-    FindingKind,
-    GpuInfo,
-    Snapshot,
-)
-from gpuwatchd.vocabulary import (
-    EventName,
-    LadderStatus,
-    Level,
 )
 
 __all__ = ["REFUSAL_MEMORY_CHANGE", "ResetGate", "reset_gates"]

@@ -17,18 +17,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.checked import flag as _bool
-from gpuwatchd.checked import integer as _int
-from gpuwatchd.checked import items as _list
-from gpuwatchd.checked import number as _float
-from gpuwatchd.checked import numbers as _floats
-from gpuwatchd.checked import obj as _obj
-from gpuwatchd.checked import opt_number as _opt_float
-from gpuwatchd.checked import opt_text as _opt_str
-from gpuwatchd.checked import pairs as _pairs
-from gpuwatchd.checked import text as _str
+from gpuwatchd.core.checked import flag as _bool
+from gpuwatchd.core.checked import integer as _int
+from gpuwatchd.core.checked import items as _list
+from gpuwatchd.core.checked import number as _float
+from gpuwatchd.core.checked import numbers as _floats
+from gpuwatchd.core.checked import obj as _obj
+from gpuwatchd.core.checked import opt_number as _opt_float
+from gpuwatchd.core.checked import opt_text as _opt_str
+from gpuwatchd.core.checked import pairs as _pairs
+from gpuwatchd.core.checked import text as _str
+from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
 from gpuwatchd.decide.shadow import DryShadow
-from gpuwatchd.vocabulary import PLAN_STATE_VERSION, LadderStatus
 
 
 @dataclass(frozen=True)

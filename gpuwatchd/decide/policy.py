@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from gpuwatchd.model import MIB, FindingKind
-from gpuwatchd.paths import DEFAULT_STATE_DIR
+from gpuwatchd.core.model import MIB, FindingKind
+from gpuwatchd.core.paths import DEFAULT_STATE_DIR
 
 DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
 # The re-creation of one MIG GPU instance in place (decide/mig_recovery.py): destroy its compute

@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess import Assessment, assess_processes, with_health
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.model import Snapshot
 
 __all__ = ["Reuse", "same_but_time"]
 

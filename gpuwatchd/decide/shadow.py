@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.checked import number as _time
-from gpuwatchd.checked import pairs
-from gpuwatchd.checked import text as _str
+from gpuwatchd.core.checked import number as _time
+from gpuwatchd.core.checked import pairs
+from gpuwatchd.core.checked import text as _str
 from gpuwatchd.decide.policy import Limits
 
 __all__ = ["HOUR", "DryShadow", "ShadowWork"]

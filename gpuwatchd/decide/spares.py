@@ -1,7 +1,7 @@
 """What an administrator's spares cover: which process ``gpuwatchd spare`` leaves alone, and
 when a spare starts and ends (the events that journal both ends).
 
-A spare (:class:`gpuwatchd.model.Spare`) names a process by PID *and* start ticks, or a job by
+A spare (:class:`gpuwatchd.core.model.Spare`) names a process by PID *and* start ticks, or a job by
 its key (``slurm:42``, as ``CgroupInfo.job_key`` spells it). A job's processes are those in its
 cgroup, and, for a Slurm job, those in the process tree of a ``slurmstepd`` that root runs for
 it (:func:`slurm_tree_job`: how Slurm's ``proctrack/linuxproc`` tracks them, where the cgroup
@@ -13,7 +13,7 @@ cannot be read counts as spared.
 
 It is pure: no I/O, no clock (wall time is passed in), no logging (changes come back as
 :class:`gpuwatchd.decide.plan.Event`). Reading and writing the spare files is
-``gpuwatchd/spares.py``'s.
+``gpuwatchd/state/spares.py``'s.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.model import ProcessInfo, Spare
-from gpuwatchd.vocabulary import EventName, Level
+from gpuwatchd.core.model import ProcessInfo, Spare
+from gpuwatchd.core.vocabulary import EventName, Level
 
 __all__ = [
     "SpareEvent",

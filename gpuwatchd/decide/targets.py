@@ -20,12 +20,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator, Sequence
 
+from gpuwatchd.core.model import Finding, GpuInfo, ProcessInfo, Snapshot
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.decide.spares import spare_reason
-from gpuwatchd.model import Finding, GpuInfo, ProcessInfo, Snapshot
 
 __all__ = [
     "gpu_by_uuid",

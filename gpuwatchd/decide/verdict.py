@@ -16,14 +16,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.decide import kinds
-from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
-from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
-from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.mig import parent_of
-from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.targets import protect_match
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     DeviceHolding,
     Finding,
@@ -32,7 +25,14 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.vocabulary import Cleanliness, HolderRoleName, LeftoverName
+from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
+from gpuwatchd.decide import kinds
+from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
+from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.mig import parent_of
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.targets import protect_match
 
 __all__ = [
     "SETTLING",

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.core.model import KernelXid, XidEvent
+from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.health_state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
 from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
-from gpuwatchd.model import KernelXid, XidEvent
-from gpuwatchd.vocabulary import Level
 
 __all__ = [
     "DEDUP_WINDOW",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.decide.argv import format_argv
-from gpuwatchd.sim.world import GI_PROFILE_IDS, World, _Gpu, mig_uuid
+from gpuwatchd.sim.world import GI_PROFILE_IDS, World, WorldGpu, mig_uuid
 
 __all__ = ["VirtualMig"]
 
@@ -25,7 +25,7 @@ class VirtualMig:
     def __init__(self, world: World, commands: Sequence[Sequence[str]]) -> None:
         self.world = world
         # argv -> (its position, the last position, the GPU, the GPU instance id)
-        self.known: dict[tuple[str, ...], tuple[int, int, _Gpu, int]] = {}
+        self.known: dict[tuple[str, ...], tuple[int, int, WorldGpu, int]] = {}
         last = len(commands) - 1
         for gpu in world.gpus.values():
             spec = gpu.spec

@@ -443,7 +443,7 @@ class _Reader(GpuReader):
     def spare(self, node: Node, at: float, line: int) -> EventSpec:
         """``spare: {process: NAME | job: ID, for: DURATION, reason: TEXT}``: as ``gpuwatchd
         spare PID|job:ID --for DURATION --reason TEXT`` at that moment."""
-        from gpuwatchd.spares import parse_target
+        from gpuwatchd.state.spares import parse_target
 
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]

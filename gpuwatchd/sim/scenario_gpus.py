@@ -17,8 +17,8 @@ from dataclasses import replace
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.schema import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key
+from gpuwatchd.core.model import MIB
 from gpuwatchd.decide.argv import check_value
-from gpuwatchd.model import MIB
 from gpuwatchd.sim.scenario_spec import (
     FABRIC_STATES,
     FIRST_AUTO_PID,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.act.reset import ResetStep
-from gpuwatchd.model import MIB
+from gpuwatchd.core.model import MIB
 
 GIB = 1024 * MIB
 

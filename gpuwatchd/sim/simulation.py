@@ -1,7 +1,7 @@
 """The simulation behind ``gpuwatchd simulate``: the engine on a virtual clock over a scenario.
 
 This module owns the simulation's four edges and its timeline loop. Every poll is
-:meth:`gpuwatchd.engine.Engine.poll` — the same cycle ``gpuwatchd run`` runs — given a reader
+:meth:`gpuwatchd.engine.cycle.Engine.poll` — the same cycle ``gpuwatchd run`` runs — given a reader
 over the virtual host (:mod:`gpuwatchd.sim.world`), an actuator that makes virtual processes
 react to signals and answers the reset procedure's commands as a scripted ``nvidia-smi``
 would (hooks: exit 0, and the reset's ``drain``/``before`` hooks stop the processes the
@@ -25,10 +25,11 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.config.schema import ConfigError, default_policy, load_policy, parse_policy_documents
 from gpuwatchd.config.schema import render_policy as _render_policy
+from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine import Engine, PollInputs
-from gpuwatchd.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.engine.cycle import Engine, PollInputs
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
 from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event, render_text
@@ -36,11 +37,10 @@ from gpuwatchd.sim.world import (
     WALL0,
     SimulationError,
     World,
-    _Gpu,
-    _Proc,
+    WorldGpu,
+    WorldProc,
     size_text,
 )
-from gpuwatchd.vocabulary import EventName, Level, SignalOutcome
 
 __all__ = [
     "BUSY_POLLS",
@@ -219,7 +219,7 @@ class Simulation:
 
     # -- world events --
 
-    def exit_process(self, proc: _Proc, why: str) -> None:
+    def exit_process(self, proc: WorldProc, why: str) -> None:
         identity = ProcessIdentity(proc.pid, proc.start_ticks)
         notes = self.world.exit(proc, self.now, why)
         if proc.exited_at != self.now:
@@ -312,7 +312,7 @@ class Simulation:
             self.add("world.health", Level.INFO, f"GPU {event.gpu}: {said}",
                      gpu=gpu.spec.uuid, **event.health)  # fmt: skip
 
-    def react(self, proc: _Proc, signal: str) -> None:
+    def react(self, proc: WorldProc, signal: str) -> None:
         spec = proc.spec
         if proc.state == "D":
             return  # the signal stays pending until it leaves uninterruptible sleep
@@ -509,7 +509,7 @@ class VirtualActuator:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         reset = sim.policy.reset
-        self.commands: dict[tuple[str, ...], tuple[str, _Gpu]] = {}
+        self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
         self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
         for gpu in sim.world.gpus.values():
             spec = gpu.spec
@@ -595,7 +595,9 @@ class VirtualActuator:
                     self.sim.exit_process(proc, f"stopped by the reset's {phase} hook")
         return CommandResult(argv, 0, "", False, 0.0, None)
 
-    def reset(self, argv: tuple[str, ...], gpu: _Gpu, bus: str, timeout: float) -> CommandResult:
+    def reset(
+        self, argv: tuple[str, ...], gpu: WorldGpu, bus: str, timeout: float
+    ) -> CommandResult:
         world, sim = self.sim.world, self.sim
         scripted = world.reset_results.pop(0) if world.reset_results else "success"
         if scripted == "success":

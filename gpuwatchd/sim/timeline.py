@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpuwatchd import event_catalogue
+from gpuwatchd.core.model import MIB
+from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.model import MIB
+from gpuwatchd.events import catalogue as event_catalogue
 from gpuwatchd.sim.scenario_spec import Scenario
 from gpuwatchd.sim.world import size_text
-from gpuwatchd.vocabulary import EventName, Level
 
 
 class Names(Protocol):
@@ -96,7 +96,7 @@ def _fmt_t(seconds: float) -> str:
 
 
 class TimelineNamer:
-    """The event catalogue's :class:`~gpuwatchd.event_catalogue.Namer` over a timeline's
+    """The event catalogue's :class:`~gpuwatchd.events.catalogue.Namer` over a timeline's
     names: "pid 4242 (trainer)" and "GPU 0"."""
 
     def __init__(self, names: Names) -> None:

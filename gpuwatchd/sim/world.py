@@ -7,7 +7,7 @@ whose memory outlives their owner while inheritors still hold the device (or for
 the scenario says the driver leaks it); GPUs that get lost or reset; MIG GPUs whose GPU
 instances have their own memory, contexts and capability files (mig-minors numbering as the
 driver gives it). :meth:`World.snapshot`
-renders it as the frozen :class:`gpuwatchd.model.Snapshot` the engine's reader returns. It
+renders it as the frozen :class:`gpuwatchd.core.model.Snapshot` the engine's reader returns. It
 decides nothing and never touches the real host; the simulation's edges
 (``sim/simulation.py``) mutate it when the engine acts.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,
@@ -81,7 +81,7 @@ def _unmarked(cgroup: CgroupInfo | None) -> CgroupInfo | None:
 
 
 @dataclass
-class _Proc:
+class WorldProc:
     spec: ProcessSpec
     start_ticks: int
     started_at: float
@@ -120,7 +120,7 @@ class _Context:
 
 
 @dataclass
-class _Gpu:
+class WorldGpu:
     spec: GpuSpec
     base: int  # allocated memory that no context accounts for (idle, or set_memory)
     lost: bool
@@ -139,7 +139,7 @@ class World:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.gpus = {
-            g.index: _Gpu(
+            g.index: WorldGpu(
                 g,
                 g.allocated + g.leaked,
                 g.lost,
@@ -150,8 +150,8 @@ class World:
             for g in scenario.gpus
         }
         self.by_minor = {g.spec.minor: g for g in self.gpus.values()}
-        self.procs: dict[int, _Proc] = {}
-        self.history: list[_Proc] = []
+        self.procs: dict[int, WorldProc] = {}
+        self.history: list[WorldProc] = []
         self.contexts: list[_Context] = []
         self.leak_on_exit: set[str] = set()
         self.reset_results: list[str] = []
@@ -163,7 +163,7 @@ class World:
 
     # -- processes --
 
-    def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> _Proc:
+    def start(self, spec: ProcessSpec, *, at: float, initial: bool = False) -> WorldProc:
         old = self.procs.get(spec.pid)
         if old is not None and old.present:
             raise SimulationError(
@@ -172,7 +172,7 @@ class World:
             )
         minors = frozenset(self.gpus[i].spec.minor for i in spec.holds.gpus)
         ticks = spec.pid * 100 if initial else next(self.ticks) + int(at * 100)
-        proc = _Proc(
+        proc = WorldProc(
             spec=spec,
             start_ticks=ticks,
             started_at=at,
@@ -204,13 +204,13 @@ class World:
         return Spare(f"pid:{proc.pid}", until, reason, pid=proc.pid,
                      start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
 
-    def by_name(self, name: str) -> _Proc | None:
+    def by_name(self, name: str) -> WorldProc | None:
         for proc in reversed(self.history):
             if proc.name == name:
                 return proc
         return None
 
-    def exit(self, proc: _Proc, at: float, why: str) -> list[str]:
+    def exit(self, proc: WorldProc, at: float, why: str) -> list[str]:
         """The process exits: children reparented, device files closed, contexts settled."""
         if not proc.alive:
             return []
@@ -254,15 +254,15 @@ class World:
                         )
         return notes
 
-    def reap(self, proc: _Proc) -> None:
+    def reap(self, proc: WorldProc) -> None:
         if proc.present and not proc.alive:
             proc.present = False
             self.procs.pop(proc.pid, None)
 
-    def _live_contexts(self, proc: _Proc) -> list[_Context]:
+    def _live_contexts(self, proc: WorldProc) -> list[_Context]:
         return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
 
-    def _descends(self, proc: _Proc, ancestor: int) -> bool:
+    def _descends(self, proc: WorldProc, ancestor: int) -> bool:
         seen: set[int] = set()
         current = proc.ppid
         while current > 1 and current not in seen:
@@ -275,7 +275,7 @@ class World:
             current = parent.ppid
         return False
 
-    def _heirs(self, owner: _Proc, gpu: int) -> set[int]:
+    def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
         group members that hold the GPU and own no context of their own there. A process whose
         scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
@@ -293,7 +293,7 @@ class World:
                 found.add(proc.pid)
         return found
 
-    def _reaper(self, proc: _Proc) -> int:
+    def _reaper(self, proc: WorldProc) -> int:
         current = proc.ppid
         seen: set[int] = set()
         while current > 1 and current not in seen:
@@ -312,10 +312,10 @@ class World:
 
     # -- GPUs --
 
-    def gpu_by_uuid(self, uuid: str) -> _Gpu | None:
+    def gpu_by_uuid(self, uuid: str) -> WorldGpu | None:
         return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
 
-    def allocated(self, gpu: _Gpu, gi: int | None = None) -> int:
+    def allocated(self, gpu: WorldGpu, gi: int | None = None) -> int:
         """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
         is the aggregate of its instances' (as NVML gives a privileged caller)."""
         charged = sum(
@@ -331,7 +331,7 @@ class World:
         base = gpu.base + sum(gpu.instance_base.values())
         return min(base + charged, gpu.spec.total - gpu.spec.reserved)
 
-    def instance_users(self, gpu: _Gpu, gi: int) -> list[str]:
+    def instance_users(self, gpu: WorldGpu, gi: int) -> list[str]:
         """The processes that hold GPU instance ``gi`` of ``gpu`` (its capability files)."""
         return [
             proc.name
@@ -339,7 +339,7 @@ class World:
             if proc.present and proc.spec.holds.mig == gi and gpu.spec.minor in proc.minors
         ]
 
-    def recreate_instance(self, gpu: _Gpu, gi: int) -> None:
+    def recreate_instance(self, gpu: WorldGpu, gi: int) -> None:
         """GPU instance ``gi`` destroyed and created again: its dead and leaked contexts are
         gone, its memory back to idle; the other instances are untouched."""
         instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
@@ -350,7 +350,7 @@ class World:
                 ctx.status = "freed"
                 ctx.heirs.clear()
 
-    def restore(self, gpu: _Gpu, now: float) -> None:
+    def restore(self, gpu: WorldGpu, now: float) -> None:
         """A successful reset at ``now``: every context on the GPU is gone, memory back to
         idle, and what a reset applies is applied (a pending row remap; a recovery action
         asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
@@ -376,7 +376,7 @@ class World:
 
     # -- what the daemon would read --
 
-    def process_info(self, proc: _Proc) -> ProcessInfo:
+    def process_info(self, proc: WorldProc) -> ProcessInfo:
         spec = proc.spec
         zombie = proc.state == "Z"
         return ProcessInfo(
@@ -415,7 +415,7 @@ class World:
             )
         return HolderScan(mode="full", holdings=holdings)
 
-    def _capabilities(self, proc: _Proc) -> frozenset[int]:
+    def _capabilities(self, proc: WorldProc) -> frozenset[int]:
         """The nvidia-cap minors of the GPU instance (and its compute instance 0) that
         ``proc`` holds on each MIG GPU it holds."""
         gi = proc.spec.holds.mig
@@ -440,7 +440,7 @@ class World:
                     table[cap_minor(minor, gi, ci)] = MigCapability(minor, gi, ci)
         return table
 
-    def mig_devices(self, gpu: _Gpu) -> tuple[MigDevice, ...] | None:
+    def mig_devices(self, gpu: WorldGpu) -> tuple[MigDevice, ...] | None:
         """What NVML's MIG device handles say: one compute instance (0) per GPU instance."""
         if not gpu.spec.mig_instances:
             return None
@@ -475,7 +475,7 @@ class World:
             )
         return tuple(devices)
 
-    def health(self, gpu: _Gpu, *, take_events: bool) -> GpuHealth:
+    def health(self, gpu: WorldGpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""
         spec = gpu.health
         xids = tuple(XidEvent(xid, WALL0 + at) for xid, at in gpu.xids) if take_events else ()

@@ -1,6 +1,6 @@
 """The last accepted policy, kept in state_dir, and the daemon's fallback to it at start.
 
-Pins gpuwatchd/accepted.py: a saved policy reads back equal; it is found through the state_dir
+Pins gpuwatchd/state/accepted.py: a saved policy reads back equal; it is found through the state_dir
 the configured files name as far as they load; one that anyone else could have written, that
 is a link, or that names another state_dir is not used (and says why); with none there is no
 fallback (the daemon exits 78). The daemon under real systemd: tests/system/test_systemd.py.
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.accepted import ACCEPTED_FILE, load_fallback, save_accepted
 from gpuwatchd.config.schema import default_policy, load_policy
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.state.accepted import ACCEPTED_FILE, load_fallback, save_accepted
+from gpuwatchd.state.directory import StateDir
 
 
 def _save(policy: Policy) -> None:

@@ -20,10 +20,10 @@ import pytest
 
 from gpuwatchd.act.commands import OUTPUT_LIMIT, run_command, run_hooks
 from gpuwatchd.act.signals import Signaller, stat_start_ticks
+from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.policy import Hook
-from gpuwatchd.model import ProcessIdentity
-from gpuwatchd.vocabulary import SignalOutcome
 from tests.support.liveness import is_dead
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -230,7 +230,7 @@ def test_signal_names_with_or_without_prefix_are_accepted(
 PROBE = """
 import sys
 from gpuwatchd.act.signals import Signaller
-from gpuwatchd.model import ProcessIdentity
+from gpuwatchd.core.model import ProcessIdentity
 identity = ProcessIdentity(int(sys.argv[1]), int(sys.argv[2]))
 print(Signaller().send(identity, "SIGKILL", dry_run=sys.argv[3] == "1").outcome.value)
 """

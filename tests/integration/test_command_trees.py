@@ -25,10 +25,10 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.daemon import Daemon
+from gpuwatchd.core.vocabulary import HookName
+from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.decide.plan import HookIntent
 from gpuwatchd.decide.policy import Hook
-from gpuwatchd.vocabulary import HookName
 from tests.support.daemonrun import ORPHAN_RULE, orphan_host
 from tests.support.fakenvml import gpu
 from tests.support.liveness import is_dead

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import compiled_policy
-from gpuwatchd.compiled_policy import COMPILED_FILE, decode, encode, load_compiled
 from gpuwatchd.config.schema import ConfigError, load_policy
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.state import compiled_policy
+from gpuwatchd.state.compiled_policy import COMPILED_FILE, decode, encode, load_compiled
+from gpuwatchd.state.directory import StateDir
 
 RICH = """\
 interval: 2s

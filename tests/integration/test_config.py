@@ -24,8 +24,8 @@ from gpuwatchd.config.schema import (
     render_policy,
     validate_reset_command,
 )
+from gpuwatchd.core.model import MIB, FindingKind
 from gpuwatchd.decide.policy import Hook, Policy, Step
-from gpuwatchd.model import MIB, FindingKind
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "gpuwatchd.yaml"

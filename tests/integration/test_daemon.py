@@ -12,14 +12,7 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.plan import Ladder, PlanState
-from gpuwatchd.engine import PollReport
-from gpuwatchd.logs import sentence
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     DeviceHolding,
     Finding,
     FindingKind,
@@ -29,8 +22,15 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.systemd_notify import Notifier, describe_status
-from gpuwatchd.vocabulary import EventName, LadderStatus, Level
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
+from gpuwatchd.daemon.lifecycle import Daemon
+from gpuwatchd.daemon.notify import Notifier, describe_status
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.plan import Ladder, PlanState
+from gpuwatchd.engine.cycle import PollReport
+from gpuwatchd.events.logs import sentence
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:

@@ -24,8 +24,8 @@ import pytest
 from gpuwatchd.collect.cgroups import delegation_mark, parse_systemd_mount
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import ProcessInfo
 from gpuwatchd.decide.floor import infrastructure, mps_server, unverified_infrastructure
-from gpuwatchd.model import ProcessInfo
 from tests.support.fakeproc import FakeProc
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set trusted.* xattrs")

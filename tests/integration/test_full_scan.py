@@ -18,14 +18,7 @@ import pytest
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.decide.full_scan import (
-    FullScanReason,
-    FullScanState,
-    full_scan_due,
-    has_unowned_memory,
-)
-from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     GpuInfo,
     GpuMemory,
@@ -34,6 +27,13 @@ from gpuwatchd.model import (
     NvmlReading,
     ProcessInfo,
 )
+from gpuwatchd.decide.full_scan import (
+    FullScanReason,
+    FullScanState,
+    full_scan_due,
+    has_unowned_memory,
+)
+from gpuwatchd.decide.policy import Detection
 from tests.support.children import Spawn, hold
 from tests.support.fakenvml import FakeNvml, gpu, process, state
 

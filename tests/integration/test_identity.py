@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import ProcessInfo
 from gpuwatchd.decide.floor import (
     infrastructure,
     mps_server,
     trusted_identity,
     unverified_infrastructure,
 )
-from gpuwatchd.model import ProcessInfo
 
 USER = 1001
 SLEEP = shutil.which("sleep") or "/bin/sleep"

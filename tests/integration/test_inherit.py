@@ -20,11 +20,11 @@ import pytest
 from gpuwatchd.collect.inherit import InheritanceProbe, Kcmp, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
 from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid
 
 LEAK = 20 * 1024 * MIB

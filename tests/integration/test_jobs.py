@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatchd.collect.cgroups import classify_cgroup_path
 from gpuwatchd.collect.jobs import cgroup2_mount, judge_jobs, slurm_job_ended, trusted_job_dir
-from gpuwatchd.model import ProcessInfo
+from gpuwatchd.core.model import ProcessInfo
 
 SCOPE = "/system.slice/slurmstepd.scope"
 

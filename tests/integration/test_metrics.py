@@ -1,5 +1,5 @@
-"""The Prometheus metrics (gpuwatchd/metrics.py, docs/metrics.md): what is written, how, and that
-the shipped alert rules and dashboard use only metrics that exist.
+"""The Prometheus metrics (gpuwatchd/daemon/metrics.py, docs/metrics.md): what is written, how,
+and that the shipped alert rules and dashboard use only metrics that exist.
 
 Snapshots are hand-built (tests/support/snapshots.py) and assessed for real; the file is parsed
 back with prometheus_client's own parser. The engine's event fields are checked by feeding a
@@ -22,14 +22,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd import __version__
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan_state import Ladder, PlanState
-from gpuwatchd.decide.policy import Detection, Policy
-from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.engine import PollReport
-from gpuwatchd.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     FindingKind,
     GpuHealth,
@@ -40,9 +33,16 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
+from gpuwatchd.daemon.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
+from gpuwatchd.decide.assess import Assessment, assess
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.plan_state import Ladder, PlanState
+from gpuwatchd.decide.policy import Detection, Policy
+from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.engine.cycle import PollReport
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.vocabulary import EventName, LadderStatus, Level
 from tests.support.snapshots import GIB, HostBuilder, gpu_uuid
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ from gpuwatchd.collect.mig import (
 )
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.model import MigCapability
+from gpuwatchd.core.model import MigCapability
 from tests.support.children import Spawn, hold
 from tests.support.fakenvml import (
     FakeNvml,

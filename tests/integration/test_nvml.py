@@ -30,7 +30,7 @@ from gpuwatchd.collect.nvml import (
     worker_command,
     worker_environment,
 )
-from gpuwatchd.model import GpuInfo, GpuMemory, NvmlProcess
+from gpuwatchd.core.model import GpuInfo, GpuMemory, NvmlProcess
 from tests.support.fakenvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,

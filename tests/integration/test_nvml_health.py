@@ -14,7 +14,7 @@ import pytest
 
 from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.collect.nvml import NvmlClient
-from gpuwatchd.model import Support
+from gpuwatchd.core.model import Support
 from tests.support.fakenvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_NO_PERMISSION,

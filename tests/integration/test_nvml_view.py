@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd import nvml_view
 from gpuwatchd.collect.nvml import decode_gpu
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.served import nvml as nvml_view
+from gpuwatchd.state.directory import StateDir
 
 BOOT = "b" * 36
 

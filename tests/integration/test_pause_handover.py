@@ -1,4 +1,4 @@
-"""The ended-job hand-over files in ``state_dir`` (gpuwatchd/pause.py): an epilog's
+"""The ended-job hand-over files in ``state_dir`` (gpuwatchd/state/pause.py): an epilog's
 ``run --once --ended-job`` beside a running daemon. Read by the daemon and every scan;
 hostile until validated."""
 
@@ -15,8 +15,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.pause import (
+from gpuwatchd.daemon.lifecycle import Daemon
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import (
     ENDED_JOB_PREFIX,
     MAX_ENDED_JOBS,
     HandOvers,
@@ -24,7 +25,6 @@ from gpuwatchd.pause import (
     read_ended_jobs,
     withdraw_ended_jobs,
 )
-from gpuwatchd.statedir import StateDir
 
 NOW = 1_800_000_000.0
 EPILOG = (4242, 987654)  # the waiting epilog: PID and start ticks

@@ -19,17 +19,17 @@ from gpuwatchd.cli.status import describe
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.config.schema import default_policy
+from gpuwatchd.core.model import CgroupInfo, NvmlReading, Spare
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan import plan, set_paused
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
-from gpuwatchd.model import CgroupInfo, NvmlReading, Spare
-from gpuwatchd.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
-from gpuwatchd.spares import cancel_spare, parse_target, read_spares, write_spare
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.status_document import with_document
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
+from gpuwatchd.state.spares import cancel_spare, parse_target, read_spares, write_spare
+from gpuwatchd.state.status_document import with_document
 from tests.support.plancases import orphan, policy, proc, signals, snap
 
 NOW = 1_800_000_000.0

@@ -27,9 +27,9 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import NvmlReading
 from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import NvmlReading
 from tests.support.children import HOLD_FD, Spawn
 from tests.support.fakenvml import FakeNvml, gpu, state
 

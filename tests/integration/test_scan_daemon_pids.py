@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import holder_view
 from gpuwatchd.cli.scan import daemon_view, running_daemon
 from gpuwatchd.collect.nvml import WORKER_FILE
+from gpuwatchd.core.model import HolderScan
+from gpuwatchd.daemon.wiring import procfs_for
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.model import HolderScan
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.wiring import procfs_for
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.state.directory import StateDir
 
 DAEMON = """\
 import fcntl, os, subprocess, sys, time

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.state import AlreadyRunning, StateStore
+from gpuwatchd.state.saved import AlreadyRunning, StateStore
 
 
 def test_load_without_a_file_is_empty(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_discard_corrupt_moves_a_malformed_but_valid_json_file_aside(tmp_path: P
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from gpuwatchd.state import StateStore
+    from gpuwatchd.state.saved import StateStore
     with StateStore(sys.argv[1]).lock():
         print("locked", flush=True)
         sys.stdin.readline()
@@ -155,7 +155,7 @@ def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
 def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_path: Path) -> None:
     """status, run --once and scan read state.json through read_saved_state: a missing file is
     nothing found, a malformed one a problem (left in place), a well-formed one typed."""
-    from gpuwatchd.state import read_saved_state, state_document
+    from gpuwatchd.state.saved import read_saved_state, state_document
 
     missing = read_saved_state(str(tmp_path / "none"))
     assert (missing.found, missing.problem, missing.daemon_pid) == (False, None, None)
@@ -190,7 +190,7 @@ def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_pat
 
 
 def test_a_state_file_of_another_version_is_refused() -> None:
-    from gpuwatchd.state import check_version
+    from gpuwatchd.state.saved import check_version
 
     check_version({"version": 1})
     with pytest.raises(ValueError, match="unsupported state version 2"):

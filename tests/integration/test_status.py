@@ -2,7 +2,8 @@
 
 Rendering is tested from hand-written state dicts (the ``plan`` section comes from the real
 ``PlanState.to_json`` so the shape cannot drift) whose status document is worked out the way
-the daemon writes it (:func:`gpuwatchd.status_document.with_document`), then rendered; the exit
+the daemon writes it (:func:`gpuwatchd.state.status_document.with_document`), then rendered; the
+exit
 codes through ``main([...])`` with a temporary config whose ``state_dir`` and ``proc_root`` are
 temporary folders.
 """
@@ -32,11 +33,11 @@ from gpuwatchd.cli.status import (
     read_saved,
 )
 from gpuwatchd.cli.status_text import render_text
+from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan_state import Ladder, PlanState
-from gpuwatchd.state import StateStore
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.status_document import with_document
-from gpuwatchd.vocabulary import LadderStatus, Level
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.saved import StateStore
+from gpuwatchd.state.status_document import with_document
 from tests.support.statusrig import (
     BOOT,
     LADDER,
@@ -683,7 +684,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
 
     from gpuwatchd.cli.status import read_boot_id
     from gpuwatchd.config.schema import default_policy
-    from gpuwatchd.daemon import Daemon
+    from gpuwatchd.daemon.lifecycle import Daemon
 
     config = tmp_path / "gpuwatchd.yaml"
     config.write_text("dry_run: true\n")

@@ -9,7 +9,7 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.collect.subids import SubUidFile, parse_subuid
-from gpuwatchd.model import SubIdRange
+from gpuwatchd.core.model import SubIdRange
 from tests.support.fakenvml import FakeNvml, gpu, state
 
 

@@ -22,7 +22,11 @@ __all__ = ["DEPENDENCY_FILES", "Dependencies"]
 
 # Where a gate's callees, tables and defaults live (decide/ imports nothing else of ours but
 # model.py and vocabulary.py, whose names are data).
-DEPENDENCY_FILES = ("gpuwatchd/decide/**/*.py", "gpuwatchd/model.py", "gpuwatchd/core/model.py")
+DEPENDENCY_FILES = (
+    "gpuwatchd/decide/**/*.py",
+    "gpuwatchd/core/model.py",
+    "gpuwatchd/core/model.py",
+)
 
 
 @dataclass(frozen=True)

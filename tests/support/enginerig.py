@@ -10,10 +10,10 @@ from typing import TypeVar
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
+from gpuwatchd.core.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine import Engine, EngineState, PollReport
-from gpuwatchd.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
-from gpuwatchd.vocabulary import SignalOutcome
+from gpuwatchd.engine.cycle import Engine, EngineState, PollReport
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 T = TypeVar("T")

@@ -6,6 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from gpuwatchd.core.model import (
+    MIB,
+    Finding,
+    FindingKind,
+    Snapshot,
+)
 from gpuwatchd.decide.plan import (
     HookIntent,
     PlanResult,
@@ -24,12 +30,6 @@ from gpuwatchd.decide.policy import (
     ResetPolicy,
     Rule,
     Step,
-)
-from gpuwatchd.model import (
-    MIB,
-    Finding,
-    FindingKind,
-    Snapshot,
 )
 from tests.support.snapshots import HostBuilder, gpu_uuid
 

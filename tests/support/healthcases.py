@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     GpuHealth,
     GpuInfo,
     HolderScan,

@@ -3,10 +3,10 @@ beside a live job, and one assessment run."""
 
 from __future__ import annotations
 
+from gpuwatchd.core.model import MIB, Snapshot
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, Snapshot
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     DeviceHolding,
     GpuMemory,

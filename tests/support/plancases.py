@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.decide.plan import (
-    PlanResult,
-    SignalIntent,
-)
-from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,
@@ -22,6 +17,11 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.decide.plan import (
+    PlanResult,
+    SignalIntent,
+)
+from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gpuwatchd.act.reset import ResetStep, ResetTarget, progress_record
+from gpuwatchd.core.model import GpuInfo, MigDevice
 from gpuwatchd.decide.mig_recovery import InstanceRecovery
 from gpuwatchd.decide.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
-from gpuwatchd.model import GpuInfo, MigDevice
 from tests.support.fakesmi import FakeSmi
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,

@@ -9,9 +9,9 @@ from gpuwatchd.cli.status import (
     describe,
 )
 from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.plan_state import Ladder, PlanState
-from gpuwatchd.status_document import with_document
-from gpuwatchd.vocabulary import LadderStatus
+from gpuwatchd.state.status_document import with_document
 
 NOW = 1_800_000_000.0  # wall
 MONO = 50_000.0  # the same instant on the monotonic clock

@@ -4,7 +4,7 @@ node unwatched.
 
 Pins gpuwatchd/cli/reload.py (the daemon found by its state, its lock and its process, never
 by a PID number like 1; a broken policy refused before any signal; none running: exit 3) and
-the start-up fallback of gpuwatchd/accepted.py: a daemon that never accepted a policy exits
+the start-up fallback of gpuwatchd/state/accepted.py: a daemon that never accepted a policy exits
 78 over a broken one; one that did runs with the last policy it accepted, logs
 ``config.start_rejected`` at critical, sets ``gpuwatchd_policy_rejected``, and ``gpuwatchd
 status`` (even with the broken files) says so and exits 1. Real daemons in a PID namespace

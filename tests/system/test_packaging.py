@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli.main import build_parser
-from gpuwatchd.event_catalogue import message_id
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.events.catalogue import message_id
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = "usr/share/doc/gpuwatchd"

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from bench.cli_scan import scan_pids
-from gpuwatchd import holder_view
-from gpuwatchd.scan_socket import SOCKET_NAME, ScanRequest, ask
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served.scan_socket import SOCKET_NAME, ScanRequest, ask
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.opener import opener, tell
 from tests.support.published import view_clean, wait_for
@@ -50,8 +50,8 @@ with os.fdopen(int(sys.argv[1]), "w") as out:
 
 # What a scan the daemon answered must not have loaded: the judging is the daemon's.
 NOT_LOADED = (
-    "gpuwatchd.cli.main", "gpuwatchd.cli.scan", "gpuwatchd.decide", "gpuwatchd.model",
-    "gpuwatchd.collect", "gpuwatchd.statedir", "argparse", "dataclasses", "yaml",
+    "gpuwatchd.cli.main", "gpuwatchd.cli.scan", "gpuwatchd.decide", "gpuwatchd.core.model",
+    "gpuwatchd.collect", "gpuwatchd.state.directory", "argparse", "dataclasses", "yaml",
 )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd import holder_view
+from gpuwatchd.served import holders as holder_view
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
 
@@ -44,22 +44,22 @@ with os.fdopen(int(sys.argv[1]), "w") as out:
 
 # Modules a scan must not load: (module, why it is not needed).
 NOT_LOADED = {
-    "structlog": "logging is lazy: loaded only for an error (gpuwatchd.lazylog)",
+    "structlog": "logging is lazy: loaded only for an error (gpuwatchd.events.lazylog)",
     "asyncio": "only structlog brings it",
     "pynvml": "NVML is read in the worker process, never in the command",
-    "gpuwatchd.wiring": "the daemon's host: actuator, hooks, signaller",
-    "gpuwatchd.host": "the daemon's host reader and actuator",
+    "gpuwatchd.daemon.wiring": "the daemon's host: actuator, hooks, signaller",
+    "gpuwatchd.daemon.host": "the daemon's host reader and actuator",
     "gpuwatchd.act.commands": "a scan never acts",
     "gpuwatchd.act.signals": "a scan never signals",
     "gpuwatchd.config.changes": "the reload diff, the daemon.s",
-    "gpuwatchd.daemon": "another command's",
-    "gpuwatchd.engine": "another command's",
+    "gpuwatchd.daemon.lifecycle": "another command's",
+    "gpuwatchd.engine.cycle": "another command's",
     "gpuwatchd.decide.plan": "a scan judges (verdict), it does not plan",
     "gpuwatchd.sim.simulation": "another command's",
     "gpuwatchd.cli.explain": "another command's",
     "gpuwatchd.cli.run": "another command's",
-    "gpuwatchd.status_document": "status's: look_at_process is in gpuwatchd.cli.process_kind",
-    "gpuwatchd.event_catalogue": "the daemon's and status's event text",
+    "gpuwatchd.state.status_document": "status's: look_at_process is in gpuwatchd.cli.process_kind",
+    "gpuwatchd.events.catalogue": "the daemon's and status's event text",
     "hashlib": "names spare and hand-over files only, loaded when one is there (OpenSSL: ~3 ms)",
     "platform": "kcmp's machine name comes from os.uname() (~2 ms)",
     "difflib": "suggests a key name for a typo in the policy only, loaded then",
@@ -68,7 +68,7 @@ NOT_LOADED = {
 
 # ... and what a served scan does not load either: the policy comes compiled from the daemon.
 SERVED_NOT_LOADED = {
-    "yaml": "the daemon's compiled policy is used (gpuwatchd/compiled_policy.py)",
+    "yaml": "the daemon's compiled policy is used (gpuwatchd/state/compiled_policy.py)",
     "gpuwatchd.config.schema": "the daemon's compiled policy is used",
 }
 

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from bench.cli_scan import scan_pids
-from gpuwatchd import holder_view, nvml_view
-from gpuwatchd.model import HolderScan
+from gpuwatchd.core.model import HolderScan
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served import nvml as nvml_view
 from tests.support.fakenvml import MiB, gpu, process
 from tests.support.published import doc, view_clean, wait_for
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace

@@ -1,4 +1,4 @@
-"""One trusted ``state_dir`` for every command (gpuwatchd/statedir.py).
+"""One trusted ``state_dir`` for every command (gpuwatchd/state/directory.py).
 
 Every command that reads or writes ``state_dir`` opens it the one checked way: a walk from
 ``/`` that follows no symbolic link, every directory on the way and every file read owned by
@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd import holder_view
-from gpuwatchd.model import HolderScan
-from gpuwatchd.statedir import JsonFile, StateDir, StateDirError, Value, open_directory
+from gpuwatchd.core.model import HolderScan
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.state.directory import JsonFile, StateDir, StateDirError, Value, open_directory
 from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import MiB, gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace

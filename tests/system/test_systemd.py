@@ -266,7 +266,7 @@ def test_the_unit_follows_the_kernel_log_through_the_journal_in_its_sandbox(
 
 # Asks the daemon in the container directly, to say why it declined (a failure's diagnosis).
 ASK_DAEMON = (
-    "from gpuwatchd.scan_socket import ScanRequest, ask; "
+    "from gpuwatchd.served.scan_socket import ScanRequest, ask; "
     "print(ask(['/var/lib/gpuwatchd'], "
     "ScanRequest('/etc/gpuwatchd/gpuwatchd.yaml', True, False), 5.0)[:2])"
 )

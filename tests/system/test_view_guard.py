@@ -1,6 +1,6 @@
 """A served ``scan`` is never stale for an open of a watched device file (issue 25).
 
-The guard (gpuwatchd/view_guard.py) on both sides: the daemon's watch reads no event before the
+The guard (gpuwatchd/served/guard.py) on both sides: the daemon's watch reads no event before the
 published view says dirty, and a reader asks the daemon's own inotify queue (``pidfd_getfd``,
 ``FIONREAD``) before it believes a clean view. In-process pieces first — the watch, the
 publisher and the probe against this test's own inotify descriptor and lock — then end to end:
@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 
 from bench.cli_scan import scan_pids
-from gpuwatchd import holder_view
-from gpuwatchd.model import HolderScan
-from gpuwatchd.statedir import StateDir
-from gpuwatchd.view_guard import (
+from gpuwatchd.core.model import HolderScan
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served.guard import (
     EARLY_GAP,
     GuardedWatch,
     ViewPublisher,
@@ -31,6 +30,7 @@ from gpuwatchd.view_guard import (
     probe,
     queued_bytes,
 )
+from gpuwatchd.state.directory import StateDir
 from tests.support.fakenvml import gpu
 from tests.support.opener import opener, tell
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace

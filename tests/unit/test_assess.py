@@ -13,11 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.decide.assess import NODE, Assessment, assess, job_ended
-from gpuwatchd.decide.assess_state import AssessState, Lineage
-from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
     Finding,
@@ -26,6 +22,10 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.decide.assess import NODE, Assessment, assess, job_ended
+from gpuwatchd.decide.assess_state import AssessState, Lineage
+from gpuwatchd.decide.floor import is_infrastructure
+from gpuwatchd.decide.policy import Detection
 from tests.support.snapshots import (
     HostBuilder,
     cg_container,

@@ -19,7 +19,7 @@ from gpuwatchd.collect.cgroups import (
     slurm_job_dir,
     unescape_mount_path,
 )
-from gpuwatchd.model import CgroupInfo
+from gpuwatchd.core.model import CgroupInfo
 
 DOCKER_ID = "4f9a" * 16
 CTR_ID = "ab12" * 16

@@ -22,10 +22,10 @@ from gpuwatchd.cli.check_clean import (
 )
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
+from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
 from gpuwatchd.decide.plan_state import Ladder, PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, Reason
-from gpuwatchd.vocabulary import Cleanliness, LadderStatus
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"

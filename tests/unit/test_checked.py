@@ -1,4 +1,4 @@
-"""The one checked-JSON reader (gpuwatchd/checked.py): strict readers name where a value is
+"""The one checked-JSON reader (gpuwatchd/core/checked.py): strict readers name where a value is
 wrong; lenient readers make a malformed value unknown, never an exception."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatchd import checked
+from gpuwatchd.core import checked
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from structlog.testing import capture_logs
 from gpuwatchd.cli.main import main
 from gpuwatchd.config.changes import VALUE_LIMIT, policy_changes
 from gpuwatchd.config.schema import default_policy, load_policy, parse_policy_documents
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.logs import sentence
-from gpuwatchd.vocabulary import EventName
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.daemon.lifecycle import Daemon
+from gpuwatchd.events.logs import sentence
 
 
 def test_nothing_changed_is_an_empty_answer() -> None:

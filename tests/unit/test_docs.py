@@ -1,5 +1,5 @@
-"""docs/events.md documents exactly the event catalogue (gpuwatchd.vocabulary.EventName and
-gpuwatchd/event_catalogue.py: names, levels), every logging call names its event through that
+"""docs/events.md documents exactly the event catalogue (gpuwatchd.core.vocabulary.EventName and
+gpuwatchd/events/catalogue.py: names, levels), every logging call names its event through that
 catalogue, and no code spells an event name as a string."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ast
 import pathlib
 import re
 
-from gpuwatchd.event_catalogue import CATALOGUE, MESSAGE_ID_NAMESPACE, message_id
-from gpuwatchd.vocabulary import EventName, Level
+from gpuwatchd.core.vocabulary import EventName, Level
+from gpuwatchd.events.catalogue import CATALOGUE, MESSAGE_ID_NAMESPACE, message_id
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EVENTS_DOC = ROOT / "docs" / "events.md"
@@ -59,16 +59,16 @@ def test_each_event_is_documented_at_the_catalogue_s_levels() -> None:
 
 def test_no_string_in_the_code_is_an_event_name() -> None:
     """An event is named by its EventName member, anywhere: not spelled as a string in a
-    comparison, a table or a call (only gpuwatchd/vocabulary.py says the names)."""
+    comparison, a table or a call (only gpuwatchd/core/vocabulary.py says the names)."""
     names = {e.value for e in EventName}
     offenders = []
     for path in sorted((ROOT / "gpuwatchd").rglob("*.py")):
-        if path.name == "vocabulary.py" and path.parent.name == "gpuwatchd":
+        if path.name == "vocabulary.py" and path.parent.name == "core":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
-    assert not offenders, "use gpuwatchd.vocabulary.EventName:\n" + "\n".join(offenders)
+    assert not offenders, "use gpuwatchd.core.vocabulary.EventName:\n" + "\n".join(offenders)
 
 
 def _literal_event_calls(tree: ast.AST) -> list[tuple[int, str]]:
@@ -96,7 +96,7 @@ def test_events_are_named_through_the_catalogue_not_spelled_again() -> None:
         for line, value in _literal_event_calls(tree):
             if not value.startswith(SIMULATION_ONLY):
                 offenders.append(f"{path.relative_to(ROOT)}:{line}: {value!r}")
-    assert not offenders, "use gpuwatchd.vocabulary.EventName:\n" + "\n".join(offenders)
+    assert not offenders, "use gpuwatchd.core.vocabulary.EventName:\n" + "\n".join(offenders)
 
 
 def test_the_literal_finder_finds_literals() -> None:

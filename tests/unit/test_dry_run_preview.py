@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from gpuwatchd.cli.main import main
+from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.plan import (
     EventName,
     HookIntent,
@@ -29,10 +31,8 @@ from gpuwatchd.decide.plan import (
 from gpuwatchd.decide.plan_state import Ladder
 from gpuwatchd.decide.policy import Limits
 from gpuwatchd.decide.shadow import DryShadow, ShadowWork
-from gpuwatchd.model import ProcessIdentity
 from gpuwatchd.sim.scenario import load_scenario, parse_scenario
 from gpuwatchd.sim.simulation import SimulationResult, simulate
-from gpuwatchd.vocabulary import LadderStatus
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 GPU0 = "GPU-00000000-0000-4000-8000-000000000000"

@@ -3,7 +3,7 @@
 A scenario is played by ``simulate``. Every answer its edges give the engine (snapshots, final
 scans, signal and command results, exits, clock readings) and every call its loop makes into
 the engine (poll, note_exits, pause, spares) is recorded. The same sequence is then replayed into a
-fresh engine whose sink is the daemon's (:class:`gpuwatchd.host.LogSink`, structlog), and the
+fresh engine whose sink is the daemon's (:class:`gpuwatchd.daemon.host.LogSink`, structlog), and the
 two event streams must be the same: same names, levels, fields, in the same order. A decision
 that only one of them made would show up here.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.engine import Engine
-from gpuwatchd.host import LogSink
+from gpuwatchd.daemon.host import LogSink
+from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import Simulation, scenario_policy
 

@@ -9,8 +9,8 @@ import pytest
 import structlog
 
 from gpuwatchd.cli.explain import render_explanation
-from gpuwatchd.escape import escape
-from gpuwatchd.logs import configure_logging
+from gpuwatchd.core.escape import escape
+from gpuwatchd.events.logs import configure_logging
 
 SEPARATORS = ["\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 

@@ -1,4 +1,4 @@
-"""The event catalogue (gpuwatchd/event_catalogue.py) is the one place an event is worded:
+"""The event catalogue (gpuwatchd/events/catalogue.py) is the one place an event is worded:
 every event has a sentence of its own, the journal and simulate's timeline say the same
 sentence (only the names of processes and GPUs differ), the events the engine emits carry the
 catalogue's fields at one of its levels, and the journal of a kill and of a reset reads as a
@@ -12,12 +12,12 @@ import re
 
 import pytest
 
-from gpuwatchd.event_catalogue import CATALOGUE, JournalNamer, notification, render
-from gpuwatchd.logs import LEVELS, priority_prefix, sentence
+from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, level_of
+from gpuwatchd.events.catalogue import CATALOGUE, JournalNamer, notification, render
+from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import SimulationResult, simulate
 from gpuwatchd.sim.timeline import describe_event, finding_label
-from gpuwatchd.vocabulary import RESET_STEPS, EventName, Level, level_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "examples" / "scenarios"
@@ -281,7 +281,7 @@ def test_no_event_is_given_a_bare_level_string() -> None:
     for path in sorted((ROOT / "gpuwatchd").rglob("*.py")):
         for line in _bare_level_arguments(ast.parse(path.read_text())):
             offenders.append(f"{path.relative_to(ROOT)}:{line}")
-    assert not offenders, "use gpuwatchd.vocabulary.Level:\n" + "\n".join(offenders)
+    assert not offenders, "use gpuwatchd.core.vocabulary.Level:\n" + "\n".join(offenders)
 
 
 def test_the_bare_level_finder_finds_them() -> None:

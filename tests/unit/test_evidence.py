@@ -28,14 +28,14 @@ from gpuwatchd.cli.report_read import SnapshotError, load_report
 from gpuwatchd.cli.scan import snapshot_report
 from gpuwatchd.cli.status import describe, read_evidence
 from gpuwatchd.cli.status_text import render_text
+from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.health_state import HealthState
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.decide.verdict import NodeVerdict
-from gpuwatchd.engine import Engine, EngineState
-from gpuwatchd.model import Snapshot
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.engine.cycle import Engine, EngineState
+from gpuwatchd.state.directory import StateDir
 from tests.support.enginerig import (
     GPU0,
     LEAK,

@@ -9,6 +9,8 @@ import pytest
 
 from gpuwatchd.collect.cgroups import classify_cgroup_path
 from gpuwatchd.config.schema import default_policy
+from gpuwatchd.core.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
+from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.floor import (
@@ -21,8 +23,6 @@ from gpuwatchd.decide.floor import (
 )
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
 from gpuwatchd.decide.targets import refusal
-from gpuwatchd.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
-from gpuwatchd.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from tests.support.snapshots import HostBuilder, cg_container, cg_session, cg_unit
 
 ROOT_EXE = {"uid": 0, "exe_trusted": True}

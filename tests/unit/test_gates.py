@@ -17,6 +17,15 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import (
+    MIB,
+    CgroupInfo,
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 from gpuwatchd.decide.floor import driver_refusers, infrastructure, live_holder, reset_blockers
 from gpuwatchd.decide.plan import (
     EventName,
@@ -33,15 +42,6 @@ from gpuwatchd.decide.policy import (
     Policy,
     Rule,
     Step,
-)
-from gpuwatchd.model import (
-    MIB,
-    CgroupInfo,
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
 )
 from tests.support.gatecases import (
     GPU0,

@@ -16,12 +16,12 @@ import re
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
+from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import PlanState, ResetIntent, plan, reset_gates
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy, default_rules
-from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
-from gpuwatchd.vocabulary import Level
 from tests.support.migcases import GI1, LEAK, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, cg_session, gpu_uuid

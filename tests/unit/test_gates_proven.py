@@ -15,6 +15,14 @@ import re
 import pytest
 
 from gpuwatchd.cli.check_clean import answer
+from gpuwatchd.core.model import (
+    MIB,
+    Finding,
+    FindingKind,
+    ProcessIdentity,
+    Snapshot,
+)
+from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
 from gpuwatchd.decide import patterns
 from gpuwatchd.decide.argv import ArgvError, check_hook_command
 from gpuwatchd.decide.assess import NODE, assess
@@ -27,14 +35,6 @@ from gpuwatchd.decide.plan import EventName, PlanState, ResetIntent, plan, reset
 from gpuwatchd.decide.plan_state import Ladder
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.model import (
-    MIB,
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    Snapshot,
-)
-from gpuwatchd.vocabulary import Cleanliness, LadderStatus
 from tests.support.gatecases import (
     GPU0,
     _job_host,

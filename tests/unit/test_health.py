@@ -9,6 +9,14 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import (
+    FindingKind,
+    GpuHealth,
+    ProcessInfo,
+    Snapshot,
+    Support,
+    XidEvent,
+)
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.health import (
@@ -29,14 +37,6 @@ from gpuwatchd.decide.plan import (
     record_reset,
 )
 from gpuwatchd.decide.policy import HealthPolicy, Hook, Policy, ResetPolicy
-from gpuwatchd.model import (
-    FindingKind,
-    GpuHealth,
-    ProcessInfo,
-    Snapshot,
-    Support,
-    XidEvent,
-)
 from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 
 DRAIN = Hook(("scontrol", "update", "state=drain"))

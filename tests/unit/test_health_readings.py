@@ -9,9 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from gpuwatchd.decide.health import HealthState, assess_health, recovery_name
-from gpuwatchd.decide.health_state import MAX_XID_KINDS
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     FindingKind,
     GpuHealth,
     GpuInfo,
@@ -21,6 +19,8 @@ from gpuwatchd.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.decide.health import HealthState, assess_health, recovery_name
+from gpuwatchd.decide.health_state import MAX_XID_KINDS
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import Finding, FindingKind, GpuHealth, Support, XidEvent
 from gpuwatchd.decide import fabric
 from gpuwatchd.decide.health import (
     PEER_XID_WINDOW,
@@ -20,7 +21,6 @@ from gpuwatchd.decide.health import (
     note_reset,
 )
 from gpuwatchd.decide.policy import HealthPolicy
-from gpuwatchd.model import Finding, FindingKind, GpuHealth, Support, XidEvent
 from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 
 T0 = 1_700_000_000.0  # snap()'s wall time at t=0

@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.event_catalogue import render
-from gpuwatchd.host import HookQueue
-from gpuwatchd.vocabulary import EventName, HookOutcome, Level
+from gpuwatchd.core.vocabulary import EventName, HookOutcome, Level
+from gpuwatchd.daemon.host import HookQueue
+from gpuwatchd.events.catalogue import render
 from tests.support.enginerig import rig
 from tests.support.snapshots import HostBuilder
 
@@ -51,7 +51,7 @@ def test_the_engine_says_it_on_the_main_loop_through_its_sink() -> None:
 
 
 def test_the_daemon_hands_its_queue_to_its_engine(tmp_path: Path) -> None:
-    from gpuwatchd.daemon import Daemon
+    from gpuwatchd.daemon.lifecycle import Daemon
 
     policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
     daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))

@@ -19,7 +19,7 @@ from gpuwatchd.collect.kernel_log import (
     parse_kmsg_record,
     parse_xid,
 )
-from gpuwatchd.model import CgroupInfo, ProcessInfo
+from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 
 
 @pytest.mark.parametrize(

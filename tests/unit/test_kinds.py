@@ -10,8 +10,8 @@ import pytest
 
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.core.model import FindingKind
 from gpuwatchd.decide import health, kinds, plan_resets, verdict
-from gpuwatchd.model import FindingKind
 
 FINDINGS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "findings.md"
 

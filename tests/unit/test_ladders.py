@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
 from gpuwatchd.decide.plan import (
     EventName,
     HookIntent,
@@ -23,7 +24,6 @@ from gpuwatchd.decide.plan import (
     reset_gates,
 )
 from gpuwatchd.decide.policy import Limits, Policy, ResetPolicy, Rule, Step
-from gpuwatchd.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 GPU0, GPU1 = gpu_uuid(0), gpu_uuid(1)

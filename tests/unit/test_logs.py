@@ -22,16 +22,16 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from gpuwatchd import logs
-from gpuwatchd.event_catalogue import journal_field_name, message_id
-from gpuwatchd.logs import (
+from gpuwatchd.core.vocabulary import EventName, SignalOutcome
+from gpuwatchd.events import logs
+from gpuwatchd.events.catalogue import journal_field_name, message_id
+from gpuwatchd.events.logs import (
     configure_logging,
     get_logger,
     priority_prefix,
     sentence,
     under_journald,
 )
-from gpuwatchd.vocabulary import EventName, SignalOutcome
 
 JOURNAL = {"JOURNAL_STREAM": "8:12345"}
 

@@ -13,12 +13,12 @@ import dataclasses
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.mig import busy_instances, instance_view, mig_layout, parent_of
 from gpuwatchd.decide.plan import PlanState, SignalIntent, plan, reset_gates
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
-from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
 from tests.support.fakenvml import cap_minor
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, mig_uuid, with_mig

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from gpuwatchd.core.model import MIB, GpuInfo, MigDevice, Snapshot
 from gpuwatchd.decide.argv import ArgvError, check_command, format_argv, placeholders_in
 from gpuwatchd.decide.mig_recovery import (
     DEFAULT_COMMANDS,
@@ -24,7 +25,6 @@ from gpuwatchd.decide.mig_recovery import (
     recovery_of,
     resume_point,
 )
-from gpuwatchd.model import MIB, GpuInfo, MigDevice, Snapshot
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 

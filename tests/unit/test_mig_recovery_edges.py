@@ -12,18 +12,7 @@ import dataclasses
 
 import pytest
 
-from gpuwatchd.decide.full_scan import has_unowned_memory, unowned_memory_threshold
-from gpuwatchd.decide.mig_recovery import (
-    InstanceRecovery,
-    from_record,
-    instance_blockers,
-    recovered,
-    recovery_blockers,
-    recovery_of,
-)
-from gpuwatchd.decide.plan import PlanState, ResetIntent, record_reset, reset_gates
-from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     Finding,
     FindingKind,
@@ -35,7 +24,18 @@ from gpuwatchd.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.vocabulary import ResetResult
+from gpuwatchd.core.vocabulary import ResetResult
+from gpuwatchd.decide.full_scan import has_unowned_memory, unowned_memory_threshold
+from gpuwatchd.decide.mig_recovery import (
+    InstanceRecovery,
+    from_record,
+    instance_blockers,
+    recovered,
+    recovery_blockers,
+    recovery_of,
+)
+from gpuwatchd.decide.plan import PlanState, ResetIntent, record_reset, reset_gates
+from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 

@@ -13,6 +13,8 @@ import dataclasses
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
+from gpuwatchd.core.vocabulary import Cleanliness, EventName, ResetResult
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import (
@@ -28,8 +30,6 @@ from gpuwatchd.decide.plan import (
 from gpuwatchd.decide.plan_state import ResetRefusal
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
-from gpuwatchd.model import MIB, Finding, FindingKind, Snapshot
-from gpuwatchd.vocabulary import Cleanliness, EventName, ResetResult
 from tests.support.migcases import GI1, GI2, LEAK, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid

@@ -14,13 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuwatchd.cli.explain import explain_report, rebuild
 from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.core.model import Snapshot
+from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.decide.assess import Assessment
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import judge
-from gpuwatchd.engine import PollReport
-from gpuwatchd.metrics import Metrics
-from gpuwatchd.model import Snapshot
+from gpuwatchd.engine.cycle import PollReport
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from gpuwatchd.core.model import FindingKind, Snapshot
+from gpuwatchd.core.vocabulary import ResetResult
 from gpuwatchd.decide.plan import (
     HookIntent,
     PlanState,
@@ -20,8 +22,6 @@ from gpuwatchd.decide.plan import (
     unfinished_recoveries,
 )
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
-from gpuwatchd.model import FindingKind, Snapshot
-from gpuwatchd.vocabulary import ResetResult
 from tests.support.healthcases import health
 from tests.support.migcases import LEAK, run
 from tests.support.migsnap import Inst, with_mig

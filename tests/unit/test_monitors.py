@@ -20,12 +20,12 @@ import pytest
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.plan import reset_gates
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy
-from gpuwatchd.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment
 from tests.support.snapshots import HostBuilder, cg_session, cg_slurm, cg_unit, gpu_uuid

@@ -2,7 +2,7 @@
 
 The engine runs with the fake edges of ``test_engine`` (no processes, no sleeping); the
 background runner is replaced to show that a notification never runs on the poll itself.
-:class:`gpuwatchd.host.HookQueue` is tested with real threads. The real daemon in the systemd
+:class:`gpuwatchd.daemon.host.HookQueue` is tested with real threads. The real daemon in the systemd
 container runs one after a kill (``tests/system/test_systemd.py``).
 """
 
@@ -16,12 +16,12 @@ import pytest
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.config.schema import ConfigError, parse_policy_documents, render_policy
+from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.vocabulary import SignalOutcome
+from gpuwatchd.daemon.host import HookQueue, node_name
 from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine import Engine
-from gpuwatchd.host import HookQueue, node_name
-from gpuwatchd.model import ProcessIdentity
-from gpuwatchd.vocabulary import SignalOutcome
+from gpuwatchd.engine.cycle import Engine
 from tests.support.enginerig import (
     GPU0,
     Actuator,

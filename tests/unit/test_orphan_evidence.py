@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import pytest
 
+from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.model import MIB, FindingKind, ProcessIdentity, Snapshot
 from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 
 LEAK = 20 * 1024 * MIB

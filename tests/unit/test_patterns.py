@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.core.model import Finding, FindingKind
 from gpuwatchd.decide.patterns import (
     MAX_COMMAND_TEXT,
     MAX_REPEAT,
@@ -23,7 +24,6 @@ from gpuwatchd.decide.patterns import (
 )
 from gpuwatchd.decide.policy import Policy, Protect, Rule, Step
 from gpuwatchd.decide.targets import refusal, rule_for
-from gpuwatchd.model import Finding, FindingKind
 from tests.support.snapshots import HostBuilder
 
 DROP_IN = "/etc/gpuwatchd/conf.d/50-site.yaml"

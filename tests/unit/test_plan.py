@@ -13,6 +13,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuwatchd.core.model import (
+    MIB,
+    CgroupInfo,
+    DeviceHolding,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    GpuMemory,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+    SubIdRange,
+)
 from gpuwatchd.decide.plan import (
     EventName,
     HookIntent,
@@ -38,19 +51,6 @@ from gpuwatchd.decide.plan import (
     set_paused,
 )
 from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
-from gpuwatchd.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    GpuMemory,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
-    SubIdRange,
-)
 from tests.support.plancases import (
     BUS0,
     GPU0,

@@ -27,6 +27,21 @@ from dataclasses import dataclass, replace
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from gpuwatchd.core.model import (
+    MIB,
+    CgroupInfo,
+    DeviceHolding,
+    FileSharing,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    NvmlProcess,
+    NvmlReading,
+    ProcessInfo,
+    Snapshot,
+)
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.plan import (
@@ -54,21 +69,6 @@ from gpuwatchd.decide.policy import (
     ResetPolicy,
     Rule,
     Step,
-)
-from gpuwatchd.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    FileSharing,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    GpuMemory,
-    HolderScan,
-    NvmlProcess,
-    NvmlReading,
-    ProcessInfo,
-    Snapshot,
 )
 
 GPUS = ("GPU-aaaa", "GPU-bbbb")

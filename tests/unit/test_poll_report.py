@@ -11,16 +11,16 @@ import ast
 import inspect
 import pathlib
 
+from gpuwatchd.core.model import Spare
+from gpuwatchd.daemon.metrics import Metrics
+from gpuwatchd.daemon.notify import describe_status
 from gpuwatchd.decide.plan import SignalIntent
-from gpuwatchd.engine import Engine, Pause, PollInputs
-from gpuwatchd.metrics import Metrics
-from gpuwatchd.model import Spare
-from gpuwatchd.systemd_notify import describe_status
+from gpuwatchd.engine.cycle import Engine, Pause, PollInputs
 from tests.support.enginerig import W0, make_policy, orphan_host, rig
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "gpuwatchd"
 # The modules that drive the engine: whatever they read of a poll comes from its report.
-DRIVERS = ("daemon.py", "daemon_serving.py", "cli/run.py", "cli/once.py", "sim/*.py")
+DRIVERS = ("daemon/lifecycle.py", "daemon/serving.py", "cli/run.py", "cli/once.py", "sim/*.py")
 
 
 def _engine_uses(path: pathlib.Path) -> list[tuple[int, str, bool]]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpuwatchd.cli.report import build_report, render_text
-from gpuwatchd.model import (
+from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,
     DeviceHolding,

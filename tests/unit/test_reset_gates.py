@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, Snapshot
 from gpuwatchd.decide.health import drain_blockers
 from gpuwatchd.decide.plan import (
     EventName,
@@ -25,7 +26,6 @@ from gpuwatchd.decide.plan import (
     reset_gates,
 )
 from gpuwatchd.decide.policy import HealthPolicy, Limits, Policy
-from gpuwatchd.model import Finding, FindingKind, ProcessIdentity, Snapshot
 from tests.support.gatecases import (
     GPU0,
     GPU1,

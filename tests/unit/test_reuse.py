@@ -13,15 +13,15 @@ import pathlib
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Snapshot
+from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
 from gpuwatchd.decide.reuse import Reuse, same_but_time
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.model import MIB, Snapshot
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import Simulation, scenario_policy
-from gpuwatchd.vocabulary import Level
 from tests.support.snapshots import HostBuilder
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"

@@ -1,7 +1,7 @@
-"""The socket a running daemon answers ``scan`` on (gpuwatchd/scan_socket.py) and the command's
-first step (gpuwatchd/cli/entry.py): which command lines ask, the format read as hostile input
-on both sides, and the server's limits — a silent, slow, garbled or failing exchange never
-stops the daemon, and always leaves the command to scan by itself."""
+"""The socket a running daemon answers ``scan`` on (gpuwatchd/served/scan_socket.py) and the
+command's first step (gpuwatchd/cli/entry.py): which command lines ask, the format read as
+hostile input on both sides, and the server's limits — a silent, slow, garbled or failing
+exchange never stops the daemon, and always leaves the command to scan by itself."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import scan_socket
 from gpuwatchd.cli.entry import answered_by_daemon, scan_arguments
-from gpuwatchd.scan_socket import (
+from gpuwatchd.served import scan_socket
+from gpuwatchd.served.scan_socket import (
     SOCKET_NAME,
     ExchangeError,
     ScanAnswer,

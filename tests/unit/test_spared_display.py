@@ -17,11 +17,11 @@ from gpuwatchd.cli.spared import mark_spared, spares_in_force
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import parse_policy_documents
+from gpuwatchd.core.model import Snapshot, Spare
 from gpuwatchd.decide.assess import assess
 from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.model import Snapshot, Spare
-from gpuwatchd.spares import write_spare
-from gpuwatchd.statedir import StateDir
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.spares import write_spare
 from tests.support.snapshots import HostBuilder, cg_slurm
 
 LEAK = 4 << 30

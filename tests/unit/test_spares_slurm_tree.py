@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli.main import main
+from gpuwatchd.core.model import CgroupInfo, ProcessInfo, Spare
 from gpuwatchd.decide.plan import plan
 from gpuwatchd.decide.plan_state import PlanState
 from gpuwatchd.decide.spares import job_processes, slurm_tree_job, spare_reason
-from gpuwatchd.model import CgroupInfo, ProcessInfo, Spare
 from tests.support.plancases import orphan, policy, proc, signals, snap
 
 SLURMD = CgroupInfo(path="/system.slice/slurmd.service")

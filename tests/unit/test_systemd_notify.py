@@ -1,4 +1,4 @@
-"""sd_notify and the watchdog (gpuwatchd/systemd_notify.py): slow work runs on the caller's own
+"""sd_notify and the watchdog (gpuwatchd/daemon/notify.py): slow work runs on the caller's own
 thread while a helper thread only feeds the watchdog."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpuwatchd.systemd_notify import Notifier, keep_watchdog_fed, watchdog_slice
+from gpuwatchd.daemon.notify import Notifier, keep_watchdog_fed, watchdog_slice
 
 
 class _Recorder(Notifier):
@@ -68,7 +68,7 @@ def test_the_pinger_feeds_at_most_once_per_period_and_never_from_a_forked_child(
     every ``every`` seconds, from this process only (NotifyAccess=main refuses a child's)."""
     import os
 
-    from gpuwatchd.systemd_notify import WatchdogPinger
+    from gpuwatchd.daemon.notify import WatchdogPinger
 
     now = [100.0]
     pings: list[float] = []

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
+from gpuwatchd.core.vocabulary import Cleanliness
 from gpuwatchd.decide.assess import Assessment, assess
 from gpuwatchd.decide.assess_state import AssessState
 from gpuwatchd.decide.policy import Detection, Policy, Protect
@@ -29,8 +31,6 @@ from gpuwatchd.decide.verdict import (
     not_clean,
     once_progress,
 )
-from gpuwatchd.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
-from gpuwatchd.vocabulary import Cleanliness
 from tests.support.snapshots import HostBuilder, cg_slurm, cg_unit, gpu_uuid
 
 LEAK = 1200 * MIB
@@ -534,9 +534,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "gpuwatchd"
 CALLERS = {
     "cli/check_clean.py": "verdict",  # ScanResult.verdict
     "cli/once.py": "once_progress",
-    "daemon.py": "once_progress",  # run --once holding the lock; status via last_verdict
+    "daemon/lifecycle.py": "once_progress",  # run --once holding the lock; status via last_verdict
     "cli/scan.py": "judge",
-    "engine.py": "judge",
+    "engine/cycle.py": "judge",
 }
 
 

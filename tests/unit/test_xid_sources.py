@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuwatchd.core.model import FindingKind, KernelXid, XidEvent
 from gpuwatchd.decide.health import assess_health
 from gpuwatchd.decide.health_state import HealthState, XidLog
 from gpuwatchd.decide.xid_sources import (
@@ -16,7 +17,6 @@ from gpuwatchd.decide.xid_sources import (
     merge_sources,
     notices,
 )
-from gpuwatchd.model import FindingKind, KernelXid, XidEvent
 from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 
 T = 1_700_001_000.0  # the wall time of healthcases.snap(t=1000)

@@ -1,0 +1,174 @@
+"""Checked access to decoded JSON: the one reader of every saved or published document.
+
+This module owns how a value that came out of ``json.loads`` is believed, in two manners:
+
+- **strict** (:func:`obj`, :func:`items`, :func:`text`, :func:`integer`, :func:`number`,
+  :func:`flag`, :func:`pairs`, ...): the value has the expected type or ``ValueError`` names
+  where (``what``) and what was expected. For state a process carries on with (the plan, the
+  health history, the dry-run shadow), where a malformed file is refused as a whole.
+- **lenient** (:func:`as_number`, :func:`as_int`, :func:`as_count`, :func:`as_text`,
+  :func:`as_flag`, :func:`as_map`, :func:`as_list`, and :class:`Value` for paths): a missing or
+  malformed value is None (unknown) or empty, never an exception. For readers that show what
+  they can (``status``, ``run --once``, ``scan``).
+
+Pure: no I/O, no clock; ``decide/`` may import it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from gpuwatchd.core.model import as_int
+
+__all__ = [
+    "Value",
+    "as_count",
+    "as_flag",
+    "as_int",
+    "as_list",
+    "as_map",
+    "as_number",
+    "as_text",
+    "flag",
+    "integer",
+    "items",
+    "number",
+    "obj",
+    "opt_number",
+    "opt_text",
+    "pairs",
+    "text",
+]
+
+
+# --- strict: the expected type, or ValueError naming where ---------------------------------------
+
+
+def obj(value: object, what: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{what}: expected an object")
+    return value
+
+
+def items(value: object, what: str, limit: int | None = None) -> list[object]:
+    """A list (of at most ``limit`` entries, when given)."""
+    if not isinstance(value, list) or (limit is not None and len(value) > limit):
+        raise ValueError(f"{what}: expected a list")
+    return value
+
+
+def text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected a string")
+    return value
+
+
+def opt_text(value: object, what: str) -> str | None:
+    return None if value is None else text(value, what)
+
+
+def integer(value: object, what: str) -> int:
+    number = as_int(value)
+    if number is None:
+        raise ValueError(f"{what}: expected an integer")
+    return number
+
+
+def number(value: object, what: str) -> float:
+    """A finite number (an integer or a float, never a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}: expected a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number")
+    return float(value)
+
+
+def opt_number(value: object, what: str) -> float | None:
+    return None if value is None else number(value, what)
+
+
+def flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: expected true or false")
+    return value
+
+
+def numbers(value: object, what: str) -> dict[str, float]:
+    """An object of finite numbers."""
+    return {k: number(v, f"{what}.{k}") for k, v in obj(value, what).items()}
+
+
+def pairs(value: object, what: str, limit: int | None = None) -> tuple[tuple[str, float], ...]:
+    """A list of ``[name, time]`` pairs (at most ``limit``, when given)."""
+    out = []
+    for i, item in enumerate(items(value, what, limit)):
+        pair = items(item, f"{what}[{i}]")
+        if len(pair) != 2:
+            raise ValueError(f"{what}[{i}]: expected [name, time]")
+        out.append((text(pair[0], f"{what}[{i}]"), number(pair[1], f"{what}[{i}]")))
+    return tuple(out)
+
+
+# --- lenient: a malformed value is None (unknown) or empty, never an exception --------------------
+
+
+def as_number(value: object) -> float | None:
+    """A finite number as a float; None otherwise (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def as_count(value: object) -> int | None:
+    """A non-negative integer; None otherwise."""
+    found = as_int(value)
+    return found if found is not None and found >= 0 else None
+
+
+def as_text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def as_flag(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def as_map(value: object) -> Mapping[str, object]:
+    """An object's string-keyed entries; {} for anything else."""
+    if isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if isinstance(k, str)}
+    return {}
+
+
+def as_list(value: object) -> Sequence[object]:
+    return value if isinstance(value, list) else []
+
+
+class Value:
+    """Typed, lenient access along a path of a decoded JSON value: a missing or malformed part
+    is None (unknown), never an exception. ``Value(doc)["status"].integer("pid")``."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: object) -> None:
+        self.raw = raw
+
+    def __getitem__(self, key: str) -> Value:
+        return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
+
+    def integer(self, key: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
+        value = self[key].raw
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return None
+        return value
+
+    def number(self, key: str) -> float | None:
+        return as_number(self[key].raw)
+
+    def text(self, key: str, limit: int = 4096) -> str | None:
+        value = self[key].raw
+        return value if isinstance(value, str) and len(value) <= limit else None
+
+    def mapping(self) -> Mapping[str, object]:
+        return self.raw if isinstance(self.raw, dict) else {}

@@ -1,0 +1,398 @@
+"""The names gpuwatchd says things with, each defined once: events, levels, outcomes, states,
+roles, exit codes and state-file versions.
+
+Every module imports these instead of spelling the strings again, so a log line, the JSON of
+``scan``, the state file and the docs cannot drift apart. Each enum is a ``str`` (or ``int``)
+subclass: its members compare equal to, serialise as, and print as their plain values, so
+the state file and the logs keep their format. ``docs/events.md`` is checked against
+:class:`EventName` by ``tests/unit/test_docs.py``. Ladder states carry their legal transitions
+(:func:`check_ladder_transition`); an illegal one is a bug and raises.
+
+Pure: no I/O. Imported by every layer; imports nothing from gpuwatchd.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+__all__ = [
+    "ASSESS_STATE_VERSION",
+    "ASSESS_STATE_VERSIONS_READ",
+    "LADDER_TRANSITIONS",
+    "LEVEL_ALIASES",
+    "PLAN_STATE_VERSION",
+    "RESET_RESULT_LEVELS",
+    "RESET_STEPS",
+    "SIGNAL_OUTCOME_LEVELS",
+    "STATE_FILE_VERSION",
+    "ActionOutcome",
+    "Cleanliness",
+    "EventName",
+    "ExitCode",
+    "HolderRoleName",
+    "HookName",
+    "HookOutcome",
+    "IllegalTransition",
+    "LadderStatus",
+    "LeftoverName",
+    "Level",
+    "ResetResult",
+    "ResetStep",
+    "ResetStepStatus",
+    "SignalOutcome",
+    "check_ladder_transition",
+    "level_of",
+]
+
+
+class _Name(str, enum.Enum):
+    """A string-valued name: equal to, printed and serialised as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Level(_Name):
+    """Log levels: structlog method names, with their journald priority (sd-daemon(3)) and
+    their number in Python's logging. The only definition of levels: the log setup, the lazy
+    loggers and every event's level (``event_catalogue.py``) take them from here."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def priority(self) -> int:
+        """The journald priority: 7 debug, 6 info, 4 warning, 3 error, 2 critical."""
+        return _PRIORITY[self.value]
+
+    @property
+    def number(self) -> int:
+        """The level's number in Python's ``logging`` (10 debug ... 50 critical)."""
+        return _NUMBER[self.value]
+
+
+_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+_NUMBER = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+# Other structlog method names and the level each logs at.
+LEVEL_ALIASES: Mapping[str, Level] = {
+    "msg": Level.INFO,
+    "log": Level.INFO,
+    "warn": Level.WARNING,
+    "err": Level.ERROR,
+    "exception": Level.ERROR,
+    "fatal": Level.CRITICAL,
+}
+
+
+def level_of(method: str) -> Level | None:
+    """The level a structlog method name (``warning``, ``warn``, ``exception``...) logs at."""
+    name = method.lower()
+    if name in _PRIORITY:
+        return Level(name)
+    return LEVEL_ALIASES.get(name)
+
+
+class EventName(_Name):
+    """Every structured event gpuwatchd logs (documented in docs/events.md)."""
+
+    # findings and escalation (decide/plan.py)
+    FINDING_NEW = "finding.new"
+    FINDING_CHANGED = "finding.changed"
+    FINDING_RESOLVED = "finding.resolved"
+    RULE_REPORT_ONLY = "rule.report_only"
+    ACTION_REFUSED = "action.refused"
+    ACTION_DEFERRED = "action.deferred"
+    ESCALATION_CONFIRMING = "escalation.confirming"
+    ESCALATION_STEP_DUE = "escalation.step_due"
+    ESCALATION_SIGNAL_RECORDED = "escalation.signal_recorded"
+    ESCALATION_RESOLVED = "escalation.resolved"
+    ESCALATION_ABORTED = "escalation.aborted"
+    ESCALATION_ENDED = "escalation.ended"
+    ESCALATION_RESTARTED = "escalation.restarted"
+    TARGET_STUCK = "target.stuck"
+    ZOMBIE_NEEDS_REAP = "zombie.needs_reap"
+    LIMITS_KILL_CAP_REACHED = "limits.kill_cap_reached"
+    LIMITS_KILL_CAP_EXPIRED = "limits.kill_cap_expired"
+    RESET_CONFIRMING = "reset.confirming"
+    RESET_DUE = "reset.due"
+    RESET_REFUSED = "reset.refused"
+    RESET_LIMIT_REACHED = "reset.limit_reached"
+    RESET_CIRCUIT_OPEN = "reset.circuit_open"
+    RESET_SUCCEEDED = "reset.succeeded"
+    RESET_FAILED = "reset.failed"
+    RESET_DRY_RUN = "reset.dry_run"
+    RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
+    RESET_MIG_UNFINISHED_CLEARED = "reset.mig_unfinished_cleared"
+    GPU_NEEDS_REBOOT = "gpu.needs_reboot"
+    # GPU health (decide/plan.py over decide/health.py)
+    HEALTH_DRAIN_STARTED = "health.drain_started"
+    HEALTH_DRAIN_WAITING = "health.drain_waiting"
+    HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
+    HEALTH_XID = "health.xid"  # decide/xid_sources.py: an Xid, once per window with its count
+    STATE_BOOT_CHANGED = "state.boot_changed"
+    CLOCK_STEPPED_BACK = "clock.stepped_back"
+    # carrying out (engine.py, act/)
+    ACTION_SIGNAL = "action.signal"
+    ACTION_WITHHELD = "action.withheld"
+    TARGET_EXITED = "target.exited"
+    HOOK_RUN = "hook.run"
+    RESET_STEP = "reset.step"
+    RESET_FINISHED = "reset.finished"
+    RESET_OUTCOME = "reset.outcome"
+    RESET_CRASHED = "reset.crashed"
+    RESET_RESUME = "reset.resume"
+    RESET_RESUMED = "reset.resumed"
+    RESET_RESUME_FAILED = "reset.resume_failed"
+    # admin switches and lifecycle (engine.py, daemon.py)
+    DAEMON_PAUSED = "daemon.paused"
+    DAEMON_RESUMED = "daemon.resumed"
+    SPARE_STARTED = "spare.started"
+    SPARE_ENDED = "spare.ended"
+    SPARE_CUT = "spare.cut"
+    LIMITS_LATCHES_CLEARED = "limits.latches_cleared"
+    DAEMON_START = "daemon.start"
+    DAEMON_STOP = "daemon.stop"
+    DAEMON_ALREADY_RUNNING = "daemon.already_running"
+    DAEMON_NO_PERMISSION = "daemon.no_permission"
+    DAEMON_LIMITED_PERMISSIONS = "daemon.limited_permissions"
+    DAEMON_DEVICE_WATCH_UNAVAILABLE = "daemon.device_watch_unavailable"
+    DAEMON_SCAN_SOCKET_UNAVAILABLE = "daemon.scan_socket_unavailable"
+    DAEMON_SCAN_REQUEST_FAILED = "daemon.scan_request_failed"
+    RUN_ONCE_TIMEOUT = "run_once.timeout"
+    RUN_ONCE_DONE = "run_once.done"
+    RUN_ONCE_UNRESOLVED = "run_once.unresolved"
+    SCHEDULER_ENDED_JOB = "scheduler.ended_job"
+    SCHEDULER_ENDED_JOBS_OVER_LIMIT = "scheduler.ended_jobs_over_limit"
+    CONFIG_RELOADED = "config.reloaded"
+    CONFIG_RELOAD_REJECTED = "config.reload_rejected"
+    CONFIG_RELOAD_PARTIAL = "config.reload_partial"
+    CONFIG_START_REJECTED = "config.start_rejected"
+    CONFIG_FILES_REJECTED = "config.files_rejected"
+    STATE_INVALID = "state.invalid"
+    STATE_CORRUPT = "state.corrupt"
+    STATE_NEW_BOOT = "state.new_boot"
+    STATE_SAVE_FAILED = "state.save_failed"
+    STATE_DIR_UNUSABLE = "state.dir_unusable"
+    EVIDENCE_UNSAVED = "evidence.unsaved"  # act/evidence.py
+    METRICS_WRITE_FAILED = "metrics.write_failed"
+    # inheritance evidence (collect/inherit.py)
+    COLLECT_KCMP_UNAVAILABLE = "collect.kcmp_unavailable"
+    COLLECT_THREAD_TABLES_UNREAD = "collect.thread_tables_unread"  # collect/holders.py budget
+    # the kernel log's Xids (collect/kernel_log.py)
+    KERNEL_LOG_UNAVAILABLE = "kernel_log.unavailable"
+    KERNEL_LOG_DROPPED = "kernel_log.dropped"
+    # NVML (collect/nvml.py)
+    NVML_UNAVAILABLE = "nvml.unavailable"
+    NVML_WEDGED = "nvml.wedged"
+    NVML_WORKER_STARTED = "nvml.worker_started"
+    NVML_WORKER_HUNG = "nvml.worker_hung"
+    NVML_HUNG_WORKER_EXITED = "nvml.hung_worker_exited"
+    NVML_MEMORY_V1_FALLBACK = "nvml.memory_v1_fallback"
+    NVML_RECOVERED = "nvml.recovered"
+
+
+class SignalOutcome(_Name):
+    """What happened to one signal (act/signals.py). ``str()`` gives the log value."""
+
+    DELIVERED = "delivered"
+    GONE = "gone"  # the process had exited and been reaped
+    REUSED = "reused"  # the PID belongs to another process now; nothing was sent
+    DENIED = "denied"  # EPERM: no CAP_KILL for this process
+    ZOMBIE = "zombie"  # exited, not yet reaped; never signalled
+    DRY_RUN = "dry_run"  # every check passed; nothing was sent
+    FAILED = "failed"  # anything else (no pidfd support, bad signal name, floor refusal)
+
+
+SIGNAL_OUTCOME_LEVELS: Mapping[SignalOutcome, Level] = {
+    SignalOutcome.DELIVERED: Level.WARNING,
+    SignalOutcome.DENIED: Level.ERROR,
+    SignalOutcome.FAILED: Level.ERROR,
+    SignalOutcome.GONE: Level.INFO,
+    SignalOutcome.REUSED: Level.INFO,
+    SignalOutcome.ZOMBIE: Level.INFO,
+    SignalOutcome.DRY_RUN: Level.WARNING,  # a would-be action: reviewed with -p warning
+}
+
+
+class ResetResult(_Name):
+    """How one run of the reset procedure ended (act/reset.py, booked by plan.record_reset)."""
+
+    SUCCESS = "success"
+    FAILED = "failed"
+    REFUSED = "refused"  # stopped before the reset command ran, and undone
+    IN_USE = "in_use"  # the driver refused: in use by a client no scan found (a hidden holder)
+    TIMEOUT = "timeout"  # the reset command missed its deadline and was killed
+    DRY_RUN = "dry_run"
+
+
+RESET_RESULT_LEVELS: Mapping[ResetResult, Level] = {
+    ResetResult.SUCCESS: Level.WARNING,
+    ResetResult.DRY_RUN: Level.WARNING,  # a would-be reset: reviewed with -p warning
+    ResetResult.REFUSED: Level.WARNING,
+    ResetResult.IN_USE: Level.WARNING,
+    ResetResult.FAILED: Level.ERROR,
+    ResetResult.TIMEOUT: Level.ERROR,
+}
+
+
+class ResetStep(_Name):
+    """The steps of the reset procedure, in order (act/reset.py; docs/reset.md)."""
+
+    DRAIN = "drain"
+    STOP_NVML = "stop_nvml"
+    BEFORE_HOOKS = "before_hooks"
+    STOP_MONITORS = "stop_monitors"  # reset.monitors that hold the GPU (decide/monitors.py)
+    PERSISTENCE_OFF = "persistence_off"
+    FINAL_SCAN = "final_scan"
+    RESET = "reset"
+    HEALTH_CHECK = "health_check"
+    PERSISTENCE_ON = "persistence_on"
+    START_MONITORS = "start_monitors"  # the units stop_monitors stopped
+    AFTER_HOOKS = "after_hooks"
+    DONE = "done"  # where a finished procedure stands; never a ``reset.step`` of its own
+
+
+RESET_STEPS: tuple[ResetStep, ...] = tuple(step for step in ResetStep if step is not ResetStep.DONE)
+
+
+class ResetStepStatus(_Name):
+    """How one step of the reset procedure went (``reset.step``'s ``status``)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CLEAR = "clear"  # final scan: nothing else holds the GPU
+    BLOCKED = "blocked"  # final scan: something holds it
+    WOULD_RUN = "would_run"  # dry run
+    RECORD_FAILED = "record_failed"  # the step could not be recorded in the state file
+    MEMORY_UNKNOWN = "memory_unknown"  # health check: memory could not be read
+    WOULD_WAIT_FABRIC = "would_wait_fabric"
+    FABRIC_WAITING = "fabric_waiting"
+    FABRIC_COMPLETED = "fabric_completed"
+    FABRIC_STUCK = "fabric_stuck"
+    AS_PLANNED = "as_planned"  # a MIG recovery's GPU read again: as its next command needs it
+    CHANGED = "changed"  # ... not: the instance changed, or its placement is not free
+
+
+class LadderStatus(_Name):
+    """Where one target's escalation ladder stands (decide/plan_state.py)."""
+
+    ACTIVE = "active"  # steps are being emitted and waited on
+    ENDED = "ended"  # the target survived the last step
+    STUCK = "stuck"  # the target is in D state: never signalled again
+    FAILED = "failed"  # a signal was denied/failed, or the target became refused
+
+
+# Terminal ladders stay while their process lives, so that identity is never signalled again;
+# they leave only by being dropped (the process exited, dry-run ended, a new boot).
+LADDER_TRANSITIONS: Mapping[LadderStatus, frozenset[LadderStatus]] = {
+    LadderStatus.ACTIVE: frozenset(
+        {LadderStatus.ACTIVE, LadderStatus.ENDED, LadderStatus.STUCK, LadderStatus.FAILED}
+    ),
+    LadderStatus.ENDED: frozenset(),
+    LadderStatus.STUCK: frozenset(),
+    LadderStatus.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(ValueError):
+    """A ladder was asked to move between states that have no such transition (a bug)."""
+
+
+def check_ladder_transition(old: str, new: str) -> LadderStatus:
+    """``new`` as a :class:`LadderStatus` if a ladder in ``old`` may move there; else raise."""
+    try:
+        source, target = LadderStatus(old), LadderStatus(new)
+    except ValueError as err:
+        raise IllegalTransition(str(err)) from None
+    if target not in LADDER_TRANSITIONS[source]:
+        raise IllegalTransition(f"ladder cannot go from {source} to {target}")
+    return target
+
+
+class HookName(_Name):
+    """The lists of admin hooks the engine runs (``reset.drain``/``before``/``after`` are run
+    by the reset procedure itself). Also ``GPUWATCHD_EVENT`` in a hook's environment."""
+
+    ON_FAILURE = "on_failure"  # an action failed or cannot work: drain, page someone
+    ON_ACTION = "on_action"  # a real kill ladder or reset ended: tell the owner, post a webhook
+    RESET_DRAIN = "reset_drain"  # GPU health: reset.drain, once, before waiting for the GPU
+
+
+class HookOutcome(_Name):
+    """``hook.run``'s ``outcome`` where a hook did not simply run to its exit status
+    (:func:`gpuwatchd.events.catalogue.hook_outcome` says how any ``hook.run`` ended)."""
+
+    DRY_RUN = "dry_run"  # a would-be hook: never started
+    DROPPED = "dropped"  # a notification not run: the queue was full, or the daemon stopped
+    CANCELLED = "cancelled"  # still running when the daemon stopped: its process tree killed
+    CRASHED = "crashed"  # the notification itself raised (a bug): not run to the end
+
+
+class ActionOutcome(_Name):
+    """How an action that ``on_action`` reports ended (``GPUWATCHD_OUTCOME``, ``outcome``)."""
+
+    FREED = "freed"  # the signalled target exited
+    RELEASED = "released"  # the target lives but no longer holds what the finding was about
+    SURVIVED = "survived"  # alive after the ladder's last step
+    STUCK = "stuck"  # in D state: cannot be killed
+    FAILED = "failed"  # a signal was denied or failed
+    RESET = "reset"  # the GPU was reset
+    RESET_FAILED = "reset_failed"  # the reset command failed or timed out
+
+
+class HolderRoleName(_Name):
+    """How ``scan`` explains one holder of one GPU (decide/assess.py ``HolderRole.role``)."""
+
+    CONTEXT_OWNER = "context_owner"  # NVML lists it with a context there
+    WORKER = "worker"  # of a live context owner (its tree, session or job)
+    MANAGEMENT = "management"  # an NVML-only client or infrastructure
+    ORPHANED = "orphaned"  # the inheritor of a dead owner's memory
+    HIDDEN = "hidden"  # holds the GPU, owns no context, nothing explains it
+    STUCK = "stuck"  # in D state
+    UNKNOWN = "unknown"  # listed by NVML, but whether it holds the GPU cannot be told
+
+
+class Cleanliness(_Name):
+    """The verdict on one GPU: may it be handed to a new job? (decide/verdict.py)"""
+
+    CLEAN = "clean"  # nothing left behind; what would block a reset is said apart
+    DIRTY = "dirty"  # something is left behind, or the driver asks for a reset, reboot or drain
+    UNKNOWN = "unknown"  # cannot be told (a holder unreadable or unexplained): not clean either
+
+
+class LeftoverName(_Name):
+    """Why a GPU is not clean, where no finding kind says it (decide/verdict.py)."""
+
+    LOST = "lost"  # NVML reports the GPU lost
+    LEFTOVER_MEMORY = "leftover_memory"  # allocated above the idle baseline, no live owner's
+    UNKNOWN_HOLDER = "unknown_holder"  # a holder whose role could not be told
+    UNREADABLE = "unreadable"  # a process whose fds or maps could not be read
+    PROCESSES_UNKNOWN = "processes_unknown"  # NVML could not list the GPU's processes
+    MIG_UNFINISHED = "mig_unfinished"  # a MIG GPU instance's re-creation stopped halfway
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes (sysexits.h), for every command."""
+
+    OK = 0
+    DATAERR = 65  # a malformed scenario or snapshot
+    UNAVAILABLE = 69  # NVML/driver unavailable or wedged (scan, run --once)
+    IOERR = 74  # pause/resume: the switch could not be written (a full disk)
+    TEMPFAIL = 75  # another instance holds the lock; run --once timed out
+    NOPERM = 77  # insufficient privilege
+    CONFIG = 78  # configuration error
+
+
+# Format versions of the state file and its sections; a mismatch is refused, not guessed.
+STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
+ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess_state.py); 2 adds inheritance
+ASSESS_STATE_VERSIONS_READ = (1, 2)  # version 1 is read as having no inheritance evidence
+PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan_state.py)

@@ -1,0 +1,211 @@
+"""The real host's edges for the engine: NVML and ``/proc`` in, pidfd signals and commands out.
+
+This module owns the adapters that give :class:`gpuwatchd.engine.cycle.Engine` the machine it runs
+on — :class:`HostReader` (the collector, the NVML worker, the final holder scan),
+:class:`HostActuator` (signals through :class:`gpuwatchd.act.signals.Signaller`, commands through
+:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock`, :class:`LogSink`
+(structlog, hence journald), :class:`HookQueue` (the one thread that runs ``on_action``
+notifications) and :func:`node_name`. It adds no decisions of its own: each method forwards to
+the module that owns the I/O. ``simulate`` has its own edges over a virtual host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import structlog
+
+from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
+from gpuwatchd.act.signals import Signaller, SignalResult
+from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
+from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
+
+log = structlog.get_logger("gpuwatchd")
+
+
+class HostReader:
+    """The engine's :class:`gpuwatchd.engine.cycle.HostReader` on the real host."""
+
+    def __init__(self, collector: Collector, procfs: ProcFS, nvml: NvmlClient) -> None:
+        self.collector = collector
+        self.procfs = procfs
+        self.nvml = nvml
+
+    def collect(self) -> Snapshot:
+        return self.collector.collect()
+
+    def stop_nvml(self) -> bool:
+        return self.nvml.stop()
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        holders = self.procfs.scan_holders(None)
+        pids = set(holders.holdings) | set(holders.unreadable)
+        return holders, self.procfs.read_processes(pids)
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        for gpu in self.nvml.read().gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+    def self_pids(self) -> frozenset[int]:
+        return frozenset({os.getpid()}) | self.nvml.worker_pids
+
+
+class HostActuator:
+    """The engine's :class:`gpuwatchd.engine.cycle.Actuator` on the real host."""
+
+    def __init__(self, signaller: Signaller) -> None:
+        self.signaller = signaller
+        self.commands = CommandScope()
+
+    def cancel_commands(self) -> int:
+        """End every command still running, what finished ones left running, and every one
+        started from now on (their process trees are killed): the daemon is stopping, and
+        nothing a command started may outlive it. How many finished commands had left some."""
+        return self.commands.cancel()
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        return self.signaller.send(identity, signal, dry_run=dry_run)
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        return run_command(argv, timeout=timeout, env=env, scope=self.commands)
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        return self.signaller.wait(timeout)
+
+
+class SystemClock:
+    """Monotonic time for deadlines, wall time for history and logs (both injectable)."""
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+
+    def monotonic(self) -> float:
+        return self._monotonic()
+
+    def wall(self) -> float:
+        return self._wall()
+
+
+class LogSink:
+    """Every engine event as one structlog event at its level (journald priority)."""
+
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        known = level in set(Level)
+        getattr(log, level if known else Level.INFO)(name, **fields)
+
+
+def node_name() -> str | None:
+    """This node's name for ``{hostname}``: the kernel's host name (the UTS namespace's: in a
+    container, the container's, unless it shares the host's). Unknown if it cannot be read."""
+    try:
+        return socket.gethostname() or None
+    except OSError:
+        return None
+
+
+class HookQueue:
+    """Runs ``on_action`` notifications one after another on one thread, off the main loop.
+
+    At most ``capacity`` wait; a notification past that is refused (the engine logs it as
+    dropped) rather than queued without bound behind a hook that hangs until its timeout.
+    The thread starts with the first notification. :meth:`close` gives queued ones a bounded
+    time to finish when the daemon stops, and drops those that never started. A notification
+    that raises is handed to ``on_crash`` (the daemon's engine: ``Engine.background_crashed``,
+    said by the main loop through the event sink); only a queue with none logs it itself.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=capacity)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.on_crash: Callable[[str], None] | None = None
+
+    def __call__(self, work: Callable[[], None]) -> bool:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name="gpuwatchd-notify", daemon=True
+            )
+            self._thread.start()
+        try:
+            self._queue.put_nowait(work)
+        except queue.Full:
+            return False
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception as err:  # a bug in one notification must not stop the others
+                self._crashed(repr(err))
+
+    def _crashed(self, error: str) -> None:
+        if self.on_crash is not None:
+            try:
+                self.on_crash(error)
+            except Exception:  # noqa: S110 - said below, the last resort
+                pass
+            else:
+                return
+        # No engine to say it (a queue on its own): the catalogue's outcome, logged here.
+        LogSink().emit(
+            EventName.HOOK_RUN,
+            Level.ERROR,
+            {"hook": HookName.ON_ACTION, "outcome": HookOutcome.CRASHED, "error": error},
+        )
+
+    def close(self, grace: float) -> int:
+        """Take no more work; let the queue finish for up to ``grace`` seconds. Returns how
+        many notifications never started (they are dropped now); :attr:`busy` says whether
+        one is still running (the daemon then cancels it)."""
+        if self._thread is None:
+            return 0
+        deadline = time.monotonic() + grace
+        if not self._closing:
+            self._closing = True
+            with contextlib.suppress(queue.Full):  # full: the join below runs out instead
+                self._queue.put(None, timeout=grace)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            return 0
+        dropped = 0
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            dropped += work is not None
+        self._queue.put_nowait(None)  # the thread ends after the one it runs
+        return dropped
+
+    @property
+    def busy(self) -> bool:
+        """Whether a notification is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the running notification; True when none runs."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.busy

@@ -1,0 +1,815 @@
+"""The daemon's lifecycle around the engine: lock, state file, signals, reload, sd_notify.
+
+This module owns what only a long-running process has: the lock in ``state_dir`` (one instance
+at a time), loading and saving the state file, finishing a reset a crash interrupted, SIGTERM /
+SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the admin switch
+files, and the wait between polls (woken at once by a signalled target's exit). Starting it, and
+``run --once`` beside a running daemon, are :mod:`gpuwatchd.cli.run`.
+The poll cycle itself is :class:`gpuwatchd.engine.cycle.Engine`, given the real host's edges from
+:mod:`gpuwatchd.daemon.host`; this module decides nothing and acts on nothing itself. It hands each
+poll the switches as one ``PollInputs`` and reads what the poll did from its ``PollReport``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import errno
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import TypeVar
+
+import structlog
+
+from gpuwatchd import __version__
+from gpuwatchd.act.evidence import EvidenceKeeper, ReportBuilder
+from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.capabilities import missing_capabilities
+from gpuwatchd.collect.jobs import boot_ticks_now
+from gpuwatchd.config.changes import policy_changes
+from gpuwatchd.config.files import policy_files_key
+from gpuwatchd.config.schema import ConfigError, load_policy
+from gpuwatchd.core.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
+from gpuwatchd.daemon.host import LogSink, SystemClock, node_name
+from gpuwatchd.daemon.metrics import Metrics
+from gpuwatchd.daemon.notify import (
+    Notifier,
+    WatchdogPinger,
+    describe_status,
+    keep_watchdog_fed,
+    watchdog_slice,
+)
+from gpuwatchd.daemon.serving import ScanServing
+from gpuwatchd.daemon.wiring import build_real_host
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.plan import PlanState, pending_keys
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
+from gpuwatchd.engine.cycle import Engine, EngineState, Pause, PollInputs, PollReport, Standing
+from gpuwatchd.events.catalogue import JournalNamer, finding_label, hook_outcome
+from gpuwatchd.served.guard import early_poll_at
+from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
+from gpuwatchd.state.accepted import render_accepted, save_accepted
+from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import (
+    MAX_ENDED_JOBS,
+    poll_pause,
+    read_ended_jobs,
+    take_clear_latches,
+)
+from gpuwatchd.state.saved import (
+    AlreadyRunning,
+    StateDirError,
+    StateStore,
+    check_version,
+    state_document,
+)
+from gpuwatchd.state.spares import read_spares
+from gpuwatchd.state.status_document import action_sentence, build_document
+
+log = structlog.get_logger("gpuwatchd")
+
+
+T = TypeVar("T")
+# What answers a `scan` that asked: (request, the daemon's main file, its state_dir); it is the
+# command line's (cli/served.py), handed in by cli/run.py.
+ScanAnswerer = Callable[[ScanRequest, str, str], ScanAnswer]
+RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
+NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
+NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
+STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
+
+
+class Daemon:
+    """One running instance. Construct, then :meth:`run`."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        config_path: str,
+        dry_run: bool = False,
+        once: bool = False,
+        once_timeout: float = 600.0,
+        ended_jobs: frozenset[str] = frozenset(),
+        ended_jobs_said: Mapping[str, int | None] | None = None,
+        nvml_env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rejected_at_start: Mapping[str, object] | None = None,
+        scan_answer: ScanAnswerer | None = None,
+        evidence_report: ReportBuilder | None = None,
+    ) -> None:
+        self.config_path = config_path
+        self.dry_run_flag = dry_run
+        self._loaded = policy  # as read, without --dry-run: what is saved as accepted
+        self._accepted_text: str | None = None
+        # The policy in force, as the engine was handed it (at start and at each reload).
+        self.policy = policy = self._effective(policy)
+        self.once = once
+        self.once_timeout = once_timeout
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.notifier = Notifier()
+        self.store = StateStore(policy.state_dir)
+        # run --once --ended-job: the scheduler's word, said now (it covers processes older),
+        # or when an earlier instance of this run --once heard it (``ended_jobs_said``).
+        said = boot_ticks_now()
+        self.own_ended_jobs: dict[str, int | None] = {
+            job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
+            for job in sorted(ended_jobs)
+        }
+        # Scan on cause (docs/scan.md): what this daemon serves to `scan` (daemon_serving.py);
+        # it answers a `scan` that asks between polls, but not as run --once.
+        self._serving = ScanServing(
+            self._state_dir,
+            wall_clock,
+            None
+            if scan_answer is None or once
+            else lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
+        )
+        self.host = build_real_host(
+            policy,
+            on_device_event=self._serving.view.mark_dirty,
+            nvml_env=nvml_env,
+            clock=clock,
+            wall_clock=wall_clock,
+            ended_by_scheduler=self.own_ended_jobs,
+            kernel_log=not once,
+        )
+        self.procfs, self.nvml, self.collector = (
+            self.host.procfs,
+            self.host.nvml,
+            self.host.collector,
+        )
+        # A long holder scan (thousands of processes or threads) feeds the watchdog as it goes.
+        self.procfs.holders.progress = WatchdogPinger(lambda: self.notifier.notify("WATCHDOG=1"))
+        # started in _run_locked: by the lock holder; its events are read only after the
+        # published holder view says dirty (view_guard.py)
+        self.device_watch = self.host.device_watch
+        self.signaller = self.host.signaller
+        self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
+        self._stop = False
+        self._reload = False
+        self._state_dir_error: str | None = None
+        self.hook_queue = self.host.hook_queue
+        self.notify_stop_grace = NOTIFY_STOP_GRACE
+        self.actuator = self.host.actuator
+        self._handed_jobs: frozenset[str] = frozenset()
+        self._handed_over_limit = 0
+        self.engine = Engine(
+            policy,
+            reader=self.host.reader,
+            actuator=self.actuator,
+            clock=SystemClock(clock, wall_clock),
+            sink=_DaemonSink(self),
+            self_ancestors=self._ancestors(),
+            checkpoint=self.save_state,
+            slow=self._keep_watchdog_fed,
+            background=self.hook_queue,
+            hostname=node_name(),
+            stopping=lambda: self._stop,
+            # Before each destructive step, its evidence in state_dir (act/evidence.py); the
+            # report in it is the command line's scan --json, handed in by cli/run.py.
+            evidence=EvidenceKeeper(
+                self._state_dir, evidence_report, hostname=node_name(), version=__version__
+            ),
+        )
+        self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_w, False)
+        os.set_blocking(self._wakeup_r, False)
+        self._ready_sent = False
+        self._saved_key: tuple[object, ...] | None = None
+        self._saved_poll_bucket = -1
+        self.started_wall = wall_clock()
+        self.last_poll_wall: float | None = None
+        self.last_poll_monotonic: float | None = None
+        self.recent_actions: collections.deque[dict[str, object]] = collections.deque(
+            maxlen=RECENT_ACTIONS
+        )
+        self.actions_seen = 0
+        self.last_action: float | None = None  # monotonic: the last action or target exit
+        # A rejected policy: at start ({at, error, at_start: true, running}; the daemon runs
+        # with the last accepted one, gpuwatchd/state/accepted.py) or at a reload ({at, error}).
+        self.policy_rejected: dict[str, object] | None = (
+            dict(rejected_at_start) if rejected_at_start is not None else None
+        )
+        self._files_key: tuple[object, ...] | None = None  # the files as last read (_check_files)
+        self.report: PollReport | None = None  # what the last poll saw, decided and did
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        state_dir = self.policy.state_dir
+        try:
+            self.store.directory()  # the walk from / and the trust rule (state/directory.py)
+        except PermissionError:
+            log.critical(EventName.DAEMON_NO_PERMISSION, path=state_dir)
+            return ExitCode.NOPERM
+        except (StateDirError, OSError) as exc:
+            log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
+            return ExitCode.CONFIG
+        try:
+            with self.store.lock():
+                return self._run_locked()
+        except AlreadyRunning as exc:
+            if self.once:
+                raise  # run_daemon waits for the running daemon instead (cli/once.py)
+            log.error(
+                EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=self.policy.state_dir
+            )
+            return ExitCode.TEMPFAIL
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise  # run_daemon: exit 77
+            # The lock file is a link, a directory, or the disk refuses it: one line, exit 78.
+            log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
+            return ExitCode.CONFIG
+        finally:
+            self._serving.close()
+            self.host.close()
+            self.store.close()
+
+    def _start_device_watch(self) -> None:
+        """Watch the device files for opens; without the watch, walk on the plain interval."""
+        if self.device_watch.start():
+            self.collector.watch = self.device_watch
+            return
+        log.warning(
+            EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE,
+            reason=self.device_watch.error,
+            consequence=f"all of /proc is walked every {self.policy.full_scan_interval:g}s",
+        )
+
+    def _run_locked(self) -> int:
+        self._install_signal_handlers()
+        self._load_state()
+        # Say who runs before the NVML worker opens any device file: a scan or check-clean
+        # beside this daemon knows the worker as the daemon's (cli/scan.py) only through the
+        # PID in the state file, and a prolog at this moment must not see a dirty GPU.
+        self.save_state()
+        self._files_key = policy_files_key(self.config_path)  # read just before this start
+        if self.policy_rejected is None:
+            self._save_accepted(self._loaded)
+        log.info(
+            EventName.DAEMON_START,
+            version=__version__,
+            dry_run=self.policy.dry_run,
+            once=self.once,
+            config=list(self.policy.sources) or [self.config_path],
+            interval=self.policy.interval,
+        )
+        self._start_device_watch()
+        self.engine.resume_interrupted_reset()
+        started = self.clock()
+        watched: frozenset[str] | None = None
+        code = ExitCode.OK
+        while not self._stop:
+            if self._reload:
+                self._do_reload()
+            elif not self.once:
+                self._check_files()
+            report = self.poll_once()
+            if not self._ready_sent:
+                self.notifier.notify("READY=1")
+                self._ready_sent = True
+                self._serving.listen()
+            if self.once:
+                if watched is None:
+                    if not report.snapshot.nvml.available:
+                        code = ExitCode.UNAVAILABLE
+                        break
+                    watched = frozenset(f.key for f in report.assessment.findings)
+                once = self._once_progress(report, watched, started)
+                if once is not None:
+                    code = once
+                    break
+            self._wait()
+        self.notifier.notify("STOPPING=1")
+        self._finish_notifications()
+        self.save_state()
+        log.info(EventName.DAEMON_STOP, exit_code=code)
+        return code
+
+    def _once_progress(
+        self, report: PollReport, watched: frozenset[str], started: float
+    ) -> ExitCode | None:
+        """``run --once``: its exit code when it is done (0: nothing under way for the
+        findings seen at its start or on a GPU that is not clean, and every GPU clean — the
+        memory back, no dead owner listed; 75: what is left will not change, or
+        ``--timeout``), else None (poll again)."""
+        waited = self.clock() - started
+        verdict = report.verdict
+        # Under way: what was seen at the start, and whatever is being done about a GPU that
+        # is not clean now (a job another epilog handed over since, say).
+        dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
+        keys = watched | {f.key for f in report.assessment.findings if f.gpu in dirty}
+        names = JournalNamer()  # findings in words, not their internal keys
+        busy = [
+            f"{finding_label(key, names)}: under way" for key in pending_keys(report.plan, keys)
+        ]
+        acted = self.last_action
+        if acted is not None and acted >= report.snapshot.monotonic:
+            busy.append("acted since the GPUs were last read: looking again")
+        if verdict is None or verdict.unavailable is not None:
+            why = verdict.unavailable if verdict is not None else None
+            step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
+        else:
+            step, left = once_progress(verdict, busy)
+        if step is OnceStep.DONE:
+            log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
+            return ExitCode.OK
+        code = ExitCode.TEMPFAIL
+        if verdict is not None and self._unproven_for_lack_of_privilege(verdict):
+            code = ExitCode.NOPERM  # as check-clean: nothing dirty, but nothing proven clean
+        if step is OnceStep.STUCK:
+            log.warning(
+                EventName.RUN_ONCE_UNRESOLVED, left=left, waited=round(waited, 3), exit_code=code
+            )
+            return code
+        if waited >= self.once_timeout:
+            pending = pending_keys(report.plan, keys)
+            log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
+            return code
+        return None
+
+    def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
+        """No GPU is dirty, some are unknown because processes could not be inspected, and
+        this process lacks the capabilities to inspect them (run as root)."""
+        gpus = verdict.gpus
+        if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
+            return False
+        return bool(missing_capabilities(self.policy.proc_root))
+
+    def _take_ended_jobs(self) -> None:
+        """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
+        remaining device holders are ``abandoned`` until the hand-over expires."""
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return
+        found = read_ended_jobs(
+            state_dir,
+            self.wall_clock(),
+            waiting=self.procfs.is_running,
+            remove_stale=True,
+            boot_id=self.procfs.boot_id(),
+        )
+        for problem in found.problems:
+            log.warning(EventName.SCHEDULER_ENDED_JOB, error=problem, ignored=True)
+        for job in sorted(found.jobs.keys() - self._handed_jobs):
+            log.info(EventName.SCHEDULER_ENDED_JOB, job=job, said_at_ticks=found.jobs[job])
+        if found.over_limit != self._handed_over_limit:
+            # Said when the number changes, not every poll; the files are kept, never dropped.
+            log.warning(
+                EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT,
+                waiting=found.over_limit,
+                honoured=len(found.jobs),
+                limit=MAX_ENDED_JOBS,
+            )
+            self._handed_over_limit = found.over_limit
+        self._handed_jobs = frozenset(found.jobs)
+        self.collector.ended_by_scheduler = {**found.jobs, **self.own_ended_jobs}
+
+    def _finish_notifications(self) -> None:
+        """Give running and queued ``on_action`` hooks — and what finished commands left
+        running — a bounded time to finish (an epilog's ``run --once`` should tell the owner
+        before it exits); then end what still runs: a hook still running is cancelled (its
+        process tree killed; ``hook.run`` says ``outcome=cancelled``), processes finished
+        commands left are killed, and hooks that never started are dropped (said once).
+        Nothing a command started outlives the daemon."""
+        grace = min(
+            self.notify_stop_grace, max((h.timeout for h in self.policy.on_action), default=0)
+        )
+        until = time.monotonic() + grace
+        dropped = self.hook_queue.close(grace)
+        self.actuator.commands.wait(max(0.0, until - time.monotonic()))
+        running = self.hook_queue.busy
+        ended = self.actuator.cancel_commands()
+        if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"a notification did not end {NOTIFY_CANCEL_WAIT:g}s after it was "
+                "cancelled (its processes are stuck?)",
+                level=Level.ERROR,
+            )
+        self.engine.report_background_hooks()
+        if ended:
+            self.engine.hooks_not_run(
+                HookOutcome.CANCELLED,
+                f"{ended} finished command(s) had left processes running before their "
+                "deadline; they were killed: the daemon stopped",
+                hook=None,
+            )
+        if dropped:
+            self.engine.hooks_not_run(
+                HookOutcome.DROPPED, f"{dropped} notification(s) not sent: the daemon stopped"
+            )
+
+    def _install_signal_handlers(self) -> None:
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            self._stop = True
+            self._wake()
+
+        def on_reload(signum: int, frame: FrameType | None) -> None:
+            self._reload = True
+            self._wake()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_reload)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wakeup_w, b"x")
+
+    def _effective(self, policy: Policy) -> Policy:
+        if self.dry_run_flag and not policy.dry_run:
+            return dataclasses.replace(policy, dry_run=True)
+        return policy
+
+    def _check_files(self) -> None:
+        """Validate the policy files again when they changed on disk (a stat each, every
+        poll), applying nothing: files that do not validate are said at once (journal,
+        STATUS, ``status``, metrics), not only at a reload the unit's own check refuses before
+        any signal, or at the next start; files that validate again clear it. A policy
+        rejected at start stays said until a reload: the daemon still runs its fallback."""
+        key = policy_files_key(self.config_path)
+        if key == self._files_key:
+            return
+        self._files_key = key
+        rejected = self.policy_rejected
+        if rejected is not None and rejected.get("at_start"):
+            return
+        try:
+            self._keep_watchdog_fed(lambda: load_policy(self.config_path))
+        except ConfigError as exc:
+            if rejected is None or rejected.get("error") != str(exc):
+                log.error(EventName.CONFIG_FILES_REJECTED, error=str(exc), config=self.config_path)
+                self.policy_rejected = {"at": self.wall_clock(), "error": str(exc)}
+        else:
+            self.policy_rejected = None
+
+    def _do_reload(self) -> None:
+        self._reload = False
+        self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
+        self._files_key = policy_files_key(self.config_path)  # before reading them
+        try:
+            # Reading and validating a large policy must not starve the watchdog.
+            new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
+        except ConfigError as exc:
+            log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
+            # Said in STATUS and `gpuwatchd status` until a good policy loads; one rejected at
+            # start stays so (the daemon still runs its fallback, whatever the files say next).
+            self.policy_rejected = {
+                **(self.policy_rejected or {}),
+                "at": self.wall_clock(),
+                "error": str(exc),
+            }
+        else:
+            ended = self.policy_rejected
+            self.policy_rejected = None
+            fixed = ("state_dir", "devices_dir", "proc_root", "device_major", "mig_minors_file")
+            changed = [k for k in fixed if getattr(new, k) != getattr(self.policy, k)]
+            kernel_log = self.policy.health.kernel_log  # opened at start (collect/kernel_log.py)
+            if new.health.kernel_log != kernel_log:
+                new = dataclasses.replace(
+                    new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
+                )
+                changed.append("health.kernel_log")
+            if changed:
+                log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
+                new = dataclasses.replace(
+                    new, **{k: getattr(self.policy, k) for k in changed if k in fixed}
+                )
+            self._save_accepted(new)
+            before = self.policy
+            self.policy = self._effective(new)
+            self.engine.reload(self.policy, hostname=node_name())
+            self.host.apply(self.policy)
+            self.metrics.set_textfile(self.policy.metrics.textfile)
+            log.info(
+                EventName.CONFIG_RELOADED,
+                config=list(self.policy.sources),
+                dry_run=new.dry_run,
+                changed=policy_changes(before, self.policy),  # what changed, not the policy
+                # The rejection (at start: the fallback ran) this reload ends, if any.
+                rejection_ended=None if ended is None else str(ended.get("error") or "?"),
+            )
+        self.notifier.notify("READY=1")
+
+    def _save_accepted(self, policy: Policy) -> None:
+        """Keep ``policy`` as the last accepted one (the daemon's fallback at a rejected start);
+        written only when it changed; and, for ``scan``, the policy the files say now, compiled
+        (gpuwatchd/state/compiled_policy.py). ``run --once`` keeps neither: it is not the daemon."""
+        if self.once:
+            return
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return  # said as state.dir_unusable
+        try:  # for scan: the policy the files say now, compiled (state/compiled_policy.py)
+            save_compiled(state_dir, self.config_path, load_policy, strict=os.geteuid() == 0)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=COMPILED_FILE, error=_os_error(exc))
+        text = render_accepted(policy)
+        if text == self._accepted_text:
+            return
+        try:
+            save_accepted(state_dir, policy)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, path=policy.state_dir, error=_os_error(exc))
+            return
+        self._accepted_text = text
+
+    # --- one poll -------------------------------------------------------------------------
+
+    def _state_dir(self) -> StateDir | None:
+        """The state directory opened at start (or now); None when it cannot be used, said
+        once per distinct error as ``state.dir_unusable``."""
+        try:
+            return self.store.directory()
+        except OSError as exc:
+            error = _os_error(exc)
+            if error != self._state_dir_error:
+                log.critical(EventName.STATE_DIR_UNUSABLE, path=self.policy.state_dir, error=error)
+                self._state_dir_error = error
+            return None
+
+    def poll_once(self) -> PollReport:
+        """The admin switches, then one engine cycle, then what observes it: the metrics, the
+        STATUS line and the served view, each from the poll's report."""
+        switches = self._read_switches()
+        self._take_ended_jobs()
+        # The poll's start is its time in the status section: the engine's own checkpoint at
+        # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
+        self.last_poll_monotonic = self.clock()
+        self.last_poll_wall = self.wall_clock()
+        report = self.engine.poll(
+            dataclasses.replace(
+                switches, started=self.last_poll_monotonic, started_wall=self.last_poll_wall
+            )
+        )
+        self.report = report
+        # Gauges only feed the textfile: without one, setting them is ~1 ms a poll wasted.
+        # (Event counters are kept regardless, by the sink.)
+        if self.metrics.textfile is not None:
+            self.metrics.after_poll(
+                report,
+                dry_run=self.policy.dry_run,
+                policy_rejected=self.policy_rejected is not None,
+            )
+        self._notify_status(report)
+        self._serving.publish(
+            report,
+            policy=self.policy,
+            procfs=self.procfs,
+            nvml=self.nvml,
+            watch=self.collector.watch,
+            dead_listed=self.collector.dead_listed,
+            watch_fd=self.device_watch.fileno(),
+        )
+        return report
+
+    def _read_switches(self) -> PollInputs:
+        """The admin switch files, as the next poll's inputs (their problems said here)."""
+        state_dir = self._state_dir()
+        if state_dir is None:
+            # Fail safe: no switch can be read and no step could be saved.
+            return PollInputs(pause=Pause("state_dir unusable"))
+        # Spares and pauses last on the boot clock, not the wall clock (collect/boottime.py).
+        clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
+        switch = poll_pause(state_dir, clock, max_pause=self.policy.limits.max_pause)
+        spares = read_spares(
+            state_dir, clock, max_spare=self.policy.limits.max_spare, remove_stale=True
+        )
+        for problem in spares.problems:
+            log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
+        for spare, was in spares.cut:
+            log.warning(
+                EventName.SPARE_CUT,
+                target=spare.target,
+                until=spare.until,
+                was_until=was,
+                max_spare=self.policy.limits.max_spare,
+            )
+        return PollInputs(
+            pause=Pause(switch.reason, until=switch.until, resumed=switch.resumed),
+            spares=spares.spares,
+            spares_read_at=clock.wall,
+            clear_latches=take_clear_latches(state_dir),
+        )
+
+    def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
+        """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
+        return keep_watchdog_fed(self.notifier, work)
+
+    def _wait(self) -> None:
+        """Sleep until the next poll or deadline, waking at once for exits and signals."""
+        until = self.clock() if self.report is None else self.report.wake_at
+        watch_fd = self.device_watch.fileno()
+        while not self._stop and not self._reload:
+            remaining = until - self.clock()
+            if remaining <= 0:
+                return
+            poller = select.poll()
+            poller.register(self._wakeup_r, select.POLLIN)
+            for fd in self.signaller.fileno_list():
+                poller.register(fd, select.POLLIN)
+            if watch_fd is not None:
+                poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
+            server_fd = self._serving.fileno()
+            if server_fd is not None:
+                poller.register(server_fd, select.POLLIN)  # a scan asks
+            slice_s = min(remaining, max(1.0, watchdog_slice()))
+            try:
+                ready = poller.poll(slice_s * 1000)
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                ready = []
+            self.notifier.notify("WATCHDOG=1")
+            if any(fd == self._wakeup_r for fd, _ in ready):
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wakeup_r, 4096)
+            if watch_fd is not None and any(fd == watch_fd for fd, _ in ready):
+                self.device_watch.mark_if_pending()
+                early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
+                until, watch_fd = min(until, early), None  # read at the poll, not here
+            if server_fd is not None and any(fd == server_fd for fd, _ in ready):
+                self._serving.answer()  # after the watch: an open just seen declines it
+            exited = self.signaller.wait(0)
+            self.engine.note_exits(exited)
+            if exited:
+                self.save_state()
+                return
+
+    def _notify_status(self, report: PollReport) -> None:
+        status = describe_status(report, self.policy.dry_run)
+        rejected = self.policy_rejected
+        if rejected is not None and rejected.get("at_start"):
+            status = f"policy rejected at start, running {rejected.get('running')}; {status}"
+        elif rejected is not None:
+            status = f"policy rejected, running the previous one ({self.config_path}); {status}"
+        self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _ancestors(self) -> frozenset[int]:
+        found: set[int] = set()
+        pid = os.getppid()
+        for _ in range(64):
+            if pid <= 1 or pid in found:
+                break
+            found.add(pid)
+            info = self.procfs.read_process(pid)
+            if info is None or info.ppid is None:
+                break
+            pid = info.ppid
+        return frozenset(found)
+
+    def _load_state(self) -> None:
+        data = self.store.load()
+        boot_id = self.procfs.boot_id()
+        if not data:
+            return
+        try:
+            check_version(data)
+            record = data.get("reset_in_progress")
+            state = EngineState(
+                assess=AssessState.from_json(data.get("assess")),
+                plan=PlanState.from_json(data.get("plan")),
+                reset_in_progress=dict(record) if isinstance(record, dict) else None,
+            )
+        except ValueError as exc:
+            log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
+            state = EngineState()
+        self.engine.restore(state)
+        if data and data.get("boot_id") != boot_id:
+            log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
+
+    def save_state(self) -> bool:
+        """Write the state when it changed (a quiet poll costs no write and no fsync).
+
+        True when what is on disk is the current state; False when it could not be written
+        (logged): the engine then takes no irreversible step (engine.py, ``checkpoint``)."""
+        boot_id = self.procfs.boot_id()
+        state = self.engine.standing()
+        # last_wall moves every poll; an older one on disk only hides no backward clock step.
+        verdict = state.verdict
+        key = (
+            boot_id,
+            state.assess,
+            dataclasses.replace(state.plan, last_wall=None),
+            state.reset_in_progress,
+            self.actions_seen,
+            self.policy_rejected,
+            state.spares,
+            # NVML lost or back is news for `status` at once, not at the next minute's write.
+            state.nvml.state,
+            # A GPU turning clean or not is news for `status` (its wording alone is not).
+            None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
+        )
+        # The status section's last_poll proves the daemon alive: refreshed once a minute on a
+        # quiet node, so a quiet poll still costs no write most of the time.
+        bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
+        if key == self._saved_key and bucket == self._saved_poll_bucket:
+            return True
+        status = self.status_section(state)
+        data = state_document(
+            boot_id=boot_id,
+            saved_at=self.wall_clock(),
+            assess=state.assess.to_json(),
+            plan=state.plan.to_json(),
+            reset_in_progress=state.reset_in_progress,
+            status=status,
+        )
+        # Everything `status` shows, worked out here: it only renders (status_document.py).
+        status["document"] = build_document(
+            data, policy=self.policy, wall=self.wall_clock(), monotonic=self.clock()
+        )
+        try:
+            self.store.save(data)
+        except OSError as exc:
+            log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
+            return False
+        self._saved_key = key
+        self._saved_poll_bucket = bucket
+        return True
+
+    def status_section(self, standing: Standing | None = None) -> dict[str, object]:
+        """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
+        actions, a rejected policy (shape documented in docs/operations.md); from where the
+        engine stands now unless given."""
+        if standing is None:
+            standing = self.engine.standing()
+        snapshot, assessment, verdict = standing.snapshot, standing.assessment, standing.verdict
+        return {
+            "pid": os.getpid(),
+            "started": self.started_wall,
+            "last_poll": self.last_poll_wall,
+            "monotonic": self.last_poll_monotonic,  # the same instant on the plan's clock
+            "interval": self.policy.interval,
+            "dry_run": self.policy.dry_run,
+            "mode": "dry-run" if self.policy.dry_run else "enforcing",
+            # From the first failed reading on, with since when (decide/nvml_state.py).
+            "nvml": standing.nvml.to_json(),
+            "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
+            "findings": len(assessment.findings) if assessment is not None else None,
+            # Each GPU clean for a new job? (decide/verdict.py, as check-clean says it)
+            "verdict": None if verdict is None else verdict.to_json(),
+            "policy": list(self.policy.sources) or [self.config_path],
+            "policy_rejected": self.policy_rejected,
+            "recent_actions": list(self.recent_actions),
+            # gpuwatchd spare: what this daemon honours now (cli/spare.py --list reads files).
+            "spares": [
+                {"target": s.target, "until": s.until, "reason": s.reason} for s in standing.spares
+            ],
+        }
+
+
+_ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
+
+
+class _DaemonSink:
+    """The daemon's event sink: every event to the log, and the actions remembered for
+    ``gpuwatchd status`` (the newest :data:`RECENT_ACTIONS`)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.log = LogSink()
+
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        self.log.emit(name, level, fields)
+        self.daemon.metrics.observe(name, level, fields)
+        if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
+            self.daemon.last_action = self.daemon.clock()
+        if name in _ACTION_EVENTS:
+            pid = fields.get("pid")
+            outcome = fields.get("outcome") or fields.get("result")
+            if name == EventName.HOOK_RUN:
+                outcome = hook_outcome(fields)
+            self.daemon.actions_seen += 1
+            self.daemon.recent_actions.append(
+                {
+                    "at": self.daemon.wall_clock(),
+                    "event": str(name),
+                    "gpu": fields.get("gpu"),
+                    "pid": pid if isinstance(pid, int) else None,
+                    "signal": fields.get("signal"),
+                    "hook": fields.get("hook"),
+                    "outcome": outcome,
+                    "dry_run": fields.get("dry_run") is True,
+                    "sentence": action_sentence(name, fields),
+                }
+            )
+
+
+def _os_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return str(exc)

@@ -1,0 +1,615 @@
+"""Prometheus metrics, written to a file for node_exporter's textfile collector.
+
+This module owns the metrics gpuwatchd exposes — their names, types, labels and meaning
+(``docs/metrics.md``) — and writing them. Counters are fed by the engine's events
+(:meth:`Metrics.observe`, called for every event); gauges are set from each poll's snapshot,
+assessment and plan state, from its report (:meth:`Metrics.after_poll`), which then rewrites the
+``metrics.textfile`` file atomically (a temporary file in the same directory, then a rename).
+The unit has no network (``PrivateNetwork=yes``), so there is no HTTP endpoint: node_exporter
+reads the file.
+
+It decides nothing. Unknown stays unknown: a value that could not be read has no sample, never
+a 0. Label values are bounded (UUIDs and indices of the node's GPUs, names from
+:mod:`gpuwatchd.core.vocabulary`; never a PID). A failed write never raises: it is logged once per
+distinct error (``metrics.write_failed``) and the next poll tries again. The registry is
+private, never prometheus_client's global one, so nothing else can add to the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat
+from collections import Counter as Tally
+from collections.abc import Mapping
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, generate_latest
+
+from gpuwatchd import __version__
+from gpuwatchd.config.keys import SIGNAL_NAMES
+from gpuwatchd.core.model import FindingKind, GpuInfo, Snapshot
+from gpuwatchd.core.vocabulary import (
+    EventName,
+    HookOutcome,
+    LadderStatus,
+    LeftoverName,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
+from gpuwatchd.daemon.metrics_mig import MigGauges
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
+from gpuwatchd.state.directory import open_directory
+
+__all__ = ["DEBIAN_TEXTFILE", "TEXTFILE_MODE", "Metrics", "remove_textfile", "write_textfile"]
+
+log = structlog.get_logger("gpuwatchd")
+
+# node_exporter runs as its own user (Debian: prometheus); the unit's UMask=0077 would make
+# the file unreadable to it, so the mode is set explicitly. The file holds no secret.
+TEXTFILE_MODE = 0o644
+# Where docs/metrics.md tells Debian users to put the file (node_exporter's textfile directory
+# there); the package's prerm removes our file from it, and from the policy's path.
+DEBIAN_TEXTFILE = "/var/lib/prometheus/node-exporter/gpuwatchd.prom"
+OTHER = "other"  # the label value of anything outside a bounded set (a bug, or a new name)
+GPU_LABELS = ("gpu", "index")
+_HOOK_NAME = re.compile(r"[a-z_]{1,32}")
+
+_SIGNALS = frozenset(SIGNAL_NAMES)
+_SIGNAL_OUTCOMES = frozenset(o.value for o in SignalOutcome)
+_RESET_RESULTS = frozenset(r.value for r in ResetResult)
+_KINDS = frozenset(k.value for k in FindingKind)
+
+
+def _without_created(text: bytes) -> bytes:
+    """``text`` (the text exposition format) less every ``*_created`` family: its HELP and
+    TYPE lines and its samples. No metric of ours is named so on purpose."""
+    kept = []
+    for line in text.split(b"\n"):
+        words = line.split(b" ", 3)
+        name = words[2] if line.startswith(b"# ") and len(words) > 2 else words[0]
+        if not name.split(b"{", 1)[0].endswith(b"_created"):
+            kept.append(line)
+    return b"\n".join(kept)
+
+
+def _why_not_written(path: str, err: OSError) -> str:
+    """The write error, and for the two a folder made after the daemon started gives, what
+    to do: a unit with ``ProtectSystem=strict`` sees a folder as writable only if it is in
+    ``ReadWritePaths=`` and existed when the unit started."""
+    error = err.strerror or str(err)
+    folder = os.path.dirname(os.path.abspath(path))
+    if err.errno == errno.EROFS:
+        return (
+            f"{error}: {folder} is read-only to gpuwatchd; under systemd a folder must be in "
+            "the unit's ReadWritePaths= and exist when the unit starts: add it "
+            "(systemctl edit gpuwatchd), or restart gpuwatchd if it was made after the start"
+        )
+    if err.errno == errno.ENOENT:
+        return (
+            f"{error}: {folder} does not exist; create it (node_exporter's textfile "
+            "directory), then restart gpuwatchd so the unit's ReadWritePaths= covers it"
+        )
+    return error
+
+
+def _label(value: object, allowed: frozenset[str]) -> str:
+    """``value`` as a label value if it is one of ``allowed``, else ``other``."""
+    text = str(value)
+    return text if text in allowed else OTHER
+
+
+def _flag(value: bool) -> int:
+    return 1 if value else 0
+
+
+def write_textfile(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: a fresh temporary file in the same directory
+    (never a planted one; its name does not end in ``.prom``, so node_exporter skips it), mode
+    :data:`TEXTFILE_MODE`, renamed over ``path`` (a link there is replaced, not followed).
+
+    The directory is reached by a walk from ``/`` that follows no symbolic link
+    (:func:`gpuwatchd.state.directory.open_directory`), and both the file and the rename go through
+    its descriptor: node_exporter's folder is often another user's (Debian's ``prometheus``),
+    who could otherwise swap it, or a folder above it, for a link to anywhere and have root
+    write there. Its owner is not checked: it is not read back.
+
+    No fsync: the file is rewritten every poll, and a reader sees the old file or the new one,
+    never half of one. Raises OSError (StateDirError for a link on the way); the temporary file
+    is removed then.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = open_directory(directory, owners=None, readable=False)
+    try:
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, TEXTFILE_MODE, dir_fd=dir_fd)
+        try:
+            try:
+                os.fchmod(fd, TEXTFILE_MODE)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def remove_textfile(path: str) -> bool:
+    """Remove ``path`` if it is a metrics file gpuwatchd wrote; True when it was removed.
+
+    For the package's removal: node_exporter would go on serving the last samples of a daemon
+    that is gone. Only a regular file named ``*.prom``, reached as :func:`write_textfile`
+    reaches it (a walk from ``/`` that follows no symbolic link, then the folder's descriptor),
+    whose first MiB holds gpuwatchd's ``gpuwatchd_build_info`` sample, is removed; anything
+    else (a missing file included) is left alone. Never raises.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    if not name.endswith(".prom"):
+        return False
+    try:
+        dir_fd = open_directory(directory, owners=None, readable=False)
+    except OSError:
+        return False
+    try:
+        return _remove_ours(dir_fd, name)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_ours(dir_fd: int, name: str) -> bool:
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 1 << 20)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if b"\ngpuwatchd_build_info{" not in b"\n" + head:
+        return False
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
+
+
+class _GpuGauges:
+    """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, GPU_LABELS, registry=registry)
+
+        self.allocated = gauge(
+            "gpuwatchd_gpu_memory_allocated_bytes",
+            "GPU memory allocated (total - free - reserved), as NVML reports it",
+        )
+        self.accounted = gauge(
+            "gpuwatchd_gpu_memory_accounted_bytes",
+            "GPU memory NVML attributes to the live processes it lists on the GPU",
+        )
+        self.unaccounted = gauge(
+            "gpuwatchd_gpu_memory_unaccounted_bytes",
+            "Allocated GPU memory that no live listed process accounts for (includes the "
+            "idle baseline)",
+        )
+        self.ghost = gauge(
+            "gpuwatchd_gpu_memory_ghost_bytes",
+            "GPU memory of a current ghost_memory finding (held by no live process), else 0",
+        )
+        self.lost = gauge("gpuwatchd_gpu_lost", "1 when NVML reports the GPU lost")
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.allocated, self.accounted, self.unaccounted, self.ghost, self.lost):
+            gauge.clear()  # a GPU that is gone, or a value now unknown, loses its sample
+        host = HostView(snapshot)
+        ghosts = {
+            f.gpu: f.memory for f in assessment.findings if f.kind is FindingKind.GHOST_MEMORY
+        }
+        for gpu in host.gpus:
+            labels = (gpu.uuid, str(gpu.index))
+            self.lost.labels(*labels).set(_flag(gpu.lost))
+            if gpu.lost:
+                continue  # its memory figures are whatever was read before it was lost
+            allocated = gpu.memory.allocated if gpu.memory is not None else None
+            if allocated is not None:
+                self.allocated.labels(*labels).set(allocated)
+            if not _memory_checked(gpu):
+                continue
+            accounted = _accounted(host, gpu)
+            if accounted is not None:
+                self.accounted.labels(*labels).set(accounted)
+            if accounted is not None and allocated is not None:
+                self.unaccounted.labels(*labels).set(max(allocated - accounted, 0))
+            # No ghost finding is a known 0 only where allocated memory was read.
+            ghost = ghosts.get(gpu.uuid, 0 if allocated is not None else None)
+            if ghost is not None:
+                self.ghost.labels(*labels).set(ghost)
+
+
+class _VerdictGauges:
+    """Whether a new job may have each GPU, as ``check-clean`` says it (decide/verdict.py), and
+    why not, by reason kind (finding kinds and leftover names: a bounded set). No sample for
+    a GPU when the node could not be judged."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.clean = Gauge(
+            "gpuwatchd_gpu_clean",
+            "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
+            GPU_LABELS,
+            registry=registry,
+        )
+        self.reasons = Gauge(
+            "gpuwatchd_gpu_not_clean_reasons",
+            "Why the GPU is not clean: the verdict's reasons, by kind",
+            (*GPU_LABELS, "kind"),
+            registry=registry,
+        )
+
+    def update(self, verdict: NodeVerdict | None) -> None:
+        self.clean.clear()
+        self.reasons.clear()
+        if verdict is None or verdict.unavailable is not None:
+            return
+        for gpu in verdict.gpus:
+            labels = (gpu.uuid, str(gpu.index))
+            self.clean.labels(*labels).set(_flag(gpu.clean))
+            for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
+                self.reasons.labels(*labels, kind).set(count)
+
+
+_REASON_KINDS = {
+    name: name for name in (*(k.value for k in FindingKind), *(n.value for n in LeftoverName))
+}
+
+
+class _HealthGauges:
+    """GPU health (docs/findings.md#gpu-health): Xids seen by number, row remapping, the
+    recovery action. Unknown or not supported: no sample. Xid labels are bounded by the
+    health state (at most 64 distinct Xids per GPU)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, (*GPU_LABELS, *extra), registry=registry)
+
+        self.xids = gauge(
+            "gpuwatchd_gpu_xid_events",
+            "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
+            ("xid",),
+        )
+        self.rows = gauge(
+            "gpuwatchd_gpu_remapped_rows",
+            "Rows remapped on the GPU, by cause (correctable, uncorrectable)",
+            ("cause",),
+        )
+        self.pending = gauge("gpuwatchd_gpu_remap_pending", "1 when a row remap waits for a reset")
+        self.failure = gauge("gpuwatchd_gpu_remap_failure", "1 when row remapping failed")
+        self.action = gauge(
+            "gpuwatchd_gpu_recovery_action",
+            "The driver's recovery action (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, "
+            "4 drain and reset)",
+        )
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.xids, self.rows, self.pending, self.failure, self.action):
+            gauge.clear()
+        history = assessment.state.health.gpus
+        for gpu in snapshot.nvml.gpus:
+            if not gpu.uuid:
+                continue
+            labels = (gpu.uuid, str(gpu.index))
+            carried = history.get(gpu.uuid)
+            for xid, record in sorted(carried.xids.items()) if carried else ():
+                self.xids.labels(*labels, str(xid)).set(record.count)
+            health = gpu.health
+            if health is None or gpu.lost:
+                continue
+            if health.recovery_action is not None:
+                self.action.labels(*labels).set(health.recovery_action)
+            for cause, rows in (
+                ("correctable", health.remap_correctable),
+                ("uncorrectable", health.remap_uncorrectable),
+            ):
+                if rows is not None:
+                    self.rows.labels(*labels, cause).set(rows)
+            if health.remap_pending is not None:
+                self.pending.labels(*labels).set(_flag(health.remap_pending))
+            if health.remap_failure is not None:
+                self.failure.labels(*labels).set(_flag(health.remap_failure))
+
+
+def _memory_checked(gpu: GpuInfo) -> bool:
+    """Whether memory-based detection runs on ``gpu`` (as in assess: not with MIG, not on
+    coherent-memory systems), so that its accounted, unaccounted and ghost figures mean
+    something."""
+    return not gpu.mig_enabled and not gpu.coherent_memory
+
+
+def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
+    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
+    listed zombie counts as live, as in assess); None when the list
+    or any of those figures is unknown."""
+    if gpu.processes is None:
+        return None
+    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
+    if any(figure is None for figure in figures):
+        return None
+    return sum(figure for figure in figures if figure is not None)
+
+
+class _StateGauges:
+    """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.findings = Gauge(
+            "gpuwatchd_findings", "Current findings, by kind", ["kind"], registry=registry
+        )
+        self.ladders = Gauge(
+            "gpuwatchd_ladders",
+            "Escalation ladders by status (active: in progress; stuck: target in D state)",
+            ["status"],
+            registry=registry,
+        )
+        flags = {
+            "dry_run": "1 when the policy (or run --dry-run) is dry-run",
+            "paused": "1 while gpuwatchd pause holds every action",
+            "kill_cap_latched": "1 while the kill cap has forced dry-run (until resume "
+            "--clear-latches)",
+            "reset_circuit_open": "1 while the reset circuit breaker is open (no resets)",
+            "nvml_wedged": "1 when an NVML call missed its deadline this poll",
+            "nvml_unavailable": "1 when NVML could not be used this poll",
+            "policy_rejected": "1 when the last reload, or the start, rejected the policy (an "
+            "older one is in force)",
+        }
+        self.flags = {
+            name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
+        }
+        self.paused_until = Gauge(
+            "gpuwatchd_paused_until_timestamp_seconds",
+            "Unix time the current pause ends by itself (0 when not paused)",
+            registry=registry,
+        )
+
+    def update(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        state: PlanState,
+        *,
+        dry_run: bool,
+        policy_rejected: bool,
+    ) -> None:
+        kinds = Tally(f.kind.value for f in assessment.findings)
+        for kind in FindingKind:
+            self.findings.labels(kind.value).set(kinds[kind.value])
+        statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
+        for status in LadderStatus:
+            self.ladders.labels(status.value).set(statuses[status.value])
+        values = {
+            "dry_run": dry_run,
+            "policy_rejected": policy_rejected,
+            "paused": state.paused,
+            "kill_cap_latched": state.forced_dry_run,
+            "reset_circuit_open": state.circuit_open,
+            "nvml_wedged": snapshot.nvml.wedged,
+            "nvml_unavailable": not snapshot.nvml.available,
+        }
+        for name, gauge in self.flags.items():
+            gauge.set(_flag(values[name]))
+        ends = state.paused_until if state.paused else None
+        self.paused_until.set(0.0 if ends is None else ends)
+
+
+class _PollGauges:
+    """How the last poll went: duration, time, whether it scanned all of /proc."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Summary(
+            "gpuwatchd_poll_duration_seconds",
+            "Time one engine cycle took (collect, assess, plan, act)",
+            registry=registry,
+        )
+        self.last_duration = Gauge(
+            "gpuwatchd_last_poll_duration_seconds",
+            "Time the last engine cycle took",
+            registry=registry,
+        )
+        self.last_success = Gauge(
+            "gpuwatchd_last_successful_poll_timestamp_seconds",
+            "Unix time the last engine cycle completed",
+            registry=registry,
+        )
+        self.last_full = Gauge(
+            "gpuwatchd_last_poll_full_scan",
+            "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
+            registry=registry,
+        )
+        self.full_scans = Counter(
+            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders", registry=registry
+        )
+
+    def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
+        full = snapshot.holders.mode == "full"
+        self.duration.observe(seconds)
+        self.last_duration.set(seconds)
+        self.last_success.set(wall)
+        self.last_full.set(_flag(full))
+        if full:
+            self.full_scans.inc()
+
+
+class _EventCounters:
+    """Counters fed by the engine's events."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.signals = Counter(
+            "gpuwatchd_signals",
+            "Signals carried out (dry_run: would have been sent), by signal and outcome",
+            ["signal", "outcome"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            "gpuwatchd_resets", "GPU reset procedures, by result", ["result"], registry=registry
+        )
+        self.mig_recoveries = Counter(
+            "gpuwatchd_mig_recoveries",
+            "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
+            ["result"],
+            registry=registry,
+        )
+        self.hooks = Counter(
+            "gpuwatchd_hooks",
+            "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
+            ["hook", "result"],
+            registry=registry,
+        )
+        self.findings_new = Counter(
+            "gpuwatchd_findings_new",
+            "Findings that appeared, by kind",
+            ["kind"],
+            registry=registry,
+        )
+        for result in ResetResult:  # known from the start, so increase() sees the first one
+            self.resets.labels(result.value)
+            self.mig_recoveries.labels(result.value)
+        for kind in FindingKind:
+            self.findings_new.labels(kind.value)
+
+    def observe(self, name: str, fields: Mapping[str, object]) -> None:
+        if name == EventName.ACTION_SIGNAL:
+            signal = _label(fields.get("signal"), _SIGNALS)
+            self.signals.labels(signal, _label(fields.get("outcome"), _SIGNAL_OUTCOMES)).inc()
+        elif name == EventName.RESET_OUTCOME:  # also said for a resumed reset it books
+            # A MIG GPU instance's re-creation is the reset procedure, but not a GPU reset.
+            counter = self.mig_recoveries if fields.get("instance") else self.resets
+            counter.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
+        elif name == EventName.HOOK_RUN:
+            self.hooks.labels(_hook_name(fields.get("hook")), _hook_result(fields)).inc()
+        elif name == EventName.FINDING_NEW:
+            self.findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
+
+
+def _hook_name(value: object) -> str:
+    text = str(value)
+    return text if _HOOK_NAME.fullmatch(text) else OTHER
+
+
+def _hook_result(fields: Mapping[str, object]) -> str:
+    """The metric's label (ok, failed, dry_run) of how a hook ended (``hook_outcome``)."""
+    outcome = hook_outcome(fields)
+    if outcome == HookOutcome.DRY_RUN:
+        return "dry_run"
+    return "ok" if outcome == HOOK_SUCCEEDED else "failed"
+
+
+class Metrics:
+    """gpuwatchd's metrics in a private registry, and the file they are written to.
+
+    ``textfile`` is the ``.prom`` path (``policy.metrics.textfile``) or None: metrics are then
+    kept but not written. Change it with :meth:`set_textfile` (a reload).
+    """
+
+    def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
+        self.registry = CollectorRegistry()
+        self.textfile = textfile
+        Gauge(
+            "gpuwatchd_build_info",
+            "Always 1; the version label is gpuwatchd's",
+            ["version"],
+            registry=self.registry,
+        ).labels(version).set(1)
+        self._events = _EventCounters(self.registry)
+        self._gpus = _GpuGauges(self.registry)
+        self._health = _HealthGauges(self.registry)
+        self._mig = MigGauges(self.registry)
+        self._state = _StateGauges(self.registry)
+        self._verdict = _VerdictGauges(self.registry)
+        self._poll = _PollGauges(self.registry)
+        self._write_errors = Counter(
+            "gpuwatchd_textfile_write_errors",
+            "Failed writes of this file (seen once a later write succeeds)",
+            registry=self.registry,
+        )
+        self._written: str | None = None  # the path last written successfully
+        self._last_error: str | None = None  # the failure last logged, until a write succeeds
+
+    def observe(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """Count one engine event (``level`` is not used; the signature is the event sink's)."""
+        self._events.observe(name, fields)
+
+    def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
+        """Set the gauges from one completed poll's report, then write the file if one is
+        configured.
+
+        Returns why the write failed (also logged), or None. Never raises for a write.
+        """
+        snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
+        self._gpus.update(snapshot, assessment)
+        self._mig.update(snapshot, assessment)
+        self._health.update(snapshot, assessment)
+        self._state.update(
+            snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
+        )
+        self._verdict.update(report.verdict)
+        self._poll.update(snapshot, report.seconds, report.started_wall)
+        return self.write()
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text exposition format, without the ``*_created``
+        series prometheus_client adds to every counter and summary (a start time per label
+        set: noise in a textfile, and twice the series)."""
+        return _without_created(generate_latest(self.registry))
+
+    def write(self) -> str | None:
+        """Write the file (if configured); why it failed, or None."""
+        path = self.textfile
+        if path is None:
+            return None
+        try:
+            write_textfile(path, self.render())
+        except OSError as err:
+            self._write_errors.inc()
+            return self._failed(path, err)
+        self._written, self._last_error = path, None
+        return None
+
+    def set_textfile(self, path: str | None) -> None:
+        """Write to ``path`` from now on; the file written before, if another, is removed so
+        that node_exporter does not go on serving its stale samples."""
+        old = self._written
+        self.textfile = path
+        if old is not None and old != path:
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+            self._written = None
+
+    def _failed(self, path: str, err: OSError) -> str:
+        # Without the file name: it may be the random temporary one, and a failure that lasts
+        # is said once.
+        error = _why_not_written(path, err)
+        if error != self._last_error:
+            log.error(EventName.METRICS_WRITE_FAILED, path=path, error=error)
+            self._last_error = error
+        return error

@@ -1,0 +1,124 @@
+"""systemd's notification protocol: READY/RELOADING/STOPPING, the watchdog, the STATUS line.
+
+This module owns what the daemon tells systemd (``sd_notify``, only when systemd asked for it
+with ``NOTIFY_SOCKET``): the watchdog's period (a third of ``WATCHDOG_USEC``), feeding it while
+slow work runs (the work on the caller's own thread, a helper thread that only feeds) or while
+work that reports its progress runs long (:class:`WatchdogPinger`: a long holder scan), and the
+one-line ``systemctl status`` text. It decides nothing and reads no file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpuwatchd.engine.edges import PollReport
+
+__all__ = ["Notifier", "WatchdogPinger", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
+
+T = TypeVar("T")
+FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
+
+
+class Notifier:
+    """sd_notify when systemd asked for it (NOTIFY_SOCKET set); silent otherwise."""
+
+    def __init__(self) -> None:
+        self._notifier: Any = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            import sdnotify
+
+            self._notifier = sdnotify.SystemdNotifier()
+
+    def notify(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+
+def watchdog_slice() -> float:
+    """How often the watchdog wants feeding: a third of ``WATCHDOG_USEC``; 5 s without one."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    if usec and usec.isdigit():
+        return int(usec) / 1e6 / 3
+    return 5.0
+
+
+class WatchdogPinger:
+    """Feeds the watchdog from work that reports its own progress (the holder scan calls it
+    after each process): ``WATCHDOG=1`` at most every ``every`` seconds, and only from the
+    process that made it (a forked scan worker's ping would be refused: ``NotifyAccess=main``).
+    No thread: work stuck in one call pings nothing, so systemd still sees a hung loop."""
+
+    def __init__(
+        self,
+        ping: Callable[[], None],
+        every: float = FEED_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ping = ping  # sends WATCHDOG=1
+        self.every = every
+        self.clock = clock
+        self.pid = os.getpid()
+        self.last = clock()
+
+    def __call__(self) -> None:
+        now = self.clock()
+        if now - self.last >= self.every and os.getpid() == self.pid:
+            self.last = now
+            self.ping()
+
+
+def keep_watchdog_fed(notifier: Notifier, work: Callable[[], T], every: float = FEED_EVERY) -> T:
+    """Run slow work (a reset, hooks) right here, on the loop's own thread, while a helper
+    thread only feeds the watchdog: the work calls back into nothing from another thread."""
+    done = threading.Event()
+
+    def feed() -> None:
+        while not done.wait(every):
+            notifier.notify("WATCHDOG=1")
+
+    feeder = threading.Thread(target=feed, name="gpuwatchd-watchdog", daemon=True)
+    feeder.start()
+    try:
+        return work()
+    finally:
+        done.set()
+        feeder.join()
+        notifier.notify("WATCHDOG=1")
+
+
+def describe_status(report: PollReport, dry_run: bool) -> str:
+    """The one-line ``systemctl status`` text, from one poll's report."""
+    reading, state, verdict = report.snapshot.nvml, report.plan, report.verdict
+    if not reading.available:
+        return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
+    gpus = len(reading.gpus)
+    parts = [f"{gpus} GPU{'s' if gpus != 1 else ''} watched"]
+    if reading.wedged:
+        parts.insert(0, "driver wedged")
+    lost = [g for g in reading.gpus if g.lost]
+    if lost:
+        parts.append(f"{len(lost)} lost (needs reboot)")
+    if verdict is not None and verdict.unavailable is None:
+        dirty = sum(1 for g in verdict.gpus if not g.clean)
+        parts.append(f"{dirty} not clean" if dirty else "all clean")
+    count = len(report.assessment.findings)
+    parts.append(f"{count} finding{'s' if count != 1 else ''}")
+    ladders = list(state.ladders.values())
+    active = sum(1 for lad in ladders if lad.status == "active")
+    parts.append(f"{active} action{'s' if active != 1 else ''} under way")
+    stuck = sum(1 for lad in ladders if lad.status == "stuck")
+    if stuck:
+        parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
+    if state.paused:
+        parts.append("paused")
+    if state.forced_dry_run:
+        parts.append("kill cap reached: forced dry-run")
+    elif dry_run:
+        parts.append("dry-run")
+    if state.circuit_open:
+        parts.append("resets stopped (circuit breaker)")
+    return ", ".join(parts)

@@ -1,0 +1,147 @@
+"""What the running daemon serves to ``scan``: its published files and its answers.
+
+This module owns the daemon's side of the served scan (docs/scan.md, "Beside a running daemon"
+and "Answered by the daemon"): the holder view ``holders.json`` and the NVML reading
+``nvml.json`` published after each poll while the device watch works, and the socket
+``scan.sock`` on which a plain ``scan`` is answered between polls. The formats and rules are
+:mod:`gpuwatchd.served.holders`, :mod:`gpuwatchd.served.guard`, :mod:`gpuwatchd.served.nvml` and
+:mod:`gpuwatchd.served.scan_socket`'s; the answer itself is the command line's, handed in
+(:mod:`gpuwatchd.cli.served`). It decides nothing about findings and never acts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import structlog
+
+from gpuwatchd.collect.devwatch import DeviceWatch
+from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served import nvml as nvml_view
+from gpuwatchd.served.guard import ViewPublisher
+from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest, ScanServer
+from gpuwatchd.state.directory import StateDir
+
+log = structlog.get_logger("gpuwatchd")
+
+# What answers a `scan` that asked: the request alone (the daemon binds its main file and
+# state_dir in); the command line's (cli/served.py), handed in by cli/run.py.
+Answerer = Callable[[ScanRequest], ScanAnswer]
+
+
+class ScanServing:
+    """The holder view, the NVML reading and the scan socket of one daemon."""
+
+    def __init__(
+        self,
+        state_dir: Callable[[], StateDir | None],
+        wall_clock: Callable[[], float] = time.time,
+        answer: Answerer | None = None,
+    ) -> None:
+        self._state_dir = state_dir
+        # Marked dirty by the device watch before its events are read (view_guard.py).
+        self.view = ViewPublisher(state_dir, self._view_write_failed, wall_clock)
+        self._reading = nvml_view.ReadingPublisher(state_dir, self._reading_write_failed)
+        self._own_start_ticks: int | None = None
+        self._server = (
+            None
+            if answer is None
+            else ScanServer(
+                answer,
+                lambda problem: log.info(EventName.DAEMON_SCAN_REQUEST_FAILED, problem=problem),
+            )
+        )
+
+    def publish(
+        self,
+        report: PollReport,
+        *,
+        policy: Policy,
+        procfs: ProcFS,
+        nvml: NvmlClient,
+        watch: DeviceWatch | None,
+        dead_listed: frozenset[int],
+        watch_fd: int | None,
+    ) -> None:
+        """Write the holder view ``scan`` builds on: only while the device watch works, when
+        it changed, or every holder_view.REFRESH seconds; and beside it this poll's NVML
+        reading (both from the poll's report)."""
+        snapshot = report.snapshot
+        if watch is None or not watch.available or snapshot.boot_id is None:
+            return
+        if self._own_start_ticks is None:
+            own = procfs.read_stat(os.getpid())
+            if own is None:
+                return
+            self._own_start_ticks = own.starttime
+        view = holder_view.encode(
+            boot_id=snapshot.boot_id,
+            daemon_pid=os.getpid(),
+            daemon_start_ticks=self._own_start_ticks,
+            worker_pids=nvml.worker_pids,
+            polled=snapshot.wall_time,
+            fresh_for=holder_view.REFRESH + 2 * policy.interval + policy.nvml_timeout,
+            settings=(policy.proc_root, policy.devices_dir, policy.device_major),
+            holders=snapshot.holders,
+            start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
+            dead_listed=dead_listed,
+            watch_fd=watch_fd,
+        )
+        rewritten = self.view.publish(view)
+        reply, asked = nvml.last_reply, nvml.last_asked_wall
+        self._reading.publish(
+            None
+            if reply is None or asked is None
+            else nvml_view.encode(
+                boot_id=snapshot.boot_id,
+                daemon_pid=os.getpid(),
+                daemon_start_ticks=self._own_start_ticks,
+                read_at=asked,
+                polled=snapshot.wall_time,
+                interval=policy.interval,
+                reply=reply,
+            ),
+            rewrite=rewritten,
+        )
+
+    def listen(self) -> None:
+        """Listen for ``scan`` on the socket in ``state_dir``; without it, scans run alone."""
+        if self._server is None:
+            return
+        state_dir = self._state_dir()
+        error = "state_dir unusable" if state_dir is None else self._server.start(state_dir.fd)
+        if error is not None:
+            log.warning(
+                EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE,
+                reason=error,
+                consequence="each scan builds on the published holder view by itself",
+            )
+            self._server = None
+
+    def fileno(self) -> int | None:
+        """The listening socket to wait on, None when not listening."""
+        return None if self._server is None else self._server.fileno()
+
+    def answer(self) -> None:
+        """Answer the scans waiting now (the daemon's wait saw its socket readable)."""
+        if self._server is not None:
+            self._server.serve()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    @staticmethod
+    def _view_write_failed(error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
+
+    @staticmethod
+    def _reading_write_failed(error: str) -> None:
+        log.error(EventName.STATE_SAVE_FAILED, path=nvml_view.READING_FILE, error=error)

@@ -1,0 +1,1 @@
+"""The poll cycle (collect, assess, plan, carry out) and the edges it reads and acts through."""

@@ -1,0 +1,972 @@
+"""The poll cycle, written once: collect → assess → plan → carry out → feed back → next wake-up.
+
+This module owns the one cycle that ``run``, ``run --once`` and ``simulate`` share.
+
+In detail: docs/internals.md, section `gpuwatchd.engine.cycle`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from gpuwatchd.act.commands import CommandResult, run_hooks
+from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
+from gpuwatchd.act.reset import (
+    ResetOutcome,
+    ResetStep,
+    ResetTarget,
+    outcome_event,
+    perform_reset,
+    progress_record,
+)
+from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.core.model import (
+    GpuInfo,
+    ProcessIdentity,
+    Snapshot,
+    Spare,
+    as_int,
+)
+from gpuwatchd.core.vocabulary import (
+    SIGNAL_OUTCOME_LEVELS,
+    EventName,
+    HookName,
+    HookOutcome,
+    Level,
+    ResetResult,
+    SignalOutcome,
+)
+from gpuwatchd.decide import fabric
+from gpuwatchd.decide.argv import format_argv, hook_environment
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.baselines import back_to_baseline
+from gpuwatchd.decide.floor import reset_blockers
+from gpuwatchd.decide.health import drop_assumed, note_reset
+from gpuwatchd.decide.mig_recovery import from_record, recovered, recovery_blockers
+from gpuwatchd.decide.monitors import StoppableMonitor, monitors_to_stop
+from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
+from gpuwatchd.decide.plan import (
+    HookIntent,
+    Intent,
+    PlanResult,
+    PlanState,
+    ResetIntent,
+    SignalIntent,
+    clear_circuit,
+    clear_forced_dry_run,
+    forget_reset_refusals,
+    hidden_holders,
+    next_deadline,
+    plan,
+    record_assumed_exit,
+    record_exit,
+    record_reset,
+    record_signal,
+    set_paused,
+    unfinished_recoveries,
+)
+from gpuwatchd.decide.policy import Hook, Policy
+from gpuwatchd.decide.reuse import Reuse
+from gpuwatchd.decide.spares import spare_changes
+from gpuwatchd.decide.targets import gpu_by_uuid
+from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.engine.edges import (
+    Actuator,
+    Background,
+    Clock,
+    EventSink,
+    HostReader,
+    Pause,
+    PollInputs,
+    PollReport,
+    Runner,
+    Standing,
+    run_inline,
+    run_now,
+)
+from gpuwatchd.events.catalogue import notification
+
+__all__ = [
+    "EXIT_GRACE",
+    "Actuator",
+    "Background",
+    "Clock",
+    "Engine",
+    "EngineState",
+    "EventSink",
+    "HostReader",
+    "Pause",
+    "PollInputs",
+    "PollReport",
+    "Standing",
+    "run_inline",
+    "run_now",
+]
+
+EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
+STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
+
+T = TypeVar("T")
+
+
+def _text(value: object) -> str | None:
+    """A fact as a placeholder value: None stays unknown (the hook that needs it is not run)."""
+    return None if value is None or isinstance(value, bool) else str(value)
+
+
+def _describe_intent(intent: Intent) -> str:
+    """``SIGTERM to pid 4242``, ``reset of GPU-…``, ``on_action hooks``: for events."""
+    if isinstance(intent, SignalIntent):
+        return f"{intent.signal} to pid {intent.identity.pid}"
+    if isinstance(intent, ResetIntent):
+        return f"reset of {intent.gpu}"
+    return f"{intent.hook} hooks"
+
+
+@dataclass
+class EngineState:
+    """What the engine carries from poll to poll and across restarts (the state file's body)."""
+
+    assess: AssessState = field(default_factory=AssessState)
+    plan: PlanState = field(default_factory=PlanState)
+    reset_in_progress: dict[str, object] | None = None
+
+
+class Engine:
+    """One host's decision loop. Build it with its edges, then call :meth:`poll` repeatedly."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        reader: HostReader,
+        actuator: Actuator,
+        clock: Clock,
+        sink: EventSink,
+        state: EngineState | None = None,
+        self_ancestors: frozenset[int] = frozenset(),
+        checkpoint: Callable[[], bool] = lambda: True,
+        slow: Runner = run_inline,
+        background: Background = run_now,
+        hostname: str | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+        sleep: Callable[[float], None] = time.sleep,
+        evidence: EvidenceKeeper | None = None,
+    ) -> None:
+        self.policy = policy
+        self.reader = reader
+        self.actuator = actuator
+        self.clock = clock
+        self.sink = sink
+        self.state = state if state is not None else EngineState()
+        self.self_ancestors = self_ancestors
+        self.checkpoint = checkpoint
+        self.slow = slow
+        self.background = background
+        self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
+        self.stopping = stopping
+        self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
+        # Evidence files before each destructive step (act/evidence.py); none in simulate.
+        self.evidence = evidence
+        # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
+        self._assumed_exits: list[ProcessIdentity] = []
+        # Hooks that ran in the background, reported by the main loop: (intent, results), or
+        # (intent, error) for a notification that raised (a bug).
+        self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult] | str]] = (
+            collections.deque()
+        )
+        self._crashed: collections.deque[str] = collections.deque()  # background_crashed
+        self._snapshot: Snapshot | None = None
+        self._assessment: Assessment | None = None
+        # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
+        self._verdict: NodeVerdict | None = None
+        self.reuse = Reuse()  # the last assessment and verdict, when the inputs are equal
+        self._paused_reason: str | None = None
+        # NVML as a state with transitions (decide/nvml_state.py): status, nvml.recovered.
+        self.nvml_availability = NvmlAvailability()
+        # ``gpuwatchd spare``: put into each snapshot, so every decision sees them.
+        self.spares: tuple[Spare, ...] = ()
+        self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
+
+    # --- the cycle ----------------------------------------------------------------------------
+
+    def poll(self, inputs: PollInputs | None = None) -> PollReport:
+        """Take the admin switches, collect, assess, plan, carry out the intents, feed the
+        outcomes back, checkpoint; report what the poll saw, decided and did."""
+        inputs = inputs or PollInputs()
+        started = self.clock.monotonic() if inputs.started is None else inputs.started
+        wall = self.clock.wall() if inputs.started_wall is None else inputs.started_wall
+        if inputs.pause is not None:
+            pause = inputs.pause
+            self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
+        if inputs.spares is not None:
+            self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
+        if inputs.clear_latches:
+            self.clear_latches()
+        self.report_background_hooks()
+        snapshot = self.reader.collect()
+        if self.spares:
+            # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
+            # whatever the wall clock did since (a step must not end one early).
+            shift = snapshot.wall_time - self._spares_read
+            spares = tuple(replace(s, until=s.until + shift) for s in self.spares)
+            snapshot = replace(snapshot, spares=spares)
+        self.nvml_availability, changes = next_availability(
+            self.nvml_availability, snapshot.nvml, snapshot.wall_time
+        )
+        for name, level, fields in changes:
+            self._emit(name, level, **fields)
+        self._snapshot = snapshot
+        state = self.state
+        if not (self.policy.dry_run or state.plan.forced_dry_run):
+            # Acting for real: a dry run's assumed resets never stand in for real ones.
+            state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
+        assessment = self.reuse.assess(
+            snapshot,
+            state.assess,
+            self.policy.detection,
+            driver_refused=hidden_holders(state.plan),
+            health_policy=self.policy.health,
+        )
+        state.assess = assessment.state
+        self._assessment = assessment
+        for notice in assessment.xid_notices:  # decide/xid_sources.py: floods said once
+            self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
+        self._verdict = self.reuse.judge(
+            snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
+        )
+        # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
+        # a long full scan of this same poll ended (its for-window must not start late).
+        result = plan(
+            assessment.findings,
+            snapshot,
+            state.plan,
+            self.policy,
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
+            report_only=assessment.report_only,
+            self_ancestors=self.self_ancestors,
+        )
+        if any(self._irreversible(intent) for intent in result.intents):
+            # The new plan state already counts each step and kill-cap entry as taken: it is
+            # saved before anything irreversible, so a crash in between never repeats a step
+            # nor forgets it (at worst one signal is not sent, and the ladder goes on after its
+            # wait). If it cannot be saved, nothing irreversible is done this poll.
+            previous = state.plan
+            state.plan = result.state
+            if not self.checkpoint():
+                state.plan = previous
+                result = self._replan_held(result, previous, assessment, snapshot)
+        intents = self._take(result)
+        signalled = False
+        carried: list[Intent] = []
+        for intent in intents:
+            if self.stopping():
+                break
+            self._carry_out(intent)
+            carried.append(intent)
+            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
+        if signalled:
+            # Most targets die within milliseconds of a signal: see that before the checkpoint
+            # (whose fsyncs can take tens of ms), not after it.
+            self.note_exits(self.actuator.exits(EXIT_GRACE))
+        self._note_assumed_exits()
+        self.checkpoint()
+        return PollReport(
+            snapshot=snapshot,
+            assessment=assessment,
+            plan=state.plan,
+            verdict=self._verdict,
+            intents=tuple(carried),
+            started=started,
+            started_wall=wall,
+            seconds=self.clock.monotonic() - started,
+            wake_at=self.wake_at(),
+        )
+
+    def restore(self, state: EngineState) -> None:
+        """Carry on from ``state`` (the state file's body, read at start before any poll)."""
+        self.state = state
+
+    def standing(self) -> Standing:
+        """Where the engine stands now (the state file's body, ``status``'s view of the last
+        poll): the checkpoint's to save, inside a poll too."""
+        state = self.state
+        return Standing(
+            assess=state.assess,
+            plan=state.plan,
+            reset_in_progress=state.reset_in_progress,
+            snapshot=self._snapshot,
+            assessment=self._assessment,
+            verdict=self._verdict,
+            spares=self.spares,
+            nvml=self.nvml_availability,
+        )
+
+    def _replan_held(
+        self,
+        result: PlanResult,
+        previous: PlanState,
+        assessment: Assessment,
+        snapshot: Snapshot,
+    ) -> PlanResult:
+        """The plan of this poll with every step held, because the state that would record
+        the steps cannot be saved: the steps are not taken (``action.withheld`` says which and
+        why), and the ladders wait as they do while paused, to be tried again next poll."""
+        self._withhold(result.intents)
+        held = plan(
+            assessment.findings,
+            snapshot,
+            set_paused(previous, True, reason=STATE_NOT_SAVED),
+            self.policy,
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
+            report_only=assessment.report_only,
+            self_ancestors=self.self_ancestors,
+        )
+        unpaused = set_paused(
+            held.state,
+            previous.paused,
+            reason=previous.paused_reason or "",
+            until=previous.paused_until,
+        )
+        return replace(held, state=unpaused)
+
+    def _withhold(self, intents: Sequence[Intent]) -> None:
+        """Say which irreversible steps are not taken because the state cannot be saved."""
+        steps = [_describe_intent(intent) for intent in intents if self._irreversible(intent)]
+        self._emit(EventName.ACTION_WITHHELD, Level.ERROR, why=STATE_NOT_SAVED, steps=steps)
+
+    def _carry_out_all(self, intents: Sequence[Intent]) -> None:
+        """Follow-up intents (an outcome's hooks): saved first like a poll's, or withheld."""
+        if any(self._irreversible(intent) for intent in intents) and not self.checkpoint():
+            self._withhold(intents)
+            intents = [intent for intent in intents if not self._irreversible(intent)]
+        for intent in intents:
+            self._carry_out(intent)
+
+    def wake_at(self) -> float:
+        """When the next poll is due: ``interval`` from now, or earlier for a plan deadline."""
+        now = self.clock.monotonic()
+        until = now + self.policy.interval
+        due = next_deadline(self.state.plan)
+        if due is not None:
+            until = min(until, max(now, due))
+        return until
+
+    def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
+        """Signalled targets that exited (their pidfds became readable): ladders resolve."""
+        for identity in exited:
+            self._emit(
+                EventName.TARGET_EXITED,
+                Level.INFO,
+                pid=identity.pid,
+                start_ticks=identity.start_ticks,
+            )
+            self._carry_out_all(
+                self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
+            )
+
+    def _note_assumed_exits(self) -> None:
+        """Targets of a dry run's would-be SIGKILL: assumed to have exited, where a real
+        SIGKILL's exit would be seen (plan.record_assumed_exit)."""
+        assumed, self._assumed_exits = self._assumed_exits, []
+        for identity in assumed:
+            self._carry_out_all(
+                self._take(
+                    record_assumed_exit(self.state.plan, identity, now=self.clock.monotonic())
+                )
+            )
+
+    # --- admin switches -----------------------------------------------------------------------
+
+    def set_paused(
+        self, reason: str | None, *, until: float | None = None, resumed: str | None = None
+    ) -> None:
+        """The admin pause switch (``gpuwatchd pause``/``resume``); logged when it changes:
+        a pause with its end (wall time ``until``), a resume with why (``resumed``)."""
+        plan = self.state.plan
+        same_end = until == plan.paused_until or (
+            until is not None and plan.paused_until is not None
+            and abs(until - plan.paused_until) < 1.0  # a wall end read again after a step
+        )  # fmt: skip
+        if reason == self._paused_reason and (reason is not None) == plan.paused and same_end:
+            return
+        # A saved state may be paused while this engine has not said so yet (a restart).
+        was_paused = self._paused_reason is not None or plan.paused
+        self._paused_reason = reason
+        self.state.plan = set_paused(
+            self.state.plan, reason is not None, reason=reason or "admin", until=until
+        )
+        if reason is not None:
+            self._emit(EventName.DAEMON_PAUSED, Level.WARNING, reason=reason, until=until)
+        elif was_paused:
+            self._emit(
+                EventName.DAEMON_RESUMED, Level.WARNING, reason=resumed or "gpuwatchd resume"
+            )
+
+    def set_spares(self, spares: tuple[Spare, ...], *, read_at: float | None = None) -> None:
+        """The administrator's spares in force at wall time ``read_at`` (now when None;
+        ``gpuwatchd spare``); each that starts or ends is logged (``spare.started``,
+        ``spare.ended``)."""
+        wall = self.clock.wall() if read_at is None else read_at
+        for name, level, fields in spare_changes(self.spares, spares, wall):
+            self._emit(name, level, **fields)
+        self.spares, self._spares_read = spares, wall
+
+    def clear_latches(self) -> None:
+        """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
+        be tried again."""
+        self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
+        self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
+
+    def reload(self, policy: Policy, *, hostname: str | None) -> None:
+        """A reloaded policy, held from now on, and the node's name read again with it (a
+        renamed node is named right after a reload); see :meth:`policy_reloaded`."""
+        self.policy, self.hostname = policy, hostname
+        self.policy_reloaded()
+
+    def policy_reloaded(self) -> None:
+        """A new configuration (new ``before`` hooks, say) may succeed where a reset was
+        refused: those incidents may be tried again."""
+        if self.state.plan.reset_refusals:
+            gpus = sorted(self.state.plan.reset_refusals)
+            self.state.plan = forget_reset_refusals(self.state.plan)
+            for gpu in gpus:
+                self._emit(
+                    EventName.RESET_REFUSAL_CLEARED,
+                    Level.INFO,
+                    gpu=gpu,
+                    why="configuration reloaded",
+                )
+
+    # --- carrying out intents -----------------------------------------------------------------
+
+    def _emit(self, name: str, level: Level, **fields: object) -> None:
+        self.sink.emit(name, level, fields)
+
+    def _take(self, result: PlanResult) -> tuple[Intent, ...]:
+        """Adopt the planner's new state, emit its events, return its intents."""
+        self.state.plan = result.state
+        for event in result.events:
+            self.sink.emit(event.name, event.level, event.fields)
+        return result.intents
+
+    def _carry_out(self, intent: Intent) -> None:
+        if isinstance(intent, SignalIntent):
+            follow_up = self._signal(intent)
+        elif isinstance(intent, ResetIntent):
+            follow_up = self._reset(intent)
+        else:
+            follow_up = self._hooks(intent)
+        self._carry_out_all(follow_up)
+
+    def _signal(self, intent: SignalIntent) -> tuple[Intent, ...]:
+        result = self.actuator.signal(intent.identity, intent.signal, dry_run=intent.dry_run)
+        outcome = SignalOutcome(result.outcome)
+        if intent.dry_run and intent.signal == "SIGKILL" and outcome is SignalOutcome.DRY_RUN:
+            self._assumed_exits.append(intent.identity)
+        self._emit(
+            EventName.ACTION_SIGNAL,
+            SIGNAL_OUTCOME_LEVELS[outcome],
+            **{
+                **intent.facts,
+                "pid": intent.identity.pid,
+                "start_ticks": intent.identity.start_ticks,
+                "signal": intent.signal,
+                "gpu": intent.gpu,
+                "rule": intent.rule,
+                "step": intent.step,
+                "dry_run": intent.dry_run,
+                "outcome": outcome,
+                "detail": result.detail,
+                "reason": intent.reason,
+            },
+        )
+        return self._take(
+            record_signal(self.state.plan, intent, outcome, now=self.clock.monotonic())
+        )
+
+    def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
+        """Run the hooks ``intent`` names: ``on_failure`` and a health reset's ``reset.drain``
+        here (watchdog-fed), ``on_action`` in the background (a notification never delays a
+        poll)."""
+        hooks = self._hooks_for(intent)
+        if not hooks:
+            return ()
+        facts = intent.facts
+        kept: dict[str, object] = {}
+        destructive = {
+            HookName.RESET_DRAIN: EvidenceAction.DRAIN,
+            HookName.ON_FAILURE: EvidenceAction.ON_FAILURE,
+        }.get(HookName(intent.hook))
+        if destructive is not None:  # a drain (or whatever on_failure does): evidence first
+            gpu = facts.get("gpu")
+            uuid = gpu if isinstance(gpu, str) else None
+            kept = self._keep_evidence(Step(destructive, uuid, intent.dry_run, intent.reason))
+        values = {
+            "uuid": _text(facts.get("gpu")),
+            "pci_bus_id": _text(facts.get("pci_bus_id")),
+            "minor": _text(facts.get("minor")),
+            "user": _text(facts.get("user")),
+            "hostname": self.hostname,
+        }
+        if intent.dry_run:
+            for hook in hooks:
+                try:  # the argv as it would run, placeholders filled
+                    argv, detail = list(format_argv(hook.argv, **values)), None
+                except ValueError as err:
+                    argv, detail = list(hook.argv), f"would not run: {err}"
+                self._emit(
+                    EventName.HOOK_RUN,
+                    Level.WARNING,  # a would-be action: reviewed with -p warning
+                    hook=intent.hook,
+                    argv=argv,
+                    dry_run=True,
+                    outcome=HookOutcome.DRY_RUN,
+                    reason=intent.reason,
+                    **({"detail": detail} if detail else {}),
+                    **kept,
+                )
+            return ()
+        env = hook_environment(
+            intent.hook,
+            reason=intent.reason,
+            gpu_uuid=values["uuid"],
+            gpu_pci_bus_id=values["pci_bus_id"],
+            gpu_minor=values["minor"],
+            user=values["user"],
+            hostname=self.hostname,
+            action=facts.get("action"),
+            outcome=facts.get("outcome"),
+            pid=facts.get("pid"),
+            rule=facts.get("rule"),
+            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
+        )
+
+        def work() -> list[CommandResult]:
+            return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
+
+        if intent.hook != HookName.ON_ACTION:
+            self._report_hooks(intent, self.slow(work), kept)
+            return ()
+
+        def notify() -> None:  # on the background thread: the main loop reports it
+            try:
+                self._hooks_done.append((intent, work()))
+            except Exception as err:  # a bug in one notification must not stop the others
+                self._hooks_done.append((intent, repr(err)))
+
+        if not self.background(notify):
+            self.hooks_not_run(
+                HookOutcome.DROPPED,
+                "the notification queue is full; this notification is not sent",
+                hook=intent.hook,
+                reason=intent.reason,
+            )
+        self.report_background_hooks()
+        return ()
+
+    def hooks_not_run(
+        self,
+        outcome: HookOutcome,
+        detail: str,
+        *,
+        hook: str | None = HookName.ON_ACTION,
+        reason: str | None = None,
+        level: Level = Level.WARNING,
+    ) -> None:
+        """Say through the event sink (so metrics count it) that hooks did not run to their
+        end: dropped, cancelled when the daemon stopped, or crashed."""
+        fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
+        if reason is not None:
+            fields["reason"] = reason
+        self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
+
+    def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
+        return tuple(
+            {
+                HookName.ON_ACTION: self.policy.on_action,
+                HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
+            }.get(HookName(intent.hook), self.policy.on_failure)
+        )
+
+    def _irreversible(self, intent: Intent) -> bool:
+        """Whether carrying ``intent`` out does something to the host (a signal, a reset, a
+        hook that is configured), which the saved state must know of first."""
+        if intent.dry_run:
+            return False
+        return not isinstance(intent, HookIntent) or bool(self._hooks_for(intent))
+
+    def background_crashed(self, error: str) -> None:
+        """A background job raised past its own guard (``host.HookQueue`` calls this on its
+        thread): the main loop says it as a crashed ``hook.run`` (report_background_hooks)."""
+        self._crashed.append(error)
+
+    def report_background_hooks(self) -> None:
+        """Log the hooks that finished in the background since the last call (main loop only)."""
+        while self._crashed:
+            self._hook_crashed(HookName.ON_ACTION, None, self._crashed.popleft())
+        while self._hooks_done:
+            intent, results = self._hooks_done.popleft()
+            if isinstance(results, str):  # the notification raised
+                self._hook_crashed(intent.hook, intent.reason, results)
+            else:
+                self._report_hooks(intent, results)
+
+    def _hook_crashed(self, hook: str, reason: str | None, error: str) -> None:
+        self._emit(
+            EventName.HOOK_RUN,
+            Level.ERROR,
+            hook=hook,
+            dry_run=False,
+            outcome=HookOutcome.CRASHED,
+            reason=reason,
+            error=error,
+        )
+
+    def _report_hooks(
+        self,
+        intent: HookIntent,
+        results: Sequence[CommandResult],
+        kept: Mapping[str, object] | None = None,
+    ) -> None:
+        for res in results:
+            self._emit(
+                EventName.HOOK_RUN,
+                Level.WARNING,
+                hook=intent.hook,
+                dry_run=False,
+                argv=list(res.argv),
+                returncode=res.returncode,
+                timed_out=res.timed_out,
+                output=res.output[-2000:],
+                reason=intent.reason,
+                **({"error": res.error} if res.error else {}),
+                **({"outcome": HookOutcome.CANCELLED} if res.cancelled else {}),
+                **({"leftovers": res.leftovers} if res.leftovers else {}),
+                **(kept or {}),
+            )
+
+    def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
+        gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
+        whole = intent.instance is None  # else: re-create one MIG GPU instance of the GPU
+        target = ResetTarget(
+            uuid=intent.gpu,
+            pci_bus_id=intent.pci_bus_id,
+            minor=intent.minor,
+            persistence_was_on=gpu.persistence_mode if gpu and whole else None,
+            hostname=self.hostname,
+            # An NVSwitch system's GPU: the reset is done once its fabric re-registered.
+            fabric=whole
+            and gpu is not None
+            and gpu.health is not None
+            and fabric.supported(gpu.health),
+            recovery=intent.instance,
+            layout=intent.layout,
+        )
+        env = _ResetEnv(self)
+        hook_env = {"GPUWATCHD_GPU_UUID": intent.gpu}
+        if intent.instance is not None:
+            hook_env["GPUWATCHD_MIG_INSTANCE"] = intent.instance.mig_uuid
+            hook_env["GPUWATCHD_MIG_GI"] = str(intent.instance.gi)
+        # Before the procedure's first step (its drain hooks): what led to it, for a human.
+        kept = self._keep_evidence(
+            Step(
+                EvidenceAction.GPU_RESET if whole else EvidenceAction.MIG_INSTANCE,
+                intent.gpu,
+                intent.dry_run,
+                intent.reason,
+                instance={} if intent.instance is None else intent.instance.fields(),
+                instance_uuid=None if intent.instance is None else intent.instance.mig_uuid,
+            )
+        )
+
+        def work() -> ResetOutcome:
+            return perform_reset(
+                target,
+                self.policy.reset,
+                env,
+                dry_run=intent.dry_run,
+                hook_env=hook_env,
+                runner=self.actuator.run_command,
+                drained=intent.drained,
+                fabric_wait=self._wait_for_fabric,
+            )
+
+        try:
+            outcome = self.slow(work)
+        except Exception as err:  # a bug in the procedure must not end the daemon
+            self._emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
+            outcome = ResetOutcome(
+                ResetResult.FAILED,
+                ResetStep.DONE,
+                f"the reset procedure crashed: {err!r}",
+                False,
+                None,
+                (),
+            )
+        return self._book_reset(intent, outcome, kept)
+
+    def _keep_evidence(self, step: Step) -> dict[str, object]:
+        """Write the evidence file of ``step`` (act/evidence.py); the field naming it for the
+        step's event (``evidence_file``), or nothing when none is kept (said as
+        ``evidence.unsaved``: the step goes on, its reasons are still in the journal)."""
+        snapshot, assessment = self._snapshot, self._assessment
+        if self.evidence is None or snapshot is None or assessment is None:
+            return {}
+        now_mono, now_wall = snapshot.monotonic, snapshot.wall_time
+        first_seen = {
+            key: now_wall - max(0.0, now_mono - seen.first_seen)
+            for key, seen in self.state.plan.seen.items()
+        }
+        try:
+            kept = self.evidence.keep(
+                step,
+                snapshot=snapshot,
+                assessment=assessment,
+                verdict=self._verdict,
+                health=self.state.assess.health,
+                first_seen=first_seen,
+                wall=self.clock.wall(),
+            )
+        except Exception as err:  # a bug in keeping evidence must not stop the step
+            kept = Kept(None, error=f"crashed (a bug): {err!r}")
+        if kept.path is None:
+            self._emit(
+                EventName.EVIDENCE_UNSAVED,
+                Level.ERROR,
+                action=str(step.action),
+                gpu=step.gpu,
+                dry_run=step.dry_run,
+                error=kept.error,
+            )
+            return {}
+        return {"evidence_file": kept.path}
+
+    def _wait_for_fabric(self, target: ResetTarget, timeout: float) -> tuple[bool, str]:
+        """Read the GPU until its NVLink fabric registration is COMPLETED (decide/fabric.py
+        judges each reading), at most ``timeout`` seconds, a second apart."""
+        deadline = self.clock.monotonic() + timeout
+        detail = "not read yet"
+        while True:
+            reading = self.reader.read_gpu(target.uuid)
+            verdict, detail = fabric.after_reset(None if reading is None else reading.health)
+            if verdict == "completed":
+                return True, detail
+            if verdict == "failed":
+                return False, detail
+            if self.clock.monotonic() >= deadline:
+                return False, f"{detail} after {timeout:g}s"
+            self.sleep(1.0)
+
+    def _book_reset(
+        self,
+        intent: ResetIntent,
+        outcome: ResetOutcome,
+        kept: Mapping[str, object] | None = None,
+    ) -> tuple[Intent, ...]:
+        would_succeed = (
+            intent.dry_run
+            and outcome.result == ResetResult.DRY_RUN
+            and outcome.step is ResetStep.DONE
+        )
+        assessed = self.state.assess
+        if intent.instance is not None:
+            pass  # one MIG GPU instance re-created: the GPU's health is as it was
+        elif outcome.result == ResetResult.SUCCESS and not intent.dry_run:
+            # GPU health: Xids before this reset are dealt with; the next reading is the
+            # health check after it (decide/health.py).
+            health = note_reset(assessed.health, intent.gpu, self.clock.wall())
+            self.state.assess = replace(assessed, health=health)
+        elif would_succeed:
+            # A dry run's would-be reset is assumed to have succeeded for the decisions that
+            # follow, as enforcement's would have (decide/shadow.py, decide/health.py).
+            gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
+            if gpu is not None and gpu.health is not None:
+                health = note_reset(
+                    assessed.health, intent.gpu, self.clock.wall(), assumed_from=gpu.health
+                )
+                self.state.assess = replace(assessed, health=health)
+        level, fields = outcome_event(
+            outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
+        )
+        if intent.instance is not None:
+            fields.update(intent.instance.fields())
+        fields.update(kept or {})
+        self.sink.emit(EventName.RESET_OUTCOME, level, fields)
+        return self._take(
+            record_reset(
+                self.state.plan,
+                intent,
+                outcome.result,
+                now=self.clock.monotonic(),
+                wall=self.clock.wall(),
+                needs_reboot=outcome.needs_reboot,
+                would_succeed=would_succeed,
+            )
+        )
+
+    # --- a reset a crash interrupted ----------------------------------------------------------
+
+    def resume_interrupted_reset(self) -> None:
+        """Finish or undo the reset the last run left in progress, and book its outcome.
+
+        Called once at start, before the first poll. The outcome is fed back like any reset's
+        (history, cooldown, circuit breaker, ``on_failure``), so the plan's in-flight marker is
+        cleared and a later reset is not refused as "another reset is in flight".
+        """
+        record = self.state.reset_in_progress
+        if not record:
+            return
+        self._emit(EventName.RESET_RESUME, Level.WARNING, record=record)
+        outcome = resume_interrupted(
+            record,
+            self.policy.reset,
+            _ResetEnv(self),
+            runner=self.actuator.run_command,
+            hostname=self.hostname,
+        )
+        self.state.reset_in_progress = None
+        self.checkpoint()
+        if outcome is None:
+            return
+        self._emit(
+            EventName.RESET_RESUMED,
+            Level.WARNING,
+            gpu=record.get("uuid"),
+            result=outcome.result,
+            step=outcome.step.value,
+            reason=outcome.reason,
+            needs_reboot=outcome.needs_reboot,
+        )
+        flight = self.state.plan.reset_in_flight
+        uuid = record.get("uuid")
+        if flight is not None and flight.gpu == uuid:
+            pci = record.get("pci_bus_id")
+            intent = ResetIntent(
+                gpu=flight.gpu,
+                pci_bus_id=pci if isinstance(pci, str) else None,
+                minor=as_int(record.get("minor")),
+                finding_key=flight.finding_key,
+                dry_run=False,
+                reason="resumed after an interruption",
+                facts={},
+                instance=from_record(record.get("recovery")),
+            )
+            self._carry_out_all(self._book_reset(intent, outcome))
+            self.checkpoint()
+
+
+# A monitor sent SIGTERM (or already gone) lets go of the GPU; any other outcome is a failure.
+_LET_GO = frozenset({SignalOutcome.DELIVERED, SignalOutcome.GONE, SignalOutcome.ZOMBIE})
+
+
+class _ResetEnv:
+    """The engine's side of the reset procedure (``act.reset.ResetEnvironment``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def stop_nvml(self) -> bool:
+        return self.engine.reader.stop_nvml()
+
+    def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
+        reader = self.engine.reader
+        holders, processes = reader.final_scan(target.minor)
+        own = reader.self_pids() | ignore
+        if target.recovery is not None:
+            last = self.engine._snapshot
+            if last is None:
+                return ["no snapshot to place the holders in MIG GPU instances"]
+            return recovery_blockers(last, holders, processes, own, target.recovery.mig_uuid)
+        return reset_blockers(holders, processes, target.minor, own)
+
+    def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
+        engine = self.engine
+        last = engine._snapshot
+        if last is None:
+            return []  # no NVML reading to tell context owners: nothing is stopped
+        owners = {p.pid for g in last.nvml.gpus for p in g.processes or ()}
+        holders, processes = engine.reader.final_scan(target.minor)
+        return monitors_to_stop(
+            holders,
+            processes,
+            target.minor,
+            self_pids=engine.reader.self_pids() | engine.self_ancestors,  # never stopped
+            context_owners=owners,
+            monitors=engine.policy.reset.monitors,
+        )
+
+    def stop_monitors(
+        self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
+    ) -> list[str]:
+        engine = self.engine
+        failures = []
+        for monitor in monitors:
+            sent = engine.actuator.signal(monitor.identity, "SIGTERM", dry_run=False)
+            if sent.outcome not in _LET_GO:
+                failures.append(f"{monitor.who}: {sent.detail}")
+        # The engine's clock and sleep, as the fabric wait's: virtual in simulate.
+        deadline = engine.clock.monotonic() + timeout
+        waiting = {m.identity.pid: m.who for m in monitors}
+        while waiting and target.minor is not None:
+            holders, _processes = engine.reader.final_scan(target.minor)
+            still = {h.pid for h in holders.holders_of(target.minor)}
+            waiting = {pid: who for pid, who in waiting.items() if pid in still}
+            if waiting and engine.clock.monotonic() >= deadline:
+                failures += [
+                    f"{who} still holds the GPU after {timeout:g}s" for who in waiting.values()
+                ]
+                break
+            if waiting:
+                engine.sleep(0.05)
+        return failures
+
+    def instance_back(self, target: ResetTarget) -> str | None:
+        recovery = target.recovery
+        if recovery is None:
+            return "not a MIG GPU instance's recovery"
+        engine = self.engine
+        detection = engine.policy.detection
+        baseline = engine.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
+        snapshot = engine.reader.collect()
+        return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
+
+    def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
+        reader = self.engine.reader
+        gpu = reader.read_gpu(target.uuid)
+        if not reader.stop_nvml():  # the next MIG command runs with nothing of ours held
+            raise OSError("our own NVML worker still holds the device")
+        return gpu
+
+    def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
+        gpu = self.engine.reader.read_gpu(target.uuid)
+        if gpu is None or gpu.lost:
+            return None
+        allocated = gpu.memory.allocated if gpu.memory else None
+        engine = self.engine
+        return back_to_baseline(
+            target.uuid, allocated, engine.state.assess, engine.policy.detection
+        )
+
+    def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
+        engine = self.engine
+        if step is ResetStep.DONE:
+            engine.state.reset_in_progress = None
+        else:
+            record = progress_record(target, step, data)
+            record["since"] = engine.clock.wall()
+            engine.state.reset_in_progress = record
+        if not engine.checkpoint():
+            # The procedure stops (and undoes what it did) rather than run a step a crash
+            # would forget: act/reset.py treats a failed record as an abort.
+            raise OSError(STATE_NOT_SAVED)
+
+    def emit(self, event: str, level: Level, **fields: object) -> None:
+        self.engine.sink.emit(event, level, fields)

@@ -1,0 +1,170 @@
+"""The engine's edges: what it reads, what it acts through, its clock, where its events go.
+
+This module owns the contracts :class:`gpuwatchd.engine.cycle.Engine` is built with — the
+:class:`HostReader` (snapshots, releasing NVML, the final holder scan, a fresh GPU reading), the
+:class:`Actuator` (signals, the command runner, exits of signalled targets), the :class:`Clock`
+and the :class:`EventSink` — how slow work runs (:class:`Runner`, :class:`Background`,
+:func:`run_inline`, :func:`run_now`), and what a poll is handed and hands back
+(:class:`PollInputs`, :class:`PollReport`, :class:`Standing`). ``host.py`` implements the edges
+on the real host, ``simulate`` on a virtual one (docs/architecture.md, "The four edges").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.signals import SignalResult
+from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.vocabulary import Level
+from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.nvml_state import NvmlAvailability
+from gpuwatchd.decide.plan_intents import Intent
+from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.verdict import NodeVerdict
+
+__all__ = [
+    "Actuator",
+    "Background",
+    "Clock",
+    "EventSink",
+    "HostReader",
+    "Pause",
+    "PollInputs",
+    "PollReport",
+    "Runner",
+    "Standing",
+    "run_inline",
+    "run_now",
+]
+
+T = TypeVar("T")
+
+
+class HostReader(Protocol):
+    """Where the engine's facts come from."""
+
+    def collect(self) -> Snapshot:
+        """One snapshot of NVML and the process table (its clocks are the snapshot's)."""
+
+    def stop_nvml(self) -> bool:
+        """Release every NVML handle of ours before a reset; True when none remains."""
+
+    def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
+        """A fresh full holder scan right before a reset, with the holders' process facts."""
+
+    def read_gpu(self, uuid: str) -> GpuInfo | None:
+        """A fresh NVML reading of one GPU (after a reset); None when it is not there."""
+
+    def self_pids(self) -> frozenset[int]:
+        """Our own processes (the daemon and its NVML worker): never holders or blockers."""
+
+
+class Actuator(Protocol):
+    """What the engine does to the host. Each call re-verifies before it acts."""
+
+    def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
+        """Signal exactly ``identity`` (dry-run: check it, send nothing)."""
+
+    def run_command(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        """Run one argv command (the reset procedure's commands and every hook)."""
+
+    def exits(self, timeout: float) -> list[ProcessIdentity]:
+        """Signalled targets seen to exit within ``timeout`` seconds (0: only those already)."""
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class EventSink(Protocol):
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """One structured event (names and levels: docs/events.md)."""
+
+
+def run_inline(work: Callable[[], T]) -> T:
+    """The default way to run slow work (a reset, hooks): right here. The daemon passes a
+    runner that also keeps the systemd watchdog fed meanwhile (the work still runs here, on
+    the loop's own thread: :func:`gpuwatchd.daemon.notify.keep_watchdog_fed`)."""
+    return work()
+
+
+class Runner(Protocol):
+    def __call__(self, work: Callable[[], T], /) -> T: ...
+
+
+class Background(Protocol):
+    def __call__(self, work: Callable[[], None], /) -> bool:
+        """Start ``work`` off the main loop and return at once; False if it cannot be taken
+        (the queue is full). Used for ``on_action`` notifications, which no poll waits for."""
+
+
+def run_now(work: Callable[[], None]) -> bool:
+    """The default background: right here (``simulate``, tests), so results are deterministic."""
+    work()
+    return True
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The admin pause switch as read: paused for ``reason`` until wall time ``until`` (None:
+    no end), or not paused (``reason`` None; ``resumed`` says why a pause ended)."""
+
+    reason: str | None
+    until: float | None = None
+    resumed: str | None = None
+
+
+@dataclass(frozen=True)
+class PollInputs:
+    """What one poll is handed: the admin switches as read, and when the poll started.
+
+    A switch left None stays as it is (``simulate`` pauses at its own events); the start
+    readings are the caller's clock's, taken before it read the switches (None: the engine's
+    clock at the poll's start)."""
+
+    pause: Pause | None = None
+    spares: tuple[Spare, ...] | None = None  # ``gpuwatchd spare``: those in force
+    spares_read_at: float | None = None  # the wall time the spares were read at
+    clear_latches: bool = False  # ``resume --clear-latches``: lift the forced dry-run, ...
+    started: float | None = None  # monotonic
+    started_wall: float | None = None
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where the engine stands now, as one value: what the state file and ``gpuwatchd
+    status`` show (its saved state, and the last poll's reading, findings and verdict: None
+    before the first poll). Taken at each checkpoint, inside a poll too."""
+
+    assess: AssessState
+    plan: PlanState
+    reset_in_progress: Mapping[str, object] | None
+    snapshot: Snapshot | None
+    assessment: Assessment | None
+    verdict: NodeVerdict | None
+    spares: tuple[Spare, ...]
+    nvml: NvmlAvailability
+
+
+@dataclass(frozen=True)
+class PollReport:
+    """What one poll saw, decided and did: all that the daemon's observers read (metrics, the
+    STATUS line, the served view, ``run --once``'s progress)."""
+
+    snapshot: Snapshot
+    assessment: Assessment
+    plan: PlanState  # as the poll left it: ladders, pause, latches
+    verdict: NodeVerdict | None = None  # each GPU clean for a new job? (None: not judged)
+    intents: tuple[Intent, ...] = ()  # the plan's intents carried out (dry-run ones too)
+    started: float = 0.0  # monotonic
+    started_wall: float = 0.0
+    seconds: float = 0.0  # how long the poll took
+    wake_at: float = 0.0  # monotonic: when the next poll is due (Engine.wake_at)

@@ -1,0 +1,646 @@
+"""The event catalogue: for every event, its level, its fields and the sentence that says it.
+
+Names are :class:`gpuwatchd.core.vocabulary.EventName`; this module owns what is said about each:
+:data:`CATALOGUE` gives the usual level (and the others an outcome may give it), the fields it
+carries and a sentence an administrator understands without the docs. :func:`render` is the one
+renderer: the journal's ``MESSAGE`` (``logs.py``), ``simulate``'s timeline (``sim/timeline.py``),
+``status`` and the ``on_action`` notification all word events through it. They differ only in
+their :class:`Namer` (the journal says ``PID 4242 (python)`` and the GPU's UUID, the timeline
+``pid 4242 (trainer)`` and ``GPU 0``). The entries of a GPU reset and the health drain around it
+are :mod:`gpuwatchd.events.catalogue_resets`'s, the words every sentence is made of (namers, the
+fields as sentence pieces, an entry's shape) :mod:`gpuwatchd.events.words`'s. It also owns what
+the journal calls an event: its MESSAGE_ID (:func:`message_id`) and the journal names of its
+fields (:func:`journal_field_name`), which ``packaging/journal_catalog.py`` turns into the
+``journalctl -x`` catalogue.
+
+Pure: no I/O; never raises from :func:`render`. Imports only the vocabulary, the escape rule and
+its two parts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import uuid
+from collections.abc import Mapping
+
+from gpuwatchd.core.vocabulary import (
+    ActionOutcome,
+    EventName,
+    HookOutcome,
+    SignalOutcome,
+)
+from gpuwatchd.events.catalogue_resets import RESET_EVENTS
+from gpuwatchd.events.words import (
+    CRITICAL,
+    DEBUG,
+    ERROR,
+    FINDING_FIELDS,
+    INFO,
+    LADDER_FIELDS,
+    PROCESS_FIELDS,
+    WARNING,
+    EventSpec,
+    JournalNamer,
+    Namer,
+    Said,
+    dry,
+    finding_label,
+    short,
+    short_sentence,
+    spec,
+)
+
+__all__ = [
+    "CATALOGUE",
+    "HOOK_SUCCEEDED",
+    "JOURNAL_FIELDS",
+    "MESSAGE_ID_NAMESPACE",
+    "EventSpec",
+    "JournalNamer",
+    "Namer",
+    "finding_label",
+    "hook_outcome",
+    "journal_field_name",
+    "message_id",
+    "notification",
+    "render",
+]
+
+
+# --- findings and escalation ---------------------------------------------------------------------
+
+
+def _finding_new(s: Said) -> str:
+    pid = f", {s.process()}" if s.f.get("pid") is not None else ""
+    tag = " (report only: no rule acts on it)" if s.f.get("actionable") is False else ""
+    return f"New {s('kind')} finding on {s.gpu()}{pid}{s.why('reason')}{tag}."
+
+
+def _finding_changed(s: Said) -> str:
+    return f"The {s('kind')} finding of {s.target()} changed{s.why('reason')}."
+
+
+def _finding_resolved(s: Said) -> str:
+    lasted = f" after {s.seconds('lasted')}" if s.has("lasted") else ""
+    return f"Finding resolved{lasted}: {s.finding()}."
+
+
+def _wall(s: Said, key: str) -> str:
+    """A wall-clock time field (seconds since the epoch) in UTC, or its raw value."""
+    value = s.f.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            moment = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            return s(key)
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return s(key)
+
+
+def _step_due(s: Said) -> str:
+    signal = s("signal", "no signal (report only)")
+    wait = f", then wait {s.seconds('wait')}" if s.has("wait") else ""
+    step = f"Step {s('step')} of {s('of')} of rule {s('rule')}"
+    return dry(s, f"{step} is due for {s.target()}: {signal}{wait}.")
+
+
+def _kill_cap_reached(s: Said) -> str:
+    scope = s("scope", "node")
+    who = "the whole node" if scope == "node" else scope
+    if s.dry():
+        return (
+            f"Dry run: the kill cap would be reached ({s('why')}): enforcement would switch"
+            f" {who} to dry-run here."
+        )
+    return (
+        f"Kill cap reached ({s('why')}): dry-run is forced for {who} until"
+        " 'gpuwatchd resume --clear-latches' or the latch expires."
+    )
+
+
+def _zombie(s: Said) -> str:
+    parent = s.pid("parent") if s.f.get("parent") is not None else "its parent (unknown)"
+    return f"{s.target()} is a zombie that still holds GPU memory: {parent} must reap it."
+
+
+# --- carrying out --------------------------------------------------------------------------------
+
+
+def _signal(s: Said) -> str:
+    sig, who, outcome = s("signal"), s.target(), s.f.get("outcome")
+    why = f" (rule {s('rule')}, step {s('step')})" if s.has("rule") else ""
+    if outcome == SignalOutcome.DELIVERED:
+        return f"Sent {sig} to {who}{why}."
+    if outcome == SignalOutcome.DRY_RUN:
+        return f"Dry run: would send {sig} to {who}{why}."
+    if outcome == SignalOutcome.DENIED:
+        return f"Sending {sig} to {who} was denied (no permission)."
+    if outcome == SignalOutcome.GONE:
+        return f"{sig} not sent: {who} had already exited."
+    if outcome == SignalOutcome.REUSED:
+        return f"{sig} not sent: {s.pid()} now belongs to another process."
+    if outcome == SignalOutcome.ZOMBIE:
+        return f"{sig} not sent: {who} is a zombie."
+    return f"Sending {sig} to {who} failed: {s('detail')}."
+
+
+def hook_outcome(fields: Mapping[str, object]) -> str:
+    """How one ``hook.run`` ended, worked out once (the sentence, ``status``'s recent actions
+    and the metrics' result label all take it from here): ``dry_run``, ``dropped``,
+    ``cancelled``, ``crashed`` (:class:`HookOutcome`), ``error`` (it could not be started),
+    ``timed_out``, ``exit N`` (``exit 0``: it succeeded), or ``unknown``."""
+    outcome = fields.get("outcome")
+    if fields.get("dry_run") is True:
+        return HookOutcome.DRY_RUN.value
+    if isinstance(outcome, str) and outcome in _HOOK_OUTCOMES:
+        return outcome
+    if fields.get("error"):
+        return "error"
+    if fields.get("timed_out") is True:
+        return "timed_out"
+    code = fields.get("returncode")
+    return f"exit {code}" if isinstance(code, int) else "unknown"
+
+
+HOOK_SUCCEEDED = "exit 0"
+_HOOK_OUTCOMES = frozenset(member.value for member in HookOutcome)
+
+
+def _hook(s: Said) -> str:
+    hook, argv, outcome = s("hook", "a"), s.argv(), hook_outcome(s.f)
+    why = f" ({s('reason')})" if s.has("reason") else ""
+    if outcome == HookOutcome.DRY_RUN:
+        return f"Dry run: would run the {hook} hook {argv}{why}."
+    if outcome == HookOutcome.DROPPED:
+        return f"The {hook} hook was not run: {s('detail')}{why}."
+    if outcome == HookOutcome.CANCELLED:
+        return f"The {hook} hook was cancelled: {s('detail', 'the daemon stopped')}."
+    if outcome == HookOutcome.CRASHED:
+        return f"An {hook} notification crashed: {s('error')}."
+    if outcome == "error":
+        return f"The {hook} hook {argv} failed: {s('error')}."
+    if outcome == "timed_out":
+        return f"The {hook} hook {argv} timed out{why}."
+    return f"Ran the {hook} hook {argv}: exit status {s('returncode')}{why}."
+
+
+# --- the reset: one story ------------------------------------------------------------------------
+
+
+# --- lifecycle ------------------------------------------------------------------------------------
+
+
+def _started(s: Said) -> str:
+    mode = " in dry-run" if s.dry() else ""
+    once = " for one run (--once)" if s.f.get("once") is True else ""
+    return f"gpuwatchd {s('version')} started{mode}{once}."
+
+
+def _reloaded(s: Said) -> str:
+    changed = s.f.get("changed")
+    ended = s.f.get("rejection_ended") is not None
+    head = "Policy reloaded: the files validate again" if ended else "Policy reloaded"
+    if isinstance(changed, Mapping):
+        if not changed:
+            return f"{head}; nothing else changed." if ended else f"{head}: nothing changed."
+        keys = ", ".join(f"{short(key)} ({short(value)})" for key, value in changed.items())
+        return short_sentence(f"{head}; changed: {keys}.")
+    return f"{head}."
+
+
+_OTHERS: Mapping[EventName, EventSpec] = {
+    # findings and escalation (decide/plan.py)
+    EventName.FINDING_NEW: spec(
+        WARNING, f"{FINDING_FIELDS} actionable evidence", _finding_new, INFO
+    ),
+    EventName.FINDING_CHANGED: spec(INFO, f"{FINDING_FIELDS} actionable lasted", _finding_changed),
+    EventName.FINDING_RESOLVED: spec(INFO, "finding kind gpu pid lasted", _finding_resolved),
+    EventName.RULE_REPORT_ONLY: spec(
+        INFO,
+        f"{FINDING_FIELDS} rule",
+        lambda s: f"{s.target()} matches rule {s('rule')}, which only reports: nothing is sent.",
+    ),
+    EventName.ACTION_REFUSED: spec(
+        INFO,
+        f"{FINDING_FIELDS} {LADDER_FIELDS} why",
+        lambda s: f"No action on {s.target()}{s.why()}.",
+        WARNING,
+        DEBUG,
+    ),
+    EventName.ACTION_DEFERRED: spec(
+        DEBUG,
+        f"{FINDING_FIELDS} why until",
+        lambda s: f"Action on {s.target()} deferred{s.until('until')}{s.why()}.",
+    ),
+    EventName.ESCALATION_CONFIRMING: spec(
+        DEBUG,
+        f"{FINDING_FIELDS} rule due",
+        lambda s: (
+            f"The {s('kind')} finding of {s.target()} matches rule {s('rule')}; confirming"
+            f"{s.until('due')} before anything is sent."
+        ),
+    ),
+    EventName.ESCALATION_STEP_DUE: spec(INFO, f"{LADDER_FIELDS} signal wait of", _step_due),
+    EventName.ESCALATION_SIGNAL_RECORDED: spec(
+        DEBUG,
+        "target signal outcome step stale",
+        lambda s: (
+            f"The {s('signal')} of step {s('step')} to {s('target')} was booked: {s('outcome')}."
+        ),
+    ),
+    EventName.ESCALATION_RESOLVED: spec(
+        INFO,
+        f"{LADDER_FIELDS} why after",
+        lambda s: dry(s, f"Escalation of {s.target()} is over{s.why()}."),
+    ),
+    EventName.ESCALATION_ABORTED: spec(
+        WARNING,
+        f"{LADDER_FIELDS} outcome why",
+        lambda s: f"Escalation of {s.target()} aborted, nothing sent{s.why()}.",
+    ),
+    EventName.ESCALATION_ENDED: spec(
+        ERROR,
+        f"{LADDER_FIELDS} {PROCESS_FIELDS} why outcome",
+        lambda s: dry(s, f"Gave up on {s.target()}{s.why()}; it is never signalled again."),
+        INFO,
+    ),
+    EventName.ESCALATION_RESTARTED: spec(
+        INFO,
+        f"{LADDER_FIELDS} why",
+        lambda s: f"The dry-run escalation of {s.target()} starts over for real{s.why()}.",
+    ),
+    EventName.TARGET_STUCK: spec(
+        CRITICAL,
+        f"{LADDER_FIELDS} {PROCESS_FIELDS} why",
+        lambda s: f"{s.target()} is stuck in D state and is never signalled{s.why()}.",
+    ),
+    EventName.ZOMBIE_NEEDS_REAP: spec(WARNING, "finding pid gpu parent why", _zombie),
+    EventName.LIMITS_KILL_CAP_REACHED: spec(
+        CRITICAL,
+        f"{FINDING_FIELDS} why scope user until signalled_this_hour dry_run",
+        _kill_cap_reached,
+        WARNING,
+    ),
+    EventName.LIMITS_KILL_CAP_EXPIRED: spec(
+        WARNING,
+        "scope why lasted dry_run",
+        lambda s: dry(
+            s,
+            f"The kill-cap latch of {s('scope')} lifted after {s.seconds('lasted')}: its"
+            " targets may be signalled for real again.",
+        ),
+        INFO,
+    ),
+    EventName.STATE_BOOT_CHANGED: spec(
+        INFO,
+        "old new dropped_ladders",
+        lambda s: (
+            f"The machine rebooted: {s('dropped_ladders', '0')} escalation(s) of the old boot"
+            " are dropped."
+        ),
+    ),
+    EventName.CLOCK_STEPPED_BACK: spec(
+        WARNING,
+        "seconds wall",
+        lambda s: f"The wall clock went back {s.seconds('seconds')}: counted as no time passed.",
+    ),
+    # carrying out (engine.py, act/)
+    EventName.ACTION_SIGNAL: spec(
+        WARNING,
+        "pid start_ticks signal gpu rule step dry_run outcome detail reason "
+        f"{FINDING_FIELDS} {PROCESS_FIELDS}",
+        _signal,
+        ERROR,
+        INFO,
+    ),
+    EventName.ACTION_WITHHELD: spec(
+        ERROR,
+        "why steps",
+        lambda s: (
+            f"Not done, the state cannot be saved: {s.items('steps')}; tried again next poll."
+        ),
+    ),
+    EventName.TARGET_EXITED: spec(
+        INFO,
+        "pid start_ticks",
+        lambda s: f"{s.process()} exited (seen through its pidfd).",
+    ),
+    EventName.HOOK_RUN: spec(
+        WARNING,
+        "hook argv dry_run returncode timed_out output reason error outcome detail leftovers"
+        " evidence_file",
+        _hook,
+        ERROR,
+    ),
+    # admin switches and lifecycle
+    EventName.DAEMON_PAUSED: spec(
+        WARNING,
+        "reason until",
+        lambda s: (
+            f"Actions paused by an admin{s.why('reason')}; nothing is done until resume"
+            f"{' or ' + _wall(s, 'until') if s.has('until') else ''}."
+        ),
+    ),
+    EventName.DAEMON_RESUMED: spec(
+        WARNING, "reason", lambda s: f"Actions resumed{s.why('reason')}."
+    ),
+    EventName.SPARE_STARTED: spec(
+        WARNING,
+        "target pid start_ticks job reason until by_uid",
+        lambda s: f"Spared {s('target')} until {_wall(s, 'until')}{s.why('reason')}.",
+    ),
+    EventName.SPARE_ENDED: spec(
+        WARNING,
+        "target pid start_ticks job reason until by_uid why",
+        lambda s: (
+            f"No longer spared: {s('target')}{s.why('why')}."
+            if s.has("target")
+            else f"A spare file was not honoured{s.why('why')}."
+        ),
+    ),
+    EventName.SPARE_CUT: spec(
+        WARNING,
+        "target until was_until max_spare",
+        lambda s: (
+            f"Spare of {s('target')} cut to limits.max_spare: it ends {_wall(s, 'until')},"
+            f" not {_wall(s, 'was_until')}."
+        ),
+    ),
+    EventName.LIMITS_LATCHES_CLEARED: spec(
+        WARNING,
+        "",
+        lambda s: "An admin cleared the latches: forced dry-run and the reset circuit breaker.",
+    ),
+    EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),
+    EventName.DAEMON_STOP: spec(
+        INFO, "exit_code", lambda s: f"gpuwatchd stopped (exit code {s('exit_code')})."
+    ),
+    EventName.DAEMON_ALREADY_RUNNING: spec(
+        ERROR,
+        "detail state_dir",
+        lambda s: f"Another gpuwatchd already runs here{s.why('detail')}.",
+    ),
+    EventName.DAEMON_NO_PERMISSION: spec(
+        CRITICAL,
+        "path error missing detail",
+        lambda s: f"Not enough privilege{s.why('error', 'detail')}.",
+    ),
+    EventName.DAEMON_LIMITED_PERMISSIONS: spec(
+        WARNING,
+        "missing dry_run",
+        lambda s: (
+            f"Running without {s.items('missing')}: other users' processes may be unreadable."
+        ),
+    ),
+    EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE: spec(
+        WARNING,
+        "reason consequence",
+        lambda s: f"The device-file watch cannot be used{s.why('reason')}; {s('consequence', '')}.",
+    ),
+    EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE: spec(
+        WARNING,
+        "reason consequence",
+        lambda s: (
+            f"The socket on which scan asks this daemon cannot be used{s.why('reason')}; "
+            f"{s('consequence', '')}."
+        ),
+    ),
+    EventName.DAEMON_SCAN_REQUEST_FAILED: spec(
+        INFO,
+        "problem",
+        lambda s: f"A scan that asked this daemon scans by itself: {s('problem', 'unknown')}.",
+    ),
+    EventName.RUN_ONCE_TIMEOUT: spec(
+        WARNING,
+        "pending left exit_code",
+        lambda s: f"run --once timed out with work left: {s.items('left')}.",
+    ),
+    EventName.RUN_ONCE_DONE: spec(
+        INFO,
+        "waited",
+        lambda s: f"run --once is done after {s.seconds('waited')}: every GPU is clean.",
+    ),
+    EventName.RUN_ONCE_UNRESOLVED: spec(
+        WARNING,
+        "left waited exit_code",
+        lambda s: f"run --once gives up, waiting would not change: {s.items('left')}.",
+    ),
+    EventName.SCHEDULER_ENDED_JOB: spec(
+        INFO,
+        "job said_at_ticks error ignored",
+        lambda s: (
+            f"Hand-over of ended job {s('job')} ignored: {s('error')}."
+            if s.has("error")
+            else f"Job {s('job')} has ended (said by its epilog): its leftover processes are"
+            " treated as abandoned."
+        ),
+        WARNING,
+    ),
+    EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT: spec(
+        WARNING,
+        "waiting honoured limit",
+        lambda s: (
+            f"Too many ended-job hand-overs: {s('waiting')} wait, only {s('limit')} are"
+            " honoured at once."
+        ),
+    ),
+    EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
+    EventName.CONFIG_RELOAD_REJECTED: spec(
+        ERROR,
+        "error config",
+        lambda s: f"Reload rejected, the old policy stays in force{s.why('error')}.",
+    ),
+    EventName.CONFIG_RELOAD_PARTIAL: spec(
+        WARNING,
+        "needs_restart",
+        lambda s: f"Reloaded, but these keys change only on restart: {s.items('needs_restart')}.",
+    ),
+    EventName.CONFIG_FILES_REJECTED: spec(
+        ERROR,
+        "error config",
+        lambda s: (
+            f"The policy files changed and do not validate{s.why('error')}; the running policy"
+            " stays in force."
+        ),
+    ),
+    EventName.CONFIG_START_REJECTED: spec(
+        CRITICAL,
+        "error config running dry_run unusable",
+        lambda s: (
+            f"The policy is invalid{s.why('error')}; running with the last accepted one"
+            f" ({s('running')})."
+        ),
+    ),
+    EventName.STATE_INVALID: spec(
+        ERROR,
+        "error path",
+        lambda s: f"The saved state {s('path')} was unusable{s.why('error')}; starting clean.",
+    ),
+    EventName.STATE_CORRUPT: spec(
+        ERROR,
+        "path why moved_to error",
+        lambda s: (
+            f"The state file {s('path')} is corrupt and was moved to {s('moved_to')}{s.why()}."
+        ),
+    ),
+    EventName.STATE_NEW_BOOT: spec(
+        INFO,
+        "saved_boot_id boot_id",
+        lambda s: "The saved state is from another boot: process-keyed state is dropped.",
+    ),
+    EventName.STATE_SAVE_FAILED: spec(
+        ERROR,
+        "error path",
+        lambda s: (
+            f"The state could not be saved to {s('path')}{s.why('error')}; nothing"
+            " irreversible is done until it can be."
+        ),
+    ),
+    EventName.STATE_DIR_UNUSABLE: spec(
+        CRITICAL,
+        "path error",
+        lambda s: f"The state directory {s('path')} is unusable{s.why('error')}.",
+    ),
+    EventName.METRICS_WRITE_FAILED: spec(
+        ERROR,
+        "path error",
+        lambda s: f"The metrics file {s('path')} could not be written{s.why('error')}.",
+    ),
+    EventName.COLLECT_KCMP_UNAVAILABLE: spec(
+        WARNING,
+        "reason",
+        lambda s: (
+            f"kcmp cannot prove inherited GPU files{s.why('reason')}; orphans are judged"
+            " without that proof."
+        ),
+    ),
+    EventName.COLLECT_THREAD_TABLES_UNREAD: spec(
+        WARNING,
+        "pid comm budget",
+        lambda s: (
+            f"{s.process()} has more threads with file tables of their own than a scan reads"
+            f" ({s('budget')} descriptors): what it holds is unknown, so it blocks resets and"
+            " is never a target."
+        ),
+    ),
+    # NVML
+    EventName.NVML_RECOVERED: spec(
+        WARNING,
+        "was since gone_for error",
+        lambda s: f"NVML answers again after {s.seconds('gone_for')} {s('was')}.",
+    ),
+    EventName.NVML_UNAVAILABLE: spec(
+        WARNING, "reason", lambda s: f"NVML is unavailable{s.why('reason')}; retrying."
+    ),
+    EventName.NVML_WEDGED: spec(
+        CRITICAL,
+        "timeout pid",
+        lambda s: (
+            f"NVML is wedged (a call missed its {s('timeout')}s deadline): no destructive action."
+        ),
+    ),
+    EventName.NVML_WORKER_STARTED: spec(DEBUG, "pid", lambda s: f"NVML worker {s.pid()} started."),
+    EventName.NVML_WORKER_HUNG: spec(
+        CRITICAL,
+        "pid reason",
+        lambda s: (
+            f"The NVML worker {s.pid()} survived SIGKILL (stuck in the kernel); no new worker"
+            f" while it lives{s.why('reason')}."
+        ),
+    ),
+    EventName.NVML_HUNG_WORKER_EXITED: spec(
+        INFO, "pid", lambda s: f"The hung NVML worker {s.pid()} finally exited."
+    ),
+    EventName.NVML_MEMORY_V1_FALLBACK: spec(
+        WARNING,
+        "gpu index reason consequence",
+        lambda s: (
+            f"{s.gpu()} answers only the old memory query{s.why('reason')}; {s('consequence', '')}."
+        ),
+    ),
+}
+CATALOGUE: Mapping[EventName, EventSpec] = {**_OTHERS, **RESET_EVENTS}
+
+
+def render(name: str, fields: Mapping[str, object], namer: Namer | None = None) -> str:
+    """The sentence for event ``name``: one printable line, never raising. An event outside
+    the catalogue (a test's, the simulator's) says its name and its ``why`` or ``reason``."""
+    said = Said(fields, namer if namer is not None else JournalNamer())
+    try:
+        spec = CATALOGUE.get(EventName(name)) if name in _NAMES else None
+        if spec is not None:
+            return spec.say(said)
+        return f"{short(name)}{said.why()}."
+    except Exception:  # a sentence must never cost the event
+        try:
+            return f"{short(name)}."
+        except Exception:
+            return "?"
+
+
+_NAMES = frozenset(member.value for member in EventName)
+
+
+def notification(fields: Mapping[str, object], namer: Namer | None = None) -> str:
+    """The one line of an ``on_action`` notification (``GPUWATCHD_MESSAGE``): what was done,
+    to whom, and how it ended, from the hook's facts (``action``, ``outcome``, ``pid``,
+    ``gpu``, ``user``, ``rule``, ``why``)."""
+    s = Said(fields, namer if namer is not None else JournalNamer())
+    outcome = str(fields.get("outcome"))
+    owner = f" of user {s('user')}" if s.has("user") else ""
+    why = f" ({s('why')})" if s.has("why") else ""
+    if fields.get("action") == "reset":
+        done = "was reset" if outcome == ActionOutcome.RESET else "could not be reset"
+        return f"{s.gpu()}{owner} {done}{why}."
+    if fields.get("action") == "mig_recovery":  # one MIG GPU instance re-created
+        done = "was re-created" if outcome == ActionOutcome.RESET else "could not be re-created"
+        return f"MIG GPU instance {s('gi')} of {s.gpu()}{owner} {done}{why}."
+    rule = f" by rule {s('rule')}" if s.has("rule") else ""
+    said = _ENDED.get(outcome) or f"ended: {short(outcome)}"
+    return f"{s.process()}{owner} on {s.gpu()}, signalled{rule}, {said}{why}."
+
+
+_ENDED: Mapping[str, str] = {
+    ActionOutcome.FREED.value: "was stopped; its GPU memory is freed",
+    ActionOutcome.RELEASED.value: "no longer holds the GPU",
+    ActionOutcome.SURVIVED.value: "survived the last signal and is left alone",
+    ActionOutcome.STUCK.value: "is stuck in D state and cannot be killed",
+    ActionOutcome.FAILED.value: "could not be signalled",
+}
+
+
+# --- what the journal calls an event ------------------------------------------------------------
+
+# Fixed for good: every MESSAGE_ID is derived from it and the event name (docs/events.md).
+MESSAGE_ID_NAMESPACE = uuid.UUID("691e00fc-97cc-49ac-bf26-5f292abf0526")
+# Event fields with a name of their own in the journal; any other ``foo`` is GPUWATCHD_FOO.
+JOURNAL_FIELDS: Mapping[str, str] = {
+    "gpu": "GPU_UUID",
+    "pid": "TARGET_PID",
+    "rule": "RULE",
+    "dry_run": "DRY_RUN",
+    "outcome": "OUTCOME",
+    "signal": "SIGNAL",
+    "kind": "FINDING_KIND",
+    "finding": "FINDING",
+}
+_FIELD_NAME_MAX = 64  # journald drops longer names
+_NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
+
+
+def message_id(event: str) -> str:
+    """The journal MESSAGE_ID of an event: 32 lower-case hex digits, the same forever."""
+    return uuid.uuid5(MESSAGE_ID_NAMESPACE, str(event)).hex
+
+
+def journal_field_name(key: str) -> str:
+    """The journal field for event field ``key``: ``gpu`` is GPU_UUID, ``foo`` GPUWATCHD_FOO.
+
+    Always ``[A-Z0-9_]``, at most 64 characters, starting with a letter: never one of the
+    trusted fields (``_PID``...) that only journald may set.
+    """
+    name = JOURNAL_FIELDS.get(key)
+    if name is None:
+        name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
+    return name[:_FIELD_NAME_MAX]

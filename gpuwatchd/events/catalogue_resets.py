@@ -1,0 +1,319 @@
+"""The event catalogue's GPU reset and health entries: their levels, fields and sentences.
+
+This module owns the part of :data:`gpuwatchd.events.catalogue.CATALOGUE` about one GPU's
+reset (and a MIG GPU instance's re-creation, the same events naming the instance) and the
+health drain around it: ``reset.*``, ``health.drain_*``, ``gpu.needs_reboot`` and
+``evidence.unsaved`` (no evidence file before such a step); and the Xids the health findings
+are made of (``health.xid``, ``kernel_log.*``). The events of
+one reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
+and number their steps, so the journal of a reset reads as one story. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+from gpuwatchd.core.vocabulary import (
+    RESET_STEPS,
+    EventName,
+    ResetResult,
+    ResetStep,
+    ResetStepStatus,
+)
+from gpuwatchd.events.words import (
+    CRITICAL,
+    DEBUG,
+    ERROR,
+    FINDING_FIELDS,
+    INFO,
+    MIG_FIELDS,
+    RESET_FIELDS,
+    WARNING,
+    EventSpec,
+    Said,
+    dry,
+    short,
+    spec,
+)
+
+__all__ = ["RESET_EVENTS"]
+
+
+def _reset_of(s: Said) -> str:
+    """The subject of one reset's events: the GPU's reset, or the re-creation of one of its
+    MIG GPU instances (``instance``, ``gi``: reset.mig_recovery)."""
+    if s.has("instance"):
+        return f"Re-creation of MIG GPU instance {s('gi', '?')} of {s.gpu()}"
+    return f"Reset of {s.gpu()}"
+
+
+_STEP_STATUS: Mapping[str, str] = {
+    ResetStepStatus.OK.value: "done",
+    ResetStepStatus.CLEAR.value: "no other process holds the GPU",
+    ResetStepStatus.BLOCKED.value: "blocked by",
+    ResetStepStatus.SKIPPED.value: "skipped",
+    ResetStepStatus.FAILED.value: "FAILED",
+    ResetStepStatus.WOULD_RUN.value: "would run",
+    ResetStepStatus.RECORD_FAILED.value: "could not be recorded in the state file",
+    ResetStepStatus.MEMORY_UNKNOWN.value: "memory could not be read",
+    ResetStepStatus.WOULD_WAIT_FABRIC.value: "would wait for the NVLink fabric",
+    ResetStepStatus.FABRIC_WAITING.value: "waiting for the NVLink fabric",
+    ResetStepStatus.FABRIC_COMPLETED.value: "the NVLink fabric is back",
+    ResetStepStatus.FABRIC_STUCK.value: "the NVLink fabric is STUCK",
+    ResetStepStatus.AS_PLANNED.value: "the GPU read again is as planned",
+    ResetStepStatus.CHANGED.value: "the GPU read again is NOT as planned",
+}
+
+
+def _reset_step(s: Said) -> str:
+    """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
+    step, status = str(s.f.get("step")), str(s.f.get("status"))
+    number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
+    head = f"{_reset_of(s)}, step {number}{short(step)}: "
+    hooks = s.f.get("hooks")
+    ran = s.argv() if s.has("argv") else None
+    if ran is None and isinstance(hooks, list) and hooks:
+        ran = "; ".join(short(shlex.join(map(str, h))) for h in hooks)
+    if ran is not None and status in (ResetStepStatus.OK, ResetStepStatus.FAILED):
+        code = f" (exit {s('returncode')})" if s.has("returncode") else ""
+        said = f"{head}{'ran' if status == ResetStepStatus.OK else 'FAILED:'} {ran}{code}"
+    else:
+        said = head + _STEP_STATUS.get(status, short(status))
+        if status == ResetStepStatus.CLEAR and s.has("instance"):
+            said = head + "no process holds the GPU instance"
+        if s.has("blockers"):
+            said += f" {s.items('blockers')}"
+        elif ran is not None:
+            said += f" {ran}"
+        elif s.has("would_run"):
+            said += f" {s.items('would_run')}"
+    if s.has("detail"):
+        said += f" ({s('detail')})"
+    return dry(s, said + ".")
+
+
+def _known(step: str) -> bool:
+    return step in {member.value for member in RESET_STEPS}
+
+
+def _reset_finished(s: Said) -> str:
+    """Short: the ``reset.outcome`` line that follows gives the reason."""
+    return dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
+
+
+def _reset_outcome(s: Said) -> str:
+    gpu, result, step = s.gpu(), s.f.get("result"), s("step")
+    if s.has("instance"):
+        return _recovery_outcome(s)
+    if s.f.get("needs_reboot") is True:
+        return f"{gpu} needs a reboot: its reset ended {s('result')} at step {step}."
+    if result == ResetResult.SUCCESS:
+        return f"{gpu} was reset."
+    if result == ResetResult.DRY_RUN:
+        return f"Dry run: {gpu} would have been reset{s.why('reason')}."
+    if result == ResetResult.REFUSED:
+        return f"Reset of {gpu} refused at step {step} and undone{s.why('reason')}."
+    if result == ResetResult.IN_USE:
+        return f"Reset of {gpu} refused by the driver (in use){s.why('reason')}."
+    if result == ResetResult.TIMEOUT:
+        return f"Reset of {gpu} timed out at step {step}."
+    return f"Reset of {gpu} failed at step {step}{s.why('reason')}."
+
+
+def _recovery_outcome(s: Said) -> str:
+    """``reset.outcome`` of a MIG GPU instance's re-creation."""
+    what, result, step = _reset_of(s), s.f.get("result"), s("step")
+    instance = f"MIG GPU instance {s('gi', '?')} of {s.gpu()}"
+    if result == ResetResult.SUCCESS:
+        return f"{instance} was re-created; its memory is free."
+    if result == ResetResult.DRY_RUN:
+        return f"Dry run: {instance} would have been re-created{s.why('reason')}."
+    if result in (ResetResult.REFUSED, ResetResult.IN_USE):
+        return f"{what} refused at step {step}, nothing destroyed{s.why('reason')}."
+    return f"{what} failed at step {step}{s.why('reason')}."
+
+
+def _reset_dry_run(s: Said) -> str:
+    if str(s.f.get("assumed", "")).startswith("success"):
+        return (
+            f"Dry run: {_reset_of(s)} would have run; assumed to have succeeded for what"
+            " follows (it counts against reset.max_resets)."
+        )
+    return f"Dry run: {_reset_of(s)} would have been refused."
+
+
+def _drain_started(s: Said) -> str:
+    said = f"{s.gpu()} is drained for {s('kind')}"
+    if s.f.get("drained_already"):
+        said += " (its drain hooks ran already for this incident)"
+    if s.has("blockers"):
+        said += f"; the reset waits for {s.items('blockers')}, which are never signalled"
+    return dry(s, said + ".")
+
+
+def _needs_reboot(s: Said) -> str:
+    return f"{s.gpu()} needs a reboot{s.why('why', 'reason', 'outcome')}."
+
+
+RESET_EVENTS: Mapping[EventName, EventSpec] = {
+    EventName.RESET_CONFIRMING: spec(
+        DEBUG,
+        f"{FINDING_FIELDS} why",
+        lambda s: f"{s.gpu()} may need a reset; waiting to be sure{s.why()}.",
+    ),
+    EventName.RESET_DUE: spec(
+        INFO,
+        f"{FINDING_FIELDS} dry_run pci_bus_id minor lasted evidence mig_layout {MIG_FIELDS}",
+        lambda s: dry(s, f"{_reset_of(s)} starts ({s('kind', 'a finding')}{s.why('reason')})."),
+    ),
+    EventName.RESET_REFUSED: spec(
+        INFO,
+        f"{FINDING_FIELDS} why hidden_holder outcome pci_bus_id {MIG_FIELDS}",
+        lambda s: f"No reset of {s.gpu()} now{s.why()}.",
+        WARNING,
+        DEBUG,
+    ),
+    EventName.RESET_LIMIT_REACHED: spec(
+        WARNING,
+        f"{FINDING_FIELDS} why",
+        lambda s: f"No reset of {s.gpu()}: the reset limit is reached{s.why()}.",
+    ),
+    EventName.RESET_CIRCUIT_OPEN: spec(
+        CRITICAL,
+        f"{FINDING_FIELDS} why",
+        lambda s: f"No more GPU resets until cleared by hand{s.why()}.",
+    ),
+    EventName.RESET_SUCCEEDED: spec(
+        INFO,
+        RESET_FIELDS,
+        lambda s: f"{_reset_of(s)} is booked as a success in the reset history.",
+    ),
+    EventName.RESET_FAILED: spec(
+        INFO,
+        f"{RESET_FIELDS} failures",
+        lambda s: (
+            f"{_reset_of(s)} is booked as failed ({s('outcome')}, failure {s('failures')});"
+            " on_failure hooks follow."
+        ),
+    ),
+    EventName.RESET_DRY_RUN: spec(INFO, f"{RESET_FIELDS} assumed", _reset_dry_run),
+    EventName.RESET_REFUSAL_CLEARED: spec(
+        INFO,
+        "gpu finding in_use why",
+        lambda s: f"A refused reset of {s.gpu()} may be tried again{s.why()}.",
+    ),
+    EventName.RESET_MIG_UNFINISHED_CLEARED: spec(
+        INFO,
+        "gpu instance gi why",
+        lambda s: f"MIG GPU instance {s('gi')} of {s.gpu()} is no longer half done{s.why()}.",
+    ),
+    EventName.GPU_NEEDS_REBOOT: spec(
+        CRITICAL, f"{RESET_FIELDS} pid start_ticks why", _needs_reboot
+    ),
+    # GPU health
+    EventName.HEALTH_DRAIN_STARTED: spec(
+        WARNING, f"{FINDING_FIELDS} blockers timeout dry_run drained_already", _drain_started
+    ),
+    EventName.HEALTH_DRAIN_WAITING: spec(
+        INFO,
+        f"{FINDING_FIELDS} blockers until",
+        lambda s: (
+            f"The reset of {s.gpu()} still waits for {s.items('blockers')} (never signalled)."
+        ),
+    ),
+    EventName.HEALTH_DRAIN_TIMED_OUT: spec(
+        CRITICAL,
+        f"{FINDING_FIELDS} why blockers",
+        lambda s: f"Draining {s.gpu()} timed out{s.why()}; on_failure hooks run.",
+    ),
+    EventName.RESET_STEP: spec(
+        INFO,
+        "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
+        f" duration monitors units remaining {MIG_FIELDS}",
+        _reset_step,
+        WARNING,
+        ERROR,
+    ),
+    EventName.RESET_FINISHED: spec(
+        INFO,
+        f"gpu result step reason needs_reboot blockers dry_run {MIG_FIELDS}",
+        _reset_finished,
+        WARNING,
+        ERROR,
+        CRITICAL,
+    ),
+    EventName.RESET_OUTCOME: spec(
+        WARNING,
+        f"gpu pci_bus_id result step reason needs_reboot blockers dry_run {MIG_FIELDS}"
+        " evidence_file",
+        _reset_outcome,
+        ERROR,
+        CRITICAL,
+    ),
+    # kept before a reset, a re-creation, a drain or on_failure hooks (act/evidence.py)
+    EventName.EVIDENCE_UNSAVED: spec(
+        ERROR,
+        "action gpu dry_run error",
+        lambda s: (
+            f"No evidence file was kept before {s('action')}"
+            f"{' on ' + s.gpu() if s.has('gpu') else ''}{s.why('error')}; the step goes on,"
+            " its reasons are in the journal."
+        ),
+    ),
+    EventName.RESET_CRASHED: spec(
+        ERROR,
+        "gpu error",
+        lambda s: f"{_reset_of(s)} crashed (a bug), booked as failed: {s('error')}.",
+    ),
+    EventName.RESET_RESUME: spec(
+        WARNING,
+        "record",
+        lambda s: "A reset was interrupted by a stop or crash: finishing or undoing it now.",
+    ),
+    EventName.RESET_RESUMED: spec(
+        WARNING,
+        "gpu result step reason needs_reboot",
+        lambda s: f"The interrupted reset of {s.gpu()} ended: {s('result')}{s.why('reason')}.",
+    ),
+    EventName.RESET_RESUME_FAILED: spec(
+        ERROR,
+        "reason",
+        lambda s: f"An interrupted reset could not be resumed{s.why('reason')}.",
+    ),
+    # the kernel log's Xids (collect/kernel_log.py, decide/xid_sources.py)
+    EventName.HEALTH_XID: spec(
+        INFO,
+        "gpu xid xid_name xid_action count first last sources repeated before_start pid process"
+        " job driver_text",
+        lambda s: (
+            f"Xid {s('xid')} ({s('xid_name')}) on {s.gpu()}, {s('count')} time(s)"
+            + (" since it was last said" if s.f.get("repeated") is True else "")
+            + (", logged before the daemon started" if s.f.get("before_start") is True else "")
+            + (
+                f", triggered by {s.names.process(s.f.get('pid'), s.f.get('process'))}"
+                if s.has("pid")
+                else ""
+            )
+            + (f" of job {s('job')}" if s.has("job") else "")
+            + f": {s('xid_action')}."
+        ),
+        WARNING,
+    ),
+    EventName.KERNEL_LOG_UNAVAILABLE: spec(
+        WARNING,
+        "source why retry_in",
+        lambda s: (
+            f"The kernel log ({s('source')}) cannot be read{s.why()}; Xids come from NVML"
+            f" alone until it can (tried again in {s.seconds('retry_in')})."
+        ),
+    ),
+    EventName.KERNEL_LOG_DROPPED: spec(
+        WARNING,
+        "lines kept",
+        lambda s: (
+            f"The kernel log had {s('lines')} Xid line(s) that were not counted: more distinct"
+            f" Xids, GPUs and processes in one poll than are kept ({s('kept')})."
+        ),
+    ),
+}

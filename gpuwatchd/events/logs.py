@@ -1,0 +1,543 @@
+"""structlog setup: one event per line, for journald, for log shippers and for people.
+
+This module owns how log events are rendered and written. It decides nothing about *what* is
+logged or at which level: callers choose both. It must never raise into its caller — a closed
+or broken stdout/stderr (``gpuwatchd scan | head``, a journald restart) must not take the
+daemon down — and it must keep working with structlog 22.1 (Debian's) up to 26.x, so it uses
+only APIs that 22.1 already had.
+
+In detail: docs/internals.md, section `gpuwatchd.events.logs`.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+import structlog
+
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import LEVEL_ALIASES, Level, level_of
+from gpuwatchd.events.catalogue import (
+    journal_field_name,
+    message_id,
+    render,
+)
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
+
+FORMATS = ("auto", "logfmt", "json", "console")
+# Names accepted for log.level (``warn`` too), and their numbers in Python's logging.
+LEVELS = {level.value: level.number for level in Level} | {"warn": Level.WARNING.number}
+# sd-daemon(3) priorities, keyed by structlog method name (exception logs at error).
+_PRIORITIES = {level.value: level.priority for level in Level} | {
+    alias: level.priority for alias, level in LEVEL_ALIASES.items()
+}
+_TRACEBACK_FRAMES = 6
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+
+def priority_prefix(level: str) -> str:
+    """The sd-daemon prefix for a level or method name: ``"<4>"`` for warning; info if unknown."""
+    return f"<{_PRIORITIES.get(level.lower(), 6)}>"
+
+
+def configure_logging(
+    *,
+    fmt: str = "auto",
+    level: str = "info",
+    stream: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+    journal_socket: str | None = JOURNAL_SOCKET,
+) -> None:
+    """Set up structlog for the whole process. Safe to call again (a reload changes the level).
+
+    ``stream`` defaults to ``sys.stderr`` (where systemd connects journald); ``environ``
+    defaults to ``os.environ``. When ``JOURNAL_STREAM`` names ``stream``'s own device and inode,
+    events go to journald's native socket ``journal_socket`` with their fields (None: never;
+    the stream stays the fallback). Raises ValueError for an unknown ``fmt`` or ``level`` — a
+    configuration error, reported before anything runs.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    min_level = LEVELS.get(level.lower())
+    if min_level is None:
+        choices = ", ".join(name for name in LEVELS if name != "warn")
+        raise ValueError(f"unknown log level {level!r}: expected one of {choices}")
+    out = sys.stderr if stream is None else stream
+    env = os.environ if environ is None else environ
+    journald = under_journald(out, env)
+    # Native only when the variable is verified: a stream without a file cannot be checked.
+    native = journal_socket is not None and _names_stream(out, env) is True
+    tty = _isatty(out)
+    if fmt == "auto":
+        fmt = "console" if tty and not journald else "logfmt"
+
+    prepare: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _flatten_exception,
+    ]
+    render: list[Processor] = []
+    if not journald:
+        render.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+    if fmt == "json":
+        render.append(_leading_keys)
+        render.append(structlog.processors.JSONRenderer(default=_json_default))
+    elif fmt == "console":
+        colors = tty and not journald and "NO_COLOR" not in env
+        render.append(_escape_control_characters)
+        render.append(structlog.dev.ConsoleRenderer(colors=colors))
+    else:
+        render.append(_compact_values)
+        render.append(_render_logfmt)
+
+    journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
+    structlog.configure(
+        processors=[_SafeChain(prepare, render, journald=journald, native=journal is not None)],
+        wrapper_class=structlog.make_filtering_bound_logger(min_level),
+        logger_factory=_LineWriterFactory(out, journal),
+        context_class=dict,
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str | None = None, **initial: object) -> FilteringBoundLogger:
+    """A logger bound to ``name`` (as the ``logger`` field) and any initial fields."""
+    logger: FilteringBoundLogger = structlog.get_logger()
+    if name is not None:
+        initial = {"logger": name, **initial}
+    return logger.bind(**initial) if initial else logger
+
+
+def under_journald(stream: TextIO, environ: Mapping[str, str]) -> bool:
+    """Whether ``stream`` is connected to journald, per ``JOURNAL_STREAM`` (systemd.exec(5)).
+
+    The variable names the device and inode of the journal stream; a child whose stderr was
+    redirected inherits it, so when the stream's own numbers can be read they must match.
+    A stream without a file descriptor (tests, wrappers) trusts the variable.
+    """
+    return _names_stream(stream, environ) is not False
+
+
+def _names_stream(stream: TextIO, environ: Mapping[str, str]) -> bool | None:
+    """Whether ``JOURNAL_STREAM`` names ``stream``: None when set but not checkable."""
+    value = environ.get("JOURNAL_STREAM", "")
+    if not value:
+        return False
+    try:
+        device, inode = (int(part) for part in value.split(":", 1))
+        status = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+    return (status.st_dev, status.st_ino) == (device, inode)
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# --- processors -------------------------------------------------------------------------------
+
+
+def _flatten_exception(
+    _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Turn ``exc_info`` into one-line ``exc`` and ``exc_trace`` fields.
+
+    Not "exception": structlog's console renderer prints that key as a multi-line block.
+    """
+    exc_info = event_dict.pop("exc_info", None)
+    if not exc_info:
+        return event_dict
+    if isinstance(exc_info, BaseException):
+        error: BaseException | None = exc_info
+    elif isinstance(exc_info, tuple) and len(exc_info) == 3:
+        error = exc_info[1]
+    else:
+        error = sys.exc_info()[1]
+    if error is None:
+        return event_dict
+    event_dict["exc"] = f"{type(error).__name__}: {_safe_str(error)}"
+    frames = traceback.extract_tb(error.__traceback__)[-_TRACEBACK_FRAMES:]
+    if frames:
+        event_dict["exc_trace"] = " > ".join(
+            f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}" for frame in frames
+        )
+    return event_dict
+
+
+def _escape_control_characters(
+    _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Escape newlines and other control characters in string values: one event, one line."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = escape(value)
+    return event_dict
+
+
+def _leading_keys(
+    _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """timestamp, level and event first, so JSON lines read like the logfmt ones."""
+    ordered = {key: event_dict[key] for key in _LEADING if key in event_dict}
+    ordered.update((key, value) for key, value in event_dict.items() if key not in ordered)
+    return ordered
+
+
+_LEADING = ("timestamp", "level", "event")
+
+
+def _compact_values(
+    _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Collections as logfmt-friendly text: ``via=fd,map`` for plain lists, JSON otherwise."""
+    for key in list(event_dict):
+        value = event_dict[key]
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value, key=repr)
+        if isinstance(value, (list, tuple)) and all(_plain(item) for item in value):
+            event_dict[key] = ",".join(str(item) for item in value)
+        elif isinstance(value, (list, tuple, dict)):
+            event_dict[key] = json.dumps(value, separators=(",", ":"), default=_json_default)
+    return event_dict
+
+
+def _render_logfmt(
+    _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
+) -> str:
+    """``key=value`` pairs, timestamp, level and event first; values quoted when needed.
+
+    Our own renderer rather than structlog's LogfmtRenderer, whose escaping differs between
+    the versions we support (22.1 leaves newlines raw, which splits an event over lines; 26.x
+    doubles backslashes only inside quotes): the format must not depend on the installed
+    structlog. Quoted values escape ``\\``, ``"`` and control characters; a field that is None
+    or empty is left out (unknown reads as absent, not as ``key=``); floats keep three decimals.
+    """
+    keys = [key for key in _LEADING if key in event_dict]
+    keys.extend(key for key in event_dict if key not in _LEADING)
+    return " ".join(
+        f"{_logfmt_key(key)}={_logfmt_value(event_dict[key])}"
+        for key in keys
+        if event_dict[key] is not None and event_dict[key] != ""
+    )
+
+
+def _logfmt_key(key: object) -> str:
+    text = str(key)
+    safe = "".join(c if c.isprintable() and c not in ' ="' else "_" for c in text)
+    return safe or "_"
+
+
+def _logfmt_value(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = rounded(value) if isinstance(value, float) else str(value)
+    if text and text.isprintable() and not any(c in text for c in ' ="\\'):
+        return text
+    escaped = escape(text.replace("\\", "\\\\").replace('"', '\\"'))
+    return f'"{escaped}"'
+
+
+def rounded(value: float) -> str:
+    """A float as a person reads it: at most three decimals (``0.125``, ``12.5``, ``3``);
+    three significant digits below a thousandth; ``nan``/``inf`` as Python writes them."""
+    if not math.isfinite(value):
+        return str(value)
+    text = f"{value:.3f}".rstrip("0").rstrip(".")
+    if text in ("0", "-0") and value != 0:
+        return f"{value:.3g}"
+    return "0" if text == "-0" else text
+
+
+def _plain(item: object) -> bool:
+    """A list item that can be shown comma-joined without ambiguity."""
+    if isinstance(item, bool):
+        return True
+    if not isinstance(item, (str, int, float)):
+        return False
+    text = str(item)
+    return bool(text) and not any(c in text for c in ', ="\\') and text.isprintable()
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return str(value)
+
+
+class _SafeChain:
+    """Runs the real processors; a failure becomes a plain fallback line, never an exception.
+
+    Wrapping the chain in one processor keeps the guarantee independent of which processor
+    failed (an unserialisable value, a broken ``__str__``). Under journald it also adds the
+    priority prefix to whatever was rendered. With ``native``, the event prepared by
+    ``prepare`` also becomes a native journal entry, passed to the writer with that line as
+    its fallback.
+    """
+
+    def __init__(
+        self,
+        prepare: Sequence[Processor],
+        render: Sequence[Processor],
+        *,
+        journald: bool,
+        native: bool = False,
+    ) -> None:
+        self._prepare = tuple(prepare)
+        self._render = tuple(render)
+        self._journald = journald
+        self._native = native
+
+    def __call__(
+        self, logger: WrappedLogger, method: str, event_dict: MutableMapping[str, Any]
+    ) -> str | tuple[tuple[_JournalEntry], dict[str, Any]]:
+        event = event_dict.get("event")
+        entry: bytes | None = None
+        try:
+            result: Any = event_dict
+            for processor in self._prepare:
+                result = processor(logger, method, result)
+            if self._native:
+                entry = journal_entry(method, result)
+            for processor in self._render:
+                result = processor(logger, method, result)
+            line = result if isinstance(result, str) else str(result)
+        except structlog.DropEvent:
+            raise
+        except Exception as exc:  # logging must never raise (module docstring)
+            line = _fallback_line(method, event, exc)
+        line = line.translate(_NEWLINES)
+        if self._journald:
+            line = priority_prefix(method) + line
+        if entry is None:
+            return line
+        # structlog passes a returned (args, kwargs) pair to the writer as it is.
+        return ((_JournalEntry(entry, line),), {})
+
+
+_NEWLINES = {ord("\n"): "\\n", ord("\r"): "\\r"}
+
+
+def _fallback_line(method: str, event: object, error: Exception) -> str:
+    level = str(level_of(method) or method)
+    try:
+        shown = json.dumps(str(event))
+    except Exception:  # even str() of the event may fail
+        shown = '"?"'
+    return (
+        f"level={level} event={shown} log_error="
+        f"{json.dumps(type(error).__name__ + ': ' + _safe_str(error))}"
+    )
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # a broken __str__ must not break logging
+        return "?"
+
+
+# --- native journal entries -------------------------------------------------------------------
+
+SYSLOG_IDENTIFIER = "gpuwatchd"
+# MESSAGE_ID_NAMESPACE, message_id, JOURNAL_FIELDS and journal_field_name (what the journal
+# calls an event and its fields) are the event catalogue's: gpuwatchd/events/catalogue.py.
+_FIELD_NAME_MAX = 64  # journald drops longer names
+_NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
+_BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
+
+
+def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:
+    """One event in journald's native format (``NAME=value`` lines; the binary form for a
+    value with a newline or another control character). ``event_dict`` is not changed."""
+    event = _safe_str(event_dict.get("event"))
+    rest = {key: value for key, value in event_dict.items() if key not in ("level", "timestamp")}
+    logfmt = _render_logfmt(None, method, _compact_values(None, method, rest))
+    fields = [
+        ("MESSAGE", f"{sentence(event, event_dict)} {logfmt}".translate(_NEWLINES)),
+        ("PRIORITY", str(_PRIORITIES.get(method.lower(), 6))),
+        ("SYSLOG_IDENTIFIER", SYSLOG_IDENTIFIER),
+        ("MESSAGE_ID", message_id(event)),
+        ("GPUWATCHD_EVENT", event),
+    ]
+    used = {name for name, _ in fields}
+    for key, value in event_dict.items():
+        text = None if key in _NOT_FIELDS else _journal_value(value)
+        if text is not None:
+            fields.append((_unused(journal_field_name(key), used), text))
+    out = bytearray()
+    for name, text in fields:
+        data = _utf8(text)
+        if _BINARY.search(data):
+            out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+def _journal_value(value: object) -> str | None:
+    """None omitted, booleans ``true``/``false``, collections compact JSON, the rest str()."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=repr)
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+    return rounded(value) if isinstance(value, float) else str(value)
+
+
+def _unused(name: str, used: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3``... when two event fields sanitise alike."""
+    candidate, number = name, 2
+    while candidate in used:
+        suffix = f"_{number}"
+        candidate = name[: _FIELD_NAME_MAX - len(suffix)] + suffix
+        number += 1
+    used.add(candidate)
+    return candidate
+
+
+def _utf8(text: str) -> bytes:
+    """The bytes a value stood for: undecodable bytes (surrogate escapes) come back as they were."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
+
+
+# --- the human sentence that starts MESSAGE ---
+
+
+def sentence(event: str, fields: Mapping[str, Any]) -> str:
+    """One line a person reads first in ``journalctl``: the event said in words, by the one
+    renderer of the event catalogue (:func:`gpuwatchd.events.catalogue.render`), which names
+    processes ``PID 4242 (python)`` and GPUs by UUID. Escaped and shortened; never raises."""
+    return render(event, fields)
+
+
+class _JournalEntry:
+    """A native journal entry, and the line to write instead if it cannot be sent."""
+
+    __slots__ = ("line", "payload")
+
+    def __init__(self, payload: bytes, line: str) -> None:
+        self.payload = payload
+        self.line = line
+
+
+class _JournalSocket:
+    """Sends entries to journald's native socket; says False instead of raising.
+
+    Unconnected, so a restarted journald's new socket is found by its path. An entry too big
+    for one datagram goes in a sealed memfd passed with SCM_RIGHTS, as sd_journal_send does.
+    A send blocks for at most ``SEND_TIMEOUT`` (SO_SNDTIMEO); after a timeout (journald's
+    queue full) entries go straight to the fallback for ``STALL_BACKOFF`` seconds, so a
+    stalled journald costs one timeout per backoff, not one per event.
+    """
+
+    SEND_TIMEOUT = 1.0
+    STALL_BACKOFF = 10.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._socket: socket.socket | None = None
+        self._stalled_until = 0.0
+
+    def send(self, payload: bytes) -> bool:
+        if time.monotonic() < self._stalled_until:
+            return False
+        try:
+            if self._socket is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                seconds, fraction = divmod(self.SEND_TIMEOUT, 1)
+                timeval = struct.pack("@ll", int(seconds), int(fraction * 1_000_000))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                self._socket = sock
+            try:
+                self._socket.sendto(payload, self.path)
+            except OSError as err:
+                if err.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                    raise
+                self._send_memfd(self._socket, payload)
+        except OSError as err:  # no journal, EPERM, no memfd...: the caller falls back
+            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_SNDTIMEO: journald stalled
+                self._stalled_until = time.monotonic() + self.STALL_BACKOFF
+            return False
+        except Exception:  # logging never raises
+            return False
+        return True
+
+    def _send_memfd(self, sock: socket.socket, payload: bytes) -> None:
+        fd = os.memfd_create("gpuwatchd-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+            rights = array.array("i", [fd])
+            sock.sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)], 0, self.path)
+        finally:
+            os.close(fd)
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+class _LineWriter:
+    """Writes each rendered event as one line and flushes; write errors are swallowed.
+
+    A closed stream or a broken pipe loses log lines, which is better than losing the
+    daemon. The lock keeps lines from threads whole. A native journal entry goes to the
+    journal socket, or as its fallback line to the stream when it cannot be sent.
+    """
+
+    def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
+        self._stream = stream
+        self._journal = journal
+        self._lock = threading.Lock()
+
+    def msg(self, message: str | _JournalEntry) -> None:
+        with self._lock:
+            if isinstance(message, _JournalEntry):
+                if self._journal is not None and self._journal.send(message.payload):
+                    return
+                message = message.line
+            try:
+                self._stream.write(message + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = msg
+
+
+class _LineWriterFactory:
+    def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
+        self._writer = _LineWriter(stream, journal)
+
+    def __call__(self, *_args: Any) -> _LineWriter:
+        return self._writer

@@ -1,0 +1,213 @@
+"""The words of the event catalogue: how an event's fields become a sentence, and an entry's shape.
+
+This module owns what every sentence of :mod:`gpuwatchd.events.catalogue` is made of: the
+:class:`Namer` that decides how an output names processes and GPUs (:class:`JournalNamer` for
+the journal), :class:`Said` (an event's fields as sentence pieces, each escaped and cut to one
+line), :func:`finding_label` (a finding key in words), and :class:`EventSpec` with
+:func:`spec`, the shape of one catalogue entry (level, fields, sentence), with the field groups
+several entries share. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import Level
+
+__all__ = [
+    "CRITICAL",
+    "DEBUG",
+    "ERROR",
+    "FINDING_FIELDS",
+    "INFO",
+    "LADDER_FIELDS",
+    "MIG_FIELDS",
+    "PROCESS_FIELDS",
+    "RESET_FIELDS",
+    "VALUE_MAX",
+    "WARNING",
+    "EventSpec",
+    "JournalNamer",
+    "Namer",
+    "Said",
+    "dry",
+    "finding_label",
+    "short",
+    "short_sentence",
+    "spec",
+]
+
+VALUE_MAX = 160  # characters of one value inside a sentence
+
+
+class Namer(Protocol):
+    """How one output names processes and GPUs; the only difference between the outputs."""
+
+    def process(self, pid: object, comm: object = None) -> str: ...
+
+    def gpu(self, uuid: object) -> str: ...
+
+    def moment(self, monotonic: object) -> str | None:
+        """A monotonic deadline as its reader can place it, or None to leave it unsaid."""
+        ...
+
+
+class JournalNamer:
+    """The journal's names: ``PID 4242 (python)``, and the GPU by its UUID. A monotonic
+    deadline means nothing to a reader of the journal: it is left to the event's fields."""
+
+    def process(self, pid: object, comm: object = None) -> str:
+        name = f" ({short(comm)})" if comm not in (None, "") else ""
+        return f"PID {short(pid) if pid not in (None, '') else '?'}{name}"
+
+    def gpu(self, uuid: object) -> str:
+        return short(uuid) if uuid not in (None, "") else "the GPU"
+
+    def moment(self, monotonic: object) -> str | None:
+        del monotonic
+        return None
+
+
+def short(value: object) -> str:
+    """``value`` escaped for one line and cut at :data:`VALUE_MAX` characters."""
+    if isinstance(value, (list, tuple)):
+        value = " ".join(str(item) for item in value)
+    text = escape(str(value))
+    return text if len(text) <= VALUE_MAX else text[: VALUE_MAX - 3] + "..."
+
+
+class Said:
+    """An event's fields as sentence pieces, named by one :class:`Namer`."""
+
+    def __init__(self, fields: Mapping[str, object], namer: Namer) -> None:
+        self.f = fields
+        self.names = namer
+
+    def __call__(self, key: str, default: str = "?") -> str:
+        value = self.f.get(key)
+        if value is None or value == "":
+            return default
+        return short(value)
+
+    def has(self, key: str) -> bool:
+        return self.f.get(key) not in (None, "", [], ())
+
+    def dry(self) -> bool:
+        return self.f.get("dry_run") is True
+
+    def gpu(self, key: str = "gpu") -> str:
+        return self.names.gpu(self.f.get(key))
+
+    def pid(self, key: str = "pid") -> str:
+        return self.names.process(self.f.get(key))
+
+    def process(self) -> str:
+        """``PID 1234 (python)`` with what is known."""
+        return self.names.process(self.f.get("pid"), self.f.get("comm"))
+
+    def target(self) -> str:
+        """The process and its GPU, or the GPU alone for a GPU-level event."""
+        if self.f.get("pid") is None:
+            return self.gpu()
+        on = f" on {self.gpu()}" if self.has("gpu") else ""
+        return f"{self.process()}{on}"
+
+    def why(self, *keys: str) -> str:
+        """``: <first of keys that is set>`` or nothing."""
+        for key in keys or ("why", "reason"):
+            if self.has(key):
+                return f": {self(key)}"
+        return ""
+
+    def until(self, key: str) -> str:
+        """`` until <when>`` where the namer can place the deadline ``key``, else nothing."""
+        when = self.names.moment(self.f.get(key))
+        return f" until {when}" if when else ""
+
+    def seconds(self, key: str) -> str:
+        value = self.f.get(key)
+        return f"{value:g}s" if isinstance(value, (int, float)) else "?"
+
+    def argv(self, key: str = "argv") -> str:
+        value = self.f.get(key)
+        if isinstance(value, (list, tuple)):
+            return short(shlex.join(str(a) for a in value))
+        return self(key)
+
+    def items(self, key: str) -> str:
+        value = self.f.get(key)
+        if isinstance(value, (list, tuple)):
+            return short("; ".join(str(v) for v in value))
+        return self(key)
+
+    def finding(self, key: str = "finding") -> str:
+        return finding_label(self.f.get(key), self.names)
+
+
+def dry(s: Said, text: str) -> str:
+    return f"Dry run: {text}" if s.dry() else text
+
+
+def short_sentence(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + "...."
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One event: its usual level, the other levels an outcome may give it, its fields, and
+    its sentence (a function of the fields, named through a :class:`Namer`)."""
+
+    level: Level
+    fields: tuple[str, ...]
+    say: Callable[[Said], str]
+    also: frozenset[Level] = frozenset()
+
+    @property
+    def levels(self) -> frozenset[Level]:
+        return self.also | {self.level}
+
+
+def spec(level: Level, fields: str, say: Callable[[Said], str], *also: Level) -> EventSpec:
+    return EventSpec(level, tuple(fields.split()), say, frozenset(also))
+
+
+DEBUG, INFO, WARNING, ERROR, CRITICAL = (
+    Level.DEBUG,
+    Level.INFO,
+    Level.WARNING,
+    Level.ERROR,
+    Level.CRITICAL,
+)
+
+
+FINDING_FIELDS = "finding kind gpu pid start_ticks memory reason"
+
+
+LADDER_FIELDS = "target pid start_ticks finding rule gpu step dry_run"
+
+
+PROCESS_FIELDS = "user uid comm cmdline state ppid pgid sid cgroup job unit"
+
+
+MIG_FIELDS = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
+
+
+RESET_FIELDS = f"gpu pci_bus_id finding outcome kind memory reason {MIG_FIELDS}"
+
+
+def finding_label(key: object, namer: Namer) -> str:
+    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) in words: "orphaned
+    PID 4252 on GPU-…" (named by ``namer``); the key itself if it has another shape."""
+    text = str(key)
+    kind, _, rest = text.partition(":")
+    gpu, _, target = rest.rpartition(":")
+    if not rest or not gpu:
+        return short(text)
+    pid = target.split("@", 1)[0]
+    if pid.isdigit():
+        return f"{short(kind)} {namer.process(int(pid))} on {namer.gpu(gpu)}"
+    return f"{short(kind)} {namer.gpu(gpu)}"

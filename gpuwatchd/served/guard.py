@@ -1,0 +1,313 @@
+"""Whether the daemon's published holder view is current: the guard on both of its sides.
+
+This module owns the rule that makes a served ``scan`` as right as a walk for every open of a
+watched device file (docs/scan.md, "Beside a running daemon"):
+
+- **The daemon's side.** Its inotify watch (:class:`GuardedWatch`) never consumes an event
+  before the published view says *dirty*: when events are queued, :class:`ViewPublisher`
+  first rewrites ``holders.json`` with ``clean: false`` (or removes it), and only then are the
+  events read; the poll that reads them walks ``/proc`` and publishes a clean view again. The
+  daemon also waits on the watch's descriptor, so an open wakes it at once
+  (:func:`early_poll_at` bounds how soon after a poll it walks again).
+- **The reader's side** (:func:`probe`). ``scan`` takes a duplicate of the daemon's inotify
+  descriptor (``pidfd_getfd(2)``), checks that it watches every device file in
+  ``devices_dir``, and asks how many bytes of events are queued (``FIONREAD``). The kernel
+  queues an ``IN_OPEN`` before ``open(2)`` returns, so an open that happened before the probe
+  is either still queued (the probe says so: walk) or was read by the daemon, which marked the
+  view dirty first; a view read after an empty probe and still ``clean`` therefore reflects a
+  walk that began after every such open. Anything else — no such descriptor, another file,
+  a device file not watched, a view for another daemon — is "unknown", and ``scan`` walks.
+
+It decides nothing about findings and never signals; the identity checks of the view itself
+(lock holder, boot, start ticks, age) stay in :mod:`gpuwatchd.cli.scan` and
+:mod:`gpuwatchd.served.holders`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpuwatchd.collect.devwatch import CAPS_FOLDER, IN_OPEN, DeviceWatch, WatchNews
+from gpuwatchd.collect.holders import match_device_name
+from gpuwatchd.served.holders import MAX_BYTES, REFRESH, VIEW_FILE
+from gpuwatchd.state.directory import StateDir
+
+__all__ = [
+    "EARLY_GAP",
+    "GuardedWatch",
+    "Probe",
+    "ViewPublisher",
+    "early_poll_at",
+    "probe",
+    "probe_path",
+]
+
+FIONREAD = 0x541B
+SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
+EARLY_GAP = 1.0  # seconds: an open wakes the daemon, but it walks at most once a second
+_MAX_FDINFO = 1 << 20
+
+
+def queued_bytes(fd: int) -> int:
+    """Bytes of events queued on the inotify descriptor ``fd``; -1 when it cannot be asked."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, FIONREAD, buf)
+    except OSError:
+        return -1
+    value: int = struct.unpack("i", buf)[0]
+    return value
+
+
+def early_poll_at(last_poll: float | None, now: float, interval: float) -> float:
+    """When a daemon woken by a device event polls: now, but no sooner than
+    :data:`EARLY_GAP` (bounded by ``interval``) after the start of its previous poll."""
+    if last_poll is None:
+        return now
+    return max(now, last_poll + min(EARLY_GAP, interval))
+
+
+class ViewPublisher:
+    """Writes ``holders.json`` for the daemon: a clean view after a poll, and the dirty mark
+    before the watch's events are read (module docstring)."""
+
+    def __init__(
+        self,
+        state_dir: Callable[[], StateDir | None],
+        on_error: Callable[[str], None],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._state_dir = state_dir
+        self._on_error = on_error
+        self._wall_clock = wall_clock
+        self._doc: dict[str, object] | None = None  # the clean view last written
+        self._content: dict[str, object] | None = None  # ... without its "polled"
+        self._polled = 0.0
+        self.dirty = False  # what is on disk says dirty (or is gone)
+
+    def publish(self, view: dict[str, object]) -> bool:
+        """Write the clean ``view`` (from :func:`gpuwatchd.served.holders.encode`) when it
+        changed, when the file says dirty, or every :data:`REFRESH` seconds; True when it
+        was written now."""
+        content = {key: value for key, value in view.items() if key != "polled"}
+        polled = view.get("polled")
+        wall = float(polled) if isinstance(polled, (int, float)) else self._wall_clock()
+        if not self.dirty and content == self._content and wall - self._polled < REFRESH:
+            return False
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return False
+        try:
+            state_dir.write(VIEW_FILE, json.dumps(view).encode())
+        except OSError as exc:
+            self._on_error(str(exc))
+            return False
+        self._doc, self._content, self._polled, self.dirty = view, content, wall, False
+        return True
+
+    def mark_dirty(self) -> bool:
+        """Say on disk that the view may be stale, before any watch event is read; False when
+        neither the dirty view could be written nor the file removed (the caller must then
+        stop serving: :class:`GuardedWatch` closes its watch)."""
+        if self.dirty or self._doc is None:
+            return True
+        state_dir = self._state_dir()
+        if state_dir is not None:
+            doc = {**self._doc, "clean": False, "dirty_since": self._wall_clock()}
+            try:
+                # No fsync: other processes see the rename at once; after a crash the view
+                # is refused anyway (its daemon is not running).
+                state_dir.write(VIEW_FILE, json.dumps(doc).encode(), sync=False)
+            except OSError as exc:
+                self._on_error(str(exc))
+                with contextlib.suppress(OSError):
+                    state_dir.discard(VIEW_FILE)
+                    self.dirty = True
+            else:
+                self.dirty = True
+        return self.dirty
+
+
+class GuardedWatch(DeviceWatch):
+    """:class:`DeviceWatch` whose events are read only after ``on_pending`` marked the
+    published view dirty (module docstring); its descriptor is waited on by the daemon."""
+
+    def __init__(self, devices_dir: str, on_pending: Callable[[], bool]) -> None:
+        super().__init__(devices_dir)
+        self._on_pending = on_pending
+
+    def fileno(self) -> int | None:
+        return self._fd
+
+    def mark_if_pending(self) -> bool:
+        """Mark the view dirty when events are queued; False when the watch had to close."""
+        if self._fd is None or queued_bytes(self._fd) == 0:
+            return True
+        if self._on_pending():
+            return True
+        self.error = "the published holder view could not be marked stale"
+        self.close()
+        return False
+
+    def drain(self) -> WatchNews:
+        if self._fd is None:
+            return super().drain()
+        if queued_bytes(self._fd) == 0:
+            # Nothing queued: read nothing (an event arriving now stays queued, unread, until
+            # the next drain marks the view first); only files still to be watched are added.
+            rewatched = self._watch_present() if self._stale else 0
+            return WatchNews(
+                available=not self._incomplete, changed=bool(rewatched), rewatched=rewatched
+            )
+        if not self.mark_if_pending():
+            return WatchNews(available=False, changed=True)
+        return super().drain()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe` found: ``empty`` True when the daemon's watch covered every device
+    file and had no event queued at ``at`` (wall seconds); else False with ``reason``."""
+
+    empty: bool
+    reason: str
+    daemon_pid: int | None = None
+    watch_fd: int | None = None
+    at: float = 0.0
+    view: bytes | None = None  # holders.json as read just after the empty probe
+
+
+def _pidfd_getfd(pid: int, fd: int) -> int:
+    """A duplicate of ``fd`` of process ``pid`` (OSError when refused)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        dup: int = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if dup < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return dup
+    finally:
+        os.close(pidfd)
+
+
+def _watched(proc_root: str, fd: int) -> set[tuple[int, int]] | None:
+    """(inode, kernel device number) of each ``IN_OPEN`` watch of our inotify ``fd``."""
+    try:
+        if os.readlink(f"{proc_root}/self/fd/{fd}") != "anon_inode:inotify":
+            return None
+        with open(f"{proc_root}/self/fdinfo/{fd}", "rb") as handle:
+            text = handle.read(_MAX_FDINFO).decode("ascii", "replace")
+    except OSError:
+        return None
+    found: set[tuple[int, int]] = set()
+    for line in text.splitlines():
+        if not line.startswith("inotify wd:"):
+            continue
+        fields = dict(part.split(":", 1) for part in line.split()[1:] if ":" in part)
+        try:
+            if int(fields["mask"], 16) & IN_OPEN:
+                found.add((int(fields["ino"], 16), int(fields["sdev"], 16)))
+        except (KeyError, ValueError):
+            continue
+    return found
+
+
+def _device_files(devices_dir: str) -> set[tuple[int, int]] | None:
+    """(inode, kernel device number) of every device file in ``devices_dir`` and its
+    ``nvidia-caps/`` (MIG capability files)."""
+    found: set[tuple[int, int]] = set()
+    try:
+        names = os.listdir(devices_dir)
+        if CAPS_FOLDER in names:
+            names += [f"{CAPS_FOLDER}/{n}" for n in os.listdir(f"{devices_dir}/{CAPS_FOLDER}")]
+    except OSError:
+        return None
+    for name in names:
+        if match_device_name(name) is None:
+            continue
+        try:
+            st = os.stat(f"{devices_dir}/{name}", follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        # The kernel shows the file system's device as MAJOR << 20 | MINOR in fdinfo.
+        found.add((st.st_ino, os.major(st.st_dev) << 20 | os.minor(st.st_dev)))
+    return found
+
+
+def probe(state_dir: StateDir | None, proc_root: str, devices_dir: str) -> Probe:
+    """Ask the running daemon's watch whether a device file was opened and not yet walked
+    (module docstring). Call it before this process opens any device file itself (its NVML
+    worker does): such an open would be queued too, and make the scan walk. The view to use is
+    the one read here, after the queue was found empty (``Probe.view``)."""
+    if state_dir is None:
+        return Probe(False, "no state directory")
+    try:
+        raw = state_dir.read(VIEW_FILE, MAX_BYTES)
+    except OSError as err:
+        return Probe(False, f"no holder view ({err.strerror or err})")
+    # Only the two numbers are taken from the file here, and neither is believed: the PID must
+    # hold the instance lock, the descriptor must be an inotify watching every device file.
+    pid, fd = _numbers(raw)
+    if pid is None or fd is None:
+        return Probe(False, "the holder view names no device watch")
+    if not state_dir.lock_held_by(pid, proc_root):
+        return Probe(False, f"pid {pid} does not hold the instance lock")
+    try:
+        # The daemon answering a scan asks its own watch (cli/served.py): a plain dup, as its
+        # unit's system-call filter refuses pidfd_getfd.
+        dup = os.dup(fd) if pid == os.getpid() else _pidfd_getfd(pid, fd)
+    except OSError as err:
+        return Probe(False, f"the daemon's device watch cannot be asked: {err.strerror or err}")
+    try:
+        watched = _watched(proc_root, dup)
+        devices = _device_files(devices_dir)
+        if watched is None or devices is None or not devices <= watched:
+            return Probe(False, "the daemon's device watch does not cover every device file")
+        at = time.time()
+        queued = queued_bytes(dup)
+    finally:
+        os.close(dup)
+    if queued != 0:
+        return Probe(False, "a device file was opened since the daemon's last walk", pid, fd, at)
+    # Read now, before this process's NVML worker opens the device files (which would make the
+    # daemon mark its view dirty, for an open that is our own).
+    try:
+        view = state_dir.read(VIEW_FILE, MAX_BYTES + 1)
+    except OSError as err:
+        return Probe(False, f"no holder view ({err.strerror or err})")
+    return Probe(True, "no device file opened since the daemon's last walk", pid, fd, at, view)
+
+
+def probe_path(state_dir: str, proc_root: str, devices_dir: str) -> Probe:
+    """:func:`probe` for the state directory at ``state_dir`` (never raises: a directory that
+    cannot be trusted is refused later, by the scan itself)."""
+    try:
+        opened = StateDir.open(state_dir)
+    except OSError as err:
+        return Probe(False, f"no usable state directory ({err.strerror or err})")
+    try:
+        return probe(opened, proc_root, devices_dir)
+    finally:
+        opened.close()
+
+
+def _numbers(raw: bytes) -> tuple[int | None, int | None]:
+    try:
+        data = json.loads(raw)
+        pid = data["daemon"]["pid"]
+        fd = data["watch_fd"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None, None
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in (pid, fd))
+    return (pid, fd) if ok and pid > 0 else (None, None)

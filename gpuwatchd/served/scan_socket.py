@@ -1,0 +1,387 @@
+"""The socket on which a running daemon answers ``scan`` (docs/scan.md, "Answered by the daemon").
+
+A ``scan`` beside a running daemon spends most of its time starting Python and importing the
+code that judges, which the daemon has loaded already. So the daemon listens on
+:data:`SOCKET_NAME` in its ``state_dir`` and runs the served scan itself when asked; the command
+starts Python, asks, and prints the answer. When the daemon cannot answer exactly as the
+command would (its published view is not clean, the configuration files changed, ...), it
+declines and says why, and the command scans by itself as before.
+
+This module owns the socket and the exchange, and nothing else:
+
+- **The format.** A request is one line of JSON (:class:`ScanRequest`, at most
+  :data:`MAX_REQUEST` bytes); an answer is one line of JSON (:class:`ScanAnswer`'s header, at
+  most :data:`MAX_HEADER` bytes) followed by what the command prints, until the end of the
+  stream. Each side reads the other's bytes as hostile: anything malformed, too long or too
+  slow ends the exchange (:class:`ExchangeError`), and the command then scans by itself.
+- **Who may talk.** Each side asks the kernel who the other is (``SO_PEERCRED``) and accepts
+  only root or its own user: the trust rule of the state directory itself
+  (:func:`gpuwatchd.state.directory.trusted_owners`). The socket is created mode 0600 in the trusted
+  ``state_dir``, and only after any old file of that name was found to be a socket.
+- **How long.** The daemon waits at most :data:`REQUEST_TIMEOUT` for a request and
+  :data:`SEND_TIMEOUT` to hand its answer over, and answers at most :data:`MAX_PER_WAKE`
+  connections each time its loop wakes; the command waits at most its own timeout.
+
+Paths go through ``/proc/self/fd/<directory fd>/``: a socket's path is limited to 107 bytes,
+a ``state_dir`` is not. It decides nothing and builds no report: the daemon is handed the
+function that answers (:class:`ScanServer`), the command prints what :func:`ask` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+__all__ = [
+    "SOCKET_NAME",
+    "ExchangeError",
+    "ScanAnswer",
+    "ScanRequest",
+    "ScanServer",
+    "ask",
+    "decode_answer_header",
+    "decode_request",
+    "encode_answer",
+    "encode_request",
+]
+
+SOCKET_NAME = "scan.sock"
+VERSION = 1
+MAX_REQUEST = 8192  # bytes of the request line, newline included
+MAX_HEADER = 65536  # bytes of the answer's header line
+MAX_BODY = 64 << 20  # bytes of the printed report (a node's report is ~100 kB)
+MAX_STDERR_LINES = 16
+MAX_PATH = 4096
+REQUEST_TIMEOUT = 0.5  # seconds the daemon waits for a connected command's request
+SEND_TIMEOUT = 2.0  # seconds the daemon waits for the command to take its answer
+MAX_PER_WAKE = 4  # connections answered each time the daemon's loop wakes
+BACKLOG = 8
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class ExchangeError(Exception):
+    """The other side sent something this side does not accept (or nothing in time)."""
+
+
+class ScanRequest(NamedTuple):
+    """What the command asks: a report for ``config`` (an absolute path), as JSON or text."""
+
+    config: str
+    as_json: bool
+    color: bool
+
+
+class ScanAnswer(NamedTuple):
+    """The daemon's answer: ``answered`` False with ``reason`` when it declines (the command
+    then scans by itself); else what the command prints and its exit code."""
+
+    answered: bool
+    reason: str
+    exit_code: int = 0
+    stdout: str = ""
+    stderr: tuple[str, ...] = ()
+
+
+def trusted_peer(uid: int, own_uid: int) -> bool:
+    """Whether a peer running as ``uid`` may be talked to: root, or this process's user."""
+    return uid in (0, own_uid)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of ``sock``, as the kernel saw it connect."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    _pid, uid, _gid = _PEERCRED.unpack(raw)
+    return int(uid)
+
+
+# --- the format ---------------------------------------------------------------------------------
+
+
+def encode_request(request: ScanRequest) -> bytes:
+    line = json.dumps(
+        {"version": VERSION, "config": request.config, "json": request.as_json,
+         "color": request.color},
+        separators=(",", ":"),
+    )  # fmt: skip
+    return line.encode() + b"\n"
+
+
+def decode_request(raw: bytes) -> ScanRequest:
+    """The request in ``raw`` (one line, newline included); ExchangeError naming what is wrong."""
+    if len(raw) > MAX_REQUEST or not raw.endswith(b"\n"):
+        raise ExchangeError("the request is not one line of at most 8192 bytes")
+    doc = _object(raw)
+    if set(doc) != {"version", "config", "json", "color"} or doc["version"] != VERSION:
+        raise ExchangeError("the request has unknown keys or another version")
+    config, as_json, color = doc["config"], doc["json"], doc["color"]
+    if not isinstance(config, str) or not 0 < len(config) <= MAX_PATH:
+        raise ExchangeError("the request's config is not a path")
+    if not os.path.isabs(config) or "\0" in config:
+        raise ExchangeError("the request's config is not an absolute path")
+    if not isinstance(as_json, bool) or not isinstance(color, bool):
+        raise ExchangeError("the request's json and color are not true or false")
+    return ScanRequest(config, as_json, color)
+
+
+def encode_answer(answer: ScanAnswer) -> bytes:
+    header = {
+        "version": VERSION,
+        "answered": answer.answered,
+        "reason": answer.reason[:1000],
+        "exit": answer.exit_code,
+        "stderr": [line[:4000] for line in answer.stderr[:MAX_STDERR_LINES]],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode() + b"\n"
+    return head + (answer.stdout.encode() if answer.answered else b"")
+
+
+def decode_answer_header(raw: bytes) -> ScanAnswer:
+    """The answer's header line (``stdout`` left empty: it is the rest of the stream)."""
+    doc = _object(raw)
+    answered, reason, code, stderr = (
+        doc.get("answered"), doc.get("reason"), doc.get("exit"), doc.get("stderr"),
+    )  # fmt: skip
+    if doc.get("version") != VERSION or not isinstance(answered, bool):
+        raise ExchangeError("the answer has another version")
+    if not isinstance(reason, str) or len(reason) > 1000:
+        raise ExchangeError("the answer's reason is not a short text")
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+        raise ExchangeError("the answer's exit code is not 0-255")
+    if not isinstance(stderr, list) or len(stderr) > MAX_STDERR_LINES:
+        raise ExchangeError("the answer's stderr is not a short list")
+    lines = tuple(line for line in stderr if isinstance(line, str) and len(line) <= 4000)
+    if len(lines) != len(stderr):
+        raise ExchangeError("the answer's stderr holds something other than short lines")
+    return ScanAnswer(answered, reason, code, "", lines)
+
+
+def _object(raw: bytes) -> dict[str, object]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise ExchangeError(f"not JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise ExchangeError("not a JSON object")
+    return doc
+
+
+# --- the daemon's side --------------------------------------------------------------------------
+
+
+class ScanServer:
+    """The daemon's listening socket. ``answer`` runs the served scan for a request (it is
+    the daemon's; an exception in it declines that one request, and is handed to ``on_error``
+    with the others this side meets)."""
+
+    def __init__(
+        self,
+        answer: Callable[[ScanRequest], ScanAnswer],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self._answer = answer
+        self._on_error = on_error
+        self._sock: socket.socket | None = None
+        self._dir_fd = -1
+        self._inode: tuple[int, int] | None = None
+        self.answered = 0
+        self.declined = 0
+
+    def start(self, dir_fd: int) -> str | None:
+        """Listen on :data:`SOCKET_NAME` in the directory open as ``dir_fd`` (kept open here
+        until :meth:`close`); None when listening, else why not."""
+        if self._sock is not None:
+            return None
+        try:
+            old = os.stat(SOCKET_NAME, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            old = None
+        except OSError as err:
+            return f"{SOCKET_NAME}: {err.strerror or err}"
+        if old is not None and not stat.S_ISSOCK(old.st_mode):
+            return f"{SOCKET_NAME} exists and is not a socket; it is left alone"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        own = os.dup(dir_fd)
+        try:
+            if old is not None:  # left by a daemon that ended without closing it
+                os.unlink(SOCKET_NAME, dir_fd=own)
+            sock.bind(_via_fd(own))
+            os.chmod(SOCKET_NAME, 0o600, dir_fd=own)
+            made = os.stat(SOCKET_NAME, dir_fd=own, follow_symlinks=False)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError as err:
+            sock.close()
+            os.close(own)
+            return f"{SOCKET_NAME}: {err.strerror or err}"
+        self._sock, self._dir_fd, self._inode = sock, own, (made.st_dev, made.st_ino)
+        return None
+
+    def fileno(self) -> int | None:
+        return None if self._sock is None else self._sock.fileno()
+
+    def serve(self) -> int:
+        """Answer the connections waiting now (at most :data:`MAX_PER_WAKE`); how many."""
+        served = 0
+        while self._sock is not None and served < MAX_PER_WAKE:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as err:
+                self._on_error(f"accept: {err.strerror or err}")
+                break
+            served += 1
+            with conn:
+                self._serve_one(conn)
+        return served
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            uid = peer_uid(conn)
+            # Read first either way: a socket closed with bytes unread resets the exchange, and
+            # the command would not see the refusal.
+            raw = _read_line(conn, MAX_REQUEST, time.monotonic() + REQUEST_TIMEOUT)
+            if not trusted_peer(uid, os.geteuid()):
+                answer = ScanAnswer(False, f"uid {uid} may not ask this daemon")
+            else:
+                answer = self._answer_request(raw)
+            conn.settimeout(SEND_TIMEOUT)
+            conn.sendall(encode_answer(answer))
+        except ExchangeError as err:
+            self._on_error(f"a request was refused: {err}")
+            with contextlib.suppress(OSError):
+                conn.sendall(encode_answer(ScanAnswer(False, f"bad request: {err}")))
+        except OSError as err:  # the command left, or did not read in time
+            self._on_error(f"an answer was not delivered: {err.strerror or err}")
+
+    def _answer_request(self, raw: bytes) -> ScanAnswer:
+        request = decode_request(raw)
+        try:
+            answer = self._answer(request)
+        except Exception as err:  # a bug in the served scan: the command scans by itself
+            self._on_error(f"the served scan failed: {type(err).__name__}: {err}")
+            answer = ScanAnswer(False, f"the daemon's scan failed ({type(err).__name__})")
+        if answer.answered:
+            self.answered += 1
+        else:
+            self.declined += 1
+        return answer
+
+    def close(self) -> None:
+        """Stop listening and remove the socket, if it is still the one made here."""
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        with contextlib.suppress(OSError):
+            now = os.stat(SOCKET_NAME, dir_fd=self._dir_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == self._inode:
+                os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
+        os.close(self._dir_fd)
+        self._dir_fd = -1
+
+
+def _via_fd(dir_fd: int) -> str:
+    return f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}"
+
+
+def _read_line(conn: socket.socket, limit: int, deadline: float) -> bytes:
+    """Bytes up to and including the first newline, within ``limit`` bytes and by ``deadline``
+    (``time.monotonic``); ExchangeError otherwise."""
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExchangeError("no request line in time")
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(limit + 1 - len(data))
+        except TimeoutError:
+            raise ExchangeError("no request line in time") from None
+        if not chunk:
+            raise ExchangeError("the stream ended before a full line")
+        data += chunk
+        if len(data) > limit:
+            raise ExchangeError(f"a line longer than {limit} bytes")
+    line, _, rest = data.partition(b"\n")
+    if rest:
+        raise ExchangeError("bytes after the request line")
+    return line + b"\n"
+
+
+# --- the command's side -------------------------------------------------------------------------
+
+
+def ask(state_dirs: Sequence[str], request: ScanRequest, timeout: float) -> ScanAnswer:
+    """Ask the daemon of the first of ``state_dirs`` that has a listening socket, within
+    ``timeout`` seconds in all. Never raises: a socket that is missing, refused, slow, not a
+    trusted user's, or that answers malformed gives a declined answer saying so."""
+    deadline = time.monotonic() + timeout
+    reason = "no daemon socket"
+    for folder in state_dirs:
+        try:
+            return _ask_one(folder, request, deadline)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            continue  # no daemon listens there
+        except ExchangeError as err:
+            return ScanAnswer(False, f"the daemon's answer was refused: {err}")
+        except OSError as err:
+            reason = f"the daemon could not be asked: {err.strerror or err}"
+            break
+    return ScanAnswer(False, reason)
+
+
+def _ask_one(folder: str, request: ScanRequest, deadline: float) -> ScanAnswer:
+    dir_fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(_via_fd(dir_fd))
+            uid = peer_uid(sock)
+            if not trusted_peer(uid, os.geteuid()):
+                raise ExchangeError(f"the socket belongs to uid {uid}, neither root nor this user")
+            try:
+                sock.sendall(encode_request(request))
+                sock.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused before reading: its answer says why
+            return _read_answer(sock, deadline)
+    except TimeoutError:
+        raise ExchangeError("no answer in time") from None
+    finally:
+        os.close(dir_fd)
+
+
+def _read_answer(sock: socket.socket, deadline: float) -> ScanAnswer:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExchangeError("no answer in time")
+        sock.settimeout(left)
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_HEADER + MAX_BODY:
+            raise ExchangeError("the answer is too long")
+    data = b"".join(chunks)
+    head, newline, body = data.partition(b"\n")
+    if not newline or len(head) >= MAX_HEADER:
+        raise ExchangeError("the answer has no header line")
+    answer = decode_answer_header(head)
+    if not answer.answered:
+        return answer
+    try:
+        return answer._replace(stdout=body.decode())
+    except UnicodeDecodeError:
+        raise ExchangeError("the answer's report is not UTF-8") from None

@@ -1,0 +1,125 @@
+"""The last policy the daemon accepted, kept in ``state_dir``, and the fallback to it at start.
+
+A daemon that exits at start over a rejected drop-in leaves the node unwatched until a person
+looks — after every reboot too, since systemd does not retry exit 78. So the daemon saves each
+policy it accepts (at start and at every accepted reload) as :data:`ACCEPTED_FILE` in its
+``state_dir``, and when the configured policy is rejected at start it runs with that one, and
+says so in the journal (``config.start_rejected``, critical), in STATUS, in ``gpuwatchd status``
+and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (nothing was ever
+accepted: someone is setting the node up) there is nothing to fall back to, and the daemon
+exits 78 as before. ``run --once`` falls back the same way, and ``check-clean`` judges with
+this policy when the files do not validate (a policy problem is never a reason to drain).
+
+This module owns that file: writing it, and finding and reading it back when the configured
+policy cannot be loaded. Where to look comes from the configured files themselves, as far as
+they can be trusted: the ``state_dir`` of the longest run of them (the main file, then the
+drop-ins in order) that still loads, else the built-in default. The file is written and read
+only through :class:`gpuwatchd.state.directory.StateDir` (the walk from ``/`` that follows no link,
+the trust rule for the folder and the file: a regular file owned by root or this user that
+nobody else can write, read bounded), and it is validated like any policy. It decides nothing
+and logs nothing: the daemon does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from gpuwatchd.config.files import read_policy_files
+from gpuwatchd.config.schema import (
+    ConfigError,
+    default_policy,
+    parse_policy_documents,
+    render_policy,
+)
+from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.state.directory import StateDir, StateDirError
+
+__all__ = ["ACCEPTED_FILE", "Fallback", "load_fallback", "render_accepted", "save_accepted"]
+
+ACCEPTED_FILE = "policy.accepted.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """What the daemon runs when its configured policy is rejected at start."""
+
+    policy: Policy | None  # None: no usable saved policy
+    source: str  # the saved file's path
+    saved_at: float | None  # when the saved file was written (its mtime)
+    problems: tuple[str, ...] = ()  # why saved files that were looked at were not used
+
+    def describe(self) -> str:
+        """``the last accepted policy (/var/lib/gpuwatchd/policy.accepted.yaml, saved …)``."""
+        if self.saved_at is None:
+            return f"no saved policy ({self.source})"
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.saved_at))
+        return f"the last accepted policy ({self.source}, saved {when})"
+
+
+def render_accepted(policy: Policy) -> str:
+    """The text saved for ``policy``: the effective policy, every key spelled out, which
+    reads back as an equal policy (:func:`gpuwatchd.config.schema.render_policy`)."""
+    return (
+        "# The last policy gpuwatchd accepted, saved by the daemon; run with when the configured\n"
+        "# one is rejected at start (docs/operations.md, 'Failure modes'). Do not edit.\n"
+        + render_policy(policy)
+    )
+
+
+def save_accepted(state_dir: StateDir, policy: Policy) -> None:
+    """Save ``policy`` (as loaded: no command-line dry-run) in ``state_dir`` (its own, opened
+    by the daemon); OSError."""
+    state_dir.write(ACCEPTED_FILE, render_accepted(policy).encode())
+
+
+def _state_dir_hints(config_path: str) -> list[str]:
+    """Where the saved policy may be: the ``state_dir`` of the longest leading run of the
+    configured files that loads, else the built-in default. Files that fail the permission
+    check name no place (anyone might have written them)."""
+    default = default_policy().state_dir
+    try:
+        docs = read_policy_files(config_path)
+    except ConfigError:
+        return [default]
+    for count in range(len(docs) - 1, 0, -1):
+        try:
+            hint = parse_policy_documents(docs[:count]).state_dir
+        except ConfigError:
+            continue
+        return [hint]
+    return [default]
+
+
+def _read_saved(state_dir: str) -> tuple[str, float]:
+    """The saved text and its mtime; OSError (StateDirError, UntrustedFile) or ValueError
+    saying why not. Looking creates nothing: a missing ``state_dir`` is FileNotFoundError."""
+    with StateDir.open(state_dir) as directory:
+        data, info = directory.read_with_stat(ACCEPTED_FILE, MAX_DOCUMENT_BYTES + 1)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ValueError("larger than a policy may be")
+    return data.decode("utf-8", errors="strict"), info.st_mtime
+
+
+def load_fallback(config_path: str) -> Fallback:
+    """The policy to run with when ``config_path``'s is rejected at start: the last one the
+    daemon accepted; ``policy`` None when there is none (or none usable). Never raises."""
+    problems: list[str] = []
+    hints = _state_dir_hints(config_path)
+    for state_dir in hints:
+        path = os.path.join(state_dir, ACCEPTED_FILE)
+        try:
+            text, saved_at = _read_saved(state_dir)
+            policy = parse_policy_documents([(path, text)])
+        except FileNotFoundError:
+            continue
+        except (OSError, StateDirError, ValueError, ConfigError) as err:
+            problems.append(f"{path}: {err}")
+            continue
+        if policy.state_dir != state_dir:
+            problems.append(f"{path}: names another state_dir ({policy.state_dir})")
+            continue
+        return Fallback(policy, path, saved_at, tuple(problems))
+    return Fallback(None, os.path.join(hints[0], ACCEPTED_FILE), None, tuple(problems))

@@ -1,0 +1,259 @@
+"""The accepted policy kept compiled in ``state_dir``, so that ``scan`` need not parse YAML.
+
+A ``scan`` spends ~25 ms importing the config schema and YAML to read a policy the running
+daemon has already read. So the daemon, each time it accepts its policy (at start and at every
+accepted reload), also writes :data:`COMPILED_FILE` in its ``state_dir`` (:func:`save_compiled`):
+the policy the files say now, as typed JSON (:func:`encode`), with the identity of every path
+that reading depended on (:func:`identity`). ``scan`` (:func:`load_compiled`) uses it only when
+it is trusted (:mod:`gpuwatchd.state.directory`'s rule), decodes into the policy's own types and
+nothing else (:func:`decode`), was written for the same main file with StrictModes checked (or
+this process checks none), names the ``state_dir`` it was found in, and every identity still
+holds; otherwise it reads the YAML as always, which gives the same policy or the same error.
+
+This module owns that file: its format, writing it, and the rule for using it. It decides
+nothing and logs nothing. The whole rule, and why each part of it is there, is in
+docs/internals.md, section ``gpuwatchd.state.compiled_policy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import re
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.config.peek import guess_state_dir
+from gpuwatchd.decide import policy as policy_module
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.state.directory import StateDir
+
+__all__ = [
+    "COMPILED_FILE",
+    "decode",
+    "encode",
+    "guess_state_dir",
+    "identity",
+    "load_compiled",
+    "save_compiled",
+]
+
+COMPILED_FILE = "policy.compiled.json"
+VERSION = 1
+MAX_BYTES = 4 << 20
+MAX_DEPTH = 16
+# The types a compiled policy may name: the policy's own dataclasses and enums, nothing else.
+_TYPES: dict[str, type] = {
+    name: value
+    for name, value in vars(policy_module).items()
+    if isinstance(value, type)
+    and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+    and value is not enum.Enum
+}
+
+
+# --- the typed JSON form ------------------------------------------------------------------------
+
+
+def encode(value: object) -> object:
+    """``value`` (a policy, or any part of one) as JSON-able data; TypeError for a type this
+    form does not carry."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return {"$enum": type(value).__name__, "value": encode(value.value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"$class": type(value).__name__, "fields": fields}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode(item) for item in value]}
+    if isinstance(value, re.Pattern):
+        return {"$re": value.pattern, "flags": value.flags}
+    raise TypeError(f"a compiled policy cannot carry {type(value).__name__}")
+
+
+def decode(data: object, depth: int = 0) -> Any:
+    """What :func:`encode` made; ValueError naming what is wrong (never another error)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"unexpected {type(data).__name__}")
+    if "$tuple" in data:
+        items = data["$tuple"]
+        if not isinstance(items, list):
+            raise ValueError("a tuple is not a list")
+        return tuple(decode(item, depth + 1) for item in items)
+    if "$re" in data:
+        pattern, flags = data["$re"], data.get("flags")
+        if not isinstance(pattern, str) or isinstance(flags, bool) or not isinstance(flags, int):
+            raise ValueError("a bad pattern")
+        try:
+            return re.compile(pattern, flags)
+        except (re.error, ValueError, OverflowError) as err:
+            raise ValueError(f"a bad pattern: {err}") from None
+    kind = data.get("$enum", data.get("$class"))
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"not a type of the policy: {str(kind)[:40]!r}")
+    if "$enum" in data:
+        if not issubclass(cls, enum.Enum):
+            raise ValueError(f"{kind} is not an enum")
+        try:
+            return cls(decode(data.get("value"), depth + 1))
+        except ValueError:
+            raise ValueError(f"not a {kind}") from None
+    fields = data.get("fields")
+    if not dataclasses.is_dataclass(cls) or not isinstance(fields, dict):
+        raise ValueError(f"{kind} without fields")
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(fields) != known:
+        raise ValueError(f"{kind}: fields differ from this version's")
+    try:
+        return cls(**{name: decode(value, depth + 1) for name, value in fields.items()})
+    except TypeError as err:
+        raise ValueError(f"{kind}: {err}") from None
+
+
+# --- which files, unchanged ---------------------------------------------------------------------
+
+
+def _stat_entry(path: str, *, content: bool = False) -> list[int] | None:
+    """The identity of ``path`` (None: it does not exist); OSError for a link or a failure.
+    A folder's is which folder it is and who may change it (device, inode, mode, owner): its
+    times change with every entry added anywhere in it (``/etc``, ``/tmp``). A file's
+    (``content``) adds its size and times: a write changes the change time, which no user
+    can set."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(f"{path} is a symbolic link")
+    entry = [st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid]
+    return [*entry, st.st_size, st.st_mtime_ns, st.st_ctime_ns] if content else entry
+
+
+def identity(main_file: str) -> list[list[object]] | None:
+    """[path, identity] of the main file, its folder and every folder above it, ``conf.d/``
+    (null when absent) and each drop-in named like one (``*.yaml``, not hidden; by name); None
+    when any is a symbolic link or cannot be looked at, or the main file or a drop-in is not a
+    regular file (no shortcut then)."""
+    main = os.path.abspath(main_file)
+    folder = os.path.dirname(main)
+    conf_d = os.path.join(folder, "conf.d")
+    paths = [main]
+    above = folder
+    while True:
+        paths.append(above)
+        parent = os.path.dirname(above)
+        if parent == above:
+            break
+        above = parent
+    try:
+        found = [(path, _stat_entry(path, content=path == main)) for path in paths]
+        files = [found[0]]
+        conf = _stat_entry(conf_d)
+        found.append((conf_d, conf))
+        if conf is not None:
+            drop_ins = [
+                os.path.join(conf_d, name)
+                for name in sorted(os.listdir(conf_d))
+                if name.endswith(".yaml") and not name.startswith(".")
+            ]
+            files += [(path, _stat_entry(path, content=True)) for path in drop_ins]
+            found += files[1:]
+    except OSError:
+        return None
+    if found[1][1] is None or any(e is None or not stat.S_ISREG(e[2]) for _, e in files):
+        return None
+    return [[path, entry] for path, entry in found]
+
+
+# --- the daemon's side --------------------------------------------------------------------------
+
+
+def save_compiled(
+    state_dir: StateDir, main_file: str, load: Callable[[str], Policy], *, strict: bool
+) -> bool:
+    """Write the compiled policy of ``main_file`` (read by ``load``, the daemon's own
+    ``load_policy``) into ``state_dir``, or remove a stale one; True when written. Only when
+    the files did not change while they were read, the policy names this ``state_dir``, and it
+    reads back equal. ``strict``: StrictModes was checked by ``load``. OSError from the write."""
+    before = identity(main_file)
+    policy: Policy | None = None
+    if before is not None:
+        try:
+            policy = load(main_file)
+        except Exception:  # any refusal (ConfigError, OSError, ...) only means: no shortcut
+            policy = None
+    doc: dict[str, object] | None = None
+    if policy is not None and before == identity(main_file) and policy.state_dir == state_dir.path:
+        try:
+            encoded = encode(policy)
+            if decode(json.loads(json.dumps(encoded))) == policy:
+                doc = {
+                    "version": VERSION,
+                    "main_file": os.path.abspath(main_file),
+                    "strict": strict,
+                    "identity": before,
+                    "policy": encoded,
+                }
+        except (TypeError, ValueError):
+            doc = None
+    if doc is None:
+        state_dir.discard(COMPILED_FILE)
+        return False
+    state_dir.write(COMPILED_FILE, json.dumps(doc).encode())
+    return True
+
+
+# --- the reader's side --------------------------------------------------------------------------
+
+
+def load_compiled(main_file: str, default_state_dir: str) -> Policy | None:
+    """The compiled policy for ``main_file`` when it may stand for reading the files now
+    (module docstring), else None: the caller then loads the YAML."""
+    here = identity(main_file)
+    if here is None:
+        return None
+    for folder in dict.fromkeys((guess_state_dir(main_file), default_state_dir)):
+        if folder is None or not os.path.isabs(folder):
+            continue
+        policy = _compiled_in(folder, main_file, here)
+        if policy is not None:
+            return policy
+    return None
+
+
+def _compiled_in(folder: str, main_file: str, here: list[list[object]]) -> Policy | None:
+    try:
+        state_dir = StateDir.open(folder)
+    except OSError:
+        return None
+    try:
+        raw = state_dir.read(COMPILED_FILE, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        state_dir.close()
+    try:
+        if len(raw) > MAX_BYTES:
+            return None
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("version") != VERSION:
+            return None
+        if doc.get("main_file") != os.path.abspath(main_file) or doc.get("identity") != here:
+            return None
+        if doc.get("strict") is not True and os.geteuid() == 0:
+            return None  # written without StrictModes, which this process would check
+        policy = decode(doc.get("policy"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(policy, Policy) or policy.state_dir != folder:
+        return None
+    return policy

@@ -1,0 +1,462 @@
+"""The state directory, opened one safe way by every command: the walk, the trust rule, the files.
+
+This module owns how ``state_dir`` is reached and which of its files are believed:
+
+- **The walk.** :meth:`StateDir.open` opens the directory by directory descriptors from ``/``
+  down, each component with ``O_NOFOLLOW``: a symbolic link anywhere on the path is refused,
+  and once open, the directory is used through its descriptor, so renaming or swapping a
+  folder afterwards redirects nothing.
+- **The trust rule.** Every directory on the path, and every file read from the state
+  directory, must be owned by a trusted user — root, or the user running this command — and
+  not be writable by group or others (an ancestor may be, if it is sticky, as ``/tmp`` is).
+  Whoever could write there could make a root daemon read what they like. In a user namespace
+  (a developer's unprivileged test run), ancestors owned outside it are shown with the
+  overflow uid and accepted as ancestors only.
+- **The files.** Bounded, non-blocking reads of regular files (:meth:`StateDir.read`), a
+  lenient checked-JSON reader that never raises (:meth:`StateDir.read_json`, a
+  :class:`JsonFile`), atomic writes (a fresh temporary file, fsync, rename, fsync of the
+  folder), removal, listing, the instance lock, and :meth:`StateDir.lock_holder`: the process
+  holding that lock, read from the kernel (``/proc/locks`` and the holder's own
+  ``/proc/PID/fdinfo``), never from what a file says.
+
+What the files *mean* belongs to their owners (:mod:`gpuwatchd.state.saved`,
+:mod:`gpuwatchd.state.pause`,
+:mod:`gpuwatchd.served.holders`). The walk is also used for directories that need no trusted
+owner (the metrics textfile's): :func:`open_directory` with ``owners=None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.core.checked import Value
+
+__all__ = [
+    "LOCK_FILE",
+    "AlreadyRunning",
+    "JsonFile",
+    "StateDir",
+    "StateDirError",
+    "UntrustedFile",
+    "Value",
+    "decode_json_object",
+    "open_directory",
+    "trusted_owners",
+]
+
+LOCK_FILE = "lock"
+_PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+_MAX_PROC_LOCKS = 1 << 20  # bytes of /proc/locks read
+_MAX_FDS = 4096  # fds of a lock holder looked at
+
+
+class StateDirError(OSError):
+    """``state_dir`` cannot be trusted or used: a link on its path, not a directory, an owner
+    other than root (or this user), writable by others. The message names the path."""
+
+
+class UntrustedFile(OSError):
+    """A file in the state directory that is not a regular file owned by a trusted user and
+    writable by nobody else: never read."""
+
+
+class AlreadyRunning(Exception):
+    """Another gpuwatchd instance holds the lock in ``state_dir``."""
+
+    def __init__(self, path: str, holder: str | None) -> None:
+        self.path = path
+        self.holder = holder
+        who = f" (held by {holder})" if holder else ""
+        super().__init__(f"another gpuwatchd holds {path}{who}")
+
+
+def trusted_owners(euid: int | None = None) -> frozenset[int]:
+    """Who may own the state directory and its files: root, and the user running this."""
+    return frozenset({0, os.geteuid() if euid is None else euid})
+
+
+def _overflow_uid() -> int | None:
+    """The uid owners outside our user namespace show as, when we run in one; else None."""
+    try:
+        with open("/proc/self/uid_map", "rb") as handle:
+            mapping = handle.read(4096).split()
+        if mapping == [b"0", b"0", b"4294967295"]:
+            return None  # the initial namespace: every owner is who it says
+        with open("/proc/sys/kernel/overflowuid", "rb") as handle:
+            return int(handle.read(32))
+    except (OSError, ValueError):
+        return None
+
+
+def _describe_mode(st: os.stat_result) -> str:
+    return f"{stat.S_IMODE(st.st_mode):04o}"
+
+
+def _check(
+    st: os.stat_result, where: str, owners: frozenset[int] | None, *, ancestor: bool
+) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateDirError(f"{where}: not a directory")
+    if owners is None:
+        return
+    allowed = owners
+    if ancestor:
+        overflow = _overflow_uid()
+        if overflow is not None:
+            allowed = owners | {overflow}
+    if st.st_uid not in allowed:
+        who = " or ".join("root" if uid == 0 else f"uid {uid}" for uid in sorted(owners))
+        raise StateDirError(f"{where}: owned by uid {st.st_uid}, not {who}")
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & 0o022 and not (ancestor and sticky):
+        raise StateDirError(f"{where}: mode {_describe_mode(st)} is writable by group or others")
+
+
+def open_directory(
+    path: str, *, owners: frozenset[int] | None, create: bool = False, readable: bool = True
+) -> int:
+    """A descriptor of directory ``path``, reached from ``/`` without following any link.
+
+    ``owners``: every directory on the way must be owned by one of them and not writable by
+    group or others (ancestors: unless sticky); None checks nothing but the links. ``create``
+    makes missing components (the last one mode 0700, others 0755). Raises StateDirError (a
+    link, not a directory, untrusted), FileNotFoundError, PermissionError or OSError.
+    """
+    if not os.path.isabs(path):
+        raise StateDirError(f"{path}: not an absolute path")
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise StateDirError(f"{path}: '..' is not allowed in the path")
+    fd = os.open("/", _PATH if parts else _DIR)
+    where = "/"
+    try:
+        _check(os.fstat(fd), where, owners, ancestor=bool(parts))
+        for index, name in enumerate(parts):
+            last = index == len(parts) - 1
+            flags = _DIR if last and readable else _PATH
+            here = os.path.join(where, name)
+            try:
+                child = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), here) from None
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700 if last else 0o755, dir_fd=fd)
+                child = os.open(name, flags, dir_fd=fd)
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                try:
+                    is_link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+                except OSError:
+                    is_link = False
+                what = "a symbolic link (not followed)" if is_link else "not a directory"
+                raise StateDirError(f"{here}: {what}") from None
+            os.close(fd)
+            fd = child
+            where = here
+            _check(os.fstat(fd), where, owners, ancestor=not last)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# --- reading JSON leniently ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JsonFile:
+    """One JSON file of the state directory, read leniently: ``data`` is the object it holds
+    (empty when absent or unusable); ``problem`` says why it is unusable (None: absent or
+    fine); ``present`` whether a file was there."""
+
+    data: Mapping[str, object]
+    problem: str | None
+    present: bool
+
+    @property
+    def value(self) -> Value:
+        return Value(self.data)
+
+
+def decode_json_object(raw: bytes) -> dict[str, object]:
+    """The JSON object in ``raw``; ValueError (never another exception) when it is not one."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not valid JSON: not UTF-8 ({err.reason})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, and Python's limit on integer digits
+        raise ValueError(f"not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
+
+
+# --- the directory ------------------------------------------------------------------------------
+
+
+class StateDir:
+    """An open, checked state directory. Every file operation goes through its descriptor.
+
+    Build with :meth:`open`; close with :meth:`close` (or ``with``).
+    """
+
+    def __init__(self, path: str, fd: int, owners: frozenset[int]) -> None:
+        self.path = path
+        self.fd = fd
+        self.owners = owners
+
+    @classmethod
+    def open(cls, path: str, *, create: bool = False, euid: int | None = None) -> StateDir:
+        """Open ``path`` by the walk of :func:`open_directory` under the trust rule.
+
+        ``create`` (writers: the daemon, ``pause``) makes it when missing, mode 0700. Raises
+        StateDirError, FileNotFoundError (missing, not created), PermissionError or OSError.
+        """
+        owners = trusted_owners(euid)
+        try:
+            fd = open_directory(path, owners=owners, create=create)
+        except StateDirError as err:
+            raise StateDirError(f"state_dir {path}: {err}") from None
+        return cls(path, fd, owners)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> StateDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def _trusted(self, fd: int, name: str) -> os.stat_result:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedFile(errno.EINVAL, "not a regular file", self.join(name))
+        if st.st_uid not in self.owners:
+            raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}", self.join(name))
+        if st.st_mode & 0o022:
+            why = f"mode {_describe_mode(st)} is writable by group or others"
+            raise UntrustedFile(errno.EPERM, why, self.join(name))
+        return st
+
+    def read(self, name: str, limit: int) -> bytes:
+        """At most ``limit`` bytes of the trusted regular file ``name`` (never blocking on a
+        FIFO, never through a link). FileNotFoundError, UntrustedFile or OSError otherwise."""
+        return self.read_with_stat(name, limit)[0]
+
+    def read_with_stat(self, name: str, limit: int) -> tuple[bytes, os.stat_result]:
+        """:meth:`read`, and the file's status as checked (its ``st_mtime``, say)."""
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _FILE, dir_fd=self.fd)
+        try:
+            st = self._trusted(fd, name)
+            chunks: list[bytes] = []
+            size = 0
+            while size < limit:
+                chunk = os.read(fd, min(1 << 20, limit - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            return b"".join(chunks), st
+        finally:
+            os.close(fd)
+
+    def read_json(self, name: str, limit: int) -> JsonFile:
+        """The JSON object in ``name``, leniently: never raises (see :class:`JsonFile`)."""
+        try:
+            raw = self.read(name, limit + 1)
+        except FileNotFoundError:
+            return JsonFile({}, None, present=False)
+        except OSError as err:
+            return JsonFile({}, f"unreadable: {err.strerror or err}", present=True)
+        if len(raw) > limit:
+            return JsonFile({}, f"larger than {limit} bytes", present=True)
+        try:
+            return JsonFile(decode_json_object(raw), None, present=True)
+        except ValueError as err:
+            return JsonFile({}, str(err), present=True)
+
+    def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None:
+        """Replace ``name`` with ``data`` atomically: a fresh temporary file (created here,
+        never a planted one), fsync, rename over the old name (a link there is replaced, not
+        followed), fsync of the folder. Raises OSError (ENOSPC on a full disk); the temporary
+        file is removed then. ``sync=False``: no fsync (a file only other processes read
+        while this one runs; the rename is seen at once)."""
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, mode, dir_fd=self.fd)
+        try:
+            try:
+                os.fchmod(fd, mode)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+        if sync:
+            os.fsync(self.fd)
+
+    def write_json(self, name: str, value: Mapping[str, object]) -> None:
+        """:meth:`write` of ``value`` as compact, sorted JSON (no NaN or infinity)."""
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        self.write(name, text.encode("utf-8"))
+
+    def remove(self, name: str) -> bool:
+        """Remove the entry ``name`` (whatever it is but a directory); False when it is not
+        there or cannot be removed."""
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def discard(self, name: str) -> None:
+        """Remove ``name`` if it is there; OSError when it is there and cannot be removed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def rename(self, name: str, new_name: str) -> None:
+        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def names(self, prefix: str = "") -> list[str]:
+        """The entries whose names start with ``prefix``, sorted."""
+        return sorted(name for name in os.listdir(self.fd) if name.startswith(prefix))
+
+    # -- the instance lock ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken.
+
+        ``flock`` is released by the kernel when the holder dies, so a crash never leaves a
+        stale lock. The holder writes its PID into the file for the error message only: who
+        holds the lock is read from the kernel (:meth:`lock_holder`).
+        """
+        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _FILE
+        fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.fd)
+        try:
+            self._trusted(fd, LOCK_FILE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+                    shown = f"pid {holder}" if holder.isdigit() else None
+                    raise AlreadyRunning(self.join(LOCK_FILE), shown) from None
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def lock_holder(self, proc_root: str = "/proc") -> int | None:
+        """The PID that holds the instance lock now, as the kernel says; None when nobody
+        does, or it cannot be told (the holder's ``/proc/PID/fd`` unreadable to this user,
+        or it lives in a PID namespace this one cannot see).
+
+        A candidate from ``/proc/locks`` (an exclusive ``flock`` on the lock file's inode)
+        counts only when its own ``fdinfo`` shows that lock taken by itself through a
+        descriptor of this very file (device and inode): no file's word is taken for it.
+        """
+        try:
+            st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            with open(os.path.join(proc_root, "locks"), "rb") as handle:
+                table = handle.read(_MAX_PROC_LOCKS)
+        except OSError:
+            return None
+        for pid in _flock_writers(table, st.st_ino):
+            if _holds_flock(proc_root, pid, st):
+                return pid
+        return None
+
+    def lock_held_by(self, pid: int, proc_root: str = "/proc") -> bool:
+        """Whether process ``pid`` holds the instance lock now: the check :meth:`lock_holder`
+        makes of each candidate (its own ``fdinfo`` shows the exclusive ``flock`` taken by
+        itself through a descriptor of this very file), for a candidate named elsewhere,
+        without reading ``/proc/locks`` (the kernel lists that table under its file-lock
+        semaphore taken for writing, which waits for an RCU grace period: ~10 ms measured)."""
+        try:
+            st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and pid > 0 and _holds_flock(proc_root, pid, st)
+
+
+def _parse_lock_line(text: str) -> tuple[int, int] | None:
+    """(pid, inode) of an exclusive ``flock`` line of /proc/locks or fdinfo; else None."""
+    fields = text.split()
+    if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK" or fields[3] != "WRITE":
+        return None
+    dev_ino = fields[5].rsplit(":", 1)
+    if len(dev_ino) != 2 or not fields[4].isdigit() or not dev_ino[1].isdigit():
+        return None
+    return int(fields[4]), int(dev_ino[1])
+
+
+def _flock_writers(table: bytes, inode: int) -> list[int]:
+    pids = []
+    for line in table.decode("ascii", "replace").splitlines():
+        parsed = _parse_lock_line(line)
+        if parsed is not None and parsed[1] == inode and parsed[0] > 0:
+            pids.append(parsed[0])
+    return pids
+
+
+def _holds_flock(proc_root: str, pid: int, lock: os.stat_result) -> bool:
+    base = os.path.join(proc_root, str(pid))
+    try:
+        fds = os.listdir(os.path.join(base, "fd"))[:_MAX_FDS]
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(os.path.join(base, "fd", fd))
+            if (st.st_dev, st.st_ino) != (lock.st_dev, lock.st_ino):
+                continue
+            with open(os.path.join(base, "fdinfo", fd), "rb") as handle:
+                info = handle.read(16384).decode("ascii", "replace")
+        except OSError:
+            continue
+        for line in info.splitlines():
+            if line.startswith("lock:"):
+                parsed = _parse_lock_line(line[len("lock:") :])
+                if parsed is not None and parsed == (pid, lock.st_ino):
+                    return True
+    return False

@@ -1,0 +1,343 @@
+"""The admin's switches, kept as small files in ``state_dir`` so they survive restarts.
+
+``gpuwatchd pause`` / ``resume`` write and remove ``<state_dir>/paused`` (a pause names when
+it ends, ``pause --for``, measured on the boot clock, so a wall clock step neither ends it
+early nor stretches it (``collect/boottime.py``), and the daemon removes it then; ``resume
+--reason`` leaves its reason in ``<state_dir>/resumed`` for the daemon's log); ``resume
+--clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
+to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
+beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
+(one per job, so two epilogs never overwrite each other), each naming the epilog's waiting
+process (PID and start ticks), when the scheduler's word was said (clock ticks of this boot:
+it covers only processes older than that) and an expiry. A hand-over counts only while that
+process still waits — so it is taken for the job it names and for that epilog alone, never by
+a later run for another job (a requeued Slurm job keeps its id) — and the waiter withdraws it
+when its wait ends; every scan reads them, and the daemon removes those whose waiter is gone
+or that expired. This module only reads and writes those files; what pausing or an ended job
+means is the planner's and assess's business.
+
+Every function takes an open :class:`gpuwatchd.state.directory.StateDir`, so the files are reached
+the one checked way: relative to ``state_dir``, never through a symbolic link, regular files
+owned by a trusted user only, size-capped. A switch that cannot be read counts as *paused*
+(fail safe), and its content never reaches the log unless it is a real pause file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.state.directory import StateDir
+
+PAUSE_FILE = "paused"
+CLEAR_LATCHES_FILE = "clear-latches"
+MAX_REASON = 512  # characters of a pause reason kept
+ENDED_JOB_PREFIX = "ended-job-"
+MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
+MAX_ENDED_JOB_FILE = 4096
+
+
+RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``daemon.resumed``
+MAX_PAUSE_FILE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PauseSwitch:
+    """The pause file as read: its reason (``""`` when none was given), when it was set and
+    when it ends (wall times; None when unknown, or for a pause written without an end), and
+    its stamp on the boot clock (``stamp``: the file's fields, for :meth:`BootTime.left`)."""
+
+    reason: str
+    since: float | None = None
+    until: float | None = None
+    stamp: Mapping[str, object] | None = None
+
+    def left(self, clock: BootTime, max_pause: float) -> float | None:
+        """Seconds this pause has left at ``clock``: by its own end (on the boot clock when
+        it was set in this boot), else (a pause from before pauses had one) ``max_pause``
+        after it was set; None when neither is known."""
+        left = None if self.stamp is None else clock.left(self.stamp)
+        if left is None and self.since is not None:
+            left = self.since + max_pause - clock.wall
+        return left
+
+
+def set_pause(
+    state_dir: StateDir,
+    *,
+    reason: str | None,
+    clock: BootTime | None = None,
+    seconds: float | None = None,
+) -> None:
+    """Pause (``reason`` a string, may be empty) for ``seconds`` from ``clock`` (now), or
+    resume (``reason`` None)."""
+    if reason is None:
+        state_dir.discard(PAUSE_FILE)
+        return
+    stamp: dict[str, object] = {"since": time.time(), "until": None}
+    if clock is not None and seconds is not None:
+        stamp = clock.stamp(seconds)
+    body = json.dumps({"reason": reason, **stamp, "by_uid": os.getuid()})
+    state_dir.write(PAUSE_FILE, (body + "\n").encode("utf-8"))
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
+    """The pause file, or None when there is none. Unreadable or malformed counts as a pause
+    without an end (fail safe); its content is kept only as a reason, cut short."""
+    try:
+        raw = state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return PauseSwitch("pause file unreadable")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return PauseSwitch(raw.decode("utf-8", "replace").strip()[:MAX_REASON])
+    if not isinstance(data, dict):
+        return PauseSwitch("")
+    reason = data.get("reason")
+    return PauseSwitch(
+        str(reason)[:MAX_REASON] if reason is not None else "",
+        since=_finite(data.get("since")),
+        until=_finite(data.get("until")),
+        stamp=data,
+    )
+
+
+def read_pause(state_dir: StateDir) -> str | None:
+    """The pause reason when paused (``""`` when none was given), else None."""
+    switch = read_pause_switch(state_dir)
+    return None if switch is None else switch.reason
+
+
+@dataclass(frozen=True)
+class PauseNow:
+    """What the daemon makes of the pause switch at one poll: the reason and end of a pause in
+    force (``reason`` None: not paused), and, when a pause has just ended, why."""
+
+    reason: str | None
+    until: float | None = None
+    resumed: str | None = None
+
+
+def note_resume(state_dir: StateDir, reason: str) -> None:
+    """``resume --reason``: leave the reason for the daemon's ``daemon.resumed`` event."""
+    body = json.dumps({"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()})
+    state_dir.write(RESUMED_FILE, (body + "\n").encode("utf-8"))
+
+
+def _take_resume_note(state_dir: StateDir) -> str | None:
+    try:
+        raw = state_dir.read(RESUMED_FILE, MAX_PAUSE_FILE)
+    except FileNotFoundError:
+        return None
+    except OSError:  # untrusted or unreadable: never shown, never left to explain a later one
+        state_dir.remove(RESUMED_FILE)
+        return None
+    state_dir.remove(RESUMED_FILE)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    reason = data.get("reason") if isinstance(data, dict) else None
+    return str(reason)[:MAX_REASON] if isinstance(reason, str) and reason else None
+
+
+def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+    """The pause switch at ``clock`` (the daemon, once a poll): a pause whose time is up is
+    removed here, and said as ended by itself; its end is shown in wall time (from its own
+    wall ``until`` while the wall clock agrees with the boot clock within a second, so an
+    unchanged pause reads the same at every poll); with no pause file, why the
+    administrator resumed (``resume --reason``), or plain ``gpuwatchd resume``. The resume
+    note is consumed either way, so an old one never explains a later resume."""
+    switch = read_pause_switch(state_dir)
+    if switch is None:
+        note = _take_resume_note(state_dir)
+        return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+    left = switch.left(clock, max_pause)
+    if left is None:
+        return PauseNow(switch.reason)
+    if left <= 0:
+        state_dir.remove(PAUSE_FILE)
+        return PauseNow(None, resumed="the pause ended by itself (its time was up)")
+    ends = clock.wall + left
+    if switch.until is not None and abs(switch.until - ends) < 1.0:
+        ends = switch.until
+    return PauseNow(switch.reason, until=ends)
+
+
+def clear_latches(state_dir: StateDir) -> None:
+    state_dir.write(CLEAR_LATCHES_FILE, f"{time.time()}\n".encode("ascii"))
+
+
+def take_clear_latches(state_dir: StateDir) -> bool:
+    """True once after ``resume --clear-latches`` (the request is consumed). Whatever the
+    entry is (a file, a link), removing it is the request; one that cannot be removed is
+    not taken (it would be taken again at every poll)."""
+    return state_dir.remove(CLEAR_LATCHES_FILE)
+
+
+# --- the scheduler's word, handed to a running daemon --------------------------------------------
+
+
+def _ended_job_file(job: str) -> str:
+    import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
+
+    return ENDED_JOB_PREFIX + hashlib.sha256(job.encode("utf-8")).hexdigest()[:32]
+
+
+def hand_over_ended_jobs(
+    state_dir: StateDir,
+    jobs: Iterable[str],
+    *,
+    until: float,
+    waiter: tuple[int, int],
+    said_at: int | None = None,
+    boot_id: str | None = None,
+) -> None:
+    """Tell the running daemon (and every scan) that ``jobs`` ended, while ``waiter`` (the
+    epilog's own PID and start ticks) waits, and never past wall time ``until``.
+
+    ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them (at
+    most :data:`MAX_ENDED_JOBS`, as ``run --once`` accepts). Each gets a file of its own,
+    written atomically; a second hand-over of the same job takes it over. ``said_at`` is when,
+    in clock ticks since boot ``boot_id`` (the unit of a process's start time): the word covers
+    only processes that started before it.
+    """
+    chosen = sorted(set(jobs))
+    if len(chosen) > MAX_ENDED_JOBS:
+        raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
+    pid, ticks = waiter
+    for job in chosen:
+        body = json.dumps(
+            {
+                "job": job,
+                "until": until,
+                "by_uid": os.getuid(),
+                "waiter": [pid, ticks],
+                "said_at_ticks": said_at,
+                "boot_id": boot_id,
+            }
+        )
+        state_dir.write(_ended_job_file(job), (body + "\n").encode("utf-8"))
+
+
+def withdraw_ended_jobs(
+    state_dir: StateDir, jobs: Iterable[str], *, waiter: tuple[int, int]
+) -> None:
+    """The epilog's wait is over: remove its hand-overs (those that still name ``waiter``; a
+    later epilog's hand-over of the same job is its own)."""
+    for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
+        name = _ended_job_file(job)
+        try:
+            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
+            if _waiter(data) != waiter:
+                continue
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            continue
+        state_dir.remove(name)
+
+
+def _waiter(data: object) -> tuple[int, int]:
+    """The waiting epilog a hand-over names: (PID, start ticks); ValueError when malformed."""
+    raw = data.get("waiter") if isinstance(data, dict) else None
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+        or not 0 < raw[0] < 1 << 31
+        or not 0 <= raw[1] < 1 << 62
+    ):
+        raise ValueError("no waiting process named")
+    return raw[0], raw[1]
+
+
+@dataclass(frozen=True)
+class HandOvers:
+    """What :func:`read_ended_jobs` found: the jobs honoured now (job key -> when it was said,
+    in clock ticks since boot; None when that is unknown or was said in another boot: such a
+    word covers no process), the files that were wrong (named), and how many valid hand-overs
+    wait beyond :data:`MAX_ENDED_JOBS` (kept, not honoured until others expire; files past the
+    listing bound count too)."""
+
+    jobs: Mapping[str, int | None]
+    problems: tuple[str, ...]
+    over_limit: int
+
+
+def _said_at(data: dict[str, object], boot_id: str | None) -> int | None:
+    """When a hand-over was said, in ticks of this boot; None (covers nothing) when it has no
+    valid time or was said in another boot than ``boot_id`` (or ``boot_id`` is unknown)."""
+    said = data.get("said_at_ticks")
+    valid = isinstance(said, int) and not isinstance(said, bool) and 0 <= said < 1 << 62
+    same_boot = boot_id is not None and data.get("boot_id") == boot_id
+    return said if valid and same_boot and isinstance(said, int) else None
+
+
+def read_ended_jobs(
+    state_dir: StateDir,
+    now: float,
+    *,
+    waiting: Callable[[int, int], bool],
+    remove_stale: bool = False,
+    boot_id: str | None = None,
+) -> HandOvers:
+    """The jobs handed over whose epilog still waits, not expired at wall time ``now``, with
+    when each was said (see :class:`HandOvers`; ``boot_id`` is this boot's), and what was
+    wrong.
+
+    ``waiting(pid, start_ticks)`` says whether the epilog a hand-over names still runs (the
+    same process: PID and start ticks). Hostile input: a file that is not a small trusted
+    regular file, not JSON of the written shape, names a job key that
+    :func:`scheduler_ended_job` would not return or no waiting process, or has an expiry more
+    than a day ahead is ignored and named in the problems. With ``remove_stale`` (the daemon)
+    expired and bad files, and those whose epilog is gone, are removed, so nothing is honoured
+    twice across restarts by mistake and nothing piles up. At most :data:`MAX_ENDED_JOBS` are
+    honoured; a valid hand-over beyond that (its epilog still waiting) is never removed, only
+    counted in ``over_limit``.
+    """
+    try:
+        names = state_dir.names(ENDED_JOB_PREFIX)
+    except OSError:
+        return HandOvers({}, (), 0)
+    examined = names[: 4 * MAX_ENDED_JOBS]
+    valid: list[tuple[str, int | None]] = []
+    problems: list[str] = []
+    for name in examined:
+        try:
+            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
+            job, until = data["job"], data["until"]
+            if not isinstance(job, str) or scheduler_ended_job(job, {}) != job:
+                raise ValueError(f"not a job key: {str(job)[:80]!r}")
+            if not isinstance(until, (int, float)) or isinstance(until, bool):
+                raise ValueError("no expiry")
+            if until > now + 86400:
+                raise ValueError("expiry more than a day ahead")
+            if name != _ended_job_file(job):
+                raise ValueError("file name does not match the job")
+            waiter = _waiter(data)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+            problems.append(f"{name}: {err}")
+        else:
+            if until >= now and waiting(*waiter):
+                valid.append((job, _said_at(data, boot_id)))
+                continue
+        if remove_stale:
+            state_dir.remove(name)
+    over = max(0, len(valid) - MAX_ENDED_JOBS) + (len(names) - len(examined))
+    return HandOvers(dict(valid[:MAX_ENDED_JOBS]), tuple(problems), over)

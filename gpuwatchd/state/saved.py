@@ -1,0 +1,240 @@
+"""The daemon's persistent state file and its single-instance lock, under ``state_dir``.
+
+This module owns the bytes of ``state.json``: written atomically (mode 0600) through
+:class:`gpuwatchd.state.directory.StateDir`, a corrupt or untrusted file moved aside so the daemon
+starts clean, and the lock (an exclusive ``flock``) that lets only one of ``run``, ``run
+--once`` and a reset work at a time. It does not know what the state *means*: the caller
+composes the dict (``{"version": 1, "boot_id": …, "plan": PlanState.to_json(), …}``) and
+validates it when reading it back. Readers that change nothing (``status``, ``run --once``,
+``scan`` and through it ``check-clean``) all read it one way, :func:`read_saved_state`: a
+:class:`SavedState`, typed and lenient (a malformed part is unknown, never an exception).
+
+``state_dir`` is reached and trusted only through :mod:`gpuwatchd.state.directory`: no symbolic link
+anywhere on its path, owned by root (or the user running the command) and writable by nobody
+else, every file opened relative to the directory without following a link. Readers
+(``scan``, ``status``) never create it and never change anything in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from gpuwatchd.core.checked import Value, as_int, as_map, as_text
+from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
+from gpuwatchd.events import lazylog
+from gpuwatchd.state.directory import (
+    LOCK_FILE,
+    AlreadyRunning,
+    StateDir,
+    StateDirError,
+    UntrustedFile,
+    decode_json_object,
+)
+
+__all__ = [
+    "LOCK_FILE",
+    "MAX_STATE_BYTES",
+    "STATE_FILE",
+    "AlreadyRunning",
+    "SavedState",
+    "StateDirError",
+    "StateStore",
+    "check_state_dir",
+    "check_version",
+    "read_saved_state",
+    "state_document",
+]
+
+STATE_FILE = "state.json"
+MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
+
+log = lazylog.get_logger("gpuwatchd.state.saved")
+
+
+def check_state_dir(path: str, *, euid: int | None = None) -> None:
+    """Create ``path`` (mode 0700) when missing; raise StateDirError unless it can be trusted
+    (:meth:`gpuwatchd.state.directory.StateDir.open`). A PermissionError is left to the caller."""
+    StateDir.open(path, create=True, euid=euid).close()
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """``state.json`` as a reader that changes nothing sees it.
+
+    ``data`` is the saved object ({} when there is none or it cannot be used); ``problem`` says,
+    for an admin, why it cannot be used (None: absent, or fine); ``found``: a state file was
+    there and could be used. Every accessor is lenient.
+    """
+
+    data: Mapping[str, object] = field(default_factory=dict)
+    problem: str | None = None
+    found: bool = False
+
+    @property
+    def value(self) -> Value:
+        return Value(self.data)
+
+    @property
+    def boot_id(self) -> str | None:
+        return as_text(self.data.get("boot_id"))
+
+    def same_boot(self, boot_id: str | None) -> bool:
+        """Whether the state was written in the boot ``boot_id`` (its monotonic times and
+        process identities hold only then)."""
+        return self.data.get("boot_id") == boot_id
+
+    @property
+    def status(self) -> Mapping[str, object]:
+        """The daemon's ``status`` section (docs/operations.md, "status")."""
+        return as_map(self.data.get("status"))
+
+    @property
+    def daemon_pid(self) -> int | None:
+        """The PID the daemon wrote in its ``status`` section; None when absent or malformed."""
+        pid = as_int(self.status.get("pid"))
+        return pid if pid is not None and pid > 0 else None
+
+
+def read_saved_state(state_dir: str | StateDir) -> SavedState:
+    """``<state_dir>/state.json``, read only: nothing is created, the lock and the folder are not
+    touched, a corrupt file is left where it is for the daemon. Never raises."""
+    if isinstance(state_dir, StateDir):
+        return _read_saved_state(state_dir)
+    path = os.path.join(state_dir, STATE_FILE)
+    try:
+        directory = StateDir.open(state_dir)
+    except FileNotFoundError:
+        return SavedState()
+    except StateDirError as exc:
+        return SavedState(problem=f"{exc}: not read (only root may be able to write there)")
+    except PermissionError:
+        return SavedState(problem=f"cannot read {path}: permission denied (run as root)")
+    except OSError as exc:
+        return SavedState(problem=f"cannot read {path}: {exc.strerror or exc}")
+    with directory:
+        return _read_saved_state(directory)
+
+
+def _read_saved_state(directory: StateDir) -> SavedState:
+    path = directory.join(STATE_FILE)
+    try:
+        raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return SavedState()
+    except UntrustedFile as exc:
+        return SavedState(problem=f"{path}: {exc.strerror}: not read")
+    except PermissionError:
+        return SavedState(problem=f"cannot read {path}: permission denied (run as root)")
+    except OSError as exc:
+        return SavedState(problem=f"cannot read {path}: {exc.strerror or exc}")
+    try:
+        if len(raw) > MAX_STATE_BYTES:
+            raise ValueError("too large")
+        return SavedState(decode_json_object(raw), found=True)
+    except ValueError:
+        why = "is not a state file (malformed); the daemon moves it aside at start"
+        return SavedState(problem=f"{path} {why}")
+
+
+def state_document(
+    *,
+    boot_id: str | None,
+    saved_at: float,
+    assess: object,
+    plan: object,
+    reset_in_progress: object,
+    status: Mapping[str, object],
+) -> dict[str, object]:
+    """The envelope of ``state.json`` (version :data:`STATE_FILE_VERSION`) around its parts:
+    the assess and plan states, a reset in progress, and the ``status`` section."""
+    return {
+        "version": STATE_FILE_VERSION,
+        "boot_id": boot_id,
+        "saved_at": saved_at,
+        "assess": assess,
+        "plan": plan,
+        "reset_in_progress": reset_in_progress,
+        "status": status,
+    }
+
+
+def check_version(data: Mapping[str, object]) -> None:
+    """ValueError unless ``data`` is a state file of the version this code writes."""
+    if data.get("version") != STATE_FILE_VERSION:
+        raise ValueError(f"unsupported state version {data.get('version')!r}")
+
+
+class StateStore:
+    """Reads and writes ``<state_dir>/state.json``; hands out the instance lock.
+
+    Built on a path, the directory is opened (and created, for a writer) on first use, and
+    kept open; built on an open :class:`StateDir`, that one is used.
+    """
+
+    def __init__(self, state_dir: str | StateDir) -> None:
+        if isinstance(state_dir, StateDir):
+            self._dir: StateDir | None = state_dir
+            self.state_dir = state_dir.path
+        else:
+            self._dir = None
+            self.state_dir = state_dir
+        self.path = os.path.join(self.state_dir, STATE_FILE)
+        self.lock_path = os.path.join(self.state_dir, LOCK_FILE)
+
+    def directory(self) -> StateDir:
+        """The state directory, opened and checked (created when missing) on first use.
+        Raises StateDirError, PermissionError or OSError."""
+        if self._dir is None:
+            self._dir = StateDir.open(self.state_dir, create=True)
+        return self._dir
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def load(self) -> dict[str, object]:
+        """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
+        and logged."""
+        saved = self.directory().read_json(STATE_FILE, MAX_STATE_BYTES)
+        if saved.problem is not None:
+            return self._move_aside(saved.problem)
+        return dict(saved.data)
+
+    def peek(self) -> dict[str, object]:
+        """The saved dict for a reader that must change nothing: {} when absent, unreadable,
+        untrusted or malformed (:func:`read_saved_state`)."""
+        return dict(read_saved_state(self._dir if self._dir is not None else self.state_dir).data)
+
+    def discard_corrupt(self, why: str) -> None:
+        """For callers that found the content malformed (e.g. PlanState.from_json failed)."""
+        self._move_aside(why)
+
+    def _move_aside(self, why: str) -> dict[str, object]:
+        aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        moved_to = os.path.join(self.state_dir, aside)
+        try:
+            self.directory().rename(STATE_FILE, aside)
+        except OSError as exc:
+            log.error(
+                EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=None, error=str(exc)
+            )
+            return {}
+        log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
+        return {}
+
+    def save(self, data: Mapping[str, object]) -> None:
+        """Write ``data`` atomically: a reader sees the old file or the new one, never half.
+        Raises OSError (a full disk: ENOSPC), the old file left as it was."""
+        self.directory().write_json(STATE_FILE, data)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken
+        (:meth:`gpuwatchd.state.directory.StateDir.lock`)."""
+        with self.directory().lock():
+            yield

@@ -1,0 +1,233 @@
+"""The spare files in ``state_dir``: ``gpuwatchd spare`` writes one per spared process or job,
+the daemon reads them every poll.
+
+A spare leaves one process (named by PID *and* start ticks, in this boot) or every process of
+one job (``slurm:42``, ``pod:UID``, ``container:ID``, ``unit:NAME.service``) alone for a while.
+How long is measured on the boot clock (:class:`gpuwatchd.collect.boottime.BootTime`: a wall
+clock step neither ends a spare early nor makes it outlive its time) and shown in wall time. A
+process spare of another boot (another boot id, see ``boottime``) names nobody now. A spare
+with more time left than ``limits.max_spare`` (a hand-made file, a file from before the boot
+clock and a clock set back, a lowered limit) is cut to the limit, never dropped: the daemon
+writes the cut into the file and says so (``spare.cut``). Each spare lives in
+``<state_dir>/spare-<hash of its target>``, so sparing the same target again replaces it and
+two targets never overwrite each other. The files are reached the one checked way
+(:class:`gpuwatchd.state.directory.StateDir`: never through a link, trusted regular files only,
+size-capped); a file that is not of the written shape is ignored and named. The daemon
+(``remove_stale``) removes spares whose time is up, those of a process from another boot, and
+bad files, so nothing piles up and a spare never outlives its time.
+
+This module only reads and writes the files; what a spare covers is ``decide/spares.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+
+from gpuwatchd.collect.boottime import BootTime
+from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.core.model import Spare
+from gpuwatchd.state.directory import StateDir
+
+__all__ = [
+    "MAX_SPARES",
+    "SPARE_PREFIX",
+    "SpareFiles",
+    "cancel_spare",
+    "parse_target",
+    "read_spares",
+    "write_spare",
+]
+
+SPARE_PREFIX = "spare-"
+MAX_SPARES = 64  # spares honoured at once; a node needs a handful
+MAX_SPARE_FILE = 4096
+MAX_REASON = 512
+
+
+def parse_target(text: str) -> tuple[str, int | None, str | None]:
+    """``PID`` or ``job:ID`` as the CLI takes it → (target key, pid, job key). ``job:42`` is
+    Slurm job 42; ``job:KIND:ID`` names a pod, container or unit as ``--ended-job`` does.
+    ValueError with a message naming the value otherwise."""
+    text = text.strip()
+    if text.isdigit():
+        pid = int(text)
+        if pid == 1:
+            raise ValueError(
+                "spare '1': PID 1 is the init process, which gpuwatchd never signals (the "
+                "safety floor): there is nothing to spare"
+            )
+        if not 1 < pid < 1 << 22:
+            raise ValueError(f"spare {text!r}: not a process id (1 < PID < {1 << 22})")
+        return f"pid:{pid}", pid, None
+    kind, sep, rest = text.partition(":")
+    if kind != "job" or not sep or not rest:
+        raise ValueError(f"spare {text[:80]!r}: expected a PID or job:ID (job:42 for Slurm job 42)")
+    key = f"slurm:{rest}" if ":" not in rest else rest
+    try:
+        checked = scheduler_ended_job(key, {})
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--ended-job", "spare")) from exc
+    return f"job:{checked}", None, checked
+
+
+def _file(target: str) -> str:
+    import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
+
+    return SPARE_PREFIX + hashlib.sha256(target.encode("utf-8")).hexdigest()[:32]
+
+
+def write_spare(
+    state_dir: StateDir,
+    target: str,
+    *,
+    clock: BootTime,
+    seconds: float,
+    reason: str,
+    pid: int | None = None,
+    start_ticks: int | None = None,
+    job: str | None = None,
+) -> None:
+    """Spare ``target`` (from :func:`parse_target`) for ``seconds`` from ``clock`` (now, with
+    this boot's id); a process also by its start ticks. Replaces an earlier spare of the same
+    target."""
+    body = {
+        "target": target,
+        "pid": pid,
+        "start_ticks": start_ticks,
+        "job": job,
+        **clock.stamp(seconds),
+        "reason": reason[:MAX_REASON],
+        "by_uid": os.getuid(),
+    }
+    state_dir.write(_file(target), (json.dumps(body) + "\n").encode("utf-8"))
+
+
+def cancel_spare(state_dir: StateDir, target: str) -> bool:
+    """End the spare of ``target`` now; False when there was none."""
+    return state_dir.remove(_file(target))
+
+
+@dataclass(frozen=True)
+class SpareFiles:
+    """What :func:`read_spares` found: the spares in force (at most :data:`MAX_SPARES`), the
+    files that were wrong, named, and the spares cut to ``limits.max_spare`` this reading
+    (each with the wall time it would have ended at)."""
+
+    spares: tuple[Spare, ...]
+    problems: tuple[str, ...]
+    cut: tuple[tuple[Spare, float], ...] = ()
+
+
+def _int(data: dict[str, object], key: str, low: int, high: int) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ValueError(f"{key} is not a valid number")
+    return value
+
+
+def _number(data: dict[str, object], key: str) -> float | None:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _spare(data: object, name: str, clock: BootTime) -> tuple[Spare, float]:
+    """One file's spare, ending when it ends by its own stamp, and the seconds it has left;
+    ValueError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    target = data.get("target")
+    if not isinstance(target, str) or name != _file(target):
+        raise ValueError("the file name does not match its target")
+    key, pid, job = parse_target(target.split(":", 1)[1] if target.startswith("pid:") else target)
+    if key != target:
+        raise ValueError(f"not a target: {target[:80]!r}")
+    if _number(data, "until") is None:
+        raise ValueError("no end time")
+    left = clock.left(data)
+    if left is None:
+        raise ValueError("no end time")
+    start_ticks = _int(data, "start_ticks", 0, 1 << 62)
+    if pid is not None:
+        if start_ticks is None:
+            raise ValueError("a process spare without its start time")
+        if not clock.same_boot(data):
+            raise ValueError("a process of another boot")
+    reason = data.get("reason")
+    spare = Spare(
+        target=target,
+        until=clock.wall + left,
+        reason=str(reason)[:MAX_REASON] if isinstance(reason, str) else "",
+        pid=pid,
+        start_ticks=start_ticks if pid is not None else None,
+        job=job,
+        since=_number(data, "since"),
+        by_uid=_int(data, "by_uid", 0, 1 << 32),
+    )
+    return spare, left
+
+
+def _cut(
+    state_dir: StateDir, name: str, raw: bytes, data: dict[str, object], *, end: dict[str, object]
+) -> None:
+    """Write a spare's cut ``end`` (a :meth:`BootTime.stamp`) into its file (the daemon),
+    unless the file changed since it was read (``raw``: a new spare of the same target is the
+    administrator's, never overwritten)."""
+    body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
+    try:
+        if state_dir.read(name, MAX_SPARE_FILE) == raw:
+            state_dir.write(name, (json.dumps(body) + "\n").encode("utf-8"))
+    except OSError:
+        pass  # not written (a full disk, say): cut again, and said again, at the next poll
+
+
+def read_spares(
+    state_dir: StateDir,
+    clock: BootTime,
+    *,
+    max_spare: float,
+    remove_stale: bool = False,
+) -> SpareFiles:
+    """The spares in force at ``clock`` (wall time and boot clock now, with this boot's id),
+    and the bad files. A spare with more than ``max_spare`` left is cut to ``max_spare`` (and
+    listed in ``cut``).
+
+    With ``remove_stale`` (the daemon), spares whose time is up, those of a process from
+    another boot, and bad files are removed, and a cut is written into its file (so it holds
+    across polls and restarts).
+    """
+    try:
+        names = state_dir.names(SPARE_PREFIX)
+    except OSError:
+        return SpareFiles((), ())
+    found: list[Spare] = []
+    problems: list[str] = []
+    cut: list[tuple[Spare, float]] = []
+    for name in names[: 4 * MAX_SPARES]:
+        try:
+            raw = state_dir.read(name, MAX_SPARE_FILE)
+            data = json.loads(raw.decode("utf-8"))
+            spare, left = _spare(data, name, clock)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+            problems.append(f"{name}: {err}")
+        else:
+            if left > 0:
+                if left > max_spare:
+                    cut.append((replace(spare, until=clock.wall + max_spare), spare.until))
+                    spare = cut[-1][0]
+                    if remove_stale:
+                        _cut(state_dir, name, raw, data, end=clock.stamp(max_spare))
+                found.append(spare)
+                continue
+        if remove_stale:
+            state_dir.remove(name)
+    found.sort(key=lambda spare: (spare.until, spare.target))
+    return SpareFiles(tuple(found[:MAX_SPARES]), tuple(problems), tuple(cut))

@@ -1,0 +1,428 @@
+"""The status document: everything ``gpuwatchd status`` shows, worked out by the daemon.
+
+This module owns what the daemon writes under ``status.document`` in ``state.json``
+(:data:`DOCUMENT_FORMAT`, shape in docs/operations.md, "status"): the mode and a pause with its
+end, the kill cap and the breaker, NVML with since when, spares, each GPU's verdict, ladders and
+confirmation windows with their findings in words (:func:`event_catalogue.finding_label`), the
+recent actions as the catalogue's sentences, reset history with when a cooldown ends and a limit
+lifts, the policy's sources or its rejection, and what needs a human. Times are wall times,
+converted by the daemon from its own monotonic clock at the instant it writes. ``status`` only
+adds what a reader alone knows (is the daemon alive, how long until each time) and renders.
+
+:func:`build_document` is pure and lenient: it reads the plan and the status facts as saved
+(``PlanState.to_json``, the daemon's status section), any part malformed is unknown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from gpuwatchd.core.checked import as_count as _count
+from gpuwatchd.core.checked import as_flag as _bool
+from gpuwatchd.core.checked import as_int as _int
+from gpuwatchd.core.checked import as_list as _seq
+from gpuwatchd.core.checked import as_map as _map
+from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.escape import escape
+from gpuwatchd.core.vocabulary import EventName, LadderStatus
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.events.catalogue import JournalNamer, finding_label, render
+
+__all__ = [
+    "CLEAR_LATCHES",
+    "DOCUMENT_FORMAT",
+    "MAX_ACTIONS",
+    "action_sentence",
+    "build_document",
+    "with_document",
+]
+
+DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
+CLEAR_LATCHES = "gpuwatchd resume --clear-latches"
+MAX_ACTIONS = 20  # recent actions kept and shown
+HOUR = 3600.0
+NVML_STATES = ("ok", "wedged", "unavailable")
+
+
+def build_document(
+    state: Mapping[str, object],
+    *,
+    policy: Policy,
+    wall: float,
+    monotonic: float | None,
+) -> dict[str, object]:
+    """The status document for ``state`` (the envelope of ``state.json``: its ``plan``, its
+    ``status`` facts, ``reset_in_progress``), written at wall time ``wall``, when the daemon's
+    monotonic clock read ``monotonic`` (None: its deadlines cannot be placed)."""
+    data = _map(state)
+    status = _map(data.get("status"))
+    plan = _map(data.get("plan"))
+    offset = None if monotonic is None else wall - monotonic
+    modes = _modes(status, plan)
+    ladders = _ladders(plan, offset)
+    kill_cap = _kill_cap(plan, policy, offset, wall)
+    breaker = _breaker(plan, policy)
+    nvml = _map(status.get("nvml"))
+    nvml_state = _str(nvml.get("state"))
+    raw_rejected = status.get("policy_rejected")
+    rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
+    files = status.get("policy")
+    record = data.get("reset_in_progress")
+    return {
+        "format": DOCUMENT_FORMAT,
+        "written_at": wall,
+        **modes,
+        "kill_cap": kill_cap,
+        "circuit_breaker": breaker,
+        "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
+        "nvml": {
+            "state": nvml_state if nvml_state in NVML_STATES else None,
+            "error": _str(nvml.get("error")),
+            "since": _num(nvml.get("since")),
+        },
+        "spares": _spares(status.get("spares")),
+        "gpus": _count(status.get("gpus")),
+        "findings": _count(status.get("findings")),
+        "verdict": _verdict(status.get("verdict")),
+        "policy": {
+            "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
+            "rejected": None
+            if rejected is None
+            else {
+                "at": _num(rejected.get("at")),
+                "error": _str(rejected.get("error")),
+                "at_start": rejected.get("at_start") is True,
+                "running": _str(rejected.get("running")),
+            },
+        },
+        "ladders": ladders,
+        "pending": _pending(plan, ladders, offset),
+        "recent_actions": _actions(status.get("recent_actions")),
+        "resets": _resets(
+            plan,
+            _reset_in_progress(record) if isinstance(record, Mapping) else None,
+            policy,
+            wall,
+            modes,
+        ),
+        "attention": _attention(
+            kill_cap=kill_cap,
+            breaker=breaker,
+            nvml_state=nvml_state,
+            nvml_error=_str(nvml.get("error")),
+            rejected=rejected,
+            ladders=ladders,
+        ),
+    }
+
+
+def action_sentence(name: str, fields: Mapping[str, object]) -> str:
+    """The catalogue's sentence for an action event, as ``status`` lists it."""
+    return render(name, fields, JournalNamer())
+
+
+def _wall(offset: float | None, monotonic: float | None) -> float | None:
+    if monotonic is None or offset is None:
+        return None
+    return monotonic + offset
+
+
+def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str, object]:
+    dry = _bool(status.get("dry_run"))
+    mode = _str(status.get("mode"))
+    if mode not in ("enforcing", "dry-run"):
+        mode = None if dry is None else ("dry-run" if dry else "enforcing")
+    paused = _bool(plan.get("paused"))
+    forced = _bool(plan.get("forced_dry_run"))
+    if paused:
+        effective: str | None = "paused"
+    elif forced:
+        effective = "forced-dry-run"
+    else:
+        effective = mode
+    return {
+        "mode": mode,
+        "effective_mode": effective,
+        "paused": paused,
+        "paused_reason": _str(plan.get("paused_reason")) if paused else None,
+        "paused_until": _num(plan.get("paused_until")) if paused else None,
+    }
+
+
+def _spares(raw: object) -> list[dict[str, object]]:
+    """The daemon's spares in force (``gpuwatchd spare``), each checked."""
+    out: list[dict[str, object]] = []
+    for item in _seq(raw)[:64]:
+        row = _map(item)
+        target = _str(row.get("target"))
+        if target is None:
+            continue
+        out.append(
+            {"target": target, "until": _num(row.get("until")), "reason": _str(row.get("reason"))}
+        )
+    return out
+
+
+def _kill_cap(
+    plan: Mapping[str, object], policy: Policy, offset: float | None, wall: float
+) -> dict[str, object]:
+    latched = _bool(plan.get("forced_dry_run"))
+    history = plan.get("signal_history")
+    recent: int | None = None
+    if isinstance(history, list) and offset is not None:
+        times = [_wall(offset, _num(p[1])) for p in history if isinstance(p, list) and len(p) == 2]
+        if all(t is not None for t in times):
+            recent = sum(1 for t in times if t is not None and wall - t < HOUR)
+    scopes = plan.get("scope_latches")
+    users = sorted(str(k) for k in scopes) if isinstance(scopes, dict) else []
+    return {
+        "latched": latched,
+        "reason": _str(plan.get("forced_reason")) if latched else None,
+        "users_latched": users[:64],
+        "signalled_last_hour": recent,
+        "max_per_hour": policy.limits.node_max_signalled_per_hour,
+        "max_per_user_hour": policy.limits.max_signalled_per_hour,
+        "max_per_poll": policy.limits.max_signalled_per_poll,
+    }
+
+
+def _breaker(plan: Mapping[str, object], policy: Policy) -> dict[str, object]:
+    return {
+        "open": _bool(plan.get("circuit_open")),
+        "failures": _count(plan.get("reset_failures")),
+        "max_failures": policy.reset.max_failures,
+    }
+
+
+def _label(key: str | None) -> str | None:
+    return None if key is None else finding_label(key, JournalNamer())
+
+
+def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for target, raw in sorted(_map(plan.get("ladders")).items()):
+        lad = _map(raw)
+        steps = lad.get("steps")
+        total = len(steps) if isinstance(steps, list) else None
+        step = _count(lad.get("step"))
+        nxt: str | None = None
+        if isinstance(steps, list) and total is not None and step is not None and step <= total:
+            if step == total:
+                nxt = "end"
+            else:
+                pair = steps[step]
+                signal = pair[0] if isinstance(pair, list) and len(pair) == 2 else 0
+                nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
+        state = _str(lad.get("status"))
+        finding = _str(lad.get("finding"))
+        out.append(
+            {
+                "target": target,
+                "pid": _int(lad.get("pid")),
+                "rule": _str(lad.get("rule")),
+                "gpu": _str(lad.get("gpu")),
+                "finding": finding,
+                "label": _label(finding),
+                "status": state if state in set(LadderStatus) else None,
+                "dry_run": _bool(lad.get("dry_run")),
+                "step": step,
+                "steps": total,
+                "next": nxt,
+                "scheduled": _num(lad.get("due")) is not None,
+                "due": _wall(offset, _num(lad.get("due"))),
+                "started": _wall(offset, _num(lad.get("started"))),
+            }
+        )
+    return out
+
+
+def _pending(
+    plan: Mapping[str, object], ladders: Sequence[Mapping[str, object]], offset: float | None
+) -> list[dict[str, object]]:
+    """Confirmation windows and delays not already shown as a ladder's next step."""
+    laddered = {lad["finding"] for lad in ladders if lad["status"] == LadderStatus.ACTIVE}
+    out: list[dict[str, object]] = []
+    for key, raw in sorted(_map(plan.get("waiting")).items()):
+        if key in laddered:
+            continue
+        out.append({"finding": key, "label": _label(key), "due": _wall(offset, _num(raw))})
+    return out
+
+
+def _verdict(raw: object) -> dict[str, object] | None:
+    """The daemon's last verdict on each GPU (decide/verdict.py, what ``check-clean`` says):
+    ``clean`` (true, false, or null when NVML could not be asked) and each GPU's ``state``
+    with its first reason. None when the daemon wrote none."""
+    if not isinstance(raw, Mapping):
+        return None
+    whole = _map(raw)
+    gpus = []
+    for item in _seq(whole.get("gpus"))[:256]:
+        entry = _map(item)
+        reasons = [_map(r) for r in _seq(entry.get("reasons"))]
+        first = reasons[0] if reasons else {}
+        state = _str(entry.get("state"))
+        gpus.append(
+            {
+                "index": _int(entry.get("index")),
+                "uuid": _str(entry.get("uuid")),
+                "state": state if state in ("clean", "dirty", "unknown") else None,
+                "kind": _str(first.get("kind")),
+                "reason": _str(first.get("reason")),
+                "reasons": len(reasons),
+                "reset_blockers": len(_seq(entry.get("reset_blockers"))),
+            }
+        )
+    return {"clean": _bool(whole.get("clean")), "error": _str(whole.get("error")), "gpus": gpus}
+
+
+def _actions(raw: object) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for item in _seq(raw)[-MAX_ACTIONS:]:
+        entry = _map(item)
+        action: dict[str, object] = {
+            "at": _num(entry.get("at")),
+            "event": _str(entry.get("event")),
+            "gpu": _str(entry.get("gpu")),
+            "pid": _int(entry.get("pid")),
+            "signal": _str(entry.get("signal")),
+            "hook": _str(entry.get("hook")),
+            "outcome": _str(entry.get("outcome")),
+            "dry_run": _bool(entry.get("dry_run")),
+        }
+        sentence = _str(entry.get("sentence"))
+        if sentence is None and action["event"] is not None:
+            # Remembered without its sentence: said from what was kept of its fields.
+            fields = {k: v for k, v in action.items() if v is not None}
+            if action["event"] == EventName.RESET_OUTCOME:
+                fields["result"] = action["outcome"]
+            sentence = action_sentence(str(action["event"]), fields)
+        action["sentence"] = sentence
+        out.append(action)
+    return out
+
+
+def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
+    recovery = _map(record.get("recovery"))  # a MIG GPU instance's re-creation
+    return {
+        "gpu": _str(record.get("uuid")),
+        "pci_bus_id": _str(record.get("pci_bus_id")),
+        "step": _str(record.get("step")),
+        "since": _num(record.get("since")),
+        "instance": _str(recovery.get("mig_uuid")),
+        "gi": _int(recovery.get("gi")),
+    }
+
+
+def _resets(
+    plan: Mapping[str, object],
+    in_progress: Mapping[str, object] | None,
+    policy: Policy,
+    wall: float,
+    modes: Mapping[str, object],
+) -> dict[str, object]:
+    reset = policy.reset
+    last = {k: t for k, v in _map(plan.get("last_reset")).items() if (t := _num(v)) is not None}
+    last_dry = {
+        k: t for k, v in _map(plan.get("last_dry_reset")).items() if (t := _num(v)) is not None
+    }
+    history: dict[str, list[float]] = {}
+    for pair in _seq(plan.get("reset_history")):
+        if isinstance(pair, list) and len(pair) == 2:
+            gpu, at = _str(pair[0]), _num(pair[1])
+            if gpu is not None and at is not None:
+                history.setdefault(gpu, []).append(at)
+    # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
+    dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
+    gpus = []
+    for gpu in sorted(set(last) | set(last_dry) | set(history)):
+        times = sorted(history.get(gpu, []))
+        window = [t for t in times if wall - t < reset.window]
+        latest = last.get(gpu)
+        if dry and gpu in last_dry:
+            latest = max(latest if latest is not None else -math.inf, last_dry[gpu])
+        # The limit lifts when enough of the resets in the window have aged out of it.
+        limit_lifts: float | None = None
+        if reset.max_resets >= 1 and len(window) >= reset.max_resets:
+            limit_lifts = window[len(window) - reset.max_resets] + reset.window
+        gpus.append(
+            {
+                "gpu": gpu,
+                "last": last.get(gpu),
+                "last_dry_run": last_dry.get(gpu),
+                "history": times,
+                "in_window": len(window),
+                "cooldown_ends": None if latest is None else latest + reset.cooldown,
+                "limit_lifts": limit_lifts,
+                "never": reset.max_resets < 1,
+            }
+        )
+    return {
+        "cooldown": reset.cooldown,
+        "max_resets": reset.max_resets,
+        "window": reset.window,
+        "in_progress": None if in_progress is None else dict(in_progress),
+        "gpus": gpus,
+    }
+
+
+def _attention(
+    *,
+    kill_cap: Mapping[str, object],
+    breaker: Mapping[str, object],
+    nvml_state: str | None,
+    nvml_error: str | None,
+    rejected: Mapping[str, object] | None,
+    ladders: Sequence[Mapping[str, object]],
+) -> list[str]:
+    """What needs a human (said even when the daemon is no longer running)."""
+    out = []
+    if kill_cap["latched"]:
+        why = f" ({kill_cap['reason']})" if kill_cap["reason"] else ""
+        out.append(f"kill cap reached{why}: dry-run forced; clear with `{CLEAR_LATCHES}`")
+    users = kill_cap.get("users_latched")
+    if isinstance(users, list) and users:
+        shown = ", ".join(escape(str(u)) for u in users)
+        out.append(f"kill cap reached for {shown}: their targets in dry-run until it expires")
+    if breaker["open"]:
+        failures = breaker["failures"]
+        after = f" after {failures} failed reset(s)" if failures is not None else ""
+        out.append(f"reset circuit breaker open{after}; clear with `{CLEAR_LATCHES}`")
+    if nvml_state == "wedged":
+        out.append("NVML wedged: the driver did not answer (drain and reboot if it persists)")
+    elif nvml_state == "unavailable":
+        why = f": {nvml_error}" if nvml_error else ""
+        out.append(f"NVML unavailable{why}: no GPU is watched")
+    if rejected is not None:
+        error = _str(rejected.get("error")) or "unknown error"
+        if rejected.get("at_start") is True:
+            running = _str(rejected.get("running")) or "another policy"
+            out.append(
+                f"policy rejected at start ({error}); running {running} instead: fix the "
+                "policy, then `systemctl reload gpuwatchd`"
+            )
+        else:
+            out.append(
+                f"policy files rejected ({error}); the running policy stays in force: fix "
+                "them (`gpuwatchd check-config`), then reload"
+            )
+    stuck = [lad for lad in ladders if lad["status"] == LadderStatus.STUCK]
+    if stuck:
+        pids = ", ".join(str(lad["pid"] if lad["pid"] is not None else "?") for lad in stuck)
+        out.append(f"target(s) stuck in D state (pid {pids}): needs drain/reboot")
+    return out
+
+
+def with_document(
+    state: Mapping[str, object], *, policy: Policy, wall: float, monotonic: float | None
+) -> dict[str, object]:
+    """``state`` with its ``status.document`` worked out (:func:`build_document`), as the
+    daemon writes it; a state with no status section is returned as it is."""
+    out = dict(state)
+    status = state.get("status")
+    if isinstance(status, Mapping):
+        doc = build_document(state, policy=policy, wall=wall, monotonic=monotonic)
+        out["status"] = {**status, "document": doc}
+    return out

@@ -2,12 +2,7 @@
 their own, a deadline, the output's tail kept, and a keeper (:mod:`gpuwatchd.act.reaper`) that
 ends everything a command started when it ends.
 
-Hook and command environment (for admins writing hooks; also in ``docs/reset.md``): every
-hook gets the daemon's environment plus ``GPUWATCHD_EVENT`` (what ran it: ``reset_drain``,
-``reset_before``, ``reset_after``, ``on_failure``), and, where they apply,
-``GPUWATCHD_GPU_UUID``, ``GPUWATCHD_GPU_PCI_BUS_ID``, ``GPUWATCHD_GPU_MINOR``,
-``GPUWATCHD_RESULT`` (``success``, ``failed``, ``refused``, ``timeout``) and
-``GPUWATCHD_REASON``; every command gets ``GPUWATCHD_COMMAND_ID``.
+In detail: docs/internals.md, section `gpuwatchd.act.commands`.
 """
 
 from __future__ import annotations

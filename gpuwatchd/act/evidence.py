@@ -1,16 +1,6 @@
 """Evidence kept before a destructive step: one bounded file in the state directory.
 
-This module owns the evidence file (docs/operations.md, "Evidence files"): what it holds (the
-``scan --json`` report of the poll that decided, built by the caller's :class:`ReportBuilder`,
-which is the command line's own encoder; the Xid records and reset history the health state
-holds; each holder's process tree from the snapshot's process table), its bounds
-(:data:`MAX_FILES` files of at most :data:`MAX_BYTES` each, the oldest removed first, a file
-that would be larger cut down part by part and saying so), its name, and listing the files
-kept. Every file goes through the state directory's own writer (an :class:`EvidenceFolder`:
-a fresh temporary file, mode 0600, renamed into place, links refused). It decides nothing and
-never raises: the engine calls :meth:`EvidenceKeeper.keep` right before a GPU reset, a MIG
-GPU instance's re-creation, the ``reset.drain`` hooks of a health drain and the
-``on_failure`` hooks, in a dry run as in enforcement.
+In detail: docs/internals.md, section `gpuwatchd.act.evidence`.
 """
 
 from __future__ import annotations

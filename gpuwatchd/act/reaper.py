@@ -4,30 +4,7 @@ Run as a script (by absolute path, ``python -I -S reaper.py STATUS_FD TIMEOUT --
 :func:`gpuwatchd.act.commands.run_command`, never imported by the daemon: it imports nothing
 from ``gpuwatchd``, only the standard library, and starts in a few milliseconds.
 
-It makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): every process the
-command starts stays its descendant, whatever it does — a child that calls ``setsid`` and
-clears its environment, or a grandchild whose parent exited, is re-parented to this process,
-not to init. It starts the command as its child (same session and process group, stdin and
-output inherited), waits for it, and then ends the tree:
-
-- the command exited: its status is reported at once (the caller goes on); what it left
-  running may go on until the deadline, and is reaped as it ends;
-- ``TIMEOUT`` seconds passed, or the daemon sent SIGTERM (it is stopping and cancels what is
-  still running): every process of the tree gets SIGKILL at once.
-
-SIGKILL sweeps repeat until no descendant is left (a process killed cannot fork; one created
-just before is re-parented here and found by the next sweep), bounded by :data:`KILL_FOR`
-seconds for processes stuck in the kernel (D state). Each is signalled through a pidfd after
-its start time is checked again, so a reused PID is never hit. Then it writes one JSON line to
-``STATUS_FD``: ``{"returncode", "error", "timed_out", "cancelled", "leftovers",
-"unkillable"}`` (as soon as the command exits, or once the tree is ended) and exits when no
-process of the tree is left.
-
-Why a process of its own, and not cgroups: the daemon's unit has ``ProtectControlGroups=yes``
-and no ``Delegate=``, so it cannot make a cgroup per command; and the daemon itself cannot be
-the subreaper, because it could not tell whose orphan a re-parented process is while several
-commands run (a reset's commands and a notification) and Python's ``subprocess`` would race it
-for exit statuses. A keeper per command has exactly one tree to end.
+In detail: docs/internals.md, section `gpuwatchd.act.reaper`.
 """
 
 from __future__ import annotations

@@ -2,19 +2,6 @@
 
 The facts behind it are in docs/design-notes.md §7.
 
-This module owns the *order* of a reset (and of a MIG GPU instance's re-creation, the same steps
-with its own commands): the steps, their records and events, the undo. Its data and contracts
-are :mod:`gpuwatchd.act.reset_target`'s, reading a command's result
-:mod:`gpuwatchd.act.reset_result`'s, resuming after a crash :mod:`gpuwatchd.act.reset_resume`'s.
-Whether a GPU should be reset at all (ghost memory confirmed, limits, cooldowns, MIG, NVLink
-peers) is decide/plan_resets.py's decision; stopping the NVML worker, scanning holders and
-persisting state belong to the engine's edges, which hand them in as a
-:class:`ResetEnvironment`. Every command and hook runs through one :class:`CommandRunner`, by
-default :func:`gpuwatchd.act.commands.run_command` (argv, no shell, own process group,
-deadline); ``gpuwatchd simulate`` passes a virtual one, so the simulated reset is this very
-procedure. This module never unbinds, rebinds or writes sysfs, never resets without ``-i``-style
-addressing of exactly one GPU, and never re-runs a reset command that may already have run.
-
 In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 """
 

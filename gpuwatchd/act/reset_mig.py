@@ -1,14 +1,6 @@
 """The ``reset`` step of a MIG GPU instance's re-creation: its commands, one recorded at a time.
 
-This module owns :func:`run_recovery`, which the reset procedure (:mod:`gpuwatchd.act.reset`)
-and its resume after a crash (:mod:`gpuwatchd.act.reset_resume`) call in place of the reset
-command: each command is recorded in the state file before it runs (``commands_done``), the
-parent GPU is read again right before the first command (the instance must still be the
-plan's: UUID, compute instance, GI profile and placement) and before the re-create (the
-destroys must have freed its placement), and a failure after the first destroy leaves the
-instance half done, said so. :func:`restore_layout` creates a MIG GPU's GPU instances again
-after its reset (those a fresh reading lacks, so a resume after a crash goes on where it
-stopped) and checks each back. What the readings mean is :mod:`gpuwatchd.decide.mig_recovery`'s.
+In detail: docs/internals.md, section `gpuwatchd.act.reset_mig`.
 """
 
 from __future__ import annotations

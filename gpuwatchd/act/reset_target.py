@@ -1,13 +1,6 @@
 """What a reset is about and what it reports: the target, its commands, the outcome, the edges.
 
-This module owns the reset procedure's data and contracts, apart from its steps
-(:mod:`gpuwatchd.act.reset`): :class:`ResetTarget` (the GPU, or one of its MIG GPU instances to
-re-create), :class:`Commands` (every command and hook it may run, worked out once by
-:func:`prepare_commands`, recorded, and read back strictly by :func:`commands_from_record`),
-:class:`ResetOutcome`, the :class:`ResetEnvironment` the daemon (or a test, or ``simulate``)
-provides, the :class:`CommandRunner` and :class:`FabricWait` it calls, :func:`progress_record`
-(what the state file keeps while a reset runs, read back by :mod:`gpuwatchd.act.reset_resume`)
-and :func:`outcome_event` (the ``reset.outcome`` event).
+In detail: docs/internals.md, section `gpuwatchd.act.reset_target`.
 """
 
 from __future__ import annotations

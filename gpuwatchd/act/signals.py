@@ -7,17 +7,7 @@ process group, under a deadline. It decides nothing: *whether* to signal or run 
 and the daemon's business. It never signals by bare PID (``os.kill``): between the judgement
 and the signal a PID can be reused, and the pidfd is what closes that race.
 
-The signal path, in order:
-
-1. ``os.pidfd_open(pid)`` — from here on, signals reach that one process or nobody.
-2. Re-read ``/proc/PID/stat`` field 22 (start time in clock ticks). A different value means
-   the PID now belongs to another process: ``reused``, nothing is sent.
-3. A zombie is never signalled (its parent has to reap it): ``zombie``.
-4. ``signal.pidfd_send_signal``. ``ESRCH`` → ``gone``; ``EPERM`` → ``denied``.
-5. The pidfd is kept, so :meth:`Signaller.wait` sees the exit within milliseconds.
-
-Dry-run goes through the same path and sends signal 0 instead (which checks existence and
-permission but delivers nothing), so a dry run reports ``denied`` where a real run would.
+In detail: docs/internals.md, section `gpuwatchd.act.signals`.
 """
 
 from __future__ import annotations

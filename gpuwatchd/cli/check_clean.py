@@ -6,18 +6,7 @@ what it prints and its exit code (docs/operations.md §4); ``--slurm-gpus``, GPU
 GPU ids (``SLURM_JOB_GPUS``) numbered as Slurm numbers them (:func:`slurm_selectors`). Whether a
 GPU is clean is decided there, never here: this module only selects GPUs and words the answer.
 
-Output: one line on stdout per selected GPU that is not clean, ``GPU <index> <uuid>: <kind>
-<why>`` with ``(and N more)`` (the Slurm scripts and the node-problem-detector plugin read the
-first line); on stderr, for a clean GPU, each process that would block a reset of it
-(``gpuwatchd: GPU <index> <uuid>: clean; would block a reset: …``), which is not dirt.
-
-A policy problem is never a reason to drain. When the policy files do not validate, the GPUs
-are judged with the policy the daemon runs — its last accepted one, as the daemon itself falls
-back at start (:mod:`gpuwatchd.state.accepted`) — and stderr says so first, with that policy's mode
-(:data:`RUNNING_POLICY`, ``… (dry_run: false)``: the Slurm scripts read it to know whether a
-dirty GPU drains). A GPU dirty by that policy still exits 1; otherwise the exit is 78 (the
-files' own code): "cannot judge by the files: do not drain, report", also when there is no
-accepted policy to judge with.
+In detail: docs/internals.md, section `gpuwatchd.cli.check_clean`.
 """
 
 from __future__ import annotations

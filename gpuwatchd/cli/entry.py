@@ -7,8 +7,7 @@ daemon's socket (:mod:`gpuwatchd.served.scan_socket`), which runs the served sca
 daemon answers, its answer is what this process prints and exits with; when it declines, or
 none listens, or the arguments are any other, :func:`gpuwatchd.cli.main.main` runs as always.
 
-This module owns that first step and nothing else; it imports only what asking needs.
-``GPUWATCHD_ASK_DAEMON=0`` in the environment skips it (the command then scans by itself).
+In detail: docs/internals.md, section `gpuwatchd.cli.entry`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """``gpuwatchd explain``: what the policy would do with each finding of a ``scan --json`` report.
 
-This module owns explaining a saved report (read back strictly by
-:mod:`gpuwatchd.cli.report_read`: a malformed one is a :class:`SnapshotError` naming the file
-and field; the CLI exits 65), per finding:
-which rule matches (or why none does), which step would come next and when, and what would stop
-it. It rebuilds the facts ``plan`` needs from the JSON and asks plan's own pure helpers
-(``rule_for``, ``refusal``, ``gpu_protected``), so its answers are the daemon's. It is pure
-apart from reading the one file, and it never acts. Output is documented in docs/simulate.md.
-
+In detail: docs/internals.md, section `gpuwatchd.cli.explain`.
 """
 
 from __future__ import annotations

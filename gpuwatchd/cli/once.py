@@ -1,16 +1,6 @@
 """``run --once`` beside a running daemon: wait for the daemon's progress, never act.
 
-This module owns what ``run --once`` does when the daemon already holds the lock in
-``state_dir`` (docs/operations.md §4, a Slurm epilog on a node where the package started the
-daemon). Two actors would race, so this one only watches: a read-only scan
-(:func:`gpuwatchd.cli.scan.scan_host`) every ``interval`` (at most 5 s), until the daemon —
-by the plan in its state file — has nothing left under way and every GPU is clean by the one
-verdict (:func:`gpuwatchd.decide.verdict.once_progress`, as ``run --once`` decides without a
-daemon: the memory back, no dead owner listed), until what is left will not change, or until
-``--timeout`` passes. Should the daemon stop meanwhile, it says so and its caller goes on alone.
-
-While the daemon's state says a reset is under way, no scan is taken: the scan opens the GPUs
-through NVML, and the reset's final holder scan would see it and refuse.
+In detail: docs/internals.md, section `gpuwatchd.cli.once`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """``gpuwatchd reload``: check the policy, then ask the running daemon to reread it (SIGHUP).
 
-For a daemon systemd does not run — a Kubernetes pod, where ``kubectl exec … kill -HUP 1``
-would signal the host's init under ``hostPID: true``. The daemon is found as every command
-finds it, never by name nor by a PID written in a file: the process the kernel says holds the
-instance lock in ``state_dir`` (:meth:`gpuwatchd.state.directory.StateDir.lock_holder`:
-``/proc/locks`` and that process's own ``fdinfo``), when it is gpuwatchd now and runs as this
-command's user.
-The policy has been checked by the caller (a broken one exits 78 and the daemon keeps its
-own); the daemon rereads its own ``--config`` file, which should be the one checked.
-
-Exit codes: 0 the signal was sent; 3 no running daemon found (LSB "not running"); 77 not
-allowed to signal it. This module reads the state and ``/proc``; it writes nothing.
+In detail: docs/internals.md, section `gpuwatchd.cli.reload`.
 """
 
 from __future__ import annotations

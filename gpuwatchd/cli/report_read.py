@@ -1,13 +1,6 @@
 """Reading a ``scan --json`` report back, strictly, as the snapshot and findings it describes.
 
-This module owns :func:`load_report` (the file: bounded in bytes, values and nesting, a
-regular file, JSON with no oversized number) and :func:`rebuild` (the
-:class:`~gpuwatchd.core.model.Snapshot`, the findings and their first-seen times, every field
-checked: a malformed one is a :class:`SnapshotError` naming it), so that ``explain`` asks
-the daemon's own pure helpers about exactly the facts the scan saw. A daemon's evidence file
-(docs/operations.md, "Evidence files") is read as the report it holds. MIG instances come back
-with their capabilities, profile, placement and processes (:mod:`gpuwatchd.cli.mig_report`).
-Pure apart from reading the one file.
+In detail: docs/internals.md, section `gpuwatchd.cli.report_read`.
 """
 
 from __future__ import annotations

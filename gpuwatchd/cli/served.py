@@ -5,18 +5,9 @@ The command (:mod:`gpuwatchd.cli.entry`) asks over the daemon's socket
 polls. The answer is what the command would print had it scanned by itself on the served path,
 or a refusal saying why, after which the command does exactly that. So the daemon answers only
 when the command's own scan would have used the daemon's view and its NVML reading, and with
-the policy the command would have used:
+the policy the command would have used.
 
-- the request names the daemon's own main file, and that file, its drop-ins and every folder
-  above them are unchanged since the daemon accepted them (the compiled policy's rule,
-  :func:`gpuwatchd.state.compiled_policy.load_compiled`, which gives the same policy the command
-  would read), naming this ``state_dir``;
-- the scan is :func:`gpuwatchd.cli.scan.scan_host` with ``served_only``: the same checks of the
-  device watch, the view and the NVML reading as the command makes, declining where the command
-  would walk or ask NVML (the daemon never walks or starts an NVML worker for a command);
-- the output is :func:`gpuwatchd.cli.scan.scan_output`, the command's own rendering.
-
-This module owns that rule; the socket and its format are :mod:`gpuwatchd.served.scan_socket`'s.
+In detail: docs/internals.md, section `gpuwatchd.cli.served`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """``gpuwatchd status``: what the daemon is doing, read from its state file, changing nothing.
 
-This module owns the ``status`` command: reading ``<state_dir>/state.json`` through
-:func:`gpuwatchd.state.saved.read_saved_state` (never the lock, never a write, a corrupt file left
-where it is, an untrusted directory or file not read), deciding whether the daemon is running
-(the PID its ``status`` section names is alive and looks like gpuwatchd, and it polled
-recently), and rendering the status document the daemon wrote
-(:mod:`gpuwatchd.state.status_document`)
-— text for people, JSON for scripts (shape and exit codes in docs/operations.md, "status") —
-with an LSB-style exit code. It works nothing out from the plan: every value comes from the
-document, checked (a malformed one is unknown, never a traceback); only the daemon's liveness
-and "how long from now" are this reader's own. A state written before the document (an upgraded
-node whose daemon still runs the old code) gets it from the daemon's own builder. Beside it,
-the evidence files in the state directory are listed by their names
-(:mod:`gpuwatchd.act.evidence`).
-
-:func:`describe` is pure, and so is the text view (:mod:`gpuwatchd.cli.status_text`); the I/O —
-the state file, ``/proc/PID``, the boot id, the clocks — is at the edge, in
-:func:`status_command`.
+In detail: docs/internals.md, section `gpuwatchd.cli.status`.
 """
 
 from __future__ import annotations

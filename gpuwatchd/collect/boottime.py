@@ -7,11 +7,7 @@ stamps its start and end on both clocks (:meth:`BootTime.stamp`): ``since_boot``
 stand in for the boot clock for a file of another boot or one written before the boot clock
 was stamped.
 
-"Another boot" means another boot id. A container manager may show a sandboxed service and a
-shell in the same boot different ids (systemd-nspawn's ``boot_id`` mount), so where the ids
-differ a stamp still counts as of this boot when its wall start is not before this boot's wall
-start (:data:`BOOT_SLACK` allowed): that keeps a spare in doubt, never drops one. This module
-reads the clocks (:meth:`BootTime.read`); the rest is pure arithmetic on a reading.
+In detail: docs/internals.md, section `gpuwatchd.collect.boottime`.
 """
 
 from __future__ import annotations

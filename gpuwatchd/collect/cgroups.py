@@ -1,32 +1,6 @@
 """What a cgroup path says about a process's job: pure parsing of cgroup and mount text.
 
-This module owns the meaning of cgroup names: which container, pod, Slurm job and step, and
-systemd unit a path of ``/proc/PID/cgroup`` names (:func:`parse_cgroup`,
-:func:`classify_cgroup_path`), where a Slurm job's own cgroup directory is
-(:func:`slurm_job_dir`), and where the unified hierarchy is mounted according to
-``/proc/self/mountinfo`` (:func:`parse_cgroup2_mount`). Every function is pure, text in and
-values out, but one reader beside the names it completes: :func:`delegation_mark`, systemd's
-delegation mark on a cgroup and above it (docs/internals.md, section
-`gpuwatchd.collect.cgroups`). Reading the other files is ``procfs``'s and ``jobs``' business.
-
-The text is hostile. Directory names in a cgroup path are chosen by whoever created them, and
-the kernel prints them unescaped; it refuses only ``\\n`` in a cgroup name. So lines are split on
-``\\n`` alone, never with ``str.splitlines`` (which also breaks at ``\\r``, ``\\x0b``, ``\\x0c``,
-``\\x1c``-``\\x1e``, ``\\x85``, U+2028 and U+2029, letting a name inject a line of its own). And a
-name is believed only where the software it claims to be would have put it:
-
-- a **Slurm job** is ``<anchor>/job_<ID>`` right below Slurm's own cgroup: cgroup v2's
-  ``slurmstepd.scope`` (``<node>_slurmstepd.scope`` with several slurmd per host), or cgroup v1's
-  ``slurm`` (``slurm_<node>``) followed by ``uid_<UID>``; its step is the next part;
-- a **pod** or a **Slurm job** found below a user's delegated subtree (``user@<UID>.service``,
-  where systemd lets the user create cgroups) or inside a container (whose root may create
-  cgroups under its own) is ignored: a user or a container cannot make itself part of somebody
-  else's job. Containers are still recognised below ``user@<UID>.service`` (rootless podman and
-  docker put theirs there); the outermost container wins, so a container cannot claim to be
-  one nested in it.
-
-Ignoring a claim only makes the grouping coarser (the process keeps its real unit, container or
-nothing), which is the safe direction: fewer processes become "another job's", none more.
+In detail: docs/internals.md, section `gpuwatchd.collect.cgroups`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Collection: one poll of the host, turned into a frozen :class:`~gpuwatchd.core.model.Snapshot`.
 
-This module owns *what* is read each poll and in which scan mode; ``nvml``, ``procfs`` and
-``holders`` own *how*. It decides nothing about findings and never acts. The cheap targeted
-holder scan (NVML's PIDs, their descendants and the holders seen before) runs every poll; the
-full scan of all of ``/proc`` runs when :func:`gpuwatchd.decide.full_scan.full_scan_due` says
-so: when asked (``scan``), periodically, and whenever the targeted view cannot explain what
-NVML shows — a newly listed PID that is dead or a zombie, or allocated memory with no live
-listed owner (docs/design-notes.md §1, §4). That rule is pure and lives in ``decide``; this module
-only feeds it and keeps its state.
-
-What is remembered between polls, to keep the steady-state poll cheap (docs/performance.md):
-
-- **Process facts** per PID, with the ``stat`` fields that identify and place the process
-  (start ticks, ppid, process group, session, comm). Each poll reads ``stat`` afresh; the other
-  files (status, cmdline, exe, cgroup) are re-read only when one of those fields changed, and
-  ``state`` always comes from this poll's ``stat``.
-- **Device holdings** of a process NVML lists, reused while NVML still lists it on the same
-  GPUs and its facts are unchanged (a context on a GPU implies its device node is open).
-  Processes NVML does not list (descendants, other known holders), unreadable ones and ones
-  matched by name are rescanned every poll: those are what findings are made of.
-
-A full-scan poll (forced, periodic, or triggered) bypasses and refills both caches, so nothing
-is older than ``full_scan_interval``. Nothing here is used to *act*: the planner's signals
-re-verify identity through a pidfd and start ticks, and a reset runs its own full scan.
+In detail: docs/internals.md, section `gpuwatchd.collect.collector`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """An inotify watch on the NVIDIA device files: has anything opened one since we last looked?
 
-This module owns the one I/O source of the daemon's *scan on cause* (docs/scan.md, "When the
-daemon walks /proc"): an ``IN_OPEN`` watch on every device file a holder can hold
-(``nvidiaN``, ``nvidiactl``, ``nvidia-uvm`` in ``devices_dir``, and the MIG capability files
-``nvidia-capN`` in its ``nvidia-caps/`` when there is one) and a watch on those folders for
-device files created or moved in. :meth:`DeviceWatch.drain` reads what happened since the
-previous call without blocking and reports it as a :class:`WatchNews`; whether that means a
-walk of ``/proc`` is decided in :mod:`gpuwatchd.decide.full_scan`. It never scans, signals or
-decides.
-
-What it reports as "something may have changed" (``changed``): an open of a watched file;
-an event queue overflow (``IN_Q_OVERFLOW``: events were lost); a watch the kernel removed
-(``IN_IGNORED``: the file was deleted or its file system unmounted — the file is watched again
-if it reappears); a new device file in the folder (then watched). ``available`` is False when
-inotify cannot be used (no ``inotify_init1``, the per-user instance or watch limit reached):
-the caller then walks on its periodic interval as before.
-
-What inotify cannot see (docs/performance.md and docs/scan.md list these blind spots): an fd
-inherited across ``fork`` or passed over a Unix socket (no open happens), and an open through
-a different device node for the same device (``mknod`` in a container creates another inode;
-bind mounts of the watched node *are* seen). Those are what the daemon's other causes and its
-backstop sweep are for.
-
-The watch uses libc through ctypes (the standard library has no inotify binding). Its file
-descriptor is close-on-exec and non-blocking.
+In detail: docs/internals.md, section `gpuwatchd.collect.devwatch`.
 """
 
 from __future__ import annotations

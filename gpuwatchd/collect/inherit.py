@@ -1,26 +1,9 @@
 """Inheritance evidence: whose device files a holder holds, and whether its leaders still exist.
 
 This module owns two readings that tell an heir of a dead job's memory from a bystander
-(docs/findings.md, "ties"):
+(docs/findings.md, "ties").
 
-- **kcmp proof** (:class:`InheritanceProbe`). Two processes share an open file description
-  exactly when one inherited it from the other (fork, or an fd passed over a socket). Linux
-  answers that question directly with ``kcmp(pid1, pid2, KCMP_FILE, fd1, fd2)`` (kcmp(2), since
-  Linux 3.5 with ``CONFIG_CHECKPOINT_RESTORE``, which mainstream distribution kernels enable; it
-  needs ptrace read access to both processes, i.e. CAP_SYS_PTRACE for other users' processes).
-  While a context owner lives, each holder below it in the process tree is compared with it: a
-  forked DataLoader worker holds the owner's own descriptions (``shared=True``); a worker
-  started with ``spawn``/``forkserver`` (fork + exec: CUDA opens its files close-on-exec) holds
-  only files it opened itself (``shared=False``) and frees none of the owner's memory when
-  killed. Where kcmp is missing (ENOSYS: an old kernel or a seccomp filter; EPERM: no
-  CAP_SYS_PTRACE; an unknown architecture) or a holder holds the GPU through mappings only, the
-  answer is None (unknown) and decisions fall back to the rules that need no such proof.
-- **Lost leaders** (:func:`absent_leaders`): the session and process-group leaders of holders
-  that were looked up this poll and do not exist — positive evidence, not "not read".
-
-It reads ``/proc`` only; it decides nothing and signals nothing. Answers are cached per pair of
-process identities (pid, start ticks), so each pair costs its syscalls once; the cache and the
-number of new pairs per poll are bounded.
+In detail: docs/internals.md, section `gpuwatchd.collect.inherit`.
 """
 
 from __future__ import annotations

@@ -5,29 +5,7 @@ over while some of its processes live on. What a cgroup path means (which part i
 :mod:`gpuwatchd.collect.cgroups`' pure parsing; this module only does the I/O around it. It
 decides nothing about processes; ``assess`` does.
 
-Judged today: **Slurm on cgroup v2**. Slurm places each step's ``slurmstepd`` in
-``…/slurmstepd.scope/job_<ID>/step_<S>/slurm`` and the user's tasks beside it in
-``…/step_<S>/user/task_<N>``. While any step of the job has a live ``slurmstepd``, the job is
-running; when none has one, Slurm is done with the job and whatever still sits in its task
-cgroups is left behind. Every other kind of job (Slurm on cgroup v1, pods, containers, systemd
-units) is never judged ended here: their runtimes either kill stragglers themselves (a
-container's processes die with its PID namespace) or keep the job's state where a daemon
-cannot read it cheaply, and unknown never triggers an action.
-
-A cgroup path is a name anyone who may create cgroups can choose, so the judgement is made
-**per job directory**, never per job id, and **only where the scheduler itself would have made
-the directory** (:func:`trusted_job_dir`): no user's delegated subtree (``user@UID.service``,
-``user.slice``, ``user-UID.slice``) on the way, and every directory from the hierarchy's root
-down to the job's owned by root and writable by neither group nor others — a directory a user
-made is theirs. A forged ``…/slurmstepd.scope/job_42`` with no step in it therefore ends
-nothing, least of all the real job 42. And no directory of a job counts as ended while a live
-``slurmstepd`` serves that job in any of its trusted directories.
-
-The scheduler's own word (``run --once --ended-job``, handed to a running daemon in the
-``ended-job-*`` files) says *when* it was given, in clock ticks since boot
-(:func:`boot_ticks_now`, the unit of a process's start time): ``assess`` applies it only to
-processes older than that, and never while a ``slurmstepd`` started after it (a requeued job
-with the same id) serves the job (:attr:`JobEvidence.stepds`).
+In detail: docs/internals.md, section `gpuwatchd.collect.jobs`.
 """
 
 from __future__ import annotations

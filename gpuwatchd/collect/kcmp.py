@@ -1,14 +1,6 @@
 """``kcmp(2)``: whether two processes share a kernel object, asked through libc's ``syscall``.
 
-This module owns the one wrapper of the syscall. The holder scan asks it whether a thread has
-a file descriptor table of its own (``KCMP_FILES``: a thread that called
-``unshare(CLONE_FILES)`` holds files its process's ``/proc/PID/fd`` does not show), and in
-which order two tables sort (kcmp orders what it compares, so the scan keeps the tables it
-read sorted and finds a thread's by binary search); the inheritance probe asks it whether two
-processes hold the same open file description (``KCMP_FILE``). kcmp exists since Linux 3.5
-with ``CONFIG_CHECKPOINT_RESTORE``, which mainstream distribution kernels enable, and needs
-ptrace read access to both tasks (CAP_SYS_PTRACE for other users'). It decides nothing; an
-answer it cannot give is None.
+In detail: docs/internals.md, section `gpuwatchd.collect.kcmp`.
 """
 
 from __future__ import annotations

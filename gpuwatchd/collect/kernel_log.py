@@ -2,26 +2,9 @@
 (docs/findings.md#kernel-log).
 
 This module owns reading the kernel log (the setting ``health.kernel_log``) and parsing
-NVIDIA's Xid lines in it. The sources:
+NVIDIA's Xid lines in it. The sources.
 
-- ``journal`` (the default): ``journalctl -k -b -f`` as a child process, its output read
-  without blocking. The journal keeps the kernel's messages of the whole boot after the
-  kernel's ring buffer has wrapped (a flood of one Xid wraps it in seconds), and reading it
-  keeps the unit's ``ProtectKernelLogs=yes`` (which denies ``/dev/kmsg``);
-- a path: a file in ``/dev/kmsg``'s record format (``prio,seq,usec,flags;message``), read from
-  its start and then followed — ``/dev/kmsg`` itself where the unit's hardening allows it, or
-  a test's file;
-- ``off``: no kernel log.
-
-On start every record of the current boot is read (the Xids from before the daemon started
-are marked ``before_start``), then new ones each poll. Nothing blocks the poll loop and
-memory is bounded: at most :data:`MAX_BYTES_PER_POLL` bytes are read per poll (a backlog is
-read over the next polls), a line longer than :data:`MAX_LINE` is skipped whole, and a run of
-the same Xid is folded into one record with its count (:func:`fold`). Every line is hostile:
-only a complete, strictly formed Xid line of a kernel record counts.
-
-It decides nothing (``decide/xid_sources.py`` merges these with NVML's events, mutes
-duplicates and floods; ``decide/health.py`` judges them) and acts on nothing.
+In detail: docs/internals.md, section `gpuwatchd.collect.kernel_log`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """MIG inputs: the capability minors file, capability file paths, and the worker's MIG devices.
 
 This module owns how the MIG facts that are not in NVML's per-GPU reading are read and
-validated (docs/findings.md#mig):
+validated (docs/findings.md#mig).
 
-- ``/proc/driver/nvidia-caps/mig-minors`` (the setting ``mig_minors_file``): one line per
-  capability, ``gpu<minor>/gi<id>/access <N>`` or ``gpu<minor>/gi<id>/ci<id>/access <N>``,
-  where ``N`` is the minor of ``/dev/nvidia-caps/nvidia-cap<N>``; other capabilities
-  (``config``, ``monitor``, fabric ones) are skipped. Every line is checked: a malformed one,
-  an out-of-range number or a minor named twice makes the whole table unknown, with an error
-  naming the file and line (a wrong table would attribute processes to the wrong instance).
-- the procfs form of a capability, when the driver's capability device nodes are off:
-  ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>[/ci<id>]/access``;
-- the NVML worker's ``mig_devices`` entries, each value bounded, into :class:`MigDevice`.
-
-It reads files and parses text; it decides nothing (``decide/mig.py`` attributes holders).
+In detail: docs/internals.md, section `gpuwatchd.collect.mig`.
 """
 
 from __future__ import annotations

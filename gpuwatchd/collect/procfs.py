@@ -6,23 +6,7 @@ signals, never decides, and never imports NVML: it reports what it saw, with ``N
 it could not see. The scan for holders of NVIDIA device files (fds and mappings) is
 :mod:`gpuwatchd.collect.holders`; what a cgroup path means is :mod:`gpuwatchd.collect.cgroups`.
 
-What is read, per process: ``stat`` (state, ppid, pgrp, session, flags, thread count, start time
-in clock ticks, and ``comm``, which the kernel keeps in the same buffer as ``/proc/PID/comm``),
-``status`` (effective uid, ``NSpid``), ``cmdline``, the ``exe`` link and ``cgroup``. For a
-process that goes by an infrastructure name (``decide/floor.py``), also who owns its executable
-and the executable's directory (:meth:`ProcFS.exe_trusted`: two ``stat`` calls, so only for
-those few). Host-wide:
-``sys/kernel/random/boot_id``, ``sys/kernel/pid_max``, ``devices`` and the ``ns`` links of
-``self``. A process that vanishes mid-read is a normal outcome (``read_process`` returns None).
-
-Kernel text is split into lines at ``\\n`` only, never with ``str.splitlines``: names a user
-chooses (``comm``, cgroup directories, file paths) may hold ``\\r``, ``\\x0b``, ``\\x1c`` or
-U+2028, at which ``splitlines`` would start a line the kernel never wrote.
-
-Compatibility: :class:`ProcFS` still accepts the holder scan's settings (``devices_dir``,
-``device_major``, ...) and offers :meth:`ProcFS.scan_holders` and :meth:`ProcFS.uvm_major`,
-which forward to its :attr:`ProcFS.holders` scanner; ``parse_cgroup`` is re-exported from
-:mod:`gpuwatchd.collect.cgroups`. New code uses those modules directly.
+In detail: docs/internals.md, section `gpuwatchd.collect.procfs`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Spreading the holder scan's per-process work over idle cores, by fork, merged in order.
 
-This module owns *how* a list of PIDs is split among forked workers and how their answers come
-back; :mod:`gpuwatchd.collect.holders` owns what is done per process. The walk is system-call
-bound and single-threaded Python cannot overlap those calls (threads convoy on the GIL), but
-separate processes can: each forked worker scans one contiguous slice of the PID list with
-its own copy of the scanner and writes its rows (plain tuples, :data:`Row`) to a pipe with
-:mod:`marshal`; the caller scans the first slice itself, then reads the workers' rows in slice
-order, so the merged result is in the order of the input whatever finished first: the same
-rows as one process would produce (deterministic merge).
-
-When it forks (:func:`worker_count`): only for at least :data:`MIN_SLICE` processes per
-worker, never more workers than idle CPUs (those this process may run on, less the tasks
-already runnable, from ``/proc/loadavg``), at most :data:`MAX_WORKERS`, and never in a
-process that runs other threads (a fork copies only the calling thread; the daemon's reset
-runs its final scan in a helper thread, which therefore scans in-process). A slice whose
-worker could not be forked, died, or sent something unreadable is scanned in-process: a
-failure costs time, never a holder. Workers exit with ``os._exit`` (no clean-up handlers of
-the parent run twice) and are reaped with a blocking ``waitpid`` after their pipe closes.
+In detail: docs/internals.md, section `gpuwatchd.collect.spread`.
 """
 
 from __future__ import annotations

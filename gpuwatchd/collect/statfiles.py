@@ -6,17 +6,7 @@ opening ``/proc/PID/stat`` afresh (a path walk through ``/proc``, an open, two r
 close), the descriptor of each such process is kept and read again with one ``pread`` — the
 kernel renders the file anew on every read from offset 0.
 
-Why this is safe for identity: a descriptor of ``/proc/PID/stat`` belongs to the process it was
-opened for, not to the number. Once that process is reaped, reading it fails (``ESRCH``) even
-if the PID names another process by then; the descriptor is then closed and the file opened
-afresh, which shows the new process (whose start ticks differ: the caller re-reads all its
-facts, as before). A zombie still reads, with state ``Z``. So the answer is always the one a
-fresh open would give at that moment.
-
-Bounded: at most :data:`MAX_OPEN` descriptors (the rest are read the old way), and
-:meth:`StatFiles.retain` closes those of processes the last poll did not look at. Only on a
-real ``proc`` file system (``statfs``'s magic number): a ``proc_root`` that is a plain folder
-(a test's, say) keeps no descriptor, since a kept plain file would not fail when replaced.
+In detail: docs/internals.md, section `gpuwatchd.collect.statfiles`.
 """
 
 from __future__ import annotations

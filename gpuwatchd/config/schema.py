@@ -7,11 +7,7 @@ may be signalled), drop-in merge semantics, and rendering the effective policy b
 It turns text into the frozen :class:`gpuwatchd.decide.policy.Policy` and back. It must not
 decide anything about processes or GPUs and must not run commands.
 
-Its neighbours own the rest, and it re-exports their public names so that callers need only
-this module: the YAML reader and :class:`ConfigError` (``yamlsrc``), units (``units``), the
-key table and value readers (``keys``), the files, drop-ins and StrictModes (``files``), and
-the argv rules (:mod:`gpuwatchd.decide.argv`). The key names and merge rules are documented
-in ``docs/policy.md``; keep the two in step.
+In detail: docs/internals.md, section `gpuwatchd.config.schema`.
 """
 
 from __future__ import annotations

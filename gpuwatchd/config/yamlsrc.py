@@ -1,18 +1,6 @@
 """Reading YAML text into nodes that remember where they were written.
 
-This module owns the position-tracking YAML reader shared by the policy files
-(``gpuwatchd.config.schema``) and the scenario files (``gpuwatchd.sim.scenario``):
-:func:`load_document` turns text into a tree of :class:`Map`, :class:`Seq` and :class:`Scalar`
-nodes, each knowing its file, 1-based line and key path. It treats the text as hostile: it is
-bounded *before* it is parsed (size, control characters) and while it is composed (nesting
-depth, no anchors or aliases, so nothing can expand), and it refuses what a hand-written file
-should never contain (duplicate keys, merge keys, non-string keys). Whatever the text, the
-result is a tree or a :class:`ConfigError`, the located error it owns, never another exception.
-
-It also owns the words those errors use for YAML values (:func:`describe_value`,
-:func:`did_you_mean`). It has no knowledge of any schema or policy: which keys exist and what
-values mean belong to its callers. Its only work is parsing the text it is given; it reads no
-files.
+In detail: docs/internals.md, section `gpuwatchd.config.yamlsrc`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Checked access to decoded JSON: the one reader of every saved or published document.
 
-This module owns how a value that came out of ``json.loads`` is believed, in two manners:
+This module owns how a value that came out of ``json.loads`` is believed, in two manners.
 
-- **strict** (:func:`obj`, :func:`items`, :func:`text`, :func:`integer`, :func:`number`,
-  :func:`flag`, :func:`pairs`, ...): the value has the expected type or ``ValueError`` names
-  where (``what``) and what was expected. For state a process carries on with (the plan, the
-  health history, the dry-run shadow), where a malformed file is refused as a whole.
-- **lenient** (:func:`as_number`, :func:`as_int`, :func:`as_count`, :func:`as_text`,
-  :func:`as_flag`, :func:`as_map`, :func:`as_list`, and :class:`Value` for paths): a missing or
-  malformed value is None (unknown) or empty, never an exception. For readers that show what
-  they can (``status``, ``run --once``, ``scan``).
-
-Pure: no I/O, no clock; ``decide/`` may import it.
+In detail: docs/internals.md, section `gpuwatchd.core.checked`.
 """
 
 from __future__ import annotations

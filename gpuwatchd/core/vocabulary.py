@@ -1,14 +1,7 @@
 """The names gpuwatchd says things with, each defined once: events, levels, outcomes, states,
 roles, exit codes and state-file versions.
 
-Every module imports these instead of spelling the strings again, so a log line, the JSON of
-``scan``, the state file and the docs cannot drift apart. Each enum is a ``str`` (or ``int``)
-subclass: its members compare equal to, serialise as, and print as their plain values, so
-the state file and the logs keep their format. ``docs/events.md`` is checked against
-:class:`EventName` by ``tests/unit/test_docs.py``. Ladder states carry their legal transitions
-(:func:`check_ladder_transition`); an illegal one is a bug and raises.
-
-Pure: no I/O. Imported by every layer; imports nothing from gpuwatchd.
+In detail: docs/internals.md, section `gpuwatchd.core.vocabulary`.
 """
 
 from __future__ import annotations

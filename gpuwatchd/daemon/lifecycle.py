@@ -1,13 +1,6 @@
 """The daemon's lifecycle around the engine: lock, state file, signals, reload, sd_notify.
 
-This module owns what only a long-running process has: the lock in ``state_dir`` (one instance
-at a time), loading and saving the state file, finishing a reset a crash interrupted, SIGTERM /
-SIGINT / SIGHUP, ``systemctl reload``, READY/STATUS/WATCHDOG notifications, the admin switch
-files, and the wait between polls (woken at once by a signalled target's exit). Starting it, and
-``run --once`` beside a running daemon, are :mod:`gpuwatchd.cli.run`.
-The poll cycle itself is :class:`gpuwatchd.engine.cycle.Engine`, given the real host's edges from
-:mod:`gpuwatchd.daemon.host`; this module decides nothing and acts on nothing itself. It hands each
-poll the switches as one ``PollInputs`` and reads what the poll did from its ``PollReport``.
+In detail: docs/internals.md, section `gpuwatchd.daemon.lifecycle`.
 """
 
 from __future__ import annotations

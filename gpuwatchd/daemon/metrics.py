@@ -1,18 +1,6 @@
 """Prometheus metrics, written to a file for node_exporter's textfile collector.
 
-This module owns the metrics gpuwatchd exposes — their names, types, labels and meaning
-(``docs/metrics.md``) — and writing them. Counters are fed by the engine's events
-(:meth:`Metrics.observe`, called for every event); gauges are set from each poll's snapshot,
-assessment and plan state, from its report (:meth:`Metrics.after_poll`), which then rewrites the
-``metrics.textfile`` file atomically (a temporary file in the same directory, then a rename).
-The unit has no network (``PrivateNetwork=yes``), so there is no HTTP endpoint: node_exporter
-reads the file.
-
-It decides nothing. Unknown stays unknown: a value that could not be read has no sample, never
-a 0. Label values are bounded (UUIDs and indices of the node's GPUs, names from
-:mod:`gpuwatchd.core.vocabulary`; never a PID). A failed write never raises: it is logged once per
-distinct error (``metrics.write_failed``) and the next poll tries again. The registry is
-private, never prometheus_client's global one, so nothing else can add to the file.
+In detail: docs/internals.md, section `gpuwatchd.daemon.metrics`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The command lines a policy names (reset, persistence, health, hooks): what makes one safe to
 run, checked once when the policy is read, and filling one in for a GPU when it runs.
 
-Owns the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``, for hooks
-``{hostname}`` and ``{user}``, for a MIG instance's recovery ``{gi}``, ``{ci}``, ``{mig_uuid}``,
-``{profile}`` and ``{placement}``), the formats of
-their values, the refusal of shells and inline code (also behind a launcher such as ``env``,
-``sudo``, ``timeout`` or ``busybox``), the one-GPU rule with nvidia-smi's selector spellings
-(``-i X``, ``-iX``, ``--id X``, ``--id=X``), and the environment hooks get. The config reader
-calls the checks and turns an :class:`ArgvError` into a located ``ConfigError``; the actors call
-:func:`format_argv`, which refuses a value not in its documented format, so a command is never
-run with a guessed or hostile argument. Pure: no I/O.
+In detail: docs/internals.md, section `gpuwatchd.decide.argv`.
 """
 
 from __future__ import annotations

@@ -6,10 +6,7 @@ the holders and the orphan rule (``assess_holders.py``), GPU-level memory and th
 refused resets (``assess_memory.py``); MIG instances are judged as GPUs of their own
 (``mig.py``). Callers import every public name from here.
 
-Pure: no I/O, no clock reads (time is ``snapshot.monotonic``), no signals, no policy rules. An
-unknown value never becomes an actionable finding: every ``None`` on the path to ``orphaned`` or
-``ghost_memory`` yields a weaker, informational result with the reason written down. Kinds and
-evidence: ``docs/findings.md``; the rules: ``docs/design-notes.md``.
+In detail: docs/internals.md, section `gpuwatchd.decide.assess`.
 """
 
 from __future__ import annotations

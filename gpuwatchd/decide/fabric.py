@@ -1,24 +1,6 @@
 """The NVLink fabric of NVSwitch systems: what NVML's fabric state and health mask mean.
 
-This module owns reading ``nvmlDeviceGetGpuFabricInfoV``'s answer (as carried in
-:class:`gpuwatchd.core.model.GpuHealth`): the registration state each GPU goes through after boot
-and after every reset (NOT_STARTED → IN_PROGRESS → COMPLETED, Fabric Manager doing the work),
-the probe status once completed, the health mask decoded field by field, and the v3 health
-summary. It answers three questions, each pure: is the fabric still registering
-(:func:`registering`), is a completed fabric unhealthy (:func:`problems`), and what a reading
-taken after one of our resets says (:func:`after_reset`).
-
-It never decides to act: ``health.py`` turns a stuck or unhealthy fabric into a finding, and
-the reset procedure waits for COMPLETED. Nothing in gpuwatchd stops or restarts Fabric
-Manager: restarting it without resetting every GPU breaks NVLink SHARP (NCCL's NVLS) for the
-GPUs still running (NVIDIA's NCCL issue 1488 and the Fabric Manager user guide).
-
-Field layout (NVML API reference, "Fabric definitions"): the mask packs 2-bit fields, each
-0 = not supported, 1 = true, 2 = false — degraded bandwidth (bits 0-1), route recovery in
-progress (2-3), route unhealthy (4-5), access-timeout recovery in progress (6-7) — then a 4-bit
-incorrect-configuration code (8-11: 1 none, 2 and up a named misconfiguration), partition
-assigned (12-13) and, from R615, the global Fabric Manager's connection (14-15). A mask that is
-not zero is therefore not a fault by itself. Unknown (None) is never a fault and never healthy.
+In detail: docs/internals.md, section `gpuwatchd.decide.fabric`.
 """
 
 from __future__ import annotations

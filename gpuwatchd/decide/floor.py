@@ -1,25 +1,8 @@
 """The floor, and who holds a GPU: one definition for assess, plan, explain and the final scan.
 
-This module owns two questions every layer asks and must answer the same way:
+This module owns two questions every layer asks and must answer the same way.
 
-* **Is this process infrastructure?** (:func:`infrastructure`) — init and kthreadd, kernel
-  threads, and the NVIDIA and display services, recognised only by facts a user cannot forge:
-  root's program (``ProcessInfo.exe_trusted``) run as root or in that program's own systemd
-  unit (``FLOOR_NAME_UNITS``), or root's process in an infrastructure unit; a unit counts only
-  where root alone places processes (:func:`system_cgroup`: no Slurm job, delegation mark,
-  user's subtree or container). Below ``system.slice`` alone proves nothing: root daemons put
-  users' work there. Infrastructure is never a finding, never a target, and no live holder
-  for plan's reset gate; no configuration lowers this floor. A claim whose facts cannot be
-  read (:func:`unverified_infrastructure`) is never signalled and grants nothing.
-  :func:`mps_server` is the same test for the MPS daemon, which makes the node report-only.
-* **Who holds this GPU right now?** (:func:`live_holder` for plan's gate over a poll's
-  snapshot, :func:`reset_blockers` for the final scan right before ``nvidia-smi --gpu-reset``,
-  :func:`driver_refusers` for the report): any holder of the GPU's device file, a non-floor
-  holder of ``nvidiactl``/``nvidia-uvm`` that cannot be attributed to a GPU, and any process
-  whose fds or maps could not be read — unknown is not none (docs/design-notes.md, section 7).
-
-In detail: docs/internals.md, section `gpuwatchd.decide.floor`. Pure: no I/O, no clock, no
-logging.
+In detail: docs/internals.md, section `gpuwatchd.decide.floor`.
 """
 
 from __future__ import annotations

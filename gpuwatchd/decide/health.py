@@ -1,31 +1,9 @@
 """GPU health: Xid events, the recovery action, row remapping, retired pages and the NVLink
 fabric → findings.
 
-This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health):
+This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health).
 
-- each Xid's class, from NVIDIA's catalogue (``xid_catalogue.py``): reset-class Xids ask for
-  ``reset_required``, reboot-class for ``reboot_required``, restart-app and ignore Xids are
-  counted only (45 is also what our own kills produce); the catalogue's *solo* rules are
-  judged over :data:`XID_WINDOW` of co-occurring Xids (48: reset when solo, drain and reset
-  with 63/64; 45: Fabric Manager when solo, else follow the other Xids); an NVLink Xid (74)
-  on a peer right after one of our resets is expected, not a new incident; the stricter peer
-  choices (``health.xid_63`` / ``xid_94: drain``) are options, off by default;
-- the recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, R565 and later) and what each
-  value asks for, per NVIDIA's text; a value gpuwatchd does not know is reported with its
-  number and never acted on; a driver without the field is "unknown", never "healthy";
-- the NVLink fabric (``fabric.py``): a registration stuck for ``health.fabric_stuck_after``
-  or a completed fabric that is unhealthy asks for a drain naming Fabric Manager, which
-  gpuwatchd never restarts;
-- the three GPU-level findings, one per GPU at most, the strongest winning: ``reboot_required``,
-  ``reset_required``, ``drain_required``;
-- every change to :class:`HealthState`, what is carried between polls (Xid counts per GPU,
-  the last reset, a dry run's assumed reset, since when each finding and a registering fabric
-  hold; its shape and checked JSON form are ``health_state.py``'s, re-exported here);
-- :func:`drain_blockers`: which live processes keep a health reset waiting.
-
-Whether and when to act (report, drain, reset; the gates and the drain wait) is
-``plan_health.py``'s.
-Pure: no I/O, no clock; ``None`` and ``Support.UNKNOWN`` never lead to a finding that acts.
+In detail: docs/internals.md, section `gpuwatchd.decide.health`.
 """
 
 from __future__ import annotations

@@ -6,24 +6,7 @@ instances (CIs) of one GI share its memory. Every process using any instance hol
 uses; the capability files of its GI and CI do (``/dev/nvidia-caps/nvidia-cap<N>``, the minors
 listed in mig-minors; or their procfs form). docs/findings.md#mig has the sources.
 
-This module owns that model:
-
-- :func:`mig_layout`: which MIG GPUs can be judged instance by instance (MIG on, its MIG
-  devices read, the capability table read), their GPU instances, and each holder's instances
-  from its capability files. A holder of a judged GPU's parent node with no capability of it
-  is *parent-only*: never attributed to an instance, never a target.
-- :func:`instance_view`: the snapshot as assess judges it. Each GPU instance stands in as a
-  GPU of its own (its MIG UUID, its memory, its processes; a device minor of its own past every
-  real one, :data:`INSTANCE_MINOR_BASE`), held by exactly the processes whose capabilities
-  name it; the parent stays, report-only, held by nobody. So the orphan rule, ghost memory
-  against a learned baseline and every other check run per instance with the same evidence as
-  on a whole GPU, and a live job in one instance neither explains nor blocks anything in
-  another.
-- :func:`annotate_findings`, :func:`annotate_report_only`: the assessment made readable again:
-  findings about an instance name it (``evidence.mig``), parent-only holders are said to be so,
-  report-only reasons say why.
-
-Pure: no I/O, no clock. A GPU whose instances cannot be judged stays report-only, as before.
+In detail: docs/internals.md, section `gpuwatchd.decide.mig`.
 """
 
 from __future__ import annotations

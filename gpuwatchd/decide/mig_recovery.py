@@ -6,28 +6,7 @@ other instance of the GPU, and the jobs in them, untouched. A compute instance a
 give the memory back: the compute instances of a GPU instance share its memory, so the unit
 recovered is the GPU instance (docs/findings.md#mig has the sources).
 
-This module owns, purely (no I/O, no clock):
-
-- :func:`recovery_of`: the :class:`InstanceRecovery` of a finding's instance (its parent GPU,
-  GPU instance id, its compute instance, GI profile id and placement), or why it cannot be
-  re-created in place (any of those unknown; several compute instances, or one that is only
-  a part of its GPU instance, which ``-C`` would not bring back as they were).
-- :data:`DEFAULT_COMMANDS`: the ``nvidia-smi mig`` command lines of a recovery, and
-  :func:`recovery_argvs`, which fills them in through :func:`~gpuwatchd.decide.argv.format_argv`
-  (so every value is checked against its documented format before anything runs).
-- :func:`instance_blockers`: who may still use the instance (a live process NVML lists in it,
-  a holder of its capability files, a holder of the parent node whose instance is unknown, an
-  unreadable process list): the recovery's own live-holder gate, the other instances' users
-  never among them.
-- :func:`recovered`: whether a later snapshot shows the instance back, its memory freed.
-- :meth:`InstanceRecovery.record` / :func:`from_record`: its form in the state file while it
-  runs, read back with every field checked.
-- :func:`instance_changed`, :func:`placement_taken`, :func:`resume_point`: what the GPU read
-  again says before the commands, before the re-create, and after a crash (where to go on).
-- :func:`layout_of`, :func:`layout_argvs`, :func:`layout_missing`: a MIG GPU's layout, which
-  its reset destroys, the commands creating it again, and what a fresh reading lacks of it.
-
-The gates around it (confirmation window, live holders, limits, dry-run) are the GPU reset's.
+In detail: docs/internals.md, section `gpuwatchd.decide.mig_recovery`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Monitors: NVML-only clients, which block a reset but never hide ghost memory.
 
-A monitor (gpustat, ``nvidia-smi -l``, a third-party exporter) holds ``nvidiactl`` and the GPU's
-device file, owns no context, has no memory and does not hold ``nvidia-uvm``: it cannot be what
-keeps memory allocated, so memory no live process owns is ``ghost_memory`` beside it
-(decide/assess_memory.py). It is never a kill target. What it changes is the reset: while it
-holds the GPU's device file the driver refuses one, so it blocks the reset with a reason that
-names it, unless ``reset.monitors`` names it, and the reset procedure stops it and brings it
-back (act/reset.py): a systemd unit by ``systemctl stop``/``start``, a process by SIGTERM (its
-supervisor starts it again).
-
-This module owns which ``reset.monitors`` entry names a process (:func:`monitor_entry`), the
-words that name a monitor (:func:`describe_monitor`) and which holders of a GPU the procedure
-stops (:func:`monitors_to_stop`). Pure: no I/O, no clock, no logging.
+In detail: docs/internals.md, section `gpuwatchd.decide.monitors`.
 """
 
 from __future__ import annotations

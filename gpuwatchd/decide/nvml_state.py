@@ -7,7 +7,7 @@ poll's reading moves it, from the first failed reading on (so ``gpuwatchd status
 ``nvml.recovered``, saying what it was and how long it was gone. The losses themselves are
 logged where they are seen (``nvml.wedged``, ``nvml.unavailable``, ``collect/nvml.py``).
 
-It is pure: the reading and the wall time are passed in; events come back as data.
+In detail: docs/internals.md, section `gpuwatchd.decide.nvml_state`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """Admin regexes against user text, matched in linear time: ``protect.commands`` and
 ``rules[].commands`` searched in a process's command line.
 
-This module owns how those patterns are checked when the policy is loaded
-(:func:`check_linear`) and how they are matched (:func:`command_search`). The command line is
-chosen by whoever started the process, so it is hostile: Python's ``re`` is a backtracking
-engine, and a pattern an admin finds natural (``python.*train.*\\.py``, ``(\\w+\\s?)+$``)
-takes polynomial or exponential time on a line crafted for it. Searched in the poll, that would
-stall the daemon until the systemd watchdog killed it. So the pattern is never run by ``re``
-against the command line:
-
-* the pattern is parsed by Python's own regex parser (so its syntax and meaning are exactly
-  ``re``'s) and compiled to a Thompson automaton here, which is simulated over the text one
-  character at a time, all alternatives at once: time O(len(text) * states), whatever the
-  pattern and the text;
-* each single-character test (a literal, a class, ``.``) is done by ``re`` itself on one
-  character (a pattern of one atom cannot backtrack), so case folding, ``\\w``, ``\\d`` and the
-  flags mean what they mean in ``re``;
-* what an automaton cannot do in linear time — backreferences, lookahead/lookbehind,
-  conditionals, atomic groups and possessive repeats — is rejected when the policy is loaded
-  (:func:`check_linear`, which names the construct), as is a pattern whose counted repeats
-  (``{1000}``) would make the automaton too large;
-* the text is bounded: only the first :data:`MAX_COMMAND_TEXT` characters are searched, and
-  :func:`command_search` says when a line was longer (the caller then decides in the safe
-  direction: a ``protect`` pattern counts as matching, a rule filter as not).
-
-Pure: no I/O, no clock, no logging. Results are cached per (pattern, text): the same processes
-are judged poll after poll.
+In detail: docs/internals.md, section `gpuwatchd.decide.patterns`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ ladders, process findings, resets, GPU health), and the queries and admin switch
 (``record_*``); intents, events and the per-call scratch state in ``plan_intents``. Callers
 import every public name from here. Semantics: ``docs/escalation.md``.
 
-Pure: no I/O, no clock reads, no logging. ``now`` is monotonic (deadlines), ``wall`` wall-clock
-(reset limits that survive a reboot). ``None`` means unknown, and unknown never leads to an intent.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan`.
 """
 
 from __future__ import annotations

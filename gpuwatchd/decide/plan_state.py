@@ -7,9 +7,7 @@ the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
 
-It must not decide anything: what the values mean, and every transition between them, belong
-to ``plan.py`` (semantics in ``docs/escalation.md``). No I/O either: writing the file
-atomically is ``state.py``'s and the daemon's job.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan_state`.
 """
 
 from __future__ import annotations

@@ -3,21 +3,9 @@
 This module owns one saving of the daemon's steady poll (docs/performance.md): on a quiet node
 most polls see the same processes, holdings and NVML reading as the one before, and assessing
 them again gives the same answer. It is exact, not a heuristic — each reuse is a case where
-recomputing is proven to give an equal result:
+recomputing is proven to give an equal result.
 
-- :func:`gpuwatchd.decide.assess.assess_processes` is pure, and the clock enters it only as
-  ``snapshot.monotonic`` stamped on state entries that are *new*. So when the snapshot equals
-  the last one in every field but its two times, the state it is given equals the one the last
-  call was given (GPU health aside), and that call returned that same state — nothing was new
-  then, so nothing is stamped now — the result is the last result. Any other case is computed.
-- GPU health (:func:`gpuwatchd.decide.assess.with_health`) counts time itself (how long a
-  condition has lasted): it is always assessed afresh.
-- :func:`gpuwatchd.decide.verdict.judge` reads no clock, and of the assessment only its
-  findings, roles and baselines: the verdict is reused when those, the snapshot (times aside)
-  and the policy equal the last ones.
-
-Equality is Python's ``==`` over the frozen inputs; the collector hands back the same objects
-for unchanged processes and GPUs, so most comparisons end at an identity check.
+In detail: docs/internals.md, section `gpuwatchd.decide.reuse`.
 """
 
 from __future__ import annotations

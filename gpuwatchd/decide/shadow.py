@@ -1,22 +1,7 @@
 """Dry-run's shadow: the limits and history enforcement would have, so a preview is the same
 decisions, once.
 
-A dry run previews what enforcement would do, and an admin decides from it whether to enforce.
-So a would-be action must count as the real one would: a would-be reset against
-``reset.max_resets`` within ``reset.window`` (the cooldown already counts it), and — assumed to
-have succeeded — it deals with its finding, so the preview does not repeat it every cooldown; a
-would-be ladder against the kill caps as enforcement counts them (per user: the target's
-``uid:N`` scope, per poll and per hour; and the node-wide hourly cap), whose would-be latches
-then hold the ladders enforcement would have held — that user's only, or the node's — and
-lift after ``limits.kill_cap_latch`` as enforcement's do. This module owns that bookkeeping
-(:class:`DryShadow`, kept in the plan state, with its checked JSON form) and the small
-questions ``plan.py`` asks of it.
-
-The shadow is only a preview's: it is dropped the moment the daemon acts for real, so what
-dry-run would have done never blocks the real thing; and the kill-cap part applies only to a
-policy's dry run, not to the dry run the real kill cap forced (enforcement is already there).
-The assumed success of a would-be reset on GPU health is ``health.py``'s (``note_reset`` with
-``assumed_from``). Pure: no I/O, no clock.
+In detail: docs/internals.md, section `gpuwatchd.decide.shadow`.
 """
 
 from __future__ import annotations

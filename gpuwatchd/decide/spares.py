@@ -1,19 +1,7 @@
 """What an administrator's spares cover: which process ``gpuwatchd spare`` leaves alone, and
 when a spare starts and ends (the events that journal both ends).
 
-A spare (:class:`gpuwatchd.core.model.Spare`) names a process by PID *and* start ticks, or a job by
-its key (``slurm:42``, as ``CgroupInfo.job_key`` spells it). A job's processes are those in its
-cgroup, and, for a Slurm job, those in the process tree of a ``slurmstepd`` that root runs for
-it (:func:`slurm_tree_job`: how Slurm's ``proctrack/linuxproc`` tracks them, where the cgroup
-says nothing). :func:`spare_reason` says why a
-process may not be signalled now; ``targets.refusal`` and the planner's ladders call it, so
-every decision that could signal a process honours it. Unknown never excuses a signal: a
-process whose start ticks (for a PID spare of its PID) or whose cgroup (while a job is spared)
-cannot be read counts as spared.
-
-It is pure: no I/O, no clock (wall time is passed in), no logging (changes come back as
-:class:`gpuwatchd.decide.plan.Event`). Reading and writing the spare files is
-``gpuwatchd/state/spares.py``'s.
+In detail: docs/internals.md, section `gpuwatchd.decide.spares`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Which rule matches a finding, and why a target may never be touched: the floor, then ``protect``.
 
-This module owns target selection for ``plan``: ``rule_for`` (the first policy rule whose kind,
-``for``, ``min_memory`` and filters select a finding), ``refusal`` (the floor of
-docs/design-notes.md §10, which no configuration lowers, then ``protect``, then an identity that
-cannot be told apart from PID reuse), ``gpu_protected`` (a GPU named in ``protect.gpus`` by UUID or
-PCI bus id),
-``protect_match`` (what in ``protect`` positively names a process: the clean verdict,
-``decide/verdict.py``, never counts such a process as dirt) and
-``process_facts`` (what a target's intents and events say about it). The semantics are documented
-in ``docs/escalation.md``.
-
-It is pure: no I/O, no clock reads, no logging. It must not decide escalation or timing (ladders,
-confirmation windows, limits, resets): that is ``plan.py``, which calls these functions.
-``None`` means unknown, and a filter that is set never matches an unknown value.
+In detail: docs/internals.md, section `gpuwatchd.decide.targets`.
 """
 
 from __future__ import annotations

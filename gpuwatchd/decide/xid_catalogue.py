@@ -7,14 +7,7 @@ catalogue's two resolution buckets (the *immediate* action an operator takes now
 the one mapping from a bucket to what the daemon does (:func:`xid_action`), and the
 Markdown table of docs/findings.md (:func:`render_markdown`; a test keeps the page equal to it).
 
-It decides nothing about one GPU's history (solo or co-occurring Xids, an NVLink peer's Xid
-during our own reset, the recovery action): ``health.py`` does. Pure data, no I/O.
-
-Sources (docs/findings.md cites them in full): NVIDIA, "Analyzing Xid Errors with the Xid
-Catalog" (the published catalogue and its spreadsheet) for every row; NVIDIA's GPU memory error
-management guide for the memory rows. The rows were read on NVIDIA's page where it could be
-read directly (Xids 1-13) and otherwise from a public machine-readable copy of the same
-spreadsheet (generated 2025-10-29); buckets the catalogue leaves blank are marked as such.
+In detail: docs/internals.md, section `gpuwatchd.decide.xid_catalogue`.
 """
 
 from __future__ import annotations

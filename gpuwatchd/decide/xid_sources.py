@@ -2,22 +2,9 @@
 
 This module owns how one GPU's Xids of one poll — NVML's events and the kernel log's lines
 (``collect/kernel_log.py``) — become what ``health.py`` counts and what the ``health.xid``
-event says:
+event says.
 
-- **one Xid, two sources, counted once**: an NVML event and a kernel-log line of the same
-  GPU and Xid within :data:`DEDUP_WINDOW` of each other are one occurrence (matched one to
-  one: a flood of lines matches as many events as NVML delivered). What one source saw and
-  the other has not yet is remembered (:class:`Sighting`, at most :data:`MAX_SIGHTINGS` per
-  GPU, for the window), since the two may be read a poll apart;
-- **restarts**: kernel-log records at or before the position already counted for a GPU
-  (``klog_pos``) were counted by an earlier run of the daemon: skipped;
-- **floods**: each Xid is said (:class:`XidNotice`) at most once per :data:`LOG_WINDOW` per
-  GPU; what comes in between is held as a count and said with the next notice, once the
-  window has passed (``repeated``);
-- the latest kernel-log detail per Xid (the process, its job, the driver's text, whether it
-  was logged before the daemon started), for the findings' evidence.
-
-Pure: no I/O, no clock (``wall`` is the snapshot's).
+In detail: docs/internals.md, section `gpuwatchd.decide.xid_sources`.
 """
 
 from __future__ import annotations

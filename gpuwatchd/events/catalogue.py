@@ -1,20 +1,6 @@
 """The event catalogue: for every event, its level, its fields and the sentence that says it.
 
-Names are :class:`gpuwatchd.core.vocabulary.EventName`; this module owns what is said about each:
-:data:`CATALOGUE` gives the usual level (and the others an outcome may give it), the fields it
-carries and a sentence an administrator understands without the docs. :func:`render` is the one
-renderer: the journal's ``MESSAGE`` (``logs.py``), ``simulate``'s timeline (``sim/timeline.py``),
-``status`` and the ``on_action`` notification all word events through it. They differ only in
-their :class:`Namer` (the journal says ``PID 4242 (python)`` and the GPU's UUID, the timeline
-``pid 4242 (trainer)`` and ``GPU 0``). The entries of a GPU reset and the health drain around it
-are :mod:`gpuwatchd.events.catalogue_resets`'s, the words every sentence is made of (namers, the
-fields as sentence pieces, an entry's shape) :mod:`gpuwatchd.events.words`'s. It also owns what
-the journal calls an event: its MESSAGE_ID (:func:`message_id`) and the journal names of its
-fields (:func:`journal_field_name`), which ``packaging/journal_catalog.py`` turns into the
-``journalctl -x`` catalogue.
-
-Pure: no I/O; never raises from :func:`render`. Imports only the vocabulary, the escape rule and
-its two parts.
+In detail: docs/internals.md, section `gpuwatchd.events.catalogue`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Loggers that load structlog only when an event is actually emitted.
 
-This module owns one thing: letting modules on the path of a short read-only command
-(``gpuwatchd scan``, ``check-clean``) hold a logger without importing structlog, which costs
-tens of milliseconds at start-up (structlog loads asyncio through its stdlib integration).
-:func:`get_logger` returns a stand-in with structlog's method names; the first call that is
-not dropped imports structlog, runs the set-up deferred with :func:`defer_setup` (if any) and
-forwards to ``structlog.get_logger(*args)`` from then on — the same lazy proxy a module-level
-``structlog.get_logger()`` would have given, so ``structlog.testing.capture_logs`` and
-reconfiguration behave as before.
-
-A command that logs only from a level up calls :func:`defer_setup` with that level: events
-below it are dropped at once, without loading anything; :func:`reset` (in a ``finally``) undoes
-it, so a command run in-process (tests) leaves no floor behind. The daemon never defers: its
-logging is configured before the first poll, and every event reaches structlog's own filter.
-
-It imports only the vocabulary (for the levels) from gpuwatchd and does no I/O itself.
+In detail: docs/internals.md, section `gpuwatchd.events.lazylog`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Whether the daemon's published holder view is current: the guard on both of its sides.
 
 This module owns the rule that makes a served ``scan`` as right as a walk for every open of a
-watched device file (docs/scan.md, "Beside a running daemon"):
+watched device file (docs/scan.md, "Beside a running daemon").
 
-- **The daemon's side.** Its inotify watch (:class:`GuardedWatch`) never consumes an event
-  before the published view says *dirty*: when events are queued, :class:`ViewPublisher`
-  first rewrites ``holders.json`` with ``clean: false`` (or removes it), and only then are the
-  events read; the poll that reads them walks ``/proc`` and publishes a clean view again. The
-  daemon also waits on the watch's descriptor, so an open wakes it at once
-  (:func:`early_poll_at` bounds how soon after a poll it walks again).
-- **The reader's side** (:func:`probe`). ``scan`` takes a duplicate of the daemon's inotify
-  descriptor (``pidfd_getfd(2)``), checks that it watches every device file in
-  ``devices_dir``, and asks how many bytes of events are queued (``FIONREAD``). The kernel
-  queues an ``IN_OPEN`` before ``open(2)`` returns, so an open that happened before the probe
-  is either still queued (the probe says so: walk) or was read by the daemon, which marked the
-  view dirty first; a view read after an empty probe and still ``clean`` therefore reflects a
-  walk that began after every such open. Anything else — no such descriptor, another file,
-  a device file not watched, a view for another daemon — is "unknown", and ``scan`` walks.
-
-It decides nothing about findings and never signals; the identity checks of the view itself
-(lock holder, boot, start ticks, age) stay in :mod:`gpuwatchd.cli.scan` and
-:mod:`gpuwatchd.served.holders`.
+In detail: docs/internals.md, section `gpuwatchd.served.guard`.
 """
 
 from __future__ import annotations

@@ -5,24 +5,7 @@ daemon, through :class:`gpuwatchd.served.guard.ViewPublisher`, from :func:`encod
 it back as hostile input (``gpuwatchd scan``: :func:`parse`, then :func:`usable`). It decides
 nothing about findings.
 
-What it says: as of the daemon's poll at ``polled`` (wall seconds), with its inotify watch on
-every device file working, these processes (PID and start ticks) held these device files,
-and these PIDs were listed by NVML dead — the state of the daemon's scan-on-cause rule
-(docs/scan.md, "When the daemon walks /proc"). A ``scan`` that trusts it scans only those
-processes, NVML's and their descendants (a targeted scan), and walks all of ``/proc``
-whenever that rule would (a newly listed dead PID, memory without an owner, a published
-holder gone).
-
-When ``scan`` does not use it (:func:`parse` refuses it, or :func:`usable` says why): the file is
-missing, unreadable, larger than :data:`MAX_BYTES`, not this version, from another boot, from
-a daemon that is not running now (PID and start ticks checked), for other settings
-(``proc_root``, ``devices_dir``, ``device_major``), from a daemon without a working watch, or
-older than its own ``fresh_for`` (bounded by :data:`MAX_FRESH`). The daemon writes it when its
-content changes and at least every :data:`REFRESH` seconds, so a running daemon's view is
-never older than that plus one poll. It also says ``clean`` (false from the moment the daemon
-is about to read an event of its device watch until the walk after it) and names the watch's
-descriptor (``watch_fd``): :mod:`gpuwatchd.served.guard` owns that rule and asks the watch
-itself before a clean view is believed.
+In detail: docs/internals.md, section `gpuwatchd.served.holders`.
 """
 
 from __future__ import annotations

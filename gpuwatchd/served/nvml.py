@@ -7,25 +7,7 @@ through :mod:`gpuwatchd.state.directory`'s trust rule, then :func:`parse` and :f
 :class:`DaemonReading`, the NVML source a served scan's collector reads instead of starting an
 NVML worker of its own. It decides nothing about findings.
 
-What it says: the daemon (PID and start ticks, in this boot) asked NVML at ``read_at`` (wall
-seconds; the reply came later, so the reading is at most this old) during its poll at
-``polled``, and got these GPUs: the NVML worker's reply as the daemon received it
-(:mod:`gpuwatchd.collect.nvml_worker`), decoded by the same converters as a scan's own, less
-the Xid events (the daemon consumed them; a scan's own worker, registering afresh, sees none
-either). The daemon writes it only after a successful read, and removes it after a failed one;
-an unchanged reading is confirmed by the file's time instead of written again
-(docs/internals.md, ``gpuwatchd.served.nvml``).
-
-When ``scan`` uses it (docs/scan.md, "Beside a running daemon"): only when it also uses the
-daemon's holder view (clean, the device watch asked: :mod:`gpuwatchd.served.guard`), so no device
-file was opened since the walk that view reflects — a new CUDA context opens one; the file is
-from the daemon that holds the instance lock now (PID and start ticks) and this boot; its poll
-is the one the view reflects or a later one (``polled`` not before the view's); and it is no
-older than the shorter of the daemon's ``interval`` and the scan's own, plus
-:data:`READ_SLACK` (one poll's own duration). Memory figures can change at any time without a
-device event, so the report always says the reading's age. Otherwise, or when the file is
-missing, untrusted, larger than :data:`MAX_BYTES` or malformed, ``scan`` starts its own NVML
-worker as before; nothing in the file can make it fail.
+In detail: docs/internals.md, section `gpuwatchd.served.nvml`.
 """
 
 from __future__ import annotations

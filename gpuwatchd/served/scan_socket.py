@@ -7,24 +7,7 @@ starts Python, asks, and prints the answer. When the daemon cannot answer exactl
 command would (its published view is not clean, the configuration files changed, ...), it
 declines and says why, and the command scans by itself as before.
 
-This module owns the socket and the exchange, and nothing else:
-
-- **The format.** A request is one line of JSON (:class:`ScanRequest`, at most
-  :data:`MAX_REQUEST` bytes); an answer is one line of JSON (:class:`ScanAnswer`'s header, at
-  most :data:`MAX_HEADER` bytes) followed by what the command prints, until the end of the
-  stream. Each side reads the other's bytes as hostile: anything malformed, too long or too
-  slow ends the exchange (:class:`ExchangeError`), and the command then scans by itself.
-- **Who may talk.** Each side asks the kernel who the other is (``SO_PEERCRED``) and accepts
-  only root or its own user: the trust rule of the state directory itself
-  (:func:`gpuwatchd.state.directory.trusted_owners`). The socket is created mode 0600 in the trusted
-  ``state_dir``, and only after any old file of that name was found to be a socket.
-- **How long.** The daemon waits at most :data:`REQUEST_TIMEOUT` for a request and
-  :data:`SEND_TIMEOUT` to hand its answer over, and answers at most :data:`MAX_PER_WAKE`
-  connections each time its loop wakes; the command waits at most its own timeout.
-
-Paths go through ``/proc/self/fd/<directory fd>/``: a socket's path is limited to 107 bytes,
-a ``state_dir`` is not. It decides nothing and builds no report: the daemon is handed the
-function that answers (:class:`ScanServer`), the command prints what :func:`ask` returns.
+In detail: docs/internals.md, section `gpuwatchd.served.scan_socket`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Scenario files for ``gpuwatchd simulate``: parsing and strict validation.
 
-This module owns the scenario *format* (documented in ``docs/simulate.md``): GPUs, processes
-and how they react to signals, events timed by the clock (``at``) or by the reset procedure
-(``during``: a reset step), and an inline policy drop-in. It turns YAML text
-into frozen :class:`Scenario` values and reports every malformed value as a
-:class:`ScenarioError` naming the file, line and field (the CLI exits 65, EX_DATAERR). It reads
-the text with ``yamlsrc.py``, the position-tracking reader policies use too, and reuses
-``config``'s duration/size parsers, so a scenario spells ``30s`` and ``2GiB`` exactly as a
-policy does. It runs nothing and decides nothing: ``simulate.py`` plays the scenario.
-
-The format's values are :mod:`gpuwatchd.sim.scenario_spec`'s; the reader's typed values
-and its GPU part (host, GPUs, MIG layouts, health) :mod:`gpuwatchd.sim.scenario_gpus`'s; this
-module reads the rest (processes, events, the inline policy) and the whole file.
+In detail: docs/internals.md, section `gpuwatchd.sim.scenario`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The simulation behind ``gpuwatchd simulate``: the engine on a virtual clock over a scenario.
 
-This module owns the simulation's four edges and its timeline loop. Every poll is
-:meth:`gpuwatchd.engine.cycle.Engine.poll` — the same cycle ``gpuwatchd run`` runs — given a reader
-over the virtual host (:mod:`gpuwatchd.sim.world`), an actuator that makes virtual processes
-react to signals and answers the reset procedure's commands as a scripted ``nvidia-smi``
-would (hooks: exit 0, and the reset's ``drain``/``before`` hooks stop the processes the
-scenario marks ``stops_for_reset``), the virtual clock, and a sink that writes the timeline.
-Between polls it waits as the daemon does: until :meth:`Engine.wake_at`, or at once when a
-signalled process exits. Scenario events happen at their time, or (``during``) when a reset
-reaches their step. It never touches the real host: no ``/proc``, no NVML, no signals, no
-commands. It makes no decision of its own: the engine's are the daemon's. Output formats are
-documented in ``docs/simulate.md``.
+In detail: docs/internals.md, section `gpuwatchd.sim.simulation`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The virtual host of ``gpuwatchd simulate``: GPUs, processes, contexts, and what NVML and
 ``/proc`` would say about them.
 
-This module owns the world a scenario describes: processes that start, exit (their children
-reparented to the nearest live subreaper or init), leave zombies, hang in D state; contexts
-whose memory outlives their owner while inheritors still hold the device (or for good, when
-the scenario says the driver leaks it); GPUs that get lost or reset; MIG GPUs whose GPU
-instances have their own memory, contexts and capability files (mig-minors numbering as the
-driver gives it). :meth:`World.snapshot`
-renders it as the frozen :class:`gpuwatchd.core.model.Snapshot` the engine's reader returns. It
-decides nothing and never touches the real host; the simulation's edges
-(``sim/simulation.py``) mutate it when the engine acts.
+In detail: docs/internals.md, section `gpuwatchd.sim.world`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """The last policy the daemon accepted, kept in ``state_dir``, and the fallback to it at start.
 
-A daemon that exits at start over a rejected drop-in leaves the node unwatched until a person
-looks — after every reboot too, since systemd does not retry exit 78. So the daemon saves each
-policy it accepts (at start and at every accepted reload) as :data:`ACCEPTED_FILE` in its
-``state_dir``, and when the configured policy is rejected at start it runs with that one, and
-says so in the journal (``config.start_rejected``, critical), in STATUS, in ``gpuwatchd status``
-and in the metrics (``gpuwatchd_policy_rejected``). With no saved policy (nothing was ever
-accepted: someone is setting the node up) there is nothing to fall back to, and the daemon
-exits 78 as before. ``run --once`` falls back the same way, and ``check-clean`` judges with
-this policy when the files do not validate (a policy problem is never a reason to drain).
-
-This module owns that file: writing it, and finding and reading it back when the configured
-policy cannot be loaded. Where to look comes from the configured files themselves, as far as
-they can be trusted: the ``state_dir`` of the longest run of them (the main file, then the
-drop-ins in order) that still loads, else the built-in default. The file is written and read
-only through :class:`gpuwatchd.state.directory.StateDir` (the walk from ``/`` that follows no link,
-the trust rule for the folder and the file: a regular file owned by root or this user that
-nobody else can write, read bounded), and it is validated like any policy. It decides nothing
-and logs nothing: the daemon does.
+In detail: docs/internals.md, section `gpuwatchd.state.accepted`.
 """
 
 from __future__ import annotations

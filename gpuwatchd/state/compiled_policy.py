@@ -1,18 +1,6 @@
 """The accepted policy kept compiled in ``state_dir``, so that ``scan`` need not parse YAML.
 
-A ``scan`` spends ~25 ms importing the config schema and YAML to read a policy the running
-daemon has already read. So the daemon, each time it accepts its policy (at start and at every
-accepted reload), also writes :data:`COMPILED_FILE` in its ``state_dir`` (:func:`save_compiled`):
-the policy the files say now, as typed JSON (:func:`encode`), with the identity of every path
-that reading depended on (:func:`identity`). ``scan`` (:func:`load_compiled`) uses it only when
-it is trusted (:mod:`gpuwatchd.state.directory`'s rule), decodes into the policy's own types and
-nothing else (:func:`decode`), was written for the same main file with StrictModes checked (or
-this process checks none), names the ``state_dir`` it was found in, and every identity still
-holds; otherwise it reads the YAML as always, which gives the same policy or the same error.
-
-This module owns that file: its format, writing it, and the rule for using it. It decides
-nothing and logs nothing. The whole rule, and why each part of it is there, is in
-docs/internals.md, section ``gpuwatchd.state.compiled_policy``.
+In detail: docs/internals.md, section `gpuwatchd.state.compiled_policy`.
 """
 
 from __future__ import annotations

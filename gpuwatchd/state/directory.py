@@ -1,28 +1,8 @@
 """The state directory, opened one safe way by every command: the walk, the trust rule, the files.
 
-This module owns how ``state_dir`` is reached and which of its files are believed:
+This module owns how ``state_dir`` is reached and which of its files are believed.
 
-- **The walk.** :meth:`StateDir.open` opens the directory by directory descriptors from ``/``
-  down, each component with ``O_NOFOLLOW``: a symbolic link anywhere on the path is refused,
-  and once open, the directory is used through its descriptor, so renaming or swapping a
-  folder afterwards redirects nothing.
-- **The trust rule.** Every directory on the path, and every file read from the state
-  directory, must be owned by a trusted user — root, or the user running this command — and
-  not be writable by group or others (an ancestor may be, if it is sticky, as ``/tmp`` is).
-  Whoever could write there could make a root daemon read what they like. In a user namespace
-  (a developer's unprivileged test run), ancestors owned outside it are shown with the
-  overflow uid and accepted as ancestors only.
-- **The files.** Bounded, non-blocking reads of regular files (:meth:`StateDir.read`), a
-  lenient checked-JSON reader that never raises (:meth:`StateDir.read_json`, a
-  :class:`JsonFile`), atomic writes (a fresh temporary file, fsync, rename, fsync of the
-  folder), removal, listing, the instance lock, and :meth:`StateDir.lock_holder`: the process
-  holding that lock, read from the kernel (``/proc/locks`` and the holder's own
-  ``/proc/PID/fdinfo``), never from what a file says.
-
-What the files *mean* belongs to their owners (:mod:`gpuwatchd.state.saved`,
-:mod:`gpuwatchd.state.pause`,
-:mod:`gpuwatchd.served.holders`). The walk is also used for directories that need no trusted
-owner (the metrics textfile's): :func:`open_directory` with ``owners=None``.
+In detail: docs/internals.md, section `gpuwatchd.state.directory`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """The admin's switches, kept as small files in ``state_dir`` so they survive restarts.
 
-``gpuwatchd pause`` / ``resume`` write and remove ``<state_dir>/paused`` (a pause names when
-it ends, ``pause --for``, measured on the boot clock, so a wall clock step neither ends it
-early nor stretches it (``collect/boottime.py``), and the daemon removes it then; ``resume
---reason`` leaves its reason in ``<state_dir>/resumed`` for the daemon's log); ``resume
---clear-latches`` drops ``<state_dir>/clear-latches``, which the daemon consumes at its next poll
-to lift the kill-cap dry-run latch and the reset circuit breaker. ``run --once --ended-job``
-beside a running daemon hands the scheduler's word over in ``<state_dir>/ended-job-<hash>`` files
-(one per job, so two epilogs never overwrite each other), each naming the epilog's waiting
-process (PID and start ticks), when the scheduler's word was said (clock ticks of this boot:
-it covers only processes older than that) and an expiry. A hand-over counts only while that
-process still waits — so it is taken for the job it names and for that epilog alone, never by
-a later run for another job (a requeued Slurm job keeps its id) — and the waiter withdraws it
-when its wait ends; every scan reads them, and the daemon removes those whose waiter is gone
-or that expired. This module only reads and writes those files; what pausing or an ended job
-means is the planner's and assess's business.
-
-Every function takes an open :class:`gpuwatchd.state.directory.StateDir`, so the files are reached
-the one checked way: relative to ``state_dir``, never through a symbolic link, regular files
-owned by a trusted user only, size-capped. A switch that cannot be read counts as *paused*
-(fail safe), and its content never reaches the log unless it is a real pause file.
+In detail: docs/internals.md, section `gpuwatchd.state.pause`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The daemon's persistent state file and its single-instance lock, under ``state_dir``.
 
-This module owns the bytes of ``state.json``: written atomically (mode 0600) through
-:class:`gpuwatchd.state.directory.StateDir`, a corrupt or untrusted file moved aside so the daemon
-starts clean, and the lock (an exclusive ``flock``) that lets only one of ``run``, ``run
---once`` and a reset work at a time. It does not know what the state *means*: the caller
-composes the dict (``{"version": 1, "boot_id": …, "plan": PlanState.to_json(), …}``) and
-validates it when reading it back. Readers that change nothing (``status``, ``run --once``,
-``scan`` and through it ``check-clean``) all read it one way, :func:`read_saved_state`: a
-:class:`SavedState`, typed and lenient (a malformed part is unknown, never an exception).
-
-``state_dir`` is reached and trusted only through :mod:`gpuwatchd.state.directory`: no symbolic link
-anywhere on its path, owned by root (or the user running the command) and writable by nobody
-else, every file opened relative to the directory without following a link. Readers
-(``scan``, ``status``) never create it and never change anything in it.
+In detail: docs/internals.md, section `gpuwatchd.state.saved`.
 """
 
 from __future__ import annotations

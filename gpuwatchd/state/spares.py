@@ -1,22 +1,7 @@
 """The spare files in ``state_dir``: ``gpuwatchd spare`` writes one per spared process or job,
 the daemon reads them every poll.
 
-A spare leaves one process (named by PID *and* start ticks, in this boot) or every process of
-one job (``slurm:42``, ``pod:UID``, ``container:ID``, ``unit:NAME.service``) alone for a while.
-How long is measured on the boot clock (:class:`gpuwatchd.collect.boottime.BootTime`: a wall
-clock step neither ends a spare early nor makes it outlive its time) and shown in wall time. A
-process spare of another boot (another boot id, see ``boottime``) names nobody now. A spare
-with more time left than ``limits.max_spare`` (a hand-made file, a file from before the boot
-clock and a clock set back, a lowered limit) is cut to the limit, never dropped: the daemon
-writes the cut into the file and says so (``spare.cut``). Each spare lives in
-``<state_dir>/spare-<hash of its target>``, so sparing the same target again replaces it and
-two targets never overwrite each other. The files are reached the one checked way
-(:class:`gpuwatchd.state.directory.StateDir`: never through a link, trusted regular files only,
-size-capped); a file that is not of the written shape is ignored and named. The daemon
-(``remove_stale``) removes spares whose time is up, those of a process from another boot, and
-bad files, so nothing piles up and a spare never outlives its time.
-
-This module only reads and writes the files; what a spare covers is ``decide/spares.py``'s.
+In detail: docs/internals.md, section `gpuwatchd.state.spares`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The status document: everything ``gpuwatchd status`` shows, worked out by the daemon.
 
-This module owns what the daemon writes under ``status.document`` in ``state.json``
-(:data:`DOCUMENT_FORMAT`, shape in docs/operations.md, "status"): the mode and a pause with its
-end, the kill cap and the breaker, NVML with since when, spares, each GPU's verdict, ladders and
-confirmation windows with their findings in words (:func:`event_catalogue.finding_label`), the
-recent actions as the catalogue's sentences, reset history with when a cooldown ends and a limit
-lifts, the policy's sources or its rejection, and what needs a human. Times are wall times,
-converted by the daemon from its own monotonic clock at the instant it writes. ``status`` only
-adds what a reader alone knows (is the daemon alive, how long until each time) and renders.
-
-:func:`build_document` is pure and lenient: it reads the plan and the status facts as saved
-(``PlanState.to_json``, the daemon's status section), any part malformed is unknown.
+In detail: docs/internals.md, section `gpuwatchd.state.status_document`.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ RUNTIME_DISTRIBUTIONS = {
 }
 
 
-DOCSTRING_MAX_LINES = 30  # what a module owns, in a few lines; how it works: docs/internals.md
+DOCSTRING_MAX_LINES = 10  # what a module owns, in a few lines; how it works: docs/internals.md
 
 
 def test_a_module_docstring_says_what_it_owns_and_leaves_the_long_story_to_the_docs() -> None:

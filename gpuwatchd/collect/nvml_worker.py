@@ -41,6 +41,17 @@ def describe_error(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def note_error(errors: list[str], name: str, error: Exception) -> None:
+    """The one mapping of a failed query: GPU lost ends the GPU's reading (GpuLostError); any
+    other error, NVML's or a binding bug that must not take the worker down, is noted."""
+    if isinstance(error, pynvml.NVMLError):
+        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
+            raise GpuLostError(name) from error
+        errors.append(f"{name}: {describe_error(error)}")
+    else:
+        errors.append(f"{name}: {type(error).__name__}: {error}")
+
+
 class GpuReader:
     """Reads one GPU, collecting per-value errors instead of raising them."""
 
@@ -54,13 +65,8 @@ class GpuReader:
             return fn()
         except pynvml.NVMLError_NotSupported:
             return None
-        except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError(name) from error
-            self.errors.append(f"{name}: {describe_error(error)}")
-            return None
-        except Exception as error:  # a binding bug must not take the worker down
-            self.errors.append(f"{name}: {type(error).__name__}: {error}")
+        except Exception as error:
+            note_error(self.errors, name, error)
             return None
 
 
@@ -100,13 +106,8 @@ def probe(name: str, fn: Callable[[], T], errors: list[str]) -> tuple[str, T | N
         return "ok", fn()
     except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
         return "not_supported", None
-    except pynvml.NVMLError as error:
-        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-            raise GpuLostError(name) from error
-        errors.append(f"{name}: {describe_error(error)}")
-        return "unknown", None
-    except Exception as error:  # a binding bug must not take the worker down
-        errors.append(f"{name}: {type(error).__name__}: {error}")
+    except Exception as error:
+        note_error(errors, name, error)
         return "unknown", None
 
 
@@ -176,17 +177,12 @@ def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str,
             pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
         except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
             return {"status": "not_supported"}, version
-        except pynvml.NVMLError as error:
-            code = getattr(error, "value", None)
-            if code == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError(name) from error
-            if code == NVML_ERROR_ARGUMENT_VERSION_MISMATCH and version == 3:
+        except Exception as error:
+            mismatch = getattr(error, "value", None) == NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+            if isinstance(error, pynvml.NVMLError) and mismatch and version == 3:
                 version = 2
                 continue
-            errors.append(f"{name}: {describe_error(error)}")
-            return {"status": "unknown"}, version
-        except Exception as error:  # a binding bug must not take the worker down
-            errors.append(f"{name}: {type(error).__name__}: {error}")
+            note_error(errors, name, error)
             return {"status": "unknown"}, version
         return {
             "status": "ok",
@@ -537,9 +533,7 @@ def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | Non
         except pynvml.NVMLError_NotSupported:
             return None
         except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError(name) from error
-            reader.errors.append(f"{name}: {describe_error(error)}")
+            note_error(reader.errors, name, error)
             return None
     reader.errors.append(f"{base}: no _v3 or _v2 symbol in this driver")
     return None

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuwatchd.core.model import ProcessInfo, Snapshot
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.health_state import HealthState
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.verdict import NodeVerdict
 
 __all__ = [

@@ -13,7 +13,7 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
 from gpuwatchd.act.reset_target import Commands, ResetEnvironment, ResetTarget
 from gpuwatchd.core.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
-from gpuwatchd.decide.mig_recovery import (
+from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
     instance_changed,
     layout_missing,

@@ -3,7 +3,8 @@ their units again.
 
 This module owns steps ``stop_monitors`` (after the ``before`` hooks: each monitor's systemd unit
 stopped with ``systemctl stop``, each monitor process sent SIGTERM and waited for until it lets
-go of the GPU; which holders are monitors is decide/monitors.py's) and ``start_monitors`` (before
+go of the GPU; which holders are monitors is decide/plan/monitors.py's) and ``start_monitors``
+(before
 the ``after`` hooks, whatever happened: ``systemctl start`` for each unit stopped; a process
 comes back by whatever supervises it). The order of the steps is :mod:`gpuwatchd.act.reset`'s.
 """

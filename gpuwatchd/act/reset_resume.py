@@ -29,7 +29,7 @@ from gpuwatchd.act.reset_target import (
     prepare_hooks,
 )
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
-from gpuwatchd.decide.mig_recovery import (
+from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
     from_record,
     instance_changed,

@@ -13,8 +13,8 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.core.model import GpuInfo
 from gpuwatchd.core.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
 from gpuwatchd.decide.argv import format_argv
-from gpuwatchd.decide.mig_recovery import InstanceRecovery, layout_argvs, recovery_argvs
-from gpuwatchd.decide.monitors import StoppableMonitor
+from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
+from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 
 __all__ = [
@@ -281,7 +281,7 @@ class ResetEnvironment(Protocol):
 
     def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
         """A fresh holder scan: the holders of the target's GPU that ``reset.monitors`` lets
-        the procedure stop (:func:`gpuwatchd.decide.monitors.monitors_to_stop`)."""
+        the procedure stop (:func:`gpuwatchd.decide.plan.monitors.monitors_to_stop`)."""
 
     def stop_monitors(
         self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float

@@ -21,9 +21,9 @@ from gpuwatchd.core.model import (
     as_int,
 )
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.health import HEALTH_KINDS, drain_blockers
-from gpuwatchd.decide.plan import kill_cap_scope, reset_gates
-from gpuwatchd.decide.plan_resets import instance_recovery
+from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
+from gpuwatchd.decide.plan.decisions import kill_cap_scope, reset_gates
+from gpuwatchd.decide.plan.resets import instance_recovery
 from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
 

@@ -2,7 +2,7 @@
 
 This module owns the ``mig_instances`` list of a GPU entry (docs/scan.md) and its lines in
 the text view. An instance entry is built like a GPU's (``cli/report.py`` passes its own
-builder, run over :func:`gpuwatchd.decide.mig.instance_view`), so its processes, holders,
+builder, run over :func:`gpuwatchd.decide.mig.instances.instance_view`), so its processes, holders,
 memory, report-only reason and notes read the same way, and is then given the instance's MIG
 facts. Pure: no I/O.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.core.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
-from gpuwatchd.decide.mig import MigInstance, MigLayout, instance_gpu
+from gpuwatchd.decide.mig.instances import MigInstance, MigLayout, instance_gpu
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")

@@ -29,7 +29,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.decide.floor import driver_refusers
-from gpuwatchd.decide.mig import instance_view, mig_layout
+from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
 __all__ = ["RoleLike", "build_report", "render_text"]

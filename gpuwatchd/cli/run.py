@@ -24,7 +24,7 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.decide.assess import Assessment
+from gpuwatchd.decide.assess.passes import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging

@@ -23,9 +23,9 @@ from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import ExitCode
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan_state import PlanState, unfinished_recoveries
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.served import holders as holder_view

@@ -157,7 +157,7 @@ class Collector:
         self._known_holders = frozenset(holding_pids)
         self._say_thread_tables_unread(holders, scanner)
         # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
-        # memory beside it still asks for a full scan (decide/monitors.py).
+        # memory beside it still asks for a full scan (decide/plan/monitors.py).
         self._held_minors = frozenset(
             minor
             for pid in holding_pids

@@ -4,7 +4,7 @@ This module owns how the ``health`` part of a worker reply (see
 :mod:`gpuwatchd.collect.nvml_worker`) becomes model values. The reply comes from another
 process talking to a driver, so it is hostile until checked: a value of the wrong type or out
 of range becomes *unknown* (``Support.UNKNOWN``, value None), never a number that could lead to
-an action. It decides nothing about what the values mean (``decide/health.py`` does).
+an action. It decides nothing about what the values mean (``decide/health/judge.py`` does).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A rootless container (podman, rootless Docker, ``unshare --map-users``) runs its users as host
 uids from its owner's range, so one user can spread processes over thousands of uids. The kill
-cap counts a process against the user owning its uid's range (``decide/plan_intents.py``),
+cap counts a process against the user owning its uid's range (``decide/plan/intents.py``),
 so that spreading cannot pass the node-wide cap. This module owns reading the file: bounded,
 parsed line by line (``name:first:count``; a malformed line is skipped), each owner's name
 resolved to a uid once per change of the file. It decides nothing.

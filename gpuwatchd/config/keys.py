@@ -38,8 +38,8 @@ from gpuwatchd.decide.argv import (
     check_one_gpu,
 )
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key
-from gpuwatchd.decide.monitors import MAX_MONITORS
 from gpuwatchd.decide.patterns import NotLinear, TooCostly, check_linear
+from gpuwatchd.decide.plan.monitors import MAX_MONITORS
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
     XID_63_CHOICES,

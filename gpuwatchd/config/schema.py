@@ -48,7 +48,7 @@ from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
-from gpuwatchd.decide.monitors import UNIT_NAME
+from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import Hook, Monitor, Policy, Rule, Step, default_rules
 
 __all__ = [

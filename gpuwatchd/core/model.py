@@ -341,13 +341,14 @@ class GpuHealth:
     """The health fields of one GPU in one poll (docs/findings.md#gpu-health).
 
     ``xids`` are the Xid events read since the previous poll (events are consumed once: the
-    history is kept by ``decide/health.py``). ``recovery_action`` is NVML's
+    history is kept by ``decide/health/judge.py``). ``recovery_action`` is NVML's
     ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (the field from R565: 0 none, 1 GPU reset, 2 node
     reboot, 3 drain P2P; 4 drain and reset from R570; 5-7 from R595/R615). ``remap_*`` come
     from ``nvmlDeviceGetRemappedRows`` (Ampere and later, not under MIG), ``pages_pending``
     from the retired-page pending status
     (before Ampere), ``fabric_*`` from ``nvmlDeviceGetGpuFabricInfoV`` (NVSwitch systems; what
-    the values mean is ``decide/fabric.py``'s). Each value is None unless its ``*_support`` is
+    the values mean is ``decide/health/fabric.py``'s). Each value is None unless its ``*_support``
+    is
     ``Support.OK``.
     """
 

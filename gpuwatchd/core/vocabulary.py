@@ -95,7 +95,7 @@ def level_of(method: str) -> Level | None:
 class EventName(_Name):
     """Every structured event gpuwatchd logs (documented in docs/events.md)."""
 
-    # findings and escalation (decide/plan.py)
+    # findings and escalation (decide/plan/decisions.py)
     FINDING_NEW = "finding.new"
     FINDING_CHANGED = "finding.changed"
     FINDING_RESOLVED = "finding.resolved"
@@ -124,11 +124,13 @@ class EventName(_Name):
     RESET_REFUSAL_CLEARED = "reset.refusal_cleared"
     RESET_MIG_UNFINISHED_CLEARED = "reset.mig_unfinished_cleared"
     GPU_NEEDS_REBOOT = "gpu.needs_reboot"
-    # GPU health (decide/plan.py over decide/health.py)
+    # GPU health (decide/plan/decisions.py over decide/health/judge.py)
     HEALTH_DRAIN_STARTED = "health.drain_started"
     HEALTH_DRAIN_WAITING = "health.drain_waiting"
     HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
-    HEALTH_XID = "health.xid"  # decide/xid_sources.py: an Xid, once per window with its count
+    HEALTH_XID = (
+        "health.xid"  # decide/health/xid_sources.py: an Xid, once per window with its count
+    )
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
@@ -241,7 +243,7 @@ class ResetStep(_Name):
     DRAIN = "drain"
     STOP_NVML = "stop_nvml"
     BEFORE_HOOKS = "before_hooks"
-    STOP_MONITORS = "stop_monitors"  # reset.monitors that hold the GPU (decide/monitors.py)
+    STOP_MONITORS = "stop_monitors"  # reset.monitors that hold the GPU (decide/plan/monitors.py)
     PERSISTENCE_OFF = "persistence_off"
     FINAL_SCAN = "final_scan"
     RESET = "reset"
@@ -275,7 +277,7 @@ class ResetStepStatus(_Name):
 
 
 class LadderStatus(_Name):
-    """Where one target's escalation ladder stands (decide/plan_state.py)."""
+    """Where one target's escalation ladder stands (decide/plan/state.py)."""
 
     ACTIVE = "active"  # steps are being emitted and waited on
     ENDED = "ended"  # the target survived the last step
@@ -342,7 +344,7 @@ class ActionOutcome(_Name):
 
 
 class HolderRoleName(_Name):
-    """How ``scan`` explains one holder of one GPU (decide/assess.py ``HolderRole.role``)."""
+    """How ``scan`` explains one holder of one GPU (decide/assess/passes.py ``HolderRole.role``)."""
 
     CONTEXT_OWNER = "context_owner"  # NVML lists it with a context there
     WORKER = "worker"  # of a live context owner (its tree, session or job)
@@ -386,6 +388,6 @@ class ExitCode(enum.IntEnum):
 
 # Format versions of the state file and its sections; a mismatch is refused, not guessed.
 STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
-ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess_state.py); 2 adds inheritance
+ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess/state.py); 2 adds inheritance
 ASSESS_STATE_VERSIONS_READ = (1, 2)  # version 1 is read as having no inheritance evidence
-PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan_state.py)
+PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan/state.py)

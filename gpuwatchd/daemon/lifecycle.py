@@ -39,8 +39,8 @@ from gpuwatchd.daemon.notify import (
 )
 from gpuwatchd.daemon.serving import ScanServing
 from gpuwatchd.daemon.wiring import build_real_host
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanState, pending_keys
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.decisions import PlanState, pending_keys
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
 from gpuwatchd.engine.cycle import Engine, EngineState, Pause, PollInputs, PollReport, Standing

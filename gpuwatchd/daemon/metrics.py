@@ -29,9 +29,9 @@ from gpuwatchd.core.vocabulary import (
     SignalOutcome,
 )
 from gpuwatchd.daemon.metrics_mig import MigGauges
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.host_view import HostView
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.assess.host_view import HostView
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome

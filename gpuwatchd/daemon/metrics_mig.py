@@ -12,9 +12,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from gpuwatchd.core.model import FindingKind, Snapshot
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.host_view import HostView
-from gpuwatchd.decide.mig import instance_view, mig_layout
+from gpuwatchd.decide.assess.host_view import HostView
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 
 MIG_LABELS = ("gpu", "index", "gi", "instance")
 

@@ -31,7 +31,7 @@ __all__ = [
 
 ARGV_PLACEHOLDERS = (
     *("uuid", "pci_bus_id", "minor", "mode", "hostname", "user"),
-    # A MIG GPU instance's recovery (decide/mig_recovery.py): ``{uuid}`` is then its parent's.
+    # A MIG GPU instance's recovery (decide/mig/recovery.py): ``{uuid}`` is then its parent's.
     *("gi", "ci", "mig_uuid", "profile", "placement"),
 )
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.

@@ -51,7 +51,7 @@ class KindProperties:
     memory: bool = False  # memory no live process accounts for
     listing: bool = False  # NVML lists a process that no longer runs
     settling: bool = False  # may go away without anyone acting
-    health: bool = False  # GPU health (decide/health.py); never a reason to signal a job
+    health: bool = False  # GPU health (decide/health/judge.py); never a reason to signal a job
     why_not_signallable: str | None = None  # None: a rule may send signals for it
 
     @property

@@ -16,7 +16,7 @@ from gpuwatchd.core.model import MIB, FindingKind
 from gpuwatchd.core.paths import DEFAULT_STATE_DIR
 
 DEFAULT_RESET_COMMAND = ("nvidia-smi", "--gpu-reset", "-i", "{uuid}")
-# The re-creation of one MIG GPU instance in place (decide/mig_recovery.py): destroy its compute
+# The re-creation of one MIG GPU instance in place (decide/mig/recovery.py): destroy its compute
 # instance, then the GPU instance, then create it again with the same GI profile at the same
 # placement start, with its default compute instance (-C). The GPU is named by UUID: an index
 # may change across the re-creation.
@@ -151,7 +151,7 @@ class Monitor:
     no context. ``unit``: a system service, ``systemctl stop`` before the final scan and
     ``systemctl start`` after the reset. ``command``: a process whose command line matches,
     sent SIGTERM; whatever supervises it starts it again. Exactly one of the two is set
-    (docs/policy.md#reset, decide/monitors.py)."""
+    (docs/policy.md#reset, decide/plan/monitors.py)."""
 
     unit: str | None = None
     command: re.Pattern[str] | None = None

@@ -27,10 +27,10 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.assess import NODE, Assessment, HolderRole
-from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX, memory_figure
+from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, memory_figure
+from gpuwatchd.decide.assess.passes import NODE, Assessment, HolderRole
 from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.mig import parent_of
+from gpuwatchd.decide.mig.instances import parent_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
 
@@ -209,7 +209,8 @@ class _Judge:
         return [u for u in uuids if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
-        """A MIG instance's finding is about its GPU (decide/mig.py): the GPU's UUID for an
+        """A MIG instance's finding is about its GPU (decide/mig/instances.py): the GPU's UUID for
+        an
         instance's, any other UUID as it is."""
         mig = parent_of(self.snapshot, uuid)
         return uuid if mig is None else mig[0].uuid
@@ -283,7 +284,7 @@ class _Judge:
 
     def add_memory(self, gpu: GpuInfo) -> None:
         """``leftover_memory``: allocated memory above the idle baseline plus the margin that
-        no live process accounts for (decide/baselines.py's figure and baseline)."""
+        no live process accounts for (decide/assess/baselines.py's figure and baseline)."""
         kinds = {r.kind for r in self.reasons[gpu.uuid]}
         said = {k.value for k in _MEMORY_KINDS | _LISTING_KINDS}
         if gpu.lost or gpu.processes is None or kinds & said:
@@ -424,7 +425,7 @@ def judge(
     unfinished: Mapping[str, str] | None = None,
 ) -> NodeVerdict:
     """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
-    exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.assess` of ``snapshot``;
+    exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.passes.assess` of ``snapshot``;
     ``policy`` gives ``protect`` and the memory margins; ``unfinished`` maps a GPU UUID to why
     a MIG recovery on it was left half done (``plan_state.unfinished_recoveries``): dirt. Pure."""
     return _Judge(snapshot, assessment, policy).verdict(unfinished or {})

@@ -40,17 +40,17 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.decide import fabric
 from gpuwatchd.decide.argv import format_argv, hook_environment
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.baselines import back_to_baseline
+from gpuwatchd.decide.assess.baselines import back_to_baseline
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.reuse import Reuse
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.health import drop_assumed, note_reset
-from gpuwatchd.decide.mig_recovery import from_record, recovered, recovery_blockers
-from gpuwatchd.decide.monitors import StoppableMonitor, monitors_to_stop
+from gpuwatchd.decide.health import fabric
+from gpuwatchd.decide.health.judge import drop_assumed, note_reset
+from gpuwatchd.decide.mig.recovery import from_record, recovered, recovery_blockers
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     HookIntent,
     Intent,
     PlanResult,
@@ -70,8 +70,8 @@ from gpuwatchd.decide.plan import (
     set_paused,
     unfinished_recoveries,
 )
+from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.policy import Hook, Policy
-from gpuwatchd.decide.reuse import Reuse
 from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
 from gpuwatchd.decide.verdict import NodeVerdict
@@ -235,7 +235,7 @@ class Engine:
         )
         state.assess = assessment.state
         self._assessment = assessment
-        for notice in assessment.xid_notices:  # decide/xid_sources.py: floods said once
+        for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
             self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
         self._verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
@@ -592,7 +592,8 @@ class Engine:
         return tuple(
             {
                 HookName.ON_ACTION: self.policy.on_action,
-                HookName.RESET_DRAIN: self.policy.reset.drain,  # GPU health (decide/plan.py)
+                # GPU health (decide/plan/decisions.py)
+                HookName.RESET_DRAIN: self.policy.reset.drain,
             }.get(HookName(intent.hook), self.policy.on_failure)
         )
 
@@ -750,7 +751,7 @@ class Engine:
         return {"evidence_file": kept.path}
 
     def _wait_for_fabric(self, target: ResetTarget, timeout: float) -> tuple[bool, str]:
-        """Read the GPU until its NVLink fabric registration is COMPLETED (decide/fabric.py
+        """Read the GPU until its NVLink fabric registration is COMPLETED (decide/health/fabric.py
         judges each reading), at most ``timeout`` seconds, a second apart."""
         deadline = self.clock.monotonic() + timeout
         detail = "not read yet"
@@ -781,12 +782,12 @@ class Engine:
             pass  # one MIG GPU instance re-created: the GPU's health is as it was
         elif outcome.result == ResetResult.SUCCESS and not intent.dry_run:
             # GPU health: Xids before this reset are dealt with; the next reading is the
-            # health check after it (decide/health.py).
+            # health check after it (decide/health/judge.py).
             health = note_reset(assessed.health, intent.gpu, self.clock.wall())
             self.state.assess = replace(assessed, health=health)
         elif would_succeed:
             # A dry run's would-be reset is assumed to have succeeded for the decisions that
-            # follow, as enforcement's would have (decide/shadow.py, decide/health.py).
+            # follow, as enforcement's would have (decide/plan/shadow.py, decide/health/judge.py).
             gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
             if gpu is not None and gpu.health is not None:
                 health = note_reset(

@@ -19,11 +19,11 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.nvml_state import NvmlAvailability
-from gpuwatchd.decide.plan_intents import Intent
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.plan.intents import Intent
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 
 __all__ = [

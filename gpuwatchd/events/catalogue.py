@@ -196,7 +196,7 @@ def _reloaded(s: Said) -> str:
 
 
 _OTHERS: Mapping[EventName, EventSpec] = {
-    # findings and escalation (decide/plan.py)
+    # findings and escalation (decide/plan/decisions.py)
     EventName.FINDING_NEW: spec(
         WARNING, f"{FINDING_FIELDS} actionable evidence", _finding_new, INFO
     ),

@@ -281,7 +281,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
         "reason",
         lambda s: f"An interrupted reset could not be resumed{s.why('reason')}.",
     ),
-    # the kernel log's Xids (collect/kernel_log.py, decide/xid_sources.py)
+    # the kernel log's Xids (collect/kernel_log.py, decide/health/xid_sources.py)
     EventName.HEALTH_XID: spec(
         INFO,
         "gpu xid xid_name xid_action count first last sources repeated before_start pid process"

@@ -25,10 +25,10 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.daemon.notify import Notifier, describe_status
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.plan import Ladder, PlanState
+from gpuwatchd.decide.plan.decisions import Ladder, PlanState
 from gpuwatchd.engine.cycle import PollReport
 from gpuwatchd.events.logs import sentence
 
@@ -195,7 +195,7 @@ def test_unknown_minor_blocks_the_reset() -> None:
 def test_memory_back_to_baseline_after_a_reset(
     allocated: int | None, baselines: dict[str, int], expected: bool | None
 ) -> None:
-    from gpuwatchd.decide.baselines import back_to_baseline
+    from gpuwatchd.decide.assess.baselines import back_to_baseline
     from gpuwatchd.decide.policy import Detection
 
     state = AssessState(baselines=baselines)

@@ -305,7 +305,7 @@ def test_memory_beside_a_monitor_keeps_the_scans_full(
 ) -> None:
     """A monitor (the GPU's node, no nvidia-uvm, not listed) holds no memory: memory no live
     process owns beside it is still looked for in all of /proc, every poll, as ghost_memory
-    needs (decide/monitors.py)."""
+    needs (decide/plan/monitors.py)."""
     fake_nvml.write(state([gpu(0, allocated=3072 * MIB)]))
     node = fake_nvml.devices_dir / "nvidia0"
     node.touch()

@@ -1,7 +1,7 @@
 """Issue #15: leaks from before the daemon watched, kcmp proof of inheritance, reset blockers.
 
 Real kcmp on the test's own forked children (collect/inherit.py), and decision tables over
-hand-built snapshots (decide/assess.py, decide/floor.py).
+hand-built snapshots (decide/assess/passes.py, decide/floor.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from gpuwatchd.collect.inherit import InheritanceProbe, Kcmp, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
 from gpuwatchd.decide.policy import Detection
 from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid

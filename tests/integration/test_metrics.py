@@ -35,9 +35,9 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.daemon.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan_state import Ladder, PlanState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.engine.cycle import PollReport

@@ -1,14 +1,12 @@
 """The mutation tool itself (tests/mutation): which mutants it makes, that their names survive
 unrelated edits, that a mutant really changes the running function, and that the checked-in
-equivalents and scope are well-formed, and that the default run (without ``--wide``) makes the
-very mutants and fingerprints it made before the wide run existed. ``make mutate`` is the
-tool's real run."""
+equivalents and scope are well-formed, and that a fingerprint sees what a gate rests on.
+``make mutate`` is the tool's real run."""
 
 from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import importlib
 import sys
 import textwrap
@@ -21,14 +19,12 @@ from tests.mutation.callees import Dependencies
 from tests.mutation.equivalents import EquivalentsError, load_equivalents, stale, to_yaml
 from tests.mutation.operators import (
     OPERATORS,
-    WIDE_OPERATORS,
     apply,
     find_functions,
-    fingerprint,
     mutants_of,
 )
 from tests.mutation.runner import ModuleSource, MutationPlugin, Verdict, _resolve, function_code
-from tests.mutation.scope import ALL, TARGETS, TEST_FILES, WIDE_TARGETS, WIDE_TEST_FILES, Target
+from tests.mutation.scope import ALL, TARGETS, TEST_FILES, Target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,11 +51,11 @@ SAMPLE = textwrap.dedent(
 )
 
 
-def _mutants(source: str = SAMPLE, *, wide: bool = False) -> list[tuple[str, str, str, str]]:
+def _mutants(source: str = SAMPLE) -> list[tuple[str, str, str, str]]:
     tree = ast.parse(source)
     found = []
     for function in find_functions(tree).values():
-        for m in mutants_of("sample.py", source, function, wide=wide):
+        for m in mutants_of("sample.py", source, function):
             found.append((m.function, m.operator, m.line, m.change))
     return found
 
@@ -92,14 +88,9 @@ def test_the_operators_and_where_they_apply() -> None:
     assert not any(line.startswith("w.event") for _, _, line, _ in found)
     assert not any(line.startswith('"""') for _, _, line, _ in found)
     assert not any(line == "return None" for _, _, line, _ in found)
-    assert not any(op == "delete" and line.startswith("for pid") for _, op, line, _ in found)
-    assert operators.isdisjoint(WIDE_OPERATORS)  # the default run makes none of the wide ones
-    # The wide run: a statement at the top of the body may be deleted, but a return there is
-    # the return operator's.
-    wide = _mutants(wide=True)
-    assert ("gate", "delete", "for pid in pids:", "delete") in wide
-    assert not any(op == "delete" and line == "return None" for _, op, line, _ in wide)
-    assert set(found) < set(wide)
+    # A statement at the top of the body may be deleted, but a return there is the return
+    # operator's.
+    assert ("gate", "delete", "for pid in pids:", "delete") in found
 
 
 NEW_OPERATORS = textwrap.dedent(
@@ -115,10 +106,10 @@ NEW_OPERATORS = textwrap.dedent(
 )
 
 
-def test_the_wide_operators_a_mutation_run_found_missing() -> None:
-    """``--wide``: an argument replaced by None or dropped, ``x = None``, ``+=`` → ``=``, a
-    top-level statement deleted, a comprehension filter removed, a condition forced."""
-    found = _mutants(NEW_OPERATORS, wide=True)
+def test_the_operators_a_mutation_review_found_missing() -> None:
+    """An argument replaced by None or dropped, ``x = None``, ``+=`` → ``=``, a top-level
+    statement deleted, a comprehension filter removed, a condition forced."""
+    found = _mutants(NEW_OPERATORS)
     changes = {(op, change) for _, op, _, change in found}
     assert changes >= {
         ("argument", "policy.get: argument 1 `'gpu'` → None"),
@@ -144,16 +135,11 @@ def test_the_wide_operators_a_mutation_run_found_missing() -> None:
         "if check(held, strict=True):",
         "return seen",  # in a branch
     }
-    # Without --wide, none of them (the default run is as it was).
-    default = _mutants(NEW_OPERATORS)
-    assert {op for _, op, _, _ in default}.isdisjoint(WIDE_OPERATORS)
-    assert ("augassign", "seen += extra → seen = extra") not in {(o, c) for _, o, _, c in default}
-    assert {line for _, op, line, _ in default if op == "delete"} == {"return seen"}
 
 
-def test_a_calls_positional_arguments_are_mutated_by_the_wide_run() -> None:
-    """The ``args`` field of a call is mutated by ``--wide`` (the default run skips it with a
-    signature's ``args``), but a nested function's signature and defaults are not."""
+def test_a_calls_positional_arguments_are_mutated() -> None:
+    """The ``args`` field of a call is mutated, but a nested function's signature and defaults
+    are not."""
     source = textwrap.dedent(
         """
         def gate(pids, limit):
@@ -162,14 +148,13 @@ def test_a_calls_positional_arguments_are_mutated_by_the_wide_run() -> None:
             return inner(len(pids) > limit, pids[0] == 1)
         """
     )
-    changes = {change for _, _, _, change in _mutants(source, wide=True)}
+    changes = {change for _, _, _, change in _mutants(source)}
     assert "len(pids) > limit → len(pids) >= limit" in changes
     assert "pids[0] == 1 → pids[0] != 1" in changes
     assert not any("limit + 1" in change for change in changes)
-    assert not any(change.startswith(("len(pids)", "pids[0]")) for *_, change in _mutants(source))
 
 
-def test_a_statement_calling_super_is_never_deleted_by_the_wide_run() -> None:
+def test_a_statement_calling_super_is_never_deleted() -> None:
     """Deleting it would drop the method's __class__ cell: a mutant that cannot be installed."""
     source = (
         "class E(ValueError):\n"
@@ -177,82 +162,19 @@ def test_a_statement_calling_super_is_never_deleted_by_the_wide_run() -> None:
         "        super().__init__(m)\n"
         "        self.m = m\n"
     )
-    found = _mutants(source, wide=True)
+    found = _mutants(source)
     assert ("E.__init__", "delete", "self.m = m", "delete") in found
     assert not any(op == "delete" and "super" in line for _, op, line, _ in found)
 
 
-def test_every_wide_mutant_compiles_and_runs(tmp_path: Path) -> None:
+def test_every_mutant_of_the_new_operators_compiles_and_runs(tmp_path: Path) -> None:
     (tmp_path / "mutnew.py").write_text(NEW_OPERATORS)
     tree = ast.parse(NEW_OPERATORS)
     function = find_functions(tree)["gate"]
-    mutants = mutants_of("mutnew.py", NEW_OPERATORS, function, wide=True)
-    assert all(m.wide for m in mutants)
+    mutants = mutants_of("mutnew.py", NEW_OPERATORS, function)
     for mutant in mutants:
         mutated = compile(apply(tree, mutant), str(tmp_path / "mutnew.py"), "exec")
         function_code(mutated, ["gate"], function.first_line)
-
-
-# --- the default run is the one CI's fingerprints.json was recorded with ---------------------
-
-PIN_SOURCE = (
-    SAMPLE
-    + NEW_OPERATORS.replace("def gate", "def gate2")
-    + textwrap.dedent(
-        """
-    def gate3(pids, limit, items):
-        total = 0
-        for item in items:
-            total += item.size
-            total -= 1
-            if not item.ok or total >= limit:
-                break
-        while total % 3:
-            total //= 2
-        return inner(len(pids) > limit, pids[0] == 1, flag=True) if any(pids) else min(pids)
-
-
-    class E(ValueError):
-        def __init__(self, m):
-            super().__init__(m)
-            if m:
-                super().__init__(m * 2)
-            self.m = m | {1} & {2}
-    """
-    )
-)
-# What integration's tool (before --wide existed) made of PIN_SOURCE: the mutants' keys,
-# sites and alternatives, and each function's fingerprint. fingerprints.json and every recorded
-# result depend on these; change them only with a re-recorded fingerprints.json.
-PINNED_DEFAULT_MUTANTS = (48, "1b591a92193fde7d")
-PINNED_DEFAULT_PRINTS = "5909ddba2e1adbdb"
-# scope.py's default TARGETS, as integration's tool had them (what is mutated, and so what
-# fingerprints.json holds; TEST_FILES, which only judge, may grow without a new record).
-PINNED_DEFAULT_SCOPE = "7d75b54f74a90c19"
-
-
-def _digest(value: object) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
-
-
-def test_the_default_run_makes_the_mutants_and_fingerprints_it_always_made() -> None:
-    """Without ``--wide``, the operators, their numbering, the fingerprints and the scope are
-    integration's: CI's ``make mutate-changed`` compares against fingerprints.json recorded
-    with them, and a changed default would re-mutate (and fail on) everything."""
-    tree = ast.parse(PIN_SOURCE)
-    functions = find_functions(tree)
-    mutants = [
-        (m.key, m.site, m.alternative)
-        for qualname in sorted(functions)
-        for m in mutants_of("pin.py", PIN_SOURCE, functions[qualname])
-    ]
-    assert (len(mutants), _digest(mutants)) == PINNED_DEFAULT_MUTANTS
-    prints = [fingerprint(functions[q]) for q in sorted(functions)]
-    assert _digest(prints) == PINNED_DEFAULT_PRINTS
-    scope = [(t.name, t.file, t.functions, t.critical) for t in TARGETS]
-    assert _digest(scope) == PINNED_DEFAULT_SCOPE
-    wide = [mutants_of("pin.py", PIN_SOURCE, f, wide=True) for f in functions.values()]
-    assert sum(map(len, wide)) > len(mutants)  # what --wide adds
 
 
 def test_a_mutants_name_survives_an_unrelated_edit_and_a_new_comment() -> None:
@@ -264,9 +186,6 @@ def test_a_mutants_name_survives_an_unrelated_edit_and_a_new_comment() -> None:
     function = find_functions(tree)["gate"]
     after = {m.key for m in mutants_of("s.py", edited, function)}
     assert before == after
-    assert fingerprint(function) == fingerprint(find_functions(ast.parse(SAMPLE))["gate"])
-    changed = find_functions(ast.parse(edited.replace("pid > 2", "pid > 3")))["gate"]
-    assert fingerprint(changed) != fingerprint(function)
 
 
 def test_identical_changes_in_one_function_are_told_apart_by_occurrence() -> None:
@@ -352,7 +271,7 @@ def test_a_cached_function_is_found_and_its_mutant_not_hidden_by_the_cache(
 
 def test_the_equivalents_file_is_well_formed_and_names_scoped_files() -> None:
     entries = load_equivalents(ROOT / "tests" / "mutation" / "equivalents.yaml")
-    files = {t.file for t in (*TARGETS, *WIDE_TARGETS)}
+    files = {t.file for t in TARGETS}
     assert all(e.file in files for e in entries)
     assert all(len(e.reason) > 10 for e in entries)
 
@@ -401,22 +320,20 @@ def test_a_survivor_pasted_from_the_report_with_a_reason_is_an_equivalent(tmp_pa
 
 
 def test_the_scope_names_files_that_exist_and_test_files_that_exist() -> None:
-    for target in (*TARGETS, *WIDE_TARGETS):
+    for target in TARGETS:
         assert (ROOT / target.file).is_file(), target.file
         assert (
             target.critical == ALL
             or set(target.critical) <= set(target.functions)
             or (target.functions == ALL)
         ), target.name
-    assert all((ROOT / f).is_file() for f in (*TEST_FILES, *WIDE_TEST_FILES))
+    assert all((ROOT / f).is_file() for f in TEST_FILES)
 
 
-# --- a time-out with critical mutants left fails; the wide run's callees and defaults count ---
+# --- a time-out with critical mutants left fails; a gate's callees and defaults count --------
 
 
-def _report_of(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, statuses: list[str], *, wide: bool = False
-) -> int:
+def _report_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, statuses: list[str]) -> int:
     """The exit status of a run whose critical mutants ended with ``statuses``."""
     monkeypatch.setattr(mutation_main, "RESULTS", tmp_path / "build" / "results.json")
     monkeypatch.setattr(mutation_main, "ROOT", tmp_path)
@@ -430,33 +347,28 @@ def _report_of(
     plugin.verdicts = [Verdict(m, s) for m, s in zip(mutants, statuses, strict=True)]
     target = Target("sample", "sample.py", ALL, ALL)
     return mutation_main._report(
-        args=argparse.Namespace(record=False, tests=[], wide=wide), targets=[target],
+        args=argparse.Namespace(record=False, tests=[]), targets=[target],
         plugin=plugin, equivalents=[], missing=[], prints={}, recorded={}, started=0.0,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("wide", [False, True])
 def test_a_run_whose_time_limit_left_critical_mutants_unrun_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], wide: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The default run too (CI's ``make mutate-changed`` passed on a time-out before)."""
-    assert _report_of(tmp_path, monkeypatch, ["killed", "killed"], wide=wide) == 0
-    assert _report_of(tmp_path, monkeypatch, ["killed", "not_run"], wide=wide) == 1
+    """CI's ``make mutate-changed`` passed on a time-out before."""
+    assert _report_of(tmp_path, monkeypatch, ["killed", "killed"]) == 0
+    assert _report_of(tmp_path, monkeypatch, ["killed", "not_run"]) == 1
     out = capsys.readouterr().out
     assert "1 mutant(s) not run, 1 of them in critical functions" in out
     assert "not run: sample.py::gate" in out
-    assert _report_of(tmp_path, monkeypatch, ["killed", "survived"], wide=wide) == 1
+    assert _report_of(tmp_path, monkeypatch, ["killed", "survived"]) == 1
 
 
-def test_the_wide_run_records_its_own_fingerprints_and_the_default_run_ignores_wide_entries(
+def test_no_record_means_every_function_is_mutated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(mutation_main, "FINGERPRINTS", tmp_path / "fingerprints.json")
-    monkeypatch.setattr(mutation_main, "FINGERPRINTS_WIDE", tmp_path / "fingerprints-wide.json")
-    assert mutation_main._fingerprints_file(wide=False) == tmp_path / "fingerprints.json"
-    assert mutation_main._fingerprints_file(wide=True) == tmp_path / "fingerprints-wide.json"
-    assert mutation_main._read_fingerprints(wide=True) == {}  # absent: --changed mutates all
-    assert mutation_main.FINGERPRINTS.name == "fingerprints.json"
+    assert mutation_main._read_fingerprints() == {}  # absent: --changed mutates all
 
 
 GATES = textwrap.dedent(
@@ -505,10 +417,10 @@ def _gate_print(tmp_path: Path, gates: str = GATES, policy: str = POLICY) -> str
     return dependencies.fingerprint(find_functions(ast.parse(gates))["gate"].node)
 
 
-def test_wide_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
+def test_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
     tmp_path: Path,
 ) -> None:
-    """``--wide --changed`` compares these fingerprints: a change to what the gate calls (at any
+    """``--changed`` compares these fingerprints: a change to what the gate calls (at any
     depth), the table it reads or the default of a policy field it reads re-mutates it; a change
     to an unrelated function, another default or a function named like one of its locals
     does not."""
@@ -528,7 +440,7 @@ def test_wide_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
     )
 
 
-def test_a_callee_moved_to_another_file_of_decide_keeps_the_wide_print(tmp_path: Path) -> None:
+def test_a_callee_moved_to_another_file_of_decide_keeps_the_print(tmp_path: Path) -> None:
     """Reshaping decide/ into folders moves definitions between files: the print hashes what
     a gate reaches by qualified name, so a move alone re-mutates nothing, an edit still does."""
     before = _gate_print(tmp_path)

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.daemon.metrics import Metrics, _why_not_written
-from gpuwatchd.decide.plan import plan
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.events.logs import journal_entry
 from tests.support.demo import banner
 from tests.support.plancases import ghost, orphan, policy, proc, snap

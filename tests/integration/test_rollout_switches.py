@@ -22,8 +22,8 @@ from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import CgroupInfo, NvmlReading, Spare
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
-from gpuwatchd.decide.plan import plan, set_paused
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.plan.decisions import plan, set_paused
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
 from gpuwatchd.state.directory import StateDir

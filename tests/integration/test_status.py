@@ -34,7 +34,7 @@ from gpuwatchd.cli.status import (
 )
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
-from gpuwatchd.decide.plan_state import Ladder, PlanState
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import StateStore
 from gpuwatchd.state.status_document import with_document

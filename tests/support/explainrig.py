@@ -5,8 +5,8 @@ from __future__ import annotations
 import pathlib
 
 from gpuwatchd.cli.report import build_report
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import Simulation, scenario_policy
 

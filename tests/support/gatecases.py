@@ -12,7 +12,7 @@ from gpuwatchd.core.model import (
     FindingKind,
     Snapshot,
 )
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     HookIntent,
     PlanResult,
     PlanState,

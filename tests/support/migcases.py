@@ -4,8 +4,8 @@ beside a live job, and one assessment run."""
 from __future__ import annotations
 
 from gpuwatchd.core.model import MIB, Snapshot
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder

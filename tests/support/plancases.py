@@ -17,7 +17,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     PlanResult,
     SignalIntent,
 )

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from gpuwatchd.act.reset import ResetStep, ResetTarget, progress_record
 from gpuwatchd.core.model import GpuInfo, MigDevice
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
-from gpuwatchd.decide.monitors import StoppableMonitor
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
+from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 

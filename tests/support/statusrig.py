@@ -10,7 +10,7 @@ from gpuwatchd.cli.status import (
 )
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.core.vocabulary import LadderStatus
-from gpuwatchd.decide.plan_state import Ladder, PlanState
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.status_document import with_document
 
 NOW = 1_800_000_000.0  # wall

@@ -22,8 +22,8 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.decide.assess import NODE, Assessment, assess, job_ended
-from gpuwatchd.decide.assess_state import AssessState, Lineage
+from gpuwatchd.decide.assess.passes import NODE, Assessment, assess, job_ended
+from gpuwatchd.decide.assess.state import AssessState, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection
 from tests.support.snapshots import (

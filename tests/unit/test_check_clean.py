@@ -23,7 +23,7 @@ from gpuwatchd.cli.check_clean import (
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
 from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
-from gpuwatchd.decide.plan_state import Ladder, PlanState, SeenFinding
+from gpuwatchd.decide.plan.state import Ladder, PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, Reason
 

@@ -1,6 +1,6 @@
 """Dry run previews enforcement: the same decisions, in the same order, once, marked would-be.
 
-A dry run keeps a shadow of the limits and history enforcement would have (decide/shadow.py):
+A dry run keeps a shadow of the limits and history enforcement would have (decide/plan/shadow.py):
 a would-be reset counts against ``max_resets`` and the cooldown and is assumed to have
 succeeded; a would-be ladder counts against the kill cap, whose would-be latch holds what
 enforcement's would hold; a would-be SIGKILL is assumed to end its target. These tests run the
@@ -19,7 +19,7 @@ import pytest
 from gpuwatchd.cli.main import main
 from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import LadderStatus
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
     PlanState,
@@ -28,9 +28,9 @@ from gpuwatchd.decide.plan import (
     record_assumed_exit,
     record_reset,
 )
-from gpuwatchd.decide.plan_state import Ladder
+from gpuwatchd.decide.plan.shadow import DryShadow, ShadowWork
+from gpuwatchd.decide.plan.state import Ladder
 from gpuwatchd.decide.policy import Limits
-from gpuwatchd.decide.shadow import DryShadow, ShadowWork
 from gpuwatchd.sim.scenario import load_scenario, parse_scenario
 from gpuwatchd.sim.simulation import SimulationResult, simulate
 

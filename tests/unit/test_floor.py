@@ -11,8 +11,8 @@ from gpuwatchd.collect.cgroups import classify_cgroup_path
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import (
     infrastructure,
     live_holder,
@@ -21,7 +21,7 @@ from gpuwatchd.decide.floor import (
     system_cgroup,
     unverified_infrastructure,
 )
-from gpuwatchd.decide.plan import PlanState, ResetIntent, plan
+from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, plan
 from gpuwatchd.decide.targets import refusal
 from tests.support.snapshots import HostBuilder, cg_container, cg_session, cg_unit
 

@@ -27,7 +27,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.decide.floor import driver_refusers, infrastructure, live_holder, reset_blockers
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     PlanState,
     process_facts,

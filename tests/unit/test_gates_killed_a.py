@@ -15,7 +15,7 @@ import pytest
 
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
-from gpuwatchd.decide.plan import EventName, PlanState, plan
+from gpuwatchd.decide.plan.decisions import EventName, PlanState, plan
 from gpuwatchd.decide.policy import Limits
 from tests.support.fakeproc import FakeProc
 from tests.support.plancases import orphan, policy, proc, signals, snap

@@ -1,4 +1,4 @@
-"""Who holds a GPU against its reset, and a whole MIG GPU's layout (decide/plan_resets.py).
+"""Who holds a GPU against its reset, and a whole MIG GPU's layout (decide/plan/resets.py).
 
 Gates a mutation run found untested, one behaviour each: an NVML-only client (a monitor) of
 another GPU never holds this GPU's reset, one whose ``gpus`` names this GPU does (unless
@@ -18,9 +18,9 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import PlanState, ResetIntent, plan, reset_gates
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, plan, reset_gates
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy, default_rules
 from tests.support.migcases import GI1, LEAK, run
 from tests.support.migsnap import Inst, with_mig

@@ -25,14 +25,14 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
 from gpuwatchd.decide import patterns
 from gpuwatchd.decide.argv import ArgvError, check_hook_command
-from gpuwatchd.decide.assess import NODE, assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.baselines import V1_BASELINE_SUFFIX
+from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX
+from gpuwatchd.decide.assess.passes import NODE, assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
-from gpuwatchd.decide.mig_recovery import recovery_blockers
+from gpuwatchd.decide.mig.recovery import recovery_blockers
 from gpuwatchd.decide.patterns import command_search
-from gpuwatchd.decide.plan import EventName, PlanState, ResetIntent, plan, reset_gates
-from gpuwatchd.decide.plan_state import Ladder
+from gpuwatchd.decide.plan.decisions import EventName, PlanState, ResetIntent, plan, reset_gates
+from gpuwatchd.decide.plan.state import Ladder
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from tests.support.gatecases import (

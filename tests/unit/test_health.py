@@ -1,5 +1,5 @@
 """GPU health, pure: the Xid catalogue, the recovery action, row remapping and retired pages give
-findings (decide/health.py), and plan turns them into drain, wait, reset or reboot hooks —
+findings (decide/health/judge.py), and plan turns them into drain, wait, reset or reboot hooks —
 never a signal, never a reset with a live holder, the wait bounded and kept across restarts."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.health import (
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.health.judge import (
     HealthState,
     XidAction,
     assess_health,
     note_reset,
     xid_action,
 )
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
     PlanResult,

@@ -1,4 +1,4 @@
-"""GPU health readings at their edges (decide/health.py): which GPUs are judged, what support
+"""GPU health readings at their edges (decide/health/judge.py): which GPUs are judged, what support
 an answer needs before it counts, how the Xid history is bounded, and what a saved history
 must look like to be read back. Tables of readings; each row says what it pins.
 """
@@ -19,8 +19,8 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
-from gpuwatchd.decide.health import HealthState, assess_health, recovery_name
-from gpuwatchd.decide.health_state import MAX_XID_KINDS
+from gpuwatchd.decide.health.judge import HealthState, assess_health, recovery_name
+from gpuwatchd.decide.health.state import MAX_XID_KINDS
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

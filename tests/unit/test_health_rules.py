@@ -1,4 +1,5 @@
-"""GPU health as NVIDIA documents it, pure (decide/health.py, decide/fabric.py): every recovery
+"""GPU health as NVIDIA documents it, pure (decide/health/judge.py, decide/health/fabric.py): every
+recovery
 action value, the solo rules (48, 45) over a window of co-occurring Xids, an NVLink peer's
 Xid 74 after our own reset, the stricter peer options, the NVLink fabric, the health check
 after a reset, and a dry run's assumed reset."""
@@ -11,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import Finding, FindingKind, GpuHealth, Support, XidEvent
-from gpuwatchd.decide import fabric
-from gpuwatchd.decide.health import (
+from gpuwatchd.decide.health import fabric
+from gpuwatchd.decide.health.judge import (
     PEER_XID_WINDOW,
     XID_WINDOW,
     HealthState,

@@ -11,7 +11,9 @@ import pytest
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import FindingKind
-from gpuwatchd.decide import health, kinds, plan_resets, verdict
+from gpuwatchd.decide import kinds, verdict
+from gpuwatchd.decide.health import judge as health
+from gpuwatchd.decide.plan import resets as plan_resets
 
 FINDINGS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "findings.md"
 

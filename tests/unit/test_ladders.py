@@ -1,4 +1,5 @@
-"""The kill ladder poll by poll (decide/plan.py): what a target in an odd state gets at the moment
+"""The kill ladder poll by poll (decide/plan/decisions.py): what a target in an odd state gets at
+the moment
 its next step is due, what act's outcomes do to the ladder, who is told, and when the daemon
 must wake next. Each test is a short timeline of ``plan`` and ``record_*`` calls.
 """
@@ -10,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
     PlanResult,

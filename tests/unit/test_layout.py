@@ -47,4 +47,4 @@ def test_the_guard_sees_an_import_of_a_test_module() -> None:
     assert _is_test_module("tests.unit.test_plan")
     assert _is_test_module("tests.test_e2e_run")
     assert not _is_test_module("tests.support.plancases")
-    assert not _is_test_module("gpuwatchd.decide.plan")
+    assert not _is_test_module("gpuwatchd.decide.plan.decisions")

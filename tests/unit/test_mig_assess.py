@@ -1,4 +1,4 @@
-"""MIG in the pure core (decide/mig.py through assess, plan and the verdict).
+"""MIG in the pure core (decide/mig/instances.py through assess, plan and the verdict).
 
 Each host has GPU 0 in MIG mode with GPU instances 1 and 2 (and a plain GPU 1 beside it). A
 process is attributed to an instance only by the capability files it holds; the parent node
@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.mig import busy_instances, instance_view, mig_layout, parent_of
-from gpuwatchd.decide.plan import PlanState, SignalIntent, plan, reset_gates
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.mig.instances import busy_instances, instance_view, mig_layout, parent_of
+from gpuwatchd.decide.plan.decisions import PlanState, SignalIntent, plan, reset_gates
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from tests.support.fakenvml import cap_minor

@@ -1,4 +1,4 @@
-"""The recovery of one MIG GPU instance (decide/mig_recovery.py): what it re-creates, the
+"""The recovery of one MIG GPU instance (decide/mig/recovery.py): what it re-creates, the
 command lines it fills in (every value checked), when it refuses, and how it is verified.
 
 GPU 0 is in MIG mode with GPU instances 1 and 2 (tests/support/migsnap.py: GI profile 19,
@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatchd.core.model import MIB, GpuInfo, MigDevice, Snapshot
 from gpuwatchd.decide.argv import ArgvError, check_command, format_argv, placeholders_in
-from gpuwatchd.decide.mig_recovery import (
+from gpuwatchd.decide.mig.recovery import (
     DEFAULT_COMMANDS,
     MIG_PLACEHOLDERS,
     InstanceRecovery,

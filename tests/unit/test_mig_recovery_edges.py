@@ -1,7 +1,7 @@
 """The edges of a MIG GPU instance's recovery, one condition at a time.
 
-Each test pins one condition the recovery rests on (decide/mig_recovery.py, the instance gates
-of decide/plan_resets.py, the full-scan rule of decide/full_scan.py), so that changing it is
+Each test pins one condition the recovery rests on (decide/mig/recovery.py, the instance gates
+of decide/plan/resets.py, the full-scan rule of decide/full_scan.py), so that changing it is
 seen: what counts as back after the re-creation, what may still use the instance, which state
 file records are believed, and when a GPU instance's memory makes a poll walk all of /proc.
 """
@@ -26,7 +26,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import ResetResult
 from gpuwatchd.decide.full_scan import has_unowned_memory, unowned_memory_threshold
-from gpuwatchd.decide.mig_recovery import (
+from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
     from_record,
     instance_blockers,
@@ -34,7 +34,7 @@ from gpuwatchd.decide.mig_recovery import (
     recovery_blockers,
     recovery_of,
 )
-from gpuwatchd.decide.plan import PlanState, ResetIntent, record_reset, reset_gates
+from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, record_reset, reset_gates
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid

@@ -15,9 +15,9 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ResetResult
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.decisions import (
     HookIntent,
     PlanState,
     ResetIntent,
@@ -27,7 +27,7 @@ from gpuwatchd.decide.plan import (
     reset_gates,
     unfinished_recoveries,
 )
-from gpuwatchd.decide.plan_state import ResetRefusal
+from gpuwatchd.decide.plan.state import ResetRefusal
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from tests.support.migcases import GI1, GI2, LEAK, run

@@ -16,8 +16,8 @@ from gpuwatchd.cli.report import build_report, render_text
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.daemon.metrics import Metrics
-from gpuwatchd.decide.assess import Assessment
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import judge
 from gpuwatchd.engine.cycle import PollReport

@@ -12,7 +12,7 @@ import dataclasses
 
 from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import ResetResult
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     HookIntent,
     PlanState,
     ResetIntent,

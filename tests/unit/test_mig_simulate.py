@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from gpuwatchd.collect.mig import cap_minor
-from gpuwatchd.decide.mig import mig_layout
+from gpuwatchd.decide.mig.instances import mig_layout
 from gpuwatchd.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.world import World

@@ -1,4 +1,4 @@
-"""Monitors (decide/monitors.py): an NVML-only client never keeps leaked memory from being
+"""Monitors (decide/plan/monitors.py): an NVML-only client never keeps leaked memory from being
 ghost_memory; it blocks the reset with a reason that names it unless ``reset.monitors`` names it,
 and then the reset procedure stops it and brings it back (act/reset_monitors.py).
 
@@ -21,10 +21,10 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.monitors import StoppableMonitor, monitors_to_stop
-from gpuwatchd.decide.plan import reset_gates
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.decisions import reset_gates
+from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment

@@ -1,4 +1,4 @@
-"""The orphan rule's evidence, case by case (decide/assess.py): what ties a holder to a dead
+"""The orphan rule's evidence, case by case (decide/assess/passes.py): what ties a holder to a dead
 owner, and what must keep it a worker of a live one.
 
 Each table row is a host over one or two polls, and what ``assess`` must conclude about one
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 
 from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 

@@ -26,7 +26,7 @@ from gpuwatchd.core.model import (
     Snapshot,
     SubIdRange,
 )
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
     Ladder,

@@ -42,9 +42,9 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.decisions import (
     HookIntent,
     PlanState,
     ResetIntent,

@@ -14,7 +14,7 @@ import pathlib
 from gpuwatchd.core.model import Spare
 from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.daemon.notify import describe_status
-from gpuwatchd.decide.plan import SignalIntent
+from gpuwatchd.decide.plan.decisions import SignalIntent
 from gpuwatchd.engine.cycle import Engine, Pause, PollInputs
 from tests.support.enginerig import W0, make_policy, orphan_host, rig
 

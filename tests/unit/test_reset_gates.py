@@ -1,4 +1,5 @@
-"""The reset gates with history and the drain wait (decide/plan.py, decide/health.py): what
+"""The reset gates with history and the drain wait (decide/plan/decisions.py,
+decide/health/judge.py): what
 keeps a health reset waiting, a reset that needs a reboot, the gates a snapshot alone decides,
 the post-action delay and cooldown around a reset, and the bounded drain wait. The holder
 gates, pause and ladders are in tests/unit/test_gates.py, whose builders these tests share.
@@ -11,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, Snapshot
-from gpuwatchd.decide.health import drain_blockers
-from gpuwatchd.decide.plan import (
+from gpuwatchd.decide.health.judge import drain_blockers
+from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
     PlanState,

@@ -17,7 +17,7 @@ import pytest
 from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.core.model import GpuInfo
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, instance_gpu, make_policy, smi_commands

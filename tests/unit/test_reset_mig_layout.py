@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset, progress_record
 from gpuwatchd.act.reset_resume import resume_interrupted
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, layout_gpu, make_policy, smi_commands

@@ -1,4 +1,4 @@
-"""The steady poll's reuse of the last assessment and verdict is exact (decide/reuse.py).
+"""The steady poll's reuse of the last assessment and verdict is exact (decide/assess/reuse.py).
 
 Each test compares the reusing path with a plain ``assess`` + ``judge`` on the same inputs:
 a reuse that changed any finding, role, state, stamp or verdict would show. Every example
@@ -15,10 +15,10 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Snapshot
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.reuse import Reuse, same_but_time
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
-from gpuwatchd.decide.reuse import Reuse, same_but_time
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import Simulation, scenario_policy

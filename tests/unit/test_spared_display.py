@@ -18,8 +18,8 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.core.model import Snapshot, Spare
-from gpuwatchd.decide.assess import assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.spares import write_spare
 from tests.support.snapshots import HostBuilder, cg_slurm

@@ -15,8 +15,8 @@ import pytest
 
 from gpuwatchd.cli.main import main
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo, Spare
-from gpuwatchd.decide.plan import plan
-from gpuwatchd.decide.plan_state import PlanState
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.spares import job_processes, slurm_tree_job, spare_reason
 from tests.support.plancases import orphan, policy, proc, signals, snap
 

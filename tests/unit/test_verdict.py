@@ -18,8 +18,8 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness
-from gpuwatchd.decide.assess import Assessment, assess
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, Policy, Protect
 from gpuwatchd.decide.verdict import (
     SETTLING,

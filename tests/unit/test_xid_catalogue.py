@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.decide.xid_catalogue import (
+from gpuwatchd.decide.health.xid_catalogue import (
     CATALOGUE_SOURCE,
     XID_CATALOGUE,
     Bucket,
@@ -87,7 +87,7 @@ def test_findings_md_carries_the_generated_table_and_cites_every_row() -> None:
     page = FINDINGS.read_text()
     table = render_markdown()
     assert table in page, (
-        "regenerate the table: python -c 'from gpuwatchd.decide.xid_catalogue import "
+        "regenerate the table: python -c 'from gpuwatchd.decide.health.xid_catalogue import "
         'render_markdown as r; print(r(), end="")\''
     )
     rows = list(table.splitlines()[2:])

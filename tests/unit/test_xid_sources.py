@@ -1,5 +1,6 @@
 """Xids from NVML and the kernel log, counted once; floods said once per window; kernel-log Xids
-judged by the same catalogue as NVML's (decide/xid_sources.py, decide/health.py). Pure."""
+judged by the same catalogue as NVML's (decide/health/xid_sources.py, decide/health/judge.py).
+Pure."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import FindingKind, KernelXid, XidEvent
-from gpuwatchd.decide.health import assess_health
-from gpuwatchd.decide.health_state import HealthState, XidLog
-from gpuwatchd.decide.xid_sources import (
+from gpuwatchd.decide.health.judge import assess_health
+from gpuwatchd.decide.health.state import HealthState, XidLog
+from gpuwatchd.decide.health.xid_sources import (
     DEDUP_WINDOW,
     LOG_WINDOW,
     Merged,

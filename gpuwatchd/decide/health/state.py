@@ -105,7 +105,7 @@ class GpuHealthState:
     fabric_since: float | None = None
     checked_reset: float | None = None  # the last_reset whose health check was read
     unhealed: tuple[str, ...] = ()  # what that check found the reset had not applied
-    # The kernel log (decide/xid_sources.py): the last record counted (microseconds since
+    # The kernel log (decide/health/xid_sources.py): the last record counted (microseconds since
     # boot), what one source saw and the other has not yet matched, the latest detail per
     # Xid, and when each Xid was last said.
     klog_pos: int | None = None

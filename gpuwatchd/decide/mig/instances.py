@@ -6,7 +6,7 @@ instances (CIs) of one GI share its memory. Every process using any instance hol
 uses; the capability files of its GI and CI do (``/dev/nvidia-caps/nvidia-cap<N>``, the minors
 listed in mig-minors; or their procfs form). docs/findings.md#mig has the sources.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.mig`.
+In detail: docs/internals.md, section `gpuwatchd.decide.mig.instances`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Acting on GPU health: report, drain hooks, then a reset through the reset gates.
 
-What GPU health *means* is ``decide/health.py``'s; this module decides when to drain and
+What GPU health *means* is ``decide/health/judge.py``'s; this module decides when to drain and
 reset, through the same gates as a ghost-memory reset (``plan_resets.py``).
 """
 
@@ -17,8 +17,8 @@ from gpuwatchd.core.vocabulary import (
     HookName,
     Level,
 )
-from gpuwatchd.decide.health import drain_blockers
-from gpuwatchd.decide.plan_intents import (
+from gpuwatchd.decide.health.judge import drain_blockers
+from gpuwatchd.decide.plan.intents import (
     HookIntent,
     _Ctx,
     _dry,
@@ -26,7 +26,7 @@ from gpuwatchd.decide.plan_intents import (
     _hold_reason,
     _Work,
 )
-from gpuwatchd.decide.plan_resets import (
+from gpuwatchd.decide.plan.resets import (
     _ESCALATING,
     _escalating,
     _gates,
@@ -34,7 +34,7 @@ from gpuwatchd.decide.plan_resets import (
     _say,
     _start_reset,
 )
-from gpuwatchd.decide.plan_state import HealthWait
+from gpuwatchd.decide.plan.state import HealthWait
 from gpuwatchd.decide.targets import gpu_by_uuid
 
 __all__ = []

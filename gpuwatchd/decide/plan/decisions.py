@@ -7,7 +7,7 @@ ladders, process findings, resets, GPU health), and the queries and admin switch
 (``record_*``); intents, events and the per-call scratch state in ``plan_intents``. Callers
 import every public name from here. Semantics: ``docs/escalation.md``.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.plan`.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan.decisions`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from gpuwatchd.core.vocabulary import (
     LadderStatus,
     Level,
 )
-from gpuwatchd.decide.health import HEALTH_KINDS
-from gpuwatchd.decide.plan_health import _consider_health
-from gpuwatchd.decide.plan_intents import (
+from gpuwatchd.decide.health.judge import HEALTH_KINDS
+from gpuwatchd.decide.plan.health import _consider_health
+from gpuwatchd.decide.plan.intents import (
     Event,
     HookIntent,
     Intent,
@@ -42,25 +42,25 @@ from gpuwatchd.decide.plan_intents import (
     kill_cap_scope,
     target_key,
 )
-from gpuwatchd.decide.plan_ladders import (
+from gpuwatchd.decide.plan.ladders import (
     _advance_ladders,
     _consider_process_finding,
     _expire_latches,
 )
-from gpuwatchd.decide.plan_outcomes import (
+from gpuwatchd.decide.plan.outcomes import (
     record_assumed_exit,
     record_exit,
     record_reset,
     record_signal,
 )
-from gpuwatchd.decide.plan_resets import (
+from gpuwatchd.decide.plan.resets import (
     ResetGate,
     _consider_reset,
     _node_block,
     _review_refusals,
     reset_gates,
 )
-from gpuwatchd.decide.plan_state import (
+from gpuwatchd.decide.plan.state import (
     Ladder,
     PlanState,
     ResetInFlight,
@@ -165,7 +165,7 @@ def plan(
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind == FindingKind.GHOST_MEMORY and finding.gpu is not None:
             _consider_reset(w, ctx, finding)
-    # GPU health (decide/health.py): drain, then reset; reboot; drain.
+    # GPU health (decide/health/judge.py): drain, then reset; reboot; drain.
     w.health_waits = {g: wait for g, wait in w.health_waits.items() if wait.finding_key in current}
     # A GPU stays drained while any of its health findings lasts: one incident, one drain.
     unhealthy = {f.gpu for f in current.values() if f.kind in HEALTH_KINDS}

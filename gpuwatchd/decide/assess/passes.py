@@ -6,7 +6,7 @@ the holders and the orphan rule (``assess_holders.py``), GPU-level memory and th
 refused resets (``assess_memory.py``); MIG instances are judged as GPUs of their own
 (``mig.py``). Callers import every public name from here.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.assess`.
+In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess_holders import _HolderPass, job_ended
-from gpuwatchd.decide.assess_listing import _ListingPass
-from gpuwatchd.decide.assess_memory import _MemoryPass
-from gpuwatchd.decide.assess_shared import NODE, Assessment, HolderRole
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.health import assess_health
-from gpuwatchd.decide.mig import (
+from gpuwatchd.decide.assess.holders import _HolderPass, job_ended
+from gpuwatchd.decide.assess.listing import _ListingPass
+from gpuwatchd.decide.assess.memory import _MemoryPass
+from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.health.judge import assess_health
+from gpuwatchd.decide.mig.instances import (
     MigLayout,
     annotate_findings,
     annotate_report_only,
@@ -78,7 +78,7 @@ def assess_processes(
     """:func:`assess` without GPU health: the findings about processes and memory, the roles,
     and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters
     only as ``snapshot.monotonic`` stamped on state entries that are new."""
-    # MIG (decide/mig.py): each GPU instance is judged as a GPU of its own.
+    # MIG (decide/mig/instances.py): each GPU instance is judged as a GPU of its own.
     layout = mig_layout(snapshot)
     assessor = _Assessor(instance_view(snapshot, layout), previous, detection)
     assessor.assess_listings()
@@ -95,7 +95,7 @@ def with_health(
     health_policy: HealthPolicy | None,
 ) -> Assessment:
     """``result`` (:func:`assess_processes`) with GPU health assessed and joined."""
-    # GPU health (decide/health.py): its findings join the others; its history rides along.
+    # GPU health (decide/health/judge.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)
     health = assess_health(
         snapshot, previous.health, boot_changed=boot_changed, policy=health_policy

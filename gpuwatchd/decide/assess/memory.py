@@ -2,7 +2,7 @@
 
 This module owns ``ghost_memory`` (memory above the idle baseline that no live process holds,
 with every reason it is not judged one; an NVML-only client holding the GPU is no such reason,
-see decide/monitors.py), ``unaccounted_memory``, and the hidden holder a reset
+see decide/plan/monitors.py), ``unaccounted_memory``, and the hidden holder a reset
 the driver refused as in use reveals.
 """
 
@@ -15,7 +15,7 @@ from gpuwatchd.core.model import (
     GpuInfo,
 )
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess_shared import _AssessorState, _mib
+from gpuwatchd.decide.assess.shared import _AssessorState, _mib
 
 __all__ = []
 
@@ -141,7 +141,7 @@ class _MemoryPass(_AssessorState):
     def monitors(self, gpu: GpuInfo) -> set[int]:
         """The NVML-only clients holding ``gpu`` (role ``management`` from the holder pass, not
         infrastructure): they hold no memory, so they neither hide ghost memory nor explain
-        unaccounted memory (decide/monitors.py)."""
+        unaccounted memory (decide/plan/monitors.py)."""
         return {
             role.pid
             for role in self.roles

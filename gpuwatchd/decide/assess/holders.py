@@ -19,10 +19,10 @@ from gpuwatchd.core.model import (
     Snapshot,
     as_int,
 )
-from gpuwatchd.decide.assess_shared import _AssessorState, _mib, _Outcome
-from gpuwatchd.decide.assess_state import Lineage
+from gpuwatchd.decide.assess.host_view import HostView, Listing, relation
+from gpuwatchd.decide.assess.shared import _AssessorState, _mib, _Outcome
+from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.host_view import HostView, Listing, relation
 
 __all__ = ["job_ended"]
 

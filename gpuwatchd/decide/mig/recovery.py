@@ -6,7 +6,7 @@ other instance of the GPU, and the jobs in them, untouched. A compute instance a
 give the memory back: the compute instances of a GPU instance share its memory, so the unit
 recovered is the GPU instance (docs/findings.md#mig has the sources).
 
-In detail: docs/internals.md, section `gpuwatchd.decide.mig_recovery`.
+In detail: docs/internals.md, section `gpuwatchd.decide.mig.recovery`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 from gpuwatchd.decide.argv import MIG_PLACEHOLDERS, format_argv
 from gpuwatchd.decide.floor import is_infrastructure
-from gpuwatchd.decide.mig import mig_layout
+from gpuwatchd.decide.mig.instances import mig_layout
 from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
 
 __all__ = [

@@ -4,7 +4,7 @@ This module owns how one GPU's Xids of one poll — NVML's events and the kernel
 (``collect/kernel_log.py``) — become what ``health.py`` counts and what the ``health.xid``
 event says.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.xid_sources`.
+In detail: docs/internals.md, section `gpuwatchd.decide.health.xid_sources`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.model import KernelXid, XidEvent
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.health_state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
-from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
+from gpuwatchd.decide.health.state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
+from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
 
 __all__ = [
     "DEDUP_WINDOW",

@@ -7,7 +7,7 @@ descend from a dead one, and the roles of listed processes whose device files do
 from __future__ import annotations
 
 from gpuwatchd.core.model import FindingKind
-from gpuwatchd.decide.assess_shared import _AssessorState
+from gpuwatchd.decide.assess.shared import _AssessorState
 
 __all__ = []
 

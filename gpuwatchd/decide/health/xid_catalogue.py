@@ -7,7 +7,7 @@ catalogue's two resolution buckets (the *immediate* action an operator takes now
 the one mapping from a bucket to what the daemon does (:func:`xid_action`), and the
 Markdown table of docs/findings.md (:func:`render_markdown`; a test keeps the page equal to it).
 
-In detail: docs/internals.md, section `gpuwatchd.decide.xid_catalogue`.
+In detail: docs/internals.md, section `gpuwatchd.decide.health.xid_catalogue`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The GPU reset gates and the start of a reset.
 
 This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders
-— a monitor, decide/monitors.py, unless ``reset.monitors`` names it —, MIG, pause; then the
+— a monitor, decide/plan/monitors.py, unless ``reset.monitors`` names it —, MIG, pause; then the
 history gates: a refused incident, cooldown, count per window, circuit breaker, one reset in
 flight) and the ``ResetIntent`` that starts one. Ghost memory inside a
 MIG GPU instance passes the same gates, the instance's own (``reset.mig_recovery``, whether it
 can be re-created in place, its own live holders) in place of the GPU's, and the history gates
-of its parent GPU; its intent re-creates the instance (decide/mig_recovery.py).
+of its parent GPU; its intent re-creates the instance (decide/mig/recovery.py).
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
-from gpuwatchd.decide.mig import WHOLE_GPU, busy_instances, parent_of
-from gpuwatchd.decide.mig_recovery import (
+from gpuwatchd.decide.mig.instances import WHOLE_GPU, busy_instances, parent_of
+from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
     instance_blockers,
     layout_of,
     recovery_of,
 )
-from gpuwatchd.decide.monitors import describe_monitor, monitor_entry
-from gpuwatchd.decide.plan_intents import (
+from gpuwatchd.decide.plan.intents import (
     ResetIntent,
     _Ctx,
     _dry,
@@ -44,7 +43,8 @@ from gpuwatchd.decide.plan_intents import (
     _hold_reason,
     _Work,
 )
-from gpuwatchd.decide.plan_state import ResetInFlight
+from gpuwatchd.decide.plan.monitors import describe_monitor, monitor_entry
+from gpuwatchd.decide.plan.state import ResetInFlight
 from gpuwatchd.decide.policy import Monitor, Policy
 from gpuwatchd.decide.targets import (
     gpu_by_uuid,
@@ -180,7 +180,7 @@ def _live_holder(
     gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding], monitors: Sequence[Monitor]
 ) -> str | None:
     ordered = sorted(findings, key=lambda f: f.key)
-    seen: set[int] = set()  # monitors (decide/monitors.py): said last, they may be stoppable
+    seen: set[int] = set()  # monitors (decide/plan/monitors.py): said last, they may be stoppable
     blocking: list[str] = []
     for other in ordered:
         held = other.evidence.get("gpus")

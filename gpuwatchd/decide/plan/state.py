@@ -7,7 +7,7 @@ the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
 ``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
 a ValueError, never a wrong decision.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.plan_state`.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan.state`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gpuwatchd.core.checked import opt_text as _opt_str
 from gpuwatchd.core.checked import pairs as _pairs
 from gpuwatchd.core.checked import text as _str
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
-from gpuwatchd.decide.shadow import DryShadow
+from gpuwatchd.decide.plan.shadow import DryShadow
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Dry-run's shadow: the limits and history enforcement would have, so a preview is the same
 decisions, once.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.shadow`.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan.shadow`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.decide.plan_intents import (
+from gpuwatchd.decide.plan.intents import (
     Event,
     HookIntent,
     Intent,
@@ -33,7 +33,7 @@ from gpuwatchd.decide.plan_intents import (
     _Work,
     target_key,
 )
-from gpuwatchd.decide.plan_state import (
+from gpuwatchd.decide.plan.state import (
     MigUnfinished,
     PlanState,
     ResetRefusal,

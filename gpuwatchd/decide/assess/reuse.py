@@ -5,7 +5,7 @@ most polls see the same processes, holdings and NVML reading as the one before, 
 them again gives the same answer. It is exact, not a heuristic — each reuse is a case where
 recomputing is proven to give an equal result.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.reuse`.
+In detail: docs/internals.md, section `gpuwatchd.decide.assess.reuse`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess import Assessment, assess_processes, with_health
-from gpuwatchd.decide.assess_state import AssessState
+from gpuwatchd.decide.assess.passes import Assessment, assess_processes, with_health
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 

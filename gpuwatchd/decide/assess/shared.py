@@ -21,21 +21,21 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess_state import (
+from gpuwatchd.decide.assess.baselines import (
+    V1_BASELINE_SUFFIX,
+    learn_baselines,
+    memory_figure,
+)
+from gpuwatchd.decide.assess.host_view import HostView
+from gpuwatchd.decide.assess.state import (
     AssessState,
     Lineage,
     update_inheritance,
     update_lineage,
     update_owners,
 )
-from gpuwatchd.decide.baselines import (
-    V1_BASELINE_SUFFIX,
-    learn_baselines,
-    memory_figure,
-)
-from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.health.xid_sources import XidNotice
 from gpuwatchd.decide.policy import Detection
-from gpuwatchd.decide.xid_sources import XidNotice
 
 __all__ = ["NODE", "Assessment", "HolderRole"]
 
@@ -75,7 +75,7 @@ class Assessment:
     report_only: Mapping[str, str]
     state: AssessState
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # Xids to say this poll (decide/xid_sources.py): one health.xid event each.
+    # Xids to say this poll (decide/health/xid_sources.py): one health.xid event each.
     xid_notices: tuple[XidNotice, ...] = ()
 
 

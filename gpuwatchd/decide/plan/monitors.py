@@ -1,6 +1,6 @@
 """Monitors: NVML-only clients, which block a reset but never hide ghost memory.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.monitors`.
+In detail: docs/internals.md, section `gpuwatchd.decide.plan.monitors`.
 """
 
 from __future__ import annotations

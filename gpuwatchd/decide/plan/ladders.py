@@ -23,7 +23,7 @@ from gpuwatchd.core.vocabulary import (
     LadderStatus,
     Level,
 )
-from gpuwatchd.decide.plan_intents import (
+from gpuwatchd.decide.plan.intents import (
     HookIntent,
     SignalIntent,
     _action_ended,
@@ -38,7 +38,7 @@ from gpuwatchd.decide.plan_intents import (
     kill_cap_scope,
     target_key,
 )
-from gpuwatchd.decide.plan_state import (
+from gpuwatchd.decide.plan.state import (
     Ladder,
     Latch,
 )

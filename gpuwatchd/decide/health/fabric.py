@@ -1,6 +1,6 @@
 """The NVLink fabric of NVSwitch systems: what NVML's fabric state and health mask mean.
 
-In detail: docs/internals.md, section `gpuwatchd.decide.fabric`.
+In detail: docs/internals.md, section `gpuwatchd.decide.health.fabric`.
 """
 
 from __future__ import annotations

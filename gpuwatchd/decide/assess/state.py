@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
-from gpuwatchd.decide.health import HealthState
-from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.assess.host_view import HostView
+from gpuwatchd.decide.health.judge import HealthState
 
 # Inheritance evidence kept per holder: a few owners at most (its ancestors that owned contexts).
 MAX_INHERITANCE_PER_HOLDER = 8
@@ -61,7 +61,7 @@ class AssessState:
     unaccounted_since: Mapping[str, float] = field(default_factory=dict)
     owners: frozenset[ProcessIdentity] = frozenset()
     inheritance: Mapping[ProcessIdentity, Inheritance] = field(default_factory=dict)
-    health: HealthState = field(default_factory=HealthState)  # decide/health.py
+    health: HealthState = field(default_factory=HealthState)  # decide/health/judge.py
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpuwatchd.core.model import MIB, GpuInfo
-from gpuwatchd.decide.assess_state import AssessState
-from gpuwatchd.decide.host_view import HostView
+from gpuwatchd.decide.assess.host_view import HostView
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 
 V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation included) live apart

@@ -3,7 +3,7 @@ fabric → findings.
 
 This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health).
 
-In detail: docs/internals.md, section `gpuwatchd.decide.health`.
+In detail: docs/internals.md, section `gpuwatchd.decide.health.judge`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from gpuwatchd.core.model import (
     Snapshot,
     Support,
 )
-from gpuwatchd.decide import fabric, kinds
+from gpuwatchd.decide import kinds
 from gpuwatchd.decide.gpu_ids import pci_bus_key
-from gpuwatchd.decide.health_state import (
+from gpuwatchd.decide.health import fabric
+from gpuwatchd.decide.health.state import (
     MAX_XID_KINDS,
     GpuHealthState,
     HealthState,
     XidDetail,
     XidRecord,
 )
+from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
+from gpuwatchd.decide.health.xid_sources import Occurrence, XidNotice, merge_sources, notices
 from gpuwatchd.decide.policy import HealthPolicy
-from gpuwatchd.decide.xid_catalogue import XID_CATALOGUE, Bucket, XidAction, xid_action
-from gpuwatchd.decide.xid_sources import Occurrence, XidNotice, merge_sources, notices
 
 __all__ = [
     "HEALTH_KINDS",
@@ -176,7 +177,7 @@ def drop_assumed(state: HealthState) -> HealthState:
 class HealthAssessment:
     findings: tuple[Finding, ...]
     state: HealthState
-    xid_notices: tuple[XidNotice, ...] = ()  # the health.xid events (decide/xid_sources.py)
+    xid_notices: tuple[XidNotice, ...] = ()  # the health.xid events (decide/health/xid_sources.py)
 
 
 @dataclass(frozen=True)

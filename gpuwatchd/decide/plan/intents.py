@@ -26,13 +26,13 @@ from gpuwatchd.core.vocabulary import (
     Level,
     check_ladder_transition,
 )
-from gpuwatchd.decide.mig_recovery import InstanceRecovery
-from gpuwatchd.decide.plan_state import (
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
+from gpuwatchd.decide.plan.shadow import ShadowWork
+from gpuwatchd.decide.plan.state import (
     Ladder,
     PlanState,
 )
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.shadow import ShadowWork
 
 __all__ = [
     "Event",

@@ -1,0 +1,1 @@
+"""Snapshot to findings: the passes, what they share and carry between polls."""

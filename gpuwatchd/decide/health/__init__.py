@@ -1,0 +1,1 @@
+"""GPU health: Xids and their catalogue, recovery actions, the NVLink fabric, its state."""

@@ -1,0 +1,1 @@
+"""MIG: which instance each holder uses, and an instance's recovery plan."""

@@ -1,0 +1,1 @@
+"""Findings to intents: one poll's decisions, ladders, reset gates, outcomes, the plan state."""

@@ -54,7 +54,7 @@ NOT_LOADED = {
     "gpuwatchd.config.changes": "the reload diff, the daemon.s",
     "gpuwatchd.daemon.lifecycle": "another command's",
     "gpuwatchd.engine.cycle": "another command's",
-    "gpuwatchd.decide.plan": "a scan judges (verdict), it does not plan",
+    "gpuwatchd.decide.plan.decisions": "a scan judges (verdict), it does not plan",
     "gpuwatchd.sim.simulation": "another command's",
     "gpuwatchd.cli.explain": "another command's",
     "gpuwatchd.cli.run": "another command's",

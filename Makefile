@@ -6,7 +6,7 @@ FAKENVML_DIR := tests/fakenvml
 FAKENVML := $(FAKENVML_DIR)/build/libnvidia-ml.so.1
 DSTATE := $(FAKENVML_DIR)/build/dstate
 
-.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv mutate mutate-changed mutate-wide explore catalog
+.PHONY: all test test-gpu lint typecheck unit demo bench fakenvml clean venv mutate mutate-changed explore catalog
 
 all: test
 
@@ -54,25 +54,20 @@ test-gpu: venv
 
 # Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
 # score per module and every survivor that is not a recorded equivalent; fails on one in a
-# critical function, or on a critical mutant the time limit left unrun. About 15 minutes on 2
-# cores. MODULES="floor plan" mutates only those. It records tests/mutation/fingerprints.json.
+# critical function, or on a critical mutant the time limit left unrun. About 10,000 mutants,
+# 70 minutes or more on 2 cores. MODULES="floor plan" mutates only those. It records
+# tests/mutation/fingerprints.json.
 MODULES ?=
+MUTATE_FULL_TIME_LIMIT ?= 14400
 mutate: venv fakenvml
-	$(PY) -m tests.mutation --record --time-limit 3600 $(MODULES)
+	$(PY) -m tests.mutation --record --time-limit $(MUTATE_FULL_TIME_LIMIT) $(MODULES)
 
-# What CI runs: only the functions changed since tests/mutation/fingerprints.json, time-boxed;
+# What CI runs: only the functions whose fingerprint (the function with what it calls, the tables
+# and policy defaults it reads) differs from tests/mutation/fingerprints.json, time-boxed;
 # critical mutants left unrun fail it.
 MUTATE_TIME_LIMIT ?= 1200
 mutate-changed: venv fakenvml
 	$(PY) -m tests.mutation --changed --time-limit $(MUTATE_TIME_LIMIT)
-
-# The wide run, to become the default once its critical survivors are killed: more operators
-# and scope, and fingerprints with what each function calls and the policy defaults it reads,
-# recorded in tests/mutation/fingerprints-wide.json. About 10,000 mutants, about 70 minutes or
-# more on 2 cores (docs/architecture.md, "Mutation testing").
-MUTATE_WIDE_TIME_LIMIT ?= 14400
-mutate-wide: venv fakenvml
-	$(PY) -m tests.mutation --wide --record --time-limit $(MUTATE_WIDE_TIME_LIMIT) $(MODULES)
 
 # The property and state-machine tests, random and long (make test runs them derandomized).
 explore: venv

@@ -7,7 +7,6 @@ Usage (from the repository root, with the project's virtual environment)::
     python -m tests.mutation --only live_holder
     python -m tests.mutation --changed        # only functions changed since the last record
     python -m tests.mutation --record         # also record the fingerprints (make mutate)
-    python -m tests.mutation --wide --record  # the wide run (make mutate-wide)
     python -m tests.mutation --tests tests/unit/test_gates_proven.py plan_resets
                                               # judged by these test files only (a quick look;
                                               # a survivor may be killed by another file)
@@ -20,17 +19,12 @@ left a critical mutant unrun), 2 when the tool itself
 could not do its work (collection error, a mutant that could not be installed, bad files, a
 function named in scope.py that no longer exists, a test that fails when run twice).
 
-``--changed`` (what CI runs) mutates only the functions whose syntax tree differs from the
-fingerprint recorded in ``tests/mutation/fingerprints.json``: a fresh clone needs no history
-to know what a change touched. ``--record`` rewrites the fingerprints of every function that
-was mutated in full and has no unexplained critical survivor.
-
-``--wide`` (``make mutate-wide``) is the wider run that is to become the default: the wide
-operators (operators.py), scope (scope.py's ``WIDE_TARGETS``, ``WIDE_TEST_FILES``) and a
-fingerprint of each function *with* everything in decide/ it reaches by name (its callees, the
-tables it reads, the policy defaults of the attributes it reads; tests/mutation/callees.py),
-recorded in ``tests/mutation/fingerprints-wide.json`` (``--wide --changed`` without that file
-mutates everything). Without ``--wide`` the mutants and fingerprints are the default run's.
+``--changed`` (what CI runs) mutates only the functions whose fingerprint differs from the one
+recorded in ``tests/mutation/fingerprints.json``: a hash of the function's syntax tree *with*
+everything in decide/ it reaches by name (its callees, the tables it reads, the policy
+defaults of the attributes it reads; tests/mutation/callees.py), so a fresh clone needs no
+history to know what a change touched. ``--record`` rewrites the fingerprints of every
+function that was mutated in full and has no unexplained critical survivor.
 
 A critical mutant the time limit left unrun fails the run (exit 1) like a critical survivor:
 what was not judged is not proven.
@@ -52,14 +46,12 @@ import pytest
 
 from tests.mutation import equivalents as eq
 from tests.mutation.callees import Dependencies
-from tests.mutation.operators import WIDE_OPERATORS, Mutant, find_functions, fingerprint, mutants_of
+from tests.mutation.operators import Mutant, find_functions, mutants_of
 from tests.mutation.runner import ModuleSource, MutationPlugin, Verdict, function_id
 from tests.mutation.scope import (
     ALL,
     TARGETS,
     TEST_FILES,
-    WIDE_TARGETS,
-    WIDE_TEST_FILES,
     Target,
 )
 
@@ -67,7 +59,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 EQUIVALENTS = HERE / "equivalents.yaml"
 FINGERPRINTS = HERE / "fingerprints.json"
-FINGERPRINTS_WIDE = HERE / "fingerprints-wide.json"  # absent until a wide run records it
 RESULTS = ROOT / "build" / "mutation" / "results.json"
 DETECTED = ("killed", "timeout")
 
@@ -76,8 +67,8 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _targets(names: Sequence[str], *, wide: bool = False) -> list[Target]:
-    scoped = WIDE_TARGETS if wide else TARGETS
+def _targets(names: Sequence[str]) -> list[Target]:
+    scoped = TARGETS
     if not names:
         return list(scoped)
     chosen = []
@@ -109,12 +100,8 @@ def _load(targets: Sequence[Target]) -> tuple[list[ModuleSource], list[str]]:
     return modules, missing
 
 
-def _fingerprints_file(*, wide: bool) -> Path:
-    return FINGERPRINTS_WIDE if wide else FINGERPRINTS
-
-
-def _read_fingerprints(*, wide: bool = False) -> dict[str, str]:
-    path = _fingerprints_file(wide=wide)
+def _read_fingerprints() -> dict[str, str]:
+    path = FINGERPRINTS
     if not path.exists():
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -179,15 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--record", action="store_true", help="record fingerprints of clean functions"
     )
     parser.add_argument(
-        "--wide",
-        action="store_true",
-        help="the wide run: more operators and scope, callee-aware fingerprints-wide.json",
-    )
-    parser.add_argument(
         "--tests",
         action="append",
         default=[],
-        help="judge with these test files only (default: scope's TEST_FILES or WIDE_TEST_FILES)",
+        help="judge with these test files only (default: scope's TEST_FILES)",
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -199,15 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # also under CI's profile.
     os.environ["GPUWATCHD_HYPOTHESIS_PROFILE"] = "mutate"
 
-    targets = _targets(args.targets, wide=args.wide)
+    targets = _targets(args.targets)
     modules, missing = _load(targets)
     try:
         equivalents = eq.load_equivalents(EQUIVALENTS)
     except eq.EquivalentsError as error:
         _say(f"error: {error}")
         return 2
-    recorded = _read_fingerprints(wide=args.wide)
-    dependencies = Dependencies(ROOT) if args.wide else None
+    recorded = _read_fingerprints()
+    dependencies = Dependencies(ROOT)
     mutants: list[Mutant] = []
     prints: dict[str, str] = {}
     for source, target in zip(modules, targets, strict=True):
@@ -216,14 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.only and not any(part in qualname for part in args.only):
                 continue
             fid = function_id(source.file, qualname)
-            prints[fid] = (
-                dependencies.fingerprint(function.node) if dependencies else fingerprint(function)
-            )
+            prints[fid] = dependencies.fingerprint(function.node)
             if args.changed and recorded.get(fid) == prints[fid]:
                 continue
             critical = target.is_critical(qualname)
-            mutants += mutants_of(source.file, text, function, critical=critical, wide=args.wide)
-    what = ("wide run, " if args.wide else "") + ("changed functions of " if args.changed else "")
+            mutants += mutants_of(source.file, text, function, critical=critical)
+    what = "changed functions of " if args.changed else ""
     _say(
         f"mutation testing: {len(mutants)} mutants of {what}{len(modules)} module(s), "
         f"{args.jobs} job(s){f', time limit {args.time_limit:g}s' if args.time_limit else ''}"
@@ -236,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"  {name}")
     if not mutants:
         if args.changed:
-            record = _fingerprints_file(wide=args.wide).relative_to(ROOT)
+            record = FINGERPRINTS.relative_to(ROOT)
             _say(f"nothing to mutate: every function is as {record} records")
         else:
             _say("nothing to mutate: no function of the targets matches")
@@ -244,8 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     deadline = None if args.time_limit is None else started + args.time_limit
     plugin = MutationPlugin(modules, mutants, jobs=args.jobs, deadline=deadline, progress=_say)
-    default_files = WIDE_TEST_FILES if args.wide else TEST_FILES
-    files = [f for f in args.tests or default_files if (ROOT / f).exists()]
+    files = [f for f in args.tests or TEST_FILES if (ROOT / f).exists()]
     # No terminal plugin: pytest's own summary ("no tests ran") would be misleading here.
     options = ["-o", "addopts=", "--strict-markers", "--strict-config"]
     options += ["-p", "no:terminal", "-p", "no:cacheprovider"]
@@ -295,11 +274,6 @@ def _report(
     for verdict in errors:
         _say(f"error: {verdict.mutant.label} could not be installed: {verdict.killer}")
     stale = eq.stale(equivalents, [v.mutant for v in verdicts])
-    if not args.wide:  # entries only the wide run's operators can match are not stale here
-        wide_only = [e for e in stale if e.key[2] in WIDE_OPERATORS]
-        stale = [e for e in stale if e not in wide_only]
-        if wide_only:
-            _say(f"\n{len(wide_only)} entr(ies) of equivalents.yaml are the wide run's (--wide)")
     if stale:
         _say("")
         _say(f"{len(stale)} entr(ies) of equivalents.yaml match no mutant now (update or delete):")
@@ -335,7 +309,7 @@ def _report(
             _say(f"  not run: {name}")
     _write_results(verdicts, equivalent)
     if args.record and not args.tests:  # fewer tests judge less: nothing to record
-        _record(verdicts, equivalent, prints, recorded, _fingerprints_file(wide=args.wide))
+        _record(verdicts, equivalent, prints, recorded, FINGERPRINTS)
     elapsed = time.monotonic() - started
     shown = "-" if score is None else f"{score:.1f}%"
     _say(

@@ -9,23 +9,19 @@ compare    ``==``/``!=``, ``<``/``<=``, ``>``/``>=``, ``is``/``is not``, ``in``/
 boolop     ``and`` and ``or`` swapped
 not        ``not x`` becomes ``x``
 arith      ``+``/``-``, ``*``/``/``, ``//`` → ``*``, ``%`` → ``//``, ``|``/``&`` (sets) swapped
-augassign  ``+=`` and ``-=`` swapped; wide: any ``x op= y`` also becomes ``x = y``
+augassign  ``+=`` and ``-=`` swapped; any ``x op= y`` also becomes ``x = y``
 number     an int or float literal ``n`` becomes ``n + 1``
 bool       ``True`` and ``False`` swapped
 loop       ``break`` and ``continue`` swapped
 minmax     ``min(...)`` and ``max(...)``, ``any(...)`` and ``all(...)`` swapped
 return     ``return x`` becomes ``return None``
 delete     a statement in a branch (the body of an ``if``/``else``, loop, ``try``, ``with`` or
-           ``case``) becomes ``pass``; wide: also one at the top of the function's body
-argument   wide: one argument of a call (positional or keyword) becomes ``None``, or is dropped
-none       wide: the value of an assignment becomes ``None`` (``x = f()`` → ``x = None``)
-filter     wide: one ``if`` of a comprehension is removed
-condition  wide: the test of an ``if`` (statement or expression) becomes ``True``, or ``False``
+           ``case``) or at the top of the function's body becomes ``pass``
+argument   one argument of a call (positional or keyword) becomes ``None``, or is dropped
+none       the value of an assignment becomes ``None`` (``x = f()`` → ``x = None``)
+filter     one ``if`` of a comprehension is removed
+condition  the test of an ``if`` (statement or expression) becomes ``True``, or ``False``
 ========== =====================================================================================
-
-The default run (``wide=False``) makes exactly the mutants it made before the wide operators
-existed, numbered the same, and does not reach a call's positional arguments (its ``args``
-field, skipped with a signature's); the wide run (``--wide``) makes all of the above.
 
 Nothing inside an f-string, a docstring, an annotation or a default value is mutated, nor
 calls that only describe a decision (``LOG_CALLS``: ``w.event(...)``, ``Event(...)``,
@@ -42,7 +38,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import hashlib
 import io
 import tokenize
 from collections.abc import Callable, Iterator, Sequence
@@ -51,12 +46,10 @@ from dataclasses import dataclass, field
 __all__ = [
     "LOG_CALLS",
     "OPERATORS",
-    "WIDE_OPERATORS",
     "FunctionSource",
     "Mutant",
     "apply",
     "find_functions",
-    "fingerprint",
     "mutants_of",
 ]
 
@@ -77,10 +70,6 @@ OPERATORS = (
     "filter",
     "condition",
 )
-# Only the wide run (``--wide``) makes these (and ``augassign``'s ``op=`` → ``=``, a call's
-# positional arguments, a top-level statement deleted); the default run's mutants are as they
-# were before they existed, so that its recorded fingerprints stay valid.
-WIDE_OPERATORS = ("argument", "none", "filter", "condition")
 
 # Calls whose arguments only describe a decision (events and notes).
 LOG_CALLS = frozenset({"event", "Event", "note"})
@@ -124,7 +113,6 @@ _BLOCK_FIELDS = frozenset({"body", "orelse", "finalbody", "handlers", "cases"})
 # Fields that are never mutated: type annotations and decorators. A function's signature
 # (its ``args``) is never reached: a nested function or lambda is entered at its body only, so
 # ``args`` here is a call's positional arguments, which are mutated like any other expression.
-# (The default run skips ``args`` too, as it always has: wide=False keeps its mutants.)
 _SKIP_FIELDS = frozenset({"returns", "decorator_list", "annotation", "type_comment"})
 
 
@@ -152,7 +140,6 @@ class Mutant:
     site: int
     alternative: int
     critical: bool = field(default=False, compare=False)
-    wide: bool = field(default=False, compare=False)  # made by the wide run's operators
 
     @property
     def key(self) -> tuple[str, str, str, str, str, str, int]:
@@ -187,12 +174,6 @@ def find_functions(tree: ast.Module) -> dict[str, FunctionSource]:
                 if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     add(inner, f"{node.name}.{inner.name}")
     return found
-
-
-def fingerprint(function: FunctionSource) -> str:
-    """A hash of the function's syntax tree: comments, formatting and position do not count."""
-    dumped = ast.dump(function.node, annotate_fields=True, include_attributes=False)
-    return hashlib.sha256(dumped.encode()).hexdigest()[:16]
 
 
 # --- sites ------------------------------------------------------------------------------------
@@ -234,9 +215,8 @@ def _swap_compare(index: int) -> Callable[[ast.AST], ast.AST]:
     return build
 
 
-def _alternatives(node: ast.AST, *, wide: bool) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
-    """The mutations of ``node`` itself, as (operator, builder of the replacement); ``wide``
-    adds the :data:`WIDE_OPERATORS`' ones."""
+def _alternatives(node: ast.AST) -> list[tuple[str, Callable[[ast.AST], ast.AST]]]:
+    """The mutations of ``node`` itself, as (operator, builder of the replacement)."""
     found: list[tuple[str, Callable[[ast.AST], ast.AST]]] = []
     if isinstance(node, ast.Compare):
         for index, op in enumerate(node.ops):
@@ -270,7 +250,7 @@ def _alternatives(node: ast.AST, *, wide: bool) -> list[tuple[str, Callable[[ast
             return new
 
         found.append(("augassign", swap_aug))
-    if wide and isinstance(node, ast.AugAssign):
+    if isinstance(node, ast.AugAssign):
         found.append(("augassign", _plain_assignment))
     elif isinstance(node, ast.Constant):
         constant = node.value
@@ -301,9 +281,9 @@ def _alternatives(node: ast.AST, *, wide: bool) -> list[tuple[str, Callable[[ast
     elif isinstance(node, ast.Return) and node.value is not None:
         if not _is_none(node.value):
             found.append(("return", lambda n: ast.Return(value=ast.Constant(None))))
-    elif wide and isinstance(node, ast.comprehension):
+    elif isinstance(node, ast.comprehension):
         found += [("filter", _without_filter(i)) for i in range(len(node.ifs))]
-    if wide and isinstance(node, ast.Call):
+    if isinstance(node, ast.Call):
         found += _argument_alternatives(node)
     return found
 
@@ -376,10 +356,8 @@ def _in_context(
     return []
 
 
-def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef, *, wide: bool) -> Iterator[_Site]:
+def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[_Site]:
     """Every mutable node of ``function``'s body, in a fixed order (the same for every copy).
-    ``wide``: a call's positional arguments, the wide operators, and the statements at the top
-    of the body are mutated too; without it the sites are exactly those of the default run.
 
     Each site also gets its context: the first line of the compound statement (``if``, loop,
     ``try``, ``with``, nested ``def``) whose block holds it, or of the function itself.
@@ -391,7 +369,7 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef, *, wide: bool) -> I
             for name in node._fields
         )
         for name, value in ast.iter_fields(node):
-            if name in _SKIP_FIELDS or (name == "args" and not wide):
+            if name in _SKIP_FIELDS:
                 continue
             inner = (
                 getattr(node, "lineno", context) if compound and name in _BLOCK_FIELDS else context
@@ -434,18 +412,14 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef, *, wide: bool) -> I
             return
         if isinstance(child, ast.ClassDef):
             return
-        alternatives = _alternatives(child, wide=wide)
-        if wide:
-            alternatives += _in_context(parent, name, child)
+        alternatives = _alternatives(child) + _in_context(parent, name, child)
         # Deleting the only ``super()`` would change the function's closure (its __class__
         # cell), and such a mutant cannot replace the function's code: not made.
         deletable = (
             branch
             and isinstance(child, ast.stmt)
             and not isinstance(child, ast.Pass)
-            and not (
-                wide and any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(child))
-            )
+            and not any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(child))
         )
         if deletable and not (parent is function and isinstance(child, ast.Return)):
             alternatives.append(("delete", lambda n: ast.Pass()))
@@ -453,11 +427,11 @@ def _sites(function: ast.FunctionDef | ast.AsyncFunctionDef, *, wide: bool) -> I
             yield _Site(child, parent, name, index, alternatives, context)
         yield from visit(child, context)
 
-    # Wide: a statement at the top of the function's body may be deleted too (not its docstring, a
+    # A statement at the top of the function's body may be deleted too (not its docstring, a
     # nested function, nor a lone ``return``: that is the return operator's).
     for position, statement in enumerate(function.body):
         yield from visit_child(
-            statement, function, "body", position, branch=wide, context=function.lineno
+            statement, function, "body", position, branch=True, context=function.lineno
         )
 
 
@@ -509,10 +483,9 @@ def _one_line(node: ast.AST) -> str:
 
 
 def mutants_of(
-    file: str, source: str, function: FunctionSource, *, critical: bool = False, wide: bool = False
+    file: str, source: str, function: FunctionSource, *, critical: bool = False
 ) -> list[Mutant]:
-    """Every mutant of ``function`` (parsed from ``source``, the text of ``file``); ``wide``:
-    with the wide run's operators and sites too."""
+    """Every mutant of ``function`` (parsed from ``source``, the text of ``file``)."""
     lines = source.splitlines()
     mutants: list[Mutant] = []
     seen: dict[tuple[str, str, str, str, str, str], int] = {}
@@ -520,7 +493,7 @@ def mutants_of(
     def text(lineno: int) -> str:
         return _code_only(lines[lineno - 1]) if 0 < lineno <= len(lines) else ""
 
-    for site_number, site in enumerate(_sites(function.node, wide=wide)):
+    for site_number, site in enumerate(_sites(function.node)):
         where = site.node.target if isinstance(site.node, ast.comprehension) else site.node
         lineno = getattr(where, "lineno", function.node.lineno)  # a comprehension has none
         line, context = text(lineno), text(site.context)
@@ -541,7 +514,6 @@ def mutants_of(
                     site=site_number,
                     alternative=alt_number,
                     critical=critical,
-                    wide=wide,
                 )
             )
     return mutants
@@ -551,7 +523,7 @@ def apply(tree: ast.Module, mutant: Mutant) -> ast.Module:
     """A copy of ``tree`` with ``mutant`` applied (``tree`` is left alone)."""
     mutated = copy.deepcopy(tree)
     function = find_functions(mutated)[mutant.function]
-    for number, site in enumerate(_sites(function.node, wide=mutant.wide)):
+    for number, site in enumerate(_sites(function.node)):
         if number != mutant.site:
             continue
         _operator, build = site.alternatives[mutant.alternative]

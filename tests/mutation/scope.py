@@ -5,15 +5,14 @@ the decide/ modules, the functions of each (all of them, or the named ones for t
 modules whose other parts are not safety gates), and which functions are *critical*: a
 surviving mutant there that is not a recorded equivalent fails ``make mutate`` and CI. A name
 listed here that the module no longer has is reported, not an error, so a rename in decide/
-does not break the tool (the report asks for this list to be updated). ``TARGETS`` and
-``TEST_FILES`` are the default run's; ``WIDE_TARGETS`` and ``WIDE_TEST_FILES`` the wide run's.
+does not break the tool (the report asks for this list to be updated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL", "TARGETS", "TEST_FILES", "WIDE_TARGETS", "WIDE_TEST_FILES", "Target"]
+__all__ = ["ALL", "TARGETS", "TEST_FILES", "Target"]
 
 ALL = ("*",)
 
@@ -192,6 +191,9 @@ _PLAN_MODULES = {
 }
 
 
+_PLAN_FILES = {"plan": "decisions"}  # target name -> its file in decide/plan/, where they differ
+
+
 def _plan_targets() -> tuple[Target, ...]:
     """One target per planner module: its share of the functions and critical functions above."""
     where = {name: module for module, names in _PLAN_MODULES.items() for name in names}
@@ -201,7 +203,7 @@ def _plan_targets() -> tuple[Target, ...]:
     return tuple(
         Target(
             module,
-            f"gpuwatchd/decide/{module}.py",
+            f"gpuwatchd/decide/plan/{_PLAN_FILES.get(module, module.removeprefix('plan_'))}.py",
             tuple(n for n in _RESET_GATES + _KILL_LADDER if where[n] == module),
             tuple(n for n in _RESET_GATES + _KILL_DECISIONS if where[n] == module),
         )
@@ -209,21 +211,21 @@ def _plan_targets() -> tuple[Target, ...]:
     )
 
 
-TARGETS = (
+_FIRST_TARGETS = (
     Target("floor", "gpuwatchd/decide/floor.py", ALL, ALL),
     Target("targets", "gpuwatchd/decide/targets.py", ALL, ALL),
-    Target("health", "gpuwatchd/decide/health.py", ALL, ("drain_blockers", "_known_pids")),
+    Target("health", "gpuwatchd/decide/health/judge.py", ALL, ("drain_blockers", "_known_pids")),
     Target("argv", "gpuwatchd/decide/argv.py", ALL, ()),
     *_plan_targets(),
-    Target("assess_shared", "gpuwatchd/decide/assess_shared.py", _ORPHAN_SHARED, _ORPHAN_SHARED),
+    Target("assess_shared", "gpuwatchd/decide/assess/shared.py", _ORPHAN_SHARED, _ORPHAN_SHARED),
     Target(
         "assess_holders",
-        "gpuwatchd/decide/assess_holders.py",
+        "gpuwatchd/decide/assess/holders.py",
         _ORPHAN_CLASSIFICATION,
         _ORPHAN_CLASSIFICATION,
     ),
     Target(
-        "assess_memory", "gpuwatchd/decide/assess_memory.py", _DRIVER_REFUSALS, _DRIVER_REFUSALS
+        "assess_memory", "gpuwatchd/decide/assess/memory.py", _DRIVER_REFUSALS, _DRIVER_REFUSALS
     ),
     Target("verdict", "gpuwatchd/decide/verdict.py", ALL, _VERDICT),
     Target("patterns", "gpuwatchd/decide/patterns.py", ALL, _PATTERNS),
@@ -231,7 +233,7 @@ TARGETS = (
     # orphan rule and ghost memory judge; its wording (describe, evidence) is not a gate.
     Target(
         "mig",
-        "gpuwatchd/decide/mig.py",
+        "gpuwatchd/decide/mig/instances.py",
         ALL,
         (
             "_why_not_judged",
@@ -248,7 +250,7 @@ TARGETS = (
     # a state file's record of it read back; its commands' wording is argv's.
     Target(
         "mig_recovery",
-        "gpuwatchd/decide/mig_recovery.py",
+        "gpuwatchd/decide/mig/recovery.py",
         ALL,
         ("recovery_of", "instance_blockers", "recovery_blockers", "recovered", "from_record"),
     ),
@@ -262,31 +264,27 @@ TARGETS = (
     ),
 )
 
-# The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
-# mutant runs only those of them that call the mutated function, fastest first.
-
-# --- the wide run (``--wide``, ``make mutate-wide``) ------------------------------------------
-# The default run's targets, widened where a mutation run found gates it did not mutate or did
-# not count as critical, plus modules it left out. Its own record: fingerprints-wide.json.
+# The first targets, widened where a mutation run found gates they did not mutate or did not
+# count as critical, plus modules they left out.
 _WIDER = {
     # What a GPU's health makes of it (drain reasons): a wrong reason drains or keeps a GPU.
     "health": Target(
         "health",
-        "gpuwatchd/decide/health.py",
+        "gpuwatchd/decide/health/judge.py",
         ALL,
         ("drain_blockers", "_known_pids", "_reasons", "assess_health"),
     ),
     # Whether a dead PID is explained, and whether PIDs can be trusted at all (a PID namespace).
     "assess_shared": Target(
         "assess_shared",
-        "gpuwatchd/decide/assess_shared.py",
+        "gpuwatchd/decide/assess/shared.py",
         (*_ORPHAN_SHARED, "_dead_pid_explained", "_pid_trust_problem"),
         (*_ORPHAN_SHARED, "_dead_pid_explained", "_pid_trust_problem"),
     ),
     # Ghost memory and memory no live owner accounts for: what makes a GPU a reset candidate.
     "assess_memory": Target(
         "assess_memory",
-        "gpuwatchd/decide/assess_memory.py",
+        "gpuwatchd/decide/assess/memory.py",
         ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
         ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
     ),
@@ -300,7 +298,7 @@ _WIDER = {
     # The recovery's commands (which GI/CI ids they name) are a gate.
     "mig_recovery": Target(
         "mig_recovery",
-        "gpuwatchd/decide/mig_recovery.py",
+        "gpuwatchd/decide/mig/recovery.py",
         ALL,
         (
             "recovery_of",
@@ -312,13 +310,13 @@ _WIDER = {
         ),
     ),
 }
-WIDE_TARGETS = (
-    *(_WIDER.get(target.name, target) for target in TARGETS),
+TARGETS = (
+    *(_WIDER.get(target.name, target) for target in _FIRST_TARGETS),
     # How a GPU is named (protect.gpus, check-clean --gpu): a wrong match leaves a protected
     # GPU unprotected or judges another GPU.
     Target("gpu_ids", "gpuwatchd/decide/gpu_ids.py", ALL, ALL),
     # Whether two processes are related (the orphan rule's worker of a live owner).
-    Target("host_view", "gpuwatchd/decide/host_view.py", ("relation",), ("relation",)),
+    Target("host_view", "gpuwatchd/decide/assess/host_view.py", ("relation",), ("relation",)),
     # An admin's spare: which processes are spared, and until when.
     Target(
         "spares",
@@ -328,10 +326,15 @@ WIDE_TARGETS = (
     ),
     # The idle baseline ghost memory and the verdict are judged against.
     Target(
-        "baselines", "gpuwatchd/decide/baselines.py", ("learn_baselines",), ("learn_baselines",)
+        "baselines",
+        "gpuwatchd/decide/assess/baselines.py",
+        ("learn_baselines",),
+        ("learn_baselines",),
     ),
 )
 
+# The fast, pure tests of decide/ and of what drives it (the engine over a virtual host). Each
+# mutant runs only those of them that call the mutated function, fastest first.
 TEST_FILES = (
     "tests/unit/test_floor.py",
     "tests/unit/test_gates.py",
@@ -369,10 +372,6 @@ TEST_FILES = (
     "tests/unit/test_gates_proven.py",
     "tests/unit/test_gates_killed_a.py",
     "tests/unit/test_gates_killed_b.py",
-)
-# The wide run's: the default's and the tests of what it adds.
-WIDE_TEST_FILES = (
-    *TEST_FILES,
     "tests/unit/test_gpu_ids.py",
     "tests/unit/test_simulate_spare.py",
     "tests/unit/test_spared_display.py",

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from tests.mutation.callees import Dependencies
 from tests.mutation.equivalents import EquivalentsError, load_equivalents, stale, to_yaml
 from tests.mutation.operators import (
     OPERATORS,
+    Mutant,
     apply,
     find_functions,
     mutants_of,
@@ -264,6 +267,28 @@ def test_a_cached_function_is_found_and_its_mutant_not_hidden_by_the_cache(
     finally:
         function.__code__ = original
         sys.modules.pop("mutcached", None)
+
+
+def test_a_child_a_baseline_test_left_running_is_not_taken_for_a_mutant() -> None:
+    """A command's keeper that a test of act/ left running ends while the mutants run: the
+    plugin reaps it and goes on waiting for its own child."""
+    plugin = MutationPlugin([], [], jobs=1, deadline=None, progress=lambda _: None)
+    stray = os.fork()
+    if stray == 0:  # pragma: no cover - the child exits at once
+        os._exit(0)
+    os.waitid(os.P_PID, stray, os.WEXITED | os.WNOWAIT)  # exited, not reaped yet
+    mutant = _mutant_of_sample()
+    running = {2**22 + 1: (mutant, time.monotonic(), 60.0, -1)}  # past pid_max: never a child
+    plugin._reap(running)
+    assert list(running) == [2**22 + 1]
+    assert plugin.verdicts == []
+    with pytest.raises(ChildProcessError):
+        os.waitpid(stray, os.WNOHANG)  # reaped
+
+
+def _mutant_of_sample() -> Mutant:
+    function = find_functions(ast.parse(SAMPLE))["gate"]
+    return mutants_of("sample.py", SAMPLE, function)[0]
 
 
 # --- the checked-in files ------------------------------------------------------------------------

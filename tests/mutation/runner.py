@@ -307,6 +307,8 @@ class MutationPlugin:
                     os.kill(child, signal.SIGKILL)
             time.sleep(_POLL)
             return
+        if pid not in running:  # a child a baseline test left running (a command's keeper)
+            return
         mutant, started, _timeout, read_end = running.pop(pid)
         with os.fdopen(read_end, "rb") as pipe:
             killer = pipe.read().decode(errors="replace") or None

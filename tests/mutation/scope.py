@@ -373,6 +373,7 @@ TEST_FILES = (
     "tests/unit/test_gates_killed_a.py",
     "tests/unit/test_gates_killed_b.py",
     "tests/unit/test_gpu_ids.py",
+    "tests/unit/test_spares_slurm_tree.py",
     "tests/unit/test_wide_gates.py",
     "tests/unit/test_wide_mig.py",
     "tests/unit/test_mig_reset_plan.py",

@@ -1,7 +1,6 @@
-"""The kill ladder poll by poll (decide/plan/decisions.py): what a target in an odd state gets at
-the moment
-its next step is due, what act's outcomes do to the ladder, who is told, and when the daemon
-must wake next. Each test is a short timeline of ``plan`` and ``record_*`` calls.
+"""The kill ladder poll by poll (decide/plan/ladders.py): what a target in an odd state gets at
+the moment its next step is due, what act's outcomes do to the ladder, who is told, and when
+the daemon must wake next. Each test is a short timeline of ``plan`` and ``record_*`` calls.
 """
 
 from __future__ import annotations
@@ -10,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
+from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot, Spare, SubIdRange
+from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.plan.decisions import (
     EventName,
     HookIntent,
@@ -24,7 +24,8 @@ from gpuwatchd.decide.plan.decisions import (
     record_signal,
     reset_gates,
 )
-from gpuwatchd.decide.policy import Limits, Policy, ResetPolicy, Rule, Step
+from gpuwatchd.decide.plan.state import Latch
+from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 GPU0, GPU1 = gpu_uuid(0), gpu_uuid(1)
@@ -50,7 +51,7 @@ def host(*pids: int, gpus: int = 1, **changes: object) -> HostBuilder:
     return builder
 
 
-def orphan(pid: int, *, gpu: str = GPU0, kind: FindingKind = FindingKind.ORPHANED,
+def orphan(pid: int, *, gpu: str | None = GPU0, kind: FindingKind = FindingKind.ORPHANED,
            actionable: bool = True) -> Finding:  # fmt: skip
     return Finding(
         kind=kind, gpu=gpu, pid=pid, start_ticks=10_000 + pid * 7, reason="orphaned",
@@ -350,3 +351,329 @@ def test_unavailable_nvml_is_named_in_every_reset_gate_list() -> None:
     ghost = Finding(FindingKind.GHOST_MEMORY, GPU0, None, None, "ghost", memory=4096 * MIB)
     gates = reset_gates(ghost, down, POLICY, report_only={}, findings=[])
     assert [(g.name, g.why) for g in gates] == [("blocked", "blocked: NVML unavailable")]
+
+
+# --- what each end of a ladder says, and to whom ----------------------------------------------
+
+
+def told(result: PlanResult) -> list[tuple[str, str]]:
+    """(outcome, why) of each on_action notice."""
+    return [
+        (str(i.facts["outcome"]), str(i.facts["why"]))
+        for i in result.intents
+        if isinstance(i, HookIntent) and i.hook == "on_action"
+    ]
+
+
+def levels(result: PlanResult, name: str) -> list[tuple[str, Level]]:
+    return [(str(e.fields.get("why")), e.level) for e in result.events if e.name == name]
+
+
+def test_the_ends_of_a_ladder_say_why_at_their_level() -> None:
+    state = started(A)
+    resolved = poll([], host(A).build(), state, 30.0)
+    assert levels(resolved, EventName.ESCALATION_RESOLVED) == [("finding resolved", Level.INFO)]
+    kill = deliver(poll([orphan(A)], host(A).build(), state, 30.0), 30.0).state
+    survived = poll([orphan(A)], host(A).build(), kill, 40.0)
+    assert told(survived) == [("survived", "target still alive after the last step")]
+    protected = replace(POLICY, protect=Protect(users=("bob",)))
+    refused = poll([orphan(A)], host(A).build(), state, 30.0, protected)
+    (why,) = whys(refused, EventName.ACTION_REFUSED)
+    assert why.startswith("protect: ")
+    assert told(refused) == [("failed", f"refused: {why}")]
+
+
+def test_each_step_names_its_rule_and_finding_and_carries_the_targets_facts() -> None:
+    result = poll([orphan(A)], host(A).build(), started(A), 30.0)
+    (kill,) = [i for i in result.intents if isinstance(i, SignalIntent)]
+    assert (kill.rule, kill.reason) == ("orphans", "rule orphans step 2/2: orphaned")
+    assert (kill.facts["user"], kill.facts["uid"]) == ("bob", 1000)
+
+
+@pytest.mark.parametrize(
+    ("case", "stuck_finding", "state_d", "new"),
+    [
+        ("a stuck finding in the middle of the ladder", True, False, False),
+        ("alive in D state after the last step", False, True, False),
+        ("stuck before anything was sent", True, False, True),
+    ],
+)
+def test_a_stuck_target_is_reported_with_its_facts(
+    case: str, stuck_finding: bool, state_d: bool, new: bool
+) -> None:
+    findings = [orphan(A, kind=FindingKind.STUCK)] if stuck_finding else [orphan(A)]
+    builder = host(A, state="D") if state_d else host(A)
+    if new:  # a rule for stuck targets starts no ladder: it reports them
+        pol = replace(POLICY, rules=(*POLICY.rules, Rule("stuck", FindingKind.STUCK, LADDER)))
+        result = poll(findings, builder.build(), PlanState(), 0.0, pol)
+    else:
+        state = started(A)
+        if state_d:  # the SIGKILL too was sent
+            state = deliver(poll([orphan(A)], host(A).build(), state, 30.0), 30.0).state
+        result = poll(findings, builder.build(), state, 40.0)
+    stuck = [e.fields for e in result.events if e.name == EventName.TARGET_STUCK]
+    assert [(f["user"], f["uid"]) for f in stuck] == [("bob", 1000)], case
+    (hook,) = [i for i in result.intents if isinstance(i, HookIntent) and i.hook == "on_failure"]
+    assert hook.facts["user"] == "bob", case
+
+
+# --- zombies ------------------------------------------------------------------------------------
+
+
+def zombie(pid: int, evidence: dict[str, object]) -> Finding:
+    return replace(orphan(pid, kind=FindingKind.ZOMBIE), evidence=evidence)
+
+
+@pytest.mark.parametrize(
+    ("case", "finding", "listed", "reap"),
+    [
+        ("the finding's parent wins", zombie(A, {"ppid": 55}), True, (A, GPU0, 55)),
+        ("else the process's parent", zombie(A, {}), True, (A, GPU0, 77)),
+        ("no process, no parent", zombie(A, {}), False, (A, GPU0, None)),
+        ("a parent that is no PID", zombie(A, {"ppid": "77"}), True, (A, GPU0, None)),
+        ("an orphan that became a zombie", orphan(A, gpu=GPU1), True, (A, GPU1, 77)),
+        ("PID 0 is told as it is", zombie(0, {"ppid": 55}), False, (0, GPU0, 55)),
+    ],
+)
+def test_a_zombie_is_reported_once_with_its_parent_to_reap_it(
+    case: str, finding: Finding, listed: bool, reap: tuple[int, str, int | None]
+) -> None:
+    builder = host(gpus=2)
+    if listed:
+        builder.proc(A, user="bob", state="Z", ppid=77)
+    first = poll([finding], builder.build(), PlanState(), 0.0)
+    again = poll([finding], builder.build(), first.state, 1.0)
+    both = (*first.events, *again.events)
+    events = [e.fields for e in both if e.name == EventName.ZOMBIE_NEEDS_REAP]
+    assert [(f["pid"], f["gpu"], f["parent"]) for f in events] == [reap], case
+    assert signals(first) == signals(again) == [], case
+
+
+def test_a_ladder_whose_target_turns_zombie_always_says_so_even_if_said_before() -> None:
+    """A's start time was unreadable when it turned zombie (its ladder waited; the finding's
+    reap notice was said); once known, its ladder ends and says it again, with its GPU."""
+    state = started(A)
+    unknown = host().proc(A, user="bob", state="Z", ppid=77, start=None)
+    first = poll([orphan(A)], unknown.build(), state, 30.0)
+    assert names(first).count(EventName.ZOMBIE_NEEDS_REAP) == 1
+    known = host().proc(A, user="bob", state="Z", ppid=77)
+    ended = poll([orphan(A)], known.build(), first.state, 31.0)
+    assert whys(ended, EventName.ESCALATION_RESOLVED) == ["target exited (zombie)"]
+    reap = [e.fields for e in ended.events if e.name == EventName.ZOMBIE_NEEDS_REAP]
+    assert [(f["pid"], f["gpu"], f["parent"]) for f in reap] == [(A, GPU0, 77)]
+
+
+# --- which finding a ladder follows -------------------------------------------------------------
+
+C = 3000  # a third target
+
+ABANDONED = orphan(A, kind=FindingKind.ABANDONED)
+
+
+def abandoned_rule(*users: str) -> Rule:
+    return Rule("abandoned", FindingKind.ABANDONED, LADDER, users=users)
+
+
+@pytest.mark.parametrize(
+    ("case", "findings", "rules", "follows"),
+    [
+        ("its own finding, though another sorts first", [orphan(A), ABANDONED],
+         (abandoned_rule(),), orphan(A).key),
+        ("another finding a rule for its user selects", [ABANDONED], (abandoned_rule("bob"),),
+         ABANDONED.key),
+        ("another finding no rule selects", [ABANDONED], (), None),
+        ("another finding only another user's rule selects", [ABANDONED],
+         (abandoned_rule("alice"),), None),
+    ],
+)  # fmt: skip
+def test_a_ladder_follows_its_own_finding_else_one_a_rule_selects_for_its_target(
+    case: str, findings: list[Finding], rules: tuple[Rule, ...], follows: str | None
+) -> None:
+    pol = replace(POLICY, rules=(*POLICY.rules, *rules))
+    result = poll(findings, host(A).build(), started(A), 30.0, pol)
+    keys = [i.finding_key for i in result.intents if isinstance(i, SignalIntent)]
+    assert keys == ([] if follows is None else [follows]), case
+    resolved = whys(result, EventName.ESCALATION_RESOLVED)
+    assert resolved == ([] if follows else ["finding resolved"]), case
+
+
+# --- what holds a ladder ------------------------------------------------------------------------
+
+SPARED = f"pid {A} (start ticks {10_000 + A * 7}) is spared (debugging)"
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("paused", "paused"),
+        ("paused: maintenance", "paused (maintenance)"),
+        ("dry_run", "dry_run"),
+        ("pid spare", f"spare: {SPARED}"),
+        ("job spare", "spare: job slurm:42 is spared (debugging); this process's job is unknown"),
+        ("job spare, its step's tree", "spare: job slurm:42 is spared (debugging)"),
+    ],
+)
+def test_a_held_ladder_says_what_holds_it(case: str, why: str) -> None:
+    state, pol, builder = started(A), POLICY, host(A)
+    spares: tuple[Spare, ...] = ()
+    if case.startswith("paused"):
+        state = replace(state, paused=True, paused_reason=case.partition(": ")[2] or None)
+    elif case == "dry_run":  # dry-run by the policy, not by a kill cap
+        pol = replace(POLICY, dry_run=True)
+    elif case == "pid spare":
+        spares = (Spare(f"pid:{A}", WALL + 99.0, "debugging", pid=A, start_ticks=10_000 + A * 7),)
+    else:  # a job spare: A's cgroup is unknown, or A runs under the job's slurmstepd
+        spares = (Spare("job:slurm:42", WALL + 99.0, "debugging", job="slurm:42"),)
+        if case == "job spare":
+            builder.change(A, cgroup=None)
+        else:
+            builder.proc(500, ppid=1, start=100, user="root", uid=0, exe="/usr/sbin/slurmstepd",
+                         cmdline=("slurmstepd: [42.0]",))  # fmt: skip
+            builder.change(A, ppid=500)
+    snapshot = replace(builder.build(), spares=spares)
+    result = poll([orphan(A)], snapshot, state, 30.0, pol)
+    assert signals(result) == [], case
+    # Held (said at info), not refused: the ladder goes on when the spare ends.
+    assert levels(result, EventName.ACTION_REFUSED) == [(why, Level.INFO)], case
+    assert told(result) == [], case
+
+
+@pytest.mark.parametrize(
+    ("case", "finding", "wedged", "refused"),
+    [
+        ("report-only", orphan(A, actionable=False), False,
+         ("not_actionable: the assessment is report-only", Level.INFO)),
+        ("NVML wedged", orphan(A), True,
+         ("blocked: NVML is wedged (a call missed its deadline)", Level.WARNING)),
+    ],
+)  # fmt: skip
+def test_a_ladder_that_may_not_start_says_why_at_its_level(
+    case: str, finding: Finding, wedged: bool, refused: tuple[str, Level]
+) -> None:
+    snapshot = host(A).build()
+    snapshot = replace(snapshot, nvml=replace(snapshot.nvml, wedged=wedged))
+    result = poll([finding], snapshot, PlanState(), 0.0)
+    assert levels(result, EventName.ACTION_REFUSED) == [refused], case
+
+
+@pytest.mark.parametrize(
+    ("case", "name"),
+    [
+        ("confirming", EventName.ESCALATION_CONFIRMING),
+        ("report-only", EventName.RULE_REPORT_ONLY),
+        ("quiet", EventName.ACTION_DEFERRED),
+    ],
+)
+def test_what_a_finding_waits_for_is_said_once(case: str, name: str) -> None:
+    state, pol = PlanState(), POLICY
+    if case == "confirming":
+        pol = replace(POLICY, rules=(Rule("orphans", FindingKind.ORPHANED, LADDER, for_=50.0),))
+    elif case == "report-only":
+        pol = replace(POLICY, rules=(Rule("orphans", FindingKind.ORPHANED, (Step(None, 9.0),)),))
+    else:
+        state = PlanState(quiet_until={GPU0: 100.0})
+    first = poll([orphan(A)], host(A).build(), state, 0.0, pol)
+    again = poll([orphan(A)], host(A).build(), first.state, 1.0, pol)
+    assert (names(first).count(name), names(again).count(name)) == (1, 0), case
+    assert signals(first) == signals(again) == [], case
+
+
+# --- a GPU's quiet time after a signal ----------------------------------------------------------
+
+
+def test_a_signal_makes_its_gpu_quiet_for_post_action_delay_and_never_shortens_it() -> None:
+    first = poll([orphan(A)], host(A, B).build(), PlanState(), 0.0)
+    assert first.state.quiet_until == {GPU0: 0.0}  # post_action_delay is 0 here
+    second = poll([orphan(A), orphan(B)], host(A, B).build(), deliver(first, 0.0).state, 0.5)
+    assert signals(second) == [(B, "SIGTERM", 1, False)]
+    quiet = replace(deliver(second, 0.5).state, quiet_until={GPU0: 500.0})  # e.g. after a reset
+    kill = poll([orphan(A), orphan(B)], host(A, B).build(), quiet, 30.0)
+    assert signals(kill) == [(A, "SIGKILL", 2, False)]
+    assert kill.state.quiet_until == {GPU0: 500.0}
+    later = poll([orphan(A), orphan(B), orphan(C)], host(A, B, C).build(), kill.state, 100.0)
+    deferred = [e.fields for e in later.events if e.name == EventName.ACTION_DEFERRED]
+    assert [(f["pid"], f["until"]) for f in deferred] == [(C, 500.0)]
+
+
+def test_a_signal_about_no_gpu_makes_no_gpu_quiet() -> None:
+    result = poll([orphan(A, gpu=None)], host(A).build(), PlanState(), 0.0)
+    assert signals(result) == [(A, "SIGTERM", 1, False)]
+    assert result.state.quiet_until == {}
+
+
+# --- the kill caps ------------------------------------------------------------------------------
+
+
+def test_a_users_hourly_cap_counts_only_that_users_targets() -> None:
+    pol = replace(POLICY, limits=replace(POLICY.limits, max_signalled_per_hour=1))
+    state = started(A, pol=pol)
+    builder = host(A).proc(B, user="carol", uid=2000, holds={0}, uvm=True)
+    builder.proc(C, user="bob", holds={0}, uvm=True)
+    result = poll([orphan(A), orphan(B), orphan(C)], builder.build(), state, 5.0, pol)
+    assert signals(result) == [(B, "SIGTERM", 1, False), (C, "SIGTERM", 1, True)]
+
+
+def test_the_node_latch_says_why_when_it_lifts_and_leaves_nothing_behind() -> None:
+    limits = replace(POLICY.limits, node_max_signalled_per_hour=1, kill_cap_latch=600.0)
+    pol = replace(POLICY, limits=limits)
+    state = started(A, pol=pol)
+    capped = poll([orphan(A), orphan(B)], host(A, B).build(), state, 5.0, pol)
+    assert signals(capped) == [(B, "SIGTERM", 1, True)]
+    over = "more than 1 processes in one hour on the node"
+    assert (capped.state.forced_dry_run, capped.state.forced_reason) == (True, over)
+    lifted = poll([], host().build(), capped.state, 700.0, pol)
+    assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == [over]
+    latch = lifted.state
+    assert (latch.forced_dry_run, latch.forced_reason, latch.forced_since) == (False, None, None)
+    assert latch.forced_since_monotonic is None
+
+
+def test_real_ladders_book_nothing_in_dry_runs_shadow() -> None:
+    """Enforcement's own caps count real ladders; a dry run's would-be caps (the shadow) only
+    what a policy's dry run would have done, never a real step or a ladder a real cap forced
+    to a dry run."""
+    kill = poll([orphan(A)], host(A).build(), started(A), 30.0)
+    assert signals(kill) == [(A, "SIGKILL", 2, False)]
+    assert kill.state.shadow == PlanState().shadow
+    pol = replace(POLICY, limits=replace(POLICY.limits, max_signalled_per_poll=0))
+    capped = poll([orphan(A), orphan(B)], host(A, B).build(), PlanState(), 0.0, pol)
+    assert signals(capped) == [(A, "SIGTERM", 1, True), (B, "SIGTERM", 1, True)]
+    assert levels(capped, EventName.LIMITS_KILL_CAP_REACHED) == [
+        ("more than 0 processes of uid:1000 in one poll", Level.CRITICAL)
+    ]
+    assert capped.state.shadow == PlanState().shadow
+
+
+def test_a_rootless_containers_process_counts_against_its_owners_kill_cap() -> None:
+    """uid 100005 is in mallory's sub-uid range: her latch and her would-be cap are its."""
+    p, q = 4000, 4001
+    builder = host()
+    for pid, uid in ((p, 100_005), (q, 100_006)):
+        builder.proc(pid, user=None, uid=uid, holds={0}, uvm=True)
+    ranges = (SubIdRange(100_000, 65_536, "mallory", 1001),)
+    snapshot = replace(builder.build(), subuid_ranges=ranges)
+    latches = {"uid:1001": Latch("storm", WALL, 0.0)}
+    new = poll([orphan(p)], snapshot, PlanState(scope_latches=latches), 0.0)
+    assert signals(new) == [(p, "SIGTERM", 1, True)]
+    real = deliver(poll([orphan(p)], snapshot, PlanState(), 0.0), 0.0).state
+    held = poll([orphan(p)], snapshot, replace(real, scope_latches=latches), 30.0)
+    assert levels(held, EventName.ACTION_REFUSED) == [("dry_run (kill cap engaged)", Level.INFO)]
+    dry = replace(POLICY, dry_run=True, limits=replace(POLICY.limits, max_signalled_per_hour=1))
+    first = deliver(poll([orphan(p)], snapshot, PlanState(), 0.0, dry), 0.0, "dry_run").state
+    second = poll([orphan(p), orphan(q)], snapshot, first, 1.0, dry)
+    assert levels(second, EventName.LIMITS_KILL_CAP_REACHED) == [
+        ("more than 1 processes of uid:1001 in one hour", Level.WARNING)
+    ]
+
+
+def test_a_latch_without_a_start_counts_from_now_on_the_monotonic_clock() -> None:
+    """A node latch from an older state file (no start): it is anchored when first seen, so a
+    wall clock that jumps ahead does not lift it early."""
+    pol = replace(POLICY, limits=replace(POLICY.limits, kill_cap_latch=600.0))
+    old = PlanState(forced_dry_run=True, forced_reason="storm")
+    first = plan([], host().build(), old, pol, now=0.0, wall=WALL)
+    jumped = plan([], host().build(), first.state, pol, now=10.0, wall=WALL + 10_000.0)
+    assert whys(jumped, EventName.LIMITS_KILL_CAP_EXPIRED) == []
+    assert jumped.state.forced_dry_run
+    lifted = plan([], host().build(), jumped.state, pol, now=600.0, wall=WALL + 10_590.0)
+    assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == ["storm"]

@@ -599,6 +599,7 @@ def test_a_users_orphans_spread_over_its_sub_uids_count_against_that_user_not_th
     assert not r.state.forced_dry_run
     assert kill_cap_scope(proc(uid=200_003), ranges) == "user:ghost"  # a name without a uid
     assert kill_cap_scope(proc(uid=165_536), ranges) == "uid:165536"  # past the range
+    assert kill_cap_scope(None, ranges) == "uid:unknown"  # no process: its owner is unknown
 
 
 def test_a_latch_expires_after_kill_cap_latch_with_a_warning_and_dry_run_ladders_restart() -> None:

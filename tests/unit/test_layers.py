@@ -235,7 +235,6 @@ LONG_DEFINITIONS = {
     "cli.run:run_daemon": "the daemon's start: logging, capabilities, policy fallback",
     "cli.scan:_scan_host": "scan's own walk when the daemon cannot serve it",
     "cli.spare:spare_command": "spare's argument checks and its one write",
-    "cli.status:describe": "status text, section by section",
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",

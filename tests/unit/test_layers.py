@@ -233,7 +233,6 @@ LONG_DEFINITIONS = {
     "cli.report_text:_gpu_lines": "one GPU's text lines, field by field",
     "cli.run:_once_beside_the_daemon": "run --once beside a running daemon: lock, ask, wait",
     "cli.run:run_daemon": "the daemon's start: logging, capabilities, policy fallback",
-    "cli.scan:_scan_host": "scan's own walk when the daemon cannot serve it",
     "cli.spare:spare_command": "spare's argument checks and its one write",
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",

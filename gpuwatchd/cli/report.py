@@ -264,42 +264,10 @@ def _gpu_entry(
     if gpu.minor is not None:
         holdings = {h.pid: h for h in snapshot.holders.holders_of(gpu.minor)}
 
-    processes: list[dict[str, object]] = []
-    for process in listed:
-        role = roles_by_key.get((gpu.uuid, process.pid))
-        holding = holdings.get(process.pid)
-        entry: dict[str, object] = {
-            "pid": process.pid,
-            "used_memory": process.used_memory,
-            "type": process.kind,
-            "role": None if role is None else role.role,
-            "via": _via(gpu, holding, role),
-        }
-        entry.update(facts(process.pid, listed=True))
-        processes.append(entry)
-
-    holder_pids = (set(holdings) | {pid for (uuid, pid) in roles_by_key if uuid == gpu.uuid}) - set(
-        snapshot.self_pids
+    processes = _listed_entries(gpu, listed, holdings, roles_by_key, facts)
+    holders = _holder_entries(
+        gpu, snapshot, holdings, listed_by_pid, roles_by_key=roles_by_key, facts=facts
     )
-    holders: list[dict[str, object]] = []
-    for pid in sorted(holder_pids):
-        role = roles_by_key.get((gpu.uuid, pid))
-        holding = holdings.get(pid)
-        entries = listed_by_pid.get(pid, [])
-        entry = {
-            "pid": pid,
-            "role": None if role is None else role.role,
-            "owner_pid": None if role is None else role.owner_pid,
-            "note": None if role is None or not role.note else role.note,
-            "via": _via(gpu, holding, role),
-            "ctl": None if holding is None else holding.ctl,
-            "uvm": None if holding is None else holding.uvm,
-            "nvml_listed": bool(entries),
-            "used_memory": _sum_known([e.used_memory for e in entries]) if entries else None,
-        }
-        entry.update(facts(pid, listed=bool(entries)))
-        holders.append(entry)
-
     return {
         "index": gpu.index,
         "uuid": gpu.uuid,
@@ -325,6 +293,65 @@ def _gpu_entry(
         # Whose open device node would make the driver refuse a reset now (docs/reset.md).
         "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
     }
+
+
+def _listed_entries(
+    gpu: GpuInfo,
+    listed: Sequence[NvmlProcess],
+    holdings: Mapping[int, DeviceHolding],
+    roles_by_key: Mapping[tuple[str, int], RoleLike],
+    facts: _Facts,
+) -> list[dict[str, object]]:
+    """A GPU entry's ``processes``: what NVML listed on it, each with its role and facts."""
+    processes: list[dict[str, object]] = []
+    for process in listed:
+        role = roles_by_key.get((gpu.uuid, process.pid))
+        holding = holdings.get(process.pid)
+        entry: dict[str, object] = {
+            "pid": process.pid,
+            "used_memory": process.used_memory,
+            "type": process.kind,
+            "role": None if role is None else role.role,
+            "via": _via(gpu, holding, role),
+        }
+        entry.update(facts(process.pid, listed=True))
+        processes.append(entry)
+    return processes
+
+
+def _holder_entries(
+    gpu: GpuInfo,
+    snapshot: Snapshot,
+    holdings: Mapping[int, DeviceHolding],
+    listed_by_pid: Mapping[int, list[NvmlProcess]],
+    *,
+    roles_by_key: Mapping[tuple[str, int], RoleLike],
+    facts: _Facts,
+) -> list[dict[str, object]]:
+    """A GPU entry's ``holders``: every process the holder scan or a role puts on it (never
+    the daemon's own), by PID, with what NVML listed of it."""
+    holder_pids = (set(holdings) | {pid for (uuid, pid) in roles_by_key if uuid == gpu.uuid}) - set(
+        snapshot.self_pids
+    )
+    holders: list[dict[str, object]] = []
+    for pid in sorted(holder_pids):
+        role = roles_by_key.get((gpu.uuid, pid))
+        holding = holdings.get(pid)
+        entries = listed_by_pid.get(pid, [])
+        entry: dict[str, object] = {
+            "pid": pid,
+            "role": None if role is None else role.role,
+            "owner_pid": None if role is None else role.owner_pid,
+            "note": None if role is None or not role.note else role.note,
+            "via": _via(gpu, holding, role),
+            "ctl": None if holding is None else holding.ctl,
+            "uvm": None if holding is None else holding.uvm,
+            "nvml_listed": bool(entries),
+            "used_memory": _sum_known([e.used_memory for e in entries]) if entries else None,
+        }
+        entry.update(facts(pid, listed=bool(entries)))
+        holders.append(entry)
+    return holders
 
 
 class _Facts(Protocol):

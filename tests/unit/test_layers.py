@@ -226,7 +226,6 @@ LONG_DEFINITIONS = {
         "the reset procedure's steps in order, each recorded before the next",
     "act.reset_resume:resume_interrupted": "resuming a recorded reset step by step",
     "act.signals:Signaller.send": "one signal through a pidfd, with every identity re-check",
-    "cli.report_text:_gpu_lines": "one GPU's text lines, field by field",
     "cli.run:_once_beside_the_daemon": "run --once beside a running daemon: lock, ask, wait",
     "cli.run:run_daemon": "the daemon's start: logging, capabilities, policy fallback",
     "cli.spare:spare_command": "spare's argument checks and its one write",

@@ -59,34 +59,11 @@ def run_daemon(
     with."""
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
-    rejected_at_start: dict[str, object] | None = None
-    if rejected is not None:
-        error, fallback = rejected
-        log.critical(
-            EventName.CONFIG_START_REJECTED,
-            error=error,
-            config=config_path,
-            running=fallback.describe(),
-            dry_run=policy.dry_run or dry_run,
-            unusable=list(fallback.problems),
-        )
-        rejected_at_start = {
-            "at": time.time(),
-            "error": error,
-            "at_start": True,
-            "running": fallback.describe(),
-        }
-    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
-    if missing:
-        effective_dry_run = dry_run or policy.dry_run
-        if not effective_dry_run:
-            log.critical(
-                EventName.DAEMON_NO_PERMISSION,
-                missing=missing,
-                detail="enforcing needs these capabilities (run as root); refusing to start",
-            )
-            return ExitCode.NOPERM
-        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
+    rejected_at_start = _rejected_at_start(
+        rejected, policy, config_path=config_path, dry_run=dry_run
+    )
+    if not _permitted(policy, dry_run=dry_run):
+        return ExitCode.NOPERM
     daemon = Daemon(
         policy,
         config_path=config_path,
@@ -118,6 +95,47 @@ def run_daemon(
             log.critical(EventName.DAEMON_NO_PERMISSION, error=str(exc))
             return ExitCode.NOPERM
         raise
+
+
+def _rejected_at_start(
+    rejected: tuple[str, Fallback] | None, policy: Policy, *, config_path: str, dry_run: bool
+) -> dict[str, object] | None:
+    """A policy rejected at start, logged (critical) with the fallback that runs instead, and
+    the record the daemon keeps of it; None when the configured policy was accepted."""
+    if rejected is None:
+        return None
+    error, fallback = rejected
+    log.critical(
+        EventName.CONFIG_START_REJECTED,
+        error=error,
+        config=config_path,
+        running=fallback.describe(),
+        dry_run=policy.dry_run or dry_run,
+        unusable=list(fallback.problems),
+    )
+    return {
+        "at": time.time(),
+        "error": error,
+        "at_start": True,
+        "running": fallback.describe(),
+    }
+
+
+def _permitted(policy: Policy, *, dry_run: bool) -> bool:
+    """Whether the daemon may start with the capabilities it has: without those acting
+    needs, only in dry-run (a warning); enforcing is refused (critical) and False."""
+    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
+    if missing:
+        effective_dry_run = dry_run or policy.dry_run
+        if not effective_dry_run:
+            log.critical(
+                EventName.DAEMON_NO_PERMISSION,
+                missing=missing,
+                detail="enforcing needs these capabilities (run as root); refusing to start",
+            )
+            return False
+        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
+    return True
 
 
 def _once_beside_the_daemon(

@@ -226,7 +226,6 @@ LONG_DEFINITIONS = {
         "the reset procedure's steps in order, each recorded before the next",
     "act.reset_resume:resume_interrupted": "resuming a recorded reset step by step",
     "act.signals:Signaller.send": "one signal through a pidfd, with every identity re-check",
-    "cli.spare:spare_command": "spare's argument checks and its one write",
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",

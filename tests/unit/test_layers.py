@@ -256,7 +256,6 @@ LONG_DEFINITIONS = {
     "sim.simulation:Simulation": "the simulated host's edges",
     "sim.simulation:Simulation.apply": "a timeline step applied, kind by kind",
     "sim.world:World": "the simulated world's state and its changes",
-    "state.status_document:build_document": "the status document, section by section",
 }
 # fmt: on
 

@@ -224,7 +224,6 @@ LONG_DEFINITIONS = {
         "one evidence file's whole write: bounds, rotation, atomic rename",
     "act.reset:_up_to_final_scan":
         "the reset procedure's steps in order, each recorded before the next",
-    "act.reset_resume:resume_interrupted": "resuming a recorded reset step by step",
     "act.signals:Signaller.send": "one signal through a pidfd, with every identity re-check",
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",

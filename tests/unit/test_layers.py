@@ -253,7 +253,6 @@ LONG_DEFINITIONS = {
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.scenario:_Reader.process": "a scenario's process entry, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",
-    "sim.simulation:Simulation.apply": "a timeline step applied, kind by kind",
     "sim.world:World": "the simulated world's state and its changes",
 }
 # fmt: on

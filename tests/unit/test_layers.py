@@ -251,7 +251,6 @@ LONG_DEFINITIONS = {
     "engine.cycle:Engine._hooks": "the hooks of one poll: queue, run, record",
     "engine.cycle:Engine.poll": "the poll's stages in order",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
-    "sim.scenario:_Reader.process": "a scenario's process entry, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",
     "sim.world:World": "the simulated world's state and its changes",
 }

@@ -226,7 +226,6 @@ LONG_DEFINITIONS = {
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",
-    "collect.nvml_worker:read_mig_device": "one MIG device's NVML reads, each guarded",
     "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",
     "collect.procfs:ProcFS.read_process": "one process's /proc files, each read hostile",
     "daemon.lifecycle:Daemon":

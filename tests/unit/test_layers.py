@@ -227,7 +227,6 @@ LONG_DEFINITIONS = {
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",
     "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",
-    "collect.procfs:ProcFS.read_process": "one process's /proc files, each read hostile",
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "daemon.lifecycle:Daemon.__init__": "the daemon's parts wired once",

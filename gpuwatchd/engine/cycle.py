@@ -517,37 +517,9 @@ class Engine:
             "hostname": self.hostname,
         }
         if intent.dry_run:
-            for hook in hooks:
-                try:  # the argv as it would run, placeholders filled
-                    argv, detail = list(format_argv(hook.argv, **values)), None
-                except ValueError as err:
-                    argv, detail = list(hook.argv), f"would not run: {err}"
-                self._emit(
-                    EventName.HOOK_RUN,
-                    Level.WARNING,  # a would-be action: reviewed with -p warning
-                    hook=intent.hook,
-                    argv=argv,
-                    dry_run=True,
-                    outcome=HookOutcome.DRY_RUN,
-                    reason=intent.reason,
-                    **({"detail": detail} if detail else {}),
-                    **kept,
-                )
+            self._say_dry_run_hooks(intent, hooks, values, kept)
             return ()
-        env = hook_environment(
-            intent.hook,
-            reason=intent.reason,
-            gpu_uuid=values["uuid"],
-            gpu_pci_bus_id=values["pci_bus_id"],
-            gpu_minor=values["minor"],
-            user=values["user"],
-            hostname=self.hostname,
-            action=facts.get("action"),
-            outcome=facts.get("outcome"),
-            pid=facts.get("pid"),
-            rule=facts.get("rule"),
-            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
-        )
+        env = self._hook_env(intent, values)
 
         def work() -> list[CommandResult]:
             return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
@@ -571,6 +543,50 @@ class Engine:
             )
         self.report_background_hooks()
         return ()
+
+    def _say_dry_run_hooks(
+        self,
+        intent: HookIntent,
+        hooks: tuple[Hook, ...],
+        values: Mapping[str, str | None],
+        kept: Mapping[str, object],
+    ) -> None:
+        """A dry run's hooks: each said as it would run (placeholders filled), none run."""
+        for hook in hooks:
+            try:  # the argv as it would run, placeholders filled
+                argv, detail = list(format_argv(hook.argv, **values)), None
+            except ValueError as err:
+                argv, detail = list(hook.argv), f"would not run: {err}"
+            self._emit(
+                EventName.HOOK_RUN,
+                Level.WARNING,  # a would-be action: reviewed with -p warning
+                hook=intent.hook,
+                argv=argv,
+                dry_run=True,
+                outcome=HookOutcome.DRY_RUN,
+                reason=intent.reason,
+                **({"detail": detail} if detail else {}),
+                **kept,
+            )
+
+    def _hook_env(self, intent: HookIntent, values: Mapping[str, str | None]) -> dict[str, str]:
+        """The ``GPUWATCHD_*`` environment of ``intent``'s hooks: its facts, and for
+        ``on_action`` the notification's message."""
+        facts = intent.facts
+        return hook_environment(
+            intent.hook,
+            reason=intent.reason,
+            gpu_uuid=values["uuid"],
+            gpu_pci_bus_id=values["pci_bus_id"],
+            gpu_minor=values["minor"],
+            user=values["user"],
+            hostname=self.hostname,
+            action=facts.get("action"),
+            outcome=facts.get("outcome"),
+            pid=facts.get("pid"),
+            rule=facts.get("rule"),
+            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
+        )
 
     def hooks_not_run(
         self,

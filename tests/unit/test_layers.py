@@ -244,7 +244,6 @@ LONG_DEFINITIONS = {
     "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
     "decide.plan.state:_load_state": "the plan state read back, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
-    "engine.cycle:Engine.poll": "the poll's stages in order",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",
     "sim.world:World": "the simulated world's state and its changes",

@@ -226,7 +226,6 @@ LONG_DEFINITIONS = {
     "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
-    "daemon.lifecycle:Daemon.__init__": "the daemon's parts wired once",
     "decide.assess.holders:_HolderPass": "the orphan classification pass (mutation-tested)",
     "decide.assess.holders:_HolderPass.classify":
         "the orphan rule's cases in order (a mutation-tested gate)",

@@ -332,13 +332,7 @@ class EvidenceKeeper:
             return Kept(None, error=f"state_dir unusable: {err}")
         if folder is None:
             return Kept(None, error="state_dir unusable")
-        report: object = None
-        report_error = None if self.report is not None else "no report builder"
-        if self.report is not None:
-            try:
-                report = self.report(snapshot, assessment, verdict, first_seen)
-            except Exception as err:  # a bug in the report must not stop the step's evidence
-                report_error = repr(err)
+        report, report_error = self._report(snapshot, assessment, verdict, first_seen)
         doc: dict[str, object] = {
             "evidence": FORMAT,
             "action": str(step.action),
@@ -368,6 +362,29 @@ class EvidenceKeeper:
             folder.write(name, data, mode=0o600)
         except OSError as err:
             return Kept(None, error=f"cannot write in state_dir: {err.strerror or err}")
+        removed = self._rotate(folder)
+        return Kept(folder.join(name), removed)
+
+    def _report(
+        self,
+        snapshot: Snapshot,
+        assessment: Assessment,
+        verdict: NodeVerdict | None,
+        first_seen: Mapping[str, float],
+    ) -> tuple[object, str | None]:
+        """The report part of the evidence and, when there is none, why (a failing builder's
+        error: a bug in the report must not stop the step's evidence)."""
+        report: object = None
+        report_error = None if self.report is not None else "no report builder"
+        if self.report is not None:
+            try:
+                report = self.report(snapshot, assessment, verdict, first_seen)
+            except Exception as err:  # a bug in the report must not stop the step's evidence
+                report_error = repr(err)
+        return report, report_error
+
+    def _rotate(self, folder: EvidenceFolder) -> tuple[str, ...]:
+        """The oldest evidence files past ``max_files`` removed; the names of those removed."""
         removed = []
         try:
             kept = list_evidence(folder)
@@ -376,4 +393,4 @@ class EvidenceKeeper:
         for old in kept[: max(0, len(kept) - self.max_files)]:
             if folder.remove(old.name):
                 removed.append(old.name)
-        return Kept(folder.join(name), tuple(removed))
+        return tuple(removed)

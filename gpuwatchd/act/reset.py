@@ -395,7 +395,51 @@ def perform_reset(
 
 def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     """Steps drain to final_scan; an outcome when the procedure stopped (and was undone)."""
-    target, reset, env, dry_run = proc.target, proc.policy, proc.env, proc.dry_run
+    target, env, prepared = proc.target, proc.env, proc.commands
+    if (stopped := _drain(proc)) is not None:
+        return stopped
+
+    if (stopped := _stop_nvml(proc)) is not None:
+        return stopped
+
+    if not proc.begin(ResetStep.BEFORE_HOOKS):
+        return proc.abort(ResetStep.BEFORE_HOOKS, _UNRECORDED)
+    failure = proc.hooks(
+        ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
+    )
+    if failure is not None:
+        return proc.abort(ResetStep.BEFORE_HOOKS, failure)
+
+    stopped, would_stop = stop_monitors(proc)
+    if stopped is not None:
+        return stopped
+
+    if (stopped := _persistence_off(proc)) is not None:
+        return stopped
+
+    if not proc.begin(ResetStep.FINAL_SCAN):
+        return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
+    try:
+        # A dry run stops no monitor: those it would stop are not counted as holders.
+        blockers = list(env.final_blockers(target, would_stop))
+    except Exception as err:  # a scan that failed proves nothing: unknown blocks
+        blockers = [f"the holder scan failed: {err}"]
+    proc.event(
+        ResetStep.FINAL_SCAN,
+        ResetStepStatus.BLOCKED if blockers else ResetStepStatus.CLEAR,
+        level=Level.WARNING if blockers else Level.INFO,
+        blockers=blockers,
+    )
+    if blockers:
+        reason = f"{len(blockers)} blocker(s): " + "; ".join(blockers)
+        return proc.abort(ResetStep.FINAL_SCAN, reason, blockers)
+
+    return None
+
+
+def _drain(proc: Procedure) -> ResetOutcome | None:
+    """Step drain: the ``reset.drain`` hooks, unless a health reset drained before its wait;
+    an outcome when the procedure stopped (refused before anything was done, else undone)."""
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, _UNRECORDED)
@@ -407,7 +451,13 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         failure = proc.hooks(ResetStep.DRAIN, prepared.drain, "reset_drain", stop_on_failure=True)
         if failure is not None:
             return proc.abort(ResetStep.DRAIN, failure)
+    return None
 
+
+def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
+    """Step stop_nvml: our own NVML worker stopped, so that it holds no device file; an
+    outcome when it could not be (undone)."""
+    env, dry_run = proc.env, proc.dry_run
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)
     if dry_run:
@@ -423,19 +473,14 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         proc.event(ResetStep.STOP_NVML, ResetStepStatus.OK if released else ResetStepStatus.FAILED)
         if not released:
             return proc.abort(ResetStep.STOP_NVML, "our own NVML worker still holds the device")
+    return None
 
-    if not proc.begin(ResetStep.BEFORE_HOOKS):
-        return proc.abort(ResetStep.BEFORE_HOOKS, _UNRECORDED)
-    failure = proc.hooks(
-        ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
-    )
-    if failure is not None:
-        return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
-    stopped, would_stop = stop_monitors(proc)
-    if stopped is not None:
-        return stopped
-
+def _persistence_off(proc: Procedure) -> ResetOutcome | None:
+    """Step persistence_off: persistence mode turned off when the policy toggles it and it
+    was on (recorded first, so an undo restores it), else said skipped and why; an outcome
+    when the command failed (undone)."""
+    target, reset, prepared = proc.target, proc.policy, proc.commands
     if target.recovery is not None:
         detail = "a MIG GPU instance's re-creation leaves persistence mode as it is"
         proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=detail)
@@ -459,24 +504,6 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
             else "persistence mode is unknown; left as it is"
         )
         proc.event(ResetStep.PERSISTENCE_OFF, ResetStepStatus.SKIPPED, detail=why)
-
-    if not proc.begin(ResetStep.FINAL_SCAN):
-        return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
-    try:
-        # A dry run stops no monitor: those it would stop are not counted as holders.
-        blockers = list(env.final_blockers(target, would_stop))
-    except Exception as err:  # a scan that failed proves nothing: unknown blocks
-        blockers = [f"the holder scan failed: {err}"]
-    proc.event(
-        ResetStep.FINAL_SCAN,
-        ResetStepStatus.BLOCKED if blockers else ResetStepStatus.CLEAR,
-        level=Level.WARNING if blockers else Level.INFO,
-        blockers=blockers,
-    )
-    if blockers:
-        reason = f"{len(blockers)} blocker(s): " + "; ".join(blockers)
-        return proc.abort(ResetStep.FINAL_SCAN, reason, blockers)
-
     return None
 
 

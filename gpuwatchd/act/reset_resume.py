@@ -153,20 +153,7 @@ def resume_interrupted(
         return _unreadable(env, f"unreadable reset record of {target.uuid}: its recorded "
                            f"commands: {commands}; nothing was changed")  # fmt: skip
 
-    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
-    if not commands.reset:
-        proc.recorded = None  # none built: a crash now leaves the record to be read as today
-    proc.persistence_off = record.get("persistence_off") is True
-    units = record.get("units_stopped")
-    if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
-        proc.units_stopped = [
-            u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
-        ]
-    proc.reset_started = record.get("reset_started") is True
-    result = record.get("result")
-    # An unknown recorded result is no result: the GPU is checked again below.
-    known = isinstance(result, str) and result in {r.value for r in ResetResult}
-    proc.result = ResetResult(result) if known else None
+    proc = _procedure_from(record, target, reset, env, commands, runner=runner)
     env.emit(
         EventName.RESET_RESUMED,
         Level.WARNING,
@@ -196,22 +183,56 @@ def resume_interrupted(
         or proc.result is None
         or (restoring and proc.result is ResetResult.SUCCESS)
     ):
-        unhealthy = False
-        if not commands.health:
-            memory: bool | None = None
-            detail = "the health check command cannot be built; GPU state unknown"
-        else:
-            healthy, memory, detail = proc.health_check()
-            unhealthy = not healthy
-        result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
-        reason = f"interrupted at step {step.value} after the reset command started; {detail}"
-        proc.result = result
-        proc.restore(result, reason)
-        return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
+        return _check_after_reset(proc, commands, step)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     proc.restore(proc.result, reason)
     return proc.finish(proc.result, ResetStep.DONE, reason)
+
+
+def _procedure_from(
+    record: Mapping[str, object],
+    target: ResetTarget,
+    reset: ResetPolicy,
+    env: ResetEnvironment,
+    commands: Commands,
+    *,
+    runner: CommandRunner,
+) -> Procedure:
+    """The interrupted reset's procedure as the record left it: whether persistence mode was
+    turned off, the monitors' units stopped, whether the reset command started, its result."""
+    proc = Procedure(target, reset, env, commands, dry_run=False, hook_env=EMPTY_ENV, runner=runner)
+    if not commands.reset:
+        proc.recorded = None  # none built: a crash now leaves the record to be read as today
+    proc.persistence_off = record.get("persistence_off") is True
+    units = record.get("units_stopped")
+    if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
+        proc.units_stopped = [
+            u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
+        ]
+    proc.reset_started = record.get("reset_started") is True
+    result = record.get("result")
+    # An unknown recorded result is no result: the GPU is checked again below.
+    known = isinstance(result, str) and result in {r.value for r in ResetResult}
+    proc.result = ResetResult(result) if known else None
+    return proc
+
+
+def _check_after_reset(proc: Procedure, commands: Commands, step: ResetStep) -> ResetOutcome:
+    """A reset interrupted after its command started: the GPU's health checked, then undone
+    as after any reset; ``success`` only when it is healthy and its memory is back."""
+    unhealthy = False
+    if not commands.health:
+        memory: bool | None = None
+        detail = "the health check command cannot be built; GPU state unknown"
+    else:
+        healthy, memory, detail = proc.health_check()
+        unhealthy = not healthy
+    result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
+    reason = f"interrupted at step {step.value} after the reset command started; {detail}"
+    proc.result = result
+    proc.restore(result, reason)
+    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:

@@ -137,43 +137,16 @@ class Signaller:
 
         # The pidfd is open: the process it names cannot change any more. Now check that it
         # is the one that was judged.
-        current = stat_start_ticks(self._proc_root, pid)
-        if current is None:
-            self._drop(identity, pidfd)
-            return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
-        ticks, state = current
-        if ticks != identity.start_ticks:
-            self._drop(identity, pidfd)
-            return SignalResult(
-                SignalOutcome.REUSED,
-                f"PID {pid} now belongs to another process (start ticks {ticks}, "
-                f"expected {identity.start_ticks}); nothing sent",
-                state,
-            )
-        if state == "Z":
-            self._drop(identity, pidfd)
-            return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), state)
-        if state in ("X", "x"):
-            self._drop(identity, pidfd)
-            return SignalResult(SignalOutcome.GONE, f"PID {pid} is dead", state)
+        checked = self._recheck(identity, pidfd)
+        if isinstance(checked, SignalResult):
+            return checked
+        state = checked
 
         try:
             send_signal(pidfd, 0 if dry_run else number)
         except OSError as err:
             self._drop(identity, pidfd)
-            if err.errno == errno.ESRCH:
-                return SignalResult(SignalOutcome.GONE, f"PID {pid} exited", state)
-            if err.errno == errno.EPERM:
-                return SignalResult(
-                    SignalOutcome.DENIED,
-                    f"not permitted to signal PID {pid} (missing CAP_KILL?)",
-                    state,
-                )
-            return SignalResult(
-                SignalOutcome.FAILED,
-                f"pidfd_send_signal({pid}) failed: {err.strerror or err}",
-                state,
-            )
+            return _send_failed(pid, err, state)
         self._kept[identity] = pidfd
         name = signal.Signals(number).name
         if dry_run:
@@ -236,6 +209,31 @@ class Signaller:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _recheck(self, identity: ProcessIdentity, pidfd: int) -> SignalResult | str:
+        """Whether the process ``pidfd`` names is the one ``identity`` names and alive: its
+        state letter when it is; else why not (its pidfd then dropped)."""
+        pid = identity.pid
+        current = stat_start_ticks(self._proc_root, pid)
+        if current is None:
+            self._drop(identity, pidfd)
+            return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
+        ticks, state = current
+        if ticks != identity.start_ticks:
+            self._drop(identity, pidfd)
+            return SignalResult(
+                SignalOutcome.REUSED,
+                f"PID {pid} now belongs to another process (start ticks {ticks}, "
+                f"expected {identity.start_ticks}); nothing sent",
+                state,
+            )
+        if state == "Z":
+            self._drop(identity, pidfd)
+            return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), state)
+        if state in ("X", "x"):
+            self._drop(identity, pidfd)
+            return SignalResult(SignalOutcome.GONE, f"PID {pid} is dead", state)
+        return state
+
     def _drop(self, identity: ProcessIdentity, pidfd: int) -> None:
         if self._kept.get(identity) == pidfd:
             self.forget(identity)
@@ -247,6 +245,23 @@ def _readable(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _send_failed(pid: int, err: OSError, state: str) -> SignalResult:
+    """What a failed ``pidfd_send_signal`` means: gone (ESRCH), denied (EPERM), else failed."""
+    if err.errno == errno.ESRCH:
+        return SignalResult(SignalOutcome.GONE, f"PID {pid} exited", state)
+    if err.errno == errno.EPERM:
+        return SignalResult(
+            SignalOutcome.DENIED,
+            f"not permitted to signal PID {pid} (missing CAP_KILL?)",
+            state,
+        )
+    return SignalResult(
+        SignalOutcome.FAILED,
+        f"pidfd_send_signal({pid}) failed: {err.strerror or err}",
+        state,
+    )
 
 
 def _zombie_detail(pid: int) -> str:

@@ -162,20 +162,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     for finding in findings:
         since = first_seen.get(finding.key)
         proc = None if finding.pid is None else snapshot.processes.get(finding.pid)
-        item: dict[str, object] = {
-            "key": finding.key,
-            "kind": finding.kind.value,
-            "gpu": finding.gpu,
-            "pid": finding.pid,
-            "reason": finding.reason,
-            "first_seen": since,
-            "rule": None,
-            "no_rule_because": [],
-            "next": None,
-            "then": [],
-            "stopped_by": [],
-            "spared": None,
-        }
+        item = _new_item(finding, since)
         stops: list[str] = []
         if not finding.actionable:
             why = report_only.get(finding.gpu or "") or report_only.get("node")
@@ -203,36 +190,9 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                 if finding.kind == FindingKind.ZOMBIE
                 else "nothing to signal: the process no longer exists"
             )
-        else:
-            rule = rule_for(finding, proc, policy, lasted=math.inf)
-            if rule is None:
-                item["no_rule_because"] = _no_rule(finding, proc, policy)
-            else:
-                item["rule"] = rule.name
-                first, rest = rule.steps[0], rule.steps[1:]
-                action = first.signal or (
-                    "on_failure hooks (stuck: never signalled)"
-                    if finding.kind == FindingKind.STUCK
-                    else "report"
-                )
-                item["next"] = {"action": action, **_when(now, since, rule.for_)}
-                # Each step's wait comes before the step after it; the last one's, before the end.
-                item["then"] = [
-                    f"wait {duration(before.wait)}, then {step.signal or 'report'}"
-                    for before, step in zip(rule.steps[:-1], rest, strict=True)
-                ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
-            why = refusal(proc, finding, snapshot, policy, frozenset())
-            item["spared"], said = spare_stops(proc, snapshot, why)
-            stops.extend(said)
-            if (
-                not said
-                and rule is not None
-                and rule.steps[0].signal is not None
-                and finding.actionable
-            ):
-                signalled.append((item, finding))
-            if policy.dry_run:
-                stops.append("dry_run: true — the step is logged, nothing is sent")
+        elif _explain_process(item=item, stops=stops, finding=finding, proc=proc,
+                              snapshot=snapshot, policy=policy, now=now, since=since):  # fmt: skip
+            signalled.append((item, finding))
         if daemon.paused:
             reason = f" ({daemon.paused_reason})" if daemon.paused_reason else ""
             stops.append(f"pause: the daemon is paused{reason}; `gpuwatchd resume` lifts it")
@@ -245,6 +205,65 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         "dry_run": policy.dry_run,
         "findings": items,
     }
+
+
+def _new_item(finding: Finding, since: float | None) -> dict[str, object]:
+    """A finding's explanation before any rule is looked at: what it is, nothing decided."""
+    return {
+        "key": finding.key,
+        "kind": finding.kind.value,
+        "gpu": finding.gpu,
+        "pid": finding.pid,
+        "reason": finding.reason,
+        "first_seen": since,
+        "rule": None,
+        "no_rule_because": [],
+        "next": None,
+        "then": [],
+        "stopped_by": [],
+        "spared": None,
+    }
+
+
+def _explain_process(
+    *,
+    item: dict[str, object],
+    stops: list[str],
+    finding: Finding,
+    proc: ProcessInfo | None,
+    snapshot: Snapshot,
+    policy: Policy,
+    now: float,
+    since: float | None,
+) -> bool:
+    """A process finding's matching rule, its ladder and what would stop it; True when the
+    rule's first step would signal it (the kill cap and the post-action delay then apply)."""
+    rule = rule_for(finding, proc, policy, lasted=math.inf)
+    if rule is None:
+        item["no_rule_because"] = _no_rule(finding, proc, policy)
+    else:
+        item["rule"] = rule.name
+        first, rest = rule.steps[0], rule.steps[1:]
+        action = first.signal or (
+            "on_failure hooks (stuck: never signalled)"
+            if finding.kind == FindingKind.STUCK
+            else "report"
+        )
+        item["next"] = {"action": action, **_when(now, since, rule.for_)}
+        # Each step's wait comes before the step after it; the last one's, before the end.
+        item["then"] = [
+            f"wait {duration(before.wait)}, then {step.signal or 'report'}"
+            for before, step in zip(rule.steps[:-1], rest, strict=True)
+        ] + [f"wait {duration(rule.steps[-1].wait)}, then the ladder ends"]
+    why = refusal(proc, finding, snapshot, policy, frozenset())
+    item["spared"], said = spare_stops(proc, snapshot, why)
+    stops.extend(said)
+    signals = (
+        not said and rule is not None and rule.steps[0].signal is not None and finding.actionable
+    )
+    if policy.dry_run:
+        stops.append("dry_run: true — the step is logged, nothing is sent")
+    return signals
 
 
 def _note_limits(

@@ -53,6 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    _add_scan_and_run(sub, common)
+    _add_checks(sub, common)
+    _add_simulate_and_explain(sub, common)
+    _add_pause_and_resume(sub, common)
+    _add_spare(sub, common)
+    sub.add_parser(
+        "reload",
+        parents=[common],
+        help="check the policy, then make the running daemon reread it (where systemd does "
+        "not run it: a Kubernetes pod)",
+    )
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    for name, command in sub.choices.items():
+        describe(command, name)
+    return parser
+
+
+def _add_scan_and_run(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The commands that look at the GPUs and the one that watches them: scan, run."""
     scan = sub.add_parser("scan", parents=[common], help="read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
@@ -89,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="upper bound for --once (default 10m)",
     )
 
+
+def _add_checks(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The read-only checks: check-clean (a prolog's) and check-config."""
     clean = sub.add_parser(
         "check-clean",
         parents=[common],
@@ -127,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate only: print no policy, just the OK line (the unit's reload check)",
     )
 
+
+def _add_simulate_and_explain(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The commands that say what the policy would do: simulate, explain."""
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
     simulate_config = argparse.ArgumentParser(add_help=False)
@@ -155,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("snapshot", metavar="SNAPSHOT", help="output of `gpuwatchd scan --json`")
     explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
+
+def _add_pause_and_resume(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The maintenance switch: pause, resume."""
     pause = sub.add_parser("pause", parents=[common], help="stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
     pause.add_argument(
@@ -173,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also clear the kill-cap latches, the reset circuit breaker and refused resets",
     )
+
+
+def _add_spare(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """spare: one process or one job left alone for a while."""
     spare = sub.add_parser(
         "spare",
         parents=[common],
@@ -197,21 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     spare.add_argument("--cancel", action="store_true", help="end the spare of the target now")
     spare.add_argument("--list", dest="list_", action="store_true", help="show the spares in force")
     spare.add_argument("--json", action="store_true", help="with --list: print JSON")
-    sub.add_parser(
-        "reload",
-        parents=[common],
-        help="check the policy, then make the running daemon reread it (where systemd does "
-        "not run it: a Kubernetes pod)",
-    )
-    status = sub.add_parser(
-        "status",
-        parents=[common],
-        help="what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
-    )
-    status.add_argument("--json", action="store_true", help="print the status as JSON")
-    for name, command in sub.choices.items():
-        describe(command, name)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ unknown value is ``null``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from gpuwatchd.cli.mig_report import (
@@ -29,7 +29,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.decide.floor import driver_refusers
-from gpuwatchd.decide.mig.instances import instance_view, mig_layout
+from gpuwatchd.decide.mig.instances import MigLayout, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
 __all__ = ["RoleLike", "build_report", "render_text"]
@@ -97,45 +97,10 @@ def build_report(
         info = snapshot.processes.get(pid)
         return _process_facts(info, boot_time, clock_ticks, missing_means_dead=listed)
 
-    gpus = [
-        _gpu_entry(
-            gpu,
-            snapshot,
-            roles_by_key=roles_by_key,
-            report_only=report_only,
-            baselines=baselines,
-            notes=all_notes.get(gpu.uuid, ()),
-            facts=facts,
-        )
-        for gpu in sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
-    ]
-    # MIG (cli/mig_report.py): each GPU instance under its GPU, built as a GPU's entry is.
-    layout = mig_layout(snapshot)
-    view = instance_view(snapshot, layout)
-
-    def instance_entry(instance: GpuInfo) -> dict[str, object]:
-        notes_of = all_notes.get(instance.uuid, ())
-        return _gpu_entry(instance, view, roles_by_key=roles_by_key, report_only=report_only,
-                          baselines=baselines, notes=notes_of, facts=facts)  # fmt: skip
-
-    for gpu_info, entry in zip(
-        sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)), gpus, strict=True
-    ):
-        entry["mig_instances"] = mig_instances_json(gpu_info, layout, instance_entry)
-    index_of = {gpu.uuid: gpu.index for gpu in snapshot.nvml.gpus}
-    index_of.update({uuid: i.parent.index for uuid, i in layout.instances.items()})
-    if verdict is not None:
-        judged = {g.uuid: g for g in verdict.gpus}
-        for entry in gpus:
-            one = judged.get(str(entry["uuid"]))
-            entry["verdict"] = None if one is None else one.to_json()
-
-    def finding_order(finding: Finding) -> tuple[int, str, int, int, str]:
-        index = index_of.get(finding.gpu, 1 << 30) if finding.gpu is not None else 1 << 31
-        pid = -1 if finding.pid is None else finding.pid
-        ticks = -1 if finding.start_ticks is None else finding.start_ticks
-        return (index, finding.kind.value, pid, ticks, finding.key)
-
+    gpus, layout = _gpu_entries(snapshot, roles_by_key=roles_by_key, report_only=report_only,
+                                baselines=baselines, notes=all_notes, facts=facts,
+                                verdict=verdict)  # fmt: skip
+    finding_order = _finding_order(snapshot, layout)
     return {
         "version": version,
         "time": snapshot.wall_time if now_wall is None else now_wall,
@@ -164,6 +129,68 @@ def build_report(
         "thread_tables_unread_pids": sorted(snapshot.holders.thread_tables_unread),
         **({} if verdict is None else {"verdict": _node_verdict(verdict)}),
     }
+
+
+def _gpu_entries(
+    snapshot: Snapshot,
+    *,
+    roles_by_key: Mapping[tuple[str, int], RoleLike],
+    report_only: Mapping[str, str],
+    baselines: Mapping[str, int],
+    notes: Mapping[str, Sequence[str]],
+    facts: _Facts,
+    verdict: NodeVerdict | None,
+) -> tuple[list[dict[str, object]], MigLayout]:
+    """Each GPU's entry (:func:`_gpu_entry`) in index order, its MIG instances under it and its
+    verdict (when judged), and the MIG layout the instances were placed by."""
+    gpus = [
+        _gpu_entry(
+            gpu,
+            snapshot,
+            roles_by_key=roles_by_key,
+            report_only=report_only,
+            baselines=baselines,
+            notes=notes.get(gpu.uuid, ()),
+            facts=facts,
+        )
+        for gpu in sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
+    ]
+    # MIG (cli/mig_report.py): each GPU instance under its GPU, built as a GPU's entry is.
+    layout = mig_layout(snapshot)
+    view = instance_view(snapshot, layout)
+
+    def instance_entry(instance: GpuInfo) -> dict[str, object]:
+        notes_of = notes.get(instance.uuid, ())
+        return _gpu_entry(instance, view, roles_by_key=roles_by_key, report_only=report_only,
+                          baselines=baselines, notes=notes_of, facts=facts)  # fmt: skip
+
+    for gpu_info, entry in zip(
+        sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)), gpus, strict=True
+    ):
+        entry["mig_instances"] = mig_instances_json(gpu_info, layout, instance_entry)
+    if verdict is not None:
+        judged = {g.uuid: g for g in verdict.gpus}
+        for entry in gpus:
+            one = judged.get(str(entry["uuid"]))
+            entry["verdict"] = None if one is None else one.to_json()
+    return gpus, layout
+
+
+def _finding_order(
+    snapshot: Snapshot, layout: MigLayout
+) -> Callable[[Finding], tuple[int, str, int, int, str]]:
+    """The findings' sort key: by GPU index (a MIG instance's by its GPU's; node findings
+    last), then kind, PID, start ticks and key."""
+    index_of = {gpu.uuid: gpu.index for gpu in snapshot.nvml.gpus}
+    index_of.update({uuid: i.parent.index for uuid, i in layout.instances.items()})
+
+    def finding_order(finding: Finding) -> tuple[int, str, int, int, str]:
+        index = index_of.get(finding.gpu, 1 << 30) if finding.gpu is not None else 1 << 31
+        pid = -1 if finding.pid is None else finding.pid
+        ticks = -1 if finding.start_ticks is None else finding.start_ticks
+        return (index, finding.kind.value, pid, ticks, finding.key)
+
+    return finding_order
 
 
 def _node_verdict(verdict: NodeVerdict) -> dict[str, object]:
@@ -237,42 +264,10 @@ def _gpu_entry(
     if gpu.minor is not None:
         holdings = {h.pid: h for h in snapshot.holders.holders_of(gpu.minor)}
 
-    processes: list[dict[str, object]] = []
-    for process in listed:
-        role = roles_by_key.get((gpu.uuid, process.pid))
-        holding = holdings.get(process.pid)
-        entry: dict[str, object] = {
-            "pid": process.pid,
-            "used_memory": process.used_memory,
-            "type": process.kind,
-            "role": None if role is None else role.role,
-            "via": _via(gpu, holding, role),
-        }
-        entry.update(facts(process.pid, listed=True))
-        processes.append(entry)
-
-    holder_pids = (set(holdings) | {pid for (uuid, pid) in roles_by_key if uuid == gpu.uuid}) - set(
-        snapshot.self_pids
+    processes = _listed_entries(gpu, listed, holdings, roles_by_key, facts)
+    holders = _holder_entries(
+        gpu, snapshot, holdings, listed_by_pid, roles_by_key=roles_by_key, facts=facts
     )
-    holders: list[dict[str, object]] = []
-    for pid in sorted(holder_pids):
-        role = roles_by_key.get((gpu.uuid, pid))
-        holding = holdings.get(pid)
-        entries = listed_by_pid.get(pid, [])
-        entry = {
-            "pid": pid,
-            "role": None if role is None else role.role,
-            "owner_pid": None if role is None else role.owner_pid,
-            "note": None if role is None or not role.note else role.note,
-            "via": _via(gpu, holding, role),
-            "ctl": None if holding is None else holding.ctl,
-            "uvm": None if holding is None else holding.uvm,
-            "nvml_listed": bool(entries),
-            "used_memory": _sum_known([e.used_memory for e in entries]) if entries else None,
-        }
-        entry.update(facts(pid, listed=bool(entries)))
-        holders.append(entry)
-
     return {
         "index": gpu.index,
         "uuid": gpu.uuid,
@@ -298,6 +293,65 @@ def _gpu_entry(
         # Whose open device node would make the driver refuse a reset now (docs/reset.md).
         "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
     }
+
+
+def _listed_entries(
+    gpu: GpuInfo,
+    listed: Sequence[NvmlProcess],
+    holdings: Mapping[int, DeviceHolding],
+    roles_by_key: Mapping[tuple[str, int], RoleLike],
+    facts: _Facts,
+) -> list[dict[str, object]]:
+    """A GPU entry's ``processes``: what NVML listed on it, each with its role and facts."""
+    processes: list[dict[str, object]] = []
+    for process in listed:
+        role = roles_by_key.get((gpu.uuid, process.pid))
+        holding = holdings.get(process.pid)
+        entry: dict[str, object] = {
+            "pid": process.pid,
+            "used_memory": process.used_memory,
+            "type": process.kind,
+            "role": None if role is None else role.role,
+            "via": _via(gpu, holding, role),
+        }
+        entry.update(facts(process.pid, listed=True))
+        processes.append(entry)
+    return processes
+
+
+def _holder_entries(
+    gpu: GpuInfo,
+    snapshot: Snapshot,
+    holdings: Mapping[int, DeviceHolding],
+    listed_by_pid: Mapping[int, list[NvmlProcess]],
+    *,
+    roles_by_key: Mapping[tuple[str, int], RoleLike],
+    facts: _Facts,
+) -> list[dict[str, object]]:
+    """A GPU entry's ``holders``: every process the holder scan or a role puts on it (never
+    the daemon's own), by PID, with what NVML listed of it."""
+    holder_pids = (set(holdings) | {pid for (uuid, pid) in roles_by_key if uuid == gpu.uuid}) - set(
+        snapshot.self_pids
+    )
+    holders: list[dict[str, object]] = []
+    for pid in sorted(holder_pids):
+        role = roles_by_key.get((gpu.uuid, pid))
+        holding = holdings.get(pid)
+        entries = listed_by_pid.get(pid, [])
+        entry: dict[str, object] = {
+            "pid": pid,
+            "role": None if role is None else role.role,
+            "owner_pid": None if role is None else role.owner_pid,
+            "note": None if role is None or not role.note else role.note,
+            "via": _via(gpu, holding, role),
+            "ctl": None if holding is None else holding.ctl,
+            "uvm": None if holding is None else holding.uvm,
+            "nvml_listed": bool(entries),
+            "used_memory": _sum_known([e.used_memory for e in entries]) if entries else None,
+        }
+        entry.update(facts(pid, listed=bool(entries)))
+        holders.append(entry)
+    return holders
 
 
 class _Facts(Protocol):

@@ -263,6 +263,34 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
     assert isinstance(findings_raw, list)  # noqa: S101 - checked by _need
     assert isinstance(host, dict)  # noqa: S101 - chosen above
     assert isinstance(nvml, dict)  # noqa: S101 - chosen above
+    gpus, processes, holdings = _read_gpus(gpus_raw)
+    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
+    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
+    _add_node_holders(report, processes)
+    findings, first_seen = _read_findings(findings_raw)
+    snapshot = Snapshot(
+        monotonic=float(now),  # type: ignore[arg-type]
+        wall_time=float(now),  # type: ignore[arg-type]
+        boot_id=opt_str(host, "boot_id"),
+        nvml=NvmlReading(
+            available=nvml.get("available", True) is True,
+            wedged=nvml.get("wedged") is True,
+            gpus=tuple(gpus),
+        ),
+        processes=processes,
+        holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
+        host_namespaces=host.get("host_namespaces", True),
+        spares=spares_from_report(report),
+        mig_caps=caps or None,
+    )
+    return snapshot, findings, first_seen
+
+
+def _read_gpus(
+    gpus_raw: list[object],
+) -> tuple[list[GpuInfo], dict[int, ProcessInfo], dict[int, DeviceHolding]]:
+    """The report's GPUs, the processes listed or holding on them (the first entry of a PID
+    wins) and their device holdings. SnapshotError names the first malformed entry."""
     gpus: list[GpuInfo] = []
     processes: dict[int, ProcessInfo] = {}
     holdings: dict[int, DeviceHolding] = {}
@@ -284,19 +312,29 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
                 if proc is not None:
                     processes.setdefault(proc.pid, proc)
                 if key == "holders" and proc is not None and minor is not None:
-                    via = entry.get("via")
-                    via = via if isinstance(via, list) else []
-                    old = holdings.get(proc.pid, DeviceHolding(proc.pid))
-                    holdings[proc.pid] = DeviceHolding(
-                        proc.pid,
-                        old.gpu_minors_fd | ({minor} if "fd" in via else set()),
-                        old.gpu_minors_map | ({minor} if "map" in via else set()),
-                        ctl=old.ctl or entry.get("ctl") is True,
-                        uvm=old.uvm or entry.get("uvm") is True,
-                    )
-    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
-    _add_node_holders(report, processes)
+                    _add_holding(holdings, proc.pid, entry, minor)
+    return gpus, processes, holdings
+
+
+def _add_holding(
+    holdings: dict[int, DeviceHolding], pid: int, entry: Mapping[str, object], minor: int
+) -> None:
+    """A GPU holder's entry (its ``via``, ``ctl`` and ``uvm``) added to what ``pid`` holds."""
+    via = entry.get("via")
+    via = via if isinstance(via, list) else []
+    old = holdings.get(pid, DeviceHolding(pid))
+    holdings[pid] = DeviceHolding(
+        pid,
+        old.gpu_minors_fd | ({minor} if "fd" in via else set()),
+        old.gpu_minors_map | ({minor} if "map" in via else set()),
+        ctl=old.ctl or entry.get("ctl") is True,
+        uvm=old.uvm or entry.get("uvm") is True,
+    )
+
+
+def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str, float]]:
+    """The report's findings, each field checked, and their first-seen times (wall) where
+    given. SnapshotError names the first malformed field."""
     findings: list[Finding] = []
     first_seen: dict[str, float] = {}
     kinds = {k.value for k in FindingKind}
@@ -322,22 +360,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         if isinstance(seen, (int, float)) and not isinstance(seen, bool):
             first_seen[finding.key] = float(seen)
         findings.append(finding)
-    snapshot = Snapshot(
-        monotonic=float(now),  # type: ignore[arg-type]
-        wall_time=float(now),  # type: ignore[arg-type]
-        boot_id=opt_str(host, "boot_id"),
-        nvml=NvmlReading(
-            available=nvml.get("available", True) is True,
-            wedged=nvml.get("wedged") is True,
-            gpus=tuple(gpus),
-        ),
-        processes=processes,
-        holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
-        host_namespaces=host.get("host_namespaces", True),
-        spares=spares_from_report(report),
-        mig_caps=caps or None,
-    )
-    return snapshot, findings, first_seen
+    return findings, first_seen
 
 
 def _add_node_holders(report: Mapping[str, object], processes: dict[int, ProcessInfo]) -> None:

@@ -131,6 +131,32 @@ def _gpu_lines(
     paint: _Paint,
     command_width: int,
 ) -> list[str]:
+    """One GPU's text: its header, memory and flags, its holders' table, its findings, its
+    verdict and its MIG instances."""
+    lines = _gpu_header_lines(gpu, paint)
+    judged_mig = mig_judged(gpu)
+    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint, command_width)
+    lines.extend(table)
+    if judged_mig:
+        lines.append("  processes and holders: by MIG instance, below")
+    elif not table:
+        lines.append(_no_rows_line(gpu))
+    lines.extend(_gpu_finding_lines(gpu, findings, now, paint))
+    lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
+    lines.extend(
+        mig_instance_lines(
+            gpu,
+            findings,
+            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
+            finding_lines=lambda own: _finding_lines(own, now, paint),
+            memory_line=_memory_line,
+        )
+    )
+    return lines
+
+
+def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
+    """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
     uuid = _as_str(gpu.get("uuid"))
     header = "  ".join(
         [
@@ -155,24 +181,22 @@ def _gpu_lines(
     flags = _gpu_flags(gpu)
     if flags:
         lines.append("  " + paint("; ".join(flags), _YELLOW))
+    return lines
 
-    judged_mig = mig_judged(gpu)
-    rows, alarms = _holder_rows(parent_rows(gpu) if judged_mig else gpu, now, command_width)
-    if rows:
-        header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
-        table = _table([header_row, *rows])
-        lines.append("  " + paint(table[0], _DIM))
-        for line, alarm in zip(table[1:], alarms, strict=True):
-            lines.append("  " + (paint(line, _RED) if alarm else line))
-    if judged_mig:
-        lines.append("  processes and holders: by MIG instance, below")
-    elif not rows:
-        lines.append(_no_rows_line(gpu))
 
+def _gpu_finding_lines(
+    gpu: Mapping[str, object],
+    findings: Sequence[Mapping[str, object]],
+    now: float | None,
+    paint: _Paint,
+) -> list[str]:
+    """The spared holders no finding already names, the GPU's findings, and who would make
+    the driver refuse a reset while there are findings."""
+    uuid = _as_str(gpu.get("uuid"))
     own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
     noted = {f.get("pid") for f in own}  # a spared finding says so itself
     holders = [h for h in map(_as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
-    lines.extend(f"  holder {line}" for line in spared_lines(holders, now))
+    lines = [f"  holder {line}" for line in spared_lines(holders, now)]
     lines.extend(_finding_lines(own, now, paint))
     refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
     if own and refusers:
@@ -181,16 +205,6 @@ def _gpu_lines(
             f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
             "isolation every CUDA process opens every GPU)"
         )
-    lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
-    lines.extend(
-        mig_instance_lines(
-            gpu,
-            findings,
-            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
-            finding_lines=lambda own: _finding_lines(own, now, paint),
-            memory_line=_memory_line,
-        )
-    )
     return lines
 
 

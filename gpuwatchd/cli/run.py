@@ -59,34 +59,11 @@ def run_daemon(
     with."""
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
-    rejected_at_start: dict[str, object] | None = None
-    if rejected is not None:
-        error, fallback = rejected
-        log.critical(
-            EventName.CONFIG_START_REJECTED,
-            error=error,
-            config=config_path,
-            running=fallback.describe(),
-            dry_run=policy.dry_run or dry_run,
-            unusable=list(fallback.problems),
-        )
-        rejected_at_start = {
-            "at": time.time(),
-            "error": error,
-            "at_start": True,
-            "running": fallback.describe(),
-        }
-    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
-    if missing:
-        effective_dry_run = dry_run or policy.dry_run
-        if not effective_dry_run:
-            log.critical(
-                EventName.DAEMON_NO_PERMISSION,
-                missing=missing,
-                detail="enforcing needs these capabilities (run as root); refusing to start",
-            )
-            return ExitCode.NOPERM
-        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
+    rejected_at_start = _rejected_at_start(
+        rejected, policy, config_path=config_path, dry_run=dry_run
+    )
+    if not _permitted(policy, dry_run=dry_run):
+        return ExitCode.NOPERM
     daemon = Daemon(
         policy,
         config_path=config_path,
@@ -120,6 +97,47 @@ def run_daemon(
         raise
 
 
+def _rejected_at_start(
+    rejected: tuple[str, Fallback] | None, policy: Policy, *, config_path: str, dry_run: bool
+) -> dict[str, object] | None:
+    """A policy rejected at start, logged (critical) with the fallback that runs instead, and
+    the record the daemon keeps of it; None when the configured policy was accepted."""
+    if rejected is None:
+        return None
+    error, fallback = rejected
+    log.critical(
+        EventName.CONFIG_START_REJECTED,
+        error=error,
+        config=config_path,
+        running=fallback.describe(),
+        dry_run=policy.dry_run or dry_run,
+        unusable=list(fallback.problems),
+    )
+    return {
+        "at": time.time(),
+        "error": error,
+        "at_start": True,
+        "running": fallback.describe(),
+    }
+
+
+def _permitted(policy: Policy, *, dry_run: bool) -> bool:
+    """Whether the daemon may start with the capabilities it has: without those acting
+    needs, only in dry-run (a warning); enforcing is refused (critical) and False."""
+    missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
+    if missing:
+        effective_dry_run = dry_run or policy.dry_run
+        if not effective_dry_run:
+            log.critical(
+                EventName.DAEMON_NO_PERMISSION,
+                missing=missing,
+                detail="enforcing needs these capabilities (run as root); refusing to start",
+            )
+            return False
+        log.warning(EventName.DAEMON_LIMITED_PERMISSIONS, missing=missing, dry_run=True)
+    return True
+
+
 def _once_beside_the_daemon(
     policy: Policy,
     refused: Daemon,
@@ -134,36 +152,7 @@ def _once_beside_the_daemon(
     another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
     deadline = time.monotonic() + once_timeout
     waiter = _own_identity(refused.procfs)
-    handed: StateDir | None = None
-    if ended_jobs:
-        # The running daemon takes the scheduler's word from the state folder at its next
-        # poll (and so does the waiter's scan) while this process waits, and no longer; the
-        # word covers only processes older than when it was said (this process's start).
-        until = time.time() + once_timeout + ENDED_JOB_GRACE
-        said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
-        try:
-            if waiter is None:
-                raise OSError("this process's own start time cannot be read")
-            state_dir = refused.store.directory()
-            hand_over_ended_jobs(
-                state_dir,
-                ended_jobs,
-                until=until,
-                waiter=waiter,
-                said_at=said,
-                boot_id=refused.procfs.boot_id(),
-            )
-        except OSError as exc:
-            print(
-                f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
-                file=sys.stderr,
-            )
-        else:
-            handed = state_dir
-            print(
-                f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
-                file=sys.stderr,
-            )
+    handed = _hand_over(refused, ended_jobs, waiter, once_timeout) if ended_jobs else None
     try:
         while True:
             code = wait_for_daemon(refused.policy, max(0.0, deadline - time.monotonic()))
@@ -193,6 +182,45 @@ def _once_beside_the_daemon(
     finally:
         if handed is not None and waiter is not None:
             withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)
+
+
+def _hand_over(
+    refused: Daemon,
+    ended_jobs: frozenset[str],
+    waiter: tuple[int, int] | None,
+    once_timeout: float,
+) -> StateDir | None:
+    """The ended jobs handed over to the running daemon (said on stderr either way): the state
+    folder they were written to, to withdraw them from when done; None when they could not
+    be."""
+    # The running daemon takes the scheduler's word from the state folder at its next
+    # poll (and so does the waiter's scan) while this process waits, and no longer; the
+    # word covers only processes older than when it was said (this process's start).
+    until = time.time() + once_timeout + ENDED_JOB_GRACE
+    said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
+    try:
+        if waiter is None:
+            raise OSError("this process's own start time cannot be read")
+        state_dir = refused.store.directory()
+        hand_over_ended_jobs(
+            state_dir,
+            ended_jobs,
+            until=until,
+            waiter=waiter,
+            said_at=said,
+            boot_id=refused.procfs.boot_id(),
+        )
+    except OSError as exc:
+        print(
+            f"gpuwatchd: cannot hand --ended-job to the running daemon: {exc}",
+            file=sys.stderr,
+        )
+        return None
+    print(
+        f"gpuwatchd: handed to the running daemon: {', '.join(sorted(ended_jobs))} ended",
+        file=sys.stderr,
+    )
+    return state_dir
 
 
 def _evidence_report(proc_root: str) -> ReportBuilder:

@@ -306,25 +306,9 @@ def _scan_host(
     client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
     try:
-        collector = Collector(
-            procfs,
-            source,
-            namespace_check=policy.namespace_check,
-            cgroup_root=cgroup2_mount(),
-            full_scan_interval=holder_view.MAX_FRESH,
-            detection=policy.detection,
-            daemon_pids=daemon_pids,
-            mig_minors_file=policy.mig_minors_file,
+        snapshot, collector = _collect(
+            policy, state_dir, procfs, source, daemon_pids=daemon_pids, view=view
         )
-        if view is not None:
-            collector.seed(view.holders, view.dead_listed)
-        # What an epilog told the running daemon (run --once --ended-job): this scan judges
-        # those jobs as the daemon does.
-        if state_dir is not None:
-            collector.ended_by_scheduler = read_ended_jobs(
-                state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
-            ).jobs
-        snapshot = collector.collect(full=view is None)
     finally:
         if own:
             client.close()
@@ -335,6 +319,58 @@ def _scan_host(
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
+    report, verdict = _judged_report(snapshot, saved, policy, state_dir)
+    report["daemon_view"] = _daemon_view_section(
+        view, view_note, clean, age, collector, served_only=served_only
+    )
+    report["nvml_reading"] = {
+        "source": "own" if published is None else "daemon",
+        "age_s": None if read_at is None else round(max(0.0, snapshot.wall_time - read_at), 3),
+        "reason": nvml_note,
+    }
+    note = _permission_note(policy, snapshot)
+    return ScanResult(
+        report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
+    )
+
+
+def _collect(
+    policy: Policy,
+    state_dir: StateDir | None,
+    procfs: ProcFS,
+    source: NvmlSource,
+    *,
+    daemon_pids: frozenset[int],
+    view: HolderView | None,
+) -> tuple[Snapshot, Collector]:
+    """One snapshot by a collector set up as the daemon's: seeded with the daemon's holder view
+    when one is used (else a full walk), and told the jobs an epilog said have ended."""
+    collector = Collector(
+        procfs,
+        source,
+        namespace_check=policy.namespace_check,
+        cgroup_root=cgroup2_mount(),
+        full_scan_interval=holder_view.MAX_FRESH,
+        detection=policy.detection,
+        daemon_pids=daemon_pids,
+        mig_minors_file=policy.mig_minors_file,
+    )
+    if view is not None:
+        collector.seed(view.holders, view.dead_listed)
+    # What an epilog told the running daemon (run --once --ended-job): this scan judges
+    # those jobs as the daemon does.
+    if state_dir is not None:
+        collector.ended_by_scheduler = read_ended_jobs(
+            state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
+        ).jobs
+    return collector.collect(full=view is None), collector
+
+
+def _judged_report(
+    snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
+) -> tuple[dict[str, object], NodeVerdict]:
+    """The snapshot judged (:func:`_judged`) and reported, each finding and holder a spare
+    covers marked so."""
     assessment, verdict = _judged(snapshot, saved, policy)
     report = snapshot_report(
         snapshot,
@@ -351,7 +387,21 @@ def _scan_host(
 
     # What `gpuwatchd spare` leaves alone, said on each finding and holder it covers.
     mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
-    report["daemon_view"] = {
+    return report, verdict
+
+
+def _daemon_view_section(
+    view: HolderView | None,
+    view_note: str,
+    clean: bool | None,
+    age: float | None,
+    collector: Collector,
+    *,
+    served_only: bool,
+) -> dict[str, object]:
+    """The report's ``daemon_view``: whether the daemon's holder view was used and why, and
+    who answered."""
+    return {
         "used": view is not None,
         "reason": view_note,
         "polled": None if view is None else view.polled,
@@ -362,11 +412,11 @@ def _scan_host(
         else collector.last_scan_reason.value,
         "answered_by": "daemon" if served_only else "this scan",
     }
-    report["nvml_reading"] = {
-        "source": "own" if published is None else "daemon",
-        "age_s": None if read_at is None else round(max(0.0, snapshot.wall_time - read_at), 3),
-        "reason": nvml_note,
-    }
+
+
+def _permission_note(policy: Policy, snapshot: Snapshot) -> str | None:
+    """Why the report is incomplete when processes could not be inspected for want of a
+    capability; None when nothing was unreadable, or nothing is missing."""
     note = None
     missing = missing_capabilities(policy.proc_root)
     if snapshot.holders.unreadable and missing:
@@ -375,9 +425,7 @@ def _scan_host(
             f"{count} processes could not be inspected (their fds/maps are unreadable; "
             f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
         )
-    return ScanResult(
-        report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
-    )
+    return note
 
 
 def snapshot_report(

@@ -86,27 +86,15 @@ def spare_command(
     except ValueError as exc:
         raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
     if cancel:
-        with StateDir.open(policy.state_dir, create=True) as state_dir:
-            gone = cancel_spare(state_dir, key)
-        print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"), file=out)
-        return ExitCode.OK
+        return _cancel(policy, key, out)
     seconds = _length(for_, policy.limits.max_spare)
     if not reason:
         raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
-    start_ticks = None
     boot_id = procfs.boot_id()
     caveat = ""
     if job is not None:
         caveat = _job_found(procfs, job, target)
-    if pid is not None:
-        stat = procfs.read_stat(pid)
-        if stat is None or boot_id is None:
-            raise SpareError(
-                f"spare {target}: no such process (or its start time cannot be read); "
-                "nothing is spared",
-                ExitCode.CONFIG,
-            )
-        start_ticks = stat.starttime
+    start_ticks = None if pid is None else _start_ticks(procfs, pid, boot_id, target)
     ends = now + seconds
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         write_spare(
@@ -126,6 +114,28 @@ def spare_command(
         file=out,
     )
     return ExitCode.OK
+
+
+def _cancel(policy: Policy, key: str, out: IO[str]) -> int:
+    """``spare --cancel``: the spare of ``key`` ended now, and whether there was one, said."""
+    with StateDir.open(policy.state_dir, create=True) as state_dir:
+        gone = cancel_spare(state_dir, key)
+    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"), file=out)
+    return ExitCode.OK
+
+
+def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> int:
+    """The start time (clock ticks) of the process to spare, which ties the spare to it and
+    not to a later process that reuses its PID; refused when it cannot be read, or the boot
+    it counts from is unknown."""
+    stat = procfs.read_stat(pid)
+    if stat is None or boot_id is None:
+        raise SpareError(
+            f"spare {target}: no such process (or its start time cannot be read); "
+            "nothing is spared",
+            ExitCode.CONFIG,
+        )
+    return stat.starttime
 
 
 def _job_found(procfs: ProcFS, job: str, target: str) -> str:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import IO
+from typing import IO, NamedTuple
 
 from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.cli.humantime import duration
@@ -103,6 +103,65 @@ def describe(
     if _int(doc.get("format")) != DOCUMENT_FORMAT:
         doc, clock = _older_state(saved, policy, now_wall, now_monotonic, same_boot=same_boot)
 
+    life = _signs_of_life(data, status, policy, now_wall)
+    pid = daemon_pid(data)
+
+    why_not = read_error or _why_not_running(
+        present=saved is not None,
+        same_boot=same_boot,
+        pid=pid,
+        process=process,
+        age=life.age,
+        stale_after=life.stale_after,
+        state_dir=policy.state_dir,
+    )
+    running = None if read_error is not None else why_not is None
+    attention = [a for a in _seq(doc.get("attention"))[:64] if isinstance(a, str)]
+    code, health = _health(read_error, running, attention)
+    return {
+        "format": STATUS_FORMAT,
+        "state_dir": policy.state_dir,
+        "now": now_wall,
+        "exit_code": int(code),
+        "health": health,
+        "state": "unreadable" if read_error else ("missing" if saved is None else "present"),
+        "running": running,
+        "why_not_running": why_not,
+        "attention": attention,
+        "daemon": {
+            "pid": pid,
+            "process": process,
+            "started": life.started,
+            "interval": life.interval,
+            "last_poll": life.last_poll,
+            "last_poll_age": None if life.last_poll is None else now_wall - life.last_poll,
+            "stale_after": life.stale_after,
+            "saved_at": _num(data.get("saved_at")),
+            "same_boot": same_boot,
+        },
+        **_document_sections(doc, clock, now_wall),
+        "evidence": evidence,
+    }
+
+
+class _Life(NamedTuple):
+    """When the saved state last showed the daemon alive, and how old that may be."""
+
+    last_poll: float | None
+    started: float | None
+    interval: float
+    stale_after: float
+    age: float | None  # since the last sign of life; None: there is none
+
+
+def _signs_of_life(
+    data: Mapping[str, object],
+    status: Mapping[str, object],
+    policy: Policy,
+    now_wall: float,
+) -> _Life:
+    """The saved state's last sign of life (the last poll, the last step of a reset, or the
+    start before a first poll) and how old it may be before the daemon counts as stale."""
     record = data.get("reset_in_progress")
     reset_since = _num(_map(record).get("since")) if isinstance(record, Mapping) else None
     last_poll = _num(status.get("last_poll"))
@@ -117,50 +176,30 @@ def describe(
     if interval is None or interval <= 0:
         interval = policy.interval
     stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
-    pid = daemon_pid(data)
+    return _Life(last_poll, started, interval, stale_after, age)
 
-    why_not = read_error or _why_not_running(
-        present=saved is not None,
-        same_boot=same_boot,
-        pid=pid,
-        process=process,
-        age=age,
-        stale_after=stale_after,
-        state_dir=policy.state_dir,
-    )
-    running = None if read_error is not None else why_not is None
-    attention = [a for a in _seq(doc.get("attention"))[:64] if isinstance(a, str)]
+
+def _health(
+    read_error: str | None, running: bool | None, attention: list[str]
+) -> tuple[StatusCode, str]:
+    """The exit code and the one-word health: unknown, not-running, attention or ok."""
+    if read_error is not None:
+        return StatusCode.UNKNOWN, "unknown"
+    if not running:
+        return StatusCode.NOT_RUNNING, "not-running"
+    if attention:
+        return StatusCode.ATTENTION, "attention"
+    return StatusCode.RUNNING, "ok"
+
+
+def _document_sections(
+    doc: Mapping[str, object], clock: str | None, now_wall: float
+) -> dict[str, object]:
+    """The status document's sections as ``status --json`` shows them, each value checked, its
+    due times placed from ``now_wall``."""
     kill_cap = _pick(doc.get("kill_cap"), _KILL_CAP)
     breaker = _pick(doc.get("circuit_breaker"), _BREAKER)
-    if read_error is not None:
-        code, health = StatusCode.UNKNOWN, "unknown"
-    elif not running:
-        code, health = StatusCode.NOT_RUNNING, "not-running"
-    elif attention:
-        code, health = StatusCode.ATTENTION, "attention"
-    else:
-        code, health = StatusCode.RUNNING, "ok"
     return {
-        "format": STATUS_FORMAT,
-        "state_dir": policy.state_dir,
-        "now": now_wall,
-        "exit_code": int(code),
-        "health": health,
-        "state": "unreadable" if read_error else ("missing" if saved is None else "present"),
-        "running": running,
-        "why_not_running": why_not,
-        "attention": attention,
-        "daemon": {
-            "pid": pid,
-            "process": process,
-            "started": started,
-            "interval": interval,
-            "last_poll": last_poll,
-            "last_poll_age": None if last_poll is None else now_wall - last_poll,
-            "stale_after": stale_after,
-            "saved_at": _num(data.get("saved_at")),
-            "same_boot": same_boot,
-        },
         **_pick(doc, _MODES),
         "kill_cap": kill_cap,
         "circuit_breaker": breaker,
@@ -177,7 +216,6 @@ def describe(
         "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
         "recent_actions": _rows(doc.get("recent_actions"), _ACTION, MAX_ACTIONS, newest=True),
         "resets": _resets(doc.get("resets"), now_wall),
-        "evidence": evidence,
     }
 
 

@@ -583,6 +583,28 @@ def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dic
     ci = own.call(
         "nvmlDeviceGetComputeInstanceId", lambda: pynvml.nvmlDeviceGetComputeInstanceId(mig)
     )
+    profile_id, placement = _instance_placement(own, parent, gi)
+    memory = _mig_memory(own, mig)
+    processes = Worker.read_processes(own, mig)
+    return {
+        "index": index,
+        "uuid": uuid,
+        "name": name,
+        "gi": None if gi is None else int(gi),
+        "ci": None if ci is None else int(ci),
+        "gi_profile_id": profile_id,
+        "placement": placement,
+        "memory": memory,
+        "processes": processes,
+        "error": "; ".join(own.errors) or None,
+    }
+
+
+def _instance_placement(
+    own: GpuReader, parent: Any, gi: Any
+) -> tuple[int | None, list[int] | None]:
+    """A MIG device's GPU instance profile id and placement ([start, size]) as its parent GPU
+    reports them; None each when the instance id or its info cannot be read."""
     profile_id = placement = None
     if gi is not None:
         instance = own.call(
@@ -597,6 +619,13 @@ def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dic
         if info is not None:
             profile_id = int(info.profileId)
             placement = [int(info.placement.start), int(info.placement.size)]
+    return profile_id, placement
+
+
+def _mig_memory(own: GpuReader, mig: Any) -> dict[str, Any] | None:
+    """A MIG device's memory, as a GPU's is read: v2 (allocated = total - free - reserved),
+    else v1 (allocated unknown); None when neither can be read. GpuLostError when the GPU is
+    lost."""
     memory = None
     v2: Any = None
     try:
@@ -629,19 +658,7 @@ def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dic
             "allocated": allocated if allocated >= 0 else None,
             "used_v1": None,
         }
-    processes = Worker.read_processes(own, mig)
-    return {
-        "index": index,
-        "uuid": uuid,
-        "name": name,
-        "gi": None if gi is None else int(gi),
-        "ci": None if ci is None else int(ci),
-        "gi_profile_id": profile_id,
-        "placement": placement,
-        "memory": memory,
-        "processes": processes,
-        "error": "; ".join(own.errors) or None,
-    }
+    return memory
 
 
 def serve(requests: IO[str], replies: IO[str]) -> int:

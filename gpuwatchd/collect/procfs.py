@@ -300,32 +300,13 @@ class ProcFS:
             fields = parse_stat(self._read_text(f"{base}/stat"))
         except OSError:
             return None
-        vanished = False
-        uid: int | None = None
-        nspid: tuple[int, ...] | None = None
-        try:
-            status = self._read_text(f"{base}/status")
-            ids = _status_field(status, "Uid")
-            uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
-            nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
-        except ValueError:
-            pass
-        except OSError as err:
-            vanished |= err.errno in GONE_ERRNOS
+        uid, nspid, vanished = self._read_ids(base)
         kernel_thread = fields is not None and fields.kernel_thread
         cmdline: tuple[str, ...] | None = ()
         exe: str | None = None
         if not kernel_thread:
-            try:
-                raw = read_proc_file(f"{base}/cmdline")
-                cmdline = tuple(_decode(a) for a in raw.rstrip(b"\0").split(b"\0")) if raw else ()
-            except OSError as err:
-                vanished |= err.errno in GONE_ERRNOS
-                cmdline = None
-            try:
-                exe = os.readlink(f"{base}/exe")
-            except OSError as err:
-                vanished |= err.errno in GONE_ERRNOS  # also zombies; re-checked below
+            cmdline, exe, gone = _read_command(base)
+            vanished |= gone
         cgroup: CgroupInfo | None = None
         try:
             cgroup = parse_cgroup(self._read_text(f"{base}/cgroup"))
@@ -360,6 +341,24 @@ class ProcFS:
             marked = dataclasses.replace(cgroup, delegated=self.delegated(cgroup.path))
             info = dataclasses.replace(info, cgroup=marked)
         return info
+
+    def _read_ids(self, base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
+        """A process's effective uid and its PIDs in nested namespaces (``NSpid``), from
+        ``status``; None each when unreadable (a uid read before a malformed ``NSpid`` stands),
+        and whether it read as gone."""
+        uid: int | None = None
+        nspid: tuple[int, ...] | None = None
+        vanished = False
+        try:
+            status = self._read_text(f"{base}/status")
+            ids = _status_field(status, "Uid")
+            uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
+            nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
+        except ValueError:
+            pass
+        except OSError as err:
+            vanished = err.errno in GONE_ERRNOS
+        return uid, nspid, vanished
 
     def delegated(self, path: str) -> bool | None:
         """Whether systemd marked cgroup ``path`` or one above it as delegated
@@ -467,3 +466,23 @@ class ProcFS:
                     seen.add(kid)
                     frontier.append(kid)
         return seen
+
+
+def _read_command(base: str) -> tuple[tuple[str, ...] | None, str | None, bool]:
+    """A (user) process's command line (None: unreadable) and ``exe`` link (None: unreadable,
+    as a zombie's), and whether either read as gone."""
+    vanished = False
+    try:
+        raw = read_proc_file(f"{base}/cmdline")
+        cmdline: tuple[str, ...] | None = (
+            tuple(_decode(a) for a in raw.rstrip(b"\0").split(b"\0")) if raw else ()
+        )
+    except OSError as err:
+        vanished |= err.errno in GONE_ERRNOS
+        cmdline = None
+    exe: str | None = None
+    try:
+        exe = os.readlink(f"{base}/exe")
+    except OSError as err:
+        vanished |= err.errno in GONE_ERRNOS  # also zombies; re-checked below
+    return cmdline, exe, vanished

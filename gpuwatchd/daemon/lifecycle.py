@@ -127,6 +127,31 @@ class Daemon:
             if scan_answer is None or once
             else lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
         )
+        self._wire_host(policy, nvml_env=nvml_env, clock=clock, wall_clock=wall_clock, once=once)
+        self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
+        self._stop = False
+        self._reload = False
+        self._state_dir_error: str | None = None
+        self.hook_queue = self.host.hook_queue
+        self.notify_stop_grace = NOTIFY_STOP_GRACE
+        self.actuator = self.host.actuator
+        self._handed_jobs: frozenset[str] = frozenset()
+        self._handed_over_limit = 0
+        self.engine = self._make_engine(policy, clock, wall_clock, evidence_report)
+        self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
+        self._init_loop_state(wall_clock, rejected_at_start)
+
+    def _wire_host(
+        self,
+        policy: Policy,
+        *,
+        nvml_env: Mapping[str, str] | None,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        once: bool,
+    ) -> None:
+        """The real host's edges (daemon/wiring.py): /proc, NVML, the collector, the device
+        watch, the signaller; a long holder scan feeds the watchdog."""
         self.host = build_real_host(
             policy,
             on_device_event=self._serving.view.mark_dirty,
@@ -147,16 +172,17 @@ class Daemon:
         # published holder view says dirty (view_guard.py)
         self.device_watch = self.host.device_watch
         self.signaller = self.host.signaller
-        self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
-        self._stop = False
-        self._reload = False
-        self._state_dir_error: str | None = None
-        self.hook_queue = self.host.hook_queue
-        self.notify_stop_grace = NOTIFY_STOP_GRACE
-        self.actuator = self.host.actuator
-        self._handed_jobs: frozenset[str] = frozenset()
-        self._handed_over_limit = 0
-        self.engine = Engine(
+
+    def _make_engine(
+        self,
+        policy: Policy,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        evidence_report: ReportBuilder | None,
+    ) -> Engine:
+        """The poll cycle wired to this daemon: its reader and actuator, its event sink, its
+        checkpoint, its watchdog, its hook queue and its evidence files."""
+        return Engine(
             policy,
             reader=self.host.reader,
             actuator=self.actuator,
@@ -174,7 +200,12 @@ class Daemon:
                 self._state_dir, evidence_report, hostname=node_name(), version=__version__
             ),
         )
-        self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
+
+    def _init_loop_state(
+        self, wall_clock: Callable[[], float], rejected_at_start: Mapping[str, object] | None
+    ) -> None:
+        """The main loop's own state: the wakeup pipe, what was last saved, the polls' and
+        actions' times, a policy rejected at start."""
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         os.set_blocking(self._wakeup_r, False)

@@ -201,42 +201,11 @@ class Engine:
         inputs = inputs or PollInputs()
         started = self.clock.monotonic() if inputs.started is None else inputs.started
         wall = self.clock.wall() if inputs.started_wall is None else inputs.started_wall
-        if inputs.pause is not None:
-            pause = inputs.pause
-            self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
-        if inputs.spares is not None:
-            self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
-        if inputs.clear_latches:
-            self.clear_latches()
+        self._take_switches(inputs)
         self.report_background_hooks()
-        snapshot = self.reader.collect()
-        if self.spares:
-            # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
-            # whatever the wall clock did since (a step must not end one early).
-            shift = snapshot.wall_time - self._spares_read
-            spares = tuple(replace(s, until=s.until + shift) for s in self.spares)
-            snapshot = replace(snapshot, spares=spares)
-        self.nvml_availability, changes = next_availability(
-            self.nvml_availability, snapshot.nvml, snapshot.wall_time
-        )
-        for name, level, fields in changes:
-            self._emit(name, level, **fields)
-        self._snapshot = snapshot
+        snapshot = self._read()
         state = self.state
-        if not (self.policy.dry_run or state.plan.forced_dry_run):
-            # Acting for real: a dry run's assumed resets never stand in for real ones.
-            state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
-        assessment = self.reuse.assess(
-            snapshot,
-            state.assess,
-            self.policy.detection,
-            driver_refused=hidden_holders(state.plan),
-            health_policy=self.policy.health,
-        )
-        state.assess = assessment.state
-        self._assessment = assessment
-        for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
-            self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
+        assessment = self._assess(snapshot)
         self._verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
         )
@@ -262,19 +231,7 @@ class Engine:
             if not self.checkpoint():
                 state.plan = previous
                 result = self._replan_held(result, previous, assessment, snapshot)
-        intents = self._take(result)
-        signalled = False
-        carried: list[Intent] = []
-        for intent in intents:
-            if self.stopping():
-                break
-            self._carry_out(intent)
-            carried.append(intent)
-            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
-        if signalled:
-            # Most targets die within milliseconds of a signal: see that before the checkpoint
-            # (whose fsyncs can take tens of ms), not after it.
-            self.note_exits(self.actuator.exits(EXIT_GRACE))
+        carried = self._carry_out_until_stopped(self._take(result))
         self._note_assumed_exits()
         self.checkpoint()
         return PollReport(
@@ -288,6 +245,71 @@ class Engine:
             seconds=self.clock.monotonic() - started,
             wake_at=self.wake_at(),
         )
+
+    def _take_switches(self, inputs: PollInputs) -> None:
+        """The admin switches the poll was handed: pause or resume, the spares, a latch
+        clear; a switch left None stays as it is."""
+        if inputs.pause is not None:
+            pause = inputs.pause
+            self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
+        if inputs.spares is not None:
+            self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
+        if inputs.clear_latches:
+            self.clear_latches()
+
+    def _read(self) -> Snapshot:
+        """The poll's snapshot, with the spares in force, NVML's availability changes said."""
+        snapshot = self.reader.collect()
+        if self.spares:
+            # Read at ``_spares_read`` (wall): their ends keep the time they had left then,
+            # whatever the wall clock did since (a step must not end one early).
+            shift = snapshot.wall_time - self._spares_read
+            spares = tuple(replace(s, until=s.until + shift) for s in self.spares)
+            snapshot = replace(snapshot, spares=spares)
+        self.nvml_availability, changes = next_availability(
+            self.nvml_availability, snapshot.nvml, snapshot.wall_time
+        )
+        for name, level, fields in changes:
+            self._emit(name, level, **fields)
+        self._snapshot = snapshot
+        return snapshot
+
+    def _assess(self, snapshot: Snapshot) -> Assessment:
+        """The snapshot assessed with the state carried from the last poll (which it
+        replaces); Xid notices said."""
+        state = self.state
+        if not (self.policy.dry_run or state.plan.forced_dry_run):
+            # Acting for real: a dry run's assumed resets never stand in for real ones.
+            state.assess = replace(state.assess, health=drop_assumed(state.assess.health))
+        assessment = self.reuse.assess(
+            snapshot,
+            state.assess,
+            self.policy.detection,
+            driver_refused=hidden_holders(state.plan),
+            health_policy=self.policy.health,
+        )
+        state.assess = assessment.state
+        self._assessment = assessment
+        for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
+            self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
+        return assessment
+
+    def _carry_out_until_stopped(self, intents: Sequence[Intent]) -> list[Intent]:
+        """Carry out the intents in order until the daemon is told to stop; those carried out.
+        After a real signal, the exits it caused are seen before the checkpoint."""
+        signalled = False
+        carried: list[Intent] = []
+        for intent in intents:
+            if self.stopping():
+                break
+            self._carry_out(intent)
+            carried.append(intent)
+            signalled = signalled or (isinstance(intent, SignalIntent) and not intent.dry_run)
+        if signalled:
+            # Most targets die within milliseconds of a signal: see that before the checkpoint
+            # (whose fsyncs can take tens of ms), not after it.
+            self.note_exits(self.actuator.exits(EXIT_GRACE))
+        return carried
 
     def restore(self, state: EngineState) -> None:
         """Carry on from ``state`` (the state file's body, read at start before any poll)."""
@@ -517,37 +539,9 @@ class Engine:
             "hostname": self.hostname,
         }
         if intent.dry_run:
-            for hook in hooks:
-                try:  # the argv as it would run, placeholders filled
-                    argv, detail = list(format_argv(hook.argv, **values)), None
-                except ValueError as err:
-                    argv, detail = list(hook.argv), f"would not run: {err}"
-                self._emit(
-                    EventName.HOOK_RUN,
-                    Level.WARNING,  # a would-be action: reviewed with -p warning
-                    hook=intent.hook,
-                    argv=argv,
-                    dry_run=True,
-                    outcome=HookOutcome.DRY_RUN,
-                    reason=intent.reason,
-                    **({"detail": detail} if detail else {}),
-                    **kept,
-                )
+            self._say_dry_run_hooks(intent, hooks, values, kept)
             return ()
-        env = hook_environment(
-            intent.hook,
-            reason=intent.reason,
-            gpu_uuid=values["uuid"],
-            gpu_pci_bus_id=values["pci_bus_id"],
-            gpu_minor=values["minor"],
-            user=values["user"],
-            hostname=self.hostname,
-            action=facts.get("action"),
-            outcome=facts.get("outcome"),
-            pid=facts.get("pid"),
-            rule=facts.get("rule"),
-            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
-        )
+        env = self._hook_env(intent, values)
 
         def work() -> list[CommandResult]:
             return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
@@ -571,6 +565,50 @@ class Engine:
             )
         self.report_background_hooks()
         return ()
+
+    def _say_dry_run_hooks(
+        self,
+        intent: HookIntent,
+        hooks: tuple[Hook, ...],
+        values: Mapping[str, str | None],
+        kept: Mapping[str, object],
+    ) -> None:
+        """A dry run's hooks: each said as it would run (placeholders filled), none run."""
+        for hook in hooks:
+            try:  # the argv as it would run, placeholders filled
+                argv, detail = list(format_argv(hook.argv, **values)), None
+            except ValueError as err:
+                argv, detail = list(hook.argv), f"would not run: {err}"
+            self._emit(
+                EventName.HOOK_RUN,
+                Level.WARNING,  # a would-be action: reviewed with -p warning
+                hook=intent.hook,
+                argv=argv,
+                dry_run=True,
+                outcome=HookOutcome.DRY_RUN,
+                reason=intent.reason,
+                **({"detail": detail} if detail else {}),
+                **kept,
+            )
+
+    def _hook_env(self, intent: HookIntent, values: Mapping[str, str | None]) -> dict[str, str]:
+        """The ``GPUWATCHD_*`` environment of ``intent``'s hooks: its facts, and for
+        ``on_action`` the notification's message."""
+        facts = intent.facts
+        return hook_environment(
+            intent.hook,
+            reason=intent.reason,
+            gpu_uuid=values["uuid"],
+            gpu_pci_bus_id=values["pci_bus_id"],
+            gpu_minor=values["minor"],
+            user=values["user"],
+            hostname=self.hostname,
+            action=facts.get("action"),
+            outcome=facts.get("outcome"),
+            pid=facts.get("pid"),
+            rule=facts.get("rule"),
+            message=notification(facts) if intent.hook == HookName.ON_ACTION else None,
+        )
 
     def hooks_not_run(
         self,

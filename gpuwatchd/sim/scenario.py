@@ -253,13 +253,8 @@ class _Reader(GpuReader):
         command = self.command(get("command"), name)
         comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
         exe = self.string(n) if (n := get("exe")) is not None else None
-        if (n := get("exe_trusted")) is not None:
-            exe_trusted: bool | None = None if self.scalar(n) is None else self.boolean(n)
-        else:  # installed by the admin where programs are installed
-            exe_trusted = (exe or command[0]).startswith(_SYSTEM_PROGRAM_DIRS)
-        cgroup = self.string(n) if (n := get("cgroup")) is not None else _default_cgroup(uid)
-        if not cgroup.startswith("/"):
-            raise self.fail(get("cgroup") or m, "a cgroup path starts with '/'")
+        exe_trusted = self.exe_trusted(get("exe_trusted"), exe or command[0])
+        cgroup = self.cgroup(get("cgroup"), m, uid)
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"), gpu_indexes)
         nvml = self.nvml(get("nvml"), gpu_indexes)
@@ -301,6 +296,22 @@ class _Reader(GpuReader):
             exe_trusted=exe_trusted,
             line=m.line,
         )
+
+    def exe_trusted(self, node: Node | None, program: str) -> bool | None:
+        """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
+        exe, else its command's first word) is where the admin installs programs."""
+        if node is not None:
+            return None if self.scalar(node) is None else self.boolean(node)
+        # installed by the admin where programs are installed
+        return program.startswith(_SYSTEM_PROGRAM_DIRS)
+
+    def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
+        """A process's cgroup path (by default a user session's of ``uid``); it starts with
+        '/'."""
+        cgroup = self.string(node) if node is not None else _default_cgroup(uid)
+        if not cgroup.startswith("/"):
+            raise self.fail(node or entry, "a cgroup path starts with '/'")
+        return cgroup
 
     def command(self, node: Node | None, name: str) -> tuple[str, ...]:
         if node is None:

@@ -45,6 +45,9 @@ __all__ = [
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front
 SIM_HOSTNAME = "sim-node"  # {hostname} in the hooks of a simulated host
+# The timeline steps Simulation.apply hands to _apply_to_process and to _apply_to_gpu.
+_PROCESS_ACTIONS = frozenset({"exit", "start", "state", "reap"})
+_GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result", "xid", "health"})
 
 
 # --- the policy -------------------------------------------------------------------------------
@@ -223,6 +226,19 @@ class Simulation:
             self.exited.append(identity)
 
     def apply(self, event: EventSpec) -> None:
+        """A timeline step applied: to a process, to a GPU, or to the daemon's switches."""
+        action = event.action
+        if action in _PROCESS_ACTIONS:
+            self._apply_to_process(event)
+        elif action in _GPU_ACTIONS:
+            self._apply_to_gpu(event)
+        elif action in ("pause", "resume"):
+            self.engine.set_paused((event.value or "admin") if action == "pause" else None)
+        elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
+            self.spares[spare.target] = spare
+
+    def _apply_to_process(self, event: EventSpec) -> None:
+        """A process's step: it exits, starts, changes state, or is reaped (a zombie)."""
         world = self.world
         action = event.action
         if action == "exit" and event.target is not None:
@@ -243,7 +259,30 @@ class Simulation:
                 self.schedule(
                     self.now + spec.exits_at, "exit", (spec.name, "exits_at", proc.start_ticks)
                 )
-        elif action == "set_memory" and event.gpu is not None and event.memory is not None:
+        elif action == "state" and event.target is not None and event.value is not None:
+            proc = world.by_name(event.target)
+            if proc is not None and proc.alive:
+                proc.state = event.value
+                self.add(
+                    "world.state",
+                    Level.INFO,
+                    f"{proc.name} (pid {proc.pid}) is now in state {event.value}",
+                    process=proc.name,
+                    pid=proc.pid,
+                    state=event.value,
+                )
+        elif action == "reap" and event.target is not None:
+            proc = world.by_name(event.target)
+            if proc is not None and proc.present and not proc.alive:
+                world.reap(proc)
+                self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
+
+    def _apply_to_gpu(self, event: EventSpec) -> None:
+        """A GPU's step: its allocated memory, a leak on exit, the next reset's result, an Xid,
+        a health reading."""
+        world = self.world
+        action = event.action
+        if action == "set_memory" and event.gpu is not None and event.memory is not None:
             gpu = world.gpus[event.gpu]
             charged = world.allocated(gpu) - gpu.base
             gpu.base = max(0, event.memory - charged)
@@ -270,27 +309,6 @@ class Simulation:
                 f"the next GPU reset will end: {event.value}",
                 result=event.value,
             )
-        elif action == "state" and event.target is not None and event.value is not None:
-            proc = world.by_name(event.target)
-            if proc is not None and proc.alive:
-                proc.state = event.value
-                self.add(
-                    "world.state",
-                    Level.INFO,
-                    f"{proc.name} (pid {proc.pid}) is now in state {event.value}",
-                    process=proc.name,
-                    pid=proc.pid,
-                    state=event.value,
-                )
-        elif action == "reap" and event.target is not None:
-            proc = world.by_name(event.target)
-            if proc is not None and proc.present and not proc.alive:
-                world.reap(proc)
-                self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
-        elif action in ("pause", "resume"):
-            self.engine.set_paused((event.value or "admin") if action == "pause" else None)
-        elif action == "spare" and (spare := world.spare(event, WALL0 + self.now)) is not None:
-            self.spares[spare.target] = spare
         elif action == "xid" and event.gpu is not None and event.xid is not None:
             world.gpus[event.gpu].xids.append((event.xid, self.now))
             self.add("world.xid", Level.INFO, f"GPU {event.gpu}: Xid {event.xid}",

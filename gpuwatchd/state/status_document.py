@@ -58,7 +58,6 @@ def build_document(
     nvml_state = _str(nvml.get("state"))
     raw_rejected = status.get("policy_rejected")
     rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
-    files = status.get("policy")
     record = data.get("reset_in_progress")
     return {
         "format": DOCUMENT_FORMAT,
@@ -67,26 +66,12 @@ def build_document(
         "kill_cap": kill_cap,
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-        "nvml": {
-            "state": nvml_state if nvml_state in NVML_STATES else None,
-            "error": _str(nvml.get("error")),
-            "since": _num(nvml.get("since")),
-        },
+        "nvml": _nvml(nvml, nvml_state),
         "spares": _spares(status.get("spares")),
         "gpus": _count(status.get("gpus")),
         "findings": _count(status.get("findings")),
         "verdict": _verdict(status.get("verdict")),
-        "policy": {
-            "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-            "rejected": None
-            if rejected is None
-            else {
-                "at": _num(rejected.get("at")),
-                "error": _str(rejected.get("error")),
-                "at_start": rejected.get("at_start") is True,
-                "running": _str(rejected.get("running")),
-            },
-        },
+        "policy": _policy(status.get("policy"), rejected),
         "ladders": ladders,
         "pending": _pending(plan, ladders, offset),
         "recent_actions": _actions(status.get("recent_actions")),
@@ -138,6 +123,32 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         "paused": paused,
         "paused_reason": _str(plan.get("paused_reason")) if paused else None,
         "paused_until": _num(plan.get("paused_until")) if paused else None,
+    }
+
+
+def _nvml(nvml: Mapping[str, object], state: str | None) -> dict[str, object]:
+    """NVML's state as the daemon last saw it (one of :data:`NVML_STATES`, else unknown), its
+    error and since when."""
+    return {
+        "state": state if state in NVML_STATES else None,
+        "error": _str(nvml.get("error")),
+        "since": _num(nvml.get("since")),
+    }
+
+
+def _policy(files: object, rejected: Mapping[str, object] | None) -> dict[str, object]:
+    """The policy files the daemon runs with, and the configured policy it rejected (its
+    error, and the fallback running instead), if any."""
+    return {
+        "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
+        "rejected": None
+        if rejected is None
+        else {
+            "at": _num(rejected.get("at")),
+            "error": _str(rejected.get("error")),
+            "at_start": rejected.get("at_start") is True,
+            "running": _str(rejected.get("running")),
+        },
     }
 
 

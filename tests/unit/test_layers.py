@@ -220,32 +220,12 @@ FUNCTION_LINES = 60
 CLASS_LINES = 300
 # fmt: off
 LONG_DEFINITIONS = {
-    "act.evidence:EvidenceKeeper.keep":
-        "one evidence file's whole write: bounds, rotation, atomic rename",
-    "act.reset:_up_to_final_scan":
-        "the reset procedure's steps in order, each recorded before the next",
-    "act.reset_resume:resume_interrupted": "resuming a recorded reset step by step",
-    "act.signals:Signaller.send": "one signal through a pidfd, with every identity re-check",
-    "cli.explain:explain_report": "one report explained section by section",
-    "cli.main:build_parser": "the command line's declaration: one add_argument a line",
-    "cli.report:_gpu_entry": "one GPU's report entry, field by field",
-    "cli.report:build_report": "the report's sections, field by field",
-    "cli.report_read:rebuild": "a report read back, field by field, each checked",
-    "cli.report_text:_gpu_lines": "one GPU's text lines, field by field",
-    "cli.run:_once_beside_the_daemon": "run --once beside a running daemon: lock, ask, wait",
-    "cli.run:run_daemon": "the daemon's start: logging, capabilities, policy fallback",
-    "cli.scan:_scan_host": "scan's own walk when the daemon cannot serve it",
-    "cli.spare:spare_command": "spare's argument checks and its one write",
-    "cli.status:describe": "status text, section by section",
     "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",
-    "collect.nvml_worker:read_mig_device": "one MIG device's NVML reads, each guarded",
     "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",
-    "collect.procfs:ProcFS.read_process": "one process's /proc files, each read hostile",
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
-    "daemon.lifecycle:Daemon.__init__": "the daemon's parts wired once",
     "decide.assess.holders:_HolderPass": "the orphan classification pass (mutation-tested)",
     "decide.assess.holders:_HolderPass.classify":
         "the orphan rule's cases in order (a mutation-tested gate)",
@@ -260,14 +240,9 @@ LONG_DEFINITIONS = {
     "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
     "decide.plan.state:_load_state": "the plan state read back, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
-    "engine.cycle:Engine._hooks": "the hooks of one poll: queue, run, record",
-    "engine.cycle:Engine.poll": "the poll's stages in order",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
-    "sim.scenario:_Reader.process": "a scenario's process entry, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",
-    "sim.simulation:Simulation.apply": "a timeline step applied, kind by kind",
     "sim.world:World": "the simulated world's state and its changes",
-    "state.status_document:build_document": "the status document, section by section",
 }
 # fmt: on
 

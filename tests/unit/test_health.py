@@ -160,10 +160,68 @@ def test_health_state_round_trips_and_rejects_garbage() -> None:
     assert round_tripped.health == state
 
 
-def test_a_lost_or_unread_gpu_gets_no_health_finding() -> None:
+def test_a_lost_or_unread_gpu_gets_no_health_finding_and_keeps_its_history() -> None:
+    seen = assess_health(snap(gpu(0, GPU0, health(xids=(XidEvent(95, 10.0),)))), HealthState(),
+                         boot_changed=False).state  # fmt: skip
     lost = replace(gpu(0, GPU0, health(recovery_action=2)), lost=True)
-    assert assess_health(snap(lost), HealthState(), boot_changed=False).findings == ()
-    assert assess_health(snap(gpu(0, GPU0, None)), HealthState(), boot_changed=False).findings == ()
+    for blind in (lost, gpu(0, GPU0, None)):
+        result = assess_health(snap(blind, t=1100.0), seen, boot_changed=False)
+        assert result.findings == ()
+        assert result.state == seen
+
+
+def test_a_finding_holds_since_its_first_poll_and_a_new_incident_starts_anew() -> None:
+    """``since`` (evidence and state) is the wall time the finding was first made, kept while
+    it holds and forgotten once it resolves."""
+    first_wall = snap(t=1000.0).wall_time
+    state = HealthState()
+    for t in (1000.0, 1100.0):
+        result = assess_health(snap(gpu(0, GPU0, health(recovery_action=1)), t=t), state,
+                               boot_changed=False)  # fmt: skip
+        state = result.state
+        (finding,) = result.findings
+        assert finding.evidence["since"] == first_wall
+        assert state.gpus[GPU0].since == {"reset_required": first_wall}
+    state = assess_health(snap(gpu(0, GPU0, health()), t=1200.0), state, boot_changed=False).state
+    assert state.gpus[GPU0].since == {}
+    again = assess_health(snap(gpu(0, GPU0, health(recovery_action=1)), t=1300.0), state,
+                          boot_changed=False)  # fmt: skip
+    assert again.findings[0].evidence["since"] == snap(t=1300.0).wall_time
+
+
+GPU_RESET_REASON = (
+    "the driver's recovery action is GPU_RESET (1): NVIDIA: end the GPU's processes and reset it"
+)
+UNKNOWN_ACTION_REASON = (
+    "the driver's recovery action is unknown (200): a value gpuwatchd does not know; reported, "
+    "never acted on"
+)
+FABRIC_ERROR = {"fabric_support": Support.OK, "fabric_state": 3, "fabric_status": 5}
+
+
+@pytest.mark.parametrize(
+    ("over", "kind", "actionable", "others"),
+    [
+        ({"recovery_action": 1}, FindingKind.RESET_REQUIRED, True, []),
+        (
+            {"recovery_action": 1, "pages_support": Support.OK, "pages_pending": True},
+            FindingKind.REBOOT_REQUIRED,
+            True,
+            [GPU_RESET_REASON],
+        ),
+        ({"recovery_action": 200}, FindingKind.DRAIN_REQUIRED, False, []),
+        # One reason gpuwatchd may act on makes the finding actionable.
+        ({"recovery_action": 200, **FABRIC_ERROR}, FindingKind.DRAIN_REQUIRED, True, []),
+    ],
+)
+def test_a_finding_names_its_kinds_reasons_and_only_the_weaker_kinds_as_others(
+    over: dict[str, object], kind: FindingKind, actionable: bool, others: list[str]
+) -> None:
+    (finding,) = assess_health(snap(gpu(0, GPU0, health(**over))), HealthState(),
+                               boot_changed=False).findings  # fmt: skip
+    assert (finding.kind, finding.actionable) == (kind, actionable)
+    assert finding.evidence["other_reasons"] == others
+    assert finding.reason == "; ".join(finding.evidence["reasons"])  # type: ignore[arg-type]
 
 
 # --- plan -------------------------------------------------------------------------------------

@@ -222,6 +222,13 @@ def test_xid_74_without_any_reset_asks_for_a_reset() -> None:
     assert kinds_of(findings) == [FindingKind.RESET_REQUIRED]
 
 
+def test_xid_74_on_the_gpu_we_reset_is_not_excused_as_a_peers() -> None:
+    """Only another GPU's reset explains an Xid 74: on the reset GPU itself it is an incident."""
+    state = note_reset(HealthState(), GPU0, WALL)
+    findings, _ = judge(health(xids=xids((74, 20.0))), state, t=1030.0)
+    assert kinds_of(findings) == [FindingKind.RESET_REQUIRED]
+
+
 # --- the stricter peer choices ----------------------------------------------------------------
 
 

@@ -145,6 +145,25 @@ def test_kernel_log_xids_are_judged_by_the_catalogue_and_marked_before_start() -
     assert again.xid_notices == ()
 
 
+def test_what_each_source_saw_and_said_is_carried_from_poll_to_poll() -> None:
+    """The kernel log reports Xid 79 first; NVML's event for it, read the next poll, is the same
+    Xid (counted once) and the kernel log's detail stays in the evidence; a new 79 within the
+    window is counted but not said again."""
+    poll = replace(snap(gpu(0, GPU0, health())), kernel_xids=(kx(79, T, pid=7, process="p"),))
+    first = assess_health(poll, HealthState(), boot_changed=False)
+    assert [(n.gpu, n.xid) for n in first.xid_notices] == [(GPU0, 79)]
+    nvml = snap(gpu(0, GPU0, health(xids=(XidEvent(79, T),))), t=1005.0)
+    second = assess_health(nvml, first.state, boot_changed=False)
+    (finding,) = second.findings
+    xids = finding.evidence["xids"]
+    assert isinstance(xids, dict)
+    assert (xids["79"]["count"], xids["79"]["kernel_log"]["pid"]) == (1, 7)
+    again = snap(gpu(0, GPU0, health(xids=(XidEvent(79, T + 10),))), t=1010.0)
+    third = assess_health(again, second.state, boot_changed=False)
+    assert third.state.gpus[GPU0].xids[79].count == 2
+    assert third.xid_notices == ()
+
+
 def test_a_kernel_xid_of_a_gpu_nvml_does_not_report_is_not_counted() -> None:
     snapshot = replace(
         snap(gpu(0, GPU0, health())), kernel_xids=(replace(kx(79, T), pci="0000:99:00"),)

@@ -16,6 +16,7 @@ from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id, 
         ("0000:3b:00.0", (0, 0x3B, 0, 0)),
         ("3b:00.0", (0, 0x3B, 0, 0)),
         (" 0001:17:1f.7 ", (1, 0x17, 0x1F, 7)),
+        ("0010:3b:00.0", (0x10, 0x3B, 0, 0)),  # a domain read in base 16, not 10 or 17
         ("0000:3b:00.8", None),  # functions are 0..7
         ("3b:00", None),
         ("GPU-1", None),
@@ -56,6 +57,8 @@ def test_slurm_numbers_gpus_by_device_file_or_in_nvmls_order() -> None:
     assert slurm_numbering(CROSSED, "files") == [1, 3, 0, 2]
     assert slurm_numbering(CROSSED, "nvml") == [0, 1, 2, 3]
     assert slurm_numbering([(0, 0), (1, 1)], "files") == slurm_numbering([(0, 0), (1, 1)], "nvml")
+    # Two GPUs reported with one minor (a driver in trouble): NVML's order breaks the tie.
+    assert slurm_numbering([(1, 0), (0, 0), (2, 1)], "files") == [0, 1, 2]
 
 
 def test_an_unknown_minor_makes_the_file_order_unknown_not_a_guess() -> None:

@@ -373,6 +373,7 @@ TEST_FILES = (
     "tests/unit/test_gates_killed_a.py",
     "tests/unit/test_gates_killed_b.py",
     "tests/unit/test_gpu_ids.py",
+    "tests/unit/test_wide_resets.py",
     "tests/unit/test_wide_verdict.py",
     "tests/unit/test_wide_health.py",
     "tests/unit/test_xid_sources.py",

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 import pytest
 
-from gpuwatchd.core.model import MIB, FindingKind, ProcessIdentity, Snapshot
+from gpuwatchd.core.model import FindingKind, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess.passes import Assessment, assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
+from tests.support.orphancases import LEAK, fd_family, fd_family_before, heir_host
 from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
 
-LEAK = 20 * 1024 * MIB
 DEFAULT = Detection()
 OPT_IN = dataclasses.replace(DEFAULT, orphans_without_history=True)
 
@@ -48,29 +48,6 @@ def verdict(result: Assessment, pid: int) -> tuple[str, dict[str, object]]:
 # Launcher 700 leads the session; owner 800 (GPU 0) and rank 810 (GPU 1) are its children.
 # 820 was the child of 815, a child of 800 that has exited, so 820 now has ppid 1 but is still
 # in session 700, and kcmp found that its device files are 800's own (fd inheritance).
-
-
-def fd_family(at: float) -> HostBuilder:
-    return (
-        HostBuilder(monotonic=at)
-        .gpu(0, allocated=LEAK)
-        .gpu(1, allocated=LEAK)
-        .proc(700, ppid=1, pgid=700, sid=700)
-        .proc(810, ppid=700, holds={1}, uvm=True)
-        .nvml(1, 810, used=LEAK)
-    )
-
-
-def fd_family_before(also: dict[int, bool] | None = None) -> Snapshot:
-    """``also``: kcmp's answers about other owners (790, on GPU 1; or the rank 810)."""
-    builder = fd_family(1000.0)
-    builder.proc(800, ppid=700, holds={0}, uvm=True).nvml(0, 800, used=LEAK)
-    builder.proc(815, ppid=800).proc(820, ppid=815, holds={0}, uvm=True, via="both")
-    for owner, shared in (also or {}).items():
-        if owner == 790:
-            builder.proc(790, ppid=700, holds={1}, uvm=True).nvml(1, 790, used=LEAK)
-        builder.sharing(820, owner, shared)
-    return builder.sharing(820, 800, True).build()
 
 
 def _owner_alive(b: HostBuilder) -> None:
@@ -279,22 +256,6 @@ def test_a_holder_first_seen_in_the_poll_its_memory_lost_its_owner_is_the_heir()
 #
 # 4121 lost its session leader 4100 and holds GPU 0 (idle) and GPU 1 (20 GiB nobody owns).
 # kcmp compared its files with two context owners on GPU 2 while they lived (4300, 4310).
-
-
-def heir_host(at: float, *, owners_alive: bool) -> HostBuilder:
-    builder = (
-        HostBuilder(monotonic=at)
-        .gpu(0)
-        .gpu(1, allocated=LEAK)
-        .gpu(2)
-        .proc(4121, ppid=1, pgid=4100, sid=4100, holds={0, 1}, uvm=True)
-    )
-    if owners_alive:
-        for pid in (4300, 4310):
-            builder.proc(pid, ppid=1, holds={2}, uvm=True).nvml(2, pid, used=LEAK)
-    else:
-        builder.absent(4100)
-    return builder
 
 
 @pytest.mark.parametrize(

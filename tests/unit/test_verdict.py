@@ -32,17 +32,7 @@ from gpuwatchd.decide.verdict import (
     once_progress,
 )
 from tests.support.snapshots import HostBuilder, cg_slurm, cg_unit, gpu_uuid
-
-LEAK = 1200 * MIB
-POLICY = Policy()
-# Root's own nvidia-persistenced: infrastructure by facts a user cannot forge (floor.py).
-ROOTS_PERSISTENCED: dict[str, Any] = {
-    "comm": "nvidia-persistenced",
-    "exe": "/usr/bin/nvidia-persistenced",
-    "uid": 0,
-    "user": "root",
-    "exe_trusted": True,
-}
+from tests.support.verdictcases import LEAK, POLICY, ROOTS_PERSISTENCED
 
 
 def verdict_of(

@@ -18,8 +18,8 @@ from gpuwatchd.decide.assess.host_view import HostView, relation
 from gpuwatchd.decide.assess.passes import Assessment, assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
+from tests.support.orphancases import fd_family, fd_family_before, heir_host
 from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
-from tests.unit.test_orphan_evidence import fd_family, fd_family_before, heir_host
 
 LEAK = 20 * 1024 * MIB
 DEFAULT = Detection()

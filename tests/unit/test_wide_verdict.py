@@ -16,7 +16,7 @@ from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from tests.support.snapshots import HostBuilder, gpu_uuid
-from tests.unit.test_verdict import LEAK, POLICY, ROOTS_PERSISTENCED
+from tests.support.verdictcases import LEAK, POLICY, ROOTS_PERSISTENCED
 
 Said = tuple[str, int | None, str]
 

@@ -55,7 +55,7 @@ test-gpu: venv
 # Mutation testing of decide/'s safety gates (docs/architecture.md, "Mutation testing"): the
 # score per module and every survivor that is not a recorded equivalent; fails on one in a
 # critical function, or on a critical mutant the time limit left unrun. About 10,000 mutants,
-# 70 minutes or more on 2 cores. MODULES="floor plan" mutates only those. It records
+# 30 minutes on 2 cores. MODULES="floor plan" mutates only those. It records
 # tests/mutation/fingerprints.json.
 MODULES ?=
 MUTATE_FULL_TIME_LIMIT ?= 14400

@@ -14,24 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuwatchd.core.model import ProcessInfo, Snapshot
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.verdict import NodeVerdict
-
-__all__ = [
-    "FORMAT",
-    "MAX_BYTES",
-    "MAX_FILES",
-    "EvidenceAction",
-    "EvidenceEntry",
-    "EvidenceFolder",
-    "EvidenceKeeper",
-    "Kept",
-    "ReportBuilder",
-    "Step",
-    "list_evidence",
-    "process_trees",
-]
 
 FORMAT = 1  # the "evidence" value of the document
 MAX_FILES = 20  # evidence files kept; the oldest go first

@@ -24,9 +24,7 @@ from gpuwatchd.act.reset_target import (
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
-    outcome_event,
     prepare_commands,
-    progress_record,
 )
 from gpuwatchd.core.vocabulary import (
     EventName,
@@ -37,19 +35,6 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.decide.argv import hook_environment
 from gpuwatchd.decide.policy import ResetPolicy
-
-__all__ = [
-    "CommandRunner",
-    "FabricWait",
-    "ResetEnvironment",
-    "ResetOutcome",
-    "ResetStep",
-    "ResetTarget",
-    "interpret_reset_exit",
-    "outcome_event",
-    "perform_reset",
-    "progress_record",
-]
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
 _UNRECORDED = UNRECORDED

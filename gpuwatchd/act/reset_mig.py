@@ -20,8 +20,6 @@ from gpuwatchd.decide.mig.recovery import (
     placement_taken,
 )
 
-__all__ = ["HALF_DONE", "half_done", "restore_layout", "run_recovery"]
-
 Ran = tuple[CommandResult | None, ResetResult, bool, str]
 
 

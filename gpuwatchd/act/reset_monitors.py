@@ -26,8 +26,6 @@ from gpuwatchd.act.reset_target import (
 from gpuwatchd.core.vocabulary import Level, ResetStep, ResetStepStatus
 from gpuwatchd.decide.policy import ResetPolicy
 
-__all__ = ["start_monitors", "stop_monitors"]
-
 
 class _Procedure(Protocol):
     """What these steps use of :class:`gpuwatchd.act.reset.Procedure`."""

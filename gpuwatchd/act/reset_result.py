@@ -12,15 +12,6 @@ from __future__ import annotations
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.core.vocabulary import ResetResult
 
-__all__ = [
-    "IN_USE_REASON",
-    "REASON_OUTPUT_LIMIT",
-    "fold_output",
-    "interpret_reset_exit",
-    "quote_output",
-    "says_in_use",
-]
-
 REASON_OUTPUT_LIMIT = 2000  # characters of a command's output quoted in a reason
 
 _EXIT_MEANINGS = {

@@ -37,8 +37,6 @@ from gpuwatchd.decide.mig.recovery import (
 )
 from gpuwatchd.decide.policy import ResetPolicy
 
-__all__ = ["resume_interrupted"]
-
 
 def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
     uuid = record.get("uuid")

@@ -17,26 +17,6 @@ from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recove
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 
-__all__ = [
-    "MAX_RECORDED_ARGS",
-    "MAX_RECORDED_CHARS",
-    "MAX_RECORDED_COMMANDS",
-    "UNRECORDED",
-    "CommandRunner",
-    "Commands",
-    "FabricWait",
-    "PreparedHook",
-    "ResetEnvironment",
-    "ResetOutcome",
-    "ResetTarget",
-    "commands_from_record",
-    "outcome_event",
-    "prepare_commands",
-    "prepare_hooks",
-    "progress_record",
-]
-
-
 UNRECORDED = "could not record reset progress in the state file"  # why a step was not run
 
 

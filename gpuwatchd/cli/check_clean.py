@@ -43,7 +43,8 @@ class Judge:
 def judging_policy(config: str | None) -> Judge:
     """The files' policy (``config``, else the default file; none there: the built-in one);
     when they do not validate, the one the daemon runs: its last accepted, or None."""
-    from gpuwatchd.config.schema import ConfigError, default_policy, load_policy
+    from gpuwatchd.config.schema import default_policy, load_policy
+    from gpuwatchd.config.yamlsrc import ConfigError
 
     chosen = config or DEFAULT_CONFIG_PATH
     if config is None and not os.path.exists(chosen):

@@ -22,19 +22,10 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
-from gpuwatchd.decide.plan.decisions import kill_cap_scope, reset_gates
-from gpuwatchd.decide.plan.resets import instance_recovery
+from gpuwatchd.decide.plan.intents import kill_cap_scope
+from gpuwatchd.decide.plan.resets import instance_recovery, reset_gates
 from gpuwatchd.decide.policy import Limits, Policy
 from gpuwatchd.decide.targets import refusal, rule_for
-
-__all__ = [
-    "SnapshotError",
-    "explain_file",
-    "explain_report",
-    "load_report",
-    "rebuild",
-    "render_explanation",
-]
 
 
 def _when(now: float, since: float | None, window: float) -> dict[str, object]:

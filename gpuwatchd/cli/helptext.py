@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["COMMAND_HELP", "describe"]
-
 # What each command's --help says beyond its options: what it does, then its exit codes (the
 # man page's EXIT STATUS, per command), the codes every command shares added where not listed.
 _COMMON_CODES = {2: "a bad argument", 77: "insufficient privilege", 78: "configuration error"}

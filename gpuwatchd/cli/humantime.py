@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ago", "counted", "duration", "until"]
-
 
 def duration(seconds: object) -> str:
     """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.

@@ -299,7 +299,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
     """Load the policy; a missing default file is fine where ``required`` is False."""
-    from gpuwatchd.config.schema import ConfigError, default_policy, load_policy
+    from gpuwatchd.config.schema import default_policy, load_policy
+    from gpuwatchd.config.yamlsrc import ConfigError
 
     chosen = path or DEFAULT_CONFIG_PATH
     if path is None and not required and not os.path.exists(chosen):
@@ -411,7 +412,8 @@ def _check_clean(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.run import run_daemon
     from gpuwatchd.collect.jobs import scheduler_ended_job
-    from gpuwatchd.config.schema import ConfigError, parse_duration
+    from gpuwatchd.config.units import parse_duration
+    from gpuwatchd.config.yamlsrc import ConfigError
 
     try:
         timeout = parse_duration(args.timeout, where="--timeout")
@@ -456,9 +458,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from gpuwatchd.config.schema import ConfigError
-    from gpuwatchd.sim.scenario import ScenarioError, load_scenario
-    from gpuwatchd.sim.simulation import SimulationError, render_text, simulate
+    from gpuwatchd.config.yamlsrc import ConfigError
+    from gpuwatchd.sim.scenario import load_scenario
+    from gpuwatchd.sim.scenario_spec import ScenarioError
+    from gpuwatchd.sim.simulation import simulate
+    from gpuwatchd.sim.timeline import render_text
+    from gpuwatchd.sim.world import SimulationError
 
     try:
         result = simulate(load_scenario(args.scenario), args.config, enforce=args.enforce)
@@ -477,7 +482,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.explain import SnapshotError, explain_file, render_explanation
+    from gpuwatchd.cli.explain import explain_file, render_explanation
+    from gpuwatchd.cli.report_read import SnapshotError
 
     policy = load_policy_or_exit(args.config, required=args.config is not None)
     try:
@@ -552,8 +558,8 @@ def _spare(args: argparse.Namespace) -> int:
 def _pause_length(text: str | None, max_pause: float) -> float:
     """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
     from gpuwatchd.cli.humantime import duration
-    from gpuwatchd.config.schema import ConfigError
     from gpuwatchd.config.units import parse_duration
+    from gpuwatchd.config.yamlsrc import ConfigError
 
     if text is None:
         return max_pause

@@ -15,7 +15,8 @@ from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.core.checked import as_map as _as_map
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
-from gpuwatchd.decide.plan.decisions import PlanState, pending_keys
+from gpuwatchd.decide.plan.decisions import pending_keys
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import OnceStep, once_progress
 from gpuwatchd.state.saved import SavedState, StateStore

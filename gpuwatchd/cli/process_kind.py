@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["look_at_process"]
-
 
 def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:
     if comm is not None and comm.startswith("gpuwatchd"):

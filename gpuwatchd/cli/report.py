@@ -16,7 +16,6 @@ from typing import Protocol
 from gpuwatchd.cli.mig_report import (
     mig_instances_json,
 )
-from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
@@ -31,8 +30,6 @@ from gpuwatchd.core.model import (
 from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig.instances import MigLayout, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
-
-__all__ = ["RoleLike", "build_report", "render_text"]
 
 
 class RoleLike(Protocol):

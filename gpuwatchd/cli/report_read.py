@@ -32,8 +32,6 @@ from gpuwatchd.core.model import (
     as_int,
 )
 
-__all__ = ["SnapshotError", "evidence_header", "load_report", "opt_str", "rebuild"]
-
 
 class SnapshotError(Exception):
     """A report that is not a ``scan --json`` document: ``file: field: message``."""

@@ -25,8 +25,6 @@ from gpuwatchd.core.model import (
     as_int,
 )
 
-__all__ = ["render_text"]
-
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 COMMAND_WIDTH = 60  # characters of a command line shown in the text view

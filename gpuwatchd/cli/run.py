@@ -24,15 +24,14 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import Fallback
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import AlreadyRunning, StateDir
 from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
-from gpuwatchd.state.saved import AlreadyRunning
 
 log = structlog.get_logger("gpuwatchd")
 ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)

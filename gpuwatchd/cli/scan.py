@@ -15,15 +15,18 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gpuwatchd import __version__
-from gpuwatchd.cli.report import build_report, render_text
+from gpuwatchd.cli.report import build_report
+from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.checked import Value
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import ExitCode
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
@@ -32,7 +35,7 @@ from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import Probe, probe
 from gpuwatchd.served.holders import HolderView
-from gpuwatchd.state.directory import StateDir, StateDirError, Value
+from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import read_ended_jobs
 from gpuwatchd.state.saved import SavedState, read_saved_state
 

@@ -18,8 +18,6 @@ from gpuwatchd.cli.scan import scan_host, scan_output
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.compiled_policy import load_compiled
 
-__all__ = ["answer"]
-
 
 def answer(request: ScanRequest, *, config_path: str, state_dir: str) -> ScanAnswer:
     """The daemon's answer to ``request``, or its refusal (module docstring). ``config_path``:

@@ -17,8 +17,8 @@ from typing import IO
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.config.schema import ConfigError
 from gpuwatchd.config.units import parse_duration
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
@@ -31,8 +31,6 @@ from gpuwatchd.state.spares import (
     read_spares,
     write_spare,
 )
-
-__all__ = ["SpareError", "spare_command"]
 
 
 class SpareError(Exception):

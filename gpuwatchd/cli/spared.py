@@ -17,22 +17,12 @@ from collections.abc import Mapping, Sequence
 from gpuwatchd.cli.humantime import until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.checked import as_int, as_list, as_map, as_number, as_text
-from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
+from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.spares import read_spares
-
-__all__ = [
-    "mark_spared",
-    "spare_row",
-    "spare_stops",
-    "spared_lines",
-    "spared_text",
-    "spares_from_report",
-    "spares_in_force",
-]
 
 
 def spares_in_force(state_dir: StateDir | None, policy: Policy, now: float) -> tuple[Spare, ...]:

@@ -18,11 +18,11 @@ from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.checked import as_count as _count
 from gpuwatchd.core.checked import as_flag as _bool
-from gpuwatchd.core.checked import as_int as _int
 from gpuwatchd.core.checked import as_list as _seq
 from gpuwatchd.core.checked import as_map as _map
 from gpuwatchd.core.checked import as_number as _num
 from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.model import as_int as _int
 from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir

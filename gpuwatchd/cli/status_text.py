@@ -20,8 +20,6 @@ from gpuwatchd.core.checked import as_number as _num
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LadderStatus
 
-__all__ = ["render_text"]
-
 
 def _text(value: object) -> str:
     if value is None or isinstance(value, (Mapping, list)):

@@ -17,8 +17,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BOOT_SLACK", "BootTime"]
-
 BOOT_SLACK = 60.0  # seconds: clock adjustments between two readings of the boot's wall time
 
 

@@ -18,7 +18,8 @@ from gpuwatchd.collect.jobs import judge_jobs
 from gpuwatchd.collect.kernel_log import KernelLog
 from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlSource
-from gpuwatchd.collect.procfs import ProcFS, StatFields
+from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.collect.procread import StatFields
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.collect.subids import SubUidFile
 from gpuwatchd.core.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
@@ -33,8 +34,6 @@ from gpuwatchd.decide.full_scan import (
 )
 from gpuwatchd.decide.policy import Detection
 from gpuwatchd.events import lazylog
-
-__all__ = ["Collector", "listed_gpus", "listed_pids"]
 
 _MAX_ANCESTRY = 64
 

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.collect.holders import match_device_name
 
-__all__ = ["CAPS_FOLDER", "DeviceWatch", "WatchNews"]
-
 CAPS_FOLDER = "nvidia-caps"  # MIG capability device files: devices_dir/nvidia-caps/nvidia-capN
 
 IN_OPEN = 0x00000020

@@ -13,14 +13,12 @@ import stat
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.collect.holders import HolderScanner, match_device_name
-from gpuwatchd.collect.kcmp import KCMP_FILE, Kcmp
+from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
 
 log = lazylog.get_logger()  # structlog only if it logs: scan's start-up
-
-__all__ = ["KCMP_FILE", "InheritanceProbe", "Kcmp", "absent_leaders"]
 
 _MAX_DEVICE_FDS = 64  # device fds compared per process; a CUDA process holds a few dozen
 _MAX_NEW_PAIRS = 64  # new holder/owner pairs compared per poll; the rest wait for the next

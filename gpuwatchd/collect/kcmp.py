@@ -10,8 +10,6 @@ import errno
 import os
 from collections.abc import Callable
 
-__all__ = ["KCMP_FILE", "KCMP_FILES", "Kcmp"]
-
 KCMP_FILE = 0  # <linux/kcmp.h>: one open file description each
 KCMP_FILES = 2  # the whole file descriptor table
 # kcmp's syscall number; the generic table (aarch64, riscv64, loongarch64) shares 272.

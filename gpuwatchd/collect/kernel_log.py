@@ -22,19 +22,6 @@ from gpuwatchd.core.model import KernelXid, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
 
-__all__ = [
-    "JOURNAL_ARGV",
-    "KERNEL_LOG_JOURNAL",
-    "KERNEL_LOG_OFF",
-    "MAX_LINE",
-    "KernelLog",
-    "XidLine",
-    "fold",
-    "parse_journal_record",
-    "parse_kmsg_record",
-    "parse_xid",
-]
-
 log = lazylog.get_logger()
 
 KERNEL_LOG_JOURNAL = "journal"

@@ -28,7 +28,6 @@ from gpuwatchd.collect.cgroups import (
 )
 from gpuwatchd.collect.procread import (
     GONE_ERRNOS,
-    PF_KTHREAD,
     StatFields,
     parse_stat,
     read_proc_file,
@@ -38,20 +37,6 @@ from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_u
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.holders import HolderScanner
-
-__all__ = [
-    "DEFAULT_PID_MAX",
-    "GONE_ERRNOS",
-    "PF_KTHREAD",
-    "PROC_CGROUP_INIT_INO",
-    "PROC_PID_INIT_INO",
-    "ProcFS",
-    "StatFields",
-    "parse_cgroup",
-    "parse_proc_devices",
-    "parse_stat",
-    "read_proc_file",
-]
 
 _CAP_SYS_ADMIN = 21  # reads trusted.* extended attributes (the delegation mark)
 DEFAULT_PID_MAX = 4194304

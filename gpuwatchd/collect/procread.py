@@ -10,8 +10,6 @@ import errno
 import os
 from dataclasses import dataclass
 
-__all__ = ["GONE_ERRNOS", "PF_KTHREAD", "StatFields", "parse_stat", "read_proc_file"]
-
 PF_KTHREAD = 0x00200000
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC

@@ -13,8 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["MAX_WORKERS", "MIN_SLICE", "Row", "scan_spread", "worker_count"]
-
 # (pid, GPU minors via fd, GPU minors via mapping, nvidiactl, nvidia-uvm, matched by name,
 # partly unreadable, threads' own fd tables left unread)
 Row = tuple[int, tuple[int, ...], tuple[int, ...], bool, bool, bool, bool, bool]

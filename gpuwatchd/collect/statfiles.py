@@ -16,9 +16,7 @@ import ctypes
 import os
 from collections.abc import Iterable
 
-from gpuwatchd.collect.procfs import StatFields, parse_stat, read_proc_file
-
-__all__ = ["MAX_OPEN", "StatFiles"]
+from gpuwatchd.collect.procread import StatFields, parse_stat, read_proc_file
 
 MAX_OPEN = 256
 _SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64

@@ -16,8 +16,6 @@ from collections.abc import Callable
 
 from gpuwatchd.core.model import SubIdRange
 
-__all__ = ["DEFAULT_SUBUID_FILE", "SubUidFile", "parse_subuid"]
-
 DEFAULT_SUBUID_FILE = "/etc/subuid"
 MAX_BYTES = 1 << 20
 MAX_RANGES = 65_536

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from gpuwatchd.config.schema import policy_data
 from gpuwatchd.decide.policy import Policy
 
-__all__ = ["VALUE_LIMIT", "policy_changes"]
-
 VALUE_LIMIT = 120  # characters of one side of a change; a longer one ends in "..."
 
 

@@ -18,19 +18,6 @@ from collections.abc import Sequence
 
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
 
-__all__ = [
-    "MAX_DOCUMENT_BYTES",
-    "MAX_DROP_INS",
-    "FileTooLarge",
-    "NotARegularFile",
-    "check_config_permissions",
-    "find_drop_ins",
-    "policy_files_key",
-    "read_config_file",
-    "read_policy_files",
-    "read_regular_file",
-]
-
 # A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
 # bounds the policy to MAX_DROP_INS + 1 files of MAX_DOCUMENT_BYTES each.
 MAX_DROP_INS = 128

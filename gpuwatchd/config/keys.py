@@ -57,23 +57,6 @@ from gpuwatchd.decide.policy import (
     Step,
 )
 
-__all__ = [
-    "LOG_FORMATS",
-    "SECTIONS",
-    "SIGNAL_NAMES",
-    "Bound",
-    "Key",
-    "Nested",
-    "Section",
-    "Value",
-    "argv_error",
-    "as_argv",
-    "bounded_keys",
-    "kind_of",
-    "normalize_gpu_id",
-    "section_of",
-]
-
 SIGNAL_NAMES = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 LOG_FORMATS = ("logfmt", "json", "console")
 MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["guess_state_dir"]
-
 MAX_BYTES = 4 << 20  # bytes read of each file
 _STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?$", re.MULTILINE)
 _PLAIN = re.compile(r"""'([^']*)'|"([^"\\]*)"|([^'"\s{\[][^#]*)""")

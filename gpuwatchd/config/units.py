@@ -13,8 +13,6 @@ import re
 
 from gpuwatchd.config.yamlsrc import ConfigError, describe_value, did_you_mean, shown
 
-__all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
-
 DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
 SIZE_UNITS = {

@@ -12,25 +12,6 @@ from dataclasses import dataclass, field
 
 import yaml
 
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_DOCUMENT_BYTES",
-    "MAX_NODES",
-    "MAX_TOTAL_BYTES",
-    "Budget",
-    "ConfigError",
-    "Map",
-    "Node",
-    "Scalar",
-    "Seq",
-    "describe_value",
-    "did_you_mean",
-    "join_key",
-    "line_of",
-    "load_document",
-    "shown",
-]
-
 # A policy file is a few kilobytes and a few hundred YAML nodes. PyYAML is pure Python here
 # (for its line marks): about 0.4 s per MiB of text and 25 us per node. The limits keep a
 # whole policy (main file and every drop-in, read on a reload too) to a few seconds, well

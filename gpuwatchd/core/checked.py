@@ -12,27 +12,6 @@ from collections.abc import Mapping, Sequence
 
 from gpuwatchd.core.model import as_int
 
-__all__ = [
-    "Value",
-    "as_count",
-    "as_flag",
-    "as_int",
-    "as_list",
-    "as_map",
-    "as_number",
-    "as_text",
-    "flag",
-    "integer",
-    "items",
-    "number",
-    "obj",
-    "opt_number",
-    "opt_text",
-    "pairs",
-    "text",
-]
-
-
 # --- strict: the expected type, or ValueError naming where ---------------------------------------
 
 

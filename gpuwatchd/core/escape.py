@@ -10,8 +10,6 @@ renderers, the ``scan`` text view, ``explain`` and ``simulate``. Pure.
 
 from __future__ import annotations
 
-__all__ = ["escape"]
-
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

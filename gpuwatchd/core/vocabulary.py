@@ -9,35 +9,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-__all__ = [
-    "ASSESS_STATE_VERSION",
-    "ASSESS_STATE_VERSIONS_READ",
-    "LADDER_TRANSITIONS",
-    "LEVEL_ALIASES",
-    "PLAN_STATE_VERSION",
-    "RESET_RESULT_LEVELS",
-    "RESET_STEPS",
-    "SIGNAL_OUTCOME_LEVELS",
-    "STATE_FILE_VERSION",
-    "ActionOutcome",
-    "Cleanliness",
-    "EventName",
-    "ExitCode",
-    "HolderRoleName",
-    "HookName",
-    "HookOutcome",
-    "IllegalTransition",
-    "LadderStatus",
-    "LeftoverName",
-    "Level",
-    "ResetResult",
-    "ResetStep",
-    "ResetStepStatus",
-    "SignalOutcome",
-    "check_ladder_transition",
-    "level_of",
-]
-
 
 class _Name(str, enum.Enum):
     """A string-valued name: equal to, printed and serialised as its value."""

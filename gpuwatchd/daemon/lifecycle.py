@@ -26,7 +26,8 @@ from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.jobs import boot_ticks_now
 from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.files import policy_files_key
-from gpuwatchd.config.schema import ConfigError, load_policy
+from gpuwatchd.config.schema import load_policy
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.daemon.host import LogSink, SystemClock, node_name
 from gpuwatchd.daemon.metrics import Metrics
@@ -40,29 +41,26 @@ from gpuwatchd.daemon.notify import (
 from gpuwatchd.daemon.serving import ScanServing
 from gpuwatchd.daemon.wiring import build_real_host
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import PlanState, pending_keys
+from gpuwatchd.decide.plan.decisions import pending_keys
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
-from gpuwatchd.engine.cycle import Engine, EngineState, Pause, PollInputs, PollReport, Standing
-from gpuwatchd.events.catalogue import JournalNamer, finding_label, hook_outcome
+from gpuwatchd.engine.cycle import Engine, EngineState
+from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
+from gpuwatchd.events.catalogue import hook_outcome
+from gpuwatchd.events.words import JournalNamer, finding_label
 from gpuwatchd.served.guard import early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
 from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError
 from gpuwatchd.state.pause import (
     MAX_ENDED_JOBS,
     poll_pause,
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import (
-    AlreadyRunning,
-    StateDirError,
-    StateStore,
-    check_version,
-    state_document,
-)
+from gpuwatchd.state.saved import StateStore, check_version, state_document
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 

@@ -30,14 +30,12 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.daemon.metrics_mig import MigGauges
 from gpuwatchd.decide.assess.host_view import HostView
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
 from gpuwatchd.state.directory import open_directory
-
-__all__ = ["DEBIAN_TEXTFILE", "TEXTFILE_MODE", "Metrics", "remove_textfile", "write_textfile"]
 
 log = structlog.get_logger("gpuwatchd")
 

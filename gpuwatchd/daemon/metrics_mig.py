@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.decide.assess.host_view import HostView
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 
 MIG_LABELS = ("gpu", "index", "gi", "instance")

@@ -17,8 +17,6 @@ from typing import Any, TypeVar
 
 from gpuwatchd.engine.edges import PollReport
 
-__all__ = ["Notifier", "WatchdogPinger", "describe_status", "keep_watchdog_fed", "watchdog_slice"]
-
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
 

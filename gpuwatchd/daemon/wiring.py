@@ -23,8 +23,6 @@ from gpuwatchd.daemon.host import HookQueue, HostActuator, HostReader
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.served.guard import GuardedWatch
 
-__all__ = ["RealHost", "build_real_host", "procfs_for"]
-
 
 def procfs_for(policy: Policy) -> ProcFS:
     """The ``/proc`` reader (and its holder scan) the policy's settings describe."""

@@ -13,22 +13,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.escape import escape
 
-__all__ = [
-    "ARGV_PLACEHOLDERS",
-    "GPU_PLACEHOLDERS",
-    "HOOK_PLACEHOLDERS",
-    "HOOK_VALUE_LIMIT",
-    "ArgvError",
-    "check_command",
-    "check_hook_command",
-    "check_one_gpu",
-    "check_value",
-    "format_argv",
-    "hook_environment",
-    "hook_value",
-    "placeholders_in",
-]
-
 ARGV_PLACEHOLDERS = (
     *("uuid", "pci_bus_id", "minor", "mode", "hostname", "user"),
     # A MIG GPU instance's recovery (decide/mig/recovery.py): ``{uuid}`` is then its parent's.

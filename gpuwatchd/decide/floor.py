@@ -14,23 +14,6 @@ from gpuwatchd.core.model import CgroupInfo, HolderScan, ProcessInfo
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.decide.policy import FLOOR_NAME_UNITS, FLOOR_PROCESS_NAMES, FLOOR_UNIT_PATTERNS
 
-__all__ = [
-    "COMM_LENGTH",
-    "MPS_SERVER_NAMES",
-    "claims_infrastructure",
-    "driver_refusers",
-    "gpuwatchd_worker",
-    "infrastructure",
-    "is_infrastructure",
-    "live_holder",
-    "mps_server",
-    "names_infrastructure_unit",
-    "reset_blockers",
-    "system_cgroup",
-    "trusted_identity",
-    "unverified_infrastructure",
-]
-
 COMM_LENGTH = 15  # the kernel cuts comm to 15 characters
 MPS_SERVER_NAMES = frozenset({"nvidia-cuda-mps-server", "nvidia-cuda-mps-control"})
 # Where systemd's system manager puts system services; nothing below them is a user's.

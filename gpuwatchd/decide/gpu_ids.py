@@ -13,15 +13,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = [
-    "SLURM_ORDERS",
-    "BusKey",
-    "nvml_bus_id",
-    "pci_bus_key",
-    "same_pci_bus_id",
-    "slurm_numbering",
-]
-
 BusKey = tuple[int, int, int, int]  # domain, bus, device, function
 _BUS_ID = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{1,2}):([0-9a-f]{1,2})\.([0-7])")
 

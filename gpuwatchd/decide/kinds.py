@@ -16,21 +16,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.model import FindingKind
 
-__all__ = [
-    "HEALTH",
-    "HOLDING_DEVICE",
-    "KINDS",
-    "LISTING",
-    "LIVE_HOLDER",
-    "MEMORY",
-    "SETTLING",
-    "SIGNALLABLE",
-    "KindProperties",
-    "Scope",
-    "properties",
-    "words",
-]
-
 
 class Scope(str, enum.Enum):
     """What a finding of the kind is about."""

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from gpuwatchd.core.model import NvmlReading
 from gpuwatchd.core.vocabulary import EventName, Level
 
-__all__ = ["NvmlAvailability", "next_availability", "state_of"]
-
 OK = "ok"
 WEDGED = "wedged"
 UNAVAILABLE = "unavailable"

@@ -18,16 +18,6 @@ except ImportError:  # pragma: no cover - Python 3.10
     _sre_parse = importlib.import_module("sre_parse")
 _MAXREPEAT: int = _sre_parse.MAXREPEAT
 
-__all__ = [
-    "MAX_COMMAND_TEXT",
-    "MAX_REPEAT",
-    "MAX_STATES",
-    "NotLinear",
-    "TooCostly",
-    "check_linear",
-    "command_search",
-]
-
 MAX_COMMAND_TEXT = 4096  # characters of a command line a pattern sees
 MAX_STATES = 20_000  # automaton size; only counted repeats ({1000}) come near it
 # Copies the counted repeats of one pattern make in all (nested ones multiply): each copy can

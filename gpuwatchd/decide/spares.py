@@ -13,17 +13,6 @@ from dataclasses import replace
 from gpuwatchd.core.model import ProcessInfo, Spare
 from gpuwatchd.core.vocabulary import EventName, Level
 
-__all__ = [
-    "SpareEvent",
-    "job_processes",
-    "slurm_tree_job",
-    "spare_changes",
-    "spare_covering",
-    "spare_reason",
-    "spare_text",
-    "stepd_job",
-]
-
 SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
 
 

@@ -15,15 +15,6 @@ from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.decide.spares import spare_reason
 
-__all__ = [
-    "gpu_by_uuid",
-    "gpu_protected",
-    "process_facts",
-    "protect_match",
-    "refusal",
-    "rule_for",
-]
-
 
 def _glob_any(value: str | None, patterns: Sequence[str]) -> bool:
     return value is not None and any(fnmatch.fnmatchcase(value, p) for p in patterns)

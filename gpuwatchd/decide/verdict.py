@@ -28,23 +28,11 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, memory_figure
-from gpuwatchd.decide.assess.passes import NODE, Assessment, HolderRole
+from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import parent_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
-
-__all__ = [
-    "SETTLING",
-    "GpuVerdict",
-    "NodeVerdict",
-    "OnceStep",
-    "Reason",
-    "describe",
-    "judge",
-    "not_clean",
-    "once_progress",
-]
 
 _MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dirt, by why
 _PROTECTED = "protected"

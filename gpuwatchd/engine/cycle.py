@@ -15,15 +15,9 @@ from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
-from gpuwatchd.act.reset import (
-    ResetOutcome,
-    ResetStep,
-    ResetTarget,
-    outcome_event,
-    perform_reset,
-    progress_record,
-)
+from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
 from gpuwatchd.core.model import (
     GpuInfo,
     ProcessIdentity,
@@ -38,12 +32,13 @@ from gpuwatchd.core.vocabulary import (
     HookOutcome,
     Level,
     ResetResult,
+    ResetStep,
     SignalOutcome,
 )
 from gpuwatchd.decide.argv import format_argv, hook_environment
 from gpuwatchd.decide.assess.baselines import back_to_baseline
-from gpuwatchd.decide.assess.passes import Assessment
 from gpuwatchd.decide.assess.reuse import Reuse
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.health import fabric
@@ -51,26 +46,23 @@ from gpuwatchd.decide.health.judge import drop_assumed, note_reset
 from gpuwatchd.decide.mig.recovery import from_record, recovered, recovery_blockers
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan.decisions import (
-    HookIntent,
-    Intent,
-    PlanResult,
-    PlanState,
-    ResetIntent,
-    SignalIntent,
     clear_circuit,
     clear_forced_dry_run,
     forget_reset_refusals,
     hidden_holders,
     next_deadline,
     plan,
+    set_paused,
+)
+from gpuwatchd.decide.plan.intents import HookIntent, Intent, PlanResult, ResetIntent, SignalIntent
+from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
+from gpuwatchd.decide.plan.outcomes import (
     record_assumed_exit,
     record_exit,
     record_reset,
     record_signal,
-    set_paused,
-    unfinished_recoveries,
 )
-from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
+from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
@@ -81,7 +73,6 @@ from gpuwatchd.engine.edges import (
     Clock,
     EventSink,
     HostReader,
-    Pause,
     PollInputs,
     PollReport,
     Runner,
@@ -90,23 +81,6 @@ from gpuwatchd.engine.edges import (
     run_now,
 )
 from gpuwatchd.events.catalogue import notification
-
-__all__ = [
-    "EXIT_GRACE",
-    "Actuator",
-    "Background",
-    "Clock",
-    "Engine",
-    "EngineState",
-    "EventSink",
-    "HostReader",
-    "Pause",
-    "PollInputs",
-    "PollReport",
-    "Standing",
-    "run_inline",
-    "run_now",
-]
 
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"

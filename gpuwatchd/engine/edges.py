@@ -19,27 +19,12 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.nvml_state import NvmlAvailability
 from gpuwatchd.decide.plan.intents import Intent
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
-
-__all__ = [
-    "Actuator",
-    "Background",
-    "Clock",
-    "EventSink",
-    "HostReader",
-    "Pause",
-    "PollInputs",
-    "PollReport",
-    "Runner",
-    "Standing",
-    "run_inline",
-    "run_now",
-]
 
 T = TypeVar("T")
 

@@ -31,28 +31,10 @@ from gpuwatchd.events.words import (
     Namer,
     Said,
     dry,
-    finding_label,
     short,
     short_sentence,
     spec,
 )
-
-__all__ = [
-    "CATALOGUE",
-    "HOOK_SUCCEEDED",
-    "JOURNAL_FIELDS",
-    "MESSAGE_ID_NAMESPACE",
-    "EventSpec",
-    "JournalNamer",
-    "Namer",
-    "finding_label",
-    "hook_outcome",
-    "journal_field_name",
-    "message_id",
-    "notification",
-    "render",
-]
-
 
 # --- findings and escalation ---------------------------------------------------------------------
 

@@ -37,8 +37,6 @@ from gpuwatchd.events.words import (
     spec,
 )
 
-__all__ = ["RESET_EVENTS"]
-
 
 def _reset_of(s: Said) -> str:
     """The subject of one reset's events: the GPU's reset, or the re-creation of one of its

@@ -10,8 +10,6 @@ from typing import Any
 
 from gpuwatchd.core.vocabulary import LEVEL_ALIASES, Level
 
-__all__ = ["defer_setup", "get_logger", "reset"]
-
 # structlog method names and the numbers of their levels (the vocabulary's, aliases included).
 _LEVELS = {level.value: level.number for level in Level} | {
     alias: level.number for alias, level in LEVEL_ALIASES.items()

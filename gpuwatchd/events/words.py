@@ -18,29 +18,6 @@ from typing import Protocol
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import Level
 
-__all__ = [
-    "CRITICAL",
-    "DEBUG",
-    "ERROR",
-    "FINDING_FIELDS",
-    "INFO",
-    "LADDER_FIELDS",
-    "MIG_FIELDS",
-    "PROCESS_FIELDS",
-    "RESET_FIELDS",
-    "VALUE_MAX",
-    "WARNING",
-    "EventSpec",
-    "JournalNamer",
-    "Namer",
-    "Said",
-    "dry",
-    "finding_label",
-    "short",
-    "short_sentence",
-    "spec",
-]
-
 VALUE_MAX = 160  # characters of one value inside a sentence
 
 

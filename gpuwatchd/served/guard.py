@@ -23,16 +23,6 @@ from gpuwatchd.collect.holders import match_device_name
 from gpuwatchd.served.holders import MAX_BYTES, REFRESH, VIEW_FILE
 from gpuwatchd.state.directory import StateDir
 
-__all__ = [
-    "EARLY_GAP",
-    "GuardedWatch",
-    "Probe",
-    "ViewPublisher",
-    "early_poll_at",
-    "probe",
-    "probe_path",
-]
-
 FIONREAD = 0x541B
 SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
 EARLY_GAP = 1.0  # seconds: an open wakes the daemon, but it walks at most once a second

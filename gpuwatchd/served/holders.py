@@ -18,8 +18,6 @@ from typing import Any
 
 from gpuwatchd.core.model import HolderScan
 
-__all__ = ["MAX_BYTES", "MAX_FRESH", "REFRESH", "VIEW_FILE", "HolderView", "encode", "parse"]
-
 VIEW_FILE = "holders.json"
 VERSION = 1
 MAX_BYTES = 4 << 20

@@ -24,18 +24,6 @@ from gpuwatchd.core.model import GpuInfo, NvmlReading
 from gpuwatchd.served.holders import published_header
 from gpuwatchd.state.directory import StateDir
 
-__all__ = [
-    "MAX_BYTES",
-    "READING_FILE",
-    "DaemonReading",
-    "Published",
-    "ReadingPublisher",
-    "encode",
-    "parse",
-    "read_published",
-    "usable",
-]
-
 READING_FILE = "nvml.json"
 VERSION = 2  # 2: the file's modification time confirms an unchanged reading
 MAX_BYTES = 4 << 20

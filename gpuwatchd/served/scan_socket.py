@@ -22,19 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-__all__ = [
-    "SOCKET_NAME",
-    "ExchangeError",
-    "ScanAnswer",
-    "ScanRequest",
-    "ScanServer",
-    "ask",
-    "decode_answer_header",
-    "decode_request",
-    "encode_answer",
-    "encode_request",
-]
-
 SOCKET_NAME = "scan.sock"
 VERSION = 1
 MAX_REQUEST = 8192  # bytes of the request line, newline included

@@ -16,8 +16,6 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.sim.world import GI_PROFILE_IDS, World, WorldGpu, mig_uuid
 
-__all__ = ["VirtualMig"]
-
 
 class VirtualMig:
     """The recovery commands of every virtual GPU instance, and their answers."""

@@ -130,14 +130,6 @@ def _policy_text(text: str) -> str | None:
     return None
 
 
-__all__ = [
-    "Scenario",
-    "ScenarioError",
-    "load_scenario",
-    "parse_scenario",
-]
-
-
 class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.config.schema import parse_duration, parse_size
+from gpuwatchd.config.units import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key
 from gpuwatchd.core.model import MIB
 from gpuwatchd.decide.argv import check_value
@@ -31,8 +31,6 @@ from gpuwatchd.sim.scenario_spec import (
     ProcessSpec,
     ScenarioError,
 )
-
-__all__ = ["HEALTH_KEYS", "GpuReader", "ReaderBase", "kind_of_node"]
 
 # A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
 # retired pages and the NVLink fabric; a successful reset clears what a reset applies.

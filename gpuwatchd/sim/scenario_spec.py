@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.act.reset import ResetStep
 from gpuwatchd.core.model import MIB
+from gpuwatchd.core.vocabulary import ResetStep
 
 GIB = 1024 * MIB
 

@@ -13,16 +13,18 @@ from typing import cast
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.config.schema import ConfigError, default_policy, load_policy, parse_policy_documents
+from gpuwatchd.config.schema import default_policy, load_policy, parse_policy_documents
 from gpuwatchd.config.schema import render_policy as _render_policy
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
 from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine.cycle import Engine, PollInputs
+from gpuwatchd.engine.cycle import Engine
+from gpuwatchd.engine.edges import PollInputs
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
-from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event, render_text
+from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event
 from gpuwatchd.sim.world import (
     WALL0,
     SimulationError,
@@ -31,16 +33,6 @@ from gpuwatchd.sim.world import (
     WorldProc,
     size_text,
 )
-
-__all__ = [
-    "BUSY_POLLS",
-    "Simulation",
-    "SimulationError",
-    "SimulationResult",
-    "render_text",
-    "scenario_policy",
-    "simulate",
-]
 
 BUSY_POLLS = 50  # polls at one instant before the simulation calls it a busy loop
 MAX_POLLS = 100_000  # interval polls one simulation may take; more is refused up front

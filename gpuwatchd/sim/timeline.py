@@ -16,6 +16,7 @@ from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events import catalogue as event_catalogue
+from gpuwatchd.events.words import finding_label as _finding_label
 from gpuwatchd.sim.scenario_spec import Scenario
 from gpuwatchd.sim.world import size_text
 
@@ -117,7 +118,7 @@ class TimelineNamer:
 def finding_label(key: object, sim: Names) -> str:
     """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) as people read it:
     "orphaned pid 4252 (worker-2) on GPU 0", "ghost_memory GPU 1"."""
-    return event_catalogue.finding_label(key, TimelineNamer(sim))
+    return _finding_label(key, TimelineNamer(sim))
 
 
 def describe_event(name: str, fields: Mapping[str, object], sim: Names) -> str:

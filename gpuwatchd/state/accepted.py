@@ -10,17 +10,10 @@ import os
 import time
 
 from gpuwatchd.config.files import read_policy_files
-from gpuwatchd.config.schema import (
-    ConfigError,
-    default_policy,
-    parse_policy_documents,
-    render_policy,
-)
-from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES
+from gpuwatchd.config.schema import default_policy, parse_policy_documents, render_policy
+from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir, StateDirError
-
-__all__ = ["ACCEPTED_FILE", "Fallback", "load_fallback", "render_accepted", "save_accepted"]
 
 ACCEPTED_FILE = "policy.accepted.yaml"
 

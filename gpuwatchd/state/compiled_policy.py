@@ -19,16 +19,6 @@ from gpuwatchd.decide import policy as policy_module
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
 
-__all__ = [
-    "COMPILED_FILE",
-    "decode",
-    "encode",
-    "guess_state_dir",
-    "identity",
-    "load_compiled",
-    "save_compiled",
-]
-
 COMPILED_FILE = "policy.compiled.json"
 VERSION = 1
 MAX_BYTES = 4 << 20

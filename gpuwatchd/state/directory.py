@@ -18,19 +18,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.checked import Value
 
-__all__ = [
-    "LOCK_FILE",
-    "AlreadyRunning",
-    "JsonFile",
-    "StateDir",
-    "StateDirError",
-    "UntrustedFile",
-    "Value",
-    "decode_json_object",
-    "open_directory",
-    "trusted_owners",
-]
-
 LOCK_FILE = "lock"
 _PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

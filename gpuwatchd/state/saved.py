@@ -11,31 +11,17 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.core.checked import Value, as_int, as_map, as_text
+from gpuwatchd.core.checked import Value, as_map, as_text
+from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
 from gpuwatchd.events import lazylog
 from gpuwatchd.state.directory import (
     LOCK_FILE,
-    AlreadyRunning,
     StateDir,
     StateDirError,
     UntrustedFile,
     decode_json_object,
 )
-
-__all__ = [
-    "LOCK_FILE",
-    "MAX_STATE_BYTES",
-    "STATE_FILE",
-    "AlreadyRunning",
-    "SavedState",
-    "StateDirError",
-    "StateStore",
-    "check_state_dir",
-    "check_version",
-    "read_saved_state",
-    "state_document",
-]
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside

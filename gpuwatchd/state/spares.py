@@ -16,16 +16,6 @@ from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.core.model import Spare
 from gpuwatchd.state.directory import StateDir
 
-__all__ = [
-    "MAX_SPARES",
-    "SPARE_PREFIX",
-    "SpareFiles",
-    "cancel_spare",
-    "parse_target",
-    "read_spares",
-    "write_spare",
-]
-
 SPARE_PREFIX = "spare-"
 MAX_SPARES = 64  # spares honoured at once; a node needs a handful
 MAX_SPARE_FILE = 4096

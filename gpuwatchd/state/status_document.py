@@ -10,24 +10,16 @@ from collections.abc import Mapping, Sequence
 
 from gpuwatchd.core.checked import as_count as _count
 from gpuwatchd.core.checked import as_flag as _bool
-from gpuwatchd.core.checked import as_int as _int
 from gpuwatchd.core.checked import as_list as _seq
 from gpuwatchd.core.checked import as_map as _map
 from gpuwatchd.core.checked import as_number as _num
 from gpuwatchd.core.checked import as_text as _str
 from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import as_int as _int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.events.catalogue import JournalNamer, finding_label, render
-
-__all__ = [
-    "CLEAR_LATCHES",
-    "DOCUMENT_FORMAT",
-    "MAX_ACTIONS",
-    "action_sentence",
-    "build_document",
-    "with_document",
-]
+from gpuwatchd.events.catalogue import render
+from gpuwatchd.events.words import JournalNamer, finding_label
 
 DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
 CLEAR_LATCHES = "gpuwatchd resume --clear-latches"

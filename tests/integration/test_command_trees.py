@@ -27,7 +27,7 @@ from gpuwatchd.act.commands import CommandResult, CommandScope, run_command
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import HookName
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.decide.plan.decisions import HookIntent
+from gpuwatchd.decide.plan.intents import HookIntent
 from gpuwatchd.decide.policy import Hook
 from tests.support.daemonrun import ORPHAN_RULE, orphan_host
 from tests.support.fakenvml import gpu

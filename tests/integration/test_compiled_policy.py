@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.config.schema import ConfigError, load_policy
+from gpuwatchd.config.peek import guess_state_dir
+from gpuwatchd.config.schema import load_policy
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state import compiled_policy
 from gpuwatchd.state.compiled_policy import COMPILED_FILE, decode, encode, load_compiled
@@ -186,7 +188,7 @@ def test_where_to_look_is_guessed_from_top_level_state_dir_lines(
 ) -> None:
     main = tmp_path / "gpuwatchd.yaml"
     main.write_text(lines)
-    assert compiled_policy.guess_state_dir(str(main)) == expected
+    assert guess_state_dir(str(main)) == expected
 
 
 def test_a_drop_in_state_dir_line_wins_over_the_main_files(tmp_path: Path) -> None:
@@ -194,4 +196,4 @@ def test_a_drop_in_state_dir_line_wins_over_the_main_files(tmp_path: Path) -> No
     main.write_text("state_dir: /a\n")
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "10-x.yaml").write_text("state_dir: /c\n")
-    assert compiled_policy.guess_state_dir(str(main)) == "/c"
+    assert guess_state_dir(str(main)) == "/c"

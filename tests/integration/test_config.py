@@ -10,20 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.config.files import check_config_permissions
+from gpuwatchd.config.keys import normalize_gpu_id
 from gpuwatchd.config.schema import (
-    ConfigError,
-    check_config_permissions,
     default_policy,
-    format_duration,
-    format_size,
     load_policy,
-    normalize_gpu_id,
-    parse_duration,
     parse_policy_documents,
-    parse_size,
     render_policy,
     validate_reset_command,
 )
+from gpuwatchd.config.units import format_duration, format_size, parse_duration, parse_size
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import MIB, FindingKind
 from gpuwatchd.decide.policy import Hook, Policy, Step
 

@@ -28,13 +28,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwatchd.config.schema import (
-    ConfigError,
     default_policy,
     load_policy,
     parse_policy_documents,
     render_policy,
     validate_reset_command,
 )
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 

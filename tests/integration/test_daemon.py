@@ -25,11 +25,11 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.daemon.notify import Notifier, describe_status
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
-from gpuwatchd.decide.plan.decisions import Ladder, PlanState
-from gpuwatchd.engine.cycle import PollReport
+from gpuwatchd.decide.plan.state import Ladder, PlanState
+from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.logs import sentence
 
 

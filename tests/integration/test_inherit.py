@@ -17,11 +17,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatchd.collect.inherit import InheritanceProbe, Kcmp, absent_leaders
+from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
 from gpuwatchd.decide.policy import Detection

@@ -35,12 +35,13 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.daemon.metrics import TEXTFILE_MODE, Metrics, remove_textfile, write_textfile
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-from gpuwatchd.engine.cycle import PollReport
+from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from tests.support.snapshots import GIB, HostBuilder, gpu_uuid

@@ -19,10 +19,9 @@ from gpuwatchd.collect.procfs import (
     PROC_CGROUP_INIT_INO,
     PROC_PID_INIT_INO,
     ProcFS,
-    StatFields,
     parse_proc_devices,
-    parse_stat,
 )
+from gpuwatchd.collect.procread import StatFields, parse_stat
 from tests.support.children import Spawn
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat, make_devices
 

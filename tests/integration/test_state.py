@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.state.saved import AlreadyRunning, StateStore
+from gpuwatchd.state.directory import AlreadyRunning
+from gpuwatchd.state.saved import StateStore
 
 
 def test_load_without_a_file_is_empty(tmp_path: Path) -> None:

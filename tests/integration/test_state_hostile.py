@@ -13,9 +13,9 @@ from structlog.testing import capture_logs
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import clear_latches, read_pause, set_pause, take_clear_latches
-from gpuwatchd.state.saved import StateDirError, StateStore, check_state_dir
+from gpuwatchd.state.saved import StateStore, check_state_dir
 
 SECRET = "a file the daemon must never touch: hunter2\n"  # noqa: S105 - a marker, no password
 

@@ -13,7 +13,8 @@ from gpuwatchd.config.schema import default_policy, parse_policy_documents, rend
 from gpuwatchd.core.model import MIB, GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.engine.cycle import Engine, EngineState, PollReport
+from gpuwatchd.engine.cycle import Engine, EngineState
+from gpuwatchd.engine.edges import PollReport
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 T = TypeVar("T")

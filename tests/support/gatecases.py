@@ -12,15 +12,10 @@ from gpuwatchd.core.model import (
     FindingKind,
     Snapshot,
 )
-from gpuwatchd.decide.plan.decisions import (
-    HookIntent,
-    PlanResult,
-    PlanState,
-    ResetIntent,
-    SignalIntent,
-    plan,
-    record_signal,
-)
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
+from gpuwatchd.decide.plan.outcomes import record_signal
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import (
     HealthPolicy,
     Hook,

@@ -4,7 +4,8 @@ beside a live job, and one assessment run."""
 from __future__ import annotations
 
 from gpuwatchd.core.model import MIB, Snapshot
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 from tests.support.migsnap import Inst, mig_uuid, with_mig

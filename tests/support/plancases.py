@@ -17,10 +17,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.decide.plan.decisions import (
-    PlanResult,
-    SignalIntent,
-)
+from gpuwatchd.decide.plan.intents import PlanResult, SignalIntent
 from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.act.reset import ResetStep, ResetTarget, progress_record
+from gpuwatchd.act.reset_target import ResetTarget, progress_record
 from gpuwatchd.core.model import GpuInfo, MigDevice
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy

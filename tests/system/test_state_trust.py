@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.core.checked import Value
 from gpuwatchd.core.model import HolderScan
 from gpuwatchd.served import holders as holder_view
-from gpuwatchd.state.directory import JsonFile, StateDir, StateDirError, Value, open_directory
+from gpuwatchd.state.directory import JsonFile, StateDir, StateDirError, open_directory
 from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import MiB, gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace

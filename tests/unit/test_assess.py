@@ -22,7 +22,9 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
-from gpuwatchd.decide.assess.passes import NODE, Assessment, assess, job_ended
+from gpuwatchd.decide.assess.holders import job_ended
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import NODE, Assessment
 from gpuwatchd.decide.assess.state import AssessState, Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.policy import Detection

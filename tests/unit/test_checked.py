@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpuwatchd.core import checked
+from gpuwatchd.core import checked, model
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_a_lenient_number_is_unknown_unless_finite(value: object) -> None:
 
 
 def test_lenient_readers_never_raise_and_keep_what_is_well_formed() -> None:
-    assert checked.as_int(True) is None
+    assert model.as_int(True) is None
     assert checked.as_count(-1) is None
     assert checked.as_count(3) == 3
     assert checked.as_text(3) is None

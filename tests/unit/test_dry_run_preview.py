@@ -18,21 +18,16 @@ import pytest
 
 from gpuwatchd.cli.main import main
 from gpuwatchd.core.model import ProcessIdentity
-from gpuwatchd.core.vocabulary import LadderStatus
-from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    PlanState,
-    ResetIntent,
-    clear_forced_dry_run,
-    record_assumed_exit,
-    record_reset,
-)
+from gpuwatchd.core.vocabulary import EventName, LadderStatus
+from gpuwatchd.decide.plan.decisions import clear_forced_dry_run
+from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
+from gpuwatchd.decide.plan.outcomes import record_assumed_exit, record_reset
 from gpuwatchd.decide.plan.shadow import DryShadow, ShadowWork
-from gpuwatchd.decide.plan.state import Ladder
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Limits
 from gpuwatchd.sim.scenario import load_scenario, parse_scenario
-from gpuwatchd.sim.simulation import SimulationResult, simulate
+from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.timeline import SimulationResult
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 GPU0 = "GPU-00000000-0000-4000-8000-000000000000"

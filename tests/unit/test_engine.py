@@ -14,7 +14,7 @@ from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import PlanState
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.engine.cycle import EngineState
 from tests.support.enginerig import (
     GPU0,

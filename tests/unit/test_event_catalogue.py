@@ -13,11 +13,12 @@ import re
 import pytest
 
 from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, level_of
-from gpuwatchd.events.catalogue import CATALOGUE, JournalNamer, notification, render
+from gpuwatchd.events.catalogue import CATALOGUE, notification, render
 from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
+from gpuwatchd.events.words import JournalNamer
 from gpuwatchd.sim.scenario import load_scenario
-from gpuwatchd.sim.simulation import SimulationResult, simulate
-from gpuwatchd.sim.timeline import describe_event, finding_label
+from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.timeline import SimulationResult, describe_event, finding_label
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "examples" / "scenarios"

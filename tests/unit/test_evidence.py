@@ -29,7 +29,8 @@ from gpuwatchd.cli.scan import snapshot_report
 from gpuwatchd.cli.status import describe, read_evidence
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.policy import Detection

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.explain import SnapshotError, explain_report, rebuild, render_explanation
+from gpuwatchd.cli.explain import explain_report, render_explanation
 from gpuwatchd.cli.main import main
+from gpuwatchd.cli.report_read import SnapshotError, rebuild
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.decide.policy import Policy
 from tests.support.explainrig import report_at

@@ -21,7 +21,9 @@ from gpuwatchd.decide.floor import (
     system_cgroup,
     unverified_infrastructure,
 )
-from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, plan
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import ResetIntent
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.targets import refusal
 from tests.support.snapshots import HostBuilder, cg_container, cg_session, cg_unit
 

@@ -19,11 +19,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.cli.explain import SnapshotError, explain_report, load_report
+from gpuwatchd.cli.explain import explain_report
 from gpuwatchd.cli.main import main
+from gpuwatchd.cli.report_read import SnapshotError, load_report
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
-from gpuwatchd.sim.simulation import SimulationError, scenario_policy, simulate
+from gpuwatchd.sim.scenario import parse_scenario
+from gpuwatchd.sim.scenario_spec import ScenarioError
+from gpuwatchd.sim.simulation import scenario_policy, simulate
+from gpuwatchd.sim.world import SimulationError
 from tests.support.explainrig import report_at
 
 CI = os.environ.get("GPUWATCHD_HYPOTHESIS_PROFILE") == "ci"

@@ -26,23 +26,19 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
 )
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import driver_refusers, infrastructure, live_holder, reset_blockers
-from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    PlanState,
-    process_facts,
-    record_exit,
-    refusal,
-    reset_gates,
-    rule_for,
-    set_paused,
-)
+from gpuwatchd.decide.plan.decisions import set_paused
+from gpuwatchd.decide.plan.outcomes import record_exit
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import (
     HealthPolicy,
     Policy,
     Rule,
     Step,
 )
+from gpuwatchd.decide.targets import process_facts, refusal, rule_for
 from tests.support.gatecases import (
     GPU0,
     GPU1,

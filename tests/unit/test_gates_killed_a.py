@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
-from gpuwatchd.decide.plan.decisions import EventName, PlanState, plan
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Limits
 from tests.support.fakeproc import FakeProc
 from tests.support.plancases import orphan, policy, proc, signals, snap

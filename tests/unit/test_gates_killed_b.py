@@ -20,7 +20,10 @@ from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, plan, reset_gates
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import ResetIntent
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy, default_rules
 from tests.support.migcases import GI1, LEAK, run
 from tests.support.migsnap import Inst, with_mig

@@ -22,17 +22,20 @@ from gpuwatchd.core.model import (
     ProcessIdentity,
     Snapshot,
 )
-from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
+from gpuwatchd.core.vocabulary import Cleanliness, EventName, LadderStatus
 from gpuwatchd.decide import patterns
 from gpuwatchd.decide.argv import ArgvError, check_hook_command
 from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX
-from gpuwatchd.decide.assess.passes import NODE, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import NODE
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.gpu_ids import nvml_bus_id, pci_bus_key, same_pci_bus_id
 from gpuwatchd.decide.mig.recovery import recovery_blockers
 from gpuwatchd.decide.patterns import command_search
-from gpuwatchd.decide.plan.decisions import EventName, PlanState, ResetIntent, plan, reset_gates
-from gpuwatchd.decide.plan.state import Ladder
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import ResetIntent
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from tests.support.gatecases import (

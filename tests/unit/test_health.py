@@ -17,25 +17,16 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.health.judge import (
-    HealthState,
-    XidAction,
-    assess_health,
-    note_reset,
-    xid_action,
-)
-from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    PlanResult,
-    PlanState,
-    ResetIntent,
-    SignalIntent,
-    plan,
-    record_reset,
-)
+from gpuwatchd.decide.health.judge import assess_health, note_reset
+from gpuwatchd.decide.health.state import HealthState
+from gpuwatchd.decide.health.xid_catalogue import XidAction, xid_action
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
+from gpuwatchd.decide.plan.outcomes import record_reset
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import HealthPolicy, Hook, Policy, ResetPolicy
 from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 

@@ -19,8 +19,8 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
-from gpuwatchd.decide.health.judge import HealthState, assess_health, recovery_name
-from gpuwatchd.decide.health.state import MAX_XID_KINDS
+from gpuwatchd.decide.health.judge import assess_health, recovery_name
+from gpuwatchd.decide.health.state import MAX_XID_KINDS, HealthState
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

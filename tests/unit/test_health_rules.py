@@ -16,11 +16,11 @@ from gpuwatchd.decide.health import fabric
 from gpuwatchd.decide.health.judge import (
     PEER_XID_WINDOW,
     XID_WINDOW,
-    HealthState,
     assess_health,
     drop_assumed,
     note_reset,
 )
+from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.policy import HealthPolicy
 from tests.support.healthcases import GPU0, GPU1, gpu, health, snap
 

@@ -10,21 +10,12 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot, Spare, SubIdRange
-from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    PlanResult,
-    PlanState,
-    SignalIntent,
-    next_deadline,
-    pending,
-    plan,
-    record_exit,
-    record_signal,
-    reset_gates,
-)
-from gpuwatchd.decide.plan.state import Latch
+from gpuwatchd.core.vocabulary import EventName, Level
+from gpuwatchd.decide.plan.decisions import next_deadline, pending, plan
+from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, SignalIntent
+from gpuwatchd.decide.plan.outcomes import record_exit, record_signal
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import Latch, PlanState
 from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
 from tests.support.snapshots import HostBuilder, gpu_uuid
 

@@ -14,9 +14,12 @@ import dataclasses
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import busy_instances, instance_view, mig_layout, parent_of
-from gpuwatchd.decide.plan.decisions import PlanState, SignalIntent, plan, reset_gates
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import SignalIntent
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from tests.support.fakenvml import cap_minor

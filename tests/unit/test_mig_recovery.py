@@ -12,10 +12,15 @@ import dataclasses
 import pytest
 
 from gpuwatchd.core.model import MIB, GpuInfo, MigDevice, Snapshot
-from gpuwatchd.decide.argv import ArgvError, check_command, format_argv, placeholders_in
+from gpuwatchd.decide.argv import (
+    MIG_PLACEHOLDERS,
+    ArgvError,
+    check_command,
+    format_argv,
+    placeholders_in,
+)
 from gpuwatchd.decide.mig.recovery import (
     DEFAULT_COMMANDS,
-    MIG_PLACEHOLDERS,
     InstanceRecovery,
     instance_blockers,
     instance_changed,

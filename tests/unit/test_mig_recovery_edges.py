@@ -34,7 +34,10 @@ from gpuwatchd.decide.mig.recovery import (
     recovery_blockers,
     recovery_of,
 )
-from gpuwatchd.decide.plan.decisions import PlanState, ResetIntent, record_reset, reset_gates
+from gpuwatchd.decide.plan.intents import ResetIntent
+from gpuwatchd.decide.plan.outcomes import record_reset
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid

@@ -15,19 +15,14 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ResetResult
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import (
-    HookIntent,
-    PlanState,
-    ResetIntent,
-    hidden_holders,
-    plan,
-    record_reset,
-    reset_gates,
-    unfinished_recoveries,
-)
-from gpuwatchd.decide.plan.state import ResetRefusal
+from gpuwatchd.decide.plan.decisions import hidden_holders, plan
+from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
+from gpuwatchd.decide.plan.outcomes import record_reset
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState, ResetRefusal, unfinished_recoveries
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
 from tests.support.migcases import GI1, GI2, LEAK, run

@@ -11,16 +11,18 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatchd.cli.explain import explain_report, rebuild
-from gpuwatchd.cli.report import build_report, render_text
+from gpuwatchd.cli.explain import explain_report
+from gpuwatchd.cli.report import build_report
+from gpuwatchd.cli.report_read import rebuild
+from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.daemon.metrics import Metrics
-from gpuwatchd.decide.assess.passes import Assessment
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import judge
-from gpuwatchd.engine.cycle import PollReport
+from gpuwatchd.engine.edges import PollReport
 from tests.support.migcases import GI1, GI2, LEAK, leak_beside_live_job, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid

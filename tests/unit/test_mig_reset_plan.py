@@ -12,15 +12,11 @@ import dataclasses
 
 from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import ResetResult
-from gpuwatchd.decide.plan.decisions import (
-    HookIntent,
-    PlanState,
-    ResetIntent,
-    plan,
-    record_reset,
-    reset_gates,
-    unfinished_recoveries,
-)
+from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
+from gpuwatchd.decide.plan.outcomes import record_reset
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from tests.support.healthcases import health
 from tests.support.migcases import LEAK, run

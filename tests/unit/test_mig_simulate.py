@@ -11,7 +11,8 @@ import pytest
 
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.decide.mig.instances import mig_layout
-from gpuwatchd.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from gpuwatchd.sim.scenario import load_scenario, parse_scenario
+from gpuwatchd.sim.scenario_spec import ScenarioError
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.world import World
 

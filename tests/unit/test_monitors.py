@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
+from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import reset_gates
 from gpuwatchd.decide.plan.monitors import StoppableMonitor, monitors_to_stop
+from gpuwatchd.decide.plan.resets import reset_gates
 from gpuwatchd.decide.policy import Detection, Monitor, Policy, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment

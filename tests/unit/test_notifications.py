@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 import pytest
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.config.schema import ConfigError, parse_policy_documents, render_policy
+from gpuwatchd.config.schema import parse_policy_documents, render_policy
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.daemon.host import HookQueue, node_name

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import pytest
 
 from gpuwatchd.core.model import FindingKind, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 from tests.support.orphancases import LEAK, fd_family, fd_family_before, heir_host

@@ -26,31 +26,22 @@ from gpuwatchd.core.model import (
     Snapshot,
     SubIdRange,
 )
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    Ladder,
-    PlanResult,
-    PlanState,
-    ResetInFlight,
-    ResetIntent,
-    SeenFinding,
     clear_circuit,
     clear_forced_dry_run,
     forget_reset_refusals,
     hidden_holders,
-    kill_cap_scope,
     next_deadline,
     pending,
     plan,
-    record_exit,
-    record_reset,
-    record_signal,
-    refusal,
-    rule_for,
     set_paused,
 )
+from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
+from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
+from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight, SeenFinding
 from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.decide.targets import refusal, rule_for
 from tests.support.plancases import (
     BUS0,
     GPU0,

@@ -44,20 +44,10 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.decisions import (
-    HookIntent,
-    PlanState,
-    ResetIntent,
-    SignalIntent,
-    clear_circuit,
-    clear_forced_dry_run,
-    plan,
-    record_exit,
-    record_reset,
-    record_signal,
-    set_paused,
-    target_key,
-)
+from gpuwatchd.decide.plan.decisions import clear_circuit, clear_forced_dry_run, plan, set_paused
+from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent, SignalIntent, target_key
+from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import (
     FLOOR_PROCESS_NAMES,
     Detection,

@@ -14,8 +14,9 @@ import pathlib
 from gpuwatchd.core.model import Spare
 from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.daemon.notify import describe_status
-from gpuwatchd.decide.plan.decisions import SignalIntent
-from gpuwatchd.engine.cycle import Engine, Pause, PollInputs
+from gpuwatchd.decide.plan.intents import SignalIntent
+from gpuwatchd.engine.cycle import Engine
+from gpuwatchd.engine.edges import Pause, PollInputs
 from tests.support.enginerig import W0, make_policy, orphan_host, rig
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "gpuwatchd"

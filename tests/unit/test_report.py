@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.report import build_report, render_text
+from gpuwatchd.cli.report import build_report
+from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.core.model import (
     MIB,
     CgroupInfo,

@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.act.reset import (
-    ResetStep,
-    ResetTarget,
-    interpret_reset_exit,
-    perform_reset,
-)
+from gpuwatchd.act.reset import perform_reset
+from gpuwatchd.act.reset_result import interpret_reset_exit
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.act.signals import stat_start_ticks
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, make_policy, smi_commands

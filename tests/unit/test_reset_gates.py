@@ -12,20 +12,18 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, Snapshot
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.health.judge import drain_blockers
 from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    PlanState,
-    ResetIntent,
     forget_reset_refusals,
     hidden_holders,
     next_deadline,
     plan,
-    record_exit,
-    record_reset,
-    reset_gates,
 )
+from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
+from gpuwatchd.decide.plan.outcomes import record_exit, record_reset
+from gpuwatchd.decide.plan.resets import reset_gates
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import HealthPolicy, Limits, Policy
 from tests.support.gatecases import (
     GPU0,

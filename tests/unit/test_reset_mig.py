@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
+from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_target import ResetTarget
 from gpuwatchd.core.model import GpuInfo
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi

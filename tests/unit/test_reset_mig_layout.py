@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset, progress_record
+from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
+from gpuwatchd.act.reset_target import ResetTarget, progress_record
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
 from tests.support.fakesmi import FakeSmi

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act.reset import ResetStep, ResetTarget, perform_reset
+from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import (
     MAX_RECORDED_ARGS,
     MAX_RECORDED_CHARS,
     MAX_RECORDED_COMMANDS,
+    ResetTarget,
 )
+from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.policy import Hook
 from tests.support.fakesmi import FakeSmi
 from tests.support.resetrig import FakeEnvironment, make_policy

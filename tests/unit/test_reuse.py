@@ -15,8 +15,9 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Snapshot
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.reuse import Reuse, same_but_time
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge

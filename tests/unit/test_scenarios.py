@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.sim.scenario import load_scenario
-from gpuwatchd.sim.simulation import SimulationResult, render_text, simulate
+from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.timeline import SimulationResult, render_text
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from gpuwatchd.cli.main import main
-from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
-from gpuwatchd.sim.simulation import render_text, simulate
+from gpuwatchd.sim.scenario import parse_scenario
+from gpuwatchd.sim.scenario_spec import ScenarioError
+from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.timeline import render_text
 
 ORPHANS = """\
 duration: 3m

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.sim.scenario import ScenarioError, parse_scenario
-from gpuwatchd.sim.simulation import SimulationResult, simulate
+from gpuwatchd.sim.scenario import parse_scenario
+from gpuwatchd.sim.scenario_spec import ScenarioError
+from gpuwatchd.sim.simulation import simulate
+from gpuwatchd.sim.timeline import SimulationResult
 
 JOB = "/system.slice/slurmstepd.scope/job_42/step_0"
 BASE = f"""\

@@ -18,7 +18,8 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot
 from gpuwatchd.core.vocabulary import Cleanliness
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, Policy, Protect
 from gpuwatchd.decide.verdict import (
@@ -601,7 +602,8 @@ def test_status_shows_the_verdict_the_daemon_published() -> None:
 
 
 def test_scan_reports_each_gpus_verdict_in_json_and_text() -> None:
-    from gpuwatchd.cli.report import build_report, render_text
+    from gpuwatchd.cli.report import build_report
+    from gpuwatchd.cli.report_text import render_text
 
     snapshot = orphaned_worker().proc(900, comm="gpustat", holds={1}).build()
     assessment = assess(snapshot, AssessState(boot_id=snapshot.boot_id), POLICY.detection)

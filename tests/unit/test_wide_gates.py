@@ -16,7 +16,8 @@ import pytest
 
 from gpuwatchd.core.model import MIB, CgroupInfo, Finding, FindingKind, ProcessInfo, Spare
 from gpuwatchd.decide import floor
-from gpuwatchd.decide.assess.passes import NODE, Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import NODE, Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import (
     infrastructure,

@@ -15,7 +15,8 @@ import pytest
 
 from gpuwatchd.core.model import MIB, FindingKind, Snapshot
 from gpuwatchd.decide.assess.host_view import HostView, relation
-from gpuwatchd.decide.assess.passes import Assessment, assess
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
 from tests.support.orphancases import fd_family, fd_family_before, heir_host

@@ -9,20 +9,11 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import FindingKind, ProcessIdentity
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
-from gpuwatchd.decide.plan.decisions import (
-    EventName,
-    HookIntent,
-    PlanResult,
-    PlanState,
-    ResetInFlight,
-    ResetIntent,
-    SignalIntent,
-    record_exit,
-    record_reset,
-    record_signal,
-)
-from gpuwatchd.decide.plan.state import MigUnfinished, ResetRefusal
+from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
+from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
+from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetInFlight, ResetRefusal
 from gpuwatchd.decide.policy import HealthPolicy, Policy
 from tests.support.gatecases import (
     GPU0,

@@ -21,10 +21,10 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.full_scan import has_unowned_memory
-from gpuwatchd.decide.plan.decisions import PlanState, ResetGate, ResetIntent, reset_gates
-from gpuwatchd.decide.plan.resets import instance_recovery
+from gpuwatchd.decide.plan.intents import ResetIntent
+from gpuwatchd.decide.plan.resets import ResetGate, instance_recovery, reset_gates
 from gpuwatchd.decide.plan.shadow import DryShadow
-from gpuwatchd.decide.plan.state import ResetRefusal
+from gpuwatchd.decide.plan.state import PlanState, ResetRefusal
 from gpuwatchd.decide.policy import Detection, Policy, ResetPolicy
 from tests.support.gatecases import GPU0, GPU1, WALL, _ghost, _plan, _policy, _resets, _whys
 from tests.support.migsnap import Inst, mig_uuid, with_mig

@@ -24,8 +24,6 @@ from gpuwatchd.decide.assess.shared import _AssessorState, _mib, _Outcome
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 
-__all__ = ["job_ended"]
-
 
 class _HolderPass(_AssessorState):
     """Every process that holds device files."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.decide.assess.shared import _AssessorState
 
-__all__ = []
-
 
 class _ListingPass(_AssessorState):
     """The NVML listings of every GPU."""

@@ -17,8 +17,6 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import HolderRoleName
 from gpuwatchd.decide.assess.shared import _AssessorState, _mib
 
-__all__ = []
-
 
 class _MemoryPass(_AssessorState):
     """GPU-level memory findings."""

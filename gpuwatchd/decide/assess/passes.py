@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.holders import _HolderPass, job_ended
+from gpuwatchd.decide.assess.holders import _HolderPass
 from gpuwatchd.decide.assess.listing import _ListingPass
 from gpuwatchd.decide.assess.memory import _MemoryPass
-from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
+from gpuwatchd.decide.assess.shared import NODE, Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health
 from gpuwatchd.decide.mig.instances import (
@@ -29,16 +29,6 @@ from gpuwatchd.decide.mig.instances import (
     mig_layout,
 )
 from gpuwatchd.decide.policy import Detection, HealthPolicy
-
-__all__ = [
-    "NODE",
-    "Assessment",
-    "HolderRole",
-    "assess",
-    "assess_processes",
-    "job_ended",
-    "with_health",
-]
 
 
 class _Assessor(_ListingPass, _HolderPass, _MemoryPass):

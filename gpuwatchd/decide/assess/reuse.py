@@ -14,12 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.passes import Assessment, assess_processes, with_health
+from gpuwatchd.decide.assess.passes import assess_processes, with_health
+from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
-
-__all__ = ["Reuse", "same_but_time"]
 
 _TIMES = frozenset({"monotonic", "wall_time"})
 _SNAPSHOT_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name not in _TIMES)

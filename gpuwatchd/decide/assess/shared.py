@@ -37,9 +37,6 @@ from gpuwatchd.decide.assess.state import (
 from gpuwatchd.decide.health.xid_sources import XidNotice
 from gpuwatchd.decide.policy import Detection
 
-__all__ = ["NODE", "Assessment", "HolderRole"]
-
-
 NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``HolderRole.gpu``
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
 from gpuwatchd.decide.assess.host_view import HostView
-from gpuwatchd.decide.health.judge import HealthState
+from gpuwatchd.decide.health.state import HealthState
 
 # Inheritance evidence kept per holder: a few owners at most (its ancestors that owned contexts).
 MAX_INHERITANCE_PER_HOLDER = 8

@@ -10,17 +10,6 @@ from collections.abc import Mapping
 
 from gpuwatchd.core.model import GpuHealth, Support
 
-__all__ = [
-    "FabricState",
-    "after_reset",
-    "decode_mask",
-    "evidence",
-    "problems",
-    "registering",
-    "supported",
-    "waiting_for_partition",
-]
-
 
 class FabricState(enum.IntEnum):
     """``NVML_GPU_FABRIC_STATE_*``."""

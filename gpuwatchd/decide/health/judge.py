@@ -35,24 +35,6 @@ from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, Bucket, XidActi
 from gpuwatchd.decide.health.xid_sources import Occurrence, XidNotice, merge_sources, notices
 from gpuwatchd.decide.policy import HealthPolicy
 
-__all__ = [
-    "HEALTH_KINDS",
-    "XID_WINDOW",
-    "GpuHealthState",
-    "HealthAssessment",
-    "HealthState",
-    "RecoveryAction",
-    "XidAction",
-    "XidNotice",
-    "XidRecord",
-    "assess_health",
-    "drain_blockers",
-    "drop_assumed",
-    "note_reset",
-    "recovery_name",
-    "xid_action",
-]
-
 HEALTH_KINDS = kinds.HEALTH
 MAX_COUNT = 2**31
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's

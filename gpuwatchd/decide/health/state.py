@@ -15,16 +15,6 @@ from gpuwatchd.core.checked import number as _time
 from gpuwatchd.core.checked import opt_number as _opt_time
 from gpuwatchd.core.model import as_int
 
-__all__ = [
-    "MAX_XID_KINDS",
-    "GpuHealthState",
-    "HealthState",
-    "Sighting",
-    "XidDetail",
-    "XidLog",
-    "XidRecord",
-]
-
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 
 

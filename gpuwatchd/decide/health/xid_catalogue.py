@@ -16,16 +16,6 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = [
-    "CATALOGUE_SOURCE",
-    "XID_CATALOGUE",
-    "Bucket",
-    "XidAction",
-    "XidEntry",
-    "render_markdown",
-    "xid_action",
-]
-
 CATALOGUE_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
 

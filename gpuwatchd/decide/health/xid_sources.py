@@ -17,19 +17,6 @@ from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.health.state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
 from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
 
-__all__ = [
-    "DEDUP_WINDOW",
-    "KERNEL",
-    "LOG_WINDOW",
-    "MAX_SIGHTINGS",
-    "NVML",
-    "Merged",
-    "Occurrence",
-    "XidNotice",
-    "merge_sources",
-    "notices",
-]
-
 DEDUP_WINDOW = 30.0  # seconds: NVML's event is stamped when the worker read it, a poll later
 LOG_WINDOW = 60.0  # seconds between two health.xid events of one GPU's Xid
 MAX_SIGHTINGS = 64

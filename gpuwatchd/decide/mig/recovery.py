@@ -15,29 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
-from gpuwatchd.decide.argv import MIG_PLACEHOLDERS, format_argv
+from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import mig_layout
 from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
-
-__all__ = [
-    "DEFAULT_COMMANDS",
-    "MIG_PLACEHOLDERS",
-    "InstanceRecovery",
-    "from_record",
-    "instance_blockers",
-    "instance_changed",
-    "layout_argvs",
-    "layout_missing",
-    "layout_of",
-    "placement_taken",
-    "recovered",
-    "recovery_argvs",
-    "recovery_blockers",
-    "recovery_of",
-    "resume_point",
-]
-
 
 # The commands of a recovery unless ``reset.mig_recovery_commands`` says otherwise.
 DEFAULT_COMMANDS = DEFAULT_MIG_RECOVERY_COMMANDS

@@ -29,17 +29,12 @@ from gpuwatchd.core.vocabulary import (
 from gpuwatchd.decide.health.judge import HEALTH_KINDS
 from gpuwatchd.decide.plan.health import _consider_health
 from gpuwatchd.decide.plan.intents import (
-    Event,
     HookIntent,
-    Intent,
     PlanResult,
-    ResetIntent,
-    SignalIntent,
     _Ctx,
     _dry,
     _finding_fields,
     _Work,
-    kill_cap_scope,
     target_key,
 )
 from gpuwatchd.decide.plan.ladders import (
@@ -47,70 +42,16 @@ from gpuwatchd.decide.plan.ladders import (
     _consider_process_finding,
     _expire_latches,
 )
-from gpuwatchd.decide.plan.outcomes import (
-    record_assumed_exit,
-    record_exit,
-    record_reset,
-    record_signal,
-)
 from gpuwatchd.decide.plan.resets import (
-    ResetGate,
     _consider_reset,
     _node_block,
     _review_refusals,
-    reset_gates,
 )
 from gpuwatchd.decide.plan.state import (
-    Ladder,
     PlanState,
-    ResetInFlight,
     SeenFinding,
-    unfinished_recoveries,
 )
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.targets import (
-    gpu_protected,
-    process_facts,
-    refusal,
-    rule_for,
-)
-
-__all__ = [
-    "HOUR",
-    "Event",
-    "EventName",
-    "HookIntent",
-    "Intent",
-    "Ladder",
-    "PlanResult",
-    "PlanState",
-    "ResetGate",
-    "ResetInFlight",
-    "ResetIntent",
-    "SeenFinding",
-    "SignalIntent",
-    "clear_circuit",
-    "clear_forced_dry_run",
-    "forget_reset_refusals",
-    "gpu_protected",
-    "hidden_holders",
-    "kill_cap_scope",
-    "next_deadline",
-    "pending",
-    "pending_keys",
-    "plan",
-    "process_facts",
-    "record_assumed_exit",
-    "record_exit",
-    "record_reset",
-    "record_signal",
-    "refusal",
-    "reset_gates",
-    "rule_for",
-    "set_paused",
-    "target_key",
-    "unfinished_recoveries",
-]
 
 HOUR = 3600.0
 

@@ -37,8 +37,6 @@ from gpuwatchd.decide.plan.resets import (
 from gpuwatchd.decide.plan.state import HealthWait
 from gpuwatchd.decide.targets import gpu_by_uuid
 
-__all__ = []
-
 
 def _health_once(w: _Work, finding: Finding, what: str) -> bool:
     """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""

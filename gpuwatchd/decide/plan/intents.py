@@ -34,17 +34,6 @@ from gpuwatchd.decide.plan.state import (
 )
 from gpuwatchd.decide.policy import Policy
 
-__all__ = [
-    "Event",
-    "HookIntent",
-    "Intent",
-    "PlanResult",
-    "ResetIntent",
-    "SignalIntent",
-    "kill_cap_scope",
-    "target_key",
-]
-
 
 @dataclass(frozen=True)
 class SignalIntent:

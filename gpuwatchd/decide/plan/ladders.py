@@ -49,8 +49,6 @@ from gpuwatchd.decide.targets import (
     rule_for,
 )
 
-__all__ = []
-
 
 def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
     for finding in ctx.findings.values():

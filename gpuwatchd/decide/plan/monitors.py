@@ -14,15 +14,6 @@ from gpuwatchd.decide.floor import is_infrastructure, system_cgroup
 from gpuwatchd.decide.patterns import command_search
 from gpuwatchd.decide.policy import Monitor
 
-__all__ = [
-    "MAX_MONITORS",
-    "UNIT_NAME",
-    "StoppableMonitor",
-    "describe_monitor",
-    "monitor_entry",
-    "monitors_to_stop",
-]
-
 MAX_MONITORS = 16  # reset.monitors: more on one GPU node is a mistake
 # A unit entry's name: a system service, handed to ``systemctl stop`` as one argument (never
 # an option: it starts with a letter, digit or underscore).

@@ -39,8 +39,6 @@ from gpuwatchd.decide.plan.state import (
     ResetRefusal,
 )
 
-__all__ = ["record_assumed_exit", "record_exit", "record_reset", "record_signal"]
-
 
 def record_signal(
     state: PlanState, intent: SignalIntent, outcome: str, *, now: float

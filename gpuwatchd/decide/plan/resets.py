@@ -51,8 +51,6 @@ from gpuwatchd.decide.targets import (
     gpu_protected,
 )
 
-__all__ = ["REFUSAL_MEMORY_CHANGE", "ResetGate", "reset_gates"]
-
 
 def _node_block(snapshot: Snapshot) -> str | None:
     if not snapshot.nvml.available:

@@ -14,8 +14,6 @@ from gpuwatchd.core.checked import pairs
 from gpuwatchd.core.checked import text as _str
 from gpuwatchd.decide.policy import Limits
 
-__all__ = ["HOUR", "DryShadow", "ShadowWork"]
-
 HOUR = 3600.0
 MAX_ENTRIES = 10_000  # a saved shadow longer than this is damaged, not a preview
 

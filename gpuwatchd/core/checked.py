@@ -45,6 +45,18 @@ def integer(value: object, what: str) -> int:
     return number
 
 
+def opt_integer(
+    value: object, what: str, low: int = -(1 << 63), high: int = 1 << 63
+) -> int | None:
+    """None, or an integer in ``[low, high)``."""
+    if value is None:
+        return None
+    found = integer(value, what)
+    if not low <= found < high:
+        raise ValueError(f"{what}: {found} is out of range")
+    return found
+
+
 def number(value: object, what: str) -> float:
     """A finite number (an integer or a float, never a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

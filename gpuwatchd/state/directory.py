@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.core.checked import Value
+from gpuwatchd.core.codec import Format
 
 LOCK_FILE = "lock"
 _PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -156,19 +156,30 @@ class JsonFile:
         return Value(self.data)
 
 
-def decode_json_object(raw: bytes) -> dict[str, object]:
-    """The JSON object in ``raw``; ValueError (never another exception) when it is not one."""
+def replace_file(dir_fd: int, name: str, data: bytes, *, mode: int, sync: bool) -> None:
+    """Replace ``name`` in the folder ``dir_fd`` with ``data`` atomically: a fresh temporary
+    file (created here, never a planted one; hidden, ending in ``.tmp``), mode ``mode``, fsync
+    when ``sync``, renamed over ``name`` (a link there is replaced, not followed), then fsync of
+    the folder when ``sync``. Raises OSError; the temporary file is removed then."""
+    tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, mode, dir_fd=dir_fd)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise ValueError(f"not valid JSON: not UTF-8 ({err.reason})") from None
-    except RecursionError:
-        raise ValueError("not valid JSON: nested too deeply") from None
-    except ValueError as err:  # JSONDecodeError, and Python's limit on integer digits
-        raise ValueError(f"not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    return data
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if sync:
+        os.fsync(dir_fd)
 
 
 # --- the directory ------------------------------------------------------------------------------
@@ -256,43 +267,20 @@ class StateDir:
             return JsonFile({}, None, present=False)
         except OSError as err:
             return JsonFile({}, f"unreadable: {err.strerror or err}", present=True)
-        if len(raw) > limit:
-            return JsonFile({}, f"larger than {limit} bytes", present=True)
         try:
-            return JsonFile(decode_json_object(raw), None, present=True)
+            return JsonFile(Format(name, limit).load(raw), None, present=True)
         except ValueError as err:
             return JsonFile({}, str(err), present=True)
 
     def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None:
-        """Replace ``name`` with ``data`` atomically: a fresh temporary file (created here,
-        never a planted one), fsync, rename over the old name (a link there is replaced, not
-        followed), fsync of the folder. Raises OSError (ENOSPC on a full disk); the temporary
-        file is removed then. ``sync=False``: no fsync (a file only other processes read
-        while this one runs; the rename is seen at once)."""
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, mode, dir_fd=self.fd)
-        try:
-            try:
-                os.fchmod(fd, mode)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self.fd)
-            raise
-        if sync:
-            os.fsync(self.fd)
+        """Replace ``name`` with ``data`` atomically (:func:`replace_file`; OSError, ENOSPC on
+        a full disk). ``sync=False``: no fsync (a file only other processes read while this
+        one runs; the rename is seen at once)."""
+        replace_file(self.fd, name, data, mode=mode, sync=sync)
 
     def write_json(self, name: str, value: Mapping[str, object]) -> None:
         """:meth:`write` of ``value`` as compact, sorted JSON (no NaN or infinity)."""
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        self.write(name, text.encode("utf-8"))
+        self.write(name, Format(name, 0, compact=True).encode(value))
 
     def remove(self, name: str) -> bool:
         """Remove the entry ``name`` (whatever it is but a directory); False when it is not

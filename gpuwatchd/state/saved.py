@@ -12,19 +12,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.core.checked import Value, as_map, as_text
+from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
 from gpuwatchd.events import lazylog
-from gpuwatchd.state.directory import (
-    LOCK_FILE,
-    StateDir,
-    StateDirError,
-    UntrustedFile,
-    decode_json_object,
-)
+from gpuwatchd.state.directory import LOCK_FILE, StateDir, StateDirError, UntrustedFile
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
+# The envelope: its parts are checked by their owners (PlanState.from_json, ...).
+STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=True)
 
 log = lazylog.get_logger("gpuwatchd.state.saved")
 
@@ -76,29 +73,19 @@ class SavedState:
 def read_saved_state(state_dir: str | StateDir) -> SavedState:
     """``<state_dir>/state.json``, read only: nothing is created, the lock and the folder are not
     touched, a corrupt file is left where it is for the daemon. Never raises."""
-    if isinstance(state_dir, StateDir):
-        return _read_saved_state(state_dir)
-    path = os.path.join(state_dir, STATE_FILE)
+    path = os.path.join(
+        state_dir.path if isinstance(state_dir, StateDir) else state_dir, STATE_FILE
+    )
     try:
-        directory = StateDir.open(state_dir)
+        if isinstance(state_dir, StateDir):
+            raw = state_dir.read(STATE_FILE, MAX_STATE_BYTES + 1)
+        else:
+            with StateDir.open(state_dir) as directory:
+                raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
     except FileNotFoundError:
         return SavedState()
     except StateDirError as exc:
         return SavedState(problem=f"{exc}: not read (only root may be able to write there)")
-    except PermissionError:
-        return SavedState(problem=f"cannot read {path}: permission denied (run as root)")
-    except OSError as exc:
-        return SavedState(problem=f"cannot read {path}: {exc.strerror or exc}")
-    with directory:
-        return _read_saved_state(directory)
-
-
-def _read_saved_state(directory: StateDir) -> SavedState:
-    path = directory.join(STATE_FILE)
-    try:
-        raw = directory.read(STATE_FILE, MAX_STATE_BYTES + 1)
-    except FileNotFoundError:
-        return SavedState()
     except UntrustedFile as exc:
         return SavedState(problem=f"{path}: {exc.strerror}: not read")
     except PermissionError:
@@ -106,9 +93,7 @@ def _read_saved_state(directory: StateDir) -> SavedState:
     except OSError as exc:
         return SavedState(problem=f"cannot read {path}: {exc.strerror or exc}")
     try:
-        if len(raw) > MAX_STATE_BYTES:
-            raise ValueError("too large")
-        return SavedState(decode_json_object(raw), found=True)
+        return SavedState(STATE.load(raw), found=True)
     except ValueError:
         why = "is not a state file (malformed); the daemon moves it aside at start"
         return SavedState(problem=f"{path} {why}")
@@ -123,23 +108,23 @@ def state_document(
     reset_in_progress: object,
     status: Mapping[str, object],
 ) -> dict[str, object]:
-    """The envelope of ``state.json`` (version :data:`STATE_FILE_VERSION`) around its parts:
-    the assess and plan states, a reset in progress, and the ``status`` section."""
-    return {
-        "version": STATE_FILE_VERSION,
-        "boot_id": boot_id,
-        "saved_at": saved_at,
-        "assess": assess,
-        "plan": plan,
-        "reset_in_progress": reset_in_progress,
-        "status": status,
-    }
+    """The envelope of ``state.json`` (:data:`STATE`) around its parts: the assess and plan
+    states, a reset in progress, and the ``status`` section."""
+    return STATE.envelope(
+        {
+            "boot_id": boot_id,
+            "saved_at": saved_at,
+            "assess": assess,
+            "plan": plan,
+            "reset_in_progress": reset_in_progress,
+            "status": status,
+        }
+    )
 
 
 def check_version(data: Mapping[str, object]) -> None:
     """ValueError unless ``data`` is a state file of the version this code writes."""
-    if data.get("version") != STATE_FILE_VERSION:
-        raise ValueError(f"unsupported state version {data.get('version')!r}")
+    STATE.check(data)
 
 
 class StateStore:
@@ -204,7 +189,7 @@ class StateStore:
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
         Raises OSError (a full disk: ENOSPC), the old file left as it was."""
-        self.directory().write_json(STATE_FILE, data)
+        self.directory().write(STATE_FILE, STATE.encode(data))
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

@@ -5,8 +5,6 @@ In detail: docs/internals.md, section `gpuwatchd.state.pause`.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -14,6 +12,8 @@ from dataclasses import dataclass
 
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.core.checked import as_number
+from gpuwatchd.core.codec import Format
 from gpuwatchd.state.directory import StateDir
 
 PAUSE_FILE = "paused"
@@ -26,6 +26,8 @@ MAX_ENDED_JOB_FILE = 4096
 
 RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``daemon.resumed``
 MAX_PAUSE_FILE = 64 * 1024
+PAUSE = Format(PAUSE_FILE, MAX_PAUSE_FILE, newline=True)  # read leniently: a bad one still pauses
+RESUMED = Format(RESUMED_FILE, MAX_PAUSE_FILE, newline=True)
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,7 @@ def set_pause(
     stamp: dict[str, object] = {"since": time.time(), "until": None}
     if clock is not None and seconds is not None:
         stamp = clock.stamp(seconds)
-    body = json.dumps({"reason": reason, **stamp, "by_uid": os.getuid()})
-    state_dir.write(PAUSE_FILE, (body + "\n").encode("utf-8"))
-
-
-def _finite(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    state_dir.write(PAUSE_FILE, PAUSE.encode({"reason": reason, **stamp, "by_uid": os.getuid()}))
 
 
 def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
@@ -84,16 +79,15 @@ def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
     except OSError:
         return PauseSwitch("pause file unreadable")
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return PauseSwitch(raw.decode("utf-8", "replace").strip()[:MAX_REASON])
-    if not isinstance(data, dict):
-        return PauseSwitch("")
+        data = PAUSE.load(raw)
+    except ValueError as err:  # not JSON: its text is the reason; JSON but no object: none
+        text = raw.decode("utf-8", "replace").strip() if "valid JSON" in str(err) else ""
+        return PauseSwitch(text[:MAX_REASON])
     reason = data.get("reason")
     return PauseSwitch(
         str(reason)[:MAX_REASON] if reason is not None else "",
-        since=_finite(data.get("since")),
-        until=_finite(data.get("until")),
+        since=as_number(data.get("since")),
+        until=as_number(data.get("until")),
         stamp=data,
     )
 
@@ -116,8 +110,8 @@ class PauseNow:
 
 def note_resume(state_dir: StateDir, reason: str) -> None:
     """``resume --reason``: leave the reason for the daemon's ``daemon.resumed`` event."""
-    body = json.dumps({"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()})
-    state_dir.write(RESUMED_FILE, (body + "\n").encode("utf-8"))
+    body = {"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()}
+    state_dir.write(RESUMED_FILE, RESUMED.encode(body))
 
 
 def _take_resume_note(state_dir: StateDir) -> str | None:
@@ -130,11 +124,10 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
         return None
     state_dir.remove(RESUMED_FILE)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        reason = RESUMED.load(raw).get("reason")
+    except ValueError:
         return None
-    reason = data.get("reason") if isinstance(data, dict) else None
-    return str(reason)[:MAX_REASON] if isinstance(reason, str) and reason else None
+    return reason[:MAX_REASON] if isinstance(reason, str) and reason else None
 
 
 def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
@@ -203,17 +196,15 @@ def hand_over_ended_jobs(
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
     pid, ticks = waiter
     for job in chosen:
-        body = json.dumps(
-            {
-                "job": job,
-                "until": until,
-                "by_uid": os.getuid(),
-                "waiter": [pid, ticks],
-                "said_at_ticks": said_at,
-                "boot_id": boot_id,
-            }
-        )
-        state_dir.write(_ended_job_file(job), (body + "\n").encode("utf-8"))
+        body = {
+            "job": job,
+            "until": until,
+            "by_uid": os.getuid(),
+            "waiter": [pid, ticks],
+            "said_at_ticks": said_at,
+            "boot_id": boot_id,
+        }
+        state_dir.write(_ended_job_file(job), ENDED_JOB.encode(body))
 
 
 def withdraw_ended_jobs(
@@ -224,17 +215,16 @@ def withdraw_ended_jobs(
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
         name = _ended_job_file(job)
         try:
-            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
-            if _waiter(data) != waiter:
+            data = ENDED_JOB.load(state_dir.read(name, MAX_ENDED_JOB_FILE))
+            if _waiter(data.get("waiter"), "waiter") != waiter:
                 continue
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        except (OSError, ValueError):
             continue
         state_dir.remove(name)
 
 
-def _waiter(data: object) -> tuple[int, int]:
+def _waiter(raw: object, key: str) -> tuple[int, int]:
     """The waiting epilog a hand-over names: (PID, start ticks); ValueError when malformed."""
-    raw = data.get("waiter") if isinstance(data, dict) else None
     if (
         not isinstance(raw, list)
         or len(raw) != 2
@@ -244,6 +234,24 @@ def _waiter(data: object) -> tuple[int, int]:
     ):
         raise ValueError("no waiting process named")
     return raw[0], raw[1]
+
+
+def _job_key(value: object, key: str) -> str:
+    if not isinstance(value, str) or scheduler_ended_job(value, {}) != value:
+        raise ValueError(f"not a job key: {str(value)[:80]!r}")
+    return value
+
+
+def _expiry(value: object, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError("no expiry")
+    return value
+
+
+# The waiter is checked last, after what the file name and the clock say (read_ended_jobs).
+ENDED_JOB = Format(
+    ENDED_JOB_PREFIX, MAX_ENDED_JOB_FILE, newline=True, fields={"job": _job_key, "until": _expiry}
+)
 
 
 @dataclass(frozen=True)
@@ -299,20 +307,16 @@ def read_ended_jobs(
     problems: list[str] = []
     for name in examined:
         try:
-            data = json.loads(state_dir.read(name, MAX_ENDED_JOB_FILE).decode("utf-8"))
+            data = ENDED_JOB.decode(state_dir.read(name, MAX_ENDED_JOB_FILE))
             job, until = data["job"], data["until"]
-            if not isinstance(job, str) or scheduler_ended_job(job, {}) != job:
-                raise ValueError(f"not a job key: {str(job)[:80]!r}")
-            if not isinstance(until, (int, float)) or isinstance(until, bool):
-                raise ValueError("no expiry")
             if until > now + 86400:
                 raise ValueError("expiry more than a day ahead")
             if name != _ended_job_file(job):
                 raise ValueError("file name does not match the job")
-            waiter = _waiter(data)
+            waiter = _waiter(data.get("waiter"), "waiter")
         except FileNotFoundError:
             continue  # removed since the listing
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        except (OSError, ValueError) as err:
             problems.append(f"{name}: {err}")
         else:
             if until >= now and waiting(*waiter):

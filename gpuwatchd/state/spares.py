@@ -6,13 +6,16 @@ In detail: docs/internals.md, section `gpuwatchd.state.spares`.
 
 from __future__ import annotations
 
-import json
-import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.core.checked import as_number, opt_integer
+from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import Spare
 from gpuwatchd.state.directory import StateDir
 
@@ -20,6 +23,16 @@ SPARE_PREFIX = "spare-"
 MAX_SPARES = 64  # spares honoured at once; a node needs a handful
 MAX_SPARE_FILE = 4096
 MAX_REASON = 512
+# The target, its end and its boot are checked against the file name and the clock (_spare).
+SPARE = Format(
+    SPARE_PREFIX,
+    MAX_SPARE_FILE,
+    newline=True,
+    fields={
+        "start_ticks": partial(opt_integer, low=0, high=1 << 62),
+        "by_uid": partial(opt_integer, low=0, high=1 << 32),
+    },
+)
 
 
 def parse_target(text: str) -> tuple[str, int | None, str | None]:
@@ -77,7 +90,7 @@ def write_spare(
         "reason": reason[:MAX_REASON],
         "by_uid": os.getuid(),
     }
-    state_dir.write(_file(target), (json.dumps(body) + "\n").encode("utf-8"))
+    state_dir.write(_file(target), SPARE.encode(body))
 
 
 def cancel_spare(state_dir: StateDir, target: str) -> bool:
@@ -96,39 +109,19 @@ class SpareFiles:
     cut: tuple[tuple[Spare, float], ...] = ()
 
 
-def _int(data: dict[str, object], key: str, low: int, high: int) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-        raise ValueError(f"{key} is not a valid number")
-    return value
-
-
-def _number(data: dict[str, object], key: str) -> float | None:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _spare(data: object, name: str, clock: BootTime) -> tuple[Spare, float]:
-    """One file's spare, ending when it ends by its own stamp, and the seconds it has left;
-    ValueError naming what is wrong."""
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
+def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, float]:
+    """One file's spare (its fields checked by :data:`SPARE`), ending when it ends by its own
+    stamp, and the seconds it has left; ValueError naming what is wrong."""
     target = data.get("target")
     if not isinstance(target, str) or name != _file(target):
         raise ValueError("the file name does not match its target")
     key, pid, job = parse_target(target.split(":", 1)[1] if target.startswith("pid:") else target)
     if key != target:
         raise ValueError(f"not a target: {target[:80]!r}")
-    if _number(data, "until") is None:
-        raise ValueError("no end time")
-    left = clock.left(data)
+    left = None if as_number(data.get("until")) is None else clock.left(data)
     if left is None:
         raise ValueError("no end time")
-    start_ticks = _int(data, "start_ticks", 0, 1 << 62)
+    start_ticks = data["start_ticks"]
     if pid is not None:
         if start_ticks is None:
             raise ValueError("a process spare without its start time")
@@ -142,8 +135,8 @@ def _spare(data: object, name: str, clock: BootTime) -> tuple[Spare, float]:
         pid=pid,
         start_ticks=start_ticks if pid is not None else None,
         job=job,
-        since=_number(data, "since"),
-        by_uid=_int(data, "by_uid", 0, 1 << 32),
+        since=as_number(data.get("since")),
+        by_uid=data["by_uid"],
     )
     return spare, left
 
@@ -157,7 +150,7 @@ def _cut(
     body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
     try:
         if state_dir.read(name, MAX_SPARE_FILE) == raw:
-            state_dir.write(name, (json.dumps(body) + "\n").encode("utf-8"))
+            state_dir.write(name, SPARE.encode(body))
     except OSError:
         pass  # not written (a full disk, say): cut again, and said again, at the next poll
 
@@ -187,11 +180,11 @@ def read_spares(
     for name in names[: 4 * MAX_SPARES]:
         try:
             raw = state_dir.read(name, MAX_SPARE_FILE)
-            data = json.loads(raw.decode("utf-8"))
-            spare, left = _spare(data, name, clock)
+            data = SPARE.load(raw)
+            spare, left = _spare(SPARE.check(data), name, clock)
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        except (OSError, ValueError, KeyError, TypeError) as err:
             problems.append(f"{name}: {err}")
         else:
             if left > 0:

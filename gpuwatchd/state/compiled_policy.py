@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import os
 import re
 import stat
@@ -15,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwatchd.config.peek import guess_state_dir
+from gpuwatchd.core.checked import flag, items, text
+from gpuwatchd.core.codec import Format
 from gpuwatchd.decide import policy as policy_module
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
@@ -23,6 +24,12 @@ COMPILED_FILE = "policy.compiled.json"
 VERSION = 1
 MAX_BYTES = 4 << 20
 MAX_DEPTH = 16
+COMPILED = Format(
+    "compiled policy",
+    MAX_BYTES,
+    version=VERSION,
+    fields={"main_file": text, "strict": flag, "identity": items},  # "policy": decode()
+)
 # The types a compiled policy may name: the policy's own dataclasses and enums, nothing else.
 _TYPES: dict[str, type] = {
     name: value
@@ -172,21 +179,22 @@ def save_compiled(
     doc: dict[str, object] | None = None
     if policy is not None and before == identity(main_file) and policy.state_dir == state_dir.path:
         try:
-            encoded = encode(policy)
-            if decode(json.loads(json.dumps(encoded))) == policy:
-                doc = {
-                    "version": VERSION,
+            doc = COMPILED.envelope(
+                {
                     "main_file": os.path.abspath(main_file),
                     "strict": strict,
                     "identity": before,
-                    "policy": encoded,
+                    "policy": encode(policy),
                 }
+            )
+            if decode(COMPILED.decode(COMPILED.encode(doc))["policy"]) != policy:
+                doc = None
         except (TypeError, ValueError):
             doc = None
     if doc is None:
         state_dir.discard(COMPILED_FILE)
         return False
-    state_dir.write(COMPILED_FILE, json.dumps(doc).encode())
+    state_dir.write(COMPILED_FILE, COMPILED.encode(doc))
     return True
 
 
@@ -220,17 +228,13 @@ def _compiled_in(folder: str, main_file: str, here: list[list[object]]) -> Polic
     finally:
         state_dir.close()
     try:
-        if len(raw) > MAX_BYTES:
+        doc = COMPILED.decode(raw)
+        if doc["main_file"] != os.path.abspath(main_file) or doc["identity"] != here:
             return None
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("version") != VERSION:
-            return None
-        if doc.get("main_file") != os.path.abspath(main_file) or doc.get("identity") != here:
-            return None
-        if doc.get("strict") is not True and os.geteuid() == 0:
+        if not doc["strict"] and os.geteuid() == 0:
             return None  # written without StrictModes, which this process would check
         policy = decode(doc.get("policy"))
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError):  # a pattern nested too deeply for re.compile, say
         return None
     if not isinstance(policy, Policy) or policy.state_dir != folder:
         return None

@@ -14,18 +14,35 @@ from gpuwatchd.core.checked import as_list as _seq
 from gpuwatchd.core.checked import as_map as _map
 from gpuwatchd.core.checked import as_number as _num
 from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.codec import Format, pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int as _int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.events.words import JournalNamer, finding_label
+from gpuwatchd.state.saved import MAX_STATE_BYTES
 
 DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
+DOCUMENT = Format("status document", MAX_STATE_BYTES, version=DOCUMENT_FORMAT, version_key="format")
 CLEAR_LATCHES = "gpuwatchd resume --clear-latches"
 MAX_ACTIONS = 20  # recent actions kept and shown
 HOUR = 3600.0
 NVML_STATES = ("ok", "wedged", "unavailable")
+# A recent action, as kept in the status section and as shown (a missing sentence is said
+# again from the rest).
+ACTION = {
+    "at": _num,
+    "event": _str,
+    "gpu": _str,
+    "pid": _int,
+    "signal": _str,
+    "hook": _str,
+    "outcome": _str,
+    "dry_run": _bool,
+    "sentence": _str,
+}
+REJECTED = {"at": _num, "error": _str, "at_start": lambda v: v is True, "running": _str}
 
 
 def build_document(
@@ -51,38 +68,39 @@ def build_document(
     raw_rejected = status.get("policy_rejected")
     rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
     record = data.get("reset_in_progress")
-    return {
-        "format": DOCUMENT_FORMAT,
-        "written_at": wall,
-        **modes,
-        "kill_cap": kill_cap,
-        "circuit_breaker": breaker,
-        "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-        "nvml": _nvml(nvml, nvml_state),
-        "spares": _spares(status.get("spares")),
-        "gpus": _count(status.get("gpus")),
-        "findings": _count(status.get("findings")),
-        "verdict": _verdict(status.get("verdict")),
-        "policy": _policy(status.get("policy"), rejected),
-        "ladders": ladders,
-        "pending": _pending(plan, ladders, offset),
-        "recent_actions": _actions(status.get("recent_actions")),
-        "resets": _resets(
-            plan,
-            _reset_in_progress(record) if isinstance(record, Mapping) else None,
-            policy,
-            wall,
-            modes,
-        ),
-        "attention": _attention(
-            kill_cap=kill_cap,
-            breaker=breaker,
-            nvml_state=nvml_state,
-            nvml_error=_str(nvml.get("error")),
-            rejected=rejected,
-            ladders=ladders,
-        ),
-    }
+    return DOCUMENT.envelope(
+        {
+            "written_at": wall,
+            **modes,
+            "kill_cap": kill_cap,
+            "circuit_breaker": breaker,
+            "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
+            "nvml": _nvml(nvml, nvml_state),
+            "spares": _spares(status.get("spares")),
+            "gpus": _count(status.get("gpus")),
+            "findings": _count(status.get("findings")),
+            "verdict": _verdict(status.get("verdict")),
+            "policy": _policy(status.get("policy"), rejected),
+            "ladders": ladders,
+            "pending": _pending(plan, ladders, offset),
+            "recent_actions": _actions(status.get("recent_actions")),
+            "resets": _resets(
+                plan,
+                _reset_in_progress(record) if isinstance(record, Mapping) else None,
+                policy,
+                wall,
+                modes,
+            ),
+            "attention": _attention(
+                kill_cap=kill_cap,
+                breaker=breaker,
+                nvml_state=nvml_state,
+                nvml_error=_str(nvml.get("error")),
+                rejected=rejected,
+                ladders=ladders,
+            ),
+        }
+    )
 
 
 def action_sentence(name: str, fields: Mapping[str, object]) -> str:
@@ -123,8 +141,7 @@ def _nvml(nvml: Mapping[str, object], state: str | None) -> dict[str, object]:
     error and since when."""
     return {
         "state": state if state in NVML_STATES else None,
-        "error": _str(nvml.get("error")),
-        "since": _num(nvml.get("since")),
+        **pick(nvml, {"error": _str, "since": _num}),
     }
 
 
@@ -133,29 +150,14 @@ def _policy(files: object, rejected: Mapping[str, object] | None) -> dict[str, o
     error, and the fallback running instead), if any."""
     return {
         "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-        "rejected": None
-        if rejected is None
-        else {
-            "at": _num(rejected.get("at")),
-            "error": _str(rejected.get("error")),
-            "at_start": rejected.get("at_start") is True,
-            "running": _str(rejected.get("running")),
-        },
+        "rejected": None if rejected is None else pick(rejected, REJECTED),
     }
 
 
 def _spares(raw: object) -> list[dict[str, object]]:
     """The daemon's spares in force (``gpuwatchd spare``), each checked."""
-    out: list[dict[str, object]] = []
-    for item in _seq(raw)[:64]:
-        row = _map(item)
-        target = _str(row.get("target"))
-        if target is None:
-            continue
-        out.append(
-            {"target": target, "until": _num(row.get("until")), "reason": _str(row.get("reason"))}
-        )
-    return out
+    rows = [pick(item, {"target": _str, "until": _num, "reason": _str}) for item in _seq(raw)[:64]]
+    return [row for row in rows if row["target"] is not None]
 
 
 def _kill_cap(
@@ -213,9 +215,7 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
         out.append(
             {
                 "target": target,
-                "pid": _int(lad.get("pid")),
-                "rule": _str(lad.get("rule")),
-                "gpu": _str(lad.get("gpu")),
+                **pick(lad, {"pid": _int, "rule": _str, "gpu": _str}),
                 "finding": finding,
                 "label": _label(finding),
                 "status": state if state in set(LadderStatus) else None,
@@ -259,8 +259,7 @@ def _verdict(raw: object) -> dict[str, object] | None:
         state = _str(entry.get("state"))
         gpus.append(
             {
-                "index": _int(entry.get("index")),
-                "uuid": _str(entry.get("uuid")),
+                **pick(entry, {"index": _int, "uuid": _str}),
                 "state": state if state in ("clean", "dirty", "unknown") else None,
                 "kind": _str(first.get("kind")),
                 "reason": _str(first.get("reason")),
@@ -272,28 +271,14 @@ def _verdict(raw: object) -> dict[str, object] | None:
 
 
 def _actions(raw: object) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
-    for item in _seq(raw)[-MAX_ACTIONS:]:
-        entry = _map(item)
-        action: dict[str, object] = {
-            "at": _num(entry.get("at")),
-            "event": _str(entry.get("event")),
-            "gpu": _str(entry.get("gpu")),
-            "pid": _int(entry.get("pid")),
-            "signal": _str(entry.get("signal")),
-            "hook": _str(entry.get("hook")),
-            "outcome": _str(entry.get("outcome")),
-            "dry_run": _bool(entry.get("dry_run")),
-        }
-        sentence = _str(entry.get("sentence"))
-        if sentence is None and action["event"] is not None:
+    out = [pick(item, ACTION) for item in _seq(raw)[-MAX_ACTIONS:]]
+    for action in out:
+        if action["sentence"] is None and action["event"] is not None:
             # Remembered without its sentence: said from what was kept of its fields.
             fields = {k: v for k, v in action.items() if v is not None}
             if action["event"] == EventName.RESET_OUTCOME:
                 fields["result"] = action["outcome"]
-            sentence = action_sentence(str(action["event"]), fields)
-        action["sentence"] = sentence
-        out.append(action)
+            action["sentence"] = action_sentence(str(action["event"]), fields)
     return out
 
 
@@ -301,12 +286,14 @@ def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
     recovery = _map(record.get("recovery"))  # a MIG GPU instance's re-creation
     return {
         "gpu": _str(record.get("uuid")),
-        "pci_bus_id": _str(record.get("pci_bus_id")),
-        "step": _str(record.get("step")),
-        "since": _num(record.get("since")),
+        **pick(record, {"pci_bus_id": _str, "step": _str, "since": _num}),
         "instance": _str(recovery.get("mig_uuid")),
         "gi": _int(recovery.get("gi")),
     }
+
+
+def _times(raw: object) -> dict[str, float]:
+    return {k: t for k, v in _map(raw).items() if (t := _num(v)) is not None}
 
 
 def _resets(
@@ -317,10 +304,7 @@ def _resets(
     modes: Mapping[str, object],
 ) -> dict[str, object]:
     reset = policy.reset
-    last = {k: t for k, v in _map(plan.get("last_reset")).items() if (t := _num(v)) is not None}
-    last_dry = {
-        k: t for k, v in _map(plan.get("last_dry_reset")).items() if (t := _num(v)) is not None
-    }
+    last, last_dry = _times(plan.get("last_reset")), _times(plan.get("last_dry_reset"))
     history: dict[str, list[float]] = {}
     for pair in _seq(plan.get("reset_history")):
         if isinstance(pair, list) and len(pair) == 2:

@@ -45,9 +45,7 @@ def integer(value: object, what: str) -> int:
     return number
 
 
-def opt_integer(
-    value: object, what: str, low: int = -(1 << 63), high: int = 1 << 63
-) -> int | None:
+def opt_integer(value: object, what: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
     """None, or an integer in ``[low, high)``."""
     if value is None:
         return None

@@ -1,7 +1,5 @@
-"""One codec for the JSON files of the state directory and the documents the daemon writes.
-
-This module owns how a document is turned into bytes and back: a :class:`Format` names its
-version, its size bound, its layout on disk and its fields with their checked readers.
+"""One codec for the JSON files of ``state_dir`` and the documents the daemon writes there: a
+:class:`Format` names a document's version, size bound, layout and checked fields.
 
 In detail: docs/internals.md, section `gpuwatchd.core.codec`.
 """
@@ -35,10 +33,9 @@ def decode_json_object(raw: bytes) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class Format:
-    """One JSON document format. ``version`` (None: unversioned) goes first, under
-    ``version_key`` (:meth:`envelope`); ``limit`` bounds its bytes; ``fields`` are checked by
-    :meth:`check`, in order. On disk: ``json.dumps``' default layout, with a final newline
-    when ``newline``; ``compact``: sorted keys, no spaces, no NaN."""
+    """A JSON document: its ``version`` (None: none) first under ``version_key``, at most
+    ``limit`` bytes, ``fields`` checked in order. Written in ``json.dumps``' layout (a final
+    newline when ``newline``), or ``compact``: sorted keys, no spaces, no NaN."""
 
     name: str
     limit: int
@@ -49,11 +46,9 @@ class Format:
     newline: bool = False
 
     def envelope(self, values: Mapping[str, object]) -> dict[str, object]:
-        """``values`` with this format's version first."""
         return dict(values) if self.version is None else {self.version_key: self.version, **values}
 
     def encode(self, doc: Mapping[str, object]) -> bytes:
-        """The bytes of ``doc``, a whole document (see :meth:`envelope`), as written."""
         if self.compact:
             text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
         else:
@@ -67,20 +62,17 @@ class Format:
         return decode_json_object(raw)
 
     def check(self, data: Mapping[str, object]) -> dict[str, Any]:
-        """``data`` of this version, each field replaced by what its reader makes of it;
-        ValueError naming the key (the reader's message)."""
+        """``data`` of this version, each field as its reader returns it; ValueError."""
         found = data.get(self.version_key)
         if self.version is not None and found != self.version:
             raise ValueError(f"unsupported {self.name} version {found!r}")
         return {**data, **{key: read(data.get(key), key) for key, read in self.fields.items()}}
 
     def decode(self, raw: bytes) -> dict[str, Any]:
-        """:meth:`load` then :meth:`check`: the checked document in ``raw``; ValueError."""
         return self.check(self.load(raw))
 
 
-def pick(data: object, fields: Mapping[str, Callable[[object], object]]) -> dict[str, object]:
-    """Leniently, each key of ``fields`` read from the object ``data`` by its reader (one of
-    :mod:`gpuwatchd.core.checked`'s ``as_*``: a missing or malformed value is unknown)."""
+def pick(data: object, fields: Mapping[str, Callable[[object], object]]) -> dict[str, Any]:
+    """Each key of ``fields`` read leniently from the object ``data`` by its ``as_*`` reader."""
     found = as_map(data)
     return {key: read(found.get(key)) for key, read in fields.items()}

@@ -156,6 +156,13 @@ class JsonFile:
         return Value(self.data)
 
 
+def hashed_name(prefix: str, key: str) -> str:
+    """The file of ``key`` among the files named ``prefix`` and a hash: one file a key."""
+    import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
+
+    return prefix + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
 def replace_file(dir_fd: int, name: str, data: bytes, *, mode: int, sync: bool) -> None:
     """Replace ``name`` in the folder ``dir_fd`` with ``data`` atomically: a fresh temporary
     file (created here, never a planted one; hidden, ending in ``.tmp``), mode ``mode``, fsync

@@ -14,7 +14,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.codec import Format
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import StateDir, hashed_name
 
 PAUSE_FILE = "paused"
 CLEAR_LATCHES_FILE = "clear-latches"
@@ -167,12 +167,6 @@ def take_clear_latches(state_dir: StateDir) -> bool:
 # --- the scheduler's word, handed to a running daemon --------------------------------------------
 
 
-def _ended_job_file(job: str) -> str:
-    import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
-
-    return ENDED_JOB_PREFIX + hashlib.sha256(job.encode("utf-8")).hexdigest()[:32]
-
-
 def hand_over_ended_jobs(
     state_dir: StateDir,
     jobs: Iterable[str],
@@ -204,7 +198,7 @@ def hand_over_ended_jobs(
             "said_at_ticks": said_at,
             "boot_id": boot_id,
         }
-        state_dir.write(_ended_job_file(job), ENDED_JOB.encode(body))
+        state_dir.write(hashed_name(ENDED_JOB_PREFIX, job), ENDED_JOB.encode(body))
 
 
 def withdraw_ended_jobs(
@@ -213,7 +207,7 @@ def withdraw_ended_jobs(
     """The epilog's wait is over: remove its hand-overs (those that still name ``waiter``; a
     later epilog's hand-over of the same job is its own)."""
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
-        name = _ended_job_file(job)
+        name = hashed_name(ENDED_JOB_PREFIX, job)
         try:
             data = ENDED_JOB.load(state_dir.read(name, MAX_ENDED_JOB_FILE))
             if _waiter(data.get("waiter"), "waiter") != waiter:
@@ -311,7 +305,7 @@ def read_ended_jobs(
             job, until = data["job"], data["until"]
             if until > now + 86400:
                 raise ValueError("expiry more than a day ahead")
-            if name != _ended_job_file(job):
+            if name != hashed_name(ENDED_JOB_PREFIX, job):
                 raise ValueError("file name does not match the job")
             waiter = _waiter(data.get("waiter"), "waiter")
         except FileNotFoundError:

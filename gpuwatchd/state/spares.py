@@ -17,7 +17,7 @@ from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.core.checked import as_number, opt_integer
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import Spare
-from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.directory import StateDir, hashed_name
 
 SPARE_PREFIX = "spare-"
 MAX_SPARES = 64  # spares honoured at once; a node needs a handful
@@ -61,12 +61,6 @@ def parse_target(text: str) -> tuple[str, int | None, str | None]:
     return f"job:{checked}", None, checked
 
 
-def _file(target: str) -> str:
-    import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
-
-    return SPARE_PREFIX + hashlib.sha256(target.encode("utf-8")).hexdigest()[:32]
-
-
 def write_spare(
     state_dir: StateDir,
     target: str,
@@ -90,12 +84,12 @@ def write_spare(
         "reason": reason[:MAX_REASON],
         "by_uid": os.getuid(),
     }
-    state_dir.write(_file(target), SPARE.encode(body))
+    state_dir.write(hashed_name(SPARE_PREFIX, target), SPARE.encode(body))
 
 
 def cancel_spare(state_dir: StateDir, target: str) -> bool:
     """End the spare of ``target`` now; False when there was none."""
-    return state_dir.remove(_file(target))
+    return state_dir.remove(hashed_name(SPARE_PREFIX, target))
 
 
 @dataclass(frozen=True)
@@ -113,7 +107,7 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
     """One file's spare (its fields checked by :data:`SPARE`), ending when it ends by its own
     stamp, and the seconds it has left; ValueError naming what is wrong."""
     target = data.get("target")
-    if not isinstance(target, str) or name != _file(target):
+    if not isinstance(target, str) or name != hashed_name(SPARE_PREFIX, target):
         raise ValueError("the file name does not match its target")
     key, pid, job = parse_target(target.split(":", 1)[1] if target.startswith("pid:") else target)
     if key != target:

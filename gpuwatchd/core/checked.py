@@ -8,7 +8,7 @@ In detail: docs/internals.md, section `gpuwatchd.core.checked`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.core.model import as_int
 
@@ -112,6 +112,11 @@ def as_text(value: object) -> str | None:
 
 def as_flag(value: object) -> bool | None:
     return value if isinstance(value, bool) else None
+
+
+def as_one_of(*allowed: str) -> Callable[[object], str | None]:
+    """A reader of one of the strings ``allowed``; None for anything else."""
+    return lambda value: value if isinstance(value, str) and value in allowed else None
 
 
 def as_map(value: object) -> Mapping[str, object]:

@@ -13,6 +13,7 @@ from gpuwatchd.core.checked import as_flag as _bool
 from gpuwatchd.core.checked import as_list as _seq
 from gpuwatchd.core.checked import as_map as _map
 from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.checked import as_one_of
 from gpuwatchd.core.checked import as_text as _str
 from gpuwatchd.core.codec import Format, pick
 from gpuwatchd.core.escape import escape
@@ -42,6 +43,16 @@ ACTION = {
     "dry_run": _bool,
     "sentence": _str,
 }
+NVML = {"state": as_one_of(*NVML_STATES), "error": _str, "since": _num}  # as last seen
+LADDER = {
+    "pid": _int,
+    "rule": _str,
+    "gpu": _str,
+    "finding": _str,
+    "status": as_one_of(*LadderStatus),
+    "dry_run": _bool,
+}
+GPU_STATE = as_one_of("clean", "dirty", "unknown")
 REJECTED = {"at": _num, "error": _str, "at_start": lambda v: v is True, "running": _str}
 
 
@@ -63,8 +74,7 @@ def build_document(
     ladders = _ladders(plan, offset)
     kill_cap = _kill_cap(plan, policy, offset, wall)
     breaker = _breaker(plan, policy)
-    nvml = _map(status.get("nvml"))
-    nvml_state = _str(nvml.get("state"))
+    nvml = pick(status.get("nvml"), NVML)
     raw_rejected = status.get("policy_rejected")
     rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
     record = data.get("reset_in_progress")
@@ -75,7 +85,7 @@ def build_document(
             "kill_cap": kill_cap,
             "circuit_breaker": breaker,
             "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-            "nvml": _nvml(nvml, nvml_state),
+            "nvml": nvml,
             "spares": _spares(status.get("spares")),
             "gpus": _count(status.get("gpus")),
             "findings": _count(status.get("findings")),
@@ -94,8 +104,8 @@ def build_document(
             "attention": _attention(
                 kill_cap=kill_cap,
                 breaker=breaker,
-                nvml_state=nvml_state,
-                nvml_error=_str(nvml.get("error")),
+                nvml_state=nvml["state"],
+                nvml_error=nvml["error"],
                 rejected=rejected,
                 ladders=ladders,
             ),
@@ -133,15 +143,6 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         "paused": paused,
         "paused_reason": _str(plan.get("paused_reason")) if paused else None,
         "paused_until": _num(plan.get("paused_until")) if paused else None,
-    }
-
-
-def _nvml(nvml: Mapping[str, object], state: str | None) -> dict[str, object]:
-    """NVML's state as the daemon last saw it (one of :data:`NVML_STATES`, else unknown), its
-    error and since when."""
-    return {
-        "state": state if state in NVML_STATES else None,
-        **pick(nvml, {"error": _str, "since": _num}),
     }
 
 
@@ -210,16 +211,12 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
                 pair = steps[step]
                 signal = pair[0] if isinstance(pair, list) and len(pair) == 2 else 0
                 nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
-        state = _str(lad.get("status"))
-        finding = _str(lad.get("finding"))
+        row = pick(lad, LADDER)
         out.append(
             {
                 "target": target,
-                **pick(lad, {"pid": _int, "rule": _str, "gpu": _str}),
-                "finding": finding,
-                "label": _label(finding),
-                "status": state if state in set(LadderStatus) else None,
-                "dry_run": _bool(lad.get("dry_run")),
+                **row,
+                "label": _label(row["finding"]),
                 "step": step,
                 "steps": total,
                 "next": nxt,
@@ -256,11 +253,9 @@ def _verdict(raw: object) -> dict[str, object] | None:
         entry = _map(item)
         reasons = [_map(r) for r in _seq(entry.get("reasons"))]
         first = reasons[0] if reasons else {}
-        state = _str(entry.get("state"))
         gpus.append(
             {
-                **pick(entry, {"index": _int, "uuid": _str}),
-                "state": state if state in ("clean", "dirty", "unknown") else None,
+                **pick(entry, {"index": _int, "uuid": _str, "state": GPU_STATE}),
                 "kind": _str(first.get("kind")),
                 "reason": _str(first.get("reason")),
                 "reasons": len(reasons),

@@ -120,8 +120,7 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
     except FileNotFoundError:
         return None
     except OSError:  # untrusted or unreadable: never shown, never left to explain a later one
-        state_dir.remove(RESUMED_FILE)
-        return None
+        raw = b""
     state_dir.remove(RESUMED_FILE)
     try:
         reason = RESUMED.load(raw).get("reason")
@@ -176,15 +175,10 @@ def hand_over_ended_jobs(
     said_at: int | None = None,
     boot_id: str | None = None,
 ) -> None:
-    """Tell the running daemon (and every scan) that ``jobs`` ended, while ``waiter`` (the
-    epilog's own PID and start ticks) waits, and never past wall time ``until``.
-
-    ``jobs`` are keys as :func:`gpuwatchd.collect.jobs.scheduler_ended_job` returns them (at
-    most :data:`MAX_ENDED_JOBS`, as ``run --once`` accepts). Each gets a file of its own,
-    written atomically; a second hand-over of the same job takes it over. ``said_at`` is when,
-    in clock ticks since boot ``boot_id`` (the unit of a process's start time): the word covers
-    only processes that started before it.
-    """
+    """Tell the running daemon (and every scan) that ``jobs`` (at most :data:`MAX_ENDED_JOBS`
+    keys of :func:`scheduler_ended_job`) ended, while ``waiter`` (the epilog's PID and start
+    ticks) waits, never past wall time ``until``; one file a job, a second hand-over of it
+    takes it over. ``said_at``: when, in clock ticks of boot ``boot_id``."""
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
@@ -278,20 +272,12 @@ def read_ended_jobs(
     remove_stale: bool = False,
     boot_id: str | None = None,
 ) -> HandOvers:
-    """The jobs handed over whose epilog still waits, not expired at wall time ``now``, with
-    when each was said (see :class:`HandOvers`; ``boot_id`` is this boot's), and what was
-    wrong.
-
-    ``waiting(pid, start_ticks)`` says whether the epilog a hand-over names still runs (the
-    same process: PID and start ticks). Hostile input: a file that is not a small trusted
-    regular file, not JSON of the written shape, names a job key that
-    :func:`scheduler_ended_job` would not return or no waiting process, or has an expiry more
-    than a day ahead is ignored and named in the problems. With ``remove_stale`` (the daemon)
-    expired and bad files, and those whose epilog is gone, are removed, so nothing is honoured
-    twice across restarts by mistake and nothing piles up. At most :data:`MAX_ENDED_JOBS` are
-    honoured; a valid hand-over beyond that (its epilog still waiting) is never removed, only
-    counted in ``over_limit``.
-    """
+    """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``), neither
+    expired at wall time ``now`` nor more than a day ahead, with when each was said
+    (:class:`HandOvers`; ``boot_id`` is this boot's). A file that is not a trusted one of
+    :data:`ENDED_JOB`'s shape, named for its job and naming its waiter, is named in the
+    problems. ``remove_stale`` (the daemon): expired and bad files, and those whose epilog is
+    gone, are removed; a valid one beyond :data:`MAX_ENDED_JOBS` never is, only counted."""
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:

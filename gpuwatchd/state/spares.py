@@ -157,13 +157,9 @@ def read_spares(
     remove_stale: bool = False,
 ) -> SpareFiles:
     """The spares in force at ``clock`` (wall time and boot clock now, with this boot's id),
-    and the bad files. A spare with more than ``max_spare`` left is cut to ``max_spare`` (and
-    listed in ``cut``).
-
-    With ``remove_stale`` (the daemon), spares whose time is up, those of a process from
-    another boot, and bad files are removed, and a cut is written into its file (so it holds
-    across polls and restarts).
-    """
+    and the bad files; one with more than ``max_spare`` left is cut to it (listed in ``cut``).
+    ``remove_stale`` (the daemon): spares whose time is up, those of a process of another
+    boot, and bad files are removed, and a cut is written into its file."""
     try:
         names = state_dir.names(SPARE_PREFIX)
     except OSError:

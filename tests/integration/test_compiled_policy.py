@@ -197,3 +197,14 @@ def test_a_drop_in_state_dir_line_wins_over_the_main_files(tmp_path: Path) -> No
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "10-x.yaml").write_text("state_dir: /c\n")
     assert guess_state_dir(str(main)) == "/c"
+
+
+def test_the_compiled_file_is_json_dumps_layout_with_its_version_first(tmp_path: Path) -> None:
+    """Its bytes as the hand-written encoder wrote them (gpuwatchd/core/codec.py's Format)."""
+    main, state = _setup(tmp_path)
+    assert _save(main, state)
+    raw = (state / COMPILED_FILE).read_bytes()
+    data = json.loads(raw)
+    assert list(data) == ["version", "main_file", "strict", "identity", "policy"]
+    assert (data["version"], data["main_file"]) == (1, str(main))
+    assert raw == json.dumps(data).encode()

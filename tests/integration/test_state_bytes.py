@@ -1,6 +1,7 @@
 """The bytes each writer puts in ``state_dir``, pinned: the codec (gpuwatchd/core/codec.py)
 writes every file as the hand-written encoders did (key order, JSON layout, final newline,
-version), so files written before and after it read the same."""
+version), so files written before and after it read the same. The compiled policy's:
+tests/integration/test_compiled_policy.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.boottime import BootTime
-from gpuwatchd.config.schema import load_policy
-from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import hand_over_ended_jobs, note_resume, set_pause
 from gpuwatchd.state.saved import StateStore, state_document
@@ -83,19 +82,3 @@ def test_the_state_file(tmp_path: Path) -> None:
         f'{{"assess":{{}},"boot_id":"b1","plan":{{"z":1}},"reset_in_progress":null,'
         f'"saved_at":{NOW},"status":{{}},"version":1}}'
     ).encode()
-
-
-def test_the_compiled_policy(tmp_path: Path) -> None:
-    folder = tmp_path / "state"
-    folder.mkdir(mode=0o700)
-    main = tmp_path / "etc" / "gpuwatchd.yaml"
-    main.parent.mkdir(mode=0o755)
-    main.write_text(f"state_dir: {folder}\n")
-    main.chmod(0o644)
-    with StateDir.open(str(folder)) as state:
-        assert save_compiled(state, str(main), load_policy, strict=True)
-    raw = (folder / COMPILED_FILE).read_bytes()
-    data = json.loads(raw)
-    assert list(data) == ["version", "main_file", "strict", "identity", "policy"]
-    assert (data["version"], data["main_file"], data["strict"]) == (1, str(main), True)
-    assert raw == json.dumps(data).encode()

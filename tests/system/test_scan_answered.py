@@ -70,6 +70,7 @@ def _summary(result: Any) -> dict[str, Any]:
         "stderr": result.stderr,
         "answered_by": report.get("daemon_view", {}).get("answered_by"),
         "used": report.get("daemon_view", {}).get("used"),
+        "reason": report.get("daemon_view", {}).get("reason"),
         "holders": sorted(scan_pids(report)),
         "gpus": [g.get("uuid") for g in report.get("gpus", [])],
     }
@@ -188,11 +189,16 @@ def test_the_daemon_declines_when_its_files_changed_and_stops_serving_when_it_st
     edited = answered["edited"]
     assert edited["code"] == 0, edited["stderr"]
     assert edited["answered_by"] == "this scan"
+    # Walking by itself, the command says why the daemon did not answer.
+    assert edited["reason"] == "the configuration files changed since the daemon accepted them"
+    assert answered["itself"]["reason"] == "the daemon was not asked"
+    assert answered["full"]["reason"] == "--full"
     assert set(edited["holders"]) == set(answered["full"]["holders"])
     assert answered["daemon_code"] == 0
     assert answered["socket_left"] is False
     assert answered["stopped"]["answered_by"] == "this scan"
     assert answered["stopped"]["used"] is False
+    assert answered["stopped"]["reason"] == "no daemon socket"
 
 
 def host_answers_never_stale(arg: dict[str, Any], root: Path) -> dict[str, Any]:

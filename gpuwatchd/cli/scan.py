@@ -225,7 +225,7 @@ def _scan_host(
             return ScanResult(None, declined=declined)
         daemon_pids = frozenset({view.daemon_pid, *view.worker_pids})
         why = f"built on the holder view of the daemon (pid {view.daemon_pid})"
-    own = nvml is None and published is None
+    own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
@@ -276,11 +276,11 @@ def _current(
     if _holder_replaced(procfs, view):
         return None, None, "a holder in the daemon's view has exited"
     if served.reading is None:
-        return view, None, "read by this scan: the daemon published no NVML reading"
+        return view, None, "the daemon's last poll has no NVML reading"
     published = nvml_view.Published.of(served.reading)
     why = nvml_view.usable(published, now_wall=time.time(), interval=policy.interval)
     if why is not None:
-        return view, None, f"read by this scan: the daemon's NVML reading is not used: {why}"
+        return view, None, f"the daemon's NVML reading is not used: {why}"
     return view, published, ""
 
 

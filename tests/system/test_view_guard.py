@@ -10,6 +10,7 @@ opens, each asked about at once): tests/system/test_scan_answered.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -19,8 +20,11 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.cli.scan import ScanResult, scan_host
 from gpuwatchd.core.model import HolderScan
+from gpuwatchd.decide.policy import Policy
 from gpuwatchd.served import holders as holder_view
+from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import (
     EARLY_GAP,
     GuardedWatch,
@@ -186,3 +190,47 @@ def test_an_open_wakes_the_daemon_for_a_walk_no_sooner_than_the_gap() -> None:
     assert early_poll_at(49.8, 50.0, 5.0) == 49.8 + EARLY_GAP
     assert early_poll_at(10.0, 50.0, 5.0) == 50.0
     assert early_poll_at(49.9, 50.0, 0.2) == pytest.approx(50.1)
+
+
+def test_the_daemon_answers_only_from_a_current_view_and_reading(
+    host: tuple[Path, StateDir],
+) -> None:
+    """The daemon's served scan (cli/scan.py, handed its last poll) answers only from a current
+    view and reading; otherwise it gives no report, only why (and the command walks)."""
+    devices, state = host
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+        boot = handle.read().strip()
+    policy = dataclasses.replace(Policy(), devices_dir=str(devices), state_dir=state.path)
+    publisher = ViewPublisher(lambda: state, lambda error: None)
+    watch = GuardedWatch(str(devices), publisher.mark_dirty)
+    assert watch.start()
+    settings = (policy.proc_root, str(devices), policy.device_major)
+    view = dataclasses.replace(_holder_view(watch), boot_id=boot, settings=settings)
+
+    def reading(age: float) -> dict[str, object]:
+        return nvml_view.encode(
+            boot_id=boot, daemon_pid=os.getpid(), daemon_start_ticks=1,
+            read_at=time.time() - age, polled=time.time(), interval=policy.interval,
+            reply={"driver_version": "550.54", "gpus": []},
+        )  # fmt: skip
+
+    def served(view: holder_view.HolderView, reading: Any) -> ScanResult:
+        result = scan_host(policy, served=ServedPoll(view, reading, watch, publisher))
+        assert (result.report is None) == (result.declined is not None)
+        return result
+
+    try:
+        publisher.publish(_view(watch))
+        report = served(view, reading(0.0)).report
+        assert report is not None
+        assert report["daemon_view"]["used"] is True  # type: ignore[index]
+        assert report["daemon_view"]["answered_by"] == "daemon"  # type: ignore[index]
+        assert report["nvml_reading"]["source"] == "daemon"  # type: ignore[index]
+        assert "NVML reading is not used" in str(served(view, reading(60.0)).declined)
+        assert "no NVML reading" in str(served(view, None).declined)
+        other = dataclasses.replace(view, boot_id="c" * 36)
+        assert "another boot" in str(served(other, reading(0.0)).declined)
+        os.close(os.open(devices / "nvidia0", os.O_RDONLY))
+        assert "opened since the daemon's last walk" in str(served(view, reading(0.0)).declined)
+    finally:
+        watch.close()

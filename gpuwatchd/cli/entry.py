@@ -4,8 +4,8 @@ A served ``scan`` costs the command mostly Python's start and its imports (docs/
 So before the rest of the command line is imported, a plain ``scan`` (``--json``, ``--config``
 and ``--color`` alone, in argparse's spelling) asks the daemon of its configuration over the
 daemon's socket (:mod:`gpuwatchd.served.scan_socket`), which runs the served scan itself. When the
-daemon answers, its answer is what this process prints and exits with; when it declines, or
-none listens, or the arguments are any other, :func:`gpuwatchd.cli.main.main` runs as always.
+daemon answers, its answer is what this process prints and exits with; otherwise
+:func:`gpuwatchd.cli.main.main` runs as always (told why the daemon declined, for the report).
 
 In detail: docs/internals.md, section `gpuwatchd.cli.entry`.
 """
@@ -15,8 +15,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
+
+if TYPE_CHECKING:
+    from gpuwatchd.served.scan_socket import ScanAnswer
 
 ASK_TIMEOUT = 2.0  # seconds the daemon may take to answer before this command scans itself
 SKIP_VARIABLE = "GPUWATCHD_ASK_DAEMON"
@@ -25,12 +29,12 @@ _COLORS = ("auto", "always", "never")
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    code = answered_by_daemon(args)
-    if code is not None:
-        return code
+    answer = answered_by_daemon(args)
+    if answer is not None and answer.answered:
+        return _print(answer)
     from gpuwatchd.cli.main import main as full_main
 
-    return full_main(args)
+    return full_main(args, declined=None if answer is None else answer.reason)
 
 
 def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
@@ -73,9 +77,9 @@ def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
     return (config, as_json, color) if seen_scan else None
 
 
-def answered_by_daemon(argv: Sequence[str]) -> int | None:
-    """Print the running daemon's answer to the ``scan`` in ``argv`` and return its exit
-    code; None when the daemon was not asked or declined (module docstring)."""
+def answered_by_daemon(argv: Sequence[str]) -> ScanAnswer | None:
+    """The running daemon's answer to the ``scan`` in ``argv``, or its refusal; None when it
+    was not asked (module docstring)."""
     parsed = scan_arguments(argv)
     if parsed is None or os.environ.get(SKIP_VARIABLE) == "0":
         return None
@@ -87,9 +91,11 @@ def answered_by_daemon(argv: Sequence[str]) -> int | None:
     guessed = guess_state_dir(main_file)
     folders = [f for f in dict.fromkeys((guessed, DEFAULT_STATE_DIR)) if f and os.path.isabs(f)]
     colored = color == "always" or (color == "auto" and sys.stdout.isatty())
-    answer = ask(folders, ScanRequest(main_file, as_json, colored), ASK_TIMEOUT)
-    if not answer.answered:
-        return None
+    return ask(folders, ScanRequest(main_file, as_json, colored), ASK_TIMEOUT)
+
+
+def _print(answer: ScanAnswer) -> int:
+    """Print what the daemon answered; its exit code."""
     try:
         sys.stdout.write(answer.stdout)
         sys.stdout.flush()

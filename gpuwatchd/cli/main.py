@@ -246,11 +246,14 @@ def _add_spare(
     spare.add_argument("--json", action="store_true", help="with --list: print JSON")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> int:
+    """The command line; ``declined``: why the daemon did not answer this ``scan``, when it
+    was asked (gpuwatchd/cli/entry.py)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "config"):  # given neither before nor after the command
         args.config = None
+    args.declined = declined
     try:
         return _dispatch(args)
     except CliError as exc:
@@ -336,10 +339,7 @@ def _errors_only_logging() -> None:
 
 
 def _scan(args: argparse.Namespace) -> int:
-    # --full: the NVML worker first, its request sent: its start-up overlaps our imports and
-    # the walk. Otherwise the daemon's device watch is asked first (the worker opens the device
-    # files), and a served scan may take the daemon's NVML reading and start no worker: the
-    # worker starts once the policy says none is likely (_scan_with).
+    # The NVML worker first, its request sent: its start-up overlaps our imports and the walk.
     import atexit
     import gc
 
@@ -353,8 +353,7 @@ def _scan(args: argparse.Namespace) -> int:
     atexit.register(gc.freeze)
     _errors_only_logging()
     nvml = NvmlClient()
-    if args.full:
-        nvml.prefetch()
+    nvml.prefetch()
     try:
         return _scan_with(args, nvml)
     finally:
@@ -362,30 +361,17 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
-    from gpuwatchd.served.guard import probe_path
     from gpuwatchd.state.compiled_policy import load_compiled
 
     # The daemon's compiled policy when the files are unchanged: no YAML to parse.
     policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
     if policy is None:
-        # No daemon compiled this policy, so most likely none serves this scan either: the
-        # worker's start-up overlaps parsing the YAML (NVML itself waits for the probe).
-        nvml.start_idle()
         policy = load_policy_or_exit(args.config, required=args.config is not None)
-    watch_probe = None
-    if not args.full:
-        watch_probe = probe_path(policy.state_dir, policy.proc_root, policy.devices_dir)
-    if watch_probe is None or not watch_probe.empty:
-        nvml.prefetch()  # no view to serve from: no daemon reading either
     from gpuwatchd.cli.scan import scan_host, scan_output
 
-    result = scan_host(
-        policy,
-        nvml=nvml,
-        full=bool(args.full),
-        watch_probe=watch_probe,
-        nvml_from_daemon=not args.full,
-    )
+    # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
+    why = "--full" if args.full else (args.declined or "the daemon was not asked")
+    result = scan_host(policy, nvml=nvml, why=why)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     output = scan_output(result, as_json=bool(args.json), color=color)
     # One string, one write (json.dump would issue thousands of small writes).

@@ -110,8 +110,6 @@ def _title_line(report: Mapping[str, object]) -> str:
         age = view.get("age")
         old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
         parts.append(f"on the daemon's holder view{old}")
-    elif view.get("clean") is False:
-        parts.append("(the daemon's view was not current: walked)")
     reading = _as_map(report.get("nvml_reading"))
     if reading.get("source") == "daemon":
         age = reading.get("age_s")

@@ -28,6 +28,7 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging
+from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import Fallback
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
@@ -242,8 +243,10 @@ def _evidence_report(proc_root: str) -> ReportBuilder:
     return report
 
 
-def _answer_scan(request: ScanRequest, config_path: str, state_dir: str) -> ScanAnswer:
+def _answer_scan(
+    request: ScanRequest, config_path: str, state_dir: str, served: ServedPoll | None
+) -> ScanAnswer:
     """The daemon's answer to a ``scan`` that asked it (gpuwatchd/cli/served.py)."""
     from gpuwatchd.cli.served import answer
 
-    return answer(request, config_path=config_path, state_dir=state_dir)
+    return answer(request, config_path=config_path, state_dir=state_dir, served=served)

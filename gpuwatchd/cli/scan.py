@@ -33,7 +33,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
-from gpuwatchd.served.guard import Probe, probe
+from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import read_ended_jobs
@@ -50,7 +50,7 @@ class ScanResult:
     permission_note: str | None = None
     wedged: bool = False
     verdict: NodeVerdict | None = None
-    declined: str | None = None  # served_only: why the served path could not be taken
+    declined: str | None = None  # served: why the daemon's last poll could not be served from
 
 
 class ScanOutput(NamedTuple):
@@ -119,7 +119,7 @@ def open_state_dir(policy: Policy) -> StateDir | None:
 
 
 def running_daemon(
-    policy: Policy, state_dir: StateDir | None, procfs: ProcFS, candidate: int | None = None
+    policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
     """The daemon and its NVML workers, when one runs now beside this command; else None.
 
@@ -130,24 +130,16 @@ def running_daemon(
     ``state_dir`` (:meth:`StateDir.lock_holder`), if it is gpuwatchd and runs as a trusted user
     (root, or this user); its workers are its direct children of the same user running the
     worker file. A PID named in ``state.json`` or ``holders.json`` hides nothing by itself.
-    ``candidate``: a PID to check first (the one the device-watch probe found holding the
-    lock), by the same kernel evidence, which spares reading ``/proc/locks``
-    (:meth:`StateDir.lock_held_by`); any other answer asks ``/proc/locks`` as before.
     """
     from gpuwatchd.cli.process_kind import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:
         return None
-    pid = None
-    if candidate is not None and state_dir.lock_held_by(candidate, policy.proc_root):
-        pid = candidate
-    if pid is None:
-        pid = state_dir.lock_holder(policy.proc_root)
+    pid = state_dir.lock_holder(policy.proc_root)
     if pid is None:
         return None
-    # The lock holder is this very process when the daemon answers a scan (cli/served.py).
-    if pid != os.getpid() and look_at_process(policy.proc_root, pid) != "gpuwatchd":
+    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
         return None
     daemon = procfs.read_process(pid)
     if daemon is None or daemon.uid not in state_dir.owners:
@@ -160,96 +152,28 @@ def running_daemon(
     return RunningDaemon(pid, frozenset(workers))
 
 
-def daemon_view(
-    policy: Policy,
-    procfs: ProcFS,
-    state_dir: StateDir | None = None,
-    daemon: RunningDaemon | None = None,
-    raw: bytes | None = None,
-) -> tuple[HolderView | None, str]:
-    """The running daemon's published holder view if ``scan`` may build on it, else None;
-    and, either way, a short reason (shown in the report). The view must come from the
-    daemon that holds the lock now (``daemon``), and name no process but its workers. ``raw``:
-    the file as read already (:func:`gpuwatchd.served.guard.probe`)."""
-    if state_dir is None:
-        return None, "no holder view published by a running daemon"
-    try:
-        if raw is None:
-            raw = state_dir.read(holder_view.VIEW_FILE, holder_view.MAX_BYTES + 1)
-    except FileNotFoundError:
-        return None, "no holder view published by a running daemon"
-    except OSError as err:
-        return None, f"the daemon's holder view is unusable: {err.strerror or err}"
-    try:
-        view = holder_view.parse(raw)
-    except ValueError as err:
-        return None, f"the daemon's holder view is unusable: {err}"
-    if daemon is None or view.daemon_pid != daemon.pid:
-        return None, (
-            f"the daemon's holder view is not used: pid {view.daemon_pid} does not hold the "
-            "instance lock"
-        )
-    strangers = view.worker_pids - daemon.workers
-    if strangers:
-        shown = ", ".join(str(p) for p in sorted(strangers)[:4])
-        return None, (
-            f"the daemon's holder view is not used: it names processes that are not the "
-            f"daemon's NVML workers ({shown})"
-        )
-    fields = procfs.read_stat(view.daemon_pid)
-    why = holder_view.usable(
-        view,
-        now_wall=time.time(),
-        boot_id=procfs.boot_id(),
-        settings=(policy.proc_root, policy.devices_dir, policy.device_major),
-        daemon_start_ticks=None if fields is None else fields.starttime,
-    )
-    if why is not None:
-        return None, f"the daemon's holder view is not used: {why}"
-    return view, f"built on the holder view of the daemon (pid {view.daemon_pid})"
-
-
 def scan_host(
     policy: Policy,
     *,
     nvml_env: Mapping[str, str] | None = None,
     nvml: NvmlClient | None = None,
-    full: bool = True,
-    watch_probe: Probe | None = None,
-    nvml_from_daemon: bool = False,
-    served_only: bool = False,
+    why: str = "--full",
+    served: ServedPoll | None = None,
 ) -> ScanResult:
     """One collection, assessed and reported. ``nvml``: a client the caller started ahead
     (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
 
-    ``full=False`` builds on a running daemon's published holder view when there is a usable
-    one (:mod:`gpuwatchd.served.holders`): a targeted scan of its holders, NVML's processes and
-    their descendants, or a full walk whenever the daemon's own rule would walk; without a
-    usable view it walks all of ``/proc`` as ``full=True`` always does. The view is used only
-    when it is clean and ``watch_probe`` (:func:`probe_view`, taken before this process's NVML
-    worker opened any device file; taken here when None) found the daemon's watch covering
-    every device file with no event queued. ``nvml_from_daemon`` (``scan``, never
-    ``check-clean``): on a used view, take the daemon's published NVML reading when it is fresh
-    (:mod:`gpuwatchd.served.nvml`) instead of asking NVML; ``nvml`` is then never asked.
-    ``served_only`` (the daemon answering a command, :mod:`gpuwatchd.cli.served`): when the
-    view or the daemon's NVML reading is not used, return at once with no report and
-    ``declined`` saying why, rather than walk or ask NVML. Raises StateDirError when
-    ``state_dir`` exists but cannot be trusted (:func:`open_state_dir`).
+    Alone (``served`` None) it walks all of ``/proc`` and reads NVML; ``why`` is what the
+    report says of the daemon's view it did not build on. ``served``: the daemon answering a
+    ``scan`` (:mod:`gpuwatchd.cli.served`) hands in its last poll; the scan builds on that
+    poll's holder view (a targeted scan, or a walk where the daemon's own rule would walk) and
+    NVML reading when both are current (:func:`_current`), and otherwise returns at once with
+    no report and ``declined`` saying why. Raises StateDirError when ``state_dir`` exists but
+    cannot be trusted (:func:`open_state_dir`).
     """
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
-        if not full and watch_probe is None:
-            watch_probe = probe(state_dir, policy.proc_root, policy.devices_dir)
-        return _scan_host(
-            policy,
-            state_dir,
-            nvml_env=nvml_env,
-            nvml=nvml,
-            full=full,
-            watch_probe=watch_probe,
-            nvml_from_daemon=nvml_from_daemon,
-            served_only=served_only,
-        )
+        return _scan_host(policy, state_dir, nvml_env=nvml_env, nvml=nvml, why=why, served=served)
     finally:
         if state_dir is not None:
             state_dir.close()
@@ -281,10 +205,8 @@ def _scan_host(
     *,
     nvml_env: Mapping[str, str] | None,
     nvml: NvmlClient | None,
-    full: bool,
-    watch_probe: Probe | None = None,
-    nvml_from_daemon: bool = False,
-    served_only: bool = False,
+    why: str,
+    served: ServedPoll | None,
 ) -> ScanResult:
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     # As :func:`gpuwatchd.daemon.wiring.procfs_for` builds it; that module is not imported here: it
@@ -292,18 +214,17 @@ def _scan_host(
     procfs = ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major
     )
-    candidate = None if watch_probe is None else watch_probe.daemon_pid
-    daemon = running_daemon(policy, state_dir, procfs, candidate)
-    # Its processes are the daemon's own, never holders (its NVML worker holds them all).
-    daemon_pids = daemon.pids if daemon is not None else frozenset()
-    view, view_note, clean, age = _chosen_view(
-        policy, state_dir, procfs, daemon, watch_probe, full=full
-    )
-    published, nvml_note = None, "read by this scan"
-    if nvml_from_daemon:
-        published, nvml_note = _daemon_reading(state_dir, view, procfs, policy)
-    if served_only and (view is None or published is None):
-        return ScanResult(None, declined=view_note if view is None else nvml_note)
+    view, published = None, None
+    if served is None:
+        daemon = running_daemon(policy, state_dir, procfs)
+        # Its processes are the daemon's own, never holders (its NVML worker holds them all).
+        daemon_pids = daemon.pids if daemon is not None else frozenset()
+    else:
+        view, published, declined = _current(served, policy, procfs)
+        if view is None or published is None:
+            return ScanResult(None, declined=declined)
+        daemon_pids = frozenset({view.daemon_pid, *view.worker_pids})
+        why = f"built on the holder view of the daemon (pid {view.daemon_pid})"
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
@@ -323,18 +244,44 @@ def _scan_host(
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
     report, verdict = _judged_report(snapshot, saved, policy, state_dir)
-    report["daemon_view"] = _daemon_view_section(
-        view, view_note, clean, age, collector, served_only=served_only
-    )
+    report["daemon_view"] = _daemon_view_section(view, why, collector)
     report["nvml_reading"] = {
         "source": "own" if published is None else "daemon",
         "age_s": None if read_at is None else round(max(0.0, snapshot.wall_time - read_at), 3),
-        "reason": nvml_note,
+        "reason": "read by this scan"
+        if published is None
+        else f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
     }
     note = _permission_note(policy, snapshot)
     return ScanResult(
         report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
     )
+
+
+def _current(
+    served: ServedPoll, policy: Policy, procfs: ProcFS
+) -> tuple[HolderView | None, nvml_view.Published | None, str]:
+    """The daemon's last poll's holder view and NVML reading when a scan may build on both
+    now (docs/scan.md, "Answered by the daemon"); else None and why not."""
+    view = served.view
+    stale = served.stale_because(policy.proc_root, policy.devices_dir)
+    if stale is not None:
+        return None, None, f"walked: {stale}"
+    settings = (policy.proc_root, policy.devices_dir, policy.device_major)
+    why = holder_view.usable(
+        view, now_wall=time.time(), boot_id=procfs.boot_id(), settings=settings
+    )
+    if why is not None:
+        return None, None, f"the daemon's holder view is not used: {why}"
+    if _holder_replaced(procfs, view):
+        return None, None, "a holder in the daemon's view has exited"
+    if served.reading is None:
+        return view, None, "the daemon's last poll has no NVML reading"
+    published = nvml_view.Published.of(served.reading)
+    why = nvml_view.usable(published, now_wall=time.time(), interval=policy.interval)
+    if why is not None:
+        return view, None, f"the daemon's NVML reading is not used: {why}"
+    return view, published, ""
 
 
 def _collect(
@@ -394,26 +341,20 @@ def _judged_report(
 
 
 def _daemon_view_section(
-    view: HolderView | None,
-    view_note: str,
-    clean: bool | None,
-    age: float | None,
-    collector: Collector,
-    *,
-    served_only: bool,
+    view: HolderView | None, why: str, collector: Collector
 ) -> dict[str, object]:
     """The report's ``daemon_view``: whether the daemon's holder view was used and why, and
-    who answered."""
+    who answered (the daemon: it uses its view whenever it answers)."""
     return {
         "used": view is not None,
-        "reason": view_note,
+        "reason": why,
         "polled": None if view is None else view.polled,
-        "clean": clean,
-        "age": age,
+        "clean": None if view is None else True,
+        "age": None if view is None else round(max(0.0, time.time() - view.polled), 3),
         "scan_reason": None
         if collector.last_scan_reason is None
         else collector.last_scan_reason.value,
-        "answered_by": "daemon" if served_only else "this scan",
+        "answered_by": "this scan" if view is None else "daemon",
     }
 
 
@@ -458,80 +399,12 @@ def snapshot_report(
     )
 
 
-def _chosen_view(
-    policy: Policy,
-    state_dir: StateDir | None,
-    procfs: ProcFS,
-    daemon: RunningDaemon | None,
-    watch_probe: Probe | None,
-    *,
-    full: bool,
-) -> tuple[HolderView | None, str, bool | None, float | None]:
-    """The daemon's view this scan builds on (None: it walks), the report's reason, and what
-    the report says of the published view: clean or not, and its age in seconds."""
-    raw = watch_probe.view if watch_probe is not None and not full else None
-    view, view_note = daemon_view(policy, procfs, state_dir, daemon, raw)
-    clean = None if view is None else view.clean
-    age = None if view is None else round(max(0.0, time.time() - view.polled), 3)
-    if full:
-        view, view_note = None, "--full"
-    elif view is not None:
-        stale = _stale(view, watch_probe)
-        if stale is not None:
-            view, view_note, clean = None, f"walked: {stale}", False
-    if view is not None and _holder_replaced(procfs, view):
-        view, view_note = None, "a holder in the daemon's view has exited"
-    return view, view_note, clean, age
-
-
-def _stale(view: HolderView, watch_probe: Probe | None) -> str | None:
-    """Why a view that passed the identity checks may miss a holder now (None: it cannot,
-    for any open of a watched device file; :mod:`gpuwatchd.served.guard`)."""
-    if watch_probe is None:
-        return "the daemon's device watch was not asked"
-    if not watch_probe.empty:
-        return watch_probe.reason
-    if view.daemon_pid != watch_probe.daemon_pid or view.watch_fd != watch_probe.watch_fd:
-        return "the daemon's holder view changed hands while it was checked"
-    if not view.clean:
-        return "the daemon's holder view is dirty (a device file was opened; it is walking)"
-    return None
-
-
-def _daemon_reading(
-    state_dir: StateDir | None, view: HolderView | None, procfs: ProcFS, policy: Policy
-) -> tuple[nvml_view.Published | None, str]:
-    """The daemon's published NVML reading when it may stand for one taken now, with what
-    the report says of it; else None and why this scan reads NVML itself. ``view``: the
-    holder view this scan uses (its daemon holds the lock; its start ticks were checked)."""
-    if view is None or state_dir is None:
-        return None, "read by this scan: the daemon's holder view is not used"
-    published, note = nvml_view.read_published(state_dir)
-    if published is None:
-        return None, f"read by this scan: {note}"
-    why = nvml_view.usable(
-        published,
-        now_wall=time.time(),
-        boot_id=procfs.boot_id(),
-        daemon_pid=view.daemon_pid,
-        daemon_start_ticks=view.daemon_start_ticks,
-        view_polled=view.polled,
-        interval=policy.interval,
-    )
-    if why is not None:
-        return None, f"read by this scan: the daemon's NVML reading is not used: {why}"
-    return (
-        published,
-        f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
-    )
-
-
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
     """Whether a PID the view lists as a holder now names another process (its start ticks
     differ): that holder is gone, and the PID's new process is not one the view vouches
     for. Gone PIDs need no check here: the targeted scan misses them and walks."""
     for pid, ticks in view.holder_ticks.items():
-        fields = procfs.read_stat(pid)
+        fields = procfs.read_stat(pid) if ticks is not None else None
         if fields is not None and fields.starttime != ticks:
             return True
     return False

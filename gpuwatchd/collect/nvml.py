@@ -201,10 +201,9 @@ class NvmlClient:
 
         A short command calls this first thing, so the worker's start-up (an interpreter,
         pynvml, ``nvmlInit``) overlaps the caller's own; :meth:`read` then collects the reply,
-        with its deadline counted from when it is called. A worker already started
-        (:meth:`start_idle`) is sent the request. Does nothing while a request is pending, a
-        hung worker lives or a retry is backing off; a worker that cannot be started is left to
-        :meth:`read` to report.
+        with its deadline counted from when it is called. Does nothing while a request is
+        pending, a hung worker lives or a retry is backing off; a worker that cannot be started
+        is left to :meth:`read` to report.
         """
         self._reap_hung()
         if self._pending or self._hung is not None or self._retry_at is not None:
@@ -215,17 +214,6 @@ class NvmlClient:
             self._send({"op": "read"})
             self._pending = True
             self._asked_wall = time.time()
-
-    def start_idle(self) -> None:
-        """Start the worker now without asking it anything: its interpreter and pynvml load
-        while the caller goes on, and NVML itself (``nvmlInit``, which opens the device files)
-        waits for the first request (:meth:`prefetch` or :meth:`read`). ``scan`` asks the
-        daemon's device watch in between (:mod:`gpuwatchd.served.guard`)."""
-        self._reap_hung()
-        if self._proc is not None or self._hung is not None or self._retry_at is not None:
-            return
-        with contextlib.suppress(OSError):
-            self._start()
 
     def read(self) -> NvmlReading:
         """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""

@@ -49,7 +49,7 @@ from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
 from gpuwatchd.events.catalogue import hook_outcome
 from gpuwatchd.events.words import JournalNamer, finding_label
-from gpuwatchd.served.guard import early_poll_at
+from gpuwatchd.served.guard import ServedPoll, early_poll_at
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import render_accepted, save_accepted
 from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
@@ -68,9 +68,9 @@ log = structlog.get_logger("gpuwatchd")
 
 
 T = TypeVar("T")
-# What answers a `scan` that asked: (request, the daemon's main file, its state_dir); it is the
-# command line's (cli/served.py), handed in by cli/run.py.
-ScanAnswerer = Callable[[ScanRequest, str, str], ScanAnswer]
+# What answers a `scan` that asked: (request, the daemon's main file, its state_dir, its last
+# poll); it is the command line's (cli/served.py), handed in by cli/run.py.
+ScanAnswerer = Callable[[ScanRequest, str, str, ServedPoll | None], ScanAnswer]
 RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
@@ -123,7 +123,9 @@ class Daemon:
             wall_clock,
             None
             if scan_answer is None or once
-            else lambda request: scan_answer(request, self.config_path, self.policy.state_dir),
+            else lambda request, served: scan_answer(
+                request, self.config_path, self.policy.state_dir, served
+            ),
         )
         self._wire_host(policy, nvml_env=nvml_env, clock=clock, wall_clock=wall_clock, once=once)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it

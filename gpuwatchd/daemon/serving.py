@@ -1,11 +1,10 @@
-"""What the running daemon serves to ``scan``: its published files and its answers.
+"""What the running daemon serves to ``scan``: its answers, and the files it publishes.
 
-This module owns the daemon's side of the served scan (docs/scan.md, "Beside a running daemon"
-and "Answered by the daemon"): the holder view ``holders.json`` and the NVML reading
-``nvml.json`` published after each poll while the device watch works, and the socket
-``scan.sock`` on which a plain ``scan`` is answered between polls. The formats and rules are
-:mod:`gpuwatchd.served.holders`, :mod:`gpuwatchd.served.guard`, :mod:`gpuwatchd.served.nvml` and
-:mod:`gpuwatchd.served.scan_socket`'s; the answer itself is the command line's, handed in
+This module owns the daemon's side of the served scan (docs/scan.md, "Answered by the daemon"):
+the socket ``scan.sock`` on which a plain ``scan`` is answered between polls from the last
+poll's holder view and NVML reading, kept in memory, and the files ``holders.json`` and
+``nvml.json`` published from them after each poll while the device watch works. The formats
+and rules are :mod:`gpuwatchd.served`'s; the answer itself is the command line's, handed in
 (:mod:`gpuwatchd.cli.served`). It decides nothing about findings and never acts.
 """
 
@@ -25,15 +24,17 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
-from gpuwatchd.served.guard import ViewPublisher
+from gpuwatchd.served.guard import ServedPoll, ViewPublisher
+from gpuwatchd.served.holders import HolderView
 from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest, ScanServer
 from gpuwatchd.state.directory import StateDir
 
 log = structlog.get_logger("gpuwatchd")
 
-# What answers a `scan` that asked: the request alone (the daemon binds its main file and
-# state_dir in); the command line's (cli/served.py), handed in by cli/run.py.
-Answerer = Callable[[ScanRequest], ScanAnswer]
+# What answers a `scan` that asked: the request and the last poll, None when there is none to
+# serve from (the daemon binds its main file and state_dir in); the command line's
+# (cli/served.py), handed in by cli/run.py.
+Answerer = Callable[[ScanRequest, ServedPoll | None], ScanAnswer]
 
 
 class ScanServing:
@@ -50,11 +51,12 @@ class ScanServing:
         self.view = ViewPublisher(state_dir, self._view_write_failed, wall_clock)
         self._reading = nvml_view.ReadingPublisher(state_dir, self._reading_write_failed)
         self._own_start_ticks: int | None = None
+        self._last: ServedPoll | None = None  # what a scan is answered from
         self._server = (
             None
             if answer is None
             else ScanServer(
-                answer,
+                lambda request: answer(request, self._last),
                 lambda problem: log.info(EventName.DAEMON_SCAN_REQUEST_FAILED, problem=problem),
             )
         )
@@ -70,10 +72,11 @@ class ScanServing:
         dead_listed: frozenset[int],
         watch_fd: int | None,
     ) -> None:
-        """Write the holder view ``scan`` builds on: only while the device watch works, when
-        it changed, or every holder_view.REFRESH seconds; and beside it this poll's NVML
-        reading (both from the poll's report)."""
+        """Keep the poll's holder view and NVML reading (both from its report) to answer
+        ``scan`` from, and publish them: only while the device watch works; the view when it
+        changed or every holder_view.REFRESH seconds."""
         snapshot = report.snapshot
+        self._last = None
         if watch is None or not watch.available or snapshot.boot_id is None:
             return
         if self._own_start_ticks is None:
@@ -81,7 +84,7 @@ class ScanServing:
             if own is None:
                 return
             self._own_start_ticks = own.starttime
-        view = holder_view.encode(
+        view = HolderView.of(
             boot_id=snapshot.boot_id,
             daemon_pid=os.getpid(),
             daemon_start_ticks=self._own_start_ticks,
@@ -94,9 +97,9 @@ class ScanServing:
             dead_listed=dead_listed,
             watch_fd=watch_fd,
         )
-        rewritten = self.view.publish(view)
+        rewritten = self.view.publish(view.document())
         reply, asked = nvml.last_reply, nvml.last_asked_wall
-        self._reading.publish(
+        reading = (
             None
             if reply is None or asked is None
             else nvml_view.encode(
@@ -107,9 +110,10 @@ class ScanServing:
                 polled=snapshot.wall_time,
                 interval=policy.interval,
                 reply=reply,
-            ),
-            rewrite=rewritten,
+            )
         )
+        self._reading.publish(reading, rewrite=rewritten)
+        self._last = ServedPoll(view, reading, watch, self.view)
 
     def listen(self) -> None:
         """Listen for ``scan`` on the socket in ``state_dir``; without it, scans run alone."""
@@ -121,7 +125,7 @@ class ScanServing:
             log.warning(
                 EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE,
                 reason=error,
-                consequence="each scan builds on the published holder view by itself",
+                consequence="each scan walks /proc by itself",
             )
             self._server = None
 

@@ -1,7 +1,7 @@
-"""Whether the daemon's published holder view is current: the guard on both of its sides.
+"""Whether the daemon's holder view is current: the guard on its device watch.
 
-This module owns the rule that makes a served ``scan`` as right as a walk for every open of a
-watched device file (docs/scan.md, "Beside a running daemon").
+This module owns the rule that makes ``scan`` answered from the daemon's view as right as a walk
+for every open of a watched device file (docs/scan.md, "Answered by the daemon").
 
 In detail: docs/internals.md, section `gpuwatchd.served.guard`.
 """
@@ -9,22 +9,21 @@ In detail: docs/internals.md, section `gpuwatchd.served.guard`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.collect.devwatch import CAPS_FOLDER, IN_OPEN, DeviceWatch, WatchNews
 from gpuwatchd.collect.holders import match_device_name
-from gpuwatchd.served.holders import MAX_BYTES, REFRESH, VIEW_FILE
+from gpuwatchd.served.holders import REFRESH, VIEW_FILE, HolderView
 from gpuwatchd.state.directory import StateDir
 
 FIONREAD = 0x541B
-SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
 EARLY_GAP = 1.0  # seconds: an open wakes the daemon, but it walks at most once a second
 _MAX_FDINFO = 1 << 20
 
@@ -145,33 +144,6 @@ class GuardedWatch(DeviceWatch):
         return super().drain()
 
 
-@dataclass(frozen=True)
-class Probe:
-    """What :func:`probe` found: ``empty`` True when the daemon's watch covered every device
-    file and had no event queued at ``at`` (wall seconds); else False with ``reason``."""
-
-    empty: bool
-    reason: str
-    daemon_pid: int | None = None
-    watch_fd: int | None = None
-    at: float = 0.0
-    view: bytes | None = None  # holders.json as read just after the empty probe
-
-
-def _pidfd_getfd(pid: int, fd: int) -> int:
-    """A duplicate of ``fd`` of process ``pid`` (OSError when refused)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        dup: int = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
-        if dup < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        return dup
-    finally:
-        os.close(pidfd)
-
-
 def _watched(proc_root: str, fd: int) -> set[tuple[int, int]] | None:
     """(inode, kernel device number) of each ``IN_OPEN`` watch of our inotify ``fd``."""
     try:
@@ -218,69 +190,32 @@ def _device_files(devices_dir: str) -> set[tuple[int, int]] | None:
     return found
 
 
-def probe(state_dir: StateDir | None, proc_root: str, devices_dir: str) -> Probe:
-    """Ask the running daemon's watch whether a device file was opened and not yet walked
-    (module docstring). Call it before this process opens any device file itself (its NVML
-    worker does): such an open would be queued too, and make the scan walk. The view to use is
-    the one read here, after the queue was found empty (``Probe.view``)."""
-    if state_dir is None:
-        return Probe(False, "no state directory")
-    try:
-        raw = state_dir.read(VIEW_FILE, MAX_BYTES)
-    except OSError as err:
-        return Probe(False, f"no holder view ({err.strerror or err})")
-    # Only the two numbers are taken from the file here, and neither is believed: the PID must
-    # hold the instance lock, the descriptor must be an inotify watching every device file.
-    pid, fd = _numbers(raw)
-    if pid is None or fd is None:
-        return Probe(False, "the holder view names no device watch")
-    if not state_dir.lock_held_by(pid, proc_root):
-        return Probe(False, f"pid {pid} does not hold the instance lock")
-    try:
-        # The daemon answering a scan asks its own watch (cli/served.py): a plain dup, as its
-        # unit's system-call filter refuses pidfd_getfd.
-        dup = os.dup(fd) if pid == os.getpid() else _pidfd_getfd(pid, fd)
-    except OSError as err:
-        return Probe(False, f"the daemon's device watch cannot be asked: {err.strerror or err}")
-    try:
-        watched = _watched(proc_root, dup)
+@dataclass(frozen=True)
+class ServedPoll:
+    """What the daemon answers a ``scan`` from: its last poll's holder view and NVML reading
+    (:func:`gpuwatchd.served.nvml.encode`'s document; None when that read failed), with the
+    device watch and the publisher that say whether the view is still current."""
+
+    view: HolderView
+    reading: Mapping[str, Any] | None
+    watch: DeviceWatch
+    publisher: ViewPublisher
+
+    def stale_because(self, proc_root: str, devices_dir: str) -> str | None:
+        """Why the view's walk may miss an open of a watched device file now (None: it
+        cannot). The watch must still work and cover every device file, with no event queued
+        and none read since the view's walk (the publisher marked the view dirty before it
+        was read). The kernel queues ``IN_OPEN`` before ``open(2)`` returns, so an open before
+        this call is queued, or was read after that mark, or was walked since."""
+        fd = self.view.watch_fd
+        if fd is None or not self.watch.available:
+            return "the daemon's device watch is not working"
+        watched = _watched(proc_root, fd)
         devices = _device_files(devices_dir)
         if watched is None or devices is None or not devices <= watched:
-            return Probe(False, "the daemon's device watch does not cover every device file")
-        at = time.time()
-        queued = queued_bytes(dup)
-    finally:
-        os.close(dup)
-    if queued != 0:
-        return Probe(False, "a device file was opened since the daemon's last walk", pid, fd, at)
-    # Read now, before this process's NVML worker opens the device files (which would make the
-    # daemon mark its view dirty, for an open that is our own).
-    try:
-        view = state_dir.read(VIEW_FILE, MAX_BYTES + 1)
-    except OSError as err:
-        return Probe(False, f"no holder view ({err.strerror or err})")
-    return Probe(True, "no device file opened since the daemon's last walk", pid, fd, at, view)
-
-
-def probe_path(state_dir: str, proc_root: str, devices_dir: str) -> Probe:
-    """:func:`probe` for the state directory at ``state_dir`` (never raises: a directory that
-    cannot be trusted is refused later, by the scan itself)."""
-    try:
-        opened = StateDir.open(state_dir)
-    except OSError as err:
-        return Probe(False, f"no usable state directory ({err.strerror or err})")
-    try:
-        return probe(opened, proc_root, devices_dir)
-    finally:
-        opened.close()
-
-
-def _numbers(raw: bytes) -> tuple[int | None, int | None]:
-    try:
-        data = json.loads(raw)
-        pid = data["daemon"]["pid"]
-        fd = data["watch_fd"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return None, None
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in (pid, fd))
-    return (pid, fd) if ok and pid > 0 else (None, None)
+            return "the daemon's device watch does not cover every device file"
+        if queued_bytes(fd) != 0:
+            return "a device file was opened since the daemon's last walk"
+        if self.publisher.dirty:
+            return "the daemon's holder view is dirty (a device file was opened; it is walking)"
+        return None

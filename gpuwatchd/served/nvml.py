@@ -1,11 +1,10 @@
-"""The daemon's published NVML reading: what NVML said at its last poll, for ``scan`` to reuse.
+"""The daemon's NVML reading of its last poll, for ``scan`` to reuse.
 
-This module owns the file ``nvml.json`` in ``state_dir``: its format, writing it (the daemon,
-after every poll in which it serves its holder view: :class:`ReadingPublisher`, from
-:func:`encode`), reading it back as hostile input (``gpuwatchd scan``: :func:`read_published`,
-through :mod:`gpuwatchd.state.directory`'s trust rule, then :func:`parse` and :func:`usable`), and
-:class:`DaemonReading`, the NVML source a served scan's collector reads instead of starting an
-NVML worker of its own. It decides nothing about findings.
+This module owns the reading's document (:func:`encode`: the worker's reply less the Xid events
+the daemon consumed), the file ``nvml.json`` the daemon publishes it in (:class:`ReadingPublisher`),
+:class:`Published`, what the daemon answering a ``scan`` decodes it into, and
+:class:`DaemonReading`, the NVML source that scan's collector reads instead of starting an NVML
+worker of its own. It decides nothing about findings.
 
 In detail: docs/internals.md, section `gpuwatchd.served.nvml`.
 """
@@ -13,40 +12,39 @@ In detail: docs/internals.md, section `gpuwatchd.served.nvml`.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.collect.nvml import decode_gpu
-from gpuwatchd.core.model import GpuInfo, NvmlReading
-from gpuwatchd.served.holders import published_header
+from gpuwatchd.core.model import NvmlReading
 from gpuwatchd.state.directory import StateDir
 
 READING_FILE = "nvml.json"
 VERSION = 2  # 2: the file's modification time confirms an unchanged reading
-MAX_BYTES = 4 << 20
-MAX_GPUS = 1024
-MAX_PROCESSES = 65536  # per GPU
-MAX_PID = 1 << 31
-MAX_BYTES_VALUE = 1 << 64  # memory figures are unsigned 64-bit in NVML
-MAX_MINOR = 255
-MAX_UUID = 96
 READ_SLACK = 1.0  # seconds: a poll's own duration, beyond the interval between polls
 
 
 @dataclass(frozen=True)
 class Published:
-    """A validated published reading (module docstring)."""
+    """A reading the daemon published (module docstring), decoded."""
 
-    boot_id: str
     daemon_pid: int
-    daemon_start_ticks: int
     read_at: float
     polled: float
     interval: float
     reading: NvmlReading
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> Published:
+        """The reading ``doc`` (from :func:`encode`) says, its GPUs decoded as a scan's own
+        worker reply is."""
+        gpus = tuple(decode_gpu(entry) for entry in doc["gpus"])
+        return cls(
+            doc["daemon"]["pid"], doc["read_at"], doc["polled"], doc["interval"],
+            NvmlReading(available=True, driver_version=doc["driver_version"], gpus=gpus),
+        )  # fmt: skip
 
 
 def encode(
@@ -79,110 +77,10 @@ def encode(
     }
 
 
-def _int(value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"not an integer in {low}..{high}: {value!r}")
-    return value
-
-
-def _number(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"not a number: {value!r}")
-    return float(value)
-
-
-def _check_bytes(value: int | None, what: str) -> None:
-    if value is not None and not 0 <= value < MAX_BYTES_VALUE:
-        raise ValueError(f"{what} out of range: {value}")
-
-
-def _checked_gpu(raw: object) -> GpuInfo:
-    """One GPU entry decoded as a scan's own worker reply is, then bounded."""
-    if not isinstance(raw, Mapping):
-        raise ValueError("a GPU entry is not an object")
-    try:
-        gpu = decode_gpu(raw)
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
-        raise ValueError(f"a GPU entry is malformed: {err!r}"[:200]) from None
-    _int(gpu.index, 0, MAX_GPUS)
-    if gpu.minor is not None:
-        _int(gpu.minor, 0, MAX_MINOR)
-    if len(gpu.uuid) > MAX_UUID:
-        raise ValueError("a GPU's uuid is too long")
-    if gpu.memory is not None:
-        for what in ("total", "free", "reserved", "allocated", "used_v1"):
-            _check_bytes(getattr(gpu.memory, what), f"memory.{what}")
-    for processes in (
-        gpu.processes,
-        *(device.processes for device in gpu.mig_devices or ()),
-    ):
-        if processes is None:
-            continue
-        if len(processes) > MAX_PROCESSES:
-            raise ValueError("too many processes on a GPU")
-        for process in processes:
-            _int(process.pid, 0, MAX_PID)
-            _check_bytes(process.used_memory, "used_memory")
-    return gpu
-
-
-def parse(raw: bytes, *, confirmed_at: float | None = None) -> Published:
-    """Validate a published reading; ValueError naming what is wrong (never another error).
-    ``confirmed_at``: the file's modification time; when later than ``read_at``, a later poll
-    of the daemon got the same reading then (module docstring)."""
-    data, boot_id, daemon = published_header(
-        raw, max_bytes=MAX_BYTES, version=VERSION, what="NVML reading"
-    )
-    driver = data.get("driver_version")
-    if driver is not None and (not isinstance(driver, str) or len(driver) > 64):
-        raise ValueError("bad driver_version")
-    gpus = data.get("gpus")
-    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
-        raise ValueError("bad gpus")
-    read_at, polled = _number(data.get("read_at")), _number(data.get("polled"))
-    if confirmed_at is not None and math.isfinite(confirmed_at) and confirmed_at > read_at:
-        read_at, polled = confirmed_at, max(polled, confirmed_at)
-    return Published(
-        boot_id=boot_id,
-        daemon_pid=_int(daemon.get("pid"), 1, MAX_PID),
-        daemon_start_ticks=_int(daemon.get("start_ticks"), 0, 1 << 62),
-        read_at=read_at,
-        polled=polled,
-        interval=max(0.0, _number(data.get("interval"))),
-        reading=NvmlReading(
-            available=True,
-            driver_version=driver,
-            gpus=tuple(_checked_gpu(entry) for entry in gpus),
-        ),
-    )
-
-
-def usable(
-    published: Published,
-    *,
-    now_wall: float,
-    boot_id: str | None,
-    daemon_pid: int,
-    daemon_start_ticks: int | None,
-    view_polled: float,
-    interval: float,
-) -> str | None:
-    """Why ``published`` cannot stand for a reading taken now (None: it can). Pure.
-
-    ``daemon_pid``, ``daemon_start_ticks``: the daemon that holds the instance lock now, its
-    start ticks read now; ``view_polled``: the poll of the holder view this scan uses;
-    ``interval``: this scan's own policy's.
-    """
-    if boot_id is None or published.boot_id != boot_id:
-        return "written in another boot"
-    if (
-        published.daemon_pid != daemon_pid
-        or daemon_start_ticks is None
-        or published.daemon_start_ticks != daemon_start_ticks
-    ):
-        return "written by another process than the running daemon"
-    if published.polled < view_polled:
-        return "older than the daemon's holder view"
+def usable(published: Published, *, now_wall: float, interval: float) -> str | None:
+    """Why ``published`` cannot stand for a reading taken now (None: it can): it was asked for
+    longer ago than the shorter of its daemon's ``interval`` and this scan's, plus
+    :data:`READ_SLACK`, or after ``now_wall`` (the clock was set back). Pure."""
     age = now_wall - published.read_at
     limit = min(published.interval, interval) + READ_SLACK
     if age < -READ_SLACK:
@@ -190,21 +88,6 @@ def usable(
     if age > limit:
         return f"{age:.1f}s old (older than {limit:g}s)"
     return None
-
-
-def read_published(state_dir: StateDir) -> tuple[Published | None, str]:
-    """The published reading read through the trust rule and validated, else None; and, either
-    way, what was found (shown in the report when the scan reads NVML itself)."""
-    try:
-        raw, st = state_dir.read_with_stat(READING_FILE, MAX_BYTES + 1)
-    except FileNotFoundError:
-        return None, "the daemon published no NVML reading"
-    except OSError as err:
-        return None, f"the daemon's NVML reading is unusable: {err.strerror or err}"
-    try:
-        return parse(raw, confirmed_at=st.st_mtime), "the daemon's NVML reading"
-    except ValueError as err:
-        return None, f"the daemon's NVML reading is unusable: {err}"
 
 
 class DaemonReading:

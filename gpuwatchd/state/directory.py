@@ -368,18 +368,6 @@ class StateDir:
                 return pid
         return None
 
-    def lock_held_by(self, pid: int, proc_root: str = "/proc") -> bool:
-        """Whether process ``pid`` holds the instance lock now: the check :meth:`lock_holder`
-        makes of each candidate (its own ``fdinfo`` shows the exclusive ``flock`` taken by
-        itself through a descriptor of this very file), for a candidate named elsewhere,
-        without reading ``/proc/locks`` (the kernel lists that table under its file-lock
-        semaphore taken for writing, which waits for an RCU grace period: ~10 ms measured)."""
-        try:
-            st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and pid > 0 and _holds_flock(proc_root, pid, st)
-
 
 def _parse_lock_line(text: str) -> tuple[int, int] | None:
     """(pid, inode) of an exclusive ``flock`` line of /proc/locks or fdinfo; else None."""

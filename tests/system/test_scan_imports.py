@@ -1,13 +1,13 @@
 """``gpuwatchd scan`` loads only what a scan uses (issue 25: start-up is most of a small scan).
 
 End to end, inside a PID namespace: the real command line runs a scan in a fresh interpreter,
-once walking ``/proc`` (no daemon) and once served from a running daemon's holder view and
-NVML reading (no NVML worker started), and reports which modules it had loaded when it
-finished. Neither loads structlog (nor asyncio, which structlog brings), pynvml (the NVML
-worker's, in its own process), the daemon's actuator and wiring, the plan, another command's
-module, or the standard modules only a rare path needs (hashlib, platform); served, not even
-YAML and the config schema (the daemon's compiled policy). A structural property, never a
-timing.
+once with no daemon and once beside a running daemon that was not asked (the scan walks by
+itself either way; what a scan the daemon answered loads: tests/system/test_scan_answered.py),
+and reports which modules it had loaded when it finished. Neither loads structlog (nor asyncio,
+which structlog brings), pynvml (the NVML worker's, in its own process), the daemon's actuator
+and wiring, the plan, another command's module, or the standard modules only a rare path needs
+(hashlib, platform); beside the daemon, not even YAML and the config schema (the daemon's
+compiled policy). A structural property, never a timing.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ NOT_LOADED = {
 }
 
 
-# ... and what a served scan does not load either: the policy comes compiled from the daemon.
-SERVED_NOT_LOADED = {
+# ... and what a scan beside the daemon does not load either: the policy comes compiled from it.
+BESIDE_NOT_LOADED = {
     "yaml": "the daemon's compiled policy is used (gpuwatchd/state/compiled_policy.py)",
     "gpuwatchd.config.schema": "the daemon's compiled policy is used",
 }
@@ -125,7 +125,7 @@ def host_imports(arg: dict[str, Any], root: Path) -> dict[str, Any]:
             while not _clean(view) and time.monotonic() < deadline:
                 time.sleep(0.05)
             report, modules = _scan_modules(host, config)
-            out["served"] = {"view": report["daemon_view"], "nvml": report["nvml_reading"],
+            out["beside"] = {"view": report["daemon_view"], "nvml": report["nvml_reading"],
                              "modules": sorted(modules)}  # fmt: skip
         finally:
             daemon.send_signal(signal.SIGTERM)
@@ -133,18 +133,15 @@ def host_imports(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     return out
 
 
-def test_a_scan_alone_and_a_served_scan_load_no_logging_nvml_or_daemon_modules(
+def test_a_scan_alone_and_beside_the_daemon_load_no_logging_nvml_or_daemon_modules(
     tmp_path: Path,
 ) -> None:
     result = run_in_pid_namespace(f"{__name__}:host_imports", {}, root=tmp_path, timeout=120)
-    assert result["alone"]["view"]["used"] is False
-    assert result["served"]["view"]["used"] is True, result["served"]["view"]
-    # The served scan took the daemon's NVML reading: it started no NVML worker at all.
-    assert result["alone"]["nvml"]["source"] == "own"
-    assert result["served"]["nvml"]["source"] == "daemon", result["served"]["nvml"]
-    for case in ("alone", "served"):
+    for case in ("alone", "beside"):
+        assert result[case]["view"]["used"] is False
+        assert result[case]["nvml"]["source"] == "own"
         modules = set(result[case]["modules"])
         assert "gpuwatchd.cli.scan" in modules  # the probe saw a real scan
-        unwanted = {**NOT_LOADED, **(SERVED_NOT_LOADED if case == "served" else {})}
+        unwanted = {**NOT_LOADED, **(BESIDE_NOT_LOADED if case == "beside" else {})}
         loaded = {name: why for name, why in unwanted.items() if name in modules}
         assert not loaded, f"{case}: loaded {loaded}"

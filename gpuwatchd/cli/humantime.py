@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from gpuwatchd.config.units import parse_duration
+
 
 def duration(seconds: object) -> str:
     """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.
@@ -31,6 +33,17 @@ def duration(seconds: object) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m" if minutes else f"{hours}h"
     return f"{minutes}m{secs:02d}s" if secs else f"{minutes}m"
+
+
+def for_seconds(text: str, *, command: str, limit: str, maximum: float) -> float:
+    """``COMMAND --for TEXT`` in seconds, from 1s to ``maximum`` (the policy's ``limit``).
+    Raises ConfigError when TEXT is no duration, ValueError when it is out of range."""
+    seconds = parse_duration(text, where="--for")
+    if not 1 <= seconds <= maximum:
+        raise ValueError(
+            f"{command} --for {text}: must be between 1s and {limit} ({duration(maximum)})"
+        )
+    return seconds
 
 
 def until(seconds: object) -> str:

@@ -557,23 +557,17 @@ def _spare(args: argparse.Namespace) -> int:
 
 def _pause_length(text: str | None, max_pause: float) -> float:
     """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
-    from gpuwatchd.cli.humantime import duration
-    from gpuwatchd.config.units import parse_duration
+    from gpuwatchd.cli.humantime import for_seconds
     from gpuwatchd.config.yamlsrc import ConfigError
 
     if text is None:
         return max_pause
     try:
-        seconds = parse_duration(text, where="--for")
+        return for_seconds(text, command="pause", limit="limits.max_pause", maximum=max_pause)
     except ConfigError as exc:
         raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
-    if not 1 <= seconds <= max_pause:
-        raise CliError(
-            f"pause --for {text}: must be between 1s and limits.max_pause "
-            f"({duration(max_pause)}); the switch is not changed",
-            ExitCode.CONFIG,
-        )
-    return seconds
+    except ValueError as exc:
+        raise CliError(f"{exc}; the switch is not changed", ExitCode.CONFIG) from exc
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

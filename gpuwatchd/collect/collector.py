@@ -137,7 +137,8 @@ class Collector:
         )
         holders, live_listed = _scan_holders(self, poll, live_listed, news, full=full, fresh=fresh)
         holding_pids = _note_holders(self, poll, holders)
-        processes = _processes_of(self, poll, holders, live_listed, holding_pids)
+        wanted = holding_pids | set(holders.unreadable)
+        processes = _processes_of(self, poll, live_listed, wanted)
         return _snapshot(
             self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )
@@ -302,10 +303,7 @@ def _scan_holders(
     """The device files' holders: all of /proc when the full-scan rule says so, else the
     targeted scan (and all of /proc after all when a known holder is gone)."""
     reason, c._scan_state = full_scan_due(
-        poll.reading,
-        live_listed,
-        c._scan_state,
-        poll.now,
+        poll.reading, live_listed, c._scan_state, poll.now,
         interval=c.full_scan_interval,
         detection=c.detection,
         forced=full,
@@ -313,7 +311,7 @@ def _scan_holders(
         watching=news is not None and news.available,
         device_changed=news is not None and news.changed,
         backstop=c.backstop,
-    )
+    )  # fmt: skip
     c.last_scan_reason = reason
     scanner, listed, reading, self_pids = poll.scanner, poll.listed, poll.reading, poll.self_pids
     if reason is not None:
@@ -349,17 +347,12 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
 
 
 def _processes_of(
-    c: Collector,
-    poll: _Poll,
-    holders: HolderScan,
-    live_listed: dict[int, ProcessInfo],
-    holding_pids: set[int],
+    c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], wanted: set[int]
 ) -> dict[int, ProcessInfo]:
-    """The snapshot's processes: the listed ones, the holders and their ancestors, never our
+    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors, never our
     own; the facts read this poll are remembered for the next."""
     processes = dict(live_listed)
-    wanted = (holding_pids | set(holders.unreadable)) - processes.keys() - poll.self_pids
-    processes.update(c._read_processes(wanted))
+    processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
     c._add_ancestry(processes)
     c._facts = c._facts_seen
     if c._stat_files is not None:

@@ -88,9 +88,7 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
         ):
             break
         except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError("nvmlDeviceGetNvLinkState") from error
-            reader.errors.append(f"nvmlDeviceGetNvLinkState: {describe_error(error)}")
+            note_error(reader.errors, "nvmlDeviceGetNvLinkState", error)
             return None
         if state:
             active += 1
@@ -463,9 +461,7 @@ class Worker:
                     }
                 )
             except pynvml.NVMLError as error:
-                if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                    raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
-                reader.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+                note_error(reader.errors, "nvmlDeviceGetMemoryInfo_v2", error)
                 return None
             else:
                 total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
@@ -563,9 +559,7 @@ def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | N
         except pynvml.NVMLError_NotFound:
             continue
         except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError("nvmlDeviceGetMigDeviceHandleByIndex") from error
-            reader.errors.append(f"nvmlDeviceGetMigDeviceHandleByIndex: {describe_error(error)}")
+            note_error(reader.errors, "nvmlDeviceGetMigDeviceHandleByIndex", error)
             return None
         found.append(read_mig_device(reader, handle, mig, index))
     return found
@@ -644,9 +638,7 @@ def _mig_memory(own: GpuReader, mig: Any) -> dict[str, Any] | None:
                 "used_v1": int(v1.used),
             }
     except pynvml.NVMLError as error:
-        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-            raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
-        own.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+        note_error(own.errors, "nvmlDeviceGetMemoryInfo_v2", error)
     if v2 is not None:
         total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
         allocated = total - free - reserved

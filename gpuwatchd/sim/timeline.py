@@ -34,6 +34,12 @@ class TimelineEvent(str, enum.Enum):
     """The timeline's own entry names (docs/simulate.md), beside the daemon's EventName: what
     the scenario made happen (``world.*``) and the simulator's own warning (``sim.*``)."""
 
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
     START = "world.start"
     EXIT = "world.exit"
     STATE = "world.state"
@@ -44,12 +50,6 @@ class TimelineEvent(str, enum.Enum):
     XID = "world.xid"
     HEALTH = "world.health"
     BUSY_LOOP = "sim.busy_loop"
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
 
 
 @dataclass(frozen=True)

@@ -464,27 +464,9 @@ class Worker:
                 note_error(reader.errors, "nvmlDeviceGetMemoryInfo_v2", error)
                 return None
             else:
-                total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
-                allocated = total - free - reserved
-                return {
-                    "api": "v2",
-                    "total": total,
-                    "free": free,
-                    "reserved": reserved,
-                    "allocated": allocated if allocated >= 0 else None,
-                    "used_v1": None,
-                }
+                return _memory_v2(v2)
         v1 = reader.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
-        if v1 is None:
-            return None
-        return {
-            "api": "v1",
-            "total": int(v1.total),
-            "free": int(v1.free),
-            "reserved": None,
-            "allocated": None,
-            "used_v1": int(v1.used),
-        }
+        return None if v1 is None else _memory_v1(v1)
 
     def index_uses_v2(self, index: int) -> bool:
         return index not in self.memory_v1
@@ -629,28 +611,39 @@ def _mig_memory(own: GpuReader, mig: Any) -> dict[str, Any] | None:
         # ghost detection in the instance until an idle baseline is learned).
         v1 = own.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(mig))
         if v1 is not None:
-            memory = {
-                "api": "v1",
-                "total": int(v1.total),
-                "free": int(v1.free),
-                "reserved": None,
-                "allocated": None,
-                "used_v1": int(v1.used),
-            }
+            memory = _memory_v1(v1)
     except pynvml.NVMLError as error:
         note_error(own.errors, "nvmlDeviceGetMemoryInfo_v2", error)
     if v2 is not None:
-        total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
-        allocated = total - free - reserved
-        memory = {
-            "api": "v2",
-            "total": total,
-            "free": free,
-            "reserved": reserved,
-            "allocated": allocated if allocated >= 0 else None,
-            "used_v1": None,
-        }
+        memory = _memory_v2(v2)
     return memory
+
+
+def _memory_v2(v2: Any) -> dict[str, Any]:
+    """nvmlMemory_v2 as the reply says it: allocated = total - free - reserved (None when the
+    driver's figures do not add up)."""
+    total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
+    allocated = total - free - reserved
+    return {
+        "api": "v2",
+        "total": total,
+        "free": free,
+        "reserved": reserved,
+        "allocated": allocated if allocated >= 0 else None,
+        "used_v1": None,
+    }
+
+
+def _memory_v1(v1: Any) -> dict[str, Any]:
+    """nvmlMemory_t, whose "used" includes the reservation: allocated unknown."""
+    return {
+        "api": "v1",
+        "total": int(v1.total),
+        "free": int(v1.free),
+        "reserved": None,
+        "allocated": None,
+        "used_v1": int(v1.used),
+    }
 
 
 def serve(requests: IO[str], replies: IO[str]) -> int:

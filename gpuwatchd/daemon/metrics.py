@@ -28,7 +28,7 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.daemon.metrics_mig import MigGauges
+from gpuwatchd.daemon.metrics_mig import MigGauges, maker
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.plan.state import PlanState
@@ -185,9 +185,7 @@ class _GpuGauges:
     """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, GPU_LABELS, registry=registry)
-
+        gauge = maker(Gauge, registry, GPU_LABELS)
         self.allocated = gauge(
             "gpuwatchd_gpu_memory_allocated_bytes",
             "GPU memory allocated (total - free - reserved), as NVML reports it",
@@ -241,17 +239,15 @@ class _VerdictGauges:
     a GPU when the node could not be judged."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.clean = Gauge(
+        gauge = maker(Gauge, registry, GPU_LABELS)
+        self.clean = gauge(
             "gpuwatchd_gpu_clean",
             "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
-            GPU_LABELS,
-            registry=registry,
         )
-        self.reasons = Gauge(
+        self.reasons = gauge(
             "gpuwatchd_gpu_not_clean_reasons",
             "Why the GPU is not clean: the verdict's reasons, by kind",
-            (*GPU_LABELS, "kind"),
-            registry=registry,
+            ("kind",),
         )
 
     def update(self, verdict: NodeVerdict | None) -> None:
@@ -277,9 +273,7 @@ class _HealthGauges:
     health state (at most 64 distinct Xids per GPU)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, (*GPU_LABELS, *extra), registry=registry)
-
+        gauge = maker(Gauge, registry, GPU_LABELS)
         self.xids = gauge(
             "gpuwatchd_gpu_xid_events",
             "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
@@ -349,14 +343,12 @@ class _StateGauges:
     """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.findings = Gauge(
-            "gpuwatchd_findings", "Current findings, by kind", ["kind"], registry=registry
-        )
-        self.ladders = Gauge(
+        gauge = maker(Gauge, registry)
+        self.findings = gauge("gpuwatchd_findings", "Current findings, by kind", ("kind",))
+        self.ladders = gauge(
             "gpuwatchd_ladders",
             "Escalation ladders by status (active: in progress; stuck: target in D state)",
-            ["status"],
-            registry=registry,
+            ("status",),
         )
         flags = {
             "dry_run": "1 when the policy (or run --dry-run) is dry-run",
@@ -369,13 +361,10 @@ class _StateGauges:
             "policy_rejected": "1 when the last reload, or the start, rejected the policy (an "
             "older one is in force)",
         }
-        self.flags = {
-            name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
-        }
-        self.paused_until = Gauge(
+        self.flags = {name: gauge(f"gpuwatchd_{name}", doc) for name, doc in flags.items()}
+        self.paused_until = gauge(
             "gpuwatchd_paused_until_timestamp_seconds",
             "Unix time the current pause ends by itself (0 when not paused)",
-            registry=registry,
         )
 
     def update(
@@ -412,28 +401,24 @@ class _PollGauges:
     """How the last poll went: duration, time, whether it scanned all of /proc."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Summary(
+        gauge = maker(Gauge, registry)
+        self.duration = maker(Summary, registry)(
             "gpuwatchd_poll_duration_seconds",
             "Time one engine cycle took (collect, assess, plan, act)",
-            registry=registry,
         )
-        self.last_duration = Gauge(
-            "gpuwatchd_last_poll_duration_seconds",
-            "Time the last engine cycle took",
-            registry=registry,
+        self.last_duration = gauge(
+            "gpuwatchd_last_poll_duration_seconds", "Time the last engine cycle took"
         )
-        self.last_success = Gauge(
+        self.last_success = gauge(
             "gpuwatchd_last_successful_poll_timestamp_seconds",
             "Unix time the last engine cycle completed",
-            registry=registry,
         )
-        self.last_full = Gauge(
+        self.last_full = gauge(
             "gpuwatchd_last_poll_full_scan",
             "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
-            registry=registry,
         )
-        self.full_scans = Counter(
-            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders", registry=registry
+        self.full_scans = maker(Counter, registry)(
+            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
     def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
@@ -450,32 +435,25 @@ class _EventCounters:
     """Counters fed by the engine's events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.signals = Counter(
+        counter = maker(Counter, registry)
+        self.signals = counter(
             "gpuwatchd_signals",
             "Signals carried out (dry_run: would have been sent), by signal and outcome",
-            ["signal", "outcome"],
-            registry=registry,
+            ("signal", "outcome"),
         )
-        self.resets = Counter(
-            "gpuwatchd_resets", "GPU reset procedures, by result", ["result"], registry=registry
-        )
-        self.mig_recoveries = Counter(
+        self.resets = counter("gpuwatchd_resets", "GPU reset procedures, by result", ("result",))
+        self.mig_recoveries = counter(
             "gpuwatchd_mig_recoveries",
             "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
-            ["result"],
-            registry=registry,
+            ("result",),
         )
-        self.hooks = Counter(
+        self.hooks = counter(
             "gpuwatchd_hooks",
             "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
-            ["hook", "result"],
-            registry=registry,
+            ("hook", "result"),
         )
-        self.findings_new = Counter(
-            "gpuwatchd_findings_new",
-            "Findings that appeared, by kind",
-            ["kind"],
-            registry=registry,
+        self.findings_new = counter(
+            "gpuwatchd_findings_new", "Findings that appeared, by kind", ("kind",)
         )
         for result in ResetResult:  # known from the start, so increase() sees the first one
             self.resets.labels(result.value)
@@ -520,11 +498,8 @@ class Metrics:
     def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
-        Gauge(
-            "gpuwatchd_build_info",
-            "Always 1; the version label is gpuwatchd's",
-            ["version"],
-            registry=self.registry,
+        maker(Gauge, self.registry)(
+            "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(version).set(1)
         self._events = _EventCounters(self.registry)
         self._gpus = _GpuGauges(self.registry)
@@ -533,10 +508,9 @@ class Metrics:
         self._state = _StateGauges(self.registry)
         self._verdict = _VerdictGauges(self.registry)
         self._poll = _PollGauges(self.registry)
-        self._write_errors = Counter(
+        self._write_errors = maker(Counter, self.registry)(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
-            registry=self.registry,
         )
         self._written: str | None = None  # the path last written successfully
         self._last_error: str | None = None  # the failure last logged, until a write succeeds

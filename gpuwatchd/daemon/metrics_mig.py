@@ -4,7 +4,8 @@ This module owns the ``gpuwatchd_mig_instance_*`` metrics (docs/metrics.md#mig):
 ``gpu`` (the parent's UUID), ``index`` (the parent's index), ``gi`` (the GPU instance id) and
 ``instance`` (the instance's MIG UUID), all bounded by the node's hardware (at most seven GPU
 instances per GPU). Set afresh from each poll's snapshot and assessment, as the per-GPU gauges
-are (``metrics.py``); unknown values have no sample. It decides nothing.
+are (``metrics.py``); unknown values have no sample. It decides nothing. :func:`maker` is
+how every gpuwatchd metric, here and in ``metrics.py``, is made.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Durations, relative times and counts as people read them: ``9m53s``, ``in 25s``, ``3m ago``,
 ``now``, ``1 finding``.
 
-Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Pure.
+Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Also
+the one reader of ``pause --for`` and ``spare --for`` (:func:`for_seconds`). Pure.
 """
 
 from __future__ import annotations

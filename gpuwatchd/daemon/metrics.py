@@ -501,13 +501,13 @@ class Metrics:
         maker(Gauge, self.registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(version).set(1)
-        self._events = _EventCounters(self.registry)
-        self._gpus = _GpuGauges(self.registry)
-        self._health = _HealthGauges(self.registry)
-        self._mig = MigGauges(self.registry)
-        self._state = _StateGauges(self.registry)
-        self._verdict = _VerdictGauges(self.registry)
-        self._poll = _PollGauges(self.registry)
+        registry = self.registry  # the groups are made in the order the exposition lists them
+        self._events = _EventCounters(registry)
+        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), MigGauges(registry)
+        self._assessed = (gpus, mig, health)  # each set from a poll's assessment, in this order
+        self._state = _StateGauges(registry)
+        self._verdict = _VerdictGauges(registry)
+        self._poll = _PollGauges(registry)
         self._write_errors = maker(Counter, self.registry)(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
@@ -526,9 +526,8 @@ class Metrics:
         Returns why the write failed (also logged), or None. Never raises for a write.
         """
         snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
-        self._gpus.update(snapshot, assessment)
-        self._mig.update(snapshot, assessment)
-        self._health.update(snapshot, assessment)
+        for group in self._assessed:
+            group.update(snapshot, assessment)
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
         )

@@ -35,7 +35,7 @@ from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
-from gpuwatchd.state.directory import open_directory
+from gpuwatchd.state.directory import StateDir, open_directory
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -114,25 +114,9 @@ def write_textfile(path: str, data: bytes) -> None:
     """
     directory, name = os.path.split(os.path.abspath(path))
     dir_fd = open_directory(directory, owners=None, readable=False)
-    try:
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, TEXTFILE_MODE, dir_fd=dir_fd)
-        try:
-            try:
-                os.fchmod(fd, TEXTFILE_MODE)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-    finally:
-        os.close(dir_fd)
+    # The state directory's own atomic write, through this folder's descriptor (no owners).
+    with StateDir(directory, dir_fd, owners=frozenset()) as folder:
+        folder.write(name, data, mode=TEXTFILE_MODE, sync=False)
 
 
 def remove_textfile(path: str) -> bool:

@@ -387,18 +387,8 @@ def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:
 
 
 def _read_status(fd: int, into: bytearray) -> bool:
-    """Read what the keeper wrote; False at end of file."""
-    while len(into) < 4096:
-        try:
-            chunk = os.read(fd, 4096)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        if not chunk:
-            return False
-        into += chunk
-    return False
+    """Read what the keeper wrote (4 KiB at most); False at end of file."""
+    return _read_available(fd, into.extend, 4096, full=lambda: len(into) >= 4096)
 
 
 def _parse_report(raw: bytes) -> Mapping[str, object] | None:
@@ -444,16 +434,25 @@ def kill_marked(marker: bytes) -> int:
 
 def _read_into(fd: int, tail: _Tail) -> bool:
     """Read what is available; False at end of file."""
-    while True:
+    return _read_available(fd, tail.add, 65536)
+
+
+def _read_available(
+    fd: int, take: Callable[[bytes], object], size: int, full: Callable[[], bool] = lambda: False
+) -> bool:
+    """Read what the non-blocking ``fd`` holds now into ``take``: True while more may come,
+    False at end of file, on an error, or once ``full``."""
+    while not full():
         try:
-            chunk = os.read(fd, 65536)
+            chunk = os.read(fd, size)
         except BlockingIOError:
             return True
         except OSError:
             return False
         if not chunk:
             return False
-        tail.add(chunk)
+        take(chunk)
+    return False
 
 
 def _drain(fd: int, tail: _Tail, grace: float) -> None:

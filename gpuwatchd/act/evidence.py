@@ -10,7 +10,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 from gpuwatchd.core.model import ProcessInfo, Snapshot
@@ -275,28 +275,20 @@ def _encode(doc: Mapping[str, object]) -> bytes | None:
 # --- the keeper -------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class EvidenceKeeper:
     """Writes the evidence files of one daemon into its state directory.
 
     ``folder`` gives the open state directory (None when it cannot be used); ``report``
     builds the ``scan --json`` document (None: the file holds no report, saying so)."""
 
-    def __init__(
-        self,
-        folder: Callable[[], EvidenceFolder | None],
-        report: ReportBuilder | None,
-        *,
-        hostname: str | None = None,
-        version: str = "",
-        max_files: int = MAX_FILES,
-        max_bytes: int = MAX_BYTES,
-    ) -> None:
-        self.folder = folder
-        self.report = report
-        self.hostname = hostname
-        self.version = version
-        self.max_files = max_files
-        self.max_bytes = max_bytes
+    folder: Callable[[], EvidenceFolder | None]
+    report: ReportBuilder | None
+    _: KW_ONLY
+    hostname: str | None = None
+    version: str = ""
+    max_files: int = MAX_FILES
+    max_bytes: int = MAX_BYTES
 
     def keep(
         self,

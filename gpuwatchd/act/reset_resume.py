@@ -78,6 +78,29 @@ def _commands_of(
     return rebuilt
 
 
+def _read_back(
+    record: Mapping[str, object], reset: ResetPolicy, hostname: str | None
+) -> tuple[ResetStep, ResetTarget, Commands] | str | None:
+    """The record's last step, target and commands; None when the reset was done, else what
+    makes the record unreadable."""
+    try:
+        step = ResetStep(record.get("step"))
+    except ValueError:
+        step = None
+    target = _target_from(record)
+    if target is not None:
+        target = dataclasses.replace(target, hostname=hostname)
+    if step is ResetStep.DONE:
+        return None
+    if step is None or target is None:
+        return f"unreadable reset record {dict(record)!r}; nothing was changed"
+    commands = _commands_of(record, target, reset)
+    if isinstance(commands, str):
+        return (f"unreadable reset record of {target.uuid}: its recorded commands: {commands}; "
+                "nothing was changed")  # fmt: skip
+    return step, target, commands
+
+
 def _unreadable(env: ResetEnvironment, reason: str) -> ResetOutcome:
     env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
     return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
@@ -134,22 +157,12 @@ def resume_interrupted(
     ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
     ``{hostname}`` in an old record's (the recorded ones were filled in already).
     """
-    step_value = record.get("step")
-    try:
-        step = ResetStep(step_value)
-    except ValueError:
-        step = None
-    target = _target_from(record)
-    if target is not None:
-        target = dataclasses.replace(target, hostname=hostname)
-    if step is ResetStep.DONE:
+    read = _read_back(record, reset, hostname)
+    if read is None:
         return None
-    if step is None or target is None:
-        return _unreadable(env, f"unreadable reset record {dict(record)!r}; nothing was changed")
-    commands = _commands_of(record, target, reset)
-    if isinstance(commands, str):
-        return _unreadable(env, f"unreadable reset record of {target.uuid}: its recorded "
-                           f"commands: {commands}; nothing was changed")  # fmt: skip
+    if isinstance(read, str):
+        return _unreadable(env, read)
+    step, target, commands = read
 
     proc = _procedure_from(record, target, reset, env, commands, runner=runner)
     env.emit(

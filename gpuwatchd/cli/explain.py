@@ -158,31 +158,21 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
         if not finding.actionable:
             why = report_only.get(finding.gpu or "") or report_only.get("node")
             stops.append(f"report only: {why or 'the assessment marked it not actionable'}")
+        case = _Case(item, stops, finding, findings, proc, snapshot, policy, now, since)
         if finding.kind == FindingKind.GHOST_MEMORY:
-            _explain_reset(
-                item=item,
-                stops=stops,
-                finding=finding,
-                findings=findings,
-                snapshot=snapshot,
-                policy=policy,
-                now=now,
-                since=since,
-            )
+            _explain_reset(case)
             latch = kill_cap_note(0, daemon, policy.limits) if daemon.forced_dry_run else None
             if latch is not None and policy.reset.enabled and not policy.dry_run:
                 stops.append(latch)  # the latch makes every intent a dry run, resets too
         elif finding.kind in HEALTH_KINDS:
-            _explain_health(item=item, stops=stops, finding=finding, findings=findings,
-                            snapshot=snapshot, policy=policy)  # fmt: skip
+            _explain_health(case)
         elif finding.kind in kinds.LISTING:
             stops.append(
                 "never signalled: a zombie's parent must reap it"
                 if finding.kind == FindingKind.ZOMBIE
                 else "nothing to signal: the process no longer exists"
             )
-        elif _explain_process(item=item, stops=stops, finding=finding, proc=proc,
-                              snapshot=snapshot, policy=policy, now=now, since=since):  # fmt: skip
+        elif _explain_process(case):
             signalled.append((item, finding))
         if daemon.paused:
             reason = f" ({daemon.paused_reason})" if daemon.paused_reason else ""
@@ -216,19 +206,27 @@ def _new_item(finding: Finding, since: float | None) -> dict[str, object]:
     }
 
 
-def _explain_process(
-    *,
-    item: dict[str, object],
-    stops: list[str],
-    finding: Finding,
-    proc: ProcessInfo | None,
-    snapshot: Snapshot,
-    policy: Policy,
-    now: float,
-    since: float | None,
-) -> bool:
+@dataclasses.dataclass(frozen=True)
+class _Case:
+    """One finding being explained: where its answer goes (``item``, ``stops``) and what it
+    is judged with."""
+
+    item: dict[str, object]
+    stops: list[str]
+    finding: Finding
+    findings: list[Finding]
+    proc: ProcessInfo | None
+    snapshot: Snapshot
+    policy: Policy
+    now: float
+    since: float | None
+
+
+def _explain_process(case: _Case) -> bool:
     """A process finding's matching rule, its ladder and what would stop it; True when the
     rule's first step would signal it (the kill cap and the post-action delay then apply)."""
+    item, stops, finding, proc = case.item, case.stops, case.finding, case.proc
+    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
     rule = rule_for(finding, proc, policy, lasted=math.inf)
     if rule is None:
         item["no_rule_because"] = _no_rule(finding, proc, policy)
@@ -298,17 +296,10 @@ def _note_limits(
             )
 
 
-def _explain_reset(
-    *,
-    item: dict[str, object],
-    stops: list[str],
-    finding: Finding,
-    findings: list[Finding],
-    snapshot: Snapshot,
-    policy: Policy,
-    now: float,
-    since: float | None,
-) -> None:
+def _explain_reset(case: _Case) -> None:
+    """What the ``reset`` policy does with a ghost_memory finding."""
+    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
+    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
@@ -336,16 +327,10 @@ def _explain_reset(
     stops.append("the final holder scan right before the reset (any holder aborts it)")
 
 
-def _explain_health(
-    *,
-    item: dict[str, object],
-    stops: list[str],
-    finding: Finding,
-    findings: list[Finding],
-    snapshot: Snapshot,
-    policy: Policy,
-) -> None:
+def _explain_health(case: _Case) -> None:
     """What the ``health`` policy does with a health finding (docs/policy.md#health)."""
+    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
+    snapshot, policy = case.snapshot, case.policy
     health = policy.health
     item["rule"] = "health"
     now_ = _when(snapshot.wall_time, None, 0.0)  # no confirmation window: at once

@@ -1,12 +1,15 @@
 """Durations, relative times and counts as people read them: ``9m53s``, ``in 25s``, ``3m ago``,
 ``now``, ``1 finding``.
 
-Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Pure.
+Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Also
+the one reader of ``pause --for`` and ``spare --for`` (:func:`for_seconds`). Pure.
 """
 
 from __future__ import annotations
 
 import math
+
+from gpuwatchd.config.units import parse_duration
 
 
 def duration(seconds: object) -> str:
@@ -31,6 +34,17 @@ def duration(seconds: object) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m" if minutes else f"{hours}h"
     return f"{minutes}m{secs:02d}s" if secs else f"{minutes}m"
+
+
+def for_seconds(text: str, *, command: str, limit: str, maximum: float) -> float:
+    """``COMMAND --for TEXT`` in seconds, from 1s to ``maximum`` (the policy's ``limit``).
+    Raises ConfigError when TEXT is no duration, ValueError when it is out of range."""
+    seconds = parse_duration(text, where="--for")
+    if not 1 <= seconds <= maximum:
+        raise ValueError(
+            f"{command} --for {text}: must be between 1s and {limit} ({duration(maximum)})"
+        )
+    return seconds
 
 
 def until(seconds: object) -> str:

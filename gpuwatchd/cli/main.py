@@ -53,21 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    _add_scan_and_run(sub, common)
-    _add_checks(sub, common)
-    _add_simulate_and_explain(sub, common)
-    _add_pause_and_resume(sub, common)
-    _add_spare(sub, common)
-    sub.add_parser(
+    commands = _Commands(sub, common)
+    _add_scan_and_run(commands)
+    _add_checks(commands)
+    _add_simulate_and_explain(commands)
+    _add_pause_and_resume(commands)
+    _add_spare(commands)
+    commands.add(
         "reload",
-        parents=[common],
-        help="check the policy, then make the running daemon reread it (where systemd does "
+        "check the policy, then make the running daemon reread it (where systemd does "
         "not run it: a Kubernetes pod)",
     )
-    status = sub.add_parser(
+    status = commands.add(
         "status",
-        parents=[common],
-        help="what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
+        "what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     for name, command in sub.choices.items():
@@ -75,11 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_scan_and_run(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
+class _Commands:
+    """The subcommands being declared; each takes the shared ``--config`` unless given
+    another parent."""
+
+    def __init__(
+        self,
+        sub: argparse._SubParsersAction[argparse.ArgumentParser],
+        common: argparse.ArgumentParser,
+    ) -> None:
+        self.sub, self.common = sub, common
+
+    def add(
+        self, name: str, summary: str, *, parent: argparse.ArgumentParser | None = None
+    ) -> argparse.ArgumentParser:
+        parents = [self.common if parent is None else parent]
+        return self.sub.add_parser(name, parents=parents, help=summary)
+
+
+def _add_scan_and_run(commands: _Commands) -> None:
     """The commands that look at the GPUs and the one that watches them: scan, run."""
-    scan = sub.add_parser("scan", parents=[common], help="read-only report of who holds each GPU")
+    scan = commands.add("scan", "read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
         "--full",
@@ -93,7 +108,7 @@ def _add_scan_and_run(
         help="colour the text report (default: auto, when stdout is a terminal)",
     )
 
-    run = sub.add_parser("run", parents=[common], help="run the monitoring loop (the daemon)")
+    run = commands.add("run", "run the monitoring loop (the daemon)")
     run.add_argument("--dry-run", action="store_true", help="log what would be done, do nothing")
     run.add_argument(
         "--once",
@@ -116,14 +131,11 @@ def _add_scan_and_run(
     )
 
 
-def _add_checks(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
+def _add_checks(commands: _Commands) -> None:
     """The read-only checks: check-clean (a prolog's) and check-config."""
-    clean = sub.add_parser(
+    clean = commands.add(
         "check-clean",
-        parents=[common],
-        help="one read-only scan: exit 0 when the GPUs are clean, 1 when one is not (prolog)",
+        "one read-only scan: exit 0 when the GPUs are clean, 1 when one is not (prolog)",
     )
     clean.add_argument(
         "--gpu",
@@ -147,9 +159,7 @@ def _add_checks(
         "AutoDetect=nvml)",
     )
 
-    check = sub.add_parser(
-        "check-config", parents=[common], help="validate and print the effective policy"
-    )
+    check = commands.add("check-config", "validate and print the effective policy")
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
     check.add_argument(
         "-q",
@@ -159,9 +169,7 @@ def _add_checks(
     )
 
 
-def _add_simulate_and_explain(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
+def _add_simulate_and_explain(commands: _Commands) -> None:
     """The commands that say what the policy would do: simulate, explain."""
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
@@ -174,8 +182,8 @@ def _add_simulate_and_explain(
         "scenario's own policy is then ignored); default: the built-in defaults with the "
         "scenario's policy over them",
     )
-    simulate = sub.add_parser(
-        "simulate", parents=[simulate_config], help="play a scenario through the decision core"
+    simulate = commands.add(
+        "simulate", "play a scenario through the decision core", parent=simulate_config
     )
     simulate.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file")
     simulate.add_argument("--json", action="store_true", help="print the timeline as JSON")
@@ -185,18 +193,14 @@ def _add_simulate_and_explain(
         help="preview a dry-run policy as enforcing: dry_run is turned off, nothing else",
     )
 
-    explain = sub.add_parser(
-        "explain", parents=[common], help="say what the policy would do with a scan --json report"
-    )
+    explain = commands.add("explain", "say what the policy would do with a scan --json report")
     explain.add_argument("snapshot", metavar="SNAPSHOT", help="output of `gpuwatchd scan --json`")
     explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
 
-def _add_pause_and_resume(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
+def _add_pause_and_resume(commands: _Commands) -> None:
     """The maintenance switch: pause, resume."""
-    pause = sub.add_parser("pause", parents=[common], help="stop all actions (maintenance)")
+    pause = commands.add("pause", "stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
     pause.add_argument(
         "--for",
@@ -205,7 +209,7 @@ def _add_pause_and_resume(
         help="how long (30m, 2h); at most the policy's limits.max_pause, which is also how "
         "long a pause without --for lasts; the daemon resumes by itself then",
     )
-    resume = sub.add_parser("resume", parents=[common], help="allow actions again")
+    resume = commands.add("resume", "allow actions again")
     resume.add_argument(
         "--reason", default="", help=f"why (logged with {EventName.DAEMON_RESUMED})"
     )
@@ -216,14 +220,10 @@ def _add_pause_and_resume(
     )
 
 
-def _add_spare(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
+def _add_spare(commands: _Commands) -> None:
     """spare: one process or one job left alone for a while."""
-    spare = sub.add_parser(
-        "spare",
-        parents=[common],
-        help="leave one process (PID) or one job's processes (job:ID) alone for a while",
+    spare = commands.add(
+        "spare", "leave one process (PID) or one job's processes (job:ID) alone for a while"
     )
     spare.add_argument(
         "target",
@@ -543,23 +543,17 @@ def _spare(args: argparse.Namespace) -> int:
 
 def _pause_length(text: str | None, max_pause: float) -> float:
     """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
-    from gpuwatchd.cli.humantime import duration
-    from gpuwatchd.config.units import parse_duration
+    from gpuwatchd.cli.humantime import for_seconds
     from gpuwatchd.config.yamlsrc import ConfigError
 
     if text is None:
         return max_pause
     try:
-        seconds = parse_duration(text, where="--for")
+        return for_seconds(text, command="pause", limit="limits.max_pause", maximum=max_pause)
     except ConfigError as exc:
         raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
-    if not 1 <= seconds <= max_pause:
-        raise CliError(
-            f"pause --for {text}: must be between 1s and limits.max_pause "
-            f"({duration(max_pause)}); the switch is not changed",
-            ExitCode.CONFIG,
-        )
-    return seconds
+    except ValueError as exc:
+        raise CliError(f"{exc}; the switch is not changed", ExitCode.CONFIG) from exc
 
 
 def _pause(args: argparse.Namespace, *, paused: bool) -> int:

@@ -14,10 +14,9 @@ import json
 import time
 from typing import IO
 
-from gpuwatchd.cli.humantime import duration, until
+from gpuwatchd.cli.humantime import duration, for_seconds, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.config.units import parse_duration
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
@@ -45,16 +44,9 @@ def _length(text: str | None, max_spare: float) -> float:
     if text is None:
         raise SpareError("spare needs --for DURATION (how long to leave it alone)", ExitCode.CONFIG)
     try:
-        seconds = parse_duration(text, where="--for")
-    except ConfigError as exc:
+        return for_seconds(text, command="spare", limit="limits.max_spare", maximum=max_spare)
+    except (ConfigError, ValueError) as exc:
         raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
-    if not 1 <= seconds <= max_spare:
-        raise SpareError(
-            f"spare --for {text}: must be between 1s and limits.max_spare "
-            f"({duration(max_spare)}); nothing is spared",
-            ExitCode.CONFIG,
-        )
-    return seconds
 
 
 def _stamp(t: float) -> str:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.collect.devwatch import DeviceWatch
+from gpuwatchd.collect.devwatch import DeviceWatch, WatchNews
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import judge_jobs
@@ -57,6 +57,17 @@ class _Held:
     signature: _Signature
     gpus: frozenset[str]
     holding: DeviceHolding | None
+
+
+@dataclass(frozen=True)
+class _Poll:
+    """What one :meth:`Collector.collect` read first and every later step uses."""
+
+    reading: NvmlReading
+    now: float
+    listed: frozenset[int]
+    self_pids: frozenset[int]
+    scanner: HolderScanner
 
 
 @dataclass
@@ -117,102 +128,19 @@ class Collector:
         fresh = not self._facts
         self._facts_seen = {}
         live_listed = self._read_processes(listed)
-        self_pids = frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids
-        scanner = self.holders if self.holders is not None else self.procfs.holders
-
-        reason, self._scan_state = full_scan_due(
-            reading,
-            live_listed,
-            self._scan_state,
-            now,
-            interval=self.full_scan_interval,
-            detection=self.detection,
-            forced=full,
-            held_minors=self._held_minors,
-            watching=news is not None and news.available,
-            device_changed=news is not None and news.changed,
-            backstop=self.backstop,
+        poll = _Poll(
+            reading=reading,
+            now=now,
+            listed=listed,
+            self_pids=frozenset({os.getpid()}) | self.nvml.worker_pids | self.daemon_pids,
+            scanner=self.holders if self.holders is not None else self.procfs.holders,
         )
-        self.last_scan_reason = reason
-        if reason is not None:
-            holders, live_listed = self._full_scan(
-                scanner, listed, reading, live_listed if fresh else None
-            )
-        else:
-            # Descendants of every known holder, not only of listed ones: a holder's fork
-            # inherits its files without opening anything (no inotify event).
-            targets = set(listed) | set(self._known_holders)
-            files = self._stat_files
-            targets |= self.procfs.descendants(targets, None if files is None else files.children)
-            holders = self._targeted_scan(
-                scanner, sorted(targets - self_pids), reading, live_listed
-            )
-            found = frozenset(holders.holdings) - self_pids
-            if (reason := holder_gone(self._known_holders - self_pids, found)) is not None:
-                self.last_scan_reason = reason
-                self._scan_state = dataclasses.replace(self._scan_state, last_full=now)
-                holders, live_listed = self._full_scan(scanner, listed, reading)
-        holding_pids = {pid for pid in holders.holdings if pid not in self_pids}
-        self._known_holders = frozenset(holding_pids)
-        self._say_thread_tables_unread(holders, scanner)
-        # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
-        # memory beside it still asks for a full scan (decide/plan/monitors.py).
-        self._held_minors = frozenset(
-            minor
-            for pid in holding_pids
-            if holders.holdings[pid].uvm or pid in listed
-            for minor in holders.holdings[pid].gpu_minors
-        )
-
-        processes = dict(live_listed)
-        wanted = (holding_pids | set(holders.unreadable)) - processes.keys() - self_pids
-        processes.update(self._read_processes(wanted))
-        self._add_ancestry(processes)
-        self._facts = self._facts_seen
-        if self._stat_files is not None:
-            self._stat_files.retain(self._facts)
-        for pid in self_pids:
-            processes.pop(pid, None)
-
-        # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
-        if self._inheritance is None:
-            self._inheritance = InheritanceProbe(scanner, self.procfs.root)
-        file_sharing = self._inheritance.compare(processes, holders, live_listed)
-        lost_leaders = absent_leaders(self.procfs.root, processes, holding_pids)
-        jobs = judge_jobs(
-            (processes[pid] for pid in holding_pids if pid in processes),
-            self.cgroup_root,
-            self._stepd_identity,
-        )
-
-        mig_caps, mig_caps_error = None, None
-        if any(gpu.mig_enabled for gpu in reading.gpus):
-            mig_caps, mig_caps_error = read_mig_minors(self.mig_minors_file)
-
-        # Read only while NVML names the GPUs: a line of a GPU not known yet stays unread.
-        kernel_xids = () if self.kernel_log is None or not reading.gpus else self.kernel_log.read()
-
-        return Snapshot(
-            monotonic=now,
-            wall_time=self.wall_clock(),
-            boot_id=self.procfs.boot_id(),
-            nvml=reading,
-            processes=processes,
-            holders=holders,
-            self_pids=self_pids,
-            pid_max=self.procfs.pid_max(),
-            host_namespaces=self.procfs.sees_host_namespaces() if self.namespace_check else True,
-            mps_server_running=any(mps_server(p) for p in processes.values()),
-            nvidia_uvm_major=scanner.uvm_major(),
-            ended_job_dirs=jobs.ended_dirs,
-            handovers=dict(self.ended_by_scheduler),
-            job_stepds=jobs.stepds,
-            absent_pids=lost_leaders,
-            file_sharing=file_sharing,
-            mig_caps=mig_caps,
-            mig_caps_error=mig_caps_error,
-            subuid_ranges=self.subuids.ranges(),
-            kernel_xids=kernel_xids,
+        holders, live_listed = _scan_holders(self, poll, live_listed, news, full=full, fresh=fresh)
+        holding_pids = _note_holders(self, poll, holders)
+        wanted = holding_pids | set(holders.unreadable)
+        processes = _processes_of(self, poll, live_listed, wanted)
+        return _snapshot(
+            self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )
 
     def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:
@@ -361,6 +289,130 @@ class Collector:
                 continue
             held[pid] = _Held(_signature_of_info(info), gpus_of[pid], scan.holdings.get(pid))
         self._held = held
+
+
+def _scan_holders(
+    c: Collector,
+    poll: _Poll,
+    live_listed: dict[int, ProcessInfo],
+    news: WatchNews | None,
+    *,
+    full: bool,
+    fresh: bool,
+) -> tuple[HolderScan, dict[int, ProcessInfo]]:
+    """The device files' holders: all of /proc when the full-scan rule says so, else the
+    targeted scan (and all of /proc after all when a known holder is gone)."""
+    reason, c._scan_state = full_scan_due(
+        poll.reading, live_listed, c._scan_state, poll.now,
+        interval=c.full_scan_interval,
+        detection=c.detection,
+        forced=full,
+        held_minors=c._held_minors,
+        watching=news is not None and news.available,
+        device_changed=news is not None and news.changed,
+        backstop=c.backstop,
+    )  # fmt: skip
+    c.last_scan_reason = reason
+    scanner, listed, reading, self_pids = poll.scanner, poll.listed, poll.reading, poll.self_pids
+    if reason is not None:
+        return c._full_scan(scanner, listed, reading, live_listed if fresh else None)
+    # Descendants of every known holder, not only of listed ones: a holder's fork
+    # inherits its files without opening anything (no inotify event).
+    targets = set(listed) | set(c._known_holders)
+    files = c._stat_files
+    targets |= c.procfs.descendants(targets, None if files is None else files.children)
+    holders = c._targeted_scan(scanner, sorted(targets - self_pids), reading, live_listed)
+    found = frozenset(holders.holdings) - self_pids
+    if (reason := holder_gone(c._known_holders - self_pids, found)) is not None:
+        c.last_scan_reason = reason
+        c._scan_state = dataclasses.replace(c._scan_state, last_full=poll.now)
+        return c._full_scan(scanner, listed, reading)
+    return holders, live_listed
+
+
+def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
+    """Remember this poll's holders for the next one; the holding PIDs (not our own)."""
+    holding_pids = {pid for pid in holders.holdings if pid not in poll.self_pids}
+    c._known_holders = frozenset(holding_pids)
+    c._say_thread_tables_unread(holders, poll.scanner)
+    # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
+    # memory beside it still asks for a full scan (decide/plan/monitors.py).
+    c._held_minors = frozenset(
+        minor
+        for pid in holding_pids
+        if holders.holdings[pid].uvm or pid in poll.listed
+        for minor in holders.holdings[pid].gpu_minors
+    )
+    return holding_pids
+
+
+def _processes_of(
+    c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], wanted: set[int]
+) -> dict[int, ProcessInfo]:
+    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors, never our
+    own; the facts read this poll are remembered for the next."""
+    processes = dict(live_listed)
+    processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
+    c._add_ancestry(processes)
+    c._facts = c._facts_seen
+    if c._stat_files is not None:
+        c._stat_files.retain(c._facts)
+    for pid in poll.self_pids:
+        processes.pop(pid, None)
+    return processes
+
+
+def _snapshot(
+    c: Collector,
+    poll: _Poll,
+    holders: HolderScan,
+    live_listed: dict[int, ProcessInfo],
+    *,
+    processes: dict[int, ProcessInfo],
+    holding_pids: set[int],
+) -> Snapshot:
+    """The snapshot, with the evidence read last: inheritance, jobs, MIG minors, Xids."""
+    reading, scanner = poll.reading, poll.scanner
+    # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
+    if c._inheritance is None:
+        c._inheritance = InheritanceProbe(scanner, c.procfs.root)
+    file_sharing = c._inheritance.compare(processes, holders, live_listed)
+    lost_leaders = absent_leaders(c.procfs.root, processes, holding_pids)
+    jobs = judge_jobs(
+        (processes[pid] for pid in holding_pids if pid in processes),
+        c.cgroup_root,
+        c._stepd_identity,
+    )
+
+    mig_caps, mig_caps_error = None, None
+    if any(gpu.mig_enabled for gpu in reading.gpus):
+        mig_caps, mig_caps_error = read_mig_minors(c.mig_minors_file)
+
+    # Read only while NVML names the GPUs: a line of a GPU not known yet stays unread.
+    kernel_xids = () if c.kernel_log is None or not reading.gpus else c.kernel_log.read()
+
+    return Snapshot(
+        monotonic=poll.now,
+        wall_time=c.wall_clock(),
+        boot_id=c.procfs.boot_id(),
+        nvml=reading,
+        processes=processes,
+        holders=holders,
+        self_pids=poll.self_pids,
+        pid_max=c.procfs.pid_max(),
+        host_namespaces=c.procfs.sees_host_namespaces() if c.namespace_check else True,
+        mps_server_running=any(mps_server(p) for p in processes.values()),
+        nvidia_uvm_major=scanner.uvm_major(),
+        ended_job_dirs=jobs.ended_dirs,
+        handovers=dict(c.ended_by_scheduler),
+        job_stepds=jobs.stepds,
+        absent_pids=lost_leaders,
+        file_sharing=file_sharing,
+        mig_caps=mig_caps,
+        mig_caps_error=mig_caps_error,
+        subuid_ranges=c.subuids.ranges(),
+        kernel_xids=kernel_xids,
+    )
 
 
 def listed_gpus(reading: NvmlReading) -> dict[int, frozenset[str]]:

@@ -488,7 +488,6 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
     :mod:`gpuwatchd.served.nvml`, which bounds the result). KeyError, TypeError or ValueError
     on an entry not of the worker's shape."""
-    processes = raw.get("processes")
     mig = raw.get("mig_mode")
     persistence = raw.get("persistence_mode")
     name = raw.get("name")
@@ -501,16 +500,7 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         pci_bus_id=None if bus_id is None else str(bus_id),
         minor=_opt_int(raw.get("minor")),
         memory=_to_memory(raw.get("memory")),
-        processes=None
-        if processes is None
-        else tuple(
-            NvmlProcess(
-                pid=int(p["pid"]),
-                used_memory=_opt_int(p.get("used_memory")),
-                kind=str(p.get("kind") or "compute"),
-            )
-            for p in processes
-        ),
+        processes=_to_processes(raw.get("processes")),
         mig_enabled=None if mig is None else bool(mig),
         persistence_mode=None if persistence is None else bool(persistence),
         numa_node=_opt_int(raw.get("numa_node")),

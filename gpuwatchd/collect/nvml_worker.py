@@ -88,9 +88,7 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
         ):
             break
         except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError("nvmlDeviceGetNvLinkState") from error
-            reader.errors.append(f"nvmlDeviceGetNvLinkState: {describe_error(error)}")
+            note_error(reader.errors, "nvmlDeviceGetNvLinkState", error)
             return None
         if state:
             active += 1
@@ -463,32 +461,12 @@ class Worker:
                     }
                 )
             except pynvml.NVMLError as error:
-                if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                    raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
-                reader.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+                note_error(reader.errors, "nvmlDeviceGetMemoryInfo_v2", error)
                 return None
             else:
-                total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
-                allocated = total - free - reserved
-                return {
-                    "api": "v2",
-                    "total": total,
-                    "free": free,
-                    "reserved": reserved,
-                    "allocated": allocated if allocated >= 0 else None,
-                    "used_v1": None,
-                }
+                return _memory_v2(v2)
         v1 = reader.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
-        if v1 is None:
-            return None
-        return {
-            "api": "v1",
-            "total": int(v1.total),
-            "free": int(v1.free),
-            "reserved": None,
-            "allocated": None,
-            "used_v1": int(v1.used),
-        }
+        return None if v1 is None else _memory_v1(v1)
 
     def index_uses_v2(self, index: int) -> bool:
         return index not in self.memory_v1
@@ -563,9 +541,7 @@ def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | N
         except pynvml.NVMLError_NotFound:
             continue
         except pynvml.NVMLError as error:
-            if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-                raise GpuLostError("nvmlDeviceGetMigDeviceHandleByIndex") from error
-            reader.errors.append(f"nvmlDeviceGetMigDeviceHandleByIndex: {describe_error(error)}")
+            note_error(reader.errors, "nvmlDeviceGetMigDeviceHandleByIndex", error)
             return None
         found.append(read_mig_device(reader, handle, mig, index))
     return found
@@ -635,30 +611,39 @@ def _mig_memory(own: GpuReader, mig: Any) -> dict[str, Any] | None:
         # ghost detection in the instance until an idle baseline is learned).
         v1 = own.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(mig))
         if v1 is not None:
-            memory = {
-                "api": "v1",
-                "total": int(v1.total),
-                "free": int(v1.free),
-                "reserved": None,
-                "allocated": None,
-                "used_v1": int(v1.used),
-            }
+            memory = _memory_v1(v1)
     except pynvml.NVMLError as error:
-        if getattr(error, "value", None) == NVML_ERROR_GPU_IS_LOST:
-            raise GpuLostError("nvmlDeviceGetMemoryInfo_v2") from error
-        own.errors.append(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+        note_error(own.errors, "nvmlDeviceGetMemoryInfo_v2", error)
     if v2 is not None:
-        total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
-        allocated = total - free - reserved
-        memory = {
-            "api": "v2",
-            "total": total,
-            "free": free,
-            "reserved": reserved,
-            "allocated": allocated if allocated >= 0 else None,
-            "used_v1": None,
-        }
+        memory = _memory_v2(v2)
     return memory
+
+
+def _memory_v2(v2: Any) -> dict[str, Any]:
+    """nvmlMemory_v2 as the reply says it: allocated = total - free - reserved (None when the
+    driver's figures do not add up)."""
+    total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
+    allocated = total - free - reserved
+    return {
+        "api": "v2",
+        "total": total,
+        "free": free,
+        "reserved": reserved,
+        "allocated": allocated if allocated >= 0 else None,
+        "used_v1": None,
+    }
+
+
+def _memory_v1(v1: Any) -> dict[str, Any]:
+    """nvmlMemory_t, whose "used" includes the reservation: allocated unknown."""
+    return {
+        "api": "v1",
+        "total": int(v1.total),
+        "free": int(v1.free),
+        "reserved": None,
+        "allocated": None,
+        "used_v1": int(v1.used),
+    }
 
 
 def serve(requests: IO[str], replies: IO[str]) -> int:

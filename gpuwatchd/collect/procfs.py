@@ -64,6 +64,14 @@ def parse_proc_devices(text: str) -> dict[str, int]:
     return majors
 
 
+def _ns_link(path: str) -> int | OSError | None:
+    """The inode of the namespace link at ``path``, or the error that kept it unread."""
+    try:
+        return _ns_inode(os.readlink(path))
+    except OSError as error:
+        return error
+
+
 def _ns_inode(link: str) -> int | None:
     """The inode of a namespace link text such as ``pid:[4026531836]``."""
     start, end = link.find("["), link.rfind("]")
@@ -191,27 +199,20 @@ class ProcFS:
         reason), and a daemon deliberately run in a nested PID namespace (as the end-to-end
         tests do) is reported as not seeing the host, which is the safe answer.
         """
-        try:
-            pid_ns = _ns_inode(os.readlink(f"{self.root}/self/ns/pid"))
-        except OSError:
-            return None
-        if pid_ns is None:
+        pid_ns = _ns_link(f"{self.root}/self/ns/pid")
+        if pid_ns is None or isinstance(pid_ns, OSError):
             return None
         if pid_ns != PROC_PID_INIT_INO:
             return False
-        try:
-            cgroup_ns = _ns_inode(os.readlink(f"{self.root}/self/ns/cgroup"))
-        except FileNotFoundError:
+        cgroup_ns = _ns_link(f"{self.root}/self/ns/cgroup")
+        if isinstance(cgroup_ns, FileNotFoundError):
             cgroup_ns = PROC_CGROUP_INIT_INO
-        except OSError:
+        if isinstance(cgroup_ns, OSError):
             return None
         if cgroup_ns != PROC_CGROUP_INIT_INO:
             return False
-        try:
-            init_ns = _ns_inode(os.readlink(f"{self.root}/1/ns/pid"))
-        except OSError:
-            return True
-        return init_ns in (None, PROC_PID_INIT_INO)
+        init_ns = _ns_link(f"{self.root}/1/ns/pid")
+        return isinstance(init_ns, OSError) or init_ns in (None, PROC_PID_INIT_INO)
 
     # --- processes ---
 

@@ -126,29 +126,33 @@ def read_config_file(path: str) -> str:
         raise ConfigError(f"not UTF-8 text: {err.reason}", path=path, line=line) from None
 
 
-class NotARegularFile(OSError):
+class _RefusedFile(OSError):
+    """A file argument refused before it is read: its ``filename`` and why (its str)."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(why)
+        self.filename = path
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+class NotARegularFile(_RefusedFile):
     """A file argument that is a directory, FIFO, socket or device: never read. ``kind`` says
     which, in words."""
 
     def __init__(self, path: str, kind: str) -> None:
-        super().__init__(f"not a regular file ({kind})")
-        self.filename = path
+        super().__init__(path, f"not a regular file ({kind})")
         self.kind = kind
 
-    def __str__(self) -> str:
-        return f"not a regular file ({self.kind})"
 
-
-class FileTooLarge(OSError):
+class FileTooLarge(_RefusedFile):
     """A file argument larger than its limit: refused before it is parsed."""
 
     def __init__(self, path: str, limit: int) -> None:
-        super().__init__(f"larger than {limit} bytes")
-        self.filename = path
+        super().__init__(path, f"larger than {limit} bytes")
         self.limit = limit
-
-    def __str__(self) -> str:
-        return f"larger than {self.limit} bytes"
 
 
 def read_regular_file(path: str, limit: int) -> bytes:

@@ -171,28 +171,27 @@ def duration(lowest: str | int, highest: str) -> Value:
     low, high = parse_duration(lowest, where=""), parse_duration(highest, where="")
     low_text = format_duration(low) if low else "0s"
     bound = Bound("duration", low, high, low_text, format_duration(high))
-
-    def read(node: Node) -> float:
-        value = _scalar(node)
-        seconds = parse_duration(value, where=node.path)
-        _check_bound(node, seconds, bound, value)
-        return seconds
-
-    return Value(read, format_duration, bound)
+    return _with_unit(parse_duration, format_duration, bound)
 
 
 def size(lowest: int, highest: str) -> Value:
     """A size in ``lowest..highest`` bytes (``highest`` written as in YAML: ``1TiB``)."""
     high = parse_size(highest, where="")
     bound = Bound("size", lowest, high, format_size(lowest), format_size(high))
+    return _with_unit(parse_size, format_size, bound)
 
-    def read(node: Node) -> int:
+
+def _with_unit(parse: Callable[..., float], render: Renderer, bound: Bound) -> Value:
+    """A number written with its unit (``parse`` reads it; ``render`` writes it back),
+    within ``bound``."""
+
+    def read(node: Node) -> float:
         value = _scalar(node)
-        number = parse_size(value, where=node.path)
+        number = parse(value, where=node.path)
         _check_bound(node, number, bound, value)
         return number
 
-    return Value(read, format_size, bound)
+    return Value(read, render, bound)
 
 
 def optional(value: Value) -> Value:

@@ -28,14 +28,14 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.daemon.metrics_mig import MigGauges
+from gpuwatchd.daemon.metrics_mig import MigGauges, maker
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
-from gpuwatchd.state.directory import open_directory
+from gpuwatchd.state.directory import StateDir, open_directory
 
 log = structlog.get_logger("gpuwatchd")
 
@@ -114,25 +114,9 @@ def write_textfile(path: str, data: bytes) -> None:
     """
     directory, name = os.path.split(os.path.abspath(path))
     dir_fd = open_directory(directory, owners=None, readable=False)
-    try:
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, TEXTFILE_MODE, dir_fd=dir_fd)
-        try:
-            try:
-                os.fchmod(fd, TEXTFILE_MODE)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-    finally:
-        os.close(dir_fd)
+    # The state directory's own atomic write, through this folder's descriptor (no owners).
+    with StateDir(directory, dir_fd, owners=frozenset()) as folder:
+        folder.write(name, data, mode=TEXTFILE_MODE, sync=False)
 
 
 def remove_textfile(path: str) -> bool:
@@ -185,9 +169,7 @@ class _GpuGauges:
     """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, GPU_LABELS, registry=registry)
-
+        gauge = maker(Gauge, registry, GPU_LABELS)
         self.allocated = gauge(
             "gpuwatchd_gpu_memory_allocated_bytes",
             "GPU memory allocated (total - free - reserved), as NVML reports it",
@@ -241,17 +223,15 @@ class _VerdictGauges:
     a GPU when the node could not be judged."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.clean = Gauge(
+        gauge = maker(Gauge, registry, GPU_LABELS)
+        self.clean = gauge(
             "gpuwatchd_gpu_clean",
             "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
-            GPU_LABELS,
-            registry=registry,
         )
-        self.reasons = Gauge(
+        self.reasons = gauge(
             "gpuwatchd_gpu_not_clean_reasons",
             "Why the GPU is not clean: the verdict's reasons, by kind",
-            (*GPU_LABELS, "kind"),
-            registry=registry,
+            ("kind",),
         )
 
     def update(self, verdict: NodeVerdict | None) -> None:
@@ -277,9 +257,7 @@ class _HealthGauges:
     health state (at most 64 distinct Xids per GPU)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, (*GPU_LABELS, *extra), registry=registry)
-
+        gauge = maker(Gauge, registry, GPU_LABELS)
         self.xids = gauge(
             "gpuwatchd_gpu_xid_events",
             "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
@@ -349,14 +327,12 @@ class _StateGauges:
     """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.findings = Gauge(
-            "gpuwatchd_findings", "Current findings, by kind", ["kind"], registry=registry
-        )
-        self.ladders = Gauge(
+        gauge = maker(Gauge, registry)
+        self.findings = gauge("gpuwatchd_findings", "Current findings, by kind", ("kind",))
+        self.ladders = gauge(
             "gpuwatchd_ladders",
             "Escalation ladders by status (active: in progress; stuck: target in D state)",
-            ["status"],
-            registry=registry,
+            ("status",),
         )
         flags = {
             "dry_run": "1 when the policy (or run --dry-run) is dry-run",
@@ -369,13 +345,10 @@ class _StateGauges:
             "policy_rejected": "1 when the last reload, or the start, rejected the policy (an "
             "older one is in force)",
         }
-        self.flags = {
-            name: Gauge(f"gpuwatchd_{name}", doc, registry=registry) for name, doc in flags.items()
-        }
-        self.paused_until = Gauge(
+        self.flags = {name: gauge(f"gpuwatchd_{name}", doc) for name, doc in flags.items()}
+        self.paused_until = gauge(
             "gpuwatchd_paused_until_timestamp_seconds",
             "Unix time the current pause ends by itself (0 when not paused)",
-            registry=registry,
         )
 
     def update(
@@ -412,28 +385,24 @@ class _PollGauges:
     """How the last poll went: duration, time, whether it scanned all of /proc."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Summary(
+        gauge = maker(Gauge, registry)
+        self.duration = maker(Summary, registry)(
             "gpuwatchd_poll_duration_seconds",
             "Time one engine cycle took (collect, assess, plan, act)",
-            registry=registry,
         )
-        self.last_duration = Gauge(
-            "gpuwatchd_last_poll_duration_seconds",
-            "Time the last engine cycle took",
-            registry=registry,
+        self.last_duration = gauge(
+            "gpuwatchd_last_poll_duration_seconds", "Time the last engine cycle took"
         )
-        self.last_success = Gauge(
+        self.last_success = gauge(
             "gpuwatchd_last_successful_poll_timestamp_seconds",
             "Unix time the last engine cycle completed",
-            registry=registry,
         )
-        self.last_full = Gauge(
+        self.last_full = gauge(
             "gpuwatchd_last_poll_full_scan",
             "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
-            registry=registry,
         )
-        self.full_scans = Counter(
-            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders", registry=registry
+        self.full_scans = maker(Counter, registry)(
+            "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
     def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
@@ -450,32 +419,25 @@ class _EventCounters:
     """Counters fed by the engine's events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.signals = Counter(
+        counter = maker(Counter, registry)
+        self.signals = counter(
             "gpuwatchd_signals",
             "Signals carried out (dry_run: would have been sent), by signal and outcome",
-            ["signal", "outcome"],
-            registry=registry,
+            ("signal", "outcome"),
         )
-        self.resets = Counter(
-            "gpuwatchd_resets", "GPU reset procedures, by result", ["result"], registry=registry
-        )
-        self.mig_recoveries = Counter(
+        self.resets = counter("gpuwatchd_resets", "GPU reset procedures, by result", ("result",))
+        self.mig_recoveries = counter(
             "gpuwatchd_mig_recoveries",
             "Re-creations of one MIG GPU instance (reset.mig_recovery), by result",
-            ["result"],
-            registry=registry,
+            ("result",),
         )
-        self.hooks = Counter(
+        self.hooks = counter(
             "gpuwatchd_hooks",
             "Hooks run, by hook and result (ok: exit 0; failed; dry_run: not started)",
-            ["hook", "result"],
-            registry=registry,
+            ("hook", "result"),
         )
-        self.findings_new = Counter(
-            "gpuwatchd_findings_new",
-            "Findings that appeared, by kind",
-            ["kind"],
-            registry=registry,
+        self.findings_new = counter(
+            "gpuwatchd_findings_new", "Findings that appeared, by kind", ("kind",)
         )
         for result in ResetResult:  # known from the start, so increase() sees the first one
             self.resets.labels(result.value)
@@ -520,23 +482,19 @@ class Metrics:
     def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
-        Gauge(
-            "gpuwatchd_build_info",
-            "Always 1; the version label is gpuwatchd's",
-            ["version"],
-            registry=self.registry,
+        maker(Gauge, self.registry)(
+            "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(version).set(1)
-        self._events = _EventCounters(self.registry)
-        self._gpus = _GpuGauges(self.registry)
-        self._health = _HealthGauges(self.registry)
-        self._mig = MigGauges(self.registry)
-        self._state = _StateGauges(self.registry)
-        self._verdict = _VerdictGauges(self.registry)
-        self._poll = _PollGauges(self.registry)
-        self._write_errors = Counter(
+        registry = self.registry  # the groups are made in the order the exposition lists them
+        self._events = _EventCounters(registry)
+        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), MigGauges(registry)
+        self._assessed = (gpus, mig, health)  # each set from a poll's assessment, in this order
+        self._state = _StateGauges(registry)
+        self._verdict = _VerdictGauges(registry)
+        self._poll = _PollGauges(registry)
+        self._write_errors = maker(Counter, self.registry)(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
-            registry=self.registry,
         )
         self._written: str | None = None  # the path last written successfully
         self._last_error: str | None = None  # the failure last logged, until a write succeeds
@@ -552,9 +510,8 @@ class Metrics:
         Returns why the write failed (also logged), or None. Never raises for a write.
         """
         snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
-        self._gpus.update(snapshot, assessment)
-        self._mig.update(snapshot, assessment)
-        self._health.update(snapshot, assessment)
+        for group in self._assessed:
+            group.update(snapshot, assessment)
         self._state.update(
             snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
         )

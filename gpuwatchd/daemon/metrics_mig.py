@@ -4,12 +4,17 @@ This module owns the ``gpuwatchd_mig_instance_*`` metrics (docs/metrics.md#mig):
 ``gpu`` (the parent's UUID), ``index`` (the parent's index), ``gi`` (the GPU instance id) and
 ``instance`` (the instance's MIG UUID), all bounded by the node's hardware (at most seven GPU
 instances per GPU). Set afresh from each poll's snapshot and assessment, as the per-GPU gauges
-are (``metrics.py``); unknown values have no sample. It decides nothing.
+are (``metrics.py``); unknown values have no sample. It decides nothing. :func:`maker` is
+how every gpuwatchd metric, here and in ``metrics.py``, is made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.metrics import MetricWrapperBase
 
 from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.decide.assess.host_view import HostView
@@ -18,14 +23,26 @@ from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 
 MIG_LABELS = ("gpu", "index", "gi", "instance")
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def maker(
+    kind: type[M], registry: CollectorRegistry, labels: tuple[str, ...] = ()
+) -> Callable[..., M]:
+    """``make(name, doc, extra=())``: a ``kind`` metric in ``registry`` whose labels are
+    ``labels`` then ``extra`` (every metric of gpuwatchd is made this way)."""
+
+    def make(name: str, doc: str, extra: tuple[str, ...] = ()) -> M:
+        return kind(name, doc, (*labels, *extra), registry=registry)
+
+    return make
+
 
 class MigGauges:
     """Per-instance memory and findings of the node's judged MIG GPUs."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, (*MIG_LABELS, *extra), registry=registry)
-
+        gauge = maker(Gauge, registry, MIG_LABELS)
         self.allocated = gauge(
             "gpuwatchd_mig_instance_memory_allocated_bytes",
             "Memory allocated in the MIG GPU instance (shared by its compute instances)",

@@ -256,11 +256,6 @@ class _Reader(GpuReader):
         on_sigkill = self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit"
         on_exit = self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release"
         exits_at = self.duration(n) if (n := get("exits_at")) is not None else None
-        flags = {
-            key: self.boolean(n)
-            for key in ("visible", "subreaper", "stops_for_reset")
-            if (n := get(key)) is not None
-        }
         return ProcessSpec(
             name=name,
             pid=pid,
@@ -281,9 +276,9 @@ class _Reader(GpuReader):
             on_sigkill=on_sigkill,
             on_exit=on_exit,
             exits_at=exits_at,
-            visible=flags.get("visible", True),
-            subreaper=flags.get("subreaper", False),
-            stops_for_reset=flags.get("stops_for_reset", False),
+            visible=self.flag(get("visible"), True),
+            subreaper=self.flag(get("subreaper"), False),
+            stops_for_reset=self.flag(get("stops_for_reset"), False),
             files=self.choice(n, FILES) if (n := get("files")) is not None else None,
             exe_trusted=exe_trusted,
             line=m.line,

@@ -122,6 +122,10 @@ class ReaderBase:
             raise self.fail(node, f"expected true or false, got {kind_of_node(node)}")
         return value
 
+    def flag(self, node: Node | None, default: bool) -> bool:
+        """An optional true/false key: ``default`` when absent."""
+        return default if node is None else self.boolean(node)
+
     def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -205,11 +209,6 @@ class GpuReader(ReaderBase):
         instances: tuple[MigInstanceSpec, ...] = ()
         if isinstance(n := get("mig"), Map):
             instances = self.mig_instances(n)
-        flags = {
-            key: True if key == "mig" and instances else self.boolean(n)
-            for key in ("mig", "coherent", "persistence", "lost")
-            if (n := get(key)) is not None
-        }
         return GpuSpec(
             index=index,
             uuid=uuid,
@@ -220,10 +219,10 @@ class GpuReader(ReaderBase):
             allocated=allocated,
             reserved=reserved,
             leaked=leaked,
-            mig=flags.get("mig", False),
-            coherent=flags.get("coherent", False),
-            persistence=flags.get("persistence", True),
-            lost=flags.get("lost", False),
+            mig=bool(instances) or self.flag(get("mig"), False),  # a mapping of instances: on
+            coherent=self.flag(get("coherent"), False),
+            persistence=self.flag(get("persistence"), True),
+            lost=self.flag(get("lost"), False),
             health=self.health_spec(n) if (n := get("health")) is not None else HealthSpec(),
             mig_instances=instances,
         )

@@ -24,7 +24,7 @@ from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.engine.edges import PollInputs
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
-from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event
+from gpuwatchd.sim.timeline import Entry, SimulationResult, TimelineEvent, describe_event
 from gpuwatchd.sim.world import (
     WALL0,
     SimulationError,
@@ -126,6 +126,10 @@ class Simulation:
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
 
+    def happened(self, name: TimelineEvent, text: str, **fields: object) -> None:
+        """What the scenario made happen: a ``world.*`` entry, at info."""
+        self.add(name, Level.INFO, text, **fields)
+
     def pname(self, pid: object) -> str:
         if not isinstance(pid, int):
             return "pid ?"
@@ -151,7 +155,9 @@ class Simulation:
             until = self.engine.poll(PollInputs(spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
-                self.add("sim.busy_loop", Level.WARNING, "the daemon would poll in a busy loop")
+                self.add(
+                    TimelineEvent.BUSY_LOOP, Level.WARNING, "the daemon would poll in a busy loop"
+                )
                 until = self.now + self.interval
                 busy = 0
             if until > duration:
@@ -210,8 +216,8 @@ class Simulation:
         if proc.exited_at != self.now:
             return
         text = f"{proc.name} (pid {proc.pid}) exited ({why})"
-        self.add(
-            "world.exit", Level.INFO, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
+        self.happened(
+            TimelineEvent.EXIT, "; ".join([text, *notes]), process=proc.name, pid=proc.pid
         )
         if identity in self.watched:
             self.watched.discard(identity)
@@ -240,13 +246,8 @@ class Simulation:
         elif action == "start" and event.process is not None:
             spec = event.process
             proc = world.start(spec, at=self.now)
-            self.add(
-                "world.start",
-                Level.INFO,
-                f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}",
-                process=spec.name,
-                pid=spec.pid,
-            )
+            said = f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}"
+            self.happened(TimelineEvent.START, said, process=spec.name, pid=spec.pid)
             if spec.exits_at is not None:
                 self.schedule(
                     self.now + spec.exits_at, "exit", (spec.name, "exits_at", proc.start_ticks)
@@ -255,19 +256,15 @@ class Simulation:
             proc = world.by_name(event.target)
             if proc is not None and proc.alive:
                 proc.state = event.value
-                self.add(
-                    "world.state",
-                    Level.INFO,
-                    f"{proc.name} (pid {proc.pid}) is now in state {event.value}",
-                    process=proc.name,
-                    pid=proc.pid,
-                    state=event.value,
+                said = f"{proc.name} (pid {proc.pid}) is now in state {event.value}"
+                self.happened(
+                    TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state=event.value
                 )
         elif action == "reap" and event.target is not None:
             proc = world.by_name(event.target)
             if proc is not None and proc.present and not proc.alive:
                 world.reap(proc)
-                self.add("world.reap", Level.INFO, f"zombie {proc.name} was reaped", pid=proc.pid)
+                self.happened(TimelineEvent.REAP, f"zombie {proc.name} was reaped", pid=proc.pid)
 
     def _apply_to_gpu(self, event: EventSpec) -> None:
         """A GPU's step: its allocated memory, a leak on exit, the next reset's result, an Xid,
@@ -278,39 +275,29 @@ class Simulation:
             gpu = world.gpus[event.gpu]
             charged = world.allocated(gpu) - gpu.base
             gpu.base = max(0, event.memory - charged)
-            self.add(
-                "world.memory",
-                Level.INFO,
-                f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}",
-                gpu=gpu.spec.uuid,
-                allocated=event.memory,
-            )
+            said = f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}"
+            self.happened(TimelineEvent.MEMORY, said, gpu=gpu.spec.uuid, allocated=event.memory)
         elif action == "memory_stays_allocated" and event.target is not None:
             world.leak_on_exit.add(event.target)
-            self.add(
-                "world.leak",
-                Level.INFO,
-                f"{event.target}'s GPU memory will stay allocated after it exits (driver fault)",
-                process=event.target,
-            )
+            said = f"{event.target}'s GPU memory will stay allocated after it exits (driver fault)"
+            self.happened(TimelineEvent.LEAK, said, process=event.target)
         elif action == "reset_result" and event.value is not None:
             world.reset_results.append(event.value)
-            self.add(
-                "world.reset_result",
-                Level.INFO,
-                f"the next GPU reset will end: {event.value}",
-                result=event.value,
-            )
+            said = f"the next GPU reset will end: {event.value}"
+            self.happened(TimelineEvent.RESET_RESULT, said, result=event.value)
         elif action == "xid" and event.gpu is not None and event.xid is not None:
             world.gpus[event.gpu].xids.append((event.xid, self.now))
-            self.add("world.xid", Level.INFO, f"GPU {event.gpu}: Xid {event.xid}",
-                     gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid)  # fmt: skip
+            said = f"GPU {event.gpu}: Xid {event.xid}"
+            self.happened(
+                TimelineEvent.XID, said, gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid
+            )
         elif action == "health" and event.gpu is not None and event.health is not None:
             gpu = world.gpus[event.gpu]
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
             said = ", ".join(f"{k}={v}" for k, v in event.health.items())
-            self.add("world.health", Level.INFO, f"GPU {event.gpu}: {said}",
-                     gpu=gpu.spec.uuid, **event.health)  # fmt: skip
+            self.happened(
+                TimelineEvent.HEALTH, f"GPU {event.gpu}: {said}", gpu=gpu.spec.uuid, **event.health
+            )
 
     def react(self, proc: WorldProc, signal: str) -> None:
         spec = proc.spec
@@ -319,14 +306,8 @@ class Simulation:
         if signal == "SIGKILL":
             if spec.on_sigkill == "stuck":
                 proc.state = "D"
-                self.add(
-                    "world.state",
-                    Level.INFO,
-                    f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL",
-                    process=proc.name,
-                    pid=proc.pid,
-                    state="D",
-                )
+                said = f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL"
+                self.happened(TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state="D")
             else:
                 self.schedule(
                     self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks)

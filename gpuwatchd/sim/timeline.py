@@ -8,6 +8,7 @@ the JSON form. It decides nothing. Output formats are documented in ``docs/simul
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,28 @@ class Names(Protocol):
     def pname(self, pid: object) -> str: ...
 
     def gname(self, uuid: object) -> str: ...
+
+
+class TimelineEvent(str, enum.Enum):
+    """The timeline's own entry names (docs/simulate.md), beside the daemon's EventName: what
+    the scenario made happen (``world.*``) and the simulator's own warning (``sim.*``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    START = "world.start"
+    EXIT = "world.exit"
+    STATE = "world.state"
+    REAP = "world.reap"
+    MEMORY = "world.memory"
+    LEAK = "world.leak"
+    RESET_RESULT = "world.reset_result"
+    XID = "world.xid"
+    HEALTH = "world.health"
+    BUSY_LOOP = "sim.busy_loop"
 
 
 @dataclass(frozen=True)

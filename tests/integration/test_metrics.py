@@ -189,7 +189,7 @@ def test_a_failed_rename_leaves_the_old_file_and_no_temporary_file(
     def refuse(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError(28, "No space left on device", dst)
 
-    monkeypatch.setattr(os, "replace", refuse)
+    monkeypatch.setattr(os, "rename", refuse)  # the state directory's atomic write
     metrics = Metrics(str(textfile))
     with structlog.testing.capture_logs() as logs:
         error = poll(metrics, host())

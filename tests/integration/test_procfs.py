@@ -226,6 +226,23 @@ def test_sees_host_namespaces(
     assert ProcFS(str(fake.root)).sees_host_namespaces() is expected
 
 
+@pytest.mark.parametrize(
+    ("link", "target", "expected"),
+    [
+        ("pid", "pid:[garbled", None),  # our own PID namespace unknown: no answer
+        ("cgroup", "cgroup:[garbled", False),  # a cgroup namespace not known to be the host's
+    ],
+)
+def test_sees_host_namespaces_with_an_unparsable_link(
+    fake: FakeProc, link: str, target: str, expected: bool | None
+) -> None:
+    fake.add(600)
+    fake.set_self(600, pid_ns=PROC_PID_INIT_INO, cgroup_ns=PROC_CGROUP_INIT_INO)
+    (fake.root / "600" / "ns" / link).unlink()
+    (fake.root / "600" / "ns" / link).symlink_to(target)
+    assert ProcFS(str(fake.root)).sees_host_namespaces() is expected
+
+
 @pytest.mark.parametrize("children_files", [True, False], ids=["children-files", "stat-scan"])
 def test_children_and_descendants(tmp_path: Path, children_files: bool) -> None:
     fake = FakeProc(tmp_path / "proc", children_files=children_files)

@@ -120,6 +120,34 @@ def test_pause_for_longer_than_max_pause_is_refused_and_nothing_changes(
     assert saved["until_boot"] - saved["since_boot"] == pytest.approx(1800)  # the boot clock
 
 
+_BAD = "--for: invalid duration '{}' (use a number with a unit: ms, s, m, h, d; e.g. '500ms', '30s', '1h30m')"  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["pause", "--for", "2h"],
+         "pause --for 2h: must be between 1s and limits.max_pause (1h); the switch is not changed"),
+        (["pause", "--for", "xyz"],
+         _BAD.format("xyz") + " (the switch is not changed)"),
+        (["spare", "job:42", "--for", "2h"],
+         "spare --for 2h: must be between 1s and limits.max_spare (1h); nothing is spared"),
+        (["spare", "job:42", "--for", "0s"],
+         "spare --for 0s: must be between 1s and limits.max_spare (1h); nothing is spared"),
+        (["spare", "job:42", "--for", "abc"], _BAD.format("abc") + "; nothing is spared"),
+    ],
+)  # fmt: skip
+def test_a_for_out_of_range_or_no_duration_is_refused_with_what_stays_unchanged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """pause and spare share one --for reader; each still says what it left unchanged."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\nlimits:\n  max_pause: 1h\n  max_spare: 1h\n")
+    assert main([*args, "--config", str(config)]) == 78
+    assert capsys.readouterr().err == f"gpuwatchd: {said}\n"
+    assert not (tmp_path / "st" / PAUSE_FILE).exists()
+
+
 def _written(saved: Mapping[str, object]) -> dict[str, object]:
     """``saved`` with the status document the daemon would write at NOW."""
     return with_document(saved, policy=default_policy(), wall=NOW, monotonic=None)

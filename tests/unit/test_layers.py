@@ -220,7 +220,6 @@ FUNCTION_LINES = 60
 CLASS_LINES = 300
 # fmt: off
 LONG_DEFINITIONS = {
-    "collect.collector:Collector.collect": "one snapshot: NVML, /proc, holders, jobs, in order",
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "collect.nvml:NvmlClient": "the NVML worker's client: start, ask, time out, restart",
     "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from pathlib import Path
 
@@ -546,3 +547,19 @@ def test_mig_gpu_reset_layout_is_only_reported_without_allow_mig(tmp_path: Path)
     r = simulate(load_scenario(str(SCENARIOS / "mig-gpu-reset-layout.yaml")), str(config))
     assert r.resets() == []
     assert r.signals() == []
+
+
+def test_every_timeline_name_is_a_daemon_event_or_a_timeline_event_written_as_its_value() -> None:
+    """The simulator's own names (world.*, sim.*) are one enum beside EventName; the JSON
+    carries the plain name, as docs/simulate.md says."""
+    from gpuwatchd.core.vocabulary import EventName
+    from gpuwatchd.sim.timeline import TimelineEvent
+
+    r = run("mig-notebook-kernel-died")
+    names = {e.name for e in r.timeline}
+    assert all(isinstance(n, EventName | TimelineEvent) for n in names), names
+    assert TimelineEvent.EXIT in names
+    printed = json.loads(json.dumps(r.to_json()))
+    events = {entry["event"] for entry in printed["timeline"]}
+    assert "world.exit" in events
+    assert f"{TimelineEvent.XID}" == str(TimelineEvent.XID) == "world.xid"

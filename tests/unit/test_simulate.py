@@ -76,6 +76,18 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "no process named",
         ),
         ("duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n", 4, "events[0]", "exactly one"),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    visible: 3\n",
+            5,
+            "processes[0].visible",
+            "expected true or false",
+        ),
+        (
+            "duration: 1m\ngpus:\n  - index: 0\n    persistence: yes please\n",
+            4,
+            "gpus[0].persistence",
+            "expected true or false",
+        ),
         ("duration: [1m\n", 2, None, "YAML syntax"),
     ],
 )
@@ -88,6 +100,16 @@ def test_malformed_scenario_names_line_and_field(
     assert err.value.key == key
     assert message in err.value.message
     assert str(err.value).startswith(f"s.yaml:{line}: ")
+
+
+def test_a_scenario_s_true_false_keys_take_their_defaults_when_absent() -> None:
+    text = "duration: 1m\ngpus: [{index: 0}, {index: 1, lost: true, persistence: false}]\n"
+    text += "processes: [{name: a}, {name: b, visible: false, subreaper: true}]\n"
+    scenario = parse_scenario("s.yaml", text)
+    gpus = [(g.mig, g.coherent, g.persistence, g.lost) for g in scenario.gpus]
+    assert gpus == [(False, False, True, False), (False, False, False, True)]
+    procs = [(p.visible, p.subreaper, p.stops_for_reset) for p in scenario.processes]
+    assert procs == [(True, False, False), (False, True, False)]
 
 
 def test_inline_policy_errors_keep_the_scenario_line_numbers() -> None:

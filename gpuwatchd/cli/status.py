@@ -21,17 +21,21 @@ from gpuwatchd.core.checked import as_flag as _bool
 from gpuwatchd.core.checked import as_list as _seq
 from gpuwatchd.core.checked import as_map as _map
 from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.checked import as_one_of
 from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import as_int as _int
 from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import SavedState, read_saved_state
 from gpuwatchd.state.status_document import (
+    ACTION,
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
     MAX_ACTIONS,
-    NVML_STATES,
+    NVML,
+    REJECTED,
     build_document,
 )
 
@@ -197,14 +201,14 @@ def _document_sections(
 ) -> dict[str, object]:
     """The status document's sections as ``status --json`` shows them, each value checked, its
     due times placed from ``now_wall``."""
-    kill_cap = _pick(doc.get("kill_cap"), _KILL_CAP)
-    breaker = _pick(doc.get("circuit_breaker"), _BREAKER)
+    kill_cap = pick(doc.get("kill_cap"), _KILL_CAP)
+    breaker = pick(doc.get("circuit_breaker"), _BREAKER)
     return {
-        **_pick(doc, _MODES),
+        **pick(doc, _MODES),
         "kill_cap": kill_cap,
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-        "nvml": _pick(doc.get("nvml"), _NVML),
+        "nvml": pick(doc.get("nvml"), NVML),
         "spares": [s for s in _rows(doc.get("spares"), _SPARE, 64) if s["target"] is not None],
         "gpus": _count(doc.get("gpus")),
         "findings": _count(doc.get("findings")),
@@ -214,7 +218,7 @@ def _document_sections(
         "document": _num(doc.get("written_at")),
         "ladders": [_due_in(lad, now_wall) for lad in _rows(doc.get("ladders"), _LADDER, 1024)],
         "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
-        "recent_actions": _rows(doc.get("recent_actions"), _ACTION, MAX_ACTIONS, newest=True),
+        "recent_actions": _rows(doc.get("recent_actions"), ACTION, MAX_ACTIONS, newest=True),
         "resets": _resets(doc.get("resets"), now_wall),
     }
 
@@ -281,10 +285,6 @@ def _why_not_running(
 _Check = Callable[[object], object]
 
 
-def _one_of(*allowed: str) -> _Check:
-    return lambda value: value if isinstance(value, str) and value in allowed else None
-
-
 def _texts(value: object) -> list[str]:
     return [v for v in _seq(value)[:64] if isinstance(v, str)]
 
@@ -293,22 +293,17 @@ def _numbers(value: object) -> list[float]:
     return [n for v in _seq(value)[:256] if (n := _num(v)) is not None]
 
 
-def _pick(raw: object, spec: Mapping[str, _Check]) -> dict[str, object]:
-    row = _map(raw)
-    return {key: check(row.get(key)) for key, check in spec.items()}
-
-
 def _rows(
     raw: object, spec: Mapping[str, _Check], limit: int, *, newest: bool = False
 ) -> list[dict[str, object]]:
     items = _seq(raw)
     chosen = items[-limit:] if newest else items[:limit]
-    return [_pick(item, spec) for item in chosen]
+    return [pick(item, spec) for item in chosen]
 
 
 _MODES: Mapping[str, _Check] = {
-    "mode": _one_of("enforcing", "dry-run"),
-    "effective_mode": _one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
+    "mode": as_one_of("enforcing", "dry-run"),
+    "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
     "paused": _bool,
     "paused_reason": _str,
     "paused_until": _num,
@@ -323,22 +318,15 @@ _KILL_CAP: Mapping[str, _Check] = {
     "max_per_poll": _count,
 }
 _BREAKER: Mapping[str, _Check] = {"open": _bool, "failures": _count, "max_failures": _count}
-_NVML: Mapping[str, _Check] = {"state": _one_of(*NVML_STATES), "error": _str, "since": _num}
 _SPARE: Mapping[str, _Check] = {"target": _str, "until": _num, "reason": _str}
 _GPU: Mapping[str, _Check] = {
     "index": _int,
     "uuid": _str,
-    "state": _one_of("clean", "dirty", "unknown"),
+    "state": as_one_of("clean", "dirty", "unknown"),
     "kind": _str,
     "reason": _str,
     "reasons": _count,
     "reset_blockers": _count,
-}
-_REJECTED: Mapping[str, _Check] = {
-    "at": _num,
-    "error": _str,
-    "at_start": lambda v: v is True,
-    "running": _str,
 }
 _LADDER: Mapping[str, _Check] = {
     "target": _str,
@@ -347,7 +335,7 @@ _LADDER: Mapping[str, _Check] = {
     "gpu": _str,
     "finding": _str,
     "label": _str,
-    "status": _one_of(*LadderStatus),
+    "status": as_one_of(*LadderStatus),
     "dry_run": _bool,
     "step": _count,
     "steps": _count,
@@ -357,17 +345,6 @@ _LADDER: Mapping[str, _Check] = {
     "started": _num,
 }
 _PENDING: Mapping[str, _Check] = {"finding": _str, "label": _str, "due": _num}
-_ACTION: Mapping[str, _Check] = {
-    "at": _num,
-    "event": _str,
-    "gpu": _str,
-    "pid": _int,
-    "signal": _str,
-    "hook": _str,
-    "outcome": _str,
-    "dry_run": _bool,
-    "sentence": _str,
-}
 _IN_PROGRESS: Mapping[str, _Check] = {
     "gpu": _str, "pci_bus_id": _str, "step": _str, "since": _num, "instance": _str, "gi": _int,
 }  # fmt: skip
@@ -407,7 +384,7 @@ def _policy(raw: object) -> dict[str, object]:
     rejected = policy.get("rejected")
     return {
         "files": _texts(files) if isinstance(files, list) else None,
-        "rejected": _pick(rejected, _REJECTED) if isinstance(rejected, Mapping) else None,
+        "rejected": pick(rejected, REJECTED) if isinstance(rejected, Mapping) else None,
     }
 
 
@@ -425,7 +402,7 @@ def _resets(raw: object, now_wall: float) -> dict[str, object]:
         "cooldown": _num(resets.get("cooldown")),
         "max_resets": _count(resets.get("max_resets")),
         "window": _num(resets.get("window")),
-        "in_progress": _pick(progress, _IN_PROGRESS) if isinstance(progress, Mapping) else None,
+        "in_progress": pick(progress, _IN_PROGRESS) if isinstance(progress, Mapping) else None,
         "gpus": gpus,
     }
 

@@ -31,6 +31,7 @@ from gpuwatchd.events.words import (
     Namer,
     Said,
     dry,
+    outcome_table,
     short,
     short_sentence,
     spec,
@@ -95,22 +96,23 @@ def _zombie(s: Said) -> str:
 # --- carrying out --------------------------------------------------------------------------------
 
 
+_SIGNAL = outcome_table(
+    SignalOutcome,
+    """
+    delivered Sent {signal} to {who}{why}.
+    dry_run   Dry run: would send {signal} to {who}{why}.
+    denied    Sending {signal} to {who} was denied (no permission).
+    gone      {signal} not sent: {who} had already exited.
+    reused    {signal} not sent: {pid} now belongs to another process.
+    zombie    {signal} not sent: {who} is a zombie.
+    *         Sending {signal} to {who} failed: {detail}.
+    """,
+)
+
+
 def _signal(s: Said) -> str:
-    sig, who, outcome = s("signal"), s.target(), s.f.get("outcome")
     why = f" (rule {s('rule')}, step {s('step')})" if s.has("rule") else ""
-    if outcome == SignalOutcome.DELIVERED:
-        return f"Sent {sig} to {who}{why}."
-    if outcome == SignalOutcome.DRY_RUN:
-        return f"Dry run: would send {sig} to {who}{why}."
-    if outcome == SignalOutcome.DENIED:
-        return f"Sending {sig} to {who} was denied (no permission)."
-    if outcome == SignalOutcome.GONE:
-        return f"{sig} not sent: {who} had already exited."
-    if outcome == SignalOutcome.REUSED:
-        return f"{sig} not sent: {s.pid()} now belongs to another process."
-    if outcome == SignalOutcome.ZOMBIE:
-        return f"{sig} not sent: {who} is a zombie."
-    return f"Sending {sig} to {who} failed: {s('detail')}."
+    return s.by_outcome(_SIGNAL, s.f.get("outcome"), who=s.target(), why=why, pid=s.pid())
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
@@ -135,22 +137,31 @@ HOOK_SUCCEEDED = "exit 0"
 _HOOK_OUTCOMES = frozenset(member.value for member in HookOutcome)
 
 
+_HOOK = outcome_table(
+    HookOutcome,
+    """
+    dry_run   Dry run: would run the {hook} hook {argv}{why}.
+    dropped   The {hook} hook was not run: {detail}{why}.
+    cancelled The {hook} hook was cancelled: {stopped}.
+    crashed   An {hook} notification crashed: {error}.
+    error     The {hook} hook {argv} failed: {error}.
+    timed_out The {hook} hook {argv} timed out{why}.
+    *         Ran the {hook} hook {argv}: exit status {returncode}{why}.
+    """,
+    "error",
+    "timed_out",
+)
+
+
 def _hook(s: Said) -> str:
-    hook, argv, outcome = s("hook", "a"), s.argv(), hook_outcome(s.f)
-    why = f" ({s('reason')})" if s.has("reason") else ""
-    if outcome == HookOutcome.DRY_RUN:
-        return f"Dry run: would run the {hook} hook {argv}{why}."
-    if outcome == HookOutcome.DROPPED:
-        return f"The {hook} hook was not run: {s('detail')}{why}."
-    if outcome == HookOutcome.CANCELLED:
-        return f"The {hook} hook was cancelled: {s('detail', 'the daemon stopped')}."
-    if outcome == HookOutcome.CRASHED:
-        return f"An {hook} notification crashed: {s('error')}."
-    if outcome == "error":
-        return f"The {hook} hook {argv} failed: {s('error')}."
-    if outcome == "timed_out":
-        return f"The {hook} hook {argv} timed out{why}."
-    return f"Ran the {hook} hook {argv}: exit status {s('returncode')}{why}."
+    return s.by_outcome(
+        _HOOK,
+        hook_outcome(s.f),
+        hook=s("hook", "a"),
+        argv=s.argv(),
+        why=f" ({s('reason')})" if s.has("reason") else "",
+        stopped=s("detail", "the daemon stopped"),
+    )
 
 
 # --- the reset: one story ------------------------------------------------------------------------
@@ -569,13 +580,16 @@ def notification(fields: Mapping[str, object], namer: Namer | None = None) -> st
     return f"{s.process()}{owner} on {s.gpu()}, signalled{rule}, {said}{why}."
 
 
-_ENDED: Mapping[str, str] = {
-    ActionOutcome.FREED.value: "was stopped; its GPU memory is freed",
-    ActionOutcome.RELEASED.value: "no longer holds the GPU",
-    ActionOutcome.SURVIVED.value: "survived the last signal and is left alone",
-    ActionOutcome.STUCK.value: "is stuck in D state and cannot be killed",
-    ActionOutcome.FAILED.value: "could not be signalled",
-}
+_ENDED = outcome_table(
+    ActionOutcome,
+    """
+    freed    was stopped; its GPU memory is freed
+    released no longer holds the GPU
+    survived survived the last signal and is left alone
+    stuck    is stuck in D state and cannot be killed
+    failed   could not be signalled
+    """,
+)
 
 
 # --- what the journal calls an event ------------------------------------------------------------

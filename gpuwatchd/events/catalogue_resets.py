@@ -33,6 +33,7 @@ from gpuwatchd.events.words import (
     EventSpec,
     Said,
     dry,
+    outcome_table,
     short,
     spec,
 )
@@ -46,22 +47,25 @@ def _reset_of(s: Said) -> str:
     return f"Reset of {s.gpu()}"
 
 
-_STEP_STATUS: Mapping[str, str] = {
-    ResetStepStatus.OK.value: "done",
-    ResetStepStatus.CLEAR.value: "no other process holds the GPU",
-    ResetStepStatus.BLOCKED.value: "blocked by",
-    ResetStepStatus.SKIPPED.value: "skipped",
-    ResetStepStatus.FAILED.value: "FAILED",
-    ResetStepStatus.WOULD_RUN.value: "would run",
-    ResetStepStatus.RECORD_FAILED.value: "could not be recorded in the state file",
-    ResetStepStatus.MEMORY_UNKNOWN.value: "memory could not be read",
-    ResetStepStatus.WOULD_WAIT_FABRIC.value: "would wait for the NVLink fabric",
-    ResetStepStatus.FABRIC_WAITING.value: "waiting for the NVLink fabric",
-    ResetStepStatus.FABRIC_COMPLETED.value: "the NVLink fabric is back",
-    ResetStepStatus.FABRIC_STUCK.value: "the NVLink fabric is STUCK",
-    ResetStepStatus.AS_PLANNED.value: "the GPU read again is as planned",
-    ResetStepStatus.CHANGED.value: "the GPU read again is NOT as planned",
-}
+_STEP_STATUS = outcome_table(
+    ResetStepStatus,
+    """
+    ok                done
+    clear             no other process holds the GPU
+    blocked           blocked by
+    skipped           skipped
+    failed            FAILED
+    would_run         would run
+    record_failed     could not be recorded in the state file
+    memory_unknown    memory could not be read
+    would_wait_fabric would wait for the NVLink fabric
+    fabric_waiting    waiting for the NVLink fabric
+    fabric_completed  the NVLink fabric is back
+    fabric_stuck      the NVLink fabric is STUCK
+    as_planned        the GPU read again is as planned
+    changed           the GPU read again is NOT as planned
+    """,
+)
 
 
 def _reset_step(s: Said) -> str:
@@ -100,36 +104,42 @@ def _reset_finished(s: Said) -> str:
     return dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
 
 
+_RESET_OUTCOME = outcome_table(
+    ResetResult,
+    """
+    success {gpu} was reset.
+    dry_run Dry run: {gpu} would have been reset{why}.
+    refused Reset of {gpu} refused at step {step} and undone{why}.
+    in_use  Reset of {gpu} refused by the driver (in use){why}.
+    timeout Reset of {gpu} timed out at step {step}.
+    *       Reset of {gpu} failed at step {step}{why}.
+    """,
+)
+# ``reset.outcome`` of a MIG GPU instance's re-creation (``instance`` is set).
+_RECOVERY_OUTCOME = outcome_table(
+    ResetResult,
+    """
+    success {instance} was re-created; its memory is free.
+    dry_run Dry run: {instance} would have been re-created{why}.
+    refused {what} refused at step {step}, nothing destroyed{why}.
+    in_use  {what} refused at step {step}, nothing destroyed{why}.
+    *       {what} failed at step {step}{why}.
+    """,
+)
+
+
 def _reset_outcome(s: Said) -> str:
-    gpu, result, step = s.gpu(), s.f.get("result"), s("step")
-    if s.has("instance"):
-        return _recovery_outcome(s)
-    if s.f.get("needs_reboot") is True:
-        return f"{gpu} needs a reboot: its reset ended {s('result')} at step {step}."
-    if result == ResetResult.SUCCESS:
-        return f"{gpu} was reset."
-    if result == ResetResult.DRY_RUN:
-        return f"Dry run: {gpu} would have been reset{s.why('reason')}."
-    if result == ResetResult.REFUSED:
-        return f"Reset of {gpu} refused at step {step} and undone{s.why('reason')}."
-    if result == ResetResult.IN_USE:
-        return f"Reset of {gpu} refused by the driver (in use){s.why('reason')}."
-    if result == ResetResult.TIMEOUT:
-        return f"Reset of {gpu} timed out at step {step}."
-    return f"Reset of {gpu} failed at step {step}{s.why('reason')}."
-
-
-def _recovery_outcome(s: Said) -> str:
-    """``reset.outcome`` of a MIG GPU instance's re-creation."""
-    what, result, step = _reset_of(s), s.f.get("result"), s("step")
-    instance = f"MIG GPU instance {s('gi', '?')} of {s.gpu()}"
-    if result == ResetResult.SUCCESS:
-        return f"{instance} was re-created; its memory is free."
-    if result == ResetResult.DRY_RUN:
-        return f"Dry run: {instance} would have been re-created{s.why('reason')}."
-    if result in (ResetResult.REFUSED, ResetResult.IN_USE):
-        return f"{what} refused at step {step}, nothing destroyed{s.why('reason')}."
-    return f"{what} failed at step {step}{s.why('reason')}."
+    recovery = s.has("instance")
+    if not recovery and s.f.get("needs_reboot") is True:
+        return f"{s.gpu()} needs a reboot: its reset ended {s('result')} at step {s('step')}."
+    return s.by_outcome(
+        _RECOVERY_OUTCOME if recovery else _RESET_OUTCOME,
+        s.f.get("result"),
+        gpu=s.gpu(),
+        instance=f"MIG GPU instance {s('gi', '?')} of {s.gpu()}",
+        what=_reset_of(s),
+        why=s.why("reason"),
+    )
 
 
 def _reset_dry_run(s: Said) -> str:

@@ -10,6 +10,7 @@ several entries share. Pure: no I/O.
 
 from __future__ import annotations
 
+import enum
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -123,6 +124,39 @@ class Said:
 
     def finding(self, key: str = "finding") -> str:
         return finding_label(self.f.get(key), self.names)
+
+    def by_outcome(self, templates: Mapping[str, str], outcome: object, **pieces: str) -> str:
+        """The sentence ``templates`` gives ``outcome`` (its ``""`` one: any other outcome),
+        each ``{name}`` in it filled in from ``pieces``, else with the field ``name``."""
+        key = outcome.value if isinstance(outcome, enum.Enum) else outcome
+        template = templates.get(key, templates[""]) if isinstance(key, str) else templates[""]
+        return template.format_map(_Pieces(self, pieces))
+
+
+def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str, str]:
+    """An outcome -> sentence table written as ``text``: a line an outcome (a value of ``kind``,
+    one of ``others``, or ``*``: any other outcome, kept under ``""``) and its sentence. A
+    line that names no such outcome, repeats one or says nothing raises ValueError."""
+    known = {str(member.value) for member in kind}.union(others)
+    table: dict[str, str] = {}
+    for line in text.strip().splitlines():
+        key, _, said = line.strip().partition(" ")
+        key = "" if key == "*" else key
+        if (key and key not in known) or key in table or not said.strip():
+            raise ValueError(f"{kind.__name__} table: not an outcome, or again: {line!r}")
+        table[key] = said.strip()
+    return table
+
+
+class _Pieces(dict[str, str]):
+    """A template's pieces: those given, else the event's field of that name."""
+
+    def __init__(self, said: Said, pieces: Mapping[str, str]) -> None:
+        super().__init__(pieces)
+        self.said = said
+
+    def __missing__(self, key: str) -> str:
+        return self.said(key)
 
 
 def dry(s: Said, text: str) -> str:

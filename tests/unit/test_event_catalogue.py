@@ -329,3 +329,29 @@ def test_a_sentence_is_chosen_by_outcome_and_filled_from_pieces_then_fields(
     table = {"gone": "{who} left {detail}.", "": "Else {signal}."}
     s = Said({"signal": "SIGTERM", "detail": "{x}"}, JournalNamer())
     assert s.by_outcome(table, outcome, who="PID 7") == said
+
+
+def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
+    s = Said(
+        {"pid": 7, "gpu": GPU, "error": "boom", "left": ["a", "b"], "waited": 1.5, "why": "w"},
+        TrainerNamer(),
+    )
+    assert s.fill("{process} on {gpu}{error:why}; {left:items} after {waited:seconds}{why}.") == (
+        "pid 7 (trainer) on GPU 0: boom; a; b after 1.5s: w."
+    )
+    assert s.fill("{missing}|{missing:why}|{missing:items}|{missing:seconds}|") == "?||?|?|"
+    with pytest.raises(ValueError, match="no way to say a field called 'upper'"):
+        s.fill("{error:upper}")
+
+
+class TrainerNamer:
+    """The timeline's names, as a :class:`Namer`."""
+
+    def process(self, pid: object, comm: object = None) -> str:
+        return f"pid {pid} (trainer)"
+
+    def gpu(self, uuid: object) -> str:
+        return "GPU 0"
+
+    def moment(self, monotonic: object) -> str | None:
+        return None

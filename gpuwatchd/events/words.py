@@ -3,9 +3,10 @@
 This module owns what every sentence of :mod:`gpuwatchd.events.catalogue` is made of: the
 :class:`Namer` that decides how an output names processes and GPUs (:class:`JournalNamer` for
 the journal), :class:`Said` (an event's fields as sentence pieces, each escaped and cut to one
-line), :func:`finding_label` (a finding key in words), and :class:`EventSpec` with
-:func:`spec`, the shape of one catalogue entry (level, fields, sentence), with the field groups
-several entries share. Pure: no I/O.
+line, and the templates they fill), :func:`outcome_table` (an outcome's sentences as data),
+:func:`finding_label` (a finding key in words), and :class:`EventSpec` with :func:`spec`, the
+shape of one catalogue entry (level, fields, sentence), with the field groups several entries
+share. Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from gpuwatchd.events.words import (
     Namer,
     Said,
     dry,
+    outcome_table,
     short,
     short_sentence,
     spec,
@@ -95,22 +96,23 @@ def _zombie(s: Said) -> str:
 # --- carrying out --------------------------------------------------------------------------------
 
 
+_SIGNAL = outcome_table(
+    SignalOutcome,
+    """
+    delivered Sent {signal} to {target}{why}.
+    dry_run   Dry run: would send {signal} to {target}{why}.
+    denied    Sending {signal} to {target} was denied (no permission).
+    gone      {signal} not sent: {target} had already exited.
+    reused    {signal} not sent: {pid} now belongs to another process.
+    zombie    {signal} not sent: {target} is a zombie.
+    *         Sending {signal} to {target} failed: {detail}.
+    """,
+)
+
+
 def _signal(s: Said) -> str:
-    sig, who, outcome = s("signal"), s.target(), s.f.get("outcome")
     why = f" (rule {s('rule')}, step {s('step')})" if s.has("rule") else ""
-    if outcome == SignalOutcome.DELIVERED:
-        return f"Sent {sig} to {who}{why}."
-    if outcome == SignalOutcome.DRY_RUN:
-        return f"Dry run: would send {sig} to {who}{why}."
-    if outcome == SignalOutcome.DENIED:
-        return f"Sending {sig} to {who} was denied (no permission)."
-    if outcome == SignalOutcome.GONE:
-        return f"{sig} not sent: {who} had already exited."
-    if outcome == SignalOutcome.REUSED:
-        return f"{sig} not sent: {s.pid()} now belongs to another process."
-    if outcome == SignalOutcome.ZOMBIE:
-        return f"{sig} not sent: {who} is a zombie."
-    return f"Sending {sig} to {who} failed: {s('detail')}."
+    return s.by_outcome(_SIGNAL, s.f.get("outcome"), why=why)
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
@@ -135,22 +137,31 @@ HOOK_SUCCEEDED = "exit 0"
 _HOOK_OUTCOMES = frozenset(member.value for member in HookOutcome)
 
 
+_HOOK = outcome_table(
+    HookOutcome,
+    """
+    dry_run   Dry run: would run the {hook} hook {argv}{why}.
+    dropped   The {hook} hook was not run: {detail}{why}.
+    cancelled The {hook} hook was cancelled: {stopped}.
+    crashed   An {hook} notification crashed: {error}.
+    error     The {hook} hook {argv} failed: {error}.
+    timed_out The {hook} hook {argv} timed out{why}.
+    *         Ran the {hook} hook {argv}: exit status {returncode}{why}.
+    """,
+    "error",
+    "timed_out",
+)
+
+
 def _hook(s: Said) -> str:
-    hook, argv, outcome = s("hook", "a"), s.argv(), hook_outcome(s.f)
-    why = f" ({s('reason')})" if s.has("reason") else ""
-    if outcome == HookOutcome.DRY_RUN:
-        return f"Dry run: would run the {hook} hook {argv}{why}."
-    if outcome == HookOutcome.DROPPED:
-        return f"The {hook} hook was not run: {s('detail')}{why}."
-    if outcome == HookOutcome.CANCELLED:
-        return f"The {hook} hook was cancelled: {s('detail', 'the daemon stopped')}."
-    if outcome == HookOutcome.CRASHED:
-        return f"An {hook} notification crashed: {s('error')}."
-    if outcome == "error":
-        return f"The {hook} hook {argv} failed: {s('error')}."
-    if outcome == "timed_out":
-        return f"The {hook} hook {argv} timed out{why}."
-    return f"Ran the {hook} hook {argv}: exit status {s('returncode')}{why}."
+    return s.by_outcome(
+        _HOOK,
+        hook_outcome(s.f),
+        hook=s("hook", "a"),
+        argv=s.argv(),
+        why=f" ({s('reason')})" if s.has("reason") else "",
+        stopped=s("detail", "the daemon stopped"),
+    )
 
 
 # --- the reset: one story ------------------------------------------------------------------------
@@ -187,12 +198,12 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.RULE_REPORT_ONLY: spec(
         INFO,
         f"{FINDING_FIELDS} rule",
-        lambda s: f"{s.target()} matches rule {s('rule')}, which only reports: nothing is sent.",
+        "{target} matches rule {rule}, which only reports: nothing is sent.",
     ),
     EventName.ACTION_REFUSED: spec(
         INFO,
         f"{FINDING_FIELDS} {LADDER_FIELDS} why",
-        lambda s: f"No action on {s.target()}{s.why()}.",
+        "No action on {target}{why}.",
         WARNING,
         DEBUG,
     ),
@@ -225,7 +236,7 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.ESCALATION_ABORTED: spec(
         WARNING,
         f"{LADDER_FIELDS} outcome why",
-        lambda s: f"Escalation of {s.target()} aborted, nothing sent{s.why()}.",
+        "Escalation of {target} aborted, nothing sent{why}.",
     ),
     EventName.ESCALATION_ENDED: spec(
         ERROR,
@@ -236,12 +247,12 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.ESCALATION_RESTARTED: spec(
         INFO,
         f"{LADDER_FIELDS} why",
-        lambda s: f"The dry-run escalation of {s.target()} starts over for real{s.why()}.",
+        "The dry-run escalation of {target} starts over for real{why}.",
     ),
     EventName.TARGET_STUCK: spec(
         CRITICAL,
         f"{LADDER_FIELDS} {PROCESS_FIELDS} why",
-        lambda s: f"{s.target()} is stuck in D state and is never signalled{s.why()}.",
+        "{target} is stuck in D state and is never signalled{why}.",
     ),
     EventName.ZOMBIE_NEEDS_REAP: spec(WARNING, "finding pid gpu parent why", _zombie),
     EventName.LIMITS_KILL_CAP_REACHED: spec(
@@ -271,7 +282,7 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.CLOCK_STEPPED_BACK: spec(
         WARNING,
         "seconds wall",
-        lambda s: f"The wall clock went back {s.seconds('seconds')}: counted as no time passed.",
+        "The wall clock went back {seconds:seconds}: counted as no time passed.",
     ),
     # carrying out (engine.py, act/)
     EventName.ACTION_SIGNAL: spec(
@@ -285,14 +296,12 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.ACTION_WITHHELD: spec(
         ERROR,
         "why steps",
-        lambda s: (
-            f"Not done, the state cannot be saved: {s.items('steps')}; tried again next poll."
-        ),
+        "Not done, the state cannot be saved: {steps:items}; tried again next poll.",
     ),
     EventName.TARGET_EXITED: spec(
         INFO,
         "pid start_ticks",
-        lambda s: f"{s.process()} exited (seen through its pidfd).",
+        "{process} exited (seen through its pidfd).",
     ),
     EventName.HOOK_RUN: spec(
         WARNING,
@@ -310,9 +319,7 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             f"{' or ' + _wall(s, 'until') if s.has('until') else ''}."
         ),
     ),
-    EventName.DAEMON_RESUMED: spec(
-        WARNING, "reason", lambda s: f"Actions resumed{s.why('reason')}."
-    ),
+    EventName.DAEMON_RESUMED: spec(WARNING, "reason", "Actions resumed{reason:why}."),
     EventName.SPARE_STARTED: spec(
         WARNING,
         "target pid start_ticks job reason until by_uid",
@@ -338,16 +345,14 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.LIMITS_LATCHES_CLEARED: spec(
         WARNING,
         "",
-        lambda s: "An admin cleared the latches: forced dry-run and the reset circuit breaker.",
+        "An admin cleared the latches: forced dry-run and the reset circuit breaker.",
     ),
     EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),
-    EventName.DAEMON_STOP: spec(
-        INFO, "exit_code", lambda s: f"gpuwatchd stopped (exit code {s('exit_code')})."
-    ),
+    EventName.DAEMON_STOP: spec(INFO, "exit_code", "gpuwatchd stopped (exit code {exit_code})."),
     EventName.DAEMON_ALREADY_RUNNING: spec(
         ERROR,
         "detail state_dir",
-        lambda s: f"Another gpuwatchd already runs here{s.why('detail')}.",
+        "Another gpuwatchd already runs here{detail:why}.",
     ),
     EventName.DAEMON_NO_PERMISSION: spec(
         CRITICAL,
@@ -357,9 +362,7 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.DAEMON_LIMITED_PERMISSIONS: spec(
         WARNING,
         "missing dry_run",
-        lambda s: (
-            f"Running without {s.items('missing')}: other users' processes may be unreadable."
-        ),
+        "Running without {missing:items}: other users' processes may be unreadable.",
     ),
     EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE: spec(
         WARNING,
@@ -382,17 +385,17 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.RUN_ONCE_TIMEOUT: spec(
         WARNING,
         "pending left exit_code",
-        lambda s: f"run --once timed out with work left: {s.items('left')}.",
+        "run --once timed out with work left: {left:items}.",
     ),
     EventName.RUN_ONCE_DONE: spec(
         INFO,
         "waited",
-        lambda s: f"run --once is done after {s.seconds('waited')}: every GPU is clean.",
+        "run --once is done after {waited:seconds}: every GPU is clean.",
     ),
     EventName.RUN_ONCE_UNRESOLVED: spec(
         WARNING,
         "left waited exit_code",
-        lambda s: f"run --once gives up, waiting would not change: {s.items('left')}.",
+        "run --once gives up, waiting would not change: {left:items}.",
     ),
     EventName.SCHEDULER_ENDED_JOB: spec(
         INFO,
@@ -408,117 +411,107 @@ _OTHERS: Mapping[EventName, EventSpec] = {
     EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT: spec(
         WARNING,
         "waiting honoured limit",
-        lambda s: (
-            f"Too many ended-job hand-overs: {s('waiting')} wait, only {s('limit')} are"
-            " honoured at once."
-        ),
+        "Too many ended-job hand-overs: {waiting} wait, only {limit} are honoured at once.",
     ),
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
     EventName.CONFIG_RELOAD_REJECTED: spec(
         ERROR,
         "error config",
-        lambda s: f"Reload rejected, the old policy stays in force{s.why('error')}.",
+        "Reload rejected, the old policy stays in force{error:why}.",
     ),
     EventName.CONFIG_RELOAD_PARTIAL: spec(
         WARNING,
         "needs_restart",
-        lambda s: f"Reloaded, but these keys change only on restart: {s.items('needs_restart')}.",
+        "Reloaded, but these keys change only on restart: {needs_restart:items}.",
     ),
     EventName.CONFIG_FILES_REJECTED: spec(
         ERROR,
         "error config",
-        lambda s: (
-            f"The policy files changed and do not validate{s.why('error')}; the running policy"
-            " stays in force."
+        (
+            "The policy files changed and do not validate{error:why}; the running policy stays"
+            " in force."
         ),
     ),
     EventName.CONFIG_START_REJECTED: spec(
         CRITICAL,
         "error config running dry_run unusable",
-        lambda s: (
-            f"The policy is invalid{s.why('error')}; running with the last accepted one"
-            f" ({s('running')})."
-        ),
+        "The policy is invalid{error:why}; running with the last accepted one ({running}).",
     ),
     EventName.STATE_INVALID: spec(
         ERROR,
         "error path",
-        lambda s: f"The saved state {s('path')} was unusable{s.why('error')}; starting clean.",
+        "The saved state {path} was unusable{error:why}; starting clean.",
     ),
     EventName.STATE_CORRUPT: spec(
         ERROR,
         "path why moved_to error",
-        lambda s: (
-            f"The state file {s('path')} is corrupt and was moved to {s('moved_to')}{s.why()}."
-        ),
+        "The state file {path} is corrupt and was moved to {moved_to}{why}.",
     ),
     EventName.STATE_NEW_BOOT: spec(
         INFO,
         "saved_boot_id boot_id",
-        lambda s: "The saved state is from another boot: process-keyed state is dropped.",
+        "The saved state is from another boot: process-keyed state is dropped.",
     ),
     EventName.STATE_SAVE_FAILED: spec(
         ERROR,
         "error path",
-        lambda s: (
-            f"The state could not be saved to {s('path')}{s.why('error')}; nothing"
-            " irreversible is done until it can be."
+        (
+            "The state could not be saved to {path}{error:why}; nothing irreversible is done"
+            " until it can be."
         ),
     ),
     EventName.STATE_DIR_UNUSABLE: spec(
         CRITICAL,
         "path error",
-        lambda s: f"The state directory {s('path')} is unusable{s.why('error')}.",
+        "The state directory {path} is unusable{error:why}.",
     ),
     EventName.METRICS_WRITE_FAILED: spec(
         ERROR,
         "path error",
-        lambda s: f"The metrics file {s('path')} could not be written{s.why('error')}.",
+        "The metrics file {path} could not be written{error:why}.",
     ),
     EventName.COLLECT_KCMP_UNAVAILABLE: spec(
         WARNING,
         "reason",
-        lambda s: (
-            f"kcmp cannot prove inherited GPU files{s.why('reason')}; orphans are judged"
-            " without that proof."
+        (
+            "kcmp cannot prove inherited GPU files{reason:why}; orphans are judged without that"
+            " proof."
         ),
     ),
     EventName.COLLECT_THREAD_TABLES_UNREAD: spec(
         WARNING,
         "pid comm budget",
-        lambda s: (
-            f"{s.process()} has more threads with file tables of their own than a scan reads"
-            f" ({s('budget')} descriptors): what it holds is unknown, so it blocks resets and"
-            " is never a target."
+        (
+            "{process} has more threads with file tables of their own than a scan reads"
+            " ({budget} descriptors): what it holds is unknown, so it blocks resets and is"
+            " never a target."
         ),
     ),
     # NVML
     EventName.NVML_RECOVERED: spec(
         WARNING,
         "was since gone_for error",
-        lambda s: f"NVML answers again after {s.seconds('gone_for')} {s('was')}.",
+        "NVML answers again after {gone_for:seconds} {was}.",
     ),
     EventName.NVML_UNAVAILABLE: spec(
-        WARNING, "reason", lambda s: f"NVML is unavailable{s.why('reason')}; retrying."
+        WARNING, "reason", "NVML is unavailable{reason:why}; retrying."
     ),
     EventName.NVML_WEDGED: spec(
         CRITICAL,
         "timeout pid",
-        lambda s: (
-            f"NVML is wedged (a call missed its {s('timeout')}s deadline): no destructive action."
-        ),
+        "NVML is wedged (a call missed its {timeout}s deadline): no destructive action.",
     ),
-    EventName.NVML_WORKER_STARTED: spec(DEBUG, "pid", lambda s: f"NVML worker {s.pid()} started."),
+    EventName.NVML_WORKER_STARTED: spec(DEBUG, "pid", "NVML worker {pid} started."),
     EventName.NVML_WORKER_HUNG: spec(
         CRITICAL,
         "pid reason",
-        lambda s: (
-            f"The NVML worker {s.pid()} survived SIGKILL (stuck in the kernel); no new worker"
-            f" while it lives{s.why('reason')}."
+        (
+            "The NVML worker {pid} survived SIGKILL (stuck in the kernel); no new worker while"
+            " it lives{reason:why}."
         ),
     ),
     EventName.NVML_HUNG_WORKER_EXITED: spec(
-        INFO, "pid", lambda s: f"The hung NVML worker {s.pid()} finally exited."
+        INFO, "pid", "The hung NVML worker {pid} finally exited."
     ),
     EventName.NVML_MEMORY_V1_FALLBACK: spec(
         WARNING,
@@ -569,13 +562,16 @@ def notification(fields: Mapping[str, object], namer: Namer | None = None) -> st
     return f"{s.process()}{owner} on {s.gpu()}, signalled{rule}, {said}{why}."
 
 
-_ENDED: Mapping[str, str] = {
-    ActionOutcome.FREED.value: "was stopped; its GPU memory is freed",
-    ActionOutcome.RELEASED.value: "no longer holds the GPU",
-    ActionOutcome.SURVIVED.value: "survived the last signal and is left alone",
-    ActionOutcome.STUCK.value: "is stuck in D state and cannot be killed",
-    ActionOutcome.FAILED.value: "could not be signalled",
-}
+_ENDED = outcome_table(
+    ActionOutcome,
+    """
+    freed    was stopped; its GPU memory is freed
+    released no longer holds the GPU
+    survived survived the last signal and is left alone
+    stuck    is stuck in D state and cannot be killed
+    failed   could not be signalled
+    """,
+)
 
 
 # --- what the journal calls an event ------------------------------------------------------------

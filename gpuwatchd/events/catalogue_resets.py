@@ -33,6 +33,7 @@ from gpuwatchd.events.words import (
     EventSpec,
     Said,
     dry,
+    outcome_table,
     short,
     spec,
 )
@@ -46,22 +47,25 @@ def _reset_of(s: Said) -> str:
     return f"Reset of {s.gpu()}"
 
 
-_STEP_STATUS: Mapping[str, str] = {
-    ResetStepStatus.OK.value: "done",
-    ResetStepStatus.CLEAR.value: "no other process holds the GPU",
-    ResetStepStatus.BLOCKED.value: "blocked by",
-    ResetStepStatus.SKIPPED.value: "skipped",
-    ResetStepStatus.FAILED.value: "FAILED",
-    ResetStepStatus.WOULD_RUN.value: "would run",
-    ResetStepStatus.RECORD_FAILED.value: "could not be recorded in the state file",
-    ResetStepStatus.MEMORY_UNKNOWN.value: "memory could not be read",
-    ResetStepStatus.WOULD_WAIT_FABRIC.value: "would wait for the NVLink fabric",
-    ResetStepStatus.FABRIC_WAITING.value: "waiting for the NVLink fabric",
-    ResetStepStatus.FABRIC_COMPLETED.value: "the NVLink fabric is back",
-    ResetStepStatus.FABRIC_STUCK.value: "the NVLink fabric is STUCK",
-    ResetStepStatus.AS_PLANNED.value: "the GPU read again is as planned",
-    ResetStepStatus.CHANGED.value: "the GPU read again is NOT as planned",
-}
+_STEP_STATUS = outcome_table(
+    ResetStepStatus,
+    """
+    ok                done
+    clear             no other process holds the GPU
+    blocked           blocked by
+    skipped           skipped
+    failed            FAILED
+    would_run         would run
+    record_failed     could not be recorded in the state file
+    memory_unknown    memory could not be read
+    would_wait_fabric would wait for the NVLink fabric
+    fabric_waiting    waiting for the NVLink fabric
+    fabric_completed  the NVLink fabric is back
+    fabric_stuck      the NVLink fabric is STUCK
+    as_planned        the GPU read again is as planned
+    changed           the GPU read again is NOT as planned
+    """,
+)
 
 
 def _reset_step(s: Said) -> str:
@@ -100,36 +104,40 @@ def _reset_finished(s: Said) -> str:
     return dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
 
 
+_RESET_OUTCOME = outcome_table(
+    ResetResult,
+    """
+    success {gpu} was reset.
+    dry_run Dry run: {gpu} would have been reset{reason:why}.
+    refused Reset of {gpu} refused at step {step} and undone{reason:why}.
+    in_use  Reset of {gpu} refused by the driver (in use){reason:why}.
+    timeout Reset of {gpu} timed out at step {step}.
+    *       Reset of {gpu} failed at step {step}{reason:why}.
+    """,
+)
+# ``reset.outcome`` of a MIG GPU instance's re-creation (``instance`` is set).
+_RECOVERY_OUTCOME = outcome_table(
+    ResetResult,
+    """
+    success {instance} was re-created; its memory is free.
+    dry_run Dry run: {instance} would have been re-created{reason:why}.
+    refused {what} refused at step {step}, nothing destroyed{reason:why}.
+    in_use  {what} refused at step {step}, nothing destroyed{reason:why}.
+    *       {what} failed at step {step}{reason:why}.
+    """,
+)
+
+
 def _reset_outcome(s: Said) -> str:
-    gpu, result, step = s.gpu(), s.f.get("result"), s("step")
-    if s.has("instance"):
-        return _recovery_outcome(s)
-    if s.f.get("needs_reboot") is True:
-        return f"{gpu} needs a reboot: its reset ended {s('result')} at step {step}."
-    if result == ResetResult.SUCCESS:
-        return f"{gpu} was reset."
-    if result == ResetResult.DRY_RUN:
-        return f"Dry run: {gpu} would have been reset{s.why('reason')}."
-    if result == ResetResult.REFUSED:
-        return f"Reset of {gpu} refused at step {step} and undone{s.why('reason')}."
-    if result == ResetResult.IN_USE:
-        return f"Reset of {gpu} refused by the driver (in use){s.why('reason')}."
-    if result == ResetResult.TIMEOUT:
-        return f"Reset of {gpu} timed out at step {step}."
-    return f"Reset of {gpu} failed at step {step}{s.why('reason')}."
-
-
-def _recovery_outcome(s: Said) -> str:
-    """``reset.outcome`` of a MIG GPU instance's re-creation."""
-    what, result, step = _reset_of(s), s.f.get("result"), s("step")
-    instance = f"MIG GPU instance {s('gi', '?')} of {s.gpu()}"
-    if result == ResetResult.SUCCESS:
-        return f"{instance} was re-created; its memory is free."
-    if result == ResetResult.DRY_RUN:
-        return f"Dry run: {instance} would have been re-created{s.why('reason')}."
-    if result in (ResetResult.REFUSED, ResetResult.IN_USE):
-        return f"{what} refused at step {step}, nothing destroyed{s.why('reason')}."
-    return f"{what} failed at step {step}{s.why('reason')}."
+    recovery = s.has("instance")
+    if not recovery and s.f.get("needs_reboot") is True:
+        return f"{s.gpu()} needs a reboot: its reset ended {s('result')} at step {s('step')}."
+    return s.by_outcome(
+        _RECOVERY_OUTCOME if recovery else _RESET_OUTCOME,
+        s.f.get("result"),
+        instance=f"MIG GPU instance {s('gi', '?')} of {s.gpu()}",
+        what=_reset_of(s),
+    )
 
 
 def _reset_dry_run(s: Said) -> str:
@@ -158,7 +166,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_CONFIRMING: spec(
         DEBUG,
         f"{FINDING_FIELDS} why",
-        lambda s: f"{s.gpu()} may need a reset; waiting to be sure{s.why()}.",
+        "{gpu} may need a reset; waiting to be sure{why}.",
     ),
     EventName.RESET_DUE: spec(
         INFO,
@@ -168,19 +176,19 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_REFUSED: spec(
         INFO,
         f"{FINDING_FIELDS} why hidden_holder outcome pci_bus_id {MIG_FIELDS}",
-        lambda s: f"No reset of {s.gpu()} now{s.why()}.",
+        "No reset of {gpu} now{why}.",
         WARNING,
         DEBUG,
     ),
     EventName.RESET_LIMIT_REACHED: spec(
         WARNING,
         f"{FINDING_FIELDS} why",
-        lambda s: f"No reset of {s.gpu()}: the reset limit is reached{s.why()}.",
+        "No reset of {gpu}: the reset limit is reached{why}.",
     ),
     EventName.RESET_CIRCUIT_OPEN: spec(
         CRITICAL,
         f"{FINDING_FIELDS} why",
-        lambda s: f"No more GPU resets until cleared by hand{s.why()}.",
+        "No more GPU resets until cleared by hand{why}.",
     ),
     EventName.RESET_SUCCEEDED: spec(
         INFO,
@@ -199,12 +207,12 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_REFUSAL_CLEARED: spec(
         INFO,
         "gpu finding in_use why",
-        lambda s: f"A refused reset of {s.gpu()} may be tried again{s.why()}.",
+        "A refused reset of {gpu} may be tried again{why}.",
     ),
     EventName.RESET_MIG_UNFINISHED_CLEARED: spec(
         INFO,
         "gpu instance gi why",
-        lambda s: f"MIG GPU instance {s('gi')} of {s.gpu()} is no longer half done{s.why()}.",
+        "MIG GPU instance {gi} of {gpu} is no longer half done{why}.",
     ),
     EventName.GPU_NEEDS_REBOOT: spec(
         CRITICAL, f"{RESET_FIELDS} pid start_ticks why", _needs_reboot
@@ -216,14 +224,12 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.HEALTH_DRAIN_WAITING: spec(
         INFO,
         f"{FINDING_FIELDS} blockers until",
-        lambda s: (
-            f"The reset of {s.gpu()} still waits for {s.items('blockers')} (never signalled)."
-        ),
+        "The reset of {gpu} still waits for {blockers:items} (never signalled).",
     ),
     EventName.HEALTH_DRAIN_TIMED_OUT: spec(
         CRITICAL,
         f"{FINDING_FIELDS} why blockers",
-        lambda s: f"Draining {s.gpu()} timed out{s.why()}; on_failure hooks run.",
+        "Draining {gpu} timed out{why}; on_failure hooks run.",
     ),
     EventName.RESET_STEP: spec(
         INFO,
@@ -267,17 +273,17 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.RESET_RESUME: spec(
         WARNING,
         "record",
-        lambda s: "A reset was interrupted by a stop or crash: finishing or undoing it now.",
+        "A reset was interrupted by a stop or crash: finishing or undoing it now.",
     ),
     EventName.RESET_RESUMED: spec(
         WARNING,
         "gpu result step reason needs_reboot",
-        lambda s: f"The interrupted reset of {s.gpu()} ended: {s('result')}{s.why('reason')}.",
+        "The interrupted reset of {gpu} ended: {result}{reason:why}.",
     ),
     EventName.RESET_RESUME_FAILED: spec(
         ERROR,
         "reason",
-        lambda s: f"An interrupted reset could not be resumed{s.why('reason')}.",
+        "An interrupted reset could not be resumed{reason:why}.",
     ),
     # the kernel log's Xids (collect/kernel_log.py, decide/health/xid_sources.py)
     EventName.HEALTH_XID: spec(
@@ -301,17 +307,17 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     EventName.KERNEL_LOG_UNAVAILABLE: spec(
         WARNING,
         "source why retry_in",
-        lambda s: (
-            f"The kernel log ({s('source')}) cannot be read{s.why()}; Xids come from NVML"
-            f" alone until it can (tried again in {s.seconds('retry_in')})."
+        (
+            "The kernel log ({source}) cannot be read{why}; Xids come from NVML alone until it"
+            " can (tried again in {retry_in:seconds})."
         ),
     ),
     EventName.KERNEL_LOG_DROPPED: spec(
         WARNING,
         "lines kept",
-        lambda s: (
-            f"The kernel log had {s('lines')} Xid line(s) that were not counted: more distinct"
-            f" Xids, GPUs and processes in one poll than are kept ({s('kept')})."
+        (
+            "The kernel log had {lines} Xid line(s) that were not counted: more distinct Xids,"
+            " GPUs and processes in one poll than are kept ({kept})."
         ),
     ),
 }

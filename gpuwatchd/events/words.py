@@ -3,13 +3,15 @@
 This module owns what every sentence of :mod:`gpuwatchd.events.catalogue` is made of: the
 :class:`Namer` that decides how an output names processes and GPUs (:class:`JournalNamer` for
 the journal), :class:`Said` (an event's fields as sentence pieces, each escaped and cut to one
-line), :func:`finding_label` (a finding key in words), and :class:`EventSpec` with
-:func:`spec`, the shape of one catalogue entry (level, fields, sentence), with the field groups
-several entries share. Pure: no I/O.
+line, and the templates they fill), :func:`outcome_table` (an outcome's sentences as data),
+:func:`finding_label` (a finding key in words), and :class:`EventSpec` with :func:`spec`, the
+shape of one catalogue entry (level, fields, sentence), with the field groups several entries
+share. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import enum
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -124,6 +126,64 @@ class Said:
     def finding(self, key: str = "finding") -> str:
         return finding_label(self.f.get(key), self.names)
 
+    def fill(self, template: str, **pieces: str) -> str:
+        """``template`` with each ``{piece}`` filled in: one of ``pieces``; ``{gpu}``,
+        ``{pid}``, ``{process}``, ``{target}``, ``{why}`` or ``{finding}``, as the methods of
+        those names say them; else the field of that name, said as :meth:`__call__` says it,
+        or as :meth:`why`, :meth:`items` or :meth:`seconds` do (``{error:why}``)."""
+        return template.format_map(_Pieces(self, pieces))
+
+    def by_outcome(self, templates: Mapping[str, str], outcome: object, **pieces: str) -> str:
+        """:meth:`fill` with the template ``templates`` gives ``outcome`` (its ``""`` one: any
+        other outcome)."""
+        key = outcome.value if isinstance(outcome, enum.Enum) else outcome
+        template = templates.get(key, templates[""]) if isinstance(key, str) else templates[""]
+        return self.fill(template, **pieces)
+
+
+def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str, str]:
+    """An outcome -> sentence table written as ``text``: a line an outcome (a value of ``kind``,
+    one of ``others``, or ``*``: any other outcome, kept under ``""``) and its sentence. A
+    line that names no such outcome, repeats one or says nothing raises ValueError."""
+    known = {str(member.value) for member in kind}.union(others)
+    table: dict[str, str] = {}
+    for line in text.strip().splitlines():
+        key, _, said = line.strip().partition(" ")
+        key = "" if key == "*" else key
+        if (key and key not in known) or key in table or not said.strip():
+            raise ValueError(f"{kind.__name__} table: not an outcome, or again: {line!r}")
+        table[key] = said.strip()
+    return table
+
+
+_NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding"})
+_SAID_AS = frozenset({"why", "items", "seconds"})
+
+
+class _Pieces(dict[str, object]):
+    """A template's pieces: those given, else a name :class:`Said` gives, else a field."""
+
+    def __init__(self, said: Said, pieces: Mapping[str, str]) -> None:
+        super().__init__(pieces)
+        self.said = said
+
+    def __missing__(self, key: str) -> object:
+        return getattr(self.said, key)() if key in _NAMED else _Field(self.said, key)
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A field in a template: ``{key}`` says it, ``{key:why}`` (``items``, ``seconds``) says
+    it as that method of :class:`Said` does."""
+
+    said: Said
+    key: str
+
+    def __format__(self, how: str) -> str:
+        if how and how not in _SAID_AS:
+            raise ValueError(f"no way to say a field called {how!r}")
+        return str(getattr(self.said, how)(self.key)) if how else self.said(self.key)
+
 
 def dry(s: Said, text: str) -> str:
     return f"Dry run: {text}" if s.dry() else text
@@ -148,7 +208,11 @@ class EventSpec:
         return self.also | {self.level}
 
 
-def spec(level: Level, fields: str, say: Callable[[Said], str], *also: Level) -> EventSpec:
+def spec(level: Level, fields: str, say: Callable[[Said], str] | str, *also: Level) -> EventSpec:
+    """One catalogue entry; its sentence a function, or a template :meth:`Said.fill` fills."""
+    if isinstance(say, str):
+        template = say
+        return spec(level, fields, lambda s: s.fill(template), *also)
     return EventSpec(level, tuple(fields.split()), say, frozenset(also))
 
 

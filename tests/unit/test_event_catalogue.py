@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, level_of
+from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, SignalOutcome, level_of
 from gpuwatchd.events.catalogue import CATALOGUE, notification, render
 from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
-from gpuwatchd.events.words import JournalNamer
+from gpuwatchd.events.words import JournalNamer, Said, outcome_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.timeline import SimulationResult, describe_event, finding_label
@@ -288,3 +288,70 @@ def test_no_event_is_given_a_bare_level_string() -> None:
 def test_the_bare_level_finder_finds_them() -> None:
     tree = ast.parse('w.event(E.X, "info", a=1)\nw.event(E.X, Level.INFO)\nEvent(n, "error", {})')
     assert _bare_level_arguments(tree) == [1, 3]
+
+
+# --- outcome tables -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "delivered Sent.\nbogus Not an outcome.",  # a key the enum does not have
+        "delivered Sent.\ndelivered Again.",  # a repeat
+        "delivered",  # no sentence
+        "* One.\n* Two.",  # two fallbacks
+    ],
+)
+def test_an_outcome_table_refuses_a_line_it_cannot_mean(text: str) -> None:
+    with pytest.raises(ValueError, match="SignalOutcome table: not an outcome, or again"):
+        outcome_table(SignalOutcome, text)
+
+
+def test_an_outcome_table_keeps_its_fallback_and_extra_outcomes() -> None:
+    table = outcome_table(SignalOutcome, "\n  gone  It left.\n  error Broke.\n * Else.\n", "error")
+    assert table == {"gone": "It left.", "error": "Broke.", "": "Else."}
+
+
+@pytest.mark.parametrize(
+    ("outcome", "said"),
+    [
+        (SignalOutcome.GONE, "PID 7 left {x}."),  # a member and its value: the same sentence
+        ("gone", "PID 7 left {x}."),
+        ("delivered", "Else SIGTERM."),  # not in the table
+        (None, "Else SIGTERM."),
+        (["gone"], "Else SIGTERM."),  # unhashable: never an error
+        (7, "Else SIGTERM."),
+    ],
+)
+def test_a_sentence_is_chosen_by_outcome_and_filled_from_pieces_then_fields(
+    outcome: object, said: str
+) -> None:
+    table = {"gone": "{who} left {detail}.", "": "Else {signal}."}
+    s = Said({"signal": "SIGTERM", "detail": "{x}"}, JournalNamer())
+    assert s.by_outcome(table, outcome, who="PID 7") == said
+
+
+def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
+    s = Said(
+        {"pid": 7, "gpu": GPU, "error": "boom", "left": ["a", "b"], "waited": 1.5, "why": "w"},
+        TrainerNamer(),
+    )
+    assert s.fill("{process} on {gpu}{error:why}; {left:items} after {waited:seconds}{why}.") == (
+        "pid 7 (trainer) on GPU 0: boom; a; b after 1.5s: w."
+    )
+    assert s.fill("{missing}|{missing:why}|{missing:items}|{missing:seconds}|") == "?||?|?|"
+    with pytest.raises(ValueError, match="no way to say a field called 'upper'"):
+        s.fill("{error:upper}")
+
+
+class TrainerNamer:
+    """The timeline's names, as a :class:`Namer`."""
+
+    def process(self, pid: object, comm: object = None) -> str:
+        return f"pid {pid} (trainer)"
+
+    def gpu(self, uuid: object) -> str:
+        return "GPU 0"
+
+    def moment(self, monotonic: object) -> str | None:
+        return None

@@ -21,7 +21,7 @@ from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health, note_reset
-from gpuwatchd.decide.health.state import HealthState
+from gpuwatchd.decide.health.state import HealthState, XidDetail
 from gpuwatchd.decide.health.xid_catalogue import XidAction, xid_action
 from gpuwatchd.decide.plan.decisions import plan
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
@@ -464,3 +464,12 @@ def test_a_dry_runs_reset_undoes_only_a_dry_runs_drain(
     booked = record_reset(state, intent, "dry_run", now=1.0, wall=1_700_000_001.0,
                           would_succeed=would_succeed)  # fmt: skip
     assert booked.state.health_drained == left
+
+
+def test_an_xid_detail_keeps_its_json_keys_and_their_order() -> None:
+    """The state file's and the evidence's bytes: these names, in this order."""
+    detail = XidDetail(pid=7, process="py", job="42", text="Xid 79", before_start=True, wall=1.5)
+    assert json.dumps(detail.to_json()) == (
+        '{"pid": 7, "process": "py", "job": "42", "text": "Xid 79", "before_start": true,'
+        ' "wall": 1.5}'
+    )

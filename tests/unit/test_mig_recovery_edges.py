@@ -303,3 +303,20 @@ def test_each_instance_is_asked_and_the_threshold_itself_is_not_unowned() -> Non
     owned = (device(1, LEAK, (700,)),)
     assert has_unowned_memory(gpu(LEAK, mig_enabled=True, devices=owned), LIVE,
                               DETECTION) is False  # fmt: skip
+
+
+def test_the_recovery_record_keeps_its_keys_and_their_order() -> None:
+    """The state file's bytes: every field, in this order, under these names."""
+    record = recovery().record()
+    assert list(record) == [
+        "uuid",
+        "pci_bus_id",
+        "gpu_index",
+        "gi",
+        "ci",
+        "mig_uuid",
+        "profile",
+        "placement",
+        "size",
+    ]
+    assert record == {key: getattr(recovery(), key) for key in record}

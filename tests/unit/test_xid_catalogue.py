@@ -3,6 +3,7 @@ and docs/findings.md's table generated from the data (the page and the data cann
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -13,11 +14,15 @@ from gpuwatchd.decide.health.xid_catalogue import (
     XID_CATALOGUE,
     Bucket,
     XidAction,
+    parse_catalogue,
     render_markdown,
     xid_action,
 )
 
 FINDINGS = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
+# Every entry as the catalogue written as Python tuples gave it (generated once from that code):
+# xid, mnemonic, name, immediate, investigatory, memory, read_directly, action.
+OLD_ENTRIES = Path(__file__).resolve().parents[1] / "golden" / "xid-catalogue.json"
 
 # What each bucket leads to (docs/findings.md#xid-table), written out independently of the
 # module's own mapping.
@@ -99,3 +104,48 @@ def test_findings_md_carries_the_generated_table_and_cites_every_row() -> None:
     assert "a100-gpu-mem-error-mgmt" in page
     memory = {x for x, e in XID_CATALOGUE.items() if e.memory}
     assert {48, 63, 64, 94, 95} <= memory
+
+
+def test_the_table_gives_every_answer_the_old_catalogue_gave() -> None:
+    old = json.loads(OLD_ENTRIES.read_text())
+    assert [row[0] for row in old] == sorted(XID_CATALOGUE)
+    for xid, mnemonic, name, immediate, investigatory, memory, read_directly, action in old:
+        entry = XID_CATALOGUE[xid]
+        got = (entry.mnemonic, entry.name, entry.immediate.value, entry.investigatory)
+        assert got == (mnemonic, name, immediate, investigatory), xid
+        assert (entry.memory, entry.read_directly, xid_action(xid).value) == (
+            memory,
+            read_directly,
+            action,
+        ), xid
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ("1 A | Unused | CONTACT_SUPPORT\n1 B | Unused", "row 2: the Xid is not a number above"),
+        ("2 A | Unused\n1 B | Unused", "row 2: the Xid is not a number above"),
+        ("x A | Unused", "row 1: the Xid is not a number"),
+        ("1 a_lower | Unused", "row 1: want: xid MNEMONIC"),
+        ("1 A B | Unused", "row 1: want: xid MNEMONIC"),
+        ("1 A", "row 1: want: xid MNEMONIC"),
+        ("1 A |  | IGNORE", "row 1: want: xid MNEMONIC"),
+        ("1 A | Unused | IGNORE | x | y", "row 1: want: xid MNEMONIC"),
+        ("1 A | Unused | REBOOT_NOW", "row 1: unknown bucket 'REBOOT_NOW'"),
+    ],
+)
+def test_a_malformed_row_is_refused_by_its_number(table: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"Xid table {problem}")):
+        parse_catalogue(table)
+
+
+def test_a_well_formed_table_parses_with_blank_buckets_left_off() -> None:
+    entries = parse_catalogue("\n7 SOME_XID | A name\n48 ECC | Double | WORKFLOW_XID_48 | x y\n")
+    assert entries[7].immediate is Bucket.NONE
+    assert entries[7].investigatory == ""
+    assert (entries[48].memory, entries[48].read_directly, entries[7].read_directly) == (
+        True,
+        False,
+        True,
+    )
+    assert entries[48].investigatory == "x y"

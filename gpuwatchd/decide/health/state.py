@@ -9,7 +9,7 @@ mean and every change to them belong to ``health.py``; no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from gpuwatchd.core.checked import number as _time
 from gpuwatchd.core.checked import opt_number as _opt_time
@@ -50,14 +50,7 @@ class XidDetail:
     wall: float
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "pid": self.pid,
-            "process": self.process,
-            "job": self.job,
-            "text": self.text,
-            "before_start": self.before_start,
-            "wall": self.wall,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -128,14 +128,8 @@ def merge_sources(
             if len(pending) > 2 * MAX_SIGHTINGS:  # bounded while merging, not only after
                 del pending[:-MAX_SIGHTINGS]
         if run.xid in new_details or len(new_details) < MAX_XID_KINDS:
-            new_details[run.xid] = XidDetail(
-                pid=run.pid,
-                process=run.process,
-                job=run.job,
-                text=run.text,
-                before_start=run.before_start,
-                wall=run.last,
-            )
+            detail = (run.pid, run.process, run.job, run.text, run.before_start)
+            new_details[run.xid] = XidDetail(*detail, wall=run.last)
     for event in nvml:
         seen_by.setdefault(event.xid, set()).add(NVML)
         window = (event.wall - DEDUP_WINDOW, event.wall + DEDUP_WINDOW)

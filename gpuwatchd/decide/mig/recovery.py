@@ -12,7 +12,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.mig.recovery`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 from gpuwatchd.decide.argv import format_argv
@@ -63,18 +63,9 @@ class InstanceRecovery:
         return {"instance": self.mig_uuid, "gi": self.gi, "recovery": self.describe()}
 
     def record(self) -> dict[str, object]:
-        """The JSON-able form the state file keeps while it runs (:func:`from_record`)."""
-        return {
-            "uuid": self.uuid,
-            "pci_bus_id": self.pci_bus_id,
-            "gpu_index": self.gpu_index,
-            "gi": self.gi,
-            "ci": self.ci,
-            "mig_uuid": self.mig_uuid,
-            "profile": self.profile,
-            "placement": self.placement,
-            "size": self.size,
-        }
+        """The JSON-able form the state file keeps while it runs (:func:`from_record`): every
+        field, in their order."""
+        return asdict(self)
 
 
 def from_record(record: object) -> InstanceRecovery | None:

@@ -85,90 +85,34 @@ SLURM = CgroupInfo(
 UNIT = CgroupInfo(path="/system.slice/trainer.service", systemd_unit="trainer.service")
 
 
+def _rule(kind: FindingKind = FindingKind.ORPHANED, **kw: Any) -> Rule:
+    return Rule("r", kind, LADDER, **kw)
+
+
 @pytest.mark.parametrize(
     ("rule", "process", "memory", "lasted", "matches"),
     [
-        (Rule("r", FindingKind.ORPHANED, LADDER), proc(), 1, 0.0, True),
-        (Rule("r", FindingKind.ABANDONED, LADDER), proc(), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, for_=30), proc(), 1, 29.9, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, for_=30), proc(), 1, 30.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), 100, 0.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), 99, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), None, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("b*",)), proc(), 1, 0.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("alice",)), proc(), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("*",)), proc(user=None), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("*",)), None, 1, 0.0, False),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(r"train\.py"),)),
-            proc(),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(r"^python3 train"),)),
-            proc(),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile("serve"),)),
-            proc(),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(".*"),)),
-            proc(cmdline=None),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, cgroups=("/system.slice/*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, cgroups=("/kubepods/*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, units=("trainer.*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, units=("*",)),
-            proc(cgroup=SLURM),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, jobs=("slurm:7*",)),
-            proc(cgroup=SLURM),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, jobs=("*",)),
-            proc(),  # a login session scope names no job
-            1,
-            0.0,
-            False,
-        ),
+        (_rule(), proc(), 1, 0.0, True),
+        (_rule(FindingKind.ABANDONED), proc(), 1, 0.0, False),
+        (_rule(for_=30), proc(), 1, 29.9, False),
+        (_rule(for_=30), proc(), 1, 30.0, True),
+        (_rule(min_memory=100), proc(), 100, 0.0, True),
+        (_rule(min_memory=100), proc(), 99, 0.0, False),
+        (_rule(min_memory=100), proc(), None, 0.0, False),
+        (_rule(users=("b*",)), proc(), 1, 0.0, True),
+        (_rule(users=("alice",)), proc(), 1, 0.0, False),
+        (_rule(users=("*",)), proc(user=None), 1, 0.0, False),
+        (_rule(users=("*",)), None, 1, 0.0, False),
+        (_rule(commands=(re.compile(r"train\.py"),)), proc(), 1, 0.0, True),
+        (_rule(commands=(re.compile(r"^python3 train"),)), proc(), 1, 0.0, True),
+        (_rule(commands=(re.compile("serve"),)), proc(), 1, 0.0, False),
+        (_rule(commands=(re.compile(".*"),)), proc(cmdline=None), 1, 0.0, False),
+        (_rule(cgroups=("/system.slice/*",)), proc(cgroup=UNIT), 1, 0.0, True),
+        (_rule(cgroups=("/kubepods/*",)), proc(cgroup=UNIT), 1, 0.0, False),
+        (_rule(units=("trainer.*",)), proc(cgroup=UNIT), 1, 0.0, True),
+        (_rule(units=("*",)), proc(cgroup=SLURM), 1, 0.0, False),
+        (_rule(jobs=("slurm:7*",)), proc(cgroup=SLURM), 1, 0.0, True),
+        (_rule(jobs=("*",)), proc(), 1, 0.0, False),  # a login session scope names no job
     ],
 )
 def test_rule_for_filters_and_unknown_values_never_match(

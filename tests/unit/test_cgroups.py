@@ -41,7 +41,7 @@ MULTI_STEPD = "/system.slice/node07_slurmstepd.scope"
 USER_MANAGER = "/user.slice/user-1000.slice/user@1000.service"
 
 
-def _unified(path: str, case: str, *info: str | None, **named: Any) -> Any:
+def _unified(path: str, case: str, *info: Any, **named: Any) -> Any:
     """A cgroup v2 file of the one line ``0::path``, and what ``parse_cgroup`` reads in it."""
     return pytest.param(f"0::{path}\n", CgroupInfo(path, *info, **named), id=case)
 

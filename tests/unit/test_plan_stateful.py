@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -168,14 +169,8 @@ class EscalationMachine(RuleBasedStateMachine):
     ) -> None:
         if slot in self.procs:
             return
-        self.ticks += 1
-        self.procs[slot] = ProcessInfo(
-            pid=slot,
-            start_ticks=self.ticks,
-            state="S",
-            ppid=1,
-            pgid=slot,
-            sid=slot,
+        self.born(
+            slot,
             uid=0 if root else 1000,
             user=user,
             comm=name,
@@ -187,6 +182,13 @@ class EscalationMachine(RuleBasedStateMachine):
             self.set_finding(slot, kind)
         elif job:
             self.list_job(slot)
+
+    def born(self, slot: int, **fields: Any) -> None:
+        """A new sleeping process at ``slot``, its own session leader, its parent init."""
+        self.ticks += 1
+        self.procs[slot] = ProcessInfo(
+            pid=slot, start_ticks=self.ticks, state="S", ppid=1, pgid=slot, sid=slot, **fields
+        )
 
     @rule(slot=st.sampled_from(SLOTS))
     def list_job(self, slot: int) -> None:
@@ -218,19 +220,7 @@ class EscalationMachine(RuleBasedStateMachine):
         if p is None:
             return
         self.listed.discard(slot)
-        self.ticks += 1
-        self.procs[slot] = ProcessInfo(
-            pid=slot,
-            start_ticks=self.ticks,
-            state="S",
-            ppid=1,
-            pgid=slot,
-            sid=slot,
-            uid=1000,
-            user="bob",
-            comm="python3",
-            cmdline=("python3", "other.py"),
-        )
+        self.born(slot, uid=1000, user="bob", comm="python3", cmdline=("python3", "other.py"))
         if not keep_finding:
             self.findings.pop(slot, None)
 

@@ -22,10 +22,10 @@ from gpuwatchd.collect.mig import (
     parse_mig_minors,
     read_mig_minors,
 )
-from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import MigCapability
 from tests.support.children import Spawn, hold
+from tests.support.collecting import fake_collector
 from tests.support.fakenvml import (
     FakeNvml,
     cap_minor,
@@ -188,15 +188,8 @@ def test_device_number_mode_knows_capabilities_by_the_nvidia_caps_major(
 @pytest.fixture
 def collector_for(fake_nvml: FakeNvml, tmp_path: Path) -> Iterator[tuple[Collector, Path]]:
     minors = tmp_path / "mig-minors"
-    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
-    collector = Collector(
-        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
-        nvml,
-        namespace_check=False,
-        mig_minors_file=str(minors),
-    )
-    yield collector, minors
-    nvml.close()
+    with fake_collector(fake_nvml, mig_minors_file=str(minors)) as collector:
+        yield collector, minors
 
 
 def test_the_collector_reads_the_table_only_when_a_gpu_has_mig_on(

@@ -48,11 +48,6 @@ USER_SUBTREE = "/user.slice/user-1000.slice/user@1000.service/app.slice"
 
 
 @pytest.fixture
-def fake(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
-
-
-@pytest.fixture
 def clock() -> list[float]:
     """A hand-driven monotonic clock for backoff: ``clock[0]`` is now."""
     return [1000.0]

@@ -26,8 +26,8 @@ from gpuwatchd.collect.holders import (
 )
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, private_tables
-from tests.support.fakeproc import FakeProc, make_devices
+from tests.support.children import HOLD_FD, Spawn, hold, map_only, private_tables
+from tests.support.fakeproc import FakeProc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,16 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 def scanner(root: str = "/proc", **settings: Any) -> HolderScanner:
     """A holder scanner over the /proc tree at ``root``."""
     return HolderScanner(ProcFS(root), **settings)
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
-
-
-@pytest.fixture
-def devices(tmp_path: Path) -> Path:
-    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -180,22 +170,6 @@ def test_device_number_mode_falls_back_to_the_name_and_says_so(fake: FakeProc) -
 
 # --- real child processes -----------------------------------------------------------------
 
-# Python's mmap.mmap keeps a dup of the fd, so map through libc to leave a mapping alone.
-MAP_ONLY = """
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-fd = os.open({path!r}, os.O_RDWR)
-addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-os.close(fd)
-"""
-
-
-def _map_only(path: str) -> str:
-    return HOLD_FD.format(body=MAP_ONLY.format(path=path))
-
 
 def test_real_child_holding_a_device_file_through_an_fd(spawn: Spawn, devices: Path) -> None:
     child = spawn(hold([f"{devices}/nvidia0"]))
@@ -208,7 +182,7 @@ def test_real_child_holding_a_device_file_through_an_fd(spawn: Spawn, devices: P
 
 
 def test_real_child_holding_a_device_through_a_mapping_only(spawn: Spawn, devices: Path) -> None:
-    child = spawn(_map_only(f"{devices}/nvidia1"))
+    child = spawn(map_only(f"{devices}/nvidia1"))
     holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_map == {1}
     assert holding.gpu_minors_fd == frozenset()
@@ -241,7 +215,7 @@ def test_shared_dev_zero_mapping_is_anonymous_memory_not_a_device(
     spawn: Spawn, tmp_path: Path
 ) -> None:
     # mmap(MAP_SHARED) of /dev/zero becomes shmem ("/dev/zero (deleted)"), not device 1:5.
-    child = spawn(_map_only("/dev/zero"))
+    child = spawn(map_only("/dev/zero"))
     holders = scanner(devices_dir=str(tmp_path), match_by_path=False, device_major=1)
     assert child.pid not in holders.scan([child.pid]).holdings
 

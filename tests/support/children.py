@@ -29,6 +29,24 @@ def hold(paths: list[str]) -> str:
     return HOLD_FD.format(body=f"held = [{opens}]")
 
 
+# Python's mmap.mmap keeps a dup of the fd, so map through libc to leave a mapping alone.
+MAP_ONLY = """
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.open({path!r}, os.O_RDWR)
+addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)
+"""
+
+
+def map_only(path: str) -> str:
+    """Code for a child that maps ``path`` and closes its fd: held by the mapping alone."""
+    return HOLD_FD.format(body=MAP_ONLY.format(path=path))
+
+
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
     """Start a Python child running ``code``; wait for it to print "ready"; kill it after."""

@@ -37,6 +37,7 @@ from gpuwatchd.collect.nvml import (
     worker_environment,
 )
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
+from gpuwatchd.core.model import NvmlReading
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
@@ -139,13 +140,9 @@ def hostile(tmp_path: Path) -> tuple[Path, Path]:
     return folder, marker
 
 
-def test_worker_ignores_modules_in_the_current_folder(
-    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder, marker = hostile
-    fake_nvml.write(state([gpu(0)]))
-    monkeypatch.chdir(folder)
-    client = NvmlClient(timeout=5.0, env=fake_nvml.env())
+def _read_untouched(env: dict[str, str], marker: Path) -> NvmlReading:
+    """One read by a worker with ``env``: available, and the hostile code never ran."""
+    client = NvmlClient(timeout=5.0, env=env)
     try:
         reading = client.read()
     finally:
@@ -153,6 +150,16 @@ def test_worker_ignores_modules_in_the_current_folder(
 
     assert not marker.exists(), f"ran {marker.read_text()}"
     assert reading.available
+    return reading
+
+
+def test_worker_ignores_modules_in_the_current_folder(
+    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, marker = hostile
+    fake_nvml.write(state([gpu(0)]))
+    monkeypatch.chdir(folder)
+    reading = _read_untouched(fake_nvml.env(), marker)
     assert len(reading.gpus) == 1
 
 
@@ -162,14 +169,7 @@ def test_worker_ignores_pythonpath_from_the_environment_and_from_env(
     folder, marker = hostile
     fake_nvml.write(state([gpu(0)]))
     monkeypatch.setenv("PYTHONPATH", str(folder))
-    client = NvmlClient(timeout=5.0, env={**fake_nvml.env(), "PYTHONPATH": str(folder)})
-    try:
-        reading = client.read()
-    finally:
-        client.close()
-
-    assert not marker.exists(), f"ran {marker.read_text()}"
-    assert reading.available
+    _read_untouched({**fake_nvml.env(), "PYTHONPATH": str(folder)}, marker)
 
 
 def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(

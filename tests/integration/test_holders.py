@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,21 @@ import pytest
 
 from gpuwatchd.collect.holders import (
     HolderScanner,
-    ProcessTable,
     lines_containing,
     match_device_name,
 )
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, map_only, private_tables
+from tests.support.children import (
+    HOLD_FD,
+    SYS_EXIT,
+    Spawn,
+    hold,
+    map_only,
+    private_tables,
+    wait_for_state,
+    zombie_leader,
+)
 from tests.support.fakeproc import FakeProc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,16 +227,6 @@ def test_shared_dev_zero_mapping_is_anonymous_memory_not_a_device(
     assert child.pid not in holders.scan([child.pid]).holdings
 
 
-def _wait_for_state(procfs: ProcessTable, pid: int, state: str) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        fields = procfs.read_stat(pid)
-        if fields is not None and fields.state == state:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"pid {pid} never reached state {state}")
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the scan as another user")
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 def test_unprivileged_scan_records_another_users_process_as_unreadable(
@@ -265,22 +262,13 @@ def test_unprivileged_scan_records_another_users_process_as_unreadable(
     assert not kernel_threads & set(seen["f"])
 
 
-SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
-
-
 @pytest.mark.skipif(SYS_EXIT is None, reason="exit(2) syscall number unknown on this machine")
 def test_real_zombie_leader_is_scanned_through_its_live_thread(spawn: Spawn, devices: Path) -> None:
     # The main thread alone exits (SYS_exit, not exit_group): the leader turns Z while another
     # thread keeps the shared fd table, and so the device file, alive.
-    body = (
-        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
-        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
-        "print('ready', flush=True)\n"
-        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
-    )
-    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    child = spawn(zombie_leader(str(devices / "nvidia0")))
     holders = scanner(devices_dir=str(devices))
-    _wait_for_state(holders.procfs, child.pid, "Z")
+    wait_for_state(holders.procfs, child.pid, "Z")
     holding = holders.scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_fd == {0}
 

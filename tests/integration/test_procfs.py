@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from gpuwatchd.collect.procfs import (
     parse_proc_devices,
 )
 from gpuwatchd.collect.procread import StatFields, parse_stat
-from tests.support.children import Spawn
+from tests.support.children import Spawn, wait_for_state
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat
 
 DOCKER_ID = "4f9a" * 16
@@ -225,22 +224,12 @@ def test_procfs_still_offers_the_holder_scan_it_used_to_own(fake: FakeProc, devi
 # --- real child processes -----------------------------------------------------------------
 
 
-def _wait_for_state(procfs: ProcFS, pid: int, state: str) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        fields = procfs.read_stat(pid)
-        if fields is not None and fields.state == state:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"pid {pid} never reached state {state}")
-
-
 def test_real_zombie_child_has_state_z_and_holds_nothing(devices: Path) -> None:
     code = f"import os; fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         procfs = ProcFS(devices_dir=str(devices))
-        _wait_for_state(procfs, child.pid, "Z")  # exited, not yet reaped by us
+        wait_for_state(procfs, child.pid, "Z")  # exited, not yet reaped by us
         info = procfs.read_process(child.pid)
         assert info is not None
         assert info.is_zombie

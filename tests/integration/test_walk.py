@@ -32,10 +32,8 @@ import pytest
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, map_only
+from tests.support.children import HOLD_FD, SYS_EXIT, Spawn, hold, map_only, zombie_leader
 from tests.support.fakeproc import FakeProc
-
-SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
 
 
 def full_scanner(workers: int, **settings: object) -> HolderScanner:
@@ -131,13 +129,7 @@ def test_an_fd_above_1024_is_found(spawn: Spawn, devices: Path, workers: int) ->
 def test_a_thread_group_whose_leader_exited_is_found(
     spawn: Spawn, devices: Path, workers: int
 ) -> None:
-    body = (
-        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
-        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
-        "print('ready', flush=True)\n"
-        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
-    )
-    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    child = spawn(zombie_leader(str(devices / "nvidia0")))
     procfs = ProcFS("/proc")
     for _ in range(500):
         fields = procfs.read_stat(child.pid)

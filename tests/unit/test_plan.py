@@ -325,11 +325,19 @@ def test_ladder_sigterm_then_sigkill_exactly_at_delivered_plus_wait_then_ended()
         assert signals(r) == []
 
 
-def test_exit_after_sigterm_resolves_without_sigkill() -> None:
+def first_poll(
+    pol: Policy | None = None, *, now: float = 0.0
+) -> tuple[ProcessInfo, Finding, Policy, PlanResult]:
+    """The default process, its orphan finding, the policy (the default one unless given) and
+    the first plan, at ``now``."""
     p = proc()
     f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    pol = pol if pol is not None else policy()
+    return p, f, pol, run([f], snap([p]), PlanState(), pol, now=now)
+
+
+def test_exit_after_sigterm_resolves_without_sigkill() -> None:
+    _p, f, pol, r = first_poll()
     (term,) = signals(r)
     state = record_signal(r.state, term, "delivered", now=0.0).state
     done = record_exit(state, term.identity, now=0.2)
@@ -341,10 +349,7 @@ def test_exit_after_sigterm_resolves_without_sigkill() -> None:
 
 
 def test_finding_that_goes_away_stops_the_ladder() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, _f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     r = run([], snap([p]), state, pol, now=5.0)
     assert event(r, EventName.ESCALATION_RESOLVED)["why"] == "finding resolved"
@@ -353,10 +358,7 @@ def test_finding_that_goes_away_stops_the_ladder() -> None:
 
 
 def test_target_disappearing_resolves_the_ladder() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    _p, _f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     r = run([], snap([]), state, pol, now=31.0)
     assert event(r, EventName.ESCALATION_RESOLVED)["why"] == "target gone"
@@ -388,10 +390,7 @@ def test_pid_reuse_reported_by_act_aborts_the_ladder() -> None:
 
 @pytest.mark.parametrize("outcome", ["denied", "failed"])
 def test_denied_or_failed_signal_ends_the_ladder_without_retry(outcome: str) -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll()
     out = record_signal(r.state, signals(r)[0], outcome, now=0.0)
     assert event(out, EventName.ESCALATION_ENDED)["why"] == outcome
     for now in (1.0, 31.0, 100.0):
@@ -410,10 +409,7 @@ def test_stale_signal_record_changes_nothing() -> None:
 
 def test_for_window_is_honoured_and_is_a_deadline() -> None:
     rule = Rule("orphans", FindingKind.ORPHANED, LADDER, for_=30.0)
-    pol = policy(rules=[rule])
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=10.0)
+    p, f, pol, r = first_poll(policy(rules=[rule]), now=10.0)
     assert signals(r) == []
     assert EventName.ESCALATION_CONFIRMING in names(r)
     assert next_deadline(r.state) == 40.0
@@ -426,10 +422,7 @@ def test_for_window_is_honoured_and_is_a_deadline() -> None:
 
 def test_finding_that_flaps_restarts_its_confirmation_window() -> None:
     rule = Rule("orphans", FindingKind.ORPHANED, LADDER, for_=30.0)
-    pol = policy(rules=[rule])
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll(policy(rules=[rule]), now=0.0)
     r = run([], snap([p]), r.state, pol, now=20.0)
     r = run([f], snap([p]), r.state, pol, now=25.0)
     r = run([f], snap([p]), r.state, pol, now=50.0)
@@ -677,10 +670,7 @@ def test_kill_cap_window_rolls_after_an_hour() -> None:
 
 
 def test_dry_run_emits_intents_marked_dry_and_advances_the_timeline() -> None:
-    pol = policy(dry_run=True)
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll(policy(dry_run=True))
     (term,) = signals(r)
     assert term.dry_run
     state = record_signal(r.state, term, "dry_run", now=0.0).state
@@ -781,10 +771,7 @@ def test_target_turning_zombie_mid_ladder_resolves_and_names_the_parent() -> Non
 
 
 def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     d = replace(p, state="D")
     stuck = orphan(d, kind=FindingKind.STUCK)

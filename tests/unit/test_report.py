@@ -63,36 +63,48 @@ def proc(pid: int, **overrides: object) -> model.ProcessInfo:
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
+def _h100(
+    index: int,
+    uuid: str,
+    bus: str,
+    *,
+    free: int,
+    allocated: int,
+    persistence: bool,
+    processes: tuple[model.NvmlProcess, ...],
+) -> model.GpuInfo:
+    """An 80 GiB H100 (512 MiB reserved), MIG off, that NVML reads in full."""
+    memory = model.GpuMemory(
+        total=80 * GIB, free=free, reserved=512 * model.MIB, allocated=allocated
+    )
+    return model.GpuInfo(
+        index=index, uuid=uuid, name="NVIDIA H100 80GB HBM3", pci_bus_id=bus, minor=index,
+        memory=memory, processes=processes, mig_enabled=False, persistence_mode=persistence,
+    )  # fmt: skip
+
+
 def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) -> model.Snapshot:
     gpus = (
-        model.GpuInfo(
-            index=0,
-            uuid=UUID0,
-            name="NVIDIA H100 80GB HBM3",
-            pci_bus_id="00000000:17:00.0",
-            minor=0,
-            memory=model.GpuMemory(
-                total=80 * GIB, free=78 * GIB, reserved=512 * model.MIB, allocated=int(1.5 * GIB)
-            ),
+        _h100(
+            0,
+            UUID0,
+            "00000000:17:00.0",
+            free=78 * GIB,
+            allocated=int(1.5 * GIB),
+            persistence=True,
             processes=(
                 model.NvmlProcess(pid=1999, used_memory=512 * model.MIB, kind="compute"),
                 model.NvmlProcess(pid=1000, used_memory=GIB, kind="compute"),
             ),
-            mig_enabled=False,
-            persistence_mode=True,
         ),
-        model.GpuInfo(
-            index=1,
-            uuid=UUID1,
-            name="NVIDIA H100 80GB HBM3",
-            pci_bus_id="00000000:2A:00.0",
-            minor=1,
-            memory=model.GpuMemory(
-                total=80 * GIB, free=79 * GIB, reserved=512 * model.MIB, allocated=700 * model.MIB
-            ),
+        _h100(
+            1,
+            UUID1,
+            "00000000:2A:00.0",
+            free=79 * GIB,
+            allocated=700 * model.MIB,
+            persistence=False,
             processes=(model.NvmlProcess(pid=3000, used_memory=None, kind="compute"),),
-            mig_enabled=False,
-            persistence_mode=False,
         ),
         model.GpuInfo(
             index=2,

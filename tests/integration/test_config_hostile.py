@@ -95,15 +95,15 @@ def finishes(work: Callable[[], object], fifos: list[Path], seconds: float = 10.
 
 @pytest.mark.parametrize(
     ("char", "name"),
-    [
-        ("\x00", "U+0000"),
-        ("\x01", "U+0001"),
-        ("\x07", "U+0007"),
-        ("\x1b", "U+001B"),
-        ("\x7f", "U+007F"),
-        ("\x9b", "U+009B"),
-        ("\ufffe", "U+FFFE"),
-    ],
+    {
+        "\x00": "U+0000",
+        "\x01": "U+0001",
+        "\x07": "U+0007",
+        "\x1b": "U+001B",
+        "\x7f": "U+007F",
+        "\x9b": "U+009B",
+        "\ufffe": "U+FFFE",
+    }.items(),
 )
 def test_a_control_character_is_a_config_error_naming_file_and_line(char: str, name: str) -> None:
     err = error_of(f"interval: 5s\ndry_run: true\nstate_dir: /var/lib/x{char}y\n")

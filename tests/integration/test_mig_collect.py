@@ -50,16 +50,16 @@ def test_the_driver_numbering_parses_to_capabilities_and_skips_the_others() -> N
 
 @pytest.mark.parametrize(
     ("text", "fragment"),
-    [
-        ("gpu0/gi1/access twelve\n", "line 1"),
-        ("config 1\ngpu0/gi1/access 12 extra\n", "line 2"),
-        ("gpu0/gi1/access 12\ngpu0/gi2/access 12\n", "names a minor or capability twice"),
-        ("gpu0/gi1/access 12\ngpu0/gi1/access 13\n", "names a minor or capability twice"),
-        ("gpu999/gi1/access 12\n", "out of range"),
-        ("gpu0/gi1/access 9999999\n", "out of range"),
-        ("gpu0/gi1/ci0/access\t13\n", "line 1"),
-        ("\x1b[31m 5\n", "line 1"),
-    ],
+    {
+        "gpu0/gi1/access twelve\n": "line 1",
+        "config 1\ngpu0/gi1/access 12 extra\n": "line 2",
+        "gpu0/gi1/access 12\ngpu0/gi2/access 12\n": "names a minor or capability twice",
+        "gpu0/gi1/access 12\ngpu0/gi1/access 13\n": "names a minor or capability twice",
+        "gpu999/gi1/access 12\n": "out of range",
+        "gpu0/gi1/access 9999999\n": "out of range",
+        "gpu0/gi1/ci0/access\t13\n": "line 1",
+        "\x1b[31m 5\n": "line 1",
+    }.items(),
 )
 def test_a_malformed_table_is_refused_naming_the_file_and_line(text: str, fragment: str) -> None:
     with pytest.raises(MigMinorsError) as caught:

@@ -97,17 +97,17 @@ def test_under_journald_each_event_is_one_line_with_its_priority_prefix(
 
 @pytest.mark.parametrize(
     ("level", "prefix"),
-    [
-        ("debug", "<7>"),
-        ("info", "<6>"),
-        ("warning", "<4>"),
-        ("warn", "<4>"),
-        ("error", "<3>"),
-        ("exception", "<3>"),
-        ("critical", "<2>"),
-        ("CRITICAL", "<2>"),
-        ("no-such-level", "<6>"),
-    ],
+    {
+        "debug": "<7>",
+        "info": "<6>",
+        "warning": "<4>",
+        "warn": "<4>",
+        "error": "<3>",
+        "exception": "<3>",
+        "critical": "<2>",
+        "CRITICAL": "<2>",
+        "no-such-level": "<6>",
+    }.items(),
 )
 def test_priority_prefix_maps_levels_to_sd_daemon_priorities(level: str, prefix: str) -> None:
     assert priority_prefix(level) == prefix

@@ -26,15 +26,13 @@ import pytest
 
 from tests.support.daemonrun import Run, _signals, smi_calls
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process, state
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 GPU0 = "GPU-00000000-face-4000-8000-000000000000"
 

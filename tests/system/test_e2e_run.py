@@ -32,15 +32,13 @@ from tests.support.daemonrun import (
     smi_calls,
 )
 from tests.support.fakenvml import GiB, MiB, gpu, process
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 
 # --- scenarios, run inside the namespace ---------------------------------------------------

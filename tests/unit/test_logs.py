@@ -582,21 +582,21 @@ def test_field_names_are_sanitised_unique_and_never_trusted(journal: FakeJournal
     assert all(not name.startswith("_") and len(name) <= 64 for name in entry)
 
 
-@pytest.mark.parametrize(
-    ("key", "name"),
-    [
-        ("gpu", "GPU_UUID"),
-        ("pid", "TARGET_PID"),
-        ("rule", "RULE"),
-        ("dry_run", "DRY_RUN"),
-        ("outcome", "OUTCOME"),
-        ("signal", "SIGNAL"),
-        ("kind", "FINDING_KIND"),
-        ("finding", "FINDING"),
-        ("start_ticks", "GPUWATCHD_START_TICKS"),
-        ("pci_bus_id", "GPUWATCHD_PCI_BUS_ID"),
-    ],
-)
+JOURNAL_FIELDS = {  # a log key and the journal field it is sent as
+    "gpu": "GPU_UUID",
+    "pid": "TARGET_PID",
+    "rule": "RULE",
+    "dry_run": "DRY_RUN",
+    "outcome": "OUTCOME",
+    "signal": "SIGNAL",
+    "kind": "FINDING_KIND",
+    "finding": "FINDING",
+    "start_ticks": "GPUWATCHD_START_TICKS",
+    "pci_bus_id": "GPUWATCHD_PCI_BUS_ID",
+}
+
+
+@pytest.mark.parametrize(("key", "name"), JOURNAL_FIELDS.items())
 def test_journal_field_names(key: str, name: str) -> None:
     assert journal_field_name(key) == name
 

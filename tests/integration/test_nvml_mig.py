@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -223,9 +224,8 @@ def test_a_mig_handle_of_a_destroyed_instance_is_invalid(
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[tuple[FakeNvml, NvmlClient]]:
     fake = FakeNvml(tmp_path)
-    nvml = NvmlClient(timeout=5.0, env=fake.env())
-    yield fake, nvml
-    nvml.close()
+    with closing(NvmlClient(timeout=5.0, env=fake.env())) as nvml:
+        yield fake, nvml
 
 
 def test_the_worker_reads_each_mig_device_with_its_instance_memory_and_processes(

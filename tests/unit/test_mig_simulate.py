@@ -18,6 +18,16 @@ from gpuwatchd.sim.world import World
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 
+# A layout the scenario refuses, and what its error says.
+MALFORMED_LAYOUTS = {
+    "[{gi: 1}, {gi: 1}]": "two GPU instances have the same gi",
+    "[{gi: 1, profile: 'x; rm'}]": "not a MIG profile name",
+    "[{profile: 1g.10gb}]": "missing required field 'gi'",
+    "[{gi: 15}]": "a GPU instance id is 0 to 14",
+    "[{gi: 1, total: 1GiB, allocated: 2GiB}]": "more than total",
+    "[]": "at least one instance",
+}
+
 HEAD = """\
 duration: 1m
 gpus:
@@ -40,16 +50,6 @@ def test_a_context_or_capability_must_name_an_instance_of_its_gpu(tail: str, fra
     with pytest.raises(ScenarioError) as caught:
         parse_scenario("s.yaml", HEAD + tail)
     assert fragment in str(caught.value)
-
-
-MALFORMED_LAYOUTS = {
-    "[{gi: 1}, {gi: 1}]": "two GPU instances have the same gi",
-    "[{gi: 1, profile: 'x; rm'}]": "not a MIG profile name",
-    "[{profile: 1g.10gb}]": "missing required field 'gi'",
-    "[{gi: 15}]": "a GPU instance id is 0 to 14",
-    "[{gi: 1, total: 1GiB, allocated: 2GiB}]": "more than total",
-    "[]": "at least one instance",
-}
 
 
 @pytest.mark.parametrize(("instances", "fragment"), MALFORMED_LAYOUTS.items())

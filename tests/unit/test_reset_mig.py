@@ -58,6 +58,8 @@ def mig_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
 def test_a_clear_instance_is_recreated_in_order_and_checked_and_the_gpu_is_never_reset(
     smi: FakeSmi,
 ) -> None:
+    """Its compute instance destroyed, then the GPU instance, created again at its placement,
+    then checked; persistence mode is left as it is."""
     env = FakeEnvironment(smi)
     outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
     assert outcome.result == "success", outcome.reason

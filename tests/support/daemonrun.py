@@ -196,6 +196,16 @@ def evidence_files(host: SimHost, config: Path) -> dict[str, Any]:
     }
 
 
+def mig_recovery_argvs(smi: str) -> list[list[str]]:
+    """``reset.mig_recovery_commands`` run by the script ``smi``: destroy the compute instance,
+    destroy the GPU instance, create it again at its placement."""
+    return [
+        [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
+        [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
+        [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
+    ]
+
+
 def smi_calls(host: SimHost) -> list[str]:
     path = host.root / "smi.log"
     return path.read_text().splitlines() if path.exists() else []

@@ -30,7 +30,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import ORPHAN_RULE, Run, _signals, evidence_files
+from tests.support.daemonrun import (
+    ORPHAN_RULE,
+    Run,
+    _signals,
+    evidence_files,
+    mig_recovery_argvs,
+)
 from tests.support.fakenvml import (
     GiB,
     MiB,
@@ -229,11 +235,7 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
         "health_command": [smi, "-q", "-i", "{uuid}"],
         "drain": [[smi, "hook", "drain"]],
         "after": [[smi, "hook", "after"]],
-        "mig_recovery_commands": [
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
-            [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
-        ],
+        "mig_recovery_commands": mig_recovery_argvs(smi),
         "confirm_for": "1s",
         "timeout": "5s",
         "cooldown": "1h",

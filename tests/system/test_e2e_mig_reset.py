@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import Run, _signals, smi_calls
+from tests.support.daemonrun import Run, _signals, mig_recovery_argvs, smi_calls
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process, state
 from tests.support.simhost import (
     SimHost,
@@ -95,11 +95,7 @@ def reset_config(host: SimHost) -> dict[str, Any]:
         "command": [smi, "--gpu-reset", "-i", "{uuid}"],
         "persistence_command": [smi, "-pm", "{mode}", "-i", "{uuid}"],
         "health_command": [smi, "-q", "-i", "{uuid}"],
-        "mig_recovery_commands": [
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
-            [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
-        ],
+        "mig_recovery_commands": mig_recovery_argvs(smi),
         "confirm_for": "1s",
         "timeout": "5s",
         "cooldown": "0s",

@@ -329,6 +329,15 @@ def _events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[Mutable
     return [e for e in logs if e["event"] == name]
 
 
+def _timed_read(client: NvmlClient) -> tuple[NvmlReading, float, list[MutableMapping[str, Any]]]:
+    """One read, the seconds it took, and what it logged."""
+    with capture_logs() as logs:
+        started = time.monotonic()
+        reading = client.read()
+        took = time.monotonic() - started
+    return reading, took, logs
+
+
 def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_after_it(
     fake_nvml: FakeNvml, clock: list[float], spawner: Spawner
 ) -> None:
@@ -341,10 +350,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         spawn=spawner,
     )
     try:
-        with capture_logs() as logs:
-            started = time.monotonic()
-            wedged = client.read()
-            took = time.monotonic() - started
+        wedged, took, logs = _timed_read(client)
         assert wedged.wedged
         assert wedged.available
         assert took < 2.0  # the deadline plus the reaping grace, never the 60 s hang
@@ -432,10 +438,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         backoff_initial=5.0,
     )
     try:
-        with capture_logs() as logs:
-            started = time.monotonic()
-            wedged = client.read()
-            took = time.monotonic() - started
+        wedged, took, logs = _timed_read(client)
         assert wedged.wedged
         assert took < 3.0
         pid = client.hung_worker_pid

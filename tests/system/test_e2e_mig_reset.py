@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import daemonrun
 from tests.support.daemonrun import Run, _signals, mig_recovery_argvs, smi_calls
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process, state
 from tests.support.simhost import (
@@ -39,16 +40,14 @@ GPU0 = "GPU-00000000-face-4000-8000-000000000000"
 # Logs its argv. `--gpu-reset` refuses while a process holds /dev/nvidia0 (as the driver does),
 # else writes the state after a reset (MIG mode on, no GPU instance); `-cgi 19:1` and `-cgi 9:4`
 # write the state with GPU instance 1, then both, back. Nothing else does anything.
-FAKE_SMI = r"""#!/bin/sh
+FAKE_SMI = (
+    r"""#!/bin/sh
 echo "$*" >> "%(log)s"
 case " $* " in
 *" --gpu-reset "*)
-    for fd in /proc/[0-9]*/fd/*; do
-        case $(readlink "$fd" 2>/dev/null) in
-        "%(device)s") echo "GPU 00000000:18:00.0: In use by another client"; exit 255 ;;
-        esac
-    done
-    cp "%(root)s/reset.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+"""
+    + daemonrun.REFUSE_WHILE_HELD
+    + r"""    cp "%(root)s/reset.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
     echo "GPU 00000000:18:00.0 was successfully reset." ;;
 *" -cgi 19:1 "*)
     cp "%(root)s/gi1.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s" ;;
@@ -57,6 +56,7 @@ case " $* " in
 esac
 exit 0
 """
+)
 
 
 def caps(host: SimHost, gi: int, ci: int = 0) -> list[str]:

@@ -147,6 +147,14 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     assert "none.yaml" in result.stderr
 
 
+def _without_capabilities(host: SimHost, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpuwatchd args`` as root with every capability dropped (setpriv)."""
+    argv = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "gpuwatchd"]
+    return subprocess.run(
+        [*argv, *args], env=host.env(), capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv (to drop capabilities and to start another user's process)",
@@ -170,25 +178,7 @@ def test_scan_without_capabilities_reports_unreadable_holders_and_exits_77(
             assert time.monotonic() < deadline
             time.sleep(0.01)
         host.nvml([gpu(0, allocated=GiB, processes=[process(holder.pid, GiB)])])
-        result = subprocess.run(
-            [
-                "setpriv",
-                "--bounding-set=-all",
-                "--inh-caps=-all",
-                sys.executable,
-                "-m",
-                "gpuwatchd",
-                "scan",
-                "--json",
-                "--config",
-                str(host.config()),
-            ],
-            env=host.env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        result = _without_capabilities(host, "scan", "--json", "--config", str(host.config()))
     finally:
         holder.kill()
         holder.wait()
@@ -207,27 +197,8 @@ def test_run_without_capabilities_refuses_to_enforce_but_may_dry_run(
     host: SimHost, dry_run: bool, code: int
 ) -> None:
     host.nvml([gpu(0)])
-    result = subprocess.run(
-        [
-            "setpriv",
-            "--bounding-set=-all",
-            "--inh-caps=-all",
-            sys.executable,
-            "-m",
-            "gpuwatchd",
-            "run",
-            "--once",
-            "--timeout",
-            "10s",
-            "--config",
-            str(host.config(dry_run=dry_run)),
-        ],
-        env=host.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    config = str(host.config(dry_run=dry_run))
+    result = _without_capabilities(host, "run", "--once", "--timeout", "10s", "--config", config)
     output = result.stdout + result.stderr
     assert result.returncode == code, output
     event = "daemon.limited_permissions" if dry_run else "daemon.no_permission"

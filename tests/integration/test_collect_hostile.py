@@ -37,6 +37,7 @@ from gpuwatchd.collect.nvml import (
     worker_environment,
 )
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
+from gpuwatchd.core.model import NvmlReading
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
@@ -45,11 +46,6 @@ from tests.support.unkillable import HangingFuse, Unavailable
 LINE_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 BREAK_IDS = [f"U+{ord(c):04X}" for c in LINE_BREAKS]
 USER_SUBTREE = "/user.slice/user-1000.slice/user@1000.service/app.slice"
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
 
 
 @pytest.fixture
@@ -144,13 +140,9 @@ def hostile(tmp_path: Path) -> tuple[Path, Path]:
     return folder, marker
 
 
-def test_worker_ignores_modules_in_the_current_folder(
-    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder, marker = hostile
-    fake_nvml.write(state([gpu(0)]))
-    monkeypatch.chdir(folder)
-    client = NvmlClient(timeout=5.0, env=fake_nvml.env())
+def _read_untouched(env: dict[str, str], marker: Path) -> NvmlReading:
+    """One read by a worker with ``env``: available, and the hostile code never ran."""
+    client = NvmlClient(timeout=5.0, env=env)
     try:
         reading = client.read()
     finally:
@@ -158,6 +150,16 @@ def test_worker_ignores_modules_in_the_current_folder(
 
     assert not marker.exists(), f"ran {marker.read_text()}"
     assert reading.available
+    return reading
+
+
+def test_worker_ignores_modules_in_the_current_folder(
+    fake_nvml: FakeNvml, hostile: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, marker = hostile
+    fake_nvml.write(state([gpu(0)]))
+    monkeypatch.chdir(folder)
+    reading = _read_untouched(fake_nvml.env(), marker)
     assert len(reading.gpus) == 1
 
 
@@ -167,14 +169,7 @@ def test_worker_ignores_pythonpath_from_the_environment_and_from_env(
     folder, marker = hostile
     fake_nvml.write(state([gpu(0)]))
     monkeypatch.setenv("PYTHONPATH", str(folder))
-    client = NvmlClient(timeout=5.0, env={**fake_nvml.env(), "PYTHONPATH": str(folder)})
-    try:
-        reading = client.read()
-    finally:
-        client.close()
-
-    assert not marker.exists(), f"ran {marker.read_text()}"
-    assert reading.available
+    _read_untouched({**fake_nvml.env(), "PYTHONPATH": str(folder)}, marker)
 
 
 def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
@@ -334,6 +329,15 @@ def _events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[Mutable
     return [e for e in logs if e["event"] == name]
 
 
+def _timed_read(client: NvmlClient) -> tuple[NvmlReading, float, list[MutableMapping[str, Any]]]:
+    """One read, the seconds it took, and what it logged."""
+    with capture_logs() as logs:
+        started = time.monotonic()
+        reading = client.read()
+        took = time.monotonic() - started
+    return reading, took, logs
+
+
 def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_after_it(
     fake_nvml: FakeNvml, clock: list[float], spawner: Spawner
 ) -> None:
@@ -346,10 +350,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         spawn=spawner,
     )
     try:
-        with capture_logs() as logs:
-            started = time.monotonic()
-            wedged = client.read()
-            took = time.monotonic() - started
+        wedged, took, logs = _timed_read(client)
         assert wedged.wedged
         assert wedged.available
         assert took < 2.0  # the deadline plus the reaping grace, never the 60 s hang
@@ -437,10 +438,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         backoff_initial=5.0,
     )
     try:
-        with capture_logs() as logs:
-            started = time.monotonic()
-            wedged = client.read()
-            took = time.monotonic() - started
+        wedged, took, logs = _timed_read(client)
         assert wedged.wedged
         assert took < 3.0
         pid = client.hung_worker_pid

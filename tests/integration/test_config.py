@@ -303,14 +303,14 @@ def test_empty_sections_and_lists_mean_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [
-        ("ghost_memory", "freed by the GPU reset"),
-        ("unaccounted_memory", "report-only"),
-        ("zombie", "never signalled"),
-        ("dead_process", "cannot be signalled"),
-        ("stuck", "cannot be killed"),
-        ("hidden_holder", "report-only"),
-    ],
+    {
+        "ghost_memory": "freed by the GPU reset",
+        "unaccounted_memory": "report-only",
+        "zombie": "never signalled",
+        "dead_process": "cannot be signalled",
+        "stuck": "cannot be killed",
+        "hidden_holder": "report-only",
+    }.items(),
 )
 def test_rules_cannot_signal_kinds_that_are_not_process_actions(kind: str, reason: str) -> None:
     text = f"rules: [{{name: r, kind: {kind}, steps: [{{signal: SIGKILL, wait: 1s}}]}}]\n"

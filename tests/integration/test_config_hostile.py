@@ -27,13 +27,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.config.schema import (
-    default_policy,
-    load_policy,
-    parse_policy_documents,
-    render_policy,
-    validate_reset_command,
-)
+from gpuwatchd.config import schema
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
@@ -52,7 +46,7 @@ fuzz_settings = settings(
 
 
 def parse(text: str, filename: str = DROP_IN) -> Policy:
-    return parse_policy_documents([(filename, text)])
+    return schema.parse_policy_documents([(filename, text)])
 
 
 def error_of(text: str, filename: str = DROP_IN) -> ConfigError:
@@ -63,7 +57,7 @@ def error_of(text: str, filename: str = DROP_IN) -> ConfigError:
 
 def load_error(main_file: Path) -> ConfigError:
     with pytest.raises(ConfigError) as caught:
-        load_policy(str(main_file), check_permissions=False)
+        schema.load_policy(str(main_file), check_permissions=False)
     return caught.value
 
 
@@ -101,15 +95,15 @@ def finishes(work: Callable[[], object], fifos: list[Path], seconds: float = 10.
 
 @pytest.mark.parametrize(
     ("char", "name"),
-    [
-        ("\x00", "U+0000"),
-        ("\x01", "U+0001"),
-        ("\x07", "U+0007"),
-        ("\x1b", "U+001B"),
-        ("\x7f", "U+007F"),
-        ("\x9b", "U+009B"),
-        ("\ufffe", "U+FFFE"),
-    ],
+    {
+        "\x00": "U+0000",
+        "\x01": "U+0001",
+        "\x07": "U+0007",
+        "\x1b": "U+001B",
+        "\x7f": "U+007F",
+        "\x9b": "U+009B",
+        "\ufffe": "U+FFFE",
+    }.items(),
 )
 def test_a_control_character_is_a_config_error_naming_file_and_line(char: str, name: str) -> None:
     err = error_of(f"interval: 5s\ndry_run: true\nstate_dir: /var/lib/x{char}y\n")
@@ -205,12 +199,12 @@ def test_drop_ins_share_one_budget_of_size_and_values() -> None:
     files = MAX_TOTAL_BYTES // MAX_DOCUMENT_BYTES + 1
     docs = [(f"/etc/gpuwatchd/conf.d/{i}.yaml", comments) for i in range(files)]
     with pytest.raises(ConfigError, match="together are larger than their 4 MiB limit") as caught:
-        parse_policy_documents(docs)
+        schema.parse_policy_documents(docs)
     assert caught.value.path == docs[-1][0]
     third = "protect:\n  users: [" + "a, " * (MAX_NODES // 3) + "]\n"
     docs = [(f"/etc/gpuwatchd/conf.d/{i}.yaml", third) for i in range(4)]
     with pytest.raises(ConfigError, match="YAML values in the configuration files together"):
-        parse_policy_documents(docs)
+        schema.parse_policy_documents(docs)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +275,7 @@ def test_a_fifo_drop_in_is_an_error_and_never_blocks(tmp_path: Path) -> None:
     main_file = config_tree(tmp_path)
     fifo = tmp_path / "conf.d" / "10-site.yaml"
     os.mkfifo(fifo)
-    outcome = finishes(lambda: load_policy(str(main_file), check_permissions=False), [fifo])
+    outcome = finishes(lambda: schema.load_policy(str(main_file), check_permissions=False), [fifo])
     assert isinstance(outcome, ConfigError)
     assert outcome.path == str(fifo)
     assert "not a regular file (a FIFO)" in outcome.message
@@ -290,7 +284,7 @@ def test_a_fifo_drop_in_is_an_error_and_never_blocks(tmp_path: Path) -> None:
 def test_a_fifo_main_file_is_an_error_and_never_blocks(tmp_path: Path) -> None:
     fifo = tmp_path / "gpuwatchd.yaml"
     os.mkfifo(fifo)
-    outcome = finishes(lambda: load_policy(str(fifo), check_permissions=False), [fifo])
+    outcome = finishes(lambda: schema.load_policy(str(fifo), check_permissions=False), [fifo])
     assert isinstance(outcome, ConfigError)
     assert outcome.path == str(fifo)
     assert "not a regular file" in outcome.message
@@ -315,7 +309,7 @@ def test_a_drop_in_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
     real = tmp_path / "site.yaml"
     real.write_text("interval: 7s\n")
     (tmp_path / "conf.d" / "10-site.yaml").symlink_to(real)
-    assert load_policy(str(main_file), check_permissions=False).interval == 7.0
+    assert schema.load_policy(str(main_file), check_permissions=False).interval == 7.0
 
 
 def test_entries_not_named_like_drop_ins_are_ignored_whatever_they_are(tmp_path: Path) -> None:
@@ -327,7 +321,7 @@ def test_entries_not_named_like_drop_ins_are_ignored_whatever_they_are(tmp_path:
     os.mkfifo(conf_d / ".pipe.yaml")
     (conf_d / "dev.yml").symlink_to("/dev/null")
     outcome = finishes(
-        lambda: load_policy(str(main_file), check_permissions=False),
+        lambda: schema.load_policy(str(main_file), check_permissions=False),
         [conf_d / "pipe", conf_d / ".pipe.yaml"],
     )
     assert isinstance(outcome, Policy)
@@ -557,7 +551,7 @@ def test_a_nul_in_an_argument_or_string_is_refused(text: str, key: str | None) -
 )
 def test_a_second_or_index_selector_in_any_spelling_is_refused(argv: list[str]) -> None:
     with pytest.raises(ConfigError) as caught:
-        validate_reset_command(argv)
+        schema.validate_reset_command(argv)
     assert caught.value.key == "reset.command"
     err = error_of(f"reset:\n  command: {yaml.safe_dump(argv, default_flow_style=True)}")
     assert (err.key, err.line) == ("reset.command", 2)
@@ -576,7 +570,7 @@ def test_a_second_or_index_selector_in_any_spelling_is_refused(argv: list[str]) 
     ],
 )
 def test_one_selector_in_any_spelling_is_accepted(argv: list[str]) -> None:
-    validate_reset_command(argv)
+    schema.validate_reset_command(argv)
     policy = parse(f"reset:\n  command: {yaml.safe_dump(argv, default_flow_style=True)}")
     assert policy.reset.command == tuple(argv)
 
@@ -586,7 +580,7 @@ def test_a_second_selector_from_a_drop_in_is_refused(key: str) -> None:
     mode = ", -pm, '{mode}'" if key == "persistence_command" else ""
     drop_in = f"reset:\n  {key}: [nvidia-smi{mode}, -i, '{{uuid}}', -i, '0,1']\n"
     with pytest.raises(ConfigError) as caught:
-        parse_policy_documents(
+        schema.parse_policy_documents(
             [("/etc/gpuwatchd/gpuwatchd.yaml", "dry_run: true\n"), (DROP_IN, drop_in)]
         )
     assert (caught.value.path, caught.value.line, caught.value.key) == (DROP_IN, 2, f"reset.{key}")
@@ -746,7 +740,7 @@ def test_format_argv_checks_only_the_values_it_fills_in() -> None:
 # --- 7. fuzz: a policy or a ConfigError, nothing else ---------------------------------------------
 
 KEYS = sorted(
-    set(re.findall(r"^\s*-?\s*([a-z_]+):", render_policy(default_policy()), re.M))
+    set(re.findall(r"^\s*-?\s*([a-z_]+):", schema.render_policy(schema.default_policy()), re.M))
     | {"enabled", "min_memory", "signal", "wait", "command", "timeout", "for", "<<"}
 )
 VALUES = [
@@ -801,7 +795,7 @@ top_levels = st.dictionaries(st.sampled_from(KEYS), documents, max_size=8)
 
 def _template() -> dict[str, Any]:
     """The rendered default policy, with a hook and every optional key filled in."""
-    template: dict[str, Any] = yaml.safe_load(render_policy(default_policy()))
+    template: dict[str, Any] = yaml.safe_load(schema.render_policy(schema.default_policy()))
     hook = {"command": ["nvidia-smi", "-q", "-i", "{uuid}"], "timeout": "1m"}
     for hooks in (template["reset"], template):
         for key in ("drain", "before", "after", "on_failure"):
@@ -853,7 +847,9 @@ yamlish = st.lists(st.sampled_from(YAML_TOKENS), max_size=60).map("".join)
 def policy_or_config_error(*docs: str) -> None:
     problems: tuple[ConfigError, ...] = ()
     try:
-        policy = parse_policy_documents([(f"/etc/f{i}.yaml", text) for i, text in enumerate(docs)])
+        policy = schema.parse_policy_documents(
+            [(f"/etc/f{i}.yaml", text) for i, text in enumerate(docs)]
+        )
     except ConfigError as err:
         problems, message = err.problems, str(err)
         assert message  # every problem can be printed
@@ -887,7 +883,7 @@ def test_fuzz_nesting_gives_a_policy_or_a_config_error(depth: int, opener: str) 
 @given(st.lists(st.sampled_from(VALUES) | st.text(max_size=8), max_size=8))
 def test_fuzz_reset_commands_are_accepted_or_refused_with_config_error(argv: list[str]) -> None:
     try:
-        validate_reset_command(argv, require_placeholder=True)
+        schema.validate_reset_command(argv, require_placeholder=True)
     except ConfigError:
         return
 

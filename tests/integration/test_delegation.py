@@ -117,8 +117,9 @@ def test_procfs_reads_the_mark_for_processes_in_infrastructure_units(
     assert unverified_infrastructure(cron) is None
 
 
-def test_without_a_mountinfo_the_mark_is_unknown(tmp_path: Path) -> None:
-    fake = FakeProc(tmp_path / "proc")
+def _assert_roots_dcgm_worker_unverified(fake: FakeProc) -> None:
+    """Root's worker 300 in nvidia-dcgm.service, its delegation mark unknown: not
+    infrastructure, only unverified infrastructure."""
     fake.add(300, comm="worker", uid=0, cgroup="0::/system.slice/nvidia-dcgm.service\n")
     info = ProcFS(str(fake.root)).read_process(300)
     assert info is not None
@@ -126,6 +127,10 @@ def test_without_a_mountinfo_the_mark_is_unknown(tmp_path: Path) -> None:
     assert info.cgroup.delegated is None
     assert infrastructure(info) is None
     assert unverified_infrastructure(info) is not None
+
+
+def test_without_a_mountinfo_the_mark_is_unknown(tmp_path: Path) -> None:
+    _assert_roots_dcgm_worker_unverified(FakeProc(tmp_path / "proc"))
 
 
 # --- real processes in real cgroups at the hierarchy's top ---------------------------------
@@ -249,10 +254,4 @@ def test_without_cap_sys_admin_the_mark_is_unknown(fake_host: FakeProc, cgroup_b
     "no mark", so the mark is unknown and root's worker in the DCGM unit only unverified."""
     _cgroup(cgroup_base, "system.slice/nvidia-dcgm.service")
     fake_host.write("self/status", "Name:\tgpuwatchd\nCapEff:\t0000000000080000\n")  # PTRACE
-    fake_host.add(300, comm="worker", uid=0, cgroup="0::/system.slice/nvidia-dcgm.service\n")
-    info = ProcFS(str(fake_host.root)).read_process(300)
-    assert info is not None
-    assert info.cgroup is not None
-    assert info.cgroup.delegated is None
-    assert infrastructure(info) is None
-    assert unverified_infrastructure(info) is not None
+    _assert_roots_dcgm_worker_unverified(fake_host)

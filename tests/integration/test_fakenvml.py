@@ -17,64 +17,41 @@ from typing import Any
 
 import pytest
 
-from tests.support.fakenvml import FakeNvml, ensure_built, gpu, open_device_files, state
-
-SUCCESS = 0
-UNINITIALIZED = 1
-INVALID_ARGUMENT = 2
-NOT_SUPPORTED = 3
-INSUFFICIENT_SIZE = 7
-GPU_IS_LOST = 15
-VERSION_MISMATCH = 25
-UNKNOWN = 999
-
-
-class ProcessInfo(ctypes.Structure):
-    _fields_ = [
-        ("pid", ctypes.c_uint),
-        ("usedGpuMemory", ctypes.c_ulonglong),
-        ("gpuInstanceId", ctypes.c_uint),
-        ("computeInstanceId", ctypes.c_uint),
-    ]
-
-
-class MemoryV2(ctypes.Structure):
-    _fields_ = [
-        ("version", ctypes.c_uint),
-        ("total", ctypes.c_ulonglong),
-        ("reserved", ctypes.c_ulonglong),
-        ("free", ctypes.c_ulonglong),
-        ("used", ctypes.c_ulonglong),
-    ]
+from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
+from tests.support.nvmlctypes import (
+    GPU_IS_LOST,
+    INSUFFICIENT_SIZE,
+    INVALID_ARGUMENT,
+    MEMORY_V2,
+    NOT_SUPPORTED,
+    SUCCESS,
+    UNINITIALIZED,
+    UNKNOWN,
+    VERSION_MISMATCH,
+    MemoryV2,
+    ProcessInfo,
+    fake_in_process,
+    handle,
+    initialised,
+    load,
+)
 
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    return ctypes.CDLL(str(ensure_built()))
+    return load()
 
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    nvml = FakeNvml(tmp_path)
-    for key, value in nvml.env().items():
-        if key != "LD_LIBRARY_PATH":
-            monkeypatch.setenv(key, value)
-    return nvml
+    return fake_in_process(tmp_path, monkeypatch)
 
 
 @pytest.fixture
 def session(lib: ctypes.CDLL, fake: FakeNvml) -> Iterator[ctypes.CDLL]:
     """An initialised library over a two-GPU state; shut down afterwards."""
-    fake.write(state([gpu(0), gpu(1)]))
-    assert lib.nvmlInit_v2() == SUCCESS
-    yield lib
-    assert lib.nvmlShutdown() == SUCCESS
-
-
-def handle(lib: ctypes.CDLL, index: int) -> ctypes.c_void_p:
-    device = ctypes.c_void_p()
-    assert lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(device)) == SUCCESS
-    return device
+    with initialised(lib, fake, [gpu(0), gpu(1)]) as opened:
+        yield opened
 
 
 def uuid_of(lib: ctypes.CDLL, device: ctypes.c_void_p) -> tuple[int, str]:
@@ -153,7 +130,7 @@ def test_empty_process_list_succeeds_on_the_probe(session: ctypes.CDLL) -> None:
     assert (rc, count.value) == (SUCCESS, 0)
 
 
-@pytest.mark.parametrize(("version", "expected"), [(0x02000028, SUCCESS), (1, VERSION_MISMATCH)])
+@pytest.mark.parametrize(("version", "expected"), [(MEMORY_V2, SUCCESS), (1, VERSION_MISMATCH)])
 def test_memory_v2_checks_the_struct_version(
     session: ctypes.CDLL, version: int, expected: int
 ) -> None:

@@ -35,6 +35,7 @@ from gpuwatchd.decide.full_scan import (
 )
 from gpuwatchd.decide.policy import Detection
 from tests.support.children import Spawn, hold
+from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, process, state
 
 DETECTION = Detection()  # default baseline 64 MiB, ghost margin 256 MiB
@@ -163,16 +164,8 @@ def dead_pid() -> int:
 @pytest.fixture
 def collector(fake_nvml: FakeNvml) -> Iterator[tuple[Collector, list[float]]]:
     clock = [1000.0]
-    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
-    collector = Collector(
-        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
-        nvml,
-        namespace_check=False,
-        clock=lambda: clock[0],
-        wall_clock=lambda: clock[0],
-    )
-    yield collector, clock
-    nvml.close()
+    with fake_collector(fake_nvml, clock) as collector:
+        yield collector, clock
 
 
 def _poll_modes(collector: Collector, clock: list[float], polls: int) -> list[str | None]:

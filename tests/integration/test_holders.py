@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,22 @@ import pytest
 
 from gpuwatchd.collect.holders import (
     HolderScanner,
-    ProcessTable,
     lines_containing,
     match_device_name,
 )
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold, private_tables
-from tests.support.fakeproc import FakeProc, make_devices
+from tests.support.children import (
+    HOLD_FD,
+    SYS_EXIT,
+    Spawn,
+    hold,
+    map_only,
+    private_tables,
+    wait_for_state,
+    zombie_leader,
+)
+from tests.support.fakeproc import FakeProc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,16 +42,6 @@ REPO = Path(__file__).resolve().parents[2]
 def scanner(root: str = "/proc", **settings: Any) -> HolderScanner:
     """A holder scanner over the /proc tree at ``root``."""
     return HolderScanner(ProcFS(root), **settings)
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
-
-
-@pytest.fixture
-def devices(tmp_path: Path) -> Path:
-    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -180,22 +177,6 @@ def test_device_number_mode_falls_back_to_the_name_and_says_so(fake: FakeProc) -
 
 # --- real child processes -----------------------------------------------------------------
 
-# Python's mmap.mmap keeps a dup of the fd, so map through libc to leave a mapping alone.
-MAP_ONLY = """
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-fd = os.open({path!r}, os.O_RDWR)
-addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-os.close(fd)
-"""
-
-
-def _map_only(path: str) -> str:
-    return HOLD_FD.format(body=MAP_ONLY.format(path=path))
-
 
 def test_real_child_holding_a_device_file_through_an_fd(spawn: Spawn, devices: Path) -> None:
     child = spawn(hold([f"{devices}/nvidia0"]))
@@ -208,7 +189,7 @@ def test_real_child_holding_a_device_file_through_an_fd(spawn: Spawn, devices: P
 
 
 def test_real_child_holding_a_device_through_a_mapping_only(spawn: Spawn, devices: Path) -> None:
-    child = spawn(_map_only(f"{devices}/nvidia1"))
+    child = spawn(map_only(f"{devices}/nvidia1"))
     holding = scanner(devices_dir=str(devices)).scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_map == {1}
     assert holding.gpu_minors_fd == frozenset()
@@ -241,19 +222,9 @@ def test_shared_dev_zero_mapping_is_anonymous_memory_not_a_device(
     spawn: Spawn, tmp_path: Path
 ) -> None:
     # mmap(MAP_SHARED) of /dev/zero becomes shmem ("/dev/zero (deleted)"), not device 1:5.
-    child = spawn(_map_only("/dev/zero"))
+    child = spawn(map_only("/dev/zero"))
     holders = scanner(devices_dir=str(tmp_path), match_by_path=False, device_major=1)
     assert child.pid not in holders.scan([child.pid]).holdings
-
-
-def _wait_for_state(procfs: ProcessTable, pid: int, state: str) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        fields = procfs.read_stat(pid)
-        if fields is not None and fields.state == state:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"pid {pid} never reached state {state}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the scan as another user")
@@ -291,22 +262,13 @@ def test_unprivileged_scan_records_another_users_process_as_unreadable(
     assert not kernel_threads & set(seen["f"])
 
 
-SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
-
-
 @pytest.mark.skipif(SYS_EXIT is None, reason="exit(2) syscall number unknown on this machine")
 def test_real_zombie_leader_is_scanned_through_its_live_thread(spawn: Spawn, devices: Path) -> None:
     # The main thread alone exits (SYS_exit, not exit_group): the leader turns Z while another
     # thread keeps the shared fd table, and so the device file, alive.
-    body = (
-        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
-        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
-        "print('ready', flush=True)\n"
-        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
-    )
-    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    child = spawn(zombie_leader(str(devices / "nvidia0")))
     holders = scanner(devices_dir=str(devices))
-    _wait_for_state(holders.procfs, child.pid, "Z")
+    wait_for_state(holders.procfs, child.pid, "Z")
     holding = holders.scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_fd == {0}
 

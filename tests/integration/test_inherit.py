@@ -6,7 +6,6 @@ hand-built snapshots (decide/assess/passes.py, decide/floor.py).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import re
@@ -21,24 +20,12 @@ from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
-from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.core.model import FindingKind, HolderScan, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
-from gpuwatchd.decide.policy import Detection
+from tests.support.orphancases import DEFAULT, LEAK, OPT_IN, run
 from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid
-
-LEAK = 20 * 1024 * MIB
-DEFAULT = Detection()
-OPT_IN = dataclasses.replace(DEFAULT, orphans_without_history=True)
-
-
-def run(
-    snapshot: Snapshot, previous: AssessState | None = None, detection: Detection = DEFAULT
-) -> Assessment:
-    state = previous if previous is not None else AssessState(boot_id=snapshot.boot_id)
-    return assess(snapshot, state, detection)
 
 
 def findings_of(result: Assessment, pid: int) -> list[tuple[FindingKind, dict[str, object]]]:

@@ -22,10 +22,10 @@ from gpuwatchd.collect.mig import (
     parse_mig_minors,
     read_mig_minors,
 )
-from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import MigCapability
 from tests.support.children import Spawn, hold
+from tests.support.collecting import fake_collector
 from tests.support.fakenvml import (
     FakeNvml,
     cap_minor,
@@ -50,16 +50,16 @@ def test_the_driver_numbering_parses_to_capabilities_and_skips_the_others() -> N
 
 @pytest.mark.parametrize(
     ("text", "fragment"),
-    [
-        ("gpu0/gi1/access twelve\n", "line 1"),
-        ("config 1\ngpu0/gi1/access 12 extra\n", "line 2"),
-        ("gpu0/gi1/access 12\ngpu0/gi2/access 12\n", "names a minor or capability twice"),
-        ("gpu0/gi1/access 12\ngpu0/gi1/access 13\n", "names a minor or capability twice"),
-        ("gpu999/gi1/access 12\n", "out of range"),
-        ("gpu0/gi1/access 9999999\n", "out of range"),
-        ("gpu0/gi1/ci0/access\t13\n", "line 1"),
-        ("\x1b[31m 5\n", "line 1"),
-    ],
+    {
+        "gpu0/gi1/access twelve\n": "line 1",
+        "config 1\ngpu0/gi1/access 12 extra\n": "line 2",
+        "gpu0/gi1/access 12\ngpu0/gi2/access 12\n": "names a minor or capability twice",
+        "gpu0/gi1/access 12\ngpu0/gi1/access 13\n": "names a minor or capability twice",
+        "gpu999/gi1/access 12\n": "out of range",
+        "gpu0/gi1/access 9999999\n": "out of range",
+        "gpu0/gi1/ci0/access\t13\n": "line 1",
+        "\x1b[31m 5\n": "line 1",
+    }.items(),
 )
 def test_a_malformed_table_is_refused_naming_the_file_and_line(text: str, fragment: str) -> None:
     with pytest.raises(MigMinorsError) as caught:
@@ -188,15 +188,8 @@ def test_device_number_mode_knows_capabilities_by_the_nvidia_caps_major(
 @pytest.fixture
 def collector_for(fake_nvml: FakeNvml, tmp_path: Path) -> Iterator[tuple[Collector, Path]]:
     minors = tmp_path / "mig-minors"
-    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
-    collector = Collector(
-        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
-        nvml,
-        namespace_check=False,
-        mig_minors_file=str(minors),
-    )
-    yield collector, minors
-    nvml.close()
+    with fake_collector(fake_nvml, mig_minors_file=str(minors)) as collector:
+        yield collector, minors
 
 
 def test_the_collector_reads_the_table_only_when_a_gpu_has_mig_on(

@@ -434,14 +434,21 @@ def test_unavailable_driver_is_retried_only_after_backoff(
 # --- deadlines --------------------------------------------------------------------------------
 
 
+HANG = {"nvmlDeviceGetComputeRunningProcesses_v3": 30.0}
+
+
+def _hung(fake_nvml: FakeNvml, clock: list[float], *, timeout: float, backoff: float) -> NvmlClient:
+    """A client of GPU 0 whose process query hangs for 30 s."""
+    fake_nvml.write(state([gpu(0)], delays=HANG))
+    return NvmlClient(
+        timeout=timeout, env=fake_nvml.env(), clock=lambda: clock[0], backoff_initial=backoff
+    )
+
+
 def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
     fake_nvml: FakeNvml, clock: list[float]
 ) -> None:
-    hang = {"nvmlDeviceGetComputeRunningProcesses_v3": 30.0}
-    fake_nvml.write(state([gpu(0)], delays=hang))
-    client = NvmlClient(
-        timeout=0.5, env=fake_nvml.env(), clock=lambda: clock[0], backoff_initial=1.0
-    )
+    client = _hung(fake_nvml, clock, timeout=0.5, backoff=1.0)
     try:
         with capture_logs() as logs:
             for _ in range(3):  # three retries of a driver that stays hung
@@ -449,7 +456,7 @@ def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
                 clock[0] += 60.0
             fake_nvml.write(state([gpu(0)]))
             assert client.read().available
-            fake_nvml.write(state([gpu(0)], delays=hang))
+            fake_nvml.write(state([gpu(0)], delays=HANG))
             assert client.read().wedged  # a new stretch is logged again
         wedged = [e for e in logs if e["event"] == "nvml.wedged"]
         assert [e["log_level"] for e in wedged] == ["critical", "critical"]
@@ -460,11 +467,7 @@ def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
 def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backoff(
     fake_nvml: FakeNvml, clock: list[float]
 ) -> None:
-    hang = {"nvmlDeviceGetComputeRunningProcesses_v3": 30.0}
-    fake_nvml.write(state([gpu(0)], delays=hang))
-    client = NvmlClient(
-        timeout=1.0, env=fake_nvml.env(), clock=lambda: clock[0], backoff_initial=5.0
-    )
+    client = _hung(fake_nvml, clock, timeout=1.0, backoff=5.0)
     try:
         started = time.monotonic()
         with capture_logs() as logs:

@@ -11,48 +11,35 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuwatchd.collect.nvml import NvmlClient
+from tests.support import nvmlctypes
 from tests.support.fakenvml import (
     FakeNvml,
     GiB,
     MiB,
-    ensure_built,
     gpu,
     mig_device,
     process,
     state,
 )
-
-SUCCESS = 0
-INVALID_ARGUMENT = 2
-NOT_SUPPORTED = 3
-NOT_FOUND = 6
-INSUFFICIENT_SIZE = 7
-NO_INSTANCE = 0xFFFFFFFF
-
-
-class ProcessInfo(ctypes.Structure):
-    _fields_ = [
-        ("pid", ctypes.c_uint),
-        ("usedGpuMemory", ctypes.c_ulonglong),
-        ("gpuInstanceId", ctypes.c_uint),
-        ("computeInstanceId", ctypes.c_uint),
-    ]
-
-
-class MemoryV2(ctypes.Structure):
-    _fields_ = [
-        ("version", ctypes.c_uint),
-        ("total", ctypes.c_ulonglong),
-        ("reserved", ctypes.c_ulonglong),
-        ("free", ctypes.c_ulonglong),
-        ("used", ctypes.c_ulonglong),
-    ]
+from tests.support.nvmlctypes import (
+    INSUFFICIENT_SIZE,
+    INVALID_ARGUMENT,
+    MEMORY_V2,
+    NO_INSTANCE,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    SUCCESS,
+    MemoryV2,
+    ProcessInfo,
+    handle,
+)
 
 
 class Placement(ctypes.Structure):
@@ -92,32 +79,21 @@ def two_instances(**over: Any) -> dict[str, Any]:
     )
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return ctypes.CDLL(str(ensure_built()))
-
-
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    nvml = FakeNvml(tmp_path)
-    for key, value in nvml.env().items():
-        if key != "LD_LIBRARY_PATH":
-            monkeypatch.setenv(key, value)
-    return nvml
+    return nvmlctypes.fake_in_process(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    return nvmlctypes.load()
 
 
 @pytest.fixture
 def session(lib: ctypes.CDLL, fake: FakeNvml) -> Iterator[ctypes.CDLL]:
-    fake.write(state([two_instances(), gpu(1)]))
-    assert lib.nvmlInit_v2() == SUCCESS
-    yield lib
-    assert lib.nvmlShutdown() == SUCCESS
-
-
-def handle(lib: ctypes.CDLL, index: int) -> ctypes.c_void_p:
-    device = ctypes.c_void_p()
-    assert lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(device)) == SUCCESS
-    return device
+    """GPU 0 as ``two_instances`` and a plain GPU 1, initialised; shut down afterwards."""
+    with nvmlctypes.initialised(lib, fake, [two_instances(), gpu(1)]) as opened:
+        yield opened
 
 
 def mig_handle(
@@ -141,7 +117,7 @@ def processes(lib: ctypes.CDLL, device: ctypes.c_void_p) -> list[tuple[int, int,
 
 
 def allocated(lib: ctypes.CDLL, device: ctypes.c_void_p) -> tuple[int, int]:
-    memory = MemoryV2(version=0x02000028)
+    memory = MemoryV2(version=MEMORY_V2)
     assert lib.nvmlDeviceGetMemoryInfo_v2(device, ctypes.byref(memory)) == SUCCESS
     return memory.total, memory.used
 
@@ -238,7 +214,7 @@ def test_a_mig_handle_of_a_destroyed_instance_is_invalid(
     parent = handle(session, 0)
     mig = mig_handle(session, parent, 0)[1]
     fake.write(state([gpu(0, mig_mode=1, mig_devices=[]), gpu(1)]))
-    memory = MemoryV2(version=0x02000028)
+    memory = MemoryV2(version=MEMORY_V2)
     assert session.nvmlDeviceGetMemoryInfo_v2(mig, ctypes.byref(memory)) == INVALID_ARGUMENT
 
 
@@ -248,9 +224,8 @@ def test_a_mig_handle_of_a_destroyed_instance_is_invalid(
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[tuple[FakeNvml, NvmlClient]]:
     fake = FakeNvml(tmp_path)
-    nvml = NvmlClient(timeout=5.0, env=fake.env())
-    yield fake, nvml
-    nvml.close()
+    with closing(NvmlClient(timeout=5.0, env=fake.env())) as nvml:
+        yield fake, nvml
 
 
 def test_the_worker_reads_each_mig_device_with_its_instance_memory_and_processes(
@@ -281,24 +256,6 @@ def test_the_worker_reads_each_mig_device_with_its_instance_memory_and_processes
     assert first.error is None
 
 
-def test_an_instance_whose_processes_cannot_be_read_is_unknown_not_empty(
-    client: tuple[FakeNvml, NvmlClient],
-) -> None:
-    fake, nvml = client
-    broken = two_instances()
-    broken["mig_devices"][0]["errors"] = {"nvmlDeviceGetComputeRunningProcesses_v3": 999}
-    fake.write(state([broken]))
-
-    (mig_gpu,) = nvml.read().gpus
-
-    assert mig_gpu.mig_devices is not None
-    first = mig_gpu.mig_devices[0]
-    assert first.processes is None
-    assert first.error is not None
-    assert "nvmlDeviceGetComputeRunningProcesses_v3" in first.error
-    assert mig_gpu.mig_devices[1].processes == ()
-
-
 def test_an_unreadable_mig_device_list_is_unknown(client: tuple[FakeNvml, NvmlClient]) -> None:
     fake, nvml = client
     fake.write(state([two_instances(errors={"nvmlDeviceGetMaxMigDeviceCount": 999})]))
@@ -326,18 +283,27 @@ def test_an_instance_without_the_v2_memory_query_reads_v1_and_leaves_allocated_u
     assert mig_gpu.mig_devices[0].error is None
 
 
-def test_a_failing_instance_memory_query_is_unknown_and_named(
-    client: tuple[FakeNvml, NvmlClient],
+@pytest.mark.parametrize(
+    ("call", "unknown"),
+    [
+        pytest.param("nvmlDeviceGetComputeRunningProcesses_v3", "processes", id="processes"),
+        pytest.param("nvmlDeviceGetMemoryInfo_v2", "memory", id="memory"),
+    ],
+)
+def test_an_instance_whose_processes_or_memory_cannot_be_read_is_unknown_and_named(
+    client: tuple[FakeNvml, NvmlClient], call: str, unknown: str
 ) -> None:
+    """Unknown, not empty: the failing call is named, and the other instances still read."""
     fake, nvml = client
     broken = two_instances()
-    broken["mig_devices"][0]["errors"] = {"nvmlDeviceGetMemoryInfo_v2": 999}
+    broken["mig_devices"][0]["errors"] = {call: 999}
     fake.write(state([broken]))
 
     (mig_gpu,) = nvml.read().gpus
 
     assert mig_gpu.mig_devices is not None
     first = mig_gpu.mig_devices[0]
-    assert first.memory is None
+    assert getattr(first, unknown) is None
     assert first.error is not None
-    assert "nvmlDeviceGetMemoryInfo_v2" in first.error
+    assert call in first.error
+    assert mig_gpu.mig_devices[1].processes == ()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +22,8 @@ from gpuwatchd.collect.procfs import (
     parse_proc_devices,
 )
 from gpuwatchd.collect.procread import StatFields, parse_stat
-from tests.support.children import Spawn
-from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat, make_devices
+from tests.support.children import Spawn, wait_for_state
+from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat
 
 DOCKER_ID = "4f9a" * 16
 CTR_ID = "ab12" * 16
@@ -39,44 +39,23 @@ def _stat_line(comm: str, state: str = "S", flags: int = 0, threads: int = 1) ->
     )  # fmt: skip
 
 
+def _stat_case(comm: str, case: str, state: str = "S", flags: int = 0, threads: int = 1) -> Any:
+    """A stat line of PID 42 (parent 7, group 40, session 30, started at 987654) and its
+    fields as ``parse_stat`` must read them."""
+    expected = StatFields(42, comm, state, 7, 40, 30, flags, threads, 987654)
+    return pytest.param(_stat_line(comm, state, flags, threads), expected, id=case)
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        pytest.param(
-            _stat_line("python3"),
-            StatFields(42, "python3", "S", 7, 40, 30, 0, 1, 987654),
-            id="normal",
-        ),
-        pytest.param(
-            _stat_line("foo) Z 1 ("),
-            StatFields(42, "foo) Z 1 (", "S", 7, 40, 30, 0, 1, 987654),
-            id="hostile-comm-fakes-zombie-and-ppid",
-        ),
-        pytest.param(
-            _stat_line("tmux: server"),
-            StatFields(42, "tmux: server", "S", 7, 40, 30, 0, 1, 987654),
-            id="comm-with-space",
-        ),
-        pytest.param(
-            _stat_line("a)b)"),
-            StatFields(42, "a)b)", "S", 7, 40, 30, 0, 1, 987654),
-            id="comm-ending-in-parens",
-        ),
-        pytest.param(
-            _stat_line("python3", state="Z", threads=3),
-            StatFields(42, "python3", "Z", 7, 40, 30, 0, 3, 987654),
-            id="zombie-with-live-threads",
-        ),
-        pytest.param(
-            _stat_line("nccl", state="D"),
-            StatFields(42, "nccl", "D", 7, 40, 30, 0, 1, 987654),
-            id="uninterruptible",
-        ),
-        pytest.param(
-            _stat_line("kworker/0:1", flags=PF_KTHREAD | 0x40),
-            StatFields(42, "kworker/0:1", "S", 7, 40, 30, PF_KTHREAD | 0x40, 1, 987654),
-            id="kernel-thread",
-        ),
+        _stat_case("python3", "normal"),
+        _stat_case("foo) Z 1 (", "hostile-comm-fakes-zombie-and-ppid"),
+        _stat_case("tmux: server", "comm-with-space"),
+        _stat_case("a)b)", "comm-ending-in-parens"),
+        _stat_case("python3", "zombie-with-live-threads", state="Z", threads=3),
+        _stat_case("nccl", "uninterruptible", state="D"),
+        _stat_case("kworker/0:1", "kernel-thread", flags=PF_KTHREAD | 0x40),
         pytest.param("42 (python3) S 7 40 30 0 -1", None, id="truncated"),
         pytest.param("", None, id="empty"),
         pytest.param("42 python3 S 7 40 30", None, id="no-parens"),
@@ -108,16 +87,6 @@ def test_parse_proc_devices_reads_only_character_devices() -> None:
 
 
 # --- facts from a fake /proc --------------------------------------------------------------
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
-
-
-@pytest.fixture
-def devices(tmp_path: Path) -> Path:
-    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
 
 
 def test_read_process_reports_every_fact(fake: FakeProc) -> None:
@@ -272,22 +241,12 @@ def test_procfs_still_offers_the_holder_scan_it_used_to_own(fake: FakeProc, devi
 # --- real child processes -----------------------------------------------------------------
 
 
-def _wait_for_state(procfs: ProcFS, pid: int, state: str) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        fields = procfs.read_stat(pid)
-        if fields is not None and fields.state == state:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"pid {pid} never reached state {state}")
-
-
 def test_real_zombie_child_has_state_z_and_holds_nothing(devices: Path) -> None:
     code = f"import os; fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         procfs = ProcFS(devices_dir=str(devices))
-        _wait_for_state(procfs, child.pid, "Z")  # exited, not yet reaped by us
+        wait_for_state(procfs, child.pid, "Z")  # exited, not yet reaped by us
         info = procfs.read_process(child.pid)
         assert info is not None
         assert info.is_zombie

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,6 +152,13 @@ def test_a_for_out_of_range_or_no_duration_is_refused_with_what_stays_unchanged(
 def _written(saved: Mapping[str, object]) -> dict[str, object]:
     """``saved`` with the status document the daemon would write at NOW."""
     return with_document(saved, policy=default_policy(), wall=NOW, monotonic=None)
+
+
+def _described_with_status(**status: object) -> Any:
+    """``describe`` of an empty plan whose saved status (pid 1, polled at NOW) also says
+    ``status``."""
+    saved = {"plan": PlanState().to_json(), "status": {"pid": 1, "last_poll": NOW, **status}}
+    return describe(_written(saved), policy=default_policy(), now_wall=NOW)
 
 
 def test_status_shows_the_pause_end() -> None:
@@ -450,15 +458,8 @@ def test_spare_cli_records_the_process_start_time_lists_and_cancels(
 
 
 def test_status_lists_the_daemons_spares() -> None:
-    saved = {
-        "plan": PlanState().to_json(),
-        "status": {
-            "pid": 1,
-            "last_poll": NOW,
-            "spares": [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}],
-        },
-    }
-    result = describe(_written(saved), policy=default_policy(), now_wall=NOW)
+    spares = [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}]
+    result = _described_with_status(spares=spares)
     assert result["spares"] == [{"target": "job:slurm:42", "until": NOW + 120, "reason": "bench"}]
     assert "spared:   job:slurm:42 until" in render_text(result)
 
@@ -488,15 +489,7 @@ def test_nvml_state_changes_at_the_first_failed_reading_and_its_return_is_an_eve
 
 
 def test_status_says_since_when_nvml_is_wedged_and_needs_attention() -> None:
-    saved = {
-        "plan": PlanState().to_json(),
-        "status": {
-            "pid": 1,
-            "last_poll": NOW,
-            "nvml": {"state": "wedged", "since": NOW - 30, "error": "hung"},
-        },
-    }
-    result = describe(_written(saved), policy=default_policy(), now_wall=NOW)
+    result = _described_with_status(nvml={"state": "wedged", "since": NOW - 30, "error": "hung"})
     assert result["nvml"] == {"state": "wedged", "error": "hung", "since": NOW - 30}
     assert "NVML:     wedged since" in render_text(result)
     assert "30s ago" in render_text(result)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +26,11 @@ import pytest
 
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.collect.nvml import NvmlClient
-from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import NvmlReading
 from gpuwatchd.decide.full_scan import FullScanReason, FullScanState, full_scan_due, holder_gone
 from gpuwatchd.decide.policy import Detection
 from tests.support.children import HOLD_FD, Spawn
+from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, state
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -197,18 +197,8 @@ def daemonish(fake_nvml: FakeNvml) -> Iterator[tuple[Collector, list[float], Pat
     watch = DeviceWatch(str(fake_nvml.devices_dir))
     if not watch.start():
         pytest.skip(f"no inotify here: {watch.error}")
-    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
-    collector = Collector(
-        ProcFS(devices_dir=str(fake_nvml.devices_dir)),
-        nvml,
-        namespace_check=False,
-        clock=lambda: clock[0],
-        wall_clock=lambda: clock[0],
-        watch=watch,
-        backstop=600.0,
-    )
-    yield collector, clock, fake_nvml.devices_dir / "nvidia0"
-    nvml.close()
+    with fake_collector(fake_nvml, clock, watch=watch, backstop=600.0) as collector:
+        yield collector, clock, fake_nvml.devices_dir / "nvidia0"
     watch.close()
 
 
@@ -252,15 +242,18 @@ def test_a_process_that_opens_a_device_file_starts_a_walk(
     assert _poll(collector, clock) == (None, holders)  # followed, no further walk
 
 
-def test_a_child_of_a_holder_is_followed_without_a_walk(
-    daemonish: tuple[Collector, list[float], Path], spawn: Spawn
-) -> None:
+def _holder_that_forks(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn, *, child: str, after: str
+) -> tuple[subprocess.Popen[str], int]:
+    """A holder of GPU 0's device file, seen by two polls, told to fork: its child runs
+    ``child`` and sleeps, it runs ``after`` once it printed the child's PID. The holder and
+    that PID."""
     collector, clock, node = daemonish
     body = (
         f"fd = os.open({str(node)!r}, os.O_RDONLY)\n"
         'print("ready", flush=True)\n' + WAIT_LINE + "kid = os.fork()\n"
-        "if kid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-        "print(kid, flush=True)\n"
+        f"if kid == 0:\n{child}    time.sleep(60)\n    os._exit(0)\n"
+        "print(kid, flush=True)\n" + after
     )
     holder = spawn(script(body))
     _poll(collector, clock)
@@ -269,7 +262,14 @@ def test_a_child_of_a_holder_is_followed_without_a_walk(
     assert holder.stdout is not None
     holder.stdin.write("go\n")
     holder.stdin.flush()
-    kid = int(holder.stdout.readline())
+    return holder, int(holder.stdout.readline())
+
+
+def test_a_child_of_a_holder_is_followed_without_a_walk(
+    daemonish: tuple[Collector, list[float], Path], spawn: Spawn
+) -> None:
+    collector, clock, _ = daemonish
+    holder, kid = _holder_that_forks(daemonish, spawn, child="", after="")
     reason, holders = _poll(collector, clock)
     assert reason is None  # no open happened, nobody left: the targeted scan follows it
     assert {holder.pid, kid} <= holders
@@ -278,21 +278,10 @@ def test_a_child_of_a_holder_is_followed_without_a_walk(
 def test_a_holder_that_forks_and_exits_starts_a_walk_that_finds_the_child(
     daemonish: tuple[Collector, list[float], Path], spawn: Spawn
 ) -> None:
-    collector, clock, node = daemonish
-    body = (
-        f"fd = os.open({str(node)!r}, os.O_RDONLY)\n"
-        'print("ready", flush=True)\n' + WAIT_LINE + "kid = os.fork()\n"
-        "if kid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
-        "print(kid, flush=True)\nos._exit(0)\n"
+    collector, clock, _ = daemonish
+    holder, kid = _holder_that_forks(
+        daemonish, spawn, child="    os.setsid()\n", after="os._exit(0)\n"
     )
-    holder = spawn(script(body))
-    _poll(collector, clock)
-    _quiet(collector, clock)
-    assert holder.stdin is not None
-    assert holder.stdout is not None
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    kid = int(holder.stdout.readline())
     holder.wait(timeout=10)
     try:
         reason, holders = _poll(collector, clock)

@@ -32,15 +32,8 @@ import pytest
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.procfs import ProcFS
-from tests.support.children import HOLD_FD, Spawn, hold
-from tests.support.fakeproc import FakeProc, make_devices
-
-SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)
-
-
-@pytest.fixture
-def devices(tmp_path: Path) -> Path:
-    return make_devices(tmp_path / "devs", minors=(0, 1, 3))
+from tests.support.children import HOLD_FD, SYS_EXIT, Spawn, hold, map_only, zombie_leader
+from tests.support.fakeproc import FakeProc
 
 
 def full_scanner(workers: int, **settings: object) -> HolderScanner:
@@ -91,17 +84,6 @@ def test_prefilter_never_rejects_a_target_the_exact_tests_look_at(devices: Path)
 
 # --- the shapes, on real children -------------------------------------------------------------
 
-MAP_ONLY = """
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-fd = os.open({path!r}, os.O_RDWR)
-addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-os.close(fd)
-"""
-
 HIGH_FD = """
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
@@ -113,7 +95,7 @@ os.close(fd)
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_mapping_without_an_fd_is_found(spawn: Spawn, devices: Path, workers: int) -> None:
-    child = spawn(HOLD_FD.format(body=MAP_ONLY.format(path=str(devices / "nvidia1"))))
+    child = spawn(map_only(str(devices / "nvidia1")))
     holding = full_scanner(workers, devices_dir=str(devices)).scan().holdings[child.pid]
     assert holding.gpu_minors_map == {1}
     assert holding.gpu_minors_fd == frozenset()
@@ -147,13 +129,7 @@ def test_an_fd_above_1024_is_found(spawn: Spawn, devices: Path, workers: int) ->
 def test_a_thread_group_whose_leader_exited_is_found(
     spawn: Spawn, devices: Path, workers: int
 ) -> None:
-    body = (
-        f"fd = os.open({str(devices / 'nvidia0')!r}, os.O_RDONLY)\n"
-        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
-        "print('ready', flush=True)\n"
-        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
-    )
-    child = spawn(HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1))
+    child = spawn(zombie_leader(str(devices / "nvidia0")))
     procfs = ProcFS("/proc")
     for _ in range(500):
         fields = procfs.read_stat(child.pid)

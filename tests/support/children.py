@@ -7,11 +7,15 @@ ever inspect and signal these children of their own.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
+
+from gpuwatchd.collect.holders import ProcessTable
 
 Spawn = Callable[[str], "subprocess.Popen[str]"]
 
@@ -27,6 +31,51 @@ def hold(paths: list[str]) -> str:
     """Code for a child that keeps ``paths`` open (read-only fds) until killed."""
     opens = ", ".join(f"os.open({p!r}, os.O_RDONLY)" for p in paths)
     return HOLD_FD.format(body=f"held = [{opens}]")
+
+
+# Python's mmap.mmap keeps a dup of the fd, so map through libc to leave a mapping alone.
+MAP_ONLY = """
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.open({path!r}, os.O_RDWR)
+addr = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)
+"""
+
+
+def map_only(path: str) -> str:
+    """Code for a child that maps ``path`` and closes its fd: held by the mapping alone."""
+    return HOLD_FD.format(body=MAP_ONLY.format(path=path))
+
+
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)  # exit(2): one thread only
+
+
+def zombie_leader(path: str) -> str:
+    """Code for a child that opens ``path`` and whose main thread alone then exits (SYS_exit,
+    not exit_group): the leader turns Z while another thread keeps the shared fd table, and so
+    the file, alive. Needs ``SYS_EXIT``."""
+    body = (
+        f"fd = os.open({path!r}, os.O_RDONLY)\n"
+        "import threading; threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('ready', flush=True)\n"
+        f"ctypes.CDLL(None).syscall({SYS_EXIT}, 0)"
+    )
+    return HOLD_FD.format(body=body).replace('print("ready", flush=True)\n', "", 1)
+
+
+def wait_for_state(procfs: ProcessTable, pid: int, state: str) -> None:
+    """Wait up to 10 s until ``pid``'s stat says ``state``; fail the test if it never does."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        fields = procfs.read_stat(pid)
+        if fields is not None and fields.state == state:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"pid {pid} never reached state {state}")
 
 
 @pytest.fixture

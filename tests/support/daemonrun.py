@@ -28,26 +28,34 @@ ORPHAN_RULE = {
 }
 
 
+# The driver's refusal of a reset while any process holds the GPU's device file (a piece of the
+# fake `nvidia-smi` scripts' `--gpu-reset` branch).
+REFUSE_WHILE_HELD = r"""    for fd in /proc/[0-9]*/fd/*; do
+        case $(readlink "$fd" 2>/dev/null) in
+        "%(device)s") echo "GPU 00000000:18:00.0: In use by another client"; exit 255 ;;
+        esac
+    done
+"""
+
 # A stand-in for `nvidia-smi`: logs its argv; a reset refuses while any process holds the GPU's
 # device file (as the driver does), else restores the fake GPU's memory to idle.
-FAKE_SMI = r"""#!/bin/sh
+FAKE_SMI = (
+    r"""#!/bin/sh
 here=${0%%/*}
 echo "$*" >> "%(log)s"
 case " $* " in
 *" --gpu-reset "*)
     if [ -f "%(behaviour)s" ]; then read -r behaviour < "%(behaviour)s"; else behaviour=ok; fi
     if [ "$behaviour" = hang ]; then sleep 1000 & echo $! > "%(root)s/hang.pid"; wait; fi
-    for fd in /proc/[0-9]*/fd/*; do
-        case $(readlink "$fd" 2>/dev/null) in
-        "%(device)s") echo "GPU 00000000:18:00.0: In use by another client"; exit 255 ;;
-        esac
-    done
-    cp "%(restored)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+"""
+    + REFUSE_WHILE_HELD
+    + r"""    cp "%(restored)s" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
     echo "GPU 00000000:18:00.0 was successfully reset."
     echo "All done." ;;
 esac
 exit 0
 """
+)
 
 
 class Run:
@@ -194,6 +202,16 @@ def evidence_files(host: SimHost, config: Path) -> dict[str, Any]:
         "explain": explained,
         "status": json.loads(status.stdout).get("evidence") if status.stdout else None,
     }
+
+
+def mig_recovery_argvs(smi: str) -> list[list[str]]:
+    """``reset.mig_recovery_commands`` run by the script ``smi``: destroy the compute instance,
+    destroy the GPU instance, create it again at its placement."""
+    return [
+        [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
+        [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
+        [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
+    ]
 
 
 def smi_calls(host: SimHost) -> list[str]:

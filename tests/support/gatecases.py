@@ -12,20 +12,11 @@ from gpuwatchd.core.model import (
     FindingKind,
     Snapshot,
 )
+from gpuwatchd.decide import policy
 from gpuwatchd.decide.plan.decisions import plan
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
 from gpuwatchd.decide.plan.outcomes import record_signal
 from gpuwatchd.decide.plan.state import PlanState
-from gpuwatchd.decide.policy import (
-    HealthPolicy,
-    Hook,
-    Limits,
-    Policy,
-    Protect,
-    ResetPolicy,
-    Rule,
-    Step,
-)
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 SELF = 4242  # the daemon's NVML worker
@@ -40,21 +31,31 @@ def _ghost(gpu: str = GPU0) -> Finding:
     )  # fmt: skip
 
 
-def _policy(**changes: object) -> Policy:
-    base = Policy(
+def _policy(**changes: object) -> policy.Policy:
+    base = policy.Policy(
         dry_run=False,
         rules=(
-            Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 30.0), Step("SIGKILL", 10.0))),
+            policy.Rule(
+                "orphans",
+                FindingKind.ORPHANED,
+                (policy.Step("SIGTERM", 30.0), policy.Step("SIGKILL", 10.0)),
+            ),
         ),
-        limits=Limits(max_signalled_per_poll=4, max_signalled_per_hour=32, post_action_delay=0.0),
-        reset=ResetPolicy(confirm_for=60.0, cooldown=600.0, max_resets=2, window=3600.0),
-        health=HealthPolicy(action="reset", drain_timeout=600.0),
+        limits=policy.Limits(
+            max_signalled_per_poll=4, max_signalled_per_hour=32, post_action_delay=0.0
+        ),
+        reset=policy.ResetPolicy(confirm_for=60.0, cooldown=600.0, max_resets=2, window=3600.0),
+        health=policy.HealthPolicy(action="reset", drain_timeout=600.0),
     )
     return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def _plan(
-    findings: Sequence[Finding], snapshot: Snapshot, state: PlanState, pol: Policy, now: float
+    findings: Sequence[Finding],
+    snapshot: Snapshot,
+    state: PlanState,
+    pol: policy.Policy,
+    now: float,
 ) -> PlanResult:
     return plan(findings, snapshot, state, pol, now=now, wall=WALL + now)
 
@@ -95,7 +96,7 @@ def _orphan(snapshot: Snapshot, gpu: str = GPU0) -> Finding:
     )  # fmt: skip
 
 
-def _after_sigterm(pol: Policy) -> tuple[PlanState, Finding]:
+def _after_sigterm(pol: policy.Policy) -> tuple[PlanState, Finding]:
     """A ladder for JOB whose SIGTERM was delivered at 0; the SIGKILL is due at 30."""
     snapshot = _job_host().build()
     finding = _orphan(snapshot)
@@ -105,11 +106,11 @@ def _after_sigterm(pol: Policy) -> tuple[PlanState, Finding]:
     return record_signal(first.state, sigterm, "delivered", now=0.0).state, finding
 
 
-def _protect(**kw: object) -> Policy:
-    return _policy(protect=Protect(**kw))  # type: ignore[arg-type]
+def _protect(**kw: object) -> policy.Policy:
+    return _policy(protect=policy.Protect(**kw))  # type: ignore[arg-type]
 
 
-RESET_DRAIN = (Hook(("drain-node", "{uuid}")),)
+RESET_DRAIN = (policy.Hook(("drain-node", "{uuid}")),)
 
 
 def _health(kind: FindingKind = FindingKind.RESET_REQUIRED, gpu: str = GPU0) -> Finding:

@@ -1,12 +1,29 @@
 """Hosts the orphan-evidence tests share: a launcher's family whose device files an heir
-inherited (kcmp), and an heir whose session leader is gone."""
+inherited (kcmp), and an heir whose session leader is gone; and one assessment run, with or
+without ``detection.orphans_without_history``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpuwatchd.core.model import MIB, Snapshot
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.shared import Assessment
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.policy import Detection
 from tests.support.snapshots import HostBuilder
 
 LEAK = 20 * 1024 * MIB
+DEFAULT = Detection()
+OPT_IN = dataclasses.replace(DEFAULT, orphans_without_history=True)
+
+
+def run(
+    snapshot: Snapshot, previous: AssessState | None = None, detection: Detection = DEFAULT
+) -> Assessment:
+    """``assess`` over ``snapshot``, from ``previous`` or a fresh state of its boot."""
+    state = previous if previous is not None else AssessState(boot_id=snapshot.boot_id)
+    return assess(snapshot, state, detection)
 
 
 def fd_family(at: float) -> HostBuilder:
@@ -46,3 +63,17 @@ def heir_host(at: float, *, owners_alive: bool) -> HostBuilder:
     else:
         builder.absent(4100)
     return builder
+
+
+def owner_and_worker(leak: int = LEAK) -> Snapshot:
+    """Owner 800 on GPU 0 (NVML lists it) and its child 801 holding GPU 0 too; kcmp says 801
+    opened its own device files (it shares none with 800)."""
+    return (
+        HostBuilder(monotonic=1000.0)
+        .gpu(0, allocated=leak)
+        .nvml(0, 800, used=leak)
+        .proc(800, ppid=1, holds={0}, uvm=True)
+        .proc(801, ppid=800, holds={0}, uvm=True)
+        .sharing(801, 800, False)
+        .build()
+    )

@@ -5,18 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.core.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    HolderScan,
-    NvmlReading,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core import model
 from gpuwatchd.decide.plan.intents import PlanResult, SignalIntent
 from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
 
@@ -34,13 +23,13 @@ def proc(
     comm: str | None = "python3",
     exe: str | None = "/usr/bin/python3.11",
     cmdline: tuple[str, ...] | None = ("python3", "train.py"),
-    cgroup: CgroupInfo | None = None,
+    cgroup: model.CgroupInfo | None = None,
     kernel_thread: bool = False,
     ppid: int = 1,
     uid: int | None = 1000,
     exe_trusted: bool | None = None,
-) -> ProcessInfo:
-    return ProcessInfo(
+) -> model.ProcessInfo:
+    return model.ProcessInfo(
         pid=pid,
         start_ticks=ticks,
         state=state,
@@ -52,7 +41,7 @@ def proc(
         comm=comm,
         exe=exe,
         cmdline=cmdline,
-        cgroup=cgroup if cgroup is not None else CgroupInfo(path="/user.slice/session-1.scope"),
+        cgroup=cgroup or model.CgroupInfo(path="/user.slice/session-1.scope"),
         kernel_thread=kernel_thread,
         exe_trusted=exe_trusted,
     )
@@ -66,50 +55,50 @@ def gpu(
     lost: bool = False,
     arch: int | None = None,
     nvlinks: int | None = None,
-) -> GpuInfo:
-    return GpuInfo(
+) -> model.GpuInfo:
+    return model.GpuInfo(
         index=minor, uuid=uuid, pci_bus_id=BUS0 if uuid == GPU0 else None, minor=minor,
         mig_enabled=mig, lost=lost, architecture=arch, nvlink_active=nvlinks,
     )  # fmt: skip
 
 
 def snap(
-    procs: Sequence[ProcessInfo] = (),
+    procs: Sequence[model.ProcessInfo] = (),
     *,
-    gpus: Sequence[GpuInfo] = (gpu(), gpu(GPU1, 1)),
-    holders: Mapping[int, DeviceHolding] | None = None,
+    gpus: Sequence[model.GpuInfo] = (gpu(), gpu(GPU1, 1)),
+    holders: Mapping[int, model.DeviceHolding] | None = None,
     boot_id: str = "boot-a",
     self_pids: frozenset[int] = frozenset({4242}),
     host_namespaces: bool | None = True,
     wedged: bool = False,
-) -> Snapshot:
+) -> model.Snapshot:
     if holders is None:
         holders = {
-            p.pid: DeviceHolding(p.pid, frozenset({0}), frozenset(), ctl=True, uvm=True)
+            p.pid: model.DeviceHolding(p.pid, frozenset({0}), frozenset(), ctl=True, uvm=True)
             for p in procs
         }
-    return Snapshot(
+    return model.Snapshot(
         monotonic=0.0,
         wall_time=0.0,
         boot_id=boot_id,
-        nvml=NvmlReading(available=True, wedged=wedged, gpus=tuple(gpus)),
+        nvml=model.NvmlReading(available=True, wedged=wedged, gpus=tuple(gpus)),
         processes={p.pid: p for p in procs},
-        holders=HolderScan(mode="full", holdings=dict(holders)),
+        holders=model.HolderScan(mode="full", holdings=dict(holders)),
         self_pids=self_pids,
         host_namespaces=host_namespaces,
     )
 
 
 def orphan(
-    p: ProcessInfo,
+    p: model.ProcessInfo,
     *,
-    kind: FindingKind = FindingKind.ORPHANED,
+    kind: model.FindingKind = model.FindingKind.ORPHANED,
     gpu_uuid: str | None = GPU0,
-    memory: int | None = 512 * MIB,
+    memory: int | None = 512 * model.MIB,
     actionable: bool = True,
     evidence: Mapping[str, object] | None = None,
-) -> Finding:
-    return Finding(
+) -> model.Finding:
+    return model.Finding(
         kind=kind,
         gpu=gpu_uuid,
         pid=p.pid,
@@ -121,14 +110,14 @@ def orphan(
     )
 
 
-def ghost(uuid: str = GPU0) -> Finding:
-    return Finding(
-        kind=FindingKind.GHOST_MEMORY,
+def ghost(uuid: str = GPU0) -> model.Finding:
+    return model.Finding(
+        kind=model.FindingKind.GHOST_MEMORY,
         gpu=uuid,
         pid=None,
         start_ticks=None,
         reason="900 MiB allocated, no live holder",
-        memory=900 * MIB,
+        memory=900 * model.MIB,
     )
 
 
@@ -147,7 +136,7 @@ def policy(
         dry_run=dry_run,
         rules=tuple(rules)
         if rules is not None
-        else (Rule("orphans", FindingKind.ORPHANED, LADDER, for_=0.0),),
+        else (Rule("orphans", model.FindingKind.ORPHANED, LADDER, for_=0.0),),
         protect=protect or Protect(),
         limits=limits or Limits(max_signalled_per_poll=4, max_signalled_per_hour=32),
         reset=reset

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetTarget, progress_record
 from gpuwatchd.core.model import GpuInfo, MigDevice
 from gpuwatchd.core.vocabulary import ResetStep
@@ -130,6 +131,16 @@ def make_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
     return replace(policy, **changes)  # type: ignore[arg-type]
 
 
+def mig_recovery_commands(smi: FakeSmi) -> tuple[tuple[str, ...], ...]:
+    """``reset.mig_recovery_commands`` run by the fake: destroy the compute instance, destroy
+    the GPU instance, create it again at its placement."""
+    return (
+        smi.argv("mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"),
+        smi.argv("mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
+        smi.argv("mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"),
+    )
+
+
 def smi_commands(smi: FakeSmi) -> list[list[str]]:
     """The calls that were nvidia-smi commands, not hooks."""
     return [call for call in smi.calls() if call[:1] != ["hook"]]
@@ -182,3 +193,14 @@ def layout_gpu(
         index=first.gpu_index, uuid=first.uuid, pci_bus_id=first.pci_bus_id,
         mig_enabled=mig_enabled, mig_devices=devices,
     )  # fmt: skip
+
+
+def resume_fails_untouched(
+    smi: FakeSmi, record: dict[str, object], policy: ResetPolicy, why: str
+) -> None:
+    """Resuming ``record`` fails, its reason naming ``why``, and runs nothing at all."""
+    outcome = resume_interrupted(record, policy, FakeEnvironment(smi))
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert why in outcome.reason
+    assert smi.calls() == []

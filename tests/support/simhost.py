@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support import fakenvml
@@ -301,6 +302,14 @@ def pid_namespace_command() -> list[str] | None:
         if probe.returncode == 0:
             return prefix
     return None
+
+
+def needs_pid_namespace() -> pytest.MarkDecorator:
+    """The mark that skips a test where ``pid_namespace_command`` finds no way to make one."""
+    return pytest.mark.skipif(
+        pid_namespace_command() is None,
+        reason="needs a PID namespace (root, or unprivileged user namespaces)",
+    )
 
 
 def run_in_pid_namespace(

@@ -26,15 +26,13 @@ from tests.support.daemonrun import (
     orphan_host,
 )
 from tests.support.fakenvml import gpu
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 SELECTIONS = {"all": [], "gpu0": ["--gpu", "0"], "gpu1": ["--gpu", "1"], "both": ["--gpu", "1,0"]}
 

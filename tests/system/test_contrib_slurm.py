@@ -26,19 +26,17 @@ import pytest
 
 from tests.support.daemonrun import ORPHAN_RULE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 from tests.support.slurmfake import FAKE_SCONTROL, NODE, REPO, SLURM, Slurm
 
 SCRIPTS = [SLURM / "gpuwatchd-slurm", SLURM / "gpuwatchd-prolog", SLURM / "gpuwatchd-epilog"]
 
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 
 def _dirty_gpu0(host: SimHost) -> None:

@@ -24,15 +24,13 @@ from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from tests.support.daemonrun import Run, _epoch, evidence_files, fake_smi, smi_calls
 from tests.support.fakenvml import MiB, gpu, process
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 HEALTH_KINDS = ("reset_required", "reboot_required", "drain_required")

@@ -30,7 +30,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import ORPHAN_RULE, Run, _signals, evidence_files
+from tests.support.daemonrun import (
+    ORPHAN_RULE,
+    Run,
+    _signals,
+    evidence_files,
+    mig_recovery_argvs,
+)
 from tests.support.fakenvml import (
     GiB,
     MiB,
@@ -41,15 +47,13 @@ from tests.support.fakenvml import (
     process,
     state,
 )
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 NAMES = ("worker1", "trainer2", "worker2", "parent_child")
 
@@ -231,11 +235,7 @@ def ghost_host(host: SimHost) -> tuple[dict[str, int], dict[str, Any]]:
         "health_command": [smi, "-q", "-i", "{uuid}"],
         "drain": [[smi, "hook", "drain"]],
         "after": [[smi, "hook", "after"]],
-        "mig_recovery_commands": [
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
-            [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
-        ],
+        "mig_recovery_commands": mig_recovery_argvs(smi),
         "confirm_for": "1s",
         "timeout": "5s",
         "cooldown": "1h",

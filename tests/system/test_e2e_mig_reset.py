@@ -24,33 +24,30 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemonrun import Run, _signals, smi_calls
+from tests.support import daemonrun
+from tests.support.daemonrun import Run, _signals, mig_recovery_argvs, smi_calls
 from tests.support.fakenvml import MiB, cap_minor, gpu, mig_device, mig_minors_text, process, state
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 GPU0 = "GPU-00000000-face-4000-8000-000000000000"
 
 # Logs its argv. `--gpu-reset` refuses while a process holds /dev/nvidia0 (as the driver does),
 # else writes the state after a reset (MIG mode on, no GPU instance); `-cgi 19:1` and `-cgi 9:4`
 # write the state with GPU instance 1, then both, back. Nothing else does anything.
-FAKE_SMI = r"""#!/bin/sh
+FAKE_SMI = (
+    r"""#!/bin/sh
 echo "$*" >> "%(log)s"
 case " $* " in
 *" --gpu-reset "*)
-    for fd in /proc/[0-9]*/fd/*; do
-        case $(readlink "$fd" 2>/dev/null) in
-        "%(device)s") echo "GPU 00000000:18:00.0: In use by another client"; exit 255 ;;
-        esac
-    done
-    cp "%(root)s/reset.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
+"""
+    + daemonrun.REFUSE_WHILE_HELD
+    + r"""    cp "%(root)s/reset.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s"
     echo "GPU 00000000:18:00.0 was successfully reset." ;;
 *" -cgi 19:1 "*)
     cp "%(root)s/gi1.json" "%(state)s.tmp" && mv "%(state)s.tmp" "%(state)s" ;;
@@ -59,6 +56,7 @@ case " $* " in
 esac
 exit 0
 """
+)
 
 
 def caps(host: SimHost, gi: int, ci: int = 0) -> list[str]:
@@ -97,11 +95,7 @@ def reset_config(host: SimHost) -> dict[str, Any]:
         "command": [smi, "--gpu-reset", "-i", "{uuid}"],
         "persistence_command": [smi, "-pm", "{mode}", "-i", "{uuid}"],
         "health_command": [smi, "-q", "-i", "{uuid}"],
-        "mig_recovery_commands": [
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"],
-            [smi, "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"],
-            [smi, "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"],
-        ],
+        "mig_recovery_commands": mig_recovery_argvs(smi),
         "confirm_for": "1s",
         "timeout": "5s",
         "cooldown": "0s",

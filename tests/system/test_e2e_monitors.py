@@ -20,15 +20,13 @@ import pytest
 
 from tests.support.daemonrun import Run, fake_smi, smi_calls
 from tests.support.fakenvml import GiB, gpu
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 RESTART_DELAY = 3.0  # the supervisor's pause before it starts a monitor again
 

@@ -30,16 +30,14 @@ import pytest
 
 from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import gpu
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 from tests.support.slurmfake import NODE, Slurm
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 PAUSE_FOR = 6.0  # seconds
 SPARE_FOR = 14.0  # seconds, from the same moment: the spare outlasts the pause

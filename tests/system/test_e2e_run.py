@@ -32,15 +32,13 @@ from tests.support.daemonrun import (
     smi_calls,
 )
 from tests.support.fakenvml import GiB, MiB, gpu, process
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 
 # --- scenarios, run inside the namespace ---------------------------------------------------
@@ -276,15 +274,21 @@ def host_stuck_orphan(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         }
 
 
-def host_abandoned_slurm_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    """Job 41 runs (its slurmstepd lives); job 42 ended but a task still holds GPU 1."""
-    base = Path(arg["cgroup_base"])
+def _slurm_step_dirs(base: Path) -> dict[tuple[int, str], str]:
+    """Step 0 of Slurm jobs 41 and 42 below ``base``: its slurmstepd's and its task's cgroup
+    folders, made."""
     dirs = {}
     for job in (41, 42):
         for sub in ("slurm", "user/task_0"):
             path = base / SLURM_SCOPE / f"job_{job}" / "step_0" / sub
             path.mkdir(parents=True, exist_ok=True)
             dirs[(job, sub)] = str(path)
+    return dirs
+
+
+def host_abandoned_slurm_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Job 41 runs (its slurmstepd lives); job 42 ended but a task still holds GPU 1."""
+    dirs = _slurm_step_dirs(Path(arg["cgroup_base"]))
     with SimHost(root, gpus=2) as host:
         host.spawn("stepd41", [{"cgroup": dirs[(41, "slurm")]}, {"sleep": 3600}])
         # slurmstepd starts each task in a session of its own.
@@ -612,13 +616,7 @@ def test_leak_from_before_the_daemon_scan_shows_the_heir_and_once_frees_it_with_
 def host_epilog_names_ended_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
     """Job 42's slurmstepd still lives (so the cgroup alone says "running"), but the epilog says
     the job ended: its task is abandoned for that run; job 41's task is untouched."""
-    base = Path(arg["cgroup_base"])
-    dirs = {}
-    for job in (41, 42):
-        for sub in ("slurm", "user/task_0"):
-            path = base / SLURM_SCOPE / f"job_{job}" / "step_0" / sub
-            path.mkdir(parents=True, exist_ok=True)
-            dirs[(job, sub)] = str(path)
+    dirs = _slurm_step_dirs(Path(arg["cgroup_base"]))
     with SimHost(root, gpus=2) as host:
         for job, minor in ((41, 0), (42, 1)):
             host.spawn(f"stepd{job}", [{"cgroup": dirs[(job, "slurm")]}, {"sleep": 3600}])

@@ -26,7 +26,11 @@ import pytest
 from tests.support.daemonrun import SLURM_SCOPE, Run, orphan_host
 from tests.support.fakenvml import GiB, MiB, gpu, process
 from tests.support.fakesmi import FakeSmi
-from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import (
+    SimHost,
+    needs_pid_namespace,
+    run_in_pid_namespace,
+)
 
 MALLORY, OLIVIA = 1001, 1002
 ABANDONED_RULE = {
@@ -37,10 +41,7 @@ ABANDONED_RULE = {
 }
 
 pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
+    needs_pid_namespace(),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run processes as uid 1001"),
     pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
     pytest.mark.slow,

@@ -13,16 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.simhost import pid_namespace_command, run_in_pid_namespace
+from tests.support.simhost import needs_pid_namespace, run_in_pid_namespace
 from tests.support.unitfile import memory_bytes, values
 
-pytestmark = [
-    pytest.mark.skipif(
-        pid_namespace_command() is None,
-        reason="needs a PID namespace (root, or unprivileged user namespaces)",
-    ),
-    pytest.mark.slow,
-]
+pytestmark = [needs_pid_namespace(), pytest.mark.slow]
 
 
 def host_measure(arg: dict[str, Any], root: Path) -> dict[str, Any]:

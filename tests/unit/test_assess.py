@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -294,6 +295,13 @@ def test_nvml_only_client_without_uvm_is_never_orphaned(via: str) -> None:
     assert FindingKind.ORPHANED not in {f.kind for f in result.findings}
 
 
+def _holder_of_a_dead_owners_gpu(**process: Any) -> Snapshot:
+    """Process 960 holding GPU 0's files in the session of 959, whom NVML lists (and who is
+    gone); ``process`` says the rest of it."""
+    builder = HostBuilder().gpu(0, allocated=LEAK).proc(960, ppid=1, holds={0}, **process)
+    return builder.nvml(0, 959).change(960, sid=959).build()
+
+
 @pytest.mark.parametrize(
     ("comm", "exe", "argv0"),
     [
@@ -308,26 +316,11 @@ def test_nvml_only_client_without_uvm_is_never_orphaned(via: str) -> None:
 def test_floor_processes_are_never_findings(
     comm: str, exe: str | None, argv0: str | None, uvm: bool
 ) -> None:
-    builder = (
-        HostBuilder()
-        .gpu(0, allocated=LEAK)
-        .proc(
-            960,
-            ppid=1,
-            comm=comm,
-            exe=exe,
-            cmdline=(argv0,) if argv0 else None,
-            holds={0},
-            uvm=uvm,
-            state="D" if uvm else "S",
-            uid=0,  # root's, running a program only root can have installed
-            user="root",
-            exe_trusted=True,
-        )
-        .nvml(0, 959)
-        .change(960, sid=959)
-    )
-    result = run(builder.build())
+    # root's, running a program only root can have installed
+    result = run(_holder_of_a_dead_owners_gpu(
+        comm=comm, exe=exe, cmdline=(argv0,) if argv0 else None, uvm=uvm,
+        state="D" if uvm else "S", uid=0, user="root", exe_trusted=True,
+    ))  # fmt: skip
     assert all(f.pid != 960 for f in result.findings)
     assert role_of(result, 960)[0] == "management"
 
@@ -345,25 +338,10 @@ def test_a_users_look_alike_of_infrastructure_is_judged_like_any_process(
 ) -> None:
     """The look-alike holds a dead owner's GPU files (its session leader was listed): it is an
     orphan like any other, and the floor does not shield it."""
-    builder = (
-        HostBuilder()
-        .gpu(0, allocated=LEAK)
-        .proc(
-            960,
-            ppid=1,
-            comm=comm,
-            exe=exe,
-            cmdline=(argv0 or comm, "x"),
-            holds={0},
-            uvm=True,
-            uid=1001,
-            user="mallory",
-            exe_trusted=False,
-        )
-        .nvml(0, 959)
-        .change(960, sid=959)
-    )
-    result = run(builder.build())
+    result = run(_holder_of_a_dead_owners_gpu(
+        comm=comm, exe=exe, cmdline=(argv0 or comm, "x"), uvm=True, uid=1001, user="mallory",
+        exe_trusted=False,
+    ))  # fmt: skip
     orphan = only(result, FindingKind.ORPHANED)
     assert (orphan.pid, orphan.actionable) == (960, True)
 

@@ -8,6 +8,8 @@ somebody else's Slurm job or pod.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gpuwatchd.collect.cgroups import (
@@ -32,92 +34,55 @@ STOLEN = "0::/system.slice/slurmstepd.scope/job_999/step_0/user/task_0"
 # --- parse_cgroup -------------------------------------------------------------------------
 
 
+POD = POD_UID.replace("-", "_")
+CONTAINERD = f"cri-containerd-{CTR_ID}.scope"
+STEPD = "/system.slice/slurmstepd.scope"
+MULTI_STEPD = "/system.slice/node07_slurmstepd.scope"
+USER_MANAGER = "/user.slice/user-1000.slice/user@1000.service"
+
+
+def _unified(path: str, case: str, *info: Any, **named: Any) -> Any:
+    """A cgroup v2 file of the one line ``0::path``, and what ``parse_cgroup`` reads in it."""
+    return pytest.param(f"0::{path}\n", CgroupInfo(path, *info, **named), id=case)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        pytest.param(
-            f"0::/system.slice/docker-{DOCKER_ID}.scope\n",
-            CgroupInfo(f"/system.slice/docker-{DOCKER_ID}.scope", DOCKER_ID, "docker",
-                       systemd_unit=f"docker-{DOCKER_ID}.scope"),
-            id="docker-systemd-driver",
-        ),
+        _unified(f"/system.slice/docker-{DOCKER_ID}.scope", "docker-systemd-driver",
+                 DOCKER_ID, "docker", systemd_unit=f"docker-{DOCKER_ID}.scope"),
         pytest.param(
             f"12:devices:/docker/{DOCKER_ID}\n1:name=systemd:/docker/{DOCKER_ID}\n",
             CgroupInfo(f"/docker/{DOCKER_ID}", DOCKER_ID, "docker"),
             id="docker-cgroupfs-driver-v1",
         ),
-        pytest.param(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
-            f"{POD_UID.replace('-', '_')}.slice/cri-containerd-{CTR_ID}.scope\n",
-            CgroupInfo("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
-                       f"{POD_UID.replace('-', '_')}.slice/cri-containerd-{CTR_ID}.scope",
-                       CTR_ID, "containerd", POD_UID,
-                       systemd_unit=f"cri-containerd-{CTR_ID}.scope"),
-            id="k8s-containerd-burstable",
-        ),
-        pytest.param(
-            f"0::/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/"
-            f"cri-containerd-{CTR_ID}.scope\n",
-            CgroupInfo(f"/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/"
-                       f"cri-containerd-{CTR_ID}.scope", CTR_ID, "containerd", POD_UID,
-                       systemd_unit=f"cri-containerd-{CTR_ID}.scope"),
-            id="k8s-containerd-guaranteed",
-        ),
-        pytest.param(
-            f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
-            f"{POD_UID.replace('-', '_')}.slice/crio-{CTR_ID}.scope\n",
-            CgroupInfo(f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
-                       f"{POD_UID.replace('-', '_')}.slice/crio-{CTR_ID}.scope",
-                       CTR_ID, "crio", POD_UID, systemd_unit=f"crio-{CTR_ID}.scope"),
-            id="k8s-crio",
-        ),
-        pytest.param(
-            f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
-            f"{POD_UID.replace('-', '_')}.slice/crio-conmon-{CTR_ID}.scope\n",
-            CgroupInfo(f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
-                       f"{POD_UID.replace('-', '_')}.slice/crio-conmon-{CTR_ID}.scope",
-                       CTR_ID, "crio", POD_UID, systemd_unit=f"crio-conmon-{CTR_ID}.scope"),
-            id="k8s-crio-conmon",
-        ),
-        pytest.param(
-            f"0::/kubepods/burstable/pod{POD_UID}/{CTR_ID}\n",
-            CgroupInfo(f"/kubepods/burstable/pod{POD_UID}/{CTR_ID}", CTR_ID, None, POD_UID),
-            id="k8s-cgroupfs-driver",
-        ),
-        pytest.param(
-            f"0::/machine.slice/libpod-{CTR_ID}.scope/container\n",
-            CgroupInfo(f"/machine.slice/libpod-{CTR_ID}.scope/container", CTR_ID, "podman",
-                       systemd_unit=f"libpod-{CTR_ID}.scope"),
-            id="podman",
-        ),
-        pytest.param(
-            "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_1\n",
-            CgroupInfo("/system.slice/slurmstepd.scope/job_4242/step_0/user/task_1",
-                       slurm_job="4242", slurm_step="0", systemd_unit="slurmstepd.scope",
-                       slurm_job_dir="/system.slice/slurmstepd.scope/job_4242"),
-            id="slurm-v2-step",
-        ),
-        pytest.param(
-            "0::/system.slice/slurmstepd.scope/job_77/step_batch/user/task_0\n",
-            CgroupInfo("/system.slice/slurmstepd.scope/job_77/step_batch/user/task_0",
-                       slurm_job="77", slurm_step="batch", systemd_unit="slurmstepd.scope",
-                       slurm_job_dir="/system.slice/slurmstepd.scope/job_77"),
-            id="slurm-v2-batch",
-        ),
-        pytest.param(
-            "0::/system.slice/node07_slurmstepd.scope/job_77/step_extern/slurm_processes\n",
-            CgroupInfo("/system.slice/node07_slurmstepd.scope/job_77/step_extern/"
-                       "slurm_processes", slurm_job="77", slurm_step="extern",
-                       systemd_unit="node07_slurmstepd.scope",
-                       slurm_job_dir="/system.slice/node07_slurmstepd.scope/job_77"),
-            id="slurm-v2-multi-slurmd-extern",
-        ),
-        pytest.param(
-            "0::/system.slice/slurmstepd.scope/system\n",
-            CgroupInfo("/system.slice/slurmstepd.scope/system",
-                       systemd_unit="slurmstepd.scope"),
-            id="slurmstepd-itself-is-no-job",
-        ),
+        _unified(f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/"
+                 f"{CONTAINERD}", "k8s-containerd-burstable", CTR_ID, "containerd", POD_UID,
+                 systemd_unit=CONTAINERD),
+        _unified(f"/kubepods.slice/kubepods-pod{POD}.slice/{CONTAINERD}",
+                 "k8s-containerd-guaranteed", CTR_ID, "containerd", POD_UID,
+                 systemd_unit=CONTAINERD),
+        _unified(f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD}.slice/"
+                 f"crio-{CTR_ID}.scope", "k8s-crio", CTR_ID, "crio", POD_UID,
+                 systemd_unit=f"crio-{CTR_ID}.scope"),
+        _unified(f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/"
+                 f"crio-conmon-{CTR_ID}.scope", "k8s-crio-conmon", CTR_ID, "crio", POD_UID,
+                 systemd_unit=f"crio-conmon-{CTR_ID}.scope"),
+        _unified(f"/kubepods/burstable/pod{POD_UID}/{CTR_ID}", "k8s-cgroupfs-driver", CTR_ID,
+                 None, POD_UID),
+        _unified(f"/machine.slice/libpod-{CTR_ID}.scope/container", "podman", CTR_ID, "podman",
+                 systemd_unit=f"libpod-{CTR_ID}.scope"),
+        _unified(f"{STEPD}/job_4242/step_0/user/task_1", "slurm-v2-step", slurm_job="4242",
+                 slurm_step="0", systemd_unit="slurmstepd.scope",
+                 slurm_job_dir=f"{STEPD}/job_4242"),
+        _unified(f"{STEPD}/job_77/step_batch/user/task_0", "slurm-v2-batch", slurm_job="77",
+                 slurm_step="batch", systemd_unit="slurmstepd.scope",
+                 slurm_job_dir=f"{STEPD}/job_77"),
+        _unified(f"{MULTI_STEPD}/job_77/step_extern/slurm_processes",
+                 "slurm-v2-multi-slurmd-extern", slurm_job="77", slurm_step="extern",
+                 systemd_unit="node07_slurmstepd.scope", slurm_job_dir=f"{MULTI_STEPD}/job_77"),
+        _unified(f"{STEPD}/system", "slurmstepd-itself-is-no-job",
+                 systemd_unit="slurmstepd.scope"),
         pytest.param(
             "11:memory:/slurm/uid_1000/job_913/step_interactive/task_0\n"
             "5:devices:/slurm/uid_1000/job_913/step_interactive/task_0\n"
@@ -127,32 +92,14 @@ STOLEN = "0::/system.slice/slurmstepd.scope/job_999/step_0/user/task_0"
                        slurm_job_dir="/slurm/uid_1000/job_913"),
             id="slurm-v1",
         ),
-        pytest.param(
-            "0::/system.slice/nvidia-persistenced.service\n",
-            CgroupInfo("/system.slice/nvidia-persistenced.service",
-                       systemd_unit="nvidia-persistenced.service"),
-            id="systemd-service",
-        ),
-        pytest.param(
-            "0::/user.slice/user-1000.slice/session-4.scope\n",
-            CgroupInfo("/user.slice/user-1000.slice/session-4.scope",
-                       systemd_unit="session-4.scope"),
-            id="login-session",
-        ),
-        pytest.param(
-            "0::/user.slice/user-1000.slice/user@1000.service/app.slice/"
-            "app-jupyter.service\n",
-            CgroupInfo("/user.slice/user-1000.slice/user@1000.service/app.slice/"
-                       "app-jupyter.service", systemd_unit="app-jupyter.service"),
-            id="user-service",
-        ),
-        pytest.param(
-            "0::/user.slice/user-1000.slice/user@1000.service/init.scope\n",
-            CgroupInfo("/user.slice/user-1000.slice/user@1000.service/init.scope",
-                       systemd_unit="init.scope"),
-            id="user-manager",
-        ),
-        pytest.param("0::/\n", CgroupInfo("/"), id="root"),
+        _unified("/system.slice/nvidia-persistenced.service", "systemd-service",
+                 systemd_unit="nvidia-persistenced.service"),
+        _unified("/user.slice/user-1000.slice/session-4.scope", "login-session",
+                 systemd_unit="session-4.scope"),
+        _unified(f"{USER_MANAGER}/app.slice/app-jupyter.service", "user-service",
+                 systemd_unit="app-jupyter.service"),
+        _unified(f"{USER_MANAGER}/init.scope", "user-manager", systemd_unit="init.scope"),
+        _unified("/", "root"),
         pytest.param(
             "9:name=systemd:/\n4:memory:/process_api/836a\n0::/\n",
             CgroupInfo("/"),

@@ -19,6 +19,7 @@ from gpuwatchd.events.words import JournalNamer, Said, outcome_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.timeline import SimulationResult, describe_event, finding_label
+from tests.support.simnames import TrainerNames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "examples" / "scenarios"
@@ -83,14 +84,6 @@ class SameNames:
         return JournalNamer().gpu(uuid)
 
 
-class SimNames:
-    def pname(self, pid: object) -> str:
-        return f"pid {pid} (trainer)"
-
-    def gname(self, uuid: object) -> str:
-        return "GPU 0"
-
-
 def test_every_event_name_has_one_catalogue_entry() -> None:
     assert set(CATALOGUE) == set(EventName)
 
@@ -113,13 +106,13 @@ def test_the_journal_and_the_timeline_say_one_sentence(event: EventName) -> None
     fields = {k: v for k, v in sample_fields(event).items() if k != "comm"}
     journal = sentence(str(event), fields)
     assert describe_event(str(event), fields, SameNames()) == journal
-    timeline = describe_event(str(event), fields, SimNames())
+    timeline = describe_event(str(event), fields, TrainerNames())
     assert timeline == render(str(event), fields, _SimNamer())
 
 
 class _SimNamer:
     def process(self, pid: object, comm: object = None) -> str:
-        return SimNames().pname(pid)
+        return TrainerNames().pname(pid)
 
     def gpu(self, uuid: object) -> str:
         return "GPU 0"
@@ -144,9 +137,9 @@ def test_a_sentence_never_raises_and_stays_one_line() -> None:
 
 def test_a_finding_key_is_said_in_words_not_as_the_internal_key() -> None:
     key = f"orphaned:{GPU}:2776@346316"
-    assert finding_label(key, SimNames()) == "orphaned pid 2776 (trainer) on GPU 0"
+    assert finding_label(key, TrainerNames()) == "orphaned pid 2776 (trainer) on GPU 0"
     assert "@" not in sentence(str(EventName.FINDING_RESOLVED), {"finding": key, "lasted": 5})
-    assert finding_label(f"ghost_memory:{GPU}:{GPU}", SimNames()) == "ghost_memory GPU 0"
+    assert finding_label(f"ghost_memory:{GPU}:{GPU}", TrainerNames()) == "ghost_memory GPU 0"
 
 
 @pytest.mark.parametrize(

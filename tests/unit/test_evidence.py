@@ -305,12 +305,7 @@ def test_without_a_usable_state_dir_the_step_goes_on_and_says_so(state_dir: Stat
 
 
 def test_a_bug_in_the_report_or_the_keeper_never_stops_the_step(state_dir: StateDir) -> None:
-    def broken(
-        snapshot: Snapshot,
-        assessment: Assessment,
-        verdict: NodeVerdict | None,
-        first_seen: Mapping[str, float],
-    ) -> dict[str, object]:
+    def broken(*_: object, **__: object) -> dict[str, object]:
         raise RuntimeError("bug")
 
     engine, sink, actuator = engine_with_evidence("reset: {confirm_for: 0s}", state_dir)

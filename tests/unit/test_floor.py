@@ -48,23 +48,15 @@ def _proc(pid: int, **fields: Any) -> ProcessInfo:
         # Root's own names count (root needs no disguise), a 15-character cut included.
         (_proc(73, comm="nvidia-persiste", exe="/usr/bin/python3", **ROOT_EXE), "nvidia-persiste"),
         # nvidia-persistenced drops to its own user; its own unit vouches for it.
-        (
-            _proc(
-                74,
-                comm="nvidia-persiste",
-                exe="/usr/bin/nvidia-persistenced",
-                uid=117,
-                exe_trusted=True,
-                cgroup=cg_unit("nvidia-persistenced.service"),
-            ),
-            "nvidia-persistenced",
-        ),
+        (_proc(74, comm="nvidia-persiste", exe="/usr/bin/nvidia-persistenced", uid=117,
+               exe_trusted=True, cgroup=cg_unit("nvidia-persistenced.service")),
+         "nvidia-persistenced"),
         (
             _proc(72, comm="worker", uid=0, cgroup=cg_unit("nvidia-dcgm.service")),
             "infrastructure unit nvidia-dcgm.service",
         ),
     ],
-)
+)  # fmt: skip
 def test_infrastructure_by_pid_kind_trusted_identity_and_system_unit(
     proc: ProcessInfo, why: str
 ) -> None:
@@ -86,41 +78,23 @@ SESSION = cg_session(uid=1001)
     "proc",
     [
         # argv[0] and comm say MPS server; the program is the user's python.
-        _proc(
-            80,
-            comm="nvidia-cuda-mp",
-            exe="/usr/bin/python3",
-            cmdline=("nvidia-cuda-mps-server",),
-            uid=1001,
-            exe_trusted=False,
-            cgroup=SESSION,
-        ),
+        _proc(80, comm="nvidia-cuda-mp", exe="/usr/bin/python3",
+              cmdline=("nvidia-cuda-mps-server",), uid=1001, exe_trusted=False, cgroup=SESSION),
         # A copy of the program in the user's home: owned by the user.
         _proc(81, exe="/home/u/bin/nv-hostengine", uid=1001, exe_trusted=False, cgroup=SESSION),
         # The genuine program, run by the user: root's file, the user's process.
         _proc(82, exe="/usr/bin/nv-hostengine", uid=1001, exe_trusted=True, cgroup=SESSION),
         # A service account renaming itself: only the executable's name counts for it.
-        _proc(
-            83,
-            comm="nvidia-persiste",
-            exe="/usr/sbin/apache2",
-            uid=33,
-            exe_trusted=True,
-            cgroup=cg_unit("apache2.service"),
-        ),
+        _proc(83, comm="nvidia-persiste", exe="/usr/sbin/apache2", uid=33, exe_trusted=True,
+              cgroup=cg_unit("apache2.service")),
         # The user's own systemd manager may start a unit of any name.
         _proc(84, comm="worker", uid=1001, exe_trusted=False, cgroup=USER_DCGM),
         _proc(85, comm="worker", uid=0, exe_trusted=True, cgroup=USER_DCGM),
         # Root's program deleted and replaced: no longer the file that was installed.
         _proc(86, exe="/usr/bin/nv-hostengine (deleted)", uid=0, exe_trusted=False),
         # A container is not the system's cgroup, and its files are its image's.
-        _proc(
-            87,
-            exe="/usr/bin/nv-hostengine",
-            uid=1001,
-            exe_trusted=True,
-            cgroup=cg_container("ab" * 32),
-        ),
+        _proc(87, exe="/usr/bin/nv-hostengine", uid=1001, exe_trusted=True,
+              cgroup=cg_container("ab" * 32)),
         # Not root's program: a look-alike, even with its owner and cgroup unread.
         _proc(88, comm="nv-hostengine", exe="/tmp/nv-hostengine", exe_trusted=False, uid=None),
     ],
@@ -135,7 +109,7 @@ SESSION = cg_session(uid=1001)
         "container",
         "untrusted-program-owner-unread",
     ],
-)
+)  # fmt: skip
 def test_a_look_alike_is_an_ordinary_process(proc: ProcessInfo) -> None:
     proc = dataclasses.replace(proc)  # a fresh object: the floor keeps its answer on each one
     assert infrastructure(proc) is None

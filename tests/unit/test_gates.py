@@ -17,15 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from gpuwatchd.core.model import (
-    MIB,
-    CgroupInfo,
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core import model
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import driver_refusers, infrastructure, live_holder, reset_blockers
 from gpuwatchd.decide.plan.decisions import set_paused
@@ -98,7 +90,7 @@ def _orders() -> list[tuple[tuple[str, ...], bool]]:
 
 def _holders(
     order: Sequence[str], rising: bool, *, without: str = ""
-) -> tuple[Snapshot, dict[str, int]]:
+) -> tuple[model.Snapshot, dict[str, int]]:
     """GPU 0 held by the roles in ``order``; ``pids["self"]`` is the daemon's worker."""
     pids = {
         role: 100 + 10 * (position if rising else 10 - position)
@@ -362,7 +354,7 @@ def test_a_ladder_still_unprotected_at_its_next_step_sends_the_sigkill() -> None
     ("case", "finding"),
     [("ghost memory", _ghost()), ("GPU health", _health())],
 )
-def test_paused_no_reset_of_any_kind_until_resumed(case: str, finding: Finding) -> None:
+def test_paused_no_reset_of_any_kind_until_resumed(case: str, finding: model.Finding) -> None:
     pol = _policy(reset=replace(_policy().reset, drain=RESET_DRAIN, confirm_for=60.0))
     snapshot = _idle_host()
     state = set_paused(PlanState(), True, reason="maintenance")
@@ -383,7 +375,7 @@ def test_paused_no_reset_of_any_kind_until_resumed(case: str, finding: Finding) 
     ("case", "finding"),
     [("ghost memory", _ghost()), ("GPU health", _health())],
 )
-def test_a_pause_that_comes_while_a_reset_waits_stops_it(case: str, finding: Finding) -> None:
+def test_a_pause_that_comes_while_a_reset_waits_stops_it(case: str, finding: model.Finding) -> None:
     """The reset was waiting (confirmation window; health: for a job to leave): paused before
     it is due, the reset never comes while paused."""
     pol = _policy(reset=replace(_policy().reset, drain=RESET_DRAIN, confirm_for=60.0))
@@ -399,9 +391,14 @@ def test_a_pause_that_comes_while_a_reset_waits_stops_it(case: str, finding: Fin
 
 
 @pytest.mark.parametrize(
-    "kind", [FindingKind.DRAIN_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.RESET_REQUIRED]
+    "kind",
+    [
+        model.FindingKind.DRAIN_REQUIRED,
+        model.FindingKind.REBOOT_REQUIRED,
+        model.FindingKind.RESET_REQUIRED,
+    ],
 )
-def test_paused_health_runs_no_drain_hooks(kind: FindingKind) -> None:
+def test_paused_health_runs_no_drain_hooks(kind: model.FindingKind) -> None:
     pol = _policy(reset=replace(_policy().reset, drain=RESET_DRAIN))
     state = set_paused(PlanState(), True, reason="maintenance")
     result = _plan([_health(kind)], _idle_host(), state, pol, 0.0)
@@ -419,7 +416,9 @@ def test_paused_health_runs_no_drain_hooks(kind: FindingKind) -> None:
     ("case", "finding"),
     [("ghost memory", _ghost()), ("GPU health", _health())],
 )
-def test_a_reset_waits_for_a_kill_ladder_under_way_on_its_gpu(case: str, finding: Finding) -> None:
+def test_a_reset_waits_for_a_kill_ladder_under_way_on_its_gpu(
+    case: str, finding: model.Finding
+) -> None:
     """The orphan got its SIGTERM on GPU 0 and let go of GPU 0, but still holds GPU 1 (its
     ladder follows it there): GPU 0 is not reset while that ladder runs, and is once it ends."""
     pol = _policy(
@@ -438,7 +437,9 @@ def test_a_reset_waits_for_a_kill_ladder_under_way_on_its_gpu(case: str, finding
         said += _whys(result, EventName.RESET_REFUSED)
         said += [str(b) for e in result.events for b in _listed(e.fields.get("blockers"))]
     assert any("an escalation on this GPU is in progress" in w for w in said), (case, said)
-    ended = record_exit(result.state, ProcessIdentity(JOB, elsewhere.start_ticks or 0), now=62.0)
+    ended = record_exit(
+        result.state, model.ProcessIdentity(JOB, elsewhere.start_ticks or 0), now=62.0
+    )
     gone = _idle_host()
     result = _plan([finding], gone, ended.state, pol, 63.0)
     (intent,) = _resets(result)
@@ -454,7 +455,7 @@ def _listed(value: object) -> list[object]:
 BUS = {0: "0000000A:3B:00.0", 1: "0000000B:3C:00.0"}
 
 
-def _with_bus_ids(snapshot: Snapshot) -> Snapshot:
+def _with_bus_ids(snapshot: model.Snapshot) -> model.Snapshot:
     gpus = tuple(replace(g, pci_bus_id=BUS[g.index]) for g in snapshot.nvml.gpus)
     return replace(snapshot, nvml=replace(snapshot.nvml, gpus=gpus))
 
@@ -522,16 +523,19 @@ def test_an_nvidia_unit_is_infrastructure_only_where_its_cgroup_path_is_a_system
 ) -> None:
     """The path, which only root can place a process in, names the unit; a unit name recorded
     beside another path (a report, a user's own ``user@`` unit of that name) grants nothing."""
-    proc = ProcessInfo(
+    proc = model.ProcessInfo(
         900, 1, "S", 1, 900, 900, comm="worker", uid=0,
-        cgroup=CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service", delegated=False),
+        cgroup=model.CgroupInfo(path=path, systemd_unit="nvidia-persistenced.service",
+                                delegated=False),
     )  # fmt: skip
     assert infrastructure(proc) == why
 
 
-def _finding(memory: int | None = 512 * MIB, start_ticks: int | None = 14_900) -> Finding:
-    return Finding(
-        kind=FindingKind.ORPHANED, gpu=GPU0, pid=JOB, start_ticks=start_ticks,
+def _finding(
+    memory: int | None = 512 * model.MIB, start_ticks: int | None = 14_900
+) -> model.Finding:
+    return model.Finding(
+        kind=model.FindingKind.ORPHANED, gpu=GPU0, pid=JOB, start_ticks=start_ticks,
         reason="orphaned", memory=memory, evidence={"uvm": True},
     )  # fmt: skip
 
@@ -548,29 +552,30 @@ KILL = (Step("SIGKILL", 1.0),)
     [
         (
             "the first rule asks for more memory: the second one is next",
-            (Rule("big", FindingKind.ORPHANED, KILL, min_memory=1024 * MIB),
-             Rule("any", FindingKind.ORPHANED, KILL)),
+            (Rule("big", model.FindingKind.ORPHANED, KILL, min_memory=1024 * model.MIB),
+             Rule("any", model.FindingKind.ORPHANED, KILL)),
             "any",
         ),
         (
             "one of two command patterns matches",
-            (Rule("cmd", FindingKind.ORPHANED, KILL,
+            (Rule("cmd", model.FindingKind.ORPHANED, KILL,
                   commands=(re.compile("serve"), re.compile(r"train\.py"))),),
             "cmd",
         ),
         (
             "one of two user globs matches",
-            (Rule("users", FindingKind.ORPHANED, KILL, users=("alice", "b*")),),
+            (Rule("users", model.FindingKind.ORPHANED, KILL, users=("alice", "b*")),),
             "users",
         ),
         (
             "one of two cgroup globs matches",
-            (Rule("cg", FindingKind.ORPHANED, KILL, cgroups=("/kubepods/*", "/user.slice/*")),),
+            (Rule("cg", model.FindingKind.ORPHANED, KILL,
+                  cgroups=("/kubepods/*", "/user.slice/*")),),
             "cg",
         ),
         (
             "no command pattern matches",
-            (Rule("cmd", FindingKind.ORPHANED, KILL, commands=(re.compile("serve"),)),),
+            (Rule("cmd", model.FindingKind.ORPHANED, KILL, commands=(re.compile("serve"),)),),
             None,
         ),
     ],
@@ -586,9 +591,9 @@ def test_rule_for_takes_the_first_rule_whose_every_filter_matches(
 def test_a_rule_without_filters_selects_a_finding_whose_process_is_not_described() -> None:
     """...and the identity refusal then says why nothing is sent (it is not silently dropped);
     a rule with a filter does not select it: unknown never matches a filter."""
-    open_rule = Rule("any", FindingKind.ORPHANED, KILL)
+    open_rule = Rule("any", model.FindingKind.ORPHANED, KILL)
     assert rule_for(_finding(), None, _rules(open_rule), lasted=0.0) == open_rule
-    filtered = Rule("bob", FindingKind.ORPHANED, KILL, users=("bob",))
+    filtered = Rule("bob", model.FindingKind.ORPHANED, KILL, users=("bob",))
     assert rule_for(_finding(), None, _rules(filtered), lasted=0.0) is None
     empty = HostBuilder().gpu(0).build()
     result = _plan([_finding()], empty, PlanState(), _rules(open_rule), 0.0)

@@ -49,6 +49,7 @@ from tests.support.gatecases import (
 )
 from tests.support.migcases import GI1, LEAK, run
 from tests.support.migsnap import Inst, with_mig
+from tests.support.orphancases import owner_and_worker
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
 # --- protect.gpus: the finding's own GPU counts, whatever else the process holds ---------------
@@ -227,25 +228,21 @@ def test_a_live_owners_reparented_helper_is_no_heir_of_unowned_memory() -> None:
     """Trainer 800 owns a context on GPU 1 and lives; its helper 801 (reparented to init, its
     own session) holds GPU 0, whose memory no live owner accounts for. 800 lives, so 801 is
     not the heir of GPU 0's memory: it is reported, never signalled."""
-    first = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .gpu(1, allocated=LEAK)
-        .proc(800, ppid=1, pgid=800, sid=800, holds={1}, uvm=True)
-        .nvml(1, 800, used=LEAK)
-        .proc(801, ppid=800, pgid=800, sid=800, holds={0}, uvm=True)
-        .build()
-    )
+
+    def host(at: float, parent: int, group: int) -> Snapshot:
+        return (
+            HostBuilder(monotonic=at)
+            .gpu(0, allocated=LEAK)
+            .gpu(1, allocated=LEAK)
+            .proc(800, ppid=1, pgid=800, sid=800, holds={1}, uvm=True)
+            .nvml(1, 800, used=LEAK)
+            .proc(801, ppid=parent, pgid=group, sid=group, holds={0}, uvm=True)
+            .build()
+        )
+
+    first = host(1000.0, parent=800, group=800)
     before = assess(first, AssessState(boot_id=first.boot_id), Detection())
-    later = (
-        HostBuilder(monotonic=1010.0)
-        .gpu(0, allocated=LEAK)
-        .gpu(1, allocated=LEAK)
-        .proc(800, ppid=1, pgid=800, sid=800, holds={1}, uvm=True)
-        .nvml(1, 800, used=LEAK)
-        .proc(801, ppid=1, pgid=801, sid=801, holds={0}, uvm=True)
-        .build()
-    )
+    later = host(1010.0, parent=1, group=801)
     result = assess(later, before.state, Detection())
     assert _verdict_on(result.findings, 801) != "orphaned"
 
@@ -254,15 +251,7 @@ def test_kcmp_answers_about_another_owner_do_not_excuse_files_the_holder_opened_
     """kcmp found that none of 801's device files are its former owner 800's (it opened its
     own, a spawn worker), and that it shares files with an unrelated process 790: killing 801
     frees none of 800's memory, so it stays a hidden holder."""
-    alive = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .nvml(0, 800, used=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .proc(801, ppid=800, holds={0}, uvm=True)
-        .sharing(801, 800, False)
-        .build()
-    )
+    alive = owner_and_worker(LEAK)
     first = assess(alive, AssessState(boot_id=alive.boot_id), Detection())
     (holder,) = [i for i in first.state.inheritance if i.pid == 801]
     ((owner, shared),) = first.state.inheritance[holder]

@@ -9,37 +9,30 @@ from dataclasses import replace
 
 import pytest
 
-from gpuwatchd.core.model import (
-    FindingKind,
-    GpuHealth,
-    GpuInfo,
-    HolderScan,
-    NvmlReading,
-    Snapshot,
-    Support,
-    XidEvent,
-)
+from gpuwatchd.core import model
 from gpuwatchd.decide.health.judge import assess_health, recovery_name
 from gpuwatchd.decide.health.state import MAX_XID_KINDS, HealthState
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
-QUIET = GpuHealth(
-    events=Support.OK, recovery_action=0, recovery_support=Support.OK, remap_pending=False,
-    remap_failure=False, remap_support=Support.OK, pages_support=Support.NOT_SUPPORTED,
+QUIET = model.GpuHealth(
+    events=model.Support.OK, recovery_action=0, recovery_support=model.Support.OK,
+    remap_pending=False, remap_failure=False, remap_support=model.Support.OK,
+    pages_support=model.Support.NOT_SUPPORTED,
 )  # fmt: skip
 
 
-def gpu(index: int, uuid: str, health: GpuHealth | None) -> GpuInfo:
-    return GpuInfo(index=index, uuid=uuid, minor=index, processes=(), health=health)
+def gpu(index: int, uuid: str, health: model.GpuHealth | None) -> model.GpuInfo:
+    return model.GpuInfo(index=index, uuid=uuid, minor=index, processes=(), health=health)
 
 
 def judge(
-    *gpus: GpuInfo, state: HealthState | None = None
-) -> tuple[dict[str, FindingKind], dict[str, dict[str, object]], HealthState]:
-    snapshot = Snapshot(
+    *gpus: model.GpuInfo, state: HealthState | None = None
+) -> tuple[dict[str, model.FindingKind], dict[str, dict[str, object]], HealthState]:
+    snapshot = model.Snapshot(
         monotonic=1000.0, wall_time=1_700_000_000.0, boot_id="b",
-        nvml=NvmlReading(available=True, gpus=gpus), processes={}, holders=HolderScan("full"),
+        nvml=model.NvmlReading(available=True, gpus=gpus), processes={},
+        holders=model.HolderScan("full"),
     )  # fmt: skip
     result = assess_health(snapshot, state or HealthState(), boot_changed=False)
     kinds = {f.gpu or "": f.kind for f in result.findings}
@@ -49,7 +42,7 @@ def judge(
 
 def test_a_gpu_whose_health_was_not_read_does_not_hide_the_next_one() -> None:
     kinds, evidence, _ = judge(gpu(0, GPU0, None), gpu(1, GPU1, replace(QUIET, recovery_action=1)))
-    assert kinds == {GPU1: FindingKind.RESET_REQUIRED}
+    assert kinds == {GPU1: model.FindingKind.RESET_REQUIRED}
     assert evidence[GPU1]["reasons"] == [
         "the driver's recovery action is GPU_RESET (1): NVIDIA: end the GPU's processes and "
         "reset it"
@@ -62,28 +55,28 @@ def test_a_gpu_whose_health_was_not_read_does_not_hide_the_next_one() -> None:
     [
         (
             "retired pages pending, support known",
-            replace(QUIET, pages_support=Support.OK, pages_pending=True),
-            FindingKind.REBOOT_REQUIRED,
+            replace(QUIET, pages_support=model.Support.OK, pages_pending=True),
+            model.FindingKind.REBOOT_REQUIRED,
         ),
         (
             "retired pages pending, support unknown",
-            replace(QUIET, pages_support=Support.UNKNOWN, pages_pending=True),
+            replace(QUIET, pages_support=model.Support.UNKNOWN, pages_pending=True),
             None,
         ),
         (
             "a row remap pending, support unknown",
-            replace(QUIET, remap_support=Support.UNKNOWN, remap_pending=True),
+            replace(QUIET, remap_support=model.Support.UNKNOWN, remap_pending=True),
             None,
         ),
         (
             "recovery action GPU_RESET, support unknown",
-            replace(QUIET, recovery_support=Support.UNKNOWN, recovery_action=1),
+            replace(QUIET, recovery_support=model.Support.UNKNOWN, recovery_action=1),
             None,
         ),
     ],
 )
 def test_a_health_answer_counts_only_where_its_support_is_known(
-    case: str, reading: GpuHealth, expected: FindingKind | None
+    case: str, reading: model.GpuHealth, expected: model.FindingKind | None
 ) -> None:
     kinds, _, _ = judge(gpu(0, GPU0, reading))
     assert kinds.get(GPU0) == expected, case
@@ -91,13 +84,13 @@ def test_a_health_answer_counts_only_where_its_support_is_known(
 
 def test_an_xid_from_before_the_last_reset_does_not_hide_a_later_one() -> None:
     """Xid 64 came before the reset (dealt with); Xid 95 after it still asks for one."""
-    _, _, seen = judge(gpu(0, GPU0, replace(QUIET, xids=(XidEvent(64, 10.0),))))
+    _, _, seen = judge(gpu(0, GPU0, replace(QUIET, xids=(model.XidEvent(64, 10.0),))))
     history = seen.gpus[GPU0]
     state = HealthState({GPU0: replace(history, last_reset=50.0)})
     kinds, evidence, _ = judge(
-        gpu(0, GPU0, replace(QUIET, xids=(XidEvent(95, 60.0),))), state=state
+        gpu(0, GPU0, replace(QUIET, xids=(model.XidEvent(95, 60.0),))), state=state
     )
-    assert kinds == {GPU0: FindingKind.RESET_REQUIRED}
+    assert kinds == {GPU0: model.FindingKind.RESET_REQUIRED}
     assert evidence[GPU0]["reasons"] == [
         "Xid 95 (Uncontained memory error) seen 1 time(s) (NVIDIA: reset the GPU)"
     ]
@@ -105,8 +98,8 @@ def test_an_xid_from_before_the_last_reset_does_not_hide_a_later_one() -> None:
 
 def test_the_xid_history_keeps_at_most_its_bound_of_kinds_and_still_counts_known_ones() -> None:
     first = 1000
-    storm = [XidEvent(first + n, float(n)) for n in range(MAX_XID_KINDS + 6)]
-    storm.append(XidEvent(first, 99.0))  # a known Xid after the ones that did not fit
+    storm = [model.XidEvent(first + n, float(n)) for n in range(MAX_XID_KINDS + 6)]
+    storm.append(model.XidEvent(first, 99.0))  # a known Xid after the ones that did not fit
     _, _, state = judge(gpu(0, GPU0, replace(QUIET, xids=tuple(storm))))
     xids = state.gpus[GPU0].xids
     assert len(xids) == MAX_XID_KINDS

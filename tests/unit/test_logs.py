@@ -97,17 +97,17 @@ def test_under_journald_each_event_is_one_line_with_its_priority_prefix(
 
 @pytest.mark.parametrize(
     ("level", "prefix"),
-    [
-        ("debug", "<7>"),
-        ("info", "<6>"),
-        ("warning", "<4>"),
-        ("warn", "<4>"),
-        ("error", "<3>"),
-        ("exception", "<3>"),
-        ("critical", "<2>"),
-        ("CRITICAL", "<2>"),
-        ("no-such-level", "<6>"),
-    ],
+    {
+        "debug": "<7>",
+        "info": "<6>",
+        "warning": "<4>",
+        "warn": "<4>",
+        "error": "<3>",
+        "exception": "<3>",
+        "critical": "<2>",
+        "CRITICAL": "<2>",
+        "no-such-level": "<6>",
+    }.items(),
 )
 def test_priority_prefix_maps_levels_to_sd_daemon_priorities(level: str, prefix: str) -> None:
     assert priority_prefix(level) == prefix
@@ -582,21 +582,21 @@ def test_field_names_are_sanitised_unique_and_never_trusted(journal: FakeJournal
     assert all(not name.startswith("_") and len(name) <= 64 for name in entry)
 
 
-@pytest.mark.parametrize(
-    ("key", "name"),
-    [
-        ("gpu", "GPU_UUID"),
-        ("pid", "TARGET_PID"),
-        ("rule", "RULE"),
-        ("dry_run", "DRY_RUN"),
-        ("outcome", "OUTCOME"),
-        ("signal", "SIGNAL"),
-        ("kind", "FINDING_KIND"),
-        ("finding", "FINDING"),
-        ("start_ticks", "GPUWATCHD_START_TICKS"),
-        ("pci_bus_id", "GPUWATCHD_PCI_BUS_ID"),
-    ],
-)
+JOURNAL_FIELDS = {  # a log key and the journal field it is sent as
+    "gpu": "GPU_UUID",
+    "pid": "TARGET_PID",
+    "rule": "RULE",
+    "dry_run": "DRY_RUN",
+    "outcome": "OUTCOME",
+    "signal": "SIGNAL",
+    "kind": "FINDING_KIND",
+    "finding": "FINDING",
+    "start_ticks": "GPUWATCHD_START_TICKS",
+    "pci_bus_id": "GPUWATCHD_PCI_BUS_ID",
+}
+
+
+@pytest.mark.parametrize(("key", "name"), JOURNAL_FIELDS.items())
 def test_journal_field_names(key: str, name: str) -> None:
     assert journal_field_name(key) == name
 

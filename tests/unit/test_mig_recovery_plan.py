@@ -25,7 +25,7 @@ from gpuwatchd.decide.plan.resets import reset_gates
 from gpuwatchd.decide.plan.state import PlanState, ResetRefusal, unfinished_recoveries
 from gpuwatchd.decide.policy import Detection, Policy, Protect, ResetPolicy, default_rules
 from gpuwatchd.decide.verdict import judge
-from tests.support.migcases import GI1, GI2, LEAK, run
+from tests.support.migcases import GI1, GI2, LEAK, first_reset, play, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -54,20 +54,6 @@ def ghost_beside_live_job(builder: HostBuilder | None = None, **mig: object) -> 
     }
     options.update(mig)
     return with_mig(base, **options)  # type: ignore[arg-type]
-
-
-def play(snapshot: Snapshot, chosen: Policy, steps: int = 12) -> list[ResetIntent]:
-    """Plan the same snapshot every 10 s; the reset intents asked for."""
-    result = run(snapshot)
-    state = PlanState()
-    asked: list[ResetIntent] = []
-    for step in range(steps):
-        now = snapshot.monotonic + 10.0 * step
-        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
-                   report_only=result.report_only)  # fmt: skip
-        state = out.state
-        asked += [i for i in out.intents if isinstance(i, ResetIntent)]
-    return asked
 
 
 def gates_of(snapshot: Snapshot, chosen: Policy) -> list[tuple[str, str]]:
@@ -194,19 +180,7 @@ def test_a_refused_recovery_waits_for_its_own_instance_s_memory_not_the_other_s(
     1; GPU instance 1's own memory moving by 128 MiB does."""
     chosen = policy(cooldown=0.0)
     snapshot = ghost_beside_live_job()
-    result = run(snapshot)
-    state = PlanState()
-    intent = None
-    now = snapshot.monotonic
-    for step in range(12):
-        now = snapshot.monotonic + 10.0 * step
-        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
-                   report_only=result.report_only)  # fmt: skip
-        state = out.state
-        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
-        if intent is not None:
-            break
-    assert intent is not None
+    intent, state, now = first_reset(snapshot, chosen)
     state = record_reset(state, intent, ResetResult.IN_USE, now=now, wall=now).state
 
     def poll(snap: Snapshot, at: float) -> tuple[list[str], list[ResetIntent]]:
@@ -299,19 +273,7 @@ def test_a_recovery_stopped_halfway_keeps_its_gpu_dirty_until_the_instance_is_ba
     timer) until an instance of its GI profile is at its placement again."""
     chosen = policy()
     snapshot = ghost_beside_live_job()
-    result = run(snapshot)
-    state = PlanState()
-    intent = None
-    now = snapshot.monotonic
-    for step in range(12):
-        now = snapshot.monotonic + 10.0 * step
-        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
-                   report_only=result.report_only)  # fmt: skip
-        state = out.state
-        intent = next((i for i in out.intents if isinstance(i, ResetIntent)), intent)
-        if intent is not None:
-            break
-    assert intent is not None
+    intent, state, now = first_reset(snapshot, chosen)
     state = record_reset(state, intent, ResetResult.FAILED, now=now, wall=now).state
     assert list(state.mig_unfinished) == [GI1]
     assert PlanState.from_json(state.to_json()) == state  # kept across a restart

@@ -12,14 +12,13 @@ import dataclasses
 
 from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import ResetResult
-from gpuwatchd.decide.plan.decisions import plan
-from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
+from gpuwatchd.decide.plan.intents import HookIntent
 from gpuwatchd.decide.plan.outcomes import record_reset
 from gpuwatchd.decide.plan.resets import reset_gates
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy, ResetPolicy, default_rules
 from tests.support.healthcases import health
-from tests.support.migcases import LEAK, run
+from tests.support.migcases import LEAK, play, run
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder
 
@@ -52,19 +51,6 @@ def needs_reset(busy: bool = False, cis: tuple[int, ...] = (0,)) -> Snapshot:
     return dataclasses.replace(snapshot, nvml=reading)
 
 
-def play(snapshot: Snapshot, chosen: Policy, steps: int = 6) -> list[ResetIntent]:
-    result = run(snapshot)
-    state = PlanState()
-    asked: list[ResetIntent] = []
-    for step in range(steps):
-        now = snapshot.monotonic + 10.0 * step
-        out = plan(result.findings, snapshot, state, chosen, now=now, wall=now,
-                   report_only=result.report_only)  # fmt: skip
-        state = out.state
-        asked += [i for i in out.intents if isinstance(i, ResetIntent)]
-    return asked
-
-
 def gate_names(snapshot: Snapshot, chosen: Policy) -> list[str]:
     result = run(snapshot)
     (finding,) = [f for f in result.findings if f.kind is FindingKind.RESET_REQUIRED]
@@ -78,7 +64,7 @@ def test_an_idle_mig_gpu_asking_for_a_reset_is_reset_once_with_its_layout() -> N
     report-only") and no reset was ever planned."""
     snapshot = needs_reset()
     assert gate_names(snapshot, policy()) == []
-    (intent,) = play(snapshot, policy())
+    (intent,) = play(snapshot, policy(), steps=6)
     assert intent.instance is None
     assert [(r.gi, r.profile, r.placement, r.size) for r in intent.layout] == [
         (1, 19, 1, 1),
@@ -93,25 +79,25 @@ def test_an_idle_mig_gpu_asking_for_a_reset_is_reset_once_with_its_layout() -> N
 def test_a_busy_mig_gpu_is_never_reset_while_an_instance_is_in_use() -> None:
     snapshot = needs_reset(busy=True)
     assert "mig_busy" in gate_names(snapshot, policy())
-    assert play(snapshot, policy()) == []
+    assert play(snapshot, policy(), steps=6) == []
 
 
 def test_without_allow_mig_the_mig_gpu_stays_report_only() -> None:
     assert gate_names(needs_reset(), policy(allow_mig=False))[:1] == ["report_only"]
-    assert play(needs_reset(), policy(allow_mig=False)) == []
+    assert play(needs_reset(), policy(allow_mig=False), steps=6) == []
 
 
 def test_a_layout_that_could_not_be_created_again_refuses_the_reset() -> None:
     """Two compute instances in GI 1: ``-cgi ... -C`` would bring back one; never reset."""
     snapshot = needs_reset(cis=(0, 1))
     assert "mig_layout" in gate_names(snapshot, policy())
-    assert play(snapshot, policy()) == []
+    assert play(snapshot, policy(), steps=6) == []
 
 
 def test_a_failed_layout_restore_keeps_every_instance_unfinished_until_seen_back() -> None:
     """The GPU is not clean (check-clean, status's verdict) while any instance of its layout
     may be missing; a success clears them."""
-    (intent,) = play(needs_reset(), policy())
+    (intent,) = play(needs_reset(), policy(), steps=6)
     booked = record_reset(PlanState(), intent, ResetResult.FAILED, now=0.0, wall=0.0)
     failed = booked.state
     assert sorted(u.gi for u in failed.mig_unfinished.values()) == [1, 2]

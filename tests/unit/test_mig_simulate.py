@@ -18,6 +18,16 @@ from gpuwatchd.sim.world import World
 
 SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 
+# A layout the scenario refuses, and what its error says.
+MALFORMED_LAYOUTS = {
+    "[{gi: 1}, {gi: 1}]": "two GPU instances have the same gi",
+    "[{gi: 1, profile: 'x; rm'}]": "not a MIG profile name",
+    "[{profile: 1g.10gb}]": "missing required field 'gi'",
+    "[{gi: 15}]": "a GPU instance id is 0 to 14",
+    "[{gi: 1, total: 1GiB, allocated: 2GiB}]": "more than total",
+    "[]": "at least one instance",
+}
+
 HEAD = """\
 duration: 1m
 gpus:
@@ -42,17 +52,7 @@ def test_a_context_or_capability_must_name_an_instance_of_its_gpu(tail: str, fra
     assert fragment in str(caught.value)
 
 
-@pytest.mark.parametrize(
-    ("instances", "fragment"),
-    [
-        ("[{gi: 1}, {gi: 1}]", "two GPU instances have the same gi"),
-        ("[{gi: 1, profile: 'x; rm'}]", "not a MIG profile name"),
-        ("[{profile: 1g.10gb}]", "missing required field 'gi'"),
-        ("[{gi: 15}]", "a GPU instance id is 0 to 14"),
-        ("[{gi: 1, total: 1GiB, allocated: 2GiB}]", "more than total"),
-        ("[]", "at least one instance"),
-    ],
-)
+@pytest.mark.parametrize(("instances", "fragment"), MALFORMED_LAYOUTS.items())
 def test_malformed_mig_layouts_are_refused_with_their_line(instances: str, fragment: str) -> None:
     text = f"duration: 1m\ngpus:\n  - index: 0\n    mig:\n      instances: {instances}\n"
     with pytest.raises(ScenarioError) as caught:

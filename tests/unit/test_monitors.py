@@ -20,7 +20,7 @@ import pytest
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
-from gpuwatchd.act.reset_target import ResetTarget
+from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget
 from gpuwatchd.core.model import MIB, CgroupInfo, FindingKind, ProcessIdentity, Snapshot
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.assess.passes import assess
@@ -180,12 +180,19 @@ def _env(tmp_path: Path, **kw: object) -> FakeEnvironment:
     return FakeEnvironment(FakeSmi(tmp_path), **kw)  # type: ignore[arg-type]
 
 
+def _reset_beside_two_monitors(
+    tmp_path: Path, *, dry_run: bool = False, failing: Sequence[tuple[str, ...]] = (), **kw: object
+) -> tuple[FakeEnvironment, Runner, ResetOutcome]:
+    """A reset of GPU 0 with one monitor in gpustat.service and one to signal."""
+    env = _env(tmp_path, monitors=[IN_UNIT, SIGNALLED], **kw)
+    runner = Runner(failing)
+    return env, runner, perform_reset(TARGET, POLICY, env, dry_run=dry_run, runner=runner)
+
+
 def test_the_reset_stops_each_monitor_before_the_final_scan_and_starts_its_unit_after(
     tmp_path: Path,
 ) -> None:
-    env = _env(tmp_path, monitors=[IN_UNIT, SIGNALLED])
-    runner = Runner()
-    outcome = perform_reset(TARGET, POLICY, env, dry_run=False, runner=runner)
+    env, runner, outcome = _reset_beside_two_monitors(tmp_path)
     assert outcome.result == "success"
     assert runner.argvs == [
         ("systemctl", "stop", "gpustat.service"),
@@ -210,9 +217,7 @@ def test_the_reset_stops_each_monitor_before_the_final_scan_and_starts_its_unit_
 def test_a_monitor_that_cannot_be_stopped_refuses_the_reset_and_its_unit_is_started_again(
     tmp_path: Path, failing: list[tuple[str, ...]], left: list[str]
 ) -> None:
-    env = _env(tmp_path, monitors=[IN_UNIT, SIGNALLED], monitors_left=left)
-    runner = Runner(failing)
-    outcome = perform_reset(TARGET, POLICY, env, dry_run=False, runner=runner)
+    _, runner, outcome = _reset_beside_two_monitors(tmp_path, failing=failing, monitors_left=left)
     assert (outcome.result, outcome.step) == ("refused", ResetStep.STOP_MONITORS)
     assert "a monitor could not be stopped" in outcome.reason
     assert ("nvidia-smi", "--gpu-reset", "-i", gpu_uuid(0)) not in runner.argvs
@@ -222,9 +227,7 @@ def test_a_monitor_that_cannot_be_stopped_refuses_the_reset_and_its_unit_is_star
 def test_a_dry_run_stops_nothing_and_its_final_scan_does_not_count_the_monitors(
     tmp_path: Path,
 ) -> None:
-    env = _env(tmp_path, monitors=[IN_UNIT, SIGNALLED])
-    runner = Runner()
-    outcome = perform_reset(TARGET, POLICY, env, dry_run=True, runner=runner)
+    env, runner, outcome = _reset_beside_two_monitors(tmp_path, dry_run=True)
     assert outcome.result == "dry_run"
     assert runner.argvs == []
     assert "stop_monitors" not in " ".join(env.calls)

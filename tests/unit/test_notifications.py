@@ -23,15 +23,7 @@ from gpuwatchd.daemon.host import HookQueue, node_name
 from gpuwatchd.decide.argv import HOOK_VALUE_LIMIT, check_value, format_argv, hook_environment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine
-from tests.support.enginerig import (
-    GPU0,
-    Actuator,
-    Rig,
-    ghost_host,
-    make_policy,
-    orphan_host,
-    rig,
-)
+from tests.support import enginerig
 
 NOTIFY = """
 on_action:
@@ -41,7 +33,7 @@ on_action:
 
 def policy(extra: str, *, dry_run: bool = False) -> Policy:
     """The engine tests' policy with ``extra`` as a drop-in (its lists replace theirs)."""
-    base = make_policy(dry_run=dry_run)
+    base = enginerig.make_policy(dry_run=dry_run)
     return parse_policy_documents([("<base>", render_policy(base)), ("<drop-in>", extra)])
 
 
@@ -62,38 +54,40 @@ class Deferred:
             self.pending.pop(0)()
 
 
-def with_background(r: Rig, background: Deferred, hostname: str | None = "gpu17") -> Rig:
+def with_background(
+    r: enginerig.Rig, background: Deferred, hostname: str | None = "gpu17"
+) -> enginerig.Rig:
     engine: Engine = r.engine
     engine.background = background
     engine.hostname = hostname
     return r
 
 
-def notify_commands(r: Rig) -> list[tuple[tuple[str, ...], dict[str, str]]]:
+def notify_commands(r: enginerig.Rig) -> list[tuple[tuple[str, ...], dict[str, str]]]:
     return [
         (argv, dict(env or {})) for argv, env in r.actuator.commands if argv and argv[0] == "notify"
     ]
 
 
-def kill_worker(r: Rig) -> None:
+def kill_worker(r: enginerig.Rig) -> None:
     """Poll once (SIGTERM to worker 201), then the actuator sees it exit."""
     r.poll_at(0.0)
     pid, signal, dry = r.actuator.signals[0]
     assert (pid, signal, dry) == (201, "SIGTERM", False)
-    start = orphan_host(0.0).build().processes[pid].start_ticks or 0
+    start = enginerig.orphan_host(0.0).build().processes[pid].start_ticks or 0
     r.clock.now = 0.5
     r.engine.note_exits([ProcessIdentity(pid, start)])
 
 
 def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_poll() -> None:
     background = Deferred()
-    r = with_background(rig(policy(NOTIFY), orphan_host), background)
+    r = with_background(enginerig.rig(policy(NOTIFY), enginerig.orphan_host), background)
     kill_worker(r)
     assert notify_commands(r) == []  # queued, not run on the main loop
     assert len(background.pending) == 1
     background.run_all()
     ((argv, env),) = notify_commands(r)
-    assert argv == ("notify", "alice", "gpu17", GPU0)
+    assert argv == ("notify", "alice", "gpu17", enginerig.GPU0)
     assert env["GPUWATCHD_EVENT"] == "on_action"
     assert env["GPUWATCHD_ACTION"] == "signal"
     assert env["GPUWATCHD_OUTCOME"] == "freed"
@@ -103,19 +97,21 @@ def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_pol
     assert env["GPUWATCHD_RULE"] == "orphans"
     # One sentence for a chat or a mail, worded by the event catalogue (no internal key).
     assert env["GPUWATCHD_MESSAGE"] == (
-        f"PID 201 of user alice on {GPU0}, signalled by rule orphans, was stopped; its GPU"
-        " memory is freed (target exited)."
+        f"PID 201 of user alice on {enginerig.GPU0}, signalled by rule orphans, was stopped; its"
+        " GPU memory is freed (target exited)."
     )
     assert r.sink.named("hook.run") == []  # reported by the main loop, at its next poll
     r.poll_at(1.0)
     (ran,) = r.sink.named("hook.run")
     assert ran["hook"] == "on_action"
-    assert ran["argv"] == ["notify", "alice", "gpu17", GPU0]
+    assert ran["argv"] == ["notify", "alice", "gpu17", enginerig.GPU0]
     assert ran["returncode"] == 0
 
 
 def test_a_full_queue_drops_the_notification_and_says_so() -> None:
-    r = with_background(rig(policy(NOTIFY), orphan_host), Deferred(accept=False))
+    r = with_background(
+        enginerig.rig(policy(NOTIFY), enginerig.orphan_host), Deferred(accept=False)
+    )
     kill_worker(r)
     (dropped,) = r.sink.named("hook.run")
     assert dropped["outcome"] == "dropped"
@@ -123,7 +119,7 @@ def test_a_full_queue_drops_the_notification_and_says_so() -> None:
     assert notify_commands(r) == []
 
 
-class CrashingActuator(Actuator):
+class CrashingActuator(enginerig.Actuator):
     """A command runner with a bug: it raises instead of returning a result."""
 
     def run_command(
@@ -138,7 +134,10 @@ def test_a_crashing_notification_is_one_hook_run_through_the_event_sink() -> Non
     """Not logged past the sink on the notification's thread: reported by the main loop as
     ``hook.run`` ``outcome=crashed`` (error), so metrics and status see it too."""
     background = Deferred()
-    r = with_background(rig(policy(NOTIFY), orphan_host, actuator=CrashingActuator()), background)
+    r = with_background(
+        enginerig.rig(policy(NOTIFY), enginerig.orphan_host, actuator=CrashingActuator()),
+        background,
+    )
     kill_worker(r)
     background.run_all()  # the notification raises on its thread: nothing escapes
     r.poll_at(1.0)
@@ -151,7 +150,9 @@ def test_a_crashing_notification_is_one_hook_run_through_the_event_sink() -> Non
 
 def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> None:
     background = Deferred()
-    r = with_background(rig(policy(NOTIFY, dry_run=True), orphan_host), background)
+    r = with_background(
+        enginerig.rig(policy(NOTIFY, dry_run=True), enginerig.orphan_host), background
+    )
     for t in (0.0, 31.0, 42.0, 60.0):  # the whole would-be ladder
         r.poll_at(t)
     assert background.pending == []
@@ -161,11 +162,11 @@ def test_dry_run_notifies_nobody_and_shows_the_would_be_notification_once() -> N
     (shown,) = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
     assert shown["dry_run"] is True
     assert shown["outcome"] == "dry_run"
-    assert shown["argv"] == ["notify", "alice", "gpu17", GPU0]
+    assert shown["argv"] == ["notify", "alice", "gpu17", enginerig.GPU0]
 
 
 def test_a_target_that_survives_its_ladder_notifies_survived() -> None:
-    r = with_background(rig(policy(NOTIFY), orphan_host), Deferred())
+    r = with_background(enginerig.rig(policy(NOTIFY), enginerig.orphan_host), Deferred())
     for t in (0.0, 30.0, 40.0):  # SIGTERM, SIGKILL, the end: it never exits
         r.poll_at(t)
     r.engine.background.run_all()  # type: ignore[attr-defined]
@@ -174,8 +175,10 @@ def test_a_target_that_survives_its_ladder_notifies_survived() -> None:
 
 
 def test_a_denied_signal_notifies_failed() -> None:
-    act = Actuator(outcome=SignalOutcome.DENIED)
-    r = with_background(rig(policy(NOTIFY), orphan_host, actuator=act), Deferred())
+    act = enginerig.Actuator(outcome=SignalOutcome.DENIED)
+    r = with_background(
+        enginerig.rig(policy(NOTIFY), enginerig.orphan_host, actuator=act), Deferred()
+    )
     r.poll_at(0.0)
     r.engine.background.run_all()  # type: ignore[attr-defined]
     ((_argv, env),) = notify_commands(r)
@@ -189,14 +192,14 @@ on_action:
   - [notify, "{hostname}", "{pci_bus_id}"]
   - [notify, "{user}"]
 """
-    r = with_background(rig(policy(extra), ghost_host), Deferred())
+    r = with_background(enginerig.rig(policy(extra), enginerig.ghost_host), Deferred())
     r.poll_at(0.0)
     r.engine.background.run_all()  # type: ignore[attr-defined]
     ((argv, env),) = notify_commands(r)  # the {user} one did not run
     assert argv[:2] == ("notify", "gpu17")
     assert env["GPUWATCHD_ACTION"] == "reset"
     assert env["GPUWATCHD_OUTCOME"] == "reset"
-    assert env["GPUWATCHD_MESSAGE"] == f"{GPU0} was reset."
+    assert env["GPUWATCHD_MESSAGE"] == f"{enginerig.GPU0} was reset."
     assert "GPUWATCHD_USER" not in env
     r.poll_at(1.0)
     ran = [h for h in r.sink.named("hook.run") if h["hook"] == "on_action"]
@@ -213,7 +216,11 @@ on_failure:
   - [drain-node, "{hostname}", "{pci_bus_id}"]
 """
     r = with_background(
-        rig(policy(extra + NOTIFY), ghost_host, actuator=Actuator(returncode=255)),
+        enginerig.rig(
+            policy(extra + NOTIFY),
+            enginerig.ghost_host,
+            actuator=enginerig.Actuator(returncode=255),
+        ),
         Deferred(),
     )
     r.poll_at(0.0)
@@ -236,7 +243,9 @@ on_action:
   - [notify, "{hostname}"]
   - [notify, plain]
 """
-    r = with_background(rig(policy(extra), orphan_host), Deferred(), hostname=None)
+    r = with_background(
+        enginerig.rig(policy(extra), enginerig.orphan_host), Deferred(), hostname=None
+    )
     kill_worker(r)
     r.engine.background.run_all()  # type: ignore[attr-defined]
     assert [argv for argv, _env in notify_commands(r)] == [("notify", "plain")]

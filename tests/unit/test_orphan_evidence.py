@@ -19,18 +19,17 @@ from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.policy import Detection
-from tests.support.orphancases import LEAK, fd_family, fd_family_before, heir_host
+from tests.support.orphancases import (
+    DEFAULT,
+    LEAK,
+    OPT_IN,
+    fd_family,
+    fd_family_before,
+    heir_host,
+    owner_and_worker,
+    run,
+)
 from tests.support.snapshots import HostBuilder, cg_slurm, gpu_uuid
-
-DEFAULT = Detection()
-OPT_IN = dataclasses.replace(DEFAULT, orphans_without_history=True)
-
-
-def run(
-    snapshot: Snapshot, previous: AssessState | None = None, detection: Detection = DEFAULT
-) -> Assessment:
-    state = previous if previous is not None else AssessState(boot_id=snapshot.boot_id)
-    return assess(snapshot, state, detection)
 
 
 def verdict(result: Assessment, pid: int) -> tuple[str, dict[str, object]]:
@@ -313,15 +312,7 @@ def test_one_shared_answer_about_the_owners_pid_is_enough_to_make_the_heir() -> 
     """kcmp was asked about two processes with PID 800 (the PID was reused while the holder
     lived): one of them shared its files with the holder, so the holder does not count as one
     that opened its own files, and the memory its former owner left makes it the heir."""
-    alive = (
-        HostBuilder(monotonic=1000.0)
-        .gpu(0, allocated=LEAK)
-        .nvml(0, 800, used=LEAK)
-        .proc(800, ppid=1, holds={0}, uvm=True)
-        .proc(801, ppid=800, holds={0}, uvm=True)
-        .sharing(801, 800, False)
-        .build()
-    )
+    alive = owner_and_worker()
     first = run(alive)
     (holder,) = [i for i in first.state.inheritance if i.pid == 801]
     ((owner, shared),) = first.state.inheritance[holder]
@@ -433,23 +424,18 @@ def test_a_listed_owner_whose_job_ended_is_abandoned_and_still_an_owner() -> Non
 
 def test_an_orphan_that_also_holds_a_report_only_gpu_is_not_actionable() -> None:
     """A holder of GPU 0 (fine) and GPU 1 (MIG: report-only) is reported, never acted on."""
-    snapshot = (
-        HostBuilder()
-        .gpu(0, allocated=LEAK)
-        .gpu(1, mig=True)
-        .nvml(0, 600, used=LEAK)  # the dead owner
-        .proc(601, ppid=1, pgid=600, sid=600, holds={0, 1}, uvm=True)
-        .build()
-    )
-    (finding,) = [f for f in run(snapshot).findings if f.pid == 601]
+
+    def host(holds: set[int]) -> Snapshot:
+        return (
+            HostBuilder()
+            .gpu(0, allocated=LEAK)
+            .gpu(1, mig=True)
+            .nvml(0, 600, used=LEAK)  # the dead owner
+            .proc(601, ppid=1, pgid=600, sid=600, holds=holds, uvm=True)
+            .build()
+        )
+
+    (finding,) = [f for f in run(host({0, 1})).findings if f.pid == 601]
     assert (finding.kind, finding.actionable) == (FindingKind.ORPHANED, False)
-    alone = (
-        HostBuilder()
-        .gpu(0, allocated=LEAK)
-        .gpu(1, mig=True)
-        .nvml(0, 600, used=LEAK)
-        .proc(601, ppid=1, pgid=600, sid=600, holds={0}, uvm=True)
-        .build()
-    )
-    (finding,) = [f for f in run(alone).findings if f.pid == 601]
+    (finding,) = [f for f in run(host({0})).findings if f.pid == 601]
     assert (finding.kind, finding.actionable) == (FindingKind.ORPHANED, True)

@@ -135,6 +135,19 @@ def test_a_line_crafted_for_a_backtracking_pattern_is_searched_in_milliseconds(
     assert time.perf_counter() - started < 2.0
 
 
+def _assert_refused_at_load(section: str, pattern: str, why: str) -> None:
+    """A drop-in whose ``section`` (a ``%s`` where the pattern goes) names ``pattern`` is
+    refused, naming the file, the key, the pattern and ``why``."""
+    text = section % repr(pattern).replace("\\\\", "\\")
+    with pytest.raises(ConfigError) as caught:
+        parse_policy_documents([(DROP_IN, text + "\n")])
+    message = str(caught.value)
+    assert DROP_IN in message
+    assert "commands[0]" in message
+    assert repr(pattern) in message
+    assert why in message
+
+
 @pytest.mark.parametrize(
     ("pattern", "what"),
     [
@@ -153,14 +166,7 @@ def test_what_cannot_be_matched_in_linear_time_is_refused_at_load_naming_file_ke
         check_linear(re.compile(pattern))
     for section in ("protect: {commands: [%s]}", "rules: [{name: r, kind: orphaned, "
                     "commands: [%s], steps: [{signal: SIGTERM, wait: 1s}]}]"):  # fmt: skip
-        text = section % repr(pattern).replace("\\\\", "\\")
-        with pytest.raises(ConfigError) as caught:
-            parse_policy_documents([(DROP_IN, text + "\n")])
-        message = str(caught.value)
-        assert DROP_IN in message
-        assert "commands[0]" in message
-        assert repr(pattern) in message
-        assert "cannot be matched in linear time" in message
+        _assert_refused_at_load(section, pattern, "cannot be matched in linear time")
 
 
 @pytest.mark.parametrize(
@@ -174,14 +180,7 @@ def test_counted_repeats_past_the_bound_are_refused_at_load_naming_key_and_value
     MAX_REPEAT copies in all, nested ones multiplied; the refusal names file, key and pattern."""
     with pytest.raises(TooCostly, match=f"more than {MAX_REPEAT} copies"):
         check_linear(re.compile(pattern))
-    text = "protect: {commands: [" + repr(pattern).replace("\\\\", "\\") + "]}"
-    with pytest.raises(ConfigError) as caught:
-        parse_policy_documents([(DROP_IN, text + "\n")])
-    message = str(caught.value)
-    assert DROP_IN in message
-    assert "commands[0]" in message
-    assert repr(pattern) in message
-    assert "too costly" in message
+    _assert_refused_at_load("protect: {commands: [%s]}", pattern, "too costly")
 
 
 @pytest.mark.parametrize("pattern", [r"[0-9a-f]{64}", r"(a{3}){4}", r"a+b*c?(d|e)+", r"x{2,}"])

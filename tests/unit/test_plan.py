@@ -85,90 +85,34 @@ SLURM = CgroupInfo(
 UNIT = CgroupInfo(path="/system.slice/trainer.service", systemd_unit="trainer.service")
 
 
+def _rule(kind: FindingKind = FindingKind.ORPHANED, **kw: Any) -> Rule:
+    return Rule("r", kind, LADDER, **kw)
+
+
 @pytest.mark.parametrize(
     ("rule", "process", "memory", "lasted", "matches"),
     [
-        (Rule("r", FindingKind.ORPHANED, LADDER), proc(), 1, 0.0, True),
-        (Rule("r", FindingKind.ABANDONED, LADDER), proc(), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, for_=30), proc(), 1, 29.9, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, for_=30), proc(), 1, 30.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), 100, 0.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), 99, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, min_memory=100), proc(), None, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("b*",)), proc(), 1, 0.0, True),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("alice",)), proc(), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("*",)), proc(user=None), 1, 0.0, False),
-        (Rule("r", FindingKind.ORPHANED, LADDER, users=("*",)), None, 1, 0.0, False),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(r"train\.py"),)),
-            proc(),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(r"^python3 train"),)),
-            proc(),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile("serve"),)),
-            proc(),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, commands=(re.compile(".*"),)),
-            proc(cmdline=None),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, cgroups=("/system.slice/*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, cgroups=("/kubepods/*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, units=("trainer.*",)),
-            proc(cgroup=UNIT),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, units=("*",)),
-            proc(cgroup=SLURM),
-            1,
-            0.0,
-            False,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, jobs=("slurm:7*",)),
-            proc(cgroup=SLURM),
-            1,
-            0.0,
-            True,
-        ),
-        (
-            Rule("r", FindingKind.ORPHANED, LADDER, jobs=("*",)),
-            proc(),  # a login session scope names no job
-            1,
-            0.0,
-            False,
-        ),
+        (_rule(), proc(), 1, 0.0, True),
+        (_rule(FindingKind.ABANDONED), proc(), 1, 0.0, False),
+        (_rule(for_=30), proc(), 1, 29.9, False),
+        (_rule(for_=30), proc(), 1, 30.0, True),
+        (_rule(min_memory=100), proc(), 100, 0.0, True),
+        (_rule(min_memory=100), proc(), 99, 0.0, False),
+        (_rule(min_memory=100), proc(), None, 0.0, False),
+        (_rule(users=("b*",)), proc(), 1, 0.0, True),
+        (_rule(users=("alice",)), proc(), 1, 0.0, False),
+        (_rule(users=("*",)), proc(user=None), 1, 0.0, False),
+        (_rule(users=("*",)), None, 1, 0.0, False),
+        (_rule(commands=(re.compile(r"train\.py"),)), proc(), 1, 0.0, True),
+        (_rule(commands=(re.compile(r"^python3 train"),)), proc(), 1, 0.0, True),
+        (_rule(commands=(re.compile("serve"),)), proc(), 1, 0.0, False),
+        (_rule(commands=(re.compile(".*"),)), proc(cmdline=None), 1, 0.0, False),
+        (_rule(cgroups=("/system.slice/*",)), proc(cgroup=UNIT), 1, 0.0, True),
+        (_rule(cgroups=("/kubepods/*",)), proc(cgroup=UNIT), 1, 0.0, False),
+        (_rule(units=("trainer.*",)), proc(cgroup=UNIT), 1, 0.0, True),
+        (_rule(units=("*",)), proc(cgroup=SLURM), 1, 0.0, False),
+        (_rule(jobs=("slurm:7*",)), proc(cgroup=SLURM), 1, 0.0, True),
+        (_rule(jobs=("*",)), proc(), 1, 0.0, False),  # a login session scope names no job
     ],
 )
 def test_rule_for_filters_and_unknown_values_never_match(
@@ -381,11 +325,19 @@ def test_ladder_sigterm_then_sigkill_exactly_at_delivered_plus_wait_then_ended()
         assert signals(r) == []
 
 
-def test_exit_after_sigterm_resolves_without_sigkill() -> None:
+def first_poll(
+    pol: Policy | None = None, *, now: float = 0.0
+) -> tuple[ProcessInfo, Finding, Policy, PlanResult]:
+    """The default process, its orphan finding, the policy (the default one unless given) and
+    the first plan, at ``now``."""
     p = proc()
     f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    pol = pol if pol is not None else policy()
+    return p, f, pol, run([f], snap([p]), PlanState(), pol, now=now)
+
+
+def test_exit_after_sigterm_resolves_without_sigkill() -> None:
+    _p, f, pol, r = first_poll()
     (term,) = signals(r)
     state = record_signal(r.state, term, "delivered", now=0.0).state
     done = record_exit(state, term.identity, now=0.2)
@@ -397,10 +349,7 @@ def test_exit_after_sigterm_resolves_without_sigkill() -> None:
 
 
 def test_finding_that_goes_away_stops_the_ladder() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, _f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     r = run([], snap([p]), state, pol, now=5.0)
     assert event(r, EventName.ESCALATION_RESOLVED)["why"] == "finding resolved"
@@ -409,10 +358,7 @@ def test_finding_that_goes_away_stops_the_ladder() -> None:
 
 
 def test_target_disappearing_resolves_the_ladder() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    _p, _f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     r = run([], snap([]), state, pol, now=31.0)
     assert event(r, EventName.ESCALATION_RESOLVED)["why"] == "target gone"
@@ -444,10 +390,7 @@ def test_pid_reuse_reported_by_act_aborts_the_ladder() -> None:
 
 @pytest.mark.parametrize("outcome", ["denied", "failed"])
 def test_denied_or_failed_signal_ends_the_ladder_without_retry(outcome: str) -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll()
     out = record_signal(r.state, signals(r)[0], outcome, now=0.0)
     assert event(out, EventName.ESCALATION_ENDED)["why"] == outcome
     for now in (1.0, 31.0, 100.0):
@@ -466,10 +409,7 @@ def test_stale_signal_record_changes_nothing() -> None:
 
 def test_for_window_is_honoured_and_is_a_deadline() -> None:
     rule = Rule("orphans", FindingKind.ORPHANED, LADDER, for_=30.0)
-    pol = policy(rules=[rule])
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=10.0)
+    p, f, pol, r = first_poll(policy(rules=[rule]), now=10.0)
     assert signals(r) == []
     assert EventName.ESCALATION_CONFIRMING in names(r)
     assert next_deadline(r.state) == 40.0
@@ -482,10 +422,7 @@ def test_for_window_is_honoured_and_is_a_deadline() -> None:
 
 def test_finding_that_flaps_restarts_its_confirmation_window() -> None:
     rule = Rule("orphans", FindingKind.ORPHANED, LADDER, for_=30.0)
-    pol = policy(rules=[rule])
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll(policy(rules=[rule]), now=0.0)
     r = run([], snap([p]), r.state, pol, now=20.0)
     r = run([f], snap([p]), r.state, pol, now=25.0)
     r = run([f], snap([p]), r.state, pol, now=50.0)
@@ -733,10 +670,7 @@ def test_kill_cap_window_rolls_after_an_hour() -> None:
 
 
 def test_dry_run_emits_intents_marked_dry_and_advances_the_timeline() -> None:
-    pol = policy(dry_run=True)
-    p = proc()
-    f = orphan(p)
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll(policy(dry_run=True))
     (term,) = signals(r)
     assert term.dry_run
     state = record_signal(r.state, term, "dry_run", now=0.0).state
@@ -837,10 +771,7 @@ def test_target_turning_zombie_mid_ladder_resolves_and_names_the_parent() -> Non
 
 
 def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
-    p = proc()
-    f = orphan(p)
-    pol = policy()
-    r = run([f], snap([p]), PlanState(), pol, now=0.0)
+    p, f, pol, r = first_poll()
     state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
     d = replace(p, state="D")
     stuck = orphan(d, kind=FindingKind.STUCK)

@@ -23,25 +23,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpuwatchd.core.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    FileSharing,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    GpuMemory,
-    HolderScan,
-    NvmlProcess,
-    NvmlReading,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core import model
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.decisions import clear_circuit, clear_forced_dry_run, plan, set_paused
@@ -62,16 +49,16 @@ from gpuwatchd.decide.policy import (
 )
 
 GPUS = ("GPU-aaaa", "GPU-bbbb")
-GIB = 1024 * MIB
+GIB = 1024 * model.MIB
 SELF_PID = 4242
 NORMAL_SLOTS = (1000, 1001, 1002, 1003, 1004)
 SLOTS = (*NORMAL_SLOTS, *NORMAL_SLOTS, 1, 1500, SELF_PID)
 KINDS = (
-    FindingKind.ORPHANED,
-    FindingKind.ABANDONED,
-    FindingKind.HIDDEN_HOLDER,
-    FindingKind.STUCK,
-    FindingKind.ZOMBIE,
+    model.FindingKind.ORPHANED,
+    model.FindingKind.ABANDONED,
+    model.FindingKind.HIDDEN_HOLDER,
+    model.FindingKind.STUCK,
+    model.FindingKind.ZOMBIE,
 )
 HOLDER_KINDS = {k.value for k in KINDS}
 NAMES = ("python3",) * 6 + ("nv-hostengine", "nvidia-persiste", "Xorg")
@@ -80,9 +67,10 @@ USERS = ("bob",) * 6 + ("alice", None)
 POLICY = Policy(
     dry_run=False,
     rules=(
-        Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 5.0), Step("SIGKILL", 3.0)), 2.0),
-        Rule("abandoned", FindingKind.ABANDONED, (Step("SIGKILL", 1.0),)),
-        Rule("stuck", FindingKind.STUCK, (Step(None, 0.0),)),
+        Rule("orphans", model.FindingKind.ORPHANED,
+             (Step("SIGTERM", 5.0), Step("SIGKILL", 3.0)), 2.0),
+        Rule("abandoned", model.FindingKind.ABANDONED, (Step("SIGKILL", 1.0),)),
+        Rule("stuck", model.FindingKind.STUCK, (Step(None, 0.0),)),
     ),
     protect=Protect(users=("alice",)),
     limits=Limits(
@@ -98,10 +86,14 @@ POLICY = Policy(
     ),
     health=HealthPolicy(drain_timeout=60.0),
 )  # fmt: skip
-HEALTH = (FindingKind.RESET_REQUIRED, FindingKind.REBOOT_REQUIRED, FindingKind.DRAIN_REQUIRED)
+HEALTH = (
+    model.FindingKind.RESET_REQUIRED,
+    model.FindingKind.REBOOT_REQUIRED,
+    model.FindingKind.DRAIN_REQUIRED,
+)
 
 
-def is_floor_or_protected(p: ProcessInfo) -> bool:
+def is_floor_or_protected(p: model.ProcessInfo) -> bool:
     """The oracle: never signalled. A floor name counts only from root (uid 0) whose program
     is not known to be a user's: trusted, it is infrastructure; unread, it is unknown. A
     user's process in a login session that calls itself so is a look-alike: a fair target."""
@@ -125,8 +117,8 @@ class EscalationMachine(RuleBasedStateMachine):
         self.wall = 1_700_000_000.0
         self.boot = 0
         self.ticks = 1000
-        self.procs: dict[int, ProcessInfo] = {}
-        self.findings: dict[int, FindingKind] = {}
+        self.procs: dict[int, model.ProcessInfo] = {}
+        self.findings: dict[int, model.FindingKind] = {}
         self.ghosts: set[str] = set()
         # Incidents whose real reset was refused (final scan, hooks, the driver's "in use"):
         # never reset again (drain and before hooks at most once) until the incident ends.
@@ -138,7 +130,7 @@ class EscalationMachine(RuleBasedStateMachine):
         self.signalled_uid: dict[str, int | None] = {}  # whose cap a target counted against
         self.resets_done: list[tuple[str, float]] = []
         self.polls = 0
-        self.health: dict[str, FindingKind] = {}  # GPU → its health finding
+        self.health: dict[str, model.FindingKind] = {}  # GPU → its health finding
         self.listed: set[int] = set()  # live jobs NVML lists (on GPU pid % 2)
         self.drains: dict[tuple[str, bool], int] = {}  # (finding, dry_run) → drain hooks
         self.timeouts: dict[str, int] = {}  # GPU → drain timeouts this wait
@@ -150,7 +142,7 @@ class EscalationMachine(RuleBasedStateMachine):
         slot=st.sampled_from(SLOTS),
         name=st.sampled_from(NAMES),
         user=st.sampled_from(USERS),
-        kind=st.sampled_from((None, FindingKind.ORPHANED, *KINDS)),
+        kind=st.sampled_from((None, model.FindingKind.ORPHANED, *KINDS)),
         job=st.booleans(),
         root=st.booleans(),
         exe_trusted=st.sampled_from((True, False, None)),
@@ -160,7 +152,7 @@ class EscalationMachine(RuleBasedStateMachine):
         slot: int,
         name: str,
         user: str | None,
-        kind: FindingKind | None,
+        kind: model.FindingKind | None,
         job: bool,
         *,
         root: bool = False,
@@ -168,25 +160,26 @@ class EscalationMachine(RuleBasedStateMachine):
     ) -> None:
         if slot in self.procs:
             return
-        self.ticks += 1
-        self.procs[slot] = ProcessInfo(
-            pid=slot,
-            start_ticks=self.ticks,
-            state="S",
-            ppid=1,
-            pgid=slot,
-            sid=slot,
+        self.born(
+            slot,
             uid=0 if root else 1000,
             user=user,
             comm=name,
             cmdline=(name, "job.py"),
-            cgroup=CgroupInfo("/user.slice/session-3.scope"),
+            cgroup=model.CgroupInfo("/user.slice/session-3.scope"),
             exe_trusted=exe_trusted,
         )
         if kind is not None:
             self.set_finding(slot, kind)
         elif job:
             self.list_job(slot)
+
+    def born(self, slot: int, **fields: Any) -> None:
+        """A new sleeping process at ``slot``, its own session leader, its parent init."""
+        self.ticks += 1
+        self.procs[slot] = model.ProcessInfo(
+            pid=slot, start_ticks=self.ticks, state="S", ppid=1, pgid=slot, sid=slot, **fields
+        )
 
     @rule(slot=st.sampled_from(SLOTS))
     def list_job(self, slot: int) -> None:
@@ -196,7 +189,7 @@ class EscalationMachine(RuleBasedStateMachine):
             self.listed.add(slot)
 
     @rule(gpu=st.sampled_from(GPUS), kind=st.sampled_from((None, *HEALTH)))
-    def gpu_health(self, gpu: str, kind: FindingKind | None) -> None:
+    def gpu_health(self, gpu: str, kind: model.FindingKind | None) -> None:
         """The driver asks for a reset, a reboot or a drain (or stops asking)."""
         if kind is None:
             self.health.pop(gpu, None)
@@ -218,29 +211,17 @@ class EscalationMachine(RuleBasedStateMachine):
         if p is None:
             return
         self.listed.discard(slot)
-        self.ticks += 1
-        self.procs[slot] = ProcessInfo(
-            pid=slot,
-            start_ticks=self.ticks,
-            state="S",
-            ppid=1,
-            pgid=slot,
-            sid=slot,
-            uid=1000,
-            user="bob",
-            comm="python3",
-            cmdline=("python3", "other.py"),
-        )
+        self.born(slot, uid=1000, user="bob", comm="python3", cmdline=("python3", "other.py"))
         if not keep_finding:
             self.findings.pop(slot, None)
 
     @rule(slot=st.sampled_from(SLOTS), kind=st.sampled_from(KINDS))
-    def set_finding(self, slot: int, kind: FindingKind) -> None:
+    def set_finding(self, slot: int, kind: model.FindingKind) -> None:
         p = self.procs.get(slot)
         if p is None:
             return
         self.findings[slot] = kind
-        state = {FindingKind.STUCK: "D", FindingKind.ZOMBIE: "Z"}.get(kind, "S")
+        state = {model.FindingKind.STUCK: "D", model.FindingKind.ZOMBIE: "Z"}.get(kind, "S")
         self.procs[slot] = replace(p, state=state)
 
     @rule(slot=st.sampled_from(SLOTS))
@@ -316,7 +297,7 @@ class EscalationMachine(RuleBasedStateMachine):
             self.resets_done.append((intent.gpu, self.clock))
         if outcome == "success":
             self.ghosts.discard(intent.gpu)
-            if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+            if intent.finding_key.startswith(model.FindingKind.RESET_REQUIRED.value):
                 self.health.pop(intent.gpu, None)  # the driver is satisfied
         if outcome in ("failed", "timeout"):
             # on_failure, then the on_action notification of a reset that ran; nothing else.
@@ -330,37 +311,41 @@ class EscalationMachine(RuleBasedStateMachine):
 
     # --- one poll -----------------------------------------------------------------------------
 
-    def _snapshot(self) -> tuple[list[Finding], Snapshot]:
+    def _snapshot(self) -> tuple[list[model.Finding], model.Snapshot]:
         findings = []
         holdings = {}
         for pid, kind in sorted(self.findings.items()):
             p = self.procs[pid]
             gpu = GPUS[pid % 2]
             findings.append(
-                Finding(kind, gpu, pid, p.start_ticks, "test", 300 * MIB, True, {"uvm": True})
+                model.Finding(
+                    kind, gpu, pid, p.start_ticks, "test", 300 * model.MIB, True, {"uvm": True}
+                )
             )
-            holdings[pid] = DeviceHolding(pid, frozenset({pid % 2}), uvm=True)
+            holdings[pid] = model.DeviceHolding(pid, frozenset({pid % 2}), uvm=True)
         for gpu in sorted(self.ghosts):
-            findings.append(Finding(FindingKind.GHOST_MEMORY, gpu, None, None, "ghost", MIB))
+            findings.append(
+                model.Finding(model.FindingKind.GHOST_MEMORY, gpu, None, None, "ghost", model.MIB)
+            )
         for gpu, kind in sorted(self.health.items()):
-            findings.append(Finding(kind, gpu, None, None, "the driver asks", None))
+            findings.append(model.Finding(kind, gpu, None, None, "the driver asks", None))
         for pid in sorted(self.listed):
-            old = holdings.get(pid, DeviceHolding(pid, uvm=True))
+            old = holdings.get(pid, model.DeviceHolding(pid, uvm=True))
             holdings[pid] = replace(old, gpu_minors_fd=old.gpu_minors_fd | {pid % 2})
-        snapshot = Snapshot(
+        snapshot = model.Snapshot(
             monotonic=self.mono,
             wall_time=self.wall,
             boot_id=f"boot-{self.boot}",
-            nvml=NvmlReading(
+            nvml=model.NvmlReading(
                 available=True,
                 gpus=tuple(
-                    GpuInfo(
+                    model.GpuInfo(
                         index=i,
                         uuid=u,
                         minor=i,
                         mig_enabled=False,
                         processes=tuple(
-                            NvmlProcess(pid, 300 * MIB, "compute")
+                            model.NvmlProcess(pid, 300 * model.MIB, "compute")
                             for pid in sorted(self.listed)
                             if pid % 2 == i
                         ),
@@ -369,7 +354,7 @@ class EscalationMachine(RuleBasedStateMachine):
                 ),
             ),
             processes=dict(self.procs),
-            holders=HolderScan("full", holdings),
+            holders=model.HolderScan("full", holdings),
             self_pids=frozenset({SELF_PID}),
         )
         return findings, snapshot
@@ -383,7 +368,10 @@ class EscalationMachine(RuleBasedStateMachine):
         """The daemon's loop: time passes, then one poll, and act reports each outcome."""
         self.advance(dt)
         for pid, p in self.procs.items():
-            if self.findings.get(pid) not in (FindingKind.ORPHANED, FindingKind.ABANDONED):
+            if self.findings.get(pid) not in (
+                model.FindingKind.ORPHANED,
+                model.FindingKind.ABANDONED,
+            ):
                 # No actionable finding about this process: a later one is a new episode,
                 # which may start again from step 1.
                 self.real_steps.pop(f"{pid}@{p.start_ticks}", None)
@@ -462,15 +450,15 @@ class EscalationMachine(RuleBasedStateMachine):
             self.findings.pop(identity.pid, None)
         return new
 
-    def _check_reset(self, intent: ResetIntent, findings: list[Finding]) -> None:
+    def _check_reset(self, intent: ResetIntent, findings: list[model.Finding]) -> None:
         assert self.in_flight is None, "a second reset while one is in flight"
-        if intent.finding_key.startswith(FindingKind.RESET_REQUIRED.value):
+        if intent.finding_key.startswith(model.FindingKind.RESET_REQUIRED.value):
             # A zombie (its whole thread group gone) holds no file and no memory: not a job.
             jobs = [
                 pid for pid in self.listed if pid in self.procs and self.procs[pid].state != "Z"
             ]
             assert jobs == [], f"a health reset while NVML lists live jobs {jobs}"
-            assert self.health.get(intent.gpu) is FindingKind.RESET_REQUIRED
+            assert self.health.get(intent.gpu) is model.FindingKind.RESET_REQUIRED
         holders = [
             f for f in findings if f.gpu == intent.gpu and f.pid is not None and f.kind in KINDS
         ]
@@ -525,7 +513,7 @@ class InheritanceMachine(RuleBasedStateMachine):
         self.detection = Detection(orphans_without_history=key)
         self.policy = Policy(
             dry_run=False,
-            rules=(Rule("orphans", FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), 0.0),),
+            rules=(Rule("orphans", model.FindingKind.ORPHANED, (Step("SIGTERM", 1.0),), 0.0),),
         )
         self.procs: dict[int, _Proc] = {}
         self.dead_owners: dict[int, tuple[int, bool]] = {}  # owner pid -> (gpu, NVML lists it)
@@ -597,51 +585,53 @@ class InheritanceMachine(RuleBasedStateMachine):
     def _pinned(self, owner: int) -> bool:
         return any(p.role == "fork" and p.owner == owner for p in self.procs.values())
 
-    def _snapshot(self) -> Snapshot:
-        holdings: dict[int, DeviceHolding] = {}
-        listed: dict[int, list[NvmlProcess]] = {0: [], 1: []}
-        used = {0: 2 * MIB, 1: 2 * MIB}
-        sharing: list[FileSharing] = []
+    def _snapshot(self) -> model.Snapshot:
+        holdings: dict[int, model.DeviceHolding] = {}
+        listed: dict[int, list[model.NvmlProcess]] = {0: [], 1: []}
+        used = {0: 2 * model.MIB, 1: 2 * model.MIB}
+        sharing: list[model.FileSharing] = []
         for p in self.procs.values():
             if p.role == "owner":  # CUDA opens every GPU; a context on its own
-                holdings[p.pid] = DeviceHolding(p.pid, frozenset({0, 1}), ctl=True, uvm=True)
-                listed[p.gpu].append(NvmlProcess(p.pid, GIB, "compute"))
+                holdings[p.pid] = model.DeviceHolding(p.pid, frozenset({0, 1}), ctl=True, uvm=True)
+                listed[p.gpu].append(model.NvmlProcess(p.pid, GIB, "compute"))
                 used[p.gpu] += GIB
             elif p.role in ("fork", "spawn", "notebook"):
-                holdings[p.pid] = DeviceHolding(p.pid, frozenset({p.gpu}), ctl=True, uvm=True)
+                holdings[p.pid] = model.DeviceHolding(p.pid, frozenset({p.gpu}), ctl=True, uvm=True)
             owner = self.procs.get(p.owner) if p.owner is not None else None
             if owner is not None and self.kcmp:
-                sharing.append(FileSharing(p.pid, owner.pid, p.role == "fork"))
+                sharing.append(model.FileSharing(p.pid, owner.pid, p.role == "fork"))
         for pid, (gpu, listed_dead) in self.dead_owners.items():
             if self._pinned(pid):
                 used[gpu] += GIB
                 if listed_dead:
-                    listed[gpu].append(NvmlProcess(pid, GIB, "compute"))
+                    listed[gpu].append(model.NvmlProcess(pid, GIB, "compute"))
         leaders = {v for p in self.procs.values() if p.pid in holdings for v in (p.sid,)}
         gpus = tuple(
-            GpuInfo(
+            model.GpuInfo(
                 index=i,
                 uuid=GPUS[i],
                 minor=i,
                 mig_enabled=False,
-                memory=GpuMemory(80 * GIB, 80 * GIB - used[i] - MIB, MIB, used[i]),
+                memory=model.GpuMemory(
+                    80 * GIB, 80 * GIB - used[i] - model.MIB, model.MIB, used[i]
+                ),
                 processes=tuple(listed[i]),
             )
             for i in (0, 1)
         )
         processes = {
-            p.pid: ProcessInfo(p.pid, 10 * p.pid, "S", p.ppid, p.sid, p.sid, uid=1000,
+            p.pid: model.ProcessInfo(p.pid, 10 * p.pid, "S", p.ppid, p.sid, p.sid, uid=1000,
                                user="bob", comm="python3", cmdline=("python3", p.role),
-                               cgroup=CgroupInfo("/user.slice/session-3.scope"))
+                               cgroup=model.CgroupInfo("/user.slice/session-3.scope"))
             for p in self.procs.values()
         }  # fmt: skip
-        return Snapshot(
+        return model.Snapshot(
             monotonic=self.mono,
             wall_time=1_700_000_000.0 + self.mono,
             boot_id="boot-1",
-            nvml=NvmlReading(available=True, gpus=gpus),
+            nvml=model.NvmlReading(available=True, gpus=gpus),
             processes=processes,
-            holders=HolderScan("full", holdings),
+            holders=model.HolderScan("full", holdings),
             absent_pids=frozenset(v for v in leaders if v not in self.procs),
             file_sharing=tuple(sharing),
         )

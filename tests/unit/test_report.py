@@ -17,22 +17,9 @@ import pytest
 
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
-from gpuwatchd.core.model import (
-    MIB,
-    CgroupInfo,
-    DeviceHolding,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    GpuMemory,
-    HolderScan,
-    NvmlProcess,
-    NvmlReading,
-    ProcessInfo,
-    Snapshot,
-)
+from gpuwatchd.core import model
 
-GIB = 1024 * MIB
+GIB = 1024 * model.MIB
 UUID0 = "GPU-00000000-aaaa-0000-0000-000000000000"
 UUID1 = "GPU-11111111-bbbb-1111-1111-111111111111"
 UUID2 = "GPU-22222222-cccc-2222-2222-222222222222"
@@ -54,8 +41,8 @@ class Role:
     note: str = ""
 
 
-def proc(pid: int, **overrides: object) -> ProcessInfo:
-    base = ProcessInfo(
+def proc(pid: int, **overrides: object) -> model.ProcessInfo:
+    base = model.ProcessInfo(
         pid=pid,
         start_ticks=(86_400 - 3_600) * TICKS,  # started an hour ago
         state="S",
@@ -67,7 +54,7 @@ def proc(pid: int, **overrides: object) -> ProcessInfo:
         comm="python",
         exe="/usr/bin/python3.11",
         cmdline=("python", "train.py", "--epochs", "90"),
-        cgroup=CgroupInfo(
+        cgroup=model.CgroupInfo(
             path="/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0",
             slurm_job="4242",
             slurm_step="0",
@@ -76,38 +63,50 @@ def proc(pid: int, **overrides: object) -> ProcessInfo:
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) -> Snapshot:
+def _h100(
+    index: int,
+    uuid: str,
+    bus: str,
+    *,
+    free: int,
+    allocated: int,
+    persistence: bool,
+    processes: tuple[model.NvmlProcess, ...],
+) -> model.GpuInfo:
+    """An 80 GiB H100 (512 MiB reserved), MIG off, that NVML reads in full."""
+    memory = model.GpuMemory(
+        total=80 * GIB, free=free, reserved=512 * model.MIB, allocated=allocated
+    )
+    return model.GpuInfo(
+        index=index, uuid=uuid, name="NVIDIA H100 80GB HBM3", pci_bus_id=bus, minor=index,
+        memory=memory, processes=processes, mig_enabled=False, persistence_mode=persistence,
+    )  # fmt: skip
+
+
+def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) -> model.Snapshot:
     gpus = (
-        GpuInfo(
-            index=0,
-            uuid=UUID0,
-            name="NVIDIA H100 80GB HBM3",
-            pci_bus_id="00000000:17:00.0",
-            minor=0,
-            memory=GpuMemory(
-                total=80 * GIB, free=78 * GIB, reserved=512 * MIB, allocated=int(1.5 * GIB)
-            ),
+        _h100(
+            0,
+            UUID0,
+            "00000000:17:00.0",
+            free=78 * GIB,
+            allocated=int(1.5 * GIB),
+            persistence=True,
             processes=(
-                NvmlProcess(pid=1999, used_memory=512 * MIB, kind="compute"),
-                NvmlProcess(pid=1000, used_memory=GIB, kind="compute"),
+                model.NvmlProcess(pid=1999, used_memory=512 * model.MIB, kind="compute"),
+                model.NvmlProcess(pid=1000, used_memory=GIB, kind="compute"),
             ),
-            mig_enabled=False,
-            persistence_mode=True,
         ),
-        GpuInfo(
-            index=1,
-            uuid=UUID1,
-            name="NVIDIA H100 80GB HBM3",
-            pci_bus_id="00000000:2A:00.0",
-            minor=1,
-            memory=GpuMemory(
-                total=80 * GIB, free=79 * GIB, reserved=512 * MIB, allocated=700 * MIB
-            ),
-            processes=(NvmlProcess(pid=3000, used_memory=None, kind="compute"),),
-            mig_enabled=False,
-            persistence_mode=False,
+        _h100(
+            1,
+            UUID1,
+            "00000000:2A:00.0",
+            free=79 * GIB,
+            allocated=700 * model.MIB,
+            persistence=False,
+            processes=(model.NvmlProcess(pid=3000, used_memory=None, kind="compute"),),
         ),
-        GpuInfo(
+        model.GpuInfo(
             index=2,
             uuid=UUID2,
             name="NVIDIA H100 80GB HBM3",
@@ -116,10 +115,10 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
             error="GPU is lost",
         ),
         # v1-only memory query, no process list, most facts unknown
-        GpuInfo(
+        model.GpuInfo(
             index=3,
             uuid=UUID3,
-            memory=GpuMemory(
+            memory=model.GpuMemory(
                 total=16 * GIB,
                 free=15 * GIB,
                 reserved=None,
@@ -141,7 +140,7 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
             pgid=1999,
             sid=1999,
             cmdline=("python", "-c", "from multiprocessing.spawn import spawn_main"),
-            cgroup=CgroupInfo(
+            cgroup=model.CgroupInfo(
                 path="/user.slice/user-1001.slice/session-3.scope", systemd_unit="session-3.scope"
             ),
         ),
@@ -151,29 +150,31 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
             uid=0,
             comm="nvidia-smi",
             cmdline=("nvidia-smi",),
-            cgroup=CgroupInfo(path="/system.slice/cron.service", systemd_unit="cron.service"),
+            cgroup=model.CgroupInfo(path="/system.slice/cron.service", systemd_unit="cron.service"),
         ),
         5000: proc(5000, user="root", uid=0, comm="gpuwatchd", cmdline=("gpuwatchd", "scan")),
         7000: proc(7000, user="carol", uid=1002, cmdline=("./cuda_probe",), cgroup=None),
     }
-    holders = HolderScan(
+    holders = model.HolderScan(
         mode="full",
         holdings={
-            1000: DeviceHolding(1000, frozenset({0}), frozenset({0}), ctl=True, uvm=True),
-            1001: DeviceHolding(1001, frozenset(), frozenset({0}), ctl=True, uvm=True),
-            2000: DeviceHolding(2000, frozenset({0}), frozenset(), ctl=True, uvm=True),
-            4000: DeviceHolding(4000, frozenset({1}), frozenset(), ctl=True, uvm=False),
-            5000: DeviceHolding(5000, frozenset({0}), frozenset(), ctl=True),
-            7000: DeviceHolding(7000, ctl=True, uvm=True),  # no per-GPU node
-            7001: DeviceHolding(7001, frozenset({9}), frozenset()),  # a minor NVML did not list
+            1000: model.DeviceHolding(1000, frozenset({0}), frozenset({0}), ctl=True, uvm=True),
+            1001: model.DeviceHolding(1001, frozenset(), frozenset({0}), ctl=True, uvm=True),
+            2000: model.DeviceHolding(2000, frozenset({0}), frozenset(), ctl=True, uvm=True),
+            4000: model.DeviceHolding(4000, frozenset({1}), frozenset(), ctl=True, uvm=False),
+            5000: model.DeviceHolding(5000, frozenset({0}), frozenset(), ctl=True),
+            7000: model.DeviceHolding(7000, ctl=True, uvm=True),  # no per-GPU node
+            7001: model.DeviceHolding(
+                7001, frozenset({9}), frozenset()
+            ),  # a minor NVML did not list
         },
         unreadable=frozenset({6001, 6000}),
     )
-    return Snapshot(
+    return model.Snapshot(
         monotonic=1234.5,
         wall_time=NOW,
         boot_id="3f1c0b1e-boot",
-        nvml=NvmlReading(
+        nvml=model.NvmlReading(
             available=True,
             wedged=wedged,
             error="nvmlDeviceGetMemoryInfo timed out after 10s" if wedged else None,
@@ -196,17 +197,17 @@ ROLES = (
 )
 
 FINDINGS = (
-    Finding(
-        FindingKind.DEAD_PROCESS,
+    model.Finding(
+        model.FindingKind.DEAD_PROCESS,
         UUID0,
         1999,
         None,
         "NVML lists pid 1999, not in /proc",
-        memory=512 * MIB,
+        memory=512 * model.MIB,
         actionable=False,
     ),
-    Finding(
-        FindingKind.ORPHANED,
+    model.Finding(
+        model.FindingKind.ORPHANED,
         UUID0,
         2000,
         12345,
@@ -214,16 +215,16 @@ FINDINGS = (
         memory=None,
         evidence={"dead_owner": 1999, "via": ("fd",), "minors": frozenset({0})},
     ),
-    Finding(
-        FindingKind.GHOST_MEMORY,
+    model.Finding(
+        model.FindingKind.GHOST_MEMORY,
         UUID1,
         None,
         None,
         "700 MiB allocated, baseline 4 MiB, no live holder",
-        memory=696 * MIB,
+        memory=696 * model.MIB,
     ),
-    Finding(
-        FindingKind.DEAD_PROCESS,
+    model.Finding(
+        model.FindingKind.DEAD_PROCESS,
         UUID1,
         3000,
         None,
@@ -240,7 +241,7 @@ def make_report(**kwargs: object) -> dict[str, object]:
         "roles": ROLES,
         "report_only": {UUID3: "MIG enabled"},
         "notes": {UUID1: ("targeted holder scan",), "node": ("pid 6000 unreadable",)},
-        "baselines": {UUID1: 4 * MIB},
+        "baselines": {UUID1: 4 * model.MIB},
         "first_seen": {FINDINGS[2].key: NOW - 600},
         "version": "0.1.0",
         "hostname": "node17",
@@ -334,13 +335,13 @@ def test_gpus_are_ordered_by_index_with_memory_in_integer_bytes() -> None:
     assert first["memory"] == {
         "total": 80 * GIB,
         "used": int(1.5 * GIB),
-        "reserved": 512 * MIB,
+        "reserved": 512 * model.MIB,
         "free": 78 * GIB,
         "baseline": None,
         "api": "v2",
         "used_v1": None,
     }
-    assert gpu(report, 1)["memory"]["baseline"] == 4 * MIB  # type: ignore[index]
+    assert gpu(report, 1)["memory"]["baseline"] == 4 * model.MIB  # type: ignore[index]
     for entry in report["gpus"]:  # type: ignore[attr-defined]
         for value in entry["memory"].values():
             assert value is None or isinstance(value, (int, str))
@@ -402,7 +403,7 @@ def test_nvml_processes_are_merged_with_host_facts_and_dead_pids_have_none() -> 
     assert owner["user"] == "alice"
     assert owner["start_ticks"] == (86_400 - 3_600) * TICKS
     assert dead["alive"] is False
-    assert dead["used_memory"] == 512 * MIB
+    assert dead["used_memory"] == 512 * model.MIB
     assert dead["role"] is None
     for key in ("user", "state", "start_ticks", "cmdline", "ppid", "pgid", "sid", "cgroup"):
         assert dead[key] is None, key
@@ -419,7 +420,7 @@ def test_findings_use_uuids_null_pid_for_gpu_level_and_first_seen_when_known() -
     ghost = findings[3]  # type: ignore[index]
     assert ghost["gpu"] == UUID1
     assert ghost["start_ticks"] is None
-    assert ghost["memory"] == 696 * MIB
+    assert ghost["memory"] == 696 * model.MIB
     assert ghost["first_seen"] == NOW - 600
     assert ghost["key"] == f"ghost_memory:{UUID1}:gpu"
     orphan = findings[1]  # type: ignore[index]
@@ -599,7 +600,8 @@ def test_text_is_stable() -> None:
 
 def test_text_without_nvml_says_so() -> None:
     snapshot = dataclasses.replace(
-        make_snapshot(), nvml=NvmlReading(available=False, error="libnvidia-ml.so.1 not found")
+        make_snapshot(),
+        nvml=model.NvmlReading(available=False, error="libnvidia-ml.so.1 not found"),
     )
     text = render_text(build_report(snapshot, (), (), {}, {}, version="0.1.0"))
     assert "NVML unavailable: libnvidia-ml.so.1 not found" in text
@@ -609,7 +611,7 @@ def test_text_without_nvml_says_so() -> None:
 # --- the None column --------------------------------------------------------------------------
 
 PROCESS_FIELDS = [
-    f.name for f in dataclasses.fields(ProcessInfo) if f.name not in ("pid", "kernel_thread")
+    f.name for f in dataclasses.fields(model.ProcessInfo) if f.name not in ("pid", "kernel_thread")
 ]
 GPU_FIELDS = [
     "name",

@@ -22,7 +22,12 @@ from gpuwatchd.act.signals import stat_start_ticks
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
-from tests.support.resetrig import FakeEnvironment, make_policy, smi_commands
+from tests.support.resetrig import (
+    FakeEnvironment,
+    make_policy,
+    resume_fails_untouched,
+    smi_commands,
+)
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 BUS = "00000000:1A:00.0"
@@ -205,8 +210,7 @@ def test_a_failing_after_hook_is_reported_but_does_not_undo_a_success(smi: FakeS
 
 def test_persistence_off_failing_refuses_and_tries_to_restore_it(smi: FakeSmi) -> None:
     smi.set(persistence="exit:4")
-    env = FakeEnvironment(smi)
-    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    outcome = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False)
     assert outcome.result == "refused"
     assert outcome.step is S.PERSISTENCE_OFF
     assert smi.calls() == [DRAIN, BEFORE, PM_OFF, PM_ON, AFTER]
@@ -347,8 +351,7 @@ def test_a_hanging_reset_is_killed_with_its_group_at_the_timeout(smi: FakeSmi) -
 
 def test_an_unhealthy_gpu_after_the_reset_needs_a_reboot(smi: FakeSmi) -> None:
     smi.set(query="exit:1")
-    env = FakeEnvironment(smi)
-    outcome = perform_reset(TARGET, make_policy(smi), env, dry_run=False)
+    outcome = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False)
     assert outcome.result == "failed"
     assert outcome.step is S.HEALTH_CHECK
     assert outcome.needs_reboot
@@ -575,12 +578,7 @@ def test_resume_of_a_finished_reset_does_nothing(smi: FakeSmi) -> None:
 def test_resume_of_an_unreadable_record_changes_nothing(
     smi: FakeSmi, record: dict[str, object]
 ) -> None:
-    env = FakeEnvironment(smi)
-    outcome = resume_interrupted(record, make_policy(smi), env)
-    assert outcome is not None
-    assert outcome.result == "failed"
-    assert "unreadable" in outcome.reason
-    assert smi.calls() == []
+    resume_fails_untouched(smi, record, make_policy(smi), "unreadable")
 
 
 # --- an injected command runner ---------------------------------------------------------------

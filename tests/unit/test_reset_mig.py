@@ -22,7 +22,14 @@ from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import Hook, ResetPolicy
 from tests.support.fakesmi import FakeSmi
-from tests.support.resetrig import FakeEnvironment, instance_gpu, make_policy, smi_commands
+from tests.support.resetrig import (
+    FakeEnvironment,
+    instance_gpu,
+    make_policy,
+    mig_recovery_commands,
+    resume_fails_untouched,
+    smi_commands,
+)
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abd"
@@ -44,20 +51,15 @@ def smi(tmp_path: Path) -> FakeSmi:
 
 
 def mig_policy(smi: FakeSmi, **changes: object) -> ResetPolicy:
-    commands = tuple(
-        smi.argv(*argv[1:])
-        for argv in (
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"),
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"),
-        )
-    )
+    commands = mig_recovery_commands(smi)
     return make_policy(smi, mig_recovery=True, mig_recovery_commands=commands, **changes)
 
 
 def test_a_clear_instance_is_recreated_in_order_and_checked_and_the_gpu_is_never_reset(
     smi: FakeSmi,
 ) -> None:
+    """Its compute instance destroyed, then the GPU instance, created again at its placement,
+    then checked; persistence mode is left as it is."""
     env = FakeEnvironment(smi)
     outcome = perform_reset(TARGET, mig_policy(smi), env, dry_run=False)
     assert outcome.result == "success", outcome.reason
@@ -159,14 +161,9 @@ def test_a_recovery_record_from_before_commands_were_counted_re_creates_into_a_f
 
 
 def test_a_resume_record_with_a_damaged_recovery_changes_nothing(smi: FakeSmi) -> None:
-    env = FakeEnvironment(smi)
     record = {"uuid": UUID, "step": "reset", "reset_started": True,
               "recovery": {**RECOVERY.record(), "gi": "1; rm -rf /"}}  # fmt: skip
-    outcome = resume_interrupted(record, mig_policy(smi), env)
-    assert outcome is not None
-    assert outcome.result == "failed"
-    assert "unreadable reset record" in outcome.reason
-    assert smi.calls() == []
+    resume_fails_untouched(smi, record, mig_policy(smi), "unreadable reset record")
 
 
 # --- recorded command by command, read again, resumed (issue 34, findings 5 and 6) ------------

@@ -18,7 +18,14 @@ from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.policy import ResetPolicy
 from tests.support.fakesmi import FakeSmi
-from tests.support.resetrig import FakeEnvironment, layout_gpu, make_policy, smi_commands
+from tests.support.resetrig import (
+    FakeEnvironment,
+    layout_gpu,
+    make_policy,
+    mig_recovery_commands,
+    resume_fails_untouched,
+    smi_commands,
+)
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 BUS = "00000000:1A:00.0"
@@ -46,15 +53,17 @@ def smi(tmp_path: Path) -> FakeSmi:
 
 
 def mig_policy(smi: FakeSmi) -> ResetPolicy:
-    commands = tuple(
-        smi.argv(*argv[1:])
-        for argv in (
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-ci", "{ci}", "-dci"),
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-gi", "{gi}", "-dgi"),
-            ("nvidia-smi", "mig", "-i", "{uuid}", "-cgi", "{profile}:{placement}", "-C"),
-        )
-    )
+    commands = mig_recovery_commands(smi)
     return make_policy(smi, allow_mig=True, mig_recovery_commands=commands)
+
+
+def _resume_succeeds(smi: FakeSmi, record: dict[str, object], policy: ResetPolicy) -> None:
+    """Resuming ``record`` succeeds; the GPU read after the reset has LAYOUT's first GPU
+    instance and lacks the second."""
+    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
+    outcome = resume_interrupted(record, policy, env)
+    assert outcome is not None
+    assert outcome.result == "success", outcome.reason
 
 
 def test_the_layout_is_recorded_then_created_again_after_the_reset_and_checked(
@@ -118,10 +127,7 @@ def test_a_crash_between_the_reset_and_the_restore_goes_on_with_the_restore(
         {"persistence_off": False, "units_stopped": [], "reset_started": True,
          "result": "success"},
     )  # fmt: skip
-    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
-    outcome = resume_interrupted(record, mig_policy(smi), env)
-    assert outcome is not None
-    assert outcome.result == "success", outcome.reason
+    _resume_succeeds(smi, record, mig_policy(smi))
     assert smi_commands(smi) == [QUERY, CGI_B]
 
 
@@ -140,10 +146,7 @@ def test_a_reload_before_the_resume_does_not_change_the_commands_restoring_the_l
         mig_recovery_commands=(smi.argv("mig", "-i", "{uuid}", "-cgi", "{profile}"),),
         health_command=smi.argv("-q", "-d", "MEMORY", "-i", "{uuid}"),
     )
-    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
-    outcome = resume_interrupted(record, reloaded, env)
-    assert outcome is not None
-    assert outcome.result == "success", outcome.reason
+    _resume_succeeds(smi, record, reloaded)
     assert smi_commands(smi) == [QUERY, CGI_B]
 
 
@@ -152,12 +155,7 @@ def test_a_resume_record_with_a_damaged_layout_changes_nothing(smi: FakeSmi) -> 
         TARGET, ResetStep.HEALTH_CHECK, {"reset_started": True, "result": "success"}
     )
     record["mig_layout"] = [LAYOUT[0].record(), {"gi": "one"}]
-    env = FakeEnvironment(smi)
-    outcome = resume_interrupted(record, mig_policy(smi), env)
-    assert outcome is not None
-    assert outcome.result == "failed"
-    assert "unreadable reset record" in outcome.reason
-    assert smi.calls() == []
+    resume_fails_untouched(smi, record, mig_policy(smi), "unreadable reset record")
 
 
 def test_a_dry_run_says_the_creates_it_would_run(smi: FakeSmi) -> None:
@@ -193,8 +191,5 @@ def test_a_crash_while_persistence_mode_was_turned_back_on_still_restores_the_la
         {"persistence_off": True, "units_stopped": [], "reset_started": True,
          "result": "success"},
     )  # fmt: skip
-    env = FakeEnvironment(smi, rereads=[layout_gpu(LAYOUT, present={0})])
-    outcome = resume_interrupted(record, mig_policy(smi), env)
-    assert outcome is not None
-    assert outcome.result == "success", outcome.reason
+    _resume_succeeds(smi, record, mig_policy(smi))
     assert smi_commands(smi) == [QUERY, ["-pm", "1", "-i", UUID], CGI_B]

@@ -24,7 +24,7 @@ from gpuwatchd.act.reset_target import (
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.policy import Hook
 from tests.support.fakesmi import FakeSmi
-from tests.support.resetrig import FakeEnvironment, make_policy
+from tests.support.resetrig import FakeEnvironment, make_policy, resume_fails_untouched
 
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 OTHER = "GPU-87654321-1234-1234-1234-123456789abc"
@@ -157,11 +157,7 @@ def test_recorded_commands_that_are_not_an_object_are_damaged(
 ) -> None:
     record = next(r for r in run_records(smi) if r["step"] == "reset")
     record["commands"] = commands
-    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi))
-    assert outcome is not None
-    assert outcome.result == "failed"
-    assert "its recorded commands: not an object" in outcome.reason
-    assert smi.calls() == []
+    resume_fails_untouched(smi, record, make_policy(smi), "its recorded commands: not an object")
 
 
 def test_commands_the_record_could_not_hold_refuse_the_reset_before_its_first_step(

@@ -296,13 +296,19 @@ def hook_names(result: SimulationResult) -> list[tuple[float, object]]:
     return [(e.t, e.fields.get("hook")) for e in result.entries("hook.run")]
 
 
+def assert_reset_once_after_its_drain(r: SimulationResult, *, at: float) -> None:
+    """One successful reset at ``at``, after the reset_drain hook; nothing signalled, nothing
+    left open."""
+    assert [(t, result) for t, _, result in r.resets()] == [(at, "success")]
+    assert hook_names(r) == [(at, "reset_drain")]
+    assert r.signals() == []
+    assert r.final["open_findings"] == []
+
+
 def test_xid_95_reset() -> None:
     r = run("xid-95-reset")
     assert [e.fields["kind"] for e in r.entries("finding.new")] == ["reset_required"]
-    assert [(t, result) for t, _, result in r.resets()] == [(30.0, "success")]
-    assert hook_names(r) == [(30.0, "reset_drain")]
-    assert r.signals() == []
-    assert r.final["open_findings"] == []
+    assert_reset_once_after_its_drain(r, at=30.0)
 
 
 def test_xid_79_reboot() -> None:
@@ -363,10 +369,7 @@ def test_xid_48_solo_idle() -> None:
     assert new.fields["kind"] == "reset_required"
     assert "solo: NVIDIA: reset the GPU" in str(new.fields["reason"])
     assert new.fields["evidence"]["recovery_action_support"] == "not_supported"  # type: ignore[index]
-    assert [(t, result) for t, _, result in r.resets()] == [(30.0, "success")]
-    assert hook_names(r) == [(30.0, "reset_drain")]
-    assert r.signals() == []
-    assert r.final["open_findings"] == []
+    assert_reset_once_after_its_drain(r, at=30.0)
 
 
 def test_xid_94_two_jobs() -> None:

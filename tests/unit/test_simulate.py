@@ -14,6 +14,7 @@ from gpuwatchd.sim.scenario import parse_scenario
 from gpuwatchd.sim.scenario_spec import ScenarioError
 from gpuwatchd.sim.simulation import simulate
 from gpuwatchd.sim.timeline import render_text
+from tests.support.simnames import TrainerNames
 
 ORPHANS = """\
 duration: 3m
@@ -313,21 +314,13 @@ def test_malformed_during_events_are_refused(event: str, message: str) -> None:
     assert err.value.line == 5
 
 
-class _Names:
-    def pname(self, pid: object) -> str:
-        return f"pid {pid} (trainer)"
-
-    def gname(self, uuid: object) -> str:
-        return "GPU 0"
-
-
 def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
     from gpuwatchd.sim.timeline import finding_label
 
     key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234"
-    assert finding_label(key, _Names()) == "dead_process pid 91234 (trainer) on GPU 0"
+    assert finding_label(key, TrainerNames()) == "dead_process pid 91234 (trainer) on GPU 0"
     gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
-    assert finding_label(gpu_key, _Names()) == "ghost_memory GPU 0"
+    assert finding_label(gpu_key, TrainerNames()) == "ghost_memory GPU 0"
 
 
 def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:

@@ -15,19 +15,12 @@ import dataclasses
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, HolderScan, Snapshot
+from gpuwatchd.decide.mig import recovery as mig_recovery
 from gpuwatchd.decide.mig.instances import (
     annotate_findings,
     busy_instances,
     instance_view,
     mig_layout,
-)
-from gpuwatchd.decide.mig.recovery import (
-    InstanceRecovery,
-    from_record,
-    instance_blockers,
-    recovered,
-    recovery_blockers,
-    recovery_of,
 )
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
@@ -50,9 +43,9 @@ def leaky(builder: HostBuilder | None = None, **mig: object) -> Snapshot:
     return host(Inst(1, allocated=LEAK), listed, builder=builder, **mig)
 
 
-def planned() -> InstanceRecovery:
-    recovery = recovery_of(leaky(), GI1)
-    assert isinstance(recovery, InstanceRecovery)
+def planned() -> mig_recovery.InstanceRecovery:
+    recovery = mig_recovery.recovery_of(leaky(), GI1)
+    assert isinstance(recovery, mig_recovery.InstanceRecovery)
     return recovery
 
 
@@ -62,7 +55,7 @@ def planned() -> InstanceRecovery:
 def test_a_recovery_carries_its_parent_gpus_bus_id_and_index() -> None:
     base = HostBuilder().gpu(0).gpu(1).build()
     snapshot = with_mig(base, gpu=1, instances=[Inst(3, allocated=LEAK)])
-    assert recovery_of(snapshot, mig_uuid(1, 3)) == InstanceRecovery(
+    assert mig_recovery.recovery_of(snapshot, mig_uuid(1, 3)) == mig_recovery.InstanceRecovery(
         uuid=gpu_uuid(1),
         pci_bus_id="00000000:11:00.0",
         gpu_index=1,
@@ -78,7 +71,7 @@ def test_a_recovery_carries_its_parent_gpus_bus_id_and_index() -> None:
 @pytest.mark.parametrize("pci", [5, None, ["00000000:10:00.0"]])
 def test_a_recorded_bus_id_that_is_no_string_is_read_back_as_unknown(pci: object) -> None:
     record = {**planned().record(), "pci_bus_id": pci}
-    assert from_record(record) == dataclasses.replace(planned(), pci_bus_id=None)
+    assert mig_recovery.from_record(record) == dataclasses.replace(planned(), pci_bus_id=None)
 
 
 # --- who may still use the instance -------------------------------------------------------------
@@ -92,7 +85,7 @@ def test_at_most_five_pids_are_named_per_reason() -> None:
     listed = Inst(1, allocated=LEAK, processes=tuple((p, 1) for p in pids))
     caps = {700: [(2, 0)], **{p: [(1, 0)] for p in pids}}
     snapshot = host(listed, Inst(2), builder=builder, caps=caps)
-    assert instance_blockers(snapshot, GI1) == [
+    assert mig_recovery.instance_blockers(snapshot, GI1) == [
         "GPU instance 1: PID 801, 802, 803, 804, 805 listed by NVML in it",
         "GPU instance 1: PID 801, 802, 803, 804, 805 holding its capability files",
     ]
@@ -111,15 +104,15 @@ def test_the_daemons_own_pids_never_block_its_instance() -> None:
         builder=ours,
         caps={700: [(2, 0)], 900: [(1, 0)]},
     )
-    assert instance_blockers(snapshot, GI1) == []
+    assert mig_recovery.instance_blockers(snapshot, GI1) == []
 
 
 def test_a_parent_only_holder_of_another_mig_gpu_does_not_block() -> None:
     """650 holds GPU 1's node and no capability: unknown for GPU 1's instances, not GPU 0's."""
     builder = HostBuilder().proc(650, ppid=1, holds={1}, uvm=True)
     snapshot = with_mig(leaky(builder), gpu=1, instances=[Inst(3, allocated=LEAK)])
-    assert instance_blockers(snapshot, GI1) == []
-    assert instance_blockers(snapshot, mig_uuid(1, 3)) == [
+    assert mig_recovery.instance_blockers(snapshot, GI1) == []
+    assert mig_recovery.instance_blockers(snapshot, mig_uuid(1, 3)) == [
         "GPU instance 3: PID 650 holding its GPU's device node, instance unknown"
     ]
 
@@ -140,7 +133,7 @@ def test_the_final_scan_judges_the_fresh_holders_and_processes() -> None:
     holders, now = fresh_scan(of_800=[(1, 0)])
     last = leaky()
     assert 800 not in last.processes
-    why = recovery_blockers(last, holders, {800: now.processes[800]}, frozenset(), GI1)
+    why = mig_recovery.recovery_blockers(last, holders, {800: now.processes[800]}, frozenset(), GI1)
     assert why == ["GPU instance 1: PID 800 holding its capability files"]
 
 
@@ -149,20 +142,24 @@ def test_the_final_scan_reads_a_listed_pid_in_its_fresh_processes() -> None:
     process table says it lives."""
     holders, now = fresh_scan()
     last = host(Inst(1, allocated=LEAK, processes=((800, LEAK),)), Inst(2))
-    why = recovery_blockers(last, holders, {800: now.processes[800]}, frozenset(), GI1)
+    why = mig_recovery.recovery_blockers(last, holders, {800: now.processes[800]}, frozenset(), GI1)
     assert why[0] == "GPU instance 1: PID 800 listed by NVML in it"
 
 
 def test_the_final_scan_leaves_out_the_daemons_own_pids_as_they_are_now() -> None:
     holders, now = fresh_scan(of_800=[(1, 0)])
-    why = recovery_blockers(leaky(), holders, {800: now.processes[800]}, frozenset({800}), GI1)
+    why = mig_recovery.recovery_blockers(
+        leaky(), holders, {800: now.processes[800]}, frozenset({800}), GI1
+    )
     assert why == []
 
 
 def test_the_final_scan_names_the_instance_users_and_the_unreadable_processes() -> None:
     holders, now = fresh_scan(of_800=[(1, 0)])
     unreadable = dataclasses.replace(holders, unreadable=frozenset({12}))
-    why = recovery_blockers(leaky(), unreadable, {800: now.processes[800]}, frozenset(), GI1)
+    why = mig_recovery.recovery_blockers(
+        leaky(), unreadable, {800: now.processes[800]}, frozenset(), GI1
+    )
     assert why == [
         "GPU instance 1: PID 800 holding its capability files",
         "pid 12: fds/maps unreadable (unknown is not none)",
@@ -175,7 +172,7 @@ def test_the_final_scan_names_the_instance_users_and_the_unreadable_processes() 
 def test_a_leaky_instance_at_another_placement_is_not_the_recreated_one() -> None:
     """GPU instance 0 (placement 0, the same GI profile) still leaks; GPU instance 1 is back."""
     after = host(Inst(0, allocated=LEAK), Inst(1), Inst(2))
-    assert recovered(planned(), after, max_used=BACK) is None
+    assert mig_recovery.recovered(planned(), after, max_used=BACK) is None
 
 
 def test_an_instance_whose_memory_could_not_be_read_is_not_back() -> None:
@@ -184,14 +181,14 @@ def test_an_instance_whose_memory_could_not_be_read_is_not_back() -> None:
     devices = tuple(dataclasses.replace(d, memory=None) for d in gpu.mig_devices or ())
     gpus = (dataclasses.replace(gpu, mig_devices=devices), *after.nvml.gpus[1:])
     unread = dataclasses.replace(after, nvml=dataclasses.replace(after.nvml, gpus=gpus))
-    assert recovered(planned(), unread, max_used=BACK) == (
+    assert mig_recovery.recovered(planned(), unread, max_used=BACK) == (
         "GPU instance 1 is back; its memory use is unknown"
     )
 
 
 def test_a_gpu_whose_instances_cannot_be_judged_says_why_it_is_not_back() -> None:
     unjudged = host(Inst(1), Inst(2), table=False)
-    assert recovered(planned(), unjudged, max_used=BACK) == (
+    assert mig_recovery.recovered(planned(), unjudged, max_used=BACK) == (
         "GPU 0: mig_minors_file /x: No such file or directory"
     )
 

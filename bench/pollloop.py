@@ -9,11 +9,13 @@ holder scan every 60 s, ``for`` windows) plays out as at that interval without t
 Per poll it records the CPU time of this process (``time.process_time``, all threads) and of
 the NVML worker (``/proc/PID/task/*/schedstat``, nanoseconds on CPU), and whether the holder
 scan was full; every ``rss_every`` polls the RSS of both. It writes one JSON object to
-``out``. It measures; it never signals anything.
+``out``. It measures; it never signals anything. With ``profile`` set to a path, the polls after
+the first run under ``cProfile`` (process-time clock) and its stats are dumped there.
 """
 
 from __future__ import annotations
 
+import cProfile
 import io
 import json
 import os
@@ -80,6 +82,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     # device watch sees it and the daemon walks /proc at its next poll.
     open_every: int = spec.get("open_every", 0)
     opened = os.path.join(policy.devices_dir, "nvidia0")
+    profiler = cProfile.Profile(time.process_time) if spec.get("profile") else None
     daemon_ns: list[int] = []
     worker_ns: list[int] = []
     full: list[bool] = []
@@ -91,6 +94,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             w0 = sum(task_cpu_ns(p) for p in workers)
             if open_every and index and index % open_every == 0:
                 os.close(os.open(opened, os.O_RDONLY))
+            if profiler is not None and index == 1:
+                profiler.enable()
             t0 = time.process_time_ns()
             report = daemon.poll_once()
             t1 = time.process_time_ns()
@@ -110,6 +115,9 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                 )
             clock.now += step
         findings = len(daemon.report.assessment.findings) if daemon.report else None
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(spec["profile"])
     finally:
         daemon.signaller.close()
         daemon.nvml.close()

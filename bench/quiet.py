@@ -4,13 +4,16 @@
 ``gpuwatchd run`` (shipped defaults: interval 5 s, backstop 10 min) on the benchmark's host,
 waits until it has published a clean holder view and a warm-up has passed, then reads the
 on-CPU nanoseconds of every thread of the daemon and of its children (the NVML worker) from
-``/proc/PID/task/*/schedstat`` at the start and the end of the window. Everything the daemon
-does counts: the polls, the wait between them, the state and view writes, the watchdog.
+``/proc/PID/task/*/schedstat`` at the start and the end of the window, and the ticks of
+``/proc/PID/stat`` (utime + stime) as a second reading. Everything the daemon does counts: the
+polls, the wait between them, the state and view writes, the watchdog. ``tree`` runs another
+checkout's daemon (its ``.venv``) on the same host: ``bench/quiet_ab.py`` alternates two.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,10 +25,21 @@ from gpuwatchd.collect.procfs import ProcFS
 from tests.support.simhost import SimHost
 
 
-def _cpu_ns(pid: int) -> tuple[int, frozenset[int]]:
-    """On-CPU ns of ``pid`` and its children, and which children those were."""
+def _ticks(pid: int) -> int:
+    """utime + stime of ``pid`` from ``/proc/PID/stat`` (clock ticks; 0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _cpu_ns(pid: int) -> tuple[int, int, frozenset[int]]:
+    """On-CPU ns and stat ticks of ``pid`` and its children, and which children those were."""
     kids = frozenset(ProcFS().children(pid))
-    return task_cpu_ns(pid) + sum(task_cpu_ns(k) for k in kids), kids
+    ns = task_cpu_ns(pid) + sum(task_cpu_ns(k) for k in kids)
+    return ns, _ticks(pid) + sum(_ticks(k) for k in kids), kids
 
 
 def _clean_view(host: SimHost, pid: int) -> bool:
@@ -36,13 +50,19 @@ def _clean_view(host: SimHost, pid: int) -> bool:
     return bool(view.get("clean") is True and view.get("daemon", {}).get("pid") == pid)
 
 
-def measure(host: SimHost, minutes: float, warmup: float) -> dict[str, Any]:
+def measure(
+    host: SimHost, minutes: float, warmup: float, tree: Path | None = None
+) -> dict[str, Any]:
     """CPU of a real daemon over ``minutes`` after ``warmup`` seconds (module docstring)."""
     config = host.config(interval="5s", log={"format": "json"})
     log = open(host.root / "quiet-daemon.log", "wb")  # noqa: SIM115 - closed below
+    env, python = host.env(), sys.executable
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+        python = str(tree / ".venv" / "bin" / "python")
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatchd", "run", "--config", str(config)],
-        env=host.env(),
+        [python, "-m", "gpuwatchd", "run", "--config", str(config)],
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -53,11 +73,12 @@ def measure(host: SimHost, minutes: float, warmup: float) -> dict[str, Any]:
                 return {"error": "the daemon published no clean view"}
             time.sleep(0.1)
         time.sleep(warmup)
-        cpu0, kids0 = _cpu_ns(daemon.pid)
+        cpu0, ticks0, kids0 = _cpu_ns(daemon.pid)
         wall0 = time.monotonic()
         time.sleep(minutes * 60)
-        cpu1, kids1 = _cpu_ns(daemon.pid)
+        cpu1, ticks1, kids1 = _cpu_ns(daemon.pid)
         wall = time.monotonic() - wall0
+        load = os.getloadavg()
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
@@ -69,6 +90,8 @@ def measure(host: SimHost, minutes: float, warmup: float) -> dict[str, Any]:
         "cpu_s": cpu_s,
         "core_percent": 100 * cpu_s / wall,
         "cpu_s_per_hour": cpu_s * 3600 / wall,
+        "stat_core_percent": 100 * (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / wall,
+        "loadavg": load,
         "worker_restarted": kids0 != kids1,
     }
 

@@ -196,7 +196,7 @@ class Collector:
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
         holders = scanner.scan(None)
-        self._remember_holdings(holders, reading, live_listed)
+        self._remember_holdings(holders, listed_gpus(reading), live_listed)
         return holders, live_listed
 
     def _add_ancestry(self, processes: dict[int, ProcessInfo]) -> None:
@@ -262,7 +262,7 @@ class Collector:
                 reused[pid] = held.holding
         scan = scanner.scan([pid for pid in targets if pid not in reused])
         if not reused:
-            self._remember_holdings(scan, reading, live_listed)
+            self._remember_holdings(scan, gpus_of, live_listed)
             return scan
         holdings = dict(scan.holdings)
         holdings.update((pid, h) for pid, h in reused.items() if h is not None)
@@ -273,14 +273,17 @@ class Collector:
             matched_by_name=scan.matched_by_name,
             thread_tables_unread=scan.thread_tables_unread,
         )
-        self._remember_holdings(merged, reading, live_listed)
+        self._remember_holdings(merged, gpus_of, live_listed)
         return merged
 
     def _remember_holdings(
-        self, scan: HolderScan, reading: NvmlReading, live_listed: dict[int, ProcessInfo]
+        self,
+        scan: HolderScan,
+        gpus_of: Mapping[int, frozenset[str]],
+        live_listed: dict[int, ProcessInfo],
     ) -> None:
-        """Keep the holdings of listed, fully readable processes for the next poll."""
-        gpus_of = listed_gpus(reading)
+        """Keep the holdings of listed, fully readable processes for the next poll
+        (``gpus_of``: :func:`listed_gpus` of the poll's reading)."""
         held: dict[int, _Held] = {}
         for pid, info in live_listed.items():
             if pid in scan.unreadable or pid in scan.matched_by_name or info.is_zombie:

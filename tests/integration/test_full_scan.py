@@ -10,7 +10,7 @@ import collections
 import dataclasses
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from gpuwatchd.core.model import (
     MIB,
     GpuInfo,
     GpuMemory,
+    HolderScan,
     MigDevice,
     NvmlProcess,
     NvmlReading,
@@ -340,5 +341,50 @@ def test_a_walk_with_nothing_remembered_reads_each_listed_process_once(
         again = collector.collect(full=True)
         assert again.processes[trainer.pid] == first.processes[trainer.pid]
         assert procfs.reads[trainer.pid] == 2
+    finally:
+        nvml.close()
+
+
+def test_a_listed_holding_is_reused_while_nvml_lists_it_on_the_same_gpus(
+    fake_nvml: FakeNvml, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A targeted poll takes a listed process's holding from the last poll while NVML lists it
+    on the same GPUs and its identity is unchanged (its device files are not read again), and
+    reads them again once NVML lists it on another set of GPUs: the same holdings either way."""
+    for name in ("nvidia0", "nvidia1"):
+        (fake_nvml.devices_dir / name).touch()
+    trainer = spawn(hold([str(fake_nvml.devices_dir / "nvidia0")]))
+    listed = [process(trainer.pid)]
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=listed), gpu(1)]))
+    procfs = ProcFS(devices_dir=str(fake_nvml.devices_dir))
+    asked: list[frozenset[int]] = []
+    scan = procfs.holders.scan
+
+    def counting(pids: Iterable[int] | None = None, **kwargs: Iterable[int]) -> HolderScan:
+        wanted = None if pids is None else list(pids)
+        if wanted is not None:
+            asked.append(frozenset(wanted))
+        return scan(wanted, **kwargs)
+
+    monkeypatch.setattr(procfs.holders, "scan", counting)
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    try:
+        collector = Collector(procfs, nvml, namespace_check=False)
+        first = collector.collect(full=True)
+        assert trainer.pid in first.holders.holdings
+        steady = collector.collect()
+        assert collector.last_scan_reason is None
+        assert steady.holders.mode == "targeted"
+        assert trainer.pid not in asked[-1]
+        assert steady.holders.holdings[trainer.pid] == first.holders.holdings[trainer.pid]
+        both = [gpu(0, allocated=600 * MIB, processes=listed), gpu(1, processes=listed)]
+        fake_nvml.write(state(both))
+        moved = collector.collect()
+        assert moved.holders.mode == "targeted"
+        assert trainer.pid in asked[-1]
+        assert moved.holders.holdings[trainer.pid] == first.holders.holdings[trainer.pid]
+        again = collector.collect()
+        assert trainer.pid not in asked[-1]
+        assert again.holders.holdings[trainer.pid] == first.holders.holdings[trainer.pid]
     finally:
         nvml.close()

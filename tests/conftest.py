@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from tests.support.smiguard import install
@@ -54,3 +55,39 @@ SMI_GUARD = install()
 # child processes), ``fake_nvml`` (the fake NVML library's state) and ``cgroup_base`` (a scratch
 # cgroup v2 subtree).
 pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]
+
+
+# `make test` spreads the tests over the cores with pytest-xdist (`-n auto --dist loadgroup`).
+_HEAVY_FIRST = ("systemd", "slow")  # markers of the longest tests, started first
+_FOLDERS_FIRST = ("system", "integration")  # then by folder, the heavier kind first
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: the tests of a module that share a fixture of that module's scope (a booted
+    container, one daemon run, a built package) go to one worker as a group, so the fixture is
+    built once; the others spread one by one. The container tests start first, then the other
+    slow ones, the system and integration tests, and the many short unit tests fill in last,
+    so that no long test is left to run alone at the end."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        module = getattr(item, "module", None)
+        info = getattr(item, "_fixtureinfo", None)
+        if module is None or info is None:
+            continue
+        shared = (
+            d.scope == "module" and d.func.__module__ == module.__name__
+            for defs in info.name2fixturedefs.values()
+            for d in defs
+        )
+        if any(shared):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        marks = [i for i, mark in enumerate(_HEAVY_FIRST) if item.get_closest_marker(mark)]
+        folder = item.path.parent.name
+        kind = _FOLDERS_FIRST.index(folder) if folder in _FOLDERS_FIRST else len(_FOLDERS_FIRST)
+        return (marks[0] if marks else len(_HEAVY_FIRST), kind)
+
+    items.sort(key=rank)

@@ -57,32 +57,26 @@ SMI_GUARD = install()
 pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]
 
 
-# `make test` spreads the tests over the cores with pytest-xdist (`-n auto --dist loadgroup`).
+# `make test` spreads the tests over the cores with pytest-xdist (`-n auto --dist loadgroup`):
+# tests/support/workers.py says which tests go to a worker together.
 _HEAVY_FIRST = ("systemd", "slow")  # markers of the longest tests, started first
 _FOLDERS_FIRST = ("system", "integration")  # then by folder, the heavier kind first
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.support.workers import ModuleFixtureScheduling
+
+    return ModuleFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist: the tests of a module that share a fixture of that module's scope (a booted
-    container, one daemon run, a built package) go to one worker as a group, so the fixture is
-    built once; the others spread one by one. The container tests start first, then the other
-    slow ones, the system and integration tests, and the many short unit tests fill in last,
-    so that no long test is left to run alone at the end."""
+    """Under xdist, the order work is handed out in: the container tests first, then the other
+    slow ones, the system and integration tests, and the many short unit tests last, so that
+    no long test is left to run alone at the end."""
     if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        module = getattr(item, "module", None)
-        info = getattr(item, "_fixtureinfo", None)
-        if module is None or info is None:
-            continue
-        shared = (
-            d.scope == "module" and d.func.__module__ == module.__name__
-            for defs in info.name2fixturedefs.values()
-            for d in defs
-        )
-        if any(shared):
-            item.add_marker(pytest.mark.xdist_group(module.__name__))
 
     def rank(item: pytest.Item) -> tuple[int, int]:
         marks = [i for i, mark in enumerate(_HEAVY_FIRST) if item.get_closest_marker(mark)]

@@ -44,8 +44,10 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 # pytest over every core (pytest-xdist; tests/conftest.py keeps the tests that share a
-# module's fixture, a container say, on one worker). PYTEST_WORKERS=0 runs them in one process.
-PYTEST_WORKERS ?= auto
+# module's fixture, a container say, on one worker), two workers a core: most of a system
+# test's time is spent waiting (a daemon's polls, a container's boot). PYTEST_WORKERS=0 runs
+# them in one process.
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
 unit: venv fakenvml
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 

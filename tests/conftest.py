@@ -68,13 +68,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         return None
     from tests.support.workers import ModuleFixtureScheduling
 
+    config.option.loadscopereorder = False  # hand work out in the order sorted below
     return ModuleFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the order work is handed out in: the container tests first, then the other
-    slow ones, the system and integration tests, and the many short unit tests last, so that
-    no long test is left to run alone at the end."""
+    """Under xdist, the order work is handed out in: the container tests first (the Slurm
+    module is the longest unit of work), then the other slow ones, the system and integration
+    tests, and the many short unit tests last, so that no long test is left to run alone at
+    the end."""
     if not hasattr(config, "workerinput"):
         return
 

@@ -57,9 +57,11 @@ SMI_GUARD = install()
 pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]
 
 
-# `make test` spreads the tests over the cores with pytest-xdist (`-n auto --dist loadgroup`):
+# `make test` spreads the tests over the cores with pytest-xdist (`-n N --dist loadgroup`):
 # tests/support/workers.py says which tests go to a worker together.
-_HEAVY_FIRST = ("systemd", "slow")  # markers of the longest tests, started first
+# Markers of the longest tests, started first: the containers, then the property tests (the
+# CPU's work, beside the system tests' waiting), then the other slow ones.
+_HEAVY_FIRST = ("systemd", "hypothesis", "slow")
 _FOLDERS_FIRST = ("system", "integration")  # then by folder, the heavier kind first
 
 
@@ -72,11 +74,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ModuleFixtureScheduling(config, log)
 
 
+@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has marked its tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under xdist, the order work is handed out in: the container tests first (the Slurm
-    module is the longest unit of work), then the other slow ones, the system and integration
-    tests, and the many short unit tests last, so that no long test is left to run alone at
-    the end."""
+    module is the longest unit of work), then the property tests and the other slow ones, the
+    system and integration tests, and the many short unit tests last, so that no long test is
+    left to run alone at the end."""
     if not hasattr(config, "workerinput"):
         return
 

@@ -43,10 +43,17 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
+# pytest over every core (pytest-xdist; tests/conftest.py keeps the tests that share a
+# module's fixture, a container say, on one worker), two workers a core: most of a system
+# test's time is spent waiting (a daemon's polls, a container's boot). PYTEST_WORKERS=0 runs
+# them in one process.
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
 unit: venv fakenvml
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
-test: venv fakenvml lint typecheck unit
+# The three at once; each one's output is shown whole when it ends, and any failure fails it.
+test: venv fakenvml
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck unit
 
 # On a real GPU machine: the read-only `gpu`-marked tests (they skip visibly elsewhere).
 test-gpu: venv

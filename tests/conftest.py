@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from tests.support.smiguard import install
@@ -54,3 +55,38 @@ SMI_GUARD = install()
 # child processes), ``fake_nvml`` (the fake NVML library's state) and ``cgroup_base`` (a scratch
 # cgroup v2 subtree).
 pytest_plugins = ["tests.support.children", "tests.support.fakenvml", "tests.support.daemonrun"]
+
+
+# `make test` spreads the tests over the cores with pytest-xdist (`-n N --dist loadgroup`):
+# tests/support/workers.py says which tests go to a worker together.
+# Markers of the longest tests, started first: the containers, then the property tests (the
+# CPU's work, beside the system tests' waiting), then the other slow ones.
+_HEAVY_FIRST = ("systemd", "hypothesis", "slow")
+_FOLDERS_FIRST = ("system", "integration")  # then by folder, the heavier kind first
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.support.workers import ModuleFixtureScheduling
+
+    config.option.loadscopereorder = False  # hand work out in the order sorted below
+    return ModuleFixtureScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has marked its tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the order work is handed out in: the container tests first (the Slurm
+    module is the longest unit of work), then the property tests and the other slow ones, the
+    system and integration tests, and the many short unit tests last, so that no long test is
+    left to run alone at the end."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        marks = [i for i, mark in enumerate(_HEAVY_FIRST) if item.get_closest_marker(mark)]
+        folder = item.path.parent.name
+        kind = _FOLDERS_FIRST.index(folder) if folder in _FOLDERS_FIRST else len(_FOLDERS_FIRST)
+        return (marks[0] if marks else len(_HEAVY_FIRST), kind)
+
+    items.sort(key=rank)

@@ -197,7 +197,8 @@ def test_forget_stops_watching(signaller: Signaller, sleeper: subprocess.Popen[b
         (2, "SIGTERM", "safety floor"),
         (0, "SIGTERM", "safety floor"),
         (-1, "SIGKILL", "safety floor"),
-        (os.getpid(), "SIGTERM", "safety floor"),
+        # Named, not numbered: each pytest-xdist worker has its own pid, the same test ids.
+        pytest.param(os.getpid(), "SIGTERM", "safety floor", id="own-pid"),
     ],
 )
 def test_the_floor_refuses_before_opening_anything(

@@ -173,9 +173,9 @@ def test_a_file_over_the_size_limit_is_refused_before_parsing(tmp_path: Path) ->
     assert MAX_DOCUMENT_BYTES == 1024 * 1024
     main_file = tmp_path / "gpuwatchd.yaml"
     main_file.write_bytes(b"interval: [" + b"1," * MAX_DOCUMENT_BYTES + b"]\n")
-    started = time.monotonic()
+    started = time.process_time()  # the work done (CPU), not the wall clock a load stretches
     err = load_error(main_file)
-    assert time.monotonic() - started < 2.0
+    assert time.process_time() - started < 2.0
     assert err.path == str(main_file)
     assert "1 MiB" in err.message
     text_err = error_of("#" * (MAX_DOCUMENT_BYTES + 1))
@@ -185,9 +185,11 @@ def test_a_file_over_the_size_limit_is_refused_before_parsing(tmp_path: Path) ->
 def test_more_yaml_values_than_the_budget_are_refused_in_seconds() -> None:
     from gpuwatchd.config.yamlsrc import MAX_NODES
 
-    started = time.monotonic()
+    # CPU time, not wall time: the budget bounds the parser's work, which a loaded machine
+    # stretches on the wall clock.
+    started = time.process_time()
     err = error_of("protect:\n  users: [" + "a, " * MAX_NODES + "]\n")
-    assert time.monotonic() - started < 5.0
+    assert time.process_time() - started < 5.0
     assert f"more than {MAX_NODES} YAML values" in err.message
     assert err.line == 2
 
@@ -242,9 +244,9 @@ BILLION_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
 
 
 def test_an_alias_bomb_is_refused_at_once() -> None:
-    started = time.monotonic()
+    started = time.process_time()  # the work done (CPU), not the wall clock a load stretches
     err = error_of(BILLION_LAUGHS)
-    assert time.monotonic() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert "anchors" in err.message
     assert err.line == 1
 

@@ -455,7 +455,11 @@ def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
                 assert client.read().wedged
                 clock[0] += 60.0
             fake_nvml.write(state([gpu(0)]))
+            # This read starts a fresh worker (an interpreter, pynvml): the default deadline,
+            # so that a loaded machine's slow start-up is not taken for a hung driver.
+            client.timeout = 10.0
             assert client.read().available
+            client.timeout = 0.5
             fake_nvml.write(state([gpu(0)], delays=HANG))
             assert client.read().wedged  # a new stretch is logged again
         wedged = [e for e in logs if e["event"] == "nvml.wedged"]

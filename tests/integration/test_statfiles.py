@@ -23,6 +23,7 @@ import pytest
 from gpuwatchd.collect import statfiles
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.collect.statfiles import StatFiles
+from tests.support.children import Spawn
 
 
 @pytest.fixture
@@ -110,11 +111,18 @@ def test_a_process_with_more_threads_is_listed_the_usual_way(files: StatFiles) -
 
 
 def test_the_number_of_kept_descriptors_is_bounded(
-    files: StatFiles, monkeypatch: pytest.MonkeyPatch
+    files: StatFiles, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(statfiles, "MAX_OPEN", 1)
+    # A second process whose fields stand still between two reads: a child of ours, asleep
+    # (under pytest-xdist our parent is the controller, running and sleeping by turns).
+    other = spawn("import time\nprint('ready', flush=True)\ntime.sleep(60)\n").pid
+    deadline = time.monotonic() + 10
+    while (now := ProcFS().read_stat(other)) is None or now.state != "S":
+        assert time.monotonic() < deadline, now
+        time.sleep(0.01)
     assert files.read(os.getpid()) is not None
-    assert files.read(os.getppid()) == ProcFS().read_stat(os.getppid())
+    assert files.read(other) == ProcFS().read_stat(other)
     assert len(files) == 1
 
 

@@ -241,26 +241,31 @@ def test_a_hand_over_is_taken_only_for_the_job_and_the_epilog_it_names(
 
 
 def host_epilog_goes_on_when_the_daemon_stops(arg: dict[str, Any], root: Path) -> dict[str, Any]:
-    """The epilog waits beside the daemon, whose rule is still in its 3 s confirmation window,
-    and the daemon is stopped meanwhile (an upgrade, an admin): the epilog must not wait for
-    nobody — it takes the lock and finishes the job itself."""
+    """The epilog waits beside the daemon, whose rule is still in its 10 s confirmation window
+    (long enough for the epilog's start on a loaded machine), and the daemon is stopped
+    meanwhile (an upgrade, an admin): the epilog must not wait for nobody — it takes the lock
+    and finishes the job itself."""
     with SimHost(root) as host:
         orphan_host(host)
         host.free_when_gone(["worker"], [gpu(0)], delay=0.5)
-        run = Run(host, rules=[{**ORPHAN_RULE, "for": "3s"}])
+        run = Run(host, rules=[{**ORPHAN_RULE, "for": "10s"}])
         run.start()
         assert run.wait_for(lambda: run.saw("finding.new", kind="orphaned")), "no finding"
-        epilog = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatchd", "run", "--once", "--timeout", "30s",
-             "--config", str(run.config)],
-            env=host.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        time.sleep(1.0)
+        said = root / "epilog.out"
+        with said.open("w") as out:
+            epilog = subprocess.Popen(
+                [sys.executable, "-m", "gpuwatchd", "run", "--once", "--timeout", "30s",
+                 "--config", str(run.config)],
+                env=host.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        # The daemon is stopped once the epilog waits beside it (not after a guessed second).
+        assert run.wait_for(lambda: "is running; waiting" in said.read_text()), said.read_text()
         stopped = run.stop()
-        output, _ = epilog.communicate(timeout=60)
+        epilog.wait(timeout=60)
+        output = said.read_text()
         daemon_signalled = run.saw("action.signal")
         return {
             "stopped": stopped,

@@ -21,6 +21,7 @@ import pytest
 from gpuwatchd.cli.main import build_parser
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events.catalogue import message_id
+from tests.support.debbuild import built_deb
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = "usr/share/doc/gpuwatchd"
@@ -229,16 +230,7 @@ def deb_listing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     why = _why_no_build()
     if why is not None:
         pytest.skip(why)
-    out = tmp_path_factory.mktemp("deb")
-    build = subprocess.run(
-        [str(REPO / "packaging" / "build-deb.sh"), str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert build.returncode == 0, build.stdout + build.stderr
-    (deb,) = out.glob("gpuwatchd_*_all.deb")
+    deb = built_deb(tmp_path_factory)
     listing = subprocess.run(
         ["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True
     ).stdout

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.support.container import _REASON, CI_DIR, HARNESS, REPO, UNIT, Container, wait_for
+from tests.support.debbuild import built_deb
 from tests.support.fakenvml import GiB, ensure_built, gpu
 from tests.support.slurmfake import FAKE_SCONTROL
 
@@ -92,7 +93,7 @@ def idle_gpus() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def ct() -> Iterator[Container]:
+def ct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     t0 = time.monotonic()
     artifacts = Path(
         os.environ.get("GPUWATCHD_SYSTEMD_ARTIFACTS") or tempfile.mkdtemp(prefix="gpuwatchd-it-")
@@ -108,15 +109,7 @@ def ct() -> Iterator[Container]:
         return result
 
     lib = step("fakenvml", ensure_built)
-    step(
-        "build-deb",
-        lambda: subprocess.run(
-            [str(REPO / "packaging" / "build-deb.sh"), str(artifacts)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        ),
-    )
-    (deb,) = artifacts.glob("gpuwatchd_*_all.deb")
+    deb = step("build-deb", lambda: built_deb(tmp_path_factory))
 
     def make_rootfs() -> str:
         return subprocess.run(

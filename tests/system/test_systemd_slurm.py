@@ -44,7 +44,8 @@ from typing import Any
 import pytest
 
 from tests.support.container import _REASON as SYSTEMD_REASON
-from tests.support.container import CI_DIR, HARNESS, REPO, Container, wait_for
+from tests.support.container import CI_DIR, HARNESS, Container, wait_for
+from tests.support.debbuild import built_deb
 from tests.support.fakenvml import FAKENVML_DIR, GiB, gpu
 
 NODE = "gpuwatchd-it"
@@ -235,7 +236,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     artifacts = (
         Path(
             os.environ.get("GPUWATCHD_SYSTEMD_ARTIFACTS")
@@ -246,12 +247,7 @@ def cluster() -> Iterator[Cluster]:
     artifacts.mkdir(parents=True, exist_ok=True)
     print(f"\nslurm test artifacts: {artifacts}")
     lib = _fake_nvml_with_defaults(artifacts)
-    subprocess.run(
-        [str(REPO / "packaging" / "build-deb.sh"), str(artifacts)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    (deb,) = artifacts.glob("gpuwatchd_*_all.deb")
+    deb = built_deb(tmp_path_factory)
     cached = Path(
         subprocess.run(
             [str(HARNESS / "make-rootfs.sh")],

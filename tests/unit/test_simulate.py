@@ -166,9 +166,9 @@ def test_pause_holds_the_ladder_until_resume() -> None:
 def test_one_hour_scenario_runs_in_well_under_a_second() -> None:
     text = scenario().replace("duration: 3m", "duration: 1h")
     parsed = parse_scenario("s.yaml", text)
-    started = time.perf_counter()
+    started = time.process_time()  # the simulator's work (CPU), not the wall clock a load stretches
     r = simulate(parsed)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert r.polls >= 3600 / 5
 
 

@@ -35,26 +35,26 @@ class Target:
 
 
 _RESET_GATES = (
-    "_node_block",
-    "_dry",
-    "_hold_reason",
+    "node_block",
+    "is_dry_run",
+    "hold_reason",
     "_live_holder",
     "reset_gates",
-    "_gates",
+    "snapshot_gates",
     "_reset_blocker",
-    "_escalating",
-    "_history_blocker",
-    "_consider_reset",
-    "_start_reset",
+    "escalating",
+    "history_blocker",
+    "consider_reset",
+    "start_reset",
     # Ghost memory in a MIG GPU instance: its own gates, the instance it re-creates.
     "_instance_gates",
     "instance_recovery",
     "_refused_memory",
-    "_consider_health",
+    "consider_health",
     "_consider_health_reset",
     "record_reset",
     # A refused reset holds its incident (drain and before hooks once) until something changes.
-    "_review_refusals",
+    "review_refusals",
     "_reset_came_back",
     "hidden_holders",
     # reset.drain once per health incident of a GPU.
@@ -66,9 +66,9 @@ _KILL_LADDER = (
     "_cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
-    "_expire_latches",
-    "_consider_process_finding",
-    "_advance_ladders",
+    "expire_latches",
+    "consider_process_finding",
+    "advance_ladders",
     "_advance_live_ladder",
     "_successor",
     "_restart_after_dry_run",
@@ -77,7 +77,7 @@ _KILL_LADDER = (
     "_mark_stuck",
     "_close",
     "_freed",
-    "_action_ended",
+    "action_ended",
     "record_signal",
     "record_exit",
 )
@@ -87,9 +87,9 @@ _KILL_DECISIONS = (
     "_cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
-    "_expire_latches",
-    "_consider_process_finding",
-    "_advance_ladders",
+    "expire_latches",
+    "consider_process_finding",
+    "advance_ladders",
     "_advance_live_ladder",
     "_successor",
     "_emit_step",
@@ -98,27 +98,27 @@ _KILL_DECISIONS = (
 )
 # The orphan rule and what it rests on (decide/assess_*.py, by module).
 _ORPHAN_SHARED = (
-    "_AssessorState.blocked",
-    "_AssessorState.add",
-    "_AssessorState.memory_without_owner",
+    "AssessorState.blocked",
+    "AssessorState.add",
+    "AssessorState.memory_without_owner",
 )
 _ORPHAN_CLASSIFICATION = (
-    "_HolderPass.assess_holders",
-    "_HolderPass.classify",
-    "_HolderPass.hidden",
-    "_HolderPass.recorded_inheritance",
-    "_HolderPass.opened_own_files",
-    "_HolderPass.heir_of_dead_owner",
-    "_HolderPass.dead_owner_tie",
-    "_HolderPass.unaccounted_without_owner",
-    "_HolderPass.likely_heir",
+    "HolderPass.assess_holders",
+    "HolderPass.classify",
+    "HolderPass.hidden",
+    "HolderPass.recorded_inheritance",
+    "HolderPass.opened_own_files",
+    "HolderPass.heir_of_dead_owner",
+    "HolderPass.dead_owner_tie",
+    "HolderPass.unaccounted_without_owner",
+    "HolderPass.likely_heir",
     "_tree_link",
     "_lost_leader",
     # Whether a job ended: its holders are abandoned (what opt-in rules may kill).
     "job_ended",
 )
 # A GPU whose reset the driver refused as in use: a hidden holder (it blocks resets).
-_DRIVER_REFUSALS = ("_MemoryPass.assess_driver_refusals",)
+_DRIVER_REFUSALS = ("MemoryPass.assess_driver_refusals",)
 # The one verdict "clean for a new job?" (a Slurm prolog's check-clean, an epilog's run --once
 # exit 0): what makes a GPU dirty or unknown, what excuses a holder, and when run --once is
 # done. Its wording (describe, the reset blockers' labels) is not a gate.
@@ -140,18 +140,18 @@ _PATTERNS = ("command_search", "_search", "_close", "_holds", "_one_char")
 _PLAN_MODULES = {
     "plan": ("hidden_holders",),
     "plan_intents": (
-        "_dry",
-        "_hold_reason",
+        "is_dry_run",
+        "hold_reason",
         "kill_cap_scope",
-        "_action_ended",
+        "action_ended",
     ),
     "plan_ladders": (
         "_gate",
         "_cap_exceeded",
         "_kill_caps",
-        "_expire_latches",
-        "_consider_process_finding",
-        "_advance_ladders",
+        "expire_latches",
+        "consider_process_finding",
+        "advance_ladders",
         "_advance_live_ladder",
         "_successor",
         "_restart_after_dry_run",
@@ -162,22 +162,22 @@ _PLAN_MODULES = {
         "_freed",
     ),
     "plan_resets": (
-        "_node_block",
+        "node_block",
         "_live_holder",
         "reset_gates",
-        "_gates",
+        "snapshot_gates",
         "_reset_blocker",
-        "_escalating",
-        "_history_blocker",
-        "_consider_reset",
-        "_start_reset",
-        "_review_refusals",
+        "escalating",
+        "history_blocker",
+        "consider_reset",
+        "start_reset",
+        "review_refusals",
         "_instance_gates",
         "instance_recovery",
         "_refused_memory",
     ),
     "plan_health": (
-        "_consider_health",
+        "consider_health",
         "_consider_health_reset",
         "_drained_already",
         "_drain_hooks",
@@ -285,8 +285,8 @@ _WIDER = {
     "assess_memory": Target(
         "assess_memory",
         "gpuwatchd/decide/assess/memory.py",
-        ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
-        ("_MemoryPass.check_ghost", "_MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
+        ("MemoryPass.check_ghost", "MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
+        ("MemoryPass.check_ghost", "MemoryPass.check_unaccounted", *_DRIVER_REFUSALS),
     ),
     # The verdict's own "clean" and a holder's role are gates too.
     "verdict": Target(

@@ -20,12 +20,12 @@ from gpuwatchd.core.model import (
     as_int,
 )
 from gpuwatchd.decide.assess.host_view import HostView, Listing, relation
-from gpuwatchd.decide.assess.shared import _AssessorState, _mib, _Outcome
+from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 
 
-class _HolderPass(_AssessorState):
+class HolderPass(AssessorState):
     """Every process that holds device files."""
 
     def assess_holders(self) -> None:
@@ -70,22 +70,22 @@ class _HolderPass(_AssessorState):
         proc: ProcessInfo | None,
         holding: DeviceHolding,
         held: list[GpuInfo],
-    ) -> _Outcome:
+    ) -> Outcome:
         host = self.host
         if proc is None:
-            return _Outcome("unknown", "no process facts (exited during the scan?)")
+            return Outcome("unknown", "no process facts (exited during the scan?)")
         if is_infrastructure(proc):
-            return _Outcome("management", "infrastructure (never a target)")
+            return Outcome("management", "infrastructure (never a target)")
         if proc.is_zombie:
             if pid in host.listed_alive:
-                return _Outcome("context_owner", "zombie leader; live threads")
-            return _Outcome("unknown", "zombie that still holds device files (live threads?)")
+                return Outcome("context_owner", "zombie leader; live threads")
+            return Outcome("unknown", "zombie that still holds device files (live threads?)")
         if proc.is_uninterruptible:
-            return _Outcome("stuck", "uninterruptible sleep (D)")
+            return Outcome("stuck", "uninterruptible sleep (D)")
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         ended = job_ended(proc, host.snapshot)
         job_ended_now = ended is not None
-        abandoned = _Outcome(
+        abandoned = Outcome(
             "hidden",
             f"its job {job} has ended while it still holds the GPU ({ended})",
             kind=FindingKind.ABANDONED,
@@ -95,7 +95,7 @@ class _HolderPass(_AssessorState):
             if job_ended_now:
                 abandoned.role = "context_owner"
                 return abandoned
-            return _Outcome("context_owner", "owns a context (listed by NVML)")
+            return Outcome("context_owner", "owns a context (listed by NVML)")
         unknown_links: list[str] = []
         heir_of = self.heir_of_dead_owner(proc)
         for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
@@ -105,20 +105,20 @@ class _HolderPass(_AssessorState):
                 # it holds a dead owner's own files (a dead torchrun rank's worker).
                 continue
             if related:
-                return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
+                return Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
             if related is None:
                 unknown_links.append(f"PID {owner.pid}: {link}")
         if job_ended_now:
             return abandoned
         if not holding.uvm:
-            return _Outcome(
+            return Outcome(
                 "management",
                 "NVML-only client (no nvidia-uvm): not a kill target, but it blocks a reset",
                 kind=FindingKind.HIDDEN_HOLDER if held else None,
                 evidence={"nvml_only": True},
             )
         if not held:
-            return _Outcome(
+            return Outcome(
                 "hidden",
                 "holds nvidiactl/nvidia-uvm but no GPU's device file: cannot be attributed",
                 kind=FindingKind.HIDDEN_HOLDER,
@@ -146,14 +146,14 @@ class _HolderPass(_AssessorState):
                 f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
                 "anywhere and no live context owner is its ancestor or descendant"
             )
-            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
                 continue
             owner_pid = as_int(tie.get("dead_pid", tie.get("former_owner")))
             if owner_pid is not None and self.opened_own_files(proc, owner_pid):
-                return _Outcome(
+                return Outcome(
                     "hidden",
                     f"holds GPU {gpu.index} only through files it opened itself (kcmp: none is "
                     f"PID {owner_pid}'s, a spawn/forkserver worker): killing it frees none of "
@@ -169,16 +169,16 @@ class _HolderPass(_AssessorState):
                 )
             else:
                 why = (
-                    f"holds GPU {gpu.index}, whose {_mib(as_int(tie['allocated']))} allocated "
+                    f"holds GPU {gpu.index}, whose {mib(as_int(tie['allocated']))} allocated "
                     f"no live context owner accounts for; owns no context anywhere"
                 )
-            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
+            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
         heir = self.likely_heir(proc, held)
         if heir is not None:
             return heir
         return self.hidden(f"{hidden}; nothing ties it to a dead owner")
 
-    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> _Outcome | None:
+    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
         """A leak from before the daemon watched: the likely heir, without history.
 
         Every other orphan condition holds (the caller checked them); on a GPU it holds, memory
@@ -207,14 +207,14 @@ class _HolderPass(_AssessorState):
                 "unaccounted_since": since,
                 "first_seen": recorded.first_seen,
             }
-            memory = f"{_mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            memory = f"{mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
             if self.detection.orphans_without_history:
                 why = (
                     f"likely heir of the {memory} that no live context owner accounts for: its "
                     f"{link} leader PID {leader} is gone and it owns no context anywhere "
                     "(detection.orphans_without_history)"
                 )
-                return _Outcome(
+                return Outcome(
                     "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
                 )
             del evidence["tie"]
@@ -225,7 +225,7 @@ class _HolderPass(_AssessorState):
                 f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
                 "detection.orphans_without_history: true"
             )
-            return _Outcome(
+            return Outcome(
                 "hidden", why, kind=FindingKind.HIDDEN_HOLDER, gpu=gpu, evidence=evidence
             )
         return None
@@ -281,12 +281,12 @@ class _HolderPass(_AssessorState):
                 }
         return evidence
 
-    def hidden(self, note: str, *, undecided: bool = False) -> _Outcome:
+    def hidden(self, note: str, *, undecided: bool = False) -> Outcome:
         """A hidden holder; ``undecided``: the orphan rule could not be decided for it (a
         relation, its start time or a GPU's list unknown), recorded as ``evidence.undecided``
         so the clean verdict (decide/verdict.py) counts it unknown, not merely a holder."""
         evidence: dict[str, object] = {"undecided": True} if undecided else {}
-        return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
+        return Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 
     def dead_owner_tie(self, proc: ProcessInfo, gpu: GpuInfo) -> dict[str, object] | None:
         """A dead or zombie PID listed on ``gpu`` that is its parent, group or session."""

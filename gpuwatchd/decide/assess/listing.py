@@ -7,10 +7,10 @@ descend from a dead one, and the roles of listed processes whose device files do
 from __future__ import annotations
 
 from gpuwatchd.core.model import FindingKind
-from gpuwatchd.decide.assess.shared import _AssessorState
+from gpuwatchd.decide.assess.shared import AssessorState
 
 
-class _ListingPass(_AssessorState):
+class ListingPass(AssessorState):
     """The NVML listings of every GPU."""
 
     def assess_listings(self) -> None:

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.holders import _HolderPass
-from gpuwatchd.decide.assess.listing import _ListingPass
-from gpuwatchd.decide.assess.memory import _MemoryPass
+from gpuwatchd.decide.assess.holders import HolderPass
+from gpuwatchd.decide.assess.listing import ListingPass
+from gpuwatchd.decide.assess.memory import MemoryPass
 from gpuwatchd.decide.assess.shared import NODE, Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health
@@ -31,7 +31,7 @@ from gpuwatchd.decide.mig.instances import (
 from gpuwatchd.decide.policy import Detection, HealthPolicy
 
 
-class _Assessor(_ListingPass, _HolderPass, _MemoryPass):
+class _Assessor(ListingPass, HolderPass, MemoryPass):
     """One assessment: the listing, holder and memory passes over one shared state."""
 
 

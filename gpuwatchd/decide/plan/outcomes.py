@@ -27,10 +27,10 @@ from gpuwatchd.decide.plan.intents import (
     PlanResult,
     ResetIntent,
     SignalIntent,
-    _action_ended,
-    _ladder_fields,
-    _move,
-    _Work,
+    Work,
+    action_ended,
+    end_ladder,
+    ladder_fields,
     target_key,
 )
 from gpuwatchd.decide.plan.state import (
@@ -55,7 +55,7 @@ def record_signal(
         return PlanResult((), (ev,), state)
     ladders = dict(state.ladders)
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, base)]
-    fields = {**_ladder_fields(lad), "outcome": outcome}
+    fields = {**ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     intents: tuple[Intent, ...] = ()
     if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
@@ -66,7 +66,7 @@ def record_signal(
         del ladders[target]
         events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, {**fields, "why": outcome}))
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
-        intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
+        intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
@@ -81,9 +81,9 @@ def record_signal(
             Event(EventName.ESCALATION_ABORTED, Level.WARNING, {**fields, "why": outcome})
         )
     else:  # denied / failed: never retried
-        ladders[target] = _move(lad, LadderStatus.FAILED)
+        ladders[target] = end_ladder(lad, LadderStatus.FAILED)
         events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, {**fields, "why": outcome}))
-        intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
+        intents = action_ended(lad, ActionOutcome.FAILED, outcome)
     return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
 
@@ -98,9 +98,9 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     events: tuple[Event, ...] = ()
     intents: tuple[Intent, ...] = ()
     if lad.status is LadderStatus.ACTIVE:
-        fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
+        fields = {**ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),)
-        intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
+        intents = action_ended(lad, ActionOutcome.FREED, "target exited")
     return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
 
 
@@ -117,11 +117,11 @@ def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: flo
     lad = state.ladders.get(target)
     if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
         return PlanResult((), (), state)
-    ladders = {**state.ladders, target: _move(lad, LadderStatus.ENDED)}
+    ladders = {**state.ladders, target: end_ladder(lad, LadderStatus.ENDED)}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     why = "would-be SIGKILL: assumed to end the target (dry run)"
-    fields = {**_ladder_fields(lad), "why": why, "after": now - lad.started}
-    facts = {**_ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
+    fields = {**ladder_fields(lad), "why": why, "after": now - lad.started}
+    facts = {**ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
              "user": lad.user}  # fmt: skip
     notify = HookIntent(HookName.ON_ACTION, f"{target}: {ActionOutcome.FREED} ({why})", facts,
                         dry_run=True)  # fmt: skip
@@ -149,7 +149,7 @@ def _reset_action(
     )
 
 
-def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
+def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
     """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was
     not the one in flight). ``undrained``: it succeeded (or a dry run's would have), so its
     after hooks undid the drain — an undrain hook learns the result and keeps the node
@@ -200,7 +200,7 @@ def record_reset(
     if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)
-    w = _Work(state)
+    w = Work(state)
     w.rebase_wall(wall)
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)

@@ -229,8 +229,6 @@ LONG_DEFINITIONS = {
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",
     "decide.assess.holders:HolderPass.classify":
         "the orphan rule's cases in order (a mutation-tested gate)",
-    "decide.assess.listing:ListingPass.assess_listings":
-        "NVML's listing judged process by process",
     "decide.health.judge:_judge_xids": "the Xid catalogue's actions applied in order",
     "decide.health.judge:assess_health": "a GPU's health readings judged in order",
     "decide.plan.ladders:_advance_live_ladder": "a kill ladder's steps (a mutation-tested gate)",
@@ -238,7 +236,6 @@ LONG_DEFINITIONS = {
         "whether to start a ladder (a mutation-tested gate)",
     "decide.plan.outcomes:record_reset": "a reset's outcome recorded, result by result",
     "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
-    "decide.plan.state:_load_state": "the plan state read back, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.core.model import (
-    FindingKind,
-    GpuInfo,
-)
+from gpuwatchd.core.model import FindingKind, GpuInfo
 from gpuwatchd.core.vocabulary import HolderRoleName
 from gpuwatchd.decide.assess.shared import AssessorState, mib
 

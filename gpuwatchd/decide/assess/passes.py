@@ -11,7 +11,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from gpuwatchd.core.model import Snapshot
@@ -35,13 +35,18 @@ class _Assessor(ListingPass, HolderPass, MemoryPass):
     """One assessment: the listing, holder and memory passes over one shared state."""
 
 
+Refused = Mapping[str, Mapping[str, object]]  # GPU UUID -> a refused reset's evidence
+ProcessPasses = Callable[[Snapshot, AssessState, Detection, Refused], Assessment]
+
+
 def assess(
     snapshot: Snapshot,
     previous: AssessState,
     detection: Detection,
     *,
-    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+    driver_refused: Refused | None = None,
     health_policy: HealthPolicy | None = None,
+    processes: ProcessPasses | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
@@ -52,9 +57,11 @@ def assess(
     built-in ones).
 
     Pure: reads only its arguments. Processes whose job is known to be over
-    (:func:`job_ended`) are ``abandoned``.
+    (:func:`job_ended`) are ``abandoned``. ``processes`` stands in for
+    :func:`assess_processes` (``Reuse`` passes the one that remembers the last poll's).
     """
-    result = assess_processes(snapshot, previous, detection, driver_refused=driver_refused)
+    passes = processes or assess_processes
+    result = passes(snapshot, previous, detection, driver_refused or {})
     return with_health(result, snapshot, previous, health_policy)
 
 
@@ -62,8 +69,7 @@ def assess_processes(
     snapshot: Snapshot,
     previous: AssessState,
     detection: Detection,
-    *,
-    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+    driver_refused: Refused | None = None,
 ) -> Assessment:
     """:func:`assess` without GPU health: the findings about processes and memory, the roles,
     and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters

@@ -21,11 +21,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess.baselines import (
-    V1_BASELINE_SUFFIX,
-    learn_baselines,
-    memory_figure,
-)
+from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, learn_baselines, memory_figure
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.state import (
     AssessState,

@@ -15,17 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    Snapshot,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, Snapshot
+from gpuwatchd.core.vocabulary import EventName, HookName, LadderStatus, Level
 from gpuwatchd.decide.health.judge import HEALTH_KINDS
 from gpuwatchd.decide.plan.health import consider_health
 from gpuwatchd.decide.plan.intents import (
@@ -37,20 +28,9 @@ from gpuwatchd.decide.plan.intents import (
     is_dry_run,
     target_key,
 )
-from gpuwatchd.decide.plan.ladders import (
-    advance_ladders,
-    consider_process_finding,
-    expire_latches,
-)
-from gpuwatchd.decide.plan.resets import (
-    consider_reset,
-    node_block,
-    review_refusals,
-)
-from gpuwatchd.decide.plan.state import (
-    PlanState,
-    SeenFinding,
-)
+from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
+from gpuwatchd.decide.plan.resets import consider_reset, node_block, review_refusals
+from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 
 HOUR = 3600.0

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    HookName,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind
+from gpuwatchd.core.vocabulary import EventName, HookName, Level
 from gpuwatchd.decide.health.judge import drain_blockers
 from gpuwatchd.decide.plan.intents import (
     Ctx,
@@ -133,15 +126,9 @@ def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> No
             return
         wait = HealthWait(finding.key, ctx.now, dry)
         w.health_waits[uuid] = wait
-        w.event(
-            EventName.HEALTH_DRAIN_STARTED,
-            Level.WARNING,
-            blockers=blockers,
-            timeout=timeout,
-            dry_run=dry,
-            drained_already=_drained_already(w, uuid, dry),
-            **finding_fields(finding),
-        )
+        w.event(EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=blockers,
+                timeout=timeout, dry_run=dry, drained_already=_drained_already(w, uuid, dry),
+                **finding_fields(finding))  # fmt: skip
         _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
     if blockers:
         if wait.expired:

@@ -17,6 +17,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
     SubIdRange,
+    fields_of,
 )
 from gpuwatchd.core.vocabulary import (
     ActionOutcome,
@@ -28,10 +29,7 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.shadow import ShadowWork
-from gpuwatchd.decide.plan.state import (
-    Ladder,
-    PlanState,
-)
+from gpuwatchd.decide.plan.state import LADDER_EVENT_FIELDS, Ladder, PlanState
 from gpuwatchd.decide.policy import Policy
 
 
@@ -256,16 +254,7 @@ def hold_reason(w: Work, ctx: Ctx) -> str | None:
 
 def ladder_fields(lad: Ladder) -> dict[str, object]:
     """A ladder's fields as every event about its target carries them."""
-    return {
-        "target": lad.target,
-        "pid": lad.pid,
-        "start_ticks": lad.start_ticks,
-        "finding": lad.finding_key,
-        "rule": lad.rule,
-        "gpu": lad.gpu,
-        "step": lad.step,
-        "dry_run": lad.dry_run,
-    }
+    return fields_of(lad, LADDER_EVENT_FIELDS)
 
 
 def action_ended(

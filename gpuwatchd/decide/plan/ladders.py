@@ -10,19 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    ProcessInfo,
-)
-from gpuwatchd.core.vocabulary import (
-    ActionOutcome,
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, ProcessInfo
+from gpuwatchd.core.vocabulary import ActionOutcome, EventName, HookName, LadderStatus, Level
 from gpuwatchd.decide.plan.intents import (
     Ctx,
     HookIntent,
@@ -38,16 +27,9 @@ from gpuwatchd.decide.plan.intents import (
     previewing,
     target_key,
 )
-from gpuwatchd.decide.plan.state import (
-    Ladder,
-    Latch,
-)
+from gpuwatchd.decide.plan.state import Ladder, Latch
 from gpuwatchd.decide.spares import spare_reason
-from gpuwatchd.decide.targets import (
-    process_facts,
-    refusal,
-    rule_for,
-)
+from gpuwatchd.decide.targets import process_facts, refusal, rule_for
 
 
 def _stuck_finding(ctx: Ctx, target: str) -> Finding | None:
@@ -197,15 +179,9 @@ def _zombie_event(
     w: Work, key: str, ppid: int | None, pid: int, gpu: str | None, *, force: bool = False
 ) -> None:
     if w.noted(key, "zombie") or force:
-        w.event(
-            EventName.ZOMBIE_NEEDS_REAP,
-            Level.WARNING,
-            finding=key,
-            pid=pid,
-            gpu=gpu,
-            parent=ppid,
-            why="a zombie holds nothing and cannot be signalled; its parent must reap it",
-        )
+        why = "a zombie holds nothing and cannot be signalled; its parent must reap it"
+        w.event(EventName.ZOMBIE_NEEDS_REAP, Level.WARNING, finding=key, pid=pid, gpu=gpu,
+                parent=ppid, why=why)  # fmt: skip
 
 
 def _mark_stuck(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
@@ -299,13 +275,8 @@ def expire_latches(w: Work, ctx: Ctx) -> None:
         else:
             lasted, anchor = _held(since, w.state.forced_since_monotonic, ctx)
             if lasted >= lasts:
-                w.event(
-                    EventName.LIMITS_KILL_CAP_EXPIRED,
-                    Level.WARNING,
-                    scope="node",
-                    why=w.state.forced_reason,
-                    lasted=lasted,
-                )
+                w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.WARNING, scope="node",
+                        why=w.state.forced_reason, lasted=lasted)  # fmt: skip
                 w.state = replace(
                     w.state,
                     forced_dry_run=False,
@@ -319,13 +290,8 @@ def expire_latches(w: Work, ctx: Ctx) -> None:
         lasted, anchor = _held(latch.since, latch.since_monotonic, ctx)
         if lasted >= lasts:
             del w.scope_latches[scope]
-            w.event(
-                EventName.LIMITS_KILL_CAP_EXPIRED,
-                Level.WARNING,
-                scope=scope,
-                why=latch.reason,
-                lasted=lasted,
-            )
+            w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.WARNING, scope=scope,
+                    why=latch.reason, lasted=lasted)  # fmt: skip
         else:
             w.scope_latches[scope] = replace(latch, since_monotonic=anchor)
 

@@ -33,11 +33,7 @@ from gpuwatchd.decide.plan.intents import (
     ladder_fields,
     target_key,
 )
-from gpuwatchd.decide.plan.state import (
-    MigUnfinished,
-    PlanState,
-    ResetRefusal,
-)
+from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetRefusal
 
 
 def record_signal(

@@ -15,17 +15,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    GpuInfo,
-    Snapshot,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, GpuInfo, Snapshot
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
 from gpuwatchd.decide.mig.instances import WHOLE_GPU, busy_instances, parent_of
@@ -46,10 +37,7 @@ from gpuwatchd.decide.plan.intents import (
 from gpuwatchd.decide.plan.monitors import describe_monitor, monitor_entry
 from gpuwatchd.decide.plan.state import ResetInFlight
 from gpuwatchd.decide.policy import Monitor, Policy
-from gpuwatchd.decide.targets import (
-    gpu_by_uuid,
-    gpu_protected,
-)
+from gpuwatchd.decide.targets import gpu_by_uuid, gpu_protected
 
 
 def node_block(snapshot: Snapshot) -> str | None:
@@ -92,14 +80,8 @@ def review_refusals(w: Work, ctx: Ctx) -> None:
             why = _holder_let_go(w, ctx, uuid)
         if why is not None:
             del w.reset_refusals[uuid]
-            w.event(
-                EventName.RESET_REFUSAL_CLEARED,
-                Level.INFO,
-                gpu=uuid,
-                finding=held.finding_key,
-                in_use=held.in_use,
-                why=why,
-            )
+            w.event(EventName.RESET_REFUSAL_CLEARED, Level.INFO, gpu=uuid,
+                    finding=held.finding_key, in_use=held.in_use, why=why)  # fmt: skip
 
 
 def _review_unfinished(w: Work, ctx: Ctx) -> None:

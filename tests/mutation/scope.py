@@ -53,6 +53,10 @@ _RESET_GATES = (
     "consider_health",
     "_consider_health_reset",
     "record_reset",
+    "_refusal_key",
+    "_book_dry_run",
+    "_book_refusal",
+    "_book_attempt",
     # A refused reset holds its incident (drain and before hooks once) until something changes.
     "review_refusals",
     "_reset_came_back",
@@ -184,6 +188,10 @@ _PLAN_MODULES = {
     ),
     "plan_outcomes": (
         "record_reset",
+        "_refusal_key",
+        "_book_dry_run",
+        "_book_refusal",
+        "_book_attempt",
         "_reset_came_back",
         "record_signal",
         "record_exit",

@@ -176,6 +176,77 @@ def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, objec
     return fields
 
 
+def _refusal_key(intent: ResetIntent) -> str:
+    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
+    (another instance's refusal of the same GPU must not overwrite it)."""
+    return intent.gpu if intent.instance is None else intent.instance.mig_uuid
+
+
+def _book_dry_run(
+    w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, would_succeed: bool
+) -> None:
+    """A dry run's reset: assumed done when it would have succeeded, else held as refused."""
+    w.last_dry_reset[intent.gpu] = wall
+    if would_succeed:
+        w.shadow.book_reset(intent.gpu, intent.finding_key, wall)
+        assumed = "success: assumed for the decisions that follow (dry run)"
+        w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        return
+    # Enforcement's final scan would have found the GPU held as well: the incident is held as
+    # enforcement's would be (drain and before hooks once), in the preview only.
+    why = "a dry run's final holder scan found the GPU held"
+    w.reset_refusals[_refusal_key(intent)] = ResetRefusal(
+        intent.finding_key, why, False, wall, dry_run=True
+    )
+    w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
+
+
+def _book_refusal(
+    w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, *, in_use: bool
+) -> None:
+    """Refused, not failed: aborted before the command ran (the final holder scan found a
+    holder, a hook failed), or the driver said "in use" although no scan saw a holder. No
+    history, no failure, no breaker; the cooldown applies, and this incident's reset (with its
+    drain and before hooks) is not tried again until something changes."""
+    w.last_reset[intent.gpu] = wall
+    why = (
+        "the driver refused: in use by another client that no holder scan found"
+        if in_use
+        else "refused by the reset procedure"
+    )
+    if not intent.dry_run:
+        w.reset_refusals[_refusal_key(intent)] = ResetRefusal(intent.finding_key, why, in_use, wall)
+    w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
+
+
+def _book_attempt(
+    w: Work, intent: ResetIntent, outcome: ResetResult, fields: Mapping[str, object], wall: float
+) -> None:
+    """A reset whose command ran: it counts in the history; a failure (or a timeout) counts
+    towards the circuit breaker and runs on_failure, a success resets the count."""
+    gpu = intent.gpu
+    w.last_reset[gpu] = wall
+    w.reset_history.append((gpu, wall))
+    if outcome is ResetResult.SUCCESS:
+        w.state = replace(w.state, reset_failures=0)
+        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        return
+    failures = w.state.reset_failures + 1
+    w.state = replace(w.state, reset_failures=failures)
+    w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
+    w.intents.append(
+        HookIntent(
+            HookName.ON_FAILURE,
+            f"reset of {gpu} {outcome}",
+            {**fields, "failures": failures},
+            dry_run=intent.dry_run,
+        )
+    )
+    w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
+
+
 def record_reset(
     state: PlanState,
     intent: ResetIntent,
@@ -201,61 +272,13 @@ def record_reset(
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
-    # A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
-    # (another instance's refusal of the same GPU must not overwrite it).
-    refused = gpu if intent.instance is None else intent.instance.mig_uuid
     fields = _booked_fields(intent, outcome)
     if outcome is ResetResult.DRY_RUN:
-        w.last_dry_reset[gpu] = wall
-        if would_succeed:
-            w.shadow.book_reset(gpu, intent.finding_key, wall)
-            assumed = "success: assumed for the decisions that follow (dry run)"
-            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
-            w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
-        else:
-            # Enforcement's final scan would have found the GPU held as well: the incident is
-            # held as enforcement's would be (drain and before hooks once), in the preview only.
-            why = "a dry run's final holder scan found the GPU held"
-            w.reset_refusals[refused] = ResetRefusal(
-                intent.finding_key, why, False, wall, dry_run=True
-            )
-            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
+        _book_dry_run(w, intent, fields, wall, would_succeed)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
-        # Refused, not failed: aborted before the command ran (the final holder scan found a
-        # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
-        # No history, no failure, no breaker; the cooldown applies, and this incident's reset
-        # (with its drain and before hooks) is not tried again until something changes.
-        w.last_reset[gpu] = wall
-        in_use = outcome is ResetResult.IN_USE
-        why = (
-            "the driver refused: in use by another client that no holder scan found"
-            if in_use
-            else "refused by the reset procedure"
-        )
-        if not intent.dry_run:
-            w.reset_refusals[refused] = ResetRefusal(intent.finding_key, why, in_use, wall)
-        w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
-    elif outcome is ResetResult.SUCCESS:
-        w.last_reset[gpu] = wall
-        w.reset_history.append((gpu, wall))
-        w.state = replace(w.state, reset_failures=0)
-        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
-        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
-    else:  # failed / timeout
-        w.last_reset[gpu] = wall
-        w.reset_history.append((gpu, wall))
-        failures = w.state.reset_failures + 1
-        w.state = replace(w.state, reset_failures=failures)
-        w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
-        w.intents.append(
-            HookIntent(
-                HookName.ON_FAILURE,
-                f"reset of {gpu} {outcome}",
-                {**fields, "failures": failures},
-                dry_run=intent.dry_run,
-            )
-        )
-        w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
+        _book_refusal(w, intent, fields, wall, in_use=outcome is ResetResult.IN_USE)
+    else:
+        _book_attempt(w, intent, outcome, fields, wall)
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):

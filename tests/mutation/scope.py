@@ -109,6 +109,10 @@ _ORPHAN_SHARED = (
 _ORPHAN_CLASSIFICATION = (
     "HolderPass.assess_holders",
     "HolderPass.classify",
+    "HolderPass.by_process_state",
+    "HolderPass.worker_of",
+    "HolderPass.unexplained",
+    "HolderPass.tied_to_dead_owner",
     "HolderPass.hidden",
     "HolderPass.recorded_inheritance",
     "HolderPass.opened_own_files",

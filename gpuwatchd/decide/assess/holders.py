@@ -24,6 +24,8 @@ from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 
+_HIDDEN = "holds the GPU without a context; not explained by a live context owner"
+
 
 class HolderPass(AssessorState):
     """Every process that holds device files."""
@@ -74,14 +76,9 @@ class HolderPass(AssessorState):
         host = self.host
         if proc is None:
             return Outcome("unknown", "no process facts (exited during the scan?)")
-        if is_infrastructure(proc):
-            return Outcome("management", "infrastructure (never a target)")
-        if proc.is_zombie:
-            if pid in host.listed_alive:
-                return Outcome("context_owner", "zombie leader; live threads")
-            return Outcome("unknown", "zombie that still holds device files (live threads?)")
-        if proc.is_uninterruptible:
-            return Outcome("stuck", "uninterruptible sleep (D)")
+        by_state = self.by_process_state(pid, proc)
+        if by_state is not None:
+            return by_state
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         ended = job_ended(proc, host.snapshot)
         job_ended_now = ended is not None
@@ -96,8 +93,50 @@ class HolderPass(AssessorState):
                 abandoned.role = "context_owner"
                 return abandoned
             return Outcome("context_owner", "owns a context (listed by NVML)")
-        unknown_links: list[str] = []
         heir_of = self.heir_of_dead_owner(proc)
+        worker, unknown_links = self.worker_of(proc, heir_of)
+        if worker is not None:
+            return worker
+        if job_ended_now:
+            return abandoned
+        unexplained = self.unexplained(proc, holding, held, unknown_links)
+        if unexplained is not None:
+            return unexplained
+        if heir_of is not None:
+            gpu = held[0]
+            why = (
+                f"holds GPU {gpu.index} through open files of dead owner PID "
+                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
+                "anywhere and no live context owner is its ancestor or descendant"
+            )
+            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+        tied = self.tied_to_dead_owner(proc, held)
+        if tied is not None:
+            return tied
+        heir = self.likely_heir(proc, held)
+        if heir is not None:
+            return heir
+        return self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+
+    def by_process_state(self, pid: int, proc: ProcessInfo) -> Outcome | None:
+        """The role that the process's own state settles: infrastructure, zombie, stuck."""
+        if is_infrastructure(proc):
+            return Outcome("management", "infrastructure (never a target)")
+        if proc.is_zombie:
+            if pid in self.host.listed_alive:
+                return Outcome("context_owner", "zombie leader; live threads")
+            return Outcome("unknown", "zombie that still holds device files (live threads?)")
+        if proc.is_uninterruptible:
+            return Outcome("stuck", "uninterruptible sleep (D)")
+        return None
+
+    def worker_of(
+        self, proc: ProcessInfo, heir_of: dict[str, object] | None
+    ) -> tuple[Outcome | None, list[str]]:
+        """A worker of a live context owner, or None with the owners whose relation to it is
+        unknown."""
+        host = self.host
+        unknown_links: list[str] = []
         for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
             related, link = relation(host, proc, owner)
             if related and heir_of is not None and _tree_link(host, proc, owner) is False:
@@ -105,11 +144,20 @@ class HolderPass(AssessorState):
                 # it holds a dead owner's own files (a dead torchrun rank's worker).
                 continue
             if related:
-                return Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
+                return Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid), []
             if related is None:
                 unknown_links.append(f"PID {owner.pid}: {link}")
-        if job_ended_now:
-            return abandoned
+        return None, unknown_links
+
+    def unexplained(
+        self,
+        proc: ProcessInfo,
+        holding: DeviceHolding,
+        held: list[GpuInfo],
+        unknown_links: list[str],
+    ) -> Outcome | None:
+        """A holder that no rule can call orphaned: NVML-only, unattributed, or undecided."""
+        host = self.host
         if not holding.uvm:
             return Outcome(
                 "management",
@@ -124,29 +172,25 @@ class HolderPass(AssessorState):
                 kind=FindingKind.HIDDEN_HOLDER,
                 evidence={"unattributed": True},
             )
-        hidden = "holds the GPU without a context; not explained by a live context owner"
         if unknown_links:
             return self.hidden(
-                f"{hidden}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
+                f"{_HIDDEN}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
                 undecided=True,
             )
         if proc.identity is None:
-            return self.hidden(f"{hidden}; its start time is unknown", undecided=True)
+            return self.hidden(f"{_HIDDEN}; its start time is unknown", undecided=True)
         unseen = [g for g in host.gpus if g.lost or g.processes is None]
         if unseen:
             return self.hidden(
-                f"{hidden}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
+                f"{_HIDDEN}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
                 "whether it owns a context there",
                 undecided=True,
             )
-        if heir_of is not None:
-            gpu = held[0]
-            why = (
-                f"holds GPU {gpu.index} through open files of dead owner PID "
-                f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
-                "anywhere and no live context owner is its ancestor or descendant"
-            )
-            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+        return None
+
+    def tied_to_dead_owner(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
+        """Orphaned through a recorded tie to a dead owner or its unaccounted memory, or a
+        holder of only its own files; None when nothing ties it."""
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
@@ -173,10 +217,7 @@ class HolderPass(AssessorState):
                     f"no live context owner accounts for; owns no context anywhere"
                 )
             return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
-        heir = self.likely_heir(proc, held)
-        if heir is not None:
-            return heir
-        return self.hidden(f"{hidden}; nothing ties it to a dead owner")
+        return None
 
     def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
         """A leak from before the daemon watched: the likely heir, without history.

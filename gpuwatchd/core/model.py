@@ -21,6 +21,13 @@ def as_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def fields_of(record: object, names: tuple[str, ...]) -> dict[str, object]:
+    """``{name: record.name}`` in the order of ``names``, for an event's or a file's fields;
+    ``"key=attribute"`` names the field ``key`` after ``record.attribute``."""
+    pairs = (name.partition("=") for name in names)
+    return {key: getattr(record, attribute or key) for key, _, attribute in pairs}
+
+
 ARCH_VOLTA = 5  # NVML_DEVICE_ARCH_VOLTA
 ARCH_AMPERE = 7  # NVML_DEVICE_ARCH_AMPERE
 

@@ -52,7 +52,15 @@ class KindProperties:
 
 
 _K = FindingKind
+
+
 _HEALTH_WHY = "a GPU that needs {} is handled under 'health'"
+
+
+def _health(kind: FindingKind, words: str, why: str) -> KindProperties:
+    """A GPU health kind: never a reason to signal a job (``why``)."""
+    return KindProperties(kind, words, Scope.GPU, health=True, why_not_signallable=why)
+
 
 KINDS: Mapping[FindingKind, KindProperties] = {
     row.kind: row
@@ -122,27 +130,18 @@ KINDS: Mapping[FindingKind, KindProperties] = {
             why_not_signallable="unaccounted memory is report-only; "
             "the processes behind it are found as their own kinds",
         ),
-        KindProperties(
+        _health(
             _K.RESET_REQUIRED,
             "a GPU that needs a reset to be healthy",
-            Scope.GPU,
-            health=True,
-            why_not_signallable="GPU health is handled under 'health'; live jobs are never "
-            "signalled for it",
+            "GPU health is handled under 'health'; live jobs are never signalled for it",
         ),
-        KindProperties(
+        _health(
             _K.REBOOT_REQUIRED,
             "a GPU that needs the node rebooted",
-            Scope.GPU,
-            health=True,
-            why_not_signallable=_HEALTH_WHY.format("a reboot"),
+            _HEALTH_WHY.format("a reboot"),
         ),
-        KindProperties(
-            _K.DRAIN_REQUIRED,
-            "a GPU whose node needs draining",
-            Scope.GPU,
-            health=True,
-            why_not_signallable=_HEALTH_WHY.format("draining"),
+        _health(
+            _K.DRAIN_REQUIRED, "a GPU whose node needs draining", _HEALTH_WHY.format("draining")
         ),
     )
 }

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.core.model import ProcessInfo, Spare
+from gpuwatchd.core.model import ProcessInfo, Spare, fields_of
 from gpuwatchd.core.vocabulary import EventName, Level
 
 SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
@@ -120,16 +120,7 @@ def spare_reason(
     return spare_text(spare) + (f"; {unknown}" if unknown else "")
 
 
-def _fields(spare: Spare) -> dict[str, object]:
-    return {
-        "target": spare.target,
-        "pid": spare.pid,
-        "start_ticks": spare.start_ticks,
-        "job": spare.job,
-        "reason": spare.reason,
-        "until": spare.until,
-        "by_uid": spare.by_uid,
-    }
+_SPARE_FIELDS = ("target", "pid", "start_ticks", "job", "reason", "until", "by_uid")
 
 
 def _same(a: Spare, b: Spare) -> bool:
@@ -156,9 +147,11 @@ def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) 
             why = "its time was up"
         else:
             why = "cancelled"
-        events.append((EventName.SPARE_ENDED, Level.WARNING, {**_fields(spare), "why": why}))
+        events.append(
+            (EventName.SPARE_ENDED, Level.WARNING, {**fields_of(spare, _SPARE_FIELDS), "why": why})
+        )
     for target, spare in sorted(new.items()):
         earlier = old.get(target)
         if earlier is None or not _same(earlier, spare):
-            events.append((EventName.SPARE_STARTED, Level.WARNING, _fields(spare)))
+            events.append((EventName.SPARE_STARTED, Level.WARNING, fields_of(spare, _SPARE_FIELDS)))
     return events

@@ -20,12 +20,14 @@ from gpuwatchd.core.model import (
     as_int,
 )
 from gpuwatchd.decide.assess.host_view import HostView, Listing, relation
-from gpuwatchd.decide.assess.shared import _AssessorState, _mib, _Outcome
+from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
 
+_HIDDEN = "holds the GPU without a context; not explained by a live context owner"
 
-class _HolderPass(_AssessorState):
+
+class HolderPass(AssessorState):
     """Every process that holds device files."""
 
     def assess_holders(self) -> None:
@@ -70,22 +72,17 @@ class _HolderPass(_AssessorState):
         proc: ProcessInfo | None,
         holding: DeviceHolding,
         held: list[GpuInfo],
-    ) -> _Outcome:
+    ) -> Outcome:
         host = self.host
         if proc is None:
-            return _Outcome("unknown", "no process facts (exited during the scan?)")
-        if is_infrastructure(proc):
-            return _Outcome("management", "infrastructure (never a target)")
-        if proc.is_zombie:
-            if pid in host.listed_alive:
-                return _Outcome("context_owner", "zombie leader; live threads")
-            return _Outcome("unknown", "zombie that still holds device files (live threads?)")
-        if proc.is_uninterruptible:
-            return _Outcome("stuck", "uninterruptible sleep (D)")
+            return Outcome("unknown", "no process facts (exited during the scan?)")
+        by_state = self.by_process_state(pid, proc)
+        if by_state is not None:
+            return by_state
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         ended = job_ended(proc, host.snapshot)
         job_ended_now = ended is not None
-        abandoned = _Outcome(
+        abandoned = Outcome(
             "hidden",
             f"its job {job} has ended while it still holds the GPU ({ended})",
             kind=FindingKind.ABANDONED,
@@ -95,50 +92,16 @@ class _HolderPass(_AssessorState):
             if job_ended_now:
                 abandoned.role = "context_owner"
                 return abandoned
-            return _Outcome("context_owner", "owns a context (listed by NVML)")
-        unknown_links: list[str] = []
+            return Outcome("context_owner", "owns a context (listed by NVML)")
         heir_of = self.heir_of_dead_owner(proc)
-        for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
-            related, link = relation(host, proc, owner)
-            if related and heir_of is not None and _tree_link(host, proc, owner) is False:
-                # Only a session, group or job joins it to this live owner, and kcmp proved
-                # it holds a dead owner's own files (a dead torchrun rank's worker).
-                continue
-            if related:
-                return _Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid)
-            if related is None:
-                unknown_links.append(f"PID {owner.pid}: {link}")
+        worker, unknown_links = self.worker_of(proc, heir_of)
+        if worker is not None:
+            return worker
         if job_ended_now:
             return abandoned
-        if not holding.uvm:
-            return _Outcome(
-                "management",
-                "NVML-only client (no nvidia-uvm): not a kill target, but it blocks a reset",
-                kind=FindingKind.HIDDEN_HOLDER if held else None,
-                evidence={"nvml_only": True},
-            )
-        if not held:
-            return _Outcome(
-                "hidden",
-                "holds nvidiactl/nvidia-uvm but no GPU's device file: cannot be attributed",
-                kind=FindingKind.HIDDEN_HOLDER,
-                evidence={"unattributed": True},
-            )
-        hidden = "holds the GPU without a context; not explained by a live context owner"
-        if unknown_links:
-            return self.hidden(
-                f"{hidden}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
-                undecided=True,
-            )
-        if proc.identity is None:
-            return self.hidden(f"{hidden}; its start time is unknown", undecided=True)
-        unseen = [g for g in host.gpus if g.lost or g.processes is None]
-        if unseen:
-            return self.hidden(
-                f"{hidden}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
-                "whether it owns a context there",
-                undecided=True,
-            )
+        unexplained = self.unexplained(proc, holding, held, unknown_links)
+        if unexplained is not None:
+            return unexplained
         if heir_of is not None:
             gpu = held[0]
             why = (
@@ -146,14 +109,95 @@ class _HolderPass(_AssessorState):
                 f"{heir_of['dead_pid']} (kcmp, recorded while it lived); owns no context "
                 "anywhere and no live context owner is its ancestor or descendant"
             )
-            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
+        tied = self.tied_to_dead_owner(proc, held)
+        if tied is not None:
+            return tied
+        heir = self.likely_heir(proc, held)
+        if heir is not None:
+            return heir
+        return self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+
+    def by_process_state(self, pid: int, proc: ProcessInfo) -> Outcome | None:
+        """The role that the process's own state settles: infrastructure, zombie, stuck."""
+        if is_infrastructure(proc):
+            return Outcome("management", "infrastructure (never a target)")
+        if proc.is_zombie:
+            if pid in self.host.listed_alive:
+                return Outcome("context_owner", "zombie leader; live threads")
+            return Outcome("unknown", "zombie that still holds device files (live threads?)")
+        if proc.is_uninterruptible:
+            return Outcome("stuck", "uninterruptible sleep (D)")
+        return None
+
+    def worker_of(
+        self, proc: ProcessInfo, heir_of: dict[str, object] | None
+    ) -> tuple[Outcome | None, list[str]]:
+        """A worker of a live context owner, or None with the owners whose relation to it is
+        unknown."""
+        host = self.host
+        unknown_links: list[str] = []
+        for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
+            related, link = relation(host, proc, owner)
+            if related and heir_of is not None and _tree_link(host, proc, owner) is False:
+                # Only a session, group or job joins it to this live owner, and kcmp proved
+                # it holds a dead owner's own files (a dead torchrun rank's worker).
+                continue
+            if related:
+                return Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid), []
+            if related is None:
+                unknown_links.append(f"PID {owner.pid}: {link}")
+        return None, unknown_links
+
+    def unexplained(
+        self,
+        proc: ProcessInfo,
+        holding: DeviceHolding,
+        held: list[GpuInfo],
+        unknown_links: list[str],
+    ) -> Outcome | None:
+        """A holder that no rule can call orphaned: NVML-only, unattributed, or undecided."""
+        host = self.host
+        if not holding.uvm:
+            return Outcome(
+                "management",
+                "NVML-only client (no nvidia-uvm): not a kill target, but it blocks a reset",
+                kind=FindingKind.HIDDEN_HOLDER if held else None,
+                evidence={"nvml_only": True},
+            )
+        if not held:
+            return Outcome(
+                "hidden",
+                "holds nvidiactl/nvidia-uvm but no GPU's device file: cannot be attributed",
+                kind=FindingKind.HIDDEN_HOLDER,
+                evidence={"unattributed": True},
+            )
+        if unknown_links:
+            return self.hidden(
+                f"{_HIDDEN}; its relation to live owners is unknown ({'; '.join(unknown_links)})",
+                undecided=True,
+            )
+        if proc.identity is None:
+            return self.hidden(f"{_HIDDEN}; its start time is unknown", undecided=True)
+        unseen = [g for g in host.gpus if g.lost or g.processes is None]
+        if unseen:
+            return self.hidden(
+                f"{_HIDDEN}; GPU(s) {', '.join(str(g.index) for g in unseen)} could not say "
+                "whether it owns a context there",
+                undecided=True,
+            )
+        return None
+
+    def tied_to_dead_owner(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
+        """Orphaned through a recorded tie to a dead owner or its unaccounted memory, or a
+        holder of only its own files; None when nothing ties it."""
         for gpu in held:
             tie = self.dead_owner_tie(proc, gpu) or self.unaccounted_without_owner(gpu, proc)
             if tie is None:
                 continue
             owner_pid = as_int(tie.get("dead_pid", tie.get("former_owner")))
             if owner_pid is not None and self.opened_own_files(proc, owner_pid):
-                return _Outcome(
+                return Outcome(
                     "hidden",
                     f"holds GPU {gpu.index} only through files it opened itself (kcmp: none is "
                     f"PID {owner_pid}'s, a spawn/forkserver worker): killing it frees none of "
@@ -169,16 +213,13 @@ class _HolderPass(_AssessorState):
                 )
             else:
                 why = (
-                    f"holds GPU {gpu.index}, whose {_mib(as_int(tie['allocated']))} allocated "
+                    f"holds GPU {gpu.index}, whose {mib(as_int(tie['allocated']))} allocated "
                     f"no live context owner accounts for; owns no context anywhere"
                 )
-            return _Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
-        heir = self.likely_heir(proc, held)
-        if heir is not None:
-            return heir
-        return self.hidden(f"{hidden}; nothing ties it to a dead owner")
+            return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=tie)
+        return None
 
-    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> _Outcome | None:
+    def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
         """A leak from before the daemon watched: the likely heir, without history.
 
         Every other orphan condition holds (the caller checked them); on a GPU it holds, memory
@@ -207,14 +248,14 @@ class _HolderPass(_AssessorState):
                 "unaccounted_since": since,
                 "first_seen": recorded.first_seen,
             }
-            memory = f"{_mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
+            memory = f"{mib(as_int(tie['allocated']))} allocated on GPU {gpu.index}"
             if self.detection.orphans_without_history:
                 why = (
                     f"likely heir of the {memory} that no live context owner accounts for: its "
                     f"{link} leader PID {leader} is gone and it owns no context anywhere "
                     "(detection.orphans_without_history)"
                 )
-                return _Outcome(
+                return Outcome(
                     "orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=evidence
                 )
             del evidence["tie"]
@@ -225,7 +266,7 @@ class _HolderPass(_AssessorState):
                 f"from before it watched); check it and kill PID {proc.pid} by hand, or set "
                 "detection.orphans_without_history: true"
             )
-            return _Outcome(
+            return Outcome(
                 "hidden", why, kind=FindingKind.HIDDEN_HOLDER, gpu=gpu, evidence=evidence
             )
         return None
@@ -281,12 +322,12 @@ class _HolderPass(_AssessorState):
                 }
         return evidence
 
-    def hidden(self, note: str, *, undecided: bool = False) -> _Outcome:
+    def hidden(self, note: str, *, undecided: bool = False) -> Outcome:
         """A hidden holder; ``undecided``: the orphan rule could not be decided for it (a
         relation, its start time or a GPU's list unknown), recorded as ``evidence.undecided``
         so the clean verdict (decide/verdict.py) counts it unknown, not merely a holder."""
         evidence: dict[str, object] = {"undecided": True} if undecided else {}
-        return _Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
+        return Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 
     def dead_owner_tie(self, proc: ProcessInfo, gpu: GpuInfo) -> dict[str, object] | None:
         """A dead or zombie PID listed on ``gpu`` that is its parent, group or session."""

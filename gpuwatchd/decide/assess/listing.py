@@ -6,56 +6,41 @@ descend from a dead one, and the roles of listed processes whose device files do
 
 from __future__ import annotations
 
-from gpuwatchd.core.model import FindingKind
-from gpuwatchd.decide.assess.shared import _AssessorState
+from gpuwatchd.core.model import FindingKind, GpuInfo
+from gpuwatchd.decide.assess.host_view import Listing
+from gpuwatchd.decide.assess.shared import AssessorState
 
 
-class _ListingPass(_AssessorState):
+class ListingPass(AssessorState):
     """The NVML listings of every GPU."""
 
     def assess_listings(self) -> None:
         host = self.host
         for gpu in host.gpus:
             for row in host.listings[gpu.uuid]:
-                pid, used = row.entry.pid, row.entry.used_memory
+                pid = row.entry.pid
                 if row.status == "dead":
                     heirs = self.heirs_of(pid)
-                    self.add(
-                        FindingKind.DEAD_PROCESS,
-                        gpu,
-                        pid,
-                        None,
+                    self.add_listed(
+                        FindingKind.DEAD_PROCESS, row, gpu, None,
                         f"NVML lists PID {pid} on GPU {gpu.index}, but no such process exists"
                         + (f"; {len(heirs)} live process(es) descend from it" if heirs else ""),
-                        memory=used,
-                        evidence={
-                            "used_memory": used,
-                            "process_kind": row.entry.kind,
-                            "heirs": heirs,
-                            "seen_alive": any(i.pid == pid for i in self.lineage),
-                        },
-                    )
+                        process_kind=row.entry.kind, heirs=heirs,
+                        seen_alive=any(i.pid == pid for i in self.lineage),
+                    )  # fmt: skip
                     continue
                 proc = row.proc
                 if proc is None:  # never: only dead rows lack their process
                     continue
                 if row.status == "zombie":
                     holding = host.holds_anything(pid)
-                    self.add(
-                        FindingKind.ZOMBIE,
-                        gpu,
-                        pid,
-                        proc.start_ticks,
+                    self.add_listed(
+                        FindingKind.ZOMBIE, row, gpu, proc.start_ticks,
                         f"NVML lists zombie PID {pid} on GPU {gpu.index}; its parent "
                         f"{proc.ppid if proc.ppid is not None else '(unknown)'} must reap it",
-                        memory=used,
-                        evidence={
-                            "used_memory": used,
-                            "ppid": proc.ppid,
-                            "parent_cmdline": self.cmdline_of(proc.ppid),
-                            "holds_device_files": holding,
-                        },
-                    )
+                        ppid=proc.ppid, parent_cmdline=self.cmdline_of(proc.ppid),
+                        holds_device_files=holding,
+                    )  # fmt: skip
                     if holding:
                         self.role(pid, gpu, "context_owner", None, "zombie leader; live threads")
                     continue
@@ -74,6 +59,15 @@ class _ListingPass(_AssessorState):
                         None,
                         "listed by NVML but holds no device file of this GPU (PID reused?)",
                     )
+
+    def add_listed(
+        self, kind: FindingKind, row: Listing, gpu: GpuInfo, start_ticks: int | None, reason: str,
+        **evidence: object,
+    ) -> None:  # fmt: skip
+        """A finding about a listed process: its listed memory leads its evidence."""
+        used = row.entry.used_memory
+        evidence = {"used_memory": used, **evidence}
+        self.add(kind, gpu, row.entry.pid, start_ticks, reason, memory=used, evidence=evidence)
 
     def heirs_of(self, dead_pid: int) -> list[int]:
         heirs = []

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.core.model import (
-    FindingKind,
-    GpuInfo,
-)
+from gpuwatchd.core.model import FindingKind, GpuInfo
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess.shared import _AssessorState, _mib
+from gpuwatchd.decide.assess.shared import AssessorState, mib
 
 
-class _MemoryPass(_AssessorState):
+class MemoryPass(AssessorState):
     """GPU-level memory findings."""
 
     def assess_memory(self) -> None:
@@ -71,7 +68,7 @@ class _MemoryPass(_AssessorState):
         if suspects:
             why_not.append(f"PID(s) {_pids(suspects)} could not be read (unknown is not none)")
         if why_not:
-            self.note(gpu, f"{_mib(excess)} above baseline but not ghost: " + "; ".join(why_not))
+            self.note(gpu, f"{mib(excess)} above baseline but not ghost: " + "; ".join(why_not))
             return
         dead = [row.entry.pid for row in host.listings[gpu.uuid]]
         self.add(
@@ -79,7 +76,7 @@ class _MemoryPass(_AssessorState):
             gpu,
             None,
             None,
-            f"GPU {gpu.index} has {_mib(figure)} allocated, {_mib(excess)} above its "
+            f"GPU {gpu.index} has {mib(figure)} allocated, {mib(excess)} above its "
             f"{'learned' if learned else 'default'} idle baseline, and no live process holds it",
             memory=excess,
             evidence={
@@ -122,8 +119,8 @@ class _MemoryPass(_AssessorState):
             gpu,
             None,
             None,
-            f"GPU {gpu.index} has {_mib(memory.allocated)} allocated but its live context owners "
-            f"account for {_mib(accounted)}; {_mib(excess)} is unexplained",
+            f"GPU {gpu.index} has {mib(memory.allocated)} allocated but its live context owners "
+            f"account for {mib(accounted)}; {mib(excess)} is unexplained",
             memory=excess,
             informational=True,
             evidence={

@@ -11,13 +11,13 @@ In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.holders import _HolderPass
-from gpuwatchd.decide.assess.listing import _ListingPass
-from gpuwatchd.decide.assess.memory import _MemoryPass
+from gpuwatchd.decide.assess.holders import HolderPass
+from gpuwatchd.decide.assess.listing import ListingPass
+from gpuwatchd.decide.assess.memory import MemoryPass
 from gpuwatchd.decide.assess.shared import NODE, Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health
@@ -31,8 +31,12 @@ from gpuwatchd.decide.mig.instances import (
 from gpuwatchd.decide.policy import Detection, HealthPolicy
 
 
-class _Assessor(_ListingPass, _HolderPass, _MemoryPass):
+class _Assessor(ListingPass, HolderPass, MemoryPass):
     """One assessment: the listing, holder and memory passes over one shared state."""
+
+
+Refused = Mapping[str, Mapping[str, object]]  # GPU UUID -> a refused reset's evidence
+ProcessPasses = Callable[[Snapshot, AssessState, Detection, Refused], Assessment]
 
 
 def assess(
@@ -40,8 +44,9 @@ def assess(
     previous: AssessState,
     detection: Detection,
     *,
-    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+    driver_refused: Refused | None = None,
     health_policy: HealthPolicy | None = None,
+    processes: ProcessPasses | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state.
 
@@ -52,9 +57,11 @@ def assess(
     built-in ones).
 
     Pure: reads only its arguments. Processes whose job is known to be over
-    (:func:`job_ended`) are ``abandoned``.
+    (:func:`job_ended`) are ``abandoned``. ``processes`` stands in for
+    :func:`assess_processes` (``Reuse`` passes the one that remembers the last poll's).
     """
-    result = assess_processes(snapshot, previous, detection, driver_refused=driver_refused)
+    passes = processes or assess_processes
+    result = passes(snapshot, previous, detection, driver_refused or {})
     return with_health(result, snapshot, previous, health_policy)
 
 
@@ -62,8 +69,7 @@ def assess_processes(
     snapshot: Snapshot,
     previous: AssessState,
     detection: Detection,
-    *,
-    driver_refused: Mapping[str, Mapping[str, object]] | None = None,
+    driver_refused: Refused | None = None,
 ) -> Assessment:
     """:func:`assess` without GPU health: the findings about processes and memory, the roles,
     and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from gpuwatchd.core.model import Snapshot
-from gpuwatchd.decide.assess.passes import assess_processes, with_health
+from gpuwatchd.decide.assess.passes import Refused, assess, assess_processes
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.policy import Detection, HealthPolicy, Policy
+from gpuwatchd.decide.policy import Detection, Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
 
 _TIMES = frozenset({"monotonic", "wall_time"})
@@ -39,7 +40,7 @@ class _Assessed:
     snapshot: Snapshot
     given: tuple[object, ...]  # the state it was given, health aside
     detection: Detection
-    driver_refused: Mapping[str, Mapping[str, object]]
+    driver_refused: Refused
     result: Assessment
     stable: bool  # it returned the state it was given (health aside)
 
@@ -68,15 +69,15 @@ class Reuse:
         self.hits = 0
 
     def assess(
-        self,
-        snapshot: Snapshot,
-        previous: AssessState,
-        detection: Detection,
-        *,
-        driver_refused: Mapping[str, Mapping[str, object]] | None = None,
-        health_policy: HealthPolicy | None = None,
+        self, snapshot: Snapshot, previous: AssessState, detection: Detection, **options: Any
     ) -> Assessment:
-        refused = driver_refused or {}
+        """:func:`assess` (``options`` are its keywords) with the process passes remembered."""
+        return assess(snapshot, previous, detection, processes=self._processes, **options)
+
+    def _processes(
+        self, snapshot: Snapshot, previous: AssessState, detection: Detection, refused: Refused
+    ) -> Assessment:
+        """:func:`assess_processes`, or its last result when its inputs are the same."""
         given = _without_health(previous)
         last = self._assessed
         if (
@@ -88,18 +89,11 @@ class Reuse:
             and same_but_time(last.snapshot, snapshot)
         ):
             self.hits += 1
-            result = last.result
-        else:
-            result = assess_processes(snapshot, previous, detection, driver_refused=refused)
-            self._assessed = _Assessed(
-                snapshot,
-                given,
-                detection,
-                dict(refused),
-                result,
-                _without_health(result.state) == given,
-            )
-        return with_health(result, snapshot, previous, health_policy)
+            return last.result
+        result = assess_processes(snapshot, previous, detection, refused)
+        stable = _without_health(result.state) == given
+        self._assessed = _Assessed(snapshot, given, detection, dict(refused), result, stable)
+        return result
 
     def judge(
         self,

@@ -1,7 +1,7 @@
 """What the passes of an assessment share: the results, PID trust, and the assessor's state.
 
 This module owns ``Assessment`` and ``HolderRole``, PID trust and the report-only conditions,
-and ``_AssessorState``: what one assessment carries while its passes run (the indexed snapshot,
+and ``AssessorState``: what one assessment carries while its passes run (the indexed snapshot,
 lineage, inheritance, baselines, owners, findings, roles, notes) with the helpers every pass
 uses (``add``, ``role``, ``add_stuck``, baselines, memory without an owner).
 """
@@ -21,11 +21,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess.baselines import (
-    V1_BASELINE_SUFFIX,
-    learn_baselines,
-    memory_figure,
-)
+from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, learn_baselines, memory_figure
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.state import (
     AssessState,
@@ -147,7 +143,7 @@ def _report_only(host: HostView, trust_problem: str | None) -> dict[str, str]:
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     """The classification of one process that holds device files."""
 
     role: str
@@ -158,7 +154,7 @@ class _Outcome:
     evidence: dict[str, object] = field(default_factory=dict)
 
 
-class _AssessorState:
+class AssessorState:
     """One assessment's state while its passes run (``assess.py`` composes the passes)."""
 
     def __init__(
@@ -311,5 +307,6 @@ class _AssessorState:
         )
 
 
-def _mib(value: int | None) -> str:
+def mib(value: int | None) -> str:
+    """An amount of memory for a finding's text."""
     return "an unknown amount of" if value is None else f"{value // MIB} MiB"

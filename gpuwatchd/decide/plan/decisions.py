@@ -15,42 +15,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    Snapshot,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, Snapshot
+from gpuwatchd.core.vocabulary import EventName, HookName, LadderStatus, Level
 from gpuwatchd.decide.health.judge import HEALTH_KINDS
-from gpuwatchd.decide.plan.health import _consider_health
+from gpuwatchd.decide.plan.health import consider_health
 from gpuwatchd.decide.plan.intents import (
+    Ctx,
     HookIntent,
     PlanResult,
-    _Ctx,
-    _dry,
-    _finding_fields,
-    _Work,
+    Work,
+    finding_fields,
+    is_dry_run,
     target_key,
 )
-from gpuwatchd.decide.plan.ladders import (
-    _advance_ladders,
-    _consider_process_finding,
-    _expire_latches,
-)
-from gpuwatchd.decide.plan.resets import (
-    _consider_reset,
-    _node_block,
-    _review_refusals,
-)
-from gpuwatchd.decide.plan.state import (
-    PlanState,
-    SeenFinding,
-)
+from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
+from gpuwatchd.decide.plan.resets import consider_reset, node_block, review_refusals
+from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 
 HOUR = 3600.0
@@ -68,11 +48,11 @@ def plan(
     self_ancestors: frozenset[int] = frozenset(),
 ) -> PlanResult:
     """Decide what to do this poll. Pure: the same inputs give the same result."""
-    w = _Work(state)
+    w = Work(state)
     w.rebase_wall(wall)
     _check_boot(w, snapshot)
     current = {f.key: f for f in findings}
-    ctx = _Ctx(
+    ctx = Ctx(
         snapshot=snapshot,
         policy=policy,
         now=now,
@@ -81,10 +61,10 @@ def plan(
         self_ancestors=self_ancestors,
         findings=current,
         quiet_before={g: t for g, t in w.quiet_until.items() if t > now},
-        blocked=_node_block(snapshot),
+        blocked=node_block(snapshot),
     )
     w.quiet_until = dict(ctx.quiet_before)
-    if _dry(w, ctx):
+    if is_dry_run(w, ctx):
         w.shadow.prune(now=now, wall=wall, window=policy.reset.window, findings=current,
                        ladders=w.ladders)  # fmt: skip
         for scope, why, lasted in w.shadow.expire(wall, policy.limits.kill_cap_latch):
@@ -95,17 +75,17 @@ def plan(
         w.reset_refusals = {g: r for g, r in w.reset_refusals.items() if not r.dry_run}
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]
-    _expire_latches(w, ctx)
-    _review_refusals(w, ctx)
+    expire_latches(w, ctx)
+    review_refusals(w, ctx)
     _track_findings(w, ctx)
     _watch_lost_gpus(w, ctx)
-    _advance_ladders(w, ctx)
+    advance_ladders(w, ctx)
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.pid is not None:
-            _consider_process_finding(w, ctx, finding)
+            consider_process_finding(w, ctx, finding)
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind == FindingKind.GHOST_MEMORY and finding.gpu is not None:
-            _consider_reset(w, ctx, finding)
+            consider_reset(w, ctx, finding)
     # GPU health (decide/health/judge.py): drain, then reset; reboot; drain.
     w.health_waits = {g: wait for g, wait in w.health_waits.items() if wait.finding_key in current}
     # A GPU stays drained while any of its health findings lasts: one incident, one drain.
@@ -113,13 +93,13 @@ def plan(
     w.health_drained = {g: dry for g, dry in w.health_drained.items() if g in unhealthy}
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind in HEALTH_KINDS and finding.gpu is not None:
-            _consider_health(w, ctx, finding)
+            consider_health(w, ctx, finding)
     # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
 
 
-def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
+def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
     """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure.
 
     Whatever it held is out of reach now (its findings resolve for want of readings), so this
@@ -138,12 +118,15 @@ def _watch_lost_gpus(w: _Work, ctx: _Ctx) -> None:
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         w.intents.append(
             HookIntent(
-                HookName.ON_FAILURE, f"{gpu.uuid} is lost and needs a reboot", fields, _dry(w, ctx)
+                HookName.ON_FAILURE,
+                f"{gpu.uuid} is lost and needs a reboot",
+                fields,
+                is_dry_run(w, ctx),
             )
         )
 
 
-def _check_boot(w: _Work, snapshot: Snapshot) -> None:
+def _check_boot(w: Work, snapshot: Snapshot) -> None:
     old = w.state.boot_id
     new = snapshot.boot_id
     if new is None:
@@ -174,7 +157,7 @@ def _check_boot(w: _Work, snapshot: Snapshot) -> None:
     w.state = replace(w.state, boot_id=new)
 
 
-def _track_findings(w: _Work, ctx: _Ctx) -> None:
+def _track_findings(w: Work, ctx: Ctx) -> None:
     for key, finding in sorted(ctx.findings.items()):
         digest = f"{finding.reason}|actionable={finding.actionable}"
         seen = w.seen.get(key)
@@ -187,7 +170,7 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
                 level,
                 actionable=finding.actionable,
                 evidence=dict(finding.evidence),
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
         elif seen.digest != digest:
             w.seen[key] = replace(seen, digest=digest)
@@ -196,7 +179,7 @@ def _track_findings(w: _Work, ctx: _Ctx) -> None:
                 Level.INFO,
                 actionable=finding.actionable,
                 lasted=ctx.now - seen.first_seen,
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
     for key in sorted(set(w.seen) - set(ctx.findings)):
         seen = w.seen.pop(key)

@@ -8,49 +8,42 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    HookName,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind
+from gpuwatchd.core.vocabulary import EventName, HookName, Level
 from gpuwatchd.decide.health.judge import drain_blockers
 from gpuwatchd.decide.plan.intents import (
+    Ctx,
     HookIntent,
-    _Ctx,
-    _dry,
-    _finding_fields,
-    _hold_reason,
-    _Work,
+    Work,
+    finding_fields,
+    hold_reason,
+    is_dry_run,
 )
 from gpuwatchd.decide.plan.resets import (
-    _ESCALATING,
-    _escalating,
-    _gates,
-    _history_blocker,
-    _say,
-    _start_reset,
+    ESCALATING,
+    escalating,
+    history_blocker,
+    say_once,
+    snapshot_gates,
+    start_reset,
 )
 from gpuwatchd.decide.plan.state import HealthWait
 from gpuwatchd.decide.targets import gpu_by_uuid
 
 
-def _health_once(w: _Work, finding: Finding, what: str) -> bool:
+def _health_once(w: Work, finding: Finding, what: str) -> bool:
     """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""
     return w.noted(finding.key, what)
 
 
-def _drained_already(w: _Work, uuid: str, dry: bool) -> bool:
+def _drained_already(w: Work, uuid: str, dry: bool) -> bool:
     """Whether this GPU's health incident ran its drain hooks already (a real drain covers a
     later dry run too; a dry run's does not cover a real one)."""
     earlier = w.health_drained.get(uuid)
     return earlier is not None and (not earlier or dry)
 
 
-def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> None:
+def _drain_hooks(w: Work, ctx: Ctx, finding: Finding, why: str, dry: bool) -> None:
     """The ``reset.drain`` hooks, at most once per health incident of the GPU: a finding that
     follows another on the same GPU (DRAIN_P2P settling to GPU_RESET) finds it drained."""
     uuid = finding.gpu or ""
@@ -61,14 +54,14 @@ def _drain_hooks(w: _Work, ctx: _Ctx, finding: Finding, why: str, dry: bool) -> 
         # The GPU's bus id and minor too: a drain hook may name the GPU by any placeholder.
         gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
         facts = {
-            **_finding_fields(finding),
+            **finding_fields(finding),
             "pci_bus_id": None if gpu is None else gpu.pci_bus_id,
             "minor": None if gpu is None else gpu.minor,
         }
         w.intents.append(HookIntent(HookName.RESET_DRAIN, why, facts, dry_run=dry))
 
 
-def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
     """What a health finding leads to (docs/policy.md#health). Never a signal to a job.
 
     ``reboot_required``: said once (critical), ``on_failure`` and drain hooks once, no reset.
@@ -79,9 +72,9 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     health = ctx.policy.health
     if not health.enabled or finding.gpu is None:
         return
-    dry = _dry(w, ctx)
+    dry = is_dry_run(w, ctx)
     act = health.action != "report" and ctx.blocked is None and not w.state.paused
-    fields = _finding_fields(finding)
+    fields = finding_fields(finding)
     if not finding.actionable:
         # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
         if _health_once(w, finding, "health:report"):
@@ -110,11 +103,11 @@ def _consider_health(w: _Work, ctx: _Ctx, finding: Finding) -> None:
     _consider_health_reset(w, ctx, finding, dry)
 
 
-def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> None:
+def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> None:
     uuid = finding.gpu or ""
-    refusal, blockers = _gates(ctx, finding)
+    refusal, blockers = snapshot_gates(ctx, finding)
     if refusal is not None:
-        _say(w, finding, refusal)
+        say_once(w, finding, refusal)
         return
     gpu = gpu_by_uuid(ctx.snapshot, uuid)
     if gpu is None:
@@ -122,26 +115,20 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
     blockers += drain_blockers(
         gpu, ctx.snapshot, device_isolation=ctx.policy.health.device_isolation
     )
-    if _escalating(w, uuid):
-        blockers.append(_ESCALATING)
+    if escalating(w, uuid):
+        blockers.append(ESCALATING)
     timeout = ctx.policy.health.drain_timeout
     wait = w.health_waits.get(uuid)
     if wait is None or wait.dry_run != dry:
-        hold = _hold_reason(w, ctx)
+        hold = hold_reason(w, ctx)
         if hold is not None:
-            _say(w, finding, (EventName.RESET_REFUSED, Level.INFO, hold))
+            say_once(w, finding, (EventName.RESET_REFUSED, Level.INFO, hold))
             return
         wait = HealthWait(finding.key, ctx.now, dry)
         w.health_waits[uuid] = wait
-        w.event(
-            EventName.HEALTH_DRAIN_STARTED,
-            Level.WARNING,
-            blockers=blockers,
-            timeout=timeout,
-            dry_run=dry,
-            drained_already=_drained_already(w, uuid, dry),
-            **_finding_fields(finding),
-        )
+        w.event(EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=blockers,
+                timeout=timeout, dry_run=dry, drained_already=_drained_already(w, uuid, dry),
+                **finding_fields(finding))  # fmt: skip
         _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
     if blockers:
         if wait.expired:
@@ -150,7 +137,7 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
             w.health_waits[uuid] = replace(wait, expired=True)
             held = "; ".join(blockers)
             why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
-            facts = {**_finding_fields(finding), "blockers": blockers}
+            facts = {**finding_fields(finding), "blockers": blockers}
             w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
             w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
             return
@@ -161,11 +148,11 @@ def _consider_health_reset(w: _Work, ctx: _Ctx, finding: Finding, dry: bool) -> 
                 Level.INFO,
                 blockers=blockers,
                 until=wait.since + timeout,
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
         return
-    blocker = _history_blocker(w, ctx, finding, gpu)
+    blocker = history_blocker(w, ctx, finding, gpu)
     if blocker is not None:
-        _say(w, finding, blocker)
+        say_once(w, finding, blocker)
         return
-    _start_reset(w, ctx, finding, gpu, "GPU health asks for a reset", drained=True)
+    start_reset(w, ctx, finding, gpu, "GPU health asks for a reset", drained=True)

@@ -1,7 +1,7 @@
 """What the planner returns and the scratch state of one planning call.
 
-This module owns the intents (signal, reset, hook), the events, ``PlanResult``, and ``_Work`` /
-``_Ctx``: the state one call of ``plan`` shares between its ladders, resets and health actions,
+This module owns the intents (signal, reset, hook), the events, ``PlanResult``, and ``Work`` /
+``Ctx``: the state one call of ``plan`` shares between its ladders, resets and health actions,
 with the small helpers every one of them reads (dry-run, preview, hold, kill-cap scope).
 """
 
@@ -17,6 +17,7 @@ from gpuwatchd.core.model import (
     ProcessInfo,
     Snapshot,
     SubIdRange,
+    fields_of,
 )
 from gpuwatchd.core.vocabulary import (
     ActionOutcome,
@@ -28,10 +29,7 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.shadow import ShadowWork
-from gpuwatchd.decide.plan.state import (
-    Ladder,
-    PlanState,
-)
+from gpuwatchd.decide.plan.state import LADDER_EVENT_FIELDS, Ladder, PlanState
 from gpuwatchd.decide.policy import Policy
 
 
@@ -106,7 +104,7 @@ class PlanResult:
     state: PlanState
 
 
-def _move(lad: Ladder, status: LadderStatus) -> Ladder:
+def end_ladder(lad: Ladder, status: LadderStatus) -> Ladder:
     """The ladder in a terminal ``status``, nothing due; an illegal transition raises."""
     return replace(lad, status=check_ladder_transition(lad.status, status), due=None)
 
@@ -115,7 +113,8 @@ def target_key(identity: ProcessIdentity) -> str:
     return f"{identity.pid}@{identity.start_ticks}"
 
 
-def _finding_fields(finding: Finding) -> dict[str, object]:
+def finding_fields(finding: Finding) -> dict[str, object]:
+    """A finding's fields as every planner event about it carries them."""
     return {
         "finding": finding.key,
         "kind": finding.kind.value,
@@ -127,7 +126,7 @@ def _finding_fields(finding: Finding) -> dict[str, object]:
     }
 
 
-class _Work:
+class Work:
     """The mutable scratch copy of a PlanState while one call decides."""
 
     def __init__(self, state: PlanState) -> None:
@@ -202,7 +201,10 @@ class _Work:
 
 
 @dataclass(frozen=True)
-class _Ctx:
+class Ctx:
+    """What one call of ``plan`` decides from, read-only: the snapshot, policy, clocks and
+    this poll's findings; the state it changes is :class:`Work`'s."""
+
     snapshot: Snapshot
     policy: Policy
     now: float
@@ -214,7 +216,7 @@ class _Ctx:
     blocked: str | None  # a node-wide reason no action may be taken this poll
 
 
-def _dry(w: _Work, ctx: _Ctx, scope: str | None = None) -> bool:
+def is_dry_run(w: Work, ctx: Ctx, scope: str | None = None) -> bool:
     """Whether intents are dry runs: by policy, the node's kill-cap latch, or (for a target's
     signals) the latch of the user it belongs to."""
     if ctx.policy.dry_run or w.state.forced_dry_run:
@@ -237,32 +239,25 @@ def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ())
     return f"uid:{uid}"
 
 
-def _previewing(w: _Work, ctx: _Ctx) -> bool:
+def previewing(w: Work, ctx: Ctx) -> bool:
     """A policy's dry run, which keeps the would-be kill cap (shadow.py); under the dry run
     the real kill cap forced, enforcement's own latch is already there."""
     return ctx.policy.dry_run and not w.state.forced_dry_run
 
 
-def _hold_reason(w: _Work, ctx: _Ctx) -> str | None:
+def hold_reason(w: Work, ctx: Ctx) -> str | None:
+    """Why no action may start now (paused, or a node-wide block); None: none."""
     if w.state.paused:
         return "paused" + (f" ({w.state.paused_reason})" if w.state.paused_reason else "")
     return ctx.blocked
 
 
-def _ladder_fields(lad: Ladder) -> dict[str, object]:
-    return {
-        "target": lad.target,
-        "pid": lad.pid,
-        "start_ticks": lad.start_ticks,
-        "finding": lad.finding_key,
-        "rule": lad.rule,
-        "gpu": lad.gpu,
-        "step": lad.step,
-        "dry_run": lad.dry_run,
-    }
+def ladder_fields(lad: Ladder) -> dict[str, object]:
+    """A ladder's fields as every event about its target carries them."""
+    return fields_of(lad, LADDER_EVENT_FIELDS)
 
 
-def _action_ended(
+def action_ended(
     lad: Ladder, outcome: ActionOutcome, why: str, *, signalled: int | None = None
 ) -> tuple[HookIntent, ...]:
     """The ``on_action`` notification for a ladder that just ended, if it acted for real.
@@ -273,6 +268,6 @@ def _action_ended(
     sent = lad.steps[: lad.step if signalled is None else signalled]
     if lad.dry_run or not any(signal is not None for signal, _wait in sent):
         return ()
-    facts = {**_ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user,
+    facts = {**ladder_fields(lad), "action": "signal", "outcome": outcome, "user": lad.user,
              "why": why}  # fmt: skip
     return (HookIntent(HookName.ON_ACTION, f"{lad.target}: {outcome} ({why})", facts),)

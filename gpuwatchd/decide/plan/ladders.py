@@ -10,47 +10,29 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    ProcessIdentity,
-    ProcessInfo,
-)
-from gpuwatchd.core.vocabulary import (
-    ActionOutcome,
-    EventName,
-    HookName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, ProcessInfo
+from gpuwatchd.core.vocabulary import ActionOutcome, EventName, HookName, LadderStatus, Level
 from gpuwatchd.decide.plan.intents import (
+    Ctx,
     HookIntent,
     SignalIntent,
-    _action_ended,
-    _Ctx,
-    _dry,
-    _finding_fields,
-    _hold_reason,
-    _ladder_fields,
-    _move,
-    _previewing,
-    _Work,
+    Work,
+    action_ended,
+    end_ladder,
+    finding_fields,
+    hold_reason,
+    is_dry_run,
     kill_cap_scope,
+    ladder_fields,
+    previewing,
     target_key,
 )
-from gpuwatchd.decide.plan.state import (
-    Ladder,
-    Latch,
-)
+from gpuwatchd.decide.plan.state import Ladder, Latch
 from gpuwatchd.decide.spares import spare_reason
-from gpuwatchd.decide.targets import (
-    process_facts,
-    refusal,
-    rule_for,
-)
+from gpuwatchd.decide.targets import process_facts, refusal, rule_for
 
 
-def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
+def _stuck_finding(ctx: Ctx, target: str) -> Finding | None:
     for finding in ctx.findings.values():
         identity = finding.identity
         if finding.kind == FindingKind.STUCK and identity and target_key(identity) == target:
@@ -58,7 +40,8 @@ def _stuck_finding(ctx: _Ctx, target: str) -> Finding | None:
     return None
 
 
-def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
+def advance_ladders(w: Work, ctx: Ctx) -> None:
+    """Move every ladder on: a target gone, reused or a zombie ends it; a live one steps."""
     for target, lad in sorted(w.ladders.items()):
         proc = ctx.snapshot.processes.get(lad.pid)
         if proc is None:
@@ -77,7 +60,7 @@ def _advance_ladders(w: _Work, ctx: _Ctx) -> None:
         _advance_live_ladder(w, ctx, lad, proc)
 
 
-def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> None:
+def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> None:
     """One poll of a ladder whose target is alive and still the same process."""
     target = lad.target
     finding = ctx.findings.get(lad.finding_key) or _successor(ctx, lad, proc)
@@ -88,7 +71,7 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         w.ladders[target] = lad
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     if lad.status is not LadderStatus.ACTIVE:
-        if lad.dry_run and not _dry(w, ctx, scope) and _hold_reason(w, ctx) is None:
+        if lad.dry_run and not is_dry_run(w, ctx, scope) and hold_reason(w, ctx) is None:
             _restart_after_dry_run(w, lad)
         return
     stuck = _stuck_finding(ctx, target)
@@ -113,47 +96,47 @@ def _advance_live_ladder(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo) ->
         if proc.is_uninterruptible:
             _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
         else:
-            w.ladders[target] = _move(lad, LadderStatus.ENDED)
+            w.ladders[target] = end_ladder(lad, LadderStatus.ENDED)
             survived = "target still alive after the last step"
             w.event(
                 EventName.ESCALATION_ENDED,
                 Level.INFO if lad.dry_run else Level.ERROR,
                 why=survived,
-                **_ladder_fields(lad),
+                **ladder_fields(lad),
                 **process_facts(proc),
             )
-            w.intents.extend(_action_ended(lad, ActionOutcome.SURVIVED, survived))
+            w.intents.extend(action_ended(lad, ActionOutcome.SURVIVED, survived))
         return
-    hold = _hold_reason(w, ctx)
+    hold = hold_reason(w, ctx)
     if hold is None:
         # An administrator's spare holds the ladder (it goes on when the spare ends).
         spared = spare_reason(
             proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes
         )
         hold = None if spared is None else f"spare: {spared}"
-    if hold is None and _dry(w, ctx, scope) and not lad.dry_run:
+    if hold is None and is_dry_run(w, ctx, scope) and not lad.dry_run:
         capped = w.state.forced_dry_run or scope in w.scope_latches
         hold = "dry_run (kill cap engaged)" if capped else "dry_run"
-    if hold is None and _previewing(w, ctx) and w.shadow.holds(lad.target, scope):
+    if hold is None and previewing(w, ctx) and w.shadow.holds(lad.target, scope):
         hold = "dry_run (kill cap engaged)"  # where enforcement's latch would hold it
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
-            w.event(EventName.ACTION_REFUSED, Level.INFO, why=hold, **_ladder_fields(lad))
+            w.event(EventName.ACTION_REFUSED, Level.INFO, why=hold, **ladder_fields(lad))
         return
-    if lad.dry_run and not _dry(w, ctx, scope):
+    if lad.dry_run and not is_dry_run(w, ctx, scope):
         _restart_after_dry_run(w, lad)
         return
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
-        w.ladders[target] = _move(lad, LadderStatus.FAILED)
-        w.event(EventName.ACTION_REFUSED, Level.WARNING, why=why, **_ladder_fields(lad))
-        w.intents.extend(_action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
+        w.ladders[target] = end_ladder(lad, LadderStatus.FAILED)
+        w.event(EventName.ACTION_REFUSED, Level.WARNING, why=why, **ladder_fields(lad))
+        w.intents.extend(action_ended(lad, ActionOutcome.FAILED, f"refused: {why}"))
         return
     _emit_step(w, ctx, lad, proc, finding)
 
 
-def _successor(ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
+def _successor(ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
     """Another actionable finding about the ladder's target that some rule selects."""
     for finding in sorted(ctx.findings.values(), key=lambda f: f.key):
         identity = finding.identity
@@ -164,15 +147,15 @@ def _successor(ctx: _Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
     return None
 
 
-def _restart_after_dry_run(w: _Work, lad: Ladder) -> None:
+def _restart_after_dry_run(w: Work, lad: Ladder) -> None:
     """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
     target starts over, for real, from step 1."""
     del w.ladders[lad.target]
-    w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **_ladder_fields(lad))
+    w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **ladder_fields(lad))
 
 
 def _close(
-    w: _Work,
+    w: Work,
     lad: Ladder,
     name: str,
     level: Level,
@@ -183,50 +166,44 @@ def _close(
     """Drop the ladder; an active one says why, and tells ``on_action`` of its ``outcome``."""
     w.ladders.pop(lad.target, None)
     if lad.status is LadderStatus.ACTIVE:
-        w.event(name, level, why=why, **_ladder_fields(lad))
+        w.event(name, level, why=why, **ladder_fields(lad))
         if outcome is not None:
-            w.intents.extend(_action_ended(lad, outcome, why))
+            w.intents.extend(action_ended(lad, outcome, why))
 
 
-def _freed(w: _Work, lad: Ladder, why: str) -> None:
+def _freed(w: Work, lad: Ladder, why: str) -> None:
     _close(w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, why, outcome=ActionOutcome.FREED)
 
 
 def _zombie_event(
-    w: _Work, key: str, ppid: int | None, pid: int, gpu: str | None, *, force: bool = False
+    w: Work, key: str, ppid: int | None, pid: int, gpu: str | None, *, force: bool = False
 ) -> None:
     if w.noted(key, "zombie") or force:
-        w.event(
-            EventName.ZOMBIE_NEEDS_REAP,
-            Level.WARNING,
-            finding=key,
-            pid=pid,
-            gpu=gpu,
-            parent=ppid,
-            why="a zombie holds nothing and cannot be signalled; its parent must reap it",
-        )
+        why = "a zombie holds nothing and cannot be signalled; its parent must reap it"
+        w.event(EventName.ZOMBIE_NEEDS_REAP, Level.WARNING, finding=key, pid=pid, gpu=gpu,
+                parent=ppid, why=why)  # fmt: skip
 
 
-def _mark_stuck(w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
-    w.ladders[lad.target] = _move(lad, LadderStatus.STUCK)
-    facts = {**_ladder_fields(lad), **process_facts(proc)}
+def _mark_stuck(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, why: str) -> None:
+    w.ladders[lad.target] = end_ladder(lad, LadderStatus.STUCK)
+    facts = {**ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
     w.intents.append(
-        HookIntent(HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=_dry(w, ctx))
+        HookIntent(
+            HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=is_dry_run(w, ctx)
+        )
     )
     if lad.status is LadderStatus.ACTIVE:
-        w.intents.extend(_action_ended(lad, ActionOutcome.STUCK, why))
+        w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))
 
 
-def _emit_step(
-    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
-) -> None:
+def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding) -> None:
     signal, wait = lad.steps[lad.step]
     number = lad.step + 1
     lad = replace(lad, step=number, due=ctx.now + wait)
     w.ladders[lad.target] = lad
-    facts = {**_finding_fields(finding), **process_facts(proc)}
-    fields = {**_ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
+    facts = {**finding_fields(finding), **process_facts(proc)}
+    fields = {**ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
     # info: the action itself (action.signal) is the one warning line, real or would-be.
     w.event(EventName.ESCALATION_STEP_DUE, Level.INFO, **fields)
     w.waiting[lad.finding_key] = ctx.now + wait
@@ -241,7 +218,7 @@ def _emit_step(
         w.signal_history.append((lad.target, ctx.now))
         w.signal_scopes[lad.target] = scope
         w.new_targets[scope] = w.new_targets.get(scope, 0) + 1
-    elif _previewing(w, ctx):
+    elif previewing(w, ctx):
         w.shadow.count(lad.target, kill_cap_scope(proc, ctx.snapshot.subuid_ranges), ctx.now)
     w.intents.append(
         SignalIntent(
@@ -258,12 +235,12 @@ def _emit_step(
     )
 
 
-def _refuse(w: _Work, key: str, why: str, level: Level, finding: Finding) -> None:
+def _refuse(w: Work, key: str, why: str, level: Level, finding: Finding) -> None:
     if w.noted(key, why):
-        w.event(EventName.ACTION_REFUSED, level, why=why, **_finding_fields(finding))
+        w.event(EventName.ACTION_REFUSED, level, why=why, **finding_fields(finding))
 
 
-def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
+def _cap_exceeded(w: Work, ctx: Ctx, scope: str) -> tuple[str, str] | None:
     """(the scope latched: ``scope`` or "node", why) when one more target would pass a cap."""
     limits = ctx.policy.limits
     if len(w.signal_history) + 1 > limits.node_max_signalled_per_hour:
@@ -277,7 +254,7 @@ def _cap_exceeded(w: _Work, ctx: _Ctx, scope: str) -> tuple[str, str] | None:
     return None
 
 
-def _held(since: float, since_monotonic: float | None, ctx: _Ctx) -> tuple[float, float]:
+def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
     """How long a latch has held, and its anchor on the plan's monotonic clock: measured there,
     so a wall clock step changes nothing. A latch without an anchor (an older state file, or
     set before this boot) is anchored once by the wall time it has held (none, if negative)."""
@@ -286,7 +263,7 @@ def _held(since: float, since_monotonic: float | None, ctx: _Ctx) -> tuple[float
     return ctx.now - since_monotonic, since_monotonic
 
 
-def _expire_latches(w: _Work, ctx: _Ctx) -> None:
+def expire_latches(w: Work, ctx: Ctx) -> None:
     """Kill-cap latches last ``limits.kill_cap_latch`` (on the monotonic clock, :func:`_held`);
     then they lift, with a warning. A latch from a state file that did not record its start
     starts counting now."""
@@ -298,13 +275,8 @@ def _expire_latches(w: _Work, ctx: _Ctx) -> None:
         else:
             lasted, anchor = _held(since, w.state.forced_since_monotonic, ctx)
             if lasted >= lasts:
-                w.event(
-                    EventName.LIMITS_KILL_CAP_EXPIRED,
-                    Level.WARNING,
-                    scope="node",
-                    why=w.state.forced_reason,
-                    lasted=lasted,
-                )
+                w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.WARNING, scope="node",
+                        why=w.state.forced_reason, lasted=lasted)  # fmt: skip
                 w.state = replace(
                     w.state,
                     forced_dry_run=False,
@@ -318,18 +290,14 @@ def _expire_latches(w: _Work, ctx: _Ctx) -> None:
         lasted, anchor = _held(latch.since, latch.since_monotonic, ctx)
         if lasted >= lasts:
             del w.scope_latches[scope]
-            w.event(
-                EventName.LIMITS_KILL_CAP_EXPIRED,
-                Level.WARNING,
-                scope=scope,
-                why=latch.reason,
-                lasted=lasted,
-            )
+            w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.WARNING, scope=scope,
+                    why=latch.reason, lasted=lasted)  # fmt: skip
         else:
             w.scope_latches[scope] = replace(latch, since_monotonic=anchor)
 
 
-def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
+    """Whether a process finding starts a kill ladder now (confirmed, a rule, the gates)."""
     key = finding.key
     proc = None if finding.pid is None else ctx.snapshot.processes.get(finding.pid)
     if finding.kind == FindingKind.ZOMBIE or (proc is not None and proc.is_zombie):
@@ -353,13 +321,13 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 Level.DEBUG,
                 rule=pending_rule.name,
                 due=first_seen + pending_rule.for_,
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
         return
     if finding.kind != FindingKind.STUCK and all(step.signal is None for step in rule.steps):
         if w.noted(key, f"report:{rule.name}"):
             w.event(
-                EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name, **_finding_fields(finding)
+                EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name, **finding_fields(finding)
             )
         return
     why = _gate(w, ctx, finding, proc)
@@ -380,11 +348,11 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
                 Level.DEBUG,
                 why="post_action_delay",
                 until=until,
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
         return
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
-    dry = _dry(w, ctx, scope)
+    dry = is_dry_run(w, ctx, scope)
     lad = Ladder(
         target=target,
         pid=identity.pid,
@@ -408,7 +376,7 @@ def _consider_process_finding(w: _Work, ctx: _Ctx, finding: Finding) -> None:
 
 
 def _kill_caps(
-    w: _Work, ctx: _Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
+    w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
 ) -> Ladder:
     """A new ladder against the kill caps (its owner's scope and the node's): past one, a
     real ladder starts as a dry run and the latch engages; a policy's dry run books the same
@@ -438,10 +406,10 @@ def _kill_caps(
                 user=None if proc is None else proc.user,
                 until=ctx.wall + ctx.policy.limits.kill_cap_latch,
                 signalled_this_hour=len(w.signal_history),
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
             lad = replace(lad, dry_run=True)
-    elif _previewing(w, ctx):
+    elif previewing(w, ctx):
         capped = w.shadow.admit(target, scope, ctx.policy.limits, ctx.wall)
         if capped is not None:
             latched, over = capped
@@ -454,13 +422,13 @@ def _kill_caps(
                 until=ctx.wall + ctx.policy.limits.kill_cap_latch,
                 dry_run=True,
                 signalled_this_hour=len(w.shadow.signalled),
-                **_finding_fields(finding),
+                **finding_fields(finding),
             )
     return lad
 
 
 def _gate(
-    w: _Work, ctx: _Ctx, finding: Finding, proc: ProcessInfo | None
+    w: Work, ctx: Ctx, finding: Finding, proc: ProcessInfo | None
 ) -> tuple[str, Level] | None:
     """Why a new ladder may not start now (text, level), or None."""
     if not finding.actionable:

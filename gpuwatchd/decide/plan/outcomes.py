@@ -27,17 +27,13 @@ from gpuwatchd.decide.plan.intents import (
     PlanResult,
     ResetIntent,
     SignalIntent,
-    _action_ended,
-    _ladder_fields,
-    _move,
-    _Work,
+    Work,
+    action_ended,
+    end_ladder,
+    ladder_fields,
     target_key,
 )
-from gpuwatchd.decide.plan.state import (
-    MigUnfinished,
-    PlanState,
-    ResetRefusal,
-)
+from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetRefusal
 
 
 def record_signal(
@@ -55,7 +51,7 @@ def record_signal(
         return PlanResult((), (ev,), state)
     ladders = dict(state.ladders)
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, base)]
-    fields = {**_ladder_fields(lad), "outcome": outcome}
+    fields = {**ladder_fields(lad), "outcome": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     intents: tuple[Intent, ...] = ()
     if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
@@ -66,7 +62,7 @@ def record_signal(
         del ladders[target]
         events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, {**fields, "why": outcome}))
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
-        intents = _action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
+        intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
             events.append(
                 Event(
@@ -81,9 +77,9 @@ def record_signal(
             Event(EventName.ESCALATION_ABORTED, Level.WARNING, {**fields, "why": outcome})
         )
     else:  # denied / failed: never retried
-        ladders[target] = _move(lad, LadderStatus.FAILED)
+        ladders[target] = end_ladder(lad, LadderStatus.FAILED)
         events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, {**fields, "why": outcome}))
-        intents = _action_ended(lad, ActionOutcome.FAILED, outcome)
+        intents = action_ended(lad, ActionOutcome.FAILED, outcome)
     return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
 
@@ -98,9 +94,9 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
     events: tuple[Event, ...] = ()
     intents: tuple[Intent, ...] = ()
     if lad.status is LadderStatus.ACTIVE:
-        fields = {**_ladder_fields(lad), "why": "target exited", "after": now - lad.started}
+        fields = {**ladder_fields(lad), "why": "target exited", "after": now - lad.started}
         events = (Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields),)
-        intents = _action_ended(lad, ActionOutcome.FREED, "target exited")
+        intents = action_ended(lad, ActionOutcome.FREED, "target exited")
     return PlanResult(intents, events, replace(state, ladders=ladders, waiting=waiting))
 
 
@@ -117,11 +113,11 @@ def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: flo
     lad = state.ladders.get(target)
     if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
         return PlanResult((), (), state)
-    ladders = {**state.ladders, target: _move(lad, LadderStatus.ENDED)}
+    ladders = {**state.ladders, target: end_ladder(lad, LadderStatus.ENDED)}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     why = "would-be SIGKILL: assumed to end the target (dry run)"
-    fields = {**_ladder_fields(lad), "why": why, "after": now - lad.started}
-    facts = {**_ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
+    fields = {**ladder_fields(lad), "why": why, "after": now - lad.started}
+    facts = {**ladder_fields(lad), "action": "signal", "outcome": ActionOutcome.FREED,
              "user": lad.user}  # fmt: skip
     notify = HookIntent(HookName.ON_ACTION, f"{target}: {ActionOutcome.FREED} ({why})", facts,
                         dry_run=True)  # fmt: skip
@@ -149,7 +145,7 @@ def _reset_action(
     )
 
 
-def _reset_came_back(w: _Work, intent: ResetIntent, undrained: bool) -> float:
+def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
     """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was
     not the one in flight). ``undrained``: it succeeded (or a dry run's would have), so its
     after hooks undid the drain — an undrain hook learns the result and keeps the node
@@ -180,6 +176,77 @@ def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, objec
     return fields
 
 
+def _refusal_key(intent: ResetIntent) -> str:
+    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
+    (another instance's refusal of the same GPU must not overwrite it)."""
+    return intent.gpu if intent.instance is None else intent.instance.mig_uuid
+
+
+def _book_dry_run(
+    w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, would_succeed: bool
+) -> None:
+    """A dry run's reset: assumed done when it would have succeeded, else held as refused."""
+    w.last_dry_reset[intent.gpu] = wall
+    if would_succeed:
+        w.shadow.book_reset(intent.gpu, intent.finding_key, wall)
+        assumed = "success: assumed for the decisions that follow (dry run)"
+        w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        return
+    # Enforcement's final scan would have found the GPU held as well: the incident is held as
+    # enforcement's would be (drain and before hooks once), in the preview only.
+    why = "a dry run's final holder scan found the GPU held"
+    w.reset_refusals[_refusal_key(intent)] = ResetRefusal(
+        intent.finding_key, why, False, wall, dry_run=True
+    )
+    w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
+
+
+def _book_refusal(
+    w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, *, in_use: bool
+) -> None:
+    """Refused, not failed: aborted before the command ran (the final holder scan found a
+    holder, a hook failed), or the driver said "in use" although no scan saw a holder. No
+    history, no failure, no breaker; the cooldown applies, and this incident's reset (with its
+    drain and before hooks) is not tried again until something changes."""
+    w.last_reset[intent.gpu] = wall
+    why = (
+        "the driver refused: in use by another client that no holder scan found"
+        if in_use
+        else "refused by the reset procedure"
+    )
+    if not intent.dry_run:
+        w.reset_refusals[_refusal_key(intent)] = ResetRefusal(intent.finding_key, why, in_use, wall)
+    w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
+
+
+def _book_attempt(
+    w: Work, intent: ResetIntent, outcome: ResetResult, fields: Mapping[str, object], wall: float
+) -> None:
+    """A reset whose command ran: it counts in the history; a failure (or a timeout) counts
+    towards the circuit breaker and runs on_failure, a success resets the count."""
+    gpu = intent.gpu
+    w.last_reset[gpu] = wall
+    w.reset_history.append((gpu, wall))
+    if outcome is ResetResult.SUCCESS:
+        w.state = replace(w.state, reset_failures=0)
+        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
+        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
+        return
+    failures = w.state.reset_failures + 1
+    w.state = replace(w.state, reset_failures=failures)
+    w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
+    w.intents.append(
+        HookIntent(
+            HookName.ON_FAILURE,
+            f"reset of {gpu} {outcome}",
+            {**fields, "failures": failures},
+            dry_run=intent.dry_run,
+        )
+    )
+    w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
+
+
 def record_reset(
     state: PlanState,
     intent: ResetIntent,
@@ -200,66 +267,18 @@ def record_reset(
     if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)
-    w = _Work(state)
+    w = Work(state)
     w.rebase_wall(wall)
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
-    # A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
-    # (another instance's refusal of the same GPU must not overwrite it).
-    refused = gpu if intent.instance is None else intent.instance.mig_uuid
     fields = _booked_fields(intent, outcome)
     if outcome is ResetResult.DRY_RUN:
-        w.last_dry_reset[gpu] = wall
-        if would_succeed:
-            w.shadow.book_reset(gpu, intent.finding_key, wall)
-            assumed = "success: assumed for the decisions that follow (dry run)"
-            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed=assumed, **fields)
-            w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
-        else:
-            # Enforcement's final scan would have found the GPU held as well: the incident is
-            # held as enforcement's would be (drain and before hooks once), in the preview only.
-            why = "a dry run's final holder scan found the GPU held"
-            w.reset_refusals[refused] = ResetRefusal(
-                intent.finding_key, why, False, wall, dry_run=True
-            )
-            w.event(EventName.RESET_DRY_RUN, Level.INFO, assumed="refused", **fields)
+        _book_dry_run(w, intent, fields, wall, would_succeed)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):
-        # Refused, not failed: aborted before the command ran (the final holder scan found a
-        # holder, a hook failed), or the driver said "in use" although no scan saw a holder.
-        # No history, no failure, no breaker; the cooldown applies, and this incident's reset
-        # (with its drain and before hooks) is not tried again until something changes.
-        w.last_reset[gpu] = wall
-        in_use = outcome is ResetResult.IN_USE
-        why = (
-            "the driver refused: in use by another client that no holder scan found"
-            if in_use
-            else "refused by the reset procedure"
-        )
-        if not intent.dry_run:
-            w.reset_refusals[refused] = ResetRefusal(intent.finding_key, why, in_use, wall)
-        w.event(EventName.RESET_REFUSED, Level.WARNING, why=why, hidden_holder=in_use, **fields)
-    elif outcome is ResetResult.SUCCESS:
-        w.last_reset[gpu] = wall
-        w.reset_history.append((gpu, wall))
-        w.state = replace(w.state, reset_failures=0)
-        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
-        w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
-    else:  # failed / timeout
-        w.last_reset[gpu] = wall
-        w.reset_history.append((gpu, wall))
-        failures = w.state.reset_failures + 1
-        w.state = replace(w.state, reset_failures=failures)
-        w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
-        w.intents.append(
-            HookIntent(
-                HookName.ON_FAILURE,
-                f"reset of {gpu} {outcome}",
-                {**fields, "failures": failures},
-                dry_run=intent.dry_run,
-            )
-        )
-        w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
+        _book_refusal(w, intent, fields, wall, in_use=outcome is ResetResult.IN_USE)
+    else:
+        _book_attempt(w, intent, outcome, fields, wall)
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):

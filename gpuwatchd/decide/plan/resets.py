@@ -15,17 +15,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatchd.core.model import (
-    Finding,
-    FindingKind,
-    GpuInfo,
-    Snapshot,
-)
-from gpuwatchd.core.vocabulary import (
-    EventName,
-    LadderStatus,
-    Level,
-)
+from gpuwatchd.core.model import Finding, FindingKind, GpuInfo, Snapshot
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.floor import live_holder
 from gpuwatchd.decide.kinds import LIVE_HOLDER
 from gpuwatchd.decide.mig.instances import WHOLE_GPU, busy_instances, parent_of
@@ -36,23 +27,21 @@ from gpuwatchd.decide.mig.recovery import (
     recovery_of,
 )
 from gpuwatchd.decide.plan.intents import (
+    Ctx,
     ResetIntent,
-    _Ctx,
-    _dry,
-    _finding_fields,
-    _hold_reason,
-    _Work,
+    Work,
+    finding_fields,
+    hold_reason,
+    is_dry_run,
 )
 from gpuwatchd.decide.plan.monitors import describe_monitor, monitor_entry
 from gpuwatchd.decide.plan.state import ResetInFlight
 from gpuwatchd.decide.policy import Monitor, Policy
-from gpuwatchd.decide.targets import (
-    gpu_by_uuid,
-    gpu_protected,
-)
+from gpuwatchd.decide.targets import gpu_by_uuid, gpu_protected
 
 
-def _node_block(snapshot: Snapshot) -> str | None:
+def node_block(snapshot: Snapshot) -> str | None:
+    """Why no action may be taken on this node this poll (NVML, namespaces); None: none."""
     if not snapshot.nvml.available:
         return "NVML unavailable"
     if snapshot.nvml.wedged:
@@ -65,7 +54,7 @@ def _node_block(snapshot: Snapshot) -> str | None:
 REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count as a change
 
 
-def _review_refusals(w: _Work, ctx: _Ctx) -> None:
+def review_refusals(w: Work, ctx: Ctx) -> None:
     """A refused incident may be tried again once something changed: its finding is gone (the
     incident is over; a new one starts afresh), or the GPU's allocated memory (a MIG GPU
     instance's own, for its re-creation) moved by :data:`REFUSAL_MEMORY_CHANGE` or more (a
@@ -91,17 +80,11 @@ def _review_refusals(w: _Work, ctx: _Ctx) -> None:
             why = _holder_let_go(w, ctx, uuid)
         if why is not None:
             del w.reset_refusals[uuid]
-            w.event(
-                EventName.RESET_REFUSAL_CLEARED,
-                Level.INFO,
-                gpu=uuid,
-                finding=held.finding_key,
-                in_use=held.in_use,
-                why=why,
-            )
+            w.event(EventName.RESET_REFUSAL_CLEARED, Level.INFO, gpu=uuid,
+                    finding=held.finding_key, in_use=held.in_use, why=why)  # fmt: skip
 
 
-def _review_unfinished(w: _Work, ctx: _Ctx) -> None:
+def _review_unfinished(w: Work, ctx: Ctx) -> None:
     """A MIG recovery left half done is over once this snapshot shows an instance of its GI
     profile at its placement on its GPU again (re-created by hand, say): its GPU may be clean."""
     left = dict(w.state.mig_unfinished)
@@ -119,7 +102,7 @@ def _review_unfinished(w: _Work, ctx: _Ctx) -> None:
         w.state = replace(w.state, mig_unfinished=left)
 
 
-def _holder_let_go(w: _Work, ctx: _Ctx, uuid: str) -> str | None:
+def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
     """A reset refused while something held the GPU (a monitor that started during the
     procedure holds no memory, so its coming and going moves none) is tried again once a live
     holder was seen on the GPU after the refusal and has let go."""
@@ -134,7 +117,7 @@ def _holder_let_go(w: _Work, ctx: _Ctx, uuid: str) -> str | None:
     return None
 
 
-def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:
+def _refused_memory(ctx: Ctx, uuid: str, finding_key: str) -> int | None:
     """The allocated memory a refused reset of ``uuid`` (a GPU, or one of its MIG GPU
     instances) watches: the GPU's own, or, for the re-creation of an instance, that
     instance's (the other instances' users come and go and say nothing about it)."""
@@ -148,13 +131,13 @@ def _refused_memory(ctx: _Ctx, uuid: str, finding_key: str) -> int | None:
     return None if memory is None else memory.allocated
 
 
-def _say(w: _Work, finding: Finding, said: tuple[str, Level, str]) -> None:
+def say_once(w: Work, finding: Finding, said: tuple[str, Level, str]) -> None:
     """Log a reset decision (event name, level, why) once per finding until it changes."""
     name, level, why = said
     # The circuit breaker is node-wide: said once, not once per GPU.
     key = "node:circuit" if name == EventName.RESET_CIRCUIT_OPEN else finding.key
     if w.noted(key, f"{name}:{why}"):
-        w.event(name, level, why=why, **_finding_fields(finding))
+        w.event(name, level, why=why, **finding_fields(finding))
 
 
 @dataclass(frozen=True)
@@ -239,7 +222,7 @@ def reset_gates(
 
     uuid = finding.gpu or ""
     gpu = gpu_by_uuid(snapshot, finding.gpu)
-    blocked = _node_block(snapshot)
+    blocked = node_block(snapshot)
     if not finding.actionable:
         gate("not_actionable", "not_actionable")
     if uuid in report_only and not _mig_reset_asked(finding, report_only[uuid], policy):
@@ -322,12 +305,12 @@ def instance_recovery(snapshot: Snapshot, finding: Finding) -> InstanceRecovery 
 
 
 def _reset_blocker(
-    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo | None
+    w: Work, ctx: Ctx, finding: Finding, gpu: GpuInfo | None
 ) -> tuple[str, Level, str] | None:
     """Why this ghost_memory finding may not lead to a reset now: (event, level, why)."""
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
-    refusal, holders = _gates(ctx, finding)
+    refusal, holders = snapshot_gates(ctx, finding)
     if refusal is not None:
         return refusal
     if gpu is None:
@@ -338,15 +321,15 @@ def _reset_blocker(
         return EventName.RESET_CONFIRMING, Level.DEBUG, f"confirming for {reset.confirm_for:g}s"
     if holders:
         return refused, Level.INFO, holders[0]
-    if _escalating(w, finding.gpu or gpu.uuid):  # an instance: its own ladders only
-        return refused, Level.INFO, f"live holder: {_ESCALATING}"
-    return _history_blocker(w, ctx, finding, gpu)
+    if escalating(w, finding.gpu or gpu.uuid):  # an instance: its own ladders only
+        return refused, Level.INFO, f"live holder: {ESCALATING}"
+    return history_blocker(w, ctx, finding, gpu)
 
 
-_ESCALATING = "an escalation on this GPU is in progress"
+ESCALATING = "an escalation on this GPU is in progress"
 
 
-def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, list[str]]:
+def snapshot_gates(ctx: Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, list[str]]:
     """The reset gates of ``finding`` (:func:`reset_gates`, shared with ``explain``): the first
     refusal that is not a live holder as (event, level, why), and the live holders' reasons."""
     gates = reset_gates(
@@ -361,13 +344,13 @@ def _gates(ctx: _Ctx, finding: Finding) -> tuple[tuple[str, Level, str] | None, 
     return refusal, [g.why for g in gates if g.name in holding]
 
 
-def _escalating(w: _Work, uuid: str) -> bool:
+def escalating(w: Work, uuid: str) -> bool:
     """A kill ladder is under way on this GPU: a reset must wait for it."""
     return any(lad.gpu == uuid and lad.status is LadderStatus.ACTIVE for lad in w.ladders.values())
 
 
-def _history_blocker(
-    w: _Work, ctx: _Ctx, finding: Finding, gpu: GpuInfo
+def history_blocker(
+    w: Work, ctx: Ctx, finding: Finding, gpu: GpuInfo
 ) -> tuple[str, Level, str] | None:
     """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
     pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
@@ -400,7 +383,7 @@ def _history_blocker(
         why = f"circuit open after {w.state.reset_failures} failed reset(s); clear it by hand"
         return EventName.RESET_CIRCUIT_OPEN, Level.CRITICAL, why
     recent = [t for g, t in w.reset_history if g == uuid and ctx.wall - t < reset.window]
-    if _dry(w, ctx):
+    if is_dry_run(w, ctx):
         if finding.key in w.shadow.done:
             why = "dry run: a would-be reset is assumed to have dealt with it already"
             return refused, Level.INFO, why
@@ -409,13 +392,13 @@ def _history_blocker(
         why = f"{len(recent)} reset(s) of this GPU within {reset.window:g}s"
         return EventName.RESET_LIMIT_REACHED, Level.WARNING, why
     last = w.last_reset.get(gpu.uuid)
-    if _dry(w, ctx) and gpu.uuid in w.last_dry_reset:
+    if is_dry_run(w, ctx) and gpu.uuid in w.last_dry_reset:
         last = max(last if last is not None else -math.inf, w.last_dry_reset[gpu.uuid])
     if last is not None and ctx.wall - last < reset.cooldown:
         return refused, Level.DEBUG, "cooldown"
     if w.state.reset_in_flight is not None:
         return refused, Level.INFO, "another reset is in flight"
-    hold = _hold_reason(w, ctx)
+    hold = hold_reason(w, ctx)
     if hold is not None:
         return refused, Level.INFO, hold
     for quiet in dict.fromkeys((gpu.uuid, finding.gpu)):  # an instance's, and its GPU's
@@ -425,7 +408,8 @@ def _history_blocker(
     return None
 
 
-def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
+def consider_reset(w: Work, ctx: Ctx, finding: Finding) -> None:
+    """Whether a ghost-memory finding starts a reset now: the gates, then the reset."""
     if not ctx.policy.reset.enabled or finding.gpu is None:
         return
     gpu = gpu_by_uuid(ctx.snapshot, finding.gpu)
@@ -433,7 +417,7 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         gpu = mig[0]  # a MIG GPU instance: its parent's limits, cooldown and history
     blocker = _reset_blocker(w, ctx, finding, gpu)
     if blocker is not None:
-        _say(w, finding, blocker)
+        say_once(w, finding, blocker)
         return
     if gpu is None:
         return  # _reset_blocker refused it already; this is for the type checker
@@ -443,14 +427,14 @@ def _consider_reset(w: _Work, ctx: _Ctx, finding: Finding) -> None:
         instance = instance_recovery(ctx.snapshot, finding)
         if instance is None:
             return  # the gates refused it already; this is for the type checker
-        _start_reset(w, ctx, finding, gpu, why, instance=instance)
+        start_reset(w, ctx, finding, gpu, why, instance=instance)
         return
-    _start_reset(w, ctx, finding, gpu, why)
+    start_reset(w, ctx, finding, gpu, why)
 
 
-def _start_reset(
-    w: _Work,
-    ctx: _Ctx,
+def start_reset(
+    w: Work,
+    ctx: Ctx,
     finding: Finding,
     gpu: GpuInfo,
     why: str,
@@ -461,10 +445,10 @@ def _start_reset(
     """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
     (``drained``: the drain hooks ran already, before the health wait), and for the
     re-creation of one MIG GPU instance of ``gpu`` (``instance``)."""
-    dry = _dry(w, ctx)
+    dry = is_dry_run(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {
-        **_finding_fields(finding),
+        **finding_fields(finding),
         "gpu": gpu.uuid,
         "pci_bus_id": gpu.pci_bus_id,
         "minor": gpu.minor,

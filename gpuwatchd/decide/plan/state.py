@@ -12,8 +12,9 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.state`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpuwatchd.core.checked import flag as _bool
 from gpuwatchd.core.checked import integer as _int
@@ -25,8 +26,11 @@ from gpuwatchd.core.checked import opt_number as _opt_float
 from gpuwatchd.core.checked import opt_text as _opt_str
 from gpuwatchd.core.checked import pairs as _pairs
 from gpuwatchd.core.checked import text as _str
+from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
 from gpuwatchd.decide.plan.shadow import DryShadow
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -203,22 +207,17 @@ class PlanState:
 # every value read back is checked, so a damaged file is a ValueError, never a wrong decision.
 
 
+# A ladder's fields in its events, and (with the rest, in this order) in the state file.
+LADDER_EVENT_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
+                       "step", "dry_run")  # fmt: skip
+_LADDER_FILE_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
+                       "steps", "step", "due", "status", "dry_run", "started", "user")  # fmt: skip
+
+
 def _dump_ladder(lad: Ladder) -> dict[str, object]:
-    return {
-        "target": lad.target,
-        "pid": lad.pid,
-        "start_ticks": lad.start_ticks,
-        "finding": lad.finding_key,
-        "rule": lad.rule,
-        "gpu": lad.gpu,
-        "steps": [[sig, wait] for sig, wait in lad.steps],
-        "step": lad.step,
-        "due": lad.due,
-        "status": lad.status,
-        "dry_run": lad.dry_run,
-        "started": lad.started,
-        "user": lad.user,
-    }
+    # "steps" keeps its place in the file's order; its pairs become lists.
+    steps = [[sig, wait] for sig, wait in lad.steps]
+    return {**fields_of(lad, _LADDER_FILE_FIELDS), "steps": steps}
 
 
 def _dump_state(s: PlanState) -> dict[str, object]:
@@ -304,33 +303,24 @@ def _dump_state(s: PlanState) -> dict[str, object]:
     }
 
 
-def _load_ladder(value: object, what: str) -> Ladder:
-    d = _obj(value, what)
+def _ladder(f: _Fields) -> Ladder:
+    d, what = f.data, f.what
     steps = []
     for i, item in enumerate(_list(d.get("steps"), f"{what}.steps")):
         pair = _list(item, f"{what}.steps[{i}]")
         if len(pair) != 2:
             raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
         steps.append((_opt_str(pair[0], f"{what}.steps[{i}]"), _float(pair[1], what)))
-    status = _str(d.get("status"), f"{what}.status")
-    step = _int(d.get("step"), f"{what}.step")
+    status = f(_str, "status")
+    step = f(_int, "step")
     if status not in set(LadderStatus) or not 0 <= step <= len(steps):
         raise ValueError(f"{what}: invalid status or step")
-    return Ladder(
-        target=_str(d.get("target"), f"{what}.target"),
-        pid=_int(d.get("pid"), f"{what}.pid"),
-        start_ticks=_int(d.get("start_ticks"), f"{what}.start_ticks"),
-        finding_key=_str(d.get("finding"), f"{what}.finding"),
-        rule=_str(d.get("rule"), f"{what}.rule"),
-        gpu=_opt_str(d.get("gpu"), f"{what}.gpu"),
-        steps=tuple(steps),
-        step=step,
-        due=_opt_float(d.get("due"), f"{what}.due"),
-        status=LadderStatus(status),
-        dry_run=_bool(d.get("dry_run"), f"{what}.dry_run"),
-        started=_float(d.get("started"), f"{what}.started"),
-        user=_opt_str(d.get("user"), f"{what}.user"),  # absent in older state files: unknown
-    )
+    # "user" is absent in older state files: unknown
+    return Ladder(target=f(_str, "target"), pid=f(_int, "pid"), start_ticks=f(_int, "start_ticks"),
+                  finding_key=f(_str, "finding"), rule=f(_str, "rule"), gpu=f(_opt_str, "gpu"),
+                  steps=tuple(steps), step=step, due=f(_opt_float, "due"),
+                  status=LadderStatus(status), dry_run=f(_bool, "dry_run"),
+                  started=f(_float, "started"), user=f(_opt_str, "user"))  # fmt: skip
 
 
 def _load_state(data: object) -> PlanState:
@@ -338,26 +328,9 @@ def _load_state(data: object) -> PlanState:
     version = d.get("version", PLAN_STATE_VERSION)
     if version != PLAN_STATE_VERSION:
         raise ValueError(f"plan: unsupported state version {version!r}")
-    seen = {}
-    for k, v in _obj(d.get("seen", {}), "plan.seen").items():
-        e = _obj(v, f"plan.seen.{k}")
-        seen[k] = SeenFinding(
-            first_seen=_float(e.get("first_seen"), f"plan.seen.{k}.first_seen"),
-            digest=_str(e.get("digest"), f"plan.seen.{k}.digest"),
-            gpu=_opt_str(e.get("gpu"), f"plan.seen.{k}.gpu"),
-            target=_opt_str(e.get("target"), f"plan.seen.{k}.target"),
-        )
-    flight_data = d.get("reset_in_flight")
-    flight = None
-    if flight_data is not None:
-        f = _obj(flight_data, "plan.reset_in_flight")
-        flight = ResetInFlight(
-            gpu=_str(f.get("gpu"), "plan.reset_in_flight.gpu"),
-            finding_key=_str(f.get("finding"), "plan.reset_in_flight.finding"),
-            dry_run=_bool(f.get("dry_run"), "plan.reset_in_flight.dry_run"),
-            since=_float(f.get("since"), "plan.reset_in_flight.since"),
-            delay=_float(f.get("delay", 0.0), "plan.reset_in_flight.delay"),
-        )
+    seen = _records(d.get("seen", {}), "plan.seen", _seen)
+    flight = d.get("reset_in_flight")
+    in_flight = None if flight is None else _in_flight(_Fields(flight, "plan.reset_in_flight"))
     failures = _int(d.get("reset_failures", 0), "plan.reset_failures")
     if failures < 0:
         raise ValueError("plan.reset_failures: negative")
@@ -366,17 +339,14 @@ def _load_state(data: object) -> PlanState:
         seen=seen,
         notes={k: _str(v, f"plan.notes.{k}") for k, v in _obj(d.get("notes", {}), "notes").items()},
         waiting=_floats(d.get("waiting", {}), "plan.waiting"),
-        ladders={
-            k: _load_ladder(v, f"plan.ladders.{k}")
-            for k, v in _obj(d.get("ladders", {}), "plan.ladders").items()
-        },
+        ladders=_records(d.get("ladders", {}), "plan.ladders", _ladder),
         quiet_until=_floats(d.get("quiet_until", {}), "plan.quiet_until"),
         last_reset=_floats(d.get("last_reset", {}), "plan.last_reset"),
         last_dry_reset=_floats(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
         reset_history=_pairs(d.get("reset_history", []), "plan.reset_history"),
         reset_failures=failures,
         circuit_open=_bool(d.get("circuit_open", False), "plan.circuit_open"),
-        reset_in_flight=flight,
+        reset_in_flight=in_flight,
         signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
         forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
         forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
@@ -388,82 +358,74 @@ def _load_state(data: object) -> PlanState:
             k: _str(v, f"plan.signal_scopes.{k}")
             for k, v in _obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
         },
-        scope_latches=_load_latches(d.get("scope_latches", {})),
+        scope_latches=_records(d.get("scope_latches", {}), "plan.scope_latches", _latch),
         paused=_bool(d.get("paused", False), "plan.paused"),
         paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
         paused_until=_opt_float(d.get("paused_until"), "plan.paused_until"),
         last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
-        health_waits=_load_health_waits(d.get("health_waits", {})),
-        reset_refusals=_load_refusals(d.get("reset_refusals", {})),
+        health_waits=_records(d.get("health_waits", {}), "plan.health_waits", _health_wait),
+        reset_refusals=_records(d.get("reset_refusals", {}), "plan.reset_refusals", _refusal),
         health_drained={
             gpu: _bool(dry, f"plan.health_drained.{gpu}")
             for gpu, dry in _obj(d.get("health_drained", {}), "plan.health_drained").items()
         },
-        mig_unfinished=_load_unfinished(d.get("mig_unfinished", {})),
+        mig_unfinished=_records(d.get("mig_unfinished", {}), "plan.mig_unfinished", _unfinished),
         shadow=DryShadow.from_json(d.get("shadow")),
     )
 
 
-def _load_unfinished(value: object) -> dict[str, MigUnfinished]:
-    unfinished = {}
-    for mig, item in _obj(value, "plan.mig_unfinished").items():
-        what = f"plan.mig_unfinished.{mig}"
-        e = _obj(item, what)
-        unfinished[mig] = MigUnfinished(
-            gpu=_str(e.get("gpu"), f"{what}.gpu"),
-            gi=_int(e.get("gi"), f"{what}.gi"),
-            profile=_int(e.get("profile"), f"{what}.profile"),
-            placement=_int(e.get("placement"), f"{what}.placement"),
-            size=_int(e.get("size"), f"{what}.size"),
-            since=_float(e.get("since"), f"{what}.since"),
-            outcome=_str(e.get("outcome"), f"{what}.outcome"),
-        )
-    return unfinished
+class _Fields:
+    """One saved record's fields, each read by a checker with its path in the error."""
+
+    def __init__(self, value: object, what: str) -> None:
+        self.data = _obj(value, what)
+        self.what = what
+
+    def __call__(self, read: Callable[[object, str], _T], key: str, default: object = None) -> _T:
+        return read(self.data.get(key, default), f"{self.what}.{key}")
 
 
-def _load_refusals(value: object) -> dict[str, ResetRefusal]:
-    refusals = {}
-    for gpu, item in _obj(value, "plan.reset_refusals").items():
-        what = f"plan.reset_refusals.{gpu}"
-        e = _obj(item, what)
-        allocated = e.get("allocated")
-        refusals[gpu] = ResetRefusal(
-            finding_key=_str(e.get("finding"), f"{what}.finding"),
-            reason=_str(e.get("reason"), f"{what}.reason"),
-            in_use=_bool(e.get("in_use"), f"{what}.in_use"),
-            since=_float(e.get("since"), f"{what}.since"),
-            allocated=None if allocated is None else _int(allocated, f"{what}.allocated"),
-            dry_run=_bool(e.get("dry_run", False), f"{what}.dry_run"),
-            held=_bool(e.get("held", False), f"{what}.held"),
-        )
-    return refusals
+def _records(value: object, what: str, load: Callable[[_Fields], _T]) -> dict[str, _T]:
+    """A saved ``{key: record}`` mapping, each record read by ``load``."""
+    return {key: load(_Fields(item, f"{what}.{key}")) for key, item in _obj(value, what).items()}
 
 
-def _load_latches(value: object) -> dict[str, Latch]:
-    latches = {}
-    for scope, item in _obj(value, "plan.scope_latches").items():
-        what = f"plan.scope_latches.{scope}"
-        e = _obj(item, what)
-        latches[scope] = Latch(
-            reason=_str(e.get("reason"), f"{what}.reason"),
-            since=_float(e.get("since"), f"{what}.since"),
-            since_monotonic=_opt_float(e.get("since_monotonic"), f"{what}.since_monotonic"),
-        )
-    return latches
+def _seen(f: _Fields) -> SeenFinding:
+    return SeenFinding(first_seen=f(_float, "first_seen"), digest=f(_str, "digest"),
+                       gpu=f(_opt_str, "gpu"), target=f(_opt_str, "target"))  # fmt: skip
 
 
-def _load_health_waits(value: object) -> dict[str, HealthWait]:
-    waits = {}
-    for gpu, item in _obj(value, "plan.health_waits").items():
-        what = f"plan.health_waits.{gpu}"
-        e = _obj(item, what)
-        waits[gpu] = HealthWait(
-            finding_key=_str(e.get("finding"), f"{what}.finding"),
-            since=_float(e.get("since"), f"{what}.since"),
-            dry_run=_bool(e.get("dry_run"), f"{what}.dry_run"),
-            expired=_bool(e.get("expired", False), f"{what}.expired"),
-        )
-    return waits
+def _in_flight(f: _Fields) -> ResetInFlight:
+    return ResetInFlight(gpu=f(_str, "gpu"), finding_key=f(_str, "finding"),
+                         dry_run=f(_bool, "dry_run"), since=f(_float, "since"),
+                         delay=f(_float, "delay", 0.0))  # fmt: skip
+
+
+def _opt_int(value: object, what: str) -> int | None:
+    return None if value is None else _int(value, what)
+
+
+def _unfinished(f: _Fields) -> MigUnfinished:
+    return MigUnfinished(gpu=f(_str, "gpu"), gi=f(_int, "gi"), profile=f(_int, "profile"),
+                         placement=f(_int, "placement"), size=f(_int, "size"),
+                         since=f(_float, "since"), outcome=f(_str, "outcome"))  # fmt: skip
+
+
+def _refusal(f: _Fields) -> ResetRefusal:
+    return ResetRefusal(finding_key=f(_str, "finding"), reason=f(_str, "reason"),
+                        in_use=f(_bool, "in_use"), since=f(_float, "since"),
+                        allocated=f(_opt_int, "allocated"), dry_run=f(_bool, "dry_run", False),
+                        held=f(_bool, "held", False))  # fmt: skip
+
+
+def _latch(f: _Fields) -> Latch:
+    return Latch(reason=f(_str, "reason"), since=f(_float, "since"),
+                 since_monotonic=f(_opt_float, "since_monotonic"))  # fmt: skip
+
+
+def _health_wait(f: _Fields) -> HealthWait:
+    return HealthWait(finding_key=f(_str, "finding"), since=f(_float, "since"),
+                      dry_run=f(_bool, "dry_run"), expired=f(_bool, "expired", False))  # fmt: skip
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

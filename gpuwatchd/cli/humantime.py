@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-from gpuwatchd.config.units import parse_duration
-
 
 def duration(seconds: object) -> str:
     """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.
@@ -39,6 +37,10 @@ def duration(seconds: object) -> str:
 def for_seconds(text: str, *, command: str, limit: str, maximum: float) -> float:
     """``COMMAND --for TEXT`` in seconds, from 1s to ``maximum`` (the policy's ``limit``).
     Raises ConfigError when TEXT is no duration, ValueError when it is out of range."""
+    # Imported here: the config reader brings PyYAML, which a scan never loads
+    # (tests/system/test_scan_imports.py); only pause and spare read a duration.
+    from gpuwatchd.config.units import parse_duration
+
     seconds = parse_duration(text, where="--for")
     if not 1 <= seconds <= maximum:
         raise ValueError(

@@ -393,7 +393,7 @@ def test_a_gpu_left_dirty_drains_with_our_reason_and_the_timer_lifts_it_once_cle
     cluster.sh(f"runuser -u slurm -- scontrol update nodename={NODE} reason='Epilog error'")
     assert cluster.node()["Reason"].startswith("Epilog error [slurm@")
     cluster.idle()
-    cluster.wait_idle("the timer to lift our drain", timeout=30)
+    cluster.wait_idle("the timer to lift our drain", timeout=60)
     assert cluster.sinfo_reasons() == []
     lifted = [
         str(e.get("MESSAGE", ""))

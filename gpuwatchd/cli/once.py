@@ -12,7 +12,7 @@ from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
-from gpuwatchd.core.checked import as_map as _as_map
+from gpuwatchd.core.checked import as_map
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
@@ -40,7 +40,7 @@ def daemon_busy(
     findings = report.get("findings")
     keyed = {
         str(f.get("key")): f
-        for f in (_as_map(item) for item in (findings if isinstance(findings, list) else []))
+        for f in (as_map(item) for item in (findings if isinstance(findings, list) else []))
         if f.get("gpu") in dirty and isinstance(f.get("key"), str)
     }
     busy = [
@@ -63,18 +63,18 @@ def describe_findings(findings: list[Mapping[str, object]]) -> str:
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
     """The GPU of a reset the daemon has decided on or is running, from its state file."""
-    record = _as_map(state.get("reset_in_progress"))
+    record = as_map(state.get("reset_in_progress"))
     if record:
         return str(record.get("gpu") or "a GPU")
-    flight = _as_map(_as_map(state.get("plan")).get("reset_in_flight"))
+    flight = as_map(as_map(state.get("plan")).get("reset_in_flight"))
     if flight:
         return str(flight.get("gpu") or "a GPU")
     return None
 
 
 def active_ladders(state: Mapping[str, object]) -> int:
-    ladders = _as_map(_as_map(state.get("plan")).get("ladders"))
-    return sum(1 for lad in ladders.values() if _as_map(lad).get("status") == "active")
+    ladders = as_map(as_map(state.get("plan")).get("ladders"))
+    return sum(1 for lad in ladders.values() if as_map(lad).get("status") == "active")
 
 
 def daemon_pid(state: Mapping[str, object]) -> int | None:

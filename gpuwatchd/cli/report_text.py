@@ -18,8 +18,7 @@ from gpuwatchd.cli.mig_report import (
     parent_rows,
 )
 from gpuwatchd.cli.spared import spared_lines
-from gpuwatchd.core.checked import as_map as _as_map
-from gpuwatchd.core.checked import as_text as _as_str
+from gpuwatchd.core.checked import as_map, as_text
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     as_int,
@@ -60,17 +59,17 @@ def render_text(
     now = _as_float(report.get("time"))
     lines = [_title_line(report)]
     gpu_uuids: set[str] = set()
-    findings = [_as_map(f) for f in _as_list(report.get("findings"))]
-    for gpu in (_as_map(g) for g in _as_list(report.get("gpus"))):
-        uuid = _as_str(gpu.get("uuid"))
+    findings = [as_map(f) for f in _as_list(report.get("findings"))]
+    for gpu in (as_map(g) for g in _as_list(report.get("gpus"))):
+        uuid = as_text(gpu.get("uuid"))
         if uuid is not None:
             gpu_uuids.add(uuid)
         lines.append("")
         lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
     gpu_uuids |= instance_uuids(report)
-    node_findings = [f for f in findings if _as_str(f.get("gpu")) not in gpu_uuids]
+    node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
-    holders = [_as_map(h) for h in _as_list(report.get("node_holders"))]
+    holders = [as_map(h) for h in _as_list(report.get("node_holders"))]
     if notes or node_findings or holders:
         lines.append("")
         lines.append(paint("node", _BOLD))
@@ -94,8 +93,8 @@ def _painter(color: bool) -> _Paint:
 
 
 def _title_line(report: Mapping[str, object]) -> str:
-    host = _as_map(report.get("host"))
-    nvml = _as_map(report.get("nvml"))
+    host = as_map(report.get("host"))
+    nvml = as_map(report.get("nvml"))
     findings = _as_list(report.get("findings"))
     parts = [
         f"gpuwatchd {_text(report.get('version'))} scan",
@@ -105,12 +104,12 @@ def _title_line(report: Mapping[str, object]) -> str:
         counted(len(findings), "finding"),
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
-    view = _as_map(report.get("daemon_view"))
+    view = as_map(report.get("daemon_view"))
     if view.get("used") is True:
         age = view.get("age")
         old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
         parts.append(f"on the daemon's holder view{old}")
-    reading = _as_map(report.get("nvml_reading"))
+    reading = as_map(report.get("nvml_reading"))
     if reading.get("source") == "daemon":
         age = reading.get("age_s")
         old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
@@ -138,7 +137,7 @@ def _gpu_lines(
     elif not table:
         lines.append(_no_rows_line(gpu))
     lines.extend(_gpu_finding_lines(gpu, findings, now, paint))
-    lines.extend(_verdict_lines(_as_map(gpu.get("verdict")), paint))
+    lines.extend(_verdict_lines(as_map(gpu.get("verdict")), paint))
     lines.extend(
         mig_instance_lines(
             gpu,
@@ -153,7 +152,7 @@ def _gpu_lines(
 
 def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
     """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
-    uuid = _as_str(gpu.get("uuid"))
+    uuid = as_text(gpu.get("uuid"))
     header = "  ".join(
         [
             f"GPU {_text(gpu.get('index'))}",
@@ -163,7 +162,7 @@ def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
         ]
     )
     lines = [paint(header, _BOLD)]
-    memory = _as_map(gpu.get("memory"))
+    memory = as_map(gpu.get("memory"))
     allocated = f"allocated {_bytes(memory.get('used'))}"
     if memory.get("api") == "v1":
         allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
@@ -188,10 +187,10 @@ def _gpu_finding_lines(
 ) -> list[str]:
     """The spared holders no finding already names, the GPU's findings, and who would make
     the driver refuse a reset while there are findings."""
-    uuid = _as_str(gpu.get("uuid"))
-    own = [f for f in findings if uuid is not None and _as_str(f.get("gpu")) == uuid]
+    uuid = as_text(gpu.get("uuid"))
+    own = [f for f in findings if uuid is not None and as_text(f.get("gpu")) == uuid]
     noted = {f.get("pid") for f in own}  # a spared finding says so itself
-    holders = [h for h in map(_as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+    holders = [h for h in map(as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
     lines = [f"  holder {line}" for line in spared_lines(holders, now)]
     lines.extend(_finding_lines(own, now, paint))
     refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
@@ -219,7 +218,7 @@ def _holder_table(
 
 
 def _memory_line(gpu: Mapping[str, object]) -> str:
-    memory = _as_map(gpu.get("memory"))
+    memory = as_map(gpu.get("memory"))
     return "  memory  " + "  ".join(
         [
             f"total {_bytes(memory.get('total'))}",
@@ -242,10 +241,10 @@ def _no_rows_line(gpu: Mapping[str, object]) -> str:
 def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
     """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
     block a reset (decide/verdict.py)."""
-    state = _as_str(verdict.get("state"))
+    state = as_text(verdict.get("state"))
     if state is None:
         return []
-    reasons = [_as_map(r) for r in _as_list(verdict.get("reasons"))]
+    reasons = [as_map(r) for r in _as_list(verdict.get("reasons"))]
     if state == "clean":
         lines = ["  verdict  clean: a new job may have it"]
     else:
@@ -253,7 +252,7 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
         lines.extend(
             f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
         )
-    blockers = [_as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
+    blockers = [as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
     if blockers:
         lines.append("  would block a reset (not dirt):")
         lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
@@ -267,7 +266,7 @@ def _node_holder_lines(
     for holder in holders:
         row = _row(
             {**holder, "via": holder.get("devices")},
-            _role_label(_as_str(holder.get("role")), holder.get("owner_pid")),
+            _role_label(as_text(holder.get("role")), holder.get("owner_pid")),
             "-",
             now,
         )
@@ -282,7 +281,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     flags: list[str] = []
     if gpu.get("lost") is True:
         flags.append("LOST: the GPU stopped answering")
-    error = _as_str(gpu.get("error"))
+    error = as_text(gpu.get("error"))
     if error:
         flags.append(f"error: {_clean(error)}")
     if gpu.get("mig_enabled") is True:
@@ -292,7 +291,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     persistence = gpu.get("persistence_mode")
     if isinstance(persistence, bool):
         flags.append(f"persistence mode {'on' if persistence else 'off'}")
-    health = _as_map(gpu.get("health"))
+    health = as_map(gpu.get("health"))
     action = health.get("recovery_action")
     if isinstance(action, int) and not isinstance(action, bool) and action != 0:
         flags.append(f"recovery action {action} (the driver asks for recovery)")
@@ -301,16 +300,16 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("recovery action unknown (this driver has no such field)")
     elif support == "unknown":
         flags.append("recovery action unknown (could not be read)")
-    fabric = _as_map(health.get("fabric"))
+    fabric = as_map(health.get("fabric"))
     state = fabric.get("state")
     if fabric.get("support") == "ok" and state in (1, 2):
         flags.append(f"NVLink fabric {'NOT_STARTED' if state == 1 else 'IN_PROGRESS'}")
-    rows = _as_map(health.get("remapped_rows"))
+    rows = as_map(health.get("remapped_rows"))
     if rows.get("pending") is True:
         flags.append("row remap pending (a reset applies it)")
     if rows.get("failure") is True:
         flags.append("row remapping failed")
-    reason = _as_str(gpu.get("report_only"))
+    reason = as_text(gpu.get("report_only"))
     if reason:
         flags.append(f"report-only: {_clean(reason)}")
     flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
@@ -321,14 +320,14 @@ def _holder_rows(
     gpu: Mapping[str, object], now: float | None, command_width: int
 ) -> tuple[list[list[str]], list[bool]]:
     """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
-    holders = [_as_map(h) for h in _as_list(gpu.get("holders"))]
+    holders = [as_map(h) for h in _as_list(gpu.get("holders"))]
     holder_pids = {as_int(h.get("pid")) for h in holders}
-    listed = [_as_map(p) for p in _as_list(gpu.get("processes"))]
+    listed = [as_map(p) for p in _as_list(gpu.get("processes"))]
     rows: list[tuple[int, list[str], bool]] = []
     for holder in holders:
         memory = holder.get("used_memory")
         memory_text = _bytes(memory) if holder.get("nvml_listed") is True else "-"
-        role = _as_str(holder.get("role"))
+        role = as_text(holder.get("role"))
         rows.append(
             (
                 as_int(holder.get("pid")) or 0,
@@ -340,7 +339,7 @@ def _holder_rows(
         pid = as_int(process.get("pid"))
         if pid in holder_pids:
             continue
-        label = _role_label(_as_str(process.get("role")), None)
+        label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
             label = _nvml_only_label(process)
         rows.append(
@@ -391,7 +390,7 @@ def _nvml_only_label(process: Mapping[str, object]) -> str:
 
 
 def _user(entry: Mapping[str, object]) -> str:
-    user = _as_str(entry.get("user"))
+    user = as_text(entry.get("user"))
     if user:
         return _clean(user)
     uid = as_int(entry.get("uid"))
@@ -402,17 +401,17 @@ def _job(cgroup: object, *, known: bool) -> str:
     """A short name for the job a process belongs to; "-" when its cgroup names none."""
     if not isinstance(cgroup, Mapping):
         return "?" if known else "-"
-    slurm = _as_str(cgroup.get("slurm_job"))
+    slurm = as_text(cgroup.get("slurm_job"))
     if slurm:
         return _clean(f"slurm:{slurm}")
-    pod = _as_str(cgroup.get("pod_uid"))
+    pod = as_text(cgroup.get("pod_uid"))
     if pod:
         return _clean(f"pod:{pod[:8]}")
-    container = _as_str(cgroup.get("container_id"))
+    container = as_text(cgroup.get("container_id"))
     if container:
-        runtime = _as_str(cgroup.get("container_runtime")) or "container"
+        runtime = as_text(cgroup.get("container_runtime")) or "container"
         return _clean(f"{runtime}:{container[:12]}")
-    unit = _as_str(cgroup.get("systemd_unit"))
+    unit = as_text(cgroup.get("systemd_unit"))
     return _clean(unit) if unit else "-"
 
 
@@ -420,7 +419,7 @@ def _command(entry: Mapping[str, object]) -> str:
     cmdline = entry.get("cmdline")
     if isinstance(cmdline, list) and cmdline:
         return _clean(" ".join(str(arg) for arg in cmdline))
-    comm = _as_str(entry.get("comm"))
+    comm = as_text(entry.get("comm"))
     if comm:
         return _clean(f"[{comm}]")
     return "-" if entry.get("alive") is False else "?"
@@ -458,7 +457,7 @@ def _finding_lines(
 
 def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
     """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
-    if not any(_as_str(f.get("kind")) == "ghost_memory" for f in findings):
+    if not any(as_text(f.get("kind")) == "ghost_memory" for f in findings):
         return []
     return [
         "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
@@ -472,7 +471,7 @@ def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint)
     heirs = [
         as_int(f.get("pid"))
         for f in findings
-        if _as_map(f.get("evidence")).get("likely_heir") is True
+        if as_map(f.get("evidence")).get("likely_heir") is True
     ]
     shown = ", ".join(str(pid) for pid in heirs if pid is not None)
     if not shown:
@@ -486,7 +485,7 @@ def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint)
 
 def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
     notes: list[str] = []
-    nvml = _as_map(report.get("nvml"))
+    nvml = as_map(report.get("nvml"))
     if nvml.get("available") is False:
         notes.append(f"NVML unavailable: {_text(nvml.get('error'))}")
     if nvml.get("wedged") is True:
@@ -496,17 +495,17 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         )
     node_reasons = {
         key: reason
-        for key, reason in _as_map(report.get("report_only")).items()
+        for key, reason in as_map(report.get("report_only")).items()
         if key not in gpu_uuids
     }
     for key in sorted(node_reasons):
         notes.append(f"report-only ({_clean(key)}): {_text(node_reasons[key])}")
-    host = _as_map(report.get("host"))
+    host = as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
     if host.get("mps_server_running") is True and not node_reasons:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
-    for key, values in sorted(_as_map(report.get("notes")).items()):
+    for key, values in sorted(as_map(report.get("notes")).items()):
         if key not in gpu_uuids:
             notes.extend(f"note ({_clean(key)}): {_text(value)}" for value in _as_list(values))
     unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]

@@ -16,15 +16,9 @@ from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.cli.humantime import duration
 from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status_text import render_text
-from gpuwatchd.core.checked import as_count as _count
-from gpuwatchd.core.checked import as_flag as _bool
-from gpuwatchd.core.checked import as_list as _seq
-from gpuwatchd.core.checked import as_map as _map
-from gpuwatchd.core.checked import as_number as _num
-from gpuwatchd.core.checked import as_one_of
-from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import pick
-from gpuwatchd.core.model import as_int as _int
+from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
@@ -98,13 +92,13 @@ def describe(
     status document (:func:`_older_state`). ``evidence``: the evidence files in the state
     directory, oldest first (:func:`read_evidence`; None: it could not be listed).
     """
-    data = _map(saved)
-    status = _map(data.get("status"))
-    state_boot = _str(data.get("boot_id"))
+    data = as_map(saved)
+    status = as_map(data.get("status"))
+    state_boot = as_text(data.get("boot_id"))
     same_boot = None if state_boot is None or boot_id is None else state_boot == boot_id
-    doc: Mapping[str, object] = _map(status.get("document"))
+    doc: Mapping[str, object] = as_map(status.get("document"))
     clock: str | None = "daemon"
-    if _int(doc.get("format")) != DOCUMENT_FORMAT:
+    if as_int(doc.get("format")) != DOCUMENT_FORMAT:
         doc, clock = _older_state(saved, policy, now_wall, now_monotonic, same_boot=same_boot)
 
     life = _signs_of_life(data, status, policy, now_wall)
@@ -120,7 +114,7 @@ def describe(
         state_dir=policy.state_dir,
     )
     running = None if read_error is not None else why_not is None
-    attention = [a for a in _seq(doc.get("attention"))[:64] if isinstance(a, str)]
+    attention = [a for a in as_list(doc.get("attention"))[:64] if isinstance(a, str)]
     code, health = _health(read_error, running, attention)
     return {
         "format": STATUS_FORMAT,
@@ -140,7 +134,7 @@ def describe(
             "last_poll": life.last_poll,
             "last_poll_age": None if life.last_poll is None else now_wall - life.last_poll,
             "stale_after": life.stale_after,
-            "saved_at": _num(data.get("saved_at")),
+            "saved_at": as_number(data.get("saved_at")),
             "same_boot": same_boot,
         },
         **_document_sections(doc, clock, now_wall),
@@ -167,16 +161,16 @@ def _signs_of_life(
     """The saved state's last sign of life (the last poll, the last step of a reset, or the
     start before a first poll) and how old it may be before the daemon counts as stale."""
     record = data.get("reset_in_progress")
-    reset_since = _num(_map(record).get("since")) if isinstance(record, Mapping) else None
-    last_poll = _num(status.get("last_poll"))
-    started = _num(status.get("started"))
+    reset_since = as_number(as_map(record).get("since")) if isinstance(record, Mapping) else None
+    last_poll = as_number(status.get("last_poll"))
+    started = as_number(status.get("started"))
     # Signs of life: the last poll, the last step of a reset, or the start (before a first poll).
     signs = [last_poll, reset_since]
     if last_poll is None:
         signs.append(started)
     last_sign = max((t for t in signs if t is not None), default=None)
     age = None if last_sign is None else now_wall - last_sign
-    interval = _num(status.get("interval"))  # the daemon's own, when it wrote one
+    interval = as_number(status.get("interval"))  # the daemon's own, when it wrote one
     if interval is None or interval <= 0:
         interval = policy.interval
     stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
@@ -210,12 +204,12 @@ def _document_sections(
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
         "nvml": pick(doc.get("nvml"), NVML),
         "spares": [s for s in _rows(doc.get("spares"), _SPARE, 64) if s["target"] is not None],
-        "gpus": _count(doc.get("gpus")),
-        "findings": _count(doc.get("findings")),
+        "gpus": as_count(doc.get("gpus")),
+        "findings": as_count(doc.get("findings")),
         "verdict": _verdict(doc.get("verdict")),
         "policy": _policy(doc.get("policy")),
         "clock": clock,
-        "document": _num(doc.get("written_at")),
+        "document": as_number(doc.get("written_at")),
         "ladders": [_due_in(lad, now_wall) for lad in _rows(doc.get("ladders"), _LADDER, 1024)],
         "pending": [_due_in(p, now_wall) for p in _rows(doc.get("pending"), _PENDING, 1024)],
         "recent_actions": _rows(doc.get("recent_actions"), ACTION, MAX_ACTIONS, newest=True),
@@ -238,8 +232,8 @@ def _older_state(
     wrote one, else through this host's clock in the same boot, else not at all."""
     if saved is None:
         return {}, None
-    status = _map(saved.get("status"))
-    daemon_mono, last_poll = _num(status.get("monotonic")), _num(status.get("last_poll"))
+    status = as_map(saved.get("status"))
+    daemon_mono, last_poll = as_number(status.get("monotonic")), as_number(status.get("last_poll"))
     monotonic: float | None = None
     clock: str | None = None
     if daemon_mono is not None and last_poll is not None:
@@ -286,17 +280,17 @@ _Check = Callable[[object], object]
 
 
 def _texts(value: object) -> list[str]:
-    return [v for v in _seq(value)[:64] if isinstance(v, str)]
+    return [v for v in as_list(value)[:64] if isinstance(v, str)]
 
 
 def _numbers(value: object) -> list[float]:
-    return [n for v in _seq(value)[:256] if (n := _num(v)) is not None]
+    return [n for v in as_list(value)[:256] if (n := as_number(v)) is not None]
 
 
 def _rows(
     raw: object, spec: Mapping[str, _Check], limit: int, *, newest: bool = False
 ) -> list[dict[str, object]]:
-    items = _seq(raw)
+    items = as_list(raw)
     chosen = items[-limit:] if newest else items[:limit]
     return [pick(item, spec) for item in chosen]
 
@@ -304,64 +298,65 @@ def _rows(
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
-    "paused": _bool,
-    "paused_reason": _str,
-    "paused_until": _num,
+    "paused": as_flag,
+    "paused_reason": as_text,
+    "paused_until": as_number,
 }
 _KILL_CAP: Mapping[str, _Check] = {
-    "latched": _bool,
-    "reason": _str,
+    "latched": as_flag,
+    "reason": as_text,
     "users_latched": _texts,
-    "signalled_last_hour": _count,
-    "max_per_hour": _count,
-    "max_per_user_hour": _count,
-    "max_per_poll": _count,
+    "signalled_last_hour": as_count,
+    "max_per_hour": as_count,
+    "max_per_user_hour": as_count,
+    "max_per_poll": as_count,
 }
-_BREAKER: Mapping[str, _Check] = {"open": _bool, "failures": _count, "max_failures": _count}
-_SPARE: Mapping[str, _Check] = {"target": _str, "until": _num, "reason": _str}
+_BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
+_SPARE: Mapping[str, _Check] = {"target": as_text, "until": as_number, "reason": as_text}
 _GPU: Mapping[str, _Check] = {
-    "index": _int,
-    "uuid": _str,
+    "index": as_int,
+    "uuid": as_text,
     "state": as_one_of("clean", "dirty", "unknown"),
-    "kind": _str,
-    "reason": _str,
-    "reasons": _count,
-    "reset_blockers": _count,
+    "kind": as_text,
+    "reason": as_text,
+    "reasons": as_count,
+    "reset_blockers": as_count,
 }
 _LADDER: Mapping[str, _Check] = {
-    "target": _str,
-    "pid": _int,
-    "rule": _str,
-    "gpu": _str,
-    "finding": _str,
-    "label": _str,
+    "target": as_text,
+    "pid": as_int,
+    "rule": as_text,
+    "gpu": as_text,
+    "finding": as_text,
+    "label": as_text,
     "status": as_one_of(*LadderStatus),
-    "dry_run": _bool,
-    "step": _count,
-    "steps": _count,
-    "next": _str,
-    "scheduled": _bool,
-    "due": _num,
-    "started": _num,
+    "dry_run": as_flag,
+    "step": as_count,
+    "steps": as_count,
+    "next": as_text,
+    "scheduled": as_flag,
+    "due": as_number,
+    "started": as_number,
 }
-_PENDING: Mapping[str, _Check] = {"finding": _str, "label": _str, "due": _num}
+_PENDING: Mapping[str, _Check] = {"finding": as_text, "label": as_text, "due": as_number}
 _IN_PROGRESS: Mapping[str, _Check] = {
-    "gpu": _str, "pci_bus_id": _str, "step": _str, "since": _num, "instance": _str, "gi": _int,
+    "gpu": as_text, "pci_bus_id": as_text, "step": as_text, "since": as_number,
+    "instance": as_text, "gi": as_int,
 }  # fmt: skip
 _RESET_GPU: Mapping[str, _Check] = {
-    "gpu": _str,
-    "last": _num,
-    "last_dry_run": _num,
+    "gpu": as_text,
+    "last": as_number,
+    "last_dry_run": as_number,
     "history": _numbers,
-    "in_window": _count,
-    "cooldown_ends": _num,
-    "limit_lifts": _num,
-    "never": _bool,
+    "in_window": as_count,
+    "cooldown_ends": as_number,
+    "limit_lifts": as_number,
+    "never": as_flag,
 }
 
 
 def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:
-    due = _num(row.get("due"))
+    due = as_number(row.get("due"))
     row["due_in"] = None if due is None else due - now_wall
     return row
 
@@ -370,16 +365,16 @@ def _verdict(raw: object) -> dict[str, object] | None:
     """Each GPU clean for a new job, as the daemon judged it (decide/verdict.py)."""
     if not isinstance(raw, Mapping):
         return None
-    whole = _map(raw)
+    whole = as_map(raw)
     return {
-        "clean": _bool(whole.get("clean")),
-        "error": _str(whole.get("error")),
+        "clean": as_flag(whole.get("clean")),
+        "error": as_text(whole.get("error")),
         "gpus": _rows(whole.get("gpus"), _GPU, 256),
     }
 
 
 def _policy(raw: object) -> dict[str, object]:
-    policy = _map(raw)
+    policy = as_map(raw)
     files = policy.get("files")
     rejected = policy.get("rejected")
     return {
@@ -389,19 +384,19 @@ def _policy(raw: object) -> dict[str, object]:
 
 
 def _resets(raw: object, now_wall: float) -> dict[str, object]:
-    resets = _map(raw)
+    resets = as_map(raw)
     progress = resets.get("in_progress")
     gpus = []
     for row in _rows(resets.get("gpus"), _RESET_GPU, 256):
-        ends, lifts = _num(row["cooldown_ends"]), _num(row["limit_lifts"])
+        ends, lifts = as_number(row["cooldown_ends"]), as_number(row["limit_lifts"])
         row["cooldown_left"] = None if ends is None else max(0.0, ends - now_wall)
         limit_left = 0.0 if lifts is None else max(0.0, lifts - now_wall)
         row["limit_left"] = None if row["never"] else limit_left
         gpus.append(row)
     return {
-        "cooldown": _num(resets.get("cooldown")),
-        "max_resets": _count(resets.get("max_resets")),
-        "window": _num(resets.get("window")),
+        "cooldown": as_number(resets.get("cooldown")),
+        "max_resets": as_count(resets.get("max_resets")),
+        "window": as_number(resets.get("window")),
         "in_progress": pick(progress, _IN_PROGRESS) if isinstance(progress, Mapping) else None,
         "gpus": gpus,
     }

@@ -13,10 +13,7 @@ import time
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import ago, counted, duration, until
-from gpuwatchd.core.checked import as_count as _count
-from gpuwatchd.core.checked import as_list as _seq
-from gpuwatchd.core.checked import as_map as _map
-from gpuwatchd.core.checked import as_number as _num
+from gpuwatchd.core.checked import as_count, as_list, as_map, as_number
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LadderStatus
 
@@ -31,7 +28,7 @@ def _text(value: object) -> str:
 
 def _at(now: float, when: object) -> str:
     """A wall time as ``2026-01-02 03:04:05 (3m ago)``; unknown when it is not a number."""
-    t = _num(when)
+    t = as_number(when)
     if t is None:
         return "unknown"
     try:
@@ -49,17 +46,17 @@ def _stamp(t: float) -> str:
 
 
 def _header(result: Mapping[str, object]) -> str:
-    daemon = _map(result.get("daemon"))
-    now = _num(result.get("now")) or 0.0
+    daemon = as_map(result.get("daemon"))
+    now = as_number(result.get("now")) or 0.0
     if result.get("health") == "unknown":
         return f"gpuwatchd status unknown: {result.get('why_not_running')}"
     if not result.get("running"):
-        saved = _num(daemon.get("saved_at"))
+        saved = as_number(daemon.get("saved_at"))
         last = f"; state last saved {ago(now - saved)}" if saved is not None else ""
         return f"gpuwatchd is not running: {result.get('why_not_running')}{last}"
-    started = _num(daemon.get("started"))
+    started = as_number(daemon.get("started"))
     up = f", up {duration(now - started)}" if started is not None and now >= started else ""
-    last_poll = _num(daemon.get("last_poll"))
+    last_poll = as_number(daemon.get("last_poll"))
     poll = f", last poll {ago(now - last_poll)}" if last_poll is not None else ""
     return f"gpuwatchd is running: pid {daemon.get('pid')}{up}{poll}"
 
@@ -70,8 +67,8 @@ def _mode_line(result: Mapping[str, object]) -> str:
     if effective == "paused":
         reason = result.get("paused_reason")
         why = f" ({reason})" if reason else ""
-        ends = _num(result.get("paused_until"))
-        now = _num(result.get("now"))
+        ends = as_number(result.get("paused_until"))
+        now = as_number(result.get("now"))
         lasts = (
             f"until {_stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
             if ends is not None and now is not None
@@ -98,7 +95,7 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
         return "  " + "  ".join(parts) + f": {_text(status)}"
     nxt = lad.get("next")
     what = "ends" if nxt == "end" else f"next {_text(nxt)}"
-    due_in = _num(lad.get("due_in"))
+    due_in = as_number(lad.get("due_in"))
     if due_in is not None:
         when = until(due_in)
     elif lad.get("scheduled"):
@@ -111,7 +108,7 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
 
 def _action_line(now: float, action: Mapping[str, object]) -> str:
     """``  5s ago: Sent SIGTERM to PID 4250 on GPU-1.`` (the catalogue's sentence)."""
-    at = _num(action.get("at"))
+    at = as_number(action.get("at"))
     when = ago(now - at) if at is not None else "unknown time"
     sentence = action.get("sentence")
     what = sentence if isinstance(sentence, str) else f"{_text(action.get('event'))}: unknown"
@@ -122,15 +119,15 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
     lines = []
     progress = resets.get("in_progress")
     if isinstance(progress, Mapping):
-        since = _num(progress.get("since"))
+        since = as_number(progress.get("since"))
         when = f", since {ago(now - since)}" if since is not None else ""
         what = _text(progress.get("gpu"))
         if progress.get("instance") is not None:  # a MIG GPU instance's re-creation
             what = f"re-creation of MIG GPU instance {_text(progress.get('gi'))} of {what}"
         lines.append(f"  in progress: {what} at step {_text(progress.get('step'))}{when}")
     window = duration(resets.get("window"))
-    for gpu in _seq(resets.get("gpus")):
-        entry = _map(gpu)
+    for gpu in as_list(resets.get("gpus")):
+        entry = as_map(gpu)
         parts = [f"last {_at(now, entry['last'])}"] if entry.get("last") is not None else []
         if entry.get("last_dry_run") is not None:
             parts.append(f"last dry-run {_at(now, entry['last_dry_run'])}")
@@ -138,16 +135,16 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
             f"{_text(entry.get('in_window'))} of {_text(resets.get('max_resets'))} "
             f"in the last {window}"
         )
-        cooldown = _num(entry.get("cooldown_left"))
+        cooldown = as_number(entry.get("cooldown_left"))
         if cooldown:
             parts.append(f"cooldown ends {until(cooldown)}")
-        limit = _num(entry.get("limit_left"))
+        limit = as_number(entry.get("limit_left"))
         if limit:
             parts.append(f"limit lifts {until(limit)}")
         elif "limit_left" in entry and entry["limit_left"] is None:
             parts.append("max_resets is 0: never reset")
         lines.append(f"  {_text(entry.get('gpu'))}: " + "; ".join(parts))
-        history = [_num(t) for t in _seq(entry.get("history"))]
+        history = [as_number(t) for t in as_list(entry.get("history"))]
         older = [t for t in history if t is not None and t != entry.get("last")]
         if older:
             lines.append("    earlier: " + ", ".join(_at(now, t) for t in older[-5:]))
@@ -155,7 +152,7 @@ def _reset_lines(now: float, resets: Mapping[str, object]) -> list[str]:
 
 
 def _latch_lines(result: Mapping[str, object]) -> list[str]:
-    cap = _map(result.get("kill_cap"))
+    cap = as_map(result.get("kill_cap"))
     recent = cap.get("signalled_last_hour")
     count = (
         f"; {recent} of {cap.get('max_per_hour')} processes signalled in the last hour"
@@ -168,7 +165,7 @@ def _latch_lines(result: Mapping[str, object]) -> list[str]:
     users = cap.get("users_latched")
     if isinstance(users, list) and users:
         lines.append(f"          latched for {', '.join(escape(str(u)) for u in users)}")
-    breaker = _map(result.get("circuit_breaker"))
+    breaker = as_map(result.get("circuit_breaker"))
     is_open = breaker.get("open")
     state = "OPEN: resets stopped" if is_open else ("closed" if is_open is False else None)
     failures = breaker.get("failures")
@@ -184,7 +181,7 @@ def _latch_lines(result: Mapping[str, object]) -> list[str]:
 
 
 def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
-    nvml = _map(result.get("nvml"))
+    nvml = as_map(result.get("nvml"))
     error = f" ({nvml['error']})" if nvml.get("error") else ""
     since = (
         f" since {_at(now, nvml['since'])}"
@@ -196,14 +193,14 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
         f"{counted(result.get('gpus'), 'GPU', 'unknown')}; "
         f"{counted(result.get('findings'), 'finding', 'unknown')}"
     ]
-    for spare in _seq(result.get("spares")):
-        row = _map(spare)
-        ends = _num(row.get("until"))
+    for spare in as_list(result.get("spares")):
+        row = as_map(spare)
+        ends = as_number(row.get("until"))
         left = "" if ends is None else f" until {_stamp(ends)} ({until(ends - now)})"
         why = f": {row['reason']}" if row.get("reason") else ""
         lines.append(f"spared:   {_text(row.get('target'))}{left}{why}")
     lines.extend(_verdict_lines(result.get("verdict")))
-    policy = _map(result.get("policy"))
+    policy = as_map(result.get("policy"))
     files = policy.get("files")
     shown = (", ".join(files) or "built-in defaults") if isinstance(files, list) else None
     lines.append(f"policy:   {_text(shown)}")
@@ -220,18 +217,18 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
 
 def _verdict_lines(raw: object) -> list[str]:
     """``GPUs:     3 clean; not clean: GPU 1 GPU-…: orphaned <why> (and 1 more)``."""
-    verdict = _map(raw)
+    verdict = as_map(raw)
     if not verdict:
         return []
     if verdict.get("clean") is None:
         return [f"GPUs:     not judged ({_text(verdict.get('error'))})"]
-    gpus = [_map(g) for g in _seq(verdict.get("gpus"))]
+    gpus = [as_map(g) for g in as_list(verdict.get("gpus"))]
     clean = sum(1 for g in gpus if g.get("state") == "clean")
     lines = [f"GPUs:     {clean} of {len(gpus)} clean for a new job (as check-clean says)"]
     for gpu in gpus:
         if gpu.get("state") == "clean":
             continue
-        count = _count(gpu.get("reasons")) or 0
+        count = as_count(gpu.get("reasons")) or 0
         more = f" (and {count - 1} more)" if count > 1 else ""
         lines.append(
             f"  not clean: GPU {_text(gpu.get('index'))} {_text(gpu.get('uuid'))}: "
@@ -241,7 +238,7 @@ def _verdict_lines(raw: object) -> list[str]:
 
 
 def _work_lines(result: Mapping[str, object]) -> list[str]:
-    ladders = [_map(lad) for lad in _seq(result.get("ladders"))]
+    ladders = [as_map(lad) for lad in as_list(result.get("ladders"))]
     active = [lad for lad in ladders if lad.get("status") == LadderStatus.ACTIVE]
     done = [lad for lad in ladders if lad.get("status") != LadderStatus.ACTIVE]
     lines = ["ladders in progress:" + ("" if active else " none")]
@@ -249,11 +246,11 @@ def _work_lines(result: Mapping[str, object]) -> list[str]:
     if done:
         lines.append("finished ladders (target still alive, never signalled again):")
         lines.extend(_ladder_line(lad) for lad in done)
-    pending = [_map(p) for p in _seq(result.get("pending"))]
+    pending = [as_map(p) for p in as_list(result.get("pending"))]
     if pending:
         lines.append("waiting (confirmation windows, post-action delays):")
         for item in pending:
-            due_in = _num(item.get("due_in"))
+            due_in = as_number(item.get("due_in"))
             when = "due" if due_in is None else until(due_in)
             label = item.get("label") or item.get("finding")
             lines.append(f"  {_text(label)}: {when}")
@@ -267,7 +264,7 @@ def _evidence_lines(raw: object) -> list[str]:
     """``evidence files (3, newest last):`` and the newest few: when, what, where."""
     if raw is None:
         return ["evidence files: unknown (state_dir not readable)"]
-    files = [_map(f) for f in _seq(raw)]
+    files = [as_map(f) for f in as_list(raw)]
     lines = [f"evidence files ({len(files)}, newest last):" if files else "evidence files: none"]
     for entry in files[-EVIDENCE_SHOWN:]:
         gpu = f" of {_text(entry.get('gpu'))}" if entry.get("gpu") else ""
@@ -281,7 +278,7 @@ def _evidence_lines(raw: object) -> list[str]:
 
 def render_text(result: Mapping[str, object]) -> str:
     """The text report of a :func:`describe` document."""
-    now = _num(result.get("now")) or 0.0
+    now = as_number(result.get("now")) or 0.0
     lines = [_header(result)]
     if result.get("state") == "present":
         if not result.get("running"):
@@ -292,16 +289,16 @@ def render_text(result: Mapping[str, object]) -> str:
         lines.extend(_latch_lines(result))
         lines.extend(_health_lines(now, result))
         lines.extend(_work_lines(result))
-        actions = [_map(a) for a in _seq(result.get("recent_actions"))]
+        actions = [as_map(a) for a in as_list(result.get("recent_actions"))]
         lines.append("recent actions:" + ("" if actions else " none"))
         lines.extend(_action_line(now, a) for a in actions)
-        resets = _map(result.get("resets"))
+        resets = as_map(result.get("resets"))
         reset_lines = _reset_lines(now, resets)
         cooldown = duration(resets.get("cooldown"))
         lines.append(f"resets (cooldown {cooldown}):" + ("" if reset_lines else " none"))
         lines.extend(reset_lines)
         lines.extend(_evidence_lines(result.get("evidence")))
-        attention = [str(a) for a in _seq(result.get("attention"))]
+        attention = [str(a) for a in as_list(result.get("attention"))]
         if attention:
             lines.append("needs attention:")
             lines.extend(f"  - {a}" for a in attention)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.core.checked import as_flag as _flag
+from gpuwatchd.core.checked import as_flag
 from gpuwatchd.core.model import GpuHealth, Support, XidEvent, as_int
 
 MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
@@ -71,13 +71,13 @@ def to_health(raw: object) -> GpuHealth | None:
     action_support = _support(action.get("status"))
     if action_support is Support.OK and action_value is None:
         action_support = Support.UNKNOWN
-    remap_pending, remap_failure = _flag(rows.get("pending")), _flag(rows.get("failure"))
+    remap_pending, remap_failure = as_flag(rows.get("pending")), as_flag(rows.get("failure"))
     remap_support = _support(rows.get("status"))
     if remap_support is Support.OK and (remap_pending is None or remap_failure is None):
         remap_support = Support.UNKNOWN
     ok_rows = remap_support is Support.OK
     pages_support = _support(pages.get("status"))
-    pending = _flag(pages.get("pending"))
+    pending = as_flag(pages.get("pending"))
     if pages_support is Support.OK and pending is None:
         pages_support = Support.UNKNOWN
     ok_pages = pages_support is Support.OK

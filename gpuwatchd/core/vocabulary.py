@@ -362,3 +362,19 @@ STATE_FILE_VERSION = 1  # the file's envelope (daemon.py)
 ASSESS_STATE_VERSION = 2  # its "assess" section (decide/assess/state.py); 2 adds inheritance
 ASSESS_STATE_VERSIONS_READ = (1, 2)  # version 1 is read as having no inheritance evidence
 PLAN_STATE_VERSION = 1  # its "plan" section (decide/plan/state.py)
+
+
+class TimelineEvent(_Name):
+    """The simulator's own timeline entries (docs/simulate.md), beside the daemon's EventName:
+    what the scenario made happen (``world.*``) and the simulator's own warning (``sim.*``)."""
+
+    START = "world.start"
+    EXIT = "world.exit"
+    STATE = "world.state"
+    REAP = "world.reap"
+    MEMORY = "world.memory"
+    LEAK = "world.leak"
+    RESET_RESULT = "world.reset_result"
+    XID = "world.xid"
+    HEALTH = "world.health"
+    BUSY_LOOP = "sim.busy_loop"

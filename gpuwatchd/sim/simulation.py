@@ -13,18 +13,22 @@ from typing import cast
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
-from gpuwatchd.config.schema import default_policy, load_policy, parse_policy_documents
-from gpuwatchd.config.schema import render_policy as _render_policy
+from gpuwatchd.config.schema import (
+    default_policy,
+    load_policy,
+    parse_policy_documents,
+    render_policy,
+)
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
-from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome
+from gpuwatchd.core.vocabulary import EventName, Level, SignalOutcome, TimelineEvent
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.engine.edges import PollInputs
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
-from gpuwatchd.sim.timeline import Entry, SimulationResult, TimelineEvent, describe_event
+from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event
 from gpuwatchd.sim.world import (
     WALL0,
     SimulationError,
@@ -55,7 +59,7 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
     """
     if config_path is not None:
         return load_policy(config_path, check_permissions=False), config_path
-    docs = [("<built-in defaults>", _render_policy(default_policy()))]
+    docs = [("<built-in defaults>", render_policy(default_policy()))]
     source = "built-in defaults"
     if scenario.policy_doc is not None:
         docs.append(scenario.policy_doc)

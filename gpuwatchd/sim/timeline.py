@@ -8,7 +8,6 @@ the JSON form. It decides nothing. Output formats are documented in ``docs/simul
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,7 +16,7 @@ from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events import catalogue as event_catalogue
-from gpuwatchd.events.words import finding_label as _finding_label
+from gpuwatchd.events import words
 from gpuwatchd.sim.scenario_spec import Scenario
 from gpuwatchd.sim.world import size_text
 
@@ -28,28 +27,6 @@ class Names(Protocol):
     def pname(self, pid: object) -> str: ...
 
     def gname(self, uuid: object) -> str: ...
-
-
-class TimelineEvent(str, enum.Enum):
-    """The timeline's own entry names (docs/simulate.md), beside the daemon's EventName: what
-    the scenario made happen (``world.*``) and the simulator's own warning (``sim.*``)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-    START = "world.start"
-    EXIT = "world.exit"
-    STATE = "world.state"
-    REAP = "world.reap"
-    MEMORY = "world.memory"
-    LEAK = "world.leak"
-    RESET_RESULT = "world.reset_result"
-    XID = "world.xid"
-    HEALTH = "world.health"
-    BUSY_LOOP = "sim.busy_loop"
 
 
 @dataclass(frozen=True)
@@ -141,7 +118,7 @@ class TimelineNamer:
 def finding_label(key: object, sim: Names) -> str:
     """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) as people read it:
     "orphaned pid 4252 (worker-2) on GPU 0", "ghost_memory GPU 1"."""
-    return _finding_label(key, TimelineNamer(sim))
+    return words.finding_label(key, TimelineNamer(sim))
 
 
 def describe_event(name: str, fields: Mapping[str, object], sim: Names) -> str:

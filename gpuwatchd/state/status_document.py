@@ -8,16 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.core.checked import as_count as _count
-from gpuwatchd.core.checked import as_flag as _bool
-from gpuwatchd.core.checked import as_list as _seq
-from gpuwatchd.core.checked import as_map as _map
-from gpuwatchd.core.checked import as_number as _num
-from gpuwatchd.core.checked import as_one_of
-from gpuwatchd.core.checked import as_text as _str
+from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import Format, pick
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import as_int as _int
+from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.catalogue import render
@@ -33,27 +27,27 @@ NVML_STATES = ("ok", "wedged", "unavailable")
 # A recent action, as kept in the status section and as shown (a missing sentence is said
 # again from the rest).
 ACTION = {
-    "at": _num,
-    "event": _str,
-    "gpu": _str,
-    "pid": _int,
-    "signal": _str,
-    "hook": _str,
-    "outcome": _str,
-    "dry_run": _bool,
-    "sentence": _str,
+    "at": as_number,
+    "event": as_text,
+    "gpu": as_text,
+    "pid": as_int,
+    "signal": as_text,
+    "hook": as_text,
+    "outcome": as_text,
+    "dry_run": as_flag,
+    "sentence": as_text,
 }
-NVML = {"state": as_one_of(*NVML_STATES), "error": _str, "since": _num}  # as last seen
+NVML = {"state": as_one_of(*NVML_STATES), "error": as_text, "since": as_number}  # as last seen
 LADDER = {
-    "pid": _int,
-    "rule": _str,
-    "gpu": _str,
-    "finding": _str,
+    "pid": as_int,
+    "rule": as_text,
+    "gpu": as_text,
+    "finding": as_text,
     "status": as_one_of(*LadderStatus),
-    "dry_run": _bool,
+    "dry_run": as_flag,
 }
 GPU_STATE = as_one_of("clean", "dirty", "unknown")
-REJECTED = {"at": _num, "error": _str, "at_start": lambda v: v is True, "running": _str}
+REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, "running": as_text}
 
 
 def build_document(
@@ -66,9 +60,9 @@ def build_document(
     """The status document for ``state`` (the envelope of ``state.json``: its ``plan``, its
     ``status`` facts, ``reset_in_progress``), written at wall time ``wall``, when the daemon's
     monotonic clock read ``monotonic`` (None: its deadlines cannot be placed)."""
-    data = _map(state)
-    status = _map(data.get("status"))
-    plan = _map(data.get("plan"))
+    data = as_map(state)
+    status = as_map(data.get("status"))
+    plan = as_map(data.get("plan"))
     offset = None if monotonic is None else wall - monotonic
     modes = _modes(status, plan)
     ladders = _ladders(plan, offset)
@@ -76,7 +70,7 @@ def build_document(
     breaker = _breaker(plan, policy)
     nvml = pick(status.get("nvml"), NVML)
     raw_rejected = status.get("policy_rejected")
-    rejected = _map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
+    rejected = as_map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
     record = data.get("reset_in_progress")
     return DOCUMENT.envelope(
         {
@@ -87,8 +81,8 @@ def build_document(
             "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
             "nvml": nvml,
             "spares": _spares(status.get("spares")),
-            "gpus": _count(status.get("gpus")),
-            "findings": _count(status.get("findings")),
+            "gpus": as_count(status.get("gpus")),
+            "findings": as_count(status.get("findings")),
             "verdict": _verdict(status.get("verdict")),
             "policy": _policy(status.get("policy"), rejected),
             "ladders": ladders,
@@ -125,12 +119,12 @@ def _wall(offset: float | None, monotonic: float | None) -> float | None:
 
 
 def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str, object]:
-    dry = _bool(status.get("dry_run"))
-    mode = _str(status.get("mode"))
+    dry = as_flag(status.get("dry_run"))
+    mode = as_text(status.get("mode"))
     if mode not in ("enforcing", "dry-run"):
         mode = None if dry is None else ("dry-run" if dry else "enforcing")
-    paused = _bool(plan.get("paused"))
-    forced = _bool(plan.get("forced_dry_run"))
+    paused = as_flag(plan.get("paused"))
+    forced = as_flag(plan.get("forced_dry_run"))
     if paused:
         effective: str | None = "paused"
     elif forced:
@@ -141,8 +135,8 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         "mode": mode,
         "effective_mode": effective,
         "paused": paused,
-        "paused_reason": _str(plan.get("paused_reason")) if paused else None,
-        "paused_until": _num(plan.get("paused_until")) if paused else None,
+        "paused_reason": as_text(plan.get("paused_reason")) if paused else None,
+        "paused_until": as_number(plan.get("paused_until")) if paused else None,
     }
 
 
@@ -157,25 +151,30 @@ def _policy(files: object, rejected: Mapping[str, object] | None) -> dict[str, o
 
 def _spares(raw: object) -> list[dict[str, object]]:
     """The daemon's spares in force (``gpuwatchd spare``), each checked."""
-    rows = [pick(item, {"target": _str, "until": _num, "reason": _str}) for item in _seq(raw)[:64]]
+    rows = [
+        pick(item, {"target": as_text, "until": as_number, "reason": as_text})
+        for item in as_list(raw)[:64]
+    ]
     return [row for row in rows if row["target"] is not None]
 
 
 def _kill_cap(
     plan: Mapping[str, object], policy: Policy, offset: float | None, wall: float
 ) -> dict[str, object]:
-    latched = _bool(plan.get("forced_dry_run"))
+    latched = as_flag(plan.get("forced_dry_run"))
     history = plan.get("signal_history")
     recent: int | None = None
     if isinstance(history, list) and offset is not None:
-        times = [_wall(offset, _num(p[1])) for p in history if isinstance(p, list) and len(p) == 2]
+        times = [
+            _wall(offset, as_number(p[1])) for p in history if isinstance(p, list) and len(p) == 2
+        ]
         if all(t is not None for t in times):
             recent = sum(1 for t in times if t is not None and wall - t < HOUR)
     scopes = plan.get("scope_latches")
     users = sorted(str(k) for k in scopes) if isinstance(scopes, dict) else []
     return {
         "latched": latched,
-        "reason": _str(plan.get("forced_reason")) if latched else None,
+        "reason": as_text(plan.get("forced_reason")) if latched else None,
         "users_latched": users[:64],
         "signalled_last_hour": recent,
         "max_per_hour": policy.limits.node_max_signalled_per_hour,
@@ -186,8 +185,8 @@ def _kill_cap(
 
 def _breaker(plan: Mapping[str, object], policy: Policy) -> dict[str, object]:
     return {
-        "open": _bool(plan.get("circuit_open")),
-        "failures": _count(plan.get("reset_failures")),
+        "open": as_flag(plan.get("circuit_open")),
+        "failures": as_count(plan.get("reset_failures")),
         "max_failures": policy.reset.max_failures,
     }
 
@@ -198,11 +197,11 @@ def _label(key: str | None) -> str | None:
 
 def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
-    for target, raw in sorted(_map(plan.get("ladders")).items()):
-        lad = _map(raw)
+    for target, raw in sorted(as_map(plan.get("ladders")).items()):
+        lad = as_map(raw)
         steps = lad.get("steps")
         total = len(steps) if isinstance(steps, list) else None
-        step = _count(lad.get("step"))
+        step = as_count(lad.get("step"))
         nxt: str | None = None
         if isinstance(steps, list) and total is not None and step is not None and step <= total:
             if step == total:
@@ -220,9 +219,9 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
                 "step": step,
                 "steps": total,
                 "next": nxt,
-                "scheduled": _num(lad.get("due")) is not None,
-                "due": _wall(offset, _num(lad.get("due"))),
-                "started": _wall(offset, _num(lad.get("started"))),
+                "scheduled": as_number(lad.get("due")) is not None,
+                "due": _wall(offset, as_number(lad.get("due"))),
+                "started": _wall(offset, as_number(lad.get("started"))),
             }
         )
     return out
@@ -234,10 +233,10 @@ def _pending(
     """Confirmation windows and delays not already shown as a ladder's next step."""
     laddered = {lad["finding"] for lad in ladders if lad["status"] == LadderStatus.ACTIVE}
     out: list[dict[str, object]] = []
-    for key, raw in sorted(_map(plan.get("waiting")).items()):
+    for key, raw in sorted(as_map(plan.get("waiting")).items()):
         if key in laddered:
             continue
-        out.append({"finding": key, "label": _label(key), "due": _wall(offset, _num(raw))})
+        out.append({"finding": key, "label": _label(key), "due": _wall(offset, as_number(raw))})
     return out
 
 
@@ -247,26 +246,30 @@ def _verdict(raw: object) -> dict[str, object] | None:
     with its first reason. None when the daemon wrote none."""
     if not isinstance(raw, Mapping):
         return None
-    whole = _map(raw)
+    whole = as_map(raw)
     gpus = []
-    for item in _seq(whole.get("gpus"))[:256]:
-        entry = _map(item)
-        reasons = [_map(r) for r in _seq(entry.get("reasons"))]
+    for item in as_list(whole.get("gpus"))[:256]:
+        entry = as_map(item)
+        reasons = [as_map(r) for r in as_list(entry.get("reasons"))]
         first = reasons[0] if reasons else {}
         gpus.append(
             {
-                **pick(entry, {"index": _int, "uuid": _str, "state": GPU_STATE}),
-                "kind": _str(first.get("kind")),
-                "reason": _str(first.get("reason")),
+                **pick(entry, {"index": as_int, "uuid": as_text, "state": GPU_STATE}),
+                "kind": as_text(first.get("kind")),
+                "reason": as_text(first.get("reason")),
                 "reasons": len(reasons),
-                "reset_blockers": len(_seq(entry.get("reset_blockers"))),
+                "reset_blockers": len(as_list(entry.get("reset_blockers"))),
             }
         )
-    return {"clean": _bool(whole.get("clean")), "error": _str(whole.get("error")), "gpus": gpus}
+    return {
+        "clean": as_flag(whole.get("clean")),
+        "error": as_text(whole.get("error")),
+        "gpus": gpus,
+    }
 
 
 def _actions(raw: object) -> list[dict[str, object]]:
-    out = [pick(item, ACTION) for item in _seq(raw)[-MAX_ACTIONS:]]
+    out = [pick(item, ACTION) for item in as_list(raw)[-MAX_ACTIONS:]]
     for action in out:
         if action["sentence"] is None and action["event"] is not None:
             # Remembered without its sentence: said from what was kept of its fields.
@@ -278,17 +281,17 @@ def _actions(raw: object) -> list[dict[str, object]]:
 
 
 def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
-    recovery = _map(record.get("recovery"))  # a MIG GPU instance's re-creation
+    recovery = as_map(record.get("recovery"))  # a MIG GPU instance's re-creation
     return {
-        "gpu": _str(record.get("uuid")),
-        **pick(record, {"pci_bus_id": _str, "step": _str, "since": _num}),
-        "instance": _str(recovery.get("mig_uuid")),
-        "gi": _int(recovery.get("gi")),
+        "gpu": as_text(record.get("uuid")),
+        **pick(record, {"pci_bus_id": as_text, "step": as_text, "since": as_number}),
+        "instance": as_text(recovery.get("mig_uuid")),
+        "gi": as_int(recovery.get("gi")),
     }
 
 
 def _times(raw: object) -> dict[str, float]:
-    return {k: t for k, v in _map(raw).items() if (t := _num(v)) is not None}
+    return {k: t for k, v in as_map(raw).items() if (t := as_number(v)) is not None}
 
 
 def _resets(
@@ -301,9 +304,9 @@ def _resets(
     reset = policy.reset
     last, last_dry = _times(plan.get("last_reset")), _times(plan.get("last_dry_reset"))
     history: dict[str, list[float]] = {}
-    for pair in _seq(plan.get("reset_history")):
+    for pair in as_list(plan.get("reset_history")):
         if isinstance(pair, list) and len(pair) == 2:
-            gpu, at = _str(pair[0]), _num(pair[1])
+            gpu, at = as_text(pair[0]), as_number(pair[1])
             if gpu is not None and at is not None:
                 history.setdefault(gpu, []).append(at)
     # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
@@ -368,9 +371,9 @@ def _attention(
         why = f": {nvml_error}" if nvml_error else ""
         out.append(f"NVML unavailable{why}: no GPU is watched")
     if rejected is not None:
-        error = _str(rejected.get("error")) or "unknown error"
+        error = as_text(rejected.get("error")) or "unknown error"
         if rejected.get("at_start") is True:
-            running = _str(rejected.get("running")) or "another policy"
+            running = as_text(rejected.get("running")) or "another policy"
             out.append(
                 f"policy rejected at start ({error}); running {running} instead: fix the "
                 "policy, then `systemctl reload gpuwatchd`"

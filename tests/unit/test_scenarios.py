@@ -555,8 +555,7 @@ def test_mig_gpu_reset_layout_is_only_reported_without_allow_mig(tmp_path: Path)
 def test_every_timeline_name_is_a_daemon_event_or_a_timeline_event_written_as_its_value() -> None:
     """The simulator's own names (world.*, sim.*) are one enum beside EventName; the JSON
     carries the plain name, as docs/simulate.md says."""
-    from gpuwatchd.core.vocabulary import EventName
-    from gpuwatchd.sim.timeline import TimelineEvent
+    from gpuwatchd.core.vocabulary import EventName, TimelineEvent
 
     r = run("mig-notebook-kernel-died")
     names = {e.name for e in r.timeline}

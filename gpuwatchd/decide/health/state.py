@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from gpuwatchd.core.checked import number as _time
-from gpuwatchd.core.checked import opt_number as _opt_time
+from gpuwatchd.core.checked import number, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
@@ -154,7 +153,7 @@ class HealthState:
                 count = as_int(values[0]) if values else None
                 if xid is None or values is None or count is None or count < 0:
                     raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
-                xids[xid] = XidRecord(count, _time(values[1], what), _time(values[2], what))
+                xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
             since = entry.get("since", {})
             if not isinstance(since, dict):
                 raise ValueError(f"{what}.since: expected an object")
@@ -163,12 +162,12 @@ class HealthState:
             kernel = _kernel_log_state(entry, what)
             gpus[uuid] = GpuHealthState(
                 xids=xids,
-                last_reset=_opt_time(entry.get("last_reset"), what),
-                since={str(k): _time(v, what) for k, v in since.items()},
-                assumed_reset=_opt_time(entry.get("assumed_reset"), what),
+                last_reset=opt_number(entry.get("last_reset"), what),
+                since={str(k): number(v, what) for k, v in since.items()},
+                assumed_reset=opt_number(entry.get("assumed_reset"), what),
                 assumed_cured=cured,
-                fabric_since=_opt_time(entry.get("fabric_since"), what),
-                checked_reset=_opt_time(entry.get("checked_reset"), what),
+                fabric_since=opt_number(entry.get("fabric_since"), what),
+                checked_reset=opt_number(entry.get("checked_reset"), what),
                 unhealed=unhealed,
                 klog_pos=kernel.klog_pos,
                 sightings=kernel.sightings,
@@ -221,7 +220,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
             or item[2] not in ("nvml", "kernel")
         ):
             raise ValueError(f"{what}.sightings: expected [xid, wall, source]")
-        sightings.append(Sighting(int(item[0]), _time(item[1], what), str(item[2])))
+        sightings.append(Sighting(int(item[0]), number(item[1], what), str(item[2])))
     details: dict[int, XidDetail] = {}
     for key, raw in _bounded_map(entry.get("details", {}), f"{what}.details").items():
         where = f"{what}.details.{key}"
@@ -237,7 +236,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
             job=_opt_str(raw.get("job"), where),
             text=text or "",
             before_start=raw.get("before_start") is True,
-            wall=_time(raw.get("wall"), where),
+            wall=number(raw.get("wall"), where),
         )
     logs: dict[int, XidLog] = {}
     for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
@@ -246,6 +245,6 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
         if not isinstance(raw, list) or held is None or held < 0:
             raise ValueError(f"{where}: expected [logged_at, held, first, last]")
         logs[_xid_key(key, where)] = XidLog(
-            _time(raw[0], where), held, _time(raw[2], where), _time(raw[3], where)
+            number(raw[0], where), held, number(raw[2], where), number(raw[3], where)
         )
     return GpuHealthState(klog_pos=pos, sightings=tuple(sightings), details=details, xid_log=logs)

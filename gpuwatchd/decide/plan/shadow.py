@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.core.checked import number as _time
-from gpuwatchd.core.checked import pairs
-from gpuwatchd.core.checked import text as _str
+from gpuwatchd.core.checked import number, pairs, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
@@ -85,19 +83,19 @@ class DryShadow:
         return cls(
             resets=pairs(data.get("resets", []), "plan.shadow.resets", MAX_ENTRIES),
             done={
-                _str(k, "plan.shadow.done"): _time(v, f"plan.shadow.done.{k}")
+                text(k, "plan.shadow.done"): number(v, f"plan.shadow.done.{k}")
                 for k, v in done.items()
             },
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=capped,
             forced=tuple(forced),
             scopes={
-                _str(k, "plan.shadow.scopes"): _str(v, f"plan.shadow.scopes.{k}")
+                text(k, "plan.shadow.scopes"): text(v, f"plan.shadow.scopes.{k}")
                 for k, v in scopes.items()
             },
-            capped_since=None if since is None else _time(since, "plan.shadow.capped_since"),
+            capped_since=None if since is None else number(since, "plan.shadow.capped_since"),
             latches={
-                _str(k, "plan.shadow.latches"): _latch(v, f"plan.shadow.latches.{k}")
+                text(k, "plan.shadow.latches"): _latch(v, f"plan.shadow.latches.{k}")
                 for k, v in latches.items()
             },
         )
@@ -106,7 +104,7 @@ class DryShadow:
 def _latch(value: object, what: str) -> tuple[str, float]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"{what}: expected [why, since]")
-    return _str(value[0], what), _time(value[1], what)
+    return text(value[0], what), number(value[1], what)
 
 
 class ShadowWork:

@@ -16,16 +16,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gpuwatchd.core.checked import flag as _bool
-from gpuwatchd.core.checked import integer as _int
-from gpuwatchd.core.checked import items as _list
-from gpuwatchd.core.checked import number as _float
-from gpuwatchd.core.checked import numbers as _floats
-from gpuwatchd.core.checked import obj as _obj
-from gpuwatchd.core.checked import opt_number as _opt_float
-from gpuwatchd.core.checked import opt_text as _opt_str
-from gpuwatchd.core.checked import pairs as _pairs
-from gpuwatchd.core.checked import text as _str
+from gpuwatchd.core import checked
+from gpuwatchd.core.checked import (
+    flag,
+    integer,
+    items,
+    number,
+    numbers,
+    obj,
+    opt_number,
+    opt_text,
+    text,
+)
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
 from gpuwatchd.decide.plan.shadow import DryShadow
@@ -306,68 +308,69 @@ def _dump_state(s: PlanState) -> dict[str, object]:
 def _ladder(f: _Fields) -> Ladder:
     d, what = f.data, f.what
     steps = []
-    for i, item in enumerate(_list(d.get("steps"), f"{what}.steps")):
-        pair = _list(item, f"{what}.steps[{i}]")
+    for i, item in enumerate(items(d.get("steps"), f"{what}.steps")):
+        pair = items(item, f"{what}.steps[{i}]")
         if len(pair) != 2:
             raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
-        steps.append((_opt_str(pair[0], f"{what}.steps[{i}]"), _float(pair[1], what)))
-    status = f(_str, "status")
-    step = f(_int, "step")
+        steps.append((opt_text(pair[0], f"{what}.steps[{i}]"), number(pair[1], what)))
+    status = f(text, "status")
+    step = f(integer, "step")
     if status not in set(LadderStatus) or not 0 <= step <= len(steps):
         raise ValueError(f"{what}: invalid status or step")
     # "user" is absent in older state files: unknown
-    return Ladder(target=f(_str, "target"), pid=f(_int, "pid"), start_ticks=f(_int, "start_ticks"),
-                  finding_key=f(_str, "finding"), rule=f(_str, "rule"), gpu=f(_opt_str, "gpu"),
-                  steps=tuple(steps), step=step, due=f(_opt_float, "due"),
-                  status=LadderStatus(status), dry_run=f(_bool, "dry_run"),
-                  started=f(_float, "started"), user=f(_opt_str, "user"))  # fmt: skip
+    return Ladder(target=f(text, "target"), pid=f(integer, "pid"),
+                  start_ticks=f(integer, "start_ticks"), finding_key=f(text, "finding"),
+                  rule=f(text, "rule"), gpu=f(opt_text, "gpu"),
+                  steps=tuple(steps), step=step, due=f(opt_number, "due"),
+                  status=LadderStatus(status), dry_run=f(flag, "dry_run"),
+                  started=f(number, "started"), user=f(opt_text, "user"))  # fmt: skip
 
 
 def _load_state(data: object) -> PlanState:
-    d = _obj(data, "plan")
+    d = obj(data, "plan")
     version = d.get("version", PLAN_STATE_VERSION)
     if version != PLAN_STATE_VERSION:
         raise ValueError(f"plan: unsupported state version {version!r}")
     seen = _records(d.get("seen", {}), "plan.seen", _seen)
     flight = d.get("reset_in_flight")
     in_flight = None if flight is None else _in_flight(_Fields(flight, "plan.reset_in_flight"))
-    failures = _int(d.get("reset_failures", 0), "plan.reset_failures")
+    failures = integer(d.get("reset_failures", 0), "plan.reset_failures")
     if failures < 0:
         raise ValueError("plan.reset_failures: negative")
     return PlanState(
-        boot_id=_opt_str(d.get("boot_id"), "plan.boot_id"),
+        boot_id=opt_text(d.get("boot_id"), "plan.boot_id"),
         seen=seen,
-        notes={k: _str(v, f"plan.notes.{k}") for k, v in _obj(d.get("notes", {}), "notes").items()},
-        waiting=_floats(d.get("waiting", {}), "plan.waiting"),
+        notes={k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()},
+        waiting=numbers(d.get("waiting", {}), "plan.waiting"),
         ladders=_records(d.get("ladders", {}), "plan.ladders", _ladder),
-        quiet_until=_floats(d.get("quiet_until", {}), "plan.quiet_until"),
-        last_reset=_floats(d.get("last_reset", {}), "plan.last_reset"),
-        last_dry_reset=_floats(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
-        reset_history=_pairs(d.get("reset_history", []), "plan.reset_history"),
+        quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
+        last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
+        last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
+        reset_history=checked.pairs(d.get("reset_history", []), "plan.reset_history"),
         reset_failures=failures,
-        circuit_open=_bool(d.get("circuit_open", False), "plan.circuit_open"),
+        circuit_open=flag(d.get("circuit_open", False), "plan.circuit_open"),
         reset_in_flight=in_flight,
-        signal_history=_pairs(d.get("signal_history", []), "plan.signal_history"),
-        forced_dry_run=_bool(d.get("forced_dry_run", False), "plan.forced_dry_run"),
-        forced_reason=_opt_str(d.get("forced_reason"), "plan.forced_reason"),
-        forced_since=_opt_float(d.get("forced_since"), "plan.forced_since"),
-        forced_since_monotonic=_opt_float(
+        signal_history=checked.pairs(d.get("signal_history", []), "plan.signal_history"),
+        forced_dry_run=flag(d.get("forced_dry_run", False), "plan.forced_dry_run"),
+        forced_reason=opt_text(d.get("forced_reason"), "plan.forced_reason"),
+        forced_since=opt_number(d.get("forced_since"), "plan.forced_since"),
+        forced_since_monotonic=opt_number(
             d.get("forced_since_monotonic"), "plan.forced_since_monotonic"
         ),  # absent in older state files: anchored once by wall time
         signal_scopes={
-            k: _str(v, f"plan.signal_scopes.{k}")
-            for k, v in _obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
+            k: text(v, f"plan.signal_scopes.{k}")
+            for k, v in obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
         },
         scope_latches=_records(d.get("scope_latches", {}), "plan.scope_latches", _latch),
-        paused=_bool(d.get("paused", False), "plan.paused"),
-        paused_reason=_opt_str(d.get("paused_reason"), "plan.paused_reason"),
-        paused_until=_opt_float(d.get("paused_until"), "plan.paused_until"),
-        last_wall=_opt_float(d.get("last_wall"), "plan.last_wall"),
+        paused=flag(d.get("paused", False), "plan.paused"),
+        paused_reason=opt_text(d.get("paused_reason"), "plan.paused_reason"),
+        paused_until=opt_number(d.get("paused_until"), "plan.paused_until"),
+        last_wall=opt_number(d.get("last_wall"), "plan.last_wall"),
         health_waits=_records(d.get("health_waits", {}), "plan.health_waits", _health_wait),
         reset_refusals=_records(d.get("reset_refusals", {}), "plan.reset_refusals", _refusal),
         health_drained={
-            gpu: _bool(dry, f"plan.health_drained.{gpu}")
-            for gpu, dry in _obj(d.get("health_drained", {}), "plan.health_drained").items()
+            gpu: flag(dry, f"plan.health_drained.{gpu}")
+            for gpu, dry in obj(d.get("health_drained", {}), "plan.health_drained").items()
         },
         mig_unfinished=_records(d.get("mig_unfinished", {}), "plan.mig_unfinished", _unfinished),
         shadow=DryShadow.from_json(d.get("shadow")),
@@ -378,7 +381,7 @@ class _Fields:
     """One saved record's fields, each read by a checker with its path in the error."""
 
     def __init__(self, value: object, what: str) -> None:
-        self.data = _obj(value, what)
+        self.data = obj(value, what)
         self.what = what
 
     def __call__(self, read: Callable[[object, str], _T], key: str, default: object = None) -> _T:
@@ -387,45 +390,45 @@ class _Fields:
 
 def _records(value: object, what: str, load: Callable[[_Fields], _T]) -> dict[str, _T]:
     """A saved ``{key: record}`` mapping, each record read by ``load``."""
-    return {key: load(_Fields(item, f"{what}.{key}")) for key, item in _obj(value, what).items()}
+    return {key: load(_Fields(item, f"{what}.{key}")) for key, item in obj(value, what).items()}
 
 
 def _seen(f: _Fields) -> SeenFinding:
-    return SeenFinding(first_seen=f(_float, "first_seen"), digest=f(_str, "digest"),
-                       gpu=f(_opt_str, "gpu"), target=f(_opt_str, "target"))  # fmt: skip
+    return SeenFinding(first_seen=f(number, "first_seen"), digest=f(text, "digest"),
+                       gpu=f(opt_text, "gpu"), target=f(opt_text, "target"))  # fmt: skip
 
 
 def _in_flight(f: _Fields) -> ResetInFlight:
-    return ResetInFlight(gpu=f(_str, "gpu"), finding_key=f(_str, "finding"),
-                         dry_run=f(_bool, "dry_run"), since=f(_float, "since"),
-                         delay=f(_float, "delay", 0.0))  # fmt: skip
+    return ResetInFlight(gpu=f(text, "gpu"), finding_key=f(text, "finding"),
+                         dry_run=f(flag, "dry_run"), since=f(number, "since"),
+                         delay=f(number, "delay", 0.0))  # fmt: skip
 
 
 def _opt_int(value: object, what: str) -> int | None:
-    return None if value is None else _int(value, what)
+    return None if value is None else integer(value, what)
 
 
 def _unfinished(f: _Fields) -> MigUnfinished:
-    return MigUnfinished(gpu=f(_str, "gpu"), gi=f(_int, "gi"), profile=f(_int, "profile"),
-                         placement=f(_int, "placement"), size=f(_int, "size"),
-                         since=f(_float, "since"), outcome=f(_str, "outcome"))  # fmt: skip
+    return MigUnfinished(gpu=f(text, "gpu"), gi=f(integer, "gi"), profile=f(integer, "profile"),
+                         placement=f(integer, "placement"), size=f(integer, "size"),
+                         since=f(number, "since"), outcome=f(text, "outcome"))  # fmt: skip
 
 
 def _refusal(f: _Fields) -> ResetRefusal:
-    return ResetRefusal(finding_key=f(_str, "finding"), reason=f(_str, "reason"),
-                        in_use=f(_bool, "in_use"), since=f(_float, "since"),
-                        allocated=f(_opt_int, "allocated"), dry_run=f(_bool, "dry_run", False),
-                        held=f(_bool, "held", False))  # fmt: skip
+    return ResetRefusal(finding_key=f(text, "finding"), reason=f(text, "reason"),
+                        in_use=f(flag, "in_use"), since=f(number, "since"),
+                        allocated=f(_opt_int, "allocated"), dry_run=f(flag, "dry_run", False),
+                        held=f(flag, "held", False))  # fmt: skip
 
 
 def _latch(f: _Fields) -> Latch:
-    return Latch(reason=f(_str, "reason"), since=f(_float, "since"),
-                 since_monotonic=f(_opt_float, "since_monotonic"))  # fmt: skip
+    return Latch(reason=f(text, "reason"), since=f(number, "since"),
+                 since_monotonic=f(opt_number, "since_monotonic"))  # fmt: skip
 
 
 def _health_wait(f: _Fields) -> HealthWait:
-    return HealthWait(finding_key=f(_str, "finding"), since=f(_float, "since"),
-                      dry_run=f(_bool, "dry_run"), expired=f(_bool, "expired", False))  # fmt: skip
+    return HealthWait(finding_key=f(text, "finding"), since=f(number, "since"),
+                      dry_run=f(flag, "dry_run"), expired=f(flag, "expired", False))  # fmt: skip
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

@@ -9,7 +9,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.health.judge`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuwatchd.core.model import (
@@ -470,17 +470,7 @@ def assess_health(
             details=merged.details,
             xid_log=xid_log,
         )
-        registering = fabric.registering(health)
-        if registering is None:  # not read this poll: unknown keeps the clock as it was
-            fabric_since = carried.fabric_since
-        else:
-            fabric_since = (carried.fabric_since or wall) if registering else None
-        stuck = (
-            registering is True
-            and fabric_since is not None
-            and wall - fabric_since >= options.fabric_stuck_after
-            and not fabric.waiting_for_partition(health)
-        )
+        fabric_since, stuck = _fabric_clock(health, carried.fabric_since, wall, options)
         peers = tuple(
             t
             for uuid, state in old.items()
@@ -494,22 +484,50 @@ def assess_health(
         if kind is None:
             continue
         evidence = _evidence(gpu, health, xids, carried, notes, details=merged.details)
-        evidence["since"] = since[kind.value]
-        evidence["reasons"] = [r.text for r in reasons[kind]]
-        # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
-        evidence["other_reasons"] = [r.text for k in _STRENGTH if k is not kind for r in reasons[k]]
-        findings.append(
-            Finding(
-                kind=kind,
-                gpu=gpu.uuid,
-                pid=None,
-                start_ticks=None,
-                reason="; ".join(r.text for r in reasons[kind]),
-                actionable=any(r.actionable for r in reasons[kind]),
-                evidence=evidence,
-            )
-        )
+        findings.append(_finding(gpu.uuid, kind, reasons, evidence, since[kind.value]))
     return HealthAssessment(tuple(findings), HealthState(gpus=gpus), tuple(said))
+
+
+def _fabric_clock(
+    health: GpuHealth, since: float | None, wall: float, options: HealthPolicy
+) -> tuple[float | None, bool]:
+    """Since when the GPU's fabric has been registering (kept as it was when not read this
+    poll), and whether that is long enough to call it stuck."""
+    registering = fabric.registering(health)
+    if registering is None:  # not read this poll: unknown keeps the clock as it was
+        fabric_since = since
+    else:
+        fabric_since = (since or wall) if registering else None
+    stuck = (
+        registering is True
+        and fabric_since is not None
+        and wall - fabric_since >= options.fabric_stuck_after
+        and not fabric.waiting_for_partition(health)
+    )
+    return fabric_since, stuck
+
+
+def _finding(
+    uuid: str,
+    kind: FindingKind,
+    reasons: Mapping[FindingKind, Sequence[_Reason]],
+    evidence: dict[str, object],
+    since: float,
+) -> Finding:
+    """The GPU's one finding, of the strongest ``kind``, with its reasons in the evidence."""
+    evidence["since"] = since
+    evidence["reasons"] = [r.text for r in reasons[kind]]
+    # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
+    evidence["other_reasons"] = [r.text for k in _STRENGTH if k is not kind for r in reasons[k]]
+    return Finding(
+        kind=kind,
+        gpu=uuid,
+        pid=None,
+        start_ticks=None,
+        reason="; ".join(r.text for r in reasons[kind]),
+        actionable=any(r.actionable for r in reasons[kind]),
+        evidence=evidence,
+    )
 
 
 # --- what keeps a health reset waiting --------------------------------------------------------

@@ -117,45 +117,13 @@ def resume_interrupted(
     """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
 
     Call it at start, before anything else, with the record the state kept (the shape of
-    :func:`progress_record`). The reset command is **never** run again: it may have run.
-
-    =========================================  ==============================  ================
-    last recorded step                         what happens now                result
-    =========================================  ==============================  ================
-    ``done``                                   nothing (returns None)          —
-    ``drain`` … ``stop_monitors``              ``after`` hooks                 ``refused``
-    ``persistence_off``, ``final_scan``        persistence on if it was        ``refused``
-                                               turned off, ``after`` hooks
-    ``persistence_on``/``after_hooks`` before  finish that undo                ``refused``
-    the reset started (an undo in progress)
-    ``reset``, ``health_check``                health check, persistence on,   ``success`` only
-                                               ``after`` hooks                 if healthy and
-                                                                               memory is back;
-                                                                               else ``failed``
-    ``persistence_on`` after the reset         persistence on, ``after`` hooks  recorded result
-    ``after_hooks`` after the reset            ``after`` hooks                 recorded result
-    =========================================  ==============================  ================
-
-    A MIG GPU's reset (``mig_layout`` in the record) whose ``persistence_on`` step follows a
-    successful reset command is resumed as ``health_check``: its layout is created again after
-    persistence mode is back on, and only what the GPU lacks is created.
-
-    A MIG recovery's ``reset`` step is the exception (its commands are recorded one by one):
-    the GPU is read again, and the recovery is undone when its instance is still as planned
-    and no command completed, goes on at the first command not done when the instance is gone
-    and nothing occupies its placement, is only checked when the instance was re-created
-    already, and is left half done (``failed``) otherwise (:func:`_resume_recovery`).
-
-    The commands and hooks run are the record's (``commands``: worked out when the reset
-    started), persistence mode is restored from the record (``persistence_off``), and the
-    monitors' units it stopped are started (``units_stopped``), not from today's policy; a
-    record from before the commands were recorded runs today's policy's. A record that cannot
-    be read (no GPU UUID, unknown step, a damaged command list) changes nothing and returns
-    ``failed`` with the reason, so the daemon can log it and drop the record. The caller
-    starts its NVML worker afterwards, as after :func:`perform_reset`. Hooks may run a second
-    time after a crash inside them, so ``after`` hooks should be idempotent.
-    ``runner`` runs the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills
-    ``{hostname}`` in an old record's (the recorded ones were filled in already).
+    :func:`progress_record`). The reset command is **never** run again: it may have run. What
+    each last recorded step leads to, and how a MIG GPU's reset and a MIG recovery resume, is
+    in docs/internals.md (section ``gpuwatchd.act.reset_resume``). The commands, hooks,
+    persistence mode and stopped monitors are the record's, not today's policy's; an
+    unreadable record changes nothing and returns ``failed`` with the reason. ``runner`` runs
+    the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills ``{hostname}``
+    in an old record's commands.
     """
     read = _read_back(record, reset, hostname)
     if read is None:

@@ -284,7 +284,7 @@ _WIDER = {
         "health",
         "gpuwatchd/decide/health/judge.py",
         ALL,
-        ("drain_blockers", "_known_pids", "_reasons", "assess_health"),
+        ("drain_blockers", "_known_pids", "_reasons", "assess_health", "_fabric_clock", "_finding"),
     ),
     # Whether a dead PID is explained, and whether PIDs can be trusted at all (a PID namespace).
     "assess_shared": Target(

@@ -494,9 +494,8 @@ def _fabric_clock(
     """Since when the GPU's fabric has been registering (kept as it was when not read this
     poll), and whether that is long enough to call it stuck."""
     registering = fabric.registering(health)
-    if registering is None:  # not read this poll: unknown keeps the clock as it was
-        fabric_since = since
-    else:
+    fabric_since = since  # not read this poll: unknown keeps the clock as it was
+    if registering is not None:
         fabric_since = (since or wall) if registering else None
     stuck = (
         registering is True

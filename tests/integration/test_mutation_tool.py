@@ -463,6 +463,13 @@ def test_changed_sees_a_change_to_a_callee_a_table_or_a_policy_default(
         )
         == before
     )
+    # No mutant touches a docstring: rewording one (the gate's or a callee's) re-mutates
+    # nothing, while a string the code uses still counts.
+    documented = GATES.replace("def helper(kind):\n", 'def helper(kind):\n    """Why."""\n')
+    assert documented != GATES
+    assert _gate_print(tmp_path, documented) == before
+    assert _gate_print(tmp_path, documented.replace('"""Why."""', '"""Why not."""')) == before
+    assert _gate_print(tmp_path, GATES.replace('("a", "b")', '("a", "c")')) != before
 
 
 def test_a_callee_moved_to_another_file_of_decide_keeps_the_print(tmp_path: Path) -> None:

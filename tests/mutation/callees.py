@@ -13,6 +13,7 @@ It never runs anything.
 from __future__ import annotations
 
 import ast
+import copy as copy_module
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,7 +59,33 @@ def _function(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> _Entr
 
 
 def _dump(node: ast.AST) -> str:
-    return ast.dump(node, annotate_fields=True, include_attributes=False)
+    """``node``'s syntax tree as text, docstrings left out: no mutant touches a docstring, so
+    rewording one re-mutates nothing."""
+    return ast.dump(_without_docstrings(node), annotate_fields=True, include_attributes=False)
+
+
+_Body = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    if not any(_docstring(n) for n in ast.walk(node)):
+        return node
+    copy = copy_module.deepcopy(node)
+    for inner in ast.walk(copy):
+        if isinstance(inner, _Body) and _docstring(inner):
+            inner.body = inner.body[1:] or [ast.Pass()]
+    return copy
+
+
+def _docstring(node: ast.AST) -> bool:
+    if not isinstance(node, _Body) or not node.body:
+        return False
+    first = node.body[0]
+    return (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    )
 
 
 class Dependencies:
@@ -132,7 +159,7 @@ class Dependencies:
 
     def fingerprint(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
         """A hash of ``node``'s syntax tree and of every definition it reaches: comments,
-        formatting and position do not count."""
+        docstrings, formatting and position do not count."""
         digest = hashlib.sha256(_dump(node).encode())
         # By qualified name, not file: moving a definition to another file changes no print.
         reached = sorted((e.where.partition("::")[2], e.dump) for e in self.reached(node))

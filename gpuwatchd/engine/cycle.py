@@ -11,7 +11,6 @@ import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
@@ -85,12 +84,14 @@ from gpuwatchd.events.catalogue import notification
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
 
-T = TypeVar("T")
-
 
 def _text(value: object) -> str | None:
     """A fact as a placeholder value: None stays unknown (the hook that needs it is not run)."""
     return None if value is None or isinstance(value, bool) else str(value)
+
+
+# A hook's placeholder values from its intent's facts (placeholder, fact).
+_HOOK_VALUES = (("uuid", "gpu"), ("pci_bus_id", "pci_bus_id"), ("minor", "minor"), ("user", "user"))
 
 
 def _describe_intent(intent: Intent) -> str:
@@ -145,26 +146,21 @@ class Engine:
         self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
         self.stopping = stopping
         self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
-        # Evidence files before each destructive step (act/evidence.py); none in simulate.
-        self.evidence = evidence
+        self.evidence = evidence  # files before each destructive step; none in simulate
         # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
         self._assumed_exits: list[ProcessIdentity] = []
-        # Hooks that ran in the background, reported by the main loop: (intent, results), or
-        # (intent, error) for a notification that raised (a bug).
+        # Background hooks for the main loop to report: (intent, results or a bug's error).
         self._hooks_done: collections.deque[tuple[HookIntent, list[CommandResult] | str]] = (
             collections.deque()
         )
         self._crashed: collections.deque[str] = collections.deque()  # background_crashed
         self._snapshot: Snapshot | None = None
         self._assessment: Assessment | None = None
-        # Each GPU clean for a new job? (decide/verdict.py): run --once's exit, the status.
-        self._verdict: NodeVerdict | None = None
+        self._verdict: NodeVerdict | None = None  # each GPU clean for a new job?
         self.reuse = Reuse()  # the last assessment and verdict, when the inputs are equal
         self._paused_reason: str | None = None
-        # NVML as a state with transitions (decide/nvml_state.py): status, nvml.recovered.
         self.nvml_availability = NvmlAvailability()
-        # ``gpuwatchd spare``: put into each snapshot, so every decision sees them.
-        self.spares: tuple[Spare, ...] = ()
+        self.spares: tuple[Spare, ...] = ()  # ``gpuwatchd spare``: put into each snapshot
         self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
 
     # --- the cycle ----------------------------------------------------------------------------
@@ -183,18 +179,7 @@ class Engine:
         self._verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
         )
-        # Time is the snapshot's: a finding "was seen" when /proc and NVML were read, not when
-        # a long full scan of this same poll ended (its for-window must not start late).
-        result = plan(
-            assessment.findings,
-            snapshot,
-            state.plan,
-            self.policy,
-            now=snapshot.monotonic,
-            wall=snapshot.wall_time,
-            report_only=assessment.report_only,
-            self_ancestors=self.self_ancestors,
-        )
+        result = self._plan(assessment, snapshot, state.plan)
         if any(self._irreversible(intent) for intent in result.intents):
             # The new plan state already counts each step and kill-cap entry as taken: it is
             # saved before anything irreversible, so a crash in between never repeats a step
@@ -218,6 +203,20 @@ class Engine:
             started_wall=wall,
             seconds=self.clock.monotonic() - started,
             wake_at=self.wake_at(),
+        )
+
+    def _plan(self, assessment: Assessment, snapshot: Snapshot, state: PlanState) -> PlanResult:
+        """Plan at the snapshot's time: a finding "was seen" when /proc and NVML were read, not
+        when a long full scan of this same poll ended (its for-window must not start late)."""
+        return plan(
+            assessment.findings,
+            snapshot,
+            state,
+            self.policy,
+            now=snapshot.monotonic,
+            wall=snapshot.wall_time,
+            report_only=assessment.report_only,
+            self_ancestors=self.self_ancestors,
         )
 
     def _take_switches(self, inputs: PollInputs) -> None:
@@ -294,14 +293,14 @@ class Engine:
         poll): the checkpoint's to save, inside a poll too."""
         state = self.state
         return Standing(
-            assess=state.assess,
-            plan=state.plan,
-            reset_in_progress=state.reset_in_progress,
-            snapshot=self._snapshot,
-            assessment=self._assessment,
-            verdict=self._verdict,
-            spares=self.spares,
-            nvml=self.nvml_availability,
+            state.assess,
+            state.plan,
+            state.reset_in_progress,
+            self._snapshot,
+            self._assessment,
+            self._verdict,
+            self.spares,
+            self.nvml_availability,
         )
 
     def _replan_held(
@@ -315,16 +314,7 @@ class Engine:
         the steps cannot be saved: the steps are not taken (``action.withheld`` says which and
         why), and the ladders wait as they do while paused, to be tried again next poll."""
         self._withhold(result.intents)
-        held = plan(
-            assessment.findings,
-            snapshot,
-            set_paused(previous, True, reason=STATE_NOT_SAVED),
-            self.policy,
-            now=snapshot.monotonic,
-            wall=snapshot.wall_time,
-            report_only=assessment.report_only,
-            self_ancestors=self.self_ancestors,
-        )
+        held = self._plan(assessment, snapshot, set_paused(previous, True, reason=STATE_NOT_SAVED))
         unpaused = set_paused(
             held.state,
             previous.paused,
@@ -349,11 +339,9 @@ class Engine:
     def wake_at(self) -> float:
         """When the next poll is due: ``interval`` from now, or earlier for a plan deadline."""
         now = self.clock.monotonic()
-        until = now + self.policy.interval
         due = next_deadline(self.state.plan)
-        if due is not None:
-            until = min(until, max(now, due))
-        return until
+        until = now + self.policy.interval
+        return until if due is None else min(until, max(now, due))
 
     def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
@@ -505,13 +493,8 @@ class Engine:
             gpu = facts.get("gpu")
             uuid = gpu if isinstance(gpu, str) else None
             kept = self._keep_evidence(Step(destructive, uuid, intent.dry_run, intent.reason))
-        values = {
-            "uuid": _text(facts.get("gpu")),
-            "pci_bus_id": _text(facts.get("pci_bus_id")),
-            "minor": _text(facts.get("minor")),
-            "user": _text(facts.get("user")),
-            "hostname": self.hostname,
-        }
+        values = {key: _text(facts.get(fact)) for key, fact in _HOOK_VALUES}
+        values["hostname"] = self.hostname
         if intent.dry_run:
             self._say_dry_run_hooks(intent, hooks, values, kept)
             return ()
@@ -596,8 +579,7 @@ class Engine:
         """Say through the event sink (so metrics count it) that hooks did not run to their
         end: dropped, cancelled when the daemon stopped, or crashed."""
         fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
-        if reason is not None:
-            fields["reason"] = reason
+        fields.update({} if reason is None else {"reason": reason})
         self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
 
     def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
@@ -666,8 +648,11 @@ class Engine:
                 **(kept or {}),
             )
 
+    def _last_gpu(self, uuid: str) -> GpuInfo | None:
+        return gpu_by_uuid(self._snapshot, uuid) if self._snapshot else None
+
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
-        gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
+        gpu = self._last_gpu(intent.gpu)
         whole = intent.instance is None  # else: re-create one MIG GPU instance of the GPU
         target = ResetTarget(
             uuid=intent.gpu,
@@ -716,14 +701,8 @@ class Engine:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
             self._emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
-            outcome = ResetOutcome(
-                ResetResult.FAILED,
-                ResetStep.DONE,
-                f"the reset procedure crashed: {err!r}",
-                False,
-                None,
-                (),
-            )
+            crashed = f"the reset procedure crashed: {err!r}"
+            outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
         return self._book_reset(intent, outcome, kept)
 
     def _keep_evidence(self, step: Step) -> dict[str, object]:
@@ -789,23 +768,18 @@ class Engine:
             and outcome.result == ResetResult.DRY_RUN
             and outcome.step is ResetStep.DONE
         )
-        assessed = self.state.assess
-        if intent.instance is not None:
-            pass  # one MIG GPU instance re-created: the GPU's health is as it was
-        elif outcome.result == ResetResult.SUCCESS and not intent.dry_run:
-            # GPU health: Xids before this reset are dealt with; the next reading is the
-            # health check after it (decide/health/judge.py).
-            health = note_reset(assessed.health, intent.gpu, self.clock.wall())
+        gpu = self._last_gpu(intent.gpu) if would_succeed else None
+        assumed = None if gpu is None else gpu.health
+        real = outcome.result == ResetResult.SUCCESS and not intent.dry_run
+        # A whole GPU's real reset deals with the Xids before it; a dry run's would-be reset is
+        # assumed to have succeeded for the decisions that follow (decide/health/judge.py). A
+        # MIG GPU instance re-created leaves the GPU's health as it was.
+        if intent.instance is None and (real or assumed is not None):
+            assessed = self.state.assess
+            health = note_reset(
+                assessed.health, intent.gpu, self.clock.wall(), assumed_from=assumed
+            )
             self.state.assess = replace(assessed, health=health)
-        elif would_succeed:
-            # A dry run's would-be reset is assumed to have succeeded for the decisions that
-            # follow, as enforcement's would have (decide/plan/shadow.py, decide/health/judge.py).
-            gpu = gpu_by_uuid(self._snapshot, intent.gpu) if self._snapshot else None
-            if gpu is not None and gpu.health is not None:
-                health = note_reset(
-                    assessed.health, intent.gpu, self.clock.wall(), assumed_from=gpu.health
-                )
-                self.state.assess = replace(assessed, health=health)
         level, fields = outcome_event(
             outcome, gpu=intent.gpu, pci_bus_id=intent.pci_bus_id, dry_run=intent.dry_run
         )
@@ -959,11 +933,11 @@ class _ResetEnv:
         return gpu
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        gpu = self.engine.reader.read_gpu(target.uuid)
+        engine = self.engine
+        gpu = engine.reader.read_gpu(target.uuid)
         if gpu is None or gpu.lost:
             return None
         allocated = gpu.memory.allocated if gpu.memory else None
-        engine = self.engine
         return back_to_baseline(
             target.uuid, allocated, engine.state.assess, engine.policy.detection
         )

@@ -266,6 +266,20 @@ class Procedure:
         )
         return ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
 
+    def end(
+        self,
+        result: ResetResult,
+        step: ResetStep,
+        reason: str,
+        *,
+        needs_reboot: bool = False,
+        command: CommandResult | None = None,
+    ) -> ResetOutcome:
+        """``result`` taken as the reset's (recorded), then undone and finished with it."""
+        self.result = result
+        self.restore(result, reason)
+        return self.finish(result, step, reason, needs_reboot=needs_reboot, command=command)
+
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
         self.restore(ResetResult.REFUSED, reason)
@@ -512,32 +526,23 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         return proc.finish(ResetResult.DRY_RUN, ResetStep.DONE, f"would {what} with {shown}")
     proc.result = result
     if result != ResetResult.SUCCESS:
-        proc.restore(result, reason)
-        return proc.finish(
-            result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command
-        )
-
+        return proc.end(result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command)
     healthy, memory, detail = proc.health_check()
     reason = f"{reason}; {detail}"
-    if not healthy:
-        proc.result = ResetResult.FAILED
-        proc.restore(ResetResult.FAILED, reason)
-        return proc.finish(
-            ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, needs_reboot=True, command=command
+    if not healthy or memory is False:
+        return proc.end(
+            ResetResult.FAILED,
+            ResetStep.HEALTH_CHECK,
+            reason,
+            needs_reboot=not healthy,
+            command=command,
         )
-    if memory is False:
-        proc.result = ResetResult.FAILED
-        proc.restore(ResetResult.FAILED, reason)
-        return proc.finish(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
     if target.fabric:
         completed, fabric_detail = _wait_for_fabric(proc)
         reason = f"{reason}; {fabric_detail}"
         if not completed:
-            proc.result = ResetResult.FAILED
-            proc.restore(ResetResult.FAILED, reason)
-            return proc.finish(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
-    proc.restore(ResetResult.SUCCESS, reason)
-    return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
+            return proc.end(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
+    return proc.end(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
 
 
 def _run_resets(proc: Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import replace
-from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
-from gpuwatchd.act.reset_target import Commands, ResetEnvironment, ResetTarget
+from gpuwatchd.act.reset_target import Steps
 from gpuwatchd.core.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
@@ -21,29 +20,6 @@ from gpuwatchd.decide.mig.recovery import (
 )
 
 Ran = tuple[CommandResult | None, ResetResult, bool, str]
-
-
-class RecoveryRun(Protocol):
-    """What of :class:`gpuwatchd.act.reset.Procedure` the commands need (that module runs
-    them, so it is not imported here)."""
-
-    commands_done: int
-
-    @property
-    def target(self) -> ResetTarget: ...
-    @property
-    def env(self) -> ResetEnvironment: ...
-    @property
-    def commands(self) -> Commands: ...
-    @property
-    def dry_run(self) -> bool: ...
-    @property
-    def notes(self) -> list[str]: ...
-    def begin(self, step: ResetStep) -> bool: ...
-    def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None: ...
-    def event(
-        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
-    ) -> None: ...
 
 
 HALF_DONE = "is half done"  # in every reason that leaves the instance for an administrator
@@ -57,7 +33,7 @@ def half_done(recovery: InstanceRecovery, ran: str, why: str) -> str:
     )
 
 
-def _check(proc: RecoveryRun, recovery: InstanceRecovery, *, before_first: bool) -> str | None:
+def _check(proc: Steps, recovery: InstanceRecovery, *, before_first: bool) -> str | None:
     """Read the parent GPU again: None when it is as the next command needs it (the plan's
     instance before the first; a free placement before the re-create), else why not."""
     try:
@@ -76,7 +52,7 @@ def _check(proc: RecoveryRun, recovery: InstanceRecovery, *, before_first: bool)
     return why
 
 
-def run_recovery(proc: RecoveryRun, start: int = 0, *, resumed: bool = False) -> Ran:
+def run_recovery(proc: Steps, start: int = 0, *, resumed: bool = False) -> Ran:
     """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
     when none ran or in a dry run; its reading). Only the first command of a fresh run may end
     ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy
@@ -142,7 +118,7 @@ def run_recovery(proc: RecoveryRun, start: int = 0, *, resumed: bool = False) ->
     return result, ResetResult.SUCCESS, False, f"{recovery.describe()}: done{output}"
 
 
-def restore_layout(proc: RecoveryRun) -> tuple[bool | None, str]:
+def restore_layout(proc: Steps) -> tuple[bool | None, str]:
     """After a MIG GPU's reset (``proc.target.layout``): the GPU read again (MIG mode must be
     on), each GPU instance it lacks created again by its command (``proc.commands.restore``),
     progress recorded before each, then each instance checked back (GI profile, placement,

@@ -13,41 +13,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from typing import Protocol
 
 from gpuwatchd.act.reset_result import quote_output
-from gpuwatchd.act.reset_target import (
-    UNRECORDED,
-    CommandRunner,
-    ResetEnvironment,
-    ResetOutcome,
-    ResetTarget,
-)
+from gpuwatchd.act.reset_target import UNRECORDED, ResetOutcome, Steps
 from gpuwatchd.core.vocabulary import Level, ResetStep, ResetStepStatus
-from gpuwatchd.decide.policy import ResetPolicy
 
 
-class _Procedure(Protocol):
-    """What these steps use of :class:`gpuwatchd.act.reset.Procedure`."""
-
-    target: ResetTarget
-    policy: ResetPolicy
-    env: ResetEnvironment
-    runner: CommandRunner
-    dry_run: bool
-    units_stopped: list[str]
-    notes: list[str]
-
-    def begin(self, step: ResetStep) -> bool: ...
-
-    def event(
-        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
-    ) -> None: ...
-
-    def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome: ...
-
-
-def _systemctl(proc: _Procedure, verb: str, units: Sequence[str]) -> list[str]:
+def _systemctl(proc: Steps, verb: str, units: Sequence[str]) -> list[str]:
     """``systemctl stop|start UNIT`` for each unit (validated as ``NAME.service``): failures."""
     failures = []
     for unit in units:
@@ -58,7 +30,7 @@ def _systemctl(proc: _Procedure, verb: str, units: Sequence[str]) -> list[str]:
     return failures
 
 
-def stop_monitors(proc: _Procedure) -> tuple[ResetOutcome | None, frozenset[int]]:
+def stop_monitors(proc: Steps) -> tuple[ResetOutcome | None, frozenset[int]]:
     """Step ``stop_monitors``: an outcome when the procedure stopped (and was undone); in a dry
     run, the PIDs it would have stopped (the final scan does not count them)."""
     step = ResetStep.STOP_MONITORS
@@ -103,7 +75,7 @@ def stop_monitors(proc: _Procedure) -> tuple[ResetOutcome | None, frozenset[int]
     return None, frozenset()
 
 
-def start_monitors(proc: _Procedure) -> None:
+def start_monitors(proc: Steps) -> None:
     """Step ``start_monitors``: the units :func:`stop_monitors` stopped, started again."""
     step = ResetStep.START_MONITORS
     if not proc.units_stopped:

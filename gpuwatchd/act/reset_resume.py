@@ -165,8 +165,7 @@ def resume_interrupted(
         return _check_after_reset(proc, commands, step)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
-    proc.restore(proc.result, reason)
-    return proc.finish(proc.result, ResetStep.DONE, reason)
+    return proc.end(proc.result, ResetStep.DONE, reason)
 
 
 def _procedure_from(
@@ -209,9 +208,7 @@ def _check_after_reset(proc: Procedure, commands: Commands, step: ResetStep) -> 
         unhealthy = not healthy
     result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
     reason = f"interrupted at step {step.value} after the reset command started; {detail}"
-    proc.result = result
-    proc.restore(result, reason)
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
+    return proc.end(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -248,27 +245,20 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
             point = resume_point(recovery, gpu, done, total)
     if isinstance(point, str):
         reason = half_done(recovery, ran, f"{interrupted}; {point}")
-        proc.result = ResetResult.FAILED
-        proc.restore(ResetResult.FAILED, reason)
-        return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason)
+        return proc.end(ResetResult.FAILED, ResetStep.DONE, reason)
     if point < total:
         proc.commands_done = point
         if not proc.begin(ResetStep.RESET):
             reason = half_done(recovery, ran, "could not record reset progress in the state file")
-            proc.result = ResetResult.FAILED
-            proc.restore(ResetResult.FAILED, reason)
-            return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason)
+            return proc.end(ResetResult.FAILED, ResetStep.DONE, reason)
         command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
         if result is not ResetResult.SUCCESS:
             reason = f"{interrupted}; {why}"
-            proc.result = result
-            proc.restore(result, reason)
-            return proc.finish(result, ResetStep.RESET, reason, needs_reboot=needs_reboot,
-                               command=command)  # fmt: skip
+            return proc.end(
+                result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command
+            )
     healthy, memory, detail = proc.health_check()
     result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
     reason = f"{interrupted}; {went_on}; {detail}"
-    proc.result = result
-    proc.restore(result, reason)
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy)
+    return proc.end(result, ResetStep.DONE, reason, needs_reboot=not healthy)

@@ -11,7 +11,13 @@ from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.core.model import GpuInfo
-from gpuwatchd.core.vocabulary import RESET_RESULT_LEVELS, Level, ResetResult, ResetStep
+from gpuwatchd.core.vocabulary import (
+    RESET_RESULT_LEVELS,
+    Level,
+    ResetResult,
+    ResetStep,
+    ResetStepStatus,
+)
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
@@ -311,6 +317,28 @@ class CommandRunner(Protocol):
     def __call__(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult: ...
+
+
+class Steps(Protocol):
+    """What the step modules (reset_mig, reset_monitors) use of
+    :class:`gpuwatchd.act.reset.Procedure`, which imports them."""
+
+    target: ResetTarget
+    policy: ResetPolicy
+    env: ResetEnvironment
+    commands: Commands
+    runner: CommandRunner
+    dry_run: bool
+    units_stopped: list[str]
+    notes: list[str]
+    commands_done: int
+
+    def begin(self, step: ResetStep) -> bool: ...
+    def command(self, step: ResetStep, argv: Argv) -> CommandResult | None: ...
+    def event(
+        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
+    ) -> None: ...
+    def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome: ...
 
 
 def progress_record(

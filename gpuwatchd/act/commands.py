@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatchd.core.model import as_int
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Hook
 
@@ -31,26 +32,16 @@ KEEPER_FILE = str(Path(__file__).resolve().with_name("reaper.py"))
 _TICK = 0.05  # poll interval when pidfds are unavailable
 _DRAIN_GRACE = 0.2  # seconds to collect output after the command exits (grandchildren may hold it)
 _REAP_AFTER_KILL = 5.0  # seconds to wait for a SIGKILLed keeper to be reaped
-# How long past a command's timeout its keeper may take to end the tree (reaper.py:
-# LEFTOVER_GRACE + KILL_FOR) before the daemon ends the keeper itself.
-_KEEPER_MARGIN = 8.0
-
-
-# --- commands ---------------------------------------------------------------------------------
+_KEEPER_MARGIN = 8.0  # seconds past the timeout a keeper may take to end its tree (reaper.py)
 
 
 @dataclass(frozen=True)
 class CommandResult:
-    """How one command ran.
-
-    ``returncode`` is None when the command could not be started, or was killed at its
-    deadline and could not be reaped (stuck in uninterruptible sleep); negative when a signal
-    ended it. ``output`` is stdout and stderr interleaved, its last :data:`OUTPUT_LIMIT` bytes.
-    ``error`` says what went wrong on our side (exec failure, unreaped after SIGKILL).
-    ``cancelled``: the daemon stopped while it ran, and its process tree was killed.
-    ``leftovers``: processes the command left running when it exited; they may run until its
-    deadline, when they are killed (or when the daemon stops, if that comes first).
-    """
+    """How one command ran. ``returncode``: None when it could not start or be reaped (stuck
+    in the kernel), negative for a signal. ``output``: stdout and stderr, the last
+    :data:`OUTPUT_LIMIT` bytes. ``error``: what went wrong on our side. ``cancelled``: the
+    daemon stopped while it ran. ``leftovers``: processes it left running (killed at its
+    deadline, or when the daemon stops)."""
 
     argv: tuple[str, ...]
     returncode: int | None
@@ -84,13 +75,9 @@ class CommandResult:
 
 
 class CommandScope:
-    """The commands of one daemon, for ending them all when it stops.
-
-    A command that exits may leave processes running until its deadline; its keeper lingers
-    as long, and is kept here (:meth:`adopt`) so that a stopping daemon can end them too.
-    :meth:`cancel` ends every command still running (their keepers watch :meth:`fileno`),
-    every lingering keeper's tree, and every command started later. Thread-safe: hooks run
-    on the notification thread."""
+    """The commands of one daemon, for ending them all when it stops: :meth:`cancel` ends
+    every running command (their keepers watch :meth:`fileno`), every lingering keeper
+    (:meth:`adopt`) and every later command. Thread-safe: hooks run on another thread."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
@@ -181,24 +168,10 @@ def run_command(
     output_limit: int = OUTPUT_LIMIT,
     scope: CommandScope | None = None,
 ) -> CommandResult:
-    """Run ``argv`` (no shell) in a new session, under ``timeout`` seconds; nothing it starts
-    outlives it.
-
-    ``env`` is the complete environment (None: inherit the daemon's), plus
-    ``GPUWATCHD_COMMAND_ID``, a fresh marker every descendant inherits, less every ``PYTHON*``
-    variable. It runs in ``/``, with stdin from /dev/null.
-
-    The command runs under a keeper (:mod:`gpuwatchd.act.reaper`), a child subreaper of its
-    own: every process the command starts stays the keeper's descendant, even one that calls
-    ``setsid`` and clears its environment, or whose parent exited. This returns when the
-    command exits; what it left running may go on until the deadline (``leftovers`` counts
-    it), when the keeper kills it. At the deadline, or when ``scope`` is cancelled, the whole
-    tree gets SIGKILL. A keeper that outlives its command is handed to ``scope`` (without one,
-    the subprocess module reaps it later). Should the keeper itself fail, the process group
-    and every process carrying the marker get SIGKILL. A process stuck in the driver cannot
-    die: then ``returncode`` is None and ``error`` says so. Output that grandchildren keep
-    writing after the command itself exited is collected only briefly.
-    """
+    """Run ``argv`` (no shell) in a new session under a keeper (:mod:`gpuwatchd.act.reaper`),
+    under ``timeout`` seconds; nothing it starts outlives it (docs/internals.md). ``env`` is
+    the complete environment (None: the daemon's), less ``PYTHON*``, plus a fresh
+    ``GPUWATCHD_COMMAND_ID``."""
     args = tuple(argv)
     started = time.monotonic()
     if not args:
@@ -206,9 +179,7 @@ def run_command(
     if scope is not None and scope.cancelled:
         return CommandResult(args, None, "", False, 0.0, "not run: the daemon is stopping", True)
     marker = f"{COMMAND_ID_VARIABLE}={uuid.uuid4().hex}"
-    # The caller's Python settings (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP...) never reach a
-    # command: a hook written in Python must not import code from wherever the daemon was
-    # started.
+    # A hook written in Python must not import code from wherever the daemon was started.
     child_env = {
         k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTHON")
     }
@@ -259,28 +230,26 @@ def _result(
     duration: float,
 ) -> CommandResult:
     """The keeper's report as a CommandResult (a report that is not one counts as unknown)."""
-    code = report.get("returncode")
-    returncode = code if isinstance(code, int) and not isinstance(code, bool) else None
     error = report.get("error")
     errors = [error] if isinstance(error, str) and error else []
-    stuck = report.get("unkillable")
-    if isinstance(stuck, int) and stuck > 0:
+    stuck = as_int(report.get("unkillable"))
+    if stuck is not None and stuck > 0:
         errors.append(
             f"{stuck} process(es) still running after SIGKILL "
             "(uninterruptible sleep in the driver?)"
         )
     if keeper_error is not None:
         errors.append(keeper_error)
-    leftovers = report.get("leftovers")
+    leftovers = as_int(report.get("leftovers"))
     return CommandResult(
         argv=args,
-        returncode=returncode,
+        returncode=as_int(report.get("returncode")),
         output=tail.text(),
         timed_out=report.get("timed_out") is True,
         duration=duration,
         error="; ".join(errors) or None,
         cancelled=report.get("cancelled") is True,
-        leftovers=leftovers if isinstance(leftovers, int) and leftovers > 0 else 0,
+        leftovers=leftovers if leftovers is not None and leftovers > 0 else 0,
     )
 
 
@@ -327,13 +296,9 @@ def _supervise(
     status_fd: int,
     scope: CommandScope | None,
 ) -> tuple[Mapping[str, object], str | None]:
-    """Collect output and the keeper's report until the keeper exits; cancel it when asked.
-
-    Returns (the keeper's report, an error of our own or None). The keeper ends the command at
-    its deadline itself; if it is still there ``_KEEPER_MARGIN`` seconds later, or exits
-    without a report, the command's group and every process carrying its marker get SIGKILL
-    here.
-    """
+    """Collect output and the keeper's report until the keeper exits, cancel it when asked:
+    (the report, an error of our own). A keeper still there ``_KEEPER_MARGIN`` seconds after
+    the deadline, or without a report, is ended here (:func:`_kill_keeper`)."""
     keeper = _Keeper(proc, tail, marker, status_fd)
     error: str | None = None
     pidfd: int | None = None
@@ -408,11 +373,8 @@ def _carries(pid: int, marker: bytes) -> bool:
 
 
 def kill_marked(marker: bytes) -> int:
-    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``); how many.
-
-    Each is opened as a pidfd and checked again before the signal, so a PID reused in between
-    is never hit. Our own process never carries a command's marker.
-    """
+    """SIGKILL every process whose environment carries ``marker`` (``NAME=value``), each
+    checked again through its pidfd (a reused PID is never hit); how many."""
     killed = 0
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid() or not _carries(int(name), marker):
@@ -476,15 +438,10 @@ def run_hooks(
     stop_on_failure: bool = False,
     runner: Callable[..., CommandResult] | None = None,
 ) -> list[CommandResult]:
-    """Run ``hooks`` one after another, each under its own timeout; return their results.
-
-    Each hook sees the daemon's environment plus ``env`` (see :func:`hook_environment`).
-    Placeholders in a hook's argv are filled from ``values`` (``uuid``, ``pci_bus_id``,
-    ``minor``); one that cannot be filled makes that hook fail without running. With
-    ``stop_on_failure`` the first failing hook ends the run (the reset's drain and before
-    hooks: a failed drain must not be followed by a reset). ``runner`` replaces
-    :func:`run_command` (``simulate`` answers commands without running them).
-    """
+    """Run ``hooks`` in turn, each under its timeout, with the daemon's environment plus
+    ``env`` and placeholders filled from ``values`` (a hook that cannot be filled fails without
+    running); ``stop_on_failure``: up to the first failure. ``runner`` replaces
+    :func:`run_command` (``simulate``'s)."""
     run = run_command if runner is None else runner
     merged = {**os.environ, **env}
     results = []

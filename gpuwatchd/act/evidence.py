@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
-from gpuwatchd.core.model import ProcessInfo, Snapshot
+from gpuwatchd.core.model import ProcessInfo, Snapshot, fields_of
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.health.state import HealthState
 from gpuwatchd.decide.verdict import NodeVerdict
@@ -98,13 +98,7 @@ class EvidenceEntry:
     gpu: str | None
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "written": self.written,
-            "action": self.action,
-            "dry_run": self.dry_run,
-            "gpu": self.gpu,
-        }
+        return fields_of(self, ("name", "written", "action", "dry_run", "gpu"))
 
 
 def parse_name(name: str) -> EvidenceEntry | None:
@@ -138,18 +132,9 @@ def _name(seq: int, wall: float, step: Step) -> str:
     return f"{PREFIX}{seq:08d}-{stamp}-{step.action}{'-dry' if step.dry_run else ''}{tail}.json"
 
 
-# --- what a file holds ------------------------------------------------------------------------
-
-
 def _node(info: ProcessInfo) -> dict[str, object]:
     return {
-        "pid": info.pid,
-        "ppid": info.ppid,
-        "start_ticks": info.start_ticks,
-        "state": info.state,
-        "user": info.user,
-        "comm": info.comm,
-        "exe": info.exe,
+        **fields_of(info, ("pid", "ppid", "start_ticks", "state", "user", "comm", "exe")),
         "cmdline": None if info.cmdline is None else list(info.cmdline),
         "job": None if info.cgroup is None else info.cgroup.job_key,
     }
@@ -272,9 +257,6 @@ def _encode(doc: Mapping[str, object]) -> bytes | None:
     return text.encode("utf-8")
 
 
-# --- the keeper -------------------------------------------------------------------------------
-
-
 @dataclass(eq=False)
 class EvidenceKeeper:
     """Writes the evidence files of one daemon into its state directory.
@@ -349,16 +331,13 @@ class EvidenceKeeper:
         verdict: NodeVerdict | None,
         first_seen: Mapping[str, float],
     ) -> tuple[object, str | None]:
-        """The report part of the evidence and, when there is none, why (a failing builder's
-        error: a bug in the report must not stop the step's evidence)."""
-        report: object = None
-        report_error = None if self.report is not None else "no report builder"
-        if self.report is not None:
-            try:
-                report = self.report(snapshot, assessment, verdict, first_seen)
-            except Exception as err:  # a bug in the report must not stop the step's evidence
-                report_error = repr(err)
-        return report, report_error
+        """The report part of the evidence and, when there is none, why."""
+        if self.report is None:
+            return None, "no report builder"
+        try:
+            return self.report(snapshot, assessment, verdict, first_seen), None
+        except Exception as err:  # a bug in the report must not stop the step's evidence
+            return None, repr(err)
 
     def _rotate(self, folder: EvidenceFolder) -> tuple[str, ...]:
         """The oldest evidence files past ``max_files`` removed; the names of those removed."""

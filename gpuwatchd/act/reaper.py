@@ -1,8 +1,7 @@
 """The keeper of one command's process tree: nothing a command starts outlives it.
 
-Run as a script (by absolute path, ``python -I -S reaper.py STATUS_FD TIMEOUT -- ARGV...``) by
-:func:`gpuwatchd.act.commands.run_command`, never imported by the daemon: it imports nothing
-from ``gpuwatchd``, only the standard library, and starts in a few milliseconds.
+Run as a script (``python -I -S reaper.py STATUS_FD TIMEOUT -- ARGV...``) by
+:func:`gpuwatchd.act.commands.run_command`; it imports only the standard library.
 
 In detail: docs/internals.md, section `gpuwatchd.act.reaper`.
 """

@@ -1,7 +1,5 @@
 """The GPU reset procedure: each step recorded first, so a restart can finish it.
 
-The facts behind it are in docs/design-notes.md §7.
-
 In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 """
 
@@ -37,7 +35,6 @@ from gpuwatchd.decide.argv import hook_environment
 from gpuwatchd.decide.policy import ResetPolicy
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
-_UNRECORDED = UNRECORDED
 # reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.INFO,
@@ -45,9 +42,6 @@ _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.REFUSED: Level.WARNING,
     ResetResult.IN_USE: Level.WARNING,
 }
-
-
-# --- the procedure ----------------------------------------------------------------------------
 
 
 def _instance_fields(target: ResetTarget) -> dict[str, object]:
@@ -75,8 +69,7 @@ class Procedure:
         self.policy = policy
         self.env = env
         self.commands = commands
-        # What each step records of them; None: not recorded (an old record's resume that
-        # today's policy cannot build commands for, whose next resume must read it the same way).
+        # What each step records of them; None: not recorded (an old record's resume).
         self.recorded: dict[str, object] | None = commands.record()
         self.dry_run = dry_run
         self.hook_env = hook_env
@@ -88,8 +81,6 @@ class Procedure:
         self.result: ResetResult | None = None
         self.commands_done = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
         self.notes: list[str] = []
-
-    # -- recording and events ----------------------------------------------------------------
 
     def begin(self, step: ResetStep) -> bool:
         """Record ``step`` before it runs. False if progress could not be persisted."""
@@ -129,8 +120,6 @@ class Procedure:
             **_instance_fields(self.target),
             **fields,
         )
-
-    # -- running things ----------------------------------------------------------------------
 
     def command(self, step: ResetStep, argv: tuple[str, ...]) -> CommandResult | None:
         """Run ``argv`` for ``step`` (None in dry-run) and emit the step's event."""
@@ -199,8 +188,6 @@ class Procedure:
             detail="; ".join(failures) if failures else f"{len(results)} hook(s) ran",
         )
         return failures[0] if failures else None
-
-    # -- ending ------------------------------------------------------------------------------
 
     def persistence_back_on(self) -> None:
         """Persistence mode back on, when this procedure turned it off (and not yet back)."""
@@ -348,18 +335,10 @@ def perform_reset(
     drained: bool = False,
     fabric_wait: FabricWait | None = None,
 ) -> ResetOutcome:
-    """Run the whole procedure for ``target`` (see the module docstring for the steps).
-
-    ``drained``: the caller ran the ``drain`` hooks already (a health reset drains, then waits
-    for the GPU's users to finish); the drain step is recorded as skipped, not run twice.
-    ``fabric_wait`` waits for the NVLink fabric after the reset of a ``target.fabric`` GPU
-    (none given: such a reset cannot be confirmed and counts as failed).
-
-    ``hook_env`` adds variables to every hook's environment (the ``GPUWATCHD_*`` ones of
-    :func:`gpuwatchd.decide.argv.hook_environment` always win). ``runner`` runs every command and
-    hook (default: the real :func:`gpuwatchd.act.commands.run_command`). Never raises for a failing
-    step: every way it ends is a :class:`ResetOutcome`, logged as ``reset.finished``.
-    """
+    """Run the whole procedure for ``target``; every way it ends is a :class:`ResetOutcome`,
+    logged as ``reset.finished``. ``drained``: the caller ran the drain hooks already.
+    ``fabric_wait``: for a ``target.fabric`` GPU (None: its reset counts as failed).
+    ``hook_env`` adds to each hook's environment (the ``GPUWATCHD_*`` ones win)."""
     prepared = prepare_commands(target, reset)
     if isinstance(prepared, str):
         env.emit(
@@ -402,7 +381,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         return stopped
 
     if not proc.begin(ResetStep.BEFORE_HOOKS):
-        return proc.abort(ResetStep.BEFORE_HOOKS, _UNRECORDED)
+        return proc.abort(ResetStep.BEFORE_HOOKS, UNRECORDED)
     failure = proc.hooks(
         ResetStep.BEFORE_HOOKS, prepared.before, "reset_before", stop_on_failure=True
     )
@@ -417,7 +396,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
         return stopped
 
     if not proc.begin(ResetStep.FINAL_SCAN):
-        return proc.abort(ResetStep.FINAL_SCAN, _UNRECORDED)
+        return proc.abort(ResetStep.FINAL_SCAN, UNRECORDED)
     try:
         # A dry run stops no monitor: those it would stop are not counted as holders.
         blockers = list(env.final_blockers(target, would_stop))
@@ -441,7 +420,7 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
     an outcome when the procedure stopped (refused before anything was done, else undone)."""
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
-        return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, _UNRECORDED)
+        return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, UNRECORDED)
     if proc.drained and prepared.drain:
         proc.event(
             ResetStep.DRAIN, ResetStepStatus.SKIPPED, detail="drained already, before the wait"
@@ -458,7 +437,7 @@ def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
     outcome when it could not be (undone)."""
     env, dry_run = proc.env, proc.dry_run
     if not proc.begin(ResetStep.STOP_NVML):
-        return proc.abort(ResetStep.STOP_NVML, _UNRECORDED)
+        return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
     if dry_run:
         proc.event(
             ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
@@ -486,7 +465,7 @@ def _persistence_off(proc: Procedure) -> ResetOutcome | None:
     elif reset.toggle_persistence and target.persistence_was_on is True:
         proc.persistence_off = True  # recorded before the command: undo restores it regardless
         if not proc.begin(ResetStep.PERSISTENCE_OFF):
-            return proc.abort(ResetStep.PERSISTENCE_OFF, _UNRECORDED)
+            return proc.abort(ResetStep.PERSISTENCE_OFF, UNRECORDED)
         assert prepared.persistence_off is not None  # noqa: S101 - built by _prepare
         done = proc.command(ResetStep.PERSISTENCE_OFF, prepared.persistence_off)
         if done is not None and not done.ok:
@@ -512,7 +491,7 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
     proc.reset_started = True
     if not proc.begin(ResetStep.RESET):
         proc.reset_started = False
-        return proc.abort(ResetStep.RESET, _UNRECORDED)
+        return proc.abort(ResetStep.RESET, UNRECORDED)
     command, result, needs_reboot, reason = _run_resets(proc)
     if proc.dry_run:
         proc.health_check()

@@ -1,12 +1,6 @@
 """The reset procedure's monitor steps: stop the monitors ``reset.monitors`` names, and start
-their units again.
-
-This module owns steps ``stop_monitors`` (after the ``before`` hooks: each monitor's systemd unit
-stopped with ``systemctl stop``, each monitor process sent SIGTERM and waited for until it lets
-go of the GPU; which holders are monitors is decide/plan/monitors.py's) and ``start_monitors``
-(before
-the ``after`` hooks, whatever happened: ``systemctl start`` for each unit stopped; a process
-comes back by whatever supervises it). The order of the steps is :mod:`gpuwatchd.act.reset`'s.
+their units again (docs/internals.md, section `gpuwatchd.act.reset`, steps ``stop_monitors``
+and ``start_monitors``; which holders are monitors is decide/plan/monitors.py's).
 """
 
 from __future__ import annotations

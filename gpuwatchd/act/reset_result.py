@@ -1,10 +1,5 @@
-"""Reading a reset command's result: its exit code and output, as the reset procedure reports them.
-
-This module owns what an ``nvidia-smi`` reset (or a MIG GPU instance's recovery command) said:
-:func:`interpret_reset_exit` turns a finished command into ``(result, needs reboot, reason)``
-(the exit codes ``nvidia-smi -h`` documents, a kill at the deadline, the driver's "in use by
-another client"), :func:`says_in_use` tells that text apart, and :func:`quote_output` puts a
-command's output in a reason on one bounded line. Pure: it runs nothing.
+"""Reading a reset command's result: its exit code and output, as the reset procedure reports them
+(the table of exit codes: docs/internals.md, section `gpuwatchd.act.reset`). Pure.
 """
 
 from __future__ import annotations
@@ -56,11 +51,7 @@ def says_in_use(result: CommandResult) -> bool:
 
 
 def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
-    """``(result, needs_reboot, reason)`` for a finished reset command (the table of exit codes:
-    docs/internals.md, section `gpuwatchd.act.reset`).
-
-    The reason quotes the command's output (whitespace folded, last 2000 characters).
-    """
+    """``(result, needs_reboot, reason)`` for a finished reset command, its output quoted."""
     output = quote_output(result.output)
     if result.timed_out:
         unkillable = result.returncode is None

@@ -1,12 +1,6 @@
 """Finishing or undoing a reset that a crash or stop interrupted, from the state file's record.
 
-This module owns :func:`resume_interrupted`: called once at start with the record
-:func:`gpuwatchd.act.reset.progress_record` left, it reads the record back strictly (a damaged
-one changes nothing), never runs the reset command again, and finishes or undoes what the
-record says was done, with the commands and hooks the record holds (worked out when the reset
-started, whatever the policy says now) and the same steps and events as the procedure in
-:mod:`gpuwatchd.act.reset`. A MIG recovery interrupted during its commands goes on at the first
-command not done, after reading the GPU again (:func:`_resume_recovery`).
+In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 """
 
 from __future__ import annotations
@@ -28,6 +22,8 @@ from gpuwatchd.act.reset_target import (
     prepare_commands,
     prepare_hooks,
 )
+from gpuwatchd.core.checked import as_flag, as_text
+from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, Level, ResetResult, ResetStep
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
@@ -40,9 +36,6 @@ from gpuwatchd.decide.policy import ResetPolicy
 
 def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
     uuid = record.get("uuid")
-    pci = record.get("pci_bus_id")
-    minor = record.get("minor")
-    was_on = record.get("persistence_was_on")
     if not isinstance(uuid, str) or not uuid:
         return None
     recovery = None
@@ -57,9 +50,9 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
     return ResetTarget(
         layout=tuple(r for r in restored if r is not None),
         uuid=uuid,
-        pci_bus_id=pci if isinstance(pci, str) else None,
-        minor=minor if isinstance(minor, int) and not isinstance(minor, bool) else None,
-        persistence_was_on=was_on if isinstance(was_on, bool) else None,
+        pci_bus_id=as_text(record.get("pci_bus_id")),
+        minor=as_int(record.get("minor")),
+        persistence_was_on=as_flag(record.get("persistence_was_on")),
         recovery=recovery,
     )
 
@@ -114,17 +107,9 @@ def resume_interrupted(
     runner: CommandRunner = run_command,
     hostname: str | None = None,
 ) -> ResetOutcome | None:
-    """Finish or undo a reset that a crash or stop interrupted; None if nothing is left to do.
-
-    Call it at start, before anything else, with the record the state kept (the shape of
-    :func:`progress_record`). The reset command is **never** run again: it may have run. What
-    each last recorded step leads to, and how a MIG GPU's reset and a MIG recovery resume, is
-    in docs/internals.md (section ``gpuwatchd.act.reset_resume``). The commands, hooks,
-    persistence mode and stopped monitors are the record's, not today's policy's; an
-    unreadable record changes nothing and returns ``failed`` with the reason. ``runner`` runs
-    the commands and hooks, as for :func:`perform_reset`; ``hostname`` fills ``{hostname}``
-    in an old record's commands.
-    """
+    """Finish or undo a reset that a crash or stop interrupted (the record's commands, never
+    the reset command again); None if nothing is left to do. ``hostname`` fills
+    ``{hostname}`` in an old record's commands."""
     read = _read_back(record, reset, hostname)
     if read is None:
         return None
@@ -150,9 +135,7 @@ def resume_interrupted(
         return proc.finish(ResetResult.REFUSED, step, reason)
 
     if target.recovery is not None and step is ResetStep.RESET and proc.result is None:
-        done = record.get("commands_done")
-        known_done = done if isinstance(done, int) and not isinstance(done, bool) else None
-        return _resume_recovery(proc, target.recovery, known_done)
+        return _resume_recovery(proc, target.recovery, as_int(record.get("commands_done")))
 
     # A MIG GPU's layout is created again after persistence mode is back on: a crash while it
     # was turned on left the restore to do (it creates only what the GPU lacks).
@@ -212,15 +195,9 @@ def _check_after_reset(proc: Procedure, commands: Commands, step: ResetStep) -> 
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
-    """Go on with a MIG recovery that a crash interrupted during its commands, ``done`` of
-    them recorded as completed (None: a record from before they were counted).
-
-    The parent GPU is read again first. The planned instance still there as it was: none took
-    effect, so the recovery is undone (``refused``; the next poll plans again). Else it goes on
-    at the first command not done (:func:`resume_point`): a destroy that fails now may have
-    taken effect before the crash, and the re-create runs only while nothing occupies its
-    placement; or, when the instance was re-created already, it is only checked. Anything
-    else leaves it half done (``failed``), for an administrator."""
+    """Go on with a MIG recovery a crash interrupted during its commands, ``done`` of them
+    completed (None: a record from before they were counted), after reading the GPU again
+    (docs/internals.md, section ``gpuwatchd.act.reset_resume``)."""
     commands = proc.commands.reset
     total = len(commands)
     counted = "an unknown number" if done is None else str(done)

@@ -168,10 +168,9 @@ def _unsafe(commands: Commands, target: ResetTarget) -> str | None:
 
 
 def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:
-    """The ``commands`` of a progress record, read strictly (it is hostile input): exactly the
-    keys :meth:`Commands.record` writes, each command a non-empty list of strings (the program
-    not empty, no NUL) within the ``MAX_RECORDED_*`` bounds, each hook's ``timeout`` a number
-    of seconds in (0, 600], and the reset commands naming ``target``'s GPU. Or what is wrong."""
+    """The ``commands`` of a progress record, read strictly (hostile input: exactly the keys
+    :meth:`Commands.record` writes, within the ``MAX_RECORDED_*`` bounds, naming ``target``'s
+    GPU), or what is wrong."""
     if not isinstance(raw, Mapping) or set(raw) != {*_HOOK_STEPS, *_COMMAND_KEYS}:
         return "not an object with the keys " + ", ".join(sorted({*_HOOK_STEPS, *_COMMAND_KEYS}))
     try:
@@ -238,14 +237,8 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
 
 @dataclass(frozen=True)
 class ResetOutcome:
-    """How a reset ended.
-
-    ``result`` is ``success``, ``failed``, ``refused`` (stopped before the reset command ran,
-    and undone), ``in_use`` (the driver refused: a holder no scan found), ``timeout`` (the
-    reset command missed its deadline) or ``dry_run``. ``step``
-    is where it ended (``done`` when it went all the way). ``blockers`` are the final scan's
-    reasons. ``command`` is the reset command's result when it ran.
-    """
+    """How a reset ended: its ``result``, the ``step`` it ended at (``done`` when it went all
+    the way), the final scan's ``blockers``, the reset ``command``'s result when it ran."""
 
     result: ResetResult
     step: ResetStep
@@ -262,57 +255,45 @@ class ResetEnvironment(Protocol):
         """Stop the NVML worker; True when no NVML handle of ours remains."""
 
     def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
-        """A fresh full holder scan: one human-readable reason per blocker; empty = clear.
-        ``ignore``: PIDs a dry run would have stopped (monitors), not counted."""
+        """A fresh full holder scan: a reason per blocker, not counting ``ignore`` (monitors
+        a dry run would have stopped)."""
 
     def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
-        """A fresh holder scan: the holders of the target's GPU that ``reset.monitors`` lets
-        the procedure stop (:func:`gpuwatchd.decide.plan.monitors.monitors_to_stop`)."""
+        """A fresh holder scan: the holders of the GPU that ``reset.monitors`` lets stop."""
 
     def stop_monitors(
         self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
     ) -> list[str]:
-        """Send each monitor process SIGTERM (its identity re-verified), then wait up to
-        ``timeout`` seconds until none holds the GPU: one reason per one that still does."""
+        """SIGTERM to each monitor process, then a wait up to ``timeout`` seconds until none
+        holds the GPU: a reason per one that still does."""
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
         """After the reset: restart NVML and read memory. None = unknown."""
 
     def instance_back(self, target: ResetTarget) -> str | None:
-        """After a MIG recovery (``target.recovery``): restart NVML and read the GPU and the
-        mig-minors table. None when the instance is back, listed, and its memory freed; else
-        what is not (unknown is not back)."""
+        """After a MIG recovery: None when the instance is back, listed, its memory freed;
+        else what is not (unknown is not back)."""
 
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
-        """A MIG recovery, right before its first command and before its re-create: a fresh
-        NVML reading of ``target``'s GPU (its MIG devices), through the NVML worker, which is
-        stopped again before this returns (raises when it cannot be): nothing of ours holds
-        the GPU when the next command runs. None when the GPU is not in the reading."""
+        """A fresh NVML reading of the GPU (None: not in it), the worker stopped again before
+        this returns (raises when it cannot be): nothing of ours holds the GPU then."""
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
         """Persist progress before ``step`` runs (see :func:`progress_record`)."""
 
-    def emit(self, event: str, level: Level, **fields: object) -> None:
-        """Log one structured event."""
+    def emit(self, event: str, level: Level, **fields: object) -> None: ...
 
 
 class FabricWait(Protocol):
-    """After a reset on an NVSwitch system: wait (bounded by ``timeout`` seconds) until the
-    GPU's NVLink fabric registration is COMPLETED. True when it is, False when it failed or
-    did not complete in time; with a detail saying which (the last state read)."""
+    """Wait up to ``timeout`` seconds for the GPU's NVLink fabric registration to be
+    COMPLETED: (whether it is, the last state read)."""
 
     def __call__(self, target: ResetTarget, timeout: float) -> tuple[bool, str]: ...
 
 
 class CommandRunner(Protocol):
-    """Runs one command with :func:`gpuwatchd.act.commands.run_command`'s contract: ``argv``
-    (no shell), a deadline of ``timeout`` seconds, ``env`` the complete environment (None:
-    inherit), and a :class:`~gpuwatchd.act.commands.CommandResult` back, never an exception for
-    a failing command.
-
-    The reset command, the persistence and health commands and every hook go through it (a
-    hook gets its ``GPUWATCHD_*`` variables in ``env``; the commands get no ``env``).
-    """
+    """Runs one command or hook with :func:`gpuwatchd.act.commands.run_command`'s contract:
+    a :class:`~gpuwatchd.act.commands.CommandResult`, never an exception for a failure."""
 
     def __call__(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
@@ -344,18 +325,9 @@ class Steps(Protocol):
 def progress_record(
     target: ResetTarget, step: ResetStep, data: Mapping[str, object]
 ) -> dict[str, object]:
-    """The JSON-able record the state file keeps for a reset in progress.
-
-    ``data`` is what :func:`perform_reset` passes to ``record_step``: ``commands`` (its
-    :meth:`Commands.record`, what a resume runs), ``persistence_off``
-    (this procedure turned persistence mode off, or was about to), ``units_stopped`` (the
-    monitors' units it stopped, or was about to), ``reset_started`` (the
-    reset command was about to run or ran) and ``result`` (the reset command's result once
-    known); a MIG recovery's also ``commands_done`` (how many of its commands completed: the
-    one after them was about to run or ran); a MIG GPU's reset also ``mig_layout`` (its GPU
-    instances, created again after the reset). :func:`resume_interrupted` reads exactly this
-    shape back.
-    """
+    """The JSON-able record the state file keeps for a reset in progress (its fields:
+    docs/internals.md, section ``gpuwatchd.act.reset_target``), which
+    :func:`resume_interrupted` reads back."""
     record: dict[str, object] = {
         "uuid": target.uuid,
         "pci_bus_id": target.pci_bus_id,

@@ -1,11 +1,7 @@
-"""Signals through pidfds: the one irreversible step below the GPU reset.
+"""Signals through pidfds to exactly the process that was judged, and waiting on its exit.
 
-This module owns the irreversible steps below the GPU reset: sending a signal to exactly the
-process that was judged (docs/design-notes.md §13), waiting on its exit, and
-running an admin-configured command (a hook, ``nvidia-smi``) without a shell, in its own
-process group, under a deadline. It decides nothing: *whether* to signal or run is plan.py's
-and the daemon's business. It never signals by bare PID (``os.kill``): between the judgement
-and the signal a PID can be reused, and the pidfd is what closes that race.
+It decides nothing, and never signals by bare PID (``os.kill``): between the judgement and the
+signal a PID can be reused, and the pidfd is what closes that race.
 
 In detail: docs/internals.md, section `gpuwatchd.act.signals`.
 """
@@ -25,15 +21,9 @@ from gpuwatchd.core.vocabulary import SignalOutcome
 _TICK = 0.05  # poll interval when pidfds are unavailable
 
 
-# --- /proc ------------------------------------------------------------------------------------
-
-
 def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
     """``(start ticks, state letter)`` of ``PID`` from ``<proc_root>/PID/stat``; None if unknown.
-
-    The command name (field 2) may contain spaces and parentheses, so the fields after it are
-    found from the *last* ``)``. Field 3 is the state, field 22 the start time in clock ticks.
-    """
+    The fields follow the *last* ``)`` (the command name may hold spaces and parentheses)."""
     try:
         with open(os.path.join(proc_root, str(pid), "stat"), "rb") as stat_file:
             text = stat_file.read().decode("utf-8", "replace")
@@ -42,8 +32,7 @@ def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
     close = text.rfind(")")
     if close < 0:
         return None
-    fields = text[close + 1 :].split()
-    # fields[0] is field 3 (state), so field 22 is fields[19].
+    fields = text[close + 1 :].split()  # fields[0] is field 3 (state), field 22 fields[19]
     if len(fields) < 20:
         return None
     try:
@@ -52,16 +41,10 @@ def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
         return None
 
 
-# --- signals ----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class SignalResult:
-    """The outcome of :meth:`Signaller.send`, with a sentence for the log.
-
-    ``state`` is the process's state letter read right before the signal (``"D"`` says the
-    process cannot die until it leaves uninterruptible sleep), None when unread.
-    """
+    """The outcome of :meth:`Signaller.send`, a sentence for the log, and the state letter
+    read right before the signal (``"D"``: it cannot die yet; None: unread)."""
 
     outcome: SignalOutcome
     detail: str
@@ -80,18 +63,13 @@ def _signal_number(name: str) -> int | None:
 
 
 class Signaller:
-    """Sends signals through pidfds and waits on them. One per daemon; not thread-safe.
-
-    ``proc_root`` is where ``PID/stat`` is read for the identity check. Pidfds of processes
-    that were signalled (or checked in dry-run) are kept until their exit is reported by
-    :meth:`wait`, or until :meth:`forget` / :meth:`close`.
-    """
+    """Sends signals through pidfds and waits on them. One per daemon; not thread-safe. The
+    pidfds of processes signalled (or checked in dry-run) are kept until :meth:`wait` reports
+    their exit, or :meth:`forget` / :meth:`close`."""
 
     def __init__(self, proc_root: str = "/proc") -> None:
         self._proc_root = proc_root
         self._kept: dict[ProcessIdentity, int] = {}
-
-    # -- public ----------------------------------------------------------------------------
 
     def send(self, identity: ProcessIdentity, signal_name: str, *, dry_run: bool) -> SignalResult:
         """Send ``signal_name`` to exactly the process ``identity`` names, or say why not."""
@@ -156,12 +134,8 @@ class Signaller:
         return SignalResult(SignalOutcome.DELIVERED, f"sent {name} to PID {pid}", state)
 
     def wait(self, timeout: float) -> list[ProcessIdentity]:
-        """Wait up to ``timeout`` seconds for any kept process to exit.
-
-        Returns as soon as one has exited, with every identity whose process has exited by
-        then (their pidfds are closed and forgotten). Returns ``[]`` at once when nothing is
-        kept: there is nothing to wait for. A zombie counts as exited.
-        """
+        """Wait up to ``timeout`` seconds for any kept process to exit (a zombie has): every
+        identity exited by then, forgotten; ``[]`` at once when nothing is kept."""
         if not self._kept:
             return []
         by_fd = {fd: identity for identity, fd in self._kept.items()}
@@ -206,8 +180,6 @@ class Signaller:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- helpers ---------------------------------------------------------------------------
 
     def _recheck(self, identity: ProcessIdentity, pidfd: int) -> SignalResult | str:
         """Whether the process ``pidfd`` names is the one ``identity`` names and alive: its

@@ -17,12 +17,14 @@ from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
 from gpuwatchd.act.reset_target import ResetOutcome, ResetTarget, outcome_event, progress_record
+from gpuwatchd.core.checked import as_text
 from gpuwatchd.core.model import (
     GpuInfo,
     ProcessIdentity,
     Snapshot,
     Spare,
     as_int,
+    fields_of,
 )
 from gpuwatchd.core.vocabulary import (
     SIGNAL_OUTCOME_LEVELS,
@@ -81,6 +83,7 @@ from gpuwatchd.engine.edges import (
 )
 from gpuwatchd.events.catalogue import notification
 
+_IDENTITY = ("pid", "start_ticks")
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
 
@@ -220,8 +223,7 @@ class Engine:
         )
 
     def _take_switches(self, inputs: PollInputs) -> None:
-        """The admin switches the poll was handed: pause or resume, the spares, a latch
-        clear; a switch left None stays as it is."""
+        """The admin switches the poll was handed (a switch left None stays as it is)."""
         if inputs.pause is not None:
             pause = inputs.pause
             self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
@@ -248,8 +250,7 @@ class Engine:
         return snapshot
 
     def _assess(self, snapshot: Snapshot) -> Assessment:
-        """The snapshot assessed with the state carried from the last poll (which it
-        replaces); Xid notices said."""
+        """The snapshot assessed with the state carried from the last poll; Xid notices said."""
         state = self.state
         if not (self.policy.dry_run or state.plan.forced_dry_run):
             # Acting for real: a dry run's assumed resets never stand in for real ones.
@@ -289,8 +290,7 @@ class Engine:
         self.state = state
 
     def standing(self) -> Standing:
-        """Where the engine stands now (the state file's body, ``status``'s view of the last
-        poll): the checkpoint's to save, inside a poll too."""
+        """Where the engine stands now: what a checkpoint saves, inside a poll too."""
         state = self.state
         return Standing(
             state.assess,
@@ -310,9 +310,8 @@ class Engine:
         assessment: Assessment,
         snapshot: Snapshot,
     ) -> PlanResult:
-        """The plan of this poll with every step held, because the state that would record
-        the steps cannot be saved: the steps are not taken (``action.withheld`` says which and
-        why), and the ladders wait as they do while paused, to be tried again next poll."""
+        """The plan of this poll with every step held (said as ``action.withheld``), as while
+        paused, because the state that would record the steps cannot be saved."""
         self._withhold(result.intents)
         held = self._plan(assessment, snapshot, set_paused(previous, True, reason=STATE_NOT_SAVED))
         unpaused = set_paused(
@@ -346,19 +345,13 @@ class Engine:
     def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
-            self._emit(
-                EventName.TARGET_EXITED,
-                Level.INFO,
-                pid=identity.pid,
-                start_ticks=identity.start_ticks,
-            )
+            self._emit(EventName.TARGET_EXITED, Level.INFO, **fields_of(identity, _IDENTITY))
             self._carry_out_all(
                 self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
             )
 
     def _note_assumed_exits(self) -> None:
-        """Targets of a dry run's would-be SIGKILL: assumed to have exited, where a real
-        SIGKILL's exit would be seen (plan.record_assumed_exit)."""
+        """Targets of a dry run's would-be SIGKILL: assumed to have exited."""
         assumed, self._assumed_exits = self._assumed_exits, []
         for identity in assumed:
             self._carry_out_all(
@@ -395,9 +388,8 @@ class Engine:
             )
 
     def set_spares(self, spares: tuple[Spare, ...], *, read_at: float | None = None) -> None:
-        """The administrator's spares in force at wall time ``read_at`` (now when None;
-        ``gpuwatchd spare``); each that starts or ends is logged (``spare.started``,
-        ``spare.ended``)."""
+        """The spares in force at wall time ``read_at`` (None: now); each that starts or ends
+        is logged."""
         wall = self.clock.wall() if read_at is None else read_at
         for name, level, fields in spare_changes(self.spares, spares, wall):
             self._emit(name, level, **fields)
@@ -410,8 +402,7 @@ class Engine:
         self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def reload(self, policy: Policy, *, hostname: str | None) -> None:
-        """A reloaded policy, held from now on, and the node's name read again with it (a
-        renamed node is named right after a reload); see :meth:`policy_reloaded`."""
+        """A reloaded policy, and the node's name read again with it (a renamed node)."""
         self.policy, self.hostname = policy, hostname
         self.policy_reloaded()
 
@@ -460,13 +451,8 @@ class Engine:
             SIGNAL_OUTCOME_LEVELS[outcome],
             **{
                 **intent.facts,
-                "pid": intent.identity.pid,
-                "start_ticks": intent.identity.start_ticks,
-                "signal": intent.signal,
-                "gpu": intent.gpu,
-                "rule": intent.rule,
-                "step": intent.step,
-                "dry_run": intent.dry_run,
+                **fields_of(intent.identity, _IDENTITY),
+                **fields_of(intent, ("signal", "gpu", "rule", "step", "dry_run")),
                 "outcome": outcome,
                 "detail": result.detail,
                 "reason": intent.reason,
@@ -477,9 +463,8 @@ class Engine:
         )
 
     def _hooks(self, intent: HookIntent) -> tuple[Intent, ...]:
-        """Run the hooks ``intent`` names: ``on_failure`` and a health reset's ``reset.drain``
-        here (watchdog-fed), ``on_action`` in the background (a notification never delays a
-        poll)."""
+        """Run the hooks ``intent`` names: ``on_action`` in the background (a notification
+        never delays a poll), the others here (watchdog-fed)."""
         hooks = self._hooks_for(intent)
         if not hooks:
             return ()
@@ -576,8 +561,7 @@ class Engine:
         reason: str | None = None,
         level: Level = Level.WARNING,
     ) -> None:
-        """Say through the event sink (so metrics count it) that hooks did not run to their
-        end: dropped, cancelled when the daemon stopped, or crashed."""
+        """Say (through the sink, so metrics count it) that hooks did not run to their end."""
         fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
         fields.update({} if reason is None else {"reason": reason})
         self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
@@ -599,8 +583,8 @@ class Engine:
         return not isinstance(intent, HookIntent) or bool(self._hooks_for(intent))
 
     def background_crashed(self, error: str) -> None:
-        """A background job raised past its own guard (``host.HookQueue`` calls this on its
-        thread): the main loop says it as a crashed ``hook.run`` (report_background_hooks)."""
+        """A background job raised past its own guard (called on its thread): the main loop
+        says it as a crashed ``hook.run``."""
         self._crashed.append(error)
 
     def report_background_hooks(self) -> None:
@@ -706,9 +690,8 @@ class Engine:
         return self._book_reset(intent, outcome, kept)
 
     def _keep_evidence(self, step: Step) -> dict[str, object]:
-        """Write the evidence file of ``step`` (act/evidence.py); the field naming it for the
-        step's event (``evidence_file``), or nothing when none is kept (said as
-        ``evidence.unsaved``: the step goes on, its reasons are still in the journal)."""
+        """Write the evidence file of ``step``: the step's event field naming it, or nothing
+        when none is kept (said as ``evidence.unsaved``; the step goes on)."""
         snapshot, assessment = self._snapshot, self._assessment
         if self.evidence is None or snapshot is None or assessment is None:
             return {}
@@ -802,12 +785,8 @@ class Engine:
     # --- a reset a crash interrupted ----------------------------------------------------------
 
     def resume_interrupted_reset(self) -> None:
-        """Finish or undo the reset the last run left in progress, and book its outcome.
-
-        Called once at start, before the first poll. The outcome is fed back like any reset's
-        (history, cooldown, circuit breaker, ``on_failure``), so the plan's in-flight marker is
-        cleared and a later reset is not refused as "another reset is in flight".
-        """
+        """Finish or undo the reset the last run left in progress (once, before the first
+        poll), and book its outcome like any reset's: the plan's in-flight marker is cleared."""
         record = self.state.reset_in_progress
         if not record:
             return
@@ -835,10 +814,9 @@ class Engine:
         flight = self.state.plan.reset_in_flight
         uuid = record.get("uuid")
         if flight is not None and flight.gpu == uuid:
-            pci = record.get("pci_bus_id")
             intent = ResetIntent(
                 gpu=flight.gpu,
-                pci_bus_id=pci if isinstance(pci, str) else None,
+                pci_bus_id=as_text(record.get("pci_bus_id")),
                 minor=as_int(record.get("minor")),
                 finding_key=flight.finding_key,
                 dry_run=False,

@@ -1,7 +1,5 @@
-"""Whether the daemon's holder view is current: the guard on its device watch.
-
-This module owns the rule that makes ``scan`` answered from the daemon's view as right as a walk
-for every open of a watched device file (docs/scan.md, "Answered by the daemon").
+"""Whether the daemon's holder view is current: the guard on its device watch, which makes a
+``scan`` answered from the view as right as a walk (docs/scan.md, "Answered by the daemon").
 
 In detail: docs/internals.md, section `gpuwatchd.served.guard`.
 """
@@ -35,8 +33,7 @@ def queued_bytes(fd: int) -> int:
         fcntl.ioctl(fd, FIONREAD, buf)
     except OSError:
         return -1
-    value: int = struct.unpack("i", buf)[0]
-    return value
+    return int(struct.unpack("i", buf)[0])
 
 
 def early_poll_at(last_poll: float | None, now: float, interval: float) -> float:
@@ -203,10 +200,7 @@ class ServedPoll:
 
     def stale_because(self, proc_root: str, devices_dir: str) -> str | None:
         """Why the view's walk may miss an open of a watched device file now (None: it
-        cannot). The watch must still work and cover every device file, with no event queued
-        and none read since the view's walk (the publisher marked the view dirty before it
-        was read). The kernel queues ``IN_OPEN`` before ``open(2)`` returns, so an open before
-        this call is queued, or was read after that mark, or was walked since."""
+        cannot; why that holds: docs/internals.md, section ``gpuwatchd.served.guard``)."""
         fd = self.view.watch_fd
         if fd is None or not self.watch.available:
             return "the daemon's device watch is not working"

@@ -1,9 +1,5 @@
-"""The daemon's holder view: what it knows holds the GPUs, as of its last poll.
-
-This module owns :class:`HolderView` (the daemon keeps its last poll's in memory and answers
-``scan`` from it: :mod:`gpuwatchd.daemon.serving`) and the file ``holders.json`` in
-``state_dir`` the daemon publishes from it (:meth:`HolderView.document`, written by
-:class:`gpuwatchd.served.guard.ViewPublisher`). It decides nothing about findings.
+"""The daemon's holder view (what it knows holds the GPUs, as of its last poll) and the file
+``holders.json`` it publishes from it. It decides nothing about findings.
 
 In detail: docs/internals.md, section `gpuwatchd.served.holders`.
 """
@@ -36,8 +32,7 @@ class HolderView:
     holders: frozenset[int]
     holder_ticks: Mapping[int, int | None]
     dead_listed: frozenset[int]
-    # The daemon's inotify descriptor (gpuwatchd/served/guard.py asks it for queued events).
-    watch_fd: int | None = None
+    watch_fd: int | None = None  # the daemon's inotify descriptor (guard.py asks it)
 
     @classmethod
     def of(

@@ -1,10 +1,5 @@
-"""The daemon's NVML reading of its last poll, for ``scan`` to reuse.
-
-This module owns the reading's document (:func:`encode`: the worker's reply less the Xid events
-the daemon consumed), the file ``nvml.json`` the daemon publishes it in (:class:`ReadingPublisher`),
-:class:`Published`, what the daemon answering a ``scan`` decodes it into, and
-:class:`DaemonReading`, the NVML source that scan's collector reads instead of starting an NVML
-worker of its own. It decides nothing about findings.
+"""The daemon's NVML reading of its last poll, for ``scan`` to reuse: its document, the file
+``nvml.json`` it is published in, and the NVML source a served scan reads it through.
 
 In detail: docs/internals.md, section `gpuwatchd.served.nvml`.
 """
@@ -119,9 +114,8 @@ class ReadingPublisher:
 
     def publish(self, doc: Mapping[str, object] | None, *, rewrite: bool = False) -> None:
         """Write ``doc`` (from :func:`encode`), or only confirm the file when it says the same
-        but for its times (module docstring); remove the file when None. ``rewrite``: write
-        it in any case (the holder view was written this poll: the reading's own ``polled``
-        must then be this poll's, not the time it is confirmed at, which comes before)."""
+        but for its times; remove the file when None. ``rewrite``: write it in any case (the
+        holder view was written this poll, and both must name the same poll)."""
         if doc is None and not self._present:
             return
         state_dir = self._state_dir()
@@ -174,12 +168,8 @@ class ReadingPublisher:
         fd = os.open(READING_FILE, flags, dir_fd=state_dir.fd)
         try:
             st = os.fstat(fd)
-            if expected is not None and expected != (
-                st.st_dev,
-                st.st_ino,
-                st.st_size,
-                st.st_mtime_ns,
-            ):
+            left = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if expected is not None and expected != left:
                 return None
             os.utime(fd, ns=(stamp, stamp))
             return (st.st_dev, st.st_ino, st.st_size, stamp)

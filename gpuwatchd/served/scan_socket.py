@@ -1,11 +1,5 @@
-"""The socket on which a running daemon answers ``scan`` (docs/scan.md, "Answered by the daemon").
-
-A ``scan`` beside a running daemon spends most of its time starting Python and importing the
-code that judges, which the daemon has loaded already. So the daemon listens on
-:data:`SOCKET_NAME` in its ``state_dir`` and runs the served scan itself when asked; the command
-starts Python, asks, and prints the answer. When the daemon cannot answer exactly as the
-command would (its published view is not clean, the configuration files changed, ...), it
-declines and says why, and the command scans by itself as before.
+"""The socket on which a running daemon answers ``scan`` (docs/scan.md, "Answered by the daemon"),
+or declines and says why (the command then scans by itself).
 
 In detail: docs/internals.md, section `gpuwatchd.served.scan_socket`.
 """
@@ -69,9 +63,6 @@ def peer_uid(sock: socket.socket) -> int:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     _pid, uid, _gid = _PEERCRED.unpack(raw)
     return int(uid)
-
-
-# --- the format ---------------------------------------------------------------------------------
 
 
 def encode_request(request: ScanRequest) -> bytes:
@@ -142,13 +133,9 @@ def _object(raw: bytes) -> dict[str, object]:
     return doc
 
 
-# --- the daemon's side --------------------------------------------------------------------------
-
-
 class ScanServer:
-    """The daemon's listening socket. ``answer`` runs the served scan for a request (it is
-    the daemon's; an exception in it declines that one request, and is handed to ``on_error``
-    with the others this side meets)."""
+    """The daemon's listening socket. ``answer`` runs the served scan for a request (an
+    exception in it declines that request); ``on_error`` hears what went wrong."""
 
     def __init__(
         self,
@@ -215,8 +202,7 @@ class ScanServer:
     def _serve_one(self, conn: socket.socket) -> None:
         try:
             uid = peer_uid(conn)
-            # Read first either way: a socket closed with bytes unread resets the exchange, and
-            # the command would not see the refusal.
+            # Read first either way: a socket closed with bytes unread resets the exchange.
             raw = _read_line(conn, MAX_REQUEST, time.monotonic() + REQUEST_TIMEOUT)
             if not trusted_peer(uid, os.geteuid()):
                 answer = ScanAnswer(False, f"uid {uid} may not ask this daemon")
@@ -286,13 +272,9 @@ def _read_line(conn: socket.socket, limit: int, deadline: float) -> bytes:
     return line + b"\n"
 
 
-# --- the command's side -------------------------------------------------------------------------
-
-
 def ask(state_dirs: Sequence[str], request: ScanRequest, timeout: float) -> ScanAnswer:
-    """Ask the daemon of the first of ``state_dirs`` that has a listening socket, within
-    ``timeout`` seconds in all. Never raises: a socket that is missing, refused, slow, not a
-    trusted user's, or that answers malformed gives a declined answer saying so."""
+    """Ask the daemon of the first of ``state_dirs`` that listens, within ``timeout`` seconds
+    in all. Never raises: whatever goes wrong is a declined answer saying so."""
     deadline = time.monotonic() + timeout
     reason = "no daemon socket"
     for folder in state_dirs:

@@ -256,18 +256,14 @@ def _result(
 class _Keeper:
     """The daemon's side of one command's keeper: its output, its report, its exit."""
 
-    def __init__(
-        self, proc: subprocess.Popen[bytes], tail: _Tail, marker: bytes, status_fd: int
-    ) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], tail: _Tail, status_fd: int) -> None:
         assert proc.stdout is not None  # noqa: S101 - stdout=PIPE guarantees it
         self.proc = proc
         self.pipe = proc.stdout
         self.tail = tail
-        self.marker = marker
         self.status_fd = status_fd
         self.status = bytearray()
         self.pipe_open = True
-        self.asked_to_stop = False
         self.reported = False
 
     def handle(self, key: selectors.SelectorKey, selector: selectors.BaseSelector) -> None:
@@ -278,8 +274,7 @@ class _Keeper:
         elif what == "status" and not _read_status(self.status_fd, self.status):
             selector.unregister(fileobj)
             self.reported = True  # the keeper closed it: the command has ended
-        elif what == "cancel" and not self.asked_to_stop:
-            self.asked_to_stop = True
+        elif what == "cancel":  # once: unregistered here
             selector.unregister(fileobj)
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)  # the keeper kills the tree
@@ -299,7 +294,7 @@ def _supervise(
     """Collect output and the keeper's report until the keeper exits, cancel it when asked:
     (the report, an error of our own). A keeper still there ``_KEEPER_MARGIN`` seconds after
     the deadline, or without a report, is ended here (:func:`_kill_keeper`)."""
-    keeper = _Keeper(proc, tail, marker, status_fd)
+    keeper = _Keeper(proc, tail, status_fd)
     error: str | None = None
     pidfd: int | None = None
     with contextlib.suppress(OSError):

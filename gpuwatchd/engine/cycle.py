@@ -475,8 +475,7 @@ class Engine:
             HookName.ON_FAILURE: EvidenceAction.ON_FAILURE,
         }.get(HookName(intent.hook))
         if destructive is not None:  # a drain (or whatever on_failure does): evidence first
-            gpu = facts.get("gpu")
-            uuid = gpu if isinstance(gpu, str) else None
+            uuid = as_text(facts.get("gpu"))
             kept = self._keep_evidence(Step(destructive, uuid, intent.dry_run, intent.reason))
         values = {key: _text(facts.get(fact)) for key, fact in _HOOK_VALUES}
         values["hostname"] = self.hostname
@@ -636,36 +635,34 @@ class Engine:
         return gpu_by_uuid(self._snapshot, uuid) if self._snapshot else None
 
     def _reset(self, intent: ResetIntent) -> tuple[Intent, ...]:
-        gpu = self._last_gpu(intent.gpu)
-        whole = intent.instance is None  # else: re-create one MIG GPU instance of the GPU
+        instance = intent.instance  # None: the whole GPU, else one MIG GPU instance re-created
+        gpu = self._last_gpu(intent.gpu) if instance is None else None
+        health = None if gpu is None else gpu.health
         target = ResetTarget(
             uuid=intent.gpu,
             pci_bus_id=intent.pci_bus_id,
             minor=intent.minor,
-            persistence_was_on=gpu.persistence_mode if gpu and whole else None,
+            persistence_was_on=None if gpu is None else gpu.persistence_mode,
             hostname=self.hostname,
             # An NVSwitch system's GPU: the reset is done once its fabric re-registered.
-            fabric=whole
-            and gpu is not None
-            and gpu.health is not None
-            and fabric.supported(gpu.health),
-            recovery=intent.instance,
+            fabric=health is not None and fabric.supported(health),
+            recovery=instance,
             layout=intent.layout,
         )
         env = _ResetEnv(self)
         hook_env = {"GPUWATCHD_GPU_UUID": intent.gpu}
-        if intent.instance is not None:
-            hook_env["GPUWATCHD_MIG_INSTANCE"] = intent.instance.mig_uuid
-            hook_env["GPUWATCHD_MIG_GI"] = str(intent.instance.gi)
+        if instance is not None:
+            hook_env["GPUWATCHD_MIG_INSTANCE"] = instance.mig_uuid
+            hook_env["GPUWATCHD_MIG_GI"] = str(instance.gi)
         # Before the procedure's first step (its drain hooks): what led to it, for a human.
         kept = self._keep_evidence(
             Step(
-                EvidenceAction.GPU_RESET if whole else EvidenceAction.MIG_INSTANCE,
+                EvidenceAction.GPU_RESET if instance is None else EvidenceAction.MIG_INSTANCE,
                 intent.gpu,
                 intent.dry_run,
                 intent.reason,
-                instance={} if intent.instance is None else intent.instance.fields(),
-                instance_uuid=None if intent.instance is None else intent.instance.mig_uuid,
+                instance={} if instance is None else instance.fields(),
+                instance_uuid=None if instance is None else instance.mig_uuid,
             )
         )
 

@@ -1,12 +1,6 @@
-"""The engine's edges: what it reads, what it acts through, its clock, where its events go.
-
-This module owns the contracts :class:`gpuwatchd.engine.cycle.Engine` is built with — the
-:class:`HostReader` (snapshots, releasing NVML, the final holder scan, a fresh GPU reading), the
-:class:`Actuator` (signals, the command runner, exits of signalled targets), the :class:`Clock`
-and the :class:`EventSink` — how slow work runs (:class:`Runner`, :class:`Background`,
-:func:`run_inline`, :func:`run_now`), and what a poll is handed and hands back
-(:class:`PollInputs`, :class:`PollReport`, :class:`Standing`). ``host.py`` implements the edges
-on the real host, ``simulate`` on a virtual one (docs/architecture.md, "The four edges").
+"""The engine's edges: what it reads, what it acts through, its clock, where its events go, how
+slow work runs, and what a poll is handed and hands back. The daemon implements them on the
+real host, ``simulate`` on a virtual one (docs/architecture.md, "The four edges").
 """
 
 from __future__ import annotations
@@ -75,9 +69,8 @@ class EventSink(Protocol):
 
 
 def run_inline(work: Callable[[], T]) -> T:
-    """The default way to run slow work (a reset, hooks): right here. The daemon passes a
-    runner that also keeps the systemd watchdog fed meanwhile (the work still runs here, on
-    the loop's own thread: :func:`gpuwatchd.daemon.notify.keep_watchdog_fed`)."""
+    """The default way to run slow work (a reset, hooks): right here. The daemon's runner also
+    keeps the systemd watchdog fed meanwhile."""
     return work()
 
 
@@ -109,11 +102,8 @@ class Pause:
 
 @dataclass(frozen=True)
 class PollInputs:
-    """What one poll is handed: the admin switches as read, and when the poll started.
-
-    A switch left None stays as it is (``simulate`` pauses at its own events); the start
-    readings are the caller's clock's, taken before it read the switches (None: the engine's
-    clock at the poll's start)."""
+    """What one poll is handed: the admin switches as read (None: as it is), and when the poll
+    started by the caller's clock, before it read them (None: the engine's clock now)."""
 
     pause: Pause | None = None
     spares: tuple[Spare, ...] | None = None  # ``gpuwatchd spare``: those in force
@@ -125,9 +115,8 @@ class PollInputs:
 
 @dataclass(frozen=True)
 class Standing:
-    """Where the engine stands now, as one value: what the state file and ``gpuwatchd
-    status`` show (its saved state, and the last poll's reading, findings and verdict: None
-    before the first poll). Taken at each checkpoint, inside a poll too."""
+    """Where the engine stands now: what the state file and ``gpuwatchd status`` show (the last
+    poll's parts None before the first poll)."""
 
     assess: AssessState
     plan: PlanState

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
-from gpuwatchd.act.reset_target import Steps
+from gpuwatchd.act.reset_target import UNRECORDED, Steps
 from gpuwatchd.core.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
@@ -77,22 +77,11 @@ def run_recovery(proc: Steps, start: int = 0, *, resumed: bool = False) -> Ran:
         if number == last and number > 0:
             taken = _check(proc, recovery, before_first=False)
             if taken is not None:
-                return (
-                    result,
-                    ResetResult.FAILED,
-                    False,
-                    half_done(
-                        recovery, ran, f"the destroy commands did not free its placement ({taken})"
-                    ),
-                )
+                why = f"the destroy commands did not free its placement ({taken})"
+                return result, ResetResult.FAILED, False, half_done(recovery, ran, why)
         proc.commands_done = number
         if number > start and not proc.begin(ResetStep.RESET):
-            return (
-                result,
-                ResetResult.FAILED,
-                False,
-                half_done(recovery, ran, "could not record reset progress in the state file"),
-            )
+            return result, ResetResult.FAILED, False, half_done(recovery, ran, UNRECORDED)
         result = proc.command(ResetStep.RESET, commands[number])
         assert result is not None  # noqa: S101 - not a dry run
         verdict, needs_reboot, reason = interpret_reset_exit(result)
@@ -146,7 +135,7 @@ def restore_layout(proc: Steps) -> tuple[bool | None, str]:
         proc.event(step, ResetStepStatus.AS_PLANNED, detail=todo)
         for number in missing:
             if not proc.begin(step):
-                why = "could not record reset progress in the state file"
+                why = UNRECORDED
                 break
             result = proc.command(step, restore[number])
             if result is not None and not result.ok:

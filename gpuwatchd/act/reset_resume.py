@@ -13,6 +13,7 @@ from gpuwatchd.act.commands import run_command
 from gpuwatchd.act.reset import EMPTY_ENV, Procedure
 from gpuwatchd.act.reset_mig import half_done, run_recovery
 from gpuwatchd.act.reset_target import (
+    UNRECORDED,
     CommandRunner,
     Commands,
     ResetEnvironment,
@@ -226,7 +227,7 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
     if point < total:
         proc.commands_done = point
         if not proc.begin(ResetStep.RESET):
-            reason = half_done(recovery, ran, "could not record reset progress in the state file")
+            reason = half_done(recovery, ran, UNRECORDED)
             return proc.end(ResetResult.FAILED, ResetStep.DONE, reason)
         command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
         if result is not ResetResult.SUCCESS:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.core.model import GpuInfo
+from gpuwatchd.core.model import GpuInfo, fields_of
 from gpuwatchd.core.vocabulary import (
     RESET_RESULT_LEVELS,
     Level,
@@ -329,10 +329,7 @@ def progress_record(
     docs/internals.md, section ``gpuwatchd.act.reset_target``), which
     :func:`resume_interrupted` reads back."""
     record: dict[str, object] = {
-        "uuid": target.uuid,
-        "pci_bus_id": target.pci_bus_id,
-        "minor": target.minor,
-        "persistence_was_on": target.persistence_was_on,
+        **fields_of(target, ("uuid", "pci_bus_id", "minor", "persistence_was_on")),
         "step": step.value,
         **data,
     }

@@ -166,8 +166,6 @@ class Engine:
         self.spares: tuple[Spare, ...] = ()  # ``gpuwatchd spare``: put into each snapshot
         self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
 
-    # --- the cycle ----------------------------------------------------------------------------
-
     def poll(self, inputs: PollInputs | None = None) -> PollReport:
         """Take the admin switches, collect, assess, plan, carry out the intents, feed the
         outcomes back, checkpoint; report what the poll saw, decided and did."""
@@ -360,8 +358,6 @@ class Engine:
                 )
             )
 
-    # --- admin switches -----------------------------------------------------------------------
-
     def set_paused(
         self, reason: str | None, *, until: float | None = None, resumed: str | None = None
     ) -> None:
@@ -402,13 +398,10 @@ class Engine:
         self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def reload(self, policy: Policy, *, hostname: str | None) -> None:
-        """A reloaded policy, and the node's name read again with it (a renamed node)."""
+        """A reloaded policy, and the node's name read again with it (a renamed node). A new
+        configuration (new ``before`` hooks, say) may succeed where a reset was refused: those
+        incidents may be tried again."""
         self.policy, self.hostname = policy, hostname
-        self.policy_reloaded()
-
-    def policy_reloaded(self) -> None:
-        """A new configuration (new ``before`` hooks, say) may succeed where a reset was
-        refused: those incidents may be tried again."""
         if self.state.plan.reset_refusals:
             gpus = sorted(self.state.plan.reset_refusals)
             self.state.plan = forget_reset_refusals(self.state.plan)
@@ -419,8 +412,6 @@ class Engine:
                     gpu=gpu,
                     why="configuration reloaded",
                 )
-
-    # --- carrying out intents -----------------------------------------------------------------
 
     def _emit(self, name: str, level: Level, **fields: object) -> None:
         self.sink.emit(name, level, fields)
@@ -566,13 +557,11 @@ class Engine:
         self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
 
     def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
-        return tuple(
-            {
-                HookName.ON_ACTION: self.policy.on_action,
-                # GPU health (decide/plan/decisions.py)
-                HookName.RESET_DRAIN: self.policy.reset.drain,
-            }.get(HookName(intent.hook), self.policy.on_failure)
-        )
+        named = {
+            HookName.ON_ACTION: self.policy.on_action,
+            HookName.RESET_DRAIN: self.policy.reset.drain,
+        }
+        return tuple(named.get(HookName(intent.hook), self.policy.on_failure))
 
     def _irreversible(self, intent: Intent) -> bool:
         """Whether carrying ``intent`` out does something to the host (a signal, a reset, a
@@ -778,8 +767,6 @@ class Engine:
                 would_succeed=would_succeed,
             )
         )
-
-    # --- a reset a crash interrupted ----------------------------------------------------------
 
     def resume_interrupted_reset(self) -> None:
         """Finish or undo the reset the last run left in progress (once, before the first

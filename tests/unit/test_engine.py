@@ -179,7 +179,7 @@ def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_relo
     assert r.reader.final_scans == 1
     whys = [e["why"] for e in r.sink.named("reset.refused")]
     assert any("a reset for this incident was refused" in str(why) for why in whys)
-    r.engine.policy_reloaded()
+    r.engine.reload(r.engine.policy, hostname=r.engine.hostname)
     assert r.sink.named("reset.refusal_cleared")
     r.poll_at(3602.0)
     assert r.reader.final_scans == 2

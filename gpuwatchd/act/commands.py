@@ -105,8 +105,7 @@ class CommandScope:
             return len(self._lingering)
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for what finished commands left running to end by
-        itself; True when nothing is left."""
+        """Wait up to ``timeout`` seconds for what commands left running; True: none left."""
         until = time.monotonic() + timeout
         while self.lingering:
             if time.monotonic() >= until:

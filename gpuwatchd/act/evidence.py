@@ -53,16 +53,11 @@ class EvidenceFolder(Protocol):
     def join(self, name: str) -> str: ...
 
 
-class ReportBuilder(Protocol):
-    """The ``scan --json`` document of one poll (the command line's encoder, handed in)."""
-
-    def __call__(
-        self,
-        snapshot: Snapshot,
-        assessment: Assessment,
-        verdict: NodeVerdict | None,
-        first_seen: Mapping[str, float],
-    ) -> dict[str, object]: ...
+# The ``scan --json`` document of one poll: (snapshot, assessment, verdict, first_seen) -> doc
+# (the command line's encoder, handed in).
+ReportBuilder = Callable[
+    [Snapshot, Assessment, NodeVerdict | None, Mapping[str, float]], dict[str, object]
+]
 
 
 @dataclass(frozen=True)
@@ -283,8 +278,7 @@ class EvidenceKeeper:
         first_seen: Mapping[str, float],
         wall: float,
     ) -> Kept:
-        """Write the evidence of ``step`` and remove the oldest files past the count.
-        Never raises: what went wrong is :attr:`Kept.error`."""
+        """Write the evidence of ``step``, remove the oldest past the count; never raises."""
         try:
             folder = self.folder()
         except OSError as err:

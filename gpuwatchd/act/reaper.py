@@ -22,11 +22,7 @@ _SWEEP_PAUSE = 0.01
 
 
 class _Stop(Exception):
-    """The deadline passed (SIGALRM) or the daemon cancels the command (SIGTERM)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
+    """The deadline passed or the daemon cancels the command: ``args[0]`` is the report key."""
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -166,7 +162,7 @@ def main(argv: list[str]) -> int:
                 _linger()
     except _Stop as stopped:
         if status_fd >= 0:
-            report[stopped.why] = True
+            report[stopped.args[0]] = True
     armed[0] = False  # from here on the tree is ended, whatever signal comes
     signal.setitimer(signal.ITIMER_REAL, 0)
     finished = report["returncode"] is not None

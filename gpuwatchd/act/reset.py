@@ -231,7 +231,12 @@ class Procedure:
         needs_reboot: bool = False,
         command: CommandResult | None = None,
         blockers: Sequence[str] = (),
+        undo: bool = False,
     ) -> ResetOutcome:
+        """End with ``result``; ``undo``: recorded as the reset's result and undone first."""
+        if undo:
+            self.result = result
+            self.restore(result, reason)
         if self.notes:
             reason = f"{reason}; " + "; ".join(self.notes)
         self.result = result
@@ -252,20 +257,6 @@ class Procedure:
             **_instance_fields(self.target),
         )
         return ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
-
-    def end(
-        self,
-        result: ResetResult,
-        step: ResetStep,
-        reason: str,
-        *,
-        needs_reboot: bool = False,
-        command: CommandResult | None = None,
-    ) -> ResetOutcome:
-        """``result`` taken as the reset's (recorded), then undone and finished with it."""
-        self.result = result
-        self.restore(result, reason)
-        return self.finish(result, step, reason, needs_reboot=needs_reboot, command=command)
 
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
@@ -416,8 +407,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
 
 
 def _drain(proc: Procedure) -> ResetOutcome | None:
-    """Step drain: the ``reset.drain`` hooks, unless a health reset drained before its wait;
-    an outcome when the procedure stopped (refused before anything was done, else undone)."""
+    """Step drain (skipped when a health reset drained already); an outcome when it stopped."""
     prepared = proc.commands
     if not proc.begin(ResetStep.DRAIN):
         return proc.finish(ResetResult.REFUSED, ResetStep.DRAIN, UNRECORDED)
@@ -433,8 +423,7 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
 
 
 def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
-    """Step stop_nvml: our own NVML worker stopped, so that it holds no device file; an
-    outcome when it could not be (undone)."""
+    """Step stop_nvml: our own NVML worker stopped; an outcome when it could not be."""
     env, dry_run = proc.env, proc.dry_run
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
@@ -505,28 +494,25 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
         return proc.finish(ResetResult.DRY_RUN, ResetStep.DONE, f"would {what} with {shown}")
     proc.result = result
     if result != ResetResult.SUCCESS:
-        return proc.end(result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command)
+        return proc.finish(
+            result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command, undo=True
+        )
     healthy, memory, detail = proc.health_check()
     reason = f"{reason}; {detail}"
-    if not healthy or memory is False:
-        return proc.end(
-            ResetResult.FAILED,
-            ResetStep.HEALTH_CHECK,
-            reason,
-            needs_reboot=not healthy,
-            command=command,
-        )
-    if target.fabric:
+    failed = not healthy or memory is False
+    if not failed and target.fabric:
         completed, fabric_detail = _wait_for_fabric(proc)
-        reason = f"{reason}; {fabric_detail}"
-        if not completed:
-            return proc.end(ResetResult.FAILED, ResetStep.HEALTH_CHECK, reason, command=command)
-    return proc.end(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command)
+        reason, failed = f"{reason}; {fabric_detail}", not completed
+    if failed:
+        step, rebooting = ResetStep.HEALTH_CHECK, not healthy
+        return proc.finish(
+            ResetResult.FAILED, step, reason, needs_reboot=rebooting, command=command, undo=True
+        )
+    return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command, undo=True)
 
 
 def _run_resets(proc: Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
-    """Run the reset command, or a MIG recovery's commands (:func:`run_recovery`): (its
-    result, None in a dry run; its reading by :func:`interpret_reset_exit`)."""
+    """Run the reset command, or a MIG recovery's (:func:`run_recovery`): result and reading."""
     if proc.target.recovery is not None:
         return run_recovery(proc)
     (argv,) = proc.commands.reset

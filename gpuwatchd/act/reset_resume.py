@@ -75,8 +75,7 @@ def _commands_of(
 def _read_back(
     record: Mapping[str, object], reset: ResetPolicy, hostname: str | None
 ) -> tuple[ResetStep, ResetTarget, Commands] | str | None:
-    """The record's last step, target and commands; None when the reset was done, else what
-    makes the record unreadable."""
+    """The record's last step, target and commands; None when done; else why it is unreadable."""
     try:
         step = ResetStep(record.get("step"))
     except ValueError:
@@ -149,7 +148,7 @@ def resume_interrupted(
         return _check_after_reset(proc, commands, step)
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
-    return proc.end(proc.result, ResetStep.DONE, reason)
+    return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
 
 
 def _procedure_from(
@@ -192,7 +191,7 @@ def _check_after_reset(proc: Procedure, commands: Commands, step: ResetStep) -> 
         unhealthy = not healthy
     result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
     reason = f"interrupted at step {step.value} after the reset command started; {detail}"
-    return proc.end(result, ResetStep.DONE, reason, needs_reboot=unhealthy)
+    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy, undo=True)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -223,20 +222,25 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
             point = resume_point(recovery, gpu, done, total)
     if isinstance(point, str):
         reason = half_done(recovery, ran, f"{interrupted}; {point}")
-        return proc.end(ResetResult.FAILED, ResetStep.DONE, reason)
+        return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason, undo=True)
     if point < total:
         proc.commands_done = point
         if not proc.begin(ResetStep.RESET):
             reason = half_done(recovery, ran, UNRECORDED)
-            return proc.end(ResetResult.FAILED, ResetStep.DONE, reason)
+            return proc.finish(ResetResult.FAILED, ResetStep.DONE, reason, undo=True)
         command, result, needs_reboot, why = run_recovery(proc, point, resumed=True)
         if result is not ResetResult.SUCCESS:
             reason = f"{interrupted}; {why}"
-            return proc.end(
-                result, ResetStep.RESET, reason, needs_reboot=needs_reboot, command=command
+            return proc.finish(
+                result,
+                ResetStep.RESET,
+                reason,
+                needs_reboot=needs_reboot,
+                command=command,
+                undo=True,
             )
     healthy, memory, detail = proc.health_check()
     result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
     reason = f"{interrupted}; {went_on}; {detail}"
-    return proc.end(result, ResetStep.DONE, reason, needs_reboot=not healthy)
+    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)

@@ -5,7 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_target`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -284,11 +284,9 @@ class ResetEnvironment(Protocol):
     def emit(self, event: str, level: Level, **fields: object) -> None: ...
 
 
-class FabricWait(Protocol):
-    """Wait up to ``timeout`` seconds for the GPU's NVLink fabric registration to be
-    COMPLETED: (whether it is, the last state read)."""
-
-    def __call__(self, target: ResetTarget, timeout: float) -> tuple[bool, str]: ...
+# Wait up to ``timeout`` seconds for the GPU's NVLink fabric registration to be COMPLETED:
+# (target, timeout) -> (whether it is, the last state read).
+FabricWait = Callable[[ResetTarget, float], tuple[bool, str]]
 
 
 class CommandRunner(Protocol):

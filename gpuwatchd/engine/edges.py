@@ -78,10 +78,9 @@ class Runner(Protocol):
     def __call__(self, work: Callable[[], T], /) -> T: ...
 
 
-class Background(Protocol):
-    def __call__(self, work: Callable[[], None], /) -> bool:
-        """Start ``work`` off the main loop and return at once; False if it cannot be taken
-        (the queue is full). Used for ``on_action`` notifications, which no poll waits for."""
+# Start ``work`` off the main loop and return at once; False if it cannot be taken (the queue is
+# full). Used for ``on_action`` notifications, which no poll waits for.
+Background = Callable[[Callable[[], None]], bool]
 
 
 def run_now(work: Callable[[], None]) -> bool:

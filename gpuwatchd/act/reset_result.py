@@ -67,11 +67,8 @@ def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]
     if code < 0:
         return ResetResult.FAILED, False, f"reset command was killed by signal {-code}" + output
     if code == 15:
-        return (
-            ResetResult.FAILED,
-            True,
-            f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot" + output,
-        )
+        reason = f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot{output}"
+        return ResetResult.FAILED, True, reason
     if code == 255 and says_in_use(result):
         return ResetResult.IN_USE, False, IN_USE_REASON + output
     if code == 255:

@@ -437,18 +437,15 @@ class Engine:
         outcome = SignalOutcome(result.outcome)
         if intent.dry_run and intent.signal == "SIGKILL" and outcome is SignalOutcome.DRY_RUN:
             self._assumed_exits.append(intent.identity)
-        self._emit(
-            EventName.ACTION_SIGNAL,
-            SIGNAL_OUTCOME_LEVELS[outcome],
-            **{
-                **intent.facts,
-                **fields_of(intent.identity, _IDENTITY),
-                **fields_of(intent, ("signal", "gpu", "rule", "step", "dry_run")),
-                "outcome": outcome,
-                "detail": result.detail,
-                "reason": intent.reason,
-            },
-        )
+        fields = {
+            **intent.facts,
+            **fields_of(intent.identity, _IDENTITY),
+            **fields_of(intent, ("signal", "gpu", "rule", "step", "dry_run")),
+            "outcome": outcome,
+            "detail": result.detail,
+            "reason": intent.reason,
+        }
+        self.sink.emit(EventName.ACTION_SIGNAL, SIGNAL_OUTCOME_LEVELS[outcome], fields)
         return self._take(
             record_signal(self.state.plan, intent, outcome, now=self.clock.monotonic())
         )

@@ -853,11 +853,8 @@ class _ResetEnv:
         self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
     ) -> list[str]:
         engine = self.engine
-        failures = []
-        for monitor in monitors:
-            sent = engine.actuator.signal(monitor.identity, "SIGTERM", dry_run=False)
-            if sent.outcome not in _LET_GO:
-                failures.append(f"{monitor.who}: {sent.detail}")
+        sent = [(m, engine.actuator.signal(m.identity, "SIGTERM", dry_run=False)) for m in monitors]
+        failures = [f"{m.who}: {r.detail}" for m, r in sent if r.outcome not in _LET_GO]
         # The engine's clock and sleep, as the fabric wait's: virtual in simulate.
         deadline = engine.clock.monotonic() + timeout
         waiting = {m.identity.pid: m.who for m in monitors}

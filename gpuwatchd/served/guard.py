@@ -63,9 +63,8 @@ class ViewPublisher:
         self.dirty = False  # what is on disk says dirty (or is gone)
 
     def publish(self, view: dict[str, object]) -> bool:
-        """Write the clean ``view`` (from :func:`gpuwatchd.served.holders.encode`) when it
-        changed, when the file says dirty, or every :data:`REFRESH` seconds; True when it
-        was written now."""
+        """Write the clean ``view`` when it changed, when the file says dirty, or every
+        :data:`REFRESH` seconds; True when it was written now."""
         content = {key: value for key, value in view.items() if key != "polled"}
         polled = view.get("polled")
         wall = float(polled) if isinstance(polled, (int, float)) else self._wall_clock()
@@ -84,8 +83,7 @@ class ViewPublisher:
 
     def mark_dirty(self) -> bool:
         """Say on disk that the view may be stale, before any watch event is read; False when
-        neither the dirty view could be written nor the file removed (the caller must then
-        stop serving: :class:`GuardedWatch` closes its watch)."""
+        neither the dirty view could be written nor the file removed (serving must stop)."""
         if self.dirty or self._doc is None:
             return True
         state_dir = self._state_dir()
@@ -190,8 +188,7 @@ def _device_files(devices_dir: str) -> set[tuple[int, int]] | None:
 @dataclass(frozen=True)
 class ServedPoll:
     """What the daemon answers a ``scan`` from: its last poll's holder view and NVML reading
-    (:func:`gpuwatchd.served.nvml.encode`'s document; None when that read failed), with the
-    device watch and the publisher that say whether the view is still current."""
+    (None: that read failed), with the watch and publisher that say whether it is current."""
 
     view: HolderView
     reading: Mapping[str, Any] | None

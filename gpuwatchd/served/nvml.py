@@ -67,9 +67,8 @@ def encode(
 
 
 def usable(published: Published, *, now_wall: float, interval: float) -> str | None:
-    """Why ``published`` cannot stand for a reading taken now (None: it can): it was asked for
-    longer ago than the shorter of its daemon's ``interval`` and this scan's, plus
-    :data:`READ_SLACK`, or after ``now_wall`` (the clock was set back). Pure."""
+    """Why ``published`` cannot stand for a reading taken now (None: it can): too old, or dated
+    in the future (docs/internals.md, section ``gpuwatchd.served.nvml``). Pure."""
     age = now_wall - published.read_at
     limit = min(published.interval, interval) + READ_SLACK
     if age < -READ_SLACK:

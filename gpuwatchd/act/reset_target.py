@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.model import GpuInfo, fields_of
 from gpuwatchd.core.vocabulary import (
     RESET_RESULT_LEVELS,
@@ -220,18 +221,14 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
             "argv", "timeout", "error"
         }:  # fmt: skip
             raise ValueError(f"{at}: not an object with argv, timeout and perhaps error")
-        timeout, error = item["timeout"], item.get("error")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout <= _MAX_HOOK_TIMEOUT
-        ):
+        timeout, error = as_number(item["timeout"]), item.get("error")
+        if timeout is None or not 0 < timeout <= _MAX_HOOK_TIMEOUT:
             raise ValueError(f"{at}: the timeout is not a number of seconds in (0, 600]")
         if error is not None and (
             not isinstance(error, str) or not error or len(error) > MAX_RECORDED_CHARS
         ):
             raise ValueError(f"{at}: the error is not a text of 1 to {MAX_RECORDED_CHARS} chars")
-        hooks.append(PreparedHook(_argv(item["argv"], at), float(timeout), error))
+        hooks.append(PreparedHook(_argv(item["argv"], at), timeout, error))
     return tuple(hooks)
 
 

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.config.peek import guess_state_dir
+from gpuwatchd.config.peek import conf_d, drop_in_names, guess_state_dir
 from gpuwatchd.core.checked import flag, items, text
 from gpuwatchd.core.codec import Format
 from gpuwatchd.decide import policy as policy_module
@@ -129,27 +129,16 @@ def identity(main_file: str) -> list[list[object]] | None:
     when any is a symbolic link or cannot be looked at, or the main file or a drop-in is not a
     regular file (no shortcut then)."""
     main = os.path.abspath(main_file)
-    folder = os.path.dirname(main)
-    conf_d = os.path.join(folder, "conf.d")
-    paths = [main]
-    above = folder
-    while True:
-        paths.append(above)
-        parent = os.path.dirname(above)
-        if parent == above:
-            break
-        above = parent
+    above = [os.path.dirname(main)]
+    while above[-1] != os.path.dirname(above[-1]):
+        above.append(os.path.dirname(above[-1]))
+    folder = conf_d(main)
     try:
-        found = [(path, _stat_entry(path, content=path == main)) for path in paths]
-        files = [found[0]]
-        conf = _stat_entry(conf_d)
-        found.append((conf_d, conf))
+        files = [(main, _stat_entry(main, content=True))]
+        found = files + [(path, _stat_entry(path)) for path in above]
+        found.append((folder, conf := _stat_entry(folder)))
         if conf is not None:
-            drop_ins = [
-                os.path.join(conf_d, name)
-                for name in sorted(os.listdir(conf_d))
-                if name.endswith(".yaml") and not name.startswith(".")
-            ]
+            drop_ins = [os.path.join(folder, name) for name in drop_in_names(folder)]
             files += [(path, _stat_entry(path, content=True)) for path in drop_ins]
             found += files[1:]
     except OSError:

@@ -15,7 +15,6 @@ import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.core.checked import Value
 from gpuwatchd.core.codec import Format
 
 LOCK_FILE = "lock"
@@ -138,22 +137,14 @@ def open_directory(
     return fd
 
 
-# --- reading JSON leniently ---------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class JsonFile:
-    """One JSON file of the state directory, read leniently: ``data`` is the object it holds
-    (empty when absent or unusable); ``problem`` says why it is unusable (None: absent or
-    fine); ``present`` whether a file was there."""
+    """One JSON file of the state directory, read leniently: the object it holds (empty when
+    absent or unusable), why it is unusable (None: absent or fine), and whether it was there."""
 
     data: Mapping[str, object]
     problem: str | None
     present: bool
-
-    @property
-    def value(self) -> Value:
-        return Value(self.data)
 
 
 def hashed_name(prefix: str, key: str) -> str:
@@ -255,13 +246,9 @@ class StateDir:
         try:
             st = self._trusted(fd, name)
             chunks: list[bytes] = []
-            size = 0
-            while size < limit:
-                chunk = os.read(fd, min(1 << 20, limit - size))
-                if not chunk:
-                    break
+            while limit > 0 and (chunk := os.read(fd, min(1 << 20, limit))):
                 chunks.append(chunk)
-                size += len(chunk)
+                limit -= len(chunk)
             return b"".join(chunks), st
         finally:
             os.close(fd)
@@ -284,10 +271,6 @@ class StateDir:
         a full disk). ``sync=False``: no fsync (a file only other processes read while this
         one runs; the rename is seen at once)."""
         replace_file(self.fd, name, data, mode=mode, sync=sync)
-
-    def write_json(self, name: str, value: Mapping[str, object]) -> None:
-        """:meth:`write` of ``value`` as compact, sorted JSON (no NaN or infinity)."""
-        self.write(name, Format(name, 0, compact=True).encode(value))
 
     def remove(self, name: str) -> bool:
         """Remove the entry ``name`` (whatever it is but a directory); False when it is not
@@ -363,30 +346,20 @@ class StateDir:
                 table = handle.read(_MAX_PROC_LOCKS)
         except OSError:
             return None
-        for pid in _flock_writers(table, st.st_ino):
-            if _holds_flock(proc_root, pid, st):
-                return pid
-        return None
+        lines = map(_parse_lock_line, table.decode("ascii", "replace").splitlines())
+        pids = [found[0] for found in lines if found is not None and found[1] == st.st_ino]
+        return next((pid for pid in pids if pid > 0 and _holds_flock(proc_root, pid, st)), None)
 
 
 def _parse_lock_line(text: str) -> tuple[int, int] | None:
     """(pid, inode) of an exclusive ``flock`` line of /proc/locks or fdinfo; else None."""
     fields = text.split()
-    if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK" or fields[3] != "WRITE":
+    if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
         return None
     dev_ino = fields[5].rsplit(":", 1)
     if len(dev_ino) != 2 or not fields[4].isdigit() or not dev_ino[1].isdigit():
         return None
     return int(fields[4]), int(dev_ino[1])
-
-
-def _flock_writers(table: bytes, inode: int) -> list[int]:
-    pids = []
-    for line in table.decode("ascii", "replace").splitlines():
-        parsed = _parse_lock_line(line)
-        if parsed is not None and parsed[1] == inode and parsed[0] > 0:
-            pids.append(parsed[0])
-    return pids
 
 
 def _holds_flock(proc_root: str, pid: int, lock: os.stat_result) -> bool:

@@ -26,8 +26,7 @@ from gpuwatchd.config.keys import (
     Key,
     Nested,
     Section,
-    argv_error,
-    as_argv,
+    check_argv,
     items_of,
     kind_of,
     normalize_gpu_id,
@@ -47,7 +46,7 @@ from gpuwatchd.config.yamlsrc import (
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
+from gpuwatchd.decide.argv import GPU_PLACEHOLDERS
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import Hook, Monitor, Policy, Rule, Step, default_rules
 
@@ -84,25 +83,13 @@ _HOMES = tuple(
 )
 
 
-def validate_reset_command(
-    argv: Sequence[str], *, require_placeholder: bool = False, where: str = "reset.command"
-) -> None:
-    """Raise ConfigError unless ``argv`` names exactly one GPU, by UUID or PCI bus id.
-
-    The GPU may be named by ``{uuid}`` / ``{pci_bus_id}`` or by a literal UUID or bus id
-    (``require_placeholder`` refuses literals, as the policy's ``reset.command`` does: a fixed
-    GPU would be reset whichever GPU holds the ghost memory). Refused: a string instead of a
-    list, a shell (also behind a launcher), no GPU, two GPUs (also a comma list or a second
-    ``-i``/``--id`` in any spelling), and any GPU index — ``{minor}`` as the selector or
-    ``-i 0``. For ``nvidia-smi`` the GPU must be the value of ``-i``/``--id``, because
-    without ``-i`` it resets every GPU. The rules are :func:`gpuwatchd.decide.argv.check_one_gpu`.
-    """
+def validate_reset_command(argv: Sequence[str], *, require_placeholder: bool = False) -> None:
+    """Raise ConfigError unless ``argv`` names exactly one GPU, by UUID or PCI bus id
+    (:func:`gpuwatchd.decide.argv.check_one_gpu`), literally unless ``require_placeholder``."""
     try:
-        check_one_gpu(as_argv(argv), GPU_PLACEHOLDERS, require_placeholder=require_placeholder)
+        check_argv(argv, GPU_PLACEHOLDERS, one_gpu=True, literal_gpu=not require_placeholder)
     except ConfigError as err:
-        raise ConfigError(err.message, key=where) from None
-    except ArgvError as err:
-        raise argv_error(err, GPU_PLACEHOLDERS, where) from None
+        raise ConfigError(err.message, key="reset.command") from None
 
 
 # --- merging drop-ins -------------------------------------------------------------------------

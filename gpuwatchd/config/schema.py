@@ -1,11 +1,9 @@
 """Reading the YAML policy: merge drop-ins, validate strictly, render back.
 
-This module owns the policy *schema*: walking the merged documents along the key table
-(:mod:`gpuwatchd.config.keys`), collecting every problem with its file, line and key path
-("did you mean", "it belongs under"), the rules of rules (required keys, which finding kinds
-may be signalled), drop-in merge semantics, and rendering the effective policy back to YAML.
-It turns text into the frozen :class:`gpuwatchd.decide.policy.Policy` and back. It must not
-decide anything about processes or GPUs and must not run commands.
+It walks the merged documents along the key table (:mod:`gpuwatchd.config.keys`), collecting
+every problem with its file, line and key path, checks the rules of rules (required keys, which
+finding kinds may be signalled), and turns text into the frozen
+:class:`gpuwatchd.decide.policy.Policy` and back. It decides nothing and runs no command.
 
 In detail: docs/internals.md, section `gpuwatchd.config.schema`.
 """
@@ -48,7 +46,7 @@ from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.argv import GPU_PLACEHOLDERS
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
-from gpuwatchd.decide.policy import Hook, Monitor, Policy, Rule, Step, default_rules
+from gpuwatchd.decide.policy import Policy, Step, default_rules
 
 __all__ = [
     "GPU_PLACEHOLDERS",
@@ -96,11 +94,8 @@ def validate_reset_command(argv: Sequence[str], *, require_placeholder: bool = F
 
 
 def _rule_name(node: Node) -> str | None:
-    if isinstance(node, Map):
-        name = node.entries.get("name")
-        if isinstance(name, Scalar) and isinstance(name.value, str):
-            return name.value
-    return None
+    name = node.entries.get("name") if isinstance(node, Map) else None
+    return name.value if isinstance(name, Scalar) and isinstance(name.value, str) else None
 
 
 def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None, Node]]:
@@ -219,11 +214,8 @@ def _read_fields(
     *,
     lenient: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The dataclass fields of ``section`` that ``reader``'s mapping sets and that are valid.
-
-    Absent keys are left out (the dataclass default applies), except required ones, which
-    are problems unless named in ``lenient``.
-    """
+    """The dataclass fields of ``section`` that ``reader``'s mapping sets validly. Absent keys
+    are left out (the default applies); a required one is a problem unless ``lenient``."""
     fields: dict[str, Any] = {}
     for key in section.keys:
         node = reader.node(key.name)
@@ -263,17 +255,16 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     before = len(problems)
     results = [_ITEM_READERS[section.name](item, problems) for item in items]
     if len(problems) > before:
-        return _FAILED
-    return tuple(result for result in results if result is not None)
+        return _FAILED  # built only when every item is valid
+    return tuple(section.cls(**fields) for fields in results if fields is not None)
 
 
-def _rule(node: Node, problems: list[ConfigError]) -> Rule | None:
-    """One rule; None when it is disabled, or invalid (its problems recorded)."""
+def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
+    """One rule's fields; None when it is disabled or not a mapping."""
     section = SECTIONS["rules[]"]
     reader = _Section(node, section, problems, node.path)
     if reader.map is None or not reader.get("enabled", BOOL.read, True):
         return None
-    before = len(problems)
     fields = _read_fields(reader, section, problems)
     steps: tuple[Step, ...] | None = fields.get("steps")
     if steps == ():
@@ -291,12 +282,10 @@ def _rule(node: Node, problems: list[ConfigError]) -> Rule | None:
                         key=join_key(step_node.path, "signal"),
                     )
                 )
-    if len(problems) > before:
-        return None
-    return Rule(**fields)
+    return fields
 
 
-def _step(node: Node, problems: list[ConfigError]) -> Step | None:
+def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     section = SECTIONS["steps[]"]
     before = len(problems)
     reader = _Section(node, section, problems, node.path)
@@ -307,28 +296,24 @@ def _step(node: Node, problems: list[ConfigError]) -> Step | None:
     fields = _read_fields(reader, section, problems, lenient=frozenset({"wait"}))
     if fields.get("signal") is not None and reader.node("wait") is None:
         problems.append(node.error("missing required key 'wait' (how long to wait after it)"))
-    if len(problems) > before:
-        return None
-    return Step(fields.get("signal"), fields.get("wait", 0.0))
+    return {"wait": 0.0, **fields}
 
 
-def _hook(node: Node, problems: list[ConfigError]) -> Hook | None:
+def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A hook: a bare argv list, or a mapping with ``command`` and ``timeout``."""
     section = SECTIONS["hook"]
-    before = len(problems)
-    if not isinstance(node, Map):
-        command = section.keys[0].value
-        assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
-        try:
-            return Hook(command.read(node))
-        except ConfigError as err:
-            problems.extend(err.problems)
-            return None
-    fields = _read_fields(_Section(node, section, problems, node.path), section, problems)
-    return None if len(problems) > before else Hook(**fields)
+    if isinstance(node, Map):
+        return _read_fields(_Section(node, section, problems, node.path), section, problems)
+    command = section.keys[0].value
+    assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
+    try:
+        return {"argv": command.read(node)}
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return None
 
 
-def _monitor(node: Node, problems: list[ConfigError]) -> Monitor | None:
+def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
     section = SECTIONS["monitors[]"]
     before = len(problems)
@@ -347,10 +332,10 @@ def _monitor(node: Node, problems: list[ConfigError]) -> Monitor | None:
                 f"expected a systemd service name such as 'gpustat.service', got {unit!r}"
             )
         )
-    return None if len(problems) > before else Monitor(**fields)
+    return fields
 
 
-_ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], Any]] = {
+_ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], dict[str, Any] | None]] = {
     "rules[]": _rule,
     "steps[]": _step,
     "hook": _hook,
@@ -359,12 +344,8 @@ _ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], Any]] = {
 
 
 def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
-    """The policy from (filename, YAML text) pairs, merged in the order given. Pure.
-
-    Every problem in every document is collected; ConfigError lists them all. An empty
-    document is an empty mapping. The documents share one :class:`Budget` of characters and
-    YAML nodes. See ``docs/policy.md`` for the merge rules.
-    """
+    """The policy from (filename, YAML text) pairs, merged in the order given (the rules:
+    ``docs/policy.md``). Pure. ConfigError lists every problem in every document."""
     problems: list[ConfigError] = []
     merged = Map(docs[0][0] if docs else "<none>", 1, "")
     budget = Budget()  # shared: many drop-ins may not add up to what one file may not hold
@@ -397,12 +378,8 @@ def load_policy(
     check_permissions: bool | None = None,
     trusted_root: str = "/",
 ) -> Policy:
-    """Read ``path`` and the drop-ins in ``conf.d/`` beside it, merge, validate, return.
-
-    ``check_permissions`` (StrictModes) defaults to on when running as root. A missing main
-    file is a ConfigError ("not found"); what to do then is the caller's decision. Reading is
-    bounded and regular files only (:func:`gpuwatchd.config.files.read_policy_files`).
-    """
+    """Read ``path`` and its drop-ins (:func:`gpuwatchd.config.files.read_policy_files`), merge,
+    validate, return. A missing main file is a ConfigError ("not found")."""
     return parse_policy_documents(
         read_policy_files(path, check_permissions=check_permissions, trusted_root=trusted_root)
     )
@@ -414,19 +391,16 @@ def load_policy(
 def _render(obj: object, section: Section) -> dict[str, object]:
     data: dict[str, object] = {}
     for key in section.keys:
+        if isinstance(key.value, Nested) and key.value.flatten:
+            data[key.name] = _render(obj, SECTIONS[key.value.section])
+            continue
+        assert key.field is not None  # noqa: S101 -- only flattened sections have none
+        value = getattr(obj, key.field)
         if isinstance(key.value, Nested):
             nested = SECTIONS[key.value.section]
-            if key.value.flatten:
-                data[key.name] = _render(obj, nested)
-                continue
-            assert key.field is not None  # noqa: S101 -- only flattened sections have none
-            value = getattr(obj, key.field)
             many = key.value.many
             data[key.name] = [_render(v, nested) for v in value] if many else _render(value, nested)
-            continue
-        assert key.field is not None  # noqa: S101 -- a plain value is a field
-        rendered = key.value.render(getattr(obj, key.field))
-        if rendered is not OMIT:
+        elif (rendered := key.value.render(value)) is not OMIT:
             data[key.name] = rendered
     return data
 
@@ -438,15 +412,13 @@ def policy_data(policy: Policy) -> dict[str, object]:
 
 
 def render_policy(policy: Policy) -> str:
-    """The effective policy as YAML, every key spelled out (``check-config`` prints it).
-
-    Parsing the result with :func:`parse_policy_documents` gives back an equal policy (apart
-    from ``sources``, which the header comment lists).
-    """
+    """The effective policy as YAML, every key spelled out (``check-config`` prints it); it
+    parses back to an equal policy (``sources`` aside, which the header comment lists)."""
     header = "# Effective gpuwatchd policy"
     if policy.sources:
         header += ", merged from:\n" + "".join(f"#   {source}\n" for source in policy.sources)
     else:
         header += " (built-in defaults)\n"
-    data = _render(policy, SECTIONS[""])
-    return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    return header + yaml.safe_dump(
+        policy_data(policy), sort_keys=False, default_flow_style=None, width=100
+    )

@@ -26,11 +26,6 @@ STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=Tru
 log = lazylog.get_logger("gpuwatchd.state.saved")
 
 
-def check_state_dir(path: str, *, euid: int | None = None) -> None:
-    """Create ``path`` (mode 0700) when missing; StateDirError unless it can be trusted."""
-    StateDir.open(path, create=True, euid=euid).close()
-
-
 @dataclass(frozen=True)
 class SavedState:
     """``state.json`` as a reader that changes nothing sees it, every accessor lenient:

@@ -36,8 +36,7 @@ class Fallback:
 
 
 def render_accepted(policy: Policy) -> str:
-    """The text saved for ``policy``: the effective policy, every key spelled out, which
-    reads back as an equal policy (:func:`gpuwatchd.config.schema.render_policy`)."""
+    """The text saved for ``policy`` (:func:`gpuwatchd.config.schema.render_policy`)."""
     return (
         "# The last policy gpuwatchd accepted, saved by the daemon; run with when the configured\n"
         "# one is rejected at start (docs/operations.md, 'Failure modes'). Do not edit.\n"
@@ -52,9 +51,8 @@ def save_accepted(state_dir: StateDir, policy: Policy) -> None:
 
 
 def _state_dir_hints(config_path: str) -> list[str]:
-    """Where the saved policy may be: the ``state_dir`` of the longest leading run of the
-    configured files that loads, else the built-in default. Files that fail the permission
-    check name no place (anyone might have written them)."""
+    """Where the saved policy may be (docs/internals.md): the ``state_dir`` of the longest
+    leading run of the configured files that loads, else the built-in default."""
     default = default_policy().state_dir
     try:
         docs = read_policy_files(config_path)

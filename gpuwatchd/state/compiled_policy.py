@@ -108,11 +108,8 @@ def decode(data: object, depth: int = 0) -> Any:
 
 
 def _stat_entry(path: str, *, content: bool = False) -> list[int] | None:
-    """The identity of ``path`` (None: it does not exist); OSError for a link or a failure.
-    A folder's is which folder it is and who may change it (device, inode, mode, owner): its
-    times change with every entry added anywhere in it (``/etc``, ``/tmp``). A file's
-    (``content``) adds its size and times: a write changes the change time, which no user
-    can set."""
+    """The identity of ``path`` (None: it does not exist; docs/internals.md), with its size
+    and times when ``content``; OSError for a link or a failure."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -124,10 +121,9 @@ def _stat_entry(path: str, *, content: bool = False) -> list[int] | None:
 
 
 def identity(main_file: str) -> list[list[object]] | None:
-    """[path, identity] of the main file, its folder and every folder above it, ``conf.d/``
-    (null when absent) and each drop-in named like one (``*.yaml``, not hidden; by name); None
-    when any is a symbolic link or cannot be looked at, or the main file or a drop-in is not a
-    regular file (no shortcut then)."""
+    """[path, identity] of the main file, every folder above it, ``conf.d/`` (null when
+    absent) and each drop-in; None (no shortcut) when any is a link or cannot be looked at, or
+    the main file or a drop-in is not a regular file."""
     main = os.path.abspath(main_file)
     above = [os.path.dirname(main)]
     while above[-1] != os.path.dirname(above[-1]):
@@ -154,10 +150,9 @@ def identity(main_file: str) -> list[list[object]] | None:
 def save_compiled(
     state_dir: StateDir, main_file: str, load: Callable[[str], Policy], *, strict: bool
 ) -> bool:
-    """Write the compiled policy of ``main_file`` (read by ``load``, the daemon's own
-    ``load_policy``) into ``state_dir``, or remove a stale one; True when written. Only when
-    the files did not change while they were read, the policy names this ``state_dir``, and it
-    reads back equal. ``strict``: StrictModes was checked by ``load``. OSError from the write."""
+    """Write the compiled policy of ``main_file`` (read by ``load``, with StrictModes when
+    ``strict``) into ``state_dir`` when it may stand for the files (docs/internals.md), else
+    remove a stale one; True when written. OSError from the write."""
     before = identity(main_file)
     policy: Policy | None = None
     if before is not None:
@@ -191,8 +186,8 @@ def save_compiled(
 
 
 def load_compiled(main_file: str, default_state_dir: str) -> Policy | None:
-    """The compiled policy for ``main_file`` when it may stand for reading the files now
-    (module docstring), else None: the caller then loads the YAML."""
+    """The compiled policy for ``main_file`` when it may stand for reading the files now,
+    else None: the caller then loads the YAML."""
     here = identity(main_file)
     if here is None:
         return None

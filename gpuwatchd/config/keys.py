@@ -75,7 +75,6 @@ class Bound:
     highest: float
     lowest_text: str
     highest_text: str
-    key: str = ""  # the documented key path, set by bounded_keys()
 
 
 @dataclass(frozen=True)
@@ -587,24 +586,3 @@ SECTIONS: dict[str, Section] = {
         ),
     )
 }
-
-
-def bounded_keys() -> list[Bound]:
-    """Every bounded key, with its documented path (``rules[].for``, ``hooks[].timeout``)."""
-    found: list[Bound] = []
-
-    def walk(section: Section, prefix: str) -> None:
-        for key in section.keys:
-            if isinstance(key.value, Nested):
-                nested = SECTIONS[key.value.section]
-                if nested.name == "hook":
-                    continue  # listed once, as hooks[]
-                inner = prefix if key.value.flatten else f"{prefix}{key.name}"
-                inner += "[]." if key.value.many else ("" if key.value.flatten else ".")
-                walk(nested, inner)
-            elif key.value.bound is not None:
-                found.append(dataclasses.replace(key.value.bound, key=prefix + key.name))
-
-    walk(SECTIONS[""], "")
-    walk(SECTIONS["hook"], "hooks[].")
-    return found

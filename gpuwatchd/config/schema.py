@@ -20,8 +20,6 @@ from gpuwatchd.config.keys import (
     BOOL,
     OMIT,
     SECTIONS,
-    SIGNAL_NAMES,
-    Key,
     Nested,
     Section,
     check_argv,
@@ -49,8 +47,6 @@ from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import Policy, Step, default_rules
 
 __all__ = [
-    "GPU_PLACEHOLDERS",
-    "SIGNAL_NAMES",
     "ConfigError",
     "check_config_permissions",
     "default_policy",
@@ -201,11 +197,6 @@ class _Section:
                 )
             return default
 
-    def missing(self, key: Key) -> None:
-        if self.map is not None:
-            message = f"missing required key {key.name!r}{key.missing}"
-            self.problems.append(self.map.error(message, key=self.path))
-
 
 def _read_fields(
     reader: _Section,
@@ -232,8 +223,9 @@ def _read_fields(
                 value = _read_nested(node, key.value, problems, path)
         elif node is not None:
             value = reader.get(key.name, key.value.read, _FAILED)
-        if node is None and key.required and key.name not in lenient:
-            reader.missing(key)
+        if node is None and key.required and key.name not in lenient and reader.map is not None:
+            message = f"missing required key {key.name!r}{key.missing}"
+            problems.append(reader.map.error(message, key=reader.path))
         if value is not _FAILED and key.field is not None:
             fields[key.field] = value
     return fields

@@ -36,7 +36,16 @@ def parse_duration(value: object, *, where: str) -> float:
             f"expected a duration such as '30s', got {describe_value(value)}", key=where
         )
     if isinstance(value, str):
-        seconds = _duration_of_text(value, where)
+        text = value.strip()
+        if not text or _DURATION_PART.sub("", text) != "":
+            raise ConfigError(
+                f"invalid duration {shown(value)} (use a number with a unit: ms, s, m, h, d; "
+                "e.g. '500ms', '30s', '1h30m')",
+                key=where,
+            )
+        # float() of a long digit string is inf, never an exception: refused below.
+        parts = _DURATION_PART.findall(text)
+        seconds = sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
     else:
         try:
             seconds = float(value)
@@ -45,20 +54,6 @@ def parse_duration(value: object, *, where: str) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(f"duration must be a finite value >= 0, got {shown(value)}", key=where)
     return seconds
-
-
-def _duration_of_text(value: str, where: str) -> float:
-    text = value.strip()
-    if not text or _DURATION_PART.sub("", text) != "":
-        raise ConfigError(
-            f"invalid duration {shown(value)} (use a number with a unit: ms, s, m, h, d; "
-            "e.g. '500ms', '30s', '1h30m')",
-            key=where,
-        )
-    # float() of a long digit string is inf, never an exception: the caller refuses inf.
-    return sum(
-        float(number) * DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(text)
-    )
 
 
 def parse_size(value: object, *, where: str) -> int:

@@ -266,30 +266,19 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str)
     result = Map(filename, _line(node), path)
     for key_node, value_node in node.value:
         line = _line(key_node)
+        where = path or None
         if key_node.tag == "tag:yaml.org,2002:merge":
-            raise ConfigError(
-                "YAML merge keys (<<) are not supported; write the keys out",
-                path=filename,
-                line=line,
-                key=path or None,
-            )
-        if not isinstance(key_node, yaml.ScalarNode):
-            raise ConfigError("keys must be plain strings", path=filename, line=line)
-        key = str(key_node.value)
-        if not key.isprintable():
-            raise ConfigError(
-                f"keys must be plain strings, got {key!r}",
-                path=filename,
-                line=line,
-                key=path or None,
-            )
-        if key in result.entries:
-            raise ConfigError(
-                f"duplicate key (first at line {result.key_lines[key]})",
-                path=filename,
-                line=line,
-                key=join_key(path, key),
-            )
-        result.key_lines[key] = line
-        result.entries[key] = _convert(value_node, loader, filename, join_key(path, key))
+            problem = "YAML merge keys (<<) are not supported; write the keys out"
+        elif not isinstance(key_node, yaml.ScalarNode):
+            problem, where = "keys must be plain strings", None
+        elif not (key := str(key_node.value)).isprintable():
+            problem = f"keys must be plain strings, got {key!r}"
+        elif key in result.entries:
+            problem = f"duplicate key (first at line {result.key_lines[key]})"
+            where = join_key(path, key)
+        else:
+            result.key_lines[key] = line
+            result.entries[key] = _convert(value_node, loader, filename, join_key(path, key))
+            continue
+        raise ConfigError(problem, path=filename, line=line, key=where)
     return result

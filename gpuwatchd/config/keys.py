@@ -143,13 +143,6 @@ def _read_bool(node: Node) -> bool:
     return value
 
 
-def _check_bound(node: Node, number: float, bound: Bound, value: object) -> None:
-    if not bound.lowest <= number <= bound.highest:
-        raise node.error(
-            f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"
-        )
-
-
 def _integer(value: object, *, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"expected an integer, got {describe_value(value)}", key=where)
@@ -183,7 +176,10 @@ def _with_unit(parse: Callable[..., float], render: Renderer, bound: Bound) -> V
     def read(node: Node) -> float:
         value = _scalar(node)
         number = parse(value, where=node.path)
-        _check_bound(node, number, bound, value)
+        if not bound.lowest <= number <= bound.highest:
+            raise node.error(
+                f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"
+            )
         return number
 
     return Value(read, render, bound)
@@ -242,7 +238,7 @@ def one_of(choices: Sequence[str]) -> Value:
             )
         return value
 
-    return Value(read, lambda value: value)
+    return Value(read, _same)
 
 
 def items_of(node: Node) -> list[Node]:

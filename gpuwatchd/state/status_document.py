@@ -5,7 +5,6 @@ In detail: docs/internals.md, section `gpuwatchd.state.status_document`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,7 +70,6 @@ def build_document(
     breaker = _breaker(plan, policy)
     raw_rejected = status.get("policy_rejected")
     rejected = as_map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
-    record = data.get("reset_in_progress")
     # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
     dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
     doc = {
@@ -89,13 +87,7 @@ def build_document(
         "ladders": ladders,
         "pending": _pending(plan, ladders, offset),
         "recent_actions": _actions(status.get("recent_actions")),
-        "resets": _resets(
-            plan,
-            _reset_in_progress(record) if isinstance(record, Mapping) else None,
-            policy,
-            wall,
-            dry,
-        ),
+        "resets": _resets(plan, data.get("reset_in_progress"), policy, wall, dry),
     }
     doc["attention"] = _attention(doc, rejected)
     return DOCUMENT.envelope(doc)
@@ -280,11 +272,7 @@ def _times(raw: object) -> dict[str, float]:
 
 
 def _resets(
-    plan: Mapping[str, object],
-    in_progress: Mapping[str, object] | None,
-    policy: Policy,
-    wall: float,
-    dry: bool,
+    plan: Mapping[str, object], record: object, policy: Policy, wall: float, dry: bool
 ) -> dict[str, object]:
     reset = policy.reset
     last, last_dry = _times(plan.get("last_reset")), _times(plan.get("last_dry_reset"))
@@ -298,13 +286,11 @@ def _resets(
     for gpu in sorted(set(last) | set(last_dry) | set(history)):
         times = sorted(history.get(gpu, []))
         window = [t for t in times if wall - t < reset.window]
-        latest = last.get(gpu)
-        if dry and gpu in last_dry:
-            latest = max(latest if latest is not None else -math.inf, last_dry[gpu])
+        ends = [t for t in (last.get(gpu), last_dry.get(gpu) if dry else None) if t is not None]
+        latest = max(ends, default=None)
         # The limit lifts when enough of the resets in the window have aged out of it.
-        limit_lifts: float | None = None
-        if reset.max_resets >= 1 and len(window) >= reset.max_resets:
-            limit_lifts = window[len(window) - reset.max_resets] + reset.window
+        most = reset.max_resets
+        limit_lifts = window[-most] + reset.window if 1 <= most <= len(window) else None
         gpus.append(
             {
                 "gpu": gpu,
@@ -321,7 +307,7 @@ def _resets(
         "cooldown": reset.cooldown,
         "max_resets": reset.max_resets,
         "window": reset.window,
-        "in_progress": None if in_progress is None else dict(in_progress),
+        "in_progress": _reset_in_progress(record) if isinstance(record, Mapping) else None,
         "gpus": gpus,
     }
 

@@ -191,35 +191,21 @@ def load_compiled(main_file: str, default_state_dir: str) -> Policy | None:
     here = identity(main_file)
     if here is None:
         return None
-    for folder in dict.fromkeys((guess_state_dir(main_file), default_state_dir)):
-        if folder is None or not os.path.isabs(folder):
-            continue
-        policy = _compiled_in(folder, main_file, here)
-        if policy is not None:
-            return policy
-    return None
+    folders = dict.fromkeys((guess_state_dir(main_file), default_state_dir))
+    found = (_compiled_in(f, main_file, here) for f in folders if f and os.path.isabs(f))
+    return next((policy for policy in found if policy is not None), None)
 
 
 def _compiled_in(folder: str, main_file: str, here: list[list[object]]) -> Policy | None:
     try:
-        state_dir = StateDir.open(folder)
-    except OSError:
-        return None
-    try:
-        raw = state_dir.read(COMPILED_FILE, MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        state_dir.close()
-    try:
+        with StateDir.open(folder) as state_dir:
+            raw = state_dir.read(COMPILED_FILE, MAX_BYTES + 1)
         doc = COMPILED.decode(raw)
         if doc["main_file"] != os.path.abspath(main_file) or doc["identity"] != here:
             return None
         if not doc["strict"] and os.geteuid() == 0:
             return None  # written without StrictModes, which this process would check
         policy = decode(doc.get("policy"))
-    except (ValueError, RecursionError):  # a pattern nested too deeply for re.compile, say
+    except (OSError, ValueError, RecursionError):  # RecursionError: a pattern nested too deeply
         return None
-    if not isinstance(policy, Policy) or policy.state_dir != folder:
-        return None
-    return policy
+    return policy if isinstance(policy, Policy) and policy.state_dir == folder else None

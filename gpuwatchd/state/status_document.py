@@ -47,6 +47,7 @@ LADDER = {
     "dry_run": as_flag,
 }
 GPU_STATE = as_one_of("clean", "dirty", "unknown")
+SPARE = {"target": as_text, "until": as_number, "reason": as_text}
 REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, "running": as_text}
 
 
@@ -67,9 +68,15 @@ def build_document(
     modes = _modes(status, plan)
     ladders = _ladders(plan, offset)
     kill_cap = _kill_cap(plan, policy, offset, wall)
-    breaker = _breaker(plan, policy)
+    breaker = {
+        "open": as_flag(plan.get("circuit_open")),
+        "failures": as_count(plan.get("reset_failures")),
+        "max_failures": policy.reset.max_failures,
+    }
     raw_rejected = status.get("policy_rejected")
     rejected = as_map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
+    files = status.get("policy")
+    spares = [pick(item, SPARE) for item in as_list(status.get("spares"))[:64]]  # in force
     # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
     dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
     doc = {
@@ -79,11 +86,14 @@ def build_document(
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
         "nvml": pick(status.get("nvml"), NVML),
-        "spares": _spares(status.get("spares")),
+        "spares": [spare for spare in spares if spare["target"] is not None],
         "gpus": as_count(status.get("gpus")),
         "findings": as_count(status.get("findings")),
         "verdict": _verdict(status.get("verdict")),
-        "policy": _policy(status.get("policy"), rejected),
+        "policy": {  # the files it runs with, and the configured policy it rejected
+            "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
+            "rejected": None if rejected is None else pick(rejected, REJECTED),
+        },
         "ladders": ladders,
         "pending": _pending(plan, ladders, offset),
         "recent_actions": _actions(status.get("recent_actions")),
@@ -118,24 +128,6 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
     }
 
 
-def _policy(files: object, rejected: Mapping[str, object] | None) -> dict[str, object]:
-    """The policy files the daemon runs with, and the configured policy it rejected (its
-    error, and the fallback running instead), if any."""
-    return {
-        "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-        "rejected": None if rejected is None else pick(rejected, REJECTED),
-    }
-
-
-def _spares(raw: object) -> list[dict[str, object]]:
-    """The daemon's spares in force (``gpuwatchd spare``), each checked."""
-    rows = [
-        pick(item, {"target": as_text, "until": as_number, "reason": as_text})
-        for item in as_list(raw)[:64]
-    ]
-    return [row for row in rows if row["target"] is not None]
-
-
 def _kill_cap(
     plan: Mapping[str, object], policy: Policy, offset: float | None, wall: float
 ) -> dict[str, object]:
@@ -158,14 +150,6 @@ def _kill_cap(
         "max_per_hour": policy.limits.node_max_signalled_per_hour,
         "max_per_user_hour": policy.limits.max_signalled_per_hour,
         "max_per_poll": policy.limits.max_signalled_per_poll,
-    }
-
-
-def _breaker(plan: Mapping[str, object], policy: Policy) -> dict[str, object]:
-    return {
-        "open": as_flag(plan.get("circuit_open")),
-        "failures": as_count(plan.get("reset_failures")),
-        "max_failures": policy.reset.max_failures,
     }
 
 

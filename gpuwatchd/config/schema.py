@@ -89,16 +89,12 @@ def validate_reset_command(argv: Sequence[str], *, require_placeholder: bool = F
 # --- merging drop-ins -------------------------------------------------------------------------
 
 
-def _rule_name(node: Node) -> str | None:
-    name = node.entries.get("name") if isinstance(node, Map) else None
-    return name.value if isinstance(name, Scalar) and isinstance(name.value, str) else None
-
-
 def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None, Node]]:
     seen: dict[str, Node] = {}
     named: list[tuple[str | None, Node]] = []
     for item in seq.items:
-        name = _rule_name(item)
+        field = item.entries.get("name") if isinstance(item, Map) else None
+        name = field.value if isinstance(field, Scalar) and isinstance(field.value, str) else None
         if name is not None and name in seen:
             problems.append(
                 item.error(f"duplicate rule name {name!r} (first at line {seen[name].line})")
@@ -153,18 +149,13 @@ class _Section:
     ) -> None:
         self.problems = problems
         self.path = path
-        self.map: Map | None = None
-        if isinstance(node, Map):
-            self.map = node
-        elif node is not None and not (isinstance(node, Scalar) and node.value is None):
-            problems.append(node.error(f"expected a mapping, got {kind_of(node)}"))
-        if self.map is not None:
-            self._check_keys(section)
-
-    def _check_keys(self, section: Section) -> None:
-        assert self.map is not None  # noqa: S101 -- only called with a mapping
+        self.map = node if isinstance(node, Map) else None
+        if not isinstance(node, Map):
+            if node is not None and not (isinstance(node, Scalar) and node.value is None):
+                problems.append(node.error(f"expected a mapping, got {kind_of(node)}"))
+            return
         allowed = section.names
-        for key, line in self.map.key_lines.items():
+        for key, line in node.key_lines.items():
             if key in allowed:
                 continue
             hint = did_you_mean(key, allowed)
@@ -172,13 +163,9 @@ class _Section:
                 homes = [name for name in _HOMES if key in SECTIONS[name].names]
                 if homes:
                     hint = f" (it belongs under '{homes[0]}')"
-            self.problems.append(
-                ConfigError(
-                    f"unknown key{hint}",
-                    path=self.map.entries[key].file,
-                    line=line,
-                    key=join_key(self.path, key),
-                )
+            where = join_key(path, key)
+            problems.append(
+                ConfigError(f"unknown key{hint}", path=node.entries[key].file, line=line, key=where)
             )
 
     def node(self, key: str) -> Node | None:

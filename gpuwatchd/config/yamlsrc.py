@@ -183,8 +183,10 @@ def _check_text(filename: str, text: str, budget: Budget) -> None:
     bad = _NOT_PRINTABLE.search(text)
     if bad is not None:
         char = bad.group()
+        unnamed = "unassigned" if ord(char) > 0x7F else "control"
+        name = "NUL" if char == "\0" else unicodedata.name(char, unnamed)
         raise ConfigError(
-            f"control character U+{ord(char):04X} ({_char_name(char)}) in the text; "
+            f"control character U+{ord(char):04X} ({name}) in the text; "
             "write it as an escape in a double-quoted string if it is meant",
             path=filename,
             line=line_of(text, bad.start()),
@@ -194,12 +196,6 @@ def _check_text(filename: str, text: str, budget: Budget) -> None:
 def line_of(text: str, index: int) -> int:
     """The 1-based line of ``text[index]``, counting line breaks as YAML does."""
     return len(_LINE_BREAK.findall(text, 0, index)) + 1
-
-
-def _char_name(char: str) -> str:
-    if char == "\0":
-        return "NUL"
-    return unicodedata.name(char, "unassigned" if ord(char) > 0x7F else "control")
 
 
 class _BoundedLoader(yaml.SafeLoader):

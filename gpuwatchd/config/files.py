@@ -300,14 +300,8 @@ def check_config_permissions(
     strict += [os.path.realpath(p) for p in strict]
     trusted = os.path.abspath(trusted_root)
     loose = [d for p in strict for d in _ancestors(p, trusted)]
-    problems: list[ConfigError] = []
-    checked: set[str] = set()
-    for path, allow_sticky in [(p, False) for p in strict] + [(p, True) for p in loose]:
-        if path in checked:
-            continue
-        checked.add(path)
-        problem = _unsafe(path, allow_sticky=allow_sticky and path not in strict)
-        if problem is not None:
-            problems.append(problem)
+    paths = dict.fromkeys([*strict, *loose])  # each once, in this order
+    found = (_unsafe(path, allow_sticky=path not in strict) for path in paths)
+    problems = [problem for problem in found if problem is not None]
     if problems:
         raise ConfigError.combine(problems)

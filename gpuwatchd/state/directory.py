@@ -39,7 +39,6 @@ class AlreadyRunning(Exception):
     """Another gpuwatchd instance holds the lock in ``state_dir``."""
 
     def __init__(self, path: str, holder: str | None) -> None:
-        self.path = path
         self.holder = holder
         who = f" (held by {holder})" if holder else ""
         super().__init__(f"another gpuwatchd holds {path}{who}")

@@ -27,11 +27,8 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
 def read_policy_files(
     path: str, *, check_permissions: bool | None = None, trusted_root: str = "/"
 ) -> list[tuple[str, str]]:
-    """The main file ``path`` and its drop-ins as (file name, text), in merge order.
-
-    ``check_permissions`` (StrictModes) defaults to on when running as root; it runs before
-    any file is read. A missing main file is a ConfigError ("not found").
-    """
+    """The main file ``path`` and its drop-ins as (file name, text), in merge order, after
+    StrictModes (``check_permissions``; by default as root). ConfigError ("not found", ...)."""
     if check_permissions is None:
         check_permissions = os.geteuid() == 0
     if not os.path.lexists(path):
@@ -43,12 +40,8 @@ def read_policy_files(
 
 
 def find_drop_ins(main_file: str) -> list[str]:
-    """The drop-ins beside ``main_file`` (:func:`drop_in_names` of its ``conf.d/``), as paths.
-
-    One named like a drop-in that is not a regular file (also through a link, or a dangling
-    link) is an error naming it: a root daemon must not guess whether a policy file it cannot
-    read was meant. More than :data:`MAX_DROP_INS` is an error.
-    """
+    """The drop-ins beside ``main_file`` (:func:`drop_in_names` of its ``conf.d/``), as paths;
+    ConfigError for one that is not a regular file, or too many (docs/internals.md)."""
     folder = conf_d(main_file)
     try:
         paths = [os.path.join(folder, name) for name in drop_in_names(folder)]
@@ -67,10 +60,8 @@ def find_drop_ins(main_file: str) -> list[str]:
 
 
 def policy_files_key(main_file: str) -> tuple[object, ...]:
-    """What changes when the policy's files do: the main file, ``conf.d/`` and each drop-in
-    named like one (followed through links, as they are read), by identity, owner, mode, size
-    and times, or the error looking at one gave. A stat each, no read: the daemon compares it
-    every poll and reads the files again only when it changed."""
+    """What changes when the policy's files do (the main file, ``conf.d/``, each drop-in,
+    followed through links): a stat each, no read, which the daemon compares every poll."""
     folder = conf_d(main_file)
     try:
         drop_ins = drop_in_names(folder)
@@ -141,12 +132,8 @@ def read_up_to(fd: int, most: int) -> bytes:
 
 
 def read_regular_file(path: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit``: every file a command is given.
-
-    The type is checked before opening (a device is never opened) and on the descriptor,
-    opened non-blocking (a FIFO swapped in never blocks). Raises FileNotFoundError,
-    NotARegularFile, FileTooLarge or another OSError.
-    """
+    """The bytes of the regular file ``path``, at most ``limit`` (docs/internals.md). Raises
+    FileNotFoundError, NotARegularFile, FileTooLarge or another OSError."""
     kind = _kind(os.stat(path).st_mode)
     if kind is not None:
         raise NotARegularFile(kind)

@@ -1,10 +1,7 @@
 """A configuration's files, looked at without parsing them: which files are drop-ins, and
-where the policy keeps its state.
+where the policy keeps its state (a guess, only where to look).
 
-The ``state_dir`` guess is the last top-level ``state_dir:`` line of the main file and its
-drop-ins, when the value is plain or simply quoted: for commands that must find a daemon's
-state directory before (or instead of) reading the YAML (the compiled policy, asking the
-daemon). A guess is only where to look: what is found there is trusted by its own checks.
+In detail: docs/internals.md, section `gpuwatchd.config.peek`.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ def drop_in_names(folder: str) -> list[str]:
 
 def guess_state_dir(main_file: str) -> str | None:
     """The ``state_dir`` the last top-level ``state_dir:`` line of the main file and its
-    drop-ins names (a plain or simply quoted value), None when there is none or it is not
-    simple. Only where to look: never believed (module docstring)."""
+    drop-ins names; None when there is none or its value is not plain or simply quoted."""
     found: str | None = None
     folder = conf_d(main_file)
     try:

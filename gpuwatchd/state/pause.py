@@ -5,6 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.state.pause`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -169,13 +170,12 @@ def hand_over_ended_jobs(
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
-    pid, ticks = waiter
     for job in chosen:
         body = {
             "job": job,
             "until": until,
             "by_uid": os.getuid(),
-            "waiter": [pid, ticks],
+            "waiter": list(waiter),
             "said_at_ticks": said_at,
             "boot_id": boot_id,
         }
@@ -189,13 +189,10 @@ def withdraw_ended_jobs(
     later epilog's hand-over of the same job is its own)."""
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
         name = hashed_name(ENDED_JOB_PREFIX, job)
-        try:
+        with contextlib.suppress(OSError, ValueError):  # unreadable or not ours: left alone
             data = ENDED_JOB.load(state_dir.read(name, MAX_ENDED_JOB_FILE))
-            if _waiter(data.get("waiter")) != waiter:
-                continue
-        except (OSError, ValueError):
-            continue
-        state_dir.remove(name)
+            if _waiter(data.get("waiter")) == waiter:
+                state_dir.remove(name)
 
 
 def _waiter(raw: object) -> tuple[int, int]:

@@ -193,12 +193,11 @@ def _pending(
 ) -> list[dict[str, object]]:
     """Confirmation windows and delays not already shown as a ladder's next step."""
     laddered = {lad["finding"] for lad in ladders if lad["status"] == LadderStatus.ACTIVE}
-    out: list[dict[str, object]] = []
-    for key, raw in sorted(as_map(plan.get("waiting")).items()):
-        if key in laddered:
-            continue
-        out.append({"finding": key, "label": _label(key), "due": _wall(offset, as_number(raw))})
-    return out
+    return [
+        {"finding": key, "label": _label(key), "due": _wall(offset, as_number(raw))}
+        for key, raw in sorted(as_map(plan.get("waiting")).items())
+        if key not in laddered
+    ]
 
 
 def _verdict(raw: object) -> dict[str, object] | None:

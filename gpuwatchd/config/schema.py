@@ -63,13 +63,6 @@ __all__ = [
     "validate_reset_command",
 ]
 
-# Kinds a rule may send signals for. The others are report-only or handled by the reset.
-SIGNALLABLE_KINDS = tuple(kind for kind in FindingKind if kind in kinds.SIGNALLABLE)
-_WHY_NOT_SIGNALLABLE = {
-    kind: row.why_not_signallable
-    for kind, row in kinds.KINDS.items()
-    if row.why_not_signallable is not None
-}
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
@@ -249,7 +242,9 @@ def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     if steps == ():
         problems.append(reader.map.error("a rule needs at least one step", key=node.path))
     kind: FindingKind | None = fields.get("kind")
-    if kind is not None and kind not in SIGNALLABLE_KINDS and steps:
+    # Only some kinds may be signalled for; the others are report-only or the reset's.
+    why_not = None if kind is None else kinds.KINDS[kind].why_not_signallable
+    if kind is not None and why_not is not None and steps:
         steps_node = reader.node("steps")
         assert isinstance(steps_node, Seq)  # noqa: S101 -- steps parsed, so it is a list
         for step, step_node in zip(steps, steps_node.items, strict=True):
@@ -257,7 +252,7 @@ def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
                 problems.append(
                     step_node.error(
                         f"a '{kind.value}' rule cannot send signals: "
-                        f"{_WHY_NOT_SIGNALLABLE[kind]}; use 'signal: null' to report only",
+                        f"{why_not}; use 'signal: null' to report only",
                         key=join_key(step_node.path, "signal"),
                     )
                 )

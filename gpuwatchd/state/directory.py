@@ -62,10 +62,6 @@ def _overflow_uid() -> int | None:
         return None
 
 
-def _describe_mode(st: os.stat_result) -> str:
-    return f"{stat.S_IMODE(st.st_mode):04o}"
-
-
 def _check(
     st: os.stat_result, where: str, owners: frozenset[int] | None, *, ancestor: bool
 ) -> None:
@@ -77,7 +73,9 @@ def _check(
         who = " or ".join("root" if uid == 0 else f"uid {uid}" for uid in sorted(owners))
         raise StateDirError(f"{where}: owned by uid {st.st_uid}, not {who}")
     if st.st_mode & 0o022 and not (ancestor and st.st_mode & stat.S_ISVTX):
-        raise StateDirError(f"{where}: mode {_describe_mode(st)} is writable by group or others")
+        raise StateDirError(
+            f"{where}: mode {stat.S_IMODE(st.st_mode):04o} is writable by group or others"
+        )
 
 
 def open_directory(
@@ -215,7 +213,7 @@ class StateDir:
         if st.st_uid not in self.owners:
             raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}", self.join(name))
         if st.st_mode & 0o022:
-            why = f"mode {_describe_mode(st)} is writable by group or others"
+            why = f"mode {stat.S_IMODE(st.st_mode):04o} is writable by group or others"
             raise UntrustedFile(errno.EPERM, why, self.join(name))
         return st
 

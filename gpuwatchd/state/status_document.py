@@ -240,16 +240,6 @@ def _actions(raw: object) -> list[dict[str, object]]:
     return out
 
 
-def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
-    recovery = as_map(record.get("recovery"))  # a MIG GPU instance's re-creation
-    return {
-        "gpu": as_text(record.get("uuid")),
-        **pick(record, {"pci_bus_id": as_text, "step": as_text, "since": as_number}),
-        "instance": as_text(recovery.get("mig_uuid")),
-        "gi": as_int(recovery.get("gi")),
-    }
-
-
 def _times(raw: object) -> dict[str, float]:
     return {k: t for k, v in as_map(raw).items() if (t := as_number(v)) is not None}
 
@@ -265,6 +255,15 @@ def _resets(
             gpu, at = as_text(pair[0]), as_number(pair[1])
             if gpu is not None and at is not None:
                 history.setdefault(gpu, []).append(at)
+    in_progress = None
+    if isinstance(record, Mapping):
+        recovery = as_map(record.get("recovery"))  # a MIG GPU instance's re-creation
+        in_progress = {
+            "gpu": as_text(record.get("uuid")),
+            **pick(record, {"pci_bus_id": as_text, "step": as_text, "since": as_number}),
+            "instance": as_text(recovery.get("mig_uuid")),
+            "gi": as_int(recovery.get("gi")),
+        }
     gpus = []
     for gpu in sorted(set(last) | set(last_dry) | set(history)):
         times = sorted(history.get(gpu, []))
@@ -290,7 +289,7 @@ def _resets(
         "cooldown": reset.cooldown,
         "max_resets": reset.max_resets,
         "window": reset.window,
-        "in_progress": _reset_in_progress(record) if isinstance(record, Mapping) else None,
+        "in_progress": in_progress,
         "gpus": gpus,
     }
 

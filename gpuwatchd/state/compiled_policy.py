@@ -154,15 +154,14 @@ def save_compiled(
     ``strict``) into ``state_dir`` when it may stand for the files (docs/internals.md), else
     remove a stale one; True when written. OSError from the write."""
     before = identity(main_file)
-    policy: Policy | None = None
-    if before is not None:
-        try:
-            policy = load(main_file)
-        except Exception:  # any refusal (ConfigError, OSError, ...) only means: no shortcut
-            policy = None
     doc: dict[str, object] | None = None
-    if policy is not None and before == identity(main_file) and policy.state_dir == state_dir.path:
-        try:
+    try:
+        policy = None if before is None else load(main_file)
+        if (
+            policy is not None
+            and before == identity(main_file)
+            and policy.state_dir == state_dir.path
+        ):
             doc = COMPILED.envelope(
                 {
                     "main_file": os.path.abspath(main_file),
@@ -173,8 +172,8 @@ def save_compiled(
             )
             if decode(COMPILED.decode(COMPILED.encode(doc))["policy"]) != policy:
                 doc = None
-        except (TypeError, ValueError):
-            doc = None
+    except Exception:  # any refusal (ConfigError, OSError, a value the form cannot carry): none
+        doc = None
     if doc is None:
         state_dir.discard(COMPILED_FILE)
         return False

@@ -44,11 +44,6 @@ class AlreadyRunning(Exception):
         super().__init__(f"another gpuwatchd holds {path}{who}")
 
 
-def trusted_owners(euid: int | None = None) -> frozenset[int]:
-    """Who may own the state directory and its files: root, and the user running this."""
-    return frozenset({0, os.geteuid() if euid is None else euid})
-
-
 def _overflow_uid() -> int | None:
     """The uid owners outside our user namespace show as, when we run in one; else None."""
     try:
@@ -183,7 +178,7 @@ class StateDir:
     def open(cls, path: str, *, create: bool = False, euid: int | None = None) -> StateDir:
         """Open ``path`` by :func:`open_directory` under the trust rule; ``create`` (writers:
         the daemon, ``pause``) makes it when missing."""
-        owners = trusted_owners(euid)
+        owners = frozenset({0, os.geteuid() if euid is None else euid})  # root, and this user
         try:
             fd = open_directory(path, owners=owners, create=create)
         except StateDirError as err:

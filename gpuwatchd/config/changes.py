@@ -1,9 +1,6 @@
-"""What a reload changed: the policy keys whose value differs, each as ``old -> new``.
-
-This module owns that one comparison, so ``config.reloaded`` says what changed in a few words
-instead of the whole merged policy. Keys are named as the policy file spells them, dotted
-(``reset.cooldown``, ``limits.max_signalled_per_hour``); a list of sections (``rules``) is one
-key, compared whole. Pure: no I/O.
+"""What a reload changed, for ``config.reloaded``: the policy keys whose value differs, each
+as ``old -> new``, named as the policy file spells them, dotted (``reset.cooldown``); a list
+of sections (``rules``) is one key, compared whole. Pure.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The policy's files on disk: which files are read, how, and who may have written them.
 
-This module owns the I/O of the configuration: finding the drop-ins in ``conf.d/`` beside
-the main file, reading each file bounded (regular files only, never blocking on a FIFO or
-opening a device, at most :data:`MAX_DOCUMENT_BYTES`, UTF-8), and the StrictModes check that
-only root can change any of them. It returns (file name, text) pairs in merge order; what the
-text means is ``gpuwatchd.config.schema``'s. It never parses YAML and never acts. Its bounded
-reader, :func:`read_regular_file`, is the one every command uses for a file it is given (a
-scenario, a saved report).
+It finds the drop-ins in ``conf.d/``, reads each file bounded (regular files only, at most
+:data:`MAX_DOCUMENT_BYTES`, UTF-8) and checks StrictModes; it returns (file name, text) pairs in
+merge order and never parses YAML. :func:`read_regular_file` is the bounded reader every command
+uses for a file it is given (a scenario, a saved report).
+
+In detail: docs/internals.md, section `gpuwatchd.config.files`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import re
 import stat
 from collections.abc import Sequence
 
+from gpuwatchd.config.peek import conf_d, drop_in_names
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
 
 # A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
@@ -27,11 +27,8 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
 def read_policy_files(
     path: str, *, check_permissions: bool | None = None, trusted_root: str = "/"
 ) -> list[tuple[str, str]]:
-    """The main file ``path`` and its drop-ins as (file name, text), in merge order.
-
-    ``check_permissions`` (StrictModes) defaults to on when running as root; it runs before
-    any file is read. A missing main file is a ConfigError ("not found").
-    """
+    """The main file ``path`` and its drop-ins as (file name, text), in merge order, after
+    StrictModes (``check_permissions``; by default as root). ConfigError ("not found", ...)."""
     if check_permissions is None:
         check_permissions = os.geteuid() == 0
     if not os.path.lexists(path):
@@ -43,28 +40,18 @@ def read_policy_files(
 
 
 def find_drop_ins(main_file: str) -> list[str]:
-    """The drop-ins beside ``main_file``: ``conf.d/*.yaml`` (no hidden files), in name order.
-
-    Entries not named like a drop-in are ignored, whatever they are. One that is named like a
-    drop-in but is not a regular file (a directory, FIFO, socket or device, also through a
-    symbolic link, or a dangling link) is an error naming it: a root daemon must not guess
-    whether a policy file it cannot read was meant. More than :data:`MAX_DROP_INS` is an error.
-    """
-    conf_d = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+    """The drop-ins beside ``main_file`` (:func:`drop_in_names` of its ``conf.d/``), as paths;
+    ConfigError for one that is not a regular file, or too many (docs/internals.md)."""
+    folder = conf_d(main_file)
     try:
-        names = sorted(os.listdir(conf_d))
+        paths = [os.path.join(folder, name) for name in drop_in_names(folder)]
     except FileNotFoundError:
         return []
     except OSError as err:
-        raise ConfigError(f"cannot list drop-ins: {err.strerror}", path=conf_d) from None
-    paths = [
-        os.path.join(conf_d, name)
-        for name in names
-        if name.endswith(".yaml") and not name.startswith(".")
-    ]
+        raise ConfigError(f"cannot list drop-ins: {err.strerror}", path=folder) from None
     if len(paths) > MAX_DROP_INS:
         raise ConfigError(
-            f"more than {MAX_DROP_INS} drop-ins ({len(paths)} files named *.yaml)", path=conf_d
+            f"more than {MAX_DROP_INS} drop-ins ({len(paths)} files named *.yaml)", path=folder
         )
     problems = [problem for problem in map(_not_regular, paths) if problem is not None]
     if problems:
@@ -73,18 +60,15 @@ def find_drop_ins(main_file: str) -> list[str]:
 
 
 def policy_files_key(main_file: str) -> tuple[object, ...]:
-    """What changes when the policy's files do: the main file, ``conf.d/`` and each drop-in
-    named like one (followed through links, as they are read), by identity, owner, mode, size
-    and times, or the error looking at one gave. A stat each, no read: the daemon compares it
-    every poll and reads the files again only when it changed."""
-    conf_d = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+    """What changes when the policy's files do (the main file, ``conf.d/``, each drop-in,
+    followed through links): a stat each, no read, which the daemon compares every poll."""
+    folder = conf_d(main_file)
     try:
-        names = sorted(os.listdir(conf_d))
+        drop_ins = drop_in_names(folder)
     except OSError:
-        names = []  # conf.d's own entry below says why
-    drop_ins = [n for n in names if n.endswith(".yaml") and not n.startswith(".")]
+        drop_ins = []  # conf.d's own entry below says why
     key: list[object] = []
-    for path in [main_file, conf_d, *(os.path.join(conf_d, n) for n in drop_ins)][
+    for path in [main_file, folder, *(os.path.join(folder, n) for n in drop_ins)][
         : MAX_DROP_INS + 3
     ]:
         try:
@@ -98,12 +82,9 @@ def policy_files_key(main_file: str) -> tuple[object, ...]:
 
 
 def read_config_file(path: str) -> str:
-    """The text of the configuration file ``path``, bounded; ConfigError for anything else.
-
-    Only a regular file is read (a symbolic link to one is followed), by
-    :func:`read_regular_file`. A file over :data:`MAX_DOCUMENT_BYTES` is refused before it is
-    parsed; bytes that are not UTF-8 are refused naming their line.
-    """
+    """The text of the regular file ``path`` (a link to one is followed), by
+    :func:`read_regular_file`; ConfigError for anything else, naming the line of bytes that are
+    not UTF-8."""
     problem = _not_regular(path)
     if problem is not None:
         raise problem
@@ -126,64 +107,47 @@ def read_config_file(path: str) -> str:
         raise ConfigError(f"not UTF-8 text: {err.reason}", path=path, line=line) from None
 
 
-class _RefusedFile(OSError):
-    """A file argument refused before it is read: its ``filename`` and why (its str)."""
+class NotARegularFile(OSError):
+    """A file argument that is a directory, FIFO, socket or device (``kind``, in words)."""
 
-    def __init__(self, path: str, why: str) -> None:
-        super().__init__(why)
-        self.filename = path
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class NotARegularFile(_RefusedFile):
-    """A file argument that is a directory, FIFO, socket or device: never read. ``kind`` says
-    which, in words."""
-
-    def __init__(self, path: str, kind: str) -> None:
-        super().__init__(path, f"not a regular file ({kind})")
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"not a regular file ({kind})")
         self.kind = kind
 
 
-class FileTooLarge(_RefusedFile):
+class FileTooLarge(OSError):
     """A file argument larger than its limit: refused before it is parsed."""
 
-    def __init__(self, path: str, limit: int) -> None:
-        super().__init__(path, f"larger than {limit} bytes")
-        self.limit = limit
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"larger than {limit} bytes")
+
+
+def read_up_to(fd: int, most: int) -> bytes:
+    """At most ``most`` bytes of ``fd``, read until its end."""
+    chunks: list[bytes] = []
+    while most > 0 and (chunk := os.read(fd, min(1 << 20, most))):
+        chunks.append(chunk)
+        most -= len(chunk)
+    return b"".join(chunks)
 
 
 def read_regular_file(path: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit``: every file a command is given.
-
-    The type is checked before opening, so a device is never opened, and again on the open
-    descriptor, which is opened non-blocking, so a FIFO (swapped in between or not) never
-    blocks and ``/dev/zero`` is never read. Raises FileNotFoundError, NotARegularFile,
-    FileTooLarge or another OSError.
-    """
+    """The bytes of the regular file ``path``, at most ``limit`` (docs/internals.md). Raises
+    FileNotFoundError, NotARegularFile, FileTooLarge or another OSError."""
     kind = _kind(os.stat(path).st_mode)
     if kind is not None:
-        raise NotARegularFile(path, kind)
+        raise NotARegularFile(kind)
     fd = os.open(path, _OPEN_FLAGS)
     try:
         kind = _kind(os.fstat(fd).st_mode)
         if kind is not None:
-            raise NotARegularFile(path, kind)
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, min(65536, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+            raise NotARegularFile(kind)
+        data = read_up_to(fd, limit + 1)
     finally:
         os.close(fd)
-    if size > limit:
-        raise FileTooLarge(path, limit)
-    return b"".join(chunks)
+    if len(data) > limit:
+        raise FileTooLarge(limit)
+    return data
 
 
 def _not_regular(path: str) -> ConfigError | None:
@@ -232,13 +196,10 @@ def _not_regular_message(kind: str) -> str:
 
 def _ancestors(path: str, trusted_root: str) -> list[str]:
     """The directories above ``path``, nearest first, up to ``trusted_root`` (inclusive)."""
-    found = []
-    current = os.path.dirname(path)
-    while True:
-        found.append(current)
-        if current == trusted_root or current == os.path.dirname(current):
-            return found
-        current = os.path.dirname(current)
+    found = [os.path.dirname(path)]
+    while found[-1] not in (trusted_root, os.path.dirname(found[-1])):
+        found.append(os.path.dirname(found[-1]))
+    return found
 
 
 def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
@@ -246,18 +207,16 @@ def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
         info = os.stat(path)
     except OSError as err:
         return ConfigError(f"cannot check permissions: {err.strerror}", path=path)
-    sticky_root_dir = (
-        allow_sticky and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
-    ) and info.st_uid == 0
     if info.st_uid != 0:
         return ConfigError(
             f"owned by uid {info.st_uid}, not root; gpuwatchd runs the commands its config names "
             f"as root, so only root may control this path. Fix: chown root: {path}",
             path=path,
         )
+    sticky = allow_sticky and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
     if (
         info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        and not sticky_root_dir
+        and not sticky
         and not _read_only_everywhere(path)
     ):
         return ConfigError(
@@ -272,9 +231,8 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 
 def _read_only_everywhere(path: str) -> bool:
-    """Whether nobody can write to ``path``: it lies on a read-only mount, and no writable
-    mount here shows the same place (see :func:`read_only_everywhere`). The kubelet mounts a
-    ConfigMap volume so: a 0777 directory, read-only, seen through that mount alone."""
+    """Whether nobody can write to ``path`` (:func:`read_only_everywhere`), as for a ConfigMap
+    volume: a 0777 directory, read-only, seen through the kubelet's mount alone."""
     try:
         if not os.statvfs(path).f_flag & os.ST_RDONLY:
             return False
@@ -296,27 +254,12 @@ def _within(path: str, top: str) -> bool:
 
 def read_only_everywhere(mountinfo: str, path: str) -> bool:
     """Whether the resolved ``path`` is on a read-only mount whose content no writable mount
-    in ``mountinfo`` (``/proc/self/mountinfo``'s text) also shows. Pure.
-
-    The mount ``path`` lies on is the last one whose mount point contains it. It must be
-    mounted read-only; and no mount of the same device that is writable may have a root (the
-    folder of the file system it shows) at or above that mount's root — through such a mount
-    the same files could be written. A read-only bind of a folder anyone can write elsewhere is
-    therefore still refused; a ConfigMap volume, whose folder only the kubelet's own mount
-    shows, is not. Anything unparsable counts as writable.
-    """
-    entries: list[tuple[str, str, str, bool]] = []  # (device, root, mount point, writable)
-    for line in mountinfo.split("\n"):
-        fields = line.split(" ")
-        if len(fields) < 6:
-            continue
-        device, root, point, options = (
-            fields[2],
-            _unescape(fields[3]),
-            _unescape(fields[4]),
-            fields[5],
-        )
-        entries.append((device, root, point, "rw" in options.split(",")))
+    in ``mountinfo`` (``/proc/self/mountinfo``'s text) also shows (docs/internals.md). Pure."""
+    entries = [  # (device, root, mount point, writable)
+        (f[2], _unescape(f[3]), _unescape(f[4]), "rw" in f[5].split(","))
+        for f in (line.split(" ") for line in mountinfo.split("\n"))
+        if len(f) >= 6
+    ]
     mine = [e for e in entries if _within(path, e[2])]
     if not mine:
         return False
@@ -334,31 +277,18 @@ def read_only_everywhere(mountinfo: str, path: str) -> bool:
 def check_config_permissions(
     main_file: str, drop_ins: Sequence[str] = (), *, trusted_root: str = "/"
 ) -> None:
-    """StrictModes: refuse config paths that anyone but root could change.
-
-    The main file, its directory, its ``conf.d/`` and every drop-in must be owned by root and
-    not writable by group or others. Directories further up (to ``trusted_root``) must be owned
-    by root and not writable either, except root-owned sticky directories such as ``/tmp``:
-    there nobody else can rename or replace root's entries. Symbolic links are checked along
-    both the given and the resolved path. Raises ConfigError listing every unsafe path.
-    """
+    """StrictModes: refuse config paths that anyone but root could change (the rules:
+    docs/internals.md). Raises ConfigError listing every unsafe path."""
     main_file = os.path.abspath(main_file)
-    config_dir = os.path.dirname(main_file)
-    conf_d = os.path.join(config_dir, "conf.d")
-    strict = [main_file, config_dir, *[os.path.abspath(p) for p in drop_ins]]
-    if os.path.isdir(conf_d):
-        strict.append(conf_d)
+    folder = conf_d(main_file)
+    strict = [main_file, os.path.dirname(main_file), *[os.path.abspath(p) for p in drop_ins]]
+    if os.path.isdir(folder):
+        strict.append(folder)
     strict += [os.path.realpath(p) for p in strict]
     trusted = os.path.abspath(trusted_root)
     loose = [d for p in strict for d in _ancestors(p, trusted)]
-    problems: list[ConfigError] = []
-    checked: set[str] = set()
-    for path, allow_sticky in [(p, False) for p in strict] + [(p, True) for p in loose]:
-        if path in checked:
-            continue
-        checked.add(path)
-        problem = _unsafe(path, allow_sticky=allow_sticky and path not in strict)
-        if problem is not None:
-            problems.append(problem)
+    paths = dict.fromkeys([*strict, *loose])  # each once, in this order
+    found = (_unsafe(path, allow_sticky=path not in strict) for path in paths)
+    problems = [problem for problem in found if problem is not None]
     if problems:
         raise ConfigError.combine(problems)

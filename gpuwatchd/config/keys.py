@@ -1,11 +1,10 @@
 """The policy's keys: one table, from which validation, "did you mean", rendering, defaults
-and the documented bounds all come. Each YAML section is a policy dataclass
-(:mod:`gpuwatchd.decide.policy`); the table gives, for every field, the YAML key and its
-:class:`Value`: how a node is read, bounded, checked and written back. Names, order and
-defaults come from the dataclasses (a field without a line here fails at import). The bounds
-are listed in ``docs/policy.md`` (a test keeps the two equal). It also owns how one value is
-read (booleans, numbers, durations, sizes, strings, paths, regexes, GPU ids, argv lists,
-signals, kinds); sections, rules and drop-ins are ``gpuwatchd.config.schema``'s. Pure.
+and the documented bounds (``docs/policy.md``) all come, and how each value is read.
+
+Each YAML section is a policy dataclass (:mod:`gpuwatchd.decide.policy`); the table gives, for
+every field, the YAML key and its :class:`Value`: how a node is read, bounded and written back.
+Names, order and defaults come from the dataclasses (a field without a line here fails at
+import). Sections, rules and drop-ins are ``gpuwatchd.config.schema``'s. Pure.
 """
 
 from __future__ import annotations
@@ -76,7 +75,6 @@ class Bound:
     highest: float
     lowest_text: str
     highest_text: str
-    key: str = ""  # the documented key path, set by bounded_keys()
 
 
 @dataclass(frozen=True)
@@ -145,25 +143,16 @@ def _read_bool(node: Node) -> bool:
     return value
 
 
-def _check_bound(node: Node, number: float, bound: Bound, value: object) -> None:
-    if not bound.lowest <= number <= bound.highest:
-        raise node.error(
-            f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"
-        )
+def _integer(value: object, *, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"expected an integer, got {describe_value(value)}", key=where)
+    return value
 
 
 def count(lowest: int, highest: int) -> Value:
     """An integer in ``lowest..highest``."""
     bound = Bound("count", lowest, highest, str(lowest), str(highest))
-
-    def read(node: Node) -> int:
-        value = _scalar(node)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise node.error(f"expected an integer, got {describe_value(value)}")
-        _check_bound(node, value, bound, value)
-        return value
-
-    return Value(read, lambda value: value, bound)
+    return _with_unit(_integer, _same, bound)
 
 
 def duration(lowest: str | int, highest: str) -> Value:
@@ -182,13 +171,15 @@ def size(lowest: int, highest: str) -> Value:
 
 
 def _with_unit(parse: Callable[..., float], render: Renderer, bound: Bound) -> Value:
-    """A number written with its unit (``parse`` reads it; ``render`` writes it back),
-    within ``bound``."""
+    """A number within ``bound``: ``parse`` reads it (ConfigError), ``render`` writes it."""
 
     def read(node: Node) -> float:
         value = _scalar(node)
         number = parse(value, where=node.path)
-        _check_bound(node, number, bound, value)
+        if not bound.lowest <= number <= bound.highest:
+            raise node.error(
+                f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"
+            )
         return number
 
     return Value(read, render, bound)
@@ -224,8 +215,7 @@ def _read_abs_path(node: Node) -> str:
 
 
 def _read_textfile(node: Node) -> str | None:
-    """``metrics.textfile``: null or "" (no metrics file), else an absolute path to a ``.prom``
-    file (node_exporter's textfile collector reads only those)."""
+    """``metrics.textfile``: null or "" (none), else an absolute path to a ``.prom`` file."""
     if isinstance(node, Scalar) and (node.value is None or node.value == ""):
         return None
     path = _read_abs_path(node)
@@ -248,7 +238,7 @@ def one_of(choices: Sequence[str]) -> Value:
             )
         return value
 
-    return Value(read, lambda value: value)
+    return Value(read, _same)
 
 
 def items_of(node: Node) -> list[Node]:
@@ -260,8 +250,9 @@ def items_of(node: Node) -> list[Node]:
     return node.items
 
 
-def list_of(value: Value) -> Value:
-    """A list of ``value``s (null: empty), every bad item reported."""
+def list_of(value: Value, *, empty: str = "") -> Value:
+    """A list of ``value``s (null: empty), every bad item reported; ``empty``: the error for
+    an empty list (none: it is allowed)."""
 
     def read(node: Node) -> tuple[Any, ...]:
         problems: list[ConfigError] = []
@@ -273,6 +264,8 @@ def list_of(value: Value) -> Value:
                 problems.extend(p if p.path else item.error(p.message) for p in err.problems)
         if problems:
             raise ConfigError.combine(problems)
+        if empty and not values:
+            raise node.error(empty)
         return tuple(values)
 
     return Value(read, lambda values: [value.render(v) for v in values])
@@ -299,10 +292,8 @@ def _read_regex(node: Node) -> re.Pattern[str]:
 
 
 def normalize_gpu_id(text: str) -> str:
-    """A GPU UUID or PCI bus id in NVML's spelling (``GPU-`` + lower-case hex; bus id with an
-    8-digit domain, upper-case, as ``00000000:3B:00.0``). Raises ValueError for anything else,
-    indices included: an index is not a stable name for a GPU.
-    """
+    """A GPU UUID or PCI bus id in NVML's spelling (``GPU-`` + lower-case hex, or
+    ``00000000:3B:00.0``). ValueError for anything else: an index is no stable name."""
     text = text.strip()
     if LITERAL_UUID.fullmatch(text):
         return "GPU-" + text[4:].lower()
@@ -321,8 +312,12 @@ def _read_gpu_id(node: Node) -> str:
         raise node.error(str(err)) from None
 
 
-def as_argv(raw: object) -> tuple[str, ...]:
-    """``raw`` as an argv tuple; ConfigError (without a location) if it is not a list of str."""
+def check_argv(
+    raw: object, allowed: Sequence[str], *, one_gpu: bool, literal_gpu: bool = False
+) -> tuple[str, ...]:
+    """``raw`` as an argv tuple checked by :mod:`gpuwatchd.decide.argv`: a hook's, or
+    (``one_gpu``) one that names exactly one GPU, through a placeholder unless ``literal_gpu``.
+    ConfigError (without a location) otherwise, with a "did you mean" for a placeholder."""
     if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
         raise ConfigError(
             "expected an argv list such as ['nvidia-smi', '--gpu-reset', '-i', '{uuid}'], "
@@ -331,18 +326,19 @@ def as_argv(raw: object) -> tuple[str, ...]:
     for arg in raw:
         if not isinstance(arg, str):
             raise ConfigError(f"every argument must be a string, got {describe_value(arg)}")
+    try:
+        if one_gpu:
+            check_one_gpu(tuple(raw), allowed, require_placeholder=not literal_gpu)
+        else:
+            check_hook_command(tuple(raw), allowed)
+    except ArgvError as err:
+        hint = "" if err.unknown is None else did_you_mean(err.unknown, allowed)
+        raise ConfigError(f"{err}{hint}") from None
     return tuple(raw)
 
 
-def argv_error(err: ArgvError, allowed: Sequence[str], where: str) -> ConfigError:
-    """``err`` as a ConfigError for key ``where``, with a "did you mean" for a placeholder."""
-    hint = "" if err.unknown is None else did_you_mean(err.unknown, allowed)
-    return ConfigError(f"{err}{hint}", key=where)
-
-
 def argv(allowed: Sequence[str] = GPU_PLACEHOLDERS, *, one_gpu: bool = False) -> Value:
-    """An argv list checked by :mod:`gpuwatchd.decide.argv`: a hook's (``one_gpu`` False) or
-    a reset command's, which must name exactly one GPU through a placeholder."""
+    """An argv list (:func:`check_argv`): a hook's, or one that names exactly one GPU."""
 
     def read(node: Node) -> tuple[str, ...]:
         if isinstance(node, Seq):
@@ -355,31 +351,11 @@ def argv(allowed: Sequence[str] = GPU_PLACEHOLDERS, *, one_gpu: bool = False) ->
         else:
             raise node.error(f"expected an argv list, got {kind_of(node)}")
         try:
-            args = as_argv(raw)
-            if one_gpu:
-                check_one_gpu(args, allowed, require_placeholder=True)
-            else:
-                check_hook_command(args, allowed)
+            return check_argv(raw, allowed, one_gpu=one_gpu)
         except ConfigError as err:
             raise node.error(err.message) from None
-        except ArgvError as err:
-            raise node.error(argv_error(err, allowed, node.path).message) from None
-        return args
 
     return Value(read, list)
-
-
-def _commands(value: Value) -> Value:
-    """A non-empty list of argv ``value``s: the commands of one action, run in order."""
-    many = list_of(value)
-
-    def read(node: Node) -> tuple[Any, ...]:
-        commands = tuple(many.read(node))
-        if not commands:
-            raise node.error("expected at least one command (a list of argv lists)")
-        return commands
-
-    return Value(read, many.render)
 
 
 def _read_signal(node: Node) -> str | None:
@@ -432,12 +408,9 @@ def section_of(
     extra: tuple[str, ...] = (),
     skip: tuple[str, ...] = (),
 ) -> Section:
-    """The section of ``cls``: one key per dataclass field, in ``table``'s order.
-
-    ``flattened`` are the keys of the flattened sections named in ``table``; ``skip`` are
-    fields that are not configuration. Raises TypeError (at import) when ``table`` and the
-    dataclass's fields differ.
-    """
+    """The section of ``cls``: one key per dataclass field, in ``table``'s order, with the
+    ``flattened`` sections' keys; ``skip``: fields that are not configuration. TypeError (at
+    import) when ``table`` and the dataclass's fields differ."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     own = {
         name for name, value in table.items() if not (isinstance(value, Nested) and value.flatten)
@@ -451,9 +424,7 @@ def section_of(
             keys.append(Key(field_name, None, value))
             continue
         spec = fields[field_name]
-        required = (
-            spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
-        )
+        required = spec.default is spec.default_factory is dataclasses.MISSING
         yaml_name = (yaml_names or {}).get(field_name, field_name)
         keys.append(
             Key(yaml_name, field_name, value, required, (missing or {}).get(field_name, ""))
@@ -559,7 +530,10 @@ SECTIONS: dict[str, Section] = {
                 "max_failures": count(1, 100),
                 "allow_mig": BOOL,
                 "mig_recovery": BOOL,
-                "mig_recovery_commands": _commands(argv(MIG_PLACEHOLDERS, one_gpu=True)),
+                "mig_recovery_commands": list_of(
+                    argv(MIG_PLACEHOLDERS, one_gpu=True),
+                    empty="expected at least one command (a list of argv lists)",
+                ),
                 "allow_nvlink_group": BOOL,
                 # Waited for with the watchdog fed, like the reset command itself.
                 "fabric_timeout": duration("1s", "30m"),
@@ -608,24 +582,3 @@ SECTIONS: dict[str, Section] = {
         ),
     )
 }
-
-
-def bounded_keys() -> list[Bound]:
-    """Every bounded key, with its documented path (``rules[].for``, ``hooks[].timeout``)."""
-    found: list[Bound] = []
-
-    def walk(section: Section, prefix: str) -> None:
-        for key in section.keys:
-            if isinstance(key.value, Nested):
-                nested = SECTIONS[key.value.section]
-                if nested.name == "hook":
-                    continue  # listed once, as hooks[]
-                inner = prefix if key.value.flatten else f"{prefix}{key.name}"
-                inner += "[]." if key.value.many else ("" if key.value.flatten else ".")
-                walk(nested, inner)
-            elif key.value.bound is not None:
-                found.append(dataclasses.replace(key.value.bound, key=prefix + key.name))
-
-    walk(SECTIONS[""], "")
-    walk(SECTIONS["hook"], "hooks[].")
-    return found

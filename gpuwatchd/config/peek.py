@@ -1,11 +1,7 @@
-"""Where a configuration keeps its state, read without parsing it.
+"""A configuration's files, looked at without parsing them: which files are drop-ins, and
+where the policy keeps its state (a guess, only where to look).
 
-This module owns one guess: the ``state_dir`` a policy's files name, taken from the last
-top-level ``state_dir:`` line of the main file and its drop-ins (``conf.d/*.yaml``), when the
-value is plain or simply quoted. It serves the commands that must find a running daemon's state
-directory before they have read — or instead of reading — the YAML (the compiled policy,
-:mod:`gpuwatchd.state.compiled_policy`; asking the daemon, :mod:`gpuwatchd.cli.entry`). A guess is
-only where to look: what is found there is trusted by its own checks, never because of this.
+In detail: docs/internals.md, section `gpuwatchd.config.peek`.
 """
 
 from __future__ import annotations
@@ -18,20 +14,26 @@ _STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?$", re.MULTIL
 _PLAIN = re.compile(r"""'([^']*)'|"([^"\\]*)"|([^'"\s{\[][^#]*)""")
 
 
+def conf_d(main_file: str) -> str:
+    """The drop-in folder beside ``main_file``."""
+    return os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+
+
+def drop_in_names(folder: str) -> list[str]:
+    """The entries of ``folder`` named like drop-ins (``*.yaml``, not hidden), sorted; OSError."""
+    return sorted(n for n in os.listdir(folder) if n.endswith(".yaml") and not n.startswith("."))
+
+
 def guess_state_dir(main_file: str) -> str | None:
     """The ``state_dir`` the last top-level ``state_dir:`` line of the main file and its
-    drop-ins names (a plain or simply quoted value), None when there is none or it is not
-    simple. Only where to look: never believed (module docstring)."""
+    drop-ins names; None when there is none or its value is not plain or simply quoted."""
     found: str | None = None
-    folder = os.path.join(os.path.dirname(os.path.abspath(main_file)), "conf.d")
+    folder = conf_d(main_file)
     try:
-        names = sorted(os.listdir(folder))
+        names = drop_in_names(folder)
     except OSError:
         names = []
-    files = [main_file] + [
-        os.path.join(folder, n) for n in names if n.endswith(".yaml") and not n.startswith(".")
-    ]
-    for path in files:
+    for path in [main_file, *(os.path.join(folder, n) for n in names)]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

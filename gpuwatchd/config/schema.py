@@ -1,11 +1,9 @@
 """Reading the YAML policy: merge drop-ins, validate strictly, render back.
 
-This module owns the policy *schema*: walking the merged documents along the key table
-(:mod:`gpuwatchd.config.keys`), collecting every problem with its file, line and key path
-("did you mean", "it belongs under"), the rules of rules (required keys, which finding kinds
-may be signalled), drop-in merge semantics, and rendering the effective policy back to YAML.
-It turns text into the frozen :class:`gpuwatchd.decide.policy.Policy` and back. It must not
-decide anything about processes or GPUs and must not run commands.
+It walks the merged documents along the key table (:mod:`gpuwatchd.config.keys`), collecting
+every problem with its file, line and key path, checks the rules of rules (required keys, which
+finding kinds may be signalled), and turns text into the frozen
+:class:`gpuwatchd.decide.policy.Policy` and back. It decides nothing and runs no command.
 
 In detail: docs/internals.md, section `gpuwatchd.config.schema`.
 """
@@ -22,12 +20,9 @@ from gpuwatchd.config.keys import (
     BOOL,
     OMIT,
     SECTIONS,
-    SIGNAL_NAMES,
-    Key,
     Nested,
     Section,
-    argv_error,
-    as_argv,
+    check_argv,
     items_of,
     kind_of,
     normalize_gpu_id,
@@ -47,13 +42,11 @@ from gpuwatchd.config.yamlsrc import (
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.argv import GPU_PLACEHOLDERS, ArgvError, check_one_gpu
+from gpuwatchd.decide.argv import GPU_PLACEHOLDERS
 from gpuwatchd.decide.plan.monitors import UNIT_NAME
-from gpuwatchd.decide.policy import Hook, Monitor, Policy, Rule, Step, default_rules
+from gpuwatchd.decide.policy import Policy, Step, default_rules
 
 __all__ = [
-    "GPU_PLACEHOLDERS",
-    "SIGNAL_NAMES",
     "ConfigError",
     "check_config_permissions",
     "default_policy",
@@ -70,13 +63,6 @@ __all__ = [
     "validate_reset_command",
 ]
 
-# Kinds a rule may send signals for. The others are report-only or handled by the reset.
-SIGNALLABLE_KINDS = tuple(kind for kind in FindingKind if kind in kinds.SIGNALLABLE)
-_WHY_NOT_SIGNALLABLE = {
-    kind: row.why_not_signallable
-    for kind, row in kinds.KINDS.items()
-    if row.why_not_signallable is not None
-}
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
@@ -84,43 +70,24 @@ _HOMES = tuple(
 )
 
 
-def validate_reset_command(
-    argv: Sequence[str], *, require_placeholder: bool = False, where: str = "reset.command"
-) -> None:
-    """Raise ConfigError unless ``argv`` names exactly one GPU, by UUID or PCI bus id.
-
-    The GPU may be named by ``{uuid}`` / ``{pci_bus_id}`` or by a literal UUID or bus id
-    (``require_placeholder`` refuses literals, as the policy's ``reset.command`` does: a fixed
-    GPU would be reset whichever GPU holds the ghost memory). Refused: a string instead of a
-    list, a shell (also behind a launcher), no GPU, two GPUs (also a comma list or a second
-    ``-i``/``--id`` in any spelling), and any GPU index — ``{minor}`` as the selector or
-    ``-i 0``. For ``nvidia-smi`` the GPU must be the value of ``-i``/``--id``, because
-    without ``-i`` it resets every GPU. The rules are :func:`gpuwatchd.decide.argv.check_one_gpu`.
-    """
+def validate_reset_command(argv: Sequence[str], *, require_placeholder: bool = False) -> None:
+    """Raise ConfigError unless ``argv`` names exactly one GPU, by UUID or PCI bus id
+    (:func:`gpuwatchd.decide.argv.check_one_gpu`), literally unless ``require_placeholder``."""
     try:
-        check_one_gpu(as_argv(argv), GPU_PLACEHOLDERS, require_placeholder=require_placeholder)
+        check_argv(argv, GPU_PLACEHOLDERS, one_gpu=True, literal_gpu=not require_placeholder)
     except ConfigError as err:
-        raise ConfigError(err.message, key=where) from None
-    except ArgvError as err:
-        raise argv_error(err, GPU_PLACEHOLDERS, where) from None
+        raise ConfigError(err.message, key="reset.command") from None
 
 
 # --- merging drop-ins -------------------------------------------------------------------------
-
-
-def _rule_name(node: Node) -> str | None:
-    if isinstance(node, Map):
-        name = node.entries.get("name")
-        if isinstance(name, Scalar) and isinstance(name.value, str):
-            return name.value
-    return None
 
 
 def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None, Node]]:
     seen: dict[str, Node] = {}
     named: list[tuple[str | None, Node]] = []
     for item in seq.items:
-        name = _rule_name(item)
+        field = item.entries.get("name") if isinstance(item, Map) else None
+        name = field.value if isinstance(field, Scalar) and isinstance(field.value, str) else None
         if name is not None and name in seen:
             problems.append(
                 item.error(f"duplicate rule name {name!r} (first at line {seen[name].line})")
@@ -175,18 +142,13 @@ class _Section:
     ) -> None:
         self.problems = problems
         self.path = path
-        self.map: Map | None = None
-        if isinstance(node, Map):
-            self.map = node
-        elif node is not None and not (isinstance(node, Scalar) and node.value is None):
-            problems.append(node.error(f"expected a mapping, got {kind_of(node)}"))
-        if self.map is not None:
-            self._check_keys(section)
-
-    def _check_keys(self, section: Section) -> None:
-        assert self.map is not None  # noqa: S101 -- only called with a mapping
+        self.map = node if isinstance(node, Map) else None
+        if not isinstance(node, Map):
+            if node is not None and not (isinstance(node, Scalar) and node.value is None):
+                problems.append(node.error(f"expected a mapping, got {kind_of(node)}"))
+            return
         allowed = section.names
-        for key, line in self.map.key_lines.items():
+        for key, line in node.key_lines.items():
             if key in allowed:
                 continue
             hint = did_you_mean(key, allowed)
@@ -194,13 +156,9 @@ class _Section:
                 homes = [name for name in _HOMES if key in SECTIONS[name].names]
                 if homes:
                     hint = f" (it belongs under '{homes[0]}')"
-            self.problems.append(
-                ConfigError(
-                    f"unknown key{hint}",
-                    path=self.map.entries[key].file,
-                    line=line,
-                    key=join_key(self.path, key),
-                )
+            where = join_key(path, key)
+            problems.append(
+                ConfigError(f"unknown key{hint}", path=node.entries[key].file, line=line, key=where)
             )
 
     def node(self, key: str) -> Node | None:
@@ -219,11 +177,6 @@ class _Section:
                 )
             return default
 
-    def missing(self, key: Key) -> None:
-        if self.map is not None:
-            message = f"missing required key {key.name!r}{key.missing}"
-            self.problems.append(self.map.error(message, key=self.path))
-
 
 def _read_fields(
     reader: _Section,
@@ -232,11 +185,8 @@ def _read_fields(
     *,
     lenient: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """The dataclass fields of ``section`` that ``reader``'s mapping sets and that are valid.
-
-    Absent keys are left out (the dataclass default applies), except required ones, which
-    are problems unless named in ``lenient``.
-    """
+    """The dataclass fields of ``section`` that ``reader``'s mapping sets validly. Absent keys
+    are left out (the default applies); a required one is a problem unless ``lenient``."""
     fields: dict[str, Any] = {}
     for key in section.keys:
         node = reader.node(key.name)
@@ -253,8 +203,9 @@ def _read_fields(
                 value = _read_nested(node, key.value, problems, path)
         elif node is not None:
             value = reader.get(key.name, key.value.read, _FAILED)
-        if node is None and key.required and key.name not in lenient:
-            reader.missing(key)
+        if node is None and key.required and key.name not in lenient and reader.map is not None:
+            message = f"missing required key {key.name!r}{key.missing}"
+            problems.append(reader.map.error(message, key=reader.path))
         if value is not _FAILED and key.field is not None:
             fields[key.field] = value
     return fields
@@ -276,23 +227,24 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     before = len(problems)
     results = [_ITEM_READERS[section.name](item, problems) for item in items]
     if len(problems) > before:
-        return _FAILED
-    return tuple(result for result in results if result is not None)
+        return _FAILED  # built only when every item is valid
+    return tuple(section.cls(**fields) for fields in results if fields is not None)
 
 
-def _rule(node: Node, problems: list[ConfigError]) -> Rule | None:
-    """One rule; None when it is disabled, or invalid (its problems recorded)."""
+def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
+    """One rule's fields; None when it is disabled or not a mapping."""
     section = SECTIONS["rules[]"]
     reader = _Section(node, section, problems, node.path)
     if reader.map is None or not reader.get("enabled", BOOL.read, True):
         return None
-    before = len(problems)
     fields = _read_fields(reader, section, problems)
     steps: tuple[Step, ...] | None = fields.get("steps")
     if steps == ():
         problems.append(reader.map.error("a rule needs at least one step", key=node.path))
     kind: FindingKind | None = fields.get("kind")
-    if kind is not None and kind not in SIGNALLABLE_KINDS and steps:
+    # Only some kinds may be signalled for; the others are report-only or the reset's.
+    why_not = None if kind is None else kinds.KINDS[kind].why_not_signallable
+    if kind is not None and why_not is not None and steps:
         steps_node = reader.node("steps")
         assert isinstance(steps_node, Seq)  # noqa: S101 -- steps parsed, so it is a list
         for step, step_node in zip(steps, steps_node.items, strict=True):
@@ -300,16 +252,14 @@ def _rule(node: Node, problems: list[ConfigError]) -> Rule | None:
                 problems.append(
                     step_node.error(
                         f"a '{kind.value}' rule cannot send signals: "
-                        f"{_WHY_NOT_SIGNALLABLE[kind]}; use 'signal: null' to report only",
+                        f"{why_not}; use 'signal: null' to report only",
                         key=join_key(step_node.path, "signal"),
                     )
                 )
-    if len(problems) > before:
-        return None
-    return Rule(**fields)
+    return fields
 
 
-def _step(node: Node, problems: list[ConfigError]) -> Step | None:
+def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     section = SECTIONS["steps[]"]
     before = len(problems)
     reader = _Section(node, section, problems, node.path)
@@ -320,28 +270,24 @@ def _step(node: Node, problems: list[ConfigError]) -> Step | None:
     fields = _read_fields(reader, section, problems, lenient=frozenset({"wait"}))
     if fields.get("signal") is not None and reader.node("wait") is None:
         problems.append(node.error("missing required key 'wait' (how long to wait after it)"))
-    if len(problems) > before:
-        return None
-    return Step(fields.get("signal"), fields.get("wait", 0.0))
+    return {"wait": 0.0, **fields}
 
 
-def _hook(node: Node, problems: list[ConfigError]) -> Hook | None:
+def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A hook: a bare argv list, or a mapping with ``command`` and ``timeout``."""
     section = SECTIONS["hook"]
-    before = len(problems)
-    if not isinstance(node, Map):
-        command = section.keys[0].value
-        assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
-        try:
-            return Hook(command.read(node))
-        except ConfigError as err:
-            problems.extend(err.problems)
-            return None
-    fields = _read_fields(_Section(node, section, problems, node.path), section, problems)
-    return None if len(problems) > before else Hook(**fields)
+    if isinstance(node, Map):
+        return _read_fields(_Section(node, section, problems, node.path), section, problems)
+    command = section.keys[0].value
+    assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
+    try:
+        return {"argv": command.read(node)}
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return None
 
 
-def _monitor(node: Node, problems: list[ConfigError]) -> Monitor | None:
+def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
     section = SECTIONS["monitors[]"]
     before = len(problems)
@@ -360,10 +306,10 @@ def _monitor(node: Node, problems: list[ConfigError]) -> Monitor | None:
                 f"expected a systemd service name such as 'gpustat.service', got {unit!r}"
             )
         )
-    return None if len(problems) > before else Monitor(**fields)
+    return fields
 
 
-_ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], Any]] = {
+_ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], dict[str, Any] | None]] = {
     "rules[]": _rule,
     "steps[]": _step,
     "hook": _hook,
@@ -372,12 +318,8 @@ _ITEM_READERS: dict[str, Callable[[Node, list[ConfigError]], Any]] = {
 
 
 def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
-    """The policy from (filename, YAML text) pairs, merged in the order given. Pure.
-
-    Every problem in every document is collected; ConfigError lists them all. An empty
-    document is an empty mapping. The documents share one :class:`Budget` of characters and
-    YAML nodes. See ``docs/policy.md`` for the merge rules.
-    """
+    """The policy from (filename, YAML text) pairs, merged in the order given (the rules:
+    ``docs/policy.md``). Pure. ConfigError lists every problem in every document."""
     problems: list[ConfigError] = []
     merged = Map(docs[0][0] if docs else "<none>", 1, "")
     budget = Budget()  # shared: many drop-ins may not add up to what one file may not hold
@@ -410,12 +352,8 @@ def load_policy(
     check_permissions: bool | None = None,
     trusted_root: str = "/",
 ) -> Policy:
-    """Read ``path`` and the drop-ins in ``conf.d/`` beside it, merge, validate, return.
-
-    ``check_permissions`` (StrictModes) defaults to on when running as root. A missing main
-    file is a ConfigError ("not found"); what to do then is the caller's decision. Reading is
-    bounded and regular files only (:func:`gpuwatchd.config.files.read_policy_files`).
-    """
+    """Read ``path`` and its drop-ins (:func:`gpuwatchd.config.files.read_policy_files`), merge,
+    validate, return. A missing main file is a ConfigError ("not found")."""
     return parse_policy_documents(
         read_policy_files(path, check_permissions=check_permissions, trusted_root=trusted_root)
     )
@@ -427,19 +365,16 @@ def load_policy(
 def _render(obj: object, section: Section) -> dict[str, object]:
     data: dict[str, object] = {}
     for key in section.keys:
+        if isinstance(key.value, Nested) and key.value.flatten:
+            data[key.name] = _render(obj, SECTIONS[key.value.section])
+            continue
+        assert key.field is not None  # noqa: S101 -- only flattened sections have none
+        value = getattr(obj, key.field)
         if isinstance(key.value, Nested):
             nested = SECTIONS[key.value.section]
-            if key.value.flatten:
-                data[key.name] = _render(obj, nested)
-                continue
-            assert key.field is not None  # noqa: S101 -- only flattened sections have none
-            value = getattr(obj, key.field)
             many = key.value.many
             data[key.name] = [_render(v, nested) for v in value] if many else _render(value, nested)
-            continue
-        assert key.field is not None  # noqa: S101 -- a plain value is a field
-        rendered = key.value.render(getattr(obj, key.field))
-        if rendered is not OMIT:
+        elif (rendered := key.value.render(value)) is not OMIT:
             data[key.name] = rendered
     return data
 
@@ -451,15 +386,13 @@ def policy_data(policy: Policy) -> dict[str, object]:
 
 
 def render_policy(policy: Policy) -> str:
-    """The effective policy as YAML, every key spelled out (``check-config`` prints it).
-
-    Parsing the result with :func:`parse_policy_documents` gives back an equal policy (apart
-    from ``sources``, which the header comment lists).
-    """
+    """The effective policy as YAML, every key spelled out (``check-config`` prints it); it
+    parses back to an equal policy (``sources`` aside, which the header comment lists)."""
     header = "# Effective gpuwatchd policy"
     if policy.sources:
         header += ", merged from:\n" + "".join(f"#   {source}\n" for source in policy.sources)
     else:
         header += " (built-in defaults)\n"
-    data = _render(policy, SECTIONS[""])
-    return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    return header + yaml.safe_dump(
+        policy_data(policy), sort_keys=False, default_flow_style=None, width=100
+    )

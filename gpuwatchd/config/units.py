@@ -1,9 +1,6 @@
-"""Durations and sizes as the policy spells them: ``500ms``, ``30s``, ``1h30m``; ``256MiB``.
-
-This module owns the text of the two units: parsing (:func:`parse_duration`,
-:func:`parse_size`) and writing back (:func:`format_duration`, :func:`format_size`) so that
-what is written parses to the same value. It knows no key and no bound: which key takes which
-unit, and between which limits, is the key table's (``gpuwatchd.config.keys``). Pure.
+"""Durations and sizes as the policy spells them (``500ms``, ``30s``, ``1h30m``; ``256MiB``):
+parsed, and written back so that what is written parses to the same value. Which key takes
+which unit, between which limits, is the key table's (``gpuwatchd.config.keys``). Pure.
 """
 
 from __future__ import annotations
@@ -31,17 +28,24 @@ _SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)")
 
 
 def parse_duration(value: object, *, where: str) -> float:
-    """A duration in seconds from ``30s``, ``500ms``, ``5m``, ``2h``, ``1d`` or ``1h30m``.
-
-    A bare number (int or float) means seconds. Negative, non-finite (also a number too large
-    for a float), boolean and unit-less strings are errors (``ConfigError`` with ``key=where``).
-    """
+    """A duration in seconds from ``30s``, ``500ms``, ``5m``, ``2h``, ``1d``, ``1h30m`` or a
+    bare number; ConfigError (``key=where``) for a negative, non-finite, boolean or unit-less
+    string value."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(
             f"expected a duration such as '30s', got {describe_value(value)}", key=where
         )
     if isinstance(value, str):
-        seconds = _duration_of_text(value, where)
+        text = value.strip()
+        if not text or _DURATION_PART.sub("", text) != "":
+            raise ConfigError(
+                f"invalid duration {shown(value)} (use a number with a unit: ms, s, m, h, d; "
+                "e.g. '500ms', '30s', '1h30m')",
+                key=where,
+            )
+        # float() of a long digit string is inf, never an exception: refused below.
+        parts = _DURATION_PART.findall(text)
+        seconds = sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
     else:
         try:
             seconds = float(value)
@@ -52,26 +56,9 @@ def parse_duration(value: object, *, where: str) -> float:
     return seconds
 
 
-def _duration_of_text(value: str, where: str) -> float:
-    text = value.strip()
-    if not text or _DURATION_PART.sub("", text) != "":
-        raise ConfigError(
-            f"invalid duration {shown(value)} (use a number with a unit: ms, s, m, h, d; "
-            "e.g. '500ms', '30s', '1h30m')",
-            key=where,
-        )
-    # float() of a long digit string is inf, never an exception: the caller refuses inf.
-    return sum(
-        float(number) * DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(text)
-    )
-
-
 def parse_size(value: object, *, where: str) -> int:
-    """A size in bytes from ``256MiB``, ``1GiB``, ``512KiB`` or ``100MB`` (decimal units).
-
-    A bare integer means bytes. The result must be a whole number of bytes, >= 0; a size too
-    large to compute exactly is an error, not an overflow.
-    """
+    """A size in bytes from ``256MiB``, ``1GiB``, ``100MB`` or a bare integer: a whole number
+    of bytes, >= 0, and exactly computable (ConfigError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(
             f"expected a size such as '256MiB', got {describe_value(value)}", key=where

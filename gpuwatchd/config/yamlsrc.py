@@ -29,14 +29,9 @@ _LINE_BREAK = re.compile("\r\n|[\n\r\x85\u2028\u2029]")
 
 
 class ConfigError(Exception):
-    """An invalid, unreadable or unsafe configuration. The CLI exits 78 (EX_CONFIG) on it.
-
-    Defined here because the reader raises it for YAML syntax and structure;
-    ``gpuwatchd.config.schema`` re-exports it and raises it for every schema problem.
-
-    ``path``, ``line`` (1-based) and ``key`` (a key path such as ``rules[0].steps[1].signal``)
-    locate the first problem; ``problems`` lists every problem found (this one first).
-    """
+    """An invalid, unreadable or unsafe configuration (the CLI exits 78, EX_CONFIG). ``path``,
+    ``line`` (1-based) and ``key`` (``rules[0].steps[1].signal``) locate the first problem;
+    ``problems`` lists every problem found (this one first)."""
 
     def __init__(
         self,
@@ -137,27 +132,17 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 @dataclass
 class Budget:
-    """What the documents of one policy may still spend: characters and YAML nodes.
-
-    One budget is shared by the main file and its drop-ins, so that many files cannot add up
-    to what one file may not hold.
-    """
+    """What the documents of one policy (the main file and its drop-ins together) may still
+    spend: characters and YAML nodes."""
 
     chars: int = MAX_TOTAL_BYTES
     nodes: int = MAX_NODES
 
 
 def load_document(filename: str, text: str, budget: Budget | None = None) -> Map:
-    """Parse one YAML document whose top level must be a mapping; empty text is an empty Map.
-
-    The text is bounded before it is parsed: at most :data:`MAX_DOCUMENT_BYTES` characters
-    and no control characters; and while it is composed: at most :data:`MAX_DEPTH` levels of
-    nesting, no anchors or aliases (so nothing can expand), and within ``budget`` (a fresh
-    :class:`Budget` if None), which it spends. Raises :class:`ConfigError` (naming
-    ``filename`` and the line) for any of those, a syntax error, a non-mapping top level, a
-    duplicate key, a merge key (``<<``), a non-scalar key or a scalar YAML cannot construct
-    (``2023-02-30``, ``!!int abc``). Never any other exception.
-    """
+    """Parse one YAML document whose top level must be a mapping (empty text: an empty Map),
+    bounded (docs/internals.md) within ``budget``, which it spends. Raises only
+    :class:`ConfigError`, naming ``filename`` and the line."""
     budget = Budget() if budget is None else budget
     _check_text(filename, text, budget)
     try:
@@ -198,8 +183,10 @@ def _check_text(filename: str, text: str, budget: Budget) -> None:
     bad = _NOT_PRINTABLE.search(text)
     if bad is not None:
         char = bad.group()
+        unnamed = "unassigned" if ord(char) > 0x7F else "control"
+        name = "NUL" if char == "\0" else unicodedata.name(char, unnamed)
         raise ConfigError(
-            f"control character U+{ord(char):04X} ({_char_name(char)}) in the text; "
+            f"control character U+{ord(char):04X} ({name}) in the text; "
             "write it as an escape in a double-quoted string if it is meant",
             path=filename,
             line=line_of(text, bad.start()),
@@ -211,20 +198,9 @@ def line_of(text: str, index: int) -> int:
     return len(_LINE_BREAK.findall(text, 0, index)) + 1
 
 
-def _char_name(char: str) -> str:
-    if char == "\0":
-        return "NUL"
-    return unicodedata.name(char, "unassigned" if ord(char) > 0x7F else "control")
-
-
 class _BoundedLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing anchors, aliases, nesting deeper than MAX_DEPTH and
-    more nodes than the budget holds.
-
-    PyYAML's scanner and parser are iterative; only composing is recursive. Checking each node
-    as it starts to be composed stops a hostile document at its first anchor or its first level
-    too deep, long before an alias can expand or the recursion limit is near.
-    """
+    more nodes than the budget holds, each node as it starts to be composed."""
 
     def __init__(self, filename: str, text: str, budget: Budget) -> None:
         super().__init__(text)
@@ -234,30 +210,19 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the stubs
-        line = int(event.start_mark.line) + 1
+        refused = None
         if isinstance(event, yaml.AliasEvent):
-            raise ConfigError(
-                "YAML aliases (*name) are not supported; write the value out",
-                path=self._filename,
-                line=line,
-            )
-        if getattr(event, "anchor", None) is not None:
-            raise ConfigError(
-                "YAML anchors (&name) are not supported; write the value out where it is used",
-                path=self._filename,
-                line=line,
-            )
-        if self._depth >= MAX_DEPTH:
-            raise ConfigError(
-                f"nested deeper than {MAX_DEPTH} levels", path=self._filename, line=line
-            )
-        self._budget.nodes -= 1
-        if self._budget.nodes < 0:
-            raise ConfigError(
-                f"more than {MAX_NODES} YAML values in the configuration files together",
-                path=self._filename,
-                line=line,
-            )
+            refused = "YAML aliases (*name) are not supported; write the value out"
+        elif getattr(event, "anchor", None) is not None:
+            refused = "YAML anchors (&name) are not supported; write the value out where it is used"
+        elif self._depth >= MAX_DEPTH:
+            refused = f"nested deeper than {MAX_DEPTH} levels"
+        else:
+            self._budget.nodes -= 1
+            if self._budget.nodes < 0:
+                refused = f"more than {MAX_NODES} YAML values in the configuration files together"
+        if refused is not None:
+            raise ConfigError(refused, path=self._filename, line=int(event.start_mark.line) + 1)
         self._depth += 1
         try:
             return super().compose_node(parent, index)
@@ -297,30 +262,19 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str)
     result = Map(filename, _line(node), path)
     for key_node, value_node in node.value:
         line = _line(key_node)
+        where = path or None
         if key_node.tag == "tag:yaml.org,2002:merge":
-            raise ConfigError(
-                "YAML merge keys (<<) are not supported; write the keys out",
-                path=filename,
-                line=line,
-                key=path or None,
-            )
-        if not isinstance(key_node, yaml.ScalarNode):
-            raise ConfigError("keys must be plain strings", path=filename, line=line)
-        key = str(key_node.value)
-        if not key.isprintable():
-            raise ConfigError(
-                f"keys must be plain strings, got {key!r}",
-                path=filename,
-                line=line,
-                key=path or None,
-            )
-        if key in result.entries:
-            raise ConfigError(
-                f"duplicate key (first at line {result.key_lines[key]})",
-                path=filename,
-                line=line,
-                key=join_key(path, key),
-            )
-        result.key_lines[key] = line
-        result.entries[key] = _convert(value_node, loader, filename, join_key(path, key))
+            problem = "YAML merge keys (<<) are not supported; write the keys out"
+        elif not isinstance(key_node, yaml.ScalarNode):
+            problem, where = "keys must be plain strings", None
+        elif not (key := str(key_node.value)).isprintable():
+            problem = f"keys must be plain strings, got {key!r}"
+        elif key in result.entries:
+            problem = f"duplicate key (first at line {result.key_lines[key]})"
+            where = join_key(path, key)
+        else:
+            result.key_lines[key] = line
+            result.entries[key] = _convert(value_node, loader, filename, join_key(path, key))
+            continue
+        raise ConfigError(problem, path=filename, line=line, key=where)
     return result

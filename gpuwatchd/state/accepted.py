@@ -36,8 +36,7 @@ class Fallback:
 
 
 def render_accepted(policy: Policy) -> str:
-    """The text saved for ``policy``: the effective policy, every key spelled out, which
-    reads back as an equal policy (:func:`gpuwatchd.config.schema.render_policy`)."""
+    """The text saved for ``policy`` (:func:`gpuwatchd.config.schema.render_policy`)."""
     return (
         "# The last policy gpuwatchd accepted, saved by the daemon; run with when the configured\n"
         "# one is rejected at start (docs/operations.md, 'Failure modes'). Do not edit.\n"
@@ -51,22 +50,19 @@ def save_accepted(state_dir: StateDir, policy: Policy) -> None:
     state_dir.write(ACCEPTED_FILE, render_accepted(policy).encode())
 
 
-def _state_dir_hints(config_path: str) -> list[str]:
-    """Where the saved policy may be: the ``state_dir`` of the longest leading run of the
-    configured files that loads, else the built-in default. Files that fail the permission
-    check name no place (anyone might have written them)."""
-    default = default_policy().state_dir
+def _state_dir_hint(config_path: str) -> str:
+    """Where the saved policy may be (docs/internals.md): the ``state_dir`` of the longest
+    leading run of the configured files that loads, else the built-in default."""
     try:
         docs = read_policy_files(config_path)
     except ConfigError:
-        return [default]
+        docs = []
     for count in range(len(docs) - 1, 0, -1):
         try:
-            hint = parse_policy_documents(docs[:count]).state_dir
+            return parse_policy_documents(docs[:count]).state_dir
         except ConfigError:
             continue
-        return [hint]
-    return [default]
+    return default_policy().state_dir
 
 
 def _read_saved(state_dir: str) -> tuple[str, float]:
@@ -82,20 +78,17 @@ def _read_saved(state_dir: str) -> tuple[str, float]:
 def load_fallback(config_path: str) -> Fallback:
     """The policy to run with when ``config_path``'s is rejected at start: the last one the
     daemon accepted; ``policy`` None when there is none (or none usable). Never raises."""
-    problems: list[str] = []
-    hints = _state_dir_hints(config_path)
-    for state_dir in hints:
-        path = os.path.join(state_dir, ACCEPTED_FILE)
-        try:
-            text, saved_at = _read_saved(state_dir)
-            policy = parse_policy_documents([(path, text)])
-        except FileNotFoundError:
-            continue
-        except (OSError, StateDirError, ValueError, ConfigError) as err:
-            problems.append(f"{path}: {err}")
-            continue
-        if policy.state_dir != state_dir:
-            problems.append(f"{path}: names another state_dir ({policy.state_dir})")
-            continue
-        return Fallback(policy, path, saved_at, tuple(problems))
-    return Fallback(None, os.path.join(hints[0], ACCEPTED_FILE), None, tuple(problems))
+    state_dir = _state_dir_hint(config_path)
+    path = os.path.join(state_dir, ACCEPTED_FILE)
+    try:
+        text, saved_at = _read_saved(state_dir)
+        policy = parse_policy_documents([(path, text)])
+    except FileNotFoundError:
+        return Fallback(None, path, None)
+    except (OSError, StateDirError, ValueError, ConfigError) as err:
+        return Fallback(None, path, None, (f"{path}: {err}",))
+    if policy.state_dir != state_dir:
+        return Fallback(
+            None, path, None, (f"{path}: names another state_dir ({policy.state_dir})",)
+        )
+    return Fallback(policy, path, saved_at)

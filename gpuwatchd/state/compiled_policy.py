@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.config.peek import guess_state_dir
+from gpuwatchd.config.peek import conf_d, drop_in_names, guess_state_dir
 from gpuwatchd.core.checked import flag, items, text
 from gpuwatchd.core.codec import Format
 from gpuwatchd.decide import policy as policy_module
@@ -108,11 +108,8 @@ def decode(data: object, depth: int = 0) -> Any:
 
 
 def _stat_entry(path: str, *, content: bool = False) -> list[int] | None:
-    """The identity of ``path`` (None: it does not exist); OSError for a link or a failure.
-    A folder's is which folder it is and who may change it (device, inode, mode, owner): its
-    times change with every entry added anywhere in it (``/etc``, ``/tmp``). A file's
-    (``content``) adds its size and times: a write changes the change time, which no user
-    can set."""
+    """The identity of ``path`` (None: it does not exist; docs/internals.md), with its size
+    and times when ``content``; OSError for a link or a failure."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -124,32 +121,20 @@ def _stat_entry(path: str, *, content: bool = False) -> list[int] | None:
 
 
 def identity(main_file: str) -> list[list[object]] | None:
-    """[path, identity] of the main file, its folder and every folder above it, ``conf.d/``
-    (null when absent) and each drop-in named like one (``*.yaml``, not hidden; by name); None
-    when any is a symbolic link or cannot be looked at, or the main file or a drop-in is not a
-    regular file (no shortcut then)."""
+    """[path, identity] of the main file, every folder above it, ``conf.d/`` (null when
+    absent) and each drop-in; None (no shortcut) when any is a link or cannot be looked at, or
+    the main file or a drop-in is not a regular file."""
     main = os.path.abspath(main_file)
-    folder = os.path.dirname(main)
-    conf_d = os.path.join(folder, "conf.d")
-    paths = [main]
-    above = folder
-    while True:
-        paths.append(above)
-        parent = os.path.dirname(above)
-        if parent == above:
-            break
-        above = parent
+    above = [os.path.dirname(main)]
+    while above[-1] != os.path.dirname(above[-1]):
+        above.append(os.path.dirname(above[-1]))
+    folder = conf_d(main)
     try:
-        found = [(path, _stat_entry(path, content=path == main)) for path in paths]
-        files = [found[0]]
-        conf = _stat_entry(conf_d)
-        found.append((conf_d, conf))
+        files = [(main, _stat_entry(main, content=True))]
+        found = files + [(path, _stat_entry(path)) for path in above]
+        found.append((folder, conf := _stat_entry(folder)))
         if conf is not None:
-            drop_ins = [
-                os.path.join(conf_d, name)
-                for name in sorted(os.listdir(conf_d))
-                if name.endswith(".yaml") and not name.startswith(".")
-            ]
+            drop_ins = [os.path.join(folder, name) for name in drop_in_names(folder)]
             files += [(path, _stat_entry(path, content=True)) for path in drop_ins]
             found += files[1:]
     except OSError:
@@ -165,20 +150,18 @@ def identity(main_file: str) -> list[list[object]] | None:
 def save_compiled(
     state_dir: StateDir, main_file: str, load: Callable[[str], Policy], *, strict: bool
 ) -> bool:
-    """Write the compiled policy of ``main_file`` (read by ``load``, the daemon's own
-    ``load_policy``) into ``state_dir``, or remove a stale one; True when written. Only when
-    the files did not change while they were read, the policy names this ``state_dir``, and it
-    reads back equal. ``strict``: StrictModes was checked by ``load``. OSError from the write."""
+    """Write the compiled policy of ``main_file`` (read by ``load``, with StrictModes when
+    ``strict``) into ``state_dir`` when it may stand for the files (docs/internals.md), else
+    remove a stale one; True when written. OSError from the write."""
     before = identity(main_file)
-    policy: Policy | None = None
-    if before is not None:
-        try:
-            policy = load(main_file)
-        except Exception:  # any refusal (ConfigError, OSError, ...) only means: no shortcut
-            policy = None
     doc: dict[str, object] | None = None
-    if policy is not None and before == identity(main_file) and policy.state_dir == state_dir.path:
-        try:
+    try:
+        policy = None if before is None else load(main_file)
+        if (
+            policy is not None
+            and before == identity(main_file)
+            and policy.state_dir == state_dir.path
+        ):
             doc = COMPILED.envelope(
                 {
                     "main_file": os.path.abspath(main_file),
@@ -189,8 +172,8 @@ def save_compiled(
             )
             if decode(COMPILED.decode(COMPILED.encode(doc))["policy"]) != policy:
                 doc = None
-        except (TypeError, ValueError):
-            doc = None
+    except Exception:  # any refusal (ConfigError, OSError, a value the form cannot carry): none
+        doc = None
     if doc is None:
         state_dir.discard(COMPILED_FILE)
         return False
@@ -202,40 +185,26 @@ def save_compiled(
 
 
 def load_compiled(main_file: str, default_state_dir: str) -> Policy | None:
-    """The compiled policy for ``main_file`` when it may stand for reading the files now
-    (module docstring), else None: the caller then loads the YAML."""
+    """The compiled policy for ``main_file`` when it may stand for reading the files now,
+    else None: the caller then loads the YAML."""
     here = identity(main_file)
     if here is None:
         return None
-    for folder in dict.fromkeys((guess_state_dir(main_file), default_state_dir)):
-        if folder is None or not os.path.isabs(folder):
-            continue
-        policy = _compiled_in(folder, main_file, here)
-        if policy is not None:
-            return policy
-    return None
+    folders = dict.fromkeys((guess_state_dir(main_file), default_state_dir))
+    found = (_compiled_in(f, main_file, here) for f in folders if f and os.path.isabs(f))
+    return next((policy for policy in found if policy is not None), None)
 
 
 def _compiled_in(folder: str, main_file: str, here: list[list[object]]) -> Policy | None:
     try:
-        state_dir = StateDir.open(folder)
-    except OSError:
-        return None
-    try:
-        raw = state_dir.read(COMPILED_FILE, MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        state_dir.close()
-    try:
+        with StateDir.open(folder) as state_dir:
+            raw = state_dir.read(COMPILED_FILE, MAX_BYTES + 1)
         doc = COMPILED.decode(raw)
         if doc["main_file"] != os.path.abspath(main_file) or doc["identity"] != here:
             return None
         if not doc["strict"] and os.geteuid() == 0:
             return None  # written without StrictModes, which this process would check
         policy = decode(doc.get("policy"))
-    except (ValueError, RecursionError):  # a pattern nested too deeply for re.compile, say
+    except (OSError, ValueError, RecursionError):  # RecursionError: a pattern nested too deeply
         return None
-    if not isinstance(policy, Policy) or policy.state_dir != folder:
-        return None
-    return policy
+    return policy if isinstance(policy, Policy) and policy.state_dir == folder else None

@@ -15,7 +15,6 @@ import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.core.checked import Value
 from gpuwatchd.core.codec import Format
 
 LOCK_FILE = "lock"
@@ -40,15 +39,9 @@ class AlreadyRunning(Exception):
     """Another gpuwatchd instance holds the lock in ``state_dir``."""
 
     def __init__(self, path: str, holder: str | None) -> None:
-        self.path = path
         self.holder = holder
         who = f" (held by {holder})" if holder else ""
         super().__init__(f"another gpuwatchd holds {path}{who}")
-
-
-def trusted_owners(euid: int | None = None) -> frozenset[int]:
-    """Who may own the state directory and its files: root, and the user running this."""
-    return frozenset({0, os.geteuid() if euid is None else euid})
 
 
 def _overflow_uid() -> int | None:
@@ -64,10 +57,6 @@ def _overflow_uid() -> int | None:
         return None
 
 
-def _describe_mode(st: os.stat_result) -> str:
-    return f"{stat.S_IMODE(st.st_mode):04o}"
-
-
 def _check(
     st: os.stat_result, where: str, owners: frozenset[int] | None, *, ancestor: bool
 ) -> None:
@@ -75,29 +64,22 @@ def _check(
         raise StateDirError(f"{where}: not a directory")
     if owners is None:
         return
-    allowed = owners
-    if ancestor:
-        overflow = _overflow_uid()
-        if overflow is not None:
-            allowed = owners | {overflow}
-    if st.st_uid not in allowed:
+    if st.st_uid not in owners and not (ancestor and st.st_uid == _overflow_uid()):
         who = " or ".join("root" if uid == 0 else f"uid {uid}" for uid in sorted(owners))
         raise StateDirError(f"{where}: owned by uid {st.st_uid}, not {who}")
-    sticky = bool(st.st_mode & stat.S_ISVTX)
-    if st.st_mode & 0o022 and not (ancestor and sticky):
-        raise StateDirError(f"{where}: mode {_describe_mode(st)} is writable by group or others")
+    if st.st_mode & 0o022 and not (ancestor and st.st_mode & stat.S_ISVTX):
+        raise StateDirError(
+            f"{where}: mode {stat.S_IMODE(st.st_mode):04o} is writable by group or others"
+        )
 
 
 def open_directory(
     path: str, *, owners: frozenset[int] | None, create: bool = False, readable: bool = True
 ) -> int:
-    """A descriptor of directory ``path``, reached from ``/`` without following any link.
-
-    ``owners``: every directory on the way must be owned by one of them and not writable by
-    group or others (ancestors: unless sticky); None checks nothing but the links. ``create``
-    makes missing components (the last one mode 0700, others 0755). Raises StateDirError (a
-    link, not a directory, untrusted), FileNotFoundError, PermissionError or OSError.
-    """
+    """A descriptor of directory ``path``, reached from ``/`` without following any link,
+    each directory owned by one of ``owners`` (None: any) under the trust rule; ``create``
+    makes missing ones (the last mode 0700, others 0755). Raises StateDirError (a link, not a
+    directory, untrusted), FileNotFoundError, PermissionError or OSError."""
     if not os.path.isabs(path):
         raise StateDirError(f"{path}: not an absolute path")
     parts = [part for part in path.split("/") if part not in ("", ".")]
@@ -138,22 +120,14 @@ def open_directory(
     return fd
 
 
-# --- reading JSON leniently ---------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class JsonFile:
-    """One JSON file of the state directory, read leniently: ``data`` is the object it holds
-    (empty when absent or unusable); ``problem`` says why it is unusable (None: absent or
-    fine); ``present`` whether a file was there."""
+    """One JSON file of the state directory, read leniently: the object it holds (empty when
+    absent or unusable), why it is unusable (None: absent or fine), and whether it was there."""
 
     data: Mapping[str, object]
     problem: str | None
     present: bool
-
-    @property
-    def value(self) -> Value:
-        return Value(self.data)
 
 
 def hashed_name(prefix: str, key: str) -> str:
@@ -164,10 +138,9 @@ def hashed_name(prefix: str, key: str) -> str:
 
 
 def replace_file(dir_fd: int, name: str, data: bytes, *, mode: int, sync: bool) -> None:
-    """Replace ``name`` in the folder ``dir_fd`` with ``data`` atomically: a fresh temporary
-    file (created here, never a planted one; hidden, ending in ``.tmp``), mode ``mode``, fsync
-    when ``sync``, renamed over ``name`` (a link there is replaced, not followed), then fsync of
-    the folder when ``sync``. Raises OSError; the temporary file is removed then."""
+    """Replace ``name`` in the folder ``dir_fd`` with ``data`` atomically: a fresh hidden
+    temporary file, fsync when ``sync``, renamed over ``name`` (a link there is replaced, not
+    followed), fsync of the folder. Raises OSError; the temporary file is removed then."""
     tmp = f".{name}.{os.urandom(6).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE, mode, dir_fd=dir_fd)
     try:
@@ -193,10 +166,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, *, mode: int, sync: bool) 
 
 
 class StateDir:
-    """An open, checked state directory. Every file operation goes through its descriptor.
-
-    Build with :meth:`open`; close with :meth:`close` (or ``with``).
-    """
+    """An open, checked state directory (:meth:`open`); every file operation goes through its
+    descriptor."""
 
     def __init__(self, path: str, fd: int, owners: frozenset[int]) -> None:
         self.path = path
@@ -205,12 +176,9 @@ class StateDir:
 
     @classmethod
     def open(cls, path: str, *, create: bool = False, euid: int | None = None) -> StateDir:
-        """Open ``path`` by the walk of :func:`open_directory` under the trust rule.
-
-        ``create`` (writers: the daemon, ``pause``) makes it when missing, mode 0700. Raises
-        StateDirError, FileNotFoundError (missing, not created), PermissionError or OSError.
-        """
-        owners = trusted_owners(euid)
+        """Open ``path`` by :func:`open_directory` under the trust rule; ``create`` (writers:
+        the daemon, ``pause``) makes it when missing."""
+        owners = frozenset({0, os.geteuid() if euid is None else euid})  # root, and this user
         try:
             fd = open_directory(path, owners=owners, create=create)
         except StateDirError as err:
@@ -240,7 +208,7 @@ class StateDir:
         if st.st_uid not in self.owners:
             raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}", self.join(name))
         if st.st_mode & 0o022:
-            why = f"mode {_describe_mode(st)} is writable by group or others"
+            why = f"mode {stat.S_IMODE(st.st_mode):04o} is writable by group or others"
             raise UntrustedFile(errno.EPERM, why, self.join(name))
         return st
 
@@ -255,13 +223,9 @@ class StateDir:
         try:
             st = self._trusted(fd, name)
             chunks: list[bytes] = []
-            size = 0
-            while size < limit:
-                chunk = os.read(fd, min(1 << 20, limit - size))
-                if not chunk:
-                    break
+            while limit > 0 and (chunk := os.read(fd, min(1 << 20, limit))):
                 chunks.append(chunk)
-                size += len(chunk)
+                limit -= len(chunk)
             return b"".join(chunks), st
         finally:
             os.close(fd)
@@ -280,18 +244,12 @@ class StateDir:
             return JsonFile({}, str(err), present=True)
 
     def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None:
-        """Replace ``name`` with ``data`` atomically (:func:`replace_file`; OSError, ENOSPC on
-        a full disk). ``sync=False``: no fsync (a file only other processes read while this
-        one runs; the rename is seen at once)."""
+        """Replace ``name`` with ``data`` atomically (:func:`replace_file`; OSError); ``sync``
+        False for a file only other processes read while this one runs."""
         replace_file(self.fd, name, data, mode=mode, sync=sync)
 
-    def write_json(self, name: str, value: Mapping[str, object]) -> None:
-        """:meth:`write` of ``value`` as compact, sorted JSON (no NaN or infinity)."""
-        self.write(name, Format(name, 0, compact=True).encode(value))
-
     def remove(self, name: str) -> bool:
-        """Remove the entry ``name`` (whatever it is but a directory); False when it is not
-        there or cannot be removed."""
+        """Remove the entry ``name`` (not a directory); False when it was not removed."""
         try:
             os.unlink(name, dir_fd=self.fd)
         except OSError:
@@ -314,12 +272,9 @@ class StateDir:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken.
-
-        ``flock`` is released by the kernel when the holder dies, so a crash never leaves a
-        stale lock. The holder writes its PID into the file for the error message only: who
-        holds the lock is read from the kernel (:meth:`lock_holder`).
-        """
+        """Hold the instance lock (``flock``: a crash never leaves it stale) for the ``with``
+        block; AlreadyRunning when it is taken. The PID written in the file is for the error
+        message only."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _FILE
         fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.fd)
         try:
@@ -344,49 +299,31 @@ class StateDir:
             os.close(fd)
 
     def lock_holder(self, proc_root: str = "/proc") -> int | None:
-        """The PID that holds the instance lock now, as the kernel says; None when nobody
-        does, or it cannot be told (the holder's ``/proc/PID/fd`` unreadable to this user,
-        or it lives in a PID namespace this one cannot see).
-
-        A candidate from ``/proc/locks`` (an exclusive ``flock`` on the lock file's inode)
-        counts only when its own ``fdinfo`` shows that lock taken by itself through a
-        descriptor of this very file (device and inode): no file's word is taken for it.
-        """
+        """The PID that holds the instance lock now, as the kernel says (``/proc/locks``, then
+        the candidate's own ``fdinfo`` on this very file); None when nobody does or it cannot
+        be told."""
         try:
             st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
-        except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        try:
             with open(os.path.join(proc_root, "locks"), "rb") as handle:
                 table = handle.read(_MAX_PROC_LOCKS)
         except OSError:
             return None
-        for pid in _flock_writers(table, st.st_ino):
-            if _holds_flock(proc_root, pid, st):
-                return pid
-        return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        lines = map(_parse_lock_line, table.decode("ascii", "replace").splitlines())
+        pids = [found[0] for found in lines if found is not None and found[1] == st.st_ino]
+        return next((pid for pid in pids if pid > 0 and _holds_flock(proc_root, pid, st)), None)
 
 
 def _parse_lock_line(text: str) -> tuple[int, int] | None:
     """(pid, inode) of an exclusive ``flock`` line of /proc/locks or fdinfo; else None."""
     fields = text.split()
-    if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK" or fields[3] != "WRITE":
+    if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
         return None
     dev_ino = fields[5].rsplit(":", 1)
     if len(dev_ino) != 2 or not fields[4].isdigit() or not dev_ino[1].isdigit():
         return None
     return int(fields[4]), int(dev_ino[1])
-
-
-def _flock_writers(table: bytes, inode: int) -> list[int]:
-    pids = []
-    for line in table.decode("ascii", "replace").splitlines():
-        parsed = _parse_lock_line(line)
-        if parsed is not None and parsed[1] == inode and parsed[0] > 0:
-            pids.append(parsed[0])
-    return pids
 
 
 def _holds_flock(proc_root: str, pid: int, lock: os.stat_result) -> bool:
@@ -404,9 +341,7 @@ def _holds_flock(proc_root: str, pid: int, lock: os.stat_result) -> bool:
                 info = handle.read(16384).decode("ascii", "replace")
         except OSError:
             continue
-        for line in info.splitlines():
-            if line.startswith("lock:"):
-                parsed = _parse_lock_line(line[len("lock:") :])
-                if parsed is not None and parsed == (pid, lock.st_ino):
-                    return True
+        locks = [line[5:] for line in info.splitlines() if line.startswith("lock:")]
+        if any(_parse_lock_line(line) == (pid, lock.st_ino) for line in locks):
+            return True
     return False

@@ -5,6 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.state.pause`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -22,8 +23,6 @@ MAX_REASON = 512  # characters of a pause reason kept
 ENDED_JOB_PREFIX = "ended-job-"
 MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
 MAX_ENDED_JOB_FILE = 4096
-
-
 RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``daemon.resumed``
 MAX_PAUSE_FILE = 64 * 1024
 PAUSE = Format(PAUSE_FILE, MAX_PAUSE_FILE, newline=True)  # read leniently: a bad one still pauses
@@ -32,9 +31,8 @@ RESUMED = Format(RESUMED_FILE, MAX_PAUSE_FILE, newline=True)
 
 @dataclass(frozen=True)
 class PauseSwitch:
-    """The pause file as read: its reason (``""`` when none was given), when it was set and
-    when it ends (wall times; None when unknown, or for a pause written without an end), and
-    its stamp on the boot clock (``stamp``: the file's fields, for :meth:`BootTime.left`)."""
+    """The pause file as read: its reason (``""``: none given), when it was set and ends (wall
+    times; None: unknown) and its stamp on the boot clock (the file, for :meth:`BootTime.left`)."""
 
     reason: str
     since: float | None = None
@@ -42,9 +40,8 @@ class PauseSwitch:
     stamp: Mapping[str, object] | None = None
 
     def left(self, clock: BootTime, max_pause: float) -> float | None:
-        """Seconds this pause has left at ``clock``: by its own end (on the boot clock when
-        it was set in this boot), else (a pause from before pauses had one) ``max_pause``
-        after it was set; None when neither is known."""
+        """Seconds this pause has left at ``clock``: by its own end, else (a pause from before
+        pauses had one) ``max_pause`` after it was set; None when neither is known."""
         left = None if self.stamp is None else clock.left(self.stamp)
         if left is None and self.since is not None:
             left = self.since + max_pause - clock.wall
@@ -92,12 +89,6 @@ def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
     )
 
 
-def read_pause(state_dir: StateDir) -> str | None:
-    """The pause reason when paused (``""`` when none was given), else None."""
-    switch = read_pause_switch(state_dir)
-    return None if switch is None else switch.reason
-
-
 @dataclass(frozen=True)
 class PauseNow:
     """What the daemon makes of the pause switch at one poll: the reason and end of a pause in
@@ -131,11 +122,9 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
 
 def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
     """The pause switch at ``clock`` (the daemon, once a poll): a pause whose time is up is
-    removed here, and said as ended by itself; its end is shown in wall time (from its own
-    wall ``until`` while the wall clock agrees with the boot clock within a second, so an
-    unchanged pause reads the same at every poll); with no pause file, why the
-    administrator resumed (``resume --reason``), or plain ``gpuwatchd resume``. The resume
-    note is consumed either way, so an old one never explains a later resume."""
+    removed and said as ended; its end in wall time (its own ``until`` while the clocks agree
+    within a second, so an unchanged pause reads the same at every poll); with no pause file,
+    why the administrator resumed. The resume note is consumed either way."""
     switch = read_pause_switch(state_dir)
     if switch is None:
         note = _take_resume_note(state_dir)
@@ -175,20 +164,18 @@ def hand_over_ended_jobs(
     said_at: int | None = None,
     boot_id: str | None = None,
 ) -> None:
-    """Tell the running daemon (and every scan) that ``jobs`` (at most :data:`MAX_ENDED_JOBS`
-    keys of :func:`scheduler_ended_job`) ended, while ``waiter`` (the epilog's PID and start
-    ticks) waits, never past wall time ``until``; one file a job, a second hand-over of it
-    takes it over. ``said_at``: when, in clock ticks of boot ``boot_id``."""
+    """Tell the daemon (and every scan) that ``jobs`` (at most :data:`MAX_ENDED_JOBS`) ended,
+    while ``waiter`` (the epilog's PID and start ticks) waits, never past wall time ``until``;
+    ``said_at``: when, in clock ticks of boot ``boot_id``."""
     chosen = sorted(set(jobs))
     if len(chosen) > MAX_ENDED_JOBS:
         raise ValueError(f"at most {MAX_ENDED_JOBS} jobs are handed over at once")
-    pid, ticks = waiter
     for job in chosen:
         body = {
             "job": job,
             "until": until,
             "by_uid": os.getuid(),
-            "waiter": [pid, ticks],
+            "waiter": list(waiter),
             "said_at_ticks": said_at,
             "boot_id": boot_id,
         }
@@ -202,16 +189,13 @@ def withdraw_ended_jobs(
     later epilog's hand-over of the same job is its own)."""
     for job in sorted(set(jobs))[:MAX_ENDED_JOBS]:
         name = hashed_name(ENDED_JOB_PREFIX, job)
-        try:
+        with contextlib.suppress(OSError, ValueError):  # unreadable or not ours: left alone
             data = ENDED_JOB.load(state_dir.read(name, MAX_ENDED_JOB_FILE))
-            if _waiter(data.get("waiter"), "waiter") != waiter:
-                continue
-        except (OSError, ValueError):
-            continue
-        state_dir.remove(name)
+            if _waiter(data.get("waiter")) == waiter:
+                state_dir.remove(name)
 
 
-def _waiter(raw: object, key: str) -> tuple[int, int]:
+def _waiter(raw: object) -> tuple[int, int]:
     """The waiting epilog a hand-over names: (PID, start ticks); ValueError when malformed."""
     if (
         not isinstance(raw, list)
@@ -245,10 +229,8 @@ ENDED_JOB = Format(
 @dataclass(frozen=True)
 class HandOvers:
     """What :func:`read_ended_jobs` found: the jobs honoured now (job key -> when it was said,
-    in clock ticks since boot; None when that is unknown or was said in another boot: such a
-    word covers no process), the files that were wrong (named), and how many valid hand-overs
-    wait beyond :data:`MAX_ENDED_JOBS` (kept, not honoured until others expire; files past the
-    listing bound count too)."""
+    in clock ticks of this boot, else None: it covers no process), the files that were wrong,
+    and how many valid hand-overs (or files past the listing bound) wait beyond the limit."""
 
     jobs: Mapping[str, int | None]
     problems: tuple[str, ...]
@@ -256,8 +238,8 @@ class HandOvers:
 
 
 def _said_at(data: dict[str, object], boot_id: str | None) -> int | None:
-    """When a hand-over was said, in ticks of this boot; None (covers nothing) when it has no
-    valid time or was said in another boot than ``boot_id`` (or ``boot_id`` is unknown)."""
+    """When a hand-over was said, in ticks of boot ``boot_id``; None (covers nothing) when
+    unknown or in another boot."""
     said = data.get("said_at_ticks")
     valid = isinstance(said, int) and not isinstance(said, bool) and 0 <= said < 1 << 62
     same_boot = boot_id is not None and data.get("boot_id") == boot_id
@@ -273,11 +255,9 @@ def read_ended_jobs(
     boot_id: str | None = None,
 ) -> HandOvers:
     """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``), neither
-    expired at wall time ``now`` nor more than a day ahead, with when each was said
-    (:class:`HandOvers`; ``boot_id`` is this boot's). A file that is not a trusted one of
-    :data:`ENDED_JOB`'s shape, named for its job and naming its waiter, is named in the
-    problems. ``remove_stale`` (the daemon): expired and bad files, and those whose epilog is
-    gone, are removed; a valid one beyond :data:`MAX_ENDED_JOBS` never is, only counted."""
+    expired at wall time ``now`` nor more than a day ahead (:class:`HandOvers`). A bad file is
+    named in the problems. ``remove_stale`` (the daemon): expired and bad files, and those whose
+    epilog is gone, are removed; a valid one beyond :data:`MAX_ENDED_JOBS` is only counted."""
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:
@@ -293,7 +273,7 @@ def read_ended_jobs(
                 raise ValueError("expiry more than a day ahead")
             if name != hashed_name(ENDED_JOB_PREFIX, job):
                 raise ValueError("file name does not match the job")
-            waiter = _waiter(data.get("waiter"), "waiter")
+            waiter = _waiter(data.get("waiter"))
         except FileNotFoundError:
             continue  # removed since the listing
         except (OSError, ValueError) as err:

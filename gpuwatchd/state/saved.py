@@ -16,7 +16,7 @@ from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
 from gpuwatchd.events import lazylog
-from gpuwatchd.state.directory import LOCK_FILE, StateDir, StateDirError, UntrustedFile
+from gpuwatchd.state.directory import StateDir, StateDirError, UntrustedFile
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
@@ -26,20 +26,11 @@ STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=Tru
 log = lazylog.get_logger("gpuwatchd.state.saved")
 
 
-def check_state_dir(path: str, *, euid: int | None = None) -> None:
-    """Create ``path`` (mode 0700) when missing; raise StateDirError unless it can be trusted
-    (:meth:`gpuwatchd.state.directory.StateDir.open`). A PermissionError is left to the caller."""
-    StateDir.open(path, create=True, euid=euid).close()
-
-
 @dataclass(frozen=True)
 class SavedState:
-    """``state.json`` as a reader that changes nothing sees it.
-
-    ``data`` is the saved object ({} when there is none or it cannot be used); ``problem`` says,
-    for an admin, why it cannot be used (None: absent, or fine); ``found``: a state file was
-    there and could be used. Every accessor is lenient.
-    """
+    """``state.json`` as a reader that changes nothing sees it, every accessor lenient:
+    ``data`` ({} when none or unusable), ``problem`` (why it is unusable, for an admin) and
+    ``found`` (a usable state file was there)."""
 
     data: Mapping[str, object] = field(default_factory=dict)
     problem: str | None = None
@@ -54,18 +45,16 @@ class SavedState:
         return as_text(self.data.get("boot_id"))
 
     def same_boot(self, boot_id: str | None) -> bool:
-        """Whether the state was written in the boot ``boot_id`` (its monotonic times and
-        process identities hold only then)."""
+        """Whether the state was written in the boot ``boot_id`` (its monotonic times hold)."""
         return self.data.get("boot_id") == boot_id
 
     @property
     def status(self) -> Mapping[str, object]:
-        """The daemon's ``status`` section (docs/operations.md, "status")."""
         return as_map(self.data.get("status"))
 
     @property
     def daemon_pid(self) -> int | None:
-        """The PID the daemon wrote in its ``status`` section; None when absent or malformed."""
+        """The PID in the ``status`` section; None when absent or malformed."""
         pid = as_int(self.status.get("pid"))
         return pid if pid is not None and pid > 0 else None
 
@@ -108,8 +97,7 @@ def state_document(
     reset_in_progress: object,
     status: Mapping[str, object],
 ) -> dict[str, object]:
-    """The envelope of ``state.json`` (:data:`STATE`) around its parts: the assess and plan
-    states, a reset in progress, and the ``status`` section."""
+    """The envelope of ``state.json`` (:data:`STATE`) around its parts."""
     return STATE.envelope(
         {
             "boot_id": boot_id,
@@ -128,25 +116,16 @@ def check_version(data: Mapping[str, object]) -> None:
 
 
 class StateStore:
-    """Reads and writes ``<state_dir>/state.json``; hands out the instance lock.
+    """Reads and writes ``<state_dir>/state.json``; hands out the instance lock."""
 
-    Built on a path, the directory is opened (and created, for a writer) on first use, and
-    kept open; built on an open :class:`StateDir`, that one is used.
-    """
-
-    def __init__(self, state_dir: str | StateDir) -> None:
-        if isinstance(state_dir, StateDir):
-            self._dir: StateDir | None = state_dir
-            self.state_dir = state_dir.path
-        else:
-            self._dir = None
-            self.state_dir = state_dir
-        self.path = os.path.join(self.state_dir, STATE_FILE)
-        self.lock_path = os.path.join(self.state_dir, LOCK_FILE)
+    def __init__(self, state_dir: str) -> None:
+        self._dir: StateDir | None = None
+        self.state_dir = state_dir
+        self.path = os.path.join(state_dir, STATE_FILE)
 
     def directory(self) -> StateDir:
-        """The state directory, opened and checked (created when missing) on first use.
-        Raises StateDirError, PermissionError or OSError."""
+        """The state directory, opened and checked (created when missing) on first use and
+        kept open. Raises StateDirError, PermissionError or OSError."""
         if self._dir is None:
             self._dir = StateDir.open(self.state_dir, create=True)
         return self._dir
@@ -160,30 +139,27 @@ class StateStore:
         """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
         and logged."""
         saved = self.directory().read_json(STATE_FILE, MAX_STATE_BYTES)
-        if saved.problem is not None:
-            return self._move_aside(saved.problem)
-        return dict(saved.data)
+        return dict(saved.data) if saved.problem is None else self._move_aside(saved.problem)
 
     def peek(self) -> dict[str, object]:
-        """The saved dict for a reader that must change nothing: {} when absent, unreadable,
-        untrusted or malformed (:func:`read_saved_state`)."""
+        """The saved dict for a reader that must change nothing (:func:`read_saved_state`)."""
         return dict(read_saved_state(self._dir if self._dir is not None else self.state_dir).data)
 
     def discard_corrupt(self, why: str) -> None:
-        """For callers that found the content malformed (e.g. PlanState.from_json failed)."""
+        """Move a file whose content is malformed aside."""
         self._move_aside(why)
 
     def _move_aside(self, why: str) -> dict[str, object]:
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        moved_to = os.path.join(self.state_dir, aside)
         try:
             self.directory().rename(STATE_FILE, aside)
         except OSError as exc:
             log.error(
                 EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=None, error=str(exc)
             )
-            return {}
-        log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
+        else:
+            moved_to = os.path.join(self.state_dir, aside)
+            log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
         return {}
 
     def save(self, data: Mapping[str, object]) -> None:
@@ -193,7 +169,6 @@ class StateStore:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken
-        (:meth:`gpuwatchd.state.directory.StateDir.lock`)."""
+        """Hold the instance lock for the ``with`` block (:meth:`StateDir.lock`)."""
         with self.directory().lock():
             yield

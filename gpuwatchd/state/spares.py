@@ -1,5 +1,4 @@
-"""The spare files in ``state_dir``: ``gpuwatchd spare`` writes one per spared process or job,
-the daemon reads them every poll.
+"""The spare files in ``state_dir``: ``gpuwatchd spare`` writes one per spared process or job.
 
 In detail: docs/internals.md, section `gpuwatchd.state.spares`.
 """
@@ -72,9 +71,8 @@ def write_spare(
     start_ticks: int | None = None,
     job: str | None = None,
 ) -> None:
-    """Spare ``target`` (from :func:`parse_target`) for ``seconds`` from ``clock`` (now, with
-    this boot's id); a process also by its start ticks. Replaces an earlier spare of the same
-    target."""
+    """Spare ``target`` (from :func:`parse_target`) for ``seconds`` from ``clock`` (now), a
+    process also by its start ticks, replacing an earlier spare of the same target."""
     body = {
         "target": target,
         "pid": pid,
@@ -94,9 +92,8 @@ def cancel_spare(state_dir: StateDir, target: str) -> bool:
 
 @dataclass(frozen=True)
 class SpareFiles:
-    """What :func:`read_spares` found: the spares in force (at most :data:`MAX_SPARES`), the
-    files that were wrong, named, and the spares cut to ``limits.max_spare`` this reading
-    (each with the wall time it would have ended at)."""
+    """What :func:`read_spares` found: the spares in force, the files that were wrong, and the
+    spares cut to ``limits.max_spare`` (each with the wall time it would have ended at)."""
 
     spares: tuple[Spare, ...]
     problems: tuple[str, ...]
@@ -104,8 +101,7 @@ class SpareFiles:
 
 
 def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, float]:
-    """One file's spare (its fields checked by :data:`SPARE`), ending when it ends by its own
-    stamp, and the seconds it has left; ValueError naming what is wrong."""
+    """One file's spare and the seconds it has left; ValueError naming what is wrong."""
     target = data.get("target")
     if not isinstance(target, str) or name != hashed_name(SPARE_PREFIX, target):
         raise ValueError("the file name does not match its target")
@@ -138,9 +134,8 @@ def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, 
 def _cut(
     state_dir: StateDir, name: str, raw: bytes, data: dict[str, object], *, end: dict[str, object]
 ) -> None:
-    """Write a spare's cut ``end`` (a :meth:`BootTime.stamp`) into its file (the daemon),
-    unless the file changed since it was read (``raw``: a new spare of the same target is the
-    administrator's, never overwritten)."""
+    """Write a spare's cut ``end`` (a :meth:`BootTime.stamp`) into its file, unless it changed
+    since it was read as ``raw`` (a new spare is the administrator's, never overwritten)."""
     body = {**data, "until": end["until"], "until_boot": end["until_boot"]}
     try:
         if state_dir.read(name, MAX_SPARE_FILE) == raw:
@@ -156,10 +151,9 @@ def read_spares(
     max_spare: float,
     remove_stale: bool = False,
 ) -> SpareFiles:
-    """The spares in force at ``clock`` (wall time and boot clock now, with this boot's id),
-    and the bad files; one with more than ``max_spare`` left is cut to it (listed in ``cut``).
-    ``remove_stale`` (the daemon): spares whose time is up, those of a process of another
-    boot, and bad files are removed, and a cut is written into its file."""
+    """The spares in force at ``clock`` and the bad files; one with more than ``max_spare``
+    left is cut to it. ``remove_stale`` (the daemon): spares whose time is up, those of another
+    boot and bad files are removed, and a cut is written into its file."""
     try:
         names = state_dir.names(SPARE_PREFIX)
     except OSError:

@@ -5,8 +5,8 @@ In detail: docs/internals.md, section `gpuwatchd.state.status_document`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import Format, pick
@@ -47,6 +47,7 @@ LADDER = {
     "dry_run": as_flag,
 }
 GPU_STATE = as_one_of("clean", "dirty", "unknown")
+SPARE = {"target": as_text, "until": as_number, "reason": as_text}
 REJECTED = {"at": as_number, "error": as_text, "at_start": lambda v: v is True, "running": as_text}
 
 
@@ -67,44 +68,39 @@ def build_document(
     modes = _modes(status, plan)
     ladders = _ladders(plan, offset)
     kill_cap = _kill_cap(plan, policy, offset, wall)
-    breaker = _breaker(plan, policy)
-    nvml = pick(status.get("nvml"), NVML)
+    breaker = {
+        "open": as_flag(plan.get("circuit_open")),
+        "failures": as_count(plan.get("reset_failures")),
+        "max_failures": policy.reset.max_failures,
+    }
     raw_rejected = status.get("policy_rejected")
     rejected = as_map(raw_rejected) if isinstance(raw_rejected, Mapping) else None
-    record = data.get("reset_in_progress")
-    return DOCUMENT.envelope(
-        {
-            "written_at": wall,
-            **modes,
-            "kill_cap": kill_cap,
-            "circuit_breaker": breaker,
-            "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
-            "nvml": nvml,
-            "spares": _spares(status.get("spares")),
-            "gpus": as_count(status.get("gpus")),
-            "findings": as_count(status.get("findings")),
-            "verdict": _verdict(status.get("verdict")),
-            "policy": _policy(status.get("policy"), rejected),
-            "ladders": ladders,
-            "pending": _pending(plan, ladders, offset),
-            "recent_actions": _actions(status.get("recent_actions")),
-            "resets": _resets(
-                plan,
-                _reset_in_progress(record) if isinstance(record, Mapping) else None,
-                policy,
-                wall,
-                modes,
-            ),
-            "attention": _attention(
-                kill_cap=kill_cap,
-                breaker=breaker,
-                nvml_state=nvml["state"],
-                nvml_error=nvml["error"],
-                rejected=rejected,
-                ladders=ladders,
-            ),
-        }
-    )
+    files = status.get("policy")
+    spares = [pick(item, SPARE) for item in as_list(status.get("spares"))[:64]]  # in force
+    # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
+    dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
+    doc = {
+        "written_at": wall,
+        **modes,
+        "kill_cap": kill_cap,
+        "circuit_breaker": breaker,
+        "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
+        "nvml": pick(status.get("nvml"), NVML),
+        "spares": [spare for spare in spares if spare["target"] is not None],
+        "gpus": as_count(status.get("gpus")),
+        "findings": as_count(status.get("findings")),
+        "verdict": _verdict(status.get("verdict")),
+        "policy": {  # the files it runs with, and the configured policy it rejected
+            "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
+            "rejected": None if rejected is None else pick(rejected, REJECTED),
+        },
+        "ladders": ladders,
+        "pending": _pending(plan, ladders, offset),
+        "recent_actions": _actions(status.get("recent_actions")),
+        "resets": _resets(plan, data.get("reset_in_progress"), policy, wall, dry),
+    }
+    doc["attention"] = _attention(doc, rejected)
+    return DOCUMENT.envelope(doc)
 
 
 def action_sentence(name: str, fields: Mapping[str, object]) -> str:
@@ -113,9 +109,7 @@ def action_sentence(name: str, fields: Mapping[str, object]) -> str:
 
 
 def _wall(offset: float | None, monotonic: float | None) -> float | None:
-    if monotonic is None or offset is None:
-        return None
-    return monotonic + offset
+    return None if monotonic is None or offset is None else monotonic + offset
 
 
 def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str, object]:
@@ -125,37 +119,13 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         mode = None if dry is None else ("dry-run" if dry else "enforcing")
     paused = as_flag(plan.get("paused"))
     forced = as_flag(plan.get("forced_dry_run"))
-    if paused:
-        effective: str | None = "paused"
-    elif forced:
-        effective = "forced-dry-run"
-    else:
-        effective = mode
     return {
         "mode": mode,
-        "effective_mode": effective,
+        "effective_mode": "paused" if paused else ("forced-dry-run" if forced else mode),
         "paused": paused,
         "paused_reason": as_text(plan.get("paused_reason")) if paused else None,
         "paused_until": as_number(plan.get("paused_until")) if paused else None,
     }
-
-
-def _policy(files: object, rejected: Mapping[str, object] | None) -> dict[str, object]:
-    """The policy files the daemon runs with, and the configured policy it rejected (its
-    error, and the fallback running instead), if any."""
-    return {
-        "files": [f for f in files if isinstance(f, str)] if isinstance(files, list) else None,
-        "rejected": None if rejected is None else pick(rejected, REJECTED),
-    }
-
-
-def _spares(raw: object) -> list[dict[str, object]]:
-    """The daemon's spares in force (``gpuwatchd spare``), each checked."""
-    rows = [
-        pick(item, {"target": as_text, "until": as_number, "reason": as_text})
-        for item in as_list(raw)[:64]
-    ]
-    return [row for row in rows if row["target"] is not None]
 
 
 def _kill_cap(
@@ -183,14 +153,6 @@ def _kill_cap(
     }
 
 
-def _breaker(plan: Mapping[str, object], policy: Policy) -> dict[str, object]:
-    return {
-        "open": as_flag(plan.get("circuit_open")),
-        "failures": as_count(plan.get("reset_failures")),
-        "max_failures": policy.reset.max_failures,
-    }
-
-
 def _label(key: str | None) -> str | None:
     return None if key is None else finding_label(key, JournalNamer())
 
@@ -203,13 +165,12 @@ def _ladders(plan: Mapping[str, object], offset: float | None) -> list[dict[str,
         total = len(steps) if isinstance(steps, list) else None
         step = as_count(lad.get("step"))
         nxt: str | None = None
-        if isinstance(steps, list) and total is not None and step is not None and step <= total:
-            if step == total:
-                nxt = "end"
-            else:
-                pair = steps[step]
-                signal = pair[0] if isinstance(pair, list) and len(pair) == 2 else 0
-                nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
+        if isinstance(steps, list) and step is not None and step < len(steps):
+            pair = steps[step]
+            signal = pair[0] if isinstance(pair, list) and len(pair) == 2 else 0
+            nxt = signal if isinstance(signal, str) else ("report" if signal is None else None)
+        elif step is not None and step == total:
+            nxt = "end"
         row = pick(lad, LADDER)
         out.append(
             {
@@ -232,12 +193,11 @@ def _pending(
 ) -> list[dict[str, object]]:
     """Confirmation windows and delays not already shown as a ladder's next step."""
     laddered = {lad["finding"] for lad in ladders if lad["status"] == LadderStatus.ACTIVE}
-    out: list[dict[str, object]] = []
-    for key, raw in sorted(as_map(plan.get("waiting")).items()):
-        if key in laddered:
-            continue
-        out.append({"finding": key, "label": _label(key), "due": _wall(offset, as_number(raw))})
-    return out
+    return [
+        {"finding": key, "label": _label(key), "due": _wall(offset, as_number(raw))}
+        for key, raw in sorted(as_map(plan.get("waiting")).items())
+        if key not in laddered
+    ]
 
 
 def _verdict(raw: object) -> dict[str, object] | None:
@@ -280,26 +240,12 @@ def _actions(raw: object) -> list[dict[str, object]]:
     return out
 
 
-def _reset_in_progress(record: Mapping[object, object]) -> dict[str, object]:
-    recovery = as_map(record.get("recovery"))  # a MIG GPU instance's re-creation
-    return {
-        "gpu": as_text(record.get("uuid")),
-        **pick(record, {"pci_bus_id": as_text, "step": as_text, "since": as_number}),
-        "instance": as_text(recovery.get("mig_uuid")),
-        "gi": as_int(recovery.get("gi")),
-    }
-
-
 def _times(raw: object) -> dict[str, float]:
     return {k: t for k, v in as_map(raw).items() if (t := as_number(v)) is not None}
 
 
 def _resets(
-    plan: Mapping[str, object],
-    in_progress: Mapping[str, object] | None,
-    policy: Policy,
-    wall: float,
-    modes: Mapping[str, object],
+    plan: Mapping[str, object], record: object, policy: Policy, wall: float, dry: bool
 ) -> dict[str, object]:
     reset = policy.reset
     last, last_dry = _times(plan.get("last_reset")), _times(plan.get("last_dry_reset"))
@@ -309,19 +255,24 @@ def _resets(
             gpu, at = as_text(pair[0]), as_number(pair[1])
             if gpu is not None and at is not None:
                 history.setdefault(gpu, []).append(at)
-    # As plan gates it: in dry-run (configured or forced), a dry-run reset starts a cooldown too.
-    dry = modes["mode"] == "dry-run" or modes["effective_mode"] == "forced-dry-run"
+    in_progress = None
+    if isinstance(record, Mapping):
+        recovery = as_map(record.get("recovery"))  # a MIG GPU instance's re-creation
+        in_progress = {
+            "gpu": as_text(record.get("uuid")),
+            **pick(record, {"pci_bus_id": as_text, "step": as_text, "since": as_number}),
+            "instance": as_text(recovery.get("mig_uuid")),
+            "gi": as_int(recovery.get("gi")),
+        }
     gpus = []
     for gpu in sorted(set(last) | set(last_dry) | set(history)):
         times = sorted(history.get(gpu, []))
         window = [t for t in times if wall - t < reset.window]
-        latest = last.get(gpu)
-        if dry and gpu in last_dry:
-            latest = max(latest if latest is not None else -math.inf, last_dry[gpu])
+        ends = [t for t in (last.get(gpu), last_dry.get(gpu) if dry else None) if t is not None]
+        latest = max(ends, default=None)
         # The limit lifts when enough of the resets in the window have aged out of it.
-        limit_lifts: float | None = None
-        if reset.max_resets >= 1 and len(window) >= reset.max_resets:
-            limit_lifts = window[len(window) - reset.max_resets] + reset.window
+        most = reset.max_resets
+        limit_lifts = window[-most] + reset.window if 1 <= most <= len(window) else None
         gpus.append(
             {
                 "gpu": gpu,
@@ -338,21 +289,14 @@ def _resets(
         "cooldown": reset.cooldown,
         "max_resets": reset.max_resets,
         "window": reset.window,
-        "in_progress": None if in_progress is None else dict(in_progress),
+        "in_progress": in_progress,
         "gpus": gpus,
     }
 
 
-def _attention(
-    *,
-    kill_cap: Mapping[str, object],
-    breaker: Mapping[str, object],
-    nvml_state: str | None,
-    nvml_error: str | None,
-    rejected: Mapping[str, object] | None,
-    ladders: Sequence[Mapping[str, object]],
-) -> list[str]:
-    """What needs a human (said even when the daemon is no longer running)."""
+def _attention(doc: Mapping[str, Any], rejected: Mapping[str, object] | None) -> list[str]:
+    """What needs a human in the document ``doc`` (said even when the daemon is gone)."""
+    kill_cap, breaker, nvml = doc["kill_cap"], doc["circuit_breaker"], doc["nvml"]
     out = []
     if kill_cap["latched"]:
         why = f" ({kill_cap['reason']})" if kill_cap["reason"] else ""
@@ -365,10 +309,10 @@ def _attention(
         failures = breaker["failures"]
         after = f" after {failures} failed reset(s)" if failures is not None else ""
         out.append(f"reset circuit breaker open{after}; clear with `{CLEAR_LATCHES}`")
-    if nvml_state == "wedged":
+    if nvml["state"] == "wedged":
         out.append("NVML wedged: the driver did not answer (drain and reboot if it persists)")
-    elif nvml_state == "unavailable":
-        why = f": {nvml_error}" if nvml_error else ""
+    elif nvml["state"] == "unavailable":
+        why = f": {nvml['error']}" if nvml["error"] else ""
         out.append(f"NVML unavailable{why}: no GPU is watched")
     if rejected is not None:
         error = as_text(rejected.get("error")) or "unknown error"
@@ -383,21 +327,8 @@ def _attention(
                 f"policy files rejected ({error}); the running policy stays in force: fix "
                 "them (`gpuwatchd check-config`), then reload"
             )
-    stuck = [lad for lad in ladders if lad["status"] == LadderStatus.STUCK]
+    stuck = [lad for lad in doc["ladders"] if lad["status"] == LadderStatus.STUCK]
     if stuck:
         pids = ", ".join(str(lad["pid"] if lad["pid"] is not None else "?") for lad in stuck)
         out.append(f"target(s) stuck in D state (pid {pids}): needs drain/reboot")
-    return out
-
-
-def with_document(
-    state: Mapping[str, object], *, policy: Policy, wall: float, monotonic: float | None
-) -> dict[str, object]:
-    """``state`` with its ``status.document`` worked out (:func:`build_document`), as the
-    daemon writes it; a state with no status section is returned as it is."""
-    out = dict(state)
-    status = state.get("status")
-    if isinstance(status, Mapping):
-        doc = build_document(state, policy=policy, wall=wall, monotonic=monotonic)
-        out["status"] = {**status, "document": doc}
     return out

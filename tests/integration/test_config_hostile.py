@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwatchd.config import schema
+from gpuwatchd.config.keys import SECTIONS, Bound, Nested, Section
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
@@ -469,35 +470,51 @@ def test_huge_values_are_config_errors_not_overflows(text: str, key: str) -> Non
     assert err.key == key
 
 
+def bounded_keys() -> list[tuple[str, Bound]]:
+    """Every bounded key of the key table, with its documented path (``rules[].for``,
+    ``hooks[].timeout``)."""
+    found: list[tuple[str, Bound]] = []
+
+    def walk(section: Section, prefix: str) -> None:
+        for key in section.keys:
+            if isinstance(key.value, Nested):
+                nested = SECTIONS[key.value.section]
+                if nested.name == "hook":
+                    continue  # listed once, as hooks[]
+                inner = prefix if key.value.flatten else f"{prefix}{key.name}"
+                inner += "[]." if key.value.many else ("" if key.value.flatten else ".")
+                walk(nested, inner)
+            elif key.value.bound is not None:
+                found.append((prefix + key.name, key.value.bound))
+
+    walk(SECTIONS[""], "")
+    walk(SECTIONS["hook"], "hooks[].")
+    return found
+
+
 def test_every_duration_bound_fits_the_daemons_timers() -> None:
     """What passes check-config can be slept on, polled with and added to a monotonic clock."""
-    from gpuwatchd.config.keys import bounded_keys
-
-    for bound in bounded_keys():
+    for key, bound in bounded_keys():
         if bound.unit == "duration":
-            assert bound.highest * 1000 < 2**31 - 1, bound.key  # poll(2) milliseconds
+            assert bound.highest * 1000 < 2**31 - 1, key  # poll(2) milliseconds
             assert bound.highest < threading.TIMEOUT_MAX
             assert time.monotonic() + bound.highest > time.monotonic()
 
 
 def test_nvml_timeout_stays_well_under_the_units_watchdog() -> None:
-    from gpuwatchd.config.keys import bounded_keys
-
     unit = (REPO / "systemd" / "gpuwatchd.service").read_text()
     watchdog = re.search(r"^WatchdogSec=(\d+)s$", unit, re.M)
     assert watchdog is not None
-    (nvml,) = [b for b in bounded_keys() if b.key == "nvml_timeout"]
+    (nvml,) = [b for key, b in bounded_keys() if key == "nvml_timeout"]
     assert nvml.highest <= int(watchdog.group(1)) * 2 / 3
 
 
 def test_the_bounds_tables_in_the_policy_doc_and_man_page_match_the_schema() -> None:
-    from gpuwatchd.config.keys import bounded_keys
-
     doc = (REPO / "docs" / "policy.md").read_text()
     section = doc.split("## Bounds", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z_.\[\]]+)` +\| ([^|]+?) +\| ([^|]+?) +\|", section, re.M)
     documented = {key: (low, high) for key, low, high in rows}
-    expected = {b.key: (b.lowest_text, b.highest_text) for b in bounded_keys()}
+    expected = {key: (b.lowest_text, b.highest_text) for key, b in bounded_keys()}
     assert documented == expected
     man = (REPO / "docs" / "man" / "gpuwatchd.yaml.5").read_text()
     limits = man.split(".SH LIMITS", 1)[1].split(".SH ", 1)[0]

@@ -30,8 +30,8 @@ from gpuwatchd.decide.targets import refusal
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
 from gpuwatchd.state.spares import cancel_spare, parse_target, read_spares, write_spare
-from gpuwatchd.state.status_document import with_document
 from tests.support.plancases import orphan, policy, proc, signals, snap
+from tests.support.statusrig import with_document
 
 NOW = 1_800_000_000.0
 DAY = 86400.0

@@ -99,7 +99,7 @@ def test_a_gpuwatchd_that_holds_no_lock_hides_nothing(tmp_path: Path, state: Sta
     process named gpuwatchd (anyone may name one so) is an ordinary process."""
     proc, _worker, _other = _start(tmp_path, "-")
     try:
-        state.write_json("state.json", {"status": {"pid": proc.pid}})
+        state.write("state.json", json.dumps({"status": {"pid": proc.pid}}).encode())
         assert state.lock_holder() is None
         policy = Policy()
         assert running_daemon(policy, state, procfs_for(policy)) is None

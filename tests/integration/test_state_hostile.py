@@ -14,8 +14,8 @@ from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.state.directory import StateDir, StateDirError
-from gpuwatchd.state.pause import clear_latches, read_pause, set_pause, take_clear_latches
-from gpuwatchd.state.saved import StateStore, check_state_dir
+from gpuwatchd.state.pause import clear_latches, read_pause_switch, set_pause, take_clear_latches
+from gpuwatchd.state.saved import StateStore
 
 SECRET = "a file the daemon must never touch: hunter2\n"  # noqa: S105 - a marker, no password
 
@@ -45,6 +45,17 @@ def test_a_linked_lock_file_is_refused_and_its_target_left_alone(
 
 def _open(state_dir: Path) -> StateDir:
     return StateDir.open(str(state_dir))
+
+
+def read_pause(directory: StateDir) -> str | None:
+    """The pause reason when paused (``""`` when none was given), else None."""
+    switch = read_pause_switch(directory)
+    return None if switch is None else switch.reason
+
+
+def check_state_dir(path: str, *, euid: int | None = None) -> None:
+    """What the daemon does to its state_dir first: create it (0700), refuse it untrusted."""
+    StateDir.open(path, create=True, euid=euid).close()
 
 
 def test_a_linked_pause_file_is_paused_but_never_read(state_dir: Path, victim: Path) -> None:

@@ -2,7 +2,7 @@
 
 Rendering is tested from hand-written state dicts (the ``plan`` section comes from the real
 ``PlanState.to_json`` so the shape cannot drift) whose status document is worked out the way
-the daemon writes it (:func:`gpuwatchd.state.status_document.with_document`), then rendered; the
+the daemon writes it (:func:`tests.support.statusrig.with_document`), then rendered; the
 exit
 codes through ``main([...])`` with a temporary config whose ``state_dir`` and ``proc_root`` are
 temporary folders.
@@ -37,7 +37,6 @@ from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import StateStore
-from gpuwatchd.state.status_document import with_document
 from tests.support.statusrig import (
     BOOT,
     LADDER,
@@ -48,6 +47,7 @@ from tests.support.statusrig import (
     plan_json,
     run_describe,
     saved,
+    with_document,
 )
 
 # --- the table: state → exit code, health, and what the text says ------------------------------

@@ -3,6 +3,7 @@ tests."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.cli.status import (
@@ -11,7 +12,8 @@ from gpuwatchd.cli.status import (
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.core.vocabulary import LadderStatus
 from gpuwatchd.decide.plan.state import Ladder, PlanState
-from gpuwatchd.state.status_document import with_document
+from gpuwatchd.decide.policy import Policy
+from gpuwatchd.state.status_document import build_document
 
 NOW = 1_800_000_000.0  # wall
 MONO = 50_000.0  # the same instant on the monotonic clock
@@ -32,6 +34,20 @@ LADDER = Ladder(
     dry_run=False,
     started=MONO - 5.0,
 )
+
+
+def with_document(
+    state: Mapping[str, object], *, policy: Policy, wall: float, monotonic: float | None
+) -> dict[str, object]:
+    """``state`` with its ``status.document`` worked out (:func:`build_document`), as the
+    daemon writes it (``Daemon.save_state``); a state with no status section is returned as
+    it is."""
+    out = dict(state)
+    status = state.get("status")
+    if isinstance(status, Mapping):
+        doc = build_document(state, policy=policy, wall=wall, monotonic=monotonic)
+        out["status"] = {**status, "document": doc}
+    return out
 
 
 def plan_json(**changes: object) -> dict[str, object]:

@@ -141,7 +141,7 @@ def test_an_open_state_dir_is_used_through_its_descriptor_when_the_path_is_swapp
     with StateDir.open(str(path)) as directory:
         path.rename(tmp_path / "moved")
         path.symlink_to(elsewhere)
-        directory.write_json("state.json", {"x": 1})
+        directory.write("state.json", b'{"x": 1}')
     assert list(elsewhere.iterdir()) == []
     assert json.loads((tmp_path / "moved" / "state.json").read_text()) == {"x": 1}
 

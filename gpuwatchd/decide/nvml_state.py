@@ -1,12 +1,6 @@
 """NVML's availability as a state with transitions: ``ok``, ``wedged`` (a call missed its
 deadline), ``unavailable`` (library or driver missing, init failed), and since when.
 
-This module owns the state and its one transition function, :func:`next_availability`: each
-poll's reading moves it, from the first failed reading on (so ``gpuwatchd status`` says
-"wedged" from then, not a minute later), and the return to ``ok`` is one event,
-``nvml.recovered``, saying what it was and how long it was gone. The losses themselves are
-logged where they are seen (``nvml.wedged``, ``nvml.unavailable``, ``collect/nvml.py``).
-
 In detail: docs/internals.md, section `gpuwatchd.decide.nvml_state`.
 """
 

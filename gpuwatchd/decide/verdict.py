@@ -1,11 +1,7 @@
-"""The one verdict: may this GPU be handed to a new job?
+"""The one verdict: may this GPU be handed to a new job? And what ``run --once`` makes of it.
 
-This module owns that answer, per GPU, and what ``run --once`` makes of it. Every command that
-answers the question calls :func:`judge` on one poll's snapshot and the assessment of it (the
-findings and holder roles ``scan`` shows): ``check-clean`` (a Slurm prolog, the
-node-problem-detector plugin), ``run --once`` (an epilog: its exit 0), ``scan`` (its
-``verdict``) and the daemon's status. None of them looks at findings itself
-(``tests/unit/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
+``check-clean``, ``run --once``, ``scan`` and the daemon's status all call :func:`judge`, none
+looks at findings itself, so a prolog, an epilog and an admin are told the same.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 """
@@ -47,9 +43,7 @@ _UNKNOWN_KINDS = frozenset(
         LeftoverName.PROCESSES_UNKNOWN.value,
     }
 )
-# What may go away without anyone acting: the driver tears a dead context down a moment after
-# its last holder exits (NVML lists the dead owner, with its memory, until then), a parent
-# reaps its zombie, a holder that exited during the scan is gone at the next one.
+# What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
     | {LeftoverName.LEFTOVER_MEMORY.value, LeftoverName.UNKNOWN_HOLDER.value}
@@ -197,9 +191,7 @@ class _Judge:
         return [u for u in uuids if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
-        """A MIG instance's finding is about its GPU (decide/mig/instances.py): the GPU's UUID for
-        an
-        instance's, any other UUID as it is."""
+        """The GPU's UUID for a MIG instance's (its finding is about its GPU), any other as is."""
         mig = parent_of(self.snapshot, uuid)
         return uuid if mig is None else mig[0].uuid
 
@@ -412,10 +404,8 @@ def judge(
     *,
     unfinished: Mapping[str, str] | None = None,
 ) -> NodeVerdict:
-    """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
-    exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.passes.assess` of ``snapshot``;
-    ``policy`` gives ``protect`` and the memory margins; ``unfinished`` maps a GPU UUID to why
-    a MIG recovery on it was left half done (``plan_state.unfinished_recoveries``): dirt. Pure."""
+    """Whether each GPU of ``snapshot`` may be handed to a new job, given its ``assessment``;
+    ``unfinished`` maps a GPU UUID to why a MIG recovery on it was left half done: dirt. Pure."""
     return _Judge(snapshot, assessment, policy).verdict(unfinished or {})
 
 
@@ -434,18 +424,9 @@ class OnceStep(str, enum.Enum):
 
 
 def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, list[str]]:
-    """Whether ``run --once`` is done, and what is left (one line each: ``busy`` first, then
-    each GPU that is not clean with its reasons' kinds and PIDs).
-
-    ``busy`` describes what the acting side still has under way for the findings ``run
-    --once`` watches (a ladder, a confirmation window, a reset). Done means nothing is under
-    way and every GPU is clean: the memory is back and NVML lists no dead owner. With nothing
-    under way, a GPU whose reasons include one that does not settle by itself (a leftover
-    process nobody acts on, a lost GPU, the driver asking for a reset) will not get clean by
-    waiting; when every GPU that is not clean is such a GPU, the answer is STUCK at once.
-    Otherwise (the driver is still tearing a dead context down) WAIT. ``verdict`` must have
-    been judged (``unavailable`` None).
-    """
+    """Whether ``run --once`` is done, and what is left (``busy``, what the acting side has
+    under way, first; then each GPU that is not clean). STUCK at once when nothing is under way
+    and every such GPU has a reason that does not settle by itself; ``verdict`` was judged."""
     dirty = [g for g in verdict.gpus if not g.clean]
     left = [*busy, *(_summary(g) for g in dirty)]
     if not busy and not dirty:

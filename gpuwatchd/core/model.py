@@ -192,8 +192,12 @@ class DeviceHolding:
 
     def via(self, minor: int) -> tuple[str, ...]:
         """How this process holds GPU ``minor``: ("fd",), ("map",) or both."""
-        routes = (("fd", self.gpu_minors_fd), ("map", self.gpu_minors_map))
-        return tuple(route for route, minors in routes if minor in minors)
+        routes = []
+        if minor in self.gpu_minors_fd:
+            routes.append("fd")
+        if minor in self.gpu_minors_map:
+            routes.append("map")
+        return tuple(routes)
 
 
 @dataclass(frozen=True)

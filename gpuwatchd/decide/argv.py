@@ -20,8 +20,7 @@ ARGV_PLACEHOLDERS = (
 )
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
 GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
-# Hooks also know the node (``{hostname}``: to name it to a scheduler or in a message) and, for
-# an action on a process, the user who owned it (``{user}``: to tell them).
+# Hooks also know the node and, for an action on a process, the user who owned it.
 HOOK_PLACEHOLDERS = (*GPU_PLACEHOLDERS, "hostname", "user")
 # A MIG recovery command names the parent GPU by its stable names, and the GPU instance.
 MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "placement")

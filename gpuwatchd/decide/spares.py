@@ -30,8 +30,7 @@ def spare_text(spare: Spare) -> str:
     return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
-# slurmstepd's process title: "slurmstepd: [42.batch]", "[42.0]", "[42.extern]" (the job id
-# and its dot are enough: the title is cut to the length of slurmstepd's own argv area).
+# slurmstepd's process title, "slurmstepd: [42.batch]" (cut short: the job id and dot suffice).
 _STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.")
 _MAX_TREE_DEPTH = 64
 

@@ -148,8 +148,7 @@ class _Judge:
         or a process ``protect`` names), as the reset blocker it still is. None: it is dirt."""
         pid = finding.pid
         if pid is None:
-            # About the GPU itself (memory, the driver's word, a GPU-level hidden_holder after
-            # a reset refused as in use): no process to excuse, so it is dirt.
+            # About the GPU itself: no process to excuse, so it is dirt.
             return None
         role = self.role(uuid, pid)
         proc = self.process(pid)
@@ -175,8 +174,7 @@ class _Judge:
             and evidence.get("likely_heir") is not True
             and evidence.get("undecided") is not True
         ):
-            # Holds the device without a context and nothing ties it to memory left behind
-            # (what a dead job left shows as memory, on this GPU): it only blocks a reset.
+            # Holds the device, nothing ties it to memory left behind: it only blocks a reset.
             return Reason(HolderRoleName.HIDDEN.value, pid, f"pid {pid} ({name}): {finding.reason}")
         return None
 

@@ -129,9 +129,7 @@ class ProcessInfo:
 
     @cached_property
     def identity(self) -> ProcessIdentity | None:
-        if self.start_ticks is None:
-            return None
-        return ProcessIdentity(self.pid, self.start_ticks)
+        return None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks)
 
     @property
     def is_zombie(self) -> bool:

@@ -98,10 +98,8 @@ class Hook:
 
 @dataclass(frozen=True)
 class Step:
-    """One rung of a rule's ladder: send ``signal`` (a name such as "SIGTERM"), then wait.
-
-    ``signal`` None means "report only" (log that the rule matched; act on nothing).
-    """
+    """One rung of a rule's ladder: send ``signal`` (a name such as "SIGTERM"; None: report
+    only), then wait."""
 
     signal: str | None
     wait: float
@@ -109,12 +107,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Rule:
-    """Selects findings by kind and optional filters; acts through ordered steps.
-
-    Filters that are empty match everything; ``for_`` is how long the finding must have lasted
-    (its confirmation window). Patterns: ``commands`` are regexes searched in the joined
-    command line; ``users``, ``units``, ``cgroups`` and ``jobs`` are shell-style globs.
-    """
+    """Selects findings by kind, confirmation window (``for_``) and filters (empty: any;
+    ``commands`` regexes, the others globs); acts through ordered steps."""
 
     name: str
     kind: FindingKind

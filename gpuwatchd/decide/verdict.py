@@ -43,6 +43,8 @@ _UNKNOWN_KINDS = frozenset(
         LeftoverName.PROCESSES_UNKNOWN.value,
     }
 )
+_UNLISTED = "NVML could not list its processes"
+_NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
 # What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
@@ -162,12 +164,8 @@ class _Judge:
             return Reason(_MANAGEMENT, pid, f"pid {pid} ({name}): infrastructure")
         matched = None if proc is None else protect_match(proc, self.policy)
         if matched is not None:
-            return Reason(
-                _PROTECTED,
-                pid,
-                f"pid {pid} ({name}): protected, {matched} ({finding.kind.value}: "
-                f"{finding.reason})",
-            )
+            why = f"{finding.kind.value}: {finding.reason}"
+            return Reason(_PROTECTED, pid, f"pid {pid} ({name}): protected, {matched} ({why})")
         evidence = finding.evidence
         if (
             finding.kind is FindingKind.HIDDEN_HOLDER
@@ -211,54 +209,40 @@ class _Judge:
                 self.reasons[uuid].append(Reason(kind, finding.pid, finding.reason))
 
     def add_unknowns(self) -> None:
-        snapshot = self.snapshot
-        own = snapshot.self_pids
-        unreadable = sorted(
-            pid
-            for pid in snapshot.holders.unreadable - own
-            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
-        )
+        unread = self.unreadable()
         for gpu in self.gpus:
             reasons = self.reasons[gpu.uuid]
             if gpu.lost:
-                reasons.insert(
-                    0, Reason(LeftoverName.LOST, None, gpu.error or "NVML reports the GPU lost")
-                )
+                lost = gpu.error or "NVML reports the GPU lost"
+                reasons.insert(0, Reason(LeftoverName.LOST, None, lost))
                 continue
             if gpu.processes is None:
-                reasons.append(
-                    Reason(
-                        LeftoverName.PROCESSES_UNKNOWN, None, "NVML could not list its processes"
-                    )
-                )
+                reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             if gpu.minor is None:
-                reasons.append(
-                    Reason(
-                        LeftoverName.UNKNOWN_HOLDER,
-                        None,
-                        "its minor number is unknown: who holds its device file cannot be told",
-                    )
-                )
+                reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
             for role in self.assessment.roles:
                 if role.gpu == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
                     reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
-            if unreadable:
-                shown = ", ".join(str(pid) for pid in unreadable[:8])
-                more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
-                capped = len(snapshot.holders.thread_tables_unread.intersection(unreadable))
-                why = (
-                    f" ({capped} with more threads' own fd tables than a scan reads)"
-                    if capped
-                    else ""
-                )
-                reasons.append(
-                    Reason(
-                        LeftoverName.UNREADABLE,
-                        unreadable[0],
-                        f"the fds/maps of PID(s) {shown}{more} could not be read{why}: what "
-                        "they hold is unknown",
-                    )
-                )
+            if unread is not None:
+                reasons.append(unread)
+
+    def unreadable(self) -> Reason | None:
+        """The processes (infrastructure aside) whose fds or maps could not be read: what they
+        hold is unknown, on every GPU."""
+        holders = self.snapshot.holders
+        pids = sorted(
+            pid
+            for pid in holders.unreadable - self.snapshot.self_pids
+            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
+        )
+        if not pids:
+            return None
+        shown = ", ".join(str(pid) for pid in pids[:8])
+        more = f" and {len(pids) - 8} more" if len(pids) > 8 else ""
+        capped = len(holders.thread_tables_unread.intersection(pids))
+        why = f" ({capped} with more threads' own fd tables than a scan reads)" if capped else ""
+        text = f"the fds/maps of PID(s) {shown}{more} could not be read{why}"
+        return Reason(LeftoverName.UNREADABLE, pids[0], f"{text}: what they hold is unknown")
 
     def add_memory(self, gpu: GpuInfo) -> None:
         """``leftover_memory``: allocated memory above the idle baseline plus the margin that
@@ -303,15 +287,10 @@ class _Judge:
         if excess <= margin:
             return
         owners = f", {_mib(accounted)} of it live processes'" if live else ""
-        self.reasons[gpu.uuid].append(
-            Reason(
-                LeftoverName.LEFTOVER_MEMORY,
-                None,
-                f"{_mib(value)} allocated{owners}: {_mib(excess)} above its "
-                f"{'learned' if learned else 'default'} idle baseline that no live process "
-                "accounts for",
-            )
-        )
+        which = "learned" if learned else "default"
+        text = f"{_mib(value)} allocated{owners}: {_mib(excess)} above its {which} idle baseline"
+        text += " that no live process accounts for"
+        self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
 
     def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
         """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not

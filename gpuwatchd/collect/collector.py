@@ -405,7 +405,6 @@ def _snapshot(
         pid_max=c.procfs.pid_max(),
         host_namespaces=c.procfs.sees_host_namespaces() if c.namespace_check else True,
         mps_server_running=any(mps_server(p) for p in processes.values()),
-        nvidia_uvm_major=scanner.uvm_major(),
         ended_job_dirs=jobs.ended_dirs,
         handovers=dict(c.ended_by_scheduler),
         job_stepds=jobs.stepds,

@@ -143,10 +143,8 @@ class Value:
         return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
 
     def integer(self, key: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
-        value = self[key].raw
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            return None
-        return value
+        value = as_int(self[key].raw)
+        return value if value is not None and low <= value <= high else None
 
     def number(self, key: str) -> float | None:
         return as_number(self[key].raw)

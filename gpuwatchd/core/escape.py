@@ -1,11 +1,8 @@
 """Making untrusted text safe for one line of a log or a terminal: one rule for every output.
 
-Command lines, cgroup paths, process names and pause reasons come from users. Shown raw, a
-newline, a carriage return, an ANSI escape, a C1 control (U+0085 is a "next line" to some
-viewers) or a Unicode line or paragraph separator (U+2028, U+2029) could forge a log line or
-repaint a terminal. :func:`escape` turns every character that is not printable into a visible
-escape (``\\n``, ``\\x1b``, ``\\u2028``); printable text passes unchanged. Used by the log
-renderers, the ``scan`` text view, ``explain`` and ``simulate``. Pure.
+Users' text (command lines, cgroup paths, names, reasons) shown raw could forge a log line or
+repaint a terminal with a newline, an ANSI escape, a C1 control or U+2028: :func:`escape` shows
+every character that is not printable as a visible escape. Pure.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Plain, frozen data that flows from collection to decisions: the snapshot and the findings.
 
-This module owns the vocabulary every other module speaks: what a GPU reading, a host process,
-a device holder and a finding look like. It does no I/O and imports nothing from the rest of
-the package. ``None`` always means *unknown*, and an unknown value never satisfies a condition
-that leads to an action (docs/architecture.md).
+What a GPU reading, a host process, a device holder and a finding look like. No I/O, no
+imports from the package. ``None`` always means *unknown* (docs/internals.md, section
+`gpuwatchd.core.model`).
 """
 
 from __future__ import annotations
@@ -54,11 +53,8 @@ class FindingKind(str, enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class ProcessIdentity:
-    """A process as it can be told apart from a later one reusing its PID.
-
-    ``start_ticks`` is field 22 of ``/proc/PID/stat`` (clock ticks since boot), never a float
-    time, which would shift when the wall clock is stepped.
-    """
+    """A process as it can be told apart from a later one reusing its PID (``start_ticks``:
+    field 22 of ``/proc/PID/stat``, clock ticks since boot)."""
 
     pid: int
     start_ticks: int
@@ -79,19 +75,13 @@ class CgroupInfo:
     slurm_step: str | None = None
     systemd_unit: str | None = None
     slurm_job_dir: str | None = None  # the ``…/job_<ID>`` part of ``path`` (collect/cgroups.py)
-    # systemd's delegation mark (xattr ``trusted.delegate`` / ``user.delegate``) on this cgroup
-    # or one above it: True, marked (a Delegate= unit: whoever it was delegated to may place
-    # processes and make cgroups below it); False, every level read and none marked; None,
-    # not read (read only where the floor asks, collect/cgroups.py ``delegation_mark``).
+    # systemd's delegation mark on this cgroup or one above it; None: not read.
     delegated: bool | None = None
 
     @property
     def job_key(self) -> str | None:
-        """The job-level group this cgroup belongs to, or None when it names no job.
-
-        The root cgroup, user slices and login-session scopes are shared by unrelated processes,
-        so they never make two processes part of the same job (docs/design-notes.md §4).
-        """
+        """The job-level group this cgroup belongs to, or None (never a shared slice or a login
+        session: docs/design-notes.md §4)."""
         if self.slurm_job is not None:
             return f"slurm:{self.slurm_job}"
         if self.pod_uid is not None:
@@ -110,15 +100,9 @@ class CgroupInfo:
 
 @dataclass(frozen=True)
 class ProcessInfo:
-    """Facts about one host process, read from ``/proc``. Any field may be None (unknown).
-
-    ``state`` is the one-letter state from ``/proc/PID/stat`` ("R", "S", "D", "Z", ...).
-    ``cmdline`` is empty for kernel threads and zombies, None when it could not be read.
-    ``exe_trusted`` says whether the running executable (``/proc/PID/exe``, resolved) is a
-    regular file owned by root and writable by neither group nor others, in a directory that
-    is too: something only root can have put there. It is read only for processes that go by
-    an infrastructure name (``decide/floor.py``); None when not read or unreadable.
-    """
+    """Facts about one host process, read from ``/proc``. Any field may be None (unknown);
+    ``exe_trusted``: the executable is something only root can have put there (read only for
+    infrastructure names, docs/internals.md, section `gpuwatchd.core.model`)."""
 
     pid: int
     start_ticks: int | None
@@ -145,9 +129,7 @@ class ProcessInfo:
 
     @cached_property
     def identity(self) -> ProcessIdentity | None:
-        if self.start_ticks is None:
-            return None
-        return ProcessIdentity(self.pid, self.start_ticks)
+        return None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks)
 
     @property
     def is_zombie(self) -> bool:
@@ -176,13 +158,7 @@ class ProcessInfo:
 @dataclass(frozen=True)
 class MigCapability:
     """One MIG access capability: GPU instance ``gi`` of the GPU with minor ``gpu_minor``, or
-    compute instance ``ci`` inside it (None: the GPU instance's own access).
-
-    The driver names them ``gpu<minor>/gi<id>/access`` and ``gpu<minor>/gi<id>/ci<id>/access``
-    in ``/proc/driver/nvidia-caps/mig-minors`` (with each one's ``nvidia-cap`` device minor),
-    and as files under ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/`` when the capability
-    device nodes are off (docs/findings.md#mig).
-    """
+    compute instance ``ci`` inside it (None: the GPU instance's own; docs/findings.md#mig)."""
 
     gpu_minor: int
     gi: int
@@ -195,14 +171,9 @@ class MigCapability:
 
 @dataclass(frozen=True)
 class DeviceHolding:
-    """Which NVIDIA device files one process holds, and how.
-
-    ``gpu_minors_fd`` / ``gpu_minors_map`` are the minors of ``/dev/nvidiaN`` held through an
-    open fd / a memory mapping. ``ctl`` and ``uvm`` say whether ``/dev/nvidiactl`` and
-    ``/dev/nvidia-uvm`` are held (by either route). MIG: ``cap_minors_fd`` / ``cap_minors_map``
-    are the minors of the ``/dev/nvidia-caps/nvidia-cap<N>`` files it holds, ``cap_files`` the
-    capabilities it holds as procfs files (the form without capability device nodes).
-    """
+    """Which NVIDIA device files one process holds, through an fd or a mapping: the minors of
+    ``/dev/nvidiaN`` and of ``/dev/nvidia-caps/nvidia-cap<N>``, ``nvidiactl``/``nvidia-uvm``,
+    and MIG capabilities held as procfs files (``cap_files``)."""
 
     pid: int
     gpu_minors_fd: frozenset[int] = frozenset()
@@ -229,15 +200,9 @@ class DeviceHolding:
 
 @dataclass(frozen=True)
 class HolderScan:
-    """The result of one scan of ``/proc`` for holders of NVIDIA device files.
-
-    ``unreadable`` lists PIDs whose fds or maps could not be read: unknown, not "holds nothing".
-    ``mode`` is "targeted" (NVML's PIDs and their process trees) or "full" (all of /proc).
-    ``matched_by_name`` lists holders with a mapping identified by its path alone (its device
-    number could not be read), so its GPU minor may be a container's numbering, not the host's.
-    ``thread_tables_unread`` lists the unreadable PIDs whose threads have more fd tables of
-    their own than the scan reads of one process (``collect/holders.THREAD_TABLE_BUDGET``).
-    """
+    """One scan of ``/proc`` for holders of NVIDIA device files, ``mode`` "targeted" or "full".
+    ``unreadable``: PIDs whose fds or maps could not be read (unknown, not "holds nothing");
+    the other sets: docs/internals.md, section `gpuwatchd.core.model`."""
 
     mode: str
     holdings: Mapping[int, DeviceHolding] = field(default_factory=dict)
@@ -251,14 +216,8 @@ class HolderScan:
 
 @dataclass(frozen=True)
 class FileSharing:
-    """Whether a holder's device files are a live context owner's own open file descriptions.
-
-    Two processes share an open file description exactly when one inherited it from the other
-    (fork, or fd passing); ``kcmp(KCMP_FILE)`` answers it. ``shared`` is True when at least one
-    of ``holder``'s device fds is one of ``owner``'s, False when every pair compared differs
-    (the holder opened its own files: a spawn/forkserver worker), None when it could not be
-    told (no CAP_SYS_PTRACE, seccomp, an old kernel, a holder with mappings only).
-    """
+    """Whether a holder's device fds are a live context owner's own open file descriptions
+    (``kcmp(KCMP_FILE)``: inherited by fork or fd passing); None when it could not be told."""
 
     holder: int
     owner: int
@@ -270,12 +229,8 @@ class FileSharing:
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """Memory of one GPU in bytes.
-
-    ``allocated`` = total - free - reserved from the v2 query (what nvidia-smi shows as used).
-    With only the v1 query (``api == "v1"``) the reservation is unknown and so is ``allocated``;
-    ``used_v1`` then carries v1's "used", which includes the reservation.
-    """
+    """Memory of one GPU in bytes: ``allocated`` = total - free - reserved (v2 query); with
+    only the v1 query it is unknown and ``used_v1`` carries v1's "used"."""
 
     total: int | None
     free: int | None
@@ -318,17 +273,9 @@ class XidEvent:
 
 @dataclass(frozen=True)
 class KernelXid:
-    """Xid lines of the kernel log (``collect/kernel_log.py``): one GPU, one Xid number, one
-    process, read in one poll; a run of the same lines is folded into one, with its count.
-
-    ``pci`` is the PCI address as the kernel prints it (``0000:17:00``); ``first``/``last`` the
-    wall times of the first and last line folded in, ``position`` the last line's kernel
-    timestamp (microseconds since boot: where a restarted daemon resumes). ``before_start``:
-    the lines were logged before the daemon started. ``pid``/``process`` are what the driver
-    printed (None when it printed none); ``job`` the process's job (its cgroup's job key) when
-    it still lives, was started before the Xid, and goes by that name; ``text`` the rest of
-    the first line, cut short.
-    """
+    """Xid lines of the kernel log (``collect/kernel_log.py``) for one GPU, Xid number and
+    process in one poll, a run folded into one with its count (fields: docs/internals.md,
+    section `gpuwatchd.core.model`)."""
 
     pci: str
     xid: int
@@ -345,19 +292,9 @@ class KernelXid:
 
 @dataclass(frozen=True)
 class GpuHealth:
-    """The health fields of one GPU in one poll (docs/findings.md#gpu-health).
-
-    ``xids`` are the Xid events read since the previous poll (events are consumed once: the
-    history is kept by ``decide/health/judge.py``). ``recovery_action`` is NVML's
-    ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (the field from R565: 0 none, 1 GPU reset, 2 node
-    reboot, 3 drain P2P; 4 drain and reset from R570; 5-7 from R595/R615). ``remap_*`` come
-    from ``nvmlDeviceGetRemappedRows`` (Ampere and later, not under MIG), ``pages_pending``
-    from the retired-page pending status
-    (before Ampere), ``fabric_*`` from ``nvmlDeviceGetGpuFabricInfoV`` (NVSwitch systems; what
-    the values mean is ``decide/health/fabric.py``'s). Each value is None unless its ``*_support``
-    is
-    ``Support.OK``.
-    """
+    """The health fields of one GPU in one poll (docs/findings.md#gpu-health): each value is
+    None unless its ``*_support`` is ``Support.OK`` (sources: docs/internals.md, section
+    `gpuwatchd.core.model`)."""
 
     events: Support = Support.UNKNOWN
     xids: tuple[XidEvent, ...] = ()
@@ -372,9 +309,6 @@ class GpuHealth:
     pages_single_bit: int | None = None
     pages_double_bit: int | None = None
     pages_support: Support = Support.UNKNOWN
-    # The NVLink fabric (NVSwitch systems; nvmlDeviceGetGpuFabricInfoV): the registration
-    # state (0 not supported, 1 not started, 2 in progress, 3 completed), the probe's NVML
-    # status (meaningful once completed), the health mask and, from struct v3, the summary.
     fabric_support: Support = Support.UNKNOWN
     fabric_state: int | None = None
     fabric_status: int | None = None
@@ -384,13 +318,8 @@ class GpuHealth:
 
 @dataclass(frozen=True)
 class MigDevice:
-    """One MIG device (a compute instance inside a GPU instance) as NVML reported it.
-
-    ``memory`` is its GPU instance's, which the compute instances of that GPU instance share;
-    ``processes`` its own process list (None: unreadable). ``profile`` is the name's profile
-    part (``1g.10gb``, ``1c.3g.40gb``); ``gi_profile_id`` and ``placement`` (start, size) are
-    what re-creating the GPU instance in the same place needs. Any value may be None (unknown).
-    """
+    """One MIG device (a compute instance inside a GPU instance) as NVML reported it; ``memory``
+    is its GPU instance's, shared by its compute instances. Any value may be None (unknown)."""
 
     index: int
     uuid: str | None
@@ -407,13 +336,8 @@ class MigDevice:
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as NVML reported it in one poll.
-
-    ``lost`` means the GPU stopped answering (fell off the bus, GPU_IS_LOST); its other values
-    are then whatever was read before. ``processes`` is None when the list could not be read.
-    ``numa_node`` is set only on coherent-memory systems (Grace Hopper/Blackwell), where pages
-    stay allocated after exit by design and memory-based detection is off.
-    """
+    """One GPU as NVML reported it in one poll. ``lost``: it stopped answering (its other
+    values are what was read before); ``numa_node``: set only with coherent memory."""
 
     index: int
     uuid: str
@@ -439,13 +363,8 @@ class GpuInfo:
 
     @property
     def reset_needs_nvlink_peers(self) -> bool | None:
-        """Whether this GPU can only be reset together with its NVLink peers (design-notes §7).
-
-        Volta, and Ampere NVSwitch systems without Fabric Manager, reset all NVLink peers
-        together; Hopper and later reset individually. Whether Fabric Manager runs is not
-        visible here, so an Ampere GPU with active links counts as needing its peers (an admin
-        who knows better sets ``reset.allow_nvlink_group``). None when unknown.
-        """
+        """Whether this GPU can only be reset together with its NVLink peers (Volta, Ampere with
+        active links: docs/design-notes.md §7). None when unknown."""
         if self.nvlink_active is None:
             return None
         if self.nvlink_active == 0:
@@ -457,11 +376,8 @@ class GpuInfo:
 
 @dataclass(frozen=True)
 class NvmlReading:
-    """What the NVML worker returned for one poll.
-
-    ``available`` is False when the library or driver is missing or init failed; ``wedged`` is
-    True when a call missed its deadline (the driver may be hung in the kernel).
-    """
+    """What the NVML worker returned for one poll: ``available`` False when the library or
+    driver is missing or init failed; ``wedged`` when a call missed its deadline."""
 
     available: bool
     wedged: bool = False
@@ -475,14 +391,8 @@ class NvmlReading:
 
 @dataclass(frozen=True)
 class Spare:
-    """An administrator's ``gpuwatchd spare``: leave one process, or every process of one job,
-    alone until wall time ``until`` (``gpuwatchd/state/spares.py`` keeps them, ``decide/spares.py``
-    says what they cover).
-
-    ``target`` is ``pid:N`` or ``job:KEY`` (``KEY`` as ``CgroupInfo.job_key`` spells it). A
-    process is named by PID *and* start ticks (``pid``, ``start_ticks``), so a later process
-    reusing the PID is not spared; a job by ``job``.
-    """
+    """An administrator's ``gpuwatchd spare`` of ``target``, ``pid:N`` (by PID and start ticks)
+    or ``job:KEY``, until wall time ``until`` (docs/internals.md, `gpuwatchd.decide.spares`)."""
 
     target: str
     until: float
@@ -510,22 +420,8 @@ class SubIdRange:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything one poll learned about the host, frozen. Decisions read only this.
-
-    ``processes`` holds the facts of every PID that matters this poll (NVML's PIDs, device
-    holders, their parents and process-tree relatives). ``self_pids`` are the daemon's own
-    processes (itself, its NVML worker), never holders or targets. ``host_namespaces`` is False
-    when the daemon does not see the host PID and cgroup namespaces (then NVML's PIDs point at
-    the wrong processes and everything is report-only).
-
-    Jobs that are over (``collect/jobs.py``): ``ended_job_dirs`` are the Slurm job cgroup
-    directories (as ``/proc/PID/cgroup`` spells them) judged ended at the scheduler's own,
-    root-owned location; ``handovers`` maps a job key (``CgroupInfo.job_key``) the scheduler
-    said has ended (``run --once --ended-job``) to when it said so, in clock ticks since boot
-    (the unit of ``ProcessInfo.start_ticks``; None when unknown: it then covers no process);
-    ``job_stepds`` maps a job key to the start ticks of the youngest live ``slurmstepd``
-    serving it.
-    """
+    """Everything one poll learned about the host, frozen. Decisions read only this (its
+    fields: docs/internals.md, section `gpuwatchd.core.model`)."""
 
     monotonic: float
     wall_time: float
@@ -537,24 +433,15 @@ class Snapshot:
     pid_max: int = 4194304
     host_namespaces: bool | None = True
     mps_server_running: bool = False
-    nvidia_uvm_major: int | None = None
     ended_job_dirs: frozenset[str] = frozenset()
     handovers: Mapping[str, int | None] = field(default_factory=dict)
     job_stepds: Mapping[str, int] = field(default_factory=dict)
-    # Inheritance evidence (collect/inherit.py): session/process-group leaders of holders
-    # looked up this poll and found not to exist, and kcmp answers for holder/owner pairs.
     absent_pids: frozenset[int] = frozenset()
     file_sharing: tuple[FileSharing, ...] = ()
-    # ``gpuwatchd spare``: processes and jobs an administrator asked to leave alone for a while.
     spares: tuple[Spare, ...] = ()
-    # MIG (collect/mig.py): nvidia-cap device minor → the capability it grants, from the
-    # mig-minors file; None when not read (no GPU has MIG on) or unreadable (``mig_caps_error``).
     mig_caps: Mapping[int, MigCapability] | None = None
     mig_caps_error: str | None = None
-    # /etc/subuid (collect/subids.py): the sub-uid ranges users own (rootless containers run
-    # their users there); the kill cap counts such a process against the range's owner.
     subuid_ranges: tuple[SubIdRange, ...] = ()
-    # Xids read from the kernel log this poll (collect/kernel_log.py), health.kernel_log.
     kernel_xids: tuple[KernelXid, ...] = ()
 
     def gpu_by_minor(self, minor: int) -> GpuInfo | None:
@@ -569,13 +456,8 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Finding:
-    """One conclusion about the host, with the evidence that justified it.
-
-    ``gpu`` is the GPU's UUID (None only for findings that concern no single GPU); ``pid`` and
-    ``start_ticks`` are None for GPU-level findings (ghost_memory, unaccounted_memory).
-    ``memory`` is the GPU memory in bytes the finding is about, when known. ``evidence`` holds
-    plain JSON-able values (ints, strings, lists), logged and printed as they are.
-    """
+    """One conclusion about the host, with its evidence (plain JSON-able values). ``pid`` and
+    ``start_ticks`` are None for GPU-level findings; ``gpu`` only for none about one GPU."""
 
     kind: FindingKind
     gpu: str | None

@@ -1,10 +1,6 @@
-"""Where an installed gpuwatchd keeps its files unless the policy says otherwise.
-
-This module owns the two default locations, the main policy file and the state directory, and
-where the NVML worker's files are: the policy (:mod:`gpuwatchd.decide.policy`) takes its
-defaults from here, and so does the command's entry (:mod:`gpuwatchd.cli.entry`), which must
-find a running daemon without importing the policy; the NVML client starts the worker from
-here, and the floor knows another gpuwatchd command's worker by them.
+"""Where an installed gpuwatchd keeps its files unless the policy says otherwise: the policy
+file, the state directory (for the policy and for ``cli/entry.py``, which must not import it)
+and the NVML worker's files (started from here; the floor knows another command's worker).
 """
 
 import os

@@ -21,9 +21,8 @@ class _Name(str, enum.Enum):
 
 
 class Level(_Name):
-    """Log levels: structlog method names, with their journald priority (sd-daemon(3)) and
-    their number in Python's logging. The only definition of levels: the log setup, the lazy
-    loggers and every event's level (``event_catalogue.py``) take them from here."""
+    """Log levels, the only definition: structlog method names, with their journald priority
+    (sd-daemon(3)) and their number in Python's logging."""
 
     DEBUG = "debug"
     INFO = "info"
@@ -99,9 +98,7 @@ class EventName(_Name):
     HEALTH_DRAIN_STARTED = "health.drain_started"
     HEALTH_DRAIN_WAITING = "health.drain_waiting"
     HEALTH_DRAIN_TIMED_OUT = "health.drain_timed_out"
-    HEALTH_XID = (
-        "health.xid"  # decide/health/xid_sources.py: an Xid, once per window with its count
-    )
+    HEALTH_XID = "health.xid"  # decide/health/xid_sources.py
     STATE_BOOT_CHANGED = "state.boot_changed"
     CLOCK_STEPPED_BACK = "clock.stepped_back"
     # carrying out (engine.py, act/)
@@ -259,9 +256,7 @@ class LadderStatus(_Name):
 # Terminal ladders stay while their process lives, so that identity is never signalled again;
 # they leave only by being dropped (the process exited, dry-run ended, a new boot).
 LADDER_TRANSITIONS: Mapping[LadderStatus, frozenset[LadderStatus]] = {
-    LadderStatus.ACTIVE: frozenset(
-        {LadderStatus.ACTIVE, LadderStatus.ENDED, LadderStatus.STUCK, LadderStatus.FAILED}
-    ),
+    LadderStatus.ACTIVE: frozenset(LadderStatus),
     LadderStatus.ENDED: frozenset(),
     LadderStatus.STUCK: frozenset(),
     LadderStatus.FAILED: frozenset(),

@@ -20,8 +20,7 @@ ARGV_PLACEHOLDERS = (
 )
 # Placeholders the reset commands and hooks may use; ``mode`` only the persistence command.
 GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
-# Hooks also know the node (``{hostname}``: to name it to a scheduler or in a message) and, for
-# an action on a process, the user who owned it (``{user}``: to tell them).
+# Hooks also know the node and, for an action on a process, the user who owned it.
 HOOK_PLACEHOLDERS = (*GPU_PLACEHOLDERS, "hostname", "user")
 # A MIG recovery command names the parent GPU by its stable names, and the GPU instance.
 MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "placement")
@@ -68,10 +67,8 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
 LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
 LITERAL_BUS_ID = re.compile(f"(?:{_HEX}{{4,8}}:)?{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]")
 
-# A shell hides what the command does; these are refused wherever they appear in the argv,
-# so also behind any launcher (env, sudo, nice, timeout, systemd-run, xargs, find -exec...).
-# Looking at every argument costs a false alarm for an argument that is just "sh" or "su":
-# the refusal names it, and a root daemon had better ask than run a hidden shell.
+# A shell hides what the command does: refused anywhere in the argv (behind any launcher too),
+# at the cost of a false alarm for an argument that is just "sh" or "su".
 _SHELL = re.compile(
     r"(?:sh|ash|bash|dash|zsh|ksh|ksh93|mksh|oksh|pdksh|yash|posh|rbash|csh|tcsh|fish"
     r"|elvish|xonsh|pwsh|busybox|toybox)[0-9.]*"
@@ -144,15 +141,8 @@ def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> lis
 
 
 def check_value(name: str, value: str) -> str:
-    """``value`` if it is in the documented format of placeholder ``name``, else ValueError.
-
-    ``{uuid}``: an NVML UUID, ``GPU-`` or ``MIG-`` and hex groups; ``{pci_bus_id}``:
-    ``domain:bus:device.function`` in hex with a 4- or 8-digit domain; ``{minor}``: decimal
-    0..255; ``{mode}``: 0 or 1; ``{gi}``, ``{ci}``, ``{profile}``, ``{placement}``: decimal
-    0..99; ``{mig_uuid}``: a ``MIG-`` UUID; ``{hostname}``: RFC 1123 labels; ``{user}``: a
-    plain user name. So a filled-in value can never be a second GPU (no comma), an option
-    (no leading ``-``) or anything but one argument's worth of plain text.
-    """
+    """``value`` if it is in the documented format of placeholder ``name`` (``_VALUE_FORMATS``:
+    never a second GPU, an option or more than one argument's plain text), else ValueError."""
     pattern, description = _VALUE_FORMATS[name]
     if pattern.fullmatch(value) is None or (name == "minor" and int(value) > 255):
         raise ValueError(
@@ -162,14 +152,9 @@ def check_value(name: str, value: str) -> str:
 
 
 def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...]:
-    """Fill the placeholders (``{uuid}``, ``{pci_bus_id}``, ``{minor}``, ``{mode}``,
-    ``{hostname}``, ``{user}``) in each argument.
-
-    ``{{`` and ``}}`` stand for literal braces. An unknown placeholder, a format spec or
-    conversion, a placeholder whose value is missing or None (unknown), or a value that is not
-    in its documented format (:func:`check_value`) raises ValueError: a command is never run
-    with a guessed or malformed argument. Values the template does not use are not checked.
-    """
+    """Fill the placeholders in each argument (``{{``/``}}``: literal braces). ValueError for an
+    unknown placeholder, a spec or conversion, a missing or None value, or one not in its
+    format (:func:`check_value`); values the template does not use are not checked."""
     for given in values:
         if given not in ARGV_PLACEHOLDERS:
             raise ValueError(f"unknown placeholder value {given!r}")
@@ -194,11 +179,8 @@ HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is 
 
 
 def hook_value(value: object) -> str:
-    """A fact as a hook's environment value: every control, separator or format character
-    shown as a visible escape (``\\n``, ``\\x1b``, ``\\u2028``: the log's rule,
-    :func:`gpuwatchd.core.escape.escape`), at most :data:`HOOK_VALUE_LIMIT` characters (a longer
-    one ends in ``...``). A process's name or command line is a user's text: raw, a newline
-    in it could forge a line of the mail or log message a hook writes."""
+    """A fact as a hook's environment value: escaped as the log is (a user's newline must not
+    forge a line of a hook's message), at most :data:`HOOK_VALUE_LIMIT` characters."""
     text = escape(str(value))
     if len(text) > HOOK_VALUE_LIMIT:
         text = text[: HOOK_VALUE_LIMIT - 3] + "..."
@@ -219,12 +201,8 @@ def hook_environment(event: str, **fields: object) -> dict[str, str]:
 
 
 def check_command(argv: Sequence[str], allowed: Sequence[str]) -> None:
-    """Raise :class:`ArgvError` unless ``argv`` is a command the daemon may run as root.
-
-    Refused: an empty command, a NUL in an argument (no exec can pass it), an unknown
-    placeholder or bad braces, and a shell or inline code anywhere in the argv (see
-    :func:`_shell_in`): the command must be visible in the policy, not hidden in a string.
-    """
+    """Raise :class:`ArgvError` unless ``argv`` is a command the daemon may run as root: not
+    empty, no NUL, known placeholders, and no shell or inline code anywhere (:func:`_shell_in`)."""
     if not argv:
         raise ArgvError("the command is empty")
     for arg in argv:
@@ -241,11 +219,8 @@ def check_command(argv: Sequence[str], allowed: Sequence[str]) -> None:
 
 
 def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = HOOK_PLACEHOLDERS) -> None:
-    """:func:`check_command`, and a hook that runs nvidia-smi must name exactly one GPU.
-
-    Without ``-i`` nvidia-smi acts on every GPU, so a hook that calls it is held to the
-    reset command's rule (:func:`check_one_gpu`, placeholders only).
-    """
+    """:func:`check_command`, and a hook that runs nvidia-smi is held to the reset command's
+    rule (:func:`check_one_gpu`, placeholders only): without ``-i`` it acts on every GPU."""
     check_command(argv, allowed)
     if _runs_nvidia_smi(argv):
         check_one_gpu(argv, allowed, require_placeholder=True, what="a hook that runs nvidia-smi")
@@ -258,15 +233,9 @@ def check_one_gpu(
     require_placeholder: bool = True,
     what: str = "the reset command",
 ) -> None:
-    """Raise :class:`ArgvError` unless ``argv`` names exactly one GPU, once, by a stable name.
-
-    The GPU is named by ``{uuid}`` or ``{pci_bus_id}`` (or, unless ``require_placeholder``, a
-    literal UUID or bus id). Refused: no GPU; two GPUs (two names, or a comma list); an index
-    (``{minor}`` or digits as the selector); a second selector in any spelling (``-i X``,
-    ``-iX``, ``--id X``, ``--id=X``), whatever program it is given to; a selector whose value
-    is not exactly the GPU's name; and nvidia-smi without the GPU as its selector (without
-    ``-i`` it acts on every GPU).
-    """
+    """Raise :class:`ArgvError` unless ``argv`` names exactly one GPU, once, by ``{uuid}`` or
+    ``{pci_bus_id}`` (or, unless ``require_placeholder``, a literal one): no index, no comma
+    list, one selector in any spelling, and nvidia-smi only with the GPU as its selector."""
     check_command(argv, allowed)
     mentions = 0
     for arg in argv:
@@ -354,11 +323,8 @@ def _runs_nvidia_smi(argv: Sequence[str]) -> bool:
 
 
 def _shell_in(argv: Sequence[str]) -> str | None:
-    """Why ``argv`` runs a shell or inline code, or None.
-
-    Every argument is looked at, not only the first, so a shell behind a launcher (``env sh
-    -c``, ``sudo sh``, ``timeout 5 sh -c``, ``busybox sh``, ``find -exec sh``) is found too.
-    """
+    """Why ``argv`` runs a shell or inline code, or None: every argument is looked at, so a
+    shell behind a launcher (``env sh -c``, ``find -exec sh``) is found too."""
     for position, arg in enumerate(argv):
         name = _basename(arg)
         where = f"{arg!r}" if position == 0 else f"argument {position} ({arg!r})"
@@ -377,14 +343,9 @@ def _shell_in(argv: Sequence[str]) -> str | None:
 
 
 def _inline_flag(args: Sequence[str], options: _Options) -> str | None:
-    """The option among a program's leading options that runs inline code, or None.
-
-    ``--`` ends the options, not a launcher's operands (``flock -- FILE -c CMD`` runs a
-    shell). A long option without ``=`` may take the next argument as its value (``sudo --user
-    root -s``, ``node --require mod -e``): that argument is never taken for the program, so
-    the options after it are still looked at. A program's own option that looks like its
-    launcher's is then refused too; ``--`` before the program says where it starts.
-    """
+    """The option among a program's leading options that runs inline code, or None. A long
+    option without ``=`` may take the next argument as its value, so the options after it are
+    still looked at (``sudo --user root -s``); ``--`` ends options, not a launcher's operands."""
     position = 0
     operands = options.positional
     while position < len(args):

@@ -1,7 +1,5 @@
 """The floor, and who holds a GPU: one definition for assess, plan, explain and the final scan.
 
-This module owns two questions every layer asks and must answer the same way.
-
 In detail: docs/internals.md, section `gpuwatchd.decide.floor`.
 """
 
@@ -28,11 +26,8 @@ def _name_matches(name: str, names: frozenset[str]) -> bool:
 
 
 def claims_infrastructure(names: Iterable[str]) -> bool:
-    """Whether any of these names (comm, argv[0], the executable's) is an infrastructure name.
-
-    A claim is not an identity: collection reads the executable's ownership only for processes
-    that make one (the check costs two ``stat`` calls).
-    """
+    """Whether any of these names (comm, argv[0], the executable's) is an infrastructure name:
+    a claim, not an identity (collection reads the executable's ownership only for these)."""
     return any(_name_matches(name, FLOOR_PROCESS_NAMES) for name in names)
 
 
@@ -49,13 +44,9 @@ def _is_users_part(part: str) -> bool:
 
 
 def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
-    """Whether only root places processes in ``cgroup``: below ``system.slice`` or
-    ``init.scope``, with no user's subtree (``user@UID.service``, ``user.slice``,
-    ``user-UID.slice``), no Slurm job (``slurmstepd.scope``, whose jobs sit below it), no
-    container or pod on the way, and no systemd delegation mark on it or above it
-    (``CgroupInfo.delegated``: a ``Delegate=`` unit's manager, or the user it runs as, places
-    processes and makes cgroups there). None when the cgroup, or its delegation mark, is
-    unknown: unknown never makes a process trusted."""
+    """Whether only root places processes in ``cgroup`` (below ``system.slice`` or
+    ``init.scope``, no user's subtree, Slurm job, container or delegation mark: the module's
+    section in docs/internals.md). None when the cgroup or its delegation mark is unknown."""
     if cgroup is None:
         return None
     parts = [p for p in cgroup.path.split("/") if p]
@@ -105,11 +96,9 @@ def names_infrastructure_unit(cgroup: CgroupInfo) -> bool:
 
 
 def trusted_identity(proc: ProcessInfo) -> bool | None:
-    """Whether ``proc`` may be believed to be the infrastructure program it runs: a root-owned
-    executable in a root-owned directory (``exe_trusted``), run as root (uid 0) or inside one
-    of that program's own system units (``FLOOR_NAME_UNITS``, :func:`system_cgroup`). A user's
-    run of the genuine program anywhere else (a Slurm job, cron.service, sshd.service) is not.
-    None when a fact it needs is unknown."""
+    """Whether ``proc`` may be believed to be the infrastructure program it runs: a trusted
+    executable run as root or inside one of that program's own system units
+    (``FLOOR_NAME_UNITS``). None when a fact it needs is unknown."""
     if proc.exe_trusted is False:
         return False
     if proc.uid == 0:
@@ -123,11 +112,8 @@ def trusted_identity(proc: ProcessInfo) -> bool | None:
 
 
 def _trusted_name(proc: ProcessInfo, names: frozenset[str]) -> str | None:
-    """The infrastructure name ``proc`` may be believed to go by, or None.
-
-    The executable's basename counts for any trusted process; the other names (comm, argv[0])
-    only for root's: a service account may rename itself, root needs no disguise.
-    """
+    """The infrastructure name ``proc`` may be believed to go by, or None: the executable's
+    for any trusted process, comm and argv[0] only for root's (root needs no disguise)."""
     if trusted_identity(proc) is not True:
         return None
     exe = proc.exe_name
@@ -155,16 +141,8 @@ _MPS_MEMO = "_floor_mps_server"
 
 
 def infrastructure(proc: ProcessInfo) -> str | None:
-    """Why ``proc`` is infrastructure that gpuwatchd never touches, or None.
-
-    By PID (init, kthreadd), kernel-thread flag, a trusted identity that goes by an
-    infrastructure name (see the module docstring), or an infrastructure systemd unit in a
-    system cgroup (``/system.slice/nvidia-dcgm.service`` and friends).
-
-    The answer depends on ``proc``'s fields alone, and a ``ProcessInfo`` is frozen: it is
-    computed once per object (as ``model``'s cached properties are) — the collector hands back
-    the same object while a process's facts are unchanged, so a steady poll asks it once.
-    """
+    """Why ``proc`` is infrastructure that gpuwatchd never touches, or None. Computed once per
+    (frozen) ``ProcessInfo``: the collector hands back the same object while nothing changed."""
     memo = proc.__dict__
     if _MEMO in memo:
         answer: str | None = memo[_MEMO]
@@ -191,11 +169,9 @@ def _infrastructure(proc: ProcessInfo) -> str | None:
 
 
 def gpuwatchd_worker(proc: ProcessInfo) -> bool:
-    """Whether ``proc`` is the NVML worker of a gpuwatchd command run as root (``check-clean``
-    in a Slurm prolog, ``run --once`` in an epilog, ``scan``): uid 0 — which only root can
-    give — started as the NVML client starts it, from this installation's files. It holds the
-    GPUs for a moment; without this, each such command was a hidden holder to the daemon, and
-    ghost memory was no ghost while it ran."""
+    """Whether ``proc`` is the NVML worker of a gpuwatchd command run as root (``check-clean``,
+    ``run --once``, ``scan``): uid 0, started from this installation's files. Otherwise each
+    such command would be a hidden holder to the daemon while it ran."""
     cmdline = proc.cmdline
     return (
         proc.uid == 0
@@ -210,11 +186,8 @@ def is_infrastructure(proc: ProcessInfo) -> bool:
 
 
 def unverified_infrastructure(proc: ProcessInfo) -> str | None:
-    """Why ``proc`` may not be signalled although it is not known infrastructure: it goes by
-    an infrastructure name, or runs in an infrastructure unit, and whether it is that program
-    or root's process placed there by root cannot be read (no executable link, its owner or
-    its unit's delegation mark unknown). None for infrastructure itself and for a look-alike
-    known to be one."""
+    """Why ``proc`` may not be signalled although it is not known infrastructure: it claims an
+    infrastructure name or unit, and whether that is true cannot be read. None otherwise."""
     if is_infrastructure(proc):
         return None
     if claims_infrastructure(proc.names) and trusted_identity(proc) is None:
@@ -232,9 +205,8 @@ def unverified_infrastructure(proc: ProcessInfo) -> str | None:
 
 
 def mps_server(proc: ProcessInfo) -> bool:
-    """Whether ``proc`` is a trusted MPS control daemon or server (see the module docstring).
-    A user's process of that name, or one whose identity cannot be read, is not. Computed once
-    per ``ProcessInfo`` object, as :func:`infrastructure` is."""
+    """Whether ``proc`` is a trusted MPS control daemon or server (a user's, or one whose
+    identity cannot be read, is not). Computed once per ``ProcessInfo``."""
     memo = proc.__dict__
     if _MPS_MEMO in memo:
         known: bool = memo[_MPS_MEMO]
@@ -251,11 +223,7 @@ def live_holder(
     self_pids: frozenset[int],
 ) -> str | None:
     """Why GPU ``minor`` has a live holder in this snapshot (plan's reset gate), or None.
-
-    Infrastructure does not count (the reset procedure turns persistence off and runs the
-    ``before`` hooks that stop it); an unknown minor, unreadable fds/maps or a holder whose
-    process is unknown do.
-    """
+    Infrastructure does not count (the reset procedure stops it); anything unknown does."""
     if minor is None:
         return "GPU minor number unknown, holders cannot be checked"
     if holders.unreadable - self_pids:
@@ -278,19 +246,10 @@ def reset_blockers(
     minor: int | None,
     self_pids: frozenset[int],
 ) -> list[str]:
-    """Why GPU ``minor`` may not be reset now, from a fresh full holder scan (the final scan).
-
-    Blocks: any holder of the GPU's node other than ourselves, infrastructure included (by now
-    the procedure has turned persistence off and run the ``before`` hooks, so whatever still
-    holds the GPU would make the reset fail or hang: these are the holders the driver itself
-    refuses, see :func:`driver_refusers`); a non-floor holder of nvidiactl or nvidia-uvm
-    without any per-GPU node (it cannot be attributed to a GPU: gpuwatchd's caution, not the
-    driver's); any process whose fds or maps could not be read (unknown is not none). A floor
-    process holding only nvidiactl or nvidia-uvm does not block: nvidia-persistenced keeps
-    nvidiactl open after persistence mode is turned off, and the driver refuses a reset only
-    while the GPU's own node is open. A holder of *other* GPUs only does not block either:
-    resetting one GPU while others keep working is the point.
-    """
+    """Why GPU ``minor`` may not be reset now, from a fresh full holder scan (the final scan):
+    any other holder of its node, infrastructure included; a non-floor holder of nvidiactl or
+    nvidia-uvm alone (it cannot be attributed); any unreadable process. A floor process holding
+    only nvidiactl/nvidia-uvm (persistenced) and holders of other GPUs only do not block."""
     if minor is None:
         return ["GPU minor number unknown: cannot tell who holds its device file"]
     reasons: list[str] = []
@@ -320,13 +279,9 @@ def reset_blockers(
 def driver_refusers(
     holders: HolderScan, minor: int | None, self_pids: frozenset[int]
 ) -> list[int] | None:
-    """The PIDs whose open ``/dev/nvidiaN`` would make the driver refuse a reset of GPU ``minor``.
-
-    Without device isolation (``CUDA_VISIBLE_DEVICES``, a cgroup device rule, a container's
-    device list) every CUDA process opens every GPU, so a job working on GPU 1 holds GPU 0's
-    node too and blocks GPU 0's reset. Infrastructure is included: the reset procedure must
-    stop it first. None when the minor, or some process's fds, could not be read.
-    """
+    """The PIDs whose open ``/dev/nvidiaN`` would make the driver refuse a reset of GPU ``minor``
+    (without device isolation every CUDA process opens every GPU), infrastructure included.
+    None when the minor, or some process's fds, could not be read."""
     if minor is None or holders.unreadable - self_pids:
         return None
     return sorted(h.pid for h in holders.holders_of(minor) if h.pid not in self_pids)

@@ -1,10 +1,5 @@
-"""When a poll must scan all of ``/proc`` for device holders: the one rule, pure.
-
-This module owns the choice the collector makes every poll between the cheap *targeted* holder
-scan (NVML's PIDs, their descendants, the holders seen before) and the *full* scan of every
-process (docs/design-notes.md §1, §4). It reads no files and no clock: the collector passes what it
-has read this poll, ``now`` and the state returned by the previous call. It imports only
-``gpuwatchd.core.model`` and ``gpuwatchd.decide.policy``; ``decide`` never imports ``collect``.
+"""When a poll must scan all of ``/proc`` for device holders instead of the cheap targeted scan
+(docs/design-notes.md §1, §4): the one rule, pure (the collector passes in what it read).
 
 In detail: docs/internals.md, section `gpuwatchd.decide.full_scan`.
 """
@@ -20,7 +15,7 @@ from gpuwatchd.decide.policy import Detection
 
 
 class FullScanReason(str, enum.Enum):
-    """Why a poll scans all of ``/proc`` (the module docstring says when each applies)."""
+    """Why a poll scans all of ``/proc`` (docs/internals.md says when each applies)."""
 
     FORCED = "forced"
     FIRST = "first"
@@ -63,9 +58,7 @@ def has_unowned_memory(
     held_minors: frozenset[int] = frozenset(),
 ) -> bool:
     """Whether ``gpu`` holds memory no live listed process can own and no known holder holds
-    (rule 5). Pure. On a MIG GPU whose instances were read, each GPU instance is asked on its
-    own (its memory, the processes NVML lists in its compute instances): the parent's figures
-    are aggregates, and every MIG process holds the parent's node."""
+    (rule 5); on a MIG GPU whose instances were read, each GPU instance on its own."""
     if gpu.lost or gpu.coherent_memory:
         return False
     if gpu.mig_enabled and gpu.mig_devices is not None:
@@ -112,14 +105,9 @@ def full_scan_due(
     device_changed: bool = False,
     backstop: float | None = None,
 ) -> tuple[FullScanReason | None, FullScanState]:
-    """(why this poll must scan all of /proc, or None; the state for the next poll). Pure.
-
-    ``live`` holds the facts of the listed PIDs that exist (zombies included), as read this
-    poll; ``now`` is monotonic seconds; ``held_minors`` the GPU minors that known holders held
-    at the previous poll. ``watching``: every device file's opens are watched, so the
-    periodic walk may wait for ``backstop`` (None: ``interval`` still) and ``device_changed``
-    says the watch saw something.
-    """
+    """(why this poll must scan all of /proc, or None; the state for the next poll). ``live``:
+    the listed PIDs that exist, zombies included; ``held_minors``: the GPUs known holders held
+    at the previous poll; ``watching``: device opens are watched (then ``backstop``)."""
     dead = dead_listed(reading, live)
     reason: FullScanReason | None = None
     period = backstop if watching and backstop is not None else interval
@@ -141,5 +129,5 @@ def full_scan_due(
 
 def holder_gone(previous: frozenset[int], found: frozenset[int]) -> FullScanReason | None:
     """``holder_gone`` when a process that held a device file at the previous poll is not
-    among this targeted scan's holders (module docstring). Pure."""
+    among this targeted scan's holders. Pure."""
     return FullScanReason.HOLDER_GONE if previous - found else None

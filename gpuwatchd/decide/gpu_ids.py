@@ -1,11 +1,5 @@
-"""PCI bus ids, read and compared one way.
-
-NVML spells a GPU's bus id ``00000000:3B:00.0`` (8-digit domain, upper case); admins and tools
-write ``0000:3b:00.0`` or ``3b:00.0``. This module owns the one reading of all of them
-(:func:`pci_bus_key`), the comparison (:func:`same_pci_bus_id`) and NVML's spelling
-(:func:`nvml_bus_id`): ``protect.gpus`` (``decide/targets.py``), the policy's reader
-(``config/keys.py``) and ``check-clean --gpu`` (``cli/check_clean.py``) use them. It also owns
-how Slurm numbers GPUs (:func:`slurm_numbering`, ``check-clean --slurm-gpus``). Pure.
+"""PCI bus ids, read and compared one way however spelled (NVML's ``00000000:3B:00.0``, an
+admin's ``0000:3b:00.0`` or ``3b:00.0``), and how Slurm numbers GPUs. Pure.
 """
 
 from __future__ import annotations
@@ -40,10 +34,8 @@ def nvml_bus_id(key: BusKey) -> str:
     return f"{domain:08X}:{bus:02X}:{device:02X}.{function:X}"
 
 
-# How Slurm numbers a node's GPUs (its GPU ids: ``SLURM_JOB_GPUS``, ``IDX`` in ``scontrol show
-# node -d``): docs/operations.md, "Which GPUs are the job's". ``files``: in the order of their
-# device files, /dev/nvidia<minor> (gres.conf's ``File=`` lines, listed in increasing order as
-# Slurm's docs ask; ``AutoDetect=nvidia``); ``nvml``: in NVML's order (``AutoDetect=nvml``).
+# How Slurm numbers a node's GPUs (docs/operations.md, "Which GPUs are the job's"): by their
+# device files' minors (gres.conf ``File=``, ``AutoDetect=nvidia``) or in NVML's order.
 SLURM_ORDERS = ("files", "nvml")
 
 

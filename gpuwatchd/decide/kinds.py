@@ -1,11 +1,6 @@
-"""What each finding kind is: one row per :class:`gpuwatchd.core.model.FindingKind`.
-
-This module owns the properties of a finding kind that the rest of gpuwatchd asks about — its
-words for a person, whether it is about a process or a GPU, whether the process behind it
-holds the device (dirt on every GPU it holds), whether it is a live holder, about memory or
-an NVML listing, whether it may settle by itself, whether it is GPU health, whether a rule may
-signal for it (and if not, why), and its section in docs/findings.md. A new kind is one row
-here (tests/unit/test_kinds.py checks that every kind has one and that the docs list it).
+"""What each finding kind is: one row per :class:`gpuwatchd.core.model.FindingKind` with every
+property the rest of gpuwatchd asks about (words, scope, whether a rule may signal for it...).
+A new kind is one row here (tests/unit/test_kinds.py checks every kind has one).
 """
 
 from __future__ import annotations
@@ -145,10 +140,6 @@ KINDS: Mapping[FindingKind, KindProperties] = {
         ),
     )
 }
-
-
-def properties(kind: FindingKind) -> KindProperties:
-    return KINDS[kind]
 
 
 def words(kind: object) -> str | None:

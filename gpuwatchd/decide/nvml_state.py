@@ -1,12 +1,6 @@
 """NVML's availability as a state with transitions: ``ok``, ``wedged`` (a call missed its
 deadline), ``unavailable`` (library or driver missing, init failed), and since when.
 
-This module owns the state and its one transition function, :func:`next_availability`: each
-poll's reading moves it, from the first failed reading on (so ``gpuwatchd status`` says
-"wedged" from then, not a minute later), and the return to ``ok`` is one event,
-``nvml.recovered``, saying what it was and how long it was gone. The losses themselves are
-logged where they are seen (``nvml.wedged``, ``nvml.unavailable``, ``collect/nvml.py``).
-
 In detail: docs/internals.md, section `gpuwatchd.decide.nvml_state`.
 """
 
@@ -48,22 +42,14 @@ def next_availability(
     """The state after ``reading`` (taken at wall time ``wall``), and the events of the
     transition: ``nvml.recovered`` when NVML answers after being wedged or unavailable."""
     state = state_of(reading)
+    error = reading.error if state != OK else None
     if state == previous.state:
-        error = reading.error if state != OK else None
         return NvmlAvailability(state, previous.since, error or previous.error), []
-    events: list[tuple[str, Level, dict[str, object]]] = []
-    if state == OK and previous.state in (WEDGED, UNAVAILABLE):
-        since = previous.since
-        events.append(
-            (
-                EventName.NVML_RECOVERED,
-                Level.WARNING,
-                {
-                    "was": previous.state,
-                    "since": since,
-                    "gone_for": None if since is None else round(max(0.0, wall - since), 3),
-                    "error": previous.error,
-                },
-            )
-        )
-    return NvmlAvailability(state, wall, reading.error if state != OK else None), events
+    current = NvmlAvailability(state, wall, error)
+    if state != OK or previous.state not in (WEDGED, UNAVAILABLE):
+        return current, []
+    since = previous.since
+    gone_for = None if since is None else round(max(0.0, wall - since), 3)
+    fields: dict[str, object] = {"was": previous.state, "since": since, "gone_for": gone_for}
+    fields["error"] = previous.error
+    return current, [(EventName.NVML_RECOVERED, Level.WARNING, fields)]

@@ -302,12 +302,9 @@ def _search(pattern: str, flags: int, text: str) -> bool:
 
 
 def command_search(pattern: re.Pattern[str], text: str) -> bool | None:
-    """Whether ``pattern`` is found anywhere in ``text`` (``re.search``'s answer), in time
-    linear in the text. Only the first :data:`MAX_COMMAND_TEXT` characters are searched: None
-    when there is no match there but the text is longer (a match further on cannot be ruled
-    out). A pattern :func:`check_linear` rejects (the policy loader never lets one through)
-    counts as unknown too.
-    """
+    """Whether ``pattern`` is found in ``text`` (``re.search``'s answer), in linear time. None
+    (unknown) when there is no match in the first :data:`MAX_COMMAND_TEXT` characters of a
+    longer text, or for a pattern :func:`check_linear` rejects."""
     try:
         if _search(pattern.pattern, pattern.flags, text[:MAX_COMMAND_TEXT]):
             return True

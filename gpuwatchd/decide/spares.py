@@ -30,17 +30,14 @@ def spare_text(spare: Spare) -> str:
     return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
-# slurmstepd's process title: "slurmstepd: [42.batch]", "[42.0]", "[42.extern]" (the job id
-# and its dot are enough: the title is cut to the length of slurmstepd's own argv area).
+# slurmstepd's process title, "slurmstepd: [42.batch]" (cut short: the job id and dot suffice).
 _STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.")
 _MAX_TREE_DEPTH = 64
 
 
 def stepd_job(process: ProcessInfo) -> str | None:
-    """The Slurm job (``slurm:42``) a ``slurmstepd`` serves, when ``process`` is one that root
-    runs (effective uid 0, the executable ``slurmstepd``, or Debian's ``slurmstepd-wlm``, not
-    known to be a program someone else could have written); its title says the job. None for
-    anything else: only root can make a uid-0 process, and only it can write its title."""
+    """The Slurm job (``slurm:42``) a ``slurmstepd`` that root runs serves, by its title (only
+    root can make a uid-0 process and write its title); None for anything else."""
     program = process.exe_name or ""
     if process.uid != 0 or process.exe_trusted is False:
         return None
@@ -51,9 +48,8 @@ def stepd_job(process: ProcessInfo) -> str | None:
 
 
 def slurm_tree_job(process: ProcessInfo, processes: Mapping[int, ProcessInfo]) -> str | None:
-    """The Slurm job whose ``slurmstepd`` has ``process`` in its process tree (its nearest such
-    ancestor in ``processes``), as ``proctrack/linuxproc`` tracks a job; None when the chain of
-    parents ends, is unknown, or a parent is younger than its child (its PID was reused)."""
+    """The Slurm job whose ``slurmstepd`` is ``process``'s nearest such ancestor; None when the
+    chain of parents ends, is unknown, or a parent is younger than its child (PID reuse)."""
     child = process
     for _ in range(_MAX_TREE_DEPTH):
         parent = processes.get(child.ppid) if child.ppid else None
@@ -85,9 +81,8 @@ def spare_covering(
     wall: float,
     processes: Mapping[int, ProcessInfo] | None = None,
 ) -> tuple[Spare, str | None] | None:
-    """The spare in force at wall time ``wall`` that covers ``process``, with what is unknown
-    about the process that makes it count as spared (None: it is the spared one), or None.
-    ``processes`` (the snapshot's) lets a Slurm job's spare cover its step's process tree."""
+    """The spare in force at ``wall`` that covers ``process``, with what unknown fact makes it
+    count as spared (None: it is the spared one), or None."""
     for spare in _in_force(spares, wall):
         if spare.pid is not None and spare.pid == process.pid:
             if process.start_ticks is None:
@@ -110,9 +105,8 @@ def spare_reason(
     wall: float,
     processes: Mapping[int, ProcessInfo] | None = None,
 ) -> str | None:
-    """Why ``process`` is left alone at wall time ``wall`` because of a spare in force, or
-    None. The text names the spare, not how long it has left, so it stays the same while the
-    spare lasts (a hold is said once)."""
+    """Why a spare in force leaves ``process`` alone at ``wall``, or None; the text stays the
+    same while the spare lasts (a hold is said once)."""
     found = spare_covering(process, spares, wall, processes)
     if found is None:
         return None
@@ -124,16 +118,14 @@ _SPARE_FIELDS = ("target", "pid", "start_ticks", "job", "reason", "until", "by_u
 
 
 def _same(a: Spare, b: Spare) -> bool:
-    """The same spare read twice: its wall end moves with the wall clock (and a cut has its
-    own event), so it is told by everything else; a new spare of the target has a new
-    ``since``."""
+    """The same spare read twice: told by everything but its wall end (which moves with the
+    wall clock); a new spare of the target has a new ``since``."""
     return replace(a, until=0.0) == replace(b, until=0.0)
 
 
 def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) -> list[SpareEvent]:
-    """The events between two readings of the spares: ``spare.started`` for each new (or
-    changed) spare, ``spare.ended`` for each that is gone, with why: its time was up, or it was
-    cancelled (``gpuwatchd spare --cancel``) or replaced."""
+    """The events between two readings of the spares: ``spare.started`` for each new or changed
+    one, ``spare.ended`` (with why) for each that is gone."""
     events: list[SpareEvent] = []
     old = {spare.target: spare for spare in before}
     new = {spare.target: spare for spare in _in_force(after, wall)}

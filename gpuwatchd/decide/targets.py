@@ -23,11 +23,8 @@ def _glob_any(value: str | None, patterns: Sequence[str]) -> bool:
 def rule_for(
     finding: Finding, process: ProcessInfo | None, policy: Policy, *, lasted: float
 ) -> Rule | None:
-    """The first rule (in policy order) that selects ``finding``, or None.
-
-    A filter that is set never matches an unknown value: ``users: [alice]`` does not match a
-    process whose user is unknown, ``min_memory`` does not match unknown memory.
-    """
+    """The first rule (in policy order) that selects ``finding``, or None; a filter that is
+    set never matches an unknown value."""
     for rule in policy.rules:
         if rule.kind != finding.kind or lasted < rule.for_:
             continue
@@ -143,11 +140,8 @@ def _process_protect_checks(process: ProcessInfo, policy: Policy) -> Iterator[tu
 
 
 def protect_match(process: ProcessInfo, policy: Policy) -> str | None:
-    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None.
-
-    Only a positive match counts: an unknown command line, user or cgroup names nothing (for
-    a refusal it refuses, :func:`refusal`; for the clean verdict it excuses nothing).
-    """
+    """What in ``protect`` (commands, users, units, cgroups) names ``process``, or None: only a
+    positive match (an unknown fact excuses no dirt; :func:`refusal` refuses for it)."""
     for matched, why in _process_protect_checks(process, policy):
         if matched:
             return why
@@ -178,13 +172,8 @@ def refusal(
     policy: Policy,
     self_ancestors: frozenset[int],
 ) -> str | None:
-    """Why this target may not be signalled, as "floor: …", "spare: …", "protect: …" or
-    "identity: …".
-
-    The floor (docs/design-notes.md §10) comes first and no configuration lowers it; then an
-    administrator's ``gpuwatchd spare`` in force (``decide/spares.py``); then ``protect``; an
-    identity that cannot be told apart from a later process reusing the PID is refused too.
-    """
+    """Why this target may not be signalled, in this order: "floor: …" (no configuration
+    lowers it), "spare: …", "protect: …" or "identity: …"; None when it may."""
     if process is None:
         return "identity: process not in the snapshot"
     floor = _floor_reason(process, finding, snapshot, self_ancestors)

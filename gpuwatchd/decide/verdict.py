@@ -1,11 +1,7 @@
-"""The one verdict: may this GPU be handed to a new job?
+"""The one verdict: may this GPU be handed to a new job? And what ``run --once`` makes of it.
 
-This module owns that answer, per GPU, and what ``run --once`` makes of it. Every command that
-answers the question calls :func:`judge` on one poll's snapshot and the assessment of it (the
-findings and holder roles ``scan`` shows): ``check-clean`` (a Slurm prolog, the
-node-problem-detector plugin), ``run --once`` (an epilog: its exit 0), ``scan`` (its
-``verdict``) and the daemon's status. None of them looks at findings itself
-(``tests/unit/test_verdict.py`` checks that), so a prolog, an epilog and an admin are told the same.
+``check-clean``, ``run --once``, ``scan`` and the daemon's status all call :func:`judge`, none
+looks at findings itself, so a prolog, an epilog and an admin are told the same.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.verdict`.
 """
@@ -47,9 +43,9 @@ _UNKNOWN_KINDS = frozenset(
         LeftoverName.PROCESSES_UNKNOWN.value,
     }
 )
-# What may go away without anyone acting: the driver tears a dead context down a moment after
-# its last holder exits (NVML lists the dead owner, with its memory, until then), a parent
-# reaps its zombie, a holder that exited during the scan is gone at the next one.
+_UNLISTED = "NVML could not list its processes"
+_NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
+# What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
     | {LeftoverName.LEFTOVER_MEMORY.value, LeftoverName.UNKNOWN_HOLDER.value}
@@ -154,8 +150,7 @@ class _Judge:
         or a process ``protect`` names), as the reset blocker it still is. None: it is dirt."""
         pid = finding.pid
         if pid is None:
-            # About the GPU itself (memory, the driver's word, a GPU-level hidden_holder after
-            # a reset refused as in use): no process to excuse, so it is dirt.
+            # About the GPU itself: no process to excuse, so it is dirt.
             return None
         role = self.role(uuid, pid)
         proc = self.process(pid)
@@ -169,20 +164,15 @@ class _Judge:
             return Reason(_MANAGEMENT, pid, f"pid {pid} ({name}): infrastructure")
         matched = None if proc is None else protect_match(proc, self.policy)
         if matched is not None:
-            return Reason(
-                _PROTECTED,
-                pid,
-                f"pid {pid} ({name}): protected, {matched} ({finding.kind.value}: "
-                f"{finding.reason})",
-            )
+            why = f"{finding.kind.value}: {finding.reason}"
+            return Reason(_PROTECTED, pid, f"pid {pid} ({name}): protected, {matched} ({why})")
         evidence = finding.evidence
         if (
             finding.kind is FindingKind.HIDDEN_HOLDER
             and evidence.get("likely_heir") is not True
             and evidence.get("undecided") is not True
         ):
-            # Holds the device without a context and nothing ties it to memory left behind
-            # (what a dead job left shows as memory, on this GPU): it only blocks a reset.
+            # Holds the device, nothing ties it to memory left behind: it only blocks a reset.
             return Reason(HolderRoleName.HIDDEN.value, pid, f"pid {pid} ({name}): {finding.reason}")
         return None
 
@@ -197,9 +187,7 @@ class _Judge:
         return [u for u in uuids if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
-        """A MIG instance's finding is about its GPU (decide/mig/instances.py): the GPU's UUID for
-        an
-        instance's, any other UUID as it is."""
+        """The GPU's UUID for a MIG instance's (its finding is about its GPU), any other as is."""
         mig = parent_of(self.snapshot, uuid)
         return uuid if mig is None else mig[0].uuid
 
@@ -221,54 +209,40 @@ class _Judge:
                 self.reasons[uuid].append(Reason(kind, finding.pid, finding.reason))
 
     def add_unknowns(self) -> None:
-        snapshot = self.snapshot
-        own = snapshot.self_pids
-        unreadable = sorted(
-            pid
-            for pid in snapshot.holders.unreadable - own
-            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
-        )
+        unread = self.unreadable()
         for gpu in self.gpus:
             reasons = self.reasons[gpu.uuid]
             if gpu.lost:
-                reasons.insert(
-                    0, Reason(LeftoverName.LOST, None, gpu.error or "NVML reports the GPU lost")
-                )
+                lost = gpu.error or "NVML reports the GPU lost"
+                reasons.insert(0, Reason(LeftoverName.LOST, None, lost))
                 continue
             if gpu.processes is None:
-                reasons.append(
-                    Reason(
-                        LeftoverName.PROCESSES_UNKNOWN, None, "NVML could not list its processes"
-                    )
-                )
+                reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             if gpu.minor is None:
-                reasons.append(
-                    Reason(
-                        LeftoverName.UNKNOWN_HOLDER,
-                        None,
-                        "its minor number is unknown: who holds its device file cannot be told",
-                    )
-                )
+                reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
             for role in self.assessment.roles:
                 if role.gpu == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
                     reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
-            if unreadable:
-                shown = ", ".join(str(pid) for pid in unreadable[:8])
-                more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
-                capped = len(snapshot.holders.thread_tables_unread.intersection(unreadable))
-                why = (
-                    f" ({capped} with more threads' own fd tables than a scan reads)"
-                    if capped
-                    else ""
-                )
-                reasons.append(
-                    Reason(
-                        LeftoverName.UNREADABLE,
-                        unreadable[0],
-                        f"the fds/maps of PID(s) {shown}{more} could not be read{why}: what "
-                        "they hold is unknown",
-                    )
-                )
+            if unread is not None:
+                reasons.append(unread)
+
+    def unreadable(self) -> Reason | None:
+        """The processes (infrastructure aside) whose fds or maps could not be read: what they
+        hold is unknown, on every GPU."""
+        holders = self.snapshot.holders
+        pids = sorted(
+            pid
+            for pid in holders.unreadable - self.snapshot.self_pids
+            if (proc := self.process(pid)) is None or not is_infrastructure(proc)
+        )
+        if not pids:
+            return None
+        shown = ", ".join(str(pid) for pid in pids[:8])
+        more = f" and {len(pids) - 8} more" if len(pids) > 8 else ""
+        capped = len(holders.thread_tables_unread.intersection(pids))
+        why = f" ({capped} with more threads' own fd tables than a scan reads)" if capped else ""
+        text = f"the fds/maps of PID(s) {shown}{more} could not be read{why}"
+        return Reason(LeftoverName.UNREADABLE, pids[0], f"{text}: what they hold is unknown")
 
     def add_memory(self, gpu: GpuInfo) -> None:
         """``leftover_memory``: allocated memory above the idle baseline plus the margin that
@@ -313,15 +287,10 @@ class _Judge:
         if excess <= margin:
             return
         owners = f", {_mib(accounted)} of it live processes'" if live else ""
-        self.reasons[gpu.uuid].append(
-            Reason(
-                LeftoverName.LEFTOVER_MEMORY,
-                None,
-                f"{_mib(value)} allocated{owners}: {_mib(excess)} above its "
-                f"{'learned' if learned else 'default'} idle baseline that no live process "
-                "accounts for",
-            )
-        )
+        which = "learned" if learned else "default"
+        text = f"{_mib(value)} allocated{owners}: {_mib(excess)} above its {which} idle baseline"
+        text += " that no live process accounts for"
+        self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
 
     def reset_blockers(self, gpu: GpuInfo) -> list[Reason]:
         """Holders of the GPU's device file (and of nvidiactl/nvidia-uvm only) that are not
@@ -412,10 +381,8 @@ def judge(
     *,
     unfinished: Mapping[str, str] | None = None,
 ) -> NodeVerdict:
-    """Whether each GPU of ``snapshot`` may be handed to a new job (the module docstring says
-    exactly when). ``assessment`` is :func:`gpuwatchd.decide.assess.passes.assess` of ``snapshot``;
-    ``policy`` gives ``protect`` and the memory margins; ``unfinished`` maps a GPU UUID to why
-    a MIG recovery on it was left half done (``plan_state.unfinished_recoveries``): dirt. Pure."""
+    """Whether each GPU of ``snapshot`` may be handed to a new job, given its ``assessment``;
+    ``unfinished`` maps a GPU UUID to why a MIG recovery on it was left half done: dirt. Pure."""
     return _Judge(snapshot, assessment, policy).verdict(unfinished or {})
 
 
@@ -434,18 +401,9 @@ class OnceStep(str, enum.Enum):
 
 
 def once_progress(verdict: NodeVerdict, busy: Sequence[str]) -> tuple[OnceStep, list[str]]:
-    """Whether ``run --once`` is done, and what is left (one line each: ``busy`` first, then
-    each GPU that is not clean with its reasons' kinds and PIDs).
-
-    ``busy`` describes what the acting side still has under way for the findings ``run
-    --once`` watches (a ladder, a confirmation window, a reset). Done means nothing is under
-    way and every GPU is clean: the memory is back and NVML lists no dead owner. With nothing
-    under way, a GPU whose reasons include one that does not settle by itself (a leftover
-    process nobody acts on, a lost GPU, the driver asking for a reset) will not get clean by
-    waiting; when every GPU that is not clean is such a GPU, the answer is STUCK at once.
-    Otherwise (the driver is still tearing a dead context down) WAIT. ``verdict`` must have
-    been judged (``unavailable`` None).
-    """
+    """Whether ``run --once`` is done, and what is left (``busy``, what the acting side has
+    under way, first; then each GPU that is not clean). STUCK at once when nothing is under way
+    and every such GPU has a reason that does not settle by itself; ``verdict`` was judged."""
     dirty = [g for g in verdict.gpus if not g.clean]
     left = [*busy, *(_summary(g) for g in dirty)]
     if not busy and not dirty:

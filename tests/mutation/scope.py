@@ -135,6 +135,7 @@ _VERDICT = (
     "_Judge.gpus_of",
     "_Judge.add_findings",
     "_Judge.add_unknowns",
+    "_Judge.unreadable",
     "_Judge.add_memory",
     "_Judge.verdict",
     "once_progress",

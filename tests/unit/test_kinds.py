@@ -74,6 +74,6 @@ def test_a_rule_that_signals_a_kind_that_cannot_be_signalled_is_refused_with_the
     doc = f"rules:\n  - name: r\n    kind: {kind.value}\n    steps:\n{step}"
     with pytest.raises(ConfigError) as caught:
         parse_policy_documents([("p.yaml", doc)])
-    why = kinds.properties(kind).why_not_signallable
+    why = kinds.KINDS[kind].why_not_signallable
     assert why is not None
     assert why in str(caught.value)

@@ -43,9 +43,15 @@ class Published:
 
 
 def encode(
-    *, boot_id: str, daemon_pid: int, daemon_start_ticks: int, read_at: float, polled: float,
-    interval: float, reply: Mapping[str, Any],
-) -> dict[str, object]:  # fmt: skip
+    *,
+    boot_id: str,
+    daemon_pid: int,
+    daemon_start_ticks: int,
+    read_at: float,
+    polled: float,
+    interval: float,
+    reply: Mapping[str, Any],
+) -> dict[str, object]:
     """The document the daemon writes: ``reply`` is the worker's last successful reply
     (:attr:`gpuwatchd.collect.nvml.NvmlClient.last_reply`), its Xid events left out."""
     gpus = []

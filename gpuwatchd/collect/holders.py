@@ -1,11 +1,8 @@
 """The scan for holders of NVIDIA device files: every fd and every mapping, by device number.
 
-This module owns *how* a process is found to hold ``/dev/nvidia*`` (docs/design-notes.md §2): which
-fd links and mapped files count, how they are identified, and what is reported when a process cannot
-be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
-:class:`~gpuwatchd.collect.procfs.ProcFS` it is given; it never signals, never decides, and
-never imports NVML.
-
+This module owns which fd links and mapped files count as holding ``/dev/nvidia*``, how they
+are identified, and what is reported when a process cannot be read; process facts come from the
+:class:`ProcessTable` it is given. It never signals, decides or imports NVML.
 In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 """
 
@@ -26,18 +23,13 @@ from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
-# What one process's threads with fd tables of their own may cost a scan: fd entries read from
-# those tables (each table one more). Past it the process is unknown (``HolderScan.unreadable``
-# and ``thread_tables_unread``): a holder that blocks resets and is never a target. A thread's
-# table is a copy of its process's (a few dozen fds), so a budget spent is hundreds of tables.
-THREAD_TABLE_BUDGET = 65_536
+THREAD_TABLE_BUDGET = 65_536  # fd entries of one process's threads' own tables (docs/internals.md)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
 
-_Match = tuple[
-    str, int
-]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+# ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+_Match = tuple[str, int]
 
 # Capabilities travel in the scan rows' GPU tuples (collect/spread.py's Row is shared with the
 # fork workers), offset past any device minor (MINORBITS is 20): an nvidia-cap minor as
@@ -155,11 +147,6 @@ class _Found:
         elif kind == "uvm":
             self.uvm = True
 
-    def holding(self, pid: int) -> DeviceHolding | None:
-        if not (self.gpu_fd or self.gpu_map or self.ctl or self.uvm):
-            return None
-        return _holding(pid, self.gpu_fd, self.gpu_map, self.ctl, self.uvm)
-
 
 def _holding(
     pid: int, gpu_fd: Iterable[int], gpu_map: Iterable[int], ctl: bool, uvm: bool
@@ -211,46 +198,34 @@ class HolderScanner:
         self.ctl_minor = ctl_minor
         self.uvm_minor = uvm_minor
         self.match_by_path = (devices_dir != "/dev") if match_by_path is None else match_by_path
-        self._uvm_major = uvm_major
-        self._uvm_major_read = uvm_major is not None
+        # Dynamic majors by driver name, from /proc/devices once (None: that driver is absent)
+        given = {"nvidia-uvm": uvm_major, "nvidia-caps": caps_major}
+        self._majors: dict[str, int | None] = {k: v for k, v in given.items() if v is not None}
         self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
-        self._caps_major = caps_major
-        self._caps_major_read = caps_major is not None
         self.capabilities_dir = (
             self._device_prefix + "driver/nvidia/capabilities"
             if self.match_by_path
             else CAPABILITIES_DIR
         )
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
-        # Per process: fd entries read from threads' own tables (each table counts one more).
         self.thread_table_budget = THREAD_TABLE_BUDGET
-        # Called after each process scanned here (never in a forked worker): the daemon feeds
-        # its watchdog through it while a long scan makes progress.
+        # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
         self.progress: Callable[[], None] | None = None
-        # What a mapping line must contain to be looked at (:meth:`_scan_maps`)
         self._map_markers: tuple[bytes, ...] = (
             (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
         )
 
     def uvm_major(self) -> int | None:
         """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
-        if not self._uvm_major_read:
+        return self._major("nvidia-uvm")
+
+    def _major(self, name: str) -> int | None:
+        if name not in self._majors:
             majors = self.procfs.char_device_majors()
             if majors is None:
                 return None  # try again next time
-            self._uvm_major = majors.get("nvidia-uvm")
-            self._uvm_major_read = True
-        return self._uvm_major
-
-    def caps_major(self) -> int | None:
-        """nvidia-caps' dynamic major from ``/proc/devices``, read once; None when absent."""
-        if not self._caps_major_read:
-            majors = self.procfs.char_device_majors()
-            if majors is None:
-                return None
-            self._caps_major = majors.get("nvidia-caps")
-            self._caps_major_read = True
-        return self._caps_major
+            self._majors[name] = majors.get(name)
+        return self._majors[name]
 
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
@@ -329,7 +304,7 @@ class HolderScanner:
             return ("uvm", 0)
         if major == self.device_major and minor <= MAX_GPU_MINOR:
             return ("gpu", minor)
-        caps_major = self.caps_major()
+        caps_major = self._major("nvidia-caps")
         if caps_major is not None and major == caps_major and major != self.device_major:
             return ("cap", minor)
         return None
@@ -351,8 +326,7 @@ class HolderScanner:
             except OSError as err:
                 raise _classify_error(err) from None
             try:
-                # All the fds at once; the careful loop only when an fd misbehaves. (A
-                # comprehension passes dir_fd without the dict partial() copies per call.)
+                # All the fds at once; the careful loop only when an fd misbehaves.
                 targets = [readlink(name, dir_fd=dfd) for name in names]
             except OSError as err:
                 if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
@@ -510,15 +484,8 @@ class HolderScanner:
         return found, unreadable
 
     def _scan_thread_tables(self, pid: int, base: str, found: _Found) -> bool:
-        """Add what threads with fd tables of their own hold; False when one could not be read,
-        or when :attr:`HolderScanner.thread_table_budget` ran out first (``found.capped``).
-
-        Linear in threads. One ``stat`` tells a single-threaded process (the link count of
-        ``task/`` is 2 + threads); a thread sharing the leader's table costs one kcmp; one
-        that does not is looked up among the tables read so far, kept in kcmp's order (a binary
-        search), so each distinct table is read once. A thread that kcmp cannot place (no
-        kcmp, no ptrace access, a thread gone meanwhile) is read without being kept.
-        """
+        """Add what threads with fd tables of their own hold (docs/internals.md); False when one
+        could not be read, or :attr:`thread_table_budget` ran out first (``found.capped``)."""
         try:
             threads = os.stat(f"{base}/task").st_nlink - 2
         except OSError as err:

@@ -1,9 +1,6 @@
 """MIG inputs: the capability minors file, capability file paths, and the worker's MIG devices.
 
-This module owns how the MIG facts that are not in NVML's per-GPU reading are read and
-validated (docs/findings.md#mig).
-
-In detail: docs/internals.md, section `gpuwatchd.collect.mig`.
+In detail: docs/findings.md#mig and docs/internals.md, section `gpuwatchd.collect.mig`.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatchd.collect.health_reading import bounded
 from gpuwatchd.core.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
 
 DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
@@ -21,10 +19,9 @@ MAX_MINORS_FILE = 1 << 20  # bytes; the real file has a few thousand short lines
 
 
 def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """The nvidia-cap minor current drivers give a MIG capability in mig-minors (``config`` 1,
-    ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances each).
-    The daemon always reads the real table; this numbering is for tables made up where none is
-    read: ``simulate``'s virtual host, and a saved report read back by ``explain``."""
+    """The nvidia-cap minor current drivers give a MIG capability (``config`` 1, ``monitor`` 2,
+    then per GPU 15 GPU instances of one access and 8 compute instances each), for tables made
+    up where none is read (``simulate``, ``explain``); the daemon always reads the real one."""
     base = 3 + gpu_minor * 135 + gi * 9
     return base if ci is None else base + 1 + ci
 
@@ -81,11 +78,8 @@ def parse_mig_minors(text: str, path: str) -> dict[int, MigCapability]:
 
 
 def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | None]:
-    """(table, None), or (None, why) when the file cannot be read or is malformed.
-
-    A regular file or a procfs file is read (at most :data:`MAX_MINORS_FILE` bytes, no
-    symlink followed at the last component); the text must be ASCII.
-    """
+    """(table, None), or (None, why) when the file cannot be read (at most
+    :data:`MAX_MINORS_FILE` bytes, no symlink last) or is not ASCII in the driver's format."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as err:
@@ -109,11 +103,9 @@ def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | N
 
 
 def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCapability | None:
-    """The capability a procfs capability file stands for, or None. Pure.
-
-    Only paths directly under ``capabilities_dir`` count (only the driver creates files
-    there); ``gpu0/mig/gi1/ci0/access`` → ``MigCapability(0, 1, 0)``.
-    """
+    """The capability a procfs capability file directly under ``capabilities_dir`` (only the
+    driver creates files there) stands for, or None: ``gpu0/mig/gi1/ci0/access`` →
+    ``MigCapability(0, 1, 0)``. Pure."""
     prefix = capabilities_dir.rstrip("/") + "/"
     if not path.startswith(prefix):
         return None
@@ -129,12 +121,6 @@ def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCa
 # --- the NVML worker's MIG devices -------------------------------------------------------------
 
 
-def _bounded(value: Any, most: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-        return None
-    return value
-
-
 def _text(value: Any, most: int = 256) -> str | None:
     return value[:most] if isinstance(value, str) else None
 
@@ -148,12 +134,9 @@ def profile_of(name: str | None) -> str | None:
 
 
 def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevice, ...] | None:
-    """The worker's ``mig_devices`` list as :class:`MigDevice` values; None when unknown.
-
-    ``to_memory`` and ``to_processes`` are the reading's own converters (collect/nvml.py), so
-    an instance's memory and processes are read exactly as a GPU's. Entries that are not
-    objects are dropped; at most :data:`MAX_MIG_DEVICES` are kept.
-    """
+    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
+    :class:`MigDevice` values, memory and processes read by the GPU's own converters
+    (collect/nvml.py); None when unknown."""
     if not isinstance(raw, list):
         return None
     devices: list[MigDevice] = []
@@ -163,7 +146,7 @@ def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevi
         placement = entry.get("placement")
         where: tuple[int, int] | None = None
         if isinstance(placement, list) and len(placement) == 2:
-            start, size = (_bounded(v, MAX_INSTANCE_ID) for v in placement)
+            start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
             where = None if start is None or size is None else (start, size)
         name = _text(entry.get("name"))
         try:
@@ -176,13 +159,13 @@ def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevi
             memory = None
         devices.append(
             MigDevice(
-                index=_bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
+                index=bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
                 uuid=_text(entry.get("uuid"), 96),
-                gi=_bounded(entry.get("gi"), MAX_INSTANCE_ID),
-                ci=_bounded(entry.get("ci"), MAX_INSTANCE_ID),
+                gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
+                ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
                 name=name,
                 profile=profile_of(name),
-                gi_profile_id=_bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
+                gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
                 placement=where,
                 memory=memory,
                 processes=processes,

@@ -1,13 +1,9 @@
 """The boot clock: how long something that protects someone lasts (a spare, a timed pause).
 
-The wall clock steps (chrony, ``date -s``, an RTC set wrong at boot); ``CLOCK_BOOTTIME`` does
-not, and restarts at each boot, which the boot id names. So a file that says how long it lasts
-stamps its start and end on both clocks (:meth:`BootTime.stamp`): ``since_boot`` /
-``until_boot`` with the ``boot_id`` measure it, ``since`` / ``until`` (wall) only show it, and
-stand in for the boot clock for a file of another boot or one written before the boot clock
-was stamped.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.boottime`.
+The wall clock steps; ``CLOCK_BOOTTIME`` does not, and restarts at each boot (the boot id). So
+a file stamps its start and end on both (:meth:`BootTime.stamp`): ``since_boot`` /
+``until_boot`` with the ``boot_id`` measure it; the wall ``since`` / ``until`` show it and
+stand in for another boot's file. In detail: docs/internals.md, `gpuwatchd.collect.boottime`.
 """
 
 from __future__ import annotations

@@ -230,37 +230,28 @@ class HolderScanner:
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
         else exactly ``pids`` ("targeted"). Skips ourselves, ``exclude`` and kernel threads."""
-        mode = "full" if pids is None else "targeted"
         candidates = self.procfs.list_pids() if pids is None else list(dict.fromkeys(pids))
         skip = {self.procfs.self_pid, *exclude}
         if pids is None:
             skip |= self.procfs.kernel_threads()
         todo = [pid for pid in candidates if pid not in skip and pid > 0]
-        holdings: dict[int, DeviceHolding] = {}
-        unreadable: set[int] = set()
-        by_name: set[int] = set()
-        capped: set[int] = set()
-        for pid, gpu_fd, gpu_map, ctl, uvm, named, denied, over in spread.scan_spread(
+        rows = spread.scan_spread(
             self._scan_chunk,
             todo,
             workers=self.workers,
             min_slice=self.min_slice,
             progress=self.progress,
-        ):
-            if denied:
-                unreadable.add(pid)
-            if over:
-                capped.add(pid)
-            if gpu_fd or gpu_map or ctl or uvm:
-                holdings[pid] = _holding(pid, gpu_fd, gpu_map, ctl, uvm)
-                if named:
-                    by_name.add(pid)
+        )
         return HolderScan(
-            mode=mode,
-            holdings=holdings,
-            unreadable=frozenset(unreadable),
-            matched_by_name=frozenset(by_name),
-            thread_tables_unread=frozenset(capped),
+            mode="full" if pids is None else "targeted",
+            holdings={
+                pid: _holding(pid, gpu_fd, gpu_map, ctl, uvm)
+                for pid, gpu_fd, gpu_map, ctl, uvm, *_ in rows
+                if gpu_fd or gpu_map or ctl or uvm
+            },
+            unreadable=frozenset(row[0] for row in rows if row[6]),
+            matched_by_name=frozenset(row[0] for row in rows if row[5]),  # only holders'
+            thread_tables_unread=frozenset(row[0] for row in rows if row[7]),
         )
 
     def _scan_chunk(self, pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
@@ -459,8 +450,7 @@ class HolderScanner:
         had_fds = had_maps = True
         try:
             had_fds = self._scan_fds(f"{base}/fd", found) > 0
-            if not self._scan_thread_tables(pid, base, found):
-                unreadable = True
+            unreadable = not self._scan_thread_tables(pid, base, found)
         except _Gone:
             return None, False
         except _Denied:

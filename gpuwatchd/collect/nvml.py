@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.collect.mig import to_mig_devices
@@ -41,6 +41,7 @@ _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 LAUNCHER_FILE = NVML_LAUNCHER_FILE
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
+T = TypeVar("T")
 
 
 def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
@@ -195,8 +196,7 @@ class NvmlClient:
                     error=f"NVML worker pid {self._hung.pid} is stuck in the kernel "
                     "(driver may be hung)",
                 )
-            failure = self._last_failure
-            retry_at = self._retry_at
+            failure, retry_at = self._last_failure, self._retry_at
             if failure is not None and retry_at is not None and self._clock() < retry_at:
                 return failure
         deadline = time.monotonic() + self.timeout
@@ -204,13 +204,11 @@ class NvmlClient:
             if self._proc is None:
                 self._start()
             if self._pending:
-                self._pending = False
-                asked = self._asked_wall
-                reply = self._receive(deadline)
+                self._pending, asked = False, self._asked_wall
             else:
                 asked = time.time()
                 self._send({"op": "read"})
-                reply = self._receive(deadline)
+            reply = self._receive(deadline)
         except TimeoutError:
             return self._wedged()
         except (_WorkerGone, OSError) as error:
@@ -219,9 +217,7 @@ class NvmlClient:
             return self._unavailable(str(reply.get("error") or "unknown reason"))
         reading = self._to_reading(reply)
         self.last_reply, self.last_asked_wall = reply, asked
-        self._backoff = self._backoff_initial
-        self._retry_at = None
-        self._last_failure = None
+        self._backoff, self._retry_at, self._last_failure = self._backoff_initial, None, None
         return reading
 
     def stop(self) -> bool:
@@ -400,26 +396,24 @@ class NvmlClient:
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )
-        driver = reply.get("driver_version")
-        return NvmlReading(
-            available=True, driver_version=None if driver is None else str(driver), gpus=gpus
-        )
+        driver = _opt(str, reply.get("driver_version"))
+        return NvmlReading(available=True, driver_version=driver, gpus=gpus)
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _opt(convert: Callable[[Any], T], value: Any) -> T | None:
+    return None if value is None else convert(value)
 
 
 def _to_memory(raw: Mapping[str, Any] | None) -> GpuMemory | None:
     if raw is None:
         return None
     return GpuMemory(
-        total=_opt_int(raw.get("total")),
-        free=_opt_int(raw.get("free")),
-        reserved=_opt_int(raw.get("reserved")),
-        allocated=_opt_int(raw.get("allocated")),
+        total=_opt(int, raw.get("total")),
+        free=_opt(int, raw.get("free")),
+        reserved=_opt(int, raw.get("reserved")),
+        allocated=_opt(int, raw.get("allocated")),
         api=str(raw.get("api") or "v2"),
-        used_v1=_opt_int(raw.get("used_v1")),
+        used_v1=_opt(int, raw.get("used_v1")),
     )
 
 
@@ -429,7 +423,7 @@ def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
     return tuple(
         NvmlProcess(
             pid=int(p["pid"]),
-            used_memory=_opt_int(p.get("used_memory")),
+            used_memory=_opt(int, p.get("used_memory")),
             kind=str(p.get("kind") or "compute"),
         )
         for p in processes
@@ -440,24 +434,20 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
     :mod:`gpuwatchd.served.nvml`, which bounds the result). KeyError, TypeError or ValueError
     on an entry not of the worker's shape."""
-    mig = raw.get("mig_mode")
-    persistence = raw.get("persistence_mode")
-    name = raw.get("name")
-    bus_id = raw.get("pci_bus_id")
     return GpuInfo(
         index=int(raw["index"]),
         # A GPU lost before its UUID was ever read has none; "" never matches a real GPU.
         uuid=str(raw.get("uuid") or ""),
-        name=None if name is None else str(name),
-        pci_bus_id=None if bus_id is None else str(bus_id),
-        minor=_opt_int(raw.get("minor")),
+        name=_opt(str, raw.get("name")),
+        pci_bus_id=_opt(str, raw.get("pci_bus_id")),
+        minor=_opt(int, raw.get("minor")),
         memory=_to_memory(raw.get("memory")),
         processes=_to_processes(raw.get("processes")),
-        mig_enabled=None if mig is None else bool(mig),
-        persistence_mode=None if persistence is None else bool(persistence),
-        numa_node=_opt_int(raw.get("numa_node")),
-        architecture=_opt_int(raw.get("architecture")),
-        nvlink_active=_opt_int(raw.get("nvlink_active")),
+        mig_enabled=_opt(bool, raw.get("mig_mode")),
+        persistence_mode=_opt(bool, raw.get("persistence_mode")),
+        numa_node=_opt(int, raw.get("numa_node")),
+        architecture=_opt(int, raw.get("architecture")),
+        nvlink_active=_opt(int, raw.get("nvlink_active")),
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
         health=to_health(raw.get("health")),

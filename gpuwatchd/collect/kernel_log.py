@@ -6,7 +6,6 @@ In detail: docs/findings.md#kernel-log and docs/internals.md, `gpuwatchd.collect
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import subprocess
@@ -193,10 +192,6 @@ class _Lines:
             self._partial, self._skipping = b"", True
 
 
-def _nonblocking(fd: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-
-
 @dataclass(eq=False)
 class KernelLog:
     """The kernel log's Xids, read a bounded slice per :meth:`read` call.
@@ -229,8 +224,7 @@ class KernelLog:
         return time.clock_gettime(time.CLOCK_MONOTONIC)
 
     def _open(self) -> None:
-        now = self.clock()
-        if self._retry_at is not None and now < self._retry_at:
+        if self._retry_at is not None and self.clock() < self._retry_at:
             return
         self._retry_at = None
         try:
@@ -245,7 +239,7 @@ class KernelLog:
                 )
                 assert self._child.stdout is not None  # noqa: S101 - stdout=PIPE
                 fd = self._child.stdout.fileno()
-                _nonblocking(fd)
+                os.set_blocking(fd, False)
             else:
                 fd = os.open(self.source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 self._file = fd

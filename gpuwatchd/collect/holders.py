@@ -282,8 +282,6 @@ class HolderScanner:
                 )
         return rows
 
-    # --- one process --------------------------------------------------------------------------
-
     def _match_rdev(self, st: os.stat_result) -> _Match | None:
         if not stat.S_ISCHR(st.st_mode):
             return None

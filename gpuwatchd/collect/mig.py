@@ -118,9 +118,6 @@ def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCa
     return MigCapability(gpu, gi, ci)
 
 
-# --- the NVML worker's MIG devices -------------------------------------------------------------
-
-
 def _text(value: Any, most: int = 256) -> str | None:
     return value[:most] if isinstance(value, str) else None
 

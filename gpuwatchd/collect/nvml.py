@@ -230,8 +230,6 @@ class NvmlClient:
         """Stop the worker; the client may still be used afterwards (it restarts on demand)."""
         self.stop()
 
-    # --- worker lifecycle -----------------------------------------------------------------
-
     def _start(self) -> None:
         try:
             cwd: str | None = os.getcwd()
@@ -337,8 +335,6 @@ class NvmlClient:
                 with contextlib.suppress(OSError):
                     pipe.close()
 
-    # --- failure readings -----------------------------------------------------------------
-
     def _schedule_retry(self, reading: NvmlReading) -> NvmlReading:
         self._retry_at = self._clock() + self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
@@ -370,8 +366,6 @@ class NvmlClient:
         if self._last_failure is None or self._last_failure.error != reading.error:
             log.warning(EventName.NVML_UNAVAILABLE, reason=reason)  # once a reason, as wedged
         return self._schedule_retry(reading)
-
-    # --- conversion -----------------------------------------------------------------------
 
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
         # A GPU whose part of the reply equals the last poll's gets the same GpuInfo back.

@@ -227,8 +227,6 @@ class Worker:
         self.events_status: dict[int, str] = {}  # GPU index → "ok", "not_supported", "unknown"
         self.fabric_version: dict[int, int] = {}  # GPU index → fabric struct version that works
 
-    # --- requests -------------------------------------------------------------------------
-
     def init(self) -> str | None:
         """Initialise NVML once; returns why it is unavailable, or None."""
         if self.initialised:
@@ -274,8 +272,6 @@ class Worker:
         self.read_events(gpus)
         return {"available": True, "driver_version": driver, "gpus": gpus, "notices": notices}
 
-    # --- one GPU --------------------------------------------------------------------------
-
     def read_gpu(self, index: int, notices: list[dict[str, Any]]) -> dict[str, Any]:
         reader = GpuReader()
         entry: dict[str, Any] = {"index": index, **dict.fromkeys(GPU_FIELDS)}
@@ -320,8 +316,6 @@ class Worker:
         if reader.errors:
             entry["error"] = "; ".join(reader.errors)
         return entry
-
-    # --- health ---------------------------------------------------------------------------
 
     def read_health(self, index: int, handle: Any, errors: list[str]) -> dict[str, Any]:
         """The health fields of one GPU; events are added by :meth:`read_events`."""

@@ -41,9 +41,6 @@ PROC_PID_INIT_INO = 0xEFFFFFFC
 PROC_CGROUP_INIT_INO = 0xEFFFFFFB
 
 
-# --- pure parsers -----------------------------------------------------------------------------
-
-
 def parse_proc_devices(text: str) -> dict[str, int]:
     """The character-device section of ``/proc/devices`` as name -> major. Pure."""
     majors: dict[str, int] = {}
@@ -98,9 +95,6 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-# --- the reader -------------------------------------------------------------------------------
-
-
 class ProcFS:
     """Reads process and host facts from a ``/proc`` tree rooted at ``root``; the keyword
     arguments configure :attr:`holders`, the device-holder scanner over the same tree."""
@@ -143,8 +137,6 @@ class ProcFS:
     def uvm_major(self) -> int | None:
         """Same as ``self.holders.uvm_major()``: nvidia-uvm's major, None when unknown."""
         return self.holders.uvm_major()
-
-    # --- host-wide facts ---
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))
@@ -191,8 +183,6 @@ class ProcFS:
             return False
         init_ns = _ns_link(f"{self.root}/1/ns/pid")
         return isinstance(init_ns, OSError) or init_ns in (None, PROC_PID_INIT_INO)
-
-    # --- processes ---
 
     def list_pids(self) -> list[int]:
         try:

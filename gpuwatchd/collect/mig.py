@@ -37,10 +37,17 @@ _CAP_FILE = re.compile(r"gpu(\d{1,3})/mig/gi(\d{1,3})(?:/ci(\d{1,3}))?/access")
 _PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 
 
-def _ids(match: re.Match[str]) -> tuple[int, int, int | None]:
-    """(GPU minor, GPU instance, compute instance or None) of a capability pattern's match."""
-    ci = match.group(3)
-    return int(match.group(1)), int(match.group(2)), None if ci is None else int(ci)
+def _capability(match: re.Match[str]) -> MigCapability | None:
+    """The capability a pattern's match names (GPU minor, GPU instance, compute instance or
+    None); None when an id is out of range."""
+    gpu, gi, ci = int(match.group(1)), int(match.group(2)), _opt_int(match.group(3))
+    if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+        return None
+    return MigCapability(gpu, gi, ci)
+
+
+def _opt_int(text: str | None) -> int | None:
+    return None if text is None else int(text)
 
 
 class MigMinorsError(ValueError):
@@ -61,13 +68,11 @@ def parse_mig_minors(text: str, path: str) -> dict[int, MigCapability]:
                     f"{path} line {number}: {line[:80]!r} is not '<capability> <minor>'"
                 )
             continue  # config, monitor, fabric capabilities: not about an instance
-        gpu, gi, ci = _ids(match)
-        minor = int(match.group(4))
-        if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+        capability, minor = _capability(match), int(match.group(4))
+        if capability is None:
             raise MigMinorsError(f"{path} line {number}: {line!r}: an id out of range")
         if minor > MAX_CAP_MINOR:
             raise MigMinorsError(f"{path} line {number}: minor {minor} out of range")
-        capability = MigCapability(gpu, gi, ci)
         if minor in table or capability in named:
             raise MigMinorsError(
                 f"{path} line {number}: {line!r} names a minor or capability twice"
@@ -82,14 +87,12 @@ def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | N
     :data:`MAX_MINORS_FILE` bytes, no symlink last) or is not ASCII in the driver's format."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            data = os.read(fd, MAX_MINORS_FILE + 1)
+        finally:
+            os.close(fd)
     except OSError as err:
         return None, f"mig_minors_file {path}: {err.strerror or err}"
-    try:
-        data = os.read(fd, MAX_MINORS_FILE + 1)
-    except OSError as err:
-        return None, f"mig_minors_file {path}: {err.strerror or err}"
-    finally:
-        os.close(fd)
     if len(data) > MAX_MINORS_FILE:
         return None, f"mig_minors_file {path}: larger than {MAX_MINORS_FILE} bytes"
     try:
@@ -110,12 +113,7 @@ def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCa
     if not path.startswith(prefix):
         return None
     match = _CAP_FILE.fullmatch(path[len(prefix) :])
-    if match is None:
-        return None
-    gpu, gi, ci = _ids(match)
-    if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
-        return None
-    return MigCapability(gpu, gi, ci)
+    return None if match is None else _capability(match)
 
 
 def _text(value: Any, most: int = 256) -> str | None:

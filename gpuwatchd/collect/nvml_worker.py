@@ -539,14 +539,12 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
                     reply = {"available": False, "error": f"worker error: {error!r}"}
             elif op == "shutdown":
                 worker.shutdown()
-                replies.write(json.dumps({"shutdown": True}) + "\n")
-                replies.flush()
-                return 0
+                reply = {"shutdown": True}
             else:
                 reply = {"error": f"unknown request: {line.strip()[:100]!r}"}
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
-            if reply.get("fatal"):
+            if op == "shutdown" or reply.get("fatal"):
                 return 0
     finally:
         worker.shutdown()

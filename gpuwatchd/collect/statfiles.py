@@ -125,10 +125,7 @@ class StatFiles:
         self._threads.clear()
 
     def close(self) -> None:
-        for pid in list(self._fds):
-            self._close(pid)
-        for pid in list(self._children):
-            self._close_children(pid)
+        self.retain(())
 
     def __len__(self) -> int:
         return len(self._fds)

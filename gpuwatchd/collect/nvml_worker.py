@@ -151,19 +151,15 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
     return {"status": "ok", "value": int(getattr(field.value, member))}
 
 
-def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str, Any], int]:
+def read_fabric(handle: Any, errors: list[str], first: int) -> tuple[dict[str, Any], int]:
     """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV`` with the struct of
-    ``version`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH), passed
-    by reference, its version set by its constructor. Returns the entry and the version to use
-    next time."""
+    version ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH),
+    passed by reference, its version set by its constructor. Returns the entry and the version
+    to use next time."""
     name = "nvmlDeviceGetGpuFabricInfoV"
-    structs = {3: "c_nvmlGpuFabricInfo_v3_t", 2: "c_nvmlGpuFabricInfo_v2_t"}
-    while True:
-        struct = getattr(pynvml, structs[version], None)
+    for version in (3, 2) if first == 3 else (2,):
+        struct = getattr(pynvml, f"c_nvmlGpuFabricInfo_v{version}_t", None)
         if struct is None:
-            if version == 2:
-                return {"status": "not_supported"}, version
-            version = 2
             continue
         info = struct()
         try:
@@ -173,7 +169,6 @@ def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str,
         except Exception as error:
             mismatch = getattr(error, "value", None) == NVML_ERROR_ARGUMENT_VERSION_MISMATCH
             if isinstance(error, pynvml.NVMLError) and mismatch and version == 3:
-                version = 2
                 continue
             note_error(errors, name, error)
             return {"status": "unknown"}, version
@@ -185,6 +180,7 @@ def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str,
             "health_mask": int(info.healthMask),
             "health_summary": int(info.healthSummary) if version >= 3 else None,
         }, version
+    return {"status": "not_supported"}, 2
 
 
 def read_remapped_rows(handle: Any, errors: list[str]) -> dict[str, Any]:

@@ -298,6 +298,10 @@ class HolderScanner:
             return ("cap", minor)
         return None
 
+    def _match_path(self, path: str) -> _Match | None:
+        prefix = self._device_prefix
+        return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
+
     def _match_cap_file(self, target: str) -> _Match | None:
         cap = match_cap_file(target, self.capabilities_dir)
         return None if cap is None else ("capfile", _cap_file_code(cap))
@@ -328,26 +332,18 @@ class HolderScanner:
                 cap = self._match_cap_file(target) if "/capabilities/" in target else None
                 if cap is not None:
                     found.add(*cap, via_map=False)
-            if self.match_by_path:
-                prefix = self._device_prefix
-                for target in fd_of:
-                    what = (
-                        match_device_name(target[len(prefix) :])
-                        if target.startswith(prefix)
-                        else None
-                    )
-                    if what is not None:
-                        found.add(*what, via_map=False)
-                return len(names)
             for target, name in fd_of.items():
-                if target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
+                if self.match_by_path:
+                    what = self._match_path(target)
+                elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
                     continue
-                try:
-                    what = self._match_rdev(os.stat(name, dir_fd=dfd))
-                except FileNotFoundError:
-                    continue
-                except OSError as err:
-                    raise _classify_error(err) from None
+                else:
+                    try:
+                        what = self._match_rdev(os.stat(name, dir_fd=dfd))
+                    except FileNotFoundError:
+                        continue
+                    except OSError as err:
+                        raise _classify_error(err) from None
                 if what is not None:
                     found.add(*what, via_map=False)
             return len(names)
@@ -398,10 +394,8 @@ class HolderScanner:
             address, _, _, device, inode, raw_path = fields
             path = os.fsdecode(raw_path)
             if self.match_by_path:
-                if path.startswith(self._device_prefix):
-                    what = match_device_name(path[len(self._device_prefix) :])
-                    if what is not None:
-                        found.add(*what, via_map=True)
+                if (what := self._match_path(path)) is not None:
+                    found.add(*what, via_map=True)
                 continue
             # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
             if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108

@@ -12,15 +12,11 @@ import re
 
 from gpuwatchd.core.model import CgroupInfo
 
-_DOCKER_SCOPE = re.compile(r"docker-([0-9a-f]{12,64})\.scope")
-_CONTAINERD_SCOPE = re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope")
-_CRIO_SCOPE = re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
-_PODMAN_SCOPE = re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
-_CONTAINER_SCOPES = (
-    (_DOCKER_SCOPE, "docker"),
-    (_CONTAINERD_SCOPE, "containerd"),
-    (_CRIO_SCOPE, "crio"),
-    (_PODMAN_SCOPE, "podman"),
+_CONTAINER_SCOPES = (  # a container's scope (or cgroup) name, and its runtime
+    (re.compile(r"docker-([0-9a-f]{12,64})\.scope"), "docker"),
+    (re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope"), "containerd"),
+    (re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?"), "crio"),
+    (re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?"), "podman"),
 )
 _BARE_ID = re.compile(r"[0-9a-f]{64}")
 _POD_SLICE = re.compile(r"kubepods(?:-[a-z]+)?-pod([0-9a-fA-F_-]+)\.slice")

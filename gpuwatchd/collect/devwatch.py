@@ -87,9 +87,7 @@ class DeviceWatch:
         """Everything queued since the last call, without blocking."""
         if self._fd is None:
             return WatchNews(available=False)
-        opened = 0
-        overflow = False
-        rewatch = False
+        opened, overflow, rewatch = 0, False, False
         while True:
             try:
                 data = os.read(self._fd, _READ_SIZE)

@@ -298,7 +298,8 @@ class HolderScanner:
             return ("cap", minor)
         return None
 
-    def _match_path(self, path: str) -> _Match | None:
+    def match_path(self, path: str) -> _Match | None:
+        """What ``path`` names in path mode: a device file under ``devices_dir``, or None."""
         prefix = self._device_prefix
         return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
 
@@ -334,7 +335,7 @@ class HolderScanner:
                     found.add(*cap, via_map=False)
             for target, name in fd_of.items():
                 if self.match_by_path:
-                    what = self._match_path(target)
+                    what = self.match_path(target)
                 elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
                     continue
                 else:
@@ -394,7 +395,7 @@ class HolderScanner:
             address, _, _, device, inode, raw_path = fields
             path = os.fsdecode(raw_path)
             if self.match_by_path:
-                if (what := self._match_path(path)) is not None:
+                if (what := self.match_path(path)) is not None:
                     found.add(*what, via_map=True)
                 continue
             # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.

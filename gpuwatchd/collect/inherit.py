@@ -9,7 +9,7 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.collect.holders import HolderScanner, match_device_name
+from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
@@ -107,7 +107,6 @@ class InheritanceProbe:
         except OSError:
             return None
         scanner = self.scanner
-        prefix = os.path.realpath(scanner.devices_dir).rstrip("/") + "/"
         fds: list[int] = []
         for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
             if not name.isdigit():
@@ -117,10 +116,7 @@ class InheritanceProbe:
             except OSError:
                 continue
             if scanner.match_by_path:
-                if (
-                    not target.startswith(prefix)
-                    or match_device_name(target[len(prefix) :]) is None
-                ):
+                if scanner.match_path(target) is None:
                     continue
             else:
                 if "/dev/" not in target and "nvidia" not in target:

@@ -1,29 +1,20 @@
 """The boot clock: how long something that protects someone lasts (a spare, a timed pause).
 
-The wall clock steps (chrony, ``date -s``, an RTC set wrong at boot); ``CLOCK_BOOTTIME`` does
-not, and restarts at each boot, which the boot id names. So a file that says how long it lasts
-stamps its start and end on both clocks (:meth:`BootTime.stamp`): ``since_boot`` /
-``until_boot`` with the ``boot_id`` measure it, ``since`` / ``until`` (wall) only show it, and
-stand in for the boot clock for a file of another boot or one written before the boot clock
-was stamped.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.boottime`.
+The wall clock steps; ``CLOCK_BOOTTIME`` does not, and restarts at each boot (the boot id). So
+a file stamps its start and end on both (:meth:`BootTime.stamp`): ``since_boot`` /
+``until_boot`` with the ``boot_id`` measure it; the wall ``since`` / ``until`` show it and
+stand in for another boot's file. In detail: docs/internals.md, `gpuwatchd.collect.boottime`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.core.checked import as_number
+
 BOOT_SLACK = 60.0  # seconds: clock adjustments between two readings of the boot's wall time
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 @dataclass(frozen=True)
@@ -64,14 +55,14 @@ class BootTime:
         where the ids differ or one is unknown, a wall start not before this boot's start."""
         if self.boot_id is not None and data.get("boot_id") == self.boot_id:
             return True
-        since, booted = _number(data.get("since")), self.booted_at
+        since, booted = as_number(data.get("since")), self.booted_at
         return since is not None and booted is not None and since >= booted - BOOT_SLACK
 
     def left(self, data: Mapping[str, object]) -> float | None:
         """Seconds left of a stamp now: on the boot clock when it was written in this boot,
         else by its wall ``until``; None when it names no end."""
-        until_boot = _number(data.get("until_boot"))
+        until_boot = as_number(data.get("until_boot"))
         if self.seconds is not None and until_boot is not None and self.same_boot(data):
             return until_boot - self.seconds
-        until = _number(data.get("until"))
+        until = as_number(data.get("until"))
         return None if until is None else until - self.wall

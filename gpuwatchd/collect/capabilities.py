@@ -1,14 +1,11 @@
-"""Which Linux capabilities this process has: read from ``/proc/self/status`` (``CapEff``).
-
-This module owns the capabilities gpuwatchd needs (docs/design-notes.md §9) and the one check of
-them, asked by ``scan`` (reading other users' fds and maps) and by ``run`` (signalling them too).
+"""Which Linux capabilities this process has (``CapEff``), against those gpuwatchd needs to read
+other users' fds and maps, and to signal them (docs/design-notes.md §9).
 """
 
 from __future__ import annotations
 
 import os
 
-# Capabilities needed to read other users' /proc/PID/fd and maps (docs/design-notes.md §9).
 _INSPECT_CAPABILITIES = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19}
 # ... and to signal them.
 ACT_CAPABILITIES = {**_INSPECT_CAPABILITIES, "CAP_KILL": 5}

@@ -9,19 +9,14 @@ import errno
 import functools
 import os
 import re
-from dataclasses import dataclass
 
 from gpuwatchd.core.model import CgroupInfo
 
-_DOCKER_SCOPE = re.compile(r"docker-([0-9a-f]{12,64})\.scope")
-_CONTAINERD_SCOPE = re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope")
-_CRIO_SCOPE = re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
-_PODMAN_SCOPE = re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?")
-_CONTAINER_SCOPES = (
-    (_DOCKER_SCOPE, "docker"),
-    (_CONTAINERD_SCOPE, "containerd"),
-    (_CRIO_SCOPE, "crio"),
-    (_PODMAN_SCOPE, "podman"),
+_CONTAINER_SCOPES = (  # a container's scope (or cgroup) name, and its runtime
+    (re.compile(r"docker-([0-9a-f]{12,64})\.scope"), "docker"),
+    (re.compile(r"cri-containerd-([0-9a-f]{12,64})\.scope"), "containerd"),
+    (re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?"), "crio"),
+    (re.compile(r"libpod-(?:conmon-)?([0-9a-f]{12,64})(?:\.scope)?"), "podman"),
 )
 _BARE_ID = re.compile(r"[0-9a-f]{64}")
 _POD_SLICE = re.compile(r"kubepods(?:-[a-z]+)?-pod([0-9a-fA-F_-]+)\.slice")
@@ -41,14 +36,6 @@ def kernel_lines(text: str) -> list[str]:
     return text.split("\n")
 
 
-@dataclass(frozen=True)
-class _Reading:
-    """One walk over a cgroup path: what it names, and where the Slurm job's part is."""
-
-    info: CgroupInfo
-    slurm_job_index: int | None
-
-
 def _slurm_job_at(parts: list[str], index: int) -> bool:
     """Whether ``parts[index]`` is a ``job_<ID>`` where Slurm itself puts one."""
     if index < 1 or not _SLURM_JOB.fullmatch(parts[index]):
@@ -62,7 +49,8 @@ def _slurm_job_at(parts: list[str], index: int) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _read_path(path: str) -> _Reading:
+def classify_cgroup_path(path: str) -> CgroupInfo:
+    """What one cgroup path names: container, pod, Slurm job and step, systemd unit. Pure."""
     parts = [p for p in path.split("/") if p]
     container_id: str | None = None
     runtime: str | None = None
@@ -101,7 +89,7 @@ def _read_path(path: str) -> _Reading:
             slurm_step = match.group(1)
         if _DELEGATED_TO_USER.fullmatch(part):
             delegated = True
-    info = CgroupInfo(
+    return CgroupInfo(
         path=path,
         container_id=container_id,
         container_runtime=runtime,
@@ -111,34 +99,12 @@ def _read_path(path: str) -> _Reading:
         systemd_unit=unit,
         slurm_job_dir=None if slurm_index is None else "/" + "/".join(parts[: slurm_index + 1]),
     )
-    return _Reading(info, slurm_index)
-
-
-def classify_cgroup_path(path: str) -> CgroupInfo:
-    """What one cgroup path names: container, pod, Slurm job and step, systemd unit. Pure.
-
-    See the module docstring for which names are believed where.
-    """
-    return _read_path(path).info
-
-
-def slurm_job_dir(path: str) -> str | None:
-    """The Slurm job's own cgroup (``…/slurmstepd.scope/job_<ID>``) above ``path``, if any. Pure.
-
-    None unless :func:`classify_cgroup_path` finds a Slurm job in ``path``: the two never
-    disagree about which part is the job (it is ``CgroupInfo.slurm_job_dir``).
-    """
-    return _read_path(path).info.slurm_job_dir
 
 
 def parse_cgroup(text: str) -> CgroupInfo | None:
-    """Parse ``/proc/PID/cgroup`` (v1, v2 or hybrid) into the path that names the job. Pure.
-
-    Each line is ``hierarchy-ID:controllers:path``, lines split at ``\\n`` only. The first line
-    whose path names a Slurm job or a container wins (on cgroup v1 Slurm lives only in some
-    controllers); else the unified ``0::`` line, else ``name=systemd``, else the first line.
-    None when no line parses.
-    """
+    """Parse ``/proc/PID/cgroup`` (v1, v2 or hybrid) into the path that names the job: the first
+    naming a Slurm job or container (v1 Slurm lives only in some controllers), else the
+    unified ``0::`` line, else ``name=systemd``, else the first; None when no line parses. Pure."""
     entries: list[tuple[str, str, str]] = []
     for line in kernel_lines(text):
         fields = line.split(":", 2)
@@ -166,13 +132,8 @@ def unescape_mount_path(field: str) -> str:
 
 
 def parse_cgroup2_mount(mountinfo: str) -> str | None:
-    """Where ``/proc/PID/mountinfo`` text says the unified (v2) hierarchy is mounted. Pure.
-
-    Lines are split at ``\\n`` only: the kernel escapes space, tab, newline and backslash in
-    mount points, but not ``\\r`` or other characters ``splitlines`` would break at, and a user
-    may mount things (FUSE) at paths of their choosing. The file system type is the first field
-    after the `` - `` separator; the mount point is field 5. None without a cgroup2 mount.
-    """
+    """Where ``/proc/PID/mountinfo`` text says the unified (v2) hierarchy is mounted (the file
+    system type follows `` - ``, the mount point is field 5); None without one. Pure."""
     for line in kernel_lines(mountinfo):
         left, separator, right = line.partition(" - ")
         if not separator or right.split(" ", 1)[0] != "cgroup2":
@@ -184,12 +145,9 @@ def parse_cgroup2_mount(mountinfo: str) -> str | None:
 
 
 def parse_systemd_mount(mountinfo: str) -> str | None:
-    """Where systemd keeps its cgroup tree according to ``/proc/PID/mountinfo`` text. Pure.
-
-    The ``name=systemd`` (cgroup v1) hierarchy where one is mounted (the legacy and hybrid
-    set-ups, in which systemd sets its extended attributes there), else the unified (v2) one;
-    None without either. Lines are split at ``\\n`` only (see :func:`parse_cgroup2_mount`).
-    """
+    """Where systemd keeps its cgroup tree according to ``/proc/PID/mountinfo`` text: the v1
+    ``name=systemd`` hierarchy where mounted (legacy and hybrid set-ups keep the extended
+    attributes there), else the unified one; None without either. Pure."""
     for line in kernel_lines(mountinfo):
         left, separator, right = line.partition(" - ")
         after = right.split(" ")
@@ -206,14 +164,9 @@ _NO_MARK_ERRNOS = frozenset({errno.ENODATA, errno.EOPNOTSUPP})  # none set / non
 
 
 def delegation_mark(mount: str, path: str) -> bool | None:
-    """Whether systemd marked cgroup ``path`` (as ``/proc/PID/cgroup`` spells it, below
-    ``mount``) or a cgroup above it as delegated (:data:`DELEGATION_MARKS`).
-
-    True at the first level that carries a mark (a value other than ``0``); False when every
-    level below the root was read and none carries one; None when a level cannot be read (the
-    process moved and the cgroup is gone, no privilege, a path that is not a cgroup's), so that
-    unknown stays unknown.
-    """
+    """Whether systemd marked cgroup ``path`` (below ``mount``) or one above it as delegated
+    (:data:`DELEGATION_MARKS`, a value other than ``0``); None when a level cannot be read
+    (gone, no privilege, not a cgroup), so that unknown stays unknown."""
     parts = [p for p in path.split("/") if p]
     if any(part in (".", "..") for part in parts):
         return None

@@ -74,10 +74,8 @@ class _Poll:
 class Collector:
     """Reads NVML and ``/proc`` into snapshots; remembers only what keeps the next poll cheap.
 
-    ``holders`` defaults to ``procfs.holders``; ``detection`` supplies the memory threshold of
-    the full-scan rule (pass the policy's, so a lowered ghost margin is honoured).
-    ``last_scan_reason`` says why the last poll scanned all of ``/proc`` (None: targeted).
-    """
+    ``detection``: the policy's, whose memory threshold the full-scan rule uses;
+    ``last_scan_reason``: why the last poll scanned all of ``/proc`` (None: targeted)."""
 
     procfs: ProcFS
     nvml: NvmlSource
@@ -85,7 +83,7 @@ class Collector:
     namespace_check: bool = True
     cgroup_root: str | None = None  # the cgroup v2 mount, for jobs.ended_jobs
     detection: Detection = field(default_factory=Detection)
-    holders: HolderScanner | None = None
+    holders: HolderScanner | None = None  # None: procfs.holders
     # The daemon's inotify watch on the device files (None: not watched, e.g. `scan`); while it
     # works, the periodic walk waits for `backstop` seconds (None: full_scan_interval).
     watch: DeviceWatch | None = None
@@ -175,10 +173,9 @@ class Collector:
         return self._scan_state.dead_listed
 
     def seed(self, holders: frozenset[int], dead_listed: frozenset[int]) -> None:
-        """Start from another collector's view instead of a first full scan: ``holders`` held
-        device files and ``dead_listed`` were listed dead as of a poll that just happened
-        (``scan`` beside a running daemon, :mod:`gpuwatchd.served.holders`). The next
-        :meth:`collect` is then targeted unless the full-scan rule says otherwise."""
+        """Start from another collector's view of a poll that just happened (``scan`` beside a
+        running daemon) instead of a first full scan: the next :meth:`collect` is targeted
+        unless the full-scan rule says otherwise."""
         self._known_holders = holders
         self._scan_state = FullScanState(last_full=self.clock(), dead_listed=dead_listed)
 
@@ -189,9 +186,8 @@ class Collector:
         reading: NvmlReading,
         read_now: dict[int, ProcessInfo] | None = None,
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
-        """Scan all of /proc with everything fresh: no remembered fact or holding survives.
-        ``read_now``: the listed processes' facts when this poll read them all afresh (no
-        remembered fact was used), which then stand; else they are read again here."""
+        """Scan all of /proc with no remembered fact or holding kept; ``read_now``: the listed
+        processes' facts when this poll read them all afresh (else they are read again)."""
         self._facts_seen, self._held = {}, {}
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
@@ -214,15 +210,8 @@ class Collector:
         """Facts about ``pids``: ``stat`` read now; the rest reused while stat's identity holds."""
         found: dict[int, ProcessInfo] = {}
         for pid in pids:
-            if pid in found:
-                continue
-            info = self._facts_seen.get(pid)
-            if info is None:
-                info = self._read_process(pid)
-                if info is None:
-                    continue
-                self._facts_seen[pid] = info
-            found[pid] = info
+            if pid not in found and (info := self._facts_seen.get(pid) or self._read_process(pid)):
+                self._facts_seen[pid] = found[pid] = info
         return found
 
     def _read_process(self, pid: int) -> ProcessInfo | None:
@@ -264,15 +253,8 @@ class Collector:
         if not reused:
             self._remember_holdings(scan, gpus_of, live_listed)
             return scan
-        holdings = dict(scan.holdings)
-        holdings.update((pid, h) for pid, h in reused.items() if h is not None)
-        merged = HolderScan(
-            mode=scan.mode,
-            holdings=holdings,
-            unreadable=scan.unreadable,
-            matched_by_name=scan.matched_by_name,
-            thread_tables_unread=scan.thread_tables_unread,
-        )
+        kept = {pid: h for pid, h in reused.items() if h is not None}
+        merged = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
         self._remember_holdings(merged, gpus_of, live_listed)
         return merged
 
@@ -286,9 +268,8 @@ class Collector:
         (``gpus_of``: :func:`listed_gpus` of the poll's reading)."""
         held: dict[int, _Held] = {}
         for pid, info in live_listed.items():
-            if pid in scan.unreadable or pid in scan.matched_by_name or info.is_zombie:
-                continue
-            if info.start_ticks is None:
+            unsure = pid in scan.unreadable or pid in scan.matched_by_name
+            if unsure or info.is_zombie or info.start_ticks is None:
                 continue
             held[pid] = _Held(_signature_of_info(info), gpus_of[pid], scan.holdings.get(pid))
         self._held = held

@@ -73,8 +73,6 @@ class DeviceWatch:
             self.error = f"inotify_init1: {os.strerror(ctypes.get_errno())}"
             return False
         self._libc, self._fd = libc, fd
-        wd = self._add(self.devices_dir, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
-        self._folder_wd = wd if wd >= 0 else None
         self._watch_present()
         return True
 
@@ -82,16 +80,14 @@ class DeviceWatch:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
-        self._fd, self._files, self._folder_wd, self._stale = None, {}, None, True
-        self._caps_wd = None
+        self._fd, self._files, self._stale = None, {}, True
+        self._folder_wd = self._caps_wd = None
 
     def drain(self) -> WatchNews:
         """Everything queued since the last call, without blocking."""
         if self._fd is None:
             return WatchNews(available=False)
-        opened = 0
-        overflow = False
-        rewatch = False
+        opened, overflow, rewatch = 0, False, False
         while True:
             try:
                 data = os.read(self._fd, _READ_SIZE)
@@ -126,16 +122,13 @@ class DeviceWatch:
         rewatched = 0
         if rewatch or self._stale:
             rewatched = self._watch_present()
-        changed = bool(opened or overflow or rewatched or rewatch)
         return WatchNews(
             available=not self._incomplete,
-            changed=changed,
+            changed=bool(opened or overflow or rewatched or rewatch),
             opened=opened,
             overflow=overflow,
             rewatched=rewatched,
         )
-
-    # --- internals --------------------------------------------------------------------------
 
     def _add(self, path: str, mask: int) -> int:
         if self._libc is None or self._fd is None:
@@ -143,12 +136,15 @@ class DeviceWatch:
         wd: int = self._libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
         return wd
 
+    def _add_folder(self, path: str) -> int | None:
+        wd = self._add(path, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
+        return wd if wd >= 0 else None
+
     def _watch_present(self) -> int:
         """Watch every device file in the folder not watched yet; how many were added."""
         self._stale = False
         if self._folder_wd is None:
-            wd = self._add(self.devices_dir, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
-            self._folder_wd = wd if wd >= 0 else None
+            self._folder_wd = self._add_folder(self.devices_dir)
         try:
             names = os.listdir(self.devices_dir)
         except OSError:
@@ -158,16 +154,14 @@ class DeviceWatch:
         if CAPS_FOLDER in names:
             caps = f"{self.devices_dir}/{CAPS_FOLDER}"
             if self._caps_wd is None:
-                wd = self._add(caps, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
-                self._caps_wd = wd if wd >= 0 else None
+                self._caps_wd = self._add_folder(caps)
             try:
                 names += [f"{CAPS_FOLDER}/{name}" for name in os.listdir(caps)]
             except OSError:
                 caps_unlisted = True  # tried again next time; until then, not complete
         watched = set(self._files.values())
         added = 0
-        self._incomplete = caps_unlisted
-        self._stale = caps_unlisted
+        self._incomplete = self._stale = caps_unlisted
         for name in names:
             if name in watched or match_device_name(name) is None:
                 continue
@@ -177,8 +171,6 @@ class DeviceWatch:
                 self._files[wd] = name
                 added += 1
             else:
-                # Gone again, or the watch limit: try next time, and until then this file's
-                # opens go unseen, so the watch does not count as available.
-                self._stale = True
-                self._incomplete = True
+                # Gone again, or the watch limit: try next time; until then its opens go unseen.
+                self._stale = self._incomplete = True
         return added

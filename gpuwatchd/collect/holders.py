@@ -1,11 +1,8 @@
 """The scan for holders of NVIDIA device files: every fd and every mapping, by device number.
 
-This module owns *how* a process is found to hold ``/dev/nvidia*`` (docs/design-notes.md §2): which
-fd links and mapped files count, how they are identified, and what is reported when a process cannot
-be read. Process facts (stat, the PID list, ``/proc/devices``) come from the
-:class:`~gpuwatchd.collect.procfs.ProcFS` it is given; it never signals, never decides, and
-never imports NVML.
-
+This module owns which fd links and mapped files count as holding ``/dev/nvidia*``, how they
+are identified, and what is reported when a process cannot be read; process facts come from the
+:class:`ProcessTable` it is given. It never signals, decides or imports NVML.
 In detail: docs/internals.md, section `gpuwatchd.collect.holders`.
 """
 
@@ -26,18 +23,13 @@ from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MAX_GPU_MINOR = 247  # 248-253 unused, 254 nvidia-modeset, 255 nvidiactl
-# What one process's threads with fd tables of their own may cost a scan: fd entries read from
-# those tables (each table one more). Past it the process is unknown (``HolderScan.unreadable``
-# and ``thread_tables_unread``): a holder that blocks resets and is never a target. A thread's
-# table is a copy of its process's (a few dozen fds), so a budget spent is hundreds of tables.
-THREAD_TABLE_BUDGET = 65_536
+THREAD_TABLE_BUDGET = 65_536  # fd entries of one process's threads' own tables (docs/internals.md)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
 
-_Match = tuple[
-    str, int
-]  # ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+# ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+_Match = tuple[str, int]
 
 # Capabilities travel in the scan rows' GPU tuples (collect/spread.py's Row is shared with the
 # fork workers), offset past any device minor (MINORBITS is 20): an nvidia-cap minor as
@@ -155,11 +147,6 @@ class _Found:
         elif kind == "uvm":
             self.uvm = True
 
-    def holding(self, pid: int) -> DeviceHolding | None:
-        if not (self.gpu_fd or self.gpu_map or self.ctl or self.uvm):
-            return None
-        return _holding(pid, self.gpu_fd, self.gpu_map, self.ctl, self.uvm)
-
 
 def _holding(
     pid: int, gpu_fd: Iterable[int], gpu_map: Iterable[int], ctl: bool, uvm: bool
@@ -211,81 +198,60 @@ class HolderScanner:
         self.ctl_minor = ctl_minor
         self.uvm_minor = uvm_minor
         self.match_by_path = (devices_dir != "/dev") if match_by_path is None else match_by_path
-        self._uvm_major = uvm_major
-        self._uvm_major_read = uvm_major is not None
+        # Dynamic majors by driver name, from /proc/devices once (None: that driver is absent)
+        given = {"nvidia-uvm": uvm_major, "nvidia-caps": caps_major}
+        self._majors: dict[str, int | None] = {k: v for k, v in given.items() if v is not None}
         self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
-        self._caps_major = caps_major
-        self._caps_major_read = caps_major is not None
         self.capabilities_dir = (
             self._device_prefix + "driver/nvidia/capabilities"
             if self.match_by_path
             else CAPABILITIES_DIR
         )
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
-        # Per process: fd entries read from threads' own tables (each table counts one more).
         self.thread_table_budget = THREAD_TABLE_BUDGET
-        # Called after each process scanned here (never in a forked worker): the daemon feeds
-        # its watchdog through it while a long scan makes progress.
+        # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
         self.progress: Callable[[], None] | None = None
-        # What a mapping line must contain to be looked at (:meth:`_scan_maps`)
         self._map_markers: tuple[bytes, ...] = (
             (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
         )
 
     def uvm_major(self) -> int | None:
         """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
-        if not self._uvm_major_read:
+        return self._major("nvidia-uvm")
+
+    def _major(self, name: str) -> int | None:
+        if name not in self._majors:
             majors = self.procfs.char_device_majors()
             if majors is None:
                 return None  # try again next time
-            self._uvm_major = majors.get("nvidia-uvm")
-            self._uvm_major_read = True
-        return self._uvm_major
-
-    def caps_major(self) -> int | None:
-        """nvidia-caps' dynamic major from ``/proc/devices``, read once; None when absent."""
-        if not self._caps_major_read:
-            majors = self.procfs.char_device_majors()
-            if majors is None:
-                return None
-            self._caps_major = majors.get("nvidia-caps")
-            self._caps_major_read = True
-        return self._caps_major
+            self._majors[name] = majors.get(name)
+        return self._majors[name]
 
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
         else exactly ``pids`` ("targeted"). Skips ourselves, ``exclude`` and kernel threads."""
-        mode = "full" if pids is None else "targeted"
         candidates = self.procfs.list_pids() if pids is None else list(dict.fromkeys(pids))
         skip = {self.procfs.self_pid, *exclude}
         if pids is None:
             skip |= self.procfs.kernel_threads()
         todo = [pid for pid in candidates if pid not in skip and pid > 0]
-        holdings: dict[int, DeviceHolding] = {}
-        unreadable: set[int] = set()
-        by_name: set[int] = set()
-        capped: set[int] = set()
-        for pid, gpu_fd, gpu_map, ctl, uvm, named, denied, over in spread.scan_spread(
+        rows = spread.scan_spread(
             self._scan_chunk,
             todo,
             workers=self.workers,
             min_slice=self.min_slice,
             progress=self.progress,
-        ):
-            if denied:
-                unreadable.add(pid)
-            if over:
-                capped.add(pid)
-            if gpu_fd or gpu_map or ctl or uvm:
-                holdings[pid] = _holding(pid, gpu_fd, gpu_map, ctl, uvm)
-                if named:
-                    by_name.add(pid)
+        )
         return HolderScan(
-            mode=mode,
-            holdings=holdings,
-            unreadable=frozenset(unreadable),
-            matched_by_name=frozenset(by_name),
-            thread_tables_unread=frozenset(capped),
+            mode="full" if pids is None else "targeted",
+            holdings={
+                pid: _holding(pid, gpu_fd, gpu_map, ctl, uvm)
+                for pid, gpu_fd, gpu_map, ctl, uvm, *_ in rows
+                if gpu_fd or gpu_map or ctl or uvm
+            },
+            unreadable=frozenset(row[0] for row in rows if row[6]),
+            matched_by_name=frozenset(row[0] for row in rows if row[5]),  # only holders'
+            thread_tables_unread=frozenset(row[0] for row in rows if row[7]),
         )
 
     def _scan_chunk(self, pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
@@ -316,8 +282,6 @@ class HolderScanner:
                 )
         return rows
 
-    # --- one process --------------------------------------------------------------------------
-
     def _match_rdev(self, st: os.stat_result) -> _Match | None:
         if not stat.S_ISCHR(st.st_mode):
             return None
@@ -329,10 +293,15 @@ class HolderScanner:
             return ("uvm", 0)
         if major == self.device_major and minor <= MAX_GPU_MINOR:
             return ("gpu", minor)
-        caps_major = self.caps_major()
+        caps_major = self._major("nvidia-caps")
         if caps_major is not None and major == caps_major and major != self.device_major:
             return ("cap", minor)
         return None
+
+    def match_path(self, path: str) -> _Match | None:
+        """What ``path`` names in path mode: a device file under ``devices_dir``, or None."""
+        prefix = self._device_prefix
+        return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
 
     def _match_cap_file(self, target: str) -> _Match | None:
         cap = match_cap_file(target, self.capabilities_dir)
@@ -351,8 +320,7 @@ class HolderScanner:
             except OSError as err:
                 raise _classify_error(err) from None
             try:
-                # All the fds at once; the careful loop only when an fd misbehaves. (A
-                # comprehension passes dir_fd without the dict partial() copies per call.)
+                # All the fds at once; the careful loop only when an fd misbehaves.
                 targets = [readlink(name, dir_fd=dfd) for name in names]
             except OSError as err:
                 if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
@@ -365,26 +333,18 @@ class HolderScanner:
                 cap = self._match_cap_file(target) if "/capabilities/" in target else None
                 if cap is not None:
                     found.add(*cap, via_map=False)
-            if self.match_by_path:
-                prefix = self._device_prefix
-                for target in fd_of:
-                    what = (
-                        match_device_name(target[len(prefix) :])
-                        if target.startswith(prefix)
-                        else None
-                    )
-                    if what is not None:
-                        found.add(*what, via_map=False)
-                return len(names)
             for target, name in fd_of.items():
-                if target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
+                if self.match_by_path:
+                    what = self.match_path(target)
+                elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
                     continue
-                try:
-                    what = self._match_rdev(os.stat(name, dir_fd=dfd))
-                except FileNotFoundError:
-                    continue
-                except OSError as err:
-                    raise _classify_error(err) from None
+                else:
+                    try:
+                        what = self._match_rdev(os.stat(name, dir_fd=dfd))
+                    except FileNotFoundError:
+                        continue
+                    except OSError as err:
+                        raise _classify_error(err) from None
                 if what is not None:
                     found.add(*what, via_map=False)
             return len(names)
@@ -435,10 +395,8 @@ class HolderScanner:
             address, _, _, device, inode, raw_path = fields
             path = os.fsdecode(raw_path)
             if self.match_by_path:
-                if path.startswith(self._device_prefix):
-                    what = match_device_name(path[len(self._device_prefix) :])
-                    if what is not None:
-                        found.add(*what, via_map=True)
+                if (what := self.match_path(path)) is not None:
+                    found.add(*what, via_map=True)
                 continue
             # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
             if path.startswith("/dev/shm/") or path == "/dev/zero (deleted)":  # noqa: S108
@@ -485,8 +443,7 @@ class HolderScanner:
         had_fds = had_maps = True
         try:
             had_fds = self._scan_fds(f"{base}/fd", found) > 0
-            if not self._scan_thread_tables(pid, base, found):
-                unreadable = True
+            unreadable = not self._scan_thread_tables(pid, base, found)
         except _Gone:
             return None, False
         except _Denied:
@@ -510,15 +467,8 @@ class HolderScanner:
         return found, unreadable
 
     def _scan_thread_tables(self, pid: int, base: str, found: _Found) -> bool:
-        """Add what threads with fd tables of their own hold; False when one could not be read,
-        or when :attr:`HolderScanner.thread_table_budget` ran out first (``found.capped``).
-
-        Linear in threads. One ``stat`` tells a single-threaded process (the link count of
-        ``task/`` is 2 + threads); a thread sharing the leader's table costs one kcmp; one
-        that does not is looked up among the tables read so far, kept in kcmp's order (a binary
-        search), so each distinct table is read once. A thread that kcmp cannot place (no
-        kcmp, no ptrace access, a thread gone meanwhile) is read without being kept.
-        """
+        """Add what threads with fd tables of their own hold (docs/internals.md); False when one
+        could not be read, or :attr:`thread_table_budget` ran out first (``found.capped``)."""
         try:
             threads = os.stat(f"{base}/task").st_nlink - 2
         except OSError as err:

@@ -1,9 +1,6 @@
 """Inheritance evidence: whose device files a holder holds, and whether its leaders still exist.
 
-This module owns two readings that tell an heir of a dead job's memory from a bystander
-(docs/findings.md, "ties").
-
-In detail: docs/internals.md, section `gpuwatchd.collect.inherit`.
+In detail: docs/findings.md ("ties") and docs/internals.md, `gpuwatchd.collect.inherit`.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.collect.holders import HolderScanner, match_device_name
+from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.core.model import FileSharing, HolderScan, ProcessIdentity, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
@@ -28,11 +25,8 @@ _RETRY_UNKNOWN_POLLS = 12  # an unknown answer (mappings only, a race) is asked 
 
 
 class InheritanceProbe:
-    """Compares each holder with the live context owners above it in the process tree.
-
-    ``scanner`` supplies how device files are recognised (by path in tests, by device number in
-    production), the same way the holder scan recognises them.
-    """
+    """Compares each holder with the live context owners above it in the process tree;
+    ``scanner`` says how device files are recognised (by path in tests, else by number)."""
 
     def __init__(self, scanner: HolderScanner, root: str, kcmp: Kcmp | None = None) -> None:
         self.scanner = scanner
@@ -113,7 +107,6 @@ class InheritanceProbe:
         except OSError:
             return None
         scanner = self.scanner
-        prefix = os.path.realpath(scanner.devices_dir).rstrip("/") + "/"
         fds: list[int] = []
         for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
             if not name.isdigit():
@@ -123,10 +116,7 @@ class InheritanceProbe:
             except OSError:
                 continue
             if scanner.match_by_path:
-                if (
-                    not target.startswith(prefix)
-                    or match_device_name(target[len(prefix) :]) is None
-                ):
+                if scanner.match_path(target) is None:
                     continue
             else:
                 if "/dev/" not in target and "nvidia" not in target:
@@ -167,11 +157,8 @@ def _owners_above(
 def absent_leaders(
     root: str, processes: Mapping[int, ProcessInfo], holders: Iterable[int]
 ) -> frozenset[int]:
-    """Session and process-group leaders of ``holders`` that do not exist now.
-
-    Only a missing ``/proc/PID`` directory counts (a leader that is present, even unreadable,
-    is not lost). Leaders already among ``processes`` exist by definition.
-    """
+    """Session and process-group leaders of ``holders`` whose ``/proc/PID`` is missing now (one
+    present, even unreadable, is not lost; those among ``processes`` exist)."""
     base = root.rstrip("/") or "/"
     wanted: set[int] = set()
     for pid in holders:

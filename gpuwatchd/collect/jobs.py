@@ -1,11 +1,8 @@
-"""Which jobs have ended: the evidence behind the ``abandoned`` finding (docs/architecture.md).
+"""Which jobs have ended: the evidence behind the ``abandoned`` finding, read from cgroupfs.
 
-This module owns *reading* a scheduler's own bookkeeping from cgroupfs to tell whether a job is
-over while some of its processes live on. What a cgroup path means (which part is the job) is
-:mod:`gpuwatchd.collect.cgroups`' pure parsing; this module only does the I/O around it. It
-decides nothing about processes; ``assess`` does.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.jobs`.
+This module reads a scheduler's own bookkeeping (what a cgroup path means is
+:mod:`gpuwatchd.collect.cgroups`'); it decides nothing. In detail: docs/internals.md,
+section `gpuwatchd.collect.jobs`.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from gpuwatchd.core.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
 
-# The scheduler's word (``run --once --ended-job KIND:ID``): job keys as ``CgroupInfo.job_key``
-# spells them, and the environment variable an epilog finds its job's id in.
+# ``run --once --ended-job KIND:ID``: the job keys (as ``CgroupInfo.job_key``) and the
+# environment variable an epilog finds its job's id in.
 _ENDED_JOB_ID = {
     "slurm": re.compile(r"[0-9]{1,20}"),
     "pod": re.compile(r"[0-9a-fA-F_-]{1,64}"),
@@ -34,10 +31,9 @@ _ENDED_JOB_ENV = {"slurm": "SLURM_JOB_ID"}
 
 
 def scheduler_ended_job(spec: str, environ: Mapping[str, str]) -> str:
-    """The job key named by ``--ended-job``: ``slurm:42``, ``pod:UID``, ``container:ID``,
-    ``unit:NAME.service``; a bare ``slurm`` reads ``SLURM_JOB_ID`` from ``environ`` (an epilog's
-    environment). Raises ValueError with a message naming the value. Pure.
-    """
+    """The job key named by ``--ended-job`` (``slurm:42``, ``pod:UID``, ``container:ID``,
+    ``unit:NAME.service``, or a bare ``slurm`` with ``SLURM_JOB_ID`` in ``environ``); ValueError
+    naming the value otherwise. Pure."""
     kind, sep, ident = spec.partition(":")
     if kind not in _ENDED_JOB_ID:
         raise ValueError(
@@ -84,12 +80,9 @@ def boot_ticks_now() -> int:
 
 @dataclass(frozen=True)
 class JobEvidence:
-    """What the scheduler's bookkeeping says this poll (see the module docstring).
-
-    ``ended_dirs``: job cgroup directories (paths as ``/proc/PID/cgroup`` spells them) judged
-    ended. ``stepds``: job key -> start ticks of the youngest live ``slurmstepd`` serving it
-    in a trusted directory (one not known to be anything else).
-    """
+    """``ended_dirs``: job cgroup directories (as ``/proc/PID/cgroup`` spells them) judged
+    ended; ``stepds``: job key -> start ticks of the youngest live ``slurmstepd`` serving it
+    in a trusted directory (one not known to be anything else)."""
 
     ended_dirs: frozenset[str] = frozenset()
     stepds: Mapping[str, int] = field(default_factory=dict)
@@ -101,8 +94,8 @@ def _root_only(st: os.stat_result) -> bool:
 
 def trusted_job_dir(cgroup_root: str, job_dir: str) -> bool:
     """Whether ``job_dir`` (a cgroup path) is where the scheduler, as root, made it: no user's
-    delegated subtree on the way, and every directory from the root of the hierarchy down to
-    it owned by root and writable by neither group nor others (not a symlink either)."""
+    delegated subtree on the way, every directory down to it root's, writable by neither group
+    nor others, and no symlink."""
     parts = [p for p in job_dir.split("/") if p]
     if not parts or any(_DELEGATED.fullmatch(p) for p in parts):
         return False
@@ -143,9 +136,7 @@ def slurm_job_ended(job_dir: str) -> bool | None:
     """True when no step of the Slurm job at ``job_dir`` (a filesystem path) has a live
     slurmstepd; None (unknown) when the job's cgroup cannot be read or has no step at all."""
     pids = _step_procs(job_dir)
-    if pids is None:
-        return None
-    return not pids
+    return None if pids is None else not pids
 
 
 def judge_jobs(
@@ -153,11 +144,9 @@ def judge_jobs(
     cgroup_root: str | None,
     identify: StepdIdentity | None = None,
 ) -> JobEvidence:
-    """The job directories of these processes that have ended, and the jobs' live stepds.
-
-    ``identify`` tells a PID's start ticks and whether it runs root's trusted program (None:
-    every live PID of a step's ``slurm`` cgroup counts as its slurmstepd, unknown start).
-    """
+    """The job directories of these processes that have ended, and the jobs' live stepds;
+    ``identify``: a PID's start ticks and whether it runs root's trusted program (None: every
+    PID of a step's ``slurm`` cgroup counts as its slurmstepd, unknown start)."""
     if cgroup_root is None:
         return JobEvidence()
     candidates: dict[str, str] = {}  # ended-looking job dir -> job key
@@ -169,9 +158,7 @@ def judge_jobs(
         if cgroup is None or cgroup.slurm_job is None:
             continue
         job_dir = cgroup.slurm_job_dir
-        if job_dir is None or not job_dir.endswith(f"/job_{cgroup.slurm_job}"):
-            continue
-        if job_dir in judged:
+        if job_dir is None or not job_dir.endswith(f"/job_{cgroup.slurm_job}") or job_dir in judged:
             continue
         judged.add(job_dir)
         if not trusted_job_dir(cgroup_root, job_dir):

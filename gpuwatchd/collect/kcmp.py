@@ -18,16 +18,11 @@ _SYS_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "loongarch64": 272, 
 
 class Kcmp:
     """``kcmp`` through libc's ``syscall``; each question is None when it cannot be answered.
-
-    ``unavailable`` says why kcmp cannot be used at all (no syscall number, ENOSYS, or, for
-    :meth:`same_file`, EPERM/EACCES: the inheritance probe compares other users' processes only,
-    so one refusal stands for all of them).
-    """
+    ``unavailable``: why it cannot be used at all (no syscall number, ENOSYS, or EPERM/EACCES
+    for :meth:`same_file`, which compares other users' processes: one refusal stands for all)."""
 
     def __init__(self, number: int | None = None) -> None:
-        # os.uname(), not platform.machine() (the same value): `platform` costs a scan ~2 ms
-        # to import.
-        machine = os.uname().machine
+        machine = os.uname().machine  # not platform.machine(): `platform` costs ~2 ms to import
         self.number = _SYS_KCMP.get(machine) if number is None else number
         self._syscall: Callable[..., int] | None = None
         self.unavailable: str | None = None
@@ -69,8 +64,7 @@ class Kcmp:
         return None if answer is None else answer == 0
 
     def order_files(self, tid1: int, tid2: int) -> int | None:
-        """-1, 0 or 1 as tid1's file descriptor table sorts before, is, or sorts after tid2's;
-        None = unknown. The order is the kernel's (of the tables' obfuscated addresses): the
-        same for every question while both tables exist, so tables can be kept sorted by it."""
+        """-1, 0 or 1 as tid1's file descriptor table sorts before, is, or sorts after tid2's
+        (the kernel's order, stable while both exist); None = unknown."""
         answer = self._ask(tid1, tid2, KCMP_FILES, 0, 0)
         return None if answer is None or answer == 3 else (0, -1, 1)[answer]

@@ -1,22 +1,17 @@
-"""The kernel log's Xid lines → :class:`gpuwatchd.core.model.KernelXid`
-(docs/findings.md#kernel-log).
+"""The kernel log's Xid lines (the setting ``health.kernel_log``) → :class:`KernelXid` values.
 
-This module owns reading the kernel log (the setting ``health.kernel_log``) and parsing
-NVIDIA's Xid lines in it. The sources.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.kernel_log`.
+In detail: docs/findings.md#kernel-log and docs/internals.md, `gpuwatchd.collect.kernel_log`.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, asdict, dataclass, field, replace
 
 from gpuwatchd.core.model import KernelXid, ProcessInfo
 from gpuwatchd.core.vocabulary import EventName
@@ -151,15 +146,7 @@ def fold(
             dropped += 1
         else:
             runs[key] = KernelXid(
-                pci=line.pci,
-                xid=line.xid,
-                first=wall,
-                last=wall,
-                position=usec,
-                before_start=before,
-                pid=line.pid,
-                process=line.process,
-                text=line.text,
+                **asdict(line), first=wall, last=wall, position=usec, before_start=before
             )
     return sorted(runs.values(), key=lambda r: (r.position, r.pci, r.xid)), dropped
 
@@ -182,9 +169,7 @@ class _Lines:
             except BlockingIOError:
                 break
             except OSError as err:
-                if err.errno == errno.EPIPE:  # /dev/kmsg: records overwritten before read
-                    continue
-                if err.errno == errno.EINTR:
+                if err.errno in (errno.EPIPE, errno.EINTR):  # EPIPE: /dev/kmsg records overwritten
                     continue
                 self.ended = True
                 break
@@ -207,10 +192,7 @@ class _Lines:
             self._partial, self._skipping = b"", True
 
 
-def _nonblocking(fd: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-
-
+@dataclass(eq=False)
 class KernelLog:
     """The kernel log's Xids, read a bounded slice per :meth:`read` call.
 
@@ -219,26 +201,21 @@ class KernelLog:
     names (only when it started before the Xid and still goes by the printed name).
     """
 
-    def __init__(
-        self,
-        source: str,
-        *,
-        read_process: Callable[[int], ProcessInfo | None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-        argv: tuple[str, ...] = JOURNAL_ARGV,
-    ) -> None:
-        self.source = source
-        self._read_process = read_process
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self._argv = argv
-        self._child: subprocess.Popen[bytes] | None = None
-        self._lines: _Lines | None = None
-        self._file: int | None = None
-        self._retry_at: float | None = None
-        self._said_unavailable = False
-        self._tick = os.sysconf("SC_CLK_TCK")
+    source: str
+    _: KW_ONLY
+    read_process: Callable[[int], ProcessInfo | None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+    argv: tuple[str, ...] = JOURNAL_ARGV
+    _child: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _lines: _Lines | None = field(default=None, init=False)
+    _file: int | None = field(default=None, init=False)
+    _retry_at: float | None = field(default=None, init=False)
+    _said_unavailable: bool = field(default=False, init=False)
+    _tick: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"), init=False)
+    started_usec: int = field(init=False)
+
+    def __post_init__(self) -> None:
         self.started_usec = int(self._boot_clock() * 1_000_000)
 
     @staticmethod
@@ -247,14 +224,13 @@ class KernelLog:
         return time.clock_gettime(time.CLOCK_MONOTONIC)
 
     def _open(self) -> None:
-        now = self._clock()
-        if self._retry_at is not None and now < self._retry_at:
+        if self._retry_at is not None and self.clock() < self._retry_at:
             return
         self._retry_at = None
         try:
             if self.source == KERNEL_LOG_JOURNAL:
                 self._child = subprocess.Popen(
-                    self._argv,
+                    self.argv,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -263,7 +239,7 @@ class KernelLog:
                 )
                 assert self._child.stdout is not None  # noqa: S101 - stdout=PIPE
                 fd = self._child.stdout.fileno()
-                _nonblocking(fd)
+                os.set_blocking(fd, False)
             else:
                 fd = os.open(self.source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 self._file = fd
@@ -273,7 +249,7 @@ class KernelLog:
 
     def _unavailable(self, why: str) -> None:
         self.close()
-        self._retry_at = self._clock() + RESTART_AFTER
+        self._retry_at = self.clock() + RESTART_AFTER
         if not self._said_unavailable:
             self._said_unavailable = True
             log.warning(
@@ -295,17 +271,11 @@ class KernelLog:
         if self._lines.ended and self.source == KERNEL_LOG_JOURNAL:
             self._unavailable("journalctl ended")  # a new one re-reads the boot (deduplicated)
         parse = parse_journal_record if self.source == KERNEL_LOG_JOURNAL else parse_kmsg_record
-        records = []
-        for text in lines:
-            record = parse(text)
-            if record is None:
-                continue
-            xid = parse_xid(record[1])
-            if xid is not None:
-                records.append((record[0], xid))
+        parsed = (record for text in lines if (record := parse(text)) is not None)
+        records = [(usec, xid) for usec, message in parsed if (xid := parse_xid(message))]
         if not records:
             return ()
-        wall, boot = self._wall_clock(), self._boot_clock()
+        wall, boot = self.wall_clock(), self._boot_clock()
         runs, dropped = fold(
             records,
             to_wall=lambda usec: wall - (boot - usec / 1_000_000),
@@ -318,9 +288,9 @@ class KernelLog:
     def _with_job(self, run: KernelXid) -> KernelXid:
         """Name the job of the process the Xid names, when it is still that process: alive,
         started before the Xid, going by the printed name (else the PID was reused)."""
-        if run.pid is None or run.process is None or self._read_process is None:
+        if run.pid is None or run.process is None or self.read_process is None:
             return run
-        info = self._read_process(run.pid)
+        info = self.read_process(run.pid)
         if info is None or info.start_ticks is None or info.comm != run.process[:15]:
             return run
         if info.start_ticks / self._tick > run.position / 1_000_000:

@@ -1,9 +1,6 @@
 """MIG inputs: the capability minors file, capability file paths, and the worker's MIG devices.
 
-This module owns how the MIG facts that are not in NVML's per-GPU reading are read and
-validated (docs/findings.md#mig).
-
-In detail: docs/internals.md, section `gpuwatchd.collect.mig`.
+In detail: docs/findings.md#mig and docs/internals.md, section `gpuwatchd.collect.mig`.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatchd.collect.health_reading import bounded
 from gpuwatchd.core.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
 
 DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
@@ -21,10 +19,9 @@ MAX_MINORS_FILE = 1 << 20  # bytes; the real file has a few thousand short lines
 
 
 def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """The nvidia-cap minor current drivers give a MIG capability in mig-minors (``config`` 1,
-    ``monitor`` 2, then per GPU 15 GPU instances of one access and 8 compute instances each).
-    The daemon always reads the real table; this numbering is for tables made up where none is
-    read: ``simulate``'s virtual host, and a saved report read back by ``explain``."""
+    """The nvidia-cap minor current drivers give a MIG capability (``config`` 1, ``monitor`` 2,
+    then per GPU 15 GPU instances of one access and 8 compute instances each), for tables made
+    up where none is read (``simulate``, ``explain``); the daemon always reads the real one."""
     base = 3 + gpu_minor * 135 + gi * 9
     return base if ci is None else base + 1 + ci
 
@@ -40,10 +37,17 @@ _CAP_FILE = re.compile(r"gpu(\d{1,3})/mig/gi(\d{1,3})(?:/ci(\d{1,3}))?/access")
 _PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 
 
-def _ids(match: re.Match[str]) -> tuple[int, int, int | None]:
-    """(GPU minor, GPU instance, compute instance or None) of a capability pattern's match."""
-    ci = match.group(3)
-    return int(match.group(1)), int(match.group(2)), None if ci is None else int(ci)
+def _capability(match: re.Match[str]) -> MigCapability | None:
+    """The capability a pattern's match names (GPU minor, GPU instance, compute instance or
+    None); None when an id is out of range."""
+    gpu, gi, ci = int(match.group(1)), int(match.group(2)), _opt_int(match.group(3))
+    if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+        return None
+    return MigCapability(gpu, gi, ci)
+
+
+def _opt_int(text: str | None) -> int | None:
+    return None if text is None else int(text)
 
 
 class MigMinorsError(ValueError):
@@ -64,13 +68,11 @@ def parse_mig_minors(text: str, path: str) -> dict[int, MigCapability]:
                     f"{path} line {number}: {line[:80]!r} is not '<capability> <minor>'"
                 )
             continue  # config, monitor, fabric capabilities: not about an instance
-        gpu, gi, ci = _ids(match)
-        minor = int(match.group(4))
-        if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
+        capability, minor = _capability(match), int(match.group(4))
+        if capability is None:
             raise MigMinorsError(f"{path} line {number}: {line!r}: an id out of range")
         if minor > MAX_CAP_MINOR:
             raise MigMinorsError(f"{path} line {number}: minor {minor} out of range")
-        capability = MigCapability(gpu, gi, ci)
         if minor in table or capability in named:
             raise MigMinorsError(
                 f"{path} line {number}: {line!r} names a minor or capability twice"
@@ -81,21 +83,16 @@ def parse_mig_minors(text: str, path: str) -> dict[int, MigCapability]:
 
 
 def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | None]:
-    """(table, None), or (None, why) when the file cannot be read or is malformed.
-
-    A regular file or a procfs file is read (at most :data:`MAX_MINORS_FILE` bytes, no
-    symlink followed at the last component); the text must be ASCII.
-    """
+    """(table, None), or (None, why) when the file cannot be read (at most
+    :data:`MAX_MINORS_FILE` bytes, no symlink last) or is not ASCII in the driver's format."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            data = os.read(fd, MAX_MINORS_FILE + 1)
+        finally:
+            os.close(fd)
     except OSError as err:
         return None, f"mig_minors_file {path}: {err.strerror or err}"
-    try:
-        data = os.read(fd, MAX_MINORS_FILE + 1)
-    except OSError as err:
-        return None, f"mig_minors_file {path}: {err.strerror or err}"
-    finally:
-        os.close(fd)
     if len(data) > MAX_MINORS_FILE:
         return None, f"mig_minors_file {path}: larger than {MAX_MINORS_FILE} bytes"
     try:
@@ -109,30 +106,14 @@ def read_mig_minors(path: str) -> tuple[dict[int, MigCapability] | None, str | N
 
 
 def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCapability | None:
-    """The capability a procfs capability file stands for, or None. Pure.
-
-    Only paths directly under ``capabilities_dir`` count (only the driver creates files
-    there); ``gpu0/mig/gi1/ci0/access`` → ``MigCapability(0, 1, 0)``.
-    """
+    """The capability a procfs capability file directly under ``capabilities_dir`` (only the
+    driver creates files there) stands for, or None: ``gpu0/mig/gi1/ci0/access`` →
+    ``MigCapability(0, 1, 0)``. Pure."""
     prefix = capabilities_dir.rstrip("/") + "/"
     if not path.startswith(prefix):
         return None
     match = _CAP_FILE.fullmatch(path[len(prefix) :])
-    if match is None:
-        return None
-    gpu, gi, ci = _ids(match)
-    if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
-        return None
-    return MigCapability(gpu, gi, ci)
-
-
-# --- the NVML worker's MIG devices -------------------------------------------------------------
-
-
-def _bounded(value: Any, most: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-        return None
-    return value
+    return None if match is None else _capability(match)
 
 
 def _text(value: Any, most: int = 256) -> str | None:
@@ -148,12 +129,9 @@ def profile_of(name: str | None) -> str | None:
 
 
 def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevice, ...] | None:
-    """The worker's ``mig_devices`` list as :class:`MigDevice` values; None when unknown.
-
-    ``to_memory`` and ``to_processes`` are the reading's own converters (collect/nvml.py), so
-    an instance's memory and processes are read exactly as a GPU's. Entries that are not
-    objects are dropped; at most :data:`MAX_MIG_DEVICES` are kept.
-    """
+    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
+    :class:`MigDevice` values, memory and processes read by the GPU's own converters
+    (collect/nvml.py); None when unknown."""
     if not isinstance(raw, list):
         return None
     devices: list[MigDevice] = []
@@ -163,7 +141,7 @@ def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevi
         placement = entry.get("placement")
         where: tuple[int, int] | None = None
         if isinstance(placement, list) and len(placement) == 2:
-            start, size = (_bounded(v, MAX_INSTANCE_ID) for v in placement)
+            start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
             where = None if start is None or size is None else (start, size)
         name = _text(entry.get("name"))
         try:
@@ -176,13 +154,13 @@ def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevi
             memory = None
         devices.append(
             MigDevice(
-                index=_bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
+                index=bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
                 uuid=_text(entry.get("uuid"), 96),
-                gi=_bounded(entry.get("gi"), MAX_INSTANCE_ID),
-                ci=_bounded(entry.get("ci"), MAX_INSTANCE_ID),
+                gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
+                ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
                 name=name,
                 profile=profile_of(name),
-                gi_profile_id=_bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
+                gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
                 placement=where,
                 memory=memory,
                 processes=processes,

@@ -1,12 +1,8 @@
 """NVML access for the daemon and ``scan``: a deadline-bound client of the NVML worker process.
 
-This module owns *how* NVML is reached: it starts the worker process
-(:mod:`gpuwatchd.collect.nvml_worker`, the only importer of pynvml, see that module for what is
-read and the fallbacks), asks it for one poll at a time over a pipe, and turns the JSON reply
-into :mod:`gpuwatchd.core.model` values. It never imports pynvml and never decides anything about
-processes or GPUs.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.nvml`.
+This module starts the worker (:mod:`gpuwatchd.collect.nvml_worker`, the only importer of
+pynvml), asks it for one poll at a time over a pipe and turns the reply into model values. It
+never imports pynvml and decides nothing. In detail: docs/internals.md, `gpuwatchd.collect.nvml`.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.health_reading import to_health
 from gpuwatchd.collect.mig import to_mig_devices
@@ -35,27 +31,22 @@ log = lazylog.get_logger()
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
 WORKER_FILE = NVML_WORKER_FILE
-# The worker's notice that a GPU answers only the v1 memory query (nvml_worker's of that name:
-# the worker imports nothing from gpuwatchd).
-MEMORY_V1_NOTICE = "memory_v1"
+MEMORY_V1_NOTICE = "memory_v1"  # nvml_worker's (the worker imports nothing from gpuwatchd)
 WORKER_CWD = "/"
-# Inherited by the worker; everything else in our environment stays behind. The real
-# libnvidia-ml needs none of them: PATH is for the interpreter's own use, LD_LIBRARY_PATH for a
-# driver installed outside the loader's cache, FAKENVML_* configure the test double.
+# All the worker inherits of our environment (the real libnvidia-ml reads none of it):
+# LD_LIBRARY_PATH for a driver outside the loader's cache, FAKENVML_* for the test double.
 _INHERITED_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH"})
 _INHERITED_PREFIXES = ("FAKENVML_",)
 _DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-# Runs under ``python -I`` with the worker file and the folders for sys.path as arguments.
 LAUNCHER_FILE = NVML_LAUNCHER_FILE
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
+T = TypeVar("T")
 
 
 def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """The worker's whole environment: the allowed part of ``inherited``, then ``extra``. Pure.
-
-    ``PYTHON*`` variables are dropped even from ``extra``: ``-I`` would ignore them anyway.
-    """
+    """The worker's whole environment: the allowed part of ``inherited``, then ``extra``, less
+    any ``PYTHON*`` variable (``-I`` ignores them anyway). Pure."""
     env = {
         name: value
         for name, value in inherited.items()
@@ -69,13 +60,9 @@ def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -
 def library_folders(
     search_path: Sequence[str], cwd: str | None, module: str = "pynvml"
 ) -> list[str]:
-    """The ``search_path`` entry where ``module`` is found, skipping the current folder.
-
-    Only absolute entries count, and never ``cwd`` wherever it appears: ``python -m`` and
-    ``-c`` put the current folder first, an empty ``PYTHONPATH`` element adds it again, and the
-    current folder is exactly what a hostile user may have filled. Empty when the module is
-    nowhere else (the worker then finds it on its own path or reports NVML unavailable).
-    """
+    """The absolute ``search_path`` entry, never ``cwd`` (which a hostile user may have filled,
+    and ``-m``, ``-c`` or an empty ``PYTHONPATH`` element put there), where ``module`` is found;
+    empty when nowhere else (the worker then finds it itself or reports NVML unavailable)."""
     for entry in search_path:
         if not os.path.isabs(entry) or entry == cwd:
             continue
@@ -90,13 +77,9 @@ def worker_command(python: str, folders: Sequence[str], worker: str = WORKER_FIL
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Whether ``proc`` (our child) exits within ``timeout`` seconds; it is reaped if so.
-
-    Waits on a pidfd, which becomes readable when the process exits, so the wait costs one
-    ``select`` instead of ``Popen.wait``'s loop of sleeps and ``waitpid`` calls; without pidfds
-    (kernels before 5.3) it falls back to that loop. The PID cannot be reused meanwhile: an
-    unreaped child stays a zombie until we reap it.
-    """
+    """Whether ``proc`` (our child) exits within ``timeout`` seconds; it is reaped if so. One
+    ``select`` on a pidfd (our unreaped child's PID cannot be reused), else, before Linux 5.3,
+    ``Popen.wait``'s loop of sleeps."""
     if proc.poll() is not None:
         return True
     try:
@@ -129,15 +112,11 @@ class _WorkerGone(Exception):
 
 
 class NvmlClient:
-    """Reads NVML through a worker process, with a deadline per poll. See the module docstring.
+    """Reads NVML through a worker process, with a deadline per poll.
 
-    ``env`` entries are added to the worker's environment (which inherits only ``PATH``,
-    ``LD_LIBRARY_PATH`` and ``FAKENVML_*`` from ours, see :func:`worker_environment`); tests
-    pass ``LD_LIBRARY_PATH`` and the fake NVML's settings this way. ``clock`` is a monotonic
-    clock used for backoff only; deadlines on the pipe always use the real monotonic clock.
-    ``spawn`` starts the worker (``subprocess.Popen``); tests replace it to model a worker that
-    SIGKILL cannot end.
-    """
+    ``env`` is added to the worker's environment (:func:`worker_environment`); ``clock`` times
+    the backoff only (deadlines on the pipe use the real monotonic clock); ``spawn`` starts the
+    worker (tests model one that SIGKILL cannot end)."""
 
     def __init__(
         self,
@@ -165,25 +144,19 @@ class NvmlClient:
         self._buffer = b""
         self._pending = False  # a read request was sent ahead (prefetch) and not yet answered
         self._asked_wall = 0.0  # when the pending request was sent (wall seconds)
-        # The last read's reply when it succeeded, and when it was asked for (wall seconds: the
-        # reading is at most this old); None after a failed one. The daemon publishes it
-        # (gpuwatchd/served/nvml.py).
+        # The last successful read's reply and when it was asked for (wall seconds), None after
+        # a failed one: what the daemon publishes (gpuwatchd/served/nvml.py).
         self.last_reply: Mapping[str, Any] | None = None
         self.last_asked_wall: float | None = None
         self._v1_logged: set[str] = set()
         # Each GPU's last reply and what it was decoded into: a quiet GPU's is reused.
         self._decoded: list[tuple[Mapping[str, Any], GpuInfo]] = []
 
-    # --- public ---------------------------------------------------------------------------
-
     @property
     def worker_pids(self) -> frozenset[int]:
         """PIDs of our live workers, a hung one included: never holders, never targets."""
-        pids = set()
-        for proc in (self._proc, self._hung):
-            if proc is not None and proc.poll() is None:
-                pids.add(proc.pid)
-        return frozenset(pids)
+        procs = (self._proc, self._hung)
+        return frozenset(p.pid for p in procs if p is not None and p.poll() is None)
 
     @property
     def hung_worker_pid(self) -> int | None:
@@ -197,14 +170,10 @@ class NvmlClient:
         return frozenset(self._v1_logged)
 
     def prefetch(self) -> None:
-        """Start the worker now and send it the next ``read`` request without waiting.
-
-        A short command calls this first thing, so the worker's start-up (an interpreter,
-        pynvml, ``nvmlInit``) overlaps the caller's own; :meth:`read` then collects the reply,
-        with its deadline counted from when it is called. Does nothing while a request is
-        pending, a hung worker lives or a retry is backing off; a worker that cannot be started
-        is left to :meth:`read` to report.
-        """
+        """Start the worker and send it the next ``read`` request without waiting, so its start-up
+        overlaps a short command's own; :meth:`read` collects the reply (its deadline counted
+        from then). Nothing while a request is pending, a hung worker lives or a retry backs off;
+        a worker that cannot start is left to :meth:`read` to report."""
         self._reap_hung()
         if self._pending or self._hung is not None or self._retry_at is not None:
             return
@@ -216,14 +185,18 @@ class NvmlClient:
             self._asked_wall = time.time()
 
     def read(self) -> NvmlReading:
-        """One poll of every GPU; never blocks much past ``timeout``. See the module docstring."""
+        """One poll of every GPU; never blocks much past ``timeout``."""
         self._reap_hung()
         self.last_reply = self.last_asked_wall = None
         if self._proc is None:
             if self._hung is not None:
-                return self._hung_reading(self._hung.pid)
-            failure = self._last_failure
-            retry_at = self._retry_at
+                return NvmlReading(
+                    available=True,
+                    wedged=True,
+                    error=f"NVML worker pid {self._hung.pid} is stuck in the kernel "
+                    "(driver may be hung)",
+                )
+            failure, retry_at = self._last_failure, self._retry_at
             if failure is not None and retry_at is not None and self._clock() < retry_at:
                 return failure
         deadline = time.monotonic() + self.timeout
@@ -231,12 +204,11 @@ class NvmlClient:
             if self._proc is None:
                 self._start()
             if self._pending:
-                self._pending = False
-                asked = self._asked_wall
-                reply = self._receive(deadline)
+                self._pending, asked = False, self._asked_wall
             else:
                 asked = time.time()
-                reply = self._request({"op": "read"}, deadline)
+                self._send({"op": "read"})
+            reply = self._receive(deadline)
         except TimeoutError:
             return self._wedged()
         except (_WorkerGone, OSError) as error:
@@ -245,9 +217,7 @@ class NvmlClient:
             return self._unavailable(str(reply.get("error") or "unknown reason"))
         reading = self._to_reading(reply)
         self.last_reply, self.last_asked_wall = reply, asked
-        self._backoff = self._backoff_initial
-        self._retry_at = None
-        self._last_failure = None
+        self._backoff, self._retry_at, self._last_failure = self._backoff_initial, None, None
         return reading
 
     def stop(self) -> bool:
@@ -259,8 +229,6 @@ class NvmlClient:
     def close(self) -> None:
         """Stop the worker; the client may still be used afterwards (it restarts on demand)."""
         self.stop()
-
-    # --- worker lifecycle -----------------------------------------------------------------
 
     def _start(self) -> None:
         try:
@@ -278,15 +246,6 @@ class NvmlClient:
             bufsize=0,
         )
         log.debug(EventName.NVML_WORKER_STARTED, pid=self._proc.pid)
-
-    def _request(
-        self,
-        request: Mapping[str, Any],
-        deadline: float,
-        proc: subprocess.Popen[bytes] | None = None,
-    ) -> dict[str, Any]:
-        self._send(request, proc)
-        return self._receive(deadline, proc)
 
     def _send(
         self, request: Mapping[str, Any], proc: subprocess.Popen[bytes] | None = None
@@ -332,20 +291,21 @@ class NvmlClient:
         return f"NVML worker exited unexpectedly (status {proc.returncode})"
 
     def _finish(self, proc: subprocess.Popen[bytes]) -> None:
-        """Wait briefly for ``proc`` to exit, SIGKILL it if not; keep it as hung if it lives."""
-        if wait_exit(proc, REAP_GRACE):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
+        """Wait briefly for ``proc`` to exit, SIGKILL it if not, and close its pipes; keep it as
+        hung if it lives (in the driver's uninterruptible sleep until the kernel call returns)."""
         if not wait_exit(proc, REAP_GRACE):
-            # Uninterruptible sleep in the driver: it will die when the kernel call returns.
-            self._hung = proc
-            log.critical(
-                EventName.NVML_WORKER_HUNG,
-                pid=proc.pid,
-                reason="NVML worker did not die after SIGKILL (stuck in the kernel); "
-                "no new worker starts while it lives",
-            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+            if not wait_exit(proc, REAP_GRACE):
+                self._hung = proc
+                log.critical(
+                    EventName.NVML_WORKER_HUNG,
+                    pid=proc.pid,
+                    reason="NVML worker did not die after SIGKILL (stuck in the kernel); "
+                    "no new worker starts while it lives",
+                )
+                return
+        self._close_pipes(proc)
 
     def _retire_worker(self) -> None:
         """Ask the worker to shut NVML down and exit; SIGKILL it if it does not."""
@@ -358,9 +318,7 @@ class NvmlClient:
                     # A prefetched read is answered first; the shutdown's reply ends the wait.
                     while "shutdown" not in self._receive(deadline, proc):
                         pass
-                self._finish(proc)
-            if self._hung is not proc:
-                self._close_pipes(proc)
+            self._finish(proc)
         self._buffer = b""
         self._pending = False
 
@@ -376,8 +334,6 @@ class NvmlClient:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-
-    # --- failure readings -----------------------------------------------------------------
 
     def _schedule_retry(self, reading: NvmlReading) -> NvmlReading:
         self._retry_at = self._clock() + self._backoff
@@ -401,32 +357,18 @@ class NvmlClient:
             )
         if proc is not None:
             self._finish(proc)
-            if self._hung is not proc:
-                self._close_pipes(proc)
         self._buffer = b""
         return self._schedule_retry(reading)
 
-    def _hung_reading(self, pid: int) -> NvmlReading:
-        return NvmlReading(
-            available=True,
-            wedged=True,
-            error=f"NVML worker pid {pid} is stuck in the kernel (driver may be hung)",
-        )
-
     def _unavailable(self, reason: str) -> NvmlReading:
-        # A fresh worker per retry: the library is loaded again, so a driver that appeared since
-        # is found.
-        self._retire_worker()
+        self._retire_worker()  # a fresh worker per retry finds a driver that appeared since
         reading = NvmlReading(available=False, error=UNAVAILABLE_PREFIX + reason)
         if self._last_failure is None or self._last_failure.error != reading.error:
             log.warning(EventName.NVML_UNAVAILABLE, reason=reason)  # once a reason, as wedged
         return self._schedule_retry(reading)
 
-    # --- conversion -----------------------------------------------------------------------
-
     def _to_reading(self, reply: Mapping[str, Any]) -> NvmlReading:
-        # Decoding is pure in the reply: a GPU whose part equals the last poll's (a C-level
-        # comparison of the parsed JSON) gets the same GpuInfo back.
+        # A GPU whose part of the reply equals the last poll's gets the same GpuInfo back.
         last = self._decoded
         decoded = [
             (raw, last[i][1] if i < len(last) and last[i][0] == raw else decode_gpu(raw))
@@ -448,26 +390,24 @@ class NvmlClient:
                     consequence="allocated memory unknown (v1 'used' includes the driver "
                     "reservation); no ghost detection until an idle baseline is learned",
                 )
-        driver = reply.get("driver_version")
-        return NvmlReading(
-            available=True, driver_version=None if driver is None else str(driver), gpus=gpus
-        )
+        driver = _opt(str, reply.get("driver_version"))
+        return NvmlReading(available=True, driver_version=driver, gpus=gpus)
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _opt(convert: Callable[[Any], T], value: Any) -> T | None:
+    return None if value is None else convert(value)
 
 
 def _to_memory(raw: Mapping[str, Any] | None) -> GpuMemory | None:
     if raw is None:
         return None
     return GpuMemory(
-        total=_opt_int(raw.get("total")),
-        free=_opt_int(raw.get("free")),
-        reserved=_opt_int(raw.get("reserved")),
-        allocated=_opt_int(raw.get("allocated")),
+        total=_opt(int, raw.get("total")),
+        free=_opt(int, raw.get("free")),
+        reserved=_opt(int, raw.get("reserved")),
+        allocated=_opt(int, raw.get("allocated")),
         api=str(raw.get("api") or "v2"),
-        used_v1=_opt_int(raw.get("used_v1")),
+        used_v1=_opt(int, raw.get("used_v1")),
     )
 
 
@@ -477,7 +417,7 @@ def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
     return tuple(
         NvmlProcess(
             pid=int(p["pid"]),
-            used_memory=_opt_int(p.get("used_memory")),
+            used_memory=_opt(int, p.get("used_memory")),
             kind=str(p.get("kind") or "compute"),
         )
         for p in processes
@@ -488,24 +428,20 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
     :mod:`gpuwatchd.served.nvml`, which bounds the result). KeyError, TypeError or ValueError
     on an entry not of the worker's shape."""
-    mig = raw.get("mig_mode")
-    persistence = raw.get("persistence_mode")
-    name = raw.get("name")
-    bus_id = raw.get("pci_bus_id")
     return GpuInfo(
         index=int(raw["index"]),
         # A GPU lost before its UUID was ever read has none; "" never matches a real GPU.
         uuid=str(raw.get("uuid") or ""),
-        name=None if name is None else str(name),
-        pci_bus_id=None if bus_id is None else str(bus_id),
-        minor=_opt_int(raw.get("minor")),
+        name=_opt(str, raw.get("name")),
+        pci_bus_id=_opt(str, raw.get("pci_bus_id")),
+        minor=_opt(int, raw.get("minor")),
         memory=_to_memory(raw.get("memory")),
         processes=_to_processes(raw.get("processes")),
-        mig_enabled=None if mig is None else bool(mig),
-        persistence_mode=None if persistence is None else bool(persistence),
-        numa_node=_opt_int(raw.get("numa_node")),
-        architecture=_opt_int(raw.get("architecture")),
-        nvlink_active=_opt_int(raw.get("nvlink_active")),
+        mig_enabled=_opt(bool, raw.get("mig_mode")),
+        persistence_mode=_opt(bool, raw.get("persistence_mode")),
+        numa_node=_opt(int, raw.get("numa_node")),
+        architecture=_opt(int, raw.get("architecture")),
+        nvlink_active=_opt(int, raw.get("nvlink_active")),
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
         health=to_health(raw.get("health")),

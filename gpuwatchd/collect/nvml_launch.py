@@ -1,8 +1,7 @@
-"""Starts the NVML worker: ``python3 -I nvml_launch.py WORKER [FOLDER...]``.
+"""Starts the NVML worker: ``python3 -I nvml_launch.py WORKER [FOLDER...]`` (docs/internals.md).
 
-A file of its own, not ``python -c``, so that ``ps`` and ``systemctl status`` show the worker
-as one readable line. It runs the worker file as ``__main__`` through the import system's
-loader, which keeps its compiled code in ``__pycache__`` beside it. Never imported.
+Runs the worker file as ``__main__`` through the import system's loader, which keeps its
+compiled code in ``__pycache__``. Never imported.
 """
 
 import sys

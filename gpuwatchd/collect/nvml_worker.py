@@ -13,11 +13,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import pynvml
 
-T = TypeVar("T")
 # The reply's notice that a GPU answers only the v1 memory query (the client logs it once).
 MEMORY_V1_NOTICE = "memory_v1"
 
@@ -26,10 +25,21 @@ NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230  # R565 and later; NotSupported before
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
 EVENT_TYPE_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction (R565 and later)
-# A poll never waits for an event: the event set queues them between polls, so asking with a
-# zero timeout takes what is there (NVML_ERROR_TIMEOUT: nothing) without holding the poll up.
-EVENT_WAIT_MS = 0
+EVENT_WAIT_MS = 0  # the event set queues events between polls: take what is there, never wait
 MAX_EVENTS_PER_READ = 256
+GPU_FIELDS = (  # a GPU entry's values besides index, lost and error; None: unknown
+    "uuid",
+    "name",
+    "pci_bus_id",
+    "minor",
+    "memory",
+    "processes",
+    "mig_mode",
+    "persistence_mode",
+    "numa_node",
+    "architecture",
+    "nvlink_active",
+)
 
 
 class GpuLostError(Exception):
@@ -55,14 +65,14 @@ def note_error(errors: list[str], name: str, error: Exception) -> None:
 class GpuReader:
     """Reads one GPU, collecting per-value errors instead of raising them."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    def __init__(self) -> None:
         self.errors: list[str] = []
 
-    def call(self, name: str, fn: Callable[[], T]) -> T | None:
-        """Run one NVML query: NotSupported → None, GPU lost → GpuLostError, else None + error."""
+    def query(self, name: str, *args: Any) -> Any:
+        """``pynvml.<name>(*args)``: NotSupported → None, GPU lost → GpuLostError, any other
+        error → None + error."""
         try:
-            return fn()
+            return getattr(pynvml, name)(*args)
         except pynvml.NVMLError_NotSupported:
             return None
         except Exception as error:
@@ -71,12 +81,8 @@ class GpuReader:
 
 
 def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
-    """How many NVLink links of this GPU are active; 0 without NVLink; None when unknown.
-
-    Read once per worker with the GPU's identity (links do not come and go between resets).
-    The links are probed in order until the driver says there are no more (InvalidArgument)
-    or the GPU has none (NotSupported, or the function is absent).
-    """
+    """How many NVLink links of this GPU are active (probed in order until InvalidArgument,
+    NotSupported or FunctionNotFound); 0 without NVLink; None when unknown."""
     active = 0
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
@@ -95,13 +101,11 @@ def count_active_nvlinks(reader: GpuReader, handle: Any) -> int | None:
     return active
 
 
-def probe(name: str, fn: Callable[[], T], errors: list[str]) -> tuple[str, T | None]:
-    """One health query: ("ok", value), ("not_supported", None) or ("unknown", None) + error.
-
-    NotSupported and FunctionNotFound (an older driver) are answers; anything else is unknown.
-    """
+def probe(errors: list[str], name: str, *args: Any) -> tuple[str, Any]:
+    """One health query ``pynvml.<name>(*args)``: ("ok", value), ("not_supported", None:
+    NotSupported or FunctionNotFound, an older driver) or ("unknown", None) + error."""
     try:
-        return "ok", fn()
+        return "ok", getattr(pynvml, name)(*args)
     except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
         return "not_supported", None
     except Exception as error:
@@ -120,11 +124,7 @@ def handle_address(handle: Any) -> int | None:
 
 def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
     name = "nvmlDeviceGetFieldValues"
-    status, values = probe(
-        name,
-        lambda: pynvml.nvmlDeviceGetFieldValues(handle, [NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]),
-        errors,
-    )
+    status, values = probe(errors, name, handle, [NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
     if status != "ok" or values is None:
         return {"status": status, "value": None}
     field = values[0]
@@ -137,38 +137,29 @@ def read_recovery_action(handle: Any, errors: list[str]) -> dict[str, Any]:
         errors.append(f"{name}(recovery action): NVML error {code}")
         return {"status": "unknown", "value": None}
     kind = int(field.valueType)
-    value = field.value
-    number = {
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: lambda: value.uiVal,
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: lambda: value.ulVal,
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: lambda: value.ullVal,
-        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: lambda: value.sllVal,
-        pynvml.NVML_VALUE_TYPE_SIGNED_INT: lambda: value.siVal,
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: lambda: value.usVal,
+    member = {
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+        pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
     }.get(kind)
-    if number is None:
+    if member is None:
         errors.append(f"{name}(recovery action): unexpected value type {kind}")
         return {"status": "unknown", "value": None}
-    return {"status": "ok", "value": int(number())}
+    return {"status": "ok", "value": int(getattr(field.value, member))}
 
 
-def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str, Any], int]:
-    """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV``: the struct of
-    ``version`` (3 carries the health summary), falling back to 2 when the driver answers
-    NVML_ERROR_ARGUMENT_VERSION_MISMATCH. Returns the entry and the version to use next time.
-
-    NotSupported (no NVSwitch fabric) and FunctionNotFound (a driver before the call existed)
-    are "not_supported"; any other error is "unknown". pynvml passes the argument through, so
-    the struct goes by reference, its version field set by the struct's constructor.
-    """
+def read_fabric(handle: Any, errors: list[str], first: int) -> tuple[dict[str, Any], int]:
+    """The NVLink fabric of one GPU through ``nvmlDeviceGetGpuFabricInfoV`` with the struct of
+    version ``first`` (3 has the health summary; 2 after NVML_ERROR_ARGUMENT_VERSION_MISMATCH),
+    passed by reference, its version set by its constructor. Returns the entry and the version
+    to use next time."""
     name = "nvmlDeviceGetGpuFabricInfoV"
-    structs = {3: "c_nvmlGpuFabricInfo_v3_t", 2: "c_nvmlGpuFabricInfo_v2_t"}
-    while True:
-        struct = getattr(pynvml, structs[version], None)
+    for version in (3, 2) if first == 3 else (2,):
+        struct = getattr(pynvml, f"c_nvmlGpuFabricInfo_v{version}_t", None)
         if struct is None:
-            if version == 2:
-                return {"status": "not_supported"}, version
-            version = 2
             continue
         info = struct()
         try:
@@ -178,7 +169,6 @@ def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str,
         except Exception as error:
             mismatch = getattr(error, "value", None) == NVML_ERROR_ARGUMENT_VERSION_MISMATCH
             if isinstance(error, pynvml.NVMLError) and mismatch and version == 3:
-                version = 2
                 continue
             note_error(errors, name, error)
             return {"status": "unknown"}, version
@@ -190,12 +180,11 @@ def read_fabric(handle: Any, errors: list[str], version: int) -> tuple[dict[str,
             "health_mask": int(info.healthMask),
             "health_summary": int(info.healthSummary) if version >= 3 else None,
         }, version
+    return {"status": "not_supported"}, 2
 
 
 def read_remapped_rows(handle: Any, errors: list[str]) -> dict[str, Any]:
-    status, rows = probe(
-        "nvmlDeviceGetRemappedRows", lambda: pynvml.nvmlDeviceGetRemappedRows(handle), errors
-    )
+    status, rows = probe(errors, "nvmlDeviceGetRemappedRows", handle)
     if status != "ok" or rows is None:
         return {"status": status}
     correctable, uncorrectable, pending, failure = (int(v) for v in rows)
@@ -209,11 +198,7 @@ def read_remapped_rows(handle: Any, errors: list[str]) -> dict[str, Any]:
 
 
 def read_retired_pages(handle: Any, errors: list[str]) -> dict[str, Any]:
-    status, pending = probe(
-        "nvmlDeviceGetRetiredPagesPendingStatus",
-        lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle),
-        errors,
-    )
+    status, pending = probe(errors, "nvmlDeviceGetRetiredPagesPendingStatus", handle)
     if status != "ok" or pending is None:
         return {"status": status}
     counts: dict[str, int | None] = {}
@@ -221,11 +206,7 @@ def read_retired_pages(handle: Any, errors: list[str]) -> dict[str, Any]:
         ("single_bit", pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
         ("double_bit", pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
     ):
-
-        def pages_of(cause: int = cause) -> Any:
-            return pynvml.nvmlDeviceGetRetiredPages_v2(handle, cause)
-
-        got, pages = probe("nvmlDeviceGetRetiredPages_v2", pages_of, errors)
+        got, pages = probe(errors, "nvmlDeviceGetRetiredPages_v2", handle, cause)
         counts[key] = len(pages) if got == "ok" and pages is not None else None
     return {"status": "ok", "pending": bool(pending), **counts}
 
@@ -241,8 +222,6 @@ class Worker:
         self.event_set: Any = None
         self.events_status: dict[int, str] = {}  # GPU index → "ok", "not_supported", "unknown"
         self.fabric_version: dict[int, int] = {}  # GPU index → fabric struct version that works
-
-    # --- requests -------------------------------------------------------------------------
 
     def init(self) -> str | None:
         """Initialise NVML once; returns why it is unavailable, or None."""
@@ -289,46 +268,33 @@ class Worker:
         self.read_events(gpus)
         return {"available": True, "driver_version": driver, "gpus": gpus, "notices": notices}
 
-    # --- one GPU --------------------------------------------------------------------------
-
     def read_gpu(self, index: int, notices: list[dict[str, Any]]) -> dict[str, Any]:
-        reader = GpuReader(index)
-        entry: dict[str, Any] = {
-            "index": index,
-            "uuid": None,
-            "name": None,
-            "pci_bus_id": None,
-            "minor": None,
-            "memory": None,
-            "processes": None,
-            "mig_mode": None,
-            "persistence_mode": None,
-            "numa_node": None,
-            "architecture": None,
-            "nvlink_active": None,
-            "lost": False,
-            "error": None,
-        }
-        entry.update(self.identity.get(index, {}))
+        reader = GpuReader()
+        entry: dict[str, Any] = {"index": index, **dict.fromkeys(GPU_FIELDS)}
+        entry.update(lost=False, error=None, **self.identity.get(index, {}))
         try:
             handle = self.handles.get(index)
             if handle is None:
-                handle = reader.call(
-                    "nvmlDeviceGetHandleByIndex", lambda: pynvml.nvmlDeviceGetHandleByIndex(index)
-                )
+                handle = reader.query("nvmlDeviceGetHandleByIndex", index)
                 if handle is None:
                     entry["error"] = "; ".join(reader.errors) or "no handle"
                     return entry
                 self.handles[index] = handle
             if index not in self.identity:
-                identity = self.read_identity(reader, handle)
+                identity = read_identity(reader, handle)
                 entry.update(identity)
                 if identity["uuid"] is not None:
                     self.identity[index] = identity
-            entry["memory"] = self.read_memory(reader, handle, entry, notices)
-            entry["processes"] = self.read_processes(reader, handle)
+
+            def on_v1(reason: str) -> None:
+                self.memory_v1.add(index)
+                notice = {"notice": MEMORY_V1_NOTICE, "index": index, "uuid": entry["uuid"]}
+                notices.append({**notice, "reason": reason})
+
+            entry["memory"] = read_memory(reader, handle, index not in self.memory_v1, on_v1)
+            entry["processes"] = read_processes(reader, handle)
             errors_before = len(reader.errors)
-            mig = reader.call("nvmlDeviceGetMigMode", lambda: pynvml.nvmlDeviceGetMigMode(handle))
+            mig = reader.query("nvmlDeviceGetMigMode", handle)
             if mig is not None:
                 entry["mig_mode"] = int(mig[0])
             elif len(reader.errors) == errors_before:
@@ -336,13 +302,9 @@ class Worker:
                 entry["mig_mode"] = 0
             if entry["mig_mode"] == 1:
                 entry["mig_devices"] = read_mig_devices(reader, handle)
-            persistence = reader.call(
-                "nvmlDeviceGetPersistenceMode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle)
-            )
+            persistence = reader.query("nvmlDeviceGetPersistenceMode", handle)
             entry["persistence_mode"] = None if persistence is None else int(persistence)
-            entry["numa_node"] = reader.call(
-                "nvmlDeviceGetNumaNodeId", lambda: pynvml.nvmlDeviceGetNumaNodeId(handle)
-            )
+            entry["numa_node"] = reader.query("nvmlDeviceGetNumaNodeId", handle)
             entry["health"] = self.read_health(index, handle, reader.errors)
         except GpuLostError as lost:
             entry["lost"] = True
@@ -350,8 +312,6 @@ class Worker:
         if reader.errors:
             entry["error"] = "; ".join(reader.errors)
         return entry
-
-    # --- health ---------------------------------------------------------------------------
 
     def read_health(self, index: int, handle: Any, errors: list[str]) -> dict[str, Any]:
         """The health fields of one GPU; events are added by :meth:`read_events`."""
@@ -373,34 +333,23 @@ class Worker:
         if self.events_status.get(index) in ("ok", "not_supported"):
             return
         if self.event_set is None:
-            status, created = probe("nvmlEventSetCreate", pynvml.nvmlEventSetCreate, errors)
+            status, created = probe(errors, "nvmlEventSetCreate")
             if status != "ok":
                 self.events_status[index] = status
                 return
             self.event_set = created
-        status, supported = probe(
-            "nvmlDeviceGetSupportedEventTypes",
-            lambda: pynvml.nvmlDeviceGetSupportedEventTypes(handle),
-            errors,
-        )
+        status, supported = probe(errors, "nvmlDeviceGetSupportedEventTypes", handle)
         wanted = int(supported or 0) & (EVENT_TYPE_XID | EVENT_TYPE_RECOVERY_ACTION)
         if status != "ok" or not wanted:
             self.events_status[index] = "not_supported" if status == "ok" else status
             return
-        status, _ = probe(
-            "nvmlDeviceRegisterEvents",
-            lambda: pynvml.nvmlDeviceRegisterEvents(handle, wanted, self.event_set),
-            errors,
-        )
+        status, _ = probe(errors, "nvmlDeviceRegisterEvents", handle, wanted, self.event_set)
         self.events_status[index] = status
 
     def read_events(self, gpus: list[dict[str, Any]]) -> None:
-        """Take the queued Xid / recovery-action events into the GPUs' ``health`` entries.
-
-        Never waits (``EVENT_WAIT_MS``); at most ``MAX_EVENTS_PER_READ`` are taken. A
-        recovery-action event only says to read the field again, which this poll already did,
-        so only Xids are passed on.
-        """
+        """Take the queued Xid events (at most ``MAX_EVENTS_PER_READ``, never waiting) into
+        the GPUs' ``health`` entries. A recovery-action event only says to read the field again,
+        which this poll already did."""
         if self.event_set is None:
             return
         by_address = {handle_address(h): i for i, h in self.handles.items()}
@@ -417,84 +366,91 @@ class Worker:
             if isinstance(health, dict):
                 health["xids"].append({"xid": int(data.eventData), "wall": time.time()})
 
-    @staticmethod
-    def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:
-        uuid = reader.call("nvmlDeviceGetUUID", lambda: pynvml.nvmlDeviceGetUUID(handle))
-        name = reader.call("nvmlDeviceGetName", lambda: pynvml.nvmlDeviceGetName(handle))
-        minor = reader.call(
-            "nvmlDeviceGetMinorNumber", lambda: pynvml.nvmlDeviceGetMinorNumber(handle)
-        )
-        pci = reader.call("nvmlDeviceGetPciInfo_v3", lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
-        bus_id = None if pci is None else pci.busId
-        if isinstance(bus_id, bytes):
-            bus_id = bus_id.decode(errors="replace")
-        architecture = reader.call(
-            "nvmlDeviceGetArchitecture", lambda: pynvml.nvmlDeviceGetArchitecture(handle)
-        )
-        return {
-            "uuid": uuid,
-            "name": name,
-            "minor": minor,
-            "pci_bus_id": bus_id,
-            "architecture": architecture,
-            "nvlink_active": count_active_nvlinks(reader, handle),
-        }
 
-    def read_memory(
-        self,
-        reader: GpuReader,
-        handle: Any,
-        entry: dict[str, Any],
-        notices: list[dict[str, Any]],
-    ) -> dict[str, Any] | None:
-        if self.index_uses_v2(entry["index"]):
-            try:
-                v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound) as error:
-                self.memory_v1.add(entry["index"])
-                notices.append(
-                    {
-                        "notice": MEMORY_V1_NOTICE,
-                        "index": entry["index"],
-                        "uuid": entry["uuid"],
-                        "reason": f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}",
-                    }
-                )
-            except pynvml.NVMLError as error:
-                note_error(reader.errors, "nvmlDeviceGetMemoryInfo_v2", error)
+def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:
+    """What a GPU is, read once per worker (links do not come and go between resets)."""
+    return {
+        "uuid": reader.query("nvmlDeviceGetUUID", handle),
+        "name": reader.query("nvmlDeviceGetName", handle),
+        "minor": reader.query("nvmlDeviceGetMinorNumber", handle),
+        "pci_bus_id": _bus_id(reader.query("nvmlDeviceGetPciInfo_v3", handle)),
+        "architecture": reader.query("nvmlDeviceGetArchitecture", handle),
+        "nvlink_active": count_active_nvlinks(reader, handle),
+    }
+
+
+def _bus_id(pci: Any) -> Any:
+    return None if pci is None else _text(pci.busId)
+
+
+def _text(value: Any) -> Any:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def read_memory(
+    reader: GpuReader,
+    handle: Any,
+    v2: bool = True,
+    on_v1: Callable[[str], None] = lambda reason: None,
+) -> dict[str, Any] | None:
+    """A GPU's or MIG device's memory: v2 (allocated = total - free - reserved, None when the
+    driver's figures do not add up), else v1, whose "used" includes the reservation (allocated
+    unknown); ``on_v1`` hears why v2 was refused before v1 is read. None when unknown."""
+    if v2:
+        try:
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound) as error:
+            on_v1(f"nvmlDeviceGetMemoryInfo_v2: {describe_error(error)}")
+        except pynvml.NVMLError as error:
+            note_error(reader.errors, "nvmlDeviceGetMemoryInfo_v2", error)
+            return None
+        else:
+            total, free, reserved = int(memory.total), int(memory.free), int(memory.reserved)
+            allocated = total - free - reserved
+            return {
+                "api": "v2",
+                "total": total,
+                "free": free,
+                "reserved": reserved,
+                "allocated": allocated if allocated >= 0 else None,
+                "used_v1": None,
+            }
+    v1 = reader.query("nvmlDeviceGetMemoryInfo", handle)
+    if v1 is None:
+        return None
+    return {
+        "api": "v1",
+        "total": int(v1.total),
+        "free": int(v1.free),
+        "reserved": None,
+        "allocated": None,
+        "used_v1": int(v1.used),
+    }
+
+
+def read_processes(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
+    """The compute, graphics and MPS lists; None when the compute list is unknown."""
+    found: list[dict[str, Any]] = []
+    for kind, base in (
+        ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+        ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+        ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
+    ):
+        listed = list_processes(reader, handle, base)
+        if listed is None:
+            if kind == "compute":
                 return None
-            else:
-                return _memory_v2(v2)
-        v1 = reader.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
-        return None if v1 is None else _memory_v1(v1)
-
-    def index_uses_v2(self, index: int) -> bool:
-        return index not in self.memory_v1
-
-    @staticmethod
-    def read_processes(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
-        kinds = (
-            ("compute", "nvmlDeviceGetComputeRunningProcesses"),
-            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
-            ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
-        )
-        found: list[dict[str, Any]] = []
-        for kind, base in kinds:
-            listed = list_processes(reader, handle, base)
-            if listed is None:
-                if kind == "compute":
-                    return None
-                continue
-            for process in listed:
-                used = process.usedGpuMemory
-                found.append(
-                    {
-                        "pid": int(process.pid),
-                        "used_memory": None if used is None else int(used),
-                        "kind": kind,
-                    }
-                )
-        return found
+            continue
+        for process in listed:
+            used = process.usedGpuMemory
+            found.append(
+                {
+                    "pid": int(process.pid),
+                    "used_memory": None if used is None else int(used),
+                    "kind": kind,
+                }
+            )
+    return found
 
 
 def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | None:
@@ -518,20 +474,10 @@ def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | Non
 
 
 def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:
-    """The MIG devices of a GPU with MIG on, by index; None when the list cannot be read.
-
-    Each: ``index``, ``uuid`` (``MIG-...``), ``name`` (the driver's "<GPU> MIG <profile>"),
-    ``gi`` and ``ci`` (GPU and compute instance ids), ``gi_profile_id`` and ``placement``
-    (``[start, size]``, from the GPU instance's info: what re-creating it needs), ``memory``
-    (the GPU instance's, which its compute instances share: ``nvmlDeviceGetMemoryInfo`` on a MIG
-    handle, v2, else v1 with allocated unknown), ``processes`` (the MIG device's own lists, as
-    for a GPU) and ``error``. NVML's per-instance figures come only from MIG handles: on the
-    parent they are aggregates.
-    A missing index (NotFound) is a hole, not an error; GPU lost ends the GPU's reading.
-    """
-    count = reader.call(
-        "nvmlDeviceGetMaxMigDeviceCount", lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
-    )
+    """The MIG devices of a GPU with MIG on, by index (docs/internals.md); None when the list
+    cannot be read. Per-instance figures come only from MIG handles (the parent's are
+    aggregates). A missing index (NotFound) is a hole, not an error."""
+    count = reader.query("nvmlDeviceGetMaxMigDeviceCount", handle)
     if count is None:
         return None
     found: list[dict[str, Any]] = []
@@ -543,106 +489,32 @@ def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | N
         except pynvml.NVMLError as error:
             note_error(reader.errors, "nvmlDeviceGetMigDeviceHandleByIndex", error)
             return None
-        found.append(read_mig_device(reader, handle, mig, index))
+        found.append(read_mig_device(handle, mig, index))
     return found
 
 
-def read_mig_device(reader: GpuReader, parent: Any, mig: Any, index: int) -> dict[str, Any]:
-    own = GpuReader(reader.index)
-    name = own.call("nvmlDeviceGetName", lambda: pynvml.nvmlDeviceGetName(mig))
-    if isinstance(name, bytes):
-        name = name.decode(errors="replace")
-    uuid = own.call("nvmlDeviceGetUUID", lambda: pynvml.nvmlDeviceGetUUID(mig))
-    if isinstance(uuid, bytes):
-        uuid = uuid.decode(errors="replace")
-    gi = own.call("nvmlDeviceGetGpuInstanceId", lambda: pynvml.nvmlDeviceGetGpuInstanceId(mig))
-    ci = own.call(
-        "nvmlDeviceGetComputeInstanceId", lambda: pynvml.nvmlDeviceGetComputeInstanceId(mig)
-    )
-    profile_id, placement = _instance_placement(own, parent, gi)
-    memory = _mig_memory(own, mig)
-    processes = Worker.read_processes(own, mig)
+def read_mig_device(parent: Any, mig: Any, index: int) -> dict[str, Any]:
+    own = GpuReader()
+    name = _text(own.query("nvmlDeviceGetName", mig))
+    uuid = _text(own.query("nvmlDeviceGetUUID", mig))
+    gi = own.query("nvmlDeviceGetGpuInstanceId", mig)
+    ci = own.query("nvmlDeviceGetComputeInstanceId", mig)
+    # The GPU instance's profile and placement ([start, size]): what re-creating it needs.
+    instance = None if gi is None else own.query("nvmlDeviceGetGpuInstanceById", parent, gi)
+    info = None if instance is None else own.query("nvmlGpuInstanceGetInfo", instance)
     return {
         "index": index,
         "uuid": uuid,
         "name": name,
         "gi": None if gi is None else int(gi),
         "ci": None if ci is None else int(ci),
-        "gi_profile_id": profile_id,
-        "placement": placement,
-        "memory": memory,
-        "processes": processes,
+        "gi_profile_id": None if info is None else int(info.profileId),
+        "placement": None
+        if info is None
+        else [int(info.placement.start), int(info.placement.size)],
+        "memory": read_memory(own, mig),
+        "processes": read_processes(own, mig),
         "error": "; ".join(own.errors) or None,
-    }
-
-
-def _instance_placement(
-    own: GpuReader, parent: Any, gi: Any
-) -> tuple[int | None, list[int] | None]:
-    """A MIG device's GPU instance profile id and placement ([start, size]) as its parent GPU
-    reports them; None each when the instance id or its info cannot be read."""
-    profile_id = placement = None
-    if gi is not None:
-        instance = own.call(
-            "nvmlDeviceGetGpuInstanceById",
-            lambda: pynvml.nvmlDeviceGetGpuInstanceById(parent, gi),
-        )
-        info = (
-            None
-            if instance is None
-            else own.call("nvmlGpuInstanceGetInfo", lambda: pynvml.nvmlGpuInstanceGetInfo(instance))
-        )
-        if info is not None:
-            profile_id = int(info.profileId)
-            placement = [int(info.placement.start), int(info.placement.size)]
-    return profile_id, placement
-
-
-def _mig_memory(own: GpuReader, mig: Any) -> dict[str, Any] | None:
-    """A MIG device's memory, as a GPU's is read: v2 (allocated = total - free - reserved),
-    else v1 (allocated unknown); None when neither can be read. GpuLostError when the GPU is
-    lost."""
-    memory = None
-    v2: Any = None
-    try:
-        v2 = pynvml.nvmlDeviceGetMemoryInfo(mig, version=pynvml.nvmlMemory_v2)
-    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
-        # v1, whose "used" includes the reservation: allocated unknown, as for a GPU (no
-        # ghost detection in the instance until an idle baseline is learned).
-        v1 = own.call("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(mig))
-        if v1 is not None:
-            memory = _memory_v1(v1)
-    except pynvml.NVMLError as error:
-        note_error(own.errors, "nvmlDeviceGetMemoryInfo_v2", error)
-    if v2 is not None:
-        memory = _memory_v2(v2)
-    return memory
-
-
-def _memory_v2(v2: Any) -> dict[str, Any]:
-    """nvmlMemory_v2 as the reply says it: allocated = total - free - reserved (None when the
-    driver's figures do not add up)."""
-    total, free, reserved = int(v2.total), int(v2.free), int(v2.reserved)
-    allocated = total - free - reserved
-    return {
-        "api": "v2",
-        "total": total,
-        "free": free,
-        "reserved": reserved,
-        "allocated": allocated if allocated >= 0 else None,
-        "used_v1": None,
-    }
-
-
-def _memory_v1(v1: Any) -> dict[str, Any]:
-    """nvmlMemory_t, whose "used" includes the reservation: allocated unknown."""
-    return {
-        "api": "v1",
-        "total": int(v1.total),
-        "free": int(v1.free),
-        "reserved": None,
-        "allocated": None,
-        "used_v1": int(v1.used),
     }
 
 
@@ -663,14 +535,12 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
                     reply = {"available": False, "error": f"worker error: {error!r}"}
             elif op == "shutdown":
                 worker.shutdown()
-                replies.write(json.dumps({"shutdown": True}) + "\n")
-                replies.flush()
-                return 0
+                reply = {"shutdown": True}
             else:
                 reply = {"error": f"unknown request: {line.strip()[:100]!r}"}
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
-            if reply.get("fatal"):
+            if op == "shutdown" or reply.get("fatal"):
                 return 0
     finally:
         worker.shutdown()

@@ -1,12 +1,8 @@
 """Host process facts, read from ``/proc``: who a process is, where it sits, what it runs.
 
-This module owns the reads of ``/proc`` that describe processes and the host (whose root is a
-parameter, so tests point it at a fake tree), and the pure parsers for those formats. It never
-signals, never decides, and never imports NVML: it reports what it saw, with ``None`` for what
-it could not see. The scan for holders of NVIDIA device files (fds and mappings) is
-:mod:`gpuwatchd.collect.holders`; what a cgroup path means is :mod:`gpuwatchd.collect.cgroups`.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.procfs`.
+This module owns the reads of ``/proc`` (its root a parameter) that describe processes and the
+host, and their pure parsers. It never signals, decides or imports NVML: ``None`` is what it
+could not see. In detail: docs/internals.md, section `gpuwatchd.collect.procfs`.
 """
 
 from __future__ import annotations
@@ -45,9 +41,6 @@ PROC_PID_INIT_INO = 0xEFFFFFFC
 PROC_CGROUP_INIT_INO = 0xEFFFFFFB
 
 
-# --- pure parsers -----------------------------------------------------------------------------
-
-
 def parse_proc_devices(text: str) -> dict[str, int]:
     """The character-device section of ``/proc/devices`` as name -> major. Pure."""
     majors: dict[str, int] = {}
@@ -84,11 +77,8 @@ def _ns_inode(link: str) -> int | None:
 
 
 def _status_field(status: str, name: str) -> list[str]:
-    """The values of one ``Name:`` line of ``/proc/PID/status``, found without a full split.
-
-    Only a ``\\n`` starts a line: the ``Name:`` line (the process's own ``comm``) comes first
-    and cannot fake a later field with any other line break.
-    """
+    """The values of one ``Name:`` line of ``/proc/PID/status``, found without a full split;
+    only ``\\n`` starts a line, so the ``Name:`` line (a ``comm``) cannot fake a later field."""
     at = status.find(f"\n{name}:")
     if at < 0:
         return []
@@ -105,16 +95,9 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-# --- the reader -------------------------------------------------------------------------------
-
-
 class ProcFS:
-    """Reads process and host facts from a ``/proc`` tree rooted at ``root``.
-
-    The keyword arguments configure :attr:`holders`, the device-holder scanner over the same
-    tree (:class:`gpuwatchd.collect.holders.HolderScanner`; None means its default); they are
-    kept here so the daemon's one ``ProcFS`` still does both jobs.
-    """
+    """Reads process and host facts from a ``/proc`` tree rooted at ``root``; the keyword
+    arguments configure :attr:`holders`, the device-holder scanner over the same tree."""
 
     def __init__(
         self,
@@ -145,8 +128,6 @@ class ProcFS:
             match_by_path=match_by_path,
         )
 
-    # --- compatibility: the holder scan -------------------------------------------------------
-
     def scan_holders(
         self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()
     ) -> HolderScan:
@@ -156,8 +137,6 @@ class ProcFS:
     def uvm_major(self) -> int | None:
         """Same as ``self.holders.uvm_major()``: nvidia-uvm's major, None when unknown."""
         return self.holders.uvm_major()
-
-    # --- host-wide facts ---
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))
@@ -188,17 +167,8 @@ class ProcFS:
             return None
 
     def sees_host_namespaces(self) -> bool | None:
-        """Whether this process is in the host's (initial) PID and cgroup namespaces.
-
-        The kernel gives the initial namespaces fixed inode numbers, so ``<root>/self/ns/pid``
-        and ``ns/cgroup`` are compared with those constants; when ``<root>/1/ns/pid`` is
-        readable it must be the initial one too (a /proc mounted from a container's namespace
-        shows that container's init as PID 1). None when our own links cannot be read. A kernel
-        without cgroup namespaces has one cgroup view, which counts as the host's. Limits: this
-        says nothing about the mount namespace (device nodes are matched by number for that
-        reason), and a daemon deliberately run in a nested PID namespace (as the end-to-end
-        tests do) is reported as not seeing the host, which is the safe answer.
-        """
+        """Whether this process is in the host's (initial) PID and cgroup namespaces, and so is
+        ``<root>/1`` where readable (docs/internals.md); None when our own links are unreadable."""
         pid_ns = _ns_link(f"{self.root}/self/ns/pid")
         if pid_ns is None or isinstance(pid_ns, OSError):
             return None
@@ -214,8 +184,6 @@ class ProcFS:
         init_ns = _ns_link(f"{self.root}/1/ns/pid")
         return isinstance(init_ns, OSError) or init_ns in (None, PROC_PID_INIT_INO)
 
-    # --- processes ---
-
     def list_pids(self) -> list[int]:
         try:
             names = os.listdir(self.root)
@@ -225,18 +193,8 @@ class ProcFS:
 
     def kernel_threads(self) -> frozenset[int]:
         """Kernel threads, found without scanning them: kthreadd (PID 2) and its children
-        (from its ``task/2/children``) that have no ``exe`` link and whose ``stat`` flags carry
-        PF_KTHREAD.
-
-        Every kernel thread but the idle tasks (not in ``/proc``) and kthreadd itself is
-        created by kthreadd, and none is re-parented. The only user processes kthreadd parents
-        are user-mode helpers the kernel starts (modprobe, core-dump pipes), which have an
-        ``exe`` link — or, as a zombie leader with live threads, lack it, which is why
-        PF_KTHREAD, the kernel's own definition, decides. In a PID namespace PID 2 is a user
-        process: its children then fail the same tests and are scanned. Empty when the kernel
-        has no ``children`` files (the scan then recognises kernel threads the slower way,
-        after reading their empty fd table and maps).
-        """
+        without an ``exe`` link whose ``stat`` flags carry PF_KTHREAD (docs/internals.md); empty
+        without ``children`` files."""
         try:
             kids = self._read_text(f"{self.root}/2/task/2/children").split()
         except OSError:
@@ -262,8 +220,8 @@ class ProcFS:
             return None
 
     def is_running(self, pid: int, start_ticks: int) -> bool:
-        """Whether ``pid`` is still the process that started at ``start_ticks`` and has not
-        exited (a zombie has)."""
+        """Whether ``pid`` is still the process started at ``start_ticks``, not exited (nor a
+        zombie)."""
         fields = self.read_stat(pid)
         return (
             fields is not None
@@ -329,9 +287,8 @@ class ProcFS:
         return info
 
     def _read_ids(self, base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
-        """A process's effective uid and its PIDs in nested namespaces (``NSpid``), from
-        ``status``; None each when unreadable (a uid read before a malformed ``NSpid`` stands),
-        and whether it read as gone."""
+        """The effective uid and ``NSpid`` from ``status`` (None each when unreadable; a uid
+        read before a malformed ``NSpid`` stands), and whether it read as gone."""
         uid: int | None = None
         nspid: tuple[int, ...] | None = None
         vanished = False
@@ -347,11 +304,9 @@ class ProcFS:
         return uid, nspid, vanished
 
     def delegated(self, path: str) -> bool | None:
-        """Whether systemd marked cgroup ``path`` or one above it as delegated
-        (:func:`gpuwatchd.collect.cgroups.delegation_mark`), in the hierarchy this ``/proc``'s
-        ``self/mountinfo`` says systemd keeps; None when that, or the mark, cannot be read.
-        Without CAP_SYS_ADMIN the kernel hides ``trusted.delegate`` (every read says "none"),
-        so the mark is then unknown."""
+        """Whether systemd marked cgroup ``path`` or one above it as delegated, in the hierarchy
+        ``self/mountinfo`` says systemd keeps; None when unreadable, or without CAP_SYS_ADMIN
+        (the kernel then hides ``trusted.delegate``)."""
         if not self._systemd_mount_read:
             try:
                 mountinfo = self._read_text(f"{self.root}/self/mountinfo")
@@ -364,14 +319,10 @@ class ProcFS:
         return None if mount is None else delegation_mark(mount, path)
 
     def exe_trusted(self, pid: int, exe: str | None) -> bool | None:
-        """Whether the program ``pid`` runs is one only root can have put where it is.
-
-        True when the executable itself (``/proc/PID/exe`` followed: the running file, not
-        whatever now has its name) is a regular file owned by root and writable by neither
-        group nor others, and so is its directory, looked up in the process's own root (a
-        container's files are judged as the container sees them). False when either is not,
-        or the executable was deleted; None when it cannot be read (gone, or no privilege).
-        """
+        """Whether the program ``pid`` runs is one only root can have put where it is: the
+        running file (``/proc/PID/exe`` followed) and its directory in the process's own root
+        are root's and writable by neither group nor others. False when deleted; None when
+        unreadable (gone, or no privilege)."""
         if exe is None:
             return None
         if exe.endswith(" (deleted)") or not exe.startswith("/"):
@@ -431,10 +382,8 @@ class ProcFS:
     def descendants(
         self, pids: Iterable[int], children: Callable[[int], list[int] | None] | None = None
     ) -> set[int]:
-        """Every descendant of ``pids``; a given PID is included only if it descends from
-        another given PID. Without children files this costs one stat scan of /proc.
-        ``children``: a cheaper source of a PID's children when it knows them (None: ask
-        :meth:`children`)."""
+        """Every descendant of ``pids`` (a given PID only if it descends from another); one stat
+        scan of /proc without children files. ``children``: a cheaper source where it knows."""
         frontier = list(dict.fromkeys(pids))
         by_parent: dict[int, list[int]] | None = None
         if any(not self._children_files(pid) for pid in frontier):

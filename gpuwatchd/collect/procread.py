@@ -1,7 +1,5 @@
-"""The bottom of the ``/proc`` readers: the whole-file read and the parsed ``stat`` line.
-
-Both :mod:`gpuwatchd.collect.procfs` (process facts) and :mod:`gpuwatchd.collect.holders` (the
-device-holder scan) build on this module; it imports neither, so they need not import each other.
+"""The bottom of the ``/proc`` readers (``procfs`` and ``holders`` build on it): the whole-file
+read and the parsed ``stat`` line.
 """
 
 from __future__ import annotations
@@ -35,11 +33,8 @@ class StatFields:
 
 
 def parse_stat(text: str) -> StatFields | None:
-    """Parse one ``/proc/PID/stat`` line; None when it is malformed. Pure.
-
-    ``comm`` may hold anything but NUL (``foo) Z 1 (`` included), so it is taken from the first
-    ``(`` to the *last* ``)``; the numeric fields follow the last ``)``.
-    """
+    """Parse one ``/proc/PID/stat`` line; None when it is malformed. ``comm`` may hold anything
+    but NUL (``foo) Z 1 (`` too): it runs from the first ``(`` to the last ``)``. Pure."""
     opening = text.find("(")
     closing = text.rfind(")")
     if opening < 0 or closing < opening:

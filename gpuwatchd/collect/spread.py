@@ -27,10 +27,8 @@ _ALIVE, _ROWS = b".", b"R"  # a worker's pipe: any number of _ALIVE, then _ROWS 
 
 
 def idle_cpus(loadavg: str, cpus: int) -> int:
-    """CPUs not busy now: ``cpus`` less the runnable tasks other than us. Pure.
-
-    ``loadavg`` is the text of ``/proc/loadavg``; its fourth field is ``running/total``.
-    """
+    """CPUs not busy now: ``cpus`` less the runnable tasks other than us (the fourth field of
+    ``/proc/loadavg``'s text, ``running/total``). Pure."""
     try:
         running = int(loadavg.split()[3].split("/", maxsplit=1)[0])
     except (IndexError, ValueError):
@@ -74,16 +72,12 @@ def scan_spread(
     min_slice: int = MIN_SLICE,
     progress: Tick = None,
 ) -> list[Row]:
-    """``scan(pids, progress)``, its work spread over forked workers where that pays (module
-    docstring).
+    """``scan(pids, progress)``, its work spread over forked workers where that pays.
 
-    ``workers``: None decides from the idle CPUs; 1 never forks; n forks up to n - 1 workers
-    whatever the load (still no more than the CPUs, only for :data:`MIN_SLICE` processes
-    each, and never beside other threads). ``progress`` is called in this process only, as its
-    own slice advances and whenever a worker shows progress (a byte on its pipe at most every
-    :data:`HEARTBEAT` seconds while its slice advances): a worker stuck in a system call is
-    never reported as progress.
-    """
+    ``workers``: None decides from the idle CPUs; 1 never forks; n forks up to n - 1 whatever
+    the load (within :func:`worker_count`'s other limits). ``progress`` is called here only, as
+    this slice advances and on each heartbeat of a worker (so a worker stuck in a system call
+    is never reported as progress)."""
     if workers == 1 or threading.active_count() > 1:
         return scan(pids, progress)
     cpus = _cpus()
@@ -144,8 +138,8 @@ def _fork(scan: Scan, part: Sequence[int]) -> tuple[int, int] | None:
 
 
 def _collect(child: tuple[int, int], progress: Tick) -> list[Row] | None:
-    """A worker's rows, read to the end of its pipe, the worker reaped; None if it failed.
-    ``progress`` is called for each read (the worker's heartbeats and rows)."""
+    """A worker's rows, read to the end of its pipe (``progress`` called for each read), the
+    worker reaped; None if it failed."""
     pid, read_end = child
     chunks = []
     try:

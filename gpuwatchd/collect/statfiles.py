@@ -1,12 +1,8 @@
 """``/proc/PID/stat`` of the processes a steady poll looks at, read through descriptors kept open.
 
-This module owns one cost of the steady poll (docs/performance.md): the identity and state
-check of every known process (NVML's, the holders, their ancestors) each poll. Instead of
-opening ``/proc/PID/stat`` afresh (a path walk through ``/proc``, an open, two reads and a
-close), the descriptor of each such process is kept and read again with one ``pread`` — the
-kernel renders the file anew on every read from offset 0.
-
-In detail: docs/internals.md, section `gpuwatchd.collect.statfiles`.
+Each known process's identity and state check is one ``pread`` of a kept descriptor (the kernel
+renders the file anew on every read from offset 0) instead of a path walk, an open, two reads
+and a close (docs/performance.md). In detail: docs/internals.md, `gpuwatchd.collect.statfiles`.
 """
 
 from __future__ import annotations
@@ -57,15 +53,7 @@ class StatFiles:
             except OSError:
                 raw = b""  # that process was reaped: the PID is looked up afresh below
             if raw and len(raw) < _SIZE:
-                last = self._last.get(pid)
-                if last is not None and last[0] == raw:
-                    fields = last[1]  # the same bytes parse the same (a sleeping process)
-                else:
-                    fields = parse_stat(raw.decode("utf-8", "replace"))
-                    self._last[pid] = (raw, fields)
-                if fields is not None:
-                    self._threads[pid] = fields.num_threads
-                return fields
+                return self._parsed(pid, raw, keep=True)
             self._close(pid)
         try:
             fd = os.open(f"{self.root}/{pid}/stat", _FLAGS)
@@ -76,29 +64,33 @@ class StatFiles:
         except OSError:
             os.close(fd)
             return None
-        if not raw or len(raw) >= _SIZE or len(self._fds) >= MAX_OPEN or not self.keeping:
-            os.close(fd)
-            if len(raw) >= _SIZE:  # longer than any stat line: read it whole, as procfs does
-                try:
-                    raw = read_proc_file(f"{self.root}/{pid}/stat")
-                except OSError:
-                    return None
-            kept = False
-        else:
+        if raw and len(raw) < _SIZE and len(self._fds) < MAX_OPEN and self.keeping:
             self._fds[pid] = fd
-            kept = True
-        fields = parse_stat(raw.decode("utf-8", "replace")) if raw else None
-        if kept:
-            self._last[pid] = (raw, fields)
-        if fields is not None:
-            self._threads[pid] = fields.num_threads
-        return fields
+            return self._parsed(pid, raw, keep=True)
+        os.close(fd)
+        if len(raw) >= _SIZE:  # longer than any stat line: read it whole, as procfs does
+            try:
+                raw = read_proc_file(f"{self.root}/{pid}/stat")
+            except OSError:
+                return None
+        return self._parsed(pid, raw, keep=False) if raw else None
+
+    def _parsed(self, pid: int, raw: bytes, *, keep: bool) -> StatFields | None:
+        """``raw`` parsed (the same bytes as the kept fd's last read parse the same: a sleeping
+        process), its thread count noted."""
+        last = self._last.get(pid) if keep else None
+        if last is None or last[0] != raw:
+            last = (raw, parse_stat(raw.decode("utf-8", "replace")))
+            if keep:
+                self._last[pid] = last
+        if last[1] is not None:
+            self._threads[pid] = last[1].num_threads
+        return last[1]
 
     def children(self, pid: int) -> list[int] | None:
-        """The children of ``pid`` when it was read single-threaded since the last
-        :meth:`retain` (its one thread's ``children`` file, through a kept descriptor: the
-        same list ``/proc/PID/task/*/children`` gives, without listing ``task``); None when
-        not known that way (the caller reads them the usual way)."""
+        """The children of ``pid`` when it was read single-threaded since the last :meth:`retain`
+        (its one thread's ``children`` file through a kept descriptor, no listing of ``task``);
+        None when not known that way (the caller reads them the usual way)."""
         if not self.keeping or self._threads.get(pid) != 1:
             return None
         fd = self._children.get(pid)
@@ -133,10 +125,7 @@ class StatFiles:
         self._threads.clear()
 
     def close(self) -> None:
-        for pid in list(self._fds):
-            self._close(pid)
-        for pid in list(self._children):
-            self._close_children(pid)
+        self.retain(())
 
     def __len__(self) -> int:
         return len(self._fds)

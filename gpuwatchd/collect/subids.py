@@ -1,11 +1,8 @@
 """``/etc/subuid``: the ranges of subordinate uids each user owns, read for the kill cap.
 
-A rootless container (podman, rootless Docker, ``unshare --map-users``) runs its users as host
-uids from its owner's range, so one user can spread processes over thousands of uids. The kill
-cap counts a process against the user owning its uid's range (``decide/plan/intents.py``),
-so that spreading cannot pass the node-wide cap. This module owns reading the file: bounded,
-parsed line by line (``name:first:count``; a malformed line is skipped), each owner's name
-resolved to a uid once per change of the file. It decides nothing.
+A rootless container runs its users as host uids from its owner's range, so the kill cap counts
+a process against that owner (``decide/plan/intents.py``). This module reads the file, bounded,
+line by line (``name:first:count``; malformed lines skipped), once per change. It decides nothing.
 """
 
 from __future__ import annotations

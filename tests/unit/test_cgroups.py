@@ -18,7 +18,6 @@ from gpuwatchd.collect.cgroups import (
     parse_cgroup,
     parse_cgroup2_mount,
     parse_systemd_mount,
-    slurm_job_dir,
     unescape_mount_path,
 )
 from gpuwatchd.core.model import CgroupInfo
@@ -212,7 +211,7 @@ def test_job_names_count_only_where_their_software_puts_them(
 def test_slurm_job_dir_is_the_part_the_classifier_calls_the_job(
     path: str, job_dir: str | None
 ) -> None:
-    assert slurm_job_dir(path) == job_dir
+    assert classify_cgroup_path(path).slurm_job_dir == job_dir
     assert (job_dir is None) == (classify_cgroup_path(path).slurm_job is None)
 
 

@@ -12,13 +12,14 @@ share. Pure: no I/O.
 from __future__ import annotations
 
 import enum
+import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.vocabulary import Level
+from gpuwatchd.core.vocabulary import EventName, Level
 
 VALUE_MAX = 160  # characters of one value inside a sentence
 
@@ -209,11 +210,29 @@ class EventSpec:
 
 
 def spec(level: Level, fields: str, say: Callable[[Said], str] | str, *also: Level) -> EventSpec:
-    """One catalogue entry; its sentence a function, or a template :meth:`Said.fill` fills."""
+    """One catalogue entry; its sentence a function, or a template :meth:`Said.fill` fills.
+    An upper-case word in ``fields`` is a group of fields several entries share."""
     if isinstance(say, str):
         template = say
         return spec(level, fields, lambda s: s.fill(template), *also)
-    return EventSpec(level, tuple(fields.split()), say, frozenset(also))
+    names = tuple(name for word in fields.split() for name in _GROUPS.get(word, word).split())
+    return EventSpec(level, names, say, frozenset(also))
+
+
+def spec_table(text: str) -> dict[EventName, EventSpec]:
+    """Catalogue entries written as ``text``: per entry a line ``event LEVEL [OTHER LEVELS]:
+    fields``, then its template on indented lines (joined by spaces). An event again, or one
+    without a template, raises ValueError."""
+    table: dict[EventName, EventSpec] = {}
+    for entry in re.split(r"\n(?=\S)", text.strip()):
+        head, *said = entry.splitlines()
+        names, _, fields = head.partition(":")
+        event, *levels = names.split()
+        if EventName(event) in table or not said:
+            raise ValueError(f"event table: again, or no sentence: {head!r}")
+        level, *also = (Level[name] for name in levels)
+        table[EventName(event)] = spec(level, fields, " ".join(s.strip() for s in said), *also)
+    return table
 
 
 DEBUG, INFO, WARNING, ERROR, CRITICAL = (
@@ -223,21 +242,14 @@ DEBUG, INFO, WARNING, ERROR, CRITICAL = (
     Level.ERROR,
     Level.CRITICAL,
 )
-
-
-FINDING_FIELDS = "finding kind gpu pid start_ticks memory reason"
-
-
-LADDER_FIELDS = "target pid start_ticks finding rule gpu step dry_run"
-
-
-PROCESS_FIELDS = "user uid comm cmdline state ppid pgid sid cgroup job unit"
-
-
-MIG_FIELDS = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
-
-
-RESET_FIELDS = f"gpu pci_bus_id finding outcome kind memory reason {MIG_FIELDS}"
+_MIG = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
+_GROUPS = {
+    "FINDING": "finding kind gpu pid start_ticks memory reason",
+    "LADDER": "target pid start_ticks finding rule gpu step dry_run",
+    "PROCESS": "user uid comm cmdline state ppid pgid sid cgroup job unit",
+    "MIG": _MIG,
+    "RESET": f"gpu pci_bus_id finding outcome kind memory reason {_MIG}",
+}
 
 
 def finding_label(key: object, namer: Namer) -> str:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, genera
 
 from gpuwatchd import __version__
 from gpuwatchd.config.keys import SIGNAL_NAMES
-from gpuwatchd.core.model import FindingKind, GpuInfo, Snapshot
+from gpuwatchd.core.model import FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import (
     EventName,
     HookOutcome,
@@ -28,7 +28,7 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.daemon.metrics_mig import MigGauges, maker
+from gpuwatchd.daemon.metrics_mig import MigGauges, accounted_memory, maker
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.plan.state import PlanState
@@ -93,25 +93,10 @@ def _label(value: object, allowed: frozenset[str]) -> str:
     return text if text in allowed else OTHER
 
 
-def _flag(value: bool) -> int:
-    return 1 if value else 0
-
-
 def write_textfile(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: a fresh temporary file in the same directory
-    (never a planted one; its name does not end in ``.prom``, so node_exporter skips it), mode
-    :data:`TEXTFILE_MODE`, renamed over ``path`` (a link there is replaced, not followed).
-
-    The directory is reached by a walk from ``/`` that follows no symbolic link
-    (:func:`gpuwatchd.state.directory.open_directory`), and both the file and the rename go through
-    its descriptor: node_exporter's folder is often another user's (Debian's ``prometheus``),
-    who could otherwise swap it, or a folder above it, for a link to anywhere and have root
-    write there. Its owner is not checked: it is not read back.
-
-    No fsync: the file is rewritten every poll, and a reader sees the old file or the new one,
-    never half of one. Raises OSError (StateDirError for a link on the way); the temporary file
-    is removed then.
-    """
+    """Replace ``path`` with ``data`` atomically (a fresh temporary file renamed over it, mode
+    :data:`TEXTFILE_MODE`, no fsync), through the descriptor of a folder reached by a walk from
+    ``/`` that follows no link. Raises OSError (StateDirError for a link on the way)."""
     directory, name = os.path.split(os.path.abspath(path))
     dir_fd = open_directory(directory, owners=None, readable=False)
     # The state directory's own atomic write, through this folder's descriptor (no owners).
@@ -120,14 +105,9 @@ def write_textfile(path: str, data: bytes) -> None:
 
 
 def remove_textfile(path: str) -> bool:
-    """Remove ``path`` if it is a metrics file gpuwatchd wrote; True when it was removed.
-
-    For the package's removal: node_exporter would go on serving the last samples of a daemon
-    that is gone. Only a regular file named ``*.prom``, reached as :func:`write_textfile`
-    reaches it (a walk from ``/`` that follows no symbolic link, then the folder's descriptor),
-    whose first MiB holds gpuwatchd's ``gpuwatchd_build_info`` sample, is removed; anything
-    else (a missing file included) is left alone. Never raises.
-    """
+    """Remove ``path`` if it is a metrics file gpuwatchd wrote (a regular ``*.prom`` file,
+    reached as :func:`write_textfile` reaches it, whose first MiB holds our build_info sample);
+    True when it was removed. For the package's removal. Never raises."""
     directory, name = os.path.split(os.path.abspath(path))
     if not name.endswith(".prom"):
         return False
@@ -198,15 +178,15 @@ class _GpuGauges:
         }
         for gpu in host.gpus:
             labels = (gpu.uuid, str(gpu.index))
-            self.lost.labels(*labels).set(_flag(gpu.lost))
+            self.lost.labels(*labels).set(gpu.lost)
             if gpu.lost:
                 continue  # its memory figures are whatever was read before it was lost
             allocated = gpu.memory.allocated if gpu.memory is not None else None
             if allocated is not None:
                 self.allocated.labels(*labels).set(allocated)
-            if not _memory_checked(gpu):
-                continue
-            accounted = _accounted(host, gpu)
+            if gpu.mig_enabled or gpu.coherent_memory:
+                continue  # no memory-based detection there (as in assess)
+            accounted = accounted_memory(host, gpu)
             if accounted is not None:
                 self.accounted.labels(*labels).set(accounted)
             if accounted is not None and allocated is not None:
@@ -241,7 +221,7 @@ class _VerdictGauges:
             return
         for gpu in verdict.gpus:
             labels = (gpu.uuid, str(gpu.index))
-            self.clean.labels(*labels).set(_flag(gpu.clean))
+            self.clean.labels(*labels).set(gpu.clean)
             for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
                 self.reasons.labels(*labels, kind).set(count)
 
@@ -299,28 +279,9 @@ class _HealthGauges:
                 if rows is not None:
                     self.rows.labels(*labels, cause).set(rows)
             if health.remap_pending is not None:
-                self.pending.labels(*labels).set(_flag(health.remap_pending))
+                self.pending.labels(*labels).set(health.remap_pending)
             if health.remap_failure is not None:
-                self.failure.labels(*labels).set(_flag(health.remap_failure))
-
-
-def _memory_checked(gpu: GpuInfo) -> bool:
-    """Whether memory-based detection runs on ``gpu`` (as in assess: not with MIG, not on
-    coherent-memory systems), so that its accounted, unaccounted and ghost figures mean
-    something."""
-    return not gpu.mig_enabled and not gpu.coherent_memory
-
-
-def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
-    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
-    listed zombie counts as live, as in assess); None when the list
-    or any of those figures is unknown."""
-    if gpu.processes is None:
-        return None
-    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
-    if any(figure is None for figure in figures):
-        return None
-    return sum(figure for figure in figures if figure is not None)
+                self.failure.labels(*labels).set(health.remap_failure)
 
 
 class _StateGauges:
@@ -376,7 +337,7 @@ class _StateGauges:
             "nvml_unavailable": not snapshot.nvml.available,
         }
         for name, gauge in self.flags.items():
-            gauge.set(_flag(values[name]))
+            gauge.set(values[name])
         ends = state.paused_until if state.paused else None
         self.paused_until.set(0.0 if ends is None else ends)
 
@@ -410,7 +371,7 @@ class _PollGauges:
         self.duration.observe(seconds)
         self.last_duration.set(seconds)
         self.last_success.set(wall)
-        self.last_full.set(_flag(full))
+        self.last_full.set(full)
         if full:
             self.full_scans.inc()
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.metrics import MetricWrapperBase
 
-from gpuwatchd.core.model import FindingKind, Snapshot
+from gpuwatchd.core.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import instance_view, mig_layout
@@ -36,6 +36,15 @@ def maker(
         return kind(name, doc, (*labels, *extra), registry=registry)
 
     return make
+
+
+def accounted_memory(host: HostView, gpu: GpuInfo) -> int | None:
+    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
+    listed zombie counts as live, as in assess); None when the list or a figure is unknown."""
+    if gpu.processes is None:
+        return None
+    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
+    return None if None in figures else sum(f for f in figures if f is not None)
 
 
 class MigGauges:
@@ -76,12 +85,9 @@ class MigGauges:
             allocated = None if memory is None else memory.allocated
             if allocated is not None:
                 self.allocated.labels(*labels).set(allocated)
-            if gpu is not None and gpu.processes is not None:
-                figures = [
-                    row.entry.used_memory for row in host.listings[uuid] if row.status != "dead"
-                ]
-                if all(figure is not None for figure in figures):
-                    self.accounted.labels(*labels).set(sum(f or 0 for f in figures))
+            accounted = None if gpu is None else accounted_memory(host, gpu)
+            if accounted is not None:
+                self.accounted.labels(*labels).set(accounted)
             kinds: dict[str, int] = {}
             ghost = 0 if allocated is not None else None
             for finding in assessment.findings:

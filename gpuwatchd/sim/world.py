@@ -7,6 +7,7 @@ In detail: docs/internals.md, section `gpuwatchd.sim.world`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
@@ -76,7 +77,6 @@ def _unmarked(cgroup: CgroupInfo | None) -> CgroupInfo | None:
 class WorldProc:
     spec: ProcessSpec
     start_ticks: int
-    started_at: float
     ppid: int
     state: str
     minors: frozenset[int]
@@ -167,7 +167,6 @@ class World:
         proc = WorldProc(
             spec=spec,
             start_ticks=ticks,
-            started_at=at,
             ppid=spec.ppid,
             state=spec.state,
             minors=minors,
@@ -254,18 +253,16 @@ class World:
     def _live_contexts(self, proc: WorldProc) -> list[_Context]:
         return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
 
-    def _descends(self, proc: WorldProc, ancestor: int) -> bool:
-        seen: set[int] = set()
-        current = proc.ppid
+    def _ancestors(self, proc: WorldProc) -> Iterator[int]:
+        """The PIDs above ``proc``, its parent first, up to init, a loop or a PID not listed."""
+        current, seen = proc.ppid, set()
         while current > 1 and current not in seen:
-            if current == ancestor:
-                return True
+            yield current
             seen.add(current)
             parent = self.procs.get(current)
             if parent is None:
-                return False
+                return
             current = parent.ppid
-        return False
 
     def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
@@ -281,21 +278,15 @@ class World:
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
-            if self._descends(proc, owner.pid) or proc.spec.pgid == owner.spec.pgid:
+            if owner.pid in self._ancestors(proc) or proc.spec.pgid == owner.spec.pgid:
                 found.add(proc.pid)
         return found
 
     def _reaper(self, proc: WorldProc) -> int:
-        current = proc.ppid
-        seen: set[int] = set()
-        while current > 1 and current not in seen:
-            seen.add(current)
-            parent = self.procs.get(current)
-            if parent is None:
-                break
-            if parent.spec.subreaper and parent.alive:
-                return parent.pid
-            current = parent.ppid
+        for pid in self._ancestors(proc):
+            parent = self.procs.get(pid)
+            if parent is not None and parent.spec.subreaper and parent.alive:
+                return pid
         return 1
 
     def _name(self, pid: int) -> str:
@@ -303,9 +294,6 @@ class World:
         return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
 
     # -- GPUs --
-
-    def gpu_by_uuid(self, uuid: str) -> WorldGpu | None:
-        return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
 
     def allocated(self, gpu: WorldGpu, gi: int | None = None) -> int:
         """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
@@ -337,8 +325,13 @@ class World:
         instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
         gpu.destroyed.discard(gi)
         gpu.instance_base[gi] = instance.allocated
+        self._free(gpu, gi)
+
+    def _free(self, gpu: WorldGpu, gi: int | None = None) -> None:
+        """The dead and leaked contexts on ``gpu`` (in its GPU instance ``gi``) are gone."""
         for ctx in self.contexts:
-            if ctx.gpu == gpu.spec.index and ctx.gi == gi and ctx.status in ("dead", "leaked"):
+            mine = ctx.gpu == gpu.spec.index and (gi is None or ctx.gi == gi)
+            if mine and ctx.status in ("dead", "leaked"):
                 ctx.status = "freed"
                 ctx.heirs.clear()
 
@@ -361,10 +354,7 @@ class World:
             gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
             settle = gpu.health.fabric_after_reset
             gpu.fabric_ready_at = None if settle is None else now + settle
-        for ctx in self.contexts:
-            if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
-                ctx.status = "freed"
-                ctx.heirs.clear()
+        self._free(gpu)
 
     # -- what the daemon would read --
 
@@ -507,10 +497,11 @@ class World:
         for index in sorted(self.gpus):
             gpu = self.gpus[index]
             spec = gpu.spec
-            listed = []
-            for ctx in self.contexts:
-                if ctx.gpu == index and ctx.status in ("live", "dead"):
-                    listed.append(NvmlProcess(ctx.pid, ctx.size, "compute"))
+            listed = [
+                NvmlProcess(c.pid, c.size, "compute")
+                for c in self.contexts
+                if c.gpu == index and c.status in ("live", "dead")
+            ]
             allocated = self.allocated(gpu)
             memory = GpuMemory(
                 total=spec.total,
@@ -548,13 +539,10 @@ class World:
         for pid, proc in sorted(self.procs.items()):
             if proc.spec.files is None or not proc.alive or not proc.spec.visible:
                 continue
-            current, seen = proc.ppid, set()
-            while current > 1 and current not in seen and current in self.procs:
-                seen.add(current)
-                if current in owners and self.procs[current].alive:
+            for above in self._ancestors(proc):
+                if above in owners and above in self.procs and self.procs[above].alive:
                     shared = proc.spec.files == "inherited"
-                    found.append(FileSharing(holder=pid, owner=current, shared=shared))
-                current = self.procs[current].ppid
+                    found.append(FileSharing(holder=pid, owner=above, shared=shared))
         return tuple(found)
 
     def absent_pids(self) -> frozenset[int]:

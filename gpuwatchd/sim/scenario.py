@@ -133,10 +133,6 @@ def _policy_text(text: str) -> str | None:
 class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 
-    # -- typed values --
-
-    # -- the document --
-
     def scenario(self, root: Map) -> Scenario:
         top = self.mapping(root, _TOP_KEYS)
         get = top.entries.get
@@ -289,7 +285,6 @@ class _Reader(GpuReader):
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
             return None if self.scalar(node) is None else self.boolean(node)
-        # installed by the admin where programs are installed
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:

@@ -16,23 +16,11 @@ from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import ResetStep
 
 GIB = 1024 * MIB
-
-
 FIRST_AUTO_PID = 1000
-
-
 SIGKILL_REACTIONS = ("exit", "stuck")
-
-
 EXIT_MODES = ("release", "zombie", "leak")
-
-
 RESET_RESULTS = ("success", "fail", "in_use", "hang", "fell_off_bus")
-
-
 VIA = ("fd", "map", "both")
-
-
 # The reset steps an event can be tied to (``during``); ``done`` is bookkeeping, not a moment.
 RESET_STEPS = tuple(step.value for step in ResetStep if step is not ResetStep.DONE)
 
@@ -54,11 +42,7 @@ EVENT_ACTIONS = (
 
 
 FABRIC_STATES = ("NOT_SUPPORTED", "NOT_STARTED", "IN_PROGRESS", "COMPLETED")
-
-
 FABRIC_SETTLE = 5.0  # seconds the fabric takes to register again after a reset, by default
-
-
 RECOVERY_ACTIONS = (
     "NONE",
     "GPU_RESET",
@@ -69,8 +53,6 @@ RECOVERY_ACTIONS = (
     "BUS_RESET",
     "SYSTEM_REBOOT",
 )
-
-
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 
 
@@ -234,6 +216,3 @@ class Scenario:
     gpus: tuple[GpuSpec, ...]
     processes: tuple[ProcessSpec, ...]
     events: tuple[EventSpec, ...] = field(default_factory=tuple)
-
-    def gpu(self, index: int) -> GpuSpec | None:
-        return next((g for g in self.gpus if g.index == index), None)

@@ -344,18 +344,16 @@ class Simulation:
 
     def final_state(self) -> dict[str, object]:
         world = self.world
-        gpus = []
-        for index in sorted(world.gpus):
-            gpu = world.gpus[index]
-            gpus.append(
-                {
-                    "index": index,
-                    "uuid": gpu.spec.uuid,
-                    "allocated": world.allocated(gpu),
-                    "idle": gpu.spec.allocated,
-                    "lost": gpu.lost,
-                }
-            )
+        gpus = [
+            {
+                "index": index,
+                "uuid": gpu.spec.uuid,
+                "allocated": world.allocated(gpu),
+                "idle": gpu.spec.allocated,
+                "lost": gpu.lost,
+            }
+            for index, gpu in sorted(world.gpus.items())
+        ]
         processes = []
         for proc in world.history:
             status = "alive" if proc.alive else ("zombie" if proc.present else "exited")
@@ -468,28 +466,8 @@ class VirtualReader:
 
 class VirtualActuator:
     """The engine's actuator over the virtual host: processes react to signals as their
-    scenario says, and commands are answered, never executed.
-
-    =============================  ==========================================================
-    command (matched by argv)      answer
-    =============================  ==========================================================
-    ``reset.command``              the next scripted ``reset_result`` (default ``success``):
-                                   ``success`` exit 0, every dead or leaked context on the
-                                   GPU freed; ``fail`` exit 255; ``in_use`` exit 255 "In use
-                                   by another client"; ``hang`` killed at its timeout, the
-                                   clock advanced by it; ``fell_off_bus`` exit 15, GPU lost
-    ``reset.persistence_command``  exit 0, persistence mode set (exit 15 on a lost GPU)
-    ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
-    ``reset.mig_recovery_commands``  of one GPU instance: exit 255 "In use by another client"
-                                   while a process holds its capability files, else exit 0;
-                                   the ones before the last destroy the instance (NVML lists
-                                   it no more), the last re-creates it (its dead and leaked
-                                   memory freed)
-    a hook                         exit 0; the reset's ``drain`` and ``before`` hooks stop
-                                   the ``stops_for_reset`` processes
-    anything else                  could not be started
-    =============================  ==========================================================
-    """
+    scenario says, and commands (matched by argv) are answered as docs/simulate.md's table of
+    the virtual host's commands says, never executed; anything else could not be started."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim

@@ -125,7 +125,7 @@ class Daemon:
                 request, self.config_path, self.policy.state_dir, served
             ),
         )
-        self._wire_host(policy, nvml_env=nvml_env, clock=clock, wall_clock=wall_clock, once=once)
+        self._wire_host(policy, nvml_env)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
@@ -133,28 +133,20 @@ class Daemon:
         self.notify_stop_grace = NOTIFY_STOP_GRACE
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
-        self.engine = self._make_engine(policy, clock, wall_clock, evidence_report)
+        self.engine = self._make_engine(policy, evidence_report)
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
-        self._init_loop_state(wall_clock, rejected_at_start)
+        self._init_loop_state(rejected_at_start)
 
-    def _wire_host(
-        self,
-        policy: Policy,
-        *,
-        nvml_env: Mapping[str, str] | None,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        once: bool,
-    ) -> None:
+    def _wire_host(self, policy: Policy, nvml_env: Mapping[str, str] | None) -> None:
         """The real host's edges (daemon/wiring.py); a long holder scan feeds the watchdog."""
         host = self.host = build_real_host(
             policy,
             on_device_event=self._serving.view.mark_dirty,
             nvml_env=nvml_env,
-            clock=clock,
-            wall_clock=wall_clock,
+            clock=self.clock,
+            wall_clock=self.wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
-            kernel_log=not once,
+            kernel_log=not self.once,
         )
         self.procfs, self.nvml, self.collector = host.procfs, host.nvml, host.collector
         self.procfs.holders.progress = WatchdogPinger(lambda: self.notifier.notify("WATCHDOG=1"))
@@ -162,19 +154,13 @@ class Daemon:
         self.device_watch, self.signaller = host.device_watch, host.signaller
         self.hook_queue, self.actuator = host.hook_queue, host.actuator
 
-    def _make_engine(
-        self,
-        policy: Policy,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        evidence_report: ReportBuilder | None,
-    ) -> Engine:
+    def _make_engine(self, policy: Policy, evidence_report: ReportBuilder | None) -> Engine:
         """The poll cycle wired to this daemon's host, sink, checkpoint, watchdog and hooks."""
         return Engine(
             policy,
             reader=self.host.reader,
             actuator=self.actuator,
-            clock=SystemClock(clock, wall_clock),
+            clock=SystemClock(self.clock, self.wall_clock),
             sink=_DaemonSink(self),
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
@@ -188,16 +174,14 @@ class Daemon:
             ),
         )
 
-    def _init_loop_state(
-        self, wall_clock: Callable[[], float], rejected_at_start: Mapping[str, object] | None
-    ) -> None:
+    def _init_loop_state(self, rejected_at_start: Mapping[str, object] | None) -> None:
         """The main loop's own state: the wakeup pipe, what was last saved, the polls' and
         actions' times, a policy rejected at start."""
         self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
         self._saved_poll_bucket = -1
-        self.started_wall = wall_clock()
+        self.started_wall = self.wall_clock()
         self.last_poll_wall: float | None = None
         self.last_poll_monotonic: float | None = None
         self.recent_actions: collections.deque[dict[str, object]] = collections.deque(

@@ -114,10 +114,8 @@ def _signal(s: Said) -> str:
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
-    """How one ``hook.run`` ended, worked out once (the sentence, ``status``'s recent actions
-    and the metrics' result label all take it from here): ``dry_run``, ``dropped``,
-    ``cancelled``, ``crashed`` (:class:`HookOutcome`), ``error`` (it could not be started),
-    ``timed_out``, ``exit N`` (``exit 0``: it succeeded), or ``unknown``."""
+    """How one ``hook.run`` ended (for its sentence, ``status`` and the metrics): a
+    :class:`HookOutcome`, ``error`` (not started), ``timed_out``, ``exit N`` or ``unknown``."""
     outcome = fields.get("outcome")
     if fields.get("dry_run") is True:
         return HookOutcome.DRY_RUN.value
@@ -436,8 +434,7 @@ _NAMES = frozenset(member.value for member in EventName)
 
 def notification(fields: Mapping[str, object], namer: Namer | None = None) -> str:
     """The one line of an ``on_action`` notification (``GPUWATCHD_MESSAGE``): what was done,
-    to whom, and how it ended, from the hook's facts (``action``, ``outcome``, ``pid``,
-    ``gpu``, ``user``, ``rule``, ``why``)."""
+    to whom, and how it ended."""
     s = Said(fields, namer if namer is not None else JournalNamer())
     outcome = str(fields.get("outcome"))
     owner = f" of user {s('user')}" if s.has("user") else ""

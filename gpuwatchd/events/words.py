@@ -31,14 +31,11 @@ class Namer(Protocol):
 
     def gpu(self, uuid: object) -> str: ...
 
-    def moment(self, monotonic: object) -> str | None:
-        """A monotonic deadline as its reader can place it, or None to leave it unsaid."""
-        ...
+    def moment(self, monotonic: object) -> str | None: ...
 
 
 class JournalNamer:
-    """The journal's names: ``PID 4242 (python)``, and the GPU by its UUID. A monotonic
-    deadline means nothing to a reader of the journal: it is left to the event's fields."""
+    """The journal's names: ``PID 4242 (python)``, the GPU by its UUID, no deadline."""
 
     def process(self, pid: object, comm: object = None) -> str:
         name = f" ({short(comm)})" if comm not in (None, "") else ""
@@ -128,24 +125,22 @@ class Said:
         return finding_label(self.f.get(key), self.names)
 
     def fill(self, template: str, **pieces: str) -> str:
-        """``template`` with each ``{piece}`` filled in: one of ``pieces``; ``{gpu}``,
-        ``{pid}``, ``{process}``, ``{target}``, ``{why}`` or ``{finding}``, as the methods of
-        those names say them; else the field of that name, said as :meth:`__call__` says it,
-        or as :meth:`why`, :meth:`items` or :meth:`seconds` do (``{error:why}``)."""
+        """``template`` with each ``{piece}`` filled in: one of ``pieces``, a name a method
+        says (``{gpu}``, ``{target}``...), else the field (``{error:why}``: said by
+        :meth:`why`; docs/internals.md, `gpuwatchd.events.catalogue`)."""
         return template.format_map(_Pieces(self, pieces))
 
     def by_outcome(self, templates: Mapping[str, str], outcome: object, **pieces: str) -> str:
-        """:meth:`fill` with the template ``templates`` gives ``outcome`` (its ``""`` one: any
-        other outcome)."""
+        """:meth:`fill` with ``outcome``'s template (the ``""`` one for any other)."""
         key = outcome.value if isinstance(outcome, enum.Enum) else outcome
         template = templates.get(key, templates[""]) if isinstance(key, str) else templates[""]
         return self.fill(template, **pieces)
 
 
 def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str, str]:
-    """An outcome -> sentence table written as ``text``: a line an outcome (a value of ``kind``,
-    one of ``others``, or ``*``: any other outcome, kept under ``""``) and its sentence. A
-    line that names no such outcome, repeats one or says nothing raises ValueError."""
+    """An outcome -> sentence table written as ``text``: a line an outcome (of ``kind``, one
+    of ``others``, or ``*``: any other, kept under ``""``) and its sentence. A line that
+    names no such outcome, repeats one or says nothing raises ValueError."""
     known = {str(member.value) for member in kind}.union(others)
     table: dict[str, str] = {}
     for line in text.strip().splitlines():
@@ -174,8 +169,7 @@ class _Pieces(dict[str, object]):
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}`` says it, ``{key:why}`` (``items``, ``seconds``) says
-    it as that method of :class:`Said` does."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``)."""
 
     said: Said
     key: str
@@ -253,8 +247,8 @@ _GROUPS = {
 
 
 def finding_label(key: object, namer: Namer) -> str:
-    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) in words: "orphaned
-    PID 4252 on GPU-…" (named by ``namer``); the key itself if it has another shape."""
+    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) in words ("orphaned PID
+    4252 on GPU-…"); the key itself if it has another shape."""
     text = str(key)
     kind, _, rest = text.partition(":")
     gpu, _, target = rest.rpartition(":")

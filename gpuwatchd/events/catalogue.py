@@ -184,6 +184,18 @@ def _reloaded(s: Said) -> str:
 _OTHERS: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
+action.deferred DEBUG: FINDING why until
+    Action on {target} deferred{until:until}{why}.
+escalation.confirming DEBUG: FINDING rule due
+    The {kind} finding of {target} matches rule {rule}; confirming{due:until} before anything
+    is sent.
+escalation.resolved INFO: LADDER why after
+    {dry}Escalation of {target} is over{why}.
+escalation.ended ERROR INFO: LADDER PROCESS why outcome
+    {dry}Gave up on {target}{why}; it is never signalled again.
+limits.kill_cap_expired WARNING INFO: scope why lasted dry_run
+    {dry}The kill-cap latch of {scope} lifted after {lasted:seconds}: its targets may be
+    signalled for real again.
 rule.report_only INFO: FINDING rule
     {target} matches rule {rule}, which only reports: nothing is sent.
 action.refused INFO WARNING DEBUG: FINDING LADDER why
@@ -262,19 +274,6 @@ nvml.hung_worker_exited INFO: pid
     EventName.FINDING_NEW: spec(WARNING, "FINDING actionable evidence", _finding_new, INFO),
     EventName.FINDING_CHANGED: spec(INFO, "FINDING actionable lasted", _finding_changed),
     EventName.FINDING_RESOLVED: spec(INFO, "finding kind gpu pid lasted", _finding_resolved),
-    EventName.ACTION_DEFERRED: spec(
-        DEBUG,
-        "FINDING why until",
-        lambda s: f"Action on {s.target()} deferred{s.until('until')}{s.why()}.",
-    ),
-    EventName.ESCALATION_CONFIRMING: spec(
-        DEBUG,
-        "FINDING rule due",
-        lambda s: (
-            f"The {s('kind')} finding of {s.target()} matches rule {s('rule')}; confirming"
-            f"{s.until('due')} before anything is sent."
-        ),
-    ),
     EventName.ESCALATION_STEP_DUE: spec(INFO, "LADDER signal wait of", _step_due),
     EventName.ESCALATION_SIGNAL_RECORDED: spec(
         DEBUG,
@@ -283,33 +282,12 @@ nvml.hung_worker_exited INFO: pid
             f"The {s('signal')} of step {s('step')} to {s('target')} was booked: {s('outcome')}."
         ),
     ),
-    EventName.ESCALATION_RESOLVED: spec(
-        INFO,
-        "LADDER why after",
-        lambda s: dry(s, f"Escalation of {s.target()} is over{s.why()}."),
-    ),
-    EventName.ESCALATION_ENDED: spec(
-        ERROR,
-        "LADDER PROCESS why outcome",
-        lambda s: dry(s, f"Gave up on {s.target()}{s.why()}; it is never signalled again."),
-        INFO,
-    ),
     EventName.ZOMBIE_NEEDS_REAP: spec(WARNING, "finding pid gpu parent why", _zombie),
     EventName.LIMITS_KILL_CAP_REACHED: spec(
         CRITICAL,
         "FINDING why scope user until signalled_this_hour dry_run",
         _kill_cap_reached,
         WARNING,
-    ),
-    EventName.LIMITS_KILL_CAP_EXPIRED: spec(
-        WARNING,
-        "scope why lasted dry_run",
-        lambda s: dry(
-            s,
-            f"The kill-cap latch of {s('scope')} lifted after {s.seconds('lasted')}: its"
-            " targets may be signalled for real again.",
-        ),
-        INFO,
     ),
     EventName.STATE_BOOT_CHANGED: spec(
         INFO,

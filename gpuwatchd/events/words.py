@@ -153,23 +153,26 @@ def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str
 
 
 _NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding"})
-_SAID_AS = frozenset({"why", "items", "seconds"})
+_SAID_AS = frozenset({"why", "items", "seconds", "until"})
 
 
 class _Pieces(dict[str, object]):
-    """A template's pieces: those given, else a name :class:`Said` gives, else a field."""
+    """A template's pieces: those given, ``{dry}`` ("Dry run: " for a dry run), else a name
+    :class:`Said` gives, else a field."""
 
     def __init__(self, said: Said, pieces: Mapping[str, str]) -> None:
         super().__init__(pieces)
         self.said = said
 
     def __missing__(self, key: str) -> object:
+        if key == "dry":
+            return "Dry run: " if self.said.dry() else ""
         return getattr(self.said, key)() if key in _NAMED else _Field(self.said, key)
 
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``)."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``)."""
 
     said: Said
     key: str

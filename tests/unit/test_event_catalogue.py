@@ -18,7 +18,7 @@ from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
 from gpuwatchd.events.words import JournalNamer, Said, outcome_table, spec_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.sim.timeline import SimulationResult, describe_event, finding_label
+from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer, describe_event, finding_label
 from tests.support.simnames import TrainerNames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -315,6 +315,16 @@ def test_an_outcome_table_keeps_its_fallback_and_extra_outcomes() -> None:
 def test_an_event_table_refuses_an_entry_again_or_without_a_sentence(text: str) -> None:
     with pytest.raises(ValueError, match="event table: again, or no sentence"):
         spec_table(text)
+
+
+@pytest.mark.parametrize(
+    ("dry_run", "said"), [(True, "Dry run: Over until +5.0s."), (False, "Over.")]
+)
+def test_a_template_says_dry_run_and_a_deadline_where_the_namer_places_it(
+    dry_run: bool, said: str
+) -> None:
+    fields = {"dry_run": dry_run, "due": 5.0 if dry_run else None}
+    assert Said(fields, TimelineNamer(TrainerNames())).fill("{dry}Over{due:until}.") == said
 
 
 def test_an_event_table_entry_has_its_levels_field_groups_and_sentence() -> None:

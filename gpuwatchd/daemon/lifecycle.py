@@ -399,21 +399,16 @@ class Daemon:
             )
 
     def _install_signal_handlers(self) -> None:
-        def on_stop(signum: int, frame: FrameType | None) -> None:
-            self._stop = True
-            self._wake()
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGHUP:
+                self._reload = True
+            else:
+                self._stop = True
+            with contextlib.suppress(OSError):
+                os.write(self._wakeup_w, b"x")
 
-        def on_reload(signum: int, frame: FrameType | None) -> None:
-            self._reload = True
-            self._wake()
-
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGHUP, on_reload)
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wakeup_w, b"x")
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, on_signal)
 
     def _effective(self, policy: Policy) -> Policy:
         if self.dry_run_flag and not policy.dry_run:

@@ -111,11 +111,8 @@ def parse_scenario(path: str, text: str) -> Scenario:
 
 
 def _policy_text(text: str) -> str | None:
-    """The inline ``policy:`` value as its own YAML document, on the same lines as in the file.
-
-    The value is cut out of the text by its YAML marks and preceded by as many newlines (and
-    spaces) as came before it, so a policy error names the scenario's own line numbers.
-    """
+    """The inline ``policy:`` value as its own YAML document, on the same lines as in the
+    file (so a policy error names the scenario's own line numbers)."""
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(node, yaml.MappingNode):
         return None

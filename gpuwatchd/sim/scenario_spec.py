@@ -146,11 +146,8 @@ class HoldSpec:
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs.
-
-    ``nvml`` maps a GPU index to the memory NVML charges to this process there (it owns a
-    context); None as a value means NVML lists it without a figure.
-    """
+    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs;
+    ``nvml``: GPU index -> the memory of its context there (None: listed without a figure)."""
 
     name: str
     pid: int
@@ -181,11 +178,8 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class EventSpec:
-    """One event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it.
-
-    It happens at ``at`` seconds, or, when ``during`` names a reset step (RESET_STEPS), once:
-    right after the first reset procedure that reaches that step has run it (``at`` is 0 then).
-    """
+    """One event (``action``: one of EVENT_ACTIONS) at ``at`` seconds, or once right after
+    the first reset procedure runs the step ``during`` names."""
 
     at: float
     action: str

@@ -50,13 +50,9 @@ _GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result"
 
 
 def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy, str]:
-    """The policy to simulate under, and a phrase saying where it came from.
-
-    With ``--config`` that file and its drop-ins are the whole policy, as the daemon would read
-    them (the scenario's inline ``policy:`` is ignored; StrictModes is not checked). Without it,
-    the scenario's ``policy:`` is a drop-in over the built-in defaults. A broken ``--config``
-    raises ConfigError (exit 78); a broken inline policy is a malformed scenario (exit 65).
-    """
+    """The policy to simulate under, and a phrase saying where it came from: ``--config``'s
+    files as the daemon reads them (ConfigError), else the scenario's ``policy:`` as a
+    drop-in over the built-in defaults (ScenarioError)."""
     if config_path is not None:
         return load_policy(config_path, check_permissions=False), config_path
     docs = [("<built-in defaults>", render_policy(default_policy()))]
@@ -397,11 +393,15 @@ class Simulation:
 # --- the simulation's edges for the engine ----------------------------------------------------
 
 
-class VirtualClock:
-    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
+class _Edge:
+    """One of the engine's edges over a simulation."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
+
+
+class VirtualClock(_Edge):
+    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
 
     def monotonic(self) -> float:
         return self.sim.now
@@ -410,12 +410,9 @@ class VirtualClock:
         return WALL0 + self.sim.now
 
 
-class TimelineSink:
+class TimelineSink(_Edge):
     """Each engine event as a timeline entry with its human line; a ``reset.step`` also fires
     the scenario's ``during`` events for that step."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
 
     def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         sim = self.sim
@@ -429,11 +426,8 @@ class TimelineSink:
             sim.reached(str(fields.get("step")))
 
 
-class VirtualReader:
+class VirtualReader(_Edge):
     """The engine's reader over the virtual host (nothing of the daemon's holds a GPU)."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
 
     def collect(self) -> Snapshot:
         self.sim.world.settle(self.sim.now)
@@ -464,13 +458,13 @@ class VirtualReader:
         return frozenset()
 
 
-class VirtualActuator:
+class VirtualActuator(_Edge):
     """The engine's actuator over the virtual host: processes react to signals as their
     scenario says, and commands (matched by argv) are answered as docs/simulate.md's table of
     the virtual host's commands says, never executed; anything else could not be started."""
 
     def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+        super().__init__(sim)
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
         self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
@@ -586,11 +580,8 @@ class VirtualActuator:
 def simulate(
     scenario: Scenario, config_path: str | None = None, *, enforce: bool = False
 ) -> SimulationResult:
-    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline.
-
-    ``enforce`` previews a dry-run policy as enforcing: ``dry_run`` is turned off, nothing
-    else changes (the kill cap's forced dry run still engages where enforcement would).
-    """
+    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline;
+    ``enforce`` turns ``dry_run`` off, nothing else."""
     policy, source = scenario_policy(scenario, config_path)
     if enforce:
         source += " (--enforce: dry_run off)" if policy.dry_run else " (--enforce)"

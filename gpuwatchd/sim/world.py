@@ -266,9 +266,7 @@ class World:
 
     def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU and own no context of their own there. A process whose
-        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
-        pins none of the owner's memory."""
+        group members that hold the GPU, own no context there and not ``files: own``."""
         minor = self.gpus[gpu].spec.minor
         found = set()
         for proc in self.procs.values():
@@ -336,11 +334,9 @@ class World:
                 ctx.heirs.clear()
 
     def restore(self, gpu: WorldGpu, now: float) -> None:
-        """A successful reset at ``now``: every context on the GPU is gone, memory back to
-        idle, and what a reset applies is applied (a pending row remap; a recovery action
-        asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
-        ``fabric_after_reset``, then COMPLETED (never, when that is None). A MIG GPU's GPU
-        instances are all destroyed (MIG mode stays on): its layout must be created again."""
+        """A successful reset at ``now``: the GPU's contexts gone, memory back to idle, a
+        pending row remap and a reset-asking recovery action cleared, an NVLink fabric
+        registering again, a MIG GPU's GPU instances all destroyed."""
         gpu.base = gpu.spec.allocated
         gpu.destroyed = {i.gi for i in gpu.spec.mig_instances}
         gpu.instance_base = {i.gi: i.allocated for i in gpu.spec.mig_instances}

@@ -11,14 +11,16 @@ import os
 import re
 import stat
 from collections import Counter as Tally
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from gpuwatchd import __version__
 from gpuwatchd.config.keys import SIGNAL_NAMES
-from gpuwatchd.core.model import FindingKind, Snapshot
+from gpuwatchd.core.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.core.vocabulary import (
     EventName,
     HookOutcome,
@@ -28,9 +30,9 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.daemon.metrics_mig import MigGauges, accounted_memory, maker
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
+from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
@@ -47,6 +49,7 @@ TEXTFILE_MODE = 0o644
 DEBIAN_TEXTFILE = "/var/lib/prometheus/node-exporter/gpuwatchd.prom"
 OTHER = "other"  # the label value of anything outside a bounded set (a bug, or a new name)
 GPU_LABELS = ("gpu", "index")
+MIG_LABELS = ("gpu", "index", "gi", "instance")  # parent GPU, GPU instance id, MIG UUID
 _HOOK_NAME = re.compile(r"[a-z_]{1,32}")
 
 _SIGNALS = frozenset(SIGNAL_NAMES)
@@ -145,11 +148,91 @@ def _remove_ours(dir_fd: int, name: str) -> bool:
     return True
 
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def _maker(
+    kind: type[M], registry: CollectorRegistry, labels: tuple[str, ...] = ()
+) -> Callable[..., M]:
+    """``make(name, doc, extra=())``: a ``kind`` metric in ``registry`` whose labels are
+    ``labels`` then ``extra`` (every metric of gpuwatchd is made this way)."""
+
+    def make(name: str, doc: str, extra: tuple[str, ...] = ()) -> M:
+        return kind(name, doc, (*labels, *extra), registry=registry)
+
+    return make
+
+
+def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
+    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
+    listed zombie counts as live, as in assess); None when the list or a figure is unknown."""
+    if gpu.processes is None:
+        return None
+    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
+    return None if None in figures else sum(f for f in figures if f is not None)
+
+
+class _MigGauges:
+    """Per-instance memory and findings of the node's judged MIG GPUs (docs/metrics.md#mig),
+    set afresh each poll; at most seven GPU instances per GPU."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        gauge = _maker(Gauge, registry, MIG_LABELS)
+        self.allocated = gauge(
+            "gpuwatchd_mig_instance_memory_allocated_bytes",
+            "Memory allocated in the MIG GPU instance (shared by its compute instances)",
+        )
+        self.accounted = gauge(
+            "gpuwatchd_mig_instance_memory_accounted_bytes",
+            "Memory NVML attributes to the live processes it lists in the GPU instance",
+        )
+        self.ghost = gauge(
+            "gpuwatchd_mig_instance_memory_ghost_bytes",
+            "Memory of a current ghost_memory finding in the GPU instance, else 0",
+        )
+        self.findings = gauge(
+            "gpuwatchd_mig_instance_findings",
+            "Current findings about the GPU instance, by kind",
+            ("kind",),
+        )
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.allocated, self.accounted, self.ghost, self.findings):
+            gauge.clear()
+        layout = mig_layout(snapshot)
+        if not layout.instances:
+            return
+        host = HostView(instance_view(snapshot, layout))
+        by_uuid = {gpu.uuid: gpu for gpu in host.gpus}
+        for uuid, instance in sorted(layout.instances.items()):
+            labels = (instance.parent.uuid, str(instance.parent.index), str(instance.gi), uuid)
+            gpu = by_uuid.get(uuid)
+            memory = None if gpu is None else gpu.memory
+            allocated = None if memory is None else memory.allocated
+            if allocated is not None:
+                self.allocated.labels(*labels).set(allocated)
+            accounted = None if gpu is None else _accounted(host, gpu)
+            if accounted is not None:
+                self.accounted.labels(*labels).set(accounted)
+            kinds: dict[str, int] = {}
+            ghost = 0 if allocated is not None else None
+            for finding in assessment.findings:
+                if finding.gpu != uuid:
+                    continue
+                kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
+                if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
+                    ghost = finding.memory
+            if ghost is not None:
+                self.ghost.labels(*labels).set(ghost)
+            for kind in FindingKind:
+                self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
+
+
 class _GpuGauges:
     """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.allocated = gauge(
             "gpuwatchd_gpu_memory_allocated_bytes",
             "GPU memory allocated (total - free - reserved), as NVML reports it",
@@ -186,7 +269,7 @@ class _GpuGauges:
                 self.allocated.labels(*labels).set(allocated)
             if gpu.mig_enabled or gpu.coherent_memory:
                 continue  # no memory-based detection there (as in assess)
-            accounted = accounted_memory(host, gpu)
+            accounted = _accounted(host, gpu)
             if accounted is not None:
                 self.accounted.labels(*labels).set(accounted)
             if accounted is not None and allocated is not None:
@@ -203,7 +286,7 @@ class _VerdictGauges:
     a GPU when the node could not be judged."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.clean = gauge(
             "gpuwatchd_gpu_clean",
             "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
@@ -237,7 +320,7 @@ class _HealthGauges:
     health state (at most 64 distinct Xids per GPU)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.xids = gauge(
             "gpuwatchd_gpu_xid_events",
             "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
@@ -288,7 +371,7 @@ class _StateGauges:
     """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry)
+        gauge = _maker(Gauge, registry)
         self.findings = gauge("gpuwatchd_findings", "Current findings, by kind", ("kind",))
         self.ladders = gauge(
             "gpuwatchd_ladders",
@@ -346,8 +429,8 @@ class _PollGauges:
     """How the last poll went: duration, time, whether it scanned all of /proc."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry)
-        self.duration = maker(Summary, registry)(
+        gauge = _maker(Gauge, registry)
+        self.duration = _maker(Summary, registry)(
             "gpuwatchd_poll_duration_seconds",
             "Time one engine cycle took (collect, assess, plan, act)",
         )
@@ -362,7 +445,7 @@ class _PollGauges:
             "gpuwatchd_last_poll_full_scan",
             "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
         )
-        self.full_scans = maker(Counter, registry)(
+        self.full_scans = _maker(Counter, registry)(
             "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
@@ -380,7 +463,7 @@ class _EventCounters:
     """Counters fed by the engine's events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        counter = maker(Counter, registry)
+        counter = _maker(Counter, registry)
         self.signals = counter(
             "gpuwatchd_signals",
             "Signals carried out (dry_run: would have been sent), by signal and outcome",
@@ -434,26 +517,23 @@ def _hook_result(fields: Mapping[str, object]) -> str:
 
 
 class Metrics:
-    """gpuwatchd's metrics in a private registry, and the file they are written to.
-
-    ``textfile`` is the ``.prom`` path (``policy.metrics.textfile``) or None: metrics are then
-    kept but not written. Change it with :meth:`set_textfile` (a reload).
-    """
+    """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
+    (``textfile``; None: kept, not written)."""
 
     def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
-        maker(Gauge, self.registry)(
+        _maker(Gauge, self.registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(version).set(1)
         registry = self.registry  # the groups are made in the order the exposition lists them
         self._events = _EventCounters(registry)
-        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), MigGauges(registry)
+        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), _MigGauges(registry)
         self._assessed = (gpus, mig, health)  # each set from a poll's assessment, in this order
         self._state = _StateGauges(registry)
         self._verdict = _VerdictGauges(registry)
         self._poll = _PollGauges(registry)
-        self._write_errors = maker(Counter, self.registry)(
+        self._write_errors = _maker(Counter, self.registry)(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
         )
@@ -466,10 +546,7 @@ class Metrics:
 
     def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
         """Set the gauges from one completed poll's report, then write the file if one is
-        configured.
-
-        Returns why the write failed (also logged), or None. Never raises for a write.
-        """
+        configured; why the write failed (also logged), or None."""
         snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
         for group in self._assessed:
             group.update(snapshot, assessment)

@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
@@ -106,7 +107,7 @@ def configure_logging(
 
     journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
     structlog.configure(
-        processors=[_SafeChain(prepare, render, journald=journald, native=journal is not None)],
+        processors=[_SafeChain(tuple(prepare), tuple(render), journald, journal is not None)],
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
         logger_factory=_LineWriterFactory(out, journal),
         context_class=dict,
@@ -274,23 +275,16 @@ def _json_default(value: object) -> object:
     return str(value)
 
 
+@dataclass(frozen=True)
 class _SafeChain:
     """Runs the real processors; a failure becomes a plain fallback line, never an exception.
     Under journald it adds the priority prefix; with ``native``, the prepared event also
     becomes a native journal entry, passed to the writer with that line as its fallback."""
 
-    def __init__(
-        self,
-        prepare: Sequence[Processor],
-        render: Sequence[Processor],
-        *,
-        journald: bool,
-        native: bool = False,
-    ) -> None:
-        self._prepare = tuple(prepare)
-        self._render = tuple(render)
-        self._journald = journald
-        self._native = native
+    prepare: tuple[Processor, ...]
+    render: tuple[Processor, ...]
+    journald: bool
+    native: bool = False
 
     def __call__(
         self, logger: WrappedLogger, method: str, event_dict: MutableMapping[str, Any]
@@ -299,11 +293,11 @@ class _SafeChain:
         entry: bytes | None = None
         try:
             result: Any = event_dict
-            for processor in self._prepare:
+            for processor in self.prepare:
                 result = processor(logger, method, result)
-            if self._native:
+            if self.native:
                 entry = journal_entry(method, result)
-            for processor in self._render:
+            for processor in self.render:
                 result = processor(logger, method, result)
             line = result if isinstance(result, str) else str(result)
         except structlog.DropEvent:
@@ -311,7 +305,7 @@ class _SafeChain:
         except Exception as exc:  # logging must never raise (module docstring)
             line = _fallback_line(method, event, exc)
         line = line.translate(_NEWLINES)
-        if self._journald:
+        if self.journald:
             line = priority_prefix(method) + line
         if entry is None:
             return line
@@ -417,14 +411,12 @@ def sentence(event: str, fields: Mapping[str, Any]) -> str:
     return render(event, fields)
 
 
+@dataclass(frozen=True, slots=True)
 class _JournalEntry:
     """A native journal entry, and the line to write instead if it cannot be sent."""
 
-    __slots__ = ("line", "payload")
-
-    def __init__(self, payload: bytes, line: str) -> None:
-        self.payload = payload
-        self.line = line
+    payload: bytes
+    line: str
 
 
 class _JournalSocket:

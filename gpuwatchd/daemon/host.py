@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -32,13 +33,13 @@ from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
 log = structlog.get_logger("gpuwatchd")
 
 
+@dataclass
 class HostReader:
     """The engine's :class:`gpuwatchd.engine.cycle.HostReader` on the real host."""
 
-    def __init__(self, collector: Collector, procfs: ProcFS, nvml: NvmlClient) -> None:
-        self.collector = collector
-        self.procfs = procfs
-        self.nvml = nvml
+    collector: Collector
+    procfs: ProcFS
+    nvml: NvmlClient
 
     def collect(self) -> Snapshot:
         return self.collector.collect()
@@ -82,22 +83,12 @@ class HostActuator:
         return self.signaller.wait(timeout)
 
 
+@dataclass(frozen=True)
 class SystemClock:
     """Monotonic time for deadlines, wall time for history and logs (both injectable)."""
 
-    def __init__(
-        self,
-        monotonic: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
-        self._monotonic = monotonic
-        self._wall = wall
-
-    def monotonic(self) -> float:
-        return self._monotonic()
-
-    def wall(self) -> float:
-        return self._wall()
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
 
 
 class LogSink:

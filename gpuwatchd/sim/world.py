@@ -426,11 +426,6 @@ class World:
         for position, instance in enumerate(gpu.spec.mig_instances):
             if instance.gi in gpu.destroyed:
                 continue  # NVML lists no MIG device for it until it is created again
-            listed = [
-                NvmlProcess(c.pid, c.size, "compute")
-                for c in self.contexts
-                if c.gpu == gpu.spec.index and c.gi == instance.gi and c.status in ("live", "dead")
-            ]
             allocated = self.allocated(gpu, instance.gi)
             devices.append(
                 MigDevice(
@@ -448,10 +443,19 @@ class World:
                         reserved=0,
                         allocated=allocated,
                     ),
-                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    processes=self._listed(gpu.spec.index, instance.gi),
                 )
             )
         return tuple(devices)
+
+    def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
+        """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
+        contexts, by PID."""
+        return tuple(
+            NvmlProcess(c.pid, c.size, "compute")
+            for c in sorted(self.contexts, key=lambda c: c.pid)
+            if c.gpu == index and c.status in ("live", "dead") and (gi is None or c.gi == gi)
+        )
 
     def health(self, gpu: WorldGpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""
@@ -493,11 +497,6 @@ class World:
         for index in sorted(self.gpus):
             gpu = self.gpus[index]
             spec = gpu.spec
-            listed = [
-                NvmlProcess(c.pid, c.size, "compute")
-                for c in self.contexts
-                if c.gpu == index and c.status in ("live", "dead")
-            ]
             allocated = self.allocated(gpu)
             memory = GpuMemory(
                 total=spec.total,
@@ -513,7 +512,7 @@ class World:
                     pci_bus_id=spec.pci_bus_id,
                     minor=spec.minor,
                     memory=memory,
-                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    processes=self._listed(index),
                     mig_enabled=spec.mig,
                     persistence_mode=gpu.persistence,
                     numa_node=1 if spec.coherent else None,

@@ -243,9 +243,9 @@ class _Reader(GpuReader):
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"), gpu_indexes)
         nvml = self.nvml(get("nvml"), gpu_indexes)
-        on_sigterm, delay = "exit", 0.0
-        if (n := get("on_sigterm")) is not None:
-            on_sigterm, delay = self.sigterm(n)
+        on_sigterm, delay = (
+            self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
+        )
         on_sigkill = self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit"
         on_exit = self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release"
         exits_at = self.duration(n) if (n := get("exits_at")) is not None else None
@@ -340,11 +340,10 @@ class _Reader(GpuReader):
     def nvml(self, node: Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
         if node is None:
             return {}
-        m = node if isinstance(node, Map) else None
-        if m is None:
+        if not isinstance(node, Map):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
-        for key, value in m.entries.items():
+        for key, value in node.entries.items():
             if not key.isdigit() or int(key) not in gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
@@ -407,10 +406,9 @@ class _Reader(GpuReader):
                 raise self.fail(xid_node, "an Xid number is at most 65535")
             return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
-            sm = value if isinstance(value, Map) else None
-            if sm is None or len(sm.entries) != 1:
+            if not isinstance(value, Map) or len(value.entries) != 1:
                 raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
-            ((proc_name, letter_node),) = sm.entries.items()
+            ((proc_name, letter_node),) = value.entries.items()
             self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
             return EventSpec(at, action, m.line, target=proc_name, value=letter)

@@ -160,14 +160,13 @@ class Simulation:
                 )
                 until = self.now + self.interval
                 busy = 0
-            if until > duration:
-                self.advance(duration)
-                self.now = duration
-                self.report_exits()
-                break
-            if not self.advance(until):
+            last = until > duration  # the run ends at its duration
+            until = min(until, duration)
+            if not self.advance(until) or last:
                 self.now = until
-            self.report_exits()
+            self.engine.note_exits(self.take_exits())
+            if last:
+                break
         return SimulationResult(
             scenario=self.scenario,
             policy=self.policy,
@@ -204,9 +203,6 @@ class Simulation:
     def take_exits(self) -> list[ProcessIdentity]:
         exited, self.exited = self.exited, []
         return exited
-
-    def report_exits(self) -> None:
-        self.engine.note_exits(self.take_exits())
 
     # -- world events --
 

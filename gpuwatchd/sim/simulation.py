@@ -118,10 +118,12 @@ class Simulation:
             sleep=self.sleep,
         )
 
-    # -- bookkeeping --
-
     def schedule(self, at: float, kind: str, payload: object) -> None:
         heapq.heappush(self.queue, (at, next(self.seq), kind, payload))
+
+    def exit_later(self, proc: WorldProc, delay: float, why: str) -> None:
+        """``proc`` exits ``delay`` seconds from now, unless its PID is another process then."""
+        self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
@@ -245,9 +247,7 @@ class Simulation:
             said = f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}"
             self.happened(TimelineEvent.START, said, process=spec.name, pid=spec.pid)
             if spec.exits_at is not None:
-                self.schedule(
-                    self.now + spec.exits_at, "exit", (spec.name, "exits_at", proc.start_ticks)
-                )
+                self.exit_later(proc, spec.exits_at, "exits_at")
         elif action == "state" and event.target is not None and event.value is not None:
             proc = world.by_name(event.target)
             if proc is not None and proc.alive:
@@ -305,18 +305,12 @@ class Simulation:
                 said = f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL"
                 self.happened(TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state="D")
             else:
-                self.schedule(
-                    self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks)
-                )
+                self.exit_later(proc, 0, f"killed by {signal}")
             return
         if spec.on_sigterm == "exit":
-            self.schedule(self.now, "exit", (proc.name, f"on {signal}", proc.start_ticks))
+            self.exit_later(proc, 0, f"on {signal}")
         elif spec.on_sigterm == "exit_after":
-            self.schedule(
-                self.now + spec.sigterm_delay,
-                "exit",
-                (proc.name, f"{spec.sigterm_delay:g}s after {signal}", proc.start_ticks),
-            )
+            self.exit_later(proc, spec.sigterm_delay, f"{spec.sigterm_delay:g}s after {signal}")
 
     def reached(self, step: str) -> None:
         """The reset procedure has run ``step``: the scenario's ``during: STEP`` events happen
@@ -332,8 +326,6 @@ class Simulation:
                     fields={**entry.fields, "during": step},
                 )
 
-    # -- the end --
-
     def final_state(self) -> dict[str, object]:
         world = self.world
         gpus = [
@@ -346,21 +338,17 @@ class Simulation:
             }
             for index, gpu in sorted(world.gpus.items())
         ]
-        processes = []
-        for proc in world.history:
-            status = "alive" if proc.alive else ("zombie" if proc.present else "exited")
-            if proc.alive and proc.state == "D":
-                status = "stuck (D)"
-            processes.append(
-                {
-                    "name": proc.name,
-                    "pid": proc.pid,
-                    "status": status,
-                    "exited_at": proc.exited_at,
-                    "exit_why": proc.exit_why,
-                    "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
-                }
-            )
+        processes = [
+            {
+                "name": proc.name,
+                "pid": proc.pid,
+                "status": proc.status,
+                "exited_at": proc.exited_at,
+                "exit_why": proc.exit_why,
+                "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
+            }
+            for proc in world.history
+        ]
         standing = self.engine.standing()  # as the last poll and the exits since left it
         findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
         state = standing.plan

@@ -96,6 +96,13 @@ class WorldProc:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def status(self) -> str:
+        """alive, stuck (D), zombie or exited: as the final state says it."""
+        if self.alive:
+            return "stuck (D)" if self.state == "D" else "alive"
+        return "zombie" if self.present else "exited"
+
 
 @dataclass
 class _Context:

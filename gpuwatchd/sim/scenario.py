@@ -136,14 +136,8 @@ class _Reader(GpuReader):
         duration_node = get("duration")
         if duration_node is None:
             raise self.fail(root, "missing required field 'duration' (e.g. '10m')", "duration")
-        duration = self.duration(duration_node)
-        if duration <= 0:
-            raise self.fail(duration_node, "must be longer than 0s")
-        interval = None
-        if (node := get("interval")) is not None:
-            interval = self.duration(node)
-            if interval <= 0:
-                raise self.fail(node, "must be longer than 0s")
+        duration = self.positive(duration_node)
+        interval = self.positive(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
         gpus_node = get("gpus")
@@ -152,9 +146,8 @@ class _Reader(GpuReader):
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
         if not gpus:
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
-        self.check_unique(gpus_node, [g.index for g in gpus], "index")
-        self.check_unique(gpus_node, [g.uuid for g in gpus], "uuid")
-        self.check_unique(gpus_node, [g.minor for g in gpus], "minor")
+        for what in ("index", "uuid", "minor"):
+            self.check_unique(gpus_node, [getattr(g, what) for g in gpus], what)
         indexes = {g.index for g in gpus}
         proc_nodes = self.items(p) if (p := get("processes")) is not None else []
         # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
@@ -188,6 +181,13 @@ class _Reader(GpuReader):
             processes=processes,
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
+
+    def positive(self, node: Node) -> float:
+        """A duration longer than 0s."""
+        value = self.duration(node)
+        if value <= 0:
+            raise self.fail(node, "must be longer than 0s")
+        return value
 
     def check_unique(self, node: Node, values: Sequence[object], what: str) -> None:
         seen: set[object] = set()

@@ -95,15 +95,12 @@ def configure_logging(
     if not journald:
         render.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
     if fmt == "json":
-        render.append(_leading_keys)
-        render.append(structlog.processors.JSONRenderer(default=_json_default))
+        render += [_leading_keys, structlog.processors.JSONRenderer(default=_json_default)]
     elif fmt == "console":
         colors = tty and not journald and "NO_COLOR" not in env
-        render.append(_escape_control_characters)
-        render.append(structlog.dev.ConsoleRenderer(colors=colors))
+        render += [_escape_control_characters, structlog.dev.ConsoleRenderer(colors=colors)]
     else:
-        render.append(_compact_values)
-        render.append(_render_logfmt)
+        render += [_compact_values, _render_logfmt]
 
     journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
     structlog.configure(

@@ -44,10 +44,6 @@ def _finding_new(s: Said) -> str:
     return f"New {s('kind')} finding on {s.gpu()}{pid}{s.why('reason')}{tag}."
 
 
-def _finding_changed(s: Said) -> str:
-    return f"The {s('kind')} finding of {s.target()} changed{s.why('reason')}."
-
-
 def _finding_resolved(s: Said) -> str:
     lasted = f" after {s.seconds('lasted')}" if s.has("lasted") else ""
     return f"Finding resolved{lasted}: {s.finding()}."
@@ -184,6 +180,8 @@ def _reloaded(s: Said) -> str:
 _OTHERS: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
+finding.changed INFO: FINDING actionable lasted
+    The {kind} finding of {target} changed{reason:why}.
 action.deferred DEBUG: FINDING why until
     Action on {target} deferred{until:until}{why}.
 escalation.confirming DEBUG: FINDING rule due
@@ -272,7 +270,6 @@ nvml.hung_worker_exited INFO: pid
     ),
     # findings and escalation (decide/plan/decisions.py)
     EventName.FINDING_NEW: spec(WARNING, "FINDING actionable evidence", _finding_new, INFO),
-    EventName.FINDING_CHANGED: spec(INFO, "FINDING actionable lasted", _finding_changed),
     EventName.FINDING_RESOLVED: spec(INFO, "finding kind gpu pid lasted", _finding_resolved),
     EventName.ESCALATION_STEP_DUE: spec(INFO, "LADDER signal wait of", _step_due),
     EventName.ESCALATION_SIGNAL_RECORDED: spec(

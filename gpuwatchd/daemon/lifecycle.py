@@ -590,28 +590,25 @@ class Daemon:
             if remaining <= 0:
                 return
             poller = select.poll()
-            poller.register(self._wakeup_r, select.POLLIN)
-            for fd in self.signaller.fileno_list():
-                poller.register(fd, select.POLLIN)
-            if watch_fd is not None:
-                poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
-            server_fd = self._serving.fileno()
-            if server_fd is not None:
-                poller.register(server_fd, select.POLLIN)  # a scan asks
+            server_fd = self._serving.fileno()  # a scan asks
+            for fd in (self._wakeup_r, *self.signaller.fileno_list(), watch_fd, server_fd):
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
             slice_s = min(remaining, max(1.0, watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 ready = []
             self.notifier.notify("WATCHDOG=1")
-            if any(fd == self._wakeup_r for fd, _ in ready):
+            readable = {fd for fd, _ in ready}
+            if self._wakeup_r in readable:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
-            if watch_fd is not None and any(fd == watch_fd for fd, _ in ready):
+            if watch_fd is not None and watch_fd in readable:  # a device opened: walk soon
                 self.device_watch.mark_if_pending()
                 early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
                 until, watch_fd = min(until, early), None  # read at the poll, not here
-            if server_fd is not None and any(fd == server_fd for fd, _ in ready):
+            if server_fd is not None and server_fd in readable:
                 self._serving.answer()  # after the watch: an open just seen declines it
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)

@@ -1,12 +1,8 @@
 """The real host's edges for the engine: NVML and ``/proc`` in, pidfd signals and commands out.
 
-This module owns the adapters that give :class:`gpuwatchd.engine.cycle.Engine` the machine it runs
-on — :class:`HostReader` (the collector, the NVML worker, the final holder scan),
-:class:`HostActuator` (signals through :class:`gpuwatchd.act.signals.Signaller`, commands through
-:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock`, :class:`LogSink`
-(structlog, hence journald), :class:`HookQueue` (the one thread that runs ``on_action``
-notifications) and :func:`node_name`. It adds no decisions of its own: each method forwards to
-the module that owns the I/O. ``simulate`` has its own edges over a virtual host.
+This module owns the adapters that give :class:`gpuwatchd.engine.cycle.Engine` the machine it
+runs on (reader, actuator, clock, log sink, the ``on_action`` hook thread, the node's name).
+It adds no decisions of its own: each method forwards to the module that owns the I/O.
 """
 
 from __future__ import annotations

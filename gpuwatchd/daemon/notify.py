@@ -1,10 +1,8 @@
 """systemd's notification protocol: READY/RELOADING/STOPPING, the watchdog, the STATUS line.
 
-This module owns what the daemon tells systemd (``sd_notify``, only when systemd asked for it
-with ``NOTIFY_SOCKET``): the watchdog's period (a third of ``WATCHDOG_USEC``), feeding it while
-slow work runs (the work on the caller's own thread, a helper thread that only feeds) or while
-work that reports its progress runs long (:class:`WatchdogPinger`: a long holder scan), and the
-one-line ``systemctl status`` text. It decides nothing and reads no file.
+This module owns what the daemon tells systemd (``sd_notify``, only when ``NOTIFY_SOCKET`` asks
+for it): the watchdog's period, feeding it while slow or long work runs, and the one-line
+``systemctl status`` text. It decides nothing and reads no file.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What the running daemon serves to ``scan``: its answers, and the files it publishes.
 
 This module owns the daemon's side of the served scan (docs/scan.md, "Answered by the daemon"):
-the socket ``scan.sock`` on which a plain ``scan`` is answered between polls from the last
-poll's holder view and NVML reading, kept in memory, and the files ``holders.json`` and
-``nvml.json`` published from them after each poll while the device watch works. The formats
-and rules are :mod:`gpuwatchd.served`'s; the answer itself is the command line's, handed in
-(:mod:`gpuwatchd.cli.served`). It decides nothing about findings and never acts.
+the socket ``scan.sock`` and the files ``holders.json`` and ``nvml.json``, from the last poll.
+The formats are :mod:`gpuwatchd.served`'s, the answer the command line's (handed in). It
+decides nothing about findings and never acts.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Reading a scenario's GPUs for ``gpuwatchd simulate``: the reader's typed values and its GPU part.
 
-This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds the
-whole :class:`~gpuwatchd.sim.scenario_spec.Scenario` on them): :class:`ReaderBase`, the typed
-values every field is read as (a mapping with known keys, a string, a size, a duration, a
-choice), each failure a :class:`~gpuwatchd.sim.scenario_spec.ScenarioError` naming the file,
-line and key; and :class:`GpuReader`, the host section and the GPUs: memory, MIG layouts and
-their processes' instances, health (recovery action, row remapping, retired pages, fabric).
+This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds on
+them): :class:`ReaderBase`, the typed values every field is read as, each failure naming the
+file, line and key; and :class:`GpuReader`, the host section and the GPUs (memory, MIG
+layouts, health).
 """
 
 from __future__ import annotations

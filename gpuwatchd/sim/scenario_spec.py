@@ -1,10 +1,8 @@
 """The scenario format's values for ``gpuwatchd simulate``: what a scenario *is*, once read.
 
-This module owns the frozen values a scenario file becomes (:class:`Scenario` and its GPU,
-process, hold, health and event specs), the constants of the format (reactions to signals,
-reset results, event actions, fabric states, recovery actions) and :class:`ScenarioError`.
-Reading and validating the YAML is :mod:`gpuwatchd.sim.scenario`'s; playing it is
-:mod:`gpuwatchd.sim.simulation`'s and :mod:`gpuwatchd.sim.world`'s, which need only these values.
+This module owns the frozen values a scenario file becomes (:class:`Scenario` and its specs),
+the constants of the format and :class:`ScenarioError`. Reading the YAML is
+:mod:`gpuwatchd.sim.scenario`'s; playing it needs only these values.
 """
 
 from __future__ import annotations

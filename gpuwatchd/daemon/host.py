@@ -29,7 +29,7 @@ from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
 log = structlog.get_logger("gpuwatchd")
 
 
-@dataclass
+@dataclass(eq=False)
 class HostReader:
     """The engine's :class:`gpuwatchd.engine.cycle.HostReader` on the real host."""
 

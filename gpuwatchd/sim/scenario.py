@@ -246,9 +246,6 @@ class _Reader(GpuReader):
         on_sigterm, delay = (
             self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
         )
-        on_sigkill = self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit"
-        on_exit = self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release"
-        exits_at = self.duration(n) if (n := get("exits_at")) is not None else None
         return ProcessSpec(
             name=name,
             pid=pid,
@@ -266,9 +263,9 @@ class _Reader(GpuReader):
             nvml=nvml,
             on_sigterm=on_sigterm,
             sigterm_delay=delay,
-            on_sigkill=on_sigkill,
-            on_exit=on_exit,
-            exits_at=exits_at,
+            on_sigkill=self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit",
+            on_exit=self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release",
+            exits_at=self.duration(n) if (n := get("exits_at")) is not None else None,
             visible=self.flag(get("visible"), True),
             subreaper=self.flag(get("subreaper"), False),
             stops_for_reset=self.flag(get("stops_for_reset"), False),

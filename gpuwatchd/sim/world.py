@@ -14,7 +14,6 @@ from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.core.model import (
     MIB,
-    CgroupInfo,
     DeviceHolding,
     FileSharing,
     GpuHealth,
@@ -66,11 +65,6 @@ def size_text(value: object) -> str:
     if value >= 1024 * MIB:
         return f"{value / (1024 * MIB):.1f} GiB"
     return f"{value // MIB} MiB"
-
-
-def _unmarked(cgroup: CgroupInfo | None) -> CgroupInfo | None:
-    """The simulated host's cgroups carry no systemd delegation mark (read, and absent)."""
-    return None if cgroup is None else replace(cgroup, delegated=False)
 
 
 @dataclass
@@ -364,6 +358,7 @@ class World:
     def process_info(self, proc: WorldProc) -> ProcessInfo:
         spec = proc.spec
         zombie = proc.state == "Z"
+        cgroup = parse_cgroup(f"0::{spec.cgroup}\n")
         return ProcessInfo(
             pid=spec.pid,
             start_ticks=proc.start_ticks,
@@ -376,7 +371,8 @@ class World:
             comm=spec.comm,
             exe=None if zombie else spec.exe or spec.command[0],
             cmdline=() if zombie else spec.command,
-            cgroup=_unmarked(parse_cgroup(f"0::{spec.cgroup}\n")),
+            # The simulated host's cgroups carry no systemd delegation mark (read, and absent).
+            cgroup=None if cgroup is None else replace(cgroup, delegated=False),
             exe_trusted=None if zombie else spec.exe_trusted,
         )
 

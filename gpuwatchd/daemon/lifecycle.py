@@ -302,10 +302,8 @@ class Daemon:
         # is not clean now (a job another epilog handed over since, say).
         dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
         keys = watched | {f.key for f in report.assessment.findings if f.gpu in dirty}
-        names = JournalNamer()  # findings in words, not their internal keys
-        busy = [
-            f"{finding_label(key, names)}: under way" for key in pending_keys(report.plan, keys)
-        ]
+        pending, names = pending_keys(report.plan, keys), JournalNamer()  # findings in words
+        busy = [f"{finding_label(key, names)}: under way" for key in pending]
         acted = self.last_action
         if acted is not None and acted >= report.snapshot.monotonic:
             busy.append("acted since the GPUs were last read: looking again")
@@ -326,7 +324,6 @@ class Daemon:
             )
             return code
         if waited >= self.once_timeout:
-            pending = pending_keys(report.plan, keys)
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None

@@ -1,12 +1,8 @@
 """The real host's edges for the engine: NVML and ``/proc`` in, pidfd signals and commands out.
 
-This module owns the adapters that give :class:`gpuwatchd.engine.cycle.Engine` the machine it runs
-on — :class:`HostReader` (the collector, the NVML worker, the final holder scan),
-:class:`HostActuator` (signals through :class:`gpuwatchd.act.signals.Signaller`, commands through
-:func:`gpuwatchd.act.commands.run_command`), :class:`SystemClock`, :class:`LogSink`
-(structlog, hence journald), :class:`HookQueue` (the one thread that runs ``on_action``
-notifications) and :func:`node_name`. It adds no decisions of its own: each method forwards to
-the module that owns the I/O. ``simulate`` has its own edges over a virtual host.
+This module owns the adapters that give :class:`gpuwatchd.engine.cycle.Engine` the machine it
+runs on (reader, actuator, clock, log sink, the ``on_action`` hook thread, the node's name).
+It adds no decisions of its own: each method forwards to the module that owns the I/O.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -32,13 +29,13 @@ from gpuwatchd.core.vocabulary import EventName, HookName, HookOutcome, Level
 log = structlog.get_logger("gpuwatchd")
 
 
+@dataclass(eq=False)
 class HostReader:
     """The engine's :class:`gpuwatchd.engine.cycle.HostReader` on the real host."""
 
-    def __init__(self, collector: Collector, procfs: ProcFS, nvml: NvmlClient) -> None:
-        self.collector = collector
-        self.procfs = procfs
-        self.nvml = nvml
+    collector: Collector
+    procfs: ProcFS
+    nvml: NvmlClient
 
     def collect(self) -> Snapshot:
         return self.collector.collect()
@@ -52,10 +49,7 @@ class HostReader:
         return holders, self.procfs.read_processes(pids)
 
     def read_gpu(self, uuid: str) -> GpuInfo | None:
-        for gpu in self.nvml.read().gpus:
-            if gpu.uuid == uuid:
-                return gpu
-        return None
+        return next((gpu for gpu in self.nvml.read().gpus if gpu.uuid == uuid), None)
 
     def self_pids(self) -> frozenset[int]:
         return frozenset({os.getpid()}) | self.nvml.worker_pids
@@ -69,9 +63,8 @@ class HostActuator:
         self.commands = CommandScope()
 
     def cancel_commands(self) -> int:
-        """End every command still running, what finished ones left running, and every one
-        started from now on (their process trees are killed): the daemon is stopping, and
-        nothing a command started may outlive it. How many finished commands had left some."""
+        """Kill every command's process tree, now and from now on (the daemon stops); how
+        many finished commands had left processes running."""
         return self.commands.cancel()
 
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
@@ -86,22 +79,12 @@ class HostActuator:
         return self.signaller.wait(timeout)
 
 
+@dataclass(frozen=True)
 class SystemClock:
     """Monotonic time for deadlines, wall time for history and logs (both injectable)."""
 
-    def __init__(
-        self,
-        monotonic: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
-        self._monotonic = monotonic
-        self._wall = wall
-
-    def monotonic(self) -> float:
-        return self._monotonic()
-
-    def wall(self) -> float:
-        return self._wall()
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
 
 
 class LogSink:
@@ -124,12 +107,9 @@ def node_name() -> str | None:
 class HookQueue:
     """Runs ``on_action`` notifications one after another on one thread, off the main loop.
 
-    At most ``capacity`` wait; a notification past that is refused (the engine logs it as
-    dropped) rather than queued without bound behind a hook that hangs until its timeout.
-    The thread starts with the first notification. :meth:`close` gives queued ones a bounded
-    time to finish when the daemon stops, and drops those that never started. A notification
-    that raises is handed to ``on_crash`` (the daemon's engine: ``Engine.background_crashed``,
-    said by the main loop through the event sink); only a queue with none logs it itself.
+    At most ``capacity`` wait (a notification past that is refused: the engine logs it as
+    dropped). A notification that raises is handed to ``on_crash`` (the daemon's engine);
+    only a queue with none logs it itself.
     """
 
     def __init__(self, capacity: int = 32) -> None:
@@ -168,7 +148,6 @@ class HookQueue:
                 pass
             else:
                 return
-        # No engine to say it (a queue on its own): the catalogue's outcome, logged here.
         LogSink().emit(
             EventName.HOOK_RUN,
             Level.ERROR,
@@ -177,8 +156,7 @@ class HookQueue:
 
     def close(self, grace: float) -> int:
         """Take no more work; let the queue finish for up to ``grace`` seconds. Returns how
-        many notifications never started (they are dropped now); :attr:`busy` says whether
-        one is still running (the daemon then cancels it)."""
+        many notifications never started (dropped now)."""
         if self._thread is None:
             return 0
         deadline = time.monotonic() + grace

@@ -101,8 +101,7 @@ class Daemon:
         self.dry_run_flag = dry_run
         self._loaded = policy  # as read, without --dry-run: what is saved as accepted
         self._accepted_text: str | None = None
-        # The policy in force, as the engine was handed it (at start and at each reload).
-        self.policy = policy = self._effective(policy)
+        self.policy = policy = self._effective(policy)  # in force, as the engine has it
         self.once = once
         self.once_timeout = once_timeout
         self.clock = clock
@@ -116,8 +115,7 @@ class Daemon:
             job: (said if ended_jobs_said is None else ended_jobs_said.get(job))
             for job in sorted(ended_jobs)
         }
-        # Scan on cause (docs/scan.md): what this daemon serves to `scan` (daemon_serving.py);
-        # it answers a `scan` that asks between polls, but not as run --once.
+        # What this daemon serves to `scan` (docs/scan.md); no answers as run --once.
         self._serving = ScanServing(
             self._state_dir,
             wall_clock,
@@ -127,92 +125,63 @@ class Daemon:
                 request, self.config_path, self.policy.state_dir, served
             ),
         )
-        self._wire_host(policy, nvml_env=nvml_env, clock=clock, wall_clock=wall_clock, once=once)
+        self._wire_host(policy, nvml_env)
         self.metrics = Metrics(policy.metrics.textfile)  # the sink counts events into it
         self._stop = False
         self._reload = False
         self._state_dir_error: str | None = None
-        self.hook_queue = self.host.hook_queue
         self.notify_stop_grace = NOTIFY_STOP_GRACE
-        self.actuator = self.host.actuator
         self._handed_jobs: frozenset[str] = frozenset()
         self._handed_over_limit = 0
-        self.engine = self._make_engine(policy, clock, wall_clock, evidence_report)
+        self.engine = self._make_engine(policy, evidence_report)
         self.hook_queue.on_crash = self.engine.background_crashed  # said by the main loop
-        self._init_loop_state(wall_clock, rejected_at_start)
+        self._init_loop_state(rejected_at_start)
 
-    def _wire_host(
-        self,
-        policy: Policy,
-        *,
-        nvml_env: Mapping[str, str] | None,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        once: bool,
-    ) -> None:
-        """The real host's edges (daemon/wiring.py): /proc, NVML, the collector, the device
-        watch, the signaller; a long holder scan feeds the watchdog."""
-        self.host = build_real_host(
+    def _wire_host(self, policy: Policy, nvml_env: Mapping[str, str] | None) -> None:
+        """The real host's edges (daemon/wiring.py); a long holder scan feeds the watchdog."""
+        host = self.host = build_real_host(
             policy,
             on_device_event=self._serving.view.mark_dirty,
             nvml_env=nvml_env,
-            clock=clock,
-            wall_clock=wall_clock,
+            clock=self.clock,
+            wall_clock=self.wall_clock,
             ended_by_scheduler=self.own_ended_jobs,
-            kernel_log=not once,
+            kernel_log=not self.once,
         )
-        self.procfs, self.nvml, self.collector = (
-            self.host.procfs,
-            self.host.nvml,
-            self.host.collector,
-        )
-        # A long holder scan (thousands of processes or threads) feeds the watchdog as it goes.
+        self.procfs, self.nvml, self.collector = host.procfs, host.nvml, host.collector
         self.procfs.holders.progress = WatchdogPinger(lambda: self.notifier.notify("WATCHDOG=1"))
-        # started in _run_locked: by the lock holder; its events are read only after the
-        # published holder view says dirty (view_guard.py)
-        self.device_watch = self.host.device_watch
-        self.signaller = self.host.signaller
+        # The device watch starts in _run_locked, by the lock holder.
+        self.device_watch, self.signaller = host.device_watch, host.signaller
+        self.hook_queue, self.actuator = host.hook_queue, host.actuator
 
-    def _make_engine(
-        self,
-        policy: Policy,
-        clock: Callable[[], float],
-        wall_clock: Callable[[], float],
-        evidence_report: ReportBuilder | None,
-    ) -> Engine:
-        """The poll cycle wired to this daemon: its reader and actuator, its event sink, its
-        checkpoint, its watchdog, its hook queue and its evidence files."""
+    def _make_engine(self, policy: Policy, evidence_report: ReportBuilder | None) -> Engine:
+        """The poll cycle wired to this daemon's host, sink, checkpoint, watchdog and hooks."""
         return Engine(
             policy,
             reader=self.host.reader,
             actuator=self.actuator,
-            clock=SystemClock(clock, wall_clock),
+            clock=SystemClock(self.clock, self.wall_clock),
             sink=_DaemonSink(self),
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
-            slow=self._keep_watchdog_fed,
+            slow=self._fed,
             background=self.hook_queue,
             hostname=node_name(),
             stopping=lambda: self._stop,
-            # Before each destructive step, its evidence in state_dir (act/evidence.py); the
-            # report in it is the command line's scan --json, handed in by cli/run.py.
+            # The evidence report is the command line's scan --json, handed in by cli/run.py.
             evidence=EvidenceKeeper(
                 self._state_dir, evidence_report, hostname=node_name(), version=__version__
             ),
         )
 
-    def _init_loop_state(
-        self, wall_clock: Callable[[], float], rejected_at_start: Mapping[str, object] | None
-    ) -> None:
+    def _init_loop_state(self, rejected_at_start: Mapping[str, object] | None) -> None:
         """The main loop's own state: the wakeup pipe, what was last saved, the polls' and
         actions' times, a policy rejected at start."""
-        self._wakeup_r, self._wakeup_w = os.pipe()
-        os.set_blocking(self._wakeup_w, False)
-        os.set_blocking(self._wakeup_r, False)
+        self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
         self._saved_poll_bucket = -1
-        self.started_wall = wall_clock()
+        self.started_wall = self.wall_clock()
         self.last_poll_wall: float | None = None
         self.last_poll_monotonic: float | None = None
         self.recent_actions: collections.deque[dict[str, object]] = collections.deque(
@@ -220,12 +189,12 @@ class Daemon:
         )
         self.actions_seen = 0
         self.last_action: float | None = None  # monotonic: the last action or target exit
-        # A rejected policy: at start ({at, error, at_start: true, running}; the daemon runs
-        # with the last accepted one, gpuwatchd/state/accepted.py) or at a reload ({at, error}).
+        # A rejected policy: at start ({at, error, at_start: true, running}: the daemon runs
+        # the last accepted one) or at a reload ({at, error}).
         self.policy_rejected: dict[str, object] | None = (
             dict(rejected_at_start) if rejected_at_start is not None else None
         )
-        self._files_key: tuple[object, ...] | None = None  # the files as last read (_check_files)
+        self._files_key: tuple[object, ...] | None = None  # the files as last read
         self.report: PollReport | None = None  # what the last poll saw, decided and did
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -233,7 +202,7 @@ class Daemon:
     def run(self) -> int:
         state_dir = self.policy.state_dir
         try:
-            self.store.directory()  # the walk from / and the trust rule (state/directory.py)
+            self.store.directory()  # the walk from / and the trust rule
         except PermissionError:
             log.critical(EventName.DAEMON_NO_PERMISSION, path=state_dir)
             return ExitCode.NOPERM
@@ -253,7 +222,7 @@ class Daemon:
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM):
                 raise  # run_daemon: exit 77
-            # The lock file is a link, a directory, or the disk refuses it: one line, exit 78.
+            # The lock file is a link, a directory, or the disk refuses it.
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         finally:
@@ -325,20 +294,16 @@ class Daemon:
     def _once_progress(
         self, report: PollReport, watched: frozenset[str], started: float
     ) -> ExitCode | None:
-        """``run --once``: its exit code when it is done (0: nothing under way for the
-        findings seen at its start or on a GPU that is not clean, and every GPU clean — the
-        memory back, no dead owner listed; 75: what is left will not change, or
-        ``--timeout``), else None (poll again)."""
+        """``run --once``'s exit code when it is done (0: nothing under way and every GPU
+        clean; 75: what is left will not change, or ``--timeout``), else None (poll again)."""
         waited = self.clock() - started
         verdict = report.verdict
         # Under way: what was seen at the start, and whatever is being done about a GPU that
         # is not clean now (a job another epilog handed over since, say).
         dirty = set() if verdict is None else {g.uuid for g in verdict.gpus if not g.clean}
         keys = watched | {f.key for f in report.assessment.findings if f.gpu in dirty}
-        names = JournalNamer()  # findings in words, not their internal keys
-        busy = [
-            f"{finding_label(key, names)}: under way" for key in pending_keys(report.plan, keys)
-        ]
+        pending, names = pending_keys(report.plan, keys), JournalNamer()  # findings in words
+        busy = [f"{finding_label(key, names)}: under way" for key in pending]
         acted = self.last_action
         if acted is not None and acted >= report.snapshot.monotonic:
             busy.append("acted since the GPUs were last read: looking again")
@@ -359,22 +324,20 @@ class Daemon:
             )
             return code
         if waited >= self.once_timeout:
-            pending = pending_keys(report.plan, keys)
             log.warning(EventName.RUN_ONCE_TIMEOUT, pending=pending, left=left, exit_code=code)
             return code
         return None
 
     def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
-        """No GPU is dirty, some are unknown because processes could not be inspected, and
-        this process lacks the capabilities to inspect them (run as root)."""
+        """No GPU is dirty, some are unknown, and this process lacks the capabilities to
+        inspect processes."""
         gpus = verdict.gpus
         if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
             return False
         return bool(missing_capabilities(self.policy.proc_root))
 
     def _take_ended_jobs(self) -> None:
-        """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran: their
-        remaining device holders are ``abandoned`` until the hand-over expires."""
+        """Jobs an epilog's ``run --once --ended-job`` handed over while this daemon ran."""
         state_dir = self._state_dir()
         if state_dir is None:
             return
@@ -390,8 +353,7 @@ class Daemon:
         for job in sorted(found.jobs.keys() - self._handed_jobs):
             log.info(EventName.SCHEDULER_ENDED_JOB, job=job, said_at_ticks=found.jobs[job])
         if found.over_limit != self._handed_over_limit:
-            # Said when the number changes, not every poll; the files are kept, never dropped.
-            log.warning(
+            log.warning(  # said when the number changes; the files are kept
                 EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT,
                 waiting=found.over_limit,
                 honoured=len(found.jobs),
@@ -402,12 +364,9 @@ class Daemon:
         self.collector.ended_by_scheduler = {**found.jobs, **self.own_ended_jobs}
 
     def _finish_notifications(self) -> None:
-        """Give running and queued ``on_action`` hooks — and what finished commands left
-        running — a bounded time to finish (an epilog's ``run --once`` should tell the owner
-        before it exits); then end what still runs: a hook still running is cancelled (its
-        process tree killed; ``hook.run`` says ``outcome=cancelled``), processes finished
-        commands left are killed, and hooks that never started are dropped (said once).
-        Nothing a command started outlives the daemon."""
+        """Give ``on_action`` hooks and what finished commands left running a bounded time,
+        then cancel what still runs and drop hooks never started (each said): nothing a
+        command started outlives the daemon."""
         grace = min(
             self.notify_stop_grace, max((h.timeout for h in self.policy.on_action), default=0)
         )
@@ -437,21 +396,16 @@ class Daemon:
             )
 
     def _install_signal_handlers(self) -> None:
-        def on_stop(signum: int, frame: FrameType | None) -> None:
-            self._stop = True
-            self._wake()
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGHUP:
+                self._reload = True
+            else:
+                self._stop = True
+            with contextlib.suppress(OSError):
+                os.write(self._wakeup_w, b"x")
 
-        def on_reload(signum: int, frame: FrameType | None) -> None:
-            self._reload = True
-            self._wake()
-
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGHUP, on_reload)
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wakeup_w, b"x")
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, on_signal)
 
     def _effective(self, policy: Policy) -> Policy:
         if self.dry_run_flag and not policy.dry_run:
@@ -459,11 +413,9 @@ class Daemon:
         return policy
 
     def _check_files(self) -> None:
-        """Validate the policy files again when they changed on disk (a stat each, every
-        poll), applying nothing: files that do not validate are said at once (journal,
-        STATUS, ``status``, metrics), not only at a reload the unit's own check refuses before
-        any signal, or at the next start; files that validate again clear it. A policy
-        rejected at start stays said until a reload: the daemon still runs its fallback."""
+        """Validate the policy files again when they changed on disk, applying nothing: files
+        that do not validate are said at once (journal, STATUS, ``status``, metrics), files
+        that validate again clear it. A policy rejected at start stays said until a reload."""
         key = policy_files_key(self.config_path)
         if key == self._files_key:
             return
@@ -472,7 +424,7 @@ class Daemon:
         if rejected is not None and rejected.get("at_start"):
             return
         try:
-            self._keep_watchdog_fed(lambda: load_policy(self.config_path))
+            self._fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             if rejected is None or rejected.get("error") != str(exc):
                 log.error(EventName.CONFIG_FILES_REJECTED, error=str(exc), config=self.config_path)
@@ -485,12 +437,10 @@ class Daemon:
         self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={int(time.monotonic() * 1e6)}")
         self._files_key = policy_files_key(self.config_path)  # before reading them
         try:
-            # Reading and validating a large policy must not starve the watchdog.
-            new = self._keep_watchdog_fed(lambda: load_policy(self.config_path))
+            new = self._fed(lambda: load_policy(self.config_path))
         except ConfigError as exc:
             log.error(EventName.CONFIG_RELOAD_REJECTED, error=str(exc), config=self.config_path)
-            # Said in STATUS and `gpuwatchd status` until a good policy loads; one rejected at
-            # start stays so (the daemon still runs its fallback, whatever the files say next).
+            # Said until a good policy loads; one rejected at start stays so.
             self.policy_rejected = {
                 **(self.policy_rejected or {}),
                 "at": self.wall_clock(),
@@ -529,15 +479,14 @@ class Daemon:
         self.notifier.notify("READY=1")
 
     def _save_accepted(self, policy: Policy) -> None:
-        """Keep ``policy`` as the last accepted one (the daemon's fallback at a rejected start);
-        written only when it changed; and, for ``scan``, the policy the files say now, compiled
-        (gpuwatchd/state/compiled_policy.py). ``run --once`` keeps neither: it is not the daemon."""
+        """Keep ``policy`` as the last accepted one (the fallback at a rejected start), when it
+        changed, and for ``scan`` the policy the files say now, compiled. Not as ``run --once``."""
         if self.once:
             return
         state_dir = self._state_dir()
         if state_dir is None:
             return  # said as state.dir_unusable
-        try:  # for scan: the policy the files say now, compiled (state/compiled_policy.py)
+        try:
             save_compiled(state_dir, self.config_path, load_policy, strict=os.geteuid() == 0)
         except OSError as exc:
             log.error(EventName.STATE_SAVE_FAILED, path=COMPILED_FILE, error=_os_error(exc))
@@ -554,8 +503,7 @@ class Daemon:
     # --- one poll -------------------------------------------------------------------------
 
     def _state_dir(self) -> StateDir | None:
-        """The state directory opened at start (or now); None when it cannot be used, said
-        once per distinct error as ``state.dir_unusable``."""
+        """The state directory; None when it cannot be used (said once per distinct error)."""
         try:
             return self.store.directory()
         except OSError as exc:
@@ -566,12 +514,11 @@ class Daemon:
             return None
 
     def poll_once(self) -> PollReport:
-        """The admin switches, then one engine cycle, then what observes it: the metrics, the
-        STATUS line and the served view, each from the poll's report."""
+        """The admin switches, one engine cycle, then the metrics, the STATUS line and the
+        served view from the poll's report."""
         switches = self._read_switches()
         self._take_ended_jobs()
-        # The poll's start is its time in the status section: the engine's own checkpoint at
-        # the end of the poll writes it (at most once a minute on a quiet node, see save_state).
+        # The poll's start is its time in the status section (written by the poll's checkpoint).
         self.last_poll_monotonic = self.clock()
         self.last_poll_wall = self.wall_clock()
         report = self.engine.poll(
@@ -580,8 +527,7 @@ class Daemon:
             )
         )
         self.report = report
-        # Gauges only feed the textfile: without one, setting them is ~1 ms a poll wasted.
-        # (Event counters are kept regardless, by the sink.)
+        # Gauges only feed the textfile (event counters are kept regardless, by the sink).
         if self.metrics.textfile is not None:
             self.metrics.after_poll(
                 report,
@@ -604,8 +550,7 @@ class Daemon:
         """The admin switch files, as the next poll's inputs (their problems said here)."""
         state_dir = self._state_dir()
         if state_dir is None:
-            # Fail safe: no switch can be read and no step could be saved.
-            return PollInputs(pause=Pause("state_dir unusable"))
+            return PollInputs(pause=Pause("state_dir unusable"))  # fail safe: nothing read
         # Spares and pauses last on the boot clock, not the wall clock (collect/boottime.py).
         clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
         switch = poll_pause(state_dir, clock, max_pause=self.policy.limits.max_pause)
@@ -629,7 +574,7 @@ class Daemon:
             clear_latches=take_clear_latches(state_dir),
         )
 
-    def _keep_watchdog_fed(self, work: Callable[[], T]) -> T:
+    def _fed(self, work: Callable[[], T]) -> T:
         """Run slow work (a reset, hooks, reading a policy) with the watchdog fed meanwhile."""
         return keep_watchdog_fed(self.notifier, work)
 
@@ -642,28 +587,25 @@ class Daemon:
             if remaining <= 0:
                 return
             poller = select.poll()
-            poller.register(self._wakeup_r, select.POLLIN)
-            for fd in self.signaller.fileno_list():
-                poller.register(fd, select.POLLIN)
-            if watch_fd is not None:
-                poller.register(watch_fd, select.POLLIN)  # a device opened: mark, walk soon
-            server_fd = self._serving.fileno()
-            if server_fd is not None:
-                poller.register(server_fd, select.POLLIN)  # a scan asks
+            server_fd = self._serving.fileno()  # a scan asks
+            for fd in (self._wakeup_r, *self.signaller.fileno_list(), watch_fd, server_fd):
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
             slice_s = min(remaining, max(1.0, watchdog_slice()))
             try:
                 ready = poller.poll(slice_s * 1000)
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 ready = []
             self.notifier.notify("WATCHDOG=1")
-            if any(fd == self._wakeup_r for fd, _ in ready):
+            readable = {fd for fd, _ in ready}
+            if self._wakeup_r in readable:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup_r, 4096)
-            if watch_fd is not None and any(fd == watch_fd for fd, _ in ready):
+            if watch_fd is not None and watch_fd in readable:  # a device opened: walk soon
                 self.device_watch.mark_if_pending()
                 early = early_poll_at(self.last_poll_monotonic, self.clock(), self.policy.interval)
                 until, watch_fd = min(until, early), None  # read at the poll, not here
-            if server_fd is not None and any(fd == server_fd for fd, _ in ready):
+            if server_fd is not None and server_fd in readable:
                 self._serving.answer()  # after the watch: an open just seen declines it
             exited = self.signaller.wait(0)
             self.engine.note_exits(exited)
@@ -716,13 +658,11 @@ class Daemon:
             log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
 
     def save_state(self) -> bool:
-        """Write the state when it changed (a quiet poll costs no write and no fsync).
-
-        True when what is on disk is the current state; False when it could not be written
-        (logged): the engine then takes no irreversible step (engine.py, ``checkpoint``)."""
+        """Write the state when it changed; True when what is on disk is the current state,
+        False when it could not be written (logged: the engine then takes no irreversible step)."""
         boot_id = self.procfs.boot_id()
         state = self.engine.standing()
-        # last_wall moves every poll; an older one on disk only hides no backward clock step.
+        # last_wall moves every poll; an older one on disk hides no backward clock step.
         verdict = state.verdict
         key = (
             boot_id,
@@ -737,8 +677,7 @@ class Daemon:
             # A GPU turning clean or not is news for `status` (its wording alone is not).
             None if verdict is None else tuple((g.uuid, g.state) for g in verdict.gpus),
         )
-        # The status section's last_poll proves the daemon alive: refreshed once a minute on a
-        # quiet node, so a quiet poll still costs no write most of the time.
+        # last_poll proves the daemon alive: refreshed once a minute on a quiet node.
         bucket = int(self.last_poll_wall // STATUS_REFRESH) if self.last_poll_wall else 0
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
@@ -765,9 +704,8 @@ class Daemon:
         return True
 
     def status_section(self, standing: Standing | None = None) -> dict[str, object]:
-        """What ``gpuwatchd status`` reads besides the plan: liveness, mode, NVML, recent
-        actions, a rejected policy (shape documented in docs/operations.md); from where the
-        engine stands now unless given."""
+        """What ``gpuwatchd status`` reads besides the plan (docs/operations.md), from where
+        the engine stands now unless given."""
         if standing is None:
             standing = self.engine.standing()
         snapshot, assessment, verdict = standing.snapshot, standing.assessment, standing.verdict
@@ -779,16 +717,13 @@ class Daemon:
             "interval": self.policy.interval,
             "dry_run": self.policy.dry_run,
             "mode": "dry-run" if self.policy.dry_run else "enforcing",
-            # From the first failed reading on, with since when (decide/nvml_state.py).
             "nvml": standing.nvml.to_json(),
             "gpus": len(snapshot.nvml.gpus) if snapshot is not None else None,
             "findings": len(assessment.findings) if assessment is not None else None,
-            # Each GPU clean for a new job? (decide/verdict.py, as check-clean says it)
             "verdict": None if verdict is None else verdict.to_json(),
             "policy": list(self.policy.sources) or [self.config_path],
             "policy_rejected": self.policy_rejected,
             "recent_actions": list(self.recent_actions),
-            # gpuwatchd spare: what this daemon honours now (cli/spare.py --list reads files).
             "spares": [
                 {"target": s.target, "until": s.until, "reason": s.reason} for s in standing.spares
             ],

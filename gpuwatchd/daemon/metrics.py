@@ -11,10 +11,12 @@ import os
 import re
 import stat
 from collections import Counter as Tally
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from gpuwatchd import __version__
 from gpuwatchd.config.keys import SIGNAL_NAMES
@@ -28,9 +30,9 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     SignalOutcome,
 )
-from gpuwatchd.daemon.metrics_mig import MigGauges, maker
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
+from gpuwatchd.decide.mig.instances import instance_view, mig_layout
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
@@ -47,6 +49,7 @@ TEXTFILE_MODE = 0o644
 DEBIAN_TEXTFILE = "/var/lib/prometheus/node-exporter/gpuwatchd.prom"
 OTHER = "other"  # the label value of anything outside a bounded set (a bug, or a new name)
 GPU_LABELS = ("gpu", "index")
+MIG_LABELS = ("gpu", "index", "gi", "instance")  # parent GPU, GPU instance id, MIG UUID
 _HOOK_NAME = re.compile(r"[a-z_]{1,32}")
 
 _SIGNALS = frozenset(SIGNAL_NAMES)
@@ -93,25 +96,10 @@ def _label(value: object, allowed: frozenset[str]) -> str:
     return text if text in allowed else OTHER
 
 
-def _flag(value: bool) -> int:
-    return 1 if value else 0
-
-
 def write_textfile(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: a fresh temporary file in the same directory
-    (never a planted one; its name does not end in ``.prom``, so node_exporter skips it), mode
-    :data:`TEXTFILE_MODE`, renamed over ``path`` (a link there is replaced, not followed).
-
-    The directory is reached by a walk from ``/`` that follows no symbolic link
-    (:func:`gpuwatchd.state.directory.open_directory`), and both the file and the rename go through
-    its descriptor: node_exporter's folder is often another user's (Debian's ``prometheus``),
-    who could otherwise swap it, or a folder above it, for a link to anywhere and have root
-    write there. Its owner is not checked: it is not read back.
-
-    No fsync: the file is rewritten every poll, and a reader sees the old file or the new one,
-    never half of one. Raises OSError (StateDirError for a link on the way); the temporary file
-    is removed then.
-    """
+    """Replace ``path`` with ``data`` atomically (a fresh temporary file renamed over it, mode
+    :data:`TEXTFILE_MODE`, no fsync), through the descriptor of a folder reached by a walk from
+    ``/`` that follows no link. Raises OSError (StateDirError for a link on the way)."""
     directory, name = os.path.split(os.path.abspath(path))
     dir_fd = open_directory(directory, owners=None, readable=False)
     # The state directory's own atomic write, through this folder's descriptor (no owners).
@@ -120,14 +108,9 @@ def write_textfile(path: str, data: bytes) -> None:
 
 
 def remove_textfile(path: str) -> bool:
-    """Remove ``path`` if it is a metrics file gpuwatchd wrote; True when it was removed.
-
-    For the package's removal: node_exporter would go on serving the last samples of a daemon
-    that is gone. Only a regular file named ``*.prom``, reached as :func:`write_textfile`
-    reaches it (a walk from ``/`` that follows no symbolic link, then the folder's descriptor),
-    whose first MiB holds gpuwatchd's ``gpuwatchd_build_info`` sample, is removed; anything
-    else (a missing file included) is left alone. Never raises.
-    """
+    """Remove ``path`` if it is a metrics file gpuwatchd wrote (a regular ``*.prom`` file,
+    reached as :func:`write_textfile` reaches it, whose first MiB holds our build_info sample);
+    True when it was removed. For the package's removal. Never raises."""
     directory, name = os.path.split(os.path.abspath(path))
     if not name.endswith(".prom"):
         return False
@@ -165,11 +148,91 @@ def _remove_ours(dir_fd: int, name: str) -> bool:
     return True
 
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def _maker(
+    kind: type[M], registry: CollectorRegistry, labels: tuple[str, ...] = ()
+) -> Callable[..., M]:
+    """``make(name, doc, extra=())``: a ``kind`` metric in ``registry`` whose labels are
+    ``labels`` then ``extra`` (every metric of gpuwatchd is made this way)."""
+
+    def make(name: str, doc: str, extra: tuple[str, ...] = ()) -> M:
+        return kind(name, doc, (*labels, *extra), registry=registry)
+
+    return make
+
+
+def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
+    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
+    listed zombie counts as live, as in assess); None when the list or a figure is unknown."""
+    if gpu.processes is None:
+        return None
+    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
+    return None if None in figures else sum(f for f in figures if f is not None)
+
+
+class _MigGauges:
+    """Per-instance memory and findings of the node's judged MIG GPUs (docs/metrics.md#mig),
+    set afresh each poll; at most seven GPU instances per GPU."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        gauge = _maker(Gauge, registry, MIG_LABELS)
+        self.allocated = gauge(
+            "gpuwatchd_mig_instance_memory_allocated_bytes",
+            "Memory allocated in the MIG GPU instance (shared by its compute instances)",
+        )
+        self.accounted = gauge(
+            "gpuwatchd_mig_instance_memory_accounted_bytes",
+            "Memory NVML attributes to the live processes it lists in the GPU instance",
+        )
+        self.ghost = gauge(
+            "gpuwatchd_mig_instance_memory_ghost_bytes",
+            "Memory of a current ghost_memory finding in the GPU instance, else 0",
+        )
+        self.findings = gauge(
+            "gpuwatchd_mig_instance_findings",
+            "Current findings about the GPU instance, by kind",
+            ("kind",),
+        )
+
+    def update(self, snapshot: Snapshot, assessment: Assessment) -> None:
+        for gauge in (self.allocated, self.accounted, self.ghost, self.findings):
+            gauge.clear()
+        layout = mig_layout(snapshot)
+        if not layout.instances:
+            return
+        host = HostView(instance_view(snapshot, layout))
+        by_uuid = {gpu.uuid: gpu for gpu in host.gpus}
+        for uuid, instance in sorted(layout.instances.items()):
+            labels = (instance.parent.uuid, str(instance.parent.index), str(instance.gi), uuid)
+            gpu = by_uuid.get(uuid)
+            memory = None if gpu is None else gpu.memory
+            allocated = None if memory is None else memory.allocated
+            if allocated is not None:
+                self.allocated.labels(*labels).set(allocated)
+            accounted = None if gpu is None else _accounted(host, gpu)
+            if accounted is not None:
+                self.accounted.labels(*labels).set(accounted)
+            kinds: dict[str, int] = {}
+            ghost = 0 if allocated is not None else None
+            for finding in assessment.findings:
+                if finding.gpu != uuid:
+                    continue
+                kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
+                if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
+                    ghost = finding.memory
+            if ghost is not None:
+                self.ghost.labels(*labels).set(ghost)
+            for kind in FindingKind:
+                self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
+
+
 class _GpuGauges:
     """The per-GPU gauges (labels ``gpu`` = UUID, ``index``), set afresh each poll."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.allocated = gauge(
             "gpuwatchd_gpu_memory_allocated_bytes",
             "GPU memory allocated (total - free - reserved), as NVML reports it",
@@ -198,14 +261,14 @@ class _GpuGauges:
         }
         for gpu in host.gpus:
             labels = (gpu.uuid, str(gpu.index))
-            self.lost.labels(*labels).set(_flag(gpu.lost))
+            self.lost.labels(*labels).set(gpu.lost)
             if gpu.lost:
                 continue  # its memory figures are whatever was read before it was lost
             allocated = gpu.memory.allocated if gpu.memory is not None else None
             if allocated is not None:
                 self.allocated.labels(*labels).set(allocated)
-            if not _memory_checked(gpu):
-                continue
+            if gpu.mig_enabled or gpu.coherent_memory:
+                continue  # no memory-based detection there (as in assess)
             accounted = _accounted(host, gpu)
             if accounted is not None:
                 self.accounted.labels(*labels).set(accounted)
@@ -223,7 +286,7 @@ class _VerdictGauges:
     a GPU when the node could not be judged."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.clean = gauge(
             "gpuwatchd_gpu_clean",
             "1 when a new job may have the GPU (check-clean's verdict), 0 when not",
@@ -241,7 +304,7 @@ class _VerdictGauges:
             return
         for gpu in verdict.gpus:
             labels = (gpu.uuid, str(gpu.index))
-            self.clean.labels(*labels).set(_flag(gpu.clean))
+            self.clean.labels(*labels).set(gpu.clean)
             for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
                 self.reasons.labels(*labels, kind).set(count)
 
@@ -257,7 +320,7 @@ class _HealthGauges:
     health state (at most 64 distinct Xids per GPU)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry, GPU_LABELS)
+        gauge = _maker(Gauge, registry, GPU_LABELS)
         self.xids = gauge(
             "gpuwatchd_gpu_xid_events",
             "Xid events seen on the GPU since the daemon's state began (this boot), by Xid",
@@ -299,35 +362,16 @@ class _HealthGauges:
                 if rows is not None:
                     self.rows.labels(*labels, cause).set(rows)
             if health.remap_pending is not None:
-                self.pending.labels(*labels).set(_flag(health.remap_pending))
+                self.pending.labels(*labels).set(health.remap_pending)
             if health.remap_failure is not None:
-                self.failure.labels(*labels).set(_flag(health.remap_failure))
-
-
-def _memory_checked(gpu: GpuInfo) -> bool:
-    """Whether memory-based detection runs on ``gpu`` (as in assess: not with MIG, not on
-    coherent-memory systems), so that its accounted, unaccounted and ghost figures mean
-    something."""
-    return not gpu.mig_enabled and not gpu.coherent_memory
-
-
-def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
-    """What NVML's per-process figures of the live PIDs it lists on ``gpu`` add up to (a
-    listed zombie counts as live, as in assess); None when the list
-    or any of those figures is unknown."""
-    if gpu.processes is None:
-        return None
-    figures = [row.entry.used_memory for row in host.listings[gpu.uuid] if row.status != "dead"]
-    if any(figure is None for figure in figures):
-        return None
-    return sum(figure for figure in figures if figure is not None)
+                self.failure.labels(*labels).set(health.remap_failure)
 
 
 class _StateGauges:
     """Node-wide gauges: findings, ladders and the 0/1 switches and latches."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry)
+        gauge = _maker(Gauge, registry)
         self.findings = gauge("gpuwatchd_findings", "Current findings, by kind", ("kind",))
         self.ladders = gauge(
             "gpuwatchd_ladders",
@@ -376,7 +420,7 @@ class _StateGauges:
             "nvml_unavailable": not snapshot.nvml.available,
         }
         for name, gauge in self.flags.items():
-            gauge.set(_flag(values[name]))
+            gauge.set(values[name])
         ends = state.paused_until if state.paused else None
         self.paused_until.set(0.0 if ends is None else ends)
 
@@ -385,8 +429,8 @@ class _PollGauges:
     """How the last poll went: duration, time, whether it scanned all of /proc."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        gauge = maker(Gauge, registry)
-        self.duration = maker(Summary, registry)(
+        gauge = _maker(Gauge, registry)
+        self.duration = _maker(Summary, registry)(
             "gpuwatchd_poll_duration_seconds",
             "Time one engine cycle took (collect, assess, plan, act)",
         )
@@ -401,7 +445,7 @@ class _PollGauges:
             "gpuwatchd_last_poll_full_scan",
             "1 when the last poll scanned all of /proc for holders, 0 when it was targeted",
         )
-        self.full_scans = maker(Counter, registry)(
+        self.full_scans = _maker(Counter, registry)(
             "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
@@ -410,7 +454,7 @@ class _PollGauges:
         self.duration.observe(seconds)
         self.last_duration.set(seconds)
         self.last_success.set(wall)
-        self.last_full.set(_flag(full))
+        self.last_full.set(full)
         if full:
             self.full_scans.inc()
 
@@ -419,7 +463,7 @@ class _EventCounters:
     """Counters fed by the engine's events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        counter = maker(Counter, registry)
+        counter = _maker(Counter, registry)
         self.signals = counter(
             "gpuwatchd_signals",
             "Signals carried out (dry_run: would have been sent), by signal and outcome",
@@ -473,26 +517,23 @@ def _hook_result(fields: Mapping[str, object]) -> str:
 
 
 class Metrics:
-    """gpuwatchd's metrics in a private registry, and the file they are written to.
-
-    ``textfile`` is the ``.prom`` path (``policy.metrics.textfile``) or None: metrics are then
-    kept but not written. Change it with :meth:`set_textfile` (a reload).
-    """
+    """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
+    (``textfile``; None: kept, not written)."""
 
     def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
-        maker(Gauge, self.registry)(
+        _maker(Gauge, self.registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
         ).labels(version).set(1)
         registry = self.registry  # the groups are made in the order the exposition lists them
         self._events = _EventCounters(registry)
-        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), MigGauges(registry)
+        gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), _MigGauges(registry)
         self._assessed = (gpus, mig, health)  # each set from a poll's assessment, in this order
         self._state = _StateGauges(registry)
         self._verdict = _VerdictGauges(registry)
         self._poll = _PollGauges(registry)
-        self._write_errors = maker(Counter, self.registry)(
+        self._write_errors = _maker(Counter, self.registry)(
             "gpuwatchd_textfile_write_errors",
             "Failed writes of this file (seen once a later write succeeds)",
         )
@@ -505,10 +546,7 @@ class Metrics:
 
     def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
         """Set the gauges from one completed poll's report, then write the file if one is
-        configured.
-
-        Returns why the write failed (also logged), or None. Never raises for a write.
-        """
+        configured; why the write failed (also logged), or None."""
         snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
         for group in self._assessed:
             group.update(snapshot, assessment)

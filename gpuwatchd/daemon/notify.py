@@ -1,10 +1,8 @@
 """systemd's notification protocol: READY/RELOADING/STOPPING, the watchdog, the STATUS line.
 
-This module owns what the daemon tells systemd (``sd_notify``, only when systemd asked for it
-with ``NOTIFY_SOCKET``): the watchdog's period (a third of ``WATCHDOG_USEC``), feeding it while
-slow work runs (the work on the caller's own thread, a helper thread that only feeds) or while
-work that reports its progress runs long (:class:`WatchdogPinger`: a long holder scan), and the
-one-line ``systemctl status`` text. It decides nothing and reads no file.
+This module owns what the daemon tells systemd (``sd_notify``, only when ``NOTIFY_SOCKET`` asks
+for it): the watchdog's period, feeding it while slow or long work runs, and the one-line
+``systemctl status`` text. It decides nothing and reads no file.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ def describe_status(report: PollReport, dry_run: bool) -> str:
     reading, state, verdict = report.snapshot.nvml, report.plan, report.verdict
     if not reading.available:
         return f"NVML unavailable: {reading.error or 'unknown error'} (retrying)"
-    gpus = len(reading.gpus)
-    parts = [f"{gpus} GPU{'s' if gpus != 1 else ''} watched"]
+    parts = [f"{_counted(len(reading.gpus), 'GPU')} watched"]
     if reading.wedged:
         parts.insert(0, "driver wedged")
     lost = [g for g in reading.gpus if g.lost]
@@ -103,11 +100,10 @@ def describe_status(report: PollReport, dry_run: bool) -> str:
     if verdict is not None and verdict.unavailable is None:
         dirty = sum(1 for g in verdict.gpus if not g.clean)
         parts.append(f"{dirty} not clean" if dirty else "all clean")
-    count = len(report.assessment.findings)
-    parts.append(f"{count} finding{'s' if count != 1 else ''}")
+    parts.append(_counted(len(report.assessment.findings), "finding"))
     ladders = list(state.ladders.values())
     active = sum(1 for lad in ladders if lad.status == "active")
-    parts.append(f"{active} action{'s' if active != 1 else ''} under way")
+    parts.append(f"{_counted(active, 'action')} under way")
     stuck = sum(1 for lad in ladders if lad.status == "stuck")
     if stuck:
         parts.append(f"{stuck} stuck in D state (needs drain/reboot)")
@@ -120,3 +116,7 @@ def describe_status(report: PollReport, dry_run: bool) -> str:
     if state.circuit_open:
         parts.append("resets stopped (circuit breaker)")
     return ", ".join(parts)
+
+
+def _counted(count: int, thing: str) -> str:
+    return f"{count} {thing}{'s' if count != 1 else ''}"

@@ -1,11 +1,9 @@
 """What the running daemon serves to ``scan``: its answers, and the files it publishes.
 
 This module owns the daemon's side of the served scan (docs/scan.md, "Answered by the daemon"):
-the socket ``scan.sock`` on which a plain ``scan`` is answered between polls from the last
-poll's holder view and NVML reading, kept in memory, and the files ``holders.json`` and
-``nvml.json`` published from them after each poll while the device watch works. The formats
-and rules are :mod:`gpuwatchd.served`'s; the answer itself is the command line's, handed in
-(:mod:`gpuwatchd.cli.served`). It decides nothing about findings and never acts.
+the socket ``scan.sock`` and the files ``holders.json`` and ``nvml.json``, from the last poll.
+The formats are :mod:`gpuwatchd.served`'s, the answer the command line's (handed in). It
+decides nothing about findings and never acts.
 """
 
 from __future__ import annotations
@@ -47,9 +45,9 @@ class ScanServing:
         answer: Answerer | None = None,
     ) -> None:
         self._state_dir = state_dir
-        # Marked dirty by the device watch before its events are read (view_guard.py).
-        self.view = ViewPublisher(state_dir, self._view_write_failed, wall_clock)
-        self._reading = nvml_view.ReadingPublisher(state_dir, self._reading_write_failed)
+        # Marked dirty by the device watch before its events are read.
+        self.view = ViewPublisher(state_dir, _save_failed(holder_view.VIEW_FILE), wall_clock)
+        self._reading = nvml_view.ReadingPublisher(state_dir, _save_failed(nvml_view.READING_FILE))
         self._own_start_ticks: int | None = None
         self._last: ServedPoll | None = None  # what a scan is answered from
         self._server = (
@@ -142,10 +140,7 @@ class ScanServing:
         if self._server is not None:
             self._server.close()
 
-    @staticmethod
-    def _view_write_failed(error: str) -> None:
-        log.error(EventName.STATE_SAVE_FAILED, path=holder_view.VIEW_FILE, error=error)
 
-    @staticmethod
-    def _reading_write_failed(error: str) -> None:
-        log.error(EventName.STATE_SAVE_FAILED, path=nvml_view.READING_FILE, error=error)
+def _save_failed(path: str) -> Callable[[str], None]:
+    """What says that a published file ``path`` could not be written."""
+    return lambda error: log.error(EventName.STATE_SAVE_FAILED, path=path, error=error)

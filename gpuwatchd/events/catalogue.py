@@ -21,10 +21,7 @@ from gpuwatchd.events.words import (
     CRITICAL,
     DEBUG,
     ERROR,
-    FINDING_FIELDS,
     INFO,
-    LADDER_FIELDS,
-    PROCESS_FIELDS,
     WARNING,
     EventSpec,
     JournalNamer,
@@ -35,6 +32,7 @@ from gpuwatchd.events.words import (
     short,
     short_sentence,
     spec,
+    spec_table,
 )
 
 # --- findings and escalation ---------------------------------------------------------------------
@@ -44,10 +42,6 @@ def _finding_new(s: Said) -> str:
     pid = f", {s.process()}" if s.f.get("pid") is not None else ""
     tag = " (report only: no rule acts on it)" if s.f.get("actionable") is False else ""
     return f"New {s('kind')} finding on {s.gpu()}{pid}{s.why('reason')}{tag}."
-
-
-def _finding_changed(s: Said) -> str:
-    return f"The {s('kind')} finding of {s.target()} changed{s.why('reason')}."
 
 
 def _finding_resolved(s: Said) -> str:
@@ -116,10 +110,8 @@ def _signal(s: Said) -> str:
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
-    """How one ``hook.run`` ended, worked out once (the sentence, ``status``'s recent actions
-    and the metrics' result label all take it from here): ``dry_run``, ``dropped``,
-    ``cancelled``, ``crashed`` (:class:`HookOutcome`), ``error`` (it could not be started),
-    ``timed_out``, ``exit N`` (``exit 0``: it succeeded), or ``unknown``."""
+    """How one ``hook.run`` ended (for its sentence, ``status`` and the metrics): a
+    :class:`HookOutcome`, ``error`` (not started), ``timed_out``, ``exit N`` or ``unknown``."""
     outcome = fields.get("outcome")
     if fields.get("dry_run") is True:
         return HookOutcome.DRY_RUN.value
@@ -164,9 +156,6 @@ def _hook(s: Said) -> str:
     )
 
 
-# --- the reset: one story ------------------------------------------------------------------------
-
-
 # --- lifecycle ------------------------------------------------------------------------------------
 
 
@@ -189,38 +178,100 @@ def _reloaded(s: Said) -> str:
 
 
 _OTHERS: Mapping[EventName, EventSpec] = {
+    **spec_table(
+        """
+finding.changed INFO: FINDING actionable lasted
+    The {kind} finding of {target} changed{reason:why}.
+action.deferred DEBUG: FINDING why until
+    Action on {target} deferred{until:until}{why}.
+escalation.confirming DEBUG: FINDING rule due
+    The {kind} finding of {target} matches rule {rule}; confirming{due:until} before anything
+    is sent.
+escalation.resolved INFO: LADDER why after
+    {dry}Escalation of {target} is over{why}.
+escalation.ended ERROR INFO: LADDER PROCESS why outcome
+    {dry}Gave up on {target}{why}; it is never signalled again.
+limits.kill_cap_expired WARNING INFO: scope why lasted dry_run
+    {dry}The kill-cap latch of {scope} lifted after {lasted:seconds}: its targets may be
+    signalled for real again.
+rule.report_only INFO: FINDING rule
+    {target} matches rule {rule}, which only reports: nothing is sent.
+action.refused INFO WARNING DEBUG: FINDING LADDER why
+    No action on {target}{why}.
+escalation.aborted WARNING: LADDER outcome why
+    Escalation of {target} aborted, nothing sent{why}.
+escalation.restarted INFO: LADDER why
+    The dry-run escalation of {target} starts over for real{why}.
+target.stuck CRITICAL: LADDER PROCESS why
+    {target} is stuck in D state and is never signalled{why}.
+clock.stepped_back WARNING: seconds wall
+    The wall clock went back {seconds:seconds}: counted as no time passed.
+action.withheld ERROR: why steps
+    Not done, the state cannot be saved: {steps:items}; tried again next poll.
+target.exited INFO: pid start_ticks
+    {process} exited (seen through its pidfd).
+daemon.resumed WARNING: reason
+    Actions resumed{reason:why}.
+limits.latches_cleared WARNING:
+    An admin cleared the latches: forced dry-run and the reset circuit breaker.
+daemon.stop INFO: exit_code
+    gpuwatchd stopped (exit code {exit_code}).
+daemon.already_running ERROR: detail state_dir
+    Another gpuwatchd already runs here{detail:why}.
+daemon.limited_permissions WARNING: missing dry_run
+    Running without {missing:items}: other users' processes may be unreadable.
+run_once.timeout WARNING: pending left exit_code
+    run --once timed out with work left: {left:items}.
+run_once.done INFO: waited
+    run --once is done after {waited:seconds}: every GPU is clean.
+run_once.unresolved WARNING: left waited exit_code
+    run --once gives up, waiting would not change: {left:items}.
+scheduler.ended_jobs_over_limit WARNING: waiting honoured limit
+    Too many ended-job hand-overs: {waiting} wait, only {limit} are honoured at once.
+config.reload_rejected ERROR: error config
+    Reload rejected, the old policy stays in force{error:why}.
+config.reload_partial WARNING: needs_restart
+    Reloaded, but these keys change only on restart: {needs_restart:items}.
+config.files_rejected ERROR: error config
+    The policy files changed and do not validate{error:why}; the running policy stays in force.
+config.start_rejected CRITICAL: error config running dry_run unusable
+    The policy is invalid{error:why}; running with the last accepted one ({running}).
+state.invalid ERROR: error path
+    The saved state {path} was unusable{error:why}; starting clean.
+state.corrupt ERROR: path why moved_to error
+    The state file {path} is corrupt and was moved to {moved_to}{why}.
+state.new_boot INFO: saved_boot_id boot_id
+    The saved state is from another boot: process-keyed state is dropped.
+state.save_failed ERROR: error path
+    The state could not be saved to {path}{error:why}; nothing irreversible is done until it can be.
+state.dir_unusable CRITICAL: path error
+    The state directory {path} is unusable{error:why}.
+metrics.write_failed ERROR: path error
+    The metrics file {path} could not be written{error:why}.
+collect.kcmp_unavailable WARNING: reason
+    kcmp cannot prove inherited GPU files{reason:why}; orphans are judged without that proof.
+collect.thread_tables_unread WARNING: pid comm budget
+    {process} has more threads with file tables of their own than a scan reads ({budget}
+    descriptors): what it holds is unknown, so it blocks resets and is never a target.
+nvml.recovered WARNING: was since gone_for error
+    NVML answers again after {gone_for:seconds} {was}.
+nvml.unavailable WARNING: reason
+    NVML is unavailable{reason:why}; retrying.
+nvml.wedged CRITICAL: timeout pid
+    NVML is wedged (a call missed its {timeout}s deadline): no destructive action.
+nvml.worker_started DEBUG: pid
+    NVML worker {pid} started.
+nvml.worker_hung CRITICAL: pid reason
+    The NVML worker {pid} survived SIGKILL (stuck in the kernel); no new worker while it
+    lives{reason:why}.
+nvml.hung_worker_exited INFO: pid
+    The hung NVML worker {pid} finally exited.
+"""
+    ),
     # findings and escalation (decide/plan/decisions.py)
-    EventName.FINDING_NEW: spec(
-        WARNING, f"{FINDING_FIELDS} actionable evidence", _finding_new, INFO
-    ),
-    EventName.FINDING_CHANGED: spec(INFO, f"{FINDING_FIELDS} actionable lasted", _finding_changed),
+    EventName.FINDING_NEW: spec(WARNING, "FINDING actionable evidence", _finding_new, INFO),
     EventName.FINDING_RESOLVED: spec(INFO, "finding kind gpu pid lasted", _finding_resolved),
-    EventName.RULE_REPORT_ONLY: spec(
-        INFO,
-        f"{FINDING_FIELDS} rule",
-        "{target} matches rule {rule}, which only reports: nothing is sent.",
-    ),
-    EventName.ACTION_REFUSED: spec(
-        INFO,
-        f"{FINDING_FIELDS} {LADDER_FIELDS} why",
-        "No action on {target}{why}.",
-        WARNING,
-        DEBUG,
-    ),
-    EventName.ACTION_DEFERRED: spec(
-        DEBUG,
-        f"{FINDING_FIELDS} why until",
-        lambda s: f"Action on {s.target()} deferred{s.until('until')}{s.why()}.",
-    ),
-    EventName.ESCALATION_CONFIRMING: spec(
-        DEBUG,
-        f"{FINDING_FIELDS} rule due",
-        lambda s: (
-            f"The {s('kind')} finding of {s.target()} matches rule {s('rule')}; confirming"
-            f"{s.until('due')} before anything is sent."
-        ),
-    ),
-    EventName.ESCALATION_STEP_DUE: spec(INFO, f"{LADDER_FIELDS} signal wait of", _step_due),
+    EventName.ESCALATION_STEP_DUE: spec(INFO, "LADDER signal wait of", _step_due),
     EventName.ESCALATION_SIGNAL_RECORDED: spec(
         DEBUG,
         "target signal outcome step stale",
@@ -228,48 +279,12 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             f"The {s('signal')} of step {s('step')} to {s('target')} was booked: {s('outcome')}."
         ),
     ),
-    EventName.ESCALATION_RESOLVED: spec(
-        INFO,
-        f"{LADDER_FIELDS} why after",
-        lambda s: dry(s, f"Escalation of {s.target()} is over{s.why()}."),
-    ),
-    EventName.ESCALATION_ABORTED: spec(
-        WARNING,
-        f"{LADDER_FIELDS} outcome why",
-        "Escalation of {target} aborted, nothing sent{why}.",
-    ),
-    EventName.ESCALATION_ENDED: spec(
-        ERROR,
-        f"{LADDER_FIELDS} {PROCESS_FIELDS} why outcome",
-        lambda s: dry(s, f"Gave up on {s.target()}{s.why()}; it is never signalled again."),
-        INFO,
-    ),
-    EventName.ESCALATION_RESTARTED: spec(
-        INFO,
-        f"{LADDER_FIELDS} why",
-        "The dry-run escalation of {target} starts over for real{why}.",
-    ),
-    EventName.TARGET_STUCK: spec(
-        CRITICAL,
-        f"{LADDER_FIELDS} {PROCESS_FIELDS} why",
-        "{target} is stuck in D state and is never signalled{why}.",
-    ),
     EventName.ZOMBIE_NEEDS_REAP: spec(WARNING, "finding pid gpu parent why", _zombie),
     EventName.LIMITS_KILL_CAP_REACHED: spec(
         CRITICAL,
-        f"{FINDING_FIELDS} why scope user until signalled_this_hour dry_run",
+        "FINDING why scope user until signalled_this_hour dry_run",
         _kill_cap_reached,
         WARNING,
-    ),
-    EventName.LIMITS_KILL_CAP_EXPIRED: spec(
-        WARNING,
-        "scope why lasted dry_run",
-        lambda s: dry(
-            s,
-            f"The kill-cap latch of {s('scope')} lifted after {s.seconds('lasted')}: its"
-            " targets may be signalled for real again.",
-        ),
-        INFO,
     ),
     EventName.STATE_BOOT_CHANGED: spec(
         INFO,
@@ -279,29 +294,13 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             " are dropped."
         ),
     ),
-    EventName.CLOCK_STEPPED_BACK: spec(
-        WARNING,
-        "seconds wall",
-        "The wall clock went back {seconds:seconds}: counted as no time passed.",
-    ),
     # carrying out (engine.py, act/)
     EventName.ACTION_SIGNAL: spec(
         WARNING,
-        "pid start_ticks signal gpu rule step dry_run outcome detail reason "
-        f"{FINDING_FIELDS} {PROCESS_FIELDS}",
+        "pid start_ticks signal gpu rule step dry_run outcome detail reason FINDING PROCESS",
         _signal,
         ERROR,
         INFO,
-    ),
-    EventName.ACTION_WITHHELD: spec(
-        ERROR,
-        "why steps",
-        "Not done, the state cannot be saved: {steps:items}; tried again next poll.",
-    ),
-    EventName.TARGET_EXITED: spec(
-        INFO,
-        "pid start_ticks",
-        "{process} exited (seen through its pidfd).",
     ),
     EventName.HOOK_RUN: spec(
         WARNING,
@@ -319,7 +318,6 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             f"{' or ' + _wall(s, 'until') if s.has('until') else ''}."
         ),
     ),
-    EventName.DAEMON_RESUMED: spec(WARNING, "reason", "Actions resumed{reason:why}."),
     EventName.SPARE_STARTED: spec(
         WARNING,
         "target pid start_ticks job reason until by_uid",
@@ -342,27 +340,11 @@ _OTHERS: Mapping[EventName, EventSpec] = {
             f" not {_wall(s, 'was_until')}."
         ),
     ),
-    EventName.LIMITS_LATCHES_CLEARED: spec(
-        WARNING,
-        "",
-        "An admin cleared the latches: forced dry-run and the reset circuit breaker.",
-    ),
     EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),
-    EventName.DAEMON_STOP: spec(INFO, "exit_code", "gpuwatchd stopped (exit code {exit_code})."),
-    EventName.DAEMON_ALREADY_RUNNING: spec(
-        ERROR,
-        "detail state_dir",
-        "Another gpuwatchd already runs here{detail:why}.",
-    ),
     EventName.DAEMON_NO_PERMISSION: spec(
         CRITICAL,
         "path error missing detail",
         lambda s: f"Not enough privilege{s.why('error', 'detail')}.",
-    ),
-    EventName.DAEMON_LIMITED_PERMISSIONS: spec(
-        WARNING,
-        "missing dry_run",
-        "Running without {missing:items}: other users' processes may be unreadable.",
     ),
     EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE: spec(
         WARNING,
@@ -382,21 +364,6 @@ _OTHERS: Mapping[EventName, EventSpec] = {
         "problem",
         lambda s: f"A scan that asked this daemon scans by itself: {s('problem', 'unknown')}.",
     ),
-    EventName.RUN_ONCE_TIMEOUT: spec(
-        WARNING,
-        "pending left exit_code",
-        "run --once timed out with work left: {left:items}.",
-    ),
-    EventName.RUN_ONCE_DONE: spec(
-        INFO,
-        "waited",
-        "run --once is done after {waited:seconds}: every GPU is clean.",
-    ),
-    EventName.RUN_ONCE_UNRESOLVED: spec(
-        WARNING,
-        "left waited exit_code",
-        "run --once gives up, waiting would not change: {left:items}.",
-    ),
     EventName.SCHEDULER_ENDED_JOB: spec(
         INFO,
         "job said_at_ticks error ignored",
@@ -408,111 +375,8 @@ _OTHERS: Mapping[EventName, EventSpec] = {
         ),
         WARNING,
     ),
-    EventName.SCHEDULER_ENDED_JOBS_OVER_LIMIT: spec(
-        WARNING,
-        "waiting honoured limit",
-        "Too many ended-job hand-overs: {waiting} wait, only {limit} are honoured at once.",
-    ),
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
-    EventName.CONFIG_RELOAD_REJECTED: spec(
-        ERROR,
-        "error config",
-        "Reload rejected, the old policy stays in force{error:why}.",
-    ),
-    EventName.CONFIG_RELOAD_PARTIAL: spec(
-        WARNING,
-        "needs_restart",
-        "Reloaded, but these keys change only on restart: {needs_restart:items}.",
-    ),
-    EventName.CONFIG_FILES_REJECTED: spec(
-        ERROR,
-        "error config",
-        (
-            "The policy files changed and do not validate{error:why}; the running policy stays"
-            " in force."
-        ),
-    ),
-    EventName.CONFIG_START_REJECTED: spec(
-        CRITICAL,
-        "error config running dry_run unusable",
-        "The policy is invalid{error:why}; running with the last accepted one ({running}).",
-    ),
-    EventName.STATE_INVALID: spec(
-        ERROR,
-        "error path",
-        "The saved state {path} was unusable{error:why}; starting clean.",
-    ),
-    EventName.STATE_CORRUPT: spec(
-        ERROR,
-        "path why moved_to error",
-        "The state file {path} is corrupt and was moved to {moved_to}{why}.",
-    ),
-    EventName.STATE_NEW_BOOT: spec(
-        INFO,
-        "saved_boot_id boot_id",
-        "The saved state is from another boot: process-keyed state is dropped.",
-    ),
-    EventName.STATE_SAVE_FAILED: spec(
-        ERROR,
-        "error path",
-        (
-            "The state could not be saved to {path}{error:why}; nothing irreversible is done"
-            " until it can be."
-        ),
-    ),
-    EventName.STATE_DIR_UNUSABLE: spec(
-        CRITICAL,
-        "path error",
-        "The state directory {path} is unusable{error:why}.",
-    ),
-    EventName.METRICS_WRITE_FAILED: spec(
-        ERROR,
-        "path error",
-        "The metrics file {path} could not be written{error:why}.",
-    ),
-    EventName.COLLECT_KCMP_UNAVAILABLE: spec(
-        WARNING,
-        "reason",
-        (
-            "kcmp cannot prove inherited GPU files{reason:why}; orphans are judged without that"
-            " proof."
-        ),
-    ),
-    EventName.COLLECT_THREAD_TABLES_UNREAD: spec(
-        WARNING,
-        "pid comm budget",
-        (
-            "{process} has more threads with file tables of their own than a scan reads"
-            " ({budget} descriptors): what it holds is unknown, so it blocks resets and is"
-            " never a target."
-        ),
-    ),
     # NVML
-    EventName.NVML_RECOVERED: spec(
-        WARNING,
-        "was since gone_for error",
-        "NVML answers again after {gone_for:seconds} {was}.",
-    ),
-    EventName.NVML_UNAVAILABLE: spec(
-        WARNING, "reason", "NVML is unavailable{reason:why}; retrying."
-    ),
-    EventName.NVML_WEDGED: spec(
-        CRITICAL,
-        "timeout pid",
-        "NVML is wedged (a call missed its {timeout}s deadline): no destructive action.",
-    ),
-    EventName.NVML_WORKER_STARTED: spec(DEBUG, "pid", "NVML worker {pid} started."),
-    EventName.NVML_WORKER_HUNG: spec(
-        CRITICAL,
-        "pid reason",
-        (
-            "The NVML worker {pid} survived SIGKILL (stuck in the kernel); no new worker while"
-            " it lives{reason:why}."
-        ),
-    ),
-    EventName.NVML_HUNG_WORKER_EXITED: spec(
-        INFO, "pid", "The hung NVML worker {pid} finally exited."
-    ),
     EventName.NVML_MEMORY_V1_FALLBACK: spec(
         WARNING,
         "gpu index reason consequence",
@@ -545,8 +409,7 @@ _NAMES = frozenset(member.value for member in EventName)
 
 def notification(fields: Mapping[str, object], namer: Namer | None = None) -> str:
     """The one line of an ``on_action`` notification (``GPUWATCHD_MESSAGE``): what was done,
-    to whom, and how it ended, from the hook's facts (``action``, ``outcome``, ``pid``,
-    ``gpu``, ``user``, ``rule``, ``why``)."""
+    to whom, and how it ended."""
     s = Said(fields, namer if namer is not None else JournalNamer())
     outcome = str(fields.get("outcome"))
     owner = f" of user {s('user')}" if s.has("user") else ""

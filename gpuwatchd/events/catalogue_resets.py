@@ -23,12 +23,8 @@ from gpuwatchd.core.vocabulary import (
 )
 from gpuwatchd.events.words import (
     CRITICAL,
-    DEBUG,
     ERROR,
-    FINDING_FIELDS,
     INFO,
-    MIG_FIELDS,
-    RESET_FIELDS,
     WARNING,
     EventSpec,
     Said,
@@ -36,6 +32,7 @@ from gpuwatchd.events.words import (
     outcome_table,
     short,
     spec,
+    spec_table,
 )
 
 
@@ -163,85 +160,73 @@ def _needs_reboot(s: Said) -> str:
 
 
 RESET_EVENTS: Mapping[EventName, EventSpec] = {
-    EventName.RESET_CONFIRMING: spec(
-        DEBUG,
-        f"{FINDING_FIELDS} why",
-        "{gpu} may need a reset; waiting to be sure{why}.",
+    **spec_table(
+        """
+reset.confirming DEBUG: FINDING why
+    {gpu} may need a reset; waiting to be sure{why}.
+reset.refused INFO WARNING DEBUG: FINDING why hidden_holder outcome pci_bus_id MIG
+    No reset of {gpu} now{why}.
+reset.limit_reached WARNING: FINDING why
+    No reset of {gpu}: the reset limit is reached{why}.
+reset.circuit_open CRITICAL: FINDING why
+    No more GPU resets until cleared by hand{why}.
+reset.refusal_cleared INFO: gpu finding in_use why
+    A refused reset of {gpu} may be tried again{why}.
+reset.mig_unfinished_cleared INFO: gpu instance gi why
+    MIG GPU instance {gi} of {gpu} is no longer half done{why}.
+health.drain_waiting INFO: FINDING blockers until
+    The reset of {gpu} still waits for {blockers:items} (never signalled).
+health.drain_timed_out CRITICAL: FINDING why blockers
+    Draining {gpu} timed out{why}; on_failure hooks run.
+reset.resume WARNING: record
+    A reset was interrupted by a stop or crash: finishing or undoing it now.
+reset.resumed WARNING: gpu result step reason needs_reboot
+    The interrupted reset of {gpu} ended: {result}{reason:why}.
+reset.resume_failed ERROR: reason
+    An interrupted reset could not be resumed{reason:why}.
+kernel_log.unavailable WARNING: source why retry_in
+    The kernel log ({source}) cannot be read{why}; Xids come from NVML alone until it can (tried
+    again in {retry_in:seconds}).
+kernel_log.dropped WARNING: lines kept
+    The kernel log had {lines} Xid line(s) that were not counted: more distinct Xids, GPUs and
+    processes in one poll than are kept ({kept}).
+"""
     ),
     EventName.RESET_DUE: spec(
         INFO,
-        f"{FINDING_FIELDS} dry_run pci_bus_id minor lasted evidence mig_layout {MIG_FIELDS}",
+        "FINDING dry_run pci_bus_id minor lasted evidence mig_layout MIG",
         lambda s: dry(s, f"{_reset_of(s)} starts ({s('kind', 'a finding')}{s.why('reason')})."),
-    ),
-    EventName.RESET_REFUSED: spec(
-        INFO,
-        f"{FINDING_FIELDS} why hidden_holder outcome pci_bus_id {MIG_FIELDS}",
-        "No reset of {gpu} now{why}.",
-        WARNING,
-        DEBUG,
-    ),
-    EventName.RESET_LIMIT_REACHED: spec(
-        WARNING,
-        f"{FINDING_FIELDS} why",
-        "No reset of {gpu}: the reset limit is reached{why}.",
-    ),
-    EventName.RESET_CIRCUIT_OPEN: spec(
-        CRITICAL,
-        f"{FINDING_FIELDS} why",
-        "No more GPU resets until cleared by hand{why}.",
     ),
     EventName.RESET_SUCCEEDED: spec(
         INFO,
-        RESET_FIELDS,
+        "RESET",
         lambda s: f"{_reset_of(s)} is booked as a success in the reset history.",
     ),
     EventName.RESET_FAILED: spec(
         INFO,
-        f"{RESET_FIELDS} failures",
+        "RESET failures",
         lambda s: (
             f"{_reset_of(s)} is booked as failed ({s('outcome')}, failure {s('failures')});"
             " on_failure hooks follow."
         ),
     ),
-    EventName.RESET_DRY_RUN: spec(INFO, f"{RESET_FIELDS} assumed", _reset_dry_run),
-    EventName.RESET_REFUSAL_CLEARED: spec(
-        INFO,
-        "gpu finding in_use why",
-        "A refused reset of {gpu} may be tried again{why}.",
-    ),
-    EventName.RESET_MIG_UNFINISHED_CLEARED: spec(
-        INFO,
-        "gpu instance gi why",
-        "MIG GPU instance {gi} of {gpu} is no longer half done{why}.",
-    ),
-    EventName.GPU_NEEDS_REBOOT: spec(
-        CRITICAL, f"{RESET_FIELDS} pid start_ticks why", _needs_reboot
-    ),
+    EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
+    EventName.GPU_NEEDS_REBOOT: spec(CRITICAL, "RESET pid start_ticks why", _needs_reboot),
     # GPU health
     EventName.HEALTH_DRAIN_STARTED: spec(
-        WARNING, f"{FINDING_FIELDS} blockers timeout dry_run drained_already", _drain_started
-    ),
-    EventName.HEALTH_DRAIN_WAITING: spec(
-        INFO,
-        f"{FINDING_FIELDS} blockers until",
-        "The reset of {gpu} still waits for {blockers:items} (never signalled).",
-    ),
-    EventName.HEALTH_DRAIN_TIMED_OUT: spec(
-        CRITICAL,
-        f"{FINDING_FIELDS} why blockers",
-        "Draining {gpu} timed out{why}; on_failure hooks run.",
+        WARNING, "FINDING blockers timeout dry_run drained_already", _drain_started
     ),
     EventName.RESET_STEP: spec(
         INFO,
         "gpu step status dry_run blockers argv returncode detail output hooks would_run timeout"
-        f" duration monitors units remaining {MIG_FIELDS}",
+        " duration monitors units remaining MIG",
         _reset_step,
         WARNING,
         ERROR,
     ),
     EventName.RESET_FINISHED: spec(
         INFO,
-        f"gpu result step reason needs_reboot blockers dry_run {MIG_FIELDS}",
+        "gpu result step reason needs_reboot blockers dry_run MIG",
         _reset_finished,
         WARNING,
         ERROR,
@@ -249,8 +234,7 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
     ),
     EventName.RESET_OUTCOME: spec(
         WARNING,
-        f"gpu pci_bus_id result step reason needs_reboot blockers dry_run {MIG_FIELDS}"
-        " evidence_file",
+        "gpu pci_bus_id result step reason needs_reboot blockers dry_run MIG evidence_file",
         _reset_outcome,
         ERROR,
         CRITICAL,
@@ -270,21 +254,6 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
         "gpu error",
         lambda s: f"{_reset_of(s)} crashed (a bug), booked as failed: {s('error')}.",
     ),
-    EventName.RESET_RESUME: spec(
-        WARNING,
-        "record",
-        "A reset was interrupted by a stop or crash: finishing or undoing it now.",
-    ),
-    EventName.RESET_RESUMED: spec(
-        WARNING,
-        "gpu result step reason needs_reboot",
-        "The interrupted reset of {gpu} ended: {result}{reason:why}.",
-    ),
-    EventName.RESET_RESUME_FAILED: spec(
-        ERROR,
-        "reason",
-        "An interrupted reset could not be resumed{reason:why}.",
-    ),
     # the kernel log's Xids (collect/kernel_log.py, decide/health/xid_sources.py)
     EventName.HEALTH_XID: spec(
         INFO,
@@ -303,21 +272,5 @@ RESET_EVENTS: Mapping[EventName, EventSpec] = {
             + f": {s('xid_action')}."
         ),
         WARNING,
-    ),
-    EventName.KERNEL_LOG_UNAVAILABLE: spec(
-        WARNING,
-        "source why retry_in",
-        (
-            "The kernel log ({source}) cannot be read{why}; Xids come from NVML alone until it"
-            " can (tried again in {retry_in:seconds})."
-        ),
-    ),
-    EventName.KERNEL_LOG_DROPPED: spec(
-        WARNING,
-        "lines kept",
-        (
-            "The kernel log had {lines} Xid line(s) that were not counted: more distinct Xids,"
-            " GPUs and processes in one poll than are kept ({kept})."
-        ),
     ),
 }

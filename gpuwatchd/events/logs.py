@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
@@ -64,13 +65,11 @@ def configure_logging(
     environ: Mapping[str, str] | None = None,
     journal_socket: str | None = JOURNAL_SOCKET,
 ) -> None:
-    """Set up structlog for the whole process. Safe to call again (a reload changes the level).
+    """Set up structlog for the whole process; safe to call again (a reload changes the level).
 
-    ``stream`` defaults to ``sys.stderr`` (where systemd connects journald); ``environ``
-    defaults to ``os.environ``. When ``JOURNAL_STREAM`` names ``stream``'s own device and inode,
-    events go to journald's native socket ``journal_socket`` with their fields (None: never;
-    the stream stays the fallback). Raises ValueError for an unknown ``fmt`` or ``level`` — a
-    configuration error, reported before anything runs.
+    ``stream`` defaults to ``sys.stderr``, ``environ`` to ``os.environ``; ``journal_socket``
+    None never sends native journal entries. Raises ValueError for an unknown ``fmt`` or
+    ``level``.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -96,19 +95,16 @@ def configure_logging(
     if not journald:
         render.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
     if fmt == "json":
-        render.append(_leading_keys)
-        render.append(structlog.processors.JSONRenderer(default=_json_default))
+        render += [_leading_keys, structlog.processors.JSONRenderer(default=_json_default)]
     elif fmt == "console":
         colors = tty and not journald and "NO_COLOR" not in env
-        render.append(_escape_control_characters)
-        render.append(structlog.dev.ConsoleRenderer(colors=colors))
+        render += [_escape_control_characters, structlog.dev.ConsoleRenderer(colors=colors)]
     else:
-        render.append(_compact_values)
-        render.append(_render_logfmt)
+        render += [_compact_values, _render_logfmt]
 
     journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
     structlog.configure(
-        processors=[_SafeChain(prepare, render, journald=journald, native=journal is not None)],
+        processors=[_SafeChain(tuple(prepare), tuple(render), journald, journal is not None)],
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
         logger_factory=_LineWriterFactory(out, journal),
         context_class=dict,
@@ -125,12 +121,9 @@ def get_logger(name: str | None = None, **initial: object) -> FilteringBoundLogg
 
 
 def under_journald(stream: TextIO, environ: Mapping[str, str]) -> bool:
-    """Whether ``stream`` is connected to journald, per ``JOURNAL_STREAM`` (systemd.exec(5)).
-
-    The variable names the device and inode of the journal stream; a child whose stderr was
-    redirected inherits it, so when the stream's own numbers can be read they must match.
-    A stream without a file descriptor (tests, wrappers) trusts the variable.
-    """
+    """Whether ``stream`` is connected to journald, per ``JOURNAL_STREAM`` (systemd.exec(5)):
+    the stream's own device and inode must match it where they can be read (a child whose
+    stderr was redirected inherits the variable); a stream without a file trusts it."""
     return _names_stream(stream, environ) is not False
 
 
@@ -160,10 +153,8 @@ def _isatty(stream: TextIO) -> bool:
 def _flatten_exception(
     _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    """Turn ``exc_info`` into one-line ``exc`` and ``exc_trace`` fields.
-
-    Not "exception": structlog's console renderer prints that key as a multi-line block.
-    """
+    """Turn ``exc_info`` into one-line ``exc`` and ``exc_trace`` fields (not "exception",
+    which structlog's console renderer prints as a multi-line block)."""
     exc_info = event_dict.pop("exc_info", None)
     if not exc_info:
         return event_dict
@@ -224,14 +215,9 @@ def _compact_values(
 def _render_logfmt(
     _logger: WrappedLogger, _method: str, event_dict: MutableMapping[str, Any]
 ) -> str:
-    """``key=value`` pairs, timestamp, level and event first; values quoted when needed.
-
-    Our own renderer rather than structlog's LogfmtRenderer, whose escaping differs between
-    the versions we support (22.1 leaves newlines raw, which splits an event over lines; 26.x
-    doubles backslashes only inside quotes): the format must not depend on the installed
-    structlog. Quoted values escape ``\\``, ``"`` and control characters; a field that is None
-    or empty is left out (unknown reads as absent, not as ``key=``); floats keep three decimals.
-    """
+    """``key=value`` pairs, timestamp, level and event first; values quoted when needed
+    (escaping ``\\``, ``"`` and control characters); a None or empty field is left out.
+    Not structlog's LogfmtRenderer: its escaping differs between the versions we support."""
     keys = [key for key in _LEADING if key in event_dict]
     keys.extend(key for key in event_dict if key not in _LEADING)
     return " ".join(
@@ -286,28 +272,16 @@ def _json_default(value: object) -> object:
     return str(value)
 
 
+@dataclass(frozen=True)
 class _SafeChain:
     """Runs the real processors; a failure becomes a plain fallback line, never an exception.
+    Under journald it adds the priority prefix; with ``native``, the prepared event also
+    becomes a native journal entry, passed to the writer with that line as its fallback."""
 
-    Wrapping the chain in one processor keeps the guarantee independent of which processor
-    failed (an unserialisable value, a broken ``__str__``). Under journald it also adds the
-    priority prefix to whatever was rendered. With ``native``, the event prepared by
-    ``prepare`` also becomes a native journal entry, passed to the writer with that line as
-    its fallback.
-    """
-
-    def __init__(
-        self,
-        prepare: Sequence[Processor],
-        render: Sequence[Processor],
-        *,
-        journald: bool,
-        native: bool = False,
-    ) -> None:
-        self._prepare = tuple(prepare)
-        self._render = tuple(render)
-        self._journald = journald
-        self._native = native
+    prepare: tuple[Processor, ...]
+    render: tuple[Processor, ...]
+    journald: bool
+    native: bool = False
 
     def __call__(
         self, logger: WrappedLogger, method: str, event_dict: MutableMapping[str, Any]
@@ -316,11 +290,11 @@ class _SafeChain:
         entry: bytes | None = None
         try:
             result: Any = event_dict
-            for processor in self._prepare:
+            for processor in self.prepare:
                 result = processor(logger, method, result)
-            if self._native:
+            if self.native:
                 entry = journal_entry(method, result)
-            for processor in self._render:
+            for processor in self.render:
                 result = processor(logger, method, result)
             line = result if isinstance(result, str) else str(result)
         except structlog.DropEvent:
@@ -328,7 +302,7 @@ class _SafeChain:
         except Exception as exc:  # logging must never raise (module docstring)
             line = _fallback_line(method, event, exc)
         line = line.translate(_NEWLINES)
-        if self._journald:
+        if self.journald:
             line = priority_prefix(method) + line
         if entry is None:
             return line
@@ -361,8 +335,6 @@ def _safe_str(value: object) -> str:
 # --- native journal entries -------------------------------------------------------------------
 
 SYSLOG_IDENTIFIER = "gpuwatchd"
-# MESSAGE_ID_NAMESPACE, message_id, JOURNAL_FIELDS and journal_field_name (what the journal
-# calls an event and its fields) are the event catalogue's: gpuwatchd/events/catalogue.py.
 _FIELD_NAME_MAX = 64  # journald drops longer names
 _NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
 _BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
@@ -432,31 +404,23 @@ def _utf8(text: str) -> bytes:
 
 
 def sentence(event: str, fields: Mapping[str, Any]) -> str:
-    """One line a person reads first in ``journalctl``: the event said in words, by the one
-    renderer of the event catalogue (:func:`gpuwatchd.events.catalogue.render`), which names
-    processes ``PID 4242 (python)`` and GPUs by UUID. Escaped and shortened; never raises."""
+    """The line a person reads first in ``journalctl``: the event catalogue's sentence."""
     return render(event, fields)
 
 
+@dataclass(frozen=True, slots=True)
 class _JournalEntry:
     """A native journal entry, and the line to write instead if it cannot be sent."""
 
-    __slots__ = ("line", "payload")
-
-    def __init__(self, payload: bytes, line: str) -> None:
-        self.payload = payload
-        self.line = line
+    payload: bytes
+    line: str
 
 
 class _JournalSocket:
-    """Sends entries to journald's native socket; says False instead of raising.
-
-    Unconnected, so a restarted journald's new socket is found by its path. An entry too big
-    for one datagram goes in a sealed memfd passed with SCM_RIGHTS, as sd_journal_send does.
-    A send blocks for at most ``SEND_TIMEOUT`` (SO_SNDTIMEO); after a timeout (journald's
-    queue full) entries go straight to the fallback for ``STALL_BACKOFF`` seconds, so a
-    stalled journald costs one timeout per backoff, not one per event.
-    """
+    """Sends entries to journald's native socket (unconnected: a restarted journald is found
+    by its path; a sealed memfd for an entry too big for a datagram); False instead of
+    raising. A send blocks at most ``SEND_TIMEOUT``; after a timeout entries go straight to
+    the fallback for ``STALL_BACKOFF`` seconds."""
 
     SEND_TIMEOUT = 1.0
     STALL_BACKOFF = 10.0
@@ -508,12 +472,9 @@ class _JournalSocket:
 
 
 class _LineWriter:
-    """Writes each rendered event as one line and flushes; write errors are swallowed.
-
-    A closed stream or a broken pipe loses log lines, which is better than losing the
-    daemon. The lock keeps lines from threads whole. A native journal entry goes to the
-    journal socket, or as its fallback line to the stream when it cannot be sent.
-    """
+    """Writes each rendered event as one line and flushes, whole across threads; write
+    errors are swallowed. A native journal entry goes to the journal socket, else its
+    fallback line to the stream."""
 
     def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
         self._stream = stream

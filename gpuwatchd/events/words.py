@@ -12,13 +12,14 @@ share. Pure: no I/O.
 from __future__ import annotations
 
 import enum
+import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.vocabulary import Level
+from gpuwatchd.core.vocabulary import EventName, Level
 
 VALUE_MAX = 160  # characters of one value inside a sentence
 
@@ -30,14 +31,11 @@ class Namer(Protocol):
 
     def gpu(self, uuid: object) -> str: ...
 
-    def moment(self, monotonic: object) -> str | None:
-        """A monotonic deadline as its reader can place it, or None to leave it unsaid."""
-        ...
+    def moment(self, monotonic: object) -> str | None: ...
 
 
 class JournalNamer:
-    """The journal's names: ``PID 4242 (python)``, and the GPU by its UUID. A monotonic
-    deadline means nothing to a reader of the journal: it is left to the event's fields."""
+    """The journal's names: ``PID 4242 (python)``, the GPU by its UUID, no deadline."""
 
     def process(self, pid: object, comm: object = None) -> str:
         name = f" ({short(comm)})" if comm not in (None, "") else ""
@@ -127,24 +125,22 @@ class Said:
         return finding_label(self.f.get(key), self.names)
 
     def fill(self, template: str, **pieces: str) -> str:
-        """``template`` with each ``{piece}`` filled in: one of ``pieces``; ``{gpu}``,
-        ``{pid}``, ``{process}``, ``{target}``, ``{why}`` or ``{finding}``, as the methods of
-        those names say them; else the field of that name, said as :meth:`__call__` says it,
-        or as :meth:`why`, :meth:`items` or :meth:`seconds` do (``{error:why}``)."""
+        """``template`` with each ``{piece}`` filled in: one of ``pieces``, a name a method
+        says (``{gpu}``, ``{target}``...), else the field (``{error:why}``: said by
+        :meth:`why`; docs/internals.md, `gpuwatchd.events.catalogue`)."""
         return template.format_map(_Pieces(self, pieces))
 
     def by_outcome(self, templates: Mapping[str, str], outcome: object, **pieces: str) -> str:
-        """:meth:`fill` with the template ``templates`` gives ``outcome`` (its ``""`` one: any
-        other outcome)."""
+        """:meth:`fill` with ``outcome``'s template (the ``""`` one for any other)."""
         key = outcome.value if isinstance(outcome, enum.Enum) else outcome
         template = templates.get(key, templates[""]) if isinstance(key, str) else templates[""]
         return self.fill(template, **pieces)
 
 
 def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str, str]:
-    """An outcome -> sentence table written as ``text``: a line an outcome (a value of ``kind``,
-    one of ``others``, or ``*``: any other outcome, kept under ``""``) and its sentence. A
-    line that names no such outcome, repeats one or says nothing raises ValueError."""
+    """An outcome -> sentence table written as ``text``: a line an outcome (of ``kind``, one
+    of ``others``, or ``*``: any other, kept under ``""``) and its sentence. A line that
+    names no such outcome, repeats one or says nothing raises ValueError."""
     known = {str(member.value) for member in kind}.union(others)
     table: dict[str, str] = {}
     for line in text.strip().splitlines():
@@ -157,24 +153,26 @@ def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str
 
 
 _NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding"})
-_SAID_AS = frozenset({"why", "items", "seconds"})
+_SAID_AS = frozenset({"why", "items", "seconds", "until"})
 
 
 class _Pieces(dict[str, object]):
-    """A template's pieces: those given, else a name :class:`Said` gives, else a field."""
+    """A template's pieces: those given, ``{dry}`` ("Dry run: " for a dry run), else a name
+    :class:`Said` gives, else a field."""
 
     def __init__(self, said: Said, pieces: Mapping[str, str]) -> None:
         super().__init__(pieces)
         self.said = said
 
     def __missing__(self, key: str) -> object:
+        if key == "dry":
+            return "Dry run: " if self.said.dry() else ""
         return getattr(self.said, key)() if key in _NAMED else _Field(self.said, key)
 
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}`` says it, ``{key:why}`` (``items``, ``seconds``) says
-    it as that method of :class:`Said` does."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``)."""
 
     said: Said
     key: str
@@ -209,11 +207,29 @@ class EventSpec:
 
 
 def spec(level: Level, fields: str, say: Callable[[Said], str] | str, *also: Level) -> EventSpec:
-    """One catalogue entry; its sentence a function, or a template :meth:`Said.fill` fills."""
+    """One catalogue entry; its sentence a function, or a template :meth:`Said.fill` fills.
+    An upper-case word in ``fields`` is a group of fields several entries share."""
     if isinstance(say, str):
         template = say
         return spec(level, fields, lambda s: s.fill(template), *also)
-    return EventSpec(level, tuple(fields.split()), say, frozenset(also))
+    names = tuple(name for word in fields.split() for name in _GROUPS.get(word, word).split())
+    return EventSpec(level, names, say, frozenset(also))
+
+
+def spec_table(text: str) -> dict[EventName, EventSpec]:
+    """Catalogue entries written as ``text``: per entry a line ``event LEVEL [OTHER LEVELS]:
+    fields``, then its template on indented lines (joined by spaces). An event again, or one
+    without a template, raises ValueError."""
+    table: dict[EventName, EventSpec] = {}
+    for entry in re.split(r"\n(?=\S)", text.strip()):
+        head, *said = entry.splitlines()
+        names, _, fields = head.partition(":")
+        event, *levels = names.split()
+        if EventName(event) in table or not said:
+            raise ValueError(f"event table: again, or no sentence: {head!r}")
+        level, *also = (Level[name] for name in levels)
+        table[EventName(event)] = spec(level, fields, " ".join(s.strip() for s in said), *also)
+    return table
 
 
 DEBUG, INFO, WARNING, ERROR, CRITICAL = (
@@ -223,26 +239,19 @@ DEBUG, INFO, WARNING, ERROR, CRITICAL = (
     Level.ERROR,
     Level.CRITICAL,
 )
-
-
-FINDING_FIELDS = "finding kind gpu pid start_ticks memory reason"
-
-
-LADDER_FIELDS = "target pid start_ticks finding rule gpu step dry_run"
-
-
-PROCESS_FIELDS = "user uid comm cmdline state ppid pgid sid cgroup job unit"
-
-
-MIG_FIELDS = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
-
-
-RESET_FIELDS = f"gpu pci_bus_id finding outcome kind memory reason {MIG_FIELDS}"
+_MIG = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
+_GROUPS = {
+    "FINDING": "finding kind gpu pid start_ticks memory reason",
+    "LADDER": "target pid start_ticks finding rule gpu step dry_run",
+    "PROCESS": "user uid comm cmdline state ppid pgid sid cgroup job unit",
+    "MIG": _MIG,
+    "RESET": f"gpu pci_bus_id finding outcome kind memory reason {_MIG}",
+}
 
 
 def finding_label(key: object, namer: Namer) -> str:
-    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) in words: "orphaned
-    PID 4252 on GPU-…" (named by ``namer``); the key itself if it has another shape."""
+    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) in words ("orphaned PID
+    4252 on GPU-…"); the key itself if it has another shape."""
     text = str(key)
     kind, _, rest = text.partition(":")
     gpu, _, target = rest.rpartition(":")

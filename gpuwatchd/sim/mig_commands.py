@@ -1,11 +1,8 @@
 """The virtual ``nvidia-smi mig`` of a simulation: a MIG GPU instance's recovery commands.
 
-This module owns how the virtual host answers ``reset.mig_recovery_commands`` (filled in for
-every GPU instance of the scenario's MIG GPUs, as the reset procedure fills them): like the
-driver, each command is refused "In use by another client" while a process holds the
-instance's capability files; the ones before the last destroy the instance (NVML lists it no
-more) and the last one re-creates it, its dead and leaked memory freed and the other instances
-untouched. Nothing is executed.
+This module owns how the virtual host answers ``reset.mig_recovery_commands``, filled in for
+every GPU instance of the scenario's MIG GPUs as the reset procedure fills them (the answers:
+docs/simulate.md). Nothing is executed.
 """
 
 from __future__ import annotations

@@ -111,11 +111,8 @@ def parse_scenario(path: str, text: str) -> Scenario:
 
 
 def _policy_text(text: str) -> str | None:
-    """The inline ``policy:`` value as its own YAML document, on the same lines as in the file.
-
-    The value is cut out of the text by its YAML marks and preceded by as many newlines (and
-    spaces) as came before it, so a policy error names the scenario's own line numbers.
-    """
+    """The inline ``policy:`` value as its own YAML document, on the same lines as in the
+    file (so a policy error names the scenario's own line numbers)."""
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(node, yaml.MappingNode):
         return None
@@ -133,24 +130,14 @@ def _policy_text(text: str) -> str | None:
 class _Reader(GpuReader):
     """Turns the positioned YAML tree into a Scenario, stopping at the first problem."""
 
-    # -- typed values --
-
-    # -- the document --
-
     def scenario(self, root: Map) -> Scenario:
         top = self.mapping(root, _TOP_KEYS)
         get = top.entries.get
         duration_node = get("duration")
         if duration_node is None:
             raise self.fail(root, "missing required field 'duration' (e.g. '10m')", "duration")
-        duration = self.duration(duration_node)
-        if duration <= 0:
-            raise self.fail(duration_node, "must be longer than 0s")
-        interval = None
-        if (node := get("interval")) is not None:
-            interval = self.duration(node)
-            if interval <= 0:
-                raise self.fail(node, "must be longer than 0s")
+        duration = self.positive(duration_node)
+        interval = self.positive(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
         gpus_node = get("gpus")
@@ -159,9 +146,8 @@ class _Reader(GpuReader):
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
         if not gpus:
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
-        self.check_unique(gpus_node, [g.index for g in gpus], "index")
-        self.check_unique(gpus_node, [g.uuid for g in gpus], "uuid")
-        self.check_unique(gpus_node, [g.minor for g in gpus], "minor")
+        for what in ("index", "uuid", "minor"):
+            self.check_unique(gpus_node, [getattr(g, what) for g in gpus], what)
         indexes = {g.index for g in gpus}
         proc_nodes = self.items(p) if (p := get("processes")) is not None else []
         # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
@@ -195,6 +181,13 @@ class _Reader(GpuReader):
             processes=processes,
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
+
+    def positive(self, node: Node) -> float:
+        """A duration longer than 0s."""
+        value = self.duration(node)
+        if value <= 0:
+            raise self.fail(node, "must be longer than 0s")
+        return value
 
     def check_unique(self, node: Node, values: Sequence[object], what: str) -> None:
         seen: set[object] = set()
@@ -250,12 +243,9 @@ class _Reader(GpuReader):
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"), gpu_indexes)
         nvml = self.nvml(get("nvml"), gpu_indexes)
-        on_sigterm, delay = "exit", 0.0
-        if (n := get("on_sigterm")) is not None:
-            on_sigterm, delay = self.sigterm(n)
-        on_sigkill = self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit"
-        on_exit = self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release"
-        exits_at = self.duration(n) if (n := get("exits_at")) is not None else None
+        on_sigterm, delay = (
+            self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
+        )
         return ProcessSpec(
             name=name,
             pid=pid,
@@ -273,9 +263,9 @@ class _Reader(GpuReader):
             nvml=nvml,
             on_sigterm=on_sigterm,
             sigterm_delay=delay,
-            on_sigkill=on_sigkill,
-            on_exit=on_exit,
-            exits_at=exits_at,
+            on_sigkill=self.choice(n, SIGKILL_REACTIONS) if (n := get("on_sigkill")) else "exit",
+            on_exit=self.choice(n, EXIT_MODES) if (n := get("on_exit")) else "release",
+            exits_at=self.duration(n) if (n := get("exits_at")) is not None else None,
             visible=self.flag(get("visible"), True),
             subreaper=self.flag(get("subreaper"), False),
             stops_for_reset=self.flag(get("stops_for_reset"), False),
@@ -289,7 +279,6 @@ class _Reader(GpuReader):
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
             return None if self.scalar(node) is None else self.boolean(node)
-        # installed by the admin where programs are installed
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
@@ -348,11 +337,10 @@ class _Reader(GpuReader):
     def nvml(self, node: Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
         if node is None:
             return {}
-        m = node if isinstance(node, Map) else None
-        if m is None:
+        if not isinstance(node, Map):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
-        for key, value in m.entries.items():
+        for key, value in node.entries.items():
             if not key.isdigit() or int(key) not in gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
@@ -415,10 +403,9 @@ class _Reader(GpuReader):
                 raise self.fail(xid_node, "an Xid number is at most 65535")
             return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
-            sm = value if isinstance(value, Map) else None
-            if sm is None or len(sm.entries) != 1:
+            if not isinstance(value, Map) or len(value.entries) != 1:
                 raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
-            ((proc_name, letter_node),) = sm.entries.items()
+            ((proc_name, letter_node),) = value.entries.items()
             self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
             return EventSpec(at, action, m.line, target=proc_name, value=letter)

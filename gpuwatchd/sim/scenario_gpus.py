@@ -1,11 +1,9 @@
 """Reading a scenario's GPUs for ``gpuwatchd simulate``: the reader's typed values and its GPU part.
 
-This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds the
-whole :class:`~gpuwatchd.sim.scenario_spec.Scenario` on them): :class:`ReaderBase`, the typed
-values every field is read as (a mapping with known keys, a string, a size, a duration, a
-choice), each failure a :class:`~gpuwatchd.sim.scenario_spec.ScenarioError` naming the file,
-line and key; and :class:`GpuReader`, the host section and the GPUs: memory, MIG layouts and
-their processes' instances, health (recovery action, row remapping, retired pages, fabric).
+This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds on
+them): :class:`ReaderBase`, the typed values every field is read as, each failure naming the
+file, line and key; and :class:`GpuReader`, the host section and the GPUs (memory, MIG
+layouts, health).
 """
 
 from __future__ import annotations
@@ -58,8 +56,6 @@ _GPU_KEYS = (
     "lost",
     "health",
 )
-
-_MEMORY_KEYS = ("total", "allocated", "reserved", "leaked")
 
 _MIG_KEYS = ("instances",)
 
@@ -195,16 +191,11 @@ class GpuReader(ReaderBase):
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
         self.nvml_value(get("pci_bus_id") or m, "pci_bus_id", bus)
         minor = self.integer(n) if (n := get("minor")) is not None else index
-        total, allocated, reserved, leaked = 80 * GIB, 4 * MIB, 512 * MIB, 0
+        memory = {"total": 80 * GIB, "allocated": 4 * MIB, "reserved": 512 * MIB, "leaked": 0}
         if (mem := get("memory")) is not None:
-            mm = self.mapping(mem, _MEMORY_KEYS)
-            total = self.size(n) if (n := mm.entries.get("total")) is not None else total
-            allocated = (
-                self.size(n) if (n := mm.entries.get("allocated")) is not None else allocated
-            )
-            reserved = self.size(n) if (n := mm.entries.get("reserved")) is not None else reserved
-            leaked = self.size(n) if (n := mm.entries.get("leaked")) is not None else leaked
-            if allocated + leaked + reserved > total:
+            entries = self.mapping(mem, tuple(memory)).entries
+            memory |= {key: self.size(entries[key]) for key in tuple(memory) if key in entries}
+            if memory["allocated"] + memory["leaked"] + memory["reserved"] > memory["total"]:
                 raise self.fail(mem, "allocated + leaked + reserved is more than total")
         instances: tuple[MigInstanceSpec, ...] = ()
         if isinstance(n := get("mig"), Map):
@@ -215,10 +206,7 @@ class GpuReader(ReaderBase):
             name=name,
             pci_bus_id=bus,
             minor=minor,
-            total=total,
-            allocated=allocated,
-            reserved=reserved,
-            leaked=leaked,
+            **memory,
             mig=bool(instances) or self.flag(get("mig"), False),  # a mapping of instances: on
             coherent=self.flag(get("coherent"), False),
             persistence=self.flag(get("persistence"), True),

@@ -1,10 +1,8 @@
 """The scenario format's values for ``gpuwatchd simulate``: what a scenario *is*, once read.
 
-This module owns the frozen values a scenario file becomes (:class:`Scenario` and its GPU,
-process, hold, health and event specs), the constants of the format (reactions to signals,
-reset results, event actions, fabric states, recovery actions) and :class:`ScenarioError`.
-Reading and validating the YAML is :mod:`gpuwatchd.sim.scenario`'s; playing it is
-:mod:`gpuwatchd.sim.simulation`'s and :mod:`gpuwatchd.sim.world`'s, which need only these values.
+This module owns the frozen values a scenario file becomes (:class:`Scenario` and its specs),
+the constants of the format and :class:`ScenarioError`. Reading the YAML is
+:mod:`gpuwatchd.sim.scenario`'s; playing it needs only these values.
 """
 
 from __future__ import annotations
@@ -16,23 +14,11 @@ from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import ResetStep
 
 GIB = 1024 * MIB
-
-
 FIRST_AUTO_PID = 1000
-
-
 SIGKILL_REACTIONS = ("exit", "stuck")
-
-
 EXIT_MODES = ("release", "zombie", "leak")
-
-
 RESET_RESULTS = ("success", "fail", "in_use", "hang", "fell_off_bus")
-
-
 VIA = ("fd", "map", "both")
-
-
 # The reset steps an event can be tied to (``during``); ``done`` is bookkeeping, not a moment.
 RESET_STEPS = tuple(step.value for step in ResetStep if step is not ResetStep.DONE)
 
@@ -54,11 +40,7 @@ EVENT_ACTIONS = (
 
 
 FABRIC_STATES = ("NOT_SUPPORTED", "NOT_STARTED", "IN_PROGRESS", "COMPLETED")
-
-
 FABRIC_SETTLE = 5.0  # seconds the fabric takes to register again after a reset, by default
-
-
 RECOVERY_ACTIONS = (
     "NONE",
     "GPU_RESET",
@@ -69,8 +51,6 @@ RECOVERY_ACTIONS = (
     "BUS_RESET",
     "SYSTEM_REBOOT",
 )
-
-
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 
 
@@ -164,11 +144,8 @@ class HoldSpec:
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs.
-
-    ``nvml`` maps a GPU index to the memory NVML charges to this process there (it owns a
-    context); None as a value means NVML lists it without a figure.
-    """
+    """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs;
+    ``nvml``: GPU index -> the memory of its context there (None: listed without a figure)."""
 
     name: str
     pid: int
@@ -199,11 +176,8 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class EventSpec:
-    """One event. ``action`` is one of EVENT_ACTIONS; the other fields depend on it.
-
-    It happens at ``at`` seconds, or, when ``during`` names a reset step (RESET_STEPS), once:
-    right after the first reset procedure that reaches that step has run it (``at`` is 0 then).
-    """
+    """One event (``action``: one of EVENT_ACTIONS) at ``at`` seconds, or once right after
+    the first reset procedure runs the step ``during`` names."""
 
     at: float
     action: str
@@ -234,6 +208,3 @@ class Scenario:
     gpus: tuple[GpuSpec, ...]
     processes: tuple[ProcessSpec, ...]
     events: tuple[EventSpec, ...] = field(default_factory=tuple)
-
-    def gpu(self, index: int) -> GpuSpec | None:
-        return next((g for g in self.gpus if g.index == index), None)

@@ -50,13 +50,9 @@ _GPU_ACTIONS = frozenset({"set_memory", "memory_stays_allocated", "reset_result"
 
 
 def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy, str]:
-    """The policy to simulate under, and a phrase saying where it came from.
-
-    With ``--config`` that file and its drop-ins are the whole policy, as the daemon would read
-    them (the scenario's inline ``policy:`` is ignored; StrictModes is not checked). Without it,
-    the scenario's ``policy:`` is a drop-in over the built-in defaults. A broken ``--config``
-    raises ConfigError (exit 78); a broken inline policy is a malformed scenario (exit 65).
-    """
+    """The policy to simulate under, and a phrase saying where it came from: ``--config``'s
+    files as the daemon reads them (ConfigError), else the scenario's ``policy:`` as a
+    drop-in over the built-in defaults (ScenarioError)."""
     if config_path is not None:
         return load_policy(config_path, check_permissions=False), config_path
     docs = [("<built-in defaults>", render_policy(default_policy()))]
@@ -122,10 +118,12 @@ class Simulation:
             sleep=self.sleep,
         )
 
-    # -- bookkeeping --
-
     def schedule(self, at: float, kind: str, payload: object) -> None:
         heapq.heappush(self.queue, (at, next(self.seq), kind, payload))
+
+    def exit_later(self, proc: WorldProc, delay: float, why: str) -> None:
+        """``proc`` exits ``delay`` seconds from now, unless its PID is another process then."""
+        self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
@@ -164,14 +162,13 @@ class Simulation:
                 )
                 until = self.now + self.interval
                 busy = 0
-            if until > duration:
-                self.advance(duration)
-                self.now = duration
-                self.report_exits()
-                break
-            if not self.advance(until):
+            last = until > duration  # the run ends at its duration
+            until = min(until, duration)
+            if not self.advance(until) or last:
                 self.now = until
-            self.report_exits()
+            self.engine.note_exits(self.take_exits())
+            if last:
+                break
         return SimulationResult(
             scenario=self.scenario,
             policy=self.policy,
@@ -208,9 +205,6 @@ class Simulation:
     def take_exits(self) -> list[ProcessIdentity]:
         exited, self.exited = self.exited, []
         return exited
-
-    def report_exits(self) -> None:
-        self.engine.note_exits(self.take_exits())
 
     # -- world events --
 
@@ -253,9 +247,7 @@ class Simulation:
             said = f"{spec.name} (pid {spec.pid}) started: {' '.join(spec.command)}"
             self.happened(TimelineEvent.START, said, process=spec.name, pid=spec.pid)
             if spec.exits_at is not None:
-                self.schedule(
-                    self.now + spec.exits_at, "exit", (spec.name, "exits_at", proc.start_ticks)
-                )
+                self.exit_later(proc, spec.exits_at, "exits_at")
         elif action == "state" and event.target is not None and event.value is not None:
             proc = world.by_name(event.target)
             if proc is not None and proc.alive:
@@ -313,18 +305,12 @@ class Simulation:
                 said = f"{proc.name} (pid {proc.pid}) hangs in the driver (D state) on SIGKILL"
                 self.happened(TimelineEvent.STATE, said, process=proc.name, pid=proc.pid, state="D")
             else:
-                self.schedule(
-                    self.now, "exit", (proc.name, f"killed by {signal}", proc.start_ticks)
-                )
+                self.exit_later(proc, 0, f"killed by {signal}")
             return
         if spec.on_sigterm == "exit":
-            self.schedule(self.now, "exit", (proc.name, f"on {signal}", proc.start_ticks))
+            self.exit_later(proc, 0, f"on {signal}")
         elif spec.on_sigterm == "exit_after":
-            self.schedule(
-                self.now + spec.sigterm_delay,
-                "exit",
-                (proc.name, f"{spec.sigterm_delay:g}s after {signal}", proc.start_ticks),
-            )
+            self.exit_later(proc, spec.sigterm_delay, f"{spec.sigterm_delay:g}s after {signal}")
 
     def reached(self, step: str) -> None:
         """The reset procedure has run ``step``: the scenario's ``during: STEP`` events happen
@@ -340,37 +326,29 @@ class Simulation:
                     fields={**entry.fields, "during": step},
                 )
 
-    # -- the end --
-
     def final_state(self) -> dict[str, object]:
         world = self.world
-        gpus = []
-        for index in sorted(world.gpus):
-            gpu = world.gpus[index]
-            gpus.append(
-                {
-                    "index": index,
-                    "uuid": gpu.spec.uuid,
-                    "allocated": world.allocated(gpu),
-                    "idle": gpu.spec.allocated,
-                    "lost": gpu.lost,
-                }
-            )
-        processes = []
-        for proc in world.history:
-            status = "alive" if proc.alive else ("zombie" if proc.present else "exited")
-            if proc.alive and proc.state == "D":
-                status = "stuck (D)"
-            processes.append(
-                {
-                    "name": proc.name,
-                    "pid": proc.pid,
-                    "status": status,
-                    "exited_at": proc.exited_at,
-                    "exit_why": proc.exit_why,
-                    "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
-                }
-            )
+        gpus = [
+            {
+                "index": index,
+                "uuid": gpu.spec.uuid,
+                "allocated": world.allocated(gpu),
+                "idle": gpu.spec.allocated,
+                "lost": gpu.lost,
+            }
+            for index, gpu in sorted(world.gpus.items())
+        ]
+        processes = [
+            {
+                "name": proc.name,
+                "pid": proc.pid,
+                "status": proc.status,
+                "exited_at": proc.exited_at,
+                "exit_why": proc.exit_why,
+                "signals": [{"t": t, "signal": s} for t, s, _ in proc.signals],
+            }
+            for proc in world.history
+        ]
         standing = self.engine.standing()  # as the last poll and the exits since left it
         findings = [f.key for f in standing.assessment.findings] if standing.assessment else []
         state = standing.plan
@@ -399,11 +377,15 @@ class Simulation:
 # --- the simulation's edges for the engine ----------------------------------------------------
 
 
-class VirtualClock:
-    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
+class _Edge:
+    """One of the engine's edges over a simulation."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
+
+
+class VirtualClock(_Edge):
+    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
 
     def monotonic(self) -> float:
         return self.sim.now
@@ -412,12 +394,9 @@ class VirtualClock:
         return WALL0 + self.sim.now
 
 
-class TimelineSink:
+class TimelineSink(_Edge):
     """Each engine event as a timeline entry with its human line; a ``reset.step`` also fires
     the scenario's ``during`` events for that step."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
 
     def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         sim = self.sim
@@ -431,11 +410,8 @@ class TimelineSink:
             sim.reached(str(fields.get("step")))
 
 
-class VirtualReader:
+class VirtualReader(_Edge):
     """The engine's reader over the virtual host (nothing of the daemon's holds a GPU)."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
 
     def collect(self) -> Snapshot:
         self.sim.world.settle(self.sim.now)
@@ -466,33 +442,13 @@ class VirtualReader:
         return frozenset()
 
 
-class VirtualActuator:
+class VirtualActuator(_Edge):
     """The engine's actuator over the virtual host: processes react to signals as their
-    scenario says, and commands are answered, never executed.
-
-    =============================  ==========================================================
-    command (matched by argv)      answer
-    =============================  ==========================================================
-    ``reset.command``              the next scripted ``reset_result`` (default ``success``):
-                                   ``success`` exit 0, every dead or leaked context on the
-                                   GPU freed; ``fail`` exit 255; ``in_use`` exit 255 "In use
-                                   by another client"; ``hang`` killed at its timeout, the
-                                   clock advanced by it; ``fell_off_bus`` exit 15, GPU lost
-    ``reset.persistence_command``  exit 0, persistence mode set (exit 15 on a lost GPU)
-    ``reset.health_command``       exit 0 (exit 15 on a lost GPU)
-    ``reset.mig_recovery_commands``  of one GPU instance: exit 255 "In use by another client"
-                                   while a process holds its capability files, else exit 0;
-                                   the ones before the last destroy the instance (NVML lists
-                                   it no more), the last re-creates it (its dead and leaked
-                                   memory freed)
-    a hook                         exit 0; the reset's ``drain`` and ``before`` hooks stop
-                                   the ``stops_for_reset`` processes
-    anything else                  could not be started
-    =============================  ==========================================================
-    """
+    scenario says, and commands (matched by argv) are answered as docs/simulate.md's table of
+    the virtual host's commands says, never executed; anything else could not be started."""
 
     def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+        super().__init__(sim)
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
         self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
@@ -608,11 +564,8 @@ class VirtualActuator:
 def simulate(
     scenario: Scenario, config_path: str | None = None, *, enforce: bool = False
 ) -> SimulationResult:
-    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline.
-
-    ``enforce`` previews a dry-run policy as enforcing: ``dry_run`` is turned off, nothing
-    else changes (the kill cap's forced dry run still engages where enforcement would).
-    """
+    """Play ``scenario`` under its policy (or ``config_path``'s) and return the timeline;
+    ``enforce`` turns ``dry_run`` off, nothing else."""
     policy, source = scenario_policy(scenario, config_path)
     if enforce:
         source += " (--enforce: dry_run off)" if policy.dry_run else " (--enforce)"

@@ -163,10 +163,9 @@ class _ScenarioNames:
         return self.gpus.get(str(uuid), str(uuid))
 
 
-def _same_unit(value: object, other: object, suffix: str = "") -> str:
+def _same_unit(value: object, suffix: str = "") -> str:
     """``value`` in MiB whatever its size, so the summary line never mixes "2.0 GiB" with
-    "4 MiB" (``other`` is the value it is compared with on that line)."""
-    del other
+    "4 MiB"."""
     text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
     return f"{text} {suffix}" if suffix else text
 
@@ -195,8 +194,8 @@ def render_text(result: SimulationResult) -> str:
     for gpu in final["gpus"]:  # type: ignore[attr-defined]
         lost = ", LOST" if gpu["lost"] else ""
         lines.append(
-            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'], gpu['idle'], 'allocated')} "
-            f"(idle {_same_unit(gpu['idle'], gpu['allocated'])}){lost}"
+            f"  GPU {gpu['index']}: {_same_unit(gpu['allocated'], 'allocated')} "
+            f"(idle {_same_unit(gpu['idle'])}){lost}"
         )
     for proc in final["processes"]:  # type: ignore[attr-defined]
         signals = ", ".join(f"{s['signal']} at {_fmt_t(s['t'])}" for s in proc["signals"])

@@ -7,13 +7,13 @@ In detail: docs/internals.md, section `gpuwatchd.sim.world`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd.collect.cgroups import parse_cgroup
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.core.model import (
     MIB,
-    CgroupInfo,
     DeviceHolding,
     FileSharing,
     GpuHealth,
@@ -67,16 +67,10 @@ def size_text(value: object) -> str:
     return f"{value // MIB} MiB"
 
 
-def _unmarked(cgroup: CgroupInfo | None) -> CgroupInfo | None:
-    """The simulated host's cgroups carry no systemd delegation mark (read, and absent)."""
-    return None if cgroup is None else replace(cgroup, delegated=False)
-
-
 @dataclass
 class WorldProc:
     spec: ProcessSpec
     start_ticks: int
-    started_at: float
     ppid: int
     state: str
     minors: frozenset[int]
@@ -95,6 +89,13 @@ class WorldProc:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def status(self) -> str:
+        """alive, stuck (D), zombie or exited: as the final state says it."""
+        if self.alive:
+            return "stuck (D)" if self.state == "D" else "alive"
+        return "zombie" if self.present else "exited"
 
 
 @dataclass
@@ -167,7 +168,6 @@ class World:
         proc = WorldProc(
             spec=spec,
             start_ticks=ticks,
-            started_at=at,
             ppid=spec.ppid,
             state=spec.state,
             minors=minors,
@@ -254,24 +254,20 @@ class World:
     def _live_contexts(self, proc: WorldProc) -> list[_Context]:
         return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
 
-    def _descends(self, proc: WorldProc, ancestor: int) -> bool:
-        seen: set[int] = set()
-        current = proc.ppid
+    def _ancestors(self, proc: WorldProc) -> Iterator[int]:
+        """The PIDs above ``proc``, its parent first, up to init, a loop or a PID not listed."""
+        current, seen = proc.ppid, set()
         while current > 1 and current not in seen:
-            if current == ancestor:
-                return True
+            yield current
             seen.add(current)
             parent = self.procs.get(current)
             if parent is None:
-                return False
+                return
             current = parent.ppid
-        return False
 
     def _heirs(self, owner: WorldProc, gpu: int) -> set[int]:
         """Live processes that inherited ``owner``'s device files: its descendants or process
-        group members that hold the GPU and own no context of their own there. A process whose
-        scenario says ``files: own`` (a spawn/forkserver worker) opened its own files and
-        pins none of the owner's memory."""
+        group members that hold the GPU, own no context there and not ``files: own``."""
         minor = self.gpus[gpu].spec.minor
         found = set()
         for proc in self.procs.values():
@@ -281,21 +277,15 @@ class World:
                 continue
             if any(c.pid == proc.pid and c.status == "live" for c in self.contexts):
                 continue
-            if self._descends(proc, owner.pid) or proc.spec.pgid == owner.spec.pgid:
+            if owner.pid in self._ancestors(proc) or proc.spec.pgid == owner.spec.pgid:
                 found.add(proc.pid)
         return found
 
     def _reaper(self, proc: WorldProc) -> int:
-        current = proc.ppid
-        seen: set[int] = set()
-        while current > 1 and current not in seen:
-            seen.add(current)
-            parent = self.procs.get(current)
-            if parent is None:
-                break
-            if parent.spec.subreaper and parent.alive:
-                return parent.pid
-            current = parent.ppid
+        for pid in self._ancestors(proc):
+            parent = self.procs.get(pid)
+            if parent is not None and parent.spec.subreaper and parent.alive:
+                return pid
         return 1
 
     def _name(self, pid: int) -> str:
@@ -303,9 +293,6 @@ class World:
         return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
 
     # -- GPUs --
-
-    def gpu_by_uuid(self, uuid: str) -> WorldGpu | None:
-        return next((g for g in self.gpus.values() if g.spec.uuid == uuid), None)
 
     def allocated(self, gpu: WorldGpu, gi: int | None = None) -> int:
         """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
@@ -337,17 +324,20 @@ class World:
         instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
         gpu.destroyed.discard(gi)
         gpu.instance_base[gi] = instance.allocated
+        self._free(gpu, gi)
+
+    def _free(self, gpu: WorldGpu, gi: int | None = None) -> None:
+        """The dead and leaked contexts on ``gpu`` (in its GPU instance ``gi``) are gone."""
         for ctx in self.contexts:
-            if ctx.gpu == gpu.spec.index and ctx.gi == gi and ctx.status in ("dead", "leaked"):
+            mine = ctx.gpu == gpu.spec.index and (gi is None or ctx.gi == gi)
+            if mine and ctx.status in ("dead", "leaked"):
                 ctx.status = "freed"
                 ctx.heirs.clear()
 
     def restore(self, gpu: WorldGpu, now: float) -> None:
-        """A successful reset at ``now``: every context on the GPU is gone, memory back to
-        idle, and what a reset applies is applied (a pending row remap; a recovery action
-        asking for a reset is cleared). An NVLink fabric registers again: IN_PROGRESS for
-        ``fabric_after_reset``, then COMPLETED (never, when that is None). A MIG GPU's GPU
-        instances are all destroyed (MIG mode stays on): its layout must be created again."""
+        """A successful reset at ``now``: the GPU's contexts gone, memory back to idle, a
+        pending row remap and a reset-asking recovery action cleared, an NVLink fabric
+        registering again, a MIG GPU's GPU instances all destroyed."""
         gpu.base = gpu.spec.allocated
         gpu.destroyed = {i.gi for i in gpu.spec.mig_instances}
         gpu.instance_base = {i.gi: i.allocated for i in gpu.spec.mig_instances}
@@ -361,16 +351,14 @@ class World:
             gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
             settle = gpu.health.fabric_after_reset
             gpu.fabric_ready_at = None if settle is None else now + settle
-        for ctx in self.contexts:
-            if ctx.gpu == gpu.spec.index and ctx.status in ("dead", "leaked"):
-                ctx.status = "freed"
-                ctx.heirs.clear()
+        self._free(gpu)
 
     # -- what the daemon would read --
 
     def process_info(self, proc: WorldProc) -> ProcessInfo:
         spec = proc.spec
         zombie = proc.state == "Z"
+        cgroup = parse_cgroup(f"0::{spec.cgroup}\n")
         return ProcessInfo(
             pid=spec.pid,
             start_ticks=proc.start_ticks,
@@ -383,7 +371,8 @@ class World:
             comm=spec.comm,
             exe=None if zombie else spec.exe or spec.command[0],
             cmdline=() if zombie else spec.command,
-            cgroup=_unmarked(parse_cgroup(f"0::{spec.cgroup}\n")),
+            # The simulated host's cgroups carry no systemd delegation mark (read, and absent).
+            cgroup=None if cgroup is None else replace(cgroup, delegated=False),
             exe_trusted=None if zombie else spec.exe_trusted,
         )
 
@@ -440,11 +429,6 @@ class World:
         for position, instance in enumerate(gpu.spec.mig_instances):
             if instance.gi in gpu.destroyed:
                 continue  # NVML lists no MIG device for it until it is created again
-            listed = [
-                NvmlProcess(c.pid, c.size, "compute")
-                for c in self.contexts
-                if c.gpu == gpu.spec.index and c.gi == instance.gi and c.status in ("live", "dead")
-            ]
             allocated = self.allocated(gpu, instance.gi)
             devices.append(
                 MigDevice(
@@ -462,10 +446,19 @@ class World:
                         reserved=0,
                         allocated=allocated,
                     ),
-                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    processes=self._listed(gpu.spec.index, instance.gi),
                 )
             )
         return tuple(devices)
+
+    def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
+        """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
+        contexts, by PID."""
+        return tuple(
+            NvmlProcess(c.pid, c.size, "compute")
+            for c in sorted(self.contexts, key=lambda c: c.pid)
+            if c.gpu == index and c.status in ("live", "dead") and (gi is None or c.gi == gi)
+        )
 
     def health(self, gpu: WorldGpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""
@@ -507,10 +500,6 @@ class World:
         for index in sorted(self.gpus):
             gpu = self.gpus[index]
             spec = gpu.spec
-            listed = []
-            for ctx in self.contexts:
-                if ctx.gpu == index and ctx.status in ("live", "dead"):
-                    listed.append(NvmlProcess(ctx.pid, ctx.size, "compute"))
             allocated = self.allocated(gpu)
             memory = GpuMemory(
                 total=spec.total,
@@ -526,7 +515,7 @@ class World:
                     pci_bus_id=spec.pci_bus_id,
                     minor=spec.minor,
                     memory=memory,
-                    processes=tuple(sorted(listed, key=lambda p: p.pid)),
+                    processes=self._listed(index),
                     mig_enabled=spec.mig,
                     persistence_mode=gpu.persistence,
                     numa_node=1 if spec.coherent else None,
@@ -548,13 +537,10 @@ class World:
         for pid, proc in sorted(self.procs.items()):
             if proc.spec.files is None or not proc.alive or not proc.spec.visible:
                 continue
-            current, seen = proc.ppid, set()
-            while current > 1 and current not in seen and current in self.procs:
-                seen.add(current)
-                if current in owners and self.procs[current].alive:
+            for above in self._ancestors(proc):
+                if above in owners and above in self.procs and self.procs[above].alive:
                     shared = proc.spec.files == "inherited"
-                    found.append(FileSharing(holder=pid, owner=current, shared=shared))
-                current = self.procs[current].ppid
+                    found.append(FileSharing(holder=pid, owner=above, shared=shared))
         return tuple(found)
 
     def absent_pids(self) -> frozenset[int]:

@@ -15,10 +15,10 @@ import pytest
 from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, SignalOutcome, level_of
 from gpuwatchd.events.catalogue import CATALOGUE, notification, render
 from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
-from gpuwatchd.events.words import JournalNamer, Said, outcome_table
+from gpuwatchd.events.words import JournalNamer, Said, outcome_table, spec_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.sim.timeline import SimulationResult, describe_event, finding_label
+from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer, describe_event, finding_label
 from tests.support.simnames import TrainerNames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -303,6 +303,36 @@ def test_an_outcome_table_refuses_a_line_it_cannot_mean(text: str) -> None:
 def test_an_outcome_table_keeps_its_fallback_and_extra_outcomes() -> None:
     table = outcome_table(SignalOutcome, "\n  gone  It left.\n  error Broke.\n * Else.\n", "error")
     assert table == {"gone": "It left.", "error": "Broke.", "": "Else."}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "daemon.stop INFO: exit_code\n    Stopped.\ndaemon.stop INFO: exit_code\n    Again.",
+        "daemon.stop INFO: exit_code",  # no sentence
+    ],
+)
+def test_an_event_table_refuses_an_entry_again_or_without_a_sentence(text: str) -> None:
+    with pytest.raises(ValueError, match="event table: again, or no sentence"):
+        spec_table(text)
+
+
+@pytest.mark.parametrize(
+    ("dry_run", "said"), [(True, "Dry run: Over until +5.0s."), (False, "Over.")]
+)
+def test_a_template_says_dry_run_and_a_deadline_where_the_namer_places_it(
+    dry_run: bool, said: str
+) -> None:
+    fields = {"dry_run": dry_run, "due": 5.0 if dry_run else None}
+    assert Said(fields, TimelineNamer(TrainerNames())).fill("{dry}Over{due:until}.") == said
+
+
+def test_an_event_table_entry_has_its_levels_field_groups_and_sentence() -> None:
+    table = spec_table("daemon.stop INFO ERROR: MIG code\n    Stopped\n    ({code}).")
+    entry = table[EventName.DAEMON_STOP]
+    assert (entry.level, entry.also) == (Level.INFO, frozenset({Level.ERROR}))
+    assert entry.fields == ("instance", "gi", "recovery", "code")
+    assert entry.say(Said({"code": 3}, JournalNamer())) == "Stopped (3)."
 
 
 @pytest.mark.parametrize(

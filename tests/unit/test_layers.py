@@ -232,7 +232,6 @@ LONG_DEFINITIONS = {
     "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
-    "sim.simulation:Simulation": "the simulated host's edges",
     "sim.world:World": "the simulated world's state and its changes",
 }
 # fmt: on

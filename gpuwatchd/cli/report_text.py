@@ -7,8 +7,7 @@ one; an unknown value is ``?``. Pure: no I/O, no clock, no environment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.cli.humantime import counted
 from gpuwatchd.cli.mig_report import (
@@ -20,16 +19,11 @@ from gpuwatchd.cli.mig_report import (
 from gpuwatchd.cli.spared import spared_lines
 from gpuwatchd.core.checked import as_map, as_text
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import (
-    as_int,
-)
+from gpuwatchd.core.model import as_int
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 COMMAND_WIDTH = 60  # characters of a command line shown in the text view
-
-
-# --- rendering text ---------------------------------------------------------------------------
 
 _ROLE_LABELS = {
     "context_owner": "context owner",
@@ -81,12 +75,11 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
-class _Paint(Protocol):
-    def __call__(self, text: str, code: str, /) -> str: ...
+_Paint = Callable[[str, str], str]
 
 
 def _painter(color: bool) -> _Paint:
-    def paint(text: str, code: str, /) -> str:
+    def paint(text: str, code: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if color and text else text
 
     return paint
@@ -105,15 +98,13 @@ def _title_line(report: Mapping[str, object]) -> str:
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
     view = as_map(report.get("daemon_view"))
-    if view.get("used") is True:
-        age = view.get("age")
-        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
-        parts.append(f"on the daemon's holder view{old}")
     reading = as_map(report.get("nvml_reading"))
-    if reading.get("source") == "daemon":
-        age = reading.get("age_s")
-        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
-        parts.append(f"NVML: the daemon's reading{old}")
+    for used, what, age in (
+        (view.get("used") is True, "on the daemon's holder view", view.get("age")),
+        (reading.get("source") == "daemon", "NVML: the daemon's reading", reading.get("age_s")),
+    ):
+        if used:
+            parts.append(what + (f", {age:.1f}s old" if isinstance(age, (int, float)) else ""))
     if view.get("answered_by") == "daemon":
         parts.append("answered by the daemon")
     return "  ".join(parts)
@@ -161,18 +152,7 @@ def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
             _text(gpu.get("pci_bus_id")),
         ]
     )
-    lines = [paint(header, _BOLD)]
-    memory = as_map(gpu.get("memory"))
-    allocated = f"allocated {_bytes(memory.get('used'))}"
-    if memory.get("api") == "v1":
-        allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
-    memory_parts = [
-        f"total {_bytes(memory.get('total'))}",
-        allocated,
-        f"reserved {_bytes(memory.get('reserved'))}",
-        f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
-    ]
-    lines.append("  memory  " + "  ".join(memory_parts))
+    lines = [paint(header, _BOLD), _memory_line(gpu, full=True)]
     flags = _gpu_flags(gpu)
     if flags:
         lines.append("  " + paint("; ".join(flags), _YELLOW))
@@ -217,14 +197,17 @@ def _holder_table(
     return lines
 
 
-def _memory_line(gpu: Mapping[str, object]) -> str:
+def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
+    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and the
+    reservation."""
     memory = as_map(gpu.get("memory"))
+    allocated = f"allocated {_bytes(memory.get('used'))}"
+    if full and memory.get("api") == "v1":
+        allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
+    reserved = [f"reserved {_bytes(memory.get('reserved'))}"] if full else []
+    baseline = f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}"
     return "  memory  " + "  ".join(
-        [
-            f"total {_bytes(memory.get('total'))}",
-            f"allocated {_bytes(memory.get('used'))}",
-            f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
-        ]
+        [f"total {_bytes(memory.get('total'))}", allocated, *reserved, baseline]
     )
 
 
@@ -248,7 +231,7 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
     if state == "clean":
         lines = ["  verdict  clean: a new job may have it"]
     else:
-        lines = [paint(f"  verdict  NOT CLEAN ({_clean(state)})", _RED)]
+        lines = [paint(f"  verdict  NOT CLEAN ({escape(state)})", _RED)]
         lines.extend(
             f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
         )
@@ -283,7 +266,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("LOST: the GPU stopped answering")
     error = as_text(gpu.get("error"))
     if error:
-        flags.append(f"error: {_clean(error)}")
+        flags.append(f"error: {escape(error)}")
     if gpu.get("mig_enabled") is True:
         flags.append("MIG enabled")
     if gpu.get("coherent_memory") is True:
@@ -311,7 +294,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("row remapping failed")
     reason = as_text(gpu.get("report_only"))
     if reason:
-        flags.append(f"report-only: {_clean(reason)}")
+        flags.append(f"report-only: {escape(reason)}")
     flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
     return flags
 
@@ -365,7 +348,7 @@ def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None)
         "-" if gone else _text(entry.get("state")),
         role,
         memory,
-        _clean(",".join(via)) or "-",
+        escape(",".join(via)) or "-",
         _job(entry.get("cgroup"), known=not gone),
         "-" if gone else _age(now, _as_float(entry.get("started"))),
         _command(entry),
@@ -380,7 +363,7 @@ def _role_label(role: str | None, owner: object) -> str:
         return f"worker of {owner_pid}" if owner_pid is not None else "worker"
     if role == "orphaned":
         return f"orphaned from {owner_pid}" if owner_pid is not None else "orphaned"
-    return _ROLE_LABELS.get(role, _clean(role.replace("_", " ")))
+    return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
 
 
 def _nvml_only_label(process: Mapping[str, object]) -> str:
@@ -392,7 +375,7 @@ def _nvml_only_label(process: Mapping[str, object]) -> str:
 def _user(entry: Mapping[str, object]) -> str:
     user = as_text(entry.get("user"))
     if user:
-        return _clean(user)
+        return escape(user)
     uid = as_int(entry.get("uid"))
     return str(uid) if uid is not None else "?"
 
@@ -403,25 +386,25 @@ def _job(cgroup: object, *, known: bool) -> str:
         return "?" if known else "-"
     slurm = as_text(cgroup.get("slurm_job"))
     if slurm:
-        return _clean(f"slurm:{slurm}")
+        return escape(f"slurm:{slurm}")
     pod = as_text(cgroup.get("pod_uid"))
     if pod:
-        return _clean(f"pod:{pod[:8]}")
+        return escape(f"pod:{pod[:8]}")
     container = as_text(cgroup.get("container_id"))
     if container:
         runtime = as_text(cgroup.get("container_runtime")) or "container"
-        return _clean(f"{runtime}:{container[:12]}")
+        return escape(f"{runtime}:{container[:12]}")
     unit = as_text(cgroup.get("systemd_unit"))
-    return _clean(unit) if unit else "-"
+    return escape(unit) if unit else "-"
 
 
 def _command(entry: Mapping[str, object]) -> str:
     cmdline = entry.get("cmdline")
     if isinstance(cmdline, list) and cmdline:
-        return _clean(" ".join(str(arg) for arg in cmdline))
+        return escape(" ".join(str(arg) for arg in cmdline))
     comm = as_text(entry.get("comm"))
     if comm:
-        return _clean(f"[{comm}]")
+        return escape(f"[{comm}]")
     return "-" if entry.get("alive") is False else "?"
 
 
@@ -499,7 +482,7 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         if key not in gpu_uuids
     }
     for key in sorted(node_reasons):
-        notes.append(f"report-only ({_clean(key)}): {_text(node_reasons[key])}")
+        notes.append(f"report-only ({escape(key)}): {_text(node_reasons[key])}")
     host = as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
@@ -507,7 +490,7 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
     for key, values in sorted(as_map(report.get("notes")).items()):
         if key not in gpu_uuids:
-            notes.extend(f"note ({_clean(key)}): {_text(value)}" for value in _as_list(values))
+            notes.extend(f"note ({escape(key)}): {_text(value)}" for value in _as_list(values))
     unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]
     if unreadable:
         shown = ", ".join(str(pid) for pid in unreadable[:10])
@@ -523,9 +506,6 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             "threads with fd tables of their own than a scan reads"
         )
     return notes
-
-
-# --- small formatting helpers -----------------------------------------------------------------
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -577,12 +557,7 @@ def _text(value: object) -> str:
         return "?"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return _clean(str(value))
-
-
-def _clean(text: str) -> str:
-    """Escape control characters, which a hostile command line could use to forge lines."""
-    return escape(text)
+    return escape(str(value))
 
 
 def _as_list(value: object) -> list[object]:

@@ -10,15 +10,16 @@ import math
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
-from gpuwatchd.cli.report_read import SnapshotError, load_report, opt_str, rebuild
+from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
 from gpuwatchd.cli.spared import spare_stops
+from gpuwatchd.core.checked import as_count, as_flag, as_text
+from gpuwatchd.core.codec import pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     Finding,
     FindingKind,
     ProcessInfo,
     Snapshot,
-    as_int,
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
@@ -79,24 +80,16 @@ class DaemonView:
     signalled_last_hour: int | None = None
 
 
+_DAEMON = {"paused": as_flag, "paused_reason": as_text, "forced_dry_run": as_flag,
+           "forced_reason": as_text, "signalled_last_hour": as_count}  # fmt: skip
+
+
 def daemon_view(report: Mapping[str, object]) -> DaemonView:
     """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
     raw = report.get("daemon")
     if not isinstance(raw, dict):
         return DaemonView()
-
-    def flag(key: str) -> bool | None:
-        value = raw.get(key)
-        return value if isinstance(value, bool) else None
-
-    count = as_int(raw.get("signalled_last_hour"))
-    return DaemonView(
-        paused=flag("paused"),
-        paused_reason=opt_str(raw, "paused_reason"),
-        forced_dry_run=flag("forced_dry_run"),
-        forced_reason=opt_str(raw, "forced_reason"),
-        signalled_last_hour=count if count is not None and count >= 0 else None,
-    )
+    return DaemonView(**pick(raw, _DAEMON))
 
 
 def kill_cap_note(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
@@ -20,6 +21,7 @@ from gpuwatchd.core.model import (
     FindingKind,
     ProcessInfo,
     Snapshot,
+    fields_of,
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
@@ -95,14 +97,10 @@ def daemon_view(report: Mapping[str, object]) -> DaemonView:
 def kill_cap_note(
     would_signal: int, daemon: DaemonView, limits: Limits, *, node_total: int | None = None
 ) -> str | None:
-    """The kill-cap line, only when a cap is reached or near; None when it is not, or unknown.
-
-    ``would_signal`` is how many findings of the report a rule would signal for the one user
-    with the most of them (the per-user caps count one user's processes); ``node_total`` how
-    many for everyone (default: the same). The per-poll cap is judged from them alone; the
-    hourly ones need the daemon's count of the last hour, which is node-wide, so only the
-    node's hourly cap is judged from it.
-    """
+    """The kill-cap line when a cap is reached or near; None when not, or unknown.
+    ``would_signal``: the findings a rule would signal for the user with the most of them;
+    ``node_total``: for everyone (default: the same). Only the node's hourly cap is judged
+    (the daemon's count of the last hour is node-wide)."""
     hint = "`gpuwatchd resume --clear-latches` lifts it"
     if daemon.forced_dry_run:
         why = f" ({daemon.forced_reason})" if daemon.forced_reason else ""
@@ -184,11 +182,8 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
 def _new_item(finding: Finding, since: float | None) -> dict[str, object]:
     """A finding's explanation before any rule is looked at: what it is, nothing decided."""
     return {
-        "key": finding.key,
+        **fields_of(finding, ("key", "kind", "gpu", "pid", "reason")),
         "kind": finding.kind.value,
-        "gpu": finding.gpu,
-        "pid": finding.pid,
-        "reason": finding.reason,
         "first_seen": since,
         "rule": None,
         "no_rule_because": [],
@@ -257,24 +252,11 @@ def _note_limits(
     """Add the kill-cap line (when near or reached) and the post-action delay (when another
     finding on the same GPU would be signalled too) to the findings a rule would signal. In
     dry-run the caps count nothing (nothing is sent); the delay still spaces the logged steps."""
-    per_user: dict[str, int] = {}
-    for _, finding in signalled:
-        owner = snapshot.processes.get(finding.pid) if finding.pid is not None else None
-        scope = kill_cap_scope(owner, snapshot.subuid_ranges)
-        per_user[scope] = per_user.get(scope, 0) + 1
-    note = (
-        None
-        if policy.dry_run
-        else kill_cap_note(
-            max(per_user.values(), default=0),
-            daemon,
-            policy.limits,
-            node_total=len(signalled),
-        )
-    )
-    per_gpu: dict[str | None, int] = {}
-    for _, finding in signalled:
-        per_gpu[finding.gpu] = per_gpu.get(finding.gpu, 0) + 1
+    owners = [snapshot.processes.get(f.pid) if f.pid is not None else None for _, f in signalled]
+    per_user = Counter(kill_cap_scope(owner, snapshot.subuid_ranges) for owner in owners)
+    most, total = max(per_user.values(), default=0), len(signalled)
+    note = None if policy.dry_run else kill_cap_note(most, daemon, policy.limits, node_total=total)
+    per_gpu = Counter(finding.gpu for _, finding in signalled)
     delay = policy.limits.post_action_delay
     for item, finding in signalled:
         stops = item["stopped_by"]
@@ -291,8 +273,8 @@ def _note_limits(
 
 def _explain_reset(case: _Case) -> None:
     """What the ``reset`` policy does with a ghost_memory finding."""
-    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
-    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
+    item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
+    policy, now, since = case.policy, case.now, case.since
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
@@ -303,14 +285,8 @@ def _explain_reset(case: _Case) -> None:
     if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
         action = instance.describe().replace("re-create", "re-creation of", 1)
     item["next"] = {"action": action, **_when(now, since, reset.confirm_for)}
-    item["then"] = [
-        f"cooldown {duration(reset.cooldown)}; "
-        f"at most {reset.max_resets} per {duration(reset.window)}"
-        + (" (the parent GPU's)" if instance is not None else "")
-    ]
-    # plan's own gates (the ones a snapshot can answer); report-only is said above.
-    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
-    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
+    item["then"] = [_reset_limits(policy) + (" (the parent GPU's)" if instance is not None else "")]
+    _gate_stops(case)
     if policy.dry_run:
         stops.append("dry_run: true — the reset is logged, not run")
     stops.append(
@@ -322,9 +298,8 @@ def _explain_reset(case: _Case) -> None:
 
 def _explain_health(case: _Case) -> None:
     """What the ``health`` policy does with a health finding (docs/policy.md#health)."""
-    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
-    snapshot, policy = case.snapshot, case.policy
-    health = policy.health
+    item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
+    policy, health = case.policy, case.policy.health
     item["rule"] = "health"
     now_ = _when(snapshot.wall_time, None, 0.0)  # no confirmation window: at once
     if not health.enabled:
@@ -347,17 +322,31 @@ def _explain_health(case: _Case) -> None:
     item["then"] = [
         f"wait at most {duration(health.drain_timeout)} for the GPU's users (never signalled), "
         "then on_failure once",
-        f"cooldown {duration(policy.reset.cooldown)}; "
-        f"at most {policy.reset.max_resets} per {duration(policy.reset.window)}",
+        _reset_limits(policy),
     ]
-    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
-    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
+    _gate_stops(case)
     gpu = next((g for g in snapshot.nvml.gpus if g.uuid == finding.gpu), None)
     if gpu is not None:
         blockers = drain_blockers(gpu, snapshot, device_isolation=health.device_isolation)
         stops.extend(f"waits for {blocker}" for blocker in blockers)
     if policy.dry_run:
         stops.append("dry_run: true — the drain and the reset are logged, not run")
+
+
+def _reset_limits(policy: Policy) -> str:
+    reset = policy.reset
+    return (
+        f"cooldown {duration(reset.cooldown)}; "
+        f"at most {reset.max_resets} per {duration(reset.window)}"
+    )
+
+
+def _gate_stops(case: _Case) -> None:
+    """plan's own reset gates (those a snapshot can answer); report-only is said already."""
+    gates = reset_gates(
+        case.finding, case.snapshot, case.policy, report_only={}, findings=case.findings
+    )
+    case.stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
 
 
 def explain_file(path: str, policy: Policy) -> dict[str, object]:

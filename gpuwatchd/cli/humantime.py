@@ -8,6 +8,7 @@ the one reader of ``pause --for`` and ``spare --for`` (:func:`for_seconds`). Pur
 from __future__ import annotations
 
 import math
+import time
 
 
 def duration(seconds: object) -> str:
@@ -72,6 +73,15 @@ def ago(seconds: object) -> str:
     if seconds < 1:
         return "just now"
     return f"{duration(float(int(seconds)))} ago"
+
+
+def stamp(wall: float, *, zone: bool = False) -> str:
+    """A wall time as local time (``2026-01-02 03:04:05``, ``zone``: and its zone); ``?`` when
+    it cannot be one."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S" + (" %Z" if zone else ""), time.localtime(wall))
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def counted(count: object, noun: str, unknown: str = "?") -> str:

@@ -529,7 +529,7 @@ def _pause_length(text: str | None, max_pause: float) -> float:
 
 
 def _pause(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.humantime import duration
+    from gpuwatchd.cli.humantime import duration, stamp
     from gpuwatchd.collect.boottime import BootTime
     from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.state.directory import StateDir
@@ -547,7 +547,7 @@ def _pause(args: argparse.Namespace) -> int:
             clock = BootTime.read(time.time(), ProcFS(policy.proc_root).boot_id())
             ends = clock.wall + length
             set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
-            when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ends))
+            when = stamp(ends, zone=True)
             print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
         else:
             if args.reason:

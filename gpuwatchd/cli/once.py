@@ -77,16 +77,12 @@ def active_ladders(state: Mapping[str, object]) -> int:
     return sum(1 for lad in ladders.values() if as_map(lad).get("status") == "active")
 
 
-def daemon_pid(state: Mapping[str, object]) -> int | None:
-    return SavedState(state).daemon_pid
-
-
 def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
     as running: only a PID known gone or reused lets the waiter go on alone."""
     from gpuwatchd.cli.process_kind import look_at_process
 
-    pid = daemon_pid(state)
+    pid = SavedState(state).daemon_pid
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 
 
@@ -112,7 +108,7 @@ def wait_for_daemon(
     deadline = started + timeout
     state = read_state()
     out.write(
-        f"gpuwatchd: the daemon (pid {daemon_pid(state) or '?'}) is running; "
+        f"gpuwatchd: the daemon (pid {SavedState(state).daemon_pid or '?'}) is running; "
         f"waiting up to {format_duration(timeout)} for it to clean this node\n"
     )
     left: list[str] = []
@@ -152,6 +148,6 @@ def wait_for_daemon(
     ladders = active_ladders(state)
     out.write(
         f"gpuwatchd: timed out after {format_duration(timeout)}: {escape('; '.join(left))} "
-        f"(daemon pid {daemon_pid(state) or '?'}, {ladders} ladder(s) active)\n"
+        f"(daemon pid {SavedState(state).daemon_pid or '?'}, {ladders} ladder(s) active)\n"
     )
     return ExitCode.TEMPFAIL

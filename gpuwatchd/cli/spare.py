@@ -14,11 +14,12 @@ import json
 import time
 from typing import IO
 
-from gpuwatchd.cli.humantime import duration, for_seconds, until
+from gpuwatchd.cli.humantime import duration, for_seconds, stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import job_processes
@@ -47,10 +48,6 @@ def _length(text: str | None, max_spare: float) -> float:
         return for_seconds(text, command="spare", limit="limits.max_spare", maximum=max_spare)
     except (ConfigError, ValueError) as exc:
         raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
-
-
-def _stamp(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
 
 
 def spare_command(
@@ -99,7 +96,7 @@ def spare_command(
         )
     what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
     print(
-        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {_stamp(ends)}: "
+        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {stamp(ends, zone=True)}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
         file=out,
     )
@@ -158,26 +155,15 @@ def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[
         found = SpareFiles((), ())
     spares, problems = found.spares, found.problems
     if as_json:
-        rows = [
-            {
-                "target": s.target,
-                "pid": s.pid,
-                "start_ticks": s.start_ticks,
-                "job": s.job,
-                "until": s.until,
-                "since": s.since,
-                "reason": s.reason,
-                "by_uid": s.by_uid,
-            }
-            for s in spares
-        ]
+        names = ("target", "pid", "start_ticks", "job", "until", "since", "reason", "by_uid")
+        rows = [fields_of(s, names) for s in spares]
         json.dump({"spares": rows, "problems": list(problems)}, out, indent=2)
         out.write("\n")
         return ExitCode.OK
     if not spares:
         print("no spares", file=out)
     for s in spares:
-        line = f"{s.target}  until {_stamp(s.until)} ({until(s.until - now)})  {s.reason}"
+        line = f"{s.target}  until {stamp(s.until, zone=True)} ({until(s.until - now)})  {s.reason}"
         print(escape(line), file=out)
     for problem in problems:
         print(escape(f"ignored: {problem}"), file=out)

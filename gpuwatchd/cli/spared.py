@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import pwd
-import time
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.cli.humantime import until
+from gpuwatchd.cli.humantime import stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
-from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int
+from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int, fields_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
 from gpuwatchd.state.directory import StateDir
@@ -36,15 +35,7 @@ def spares_in_force(state_dir: StateDir | None, policy: Policy, now: float) -> t
 def spare_row(spare: Spare, unknown: str | None = None) -> dict[str, object]:
     """A spare as ``scan --json`` carries it; ``unknown`` says why a process counts as spared
     without being the spared one (its start time or job cannot be read)."""
-    row: dict[str, object] = {
-        "target": spare.target,
-        "until": spare.until,
-        "reason": spare.reason,
-        "by_uid": spare.by_uid,
-        "pid": spare.pid,
-        "start_ticks": spare.start_ticks,
-        "job": spare.job,
-    }
+    row = fields_of(spare, ("target", "until", "reason", "by_uid", "pid", "start_ticks", "job"))
     if unknown is not None:
         row["unknown"] = unknown
     return row
@@ -110,10 +101,7 @@ def spared_text(row: Mapping[str, object], now: float | None) -> str:
     ends = as_number(row.get("until"))
     when = "?"
     if ends is not None:
-        try:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ends))
-        except (OverflowError, OSError, ValueError):
-            when = "?"
+        when = stamp(ends)
         if now is not None:
             when += f" ({until(ends - now)})"
     reason = as_text(row.get("reason"))

@@ -9,10 +9,9 @@ verdict. Every value comes from the checked result; nothing is read or worked ou
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
-from gpuwatchd.cli.humantime import ago, counted, duration, until
+from gpuwatchd.cli.humantime import ago, counted, duration, stamp, until
 from gpuwatchd.core.checked import as_count, as_list, as_map, as_number
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LadderStatus
@@ -31,18 +30,8 @@ def _at(now: float, when: object) -> str:
     t = as_number(when)
     if t is None:
         return "unknown"
-    try:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return ago(now - t)
-    return f"{stamp} ({ago(now - t)})"
-
-
-def _stamp(t: float) -> str:
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return "?"
+    shown = stamp(t)
+    return ago(now - t) if shown == "?" else f"{shown} ({ago(now - t)})"
 
 
 def _header(result: Mapping[str, object]) -> str:
@@ -70,7 +59,7 @@ def _mode_line(result: Mapping[str, object]) -> str:
         ends = as_number(result.get("paused_until"))
         now = as_number(result.get("now"))
         lasts = (
-            f"until {_stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
+            f"until {stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
             if ends is not None and now is not None
             else "until `gpuwatchd resume`"
         )
@@ -196,7 +185,7 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
     for spare in as_list(result.get("spares")):
         row = as_map(spare)
         ends = as_number(row.get("until"))
-        left = "" if ends is None else f" until {_stamp(ends)} ({until(ends - now)})"
+        left = "" if ends is None else f" until {stamp(ends)} ({until(ends - now)})"
         why = f": {row['reason']}" if row.get("reason") else ""
         lines.append(f"spared:   {_text(row.get('target'))}{left}{why}")
     lines.extend(_verdict_lines(result.get("verdict")))

@@ -1,9 +1,6 @@
-"""Durations, relative times and counts as people read them: ``9m53s``, ``in 25s``, ``3m ago``,
-``now``, ``1 finding``.
-
-Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Also
-the one reader of ``pause --for`` and ``spare --for`` (:func:`for_seconds`). Pure.
-"""
+"""Durations, times and counts as people read them (``9m53s``, ``in 25s``, ``3m ago``,
+``1 finding``) in the text of ``status``, ``explain`` and ``spare``; and the one reader of
+``pause --for`` and ``spare --for``."""
 
 from __future__ import annotations
 
@@ -12,12 +9,8 @@ import time
 
 
 def duration(seconds: object) -> str:
-    """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.
-
-    Under a minute it keeps a tenth of a second; above, whole seconds, then minutes past an
-    hour and hours past a day (at most two units). ``?`` for anything that is not a finite,
-    non-negative number.
-    """
+    """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h`` (tenths
+    under a minute, at most two units); ``?`` for anything but a finite, non-negative number."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         return "?"
     if not math.isfinite(seconds) or seconds < 0:

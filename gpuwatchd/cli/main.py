@@ -1,9 +1,5 @@
-"""The ``gpuwatchd`` command line: argument parsing, exit codes, and wiring for each command.
-
-This module owns the public interface of docs/architecture.md, public interfaces — subcommands,
-flags and exit codes. It holds no decision logic: commands build the same collector → assess → plan
-core the daemon uses.
-"""
+"""The ``gpuwatchd`` command line: subcommands, flags and exit codes, and each command's wiring.
+No decision logic: commands build the daemon's collector → assess → plan core."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """MIG in ``scan``: each MIG GPU's instances, under their GPU, in the JSON document and the text.
 
-This module owns the ``mig_instances`` list of a GPU entry (docs/scan.md) and its lines in
-the text view. An instance entry is built like a GPU's (``cli/report.py`` passes its own
-builder, run over :func:`gpuwatchd.decide.mig.instances.instance_view`), so its processes, holders,
-memory, report-only reason and notes read the same way, and is then given the instance's MIG
-facts. Pure: no I/O.
+An instance entry is built as a GPU's is (``report.py`` passes its builder, run over
+:func:`gpuwatchd.decide.mig.instances.instance_view`), then given its MIG facts. Pure.
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ def mig_instances_json(
     layout: MigLayout,
     entry_for: Callable[[GpuInfo], dict[str, object]],
 ) -> list[dict[str, object]] | None:
-    """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices read.
-
-    Instances of a GPU whose instances are not judged (``layout.unjudged``) are listed from
-    NVML's reading alone (``judged`` false, no holders).
-    """
+    """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices read; a GPU
+    whose instances are not judged lists them from NVML alone (``judged`` false, no holders)."""
     if gpu.mig_enabled is not True or gpu.mig_devices is None:
         return None
     judged = gpu.uuid in layout.judged

@@ -27,12 +27,9 @@ MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 def daemon_busy(
     state: Mapping[str, object], report: Mapping[str, object], dirty: set[str]
 ) -> list[str]:
-    """What the daemon, by its state file, still has to do about the findings of ``report``
-    on the GPUs that are not clean (``dirty``, UUIDs): a finding it has not seen yet (it was
-    not polling since it appeared, or it takes an epilog's hand-over at its next poll), or one
-    with a ladder, a confirmation window or a reset under way (:func:`pending_keys`, as
-    ``run --once`` without a daemon asks its own plan). Empty: nothing it does will change the
-    GPUs that are not clean."""
+    """What the daemon, by its state file, still has to do about ``report``'s findings on the GPUs
+    not clean (``dirty``): one it has not seen yet, or one with a ladder, a window or a reset under
+    way (:func:`pending_keys`). Empty: nothing it does will change those GPUs."""
     try:
         plan = PlanState.from_json(state.get("plan"))
     except ValueError:

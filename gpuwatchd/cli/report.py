@@ -1,10 +1,6 @@
-"""The ``gpuwatchd scan`` report as plain data: the JSON document for machines.
-
-This module owns the shape of ``gpuwatchd scan --json`` (every field in ``docs/scan.md``):
-``build_report`` turns a snapshot plus what the assessment concluded into JSON-able data. Its
-text view is ``report_text.py``; MIG parts are ``mig_report.py``. Pure: no I/O, no clock; it
-decides nothing and never invents a fact: an unknown value is ``null``.
-"""
+"""The ``gpuwatchd scan --json`` document (every field in ``docs/scan.md``), built from a
+snapshot and its assessment; its text view is ``report_text.py``, its MIG parts
+``mig_report.py``. Pure: it decides nothing, and an unknown value is ``null``."""
 
 from __future__ import annotations
 
@@ -85,15 +81,10 @@ def build_report(
 ) -> dict[str, object]:
     """The ``scan --json`` document for one snapshot and its assessment. Pure.
 
-    ``report_only`` maps a GPU UUID (or a node-level key) to why that scope is report-only;
-    ``baselines`` maps a GPU UUID to its learned idle allocation in bytes; ``first_seen`` maps a
-    finding key to the wall time it was first seen. ``boot_time`` (wall seconds) and
-    ``clock_ticks`` (``SC_CLK_TCK``) turn start ticks into start times when both are given.
-    ``notes`` maps a GPU UUID (or "node") to why a check could not conclude there.
-    ``verdict`` is :func:`gpuwatchd.decide.verdict.judge` of the same snapshot and assessment
-    (each GPU's ``verdict``, and the node's); None leaves them out.
-    The daemon's own processes (``snapshot.self_pids``) are never listed as holders.
-    """
+    ``report_only`` and ``notes``: per GPU UUID (or node key), why it is report-only and why a
+    check could not conclude; ``baselines``: each GPU's learned idle allocation; ``first_seen``:
+    the wall time each finding key was first seen; ``boot_time`` and ``clock_ticks`` together
+    give start times; ``verdict`` (:func:`gpuwatchd.decide.verdict.judge`) adds the verdicts."""
     seen = first_seen or {}
     all_notes = notes or {}
     roles_by_key: dict[tuple[str, int], RoleLike] = {}
@@ -340,12 +331,8 @@ def _process_facts(
     *,
     missing_means_dead: bool,
 ) -> dict[str, object]:
-    """Host facts of one process; every value None when they were not collected.
-
-    A PID that NVML lists is always looked up, so missing facts mean it is not in /proc
-    (``alive`` False). A device holder was seen in /proc by the holder scan, so missing facts
-    for it mean only that they are unknown (``alive`` None).
-    """
+    """Host facts of one process; every value None when not collected. Missing facts of a PID NVML
+    lists mean it is not in /proc (``alive`` False); of a device holder (seen there), unknown."""
     if info is None:
         return {**dict.fromkeys(_FACTS), "alive": False if missing_means_dead else None}
     started = None

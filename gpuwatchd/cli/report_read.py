@@ -91,11 +91,8 @@ _BRACKET = re.compile(rb"[\[{\]}]")
 
 
 def _shape_problem(raw: bytes) -> str | None:
-    """Why ``raw`` cannot be a report by its shape alone (too many values, nested too deeply),
-    told before it is parsed; None when its shape is within the bounds. Strings are set aside
-    first (their brackets and commas are text); each value past the first in a list or object
-    follows a comma, each list or object opens with a bracket, so their counts bound the
-    values parsing would make."""
+    """Why ``raw`` cannot be a report by its shape alone (too many values, nested too deep), before
+    it is parsed: with strings set aside, commas and opening brackets bound the values."""
     bare = _JSON_STRING.sub(b'""', raw) if b'"' in raw else raw  # no copy where no string
     values = bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
     if values > MAX_REPORT_VALUES:

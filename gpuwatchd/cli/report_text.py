@@ -1,9 +1,5 @@
-"""The plain ``gpuwatchd scan`` view: the report's data (``report.py``) as aligned text.
-
-This module owns ``render_text``. It reads the report as plain data (it may come from a file or
-another version), so it checks every value it uses and never raises on a missing or oddly typed
-one; an unknown value is ``?``. Pure: no I/O, no clock, no environment.
-"""
+"""The plain ``gpuwatchd scan`` view: a report's data (``report.py``) as aligned text. The data
+may come from a file or another version: every value is checked, an unknown one is ``?``. Pure."""
 
 from __future__ import annotations
 
@@ -41,14 +37,9 @@ _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 def render_text(
     report: Mapping[str, object], *, color: bool = False, command_width: int = COMMAND_WIDTH
 ) -> str:
-    """The human view of a ``build_report`` document, ending with a newline. Pure.
-
-    Per GPU: a header (index, name, UUID, PCI bus id), a memory line, a table of every process
-    that NVML lists or that holds the GPU's device file, then that GPU's findings. Then the
-    node: notes (NVML trouble, report-only reasons, unreadable processes), processes holding
-    only nvidiactl / nvidia-uvm, and findings tied to no listed GPU. ANSI colours only
-    when ``color`` is True. Unknown values print as ``?``, absent ones as ``-``.
-    """
+    """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
+    header, memory, holders' table and findings; then the node's notes, holders and findings.
+    Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
     paint = _painter(color)
     now = _as_float(report.get("time"))
     lines = [_title_line(report)]

@@ -1,9 +1,5 @@
-"""The read-only ``gpuwatchd scan``: one full collection, assessed, turned into a report.
-
-This module owns the wiring of the one-shot scan (never any action, never a state write). It
-reads the daemon's state file when it can, so the report shows learned baselines and since when
-each finding has been seen.
-"""
+"""The read-only ``gpuwatchd scan``: one collection, assessed and reported, never an action nor a
+state write; the daemon's state file, when readable, gives baselines and first-seen times."""
 
 from __future__ import annotations
 

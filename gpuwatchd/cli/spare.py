@@ -1,12 +1,6 @@
-"""``gpuwatchd spare``: leave one process, or one job's processes, alone for a while.
-
-This module owns the command: ``spare PID|job:ID --for DURATION --reason TEXT`` writes the
-spare (``gpuwatchd/state/spares.py``) — a process by its PID and the start time read from
-``/proc/PID/stat`` now, so a later process that reuses the PID is not spared — ``spare
---list`` shows the spares in force, ``spare --cancel PID|job:ID`` ends one. The running daemon
-reads them at its next poll (``spare.started``, ``spare.ended``); each ends by itself, at most
-``limits.max_spare`` after it was given.
-"""
+"""``gpuwatchd spare``: leave one process (by PID and start time, so a reused PID is not
+spared) or one job's processes alone for a while; ``--list`` shows them, ``--cancel`` ends one.
+The daemon reads them (:mod:`gpuwatchd.state.spares`) at its next poll."""
 
 from __future__ import annotations
 

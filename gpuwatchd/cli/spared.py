@@ -1,11 +1,6 @@
-"""How ``scan`` and ``explain`` show an administrator's spares (``gpuwatchd spare``).
-
-This module owns the ``spares`` list and each finding's and holder's ``spared`` entry in
-``scan --json``, and the line that says it: "spared until 2026-12-04 14:00:00 (in 50m) by
-root (uid 0): kernel debugging". What a spare covers is :func:`gpuwatchd.decide.spares.
-spare_covering`'s (the daemon's rule); the spares are read from ``state_dir`` as the daemon
-reads them (:func:`gpuwatchd.state.spares.read_spares`), changing nothing.
-"""
+"""How ``scan`` and ``explain`` show an administrator's spares: the report's ``spares`` list,
+each finding's and holder's ``spared`` entry, and its line ("spared until … by root (uid 0):
+why"). What a spare covers is :func:`gpuwatchd.decide.spares.spare_covering`'s."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""``gpuwatchd status`` as text: the checked status :func:`gpuwatchd.cli.status.describe` builds,
-in lines for people.
-
-This module owns the text view of ``status``: the header (running or not, for how long), the
-mode and latches, the ladders and their next step, the last actions, the resets with their
-cooldowns and limits, the evidence files kept, NVML's and the GPUs' health and the clean
-verdict. Every value comes from the checked result; nothing is read or worked out here. Pure.
-"""
+"""``gpuwatchd status`` as text: the checked result of :func:`gpuwatchd.cli.status.describe`
+in lines for people. Every value comes from it; nothing is read or worked out here. Pure."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
+from gpuwatchd.core.checked import as_list, as_map
 from gpuwatchd.core.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
-from gpuwatchd.decide.mig.instances import MigInstance, MigLayout, instance_gpu
+from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
@@ -25,43 +26,33 @@ def mig_instances_json(
     whose instances are not judged lists them from NVML alone (``judged`` false, no holders)."""
     if gpu.mig_enabled is not True or gpu.mig_devices is None:
         return None
-    judged = gpu.uuid in layout.judged
+    if gpu.uuid not in layout.judged:
+        return [
+            {"gi": d.gi, "ci": [] if d.ci is None else [d.ci], "uuid": d.uuid,
+             "mig_uuids": [d.uuid], "profile": d.profile, **_placed(d), "judged": False}
+            for d in gpu.mig_devices
+        ]  # fmt: skip
     found: list[dict[str, object]] = []
-    if judged:
-        for instance in layout.instances_of(gpu.uuid):
-            whole = entry_for(instance_gpu(instance))
-            entry = _facts(instance)
-            entry.update({key: whole.get(key) for key in _KEPT if key in whole})
-            entry["judged"] = True
-            found.append(entry)
-        return found
-    for device in gpu.mig_devices:
+    for instance in layout.instances_of(gpu.uuid):
+        whole = entry_for(instance_gpu(instance))
         found.append(
             {
-                "gi": device.gi,
-                "ci": [] if device.ci is None else [device.ci],
-                "uuid": device.uuid,
-                "mig_uuids": [device.uuid],
-                "profile": device.profile,
-                "gi_profile_id": device.gi_profile_id,
-                "placement": None if device.placement is None else list(device.placement),
-                "judged": False,
+                "gi": instance.gi,
+                "ci": list(instance.cis),
+                "uuid": instance.uuid,
+                "mig_uuids": [d.uuid for d in instance.devices],
+                "profile": instance.profile,
+                **_placed(instance.memory_device),
+                **{key: whole.get(key) for key in _KEPT if key in whole},
+                "judged": True,
             }
         )
     return found
 
 
-def _facts(instance: MigInstance) -> dict[str, object]:
-    device = instance.memory_device
-    return {
-        "gi": instance.gi,
-        "ci": list(instance.cis),
-        "uuid": instance.uuid,
-        "mig_uuids": [d.uuid for d in instance.devices],
-        "profile": instance.profile,
-        "gi_profile_id": device.gi_profile_id,
-        "placement": None if device.placement is None else list(device.placement),
-    }
+def _placed(device: MigDevice) -> dict[str, object]:
+    placement = None if device.placement is None else list(device.placement)
+    return {"gi_profile_id": device.gi_profile_id, "placement": placement}
 
 
 def mig_instance_lines(
@@ -148,21 +139,20 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
     for item in instances[:16]:
         if not isinstance(item, Mapping):
             continue
-        gi = item.get("gi")
-        if not isinstance(gi, int) or isinstance(gi, bool):
+        gi = as_int(item.get("gi"))
+        if gi is None:
             continue
-        ids = [c for c in _items(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
-        names = [u if isinstance(u, str) else None for u in _items(item.get("mig_uuids"))]
+        ids = [c for c in as_list(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
+        names = [u if isinstance(u, str) else None for u in as_list(item.get("mig_uuids"))]
         profile = item.get("profile")
         profile_id = as_int(item.get("gi_profile_id"))
-        place = [p for p in (as_int(p) for p in _items(item.get("placement"))) if p is not None]
+        place = [p for p in (as_int(p) for p in as_list(item.get("placement"))) if p is not None]
         placement = (place[0], place[1]) if len(place) == 2 else None
-        memory = item.get("memory")
-        used = as_int(memory.get("used")) if isinstance(memory, Mapping) else None
-        total = as_int(memory.get("total")) if isinstance(memory, Mapping) else None
+        memory = as_map(item.get("memory"))
+        used, total = as_int(memory.get("used")), as_int(memory.get("total"))
         listed = tuple(
             NvmlProcess(pid, as_int(e.get("used_memory")), str(e.get("type") or "compute"))
-            for e in _items(item.get("processes"))
+            for e in as_list(item.get("processes"))
             if isinstance(e, Mapping) and (pid := as_int(e.get("pid"))) is not None
         )
         for position, ci in enumerate(ids or [0]):
@@ -193,19 +183,19 @@ def capabilities_from_report(
     held: dict[int, tuple[set[int], set[int]]] = {}
     if gpu_minor is None:
         return table, held
-    for item in _items(raw.get("mig_instances")):
+    for item in as_list(raw.get("mig_instances")):
         gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
         if not isinstance(item, Mapping) or item.get("judged") is not True or gi is None:
             continue
-        cis = [c for c in (as_int(c) for c in _items(item.get("ci"))) if c is not None]
+        cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
         minors = {cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
         minors.update({cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
         table.update(minors)
-        for entry in _items(item.get("holders")):
+        for entry in as_list(item.get("holders")):
             pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
             if pid is None or not isinstance(entry, Mapping):
                 continue
-            via = _items(entry.get("via"))
+            via = as_list(entry.get("via"))
             fd, mapped = held.setdefault(pid, (set(), set()))
             (fd if "fd" in via or not via else mapped).update(minors)
             if "map" in via:
@@ -216,13 +206,9 @@ def capabilities_from_report(
 def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
     """The process and holder entries of a saved GPU entry's instances (``explain``)."""
     found: list[Mapping[str, object]] = []
-    for item in _items(raw.get("mig_instances")):
+    for item in as_list(raw.get("mig_instances")):
         if not isinstance(item, Mapping):
             continue
         for key in ("processes", "holders"):
-            found += [e for e in _items(item.get(key)) if isinstance(e, Mapping)]
+            found += [e for e in as_list(item.get(key)) if isinstance(e, Mapping)]
     return found
-
-
-def _items(value: object) -> list[object]:
-    return value if isinstance(value, list) else []

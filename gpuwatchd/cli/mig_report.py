@@ -6,11 +6,20 @@ An instance entry is built as a GPU's is (``report.py`` passes its builder, run 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.core.checked import as_list, as_map
-from gpuwatchd.core.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
+from gpuwatchd.core.model import (
+    DeviceHolding,
+    GpuInfo,
+    GpuMemory,
+    MigCapability,
+    MigDevice,
+    NvmlProcess,
+    as_int,
+)
 from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
@@ -173,34 +182,39 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
     return tuple(devices)
 
 
-def capabilities_from_report(
-    raw: Mapping[str, object], gpu_minor: int | None
-) -> tuple[dict[int, MigCapability], dict[int, tuple[set[int], set[int]]]]:
-    """A saved GPU entry's judged instances back as a capability table and, per holder PID,
-    the capability minors it holds (by fd, by mapping): so ``explain`` places each holder in
-    its instance as the daemon did. Empty when the entry's instances were not judged."""
+def mig_capabilities(
+    holdings: dict[int, DeviceHolding], gpus: Sequence[GpuInfo], gpus_raw: Sequence[object]
+) -> dict[int, MigCapability]:
+    """The capability table of a saved report's judged MIG instances (``explain``), each
+    instance holder's capability minors (by fd, by mapping) added to ``holdings``: so each
+    holder is placed in its instance as the daemon placed it."""
     table: dict[int, MigCapability] = {}
-    held: dict[int, tuple[set[int], set[int]]] = {}
-    if gpu_minor is None:
-        return table, held
-    for item in as_list(raw.get("mig_instances")):
-        gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
-        if not isinstance(item, Mapping) or item.get("judged") is not True or gi is None:
+    for gpu, raw in zip(gpus, gpus_raw, strict=True):
+        minor = gpu.minor
+        if minor is None or not isinstance(raw, Mapping):
             continue
-        cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
-        minors = {cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
-        minors.update({cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
-        table.update(minors)
-        for entry in as_list(item.get("holders")):
-            pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
-            if pid is None or not isinstance(entry, Mapping):
+        for item in as_list(raw.get("mig_instances")):
+            gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
+            if gi is None or not isinstance(item, Mapping) or item.get("judged") is not True:
                 continue
-            via = as_list(entry.get("via"))
-            fd, mapped = held.setdefault(pid, (set(), set()))
-            (fd if "fd" in via or not via else mapped).update(minors)
-            if "map" in via:
-                mapped.update(minors)
-    return table, held
+            cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
+            minors = {cap_minor(minor, gi): MigCapability(minor, gi)}
+            minors.update({cap_minor(minor, gi, c): MigCapability(minor, gi, c) for c in cis})
+            table.update(minors)
+            for entry in as_list(item.get("holders")):
+                pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
+                if pid is None or not isinstance(entry, Mapping):
+                    continue
+                via = as_list(entry.get("via"))
+                by_fd = "fd" in via or not via
+                old = holdings.get(pid, DeviceHolding(pid))
+                holdings[pid] = dataclasses.replace(
+                    old,
+                    cap_minors_fd=old.cap_minors_fd | (set(minors) if by_fd else set()),
+                    cap_minors_map=old.cap_minors_map
+                    | (set(minors) if not by_fd or "map" in via else set()),
+                )
+    return table
 
 
 def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:

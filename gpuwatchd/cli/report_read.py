@@ -5,20 +5,19 @@ In detail: docs/internals.md, section `gpuwatchd.cli.report_read`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping
 from typing import TypeVar
 
 from gpuwatchd.cli.mig_report import (
-    capabilities_from_report,
     instance_process_entries,
+    mig_capabilities,
     mig_devices_from_report,
 )
 from gpuwatchd.cli.spared import spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.core.checked import as_flag, as_map, as_text
+from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import (
     CgroupInfo,
@@ -27,7 +26,6 @@ from gpuwatchd.core.model import (
     FindingKind,
     GpuInfo,
     HolderScan,
-    MigCapability,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -205,6 +203,13 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
         persistence_mode=None,
         lost=raw.get("lost") is True,
         mig_devices=mig_devices_from_report(raw),
+        # NVML's process list as the report gives it (checked by _read_gpus): a health reset
+        # waits for these.
+        processes=tuple(
+            NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
+            for entry in as_list(raw.get("processes"))
+            if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
+        ),
     )
 
 
@@ -226,8 +231,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
     findings_raw = _need(report, "findings", (list,), "snapshot")
     host, nvml = as_map(report.get("host")), as_map(report.get("nvml"))
     gpus, processes, holdings = _read_gpus(gpus_raw)
-    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
+    caps = mig_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
     _add_node_holders(report, processes)
     findings, first_seen = _read_findings(findings_raw)
     snapshot = Snapshot(
@@ -330,36 +334,3 @@ def _add_node_holders(report: Mapping[str, object], processes: dict[int, Process
     for entry in _list_field(report, "node_holders", "node_holders"):
         if isinstance(entry, dict) and (proc := _process(entry)) is not None:
             processes.setdefault(proc.pid, proc)
-
-
-def _with_capabilities(
-    holdings: dict[int, DeviceHolding], gpus: list[GpuInfo], gpus_raw: list[object]
-) -> dict[int, MigCapability]:
-    """The capability table of the report's judged MIG GPUs; each instance holder's
-    capabilities added to ``holdings``, so the instances are judged as the daemon judged them."""
-    table: dict[int, MigCapability] = {}
-    for gpu, raw in zip(gpus, gpus_raw, strict=True):
-        if not isinstance(raw, dict):
-            continue
-        caps, held = capabilities_from_report(raw, gpu.minor)
-        table.update(caps)
-        for pid, (fd, mapped) in held.items():
-            holding = holdings.get(pid, DeviceHolding(pid))
-            holdings[pid] = dataclasses.replace(
-                holding,
-                cap_minors_fd=holding.cap_minors_fd | fd,
-                cap_minors_map=holding.cap_minors_map | mapped,
-            )
-    return table
-
-
-def _with_listed(gpu: GpuInfo, raw: Mapping[str, object]) -> GpuInfo:
-    """``gpu`` with NVML's process list as the report gives it (validated by ``rebuild``): a
-    health reset waits for these."""
-    entries = raw.get("processes")
-    listed = [
-        NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
-        for entry in (entries if isinstance(entries, list) else [])
-        if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
-    ]
-    return dataclasses.replace(gpu, processes=tuple(listed))

@@ -182,16 +182,20 @@ def _add_simulate_and_explain(add: _Add) -> None:
     explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
 
+def _add_for(parser: argparse.ArgumentParser, limit: str) -> None:
+    """``--for DURATION`` of pause and spare: at most the policy's ``limit``."""
+    help_ = f"how long (30m, 2h); at most the policy's {limit}"
+    parser.add_argument("--for", dest="for_", metavar="DURATION", help=help_)
+
+
 def _add_pause(add: _Add) -> None:
     """The maintenance switch: pause, resume."""
     pause = add("pause", "stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
-    pause.add_argument(
-        "--for",
-        dest="for_",
-        metavar="DURATION",
-        help="how long (30m, 2h); at most the policy's limits.max_pause, which is also how "
-        "long a pause without --for lasts; the daemon resumes by itself then",
+    _add_for(
+        pause,
+        "limits.max_pause, which is also how long a pause without --for lasts; the daemon "
+        "resumes by itself then",
     )
     resume = add("resume", "allow actions again")
     resume.add_argument(
@@ -216,12 +220,7 @@ def _add_spare(add: _Add) -> None:
         help="a process (by PID; its start time is recorded, so a reused PID is not spared) "
         "or a job (job:42 for Slurm job 42, job:pod:UID, job:container:ID, job:unit:NAME)",
     )
-    spare.add_argument(
-        "--for",
-        dest="for_",
-        metavar="DURATION",
-        help="how long (30m, 2h); at most the policy's limits.max_spare",
-    )
+    _add_for(spare, "limits.max_spare")
     spare.add_argument(
         "--reason", help=f"why (logged with {EventName.SPARE_STARTED}, shown in status)"
     )

@@ -96,12 +96,10 @@ def _print(answer: ScanAnswer) -> int:
     try:
         sys.stdout.write(answer.stdout)
         sys.stdout.flush()
-    except BrokenPipeError:  # `gpuwatchd scan --json | head`, as the full command says it
-        import contextlib
+    except BrokenPipeError:
+        from gpuwatchd.cli.main import reader_left
 
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return reader_left()
     for line in answer.stderr:
         print(line, file=sys.stderr)
     return answer.exit_code

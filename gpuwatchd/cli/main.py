@@ -248,14 +248,19 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # `gpuwatchd scan --json | head`: the reader left; not an error worth a traceback.
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports it
+        return reader_left()
     finally:
         from gpuwatchd.events import lazylog
 
         lazylog.reset()
+
+
+def reader_left() -> int:
+    """`gpuwatchd scan --json | head`: the reader left, not an error worth a traceback; 141
+    (128 + SIGPIPE), as a shell reports it."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
@@ -308,10 +313,8 @@ def _scan(args: argparse.Namespace) -> int:
 
     from gpuwatchd.collect.nvml import NvmlClient
 
-    # At exit the interpreter's last cycle collection would walk every object the imports
-    # made (~10 ms) to free memory the process is about to give back whole: frozen, they are
-    # skipped. A scan leaves nothing for a finalizer to do: the report is flushed, the NVML
-    # worker stopped, and it writes no file.
+    # Frozen, the objects the imports made are not walked by the last collection at exit
+    # (~10 ms); a scan leaves nothing for a finalizer to do (no file written, worker stopped).
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
     _errors_only_logging()

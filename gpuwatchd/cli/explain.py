@@ -361,12 +361,6 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
     return result
 
 
-def _fmt_in(seconds: object) -> str:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        return "now"
-    return until(seconds)
-
-
 def render_explanation(result: Mapping[str, object]) -> str:
     lines = [
         f"explain {result.get('snapshot')}: policy {', '.join(result['policy'])}"  # type: ignore[arg-type]
@@ -395,7 +389,7 @@ def render_explanation(result: Mapping[str, object]) -> str:
             lines.append(f"  rule: {item['rule']}")
         nxt = item["next"]
         if nxt is not None:
-            lines.append(f"  next: {nxt['action']} {_fmt_in(nxt['in'])} (from {nxt['basis']})")
+            lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")
             for then in item["then"]:
                 lines.append(f"        {then}")
         for stop in item["stopped_by"]:

@@ -13,7 +13,7 @@ from gpuwatchd.cli.mig_report import (
     parent_rows,
 )
 from gpuwatchd.cli.spared import spared_lines
-from gpuwatchd.core.checked import as_map, as_text
+from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int
 
@@ -41,11 +41,11 @@ def render_text(
     header, memory, holders' table and findings; then the node's notes, holders and findings.
     Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
     paint = _painter(color)
-    now = _as_float(report.get("time"))
+    now = as_number(report.get("time"))
     lines = [_title_line(report)]
     gpu_uuids: set[str] = set()
-    findings = [as_map(f) for f in _as_list(report.get("findings"))]
-    for gpu in (as_map(g) for g in _as_list(report.get("gpus"))):
+    findings = [as_map(f) for f in as_list(report.get("findings"))]
+    for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
         uuid = as_text(gpu.get("uuid"))
         if uuid is not None:
             gpu_uuids.add(uuid)
@@ -54,7 +54,7 @@ def render_text(
     gpu_uuids |= instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
-    holders = [as_map(h) for h in _as_list(report.get("node_holders"))]
+    holders = [as_map(h) for h in as_list(report.get("node_holders"))]
     if notes or node_findings or holders:
         lines.append("")
         lines.append(paint("node", _BOLD))
@@ -79,12 +79,12 @@ def _painter(color: bool) -> _Paint:
 def _title_line(report: Mapping[str, object]) -> str:
     host = as_map(report.get("host"))
     nvml = as_map(report.get("nvml"))
-    findings = _as_list(report.get("findings"))
+    findings = as_list(report.get("findings"))
     parts = [
         f"gpuwatchd {_text(report.get('version'))} scan",
         f"host {_text(host.get('hostname'))}",
         f"driver {_text(nvml.get('driver_version'))}",
-        counted(len(_as_list(report.get("gpus"))), "GPU"),
+        counted(len(as_list(report.get("gpus"))), "GPU"),
         counted(len(findings), "finding"),
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
@@ -161,10 +161,10 @@ def _gpu_finding_lines(
     uuid = as_text(gpu.get("uuid"))
     own = [f for f in findings if uuid is not None and as_text(f.get("gpu")) == uuid]
     noted = {f.get("pid") for f in own}  # a spared finding says so itself
-    holders = [h for h in map(as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+    holders = [h for h in map(as_map, as_list(gpu.get("holders"))) if h.get("pid") not in noted]
     lines = [f"  holder {line}" for line in spared_lines(holders, now)]
     lines.extend(_finding_lines(own, now, paint))
-    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    refusers = [p for p in as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
     if own and refusers:
         lines.append(
             f"  a reset now would be refused by the driver while PID "
@@ -218,7 +218,7 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
     state = as_text(verdict.get("state"))
     if state is None:
         return []
-    reasons = [as_map(r) for r in _as_list(verdict.get("reasons"))]
+    reasons = [as_map(r) for r in as_list(verdict.get("reasons"))]
     if state == "clean":
         lines = ["  verdict  clean: a new job may have it"]
     else:
@@ -226,7 +226,7 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
         lines.extend(
             f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
         )
-    blockers = [as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
+    blockers = [as_map(r) for r in as_list(verdict.get("reset_blockers"))]
     if blockers:
         lines.append("  would block a reset (not dirt):")
         lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
@@ -286,7 +286,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     reason = as_text(gpu.get("report_only"))
     if reason:
         flags.append(f"report-only: {escape(reason)}")
-    flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
+    flags.extend(f"note: {_text(note)}" for note in as_list(gpu.get("notes")))
     return flags
 
 
@@ -294,9 +294,9 @@ def _holder_rows(
     gpu: Mapping[str, object], now: float | None, command_width: int
 ) -> tuple[list[list[str]], list[bool]]:
     """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
-    holders = [as_map(h) for h in _as_list(gpu.get("holders"))]
+    holders = [as_map(h) for h in as_list(gpu.get("holders"))]
     holder_pids = {as_int(h.get("pid")) for h in holders}
-    listed = [as_map(p) for p in _as_list(gpu.get("processes"))]
+    listed = [as_map(p) for p in as_list(gpu.get("processes"))]
     rows: list[tuple[int, list[str], bool]] = []
     for holder in holders:
         memory = holder.get("used_memory")
@@ -331,7 +331,7 @@ def _holder_rows(
 
 
 def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None) -> list[str]:
-    via = [v for v in _as_list(entry.get("via")) if isinstance(v, str)]
+    via = [v for v in as_list(entry.get("via")) if isinstance(v, str)]
     gone = entry.get("alive") is False and entry.get("state") is None
     return [
         _text(entry.get("pid")),
@@ -341,7 +341,7 @@ def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None)
         memory,
         escape(",".join(via)) or "-",
         _job(entry.get("cgroup"), known=not gone),
-        "-" if gone else _age(now, _as_float(entry.get("started"))),
+        "-" if gone else _age(now, as_number(entry.get("started"))),
         _command(entry),
     ]
 
@@ -408,7 +408,7 @@ def _finding_lines(
     actionable: list[bool] = []
     for finding in findings:
         pid = as_int(finding.get("pid"))
-        since = _age(now, _as_float(finding.get("first_seen")), unknown="")
+        since = _age(now, as_number(finding.get("first_seen")), unknown="")
         status = "actionable" if finding.get("actionable") is True else "report only"
         rows.append(
             [
@@ -481,8 +481,8 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
     for key, values in sorted(as_map(report.get("notes")).items()):
         if key not in gpu_uuids:
-            notes.extend(f"note ({escape(key)}): {_text(value)}" for value in _as_list(values))
-    unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]
+            notes.extend(f"note ({escape(key)}): {_text(value)}" for value in as_list(values))
+    unreadable = [p for p in as_list(report.get("unreadable_pids")) if isinstance(p, int)]
     if unreadable:
         shown = ", ".join(str(pid) for pid in unreadable[:10])
         more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
@@ -490,7 +490,7 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             f"{len(unreadable)} processes could not be inspected (fds/maps unreadable: "
             f"{shown}{more}); what they hold is unknown"
         )
-    unread = [p for p in _as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
+    unread = [p for p in as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
     if unread:
         notes.append(
             f"{len(unread)} of them ({', '.join(str(pid) for pid in unread[:10])}) have more "
@@ -549,13 +549,3 @@ def _text(value: object) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return escape(str(value))
-
-
-def _as_list(value: object) -> list[object]:
-    return list(value) if isinstance(value, (list, tuple)) else []
-
-
-def _as_float(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)

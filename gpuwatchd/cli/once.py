@@ -60,12 +60,10 @@ def describe_findings(findings: list[Mapping[str, object]]) -> str:
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
     """The GPU of a reset the daemon has decided on or is running, from its state file."""
-    record = as_map(state.get("reset_in_progress"))
-    if record:
-        return str(record.get("gpu") or "a GPU")
     flight = as_map(as_map(state.get("plan")).get("reset_in_flight"))
-    if flight:
-        return str(flight.get("gpu") or "a GPU")
+    for record in (as_map(state.get("reset_in_progress")), flight):
+        if record:
+            return str(record.get("gpu") or "a GPU")
     return None
 
 

@@ -72,11 +72,8 @@ def spare_command(
     if not reason:
         raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
     boot_id = procfs.boot_id()
-    caveat = ""
-    if job is not None:
-        caveat = _job_found(procfs, job, target)
+    caveat = "" if job is None else _job_found(procfs, job, target)
     start_ticks = None if pid is None else _start_ticks(procfs, pid, boot_id, target)
-    ends = now + seconds
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         write_spare(
             state_dir,
@@ -89,8 +86,9 @@ def spare_command(
             job=job,
         )
     what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
+    ends = stamp(now + seconds, zone=True)
     print(
-        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {stamp(ends, zone=True)}: "
+        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {ends}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
         file=out,
     )

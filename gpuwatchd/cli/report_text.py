@@ -238,14 +238,9 @@ def _node_holder_lines(
 ) -> list[str]:
     rows = []
     for holder in holders:
-        row = _row(
-            {**holder, "via": holder.get("devices")},
-            _role_label(as_text(holder.get("role")), holder.get("owner_pid")),
-            "-",
-            now,
-        )
+        role = _role_label(as_text(holder.get("role")), holder.get("owner_pid"))
+        row = _row({**holder, "via": holder.get("devices")}, role, "-", now, command_width)
         rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
-        rows[-1][-1] = _truncate(rows[-1][-1], command_width)
     header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
     table = _table([header, *rows])
     return ["    " + paint(table[0], _DIM), *("    " + line for line in table[1:])]
@@ -299,16 +294,10 @@ def _holder_rows(
     listed = [as_map(p) for p in as_list(gpu.get("processes"))]
     rows: list[tuple[int, list[str], bool]] = []
     for holder in holders:
-        memory = holder.get("used_memory")
-        memory_text = _bytes(memory) if holder.get("nvml_listed") is True else "-"
         role = as_text(holder.get("role"))
-        rows.append(
-            (
-                as_int(holder.get("pid")) or 0,
-                _row(holder, _role_label(role, holder.get("owner_pid")), memory_text, now),
-                role in _ALARM_ROLES,
-            )
-        )
+        memory = _bytes(holder.get("used_memory")) if holder.get("nvml_listed") is True else "-"
+        row = _row(holder, _role_label(role, holder.get("owner_pid")), memory, now, command_width)
+        rows.append((as_int(holder.get("pid")) or 0, row, role in _ALARM_ROLES))
     for process in listed:
         pid = as_int(process.get("pid"))
         if pid in holder_pids:
@@ -316,21 +305,16 @@ def _holder_rows(
         label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
             label = _nvml_only_label(process)
-        rows.append(
-            (
-                pid or 0,
-                _row(process, label, _bytes(process.get("used_memory")), now),
-                process.get("alive") is False,
-            )
-        )
+        row = _row(process, label, _bytes(process.get("used_memory")), now, command_width)
+        rows.append((pid or 0, row, process.get("alive") is False))
     rows.sort(key=lambda row: row[0])
-    table = [row for _, row, _ in rows]
-    for row in table:
-        row[-1] = _truncate(row[-1], command_width)
-    return table, [alarm for _, _, alarm in rows]
+    return [row for _, row, _ in rows], [alarm for _, _, alarm in rows]
 
 
-def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None) -> list[str]:
+def _row(
+    entry: Mapping[str, object], role: str, memory: str, now: float | None, command_width: int
+) -> list[str]:
+    """A process's table row, its command cut to ``command_width``."""
     via = [v for v in as_list(entry.get("via")) if isinstance(v, str)]
     gone = entry.get("alive") is False and entry.get("state") is None
     return [
@@ -342,7 +326,7 @@ def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None)
         escape(",".join(via)) or "-",
         _job(entry.get("cgroup"), known=not gone),
         "-" if gone else _age(now, as_number(entry.get("started"))),
-        _command(entry),
+        _truncate(_command(entry), command_width),
     ]
 
 

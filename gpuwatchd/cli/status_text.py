@@ -71,20 +71,15 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
     parts = [f"pid {_text(lad.get('pid'))}", f"rule {_text(lad.get('rule'))}"]
     if lad.get("gpu"):
         parts.append(str(lad["gpu"]))
-    step, steps = lad.get("step"), lad.get("steps")
-    parts.append(f"step {_text(step)}/{_text(steps)}")
+    parts.append(f"step {_text(lad.get('step'))}/{_text(lad.get('steps'))}")
     status = lad.get("status")
     if status != LadderStatus.ACTIVE:
         return "  " + "  ".join(parts) + f": {_text(status)}"
     nxt = lad.get("next")
     what = "ends" if nxt == "end" else f"next {_text(nxt)}"
     due_in = as_number(lad.get("due_in"))
-    if due_in is not None:
-        when = until(due_in)
-    elif lad.get("scheduled"):
-        when = "due (time unknown)"
-    else:
-        when = "due"
+    due = "due (time unknown)" if lad.get("scheduled") else "due"
+    when = due if due_in is None else until(due_in)
     dry = " (dry-run)" if lad.get("dry_run") else ""
     return "  " + "  ".join(parts) + f": {what} {when}{dry}"
 

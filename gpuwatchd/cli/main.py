@@ -271,10 +271,17 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
     chosen = path or DEFAULT_CONFIG_PATH
     if path is None and not required and not os.path.exists(chosen):
         return default_policy()
-    try:
+    with _refused(ConfigError):
         return load_policy(chosen)
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
+
+
+@contextlib.contextmanager
+def _refused(*errors: type[Exception], code: int = ExitCode.CONFIG) -> Iterator[None]:
+    """Any of ``errors`` as a :class:`CliError` with ``code``."""
+    try:
+        yield
+    except errors as exc:
+        raise CliError(str(exc), code) from exc
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -367,18 +374,14 @@ def _run(args: argparse.Namespace) -> int:
     from gpuwatchd.config.units import parse_duration
     from gpuwatchd.config.yamlsrc import ConfigError
 
-    try:
+    with _refused(ConfigError):
         timeout = parse_duration(args.timeout, where="--timeout")
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
     ended: set[str] = set()
     if args.ended_job and not args.once:
         raise CliError("--ended-job needs --once (it is true for one run)", ExitCode.CONFIG)
     for spec in args.ended_job[:64]:
-        try:
+        with _refused(ValueError):
             ended.add(scheduler_ended_job(spec, os.environ))
-        except ValueError as exc:
-            raise CliError(str(exc), ExitCode.CONFIG) from exc
     if len(args.ended_job) > 64:
         raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
@@ -417,12 +420,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from gpuwatchd.sim.timeline import render_text
     from gpuwatchd.sim.world import SimulationError
 
-    try:
+    with _refused(ConfigError), _refused(ScenarioError, SimulationError, code=ExitCode.DATAERR):
         result = simulate(load_scenario(args.scenario), args.config, enforce=args.enforce)
-    except (ScenarioError, SimulationError) as exc:
-        raise CliError(str(exc), ExitCode.DATAERR) from exc
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
     return _print(args.json, result.to_json, lambda: render_text(result))
 
 
@@ -430,10 +429,8 @@ def _explain(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.explain import explain_file, render_explanation
     from gpuwatchd.cli.report_read import SnapshotError
 
-    try:
+    with _refused(SnapshotError, code=ExitCode.DATAERR):
         explanation = explain_file(args.snapshot, _policy(args))
-    except SnapshotError as exc:
-        raise CliError(str(exc), ExitCode.DATAERR) from exc
     return _print(args.json, lambda: explanation, lambda: render_explanation(explanation))
 
 

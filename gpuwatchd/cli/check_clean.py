@@ -69,11 +69,11 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
 
 
 def _names(gpu: GpuVerdict, selector: str) -> bool:
-    if gpu.uuid.lower() == selector.lower():
-        return True
-    if selector.isdigit() and int(selector) == gpu.index:
-        return True
-    return gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id)
+    return (
+        gpu.uuid.lower() == selector.lower()
+        or (selector.isdigit() and int(selector) == gpu.index)
+        or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
+    )
 
 
 def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[GpuVerdict]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
 from gpuwatchd.cli.spared import spare_stops
-from gpuwatchd.core.checked import as_count, as_flag, as_text
+from gpuwatchd.core.checked import as_count, as_flag, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
@@ -55,14 +55,10 @@ def _no_rule(finding: Finding, proc: ProcessInfo | None, policy: Policy) -> list
         bare = dataclasses.replace(rule, for_=0.0, min_memory=None)
         only = dataclasses.replace(policy, rules=(bare,))
         if rule_for(finding, proc, only, lasted=math.inf) is None:
-            facts = (
-                "unknown process"
-                if proc is None
-                else (
-                    f"user={proc.user}, cmdline={' '.join(proc.cmdline or ())!r}, "
-                    f"cgroup={proc.cgroup.path if proc.cgroup else None}"
-                )
-            )
+            facts = "unknown process"
+            if proc is not None:
+                cmdline, cgroup = " ".join(proc.cmdline or ()), proc.cgroup
+                facts = f"user={proc.user}, cmdline={cmdline!r}, cgroup={cgroup and cgroup.path}"
             reasons.append(f"rule {rule.name}: its filters do not match ({facts})")
     return reasons
 
@@ -136,8 +132,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
     now = snapshot.wall_time
-    report_only = report.get("report_only") if isinstance(report.get("report_only"), dict) else {}
-    assert isinstance(report_only, dict)  # noqa: S101
+    report_only = as_map(report.get("report_only"))
     daemon = daemon_view(report)
     items: list[dict[str, object]] = []
     signalled: list[tuple[dict[str, object], Finding]] = []  # what a rule would signal

@@ -282,12 +282,8 @@ def _finding_order(
 
 def _node_verdict(verdict: NodeVerdict) -> dict[str, object]:
     whole = verdict.to_json()
-    return {
-        "checked": whole["checked"],
-        "error": whole["error"],
-        "clean": whole["clean"],
-        "not_clean": [g.uuid for g in verdict.gpus if not g.clean],
-    }
+    judged = {key: whole[key] for key in ("checked", "error", "clean")}
+    return {**judged, "not_clean": [g.uuid for g in verdict.gpus if not g.clean]}
 
 
 def _role_fields(role: RoleLike | None) -> dict[str, object]:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
+from gpuwatchd.cli.spared import mark_spared, spares_in_force
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -288,8 +289,6 @@ def _collect(
     )
     if view is not None:
         collector.seed(view.holders, view.dead_listed)
-    # What an epilog told the running daemon (run --once --ended-job): this scan judges
-    # those jobs as the daemon does.
     if state_dir is not None:
         collector.ended_by_scheduler = read_ended_jobs(
             state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
@@ -303,20 +302,10 @@ def _judged_report(
     """The snapshot judged (:func:`_judged`) and reported, each finding and holder a spare
     covers marked so."""
     assessment, verdict = _judged(snapshot, saved, policy)
-    report = snapshot_report(
-        snapshot,
-        assessment,
-        verdict,
-        (
-            _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
-            if saved.same_boot(snapshot.boot_id)  # monotonic times of an older boot lie
-            else {}
-        ),
-        proc_root=policy.proc_root,
-    )
-    from gpuwatchd.cli.spared import mark_spared, spares_in_force
-
-    # What `gpuwatchd spare` leaves alone, said on each finding and holder it covers.
+    first_seen: dict[str, float] = {}
+    if saved.same_boot(snapshot.boot_id):  # monotonic times of an older boot lie
+        first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
+    report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root)
     mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
     return report, verdict
 

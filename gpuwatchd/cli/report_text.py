@@ -389,7 +389,6 @@ def _finding_lines(
     if not findings:
         return []
     rows: list[list[str]] = []
-    actionable: list[bool] = []
     for finding in findings:
         pid = as_int(finding.get("pid"))
         since = _age(now, as_number(finding.get("first_seen")), unknown="")
@@ -403,10 +402,9 @@ def _finding_lines(
                 _text(finding.get("reason")),
             ]
         )
-        actionable.append(finding.get("actionable") is True)
     lines = ["  findings"]
-    for line, act in zip(_table(rows), actionable, strict=True):
-        lines.append("    " + (paint(line, _RED) if act else line))
+    for line, finding in zip(_table(rows), findings, strict=True):
+        lines.append("    " + (paint(line, _RED) if finding.get("actionable") is True else line))
     lines.extend(f"    {line}" for line in spared_lines(findings, now))  # gpuwatchd spare
     lines.extend(_likely_heir_advice(findings, paint))
     lines.extend(_unseen_note(findings))
@@ -451,13 +449,9 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             "driver wedged: an NVML call missed its deadline "
             f"({_text(nvml.get('error'))}); no destructive action until it answers again"
         )
-    node_reasons = {
-        key: reason
-        for key, reason in as_map(report.get("report_only")).items()
-        if key not in gpu_uuids
-    }
-    for key in sorted(node_reasons):
-        notes.append(f"report-only ({escape(key)}): {_text(node_reasons[key])}")
+    reasons = as_map(report.get("report_only"))
+    node_reasons = sorted(key for key in reasons if key not in gpu_uuids)
+    notes.extend(f"report-only ({escape(key)}): {_text(reasons[key])}" for key in node_reasons)
     host = as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")

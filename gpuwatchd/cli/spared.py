@@ -12,6 +12,7 @@ from gpuwatchd.cli.humantime import stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
+from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int, fields_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
@@ -36,6 +37,9 @@ def spare_row(spare: Spare, unknown: str | None = None) -> dict[str, object]:
     return row
 
 
+_SPARE = {"pid": as_int, "start_ticks": as_int, "job": as_text, "by_uid": as_int}
+
+
 def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
     """The spares a ``scan --json`` report carries (``explain`` judges with them); a
     malformed entry is left out."""
@@ -45,17 +49,8 @@ def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
         target, ends = as_text(row.get("target")), as_number(row.get("until"))
         if target is None or ends is None:
             continue
-        out.append(
-            Spare(
-                target=target,
-                until=ends,
-                reason=as_text(row.get("reason")) or "",
-                pid=as_int(row.get("pid")),
-                start_ticks=as_int(row.get("start_ticks")),
-                job=as_text(row.get("job")),
-                by_uid=as_int(row.get("by_uid")),
-            )
-        )
+        reason = as_text(row.get("reason")) or ""
+        out.append(Spare(target=target, until=ends, reason=reason, **pick(row, _SPARE)))
     return tuple(out)
 
 

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
-from gpuwatchd.core.checked import as_map
+from gpuwatchd.core.checked import as_list, as_map
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
@@ -34,28 +34,24 @@ def daemon_busy(
         plan = PlanState.from_json(state.get("plan"))
     except ValueError:
         return ["the daemon's state cannot be read (yet)"]
-    findings = report.get("findings")
     keyed = {
         str(f.get("key")): f
-        for f in (as_map(item) for item in (findings if isinstance(findings, list) else []))
+        for f in map(as_map, as_list(report.get("findings")))
         if f.get("gpu") in dirty and isinstance(f.get("key"), str)
     }
     busy = [
-        f"{describe_findings([keyed[key]])}: not seen by the daemon yet"
+        f"{_described(keyed[key])}: not seen by the daemon yet"
         for key in sorted(set(keyed) - set(plan.seen))
     ]
-    busy += [f"{describe_findings([keyed[k]])}: under way" for k in pending_keys(plan, keyed)]
+    busy += [f"{_described(keyed[k])}: under way" for k in pending_keys(plan, keyed)]
     return busy
 
 
-def describe_findings(findings: list[Mapping[str, object]]) -> str:
-    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…`` (not escaped)."""
-    parts = []
-    for finding in findings:
-        pid = finding.get("pid")
-        where = f" pid {pid}" if isinstance(pid, int) else ""
-        parts.append(f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}")
-    return ", ".join(parts)
+def _described(finding: Mapping[str, object]) -> str:
+    """``orphaned on GPU-… pid 4242`` (not escaped)."""
+    pid = finding.get("pid")
+    where = f" pid {pid}" if isinstance(pid, int) else ""
+    return f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}"
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:

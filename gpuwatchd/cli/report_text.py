@@ -34,9 +34,7 @@ _ALARM_ROLES = frozenset({"orphaned", "stuck"})
 _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
 
-def render_text(
-    report: Mapping[str, object], *, color: bool = False, command_width: int = COMMAND_WIDTH
-) -> str:
+def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
     """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
     header, memory, holders' table and findings; then the node's notes, holders and findings.
     Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
@@ -50,7 +48,7 @@ def render_text(
         if uuid is not None:
             gpu_uuids.add(uuid)
         lines.append("")
-        lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
+        lines.extend(_gpu_lines(gpu, findings, now, paint))
     gpu_uuids |= instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
@@ -61,7 +59,7 @@ def render_text(
         lines.extend(f"  {paint(note, _YELLOW)}" for note in notes)
         if holders:
             lines.append("  holding NVIDIA device files of no listed GPU:")
-            lines.extend(_node_holder_lines(holders, now, paint, command_width))
+            lines.extend(_node_holder_lines(holders, now, paint))
         lines.extend(_finding_lines(node_findings, now, paint))
     return "\n".join(lines) + "\n"
 
@@ -106,13 +104,12 @@ def _gpu_lines(
     findings: Sequence[Mapping[str, object]],
     now: float | None,
     paint: _Paint,
-    command_width: int,
 ) -> list[str]:
     """One GPU's text: its header, memory and flags, its holders' table, its findings, its
     verdict and its MIG instances."""
     lines = _gpu_header_lines(gpu, paint)
     judged_mig = mig_judged(gpu)
-    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint, command_width)
+    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint)
     lines.extend(table)
     if judged_mig:
         lines.append("  processes and holders: by MIG instance, below")
@@ -124,7 +121,7 @@ def _gpu_lines(
         mig_instance_lines(
             gpu,
             findings,
-            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
+            holder_lines=lambda inst: _holder_table(inst, now, paint),
             finding_lines=lambda own: _finding_lines(own, now, paint),
             memory_line=_memory_line,
         )
@@ -174,10 +171,8 @@ def _gpu_finding_lines(
     return lines
 
 
-def _holder_table(
-    gpu: Mapping[str, object], now: float | None, paint: _Paint, command_width: int
-) -> list[str]:
-    rows, alarms = _holder_rows(gpu, now, command_width)
+def _holder_table(gpu: Mapping[str, object], now: float | None, paint: _Paint) -> list[str]:
+    rows, alarms = _holder_rows(gpu, now)
     if not rows:
         return []
     header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
@@ -234,12 +229,12 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
 
 
 def _node_holder_lines(
-    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint, command_width: int
+    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint
 ) -> list[str]:
     rows = []
     for holder in holders:
         role = _role_label(as_text(holder.get("role")), holder.get("owner_pid"))
-        row = _row({**holder, "via": holder.get("devices")}, role, "-", now, command_width)
+        row = _row({**holder, "via": holder.get("devices")}, role, "-", now)
         rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
     header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
     table = _table([header, *rows])
@@ -286,7 +281,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
 
 
 def _holder_rows(
-    gpu: Mapping[str, object], now: float | None, command_width: int
+    gpu: Mapping[str, object], now: float | None
 ) -> tuple[list[list[str]], list[bool]]:
     """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
     holders = [as_map(h) for h in as_list(gpu.get("holders"))]
@@ -296,7 +291,7 @@ def _holder_rows(
     for holder in holders:
         role = as_text(holder.get("role"))
         memory = _bytes(holder.get("used_memory")) if holder.get("nvml_listed") is True else "-"
-        row = _row(holder, _role_label(role, holder.get("owner_pid")), memory, now, command_width)
+        row = _row(holder, _role_label(role, holder.get("owner_pid")), memory, now)
         rows.append((as_int(holder.get("pid")) or 0, row, role in _ALARM_ROLES))
     for process in listed:
         pid = as_int(process.get("pid"))
@@ -305,18 +300,19 @@ def _holder_rows(
         label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
             label = _nvml_only_label(process)
-        row = _row(process, label, _bytes(process.get("used_memory")), now, command_width)
+        row = _row(process, label, _bytes(process.get("used_memory")), now)
         rows.append((pid or 0, row, process.get("alive") is False))
     rows.sort(key=lambda row: row[0])
     return [row for _, row, _ in rows], [alarm for _, _, alarm in rows]
 
 
-def _row(
-    entry: Mapping[str, object], role: str, memory: str, now: float | None, command_width: int
-) -> list[str]:
-    """A process's table row, its command cut to ``command_width``."""
+def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None) -> list[str]:
+    """A process's table row, its command cut to :data:`COMMAND_WIDTH`."""
     via = [v for v in as_list(entry.get("via")) if isinstance(v, str)]
     gone = entry.get("alive") is False and entry.get("state") is None
+    command = _command(entry)
+    if len(command) > COMMAND_WIDTH:
+        command = command[: COMMAND_WIDTH - 3] + "..."
     return [
         _text(entry.get("pid")),
         "-" if gone else _user(entry),
@@ -326,7 +322,7 @@ def _row(
         escape(",".join(via)) or "-",
         _job(entry.get("cgroup"), known=not gone),
         "-" if gone else _age(now, as_number(entry.get("started"))),
-        _truncate(_command(entry), command_width),
+        command,
     ]
 
 
@@ -512,12 +508,6 @@ def _age(now: float | None, then: float | None, *, unknown: str = "?") -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def _truncate(text: str, width: int) -> str:
-    if width < 4 or len(text) <= width:
-        return text
-    return text[: width - 3] + "..."
 
 
 def _text(value: object) -> str:

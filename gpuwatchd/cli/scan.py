@@ -148,7 +148,6 @@ def running_daemon(
 def scan_host(
     policy: Policy,
     *,
-    nvml_env: Mapping[str, str] | None = None,
     nvml: NvmlClient | None = None,
     why: str = "--full",
     served: ServedPoll | None = None,
@@ -160,7 +159,7 @@ def scan_host(
     else no report and ``declined`` says why. StateDirError: see :func:`open_state_dir`."""
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
-        return _scan_host(policy, state_dir, nvml_env=nvml_env, nvml=nvml, why=why, served=served)
+        return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
     finally:
         if state_dir is not None:
             state_dir.close()
@@ -185,7 +184,6 @@ def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
     *,
-    nvml_env: Mapping[str, str] | None,
     nvml: NvmlClient | None,
     why: str,
     served: ServedPoll | None,
@@ -208,7 +206,7 @@ def _scan_host(
         daemon_pids = frozenset({view.daemon_pid, *view.worker_pids})
         why = f"built on the holder view of the daemon (pid {view.daemon_pid})"
     own = nvml is None
-    client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
+    client = NvmlClient(policy.nvml_timeout) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
     try:

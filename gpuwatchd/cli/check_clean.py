@@ -1,10 +1,7 @@
-"""``gpuwatchd check-clean``: may these GPUs be handed to the next job? (Slurm prolog)
+"""``gpuwatchd check-clean``: may these GPUs be handed to the next job? (a Slurm prolog)
 
-This module owns the command around the one verdict (:mod:`gpuwatchd.decide.verdict`): one
-read-only full scan, no waiting, beside a running daemon or not; which GPUs ``--gpu`` names;
-what it prints and its exit code (docs/operations.md §4); ``--slurm-gpus``, GPUs by Slurm's
-GPU ids (``SLURM_JOB_GPUS``) numbered as Slurm numbers them (:func:`slurm_selectors`). Whether a
-GPU is clean is decided there, never here: this module only selects GPUs and words the answer.
+One read-only scan judged by :mod:`gpuwatchd.decide.verdict` (never here); this module selects
+the GPUs (``--gpu``, ``--slurm-gpus``) and words the answer and its exit code.
 
 In detail: docs/internals.md, section `gpuwatchd.cli.check_clean`.
 """
@@ -72,11 +69,11 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
 
 
 def _names(gpu: GpuVerdict, selector: str) -> bool:
-    if gpu.uuid.lower() == selector.lower():
-        return True
-    if selector.isdigit() and int(selector) == gpu.index:
-        return True
-    return gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id)
+    return (
+        gpu.uuid.lower() == selector.lower()
+        or (selector.isdigit() and int(selector) == gpu.index)
+        or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
+    )
 
 
 def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[GpuVerdict]:
@@ -100,10 +97,9 @@ def select_gpus(gpus: Sequence[GpuVerdict], selectors: Sequence[str]) -> list[Gp
 
 
 def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> list[str]:
-    """The UUIDs of the GPUs Slurm's GPU ids ``ids`` name on this host (``gpus``: the report's
-    GPU entries, with ``index``, ``uuid`` and ``minor``), Slurm numbering them by ``order``
-    (``files`` or ``nvml``, :func:`gpuwatchd.decide.gpu_ids.slurm_numbering`). SelectionError
-    for an id that is not a number, or that no GPU has, or when the order cannot be told."""
+    """The UUIDs of the GPUs Slurm's GPU ids ``ids`` name (``gpus``: the report's GPU entries),
+    numbered by ``order`` (:func:`gpuwatchd.decide.gpu_ids.slurm_numbering`). SelectionError for
+    an id that is no number or names no GPU, or when the order cannot be told."""
     entries = [g for g in gpus if isinstance(g, dict)]
     by_index = {g.get("index"): str(g.get("uuid")) for g in entries}
     pairs = [
@@ -155,10 +151,8 @@ def check_clean(
     err: TextIO = sys.stderr,
     slurm: tuple[Sequence[str], str] | None = None,
 ) -> tuple[int, str | None]:
-    """Judge with the policy of :func:`judging_policy` and answer; returns (exit code, an
-    error for stderr or None). Files that do not validate: 1 for a GPU dirty by the policy
-    the daemon runs, else 78 (module docstring); 2 and 69 as always. ``slurm``: (Slurm GPU ids,
-    order), the GPUs ``--slurm-gpus`` names, added to ``selectors``."""
+    """Judge with :func:`judging_policy`'s policy and answer: (exit code, an error for stderr or
+    None). ``slurm``: (Slurm GPU ids, order), the GPUs ``--slurm-gpus`` names."""
     judge = judging_policy(config)
     if judge.policy is None:
         return EXIT_POLICY, (

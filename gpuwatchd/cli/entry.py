@@ -1,11 +1,8 @@
 """The ``gpuwatchd`` command's entry point: a running daemon is asked for a ``scan`` first.
 
-A served ``scan`` costs the command mostly Python's start and its imports (docs/performance.md).
-So before the rest of the command line is imported, a plain ``scan`` (``--json``, ``--config``
-and ``--color`` alone, in argparse's spelling) asks the daemon of its configuration over the
-daemon's socket (:mod:`gpuwatchd.served.scan_socket`), which runs the served scan itself. When the
-daemon answers, its answer is what this process prints and exits with; otherwise
-:func:`gpuwatchd.cli.main.main` runs as always (told why the daemon declined, for the report).
+Before the rest of the command line is imported (a served ``scan`` costs mostly Python's
+start), a plain ``scan`` asks the daemon over its socket (:mod:`gpuwatchd.served.scan_socket`);
+its answer is printed, else :func:`gpuwatchd.cli.main.main` runs, told why it declined.
 
 In detail: docs/internals.md, section `gpuwatchd.cli.entry`.
 """
@@ -99,12 +96,10 @@ def _print(answer: ScanAnswer) -> int:
     try:
         sys.stdout.write(answer.stdout)
         sys.stdout.flush()
-    except BrokenPipeError:  # `gpuwatchd scan --json | head`, as the full command says it
-        import contextlib
+    except BrokenPipeError:
+        from gpuwatchd.cli.main import reader_left
 
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return reader_left()
     for line in answer.stderr:
         print(line, file=sys.stderr)
     return answer.exit_code

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
-from gpuwatchd.cli.report_read import SnapshotError, load_report, opt_str, rebuild
+from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
 from gpuwatchd.cli.spared import spare_stops
+from gpuwatchd.core.checked import as_count, as_flag, as_map, as_text
+from gpuwatchd.core.codec import pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import (
     Finding,
     FindingKind,
     ProcessInfo,
     Snapshot,
-    as_int,
+    fields_of,
 )
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.health.judge import HEALTH_KINDS, drain_blockers
@@ -52,14 +55,10 @@ def _no_rule(finding: Finding, proc: ProcessInfo | None, policy: Policy) -> list
         bare = dataclasses.replace(rule, for_=0.0, min_memory=None)
         only = dataclasses.replace(policy, rules=(bare,))
         if rule_for(finding, proc, only, lasted=math.inf) is None:
-            facts = (
-                "unknown process"
-                if proc is None
-                else (
-                    f"user={proc.user}, cmdline={' '.join(proc.cmdline or ())!r}, "
-                    f"cgroup={proc.cgroup.path if proc.cgroup else None}"
-                )
-            )
+            facts = "unknown process"
+            if proc is not None:
+                cmdline, cgroup = " ".join(proc.cmdline or ()), proc.cgroup
+                facts = f"user={proc.user}, cmdline={cmdline!r}, cgroup={cgroup and cgroup.path}"
             reasons.append(f"rule {rule.name}: its filters do not match ({facts})")
     return reasons
 
@@ -79,37 +78,25 @@ class DaemonView:
     signalled_last_hour: int | None = None
 
 
+_DAEMON = {"paused": as_flag, "paused_reason": as_text, "forced_dry_run": as_flag,
+           "forced_reason": as_text, "signalled_last_hour": as_count}  # fmt: skip
+
+
 def daemon_view(report: Mapping[str, object]) -> DaemonView:
     """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
     raw = report.get("daemon")
     if not isinstance(raw, dict):
         return DaemonView()
-
-    def flag(key: str) -> bool | None:
-        value = raw.get(key)
-        return value if isinstance(value, bool) else None
-
-    count = as_int(raw.get("signalled_last_hour"))
-    return DaemonView(
-        paused=flag("paused"),
-        paused_reason=opt_str(raw, "paused_reason"),
-        forced_dry_run=flag("forced_dry_run"),
-        forced_reason=opt_str(raw, "forced_reason"),
-        signalled_last_hour=count if count is not None and count >= 0 else None,
-    )
+    return DaemonView(**pick(raw, _DAEMON))
 
 
 def kill_cap_note(
     would_signal: int, daemon: DaemonView, limits: Limits, *, node_total: int | None = None
 ) -> str | None:
-    """The kill-cap line, only when a cap is reached or near; None when it is not, or unknown.
-
-    ``would_signal`` is how many findings of the report a rule would signal for the one user
-    with the most of them (the per-user caps count one user's processes); ``node_total`` how
-    many for everyone (default: the same). The per-poll cap is judged from them alone; the
-    hourly ones need the daemon's count of the last hour, which is node-wide, so only the
-    node's hourly cap is judged from it.
-    """
+    """The kill-cap line when a cap is reached or near; None when not, or unknown.
+    ``would_signal``: the findings a rule would signal for the user with the most of them;
+    ``node_total``: for everyone (default: the same). Only the node's hourly cap is judged
+    (the daemon's count of the last hour is node-wide)."""
     hint = "`gpuwatchd resume --clear-latches` lifts it"
     if daemon.forced_dry_run:
         why = f" ({daemon.forced_reason})" if daemon.forced_reason else ""
@@ -145,8 +132,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     """For each finding: the matching rule, the next step and when, and what would stop it."""
     snapshot, findings, first_seen = rebuild(report)
     now = snapshot.wall_time
-    report_only = report.get("report_only") if isinstance(report.get("report_only"), dict) else {}
-    assert isinstance(report_only, dict)  # noqa: S101
+    report_only = as_map(report.get("report_only"))
     daemon = daemon_view(report)
     items: list[dict[str, object]] = []
     signalled: list[tuple[dict[str, object], Finding]] = []  # what a rule would signal
@@ -191,11 +177,8 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
 def _new_item(finding: Finding, since: float | None) -> dict[str, object]:
     """A finding's explanation before any rule is looked at: what it is, nothing decided."""
     return {
-        "key": finding.key,
+        **fields_of(finding, ("key", "kind", "gpu", "pid", "reason")),
         "kind": finding.kind.value,
-        "gpu": finding.gpu,
-        "pid": finding.pid,
-        "reason": finding.reason,
         "first_seen": since,
         "rule": None,
         "no_rule_because": [],
@@ -264,24 +247,11 @@ def _note_limits(
     """Add the kill-cap line (when near or reached) and the post-action delay (when another
     finding on the same GPU would be signalled too) to the findings a rule would signal. In
     dry-run the caps count nothing (nothing is sent); the delay still spaces the logged steps."""
-    per_user: dict[str, int] = {}
-    for _, finding in signalled:
-        owner = snapshot.processes.get(finding.pid) if finding.pid is not None else None
-        scope = kill_cap_scope(owner, snapshot.subuid_ranges)
-        per_user[scope] = per_user.get(scope, 0) + 1
-    note = (
-        None
-        if policy.dry_run
-        else kill_cap_note(
-            max(per_user.values(), default=0),
-            daemon,
-            policy.limits,
-            node_total=len(signalled),
-        )
-    )
-    per_gpu: dict[str | None, int] = {}
-    for _, finding in signalled:
-        per_gpu[finding.gpu] = per_gpu.get(finding.gpu, 0) + 1
+    owners = [snapshot.processes.get(f.pid) if f.pid is not None else None for _, f in signalled]
+    per_user = Counter(kill_cap_scope(owner, snapshot.subuid_ranges) for owner in owners)
+    most, total = max(per_user.values(), default=0), len(signalled)
+    note = None if policy.dry_run else kill_cap_note(most, daemon, policy.limits, node_total=total)
+    per_gpu = Counter(finding.gpu for _, finding in signalled)
     delay = policy.limits.post_action_delay
     for item, finding in signalled:
         stops = item["stopped_by"]
@@ -298,8 +268,8 @@ def _note_limits(
 
 def _explain_reset(case: _Case) -> None:
     """What the ``reset`` policy does with a ghost_memory finding."""
-    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
-    snapshot, policy, now, since = case.snapshot, case.policy, case.now, case.since
+    item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
+    policy, now, since = case.policy, case.now, case.since
     reset = policy.reset
     if not reset.enabled:
         stops.append("reset.enabled is false")
@@ -310,14 +280,8 @@ def _explain_reset(case: _Case) -> None:
     if instance is not None:  # a MIG GPU instance: re-created in place, never a GPU reset
         action = instance.describe().replace("re-create", "re-creation of", 1)
     item["next"] = {"action": action, **_when(now, since, reset.confirm_for)}
-    item["then"] = [
-        f"cooldown {duration(reset.cooldown)}; "
-        f"at most {reset.max_resets} per {duration(reset.window)}"
-        + (" (the parent GPU's)" if instance is not None else "")
-    ]
-    # plan's own gates (the ones a snapshot can answer); report-only is said above.
-    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
-    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
+    item["then"] = [_reset_limits(policy) + (" (the parent GPU's)" if instance is not None else "")]
+    _gate_stops(case)
     if policy.dry_run:
         stops.append("dry_run: true — the reset is logged, not run")
     stops.append(
@@ -329,9 +293,8 @@ def _explain_reset(case: _Case) -> None:
 
 def _explain_health(case: _Case) -> None:
     """What the ``health`` policy does with a health finding (docs/policy.md#health)."""
-    item, stops, finding, findings = case.item, case.stops, case.finding, case.findings
-    snapshot, policy = case.snapshot, case.policy
-    health = policy.health
+    item, stops, finding, snapshot = case.item, case.stops, case.finding, case.snapshot
+    policy, health = case.policy, case.policy.health
     item["rule"] = "health"
     now_ = _when(snapshot.wall_time, None, 0.0)  # no confirmation window: at once
     if not health.enabled:
@@ -354,17 +317,31 @@ def _explain_health(case: _Case) -> None:
     item["then"] = [
         f"wait at most {duration(health.drain_timeout)} for the GPU's users (never signalled), "
         "then on_failure once",
-        f"cooldown {duration(policy.reset.cooldown)}; "
-        f"at most {policy.reset.max_resets} per {duration(policy.reset.window)}",
+        _reset_limits(policy),
     ]
-    gates = reset_gates(finding, snapshot, policy, report_only={}, findings=findings)
-    stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
+    _gate_stops(case)
     gpu = next((g for g in snapshot.nvml.gpus if g.uuid == finding.gpu), None)
     if gpu is not None:
         blockers = drain_blockers(gpu, snapshot, device_isolation=health.device_isolation)
         stops.extend(f"waits for {blocker}" for blocker in blockers)
     if policy.dry_run:
         stops.append("dry_run: true — the drain and the reset are logged, not run")
+
+
+def _reset_limits(policy: Policy) -> str:
+    reset = policy.reset
+    return (
+        f"cooldown {duration(reset.cooldown)}; "
+        f"at most {reset.max_resets} per {duration(reset.window)}"
+    )
+
+
+def _gate_stops(case: _Case) -> None:
+    """plan's own reset gates (those a snapshot can answer); report-only is said already."""
+    gates = reset_gates(
+        case.finding, case.snapshot, case.policy, report_only={}, findings=case.findings
+    )
+    case.stops.extend(g.why for g in gates if g.name not in ("not_actionable", "report_only"))
 
 
 def explain_file(path: str, policy: Policy) -> dict[str, object]:
@@ -377,12 +354,6 @@ def explain_file(path: str, policy: Policy) -> dict[str, object]:
     if "evidence" in report:  # an evidence file: the step it was kept for
         result["evidence"] = report["evidence"]
     return result
-
-
-def _fmt_in(seconds: object) -> str:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        return "now"
-    return until(seconds)
 
 
 def render_explanation(result: Mapping[str, object]) -> str:
@@ -413,7 +384,7 @@ def render_explanation(result: Mapping[str, object]) -> str:
             lines.append(f"  rule: {item['rule']}")
         nxt = item["next"]
         if nxt is not None:
-            lines.append(f"  next: {nxt['action']} {_fmt_in(nxt['in'])} (from {nxt['basis']})")
+            lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")
             for then in item["then"]:
                 lines.append(f"        {then}")
         for stop in item["stopped_by"]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-# What each command's --help says beyond its options: what it does, then its exit codes (the
-# man page's EXIT STATUS, per command), the codes every command shares added where not listed.
+# The codes every command shares, added where a command does not list them.
 _COMMON_CODES = {2: "a bad argument", 77: "insufficient privilege", 78: "configuration error"}
+_SWITCH_CODES = {74: "the switch could not be written (it is unchanged)"}  # pause, resume
 COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
     "scan": (
         "One read-only look: every GPU, who holds it and why, and the findings. Answered by a "
@@ -54,12 +54,12 @@ COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
     "pause": (
         "Stop all actions (maintenance) until `resume` or the end of --for; findings are still "
         "reported.",
-        {0: "paused", 74: "the switch could not be written (it is unchanged)"},
+        {0: "paused", **_SWITCH_CODES},
     ),
     "resume": (
         "Allow actions again; with --clear-latches also lift the kill-cap latches and the reset "
         "circuit breaker.",
-        {0: "resumed", 74: "the switch could not be written (it is unchanged)"},
+        {0: "resumed", **_SWITCH_CODES},
     ),
     "spare": (
         "Leave one process or one job's processes alone for a while: never signalled until the "

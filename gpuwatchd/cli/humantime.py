@@ -1,29 +1,23 @@
-"""Durations, relative times and counts as people read them: ``9m53s``, ``in 25s``, ``3m ago``,
-``now``, ``1 finding``.
-
-Used by the text output of ``status`` and ``explain``; JSON output keeps plain seconds. Also
-the one reader of ``pause --for`` and ``spare --for`` (:func:`for_seconds`). Pure.
-"""
+"""Durations, times and counts as people read them (``9m53s``, ``in 25s``, ``3m ago``,
+``1 finding``) in the text of ``status``, ``explain`` and ``spare``; and the one reader of
+``pause --for`` and ``spare --for``."""
 
 from __future__ import annotations
 
-import math
+import time
+
+from gpuwatchd.core.checked import as_number
 
 
 def duration(seconds: object) -> str:
-    """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h``.
-
-    Under a minute it keeps a tenth of a second; above, whole seconds, then minutes past an
-    hour and hours past a day (at most two units). ``?`` for anything that is not a finite,
-    non-negative number.
-    """
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    """A span of time: ``0.5s``, ``42s``, ``9m53s``, ``10m``, ``1h02m``, ``1d``, ``2d03h`` (tenths
+    under a minute, at most two units); ``?`` for anything but a finite, non-negative number."""
+    value = as_number(seconds)
+    if value is None or value < 0:
         return "?"
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    if seconds < 60:
-        return f"{round(seconds, 1):g}s"
-    whole = int(seconds)
+    if value < 60:
+        return f"{round(value, 1):g}s"
+    whole = int(value)
     days, rest = divmod(whole, 86400)
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
@@ -51,27 +45,30 @@ def for_seconds(text: str, *, command: str, limit: str, maximum: float) -> float
 
 def until(seconds: object) -> str:
     """How long until something: ``in 9m53s``; ``now`` when it is due (under a second left)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    value = as_number(seconds)
+    if value is None:
         return "?"
-    if not math.isfinite(seconds):
-        return "?"
-    if seconds < 1:
-        return "now"
-    return f"in {duration(float(int(seconds)))}"
+    return "now" if value < 1 else f"in {duration(float(int(value)))}"
 
 
 def ago(seconds: object) -> str:
     """How long since something: ``3m12s ago``; ``just now`` under a second. A negative age (a
     wall clock stepped back since) is shown as ``in the future`` rather than hidden."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    value = as_number(seconds)
+    if value is None:
         return "?"
-    if not math.isfinite(seconds):
+    if value < -1:
+        return f"{duration(float(int(-value)))} in the future (clock stepped?)"
+    return "just now" if value < 1 else f"{duration(float(int(value)))} ago"
+
+
+def stamp(wall: float, *, zone: bool = False) -> str:
+    """A wall time as local time (``2026-01-02 03:04:05``, ``zone``: and its zone); ``?`` when
+    it cannot be one."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S" + (" %Z" if zone else ""), time.localtime(wall))
+    except (OverflowError, OSError, ValueError):
         return "?"
-    if seconds < -1:
-        return f"{duration(float(int(-seconds)))} in the future (clock stepped?)"
-    if seconds < 1:
-        return "just now"
-    return f"{duration(float(int(seconds)))} ago"
 
 
 def counted(count: object, noun: str, unknown: str = "?") -> str:

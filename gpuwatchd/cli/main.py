@@ -1,9 +1,5 @@
-"""The ``gpuwatchd`` command line: argument parsing, exit codes, and wiring for each command.
-
-This module owns the public interface of docs/architecture.md, public interfaces — subcommands,
-flags and exit codes. It holds no decision logic: commands build the same collector → assess → plan
-core the daemon uses.
-"""
+"""The ``gpuwatchd`` command line: subcommands, flags and exit codes, and each command's wiring.
+No decision logic: commands build the daemon's collector → assess → plan core."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
@@ -24,6 +20,9 @@ from gpuwatchd.state.directory import StateDirError
 
 if TYPE_CHECKING:
     from gpuwatchd.collect.nvml import NvmlClient
+
+
+_Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
 
 
 class CliError(Exception):
@@ -53,18 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    commands = _Commands(sub, common)
-    _add_scan_and_run(commands)
-    _add_checks(commands)
-    _add_simulate_and_explain(commands)
-    _add_pause_and_resume(commands)
-    _add_spare(commands)
-    commands.add(
+    def add(
+        name: str, summary: str, parent: argparse.ArgumentParser = common
+    ) -> argparse.ArgumentParser:
+        """A subcommand, taking the shared ``--config`` unless given another parent."""
+        return sub.add_parser(name, parents=[parent], help=summary)
+
+    _add_scan_and_run(add)
+    _add_checks(add)
+    _add_simulate_and_explain(add)
+    _add_pause(add)
+    _add_spare(add)
+    add(
         "reload",
         "check the policy, then make the running daemon reread it (where systemd does "
         "not run it: a Kubernetes pod)",
     )
-    status = commands.add(
+    status = add(
         "status",
         "what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
     )
@@ -74,27 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Commands:
-    """The subcommands being declared; each takes the shared ``--config`` unless given
-    another parent."""
-
-    def __init__(
-        self,
-        sub: argparse._SubParsersAction[argparse.ArgumentParser],
-        common: argparse.ArgumentParser,
-    ) -> None:
-        self.sub, self.common = sub, common
-
-    def add(
-        self, name: str, summary: str, *, parent: argparse.ArgumentParser | None = None
-    ) -> argparse.ArgumentParser:
-        parents = [self.common if parent is None else parent]
-        return self.sub.add_parser(name, parents=parents, help=summary)
-
-
-def _add_scan_and_run(commands: _Commands) -> None:
+def _add_scan_and_run(add: _Add) -> None:
     """The commands that look at the GPUs and the one that watches them: scan, run."""
-    scan = commands.add("scan", "read-only report of who holds each GPU")
+    scan = add("scan", "read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
         "--full",
@@ -108,7 +94,7 @@ def _add_scan_and_run(commands: _Commands) -> None:
         help="colour the text report (default: auto, when stdout is a terminal)",
     )
 
-    run = commands.add("run", "run the monitoring loop (the daemon)")
+    run = add("run", "run the monitoring loop (the daemon)")
     run.add_argument("--dry-run", action="store_true", help="log what would be done, do nothing")
     run.add_argument(
         "--once",
@@ -131,9 +117,9 @@ def _add_scan_and_run(commands: _Commands) -> None:
     )
 
 
-def _add_checks(commands: _Commands) -> None:
+def _add_checks(add: _Add) -> None:
     """The read-only checks: check-clean (a prolog's) and check-config."""
-    clean = commands.add(
+    clean = add(
         "check-clean",
         "one read-only scan: exit 0 when the GPUs are clean, 1 when one is not (prolog)",
     )
@@ -159,7 +145,7 @@ def _add_checks(commands: _Commands) -> None:
         "AutoDetect=nvml)",
     )
 
-    check = commands.add("check-config", "validate and print the effective policy")
+    check = add("check-config", "validate and print the effective policy")
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
     check.add_argument(
         "-q",
@@ -169,7 +155,7 @@ def _add_checks(commands: _Commands) -> None:
     )
 
 
-def _add_simulate_and_explain(commands: _Commands) -> None:
+def _add_simulate_and_explain(add: _Add) -> None:
     """The commands that say what the policy would do: simulate, explain."""
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
@@ -182,9 +168,7 @@ def _add_simulate_and_explain(commands: _Commands) -> None:
         "scenario's own policy is then ignored); default: the built-in defaults with the "
         "scenario's policy over them",
     )
-    simulate = commands.add(
-        "simulate", "play a scenario through the decision core", parent=simulate_config
-    )
+    simulate = add("simulate", "play a scenario through the decision core", simulate_config)
     simulate.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file")
     simulate.add_argument("--json", action="store_true", help="print the timeline as JSON")
     simulate.add_argument(
@@ -193,23 +177,27 @@ def _add_simulate_and_explain(commands: _Commands) -> None:
         help="preview a dry-run policy as enforcing: dry_run is turned off, nothing else",
     )
 
-    explain = commands.add("explain", "say what the policy would do with a scan --json report")
+    explain = add("explain", "say what the policy would do with a scan --json report")
     explain.add_argument("snapshot", metavar="SNAPSHOT", help="output of `gpuwatchd scan --json`")
     explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
 
-def _add_pause_and_resume(commands: _Commands) -> None:
+def _add_for(parser: argparse.ArgumentParser, limit: str) -> None:
+    """``--for DURATION`` of pause and spare: at most the policy's ``limit``."""
+    help_ = f"how long (30m, 2h); at most the policy's {limit}"
+    parser.add_argument("--for", dest="for_", metavar="DURATION", help=help_)
+
+
+def _add_pause(add: _Add) -> None:
     """The maintenance switch: pause, resume."""
-    pause = commands.add("pause", "stop all actions (maintenance)")
+    pause = add("pause", "stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
-    pause.add_argument(
-        "--for",
-        dest="for_",
-        metavar="DURATION",
-        help="how long (30m, 2h); at most the policy's limits.max_pause, which is also how "
-        "long a pause without --for lasts; the daemon resumes by itself then",
+    _add_for(
+        pause,
+        "limits.max_pause, which is also how long a pause without --for lasts; the daemon "
+        "resumes by itself then",
     )
-    resume = commands.add("resume", "allow actions again")
+    resume = add("resume", "allow actions again")
     resume.add_argument(
         "--reason", default="", help=f"why (logged with {EventName.DAEMON_RESUMED})"
     )
@@ -220,9 +208,9 @@ def _add_pause_and_resume(commands: _Commands) -> None:
     )
 
 
-def _add_spare(commands: _Commands) -> None:
+def _add_spare(add: _Add) -> None:
     """spare: one process or one job left alone for a while."""
-    spare = commands.add(
+    spare = add(
         "spare", "leave one process (PID) or one job's processes (job:ID) alone for a while"
     )
     spare.add_argument(
@@ -232,12 +220,7 @@ def _add_spare(commands: _Commands) -> None:
         help="a process (by PID; its start time is recorded, so a reused PID is not spared) "
         "or a job (job:42 for Slurm job 42, job:pod:UID, job:container:ID, job:unit:NAME)",
     )
-    spare.add_argument(
-        "--for",
-        dest="for_",
-        metavar="DURATION",
-        help="how long (30m, 2h); at most the policy's limits.max_spare",
-    )
+    _add_for(spare, "limits.max_spare")
     spare.add_argument(
         "--reason", help=f"why (logged with {EventName.SPARE_STARTED}, shown in status)"
     )
@@ -255,7 +238,7 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
         args.config = None
     args.declined = declined
     try:
-        return _dispatch(args)
+        return _COMMANDS[args.command](args)
     except CliError as exc:
         print(f"gpuwatchd: {exc}", file=sys.stderr)
         return exc.code
@@ -265,39 +248,19 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # `gpuwatchd scan --json | head`: the reader left; not an error worth a traceback.
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports it
+        return reader_left()
     finally:
         from gpuwatchd.events import lazylog
 
         lazylog.reset()
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    command: str = args.command
-    if command == "check-config":
-        return _check_config(args.file or args.config, quiet=args.quiet)
-    if command == "scan":
-        return _scan(args)
-    if command == "check-clean":
-        return _check_clean(args)
-    if command == "run":
-        return _run(args)
-    if command in ("pause", "resume"):
-        return _pause(args, paused=command == "pause")
-    if command == "spare":
-        return _spare(args)
-    if command == "simulate":
-        return _simulate(args)
-    if command == "explain":
-        return _explain(args)
-    if command == "status":
-        return _status(args)
-    if command == "reload":
-        return _reload(args)
-    raise CliError(f"unknown command {command!r}", 2)  # pragma: no cover - argparse refuses first
+def reader_left() -> int:
+    """`gpuwatchd scan --json | head`: the reader left, not an error worth a traceback; 141
+    (128 + SIGPIPE), as a shell reports it."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
@@ -308,17 +271,29 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
     chosen = path or DEFAULT_CONFIG_PATH
     if path is None and not required and not os.path.exists(chosen):
         return default_policy()
-    try:
+    with _refused(ConfigError):
         return load_policy(chosen)
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
 
 
-def _check_config(path: str | None, *, quiet: bool = False) -> int:
+@contextlib.contextmanager
+def _refused(*errors: type[Exception], code: int = ExitCode.CONFIG) -> Iterator[None]:
+    """Any of ``errors`` as a :class:`CliError` with ``code``."""
+    try:
+        yield
+    except errors as exc:
+        raise CliError(str(exc), code) from exc
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    """The policy of ``--config``, else of the default file when there is one."""
+    return load_policy_or_exit(args.config, required=args.config is not None)
+
+
+def _check_config(args: argparse.Namespace) -> int:
     from gpuwatchd.config.schema import render_policy
 
-    policy = load_policy_or_exit(path, required=True)
-    if not quiet:
+    policy = load_policy_or_exit(args.file or args.config, required=True)
+    if not args.quiet:
         sys.stdout.write(render_policy(policy))
     files = ", ".join(policy.sources) or "(built-in defaults)"
     print(f"# OK: {files}", file=sys.stderr)
@@ -345,10 +320,8 @@ def _scan(args: argparse.Namespace) -> int:
 
     from gpuwatchd.collect.nvml import NvmlClient
 
-    # At exit the interpreter's last cycle collection would walk every object the imports
-    # made (~10 ms) to free memory the process is about to give back whole: frozen, they are
-    # skipped. A scan leaves nothing for a finalizer to do: the report is flushed, the NVML
-    # worker stopped, and it writes no file.
+    # Frozen, the objects the imports made are not walked by the last collection at exit
+    # (~10 ms); a scan leaves nothing for a finalizer to do (no file written, worker stopped).
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
     _errors_only_logging()
@@ -401,18 +374,14 @@ def _run(args: argparse.Namespace) -> int:
     from gpuwatchd.config.units import parse_duration
     from gpuwatchd.config.yamlsrc import ConfigError
 
-    try:
+    with _refused(ConfigError):
         timeout = parse_duration(args.timeout, where="--timeout")
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
     ended: set[str] = set()
     if args.ended_job and not args.once:
         raise CliError("--ended-job needs --once (it is true for one run)", ExitCode.CONFIG)
     for spec in args.ended_job[:64]:
-        try:
+        with _refused(ValueError):
             ended.add(scheduler_ended_job(spec, os.environ))
-        except ValueError as exc:
-            raise CliError(str(exc), ExitCode.CONFIG) from exc
     if len(args.ended_job) > 64:
         raise CliError("--ended-job: at most 64 jobs per run", ExitCode.CONFIG)
     config_path = args.config or DEFAULT_CONFIG_PATH
@@ -451,38 +420,29 @@ def _simulate(args: argparse.Namespace) -> int:
     from gpuwatchd.sim.timeline import render_text
     from gpuwatchd.sim.world import SimulationError
 
-    try:
+    with _refused(ConfigError), _refused(ScenarioError, SimulationError, code=ExitCode.DATAERR):
         result = simulate(load_scenario(args.scenario), args.config, enforce=args.enforce)
-    except (ScenarioError, SimulationError) as exc:
-        raise CliError(str(exc), ExitCode.DATAERR) from exc
-    except ConfigError as exc:
-        raise CliError(str(exc), ExitCode.CONFIG) from exc
-    if args.json:
-        import json
-
-        json.dump(result.to_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(render_text(result))
-    return ExitCode.OK
+    return _print(args.json, result.to_json, lambda: render_text(result))
 
 
 def _explain(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.explain import explain_file, render_explanation
     from gpuwatchd.cli.report_read import SnapshotError
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
-    try:
-        explanation = explain_file(args.snapshot, policy)
-    except SnapshotError as exc:
-        raise CliError(str(exc), ExitCode.DATAERR) from exc
-    if args.json:
+    with _refused(SnapshotError, code=ExitCode.DATAERR):
+        explanation = explain_file(args.snapshot, _policy(args))
+    return _print(args.json, lambda: explanation, lambda: render_explanation(explanation))
+
+
+def _print(as_json: bool, data: Callable[[], object], text: Callable[[], str]) -> int:
+    """Print ``data()`` as indented JSON, or ``text()``."""
+    if as_json:
         import json
 
-        json.dump(explanation, sys.stdout, indent=2)
+        json.dump(data(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_explanation(explanation))
+        sys.stdout.write(text())
     return ExitCode.OK
 
 
@@ -490,7 +450,7 @@ def _status(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.status import status_command
 
     try:
-        policy = load_policy_or_exit(args.config, required=args.config is not None)
+        policy = _policy(args)
     except CliError as exc:
         if exc.code != ExitCode.CONFIG:
             raise
@@ -517,28 +477,35 @@ def _reload(args: argparse.Namespace) -> int:
 def _spare(args: argparse.Namespace) -> int:
     from gpuwatchd.cli.spare import SpareError, spare_command
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
+    policy = _policy(args)
+    with _writing(policy.state_dir, "nothing is changed"):
+        try:
+            return spare_command(
+                policy,
+                target=args.target,
+                for_=args.for_,
+                reason=args.reason,
+                cancel=args.cancel,
+                listing=args.list_,
+                as_json=args.json,
+                out=sys.stdout,
+            )
+        except SpareError as exc:
+            raise CliError(str(exc), exc.code) from exc
+
+
+@contextlib.contextmanager
+def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
+    """A failed write to ``state_dir`` as one line and its exit code (``unchanged``: what
+    that leaves as it was)."""
     try:
-        return spare_command(
-            policy,
-            target=args.target,
-            for_=args.for_,
-            reason=args.reason,
-            cancel=args.cancel,
-            listing=args.list_,
-            as_json=args.json,
-            out=sys.stdout,
-        )
-    except SpareError as exc:
-        raise CliError(str(exc), exc.code) from exc
+        yield
     except PermissionError as exc:
-        where = exc.filename or policy.state_dir
+        where = exc.filename or state_dir
         raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc
     except OSError as exc:
-        raise CliError(
-            f"state_dir {policy.state_dir}: nothing is changed: {exc.strerror or exc}",
-            ExitCode.IOERR,
-        ) from exc
+        why = f"state_dir {state_dir}: {unchanged}: {exc.strerror or exc}"
+        raise CliError(why, ExitCode.IOERR) from exc
 
 
 def _pause_length(text: str | None, max_pause: float) -> float:
@@ -556,42 +523,58 @@ def _pause_length(text: str | None, max_pause: float) -> float:
         raise CliError(f"{exc}; the switch is not changed", ExitCode.CONFIG) from exc
 
 
-def _pause(args: argparse.Namespace, *, paused: bool) -> int:
-    from gpuwatchd.cli.humantime import duration
+def _pause(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.humantime import duration, stamp
     from gpuwatchd.collect.boottime import BootTime
     from gpuwatchd.collect.procfs import ProcFS
-    from gpuwatchd.state.directory import StateDir, StateDirError
+    from gpuwatchd.state.directory import StateDir
     from gpuwatchd.state.pause import clear_latches, note_resume, set_pause
 
-    policy = load_policy_or_exit(args.config, required=args.config is not None)
-    path = policy.state_dir
+    policy = _policy(args)
+    path, paused = policy.state_dir, args.command == "pause"
     length = _pause_length(args.for_, policy.limits.max_pause) if paused else 0.0
-    try:
-        with StateDir.open(path, create=True) as state_dir:
-            if paused:
-                clock = BootTime.read(time.time(), ProcFS(policy.proc_root).boot_id())
-                ends = clock.wall + length
-                set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
-                when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ends))
-                print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
-            else:
-                if args.reason:
-                    note_resume(state_dir, args.reason)
-                set_pause(state_dir, reason=None)
-                if args.clear_latches:
-                    clear_latches(state_dir)
-                print("gpuwatchd: actions resumed")
-    except PermissionError as exc:
-        where = exc.filename or path
-        raise CliError(f"{where}: permission denied (run as root)", ExitCode.NOPERM) from exc
-    except StateDirError as exc:
-        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
-    except OSError as exc:
-        raise CliError(
-            f"state_dir {path}: the switch is not changed: {exc.strerror or exc}", ExitCode.IOERR
-        ) from exc
+    with (
+        _writing(path, "the switch is not changed"),
+        _switch_errors(),
+        StateDir.open(path, create=True) as state_dir,
+    ):
+        if paused:
+            clock = BootTime.read(time.time(), ProcFS(policy.proc_root).boot_id())
+            ends = clock.wall + length
+            set_pause(state_dir, reason=args.reason, clock=clock, seconds=length)
+            when = stamp(ends, zone=True)
+            print(f"gpuwatchd: actions paused for {duration(length)}, until {when} ({path})")
+        else:
+            if args.reason:
+                note_resume(state_dir, args.reason)
+            set_pause(state_dir, reason=None)
+            if args.clear_latches:
+                clear_latches(state_dir)
+            print("gpuwatchd: actions resumed")
     return ExitCode.OK
 
+
+@contextlib.contextmanager
+def _switch_errors() -> Iterator[None]:
+    try:
+        yield
+    except StateDirError as exc:
+        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "check-config": _check_config,
+    "scan": _scan,
+    "check-clean": _check_clean,
+    "run": _run,
+    "pause": _pause,
+    "resume": _pause,
+    "spare": _spare,
+    "simulate": _simulate,
+    "explain": _explain,
+    "status": _status,
+    "reload": _reload,
+}
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -1,19 +1,26 @@
 """MIG in ``scan``: each MIG GPU's instances, under their GPU, in the JSON document and the text.
 
-This module owns the ``mig_instances`` list of a GPU entry (docs/scan.md) and its lines in
-the text view. An instance entry is built like a GPU's (``cli/report.py`` passes its own
-builder, run over :func:`gpuwatchd.decide.mig.instances.instance_view`), so its processes, holders,
-memory, report-only reason and notes read the same way, and is then given the instance's MIG
-facts. Pure: no I/O.
+An instance entry is built as a GPU's is (``report.py`` passes its builder, run over
+:func:`gpuwatchd.decide.mig.instances.instance_view`), then given its MIG facts. Pure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
-from gpuwatchd.core.model import GpuInfo, GpuMemory, MigCapability, MigDevice, NvmlProcess, as_int
-from gpuwatchd.decide.mig.instances import MigInstance, MigLayout, instance_gpu
+from gpuwatchd.core.checked import as_list, as_map
+from gpuwatchd.core.model import (
+    DeviceHolding,
+    GpuInfo,
+    GpuMemory,
+    MigCapability,
+    MigDevice,
+    NvmlProcess,
+    as_int,
+)
+from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu
 
 # The parts of a GPU entry an instance entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
@@ -24,50 +31,37 @@ def mig_instances_json(
     layout: MigLayout,
     entry_for: Callable[[GpuInfo], dict[str, object]],
 ) -> list[dict[str, object]] | None:
-    """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices read.
-
-    Instances of a GPU whose instances are not judged (``layout.unjudged``) are listed from
-    NVML's reading alone (``judged`` false, no holders).
-    """
+    """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices read; a GPU
+    whose instances are not judged lists them from NVML alone (``judged`` false, no holders)."""
     if gpu.mig_enabled is not True or gpu.mig_devices is None:
         return None
-    judged = gpu.uuid in layout.judged
+    if gpu.uuid not in layout.judged:
+        return [
+            {"gi": d.gi, "ci": [] if d.ci is None else [d.ci], "uuid": d.uuid,
+             "mig_uuids": [d.uuid], "profile": d.profile, **_placed(d), "judged": False}
+            for d in gpu.mig_devices
+        ]  # fmt: skip
     found: list[dict[str, object]] = []
-    if judged:
-        for instance in layout.instances_of(gpu.uuid):
-            whole = entry_for(instance_gpu(instance))
-            entry = _facts(instance)
-            entry.update({key: whole.get(key) for key in _KEPT if key in whole})
-            entry["judged"] = True
-            found.append(entry)
-        return found
-    for device in gpu.mig_devices:
+    for instance in layout.instances_of(gpu.uuid):
+        whole = entry_for(instance_gpu(instance))
         found.append(
             {
-                "gi": device.gi,
-                "ci": [] if device.ci is None else [device.ci],
-                "uuid": device.uuid,
-                "mig_uuids": [device.uuid],
-                "profile": device.profile,
-                "gi_profile_id": device.gi_profile_id,
-                "placement": None if device.placement is None else list(device.placement),
-                "judged": False,
+                "gi": instance.gi,
+                "ci": list(instance.cis),
+                "uuid": instance.uuid,
+                "mig_uuids": [d.uuid for d in instance.devices],
+                "profile": instance.profile,
+                **_placed(instance.memory_device),
+                **{key: whole.get(key) for key in _KEPT if key in whole},
+                "judged": True,
             }
         )
     return found
 
 
-def _facts(instance: MigInstance) -> dict[str, object]:
-    device = instance.memory_device
-    return {
-        "gi": instance.gi,
-        "ci": list(instance.cis),
-        "uuid": instance.uuid,
-        "mig_uuids": [d.uuid for d in instance.devices],
-        "profile": instance.profile,
-        "gi_profile_id": device.gi_profile_id,
-        "placement": None if device.placement is None else list(device.placement),
-    }
+def _placed(device: MigDevice) -> dict[str, object]:
+    placement = None if device.placement is None else list(device.placement)
+    return {"gi_profile_id": device.gi_profile_id, "placement": placement}
 
 
 def mig_instance_lines(
@@ -154,21 +148,20 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
     for item in instances[:16]:
         if not isinstance(item, Mapping):
             continue
-        gi = item.get("gi")
-        if not isinstance(gi, int) or isinstance(gi, bool):
+        gi = as_int(item.get("gi"))
+        if gi is None:
             continue
-        ids = [c for c in _items(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
-        names = [u if isinstance(u, str) else None for u in _items(item.get("mig_uuids"))]
+        ids = [c for c in as_list(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
+        names = [u if isinstance(u, str) else None for u in as_list(item.get("mig_uuids"))]
         profile = item.get("profile")
         profile_id = as_int(item.get("gi_profile_id"))
-        place = [p for p in (as_int(p) for p in _items(item.get("placement"))) if p is not None]
+        place = [p for p in (as_int(p) for p in as_list(item.get("placement"))) if p is not None]
         placement = (place[0], place[1]) if len(place) == 2 else None
-        memory = item.get("memory")
-        used = as_int(memory.get("used")) if isinstance(memory, Mapping) else None
-        total = as_int(memory.get("total")) if isinstance(memory, Mapping) else None
+        memory = as_map(item.get("memory"))
+        used, total = as_int(memory.get("used")), as_int(memory.get("total"))
         listed = tuple(
             NvmlProcess(pid, as_int(e.get("used_memory")), str(e.get("type") or "compute"))
-            for e in _items(item.get("processes"))
+            for e in as_list(item.get("processes"))
             if isinstance(e, Mapping) and (pid := as_int(e.get("pid"))) is not None
         )
         for position, ci in enumerate(ids or [0]):
@@ -189,46 +182,47 @@ def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] 
     return tuple(devices)
 
 
-def capabilities_from_report(
-    raw: Mapping[str, object], gpu_minor: int | None
-) -> tuple[dict[int, MigCapability], dict[int, tuple[set[int], set[int]]]]:
-    """A saved GPU entry's judged instances back as a capability table and, per holder PID,
-    the capability minors it holds (by fd, by mapping): so ``explain`` places each holder in
-    its instance as the daemon did. Empty when the entry's instances were not judged."""
+def mig_capabilities(
+    holdings: dict[int, DeviceHolding], gpus: Sequence[GpuInfo], gpus_raw: Sequence[object]
+) -> dict[int, MigCapability]:
+    """The capability table of a saved report's judged MIG instances (``explain``), each
+    instance holder's capability minors (by fd, by mapping) added to ``holdings``: so each
+    holder is placed in its instance as the daemon placed it."""
     table: dict[int, MigCapability] = {}
-    held: dict[int, tuple[set[int], set[int]]] = {}
-    if gpu_minor is None:
-        return table, held
-    for item in _items(raw.get("mig_instances")):
-        gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
-        if not isinstance(item, Mapping) or item.get("judged") is not True or gi is None:
+    for gpu, raw in zip(gpus, gpus_raw, strict=True):
+        minor = gpu.minor
+        if minor is None or not isinstance(raw, Mapping):
             continue
-        cis = [c for c in (as_int(c) for c in _items(item.get("ci"))) if c is not None]
-        minors = {cap_minor(gpu_minor, gi): MigCapability(gpu_minor, gi)}
-        minors.update({cap_minor(gpu_minor, gi, c): MigCapability(gpu_minor, gi, c) for c in cis})
-        table.update(minors)
-        for entry in _items(item.get("holders")):
-            pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
-            if pid is None or not isinstance(entry, Mapping):
+        for item in as_list(raw.get("mig_instances")):
+            gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
+            if gi is None or not isinstance(item, Mapping) or item.get("judged") is not True:
                 continue
-            via = _items(entry.get("via"))
-            fd, mapped = held.setdefault(pid, (set(), set()))
-            (fd if "fd" in via or not via else mapped).update(minors)
-            if "map" in via:
-                mapped.update(minors)
-    return table, held
+            cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
+            minors = {cap_minor(minor, gi): MigCapability(minor, gi)}
+            minors.update({cap_minor(minor, gi, c): MigCapability(minor, gi, c) for c in cis})
+            table.update(minors)
+            for entry in as_list(item.get("holders")):
+                pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
+                if pid is None or not isinstance(entry, Mapping):
+                    continue
+                via = as_list(entry.get("via"))
+                by_fd = "fd" in via or not via
+                old = holdings.get(pid, DeviceHolding(pid))
+                holdings[pid] = dataclasses.replace(
+                    old,
+                    cap_minors_fd=old.cap_minors_fd | (set(minors) if by_fd else set()),
+                    cap_minors_map=old.cap_minors_map
+                    | (set(minors) if not by_fd or "map" in via else set()),
+                )
+    return table
 
 
 def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
     """The process and holder entries of a saved GPU entry's instances (``explain``)."""
     found: list[Mapping[str, object]] = []
-    for item in _items(raw.get("mig_instances")):
+    for item in as_list(raw.get("mig_instances")):
         if not isinstance(item, Mapping):
             continue
         for key in ("processes", "holders"):
-            found += [e for e in _items(item.get(key)) if isinstance(e, Mapping)]
+            found += [e for e in as_list(item.get(key)) if isinstance(e, Mapping)]
     return found
-
-
-def _items(value: object) -> list[object]:
-    return value if isinstance(value, list) else []

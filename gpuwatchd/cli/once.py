@@ -12,7 +12,7 @@ from typing import TextIO
 
 from gpuwatchd.cli.humantime import duration as format_duration
 from gpuwatchd.cli.scan import ScanResult, scan_host
-from gpuwatchd.core.checked import as_map
+from gpuwatchd.core.checked import as_list, as_map
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
@@ -27,48 +27,39 @@ MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 def daemon_busy(
     state: Mapping[str, object], report: Mapping[str, object], dirty: set[str]
 ) -> list[str]:
-    """What the daemon, by its state file, still has to do about the findings of ``report``
-    on the GPUs that are not clean (``dirty``, UUIDs): a finding it has not seen yet (it was
-    not polling since it appeared, or it takes an epilog's hand-over at its next poll), or one
-    with a ladder, a confirmation window or a reset under way (:func:`pending_keys`, as
-    ``run --once`` without a daemon asks its own plan). Empty: nothing it does will change the
-    GPUs that are not clean."""
+    """What the daemon, by its state file, still has to do about ``report``'s findings on the GPUs
+    not clean (``dirty``): one it has not seen yet, or one with a ladder, a window or a reset under
+    way (:func:`pending_keys`). Empty: nothing it does will change those GPUs."""
     try:
         plan = PlanState.from_json(state.get("plan"))
     except ValueError:
         return ["the daemon's state cannot be read (yet)"]
-    findings = report.get("findings")
     keyed = {
         str(f.get("key")): f
-        for f in (as_map(item) for item in (findings if isinstance(findings, list) else []))
+        for f in map(as_map, as_list(report.get("findings")))
         if f.get("gpu") in dirty and isinstance(f.get("key"), str)
     }
     busy = [
-        f"{describe_findings([keyed[key]])}: not seen by the daemon yet"
+        f"{_described(keyed[key])}: not seen by the daemon yet"
         for key in sorted(set(keyed) - set(plan.seen))
     ]
-    busy += [f"{describe_findings([keyed[k]])}: under way" for k in pending_keys(plan, keyed)]
+    busy += [f"{_described(keyed[k])}: under way" for k in pending_keys(plan, keyed)]
     return busy
 
 
-def describe_findings(findings: list[Mapping[str, object]]) -> str:
-    """``orphaned on GPU-… pid 4242, ghost_memory on GPU-…`` (not escaped)."""
-    parts = []
-    for finding in findings:
-        pid = finding.get("pid")
-        where = f" pid {pid}" if isinstance(pid, int) else ""
-        parts.append(f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}")
-    return ", ".join(parts)
+def _described(finding: Mapping[str, object]) -> str:
+    """``orphaned on GPU-… pid 4242`` (not escaped)."""
+    pid = finding.get("pid")
+    where = f" pid {pid}" if isinstance(pid, int) else ""
+    return f"{finding.get('kind')} on {finding.get('gpu') or 'no GPU'}{where}"
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
     """The GPU of a reset the daemon has decided on or is running, from its state file."""
-    record = as_map(state.get("reset_in_progress"))
-    if record:
-        return str(record.get("gpu") or "a GPU")
     flight = as_map(as_map(state.get("plan")).get("reset_in_flight"))
-    if flight:
-        return str(flight.get("gpu") or "a GPU")
+    for record in (as_map(state.get("reset_in_progress")), flight):
+        if record:
+            return str(record.get("gpu") or "a GPU")
     return None
 
 
@@ -77,16 +68,12 @@ def active_ladders(state: Mapping[str, object]) -> int:
     return sum(1 for lad in ladders.values() if as_map(lad).get("status") == "active")
 
 
-def daemon_pid(state: Mapping[str, object]) -> int | None:
-    return SavedState(state).daemon_pid
-
-
 def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     """Whether the PID the state names is gpuwatchd now; unknown (no PID, unreadable) counts
     as running: only a PID known gone or reused lets the waiter go on alone."""
     from gpuwatchd.cli.process_kind import look_at_process
 
-    pid = daemon_pid(state)
+    pid = SavedState(state).daemon_pid
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 
 
@@ -112,7 +99,7 @@ def wait_for_daemon(
     deadline = started + timeout
     state = read_state()
     out.write(
-        f"gpuwatchd: the daemon (pid {daemon_pid(state) or '?'}) is running; "
+        f"gpuwatchd: the daemon (pid {SavedState(state).daemon_pid or '?'}) is running; "
         f"waiting up to {format_duration(timeout)} for it to clean this node\n"
     )
     left: list[str] = []
@@ -152,6 +139,6 @@ def wait_for_daemon(
     ladders = active_ladders(state)
     out.write(
         f"gpuwatchd: timed out after {format_duration(timeout)}: {escape('; '.join(left))} "
-        f"(daemon pid {daemon_pid(state) or '?'}, {ladders} ladder(s) active)\n"
+        f"(daemon pid {SavedState(state).daemon_pid or '?'}, {ladders} ladder(s) active)\n"
     )
     return ExitCode.TEMPFAIL

@@ -1,11 +1,6 @@
 """What a PID is to the commands that look for the running daemon: gpuwatchd, another
-process, gone, or unknown.
-
-This module owns that one look at ``/proc/PID`` (``stat``, ``comm``, ``cmdline``), used by
-``status``, ``reload``, ``run --once`` and ``scan``. It is apart from :mod:`gpuwatchd.cli.status`
-so that a ``scan`` does not import the status document and the event catalogue (~7 ms of every
-scan's start). It decides nothing: what the caller makes of the answer is its own.
-"""
+process, gone, or unknown (one look at ``/proc/PID``). Apart from :mod:`gpuwatchd.cli.status`
+so that ``scan`` does not import the status document (~7 ms of its start)."""
 
 from __future__ import annotations
 

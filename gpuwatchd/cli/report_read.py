@@ -5,18 +5,20 @@ In detail: docs/internals.md, section `gpuwatchd.cli.report_read`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping
+from typing import TypeVar
 
 from gpuwatchd.cli.mig_report import (
-    capabilities_from_report,
     instance_process_entries,
+    mig_capabilities,
     mig_devices_from_report,
 )
 from gpuwatchd.cli.spared import spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
+from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import (
     CgroupInfo,
     DeviceHolding,
@@ -24,7 +26,6 @@ from gpuwatchd.core.model import (
     FindingKind,
     GpuInfo,
     HolderScan,
-    MigCapability,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -37,64 +38,44 @@ class SnapshotError(Exception):
     """A report that is not a ``scan --json`` document: ``file: field: message``."""
 
 
-def _need(data: Mapping[str, object], key: str, types: tuple[type, ...], where: str) -> object:
+T = TypeVar("T")
+
+
+def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], where: str) -> T:
     if key not in data:
         raise SnapshotError(f"{where}.{key}: missing")
     value = data[key]
-    if value is None and type(None) in types:
-        return None
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
     if isinstance(value, bool) and bool not in types:
-        raise SnapshotError(f"{where}.{key}: expected {_names(types)}, got {value!r}")
+        raise SnapshotError(f"{where}.{key}: expected {names}, got {value!r}")
     if not isinstance(value, types):
-        raise SnapshotError(f"{where}.{key}: expected {_names(types)}, got {type(value).__name__}")
+        raise SnapshotError(f"{where}.{key}: expected {names}, got {type(value).__name__}")
     return value
 
 
-def _names(types: tuple[type, ...]) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
-
-
-def _opt_int(data: Mapping[str, object], key: str) -> int | None:
-    return as_int(data.get(key))
-
-
-def opt_str(data: Mapping[str, object], key: str) -> str | None:
-    value = data.get(key)
-    return value if isinstance(value, str) else None
+# The fields of a saved process entry and its cgroup read back, each by its lenient reader.
+_CGROUP = {"path": as_text, "container_id": as_text, "container_runtime": as_text,
+           "pod_uid": as_text, "slurm_job": as_text, "slurm_step": as_text,
+           "systemd_unit": as_text, "delegated": as_flag}  # fmt: skip
+_PROCESS = {"start_ticks": as_int, "state": as_text, "ppid": as_int, "pgid": as_int,
+            "sid": as_int, "uid": as_int, "user": as_text, "comm": as_text, "exe": as_text,
+            "exe_trusted": as_flag}  # fmt: skip
 
 
 def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
-    pid = _opt_int(entry, "pid")
+    pid = as_int(entry.get("pid"))
     if pid is None or (entry.get("alive") is None and entry.get("state") is None):
         return None
     cg = entry.get("cgroup")
     cgroup = None
     if isinstance(cg, dict) and isinstance(cg.get("path"), str):
-        cgroup = CgroupInfo(
-            path=cg["path"],
-            container_id=opt_str(cg, "container_id"),
-            container_runtime=opt_str(cg, "container_runtime"),
-            pod_uid=opt_str(cg, "pod_uid"),
-            slurm_job=opt_str(cg, "slurm_job"),
-            slurm_step=opt_str(cg, "slurm_step"),
-            systemd_unit=opt_str(cg, "systemd_unit"),
-            delegated=marked if isinstance(marked := cg.get("delegated"), bool) else None,
-        )
+        cgroup = CgroupInfo(**pick(cg, _CGROUP))
     cmdline = entry.get("cmdline")
     return ProcessInfo(
         pid=pid,
-        start_ticks=_opt_int(entry, "start_ticks"),
-        state=opt_str(entry, "state"),
-        ppid=_opt_int(entry, "ppid"),
-        pgid=_opt_int(entry, "pgid"),
-        sid=_opt_int(entry, "sid"),
-        uid=_opt_int(entry, "uid"),
-        user=opt_str(entry, "user"),
-        comm=opt_str(entry, "comm"),
-        exe=opt_str(entry, "exe"),
+        **pick(entry, _PROCESS),
         cmdline=tuple(str(a) for a in cmdline) if isinstance(cmdline, list) else None,
         cgroup=cgroup,
-        exe_trusted=trusted if isinstance(trusted := entry.get("exe_trusted"), bool) else None,
     )
 
 
@@ -108,11 +89,8 @@ _BRACKET = re.compile(rb"[\[{\]}]")
 
 
 def _shape_problem(raw: bytes) -> str | None:
-    """Why ``raw`` cannot be a report by its shape alone (too many values, nested too deeply),
-    told before it is parsed; None when its shape is within the bounds. Strings are set aside
-    first (their brackets and commas are text); each value past the first in a list or object
-    follows a comma, each list or object opens with a bracket, so their counts bound the
-    values parsing would make."""
+    """Why ``raw`` cannot be a report by its shape alone (too many values, nested too deep), before
+    it is parsed: with strings set aside, commas and opening brackets bound the values."""
     bare = _JSON_STRING.sub(b'""', raw) if b'"' in raw else raw  # no copy where no string
     values = bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
     if values > MAX_REPORT_VALUES:
@@ -179,15 +157,9 @@ def evidence_header(data: Mapping[str, object]) -> dict[str, object]:
     """What an evidence file says of its step (action, GPU, dry run, reason, when written),
     each value checked: a malformed one is null."""
     written = data.get("written")
-    return {
-        "action": opt_str(data, "action"),
-        "gpu": opt_str(data, "gpu"),
-        "dry_run": data.get("dry_run") if isinstance(data.get("dry_run"), bool) else None,
-        "reason": opt_str(data, "reason"),
-        "written": written
-        if isinstance(written, (int, float)) and not isinstance(written, bool)
-        else None,
-    }
+    plain = isinstance(written, (int, float)) and not isinstance(written, bool)
+    fields = {"action": as_text, "gpu": as_text, "dry_run": as_flag, "reason": as_text}
+    return {**pick(data, fields), "written": written if plain else None}
 
 
 MAX_DIGITS = 40  # no count, size, PID or time in a report has more digits
@@ -219,23 +191,25 @@ def _first_huge_number(value: object, where: str) -> str | None:
     return None
 
 
+_GPU = {"name": as_text, "pci_bus_id": as_text, "minor": as_int, "mig_enabled": as_flag,
+        "architecture": as_int, "nvlink_active": as_int}  # fmt: skip
+
+
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
-    uuid = _need(raw, "uuid", (str,), where)
-    index = _need(raw, "index", (int,), where)
-    assert isinstance(uuid, str)  # noqa: S101 - checked by _need
-    assert isinstance(index, int)  # noqa: S101 - checked by _need
-    mig = raw.get("mig_enabled")
     return GpuInfo(
-        index=index,
-        uuid=uuid,
-        name=opt_str(raw, "name"),
-        pci_bus_id=opt_str(raw, "pci_bus_id"),
-        minor=_opt_int(raw, "minor"),
-        mig_enabled=mig if isinstance(mig, bool) else None,
+        uuid=_need(raw, "uuid", (str,), where),
+        index=_need(raw, "index", (int,), where),
+        **pick(raw, _GPU),
         persistence_mode=None,
-        architecture=_opt_int(raw, "architecture"),
-        nvlink_active=_opt_int(raw, "nvlink_active"),
         lost=raw.get("lost") is True,
+        mig_devices=mig_devices_from_report(raw),
+        # NVML's process list as the report gives it (checked by _read_gpus): a health reset
+        # waits for these.
+        processes=tuple(
+            NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
+            for entry in as_list(raw.get("processes"))
+            if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
+        ),
     )
 
 
@@ -252,24 +226,18 @@ def _list_field(container: Mapping[str, object], key: str, where: str) -> list[o
 def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict[str, float]]:
     """The snapshot, findings and first-seen times (wall) a report describes. SnapshotError
     (without the file name) names the first malformed field."""
-    now = _need(report, "time", (int, float), "snapshot")
+    now = float(_need(report, "time", (int, float), "snapshot"))
     gpus_raw = _need(report, "gpus", (list,), "snapshot")
     findings_raw = _need(report, "findings", (list,), "snapshot")
-    host = report.get("host") if isinstance(report.get("host"), dict) else {}
-    nvml = report.get("nvml") if isinstance(report.get("nvml"), dict) else {}
-    assert isinstance(gpus_raw, list)  # noqa: S101 - checked by _need
-    assert isinstance(findings_raw, list)  # noqa: S101 - checked by _need
-    assert isinstance(host, dict)  # noqa: S101 - chosen above
-    assert isinstance(nvml, dict)  # noqa: S101 - chosen above
+    host, nvml = as_map(report.get("host")), as_map(report.get("nvml"))
     gpus, processes, holdings = _read_gpus(gpus_raw)
-    caps = _with_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    gpus = [_with_listed(gpu, raw) for gpu, raw in zip(gpus, gpus_raw, strict=True)]
+    caps = mig_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
     _add_node_holders(report, processes)
     findings, first_seen = _read_findings(findings_raw)
     snapshot = Snapshot(
-        monotonic=float(now),  # type: ignore[arg-type]
-        wall_time=float(now),  # type: ignore[arg-type]
-        boot_id=opt_str(host, "boot_id"),
+        monotonic=now,
+        wall_time=now,
+        boot_id=as_text(host.get("boot_id")),
         nvml=NvmlReading(
             available=nvml.get("available", True) is True,
             wedged=nvml.get("wedged") is True,
@@ -277,7 +245,7 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
         ),
         processes=processes,
         holders=HolderScan(mode=str(report.get("scan_mode") or "full"), holdings=holdings),
-        host_namespaces=host.get("host_namespaces", True),
+        host_namespaces=host.get("host_namespaces", True),  # type: ignore[arg-type]  # passed on as saved
         spares=spares_from_report(report),
         mig_caps=caps or None,
     )
@@ -296,7 +264,7 @@ def _read_gpus(
         where = f"gpus[{i}]"
         if not isinstance(raw, dict):
             raise SnapshotError(f"{where}: expected an object")
-        gpu = dataclasses.replace(_gpu(raw, where), mig_devices=mig_devices_from_report(raw))
+        gpu = _gpu(raw, where)
         minor = gpu.minor
         gpus.append(gpu)
         for listed in instance_process_entries(raw):  # MIG: who is in each instance
@@ -346,13 +314,13 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
         evidence = _need(raw, "evidence", (dict,), where)
         finding = Finding(
             kind=FindingKind(kind),
-            gpu=_need(raw, "gpu", (str, type(None)), where),  # type: ignore[arg-type]
-            pid=_need(raw, "pid", (int, type(None)), where),  # type: ignore[arg-type]
-            start_ticks=_need(raw, "start_ticks", (int, type(None)), where),  # type: ignore[arg-type]
-            reason=str(_need(raw, "reason", (str,), where)),
-            memory=_need(raw, "memory", (int, type(None)), where),  # type: ignore[arg-type]
-            actionable=bool(_need(raw, "actionable", (bool,), where)),
-            evidence=evidence,  # type: ignore[arg-type]
+            gpu=_need(raw, "gpu", (str, type(None)), where),
+            pid=_need(raw, "pid", (int, type(None)), where),
+            start_ticks=_need(raw, "start_ticks", (int, type(None)), where),
+            reason=_need(raw, "reason", (str,), where),
+            memory=_need(raw, "memory", (int, type(None)), where),
+            actionable=_need(raw, "actionable", (bool,), where),
+            evidence=evidence,
         )
         seen = raw.get("first_seen")
         if isinstance(seen, (int, float)) and not isinstance(seen, bool):
@@ -366,36 +334,3 @@ def _add_node_holders(report: Mapping[str, object], processes: dict[int, Process
     for entry in _list_field(report, "node_holders", "node_holders"):
         if isinstance(entry, dict) and (proc := _process(entry)) is not None:
             processes.setdefault(proc.pid, proc)
-
-
-def _with_capabilities(
-    holdings: dict[int, DeviceHolding], gpus: list[GpuInfo], gpus_raw: list[object]
-) -> dict[int, MigCapability]:
-    """The capability table of the report's judged MIG GPUs; each instance holder's
-    capabilities added to ``holdings``, so the instances are judged as the daemon judged them."""
-    table: dict[int, MigCapability] = {}
-    for gpu, raw in zip(gpus, gpus_raw, strict=True):
-        if not isinstance(raw, dict):
-            continue
-        caps, held = capabilities_from_report(raw, gpu.minor)
-        table.update(caps)
-        for pid, (fd, mapped) in held.items():
-            holding = holdings.get(pid, DeviceHolding(pid))
-            holdings[pid] = dataclasses.replace(
-                holding,
-                cap_minors_fd=holding.cap_minors_fd | fd,
-                cap_minors_map=holding.cap_minors_map | mapped,
-            )
-    return table
-
-
-def _with_listed(gpu: GpuInfo, raw: Mapping[str, object]) -> GpuInfo:
-    """``gpu`` with NVML's process list as the report gives it (validated by ``rebuild``): a
-    health reset waits for these."""
-    entries = raw.get("processes")
-    listed = [
-        NvmlProcess(pid, as_int(entry.get("used_memory")), str(entry.get("type")))
-        for entry in (entries if isinstance(entries, list) else [])
-        if isinstance(entry, dict) and (pid := as_int(entry.get("pid"))) is not None
-    ]
-    return dataclasses.replace(gpu, processes=tuple(listed))

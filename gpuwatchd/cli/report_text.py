@@ -1,14 +1,9 @@
-"""The plain ``gpuwatchd scan`` view: the report's data (``report.py``) as aligned text.
-
-This module owns ``render_text``. It reads the report as plain data (it may come from a file or
-another version), so it checks every value it uses and never raises on a missing or oddly typed
-one; an unknown value is ``?``. Pure: no I/O, no clock, no environment.
-"""
+"""The plain ``gpuwatchd scan`` view: a report's data (``report.py``) as aligned text. The data
+may come from a file or another version: every value is checked, an unknown one is ``?``. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.cli.humantime import counted
 from gpuwatchd.cli.mig_report import (
@@ -18,18 +13,13 @@ from gpuwatchd.cli.mig_report import (
     parent_rows,
 )
 from gpuwatchd.cli.spared import spared_lines
-from gpuwatchd.core.checked import as_map, as_text
+from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import (
-    as_int,
-)
+from gpuwatchd.core.model import as_int
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 COMMAND_WIDTH = 60  # characters of a command line shown in the text view
-
-
-# --- rendering text ---------------------------------------------------------------------------
 
 _ROLE_LABELS = {
     "context_owner": "context owner",
@@ -44,49 +34,41 @@ _ALARM_ROLES = frozenset({"orphaned", "stuck"})
 _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
 
-def render_text(
-    report: Mapping[str, object], *, color: bool = False, command_width: int = COMMAND_WIDTH
-) -> str:
-    """The human view of a ``build_report`` document, ending with a newline. Pure.
-
-    Per GPU: a header (index, name, UUID, PCI bus id), a memory line, a table of every process
-    that NVML lists or that holds the GPU's device file, then that GPU's findings. Then the
-    node: notes (NVML trouble, report-only reasons, unreadable processes), processes holding
-    only nvidiactl / nvidia-uvm, and findings tied to no listed GPU. ANSI colours only
-    when ``color`` is True. Unknown values print as ``?``, absent ones as ``-``.
-    """
+def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
+    """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
+    header, memory, holders' table and findings; then the node's notes, holders and findings.
+    Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
     paint = _painter(color)
-    now = _as_float(report.get("time"))
+    now = as_number(report.get("time"))
     lines = [_title_line(report)]
     gpu_uuids: set[str] = set()
-    findings = [as_map(f) for f in _as_list(report.get("findings"))]
-    for gpu in (as_map(g) for g in _as_list(report.get("gpus"))):
+    findings = [as_map(f) for f in as_list(report.get("findings"))]
+    for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
         uuid = as_text(gpu.get("uuid"))
         if uuid is not None:
             gpu_uuids.add(uuid)
         lines.append("")
-        lines.extend(_gpu_lines(gpu, findings, now, paint, command_width))
+        lines.extend(_gpu_lines(gpu, findings, now, paint))
     gpu_uuids |= instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
-    holders = [as_map(h) for h in _as_list(report.get("node_holders"))]
+    holders = [as_map(h) for h in as_list(report.get("node_holders"))]
     if notes or node_findings or holders:
         lines.append("")
         lines.append(paint("node", _BOLD))
         lines.extend(f"  {paint(note, _YELLOW)}" for note in notes)
         if holders:
             lines.append("  holding NVIDIA device files of no listed GPU:")
-            lines.extend(_node_holder_lines(holders, now, paint, command_width))
+            lines.extend(_node_holder_lines(holders, now, paint))
         lines.extend(_finding_lines(node_findings, now, paint))
     return "\n".join(lines) + "\n"
 
 
-class _Paint(Protocol):
-    def __call__(self, text: str, code: str, /) -> str: ...
+_Paint = Callable[[str, str], str]
 
 
 def _painter(color: bool) -> _Paint:
-    def paint(text: str, code: str, /) -> str:
+    def paint(text: str, code: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if color and text else text
 
     return paint
@@ -95,25 +77,23 @@ def _painter(color: bool) -> _Paint:
 def _title_line(report: Mapping[str, object]) -> str:
     host = as_map(report.get("host"))
     nvml = as_map(report.get("nvml"))
-    findings = _as_list(report.get("findings"))
+    findings = as_list(report.get("findings"))
     parts = [
         f"gpuwatchd {_text(report.get('version'))} scan",
         f"host {_text(host.get('hostname'))}",
         f"driver {_text(nvml.get('driver_version'))}",
-        counted(len(_as_list(report.get("gpus"))), "GPU"),
+        counted(len(as_list(report.get("gpus"))), "GPU"),
         counted(len(findings), "finding"),
         f"{_text(report.get('scan_mode'))} holder scan",
     ]
     view = as_map(report.get("daemon_view"))
-    if view.get("used") is True:
-        age = view.get("age")
-        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
-        parts.append(f"on the daemon's holder view{old}")
     reading = as_map(report.get("nvml_reading"))
-    if reading.get("source") == "daemon":
-        age = reading.get("age_s")
-        old = f", {age:.1f}s old" if isinstance(age, (int, float)) else ""
-        parts.append(f"NVML: the daemon's reading{old}")
+    for used, what, age in (
+        (view.get("used") is True, "on the daemon's holder view", view.get("age")),
+        (reading.get("source") == "daemon", "NVML: the daemon's reading", reading.get("age_s")),
+    ):
+        if used:
+            parts.append(what + (f", {age:.1f}s old" if isinstance(age, (int, float)) else ""))
     if view.get("answered_by") == "daemon":
         parts.append("answered by the daemon")
     return "  ".join(parts)
@@ -124,13 +104,12 @@ def _gpu_lines(
     findings: Sequence[Mapping[str, object]],
     now: float | None,
     paint: _Paint,
-    command_width: int,
 ) -> list[str]:
     """One GPU's text: its header, memory and flags, its holders' table, its findings, its
     verdict and its MIG instances."""
     lines = _gpu_header_lines(gpu, paint)
     judged_mig = mig_judged(gpu)
-    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint, command_width)
+    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint)
     lines.extend(table)
     if judged_mig:
         lines.append("  processes and holders: by MIG instance, below")
@@ -142,7 +121,7 @@ def _gpu_lines(
         mig_instance_lines(
             gpu,
             findings,
-            holder_lines=lambda inst: _holder_table(inst, now, paint, command_width),
+            holder_lines=lambda inst: _holder_table(inst, now, paint),
             finding_lines=lambda own: _finding_lines(own, now, paint),
             memory_line=_memory_line,
         )
@@ -161,18 +140,7 @@ def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
             _text(gpu.get("pci_bus_id")),
         ]
     )
-    lines = [paint(header, _BOLD)]
-    memory = as_map(gpu.get("memory"))
-    allocated = f"allocated {_bytes(memory.get('used'))}"
-    if memory.get("api") == "v1":
-        allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
-    memory_parts = [
-        f"total {_bytes(memory.get('total'))}",
-        allocated,
-        f"reserved {_bytes(memory.get('reserved'))}",
-        f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
-    ]
-    lines.append("  memory  " + "  ".join(memory_parts))
+    lines = [paint(header, _BOLD), _memory_line(gpu, full=True)]
     flags = _gpu_flags(gpu)
     if flags:
         lines.append("  " + paint("; ".join(flags), _YELLOW))
@@ -190,10 +158,10 @@ def _gpu_finding_lines(
     uuid = as_text(gpu.get("uuid"))
     own = [f for f in findings if uuid is not None and as_text(f.get("gpu")) == uuid]
     noted = {f.get("pid") for f in own}  # a spared finding says so itself
-    holders = [h for h in map(as_map, _as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+    holders = [h for h in map(as_map, as_list(gpu.get("holders"))) if h.get("pid") not in noted]
     lines = [f"  holder {line}" for line in spared_lines(holders, now)]
     lines.extend(_finding_lines(own, now, paint))
-    refusers = [p for p in _as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+    refusers = [p for p in as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
     if own and refusers:
         lines.append(
             f"  a reset now would be refused by the driver while PID "
@@ -203,10 +171,8 @@ def _gpu_finding_lines(
     return lines
 
 
-def _holder_table(
-    gpu: Mapping[str, object], now: float | None, paint: _Paint, command_width: int
-) -> list[str]:
-    rows, alarms = _holder_rows(gpu, now, command_width)
+def _holder_table(gpu: Mapping[str, object], now: float | None, paint: _Paint) -> list[str]:
+    rows, alarms = _holder_rows(gpu, now)
     if not rows:
         return []
     header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
@@ -217,14 +183,17 @@ def _holder_table(
     return lines
 
 
-def _memory_line(gpu: Mapping[str, object]) -> str:
+def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
+    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and the
+    reservation."""
     memory = as_map(gpu.get("memory"))
+    allocated = f"allocated {_bytes(memory.get('used'))}"
+    if full and memory.get("api") == "v1":
+        allocated += f" (v1 query: used {_bytes(memory.get('used_v1'))} incl. reservation)"
+    reserved = [f"reserved {_bytes(memory.get('reserved'))}"] if full else []
+    baseline = f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}"
     return "  memory  " + "  ".join(
-        [
-            f"total {_bytes(memory.get('total'))}",
-            f"allocated {_bytes(memory.get('used'))}",
-            f"baseline {_bytes(memory.get('baseline'), unknown='not learned')}",
-        ]
+        [f"total {_bytes(memory.get('total'))}", allocated, *reserved, baseline]
     )
 
 
@@ -244,15 +213,15 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
     state = as_text(verdict.get("state"))
     if state is None:
         return []
-    reasons = [as_map(r) for r in _as_list(verdict.get("reasons"))]
+    reasons = [as_map(r) for r in as_list(verdict.get("reasons"))]
     if state == "clean":
         lines = ["  verdict  clean: a new job may have it"]
     else:
-        lines = [paint(f"  verdict  NOT CLEAN ({_clean(state)})", _RED)]
+        lines = [paint(f"  verdict  NOT CLEAN ({escape(state)})", _RED)]
         lines.extend(
             f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
         )
-    blockers = [as_map(r) for r in _as_list(verdict.get("reset_blockers"))]
+    blockers = [as_map(r) for r in as_list(verdict.get("reset_blockers"))]
     if blockers:
         lines.append("  would block a reset (not dirt):")
         lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
@@ -260,18 +229,13 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
 
 
 def _node_holder_lines(
-    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint, command_width: int
+    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint
 ) -> list[str]:
     rows = []
     for holder in holders:
-        row = _row(
-            {**holder, "via": holder.get("devices")},
-            _role_label(as_text(holder.get("role")), holder.get("owner_pid")),
-            "-",
-            now,
-        )
+        role = _role_label(as_text(holder.get("role")), holder.get("owner_pid"))
+        row = _row({**holder, "via": holder.get("devices")}, role, "-", now)
         rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
-        rows[-1][-1] = _truncate(rows[-1][-1], command_width)
     header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
     table = _table([header, *rows])
     return ["    " + paint(table[0], _DIM), *("    " + line for line in table[1:])]
@@ -283,7 +247,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("LOST: the GPU stopped answering")
     error = as_text(gpu.get("error"))
     if error:
-        flags.append(f"error: {_clean(error)}")
+        flags.append(f"error: {escape(error)}")
     if gpu.get("mig_enabled") is True:
         flags.append("MIG enabled")
     if gpu.get("coherent_memory") is True:
@@ -311,30 +275,24 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
         flags.append("row remapping failed")
     reason = as_text(gpu.get("report_only"))
     if reason:
-        flags.append(f"report-only: {_clean(reason)}")
-    flags.extend(f"note: {_text(note)}" for note in _as_list(gpu.get("notes")))
+        flags.append(f"report-only: {escape(reason)}")
+    flags.extend(f"note: {_text(note)}" for note in as_list(gpu.get("notes")))
     return flags
 
 
 def _holder_rows(
-    gpu: Mapping[str, object], now: float | None, command_width: int
+    gpu: Mapping[str, object], now: float | None
 ) -> tuple[list[list[str]], list[bool]]:
     """One row per holder, then one per NVML-listed process that holds nothing (dead ones)."""
-    holders = [as_map(h) for h in _as_list(gpu.get("holders"))]
+    holders = [as_map(h) for h in as_list(gpu.get("holders"))]
     holder_pids = {as_int(h.get("pid")) for h in holders}
-    listed = [as_map(p) for p in _as_list(gpu.get("processes"))]
+    listed = [as_map(p) for p in as_list(gpu.get("processes"))]
     rows: list[tuple[int, list[str], bool]] = []
     for holder in holders:
-        memory = holder.get("used_memory")
-        memory_text = _bytes(memory) if holder.get("nvml_listed") is True else "-"
         role = as_text(holder.get("role"))
-        rows.append(
-            (
-                as_int(holder.get("pid")) or 0,
-                _row(holder, _role_label(role, holder.get("owner_pid")), memory_text, now),
-                role in _ALARM_ROLES,
-            )
-        )
+        memory = _bytes(holder.get("used_memory")) if holder.get("nvml_listed") is True else "-"
+        row = _row(holder, _role_label(role, holder.get("owner_pid")), memory, now)
+        rows.append((as_int(holder.get("pid")) or 0, row, role in _ALARM_ROLES))
     for process in listed:
         pid = as_int(process.get("pid"))
         if pid in holder_pids:
@@ -342,33 +300,29 @@ def _holder_rows(
         label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
             label = _nvml_only_label(process)
-        rows.append(
-            (
-                pid or 0,
-                _row(process, label, _bytes(process.get("used_memory")), now),
-                process.get("alive") is False,
-            )
-        )
+        row = _row(process, label, _bytes(process.get("used_memory")), now)
+        rows.append((pid or 0, row, process.get("alive") is False))
     rows.sort(key=lambda row: row[0])
-    table = [row for _, row, _ in rows]
-    for row in table:
-        row[-1] = _truncate(row[-1], command_width)
-    return table, [alarm for _, _, alarm in rows]
+    return [row for _, row, _ in rows], [alarm for _, _, alarm in rows]
 
 
 def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None) -> list[str]:
-    via = [v for v in _as_list(entry.get("via")) if isinstance(v, str)]
+    """A process's table row, its command cut to :data:`COMMAND_WIDTH`."""
+    via = [v for v in as_list(entry.get("via")) if isinstance(v, str)]
     gone = entry.get("alive") is False and entry.get("state") is None
+    command = _command(entry)
+    if len(command) > COMMAND_WIDTH:
+        command = command[: COMMAND_WIDTH - 3] + "..."
     return [
         _text(entry.get("pid")),
         "-" if gone else _user(entry),
         "-" if gone else _text(entry.get("state")),
         role,
         memory,
-        _clean(",".join(via)) or "-",
+        escape(",".join(via)) or "-",
         _job(entry.get("cgroup"), known=not gone),
-        "-" if gone else _age(now, _as_float(entry.get("started"))),
-        _command(entry),
+        "-" if gone else _age(now, as_number(entry.get("started"))),
+        command,
     ]
 
 
@@ -380,7 +334,7 @@ def _role_label(role: str | None, owner: object) -> str:
         return f"worker of {owner_pid}" if owner_pid is not None else "worker"
     if role == "orphaned":
         return f"orphaned from {owner_pid}" if owner_pid is not None else "orphaned"
-    return _ROLE_LABELS.get(role, _clean(role.replace("_", " ")))
+    return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
 
 
 def _nvml_only_label(process: Mapping[str, object]) -> str:
@@ -392,7 +346,7 @@ def _nvml_only_label(process: Mapping[str, object]) -> str:
 def _user(entry: Mapping[str, object]) -> str:
     user = as_text(entry.get("user"))
     if user:
-        return _clean(user)
+        return escape(user)
     uid = as_int(entry.get("uid"))
     return str(uid) if uid is not None else "?"
 
@@ -403,25 +357,25 @@ def _job(cgroup: object, *, known: bool) -> str:
         return "?" if known else "-"
     slurm = as_text(cgroup.get("slurm_job"))
     if slurm:
-        return _clean(f"slurm:{slurm}")
+        return escape(f"slurm:{slurm}")
     pod = as_text(cgroup.get("pod_uid"))
     if pod:
-        return _clean(f"pod:{pod[:8]}")
+        return escape(f"pod:{pod[:8]}")
     container = as_text(cgroup.get("container_id"))
     if container:
         runtime = as_text(cgroup.get("container_runtime")) or "container"
-        return _clean(f"{runtime}:{container[:12]}")
+        return escape(f"{runtime}:{container[:12]}")
     unit = as_text(cgroup.get("systemd_unit"))
-    return _clean(unit) if unit else "-"
+    return escape(unit) if unit else "-"
 
 
 def _command(entry: Mapping[str, object]) -> str:
     cmdline = entry.get("cmdline")
     if isinstance(cmdline, list) and cmdline:
-        return _clean(" ".join(str(arg) for arg in cmdline))
+        return escape(" ".join(str(arg) for arg in cmdline))
     comm = as_text(entry.get("comm"))
     if comm:
-        return _clean(f"[{comm}]")
+        return escape(f"[{comm}]")
     return "-" if entry.get("alive") is False else "?"
 
 
@@ -431,10 +385,9 @@ def _finding_lines(
     if not findings:
         return []
     rows: list[list[str]] = []
-    actionable: list[bool] = []
     for finding in findings:
         pid = as_int(finding.get("pid"))
-        since = _age(now, _as_float(finding.get("first_seen")), unknown="")
+        since = _age(now, as_number(finding.get("first_seen")), unknown="")
         status = "actionable" if finding.get("actionable") is True else "report only"
         rows.append(
             [
@@ -445,10 +398,9 @@ def _finding_lines(
                 _text(finding.get("reason")),
             ]
         )
-        actionable.append(finding.get("actionable") is True)
     lines = ["  findings"]
-    for line, act in zip(_table(rows), actionable, strict=True):
-        lines.append("    " + (paint(line, _RED) if act else line))
+    for line, finding in zip(_table(rows), findings, strict=True):
+        lines.append("    " + (paint(line, _RED) if finding.get("actionable") is True else line))
     lines.extend(f"    {line}" for line in spared_lines(findings, now))  # gpuwatchd spare
     lines.extend(_likely_heir_advice(findings, paint))
     lines.extend(_unseen_note(findings))
@@ -493,13 +445,9 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             "driver wedged: an NVML call missed its deadline "
             f"({_text(nvml.get('error'))}); no destructive action until it answers again"
         )
-    node_reasons = {
-        key: reason
-        for key, reason in as_map(report.get("report_only")).items()
-        if key not in gpu_uuids
-    }
-    for key in sorted(node_reasons):
-        notes.append(f"report-only ({_clean(key)}): {_text(node_reasons[key])}")
+    reasons = as_map(report.get("report_only"))
+    node_reasons = sorted(key for key in reasons if key not in gpu_uuids)
+    notes.extend(f"report-only ({escape(key)}): {_text(reasons[key])}" for key in node_reasons)
     host = as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
@@ -507,8 +455,8 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
     for key, values in sorted(as_map(report.get("notes")).items()):
         if key not in gpu_uuids:
-            notes.extend(f"note ({_clean(key)}): {_text(value)}" for value in _as_list(values))
-    unreadable = [p for p in _as_list(report.get("unreadable_pids")) if isinstance(p, int)]
+            notes.extend(f"note ({escape(key)}): {_text(value)}" for value in as_list(values))
+    unreadable = [p for p in as_list(report.get("unreadable_pids")) if isinstance(p, int)]
     if unreadable:
         shown = ", ".join(str(pid) for pid in unreadable[:10])
         more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
@@ -516,16 +464,13 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
             f"{len(unreadable)} processes could not be inspected (fds/maps unreadable: "
             f"{shown}{more}); what they hold is unknown"
         )
-    unread = [p for p in _as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
+    unread = [p for p in as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
     if unread:
         notes.append(
             f"{len(unread)} of them ({', '.join(str(pid) for pid in unread[:10])}) have more "
             "threads with fd tables of their own than a scan reads"
         )
     return notes
-
-
-# --- small formatting helpers -----------------------------------------------------------------
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -565,31 +510,10 @@ def _age(now: float | None, then: float | None, *, unknown: str = "?") -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def _truncate(text: str, width: int) -> str:
-    if width < 4 or len(text) <= width:
-        return text
-    return text[: width - 3] + "..."
-
-
 def _text(value: object) -> str:
     """A scalar as display text; "?" when unknown, control characters escaped."""
     if value is None or isinstance(value, (Mapping, list)):
         return "?"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return _clean(str(value))
-
-
-def _clean(text: str) -> str:
-    """Escape control characters, which a hostile command line could use to forge lines."""
-    return escape(text)
-
-
-def _as_list(value: object) -> list[object]:
-    return list(value) if isinstance(value, (list, tuple)) else []
-
-
-def _as_float(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+    return escape(str(value))

@@ -1,11 +1,6 @@
-"""``gpuwatchd run``: start the daemon (or ``run --once``), and ``run --once`` beside a running one.
-
-This module owns what happens between the parsed command line and
-:class:`gpuwatchd.daemon.lifecycle.Daemon`:
-logging set up, the capability check (enforcing without them is refused), a policy rejected at
-start reported, and, when another instance holds the lock, ``run --once`` handing its ended jobs
-over and waiting on that instance's progress (:mod:`gpuwatchd.cli.once`) before going on alone.
-"""
+"""``gpuwatchd run``: logging, the capability check and a policy rejected at start, then
+:class:`gpuwatchd.daemon.lifecycle.Daemon`; ``run --once`` beside a running instance hands its
+ended jobs over and waits on its progress (:mod:`gpuwatchd.cli.once`) before going on alone."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""The read-only ``gpuwatchd scan``: one full collection, assessed, turned into a report.
-
-This module owns the wiring of the one-shot scan (never any action, never a state write). It
-reads the daemon's state file when it can, so the report shows learned baselines and since when
-each finding has been seen.
-"""
+"""The read-only ``gpuwatchd scan``: one collection, assessed and reported, never an action nor a
+state write; the daemon's state file, when readable, gives baselines and first-seen times."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -17,6 +14,7 @@ from typing import NamedTuple
 from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
+from gpuwatchd.cli.spared import mark_spared, spares_in_force
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -121,16 +119,11 @@ def open_state_dir(policy: Policy) -> StateDir | None:
 def running_daemon(
     policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
-    """The daemon and its NVML workers, when one runs now beside this command; else None.
-
-    The daemon counts its own NVML worker as itself, never as a holder; a scan beside it must
-    too, or every GPU would show a ``hidden_holder`` (an NVML-only client) whenever the daemon
-    runs outside its systemd unit, in a Kubernetes pod say. No file's word is taken for who
-    that is: the daemon is the process the kernel says holds the instance lock in
-    ``state_dir`` (:meth:`StateDir.lock_holder`), if it is gpuwatchd and runs as a trusted user
-    (root, or this user); its workers are its direct children of the same user running the
-    worker file. A PID named in ``state.json`` or ``holders.json`` hides nothing by itself.
-    """
+    """The daemon and its NVML workers when one runs now beside this command (else None),
+    so that its worker is no ``hidden_holder`` here either. No file's word is taken: the daemon
+    is the holder of the instance lock in ``state_dir`` if it is gpuwatchd run by a trusted
+    user (root, or this user); its workers, its direct children of that user running the
+    worker file."""
     from gpuwatchd.cli.process_kind import look_at_process
     from gpuwatchd.collect.nvml import WORKER_FILE
 
@@ -155,25 +148,18 @@ def running_daemon(
 def scan_host(
     policy: Policy,
     *,
-    nvml_env: Mapping[str, str] | None = None,
     nvml: NvmlClient | None = None,
     why: str = "--full",
     served: ServedPoll | None = None,
 ) -> ScanResult:
-    """One collection, assessed and reported. ``nvml``: a client the caller started ahead
-    (:meth:`NvmlClient.prefetch`) and closes itself; else one is made and closed here.
-
-    Alone (``served`` None) it walks all of ``/proc`` and reads NVML; ``why`` is what the
-    report says of the daemon's view it did not build on. ``served``: the daemon answering a
-    ``scan`` (:mod:`gpuwatchd.cli.served`) hands in its last poll; the scan builds on that
-    poll's holder view (a targeted scan, or a walk where the daemon's own rule would walk) and
-    NVML reading when both are current (:func:`_current`), and otherwise returns at once with
-    no report and ``declined`` saying why. Raises StateDirError when ``state_dir`` exists but
-    cannot be trusted (:func:`open_state_dir`).
-    """
+    """One collection, assessed and reported. ``nvml``: a client the caller started ahead and
+    closes itself (else one is made here). Alone (``served`` None) it walks all of ``/proc``;
+    ``why`` says why the daemon's view was not used. ``served``: the daemon's last poll, when
+    the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
+    else no report and ``declined`` says why. StateDirError: see :func:`open_state_dir`."""
     state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
     try:
-        return _scan_host(policy, state_dir, nvml_env=nvml_env, nvml=nvml, why=why, served=served)
+        return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
     finally:
         if state_dir is not None:
             state_dir.close()
@@ -184,17 +170,12 @@ def _judged(
 ) -> tuple[Assessment, NodeVerdict]:
     """The snapshot assessed as the daemon would (with its saved history of this boot) and
     judged."""
-    previous = AssessState()
-    unfinished: dict[str, str] = {}
+    previous, unfinished = AssessState(), {}
     if saved.same_boot(snapshot.boot_id):
-        try:
+        with contextlib.suppress(ValueError):
             previous = AssessState.from_json(saved.data.get("assess", {}))
-        except ValueError:
-            previous = AssessState()
-        try:  # a MIG recovery the daemon left half done keeps its GPU dirty
+        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
             unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
-        except ValueError:
-            unfinished = {}
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     return assessment, judge(snapshot, assessment, policy, unfinished=unfinished)
 
@@ -203,7 +184,6 @@ def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
     *,
-    nvml_env: Mapping[str, str] | None,
     nvml: NvmlClient | None,
     why: str,
     served: ServedPoll | None,
@@ -226,7 +206,7 @@ def _scan_host(
         daemon_pids = frozenset({view.daemon_pid, *view.worker_pids})
         why = f"built on the holder view of the daemon (pid {view.daemon_pid})"
     own = nvml is None
-    client = NvmlClient(policy.nvml_timeout, env=nvml_env) if nvml is None else nvml
+    client = NvmlClient(policy.nvml_timeout) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
     source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
     try:
@@ -307,8 +287,6 @@ def _collect(
     )
     if view is not None:
         collector.seed(view.holders, view.dead_listed)
-    # What an epilog told the running daemon (run --once --ended-job): this scan judges
-    # those jobs as the daemon does.
     if state_dir is not None:
         collector.ended_by_scheduler = read_ended_jobs(
             state_dir, time.time(), waiting=procfs.is_running, boot_id=procfs.boot_id()
@@ -322,20 +300,10 @@ def _judged_report(
     """The snapshot judged (:func:`_judged`) and reported, each finding and holder a spare
     covers marked so."""
     assessment, verdict = _judged(snapshot, saved, policy)
-    report = snapshot_report(
-        snapshot,
-        assessment,
-        verdict,
-        (
-            _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
-            if saved.same_boot(snapshot.boot_id)  # monotonic times of an older boot lie
-            else {}
-        ),
-        proc_root=policy.proc_root,
-    )
-    from gpuwatchd.cli.spared import mark_spared, spares_in_force
-
-    # What `gpuwatchd spare` leaves alone, said on each finding and holder it covers.
+    first_seen: dict[str, float] = {}
+    if saved.same_boot(snapshot.boot_id):  # monotonic times of an older boot lie
+        first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
+    report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root)
     mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
     return report, verdict
 
@@ -361,15 +329,14 @@ def _daemon_view_section(
 def _permission_note(policy: Policy, snapshot: Snapshot) -> str | None:
     """Why the report is incomplete when processes could not be inspected for want of a
     capability; None when nothing was unreadable, or nothing is missing."""
-    note = None
     missing = missing_capabilities(policy.proc_root)
-    if snapshot.holders.unreadable and missing:
-        count = len(snapshot.holders.unreadable)
-        note = (
-            f"{count} processes could not be inspected (their fds/maps are unreadable; "
-            f"this process lacks {', '.join(missing)}); the report is incomplete — run as root"
-        )
-    return note
+    if not (snapshot.holders.unreadable and missing):
+        return None
+    return (
+        f"{len(snapshot.holders.unreadable)} processes could not be inspected (their fds/maps "
+        f"are unreadable; this process lacks {', '.join(missing)}); the report is incomplete — "
+        "run as root"
+    )
 
 
 def snapshot_report(
@@ -403,11 +370,11 @@ def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:
     """Whether a PID the view lists as a holder now names another process (its start ticks
     differ): that holder is gone, and the PID's new process is not one the view vouches
     for. Gone PIDs need no check here: the targeted scan misses them and walks."""
-    for pid, ticks in view.holder_ticks.items():
-        fields = procfs.read_stat(pid) if ticks is not None else None
-        if fields is not None and fields.starttime != ticks:
-            return True
-    return False
+    return any(
+        (fields := procfs.read_stat(pid)) is not None and fields.starttime != ticks
+        for pid, ticks in view.holder_ticks.items()
+        if ticks is not None
+    )
 
 
 def _first_seen_wall(saved: SavedState, now_monotonic: float, now_wall: float) -> dict[str, float]:

@@ -1,10 +1,6 @@
-"""The daemon's answer to a ``scan`` that asked it (docs/scan.md, "Answered by the daemon").
-
-The command (:mod:`gpuwatchd.cli.entry`) asks over the daemon's socket
-(:mod:`gpuwatchd.served.scan_socket`); the daemon calls :func:`answer` in its own process, between
-polls, with its last poll. The answer is the report of a scan built on that poll's holder view
-and NVML reading, with the policy the command would have used, or a refusal saying why, after
-which the command walks by itself.
+"""The daemon's answer to a ``scan`` that asked it (docs/scan.md, "Answered by the daemon"):
+the report of a scan built on its last poll, with the policy the command would have used, or a
+refusal saying why (the command then walks by itself).
 
 In detail: docs/internals.md, section `gpuwatchd.cli.served`.
 """

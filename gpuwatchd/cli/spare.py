@@ -1,12 +1,6 @@
-"""``gpuwatchd spare``: leave one process, or one job's processes, alone for a while.
-
-This module owns the command: ``spare PID|job:ID --for DURATION --reason TEXT`` writes the
-spare (``gpuwatchd/state/spares.py``) — a process by its PID and the start time read from
-``/proc/PID/stat`` now, so a later process that reuses the PID is not spared — ``spare
---list`` shows the spares in force, ``spare --cancel PID|job:ID`` ends one. The running daemon
-reads them at its next poll (``spare.started``, ``spare.ended``); each ends by itself, at most
-``limits.max_spare`` after it was given.
-"""
+"""``gpuwatchd spare``: leave one process (by PID and start time, so a reused PID is not
+spared) or one job's processes alone for a while; ``--list`` shows them, ``--cancel`` ends one.
+The daemon reads them (:mod:`gpuwatchd.state.spares`) at its next poll."""
 
 from __future__ import annotations
 
@@ -14,11 +8,12 @@ import json
 import time
 from typing import IO
 
-from gpuwatchd.cli.humantime import duration, for_seconds, until
+from gpuwatchd.cli.humantime import duration, for_seconds, stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.escape import escape
+from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import job_processes
@@ -49,10 +44,6 @@ def _length(text: str | None, max_spare: float) -> float:
         raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
 
 
-def _stamp(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
-
-
 def spare_command(
     policy: Policy,
     *,
@@ -81,11 +72,8 @@ def spare_command(
     if not reason:
         raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
     boot_id = procfs.boot_id()
-    caveat = ""
-    if job is not None:
-        caveat = _job_found(procfs, job, target)
+    caveat = "" if job is None else _job_found(procfs, job, target)
     start_ticks = None if pid is None else _start_ticks(procfs, pid, boot_id, target)
-    ends = now + seconds
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         write_spare(
             state_dir,
@@ -98,8 +86,9 @@ def spare_command(
             job=job,
         )
     what = f"pid {pid} (start ticks {start_ticks})" if pid is not None else f"job {job}"
+    ends = stamp(now + seconds, zone=True)
     print(
-        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {_stamp(ends)}: "
+        f"gpuwatchd: {what} is spared for {duration(seconds)}, until {ends}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
         file=out,
     )
@@ -158,26 +147,15 @@ def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[
         found = SpareFiles((), ())
     spares, problems = found.spares, found.problems
     if as_json:
-        rows = [
-            {
-                "target": s.target,
-                "pid": s.pid,
-                "start_ticks": s.start_ticks,
-                "job": s.job,
-                "until": s.until,
-                "since": s.since,
-                "reason": s.reason,
-                "by_uid": s.by_uid,
-            }
-            for s in spares
-        ]
+        names = ("target", "pid", "start_ticks", "job", "until", "since", "reason", "by_uid")
+        rows = [fields_of(s, names) for s in spares]
         json.dump({"spares": rows, "problems": list(problems)}, out, indent=2)
         out.write("\n")
         return ExitCode.OK
     if not spares:
         print("no spares", file=out)
     for s in spares:
-        line = f"{s.target}  until {_stamp(s.until)} ({until(s.until - now)})  {s.reason}"
+        line = f"{s.target}  until {stamp(s.until, zone=True)} ({until(s.until - now)})  {s.reason}"
         print(escape(line), file=out)
     for problem in problems:
         print(escape(f"ignored: {problem}"), file=out)

@@ -1,24 +1,19 @@
-"""How ``scan`` and ``explain`` show an administrator's spares (``gpuwatchd spare``).
-
-This module owns the ``spares`` list and each finding's and holder's ``spared`` entry in
-``scan --json``, and the line that says it: "spared until 2026-12-04 14:00:00 (in 50m) by
-root (uid 0): kernel debugging". What a spare covers is :func:`gpuwatchd.decide.spares.
-spare_covering`'s (the daemon's rule); the spares are read from ``state_dir`` as the daemon
-reads them (:func:`gpuwatchd.state.spares.read_spares`), changing nothing.
-"""
+"""How ``scan`` and ``explain`` show an administrator's spares: the report's ``spares`` list,
+each finding's and holder's ``spared`` entry, and its line ("spared until … by root (uid 0):
+why"). What a spare covers is :func:`gpuwatchd.decide.spares.spare_covering`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import pwd
-import time
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.cli.humantime import until
+from gpuwatchd.cli.humantime import stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
-from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int
+from gpuwatchd.core.codec import pick
+from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, as_int, fields_of
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import spare_covering, spare_reason
 from gpuwatchd.state.directory import StateDir
@@ -36,18 +31,13 @@ def spares_in_force(state_dir: StateDir | None, policy: Policy, now: float) -> t
 def spare_row(spare: Spare, unknown: str | None = None) -> dict[str, object]:
     """A spare as ``scan --json`` carries it; ``unknown`` says why a process counts as spared
     without being the spared one (its start time or job cannot be read)."""
-    row: dict[str, object] = {
-        "target": spare.target,
-        "until": spare.until,
-        "reason": spare.reason,
-        "by_uid": spare.by_uid,
-        "pid": spare.pid,
-        "start_ticks": spare.start_ticks,
-        "job": spare.job,
-    }
+    row = fields_of(spare, ("target", "until", "reason", "by_uid", "pid", "start_ticks", "job"))
     if unknown is not None:
         row["unknown"] = unknown
     return row
+
+
+_SPARE = {"pid": as_int, "start_ticks": as_int, "job": as_text, "by_uid": as_int}
 
 
 def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
@@ -59,17 +49,8 @@ def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
         target, ends = as_text(row.get("target")), as_number(row.get("until"))
         if target is None or ends is None:
             continue
-        out.append(
-            Spare(
-                target=target,
-                until=ends,
-                reason=as_text(row.get("reason")) or "",
-                pid=as_int(row.get("pid")),
-                start_ticks=as_int(row.get("start_ticks")),
-                job=as_text(row.get("job")),
-                by_uid=as_int(row.get("by_uid")),
-            )
-        )
+        reason = as_text(row.get("reason")) or ""
+        out.append(Spare(target=target, until=ends, reason=reason, **pick(row, _SPARE)))
     return tuple(out)
 
 
@@ -110,10 +91,7 @@ def spared_text(row: Mapping[str, object], now: float | None) -> str:
     ends = as_number(row.get("until"))
     when = "?"
     if ends is not None:
-        try:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ends))
-        except (OverflowError, OSError, ValueError):
-            when = "?"
+        when = stamp(ends)
         if now is not None:
             when += f" ({until(ends - now)})"
     reason = as_text(row.get("reason"))

@@ -51,14 +51,6 @@ class StatusCode(enum.IntEnum):
     UNKNOWN = 4  # the state cannot be read (permission) or is not a state file
 
 
-def daemon_pid(saved: Mapping[str, object] | None) -> int | None:
-    """The PID the daemon wrote in its ``status`` section; None when absent or malformed."""
-    return SavedState(saved or {}).daemon_pid
-
-
-# --- the pure part ----------------------------------------------------------------------------
-
-
 def _stale_after(policy: Policy, interval: float, resetting: bool) -> float:
     """How old the last sign of life may be before the daemon counts as not polling."""
     limit = max(STATUS_REFRESH + STALE_POLLS * interval + policy.nvml_timeout, STALE_MIN)
@@ -80,18 +72,13 @@ def describe(
     read_error: str | None = None,
     evidence: list[dict[str, object]] | None = None,
 ) -> dict[str, object]:
-    """The ``status --json`` document for a saved state (None: there is none).
-
-    What the daemon wrote in its status document is taken as it is (each value checked);
-    this adds only what a reader alone knows: whether the daemon is alive, and how far away
-    each of the document's times is from ``now_wall``. ``process`` is what ``/proc/PID`` of
-    the status section's PID showed: "gpuwatchd", "other" (a reused PID, or this very
-    process), "gone", "unknown" (unreadable), or None (not looked at); with "unknown" or None,
-    a recent last poll alone says it is running. ``read_error`` says why the state could not
-    be read (exit 4). ``now_monotonic`` places the deadlines of a state written before the
-    status document (:func:`_older_state`). ``evidence``: the evidence files in the state
-    directory, oldest first (:func:`read_evidence`; None: it could not be listed).
-    """
+    """The ``status --json`` document for a saved state (None: there is none): the daemon's
+    status document, each value checked, plus whether the daemon is alive and how far each
+    time is from ``now_wall``. ``process``: what ``/proc/PID`` showed of the status section's
+    PID (:func:`look_at_process`; "unknown" or None: a recent poll alone says it runs).
+    ``read_error``: why the state could not be read (exit 4). ``now_monotonic`` places the
+    deadlines of a state older than the document (:func:`_older_state`). ``evidence``: the
+    evidence files, oldest first (None: they could not be listed)."""
     data = as_map(saved)
     status = as_map(data.get("status"))
     state_boot = as_text(data.get("boot_id"))
@@ -102,16 +89,9 @@ def describe(
         doc, clock = _older_state(saved, policy, now_wall, now_monotonic, same_boot=same_boot)
 
     life = _signs_of_life(data, status, policy, now_wall)
-    pid = daemon_pid(data)
-
+    pid = SavedState(data).daemon_pid
     why_not = read_error or _why_not_running(
-        present=saved is not None,
-        same_boot=same_boot,
-        pid=pid,
-        process=process,
-        age=life.age,
-        stale_after=life.stale_after,
-        state_dir=policy.state_dir,
+        saved is not None, same_boot, pid, process, life, state_dir=policy.state_dir
     )
     running = None if read_error is not None else why_not is None
     attention = [a for a in as_list(doc.get("attention"))[:64] if isinstance(a, str)]
@@ -164,7 +144,6 @@ def _signs_of_life(
     reset_since = as_number(as_map(record).get("since")) if isinstance(record, Mapping) else None
     last_poll = as_number(status.get("last_poll"))
     started = as_number(status.get("started"))
-    # Signs of life: the last poll, the last step of a reset, or the start (before a first poll).
     signs = [last_poll, reset_since]
     if last_poll is None:
         signs.append(started)
@@ -225,11 +204,10 @@ def _older_state(
     *,
     same_boot: bool | None,
 ) -> tuple[Mapping[str, object], str | None]:
-    """The status document of a state with none this reader knows (written by a gpuwatchd
-    from before it, whose daemon was not restarted after an upgrade): worked out from what it
-    saved by the daemon's own code (:func:`build_document`), its monotonic times placed
-    through the daemon's clock pair (``status.monotonic`` with ``status.last_poll``) when it
-    wrote one, else through this host's clock in the same boot, else not at all."""
+    """The status document of a state written before this reader's (a daemon not restarted
+    after an upgrade), by the daemon's own :func:`build_document`; its monotonic times placed
+    by the daemon's clock pair (``status.monotonic``, ``status.last_poll``) when it wrote one,
+    else by this host's clock in the same boot, else not at all."""
     if saved is None:
         return {}, None
     status = as_map(saved.get("status"))
@@ -245,15 +223,15 @@ def _older_state(
 
 
 def _why_not_running(
-    *,
     present: bool,
     same_boot: bool | None,
     pid: int | None,
     process: str | None,
-    age: float | None,
-    stale_after: float,
+    life: _Life,
+    *,
     state_dir: str,
 ) -> str | None:
+    age, stale_after = life.age, life.stale_after
     if not present:
         return f"no state in {state_dir} (never started here, or another state_dir)"
     # A boot id that differs is not proof by itself: a sandboxed daemon (ProtectKernelTunables=
@@ -298,61 +276,34 @@ def _rows(
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
-    "paused": as_flag,
-    "paused_reason": as_text,
-    "paused_until": as_number,
-}
+    "paused": as_flag, "paused_reason": as_text, "paused_until": as_number,
+}  # fmt: skip
 _KILL_CAP: Mapping[str, _Check] = {
-    "latched": as_flag,
-    "reason": as_text,
-    "users_latched": _texts,
-    "signalled_last_hour": as_count,
-    "max_per_hour": as_count,
-    "max_per_user_hour": as_count,
+    "latched": as_flag, "reason": as_text, "users_latched": _texts,
+    "signalled_last_hour": as_count, "max_per_hour": as_count, "max_per_user_hour": as_count,
     "max_per_poll": as_count,
-}
+}  # fmt: skip
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
 _SPARE: Mapping[str, _Check] = {"target": as_text, "until": as_number, "reason": as_text}
 _GPU: Mapping[str, _Check] = {
-    "index": as_int,
-    "uuid": as_text,
-    "state": as_one_of("clean", "dirty", "unknown"),
-    "kind": as_text,
-    "reason": as_text,
-    "reasons": as_count,
-    "reset_blockers": as_count,
-}
+    "index": as_int, "uuid": as_text, "state": as_one_of("clean", "dirty", "unknown"),
+    "kind": as_text, "reason": as_text, "reasons": as_count, "reset_blockers": as_count,
+}  # fmt: skip
 _LADDER: Mapping[str, _Check] = {
-    "target": as_text,
-    "pid": as_int,
-    "rule": as_text,
-    "gpu": as_text,
-    "finding": as_text,
-    "label": as_text,
-    "status": as_one_of(*LadderStatus),
-    "dry_run": as_flag,
-    "step": as_count,
-    "steps": as_count,
-    "next": as_text,
-    "scheduled": as_flag,
-    "due": as_number,
+    "target": as_text, "pid": as_int, "rule": as_text, "gpu": as_text, "finding": as_text,
+    "label": as_text, "status": as_one_of(*LadderStatus), "dry_run": as_flag, "step": as_count,
+    "steps": as_count, "next": as_text, "scheduled": as_flag, "due": as_number,
     "started": as_number,
-}
+}  # fmt: skip
 _PENDING: Mapping[str, _Check] = {"finding": as_text, "label": as_text, "due": as_number}
 _IN_PROGRESS: Mapping[str, _Check] = {
     "gpu": as_text, "pci_bus_id": as_text, "step": as_text, "since": as_number,
     "instance": as_text, "gi": as_int,
 }  # fmt: skip
 _RESET_GPU: Mapping[str, _Check] = {
-    "gpu": as_text,
-    "last": as_number,
-    "last_dry_run": as_number,
-    "history": _numbers,
-    "in_window": as_count,
-    "cooldown_ends": as_number,
-    "limit_lifts": as_number,
-    "never": as_flag,
-}
+    "gpu": as_text, "last": as_number, "last_dry_run": as_number, "history": _numbers,
+    "in_window": as_count, "cooldown_ends": as_number, "limit_lifts": as_number, "never": as_flag,
+}  # fmt: skip
 
 
 def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:
@@ -413,9 +364,8 @@ def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
 
 
 def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
-    """The evidence files the daemon kept in ``state_dir`` (gpuwatchd/act/evidence.py), oldest
-    first, each as its name tells it, with its path; None when the folder cannot be listed (or
-    is not trusted: :class:`gpuwatchd.state.directory.StateDir`)."""
+    """The evidence files the daemon kept in ``state_dir``, oldest first, each as its name
+    tells it, with its path; None when the folder cannot be listed (or is not trusted)."""
     try:
         with StateDir.open(state_dir) as folder:
             return [
@@ -437,7 +387,7 @@ def read_boot_id(proc_root: str) -> str | None:
 def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
     """Read, describe, print; the exit code of :class:`StatusCode`."""
     saved, error = read_saved(policy.state_dir)
-    pid = daemon_pid(saved)
+    pid = SavedState(saved or {}).daemon_pid
     result = describe(
         saved,
         policy=policy,

@@ -1,18 +1,11 @@
-"""``gpuwatchd status`` as text: the checked status :func:`gpuwatchd.cli.status.describe` builds,
-in lines for people.
-
-This module owns the text view of ``status``: the header (running or not, for how long), the
-mode and latches, the ladders and their next step, the last actions, the resets with their
-cooldowns and limits, the evidence files kept, NVML's and the GPUs' health and the clean
-verdict. Every value comes from the checked result; nothing is read or worked out here. Pure.
-"""
+"""``gpuwatchd status`` as text: the checked result of :func:`gpuwatchd.cli.status.describe`
+in lines for people. Every value comes from it; nothing is read or worked out here. Pure."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
-from gpuwatchd.cli.humantime import ago, counted, duration, until
+from gpuwatchd.cli.humantime import ago, counted, duration, stamp, until
 from gpuwatchd.core.checked import as_count, as_list, as_map, as_number
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LadderStatus
@@ -31,18 +24,8 @@ def _at(now: float, when: object) -> str:
     t = as_number(when)
     if t is None:
         return "unknown"
-    try:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return ago(now - t)
-    return f"{stamp} ({ago(now - t)})"
-
-
-def _stamp(t: float) -> str:
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return "?"
+    shown = stamp(t)
+    return ago(now - t) if shown == "?" else f"{shown} ({ago(now - t)})"
 
 
 def _header(result: Mapping[str, object]) -> str:
@@ -70,7 +53,7 @@ def _mode_line(result: Mapping[str, object]) -> str:
         ends = as_number(result.get("paused_until"))
         now = as_number(result.get("now"))
         lasts = (
-            f"until {_stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
+            f"until {stamp(ends)} ({until(ends - now)}, ends by itself) or `gpuwatchd resume`"
             if ends is not None and now is not None
             else "until `gpuwatchd resume`"
         )
@@ -88,20 +71,15 @@ def _ladder_line(lad: Mapping[str, object]) -> str:
     parts = [f"pid {_text(lad.get('pid'))}", f"rule {_text(lad.get('rule'))}"]
     if lad.get("gpu"):
         parts.append(str(lad["gpu"]))
-    step, steps = lad.get("step"), lad.get("steps")
-    parts.append(f"step {_text(step)}/{_text(steps)}")
+    parts.append(f"step {_text(lad.get('step'))}/{_text(lad.get('steps'))}")
     status = lad.get("status")
     if status != LadderStatus.ACTIVE:
         return "  " + "  ".join(parts) + f": {_text(status)}"
     nxt = lad.get("next")
     what = "ends" if nxt == "end" else f"next {_text(nxt)}"
     due_in = as_number(lad.get("due_in"))
-    if due_in is not None:
-        when = until(due_in)
-    elif lad.get("scheduled"):
-        when = "due (time unknown)"
-    else:
-        when = "due"
+    due = "due (time unknown)" if lad.get("scheduled") else "due"
+    when = due if due_in is None else until(due_in)
     dry = " (dry-run)" if lad.get("dry_run") else ""
     return "  " + "  ".join(parts) + f": {what} {when}{dry}"
 
@@ -196,7 +174,7 @@ def _health_lines(now: float, result: Mapping[str, object]) -> list[str]:
     for spare in as_list(result.get("spares")):
         row = as_map(spare)
         ends = as_number(row.get("until"))
-        left = "" if ends is None else f" until {_stamp(ends)} ({until(ends - now)})"
+        left = "" if ends is None else f" until {stamp(ends)} ({until(ends - now)})"
         why = f": {row['reason']}" if row.get("reason") else ""
         lines.append(f"spared:   {_text(row.get('target'))}{left}{why}")
     lines.extend(_verdict_lines(result.get("verdict")))

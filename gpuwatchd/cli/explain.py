@@ -78,8 +78,13 @@ class DaemonView:
     signalled_last_hour: int | None = None
 
 
-_DAEMON = {"paused": as_flag, "paused_reason": as_text, "forced_dry_run": as_flag,
-           "forced_reason": as_text, "signalled_last_hour": as_count}  # fmt: skip
+_DAEMON = {
+    "paused": as_flag,
+    "paused_reason": as_text,
+    "forced_dry_run": as_flag,
+    "forced_reason": as_text,
+    "signalled_last_hour": as_count,
+}
 
 
 def daemon_view(report: Mapping[str, object]) -> DaemonView:

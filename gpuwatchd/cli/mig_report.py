@@ -37,10 +37,17 @@ def mig_instances_json(
         return None
     if gpu.uuid not in layout.judged:
         return [
-            {"gi": d.gi, "ci": [] if d.ci is None else [d.ci], "uuid": d.uuid,
-             "mig_uuids": [d.uuid], "profile": d.profile, **_placed(d), "judged": False}
+            {
+                "gi": d.gi,
+                "ci": [] if d.ci is None else [d.ci],
+                "uuid": d.uuid,
+                "mig_uuids": [d.uuid],
+                "profile": d.profile,
+                **_placed(d),
+                "judged": False,
+            }
             for d in gpu.mig_devices
-        ]  # fmt: skip
+        ]
     found: list[dict[str, object]] = []
     for instance in layout.instances_of(gpu.uuid):
         whole = entry_for(instance_gpu(instance))

@@ -43,13 +43,50 @@ class RoleLike(Protocol):
 
 
 # The attributes each entry copies as they are, in the document's order.
-_GPU = ("index", "uuid", "name", "pci_bus_id", "minor", "lost", "error", "mig_enabled",
-        "persistence_mode", "coherent_memory", "numa_node", "architecture", "nvlink_active",
-        "reset_needs_nvlink_peers")  # fmt: skip
-_FACTS = ("alive", "user", "uid", "state", "start_ticks", "started", "ppid", "pgid", "sid",
-          "comm", "exe", "exe_trusted", "cmdline", "nspid", "cgroup")  # fmt: skip
-_CGROUP = ("path", "container_id", "container_runtime", "pod_uid", "slurm_job", "slurm_step",
-           "systemd_unit", "delegated", "job=job_key")  # fmt: skip
+_GPU = (
+    "index",
+    "uuid",
+    "name",
+    "pci_bus_id",
+    "minor",
+    "lost",
+    "error",
+    "mig_enabled",
+    "persistence_mode",
+    "coherent_memory",
+    "numa_node",
+    "architecture",
+    "nvlink_active",
+    "reset_needs_nvlink_peers",
+)
+_FACTS = (
+    "alive",
+    "user",
+    "uid",
+    "state",
+    "start_ticks",
+    "started",
+    "ppid",
+    "pgid",
+    "sid",
+    "comm",
+    "exe",
+    "exe_trusted",
+    "cmdline",
+    "nspid",
+    "cgroup",
+)
+_CGROUP = (
+    "path",
+    "container_id",
+    "container_runtime",
+    "pod_uid",
+    "slurm_job",
+    "slurm_step",
+    "systemd_unit",
+    "delegated",
+    "job=job_key",
+)
 _FINDING = (
     "kind",
     "gpu",
@@ -248,9 +285,10 @@ class _Entries:
             if holding is not None:
                 devices.extend(f"nvidia{minor}" for minor in sorted(holding.gpu_minors))
                 devices.extend(
-                    name for name, held in (("nvidiactl", holding.ctl), ("nvidia-uvm", holding.uvm))
+                    name
+                    for name, held in (("nvidiactl", holding.ctl), ("nvidia-uvm", holding.uvm))
                     if held
-                )  # fmt: skip
+                )
             role = node_roles.get(pid)
             entries.append(
                 {

@@ -54,12 +54,28 @@ def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], wher
 
 
 # The fields of a saved process entry and its cgroup read back, each by its lenient reader.
-_CGROUP = {"path": as_text, "container_id": as_text, "container_runtime": as_text,
-           "pod_uid": as_text, "slurm_job": as_text, "slurm_step": as_text,
-           "systemd_unit": as_text, "delegated": as_flag}  # fmt: skip
-_PROCESS = {"start_ticks": as_int, "state": as_text, "ppid": as_int, "pgid": as_int,
-            "sid": as_int, "uid": as_int, "user": as_text, "comm": as_text, "exe": as_text,
-            "exe_trusted": as_flag}  # fmt: skip
+_CGROUP = {
+    "path": as_text,
+    "container_id": as_text,
+    "container_runtime": as_text,
+    "pod_uid": as_text,
+    "slurm_job": as_text,
+    "slurm_step": as_text,
+    "systemd_unit": as_text,
+    "delegated": as_flag,
+}
+_PROCESS = {
+    "start_ticks": as_int,
+    "state": as_text,
+    "ppid": as_int,
+    "pgid": as_int,
+    "sid": as_int,
+    "uid": as_int,
+    "user": as_text,
+    "comm": as_text,
+    "exe": as_text,
+    "exe_trusted": as_flag,
+}
 
 
 def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
@@ -191,8 +207,14 @@ def _first_huge_number(value: object, where: str) -> str | None:
     return None
 
 
-_GPU = {"name": as_text, "pci_bus_id": as_text, "minor": as_int, "mig_enabled": as_flag,
-        "architecture": as_int, "nvlink_active": as_int}  # fmt: skip
+_GPU = {
+    "name": as_text,
+    "pci_bus_id": as_text,
+    "minor": as_int,
+    "mig_enabled": as_flag,
+    "architecture": as_int,
+    "nvlink_active": as_int,
+}
 
 
 def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:

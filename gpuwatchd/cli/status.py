@@ -276,34 +276,61 @@ def _rows(
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
-    "paused": as_flag, "paused_reason": as_text, "paused_until": as_number,
-}  # fmt: skip
+    "paused": as_flag,
+    "paused_reason": as_text,
+    "paused_until": as_number,
+}
 _KILL_CAP: Mapping[str, _Check] = {
-    "latched": as_flag, "reason": as_text, "users_latched": _texts,
-    "signalled_last_hour": as_count, "max_per_hour": as_count, "max_per_user_hour": as_count,
+    "latched": as_flag,
+    "reason": as_text,
+    "users_latched": _texts,
+    "signalled_last_hour": as_count,
+    "max_per_hour": as_count,
+    "max_per_user_hour": as_count,
     "max_per_poll": as_count,
-}  # fmt: skip
+}
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
 _SPARE: Mapping[str, _Check] = {"target": as_text, "until": as_number, "reason": as_text}
 _GPU: Mapping[str, _Check] = {
-    "index": as_int, "uuid": as_text, "state": as_one_of("clean", "dirty", "unknown"),
-    "kind": as_text, "reason": as_text, "reasons": as_count, "reset_blockers": as_count,
-}  # fmt: skip
+    "index": as_int,
+    "uuid": as_text,
+    "state": as_one_of("clean", "dirty", "unknown"),
+    "kind": as_text,
+    "reason": as_text,
+    "reasons": as_count,
+    "reset_blockers": as_count,
+}
 _LADDER: Mapping[str, _Check] = {
-    "target": as_text, "pid": as_int, "rule": as_text, "gpu": as_text, "finding": as_text,
-    "label": as_text, "status": as_one_of(*LadderStatus), "dry_run": as_flag, "step": as_count,
-    "steps": as_count, "next": as_text, "scheduled": as_flag, "due": as_number,
+    "target": as_text,
+    "pid": as_int,
+    "rule": as_text,
+    "gpu": as_text,
+    "finding": as_text,
+    "label": as_text,
+    "status": as_one_of(*LadderStatus),
+    "dry_run": as_flag,
+    "step": as_count,
+    "steps": as_count,
+    "next": as_text,
+    "scheduled": as_flag,
+    "due": as_number,
     "started": as_number,
-}  # fmt: skip
+}
 _PENDING: Mapping[str, _Check] = {"finding": as_text, "label": as_text, "due": as_number}
 _IN_PROGRESS: Mapping[str, _Check] = {
     "gpu": as_text, "pci_bus_id": as_text, "step": as_text, "since": as_number,
     "instance": as_text, "gi": as_int,
 }  # fmt: skip
 _RESET_GPU: Mapping[str, _Check] = {
-    "gpu": as_text, "last": as_number, "last_dry_run": as_number, "history": _numbers,
-    "in_window": as_count, "cooldown_ends": as_number, "limit_lifts": as_number, "never": as_flag,
-}  # fmt: skip
+    "gpu": as_text,
+    "last": as_number,
+    "last_dry_run": as_number,
+    "history": _numbers,
+    "in_window": as_count,
+    "cooldown_ends": as_number,
+    "limit_lifts": as_number,
+    "never": as_flag,
+}
 
 
 def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:

@@ -15,10 +15,10 @@ import pytest
 from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, SignalOutcome, level_of
 from gpuwatchd.events.catalogue import CATALOGUE, notification, render
 from gpuwatchd.events.logs import LEVELS, priority_prefix
-from gpuwatchd.events.words import JournalNamer, Said, outcome_table, spec_table
+from gpuwatchd.events.words import JournalNamer, Said, finding_label, outcome_table, spec_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer, describe_event, finding_label
+from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer
 from tests.support.simnames import TrainerNames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -105,8 +105,8 @@ def test_the_journal_and_the_timeline_say_one_sentence(event: EventName) -> None
     journal's names only: the timeline names a process by the scenario's name for it.)"""
     fields = {k: v for k, v in sample_fields(event).items() if k != "comm"}
     journal = render(str(event), fields)
-    assert describe_event(str(event), fields, SameNames()) == journal
-    timeline = describe_event(str(event), fields, TrainerNames())
+    assert render(str(event), fields, TimelineNamer(SameNames())) == journal
+    timeline = render(str(event), fields, TimelineNamer(TrainerNames()))
     assert timeline == render(str(event), fields, _SimNamer())
 
 
@@ -136,10 +136,10 @@ def test_a_sentence_never_raises_and_stays_one_line() -> None:
 
 
 def test_a_finding_key_is_said_in_words_not_as_the_internal_key() -> None:
-    key = f"orphaned:{GPU}:2776@346316"
-    assert finding_label(key, TrainerNames()) == "orphaned pid 2776 (trainer) on GPU 0"
+    key, names = f"orphaned:{GPU}:2776@346316", TimelineNamer(TrainerNames())
+    assert finding_label(key, names) == "orphaned pid 2776 (trainer) on GPU 0"
     assert "@" not in render(str(EventName.FINDING_RESOLVED), {"finding": key, "lasted": 5})
-    assert finding_label(f"ghost_memory:{GPU}:{GPU}", TrainerNames()) == "ghost_memory GPU 0"
+    assert finding_label(f"ghost_memory:{GPU}:{GPU}", names) == "ghost_memory GPU 0"
 
 
 @pytest.mark.parametrize(

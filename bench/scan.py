@@ -77,7 +77,7 @@ def compare(
     }
     for _ in range(rounds):
         c0, t0 = time.process_time(), time.perf_counter()
-        scan = procfs.scan_holders(None)
+        scan = procfs.holders.scan(None)
         ours_wall.append(time.perf_counter() - t0)
         ours_cpu.append(time.process_time() - c0)
         sets["gpuwatchd"] = set(scan.holdings) - ignore

@@ -10,6 +10,7 @@ import functools
 import os
 import re
 
+from gpuwatchd.core.escape import unescape_mount_path
 from gpuwatchd.core.model import CgroupInfo
 
 _CONTAINER_SCOPES = (  # a container's scope (or cgroup) name, and its runtime
@@ -28,7 +29,6 @@ _SLURM_V1_UID = re.compile(r"uid_\d+")
 _DELEGATED_TO_USER = re.compile(r"user@\d+\.service")
 # Cheap substring checks that must hold for a path to name a job or container.
 _JOB_HINTS = ("job_", "docker", "containerd", "crio-", "libpod-", "kubepods")
-_MOUNT_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 def kernel_lines(text: str) -> list[str]:
@@ -124,11 +124,6 @@ def parse_cgroup(text: str) -> CgroupInfo | None:
         if controllers == "name=systemd":
             return classify_cgroup_path(path)
     return classify_cgroup_path(entries[0][2])
-
-
-def unescape_mount_path(field: str) -> str:
-    """A mountinfo path field with the kernel's octal escapes (``\\040`` for a space) undone."""
-    return _MOUNT_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
 def parse_cgroup2_mount(mountinfo: str) -> str | None:

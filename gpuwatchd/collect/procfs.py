@@ -28,7 +28,7 @@ from gpuwatchd.collect.procread import (
     parse_stat,
     read_proc_file,
 )
-from gpuwatchd.core.model import CgroupInfo, HolderScan, ProcessInfo
+from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 
 if TYPE_CHECKING:
@@ -127,16 +127,6 @@ class ProcFS:
             uvm_minor=uvm_minor,
             match_by_path=match_by_path,
         )
-
-    def scan_holders(
-        self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()
-    ) -> HolderScan:
-        """Same as ``self.holders.scan(pids, exclude=exclude)``."""
-        return self.holders.scan(pids, exclude=exclude)
-
-    def uvm_major(self) -> int | None:
-        """Same as ``self.holders.uvm_major()``: nvidia-uvm's major, None when unknown."""
-        return self.holders.uvm_major()
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))

@@ -11,12 +11,12 @@ In detail: docs/internals.md, section `gpuwatchd.config.files`.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Sequence
 
 from gpuwatchd.config.peek import conf_d, drop_in_names
 from gpuwatchd.config.yamlsrc import MAX_DOCUMENT_BYTES, ConfigError, line_of
+from gpuwatchd.core.escape import unescape_mount_path
 
 # A node has a handful of drop-ins; more than this is a mistake (or a loop writing files), and
 # bounds the policy to MAX_DROP_INS + 1 files of MAX_DOCUMENT_BYTES each.
@@ -243,11 +243,6 @@ def _read_only_everywhere(path: str) -> bool:
     return read_only_everywhere(mounts, os.path.realpath(path))
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def _within(path: str, top: str) -> bool:
     return top in ("/", path) or path.startswith(top.rstrip("/") + "/")
 
@@ -256,7 +251,7 @@ def read_only_everywhere(mountinfo: str, path: str) -> bool:
     """Whether the resolved ``path`` is on a read-only mount whose content no writable mount
     in ``mountinfo`` (``/proc/self/mountinfo``'s text) also shows (docs/internals.md). Pure."""
     entries = [  # (device, root, mount point, writable)
-        (f[2], _unescape(f[3]), _unescape(f[4]), "rw" in f[5].split(","))
+        (f[2], unescape_mount_path(f[3]), unescape_mount_path(f[4]), "rw" in f[5].split(","))
         for f in (line.split(" ") for line in mountinfo.split("\n"))
         if len(f) >= 6
     ]

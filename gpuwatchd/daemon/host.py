@@ -44,7 +44,7 @@ class HostReader:
         return self.nvml.stop()
 
     def final_scan(self, minor: int | None) -> tuple[HolderScan, Mapping[int, ProcessInfo]]:
-        holders = self.procfs.scan_holders(None)
+        holders = self.procfs.holders.scan(None)
         pids = set(holders.holdings) | set(holders.unreadable)
         return holders, self.procfs.read_processes(pids)
 

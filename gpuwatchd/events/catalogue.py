@@ -452,7 +452,7 @@ JOURNAL_FIELDS: Mapping[str, str] = {
     "kind": "FINDING_KIND",
     "finding": "FINDING",
 }
-_FIELD_NAME_MAX = 64  # journald drops longer names
+FIELD_NAME_MAX = 64  # journald drops longer names
 _NOT_IN_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
 
 
@@ -470,4 +470,4 @@ def journal_field_name(key: str) -> str:
     name = JOURNAL_FIELDS.get(key)
     if name is None:
         name = "GPUWATCHD_" + _NOT_IN_FIELD_NAME.sub("_", str(key).upper())
-    return name[:_FIELD_NAME_MAX]
+    return name[:FIELD_NAME_MAX]

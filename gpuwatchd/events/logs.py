@@ -33,6 +33,7 @@ import structlog
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LEVEL_ALIASES, Level, level_of
 from gpuwatchd.events.catalogue import (
+    FIELD_NAME_MAX,
     journal_field_name,
     message_id,
     render,
@@ -103,10 +104,11 @@ def configure_logging(
         render += [_compact_values, _render_logfmt]
 
     journal = _JournalSocket(journal_socket) if native and journal_socket is not None else None
+    writer = _LineWriter(out, journal)
     structlog.configure(
         processors=[_SafeChain(tuple(prepare), tuple(render), journald, journal is not None)],
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
-        logger_factory=_LineWriterFactory(out, journal),
+        logger_factory=lambda *_args: writer,
         context_class=dict,
         cache_logger_on_first_use=False,
     )
@@ -335,7 +337,6 @@ def _safe_str(value: object) -> str:
 # --- native journal entries -------------------------------------------------------------------
 
 SYSLOG_IDENTIFIER = "gpuwatchd"
-_FIELD_NAME_MAX = 64  # journald drops longer names
 _NOT_FIELDS = frozenset({"event", "level", "timestamp"})  # said by MESSAGE_ID, PRIORITY, journald
 _BINARY = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: length form
 
@@ -347,7 +348,7 @@ def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:
     rest = {key: value for key, value in event_dict.items() if key not in ("level", "timestamp")}
     logfmt = _render_logfmt(None, method, _compact_values(None, method, rest))
     fields = [
-        ("MESSAGE", f"{sentence(event, event_dict)} {logfmt}".translate(_NEWLINES)),
+        ("MESSAGE", f"{render(event, event_dict)} {logfmt}".translate(_NEWLINES)),  # sentence first
         ("PRIORITY", str(_PRIORITIES.get(method.lower(), 6))),
         ("SYSLOG_IDENTIFIER", SYSLOG_IDENTIFIER),
         ("MESSAGE_ID", message_id(event)),
@@ -386,7 +387,7 @@ def _unused(name: str, used: set[str]) -> str:
     candidate, number = name, 2
     while candidate in used:
         suffix = f"_{number}"
-        candidate = name[: _FIELD_NAME_MAX - len(suffix)] + suffix
+        candidate = name[: FIELD_NAME_MAX - len(suffix)] + suffix
         number += 1
     used.add(candidate)
     return candidate
@@ -398,14 +399,6 @@ def _utf8(text: str) -> bytes:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace")
-
-
-# --- the human sentence that starts MESSAGE ---
-
-
-def sentence(event: str, fields: Mapping[str, Any]) -> str:
-    """The line a person reads first in ``journalctl``: the event catalogue's sentence."""
-    return render(event, fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,11 +487,3 @@ class _LineWriter:
                 pass
 
     log = debug = info = warn = warning = err = error = critical = exception = fatal = msg
-
-
-class _LineWriterFactory:
-    def __init__(self, stream: TextIO, journal: _JournalSocket | None = None) -> None:
-        self._writer = _LineWriter(stream, journal)
-
-    def __call__(self, *_args: Any) -> _LineWriter:
-        return self._writer

@@ -26,9 +26,10 @@ from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.engine.edges import PollInputs
+from gpuwatchd.events.catalogue import render
 from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
-from gpuwatchd.sim.timeline import Entry, SimulationResult, describe_event
+from gpuwatchd.sim.timeline import Entry, SimulationResult, TimelineNamer
 from gpuwatchd.sim.world import (
     WALL0,
     SimulationError,
@@ -405,7 +406,7 @@ class TimelineSink(_Edge):
             pid = fields.get("pid")
             proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
             extra["process"] = proc.name if proc is not None else None
-        sim.add(name, level, describe_event(name, fields, sim), **{**fields, **extra})
+        sim.add(name, level, render(name, fields, TimelineNamer(sim)), **{**fields, **extra})
         if name == EventName.RESET_STEP:
             sim.reached(str(fields.get("step")))
 

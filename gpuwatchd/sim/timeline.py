@@ -2,8 +2,8 @@
 
 This module owns how ``gpuwatchd simulate`` shows what happened: one :class:`Entry` per event
 (the daemon's own event names and fields, plus ``world.*`` entries for what the scenario made
-happen), one human line per event (:func:`describe_event`), the summary of the final state, and
-the JSON form. It decides nothing. Output formats are documented in ``docs/simulate.md``.
+happen), the names its human lines use (:class:`TimelineNamer`), the summary of the final
+state, and the JSON form. It decides nothing. Output formats are documented in ``docs/simulate.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Protocol
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.events import catalogue as event_catalogue
 from gpuwatchd.events import words
 from gpuwatchd.sim.scenario_spec import Scenario
 from gpuwatchd.sim.world import size_text
@@ -115,17 +114,6 @@ class TimelineNamer:
         return _fmt_t(float(monotonic)) if isinstance(monotonic, (int, float)) else None
 
 
-def finding_label(key: object, sim: Names) -> str:
-    """A finding key (``kind:gpu:pid@ticks`` or ``kind:gpu:gpu``) as people read it:
-    "orphaned pid 4252 (worker-2) on GPU 0", "ghost_memory GPU 1"."""
-    return words.finding_label(key, TimelineNamer(sim))
-
-
-def describe_event(name: str, fields: Mapping[str, object], sim: Names) -> str:
-    """One human line for a daemon event: the journal's sentence, in the timeline's names."""
-    return event_catalogue.render(name, fields, TimelineNamer(sim))
-
-
 # reset.finished says what the reset.outcome line after it says again.
 _QUIET = frozenset({EventName.ESCALATION_SIGNAL_RECORDED, EventName.RESET_FINISHED})
 _COLUMN = {
@@ -173,7 +161,7 @@ def _same_unit(value: object, suffix: str = "") -> str:
 def render_text(result: SimulationResult) -> str:
     """The timeline for people: a header, one line per entry, the final state."""
     scenario, policy = result.scenario, result.policy
-    names = _ScenarioNames(scenario)
+    names = TimelineNamer(_ScenarioNames(scenario))
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "
@@ -212,10 +200,8 @@ def render_text(result: SimulationResult) -> str:
         + (", ".join(f"{r['result']} at {_fmt_t(r['t'])}" for r in resets) or "none")  # type: ignore[attr-defined]
         + f"; hooks run: {final['hooks_run']}"
     )
-    open_findings = final["open_findings"]
-    lines.append(
-        "  open findings: " + (", ".join(finding_label(k, names) for k in open_findings) or "none")  # type: ignore[attr-defined]
-    )
+    found = [words.finding_label(k, names) for k in final["open_findings"]]  # type: ignore[attr-defined]
+    lines.append("  open findings: " + (", ".join(found) or "none"))
     return "\n".join(lines) + "\n"
 
 

@@ -411,15 +411,13 @@ class World:
     def mig_caps(self) -> dict[int, MigCapability] | None:
         """The mig-minors table of the MIG GPUs (None when there is none)."""
         minors = [g.spec.minor for g in self.gpus.values() if g.spec.mig_instances]
-        if not minors:
-            return None
-        table: dict[int, MigCapability] = {}
-        for minor in minors:
-            for gi in range(15):
-                table[cap_minor(minor, gi)] = MigCapability(minor, gi)
-                for ci in range(8):
-                    table[cap_minor(minor, gi, ci)] = MigCapability(minor, gi, ci)
-        return table
+        cis = (None, *range(8))  # the GPU instance's own capability, then its compute instances
+        return {
+            cap_minor(minor, gi, ci): MigCapability(minor, gi, ci)
+            for minor in minors
+            for gi in range(15)
+            for ci in cis
+        } or None
 
     def mig_devices(self, gpu: WorldGpu) -> tuple[MigDevice, ...] | None:
         """What NVML's MIG device handles say: one compute instance (0) per GPU instance."""

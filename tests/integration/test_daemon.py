@@ -30,7 +30,7 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.engine.edges import PollReport
-from gpuwatchd.events.logs import sentence
+from gpuwatchd.events.catalogue import render
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -301,7 +301,7 @@ def test_a_rejected_reload_while_running_the_fallback_keeps_saying_so(tmp_path: 
     # Leaving the fallback is said, even where the policy itself is the same.
     (reloaded,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOADED]
     assert "dry_run" in reloaded["rejection_ended"]  # the last error said
-    said = sentence(str(EventName.CONFIG_RELOADED), reloaded)
+    said = render(str(EventName.CONFIG_RELOADED), reloaded)
     assert said.startswith("Policy reloaded: the files validate again;"), said
     assert "nothing changed" not in said
 

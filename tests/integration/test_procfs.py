@@ -157,14 +157,14 @@ def test_host_facts_come_from_the_injected_root(fake: FakeProc) -> None:
     procfs = ProcFS(str(fake.root))
     assert procfs.boot_id() == "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
     assert procfs.pid_max() == 32768
-    assert procfs.uvm_major() == 511
+    assert procfs.holders.uvm_major() == 511
 
 
 def test_host_facts_fall_back_when_files_are_missing(tmp_path: Path) -> None:
     procfs = ProcFS(str(tmp_path))
     assert procfs.boot_id() is None
     assert procfs.pid_max() == 4194304
-    assert procfs.uvm_major() is None
+    assert procfs.holders.uvm_major() is None
     assert procfs.sees_host_namespaces() is None
     assert procfs.list_pids() == []
 
@@ -224,18 +224,17 @@ def test_children_and_descendants(tmp_path: Path, children_files: bool) -> None:
     assert procfs.descendants([10, 20, 999]) == {11, 12, 13, 21}
 
 
-# --- compatibility: ProcFS forwards the holder scan ---------------------------------------
+# --- compatibility: ProcFS builds the holder scan ----------------------------------------
 
 
 def test_procfs_still_offers_the_holder_scan_it_used_to_own(fake: FakeProc, devices: Path) -> None:
     fake.add(780, fds={3: f"{devices}/nvidia0"})
     procfs = ProcFS(str(fake.root), devices_dir=str(devices))
     assert (
-        procfs.scan_holders()
+        procfs.holders.scan()
         == HolderScanner(ProcFS(str(fake.root)), devices_dir=str(devices)).scan()
     )
-    assert set(procfs.scan_holders([780]).holdings) == {780}
-    assert procfs.uvm_major() == procfs.holders.uvm_major()
+    assert set(procfs.holders.scan([780]).holdings) == {780}
 
 
 # --- real child processes -----------------------------------------------------------------
@@ -251,7 +250,7 @@ def test_real_zombie_child_has_state_z_and_holds_nothing(devices: Path) -> None:
         assert info is not None
         assert info.is_zombie
         assert info.cmdline == ()
-        scan = procfs.scan_holders([child.pid])
+        scan = procfs.holders.scan([child.pid])
         assert scan.holdings == {}
         assert scan.unreadable == frozenset()
     finally:
@@ -263,7 +262,7 @@ def test_real_vanished_pid_reads_as_none(devices: Path) -> None:
     child.wait(timeout=10)
     procfs = ProcFS(devices_dir=str(devices))
     assert procfs.read_process(child.pid) is None
-    assert procfs.scan_holders([child.pid]).holdings == {}
+    assert procfs.holders.scan([child.pid]).holdings == {}
 
 
 def test_real_descendants_include_grandchildren(spawn: Spawn) -> None:

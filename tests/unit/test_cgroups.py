@@ -18,8 +18,8 @@ from gpuwatchd.collect.cgroups import (
     parse_cgroup,
     parse_cgroup2_mount,
     parse_systemd_mount,
-    unescape_mount_path,
 )
+from gpuwatchd.core.escape import unescape_mount_path
 from gpuwatchd.core.model import CgroupInfo
 
 DOCKER_ID = "4f9a" * 16

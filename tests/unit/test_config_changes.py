@@ -14,7 +14,7 @@ from gpuwatchd.config.changes import VALUE_LIMIT, policy_changes
 from gpuwatchd.config.schema import default_policy, load_policy, parse_policy_documents
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.events.logs import sentence
+from gpuwatchd.events.catalogue import render
 
 
 def test_nothing_changed_is_an_empty_answer() -> None:
@@ -61,13 +61,13 @@ def test_a_reload_logs_the_keys_that_changed_not_the_policy(tmp_path: Path) -> N
     (reloaded,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOADED]
     assert reloaded["changed"] == {"interval": "5s -> 30s", "reset.cooldown": "1h -> 2h"}
     assert daemon.policy.interval == 30.0
-    said = sentence(str(EventName.CONFIG_RELOADED), reloaded)
+    said = render(str(EventName.CONFIG_RELOADED), reloaded)
     assert said == "Policy reloaded; changed: interval (5s -> 30s), reset.cooldown (1h -> 2h)."
     with capture_logs() as logs:
         daemon._do_reload()  # the same file again
     (again,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOADED]
     assert again["changed"] == {}
-    assert sentence(str(EventName.CONFIG_RELOADED), again) == "Policy reloaded: nothing changed."
+    assert render(str(EventName.CONFIG_RELOADED), again) == "Policy reloaded: nothing changed."
 
 
 def test_check_config_quiet_validates_and_prints_no_policy(

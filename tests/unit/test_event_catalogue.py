@@ -14,11 +14,11 @@ import pytest
 
 from gpuwatchd.core.vocabulary import RESET_STEPS, EventName, Level, SignalOutcome, level_of
 from gpuwatchd.events.catalogue import CATALOGUE, notification, render
-from gpuwatchd.events.logs import LEVELS, priority_prefix, sentence
-from gpuwatchd.events.words import JournalNamer, Said, outcome_table, spec_table
+from gpuwatchd.events.logs import LEVELS, priority_prefix
+from gpuwatchd.events.words import JournalNamer, Said, finding_label, outcome_table, spec_table
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.sim.simulation import simulate
-from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer, describe_event, finding_label
+from gpuwatchd.sim.timeline import SimulationResult, TimelineNamer
 from tests.support.simnames import TrainerNames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_every_event_name_has_one_catalogue_entry() -> None:
 @pytest.mark.parametrize("event", list(EventName))
 def test_every_event_has_a_sentence_of_its_own(event: EventName) -> None:
     """Not the fallback (the event's name): a sentence an administrator reads without docs."""
-    said = sentence(str(event), sample_fields(event))
+    said = render(str(event), sample_fields(event))
     assert said.isprintable()
     assert said.endswith(".")
     assert not said.startswith(str(event)), said
@@ -104,9 +104,9 @@ def test_the_journal_and_the_timeline_say_one_sentence(event: EventName) -> None
     with the simulator's own names only the names differ. (``comm`` is an input of the
     journal's names only: the timeline names a process by the scenario's name for it.)"""
     fields = {k: v for k, v in sample_fields(event).items() if k != "comm"}
-    journal = sentence(str(event), fields)
-    assert describe_event(str(event), fields, SameNames()) == journal
-    timeline = describe_event(str(event), fields, TrainerNames())
+    journal = render(str(event), fields)
+    assert render(str(event), fields, TimelineNamer(SameNames())) == journal
+    timeline = render(str(event), fields, TimelineNamer(TrainerNames()))
     assert timeline == render(str(event), fields, _SimNamer())
 
 
@@ -127,19 +127,19 @@ def test_a_sentence_never_raises_and_stays_one_line() -> None:
             raise RuntimeError("no")
 
     for event in EventName:
-        said = sentence(str(event), dict.fromkeys(CATALOGUE[event].fields, Broken()))
+        said = render(str(event), dict.fromkeys(CATALOGUE[event].fields, Broken()))
         assert said
         assert said.isprintable()
-        said = sentence(str(event), dict.fromkeys(CATALOGUE[event].fields, "a\nb\x1b[2J"))
+        said = render(str(event), dict.fromkeys(CATALOGUE[event].fields, "a\nb\x1b[2J"))
         assert "\n" not in said
         assert "\x1b" not in said
 
 
 def test_a_finding_key_is_said_in_words_not_as_the_internal_key() -> None:
-    key = f"orphaned:{GPU}:2776@346316"
-    assert finding_label(key, TrainerNames()) == "orphaned pid 2776 (trainer) on GPU 0"
-    assert "@" not in sentence(str(EventName.FINDING_RESOLVED), {"finding": key, "lasted": 5})
-    assert finding_label(f"ghost_memory:{GPU}:{GPU}", TrainerNames()) == "ghost_memory GPU 0"
+    key, names = f"orphaned:{GPU}:2776@346316", TimelineNamer(TrainerNames())
+    assert finding_label(key, names) == "orphaned pid 2776 (trainer) on GPU 0"
+    assert "@" not in render(str(EventName.FINDING_RESOLVED), {"finding": key, "lasted": 5})
+    assert finding_label(f"ghost_memory:{GPU}:{GPU}", names) == "ghost_memory GPU 0"
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def journal_story(result: SimulationResult, keep: re.Pattern[str]) -> str:
     for entry in result.timeline:
         if entry.name.startswith(("world.", "sim.")):
             continue
-        said = sentence(entry.name, entry.fields)
+        said = render(entry.name, entry.fields)
         if keep.search(said):
             lines.append(f"+{entry.t:g}s {said}")
     return "\n".join(lines) + "\n"

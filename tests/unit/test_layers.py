@@ -221,7 +221,6 @@ CLASS_LINES = 300
 # fmt: off
 LONG_DEFINITIONS = {
     "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
-    "collect.procfs:ProcFS": "every /proc reader, each hostile-input safe",
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",

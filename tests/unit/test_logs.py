@@ -24,12 +24,11 @@ from structlog.testing import capture_logs
 
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.events import logs
-from gpuwatchd.events.catalogue import journal_field_name, message_id
+from gpuwatchd.events.catalogue import journal_field_name, message_id, render
 from gpuwatchd.events.logs import (
     configure_logging,
     get_logger,
     priority_prefix,
-    sentence,
     under_journald,
 )
 
@@ -685,13 +684,13 @@ def test_message_ids_are_fixed_128_bit_ids_one_per_event() -> None:
 def test_each_message_starts_with_a_sentence(
     event: str, fields: dict[str, object], said: str
 ) -> None:
-    assert sentence(str(event), fields).startswith(said)
+    assert render(str(event), fields).startswith(said)
 
 
 @pytest.mark.parametrize("event", list(EventName))
 def test_every_event_has_a_one_line_sentence_even_without_fields(event: EventName) -> None:
     for fields in ({}, {"pid": Unprintable(), "why": "a\nb", "gpu": "\x1b[2J"}):
-        said = sentence(str(event), fields)
+        said = render(str(event), fields)
         assert said
         assert said.isprintable()
 

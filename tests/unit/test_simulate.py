@@ -315,12 +315,14 @@ def test_malformed_during_events_are_refused(event: str, message: str) -> None:
 
 
 def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
-    from gpuwatchd.sim.timeline import finding_label
+    from gpuwatchd.events.words import finding_label
+    from gpuwatchd.sim.timeline import TimelineNamer
 
+    names = TimelineNamer(TrainerNames())
     key = "dead_process:GPU-00000000-0000-0000-0000-000000000000:91234"
-    assert finding_label(key, TrainerNames()) == "dead_process pid 91234 (trainer) on GPU 0"
+    assert finding_label(key, names) == "dead_process pid 91234 (trainer) on GPU 0"
     gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
-    assert finding_label(gpu_key, TrainerNames()) == "ghost_memory GPU 0"
+    assert finding_label(gpu_key, names) == "ghost_memory GPU 0"
 
 
 def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:

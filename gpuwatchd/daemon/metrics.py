@@ -172,6 +172,12 @@ def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
     return None if None in figures else sum(f for f in figures if f is not None)
 
 
+def _put(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    """Set ``gauge``'s sample of ``labels`` to ``value``; unknown (None): no sample."""
+    if value is not None:
+        gauge.labels(*labels).set(value)
+
+
 class _MigGauges:
     """Per-instance memory and findings of the node's judged MIG GPUs (docs/metrics.md#mig),
     set afresh each poll; at most seven GPU instances per GPU."""
@@ -209,11 +215,8 @@ class _MigGauges:
             gpu = by_uuid.get(uuid)
             memory = None if gpu is None else gpu.memory
             allocated = None if memory is None else memory.allocated
-            if allocated is not None:
-                self.allocated.labels(*labels).set(allocated)
-            accounted = None if gpu is None else _accounted(host, gpu)
-            if accounted is not None:
-                self.accounted.labels(*labels).set(accounted)
+            _put(self.allocated, labels, allocated)
+            _put(self.accounted, labels, None if gpu is None else _accounted(host, gpu))
             kinds: dict[str, int] = {}
             ghost = 0 if allocated is not None else None
             for finding in assessment.findings:
@@ -222,8 +225,7 @@ class _MigGauges:
                 kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
                 if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
                     ghost = finding.memory
-            if ghost is not None:
-                self.ghost.labels(*labels).set(ghost)
+            _put(self.ghost, labels, ghost)
             for kind in FindingKind:
                 self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
 
@@ -265,19 +267,15 @@ class _GpuGauges:
             if gpu.lost:
                 continue  # its memory figures are whatever was read before it was lost
             allocated = gpu.memory.allocated if gpu.memory is not None else None
-            if allocated is not None:
-                self.allocated.labels(*labels).set(allocated)
+            _put(self.allocated, labels, allocated)
             if gpu.mig_enabled or gpu.coherent_memory:
                 continue  # no memory-based detection there (as in assess)
             accounted = _accounted(host, gpu)
-            if accounted is not None:
-                self.accounted.labels(*labels).set(accounted)
+            _put(self.accounted, labels, accounted)
             if accounted is not None and allocated is not None:
                 self.unaccounted.labels(*labels).set(max(allocated - accounted, 0))
             # No ghost finding is a known 0 only where allocated memory was read.
-            ghost = ghosts.get(gpu.uuid, 0 if allocated is not None else None)
-            if ghost is not None:
-                self.ghost.labels(*labels).set(ghost)
+            _put(self.ghost, labels, ghosts.get(gpu.uuid, 0 if allocated is not None else None))
 
 
 class _VerdictGauges:
@@ -353,18 +351,11 @@ class _HealthGauges:
             health = gpu.health
             if health is None or gpu.lost:
                 continue
-            if health.recovery_action is not None:
-                self.action.labels(*labels).set(health.recovery_action)
-            for cause, rows in (
-                ("correctable", health.remap_correctable),
-                ("uncorrectable", health.remap_uncorrectable),
-            ):
-                if rows is not None:
-                    self.rows.labels(*labels, cause).set(rows)
-            if health.remap_pending is not None:
-                self.pending.labels(*labels).set(health.remap_pending)
-            if health.remap_failure is not None:
-                self.failure.labels(*labels).set(health.remap_failure)
+            _put(self.action, labels, health.recovery_action)
+            _put(self.rows, (*labels, "correctable"), health.remap_correctable)
+            _put(self.rows, (*labels, "uncorrectable"), health.remap_uncorrectable)
+            _put(self.pending, labels, health.remap_pending)
+            _put(self.failure, labels, health.remap_failure)
 
 
 class _StateGauges:

@@ -60,7 +60,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import StateStore, check_version, state_document
+from gpuwatchd.state.saved import STATE, StateStore, state_document
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -643,7 +643,7 @@ class Daemon:
         if not data:
             return
         try:
-            check_version(data)
+            STATE.check(data)  # the version this code writes
             record = data.get("reset_in_progress")
             state = EngineState(
                 assess=AssessState.from_json(data.get("assess")),

@@ -110,11 +110,6 @@ def state_document(
     )
 
 
-def check_version(data: Mapping[str, object]) -> None:
-    """ValueError unless ``data`` is a state file of the version this code writes."""
-    STATE.check(data)
-
-
 class StateStore:
     """Reads and writes ``<state_dir>/state.json``; hands out the instance lock."""
 
@@ -139,17 +134,17 @@ class StateStore:
         """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
         and logged."""
         saved = self.directory().read_json(STATE_FILE, MAX_STATE_BYTES)
-        return dict(saved.data) if saved.problem is None else self._move_aside(saved.problem)
+        if saved.problem is None:
+            return dict(saved.data)
+        self.discard_corrupt(saved.problem)
+        return {}
 
     def peek(self) -> dict[str, object]:
         """The saved dict for a reader that must change nothing (:func:`read_saved_state`)."""
         return dict(read_saved_state(self._dir if self._dir is not None else self.state_dir).data)
 
     def discard_corrupt(self, why: str) -> None:
-        """Move a file whose content is malformed aside."""
-        self._move_aside(why)
-
-    def _move_aside(self, why: str) -> dict[str, object]:
+        """Move a file whose content is malformed (``why``) aside, and say so."""
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
             self.directory().rename(STATE_FILE, aside)
@@ -160,7 +155,6 @@ class StateStore:
         else:
             moved_to = os.path.join(self.state_dir, aside)
             log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
-        return {}
 
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.

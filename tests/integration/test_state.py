@@ -191,8 +191,8 @@ def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_pat
 
 
 def test_a_state_file_of_another_version_is_refused() -> None:
-    from gpuwatchd.state.saved import check_version
+    from gpuwatchd.state.saved import STATE
 
-    check_version({"version": 1})
+    STATE.check({"version": 1})
     with pytest.raises(ValueError, match="unsupported state version 2"):
-        check_version({"version": 2})
+        STATE.check({"version": 2})

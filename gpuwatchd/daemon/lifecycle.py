@@ -374,7 +374,7 @@ class Daemon:
         dropped = self.hook_queue.close(grace)
         self.actuator.commands.wait(max(0.0, until - time.monotonic()))
         running = self.hook_queue.busy
-        ended = self.actuator.cancel_commands()
+        ended = self.actuator.commands.cancel()  # every tree killed, now and from now on
         if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
             self.engine.hooks_not_run(
                 HookOutcome.CANCELLED,

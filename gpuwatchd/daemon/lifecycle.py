@@ -535,15 +535,7 @@ class Daemon:
                 policy_rejected=self.policy_rejected is not None,
             )
         self._notify_status(report)
-        self._serving.publish(
-            report,
-            policy=self.policy,
-            procfs=self.procfs,
-            nvml=self.nvml,
-            watch=self.collector.watch,
-            dead_listed=self.collector.dead_listed,
-            watch_fd=self.device_watch.fileno(),
-        )
+        self._serving.publish(report, self.policy, self.host)
         return report
 
     def _read_switches(self) -> PollInputs:

@@ -60,7 +60,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import STATE, StateStore, state_document
+from gpuwatchd.state.saved import STATE, StateStore
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -674,13 +674,15 @@ class Daemon:
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
         status = self.status_section(state)
-        data = state_document(
-            boot_id=boot_id,
-            saved_at=self.wall_clock(),
-            assess=state.assess.to_json(),
-            plan=state.plan.to_json(),
-            reset_in_progress=state.reset_in_progress,
-            status=status,
+        data = STATE.envelope(
+            {
+                "boot_id": boot_id,
+                "saved_at": self.wall_clock(),
+                "assess": state.assess.to_json(),
+                "plan": state.plan.to_json(),
+                "reset_in_progress": state.reset_in_progress,
+                "status": status,
+            }
         )
         # Everything `status` shows, worked out here: it only renders (status_document.py).
         status["document"] = build_document(

@@ -88,28 +88,6 @@ def read_saved_state(state_dir: str | StateDir) -> SavedState:
         return SavedState(problem=f"{path} {why}")
 
 
-def state_document(
-    *,
-    boot_id: str | None,
-    saved_at: float,
-    assess: object,
-    plan: object,
-    reset_in_progress: object,
-    status: Mapping[str, object],
-) -> dict[str, object]:
-    """The envelope of ``state.json`` (:data:`STATE`) around its parts."""
-    return STATE.envelope(
-        {
-            "boot_id": boot_id,
-            "saved_at": saved_at,
-            "assess": assess,
-            "plan": plan,
-            "reset_in_progress": reset_in_progress,
-            "status": status,
-        }
-    )
-
-
 class StateStore:
     """Reads and writes ``<state_dir>/state.json``; hands out the instance lock."""
 

@@ -156,19 +156,21 @@ def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
 def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_path: Path) -> None:
     """status, run --once and scan read state.json through read_saved_state: a missing file is
     nothing found, a malformed one a problem (left in place), a well-formed one typed."""
-    from gpuwatchd.state.saved import read_saved_state, state_document
+    from gpuwatchd.state.saved import STATE, read_saved_state
 
     missing = read_saved_state(str(tmp_path / "none"))
     assert (missing.found, missing.problem, missing.daemon_pid) == (False, None, None)
     store = StateStore(str(tmp_path))
     store.save(
-        state_document(
-            boot_id="b1",
-            saved_at=1.0,
-            assess={},
-            plan={"ladders": {}},
-            reset_in_progress=None,
-            status={"pid": 4242},
+        STATE.envelope(
+            {
+                "boot_id": "b1",
+                "saved_at": 1.0,
+                "assess": {},
+                "plan": {"ladders": {}},
+                "reset_in_progress": None,
+                "status": {"pid": 4242},
+            }
         )
     )
     saved = read_saved_state(str(tmp_path))

@@ -511,12 +511,12 @@ class Metrics:
     """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
     (``textfile``; None: kept, not written)."""
 
-    def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
+    def __init__(self, textfile: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
         _maker(Gauge, self.registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
-        ).labels(version).set(1)
+        ).labels(__version__).set(1)
         registry = self.registry  # the groups are made in the order the exposition lists them
         self._events = _EventCounters(registry)
         gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), _MigGauges(registry)

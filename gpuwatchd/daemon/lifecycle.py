@@ -210,7 +210,7 @@ class Daemon:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         try:
-            with self.store.lock():
+            with self.store.directory().lock():
                 return self._run_locked()
         except AlreadyRunning as exc:
             if self.once:

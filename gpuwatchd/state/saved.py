@@ -5,10 +5,9 @@ In detail: docs/internals.md, section `gpuwatchd.state.saved`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.core.checked import Value, as_map, as_text
@@ -89,7 +88,7 @@ def read_saved_state(state_dir: str | StateDir) -> SavedState:
 
 
 class StateStore:
-    """Reads and writes ``<state_dir>/state.json``; hands out the instance lock."""
+    """Reads and writes ``<state_dir>/state.json``; :meth:`directory` hands out the lock."""
 
     def __init__(self, state_dir: str) -> None:
         self._dir: StateDir | None = None
@@ -138,9 +137,3 @@ class StateStore:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
         Raises OSError (a full disk: ENOSPC), the old file left as it was."""
         self.directory().write(STATE_FILE, STATE.encode(data))
-
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the instance lock for the ``with`` block (:meth:`StateDir.lock`)."""
-        with self.directory().lock():
-            yield

@@ -84,7 +84,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys
     from gpuwatchd.state.saved import StateStore
-    with StateStore(sys.argv[1]).lock():
+    with StateStore(sys.argv[1]).directory().lock():
         print("locked", flush=True)
         sys.stdin.readline()
     """
@@ -103,7 +103,7 @@ def test_lock_held_by_another_process_raises_already_running_with_its_pid(
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(AlreadyRunning) as info, StateStore(str(tmp_path)).lock():
+        with pytest.raises(AlreadyRunning) as info, StateStore(str(tmp_path)).directory().lock():
             pass
         assert info.value.holder == f"pid {holder.pid}"
     finally:
@@ -112,7 +112,7 @@ def test_lock_held_by_another_process_raises_already_running_with_its_pid(
         holder.stdin.flush()
         assert holder.wait(timeout=10) == 0
     # Released when the holder let go: it can be taken again.
-    with StateStore(str(tmp_path)).lock():
+    with StateStore(str(tmp_path)).directory().lock():
         pass
 
 
@@ -127,13 +127,17 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path: Path) -> None:
     assert holder.stdout.readline().strip() == "locked"
     holder.kill()  # our own child
     holder.wait(timeout=10)
-    with StateStore(str(tmp_path)).lock():
+    with StateStore(str(tmp_path)).directory().lock():
         pass
 
 
 def test_lock_is_exclusive_within_one_process_too(tmp_path: Path) -> None:
     store = StateStore(str(tmp_path))
-    with store.lock(), pytest.raises(AlreadyRunning), StateStore(str(tmp_path)).lock():
+    with (
+        store.directory().lock(),
+        pytest.raises(AlreadyRunning),
+        StateStore(str(tmp_path)).directory().lock(),
+    ):
         pass
 
 

@@ -33,7 +33,6 @@ from gpuwatchd.core.vocabulary import (
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import instance_view, mig_layout
-from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
@@ -386,16 +385,9 @@ class _StateGauges:
             "Unix time the current pause ends by itself (0 when not paused)",
         )
 
-    def update(
-        self,
-        snapshot: Snapshot,
-        assessment: Assessment,
-        state: PlanState,
-        *,
-        dry_run: bool,
-        policy_rejected: bool,
-    ) -> None:
-        kinds = Tally(f.kind.value for f in assessment.findings)
+    def update(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> None:
+        state, nvml = report.plan, report.snapshot.nvml
+        kinds = Tally(f.kind.value for f in report.assessment.findings)
         for kind in FindingKind:
             self.findings.labels(kind.value).set(kinds[kind.value])
         statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
@@ -407,8 +399,8 @@ class _StateGauges:
             "paused": state.paused,
             "kill_cap_latched": state.forced_dry_run,
             "reset_circuit_open": state.circuit_open,
-            "nvml_wedged": snapshot.nvml.wedged,
-            "nvml_unavailable": not snapshot.nvml.available,
+            "nvml_wedged": nvml.wedged,
+            "nvml_unavailable": not nvml.available,
         }
         for name, gauge in self.flags.items():
             gauge.set(values[name])
@@ -440,11 +432,11 @@ class _PollGauges:
             "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
-    def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
-        full = snapshot.holders.mode == "full"
-        self.duration.observe(seconds)
-        self.last_duration.set(seconds)
-        self.last_success.set(wall)
+    def update(self, report: PollReport) -> None:
+        full = report.snapshot.holders.mode == "full"
+        self.duration.observe(report.seconds)
+        self.last_duration.set(report.seconds)
+        self.last_success.set(report.started_wall)
         self.last_full.set(full)
         if full:
             self.full_scans.inc()
@@ -538,14 +530,11 @@ class Metrics:
     def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
         """Set the gauges from one completed poll's report, then write the file if one is
         configured; why the write failed (also logged), or None."""
-        snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
         for group in self._assessed:
-            group.update(snapshot, assessment)
-        self._state.update(
-            snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
-        )
+            group.update(report.snapshot, report.assessment)
+        self._state.update(report, dry_run=dry_run, policy_rejected=policy_rejected)
         self._verdict.update(report.verdict)
-        self._poll.update(snapshot, report.seconds, report.started_wall)
+        self._poll.update(report)
         return self.write()
 
     def render(self) -> bytes:

@@ -110,10 +110,16 @@ class StateStore:
     def load(self) -> dict[str, object]:
         """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
         and logged."""
-        saved = self.directory().read_json(STATE_FILE, MAX_STATE_BYTES)
-        if saved.problem is None:
-            return dict(saved.data)
-        self.discard_corrupt(saved.problem)
+        directory = self.directory()
+        try:
+            return STATE.load(directory.read(STATE_FILE, MAX_STATE_BYTES + 1))
+        except FileNotFoundError:
+            return {}
+        except OSError as err:  # UntrustedFile too
+            why = f"unreadable: {err.strerror or err}"
+        except ValueError as err:
+            why = str(err)
+        self.discard_corrupt(why)
         return {}
 
     def peek(self) -> dict[str, object]:

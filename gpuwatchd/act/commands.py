@@ -164,7 +164,6 @@ def run_command(
     *,
     timeout: float,
     env: Mapping[str, str] | None = None,
-    output_limit: int = OUTPUT_LIMIT,
     scope: CommandScope | None = None,
 ) -> CommandResult:
     """Run ``argv`` (no shell) in a new session under a keeper (:mod:`gpuwatchd.act.reaper`),
@@ -205,7 +204,7 @@ def run_command(
         )
     finally:
         os.close(status_write)
-    tail = _Tail(output_limit)
+    tail = _Tail(OUTPUT_LIMIT)
     deadline = started + timeout + _KEEPER_MARGIN
     try:
         report, keeper_error = _supervise(

@@ -49,6 +49,25 @@ def _instance_fields(target: ResetTarget) -> dict[str, object]:
     return {} if target.recovery is None else target.recovery.fields()
 
 
+def _finished(
+    env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
+) -> ResetOutcome:
+    """Say ``reset.finished`` for ``outcome`` (critical when it needs a reboot); the outcome."""
+    env.emit(
+        EventName.RESET_FINISHED,
+        Level.CRITICAL if outcome.needs_reboot else level,
+        gpu=target.uuid,
+        result=outcome.result,
+        step=outcome.step.value,
+        reason=outcome.reason,
+        needs_reboot=outcome.needs_reboot,
+        blockers=list(outcome.blockers),
+        dry_run=dry_run,
+        **_instance_fields(target),
+    )
+    return outcome
+
+
 class Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
@@ -242,21 +261,8 @@ class Procedure:
         self.result = result
         self.begin(ResetStep.DONE)
         level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
-        if needs_reboot:
-            level = Level.CRITICAL
-        self.env.emit(
-            EventName.RESET_FINISHED,
-            level,
-            gpu=self.target.uuid,
-            result=result,
-            step=step.value,
-            reason=reason,
-            needs_reboot=needs_reboot,
-            blockers=list(blockers),
-            dry_run=self.dry_run,
-            **_instance_fields(self.target),
-        )
-        return ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
+        outcome = ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
+        return _finished(self.env, self.target, outcome, self.dry_run, level)
 
     def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome:
         """Stop before the reset command, undo, and report ``refused`` (or a dry run's verdict)."""
@@ -332,19 +338,8 @@ def perform_reset(
     ``hook_env`` adds to each hook's environment (the ``GPUWATCHD_*`` ones win)."""
     prepared = prepare_commands(target, reset)
     if isinstance(prepared, str):
-        env.emit(
-            EventName.RESET_FINISHED,
-            Level.ERROR,
-            gpu=target.uuid,
-            result=ResetResult.REFUSED,
-            step=ResetStep.DRAIN.value,
-            reason=prepared,
-            needs_reboot=False,
-            blockers=[],
-            dry_run=dry_run,
-            **_instance_fields(target),
-        )
-        return ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
+        outcome = ResetOutcome(ResetResult.REFUSED, ResetStep.DRAIN, prepared, False, None, ())
+        return _finished(env, target, outcome, dry_run, Level.ERROR)
     proc = Procedure(
         target,
         reset,

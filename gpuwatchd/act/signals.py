@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import SignalOutcome
 
-_TICK = 0.05  # poll interval when pidfds are unavailable
-
 
 def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
     """``(start ticks, state letter)`` of ``PID`` from ``<proc_root>/PID/stat``; None if unknown.

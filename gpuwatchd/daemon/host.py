@@ -62,11 +62,6 @@ class HostActuator:
         self.signaller = signaller
         self.commands = CommandScope()
 
-    def cancel_commands(self) -> int:
-        """Kill every command's process tree, now and from now on (the daemon stops); how
-        many finished commands had left processes running."""
-        return self.commands.cancel()
-
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
         return self.signaller.send(identity, signal, dry_run=dry_run)
 

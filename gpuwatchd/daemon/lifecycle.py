@@ -60,7 +60,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import StateStore, check_version, state_document
+from gpuwatchd.state.saved import STATE, StateStore
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -210,7 +210,7 @@ class Daemon:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
         try:
-            with self.store.lock():
+            with self.store.directory().lock():
                 return self._run_locked()
         except AlreadyRunning as exc:
             if self.once:
@@ -374,7 +374,7 @@ class Daemon:
         dropped = self.hook_queue.close(grace)
         self.actuator.commands.wait(max(0.0, until - time.monotonic()))
         running = self.hook_queue.busy
-        ended = self.actuator.cancel_commands()
+        ended = self.actuator.commands.cancel()  # every tree killed, now and from now on
         if running and not self.hook_queue.wait(NOTIFY_CANCEL_WAIT):
             self.engine.hooks_not_run(
                 HookOutcome.CANCELLED,
@@ -535,15 +535,7 @@ class Daemon:
                 policy_rejected=self.policy_rejected is not None,
             )
         self._notify_status(report)
-        self._serving.publish(
-            report,
-            policy=self.policy,
-            procfs=self.procfs,
-            nvml=self.nvml,
-            watch=self.collector.watch,
-            dead_listed=self.collector.dead_listed,
-            watch_fd=self.device_watch.fileno(),
-        )
+        self._serving.publish(report, self.policy, self.host)
         return report
 
     def _read_switches(self) -> PollInputs:
@@ -643,7 +635,7 @@ class Daemon:
         if not data:
             return
         try:
-            check_version(data)
+            STATE.check(data)  # the version this code writes
             record = data.get("reset_in_progress")
             state = EngineState(
                 assess=AssessState.from_json(data.get("assess")),
@@ -682,13 +674,15 @@ class Daemon:
         if key == self._saved_key and bucket == self._saved_poll_bucket:
             return True
         status = self.status_section(state)
-        data = state_document(
-            boot_id=boot_id,
-            saved_at=self.wall_clock(),
-            assess=state.assess.to_json(),
-            plan=state.plan.to_json(),
-            reset_in_progress=state.reset_in_progress,
-            status=status,
+        data = STATE.envelope(
+            {
+                "boot_id": boot_id,
+                "saved_at": self.wall_clock(),
+                "assess": state.assess.to_json(),
+                "plan": state.plan.to_json(),
+                "reset_in_progress": state.reset_in_progress,
+                "status": status,
+            }
         )
         # Everything `status` shows, worked out here: it only renders (status_document.py).
         status["document"] = build_document(

@@ -33,7 +33,6 @@ from gpuwatchd.core.vocabulary import (
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import instance_view, mig_layout
-from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome
@@ -172,6 +171,12 @@ def _accounted(host: HostView, gpu: GpuInfo) -> int | None:
     return None if None in figures else sum(f for f in figures if f is not None)
 
 
+def _put(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    """Set ``gauge``'s sample of ``labels`` to ``value``; unknown (None): no sample."""
+    if value is not None:
+        gauge.labels(*labels).set(value)
+
+
 class _MigGauges:
     """Per-instance memory and findings of the node's judged MIG GPUs (docs/metrics.md#mig),
     set afresh each poll; at most seven GPU instances per GPU."""
@@ -209,11 +214,8 @@ class _MigGauges:
             gpu = by_uuid.get(uuid)
             memory = None if gpu is None else gpu.memory
             allocated = None if memory is None else memory.allocated
-            if allocated is not None:
-                self.allocated.labels(*labels).set(allocated)
-            accounted = None if gpu is None else _accounted(host, gpu)
-            if accounted is not None:
-                self.accounted.labels(*labels).set(accounted)
+            _put(self.allocated, labels, allocated)
+            _put(self.accounted, labels, None if gpu is None else _accounted(host, gpu))
             kinds: dict[str, int] = {}
             ghost = 0 if allocated is not None else None
             for finding in assessment.findings:
@@ -222,8 +224,7 @@ class _MigGauges:
                 kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
                 if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
                     ghost = finding.memory
-            if ghost is not None:
-                self.ghost.labels(*labels).set(ghost)
+            _put(self.ghost, labels, ghost)
             for kind in FindingKind:
                 self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
 
@@ -265,19 +266,15 @@ class _GpuGauges:
             if gpu.lost:
                 continue  # its memory figures are whatever was read before it was lost
             allocated = gpu.memory.allocated if gpu.memory is not None else None
-            if allocated is not None:
-                self.allocated.labels(*labels).set(allocated)
+            _put(self.allocated, labels, allocated)
             if gpu.mig_enabled or gpu.coherent_memory:
                 continue  # no memory-based detection there (as in assess)
             accounted = _accounted(host, gpu)
-            if accounted is not None:
-                self.accounted.labels(*labels).set(accounted)
+            _put(self.accounted, labels, accounted)
             if accounted is not None and allocated is not None:
                 self.unaccounted.labels(*labels).set(max(allocated - accounted, 0))
             # No ghost finding is a known 0 only where allocated memory was read.
-            ghost = ghosts.get(gpu.uuid, 0 if allocated is not None else None)
-            if ghost is not None:
-                self.ghost.labels(*labels).set(ghost)
+            _put(self.ghost, labels, ghosts.get(gpu.uuid, 0 if allocated is not None else None))
 
 
 class _VerdictGauges:
@@ -353,18 +350,11 @@ class _HealthGauges:
             health = gpu.health
             if health is None or gpu.lost:
                 continue
-            if health.recovery_action is not None:
-                self.action.labels(*labels).set(health.recovery_action)
-            for cause, rows in (
-                ("correctable", health.remap_correctable),
-                ("uncorrectable", health.remap_uncorrectable),
-            ):
-                if rows is not None:
-                    self.rows.labels(*labels, cause).set(rows)
-            if health.remap_pending is not None:
-                self.pending.labels(*labels).set(health.remap_pending)
-            if health.remap_failure is not None:
-                self.failure.labels(*labels).set(health.remap_failure)
+            _put(self.action, labels, health.recovery_action)
+            _put(self.rows, (*labels, "correctable"), health.remap_correctable)
+            _put(self.rows, (*labels, "uncorrectable"), health.remap_uncorrectable)
+            _put(self.pending, labels, health.remap_pending)
+            _put(self.failure, labels, health.remap_failure)
 
 
 class _StateGauges:
@@ -395,16 +385,9 @@ class _StateGauges:
             "Unix time the current pause ends by itself (0 when not paused)",
         )
 
-    def update(
-        self,
-        snapshot: Snapshot,
-        assessment: Assessment,
-        state: PlanState,
-        *,
-        dry_run: bool,
-        policy_rejected: bool,
-    ) -> None:
-        kinds = Tally(f.kind.value for f in assessment.findings)
+    def update(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> None:
+        state, nvml = report.plan, report.snapshot.nvml
+        kinds = Tally(f.kind.value for f in report.assessment.findings)
         for kind in FindingKind:
             self.findings.labels(kind.value).set(kinds[kind.value])
         statuses = Tally(str(ladder.status) for ladder in state.ladders.values())
@@ -416,8 +399,8 @@ class _StateGauges:
             "paused": state.paused,
             "kill_cap_latched": state.forced_dry_run,
             "reset_circuit_open": state.circuit_open,
-            "nvml_wedged": snapshot.nvml.wedged,
-            "nvml_unavailable": not snapshot.nvml.available,
+            "nvml_wedged": nvml.wedged,
+            "nvml_unavailable": not nvml.available,
         }
         for name, gauge in self.flags.items():
             gauge.set(values[name])
@@ -449,11 +432,11 @@ class _PollGauges:
             "gpuwatchd_full_scans", "Polls that scanned all of /proc for holders"
         )
 
-    def update(self, snapshot: Snapshot, seconds: float, wall: float) -> None:
-        full = snapshot.holders.mode == "full"
-        self.duration.observe(seconds)
-        self.last_duration.set(seconds)
-        self.last_success.set(wall)
+    def update(self, report: PollReport) -> None:
+        full = report.snapshot.holders.mode == "full"
+        self.duration.observe(report.seconds)
+        self.last_duration.set(report.seconds)
+        self.last_success.set(report.started_wall)
         self.last_full.set(full)
         if full:
             self.full_scans.inc()
@@ -520,12 +503,12 @@ class Metrics:
     """gpuwatchd's metrics in a private registry, and the ``.prom`` file they are written to
     (``textfile``; None: kept, not written)."""
 
-    def __init__(self, textfile: str | None = None, *, version: str = __version__) -> None:
+    def __init__(self, textfile: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.textfile = textfile
         _maker(Gauge, self.registry)(
             "gpuwatchd_build_info", "Always 1; the version label is gpuwatchd's", ("version",)
-        ).labels(version).set(1)
+        ).labels(__version__).set(1)
         registry = self.registry  # the groups are made in the order the exposition lists them
         self._events = _EventCounters(registry)
         gpus, health, mig = _GpuGauges(registry), _HealthGauges(registry), _MigGauges(registry)
@@ -547,14 +530,11 @@ class Metrics:
     def after_poll(self, report: PollReport, *, dry_run: bool, policy_rejected: bool) -> str | None:
         """Set the gauges from one completed poll's report, then write the file if one is
         configured; why the write failed (also logged), or None."""
-        snapshot, assessment, plan_state = report.snapshot, report.assessment, report.plan
         for group in self._assessed:
-            group.update(snapshot, assessment)
-        self._state.update(
-            snapshot, assessment, plan_state, dry_run=dry_run, policy_rejected=policy_rejected
-        )
+            group.update(report.snapshot, report.assessment)
+        self._state.update(report, dry_run=dry_run, policy_rejected=policy_rejected)
         self._verdict.update(report.verdict)
-        self._poll.update(snapshot, report.seconds, report.started_wall)
+        self._poll.update(report)
         return self.write()
 
     def render(self) -> bytes:

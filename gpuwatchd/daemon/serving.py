@@ -14,10 +14,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gpuwatchd.collect.devwatch import DeviceWatch
-from gpuwatchd.collect.nvml import NvmlClient
-from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.daemon.wiring import RealHost
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.served import holders as holder_view
@@ -59,26 +57,16 @@ class ScanServing:
             )
         )
 
-    def publish(
-        self,
-        report: PollReport,
-        *,
-        policy: Policy,
-        procfs: ProcFS,
-        nvml: NvmlClient,
-        watch: DeviceWatch | None,
-        dead_listed: frozenset[int],
-        watch_fd: int | None,
-    ) -> None:
+    def publish(self, report: PollReport, policy: Policy, host: RealHost) -> None:
         """Keep the poll's holder view and NVML reading (both from its report) to answer
         ``scan`` from, and publish them: only while the device watch works; the view when it
         changed or every holder_view.REFRESH seconds."""
-        snapshot = report.snapshot
+        snapshot, watch, nvml = report.snapshot, host.collector.watch, host.nvml
         self._last = None
         if watch is None or not watch.available or snapshot.boot_id is None:
             return
         if self._own_start_ticks is None:
-            own = procfs.read_stat(os.getpid())
+            own = host.procfs.read_stat(os.getpid())
             if own is None:
                 return
             self._own_start_ticks = own.starttime
@@ -92,8 +80,8 @@ class ScanServing:
             settings=(policy.proc_root, policy.devices_dir, policy.device_major),
             holders=snapshot.holders,
             start_ticks={pid: info.start_ticks for pid, info in snapshot.processes.items()},
-            dead_listed=dead_listed,
-            watch_fd=watch_fd,
+            dead_listed=host.collector.dead_listed,
+            watch_fd=host.device_watch.fileno(),
         )
         rewritten = self.view.publish(view.document())
         reply, asked = nvml.last_reply, nvml.last_asked_wall

@@ -82,8 +82,6 @@ def build_real_host(
         procfs,
         nvml,
         namespace_check=policy.namespace_check,
-        full_scan_interval=policy.full_scan_interval,
-        detection=policy.detection,
         cgroup_root=cgroup2_mount(),
         clock=clock,
         wall_clock=wall_clock,
@@ -101,7 +99,7 @@ def build_real_host(
         ),
     )
     signaller = Signaller(policy.proc_root)
-    host = RealHost(
+    host = RealHost(  # the reloadable settings: apply() below, as at each reload
         procfs=procfs,
         nvml=nvml,
         collector=collector,

@@ -12,10 +12,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-
-from gpuwatchd.core.codec import Format
+from collections.abc import Iterator
 
 LOCK_FILE = "lock"
 _PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -120,16 +117,6 @@ def open_directory(
     return fd
 
 
-@dataclass(frozen=True)
-class JsonFile:
-    """One JSON file of the state directory, read leniently: the object it holds (empty when
-    absent or unusable), why it is unusable (None: absent or fine), and whether it was there."""
-
-    data: Mapping[str, object]
-    problem: str | None
-    present: bool
-
-
 def hashed_name(prefix: str, key: str) -> str:
     """The file of ``key`` among the files named ``prefix`` and a hash: one file a key."""
     import hashlib  # here: loading OpenSSL costs every scan ~3 ms, and most never get here
@@ -229,19 +216,6 @@ class StateDir:
             return b"".join(chunks), st
         finally:
             os.close(fd)
-
-    def read_json(self, name: str, limit: int) -> JsonFile:
-        """The JSON object in ``name``, leniently: never raises (see :class:`JsonFile`)."""
-        try:
-            raw = self.read(name, limit + 1)
-        except FileNotFoundError:
-            return JsonFile({}, None, present=False)
-        except OSError as err:
-            return JsonFile({}, f"unreadable: {err.strerror or err}", present=True)
-        try:
-            return JsonFile(Format(name, limit).load(raw), None, present=True)
-        except ValueError as err:
-            return JsonFile({}, str(err), present=True)
 
     def write(self, name: str, data: bytes, *, mode: int = 0o600, sync: bool = True) -> None:
         """Replace ``name`` with ``data`` atomically (:func:`replace_file`; OSError); ``sync``

@@ -5,10 +5,9 @@ In detail: docs/internals.md, section `gpuwatchd.state.saved`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.core.checked import Value, as_map, as_text
@@ -88,35 +87,8 @@ def read_saved_state(state_dir: str | StateDir) -> SavedState:
         return SavedState(problem=f"{path} {why}")
 
 
-def state_document(
-    *,
-    boot_id: str | None,
-    saved_at: float,
-    assess: object,
-    plan: object,
-    reset_in_progress: object,
-    status: Mapping[str, object],
-) -> dict[str, object]:
-    """The envelope of ``state.json`` (:data:`STATE`) around its parts."""
-    return STATE.envelope(
-        {
-            "boot_id": boot_id,
-            "saved_at": saved_at,
-            "assess": assess,
-            "plan": plan,
-            "reset_in_progress": reset_in_progress,
-            "status": status,
-        }
-    )
-
-
-def check_version(data: Mapping[str, object]) -> None:
-    """ValueError unless ``data`` is a state file of the version this code writes."""
-    STATE.check(data)
-
-
 class StateStore:
-    """Reads and writes ``<state_dir>/state.json``; hands out the instance lock."""
+    """Reads and writes ``<state_dir>/state.json``; :meth:`directory` hands out the lock."""
 
     def __init__(self, state_dir: str) -> None:
         self._dir: StateDir | None = None
@@ -138,18 +110,24 @@ class StateStore:
     def load(self) -> dict[str, object]:
         """The saved dict; {} when there is none. A corrupt or untrusted file is moved aside
         and logged."""
-        saved = self.directory().read_json(STATE_FILE, MAX_STATE_BYTES)
-        return dict(saved.data) if saved.problem is None else self._move_aside(saved.problem)
+        directory = self.directory()
+        try:
+            return STATE.load(directory.read(STATE_FILE, MAX_STATE_BYTES + 1))
+        except FileNotFoundError:
+            return {}
+        except OSError as err:  # UntrustedFile too
+            why = f"unreadable: {err.strerror or err}"
+        except ValueError as err:
+            why = str(err)
+        self.discard_corrupt(why)
+        return {}
 
     def peek(self) -> dict[str, object]:
         """The saved dict for a reader that must change nothing (:func:`read_saved_state`)."""
         return dict(read_saved_state(self._dir if self._dir is not None else self.state_dir).data)
 
     def discard_corrupt(self, why: str) -> None:
-        """Move a file whose content is malformed aside."""
-        self._move_aside(why)
-
-    def _move_aside(self, why: str) -> dict[str, object]:
+        """Move a file whose content is malformed (``why``) aside, and say so."""
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
             self.directory().rename(STATE_FILE, aside)
@@ -160,15 +138,8 @@ class StateStore:
         else:
             moved_to = os.path.join(self.state_dir, aside)
             log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
-        return {}
 
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
         Raises OSError (a full disk: ENOSPC), the old file left as it was."""
         self.directory().write(STATE_FILE, STATE.encode(data))
-
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the instance lock for the ``with`` block (:meth:`StateDir.lock`)."""
-        with self.directory().lock():
-            yield

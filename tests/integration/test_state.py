@@ -84,7 +84,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys
     from gpuwatchd.state.saved import StateStore
-    with StateStore(sys.argv[1]).lock():
+    with StateStore(sys.argv[1]).directory().lock():
         print("locked", flush=True)
         sys.stdin.readline()
     """
@@ -103,7 +103,7 @@ def test_lock_held_by_another_process_raises_already_running_with_its_pid(
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(AlreadyRunning) as info, StateStore(str(tmp_path)).lock():
+        with pytest.raises(AlreadyRunning) as info, StateStore(str(tmp_path)).directory().lock():
             pass
         assert info.value.holder == f"pid {holder.pid}"
     finally:
@@ -112,7 +112,7 @@ def test_lock_held_by_another_process_raises_already_running_with_its_pid(
         holder.stdin.flush()
         assert holder.wait(timeout=10) == 0
     # Released when the holder let go: it can be taken again.
-    with StateStore(str(tmp_path)).lock():
+    with StateStore(str(tmp_path)).directory().lock():
         pass
 
 
@@ -127,13 +127,17 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path: Path) -> None:
     assert holder.stdout.readline().strip() == "locked"
     holder.kill()  # our own child
     holder.wait(timeout=10)
-    with StateStore(str(tmp_path)).lock():
+    with StateStore(str(tmp_path)).directory().lock():
         pass
 
 
 def test_lock_is_exclusive_within_one_process_too(tmp_path: Path) -> None:
     store = StateStore(str(tmp_path))
-    with store.lock(), pytest.raises(AlreadyRunning), StateStore(str(tmp_path)).lock():
+    with (
+        store.directory().lock(),
+        pytest.raises(AlreadyRunning),
+        StateStore(str(tmp_path)).directory().lock(),
+    ):
         pass
 
 
@@ -156,19 +160,21 @@ def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
 def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_path: Path) -> None:
     """status, run --once and scan read state.json through read_saved_state: a missing file is
     nothing found, a malformed one a problem (left in place), a well-formed one typed."""
-    from gpuwatchd.state.saved import read_saved_state, state_document
+    from gpuwatchd.state.saved import STATE, read_saved_state
 
     missing = read_saved_state(str(tmp_path / "none"))
     assert (missing.found, missing.problem, missing.daemon_pid) == (False, None, None)
     store = StateStore(str(tmp_path))
     store.save(
-        state_document(
-            boot_id="b1",
-            saved_at=1.0,
-            assess={},
-            plan={"ladders": {}},
-            reset_in_progress=None,
-            status={"pid": 4242},
+        STATE.envelope(
+            {
+                "boot_id": "b1",
+                "saved_at": 1.0,
+                "assess": {},
+                "plan": {"ladders": {}},
+                "reset_in_progress": None,
+                "status": {"pid": 4242},
+            }
         )
     )
     saved = read_saved_state(str(tmp_path))
@@ -191,8 +197,8 @@ def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_pat
 
 
 def test_a_state_file_of_another_version_is_refused() -> None:
-    from gpuwatchd.state.saved import check_version
+    from gpuwatchd.state.saved import STATE
 
-    check_version({"version": 1})
+    STATE.check({"version": 1})
     with pytest.raises(ValueError, match="unsupported state version 2"):
-        check_version({"version": 2})
+        STATE.check({"version": 2})

@@ -15,7 +15,7 @@ import pytest
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import hand_over_ended_jobs, note_resume, set_pause
-from gpuwatchd.state.saved import StateStore, state_document
+from gpuwatchd.state.saved import STATE, StateStore
 from gpuwatchd.state.spares import write_spare
 
 NOW = 1_800_000_000.0
@@ -74,9 +74,10 @@ def test_a_spare(state: StateDir, tmp_path: Path) -> None:
 
 
 def test_the_state_file(tmp_path: Path) -> None:
-    doc = state_document(
-        boot_id="b1", saved_at=NOW, assess={}, plan={"z": 1}, reset_in_progress=None, status={}
-    )
+    doc = STATE.envelope(
+        {"boot_id": "b1", "saved_at": NOW, "assess": {}, "plan": {"z": 1},
+         "reset_in_progress": None, "status": {}}
+    )  # fmt: skip
     StateStore(str(tmp_path)).save(doc)
     assert (tmp_path / "state.json").read_bytes() == (
         f'{{"assess":{{}},"boot_id":"b1","plan":{{"z":1}},"reset_in_progress":null,'

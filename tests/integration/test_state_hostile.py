@@ -38,7 +38,10 @@ def test_a_linked_lock_file_is_refused_and_its_target_left_alone(
     state_dir: Path, victim: Path
 ) -> None:
     (state_dir / "lock").symlink_to(victim)
-    with pytest.raises(OSError, match="symbolic links"), StateStore(str(state_dir)).lock():
+    with (
+        pytest.raises(OSError, match="symbolic links"),
+        StateStore(str(state_dir)).directory().lock(),
+    ):
         pass
     assert victim.read_text() == SECRET
 

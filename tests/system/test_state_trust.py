@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuwatchd.core.checked import Value
 from gpuwatchd.core.model import HolderScan
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.served import holders as holder_view
-from gpuwatchd.state.directory import JsonFile, StateDir, StateDirError, open_directory
+from gpuwatchd.state.directory import StateDir, StateDirError, UntrustedFile, open_directory
+from gpuwatchd.state.saved import StateStore
 from tests.support.daemonrun import Run, orphan_host
 from tests.support.fakenvml import MiB, gpu
 from tests.support.simhost import SimHost, pid_namespace_command, run_in_pid_namespace
@@ -155,8 +158,10 @@ def test_a_file_another_user_owns_in_the_state_dir_is_never_read(tmp_path: Path)
     os.chown(path / "holders.json", ATTACKER, ATTACKER)
     (path / "paused").chmod(0o666)
     with StateDir.open(str(path)) as directory:
-        assert directory.read_json("holders.json", 1024).problem == "unreadable: owned by uid 1001"
-        assert "writable by group or others" in str(directory.read_json("paused", 1024).problem)
+        with pytest.raises(UntrustedFile, match="owned by uid 1001"):
+            directory.read("holders.json", 1024)
+        with pytest.raises(UntrustedFile, match="writable by group or others"):
+            directory.read("paused", 1024)
 
 
 def test_the_metrics_walk_refuses_links_but_not_owners(tmp_path: Path) -> None:
@@ -363,9 +368,10 @@ def test_the_lenient_reader_gives_unknown_for_every_malformed_part(tmp_path: Pat
     path = tmp_path / "state"
     path.mkdir(mode=0o700)
     (path / "state.json").write_text('{"a": ' + "1" * 5000 + "}")
-    with StateDir.open(str(path)) as directory:
-        read = directory.read_json("state.json", 1 << 20)
-        assert read.data == {}
-        assert read.present
-        assert "not valid JSON" in str(read.problem)
-        assert directory.read_json("absent.json", 10) == JsonFile({}, None, present=False)
+    with capture_logs() as logs:
+        assert StateStore(str(path)).load() == {}  # present, not valid JSON: moved aside
+        assert StateStore(str(tmp_path / "absent")).load() == {}  # absent: nothing said
+    [said] = logs
+    assert said["event"] == EventName.STATE_CORRUPT
+    assert "not valid JSON" in str(said["why"])
+    assert [p.name.split("-")[0] for p in path.iterdir()] == ["state.json.corrupt"]

@@ -230,7 +230,6 @@ LONG_DEFINITIONS = {
     "decide.plan.ladders:_advance_live_ladder": "a kill ladder's steps (a mutation-tested gate)",
     "decide.plan.ladders:consider_process_finding":
         "whether to start a ladder (a mutation-tested gate)",
-    "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.simulation:Simulation": "the simulated host's edges",

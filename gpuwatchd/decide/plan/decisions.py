@@ -1,11 +1,8 @@
 """The escalation state machine: findings + carried state + policy + time → intents and events.
 
-This module owns ``plan``, one poll's decisions in order (lost GPUs, boot, findings seen,
+This module owns ``plan``, one poll's decisions in order (boot, findings seen, lost GPUs,
 ladders, process findings, resets, GPU health), and the queries and admin switches on
-``PlanState``. The decisions live in ``plan_ladders`` (signal ladders, kill caps),
-``plan_resets`` (reset gates), ``plan_health`` (drain, then reset) and ``plan_outcomes``
-(``record_*``); intents, events and the per-call scratch state in ``plan_intents``. Callers
-import every public name from here. Semantics: ``docs/escalation.md``.
+``PlanState``. Semantics: ``docs/escalation.md``.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.plan.decisions`.
 """
@@ -100,12 +97,8 @@ def plan(
 
 
 def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
-    """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure.
-
-    Whatever it held is out of reach now (its findings resolve for want of readings), so this
-    is the one event that tells the admin. Said again only after the GPU came back and was lost
-    once more.
-    """
+    """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure;
+    again only after it came back and was lost once more."""
     for gpu in sorted(ctx.snapshot.nvml.gpus, key=lambda g: g.index):
         key = f"node:lost:{gpu.uuid}"
         if not gpu.lost:
@@ -204,15 +197,9 @@ def _target_pid(target: str | None) -> int | None:
 
 
 def next_deadline(state: PlanState) -> float | None:
-    """The earliest monotonic time something is due: a step, an end, a confirmation window,
-    a post-action delay. Held ladders (paused, dry-run) and cooldowns are not deadlines: the
-    daemon still polls every ``interval``."""
+    """The earliest monotonic time something is due (a step, an end, a confirmation window, a
+    post-action delay); held ladders and cooldowns are not deadlines."""
     return min(state.waiting.values()) if state.waiting else None
-
-
-def pending(state: PlanState, keys: Iterable[str]) -> bool:
-    """True while any of these findings has a ladder, confirmation window or reset in progress."""
-    return bool(pending_keys(state, keys))
 
 
 def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
@@ -232,8 +219,8 @@ def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
 def set_paused(
     state: PlanState, paused: bool, *, reason: str, until: float | None = None
 ) -> PlanState:
-    """The admin pause switch: while paused no intent is emitted (ladders hold, events say so).
-    ``until`` (wall time) is when the pause ends, for status and metrics; the caller ends it."""
+    """The admin pause switch: while paused no intent is emitted. ``until`` (wall time) is when
+    the pause ends, for status and metrics; the caller ends it."""
     return replace(
         state,
         paused=paused,
@@ -243,8 +230,7 @@ def set_paused(
 
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:
-    """Admin: lift the dry-run the kill cap engaged, the node's and every user's (``resume``
-    does not do it by itself), and the would-be latches a dry run keeps in its shadow."""
+    """Admin: lift every kill-cap latch, the node's, each user's and the dry-run shadow's."""
     return replace(
         state,
         forced_dry_run=False,
@@ -257,9 +243,8 @@ def clear_forced_dry_run(state: PlanState) -> PlanState:
 
 
 def clear_circuit(state: PlanState) -> PlanState:
-    """Admin: close the reset circuit breaker, forget the consecutive failures and every
-    refused incident (their resets may be tried again), and every MIG recovery left half done
-    (the admin says it is dealt with)."""
+    """Admin: close the reset circuit breaker; forget the failures, every refused incident and
+    every MIG recovery left half done (the admin says it is dealt with)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
     return replace(
         state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={},
@@ -274,7 +259,7 @@ def forget_reset_refusals(state: PlanState) -> PlanState:
 
 def hidden_holders(state: PlanState) -> dict[str, dict[str, object]]:
     """GPU UUID → evidence, for each GPU whose last reset the driver refused as in use while
-    no scan saw a holder: assess reports it as a GPU-level ``hidden_holder``."""
+    no scan saw a holder (assess reports a ``hidden_holder``)."""
     return {
         gpu: {
             "gap": "driver_in_use",

@@ -1,8 +1,5 @@
-"""The per-target signal ladders and the kill caps.
-
-This module owns acting on process findings: confirmation, the kill caps (per user and
-node-wide) whose latches force dry-run until they expire, and each ladder's steps
-(SIGTERM, wait, SIGKILL, wait, ended or stuck). Semantics: ``docs/escalation.md``.
+"""Acting on process findings: confirmation, the kill caps (per user and node-wide) whose
+latches force dry-run until they expire, and each ladder's steps (``docs/escalation.md``).
 """
 
 from __future__ import annotations
@@ -151,8 +148,7 @@ def _successor(ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
 
 
 def _restart_after_dry_run(w: Work, lad: Ladder) -> None:
-    """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
-    target starts over, for real, from step 1."""
+    """Drop a dry run's ladder when the daemon acts for real: it starts over from step 1."""
     del w.ladders[lad.target]
     w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **ladder_fields(lad))
 
@@ -258,18 +254,16 @@ def _cap_exceeded(w: Work, ctx: Ctx, scope: str) -> tuple[str, str] | None:
 
 
 def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
-    """How long a latch has held, and its anchor on the plan's monotonic clock: measured there,
-    so a wall clock step changes nothing. A latch without an anchor (an older state file, or
-    set before this boot) is anchored once by the wall time it has held (none, if negative)."""
+    """How long a latch has held, and its anchor on the plan's monotonic clock (anchored once
+    by the wall time it has held when it has none)."""
     if since_monotonic is None:
         since_monotonic = ctx.now - max(0.0, ctx.wall - since)
     return ctx.now - since_monotonic, since_monotonic
 
 
 def expire_latches(w: Work, ctx: Ctx) -> None:
-    """Kill-cap latches last ``limits.kill_cap_latch`` (on the monotonic clock, :func:`_held`);
-    then they lift, with a warning. A latch from a state file that did not record its start
-    starts counting now."""
+    """Lift the kill-cap latches that lasted ``limits.kill_cap_latch``, with a warning; one
+    whose start was not recorded starts counting now."""
     lasts = ctx.policy.limits.kill_cap_latch
     if w.state.forced_dry_run:
         since = w.state.forced_since
@@ -386,9 +380,8 @@ def _post_action_delay(w: Work, ctx: Ctx, finding: Finding) -> bool:
 def _kill_caps(
     w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
 ) -> Ladder:
-    """A new ladder against the kill caps (its owner's scope and the node's): past one, a
-    real ladder starts as a dry run and the latch engages; a policy's dry run books the same
-    in its shadow, where enforcement would latch (shadow.py)."""
+    """A new ladder against the kill caps: past one, a real ladder starts as a dry run and the
+    latch engages; a policy's dry run books the same in its shadow (shadow.py)."""
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     if not lad.dry_run:
         exceeded = _cap_exceeded(w, ctx, scope)

@@ -18,17 +18,7 @@ MAX_ENTRIES = 10_000  # a saved shadow longer than this is damaged, not a previe
 
 @dataclass(frozen=True)
 class DryShadow:
-    """What enforcement would have booked during a dry run.
-
-    ``resets``: (GPU UUID, wall time) of would-be resets assumed to have succeeded (they count
-    against ``max_resets``); ``done``: finding key → wall time of the would-be reset assumed to
-    have dealt with it (kept while the finding lasts); ``signalled``: (target, monotonic time)
-    of would-be ladders within the hour (the kill caps), ``scopes`` whose cap each counts
-    against (target → ``uid:N``); ``capped``: why enforcement would have reached the
-    node-wide cap (a would-be latch, cleared with the real one), since ``capped_since`` (wall
-    time); ``latches``: scope → (why, since) of the would-be per-user latches; ``forced``:
-    targets whose ladders enforcement would have run as forced dry runs (started after a cap).
-    """
+    """What enforcement would have booked during a dry run (its fields: docs/internals.md)."""
 
     resets: tuple[tuple[str, float], ...] = ()
     done: Mapping[str, float] = field(default_factory=dict)
@@ -166,14 +156,13 @@ class ShadowWork:
         self.latches = {k: (why, t - step) for k, (why, t) in self.latches.items()}
 
     def new_boot(self) -> None:
-        """Process identities mean nothing after a reboot; wall-time reset history stays, and
-        so do the would-be latches (enforcement's last across reboots, until they expire)."""
+        """Process identities mean nothing after a reboot; wall-time history and the would-be
+        latches stay."""
         self.signalled, self.forced, self.scopes = [], set(), {}
 
     def expire(self, wall: float, lasts: float) -> list[tuple[str, str, float]]:
-        """Would-be latches that enforcement's ``limits.kill_cap_latch`` would have lifted by
-        wall time ``wall``: (scope, why, how long it lasted) each; a latch saved before its
-        start was recorded starts counting now. Ladders it forced stay forced."""
+        """The would-be latches ``limits.kill_cap_latch`` lifts by wall time ``wall``, as (scope,
+        why, how long it lasted); ladders they forced stay forced."""
         ended: list[tuple[str, str, float]] = []
         if self.capped is not None:
             if self.capped_since is None:
@@ -204,10 +193,8 @@ class ShadowWork:
         return self.capped is not None or scope in self.latches
 
     def admit(self, target: str, scope: str, limits: Limits, wall: float) -> tuple[str, str] | None:
-        """A would-be ladder for ``target`` (whose kill-cap scope is ``scope``, ``uid:N``)
-        starts: (the scope latched, ``scope`` or "node", and why) when it would pass a cap
-        — said once, when the would-be latch engages — or None. After a latch every new
-        ladder in its reach is one enforcement would have run as a forced dry run."""
+        """A would-be ladder for ``target`` starts: (the scope latched, ``scope`` or "node", and
+        why) when it would pass a cap, once, or None; after it, every new one is forced."""
         if self.latched(scope):
             self.forced.add(target)
             return None
@@ -240,6 +227,5 @@ class ShadowWork:
         self.new_targets[scope] = self.new_targets.get(scope, 0) + 1
 
     def holds(self, target: str, scope: str) -> bool:
-        """After a would-be latch, the ladders in its reach that enforcement ran for real
-        would be held (the node's latch holds every one, a user's only that user's)."""
+        """Whether a would-be latch holds ``target``'s ladder (one enforcement ran for real)."""
         return self.latched(scope) and target not in self.forced

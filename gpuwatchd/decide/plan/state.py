@@ -1,11 +1,6 @@
-"""The planner's carried state: what survives restarts, its JSON form and its validation.
-
-This module owns the state ``plan`` carries from poll to poll and saves across restarts
-(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
-``Latch``, ``ResetRefusal``, ``MigUnfinished``),
-the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
-``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
-a ValueError, never a wrong decision.
+"""The planner's carried state (``PlanState`` and its parts), what survives restarts, and its
+checked JSON form (version ``PLAN_STATE_VERSION``): a damaged state file is a ValueError,
+never a wrong decision.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.plan.state`.
 """
@@ -48,11 +43,8 @@ class SeenFinding:
 
 @dataclass(frozen=True)
 class Ladder:
-    """One target's escalation. ``steps`` is copied from the rule when the ladder starts, so a
-    config reload never changes a ladder in progress. ``step`` is how many steps were emitted;
-    ``due`` is when the next step (or, after the last, the end) is due. ``status`` is "active"
-    or terminal: "ended", "stuck", "failed" (terminal ladders stay while the process lives, so
-    that identity is never signalled again)."""
+    """One target's escalation: ``steps`` copied from the rule at its start, ``step`` how many
+    were emitted, ``due`` when the next (or the end) is due (docs/internals.md)."""
 
     target: str
     pid: int
@@ -66,7 +58,7 @@ class Ladder:
     status: LadderStatus
     dry_run: bool
     started: float
-    user: str | None = None  # the target's owner when the ladder started (for on_action)
+    user: str | None = None  # the target's owner at the start (for on_action)
 
 
 @dataclass(frozen=True)
@@ -82,12 +74,8 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish (drain, then reset).
-
-    ``since`` is monotonic (when the drain began: the hooks were asked for then, and
-    ``health.drain_timeout`` counts from it); ``expired`` once the wait passed the timeout and
-    ``on_failure`` was asked for (once). Kept per GPU UUID while its finding lasts.
-    """
+    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
+    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
 
     finding_key: str
     since: float
@@ -97,16 +85,8 @@ class HealthWait:
 
 @dataclass(frozen=True)
 class ResetRefusal:
-    """A reset of one GPU that did not happen, and for which incident (docs/reset.md).
-
-    ``finding_key`` is the incident (the ghost-memory or health finding the reset was for);
-    ``in_use`` says the driver itself refused ("In use by another client") although the final
-    scan found no holder; ``since`` is wall time. ``allocated`` is the GPU's allocated memory
-    at the first poll after the refusal (None until then, or unknown): a change of it is one of
-    the things that let the reset be tried again. ``dry_run``: a dry run's would-be reset that
-    its read-only final scan found held, kept so the preview holds the incident as enforcement
-    would; dropped the moment the daemon acts for real.
-    """
+    """A reset of one GPU that did not happen, and for which incident (``finding_key``); the
+    fields are described in docs/internals.md."""
 
     finding_key: str
     reason: str
@@ -114,17 +94,13 @@ class ResetRefusal:
     since: float
     allocated: int | None = None
     dry_run: bool = False
-    # A live holder (a monitor, say) was seen on the GPU since: its letting go is a change.
     held: bool = False
 
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance whose re-creation failed once its commands had started: it may be
-    half done (destroyed, not created again), so its GPU is not clean (decide/verdict.py) until
-    a snapshot shows an instance of the planned GI ``profile`` at the planned ``placement``
-    (``size`` slices) on GPU ``gpu`` again. Kept by the instance's MIG UUID; ``since`` is wall
-    time, ``outcome`` the recovery's result (docs/reset.md)."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
+    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
 
     gpu: str
     gi: int
@@ -137,10 +113,8 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, and since when. It holds ``limits.kill_cap_latch`` measured on
-    the plan's monotonic clock from ``since_monotonic`` (a wall clock step neither lifts it
-    early nor stretches it); ``since`` (wall time) shows it and, across a reboot or from an
-    older state file (``since_monotonic`` None), anchors it once on the monotonic clock."""
+    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
+    anchored: after a reboot, or from an older state file)."""
 
     reason: str
     since: float
@@ -150,21 +124,7 @@ class Latch:
 @dataclass(frozen=True)
 class PlanState:
     """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
-
-    Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
-    meaningful within one boot and are dropped when the boot id changes (the latches'
-    ``since_monotonic`` too: a latch is anchored again, see :class:`Latch`). Wall times
-    (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
-    step shifts them back by the step, so the step counts as no time passed.
-
-    ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
-    kill-cap latch is ``forced_dry_run`` (since ``forced_since``, and ``forced_since_monotonic``
-    as a :class:`Latch`'s ``since_monotonic``), one user's is in
-    ``scope_latches``. ``health_drained`` maps a GPU UUID to whether the ``reset.drain`` hooks
-    its health incident ran were a dry run: kept while any health finding of that GPU lasts
-    (DRAIN_P2P settling to GPU_RESET is one incident, drained once) and until a reset of it
-    succeeded (its ``after`` hooks undid the drain).
-    """
+    Which times survive a reboot or a clock step: docs/internals.md."""
 
     boot_id: str | None = None
     seen: Mapping[str, SeenFinding] = field(default_factory=dict)
@@ -369,8 +329,7 @@ def _ladder(value: object, what: str) -> Ladder:
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:
-    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done
-    (decide/verdict.py's ``mig_unfinished``)."""
+    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done."""
     found: dict[str, list[str]] = {}
     for mig, u in sorted(state.mig_unfinished.items()):
         found.setdefault(u.gpu, []).append(

@@ -18,7 +18,6 @@ from gpuwatchd.core.model import (
     MigCapability,
     MigDevice,
     NvmlProcess,
-    NvmlReading,
     Snapshot,
 )
 
@@ -248,14 +247,7 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
         unreadable=snapshot.holders.unreadable,
         matched_by_name=snapshot.holders.matched_by_name,
     )
-    nvml = NvmlReading(
-        available=snapshot.nvml.available,
-        wedged=snapshot.nvml.wedged,
-        error=snapshot.nvml.error,
-        driver_version=snapshot.nvml.driver_version,
-        gpus=tuple(gpus),
-    )
-    return replace(snapshot, nvml=nvml, holders=holders)
+    return replace(snapshot, nvml=replace(snapshot.nvml, gpus=tuple(gpus)), holders=holders)
 
 
 # --- the assessment, readable again -----------------------------------------------------------
@@ -318,17 +310,15 @@ def annotate_findings(
 
 
 def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -> list[int]:
-    found = []
-    for pid, parents in sorted(layout.parent_only.items()):
-        holding = snapshot.holders.holdings.get(pid)
-        if (
-            parent_uuid in parents
-            and pid not in snapshot.self_pids
-            and holding is not None
-            and holding.uvm
-        ):
-            found.append(pid)
-    return found
+    holdings = snapshot.holders.holdings
+    return [
+        pid
+        for pid, parents in sorted(layout.parent_only.items())
+        if parent_uuid in parents
+        and pid not in snapshot.self_pids
+        and (holding := holdings.get(pid)) is not None
+        and holding.uvm
+    ]
 
 
 def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> dict[str, str]:

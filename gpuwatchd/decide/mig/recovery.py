@@ -74,17 +74,8 @@ def from_record(record: object) -> InstanceRecovery | None:
     uuid, mig_uuid, pci = record.get("uuid"), record.get("mig_uuid"), record.get("pci_bus_id")
     if not isinstance(uuid, str) or not isinstance(mig_uuid, str) or not uuid or not mig_uuid:
         return None
-    return InstanceRecovery(
-        uuid=uuid,
-        pci_bus_id=pci if isinstance(pci, str) else None,
-        gpu_index=ints["gpu_index"],
-        gi=ints["gi"],
-        ci=ints["ci"],
-        mig_uuid=mig_uuid,
-        profile=ints["profile"],
-        placement=ints["placement"],
-        size=ints["size"],
-    )
+    pci = pci if isinstance(pci, str) else None
+    return InstanceRecovery(uuid=uuid, pci_bus_id=pci, mig_uuid=mig_uuid, **ints)
 
 
 def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecovery | str:

@@ -6,14 +6,16 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.shadow`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-from gpuwatchd.core.checked import number, pairs, text
+from gpuwatchd.core.checked import number, opt_number, pairs, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
 MAX_ENTRIES = 10_000  # a saved shadow longer than this is damaged, not a preview
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,6 @@ class DryShadow:
             return cls()
         if not isinstance(data, dict):
             raise ValueError("plan.shadow: expected an object")
-        done = data.get("done", {})
-        if not isinstance(done, dict) or len(done) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.done: expected an object")
         capped = data.get("capped")
         if capped is not None and not isinstance(capped, str):
             raise ValueError("plan.shadow.capped: expected a string or null")
@@ -63,32 +62,27 @@ class DryShadow:
             raise ValueError("plan.shadow.forced: expected a list")
         if not all(isinstance(t, str) for t in forced):
             raise ValueError("plan.shadow.forced: expected strings")
-        scopes = data.get("scopes", {})
-        if not isinstance(scopes, dict) or len(scopes) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.scopes: expected an object")
-        since = data.get("capped_since")
-        latches = data.get("latches", {})
-        if not isinstance(latches, dict) or len(latches) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.latches: expected an object")
         return cls(
             resets=pairs(data.get("resets", []), "plan.shadow.resets", MAX_ENTRIES),
-            done={
-                text(k, "plan.shadow.done"): number(v, f"plan.shadow.done.{k}")
-                for k, v in done.items()
-            },
+            done=_entries(data, "done", number),
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=capped,
             forced=tuple(forced),
-            scopes={
-                text(k, "plan.shadow.scopes"): text(v, f"plan.shadow.scopes.{k}")
-                for k, v in scopes.items()
-            },
-            capped_since=None if since is None else number(since, "plan.shadow.capped_since"),
-            latches={
-                text(k, "plan.shadow.latches"): _latch(v, f"plan.shadow.latches.{k}")
-                for k, v in latches.items()
-            },
+            scopes=_entries(data, "scopes", text),
+            capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
+            latches=_entries(data, "latches", _latch),
         )
+
+
+def _entries(
+    data: Mapping[str, object], key: str, read: Callable[[object, str], _T]
+) -> dict[str, _T]:
+    """The saved object ``data[key]`` (at most MAX_ENTRIES entries), each value read by ``read``."""
+    what = f"plan.shadow.{key}"
+    found = data.get(key, {})
+    if not isinstance(found, dict) or len(found) > MAX_ENTRIES:
+        raise ValueError(f"{what}: expected an object")
+    return {text(k, what): read(v, f"{what}.{k}") for k, v in found.items()}
 
 
 def _latch(value: object, what: str) -> tuple[str, float]:

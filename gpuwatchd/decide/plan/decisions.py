@@ -109,31 +109,19 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
-        w.intents.append(
-            HookIntent(
-                HookName.ON_FAILURE,
-                f"{gpu.uuid} is lost and needs a reboot",
-                fields,
-                is_dry_run(w, ctx),
-            )
-        )
+        reason = f"{gpu.uuid} is lost and needs a reboot"
+        w.intents.append(HookIntent(HookName.ON_FAILURE, reason, fields, is_dry_run(w, ctx)))
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:
-    old = w.state.boot_id
-    new = snapshot.boot_id
+    old, new = w.state.boot_id, snapshot.boot_id
     if new is None:
         return
     if old is not None and old != new:
         # Monotonic times and process identities mean nothing after a reboot; wall-time reset
         # history, the circuit breaker, forced dry-run and pause are kept.
-        w.event(
-            EventName.STATE_BOOT_CHANGED,
-            Level.INFO,
-            old=old,
-            new=new,
-            dropped_ladders=len(w.ladders),
-        )
+        dropped = len(w.ladders)
+        w.event(EventName.STATE_BOOT_CHANGED, Level.INFO, old=old, new=new, dropped_ladders=dropped)
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
         w.signal_scopes = {}
         w.health_waits = {}
@@ -144,9 +132,8 @@ def _check_boot(w: Work, snapshot: Snapshot) -> None:
         w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         # ... and takes every MIG instance down: a half-done recovery is no longer half done.
-        w.state = replace(
-            w.state, reset_in_flight=None, forced_since_monotonic=None, mig_unfinished={}
-        )
+        w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
+                          mig_unfinished={})  # fmt: skip
     w.state = replace(w.state, boot_id=new)
 
 

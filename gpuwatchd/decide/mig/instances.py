@@ -47,8 +47,7 @@ class MigInstance:
 
     @property
     def profile(self) -> str | None:
-        """The GPU instance's profile: the first MIG device's (``1c.3g.40gb`` → ``3g.40gb``
-        when its GI has several compute instances)."""
+        """The first MIG device's profile, less its CI part when the GI has several CIs."""
         names = [d.profile for d in self.devices if d.profile is not None]
         if not names:
             return None
@@ -216,8 +215,7 @@ def instance_gpu(instance: MigInstance) -> GpuInfo:
 
 
 def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
-    """``snapshot`` with each judged MIG GPU's instances as GPUs of their own; the parent
-    stays, held by nobody (docs/internals.md). Pure."""
+    """``snapshot`` with each judged MIG GPU's instances as GPUs of their own. Pure."""
     if not layout.judged:
         return snapshot
     gpus: list[GpuInfo] = []

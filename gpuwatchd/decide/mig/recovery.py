@@ -79,8 +79,7 @@ def from_record(record: object) -> InstanceRecovery | None:
 
 
 def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecovery | str:
-    """The recovery of the judged GPU instance ``instance_uuid``, or why it cannot be
-    re-created in place (anything unknown refuses)."""
+    """The recovery of GPU instance ``instance_uuid``, or why it cannot be re-created in place."""
     instance = mig_layout(snapshot).instance_of(instance_uuid)
     if instance is None:
         return "not a judged MIG GPU instance in this snapshot"
@@ -181,8 +180,7 @@ def recovery_blockers(
 def recovery_argvs(
     recovery: InstanceRecovery, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
 ) -> tuple[tuple[str, ...], ...]:
-    """Each command line of ``recovery``, filled in. ValueError when a value is not in its
-    placeholder's documented format: nothing of the recovery is run then."""
+    """Each command line of ``recovery``, filled in; ValueError for a malformed value."""
     return tuple(format_argv(argv, **recovery.values()) for argv in commands)
 
 
@@ -313,8 +311,7 @@ Layout = tuple[InstanceRecovery, ...]
 
 
 def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
-    """Every GPU instance of the judged MIG GPU ``gpu_uuid``, in placement order, as its
-    re-creation; or why the layout could not be created again as it is. Pure."""
+    """The re-creation of each GPU instance of ``gpu_uuid`` by placement, or why none. Pure."""
     layout = mig_layout(snapshot)
     if gpu_uuid not in layout.judged:
         return layout.unjudged.get(gpu_uuid, "its MIG instances are not judged")
@@ -332,16 +329,14 @@ def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
 def layout_argvs(
     layout: Layout, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
 ) -> tuple[tuple[str, ...], ...]:
-    """The last of ``commands`` (the re-create) for each GPU instance of ``layout``, filled in;
-    ValueError as :func:`recovery_argvs`."""
+    """The re-create (the last of ``commands``) of each GPU instance of ``layout``, filled in."""
     if not commands:
         return ()
     return tuple(format_argv(commands[-1], **r.values()) for r in layout)
 
 
 def layout_missing(layout: Layout, gpu: GpuInfo | None) -> list[int] | str:
-    """The positions in ``layout`` of the GPU instances a fresh reading ``gpu`` does not show,
-    or why the reading says nothing. Pure."""
+    """The positions in ``layout`` of the instances the fresh reading ``gpu`` lacks. Pure."""
     if not layout:
         return []
     devices = _devices(layout[0], gpu)

@@ -91,7 +91,6 @@ def plan(
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind in HEALTH_KINDS and finding.gpu is not None:
             consider_health(w, ctx, finding)
-    # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
 
@@ -184,8 +183,7 @@ def _target_pid(target: str | None) -> int | None:
 
 
 def next_deadline(state: PlanState) -> float | None:
-    """The earliest monotonic time something is due (a step, an end, a confirmation window, a
-    post-action delay); held ladders and cooldowns are not deadlines."""
+    """The earliest monotonic time something is due (held ladders and cooldowns are not)."""
     return min(state.waiting.values()) if state.waiting else None
 
 
@@ -245,8 +243,7 @@ def forget_reset_refusals(state: PlanState) -> PlanState:
 
 
 def hidden_holders(state: PlanState) -> dict[str, dict[str, object]]:
-    """GPU UUID → evidence, for each GPU whose last reset the driver refused as in use while
-    no scan saw a holder (assess reports a ``hidden_holder``)."""
+    """GPU UUID → evidence, for each GPU whose reset the driver refused as in use unseen."""
     return {
         gpu: {
             "gap": "driver_in_use",

@@ -35,8 +35,7 @@ def _health_once(w: Work, finding: Finding, what: str) -> bool:
 
 
 def _drained_already(w: Work, uuid: str, dry: bool) -> bool:
-    """Whether this GPU's health incident ran its drain hooks already (a dry run's does not
-    cover a real one)."""
+    """Whether this GPU's incident was drained already (a dry run's drain covers no real one)."""
     earlier = w.health_drained.get(uuid)
     return earlier is not None and (not earlier or dry)
 

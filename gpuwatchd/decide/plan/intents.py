@@ -206,8 +206,7 @@ class Ctx:
 
 
 def is_dry_run(w: Work, ctx: Ctx, scope: str | None = None) -> bool:
-    """Whether intents are dry runs: by policy, the node's kill-cap latch, or (for a target's
-    signals) the latch of the user it belongs to."""
+    """Whether intents are dry runs: by policy, or a kill-cap latch (the node's, ``scope``'s)."""
     if ctx.policy.dry_run or w.state.forced_dry_run:
         return True
     return scope is not None and scope in w.scope_latches
@@ -228,8 +227,7 @@ def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ())
 
 
 def previewing(w: Work, ctx: Ctx) -> bool:
-    """A policy's dry run, which keeps the would-be kill cap (shadow.py), not one a real kill
-    cap forced."""
+    """A policy's dry run (which keeps a would-be kill cap), not one a real kill cap forced."""
     return ctx.policy.dry_run and not w.state.forced_dry_run
 
 

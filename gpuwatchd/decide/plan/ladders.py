@@ -119,9 +119,8 @@ def _last_step_over(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> None:
 
 
 def _ladder_hold(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo, scope: str) -> str | None:
-    """Why an active ladder's next step waits: a pause or node-wide block, an administrator's
-    spare (it goes on when the spare ends), a dry run (a kill cap's, or where enforcement's
-    latch would hold it in a preview)."""
+    """Why an active ladder's next step waits: a pause or block, a spare, a kill cap's dry run
+    (or, in a preview, where enforcement's latch would hold it)."""
     hold = hold_reason(w, ctx)
     if hold is not None:
         return hold
@@ -364,8 +363,7 @@ def _confirmed_rule(w: Work, ctx: Ctx, finding: Finding, proc: ProcessInfo | Non
 
 
 def _post_action_delay(w: Work, ctx: Ctx, finding: Finding) -> bool:
-    """Whether a new ladder waits out its GPU's post-action delay (a stuck target's does not:
-    it is never signalled)."""
+    """Whether a new ladder waits out its GPU's post-action delay (a stuck target's does not)."""
     gpu = finding.gpu
     if finding.kind == FindingKind.STUCK or gpu is None or gpu not in ctx.quiet_before:
         return False

@@ -165,8 +165,7 @@ def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, objec
 
 
 def _refusal_key(intent: ResetIntent) -> str:
-    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
-    (another instance's refusal of the same GPU must not overwrite it)."""
+    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created."""
     return intent.gpu if intent.instance is None else intent.instance.mig_uuid
 
 

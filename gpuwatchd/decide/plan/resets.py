@@ -134,8 +134,7 @@ def say_once(w: Work, finding: Finding, said: tuple[str, Level, str]) -> None:
 
 @dataclass(frozen=True)
 class ResetGate:
-    """One reason, known from a snapshot alone, that a GPU may not be reset now: which gate,
-    what ``reset.refused`` says, at which level."""
+    """One reason, known from a snapshot alone, that a GPU may not be reset now."""
 
     name: str
     why: str
@@ -257,8 +256,7 @@ def _instance_gates(
     parent: GpuInfo,
     findings: Iterable[Finding],
 ) -> None:
-    """The gates of re-creating the MIG GPU instance ``finding`` is about, on GPU ``parent``;
-    a user of another instance never counts."""
+    """The gates of re-creating the MIG GPU instance ``finding`` is about, on GPU ``parent``."""
     where = f"a MIG instance of GPU {parent.index}"
     if not policy.reset.mig_recovery:
         gate("mig", f"{where}: no GPU reset of an instance (reset.mig_recovery is off)")

@@ -117,8 +117,6 @@ class ShadowWork:
             latches=self.latches,
         )
 
-    # -- keeping it current --
-
     def drop(self) -> None:
         """Not a dry run any more: the shadow never blocks the real thing."""
         self.resets, self.done, self.signalled = [], {}, []
@@ -150,8 +148,7 @@ class ShadowWork:
         self.latches = {k: (why, t - step) for k, (why, t) in self.latches.items()}
 
     def new_boot(self) -> None:
-        """Process identities mean nothing after a reboot; wall-time history and the would-be
-        latches stay."""
+        """A reboot: process identities go; wall-time history and would-be latches stay."""
         self.signalled, self.forced, self.scopes = [], set(), {}
 
     def expire(self, wall: float, lasts: float) -> list[tuple[str, str, float]]:
@@ -170,8 +167,6 @@ class ShadowWork:
                 del self.latches[scope]
         return ended
 
-    # -- resets --
-
     def recent_resets(self, gpu: str, wall: float, window: float) -> list[float]:
         return [t for g, t in self.resets if g == gpu and wall - t < window]
 
@@ -179,8 +174,6 @@ class ShadowWork:
         """A would-be reset assumed to have succeeded."""
         self.resets.append((gpu, wall))
         self.done[finding_key] = wall
-
-    # -- the kill cap --
 
     def latched(self, scope: str) -> bool:
         """Whether enforcement would run ``scope``'s new ladders as forced dry runs now."""

@@ -85,8 +85,7 @@ class HealthWait:
 
 @dataclass(frozen=True)
 class ResetRefusal:
-    """A reset of one GPU that did not happen, and for which incident (``finding_key``); the
-    fields are described in docs/internals.md."""
+    """A reset of one GPU that did not happen, and for which incident (docs/internals.md)."""
 
     finding_key: str
     reason: str
@@ -123,8 +122,7 @@ class Latch:
 
 @dataclass(frozen=True)
 class PlanState:
-    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
-    Which times survive a reboot or a clock step: docs/internals.md."""
+    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json)."""
 
     boot_id: str | None = None
     seen: Mapping[str, SeenFinding] = field(default_factory=dict)
@@ -229,8 +227,7 @@ class PlanState:
 
 
 # --- JSON -------------------------------------------------------------------------------------
-# Written by hand, not by reflection: the saved format is an interface (restarts, upgrades), and
-# every value read back is checked, so a damaged file is a ValueError, never a wrong decision.
+# Field by field, not by reflection: the saved format is an interface (restarts, upgrades).
 
 
 @dataclass(frozen=True)

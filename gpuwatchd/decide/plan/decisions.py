@@ -189,16 +189,10 @@ def next_deadline(state: PlanState) -> float | None:
 
 def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
     """Those of these findings that have a ladder, confirmation window or reset in progress."""
-    wanted = set(keys)
-    found = {k for k in state.waiting if k in wanted}
-    if state.reset_in_flight is not None and state.reset_in_flight.finding_key in wanted:
-        found.add(state.reset_in_flight.finding_key)
-    found.update(
-        lad.finding_key
-        for lad in state.ladders.values()
-        if lad.status is LadderStatus.ACTIVE and lad.finding_key in wanted
-    )
-    return sorted(found)
+    flight = state.reset_in_flight
+    busy = {lad.finding_key for lad in state.ladders.values() if lad.status is LadderStatus.ACTIVE}
+    busy.update(state.waiting, () if flight is None else (flight.finding_key,))
+    return sorted(busy.intersection(keys))
 
 
 def set_paused(

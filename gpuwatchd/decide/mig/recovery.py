@@ -191,12 +191,10 @@ def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) 
     if recovery.uuid not in layout.judged:
         why = layout.unjudged.get(recovery.uuid, "the GPU is not in MIG mode in this snapshot")
         return f"GPU {recovery.gpu_index}: {why}"
+    planned = (recovery.placement, recovery.size)
     for instance in layout.instances_of(recovery.uuid):
         device = instance.memory_device
-        if device.gi_profile_id != recovery.profile or device.placement != (
-            recovery.placement,
-            recovery.size,
-        ):
+        if device.gi_profile_id != recovery.profile or device.placement != planned:
             continue
         memory = device.memory
         used = None if memory is None else memory.allocated

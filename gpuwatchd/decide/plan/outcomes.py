@@ -61,13 +61,8 @@ def record_signal(
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
         intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
-            events.append(
-                Event(
-                    EventName.ZOMBIE_NEEDS_REAP,
-                    Level.WARNING,
-                    {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
-                )
-            )
+            reap = {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None}
+            events.append(Event(EventName.ZOMBIE_NEEDS_REAP, Level.WARNING, reap))
     elif outcome is SignalOutcome.REUSED:
         del ladders[target]
         events.append(
@@ -221,13 +216,9 @@ def _book_attempt(
     failures = w.state.reset_failures + 1
     w.state = replace(w.state, reset_failures=failures)
     w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
+    facts = {**fields, "failures": failures}
     w.intents.append(
-        HookIntent(
-            HookName.ON_FAILURE,
-            f"reset of {gpu} {outcome}",
-            {**fields, "failures": failures},
-            dry_run=intent.dry_run,
-        )
+        HookIntent(HookName.ON_FAILURE, f"reset of {gpu} {outcome}", facts, dry_run=intent.dry_run)
     )
     w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
 

@@ -67,7 +67,7 @@ _RESET_GATES = (
 )
 _KILL_LADDER = (
     "_gate",
-    "_cap_exceeded",
+    "cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
     "expire_latches",
@@ -92,7 +92,7 @@ _KILL_LADDER = (
 # What decides whether a signal is sent, and to whom.
 _KILL_DECISIONS = (
     "_gate",
-    "_cap_exceeded",
+    "cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
     "expire_latches",
@@ -162,7 +162,6 @@ _PLAN_MODULES = {
     ),
     "plan_ladders": (
         "_gate",
-        "_cap_exceeded",
         "_kill_caps",
         "expire_latches",
         "consider_process_finding",
@@ -195,6 +194,7 @@ _PLAN_MODULES = {
         "instance_recovery",
         "_refused_memory",
     ),
+    "plan_shadow": ("cap_exceeded",),
     "plan_health": (
         "consider_health",
         "_consider_health_reset",

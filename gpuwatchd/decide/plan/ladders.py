@@ -24,6 +24,7 @@ from gpuwatchd.decide.plan.intents import (
     previewing,
     target_key,
 )
+from gpuwatchd.decide.plan.shadow import cap_exceeded
 from gpuwatchd.decide.plan.state import Ladder, Latch
 from gpuwatchd.decide.policy import Rule
 from gpuwatchd.decide.spares import spare_reason
@@ -238,20 +239,6 @@ def _refuse(w: Work, key: str, why: str, level: Level, finding: Finding) -> None
         w.event(EventName.ACTION_REFUSED, level, why=why, **finding_fields(finding))
 
 
-def _cap_exceeded(w: Work, ctx: Ctx, scope: str) -> tuple[str, str] | None:
-    """(the scope latched: ``scope`` or "node", why) when one more target would pass a cap."""
-    limits = ctx.policy.limits
-    if len(w.signal_history) + 1 > limits.node_max_signalled_per_hour:
-        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
-        return "node", why
-    if w.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
-        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
-    mine = sum(1 for t, _ in w.signal_history if w.signal_scopes.get(t) == scope)
-    if mine + 1 > limits.max_signalled_per_hour:
-        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
-    return None
-
-
 def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
     """How long a latch has held, and its anchor on the plan's monotonic clock (anchored once
     by the wall time it has held when it has none)."""
@@ -382,7 +369,8 @@ def _kill_caps(
     latch engages; a policy's dry run books the same in its shadow (shadow.py)."""
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     if not lad.dry_run:
-        exceeded = _cap_exceeded(w, ctx, scope)
+        exceeded = cap_exceeded(ctx.policy.limits, scope, w.signal_history, w.signal_scopes,
+                                w.new_targets)  # fmt: skip
         signalled = len(w.signal_history)
     elif previewing(w, ctx):
         exceeded = w.shadow.admit(lad.target, scope, ctx.policy.limits, ctx.wall)

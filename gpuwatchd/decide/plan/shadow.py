@@ -6,7 +6,7 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.shadow`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -72,6 +72,27 @@ class DryShadow:
             capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
             latches=_entries(data, "latches", _latch),
         )
+
+
+def cap_exceeded(
+    limits: Limits,
+    scope: str,
+    signalled: Sequence[tuple[str, float]],
+    scopes: Mapping[str, str],
+    new_targets: Mapping[str, int],
+) -> tuple[str, str] | None:
+    """(the scope latched: ``scope`` or "node", why) when one more target of ``scope`` would pass
+    a kill cap, given the targets ``signalled`` within the hour, whose ``scopes`` they were, and
+    how many ``new_targets`` each scope had this poll. Enforcement's and the shadow's."""
+    if len(signalled) + 1 > limits.node_max_signalled_per_hour:
+        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
+        return "node", why
+    if new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
+        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
+    mine = sum(1 for t, _ in signalled if scopes.get(t) == scope)
+    if mine + 1 > limits.max_signalled_per_hour:
+        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
+    return None
 
 
 def _entries(
@@ -185,25 +206,15 @@ class ShadowWork:
         if self.latched(scope):
             self.forced.add(target)
             return None
-        mine = sum(1 for t, _ in self.signalled if self.scopes.get(t) == scope)
-        if len(self.signalled) + 1 > limits.node_max_signalled_per_hour:
-            why = (
-                f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
-            )
-            self.capped, self.capped_since = why, wall
-            latched = "node"
-        elif self.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
-            why = f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
-            self.latches[scope] = (why, wall)
-            latched = scope
-        elif mine + 1 > limits.max_signalled_per_hour:
-            why = f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
-            self.latches[scope] = (why, wall)
-            latched = scope
-        else:
+        capped = cap_exceeded(limits, scope, self.signalled, self.scopes, self.new_targets)
+        if capped is None:
             return None
+        if capped[0] == "node":
+            self.capped, self.capped_since = capped[1], wall
+        else:
+            self.latches[scope] = (capped[1], wall)
         self.forced.add(target)
-        return latched, why
+        return capped
 
     def count(self, target: str, scope: str, now: float) -> None:
         """A would-be ladder sent its first signal (as enforcement counts a real one)."""

@@ -228,6 +228,8 @@ def test_a_kill_storm_previews_the_same_ladders_cap_and_holds_as_enforcement() -
     # The cap is per user: enforcement latches alice's targets only, and so does the preview.
     (real_cap,) = enforcing.entries("limits.kill_cap_reached")
     assert cap.fields["scope"] == real_cap.fields["scope"] == "uid:1000"
+    # Both count the 4 ladders that signalled within the hour before the cap.
+    assert cap.fields["signalled_this_hour"] == real_cap.fields["signalled_this_hour"] == 4
     # A dry run never latches anything for real; a user's cap does not latch the node.
     assert dry.final["forced_dry_run"] is False
     assert enforcing.final["forced_dry_run"] is False

@@ -11,7 +11,7 @@ import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot, Spare, SubIdRange
 from gpuwatchd.core.vocabulary import EventName, Level
-from gpuwatchd.decide.plan.decisions import next_deadline, pending, plan
+from gpuwatchd.decide.plan.decisions import next_deadline, pending_keys, plan
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, SignalIntent
 from gpuwatchd.decide.plan.outcomes import record_exit, record_signal
 from gpuwatchd.decide.plan.resets import reset_gates
@@ -182,8 +182,8 @@ def test_a_ladder_that_follows_its_target_to_another_finding_is_pending_on_that_
     pol = replace(POLICY, rules=(*POLICY.rules, Rule("abandoned", FindingKind.ABANDONED, LADDER)))
     flipped = orphan(A, kind=FindingKind.ABANDONED)
     result = poll([flipped], host(A).build(), state, 5.0, pol)
-    assert pending(result.state, [flipped.key])
-    assert not pending(result.state, [orphan(A).key])
+    assert pending_keys(result.state, [flipped.key])
+    assert not pending_keys(result.state, [orphan(A).key])
     assert signals(poll([flipped], host(A).build(), result.state, 30.0, pol)) == [
         (A, "SIGKILL", 2, False)
     ]
@@ -295,7 +295,7 @@ def test_a_rule_that_only_reports_starts_no_ladder() -> None:
     assert signals(result) == []
     assert names(result).count(EventName.RULE_REPORT_ONLY) == 1
     assert result.state.ladders == {}
-    assert not pending(result.state, [orphan(A).key])
+    assert not pending_keys(result.state, [orphan(A).key])
 
 
 # --- dry-run lifted in the middle of a ladder ----------------------------------------------------

@@ -225,10 +225,6 @@ LONG_DEFINITIONS = {
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",
     "decide.health.judge:_judge_xids": "the Xid catalogue's actions applied in order",
-    "decide.plan.ladders:_advance_live_ladder": "a kill ladder's steps (a mutation-tested gate)",
-    "decide.plan.ladders:consider_process_finding":
-        "whether to start a ladder (a mutation-tested gate)",
-    "decide.plan.state:_dump_state": "the plan state's JSON, field by field (the codec is next)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
     "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.world:World": "the simulated world's state and its changes",

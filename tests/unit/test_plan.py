@@ -33,7 +33,7 @@ from gpuwatchd.decide.plan.decisions import (
     forget_reset_refusals,
     hidden_holders,
     next_deadline,
-    pending,
+    pending_keys,
     plan,
     set_paused,
 )
@@ -305,7 +305,7 @@ def test_ladder_sigterm_then_sigkill_exactly_at_delivered_plus_wait_then_ended()
     assert term.facts["cmdline"] == "python3 train.py"
     delivered = record_signal(r.state, term, "delivered", now=100.5).state
     assert next_deadline(delivered) == 130.5
-    assert pending(delivered, [f.key])
+    assert pending_keys(delivered, [f.key])
     r = run([f], s, delivered, pol, now=130.4)
     assert signals(r) == []
     r = run([f], s, r.state, pol, now=130.5)
@@ -318,7 +318,7 @@ def test_ladder_sigterm_then_sigkill_exactly_at_delivered_plus_wait_then_ended()
     assert signals(r) == []
     assert event(r, EventName.ESCALATION_ENDED)["rule"] == "orphans"
     assert [e.level for e in r.events if e.name == EventName.ESCALATION_ENDED] == ["error"]
-    assert not pending(r.state, [f.key])
+    assert not pending_keys(r.state, [f.key])
     # Ended means ended: no more signals to that identity, however long it lives.
     for later in (200.0, 1000.0, 5000.0):
         r = run([f], s, r.state, pol, now=later)
@@ -342,7 +342,7 @@ def test_exit_after_sigterm_resolves_without_sigkill() -> None:
     state = record_signal(r.state, term, "delivered", now=0.0).state
     done = record_exit(state, term.identity, now=0.2)
     assert names(done) == [EventName.ESCALATION_RESOLVED]
-    assert not pending(done.state, [f.key])
+    assert not pending_keys(done.state, [f.key])
     r = run([], snap([]), done.state, pol, now=30.0)
     assert signals(r) == []
     assert EventName.FINDING_RESOLVED in names(r)
@@ -413,7 +413,7 @@ def test_for_window_is_honoured_and_is_a_deadline() -> None:
     assert signals(r) == []
     assert EventName.ESCALATION_CONFIRMING in names(r)
     assert next_deadline(r.state) == 40.0
-    assert pending(r.state, [f.key])
+    assert pending_keys(r.state, [f.key])
     r = run([f], snap([p]), r.state, pol, now=39.9)
     assert signals(r) == []
     r = run([f], snap([p]), r.state, pol, now=40.0)
@@ -446,7 +446,7 @@ def test_post_action_delay_defers_new_targets_on_the_same_gpu() -> None:
     assert [s.identity.pid for s in signals(r)] == [1002]
     deferred = [e for e in r.events if e.name == EventName.ACTION_DEFERRED]
     assert [(e.fields["pid"], e.level) for e in deferred] == [(1001, "debug")]
-    assert pending(r.state, [fb.key])
+    assert pending_keys(r.state, [fb.key])
     r = run([orphan(a), fb, fc], snap([a, b, c]), r.state, pol, now=15.0)
     assert 1001 in [s.identity.pid for s in signals(r)]
 
@@ -850,13 +850,13 @@ def test_reset_waits_for_confirm_for_then_emits_one_intent() -> None:
     r = _reset_run([g], PlanState(), 0.0)
     assert r.intents == ()
     assert next_deadline(r.state) == 60.0
-    assert pending(r.state, [g.key])
+    assert pending_keys(r.state, [g.key])
     r = _reset_run([g], r.state, 59.9)
     assert r.intents == ()
     r = _reset_run([g], r.state, 60.0)
     (intent,) = resets(r)
     assert (intent.gpu, intent.pci_bus_id, intent.minor, intent.dry_run) == (GPU0, BUS0, 0, False)
-    assert pending(r.state, [g.key])
+    assert pending_keys(r.state, [g.key])
     # One in flight at a time: nothing more until act reports.
     r2 = _reset_run([g, ghost(GPU1)], r.state, 200.0)
     assert resets(r2) == []

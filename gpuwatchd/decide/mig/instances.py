@@ -1,10 +1,5 @@
-"""MIG in decisions: which GPU instance each holder uses, and the per-instance view assess judges.
-
-On a GPU with MIG on, memory and processes belong to GPU instances (GIs); the compute
-instances (CIs) of one GI share its memory. Every process using any instance holds the
-*parent* device node ``/dev/nvidia<minor>``, so that node says nothing about which instance it
-uses; the capability files of its GI and CI do (``/dev/nvidia-caps/nvidia-cap<N>``, the minors
-listed in mig-minors; or their procfs form). docs/findings.md#mig has the sources.
+"""MIG in decisions: which GPU instance each holder uses (by its capability files, never by
+the parent device node every user holds), and the per-instance view assess judges.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.mig.instances`.
 """
@@ -23,7 +18,6 @@ from gpuwatchd.core.model import (
     MigCapability,
     MigDevice,
     NvmlProcess,
-    NvmlReading,
     Snapshot,
 )
 
@@ -38,12 +32,8 @@ NOT_JUDGED = "MIG enabled: processes and memory live in MIG instances"
 
 @dataclass(frozen=True)
 class MigInstance:
-    """One GPU instance of a judged MIG GPU.
-
-    ``uuid`` names it in findings: the MIG UUID of its first compute instance (NVML's
-    ``MIG-GPU-<uuid>/<gi>/<ci>`` form when that UUID is unknown). ``devices`` are its MIG
-    devices (one per compute instance), in CI order.
-    """
+    """One GPU instance of a judged MIG GPU, named by its first compute instance's MIG UUID
+    (``MIG-GPU-<uuid>/<gi>/<ci>`` when unknown); ``devices``: one per CI, in CI order."""
 
     parent: GpuInfo
     gi: int
@@ -57,8 +47,7 @@ class MigInstance:
 
     @property
     def profile(self) -> str | None:
-        """The GPU instance's profile: the first MIG device's (``1c.3g.40gb`` → ``3g.40gb``
-        when its GI has several compute instances)."""
+        """The first MIG device's profile, less its CI part when the GI has several CIs."""
         names = [d.profile for d in self.devices if d.profile is not None]
         if not names:
             return None
@@ -87,16 +76,9 @@ class MigInstance:
 
 @dataclass(frozen=True)
 class MigLayout:
-    """What one snapshot says about its MIG GPUs.
-
-    ``instances``: judged GPU instances by their ``uuid``. ``judged``: parent UUIDs whose
-    instances are judged. ``unjudged``: parent UUID → why its instances cannot be judged.
-    ``attributed``: PID → the instance UUIDs its capability files name, each with the routes
-    ("fd", "map"). ``parent_only``: PID → the judged parents whose node it holds with no
-    capability of theirs (a capability naming an instance NVML does not list, the layout
-    changed between the readings, attributes nothing). ``parent_minors``: the judged GPUs'
-    device minors.
-    """
+    """What one snapshot says about its MIG GPUs: the judged instances by UUID, which parents
+    are judged (or why not), PID → instance UUID → routes ("fd", "map") its capabilities
+    name, PID → the judged parents it holds with no capability of theirs (``parent_only``)."""
 
     instances: Mapping[str, MigInstance] = field(default_factory=dict)
     judged: frozenset[str] = frozenset()
@@ -212,7 +194,7 @@ def _merge_processes(devices: Iterable[MigDevice]) -> tuple[NvmlProcess, ...] | 
 
 
 def instance_gpu(instance: MigInstance) -> GpuInfo:
-    """A GPU instance as a GPU of its own, for the assessment (see the module docstring)."""
+    """A GPU instance as a GPU of its own, for the assessment."""
     parent = instance.parent
     errors = [d.error for d in instance.devices if d.error]
     return GpuInfo(
@@ -233,12 +215,7 @@ def instance_gpu(instance: MigInstance) -> GpuInfo:
 
 
 def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
-    """``snapshot`` with each judged MIG GPU's instances as GPUs of their own. Pure.
-
-    The parent stays (report-only, no processes, no device minor: nobody holds it in the
-    view); each holder holds the instances its capabilities name, by the same routes, and no
-    longer the judged parents' nodes. Nothing else changes.
-    """
+    """``snapshot`` with each judged MIG GPU's instances as GPUs of their own. Pure."""
     if not layout.judged:
         return snapshot
     gpus: list[GpuInfo] = []
@@ -268,14 +245,7 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
         unreadable=snapshot.holders.unreadable,
         matched_by_name=snapshot.holders.matched_by_name,
     )
-    nvml = NvmlReading(
-        available=snapshot.nvml.available,
-        wedged=snapshot.nvml.wedged,
-        error=snapshot.nvml.error,
-        driver_version=snapshot.nvml.driver_version,
-        gpus=tuple(gpus),
-    )
-    return replace(snapshot, nvml=nvml, holders=holders)
+    return replace(snapshot, nvml=replace(snapshot.nvml, gpus=tuple(gpus)), holders=holders)
 
 
 # --- the assessment, readable again -----------------------------------------------------------
@@ -302,12 +272,8 @@ def _parent_only_finding(finding: Finding, layout: MigLayout, snapshot: Snapshot
 def annotate_findings(
     findings: Iterable[Finding], layout: MigLayout, snapshot: Snapshot
 ) -> list[Finding]:
-    """Name the instance in each finding about one; say what parent-only holders are.
-
-    A ghost_memory finding on an instance whose GPU has a parent-only holder that holds
-    nvidia-uvm (a CUDA process whose instance cannot be told: it may hold this one's memory)
-    is turned into an informational ``unaccounted_memory``: "no live holder" is not known.
-    """
+    """Name the instance in each finding about one; say what parent-only holders are. Ghost
+    memory beside a parent-only CUDA holder (it may be its) is only ``unaccounted_memory``."""
     result: list[Finding] = []
     for finding in findings:
         instance = layout.instance_of(finding.gpu)
@@ -342,17 +308,15 @@ def annotate_findings(
 
 
 def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -> list[int]:
-    found = []
-    for pid, parents in sorted(layout.parent_only.items()):
-        holding = snapshot.holders.holdings.get(pid)
-        if (
-            parent_uuid in parents
-            and pid not in snapshot.self_pids
-            and holding is not None
-            and holding.uvm
-        ):
-            found.append(pid)
-    return found
+    holdings = snapshot.holders.holdings
+    return [
+        pid
+        for pid, parents in sorted(layout.parent_only.items())
+        if parent_uuid in parents
+        and pid not in snapshot.self_pids
+        and (holding := holdings.get(pid)) is not None
+        and holding.uvm
+    ]
 
 
 def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> dict[str, str]:
@@ -379,12 +343,8 @@ def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice]
 
 
 def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
-    """Why MIG GPU ``gpu`` is not idle in every GPU instance, or None when it is.
-
-    A whole-GPU reset takes every instance down with it, so with ``reset.allow_mig`` it is
-    allowed only when no instance has a live listed process or a holder of its capabilities;
-    a GPU whose instances cannot be judged is never known to be idle.
-    """
+    """Why MIG GPU ``gpu`` is not idle in every GPU instance (a whole-GPU reset takes them all
+    down), or None when it is; instances that cannot be judged are never idle."""
     if gpu.mig_enabled is not True:
         return None
     layout = mig_layout(snapshot)

@@ -1,10 +1,5 @@
-"""The recovery of one MIG GPU instance: what re-creating it in place needs, and its commands.
-
-A leak inside a GPU instance (memory a dead process left behind) is freed by destroying the
-instance and creating it again with the same profile at the same placement, which leaves every
-other instance of the GPU, and the jobs in them, untouched. A compute instance alone cannot
-give the memory back: the compute instances of a GPU instance share its memory, so the unit
-recovered is the GPU instance (docs/findings.md#mig has the sources).
+"""The recovery of one MIG GPU instance (destroyed and created again in place, the other
+instances untouched): what it needs, its commands, and a whole MIG GPU's layout.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.mig.recovery`.
 """
@@ -20,7 +15,6 @@ from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import mig_layout
 from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
 
-# The commands of a recovery unless ``reset.mig_recovery_commands`` says otherwise.
 DEFAULT_COMMANDS = DEFAULT_MIG_RECOVERY_COMMANDS
 
 
@@ -63,14 +57,12 @@ class InstanceRecovery:
         return {"instance": self.mig_uuid, "gi": self.gi, "recovery": self.describe()}
 
     def record(self) -> dict[str, object]:
-        """The JSON-able form the state file keeps while it runs (:func:`from_record`): every
-        field, in their order."""
+        """The JSON-able form the state file keeps while it runs (:func:`from_record`)."""
         return asdict(self)
 
 
 def from_record(record: object) -> InstanceRecovery | None:
-    """The recovery a state file's record names, or None when it is not one (a field missing
-    or of the wrong type): a resumed procedure then cannot check the instance, and says so."""
+    """The recovery a state file's record names, or None when a field is missing or wrong."""
     if not isinstance(record, dict):
         return None
     ints = {}
@@ -82,23 +74,12 @@ def from_record(record: object) -> InstanceRecovery | None:
     uuid, mig_uuid, pci = record.get("uuid"), record.get("mig_uuid"), record.get("pci_bus_id")
     if not isinstance(uuid, str) or not isinstance(mig_uuid, str) or not uuid or not mig_uuid:
         return None
-    return InstanceRecovery(
-        uuid=uuid,
-        pci_bus_id=pci if isinstance(pci, str) else None,
-        gpu_index=ints["gpu_index"],
-        gi=ints["gi"],
-        ci=ints["ci"],
-        mig_uuid=mig_uuid,
-        profile=ints["profile"],
-        placement=ints["placement"],
-        size=ints["size"],
-    )
+    pci = pci if isinstance(pci, str) else None
+    return InstanceRecovery(uuid=uuid, pci_bus_id=pci, mig_uuid=mig_uuid, **ints)
 
 
 def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecovery | str:
-    """The recovery of the judged GPU instance named ``instance_uuid`` in ``snapshot``, or why
-    it cannot be re-created in place. Unknown never counts as known: a missing profile id,
-    placement or compute instance id refuses."""
+    """The recovery of GPU instance ``instance_uuid``, or why it cannot be re-created in place."""
     instance = mig_layout(snapshot).instance_of(instance_uuid)
     if instance is None:
         return "not a judged MIG GPU instance in this snapshot"
@@ -138,12 +119,8 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
 
 
 def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
-    """Why GPU instance ``instance_uuid`` may be in use in ``snapshot``; empty when nothing
-    is known to hold it. Unknown counts as in use: an instance not judged, an unreadable
-    process list, a holder of the parent node with no capability of any instance (it may use
-    this one) unless it is verified infrastructure (nvidia-persistenced, DCGM: they hold every
-    GPU's node and use no instance). The daemon's own PIDs are left out; users of the other
-    instances never count."""
+    """Why GPU instance ``instance_uuid`` may be in use in ``snapshot`` (unknown counts as in
+    use; docs/internals.md); empty when nothing is known to hold it."""
     layout = mig_layout(snapshot)
     instance = layout.instance_of(instance_uuid)
     if instance is None:
@@ -183,10 +160,8 @@ def recovery_blockers(
     self_pids: frozenset[int],
     instance_uuid: str,
 ) -> list[str]:
-    """The final scan of a recovery: :func:`instance_blockers` with a fresh full holder scan
-    (``holders``, their ``processes``) in place of the last poll's, whose NVML reading and
-    mig-minors table still say which instance each capability names. A process whose files
-    could not be read blocks (unknown is not none)."""
+    """The final scan of a recovery: :func:`instance_blockers` with a fresh full holder scan in
+    place of the last poll's; a process whose files could not be read blocks."""
     fresh = replace(
         last,
         holders=holders,
@@ -205,26 +180,21 @@ def recovery_blockers(
 def recovery_argvs(
     recovery: InstanceRecovery, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
 ) -> tuple[tuple[str, ...], ...]:
-    """Each command line of ``recovery``, filled in. ValueError when a value is not in its
-    placeholder's documented format: nothing of the recovery is run then."""
+    """Each command line of ``recovery``, filled in; ValueError for a malformed value."""
     return tuple(format_argv(argv, **recovery.values()) for argv in commands)
 
 
 def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) -> str | None:
-    """None when ``snapshot`` shows a GPU instance of the same GPU with the same profile at the
-    same placement using at most ``max_used`` bytes, its capability in the snapshot's
-    mig-minors table; else what is still wrong. Its GPU instance id and MIG UUID may be new:
-    the driver chooses them."""
+    """None when ``snapshot`` shows the instance back (same GPU, profile and placement, at
+    most ``max_used`` bytes, listed in mig-minors; its ids may be new), else what is wrong."""
     layout = mig_layout(snapshot)
     if recovery.uuid not in layout.judged:
         why = layout.unjudged.get(recovery.uuid, "the GPU is not in MIG mode in this snapshot")
         return f"GPU {recovery.gpu_index}: {why}"
+    planned = (recovery.placement, recovery.size)
     for instance in layout.instances_of(recovery.uuid):
         device = instance.memory_device
-        if device.gi_profile_id != recovery.profile or device.placement != (
-            recovery.placement,
-            recovery.size,
-        ):
+        if device.gi_profile_id != recovery.profile or device.placement != planned:
             continue
         memory = device.memory
         used = None if memory is None else memory.allocated
@@ -241,8 +211,6 @@ def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) 
 
 
 # --- a fresh reading of the parent GPU, right before (and between) the commands ---------------
-# The commands name GPU and compute instance ids, which the driver hands out again: an instance
-# an administrator or a MIG manager re-created since the plan may carry the same ids.
 
 
 def _devices(recovery: InstanceRecovery, gpu: GpuInfo | None) -> tuple[MigDevice, ...] | str:
@@ -260,9 +228,8 @@ def _devices(recovery: InstanceRecovery, gpu: GpuInfo | None) -> tuple[MigDevice
 
 
 def instance_changed(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | None:
-    """None when the fresh reading ``gpu`` still shows the planned instance: GPU instance
-    ``gi`` with one compute instance, ``ci``, of the planned MIG UUID, GI profile and placement;
-    else what changed (unknown counts as changed). Pure."""
+    """None when the fresh reading ``gpu`` still shows the planned instance (ids, MIG UUID, GI
+    profile and placement); else what changed (unknown counts as changed). Pure."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices
@@ -289,10 +256,8 @@ def instance_changed(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | N
 
 
 def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | None:
-    """None when the fresh reading ``gpu`` lists no GPU instance ``gi`` and none whose
-    placement overlaps the planned one: the destroys took effect, and the re-create may run
-    (it is safe to run again then). Else what occupies it (an unknown placement counts as
-    overlapping). Pure."""
+    """None when the fresh reading ``gpu`` lists neither GPU instance ``gi`` nor one overlapping
+    the planned placement (the re-create may run); else what occupies it. Pure."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices
@@ -309,8 +274,7 @@ def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | No
 
 
 def _recreated(recovery: InstanceRecovery, devices: Sequence[MigDevice]) -> bool:
-    """A GPU instance of the planned GI profile at the planned placement, not the planned one
-    (a new MIG UUID): re-created, by this recovery's last command or by someone else."""
+    """An instance of the planned GI profile and placement with a new MIG UUID: re-created."""
     planned = (recovery.placement, recovery.size)
     return any(
         d.gi_profile_id == recovery.profile
@@ -323,12 +287,9 @@ def _recreated(recovery: InstanceRecovery, devices: Sequence[MigDevice]) -> bool
 def resume_point(
     recovery: InstanceRecovery, gpu: GpuInfo | None, done: int | None, total: int
 ) -> int | str:
-    """Where a recovery that a crash interrupted during its ``total`` commands goes on, from a
-    fresh reading ``gpu`` and ``done``, how many commands the state file says completed (None:
-    a record from before they were counted). The index of the first command to run again
-    (``total``: none, the instance is only checked), or why it cannot be finished safely (it is
-    left half done for an administrator). Only for an instance that is no longer the planned
-    one (:func:`instance_changed` says why); the last command is the re-create. Pure."""
+    """Where a recovery a crash interrupted goes on: the index of the first of its ``total``
+    commands to run again (``total``: none), from a fresh reading and ``done`` (the commands
+    the state file says completed; None: not counted), or why it cannot go on. Pure."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices
@@ -343,18 +304,12 @@ def resume_point(
 
 
 # --- a whole MIG GPU's reset: its layout, recorded before and created again after ------------
-# The reset destroys every GPU instance; each is created again by its recovery's last command
-# (the re-create, ``-cgi {profile}:{placement} -C`` by default), so only a layout that a
-# recovery could re-create instance by instance can be restored: one compute instance per GPU
-# instance, spanning it.
 
 Layout = tuple[InstanceRecovery, ...]
 
 
 def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
-    """Every GPU instance of the judged MIG GPU ``gpu_uuid``, in placement order, as its
-    re-creation; or why the layout could not be created again as it is (an instance that
-    cannot be re-created in place, no instance, the instances not judged). Pure."""
+    """The re-creation of each GPU instance of ``gpu_uuid`` by placement, or why none. Pure."""
     layout = mig_layout(snapshot)
     if gpu_uuid not in layout.judged:
         return layout.unjudged.get(gpu_uuid, "its MIG instances are not judged")
@@ -372,18 +327,14 @@ def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
 def layout_argvs(
     layout: Layout, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
 ) -> tuple[tuple[str, ...], ...]:
-    """The command creating each GPU instance of ``layout`` again: the last of ``commands``
-    (a recovery's re-create), filled in with that instance's values. ValueError as
-    :func:`recovery_argvs`; none when ``commands`` is empty."""
+    """The re-create (the last of ``commands``) of each GPU instance of ``layout``, filled in."""
     if not commands:
         return ()
     return tuple(format_argv(commands[-1], **r.values()) for r in layout)
 
 
 def layout_missing(layout: Layout, gpu: GpuInfo | None) -> list[int] | str:
-    """The positions in ``layout`` of the GPU instances a fresh reading ``gpu`` does not show
-    (no instance of that GI profile at that placement); or why the reading says nothing (not
-    in MIG mode, lost, its MIG devices unreadable). Pure."""
+    """The positions in ``layout`` of the instances the fresh reading ``gpu`` lacks. Pure."""
     if not layout:
         return []
     devices = _devices(layout[0], gpu)

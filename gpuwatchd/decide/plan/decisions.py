@@ -1,11 +1,8 @@
 """The escalation state machine: findings + carried state + policy + time → intents and events.
 
-This module owns ``plan``, one poll's decisions in order (lost GPUs, boot, findings seen,
+This module owns ``plan``, one poll's decisions in order (boot, findings seen, lost GPUs,
 ladders, process findings, resets, GPU health), and the queries and admin switches on
-``PlanState``. The decisions live in ``plan_ladders`` (signal ladders, kill caps),
-``plan_resets`` (reset gates), ``plan_health`` (drain, then reset) and ``plan_outcomes``
-(``record_*``); intents, events and the per-call scratch state in ``plan_intents``. Callers
-import every public name from here. Semantics: ``docs/escalation.md``.
+``PlanState``. Semantics: ``docs/escalation.md``.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.plan.decisions`.
 """
@@ -94,18 +91,13 @@ def plan(
     for finding in sorted(current.values(), key=lambda f: f.key):
         if finding.kind in HEALTH_KINDS and finding.gpu is not None:
             consider_health(w, ctx, finding)
-    # Forget what was said about findings that are gone.
     w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:") or k in current}
     return PlanResult(tuple(w.intents), tuple(w.events), w.freeze())
 
 
 def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
-    """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure.
-
-    Whatever it held is out of reach now (its findings resolve for want of readings), so this
-    is the one event that tells the admin. Said again only after the GPU came back and was lost
-    once more.
-    """
+    """A GPU NVML reports lost needs a reboot: say so once (critical) and ask for on_failure;
+    again only after it came back and was lost once more."""
     for gpu in sorted(ctx.snapshot.nvml.gpus, key=lambda g: g.index):
         key = f"node:lost:{gpu.uuid}"
         if not gpu.lost:
@@ -116,31 +108,19 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
-        w.intents.append(
-            HookIntent(
-                HookName.ON_FAILURE,
-                f"{gpu.uuid} is lost and needs a reboot",
-                fields,
-                is_dry_run(w, ctx),
-            )
-        )
+        reason = f"{gpu.uuid} is lost and needs a reboot"
+        w.intents.append(HookIntent(HookName.ON_FAILURE, reason, fields, is_dry_run(w, ctx)))
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:
-    old = w.state.boot_id
-    new = snapshot.boot_id
+    old, new = w.state.boot_id, snapshot.boot_id
     if new is None:
         return
     if old is not None and old != new:
         # Monotonic times and process identities mean nothing after a reboot; wall-time reset
         # history, the circuit breaker, forced dry-run and pause are kept.
-        w.event(
-            EventName.STATE_BOOT_CHANGED,
-            Level.INFO,
-            old=old,
-            new=new,
-            dropped_ladders=len(w.ladders),
-        )
+        dropped = len(w.ladders)
+        w.event(EventName.STATE_BOOT_CHANGED, Level.INFO, old=old, new=new, dropped_ladders=dropped)
         w.seen, w.ladders, w.quiet_until, w.signal_history = {}, {}, {}, []
         w.signal_scopes = {}
         w.health_waits = {}
@@ -151,9 +131,8 @@ def _check_boot(w: Work, snapshot: Snapshot) -> None:
         w.scope_latches = {k: replace(v, since_monotonic=None) for k, v in w.scope_latches.items()}
         w.notes = {k: v for k, v in w.notes.items() if k.startswith("node:")}
         # ... and takes every MIG instance down: a half-done recovery is no longer half done.
-        w.state = replace(
-            w.state, reset_in_flight=None, forced_since_monotonic=None, mig_unfinished={}
-        )
+        w.state = replace(w.state, reset_in_flight=None, forced_since_monotonic=None,
+                          mig_unfinished={})  # fmt: skip
     w.state = replace(w.state, boot_id=new)
 
 
@@ -204,36 +183,23 @@ def _target_pid(target: str | None) -> int | None:
 
 
 def next_deadline(state: PlanState) -> float | None:
-    """The earliest monotonic time something is due: a step, an end, a confirmation window,
-    a post-action delay. Held ladders (paused, dry-run) and cooldowns are not deadlines: the
-    daemon still polls every ``interval``."""
+    """The earliest monotonic time something is due (held ladders and cooldowns are not)."""
     return min(state.waiting.values()) if state.waiting else None
-
-
-def pending(state: PlanState, keys: Iterable[str]) -> bool:
-    """True while any of these findings has a ladder, confirmation window or reset in progress."""
-    return bool(pending_keys(state, keys))
 
 
 def pending_keys(state: PlanState, keys: Iterable[str]) -> list[str]:
     """Those of these findings that have a ladder, confirmation window or reset in progress."""
-    wanted = set(keys)
-    found = {k for k in state.waiting if k in wanted}
-    if state.reset_in_flight is not None and state.reset_in_flight.finding_key in wanted:
-        found.add(state.reset_in_flight.finding_key)
-    found.update(
-        lad.finding_key
-        for lad in state.ladders.values()
-        if lad.status is LadderStatus.ACTIVE and lad.finding_key in wanted
-    )
-    return sorted(found)
+    flight = state.reset_in_flight
+    busy = {lad.finding_key for lad in state.ladders.values() if lad.status is LadderStatus.ACTIVE}
+    busy.update(state.waiting, () if flight is None else (flight.finding_key,))
+    return sorted(busy.intersection(keys))
 
 
 def set_paused(
     state: PlanState, paused: bool, *, reason: str, until: float | None = None
 ) -> PlanState:
-    """The admin pause switch: while paused no intent is emitted (ladders hold, events say so).
-    ``until`` (wall time) is when the pause ends, for status and metrics; the caller ends it."""
+    """The admin pause switch: while paused no intent is emitted. ``until`` (wall time) is when
+    the pause ends, for status and metrics; the caller ends it."""
     return replace(
         state,
         paused=paused,
@@ -243,8 +209,7 @@ def set_paused(
 
 
 def clear_forced_dry_run(state: PlanState) -> PlanState:
-    """Admin: lift the dry-run the kill cap engaged, the node's and every user's (``resume``
-    does not do it by itself), and the would-be latches a dry run keeps in its shadow."""
+    """Admin: lift every kill-cap latch, the node's, each user's and the dry-run shadow's."""
     return replace(
         state,
         forced_dry_run=False,
@@ -257,9 +222,8 @@ def clear_forced_dry_run(state: PlanState) -> PlanState:
 
 
 def clear_circuit(state: PlanState) -> PlanState:
-    """Admin: close the reset circuit breaker, forget the consecutive failures and every
-    refused incident (their resets may be tried again), and every MIG recovery left half done
-    (the admin says it is dealt with)."""
+    """Admin: close the reset circuit breaker; forget the failures, every refused incident and
+    every MIG recovery left half done (the admin says it is dealt with)."""
     notes = {k: v for k, v in state.notes.items() if k != "node:circuit"}
     return replace(
         state, circuit_open=False, reset_failures=0, notes=notes, reset_refusals={},
@@ -273,8 +237,7 @@ def forget_reset_refusals(state: PlanState) -> PlanState:
 
 
 def hidden_holders(state: PlanState) -> dict[str, dict[str, object]]:
-    """GPU UUID → evidence, for each GPU whose last reset the driver refused as in use while
-    no scan saw a holder: assess reports it as a GPU-level ``hidden_holder``."""
+    """GPU UUID → evidence, for each GPU whose reset the driver refused as in use unseen."""
     return {
         gpu: {
             "gap": "driver_in_use",

@@ -1,7 +1,5 @@
-"""Acting on GPU health: report, drain hooks, then a reset through the reset gates.
-
-What GPU health *means* is ``decide/health/judge.py``'s; this module decides when to drain and
-reset, through the same gates as a ghost-memory reset (``plan_resets.py``).
+"""Acting on GPU health (what it *means* is ``decide/health/judge.py``'s): report, drain hooks,
+then a reset through the same gates as a ghost-memory reset (``resets.py``).
 """
 
 from __future__ import annotations
@@ -37,15 +35,13 @@ def _health_once(w: Work, finding: Finding, what: str) -> bool:
 
 
 def _drained_already(w: Work, uuid: str, dry: bool) -> bool:
-    """Whether this GPU's health incident ran its drain hooks already (a real drain covers a
-    later dry run too; a dry run's does not cover a real one)."""
+    """Whether this GPU's incident was drained already (a dry run's drain covers no real one)."""
     earlier = w.health_drained.get(uuid)
     return earlier is not None and (not earlier or dry)
 
 
 def _drain_hooks(w: Work, ctx: Ctx, finding: Finding, why: str, dry: bool) -> None:
-    """The ``reset.drain`` hooks, at most once per health incident of the GPU: a finding that
-    follows another on the same GPU (DRAIN_P2P settling to GPU_RESET) finds it drained."""
+    """The ``reset.drain`` hooks, at most once per health incident of the GPU."""
     uuid = finding.gpu or ""
     if _drained_already(w, uuid, dry):
         return
@@ -62,13 +58,8 @@ def _drain_hooks(w: Work, ctx: Ctx, finding: Finding, why: str, dry: bool) -> No
 
 
 def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
-    """What a health finding leads to (docs/policy.md#health). Never a signal to a job.
-
-    ``reboot_required``: said once (critical), ``on_failure`` and drain hooks once, no reset.
-    ``drain_required``, or a reset without ``action: reset``: drain hooks once. A
-    ``reset_required`` with ``action: reset``: drain, wait (bounded by ``drain_timeout``, the
-    wait persisted) until nothing holds the GPU, then the one reset path, under every gate.
-    """
+    """What a health finding leads to (docs/policy.md#health): report, drain hooks once, or
+    drain, wait until nothing holds the GPU, then reset. Never a signal to a job."""
     health = ctx.policy.health
     if not health.enabled or finding.gpu is None:
         return

@@ -1,8 +1,5 @@
-"""What the planner returns and the scratch state of one planning call.
-
-This module owns the intents (signal, reset, hook), the events, ``PlanResult``, and ``Work`` /
-``Ctx``: the state one call of ``plan`` shares between its ladders, resets and health actions,
-with the small helpers every one of them reads (dry-run, preview, hold, kill-cap scope).
+"""What the planner returns (intents, events, ``PlanResult``) and the scratch state one call of
+``plan`` shares (``Work``, ``Ctx``), with the small helpers every step reads.
 """
 
 from __future__ import annotations
@@ -35,11 +32,8 @@ from gpuwatchd.decide.policy import Policy
 
 @dataclass(frozen=True)
 class SignalIntent:
-    """Send ``signal`` to ``identity`` (act re-verifies the start time first).
-
-    ``step`` is 1-based: step 1 is the rule's first step. ``facts`` carries what justified it
-    (user, cmdline, cgroup/job, memory) for the log event.
-    """
+    """Send ``signal`` to ``identity`` (act re-verifies the start time first); ``step`` is
+    1-based, ``facts`` what justified it (user, cmdline, cgroup/job, memory)."""
 
     identity: ProcessIdentity
     signal: str
@@ -54,12 +48,8 @@ class SignalIntent:
 
 @dataclass(frozen=True)
 class ResetIntent:
-    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id (design-notes §7).
-
-    With ``instance`` the procedure re-creates that MIG GPU instance of the GPU in place
-    instead of resetting the GPU (docs/reset.md#mig); ``gpu`` is then its parent's UUID, and
-    the limits, cooldown and history are the parent GPU's.
-    """
+    """Run the reset procedure for one GPU, addressed by UUID / PCI bus id; with ``instance``,
+    re-create that MIG GPU instance of it in place instead (docs/reset.md#mig)."""
 
     gpu: str
     pci_bus_id: str | None
@@ -202,8 +192,7 @@ class Work:
 
 @dataclass(frozen=True)
 class Ctx:
-    """What one call of ``plan`` decides from, read-only: the snapshot, policy, clocks and
-    this poll's findings; the state it changes is :class:`Work`'s."""
+    """What one call of ``plan`` decides from, read-only; the state it changes is ``Work``'s."""
 
     snapshot: Snapshot
     policy: Policy
@@ -217,17 +206,15 @@ class Ctx:
 
 
 def is_dry_run(w: Work, ctx: Ctx, scope: str | None = None) -> bool:
-    """Whether intents are dry runs: by policy, the node's kill-cap latch, or (for a target's
-    signals) the latch of the user it belongs to."""
+    """Whether intents are dry runs: by policy, or a kill-cap latch (the node's, ``scope``'s)."""
     if ctx.policy.dry_run or w.state.forced_dry_run:
         return True
     return scope is not None and scope in w.scope_latches
 
 
 def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ()) -> str:
-    """Whose kill cap a target counts against: its owner's uid (``uid:N``), or for a uid in a
-    user's sub-uid range (a rootless container's) that user's (``uid:N``, ``user:NAME`` when
-    the name has no uid); processes whose owner is unknown share one scope (``uid:unknown``)."""
+    """Whose kill cap a target counts against: its owner's (``uid:N``), a sub-uid's owner's
+    (``uid:N`` or ``user:NAME``), or ``uid:unknown``."""
     uid = None if proc is None else proc.uid
     if uid is None:
         return "uid:unknown"
@@ -240,8 +227,7 @@ def kill_cap_scope(proc: ProcessInfo | None, subuids: Sequence[SubIdRange] = ())
 
 
 def previewing(w: Work, ctx: Ctx) -> bool:
-    """A policy's dry run, which keeps the would-be kill cap (shadow.py); under the dry run
-    the real kill cap forced, enforcement's own latch is already there."""
+    """A policy's dry run (which keeps a would-be kill cap), not one a real kill cap forced."""
     return ctx.policy.dry_run and not w.state.forced_dry_run
 
 
@@ -260,11 +246,8 @@ def ladder_fields(lad: Ladder) -> dict[str, object]:
 def action_ended(
     lad: Ladder, outcome: ActionOutcome, why: str, *, signalled: int | None = None
 ) -> tuple[HookIntent, ...]:
-    """The ``on_action`` notification for a ladder that just ended, if it acted for real.
-
-    ``signalled`` is how many of its steps were sent (default: every step emitted). A dry-run
-    ladder, or one whose sent steps were all report-only, did nothing anyone must be told of.
-    """
+    """The ``on_action`` notification for a ladder that just ended, if it sent a real signal
+    in its first ``signalled`` steps (default: every step emitted)."""
     sent = lad.steps[: lad.step if signalled is None else signalled]
     if lad.dry_run or not any(signal is not None for signal, _wait in sent):
         return ()

@@ -1,8 +1,5 @@
-"""The per-target signal ladders and the kill caps.
-
-This module owns acting on process findings: confirmation, the kill caps (per user and
-node-wide) whose latches force dry-run until they expire, and each ladder's steps
-(SIGTERM, wait, SIGKILL, wait, ended or stuck). Semantics: ``docs/escalation.md``.
+"""Acting on process findings: confirmation, the kill caps (per user and node-wide) whose
+latches force dry-run until they expire, and each ladder's steps (``docs/escalation.md``).
 """
 
 from __future__ import annotations
@@ -27,7 +24,9 @@ from gpuwatchd.decide.plan.intents import (
     previewing,
     target_key,
 )
+from gpuwatchd.decide.plan.shadow import cap_exceeded
 from gpuwatchd.decide.plan.state import Ladder, Latch
+from gpuwatchd.decide.policy import Rule
 from gpuwatchd.decide.spares import spare_reason
 from gpuwatchd.decide.targets import process_facts, refusal, rule_for
 
@@ -74,51 +73,22 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
         if lad.dry_run and not is_dry_run(w, ctx, scope) and hold_reason(w, ctx) is None:
             _restart_after_dry_run(w, lad)
         return
-    stuck = _stuck_finding(ctx, target)
-    if stuck is not None:
+    if _stuck_finding(ctx, target) is not None:
         _mark_stuck(w, ctx, lad, proc, "target is in uninterruptible sleep (D)")
         return
     if finding is None:
-        resolved = "finding resolved"
+        released = ActionOutcome.RELEASED
         _close(
-            w,
-            lad,
-            EventName.ESCALATION_RESOLVED,
-            Level.INFO,
-            resolved,
-            outcome=ActionOutcome.RELEASED,
+            w, lad, EventName.ESCALATION_RESOLVED, Level.INFO, "finding resolved", outcome=released
         )
         return
     if lad.due is not None and ctx.now < lad.due:
         w.waiting[lad.finding_key] = lad.due
         return
     if lad.step >= len(lad.steps):
-        if proc.is_uninterruptible:
-            _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
-        else:
-            w.ladders[target] = end_ladder(lad, LadderStatus.ENDED)
-            survived = "target still alive after the last step"
-            w.event(
-                EventName.ESCALATION_ENDED,
-                Level.INFO if lad.dry_run else Level.ERROR,
-                why=survived,
-                **ladder_fields(lad),
-                **process_facts(proc),
-            )
-            w.intents.extend(action_ended(lad, ActionOutcome.SURVIVED, survived))
+        _last_step_over(w, ctx, lad, proc)
         return
-    hold = hold_reason(w, ctx)
-    if hold is None:
-        # An administrator's spare holds the ladder (it goes on when the spare ends).
-        spared = spare_reason(
-            proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes
-        )
-        hold = None if spared is None else f"spare: {spared}"
-    if hold is None and is_dry_run(w, ctx, scope) and not lad.dry_run:
-        capped = w.state.forced_dry_run or scope in w.scope_latches
-        hold = "dry_run (kill cap engaged)" if capped else "dry_run"
-    if hold is None and previewing(w, ctx) and w.shadow.holds(lad.target, scope):
-        hold = "dry_run (kill cap engaged)"  # where enforcement's latch would hold it
+    hold = _ladder_hold(w, ctx, lad, proc, scope)
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
@@ -136,6 +106,36 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
     _emit_step(w, ctx, lad, proc, finding)
 
 
+def _last_step_over(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> None:
+    """The last step's wait is over and the target still lives: stuck in D state, or ended."""
+    if proc.is_uninterruptible:
+        _mark_stuck(w, ctx, lad, proc, "target still alive in D state after its ladder")
+        return
+    w.ladders[lad.target] = end_ladder(lad, LadderStatus.ENDED)
+    survived = "target still alive after the last step"
+    level = Level.INFO if lad.dry_run else Level.ERROR
+    w.event(EventName.ESCALATION_ENDED, level, why=survived, **ladder_fields(lad),
+            **process_facts(proc))  # fmt: skip
+    w.intents.extend(action_ended(lad, ActionOutcome.SURVIVED, survived))
+
+
+def _ladder_hold(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo, scope: str) -> str | None:
+    """Why an active ladder's next step waits: a pause or block, a spare, a kill cap's dry run
+    (or, in a preview, where enforcement's latch would hold it)."""
+    hold = hold_reason(w, ctx)
+    if hold is not None:
+        return hold
+    spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes)
+    if spared is not None:
+        return f"spare: {spared}"
+    if is_dry_run(w, ctx, scope) and not lad.dry_run:
+        capped = w.state.forced_dry_run or scope in w.scope_latches
+        return "dry_run (kill cap engaged)" if capped else "dry_run"
+    if previewing(w, ctx) and w.shadow.holds(lad.target, scope):
+        return "dry_run (kill cap engaged)"
+    return None
+
+
 def _successor(ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
     """Another actionable finding about the ladder's target that some rule selects."""
     for finding in sorted(ctx.findings.values(), key=lambda f: f.key):
@@ -148,8 +148,7 @@ def _successor(ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> Finding | None:
 
 
 def _restart_after_dry_run(w: Work, lad: Ladder) -> None:
-    """What dry-run "would have done" never blocks the real thing: drop the ladder, so the
-    target starts over, for real, from step 1."""
+    """Drop a dry run's ladder when the daemon acts for real: it starts over from step 1."""
     del w.ladders[lad.target]
     w.event(EventName.ESCALATION_RESTARTED, Level.INFO, why="dry-run ended", **ladder_fields(lad))
 
@@ -240,33 +239,17 @@ def _refuse(w: Work, key: str, why: str, level: Level, finding: Finding) -> None
         w.event(EventName.ACTION_REFUSED, level, why=why, **finding_fields(finding))
 
 
-def _cap_exceeded(w: Work, ctx: Ctx, scope: str) -> tuple[str, str] | None:
-    """(the scope latched: ``scope`` or "node", why) when one more target would pass a cap."""
-    limits = ctx.policy.limits
-    if len(w.signal_history) + 1 > limits.node_max_signalled_per_hour:
-        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
-        return "node", why
-    if w.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
-        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
-    mine = sum(1 for t, _ in w.signal_history if w.signal_scopes.get(t) == scope)
-    if mine + 1 > limits.max_signalled_per_hour:
-        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
-    return None
-
-
 def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
-    """How long a latch has held, and its anchor on the plan's monotonic clock: measured there,
-    so a wall clock step changes nothing. A latch without an anchor (an older state file, or
-    set before this boot) is anchored once by the wall time it has held (none, if negative)."""
+    """How long a latch has held, and its anchor on the plan's monotonic clock (anchored once
+    by the wall time it has held when it has none)."""
     if since_monotonic is None:
         since_monotonic = ctx.now - max(0.0, ctx.wall - since)
     return ctx.now - since_monotonic, since_monotonic
 
 
 def expire_latches(w: Work, ctx: Ctx) -> None:
-    """Kill-cap latches last ``limits.kill_cap_latch`` (on the monotonic clock, :func:`_held`);
-    then they lift, with a warning. A latch from a state file that did not record its start
-    starts counting now."""
+    """Lift the kill-cap latches that lasted ``limits.kill_cap_latch``, with a warning; one
+    whose start was not recorded starts counting now."""
     lasts = ctx.policy.limits.kill_cap_latch
     if w.state.forced_dry_run:
         since = w.state.forced_since
@@ -308,27 +291,13 @@ def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
     target = None if finding.identity is None else target_key(finding.identity)
     if target is not None and target in w.ladders:
         return  # in progress or finished for this identity
-    pending_rule = rule_for(finding, proc, ctx.policy, lasted=math.inf)
-    if pending_rule is None:
-        return
-    first_seen = w.seen[key].first_seen
-    rule = rule_for(finding, proc, ctx.policy, lasted=ctx.now - first_seen)
+    rule = _confirmed_rule(w, ctx, finding, proc)
     if rule is None:
-        w.waiting[key] = first_seen + pending_rule.for_
-        if w.noted(key, "confirming"):
-            w.event(
-                EventName.ESCALATION_CONFIRMING,
-                Level.DEBUG,
-                rule=pending_rule.name,
-                due=first_seen + pending_rule.for_,
-                **finding_fields(finding),
-            )
         return
     if finding.kind != FindingKind.STUCK and all(step.signal is None for step in rule.steps):
         if w.noted(key, f"report:{rule.name}"):
-            w.event(
-                EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name, **finding_fields(finding)
-            )
+            w.event(EventName.RULE_REPORT_ONLY, Level.INFO, rule=rule.name,
+                    **finding_fields(finding))  # fmt: skip
         return
     why = _gate(w, ctx, finding, proc)
     if why is not None:
@@ -338,18 +307,7 @@ def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
     identity = finding.identity
     if identity is None or target is None:
         return  # refusal() already refused an unknown identity; this is for the type checker
-    gpu = finding.gpu
-    if finding.kind != FindingKind.STUCK and gpu is not None and gpu in ctx.quiet_before:
-        until = ctx.quiet_before[gpu]
-        w.waiting[key] = until
-        if w.noted(key, "quiet"):
-            w.event(
-                EventName.ACTION_DEFERRED,
-                Level.DEBUG,
-                why="post_action_delay",
-                until=until,
-                **finding_fields(finding),
-            )
+    if _post_action_delay(w, ctx, finding):
         return
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
     dry = is_dry_run(w, ctx, scope)
@@ -375,56 +333,67 @@ def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
     _emit_step(w, ctx, lad, proc, finding)
 
 
+def _confirmed_rule(w: Work, ctx: Ctx, finding: Finding, proc: ProcessInfo | None) -> Rule | None:
+    """The rule that selects ``finding`` now; while a rule's confirmation window (``for``)
+    runs, None, the finding waiting for its end (said once)."""
+    pending_rule = rule_for(finding, proc, ctx.policy, lasted=math.inf)
+    if pending_rule is None:
+        return None
+    first_seen = w.seen[finding.key].first_seen
+    rule = rule_for(finding, proc, ctx.policy, lasted=ctx.now - first_seen)
+    if rule is None:
+        w.waiting[finding.key] = first_seen + pending_rule.for_
+        if w.noted(finding.key, "confirming"):
+            w.event(EventName.ESCALATION_CONFIRMING, Level.DEBUG, rule=pending_rule.name,
+                    due=first_seen + pending_rule.for_, **finding_fields(finding))  # fmt: skip
+    return rule
+
+
+def _post_action_delay(w: Work, ctx: Ctx, finding: Finding) -> bool:
+    """Whether a new ladder waits out its GPU's post-action delay (a stuck target's does not)."""
+    gpu = finding.gpu
+    if finding.kind == FindingKind.STUCK or gpu is None or gpu not in ctx.quiet_before:
+        return False
+    until = ctx.quiet_before[gpu]
+    w.waiting[finding.key] = until
+    if w.noted(finding.key, "quiet"):
+        w.event(EventName.ACTION_DEFERRED, Level.DEBUG, why="post_action_delay", until=until,
+                **finding_fields(finding))  # fmt: skip
+    return True
+
+
 def _kill_caps(
     w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding
 ) -> Ladder:
-    """A new ladder against the kill caps (its owner's scope and the node's): past one, a
-    real ladder starts as a dry run and the latch engages; a policy's dry run books the same
-    in its shadow, where enforcement would latch (shadow.py)."""
+    """A new ladder against the kill caps: past one, a real ladder starts as a dry run and the
+    latch engages; a policy's dry run books the same in its shadow (shadow.py)."""
     scope = kill_cap_scope(proc, ctx.snapshot.subuid_ranges)
-    dry = lad.dry_run
-    target = lad.target
-    if not dry:
-        exceeded = _cap_exceeded(w, ctx, scope)
-        if exceeded is not None:
-            latched, over = exceeded
-            if latched == "node":
-                w.state = replace(
-                    w.state,
-                    forced_dry_run=True,
-                    forced_reason=over,
-                    forced_since=ctx.wall,
-                    forced_since_monotonic=ctx.now,
-                )
-            else:
-                w.scope_latches[latched] = Latch(over, ctx.wall, ctx.now)
-            w.event(
-                EventName.LIMITS_KILL_CAP_REACHED,
-                Level.CRITICAL,
-                why=over,
-                scope=latched,
-                user=None if proc is None else proc.user,
-                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
-                signalled_this_hour=len(w.signal_history),
-                **finding_fields(finding),
-            )
-            lad = replace(lad, dry_run=True)
+    if not lad.dry_run:
+        exceeded = cap_exceeded(ctx.policy.limits, scope, w.signal_history, w.signal_scopes,
+                                w.new_targets)  # fmt: skip
+        signalled = len(w.signal_history)
     elif previewing(w, ctx):
-        capped = w.shadow.admit(target, scope, ctx.policy.limits, ctx.wall)
-        if capped is not None:
-            latched, over = capped
-            w.event(
-                EventName.LIMITS_KILL_CAP_REACHED,
-                Level.WARNING,  # a would-be latch: nothing was switched
-                why=over,
-                scope=latched,
-                user=None if proc is None else proc.user,
-                until=ctx.wall + ctx.policy.limits.kill_cap_latch,
-                dry_run=True,
-                signalled_this_hour=len(w.shadow.signalled),
-                **finding_fields(finding),
-            )
-    return lad
+        exceeded = w.shadow.admit(lad.target, scope, ctx.policy.limits, ctx.wall)
+        signalled = len(w.shadow.signalled)
+    else:
+        return lad
+    if exceeded is None:
+        return lad
+    latched, over = exceeded
+    if lad.dry_run:  # a would-be latch: nothing was switched
+        level, would = Level.WARNING, {"dry_run": True}
+    elif latched == "node":
+        level, would = Level.CRITICAL, {}
+        w.state = replace(w.state, forced_dry_run=True, forced_reason=over,
+                          forced_since=ctx.wall, forced_since_monotonic=ctx.now)  # fmt: skip
+    else:
+        level, would = Level.CRITICAL, {}
+        w.scope_latches[latched] = Latch(over, ctx.wall, ctx.now)
+    w.event(EventName.LIMITS_KILL_CAP_REACHED, level, why=over, scope=latched,
+            user=None if proc is None else proc.user,
+            until=ctx.wall + ctx.policy.limits.kill_cap_latch, **would,
+            signalled_this_hour=signalled, **finding_fields(finding))  # fmt: skip
+    return replace(lad, dry_run=True)
 
 
 def _gate(

@@ -30,12 +30,8 @@ class StoppableMonitor:
 
 
 def monitor_entry(proc: ProcessInfo, monitors: Sequence[Monitor]) -> Monitor | None:
-    """The first ``reset.monitors`` entry that names ``proc``, or None.
-
-    A ``unit`` entry names a process that runs in that systemd unit's system cgroup (only root
-    can place a process there); a ``command`` entry one whose command line matches. A process
-    of a Slurm job is the job's, never stopped; an unknown cgroup or command line names nothing.
-    """
+    """The first ``reset.monitors`` entry that names ``proc`` (by its system unit or command
+    line; never a Slurm job's process), or None."""
     cgroup = proc.cgroup
     if cgroup is None or cgroup.slurm_job is not None:
         return None
@@ -68,13 +64,9 @@ def monitors_to_stop(
     context_owners: Collection[int],
     monitors: Sequence[Monitor],
 ) -> list[StoppableMonitor]:
-    """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops.
-
-    Each is NVML-only as far as the scan and the last NVML reading tell (holds no
-    ``nvidia-uvm``, is not in ``context_owners``, the PIDs NVML listed), not infrastructure,
-    not a zombie or in D state, of known identity, and named by an entry of ``monitors``.
-    Anything else that holds the GPU is left for the final scan, which refuses the reset.
-    """
+    """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops: NVML-only
+    (no ``nvidia-uvm``, not in ``context_owners``), not infrastructure, live, of known
+    identity, and named by ``monitors``; anything else is left for the final scan."""
     found: list[StoppableMonitor] = []
     if minor is None or not monitors:
         return found

@@ -1,8 +1,5 @@
-"""Outcomes from act folded back into the planner's state.
-
-This module owns ``record_signal``, ``record_exit``, ``record_assumed_exit`` and
-``record_reset``: what a signal's, an exit's or a reset's result does to the ladders, the
-reset history and the hooks that follow.
+"""Outcomes from act folded back into the planner's state: what a signal's, an exit's or a
+reset's result does to the ladders, the reset history and the hooks that follow.
 """
 
 from __future__ import annotations
@@ -101,14 +98,8 @@ def record_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> P
 
 
 def record_assumed_exit(state: PlanState, identity: ProcessIdentity, *, now: float) -> PlanResult:
-    """A dry run's would-be SIGKILL went to ``identity``: assumed to end it, as a real one would.
-
-    SIGKILL cannot be caught (only uninterruptible sleep delays it, and that is ``stuck``), so
-    the preview ends the ladder as enforcement would when the target exits: resolved, with the
-    would-be ``on_action`` notification. The ladder stays, terminal, while the process lives,
-    so a dry run never signals it again; it is dropped (and starts over for real) when the
-    daemon acts for real. A SIGTERM is never assumed to end anything: it can be caught.
-    """
+    """A dry run's would-be SIGKILL went to ``identity``: assumed to end it, as a real one would
+    (it cannot be caught); its ladder stays, terminal, while the process lives."""
     target = target_key(identity)
     lad = state.ladders.get(target)
     if lad is None or lad.status is not LadderStatus.ACTIVE or not lad.dry_run:
@@ -146,11 +137,8 @@ def _reset_action(
 
 
 def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
-    """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was
-    not the one in flight). ``undrained``: it succeeded (or a dry run's would have), so its
-    after hooks undid the drain — an undrain hook learns the result and keeps the node
-    drained otherwise — and a later health incident of this GPU drains again (a dry run's
-    would-be undrain undoes no real drain)."""
+    """The reset of ``intent`` is no longer in flight: its post-action delay (0 when it was not
+    the one in flight). ``undrained``: it succeeded, so its after hooks undid the drain."""
     # One MIG GPU instance re-created leaves its GPU's health drain as it was.
     if intent.instance is not None:
         undrained = False
@@ -177,8 +165,7 @@ def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, objec
 
 
 def _refusal_key(intent: ResetIntent) -> str:
-    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created
-    (another instance's refusal of the same GPU must not overwrite it)."""
+    """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created."""
     return intent.gpu if intent.instance is None else intent.instance.mig_uuid
 
 
@@ -205,10 +192,8 @@ def _book_dry_run(
 def _book_refusal(
     w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, *, in_use: bool
 ) -> None:
-    """Refused, not failed: aborted before the command ran (the final holder scan found a
-    holder, a hook failed), or the driver said "in use" although no scan saw a holder. No
-    history, no failure, no breaker; the cooldown applies, and this incident's reset (with its
-    drain and before hooks) is not tried again until something changes."""
+    """Refused, not failed (docs/internals.md): no history, no failure, no breaker; the
+    cooldown applies, and this incident's reset waits until something changes."""
     w.last_reset[intent.gpu] = wall
     why = (
         "the driver refused: in use by another client that no holder scan found"
@@ -236,13 +221,9 @@ def _book_attempt(
     failures = w.state.reset_failures + 1
     w.state = replace(w.state, reset_failures=failures)
     w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
+    facts = {**fields, "failures": failures}
     w.intents.append(
-        HookIntent(
-            HookName.ON_FAILURE,
-            f"reset of {gpu} {outcome}",
-            {**fields, "failures": failures},
-            dry_run=intent.dry_run,
-        )
+        HookIntent(HookName.ON_FAILURE, f"reset of {gpu} {outcome}", facts, dry_run=intent.dry_run)
     )
     w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
 
@@ -257,13 +238,8 @@ def record_reset(
     needs_reboot: bool = False,
     would_succeed: bool = False,
 ) -> PlanResult:
-    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure.
-
-    A dry run's reset that would have gone all the way (``would_succeed``: its read-only final
-    scan found the GPU clear) is booked in the dry-run shadow as enforcement would book a
-    success: it counts against ``max_resets``, is assumed to have dealt with its finding, and
-    the ``on_action`` notification is shown as a would-be one.
-    """
+    """Book a reset attempt: history, cooldown, circuit breaker; a failure runs on_failure. A
+    dry run's that ``would_succeed`` is booked in the shadow as a success would be."""
     if outcome not in set(ResetResult):
         raise ValueError(f"unknown reset outcome {outcome!r}")
     outcome = ResetResult(outcome)

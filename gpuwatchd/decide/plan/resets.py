@@ -1,12 +1,11 @@
 """The GPU reset gates and the start of a reset.
 
-This module owns whether a GPU may be reset now (``reset_gates``: confirmation, live holders
-— a monitor, decide/plan/monitors.py, unless ``reset.monitors`` names it —, MIG, pause; then the
-history gates: a refused incident, cooldown, count per window, circuit breaker, one reset in
-flight) and the ``ResetIntent`` that starts one. Ghost memory inside a
-MIG GPU instance passes the same gates, the instance's own (``reset.mig_recovery``, whether it
-can be re-created in place, its own live holders) in place of the GPU's, and the history gates
-of its parent GPU; its intent re-creates the instance (decide/mig/recovery.py).
+This module owns whether a GPU may be reset now (``reset_gates``: the snapshot's gates, then
+the history gates of ``history_blocker``) and the ``ResetIntent`` that starts one. Ghost memory
+inside a MIG GPU instance passes the instance's own gates and its parent GPU's history gates;
+its intent re-creates the instance (decide/mig/recovery.py).
+
+In detail: docs/internals.md, section `gpuwatchd.decide.plan.resets`.
 """
 
 from __future__ import annotations
@@ -55,13 +54,8 @@ REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count
 
 
 def review_refusals(w: Work, ctx: Ctx) -> None:
-    """A refused incident may be tried again once something changed: its finding is gone (the
-    incident is over; a new one starts afresh), or the GPU's allocated memory (a MIG GPU
-    instance's own, for its re-creation) moved by :data:`REFUSAL_MEMORY_CHANGE` or more (a
-    holder let go, or a new one came). A reload and
-    ``resume --clear-latches`` forget every refusal (:func:`forget_reset_refusals`,
-    :func:`clear_circuit`). A MIG recovery left half done is reviewed here too
-    (:func:`_review_unfinished`)."""
+    """Forget a refused incident once something changed (docs/internals.md): its finding is
+    gone, its memory moved, or a holder let go; and a MIG recovery left half done once back."""
     _review_unfinished(w, ctx)
     for uuid, held in sorted(w.reset_refusals.items()):
         allocated = _refused_memory(ctx, uuid, held.finding_key)
@@ -85,8 +79,8 @@ def review_refusals(w: Work, ctx: Ctx) -> None:
 
 
 def _review_unfinished(w: Work, ctx: Ctx) -> None:
-    """A MIG recovery left half done is over once this snapshot shows an instance of its GI
-    profile at its placement on its GPU again (re-created by hand, say): its GPU may be clean."""
+    """A MIG recovery left half done is over once an instance of its GI profile is at its
+    placement on its GPU again (re-created by hand, say)."""
     left = dict(w.state.mig_unfinished)
     for mig, u in sorted(left.items()):
         gpu = gpu_by_uuid(ctx.snapshot, u.gpu)
@@ -103,9 +97,8 @@ def _review_unfinished(w: Work, ctx: Ctx) -> None:
 
 
 def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
-    """A reset refused while something held the GPU (a monitor that started during the
-    procedure holds no memory, so its coming and going moves none) is tried again once a live
-    holder was seen on the GPU after the refusal and has let go."""
+    """Why a refused reset may be tried again: a live holder seen on the GPU since the refusal
+    let go (a monitor moves no memory); None otherwise."""
     held, gpu = w.reset_refusals[uuid], gpu_by_uuid(ctx.snapshot, uuid)
     if gpu is None or gpu.mig_enabled is not False:
         return None  # a MIG GPU: the other instances' users come and go and say nothing
@@ -118,9 +111,8 @@ def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
 
 
 def _refused_memory(ctx: Ctx, uuid: str, finding_key: str) -> int | None:
-    """The allocated memory a refused reset of ``uuid`` (a GPU, or one of its MIG GPU
-    instances) watches: the GPU's own, or, for the re-creation of an instance, that
-    instance's (the other instances' users come and go and say nothing about it)."""
+    """The allocated memory a refused reset of ``uuid`` watches: the GPU's, or for the
+    re-creation of a MIG GPU instance, that instance's."""
     finding = ctx.findings.get(finding_key)
     mig = parent_of(ctx.snapshot, finding.gpu) if finding is not None else None
     if mig is not None:
@@ -142,11 +134,7 @@ def say_once(w: Work, finding: Finding, said: tuple[str, Level, str]) -> None:
 
 @dataclass(frozen=True)
 class ResetGate:
-    """One reason, known from a snapshot alone, that a GPU may not be reset now.
-
-    ``name`` says which gate (``live_holder`` is checked only after the confirmation window,
-    the others before it); ``why`` is what ``reset.refused`` says; ``level`` its log level.
-    """
+    """One reason, known from a snapshot alone, that a GPU may not be reset now."""
 
     name: str
     why: str
@@ -207,13 +195,8 @@ def reset_gates(
     report_only: Mapping[str, str],
     findings: Iterable[Finding],
 ) -> list[ResetGate]:
-    """Every gate that holds the reset of ``finding``'s GPU in this snapshot, in plan's order.
-
-    Pure. These are the gates that need no history; plan checks them (the first that holds
-    wins) around the confirmation window, then the ones that do need history (circuit
-    breaker, reset limits, cooldown, a reset in flight, pause, post-action delay). ``explain``
-    lists them all for a saved report.
-    """
+    """Every gate that holds the reset of ``finding``'s GPU in this snapshot, in plan's order:
+    those that need no history (``explain`` lists them all for a saved report). Pure."""
     reset = policy.reset
     gates: list[ResetGate] = []
 
@@ -257,9 +240,8 @@ def reset_gates(
 
 
 def _mig_reset_asked(finding: Finding, why: str, policy: Policy) -> bool:
-    """A judged MIG GPU is report-only as a whole, except for a GPU health finding asking for
-    its reset with ``reset.allow_mig`` on: the MIG gates decide that one (every instance idle,
-    its layout restorable)."""
+    """A judged MIG GPU is report-only as a whole, except for a health finding asking for its
+    reset with ``reset.allow_mig`` on: the MIG gates decide that one."""
     return (
         why == WHOLE_GPU and policy.reset.allow_mig and finding.kind is FindingKind.RESET_REQUIRED
     )
@@ -274,9 +256,7 @@ def _instance_gates(
     parent: GpuInfo,
     findings: Iterable[Finding],
 ) -> None:
-    """The gates of re-creating the MIG GPU instance ``finding`` is about (its GPU is
-    ``parent``): the switch, the parent's state and protection, whether the instance can be
-    re-created in place, and its own live holders; a user of another instance never counts."""
+    """The gates of re-creating the MIG GPU instance ``finding`` is about, on GPU ``parent``."""
     where = f"a MIG instance of GPU {parent.index}"
     if not policy.reset.mig_recovery:
         gate("mig", f"{where}: no GPU reset of an instance (reset.mig_recovery is off)")
@@ -352,8 +332,8 @@ def escalating(w: Work, uuid: str) -> bool:
 def history_blocker(
     w: Work, ctx: Ctx, finding: Finding, gpu: GpuInfo
 ) -> tuple[str, Level, str] | None:
-    """The reset gates that need history: circuit breaker, limits, cooldown, a reset in flight,
-    pause, post-action delay. Shared by ghost-memory and health resets: (event, level, why)."""
+    """The reset gates that need history, for ghost-memory and health resets alike: (event,
+    level, why) of the first that holds, or None."""
     reset = ctx.policy.reset
     refused = EventName.RESET_REFUSED
     uuid = gpu.uuid
@@ -442,9 +422,8 @@ def start_reset(
     drained: bool = False,
     instance: InstanceRecovery | None = None,
 ) -> None:
-    """Hand one GPU's reset to act: the one reset path, for ghost memory and GPU health
-    (``drained``: the drain hooks ran already, before the health wait), and for the
-    re-creation of one MIG GPU instance of ``gpu`` (``instance``)."""
+    """Hand one GPU's reset (or its MIG GPU ``instance``'s re-creation) to act: the one reset
+    path (``drained``: a health reset's drain hooks ran already)."""
     dry = is_dry_run(w, ctx)
     lasted = ctx.now - w.seen[finding.key].first_seen
     facts = {

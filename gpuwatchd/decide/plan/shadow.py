@@ -6,29 +6,21 @@ In detail: docs/internals.md, section `gpuwatchd.decide.plan.shadow`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-from gpuwatchd.core.checked import number, pairs, text
+from gpuwatchd.core.checked import number, opt_number, pairs, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
 MAX_ENTRIES = 10_000  # a saved shadow longer than this is damaged, not a preview
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
 class DryShadow:
-    """What enforcement would have booked during a dry run.
-
-    ``resets``: (GPU UUID, wall time) of would-be resets assumed to have succeeded (they count
-    against ``max_resets``); ``done``: finding key → wall time of the would-be reset assumed to
-    have dealt with it (kept while the finding lasts); ``signalled``: (target, monotonic time)
-    of would-be ladders within the hour (the kill caps), ``scopes`` whose cap each counts
-    against (target → ``uid:N``); ``capped``: why enforcement would have reached the
-    node-wide cap (a would-be latch, cleared with the real one), since ``capped_since`` (wall
-    time); ``latches``: scope → (why, since) of the would-be per-user latches; ``forced``:
-    targets whose ladders enforcement would have run as forced dry runs (started after a cap).
-    """
+    """What enforcement would have booked during a dry run (its fields: docs/internals.md)."""
 
     resets: tuple[tuple[str, float], ...] = ()
     done: Mapping[str, float] = field(default_factory=dict)
@@ -62,9 +54,6 @@ class DryShadow:
             return cls()
         if not isinstance(data, dict):
             raise ValueError("plan.shadow: expected an object")
-        done = data.get("done", {})
-        if not isinstance(done, dict) or len(done) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.done: expected an object")
         capped = data.get("capped")
         if capped is not None and not isinstance(capped, str):
             raise ValueError("plan.shadow.capped: expected a string or null")
@@ -73,32 +62,48 @@ class DryShadow:
             raise ValueError("plan.shadow.forced: expected a list")
         if not all(isinstance(t, str) for t in forced):
             raise ValueError("plan.shadow.forced: expected strings")
-        scopes = data.get("scopes", {})
-        if not isinstance(scopes, dict) or len(scopes) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.scopes: expected an object")
-        since = data.get("capped_since")
-        latches = data.get("latches", {})
-        if not isinstance(latches, dict) or len(latches) > MAX_ENTRIES:
-            raise ValueError("plan.shadow.latches: expected an object")
         return cls(
             resets=pairs(data.get("resets", []), "plan.shadow.resets", MAX_ENTRIES),
-            done={
-                text(k, "plan.shadow.done"): number(v, f"plan.shadow.done.{k}")
-                for k, v in done.items()
-            },
+            done=_entries(data, "done", number),
             signalled=pairs(data.get("signalled", []), "plan.shadow.signalled", MAX_ENTRIES),
             capped=capped,
             forced=tuple(forced),
-            scopes={
-                text(k, "plan.shadow.scopes"): text(v, f"plan.shadow.scopes.{k}")
-                for k, v in scopes.items()
-            },
-            capped_since=None if since is None else number(since, "plan.shadow.capped_since"),
-            latches={
-                text(k, "plan.shadow.latches"): _latch(v, f"plan.shadow.latches.{k}")
-                for k, v in latches.items()
-            },
+            scopes=_entries(data, "scopes", text),
+            capped_since=opt_number(data.get("capped_since"), "plan.shadow.capped_since"),
+            latches=_entries(data, "latches", _latch),
         )
+
+
+def cap_exceeded(
+    limits: Limits,
+    scope: str,
+    signalled: Sequence[tuple[str, float]],
+    scopes: Mapping[str, str],
+    new_targets: Mapping[str, int],
+) -> tuple[str, str] | None:
+    """(the scope latched: ``scope`` or "node", why) when one more target of ``scope`` would pass
+    a kill cap, given the targets ``signalled`` within the hour, whose ``scopes`` they were, and
+    how many ``new_targets`` each scope had this poll. Enforcement's and the shadow's."""
+    if len(signalled) + 1 > limits.node_max_signalled_per_hour:
+        why = f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
+        return "node", why
+    if new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
+        return scope, f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
+    mine = sum(1 for t, _ in signalled if scopes.get(t) == scope)
+    if mine + 1 > limits.max_signalled_per_hour:
+        return scope, f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
+    return None
+
+
+def _entries(
+    data: Mapping[str, object], key: str, read: Callable[[object, str], _T]
+) -> dict[str, _T]:
+    """The saved object ``data[key]`` (at most MAX_ENTRIES entries), each value read by ``read``."""
+    what = f"plan.shadow.{key}"
+    found = data.get(key, {})
+    if not isinstance(found, dict) or len(found) > MAX_ENTRIES:
+        raise ValueError(f"{what}: expected an object")
+    return {text(k, what): read(v, f"{what}.{k}") for k, v in found.items()}
 
 
 def _latch(value: object, what: str) -> tuple[str, float]:
@@ -133,8 +138,6 @@ class ShadowWork:
             latches=self.latches,
         )
 
-    # -- keeping it current --
-
     def drop(self) -> None:
         """Not a dry run any more: the shadow never blocks the real thing."""
         self.resets, self.done, self.signalled = [], {}, []
@@ -166,14 +169,12 @@ class ShadowWork:
         self.latches = {k: (why, t - step) for k, (why, t) in self.latches.items()}
 
     def new_boot(self) -> None:
-        """Process identities mean nothing after a reboot; wall-time reset history stays, and
-        so do the would-be latches (enforcement's last across reboots, until they expire)."""
+        """A reboot: process identities go; wall-time history and would-be latches stay."""
         self.signalled, self.forced, self.scopes = [], set(), {}
 
     def expire(self, wall: float, lasts: float) -> list[tuple[str, str, float]]:
-        """Would-be latches that enforcement's ``limits.kill_cap_latch`` would have lifted by
-        wall time ``wall``: (scope, why, how long it lasted) each; a latch saved before its
-        start was recorded starts counting now. Ladders it forced stay forced."""
+        """The would-be latches ``limits.kill_cap_latch`` lifts by wall time ``wall``, as (scope,
+        why, how long it lasted); ladders they forced stay forced."""
         ended: list[tuple[str, str, float]] = []
         if self.capped is not None:
             if self.capped_since is None:
@@ -187,8 +188,6 @@ class ShadowWork:
                 del self.latches[scope]
         return ended
 
-    # -- resets --
-
     def recent_resets(self, gpu: str, wall: float, window: float) -> list[float]:
         return [t for g, t in self.resets if g == gpu and wall - t < window]
 
@@ -197,39 +196,25 @@ class ShadowWork:
         self.resets.append((gpu, wall))
         self.done[finding_key] = wall
 
-    # -- the kill cap --
-
     def latched(self, scope: str) -> bool:
         """Whether enforcement would run ``scope``'s new ladders as forced dry runs now."""
         return self.capped is not None or scope in self.latches
 
     def admit(self, target: str, scope: str, limits: Limits, wall: float) -> tuple[str, str] | None:
-        """A would-be ladder for ``target`` (whose kill-cap scope is ``scope``, ``uid:N``)
-        starts: (the scope latched, ``scope`` or "node", and why) when it would pass a cap
-        — said once, when the would-be latch engages — or None. After a latch every new
-        ladder in its reach is one enforcement would have run as a forced dry run."""
+        """A would-be ladder for ``target`` starts: (the scope latched, ``scope`` or "node", and
+        why) when it would pass a cap, once, or None; after it, every new one is forced."""
         if self.latched(scope):
             self.forced.add(target)
             return None
-        mine = sum(1 for t, _ in self.signalled if self.scopes.get(t) == scope)
-        if len(self.signalled) + 1 > limits.node_max_signalled_per_hour:
-            why = (
-                f"more than {limits.node_max_signalled_per_hour} processes in one hour on the node"
-            )
-            self.capped, self.capped_since = why, wall
-            latched = "node"
-        elif self.new_targets.get(scope, 0) + 1 > limits.max_signalled_per_poll:
-            why = f"more than {limits.max_signalled_per_poll} processes of {scope} in one poll"
-            self.latches[scope] = (why, wall)
-            latched = scope
-        elif mine + 1 > limits.max_signalled_per_hour:
-            why = f"more than {limits.max_signalled_per_hour} processes of {scope} in one hour"
-            self.latches[scope] = (why, wall)
-            latched = scope
-        else:
+        capped = cap_exceeded(limits, scope, self.signalled, self.scopes, self.new_targets)
+        if capped is None:
             return None
+        if capped[0] == "node":
+            self.capped, self.capped_since = capped[1], wall
+        else:
+            self.latches[scope] = (capped[1], wall)
         self.forced.add(target)
-        return latched, why
+        return capped
 
     def count(self, target: str, scope: str, now: float) -> None:
         """A would-be ladder sent its first signal (as enforcement counts a real one)."""
@@ -240,6 +225,5 @@ class ShadowWork:
         self.new_targets[scope] = self.new_targets.get(scope, 0) + 1
 
     def holds(self, target: str, scope: str) -> bool:
-        """After a would-be latch, the ladders in its reach that enforcement ran for real
-        would be held (the node's latch holds every one, a user's only that user's)."""
+        """Whether a would-be latch holds ``target``'s ladder (one enforcement ran for real)."""
         return self.latched(scope) and target not in self.forced

@@ -1,11 +1,6 @@
-"""The planner's carried state: what survives restarts, its JSON form and its validation.
-
-This module owns the state ``plan`` carries from poll to poll and saves across restarts
-(``PlanState`` and its parts: ``SeenFinding``, ``Ladder``, ``ResetInFlight``, ``HealthWait``,
-``Latch``, ``ResetRefusal``, ``MigUnfinished``),
-the saved JSON format (``PlanState.to_json`` / ``PlanState.from_json``, version
-``PLAN_STATE_VERSION``) and the checks applied when it is read back, so a damaged state file is
-a ValueError, never a wrong decision.
+"""The planner's carried state (``PlanState`` and its parts), what survives restarts, and its
+checked JSON form (version ``PLAN_STATE_VERSION``): a damaged state file is a ValueError,
+never a wrong decision.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.plan.state`.
 """
@@ -14,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
-from gpuwatchd.core import checked
 from gpuwatchd.core.checked import (
     flag,
     integer,
@@ -26,8 +20,10 @@ from gpuwatchd.core.checked import (
     obj,
     opt_number,
     opt_text,
+    pairs,
     text,
 )
+from gpuwatchd.core.codec import Reader
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
 from gpuwatchd.decide.plan.shadow import DryShadow
@@ -47,11 +43,8 @@ class SeenFinding:
 
 @dataclass(frozen=True)
 class Ladder:
-    """One target's escalation. ``steps`` is copied from the rule when the ladder starts, so a
-    config reload never changes a ladder in progress. ``step`` is how many steps were emitted;
-    ``due`` is when the next step (or, after the last, the end) is due. ``status`` is "active"
-    or terminal: "ended", "stuck", "failed" (terminal ladders stay while the process lives, so
-    that identity is never signalled again)."""
+    """One target's escalation: ``steps`` copied from the rule at its start, ``step`` how many
+    were emitted, ``due`` when the next (or the end) is due (docs/internals.md)."""
 
     target: str
     pid: int
@@ -65,7 +58,7 @@ class Ladder:
     status: LadderStatus
     dry_run: bool
     started: float
-    user: str | None = None  # the target's owner when the ladder started (for on_action)
+    user: str | None = None  # the target's owner at the start (for on_action)
 
 
 @dataclass(frozen=True)
@@ -81,12 +74,8 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish (drain, then reset).
-
-    ``since`` is monotonic (when the drain began: the hooks were asked for then, and
-    ``health.drain_timeout`` counts from it); ``expired`` once the wait passed the timeout and
-    ``on_failure`` was asked for (once). Kept per GPU UUID while its finding lasts.
-    """
+    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
+    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
 
     finding_key: str
     since: float
@@ -96,16 +85,7 @@ class HealthWait:
 
 @dataclass(frozen=True)
 class ResetRefusal:
-    """A reset of one GPU that did not happen, and for which incident (docs/reset.md).
-
-    ``finding_key`` is the incident (the ghost-memory or health finding the reset was for);
-    ``in_use`` says the driver itself refused ("In use by another client") although the final
-    scan found no holder; ``since`` is wall time. ``allocated`` is the GPU's allocated memory
-    at the first poll after the refusal (None until then, or unknown): a change of it is one of
-    the things that let the reset be tried again. ``dry_run``: a dry run's would-be reset that
-    its read-only final scan found held, kept so the preview holds the incident as enforcement
-    would; dropped the moment the daemon acts for real.
-    """
+    """A reset of one GPU that did not happen, and for which incident (docs/internals.md)."""
 
     finding_key: str
     reason: str
@@ -113,17 +93,13 @@ class ResetRefusal:
     since: float
     allocated: int | None = None
     dry_run: bool = False
-    # A live holder (a monitor, say) was seen on the GPU since: its letting go is a change.
     held: bool = False
 
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance whose re-creation failed once its commands had started: it may be
-    half done (destroyed, not created again), so its GPU is not clean (decide/verdict.py) until
-    a snapshot shows an instance of the planned GI ``profile`` at the planned ``placement``
-    (``size`` slices) on GPU ``gpu`` again. Kept by the instance's MIG UUID; ``since`` is wall
-    time, ``outcome`` the recovery's result (docs/reset.md)."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
+    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
 
     gpu: str
     gi: int
@@ -136,10 +112,8 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, and since when. It holds ``limits.kill_cap_latch`` measured on
-    the plan's monotonic clock from ``since_monotonic`` (a wall clock step neither lifts it
-    early nor stretches it); ``since`` (wall time) shows it and, across a reboot or from an
-    older state file (``since_monotonic`` None), anchors it once on the monotonic clock."""
+    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
+    anchored: after a reboot, or from an older state file)."""
 
     reason: str
     since: float
@@ -148,22 +122,7 @@ class Latch:
 
 @dataclass(frozen=True)
 class PlanState:
-    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json).
-
-    Monotonic times (``seen``, ``waiting``, ladders, ``quiet_until``, ``signal_history``) are only
-    meaningful within one boot and are dropped when the boot id changes (the latches'
-    ``since_monotonic`` too: a latch is anchored again, see :class:`Latch`). Wall times
-    (``last_reset``, ``reset_history``, the latches' ``since``) are kept; a backward wall-clock
-    step shifts them back by the step, so the step counts as no time passed.
-
-    ``signal_scopes`` says whose (``uid:N``) each target of ``signal_history`` was; the node's
-    kill-cap latch is ``forced_dry_run`` (since ``forced_since``, and ``forced_since_monotonic``
-    as a :class:`Latch`'s ``since_monotonic``), one user's is in
-    ``scope_latches``. ``health_drained`` maps a GPU UUID to whether the ``reset.drain`` hooks
-    its health incident ran were a dry run: kept while any health finding of that GPU lasts
-    (DRAIN_P2P settling to GPU_RESET is one incident, drained once) and until a reset of it
-    succeeded (its ``after`` hooks undid the drain).
-    """
+    """Everything ``plan`` carries from poll to poll; saved across restarts (to_json)."""
 
     boot_id: str | None = None
     seen: Mapping[str, SeenFinding] = field(default_factory=dict)
@@ -196,18 +155,137 @@ class PlanState:
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON-able data (dicts, lists, str, float, int, bool, None)."""
-        return _dump_state(self)
+        flight = self.reset_in_flight
+        return {
+            "version": PLAN_STATE_VERSION,
+            **_SCALARS.values_of(self),
+            "seen": {k: _SEEN.values_of(v) for k, v in self.seen.items()},
+            "notes": dict(self.notes),
+            "waiting": dict(self.waiting),
+            "ladders": {k: _dump_ladder(v) for k, v in self.ladders.items()},
+            "quiet_until": dict(self.quiet_until),
+            "last_reset": dict(self.last_reset),
+            "last_dry_reset": dict(self.last_dry_reset),
+            "reset_history": [[g, t] for g, t in self.reset_history],
+            "reset_in_flight": None if flight is None else _IN_FLIGHT.values_of(flight),
+            "signal_history": [[t, at] for t, at in self.signal_history],
+            "signal_scopes": dict(self.signal_scopes),
+            "scope_latches": {k: _LATCH.values_of(v) for k, v in self.scope_latches.items()},
+            "health_waits": {k: _HEALTH_WAIT.values_of(v) for k, v in self.health_waits.items()},
+            "reset_refusals": {k: _REFUSAL.values_of(v) for k, v in self.reset_refusals.items()},
+            "health_drained": dict(sorted(self.health_drained.items())),
+            "mig_unfinished": {
+                k: _UNFINISHED.values_of(v) for k, v in sorted(self.mig_unfinished.items())
+            },
+            "shadow": self.shadow.to_json(),
+        }
 
     @classmethod
     def from_json(cls, data: object) -> PlanState:
         """Rebuild a state saved by ``to_json``; ValueError when ``data`` is malformed."""
-        return _load_state(data)
+        d = obj(data, "plan")
+        version = d.get("version", PLAN_STATE_VERSION)
+        if version != PLAN_STATE_VERSION:
+            raise ValueError(f"plan: unsupported state version {version!r}")
+        scalars = _SCALARS.read(d, "plan")
+        if scalars["reset_failures"] < 0:
+            raise ValueError("plan.reset_failures: negative")
+        flight = d.get("reset_in_flight")
+        return cls(
+            **scalars,
+            seen=_SEEN.load_all(d.get("seen", {}), "plan.seen"),
+            notes={
+                k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()
+            },
+            waiting=numbers(d.get("waiting", {}), "plan.waiting"),
+            ladders={
+                k: _ladder(v, f"plan.ladders.{k}")
+                for k, v in obj(d.get("ladders", {}), "plan.ladders").items()
+            },
+            quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
+            last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
+            last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
+            reset_history=pairs(d.get("reset_history", []), "plan.reset_history"),
+            reset_in_flight=None
+            if flight is None
+            else _IN_FLIGHT.load(flight, "plan.reset_in_flight"),
+            signal_history=pairs(d.get("signal_history", []), "plan.signal_history"),
+            signal_scopes={
+                k: text(v, f"plan.signal_scopes.{k}")
+                for k, v in obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
+            },
+            scope_latches=_LATCH.load_all(d.get("scope_latches", {}), "plan.scope_latches"),
+            health_waits=_HEALTH_WAIT.load_all(d.get("health_waits", {}), "plan.health_waits"),
+            reset_refusals=_REFUSAL.load_all(d.get("reset_refusals", {}), "plan.reset_refusals"),
+            health_drained={
+                gpu: flag(dry, f"plan.health_drained.{gpu}")
+                for gpu, dry in obj(d.get("health_drained", {}), "plan.health_drained").items()
+            },
+            mig_unfinished=_UNFINISHED.load_all(d.get("mig_unfinished", {}), "plan.mig_unfinished"),
+            shadow=DryShadow.from_json(d.get("shadow")),
+        )
 
 
 # --- JSON -------------------------------------------------------------------------------------
-# Written by hand, not by reflection: the saved format is an interface (restarts, upgrades), and
-# every value read back is checked, so a damaged file is a ValueError, never a wrong decision.
+# Field by field, not by reflection: the saved format is an interface (restarts, upgrades).
 
+
+@dataclass(frozen=True)
+class _Form(Generic[_T]):
+    """A saved record's form: its ``fields`` ("key=attribute", as ``fields_of`` names them),
+    each with its checked reader; ``absent``: what a key older files lack reads as (None)."""
+
+    make: Callable[..., _T]
+    fields: Mapping[str, Reader]
+    absent: Mapping[str, object] = field(default_factory=dict)
+
+    def values_of(self, record: object) -> dict[str, object]:
+        return fields_of(record, tuple(self.fields))
+
+    def read(self, data: Mapping[str, object], what: str) -> dict[str, Any]:
+        """Each field's checked value by attribute; ValueError naming ``what`` and the key."""
+        found = {}
+        for name, reader in self.fields.items():
+            key, _, attribute = name.partition("=")
+            found[attribute or key] = reader(data.get(key, self.absent.get(key)), f"{what}.{key}")
+        return found
+
+    def load(self, value: object, what: str) -> _T:
+        return self.make(**self.read(obj(value, what), what))
+
+    def load_all(self, value: object, what: str) -> dict[str, _T]:
+        """A saved ``{key: record}`` mapping."""
+        return {key: self.load(item, f"{what}.{key}") for key, item in obj(value, what).items()}
+
+
+def _opt_int(value: object, what: str) -> int | None:
+    return None if value is None else integer(value, what)
+
+
+# PlanState's own scalar fields ("reset_failures" is also checked to be >= 0).
+_SCALARS = _Form(PlanState, {"boot_id": opt_text, "reset_failures": integer,
+                 "circuit_open": flag, "forced_dry_run": flag, "forced_reason": opt_text,
+                 "forced_since": opt_number,
+                 # absent in older state files: anchored once by wall time
+                 "forced_since_monotonic": opt_number,
+                 "paused": flag, "paused_reason": opt_text, "paused_until": opt_number,
+                 "last_wall": opt_number},
+                 {"reset_failures": 0, "circuit_open": False, "forced_dry_run": False,
+                  "paused": False})  # fmt: skip
+_SEEN = _Form(
+    SeenFinding, {"first_seen": number, "digest": text, "gpu": opt_text, "target": opt_text}
+)
+_IN_FLIGHT = _Form(ResetInFlight, {"gpu": text, "finding=finding_key": text, "dry_run": flag,
+                   "since": number, "delay": number}, {"delay": 0.0})  # fmt: skip
+_LATCH = _Form(Latch, {"reason": text, "since": number, "since_monotonic": opt_number})
+_HEALTH_WAIT = _Form(HealthWait, {"finding=finding_key": text, "since": number,
+                     "dry_run": flag, "expired": flag}, {"expired": False})  # fmt: skip
+_REFUSAL = _Form(ResetRefusal, {"finding=finding_key": text, "reason": text, "in_use": flag,
+                 "since": number, "allocated": _opt_int, "dry_run": flag, "held": flag},
+                 {"dry_run": False, "held": False})  # fmt: skip
+_UNFINISHED = _Form(MigUnfinished, {"gpu": text, "gi": integer, "profile": integer,
+                    "placement": integer, "size": integer, "since": number,
+                    "outcome": text})  # fmt: skip
 
 # A ladder's fields in its events, and (with the rest, in this order) in the state file.
 LADDER_EVENT_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
@@ -222,91 +300,12 @@ def _dump_ladder(lad: Ladder) -> dict[str, object]:
     return {**fields_of(lad, _LADDER_FILE_FIELDS), "steps": steps}
 
 
-def _dump_state(s: PlanState) -> dict[str, object]:
-    flight = s.reset_in_flight
-    return {
-        "version": PLAN_STATE_VERSION,
-        "boot_id": s.boot_id,
-        "seen": {
-            k: {"first_seen": v.first_seen, "digest": v.digest, "gpu": v.gpu, "target": v.target}
-            for k, v in s.seen.items()
-        },
-        "notes": dict(s.notes),
-        "waiting": dict(s.waiting),
-        "ladders": {k: _dump_ladder(v) for k, v in s.ladders.items()},
-        "quiet_until": dict(s.quiet_until),
-        "last_reset": dict(s.last_reset),
-        "last_dry_reset": dict(s.last_dry_reset),
-        "reset_history": [[g, t] for g, t in s.reset_history],
-        "reset_failures": s.reset_failures,
-        "circuit_open": s.circuit_open,
-        "reset_in_flight": None
-        if flight is None
-        else {
-            "gpu": flight.gpu,
-            "finding": flight.finding_key,
-            "dry_run": flight.dry_run,
-            "since": flight.since,
-            "delay": flight.delay,
-        },
-        "signal_history": [[t, at] for t, at in s.signal_history],
-        "forced_dry_run": s.forced_dry_run,
-        "forced_reason": s.forced_reason,
-        "forced_since": s.forced_since,
-        "forced_since_monotonic": s.forced_since_monotonic,
-        "signal_scopes": dict(s.signal_scopes),
-        "scope_latches": {
-            scope: {
-                "reason": latch.reason,
-                "since": latch.since,
-                "since_monotonic": latch.since_monotonic,
-            }
-            for scope, latch in s.scope_latches.items()
-        },
-        "paused": s.paused,
-        "paused_reason": s.paused_reason,
-        "paused_until": s.paused_until,
-        "last_wall": s.last_wall,
-        "health_waits": {
-            gpu: {
-                "finding": wait.finding_key,
-                "since": wait.since,
-                "dry_run": wait.dry_run,
-                "expired": wait.expired,
-            }
-            for gpu, wait in s.health_waits.items()
-        },
-        "reset_refusals": {
-            gpu: {
-                "finding": r.finding_key,
-                "reason": r.reason,
-                "in_use": r.in_use,
-                "since": r.since,
-                "allocated": r.allocated,
-                "dry_run": r.dry_run,
-                "held": r.held,
-            }
-            for gpu, r in s.reset_refusals.items()
-        },
-        "health_drained": dict(sorted(s.health_drained.items())),
-        "mig_unfinished": {
-            mig: {
-                "gpu": u.gpu,
-                "gi": u.gi,
-                "profile": u.profile,
-                "placement": u.placement,
-                "size": u.size,
-                "since": u.since,
-                "outcome": u.outcome,
-            }
-            for mig, u in sorted(s.mig_unfinished.items())
-        },
-        "shadow": s.shadow.to_json(),
-    }
+def _ladder(value: object, what: str) -> Ladder:
+    d = obj(value, what)
 
+    def f(read: Callable[[object, str], _T], key: str) -> _T:
+        return read(d.get(key), f"{what}.{key}")
 
-def _ladder(f: _Fields) -> Ladder:
-    d, what = f.data, f.what
     steps = []
     for i, item in enumerate(items(d.get("steps"), f"{what}.steps")):
         pair = items(item, f"{what}.steps[{i}]")
@@ -326,114 +325,8 @@ def _ladder(f: _Fields) -> Ladder:
                   started=f(number, "started"), user=f(opt_text, "user"))  # fmt: skip
 
 
-def _load_state(data: object) -> PlanState:
-    d = obj(data, "plan")
-    version = d.get("version", PLAN_STATE_VERSION)
-    if version != PLAN_STATE_VERSION:
-        raise ValueError(f"plan: unsupported state version {version!r}")
-    seen = _records(d.get("seen", {}), "plan.seen", _seen)
-    flight = d.get("reset_in_flight")
-    in_flight = None if flight is None else _in_flight(_Fields(flight, "plan.reset_in_flight"))
-    failures = integer(d.get("reset_failures", 0), "plan.reset_failures")
-    if failures < 0:
-        raise ValueError("plan.reset_failures: negative")
-    return PlanState(
-        boot_id=opt_text(d.get("boot_id"), "plan.boot_id"),
-        seen=seen,
-        notes={k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()},
-        waiting=numbers(d.get("waiting", {}), "plan.waiting"),
-        ladders=_records(d.get("ladders", {}), "plan.ladders", _ladder),
-        quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
-        last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
-        last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
-        reset_history=checked.pairs(d.get("reset_history", []), "plan.reset_history"),
-        reset_failures=failures,
-        circuit_open=flag(d.get("circuit_open", False), "plan.circuit_open"),
-        reset_in_flight=in_flight,
-        signal_history=checked.pairs(d.get("signal_history", []), "plan.signal_history"),
-        forced_dry_run=flag(d.get("forced_dry_run", False), "plan.forced_dry_run"),
-        forced_reason=opt_text(d.get("forced_reason"), "plan.forced_reason"),
-        forced_since=opt_number(d.get("forced_since"), "plan.forced_since"),
-        forced_since_monotonic=opt_number(
-            d.get("forced_since_monotonic"), "plan.forced_since_monotonic"
-        ),  # absent in older state files: anchored once by wall time
-        signal_scopes={
-            k: text(v, f"plan.signal_scopes.{k}")
-            for k, v in obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
-        },
-        scope_latches=_records(d.get("scope_latches", {}), "plan.scope_latches", _latch),
-        paused=flag(d.get("paused", False), "plan.paused"),
-        paused_reason=opt_text(d.get("paused_reason"), "plan.paused_reason"),
-        paused_until=opt_number(d.get("paused_until"), "plan.paused_until"),
-        last_wall=opt_number(d.get("last_wall"), "plan.last_wall"),
-        health_waits=_records(d.get("health_waits", {}), "plan.health_waits", _health_wait),
-        reset_refusals=_records(d.get("reset_refusals", {}), "plan.reset_refusals", _refusal),
-        health_drained={
-            gpu: flag(dry, f"plan.health_drained.{gpu}")
-            for gpu, dry in obj(d.get("health_drained", {}), "plan.health_drained").items()
-        },
-        mig_unfinished=_records(d.get("mig_unfinished", {}), "plan.mig_unfinished", _unfinished),
-        shadow=DryShadow.from_json(d.get("shadow")),
-    )
-
-
-class _Fields:
-    """One saved record's fields, each read by a checker with its path in the error."""
-
-    def __init__(self, value: object, what: str) -> None:
-        self.data = obj(value, what)
-        self.what = what
-
-    def __call__(self, read: Callable[[object, str], _T], key: str, default: object = None) -> _T:
-        return read(self.data.get(key, default), f"{self.what}.{key}")
-
-
-def _records(value: object, what: str, load: Callable[[_Fields], _T]) -> dict[str, _T]:
-    """A saved ``{key: record}`` mapping, each record read by ``load``."""
-    return {key: load(_Fields(item, f"{what}.{key}")) for key, item in obj(value, what).items()}
-
-
-def _seen(f: _Fields) -> SeenFinding:
-    return SeenFinding(first_seen=f(number, "first_seen"), digest=f(text, "digest"),
-                       gpu=f(opt_text, "gpu"), target=f(opt_text, "target"))  # fmt: skip
-
-
-def _in_flight(f: _Fields) -> ResetInFlight:
-    return ResetInFlight(gpu=f(text, "gpu"), finding_key=f(text, "finding"),
-                         dry_run=f(flag, "dry_run"), since=f(number, "since"),
-                         delay=f(number, "delay", 0.0))  # fmt: skip
-
-
-def _opt_int(value: object, what: str) -> int | None:
-    return None if value is None else integer(value, what)
-
-
-def _unfinished(f: _Fields) -> MigUnfinished:
-    return MigUnfinished(gpu=f(text, "gpu"), gi=f(integer, "gi"), profile=f(integer, "profile"),
-                         placement=f(integer, "placement"), size=f(integer, "size"),
-                         since=f(number, "since"), outcome=f(text, "outcome"))  # fmt: skip
-
-
-def _refusal(f: _Fields) -> ResetRefusal:
-    return ResetRefusal(finding_key=f(text, "finding"), reason=f(text, "reason"),
-                        in_use=f(flag, "in_use"), since=f(number, "since"),
-                        allocated=f(_opt_int, "allocated"), dry_run=f(flag, "dry_run", False),
-                        held=f(flag, "held", False))  # fmt: skip
-
-
-def _latch(f: _Fields) -> Latch:
-    return Latch(reason=f(text, "reason"), since=f(number, "since"),
-                 since_monotonic=f(opt_number, "since_monotonic"))  # fmt: skip
-
-
-def _health_wait(f: _Fields) -> HealthWait:
-    return HealthWait(finding_key=f(text, "finding"), since=f(number, "since"),
-                      dry_run=f(flag, "dry_run"), expired=f(flag, "expired", False))  # fmt: skip
-
-
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:
-    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done
-    (decide/verdict.py's ``mig_unfinished``)."""
+    """GPU UUID → why it is not clean, for each GPU with a MIG recovery left half done."""
     found: dict[str, list[str]] = {}
     for mig, u in sorted(state.mig_unfinished.items()):
         found.setdefault(u.gpu, []).append(

@@ -501,13 +501,13 @@ def _age(now: float | None, then: float | None, *, unknown: str = "?") -> str:
     if now is None or then is None:
         return unknown
     seconds = max(0, int(now - then))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    days, rest = divmod(seconds, 86400)
+    hours, minutes = divmod(rest // 60, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m" if minutes else f"{seconds}s"
 
 
 def _text(value: object) -> str:

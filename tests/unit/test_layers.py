@@ -226,7 +226,6 @@ LONG_DEFINITIONS = {
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",
-    "decide.health.judge:_judge_xids": "the Xid catalogue's actions applied in order",
     "decide.plan.ladders:_advance_live_ladder": "a kill ladder's steps (a mutation-tested gate)",
     "decide.plan.ladders:consider_process_finding":
         "whether to start a ladder (a mutation-tested gate)",

@@ -39,7 +39,10 @@ class HostView:
         }
         self.unreadable = frozenset(snapshot.holders.unreadable - own)
         self.full_scan = snapshot.holders.mode == "full"
-        self._by_minor: dict[int, list[DeviceHolding]] | None = None
+        self._by_minor: dict[int, list[DeviceHolding]] = {}
+        for _pid, holding in sorted(self.holdings.items()):
+            for minor in holding.gpu_minors:
+                self._by_minor.setdefault(minor, []).append(holding)
         self._floor: dict[int, bool] = {}
         self.invalid: list[tuple[str, int]] = []
         self.listings: dict[str, list[Listing]] = {}
@@ -57,16 +60,14 @@ class HostView:
                 status = "dead" if proc is None else "zombie" if proc.is_zombie else "alive"
                 rows.append(Listing(gpu, entry, status, proc))
             self.listings[gpu.uuid] = rows
-        # Every PID NVML lists alive on some GPU: they own a context somewhere, and they (and
-        # their relatives) are never orphans. A listed zombie that still holds device files has
-        # live threads, so it counts as alive here too.
-        self.listed_alive: dict[int, ProcessInfo] = {}
-        for rows in self.listings.values():
-            for row in rows:
-                if row.proc is None:
-                    continue
-                if row.status == "alive" or self.holds_anything(row.proc.pid):
-                    self.listed_alive[row.proc.pid] = row.proc
+        # Every PID NVML lists alive on some GPU (a listed zombie that still holds device files
+        # has live threads): they own a context somewhere, and are never orphans.
+        self.listed_alive: dict[int, ProcessInfo] = {
+            row.proc.pid: row.proc
+            for rows in self.listings.values()
+            for row in rows
+            if row.proc is not None and (row.status == "alive" or self.holds_anything(row.proc.pid))
+        }
 
     def holds_anything(self, pid: int) -> bool:
         holding = self.holdings.get(pid)
@@ -86,12 +87,6 @@ class HostView:
     def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
         if gpu.minor is None:
             return []
-        if self._by_minor is None:  # indexed once per snapshot, asked for per GPU many times
-            index: dict[int, list[DeviceHolding]] = {}
-            for _pid, holding in sorted(self.holdings.items()):
-                for minor in holding.gpu_minors:
-                    index.setdefault(minor, []).append(holding)
-            self._by_minor = index
         return list(self._by_minor.get(gpu.minor, ()))
 
     def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:
@@ -126,11 +121,8 @@ class HostView:
 
 
 def relation(host: HostView, a: ProcessInfo, b: ProcessInfo) -> tuple[bool | None, str]:
-    """Whether ``a`` belongs with ``b``: same tree, session, process group or job.
-
-    True with the link that proves it; False when every column is known and none links them;
-    None when some column is unknown (unknown never proves two processes unrelated).
-    """
+    """Whether ``a`` belongs with ``b`` (same tree, session, process group or job), with the
+    link that proves it; None when some column is unknown (it never proves them unrelated)."""
     if a.pid == b.pid:
         return True, "same process"
     unknown: list[str] = []

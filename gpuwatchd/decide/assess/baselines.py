@@ -1,8 +1,5 @@
-"""Each GPU's idle memory: which figure to compare, learning it, and "back to baseline".
-
-This module owns the memory baseline (docs/design-notes.md, section 6): the figure a GPU is
-judged by (v2 allocated memory, or v1 "used" under its own key), learning the idle minimum
-only from moments when nothing could hold the GPU, and the check after a reset. Pure.
+"""Each GPU's idle memory (docs/design-notes.md, section 6): which figure to compare (v2
+allocated memory, or v1 "used" under its own key), learning it, and "back to baseline". Pure.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The holder pass: each process that holds device files, classified by the orphan rule.
-
-This module owns the roles (context owner, worker, management, hidden, stuck, unknown) and the
-orphan rule with its positive evidence: a dead owner's tie, kcmp inheritance, memory without an
-owner, the likely heir of a leak from before the daemon watched; and ``job_ended``.
-Semantics: ``docs/findings.md``; in detail: docs/internals.md, section
-`gpuwatchd.decide.assess.holders`.
+"""The holder pass: each process that holds device files, given a role by the orphan rule
+(docs/findings.md), which wants positive evidence: a dead owner's tie, kcmp inheritance,
+memory without an owner, the likely heir of a leak from before the daemon watched, an ended
+job. In detail: docs/internals.md, section `gpuwatchd.decide.assess.holders`.
 """
 
 from __future__ import annotations
@@ -77,8 +74,7 @@ class HolderPass(AssessorState):
         host = self.host
         if proc is None:
             return Outcome("unknown", "no process facts (exited during the scan?)")
-        by_state = self.by_process_state(pid, proc)
-        if by_state is not None:
+        if (by_state := self.by_process_state(pid, proc)) is not None:
             return by_state
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         ended = job_ended(proc, host.snapshot)
@@ -99,8 +95,7 @@ class HolderPass(AssessorState):
             return worker
         if ended is not None:
             return abandoned
-        unexplained = self.unexplained(proc, holding, held, unknown_links)
-        if unexplained is not None:
+        if (unexplained := self.unexplained(proc, holding, held, unknown_links)) is not None:
             return unexplained
         if heir_of is not None:
             gpu = held[0]
@@ -110,13 +105,11 @@ class HolderPass(AssessorState):
                 "anywhere and no live context owner is its ancestor or descendant"
             )
             return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
-        tied = self.tied_to_dead_owner(proc, held)
-        if tied is not None:
-            return tied
-        heir = self.likely_heir(proc, held)
-        if heir is not None:
-            return heir
-        return self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+        return (
+            self.tied_to_dead_owner(proc, held)
+            or self.likely_heir(proc, held)
+            or self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+        )
 
     def by_process_state(self, pid: int, proc: ProcessInfo) -> Outcome | None:
         """The role that the process's own state settles: infrastructure, zombie, stuck."""

@@ -1,9 +1,6 @@
-"""The host as one snapshot shows it, indexed for the assessment.
-
-This module owns :class:`HostView` — the snapshot with the daemon's own processes removed,
-NVML's listings validated (PIDs above ``pid_max`` or not positive are set aside), holders
-indexed per GPU, infrastructure looked up once per PID — and :func:`relation`, whether two
-processes belong together (tree, session, job). Pure: no I/O, no clock; it decides nothing.
+"""The host as one snapshot shows it, indexed for the assessment (:class:`HostView`: the
+daemon's own processes removed, impossible PIDs NVML lists set aside), and :func:`relation`,
+whether two processes belong together. Pure; it decides nothing.
 """
 
 from __future__ import annotations
@@ -80,9 +77,7 @@ class HostView:
         holding = self.holdings.get(pid)
         if holding is not None and gpu.minor in holding.gpu_minors:
             return True
-        if pid in self.unreadable:
-            return None
-        return False
+        return None if pid in self.unreadable else False
 
     def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
         if gpu.minor is None:

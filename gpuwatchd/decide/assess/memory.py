@@ -1,8 +1,5 @@
-"""The GPU-level pass: ghost and unaccounted memory, and the driver's refused resets.
-
-This module owns ``ghost_memory`` (memory above the idle baseline that no live process holds,
-with every reason it is not judged one), ``unaccounted_memory``, and the hidden holder a reset
-the driver refused as in use reveals.
+"""The GPU-level pass: ``ghost_memory`` (with every reason memory above the idle baseline is
+not judged one), ``unaccounted_memory``, and the hidden holder a refused reset reveals.
 """
 
 from __future__ import annotations

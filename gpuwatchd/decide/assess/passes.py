@@ -3,9 +3,7 @@
 This module owns ``assess`` (``assess_processes`` then ``with_health``) and the order of its
 passes over one shared state (``shared.py``): the NVML listings, the holders and the orphan
 rule, GPU-level memory and the driver's refused resets; MIG instances are judged as GPUs of
-their own (``decide/mig/instances.py``).
-
-In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
+their own. In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
 """
 
 from __future__ import annotations

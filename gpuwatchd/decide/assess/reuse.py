@@ -1,9 +1,7 @@
 """The last assessment and verdict, reused when a poll's inputs equal the previous poll's.
 
-This module owns one saving of the daemon's steady poll (docs/performance.md). It is exact,
-not a heuristic: each reuse is a case where recomputing is proven to give an equal result.
-
-In detail: docs/internals.md, section `gpuwatchd.decide.assess.reuse`.
+Exact, not a heuristic (docs/performance.md): each reuse is a case where recomputing is
+proven to give an equal result (docs/internals.md, section `gpuwatchd.decide.assess.reuse`).
 """
 
 from __future__ import annotations

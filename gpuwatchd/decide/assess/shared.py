@@ -1,8 +1,6 @@
-"""What the passes of an assessment share: the results, PID trust, and the assessor's state.
-
-This module owns ``Assessment`` and ``HolderRole``, PID trust and the report-only conditions,
-and ``AssessorState``: what one assessment carries while its passes run, with the helpers
-every pass uses (``add``, ``role``, ``add_stuck``, baselines, memory without an owner).
+"""What the passes of an assessment share: the results (``Assessment``, ``HolderRole``), PID
+trust, the report-only conditions, and ``AssessorState``, one assessment's state while its
+passes run with the helpers every pass uses.
 """
 
 from __future__ import annotations
@@ -162,13 +160,12 @@ class AssessorState:
         self.owners = update_owners(
             host, previous.owners if same_boot else frozenset(), self.lineage
         )
-        self.unaccounted_since: dict[str, float] = {}
-        for gpu in host.gpus:
-            if self.memory_without_owner(gpu) is not None:
-                since = previous.unaccounted_since.get(gpu.uuid) if same_boot else None
-                self.unaccounted_since[gpu.uuid] = (
-                    since if since is not None else snapshot.monotonic
-                )
+        since = previous.unaccounted_since if same_boot else {}
+        self.unaccounted_since = {
+            gpu.uuid: since.get(gpu.uuid, snapshot.monotonic)
+            for gpu in host.gpus
+            if self.memory_without_owner(gpu) is not None
+        }
         self.report_only = _report_only(host, _pid_trust_problem(host, detection, self.lineage))
         self.findings: list[Finding] = []
         self.roles: list[HolderRole] = []
@@ -191,9 +188,7 @@ class AssessorState:
         return value, self.detection.default_baseline, False
 
     def blocked(self, gpus: Iterable[GpuInfo]) -> bool:
-        if NODE in self.report_only:
-            return True
-        return any(g.uuid in self.report_only for g in gpus)
+        return NODE in self.report_only or any(g.uuid in self.report_only for g in gpus)
 
     def add(
         self,

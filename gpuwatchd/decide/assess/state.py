@@ -1,9 +1,6 @@
-"""What the assessment carries from poll to poll and across restarts.
-
-This module owns :class:`AssessState`, its JSON form in the state file (version
-``ASSESS_STATE_VERSION``, every field checked when read back: a damaged file is a ValueError,
-never a wrong decision), and the rules that carry lineage, inheritance and owners forward.
-Pure: no I/O, no clock. In detail: docs/internals.md, section `gpuwatchd.decide.assess.state`.
+"""What the assessment carries from poll to poll and across restarts: :class:`AssessState`,
+its checked JSON form (a damaged file is a ValueError, never a wrong decision), and the rules
+that carry it forward. Pure. In detail: docs/internals.md, section `gpuwatchd.decide.assess.state`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""GPU health: Xid events, the recovery action, row remapping, retired pages and the NVLink
-fabric → findings.
-
-This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health).
-
-In detail: docs/internals.md, section `gpuwatchd.decide.health.judge`.
+"""GPU health: what Xid events, the recovery action, row remapping, retired pages and the
+NVLink fabric *mean* → findings (docs/findings.md#gpu-health). In detail: docs/internals.md,
+section `gpuwatchd.decide.health.judge`.
 """
 
 from __future__ import annotations

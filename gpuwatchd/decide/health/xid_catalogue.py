@@ -1,10 +1,5 @@
-"""NVIDIA's Xid catalogue as data, and what gpuwatchd does with each resolution bucket.
-
-This module owns the table: one :class:`XidEntry` per Xid that NVIDIA's catalogue for Ampere
-and later GPUs lists (docs/findings.md#xid-table), with the catalogue's two resolution buckets
-(the *immediate* action an operator takes now, the *investigatory* one an engineer follows
-later); the one mapping from a bucket to what the daemon does (:func:`xid_action`), and the
-Markdown table of docs/findings.md (:func:`render_markdown`).
+"""NVIDIA's Xid catalogue as data (docs/findings.md#xid-table), what gpuwatchd does with each
+resolution bucket (:func:`xid_action`), and the Markdown table of docs/findings.md.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.health.xid_catalogue`.
 """
@@ -333,12 +328,8 @@ def xid_action(xid: int) -> XidAction:
 
 
 def render_markdown() -> str:
-    """The Xid table of docs/findings.md, one row per catalogue entry (tests keep them equal).
-
-    Columns: Xid, mnemonic, name, NVIDIA's immediate and investigatory buckets, what gpuwatchd
-    does, and the sources ([C] the catalogue, [M] the memory error management guide; a ``*``
-    marks the rows read on NVIDIA's page itself rather than its spreadsheet's public copy).
-    """
+    """The Xid table of docs/findings.md, one row per catalogue entry (tests keep them equal);
+    sources: [C] the catalogue (``*``: read on NVIDIA's page), [M] the memory guide."""
     lines = [
         "| Xid | mnemonic | name | immediate | investigatory | gpuwatchd | source |",
         "|---|---|---|---|---|---|---|",

@@ -38,9 +38,9 @@ class HolderPass(AssessorState):
                 self.add(
                     outcome.kind,
                     outcome.gpu or (held[0] if held else None),
+                    pid,
+                    proc.start_ticks,
                     outcome.note,
-                    pid=pid,
-                    start_ticks=proc.start_ticks,
                     memory=as_int(outcome.evidence.get("memory")),
                     informational=outcome.kind is FindingKind.HIDDEN_HOLDER,
                     gpus=held,

@@ -36,10 +36,7 @@ class HostView:
         }
         self.unreadable = frozenset(snapshot.holders.unreadable - own)
         self.full_scan = snapshot.holders.mode == "full"
-        self._by_minor: dict[int, list[DeviceHolding]] = {}
-        for _pid, holding in sorted(self.holdings.items()):
-            for minor in holding.gpu_minors:
-                self._by_minor.setdefault(minor, []).append(holding)
+        self._by_minor: dict[int, list[DeviceHolding]] | None = None
         self._floor: dict[int, bool] = {}
         self.invalid: list[tuple[str, int]] = []
         self.listings: dict[str, list[Listing]] = {}
@@ -82,6 +79,12 @@ class HostView:
     def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
         if gpu.minor is None:
             return []
+        if self._by_minor is None:  # indexed once per snapshot, asked for per GPU many times
+            index: dict[int, list[DeviceHolding]] = {}
+            for _pid, holding in sorted(self.holdings.items()):
+                for minor in holding.gpu_minors:
+                    index.setdefault(minor, []).append(holding)
+            self._by_minor = index
         return list(self._by_minor.get(gpu.minor, ()))
 
     def held_gpus(self, holding: DeviceHolding) -> list[GpuInfo]:

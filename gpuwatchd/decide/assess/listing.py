@@ -60,10 +60,7 @@ class ListingPass(AssessorState):
         """A finding about a listed process: its listed memory leads its evidence."""
         used = row.entry.used_memory
         evidence = {"used_memory": used, **evidence}
-        self.add(
-            kind, gpu, reason, pid=row.entry.pid, start_ticks=start_ticks, memory=used,
-            evidence=evidence,
-        )  # fmt: skip
+        self.add(kind, gpu, row.entry.pid, start_ticks, reason, memory=used, evidence=evidence)
 
     def heirs_of(self, dead_pid: int) -> list[int]:
         heirs = []

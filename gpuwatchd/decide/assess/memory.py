@@ -66,6 +66,8 @@ class MemoryPass(AssessorState):
         self.add(
             FindingKind.GHOST_MEMORY,
             gpu,
+            None,
+            None,
             f"GPU {gpu.index} has {mib(figure)} allocated, {mib(excess)} above its "
             f"{'learned' if learned else 'default'} idle baseline, and no live process holds it",
             memory=excess,
@@ -102,6 +104,8 @@ class MemoryPass(AssessorState):
         self.add(
             FindingKind.UNACCOUNTED_MEMORY,
             gpu,
+            None,
+            None,
             f"GPU {gpu.index} has {mib(memory.allocated)} allocated but its live context owners "
             f"account for {mib(accounted)}; {mib(excess)} is unexplained",
             memory=excess,
@@ -146,6 +150,8 @@ class MemoryPass(AssessorState):
             self.add(
                 FindingKind.HIDDEN_HOLDER,
                 gpu,
+                None,
+                None,
                 f"the driver refused to reset GPU {gpu.index}: in use by another client, yet no "
                 "holder scan found one. Something holds the GPU where no walk of /proc looks: a "
                 "file descriptor in flight in a unix-socket message (SCM_RIGHTS), a holder in "

@@ -188,16 +188,18 @@ class AssessorState:
         return value, self.detection.default_baseline, False
 
     def blocked(self, gpus: Iterable[GpuInfo]) -> bool:
-        return NODE in self.report_only or any(g.uuid in self.report_only for g in gpus)
+        if NODE in self.report_only:
+            return True
+        return any(g.uuid in self.report_only for g in gpus)
 
     def add(
         self,
         kind: FindingKind,
         gpu: GpuInfo | None,
+        proc_pid: int | None,
+        start_ticks: int | None,
         reason: str,
         *,
-        pid: int | None = None,
-        start_ticks: int | None = None,
         memory: int | None = None,
         informational: bool = False,
         gpus: Iterable[GpuInfo] = (),
@@ -208,7 +210,7 @@ class AssessorState:
             Finding(
                 kind=kind,
                 gpu=gpu.uuid if gpu is not None else None,
-                pid=pid,
+                pid=proc_pid,
                 start_ticks=start_ticks,
                 reason=reason,
                 memory=memory,
@@ -256,10 +258,10 @@ class AssessorState:
         self.add(
             FindingKind.STUCK,
             gpu,
+            proc.pid,
+            proc.start_ticks,
             f"PID {proc.pid} is in uninterruptible sleep (D) while holding the GPU: "
             "it cannot be killed; drain or reboot",
-            pid=proc.pid,
-            start_ticks=proc.start_ticks,
             gpus=gpus,
             evidence={"state": proc.state, "gpus": [g.uuid for g in gpus]},
         )

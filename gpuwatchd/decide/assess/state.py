@@ -6,7 +6,7 @@ that carry it forward. Pure. In detail: docs/internals.md, section `gpuwatchd.de
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
@@ -51,7 +51,15 @@ class AssessState:
             "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
             "owners": [[ident.pid, ident.start_ticks] for ident in sorted(self.owners)],
             "lineage": [
-                {"pid": ident.pid, "start_ticks": ident.start_ticks, **asdict(lin)}
+                {
+                    "pid": ident.pid,
+                    "start_ticks": ident.start_ticks,
+                    "ppid": lin.ppid,
+                    "pgid": lin.pgid,
+                    "sid": lin.sid,
+                    "job": lin.job,
+                    "first_seen": lin.first_seen,
+                }
                 for ident, lin in sorted(self.lineage.items())
             ],
             "inheritance": [

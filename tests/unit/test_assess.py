@@ -600,6 +600,7 @@ def test_floor_holder_does_not_block_ghost() -> None:
         ({"numa_node": 1}, "coherent memory"),
         ({"api": "v1", "used_v1": 4 * LEAK}, "v1 memory API"),  # too much to be idle
         ({"allocated": None}, "allocated memory unknown"),
+        ({"memory_known": False}, "allocated memory unknown"),  # not read at all
     ],
 )
 def test_no_ghost_without_trustworthy_memory_figures(

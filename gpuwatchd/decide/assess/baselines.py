@@ -1,10 +1,5 @@
-"""Each GPU's idle memory: which figure to compare, learning it, and "back to baseline".
-
-This module owns the memory baseline (docs/design-notes.md, section 6): the figure a GPU is
-judged by (v2 allocated memory, or v1 "used" kept under its own key since it includes the
-driver's reservation), learning the idle minimum only from moments when nothing could hold
-the GPU (and forgetting those of MIG GPU instances that are gone), and the check after a
-reset. Pure: no I/O, no clock.
+"""Each GPU's idle memory (docs/design-notes.md, section 6): which figure to compare (v2
+allocated memory, or v1 "used" under its own key), learning it, and "back to baseline". Pure.
 """
 
 from __future__ import annotations
@@ -35,15 +30,10 @@ def memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int]
 def learn_baselines(
     host: HostView, previous: Mapping[str, int], detection: Detection
 ) -> dict[str, int]:
-    """Learn each GPU's idle memory from moments when nothing could be holding it.
-
-    Nothing may hold the GPU except NVML-only infrastructure (persistenced, DCGM: they keep the
-    GPU open but allocate nothing that a job could have left); NVML lists no process; the scan
-    was full and could read every process. The minimum ever seen is kept. A v2 figure above
-    the default baseline plus the ghost margin is never learned: an idle-looking GPU holding that
-    much is exactly what ghost memory looks like, and learning it would hide the leak for good.
-    v1 figures include the driver's reservation, so their ceiling allows for it.
-    """
+    """Learn each GPU's idle memory (the minimum) from moments when nothing could be holding
+    it but NVML-only infrastructure (docs/design-notes.md §6). A first figure above the default
+    baseline plus the ghost margin (v1: plus the reservation) is what ghost memory looks like:
+    never learned."""
     learned = dict(previous)
     if not host.full_scan or host.unreadable_suspects():
         return learned
@@ -69,11 +59,9 @@ def learn_baselines(
 
 
 def _without_gone_instances(learned: dict[str, int], host: HostView) -> dict[str, int]:
-    """``learned`` less the baselines of MIG GPU instances NVML no longer shows. The driver
-    names an instance anew each time it is created (a re-creation, a layout applied after a
-    reboot), so these keys would only pile up in the state file. An instance that is only not
-    judged this poll relearns its baseline, and the default stands in meanwhile: never lower
-    than what learning allows. Nothing is dropped while NVML cannot be read."""
+    """``learned`` less the baselines of MIG GPU instances NVML no longer shows (a re-created
+    instance has a new name, so they would pile up). Nothing is dropped while NVML cannot be
+    read."""
     nvml = host.snapshot.nvml
     if not nvml.available or nvml.wedged:
         return learned
@@ -88,10 +76,8 @@ def _without_gone_instances(learned: dict[str, int], host: HostView) -> dict[str
 def back_to_baseline(
     uuid: str, allocated: int | None, state: AssessState, detection: Detection
 ) -> bool | None:
-    """After a reset: is this GPU's allocated memory back within the margin of its idle baseline?
-
-    The baseline is the learned one, else the default; None when the memory is unknown.
-    """
+    """After a reset: is this GPU's allocated memory back within the margin of its (learned,
+    else default) idle baseline? None when the memory is unknown."""
     if allocated is None:
         return None
     baseline = state.baselines.get(uuid, detection.default_baseline)

@@ -1,14 +1,12 @@
-"""The holder pass: each process that holds device files, classified by the orphan rule.
-
-This module owns the roles (context owner, worker, management, hidden, stuck, unknown) and the
-orphan rule with its positive evidence: a dead owner's tie, kcmp inheritance, memory without an
-owner, the likely heir of a leak from before the daemon watched; and ``job_ended``.
-Semantics: ``docs/findings.md``.
+"""The holder pass: each process that holds device files, given a role by the orphan rule
+(docs/findings.md), which wants positive evidence: a dead owner's tie, kcmp inheritance,
+memory without an owner, the likely heir of a leak from before the daemon watched, an ended
+job. In detail: docs/internals.md, section `gpuwatchd.decide.assess.holders`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from gpuwatchd.core.model import (
     DeviceHolding,
@@ -19,7 +17,7 @@ from gpuwatchd.core.model import (
     Snapshot,
     as_int,
 )
-from gpuwatchd.decide.assess.host_view import HostView, Listing, relation
+from gpuwatchd.decide.assess.host_view import HostView, relation
 from gpuwatchd.decide.assess.shared import AssessorState, Outcome, mib
 from gpuwatchd.decide.assess.state import Lineage
 from gpuwatchd.decide.floor import is_infrastructure
@@ -37,15 +35,13 @@ class HolderPass(AssessorState):
             proc = host.procs.get(pid)
             outcome = self.classify(pid, proc, holding, held)
             if proc is not None and outcome.kind is not None:
-                target = outcome.gpu or (held[0] if held else None)
-                memory = as_int(outcome.evidence.get("memory"))
                 self.add(
                     outcome.kind,
-                    target,
+                    outcome.gpu or (held[0] if held else None),
                     pid,
                     proc.start_ticks,
                     outcome.note,
-                    memory=memory,
+                    memory=as_int(outcome.evidence.get("memory")),
                     informational=outcome.kind is FindingKind.HIDDEN_HOLDER,
                     gpus=held,
                     evidence={
@@ -61,7 +57,9 @@ class HolderPass(AssessorState):
             targets: list[GpuInfo | None] = list(held) or [None]
             for gpu in targets:
                 role, owner, note = outcome.role, outcome.owner_pid, outcome.note
-                listed_here = gpu is not None and pid in _listed_pids(host.listings[gpu.uuid])
+                listed_here = gpu is not None and any(
+                    row.entry.pid == pid for row in host.listings[gpu.uuid]
+                )
                 if role == "context_owner" and gpu is not None and not listed_here:
                     note = "owns a context on another GPU; CUDA opens every visible GPU"
                 self.role(pid, gpu, role, owner, note)
@@ -76,12 +74,10 @@ class HolderPass(AssessorState):
         host = self.host
         if proc is None:
             return Outcome("unknown", "no process facts (exited during the scan?)")
-        by_state = self.by_process_state(pid, proc)
-        if by_state is not None:
+        if (by_state := self.by_process_state(pid, proc)) is not None:
             return by_state
         job = proc.cgroup.job_key if proc.cgroup is not None else None
         ended = job_ended(proc, host.snapshot)
-        job_ended_now = ended is not None
         abandoned = Outcome(
             "hidden",
             f"its job {job} has ended while it still holds the GPU ({ended})",
@@ -89,7 +85,7 @@ class HolderPass(AssessorState):
             evidence={"job": job, "ended_by": ended},
         )
         if pid in host.listed_alive:
-            if job_ended_now:
+            if ended is not None:
                 abandoned.role = "context_owner"
                 return abandoned
             return Outcome("context_owner", "owns a context (listed by NVML)")
@@ -97,10 +93,9 @@ class HolderPass(AssessorState):
         worker, unknown_links = self.worker_of(proc, heir_of)
         if worker is not None:
             return worker
-        if job_ended_now:
+        if ended is not None:
             return abandoned
-        unexplained = self.unexplained(proc, holding, held, unknown_links)
-        if unexplained is not None:
+        if (unexplained := self.unexplained(proc, holding, held, unknown_links)) is not None:
             return unexplained
         if heir_of is not None:
             gpu = held[0]
@@ -110,13 +105,11 @@ class HolderPass(AssessorState):
                 "anywhere and no live context owner is its ancestor or descendant"
             )
             return Outcome("orphaned", why, kind=FindingKind.ORPHANED, gpu=gpu, evidence=heir_of)
-        tied = self.tied_to_dead_owner(proc, held)
-        if tied is not None:
-            return tied
-        heir = self.likely_heir(proc, held)
-        if heir is not None:
-            return heir
-        return self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+        return (
+            self.tied_to_dead_owner(proc, held)
+            or self.likely_heir(proc, held)
+            or self.hidden(f"{_HIDDEN}; nothing ties it to a dead owner")
+        )
 
     def by_process_state(self, pid: int, proc: ProcessInfo) -> Outcome | None:
         """The role that the process's own state settles: infrastructure, zombie, stuck."""
@@ -133,16 +126,13 @@ class HolderPass(AssessorState):
     def worker_of(
         self, proc: ProcessInfo, heir_of: dict[str, object] | None
     ) -> tuple[Outcome | None, list[str]]:
-        """A worker of a live context owner, or None with the owners whose relation to it is
-        unknown."""
+        """A worker of a live owner, or None and the owners whose relation to it is unknown."""
         host = self.host
         unknown_links: list[str] = []
         for owner in sorted(host.listed_alive.values(), key=lambda p: p.pid):
             related, link = relation(host, proc, owner)
             if related and heir_of is not None and _tree_link(host, proc, owner) is False:
-                # Only a session, group or job joins it to this live owner, and kcmp proved
-                # it holds a dead owner's own files (a dead torchrun rank's worker).
-                continue
+                continue  # not in its tree, and kcmp proved it holds a dead owner's files
             if related:
                 return Outcome("worker", f"worker of PID {owner.pid} ({link})", owner.pid), []
             if related is None:
@@ -220,15 +210,7 @@ class HolderPass(AssessorState):
         return None
 
     def likely_heir(self, proc: ProcessInfo, held: list[GpuInfo]) -> Outcome | None:
-        """A leak from before the daemon watched: the likely heir, without history.
-
-        Every other orphan condition holds (the caller checked them); on a GPU it holds, memory
-        above baseline + margin has no live context owner, the holder was known when that began,
-        and its session or process-group leader no longer exists (looked up this poll: positive
-        evidence, ``Snapshot.absent_pids``). A process that leads its own session (a notebook
-        kernel) never qualifies. Reported as a ``hidden_holder`` naming the lost leader, or
-        ``orphaned`` with ``tie: lost_leader`` under ``detection.orphans_without_history``.
-        """
+        """The likely heir of a leak from before the daemon watched (docs/internals.md)."""
         lost = _lost_leader(proc, self.host.snapshot.absent_pids)
         answers = self.recorded_inheritance(proc)
         if lost is None or (answers and not any(shared for _, shared in answers)):
@@ -280,14 +262,8 @@ class HolderPass(AssessorState):
         return bool(answers) and not any(answers)
 
     def heir_of_dead_owner(self, proc: ProcessInfo) -> dict[str, object] | None:
-        """Evidence that ``proc`` holds open files of an owner that is now dead (kcmp).
-
-        Recorded while that owner lived (``FileSharing.shared`` True); its death must be
-        positive too: NVML lists its PID dead or as a zombie, its PID now names another
-        process, or its PID was looked up and does not exist. That holds for every owner whose
-        files it shares: if one of them lives, or its fate is unknown, the files are still
-        that owner's too and killing the holder frees nothing, so it is nobody's heir.
-        """
+        """Evidence that ``proc`` holds open files (kcmp) of owners that are all positively
+        dead (docs/internals.md)."""
         host = self.host
         listed_dead = {
             row.entry.pid: row.status
@@ -323,9 +299,8 @@ class HolderPass(AssessorState):
         return evidence
 
     def hidden(self, note: str, *, undecided: bool = False) -> Outcome:
-        """A hidden holder; ``undecided``: the orphan rule could not be decided for it (a
-        relation, its start time or a GPU's list unknown), recorded as ``evidence.undecided``
-        so the clean verdict (decide/verdict.py) counts it unknown, not merely a holder."""
+        """A hidden holder; ``undecided``: the orphan rule could not be decided for it, so the
+        clean verdict (decide/verdict.py) counts it unknown."""
         evidence: dict[str, object] = {"undecided": True} if undecided else {}
         return Outcome("hidden", note, kind=FindingKind.HIDDEN_HOLDER, evidence=evidence)
 
@@ -355,22 +330,13 @@ class HolderPass(AssessorState):
     def unaccounted_without_owner(
         self, gpu: GpuInfo, proc: ProcessInfo
     ) -> dict[str, object] | None:
-        """Evidence that ``proc`` may be the heir of memory on ``gpu`` that no live owner holds.
-
-        The memory must be above baseline + margin with no live context owner at all, and the
-        process must have been seen no later than the moment that state began: a process that
-        arrived afterwards (a new job's process that opened every GPU but has no context yet)
-        cannot have inherited it.
-        """
+        """Evidence that ``proc`` may be the heir of memory on ``gpu`` that no live owner holds
+        (docs/internals.md)."""
         tie = self.memory_without_owner(gpu)
         since = self.unaccounted_since.get(gpu.uuid)
         recorded = self.lineage.get(proc.identity) if proc.identity is not None else None
         if tie is None or since is None or recorded is None or recorded.first_seen > since:
             return None
-        # Positive evidence: when first seen, its parent, group or session was a process this
-        # daemon saw owning a context (and which owns none now). A process that merely
-        # initialised CUDA before the leak (a notebook that asked for the device count) has no
-        # such link and stays a hidden holder.
         live = set(self.host.listed_alive)
         former = {o.pid for o in self.owners if o.pid not in live}
         for link, value in (
@@ -390,13 +356,7 @@ class HolderPass(AssessorState):
 
 
 def job_ended(proc: ProcessInfo, snapshot: Snapshot) -> str | None:
-    """Why ``proc``'s job is known to be over, or None (collect/jobs.py gathers the facts).
-
-    Its own job cgroup directory was judged ended at the scheduler's location (a directory
-    of the same job id elsewhere says nothing about this one); or the scheduler said the job
-    ended, *after* this process started, and no slurmstepd started since serves the job (a
-    requeued job with the same id). An unknown start time is never older than anything.
-    """
+    """Why ``proc``'s job is known to be over, or None (docs/internals.md)."""
     cgroup = proc.cgroup
     job = cgroup.job_key if cgroup is not None else None
     if cgroup is None or job is None:
@@ -440,18 +400,11 @@ def _tree_link(host: HostView, a: ProcessInfo, b: ProcessInfo) -> bool | None:
 
 
 def _lost_leader(proc: ProcessInfo, absent: frozenset[int]) -> tuple[str, int] | None:
-    """("session" or "process group", leader PID) when that leader is known not to exist.
-
-    None when ``proc`` leads its own session (a notebook kernel, a daemon: nothing was lost)
-    or when its session or group is unknown.
-    """
+    """("session" or "process group", leader PID) when that leader is known not to exist;
+    None when ``proc`` leads its own session (nothing was lost) or either is unknown."""
     if proc.sid is None or proc.pgid is None or proc.sid == proc.pid:
         return None
     for link, leader in (("session", proc.sid), ("process group", proc.pgid)):
         if leader != proc.pid and leader > 0 and leader in absent:
             return link, leader
     return None
-
-
-def _listed_pids(rows: Iterable[Listing]) -> set[int]:
-    return {row.entry.pid for row in rows}

@@ -1,9 +1,6 @@
-"""The host as one snapshot shows it, indexed for the assessment.
-
-This module owns :class:`HostView` — the snapshot with the daemon's own processes removed,
-NVML's listings validated (PIDs above ``pid_max`` or not positive are set aside), holders
-indexed per GPU, infrastructure looked up once per PID — and :func:`relation`, whether two
-processes belong together (tree, session, job). Pure: no I/O, no clock; it decides nothing.
+"""The host as one snapshot shows it, indexed for the assessment (:class:`HostView`: the
+daemon's own processes removed, impossible PIDs NVML lists set aside), and :func:`relation`,
+whether two processes belong together. Pure; it decides nothing.
 """
 
 from __future__ import annotations
@@ -57,16 +54,14 @@ class HostView:
                 status = "dead" if proc is None else "zombie" if proc.is_zombie else "alive"
                 rows.append(Listing(gpu, entry, status, proc))
             self.listings[gpu.uuid] = rows
-        # Every PID NVML lists alive on some GPU: they own a context somewhere, and they (and
-        # their relatives) are never orphans. A listed zombie that still holds device files has
-        # live threads, so it counts as alive here too.
-        self.listed_alive: dict[int, ProcessInfo] = {}
-        for rows in self.listings.values():
-            for row in rows:
-                if row.proc is None:
-                    continue
-                if row.status == "alive" or self.holds_anything(row.proc.pid):
-                    self.listed_alive[row.proc.pid] = row.proc
+        # Every PID NVML lists alive on some GPU (a listed zombie that still holds device files
+        # has live threads): they own a context somewhere, and are never orphans.
+        self.listed_alive: dict[int, ProcessInfo] = {
+            row.proc.pid: row.proc
+            for rows in self.listings.values()
+            for row in rows
+            if row.proc is not None and (row.status == "alive" or self.holds_anything(row.proc.pid))
+        }
 
     def holds_anything(self, pid: int) -> bool:
         holding = self.holdings.get(pid)
@@ -79,9 +74,7 @@ class HostView:
         holding = self.holdings.get(pid)
         if holding is not None and gpu.minor in holding.gpu_minors:
             return True
-        if pid in self.unreadable:
-            return None
-        return False
+        return None if pid in self.unreadable else False
 
     def holders_of(self, gpu: GpuInfo) -> list[DeviceHolding]:
         if gpu.minor is None:
@@ -126,11 +119,8 @@ class HostView:
 
 
 def relation(host: HostView, a: ProcessInfo, b: ProcessInfo) -> tuple[bool | None, str]:
-    """Whether ``a`` belongs with ``b``: same tree, session, process group or job.
-
-    True with the link that proves it; False when every column is known and none links them;
-    None when some column is unknown (unknown never proves two processes unrelated).
-    """
+    """Whether ``a`` belongs with ``b`` (same tree, session, process group or job), with the
+    link that proves it; None when some column is unknown (it never proves them unrelated)."""
     if a.pid == b.pid:
         return True, "same process"
     unknown: list[str] = []

@@ -1,8 +1,6 @@
-"""The NVML listing pass: each process NVML lists on a GPU, dead, zombie, stuck or unknown.
-
-This module owns ``dead_process`` and listed ``zombie`` findings, with the live processes that
-descend from a dead one, and the roles of listed processes whose device files do not match.
-"""
+"""The NVML listing pass: ``dead_process`` and listed ``zombie`` findings (with the live
+processes that descend from a dead one), and the roles of listed processes whose device files
+do not match."""
 
 from __future__ import annotations
 
@@ -47,18 +45,13 @@ class ListingPass(AssessorState):
                 if proc.is_uninterruptible:
                     self.add_stuck(proc, gpu, [gpu])
                 holds = host.holds_gpu(pid, gpu)
-                if holds is None:
-                    self.role(
-                        pid, gpu, "unknown", None, "listed; whether it holds the GPU is unknown"
+                if not holds:
+                    why = (
+                        "listed; whether it holds the GPU is unknown"
+                        if holds is None
+                        else "listed by NVML but holds no device file of this GPU (PID reused?)"
                     )
-                elif not holds:
-                    self.role(
-                        pid,
-                        gpu,
-                        "unknown",
-                        None,
-                        "listed by NVML but holds no device file of this GPU (PID reused?)",
-                    )
+                    self.role(pid, gpu, "unknown", None, why)
 
     def add_listed(
         self, kind: FindingKind, row: Listing, gpu: GpuInfo, start_ticks: int | None, reason: str,

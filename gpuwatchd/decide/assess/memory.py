@@ -1,9 +1,5 @@
-"""The GPU-level pass: ghost and unaccounted memory, and the driver's refused resets.
-
-This module owns ``ghost_memory`` (memory above the idle baseline that no live process holds,
-with every reason it is not judged one; an NVML-only client holding the GPU is no such reason,
-see decide/plan/monitors.py), ``unaccounted_memory``, and the hidden holder a reset
-the driver refused as in use reveals.
+"""The GPU-level pass: ``ghost_memory`` (with every reason memory above the idle baseline is
+not judged one), ``unaccounted_memory``, and the hidden holder a refused reset reveals.
 """
 
 from __future__ import annotations
@@ -55,11 +51,7 @@ class MemoryPass(AssessorState):
         if live:
             why_not.append(f"NVML lists live PID(s) {_pids(live)}")
         monitors = self.monitors(gpu)
-        holders = [
-            h.pid
-            for h in host.holders_of(gpu)
-            if not host.is_floor(h.pid) and h.pid not in monitors
-        ]
+        holders = self.holders(gpu, monitors)
         if holders:
             why_not.append(f"held by PID(s) {_pids(holders)}")
         if not host.full_scan:
@@ -96,12 +88,7 @@ class MemoryPass(AssessorState):
         memory = gpu.memory
         if memory is None or memory.allocated is None or gpu.processes is None:
             return
-        monitors = self.monitors(gpu)
-        holders = [
-            h.pid
-            for h in host.holders_of(gpu)
-            if not host.is_floor(h.pid) and h.pid not in monitors
-        ]
+        holders = self.holders(gpu, self.monitors(gpu))
         if not holders:
             return
         baseline = self.baselines.get(gpu.uuid, self.detection.default_baseline)
@@ -134,9 +121,8 @@ class MemoryPass(AssessorState):
         )
 
     def monitors(self, gpu: GpuInfo) -> set[int]:
-        """The NVML-only clients holding ``gpu`` (role ``management`` from the holder pass, not
-        infrastructure): they hold no memory, so they neither hide ghost memory nor explain
-        unaccounted memory (decide/plan/monitors.py)."""
+        """The NVML-only clients holding ``gpu`` (not infrastructure): they hold no memory
+        (docs/internals.md, ``gpuwatchd.decide.plan.monitors``)."""
         return {
             role.pid
             for role in self.roles
@@ -145,9 +131,18 @@ class MemoryPass(AssessorState):
             and not self.host.is_floor(role.pid)
         }
 
+    def holders(self, gpu: GpuInfo, monitors: set[int]) -> list[int]:
+        """The PIDs holding ``gpu``, infrastructure and ``monitors`` aside."""
+        host = self.host
+        return [
+            h.pid
+            for h in host.holders_of(gpu)
+            if not host.is_floor(h.pid) and h.pid not in monitors
+        ]
+
     def assess_driver_refusals(self, refused: Mapping[str, Mapping[str, object]]) -> None:
         """A GPU whose reset the driver refused as in use while no scan saw a holder has a
-        hidden holder: the one finding that says what a /proc walk cannot see."""
+        hidden holder."""
         for gpu in self.host.gpus:
             evidence = refused.get(gpu.uuid)
             if evidence is None:

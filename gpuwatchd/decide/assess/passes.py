@@ -1,12 +1,9 @@
 """Findings: what one snapshot, plus what earlier polls remembered, says about the host.
 
 This module owns ``assess`` (``assess_processes`` then ``with_health``) and the order of its
-passes over one shared state (``assess_shared.py``): the NVML listings (``assess_listing.py``),
-the holders and the orphan rule (``assess_holders.py``), GPU-level memory and the driver's
-refused resets (``assess_memory.py``); MIG instances are judged as GPUs of their own
-(``mig.py``). Callers import every public name from here.
-
-In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
+passes over one shared state (``shared.py``): the NVML listings, the holders and the orphan
+rule, GPU-level memory and the driver's refused resets; MIG instances are judged as GPUs of
+their own. In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
 """
 
 from __future__ import annotations
@@ -48,17 +45,11 @@ def assess(
     health_policy: HealthPolicy | None = None,
     processes: ProcessPasses | None = None,
 ) -> Assessment:
-    """Judge one snapshot: findings with evidence, each holder's role, and the new state.
+    """Judge one snapshot: findings with evidence, each holder's role, and the new state. Pure.
 
-    ``driver_refused`` maps a GPU UUID to the evidence of a reset the driver refused as in
-    use while no scan saw a holder (``plan.hidden_holders``): each is a GPU-level
-    ``hidden_holder`` while plan keeps the refusal. ``health_policy`` carries GPU health's
-    detection options (``health.xid_63``, ``xid_94``, ``fabric_stuck_after``; default: the
-    built-in ones).
-
-    Pure: reads only its arguments. Processes whose job is known to be over
-    (:func:`job_ended`) are ``abandoned``. ``processes`` stands in for
-    :func:`assess_processes` (``Reuse`` passes the one that remembers the last poll's).
+    ``driver_refused``: per GPU UUID, a reset the driver refused as in use while no scan saw a
+    holder (``plan.hidden_holders``). ``processes`` stands in for :func:`assess_processes`
+    (``Reuse`` passes the one that remembers the last poll's).
     """
     passes = processes or assess_processes
     result = passes(snapshot, previous, detection, driver_refused or {})
@@ -71,10 +62,8 @@ def assess_processes(
     detection: Detection,
     driver_refused: Refused | None = None,
 ) -> Assessment:
-    """:func:`assess` without GPU health: the findings about processes and memory, the roles,
-    and the state other than ``health`` (its ``health`` is the default). Pure; the clock enters
-    only as ``snapshot.monotonic`` stamped on state entries that are new."""
-    # MIG (decide/mig/instances.py): each GPU instance is judged as a GPU of its own.
+    """:func:`assess` without GPU health (the state's ``health`` is the default). Pure; the
+    clock enters only as ``snapshot.monotonic`` stamped on state entries that are new."""
     layout = mig_layout(snapshot)
     assessor = _Assessor(instance_view(snapshot, layout), previous, detection)
     assessor.assess_listings()
@@ -91,7 +80,6 @@ def with_health(
     health_policy: HealthPolicy | None,
 ) -> Assessment:
     """``result`` (:func:`assess_processes`) with GPU health assessed and joined."""
-    # GPU health (decide/health/judge.py): its findings join the others; its history rides along.
     boot_changed = previous.boot_id not in (None, snapshot.boot_id)
     health = assess_health(
         snapshot, previous.health, boot_changed=boot_changed, policy=health_policy

@@ -1,11 +1,7 @@
 """The last assessment and verdict, reused when a poll's inputs equal the previous poll's.
 
-This module owns one saving of the daemon's steady poll (docs/performance.md): on a quiet node
-most polls see the same processes, holdings and NVML reading as the one before, and assessing
-them again gives the same answer. It is exact, not a heuristic — each reuse is a case where
-recomputing is proven to give an equal result.
-
-In detail: docs/internals.md, section `gpuwatchd.decide.assess.reuse`.
+Exact, not a heuristic (docs/performance.md): each reuse is a case where recomputing is
+proven to give an equal result (docs/internals.md, section `gpuwatchd.decide.assess.reuse`).
 """
 
 from __future__ import annotations
@@ -45,11 +41,6 @@ class _Assessed:
     stable: bool  # it returned the state it was given (health aside)
 
 
-def _judged_part(assessment: Assessment) -> tuple[object, ...]:
-    """What :func:`judge` reads of an assessment."""
-    return (assessment.findings, assessment.roles, assessment.state.baselines)
-
-
 @dataclass(frozen=True)
 class _Judged:
     snapshot: Snapshot
@@ -60,8 +51,8 @@ class _Judged:
 
 
 class Reuse:
-    """:func:`assess` and :func:`judge` for one daemon, remembering the last poll's (module
-    docstring). ``hits`` counts the assessments reused (for the benchmark)."""
+    """:func:`assess` and :func:`judge` for one daemon, remembering the last poll's. ``hits``
+    counts the assessments reused."""
 
     def __init__(self) -> None:
         self._assessed: _Assessed | None = None
@@ -104,7 +95,7 @@ class Reuse:
         unfinished: Mapping[str, str] | None = None,
     ) -> NodeVerdict:
         last = self._judged
-        part = _judged_part(assessment)
+        part = (assessment.findings, assessment.roles, assessment.state.baselines)  # judge's
         left = dict(unfinished or {})
         if (
             last is not None

@@ -1,9 +1,6 @@
-"""What the passes of an assessment share: the results, PID trust, and the assessor's state.
-
-This module owns ``Assessment`` and ``HolderRole``, PID trust and the report-only conditions,
-and ``AssessorState``: what one assessment carries while its passes run (the indexed snapshot,
-lineage, inheritance, baselines, owners, findings, roles, notes) with the helpers every pass
-uses (``add``, ``role``, ``add_stuck``, baselines, memory without an owner).
+"""What the passes of an assessment share: the results (``Assessment``, ``HolderRole``), PID
+trust, the report-only conditions, and ``AssessorState``, one assessment's state while its
+passes run with the helpers every pass uses.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ NODE = "node"  # key of node-wide entries in ``Assessment.report_only`` and ``Ho
 @dataclass(frozen=True)
 class HolderRole:
     """How one holder (or NVML-listed PID) of one GPU is explained, for ``scan`` output.
-
-    ``role`` is one of "context_owner", "worker" (of ``owner_pid``), "management" (an NVML-only
-    client or infrastructure), "orphaned", "hidden", "stuck" or "unknown". ``gpu`` is the GPU's
-    UUID, or "node" for a process that holds only nvidiactl / nvidia-uvm. ``via`` says how the
-    GPU's device file is held ("fd", "map"). The daemon's own processes never appear.
-    """
+    ``gpu`` is "node" for a process that holds only nvidiactl / nvidia-uvm; ``via`` says how
+    the device file is held ("fd", "map"). The daemon's own processes never appear."""
 
     pid: int
     gpu: str
@@ -56,26 +49,21 @@ class HolderRole:
 
 @dataclass(frozen=True)
 class Assessment:
-    """The outcome of one assessment.
-
-    ``report_only`` maps a GPU UUID, or "node", to why nothing may be acted on there; findings
-    under such a condition carry ``actionable=False``. ``notes`` maps a GPU UUID to why a check
-    could not conclude (an unreadable process, a targeted scan, the v1 memory API...).
-    """
+    """The outcome of one assessment. ``report_only``: a GPU UUID, or "node", to why nothing
+    may be acted on there; ``notes``: a GPU UUID to why a check could not conclude."""
 
     findings: tuple[Finding, ...]
     roles: tuple[HolderRole, ...]
     report_only: Mapping[str, str]
     state: AssessState
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # Xids to say this poll (decide/health/xid_sources.py): one health.xid event each.
     xid_notices: tuple[XidNotice, ...] = ()
 
 
 def _dead_pid_explained(
     host: HostView, pid: int, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> bool:
-    """A dead listed PID is explained when we saw it alive or a live process descends from it."""
+    """We saw the dead listed PID alive, or a live process descends from it."""
     if any(ident.pid == pid for ident in lineage):
         return True
     for proc in host.procs.values():
@@ -91,13 +79,8 @@ def _dead_pid_explained(
 def _pid_trust_problem(
     host: HostView, detection: Detection, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> str | None:
-    """Why NVML's process lists cannot be trusted this poll, or None (docs/design-notes.md §3).
-
-    One PID outside 1..pid_max is proof the list was decoded wrong (a struct layout mismatch
-    yields 0 and 4294967295), so any such PID loses trust. Dead PIDs are normal after a crash,
-    so they lose trust only when ``pid_trust_min_unresolved`` of them are unexplained: never
-    seen alive by us and not the parent, group or session of any live process.
-    """
+    """Why NVML's process lists cannot be trusted this poll, or None (docs/design-notes.md §3:
+    one impossible PID, or ``pid_trust_min_unresolved`` unexplained dead ones)."""
     if host.invalid:
         shown = ", ".join(f"{pid} on {uuid}" for uuid, pid in host.invalid[:5])
         return f"NVML listed impossible PIDs ({shown}); process lists are not trusted"
@@ -155,7 +138,7 @@ class Outcome:
 
 
 class AssessorState:
-    """One assessment's state while its passes run (``assess.py`` composes the passes)."""
+    """One assessment's state while its passes run (``passes.py`` composes the passes)."""
 
     def __init__(
         self,
@@ -177,13 +160,12 @@ class AssessorState:
         self.owners = update_owners(
             host, previous.owners if same_boot else frozenset(), self.lineage
         )
-        self.unaccounted_since: dict[str, float] = {}
-        for gpu in host.gpus:
-            if self.memory_without_owner(gpu) is not None:
-                since = previous.unaccounted_since.get(gpu.uuid) if same_boot else None
-                self.unaccounted_since[gpu.uuid] = (
-                    since if since is not None else snapshot.monotonic
-                )
+        since = previous.unaccounted_since if same_boot else {}
+        self.unaccounted_since = {
+            gpu.uuid: since.get(gpu.uuid, snapshot.monotonic)
+            for gpu in host.gpus
+            if self.memory_without_owner(gpu) is not None
+        }
         self.report_only = _report_only(host, _pid_trust_problem(host, detection, self.lineage))
         self.findings: list[Finding] = []
         self.roles: list[HolderRole] = []

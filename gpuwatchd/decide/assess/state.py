@@ -1,10 +1,6 @@
-"""What the assessment carries from poll to poll and across restarts.
-
-This module owns :class:`AssessState` (learned baselines, the lineage recorded when a process
-was first seen, context owners seen so far, when unaccounted memory was first seen), its JSON
-form in the state file (version ``ASSESS_STATE_VERSION``, every field checked when read back:
-a damaged file is a ValueError, never a wrong decision), and the rules that carry lineage and
-owners forward (:func:`update_lineage`, :func:`update_owners`). Pure: no I/O, no clock.
+"""What the assessment carries from poll to poll and across restarts: :class:`AssessState`,
+its checked JSON form (a damaged file is a ValueError, never a wrong decision), and the rules
+that carry it forward. Pure. In detail: docs/internals.md, section `gpuwatchd.decide.assess.state`.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSION
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.health.state import HealthState
 
-# Inheritance evidence kept per holder: a few owners at most (its ancestors that owned contexts).
 MAX_INHERITANCE_PER_HOLDER = 8
 
 # One holder's kcmp answers, recorded while each owner lived: (owner identity, shared?).
@@ -26,8 +21,7 @@ Inheritance = tuple[tuple[ProcessIdentity, bool], ...]
 
 @dataclass(frozen=True)
 class Lineage:
-    """What a process looked like when first seen (docs/design-notes.md §4); ``first_seen`` is
-    monotonic."""
+    """What a process looked like when first seen (docs/design-notes.md §4); monotonic."""
 
     ppid: int | None
     pgid: int | None
@@ -38,22 +32,7 @@ class Lineage:
 
 @dataclass(frozen=True)
 class AssessState:
-    """What assessment carries from one poll to the next.
-
-    ``baselines`` maps a GPU UUID to the smallest allocated memory seen while nothing held the
-    GPU (v1-only GPUs use the key ``UUID@v1`` and v1's "used" figure, which includes the driver
-    reservation, so the two never mix). ``lineage`` is keyed by process identity, so a new process
-    that reuses a PID never inherits the story of the old one. ``unaccounted_since`` maps a GPU
-    UUID to when (monotonic) it began to hold memory above baseline + margin with no live
-    context owner. ``owners`` are the processes seen as live context owners, kept while they live
-    or while a recorded lineage still names their PID: what ties memory that no live owner holds
-    to an heir. ``inheritance`` maps a holder's identity to the kcmp answers recorded while its
-    owners lived: for each owner identity, whether the holder held that owner's own open file
-    descriptions (True: inherited by fork) or only files of its own (False); it is kept while
-    the holder's lineage is (so it is bounded by the lineage, and by
-    ``MAX_INHERITANCE_PER_HOLDER`` per holder). Lineage, ``unaccounted_since``, ``owners`` and
-    ``inheritance`` are dropped when the boot id changes.
-    """
+    """What assessment carries from one poll to the next (docs/internals.md)."""
 
     baselines: Mapping[str, int] = field(default_factory=dict)
     lineage: Mapping[ProcessIdentity, Lineage] = field(default_factory=dict)
@@ -195,13 +174,7 @@ def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
 def update_lineage(
     host: HostView, previous: AssessState, tracked: Iterable[ProcessInfo]
 ) -> dict[ProcessIdentity, Lineage]:
-    """Keep what is still true, record newcomers as they look now.
-
-    An entry survives while its process is present with the same start time, while NVML still
-    lists its PID dead (that proves we saw it alive), or, after a targeted scan, while its PID
-    was simply not looked at. It is dropped when the PID now belongs to another process or a
-    full scan no longer sees it, and everything is dropped when the boot id changes or is unknown.
-    """
+    """Keep what is still true, record newcomers as they look now (docs/internals.md)."""
     snapshot = host.snapshot
     same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
     listed_dead = {
@@ -228,12 +201,8 @@ def update_lineage(
 def update_inheritance(
     host: HostView, previous: AssessState, lineage: Mapping[ProcessIdentity, Lineage]
 ) -> dict[ProcessIdentity, Inheritance]:
-    """Carry earlier kcmp answers forward and add this poll's definite ones.
-
-    An answer is about two identities, recorded while the owner lived; it stays true after the
-    owner dies, which is when it is needed. Entries live while the holder's lineage does
-    (same boot only); a newer answer for the same owner replaces the older one.
-    """
+    """Carry earlier kcmp answers forward and add this poll's definite ones; a newer answer
+    for the same owner replaces the older one."""
     snapshot = host.snapshot
     same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
     kept: dict[ProcessIdentity, dict[ProcessIdentity, bool]] = {}
@@ -256,11 +225,8 @@ def update_inheritance(
 def update_owners(
     host: HostView, previous: frozenset[ProcessIdentity], lineage: Mapping[ProcessIdentity, Lineage]
 ) -> frozenset[ProcessIdentity]:
-    """Context owners seen so far: this poll's, plus earlier ones still alive or still named.
-
-    An owner is forgotten once its PID is gone (or belongs to another process) and no recorded
-    lineage names it as parent, process group or session any more, so the set stays small.
-    """
+    """Context owners seen so far: this poll's, plus earlier ones still alive or still named
+    as parent, process group or session by a recorded lineage."""
     current = {p.identity for p in host.listed_alive.values() if p.identity is not None}
     named = {v for lin in lineage.values() for v in (lin.ppid, lin.pgid, lin.sid) if v}
     kept = set(current)

@@ -29,16 +29,6 @@ class Summary(enum.IntEnum):
     LIMITED_CAPACITY = 3
 
 
-# (name, shift, width): the health mask's fields, in nvml.h's order.
-_FIELDS = (
-    ("degraded_bw", 0, 0x3),
-    ("route_recovery", 2, 0x3),
-    ("route_unhealthy", 4, 0x3),
-    ("access_timeout_recovery", 6, 0x3),
-    ("incorrect_configuration", 8, 0xF),
-    ("partition_assigned", 12, 0x3),
-    ("gfm_state", 14, 0x3),
-)
 _TRISTATE = {0: "not_supported", 1: "true", 2: "false"}
 _CONFIGURATION = {
     0: "not_supported",
@@ -52,20 +42,23 @@ _CONFIGURATION = {
     8: "gpu_state_invalid",
 }
 _GFM = {0: "not_supported", 1: "connected", 2: "disconnected"}
+# (name, shift, width, values): the health mask's fields, in nvml.h's order.
+_FIELDS = (
+    ("degraded_bw", 0, 0x3, _TRISTATE),
+    ("route_recovery", 2, 0x3, _TRISTATE),
+    ("route_unhealthy", 4, 0x3, _TRISTATE),
+    ("access_timeout_recovery", 6, 0x3, _TRISTATE),
+    ("incorrect_configuration", 8, 0xF, _CONFIGURATION),
+    ("partition_assigned", 12, 0x3, _TRISTATE),
+    ("gfm_state", 14, 0x3, _GFM),
+)
 
 
 def decode_mask(mask: int) -> dict[str, str]:
     """The health mask, one named value per field (``unknown_N`` for a value nvml.h lacks)."""
     decoded: dict[str, str] = {}
-    for name, shift, width in _FIELDS:
+    for name, shift, width, table in _FIELDS:
         value = (mask >> shift) & width
-        table = (
-            _CONFIGURATION
-            if name == "incorrect_configuration"
-            else _GFM
-            if name == "gfm_state"
-            else _TRISTATE
-        )
         decoded[name] = table.get(value, f"unknown_{value}")
     return decoded
 
@@ -79,13 +72,18 @@ def supported(health: GpuHealth) -> bool:
     )
 
 
-def _state_name(value: int | None) -> str:
+def _name(kind: type[enum.IntEnum], value: int | None) -> str | None:
+    """``kind``'s name of ``value``; None when it was not read."""
     if value is None:
-        return "unknown"
+        return None
     try:
-        return FabricState(value).name
+        return kind(value).name
     except ValueError:
         return f"unknown ({value})"
+
+
+def _state_name(value: int | None) -> str:
+    return _name(FabricState, value) or "unknown"
 
 
 def registering(health: GpuHealth) -> bool | None:
@@ -129,8 +127,8 @@ def problems(health: GpuHealth) -> list[str]:
 
 
 def after_reset(health: GpuHealth | None) -> tuple[str, str]:
-    """What a reading taken after one of our resets says: ``("completed" | "waiting" |
-    "failed" | "unknown", detail)``. Only ``completed`` lets the reset count as done."""
+    """A reading after one of our resets: ``("completed" | "waiting" | "failed" | "unknown",
+    detail)``; only ``completed`` lets the reset count as done."""
     if health is None or health.fabric_support is not Support.OK:
         return "unknown", "the fabric state could not be read"
     state = health.fabric_state
@@ -152,14 +150,5 @@ def evidence(health: GpuHealth) -> Mapping[str, object]:
         "state": _state_name(health.fabric_state) if health.fabric_support is Support.OK else None,
         "status": health.fabric_status,
         "health_mask": None if mask is None else decode_mask(mask),
-        "health_summary": _summary_name(health.fabric_health_summary),
+        "health_summary": _name(Summary, health.fabric_health_summary),
     }
-
-
-def _summary_name(value: int | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return Summary(value).name
-    except ValueError:
-        return f"unknown ({value})"

@@ -1,9 +1,6 @@
-"""GPU health: Xid events, the recovery action, row remapping, retired pages and the NVLink
-fabric → findings.
-
-This module owns what the driver's health signals *mean* (docs/findings.md#gpu-health).
-
-In detail: docs/internals.md, section `gpuwatchd.decide.health.judge`.
+"""GPU health: what Xid events, the recovery action, row remapping, retired pages and the
+NVLink fabric *mean* → findings (docs/findings.md#gpu-health). In detail: docs/internals.md,
+section `gpuwatchd.decide.health.judge`.
 """
 
 from __future__ import annotations
@@ -38,11 +35,10 @@ from gpuwatchd.decide.policy import HealthPolicy
 HEALTH_KINDS = kinds.HEALTH
 MAX_COUNT = 2**31
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
-# "solo" rules are judged over it. A poll reads every queued event at once, so Xids of one
-# incident read in one poll, or in polls up to this far apart, count as one burst.
+# "solo" rules are judged over it.
 XID_WINDOW = 60.0
-# An NVLink error (Xid 74) on another GPU this close to one of our resets (real or a dry run's
-# assumed one) is what resetting an NVLink peer causes: expected, not an incident.
+# An NVLink error (Xid 74) on another GPU this close to one of our resets (real or assumed) is
+# what resetting an NVLink peer causes: expected, not an incident.
 PEER_XID_WINDOW = 300.0
 _NVLINK_XID = 74
 _FABRIC_MANAGER = (
@@ -64,9 +60,7 @@ class RecoveryAction(enum.IntEnum):
     SYSTEM_REBOOT = 7  # R615
 
 
-# What each value asks for, in gpuwatchd's terms, and NVIDIA's text in our words (NVIDIA's
-# memory error management guide, "Error Recovery and Response Flags", for 0-4; for 5-7 NVML's
-# header gives only the name, so they are never a reset and always name the raw number).
+# What each value asks for, and NVIDIA's text in our words (docs/internals.md).
 _RECOVERY: Mapping[int, tuple[FindingKind, str]] = {
     RecoveryAction.GPU_RESET: (
         FindingKind.RESET_REQUIRED,
@@ -97,8 +91,7 @@ _RECOVERY: Mapping[int, tuple[FindingKind, str]] = {
     RecoveryAction.SYSTEM_REBOOT: (FindingKind.REBOOT_REQUIRED, "reboot the system"),
 }
 _STRENGTH = (FindingKind.REBOOT_REQUIRED, FindingKind.RESET_REQUIRED, FindingKind.DRAIN_REQUIRED)
-# What a reset applies (a dry run assumes it did): the recovery action asking for one, a
-# pending row remap. Named by a signature that survives between polls.
+# The recovery actions a reset applies (signature ``recovery:N``; a pending remap: ``remap``).
 _RESET_ACTIONS = (RecoveryAction.GPU_RESET, RecoveryAction.DRAIN_AND_RESET)
 
 
@@ -124,13 +117,8 @@ def _cured_by_reset(health: GpuHealth) -> tuple[str, ...]:
 def note_reset(
     state: HealthState, uuid: str, wall: float, *, assumed_from: GpuHealth | None = None
 ) -> HealthState:
-    """A reset of ``uuid`` succeeded at ``wall``: Xids before it no longer ask for one, and the
-    next reading is the health check after it (still unhealthy → ``reboot_required``).
-
-    With ``assumed_from`` (the reading the would-be reset was decided on) it is a dry run's
-    would-be reset instead, assumed to have succeeded: Xids before it no longer count, and what
-    the reset would have applied is taken as applied while the reading still shows it.
-    """
+    """A reset of ``uuid`` succeeded at ``wall``; with ``assumed_from`` (the reading it was
+    decided on) a dry run's would-be reset, assumed to have succeeded (docs/internals.md)."""
     gpus = dict(state.gpus)
     old = gpus.get(uuid, GpuHealthState())
     if assumed_from is None:
@@ -141,8 +129,7 @@ def note_reset(
 
 
 def drop_assumed(state: HealthState) -> HealthState:
-    """Forget every dry-run assumption: what dry-run would have done never blocks the real
-    thing (called when the daemon acts for real)."""
+    """Forget every dry-run assumption (the daemon acts for real now)."""
     if not any(g.assumed_reset is not None or g.assumed_cured for g in state.gpus.values()):
         return state
     return HealthState(
@@ -189,9 +176,8 @@ def _merge_xids(
 
 
 def _kernel_xids_by_gpu(snapshot: Snapshot) -> dict[str, list[KernelXid]]:
-    """The kernel log's Xids by GPU UUID: the kernel prints ``0000:17:00`` (domain, bus,
-    device), NVML ``00000000:17:00.0``; compared as numbers. A record naming no GPU NVML
-    reports is dropped."""
+    """The kernel log's Xids by GPU UUID (its ``0000:17:00`` and NVML's ``00000000:17:00.0``
+    compared as numbers); a record naming no GPU NVML reports is dropped."""
     uuid_of: dict[tuple[int, int, int], str] = {}
     for gpu in snapshot.nvml.gpus:
         key = pci_bus_key(gpu.pci_bus_id) if gpu.pci_bus_id else None
@@ -223,8 +209,6 @@ def _label(xid: int) -> str:
 
 @dataclass(frozen=True)
 class _Context:
-    """What judging one GPU needs besides its reading."""
-
     wall: float
     policy: HealthPolicy
     peer_resets: tuple[float, ...]  # resets (real or assumed) of the node's other GPUs
@@ -237,7 +221,7 @@ def _judge_xids(
     ctx: _Context,
     fabric_faults: list[str],
 ) -> tuple[dict[FindingKind, list[_Reason]], dict[int, str]]:
-    """The reasons the Xid history gives, and a note per Xid saying how it was judged."""
+    """The reasons the Xid history gives, and how each Xid was judged."""
     found: dict[FindingKind, list[_Reason]] = {kind: [] for kind in _STRENGTH}
     notes: dict[int, str] = {}
     for xid, rec in sorted(xids.items()):
@@ -256,12 +240,11 @@ def _judge_xids(
             bucket = XID_CATALOGUE[xid].immediate
             if bucket is Bucket.WORKFLOW_XID_48:
                 with_remap = [x for x in _co_occurring(xid, xids) if x in (63, 64)]
-                why = (
+                why = notes[xid] = (
                     f"with Xid {', '.join(map(str, with_remap))}: NVIDIA: drain and reset"
                     if with_remap
                     else "solo: NVIDIA: reset the GPU"
                 )
-                notes[xid] = why
             elif bucket is Bucket.WORKFLOW_NVLINK_ERR:
                 why = "NVIDIA: reset the GPU (a reboot if that does not help)"
             else:
@@ -286,14 +269,10 @@ def _judge_xids(
                     "solo; no unhealthy NVLink fabric here, so a process was torn down "
                     "(not Fabric Manager)"
                 )
-        elif xid == 63 and ctx.policy.xid_63 == "drain":
-            found[FindingKind.DRAIN_REQUIRED].append(
-                _Reason(f"{seen} (health.xid_63: drain; NVIDIA: ignore)")
-            )
-        elif xid == 94 and ctx.policy.xid_94 == "drain":
-            found[FindingKind.DRAIN_REQUIRED].append(
-                _Reason(f"{seen} (health.xid_94: drain; NVIDIA: restart the application)")
-            )
+        elif {63: ctx.policy.xid_63, 94: ctx.policy.xid_94}.get(xid) == "drain":
+            nvidia = "ignore" if xid == 63 else "restart the application"
+            why = f"health.xid_{xid}: drain; NVIDIA: {nvidia}"
+            found[FindingKind.DRAIN_REQUIRED].append(_Reason(f"{seen} ({why})"))
     return found, notes
 
 
@@ -341,8 +320,7 @@ def _reasons(
         found[FindingKind.DRAIN_REQUIRED].append(
             _Reason(f"{'; '.join(fabric_faults)}: {_FABRIC_MANAGER}")
         )
-    # What a reset applies. After a dry run's assumed reset the unchanged reading still shows
-    # it: taken as applied. After a real reset it must be gone: still there means a reboot.
+    # What a reset applies: taken as applied after an assumed reset; a reboot after a real one.
     for kind in _STRENGTH:
         found[kind] = [
             r for r in found[kind] if r.cured is None or r.cured not in carried.assumed_cured
@@ -406,9 +384,7 @@ def _evidence(
 
 
 def _carry_cures(carried: GpuHealthState, health: GpuHealth) -> GpuHealthState:
-    """Bring the reset bookkeeping up to this reading: an assumed cure or an unhealed signal
-    the reading no longer shows is forgotten (its return is a new incident); the first reading
-    after a real reset is its health check."""
+    """The reset bookkeeping brought up to this reading (docs/internals.md)."""
     showing = _cured_by_reset(health)
     if carried.last_reset is not None and carried.checked_reset != carried.last_reset:
         return replace(
@@ -431,14 +407,8 @@ def assess_health(
     boot_changed: bool,
     policy: HealthPolicy | None = None,
 ) -> HealthAssessment:
-    """Merge this poll's Xids into the history and judge every GPU's health. Pure.
-
-    One finding per GPU at most, the strongest kind: reboot over reset over drain (a reboot
-    makes a reset pointless). A lost GPU is left to the ``gpu.needs_reboot`` path, and a GPU
-    whose health was not read keeps its history unchanged and gets no finding. A finding whose
-    reasons are all ones gpuwatchd may not act on (an unknown recovery action) is reported
-    with ``actionable`` false.
-    """
+    """Merge this poll's Xids into the history and judge every GPU's health: one finding per
+    GPU at most, the strongest kind (docs/internals.md). Pure."""
     options = policy if policy is not None else HealthPolicy()
     old = {} if boot_changed else dict(previous.gpus)
     gpus: dict[str, GpuHealthState] = dict(old)
@@ -450,8 +420,7 @@ def assess_health(
         health = gpu.health
         if not gpu.uuid or health is None or gpu.lost:
             continue
-        carried = old.get(gpu.uuid, GpuHealthState())
-        carried = _carry_cures(carried, health)
+        carried = _carry_cures(old.get(gpu.uuid, GpuHealthState()), health)
         merged = merge_sources(
             health.xids,
             kernel.get(gpu.uuid, ()),
@@ -491,8 +460,7 @@ def assess_health(
 def _fabric_clock(
     health: GpuHealth, since: float | None, wall: float, options: HealthPolicy
 ) -> tuple[float | None, bool]:
-    """Since when the GPU's fabric has been registering (kept as it was when not read this
-    poll), and whether that is long enough to call it stuck."""
+    """Since when the GPU's fabric has been registering, and whether it is stuck."""
     registering = fabric.registering(health)
     fabric_since = since  # not read this poll: unknown keeps the clock as it was
     if registering is not None:
@@ -513,7 +481,7 @@ def _finding(
     evidence: dict[str, object],
     since: float,
 ) -> Finding:
-    """The GPU's one finding, of the strongest ``kind``, with its reasons in the evidence."""
+    """The GPU's one finding, of the strongest ``kind``."""
     evidence["since"] = since
     evidence["reasons"] = [r.text for r in reasons[kind]]
     # What a weaker kind would also ask for (e.g. a stuck fabric under a reset_required).
@@ -533,15 +501,9 @@ def _finding(
 
 
 def drain_blockers(gpu: GpuInfo, snapshot: Snapshot, *, device_isolation: bool) -> list[str]:
-    """Live processes NVML lists that keep a health reset of ``gpu`` waiting.
-
-    A live context owner on the GPU itself always blocks (the holder scan's ``live_holder`` gate
-    names the device-file holders besides). Without cgroup device isolation every CUDA process
-    opens every GPU's device file, and the driver refuses to reset a GPU whose file is open: a
-    live job on *any* GPU blocks (docs/reset.md#what-blocks-a-reset). A listed process is live
-    unless ``/proc`` shows it gone or a zombie; an unreadable one counts as live (unknown is
-    not none).
-    """
+    """Live processes NVML lists that keep a health reset of ``gpu`` waiting: on the GPU
+    itself, or without device isolation on any GPU (docs/reset.md#what-blocks-a-reset). A
+    listed process is live unless ``/proc`` shows it gone or a zombie."""
     found: list[str] = []
     for other in sorted(snapshot.nvml.gpus, key=lambda g: g.index):
         same = other.uuid == gpu.uuid

@@ -1,15 +1,12 @@
-"""GPU health's carried state: per GPU, the Xids seen, the last reset, a dry run's assumed
-reset, since when each health finding and a registering NVLink fabric hold; its JSON form.
-
-This module owns the shape of that state and the checks applied when it is read back (a
-damaged state file is a ValueError naming the entry, never a wrong decision). What the values
-mean and every change to them belong to ``health.py``; no I/O.
+"""GPU health's carried state per GPU and its checked JSON form (a damaged state file is a
+ValueError naming the entry, never a wrong decision). What the values mean and every change
+to them belong to ``judge.py``; no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from gpuwatchd.core.checked import number, opt_number
 from gpuwatchd.core.model import as_int
@@ -37,9 +34,8 @@ class Sighting:
 
 @dataclass(frozen=True)
 class XidDetail:
-    """What the kernel log said about an Xid's latest line: the process the driver named (its
-    job when it still lived), the driver's text, whether it was logged before the daemon
-    started, and when (wall seconds)."""
+    """The kernel log's latest line of an Xid: the process the driver named (its job when it
+    still lived), the driver's text, whether it predates the daemon, when (wall seconds)."""
 
     pid: int | None
     process: str | None
@@ -54,8 +50,7 @@ class XidDetail:
 
 @dataclass(frozen=True)
 class XidLog:
-    """When an Xid was last said (``health.xid``), and what has come since: a count held
-    until the window has passed, between ``first`` and ``last``."""
+    """When an Xid was last said (``health.xid``); the count held since, ``first`` to ``last``."""
 
     logged_at: float
     held: int
@@ -65,19 +60,9 @@ class XidLog:
 
 @dataclass(frozen=True)
 class GpuHealthState:
-    """One GPU's health history: Xids seen, its last successful reset, since when the
-    current health finding holds (``since``: kind → wall seconds), since when its NVLink
-    fabric has been registering (``fabric_since``).
-
-    ``assumed_reset`` is a dry run's would-be reset, assumed to have succeeded for the
-    decisions that follow (Xids before it no longer count; ``assumed_cured`` names what the
-    reset would have applied — ``recovery:N``, ``remap`` — which the unchanged reading may
-    still show). It is dropped as soon as the daemon acts for real (:func:`drop_assumed`).
-
-    The first reading after a real reset is its health check (``checked_reset``): what the
-    reset should have applied and is still there (``unhealed``) means a reboot, for as long
-    as the reading shows it; the same signal appearing later is a new incident.
-    """
+    """One GPU's health history (``since``: finding kind → wall seconds). ``assumed_reset``
+    and ``assumed_cured``: a dry run's would-be reset; ``checked_reset`` and ``unhealed``: the
+    health check after a real one (docs/internals.md, ``gpuwatchd.decide.health.judge``)."""
 
     xids: Mapping[int, XidRecord] = field(default_factory=dict)
     last_reset: float | None = None
@@ -87,9 +72,8 @@ class GpuHealthState:
     fabric_since: float | None = None
     checked_reset: float | None = None  # the last_reset whose health check was read
     unhealed: tuple[str, ...] = ()  # what that check found the reset had not applied
-    # The kernel log (decide/health/xid_sources.py): the last record counted (microseconds since
-    # boot), what one source saw and the other has not yet matched, the latest detail per
-    # Xid, and when each Xid was last said.
+    # The kernel log (decide/health/xid_sources.py): klog_pos is the last record counted
+    # (microseconds since boot).
     klog_pos: int | None = None
     sightings: tuple[Sighting, ...] = ()
     details: Mapping[int, XidDetail] = field(default_factory=dict)
@@ -143,11 +127,8 @@ class HealthState:
             what = f"health.{uuid}"
             if not isinstance(uuid, str) or not isinstance(entry, dict):
                 raise ValueError(f"{what}: expected an object")
-            raw_xids = entry.get("xids", {})
-            if not isinstance(raw_xids, dict) or len(raw_xids) > MAX_XID_KINDS:
-                raise ValueError(f"{what}.xids: expected an object of at most {MAX_XID_KINDS}")
             xids: dict[int, XidRecord] = {}
-            for key, triple in raw_xids.items():
+            for key, triple in _bounded_map(entry.get("xids", {}), f"{what}.xids").items():
                 xid = int(key) if isinstance(key, str) and key.isdigit() else None
                 values = triple if isinstance(triple, list) and len(triple) == 3 else None
                 count = as_int(values[0]) if values else None
@@ -159,8 +140,8 @@ class HealthState:
                 raise ValueError(f"{what}.since: expected an object")
             cured = _signatures(entry.get("assumed_cured", []), f"{what}.assumed_cured")
             unhealed = _signatures(entry.get("unhealed", []), f"{what}.unhealed")
-            kernel = _kernel_log_state(entry, what)
-            gpus[uuid] = GpuHealthState(
+            gpus[uuid] = replace(
+                _kernel_log_state(entry, what),
                 xids=xids,
                 last_reset=opt_number(entry.get("last_reset"), what),
                 since={str(k): number(v, what) for k, v in since.items()},
@@ -169,10 +150,6 @@ class HealthState:
                 fabric_since=opt_number(entry.get("fabric_since"), what),
                 checked_reset=opt_number(entry.get("checked_reset"), what),
                 unhealed=unhealed,
-                klog_pos=kernel.klog_pos,
-                sightings=kernel.sightings,
-                details=kernel.details,
-                xid_log=kernel.xid_log,
             )
         return cls(gpus=gpus)
 

@@ -1,11 +1,5 @@
-"""NVIDIA's Xid catalogue as data, and what gpuwatchd does with each resolution bucket.
-
-This module owns the table: one text row, parsed at import into one :class:`XidEntry`, per
-Xid that NVIDIA's catalogue for Ampere and later GPUs lists (docs/findings.md#xid-table), with
-its mnemonic, a short name, the catalogue's two resolution buckets (the *immediate* action an
-operator takes now, the *investigatory* one an engineer follows later) and where the entry was
-checked. It also owns the one mapping from a bucket to what the daemon does
-(:func:`xid_action`), and the Markdown table of docs/findings.md (:func:`render_markdown`).
+"""NVIDIA's Xid catalogue as data (docs/findings.md#xid-table), what gpuwatchd does with each
+resolution bucket (:func:`xid_action`), and the Markdown table of docs/findings.md.
 
 In detail: docs/internals.md, section `gpuwatchd.decide.health.xid_catalogue`.
 """
@@ -333,27 +327,9 @@ def xid_action(xid: int) -> XidAction:
     return XidAction.REPORT if entry is None else _BY_BUCKET[entry.immediate]
 
 
-def entry_of(xid: int) -> XidEntry | None:
-    return XID_CATALOGUE.get(xid)
-
-
-def _bucket_cell(entry: XidEntry) -> str:
-    if entry.immediate is Bucket.NONE:
-        return "*none given*"
-    return f"`{entry.immediate.value}`"
-
-
-def _investigatory_cell(entry: XidEntry) -> str:
-    return entry.investigatory.replace("|", "/") if entry.investigatory else "*none given*"
-
-
 def render_markdown() -> str:
-    """The Xid table of docs/findings.md, one row per catalogue entry (tests keep them equal).
-
-    Columns: Xid, mnemonic, name, NVIDIA's immediate and investigatory buckets, what gpuwatchd
-    does, and the sources ([C] the catalogue, [M] the memory error management guide; a ``*``
-    marks the rows read on NVIDIA's page itself rather than its spreadsheet's public copy).
-    """
+    """The Xid table of docs/findings.md, one row per catalogue entry (tests keep them equal);
+    sources: [C] the catalogue (``*``: read on NVIDIA's page), [M] the memory guide."""
     lines = [
         "| Xid | mnemonic | name | immediate | investigatory | gpuwatchd | source |",
         "|---|---|---|---|---|---|---|",
@@ -361,8 +337,10 @@ def render_markdown() -> str:
     for xid in sorted(XID_CATALOGUE):
         entry = XID_CATALOGUE[xid]
         source = "[C]" + ("*" if entry.read_directly else "") + (" [M]" if entry.memory else "")
+        bucket = f"`{entry.immediate.value}`" if entry.immediate.value else "*none given*"
+        investigatory = entry.investigatory.replace("|", "/") or "*none given*"
         lines.append(
-            f"| {xid} | `{entry.mnemonic}` | {entry.name} | {_bucket_cell(entry)} | "
-            f"{_investigatory_cell(entry)} | {_WHAT[xid_action(xid)]} | {source} |"
+            f"| {xid} | `{entry.mnemonic}` | {entry.name} | {bucket} | "
+            f"{investigatory} | {_WHAT[xid_action(xid)]} | {source} |"
         )
     return "\n".join(lines) + "\n"

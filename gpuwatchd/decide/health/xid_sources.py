@@ -1,10 +1,7 @@
-"""Xids from two sources, counted once; a flood said once per window (docs/findings.md#kernel-log).
-
-This module owns how one GPU's Xids of one poll — NVML's events and the kernel log's lines
-(``collect/kernel_log.py``) — become what ``health.py`` counts and what the ``health.xid``
-event says.
-
-In detail: docs/internals.md, section `gpuwatchd.decide.health.xid_sources`.
+"""Xids from two sources, counted once; a flood said once per window (docs/findings.md#kernel-log):
+how one GPU's NVML events and kernel-log lines of one poll become what ``judge.py`` counts and
+what the ``health.xid`` event says. In detail: docs/internals.md, section
+`gpuwatchd.decide.health.xid_sources`.
 """
 
 from __future__ import annotations
@@ -153,11 +150,8 @@ def notices(
     logs: Mapping[int, XidLog],
     wall: float,
 ) -> tuple[tuple[XidNotice, ...], dict[int, XidLog]]:
-    """The ``health.xid`` notices of this poll, and the carried log state. Pure.
-
-    An Xid not said within :data:`LOG_WINDOW` is said now with everything held for it; one
-    said more recently is held (counted) until the window has passed.
-    """
+    """The ``health.xid`` notices of this poll (each Xid at most once per :data:`LOG_WINDOW`,
+    with what was held meanwhile), and the carried log state. Pure."""
     new: dict[int, list[Occurrence]] = {}
     for occurrence in merged.occurrences:
         new.setdefault(occurrence.xid, []).append(occurrence)

@@ -48,8 +48,15 @@ typecheck: venv
 # test's time is spent waiting (a daemon's polls, a container's boot). PYTEST_WORKERS=0 runs
 # them in one process.
 PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+# Compiled code is kept in build/pycache, also where PYTHONDONTWRITEBYTECODE is set: otherwise
+# every worker, and every `python -m gpuwatchd`, daemon or PID-namespace child a test starts,
+# compiles the package again and pytest rewrites the tests again (about 40 % of the CPU of a test
+# that runs the command line). A collection pass fills it first, so that the workers read it
+# instead of each compiling everything at once; its errors show in the run that follows.
+BYTECODE := PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache
 unit: venv fakenvml
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	@$(BYTECODE) $(PY) -m pytest --collect-only -q -p no:cacheprovider >/dev/null 2>&1 || true
+	$(BYTECODE) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The three at once; each one's output is shown whole when it ends, and any failure fails it.
 test: venv fakenvml
@@ -96,4 +103,4 @@ catalog: venv
 
 clean:
 	rm -rf $(VENV) $(FAKENVML_DIR)/build .mypy_cache .ruff_cache .pytest_cache .hypothesis \
-		build/mutation
+		build/mutation build/pycache

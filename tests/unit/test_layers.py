@@ -10,6 +10,7 @@ running back up the layering of docs/architecture.md ("The layers and the rule b
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 import sys
@@ -35,16 +36,31 @@ def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _parsed(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
+def parse(path: pathlib.Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per source text in a run (the checks only read it)."""
+    return _parsed(path.read_text())
+
+
 def imports_of(path: pathlib.Path) -> set[str]:
     """Every module ``path`` imports, at any depth (lazy imports inside functions count)."""
+    return set(_imports(parse(path)))
+
+
+@functools.cache
+def _imports(tree: ast.Module) -> frozenset[str]:
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def _modules(layer: str) -> list[pathlib.Path]:
@@ -248,7 +264,7 @@ def _definition_sizes() -> dict[str, tuple[str, int]]:
                 visit(module, node.body, f"{prefix}{node.name}.")
 
     for path in sorted(PACKAGE.rglob("*.py")):
-        visit(_module_name(path), ast.parse(path.read_text()).body, "")
+        visit(_module_name(path), parse(path).body, "")
     return sizes
 
 
@@ -280,7 +296,7 @@ def private_imports(package: pathlib.Path = PACKAGE) -> set[str]:
     like ``__version__``, are public)."""
     found = set()
     for path in sorted(package.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpuwatchd"):
                 for alias in node.names:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
@@ -316,7 +332,7 @@ DOCSTRING_MAX_LINES = 10  # what a module owns, in a few lines; how it works: do
 def test_a_module_docstring_says_what_it_owns_and_leaves_the_long_story_to_the_docs() -> None:
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        docstring = ast.get_docstring(parse(path)) or ""
         if docstring.count("\n") + 1 > DOCSTRING_MAX_LINES:
             long.append(f"{_module_name(path)} ({docstring.count(chr(10)) + 1} lines)")
     assert not long, "move the explanation to docs/internals.md: " + ", ".join(long)
@@ -325,7 +341,7 @@ def test_a_module_docstring_says_what_it_owns_and_leaves_the_long_story_to_the_d
 def test_every_section_docs_internals_names_is_there() -> None:
     internals = (ROOT / "docs" / "internals.md").read_text()
     for path in sorted(PACKAGE.rglob("*.py")):
-        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        docstring = ast.get_docstring(parse(path)) or ""
         for section in re.findall(r"docs/internals\.md, section `([\w.]+)`", docstring):
             assert f"## `{section}`" in internals, f"{_module_name(path)} names {section}"
 

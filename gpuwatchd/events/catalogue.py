@@ -180,91 +180,91 @@ def _reloaded(s: Said) -> str:
 _OTHERS: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
-finding.changed INFO: FINDING actionable lasted
+FINDING_CHANGED INFO: FINDING actionable lasted
     The {kind} finding of {target} changed{reason:why}.
-action.deferred DEBUG: FINDING why until
+ACTION_DEFERRED DEBUG: FINDING why until
     Action on {target} deferred{until:until}{why}.
-escalation.confirming DEBUG: FINDING rule due
+ESCALATION_CONFIRMING DEBUG: FINDING rule due
     The {kind} finding of {target} matches rule {rule}; confirming{due:until} before anything
     is sent.
-escalation.resolved INFO: LADDER why after
+ESCALATION_RESOLVED INFO: LADDER why after
     {dry}Escalation of {target} is over{why}.
-escalation.ended ERROR INFO: LADDER PROCESS why outcome
+ESCALATION_ENDED ERROR INFO: LADDER PROCESS why outcome
     {dry}Gave up on {target}{why}; it is never signalled again.
-limits.kill_cap_expired WARNING INFO: scope why lasted dry_run
+LIMITS_KILL_CAP_EXPIRED WARNING INFO: scope why lasted dry_run
     {dry}The kill-cap latch of {scope} lifted after {lasted:seconds}: its targets may be
     signalled for real again.
-rule.report_only INFO: FINDING rule
+RULE_REPORT_ONLY INFO: FINDING rule
     {target} matches rule {rule}, which only reports: nothing is sent.
-action.refused INFO WARNING DEBUG: FINDING LADDER why
+ACTION_REFUSED INFO WARNING DEBUG: FINDING LADDER why
     No action on {target}{why}.
-escalation.aborted WARNING: LADDER outcome why
+ESCALATION_ABORTED WARNING: LADDER outcome why
     Escalation of {target} aborted, nothing sent{why}.
-escalation.restarted INFO: LADDER why
+ESCALATION_RESTARTED INFO: LADDER why
     The dry-run escalation of {target} starts over for real{why}.
-target.stuck CRITICAL: LADDER PROCESS why
+TARGET_STUCK CRITICAL: LADDER PROCESS why
     {target} is stuck in D state and is never signalled{why}.
-clock.stepped_back WARNING: seconds wall
+CLOCK_STEPPED_BACK WARNING: seconds wall
     The wall clock went back {seconds:seconds}: counted as no time passed.
-action.withheld ERROR: why steps
+ACTION_WITHHELD ERROR: why steps
     Not done, the state cannot be saved: {steps:items}; tried again next poll.
-target.exited INFO: pid start_ticks
+TARGET_EXITED INFO: pid start_ticks
     {process} exited (seen through its pidfd).
-daemon.resumed WARNING: reason
+DAEMON_RESUMED WARNING: reason
     Actions resumed{reason:why}.
-limits.latches_cleared WARNING:
+LIMITS_LATCHES_CLEARED WARNING:
     An admin cleared the latches: forced dry-run and the reset circuit breaker.
-daemon.stop INFO: exit_code
+DAEMON_STOP INFO: exit_code
     gpuwatchd stopped (exit code {exit_code}).
-daemon.already_running ERROR: detail state_dir
+DAEMON_ALREADY_RUNNING ERROR: detail state_dir
     Another gpuwatchd already runs here{detail:why}.
-daemon.limited_permissions WARNING: missing dry_run
+DAEMON_LIMITED_PERMISSIONS WARNING: missing dry_run
     Running without {missing:items}: other users' processes may be unreadable.
-run_once.timeout WARNING: pending left exit_code
+RUN_ONCE_TIMEOUT WARNING: pending left exit_code
     run --once timed out with work left: {left:items}.
-run_once.done INFO: waited
+RUN_ONCE_DONE INFO: waited
     run --once is done after {waited:seconds}: every GPU is clean.
-run_once.unresolved WARNING: left waited exit_code
+RUN_ONCE_UNRESOLVED WARNING: left waited exit_code
     run --once gives up, waiting would not change: {left:items}.
-scheduler.ended_jobs_over_limit WARNING: waiting honoured limit
+SCHEDULER_ENDED_JOBS_OVER_LIMIT WARNING: waiting honoured limit
     Too many ended-job hand-overs: {waiting} wait, only {limit} are honoured at once.
-config.reload_rejected ERROR: error config
+CONFIG_RELOAD_REJECTED ERROR: error config
     Reload rejected, the old policy stays in force{error:why}.
-config.reload_partial WARNING: needs_restart
+CONFIG_RELOAD_PARTIAL WARNING: needs_restart
     Reloaded, but these keys change only on restart: {needs_restart:items}.
-config.files_rejected ERROR: error config
+CONFIG_FILES_REJECTED ERROR: error config
     The policy files changed and do not validate{error:why}; the running policy stays in force.
-config.start_rejected CRITICAL: error config running dry_run unusable
+CONFIG_START_REJECTED CRITICAL: error config running dry_run unusable
     The policy is invalid{error:why}; running with the last accepted one ({running}).
-state.invalid ERROR: error path
+STATE_INVALID ERROR: error path
     The saved state {path} was unusable{error:why}; starting clean.
-state.corrupt ERROR: path why moved_to error
+STATE_CORRUPT ERROR: path why moved_to error
     The state file {path} is corrupt and was moved to {moved_to}{why}.
-state.new_boot INFO: saved_boot_id boot_id
+STATE_NEW_BOOT INFO: saved_boot_id boot_id
     The saved state is from another boot: process-keyed state is dropped.
-state.save_failed ERROR: error path
+STATE_SAVE_FAILED ERROR: error path
     The state could not be saved to {path}{error:why}; nothing irreversible is done until it can be.
-state.dir_unusable CRITICAL: path error
+STATE_DIR_UNUSABLE CRITICAL: path error
     The state directory {path} is unusable{error:why}.
-metrics.write_failed ERROR: path error
+METRICS_WRITE_FAILED ERROR: path error
     The metrics file {path} could not be written{error:why}.
-collect.kcmp_unavailable WARNING: reason
+COLLECT_KCMP_UNAVAILABLE WARNING: reason
     kcmp cannot prove inherited GPU files{reason:why}; orphans are judged without that proof.
-collect.thread_tables_unread WARNING: pid comm budget
+COLLECT_THREAD_TABLES_UNREAD WARNING: pid comm budget
     {process} has more threads with file tables of their own than a scan reads ({budget}
     descriptors): what it holds is unknown, so it blocks resets and is never a target.
-nvml.recovered WARNING: was since gone_for error
+NVML_RECOVERED WARNING: was since gone_for error
     NVML answers again after {gone_for:seconds} {was}.
-nvml.unavailable WARNING: reason
+NVML_UNAVAILABLE WARNING: reason
     NVML is unavailable{reason:why}; retrying.
-nvml.wedged CRITICAL: timeout pid
+NVML_WEDGED CRITICAL: timeout pid
     NVML is wedged (a call missed its {timeout}s deadline): no destructive action.
-nvml.worker_started DEBUG: pid
+NVML_WORKER_STARTED DEBUG: pid
     NVML worker {pid} started.
-nvml.worker_hung CRITICAL: pid reason
+NVML_WORKER_HUNG CRITICAL: pid reason
     The NVML worker {pid} survived SIGKILL (stuck in the kernel); no new worker while it
     lives{reason:why}.
-nvml.hung_worker_exited INFO: pid
+NVML_HUNG_WORKER_EXITED INFO: pid
     The hung NVML worker {pid} finally exited.
 """
     ),

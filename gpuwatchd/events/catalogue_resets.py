@@ -162,32 +162,32 @@ def _needs_reboot(s: Said) -> str:
 RESET_EVENTS: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
-reset.confirming DEBUG: FINDING why
+RESET_CONFIRMING DEBUG: FINDING why
     {gpu} may need a reset; waiting to be sure{why}.
-reset.refused INFO WARNING DEBUG: FINDING why hidden_holder outcome pci_bus_id MIG
+RESET_REFUSED INFO WARNING DEBUG: FINDING why hidden_holder outcome pci_bus_id MIG
     No reset of {gpu} now{why}.
-reset.limit_reached WARNING: FINDING why
+RESET_LIMIT_REACHED WARNING: FINDING why
     No reset of {gpu}: the reset limit is reached{why}.
-reset.circuit_open CRITICAL: FINDING why
+RESET_CIRCUIT_OPEN CRITICAL: FINDING why
     No more GPU resets until cleared by hand{why}.
-reset.refusal_cleared INFO: gpu finding in_use why
+RESET_REFUSAL_CLEARED INFO: gpu finding in_use why
     A refused reset of {gpu} may be tried again{why}.
-reset.mig_unfinished_cleared INFO: gpu instance gi why
+RESET_MIG_UNFINISHED_CLEARED INFO: gpu instance gi why
     MIG GPU instance {gi} of {gpu} is no longer half done{why}.
-health.drain_waiting INFO: FINDING blockers until
+HEALTH_DRAIN_WAITING INFO: FINDING blockers until
     The reset of {gpu} still waits for {blockers:items} (never signalled).
-health.drain_timed_out CRITICAL: FINDING why blockers
+HEALTH_DRAIN_TIMED_OUT CRITICAL: FINDING why blockers
     Draining {gpu} timed out{why}; on_failure hooks run.
-reset.resume WARNING: record
+RESET_RESUME WARNING: record
     A reset was interrupted by a stop or crash: finishing or undoing it now.
-reset.resumed WARNING: gpu result step reason needs_reboot
+RESET_RESUMED WARNING: gpu result step reason needs_reboot
     The interrupted reset of {gpu} ended: {result}{reason:why}.
-reset.resume_failed ERROR: reason
+RESET_RESUME_FAILED ERROR: reason
     An interrupted reset could not be resumed{reason:why}.
-kernel_log.unavailable WARNING: source why retry_in
+KERNEL_LOG_UNAVAILABLE WARNING: source why retry_in
     The kernel log ({source}) cannot be read{why}; Xids come from NVML alone until it can (tried
     again in {retry_in:seconds}).
-kernel_log.dropped WARNING: lines kept
+KERNEL_LOG_DROPPED WARNING: lines kept
     The kernel log had {lines} Xid line(s) that were not counted: more distinct Xids, GPUs and
     processes in one poll than are kept ({kept}).
 """

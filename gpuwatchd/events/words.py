@@ -217,18 +217,19 @@ def spec(level: Level, fields: str, say: Callable[[Said], str] | str, *also: Lev
 
 
 def spec_table(text: str) -> dict[EventName, EventSpec]:
-    """Catalogue entries written as ``text``: per entry a line ``event LEVEL [OTHER LEVELS]:
-    fields``, then its template on indented lines (joined by spaces). An event again, or one
+    """Catalogue entries written as ``text``: per entry a line ``MEMBER LEVEL [OTHER LEVELS]:
+    fields`` (the :class:`EventName` member's name: the event's own name is spelled only in the
+    vocabulary), then its template on indented lines (joined by spaces). An event again, or one
     without a template, raises ValueError."""
     table: dict[EventName, EventSpec] = {}
     for entry in re.split(r"\n(?=\S)", text.strip()):
         head, *said = entry.splitlines()
         names, _, fields = head.partition(":")
         event, *levels = names.split()
-        if EventName(event) in table or not said:
+        if EventName[event] in table or not said:
             raise ValueError(f"event table: again, or no sentence: {head!r}")
         level, *also = (Level[name] for name in levels)
-        table[EventName(event)] = spec(level, fields, " ".join(s.strip() for s in said), *also)
+        table[EventName[event]] = spec(level, fields, " ".join(s.strip() for s in said), *also)
     return table
 
 

@@ -308,8 +308,8 @@ def test_an_outcome_table_keeps_its_fallback_and_extra_outcomes() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "daemon.stop INFO: exit_code\n    Stopped.\ndaemon.stop INFO: exit_code\n    Again.",
-        "daemon.stop INFO: exit_code",  # no sentence
+        "DAEMON_STOP INFO: exit_code\n    Stopped.\nDAEMON_STOP INFO: exit_code\n    Again.",
+        "DAEMON_STOP INFO: exit_code",  # no sentence
     ],
 )
 def test_an_event_table_refuses_an_entry_again_or_without_a_sentence(text: str) -> None:
@@ -328,7 +328,7 @@ def test_a_template_says_dry_run_and_a_deadline_where_the_namer_places_it(
 
 
 def test_an_event_table_entry_has_its_levels_field_groups_and_sentence() -> None:
-    table = spec_table("daemon.stop INFO ERROR: MIG code\n    Stopped\n    ({code}).")
+    table = spec_table("DAEMON_STOP INFO ERROR: MIG code\n    Stopped\n    ({code}).")
     entry = table[EventName.DAEMON_STOP]
     assert (entry.level, entry.also) == (Level.INFO, frozenset({Level.ERROR}))
     assert entry.fields == ("instance", "gi", "recovery", "code")

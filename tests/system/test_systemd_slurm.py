@@ -816,11 +816,19 @@ def test_a_job_spare_holds_under_proctrack_cgroup(cluster: Cluster) -> None:
     def switch(proctrack: str) -> bool:
         ct.write("/etc/slurm/slurm.conf", SLURM_CONF.replace("proctrack/linuxproc", proctrack))
         cluster.sh("systemctl restart slurmctld slurmd", check=False)
+
+        def settled() -> bool:  # idle, or slurmd has given up (no use waiting the minute out)
+            if cluster.node()["State"] == "IDLE":
+                return True
+            return (
+                ct.run(["systemctl", "is-failed", "--quiet", "slurmd"], check=False).returncode == 0
+            )
+
         try:
-            cluster.wait_idle(f"the node to be idle under {proctrack}", timeout=60)
+            wait_for(f"the node to be idle under {proctrack}", settled, timeout=60, step=0.5)
         except BaseException:
             return False
-        return True
+        return cluster.node()["State"] == "IDLE"
 
     ct.write("/etc/slurm/cgroup.conf", CGROUP_CONF)
     try:

@@ -100,6 +100,8 @@ class Collector:
     _said_unread: frozenset[int] = field(default_factory=frozenset)  # thread_tables_unread
     _facts: dict[int, ProcessInfo] = field(default_factory=dict)
     _facts_seen: dict[int, ProcessInfo] = field(default_factory=dict)
+    # PID -> the stat read (the same object while its bytes are) that confirmed a remembered fact
+    _confirmed: dict[int, tuple[StatFields, ProcessInfo]] = field(default_factory=dict)
     _held: dict[int, _Held] = field(default_factory=dict)
     _inheritance: InheritanceProbe | None = None
     _stat_files: StatFiles | None = None  # identity re-checks through kept descriptors
@@ -222,9 +224,13 @@ class Collector:
             fields = self._stat_files.read(pid)
             if fields is None:
                 return None  # gone (or unreadable: read_process would say the same)
+            confirmed = self._confirmed.get(pid)
+            if confirmed is not None and confirmed[0] is fields and confirmed[1] is cached:
+                return cached  # the very stat that confirmed this fact last time
             if _signature_of_stat(fields) == _signature_of_info(cached):
                 if fields.state != cached.state:
                     cached = dataclasses.replace(cached, state=fields.state)
+                self._confirmed[pid] = (fields, cached)
                 return cached
         return self.procfs.read_process(pid)
 
@@ -339,6 +345,7 @@ def _processes_of(
     processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
     c._add_ancestry(processes)
     c._facts = c._facts_seen
+    c._confirmed = {pid: got for pid, got in c._confirmed.items() if pid in c._facts}
     if c._stat_files is not None:
         c._stat_files.retain(c._facts)
     for pid in poll.self_pids:

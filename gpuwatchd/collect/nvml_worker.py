@@ -441,27 +441,19 @@ def read_processes(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | Non
             if kind == "compute":
                 return None
             continue
-        for process in listed:
-            used = process.usedGpuMemory
-            found.append(
-                {
-                    "pid": int(process.pid),
-                    "used_memory": None if used is None else int(used),
-                    "kind": kind,
-                }
-            )
+        found.extend({"pid": pid, "used_memory": used, "kind": kind} for pid, used in listed)
     return found
 
 
-def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | None:
-    """One process list through ``_v3``, then ``_v2`` where ``_v3`` is absent; None if unknown."""
-    for suffix in ("_v3", "_v2"):
+def list_processes(
+    reader: GpuReader, handle: Any, base: str
+) -> list[tuple[int, int | None]] | None:
+    """One process list through ``_v3``, then ``_v2`` where ``_v3`` is absent, as (PID, used
+    memory or None); None if unknown."""
+    for suffix, entry in (("_v3", ProcessInfoV3), ("_v2", ProcessInfoV2)):
         name = base + suffix
-        fn = getattr(pynvml, name, None)
-        if fn is None:
-            continue
         try:
-            return list(fn(handle))
+            return running_processes(name, entry, handle)
         except pynvml.NVMLError_FunctionNotFound:
             continue
         except pynvml.NVMLError_NotSupported:
@@ -471,6 +463,49 @@ def list_processes(reader: GpuReader, handle: Any, base: str) -> list[Any] | Non
             return None
     reader.errors.append(f"{base}: no _v3 or _v2 symbol in this driver")
     return None
+
+
+class ProcessInfoV2(ctypes.Structure):
+    """pynvml's ``c_nvmlProcessInfo_v2_t`` layout as a plain structure: its fields read in C,
+    not through pynvml's per-field Python hooks (most of the worker's poll at 64 processes)."""
+
+    _fields_ = pynvml.c_nvmlProcessInfo_v2_t._fields_
+
+
+class ProcessInfoV3(ctypes.Structure):
+    """pynvml's ``c_nvmlProcessInfo_v3_t`` layout (see :class:`ProcessInfoV2`)."""
+
+    _fields_ = pynvml.c_nvmlProcessInfo_v3_t._fields_
+
+
+def running_processes(
+    name: str, entry: type[ctypes.Structure], handle: Any
+) -> list[tuple[int, int | None]]:
+    """pynvml's ``<name>(handle)`` (the same two calls, the same errors raised) as (PID, used
+    memory or None when NVML says it is not available)."""
+    library = pynvml.nvmlLib
+    if library is None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+    try:
+        function = getattr(library, name)
+    except AttributeError:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND) from None
+    count = ctypes.c_uint(0)
+    status = function(handle, ctypes.byref(count), None)
+    if status == pynvml.NVML_SUCCESS:
+        return []
+    if status != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+        raise pynvml.NVMLError(status)
+    count.value = count.value * 2 + 5  # room for processes started since the first call
+    entries = (entry * count.value)()
+    status = function(handle, ctypes.byref(count), entries)
+    if status != pynvml.NVML_SUCCESS:
+        raise pynvml.NVMLError(status)
+    unknown = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+    return [
+        (int(e.pid), None if e.usedGpuMemory == unknown else int(e.usedGpuMemory))
+        for e in entries[: count.value]
+    ]
 
 
 def read_mig_devices(reader: GpuReader, handle: Any) -> list[dict[str, Any]] | None:

@@ -28,6 +28,7 @@ from gpuwatchd.collect.procread import (
     parse_stat,
     read_proc_file,
 )
+from gpuwatchd.collect.statfiles import is_procfs
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 
@@ -117,6 +118,8 @@ class ProcFS:
         self._has_children_files: bool | None = None
         self._systemd_mount: str | None = None  # where systemd's cgroups are (read once)
         self._systemd_mount_read = False
+        self._boot_id: str | None = None
+        self._real_proc = is_procfs(self.root)  # its boot_id is read once
         self.self_pid = self._read_self_pid()
         self.holders: HolderScanner = holders.HolderScanner(
             self,
@@ -138,10 +141,13 @@ class ProcFS:
             return os.getpid()
 
     def boot_id(self) -> str | None:
+        """This boot's ID, read once from a real ``proc`` (fixed while this process runs)."""
         try:
-            return self._read_text(f"{self.root}/sys/kernel/random/boot_id").strip() or None
+            found = self._boot_id or self._read_text(f"{self.root}/sys/kernel/random/boot_id")
         except OSError:
             return None
+        self._boot_id = (found.strip() or None) if self._real_proc else None
+        return found.strip() or None
 
     def pid_max(self) -> int:
         try:

@@ -78,8 +78,8 @@ def scan_spread(
     the load (within :func:`worker_count`'s other limits). ``progress`` is called here only, as
     this slice advances and on each heartbeat of a worker (so a worker stuck in a system call
     is never reported as progress)."""
-    if workers == 1 or threading.active_count() > 1:
-        return scan(pids, progress)
+    if workers == 1 or threading.active_count() > 1 or len(pids) // max(1, min_slice) <= 1:
+        return scan(pids, progress)  # the last: worker_count is 1 whatever the CPUs (a poll)
     cpus = _cpus()
     idle = _idle(cpus) if workers is None else cpus
     count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice)

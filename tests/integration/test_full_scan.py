@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -35,7 +36,7 @@ from gpuwatchd.decide.full_scan import (
     has_unowned_memory,
 )
 from gpuwatchd.decide.policy import Detection
-from tests.support.children import Spawn, hold
+from tests.support.children import Spawn, hold, wait_for_state
 from tests.support.collecting import fake_collector
 from tests.support.fakenvml import FakeNvml, gpu, process, state
 
@@ -386,5 +387,37 @@ def test_a_listed_holding_is_reused_while_nvml_lists_it_on_the_same_gpus(
         again = collector.collect()
         assert trainer.pid not in asked[-1]
         assert again.holders.holdings[trainer.pid] == first.holders.holdings[trainer.pid]
+    finally:
+        nvml.close()
+
+
+def test_a_remembered_process_is_checked_by_its_stat_at_every_targeted_poll(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """A listed process's remembered facts stand while its ``stat`` reads the same (the same
+    facts again), and a change of its state is seen at the next targeted poll, however many
+    polls confirmed it before."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(trainer.pid)])]))
+    procfs = ProcFS(devices_dir=str(fake_nvml.devices_dir))
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    try:
+        collector = Collector(procfs, nvml, namespace_check=False)
+        wait_for_state(procfs, trainer.pid, "S")
+        first = collector.collect(full=True).processes[trainer.pid]
+        steady = [collector.collect().processes[trainer.pid] for _ in range(3)]
+        assert collector.last_scan_reason is None
+        assert steady == [first] * 3
+        assert steady[1] is steady[2]
+        trainer.send_signal(signal.SIGSTOP)
+        wait_for_state(procfs, trainer.pid, "T")
+        stopped = collector.collect().processes[trainer.pid]
+        assert stopped.state == "T"
+        assert stopped.start_ticks == first.start_ticks
+        trainer.send_signal(signal.SIGCONT)
+        wait_for_state(procfs, trainer.pid, "S")
+        assert collector.collect().processes[trainer.pid].state == "S"
     finally:
         nvml.close()

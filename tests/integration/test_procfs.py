@@ -160,6 +160,24 @@ def test_host_facts_come_from_the_injected_root(fake: FakeProc) -> None:
     assert procfs.holders.uvm_major() == 511
 
 
+def test_boot_id_is_read_again_from_a_tree_that_is_not_proc(fake: FakeProc) -> None:
+    procfs = ProcFS(str(fake.root))
+    assert procfs.boot_id() == "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    fake.write("sys/kernel/random/boot_id", "11111111-2222-3333-4444-555555555555\n")
+    assert procfs.boot_id() == "11111111-2222-3333-4444-555555555555"
+
+
+def test_boot_id_is_read_once_from_the_real_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quiet poll asks for it four times; the kernel's does not change while it runs."""
+    procfs = ProcFS("/proc")
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+        assert procfs.boot_id() == handle.read().strip()
+    reads: list[str] = []
+    monkeypatch.setattr(procfs, "_read_text", reads.append)
+    assert procfs.boot_id() == procfs.boot_id()
+    assert not reads
+
+
 def test_host_facts_fall_back_when_files_are_missing(tmp_path: Path) -> None:
     procfs = ProcFS(str(tmp_path))
     assert procfs.boot_id() is None

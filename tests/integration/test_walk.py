@@ -178,6 +178,22 @@ def test_spread_merges_in_input_order_whatever_the_split() -> None:
         assert spread.scan_spread(_rows, pids, workers=workers, min_slice=10) == _rows(pids)
 
 
+def test_a_walk_too_short_to_share_reads_neither_the_cpus_nor_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A targeted poll's few processes (fewer than two slices) are scanned here at once: no
+    worker could be worth it, so the CPUs and /proc/loadavg are not asked."""
+
+    def asked() -> int:
+        raise AssertionError("asked")
+
+    monkeypatch.setattr(spread, "_cpus", asked)
+    for pids in ([], list(range(1, 20))):
+        assert spread.scan_spread(_rows, pids, min_slice=10) == _rows(pids)
+    with pytest.raises(AssertionError, match="asked"):
+        spread.scan_spread(_rows, list(range(1, 21)), min_slice=10)
+
+
 def test_a_slice_whose_worker_failed_is_scanned_here() -> None:
     parent = os.getpid()
 

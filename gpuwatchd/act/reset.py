@@ -52,7 +52,8 @@ def _instance_fields(target: ResetTarget) -> dict[str, object]:
 def _finished(
     env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
 ) -> ResetOutcome:
-    """Say ``reset.finished`` for ``outcome`` (critical when it needs a reboot); the outcome."""
+    """Say ``EventName.RESET_FINISHED`` for ``outcome`` (critical when it needs a reboot); the
+    outcome."""
     env.emit(
         EventName.RESET_FINISHED,
         Level.CRITICAL if outcome.needs_reboot else level,
@@ -333,7 +334,7 @@ def perform_reset(
     fabric_wait: FabricWait | None = None,
 ) -> ResetOutcome:
     """Run the whole procedure for ``target``; every way it ends is a :class:`ResetOutcome`,
-    logged as ``reset.finished``. ``drained``: the caller ran the drain hooks already.
+    logged as ``EventName.RESET_FINISHED``. ``drained``: the caller ran the drain hooks already.
     ``fabric_wait``: for a ``target.fabric`` GPU (None: its reset counts as failed).
     ``hook_env`` adds to each hook's environment (the ``GPUWATCHD_*`` ones win)."""
     prepared = prepare_commands(target, reset)

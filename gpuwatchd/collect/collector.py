@@ -144,7 +144,7 @@ class Collector:
         )
 
     def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:
-        """``collect.thread_tables_unread`` once per process the scan stopped reading."""
+        """``EventName.COLLECT_THREAD_TABLES_UNREAD`` once per process the scan stopped reading."""
         root = self.procfs.root
         said = {pid for pid in self._said_unread if os.path.exists(f"{root}/{pid}")}
         for pid in sorted(holders.thread_tables_unread - said):

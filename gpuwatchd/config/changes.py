@@ -1,6 +1,6 @@
-"""What a reload changed, for ``config.reloaded``: the policy keys whose value differs, each
-as ``old -> new``, named as the policy file spells them, dotted (``reset.cooldown``); a list
-of sections (``rules``) is one key, compared whole. Pure.
+"""What a reload changed, for ``EventName.CONFIG_RELOADED``: the policy keys whose value
+differs, each as ``old -> new``, named as the policy file spells them, dotted
+(``reset.cooldown``); a list of sections (``rules``) is one key, compared whole. Pure.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def next_availability(
     previous: NvmlAvailability, reading: NvmlReading, wall: float
 ) -> tuple[NvmlAvailability, list[tuple[str, Level, dict[str, object]]]]:
     """The state after ``reading`` (taken at wall time ``wall``), and the events of the
-    transition: ``nvml.recovered`` when NVML answers after being wedged or unavailable."""
+    transition: ``EventName.NVML_RECOVERED`` when NVML answers after being wedged or unavailable."""
     state = state_of(reading)
     error = reading.error if state != OK else None
     if state == previous.state:

@@ -124,8 +124,8 @@ def _same(a: Spare, b: Spare) -> bool:
 
 
 def spare_changes(before: Sequence[Spare], after: Sequence[Spare], wall: float) -> list[SpareEvent]:
-    """The events between two readings of the spares: ``spare.started`` for each new or changed
-    one, ``spare.ended`` (with why) for each that is gone."""
+    """The events between two readings of the spares: ``EventName.SPARE_STARTED`` for each new
+    or changed one, ``EventName.SPARE_ENDED`` (with why) for each that is gone."""
     events: list[SpareEvent] = []
     old = {spare.target: spare for spare in before}
     new = {spare.target: spare for spare in _in_force(after, wall)}

@@ -308,8 +308,8 @@ class Engine:
         assessment: Assessment,
         snapshot: Snapshot,
     ) -> PlanResult:
-        """The plan of this poll with every step held (said as ``action.withheld``), as while
-        paused, because the state that would record the steps cannot be saved."""
+        """The plan of this poll with every step held (said as ``EventName.ACTION_WITHHELD``),
+        as while paused, because the state that would record the steps cannot be saved."""
         self._withhold(result.intents)
         held = self._plan(assessment, snapshot, set_paused(previous, True, reason=STATE_NOT_SAVED))
         unpaused = set_paused(
@@ -569,7 +569,7 @@ class Engine:
 
     def background_crashed(self, error: str) -> None:
         """A background job raised past its own guard (called on its thread): the main loop
-        says it as a crashed ``hook.run``."""
+        says it as a crashed ``EventName.HOOK_RUN``."""
         self._crashed.append(error)
 
     def report_background_hooks(self) -> None:
@@ -674,7 +674,7 @@ class Engine:
 
     def _keep_evidence(self, step: Step) -> dict[str, object]:
         """Write the evidence file of ``step``: the step's event field naming it, or nothing
-        when none is kept (said as ``evidence.unsaved``; the step goes on)."""
+        when none is kept (said as ``EventName.EVIDENCE_UNSAVED``; the step goes on)."""
         snapshot, assessment = self._snapshot, self._assessment
         if self.evidence is None or snapshot is None or assessment is None:
             return {}

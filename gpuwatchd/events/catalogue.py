@@ -110,7 +110,7 @@ def _signal(s: Said) -> str:
 
 
 def hook_outcome(fields: Mapping[str, object]) -> str:
-    """How one ``hook.run`` ended (for its sentence, ``status`` and the metrics): a
+    """How one ``EventName.HOOK_RUN`` ended (for its sentence, ``status`` and the metrics): a
     :class:`HookOutcome`, ``error`` (not started), ``timed_out``, ``exit N`` or ``unknown``."""
     outcome = fields.get("outcome")
     if fields.get("dry_run") is True:

@@ -2,10 +2,10 @@
 
 This module owns the part of :data:`gpuwatchd.events.catalogue.CATALOGUE` about one GPU's
 reset (and a MIG GPU instance's re-creation, the same events naming the instance) and the
-health drain around it: ``reset.*``, ``health.drain_*``, ``gpu.needs_reboot`` and
-``evidence.unsaved`` (no evidence file before such a step); and the Xids the health findings
-are made of (``health.xid``, ``kernel_log.*``). The events of
-one reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
+health drain around it: ``reset.*``, ``health.drain_*``, ``EventName.GPU_NEEDS_REBOOT`` and
+``EventName.EVIDENCE_UNSAVED`` (no evidence file before such a step); and the Xids the
+health findings are made of (``EventName.HEALTH_XID``, ``kernel_log.*``). The events of one
+reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
 and number their steps, so the journal of a reset reads as one story. Pure: no I/O.
 """
 
@@ -97,7 +97,7 @@ def _known(step: str) -> bool:
 
 
 def _reset_finished(s: Said) -> str:
-    """Short: the ``reset.outcome`` line that follows gives the reason."""
+    """Short: the ``EventName.RESET_OUTCOME`` line that follows gives the reason."""
     return dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
 
 
@@ -112,7 +112,7 @@ _RESET_OUTCOME = outcome_table(
     *       Reset of {gpu} failed at step {step}{reason:why}.
     """,
 )
-# ``reset.outcome`` of a MIG GPU instance's re-creation (``instance`` is set).
+# ``EventName.RESET_OUTCOME`` of a MIG GPU instance's re-creation (``instance`` is set).
 _RECOVERY_OUTCOME = outcome_table(
     ResetResult,
     """

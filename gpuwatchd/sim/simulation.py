@@ -396,8 +396,8 @@ class VirtualClock(_Edge):
 
 
 class TimelineSink(_Edge):
-    """Each engine event as a timeline entry with its human line; a ``reset.step`` also fires
-    the scenario's ``during`` events for that step."""
+    """Each engine event as a timeline entry with its human line; an ``EventName.RESET_STEP``
+    also fires the scenario's ``during`` events for that step."""
 
     def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
         sim = self.sim

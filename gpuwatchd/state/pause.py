@@ -23,7 +23,7 @@ MAX_REASON = 512  # characters of a pause reason kept
 ENDED_JOB_PREFIX = "ended-job-"
 MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
 MAX_ENDED_JOB_FILE = 4096
-RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``daemon.resumed``
+RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``EventName.DAEMON_RESUMED``
 MAX_PAUSE_FILE = 64 * 1024
 PAUSE = Format(PAUSE_FILE, MAX_PAUSE_FILE, newline=True)  # read leniently: a bad one still pauses
 RESUMED = Format(RESUMED_FILE, MAX_PAUSE_FILE, newline=True)
@@ -100,7 +100,7 @@ class PauseNow:
 
 
 def note_resume(state_dir: StateDir, reason: str) -> None:
-    """``resume --reason``: leave the reason for the daemon's ``daemon.resumed`` event."""
+    """``resume --reason``: leave the reason for the daemon's ``EventName.DAEMON_RESUMED`` event."""
     body = {"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()}
     state_dir.write(RESUMED_FILE, RESUMED.encode(body))
 

@@ -50,7 +50,8 @@ class XidDetail:
 
 @dataclass(frozen=True)
 class XidLog:
-    """When an Xid was last said (``health.xid``); the count held since, ``first`` to ``last``."""
+    """When an Xid was last said (``EventName.HEALTH_XID``); the count held since, ``first``
+    to ``last``."""
 
     logged_at: float
     held: int

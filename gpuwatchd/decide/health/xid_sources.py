@@ -1,6 +1,6 @@
 """Xids from two sources, counted once; a flood said once per window (docs/findings.md#kernel-log):
 how one GPU's NVML events and kernel-log lines of one poll become what ``judge.py`` counts and
-what the ``health.xid`` event says. In detail: docs/internals.md, section
+what the ``EventName.HEALTH_XID`` event says. In detail: docs/internals.md, section
 `gpuwatchd.decide.health.xid_sources`.
 """
 
@@ -33,7 +33,7 @@ class Occurrence:
 
 @dataclass(frozen=True)
 class XidNotice:
-    """What one ``health.xid`` event says about one GPU's Xid."""
+    """What one ``EventName.HEALTH_XID`` event says about one GPU's Xid."""
 
     gpu: str
     xid: int
@@ -51,7 +51,7 @@ class XidNotice:
         return Level.WARNING if serious else Level.INFO
 
     def fields(self) -> dict[str, object]:
-        """The ``health.xid`` event's fields (docs/events.md)."""
+        """The ``EventName.HEALTH_XID`` event's fields (docs/events.md)."""
         entry = XID_CATALOGUE.get(self.xid)
         detail = self.detail
         return {
@@ -150,8 +150,8 @@ def notices(
     logs: Mapping[int, XidLog],
     wall: float,
 ) -> tuple[tuple[XidNotice, ...], dict[int, XidLog]]:
-    """The ``health.xid`` notices of this poll (each Xid at most once per :data:`LOG_WINDOW`,
-    with what was held meanwhile), and the carried log state. Pure."""
+    """The ``EventName.HEALTH_XID`` notices of this poll (each Xid at most once per
+    :data:`LOG_WINDOW`, with what was held meanwhile), and the carried log state. Pure."""
     new: dict[int, list[Occurrence]] = {}
     for occurrence in merged.occurrences:
         new.setdefault(occurrence.xid, []).append(occurrence)

@@ -78,14 +78,20 @@ def scan_spread(
     the load (within :func:`worker_count`'s other limits). ``progress`` is called here only, as
     this slice advances and on each heartbeat of a worker (so a worker stuck in a system call
     is never reported as progress)."""
-    if workers == 1 or threading.active_count() > 1 or len(pids) // max(1, min_slice) <= 1:
-        return scan(pids, progress)  # the last: worker_count is 1 whatever the CPUs (a poll)
-    cpus = _cpus()
-    idle = _idle(cpus) if workers is None else cpus
-    count = worker_count(len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice)
-    if count <= 1:
+
+    def count(cpus: int, idle: int) -> int:
+        return worker_count(
+            len(pids), cpus=cpus, idle=idle, max_workers=workers, min_slice=min_slice
+        )
+
+    # One worker even with every CPU idle (a poll's few processes): no need to ask the CPUs.
+    if threading.active_count() > 1 or count(MAX_WORKERS, MAX_WORKERS) <= 1:
         return scan(pids, progress)
-    size = -(-len(pids) // count)
+    cpus = _cpus()
+    workers_now = count(cpus, _idle(cpus) if workers is None else cpus)
+    if workers_now <= 1:
+        return scan(pids, progress)
+    size = -(-len(pids) // workers_now)
     slices = [pids[at : at + size] for at in range(0, len(pids), size)]
     started = [_fork(scan, part) for part in slices[1:]]
     rows = scan(slices[0], progress)

@@ -36,6 +36,7 @@ from gpuwatchd.sim.scenario_spec import (
     ProcessSpec,
     Scenario,
     ScenarioError,
+    keys_of,
 )
 
 _TOP_KEYS = (
@@ -50,33 +51,10 @@ _TOP_KEYS = (
 )
 
 
-_PROCESS_KEYS = (
-    "name",
-    "pid",
-    "ppid",
-    "pgid",
-    "sid",
-    "user",
-    "uid",
-    "command",
-    "comm",
-    "exe",
-    "exe_trusted",
-    "cgroup",
-    "state",
-    "holds",
-    "nvml",
-    "on_sigterm",
-    "on_sigkill",
-    "on_exit",
-    "exits_at",
-    "visible",
-    "subreaper",
-    "stops_for_reset",
-    "files",
-)
+# sigterm_delay is said in on_sigterm; line is where the process was read
+_PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
 
-_HOLDS_KEYS = ("gpus", "via", "ctl", "uvm", "mig")
+_HOLDS_KEYS = keys_of(HoldSpec)
 
 
 _SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default

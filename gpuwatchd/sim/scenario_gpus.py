@@ -28,20 +28,14 @@ from gpuwatchd.sim.scenario_spec import (
     MigInstanceSpec,
     ProcessSpec,
     ScenarioError,
+    keys_of,
 )
 
 # A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
 # retired pages and the NVLink fabric; a successful reset clears what a reset applies.
-HEALTH_KEYS = (
-    "recovery_action",
-    "remap_pending",
-    "remap_failure",
-    "retired_pages_pending",
-    "fabric",
-    "fabric_after_reset",
-)
+HEALTH_KEYS = keys_of(HealthSpec)
 
-_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
+_HOST_KEYS = keys_of(HostSpec)
 
 _GPU_KEYS = (
     "index",
@@ -59,7 +53,7 @@ _GPU_KEYS = (
 
 _MIG_KEYS = ("instances",)
 
-_INSTANCE_KEYS = ("gi", "profile", "total", "allocated", "leaked")
+_INSTANCE_KEYS = keys_of(MigInstanceSpec)
 
 _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
 

@@ -178,7 +178,9 @@ class Engine:
                 state.plan = previous
                 result = self._replan_held(result, previous, assessment, snapshot)
         carried = self._carry_out_until_stopped(self._take(result))
-        self._note_assumed_exits()
+        assumed, self._assumed_exits = self._assumed_exits, []
+        for identity in assumed:  # of a dry run's would-be SIGKILL
+            self._exited(record_assumed_exit, identity)
         self.checkpoint()
         return PollReport(
             snapshot=snapshot,
@@ -330,19 +332,14 @@ class Engine:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
             self._emit(EventName.TARGET_EXITED, Level.INFO, **fields_of(identity, _IDENTITY))
-            self._carry_out_all(
-                self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
-            )
+            self._exited(record_exit, identity)
 
-    def _note_assumed_exits(self) -> None:
-        """Targets of a dry run's would-be SIGKILL: assumed to have exited."""
-        assumed, self._assumed_exits = self._assumed_exits, []
-        for identity in assumed:
-            self._carry_out_all(
-                self._take(
-                    record_assumed_exit(self.state.plan, identity, now=self.clock.monotonic())
-                )
-            )
+    def _exited(self, record: Callable[..., PlanResult], identity: ProcessIdentity) -> None:
+        """The plan told that ``identity`` exited (``record_exit``), or is assumed to have
+        exited after a dry run's would-be SIGKILL (``record_assumed_exit``)."""
+        self._carry_out_all(
+            self._take(record(self.state.plan, identity, now=self.clock.monotonic()))
+        )
 
     def set_paused(
         self, reason: str | None, *, until: float | None = None, resumed: str | None = None

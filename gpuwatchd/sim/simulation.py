@@ -113,8 +113,8 @@ class Simulation:
             dataclasses.replace(policy, interval=interval),
             reader=VirtualReader(self),
             actuator=VirtualActuator(self),
-            clock=VirtualClock(self),
-            sink=TimelineSink(self),
+            clock=self,
+            sink=self,
             hostname=SIM_HOSTNAME,
             sleep=self.sleep,
         )
@@ -125,6 +125,27 @@ class Simulation:
     def exit_later(self, proc: WorldProc, delay: float, why: str) -> None:
         """``proc`` exits ``delay`` seconds from now, unless its PID is another process then."""
         self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
+
+    # -- the engine's clock and event sink --
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
+        return WALL0 + self.now
+
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """Each engine event as a timeline entry with its human line; an
+        ``EventName.RESET_STEP`` also fires the scenario's ``during`` events for that step."""
+        extra: dict[str, object] = {}
+        if name == EventName.ACTION_SIGNAL:
+            pid = fields.get("pid")
+            proc = self.world.procs.get(pid) if isinstance(pid, int) else None
+            extra["process"] = proc.name if proc is not None else None
+        self.add(name, level, render(name, fields, TimelineNamer(self)), **{**fields, **extra})
+        if name == EventName.RESET_STEP:
+            self.reached(str(fields.get("step")))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
@@ -153,8 +174,8 @@ class Simulation:
         while self.now <= duration:
             previous = self.now
             self.polls += 1
-            wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
-            spares = tuple(s for s in self.spares.values() if s.until > wall)
+            # As the daemon reads the spare files: those in force.
+            spares = tuple(s for s in self.spares.values() if s.until > self.wall())
             until = self.engine.poll(PollInputs(spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
@@ -231,7 +252,7 @@ class Simulation:
             self._apply_to_gpu(event)
         elif action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
-        elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
+        elif action == "spare" and (spare := self.world.spare(event, self.wall())) is not None:
             self.spares[spare.target] = spare
 
     def _apply_to_process(self, event: EventSpec) -> None:
@@ -383,32 +404,6 @@ class _Edge:
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-
-
-class VirtualClock(_Edge):
-    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
-
-    def monotonic(self) -> float:
-        return self.sim.now
-
-    def wall(self) -> float:
-        return WALL0 + self.sim.now
-
-
-class TimelineSink(_Edge):
-    """Each engine event as a timeline entry with its human line; an ``EventName.RESET_STEP``
-    also fires the scenario's ``during`` events for that step."""
-
-    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
-        sim = self.sim
-        extra: dict[str, object] = {}
-        if name == EventName.ACTION_SIGNAL:
-            pid = fields.get("pid")
-            proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
-            extra["process"] = proc.name if proc is not None else None
-        sim.add(name, level, render(name, fields, TimelineNamer(sim)), **{**fields, **extra})
-        if name == EventName.RESET_STEP:
-            sim.reached(str(fields.get("step")))
 
 
 class VirtualReader(_Edge):

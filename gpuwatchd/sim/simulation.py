@@ -109,10 +109,11 @@ class Simulation:
                 f"{polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
                 "lengthen interval)"
             )
+        host = VirtualHost(self)
         self.engine = Engine(
             dataclasses.replace(policy, interval=interval),
-            reader=VirtualReader(self),
-            actuator=VirtualActuator(self),
+            reader=host,
+            actuator=host,
             clock=self,
             sink=self,
             hostname=SIM_HOSTNAME,
@@ -399,15 +400,35 @@ class Simulation:
 # --- the simulation's edges for the engine ----------------------------------------------------
 
 
-class _Edge:
-    """One of the engine's edges over a simulation."""
+class VirtualHost:
+    """The engine's reader and actuator over the virtual host: nothing of the daemon's holds a
+    GPU; processes react to signals as their scenario says, and commands (matched by argv) are
+    answered as docs/simulate.md's table of the virtual host's commands says, never executed;
+    anything else could not be started."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-
-
-class VirtualReader(_Edge):
-    """The engine's reader over the virtual host (nothing of the daemon's holds a GPU)."""
+        reset = sim.policy.reset
+        self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
+        self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
+        for gpu in sim.world.gpus.values():
+            spec = gpu.spec
+            values: dict[str, str | None] = {
+                "uuid": spec.uuid,
+                "pci_bus_id": spec.pci_bus_id,
+                "minor": str(spec.minor),
+            }
+            for what, template, mode in (
+                ("reset", reset.command, None),
+                ("health", reset.health_command, None),
+                ("persistence_off", reset.persistence_command, "0"),
+                ("persistence_on", reset.persistence_command, "1"),
+            ):
+                try:
+                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+                except ValueError:
+                    continue  # perform_reset refuses before anything runs
+                self.commands.setdefault(argv, (what, gpu))
 
     def collect(self) -> Snapshot:
         self.sim.world.settle(self.sim.now)
@@ -436,36 +457,6 @@ class VirtualReader(_Edge):
 
     def self_pids(self) -> frozenset[int]:
         return frozenset()
-
-
-class VirtualActuator(_Edge):
-    """The engine's actuator over the virtual host: processes react to signals as their
-    scenario says, and commands (matched by argv) are answered as docs/simulate.md's table of
-    the virtual host's commands says, never executed; anything else could not be started."""
-
-    def __init__(self, sim: Simulation) -> None:
-        super().__init__(sim)
-        reset = sim.policy.reset
-        self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
-        self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
-        for gpu in sim.world.gpus.values():
-            spec = gpu.spec
-            values: dict[str, str | None] = {
-                "uuid": spec.uuid,
-                "pci_bus_id": spec.pci_bus_id,
-                "minor": str(spec.minor),
-            }
-            for what, template, mode in (
-                ("reset", reset.command, None),
-                ("health", reset.health_command, None),
-                ("persistence_off", reset.persistence_command, "0"),
-                ("persistence_on", reset.persistence_command, "1"),
-            ):
-                try:
-                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
-                except ValueError:
-                    continue  # perform_reset refuses before anything runs
-                self.commands.setdefault(argv, (what, gpu))
 
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
         sim = self.sim

@@ -114,8 +114,8 @@ class Simulation:
             dataclasses.replace(policy, interval=interval),
             reader=host,
             actuator=host,
-            clock=self,
-            sink=self,
+            clock=host,
+            sink=host,
             hostname=SIM_HOSTNAME,
             sleep=self.sleep,
         )
@@ -126,27 +126,6 @@ class Simulation:
     def exit_later(self, proc: WorldProc, delay: float, why: str) -> None:
         """``proc`` exits ``delay`` seconds from now, unless its PID is another process then."""
         self.schedule(self.now + delay, "exit", (proc.name, why, proc.start_ticks))
-
-    # -- the engine's clock and event sink --
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
-        return WALL0 + self.now
-
-    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
-        """Each engine event as a timeline entry with its human line; an
-        ``EventName.RESET_STEP`` also fires the scenario's ``during`` events for that step."""
-        extra: dict[str, object] = {}
-        if name == EventName.ACTION_SIGNAL:
-            pid = fields.get("pid")
-            proc = self.world.procs.get(pid) if isinstance(pid, int) else None
-            extra["process"] = proc.name if proc is not None else None
-        self.add(name, level, render(name, fields, TimelineNamer(self)), **{**fields, **extra})
-        if name == EventName.RESET_STEP:
-            self.reached(str(fields.get("step")))
 
     def add(self, name: str, level: Level, text: str, **fields: object) -> None:
         self.timeline.append(Entry(self.now, name, level, text, fields))
@@ -175,8 +154,8 @@ class Simulation:
         while self.now <= duration:
             previous = self.now
             self.polls += 1
-            # As the daemon reads the spare files: those in force.
-            spares = tuple(s for s in self.spares.values() if s.until > self.wall())
+            wall = WALL0 + self.now  # as the daemon reads the spare files: those in force
+            spares = tuple(s for s in self.spares.values() if s.until > wall)
             until = self.engine.poll(PollInputs(spares=spares)).wake_at
             busy = busy + 1 if until <= previous else 0
             if busy >= BUSY_POLLS:
@@ -253,7 +232,7 @@ class Simulation:
             self._apply_to_gpu(event)
         elif action in ("pause", "resume"):
             self.engine.set_paused((event.value or "admin") if action == "pause" else None)
-        elif action == "spare" and (spare := self.world.spare(event, self.wall())) is not None:
+        elif action == "spare" and (spare := self.world.spare(event, WALL0 + self.now)) is not None:
             self.spares[spare.target] = spare
 
     def _apply_to_process(self, event: EventSpec) -> None:
@@ -401,10 +380,11 @@ class Simulation:
 
 
 class VirtualHost:
-    """The engine's reader and actuator over the virtual host: nothing of the daemon's holds a
-    GPU; processes react to signals as their scenario says, and commands (matched by argv) are
+    """The engine's four edges over the virtual host. Its clock is the timeline's (``+0s`` is
+    :data:`gpuwatchd.sim.world.WALL0` on the wall); nothing of the daemon's holds a GPU;
+    processes react to signals as their scenario says, and commands (matched by argv) are
     answered as docs/simulate.md's table of the virtual host's commands says, never executed;
-    anything else could not be started."""
+    anything else could not be started. Each event becomes a timeline entry."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -429,6 +409,25 @@ class VirtualHost:
                 except ValueError:
                     continue  # perform_reset refuses before anything runs
                 self.commands.setdefault(argv, (what, gpu))
+
+    def monotonic(self) -> float:
+        return self.sim.now
+
+    def wall(self) -> float:
+        return WALL0 + self.sim.now
+
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """The event as a timeline entry with its human line; an ``EventName.RESET_STEP`` also
+        fires the scenario's ``during`` events for that step."""
+        sim = self.sim
+        extra: dict[str, object] = {}
+        if name == EventName.ACTION_SIGNAL:
+            pid = fields.get("pid")
+            proc = sim.world.procs.get(pid) if isinstance(pid, int) else None
+            extra["process"] = proc.name if proc is not None else None
+        sim.add(name, level, render(name, fields, TimelineNamer(sim)), **{**fields, **extra})
+        if name == EventName.RESET_STEP:
+            sim.reached(str(fields.get("step")))
 
     def collect(self) -> Snapshot:
         self.sim.world.settle(self.sim.now)

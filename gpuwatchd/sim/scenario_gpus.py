@@ -67,6 +67,7 @@ class ReaderBase:
         self.next_pid = FIRST_AUTO_PID
         self.used_pids: set[int] = set()
         self.names: dict[str, int] = {}
+        self.gpu_indexes: set[int] = set()  # the scenario's GPUs, once read
 
     def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
         return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
@@ -134,6 +135,13 @@ class ReaderBase:
         except ConfigError as err:
             raise self.fail(node, err.message) from None
 
+    def positive(self, node: Node) -> float:
+        """A duration longer than 0s."""
+        value = self.duration(node)
+        if value <= 0:
+            raise self.fail(node, "must be longer than 0s")
+        return value
+
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
@@ -164,6 +172,23 @@ class GpuReader(ReaderBase):
             except ValueError as err:
                 raise self.fail(item, str(err)) from None
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
+
+    def know_gpus(self, node: Node, gpus: Sequence[GpuSpec]) -> None:
+        """The GPUs that processes and events refer to by index; no two share an index, UUID or
+        minor."""
+        for what in ("index", "uuid", "minor"):
+            seen: set[object] = set()
+            for value in (getattr(gpu, what) for gpu in gpus):
+                if value in seen:
+                    raise self.fail(node, f"two GPUs have the same {what} {value!r}")
+                seen.add(value)
+        self.gpu_indexes = {gpu.index for gpu in gpus}
+
+    def gpu_index(self, node: Node) -> int:
+        index = self.integer(node)
+        if index not in self.gpu_indexes:
+            raise self.fail(node, f"no GPU with index {index} in this scenario")
+        return index
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
         """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put

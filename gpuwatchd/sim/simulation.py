@@ -27,15 +27,16 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.engine.edges import PollInputs
 from gpuwatchd.events.catalogue import render
-from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
 from gpuwatchd.sim.timeline import Entry, SimulationResult, TimelineNamer
 from gpuwatchd.sim.world import (
+    GI_PROFILE_IDS,
     WALL0,
     SimulationError,
     World,
     WorldGpu,
     WorldProc,
+    mig_uuid,
     size_text,
 )
 
@@ -390,9 +391,25 @@ class VirtualHost:
         self.sim = sim
         reset = sim.policy.reset
         self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
-        self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
+        # A MIG GPU instance's recovery commands (docs/simulate.md): argv -> (its position,
+        # the last position, the GPU, the GPU instance id).
+        self.mig: dict[tuple[str, ...], tuple[int, int, WorldGpu, int]] = {}
+        last = len(reset.mig_recovery_commands) - 1
         for gpu in sim.world.gpus.values():
             spec = gpu.spec
+            for instance in spec.mig_instances:
+                filled = {
+                    "uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "gi": str(instance.gi),
+                    "ci": "0", "mig_uuid": mig_uuid(spec.index, instance.gi),
+                    "profile": str(GI_PROFILE_IDS.get(instance.profile, 0)),
+                    "placement": str(instance.gi),
+                }  # fmt: skip
+                for position, template in enumerate(reset.mig_recovery_commands):
+                    try:
+                        argv = format_argv(template, **filled)
+                    except ValueError:
+                        continue  # perform_reset refuses before anything runs
+                    self.mig.setdefault(argv, (position, last, gpu, instance.gi))
             values: dict[str, str | None] = {
                 "uuid": spec.uuid,
                 "pci_bus_id": spec.pci_bus_id,
@@ -492,9 +509,8 @@ class VirtualHost:
         hook = (env or {}).get("GPUWATCHD_EVENT")
         if hook is not None:
             return self.hook(args, hook)
-        answer = self.mig.answer(args, self.sim.now)
-        if answer is not None:
-            return answer
+        if args in self.mig:
+            return self.mig_command(args)
         known = self.commands.get(args)
         if known is None:
             error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
@@ -513,6 +529,22 @@ class VirtualHost:
                 args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
             )
         return CommandResult(args, 0, "", False, 0.2, None)  # the health query
+
+    def mig_command(self, argv: tuple[str, ...]) -> CommandResult:
+        """The driver's answer to one of a MIG GPU instance's recovery commands."""
+        position, last, gpu, gi = self.mig[argv]
+        world = self.sim.world
+        world.settle(self.sim.now)
+        if world.instance_users(gpu, gi):
+            said = f"Unable to destroy GPU instance ID {gi}: In use by another client"
+            return CommandResult(argv, 255, said, False, 0.2, None)
+        if position == last:
+            world.recreate_instance(gpu, gi)
+            said = f"Successfully created GPU instance ID {gi} on GPU {gpu.spec.index}"
+            return CommandResult(argv, 0, said, False, 0.5, None)
+        gpu.destroyed.add(gi)  # listed again once the last command re-creates it
+        said = f"Successfully destroyed an instance of GPU instance ID {gi}"
+        return CommandResult(argv, 0, said, False, 0.2, None)
 
     def hook(self, argv: tuple[str, ...], event: str) -> CommandResult:
         if event in ("reset_drain", "reset_before"):

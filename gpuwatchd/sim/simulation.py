@@ -572,11 +572,10 @@ class VirtualHost:
             lost = f"Unable to reset GPU {bus}: GPU has fallen off the bus."
             return CommandResult(argv, 15, lost, False, 1.0, None)
         if scripted == "in_use":
-            in_use = f"GPU {bus}: In use by another client"
-            return CommandResult(argv, 255, in_use, False, 0.5, None)
-        return CommandResult(
-            argv, 255, f"Unable to reset GPU {bus}: Unknown Error", False, 0.5, None
-        )
+            refused = f"GPU {bus}: In use by another client"
+        else:
+            refused = f"Unable to reset GPU {bus}: Unknown Error"
+        return CommandResult(argv, 255, refused, False, 0.5, None)
 
 
 def simulate(

@@ -216,17 +216,15 @@ class _MigGauges:
             allocated = None if memory is None else memory.allocated
             _put(self.allocated, labels, allocated)
             _put(self.accounted, labels, None if gpu is None else _accounted(host, gpu))
-            kinds: dict[str, int] = {}
+            mine = [f for f in assessment.findings if f.gpu == uuid]
             ghost = 0 if allocated is not None else None
-            for finding in assessment.findings:
-                if finding.gpu != uuid:
-                    continue
-                kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
+            for finding in mine:
                 if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
                     ghost = finding.memory
             _put(self.ghost, labels, ghost)
+            kinds = Tally(f.kind.value for f in mine)
             for kind in FindingKind:
-                self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
+                self.findings.labels(*labels, kind.value).set(kinds[kind.value])
 
 
 class _GpuGauges:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import ResetStep
 
@@ -60,21 +61,9 @@ def keys_of(spec: Any, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
     return tuple(f.name for f in fields(spec) if f.name not in but)
 
 
-class ScenarioError(Exception):
-    """A malformed scenario: ``file:line: field: message``. The CLI exits 65 on it."""
-
-    def __init__(
-        self, message: str, *, path: str, line: int | None = None, key: str | None = None
-    ) -> None:
-        self.message = message
-        self.path = path
-        self.line = line
-        self.key = key
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        return f"{where}: {self.key + ': ' if self.key else ''}{self.message}"
+class ScenarioError(ConfigError):
+    """A malformed scenario, located and said as a policy's problem is: ``file:line: field:
+    message``. The CLI exits 65 on it (``simulate`` catches it before any ConfigError)."""
 
 
 @dataclass(frozen=True)

@@ -300,13 +300,11 @@ class _VerdictGauges:
         for gpu in verdict.gpus:
             labels = (gpu.uuid, str(gpu.index))
             self.clean.labels(*labels).set(gpu.clean)
-            for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
+            for kind, count in Tally(_label(r.kind, _REASON_KINDS) for r in gpu.reasons).items():
                 self.reasons.labels(*labels, kind).set(count)
 
 
-_REASON_KINDS = {
-    name: name for name in (*(k.value for k in FindingKind), *(n.value for n in LeftoverName))
-}
+_REASON_KINDS = _KINDS | frozenset(n.value for n in LeftoverName)
 
 
 class _HealthGauges:

@@ -54,6 +54,7 @@ _GPU_KEYS = (
 _MIG_KEYS = ("instances",)
 
 _INSTANCE_KEYS = keys_of(MigInstanceSpec)
+_INSTANCE_SIZES = ("total", "allocated", "leaked")
 
 _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
 
@@ -249,13 +250,8 @@ class GpuReader(ReaderBase):
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
                 raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
-            spec = MigInstanceSpec(
-                gi=gi,
-                profile=profile,
-                total=self.size(n) if (n := get("total")) is not None else 10 * GIB,
-                allocated=self.size(n) if (n := get("allocated")) is not None else 4 * MIB,
-                leaked=self.size(n) if (n := get("leaked")) is not None else 0,
-            )
+            sizes = {k: self.size(im.entries[k]) for k in _INSTANCE_SIZES if k in im.entries}
+            spec = MigInstanceSpec(gi=gi, profile=profile, **sizes)  # the others: its defaults
             if spec.allocated + spec.leaked > spec.total:
                 raise self.fail(im, "allocated + leaked is more than total")
             found.append(spec)

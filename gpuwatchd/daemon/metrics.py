@@ -117,13 +117,12 @@ def remove_textfile(path: str) -> bool:
         dir_fd = open_directory(directory, owners=None, readable=False)
     except OSError:
         return False
-    try:
-        return _remove_ours(dir_fd, name)
-    finally:
-        os.close(dir_fd)
+    with StateDir(directory, dir_fd, owners=frozenset()) as folder:
+        return _ours(dir_fd, name) and folder.remove(name)
 
 
-def _remove_ours(dir_fd: int, name: str) -> bool:
+def _ours(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is a regular file whose first MiB holds our build_info sample."""
     try:
         fd = os.open(
             name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
@@ -138,13 +137,7 @@ def _remove_ours(dir_fd: int, name: str) -> bool:
         return False
     finally:
         os.close(fd)
-    if b"\ngpuwatchd_build_info{" not in b"\n" + head:
-        return False
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return True
+    return b"\ngpuwatchd_build_info{" in b"\n" + head
 
 
 M = TypeVar("M", bound=MetricWrapperBase)

@@ -28,6 +28,7 @@ from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import load_policy
 from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.daemon.host import LogSink, SystemClock, node_name
 from gpuwatchd.daemon.metrics import Metrics
@@ -718,9 +719,7 @@ class Daemon:
             "policy": list(self.policy.sources) or [self.config_path],
             "policy_rejected": self.policy_rejected,
             "recent_actions": list(self.recent_actions),
-            "spares": [
-                {"target": s.target, "until": s.until, "reason": s.reason} for s in standing.spares
-            ],
+            "spares": [fields_of(s, ("target", "until", "reason")) for s in standing.spares],
         }
 
 

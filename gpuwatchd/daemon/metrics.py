@@ -117,13 +117,12 @@ def remove_textfile(path: str) -> bool:
         dir_fd = open_directory(directory, owners=None, readable=False)
     except OSError:
         return False
-    try:
-        return _remove_ours(dir_fd, name)
-    finally:
-        os.close(dir_fd)
+    with StateDir(directory, dir_fd, owners=frozenset()) as folder:
+        return _ours(dir_fd, name) and folder.remove(name)
 
 
-def _remove_ours(dir_fd: int, name: str) -> bool:
+def _ours(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is a regular file whose first MiB holds our build_info sample."""
     try:
         fd = os.open(
             name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
@@ -138,13 +137,7 @@ def _remove_ours(dir_fd: int, name: str) -> bool:
         return False
     finally:
         os.close(fd)
-    if b"\ngpuwatchd_build_info{" not in b"\n" + head:
-        return False
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return True
+    return b"\ngpuwatchd_build_info{" in b"\n" + head
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -216,17 +209,15 @@ class _MigGauges:
             allocated = None if memory is None else memory.allocated
             _put(self.allocated, labels, allocated)
             _put(self.accounted, labels, None if gpu is None else _accounted(host, gpu))
-            kinds: dict[str, int] = {}
+            mine = [f for f in assessment.findings if f.gpu == uuid]
             ghost = 0 if allocated is not None else None
-            for finding in assessment.findings:
-                if finding.gpu != uuid:
-                    continue
-                kinds[finding.kind.value] = kinds.get(finding.kind.value, 0) + 1
+            for finding in mine:
                 if finding.kind is FindingKind.GHOST_MEMORY and finding.memory is not None:
                     ghost = finding.memory
             _put(self.ghost, labels, ghost)
+            kinds = Tally(f.kind.value for f in mine)
             for kind in FindingKind:
-                self.findings.labels(*labels, kind.value).set(kinds.get(kind.value, 0))
+                self.findings.labels(*labels, kind.value).set(kinds[kind.value])
 
 
 class _GpuGauges:
@@ -302,13 +293,11 @@ class _VerdictGauges:
         for gpu in verdict.gpus:
             labels = (gpu.uuid, str(gpu.index))
             self.clean.labels(*labels).set(gpu.clean)
-            for kind, count in Tally(_REASON_KINDS.get(r.kind, OTHER) for r in gpu.reasons).items():
+            for kind, count in Tally(_label(r.kind, _REASON_KINDS) for r in gpu.reasons).items():
                 self.reasons.labels(*labels, kind).set(count)
 
 
-_REASON_KINDS = {
-    name: name for name in (*(k.value for k in FindingKind), *(n.value for n in LeftoverName))
-}
+_REASON_KINDS = _KINDS | frozenset(n.value for n in LeftoverName)
 
 
 class _HealthGauges:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 from gpuwatchd.act.commands import CommandResult, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
@@ -115,41 +115,27 @@ class EngineState:
     reset_in_progress: dict[str, object] | None = None
 
 
+@dataclass(eq=False)
 class Engine:
     """One host's decision loop. Build it with its edges, then call :meth:`poll` repeatedly."""
 
-    def __init__(
-        self,
-        policy: Policy,
-        *,
-        reader: HostReader,
-        actuator: Actuator,
-        clock: Clock,
-        sink: EventSink,
-        state: EngineState | None = None,
-        self_ancestors: frozenset[int] = frozenset(),
-        checkpoint: Callable[[], bool] = lambda: True,
-        slow: Runner = run_inline,
-        background: Background = run_now,
-        hostname: str | None = None,
-        stopping: Callable[[], bool] = lambda: False,
-        sleep: Callable[[float], None] = time.sleep,
-        evidence: EvidenceKeeper | None = None,
-    ) -> None:
-        self.policy = policy
-        self.reader = reader
-        self.actuator = actuator
-        self.clock = clock
-        self.sink = sink
-        self.state = state if state is not None else EngineState()
-        self.self_ancestors = self_ancestors
-        self.checkpoint = checkpoint
-        self.slow = slow
-        self.background = background
-        self.hostname = hostname  # {hostname} in hooks; read at an I/O edge by the caller
-        self.stopping = stopping
-        self.sleep = sleep  # waits in the reset procedure (NVLink fabric); virtual in simulate
-        self.evidence = evidence  # files before each destructive step; none in simulate
+    policy: Policy
+    _: KW_ONLY
+    reader: HostReader
+    actuator: Actuator
+    clock: Clock
+    sink: EventSink
+    state: EngineState = field(default_factory=EngineState)
+    self_ancestors: frozenset[int] = frozenset()
+    checkpoint: Callable[[], bool] = lambda: True
+    slow: Runner = run_inline
+    background: Background = run_now
+    hostname: str | None = None  # {hostname} in hooks; read at an I/O edge by the caller
+    stopping: Callable[[], bool] = lambda: False
+    sleep: Callable[[float], None] = time.sleep  # waits in the reset procedure; virtual in simulate
+    evidence: EvidenceKeeper | None = None  # files before each destructive step; none in simulate
+
+    def __post_init__(self) -> None:
         # Targets a dry run's would-be SIGKILL went to this poll: assumed to exit (plan).
         self._assumed_exits: list[ProcessIdentity] = []
         # Background hooks for the main loop to report: (intent, results or a bug's error).
@@ -192,7 +178,9 @@ class Engine:
                 state.plan = previous
                 result = self._replan_held(result, previous, assessment, snapshot)
         carried = self._carry_out_until_stopped(self._take(result))
-        self._note_assumed_exits()
+        assumed, self._assumed_exits = self._assumed_exits, []
+        for identity in assumed:  # of a dry run's would-be SIGKILL
+            self._exited(record_assumed_exit, identity)
         self.checkpoint()
         return PollReport(
             snapshot=snapshot,
@@ -344,19 +332,14 @@ class Engine:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
             self._emit(EventName.TARGET_EXITED, Level.INFO, **fields_of(identity, _IDENTITY))
-            self._carry_out_all(
-                self._take(record_exit(self.state.plan, identity, now=self.clock.monotonic()))
-            )
+            self._exited(record_exit, identity)
 
-    def _note_assumed_exits(self) -> None:
-        """Targets of a dry run's would-be SIGKILL: assumed to have exited."""
-        assumed, self._assumed_exits = self._assumed_exits, []
-        for identity in assumed:
-            self._carry_out_all(
-                self._take(
-                    record_assumed_exit(self.state.plan, identity, now=self.clock.monotonic())
-                )
-            )
+    def _exited(self, record: Callable[..., PlanResult], identity: ProcessIdentity) -> None:
+        """The plan told that ``identity`` exited (``record_exit``), or is assumed to have
+        exited after a dry run's would-be SIGKILL (``record_assumed_exit``)."""
+        self._carry_out_all(
+            self._take(record(self.state.plan, identity, now=self.clock.monotonic()))
+        )
 
     def set_paused(
         self, reason: str | None, *, until: float | None = None, resumed: str | None = None

@@ -6,7 +6,6 @@ In detail: docs/internals.md, section `gpuwatchd.sim.scenario`.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
 from dataclasses import replace
 
 import yaml
@@ -36,6 +35,7 @@ from gpuwatchd.sim.scenario_spec import (
     ProcessSpec,
     Scenario,
     ScenarioError,
+    keys_of,
 )
 
 _TOP_KEYS = (
@@ -50,33 +50,10 @@ _TOP_KEYS = (
 )
 
 
-_PROCESS_KEYS = (
-    "name",
-    "pid",
-    "ppid",
-    "pgid",
-    "sid",
-    "user",
-    "uid",
-    "command",
-    "comm",
-    "exe",
-    "exe_trusted",
-    "cgroup",
-    "state",
-    "holds",
-    "nvml",
-    "on_sigterm",
-    "on_sigkill",
-    "on_exit",
-    "exits_at",
-    "visible",
-    "subreaper",
-    "stops_for_reset",
-    "files",
-)
+# sigterm_delay is said in on_sigterm; line is where the process was read
+_PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
 
-_HOLDS_KEYS = ("gpus", "via", "ctl", "uvm", "mig")
+_HOLDS_KEYS = keys_of(HoldSpec)
 
 
 _SYSTEM_PROGRAM_DIRS = ("/usr/", "/bin/", "/sbin/", "/opt/")  # exe_trusted's default
@@ -146,9 +123,7 @@ class _Reader(GpuReader):
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
         if not gpus:
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
-        for what in ("index", "uuid", "minor"):
-            self.check_unique(gpus_node, [getattr(g, what) for g in gpus], what)
-        indexes = {g.index for g in gpus}
+        self.know_gpus(gpus_node, gpus)
         proc_nodes = self.items(p) if (p := get("processes")) is not None else []
         # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
         for node in proc_nodes:
@@ -157,8 +132,8 @@ class _Reader(GpuReader):
         for node in event_nodes:
             if isinstance(node, Map) and isinstance(node.entries.get("start"), Map):
                 self.reserve(node.entries["start"])
-        processes = tuple(self.process(n, indexes) for n in proc_nodes)
-        events = tuple(self.event(n, indexes) for n in event_nodes)
+        processes = tuple(self.process(n) for n in proc_nodes)
+        events = tuple(self.event(n) for n in event_nodes)
         self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
         policy_doc = None
         if "policy" in top.entries:
@@ -181,20 +156,6 @@ class _Reader(GpuReader):
             processes=processes,
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
-
-    def positive(self, node: Node) -> float:
-        """A duration longer than 0s."""
-        value = self.duration(node)
-        if value <= 0:
-            raise self.fail(node, "must be longer than 0s")
-        return value
-
-    def check_unique(self, node: Node, values: Sequence[object], what: str) -> None:
-        seen: set[object] = set()
-        for value in values:
-            if value in seen:
-                raise self.fail(node, f"two GPUs have the same {what} {value!r}")
-            seen.add(value)
 
     def reserve(self, node: Node) -> None:
         """Give a process its name and PID before anything refers to it."""
@@ -225,7 +186,7 @@ class _Reader(GpuReader):
         known = ", ".join(sorted(self.names)) or "none"
         raise self.fail(node, f"not a PID or a process name of this scenario: {value!r} ({known})")
 
-    def process(self, node: Node, gpu_indexes: set[int]) -> ProcessSpec:
+    def process(self, node: Node) -> ProcessSpec:
         m = self.mapping(node, _PROCESS_KEYS)
         get = m.entries.get
         name = self.string(m.entries["name"])
@@ -241,8 +202,8 @@ class _Reader(GpuReader):
         exe_trusted = self.exe_trusted(get("exe_trusted"), exe or command[0])
         cgroup = self.cgroup(get("cgroup"), m, uid)
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
-        holds = self.holds(get("holds"), gpu_indexes)
-        nvml = self.nvml(get("nvml"), gpu_indexes)
+        holds = self.holds(get("holds"))
+        nvml = self.nvml(get("nvml"))
         on_sigterm, delay = (
             self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
         )
@@ -312,42 +273,36 @@ class _Reader(GpuReader):
             return word, 0.0
         raise self.fail(node, f"expected exit, ignore or 'exit_after <duration>', got {text!r}")
 
-    def gpu_index(self, node: Node, gpu_indexes: set[int]) -> int:
-        index = self.integer(node)
-        if index not in gpu_indexes:
-            raise self.fail(node, f"no GPU with index {index} in this scenario")
-        return index
-
-    def holds(self, node: Node | None, gpu_indexes: set[int]) -> HoldSpec:
+    def holds(self, node: Node | None) -> HoldSpec:
         if node is None:
             return HoldSpec(ctl=False, uvm=False)
         if isinstance(node, Seq):  # shorthand: a list of GPU indexes
-            return HoldSpec(tuple(self.gpu_index(item, gpu_indexes) for item in node.items))
+            return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
         gpus: tuple[int, ...] = ()
         if (n := get("gpus")) is not None:
-            gpus = tuple(self.gpu_index(item, gpu_indexes) for item in self.items(n))
+            gpus = tuple(self.gpu_index(item) for item in self.items(n))
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
         ctl = self.boolean(n) if (n := get("ctl")) is not None else True
         uvm = self.boolean(n) if (n := get("uvm")) is not None else True
         mig = self.integer(n) if (n := get("mig")) is not None else None
         return HoldSpec(gpus, via, ctl, uvm, mig)
 
-    def nvml(self, node: Node | None, gpu_indexes: set[int]) -> dict[int, int | None]:
+    def nvml(self, node: Node | None) -> dict[int, int | None]:
         if node is None:
             return {}
         if not isinstance(node, Map):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not key.isdigit() or int(key) not in gpu_indexes:
+            if not key.isdigit() or int(key) not in self.gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)
         return result
 
-    def event(self, node: Node, gpu_indexes: set[int]) -> EventSpec:
+    def event(self, node: Node) -> EventSpec:
         m = self.mapping(node, ("at", "during", *EVENT_ACTIONS))
         at_node, during_node = m.entries.get("at"), m.entries.get("during")
         if at_node is None and during_node is None:
@@ -363,21 +318,21 @@ class _Reader(GpuReader):
         actions = [key for key in m.entries if key not in ("at", "during")]
         if len(actions) != 1:
             raise self.fail(m, f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
-        event = self.event_action(m, actions[0], at, gpu_indexes)
+        event = self.event_action(m, actions[0], at)
         return event if during is None else replace(event, during=during)
 
-    def event_action(self, m: Map, action: str, at: float, gpu_indexes: set[int]) -> EventSpec:
+    def event_action(self, m: Map, action: str, at: float) -> EventSpec:
         value = m.entries[action]
         if action in ("exit", "memory_stays_allocated", "reap"):
             return EventSpec(at, action, m.line, target=self.name_ref(value))
         if action == "start":
-            return EventSpec(at, action, m.line, process=self.process(value, gpu_indexes))
+            return EventSpec(at, action, m.line, process=self.process(value))
         if action == "set_memory":
             mm = self.mapping(value, ("gpu", "allocated"))
             gpu_node, alloc_node = mm.entries.get("gpu"), mm.entries.get("allocated")
             if gpu_node is None or alloc_node is None:
                 raise self.fail(mm, "set_memory needs 'gpu' and 'allocated'")
-            gpu = self.gpu_index(gpu_node, gpu_indexes)
+            gpu = self.gpu_index(gpu_node)
             return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
         if action == "reset_result":
             return EventSpec(at, action, m.line, value=self.choice(value, RESET_RESULTS))
@@ -387,7 +342,7 @@ class _Reader(GpuReader):
             gpu_node = hm.entries.get("gpu")
             if gpu_node is None:
                 raise self.fail(hm, f"{action} needs 'gpu'")
-            gpu = self.gpu_index(gpu_node, gpu_indexes)
+            gpu = self.gpu_index(gpu_node)
             if action == "health":
                 rest = replace(
                     hm,

@@ -28,20 +28,14 @@ from gpuwatchd.sim.scenario_spec import (
     MigInstanceSpec,
     ProcessSpec,
     ScenarioError,
+    keys_of,
 )
 
 # A GPU's health (docs/simulate.md): the recovery action by number or name, row remapping,
 # retired pages and the NVLink fabric; a successful reset clears what a reset applies.
-HEALTH_KEYS = (
-    "recovery_action",
-    "remap_pending",
-    "remap_failure",
-    "retired_pages_pending",
-    "fabric",
-    "fabric_after_reset",
-)
+HEALTH_KEYS = keys_of(HealthSpec)
 
-_HOST_KEYS = ("host_namespaces", "mps_server_running", "pid_max", "ended_jobs")
+_HOST_KEYS = keys_of(HostSpec)
 
 _GPU_KEYS = (
     "index",
@@ -59,7 +53,8 @@ _GPU_KEYS = (
 
 _MIG_KEYS = ("instances",)
 
-_INSTANCE_KEYS = ("gi", "profile", "total", "allocated", "leaked")
+_INSTANCE_KEYS = keys_of(MigInstanceSpec)
+_INSTANCE_SIZES = ("total", "allocated", "leaked")
 
 _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,8})?")
 
@@ -73,6 +68,7 @@ class ReaderBase:
         self.next_pid = FIRST_AUTO_PID
         self.used_pids: set[int] = set()
         self.names: dict[str, int] = {}
+        self.gpu_indexes: set[int] = set()  # the scenario's GPUs, once read
 
     def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
         return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
@@ -140,6 +136,13 @@ class ReaderBase:
         except ConfigError as err:
             raise self.fail(node, err.message) from None
 
+    def positive(self, node: Node) -> float:
+        """A duration longer than 0s."""
+        value = self.duration(node)
+        if value <= 0:
+            raise self.fail(node, "must be longer than 0s")
+        return value
+
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
@@ -170,6 +173,23 @@ class GpuReader(ReaderBase):
             except ValueError as err:
                 raise self.fail(item, str(err)) from None
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
+
+    def know_gpus(self, node: Node, gpus: Sequence[GpuSpec]) -> None:
+        """The GPUs that processes and events refer to by index; no two share an index, UUID or
+        minor."""
+        for what in ("index", "uuid", "minor"):
+            seen: set[object] = set()
+            for value in (getattr(gpu, what) for gpu in gpus):
+                if value in seen:
+                    raise self.fail(node, f"two GPUs have the same {what} {value!r}")
+                seen.add(value)
+        self.gpu_indexes = {gpu.index for gpu in gpus}
+
+    def gpu_index(self, node: Node) -> int:
+        index = self.integer(node)
+        if index not in self.gpu_indexes:
+            raise self.fail(node, f"no GPU with index {index} in this scenario")
+        return index
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
         """A UUID or PCI bus id in the form the real driver reports (the daemon refuses to put
@@ -230,13 +250,8 @@ class GpuReader(ReaderBase):
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
                 raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
-            spec = MigInstanceSpec(
-                gi=gi,
-                profile=profile,
-                total=self.size(n) if (n := get("total")) is not None else 10 * GIB,
-                allocated=self.size(n) if (n := get("allocated")) is not None else 4 * MIB,
-                leaked=self.size(n) if (n := get("leaked")) is not None else 0,
-            )
+            sizes = {k: self.size(im.entries[k]) for k in _INSTANCE_SIZES if k in im.entries}
+            spec = MigInstanceSpec(gi=gi, profile=profile, **sizes)  # the others: its defaults
             if spec.allocated + spec.leaked > spec.total:
                 raise self.fail(im, "allocated + leaked is more than total")
             found.append(spec)

@@ -8,8 +8,10 @@ the constants of the format and :class:`ScenarioError`. Reading the YAML is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import ResetStep
 
@@ -54,21 +56,14 @@ RECOVERY_ACTIONS = (
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 
 
-class ScenarioError(Exception):
-    """A malformed scenario: ``file:line: field: message``. The CLI exits 65 on it."""
+def keys_of(spec: Any, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The keys of ``spec``'s mapping in a scenario file: its fields in order, less ``but``."""
+    return tuple(f.name for f in fields(spec) if f.name not in but)
 
-    def __init__(
-        self, message: str, *, path: str, line: int | None = None, key: str | None = None
-    ) -> None:
-        self.message = message
-        self.path = path
-        self.line = line
-        self.key = key
-        super().__init__(message)
 
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        return f"{where}: {self.key + ': ' if self.key else ''}{self.message}"
+class ScenarioError(ConfigError):
+    """A malformed scenario, located and said as a policy's problem is: ``file:line: field:
+    message``. The CLI exits 65 on it (``simulate`` catches it before any ConfigError)."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +137,7 @@ class HoldSpec:
     mig: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProcessSpec:
     """One virtual process and how it behaves. References (ppid, pgid, sid) are resolved PIDs;
     ``nvml``: GPU index -> the memory of its context there (None: listed without a figure)."""
@@ -157,6 +152,7 @@ class ProcessSpec:
     command: tuple[str, ...]
     comm: str
     exe: str | None
+    exe_trusted: bool | None = None  # its program is root's (floor.py); None: cannot be read
     cgroup: str
     state: str
     holds: HoldSpec
@@ -170,7 +166,6 @@ class ProcessSpec:
     subreaper: bool = False
     stops_for_reset: bool = False
     files: str | None = None  # FILES: kcmp's answer against live owners above it; None unknown
-    exe_trusted: bool | None = None  # its program is root's (floor.py); None: cannot be read
     line: int = 0
 
 

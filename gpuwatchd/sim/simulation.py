@@ -27,15 +27,16 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import Engine
 from gpuwatchd.engine.edges import PollInputs
 from gpuwatchd.events.catalogue import render
-from gpuwatchd.sim.mig_commands import VirtualMig
 from gpuwatchd.sim.scenario_spec import EventSpec, Scenario, ScenarioError
 from gpuwatchd.sim.timeline import Entry, SimulationResult, TimelineNamer
 from gpuwatchd.sim.world import (
+    GI_PROFILE_IDS,
     WALL0,
     SimulationError,
     World,
     WorldGpu,
     WorldProc,
+    mig_uuid,
     size_text,
 )
 
@@ -109,12 +110,13 @@ class Simulation:
                 f"{polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
                 "lengthen interval)"
             )
+        host = VirtualHost(self)
         self.engine = Engine(
             dataclasses.replace(policy, interval=interval),
-            reader=VirtualReader(self),
-            actuator=VirtualActuator(self),
-            clock=VirtualClock(self),
-            sink=TimelineSink(self),
+            reader=host,
+            actuator=host,
+            clock=host,
+            sink=host,
             hostname=SIM_HOSTNAME,
             sleep=self.sleep,
         )
@@ -378,15 +380,52 @@ class Simulation:
 # --- the simulation's edges for the engine ----------------------------------------------------
 
 
-class _Edge:
-    """One of the engine's edges over a simulation."""
+class VirtualHost:
+    """The engine's four edges over the virtual host. Its clock is the timeline's (``+0s`` is
+    :data:`gpuwatchd.sim.world.WALL0` on the wall); nothing of the daemon's holds a GPU;
+    processes react to signals as their scenario says, and commands (matched by argv) are
+    answered as docs/simulate.md's table of the virtual host's commands says, never executed;
+    anything else could not be started. Each event becomes a timeline entry."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
-
-
-class VirtualClock(_Edge):
-    """The timeline's clock: ``+0s`` is :data:`gpuwatchd.sim.world.WALL0` on the wall."""
+        reset = sim.policy.reset
+        self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
+        # A MIG GPU instance's recovery commands (docs/simulate.md): argv -> (its position,
+        # the last position, the GPU, the GPU instance id).
+        self.mig: dict[tuple[str, ...], tuple[int, int, WorldGpu, int]] = {}
+        last = len(reset.mig_recovery_commands) - 1
+        for gpu in sim.world.gpus.values():
+            spec = gpu.spec
+            for instance in spec.mig_instances:
+                filled = {
+                    "uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "gi": str(instance.gi),
+                    "ci": "0", "mig_uuid": mig_uuid(spec.index, instance.gi),
+                    "profile": str(GI_PROFILE_IDS.get(instance.profile, 0)),
+                    "placement": str(instance.gi),
+                }  # fmt: skip
+                for position, template in enumerate(reset.mig_recovery_commands):
+                    try:
+                        argv = format_argv(template, **filled)
+                    except ValueError:
+                        continue  # perform_reset refuses before anything runs
+                    self.mig.setdefault(argv, (position, last, gpu, instance.gi))
+            values: dict[str, str | None] = {
+                "uuid": spec.uuid,
+                "pci_bus_id": spec.pci_bus_id,
+                "minor": str(spec.minor),
+            }
+            for what, template, mode in (
+                ("reset", reset.command, None),
+                ("health", reset.health_command, None),
+                ("persistence_off", reset.persistence_command, "0"),
+                ("persistence_on", reset.persistence_command, "1"),
+            ):
+                try:
+                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+                except ValueError:
+                    continue  # perform_reset refuses before anything runs
+                self.commands.setdefault(argv, (what, gpu))
 
     def monotonic(self) -> float:
         return self.sim.now
@@ -394,12 +433,9 @@ class VirtualClock(_Edge):
     def wall(self) -> float:
         return WALL0 + self.sim.now
 
-
-class TimelineSink(_Edge):
-    """Each engine event as a timeline entry with its human line; an ``EventName.RESET_STEP``
-    also fires the scenario's ``during`` events for that step."""
-
     def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """The event as a timeline entry with its human line; an ``EventName.RESET_STEP`` also
+        fires the scenario's ``during`` events for that step."""
         sim = self.sim
         extra: dict[str, object] = {}
         if name == EventName.ACTION_SIGNAL:
@@ -409,10 +445,6 @@ class TimelineSink(_Edge):
         sim.add(name, level, render(name, fields, TimelineNamer(sim)), **{**fields, **extra})
         if name == EventName.RESET_STEP:
             sim.reached(str(fields.get("step")))
-
-
-class VirtualReader(_Edge):
-    """The engine's reader over the virtual host (nothing of the daemon's holds a GPU)."""
 
     def collect(self) -> Snapshot:
         self.sim.world.settle(self.sim.now)
@@ -441,36 +473,6 @@ class VirtualReader(_Edge):
 
     def self_pids(self) -> frozenset[int]:
         return frozenset()
-
-
-class VirtualActuator(_Edge):
-    """The engine's actuator over the virtual host: processes react to signals as their
-    scenario says, and commands (matched by argv) are answered as docs/simulate.md's table of
-    the virtual host's commands says, never executed; anything else could not be started."""
-
-    def __init__(self, sim: Simulation) -> None:
-        super().__init__(sim)
-        reset = sim.policy.reset
-        self.commands: dict[tuple[str, ...], tuple[str, WorldGpu]] = {}
-        self.mig = VirtualMig(sim.world, reset.mig_recovery_commands)
-        for gpu in sim.world.gpus.values():
-            spec = gpu.spec
-            values: dict[str, str | None] = {
-                "uuid": spec.uuid,
-                "pci_bus_id": spec.pci_bus_id,
-                "minor": str(spec.minor),
-            }
-            for what, template, mode in (
-                ("reset", reset.command, None),
-                ("health", reset.health_command, None),
-                ("persistence_off", reset.persistence_command, "0"),
-                ("persistence_on", reset.persistence_command, "1"),
-            ):
-                try:
-                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
-                except ValueError:
-                    continue  # perform_reset refuses before anything runs
-                self.commands.setdefault(argv, (what, gpu))
 
     def signal(self, identity: ProcessIdentity, signal: str, *, dry_run: bool) -> SignalResult:
         sim = self.sim
@@ -507,9 +509,8 @@ class VirtualActuator(_Edge):
         hook = (env or {}).get("GPUWATCHD_EVENT")
         if hook is not None:
             return self.hook(args, hook)
-        answer = self.mig.answer(args, self.sim.now)
-        if answer is not None:
-            return answer
+        if args in self.mig:
+            return self.mig_command(args)
         known = self.commands.get(args)
         if known is None:
             error = f"cannot run {args[0] if args else '?'}: not a command of the virtual host"
@@ -528,6 +529,22 @@ class VirtualActuator(_Edge):
                 args, 0, f"{state} persistence mode for GPU {bus}.", False, 0.1, None
             )
         return CommandResult(args, 0, "", False, 0.2, None)  # the health query
+
+    def mig_command(self, argv: tuple[str, ...]) -> CommandResult:
+        """The driver's answer to one of a MIG GPU instance's recovery commands."""
+        position, last, gpu, gi = self.mig[argv]
+        world = self.sim.world
+        world.settle(self.sim.now)
+        if world.instance_users(gpu, gi):
+            said = f"Unable to destroy GPU instance ID {gi}: In use by another client"
+            return CommandResult(argv, 255, said, False, 0.2, None)
+        if position == last:
+            world.recreate_instance(gpu, gi)
+            said = f"Successfully created GPU instance ID {gi} on GPU {gpu.spec.index}"
+            return CommandResult(argv, 0, said, False, 0.5, None)
+        gpu.destroyed.add(gi)  # listed again once the last command re-creates it
+        said = f"Successfully destroyed an instance of GPU instance ID {gi}"
+        return CommandResult(argv, 0, said, False, 0.2, None)
 
     def hook(self, argv: tuple[str, ...], event: str) -> CommandResult:
         if event in ("reset_drain", "reset_before"):
@@ -555,11 +572,10 @@ class VirtualActuator(_Edge):
             lost = f"Unable to reset GPU {bus}: GPU has fallen off the bus."
             return CommandResult(argv, 15, lost, False, 1.0, None)
         if scripted == "in_use":
-            in_use = f"GPU {bus}: In use by another client"
-            return CommandResult(argv, 255, in_use, False, 0.5, None)
-        return CommandResult(
-            argv, 255, f"Unable to reset GPU {bus}: Unknown Error", False, 0.5, None
-        )
+            refused = f"GPU {bus}: In use by another client"
+        else:
+            refused = f"Unable to reset GPU {bus}: Unknown Error"
+        return CommandResult(argv, 255, refused, False, 0.5, None)
 
 
 def simulate(

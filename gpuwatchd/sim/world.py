@@ -173,9 +173,8 @@ class World:
             minors=minors,
             ctl=spec.holds.ctl,
             uvm=spec.holds.uvm,
+            alive=spec.state != "Z",
         )
-        if spec.state == "Z":
-            proc.alive = False
         self.procs[spec.pid] = proc
         self.history.append(proc)
         for index, size in spec.nvml.items():

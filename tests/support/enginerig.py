@@ -169,6 +169,12 @@ def rig(
         return work()
 
     engine = Engine(
-        policy, reader=reader, actuator=act, clock=clock, sink=sink, state=state, slow=slow
+        policy,
+        reader=reader,
+        actuator=act,
+        clock=clock,
+        sink=sink,
+        state=state or EngineState(),
+        slow=slow,
     )
     return Rig(engine, clock, reader, act, sink, slow_calls)

@@ -241,7 +241,6 @@ LONG_DEFINITIONS = {
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",
     "engine.cycle:Engine": "the poll cycle and the carrying out of its intents share one state",
-    "sim.scenario:_Reader": "the scenario file's reader, key by key",
     "sim.world:World": "the simulated world's state and its changes",
 }
 # fmt: on

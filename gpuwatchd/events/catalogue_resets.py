@@ -1,12 +1,8 @@
 """The event catalogue's GPU reset and health entries: their levels, fields and sentences.
 
-This module owns the part of :data:`gpuwatchd.events.catalogue.CATALOGUE` about one GPU's
-reset (and a MIG GPU instance's re-creation, the same events naming the instance) and the
-health drain around it: ``reset.*``, ``health.drain_*``, ``EventName.GPU_NEEDS_REBOOT`` and
-``EventName.EVIDENCE_UNSAVED`` (no evidence file before such a step); and the Xids the
-health findings are made of (``EventName.HEALTH_XID``, ``kernel_log.*``). The events of one
-reset share one subject ("Reset of GPU …", "Re-creation of MIG GPU instance 1 of GPU …")
-and number their steps, so the journal of a reset reads as one story. Pure: no I/O.
+A GPU's reset (and a MIG GPU instance's re-creation, the same events naming the instance), the
+health drain around it, ``EventName.GPU_NEEDS_REBOOT``, ``EventName.EVIDENCE_UNSAVED``, and the
+Xids the health findings are made of (``EventName.HEALTH_XID``, the kernel log's). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -35,15 +31,6 @@ from gpuwatchd.events.words import (
     spec_table,
 )
 
-
-def _reset_of(s: Said) -> str:
-    """The subject of one reset's events: the GPU's reset, or the re-creation of one of its
-    MIG GPU instances (``instance``, ``gi``: reset.mig_recovery)."""
-    if s.has("instance"):
-        return f"Re-creation of MIG GPU instance {s('gi', '?')} of {s.gpu()}"
-    return f"Reset of {s.gpu()}"
-
-
 _STEP_STATUS = outcome_table(
     ResetStepStatus,
     """
@@ -69,7 +56,7 @@ def _reset_step(s: Said) -> str:
     """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
     step, status = str(s.f.get("step")), str(s.f.get("status"))
     number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
-    head = f"{_reset_of(s)}, step {number}{short(step)}: "
+    head = f"{s.subject()}, step {number}{short(step)}: "
     hooks = s.f.get("hooks")
     ran = s.argv() if s.has("argv") else None
     if ran is None and isinstance(hooks, list) and hooks:
@@ -94,11 +81,6 @@ def _reset_step(s: Said) -> str:
 
 def _known(step: str) -> bool:
     return step in {member.value for member in RESET_STEPS}
-
-
-def _reset_finished(s: Said) -> str:
-    """Short: the ``EventName.RESET_OUTCOME`` line that follows gives the reason."""
-    return dry(s, f"{_reset_of(s)}: the procedure ended at step {s('step')} ({s('result')}).")
 
 
 _RESET_OUTCOME = outcome_table(
@@ -133,17 +115,17 @@ def _reset_outcome(s: Said) -> str:
         _RECOVERY_OUTCOME if recovery else _RESET_OUTCOME,
         s.f.get("result"),
         instance=f"MIG GPU instance {s('gi', '?')} of {s.gpu()}",
-        what=_reset_of(s),
+        what=s.subject(),
     )
 
 
 def _reset_dry_run(s: Said) -> str:
     if str(s.f.get("assumed", "")).startswith("success"):
         return (
-            f"Dry run: {_reset_of(s)} would have run; assumed to have succeeded for what"
+            f"Dry run: {s.subject()} would have run; assumed to have succeeded for what"
             " follows (it counts against reset.max_resets)."
         )
-    return f"Dry run: {_reset_of(s)} would have been refused."
+    return f"Dry run: {s.subject()} would have been refused."
 
 
 def _drain_started(s: Said) -> str:
@@ -184,6 +166,14 @@ RESET_RESUMED WARNING: gpu result step reason needs_reboot
     The interrupted reset of {gpu} ended: {result}{reason:why}.
 RESET_RESUME_FAILED ERROR: reason
     An interrupted reset could not be resumed{reason:why}.
+RESET_SUCCEEDED INFO: RESET
+    {subject} is booked as a success in the reset history.
+RESET_FAILED INFO: RESET failures
+    {subject} is booked as failed ({outcome}, failure {failures}); on_failure hooks follow.
+RESET_FINISHED INFO WARNING ERROR CRITICAL: gpu result step reason needs_reboot blockers dry_run MIG
+    {dry}{subject}: the procedure ended at step {step} ({result}).
+RESET_CRASHED ERROR: gpu error
+    {subject} crashed (a bug), booked as failed: {error}.
 KERNEL_LOG_UNAVAILABLE WARNING: source why retry_in
     The kernel log ({source}) cannot be read{why}; Xids come from NVML alone until it can (tried
     again in {retry_in:seconds}).
@@ -195,20 +185,7 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     EventName.RESET_DUE: spec(
         INFO,
         "FINDING dry_run pci_bus_id minor lasted evidence mig_layout MIG",
-        lambda s: dry(s, f"{_reset_of(s)} starts ({s('kind', 'a finding')}{s.why('reason')})."),
-    ),
-    EventName.RESET_SUCCEEDED: spec(
-        INFO,
-        "RESET",
-        lambda s: f"{_reset_of(s)} is booked as a success in the reset history.",
-    ),
-    EventName.RESET_FAILED: spec(
-        INFO,
-        "RESET failures",
-        lambda s: (
-            f"{_reset_of(s)} is booked as failed ({s('outcome')}, failure {s('failures')});"
-            " on_failure hooks follow."
-        ),
+        lambda s: dry(s, f"{s.subject()} starts ({s('kind', 'a finding')}{s.why('reason')})."),
     ),
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
     EventName.GPU_NEEDS_REBOOT: spec(CRITICAL, "RESET pid start_ticks why", _needs_reboot),
@@ -223,14 +200,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
         _reset_step,
         WARNING,
         ERROR,
-    ),
-    EventName.RESET_FINISHED: spec(
-        INFO,
-        "gpu result step reason needs_reboot blockers dry_run MIG",
-        _reset_finished,
-        WARNING,
-        ERROR,
-        CRITICAL,
     ),
     EventName.RESET_OUTCOME: spec(
         WARNING,
@@ -248,11 +217,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
             f"{' on ' + s.gpu() if s.has('gpu') else ''}{s.why('error')}; the step goes on,"
             " its reasons are in the journal."
         ),
-    ),
-    EventName.RESET_CRASHED: spec(
-        ERROR,
-        "gpu error",
-        lambda s: f"{_reset_of(s)} crashed (a bug), booked as failed: {s('error')}.",
     ),
     # the kernel log's Xids (collect/kernel_log.py, decide/health/xid_sources.py)
     EventName.HEALTH_XID: spec(

@@ -93,6 +93,13 @@ class Said:
         on = f" on {self.gpu()}" if self.has("gpu") else ""
         return f"{self.process()}{on}"
 
+    def subject(self) -> str:
+        """The subject of one reset's events: the GPU's reset, or the re-creation of one of
+        its MIG GPU instances (``instance``, ``gi``: reset.mig_recovery)."""
+        if self.has("instance"):
+            return f"Re-creation of MIG GPU instance {self('gi', '?')} of {self.gpu()}"
+        return f"Reset of {self.gpu()}"
+
     def why(self, *keys: str) -> str:
         """``: <first of keys that is set>`` or nothing."""
         for key in keys or ("why", "reason"):
@@ -152,7 +159,7 @@ def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str
     return table
 
 
-_NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding"})
+_NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding", "subject"})
 _SAID_AS = frozenset({"why", "items", "seconds", "until"})
 
 

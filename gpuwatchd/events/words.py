@@ -240,13 +240,7 @@ def spec_table(text: str) -> dict[EventName, EventSpec]:
     return table
 
 
-DEBUG, INFO, WARNING, ERROR, CRITICAL = (
-    Level.DEBUG,
-    Level.INFO,
-    Level.WARNING,
-    Level.ERROR,
-    Level.CRITICAL,
-)
+DEBUG, INFO, WARNING, ERROR, CRITICAL = Level  # its members, in order
 _MIG = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
 _GROUPS = {
     "FINDING": "finding kind gpu pid start_ticks memory reason",

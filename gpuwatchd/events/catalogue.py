@@ -253,6 +253,16 @@ COLLECT_KCMP_UNAVAILABLE WARNING: reason
 COLLECT_THREAD_TABLES_UNREAD WARNING: pid comm budget
     {process} has more threads with file tables of their own than a scan reads ({budget}
     descriptors): what it holds is unknown, so it blocks resets and is never a target.
+STATE_BOOT_CHANGED INFO: old new dropped_ladders
+    The machine rebooted: {dropped_ladders:=0} escalation(s) of the old boot are dropped.
+DAEMON_DEVICE_WATCH_UNAVAILABLE WARNING: reason consequence
+    The device-file watch cannot be used{reason:why}; {consequence:=}.
+DAEMON_SCAN_SOCKET_UNAVAILABLE WARNING: reason consequence
+    The socket on which scan asks this daemon cannot be used{reason:why}; {consequence:=}.
+DAEMON_SCAN_REQUEST_FAILED INFO: problem
+    A scan that asked this daemon scans by itself: {problem:=unknown}.
+NVML_MEMORY_V1_FALLBACK WARNING: gpu index reason consequence
+    {gpu} answers only the old memory query{reason:why}; {consequence:=}.
 NVML_RECOVERED WARNING: was since gone_for error
     NVML answers again after {gone_for:seconds} {was}.
 NVML_UNAVAILABLE WARNING: reason
@@ -285,14 +295,6 @@ NVML_HUNG_WORKER_EXITED INFO: pid
         "FINDING why scope user until signalled_this_hour dry_run",
         _kill_cap_reached,
         WARNING,
-    ),
-    EventName.STATE_BOOT_CHANGED: spec(
-        INFO,
-        "old new dropped_ladders",
-        lambda s: (
-            f"The machine rebooted: {s('dropped_ladders', '0')} escalation(s) of the old boot"
-            " are dropped."
-        ),
     ),
     # carrying out (engine.py, act/)
     EventName.ACTION_SIGNAL: spec(
@@ -346,24 +348,6 @@ NVML_HUNG_WORKER_EXITED INFO: pid
         "path error missing detail",
         lambda s: f"Not enough privilege{s.why('error', 'detail')}.",
     ),
-    EventName.DAEMON_DEVICE_WATCH_UNAVAILABLE: spec(
-        WARNING,
-        "reason consequence",
-        lambda s: f"The device-file watch cannot be used{s.why('reason')}; {s('consequence', '')}.",
-    ),
-    EventName.DAEMON_SCAN_SOCKET_UNAVAILABLE: spec(
-        WARNING,
-        "reason consequence",
-        lambda s: (
-            f"The socket on which scan asks this daemon cannot be used{s.why('reason')}; "
-            f"{s('consequence', '')}."
-        ),
-    ),
-    EventName.DAEMON_SCAN_REQUEST_FAILED: spec(
-        INFO,
-        "problem",
-        lambda s: f"A scan that asked this daemon scans by itself: {s('problem', 'unknown')}.",
-    ),
     EventName.SCHEDULER_ENDED_JOB: spec(
         INFO,
         "job said_at_ticks error ignored",
@@ -376,14 +360,6 @@ NVML_HUNG_WORKER_EXITED INFO: pid
         WARNING,
     ),
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
-    # NVML
-    EventName.NVML_MEMORY_V1_FALLBACK: spec(
-        WARNING,
-        "gpu index reason consequence",
-        lambda s: (
-            f"{s.gpu()} answers only the old memory query{s.why('reason')}; {s('consequence', '')}."
-        ),
-    ),
 }
 CATALOGUE: Mapping[EventName, EventSpec] = {**_OTHERS, **RESET_EVENTS}
 

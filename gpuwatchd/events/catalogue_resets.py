@@ -166,6 +166,8 @@ RESET_RESUMED WARNING: gpu result step reason needs_reboot
     The interrupted reset of {gpu} ended: {result}{reason:why}.
 RESET_RESUME_FAILED ERROR: reason
     An interrupted reset could not be resumed{reason:why}.
+RESET_DUE INFO: FINDING dry_run pci_bus_id minor lasted evidence mig_layout MIG
+    {dry}{subject} starts ({kind:=a finding}{reason:why}).
 RESET_SUCCEEDED INFO: RESET
     {subject} is booked as a success in the reset history.
 RESET_FAILED INFO: RESET failures
@@ -181,11 +183,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     The kernel log had {lines} Xid line(s) that were not counted: more distinct Xids, GPUs and
     processes in one poll than are kept ({kept}).
 """
-    ),
-    EventName.RESET_DUE: spec(
-        INFO,
-        "FINDING dry_run pci_bus_id minor lasted evidence mig_layout MIG",
-        lambda s: dry(s, f"{s.subject()} starts ({s('kind', 'a finding')}{s.why('reason')})."),
     ),
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
     EventName.GPU_NEEDS_REBOOT: spec(CRITICAL, "RESET pid start_ticks why", _needs_reboot),

@@ -179,12 +179,15 @@ class _Pieces(dict[str, object]):
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``)."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``),
+    or ``{key:=text}`` (``text`` where the field is unset)."""
 
     said: Said
     key: str
 
     def __format__(self, how: str) -> str:
+        if how.startswith("="):
+            return self.said(self.key, how[1:])
         if how and how not in _SAID_AS:
             raise ValueError(f"no way to say a field called {how!r}")
         return str(getattr(self.said, how)(self.key)) if how else self.said(self.key)

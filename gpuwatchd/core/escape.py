@@ -11,18 +11,6 @@ from __future__ import annotations
 import re
 
 _MOUNT_ESCAPE = re.compile(r"\\([0-7]{3})")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _visible(char: str) -> str:
-    if char in _NAMED:
-        return _NAMED[char]
-    code = ord(char)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
 
 
 def escape(text: str) -> str:
@@ -30,7 +18,8 @@ def escape(text: str) -> str:
     unassigned code points; the plain space excepted) as a visible escape."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else _visible(c) for c in text)
+    # ascii() of one character: \n, \r, \t, else \xNN, \uNNNN or \UNNNNNNNN.
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def unescape_mount_path(field: str) -> str:

@@ -220,12 +220,10 @@ def _render_logfmt(
     """``key=value`` pairs, timestamp, level and event first; values quoted when needed
     (escaping ``\\``, ``"`` and control characters); a None or empty field is left out.
     Not structlog's LogfmtRenderer: its escaping differs between the versions we support."""
-    keys = [key for key in _LEADING if key in event_dict]
-    keys.extend(key for key in event_dict if key not in _LEADING)
     return " ".join(
-        f"{_logfmt_key(key)}={_logfmt_value(event_dict[key])}"
-        for key in keys
-        if event_dict[key] is not None and event_dict[key] != ""
+        f"{_logfmt_key(key)}={_logfmt_value(value)}"
+        for key, value in _leading_keys(_logger, _method, event_dict).items()
+        if value is not None and value != ""
     )
 
 
@@ -236,11 +234,7 @@ def _logfmt_key(key: object) -> str:
 
 
 def _logfmt_value(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = rounded(value) if isinstance(value, float) else str(value)
+    text = _scalar(value)  # never None: _render_logfmt leaves a None out
     if text and text.isprintable() and not any(c in text for c in ' ="\\'):
         return text
     escaped = escape(text.replace("\\", "\\\\").replace('"', '\\"'))
@@ -373,12 +367,16 @@ def _journal_value(value: object) -> str | None:
     """None omitted, booleans ``true``/``false``, collections compact JSON, the rest str()."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, (set, frozenset)):
         value = sorted(value, key=repr)
     if isinstance(value, (list, tuple, dict)):
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+    return _scalar(value)
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return rounded(value) if isinstance(value, float) else str(value)
 
 

@@ -93,6 +93,13 @@ class Said:
         on = f" on {self.gpu()}" if self.has("gpu") else ""
         return f"{self.process()}{on}"
 
+    def subject(self) -> str:
+        """The subject of one reset's events: the GPU's reset, or the re-creation of one of
+        its MIG GPU instances (``instance``, ``gi``: reset.mig_recovery)."""
+        if self.has("instance"):
+            return f"Re-creation of MIG GPU instance {self('gi', '?')} of {self.gpu()}"
+        return f"Reset of {self.gpu()}"
+
     def why(self, *keys: str) -> str:
         """``: <first of keys that is set>`` or nothing."""
         for key in keys or ("why", "reason"):
@@ -152,7 +159,7 @@ def outcome_table(kind: type[enum.Enum], text: str, *others: str) -> Mapping[str
     return table
 
 
-_NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding"})
+_NAMED = frozenset({"gpu", "pid", "process", "target", "why", "finding", "subject"})
 _SAID_AS = frozenset({"why", "items", "seconds", "until"})
 
 
@@ -172,12 +179,15 @@ class _Pieces(dict[str, object]):
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``)."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``),
+    or ``{key:=text}`` (``text`` where the field is unset)."""
 
     said: Said
     key: str
 
     def __format__(self, how: str) -> str:
+        if how.startswith("="):
+            return self.said(self.key, how[1:])
         if how and how not in _SAID_AS:
             raise ValueError(f"no way to say a field called {how!r}")
         return str(getattr(self.said, how)(self.key)) if how else self.said(self.key)
@@ -233,13 +243,7 @@ def spec_table(text: str) -> dict[EventName, EventSpec]:
     return table
 
 
-DEBUG, INFO, WARNING, ERROR, CRITICAL = (
-    Level.DEBUG,
-    Level.INFO,
-    Level.WARNING,
-    Level.ERROR,
-    Level.CRITICAL,
-)
+DEBUG, INFO, WARNING, ERROR, CRITICAL = Level  # its members, in order
 _MIG = "instance gi recovery"  # a MIG GPU instance's re-creation (reset.mig_recovery)
 _GROUPS = {
     "FINDING": "finding kind gpu pid start_ticks memory reason",

@@ -15,6 +15,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.codec import Format
+from gpuwatchd.core.model import as_int
 from gpuwatchd.state.directory import StateDir, hashed_name
 
 PAUSE_FILE = "paused"
@@ -240,10 +241,9 @@ class HandOvers:
 def _said_at(data: dict[str, object], boot_id: str | None) -> int | None:
     """When a hand-over was said, in ticks of boot ``boot_id``; None (covers nothing) when
     unknown or in another boot."""
-    said = data.get("said_at_ticks")
-    valid = isinstance(said, int) and not isinstance(said, bool) and 0 <= said < 1 << 62
+    said = as_int(data.get("said_at_ticks"))
     same_boot = boot_id is not None and data.get("boot_id") == boot_id
-    return said if valid and same_boot and isinstance(said, int) else None
+    return said if said is not None and 0 <= said < 1 << 62 and same_boot else None
 
 
 def read_ended_jobs(

@@ -27,6 +27,19 @@ def test_printable_text_passes_unchanged() -> None:
     assert escape("\x1b[2J") == "\\x1b[2J"
 
 
+def test_each_non_printable_character_has_its_one_visible_escape() -> None:
+    """\\n, \\r, \\t by name; any other as \\xNN, \\uNNNN or \\UNNNNNNNN by its code point
+    (lower-case hex), every code point checked."""
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    for code in range(0x110000):
+        char = chr(code)
+        if char.isprintable():
+            continue
+        width = 2 if code < 0x100 else 4 if code < 0x10000 else 8
+        letter = {2: "x", 4: "u", 8: "U"}[width]
+        assert escape(char) == named.get(char, f"\\{letter}{code:0{width}x}"), hex(code)
+
+
 @pytest.mark.parametrize("fmt", ["logfmt", "console"])
 @pytest.mark.parametrize("sep", SEPARATORS)
 def test_a_log_event_stays_one_line_whatever_its_values_hold(fmt: str, sep: str) -> None:

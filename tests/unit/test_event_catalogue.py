@@ -363,6 +363,10 @@ def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
         "pid 7 (trainer) on GPU 0: boom; a; b after 1.5s: w."
     )
     assert s.fill("{missing}|{missing:why}|{missing:items}|{missing:seconds}|") == "?||?|?|"
+    # {x:=text}: the field, or text (perhaps nothing) where it is unset, never "?".
+    assert s.fill("{error:=none}|{missing:=none}|{missing:=}|") == "boom|none||"
+    with pytest.raises(ValueError, match="no way to say a field called 'why='"):
+        s.fill("{error:why=}")
     with pytest.raises(ValueError, match="no way to say a field called 'upper'"):
         s.fill("{error:upper}")
 

@@ -290,39 +290,37 @@ _UNFINISHED = _Form(MigUnfinished, {"gpu": text, "gi": integer, "profile": integ
 # A ladder's fields in its events, and (with the rest, in this order) in the state file.
 LADDER_EVENT_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
                        "step", "dry_run")  # fmt: skip
-_LADDER_FILE_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
-                       "steps", "step", "due", "status", "dry_run", "started", "user")  # fmt: skip
+
+
+def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
+    steps = []
+    for i, item in enumerate(items(value, what)):
+        pair = items(item, f"{what}[{i}]")
+        if len(pair) != 2:
+            raise ValueError(f"{what}[{i}]: expected [signal, wait]")
+        steps.append(
+            (opt_text(pair[0], f"{what}[{i}]"), number(pair[1], what.removesuffix(".steps")))
+        )
+    return tuple(steps)
+
+
+# "user" is absent in older state files: unknown. "status" is checked with "step" (_ladder).
+_LADDER = _Form(Ladder, {"target": text, "pid": integer, "start_ticks": integer,
+                "finding=finding_key": text, "rule": text, "gpu": opt_text, "steps": _steps,
+                "step": integer, "due": opt_number, "status": text, "dry_run": flag,
+                "started": number, "user": opt_text})  # fmt: skip
 
 
 def _dump_ladder(lad: Ladder) -> dict[str, object]:
     # "steps" keeps its place in the file's order; its pairs become lists.
-    steps = [[sig, wait] for sig, wait in lad.steps]
-    return {**fields_of(lad, _LADDER_FILE_FIELDS), "steps": steps}
+    return {**_LADDER.values_of(lad), "steps": [[sig, wait] for sig, wait in lad.steps]}
 
 
 def _ladder(value: object, what: str) -> Ladder:
-    d = obj(value, what)
-
-    def f(read: Callable[[object, str], _T], key: str) -> _T:
-        return read(d.get(key), f"{what}.{key}")
-
-    steps = []
-    for i, item in enumerate(items(d.get("steps"), f"{what}.steps")):
-        pair = items(item, f"{what}.steps[{i}]")
-        if len(pair) != 2:
-            raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
-        steps.append((opt_text(pair[0], f"{what}.steps[{i}]"), number(pair[1], what)))
-    status = f(text, "status")
-    step = f(integer, "step")
-    if status not in set(LadderStatus) or not 0 <= step <= len(steps):
+    found = _LADDER.read(obj(value, what), what)
+    if found["status"] not in set(LadderStatus) or not 0 <= found["step"] <= len(found["steps"]):
         raise ValueError(f"{what}: invalid status or step")
-    # "user" is absent in older state files: unknown
-    return Ladder(target=f(text, "target"), pid=f(integer, "pid"),
-                  start_ticks=f(integer, "start_ticks"), finding_key=f(text, "finding"),
-                  rule=f(text, "rule"), gpu=f(opt_text, "gpu"),
-                  steps=tuple(steps), step=step, due=f(opt_number, "due"),
-                  status=LadderStatus(status), dry_run=f(flag, "dry_run"),
-                  started=f(number, "started"), user=f(opt_text, "user"))  # fmt: skip
+    return Ladder(**{**found, "status": LadderStatus(found["status"])})
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

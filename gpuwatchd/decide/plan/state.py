@@ -198,10 +198,7 @@ class PlanState:
                 k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()
             },
             waiting=numbers(d.get("waiting", {}), "plan.waiting"),
-            ladders={
-                k: _ladder(v, f"plan.ladders.{k}")
-                for k, v in obj(d.get("ladders", {}), "plan.ladders").items()
-            },
+            ladders=_each(_ladder, d.get("ladders", {}), "plan.ladders"),
             quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
             last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
             last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
@@ -210,17 +207,11 @@ class PlanState:
             if flight is None
             else _IN_FLIGHT.load(flight, "plan.reset_in_flight"),
             signal_history=pairs(d.get("signal_history", []), "plan.signal_history"),
-            signal_scopes={
-                k: text(v, f"plan.signal_scopes.{k}")
-                for k, v in obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
-            },
+            signal_scopes=_each(text, d.get("signal_scopes", {}), "plan.signal_scopes"),
             scope_latches=_LATCH.load_all(d.get("scope_latches", {}), "plan.scope_latches"),
             health_waits=_HEALTH_WAIT.load_all(d.get("health_waits", {}), "plan.health_waits"),
             reset_refusals=_REFUSAL.load_all(d.get("reset_refusals", {}), "plan.reset_refusals"),
-            health_drained={
-                gpu: flag(dry, f"plan.health_drained.{gpu}")
-                for gpu, dry in obj(d.get("health_drained", {}), "plan.health_drained").items()
-            },
+            health_drained=_each(flag, d.get("health_drained", {}), "plan.health_drained"),
             mig_unfinished=_UNFINISHED.load_all(d.get("mig_unfinished", {}), "plan.mig_unfinished"),
             shadow=DryShadow.from_json(d.get("shadow")),
         )
@@ -255,7 +246,12 @@ class _Form(Generic[_T]):
 
     def load_all(self, value: object, what: str) -> dict[str, _T]:
         """A saved ``{key: record}`` mapping."""
-        return {key: self.load(item, f"{what}.{key}") for key, item in obj(value, what).items()}
+        return _each(self.load, value, what)
+
+
+def _each(read: Callable[[object, str], _T], value: object, what: str) -> dict[str, _T]:
+    """The saved object ``value``, each of its values read by ``read``."""
+    return {key: read(item, f"{what}.{key}") for key, item in obj(value, what).items()}
 
 
 def _opt_int(value: object, what: str) -> int | None:

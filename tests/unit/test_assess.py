@@ -7,6 +7,8 @@ with :class:`HostBuilder` and asserts the findings and the holders' roles.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -963,6 +965,32 @@ def test_state_round_trips_through_json() -> None:
 def test_malformed_state_raises_value_error(data: object) -> None:
     with pytest.raises(ValueError, match=r"."):
         AssessState.from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("part", "value", "message"),
+    [
+        ("baselines", [], "baselines must be an object"),
+        ("unaccounted_since", [], "unaccounted_since must be an object"),
+        ("unaccounted_since", {"GPU-1": True}, "bad unaccounted_since entry: 'GPU-1': True"),
+        ("unaccounted_since", {"GPU-1": "1"}, "bad unaccounted_since entry: 'GPU-1': '1'"),
+        ("lineage", {}, "lineage must be a list"),
+        ("owners", {}, "owners must be a list"),
+        ("inheritance", {}, "inheritance must be a list"),
+        ("lineage", [{"pid": 1, "start_ticks": 2, "first_seen": True}], "a numeric first_seen"),
+    ],
+)
+def test_a_damaged_state_part_is_named_in_the_error(part: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AssessState.from_json({"version": 2, part: value})
+
+
+def test_the_saved_lineage_keeps_its_keys_in_order() -> None:
+    state = AssessState(lineage={ProcessIdentity(5, 50): Lineage(1, 2, 3, "job", 9.5)})
+    assert json.dumps(state.to_json()["lineage"]) == json.dumps(
+        [{"pid": 5, "start_ticks": 50, "ppid": 1, "pgid": 2, "sid": 3, "job": "job",
+          "first_seen": 9.5}]
+    )  # fmt: skip
 
 
 # --- property: holders in a live owner's tree are never orphaned -------------------------------

@@ -26,7 +26,7 @@ from gpuwatchd.core.model import (
     Snapshot,
     SubIdRange,
 )
-from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.plan.decisions import (
     clear_circuit,
     clear_forced_dry_run,
@@ -1210,6 +1210,45 @@ def test_state_json_round_trip(state: PlanState) -> None:
 def test_state_from_json_rejects_malformed_data(data: object) -> None:
     with pytest.raises(ValueError, match=r"\w"):
         PlanState.from_json(data)
+
+
+_SAVED_LADDER = Ladder("t", 7, 70, "f", "orphans", "GPU-0", (("SIGTERM", 30.0), (None, 0.0)),
+                       1, 40.0, LadderStatus.ACTIVE, False, 10.0, "alice")  # fmt: skip
+
+
+def test_a_saved_ladder_keeps_its_keys_in_the_file_order() -> None:
+    saved: Any = PlanState(ladders={"t": _SAVED_LADDER}).to_json()["ladders"]
+    assert json.dumps(saved) == json.dumps({"t": {
+        "target": "t", "pid": 7, "start_ticks": 70, "finding": "f", "rule": "orphans",
+        "gpu": "GPU-0", "steps": [["SIGTERM", 30.0], [None, 0.0]], "step": 1, "due": 40.0,
+        "status": "active", "dry_run": False, "started": 10.0, "user": "alice"}})  # fmt: skip
+    older = {k: v for k, v in saved["t"].items() if k != "user"}  # before "user" was saved
+    restored = PlanState.from_json({"ladders": {"t": older}}).ladders["t"]
+    assert restored == replace(_SAVED_LADDER, user=None)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"steps": [["SIGTERM"]]}, "plan.ladders.t.steps[0]: expected [signal, wait]"),
+        ({"steps": [["SIGTERM", "x"]]}, "plan.ladders.t: expected a number"),
+        ({"steps": "SIGTERM"}, "plan.ladders.t.steps: expected a list"),
+        ({"status": "gone"}, "plan.ladders.t: invalid status or step"),
+        ({"step": 3}, "plan.ladders.t: invalid status or step"),
+        ({"step": -1}, "plan.ladders.t: invalid status or step"),
+        ({"pid": "7"}, "plan.ladders.t.pid: expected an integer"),
+        ({"finding": None}, "plan.ladders.t.finding: expected a string"),
+        ({"user": 5}, "plan.ladders.t.user: expected a string"),
+    ],
+)
+def test_a_damaged_saved_ladder_is_named_in_the_error(
+    change: dict[str, object], message: str
+) -> None:
+    saved = PlanState(ladders={"t": _SAVED_LADDER}).to_json()
+    ladders: Any = saved["ladders"]
+    ladders["t"].update(change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlanState.from_json(json.loads(json.dumps(saved)))
 
 
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:

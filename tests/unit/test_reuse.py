@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from functools import partial
 
 import pytest
 
@@ -103,8 +104,9 @@ def _play(path: pathlib.Path, *, fresh: bool) -> tuple[list[tuple[str, Level, st
     if fresh:
 
         class Fresh(Reuse):
-            def assess(self, snapshot, previous, detection, **kw):  # type: ignore[no-untyped-def]
-                return assess(snapshot, previous, detection, **kw)
+            def __init__(self) -> None:
+                super().__init__()
+                self.assess = partial(assess)  # the plain assessment, nothing remembered
 
             def judge(self, snapshot, assessment, policy, **kw):  # type: ignore[no-untyped-def]
                 return judge(snapshot, assessment, policy, **kw)

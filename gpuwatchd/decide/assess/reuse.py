@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from functools import partial
 
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess.passes import Refused, assess, assess_processes
@@ -58,12 +58,8 @@ class Reuse:
         self._assessed: _Assessed | None = None
         self._judged: _Judged | None = None
         self.hits = 0
-
-    def assess(
-        self, snapshot: Snapshot, previous: AssessState, detection: Detection, **options: Any
-    ) -> Assessment:
-        """:func:`assess` (``options`` are its keywords) with the process passes remembered."""
-        return assess(snapshot, previous, detection, processes=self._processes, **options)
+        # assess's own signature (mypy checks calls through a partial), passes remembered.
+        self.assess = partial(assess, processes=self._processes)
 
     def _processes(
         self, snapshot: Snapshot, previous: AssessState, detection: Detection, refused: Refused

@@ -6,7 +6,8 @@ that carry it forward. Pure. In detail: docs/internals.md, section `gpuwatchd.de
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TypeGuard, TypeVar
 
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
@@ -14,6 +15,7 @@ from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.health.state import HealthState
 
 MAX_INHERITANCE_PER_HOLDER = 8
+_C = TypeVar("_C", dict[object, object], list[object])
 
 # One holder's kcmp answers, recorded while each owner lived: (owner identity, shared?).
 Inheritance = tuple[tuple[ProcessIdentity, bool], ...]
@@ -51,15 +53,7 @@ class AssessState:
             "unaccounted_since": dict(sorted(self.unaccounted_since.items())),
             "owners": [[ident.pid, ident.start_ticks] for ident in sorted(self.owners)],
             "lineage": [
-                {
-                    "pid": ident.pid,
-                    "start_ticks": ident.start_ticks,
-                    "ppid": lin.ppid,
-                    "pgid": lin.pgid,
-                    "sid": lin.sid,
-                    "job": lin.job,
-                    "first_seen": lin.first_seen,
-                }
+                {"pid": ident.pid, "start_ticks": ident.start_ticks, **asdict(lin)}
                 for ident, lin in sorted(self.lineage.items())
             ],
             "inheritance": [
@@ -82,42 +76,25 @@ class AssessState:
         boot_id = data.get("boot_id")
         if boot_id is not None and not isinstance(boot_id, str):
             raise ValueError("boot_id must be a string or null")
-        raw_baselines = data.get("baselines", {})
-        if not isinstance(raw_baselines, dict):
-            raise ValueError("baselines must be an object")
         baselines: dict[str, int] = {}
-        for uuid, value in raw_baselines.items():
+        for uuid, value in _part(data, "baselines", dict).items():
             amount = as_int(value)
             if not isinstance(uuid, str) or amount is None or amount < 0:
                 raise ValueError(f"bad baseline entry: {uuid!r}: {value!r}")
             baselines[uuid] = amount
-        raw_since = data.get("unaccounted_since", {})
-        if not isinstance(raw_since, dict):
-            raise ValueError("unaccounted_since must be an object")
         since: dict[str, float] = {}
-        for uuid, value in raw_since.items():
-            if not isinstance(uuid, str) or isinstance(value, bool):
-                raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
-            if not isinstance(value, (int, float)):
+        for uuid, value in _part(data, "unaccounted_since", dict).items():
+            if not isinstance(uuid, str) or not _is_number(value):
                 raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
             since[uuid] = float(value)
-        raw_lineage = data.get("lineage", [])
-        if not isinstance(raw_lineage, list):
-            raise ValueError("lineage must be a list")
-        lineage = dict(_lineage_entry(entry) for entry in raw_lineage)
-        raw_owners = data.get("owners", [])
-        if not isinstance(raw_owners, list):
-            raise ValueError("owners must be a list")
+        lineage = dict(_lineage_entry(entry) for entry in _part(data, "lineage", list))
         owners: set[ProcessIdentity] = set()
-        for entry in raw_owners:
+        for entry in _part(data, "owners", list):
             pair = [as_int(v) for v in entry] if isinstance(entry, list) else []
             if len(pair) != 2 or pair[0] is None or pair[1] is None:
                 raise ValueError(f"bad owners entry: {entry!r}")
             owners.add(ProcessIdentity(pair[0], pair[1]))
-        raw_inheritance = data.get("inheritance", [])
-        if not isinstance(raw_inheritance, list):
-            raise ValueError("inheritance must be a list")
-        inheritance = dict(_inheritance_entry(entry) for entry in raw_inheritance)
+        inheritance = dict(_inheritance_entry(entry) for entry in _part(data, "inheritance", list))
         return cls(
             baselines=baselines,
             lineage=lineage,
@@ -127,6 +104,18 @@ class AssessState:
             inheritance=inheritance,
             health=HealthState.from_json(data.get("health", {})),
         )
+
+
+def _part(data: dict[object, object], key: str, kind: type[_C]) -> _C:
+    """``data[key]`` (absent: empty) if it is a ``kind`` (dict or list); ValueError if not."""
+    value = data.get(key, kind())
+    if not isinstance(value, kind):
+        raise ValueError(f"{key} must be {'an object' if kind is dict else 'a list'}")
+    return value
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
@@ -157,7 +146,7 @@ def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
     job = entry.get("job")
     if pid is None or start is None:
         raise ValueError(f"lineage entry needs integer pid and start_ticks: {entry!r}")
-    if isinstance(first_seen, bool) or not isinstance(first_seen, (int, float)):
+    if not _is_number(first_seen):
         raise ValueError(f"lineage entry needs a numeric first_seen: {entry!r}")
     if job is not None and not isinstance(job, str):
         raise ValueError(f"lineage job must be a string or null: {entry!r}")

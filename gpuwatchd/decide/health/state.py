@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
-from gpuwatchd.core.checked import number, opt_number
+from gpuwatchd.core.checked import number, obj, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
@@ -136,16 +136,14 @@ class HealthState:
                 if xid is None or values is None or count is None or count < 0:
                     raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
                 xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
-            since = entry.get("since", {})
-            if not isinstance(since, dict):
-                raise ValueError(f"{what}.since: expected an object")
+            since = obj(entry.get("since", {}), f"{what}.since")
             cured = _signatures(entry.get("assumed_cured", []), f"{what}.assumed_cured")
             unhealed = _signatures(entry.get("unhealed", []), f"{what}.unhealed")
             gpus[uuid] = replace(
                 _kernel_log_state(entry, what),
                 xids=xids,
                 last_reset=opt_number(entry.get("last_reset"), what),
-                since={str(k): number(v, what) for k, v in since.items()},
+                since={k: number(v, what) for k, v in since.items()},
                 assumed_reset=opt_number(entry.get("assumed_reset"), what),
                 assumed_cured=cured,
                 fabric_since=opt_number(entry.get("fabric_since"), what),

@@ -198,10 +198,7 @@ class PlanState:
                 k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()
             },
             waiting=numbers(d.get("waiting", {}), "plan.waiting"),
-            ladders={
-                k: _ladder(v, f"plan.ladders.{k}")
-                for k, v in obj(d.get("ladders", {}), "plan.ladders").items()
-            },
+            ladders=_each(_ladder, d.get("ladders", {}), "plan.ladders"),
             quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),
             last_reset=numbers(d.get("last_reset", {}), "plan.last_reset"),
             last_dry_reset=numbers(d.get("last_dry_reset", {}), "plan.last_dry_reset"),
@@ -210,17 +207,11 @@ class PlanState:
             if flight is None
             else _IN_FLIGHT.load(flight, "plan.reset_in_flight"),
             signal_history=pairs(d.get("signal_history", []), "plan.signal_history"),
-            signal_scopes={
-                k: text(v, f"plan.signal_scopes.{k}")
-                for k, v in obj(d.get("signal_scopes", {}), "plan.signal_scopes").items()
-            },
+            signal_scopes=_each(text, d.get("signal_scopes", {}), "plan.signal_scopes"),
             scope_latches=_LATCH.load_all(d.get("scope_latches", {}), "plan.scope_latches"),
             health_waits=_HEALTH_WAIT.load_all(d.get("health_waits", {}), "plan.health_waits"),
             reset_refusals=_REFUSAL.load_all(d.get("reset_refusals", {}), "plan.reset_refusals"),
-            health_drained={
-                gpu: flag(dry, f"plan.health_drained.{gpu}")
-                for gpu, dry in obj(d.get("health_drained", {}), "plan.health_drained").items()
-            },
+            health_drained=_each(flag, d.get("health_drained", {}), "plan.health_drained"),
             mig_unfinished=_UNFINISHED.load_all(d.get("mig_unfinished", {}), "plan.mig_unfinished"),
             shadow=DryShadow.from_json(d.get("shadow")),
         )
@@ -255,7 +246,12 @@ class _Form(Generic[_T]):
 
     def load_all(self, value: object, what: str) -> dict[str, _T]:
         """A saved ``{key: record}`` mapping."""
-        return {key: self.load(item, f"{what}.{key}") for key, item in obj(value, what).items()}
+        return _each(self.load, value, what)
+
+
+def _each(read: Callable[[object, str], _T], value: object, what: str) -> dict[str, _T]:
+    """The saved object ``value``, each of its values read by ``read``."""
+    return {key: read(item, f"{what}.{key}") for key, item in obj(value, what).items()}
 
 
 def _opt_int(value: object, what: str) -> int | None:
@@ -290,39 +286,37 @@ _UNFINISHED = _Form(MigUnfinished, {"gpu": text, "gi": integer, "profile": integ
 # A ladder's fields in its events, and (with the rest, in this order) in the state file.
 LADDER_EVENT_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
                        "step", "dry_run")  # fmt: skip
-_LADDER_FILE_FIELDS = ("target", "pid", "start_ticks", "finding=finding_key", "rule", "gpu",
-                       "steps", "step", "due", "status", "dry_run", "started", "user")  # fmt: skip
+
+
+def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
+    steps = []
+    for i, item in enumerate(items(value, what)):
+        pair = items(item, f"{what}[{i}]")
+        if len(pair) != 2:
+            raise ValueError(f"{what}[{i}]: expected [signal, wait]")
+        steps.append(
+            (opt_text(pair[0], f"{what}[{i}]"), number(pair[1], what.removesuffix(".steps")))
+        )
+    return tuple(steps)
+
+
+# "user" is absent in older state files: unknown. "status" is checked with "step" (_ladder).
+_LADDER = _Form(Ladder, {"target": text, "pid": integer, "start_ticks": integer,
+                "finding=finding_key": text, "rule": text, "gpu": opt_text, "steps": _steps,
+                "step": integer, "due": opt_number, "status": text, "dry_run": flag,
+                "started": number, "user": opt_text})  # fmt: skip
 
 
 def _dump_ladder(lad: Ladder) -> dict[str, object]:
     # "steps" keeps its place in the file's order; its pairs become lists.
-    steps = [[sig, wait] for sig, wait in lad.steps]
-    return {**fields_of(lad, _LADDER_FILE_FIELDS), "steps": steps}
+    return {**_LADDER.values_of(lad), "steps": [[sig, wait] for sig, wait in lad.steps]}
 
 
 def _ladder(value: object, what: str) -> Ladder:
-    d = obj(value, what)
-
-    def f(read: Callable[[object, str], _T], key: str) -> _T:
-        return read(d.get(key), f"{what}.{key}")
-
-    steps = []
-    for i, item in enumerate(items(d.get("steps"), f"{what}.steps")):
-        pair = items(item, f"{what}.steps[{i}]")
-        if len(pair) != 2:
-            raise ValueError(f"{what}.steps[{i}]: expected [signal, wait]")
-        steps.append((opt_text(pair[0], f"{what}.steps[{i}]"), number(pair[1], what)))
-    status = f(text, "status")
-    step = f(integer, "step")
-    if status not in set(LadderStatus) or not 0 <= step <= len(steps):
+    found = _LADDER.read(obj(value, what), what)
+    if found["status"] not in set(LadderStatus) or not 0 <= found["step"] <= len(found["steps"]):
         raise ValueError(f"{what}: invalid status or step")
-    # "user" is absent in older state files: unknown
-    return Ladder(target=f(text, "target"), pid=f(integer, "pid"),
-                  start_ticks=f(integer, "start_ticks"), finding_key=f(text, "finding"),
-                  rule=f(text, "rule"), gpu=f(opt_text, "gpu"),
-                  steps=tuple(steps), step=step, due=f(opt_number, "due"),
-                  status=LadderStatus(status), dry_run=f(flag, "dry_run"),
-                  started=f(number, "started"), user=f(opt_text, "user"))  # fmt: skip
+    return Ladder(**{**found, "status": LadderStatus(found["status"])})
 
 
 def unfinished_recoveries(state: PlanState) -> dict[str, str]:

@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy_or_exit(config_path, required=True)
     except CliError as exc:
-        if exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
+        if not os.path.lexists(config_path):
             raise  # no file: a typo
         # The daemon does not leave the node unwatched over a rejected file: it runs with the
         # last policy it accepted, loudly (gpuwatchd/state/accepted.py); so does run --once (an
@@ -452,8 +452,6 @@ def _status(args: argparse.Namespace) -> int:
     try:
         policy = _policy(args)
     except CliError as exc:
-        if exc.code != ExitCode.CONFIG:
-            raise
         # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
         # the state_dir it uses, after saying what is wrong with the files.
         from gpuwatchd.state.accepted import load_fallback

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import structlog
 
 from gpuwatchd.act.evidence import ReportBuilder
+from gpuwatchd.cli import served
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
 from gpuwatchd.collect.procfs import ProcFS
@@ -23,8 +24,6 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging
-from gpuwatchd.served.guard import ServedPoll
-from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import Fallback
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
 from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
@@ -67,7 +66,7 @@ def run_daemon(
         once_timeout=once_timeout,
         ended_jobs=ended_jobs,
         rejected_at_start=rejected_at_start,
-        scan_answer=_answer_scan,
+        scan_answer=served.answer,
         evidence_report=_evidence_report(policy.proc_root),
     )
     try:
@@ -236,12 +235,3 @@ def _evidence_report(proc_root: str) -> ReportBuilder:
         return report
 
     return report
-
-
-def _answer_scan(
-    request: ScanRequest, config_path: str, state_dir: str, served: ServedPoll | None
-) -> ScanAnswer:
-    """The daemon's answer to a ``scan`` that asked it (gpuwatchd/cli/served.py)."""
-    from gpuwatchd.cli.served import answer
-
-    return answer(request, config_path=config_path, state_dir=state_dir, served=served)

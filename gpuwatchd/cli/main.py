@@ -276,12 +276,14 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
 
 
 @contextlib.contextmanager
-def _refused(*errors: type[Exception], code: int = ExitCode.CONFIG) -> Iterator[None]:
-    """Any of ``errors`` as a :class:`CliError` with ``code``."""
+def _refused(
+    *errors: type[Exception], code: int = ExitCode.CONFIG, then: str = ""
+) -> Iterator[None]:
+    """Any of ``errors`` as a :class:`CliError` with ``code``, its message followed by ``then``."""
     try:
         yield
     except errors as exc:
-        raise CliError(str(exc), code) from exc
+        raise CliError(f"{exc}{then}", code) from exc
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -506,6 +508,9 @@ def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
         raise CliError(why, ExitCode.IOERR) from exc
 
 
+_UNCHANGED = " (the switch is not changed)"
+
+
 def _pause_length(text: str | None, max_pause: float) -> float:
     """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
     from gpuwatchd.cli.humantime import for_seconds
@@ -513,12 +518,11 @@ def _pause_length(text: str | None, max_pause: float) -> float:
 
     if text is None:
         return max_pause
-    try:
+    with (
+        _refused(ConfigError, then=_UNCHANGED),
+        _refused(ValueError, then="; the switch is not changed"),
+    ):
         return for_seconds(text, command="pause", limit="limits.max_pause", maximum=max_pause)
-    except ConfigError as exc:
-        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
-    except ValueError as exc:
-        raise CliError(f"{exc}; the switch is not changed", ExitCode.CONFIG) from exc
 
 
 def _pause(args: argparse.Namespace) -> int:
@@ -533,7 +537,7 @@ def _pause(args: argparse.Namespace) -> int:
     length = _pause_length(args.for_, policy.limits.max_pause) if paused else 0.0
     with (
         _writing(path, "the switch is not changed"),
-        _switch_errors(),
+        _refused(StateDirError, then=_UNCHANGED),
         StateDir.open(path, create=True) as state_dir,
     ):
         if paused:
@@ -550,14 +554,6 @@ def _pause(args: argparse.Namespace) -> int:
                 clear_latches(state_dir)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
-
-
-@contextlib.contextmanager
-def _switch_errors() -> Iterator[None]:
-    try:
-        yield
-    except StateDirError as exc:
-        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

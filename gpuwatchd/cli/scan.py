@@ -104,18 +104,6 @@ class RunningDaemon:
         return frozenset({self.pid, *self.workers})
 
 
-def open_state_dir(policy: Policy) -> StateDir | None:
-    """The daemon's state directory for a reader: None when it does not exist or this user
-    cannot open it (no daemon to build on); StateDirError when it exists but cannot be
-    trusted (a link on its path, another owner, writable by others) — the caller refuses."""
-    try:
-        return StateDir.open(policy.state_dir)
-    except StateDirError:
-        raise
-    except OSError:
-        return None
-
-
 def running_daemon(
     policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
@@ -156,13 +144,17 @@ def scan_host(
     closes itself (else one is made here). Alone (``served`` None) it walks all of ``/proc``;
     ``why`` says why the daemon's view was not used. ``served``: the daemon's last poll, when
     the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
-    else no report and ``declined`` says why. StateDirError: see :func:`open_state_dir`."""
-    state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
+    else no report and ``declined`` says why. StateDirError when the state directory exists
+    but cannot be trusted (a link on its path, another owner, writable by others): the caller
+    refuses (exit 78)."""
     try:
+        state_dir: StateDir | None = StateDir.open(policy.state_dir)
+    except StateDirError:
+        raise
+    except OSError:  # missing, or this user cannot open it: no daemon to build on
+        state_dir = None
+    with state_dir or contextlib.nullcontext():
         return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
-    finally:
-        if state_dir is not None:
-            state_dir.close()
 
 
 def _judged(

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.collect.mig import cap_minor
-from gpuwatchd.core.checked import as_list, as_map
+from gpuwatchd.core.checked import as_list, as_map, as_text
 from gpuwatchd.core.model import (
     DeviceHolding,
     GpuInfo,
@@ -79,11 +79,8 @@ def mig_instance_lines(
     memory_line: Callable[[Mapping[str, object]], str],
 ) -> list[str]:
     """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
-    instances = gpu.get("mig_instances")
-    if not isinstance(instances, list):
-        return []
     lines: list[str] = []
-    for raw in instances:
+    for raw in as_list(gpu.get("mig_instances")):
         if not isinstance(raw, Mapping):
             continue
         cis = raw.get("ci")
@@ -115,33 +112,24 @@ def mig_instance_lines(
 
 def mig_judged(gpu: Mapping[str, object]) -> bool:
     """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
-    instances = gpu.get("mig_instances")
-    return isinstance(instances, list) and any(
-        isinstance(i, Mapping) and i.get("judged") is True for i in instances
-    )
+    return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
 
 
 def parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
     """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
     NVML's aggregate list and the instances' holders are shown under the instances."""
-    holders = gpu.get("holders")
-    kept = [
-        h for h in (holders if isinstance(holders, list) else ()) if isinstance(h, Mapping)
-        and h.get("role") is not None
-    ]  # fmt: skip
+    kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
     return {**gpu, "processes": [], "holders": kept}
 
 
 def instance_uuids(report: Mapping[str, object]) -> set[str]:
     """Every judged instance UUID of a report: findings about them are no node findings."""
-    found: set[str] = set()
-    gpus = report.get("gpus")
-    for gpu in gpus if isinstance(gpus, list) else ():
-        instances = gpu.get("mig_instances") if isinstance(gpu, Mapping) else None
-        for raw in instances if isinstance(instances, list) else ():
-            if isinstance(raw, Mapping) and isinstance(raw.get("uuid"), str):
-                found.add(str(raw["uuid"]))
-    return found
+    return {
+        uuid
+        for gpu in as_list(report.get("gpus"))
+        for raw in as_list(as_map(gpu).get("mig_instances"))
+        if (uuid := as_text(as_map(raw).get("uuid"))) is not None
+    }
 
 
 def mig_devices_from_report(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
@@ -200,17 +188,17 @@ def mig_capabilities(
         minor = gpu.minor
         if minor is None or not isinstance(raw, Mapping):
             continue
-        for item in as_list(raw.get("mig_instances")):
-            gi = as_int(item.get("gi")) if isinstance(item, Mapping) else None
-            if gi is None or not isinstance(item, Mapping) or item.get("judged") is not True:
+        for item in map(as_map, as_list(raw.get("mig_instances"))):
+            gi = as_int(item.get("gi"))
+            if gi is None or item.get("judged") is not True:
                 continue
             cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
             minors = {cap_minor(minor, gi): MigCapability(minor, gi)}
             minors.update({cap_minor(minor, gi, c): MigCapability(minor, gi, c) for c in cis})
             table.update(minors)
-            for entry in as_list(item.get("holders")):
-                pid = as_int(entry.get("pid")) if isinstance(entry, Mapping) else None
-                if pid is None or not isinstance(entry, Mapping):
+            for entry in map(as_map, as_list(item.get("holders"))):
+                pid = as_int(entry.get("pid"))
+                if pid is None:
                     continue
                 via = as_list(entry.get("via"))
                 by_fd = "fd" in via or not via
@@ -226,10 +214,10 @@ def mig_capabilities(
 
 def instance_process_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
     """The process and holder entries of a saved GPU entry's instances (``explain``)."""
-    found: list[Mapping[str, object]] = []
-    for item in as_list(raw.get("mig_instances")):
-        if not isinstance(item, Mapping):
-            continue
-        for key in ("processes", "holders"):
-            found += [e for e in as_list(item.get(key)) if isinstance(e, Mapping)]
-    return found
+    return [
+        entry
+        for item in as_list(raw.get("mig_instances"))
+        for key in ("processes", "holders")
+        for entry in as_list(as_map(item).get(key))
+        if isinstance(entry, Mapping)
+    ]

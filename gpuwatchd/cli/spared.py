@@ -54,8 +54,8 @@ def spares_from_report(report: Mapping[str, object]) -> tuple[Spare, ...]:
     return tuple(out)
 
 
-def _spared(snapshot: Snapshot, pid: object) -> dict[str, object] | None:
-    process = snapshot.processes.get(pid) if isinstance(pid, int) else None
+def _spared(snapshot: Snapshot, process: ProcessInfo | None) -> dict[str, object] | None:
+    """The ``spared`` entry of ``process``: the spare covering it now; None when none does."""
     if process is None:
         return None
     found = spare_covering(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
@@ -73,7 +73,9 @@ def mark_spared(report: dict[str, object], snapshot: Snapshot, spares: Sequence[
             entries += as_list(gpu.get("holders"))
     for entry in entries:
         if isinstance(entry, dict):
-            entry["spared"] = _spared(snapshot, entry.get("pid"))
+            pid = entry.get("pid")
+            process = snapshot.processes.get(pid) if isinstance(pid, int) else None
+            entry["spared"] = _spared(snapshot, process)
 
 
 def _who(uid: object) -> str:
@@ -116,14 +118,9 @@ def spare_stops(
     """For ``explain``: the ``spared`` entry of ``process`` (None when no spare covers it) and
     what stops a signal: the spare's line, then ``refused`` (``targets.refusal``'s reason)
     unless it is the spare's own, already said."""
-    found = (
-        None
-        if process is None
-        else spare_covering(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
-    )
-    if process is None or found is None:
+    row = _spared(snapshot, process)
+    if row is None or process is None:
         return None, [] if refused is None else [refused]
-    row = spare_row(*found)
     stops = [spared_text(row, snapshot.wall_time)]
     own = f"spare: {spare_reason(process, snapshot.spares, snapshot.wall_time, snapshot.processes)}"
     if refused is not None and refused != own:  # targets.refusal's words for the same spare

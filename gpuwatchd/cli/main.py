@@ -449,21 +449,17 @@ def _print(as_json: bool, data: Callable[[], object], text: Callable[[], str]) -
 
 
 def _status(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.check_clean import judging_policy
     from gpuwatchd.cli.status import status_command
 
-    try:
-        policy = _policy(args)
-    except CliError as exc:
-        # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
-        # the state_dir it uses, after saying what is wrong with the files.
-        from gpuwatchd.state.accepted import load_fallback
-
-        fallback = load_fallback(args.config or DEFAULT_CONFIG_PATH)
-        if fallback.policy is None:
-            raise
-        print(f"gpuwatchd: {exc}", file=sys.stderr)
-        policy = fallback.policy
-    return status_command(policy, as_json=bool(args.json), out=sys.stdout)
+    # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
+    # the state_dir it uses, after saying what is wrong with the files.
+    judge = judging_policy(args.config)
+    if judge.policy is None:  # rejected, and none accepted before
+        raise CliError(str(judge.problem), ExitCode.CONFIG)
+    if judge.problem is not None:
+        print(f"gpuwatchd: {judge.problem}", file=sys.stderr)
+    return status_command(judge.policy, as_json=bool(args.json), out=sys.stdout)
 
 
 def _reload(args: argparse.Namespace) -> int:

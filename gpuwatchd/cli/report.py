@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 from gpuwatchd.cli.mig_report import mig_instances_json
 from gpuwatchd.core.model import (
@@ -20,27 +19,10 @@ from gpuwatchd.core.model import (
     Snapshot,
     fields_of,
 )
+from gpuwatchd.decide.assess.shared import HolderRole
 from gpuwatchd.decide.floor import driver_refusers
 from gpuwatchd.decide.mig.instances import MigLayout, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
-
-
-class RoleLike(Protocol):
-    """One holder's role, as the report needs it (``assess.HolderRole`` fits)."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def gpu(self) -> str: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def owner_pid(self) -> int | None: ...
-    @property
-    def via(self) -> tuple[str, ...]: ...
-    @property
-    def note(self) -> str: ...
-
 
 # The attributes each entry copies as they are, in the document's order.
 _GPU = (
@@ -103,7 +85,7 @@ _FINDING = (
 def build_report(
     snapshot: Snapshot,
     findings: Sequence[Finding],
-    roles: Sequence[RoleLike],
+    roles: Sequence[HolderRole],
     report_only: Mapping[str, str],
     baselines: Mapping[str, int],
     *,
@@ -124,7 +106,7 @@ def build_report(
     give start times; ``verdict`` (:func:`gpuwatchd.decide.verdict.judge`) adds the verdicts."""
     seen = first_seen or {}
     all_notes = notes or {}
-    roles_by_key: dict[tuple[str, int], RoleLike] = {}
+    roles_by_key: dict[tuple[str, int], HolderRole] = {}
     for role in sorted(roles, key=lambda r: (r.gpu, r.pid)):
         roles_by_key.setdefault((role.gpu, role.pid), role)
     layout = mig_layout(snapshot)
@@ -164,7 +146,7 @@ class _Entries:
     """The report's GPU, MIG instance and holder entries, built from the same inputs."""
 
     snapshot: Snapshot
-    roles: Mapping[tuple[str, int], RoleLike]
+    roles: Mapping[tuple[str, int], HolderRole]
     report_only: Mapping[str, str]
     baselines: Mapping[str, int]
     notes: Mapping[str, Sequence[str]]
@@ -324,13 +306,13 @@ def _node_verdict(verdict: NodeVerdict) -> dict[str, object]:
     return {**judged, "not_clean": [g.uuid for g in verdict.gpus if not g.clean]}
 
 
-def _role_fields(role: RoleLike | None) -> dict[str, object]:
+def _role_fields(role: HolderRole | None) -> dict[str, object]:
     if role is None:
         return {"role": None, "owner_pid": None, "note": None}
     return {"role": role.role, "owner_pid": role.owner_pid, "note": role.note or None}
 
 
-def _via(gpu: GpuInfo, holding: DeviceHolding | None, role: RoleLike | None) -> list[str]:
+def _via(gpu: GpuInfo, holding: DeviceHolding | None, role: HolderRole | None) -> list[str]:
     """How a process holds this GPU: from the holder scan when it saw one, else the role."""
     if holding is not None and gpu.minor is not None:
         return list(holding.via(gpu.minor))

@@ -89,10 +89,7 @@ _DAEMON = {
 
 def daemon_view(report: Mapping[str, object]) -> DaemonView:
     """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
-    raw = report.get("daemon")
-    if not isinstance(raw, dict):
-        return DaemonView()
-    return DaemonView(**pick(raw, _DAEMON))
+    return DaemonView(**pick(report.get("daemon"), _DAEMON))
 
 
 def kill_cap_note(

@@ -5,10 +5,11 @@ ended jobs over and waits on its progress (:mod:`gpuwatchd.cli.once`) before goi
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -58,31 +59,28 @@ def run_daemon(
     )
     if not _permitted(policy, dry_run=dry_run):
         return ExitCode.NOPERM
-    daemon = Daemon(
+    # What this instance and, for `run --once`, any successor are made with.
+    daemon_for = functools.partial(
+        Daemon,
         policy,
         config_path=config_path,
         dry_run=dry_run,
         once=once,
-        once_timeout=once_timeout,
         ended_jobs=ended_jobs,
-        rejected_at_start=rejected_at_start,
-        scan_answer=served.answer,
         evidence_report=_evidence_report(policy.proc_root),
+    )
+    daemon = daemon_for(
+        once_timeout=once_timeout, rejected_at_start=rejected_at_start, scan_answer=served.answer
     )
     try:
         try:
             return daemon.run()
-        except AlreadyRunning:
+        except AlreadyRunning:  # only ever raised for `run --once`
             pass
         # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
         # only watches the daemon's progress until nothing is left to act on.
         return _once_beside_the_daemon(
-            policy,
-            daemon,
-            config_path=config_path,
-            dry_run=dry_run,
-            once_timeout=once_timeout,
-            ended_jobs=ended_jobs,
+            daemon, daemon_for, once_timeout=once_timeout, ended_jobs=ended_jobs
         )
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
@@ -133,11 +131,9 @@ def _permitted(policy: Policy, *, dry_run: bool) -> bool:
 
 
 def _once_beside_the_daemon(
-    policy: Policy,
     refused: Daemon,
+    daemon_for: Callable[..., Daemon],
     *,
-    config_path: str,
-    dry_run: bool,
     once_timeout: float,
     ended_jobs: frozenset[str],
 ) -> int:
@@ -156,23 +152,17 @@ def _once_beside_the_daemon(
                 "gpuwatchd: the instance that held the lock has stopped; going on alone",
                 file=sys.stderr,
             )
-            successor = Daemon(
-                policy,
-                config_path=config_path,
-                dry_run=dry_run,
-                once=True,
+            successor = daemon_for(
                 once_timeout=max(0.0, deadline - time.monotonic()),
-                ended_jobs=ended_jobs,
                 # The scheduler said it when this epilog started, not now: the successor's
                 # word covers the same processes (only those older than it).
                 ended_jobs_said=refused.own_ended_jobs,
-                evidence_report=_evidence_report(policy.proc_root),
             )
             try:
                 return successor.run()
             except AlreadyRunning:
                 # Another instance took the lock first: wait for it in turn.
-                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
+                time.sleep(min(refused.policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
     finally:
         if handed is not None and waiter is not None:
             withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)

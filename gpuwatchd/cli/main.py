@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.helptext import describe
@@ -17,10 +16,6 @@ from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDirError
-
-if TYPE_CHECKING:
-    from gpuwatchd.collect.nvml import NvmlClient
-
 
 _Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
 
@@ -330,31 +325,27 @@ def _scan(args: argparse.Namespace) -> int:
     nvml = NvmlClient()
     nvml.prefetch()
     try:
-        return _scan_with(args, nvml)
+        from gpuwatchd.state.compiled_policy import load_compiled
+
+        # The daemon's compiled policy when the files are unchanged: no YAML to parse.
+        policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
+        if policy is None:
+            policy = _policy(args)
+        from gpuwatchd.cli.scan import scan_host, scan_output
+
+        # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
+        why = "--full" if args.full else (args.declined or "the daemon was not asked")
+        result = scan_host(policy, nvml=nvml, why=why)
+        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        output = scan_output(result, as_json=bool(args.json), color=color)
+        # One string, one write (json.dump would issue thousands of small writes).
+        sys.stdout.write(output.stdout)
+        sys.stdout.flush()  # the report is out before the worker is reaped
+        for line in output.stderr:
+            print(line, file=sys.stderr)
+        return output.exit_code
     finally:
         nvml.close()
-
-
-def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
-    from gpuwatchd.state.compiled_policy import load_compiled
-
-    # The daemon's compiled policy when the files are unchanged: no YAML to parse.
-    policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
-    if policy is None:
-        policy = load_policy_or_exit(args.config, required=args.config is not None)
-    from gpuwatchd.cli.scan import scan_host, scan_output
-
-    # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
-    why = "--full" if args.full else (args.declined or "the daemon was not asked")
-    result = scan_host(policy, nvml=nvml, why=why)
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    output = scan_output(result, as_json=bool(args.json), color=color)
-    # One string, one write (json.dump would issue thousands of small writes).
-    sys.stdout.write(output.stdout)
-    sys.stdout.flush()  # the report is out before the worker is reaped
-    for line in output.stderr:
-        print(line, file=sys.stderr)
-    return output.exit_code
 
 
 def _check_clean(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ _ROLE_LABELS = {
     "unknown": "unknown",
 }
 _ALARM_ROLES = frozenset({"orphaned", "stuck"})
+_OWNED_ROLES = {"worker": "worker of", "orphaned": "orphaned from"}  # and the owner's PID
 
 _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
@@ -330,10 +331,8 @@ def _role_label(role: str | None, owner: object) -> str:
     owner_pid = as_int(owner)
     if role is None:
         return "-"
-    if role == "worker":
-        return f"worker of {owner_pid}" if owner_pid is not None else "worker"
-    if role == "orphaned":
-        return f"orphaned from {owner_pid}" if owner_pid is not None else "orphaned"
+    if role in _OWNED_ROLES:  # "worker of 1000", "orphaned from 1999"
+        return role if owner_pid is None else f"{_OWNED_ROLES[role]} {owner_pid}"
     return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
 
 

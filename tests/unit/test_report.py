@@ -595,6 +595,21 @@ def test_text_truncates_long_command_lines() -> None:
     assert "x" * 100 not in row
 
 
+def test_text_names_a_worker_and_an_orphan_by_their_owner() -> None:
+    """The ROLE column: ``worker of <owner>``, ``orphaned from <dead owner>``; the bare role
+    when no owner is known."""
+
+    def roles_shown(roles: tuple[HolderRole, ...]) -> dict[str, str]:
+        text = render_text(build_report(make_snapshot(), (), roles, {}, {}, version="0.1.0"))
+        rows = [line.split("  ") for line in text.splitlines() if line.startswith("  1001 ")]
+        rows += [line.split("  ") for line in text.splitlines() if line.startswith("  2000 ")]
+        return {row[1]: [cell.strip() for cell in row if cell.strip()][3] for row in rows}
+
+    assert roles_shown(ROLES) == {"1001": "worker of 1000", "2000": "orphaned from 1999"}
+    bare = (holder_role(1001, UUID0, "worker"), holder_role(2000, UUID0, "orphaned"))
+    assert roles_shown((ROLES[0], *bare)) == {"1001": "worker", "2000": "orphaned"}
+
+
 def test_text_is_stable() -> None:
     assert render_text(make_report()) == render_text(make_report())
 

@@ -71,45 +71,6 @@ def _placed(device: MigDevice) -> dict[str, object]:
     return {"gi_profile_id": device.gi_profile_id, "placement": placement}
 
 
-def mig_instance_lines(
-    gpu: Mapping[str, object],
-    findings: Sequence[Mapping[str, object]],
-    holder_lines: Callable[[Mapping[str, object]], list[str]],
-    finding_lines: Callable[[Sequence[Mapping[str, object]]], list[str]],
-    memory_line: Callable[[Mapping[str, object]], str],
-) -> list[str]:
-    """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
-    lines: list[str] = []
-    for raw in as_list(gpu.get("mig_instances")):
-        if not isinstance(raw, Mapping):
-            continue
-        cis = raw.get("ci")
-        ci_text = ", ".join(str(c) for c in cis) if isinstance(cis, list) else "?"
-        header = (
-            f"  MIG GPU instance {raw.get('gi')} (CI {ci_text})  {raw.get('profile') or '?'}  "
-            f"{raw.get('uuid') or '?'}"
-        )
-        lines.append(header)
-        if raw.get("judged") is not True:
-            lines.append("    not judged (see the GPU's report-only reason)")
-            continue
-        lines.append("  " + memory_line(raw))
-        reason = raw.get("report_only")
-        if isinstance(reason, str) and reason:
-            lines.append(f"    report-only: {reason}")
-        for note in raw.get("notes") or ():
-            lines.append(f"    note: {note}")
-        rows = holder_lines(raw)
-        if rows:
-            lines.extend("  " + line for line in rows)
-        else:
-            lines.append("    no process holds this instance")
-        uuid = raw.get("uuid")
-        own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
-        lines.extend("  " + line for line in finding_lines(own))
-    return lines
-
-
 def mig_judged(gpu: Mapping[str, object]) -> bool:
     """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
     return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))

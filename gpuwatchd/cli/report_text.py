@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from gpuwatchd.cli.humantime import counted
 from gpuwatchd.cli.mig_report import (
     instance_uuids,
-    mig_instance_lines,
     mig_judged,
     parent_rows,
 )
@@ -118,15 +117,45 @@ def _gpu_lines(
         lines.append(_no_rows_line(gpu))
     lines.extend(_gpu_finding_lines(gpu, findings, now, paint))
     lines.extend(_verdict_lines(as_map(gpu.get("verdict")), paint))
-    lines.extend(
-        mig_instance_lines(
-            gpu,
-            findings,
-            holder_lines=lambda inst: _holder_table(inst, now, paint),
-            finding_lines=lambda own: _finding_lines(own, now, paint),
-            memory_line=_memory_line,
+    lines.extend(_mig_instance_lines(gpu, findings, now, paint))
+    return lines
+
+
+def _mig_instance_lines(
+    gpu: Mapping[str, object],
+    findings: Sequence[Mapping[str, object]],
+    now: float | None,
+    paint: _Paint,
+) -> list[str]:
+    """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
+    lines: list[str] = []
+    for raw in as_list(gpu.get("mig_instances")):
+        if not isinstance(raw, Mapping):
+            continue
+        cis = raw.get("ci")
+        ci_text = ", ".join(str(c) for c in cis) if isinstance(cis, list) else "?"
+        header = (
+            f"  MIG GPU instance {raw.get('gi')} (CI {ci_text})  {raw.get('profile') or '?'}  "
+            f"{raw.get('uuid') or '?'}"
         )
-    )
+        lines.append(header)
+        if raw.get("judged") is not True:
+            lines.append("    not judged (see the GPU's report-only reason)")
+            continue
+        lines.append("  " + _memory_line(raw))
+        reason = raw.get("report_only")
+        if isinstance(reason, str) and reason:
+            lines.append(f"    report-only: {reason}")
+        for note in raw.get("notes") or ():
+            lines.append(f"    note: {note}")
+        rows = _holder_table(raw, now, paint)
+        if rows:
+            lines.extend("  " + line for line in rows)
+        else:
+            lines.append("    no process holds this instance")
+        uuid = raw.get("uuid")
+        own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
+        lines.extend("  " + line for line in _finding_lines(own, now, paint))
     return lines
 
 

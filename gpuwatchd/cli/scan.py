@@ -157,21 +157,6 @@ def scan_host(
         return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
 
 
-def _judged(
-    snapshot: Snapshot, saved: SavedState, policy: Policy
-) -> tuple[Assessment, NodeVerdict]:
-    """The snapshot assessed as the daemon would (with its saved history of this boot) and
-    judged."""
-    previous, unfinished = AssessState(), {}
-    if saved.same_boot(snapshot.boot_id):
-        with contextlib.suppress(ValueError):
-            previous = AssessState.from_json(saved.data.get("assess", {}))
-        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
-    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
-    return assessment, judge(snapshot, assessment, policy, unfinished=unfinished)
-
-
 def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
@@ -289,12 +274,17 @@ def _collect(
 def _judged_report(
     snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
 ) -> tuple[dict[str, object], NodeVerdict]:
-    """The snapshot judged (:func:`_judged`) and reported, each finding and holder a spare
-    covers marked so."""
-    assessment, verdict = _judged(snapshot, saved, policy)
-    first_seen: dict[str, float] = {}
-    if saved.same_boot(snapshot.boot_id):  # monotonic times of an older boot lie
+    """The snapshot assessed as the daemon would (with its saved history of this boot), judged
+    and reported, each finding and holder a spare covers marked so."""
+    previous, unfinished, first_seen = AssessState(), {}, {}
+    if saved.same_boot(snapshot.boot_id):  # an older boot's history and monotonic times lie
+        with contextlib.suppress(ValueError):
+            previous = AssessState.from_json(saved.data.get("assess", {}))
+        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
+            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
         first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
+    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
+    verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root)
     mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
     return report, verdict

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
-from gpuwatchd.cli.spared import spare_stops
+from gpuwatchd.cli.spare import spare_stops
 from gpuwatchd.core.checked import as_count, as_flag, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.escape import escape

@@ -15,7 +15,7 @@ from gpuwatchd.cli.mig_report import (
     mig_capabilities,
     mig_devices_from_report,
 )
-from gpuwatchd.cli.spared import spares_from_report
+from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick

@@ -11,7 +11,7 @@ from gpuwatchd.cli.mig_report import (
     mig_judged,
     parent_rows,
 )
-from gpuwatchd.cli.spared import spared_lines
+from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int

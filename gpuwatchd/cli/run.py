@@ -218,7 +218,7 @@ def _evidence_report(proc_root: str) -> ReportBuilder:
         first_seen: Mapping[str, float],
     ) -> dict[str, object]:
         from gpuwatchd.cli.scan import snapshot_report  # only once a step is taken
-        from gpuwatchd.cli.spared import mark_spared
+        from gpuwatchd.cli.spare import mark_spared
 
         report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
         mark_spared(report, snapshot, snapshot.spares)  # as scan marks them: explain honours them

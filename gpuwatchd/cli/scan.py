@@ -14,7 +14,7 @@ from typing import NamedTuple
 from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
-from gpuwatchd.cli.spared import mark_spared, spares_in_force
+from gpuwatchd.cli.spare import mark_spared, spares_in_force
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount

@@ -1,6 +1,6 @@
 """The ``gpuwatchd scan --json`` document (every field in ``docs/scan.md``), built from a
-snapshot and its assessment; its text view is ``report_text.py``, its MIG parts
-``mig_report.py``. Pure: it decides nothing, and an unknown value is ``null``."""
+snapshot and its assessment, each MIG GPU's instances under it; its text view is
+``report_text.py``. Pure: it decides nothing, and an unknown value is ``null``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
 
-from gpuwatchd.cli.mig_report import mig_instances_json
 from gpuwatchd.core.model import (
     DeviceHolding,
     Finding,
     GpuHealth,
     GpuInfo,
+    MigDevice,
     NvmlProcess,
     ProcessInfo,
     Snapshot,
@@ -21,7 +21,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.decide.assess.shared import HolderRole
 from gpuwatchd.decide.floor import driver_refusers
-from gpuwatchd.decide.mig.instances import MigLayout, instance_view, mig_layout
+from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
 
 # The attributes each entry copies as they are, in the document's order.
@@ -69,6 +69,8 @@ _CGROUP = (
     "delegated",
     "job=job_key",
 )
+# The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
+_KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
 _FINDING = (
     "kind",
     "gpu",
@@ -165,7 +167,7 @@ class _Entries:
         gpus = []
         for gpu in sorted(self.snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)):
             entry = self.gpu(gpu, self.snapshot)
-            entry["mig_instances"] = mig_instances_json(gpu, layout, lambda i: self.gpu(i, view))
+            entry["mig_instances"] = self.mig_instances(gpu, layout, view)
             if verdict is not None:
                 one = judged.get(gpu.uuid)
                 entry["verdict"] = None if one is None else one.to_json()
@@ -198,6 +200,44 @@ class _Entries:
             # Whose open device node would make the driver refuse a reset now (docs/reset.md).
             "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
         }
+
+    def mig_instances(
+        self, gpu: GpuInfo, layout: MigLayout, view: Snapshot
+    ) -> list[dict[str, object]] | None:
+        """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices
+        read; unjudged instances are listed from NVML alone (``judged`` false, no holders), a
+        judged one's entry is built as a GPU's is, over ``view`` (:func:`instance_view`)."""
+        if gpu.mig_enabled is not True or gpu.mig_devices is None:
+            return None
+        if gpu.uuid not in layout.judged:
+            return [
+                {
+                    "gi": d.gi,
+                    "ci": [] if d.ci is None else [d.ci],
+                    "uuid": d.uuid,
+                    "mig_uuids": [d.uuid],
+                    "profile": d.profile,
+                    **_placed(d),
+                    "judged": False,
+                }
+                for d in gpu.mig_devices
+            ]
+        found: list[dict[str, object]] = []
+        for instance in layout.instances_of(gpu.uuid):
+            whole = self.gpu(instance_gpu(instance), view)
+            found.append(
+                {
+                    "gi": instance.gi,
+                    "ci": list(instance.cis),
+                    "uuid": instance.uuid,
+                    "mig_uuids": [d.uuid for d in instance.devices],
+                    "profile": instance.profile,
+                    **_placed(instance.memory_device),
+                    **{key: whole.get(key) for key in _KEPT if key in whole},
+                    "judged": True,
+                }
+            )
+        return found
 
     def listed(
         self, gpu: GpuInfo, process: NvmlProcess, holding: DeviceHolding | None
@@ -379,3 +419,8 @@ def _jsonable(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [_jsonable(item) for item in value]
     return str(value)
+
+
+def _placed(device: MigDevice) -> dict[str, object]:
+    placement = None if device.placement is None else list(device.placement)
+    return {"gi_profile_id": device.gi_profile_id, "placement": placement}

@@ -6,11 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.cli.humantime import counted
-from gpuwatchd.cli.mig_report import (
-    instance_uuids,
-    mig_judged,
-    parent_rows,
-)
 from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
@@ -49,7 +44,7 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
             gpu_uuids.add(uuid)
         lines.append("")
         lines.extend(_gpu_lines(gpu, findings, now, paint))
-    gpu_uuids |= instance_uuids(report)
+    gpu_uuids |= _instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
@@ -108,8 +103,8 @@ def _gpu_lines(
     """One GPU's text: its header, memory and flags, its holders' table, its findings, its
     verdict and its MIG instances."""
     lines = _gpu_header_lines(gpu, paint)
-    judged_mig = mig_judged(gpu)
-    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint)
+    judged_mig = _mig_judged(gpu)
+    table = _holder_table(_parent_rows(gpu) if judged_mig else gpu, now, paint)
     lines.extend(table)
     if judged_mig:
         lines.append("  processes and holders: by MIG instance, below")
@@ -157,6 +152,28 @@ def _mig_instance_lines(
         own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
         lines.extend("  " + line for line in _finding_lines(own, now, paint))
     return lines
+
+
+def _mig_judged(gpu: Mapping[str, object]) -> bool:
+    """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
+    return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
+
+
+def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
+    """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
+    NVML's aggregate list and the instances' holders are shown under the instances."""
+    kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
+    return {**gpu, "processes": [], "holders": kept}
+
+
+def _instance_uuids(report: Mapping[str, object]) -> set[str]:
+    """Every judged instance UUID of a report: findings about them are no node findings."""
+    return {
+        uuid
+        for gpu in as_list(report.get("gpus"))
+        for raw in as_list(as_map(gpu).get("mig_instances"))
+        if (uuid := as_text(as_map(raw).get("uuid"))) is not None
+    }
 
 
 def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:

@@ -254,7 +254,9 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
     host, nvml = as_map(report.get("host")), as_map(report.get("nvml"))
     gpus, processes, holdings = _read_gpus(gpus_raw)
     caps = _mig_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    _add_node_holders(report, processes)
+    for entry in _list_field(report, "node_holders", "node_holders"):  # nvidiactl, uvm only
+        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
+            processes.setdefault(proc.pid, proc)
     findings, first_seen = _read_findings(findings_raw)
     snapshot = Snapshot(
         monotonic=now,
@@ -349,13 +351,6 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
             first_seen[finding.key] = float(seen)
         findings.append(finding)
     return findings, first_seen
-
-
-def _add_node_holders(report: Mapping[str, object], processes: dict[int, ProcessInfo]) -> None:
-    """The processes of the report's node holders (nvidiactl, nvidia-uvm only) not known yet."""
-    for entry in _list_field(report, "node_holders", "node_holders"):
-        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
-            processes.setdefault(proc.pid, proc)
 
 
 # --- MIG instances read back ------------------------------------------------------------------

@@ -17,7 +17,6 @@ from gpuwatchd.act.evidence import ReportBuilder
 from gpuwatchd.cli import served
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
-from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -31,12 +30,6 @@ from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
 
 log = structlog.get_logger("gpuwatchd")
 ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
-
-
-def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
-    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
-    fields = procfs.read_stat(os.getpid())
-    return None if fields is None else (os.getpid(), fields.starttime)
 
 
 def run_daemon(
@@ -141,7 +134,8 @@ def _once_beside_the_daemon(
     its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
     another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
     deadline = time.monotonic() + once_timeout
-    waiter = _own_identity(refused.procfs)
+    own = refused.procfs.read_stat(os.getpid())  # a hand-over names its waiter (PID, ticks)
+    waiter = None if own is None else (os.getpid(), own.starttime)
     handed = _hand_over(refused, ended_jobs, waiter, once_timeout) if ended_jobs else None
     try:
         while True:

@@ -15,7 +15,6 @@ from gpuwatchd.core.model import (
     GpuInfo,
     MigDevice,
     NvmlProcess,
-    ProcessInfo,
     Snapshot,
     fields_of,
 )
@@ -156,8 +155,25 @@ class _Entries:
     clock_ticks: int | None
 
     def facts(self, pid: int, *, listed: bool) -> dict[str, object]:
+        """Host facts of one process; every value None when not collected. Missing facts of a
+        PID NVML ``listed`` mean it is not in /proc (``alive`` False); of a device holder (seen
+        there), unknown."""
         info = self.snapshot.processes.get(pid)
-        return _process_facts(info, self.boot_time, self.clock_ticks, missing_means_dead=listed)
+        if info is None:
+            return {**dict.fromkeys(_FACTS), "alive": False if listed else None}
+        started = None
+        if info.start_ticks is not None and self.boot_time is not None and self.clock_ticks:
+            started = self.boot_time + info.start_ticks / self.clock_ticks
+        cgroup = info.cgroup
+        return {
+            "alive": not info.is_zombie,
+            **fields_of(info, ("user", "uid", "state", "start_ticks")),
+            "started": started,
+            **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
+            "cmdline": None if info.cmdline is None else list(info.cmdline),
+            "nspid": None if info.nspid is None else list(info.nspid),
+            "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
+        }
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
         """Each GPU's entry in index order, its MIG instances under it (each built as a GPU's
@@ -377,32 +393,6 @@ def _health_entry(health: GpuHealth | None) -> dict[str, object] | None:
         "remapped_rows": group("remap", "correctable", "uncorrectable", "pending", "failure"),
         "retired_pages": group("pages", "pending", "single_bit", "double_bit"),
         "fabric": group("fabric", "state", "status", "health_mask", "health_summary"),
-    }
-
-
-def _process_facts(
-    info: ProcessInfo | None,
-    boot_time: float | None,
-    clock_ticks: int | None,
-    *,
-    missing_means_dead: bool,
-) -> dict[str, object]:
-    """Host facts of one process; every value None when not collected. Missing facts of a PID NVML
-    lists mean it is not in /proc (``alive`` False); of a device holder (seen there), unknown."""
-    if info is None:
-        return {**dict.fromkeys(_FACTS), "alive": False if missing_means_dead else None}
-    started = None
-    if info.start_ticks is not None and boot_time is not None and clock_ticks:
-        started = boot_time + info.start_ticks / clock_ticks
-    cgroup = info.cgroup
-    return {
-        "alive": not info.is_zombie,
-        **fields_of(info, ("user", "uid", "state", "start_ticks")),
-        "started": started,
-        **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
-        "cmdline": None if info.cmdline is None else list(info.cmdline),
-        "nspid": None if info.nspid is None else list(info.nspid),
-        "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
     }
 
 

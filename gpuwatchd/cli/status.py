@@ -27,11 +27,9 @@ from gpuwatchd.state.status_document import (
     ACTION,
     CLEAR_LATCHES,
     DOCUMENT_FORMAT,
-    GPU_STATE,
     MAX_ACTIONS,
     NVML,
     REJECTED,
-    SPARE,
     build_document,
 )
 
@@ -184,7 +182,7 @@ def _document_sections(
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
         "nvml": pick(doc.get("nvml"), NVML),
-        "spares": [s for s in _rows(doc.get("spares"), SPARE, 64) if s["target"] is not None],
+        "spares": [s for s in _rows(doc.get("spares"), _SPARE, 64) if s["target"] is not None],
         "gpus": as_count(doc.get("gpus")),
         "findings": as_count(doc.get("findings")),
         "verdict": _verdict(doc.get("verdict")),
@@ -292,10 +290,11 @@ _KILL_CAP: Mapping[str, _Check] = {
     "max_per_poll": as_count,
 }
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
+_SPARE: Mapping[str, _Check] = {"target": as_text, "until": as_number, "reason": as_text}
 _GPU: Mapping[str, _Check] = {
     "index": as_int,
     "uuid": as_text,
-    "state": GPU_STATE,
+    "state": as_one_of("clean", "dirty", "unknown"),
     "kind": as_text,
     "reason": as_text,
     "reasons": as_count,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from gpuwatchd.cli.humantime import duration, until
 from gpuwatchd.cli.report_read import SnapshotError, load_report, rebuild
-from gpuwatchd.cli.spared import spare_stops
+from gpuwatchd.cli.spare import spare_stops
 from gpuwatchd.core.checked import as_count, as_flag, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.escape import escape
@@ -89,10 +89,7 @@ _DAEMON = {
 
 def daemon_view(report: Mapping[str, object]) -> DaemonView:
     """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
-    raw = report.get("daemon")
-    if not isinstance(raw, dict):
-        return DaemonView()
-    return DaemonView(**pick(raw, _DAEMON))
+    return DaemonView(**pick(report.get("daemon"), _DAEMON))
 
 
 def kill_cap_note(
@@ -140,7 +137,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     report_only = as_map(report.get("report_only"))
     daemon = daemon_view(report)
     items: list[dict[str, object]] = []
-    signalled: list[tuple[dict[str, object], Finding]] = []  # what a rule would signal
+    signalled: list[tuple[list[str], Finding]] = []  # what a rule would signal, and its stops
     for finding in findings:
         since = first_seen.get(finding.key)
         proc = None if finding.pid is None else snapshot.processes.get(finding.pid)
@@ -164,7 +161,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
                 else "nothing to signal: the process no longer exists"
             )
         elif _explain_process(case):
-            signalled.append((item, finding))
+            signalled.append((stops, finding))
         if daemon.paused:
             reason = f" ({daemon.paused_reason})" if daemon.paused_reason else ""
             stops.append(f"pause: the daemon is paused{reason}; `gpuwatchd resume` lifts it")
@@ -244,7 +241,7 @@ def _explain_process(case: _Case) -> bool:
 
 
 def _note_limits(
-    signalled: list[tuple[dict[str, object], Finding]],
+    signalled: list[tuple[list[str], Finding]],
     daemon: DaemonView,
     policy: Policy,
     snapshot: Snapshot,
@@ -258,9 +255,7 @@ def _note_limits(
     note = None if policy.dry_run else kill_cap_note(most, daemon, policy.limits, node_total=total)
     per_gpu = Counter(finding.gpu for _, finding in signalled)
     delay = policy.limits.post_action_delay
-    for item, finding in signalled:
-        stops = item["stopped_by"]
-        assert isinstance(stops, list)  # noqa: S101 - built above
+    for stops, finding in signalled:
         if note is not None:
             stops.append(note)
         others = per_gpu[finding.gpu] - 1

@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.helptext import describe
@@ -17,10 +16,6 @@ from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDirError
-
-if TYPE_CHECKING:
-    from gpuwatchd.collect.nvml import NvmlClient
-
 
 _Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
 
@@ -276,12 +271,14 @@ def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
 
 
 @contextlib.contextmanager
-def _refused(*errors: type[Exception], code: int = ExitCode.CONFIG) -> Iterator[None]:
-    """Any of ``errors`` as a :class:`CliError` with ``code``."""
+def _refused(
+    *errors: type[Exception], code: int = ExitCode.CONFIG, then: str = ""
+) -> Iterator[None]:
+    """Any of ``errors`` as a :class:`CliError` with ``code``, its message followed by ``then``."""
     try:
         yield
     except errors as exc:
-        raise CliError(str(exc), code) from exc
+        raise CliError(f"{exc}{then}", code) from exc
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -328,31 +325,27 @@ def _scan(args: argparse.Namespace) -> int:
     nvml = NvmlClient()
     nvml.prefetch()
     try:
-        return _scan_with(args, nvml)
+        from gpuwatchd.state.compiled_policy import load_compiled
+
+        # The daemon's compiled policy when the files are unchanged: no YAML to parse.
+        policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
+        if policy is None:
+            policy = _policy(args)
+        from gpuwatchd.cli.scan import scan_host, scan_output
+
+        # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
+        why = "--full" if args.full else (args.declined or "the daemon was not asked")
+        result = scan_host(policy, nvml=nvml, why=why)
+        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        output = scan_output(result, as_json=bool(args.json), color=color)
+        # One string, one write (json.dump would issue thousands of small writes).
+        sys.stdout.write(output.stdout)
+        sys.stdout.flush()  # the report is out before the worker is reaped
+        for line in output.stderr:
+            print(line, file=sys.stderr)
+        return output.exit_code
     finally:
         nvml.close()
-
-
-def _scan_with(args: argparse.Namespace, nvml: NvmlClient) -> int:
-    from gpuwatchd.state.compiled_policy import load_compiled
-
-    # The daemon's compiled policy when the files are unchanged: no YAML to parse.
-    policy = load_compiled(args.config or DEFAULT_CONFIG_PATH, Policy().state_dir)
-    if policy is None:
-        policy = load_policy_or_exit(args.config, required=args.config is not None)
-    from gpuwatchd.cli.scan import scan_host, scan_output
-
-    # Not answered by the daemon (gpuwatchd/cli/entry.py): this scan walks by itself.
-    why = "--full" if args.full else (args.declined or "the daemon was not asked")
-    result = scan_host(policy, nvml=nvml, why=why)
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    output = scan_output(result, as_json=bool(args.json), color=color)
-    # One string, one write (json.dump would issue thousands of small writes).
-    sys.stdout.write(output.stdout)
-    sys.stdout.flush()  # the report is out before the worker is reaped
-    for line in output.stderr:
-        print(line, file=sys.stderr)
-    return output.exit_code
 
 
 def _check_clean(args: argparse.Namespace) -> int:
@@ -389,7 +382,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy_or_exit(config_path, required=True)
     except CliError as exc:
-        if exc.code != ExitCode.CONFIG or not os.path.lexists(config_path):
+        if not os.path.lexists(config_path):
             raise  # no file: a typo
         # The daemon does not leave the node unwatched over a rejected file: it runs with the
         # last policy it accepted, loudly (gpuwatchd/state/accepted.py); so does run --once (an
@@ -447,23 +440,17 @@ def _print(as_json: bool, data: Callable[[], object], text: Callable[[], str]) -
 
 
 def _status(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli.check_clean import judging_policy
     from gpuwatchd.cli.status import status_command
 
-    try:
-        policy = _policy(args)
-    except CliError as exc:
-        if exc.code != ExitCode.CONFIG:
-            raise
-        # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
-        # the state_dir it uses, after saying what is wrong with the files.
-        from gpuwatchd.state.accepted import load_fallback
-
-        fallback = load_fallback(args.config or DEFAULT_CONFIG_PATH)
-        if fallback.policy is None:
-            raise
-        print(f"gpuwatchd: {exc}", file=sys.stderr)
-        policy = fallback.policy
-    return status_command(policy, as_json=bool(args.json), out=sys.stdout)
+    # The daemon runs on despite a rejected policy (gpuwatchd/state/accepted.py): show it, from
+    # the state_dir it uses, after saying what is wrong with the files.
+    judge = judging_policy(args.config)
+    if judge.policy is None:  # rejected, and none accepted before
+        raise CliError(str(judge.problem), ExitCode.CONFIG)
+    if judge.problem is not None:
+        print(f"gpuwatchd: {judge.problem}", file=sys.stderr)
+    return status_command(judge.policy, as_json=bool(args.json), out=sys.stdout)
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -508,6 +495,9 @@ def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
         raise CliError(why, ExitCode.IOERR) from exc
 
 
+_UNCHANGED = " (the switch is not changed)"
+
+
 def _pause_length(text: str | None, max_pause: float) -> float:
     """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
     from gpuwatchd.cli.humantime import for_seconds
@@ -515,12 +505,11 @@ def _pause_length(text: str | None, max_pause: float) -> float:
 
     if text is None:
         return max_pause
-    try:
+    with (
+        _refused(ConfigError, then=_UNCHANGED),
+        _refused(ValueError, then="; the switch is not changed"),
+    ):
         return for_seconds(text, command="pause", limit="limits.max_pause", maximum=max_pause)
-    except ConfigError as exc:
-        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
-    except ValueError as exc:
-        raise CliError(f"{exc}; the switch is not changed", ExitCode.CONFIG) from exc
 
 
 def _pause(args: argparse.Namespace) -> int:
@@ -535,7 +524,7 @@ def _pause(args: argparse.Namespace) -> int:
     length = _pause_length(args.for_, policy.limits.max_pause) if paused else 0.0
     with (
         _writing(path, "the switch is not changed"),
-        _switch_errors(),
+        _refused(StateDirError, then=_UNCHANGED),
         StateDir.open(path, create=True) as state_dir,
     ):
         if paused:
@@ -552,14 +541,6 @@ def _pause(args: argparse.Namespace) -> int:
                 clear_latches(state_dir)
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
-
-
-@contextlib.contextmanager
-def _switch_errors() -> Iterator[None]:
-    try:
-        yield
-    except StateDirError as exc:
-        raise CliError(f"{exc} (the switch is not changed)", ExitCode.CONFIG) from exc
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -1,46 +1,27 @@
 """The ``gpuwatchd scan --json`` document (every field in ``docs/scan.md``), built from a
-snapshot and its assessment; its text view is ``report_text.py``, its MIG parts
-``mig_report.py``. Pure: it decides nothing, and an unknown value is ``null``."""
+snapshot and its assessment, each MIG GPU's instances under it; its text view is
+``report_text.py``. Pure: it decides nothing, and an unknown value is ``null``."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
-from gpuwatchd.cli.mig_report import mig_instances_json
 from gpuwatchd.core.model import (
     DeviceHolding,
     Finding,
     GpuHealth,
     GpuInfo,
+    MigDevice,
     NvmlProcess,
-    ProcessInfo,
     Snapshot,
     fields_of,
 )
+from gpuwatchd.decide.assess.shared import HolderRole
 from gpuwatchd.decide.floor import driver_refusers
-from gpuwatchd.decide.mig.instances import MigLayout, instance_view, mig_layout
+from gpuwatchd.decide.mig.instances import MigLayout, instance_gpu, instance_view, mig_layout
 from gpuwatchd.decide.verdict import NodeVerdict
-
-
-class RoleLike(Protocol):
-    """One holder's role, as the report needs it (``assess.HolderRole`` fits)."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def gpu(self) -> str: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def owner_pid(self) -> int | None: ...
-    @property
-    def via(self) -> tuple[str, ...]: ...
-    @property
-    def note(self) -> str: ...
-
 
 # The attributes each entry copies as they are, in the document's order.
 _GPU = (
@@ -87,6 +68,8 @@ _CGROUP = (
     "delegated",
     "job=job_key",
 )
+# The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
+_KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
 _FINDING = (
     "kind",
     "gpu",
@@ -103,7 +86,7 @@ _FINDING = (
 def build_report(
     snapshot: Snapshot,
     findings: Sequence[Finding],
-    roles: Sequence[RoleLike],
+    roles: Sequence[HolderRole],
     report_only: Mapping[str, str],
     baselines: Mapping[str, int],
     *,
@@ -124,7 +107,7 @@ def build_report(
     give start times; ``verdict`` (:func:`gpuwatchd.decide.verdict.judge`) adds the verdicts."""
     seen = first_seen or {}
     all_notes = notes or {}
-    roles_by_key: dict[tuple[str, int], RoleLike] = {}
+    roles_by_key: dict[tuple[str, int], HolderRole] = {}
     for role in sorted(roles, key=lambda r: (r.gpu, r.pid)):
         roles_by_key.setdefault((role.gpu, role.pid), role)
     layout = mig_layout(snapshot)
@@ -164,7 +147,7 @@ class _Entries:
     """The report's GPU, MIG instance and holder entries, built from the same inputs."""
 
     snapshot: Snapshot
-    roles: Mapping[tuple[str, int], RoleLike]
+    roles: Mapping[tuple[str, int], HolderRole]
     report_only: Mapping[str, str]
     baselines: Mapping[str, int]
     notes: Mapping[str, Sequence[str]]
@@ -172,8 +155,25 @@ class _Entries:
     clock_ticks: int | None
 
     def facts(self, pid: int, *, listed: bool) -> dict[str, object]:
+        """Host facts of one process; every value None when not collected. Missing facts of a
+        PID NVML ``listed`` mean it is not in /proc (``alive`` False); of a device holder (seen
+        there), unknown."""
         info = self.snapshot.processes.get(pid)
-        return _process_facts(info, self.boot_time, self.clock_ticks, missing_means_dead=listed)
+        if info is None:
+            return {**dict.fromkeys(_FACTS), "alive": False if listed else None}
+        started = None
+        if info.start_ticks is not None and self.boot_time is not None and self.clock_ticks:
+            started = self.boot_time + info.start_ticks / self.clock_ticks
+        cgroup = info.cgroup
+        return {
+            "alive": not info.is_zombie,
+            **fields_of(info, ("user", "uid", "state", "start_ticks")),
+            "started": started,
+            **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
+            "cmdline": None if info.cmdline is None else list(info.cmdline),
+            "nspid": None if info.nspid is None else list(info.nspid),
+            "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
+        }
 
     def gpus(self, layout: MigLayout, verdict: NodeVerdict | None) -> list[dict[str, object]]:
         """Each GPU's entry in index order, its MIG instances under it (each built as a GPU's
@@ -183,7 +183,7 @@ class _Entries:
         gpus = []
         for gpu in sorted(self.snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid)):
             entry = self.gpu(gpu, self.snapshot)
-            entry["mig_instances"] = mig_instances_json(gpu, layout, lambda i: self.gpu(i, view))
+            entry["mig_instances"] = self.mig_instances(gpu, layout, view)
             if verdict is not None:
                 one = judged.get(gpu.uuid)
                 entry["verdict"] = None if one is None else one.to_json()
@@ -216,6 +216,44 @@ class _Entries:
             # Whose open device node would make the driver refuse a reset now (docs/reset.md).
             "reset_refused_by": driver_refusers(snapshot.holders, gpu.minor, snapshot.self_pids),
         }
+
+    def mig_instances(
+        self, gpu: GpuInfo, layout: MigLayout, view: Snapshot
+    ) -> list[dict[str, object]] | None:
+        """The ``mig_instances`` of ``gpu``'s entry: None unless MIG is on and its devices
+        read; unjudged instances are listed from NVML alone (``judged`` false, no holders), a
+        judged one's entry is built as a GPU's is, over ``view`` (:func:`instance_view`)."""
+        if gpu.mig_enabled is not True or gpu.mig_devices is None:
+            return None
+        if gpu.uuid not in layout.judged:
+            return [
+                {
+                    "gi": d.gi,
+                    "ci": [] if d.ci is None else [d.ci],
+                    "uuid": d.uuid,
+                    "mig_uuids": [d.uuid],
+                    "profile": d.profile,
+                    **_placed(d),
+                    "judged": False,
+                }
+                for d in gpu.mig_devices
+            ]
+        found: list[dict[str, object]] = []
+        for instance in layout.instances_of(gpu.uuid):
+            whole = self.gpu(instance_gpu(instance), view)
+            found.append(
+                {
+                    "gi": instance.gi,
+                    "ci": list(instance.cis),
+                    "uuid": instance.uuid,
+                    "mig_uuids": [d.uuid for d in instance.devices],
+                    "profile": instance.profile,
+                    **_placed(instance.memory_device),
+                    **{key: whole.get(key) for key in _KEPT if key in whole},
+                    "judged": True,
+                }
+            )
+        return found
 
     def listed(
         self, gpu: GpuInfo, process: NvmlProcess, holding: DeviceHolding | None
@@ -324,13 +362,13 @@ def _node_verdict(verdict: NodeVerdict) -> dict[str, object]:
     return {**judged, "not_clean": [g.uuid for g in verdict.gpus if not g.clean]}
 
 
-def _role_fields(role: RoleLike | None) -> dict[str, object]:
+def _role_fields(role: HolderRole | None) -> dict[str, object]:
     if role is None:
         return {"role": None, "owner_pid": None, "note": None}
     return {"role": role.role, "owner_pid": role.owner_pid, "note": role.note or None}
 
 
-def _via(gpu: GpuInfo, holding: DeviceHolding | None, role: RoleLike | None) -> list[str]:
+def _via(gpu: GpuInfo, holding: DeviceHolding | None, role: HolderRole | None) -> list[str]:
     """How a process holds this GPU: from the holder scan when it saw one, else the role."""
     if holding is not None and gpu.minor is not None:
         return list(holding.via(gpu.minor))
@@ -358,32 +396,6 @@ def _health_entry(health: GpuHealth | None) -> dict[str, object] | None:
     }
 
 
-def _process_facts(
-    info: ProcessInfo | None,
-    boot_time: float | None,
-    clock_ticks: int | None,
-    *,
-    missing_means_dead: bool,
-) -> dict[str, object]:
-    """Host facts of one process; every value None when not collected. Missing facts of a PID NVML
-    lists mean it is not in /proc (``alive`` False); of a device holder (seen there), unknown."""
-    if info is None:
-        return {**dict.fromkeys(_FACTS), "alive": False if missing_means_dead else None}
-    started = None
-    if info.start_ticks is not None and boot_time is not None and clock_ticks:
-        started = boot_time + info.start_ticks / clock_ticks
-    cgroup = info.cgroup
-    return {
-        "alive": not info.is_zombie,
-        **fields_of(info, ("user", "uid", "state", "start_ticks")),
-        "started": started,
-        **fields_of(info, ("ppid", "pgid", "sid", "comm", "exe", "exe_trusted")),
-        "cmdline": None if info.cmdline is None else list(info.cmdline),
-        "nspid": None if info.nspid is None else list(info.nspid),
-        "cgroup": None if cgroup is None else fields_of(cgroup, _CGROUP),
-    }
-
-
 def _jsonable(value: object) -> object:
     """Plain JSON data for an evidence value: tuples become lists, sets sorted lists."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -397,3 +409,8 @@ def _jsonable(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [_jsonable(item) for item in value]
     return str(value)
+
+
+def _placed(device: MigDevice) -> dict[str, object]:
+    placement = None if device.placement is None else list(device.placement)
+    return {"gi_profile_id": device.gi_profile_id, "placement": placement}

@@ -5,17 +5,14 @@ In detail: docs/internals.md, section `gpuwatchd.cli.report_read`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from gpuwatchd.cli.mig_report import (
-    instance_process_entries,
-    mig_capabilities,
-    mig_devices_from_report,
-)
-from gpuwatchd.cli.spared import spares_from_report
+from gpuwatchd.cli.spare import spares_from_report
+from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
@@ -25,7 +22,10 @@ from gpuwatchd.core.model import (
     Finding,
     FindingKind,
     GpuInfo,
+    GpuMemory,
     HolderScan,
+    MigCapability,
+    MigDevice,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -224,7 +224,7 @@ def _gpu(raw: Mapping[str, object], where: str) -> GpuInfo:
         **pick(raw, _GPU),
         persistence_mode=None,
         lost=raw.get("lost") is True,
-        mig_devices=mig_devices_from_report(raw),
+        mig_devices=_mig_devices(raw),
         # NVML's process list as the report gives it (checked by _read_gpus): a health reset
         # waits for these.
         processes=tuple(
@@ -253,8 +253,10 @@ def rebuild(report: Mapping[str, object]) -> tuple[Snapshot, list[Finding], dict
     findings_raw = _need(report, "findings", (list,), "snapshot")
     host, nvml = as_map(report.get("host")), as_map(report.get("nvml"))
     gpus, processes, holdings = _read_gpus(gpus_raw)
-    caps = mig_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
-    _add_node_holders(report, processes)
+    caps = _mig_capabilities(holdings, gpus, gpus_raw)  # MIG: which instance each holds
+    for entry in _list_field(report, "node_holders", "node_holders"):  # nvidiactl, uvm only
+        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
+            processes.setdefault(proc.pid, proc)
     findings, first_seen = _read_findings(findings_raw)
     snapshot = Snapshot(
         monotonic=now,
@@ -289,7 +291,7 @@ def _read_gpus(
         gpu = _gpu(raw, where)
         minor = gpu.minor
         gpus.append(gpu)
-        for listed in instance_process_entries(raw):  # MIG: who is in each instance
+        for listed in _instance_entries(raw):  # MIG: who is in each instance
             if (proc := _process(listed)) is not None:
                 processes.setdefault(proc.pid, proc)
         for key in ("processes", "holders"):
@@ -351,8 +353,95 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
     return findings, first_seen
 
 
-def _add_node_holders(report: Mapping[str, object], processes: dict[int, ProcessInfo]) -> None:
-    """The processes of the report's node holders (nvidiactl, nvidia-uvm only) not known yet."""
-    for entry in _list_field(report, "node_holders", "node_holders"):
-        if isinstance(entry, dict) and (proc := _process(entry)) is not None:
-            processes.setdefault(proc.pid, proc)
+# --- MIG instances read back ------------------------------------------------------------------
+
+
+def _mig_devices(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
+    """A saved GPU entry's ``mig_instances`` back as MIG devices (``explain``), so that a
+    finding naming an instance is known to be about this GPU. Malformed entries are skipped;
+    None when the entry has none."""
+    instances = raw.get("mig_instances")
+    if not isinstance(instances, list):
+        return None
+    devices: list[MigDevice] = []
+    for item in instances[:16]:
+        if not isinstance(item, Mapping):
+            continue
+        gi = as_int(item.get("gi"))
+        if gi is None:
+            continue
+        ids = [c for c in as_list(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
+        names = [u if isinstance(u, str) else None for u in as_list(item.get("mig_uuids"))]
+        profile = item.get("profile")
+        profile_id = as_int(item.get("gi_profile_id"))
+        place = [p for p in (as_int(p) for p in as_list(item.get("placement"))) if p is not None]
+        placement = (place[0], place[1]) if len(place) == 2 else None
+        memory = as_map(item.get("memory"))
+        used, total = as_int(memory.get("used")), as_int(memory.get("total"))
+        listed = tuple(
+            NvmlProcess(pid, as_int(e.get("used_memory")), str(e.get("type") or "compute"))
+            for e in as_list(item.get("processes"))
+            if isinstance(e, Mapping) and (pid := as_int(e.get("pid"))) is not None
+        )
+        for position, ci in enumerate(ids or [0]):
+            devices.append(
+                MigDevice(
+                    index=len(devices),
+                    uuid=names[position] if position < len(names) else None,
+                    gi=gi,
+                    ci=ci,
+                    profile=profile if isinstance(profile, str) else None,
+                    gi_profile_id=profile_id if profile_id is None or profile_id >= 0 else None,
+                    placement=placement,
+                    memory=None if used is None else GpuMemory(total, None, 0, used),
+                    # a saved report lists an instance's processes once, for all its CIs
+                    processes=listed if position == 0 and item.get("processes_known") else (),
+                )
+            )
+    return tuple(devices)
+
+
+def _mig_capabilities(
+    holdings: dict[int, DeviceHolding], gpus: Sequence[GpuInfo], gpus_raw: Sequence[object]
+) -> dict[int, MigCapability]:
+    """The capability table of a saved report's judged MIG instances (``explain``), each
+    instance holder's capability minors (by fd, by mapping) added to ``holdings``: so each
+    holder is placed in its instance as the daemon placed it."""
+    table: dict[int, MigCapability] = {}
+    for gpu, raw in zip(gpus, gpus_raw, strict=True):
+        minor = gpu.minor
+        if minor is None or not isinstance(raw, Mapping):
+            continue
+        for item in map(as_map, as_list(raw.get("mig_instances"))):
+            gi = as_int(item.get("gi"))
+            if gi is None or item.get("judged") is not True:
+                continue
+            cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
+            minors = {cap_minor(minor, gi): MigCapability(minor, gi)}
+            minors.update({cap_minor(minor, gi, c): MigCapability(minor, gi, c) for c in cis})
+            table.update(minors)
+            for entry in map(as_map, as_list(item.get("holders"))):
+                pid = as_int(entry.get("pid"))
+                if pid is None:
+                    continue
+                via = as_list(entry.get("via"))
+                by_fd = "fd" in via or not via
+                old = holdings.get(pid, DeviceHolding(pid))
+                holdings[pid] = dataclasses.replace(
+                    old,
+                    cap_minors_fd=old.cap_minors_fd | (set(minors) if by_fd else set()),
+                    cap_minors_map=old.cap_minors_map
+                    | (set(minors) if not by_fd or "map" in via else set()),
+                )
+    return table
+
+
+def _instance_entries(raw: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The process and holder entries of a saved GPU entry's instances (``explain``)."""
+    return [
+        entry
+        for item in as_list(raw.get("mig_instances"))
+        for key in ("processes", "holders")
+        for entry in as_list(as_map(item).get(key))
+        if isinstance(entry, Mapping)
+    ]

@@ -6,13 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.cli.humantime import counted
-from gpuwatchd.cli.mig_report import (
-    instance_uuids,
-    mig_instance_lines,
-    mig_judged,
-    parent_rows,
-)
-from gpuwatchd.cli.spared import spared_lines
+from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int
@@ -30,6 +24,7 @@ _ROLE_LABELS = {
     "unknown": "unknown",
 }
 _ALARM_ROLES = frozenset({"orphaned", "stuck"})
+_OWNED_ROLES = {"worker": "worker of", "orphaned": "orphaned from"}  # and the owner's PID
 
 _BOLD, _RED, _YELLOW, _DIM = "1", "31", "33", "2"
 
@@ -49,7 +44,7 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
             gpu_uuids.add(uuid)
         lines.append("")
         lines.extend(_gpu_lines(gpu, findings, now, paint))
-    gpu_uuids |= instance_uuids(report)
+    gpu_uuids |= _instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
@@ -108,8 +103,8 @@ def _gpu_lines(
     """One GPU's text: its header, memory and flags, its holders' table, its findings, its
     verdict and its MIG instances."""
     lines = _gpu_header_lines(gpu, paint)
-    judged_mig = mig_judged(gpu)
-    table = _holder_table(parent_rows(gpu) if judged_mig else gpu, now, paint)
+    judged_mig = _mig_judged(gpu)
+    table = _holder_table(_parent_rows(gpu) if judged_mig else gpu, now, paint)
     lines.extend(table)
     if judged_mig:
         lines.append("  processes and holders: by MIG instance, below")
@@ -117,16 +112,68 @@ def _gpu_lines(
         lines.append(_no_rows_line(gpu))
     lines.extend(_gpu_finding_lines(gpu, findings, now, paint))
     lines.extend(_verdict_lines(as_map(gpu.get("verdict")), paint))
-    lines.extend(
-        mig_instance_lines(
-            gpu,
-            findings,
-            holder_lines=lambda inst: _holder_table(inst, now, paint),
-            finding_lines=lambda own: _finding_lines(own, now, paint),
-            memory_line=_memory_line,
-        )
-    )
+    lines.extend(_mig_instance_lines(gpu, findings, now, paint))
     return lines
+
+
+def _mig_instance_lines(
+    gpu: Mapping[str, object],
+    findings: Sequence[Mapping[str, object]],
+    now: float | None,
+    paint: _Paint,
+) -> list[str]:
+    """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
+    lines: list[str] = []
+    for raw in as_list(gpu.get("mig_instances")):
+        if not isinstance(raw, Mapping):
+            continue
+        cis = raw.get("ci")
+        ci_text = ", ".join(str(c) for c in cis) if isinstance(cis, list) else "?"
+        header = (
+            f"  MIG GPU instance {raw.get('gi')} (CI {ci_text})  {raw.get('profile') or '?'}  "
+            f"{raw.get('uuid') or '?'}"
+        )
+        lines.append(header)
+        if raw.get("judged") is not True:
+            lines.append("    not judged (see the GPU's report-only reason)")
+            continue
+        lines.append("  " + _memory_line(raw))
+        reason = raw.get("report_only")
+        if isinstance(reason, str) and reason:
+            lines.append(f"    report-only: {reason}")
+        for note in raw.get("notes") or ():
+            lines.append(f"    note: {note}")
+        rows = _holder_table(raw, now, paint)
+        if rows:
+            lines.extend("  " + line for line in rows)
+        else:
+            lines.append("    no process holds this instance")
+        uuid = raw.get("uuid")
+        own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
+        lines.extend("  " + line for line in _finding_lines(own, now, paint))
+    return lines
+
+
+def _mig_judged(gpu: Mapping[str, object]) -> bool:
+    """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
+    return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
+
+
+def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
+    """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
+    NVML's aggregate list and the instances' holders are shown under the instances."""
+    kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
+    return {**gpu, "processes": [], "holders": kept}
+
+
+def _instance_uuids(report: Mapping[str, object]) -> set[str]:
+    """Every judged instance UUID of a report: findings about them are no node findings."""
+    return {
+        uuid
+        for gpu in as_list(report.get("gpus"))
+        for raw in as_list(as_map(gpu).get("mig_instances"))
+        if (uuid := as_text(as_map(raw).get("uuid"))) is not None
+    }
 
 
 def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
@@ -330,10 +377,8 @@ def _role_label(role: str | None, owner: object) -> str:
     owner_pid = as_int(owner)
     if role is None:
         return "-"
-    if role == "worker":
-        return f"worker of {owner_pid}" if owner_pid is not None else "worker"
-    if role == "orphaned":
-        return f"orphaned from {owner_pid}" if owner_pid is not None else "orphaned"
+    if role in _OWNED_ROLES:  # "worker of 1000", "orphaned from 1999"
+        return role if owner_pid is None else f"{_OWNED_ROLES[role]} {owner_pid}"
     return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
 
 

@@ -5,17 +5,18 @@ ended jobs over and waits on its progress (:mod:`gpuwatchd.cli.once`) before goi
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
 from gpuwatchd.act.evidence import ReportBuilder
+from gpuwatchd.cli import served
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
-from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
@@ -23,20 +24,12 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging
-from gpuwatchd.served.guard import ServedPoll
-from gpuwatchd.served.scan_socket import ScanAnswer, ScanRequest
 from gpuwatchd.state.accepted import Fallback
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
 from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
 
 log = structlog.get_logger("gpuwatchd")
 ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
-
-
-def _own_identity(procfs: ProcFS) -> tuple[int, int] | None:
-    """This process as (PID, start ticks): what a hand-over names as its waiting epilog."""
-    fields = procfs.read_stat(os.getpid())
-    return None if fields is None else (os.getpid(), fields.starttime)
 
 
 def run_daemon(
@@ -59,31 +52,28 @@ def run_daemon(
     )
     if not _permitted(policy, dry_run=dry_run):
         return ExitCode.NOPERM
-    daemon = Daemon(
+    # What this instance and, for `run --once`, any successor are made with.
+    daemon_for = functools.partial(
+        Daemon,
         policy,
         config_path=config_path,
         dry_run=dry_run,
         once=once,
-        once_timeout=once_timeout,
         ended_jobs=ended_jobs,
-        rejected_at_start=rejected_at_start,
-        scan_answer=_answer_scan,
         evidence_report=_evidence_report(policy.proc_root),
+    )
+    daemon = daemon_for(
+        once_timeout=once_timeout, rejected_at_start=rejected_at_start, scan_answer=served.answer
     )
     try:
         try:
             return daemon.run()
-        except AlreadyRunning:
+        except AlreadyRunning:  # only ever raised for `run --once`
             pass
         # `run --once` beside the daemon (a Slurm epilog): two actors would race, so this one
         # only watches the daemon's progress until nothing is left to act on.
         return _once_beside_the_daemon(
-            policy,
-            daemon,
-            config_path=config_path,
-            dry_run=dry_run,
-            once_timeout=once_timeout,
-            ended_jobs=ended_jobs,
+            daemon, daemon_for, once_timeout=once_timeout, ended_jobs=ended_jobs
         )
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
@@ -134,11 +124,9 @@ def _permitted(policy: Policy, *, dry_run: bool) -> bool:
 
 
 def _once_beside_the_daemon(
-    policy: Policy,
     refused: Daemon,
+    daemon_for: Callable[..., Daemon],
     *,
-    config_path: str,
-    dry_run: bool,
     once_timeout: float,
     ended_jobs: frozenset[str],
 ) -> int:
@@ -146,7 +134,8 @@ def _once_beside_the_daemon(
     its progress (:mod:`gpuwatchd.cli.once`); should it stop meanwhile (a daemon stopped, or
     another epilog's ``run --once`` done), take the lock and go on alone for the time left."""
     deadline = time.monotonic() + once_timeout
-    waiter = _own_identity(refused.procfs)
+    own = refused.procfs.read_stat(os.getpid())  # a hand-over names its waiter (PID, ticks)
+    waiter = None if own is None else (os.getpid(), own.starttime)
     handed = _hand_over(refused, ended_jobs, waiter, once_timeout) if ended_jobs else None
     try:
         while True:
@@ -157,23 +146,17 @@ def _once_beside_the_daemon(
                 "gpuwatchd: the instance that held the lock has stopped; going on alone",
                 file=sys.stderr,
             )
-            successor = Daemon(
-                policy,
-                config_path=config_path,
-                dry_run=dry_run,
-                once=True,
+            successor = daemon_for(
                 once_timeout=max(0.0, deadline - time.monotonic()),
-                ended_jobs=ended_jobs,
                 # The scheduler said it when this epilog started, not now: the successor's
                 # word covers the same processes (only those older than it).
                 ended_jobs_said=refused.own_ended_jobs,
-                evidence_report=_evidence_report(policy.proc_root),
             )
             try:
                 return successor.run()
             except AlreadyRunning:
                 # Another instance took the lock first: wait for it in turn.
-                time.sleep(min(policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
+                time.sleep(min(refused.policy.interval, 1.0, max(0.0, deadline - time.monotonic())))
     finally:
         if handed is not None and waiter is not None:
             withdraw_ended_jobs(handed, ended_jobs, waiter=waiter)
@@ -229,19 +212,10 @@ def _evidence_report(proc_root: str) -> ReportBuilder:
         first_seen: Mapping[str, float],
     ) -> dict[str, object]:
         from gpuwatchd.cli.scan import snapshot_report  # only once a step is taken
-        from gpuwatchd.cli.spared import mark_spared
+        from gpuwatchd.cli.spare import mark_spared
 
         report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
         mark_spared(report, snapshot, snapshot.spares)  # as scan marks them: explain honours them
         return report
 
     return report
-
-
-def _answer_scan(
-    request: ScanRequest, config_path: str, state_dir: str, served: ServedPoll | None
-) -> ScanAnswer:
-    """The daemon's answer to a ``scan`` that asked it (gpuwatchd/cli/served.py)."""
-    from gpuwatchd.cli.served import answer
-
-    return answer(request, config_path=config_path, state_dir=state_dir, served=served)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
-from gpuwatchd.cli.spared import mark_spared, spares_in_force
+from gpuwatchd.cli.spare import mark_spared, spares_in_force
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -104,18 +104,6 @@ class RunningDaemon:
         return frozenset({self.pid, *self.workers})
 
 
-def open_state_dir(policy: Policy) -> StateDir | None:
-    """The daemon's state directory for a reader: None when it does not exist or this user
-    cannot open it (no daemon to build on); StateDirError when it exists but cannot be
-    trusted (a link on its path, another owner, writable by others) — the caller refuses."""
-    try:
-        return StateDir.open(policy.state_dir)
-    except StateDirError:
-        raise
-    except OSError:
-        return None
-
-
 def running_daemon(
     policy: Policy, state_dir: StateDir | None, procfs: ProcFS
 ) -> RunningDaemon | None:
@@ -156,28 +144,17 @@ def scan_host(
     closes itself (else one is made here). Alone (``served`` None) it walks all of ``/proc``;
     ``why`` says why the daemon's view was not used. ``served``: the daemon's last poll, when
     the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
-    else no report and ``declined`` says why. StateDirError: see :func:`open_state_dir`."""
-    state_dir = open_state_dir(policy)  # StateDirError: the caller refuses (exit 78)
+    else no report and ``declined`` says why. StateDirError when the state directory exists
+    but cannot be trusted (a link on its path, another owner, writable by others): the caller
+    refuses (exit 78)."""
     try:
+        state_dir: StateDir | None = StateDir.open(policy.state_dir)
+    except StateDirError:
+        raise
+    except OSError:  # missing, or this user cannot open it: no daemon to build on
+        state_dir = None
+    with state_dir or contextlib.nullcontext():
         return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
-    finally:
-        if state_dir is not None:
-            state_dir.close()
-
-
-def _judged(
-    snapshot: Snapshot, saved: SavedState, policy: Policy
-) -> tuple[Assessment, NodeVerdict]:
-    """The snapshot assessed as the daemon would (with its saved history of this boot) and
-    judged."""
-    previous, unfinished = AssessState(), {}
-    if saved.same_boot(snapshot.boot_id):
-        with contextlib.suppress(ValueError):
-            previous = AssessState.from_json(saved.data.get("assess", {}))
-        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
-    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
-    return assessment, judge(snapshot, assessment, policy, unfinished=unfinished)
 
 
 def _scan_host(
@@ -297,12 +274,17 @@ def _collect(
 def _judged_report(
     snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
 ) -> tuple[dict[str, object], NodeVerdict]:
-    """The snapshot judged (:func:`_judged`) and reported, each finding and holder a spare
-    covers marked so."""
-    assessment, verdict = _judged(snapshot, saved, policy)
-    first_seen: dict[str, float] = {}
-    if saved.same_boot(snapshot.boot_id):  # monotonic times of an older boot lie
+    """The snapshot assessed as the daemon would (with its saved history of this boot), judged
+    and reported, each finding and holder a spare covers marked so."""
+    previous, unfinished, first_seen = AssessState(), {}, {}
+    if saved.same_boot(snapshot.boot_id):  # an older boot's history and monotonic times lie
+        with contextlib.suppress(ValueError):
+            previous = AssessState.from_json(saved.data.get("assess", {}))
+        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
+            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
         first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
+    assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
+    verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root)
     mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
     return report, verdict

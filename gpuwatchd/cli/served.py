@@ -16,7 +16,7 @@ from gpuwatchd.state.compiled_policy import load_compiled
 
 
 def answer(
-    request: ScanRequest, *, config_path: str, state_dir: str, served: ServedPoll | None
+    request: ScanRequest, config_path: str, state_dir: str, served: ServedPoll | None
 ) -> ScanAnswer:
     """The daemon's answer to ``request``, or its refusal (module docstring). ``config_path``:
     the main file the daemon was started with; ``state_dir``: the one it runs in; ``served``:

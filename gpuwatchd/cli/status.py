@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import IO, NamedTuple
@@ -16,6 +15,7 @@ from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.cli.humantime import duration
 from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status_text import render_text
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_number, as_one_of, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import as_int
@@ -403,14 +403,6 @@ def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
         return None
 
 
-def read_boot_id(proc_root: str) -> str | None:
-    try:
-        with open(os.path.join(proc_root, "sys/kernel/random/boot_id"), "rb") as handle:
-            return handle.read(64).decode("ascii", "replace").strip() or None
-    except OSError:
-        return None
-
-
 def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
     """Read, describe, print; the exit code of :class:`StatusCode`."""
     saved, error = read_saved(policy.state_dir)
@@ -420,7 +412,7 @@ def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
         policy=policy,
         now_wall=time.time(),
         now_monotonic=time.monotonic(),
-        boot_id=read_boot_id(policy.proc_root),
+        boot_id=ProcFS(policy.proc_root).boot_id(),
         process=None if pid is None else look_at_process(policy.proc_root, pid),
         read_error=error,
         evidence=read_evidence(policy.state_dir),

@@ -164,3 +164,27 @@ def test_check_clean_judges_with_the_running_policy_when_the_files_do_not_valida
     assert judge.policy.dry_run is False  # the daemon's, not what the broken drop-in says
     assert judge.policy.interval == 7.0
     assert "the last accepted policy (" in str(judge.running)
+
+
+def test_status_reads_the_running_policy_when_the_files_do_not_validate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status` under files that do not validate: with no accepted policy, exit 78 naming the
+    error; with one, the error on stderr and the state read from that policy's state_dir."""
+    from gpuwatchd.cli.main import main as cli
+
+    state = _state(tmp_path)
+    main = _config(tmp_path, state)
+    accepted = load_policy(str(main), check_permissions=False)
+    (main.parent / "conf.d" / "90-broken.yaml").write_text("interval: sometimes\n")
+    assert cli(["status", "--config", str(main)]) == 78
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("gpuwatchd: ")
+    assert "90-broken.yaml" in err
+    _save(accepted)
+    assert cli(["status", "--config", str(main)]) == 3  # the daemon never ran: no state
+    out, err = capsys.readouterr()
+    assert f"no state in {state}" in out
+    assert err.startswith("gpuwatchd: ")
+    assert "90-broken.yaml" in err

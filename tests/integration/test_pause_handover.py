@@ -5,6 +5,7 @@ hostile until validated."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -263,11 +264,17 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
 
     monkeypatch.setattr(run_module, "wait_for_daemon", stopped_meanwhile)
     monkeypatch.setattr(Daemon, "run", successor_run)
-    code = run_module._once_beside_the_daemon(
+    daemon_for = functools.partial(  # as run_daemon makes it
+        Daemon,
         policy,
-        refused,
         config_path="/nonexistent/gpuwatchd.yaml",
         dry_run=True,
+        once=True,
+        ended_jobs=frozenset({"slurm:42"}),
+    )
+    code = run_module._once_beside_the_daemon(
+        refused,
+        daemon_for,
         once_timeout=30.0,
         ended_jobs=frozenset({"slurm:42"}),
     )

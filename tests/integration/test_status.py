@@ -612,6 +612,22 @@ def test_exit_3_when_the_pid_was_reused_by_another_program(host: tuple[Path, Pat
     assert main(["status", "--config", str(config)]) == 3
 
 
+def test_the_boot_is_compared_with_the_boot_id_under_proc_root(
+    host: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status reads ``sys/kernel/random/boot_id`` under the policy's proc_root; unreadable: None."""
+    config, state_dir, proc = host
+    _save(state_dir, saved())
+    boot_file = proc / "sys/kernel/random/boot_id"
+    for content, same_boot in ((BOOT + "\n", True), ("another-boot\n", False), (None, None)):
+        if content is None:
+            boot_file.unlink()
+        else:
+            boot_file.write_text(content)
+        main(["status", "--config", str(config), "--json"])
+        assert json.loads(capsys.readouterr().out)["daemon"]["same_boot"] is same_boot
+
+
 def test_exit_4_when_the_state_is_malformed(
     host: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -682,7 +698,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     """The contract with daemon.py: a real Daemon's saved state, described (no poll needed)."""
     import dataclasses
 
-    from gpuwatchd.cli.status import read_boot_id
+    from gpuwatchd.collect.procfs import ProcFS
     from gpuwatchd.config.schema import default_policy
     from gpuwatchd.daemon.lifecycle import Daemon
 
@@ -705,7 +721,7 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
             policy=policy,
             now_wall=time.time(),
             now_monotonic=time.monotonic(),
-            boot_id=read_boot_id("/proc"),
+            boot_id=ProcFS("/proc").boot_id(),
             process="gpuwatchd",
         )
 

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -18,6 +17,8 @@ import pytest
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.core import model
+from gpuwatchd.core.vocabulary import HolderRoleName
+from gpuwatchd.decide.assess.shared import HolderRole
 
 GIB = 1024 * model.MIB
 UUID0 = "GPU-00000000-aaaa-0000-0000-000000000000"
@@ -29,16 +30,16 @@ BOOT = NOW - 86_400.0  # booted a day ago
 TICKS = 100
 
 
-@dataclass(frozen=True)
-class Role:
-    """Shaped like ``assess.HolderRole``."""
-
-    pid: int
-    gpu: str
-    role: str
-    owner_pid: int | None = None
-    via: tuple[str, ...] = ("fd",)
-    note: str = ""
+def holder_role(
+    pid: int,
+    gpu: str,
+    role: str,
+    *,
+    owner_pid: int | None = None,
+    via: tuple[str, ...] = ("fd",),
+    note: str = "",
+) -> HolderRole:
+    return HolderRole(pid, gpu, HolderRoleName(role), owner_pid, via, note)
 
 
 def proc(pid: int, **overrides: object) -> model.ProcessInfo:
@@ -189,11 +190,11 @@ def make_snapshot(*, wedged: bool = False, host_namespaces: bool | None = True) 
 
 
 ROLES = (
-    Role(1000, UUID0, "context_owner", via=("fd", "map")),
-    Role(1001, UUID0, "worker", owner_pid=1000, via=("map",)),
-    Role(2000, UUID0, "orphaned", owner_pid=1999, note="inherited from dead 1999"),
-    Role(4000, UUID1, "management", note="NVML-only client"),
-    Role(7000, "node", "hidden", via=(), note="holds nvidiactl and nvidia-uvm only"),
+    holder_role(1000, UUID0, "context_owner", via=("fd", "map")),
+    holder_role(1001, UUID0, "worker", owner_pid=1000, via=("map",)),
+    holder_role(2000, UUID0, "orphaned", owner_pid=1999, note="inherited from dead 1999"),
+    holder_role(4000, UUID1, "management", note="NVML-only client"),
+    holder_role(7000, "node", "hidden", via=(), note="holds nvidiactl and nvidia-uvm only"),
 )
 
 FINDINGS = (
@@ -592,6 +593,21 @@ def test_text_truncates_long_command_lines() -> None:
     (row,) = [line for line in text.splitlines() if line.split()[:1] == ["1001"]]
     assert row.endswith("...")
     assert "x" * 100 not in row
+
+
+def test_text_names_a_worker_and_an_orphan_by_their_owner() -> None:
+    """The ROLE column: ``worker of <owner>``, ``orphaned from <dead owner>``; the bare role
+    when no owner is known."""
+
+    def roles_shown(roles: tuple[HolderRole, ...]) -> dict[str, str]:
+        text = render_text(build_report(make_snapshot(), (), roles, {}, {}, version="0.1.0"))
+        rows = [line.split("  ") for line in text.splitlines() if line.startswith("  1001 ")]
+        rows += [line.split("  ") for line in text.splitlines() if line.startswith("  2000 ")]
+        return {row[1]: [cell.strip() for cell in row if cell.strip()][3] for row in rows}
+
+    assert roles_shown(ROLES) == {"1001": "worker of 1000", "2000": "orphaned from 1999"}
+    bare = (holder_role(1001, UUID0, "worker"), holder_role(2000, UUID0, "orphaned"))
+    assert roles_shown((ROLES[0], *bare)) == {"1001": "worker", "2000": "orphaned"}
 
 
 def test_text_is_stable() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from gpuwatchd.cli.explain import explain_report, render_explanation
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
-from gpuwatchd.cli.spared import mark_spared, spares_in_force
+from gpuwatchd.cli.spare import mark_spared, spares_in_force
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import parse_policy_documents

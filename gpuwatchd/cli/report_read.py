@@ -14,6 +14,7 @@ from typing import TypeVar
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.core import model
 from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import (
@@ -24,8 +25,6 @@ from gpuwatchd.core.model import (
     GpuInfo,
     GpuMemory,
     HolderScan,
-    MigCapability,
-    MigDevice,
     NvmlProcess,
     NvmlReading,
     ProcessInfo,
@@ -356,14 +355,14 @@ def _read_findings(findings_raw: list[object]) -> tuple[list[Finding], dict[str,
 # --- MIG instances read back ------------------------------------------------------------------
 
 
-def _mig_devices(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
+def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | None:
     """A saved GPU entry's ``mig_instances`` back as MIG devices (``explain``), so that a
     finding naming an instance is known to be about this GPU. Malformed entries are skipped;
     None when the entry has none."""
     instances = raw.get("mig_instances")
     if not isinstance(instances, list):
         return None
-    devices: list[MigDevice] = []
+    devices: list[model.MigDevice] = []
     for item in instances[:16]:
         if not isinstance(item, Mapping):
             continue
@@ -385,7 +384,7 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
         )
         for position, ci in enumerate(ids or [0]):
             devices.append(
-                MigDevice(
+                model.MigDevice(
                     index=len(devices),
                     uuid=names[position] if position < len(names) else None,
                     gi=gi,
@@ -403,11 +402,11 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[MigDevice, ...] | None:
 
 def _mig_capabilities(
     holdings: dict[int, DeviceHolding], gpus: Sequence[GpuInfo], gpus_raw: Sequence[object]
-) -> dict[int, MigCapability]:
+) -> dict[int, model.MigCapability]:
     """The capability table of a saved report's judged MIG instances (``explain``), each
     instance holder's capability minors (by fd, by mapping) added to ``holdings``: so each
     holder is placed in its instance as the daemon placed it."""
-    table: dict[int, MigCapability] = {}
+    table: dict[int, model.MigCapability] = {}
     for gpu, raw in zip(gpus, gpus_raw, strict=True):
         minor = gpu.minor
         if minor is None or not isinstance(raw, Mapping):
@@ -417,8 +416,8 @@ def _mig_capabilities(
             if gi is None or item.get("judged") is not True:
                 continue
             cis = [c for c in (as_int(c) for c in as_list(item.get("ci"))) if c is not None]
-            minors = {cap_minor(minor, gi): MigCapability(minor, gi)}
-            minors.update({cap_minor(minor, gi, c): MigCapability(minor, gi, c) for c in cis})
+            minors = {cap_minor(minor, gi): model.MigCapability(minor, gi)}
+            minors.update({cap_minor(minor, gi, c): model.MigCapability(minor, gi, c) for c in cis})
             table.update(minors)
             for entry in map(as_map, as_list(item.get("holders"))):
                 pid = as_int(entry.get("pid"))

@@ -96,6 +96,31 @@ def test_an_xid_from_before_the_last_reset_does_not_hide_a_later_one() -> None:
     ]
 
 
+def test_the_evidence_says_each_support_as_read_and_an_uncatalogued_xid_has_no_bucket() -> None:
+    """A reset-required GPU whose remapped rows are supported, retired pages not, fabric not
+    offered, and whose history holds an Xid the catalogue does not know."""
+    reading = replace(
+        QUIET,
+        recovery_action=1,
+        fabric_support=model.Support.NOT_SUPPORTED,
+        xids=(model.XidEvent(1000, 5.0),),
+    )
+    _, evidence, _ = judge(gpu(0, GPU0, reading))
+    found = evidence[GPU0]
+    assert found["remapped_rows"] == {
+        "support": "ok", "correctable": None, "uncorrectable": None, "pending": False,
+        "failure": False,
+    }  # fmt: skip
+    assert found["retired_pages_support"] == "not_supported"
+    assert found["fabric"] == {
+        "support": "not_supported", "state": None, "status": None, "health_mask": None,
+        "health_summary": None,
+    }  # fmt: skip
+    assert found["xids"] == {
+        "1000": {"count": 1, "first": 5.0, "last": 5.0, "action": "report", "bucket": None}
+    }
+
+
 def test_the_xid_history_keeps_at_most_its_bound_of_kinds_and_still_counts_known_ones() -> None:
     first = 1000
     storm = [model.XidEvent(first + n, float(n)) for n in range(MAX_XID_KINDS + 6)]

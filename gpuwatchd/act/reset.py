@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 from gpuwatchd.act.commands import CommandResult, run_command
 from gpuwatchd.act.reset_mig import restore_layout, run_recovery
@@ -69,38 +70,31 @@ def _finished(
     return outcome
 
 
+@dataclass(eq=False)
 class Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
-    def __init__(
-        self,
-        target: ResetTarget,
-        policy: ResetPolicy,
-        env: ResetEnvironment,
-        commands: Commands,
-        *,
-        dry_run: bool,
-        hook_env: Mapping[str, str],
-        runner: CommandRunner,
-        drained: bool = False,
-    ) -> None:
-        self.target = target
-        self.drained = drained  # the drain hooks ran already (a health reset drains first)
-        self.policy = policy
-        self.env = env
-        self.commands = commands
-        # What each step records of them; None: not recorded (an old record's resume).
-        self.recorded: dict[str, object] | None = commands.record()
-        self.dry_run = dry_run
-        self.hook_env = hook_env
-        self.runner = runner
-        self.fabric_wait: FabricWait | None = None
-        self.persistence_off = False
-        self.units_stopped: list[str] = []  # the monitors' units stop_monitors stopped
-        self.reset_started = False
-        self.result: ResetResult | None = None
-        self.commands_done = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
-        self.notes: list[str] = []
+    target: ResetTarget
+    policy: ResetPolicy
+    env: ResetEnvironment
+    commands: Commands
+    _: KW_ONLY
+    dry_run: bool
+    hook_env: Mapping[str, str]
+    runner: CommandRunner
+    drained: bool = False  # the drain hooks ran already (a health reset drains first)
+    fabric_wait: FabricWait | None = None
+    persistence_off: bool = False
+    units_stopped: list[str] = field(default_factory=list)  # the units stop_monitors stopped
+    reset_started: bool = False
+    result: ResetResult | None = None
+    commands_done: int = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
+    notes: list[str] = field(default_factory=list)
+    # What each step records of the commands; None: not recorded (an old record's resume).
+    recorded: dict[str, object] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recorded = self.commands.record()
 
     def begin(self, step: ResetStep) -> bool:
         """Record ``step`` before it runs. False if progress could not be persisted."""
@@ -350,8 +344,8 @@ def perform_reset(
         hook_env=hook_env,
         runner=runner,
         drained=drained,
+        fabric_wait=fabric_wait,
     )
-    proc.fabric_wait = fabric_wait
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
         return stopped

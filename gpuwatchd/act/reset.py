@@ -59,11 +59,7 @@ def _finished(
         EventName.RESET_FINISHED,
         Level.CRITICAL if outcome.needs_reboot else level,
         gpu=target.uuid,
-        result=outcome.result,
-        step=outcome.step.value,
-        reason=outcome.reason,
-        needs_reboot=outcome.needs_reboot,
-        blockers=list(outcome.blockers),
+        **outcome.fields(),
         dry_run=dry_run,
         **_instance_fields(target),
     )

@@ -242,6 +242,16 @@ class ResetOutcome:
     command: CommandResult | None
     blockers: tuple[str, ...]
 
+    def fields(self) -> dict[str, object]:
+        """What the reset's events say of how it ended."""
+        return {
+            "result": self.result,
+            "step": self.step.value,
+            "reason": self.reason,
+            "needs_reboot": self.needs_reboot,
+            "blockers": list(self.blockers),
+        }
+
 
 class ResetEnvironment(Protocol):
     """What the reset needs from the daemon. Tests pass a fake."""
@@ -343,10 +353,6 @@ def outcome_event(
     return level, {
         "gpu": gpu,
         "pci_bus_id": pci_bus_id,
-        "result": outcome.result,
-        "step": outcome.step.value,
-        "reason": outcome.reason,
-        "needs_reboot": outcome.needs_reboot,
-        "blockers": list(outcome.blockers),
+        **outcome.fields(),
         "dry_run": dry_run,
     }

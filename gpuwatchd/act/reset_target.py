@@ -304,16 +304,13 @@ class CommandRunner(Protocol):
 
 
 class Steps(Protocol):
-    """What the step modules (reset_mig, reset_monitors) use of
-    :class:`gpuwatchd.act.reset.Procedure`, which imports them."""
+    """What the MIG steps (reset_mig) use of :class:`gpuwatchd.act.reset.Procedure`, which
+    imports them."""
 
     target: ResetTarget
-    policy: ResetPolicy
     env: ResetEnvironment
     commands: Commands
-    runner: CommandRunner
     dry_run: bool
-    units_stopped: list[str]
     notes: list[str]
     commands_done: int
 
@@ -322,7 +319,6 @@ class Steps(Protocol):
     def event(
         self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
     ) -> None: ...
-    def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome: ...
 
 
 def progress_record(

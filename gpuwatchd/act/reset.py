@@ -13,7 +13,6 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from gpuwatchd.act.commands import CommandResult, run_command
 from gpuwatchd.act.reset_mig import restore_layout, run_recovery
-from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -23,7 +22,10 @@ from gpuwatchd.act.reset_target import (
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
+    fold_output,
+    interpret_reset_exit,
     prepare_commands,
+    quote_output,
 )
 from gpuwatchd.core.vocabulary import (
     EventName,

@@ -59,15 +59,12 @@ def parse_proc_devices(text: str) -> dict[str, int]:
 
 
 def _ns_link(path: str) -> int | OSError | None:
-    """The inode of the namespace link at ``path``, or the error that kept it unread."""
+    """The inode of the namespace link at ``path`` (``pid:[4026531836]``), None when its text
+    is not one, or the error that kept it unread."""
     try:
-        return _ns_inode(os.readlink(path))
+        link = os.readlink(path)
     except OSError as error:
         return error
-
-
-def _ns_inode(link: str) -> int | None:
-    """The inode of a namespace link text such as ``pid:[4026531836]``."""
     start, end = link.find("["), link.rfind("]")
     if start < 0 or end < start:
         return None

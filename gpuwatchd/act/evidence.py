@@ -257,7 +257,6 @@ class EvidenceKeeper:
     _: KW_ONLY
     hostname: str | None = None
     version: str = ""
-    max_files: int = MAX_FILES
     max_bytes: int = MAX_BYTES
 
     def keep(
@@ -323,13 +322,13 @@ class EvidenceKeeper:
         return Kept(folder.join(name), removed)
 
     def _rotate(self, folder: EvidenceFolder) -> tuple[str, ...]:
-        """The oldest evidence files past ``max_files`` removed; the names of those removed."""
+        """The oldest evidence files past :data:`MAX_FILES` removed; the names of those removed."""
         removed = []
         try:
             kept = list_evidence(folder)
         except OSError:
             kept = []  # the next file removes them
-        for old in kept[: max(0, len(kept) - self.max_files)]:
+        for old in kept[: max(0, len(kept) - MAX_FILES)]:
             if folder.remove(old.name):
                 removed.append(old.name)
         return tuple(removed)

@@ -222,7 +222,7 @@ class Procedure:
                 ResetStepStatus.SKIPPED,
                 detail="persistence mode not changed",
             )
-        start_monitors(self)
+        _start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
             ResetStep.AFTER_HOOKS,
@@ -367,7 +367,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
-    stopped, would_stop = stop_monitors(proc)
+    stopped, would_stop = _stop_monitors(proc)
     if stopped is not None:
         return stopped
 
@@ -546,7 +546,7 @@ def _systemctl(proc: Procedure, verb: str, units: Sequence[str]) -> list[str]:
     return failures
 
 
-def stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]]:
+def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]]:
     """Step ``stop_monitors``: an outcome when the procedure stopped (and was undone); in a dry
     run, the PIDs it would have stopped (the final scan does not count them)."""
     step = ResetStep.STOP_MONITORS
@@ -591,8 +591,8 @@ def stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]]
     return None, frozenset()
 
 
-def start_monitors(proc: Procedure) -> None:
-    """Step ``start_monitors``: the units :func:`stop_monitors` stopped, started again."""
+def _start_monitors(proc: Procedure) -> None:
+    """Step ``start_monitors``: the units :func:`_stop_monitors` stopped, started again."""
     step = ResetStep.START_MONITORS
     if not proc.units_stopped:
         proc.event(step, ResetStepStatus.SKIPPED, detail="no monitor unit was stopped")

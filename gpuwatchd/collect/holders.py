@@ -187,11 +187,9 @@ class HolderScanner:
             (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
         )
 
-    def uvm_major(self) -> int | None:
-        """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
-        return self._major("nvidia-uvm")
-
-    def _major(self, name: str) -> int | None:
+    def major(self, name: str) -> int | None:
+        """A driver's (``nvidia-uvm``, ``nvidia-caps``) dynamic major from ``/proc/devices``,
+        read once; None when absent."""
         if name not in self._majors:
             majors = self.procfs.char_device_majors()
             if majors is None:
@@ -255,12 +253,12 @@ class HolderScanner:
         major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
         if major == self.device_major and minor == self.ctl_minor:
             return ("ctl", 0)
-        uvm_major = self.uvm_major()
+        uvm_major = self.major("nvidia-uvm")
         if uvm_major is not None and major == uvm_major and minor == self.uvm_minor:
             return ("uvm", 0)
         if major == self.device_major and minor <= MAX_GPU_MINOR:
             return ("gpu", minor)
-        caps_major = self._major("nvidia-caps")
+        caps_major = self.major("nvidia-caps")
         if caps_major is not None and major == caps_major and major != self.device_major:
             return ("cap", minor)
         return None

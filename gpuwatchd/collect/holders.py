@@ -448,7 +448,7 @@ class HolderScanner:
         spent = 0
         complete = True
         for tid in tids:
-            if tid == pid or kcmp.same_files(tid, pid) is True:
+            if tid == pid or kcmp.order_files(tid, pid) == 0:  # the leader's table
                 continue
             place = _place_table(kcmp, tid, tables)
             if place is not None and place[1]:

@@ -8,7 +8,6 @@ In detail: docs/internals.md, section `gpuwatchd.act.commands`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import selectors
@@ -22,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatchd.core.codec import decode_json_object
 from gpuwatchd.core.model import as_int
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.policy import Hook
@@ -266,7 +266,7 @@ class _Keeper:
 
     def handle(self, key: selectors.SelectorKey, selector: selectors.BaseSelector) -> None:
         what, fileobj = key.data, key.fileobj
-        if what == "pipe" and not _read_into(self.pipe.fileno(), self.tail):
+        if what == "pipe" and not _read_available(self.pipe.fileno(), self.tail.add):
             selector.unregister(fileobj)
             self.pipe_open = False
         elif what == "status" and not _read_status(self.status_fd, self.status):
@@ -325,8 +325,9 @@ def _supervise(
         # The command exited; what it left running may run until the deadline, its keeper
         # with it (the scope ends them when the daemon stops).
         scope.adopt(proc)
-    report = _parse_report(bytes(keeper.status))
-    if report is None:
+    try:
+        report: Mapping[str, object] = decode_json_object(bytes(keeper.status))
+    except ValueError:
         if error is None:
             error = f"its keeper failed (exit {proc.returncode}); process group killed"
             _kill_keeper(proc, marker)
@@ -347,14 +348,6 @@ def _kill_keeper(proc: subprocess.Popen[bytes], marker: bytes) -> None:
 def _read_status(fd: int, into: bytearray) -> bool:
     """Read what the keeper wrote (4 KiB at most); False at end of file."""
     return _read_available(fd, into.extend, 4096, full=lambda: len(into) >= 4096)
-
-
-def _parse_report(raw: bytes) -> Mapping[str, object] | None:
-    try:
-        report = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
 
 
 def _carries(pid: int, marker: bytes) -> bool:
@@ -387,13 +380,11 @@ def kill_marked(marker: bytes) -> int:
     return killed
 
 
-def _read_into(fd: int, tail: _Tail) -> bool:
-    """Read what is available; False at end of file."""
-    return _read_available(fd, tail.add, 65536)
-
-
 def _read_available(
-    fd: int, take: Callable[[bytes], object], size: int, full: Callable[[], bool] = lambda: False
+    fd: int,
+    take: Callable[[bytes], object],
+    size: int = 65536,
+    full: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Read what the non-blocking ``fd`` holds now into ``take``: True while more may come,
     False at end of file, on an error, or once ``full``."""
@@ -419,7 +410,7 @@ def _drain(fd: int, tail: _Tail, grace: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        if poller.poll(int(remaining * 1000) + 1) and not _read_into(fd, tail):
+        if poller.poll(int(remaining * 1000) + 1) and not _read_available(fd, tail.add):
             return
 
 

@@ -203,13 +203,6 @@ def _pids_of_step(snapshot: Snapshot, assessment: Assessment, step: Step) -> lis
     return sorted(pids - set(snapshot.self_pids))
 
 
-def _health_state(health: HealthState, step: Step) -> dict[str, object]:
-    whole = health.to_json()
-    if step.gpu is None:
-        return whole
-    return {uuid: entry for uuid, entry in whole.items() if uuid == step.gpu}
-
-
 def _target_only(report: object, step: Step) -> object:
     """The report with only the step's GPU, and the findings on it."""
     if not isinstance(report, dict) or step.gpu is None:
@@ -264,7 +257,6 @@ class EvidenceKeeper:
     _: KW_ONLY
     hostname: str | None = None
     version: str = ""
-    max_files: int = MAX_FILES
     max_bytes: int = MAX_BYTES
 
     def keep(
@@ -285,7 +277,14 @@ class EvidenceKeeper:
             return Kept(None, error=f"state_dir unusable: {err}")
         if folder is None:
             return Kept(None, error="state_dir unusable")
-        report, report_error = self._report(snapshot, assessment, verdict, first_seen)
+        report: object = None
+        report_error: str | None = "no report builder"
+        if self.report is not None:
+            try:
+                report, report_error = self.report(snapshot, assessment, verdict, first_seen), None
+            except Exception as err:  # a bug in the report must not stop the step's evidence
+                report_error = repr(err)
+        health_state = health.to_json()
         doc: dict[str, object] = {
             "evidence": FORMAT,
             "action": str(step.action),
@@ -298,7 +297,11 @@ class EvidenceKeeper:
             "version": self.version,
             "report": report,
             "report_error": report_error,
-            "health_state": _health_state(health, step),
+            "health_state": {
+                uuid: entry
+                for uuid, entry in health_state.items()
+                if step.gpu is None or uuid == step.gpu
+            },
             "process_trees": process_trees(snapshot, _pids_of_step(snapshot, assessment, step)),
             "truncated": [],
         }
@@ -318,29 +321,14 @@ class EvidenceKeeper:
         removed = self._rotate(folder)
         return Kept(folder.join(name), removed)
 
-    def _report(
-        self,
-        snapshot: Snapshot,
-        assessment: Assessment,
-        verdict: NodeVerdict | None,
-        first_seen: Mapping[str, float],
-    ) -> tuple[object, str | None]:
-        """The report part of the evidence and, when there is none, why."""
-        if self.report is None:
-            return None, "no report builder"
-        try:
-            return self.report(snapshot, assessment, verdict, first_seen), None
-        except Exception as err:  # a bug in the report must not stop the step's evidence
-            return None, repr(err)
-
     def _rotate(self, folder: EvidenceFolder) -> tuple[str, ...]:
-        """The oldest evidence files past ``max_files`` removed; the names of those removed."""
+        """The oldest evidence files past :data:`MAX_FILES` removed; the names of those removed."""
         removed = []
         try:
             kept = list_evidence(folder)
         except OSError:
             kept = []  # the next file removes them
-        for old in kept[: max(0, len(kept) - self.max_files)]:
+        for old in kept[: max(0, len(kept) - MAX_FILES)]:
             if folder.remove(old.name):
                 removed.append(old.name)
         return tuple(removed)

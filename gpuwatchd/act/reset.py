@@ -6,13 +6,13 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 from __future__ import annotations
 
 import os
+import shlex
 import types
 from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 from gpuwatchd.act.commands import CommandResult, run_command
 from gpuwatchd.act.reset_mig import restore_layout, run_recovery
-from gpuwatchd.act.reset_monitors import start_monitors, stop_monitors
-from gpuwatchd.act.reset_result import fold_output, interpret_reset_exit, quote_output
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -22,7 +22,10 @@ from gpuwatchd.act.reset_target import (
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
+    fold_output,
+    interpret_reset_exit,
     prepare_commands,
+    quote_output,
 )
 from gpuwatchd.core.vocabulary import (
     EventName,
@@ -58,49 +61,38 @@ def _finished(
         EventName.RESET_FINISHED,
         Level.CRITICAL if outcome.needs_reboot else level,
         gpu=target.uuid,
-        result=outcome.result,
-        step=outcome.step.value,
-        reason=outcome.reason,
-        needs_reboot=outcome.needs_reboot,
-        blockers=list(outcome.blockers),
+        **outcome.fields(),
         dry_run=dry_run,
         **_instance_fields(target),
     )
     return outcome
 
 
+@dataclass(eq=False)
 class Procedure:
     """One run (or resume) of the procedure: the progress flags and the step helpers."""
 
-    def __init__(
-        self,
-        target: ResetTarget,
-        policy: ResetPolicy,
-        env: ResetEnvironment,
-        commands: Commands,
-        *,
-        dry_run: bool,
-        hook_env: Mapping[str, str],
-        runner: CommandRunner,
-        drained: bool = False,
-    ) -> None:
-        self.target = target
-        self.drained = drained  # the drain hooks ran already (a health reset drains first)
-        self.policy = policy
-        self.env = env
-        self.commands = commands
-        # What each step records of them; None: not recorded (an old record's resume).
-        self.recorded: dict[str, object] | None = commands.record()
-        self.dry_run = dry_run
-        self.hook_env = hook_env
-        self.runner = runner
-        self.fabric_wait: FabricWait | None = None
-        self.persistence_off = False
-        self.units_stopped: list[str] = []  # the monitors' units stop_monitors stopped
-        self.reset_started = False
-        self.result: ResetResult | None = None
-        self.commands_done = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
-        self.notes: list[str] = []
+    target: ResetTarget
+    policy: ResetPolicy
+    env: ResetEnvironment
+    commands: Commands
+    _: KW_ONLY
+    dry_run: bool
+    hook_env: Mapping[str, str]
+    runner: CommandRunner
+    drained: bool = False  # the drain hooks ran already (a health reset drains first)
+    fabric_wait: FabricWait | None = None
+    persistence_off: bool = False
+    units_stopped: list[str] = field(default_factory=list)  # the units stop_monitors stopped
+    reset_started: bool = False
+    result: ResetResult | None = None
+    commands_done: int = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
+    notes: list[str] = field(default_factory=list)
+    # What each step records of the commands; None: not recorded (an old record's resume).
+    recorded: dict[str, object] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recorded = self.commands.record()
 
     def begin(self, step: ResetStep) -> bool:
         """Record ``step`` before it runs. False if progress could not be persisted."""
@@ -230,7 +222,7 @@ class Procedure:
                 ResetStepStatus.SKIPPED,
                 detail="persistence mode not changed",
             )
-        start_monitors(self)
+        _start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
             ResetStep.AFTER_HOOKS,
@@ -350,8 +342,8 @@ def perform_reset(
         hook_env=hook_env,
         runner=runner,
         drained=drained,
+        fabric_wait=fabric_wait,
     )
-    proc.fabric_wait = fabric_wait
     stopped = _up_to_final_scan(proc)
     if stopped is not None:
         return stopped
@@ -375,7 +367,7 @@ def _up_to_final_scan(proc: Procedure) -> ResetOutcome | None:
     if failure is not None:
         return proc.abort(ResetStep.BEFORE_HOOKS, failure)
 
-    stopped, would_stop = stop_monitors(proc)
+    stopped, would_stop = _stop_monitors(proc)
     if stopped is not None:
         return stopped
 
@@ -541,3 +533,78 @@ def _wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
     )
     proc.event(ResetStep.HEALTH_CHECK, ResetStepStatus.FABRIC_STUCK, level=Level.ERROR, detail=text)
     return False, text
+
+
+def _systemctl(proc: Procedure, verb: str, units: Sequence[str]) -> list[str]:
+    """``systemctl stop|start UNIT`` for each unit (validated as ``NAME.service``): failures."""
+    failures = []
+    for unit in units:
+        argv = ("systemctl", verb, unit)
+        done = proc.runner(argv, timeout=proc.policy.timeout)
+        if not done.ok:
+            failures.append(f"{shlex.join(argv)}: {done.describe()}{quote_output(done.output)}")
+    return failures
+
+
+def _stop_monitors(proc: Procedure) -> tuple[ResetOutcome | None, frozenset[int]]:
+    """Step ``stop_monitors``: an outcome when the procedure stopped (and was undone); in a dry
+    run, the PIDs it would have stopped (the final scan does not count them)."""
+    step = ResetStep.STOP_MONITORS
+    if not proc.policy.monitors or proc.target.recovery is not None:
+        why = "no reset.monitors" if not proc.policy.monitors else "a MIG GPU instance"
+        proc.event(step, ResetStepStatus.SKIPPED, detail=why)
+        return None, frozenset()
+    if not proc.begin(step):
+        return proc.abort(step, UNRECORDED), frozenset()
+    try:
+        found = proc.env.find_monitors(proc.target)
+    except Exception as err:  # a scan that failed proves nothing: unknown blocks
+        return proc.abort(step, f"the monitor scan failed: {err}"), frozenset()
+    if not found:
+        proc.event(step, ResetStepStatus.SKIPPED, detail="no listed monitor holds the GPU")
+        return None, frozenset()
+    units = sorted({m.entry.unit for m in found if m.entry.unit is not None})
+    monitors = [m.who for m in found]
+    if proc.dry_run:
+        how = [f"systemctl stop {unit}" for unit in units]
+        how += ["SIGTERM"] if any(m.entry.unit is None for m in found) else []
+        detail = "would stop " + ", ".join(monitors) + " (" + "; ".join(how) + ")"
+        proc.event(step, ResetStepStatus.WOULD_RUN, monitors=monitors, units=units, detail=detail)
+        return None, frozenset(m.identity.pid for m in found)
+    proc.units_stopped = units  # recorded before the commands: an undo starts them regardless
+    if units and not proc.begin(step):
+        return proc.abort(step, UNRECORDED), frozenset()
+    failures = _systemctl(proc, "stop", units)
+    processes = [m for m in found if m.entry.unit is None]
+    if not failures and processes:
+        failures = proc.env.stop_monitors(proc.target, processes, proc.policy.timeout)
+    proc.event(
+        step,
+        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
+        level=Level.WARNING if failures else Level.INFO,
+        monitors=monitors,
+        detail="; ".join(failures) or "stopped " + ", ".join(monitors),
+    )
+    if failures:
+        reason = "a monitor could not be stopped: " + "; ".join(failures)
+        return proc.abort(step, reason), frozenset()
+    return None, frozenset()
+
+
+def _start_monitors(proc: Procedure) -> None:
+    """Step ``start_monitors``: the units :func:`_stop_monitors` stopped, started again."""
+    step = ResetStep.START_MONITORS
+    if not proc.units_stopped:
+        proc.event(step, ResetStepStatus.SKIPPED, detail="no monitor unit was stopped")
+        return
+    proc.begin(step)
+    failures = _systemctl(proc, "start", proc.units_stopped)
+    proc.notes.extend(f"a monitor could not be started again: {f}" for f in failures)
+    proc.event(
+        step,
+        ResetStepStatus.FAILED if failures else ResetStepStatus.OK,
+        level=Level.WARNING if failures else Level.INFO,
+        units=list(proc.units_stopped),
+        detail="; ".join(failures) or f"{len(proc.units_stopped)} unit(s) started",
+    )
+    proc.units_stopped = []  # done: a resume must not start them again

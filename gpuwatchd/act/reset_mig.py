@@ -9,8 +9,13 @@ import shlex
 from dataclasses import replace
 
 from gpuwatchd.act.commands import CommandResult
-from gpuwatchd.act.reset_result import interpret_reset_exit, quote_output, says_in_use
-from gpuwatchd.act.reset_target import UNRECORDED, Steps
+from gpuwatchd.act.reset_target import (
+    UNRECORDED,
+    Steps,
+    interpret_reset_exit,
+    quote_output,
+    says_in_use,
+)
 from gpuwatchd.core.vocabulary import Level, ResetResult, ResetStep, ResetStepStatus
 from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,

@@ -145,7 +145,9 @@ def resume_interrupted(
         or proc.result is None
         or (restoring and proc.result is ResetResult.SUCCESS)
     ):
-        return _check_after_reset(proc, commands, step)
+        return _check_after_reset(
+            proc, f"interrupted at step {step.value} after the reset command started"
+        )
 
     reason = f"interrupted at step {step.value}; reset result was {proc.result}; finished"
     return proc.finish(proc.result, ResetStep.DONE, reason, undo=True)
@@ -179,19 +181,17 @@ def _procedure_from(
     return proc
 
 
-def _check_after_reset(proc: Procedure, commands: Commands, step: ResetStep) -> ResetOutcome:
+def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
     """A reset interrupted after its command started: the GPU's health checked, then undone
     as after any reset; ``success`` only when it is healthy and its memory is back."""
-    unhealthy = False
-    if not commands.health:
-        memory: bool | None = None
+    healthy, memory = True, None
+    if not proc.commands.health:
         detail = "the health check command cannot be built; GPU state unknown"
     else:
         healthy, memory, detail = proc.health_check()
-        unhealthy = not healthy
-    result = ResetResult.SUCCESS if not unhealthy and memory is True else ResetResult.FAILED
-    reason = f"interrupted at step {step.value} after the reset command started; {detail}"
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=unhealthy, undo=True)
+    result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
+    reason = f"{interrupted}; {detail}"
+    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)
 
 
 def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | None) -> ResetOutcome:
@@ -239,8 +239,5 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
                 command=command,
                 undo=True,
             )
-    healthy, memory, detail = proc.health_check()
-    result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
     went_on = f"went on at command {point + 1}" if point < total else "re-created already"
-    reason = f"{interrupted}; {went_on}; {detail}"
-    return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)
+    return _check_after_reset(proc, f"{interrupted}; {went_on}")

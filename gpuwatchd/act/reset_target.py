@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.core.checked import as_number
@@ -52,7 +52,6 @@ MAX_RECORDED_COMMANDS = 100  # commands, or hooks, in one list
 MAX_RECORDED_ARGS = 1000  # arguments of one command
 MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
 _MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
-_HOOK_STEPS = ("drain", "before", "after")
 
 
 @dataclass(frozen=True)
@@ -82,21 +81,17 @@ class Commands:
 
     def record(self) -> dict[str, object]:
         """The JSON-able form :func:`commands_from_record` reads back."""
-        record: dict[str, object] = {
-            "reset": [list(argv) for argv in self.reset],
-            "health": list(self.health),
-            "persistence_off": None if self.persistence_off is None else list(self.persistence_off),
-            "persistence_on": None if self.persistence_on is None else list(self.persistence_on),
-            "restore": [list(argv) for argv in self.restore],
-        }
-        for step in _HOOK_STEPS:
-            hooks: tuple[PreparedHook, ...] = getattr(self, step)
-            record[step] = [
-                {"argv": list(h.argv), "timeout": h.timeout}
-                | ({} if h.error is None else {"error": h.error})
-                for h in hooks
-            ]
-        return record
+        return {key: _plain(getattr(self, key)) for key in _READERS}
+
+
+def _plain(value: object) -> object:
+    """A command (list), a list of them, a hook (``argv``, ``timeout``, ``error`` if any)."""
+    if isinstance(value, PreparedHook):
+        hook = {"argv": list(value.argv), "timeout": value.timeout}
+        return hook if value.error is None else {**hook, "error": value.error}
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _values(target: ResetTarget) -> dict[str, str | None]:
@@ -172,23 +167,13 @@ def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:
     """The ``commands`` of a progress record, read strictly (hostile input: exactly the keys
     :meth:`Commands.record` writes, within the ``MAX_RECORDED_*`` bounds, naming ``target``'s
     GPU), or what is wrong."""
-    if not isinstance(raw, Mapping) or set(raw) != {*_HOOK_STEPS, *_COMMAND_KEYS}:
-        return "not an object with the keys " + ", ".join(sorted({*_HOOK_STEPS, *_COMMAND_KEYS}))
+    if not isinstance(raw, Mapping) or set(raw) != set(_READERS):
+        return "not an object with the keys " + ", ".join(sorted(_READERS))
     try:
-        commands = Commands(
-            _argvs(raw["reset"], "reset"),
-            _argv(raw["health"], "health"),
-            _argv(raw["persistence_off"], "persistence_off"),
-            _argv(raw["persistence_on"], "persistence_on"),
-            _argvs(raw["restore"], "restore"),
-            *(_hooks(raw[step], step) for step in _HOOK_STEPS),
-        )
+        commands = Commands(**{key: read(raw[key], key) for key, read in _READERS.items()})
     except ValueError as err:
         return str(err)
     return _unsafe(commands, target) or commands
-
-
-_COMMAND_KEYS = ("reset", "health", "persistence_off", "persistence_on", "restore")
 
 
 def _argv(raw: object, where: str) -> Argv:
@@ -232,6 +217,91 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
     return tuple(hooks)
 
 
+# Each field of :class:`Commands` (in its order, the record's) and its reader.
+_READERS: Mapping[str, Callable[[object, str], Any]] = {
+    "reset": _argvs,
+    "health": _argv,
+    "persistence_off": _argv,
+    "persistence_on": _argv,
+    "restore": _argvs,
+    "drain": _hooks,
+    "before": _hooks,
+    "after": _hooks,
+}
+
+
+# --- reading a reset command's result (the table of exit codes: docs/internals.md) -----------
+
+REASON_OUTPUT_LIMIT = 2000  # characters of a command's output quoted in a reason
+
+_EXIT_MEANINGS = {
+    2: "invalid argument",
+    3: "reset is not supported on this GPU",
+    4: "no permission to reset (needs root with CAP_SYS_ADMIN)",
+    6: "GPU not found",
+    8: "GPU power cables not connected",
+    9: "NVIDIA driver not loaded",
+    10: "GPU interrupt (IRQ) problem",
+    12: "NVML library not found",
+    13: "function not implemented",
+    14: "GPU infoROM corrupted",
+    15: "GPU has fallen off the bus or is inaccessible",
+}
+_IN_USE_MARKERS = ("in use by another client", "currently in use", "being used by")
+IN_USE_REASON = (
+    "exit 255: the driver says the GPU is in use by another client, which the final holder "
+    "scan did not see (a hidden holder: a file descriptor in flight in a unix-socket message, "
+    "a holder in another PID namespace or a VM, or a thread whose files could not be read)"
+)
+
+
+def fold_output(output: str) -> str:
+    """Output on one line (whitespace folded), its last :data:`REASON_OUTPUT_LIMIT` characters."""
+    text = " ".join(output.split())
+    if len(text) > REASON_OUTPUT_LIMIT:
+        text = "..." + text[-REASON_OUTPUT_LIMIT:]
+    return text
+
+
+def quote_output(output: str) -> str:
+    """``; output: '...'`` for a reason, or nothing when there was no output."""
+    text = fold_output(output)
+    return f"; output: {text!r}" if text else ""
+
+
+def says_in_use(result: CommandResult) -> bool:
+    """The command failed with nvidia-smi's "in use by another client" text."""
+    lowered = result.output.lower()
+    return not result.ok and any(marker in lowered for marker in _IN_USE_MARKERS)
+
+
+def interpret_reset_exit(result: CommandResult) -> tuple[ResetResult, bool, str]:
+    """``(result, needs_reboot, reason)`` for a finished reset command, its output quoted."""
+    output = quote_output(result.output)
+    if result.timed_out:
+        unkillable = result.returncode is None
+        reason = f"reset command did not finish within {result.duration:.1f}s and was killed"
+        if unkillable:
+            reason += f"; {result.error}: the GPU is probably wedged"
+        return ResetResult.TIMEOUT, unkillable, reason + output
+    if result.returncode is None:
+        return ResetResult.FAILED, False, f"reset command could not run: {result.error}"
+    code = result.returncode
+    if code == 0:
+        return ResetResult.SUCCESS, False, "GPU reset" + output
+    if code < 0:
+        return ResetResult.FAILED, False, f"reset command was killed by signal {-code}" + output
+    if code == 15:
+        reason = f"exit 15: {_EXIT_MEANINGS[15]}; the node needs a reboot{output}"
+        return ResetResult.FAILED, True, reason
+    if code == 255 and says_in_use(result):
+        return ResetResult.IN_USE, False, IN_USE_REASON + output
+    if code == 255:
+        return ResetResult.FAILED, False, "exit 255: nvidia-smi reported an error" + output
+    meaning = _EXIT_MEANINGS.get(code, "unexpected exit code")
+    return ResetResult.FAILED, False, f"exit {code}: {meaning}" + output
+
+
 @dataclass(frozen=True)
 class ResetOutcome:
     """How a reset ended: its ``result``, the ``step`` it ended at (``done`` when it went all
@@ -243,6 +313,16 @@ class ResetOutcome:
     needs_reboot: bool
     command: CommandResult | None
     blockers: tuple[str, ...]
+
+    def fields(self) -> dict[str, object]:
+        """What the reset's events say of how it ended."""
+        return {
+            "result": self.result,
+            "step": self.step.value,
+            "reason": self.reason,
+            "needs_reboot": self.needs_reboot,
+            "blockers": list(self.blockers),
+        }
 
 
 class ResetEnvironment(Protocol):
@@ -296,16 +376,13 @@ class CommandRunner(Protocol):
 
 
 class Steps(Protocol):
-    """What the step modules (reset_mig, reset_monitors) use of
-    :class:`gpuwatchd.act.reset.Procedure`, which imports them."""
+    """What the MIG steps (reset_mig) use of :class:`gpuwatchd.act.reset.Procedure`, which
+    imports them."""
 
     target: ResetTarget
-    policy: ResetPolicy
     env: ResetEnvironment
     commands: Commands
-    runner: CommandRunner
     dry_run: bool
-    units_stopped: list[str]
     notes: list[str]
     commands_done: int
 
@@ -314,7 +391,6 @@ class Steps(Protocol):
     def event(
         self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
     ) -> None: ...
-    def abort(self, step: ResetStep, reason: str, blockers: Sequence[str] = ()) -> ResetOutcome: ...
 
 
 def progress_record(
@@ -345,10 +421,6 @@ def outcome_event(
     return level, {
         "gpu": gpu,
         "pci_bus_id": pci_bus_id,
-        "result": outcome.result,
-        "step": outcome.step.value,
-        "reason": outcome.reason,
-        "needs_reboot": outcome.needs_reboot,
-        "blockers": list(outcome.blockers),
+        **outcome.fields(),
         "dry_run": dry_run,
     }

@@ -256,13 +256,11 @@ class Collector:
             ):
                 reused[pid] = held.holding
         scan = scanner.scan([pid for pid in targets if pid not in reused])
-        if not reused:
-            self._remember_holdings(scan, gpus_of, live_listed)
-            return scan
-        kept = {pid: h for pid, h in reused.items() if h is not None}
-        merged = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
-        self._remember_holdings(merged, gpus_of, live_listed)
-        return merged
+        if reused:
+            kept = {pid: h for pid, h in reused.items() if h is not None}
+            scan = dataclasses.replace(scan, holdings={**scan.holdings, **kept})
+        self._remember_holdings(scan, gpus_of, live_listed)
+        return scan
 
     def _remember_holdings(
         self,

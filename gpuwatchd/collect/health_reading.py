@@ -35,10 +35,15 @@ def bounded(value: object, high: int) -> int | None:
     return number if number is not None and 0 <= number <= high else None
 
 
-def _checked(section: Mapping[str, object], *values: object) -> Support:
-    """A section's support: unknown where it says ok but a value it must carry is invalid."""
+def _checked(
+    section: Mapping[str, object], *values: object
+) -> tuple[Support, Mapping[str, object]]:
+    """A section's support (unknown where it says ok but a value it must carry is invalid), and
+    what its values are read from: the section when ok, else nothing (every value None)."""
     support = _support(section.get("status"))
-    return Support.UNKNOWN if support is Support.OK and None in values else support
+    if support is Support.OK and None in values:
+        support = Support.UNKNOWN
+    return support, section if support is Support.OK else {}
 
 
 def _xids(raw: object) -> tuple[XidEvent, ...]:
@@ -60,36 +65,27 @@ def to_health(raw: object) -> GpuHealth | None:
         return None
     action, rows = as_map(raw.get("recovery_action")), as_map(raw.get("remapped_rows"))
     pages, fabric = as_map(raw.get("retired_pages")), as_map(raw.get("fabric"))
-    action_value = bounded(action.get("value"), MAX_RECOVERY_ACTION)
-    action_support = _checked(action, action_value)
-    remap_pending, remap_failure = as_flag(rows.get("pending")), as_flag(rows.get("failure"))
-    remap_support = _checked(rows, remap_pending, remap_failure)
-    ok_rows = remap_support is Support.OK
-    pending = as_flag(pages.get("pending"))
-    pages_support = _checked(pages, pending)
-    ok_pages = pages_support is Support.OK
-    fabric_state = bounded(fabric.get("state"), MAX_FABRIC_STATE)
-    fabric_support = _checked(fabric, fabric_state)
-    ok_fabric = fabric_support is Support.OK
+    action_support, action = _checked(action, bounded(action.get("value"), MAX_RECOVERY_ACTION))
+    remap_support, rows = _checked(rows, as_flag(rows.get("pending")), as_flag(rows.get("failure")))
+    pages_support, pages = _checked(pages, as_flag(pages.get("pending")))
+    fabric_support, fabric = _checked(fabric, bounded(fabric.get("state"), MAX_FABRIC_STATE))
     return GpuHealth(
         events=_support(raw.get("events")),
         xids=_xids(raw.get("xids")),
-        recovery_action=action_value if action_support is Support.OK else None,
+        recovery_action=bounded(action.get("value"), MAX_RECOVERY_ACTION),
         recovery_support=action_support,
-        remap_correctable=bounded(rows.get("correctable"), MAX_COUNT) if ok_rows else None,
-        remap_uncorrectable=bounded(rows.get("uncorrectable"), MAX_COUNT) if ok_rows else None,
-        remap_pending=remap_pending if ok_rows else None,
-        remap_failure=remap_failure if ok_rows else None,
+        remap_correctable=bounded(rows.get("correctable"), MAX_COUNT),
+        remap_uncorrectable=bounded(rows.get("uncorrectable"), MAX_COUNT),
+        remap_pending=as_flag(rows.get("pending")),
+        remap_failure=as_flag(rows.get("failure")),
         remap_support=remap_support,
-        pages_pending=pending if ok_pages else None,
-        pages_single_bit=bounded(pages.get("single_bit"), MAX_COUNT) if ok_pages else None,
-        pages_double_bit=bounded(pages.get("double_bit"), MAX_COUNT) if ok_pages else None,
+        pages_pending=as_flag(pages.get("pending")),
+        pages_single_bit=bounded(pages.get("single_bit"), MAX_COUNT),
+        pages_double_bit=bounded(pages.get("double_bit"), MAX_COUNT),
         pages_support=pages_support,
         fabric_support=fabric_support,
-        fabric_state=fabric_state if ok_fabric else None,
-        fabric_status=bounded(fabric.get("probe_status"), MAX_NVML_RETURN) if ok_fabric else None,
-        fabric_health_mask=bounded(fabric.get("health_mask"), MAX_MASK) if ok_fabric else None,
-        fabric_health_summary=(
-            bounded(fabric.get("health_summary"), MAX_SUMMARY) if ok_fabric else None
-        ),
+        fabric_state=bounded(fabric.get("state"), MAX_FABRIC_STATE),
+        fabric_status=bounded(fabric.get("probe_status"), MAX_NVML_RETURN),
+        fabric_health_mask=bounded(fabric.get("health_mask"), MAX_MASK),
+        fabric_health_summary=bounded(fabric.get("health_summary"), MAX_SUMMARY),
     )

@@ -12,6 +12,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuwatchd.collect import spread
@@ -28,40 +29,8 @@ THREAD_TABLE_BUDGET = 65_536  # fd entries of one process's threads' own tables 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _DEVICE_NAME = re.compile(r"nvidia(\d+)|nvidiactl|nvidia-uvm|(?:nvidia-caps/)?nvidia-cap(\d+)")
 
-# ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor) | ("capfile", code)
+# ("gpu", minor) | ("ctl", 0) | ("uvm", 0) | ("cap", minor)
 _Match = tuple[str, int]
-
-# Capabilities travel in the scan rows' GPU tuples (collect/spread.py's Row is shared with the
-# fork workers), offset past any device minor (MINORBITS is 20): an nvidia-cap minor as
-# _CAP_BASE + minor, a procfs capability file as _CAP_FILE_BASE + its code.
-_CAP_BASE = 1 << 24
-_CAP_FILE_BASE = 1 << 28
-
-
-def _cap_file_code(cap: MigCapability) -> int:
-    return (cap.gpu_minor << 18) | (cap.gi << 9) | (0 if cap.ci is None else cap.ci + 1)
-
-
-def _cap_of_code(code: int) -> MigCapability:
-    ci = code & 0x1FF
-    return MigCapability(code >> 18, (code >> 9) & 0x1FF, None if ci == 0 else ci - 1)
-
-
-def _split_minors(
-    minors: Iterable[int],
-) -> tuple[frozenset[int], frozenset[int], frozenset[MigCapability]]:
-    """A row's minors → (GPU minors, nvidia-cap minors, procfs capabilities)."""
-    gpus: set[int] = set()
-    caps: set[int] = set()
-    files: set[MigCapability] = set()
-    for value in minors:
-        if value >= _CAP_FILE_BASE:
-            files.add(_cap_of_code(value - _CAP_FILE_BASE))
-        elif value >= _CAP_BASE:
-            caps.add(value - _CAP_BASE)
-        else:
-            gpus.add(value)
-    return frozenset(gpus), frozenset(caps), frozenset(files)
 
 
 class ProcessTable(Protocol):
@@ -122,38 +91,41 @@ def lines_containing(data: bytes, markers: tuple[bytes, ...]) -> list[bytes]:
     return lines
 
 
+@dataclass(slots=True)
 class _Found:
     """What one process was seen holding, accumulated across fds and mappings."""
 
-    __slots__ = ("by_name", "capped", "ctl", "gpu_fd", "gpu_map", "uvm")
-
-    def __init__(self) -> None:
-        self.gpu_fd: set[int] = set()
-        self.gpu_map: set[int] = set()
-        self.ctl = False
-        self.uvm = False
-        self.by_name = False
-        self.capped = False  # threads' own fd tables left unread: the budget ran out
+    gpu_fd: set[int] = field(default_factory=set)
+    gpu_map: set[int] = field(default_factory=set)
+    caps_fd: set[int] = field(default_factory=set)  # nvidia-cap minors
+    caps_map: set[int] = field(default_factory=set)
+    cap_files: set[spread.CapFile] = field(default_factory=set)
+    ctl: bool = False
+    uvm: bool = False
+    by_name: bool = False
+    capped: bool = False  # threads' own fd tables left unread: the budget ran out
 
     def add(self, kind: str, minor: int, via_map: bool) -> None:
         if kind == "gpu":
             (self.gpu_map if via_map else self.gpu_fd).add(minor)
         elif kind == "cap":
-            (self.gpu_map if via_map else self.gpu_fd).add(_CAP_BASE + minor)
-        elif kind == "capfile":
-            self.gpu_fd.add(_CAP_FILE_BASE + minor)
+            (self.caps_map if via_map else self.caps_fd).add(minor)
         elif kind == "ctl":
             self.ctl = True
         elif kind == "uvm":
             self.uvm = True
 
+    def holds(self) -> bool:
+        held = (self.gpu_fd, self.gpu_map, self.caps_fd, self.caps_map, self.cap_files)
+        return any(held) or self.ctl or self.uvm
 
-def _holding(
-    pid: int, gpu_fd: Iterable[int], gpu_map: Iterable[int], ctl: bool, uvm: bool
-) -> DeviceHolding:
-    gpus_fd, caps_fd, files_fd = _split_minors(gpu_fd)
-    gpus_map, caps_map, files_map = _split_minors(gpu_map)
-    return DeviceHolding(pid, gpus_fd, gpus_map, ctl, uvm, caps_fd, caps_map, files_fd | files_map)
+    def row(self, pid: int, denied: bool) -> spread.Row:
+        """What was found, as a plain row (``by_name`` said only of a holder)."""
+        minors = (self.gpu_fd, self.gpu_map, self.caps_fd, self.caps_map)
+        gpu_fd, gpu_map, caps_fd, caps_map = (tuple(sorted(found)) for found in minors)
+        holds, files = self.holds(), tuple(self.cap_files)
+        flags = (self.ctl, self.uvm, self.by_name and holds, denied, self.capped)
+        return (pid, gpu_fd, gpu_map, *flags, caps_fd, caps_map, files)
 
 
 def _place_table(kcmp: Kcmp, tid: int, tables: list[int]) -> tuple[int, bool] | None:
@@ -215,11 +187,9 @@ class HolderScanner:
             (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
         )
 
-    def uvm_major(self) -> int | None:
-        """nvidia-uvm's dynamic major from ``/proc/devices``, read once; None when absent."""
-        return self._major("nvidia-uvm")
-
-    def _major(self, name: str) -> int | None:
+    def major(self, name: str) -> int | None:
+        """A driver's (``nvidia-uvm``, ``nvidia-caps``) dynamic major from ``/proc/devices``,
+        read once; None when absent."""
         if name not in self._majors:
             majors = self.procfs.char_device_majors()
             if majors is None:
@@ -245,9 +215,18 @@ class HolderScanner:
         return HolderScan(
             mode="full" if pids is None else "targeted",
             holdings={
-                pid: _holding(pid, gpu_fd, gpu_map, ctl, uvm)
-                for pid, gpu_fd, gpu_map, ctl, uvm, *_ in rows
-                if gpu_fd or gpu_map or ctl or uvm
+                pid: DeviceHolding(
+                    pid,
+                    frozenset(gpu_fd),
+                    frozenset(gpu_map),
+                    ctl,
+                    uvm,
+                    frozenset(caps_fd),
+                    frozenset(caps_map),
+                    frozenset(MigCapability(*cap) for cap in files),
+                )
+                for pid, gpu_fd, gpu_map, ctl, uvm, _, _, _, caps_fd, caps_map, files in rows
+                if gpu_fd or gpu_map or ctl or uvm or caps_fd or caps_map or files
             },
             unreadable=frozenset(row[0] for row in rows if row[6]),
             matched_by_name=frozenset(row[0] for row in rows if row[5]),  # only holders'
@@ -264,22 +243,8 @@ class HolderScanner:
             found, denied = self._scan_process(pid, by_inode)
             if tick is not None:
                 tick()
-            if found is None:
-                continue
-            holds = bool(found.gpu_fd or found.gpu_map or found.ctl or found.uvm)
-            if holds or denied:
-                rows.append(
-                    (
-                        pid,
-                        tuple(sorted(found.gpu_fd)),
-                        tuple(sorted(found.gpu_map)),
-                        found.ctl,
-                        found.uvm,
-                        found.by_name and holds,
-                        denied,
-                        found.capped,
-                    )
-                )
+            if found is not None and (denied or found.holds()):
+                rows.append(found.row(pid, denied))
         return rows
 
     def _match_rdev(self, st: os.stat_result) -> _Match | None:
@@ -288,12 +253,12 @@ class HolderScanner:
         major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
         if major == self.device_major and minor == self.ctl_minor:
             return ("ctl", 0)
-        uvm_major = self.uvm_major()
+        uvm_major = self.major("nvidia-uvm")
         if uvm_major is not None and major == uvm_major and minor == self.uvm_minor:
             return ("uvm", 0)
         if major == self.device_major and minor <= MAX_GPU_MINOR:
             return ("gpu", minor)
-        caps_major = self._major("nvidia-caps")
+        caps_major = self.major("nvidia-caps")
         if caps_major is not None and major == caps_major and major != self.device_major:
             return ("cap", minor)
         return None
@@ -302,10 +267,6 @@ class HolderScanner:
         """What ``path`` names in path mode: a device file under ``devices_dir``, or None."""
         prefix = self._device_prefix
         return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
-
-    def _match_cap_file(self, target: str) -> _Match | None:
-        cap = match_cap_file(target, self.capabilities_dir)
-        return None if cap is None else ("capfile", _cap_file_code(cap))
 
     def _scan_fds(self, fd_dir: str, found: _Found) -> int:
         """Add what the fds in ``fd_dir`` hold; how many fds the table had (0: empty)."""
@@ -330,9 +291,10 @@ class HolderScanner:
                 return len(names)
             fd_of = dict(zip(targets, names, strict=True))
             for target in fd_of:
-                cap = self._match_cap_file(target) if "/capabilities/" in target else None
-                if cap is not None:
-                    found.add(*cap, via_map=False)
+                if "/capabilities/" in target:
+                    cap = match_cap_file(target, self.capabilities_dir)
+                    if cap is not None:
+                        found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
             for target, name in fd_of.items():
                 if self.match_by_path:
                     what = self.match_path(target)
@@ -486,7 +448,7 @@ class HolderScanner:
         spent = 0
         complete = True
         for tid in tids:
-            if tid == pid or kcmp.same_files(tid, pid) is True:
+            if tid == pid or kcmp.order_files(tid, pid) == 0:  # the leader's table
                 continue
             place = _place_table(kcmp, tid, tables)
             if place is not None and place[1]:

@@ -125,7 +125,7 @@ class InheritanceProbe:
                     st = os.stat(f"{fd_dir}/{name}")
                 except OSError:
                     continue
-                majors = {scanner.device_major, scanner.uvm_major()}
+                majors = {scanner.device_major, scanner.major("nvidia-uvm")}
                 if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) not in majors:
                     continue
             fds.append(int(name))

@@ -57,14 +57,9 @@ class Kcmp:
             self.unavailable = os.strerror(ctypes.get_errno())  # stop asking
         return None if answer is None else answer == 0  # None also for EBADF, ESRCH
 
-    def same_files(self, tid1: int, tid2: int) -> bool | None:
-        """Whether two tasks (thread ids) share one file descriptor table; None = unknown
-        (no kcmp, no ptrace access to one of them, or one of them is gone)."""
-        answer = self._ask(tid1, tid2, KCMP_FILES, 0, 0)
-        return None if answer is None else answer == 0
-
     def order_files(self, tid1: int, tid2: int) -> int | None:
         """-1, 0 or 1 as tid1's file descriptor table sorts before, is, or sorts after tid2's
-        (the kernel's order, stable while both exist); None = unknown."""
+        (the kernel's order, stable while both exist); None = unknown (no kcmp, no ptrace
+        access to one of them, or one of them is gone)."""
         answer = self._ask(tid1, tid2, KCMP_FILES, 0, 0)
         return None if answer is None or answer == 3 else (0, -1, 1)[answer]

@@ -40,14 +40,11 @@ _PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 def _capability(match: re.Match[str]) -> MigCapability | None:
     """The capability a pattern's match names (GPU minor, GPU instance, compute instance or
     None); None when an id is out of range."""
-    gpu, gi, ci = int(match.group(1)), int(match.group(2)), _opt_int(match.group(3))
+    gpu, gi, text = int(match.group(1)), int(match.group(2)), match.group(3)
+    ci = None if text is None else int(text)
     if gpu > MAX_GPU_MINOR or gi > MAX_INSTANCE_ID or (ci is not None and ci > MAX_INSTANCE_ID):
         return None
     return MigCapability(gpu, gi, ci)
-
-
-def _opt_int(text: str | None) -> int | None:
-    return None if text is None else int(text)
 
 
 class MigMinorsError(ValueError):

@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 
 # (pid, GPU minors via fd, GPU minors via mapping, nvidiactl, nvidia-uvm, matched by name,
-# partly unreadable, threads' own fd tables left unread)
-Row = tuple[int, tuple[int, ...], tuple[int, ...], bool, bool, bool, bool, bool]
+# partly unreadable, threads' own fd tables left unread, nvidia-cap minors via fd, via mapping,
+# procfs capability files as (GPU minor, GPU instance, compute instance or None))
+Minors = tuple[int, ...]
+CapFile = tuple[int, int, int | None]
+Row = tuple[int, Minors, Minors, bool, bool, bool, bool, bool, Minors, Minors, tuple[CapFile, ...]]
 # What a scan of a slice is given besides its PIDs: a call after each process (or None)
 Tick = Callable[[], None] | None
 Scan = Callable[[Sequence[int], Tick], list[Row]]

@@ -24,7 +24,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -168,8 +168,12 @@ def test_forked_workers_give_the_same_holdings_in_the_same_order(
 # --- the merge and the fork rules, alone ------------------------------------------------------
 
 
-def _rows(pids: object, tick: spread.Tick = None) -> list[spread.Row]:
-    return [(pid, (pid % 8,), (), True, False, False, pid % 5 == 0, pid % 7 == 0) for pid in pids]  # type: ignore[attr-defined]
+def _rows(pids: Iterable[int], tick: spread.Tick = None) -> list[spread.Row]:
+    flags = (True, False, False)
+    return [
+        (pid, (pid % 8,), (), *flags, pid % 5 == 0, pid % 7 == 0, (), (), ((0, 1, None),))
+        for pid in pids
+    ]
 
 
 def test_spread_merges_in_input_order_whatever_the_split() -> None:
@@ -197,7 +201,7 @@ def test_a_walk_too_short_to_share_reads_neither_the_cpus_nor_the_load(
 def test_a_slice_whose_worker_failed_is_scanned_here() -> None:
     parent = os.getpid()
 
-    def scan(pids: object, tick: spread.Tick) -> list[spread.Row]:
+    def scan(pids: Sequence[int], tick: spread.Tick) -> list[spread.Row]:
         if os.getpid() != parent:
             raise RuntimeError("the worker dies")
         return _rows(pids)

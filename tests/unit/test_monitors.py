@@ -1,6 +1,6 @@
 """Monitors (decide/plan/monitors.py): an NVML-only client never keeps leaked memory from being
 ghost_memory; it blocks the reset with a reason that names it unless ``reset.monitors`` names it,
-and then the reset procedure stops it and brings it back (act/reset_monitors.py).
+and then the reset procedure stops it and brings it back (act/reset.py).
 
 Pinned here: the reset gate a snapshot decides (assess + ``reset_gates``), which holders the
 procedure stops, and the procedure's two steps with a recording runner (nothing runs). The

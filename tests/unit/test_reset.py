@@ -15,9 +15,8 @@ import pytest
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.reset import perform_reset
-from gpuwatchd.act.reset_result import interpret_reset_exit
 from gpuwatchd.act.reset_resume import resume_interrupted
-from gpuwatchd.act.reset_target import ResetTarget
+from gpuwatchd.act.reset_target import ResetTarget, interpret_reset_exit
 from gpuwatchd.act.signals import stat_start_ticks
 from gpuwatchd.core.vocabulary import ResetStep
 from gpuwatchd.decide.policy import Hook, ResetPolicy

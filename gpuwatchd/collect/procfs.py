@@ -13,7 +13,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.cgroups import (
@@ -95,9 +95,19 @@ def _decode(raw: bytes) -> str:
 
 class ProcFS:
     """Reads process and host facts from a ``/proc`` tree rooted at ``root``; the keyword
-    arguments are those of :attr:`holders`, the device-holder scanner over the same tree."""
+    arguments configure :attr:`holders`, the device-holder scanner over the same tree."""
 
-    def __init__(self, root: str = "/proc", **scanner: Any) -> None:
+    def __init__(
+        self,
+        root: str = "/proc",
+        *,
+        devices_dir: str = "/dev",
+        device_major: int | None = None,
+        uvm_major: int | None = None,
+        ctl_minor: int | None = None,
+        uvm_minor: int = 0,
+        match_by_path: bool | None = None,
+    ) -> None:
         from gpuwatchd.collect import holders  # holders builds on this module, not the reverse
 
         self.root = root.rstrip("/") or "/"
@@ -108,7 +118,15 @@ class ProcFS:
         self._boot_id: str | None = None
         self._real_proc = is_procfs(self.root)  # its boot_id is read once
         self.self_pid = self._read_self_pid()
-        self.holders: HolderScanner = holders.HolderScanner(self, **scanner)
+        self.holders: HolderScanner = holders.HolderScanner(
+            self,
+            devices_dir=devices_dir,
+            device_major=holders.NVIDIA_MAJOR if device_major is None else device_major,
+            uvm_major=uvm_major,
+            ctl_minor=holders.NVIDIACTL_MINOR if ctl_minor is None else ctl_minor,
+            uvm_minor=uvm_minor,
+            match_by_path=match_by_path,
+        )
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))

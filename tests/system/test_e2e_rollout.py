@@ -86,7 +86,13 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         )  # fmt: skip
         out["spare_cli"], out["pause_cli"] = spared.returncode, paused.returncode
         run.wait_for(lambda: run.saw("spare.started") and run.saw("daemon.paused"), timeout=30)
-        out["status_paused"] = _status(host, run.config)
+
+        def paused_and_spared() -> bool:  # logged as the poll takes them; saved at its end
+            out["status_paused"] = _status(host, run.config)
+            shown = out["status_paused"][1]
+            return bool(shown.get("effective_mode") == "paused" and shown.get("spares"))
+
+        run.wait_for(paused_and_spared, timeout=30)
         dropins = run.config.parent / "conf.d"
         dropins.mkdir(exist_ok=True)
         (dropins / "50-enforce.yaml").write_text("dry_run: false\n")
@@ -100,6 +106,8 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         out["spare_ended_after"] = time.monotonic() - given
         run.wait_for(lambda: not host.alive(worker), timeout=30)
         out["alive_at_the_end"] = host.alive(worker)
+        # action.signal is logged once the kill has returned: the worker may be gone first.
+        run.wait_for(lambda: run.saw("action.signal", pid=worker, outcome="delivered"), timeout=10)
         out["order"] = {
             "paused": _index(run, "daemon.paused"),
             "resumed": _index(run, "daemon.resumed"),
@@ -128,7 +136,12 @@ def host_rollout_week(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         host.nvml([gpu(0), gpu(1)])
         run.wait_for(lambda: run.saw("nvml.recovered"), timeout=60)
         out["recovered"] = [e for e in run.events() if e.get("event") == "nvml.recovered"]
-        out["status_back"] = _status(host, run.config)
+
+        def back() -> bool:  # nvml.recovered is logged in the poll that saves it at its end
+            out["status_back"] = _status(host, run.config)
+            return bool(out["status_back"][1].get("nvml", {}).get("state") == "ok")
+
+        run.wait_for(back, timeout=30)
         out["resumed"] = [e for e in run.events() if e.get("event") == "daemon.resumed"]
         out["spare_events"] = [
             e for e in run.events() if e.get("event") in ("spare.started", "spare.ended")

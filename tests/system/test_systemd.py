@@ -316,6 +316,12 @@ def test_reload_with_broken_policy_fails_visibly_and_keeps_the_old_one(
         assert failed.returncode != 0
         assert ct.prop("ActiveState") == "active"
         assert ct.prop("MainPID") == pid
+        # check-config's word reaches journald through a stream it reads in its own time.
+        wait_for(
+            "the broken file named in the journal",
+            lambda: any("90-broken.yaml" in m for m in ct.messages()),
+            timeout=15,
+        )
         assert any("90-broken.yaml" in m for m in ct.messages())
         # A SIGHUP sent by hand bypasses the check: the daemon rejects the policy itself, logs
         # it at error, and says so in STATUS until a good policy loads.
@@ -363,7 +369,12 @@ def test_a_drop_in_rejected_at_start_leaves_the_node_watched_and_says_so(
         assert restarted.returncode == 0, restarted.stderr
         assert ct.prop("ActiveState") == "active"
         assert "policy rejected at start" in ct.prop("StatusText")
-        rejected = [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.start_rejected"]
+
+        def start_rejected() -> list[dict[str, Any]]:  # sent before READY; journald may lag
+            return [e for e in ct.journal() if e.get("GPUWATCHD_EVENT") == "config.start_rejected"]
+
+        wait_for("config.start_rejected in the journal", lambda: bool(start_rejected()), timeout=15)
+        rejected = start_rejected()
         assert rejected, ct.messages()[-10:]
         assert rejected[-1]["PRIORITY"] == "2"  # critical
         assert "90-broken.yaml" in rejected[-1]["GPUWATCHD_ERROR"]
@@ -399,6 +410,11 @@ def test_watchdog_restarts_a_stopped_main_loop(configured: Container) -> None:
         timeout=30,
     )
     assert took < 20
+    wait_for(
+        "the watchdog timeout in the journal",
+        lambda: any("Watchdog timeout" in m for m in ct.messages()),
+        timeout=15,
+    )
     assert any("Watchdog timeout" in m for m in ct.messages())
 
 
@@ -435,18 +451,28 @@ def test_enforcing_kills_an_orphan_and_logs_the_action_at_warning(enforcing: Con
         return ct.run(["kill", "-0", str(child)], check=False).returncode != 0
 
     wait_for(f"orphan {child} to be killed", child_gone, timeout=45)
-    about_child = [
-        e
-        for e in ct.journal()
-        if re.search(rf"\bpid={child}\b", str(e.get("MESSAGE", "")))
-        and re.search(r"SIG(TERM|KILL)", str(e.get("MESSAGE", "")))
-    ]
-    assert about_child, "no journal entry names the signal sent to the orphan"
+
+    def about_child() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in ct.journal()
+            if re.search(rf"\bpid={child}\b", str(e.get("MESSAGE", "")))
+            and re.search(r"SIG(TERM|KILL)", str(e.get("MESSAGE", "")))
+        ]
+
+    # action.signal is logged once the kill has returned, and journald reads it in its own time.
+    wait_for(
+        "the signal to the orphan in the journal",
+        lambda: any(e.get("GPUWATCHD_EVENT") == "action.signal" for e in about_child()),
+        timeout=15,
+    )
+    about = about_child()
+    assert about, "no journal entry names the signal sent to the orphan"
     # One warning line per action: the signal itself; the step that led to it is info.
-    actions = [e for e in about_child if e.get("GPUWATCHD_EVENT") == "action.signal"]
+    actions = [e for e in about if e.get("GPUWATCHD_EVENT") == "action.signal"]
     assert actions
     assert {e["PRIORITY"] for e in actions} == {"4"}, actions
-    assert {e["PRIORITY"] for e in about_child if e not in actions} <= {"6", "7"}
+    assert {e["PRIORITY"] for e in about if e not in actions} <= {"6", "7"}
 
 
 def _probe(ct: Container, name: str) -> dict[str, str]:

@@ -361,13 +361,12 @@ def test_a_worker_that_outlives_its_job_is_freed_and_the_node_stays_up(cluster: 
     cluster.wait_idle("the node to be idle after the job")
     assert cluster.sinfo_reasons() == []
     assert cluster.epilog_completed(job), "slurmd does not say the epilog completed"
-    events = cluster.journal("gpuwatchd.service")
-    signals = [
-        e
-        for e in events
-        if e.get("GPUWATCHD_EVENT") == "action.signal" and e.get("TARGET_PID") == str(worker)
-    ]
-    assert signals, "no signal to the worker in the journal"
+
+    def signals() -> list[dict[str, Any]]:  # logged once the kill returned; journald lags
+        return [e for e in _events(cluster, "action.signal") if e.get("TARGET_PID") == str(worker)]
+
+    _until("the signal to the worker in the journal", lambda: bool(signals()), timeout=30)
+    assert signals(), "no signal to the worker in the journal"
 
 
 # -- (b) and (d) ------------------------------------------------------------------------------
@@ -403,13 +402,20 @@ def test_a_gpu_left_dirty_drains_with_our_reason_and_the_timer_lifts_it_once_cle
     cluster.idle()
     cluster.wait_idle("the timer to lift our drain", timeout=60)
     assert cluster.sinfo_reasons() == []
-    lifted = [
-        str(e.get("MESSAGE", ""))
-        for e in cluster.journal("gpuwatchd-slurm-undrain.service")
-        if "resuming" in str(e.get("MESSAGE", ""))
-    ]
-    assert any('"Epilog error"' in m for m in lifted), lifted
-    assert not (ct.root / RECORDS.lstrip("/") / f"drained.{NODE}").exists()
+
+    def lifted() -> list[str]:  # said before the resume, but journald may not have it yet
+        return [
+            str(e.get("MESSAGE", ""))
+            for e in cluster.journal("gpuwatchd-slurm-undrain.service")
+            if "resuming" in str(e.get("MESSAGE", ""))
+        ]
+
+    _until("the lift said in the journal", lambda: any('"Epilog error"' in m for m in lifted()))
+    assert any('"Epilog error"' in m for m in lifted()), lifted()
+    # The undrain removes our record after `scontrol update state=resume` has returned.
+    record = ct.root / RECORDS.lstrip("/") / f"drained.{NODE}"
+    _until("our drain record to go", lambda: not record.exists(), timeout=30)
+    assert not record.exists()
 
 
 def test_the_prolog_refuses_a_dirty_gpu_and_the_job_runs_once_it_is_clean(
@@ -537,8 +543,9 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         record = ct.root / RECORDS.lstrip("/") / f"would-drain.{NODE}"
         assert record.exists()
         assert f"reason=gpuwatchd: {gpu(0)['uuid']} " in record.read_text()
-        said = cluster.sh("journalctl -t gpuwatchd-slurm -o cat --no-pager").stdout
-        assert f"epilog dry-run: would drain {NODE}: gpuwatchd: {gpu(0)['uuid']} " in said
+        would = f"epilog dry-run: would drain {NODE}: gpuwatchd: {gpu(0)['uuid']} "
+        _until("the epilog's word in the journal", lambda: would in _slurm_said(cluster))
+        assert would in _slurm_said(cluster)
         _until("the would-be signal to the worker", lambda: any(
             e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "dry_run"
             for e in _events(cluster, "action.signal")))  # fmt: skip
@@ -553,6 +560,10 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         cluster.sh("gpuwatchd pause --for 15s --reason 'switching to enforce'")
         _until("the pause and the spare", lambda: bool(_events(cluster, "daemon.paused")
                and _events(cluster, "spare.started")))  # fmt: skip
+        # Logged as the poll takes the switches; `status` shows them once it has saved.
+        _until("status to show the pause and the spare", lambda: (
+            _status(cluster)[1]["effective_mode"] == "paused"
+            and bool(_status(cluster)[1]["spares"])))  # fmt: skip
         code, status = _status(cluster)
         assert (code, status["effective_mode"]) == (0, "paused"), status
         assert status["paused_until"] is not None
@@ -566,6 +577,9 @@ def test_the_rollout_week(cluster: Cluster) -> None:
         _until("the spare to end", lambda: bool(_events(cluster, "spare.ended")), timeout=60)
         _until("the worker to be freed", lambda: not alive(), timeout=60)
         cluster.idle()
+        _until("the signal to the worker in the journal", lambda: any(  # logged after the kill
+            e.get("TARGET_PID") == str(worker) and e.get("OUTCOME") == "delivered"
+            for e in _events(cluster, "action.signal")))  # fmt: skip
         events = [
             e.get("GPUWATCHD_EVENT")
             for e in cluster.journal("gpuwatchd.service")
@@ -623,11 +637,18 @@ def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> N
         ct.write(TYPO_DROPIN, "interval: sometimes\n")
         assert cluster.sh("systemctl reload gpuwatchd", check=False).returncode != 0
         _until("config.files_rejected", lambda: bool(_events(cluster, "config.files_rejected")))
+        # Logged before the poll; the state `status` reads is saved in it, STATUS sent after.
+        _until("status to say the files are rejected", lambda: _status(cluster)[0] == 1)
         code, status = _status(cluster)
         assert code == 1, status
         assert "70-typo.yaml" in status["policy"]["rejected"]["error"]
         assert any("policy files rejected" in a for a in status["attention"])
-        line = cluster.sh("systemctl show -p StatusText --value gpuwatchd").stdout
+
+        def status_line() -> str:
+            return cluster.sh("systemctl show -p StatusText --value gpuwatchd").stdout
+
+        _until("STATUS to say so", lambda: status_line().startswith("policy rejected"))
+        line = status_line()
         assert line.startswith("policy rejected, running the previous one"), line
         _until("gpuwatchd_policy_rejected 1", lambda: "\ngpuwatchd_policy_rejected 1" in (
             ct.root / METRICS_FILE.lstrip("/")).read_text())  # fmt: skip
@@ -637,6 +658,8 @@ def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> N
         assert cluster.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
         _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
         assert cluster.node()["State"] == "IDLE", cluster.node()
+        _until("the epilog's word in the journal", lambda: (
+            "a policy problem drains nothing" in _slurm_said(cluster)))  # fmt: skip
         assert "a policy problem drains nothing" in _slurm_said(cluster)
 
         # Enforcing, GPU 1 dirty: the prolog still drains, saying how it judged.
@@ -665,8 +688,10 @@ def test_a_bad_drop_in_drains_nothing_and_shows_in_status(cluster: Cluster) -> N
         _until("the epilog to finish", lambda: "COMPLETING" not in cluster.node()["State"])
         assert cluster.node()["State"] == "IDLE", cluster.node()
         assert cluster.sinfo_reasons() == []
+        would = f"prolog dry-run: would drain {NODE}: gpuwatchd: {gpu(1)['uuid']} "
+        _until("the prolog's word in the journal", lambda: would in _slurm_said(cluster))
         said = _slurm_said(cluster)
-        assert f"prolog dry-run: would drain {NODE}: gpuwatchd: {gpu(1)['uuid']} " in said
+        assert would in said
         assert "[policy files invalid: judged by the policy the daemon runs]" in said
     finally:
         typo.unlink(missing_ok=True)

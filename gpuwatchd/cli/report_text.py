@@ -128,10 +128,10 @@ def _mig_instance_lines(
         if not isinstance(raw, Mapping):
             continue
         cis = raw.get("ci")
-        ci_text = ", ".join(str(c) for c in cis) if isinstance(cis, list) else "?"
+        ci_text = ", ".join(escape(str(c)) for c in cis) if isinstance(cis, list) else "?"
         header = (
-            f"  MIG GPU instance {raw.get('gi')} (CI {ci_text})  {raw.get('profile') or '?'}  "
-            f"{raw.get('uuid') or '?'}"
+            f"  MIG GPU instance {escape(str(raw.get('gi')))} (CI {ci_text})  "
+            f"{escape(str(raw.get('profile') or '?'))}  {escape(str(raw.get('uuid') or '?'))}"
         )
         lines.append(header)
         if raw.get("judged") is not True:
@@ -140,9 +140,9 @@ def _mig_instance_lines(
         lines.append("  " + _memory_line(raw))
         reason = raw.get("report_only")
         if isinstance(reason, str) and reason:
-            lines.append(f"    report-only: {reason}")
-        for note in raw.get("notes") or ():
-            lines.append(f"    note: {note}")
+            lines.append(f"    report-only: {escape(reason)}")
+        for note in as_list(raw.get("notes")):
+            lines.append(f"    note: {escape(str(note))}")
         rows = _holder_table(raw, now, paint)
         if rows:
             lines.extend("  " + line for line in rows)

@@ -93,6 +93,27 @@ def test_scan_text_shows_the_orphan_under_its_instance_and_no_node_section() -> 
     assert "\nnode\n" not in text
 
 
+def test_an_instance_s_text_escapes_what_a_report_file_says() -> None:
+    """``explain`` renders a saved report, which anyone may have written: an instance's ids,
+    profile, UUID, report-only reason and notes reach the terminal escaped, like every other
+    field (a terminal control sequence in them is shown, not obeyed)."""
+    snapshot = leak_beside_live_job()
+    report = report_of(snapshot, run(snapshot))
+    bad = "\x1b]0;owned\x07"
+    instance = report["gpus"][0]["mig_instances"][0]
+    instance.update(gi=bad, ci=[bad], profile=bad, uuid=bad, notes=[bad])
+    report["gpus"][0]["mig_instances"].append(
+        {**instance, "judged": True, "report_only": bad, "notes": bad}
+    )
+    text = render_text(report)
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    shown = "\\x1b]0;owned\\x07"
+    assert f"MIG GPU instance {shown} (CI {shown})  {shown}  {shown}" in text
+    assert f"    note: {shown}" in text
+    assert f"    report-only: {shown}" in text
+
+
 def test_a_parent_only_holder_shows_under_the_gpu_itself() -> None:
     snapshot = leak_beside_live_job(caps={700: [(2, 0)], 701: [(2, 0)]})
     report = report_of(snapshot, run(snapshot))

@@ -293,8 +293,11 @@ def host_requeued_job(arg: dict[str, Any], root: Path) -> dict[str, Any]:
         old_gone = run.wait_for(lambda: host.state_of(pids["old_task"]) is None, timeout=20)
         os.kill(pids["stepd_old"], 9)
         host.wait_gone("stepd_old")
-        # Slurm requeues job 42 under the same id: a new slurmstepd, a new task on GPU 1.
+        # Slurm requeues job 42 under the same id: a new slurmstepd, then (as slurmstepd starts
+        # its tasks) a new task on GPU 1. Not spawned together: a poll that saw the task in the
+        # job before its slurmstepd would rightly find the job ended (no slurmstepd left).
         host.spawn("stepd_new", [{"cgroup": str(step / "slurm")}, {"sleep": 3600}])
+        host.wait_ready("stepd_new")
         host.spawn(
             "new_task",
             [{"setsid": True}, {"cgroup": str(step / "user" / "task_1")},

@@ -38,7 +38,7 @@ from gpuwatchd.decide.argv import hook_environment
 from gpuwatchd.decide.policy import ResetPolicy
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
-# reset.finished's level by result (reset.outcome's are RESET_RESULT_LEVELS); else error
+# RESET_FINISHED's level by result (RESET_OUTCOME's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.INFO,
     ResetResult.DRY_RUN: Level.INFO,

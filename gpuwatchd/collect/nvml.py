@@ -350,7 +350,7 @@ class NvmlClient:
         )
         proc, self._proc = self._proc, None
         if not (self._last_failure is not None and self._last_failure.wedged):
-            # Once a stretch: each retry of a hung driver would repeat it (nvml.recovered
+            # Once a stretch: each retry of a hung driver would repeat it (EventName.NVML_RECOVERED
             # ends the stretch; status and the status line show it meanwhile).
             log.critical(
                 EventName.NVML_WEDGED, timeout=self.timeout, pid=None if proc is None else proc.pid

@@ -486,7 +486,7 @@ class Daemon:
             return
         state_dir = self._state_dir()
         if state_dir is None:
-            return  # said as state.dir_unusable
+            return  # said as EventName.STATE_DIR_UNUSABLE
         try:
             save_compiled(state_dir, self.config_path, load_policy, strict=os.geteuid() == 0)
         except OSError as exc:

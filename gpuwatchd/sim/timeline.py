@@ -114,7 +114,7 @@ class TimelineNamer:
         return _fmt_t(float(monotonic)) if isinstance(monotonic, (int, float)) else None
 
 
-# reset.finished says what the reset.outcome line after it says again.
+# RESET_FINISHED says what the RESET_OUTCOME line after it says again.
 _QUIET = frozenset({EventName.ESCALATION_SIGNAL_RECORDED, EventName.RESET_FINISHED})
 _COLUMN = {
     "finding": "finding",

@@ -146,7 +146,7 @@ def drop_assumed(state: HealthState) -> HealthState:
 class HealthAssessment:
     findings: tuple[Finding, ...]
     state: HealthState
-    xid_notices: tuple[XidNotice, ...] = ()  # the health.xid events (decide/health/xid_sources.py)
+    xid_notices: tuple[XidNotice, ...] = ()  # HEALTH_XID events (decide/health/xid_sources.py)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from gpuwatchd.decide.health.state import MAX_XID_KINDS, Sighting, XidDetail, Xi
 from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
 
 DEDUP_WINDOW = 30.0  # seconds: NVML's event is stamped when the worker read it, a poll later
-LOG_WINDOW = 60.0  # seconds between two health.xid events of one GPU's Xid
+LOG_WINDOW = 60.0  # seconds between two EventName.HEALTH_XID events of one GPU's Xid
 MAX_SIGHTINGS = 64
 NVML = "nvml"
 KERNEL = "kernel"

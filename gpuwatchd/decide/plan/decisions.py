@@ -166,7 +166,7 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
             EventName.FINDING_RESOLVED,
             Level.INFO,
             finding=key,
-            kind=key.split(":", 1)[0],  # which finding, as finding.new said it
+            kind=key.split(":", 1)[0],  # which finding, as EventName.FINDING_NEW said it
             gpu=seen.gpu,
             pid=_target_pid(seen.target),
             lasted=max(0.0, ctx.now - seen.first_seen),

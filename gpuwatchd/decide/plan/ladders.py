@@ -203,7 +203,7 @@ def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding
     w.ladders[lad.target] = lad
     facts = {**finding_fields(finding), **process_facts(proc)}
     fields = {**ladder_fields(lad), "signal": signal, "wait": wait, "of": len(lad.steps)}
-    # info: the action itself (action.signal) is the one warning line, real or would-be.
+    # info: the action itself (EventName.ACTION_SIGNAL) is the one warning line, real or would-be.
     w.event(EventName.ESCALATION_STEP_DUE, Level.INFO, **fields)
     w.waiting[lad.finding_key] = ctx.now + wait
     if signal is None:

@@ -215,7 +215,7 @@ def _book_attempt(
     w.reset_history.append((gpu, wall))
     if outcome is ResetResult.SUCCESS:
         w.state = replace(w.state, reset_failures=0)
-        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; reset.outcome said it
+        w.event(EventName.RESET_SUCCEEDED, Level.INFO, **fields)  # booked; RESET_OUTCOME said it
         w.intents.append(_reset_action(intent, ActionOutcome.RESET, fields))
         return
     failures = w.state.reset_failures + 1

@@ -444,7 +444,7 @@ def start_reset(
     flight = ResetInFlight(gpu.uuid, finding.key, dry, ctx.now, delay)
     w.state = replace(w.state, reset_in_flight=flight)
     w.quiet_until[gpu.uuid] = ctx.now + delay
-    w.event(EventName.RESET_DUE, Level.INFO, dry_run=dry, **facts)  # reset.outcome is the warning
+    w.event(EventName.RESET_DUE, Level.INFO, dry_run=dry, **facts)  # RESET_OUTCOME is the warning
     w.intents.append(
         ResetIntent(
             gpu=gpu.uuid,

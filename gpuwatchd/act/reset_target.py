@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.core.checked import as_number
@@ -52,6 +52,7 @@ MAX_RECORDED_COMMANDS = 100  # commands, or hooks, in one list
 MAX_RECORDED_ARGS = 1000  # arguments of one command
 MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
 _MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
+_HOOK_STEPS = ("drain", "before", "after")
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,21 @@ class Commands:
 
     def record(self) -> dict[str, object]:
         """The JSON-able form :func:`commands_from_record` reads back."""
-        return {key: _plain(getattr(self, key)) for key in _READERS}
-
-
-def _plain(value: object) -> object:
-    """A command (list), a list of them, a hook (``argv``, ``timeout``, ``error`` if any)."""
-    if isinstance(value, PreparedHook):
-        hook = {"argv": list(value.argv), "timeout": value.timeout}
-        return hook if value.error is None else {**hook, "error": value.error}
-    if isinstance(value, tuple):
-        return [_plain(item) for item in value]
-    return value
+        record: dict[str, object] = {
+            "reset": [list(argv) for argv in self.reset],
+            "health": list(self.health),
+            "persistence_off": None if self.persistence_off is None else list(self.persistence_off),
+            "persistence_on": None if self.persistence_on is None else list(self.persistence_on),
+            "restore": [list(argv) for argv in self.restore],
+        }
+        for step in _HOOK_STEPS:
+            hooks: tuple[PreparedHook, ...] = getattr(self, step)
+            record[step] = [
+                {"argv": list(h.argv), "timeout": h.timeout}
+                | ({} if h.error is None else {"error": h.error})
+                for h in hooks
+            ]
+        return record
 
 
 def _values(target: ResetTarget) -> dict[str, str | None]:
@@ -167,13 +172,23 @@ def commands_from_record(raw: object, target: ResetTarget) -> Commands | str:
     """The ``commands`` of a progress record, read strictly (hostile input: exactly the keys
     :meth:`Commands.record` writes, within the ``MAX_RECORDED_*`` bounds, naming ``target``'s
     GPU), or what is wrong."""
-    if not isinstance(raw, Mapping) or set(raw) != set(_READERS):
-        return "not an object with the keys " + ", ".join(sorted(_READERS))
+    if not isinstance(raw, Mapping) or set(raw) != {*_HOOK_STEPS, *_COMMAND_KEYS}:
+        return "not an object with the keys " + ", ".join(sorted({*_HOOK_STEPS, *_COMMAND_KEYS}))
     try:
-        commands = Commands(**{key: read(raw[key], key) for key, read in _READERS.items()})
+        commands = Commands(
+            _argvs(raw["reset"], "reset"),
+            _argv(raw["health"], "health"),
+            _argv(raw["persistence_off"], "persistence_off"),
+            _argv(raw["persistence_on"], "persistence_on"),
+            _argvs(raw["restore"], "restore"),
+            *(_hooks(raw[step], step) for step in _HOOK_STEPS),
+        )
     except ValueError as err:
         return str(err)
     return _unsafe(commands, target) or commands
+
+
+_COMMAND_KEYS = ("reset", "health", "persistence_off", "persistence_on", "restore")
 
 
 def _argv(raw: object, where: str) -> Argv:
@@ -215,19 +230,6 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
             raise ValueError(f"{at}: the error is not a text of 1 to {MAX_RECORDED_CHARS} chars")
         hooks.append(PreparedHook(_argv(item["argv"], at), timeout, error))
     return tuple(hooks)
-
-
-# Each field of :class:`Commands` (in its order, the record's) and its reader.
-_READERS: Mapping[str, Callable[[object, str], Any]] = {
-    "reset": _argvs,
-    "health": _argv,
-    "persistence_off": _argv,
-    "persistence_on": _argv,
-    "restore": _argvs,
-    "drain": _hooks,
-    "before": _hooks,
-    "after": _hooks,
-}
 
 
 # --- reading a reset command's result (the table of exit codes: docs/internals.md) -----------

@@ -9,20 +9,17 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import structlog
 
-from gpuwatchd.act.evidence import ReportBuilder
 from gpuwatchd.cli import served
 from gpuwatchd.cli.once import wait_for_daemon
+from gpuwatchd.cli.scan import snapshot_report
 from gpuwatchd.collect.capabilities import ACT_CAPABILITIES, missing_capabilities
-from gpuwatchd.core.model import Snapshot
 from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
-from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.events.logs import configure_logging
 from gpuwatchd.state.accepted import Fallback
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
@@ -60,7 +57,7 @@ def run_daemon(
         dry_run=dry_run,
         once=once,
         ended_jobs=ended_jobs,
-        evidence_report=_evidence_report(policy.proc_root),
+        evidence_report=functools.partial(snapshot_report, proc_root=policy.proc_root),
     )
     daemon = daemon_for(
         once_timeout=once_timeout, rejected_at_start=rejected_at_start, scan_answer=served.answer
@@ -199,23 +196,3 @@ def _hand_over(
         file=sys.stderr,
     )
     return state_dir
-
-
-def _evidence_report(proc_root: str) -> ReportBuilder:
-    """The report part of the daemon's evidence files: the ``scan --json`` document of the
-    poll that decided (gpuwatchd/act/evidence.py), built by the command's own encoder."""
-
-    def report(
-        snapshot: Snapshot,
-        assessment: Assessment,
-        verdict: NodeVerdict | None,
-        first_seen: Mapping[str, float],
-    ) -> dict[str, object]:
-        from gpuwatchd.cli.scan import snapshot_report  # only once a step is taken
-        from gpuwatchd.cli.spare import mark_spared
-
-        report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=proc_root)
-        mark_spared(report, snapshot, snapshot.spares)  # as scan marks them: explain honours them
-        return report
-
-    return report

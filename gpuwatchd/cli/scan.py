@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +21,7 @@ from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import Value
-from gpuwatchd.core.model import Snapshot
+from gpuwatchd.core.model import Snapshot, Spare
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
@@ -285,8 +285,10 @@ def _judged_report(
         first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
-    report = snapshot_report(snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root)
-    mark_spared(report, snapshot, spares_in_force(state_dir, policy, snapshot.wall_time))
+    spares = spares_in_force(state_dir, policy, snapshot.wall_time)
+    report = snapshot_report(
+        snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root, spares=spares
+    )
     return report, verdict
 
 
@@ -328,10 +330,12 @@ def snapshot_report(
     first_seen: Mapping[str, float],
     *,
     proc_root: str,
+    spares: Sequence[Spare] | None = None,
 ) -> dict[str, object]:
-    """The ``scan --json`` document of one snapshot and its assessment: this command's, and
-    the report part of the daemon's evidence files (gpuwatchd/act/evidence.py)."""
-    return build_report(
+    """The ``scan --json`` document of one snapshot and its assessment, each finding and holder
+    that ``spares`` (default: the snapshot's) cover marked so: this command's, and the report
+    part of the daemon's evidence files (gpuwatchd/act/evidence.py), which explain honours."""
+    report = build_report(
         snapshot,
         assessment.findings,
         assessment.roles,
@@ -346,6 +350,8 @@ def snapshot_report(
         notes=assessment.notes,
         verdict=verdict,
     )
+    mark_spared(report, snapshot, snapshot.spares if spares is None else spares)
+    return report
 
 
 def _holder_replaced(procfs: ProcFS, view: HolderView) -> bool:

@@ -1,12 +1,14 @@
-"""Durations, times and counts as people read them (``9m53s``, ``in 25s``, ``3m ago``,
-``1 finding``) in the text of ``status``, ``explain`` and ``spare``; and the one reader of
-``pause --for`` and ``spare --for``."""
+"""Durations, times, counts and values as people read them (``9m53s``, ``in 25s``, ``3m ago``,
+``1 finding``, ``yes``) in the text of ``scan``, ``status``, ``explain`` and ``spare``; and the
+one reader of ``pause --for`` and ``spare --for``."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from gpuwatchd.core.checked import as_number
+from gpuwatchd.core.escape import escape
 
 
 def duration(seconds: object) -> str:
@@ -77,3 +79,13 @@ def counted(count: object, noun: str, unknown: str = "?") -> str:
     if isinstance(count, bool) or not isinstance(count, int):
         return f"{unknown} {noun}s"
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def shown(value: object, unknown: str = "?") -> str:
+    """A scalar as display text, control characters escaped; ``unknown`` for None, an object
+    or a list."""
+    if value is None or isinstance(value, (Mapping, list)):
+        return unknown
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return escape(str(value))

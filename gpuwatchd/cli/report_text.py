@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from gpuwatchd.cli.humantime import counted
+from gpuwatchd.cli.humantime import counted, shown
 from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
@@ -74,12 +74,12 @@ def _title_line(report: Mapping[str, object]) -> str:
     nvml = as_map(report.get("nvml"))
     findings = as_list(report.get("findings"))
     parts = [
-        f"gpuwatchd {_text(report.get('version'))} scan",
-        f"host {_text(host.get('hostname'))}",
-        f"driver {_text(nvml.get('driver_version'))}",
+        f"gpuwatchd {shown(report.get('version'))} scan",
+        f"host {shown(host.get('hostname'))}",
+        f"driver {shown(nvml.get('driver_version'))}",
         counted(len(as_list(report.get("gpus"))), "GPU"),
         counted(len(findings), "finding"),
-        f"{_text(report.get('scan_mode'))} holder scan",
+        f"{shown(report.get('scan_mode'))} holder scan",
     ]
     view = as_map(report.get("daemon_view"))
     reading = as_map(report.get("nvml_reading"))
@@ -181,10 +181,10 @@ def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
     uuid = as_text(gpu.get("uuid"))
     header = "  ".join(
         [
-            f"GPU {_text(gpu.get('index'))}",
-            _text(gpu.get("name")),
-            _text(uuid),
-            _text(gpu.get("pci_bus_id")),
+            f"GPU {shown(gpu.get('index'))}",
+            shown(gpu.get("name")),
+            shown(uuid),
+            shown(gpu.get("pci_bus_id")),
         ]
     )
     lines = [paint(header, _BOLD), _memory_line(gpu, full=True)]
@@ -266,12 +266,12 @@ def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
     else:
         lines = [paint(f"  verdict  NOT CLEAN ({escape(state)})", _RED)]
         lines.extend(
-            f"    {_text(r.get('kind'))} {_text(r.get('reason'))}".rstrip() for r in reasons
+            f"    {shown(r.get('kind'))} {shown(r.get('reason'))}".rstrip() for r in reasons
         )
     blockers = [as_map(r) for r in as_list(verdict.get("reset_blockers"))]
     if blockers:
         lines.append("  would block a reset (not dirt):")
-        lines.extend(f"    {_text(b.get('reason'))}" for b in blockers)
+        lines.extend(f"    {shown(b.get('reason'))}" for b in blockers)
     return lines
 
 
@@ -323,7 +323,7 @@ def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
     reason = as_text(gpu.get("report_only"))
     if reason:
         flags.append(f"report-only: {escape(reason)}")
-    flags.extend(f"note: {_text(note)}" for note in as_list(gpu.get("notes")))
+    flags.extend(f"note: {shown(note)}" for note in as_list(gpu.get("notes")))
     return flags
 
 
@@ -361,9 +361,9 @@ def _row(entry: Mapping[str, object], role: str, memory: str, now: float | None)
     if len(command) > COMMAND_WIDTH:
         command = command[: COMMAND_WIDTH - 3] + "..."
     return [
-        _text(entry.get("pid")),
+        shown(entry.get("pid")),
         "-" if gone else _user(entry),
-        "-" if gone else _text(entry.get("state")),
+        "-" if gone else shown(entry.get("state")),
         role,
         memory,
         escape(",".join(via)) or "-",
@@ -436,11 +436,11 @@ def _finding_lines(
         status = "actionable" if finding.get("actionable") is True else "report only"
         rows.append(
             [
-                _text(finding.get("kind")),
+                shown(finding.get("kind")),
                 f"pid {pid}" if pid is not None else "gpu",
                 _bytes(finding.get("memory"), unknown="-"),
                 f"{status}, for {since}" if since else status,
-                _text(finding.get("reason")),
+                shown(finding.get("reason")),
             ]
         )
     lines = ["  findings"]
@@ -470,12 +470,12 @@ def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint)
         for f in findings
         if as_map(f.get("evidence")).get("likely_heir") is True
     ]
-    shown = ", ".join(str(pid) for pid in heirs if pid is not None)
-    if not shown:
+    pids = ", ".join(str(pid) for pid in heirs if pid is not None)
+    if not pids:
         return []
     return [
-        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {shown}", _YELLOW),
-        f"    check with `ps -o pid,lstart,args -p {shown.replace(', ', ',')}`; kill it by hand,",
+        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {pids}", _YELLOW),
+        f"    check with `ps -o pid,lstart,args -p {pids.replace(', ', ',')}`; kill it by hand,",
         "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
     ]
 
@@ -484,15 +484,15 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
     notes: list[str] = []
     nvml = as_map(report.get("nvml"))
     if nvml.get("available") is False:
-        notes.append(f"NVML unavailable: {_text(nvml.get('error'))}")
+        notes.append(f"NVML unavailable: {shown(nvml.get('error'))}")
     if nvml.get("wedged") is True:
         notes.append(
             "driver wedged: an NVML call missed its deadline "
-            f"({_text(nvml.get('error'))}); no destructive action until it answers again"
+            f"({shown(nvml.get('error'))}); no destructive action until it answers again"
         )
     reasons = as_map(report.get("report_only"))
     node_reasons = sorted(key for key in reasons if key not in gpu_uuids)
-    notes.extend(f"report-only ({escape(key)}): {_text(reasons[key])}" for key in node_reasons)
+    notes.extend(f"report-only ({escape(key)}): {shown(reasons[key])}" for key in node_reasons)
     host = as_map(report.get("host"))
     if host.get("host_namespaces") is False and not node_reasons:
         notes.append("report-only: gpuwatchd does not see the host PID and cgroup namespaces")
@@ -500,14 +500,14 @@ def _node_notes(report: Mapping[str, object], gpu_uuids: set[str]) -> list[str]:
         notes.append("an MPS server is running: its clients' GPUs are report-only")
     for key, values in sorted(as_map(report.get("notes")).items()):
         if key not in gpu_uuids:
-            notes.extend(f"note ({escape(key)}): {_text(value)}" for value in as_list(values))
+            notes.extend(f"note ({escape(key)}): {shown(value)}" for value in as_list(values))
     unreadable = [p for p in as_list(report.get("unreadable_pids")) if isinstance(p, int)]
     if unreadable:
-        shown = ", ".join(str(pid) for pid in unreadable[:10])
+        first = ", ".join(str(pid) for pid in unreadable[:10])
         more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
         notes.append(
             f"{len(unreadable)} processes could not be inspected (fds/maps unreadable: "
-            f"{shown}{more}); what they hold is unknown"
+            f"{first}{more}); what they hold is unknown"
         )
     unread = [p for p in as_list(report.get("thread_tables_unread_pids")) if isinstance(p, int)]
     if unread:
@@ -553,12 +553,3 @@ def _age(now: float | None, then: float | None, *, unknown: str = "?") -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m" if minutes else f"{seconds}s"
-
-
-def _text(value: object) -> str:
-    """A scalar as display text; "?" when unknown, control characters escaped."""
-    if value is None or isinstance(value, (Mapping, list)):
-        return "?"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return escape(str(value))

@@ -3,20 +3,15 @@ in lines for people. Every value comes from it; nothing is read or worked out he
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
-from gpuwatchd.cli.humantime import ago, counted, duration, stamp, until
+from gpuwatchd.cli.humantime import ago, counted, duration, shown, stamp, until
 from gpuwatchd.core.checked import as_count, as_list, as_map, as_number
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import LadderStatus
 
-
-def _text(value: object) -> str:
-    if value is None or isinstance(value, (Mapping, list)):
-        return "unknown"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return str(value)
+_text = functools.partial(shown, unknown="unknown")  # every line is escaped as a whole
 
 
 def _at(now: float, when: object) -> str:

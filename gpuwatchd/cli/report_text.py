@@ -3,7 +3,8 @@ may come from a file or another version: every value is checked, an unknown one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gpuwatchd.cli.humantime import counted, shown
 from gpuwatchd.cli.spare import spared_lines
@@ -33,40 +34,205 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
     """The human view of a ``build_report`` document, ending with a newline. Pure. Per GPU: its
     header, memory, holders' table and findings; then the node's notes, holders and findings.
     Colours only when ``color``; unknown values print as ``?``, absent ones as ``-``."""
-    paint = _painter(color)
-    now = as_number(report.get("time"))
+    findings = [as_map(f) for f in as_list(report.get("findings"))]
+    view = _View(as_number(report.get("time")), findings, color)
     lines = [_title_line(report)]
     gpu_uuids: set[str] = set()
-    findings = [as_map(f) for f in as_list(report.get("findings"))]
     for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
         uuid = as_text(gpu.get("uuid"))
         if uuid is not None:
             gpu_uuids.add(uuid)
         lines.append("")
-        lines.extend(_gpu_lines(gpu, findings, now, paint))
+        lines.extend(view.gpu_lines(gpu))
     gpu_uuids |= _instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
     if notes or node_findings or holders:
         lines.append("")
-        lines.append(paint("node", _BOLD))
-        lines.extend(f"  {paint(note, _YELLOW)}" for note in notes)
+        lines.append(view.paint("node", _BOLD))
+        lines.extend(f"  {view.paint(note, _YELLOW)}" for note in notes)
         if holders:
             lines.append("  holding NVIDIA device files of no listed GPU:")
-            lines.extend(_node_holder_lines(holders, now, paint))
-        lines.extend(_finding_lines(node_findings, now, paint))
+            lines.extend(view.node_holder_lines(holders))
+        lines.extend(view.finding_lines(node_findings))
     return "\n".join(lines) + "\n"
 
 
-_Paint = Callable[[str, str], str]
+@dataclass(frozen=True)
+class _View:
+    """What every part of the text is drawn with: the report's time, its findings, colours."""
 
+    now: float | None
+    findings: Sequence[Mapping[str, object]]
+    color: bool
 
-def _painter(color: bool) -> _Paint:
-    def paint(text: str, code: str) -> str:
-        return f"\x1b[{code}m{text}\x1b[0m" if color and text else text
+    def paint(self, text: str, code: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color and text else text
 
-    return paint
+    def about(self, uuid: object) -> list[Mapping[str, object]]:
+        """The findings about the GPU or MIG instance ``uuid`` (None: none)."""
+        return [f for f in self.findings if uuid is not None and f.get("gpu") == uuid]
+
+    def gpu_lines(self, gpu: Mapping[str, object]) -> list[str]:
+        """One GPU's text: its header, memory and flags, its holders' table, its findings, its
+        verdict and its MIG instances."""
+        lines = self.gpu_header_lines(gpu)
+        judged_mig = _mig_judged(gpu)
+        table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
+        lines.extend(table)
+        if judged_mig:
+            lines.append("  processes and holders: by MIG instance, below")
+        elif not table:
+            lines.append(_no_rows_line(gpu))
+        lines.extend(self.gpu_finding_lines(gpu))
+        lines.extend(self.verdict_lines(as_map(gpu.get("verdict"))))
+        lines.extend(self.mig_instance_lines(gpu))
+        return lines
+
+    def mig_instance_lines(self, gpu: Mapping[str, object]) -> list[str]:
+        """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
+        lines: list[str] = []
+        for raw in as_list(gpu.get("mig_instances")):
+            if not isinstance(raw, Mapping):
+                continue
+            cis = raw.get("ci")
+            ci_text = ", ".join(escape(str(c)) for c in cis) if isinstance(cis, list) else "?"
+            header = (
+                f"  MIG GPU instance {escape(str(raw.get('gi')))} (CI {ci_text})  "
+                f"{escape(str(raw.get('profile') or '?'))}  {escape(str(raw.get('uuid') or '?'))}"
+            )
+            lines.append(header)
+            if raw.get("judged") is not True:
+                lines.append("    not judged (see the GPU's report-only reason)")
+                continue
+            lines.append("  " + _memory_line(raw))
+            reason = raw.get("report_only")
+            if isinstance(reason, str) and reason:
+                lines.append(f"    report-only: {escape(reason)}")
+            for note in as_list(raw.get("notes")):
+                lines.append(f"    note: {escape(str(note))}")
+            rows = self.holder_table(raw)
+            if rows:
+                lines.extend("  " + line for line in rows)
+            else:
+                lines.append("    no process holds this instance")
+            lines.extend("  " + line for line in self.finding_lines(self.about(raw.get("uuid"))))
+        return lines
+
+    def gpu_header_lines(self, gpu: Mapping[str, object]) -> list[str]:
+        """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
+        uuid = as_text(gpu.get("uuid"))
+        header = "  ".join(
+            map(shown, (gpu.get("index"), gpu.get("name"), uuid, gpu.get("pci_bus_id")))
+        )
+        lines = [self.paint(f"GPU {header}", _BOLD), _memory_line(gpu, full=True)]
+        flags = _gpu_flags(gpu)
+        if flags:
+            lines.append("  " + self.paint("; ".join(flags), _YELLOW))
+        return lines
+
+    def gpu_finding_lines(self, gpu: Mapping[str, object]) -> list[str]:
+        """The spared holders no finding already names, the GPU's findings, and who would make
+        the driver refuse a reset while there are findings."""
+        own = self.about(as_text(gpu.get("uuid")))
+        noted = {f.get("pid") for f in own}  # a spared finding says so itself
+        holders = [h for h in map(as_map, as_list(gpu.get("holders"))) if h.get("pid") not in noted]
+        lines = [f"  holder {line}" for line in spared_lines(holders, self.now)]
+        lines.extend(self.finding_lines(own))
+        refusers = [p for p in as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
+        if own and refusers:
+            lines.append(
+                f"  a reset now would be refused by the driver while PID "
+                f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
+                "isolation every CUDA process opens every GPU)"
+            )
+        return lines
+
+    def holder_table(self, gpu: Mapping[str, object]) -> list[str]:
+        rows, alarms = _holder_rows(gpu, self.now)
+        if not rows:
+            return []
+        header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
+        table = _table([header_row, *rows])
+        lines = ["  " + self.paint(table[0], _DIM)]
+        for line, alarm in zip(table[1:], alarms, strict=True):
+            lines.append("  " + (self.paint(line, _RED) if alarm else line))
+        return lines
+
+    def verdict_lines(self, verdict: Mapping[str, object]) -> list[str]:
+        """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
+        block a reset (decide/verdict.py)."""
+        state = as_text(verdict.get("state"))
+        if state is None:
+            return []
+        reasons = [as_map(r) for r in as_list(verdict.get("reasons"))]
+        if state == "clean":
+            lines = ["  verdict  clean: a new job may have it"]
+        else:
+            lines = [self.paint(f"  verdict  NOT CLEAN ({escape(state)})", _RED)]
+            lines.extend(
+                f"    {shown(r.get('kind'))} {shown(r.get('reason'))}".rstrip() for r in reasons
+            )
+        blockers = [as_map(r) for r in as_list(verdict.get("reset_blockers"))]
+        if blockers:
+            lines.append("  would block a reset (not dirt):")
+            lines.extend(f"    {shown(b.get('reason'))}" for b in blockers)
+        return lines
+
+    def node_holder_lines(self, holders: Sequence[Mapping[str, object]]) -> list[str]:
+        rows = []
+        for holder in holders:
+            role = _role_label(as_text(holder.get("role")), holder.get("owner_pid"))
+            row = _row({**holder, "via": holder.get("devices")}, role, "-", self.now)
+            rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
+        header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
+        table = _table([header, *rows])
+        return ["    " + self.paint(table[0], _DIM), *("    " + line for line in table[1:])]
+
+    def finding_lines(self, findings: Sequence[Mapping[str, object]]) -> list[str]:
+        if not findings:
+            return []
+        rows: list[list[str]] = []
+        for finding in findings:
+            pid = as_int(finding.get("pid"))
+            since = _age(self.now, as_number(finding.get("first_seen")), unknown="")
+            status = "actionable" if finding.get("actionable") is True else "report only"
+            rows.append(
+                [
+                    shown(finding.get("kind")),
+                    f"pid {pid}" if pid is not None else "gpu",
+                    _bytes(finding.get("memory"), unknown="-"),
+                    f"{status}, for {since}" if since else status,
+                    shown(finding.get("reason")),
+                ]
+            )
+        lines = ["  findings"]
+        for line, finding in zip(_table(rows), findings, strict=True):
+            actionable = finding.get("actionable") is True
+            lines.append("    " + (self.paint(line, _RED) if actionable else line))
+        lines.extend(f"    {line}" for line in spared_lines(findings, self.now))  # gpuwatchd spare
+        lines.extend(self.likely_heir_advice(findings))
+        lines.extend(_unseen_note(findings))
+        return lines
+
+    def likely_heir_advice(self, findings: Sequence[Mapping[str, object]]) -> list[str]:
+        """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
+        heirs = [
+            as_int(f.get("pid"))
+            for f in findings
+            if as_map(f.get("evidence")).get("likely_heir") is True
+        ]
+        pids = ", ".join(str(pid) for pid in heirs if pid is not None)
+        if not pids:
+            return []
+        advice = f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {pids}"
+        listed = pids.replace(", ", ",")
+        return [
+            self.paint(advice, _YELLOW),
+            f"    check with `ps -o pid,lstart,args -p {listed}`; kill it by hand,",
+            "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
+        ]
 
 
 def _title_line(report: Mapping[str, object]) -> str:
@@ -94,66 +260,6 @@ def _title_line(report: Mapping[str, object]) -> str:
     return "  ".join(parts)
 
 
-def _gpu_lines(
-    gpu: Mapping[str, object],
-    findings: Sequence[Mapping[str, object]],
-    now: float | None,
-    paint: _Paint,
-) -> list[str]:
-    """One GPU's text: its header, memory and flags, its holders' table, its findings, its
-    verdict and its MIG instances."""
-    lines = _gpu_header_lines(gpu, paint)
-    judged_mig = _mig_judged(gpu)
-    table = _holder_table(_parent_rows(gpu) if judged_mig else gpu, now, paint)
-    lines.extend(table)
-    if judged_mig:
-        lines.append("  processes and holders: by MIG instance, below")
-    elif not table:
-        lines.append(_no_rows_line(gpu))
-    lines.extend(_gpu_finding_lines(gpu, findings, now, paint))
-    lines.extend(_verdict_lines(as_map(gpu.get("verdict")), paint))
-    lines.extend(_mig_instance_lines(gpu, findings, now, paint))
-    return lines
-
-
-def _mig_instance_lines(
-    gpu: Mapping[str, object],
-    findings: Sequence[Mapping[str, object]],
-    now: float | None,
-    paint: _Paint,
-) -> list[str]:
-    """The text lines of ``gpu``'s MIG instances, each with its holders and findings."""
-    lines: list[str] = []
-    for raw in as_list(gpu.get("mig_instances")):
-        if not isinstance(raw, Mapping):
-            continue
-        cis = raw.get("ci")
-        ci_text = ", ".join(escape(str(c)) for c in cis) if isinstance(cis, list) else "?"
-        header = (
-            f"  MIG GPU instance {escape(str(raw.get('gi')))} (CI {ci_text})  "
-            f"{escape(str(raw.get('profile') or '?'))}  {escape(str(raw.get('uuid') or '?'))}"
-        )
-        lines.append(header)
-        if raw.get("judged") is not True:
-            lines.append("    not judged (see the GPU's report-only reason)")
-            continue
-        lines.append("  " + _memory_line(raw))
-        reason = raw.get("report_only")
-        if isinstance(reason, str) and reason:
-            lines.append(f"    report-only: {escape(reason)}")
-        for note in as_list(raw.get("notes")):
-            lines.append(f"    note: {escape(str(note))}")
-        rows = _holder_table(raw, now, paint)
-        if rows:
-            lines.extend("  " + line for line in rows)
-        else:
-            lines.append("    no process holds this instance")
-        uuid = raw.get("uuid")
-        own = [f for f in findings if uuid is not None and f.get("gpu") == uuid]
-        lines.extend("  " + line for line in _finding_lines(own, now, paint))
-    return lines
-
-
 def _mig_judged(gpu: Mapping[str, object]) -> bool:
     """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
     return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
@@ -174,60 +280,6 @@ def _instance_uuids(report: Mapping[str, object]) -> set[str]:
         for raw in as_list(as_map(gpu).get("mig_instances"))
         if (uuid := as_text(as_map(raw).get("uuid"))) is not None
     }
-
-
-def _gpu_header_lines(gpu: Mapping[str, object], paint: _Paint) -> list[str]:
-    """A GPU's header line (index, name, UUID, PCI bus id), its memory line and its flags."""
-    uuid = as_text(gpu.get("uuid"))
-    header = "  ".join(
-        [
-            f"GPU {shown(gpu.get('index'))}",
-            shown(gpu.get("name")),
-            shown(uuid),
-            shown(gpu.get("pci_bus_id")),
-        ]
-    )
-    lines = [paint(header, _BOLD), _memory_line(gpu, full=True)]
-    flags = _gpu_flags(gpu)
-    if flags:
-        lines.append("  " + paint("; ".join(flags), _YELLOW))
-    return lines
-
-
-def _gpu_finding_lines(
-    gpu: Mapping[str, object],
-    findings: Sequence[Mapping[str, object]],
-    now: float | None,
-    paint: _Paint,
-) -> list[str]:
-    """The spared holders no finding already names, the GPU's findings, and who would make
-    the driver refuse a reset while there are findings."""
-    uuid = as_text(gpu.get("uuid"))
-    own = [f for f in findings if uuid is not None and as_text(f.get("gpu")) == uuid]
-    noted = {f.get("pid") for f in own}  # a spared finding says so itself
-    holders = [h for h in map(as_map, as_list(gpu.get("holders"))) if h.get("pid") not in noted]
-    lines = [f"  holder {line}" for line in spared_lines(holders, now)]
-    lines.extend(_finding_lines(own, now, paint))
-    refusers = [p for p in as_list(gpu.get("reset_refused_by")) if isinstance(p, int)]
-    if own and refusers:
-        lines.append(
-            f"  a reset now would be refused by the driver while PID "
-            f"{', '.join(str(p) for p in refusers)} hold(s) its device file (without device "
-            "isolation every CUDA process opens every GPU)"
-        )
-    return lines
-
-
-def _holder_table(gpu: Mapping[str, object], now: float | None, paint: _Paint) -> list[str]:
-    rows, alarms = _holder_rows(gpu, now)
-    if not rows:
-        return []
-    header_row = ["PID", "USER", "S", "ROLE", "MEMORY", "VIA", "JOB", "AGE", "COMMAND"]
-    table = _table([header_row, *rows])
-    lines = ["  " + paint(table[0], _DIM)]
-    for line, alarm in zip(table[1:], alarms, strict=True):
-        lines.append("  " + (paint(line, _RED) if alarm else line))
-    return lines
 
 
 def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
@@ -252,40 +304,6 @@ def _no_rows_line(gpu: Mapping[str, object]) -> str:
     if as_int(gpu.get("minor")) is None:
         return "  no process listed by NVML; device-file holders ? (minor number unknown)"
     return "  no process holds this GPU"
-
-
-def _verdict_lines(verdict: Mapping[str, object], paint: _Paint) -> list[str]:
-    """``verdict  clean`` or ``verdict  NOT CLEAN (dirty): <kind> <why>``, then what would
-    block a reset (decide/verdict.py)."""
-    state = as_text(verdict.get("state"))
-    if state is None:
-        return []
-    reasons = [as_map(r) for r in as_list(verdict.get("reasons"))]
-    if state == "clean":
-        lines = ["  verdict  clean: a new job may have it"]
-    else:
-        lines = [paint(f"  verdict  NOT CLEAN ({escape(state)})", _RED)]
-        lines.extend(
-            f"    {shown(r.get('kind'))} {shown(r.get('reason'))}".rstrip() for r in reasons
-        )
-    blockers = [as_map(r) for r in as_list(verdict.get("reset_blockers"))]
-    if blockers:
-        lines.append("  would block a reset (not dirt):")
-        lines.extend(f"    {shown(b.get('reason'))}" for b in blockers)
-    return lines
-
-
-def _node_holder_lines(
-    holders: Sequence[Mapping[str, object]], now: float | None, paint: _Paint
-) -> list[str]:
-    rows = []
-    for holder in holders:
-        role = _role_label(as_text(holder.get("role")), holder.get("owner_pid"))
-        row = _row({**holder, "via": holder.get("devices")}, role, "-", now)
-        rows.append(row[:4] + row[5:])  # no memory column: nothing here is charged to a GPU
-    header = ["PID", "USER", "S", "ROLE", "HOLDS", "JOB", "AGE", "COMMAND"]
-    table = _table([header, *rows])
-    return ["    " + paint(table[0], _DIM), *("    " + line for line in table[1:])]
 
 
 def _gpu_flags(gpu: Mapping[str, object]) -> list[str]:
@@ -424,34 +442,6 @@ def _command(entry: Mapping[str, object]) -> str:
     return "-" if entry.get("alive") is False else "?"
 
 
-def _finding_lines(
-    findings: Sequence[Mapping[str, object]], now: float | None, paint: _Paint
-) -> list[str]:
-    if not findings:
-        return []
-    rows: list[list[str]] = []
-    for finding in findings:
-        pid = as_int(finding.get("pid"))
-        since = _age(now, as_number(finding.get("first_seen")), unknown="")
-        status = "actionable" if finding.get("actionable") is True else "report only"
-        rows.append(
-            [
-                shown(finding.get("kind")),
-                f"pid {pid}" if pid is not None else "gpu",
-                _bytes(finding.get("memory"), unknown="-"),
-                f"{status}, for {since}" if since else status,
-                shown(finding.get("reason")),
-            ]
-        )
-    lines = ["  findings"]
-    for line, finding in zip(_table(rows), findings, strict=True):
-        lines.append("    " + (paint(line, _RED) if finding.get("actionable") is True else line))
-    lines.extend(f"    {line}" for line in spared_lines(findings, now))  # gpuwatchd spare
-    lines.extend(_likely_heir_advice(findings, paint))
-    lines.extend(_unseen_note(findings))
-    return lines
-
-
 def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
     """Ghost memory means no holder *that /proc shows*: say what no walk can see."""
     if not any(as_text(f.get("kind")) == "ghost_memory" for f in findings):
@@ -460,23 +450,6 @@ def _unseen_note(findings: Sequence[Mapping[str, object]]) -> list[str]:
         "  nobody that /proc shows holds it: a file descriptor in flight in a unix-socket",
         "    message (SCM_RIGHTS) or a holder in another PID namespace is invisible to any walk;",
         "    the driver would refuse the reset then (docs/scan.md, what a walk cannot see)",
-    ]
-
-
-def _likely_heir_advice(findings: Sequence[Mapping[str, object]], paint: _Paint) -> list[str]:
-    """What to do about a leak from before gpuwatchd watched (docs/policy.md)."""
-    heirs = [
-        as_int(f.get("pid"))
-        for f in findings
-        if as_map(f.get("evidence")).get("likely_heir") is True
-    ]
-    pids = ", ".join(str(pid) for pid in heirs if pid is not None)
-    if not pids:
-        return []
-    return [
-        paint(f"  likely heir(s) of memory leaked before gpuwatchd watched: PID {pids}", _YELLOW),
-        f"    check with `ps -o pid,lstart,args -p {pids.replace(', ', ',')}`; kill it by hand,",
-        "    or set detection.orphans_without_history: true and run `gpuwatchd run --once`",
     ]
 
 

@@ -10,22 +10,12 @@ import signal
 from typing import IO
 
 from gpuwatchd.cli.process_kind import look_at_process
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDir
 
 NOT_RUNNING = 3
-
-
-def _uid_of(proc_root: str, pid: int) -> int | None:
-    try:
-        with open(os.path.join(proc_root, str(pid), "status"), encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])  # the effective uid
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def find_daemon(policy: Policy) -> tuple[int | None, str]:
@@ -44,7 +34,8 @@ def find_daemon(policy: Policy) -> tuple[int | None, str]:
         return None, f"nobody holds the instance lock in {where}: is gpuwatchd running?"
     if look_at_process(policy.proc_root, pid) != "gpuwatchd":
         return None, f"pid {pid} holds the lock in {where} but is not gpuwatchd"
-    if _uid_of(policy.proc_root, pid) != os.geteuid():
+    daemon = ProcFS(policy.proc_root).read_process(pid)
+    if daemon is None or daemon.uid != os.geteuid():  # its effective uid
         return None, f"pid {pid} runs as another user: not the daemon this command may signal"
     return pid, ""
 

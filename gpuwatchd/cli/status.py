@@ -30,6 +30,7 @@ from gpuwatchd.state.status_document import (
     MAX_ACTIONS,
     NVML,
     REJECTED,
+    SPARE,
     build_document,
 )
 
@@ -182,11 +183,11 @@ def _document_sections(
         "circuit_breaker": breaker,
         "clear_latches": CLEAR_LATCHES if kill_cap["latched"] or breaker["open"] else None,
         "nvml": pick(doc.get("nvml"), NVML),
-        "spares": [s for s in _rows(doc.get("spares"), _SPARE, 64) if s["target"] is not None],
+        "spares": [s for s in _rows(doc.get("spares"), SPARE, 64) if s["target"] is not None],
         "gpus": as_count(doc.get("gpus")),
         "findings": as_count(doc.get("findings")),
-        "verdict": _verdict(doc.get("verdict")),
-        "policy": _policy(doc.get("policy")),
+        "verdict": _optional(doc.get("verdict"), _VERDICT),
+        "policy": pick(doc.get("policy"), _POLICY),
         "clock": clock,
         "document": as_number(doc.get("written_at")),
         "ladders": [_due_in(lad, now_wall) for lad in _rows(doc.get("ladders"), _LADDER, 1024)],
@@ -273,6 +274,11 @@ def _rows(
     return [pick(item, spec) for item in chosen]
 
 
+def _optional(raw: object, spec: Mapping[str, _Check]) -> dict[str, object] | None:
+    """An object's fields by ``spec``; None (not said) when ``raw`` is no object."""
+    return pick(raw, spec) if isinstance(raw, Mapping) else None
+
+
 _MODES: Mapping[str, _Check] = {
     "mode": as_one_of("enforcing", "dry-run"),
     "effective_mode": as_one_of("enforcing", "dry-run", "paused", "forced-dry-run"),
@@ -290,7 +296,6 @@ _KILL_CAP: Mapping[str, _Check] = {
     "max_per_poll": as_count,
 }
 _BREAKER: Mapping[str, _Check] = {"open": as_flag, "failures": as_count, "max_failures": as_count}
-_SPARE: Mapping[str, _Check] = {"target": as_text, "until": as_number, "reason": as_text}
 _GPU: Mapping[str, _Check] = {
     "index": as_int,
     "uuid": as_text,
@@ -331,6 +336,23 @@ _RESET_GPU: Mapping[str, _Check] = {
     "limit_lifts": as_number,
     "never": as_flag,
 }
+# Each GPU clean for a new job, as the daemon judged it (decide/verdict.py).
+_VERDICT: Mapping[str, _Check] = {
+    "clean": as_flag,
+    "error": as_text,
+    "gpus": lambda raw: _rows(raw, _GPU, 256),
+}
+_POLICY: Mapping[str, _Check] = {
+    "files": lambda raw: _texts(raw) if isinstance(raw, list) else None,
+    "rejected": lambda raw: _optional(raw, REJECTED),
+}
+_RESETS: Mapping[str, _Check] = {
+    "cooldown": as_number,
+    "max_resets": as_count,
+    "window": as_number,
+    "in_progress": lambda raw: _optional(raw, _IN_PROGRESS),
+    "gpus": lambda raw: _rows(raw, _RESET_GPU, 256),
+}
 
 
 def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:
@@ -339,45 +361,14 @@ def _due_in(row: dict[str, object], now_wall: float) -> dict[str, object]:
     return row
 
 
-def _verdict(raw: object) -> dict[str, object] | None:
-    """Each GPU clean for a new job, as the daemon judged it (decide/verdict.py)."""
-    if not isinstance(raw, Mapping):
-        return None
-    whole = as_map(raw)
-    return {
-        "clean": as_flag(whole.get("clean")),
-        "error": as_text(whole.get("error")),
-        "gpus": _rows(whole.get("gpus"), _GPU, 256),
-    }
-
-
-def _policy(raw: object) -> dict[str, object]:
-    policy = as_map(raw)
-    files = policy.get("files")
-    rejected = policy.get("rejected")
-    return {
-        "files": _texts(files) if isinstance(files, list) else None,
-        "rejected": pick(rejected, REJECTED) if isinstance(rejected, Mapping) else None,
-    }
-
-
 def _resets(raw: object, now_wall: float) -> dict[str, object]:
-    resets = as_map(raw)
-    progress = resets.get("in_progress")
-    gpus = []
-    for row in _rows(resets.get("gpus"), _RESET_GPU, 256):
+    resets = pick(raw, _RESETS)
+    for row in resets["gpus"]:
         ends, lifts = as_number(row["cooldown_ends"]), as_number(row["limit_lifts"])
         row["cooldown_left"] = None if ends is None else max(0.0, ends - now_wall)
         limit_left = 0.0 if lifts is None else max(0.0, lifts - now_wall)
         row["limit_left"] = None if row["never"] else limit_left
-        gpus.append(row)
-    return {
-        "cooldown": as_number(resets.get("cooldown")),
-        "max_resets": as_count(resets.get("max_resets")),
-        "window": as_number(resets.get("window")),
-        "in_progress": pick(progress, _IN_PROGRESS) if isinstance(progress, Mapping) else None,
-        "gpus": gpus,
-    }
+    return resets
 
 
 # --- the edge: files, /proc, clocks -----------------------------------------------------------

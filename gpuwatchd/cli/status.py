@@ -95,7 +95,7 @@ def describe(
         saved is not None, same_boot, pid, process, life, state_dir=policy.state_dir
     )
     running = None if read_error is not None else why_not is None
-    attention = [a for a in as_list(doc.get("attention"))[:64] if isinstance(a, str)]
+    attention = _texts(doc.get("attention"))
     code, health = _health(read_error, running, attention)
     return {
         "format": STATUS_FORMAT,

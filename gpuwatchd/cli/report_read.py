@@ -140,20 +140,17 @@ def load_report(path: str) -> Mapping[str, object]:
         raise SnapshotError(f"{path}: {problem}: not a report")
     try:
         data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+        where = _first_huge_number(data, "")
     except UnicodeDecodeError as err:
         raise SnapshotError(f"{path}: cannot read: {err}") from None
     except json.JSONDecodeError as err:
         raise SnapshotError(f"{path}:{err.lineno}: not JSON: {err.msg}") from None
-    except RecursionError:
+    except RecursionError:  # in the parser, or in the walk for over-long numbers
         raise SnapshotError(f"{path}: nested too deeply: not a report") from None
     except ValueError as err:
         raise SnapshotError(f"{path}: not JSON: {err}") from None
     if not isinstance(data, dict):
         raise SnapshotError(f"{path}: expected the object `gpuwatchd scan --json` prints")
-    try:
-        where = _first_huge_number(data, "")
-    except RecursionError:
-        raise SnapshotError(f"{path}: nested too deeply: not a report") from None
     if where is not None:
         raise SnapshotError(
             f"{path}: {where}: a number of more than {MAX_DIGITS} digits is no value of a report"

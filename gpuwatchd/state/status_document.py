@@ -206,26 +206,19 @@ def _verdict(raw: object) -> dict[str, object] | None:
     with its first reason. None when the daemon wrote none."""
     if not isinstance(raw, Mapping):
         return None
-    whole = as_map(raw)
     gpus = []
-    for item in as_list(whole.get("gpus"))[:256]:
+    for item in as_list(raw.get("gpus"))[:256]:
         entry = as_map(item)
-        reasons = [as_map(r) for r in as_list(entry.get("reasons"))]
-        first = reasons[0] if reasons else {}
+        reasons = as_list(entry.get("reasons"))
         gpus.append(
             {
                 **pick(entry, {"index": as_int, "uuid": as_text, "state": GPU_STATE}),
-                "kind": as_text(first.get("kind")),
-                "reason": as_text(first.get("reason")),
+                **pick(reasons[0] if reasons else {}, {"kind": as_text, "reason": as_text}),
                 "reasons": len(reasons),
                 "reset_blockers": len(as_list(entry.get("reset_blockers"))),
             }
         )
-    return {
-        "clean": as_flag(whole.get("clean")),
-        "error": as_text(whole.get("error")),
-        "gpus": gpus,
-    }
+    return {**pick(raw, {"clean": as_flag, "error": as_text}), "gpus": gpus}
 
 
 def _actions(raw: object) -> list[dict[str, object]]:

@@ -30,13 +30,13 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.decide.health.fabric import FabricState
 from gpuwatchd.sim.scenario_spec import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
-FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
 
 
 # NVML's GPU instance profile ids of the H100 and H200 profiles (``nvidia-smi mig -lgip``): what
@@ -346,8 +346,8 @@ class World:
             remap_pending=False,
             recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
         )
-        if gpu.health.fabric not in (None, FABRIC_NOT_SUPPORTED):
-            gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
+        if gpu.health.fabric not in (None, FabricState.NOT_SUPPORTED):
+            gpu.health = replace(gpu.health, fabric=FabricState.IN_PROGRESS.value)
             settle = gpu.health.fabric_after_reset
             gpu.fabric_ready_at = None if settle is None else now + settle
         self._free(gpu)
@@ -490,7 +490,7 @@ class World:
         for gpu in self.gpus.values():
             if gpu.fabric_ready_at is not None and gpu.fabric_ready_at <= now:
                 gpu.fabric_ready_at = None
-                gpu.health = replace(gpu.health, fabric=FABRIC_COMPLETED)
+                gpu.health = replace(gpu.health, fabric=FabricState.COMPLETED.value)
 
     def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []

@@ -196,10 +196,8 @@ class World:
                      start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
 
     def by_name(self, name: str) -> WorldProc | None:
-        for proc in reversed(self.history):
-            if proc.name == name:
-                return proc
-        return None
+        """The last process started under ``name`` (alive, a zombie or gone)."""
+        return next((proc for proc in reversed(self.history) if proc.name == name), None)
 
     def exit(self, proc: WorldProc, at: float, why: str) -> list[str]:
         """The process exits: children reparented, device files closed, contexts settled."""
@@ -246,9 +244,8 @@ class World:
         return notes
 
     def reap(self, proc: WorldProc) -> None:
-        if proc.present and not proc.alive:
-            proc.present = False
-            self.procs.pop(proc.pid, None)
+        proc.present = False
+        del self.procs[proc.pid]
 
     def _live_contexts(self, proc: WorldProc) -> list[_Context]:
         return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
@@ -296,13 +293,7 @@ class World:
     def allocated(self, gpu: WorldGpu, gi: int | None = None) -> int:
         """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
         is the aggregate of its instances' (as NVML gives a privileged caller)."""
-        charged = sum(
-            c.size or 0
-            for c in self.contexts
-            if c.gpu == gpu.spec.index
-            and c.status in ("live", "dead", "leaked")
-            and (gi is None or c.gi == gi)
-        )
+        charged = sum(c.size or 0 for c in self._on(gpu.spec.index, gi, "live", "dead", "leaked"))
         if gi is not None:
             instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
             return min(gpu.instance_base.get(gi, 0) + charged, instance.total)
@@ -325,13 +316,19 @@ class World:
         gpu.instance_base[gi] = instance.allocated
         self._free(gpu, gi)
 
+    def _on(self, index: int, gi: int | None, *statuses: str) -> list[_Context]:
+        """The contexts on GPU ``index`` (in its GPU instance ``gi``) in one of ``statuses``."""
+        return [
+            c
+            for c in self.contexts
+            if c.gpu == index and (gi is None or c.gi == gi) and c.status in statuses
+        ]
+
     def _free(self, gpu: WorldGpu, gi: int | None = None) -> None:
         """The dead and leaked contexts on ``gpu`` (in its GPU instance ``gi``) are gone."""
-        for ctx in self.contexts:
-            mine = ctx.gpu == gpu.spec.index and (gi is None or ctx.gi == gi)
-            if mine and ctx.status in ("dead", "leaked"):
-                ctx.status = "freed"
-                ctx.heirs.clear()
+        for ctx in self._on(gpu.spec.index, gi, "dead", "leaked"):
+            ctx.status = "freed"
+            ctx.heirs.clear()
 
     def restore(self, gpu: WorldGpu, now: float) -> None:
         """A successful reset at ``now``: the GPU's contexts gone, memory back to idle, a
@@ -451,11 +448,8 @@ class World:
     def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
         """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
         contexts, by PID."""
-        return tuple(
-            NvmlProcess(c.pid, c.size, "compute")
-            for c in sorted(self.contexts, key=lambda c: c.pid)
-            if c.gpu == index and c.status in ("live", "dead") and (gi is None or c.gi == gi)
-        )
+        listed = sorted(self._on(index, gi, "live", "dead"), key=lambda c: c.pid)
+        return tuple(NvmlProcess(c.pid, c.size, "compute") for c in listed)
 
     def health(self, gpu: WorldGpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""

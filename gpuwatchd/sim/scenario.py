@@ -344,11 +344,7 @@ class _Reader(GpuReader):
                 raise self.fail(hm, f"{action} needs 'gpu'")
             gpu = self.gpu_index(gpu_node)
             if action == "health":
-                rest = replace(
-                    hm,
-                    entries={k: v for k, v in hm.entries.items() if k != "gpu"},
-                    key_lines={k: v for k, v in hm.key_lines.items() if k != "gpu"},
-                )
+                rest = {k: v for k, v in hm.entries.items() if k != "gpu"}
                 return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
             xid_node = hm.entries.get("xid")
             if xid_node is None:

@@ -9,8 +9,7 @@ layouts, health).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.units import parse_duration, parse_size
@@ -281,13 +280,12 @@ class GpuReader(ReaderBase):
                     )  # fmt: skip
 
     def health_spec(self, node: Node) -> HealthSpec:
-        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
+        return HealthSpec(**self.health(self.mapping(node, HEALTH_KEYS).entries))  # type: ignore[arg-type]
 
-    def health(self, node: Node) -> dict[str, object]:
-        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
-        m = self.mapping(node, HEALTH_KEYS)
+    def health(self, entries: Mapping[str, Node]) -> dict[str, object]:
+        """The fields that the checked ``health`` mapping of a GPU or of an event sets."""
         found: dict[str, object] = {}
-        for key, value in m.entries.items():
+        for key, value in entries.items():
             if key == "recovery_action":
                 raw = self.scalar(value)
                 if isinstance(raw, str) and raw in RECOVERY_ACTIONS:

@@ -87,21 +87,17 @@ def parse_scenario(path: str, text: str) -> Scenario:
     return _Reader(path, text).scenario(root)
 
 
-def _policy_text(text: str) -> str | None:
-    """The inline ``policy:`` value as its own YAML document, on the same lines as in the
-    file (so a policy error names the scenario's own line numbers)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    if not isinstance(node, yaml.MappingNode):
-        return None
-    for key, value in node.value:
-        if isinstance(key, yaml.ScalarNode) and key.value == "policy":
-            start, end = value.start_mark, value.end_mark
-            if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
-                return ""
-            first, column = int(start.line), int(start.column)
-            body = text[int(start.index) : int(end.index)]
-            return "\n" * first + " " * column + body + "\n"
-    return None
+def _policy_text(text: str) -> str:
+    """The inline ``policy:`` value of a scenario that has one as its own YAML document, on
+    the same lines as in the file (so a policy error names the scenario's own line numbers)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    assert isinstance(root, yaml.MappingNode)  # noqa: S101 -- load_document read a mapping
+    value = next(v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "policy")
+    if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
+        return ""
+    start, end = value.start_mark, value.end_mark
+    body = text[int(start.index) : int(end.index)]
+    return "\n" * int(start.line) + " " * int(start.column) + body + "\n"
 
 
 class _Reader(GpuReader):
@@ -136,15 +132,12 @@ class _Reader(GpuReader):
         events = tuple(self.event(n) for n in event_nodes)
         self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
         policy_doc = None
-        if "policy" in top.entries:
-            policy_node = top.entries["policy"]
+        if (policy_node := get("policy")) is not None:
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
                 raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
-            policy_text = _policy_text(self.text)
-            if policy_text is not None:
-                policy_doc = (self.path, policy_text)
+            policy_doc = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
             description=description,

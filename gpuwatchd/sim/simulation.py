@@ -410,19 +410,15 @@ class VirtualHost:
                     except ValueError:
                         continue  # perform_reset refuses before anything runs
                     self.mig.setdefault(argv, (position, last, gpu, instance.gi))
-            values: dict[str, str | None] = {
-                "uuid": spec.uuid,
-                "pci_bus_id": spec.pci_bus_id,
-                "minor": str(spec.minor),
-            }
+            values = {"uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "minor": str(spec.minor)}
             for what, template, mode in (
-                ("reset", reset.command, None),
-                ("health", reset.health_command, None),
-                ("persistence_off", reset.persistence_command, "0"),
-                ("persistence_on", reset.persistence_command, "1"),
+                ("reset", reset.command, {}),
+                ("health", reset.health_command, {}),
+                ("persistence_off", reset.persistence_command, {"mode": "0"}),
+                ("persistence_on", reset.persistence_command, {"mode": "1"}),
             ):
                 try:
-                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+                    argv = format_argv(template, **values, **mode)
                 except ValueError:
                     continue  # perform_reset refuses before anything runs
                 self.commands.setdefault(argv, (what, gpu))

@@ -38,17 +38,7 @@ from gpuwatchd.sim.scenario_spec import (
     keys_of,
 )
 
-_TOP_KEYS = (
-    "description",
-    "duration",
-    "interval",
-    "policy",
-    "host",
-    "gpus",
-    "processes",
-    "events",
-)
-
+_TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
 
 # sigterm_delay is said in on_sigterm; line is where the process was read
 _PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
@@ -131,19 +121,19 @@ class _Reader(GpuReader):
         processes = tuple(self.process(n) for n in proc_nodes)
         events = tuple(self.event(n) for n in event_nodes)
         self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
-        policy_doc = None
+        policy = None
         if (policy_node := get("policy")) is not None:
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
                 raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
-            policy_doc = (self.path, _policy_text(self.text))
+            policy = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
             description=description,
             duration=duration,
             interval=interval,
-            policy_doc=policy_doc,
+            policy=policy,
             host=host,
             gpus=gpus,
             processes=processes,

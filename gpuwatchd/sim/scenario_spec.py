@@ -184,14 +184,14 @@ class EventSpec:
 
 @dataclass(frozen=True)
 class Scenario:
-    """A whole scenario, validated. ``policy_doc`` is the inline policy as a (file, text) pair
+    """A whole scenario, validated. ``policy`` is the inline policy as a (file, text) pair
     whose text keeps the scenario's line numbers, ready for ``config.parse_policy_documents``."""
 
     path: str
     description: str
     duration: float
     interval: float | None
-    policy_doc: tuple[str, str] | None
+    policy: tuple[str, str] | None
     host: HostSpec
     gpus: tuple[GpuSpec, ...]
     processes: tuple[ProcessSpec, ...]

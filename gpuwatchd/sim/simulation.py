@@ -59,8 +59,8 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
         return load_policy(config_path, check_permissions=False), config_path
     docs = [("<built-in defaults>", render_policy(default_policy()))]
     source = "built-in defaults"
-    if scenario.policy_doc is not None:
-        docs.append(scenario.policy_doc)
+    if scenario.policy is not None:
+        docs.append(scenario.policy)
         source = "built-in defaults + the scenario's policy"
     try:
         return parse_policy_documents(docs), source

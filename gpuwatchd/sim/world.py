@@ -205,7 +205,8 @@ class World:
             return []
         notes: list[str] = []
         proc.alive, proc.exited_at, proc.exit_why = False, at, why
-        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in self._live_contexts(proc)}
+        live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
+        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in live}
         reaper = self._reaper(proc)
         for child in self.procs.values():
             if child.ppid == proc.pid and child.present and child is not proc:
@@ -218,8 +219,8 @@ class World:
             proc.present = False
             del self.procs[proc.pid]
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
-        for ctx in self._live_contexts(proc):
-            heirs = heirs_by_gpu.get(ctx.gpu, set())
+        for ctx in live:
+            heirs = heirs_by_gpu[ctx.gpu]
             if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
                 heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
             if leak:
@@ -246,9 +247,6 @@ class World:
     def reap(self, proc: WorldProc) -> None:
         proc.present = False
         del self.procs[proc.pid]
-
-    def _live_contexts(self, proc: WorldProc) -> list[_Context]:
-        return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
 
     def _ancestors(self, proc: WorldProc) -> Iterator[int]:
         """The PIDs above ``proc``, its parent first, up to init, a loop or a PID not listed."""

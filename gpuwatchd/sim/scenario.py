@@ -263,12 +263,9 @@ class _Reader(GpuReader):
             return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
-        gpus: tuple[int, ...] = ()
-        if (n := get("gpus")) is not None:
-            gpus = tuple(self.gpu_index(item) for item in self.items(n))
+        gpus = tuple(self.gpu_index(i) for i in self.items(n)) if (n := get("gpus")) else ()
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
-        ctl = self.boolean(n) if (n := get("ctl")) is not None else True
-        uvm = self.boolean(n) if (n := get("uvm")) is not None else True
+        ctl, uvm = self.flag(get("ctl"), True), self.flag(get("uvm"), True)
         mig = self.integer(n) if (n := get("mig")) is not None else None
         return HoldSpec(gpus, via, ctl, uvm, mig)
 

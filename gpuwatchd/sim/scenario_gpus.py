@@ -1,10 +1,6 @@
-"""Reading a scenario's GPUs for ``gpuwatchd simulate``: the reader's typed values and its GPU part.
-
-This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds on
-them): :class:`ReaderBase`, the typed values every field is read as, each failure naming the
-file, line and key; and :class:`GpuReader`, the host section and the GPUs (memory, MIG
-layouts, health).
-"""
+"""Reading a scenario's GPUs for ``gpuwatchd simulate``: the two layers of the scenario reader
+that :mod:`gpuwatchd.sim.scenario` builds on, :class:`ReaderBase` (typed values) and
+:class:`GpuReader` (the host section and the GPUs)."""
 
 from __future__ import annotations
 

@@ -270,8 +270,8 @@ class Simulation:
         a health reading."""
         world = self.world
         action = event.action
-        if action == "set_memory" and event.gpu is not None and event.memory is not None:
-            gpu = world.gpus[event.gpu]
+        gpu = None if event.gpu is None else world.gpus[event.gpu]  # set_memory, xid, health
+        if action == "set_memory" and gpu is not None and event.memory is not None:
             charged = world.allocated(gpu) - gpu.base
             gpu.base = max(0, event.memory - charged)
             said = f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}"
@@ -284,14 +284,11 @@ class Simulation:
             world.reset_results.append(event.value)
             said = f"the next GPU reset will end: {event.value}"
             self.happened(TimelineEvent.RESET_RESULT, said, result=event.value)
-        elif action == "xid" and event.gpu is not None and event.xid is not None:
-            world.gpus[event.gpu].xids.append((event.xid, self.now))
+        elif action == "xid" and gpu is not None and event.xid is not None:
+            gpu.xids.append((event.xid, self.now))
             said = f"GPU {event.gpu}: Xid {event.xid}"
-            self.happened(
-                TimelineEvent.XID, said, gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid
-            )
-        elif action == "health" and event.gpu is not None and event.health is not None:
-            gpu = world.gpus[event.gpu]
+            self.happened(TimelineEvent.XID, said, gpu=gpu.spec.uuid, xid=event.xid)
+        elif action == "health" and gpu is not None and event.health is not None:
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
             said = ", ".join(f"{k}={v}" for k, v in event.health.items())
             self.happened(

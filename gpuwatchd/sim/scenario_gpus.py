@@ -77,12 +77,8 @@ class ReaderBase:
 
                 close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ScenarioError(
-                    f"unknown field{hint}; known: {', '.join(keys)}",
-                    path=self.path,
-                    line=line,
-                    key=join_key(node.path, key),
-                )
+                where = Scalar(node.file, line, join_key(node.path, key))  # the key's own line
+                raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
     def items(self, node: Node) -> list[Node]:

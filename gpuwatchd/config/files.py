@@ -122,15 +122,6 @@ class FileTooLarge(OSError):
         super().__init__(f"larger than {limit} bytes")
 
 
-def read_up_to(fd: int, most: int) -> bytes:
-    """At most ``most`` bytes of ``fd``, read until its end."""
-    chunks: list[bytes] = []
-    while most > 0 and (chunk := os.read(fd, min(1 << 20, most))):
-        chunks.append(chunk)
-        most -= len(chunk)
-    return b"".join(chunks)
-
-
 def read_regular_file(path: str, limit: int) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` (docs/internals.md). Raises
     FileNotFoundError, NotARegularFile, FileTooLarge or another OSError."""
@@ -142,9 +133,13 @@ def read_regular_file(path: str, limit: int) -> bytes:
         kind = _kind(os.fstat(fd).st_mode)
         if kind is not None:
             raise NotARegularFile(kind)
-        data = read_up_to(fd, limit + 1)
+        chunks, most = [], limit + 1  # one byte past the limit tells a larger file
+        while most > 0 and (chunk := os.read(fd, min(1 << 20, most))):
+            chunks.append(chunk)
+            most -= len(chunk)
     finally:
         os.close(fd)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise FileTooLarge(limit)
     return data

@@ -135,11 +135,13 @@ def _merge(base: Map, over: Map, problems: list[ConfigError]) -> Map:
 
 
 class _Section:
-    """One mapping of the config being read; collects problems instead of stopping."""
+    """One mapping of the config being read, the section named ``name`` of the key table;
+    collects problems instead of stopping."""
 
     def __init__(
-        self, node: Node | None, section: Section, problems: list[ConfigError], path: str
+        self, node: Node | None, name: str, problems: list[ConfigError], path: str
     ) -> None:
+        self.section = SECTIONS[name]
         self.problems = problems
         self.path = path
         self.map = node if isinstance(node, Map) else None
@@ -147,7 +149,7 @@ class _Section:
             if node is not None and not (isinstance(node, Scalar) and node.value is None):
                 problems.append(node.error(f"expected a mapping, got {kind_of(node)}"))
             return
-        allowed = section.names
+        allowed = self.section.names
         for key, line in node.key_lines.items():
             if key in allowed:
                 continue
@@ -171,33 +173,24 @@ class _Section:
         try:
             return read(node)
         except ConfigError as err:
-            for problem in err.problems:
-                self.problems.append(
-                    problem if problem.path else node.error(problem.message, problem.key)
-                )
+            self.problems.extend(
+                p if p.path else node.error(p.message, p.key) for p in err.problems
+            )
             return default
 
 
-def _read_fields(
-    reader: _Section,
-    section: Section,
-    problems: list[ConfigError],
-    *,
-    lenient: frozenset[str] = frozenset(),
-) -> dict[str, Any]:
-    """The dataclass fields of ``section`` that ``reader``'s mapping sets validly. Absent keys
+def _read_fields(reader: _Section, *, lenient: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The dataclass fields of its section that ``reader``'s mapping sets validly. Absent keys
     are left out (the default applies); a required one is a problem unless ``lenient``."""
     fields: dict[str, Any] = {}
-    for key in section.keys:
+    problems = reader.problems
+    for key in reader.section.keys:
         node = reader.node(key.name)
         value: Any = _FAILED
         if isinstance(key.value, Nested):
-            nested = SECTIONS[key.value.section]
             path = join_key(reader.path, key.name)
             if key.value.flatten:
-                fields.update(
-                    _read_fields(_Section(node, nested, problems, path), nested, problems)
-                )
+                fields.update(_read_fields(_Section(node, key.value.section, problems, path)))
                 continue
             if node is not None:
                 value = _read_nested(node, key.value, problems, path)
@@ -214,8 +207,7 @@ def _read_fields(
 def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: str) -> Any:
     section = SECTIONS[nested.section]
     if not nested.many:
-        reader = _Section(node, section, problems, path)
-        return section.cls(**_read_fields(reader, section, problems))
+        return section.cls(**_read_fields(_Section(node, section.name, problems, path)))
     try:
         items = items_of(node)
     except ConfigError as err:
@@ -233,11 +225,10 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
 
 def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """One rule's fields; None when it is disabled or not a mapping."""
-    section = SECTIONS["rules[]"]
-    reader = _Section(node, section, problems, node.path)
+    reader = _Section(node, "rules[]", problems, node.path)
     if reader.map is None or not reader.get("enabled", BOOL.read, True):
         return None
-    fields = _read_fields(reader, section, problems)
+    fields = _read_fields(reader)
     steps: tuple[Step, ...] | None = fields.get("steps")
     if steps == ():
         problems.append(reader.map.error("a rule needs at least one step", key=node.path))
@@ -260,14 +251,13 @@ def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 
 
 def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
-    section = SECTIONS["steps[]"]
     before = len(problems)
-    reader = _Section(node, section, problems, node.path)
+    reader = _Section(node, "steps[]", problems, node.path)
     if reader.map is None:
         if len(problems) == before:
             problems.append(node.error("expected a mapping"))
         return None
-    fields = _read_fields(reader, section, problems, lenient=frozenset({"wait"}))
+    fields = _read_fields(reader, lenient=frozenset({"wait"}))
     if fields.get("signal") is not None and reader.node("wait") is None:
         problems.append(node.error("missing required key 'wait' (how long to wait after it)"))
     return {"wait": 0.0, **fields}
@@ -275,10 +265,9 @@ def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 
 def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A hook: a bare argv list, or a mapping with ``command`` and ``timeout``."""
-    section = SECTIONS["hook"]
     if isinstance(node, Map):
-        return _read_fields(_Section(node, section, problems, node.path), section, problems)
-    command = section.keys[0].value
+        return _read_fields(_Section(node, "hook", problems, node.path))
+    command = SECTIONS["hook"].keys[0].value
     assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
     try:
         return {"argv": command.read(node)}
@@ -289,10 +278,9 @@ def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 
 def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
-    section = SECTIONS["monitors[]"]
     before = len(problems)
-    reader = _Section(node, section, problems, node.path)
-    fields = _read_fields(reader, section, problems)
+    reader = _Section(node, "monitors[]", problems, node.path)
+    fields = _read_fields(reader)
     if reader.map is None:
         if len(problems) == before:
             problems.append(node.error("expected a mapping with 'unit' or 'command'"))
@@ -331,8 +319,7 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
             continue
         merged = _merge(merged, document, problems)
     sources = tuple(name for name, _ in docs)
-    top = SECTIONS[""]
-    fields = _read_fields(_Section(merged, top, problems, ""), top, problems)
+    fields = _read_fields(_Section(merged, "", problems, ""))
     policy = Policy(**fields, sources=sources)
     if problems:
         order = {name: index for index, name in enumerate(sources)}

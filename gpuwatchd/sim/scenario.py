@@ -38,17 +38,7 @@ from gpuwatchd.sim.scenario_spec import (
     keys_of,
 )
 
-_TOP_KEYS = (
-    "description",
-    "duration",
-    "interval",
-    "policy",
-    "host",
-    "gpus",
-    "processes",
-    "events",
-)
-
+_TOP_KEYS = keys_of(Scenario, but=("path",))  # the file's keys are its fields
 
 # sigterm_delay is said in on_sigterm; line is where the process was read
 _PROCESS_KEYS = keys_of(ProcessSpec, but=("sigterm_delay", "line"))
@@ -87,21 +77,17 @@ def parse_scenario(path: str, text: str) -> Scenario:
     return _Reader(path, text).scenario(root)
 
 
-def _policy_text(text: str) -> str | None:
-    """The inline ``policy:`` value as its own YAML document, on the same lines as in the
-    file (so a policy error names the scenario's own line numbers)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    if not isinstance(node, yaml.MappingNode):
-        return None
-    for key, value in node.value:
-        if isinstance(key, yaml.ScalarNode) and key.value == "policy":
-            start, end = value.start_mark, value.end_mark
-            if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
-                return ""
-            first, column = int(start.line), int(start.column)
-            body = text[int(start.index) : int(end.index)]
-            return "\n" * first + " " * column + body + "\n"
-    return None
+def _policy_text(text: str) -> str:
+    """The inline ``policy:`` value of a scenario that has one as its own YAML document, on
+    the same lines as in the file (so a policy error names the scenario's own line numbers)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    assert isinstance(root, yaml.MappingNode)  # noqa: S101 -- load_document read a mapping
+    value = next(v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "policy")
+    if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
+        return ""
+    start, end = value.start_mark, value.end_mark
+    body = text[int(start.index) : int(end.index)]
+    return "\n" * int(start.line) + " " * int(start.column) + body + "\n"
 
 
 class _Reader(GpuReader):
@@ -135,22 +121,19 @@ class _Reader(GpuReader):
         processes = tuple(self.process(n) for n in proc_nodes)
         events = tuple(self.event(n) for n in event_nodes)
         self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
-        policy_doc = None
-        if "policy" in top.entries:
-            policy_node = top.entries["policy"]
+        policy = None
+        if (policy_node := get("policy")) is not None:
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
                 raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
-            policy_text = _policy_text(self.text)
-            if policy_text is not None:
-                policy_doc = (self.path, policy_text)
+            policy = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
             description=description,
             duration=duration,
             interval=interval,
-            policy_doc=policy_doc,
+            policy=policy,
             host=host,
             gpus=gpus,
             processes=processes,
@@ -280,12 +263,9 @@ class _Reader(GpuReader):
             return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
-        gpus: tuple[int, ...] = ()
-        if (n := get("gpus")) is not None:
-            gpus = tuple(self.gpu_index(item) for item in self.items(n))
+        gpus = tuple(self.gpu_index(i) for i in self.items(n)) if (n := get("gpus")) else ()
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
-        ctl = self.boolean(n) if (n := get("ctl")) is not None else True
-        uvm = self.boolean(n) if (n := get("uvm")) is not None else True
+        ctl, uvm = self.flag(get("ctl"), True), self.flag(get("uvm"), True)
         mig = self.integer(n) if (n := get("mig")) is not None else None
         return HoldSpec(gpus, via, ctl, uvm, mig)
 
@@ -344,11 +324,7 @@ class _Reader(GpuReader):
                 raise self.fail(hm, f"{action} needs 'gpu'")
             gpu = self.gpu_index(gpu_node)
             if action == "health":
-                rest = replace(
-                    hm,
-                    entries={k: v for k, v in hm.entries.items() if k != "gpu"},
-                    key_lines={k: v for k, v in hm.key_lines.items() if k != "gpu"},
-                )
+                rest = {k: v for k, v in hm.entries.items() if k != "gpu"}
                 return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
             xid_node = hm.entries.get("xid")
             if xid_node is None:

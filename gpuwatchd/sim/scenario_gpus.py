@@ -1,16 +1,11 @@
-"""Reading a scenario's GPUs for ``gpuwatchd simulate``: the reader's typed values and its GPU part.
-
-This module owns two layers of the scenario reader (:mod:`gpuwatchd.sim.scenario` builds on
-them): :class:`ReaderBase`, the typed values every field is read as, each failure naming the
-file, line and key; and :class:`GpuReader`, the host section and the GPUs (memory, MIG
-layouts, health).
-"""
+"""Reading a scenario's GPUs for ``gpuwatchd simulate``: the two layers of the scenario reader
+that :mod:`gpuwatchd.sim.scenario` builds on, :class:`ReaderBase` (typed values) and
+:class:`GpuReader` (the host section and the GPUs)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.config.units import parse_duration, parse_size
@@ -82,12 +77,8 @@ class ReaderBase:
 
                 close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ScenarioError(
-                    f"unknown field{hint}; known: {', '.join(keys)}",
-                    path=self.path,
-                    line=line,
-                    key=join_key(node.path, key),
-                )
+                where = Scalar(node.file, line, join_key(node.path, key))  # the key's own line
+                raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
     def items(self, node: Node) -> list[Node]:
@@ -281,13 +272,12 @@ class GpuReader(ReaderBase):
                     )  # fmt: skip
 
     def health_spec(self, node: Node) -> HealthSpec:
-        return replace(HealthSpec(), **self.health(node))  # type: ignore[arg-type]
+        return HealthSpec(**self.health(self.mapping(node, HEALTH_KEYS).entries))  # type: ignore[arg-type]
 
-    def health(self, node: Node) -> dict[str, object]:
-        """The fields of a ``health`` mapping (a GPU's, or a ``health`` event's)."""
-        m = self.mapping(node, HEALTH_KEYS)
+    def health(self, entries: Mapping[str, Node]) -> dict[str, object]:
+        """The fields that the checked ``health`` mapping of a GPU or of an event sets."""
         found: dict[str, object] = {}
-        for key, value in m.entries.items():
+        for key, value in entries.items():
             if key == "recovery_action":
                 raw = self.scalar(value)
                 if isinstance(raw, str) and raw in RECOVERY_ACTIONS:

@@ -14,6 +14,8 @@ from typing import Any
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import ResetStep
+from gpuwatchd.decide.health.fabric import FabricState
+from gpuwatchd.decide.health.judge import RecoveryAction
 
 GIB = 1024 * MIB
 FIRST_AUTO_PID = 1000
@@ -41,18 +43,9 @@ EVENT_ACTIONS = (
 )
 
 
-FABRIC_STATES = ("NOT_SUPPORTED", "NOT_STARTED", "IN_PROGRESS", "COMPLETED")
+FABRIC_STATES = tuple(state.name for state in FabricState)  # in order: the state's number
 FABRIC_SETTLE = 5.0  # seconds the fabric takes to register again after a reset, by default
-RECOVERY_ACTIONS = (
-    "NONE",
-    "GPU_RESET",
-    "NODE_REBOOT",
-    "DRAIN_P2P",
-    "DRAIN_AND_RESET",
-    "RECOVER_IMEX_DOMAIN",
-    "BUS_RESET",
-    "SYSTEM_REBOOT",
-)
+RECOVERY_ACTIONS = tuple(action.name for action in RecoveryAction)  # in order: its number
 FILES = ("inherited", "own")  # what kcmp says of a holder's device files vs its owners'
 
 
@@ -191,14 +184,14 @@ class EventSpec:
 
 @dataclass(frozen=True)
 class Scenario:
-    """A whole scenario, validated. ``policy_doc`` is the inline policy as a (file, text) pair
+    """A whole scenario, validated. ``policy`` is the inline policy as a (file, text) pair
     whose text keeps the scenario's line numbers, ready for ``config.parse_policy_documents``."""
 
     path: str
     description: str
     duration: float
     interval: float | None
-    policy_doc: tuple[str, str] | None
+    policy: tuple[str, str] | None
     host: HostSpec
     gpus: tuple[GpuSpec, ...]
     processes: tuple[ProcessSpec, ...]

@@ -59,8 +59,8 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
         return load_policy(config_path, check_permissions=False), config_path
     docs = [("<built-in defaults>", render_policy(default_policy()))]
     source = "built-in defaults"
-    if scenario.policy_doc is not None:
-        docs.append(scenario.policy_doc)
+    if scenario.policy is not None:
+        docs.append(scenario.policy)
         source = "built-in defaults + the scenario's policy"
     try:
         return parse_policy_documents(docs), source
@@ -270,8 +270,8 @@ class Simulation:
         a health reading."""
         world = self.world
         action = event.action
-        if action == "set_memory" and event.gpu is not None and event.memory is not None:
-            gpu = world.gpus[event.gpu]
+        gpu = None if event.gpu is None else world.gpus[event.gpu]  # set_memory, xid, health
+        if action == "set_memory" and gpu is not None and event.memory is not None:
             charged = world.allocated(gpu) - gpu.base
             gpu.base = max(0, event.memory - charged)
             said = f"GPU {event.gpu}: allocated memory set to {size_text(event.memory)}"
@@ -284,14 +284,11 @@ class Simulation:
             world.reset_results.append(event.value)
             said = f"the next GPU reset will end: {event.value}"
             self.happened(TimelineEvent.RESET_RESULT, said, result=event.value)
-        elif action == "xid" and event.gpu is not None and event.xid is not None:
-            world.gpus[event.gpu].xids.append((event.xid, self.now))
+        elif action == "xid" and gpu is not None and event.xid is not None:
+            gpu.xids.append((event.xid, self.now))
             said = f"GPU {event.gpu}: Xid {event.xid}"
-            self.happened(
-                TimelineEvent.XID, said, gpu=world.gpus[event.gpu].spec.uuid, xid=event.xid
-            )
-        elif action == "health" and event.gpu is not None and event.health is not None:
-            gpu = world.gpus[event.gpu]
+            self.happened(TimelineEvent.XID, said, gpu=gpu.spec.uuid, xid=event.xid)
+        elif action == "health" and gpu is not None and event.health is not None:
             gpu.health = dataclasses.replace(gpu.health, **event.health)  # type: ignore[arg-type]
             said = ", ".join(f"{k}={v}" for k, v in event.health.items())
             self.happened(
@@ -410,19 +407,15 @@ class VirtualHost:
                     except ValueError:
                         continue  # perform_reset refuses before anything runs
                     self.mig.setdefault(argv, (position, last, gpu, instance.gi))
-            values: dict[str, str | None] = {
-                "uuid": spec.uuid,
-                "pci_bus_id": spec.pci_bus_id,
-                "minor": str(spec.minor),
-            }
+            values = {"uuid": spec.uuid, "pci_bus_id": spec.pci_bus_id, "minor": str(spec.minor)}
             for what, template, mode in (
-                ("reset", reset.command, None),
-                ("health", reset.health_command, None),
-                ("persistence_off", reset.persistence_command, "0"),
-                ("persistence_on", reset.persistence_command, "1"),
+                ("reset", reset.command, {}),
+                ("health", reset.health_command, {}),
+                ("persistence_off", reset.persistence_command, {"mode": "0"}),
+                ("persistence_on", reset.persistence_command, {"mode": "1"}),
             ):
                 try:
-                    argv = format_argv(template, **values, **({"mode": mode} if mode else {}))
+                    argv = format_argv(template, **values, **mode)
                 except ValueError:
                     continue  # perform_reset refuses before anything runs
                 self.commands.setdefault(argv, (what, gpu))
@@ -497,10 +490,9 @@ class VirtualHost:
     def exits(self, timeout: float) -> list[ProcessIdentity]:
         """The world's happenings within ``timeout``: a target that dies on its signal at once
         is seen before the checkpoint, as the daemon's short pidfd wait sees it."""
-        sim = self.sim
-        if sim.exited or sim.advance(sim.now + timeout) or sim.exited:
-            return sim.take_exits()
-        return []
+        if not self.sim.exited:
+            self.sim.advance(self.sim.now + timeout)
+        return self.sim.take_exits()
 
     def run_command(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None

@@ -30,13 +30,13 @@ from gpuwatchd.core.model import (
     Support,
     XidEvent,
 )
+from gpuwatchd.decide.health.fabric import FabricState
 from gpuwatchd.sim.scenario_spec import EventSpec, GpuSpec, HealthSpec, ProcessSpec, Scenario
 
 WALL0 = 1_700_000_000.0  # the virtual wall clock at +0s
 SAID_AT = 10**9  # boot ticks of +0s: when `host.ended_jobs` is said (after the first processes)
 BOOT_ID = "00000000-0000-4000-8000-5100a7ed0000"
 ARCH_HOPPER = 9  # NVML_DEVICE_ARCH_HOPPER: every virtual GPU
-FABRIC_NOT_SUPPORTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 2, 3  # NVML_GPU_FABRIC_STATE_*
 
 
 # NVML's GPU instance profile ids of the H100 and H200 profiles (``nvidia-smi mig -lgip``): what
@@ -196,10 +196,8 @@ class World:
                      start_ticks=proc.start_ticks, since=wall, by_uid=0)  # fmt: skip
 
     def by_name(self, name: str) -> WorldProc | None:
-        for proc in reversed(self.history):
-            if proc.name == name:
-                return proc
-        return None
+        """The last process started under ``name`` (alive, a zombie or gone)."""
+        return next((proc for proc in reversed(self.history) if proc.name == name), None)
 
     def exit(self, proc: WorldProc, at: float, why: str) -> list[str]:
         """The process exits: children reparented, device files closed, contexts settled."""
@@ -207,7 +205,8 @@ class World:
             return []
         notes: list[str] = []
         proc.alive, proc.exited_at, proc.exit_why = False, at, why
-        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in self._live_contexts(proc)}
+        live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
+        heirs_by_gpu = {ctx.gpu: self._heirs(proc, ctx.gpu) for ctx in live}
         reaper = self._reaper(proc)
         for child in self.procs.values():
             if child.ppid == proc.pid and child.present and child is not proc:
@@ -220,8 +219,8 @@ class World:
             proc.present = False
             del self.procs[proc.pid]
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
-        for ctx in self._live_contexts(proc):
-            heirs = heirs_by_gpu.get(ctx.gpu, set())
+        for ctx in live:
+            heirs = heirs_by_gpu[ctx.gpu]
             if ctx.gi is not None:  # MIG: only holders of that instance's capabilities pin it
                 heirs = {pid for pid in heirs if self.procs[pid].spec.holds.mig == ctx.gi}
             if leak:
@@ -246,12 +245,8 @@ class World:
         return notes
 
     def reap(self, proc: WorldProc) -> None:
-        if proc.present and not proc.alive:
-            proc.present = False
-            self.procs.pop(proc.pid, None)
-
-    def _live_contexts(self, proc: WorldProc) -> list[_Context]:
-        return [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]
+        proc.present = False
+        del self.procs[proc.pid]
 
     def _ancestors(self, proc: WorldProc) -> Iterator[int]:
         """The PIDs above ``proc``, its parent first, up to init, a loop or a PID not listed."""
@@ -296,13 +291,7 @@ class World:
     def allocated(self, gpu: WorldGpu, gi: int | None = None) -> int:
         """Allocated memory of ``gpu``, or of its GPU instance ``gi``; a MIG GPU's own figure
         is the aggregate of its instances' (as NVML gives a privileged caller)."""
-        charged = sum(
-            c.size or 0
-            for c in self.contexts
-            if c.gpu == gpu.spec.index
-            and c.status in ("live", "dead", "leaked")
-            and (gi is None or c.gi == gi)
-        )
+        charged = sum(c.size or 0 for c in self._on(gpu.spec.index, gi, "live", "dead", "leaked"))
         if gi is not None:
             instance = next(i for i in gpu.spec.mig_instances if i.gi == gi)
             return min(gpu.instance_base.get(gi, 0) + charged, instance.total)
@@ -325,13 +314,19 @@ class World:
         gpu.instance_base[gi] = instance.allocated
         self._free(gpu, gi)
 
+    def _on(self, index: int, gi: int | None, *statuses: str) -> list[_Context]:
+        """The contexts on GPU ``index`` (in its GPU instance ``gi``) in one of ``statuses``."""
+        return [
+            c
+            for c in self.contexts
+            if c.gpu == index and (gi is None or c.gi == gi) and c.status in statuses
+        ]
+
     def _free(self, gpu: WorldGpu, gi: int | None = None) -> None:
         """The dead and leaked contexts on ``gpu`` (in its GPU instance ``gi``) are gone."""
-        for ctx in self.contexts:
-            mine = ctx.gpu == gpu.spec.index and (gi is None or ctx.gi == gi)
-            if mine and ctx.status in ("dead", "leaked"):
-                ctx.status = "freed"
-                ctx.heirs.clear()
+        for ctx in self._on(gpu.spec.index, gi, "dead", "leaked"):
+            ctx.status = "freed"
+            ctx.heirs.clear()
 
     def restore(self, gpu: WorldGpu, now: float) -> None:
         """A successful reset at ``now``: the GPU's contexts gone, memory back to idle, a
@@ -346,8 +341,8 @@ class World:
             remap_pending=False,
             recovery_action=0 if action in (1, 4) else action,  # GPU_RESET, DRAIN_AND_RESET
         )
-        if gpu.health.fabric not in (None, FABRIC_NOT_SUPPORTED):
-            gpu.health = replace(gpu.health, fabric=FABRIC_IN_PROGRESS)
+        if gpu.health.fabric not in (None, FabricState.NOT_SUPPORTED):
+            gpu.health = replace(gpu.health, fabric=FabricState.IN_PROGRESS.value)
             settle = gpu.health.fabric_after_reset
             gpu.fabric_ready_at = None if settle is None else now + settle
         self._free(gpu)
@@ -451,11 +446,8 @@ class World:
     def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
         """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
         contexts, by PID."""
-        return tuple(
-            NvmlProcess(c.pid, c.size, "compute")
-            for c in sorted(self.contexts, key=lambda c: c.pid)
-            if c.gpu == index and c.status in ("live", "dead") and (gi is None or c.gi == gi)
-        )
+        listed = sorted(self._on(index, gi, "live", "dead"), key=lambda c: c.pid)
+        return tuple(NvmlProcess(c.pid, c.size, "compute") for c in listed)
 
     def health(self, gpu: WorldGpu, *, take_events: bool) -> GpuHealth:
         """What NVML would say about the GPU's health; Xid events are read once."""
@@ -490,7 +482,7 @@ class World:
         for gpu in self.gpus.values():
             if gpu.fabric_ready_at is not None and gpu.fabric_ready_at <= now:
                 gpu.fabric_ready_at = None
-                gpu.health = replace(gpu.health, fabric=FABRIC_COMPLETED)
+                gpu.health = replace(gpu.health, fabric=FabricState.COMPLETED.value)
 
     def nvml(self, *, take_events: bool = False) -> NvmlReading:
         infos = []

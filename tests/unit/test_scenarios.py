@@ -204,10 +204,10 @@ def test_stuck_d_state_in_dry_run_runs_no_hook_and_says_it_would() -> None:
     daemon runs nothing: now both log the hook with outcome=dry_run."""
     path = SCENARIOS / "stuck-d-state.yaml"
     scenario = load_scenario(str(path))
-    assert scenario.policy_doc is not None
-    source, text = scenario.policy_doc
+    assert scenario.policy is not None
+    source, text = scenario.policy
     dry = dataclasses.replace(
-        scenario, policy_doc=(source, text.replace("dry_run: false", "dry_run: true"))
+        scenario, policy=(source, text.replace("dry_run: false", "dry_run: true"))
     )
     r = simulate(dry)
     hooks = r.entries("hook.run")
@@ -345,10 +345,10 @@ def test_pending_row_remap_unisolated() -> None:
 
 def test_pending_row_remap_with_device_isolation_resets_at_once() -> None:
     scenario = load_scenario(str(SCENARIOS / "pending-row-remap-unisolated.yaml"))
-    policy_file, text = scenario.policy_doc or ("", "")
+    policy_file, text = scenario.policy or ("", "")
     isolated = dataclasses.replace(
         scenario,
-        policy_doc=(policy_file, text.replace("device_isolation: false", "device_isolation: true")),
+        policy=(policy_file, text.replace("device_isolation: false", "device_isolation: true")),
     )
     r = simulate(isolated)
     assert [(t, result) for t, _, result in r.resets()] == [(0.0, "success")]
@@ -385,9 +385,9 @@ def test_xid_94_two_jobs() -> None:
 
 def test_xid_94_two_jobs_with_the_stricter_peer_choice_drains_only() -> None:
     scenario = load_scenario(str(SCENARIOS / "xid-94-two-jobs.yaml"))
-    policy_file, text = scenario.policy_doc or ("", "")
+    policy_file, text = scenario.policy or ("", "")
     strict = dataclasses.replace(
-        scenario, policy_doc=(policy_file, text + "  health: {xid_94: drain}\n")
+        scenario, policy=(policy_file, text + "  health: {xid_94: drain}\n")
     )
     r = simulate(strict)
     assert [e.fields["kind"] for e in r.entries("finding.new")] == ["drain_required"]

@@ -298,6 +298,29 @@ def test_a_during_event_happens_once_at_that_reset_step() -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "known"),
+    [
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nhosts: {}\n",
+            "(did you mean 'host'?); known: description, duration, interval, policy, host, "
+            "gpus, processes, events",
+        ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses: [{name: a, pids: 3}]\n",
+            "(did you mean 'pid'?); known: name, pid, ppid, pgid, sid, user, uid, command, "
+            "comm, exe, exe_trusted, cgroup, state, holds, nvml, on_sigterm, on_sigkill, "
+            "on_exit, exits_at, visible, subreaper, stops_for_reset, files",
+        ),
+    ],
+)
+def test_an_unknown_field_names_the_known_ones_in_the_formats_order(text: str, known: str) -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert err.value.message == f"unknown field {known}"
+    assert err.value.line == 3
+
+
+@pytest.mark.parametrize(
     ("event", "message"),
     [
         ("{during: rest, exit: a}", "expected one of drain, stop_nvml"),

@@ -1,61 +1,14 @@
 """The bottom of the ``/proc`` readers (``procfs`` and ``holders`` build on it): the whole-file
-read and the parsed ``stat`` line.
+read (the ``stat`` line's parser is :mod:`gpuwatchd.core.procstat`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
 
-PF_KTHREAD = 0x00200000
 GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
-
-
-@dataclass(frozen=True)
-class StatFields:
-    """The fields of ``/proc/PID/stat`` gpuwatchd uses. ``starttime`` is field 22 (ticks)."""
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    pgrp: int
-    session: int
-    flags: int
-    num_threads: int
-    starttime: int
-
-    @property
-    def kernel_thread(self) -> bool:
-        return bool(self.flags & PF_KTHREAD)
-
-
-def parse_stat(text: str) -> StatFields | None:
-    """Parse one ``/proc/PID/stat`` line; None when it is malformed. ``comm`` may hold anything
-    but NUL (``foo) Z 1 (`` too): it runs from the first ``(`` to the last ``)``. Pure."""
-    opening = text.find("(")
-    closing = text.rfind(")")
-    if opening < 0 or closing < opening:
-        return None
-    rest = text[closing + 1 :].split()
-    if len(rest) < 20:  # fields 3..22
-        return None
-    try:
-        return StatFields(
-            pid=int(text[:opening]),
-            comm=text[opening + 1 : closing],
-            state=rest[0],
-            ppid=int(rest[1]),
-            pgrp=int(rest[2]),
-            session=int(rest[3]),
-            flags=int(rest[6]),
-            num_threads=int(rest[17]),
-            starttime=int(rest[19]),
-        )
-    except ValueError:
-        return None
 
 
 def read_proc_file(path: str) -> bytes:

@@ -12,7 +12,8 @@ import ctypes
 import os
 from collections.abc import Iterable
 
-from gpuwatchd.collect.procread import StatFields, parse_stat, read_proc_file
+from gpuwatchd.collect.procread import read_proc_file
+from gpuwatchd.core.procstat import StatFields, parse_stat
 
 MAX_OPEN = 256
 _SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64

@@ -17,7 +17,6 @@ from gpuwatchd.core.vocabulary import (
     Level,
     ResetResult,
     ResetStep,
-    ResetStepStatus,
 )
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
@@ -39,7 +38,7 @@ class ResetTarget:
     fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
     # Re-create this MIG GPU instance of the GPU in place instead of resetting the GPU.
     recovery: InstanceRecovery | None = None
-    # A MIG GPU's reset: its GPU instances, created again after it (act/reset_mig.py).
+    # A MIG GPU's reset: its GPU instances, created again after it (act/reset.py).
     layout: tuple[InstanceRecovery, ...] = ()
 
 
@@ -375,24 +374,6 @@ class CommandRunner(Protocol):
     def __call__(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult: ...
-
-
-class Steps(Protocol):
-    """What the MIG steps (reset_mig) use of :class:`gpuwatchd.act.reset.Procedure`, which
-    imports them."""
-
-    target: ResetTarget
-    env: ResetEnvironment
-    commands: Commands
-    dry_run: bool
-    notes: list[str]
-    commands_done: int
-
-    def begin(self, step: ResetStep) -> bool: ...
-    def command(self, step: ResetStep, argv: Argv) -> CommandResult | None: ...
-    def event(
-        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
-    ) -> None: ...
 
 
 def progress_record(

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatchd.collect.health_reading import to_health
-from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.nvml import NvmlClient, to_health
 from gpuwatchd.core.model import Support
 from tests.support.fakenvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,

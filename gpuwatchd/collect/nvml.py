@@ -460,7 +460,8 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
     )
 
 
-# --- a GPU's health and MIG devices, each value bounded ---------------------------------------
+# --- a GPU's health and MIG devices: a value of the wrong type or out of range is unknown, never
+# a number that could lead to an action (what it means is decide/health/judge.py's) ----------
 
 MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
 MAX_RECOVERY_ACTION = 255
@@ -510,9 +511,7 @@ def _xids(raw: object) -> tuple[XidEvent, ...]:
 
 
 def to_health(raw: object) -> GpuHealth | None:
-    """A checked :class:`GpuHealth` (a value of the wrong type or out of range is unknown,
-    never a number that could lead to an action; its meaning is decide/health/judge.py's), or
-    None when the entry is missing or not an object."""
+    """A checked :class:`GpuHealth`, or None when the entry is missing or not an object."""
     if not isinstance(raw, Mapping):
         return None
     action, rows = as_map(raw.get("recovery_action")), as_map(raw.get("remapped_rows"))

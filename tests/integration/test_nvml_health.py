@@ -2,7 +2,7 @@
 
 The worker reads Xid events (consumed once), the recovery action (field 230), row remapping
 and retired pages; "not supported" is an answer, any other error is unknown; and nothing a
-worker reply carries can become an out-of-range value (``collect/health_reading.py``).
+worker reply carries can become an out-of-range value (``collect/nvml.py``).
 """
 
 from __future__ import annotations

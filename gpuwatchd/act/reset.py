@@ -5,19 +5,17 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 
 from __future__ import annotations
 
-import os
 import shlex
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 
-from gpuwatchd.act.commands import CommandResult, run_command
+from gpuwatchd.act.commands import CommandResult, PreparedHook, run_command, run_hooks
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
     Commands,
     FabricWait,
-    PreparedHook,
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
@@ -174,7 +172,6 @@ class Procedure:
             self.event(step, ResetStepStatus.WOULD_RUN, hooks=[list(h.argv) for h in hooks])
             return None
         env = {
-            **os.environ,
             **self.hook_env,
             **hook_environment(
                 event,
@@ -184,16 +181,8 @@ class Procedure:
                 **extra,
             ),
         }
-        results = []
-        for hook in hooks:  # filled in already: the hooks recorded, or to be
-            if hook.error is not None:
-                error = f"hook not run: {hook.error}"
-                result = CommandResult(hook.argv, None, "", False, 0.0, error)
-            else:
-                result = self.runner(hook.argv, timeout=hook.timeout, env=env)
-            results.append(result)
-            if stop_on_failure and not result.ok:
-                break
+        # filled in already: the hooks recorded, or to be
+        results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
             for r in results

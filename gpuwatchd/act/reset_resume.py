@@ -92,11 +92,6 @@ def _read_back(
     return step, target, commands
 
 
-def _unreadable(env: ResetEnvironment, reason: str) -> ResetOutcome:
-    env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
-    return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
-
-
 def resume_interrupted(
     record: Mapping[str, object],
     reset: ResetPolicy,
@@ -112,7 +107,8 @@ def resume_interrupted(
     if read is None:
         return None
     if isinstance(read, str):
-        return _unreadable(env, read)
+        env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=read)
+        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, read, False, None, ())
     step, target, commands = read
 
     proc = _procedure_from(record, target, reset, env, commands, runner=runner)

@@ -22,8 +22,7 @@ from gpuwatchd.collect.cgroups import (
     parse_cgroup,
     parse_systemd_mount,
 )
-from gpuwatchd.collect.procread import GONE_ERRNOS, read_proc_file
-from gpuwatchd.collect.statfiles import is_procfs
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, is_procfs, read_proc_file
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit

@@ -414,28 +414,44 @@ def _drain(fd: int, tail: _Tail, grace: float) -> None:
             return
 
 
+@dataclass(frozen=True)
+class PreparedHook:
+    """A hook with its placeholders filled in; when one cannot be, ``error`` says why (the
+    hook then fails without running) and ``argv`` is its template."""
+
+    argv: tuple[str, ...]
+    timeout: float
+    error: str | None = None
+
+
+def fill_hooks(hooks: Sequence[Hook], values: Mapping[str, str | None]) -> tuple[PreparedHook, ...]:
+    """``hooks`` with their placeholders filled from ``values``, each that cannot be saying why."""
+    prepared = []
+    for hook in hooks:
+        try:
+            prepared.append(PreparedHook(format_argv(hook.argv, **values), hook.timeout))
+        except ValueError as err:  # this hook fails without running, when its turn comes
+            prepared.append(PreparedHook(tuple(hook.argv), hook.timeout, str(err)))
+    return tuple(prepared)
+
+
 def run_hooks(
-    hooks: Sequence[Hook],
+    hooks: Sequence[PreparedHook],
     *,
     env: Mapping[str, str],
-    values: Mapping[str, str | None] | None = None,
     stop_on_failure: bool = False,
-    runner: Callable[..., CommandResult] | None = None,
+    runner: Callable[..., CommandResult] = run_command,
 ) -> list[CommandResult]:
     """Run ``hooks`` in turn, each under its timeout, with the daemon's environment plus
-    ``env`` and placeholders filled from ``values`` (a hook that cannot be filled fails without
-    running); ``stop_on_failure``: up to the first failure. ``runner`` replaces
-    :func:`run_command` (``simulate``'s)."""
-    run = run_command if runner is None else runner
+    ``env`` (a hook that could not be filled fails without running); ``stop_on_failure``: up
+    to the first failure. ``runner`` replaces :func:`run_command` (the reset's, ``simulate``'s)."""
     merged = {**os.environ, **env}
     results = []
     for hook in hooks:
-        try:
-            argv = format_argv(hook.argv, **dict(values or {}))
-        except ValueError as err:
-            result = CommandResult(tuple(hook.argv), None, "", False, 0.0, f"hook not run: {err}")
+        if hook.error is not None:
+            result = CommandResult(hook.argv, None, "", False, 0.0, f"hook not run: {hook.error}")
         else:
-            result = run(argv, timeout=hook.timeout, env=merged)
+            result = runner(hook.argv, timeout=hook.timeout, env=merged)
         results.append(result)
         if stop_on_failure and not result.ok:
             break

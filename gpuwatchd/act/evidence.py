@@ -74,10 +74,9 @@ class Step:
 
 @dataclass(frozen=True)
 class Kept:
-    """The file written (its path) and the old ones removed; or why none was written."""
+    """The file written (its path), or why none was written."""
 
     path: str | None
-    removed: tuple[str, ...] = ()
     error: str | None = None
 
 
@@ -318,17 +317,14 @@ class EvidenceKeeper:
             folder.write(name, data, mode=0o600)
         except OSError as err:
             return Kept(None, error=f"cannot write in state_dir: {err.strerror or err}")
-        removed = self._rotate(folder)
-        return Kept(folder.join(name), removed)
+        self._rotate(folder)
+        return Kept(folder.join(name))
 
-    def _rotate(self, folder: EvidenceFolder) -> tuple[str, ...]:
-        """The oldest evidence files past :data:`MAX_FILES` removed; the names of those removed."""
-        removed = []
+    def _rotate(self, folder: EvidenceFolder) -> None:
+        """The oldest evidence files past :data:`MAX_FILES` removed."""
         try:
             kept = list_evidence(folder)
         except OSError:
-            kept = []  # the next file removes them
+            return  # the next file removes them
         for old in kept[: max(0, len(kept) - MAX_FILES)]:
-            if folder.remove(old.name):
-                removed.append(old.name)
-        return tuple(removed)
+            folder.remove(old.name)

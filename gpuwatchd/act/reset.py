@@ -5,20 +5,17 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset`.
 
 from __future__ import annotations
 
-import os
 import shlex
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 
-from gpuwatchd.act.commands import CommandResult, run_command
-from gpuwatchd.act.reset_mig import restore_layout, run_recovery
+from gpuwatchd.act.commands import CommandResult, PreparedHook, run_command, run_hooks
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
     Commands,
     FabricWait,
-    PreparedHook,
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
@@ -26,6 +23,7 @@ from gpuwatchd.act.reset_target import (
     interpret_reset_exit,
     prepare_commands,
     quote_output,
+    says_in_use,
 )
 from gpuwatchd.core.vocabulary import (
     EventName,
@@ -35,9 +33,16 @@ from gpuwatchd.core.vocabulary import (
     ResetStepStatus,
 )
 from gpuwatchd.decide.argv import hook_environment
+from gpuwatchd.decide.mig.recovery import (
+    InstanceRecovery,
+    instance_changed,
+    layout_missing,
+    placement_taken,
+)
 from gpuwatchd.decide.policy import ResetPolicy
 
 EMPTY_ENV: Mapping[str, str] = types.MappingProxyType({})
+Ran = tuple[CommandResult | None, ResetResult, bool, str]  # the reset step's result and reading
 # RESET_FINISHED's level by result (RESET_OUTCOME's are RESET_RESULT_LEVELS); else error
 _FINISHED_LEVELS: Mapping[ResetResult, Level] = {
     ResetResult.SUCCESS: Level.INFO,
@@ -86,7 +91,7 @@ class Procedure:
     units_stopped: list[str] = field(default_factory=list)  # the units stop_monitors stopped
     reset_started: bool = False
     result: ResetResult | None = None
-    commands_done: int = 0  # a MIG recovery's commands that completed (act/reset_mig.py)
+    commands_done: int = 0  # a MIG recovery's commands that completed (run_recovery)
     notes: list[str] = field(default_factory=list)
     # What each step records of the commands; None: not recorded (an old record's resume).
     recorded: dict[str, object] | None = field(init=False)
@@ -167,7 +172,6 @@ class Procedure:
             self.event(step, ResetStepStatus.WOULD_RUN, hooks=[list(h.argv) for h in hooks])
             return None
         env = {
-            **os.environ,
             **self.hook_env,
             **hook_environment(
                 event,
@@ -177,16 +181,8 @@ class Procedure:
                 **extra,
             ),
         }
-        results = []
-        for hook in hooks:  # filled in already: the hooks recorded, or to be
-            if hook.error is not None:
-                error = f"hook not run: {hook.error}"
-                result = CommandResult(hook.argv, None, "", False, 0.0, error)
-            else:
-                result = self.runner(hook.argv, timeout=hook.timeout, env=env)
-            results.append(result)
-            if stop_on_failure and not result.ok:
-                break
+        # filled in already: the hooks recorded, or to be
+        results = run_hooks(hooks, env=env, stop_on_failure=stop_on_failure, runner=self.runner)
         failures = [
             f"hook {list(r.argv)!r} failed: {r.describe()}{quote_output(r.output)}"
             for r in results
@@ -499,7 +495,7 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
     return proc.finish(ResetResult.SUCCESS, ResetStep.DONE, reason, command=command, undo=True)
 
 
-def _run_resets(proc: Procedure) -> tuple[CommandResult | None, ResetResult, bool, str]:
+def _run_resets(proc: Procedure) -> Ran:
     """Run the reset command, or a MIG recovery's (:func:`run_recovery`): result and reading."""
     if proc.target.recovery is not None:
         return run_recovery(proc)
@@ -608,3 +604,148 @@ def _start_monitors(proc: Procedure) -> None:
         detail="; ".join(failures) or f"{len(proc.units_stopped)} unit(s) started",
     )
     proc.units_stopped = []  # done: a resume must not start them again
+
+
+# --- a MIG GPU instance's re-creation (its ``reset`` step) and a MIG GPU's layout restored -----
+
+
+def half_done(recovery: InstanceRecovery, ran: Sequence[Sequence[str]], why: str) -> str:
+    """The reason of a recovery left half done: what ran (the commands that completed), and
+    what to do by hand."""
+    done = "; ".join(shlex.join(argv) for argv in ran) or "nothing that completed"
+    return (
+        f"{why}; {recovery.describe()} is half done (ran: {done}): "
+        "check `nvidia-smi mig -lgi` and re-create the instance by hand"
+    )
+
+
+def _check_instance(
+    proc: Procedure, recovery: InstanceRecovery, *, before_first: bool
+) -> str | None:
+    """Read the parent GPU again: None when it is as the next command needs it (the plan's
+    instance before the first; a free placement before the re-create), else why not."""
+    try:
+        gpu = proc.env.reread_gpu(proc.target)
+    except Exception as err:  # unknown is not as planned
+        why: str | None = f"reading the GPU again failed: {err}"
+    else:
+        why = instance_changed(recovery, gpu) if before_first else placement_taken(recovery, gpu)
+    what = "the planned instance" if before_first else "its placement free for the re-create"
+    proc.event(
+        ResetStep.RESET,
+        ResetStepStatus.CHANGED if why else ResetStepStatus.AS_PLANNED,
+        level=Level.WARNING if why else Level.INFO,
+        detail=why or what,
+    )
+    return why
+
+
+def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
+    """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
+    when none ran or in a dry run; its reading). Only the first command of a fresh run may end
+    ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy
+    command may already have taken effect, so its failure is no proof of anything; the reading
+    before the re-create decides."""
+    recovery = proc.target.recovery
+    assert recovery is not None  # noqa: S101 - called for a recovery only
+    commands = proc.commands.reset
+    last = len(commands) - 1
+    if proc.dry_run:
+        for argv in commands:
+            proc.command(ResetStep.RESET, argv)
+        return None, ResetResult.DRY_RUN, False, "dry-run"
+    result: CommandResult | None = None
+    for number in range(start, len(commands)):
+        ran = commands[:number]
+        if number == 0 and not resumed:
+            changed = _check_instance(proc, recovery, before_first=True)
+            if changed is not None:
+                why = f"the instance changed since the plan ({changed}); nothing was run"
+                return None, ResetResult.REFUSED, False, why
+        if number == last and number > 0:
+            taken = _check_instance(proc, recovery, before_first=False)
+            if taken is not None:
+                why = f"the destroy commands did not free its placement ({taken})"
+                return result, ResetResult.FAILED, False, half_done(recovery, ran, why)
+        proc.commands_done = number
+        if number > start and not proc.begin(ResetStep.RESET):
+            return result, ResetResult.FAILED, False, half_done(recovery, ran, UNRECORDED)
+        result = proc.command(ResetStep.RESET, commands[number])
+        assert result is not None  # noqa: S101 - not a dry run
+        verdict, needs_reboot, reason = interpret_reset_exit(result)
+        if verdict is ResetResult.SUCCESS:
+            continue
+        if number == 0 and not resumed and says_in_use(result):
+            # Nothing was destroyed: the driver refuses while anything uses the instance.
+            what = recovery.describe().removeprefix("re-create ")
+            reason = (
+                f"the driver says {what} is in use by another client, which the final holder "
+                f"scan did not see{quote_output(result.output)}"
+            )
+            return result, ResetResult.IN_USE, needs_reboot, reason
+        if resumed and number < last:
+            proc.notes.append(f"resumed: {shlex.join(commands[number])} failed ({reason})")
+            continue  # it may have taken effect before the crash; the next reading tells
+        if number > 0 or resumed:
+            verdict = ResetResult.TIMEOUT if verdict is ResetResult.TIMEOUT else ResetResult.FAILED
+            reason = half_done(recovery, ran, reason)
+        return result, verdict, needs_reboot, reason
+    proc.commands_done = len(commands)
+    output = "" if result is None else quote_output(result.output)
+    return result, ResetResult.SUCCESS, False, f"{recovery.describe()}: done{output}"
+
+
+def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
+    """After a MIG GPU's reset (``proc.target.layout``): the GPU read again (MIG mode must be
+    on), each GPU instance it lacks created again by its command (``proc.commands.restore``),
+    progress recorded before each, then each instance checked back (GI profile, placement,
+    listed in mig-minors, memory at its baseline). (True, detail) when the layout is back;
+    (False, why, naming the commands left to run by hand); (None, ...) in a dry run. Run
+    again after a crash, it creates only what a fresh reading still lacks."""
+    layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
+    if proc.dry_run:
+        for argv in restore:
+            proc.command(step, argv)
+        return None, "dry-run"
+    left = list(range(len(layout)))
+    why: str | None = None
+    try:
+        missing = layout_missing(layout, proc.env.reread_gpu(proc.target))
+    except Exception as err:  # unknown is not restored
+        missing = f"reading the GPU again failed: {err}"
+    if isinstance(missing, str):
+        why = f"MIG mode is not confirmed after the reset: {missing}"
+    elif len(restore) != len(layout):
+        why = "the commands creating its GPU instances cannot be built from the configuration"
+    else:
+        left = list(missing)
+        todo = f"MIG mode on; {len(left)} of {len(layout)} GPU instance(s) to create"
+        proc.event(step, ResetStepStatus.AS_PLANNED, detail=todo)
+        for number in missing:
+            if not proc.begin(step):
+                why = UNRECORDED
+                break
+            result = proc.command(step, restore[number])
+            if result is not None and not result.ok:
+                why = f"{shlex.join(restore[number])} failed: {result.describe()}"
+                why += quote_output(result.output)
+                break
+            left.remove(number)
+    if why is None:
+        for instance in layout:
+            try:
+                wrong = proc.env.instance_back(replace(proc.target, recovery=instance, layout=()))
+            except Exception as err:  # unknown is not back
+                wrong = f"reading it failed: {err}"
+            if wrong is not None:
+                why = f"{instance.describe().removeprefix('re-create ')} is not back: {wrong}"
+                break
+    if why is None:
+        return True, f"its MIG layout is back ({len(layout)} GPU instance(s))"
+    commands = "; ".join(shlex.join(restore[n]) for n in left if n < len(restore))
+    proc.event(step, ResetStepStatus.CHANGED, level=Level.ERROR, detail=why,
+               remaining=[list(restore[n]) for n in left if n < len(restore)])  # fmt: skip
+    return False, (
+        f"the MIG layout is not restored: {why}; commands left to run by hand: "
+        f"{commands or 'none; check `nvidia-smi mig -lgi`'}"
+    )

@@ -6,12 +6,10 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from collections.abc import Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import EMPTY_ENV, Procedure
-from gpuwatchd.act.reset_mig import half_done, run_recovery
+from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -94,11 +92,6 @@ def _read_back(
     return step, target, commands
 
 
-def _unreadable(env: ResetEnvironment, reason: str) -> ResetOutcome:
-    env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=reason)
-    return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, reason, False, None, ())
-
-
 def resume_interrupted(
     record: Mapping[str, object],
     reset: ResetPolicy,
@@ -114,7 +107,8 @@ def resume_interrupted(
     if read is None:
         return None
     if isinstance(read, str):
-        return _unreadable(env, read)
+        env.emit(EventName.RESET_RESUME_FAILED, Level.ERROR, reason=read)
+        return ResetOutcome(ResetResult.FAILED, ResetStep.DONE, read, False, None, ())
     step, target, commands = read
 
     proc = _procedure_from(record, target, reset, env, commands, runner=runner)
@@ -202,7 +196,7 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
     total = len(commands)
     counted = "an unknown number" if done is None else str(done)
     interrupted = f"interrupted during the recovery's commands ({counted} of {total} done)"
-    ran = "; ".join(shlex.join(c) for c in commands[: done or 0])
+    ran = commands[: done or 0]
     point: int | str
     try:
         gpu = proc.env.reread_gpu(proc.target)

@@ -6,10 +6,10 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_target`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gpuwatchd.act.commands import CommandResult
+from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks
 from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.model import GpuInfo, fields_of
 from gpuwatchd.core.vocabulary import (
@@ -17,7 +17,6 @@ from gpuwatchd.core.vocabulary import (
     Level,
     ResetResult,
     ResetStep,
-    ResetStepStatus,
 )
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
@@ -39,7 +38,7 @@ class ResetTarget:
     fabric: bool = False  # an NVSwitch system's GPU: the reset waits for its NVLink fabric
     # Re-create this MIG GPU instance of the GPU in place instead of resetting the GPU.
     recovery: InstanceRecovery | None = None
-    # A MIG GPU's reset: its GPU instances, created again after it (act/reset_mig.py).
+    # A MIG GPU's reset: its GPU instances, created again after it (act/reset.py).
     layout: tuple[InstanceRecovery, ...] = ()
 
 
@@ -53,16 +52,6 @@ MAX_RECORDED_ARGS = 1000  # arguments of one command
 MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
 _MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
 _HOOK_STEPS = ("drain", "before", "after")
-
-
-@dataclass(frozen=True)
-class PreparedHook:
-    """A hook with its placeholders filled in; when one cannot be, ``error`` says why (the
-    hook then fails without running) and ``argv`` is its template."""
-
-    argv: Argv
-    timeout: float
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,15 +98,12 @@ def _values(target: ResetTarget) -> dict[str, str | None]:
 
 
 def prepare_hooks(hooks: Sequence[Hook], target: ResetTarget) -> tuple[PreparedHook, ...]:
-    """``hooks`` filled in for ``target`` (each that cannot be says why, and will fail)."""
-    prepared = []
-    for hook in hooks:
-        try:
-            prepared.append(PreparedHook(format_argv(hook.argv, **_values(target)), hook.timeout))
-        except ValueError as err:  # this hook fails without running, when its turn comes
-            why = str(err)[:MAX_RECORDED_CHARS]
-            prepared.append(PreparedHook(tuple(hook.argv), hook.timeout, why))
-    return tuple(prepared)
+    """``hooks`` filled in for ``target`` (each that cannot be says why, within the record's
+    bound, and will fail)."""
+    return tuple(
+        replace(hook, error=hook.error[:MAX_RECORDED_CHARS]) if hook.error else hook
+        for hook in fill_hooks(hooks, _values(target))
+    )
 
 
 def prepare_commands(target: ResetTarget, policy: ResetPolicy) -> Commands | str:
@@ -375,24 +361,6 @@ class CommandRunner(Protocol):
     def __call__(
         self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
     ) -> CommandResult: ...
-
-
-class Steps(Protocol):
-    """What the MIG steps (reset_mig) use of :class:`gpuwatchd.act.reset.Procedure`, which
-    imports them."""
-
-    target: ResetTarget
-    env: ResetEnvironment
-    commands: Commands
-    dry_run: bool
-    notes: list[str]
-    commands_done: int
-
-    def begin(self, step: ResetStep) -> bool: ...
-    def command(self, step: ResetStep, argv: Argv) -> CommandResult | None: ...
-    def event(
-        self, step: ResetStep, status: ResetStepStatus, *, level: Level = ..., **fields: object
-    ) -> None: ...
 
 
 def progress_record(

@@ -16,27 +16,18 @@ import time
 from dataclasses import dataclass
 
 from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.procstat import parse_stat
 from gpuwatchd.core.vocabulary import SignalOutcome
 
 
 def stat_start_ticks(proc_root: str, pid: int) -> tuple[int, str] | None:
-    """``(start ticks, state letter)`` of ``PID`` from ``<proc_root>/PID/stat``; None if unknown.
-    The fields follow the *last* ``)`` (the command name may hold spaces and parentheses)."""
+    """``(start ticks, state letter)`` of ``PID`` from ``<proc_root>/PID/stat``; None if unknown."""
     try:
         with open(os.path.join(proc_root, str(pid), "stat"), "rb") as stat_file:
-            text = stat_file.read().decode("utf-8", "replace")
+            fields = parse_stat(stat_file.read().decode("utf-8", "replace"))
     except OSError:
         return None
-    close = text.rfind(")")
-    if close < 0:
-        return None
-    fields = text[close + 1 :].split()  # fields[0] is field 3 (state), field 22 fields[19]
-    if len(fields) < 20:
-        return None
-    try:
-        return int(fields[19]), fields[0]
-    except ValueError:
-        return None
+    return None if fields is None else (fields.starttime, fields.state)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from gpuwatchd.collect.kernel_log import KernelLog
 from gpuwatchd.collect.mig import DEFAULT_MIG_MINORS_FILE, read_mig_minors
 from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.collect.procread import StatFields
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.collect.subids import SubUidFile
 from gpuwatchd.core.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.core.procstat import StatFields
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import mps_server
 from gpuwatchd.decide.full_scan import (

@@ -18,8 +18,9 @@ from typing import Protocol
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.mig import CAPABILITIES_DIR, match_cap_file
-from gpuwatchd.collect.procread import GONE_ERRNOS, StatFields, read_proc_file
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, read_proc_file
 from gpuwatchd.core.model import DeviceHolding, HolderScan, MigCapability
+from gpuwatchd.core.procstat import StatFields
 
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255

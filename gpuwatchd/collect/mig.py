@@ -1,4 +1,4 @@
-"""MIG inputs: the capability minors file, capability file paths, and the worker's MIG devices.
+"""MIG inputs: the capability minors file and the capability file paths.
 
 In detail: docs/findings.md#mig and docs/internals.md, section `gpuwatchd.collect.mig`.
 """
@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from typing import Any
 
-from gpuwatchd.collect.health_reading import bounded
-from gpuwatchd.core.model import GpuMemory, MigCapability, MigDevice, NvmlProcess
+from gpuwatchd.core.model import MigCapability
 
 DEFAULT_MIG_MINORS_FILE = "/proc/driver/nvidia-caps/mig-minors"
 CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
@@ -34,7 +31,6 @@ MAX_MIG_DEVICES = 16
 _LINE = re.compile(r"gpu(\d{1,3})/gi(\d{1,3})(?:/ci(\d{1,3}))?/access (\d{1,7})")
 _OTHER = re.compile(r"[A-Za-z0-9_./-]{1,128} \d{1,7}")
 _CAP_FILE = re.compile(r"gpu(\d{1,3})/mig/gi(\d{1,3})(?:/ci(\d{1,3}))?/access")
-_PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 
 
 def _capability(match: re.Match[str]) -> MigCapability | None:
@@ -111,57 +107,3 @@ def match_cap_file(path: str, capabilities_dir: str = CAPABILITIES_DIR) -> MigCa
         return None
     match = _CAP_FILE.fullmatch(path[len(prefix) :])
     return None if match is None else _capability(match)
-
-
-def _text(value: Any, most: int = 256) -> str | None:
-    return value[:most] if isinstance(value, str) else None
-
-
-def profile_of(name: str | None) -> str | None:
-    """``1g.10gb`` from ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``, the driver's MIG device name."""
-    if name is None:
-        return None
-    match = _PROFILE.search(name)
-    return None if match is None else match.group(1)
-
-
-def to_mig_devices(raw: Any, to_memory: Any, to_processes: Any) -> tuple[MigDevice, ...] | None:
-    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
-    :class:`MigDevice` values, memory and processes read by the GPU's own converters
-    (collect/nvml.py); None when unknown."""
-    if not isinstance(raw, list):
-        return None
-    devices: list[MigDevice] = []
-    for entry in raw[:MAX_MIG_DEVICES]:
-        if not isinstance(entry, Mapping):
-            continue
-        placement = entry.get("placement")
-        where: tuple[int, int] | None = None
-        if isinstance(placement, list) and len(placement) == 2:
-            start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
-            where = None if start is None or size is None else (start, size)
-        name = _text(entry.get("name"))
-        try:
-            processes: tuple[NvmlProcess, ...] | None = to_processes(entry.get("processes"))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            processes = None  # not the worker's shape: unknown, never "none"
-        try:
-            memory: GpuMemory | None = to_memory(entry.get("memory"))
-        except (TypeError, ValueError, AttributeError):
-            memory = None
-        devices.append(
-            MigDevice(
-                index=bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
-                uuid=_text(entry.get("uuid"), 96),
-                gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
-                ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
-                name=name,
-                profile=profile_of(name),
-                gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
-                placement=where,
-                memory=memory,
-                processes=processes,
-                error=_text(entry.get("error"), 1024),
-            )
-        )
-    return tuple(devices)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -19,9 +20,19 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import PathFinder
 from typing import Any, Protocol, TypeVar
 
-from gpuwatchd.collect.health_reading import to_health
-from gpuwatchd.collect.mig import to_mig_devices
-from gpuwatchd.core.model import GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
+from gpuwatchd.core.checked import as_flag, as_map, as_number
+from gpuwatchd.core.model import (
+    GpuHealth,
+    GpuInfo,
+    GpuMemory,
+    MigDevice,
+    NvmlProcess,
+    NvmlReading,
+    Support,
+    XidEvent,
+    as_int,
+)
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.events import lazylog
@@ -445,5 +456,143 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         lost=bool(raw.get("lost")),
         error=raw.get("error"),
         health=to_health(raw.get("health")),
-        mig_devices=to_mig_devices(raw.get("mig_devices"), _to_memory, _to_processes),
+        mig_devices=to_mig_devices(raw.get("mig_devices")),
     )
+
+
+# --- a GPU's health and MIG devices: a value of the wrong type or out of range is unknown, never
+# a number that could lead to an action (what it means is decide/health/judge.py's) ----------
+
+MAX_XID = 0xFFFF  # Xid numbers are small (under 200 today); anything past this is garbage
+MAX_RECOVERY_ACTION = 255
+MAX_COUNT = 2**32 - 1  # NVML's counters are unsigned int
+MAX_XIDS_PER_POLL = 256  # the worker takes no more; a longer list is cut
+MAX_FABRIC_STATE = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
+MAX_NVML_RETURN = 0xFFFF  # nvmlReturn_t values are small (999 is "unknown")
+MAX_MASK = 2**32 - 1
+MAX_SUMMARY = 255  # an unsigned char
+
+
+def _support(raw: object) -> Support:
+    try:
+        return Support(raw)
+    except ValueError:
+        return Support.UNKNOWN
+
+
+def bounded(value: object, high: int) -> int | None:
+    """An integer (not a bool) from 0 to ``high``; None otherwise."""
+    number = as_int(value)
+    return number if number is not None and 0 <= number <= high else None
+
+
+def _checked(
+    section: Mapping[str, object], *values: object
+) -> tuple[Support, Mapping[str, object]]:
+    """A section's support (unknown where it says ok but a value it must carry is invalid), and
+    what its values are read from: the section when ok, else nothing (every value None)."""
+    support = _support(section.get("status"))
+    if support is Support.OK and None in values:
+        support = Support.UNKNOWN
+    return support, section if support is Support.OK else {}
+
+
+def _xids(raw: object) -> tuple[XidEvent, ...]:
+    if not isinstance(raw, list):
+        return ()
+    found = []
+    for item in raw[:MAX_XIDS_PER_POLL]:
+        if not isinstance(item, Mapping):
+            continue
+        xid, wall = bounded(item.get("xid"), MAX_XID), as_number(item.get("wall"))
+        if xid is not None and wall is not None and wall >= 0:
+            found.append(XidEvent(xid, wall))
+    return tuple(found)
+
+
+def to_health(raw: object) -> GpuHealth | None:
+    """A checked :class:`GpuHealth`, or None when the entry is missing or not an object."""
+    if not isinstance(raw, Mapping):
+        return None
+    action, rows = as_map(raw.get("recovery_action")), as_map(raw.get("remapped_rows"))
+    pages, fabric = as_map(raw.get("retired_pages")), as_map(raw.get("fabric"))
+    action_support, action = _checked(action, bounded(action.get("value"), MAX_RECOVERY_ACTION))
+    remap_support, rows = _checked(rows, as_flag(rows.get("pending")), as_flag(rows.get("failure")))
+    pages_support, pages = _checked(pages, as_flag(pages.get("pending")))
+    fabric_support, fabric = _checked(fabric, bounded(fabric.get("state"), MAX_FABRIC_STATE))
+    return GpuHealth(
+        events=_support(raw.get("events")),
+        xids=_xids(raw.get("xids")),
+        recovery_action=bounded(action.get("value"), MAX_RECOVERY_ACTION),
+        recovery_support=action_support,
+        remap_correctable=bounded(rows.get("correctable"), MAX_COUNT),
+        remap_uncorrectable=bounded(rows.get("uncorrectable"), MAX_COUNT),
+        remap_pending=as_flag(rows.get("pending")),
+        remap_failure=as_flag(rows.get("failure")),
+        remap_support=remap_support,
+        pages_pending=as_flag(pages.get("pending")),
+        pages_single_bit=bounded(pages.get("single_bit"), MAX_COUNT),
+        pages_double_bit=bounded(pages.get("double_bit"), MAX_COUNT),
+        pages_support=pages_support,
+        fabric_support=fabric_support,
+        fabric_state=bounded(fabric.get("state"), MAX_FABRIC_STATE),
+        fabric_status=bounded(fabric.get("probe_status"), MAX_NVML_RETURN),
+        fabric_health_mask=bounded(fabric.get("health_mask"), MAX_MASK),
+        fabric_health_summary=bounded(fabric.get("health_summary"), MAX_SUMMARY),
+    )
+
+
+_PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
+
+
+def _text(value: Any, most: int = 256) -> str | None:
+    return value[:most] if isinstance(value, str) else None
+
+
+def profile_of(name: str | None) -> str | None:
+    """``1g.10gb`` from ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``, the driver's MIG device name."""
+    if name is None:
+        return None
+    match = _PROFILE.search(name)
+    return None if match is None else match.group(1)
+
+
+def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
+    """The worker's ``mig_devices`` list (at most :data:`MAX_MIG_DEVICES` objects) as
+    :class:`MigDevice` values, memory and processes read as a GPU's are; None when unknown."""
+    if not isinstance(raw, list):
+        return None
+    devices: list[MigDevice] = []
+    for entry in raw[:MAX_MIG_DEVICES]:
+        if not isinstance(entry, Mapping):
+            continue
+        placement = entry.get("placement")
+        where: tuple[int, int] | None = None
+        if isinstance(placement, list) and len(placement) == 2:
+            start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
+            where = None if start is None or size is None else (start, size)
+        name = _text(entry.get("name"))
+        try:
+            processes: tuple[NvmlProcess, ...] | None = _to_processes(entry.get("processes"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            processes = None  # not the worker's shape: unknown, never "none"
+        try:
+            memory: GpuMemory | None = _to_memory(entry.get("memory"))
+        except (TypeError, ValueError, AttributeError):
+            memory = None
+        devices.append(
+            MigDevice(
+                index=bounded(entry.get("index"), MAX_MIG_DEVICES) or 0,
+                uuid=_text(entry.get("uuid"), 96),
+                gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
+                ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
+                name=name,
+                profile=profile_of(name),
+                gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
+                placement=where,
+                memory=memory,
+                processes=processes,
+                error=_text(entry.get("error"), 1024),
+            )
+        )
+    return tuple(devices)

@@ -22,14 +22,9 @@ from gpuwatchd.collect.cgroups import (
     parse_cgroup,
     parse_systemd_mount,
 )
-from gpuwatchd.collect.procread import (
-    GONE_ERRNOS,
-    StatFields,
-    parse_stat,
-    read_proc_file,
-)
-from gpuwatchd.collect.statfiles import is_procfs
+from gpuwatchd.collect.statfiles import GONE_ERRNOS, is_procfs, read_proc_file
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
+from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
 
 if TYPE_CHECKING:
@@ -117,7 +112,10 @@ class ProcFS:
         self._systemd_mount_read = False
         self._boot_id: str | None = None
         self._real_proc = is_procfs(self.root)  # its boot_id is read once
-        self.self_pid = self._read_self_pid()
+        try:
+            self.self_pid = int(os.readlink(f"{self.root}/self"))
+        except (OSError, ValueError):
+            self.self_pid = os.getpid()
         self.holders: HolderScanner = holders.HolderScanner(
             self,
             devices_dir=devices_dir,
@@ -130,12 +128,6 @@ class ProcFS:
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))
-
-    def _read_self_pid(self) -> int:
-        try:
-            return int(os.readlink(f"{self.root}/self"))
-        except (OSError, ValueError):
-            return os.getpid()
 
     def boot_id(self) -> str | None:
         """This boot's ID, read once from a real ``proc`` (fixed while this process runs)."""

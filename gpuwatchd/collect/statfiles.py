@@ -1,4 +1,6 @@
-"""``/proc/PID/stat`` of the processes a steady poll looks at, read through descriptors kept open.
+"""The bottom of the ``/proc`` readers (``procfs`` and ``holders`` build on it): a file read
+whole, whether a folder is a real ``proc``, and ``/proc/PID/stat`` of the processes a steady poll
+looks at, read through descriptors kept open.
 
 Each known process's identity and state check is one ``pread`` of a kept descriptor (the kernel
 renders the file anew on every read from offset 0) instead of a path walk, an open, two reads
@@ -9,15 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 from collections.abc import Iterable
 
-from gpuwatchd.collect.procread import StatFields, parse_stat, read_proc_file
+from gpuwatchd.core.procstat import StatFields, parse_stat
 
 MAX_OPEN = 256
 _SIZE = 4096  # a stat line is a few hundred bytes; a comm is at most 64
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 PROC_SUPER_MAGIC = 0x9FA0
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
+
+
+def read_proc_file(path: str) -> bytes:
+    """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
+    fd = os.open(path, _FLAGS)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def is_procfs(path: str) -> bool:

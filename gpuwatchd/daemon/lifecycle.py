@@ -30,7 +30,7 @@ from gpuwatchd.config.schema import load_policy
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
-from gpuwatchd.daemon.host import LogSink, SystemClock, node_name
+from gpuwatchd.daemon.host import LogSink, SystemClock, build_real_host, node_name
 from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.daemon.notify import (
     Notifier,
@@ -40,7 +40,6 @@ from gpuwatchd.daemon.notify import (
     watchdog_slice,
 )
 from gpuwatchd.daemon.serving import ScanServing
-from gpuwatchd.daemon.wiring import build_real_host
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
@@ -139,7 +138,7 @@ class Daemon:
         self._init_loop_state(rejected_at_start)
 
     def _wire_host(self, policy: Policy, nvml_env: Mapping[str, str] | None) -> None:
-        """The real host's edges (daemon/wiring.py); a long holder scan feeds the watchdog."""
+        """The real host's edges (daemon/host.py); a long holder scan feeds the watchdog."""
         host = self.host = build_real_host(
             policy,
             on_device_event=self._serving.view.mark_dirty,

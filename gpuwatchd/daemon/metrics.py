@@ -541,7 +541,13 @@ class Metrics:
             write_textfile(path, self.render())
         except OSError as err:
             self._write_errors.inc()
-            return self._failed(path, err)
+            # Without the file name: it may be the random temporary one, and a failure that
+            # lasts is said once.
+            error = _why_not_written(path, err)
+            if error != self._last_error:
+                log.error(EventName.METRICS_WRITE_FAILED, path=path, error=error)
+                self._last_error = error
+            return error
         self._written, self._last_error = path, None
         return None
 
@@ -554,12 +560,3 @@ class Metrics:
             with contextlib.suppress(OSError):
                 os.unlink(old)
             self._written = None
-
-    def _failed(self, path: str, err: OSError) -> str:
-        # Without the file name: it may be the random temporary one, and a failure that lasts
-        # is said once.
-        error = _why_not_written(path, err)
-        if error != self._last_error:
-            log.error(EventName.METRICS_WRITE_FAILED, path=path, error=error)
-            self._last_error = error
-        return error

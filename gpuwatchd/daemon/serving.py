@@ -15,7 +15,7 @@ from collections.abc import Callable
 import structlog
 
 from gpuwatchd.core.vocabulary import EventName
-from gpuwatchd.daemon.wiring import RealHost
+from gpuwatchd.daemon.host import RealHost
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.served import holders as holder_view

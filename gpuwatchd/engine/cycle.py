@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 
-from gpuwatchd.act.commands import CommandResult, run_hooks
+from gpuwatchd.act.commands import CommandResult, PreparedHook, fill_hooks, run_hooks
 from gpuwatchd.act.evidence import EvidenceAction, EvidenceKeeper, Kept, Step
 from gpuwatchd.act.reset import perform_reset
 from gpuwatchd.act.reset_resume import resume_interrupted
@@ -36,7 +36,7 @@ from gpuwatchd.core.vocabulary import (
     ResetStep,
     SignalOutcome,
 )
-from gpuwatchd.decide.argv import format_argv, hook_environment
+from gpuwatchd.decide.argv import hook_environment
 from gpuwatchd.decide.assess.baselines import back_to_baseline
 from gpuwatchd.decide.assess.reuse import Reuse
 from gpuwatchd.decide.assess.shared import Assessment
@@ -450,13 +450,14 @@ class Engine:
             kept = self._keep_evidence(Step(destructive, uuid, intent.dry_run, intent.reason))
         values = {key: _text(facts.get(fact)) for key, fact in _HOOK_VALUES}
         values["hostname"] = self.hostname
+        prepared = fill_hooks(hooks, values)
         if intent.dry_run:
-            self._say_dry_run_hooks(intent, hooks, values, kept)
+            self._say_dry_run_hooks(intent, prepared, kept)
             return ()
         env = self._hook_env(intent, values)
 
         def work() -> list[CommandResult]:
-            return run_hooks(hooks, env=env, values=values, runner=self.actuator.run_command)
+            return run_hooks(prepared, env=env, runner=self.actuator.run_command)
 
         if intent.hook != HookName.ON_ACTION:
             self._report_hooks(intent, self.slow(work), kept)
@@ -481,25 +482,20 @@ class Engine:
     def _say_dry_run_hooks(
         self,
         intent: HookIntent,
-        hooks: tuple[Hook, ...],
-        values: Mapping[str, str | None],
+        hooks: Sequence[PreparedHook],
         kept: Mapping[str, object],
     ) -> None:
         """A dry run's hooks: each said as it would run (placeholders filled), none run."""
         for hook in hooks:
-            try:  # the argv as it would run, placeholders filled
-                argv, detail = list(format_argv(hook.argv, **values)), None
-            except ValueError as err:
-                argv, detail = list(hook.argv), f"would not run: {err}"
             self._emit(
                 EventName.HOOK_RUN,
                 Level.WARNING,  # a would-be action: reviewed with -p warning
                 hook=intent.hook,
-                argv=argv,
+                argv=list(hook.argv),
                 dry_run=True,
                 outcome=HookOutcome.DRY_RUN,
                 reason=intent.reason,
-                **({"detail": detail} if detail else {}),
+                **({} if hook.error is None else {"detail": f"would not run: {hook.error}"}),
                 **kept,
             )
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.act.commands import OUTPUT_LIMIT, run_command, run_hooks
+from gpuwatchd.act.commands import OUTPUT_LIMIT, fill_hooks, run_command, run_hooks
 from gpuwatchd.act.signals import Signaller, stat_start_ticks
 from gpuwatchd.core.model import ProcessIdentity
 from gpuwatchd.core.vocabulary import SignalOutcome
@@ -472,13 +472,13 @@ def test_hooks_see_the_daemon_environment_plus_the_event_and_their_placeholders(
     )
     hooks = [Hook((sys.executable, "-c", code, "{uuid}"), timeout=10)]
     env = hook_environment("reset_before", gpu_uuid=UUID)
-    [result] = run_hooks(hooks, env=env, values={"uuid": UUID})
+    [result] = run_hooks(fill_hooks(hooks, {"uuid": UUID}), env=env)
     assert result.ok
     assert result.output.split() == ["reset_before", UUID, "True", UUID]
 
 
 def test_a_hook_whose_placeholder_cannot_be_filled_fails_without_running() -> None:
-    [result] = run_hooks([Hook(("echo", "{pci_bus_id}"))], env={}, values={"uuid": UUID})
+    [result] = run_hooks(fill_hooks([Hook(("echo", "{pci_bus_id}"))], {"uuid": UUID}), env={})
     assert result.returncode is None
     assert result.error is not None
     assert "no value" in result.error
@@ -487,13 +487,13 @@ def test_a_hook_whose_placeholder_cannot_be_filled_fails_without_running() -> No
 @pytest.mark.parametrize(("stop_on_failure", "ran"), [(True, 2), (False, 3)])
 def test_hooks_stop_at_the_first_failure_only_when_asked(stop_on_failure: bool, ran: int) -> None:
     hooks = [Hook(("true",)), Hook(("false",)), Hook(("true",))]
-    results = run_hooks(hooks, env={}, stop_on_failure=stop_on_failure)
+    results = run_hooks(fill_hooks(hooks, {}), env={}, stop_on_failure=stop_on_failure)
     assert len(results) == ran
     assert [r.returncode for r in results] == [0, 1, 0][:ran]
 
 
 def test_a_hook_past_its_timeout_is_killed() -> None:
-    [result] = run_hooks([Hook(("sleep", "30"), timeout=0.3)], env={})
+    [result] = run_hooks(fill_hooks([Hook(("sleep", "30"), timeout=0.3)], {}), env={})
     assert result.timed_out
     assert result.duration < 5
 

@@ -2,7 +2,7 @@
 
 The worker reads Xid events (consumed once), the recovery action (field 230), row remapping
 and retired pages; "not supported" is an answer, any other error is unknown; and nothing a
-worker reply carries can become an out-of-range value (``collect/health_reading.py``).
+worker reply carries can become an out-of-range value (``collect/nvml.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatchd.collect.health_reading import to_health
-from gpuwatchd.collect.nvml import NvmlClient
+from gpuwatchd.collect.nvml import NvmlClient, to_health
 from gpuwatchd.core.model import Support
 from tests.support.fakenvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,

@@ -21,7 +21,7 @@ from gpuwatchd.collect.procfs import (
     ProcFS,
     parse_proc_devices,
 )
-from gpuwatchd.collect.procread import StatFields, parse_stat
+from gpuwatchd.core.procstat import StatFields, parse_stat
 from tests.support.children import Spawn, wait_for_state
 from tests.support.fakeproc import PF_KTHREAD, FakeProc, format_stat
 

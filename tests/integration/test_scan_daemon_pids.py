@@ -24,7 +24,7 @@ import pytest
 from gpuwatchd.cli.scan import running_daemon
 from gpuwatchd.collect.nvml import WORKER_FILE
 from gpuwatchd.core.model import HolderScan
-from gpuwatchd.daemon.wiring import procfs_for
+from gpuwatchd.daemon.host import procfs_for
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.state.directory import StateDir

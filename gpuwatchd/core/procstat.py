@@ -1,16 +1,11 @@
-"""The bottom of the ``/proc`` readers (``procfs`` and ``holders`` build on it): the whole-file
-read and the parsed ``stat`` line.
-"""
+"""The parsed ``/proc/PID/stat`` line: one parser for the readers of ``collect`` and the
+signaller of ``act`` (neither imports the other). Pure."""
 
 from __future__ import annotations
 
-import errno
-import os
 from dataclasses import dataclass
 
 PF_KTHREAD = 0x00200000
-GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESRCH})
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -34,7 +29,7 @@ class StatFields:
 
 def parse_stat(text: str) -> StatFields | None:
     """Parse one ``/proc/PID/stat`` line; None when it is malformed. ``comm`` may hold anything
-    but NUL (``foo) Z 1 (`` too): it runs from the first ``(`` to the last ``)``. Pure."""
+    but NUL (``foo) Z 1 (`` too): it runs from the first ``(`` to the last ``)``."""
     opening = text.find("(")
     closing = text.rfind(")")
     if opening < 0 or closing < opening:
@@ -56,15 +51,3 @@ def parse_stat(text: str) -> StatFields | None:
         )
     except ValueError:
         return None
-
-
-def read_proc_file(path: str) -> bytes:
-    """The whole file, read in chunks (``/proc`` files report size 0, so no single read)."""
-    fd = os.open(path, _READ_FLAGS)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks)

@@ -166,7 +166,7 @@ def _scan_host(
     served: ServedPoll | None,
 ) -> ScanResult:
     saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
-    # As :func:`gpuwatchd.daemon.wiring.procfs_for` builds it; that module is not imported here: it
+    # As :func:`gpuwatchd.daemon.host.procfs_for` builds it; that module is not imported here: it
     # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
     procfs = ProcFS(
         policy.proc_root, devices_dir=policy.devices_dir, device_major=policy.device_major

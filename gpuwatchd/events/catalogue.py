@@ -18,7 +18,6 @@ from gpuwatchd.core.vocabulary import (
     EventName,
     HookOutcome,
     ResetResult,
-    ResetStep,
     ResetStepStatus,
     SignalOutcome,
 )
@@ -209,7 +208,7 @@ _STEP_STATUS = outcome_table(
 def _reset_step(s: Said) -> str:
     """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
     step, status = str(s.f.get("step")), str(s.f.get("status"))
-    number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
+    number = f"{_STEP_NUMBER[step]}/{len(RESET_STEPS)} " if step in _STEP_NUMBER else ""
     head = f"{s.subject()}, step {number}{short(step)}: "
     hooks = s.f.get("hooks")
     ran = s.argv() if s.has("argv") else None
@@ -233,8 +232,7 @@ def _reset_step(s: Said) -> str:
     return dry(s, said + ".")
 
 
-def _known(step: str) -> bool:
-    return step in {member.value for member in RESET_STEPS}
+_STEP_NUMBER = {step.value: number for number, step in enumerate(RESET_STEPS, 1)}
 
 
 _RESET_OUTCOME = outcome_table(

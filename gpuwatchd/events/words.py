@@ -1,12 +1,7 @@
-"""The words of the event catalogue: how an event's fields become a sentence, and an entry's shape.
+"""The words of the event catalogue: how an event's fields become a sentence (namers, fields as
+sentence pieces, templates, outcome tables) and the shape of one entry. Pure: no I/O.
 
-This module owns what every sentence of :mod:`gpuwatchd.events.catalogue` is made of: the
-:class:`Namer` that decides how an output names processes and GPUs (:class:`JournalNamer` for
-the journal), :class:`Said` (an event's fields as sentence pieces, each escaped and cut to one
-line, and the templates they fill), :func:`outcome_table` (an outcome's sentences as data),
-:func:`finding_label` (a finding key in words), and :class:`EventSpec` with :func:`spec`, the
-shape of one catalogue entry (level, fields, sentence), with the field groups several entries
-share. Pure: no I/O.
+In detail: docs/internals.md, section `gpuwatchd.events.catalogue`.
 """
 
 from __future__ import annotations

@@ -386,16 +386,11 @@ def _evidence(
 def _carry_cures(carried: GpuHealthState, health: GpuHealth) -> GpuHealthState:
     """The reset bookkeeping brought up to this reading (docs/internals.md)."""
     showing = _cured_by_reset(health)
-    if carried.last_reset is not None and carried.checked_reset != carried.last_reset:
-        return replace(
-            carried,
-            checked_reset=carried.last_reset,
-            unhealed=showing,
-            assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
-        )
+    unread = carried.last_reset is not None and carried.checked_reset != carried.last_reset
     return replace(
         carried,
-        unhealed=tuple(c for c in carried.unhealed if c in showing),
+        checked_reset=carried.last_reset if unread else carried.checked_reset,
+        unhealed=showing if unread else tuple(c for c in carried.unhealed if c in showing),
         assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
     )
 

@@ -294,16 +294,14 @@ def annotate_findings(
             result.append(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
-            continue
-        if (
+        elif (
             finding.gpu is None
-            and finding.pid is not None
             and finding.pid in layout.parent_only
             and finding.evidence.get("unattributed") is True
         ):
             result.append(_parent_only_finding(finding, layout, snapshot))
-            continue
-        result.append(finding)
+        else:
+            result.append(finding)
     return result
 
 
@@ -321,9 +319,7 @@ def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -
 
 def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> dict[str, str]:
     """The parents' report-only reasons: judged instance by instance, or why not."""
-    result = dict(report_only)
-    for uuid in layout.judged:
-        result[uuid] = WHOLE_GPU
+    result = {**report_only, **dict.fromkeys(layout.judged, WHOLE_GPU)}
     for uuid, why in layout.unjudged.items():
         if uuid in result and why != "its MIG devices could not be read":
             result[uuid] = f"{NOT_JUDGED}; its instances cannot be judged: {why}"

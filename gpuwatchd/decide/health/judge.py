@@ -161,17 +161,14 @@ def _merge_xids(
 ) -> dict[int, XidRecord]:
     xids = dict(old)
     for new in occurrences:
-        rec = xids.get(new.xid)
-        if rec is None:
-            if len(xids) >= MAX_XID_KINDS:
-                continue
-            xids[new.xid] = XidRecord(min(new.count, MAX_COUNT), new.first, new.last)
-        else:
-            xids[new.xid] = XidRecord(
-                min(rec.count + new.count, MAX_COUNT),
-                min(rec.first, new.first),
-                max(rec.last, new.last),
-            )
+        if new.xid not in xids and len(xids) >= MAX_XID_KINDS:
+            continue
+        rec = xids.get(new.xid, XidRecord(0, new.first, new.last))
+        xids[new.xid] = XidRecord(
+            min(rec.count + new.count, MAX_COUNT),
+            min(rec.first, new.first),
+            max(rec.last, new.last),
+        )
     return xids
 
 

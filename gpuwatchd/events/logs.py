@@ -1,10 +1,5 @@
-"""structlog setup: one event per line, for journald, for log shippers and for people.
-
-This module owns how log events are rendered and written. It decides nothing about *what* is
-logged or at which level: callers choose both. It must never raise into its caller — a closed
-or broken stdout/stderr (``gpuwatchd scan | head``, a journald restart) must not take the
-daemon down — and it must keep working with structlog 22.1 (Debian's) up to 26.x, so it uses
-only APIs that 22.1 already had.
+"""structlog setup: how log events are rendered and written, one event per line, for journald,
+log shippers and people (never *what* is logged, nor at which level); it never raises.
 
 In detail: docs/internals.md, section `gpuwatchd.events.logs`.
 """

@@ -228,16 +228,13 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
     parent_minors = layout.parent_minors
     holdings: dict[int, DeviceHolding] = {}
     for pid, holding in snapshot.holders.holdings.items():
-        via_fd = set(holding.gpu_minors_fd - parent_minors)
-        via_map = set(holding.gpu_minors_map - parent_minors)
-        for uuid, routes in layout.attributed.get(pid, {}).items():
-            minor = layout.instances[uuid].minor
-            if "fd" in routes:
-                via_fd.add(minor)
-            if "map" in routes:
-                via_map.add(minor)
+        named = layout.attributed.get(pid, {}).items()
+        via_fd = {layout.instances[uuid].minor for uuid, routes in named if "fd" in routes}
+        via_map = {layout.instances[uuid].minor for uuid, routes in named if "map" in routes}
         holdings[pid] = replace(
-            holding, gpu_minors_fd=frozenset(via_fd), gpu_minors_map=frozenset(via_map)
+            holding,
+            gpu_minors_fd=holding.gpu_minors_fd - parent_minors | via_fd,
+            gpu_minors_map=holding.gpu_minors_map - parent_minors | via_map,
         )
     holders = HolderScan(
         mode=snapshot.holders.mode,

@@ -289,10 +289,6 @@ def _drain_started(s: Said) -> str:
     return dry(s, said + ".")
 
 
-def _needs_reboot(s: Said) -> str:
-    return f"{s.gpu()} needs a reboot{s.why('why', 'reason', 'outcome')}."
-
-
 CATALOGUE: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
@@ -334,6 +330,8 @@ DAEMON_STOP INFO: exit_code
     gpuwatchd stopped (exit code {exit_code}).
 DAEMON_ALREADY_RUNNING ERROR: detail state_dir
     Another gpuwatchd already runs here{detail:why}.
+DAEMON_NO_PERMISSION CRITICAL: path error missing detail
+    Not enough privilege{error|detail:why}.
 DAEMON_LIMITED_PERMISSIONS WARNING: missing dry_run
     Running without {missing:items}: other users' processes may be unreadable.
 RUN_ONCE_TIMEOUT WARNING: pending left exit_code
@@ -422,6 +420,8 @@ RESET_FAILED INFO: RESET failures
     {subject} is booked as failed ({outcome}, failure {failures}); on_failure hooks follow.
 RESET_FINISHED INFO WARNING ERROR CRITICAL: gpu result step reason needs_reboot blockers dry_run MIG
     {dry}{subject}: the procedure ended at step {step} ({result}).
+GPU_NEEDS_REBOOT CRITICAL: RESET pid start_ticks why
+    {gpu} needs a reboot{why|reason|outcome:why}.
 RESET_CRASHED ERROR: gpu error
     {subject} crashed (a bug), booked as failed: {error}.
 KERNEL_LOG_UNAVAILABLE WARNING: source why retry_in
@@ -497,11 +497,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
         ),
     ),
     EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),
-    EventName.DAEMON_NO_PERMISSION: spec(
-        CRITICAL,
-        "path error missing detail",
-        lambda s: f"Not enough privilege{s.why('error', 'detail')}.",
-    ),
     EventName.SCHEDULER_ENDED_JOB: spec(
         INFO,
         "job said_at_ticks error ignored",
@@ -516,7 +511,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
     # GPU resets and health
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
-    EventName.GPU_NEEDS_REBOOT: spec(CRITICAL, "RESET pid start_ticks why", _needs_reboot),
     # GPU health
     EventName.HEALTH_DRAIN_STARTED: spec(
         WARNING, "FINDING blockers timeout dry_run drained_already", _drain_started

@@ -174,8 +174,8 @@ class _Pieces(dict[str, object]):
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``),
-    or ``{key:=text}`` (``text`` where the field is unset)."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``;
+    ``{a|b:why}``: the first of a, b that is set), or ``{key:=text}`` (``text`` where unset)."""
 
     said: Said
     key: str
@@ -185,7 +185,7 @@ class _Field:
             return self.said(self.key, how[1:])
         if how and how not in _SAID_AS:
             raise ValueError(f"no way to say a field called {how!r}")
-        return str(getattr(self.said, how)(self.key)) if how else self.said(self.key)
+        return str(getattr(self.said, how)(*self.key.split("|"))) if how else self.said(self.key)
 
 
 def dry(s: Said, text: str) -> str:

@@ -365,6 +365,8 @@ def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
     assert s.fill("{missing}|{missing:why}|{missing:items}|{missing:seconds}|") == "?||?|?|"
     # {x:=text}: the field, or text (perhaps nothing) where it is unset, never "?".
     assert s.fill("{error:=none}|{missing:=none}|{missing:=}|") == "boom|none||"
+    # {x|y:why}: the first of the fields that is set.
+    assert s.fill("{missing|error|why:why}|{missing|other:why}|") == ": boom||"
     with pytest.raises(ValueError, match="no way to say a field called 'why='"):
         s.fill("{error:why=}")
     with pytest.raises(ValueError, match="no way to say a field called 'upper'"):

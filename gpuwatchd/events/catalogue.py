@@ -34,7 +34,6 @@ from gpuwatchd.events.words import (
     dry,
     outcome_table,
     short,
-    short_sentence,
     spec,
     spec_table,
 )
@@ -177,7 +176,8 @@ def _reloaded(s: Said) -> str:
         if not changed:
             return f"{head}; nothing else changed." if ended else f"{head}: nothing changed."
         keys = ", ".join(f"{short(key)} ({short(value)})" for key, value in changed.items())
-        return short_sentence(f"{head}; changed: {keys}.")
+        said = f"{head}; changed: {keys}."
+        return said if len(said) <= 400 else said[:396] + "...."  # one sentence of 400 at most
     return f"{head}."
 
 

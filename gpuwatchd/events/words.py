@@ -192,10 +192,6 @@ def dry(s: Said, text: str) -> str:
     return f"Dry run: {text}" if s.dry() else text
 
 
-def short_sentence(text: str, limit: int = 400) -> str:
-    return text if len(text) <= limit else text[: limit - 4] + "...."
-
-
 @dataclass(frozen=True)
 class EventSpec:
     """One event: its usual level, the other levels an outcome may give it, its fields, and

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from gpuwatchd.core.model import (
     Finding,
@@ -351,7 +351,7 @@ def _evidence(
             "bucket": None if entry is None else str(entry.immediate),
             **({"note": notes[xid]} if xid in notes else {}),
             # The kernel log's latest line of it: the process, its job, before the start?
-            **({"kernel_log": detail.to_json()} if detail is not None else {}),
+            **({"kernel_log": asdict(detail)} if detail is not None else {}),
         }
     recovery = (
         recovery_name(health.recovery_action)

@@ -44,9 +44,6 @@ class XidDetail:
     before_start: bool
     wall: float
 
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class XidLog:
@@ -106,7 +103,7 @@ class HealthState:
                 "unhealed": list(gpu.unhealed),
                 "klog_pos": gpu.klog_pos,
                 "sightings": [list(astuple(s)) for s in gpu.sightings],
-                "details": {str(x): d.to_json() for x, d in sorted(gpu.details.items())},
+                "details": {str(x): asdict(d) for x, d in sorted(gpu.details.items())},
                 "xid_log": {str(x): list(astuple(r)) for x, r in sorted(gpu.xid_log.items())},
             }
             for uuid, gpu in sorted(self.gpus.items())

@@ -319,9 +319,7 @@ def _reasons(
         )
     # What a reset applies: taken as applied after an assumed reset; a reboot after a real one.
     for kind in _STRENGTH:
-        found[kind] = [
-            r for r in found[kind] if r.cured is None or r.cured not in carried.assumed_cured
-        ]
+        found[kind] = [r for r in found[kind] if r.cured not in carried.assumed_cured]
     still = [r for r in found[FindingKind.RESET_REQUIRED] if r.cured in carried.unhealed]
     if still:
         found[FindingKind.REBOOT_REQUIRED].append(

@@ -43,8 +43,8 @@ class Level(_Name):
 
 _PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
 _NUMBER = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-# Other structlog method names and the level each logs at.
-LEVEL_ALIASES: Mapping[str, Level] = {
+# Every structlog method name (the levels' own and the other ones) and the level it logs at.
+METHOD_LEVELS: Mapping[str, Level] = {level.value: level for level in Level} | {
     "msg": Level.INFO,
     "log": Level.INFO,
     "warn": Level.WARNING,
@@ -56,10 +56,7 @@ LEVEL_ALIASES: Mapping[str, Level] = {
 
 def level_of(method: str) -> Level | None:
     """The level a structlog method name (``warning``, ``warn``, ``exception``...) logs at."""
-    name = method.lower()
-    if name in _PRIORITY:
-        return Level(name)
-    return LEVEL_ALIASES.get(name)
+    return METHOD_LEVELS.get(method.lower())
 
 
 class EventName(_Name):

@@ -18,7 +18,6 @@ from gpuwatchd.core.vocabulary import (
     EventName,
     HookOutcome,
     ResetResult,
-    ResetStep,
     ResetStepStatus,
     SignalOutcome,
 )
@@ -35,7 +34,6 @@ from gpuwatchd.events.words import (
     dry,
     outcome_table,
     short,
-    short_sentence,
     spec,
     spec_table,
 )
@@ -178,7 +176,8 @@ def _reloaded(s: Said) -> str:
         if not changed:
             return f"{head}; nothing else changed." if ended else f"{head}: nothing changed."
         keys = ", ".join(f"{short(key)} ({short(value)})" for key, value in changed.items())
-        return short_sentence(f"{head}; changed: {keys}.")
+        said = f"{head}; changed: {keys}."
+        return said if len(said) <= 400 else said[:396] + "...."  # one sentence of 400 at most
     return f"{head}."
 
 
@@ -209,7 +208,7 @@ _STEP_STATUS = outcome_table(
 def _reset_step(s: Said) -> str:
     """``Reset of GPU-…, step 5/11 persistence_off: ran nvidia-smi -pm 0 … (exit 0).``"""
     step, status = str(s.f.get("step")), str(s.f.get("status"))
-    number = f"{RESET_STEPS.index(ResetStep(step)) + 1}/{len(RESET_STEPS)} " if _known(step) else ""
+    number = f"{_STEP_NUMBER[step]}/{len(RESET_STEPS)} " if step in _STEP_NUMBER else ""
     head = f"{s.subject()}, step {number}{short(step)}: "
     hooks = s.f.get("hooks")
     ran = s.argv() if s.has("argv") else None
@@ -233,8 +232,7 @@ def _reset_step(s: Said) -> str:
     return dry(s, said + ".")
 
 
-def _known(step: str) -> bool:
-    return step in {member.value for member in RESET_STEPS}
+_STEP_NUMBER = {step.value: number for number, step in enumerate(RESET_STEPS, 1)}
 
 
 _RESET_OUTCOME = outcome_table(
@@ -291,10 +289,6 @@ def _drain_started(s: Said) -> str:
     return dry(s, said + ".")
 
 
-def _needs_reboot(s: Said) -> str:
-    return f"{s.gpu()} needs a reboot{s.why('why', 'reason', 'outcome')}."
-
-
 CATALOGUE: Mapping[EventName, EventSpec] = {
     **spec_table(
         """
@@ -336,6 +330,8 @@ DAEMON_STOP INFO: exit_code
     gpuwatchd stopped (exit code {exit_code}).
 DAEMON_ALREADY_RUNNING ERROR: detail state_dir
     Another gpuwatchd already runs here{detail:why}.
+DAEMON_NO_PERMISSION CRITICAL: path error missing detail
+    Not enough privilege{error|detail:why}.
 DAEMON_LIMITED_PERMISSIONS WARNING: missing dry_run
     Running without {missing:items}: other users' processes may be unreadable.
 RUN_ONCE_TIMEOUT WARNING: pending left exit_code
@@ -424,6 +420,8 @@ RESET_FAILED INFO: RESET failures
     {subject} is booked as failed ({outcome}, failure {failures}); on_failure hooks follow.
 RESET_FINISHED INFO WARNING ERROR CRITICAL: gpu result step reason needs_reboot blockers dry_run MIG
     {dry}{subject}: the procedure ended at step {step} ({result}).
+GPU_NEEDS_REBOOT CRITICAL: RESET pid start_ticks why
+    {gpu} needs a reboot{why|reason|outcome:why}.
 RESET_CRASHED ERROR: gpu error
     {subject} crashed (a bug), booked as failed: {error}.
 KERNEL_LOG_UNAVAILABLE WARNING: source why retry_in
@@ -499,11 +497,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
         ),
     ),
     EventName.DAEMON_START: spec(INFO, "version dry_run once config interval", _started),
-    EventName.DAEMON_NO_PERMISSION: spec(
-        CRITICAL,
-        "path error missing detail",
-        lambda s: f"Not enough privilege{s.why('error', 'detail')}.",
-    ),
     EventName.SCHEDULER_ENDED_JOB: spec(
         INFO,
         "job said_at_ticks error ignored",
@@ -518,7 +511,6 @@ KERNEL_LOG_DROPPED WARNING: lines kept
     EventName.CONFIG_RELOADED: spec(INFO, "config dry_run changed rejection_ended", _reloaded),
     # GPU resets and health
     EventName.RESET_DRY_RUN: spec(INFO, "RESET assumed", _reset_dry_run),
-    EventName.GPU_NEEDS_REBOOT: spec(CRITICAL, "RESET pid start_ticks why", _needs_reboot),
     # GPU health
     EventName.HEALTH_DRAIN_STARTED: spec(
         WARNING, "FINDING blockers timeout dry_run drained_already", _drain_started

@@ -8,12 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.core.vocabulary import LEVEL_ALIASES, Level
-
-# structlog method names and the numbers of their levels (the vocabulary's, aliases included).
-_LEVELS = {level.value: level.number for level in Level} | {
-    alias: level.number for alias, level in LEVEL_ALIASES.items()
-}
+from gpuwatchd.core.vocabulary import METHOD_LEVELS
 
 
 class _Deferred:
@@ -26,7 +21,7 @@ class _Deferred:
 def defer_setup(setup: Callable[[], None], *, floor: str) -> None:
     """Run ``setup`` (configure structlog) before the first event at ``floor`` or above is
     emitted; drop events below ``floor`` without loading structlog."""
-    _Deferred.floor = _LEVELS[floor]
+    _Deferred.floor = METHOD_LEVELS[floor].number
     _Deferred.setup = setup
 
 
@@ -49,8 +44,8 @@ class _LazyLogger:
         self._real: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        level = _LEVELS.get(name)
-        if level is not None and level < _Deferred.floor:
+        level = METHOD_LEVELS.get(name)
+        if level is not None and level.number < _Deferred.floor:
             return _drop
         if self._real is None:
             self._real = _load(self._args)

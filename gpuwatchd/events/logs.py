@@ -1,10 +1,5 @@
-"""structlog setup: one event per line, for journald, for log shippers and for people.
-
-This module owns how log events are rendered and written. It decides nothing about *what* is
-logged or at which level: callers choose both. It must never raise into its caller — a closed
-or broken stdout/stderr (``gpuwatchd scan | head``, a journald restart) must not take the
-daemon down — and it must keep working with structlog 22.1 (Debian's) up to 26.x, so it uses
-only APIs that 22.1 already had.
+"""structlog setup: how log events are rendered and written, one event per line, for journald,
+log shippers and people (never *what* is logged, nor at which level); it never raises.
 
 In detail: docs/internals.md, section `gpuwatchd.events.logs`.
 """
@@ -31,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import structlog
 
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.vocabulary import LEVEL_ALIASES, Level, level_of
+from gpuwatchd.core.vocabulary import Level, level_of
 from gpuwatchd.events.catalogue import (
     FIELD_NAME_MAX,
     journal_field_name,
@@ -45,17 +40,19 @@ if TYPE_CHECKING:
 FORMATS = ("auto", "logfmt", "json", "console")
 # Names accepted for log.level (``warn`` too), and their numbers in Python's logging.
 LEVELS = {level.value: level.number for level in Level} | {"warn": Level.WARNING.number}
-# sd-daemon(3) priorities, keyed by structlog method name (exception logs at error).
-_PRIORITIES = {level.value: level.priority for level in Level} | {
-    alias: level.priority for alias, level in LEVEL_ALIASES.items()
-}
 _TRACEBACK_FRAMES = 6
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
+def _priority(method: str) -> int:
+    """The sd-daemon(3) priority of a level or method name (exception: error); info if unknown."""
+    level = level_of(method)
+    return Level.INFO.priority if level is None else level.priority
+
+
 def priority_prefix(level: str) -> str:
     """The sd-daemon prefix for a level or method name: ``"<4>"`` for warning; info if unknown."""
-    return f"<{_PRIORITIES.get(level.lower(), 6)}>"
+    return f"<{_priority(level)}>"
 
 
 def configure_logging(
@@ -343,7 +340,7 @@ def journal_entry(method: str, event_dict: Mapping[str, Any]) -> bytes:
     logfmt = _render_logfmt(None, method, _compact_values(None, method, rest))
     fields = [
         ("MESSAGE", f"{render(event, event_dict)} {logfmt}".translate(_NEWLINES)),  # sentence first
-        ("PRIORITY", str(_PRIORITIES.get(method.lower(), 6))),
+        ("PRIORITY", str(_priority(method))),
         ("SYSLOG_IDENTIFIER", SYSLOG_IDENTIFIER),
         ("MESSAGE_ID", message_id(event)),
         ("GPUWATCHD_EVENT", event),

@@ -1,12 +1,7 @@
-"""The words of the event catalogue: how an event's fields become a sentence, and an entry's shape.
+"""The words of the event catalogue: how an event's fields become a sentence (namers, fields as
+sentence pieces, templates, outcome tables) and the shape of one entry. Pure: no I/O.
 
-This module owns what every sentence of :mod:`gpuwatchd.events.catalogue` is made of: the
-:class:`Namer` that decides how an output names processes and GPUs (:class:`JournalNamer` for
-the journal), :class:`Said` (an event's fields as sentence pieces, each escaped and cut to one
-line, and the templates they fill), :func:`outcome_table` (an outcome's sentences as data),
-:func:`finding_label` (a finding key in words), and :class:`EventSpec` with :func:`spec`, the
-shape of one catalogue entry (level, fields, sentence), with the field groups several entries
-share. Pure: no I/O.
+In detail: docs/internals.md, section `gpuwatchd.events.catalogue`.
 """
 
 from __future__ import annotations
@@ -179,8 +174,8 @@ class _Pieces(dict[str, object]):
 
 @dataclass(frozen=True)
 class _Field:
-    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``),
-    or ``{key:=text}`` (``text`` where the field is unset)."""
+    """A field in a template: ``{key}``, or ``{key:why}`` (``items``, ``seconds``, ``until``;
+    ``{a|b:why}``: the first of a, b that is set), or ``{key:=text}`` (``text`` where unset)."""
 
     said: Said
     key: str
@@ -190,15 +185,11 @@ class _Field:
             return self.said(self.key, how[1:])
         if how and how not in _SAID_AS:
             raise ValueError(f"no way to say a field called {how!r}")
-        return str(getattr(self.said, how)(self.key)) if how else self.said(self.key)
+        return str(getattr(self.said, how)(*self.key.split("|"))) if how else self.said(self.key)
 
 
 def dry(s: Said, text: str) -> str:
     return f"Dry run: {text}" if s.dry() else text
-
-
-def short_sentence(text: str, limit: int = 400) -> str:
-    return text if len(text) <= limit else text[: limit - 4] + "...."
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,8 @@ def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
     assert s.fill("{missing}|{missing:why}|{missing:items}|{missing:seconds}|") == "?||?|?|"
     # {x:=text}: the field, or text (perhaps nothing) where it is unset, never "?".
     assert s.fill("{error:=none}|{missing:=none}|{missing:=}|") == "boom|none||"
+    # {x|y:why}: the first of the fields that is set.
+    assert s.fill("{missing|error|why:why}|{missing|other:why}|") == ": boom||"
     with pytest.raises(ValueError, match="no way to say a field called 'why='"):
         s.fill("{error:why=}")
     with pytest.raises(ValueError, match="no way to say a field called 'upper'"):
@@ -382,3 +384,18 @@ class TrainerNamer:
 
     def moment(self, monotonic: object) -> str | None:
         return None
+
+
+def test_a_reload_that_changed_many_keys_is_said_in_one_sentence_of_at_most_400_characters() -> (
+    None
+):
+    changed = {f"key_{n}": "1s -> 2s" for n in range(40)}
+    said = render(str(EventName.CONFIG_RELOADED), {"changed": changed})
+    assert len(said) == 400
+    assert said.startswith("Policy reloaded; changed: key_0 (1s -> 2s), key_1 (1s -> 2s)")
+    assert said.endswith("....")
+    few = {f"key_{n}": "1s -> 2s" for n in range(3)}
+    said = render(str(EventName.CONFIG_RELOADED), {"changed": few})
+    assert said == (
+        "Policy reloaded; changed: key_0 (1s -> 2s), key_1 (1s -> 2s), key_2 (1s -> 2s)."
+    )

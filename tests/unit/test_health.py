@@ -21,7 +21,7 @@ from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health, note_reset
-from gpuwatchd.decide.health.state import HealthState, XidDetail
+from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidDetail
 from gpuwatchd.decide.health.xid_catalogue import XidAction, xid_action
 from gpuwatchd.decide.plan.decisions import plan
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
@@ -469,7 +469,8 @@ def test_a_dry_runs_reset_undoes_only_a_dry_runs_drain(
 def test_an_xid_detail_keeps_its_json_keys_and_their_order() -> None:
     """The state file's and the evidence's bytes: these names, in this order."""
     detail = XidDetail(pid=7, process="py", job="42", text="Xid 79", before_start=True, wall=1.5)
-    assert json.dumps(detail.to_json()) == (
+    saved = HealthState(gpus={GPU0: GpuHealthState(details={79: detail})}).to_json()
+    assert json.dumps(saved[GPU0]["details"]["79"]) == (  # type: ignore[index]
         '{"pid": 7, "process": "py", "job": "42", "text": "Xid 79", "before_start": true,'
         ' "wall": 1.5}'
     )

@@ -24,6 +24,7 @@ from gpuwatchd.decide.mig.recovery import (
     InstanceRecovery,
     instance_blockers,
     instance_changed,
+    layout_missing,
     placement_taken,
     recovered,
     recovery_argvs,
@@ -255,8 +256,10 @@ def test_the_re_create_needs_its_whole_placement_free(reading: GpuInfo, taken: s
     [
         (_reading(), 2, 2),  # between -dgi and -cgi: the re-create
         (_reading(), 1, 1),  # during -dgi: -dgi again, then the re-create
+        (_reading(), 0, 0),  # none done: all of them again
         (_reading(), None, 2),  # an old record: the re-create alone
         (_reading(), 7, 2),  # a count out of range is no count
+        (_reading(), 3, 2),  # ... nor is one that says all were done
         (_reading(_device(3, "MIG-3", (2, 2))), 2, 3),  # re-created (new UUID): checked only
         (_reading(_device(3, "MIG-3", (2, 2), profile=9)), 2, "occupies placement 2:2"),
         (_reading(readable=False), 2, "its MIG devices could not be read"),
@@ -267,3 +270,15 @@ def test_a_crashed_recovery_goes_on_where_the_reading_allows(
 ) -> None:
     said = resume_point(_PLANNED, reading, done, 3)
     assert said == point if isinstance(point, int) else point in str(said)
+
+
+def test_a_whole_gpu_layout_misses_the_instances_the_reading_lacks_by_profile_and_placement() -> (
+    None
+):
+    beside = dataclasses.replace(_PLANNED, gi=2, mig_uuid="MIG-2", placement=4, size=1)
+    layout = (_PLANNED, beside)
+    assert layout_missing(layout, _reading(_device(5, "MIG-5", (4, 1)))) == [0]  # ids may be new
+    assert layout_missing(layout, _reading(_device(1, "MIG-1", (2, 2), profile=14))) == [0, 1]
+    assert layout_missing(layout, _reading(PLANNED_DEVICE, _device(2, "MIG-2", (4, 1)))) == []
+    assert layout_missing((), None) == []  # nothing recorded: nothing to read
+    assert "could not be read" in str(layout_missing(layout, _reading(readable=False)))

@@ -17,7 +17,9 @@ import pytest
 from gpuwatchd.core.model import MIB, Finding, FindingKind, HolderScan, Snapshot
 from gpuwatchd.decide.mig import recovery as mig_recovery
 from gpuwatchd.decide.mig.instances import (
+    NOT_JUDGED,
     annotate_findings,
+    annotate_report_only,
     busy_instances,
     instance_view,
     mig_layout,
@@ -274,6 +276,40 @@ def test_only_ghost_memory_of_an_instance_with_a_parent_only_cuda_holder_is_not_
     )
     assert "parent_only_holders" not in still.evidence
     assert same is plain
+
+
+def test_only_an_unattributed_finding_of_a_parent_only_holder_is_said_to_hold_a_mig_parent() -> (
+    None
+):
+    """800 holds GPU 0's node and no capability: a finding about no GPU passes unchanged unless
+    it is an unattributed one of a parent-only holder."""
+    snapshot = leaky(HostBuilder().proc(800, ppid=1, holds={0}))
+    layout = mig_layout(snapshot)
+    unattributed = {"unattributed": True}
+    other = Finding(FindingKind.HIDDEN_HOLDER, None, 900, 1, "hidden", evidence=unattributed)
+    attributed = Finding(FindingKind.HIDDEN_HOLDER, None, 800, 1, "hidden")
+    lonely = Finding(FindingKind.HIDDEN_HOLDER, None, 800, 1, "hidden", evidence=unattributed)
+    (same, also_same, said) = annotate_findings([other, attributed, lonely], layout, snapshot)
+    assert same is other
+    assert also_same is attributed
+    assert (said.gpu, said.actionable, said.evidence["mig_parent_only"]) == (
+        gpu_uuid(0),
+        False,
+        True,
+    )
+
+
+def test_an_unjudged_mig_gpu_is_said_so_where_it_is_report_only_and_its_devices_were_read() -> None:
+    layout = mig_layout(leaky())
+    unjudged = dataclasses.replace(
+        layout,
+        judged=frozenset(),
+        unjudged={"A": "no minor", "B": "its MIG devices could not be read"},
+    )
+    said = annotate_report_only({"B": "MIG enabled", "C": "other"}, unjudged)
+    assert said == {"B": "MIG enabled", "C": "other"}  # A is not report-only; B's devices unread
+    said = annotate_report_only({"A": "MIG enabled"}, unjudged)
+    assert said == {"A": f"{NOT_JUDGED}; its instances cannot be judged: no minor"}
 
 
 # --- a whole MIG GPU's reset: every instance idle -------------------------------------------------

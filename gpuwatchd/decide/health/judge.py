@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from gpuwatchd.core.model import (
     Finding,
@@ -161,17 +161,14 @@ def _merge_xids(
 ) -> dict[int, XidRecord]:
     xids = dict(old)
     for new in occurrences:
-        rec = xids.get(new.xid)
-        if rec is None:
-            if len(xids) >= MAX_XID_KINDS:
-                continue
-            xids[new.xid] = XidRecord(min(new.count, MAX_COUNT), new.first, new.last)
-        else:
-            xids[new.xid] = XidRecord(
-                min(rec.count + new.count, MAX_COUNT),
-                min(rec.first, new.first),
-                max(rec.last, new.last),
-            )
+        if new.xid not in xids and len(xids) >= MAX_XID_KINDS:
+            continue
+        rec = xids.get(new.xid, XidRecord(0, new.first, new.last))
+        xids[new.xid] = XidRecord(
+            min(rec.count + new.count, MAX_COUNT),
+            min(rec.first, new.first),
+            max(rec.last, new.last),
+        )
     return xids
 
 
@@ -322,9 +319,7 @@ def _reasons(
         )
     # What a reset applies: taken as applied after an assumed reset; a reboot after a real one.
     for kind in _STRENGTH:
-        found[kind] = [
-            r for r in found[kind] if r.cured is None or r.cured not in carried.assumed_cured
-        ]
+        found[kind] = [r for r in found[kind] if r.cured not in carried.assumed_cured]
     still = [r for r in found[FindingKind.RESET_REQUIRED] if r.cured in carried.unhealed]
     if still:
         found[FindingKind.REBOOT_REQUIRED].append(
@@ -354,7 +349,7 @@ def _evidence(
             "bucket": None if entry is None else str(entry.immediate),
             **({"note": notes[xid]} if xid in notes else {}),
             # The kernel log's latest line of it: the process, its job, before the start?
-            **({"kernel_log": detail.to_json()} if detail is not None else {}),
+            **({"kernel_log": asdict(detail)} if detail is not None else {}),
         }
     recovery = (
         recovery_name(health.recovery_action)
@@ -386,16 +381,11 @@ def _evidence(
 def _carry_cures(carried: GpuHealthState, health: GpuHealth) -> GpuHealthState:
     """The reset bookkeeping brought up to this reading (docs/internals.md)."""
     showing = _cured_by_reset(health)
-    if carried.last_reset is not None and carried.checked_reset != carried.last_reset:
-        return replace(
-            carried,
-            checked_reset=carried.last_reset,
-            unhealed=showing,
-            assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
-        )
+    unread = carried.last_reset is not None and carried.checked_reset != carried.last_reset
     return replace(
         carried,
-        unhealed=tuple(c for c in carried.unhealed if c in showing),
+        checked_reset=carried.last_reset if unread else carried.checked_reset,
+        unhealed=showing if unread else tuple(c for c in carried.unhealed if c in showing),
         assumed_cured=tuple(c for c in carried.assumed_cured if c in showing),
     )
 

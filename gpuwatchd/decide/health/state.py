@@ -6,7 +6,7 @@ to them belong to ``judge.py``; no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 
 from gpuwatchd.core.checked import number, obj, opt_number
 from gpuwatchd.core.model import as_int
@@ -43,9 +43,6 @@ class XidDetail:
     text: str
     before_start: bool
     wall: float
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -96,10 +93,7 @@ class HealthState:
     def to_json(self) -> dict[str, object]:
         return {
             uuid: {
-                "xids": {
-                    str(xid): [rec.count, rec.first, rec.last]
-                    for xid, rec in sorted(gpu.xids.items())
-                },
+                "xids": {str(xid): list(astuple(rec)) for xid, rec in sorted(gpu.xids.items())},
                 "last_reset": gpu.last_reset,
                 "since": dict(sorted(gpu.since.items())),
                 "assumed_reset": gpu.assumed_reset,
@@ -108,12 +102,9 @@ class HealthState:
                 "checked_reset": gpu.checked_reset,
                 "unhealed": list(gpu.unhealed),
                 "klog_pos": gpu.klog_pos,
-                "sightings": [[s.xid, s.wall, s.source] for s in gpu.sightings],
-                "details": {str(x): d.to_json() for x, d in sorted(gpu.details.items())},
-                "xid_log": {
-                    str(x): [r.logged_at, r.held, r.first, r.last]
-                    for x, r in sorted(gpu.xid_log.items())
-                },
+                "sightings": [list(astuple(s)) for s in gpu.sightings],
+                "details": {str(x): asdict(d) for x, d in sorted(gpu.details.items())},
+                "xid_log": {str(x): list(astuple(r)) for x, r in sorted(gpu.xid_log.items())},
             }
             for uuid, gpu in sorted(self.gpus.items())
         }

@@ -228,16 +228,13 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
     parent_minors = layout.parent_minors
     holdings: dict[int, DeviceHolding] = {}
     for pid, holding in snapshot.holders.holdings.items():
-        via_fd = set(holding.gpu_minors_fd - parent_minors)
-        via_map = set(holding.gpu_minors_map - parent_minors)
-        for uuid, routes in layout.attributed.get(pid, {}).items():
-            minor = layout.instances[uuid].minor
-            if "fd" in routes:
-                via_fd.add(minor)
-            if "map" in routes:
-                via_map.add(minor)
+        named = layout.attributed.get(pid, {}).items()
+        via_fd = {layout.instances[uuid].minor for uuid, routes in named if "fd" in routes}
+        via_map = {layout.instances[uuid].minor for uuid, routes in named if "map" in routes}
         holdings[pid] = replace(
-            holding, gpu_minors_fd=frozenset(via_fd), gpu_minors_map=frozenset(via_map)
+            holding,
+            gpu_minors_fd=holding.gpu_minors_fd - parent_minors | via_fd,
+            gpu_minors_map=holding.gpu_minors_map - parent_minors | via_map,
         )
     holders = HolderScan(
         mode=snapshot.holders.mode,
@@ -294,16 +291,14 @@ def annotate_findings(
             result.append(
                 replace(finding, kind=kind, actionable=actionable, reason=reason, evidence=evidence)
             )
-            continue
-        if (
+        elif (
             finding.gpu is None
-            and finding.pid is not None
             and finding.pid in layout.parent_only
             and finding.evidence.get("unattributed") is True
         ):
             result.append(_parent_only_finding(finding, layout, snapshot))
-            continue
-        result.append(finding)
+        else:
+            result.append(finding)
     return result
 
 
@@ -321,9 +316,7 @@ def _parent_only_cuda(layout: MigLayout, snapshot: Snapshot, parent_uuid: str) -
 
 def annotate_report_only(report_only: Mapping[str, str], layout: MigLayout) -> dict[str, str]:
     """The parents' report-only reasons: judged instance by instance, or why not."""
-    result = dict(report_only)
-    for uuid in layout.judged:
-        result[uuid] = WHOLE_GPU
+    result = {**report_only, **dict.fromkeys(layout.judged, WHOLE_GPU)}
     for uuid, why in layout.unjudged.items():
         if uuid in result and why != "its MIG devices could not be read":
             result[uuid] = f"{NOT_JUDGED}; its instances cannot be judged: {why}"

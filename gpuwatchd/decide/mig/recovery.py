@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from gpuwatchd.core.checked import as_count
 from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Snapshot
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.floor import is_infrastructure
@@ -46,6 +47,11 @@ class InstanceRecovery:
             "placement": str(self.placement),
         }
 
+    def fits(self, device: MigDevice) -> bool:
+        """``device`` has its GI profile and placement (its ids may be new)."""
+        planned = (self.profile, (self.placement, self.size))
+        return (device.gi_profile_id, device.placement) == planned
+
     def describe(self) -> str:
         return (
             f"re-create MIG GPU instance {self.gi} of GPU {self.gpu_index} "
@@ -65,12 +71,10 @@ def from_record(record: object) -> InstanceRecovery | None:
     """The recovery a state file's record names, or None when a field is missing or wrong."""
     if not isinstance(record, dict):
         return None
-    ints = {}
-    for name in ("gpu_index", "gi", "ci", "profile", "placement", "size"):
-        value = record.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return None
-        ints[name] = value
+    names = ("gpu_index", "gi", "ci", "profile", "placement", "size")
+    ints = {name: found for name in names if (found := as_count(record.get(name))) is not None}
+    if len(ints) < len(names):
+        return None
     uuid, mig_uuid, pci = record.get("uuid"), record.get("mig_uuid"), record.get("pci_bus_id")
     if not isinstance(uuid, str) or not isinstance(mig_uuid, str) or not uuid or not mig_uuid:
         return None
@@ -191,10 +195,9 @@ def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) 
     if recovery.uuid not in layout.judged:
         why = layout.unjudged.get(recovery.uuid, "the GPU is not in MIG mode in this snapshot")
         return f"GPU {recovery.gpu_index}: {why}"
-    planned = (recovery.placement, recovery.size)
     for instance in layout.instances_of(recovery.uuid):
         device = instance.memory_device
-        if device.gi_profile_id != recovery.profile or device.placement != planned:
+        if not recovery.fits(device):
             continue
         memory = device.memory
         used = None if memory is None else memory.allocated
@@ -273,17 +276,6 @@ def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | No
     return None
 
 
-def _recreated(recovery: InstanceRecovery, devices: Sequence[MigDevice]) -> bool:
-    """An instance of the planned GI profile and placement with a new MIG UUID: re-created."""
-    planned = (recovery.placement, recovery.size)
-    return any(
-        d.gi_profile_id == recovery.profile
-        and d.placement == planned
-        and d.uuid != recovery.mig_uuid
-        for d in devices
-    )
-
-
 def resume_point(
     recovery: InstanceRecovery, gpu: GpuInfo | None, done: int | None, total: int
 ) -> int | str:
@@ -293,8 +285,8 @@ def resume_point(
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices
-    if _recreated(recovery, devices):
-        return total
+    if any(recovery.fits(d) and d.uuid != recovery.mig_uuid for d in devices):
+        return total  # an instance where it was planned, with a new MIG UUID: re-created
     taken = placement_taken(recovery, gpu)
     if taken is not None:
         return taken
@@ -340,5 +332,4 @@ def layout_missing(layout: Layout, gpu: GpuInfo | None) -> list[int] | str:
     devices = _devices(layout[0], gpu)
     if isinstance(devices, str):
         return devices
-    present = {(d.gi_profile_id, d.placement) for d in devices}
-    return [n for n, r in enumerate(layout) if (r.profile, (r.placement, r.size)) not in present]
+    return [n for n, r in enumerate(layout) if not any(r.fits(d) for d in devices)]

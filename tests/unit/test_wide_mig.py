@@ -231,7 +231,10 @@ def test_the_view_keeps_everything_the_readings_say_besides_gpus_and_holdings() 
         snapshot,
         nvml=dataclasses.replace(snapshot.nvml, wedged=True, error="late", driver_version="550"),
         holders=dataclasses.replace(
-            snapshot.holders, unreadable=frozenset({5}), matched_by_name=frozenset({6})
+            snapshot.holders,
+            unreadable=frozenset({5}),
+            matched_by_name=frozenset({6}),
+            thread_tables_unread=frozenset({5}),
         ),
     )
     view = instance_view(said, mig_layout(said))
@@ -242,11 +245,12 @@ def test_the_view_keeps_everything_the_readings_say_besides_gpus_and_holdings() 
         "late",
         "550",
     )
-    assert (holders.mode, holders.unreadable, holders.matched_by_name) == (
-        said.holders.mode,
-        frozenset({5}),
-        frozenset({6}),
-    )
+    assert (
+        holders.mode,
+        holders.unreadable,
+        holders.matched_by_name,
+        holders.thread_tables_unread,
+    ) == (said.holders.mode, frozenset({5}), frozenset({6}), frozenset({5}))
 
 
 # --- the assessment, readable again -------------------------------------------------------------

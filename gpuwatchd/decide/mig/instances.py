@@ -14,7 +14,6 @@ from gpuwatchd.core.model import (
     Finding,
     FindingKind,
     GpuInfo,
-    HolderScan,
     MigCapability,
     MigDevice,
     NvmlProcess,
@@ -236,12 +235,7 @@ def instance_view(snapshot: Snapshot, layout: MigLayout) -> Snapshot:
             gpu_minors_fd=holding.gpu_minors_fd - parent_minors | via_fd,
             gpu_minors_map=holding.gpu_minors_map - parent_minors | via_map,
         )
-    holders = HolderScan(
-        mode=snapshot.holders.mode,
-        holdings=holdings,
-        unreadable=snapshot.holders.unreadable,
-        matched_by_name=snapshot.holders.matched_by_name,
-    )
+    holders = replace(snapshot.holders, holdings=holdings)
     return replace(snapshot, nvml=replace(snapshot.nvml, gpus=tuple(gpus)), holders=holders)
 
 

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.core.model import (
-    MIB,
     DeviceHolding,
     Finding,
     FindingKind,
@@ -24,7 +23,7 @@ from gpuwatchd.core.model import (
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
 from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, memory_figure
-from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
+from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole, mib
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import parent_of
 from gpuwatchd.decide.policy import Policy
@@ -34,8 +33,6 @@ _MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dir
 _PROTECTED = "protected"
 # Findings about a process that holds device files: dirt on every GPU whose file it holds.
 _HOLDING_KINDS = kinds.HOLDING_DEVICE
-_MEMORY_KINDS = kinds.MEMORY
-_LISTING_KINDS = kinds.LISTING
 _UNKNOWN_KINDS = frozenset(
     {
         LeftoverName.UNKNOWN_HOLDER.value,
@@ -247,9 +244,9 @@ class _Judge:
     def add_memory(self, gpu: GpuInfo) -> None:
         """``leftover_memory``: allocated memory above the idle baseline plus the margin that
         no live process accounts for (decide/assess/baselines.py's figure and baseline)."""
-        kinds = {r.kind for r in self.reasons[gpu.uuid]}
-        said = {k.value for k in _MEMORY_KINDS | _LISTING_KINDS}
-        if gpu.lost or gpu.processes is None or kinds & said:
+        found = {r.kind for r in self.reasons[gpu.uuid]}
+        said = {k.value for k in kinds.MEMORY | kinds.LISTING}
+        if gpu.lost or gpu.processes is None or found & said:
             return
         notes = self.notes[gpu.uuid]
         if gpu.coherent_memory or gpu.mig_enabled:
@@ -286,9 +283,9 @@ class _Judge:
         excess = value - accounted - baseline
         if excess <= margin:
             return
-        owners = f", {_mib(accounted)} of it live processes'" if live else ""
+        owners = f", {mib(accounted)} of it live processes'" if live else ""
         which = "learned" if learned else "default"
-        text = f"{_mib(value)} allocated{owners}: {_mib(excess)} above its {which} idle baseline"
+        text = f"{mib(value)} allocated{owners}: {mib(excess)} above its {which} idle baseline"
         text += " that no live process accounts for"
         self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
 
@@ -446,7 +443,3 @@ def _role_label(role: HolderRole | None, node_only: bool) -> str:
     if role.role is HolderRoleName.MANAGEMENT:
         return f"management client: {role.note}"
     return f"{role.role.value}: {role.note}"
-
-
-def _mib(value: int) -> str:
-    return f"{value // MIB} MiB"

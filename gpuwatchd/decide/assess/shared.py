@@ -153,14 +153,14 @@ class AssessorState:
         tracked += [
             row.proc for rows in host.listings.values() for row in rows if row.proc is not None
         ]
-        self.lineage = update_lineage(host, previous, tracked)
-        self.inheritance = update_inheritance(host, previous, self.lineage)
-        self.baselines = learn_baselines(host, previous.baselines, detection)
         same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
-        self.owners = update_owners(
-            host, previous.owners if same_boot else frozenset(), self.lineage
-        )
-        since = previous.unaccounted_since if same_boot else {}
+        # Identities and monotonic times of another boot mean nothing; baselines are kept.
+        kept = previous if same_boot else AssessState()
+        self.lineage = update_lineage(host, kept.lineage, tracked)
+        self.inheritance = update_inheritance(host, kept.inheritance, self.lineage)
+        self.baselines = learn_baselines(host, previous.baselines, detection)
+        self.owners = update_owners(host, kept.owners, self.lineage)
+        since = kept.unaccounted_since
         self.unaccounted_since = {
             gpu.uuid: since.get(gpu.uuid, snapshot.monotonic)
             for gpu in host.gpus

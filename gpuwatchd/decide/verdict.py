@@ -31,8 +31,6 @@ from gpuwatchd.decide.targets import protect_match
 
 _MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dirt, by why
 _PROTECTED = "protected"
-# Findings about a process that holds device files: dirt on every GPU whose file it holds.
-_HOLDING_KINDS = kinds.HOLDING_DEVICE
 _UNKNOWN_KINDS = frozenset(
     {
         LeftoverName.UNKNOWN_HOLDER.value,
@@ -175,7 +173,7 @@ class _Judge:
 
     def gpus_of(self, finding: Finding) -> list[str]:
         uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
-        if finding.kind in _HOLDING_KINDS:
+        if finding.kind in kinds.HOLDING_DEVICE:  # dirt on every GPU whose file it holds
             held = finding.evidence.get("gpus")
             if isinstance(held, list):
                 uuids += [

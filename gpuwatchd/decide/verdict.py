@@ -252,7 +252,7 @@ class _Judge:
             notes.append(f"memory not judged: {why}")
             return
         baselines = self.assessment.state.baselines
-        figure = memory_figure(gpu, baselines)
+        figure = memory_figure(gpu)
         if figure is None:
             notes.append("memory not judged: allocated memory unknown")
             return

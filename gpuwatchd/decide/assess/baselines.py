@@ -15,7 +15,7 @@ V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation include
 V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
 
 
-def memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int] | None:
+def memory_figure(gpu: GpuInfo) -> tuple[str, int] | None:
     """The baseline key and current memory figure to learn from or compare, if any."""
     memory = gpu.memory
     if memory is None:
@@ -45,7 +45,7 @@ def learn_baselines(
         holders = host.holders_of(gpu)
         if any(h.uvm or not host.is_floor(h.pid) for h in holders):
             continue
-        figure = memory_figure(gpu, learned)
+        figure = memory_figure(gpu)
         if figure is None:
             continue
         key, value = figure

@@ -177,7 +177,7 @@ class AssessorState:
 
     def baseline(self, gpu: GpuInfo) -> tuple[int | None, int | None, bool]:
         """(figure, baseline, learned) for ghost-style comparisons; figure None = no check."""
-        figure = memory_figure(gpu, self.baselines)
+        figure = memory_figure(gpu)
         if figure is None:
             return None, None, False
         key, value = figure

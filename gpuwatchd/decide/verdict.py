@@ -22,7 +22,7 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, memory_figure
+from gpuwatchd.decide.assess.baselines import compared_figure
 from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole, mib
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import parent_of
@@ -251,19 +251,12 @@ class _Judge:
             why = "coherent memory" if gpu.coherent_memory else "MIG enabled"
             notes.append(f"memory not judged: {why}")
             return
-        baselines = self.assessment.state.baselines
-        figure = memory_figure(gpu)
-        if figure is None:
-            notes.append("memory not judged: allocated memory unknown")
+        detection = self.policy.detection
+        compared = compared_figure(gpu, self.assessment.state.baselines, detection.default_baseline)
+        if isinstance(compared, str):
+            notes.append(f"memory not judged: {compared}")
             return
-        key, value = figure
-        baseline = baselines.get(key)
-        learned = baseline is not None
-        if baseline is None:
-            if key.endswith(V1_BASELINE_SUFFIX):
-                notes.append("memory not judged: v1 memory API and no idle baseline learned yet")
-                return
-            baseline = self.policy.detection.default_baseline
+        value, baseline, learned = compared
         live = [
             entry
             for entry in gpu.processes
@@ -276,7 +269,6 @@ class _Judge:
             notes.append("memory not judged: a live owner's memory figure is unknown")
             return
         accounted = sum(f for f in figures if f is not None)
-        detection = self.policy.detection
         margin = detection.unaccounted_margin if live else detection.ghost_margin
         excess = value - accounted - baseline
         if excess <= margin:

@@ -27,6 +27,23 @@ def memory_figure(gpu: GpuInfo) -> tuple[str, int] | None:
     return None
 
 
+def compared_figure(
+    gpu: GpuInfo, baselines: Mapping[str, int], default: int
+) -> tuple[int, int, bool] | str:
+    """(memory figure, the baseline it is judged against, whether that was learned) for ghost
+    memory and the verdict alike; else why there is none (v1 "used" includes the reservation:
+    only a learned baseline will do)."""
+    figure = memory_figure(gpu)
+    if figure is None:
+        return "allocated memory unknown"
+    key, value = figure
+    if key in baselines:
+        return value, baselines[key], True
+    if key.endswith(V1_BASELINE_SUFFIX):
+        return "v1 memory API and no idle baseline learned yet"
+    return value, default, False
+
+
 def learn_baselines(
     host: HostView, previous: Mapping[str, int], detection: Detection
 ) -> dict[str, int]:

@@ -399,13 +399,12 @@ def consider_reset(w: Work, ctx: Ctx, finding: Finding) -> None:
         return  # _reset_blocker refused it already; this is for the type checker
     lasted = ctx.now - w.seen[finding.key].first_seen
     why = f"ghost memory confirmed for {lasted:.0f}s"
+    instance = None
     if gpu.uuid != finding.gpu:
         instance = instance_recovery(ctx.snapshot, finding)
         if instance is None:
             return  # the gates refused it already; this is for the type checker
-        start_reset(w, ctx, finding, gpu, why, instance=instance)
-        return
-    start_reset(w, ctx, finding, gpu, why)
+    start_reset(w, ctx, finding, gpu, why, instance=instance)
 
 
 def start_reset(

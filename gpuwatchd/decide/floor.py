@@ -6,7 +6,8 @@ In detail: docs/internals.md, section `gpuwatchd.decide.floor`.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 from gpuwatchd.core.model import CgroupInfo, HolderScan, ProcessInfo
 from gpuwatchd.core.paths import NVML_LAUNCHER_FILE, NVML_WORKER_FILE
@@ -138,18 +139,22 @@ def _system_unit(proc: ProcessInfo) -> str | None:
 
 _MEMO = "_floor_infrastructure"  # the answer, kept on the (frozen) ProcessInfo it is about
 _MPS_MEMO = "_floor_mps_server"
+_T = TypeVar("_T")
+
+
+def _memo(proc: ProcessInfo, key: str, answer: Callable[[ProcessInfo], _T]) -> _T:
+    """``answer(proc)``, computed once per (frozen) ``ProcessInfo`` and kept on it under
+    ``key``: the collector hands back the same object while nothing changed."""
+    memo = proc.__dict__
+    if key not in memo:
+        memo[key] = answer(proc)
+    found: _T = memo[key]
+    return found
 
 
 def infrastructure(proc: ProcessInfo) -> str | None:
-    """Why ``proc`` is infrastructure that gpuwatchd never touches, or None. Computed once per
-    (frozen) ``ProcessInfo``: the collector hands back the same object while nothing changed."""
-    memo = proc.__dict__
-    if _MEMO in memo:
-        answer: str | None = memo[_MEMO]
-        return answer
-    answer = _infrastructure(proc)
-    memo[_MEMO] = answer
-    return answer
+    """Why ``proc`` is infrastructure that gpuwatchd never touches, or None (kept: _memo)."""
+    return _memo(proc, _MEMO, _infrastructure)
 
 
 def _infrastructure(proc: ProcessInfo) -> str | None:
@@ -207,13 +212,7 @@ def unverified_infrastructure(proc: ProcessInfo) -> str | None:
 def mps_server(proc: ProcessInfo) -> bool:
     """Whether ``proc`` is a trusted MPS control daemon or server (a user's, or one whose
     identity cannot be read, is not). Computed once per ``ProcessInfo``."""
-    memo = proc.__dict__
-    if _MPS_MEMO in memo:
-        known: bool = memo[_MPS_MEMO]
-        return known
-    answer = _trusted_name(proc, MPS_SERVER_NAMES) is not None
-    memo[_MPS_MEMO] = answer
-    return answer
+    return _memo(proc, _MPS_MEMO, lambda p: _trusted_name(p, MPS_SERVER_NAMES) is not None)
 
 
 def live_holder(

@@ -109,9 +109,8 @@ def _class_source(items: list[tuple[object, object]]) -> str:
 class _Builder:
     """Thompson construction, built back to front: each piece is compiled knowing its successor."""
 
-    def __init__(self, global_flags: int) -> None:
+    def __init__(self) -> None:
         self.states: list[_State] = [_State(_MATCH)]
-        self.global_flags = global_flags
         self.copies = 0  # copies made by counted repeats so far (each build of a body counted)
 
     def new(self, state: _State) -> int:
@@ -268,7 +267,7 @@ def _program(pattern: str, flags: int) -> _Program:
     except (re.error, RecursionError, OverflowError) as err:
         raise NotLinear(f"invalid regular expression: {err}") from None
     global_flags = int(parsed.state.flags) | flags
-    builder = _Builder(global_flags)
+    builder = _Builder()
     try:
         start = builder.sequence(list(parsed), 0, global_flags)
     except RecursionError:

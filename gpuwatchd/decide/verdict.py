@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.core.model import (
-    MIB,
     DeviceHolding,
     Finding,
     FindingKind,
@@ -23,8 +22,8 @@ from gpuwatchd.core.model import (
 )
 from gpuwatchd.core.vocabulary import Cleanliness, HolderRoleName, LeftoverName
 from gpuwatchd.decide import kinds
-from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, memory_figure
-from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole
+from gpuwatchd.decide.assess.baselines import compared_figure
+from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole, mib
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import parent_of
 from gpuwatchd.decide.policy import Policy
@@ -32,10 +31,6 @@ from gpuwatchd.decide.targets import protect_match
 
 _MANAGEMENT = HolderRoleName.MANAGEMENT.value  # reset blockers that are not dirt, by why
 _PROTECTED = "protected"
-# Findings about a process that holds device files: dirt on every GPU whose file it holds.
-_HOLDING_KINDS = kinds.HOLDING_DEVICE
-_MEMORY_KINDS = kinds.MEMORY
-_LISTING_KINDS = kinds.LISTING
 _UNKNOWN_KINDS = frozenset(
     {
         LeftoverName.UNKNOWN_HOLDER.value,
@@ -178,7 +173,7 @@ class _Judge:
 
     def gpus_of(self, finding: Finding) -> list[str]:
         uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
-        if finding.kind in _HOLDING_KINDS:
+        if finding.kind in kinds.HOLDING_DEVICE:  # dirt on every GPU whose file it holds
             held = finding.evidence.get("gpus")
             if isinstance(held, list):
                 uuids += [
@@ -247,28 +242,21 @@ class _Judge:
     def add_memory(self, gpu: GpuInfo) -> None:
         """``leftover_memory``: allocated memory above the idle baseline plus the margin that
         no live process accounts for (decide/assess/baselines.py's figure and baseline)."""
-        kinds = {r.kind for r in self.reasons[gpu.uuid]}
-        said = {k.value for k in _MEMORY_KINDS | _LISTING_KINDS}
-        if gpu.lost or gpu.processes is None or kinds & said:
+        found = {r.kind for r in self.reasons[gpu.uuid]}
+        said = {k.value for k in kinds.MEMORY | kinds.LISTING}
+        if gpu.lost or gpu.processes is None or found & said:
             return
         notes = self.notes[gpu.uuid]
         if gpu.coherent_memory or gpu.mig_enabled:
             why = "coherent memory" if gpu.coherent_memory else "MIG enabled"
             notes.append(f"memory not judged: {why}")
             return
-        baselines = self.assessment.state.baselines
-        figure = memory_figure(gpu, baselines)
-        if figure is None:
-            notes.append("memory not judged: allocated memory unknown")
+        detection = self.policy.detection
+        compared = compared_figure(gpu, self.assessment.state.baselines, detection.default_baseline)
+        if isinstance(compared, str):
+            notes.append(f"memory not judged: {compared}")
             return
-        key, value = figure
-        baseline = baselines.get(key)
-        learned = baseline is not None
-        if baseline is None:
-            if key.endswith(V1_BASELINE_SUFFIX):
-                notes.append("memory not judged: v1 memory API and no idle baseline learned yet")
-                return
-            baseline = self.policy.detection.default_baseline
+        value, baseline, learned = compared
         live = [
             entry
             for entry in gpu.processes
@@ -281,14 +269,13 @@ class _Judge:
             notes.append("memory not judged: a live owner's memory figure is unknown")
             return
         accounted = sum(f for f in figures if f is not None)
-        detection = self.policy.detection
         margin = detection.unaccounted_margin if live else detection.ghost_margin
         excess = value - accounted - baseline
         if excess <= margin:
             return
-        owners = f", {_mib(accounted)} of it live processes'" if live else ""
+        owners = f", {mib(accounted)} of it live processes'" if live else ""
         which = "learned" if learned else "default"
-        text = f"{_mib(value)} allocated{owners}: {_mib(excess)} above its {which} idle baseline"
+        text = f"{mib(value)} allocated{owners}: {mib(excess)} above its {which} idle baseline"
         text += " that no live process accounts for"
         self.reasons[gpu.uuid].append(Reason(LeftoverName.LEFTOVER_MEMORY, None, text))
 
@@ -446,7 +433,3 @@ def _role_label(role: HolderRole | None, node_only: bool) -> str:
     if role.role is HolderRoleName.MANAGEMENT:
         return f"management client: {role.note}"
     return f"{role.role.value}: {role.note}"
-
-
-def _mib(value: int) -> str:
-    return f"{value // MIB} MiB"

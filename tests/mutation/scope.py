@@ -352,8 +352,8 @@ TARGETS = (
     Target(
         "baselines",
         "gpuwatchd/decide/assess/baselines.py",
-        ("learn_baselines",),
-        ("learn_baselines",),
+        ("learn_baselines", "compared_figure"),
+        ("learn_baselines", "compared_figure"),
     ),
 )
 

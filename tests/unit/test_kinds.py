@@ -62,8 +62,16 @@ def test_the_modules_ask_the_table() -> None:
     """verdict, health and plan's reset gates hold the table's sets, not their own."""
     assert health.HEALTH_KINDS == kinds.HEALTH
     assert {k.value for k in kinds.SETTLING} <= verdict.SETTLING
-    assert verdict._HOLDING_KINDS == kinds.HOLDING_DEVICE
-    assert plan_resets._HOLDER_KINDS is kinds.LIVE_HOLDER
+    tables = [value for value in vars(kinds).values() if isinstance(value, frozenset)]
+    for module in (verdict, plan_resets, health):
+        held = [
+            value
+            for value in vars(module).values()
+            if isinstance(value, frozenset)
+            and value
+            and all(isinstance(k, FindingKind) for k in value)
+        ]
+        assert all(any(value is table for table in tables) for value in held), module.__name__
 
 
 @pytest.mark.parametrize("kind", sorted(set(FindingKind) - kinds.SIGNALLABLE))

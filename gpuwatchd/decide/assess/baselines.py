@@ -15,7 +15,7 @@ V1_BASELINE_SUFFIX = "@v1"  # baselines of v1 "used" memory (reservation include
 V1_MAX_RESERVATION = 1024 * MIB  # the most v1 "used" may include for the driver's reservation
 
 
-def memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int] | None:
+def memory_figure(gpu: GpuInfo) -> tuple[str, int] | None:
     """The baseline key and current memory figure to learn from or compare, if any."""
     memory = gpu.memory
     if memory is None:
@@ -25,6 +25,23 @@ def memory_figure(gpu: GpuInfo, baselines: Mapping[str, int]) -> tuple[str, int]
     if memory.api == "v1" and memory.used_v1 is not None:
         return gpu.uuid + V1_BASELINE_SUFFIX, memory.used_v1
     return None
+
+
+def compared_figure(
+    gpu: GpuInfo, baselines: Mapping[str, int], default: int
+) -> tuple[int, int, bool] | str:
+    """(memory figure, the baseline it is judged against, whether that was learned) for ghost
+    memory and the verdict alike; else why there is none (v1 "used" includes the reservation:
+    only a learned baseline will do)."""
+    figure = memory_figure(gpu)
+    if figure is None:
+        return "allocated memory unknown"
+    key, value = figure
+    if key in baselines:
+        return value, baselines[key], True
+    if key.endswith(V1_BASELINE_SUFFIX):
+        return "v1 memory API and no idle baseline learned yet"
+    return value, default, False
 
 
 def learn_baselines(
@@ -45,7 +62,7 @@ def learn_baselines(
         holders = host.holders_of(gpu)
         if any(h.uvm or not host.is_floor(h.pid) for h in holders):
             continue
-        figure = memory_figure(gpu, learned)
+        figure = memory_figure(gpu)
         if figure is None:
             continue
         key, value = figure

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 
 from gpuwatchd.core.model import FindingKind, GpuInfo
 from gpuwatchd.core.vocabulary import HolderRoleName
+from gpuwatchd.decide.assess.baselines import compared_figure
 from gpuwatchd.decide.assess.shared import AssessorState, mib
 
 
@@ -29,8 +30,8 @@ class MemoryPass(AssessorState):
 
     def check_ghost(self, gpu: GpuInfo) -> None:
         host, detection = self.host, self.detection
-        figure, baseline, learned = self.baseline(gpu)
-        if figure is None or baseline is None:
+        compared = compared_figure(gpu, self.baselines, detection.default_baseline)
+        if isinstance(compared, str):
             memory = gpu.memory
             if memory is not None and memory.api == "v1":
                 self.note(
@@ -39,6 +40,7 @@ class MemoryPass(AssessorState):
             elif memory is None or memory.allocated is None:
                 self.note(gpu, "allocated memory unknown: no ghost detection")
             return
+        figure, baseline, learned = compared
         if figure <= baseline + detection.ghost_margin:
             return
         excess = figure - baseline

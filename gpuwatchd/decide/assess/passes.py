@@ -1,6 +1,6 @@
 """Findings: what one snapshot, plus what earlier polls remembered, says about the host.
 
-This module owns ``assess`` (``assess_processes`` then ``with_health``) and the order of its
+This module owns ``assess`` (``assess_processes``, then GPU health) and the order of its
 passes over one shared state (``shared.py``): the NVML listings, the holders and the orphan
 rule, GPU-level memory and the driver's refused resets; MIG instances are judged as GPUs of
 their own. In detail: docs/internals.md, section `gpuwatchd.decide.assess.passes`.
@@ -33,7 +33,6 @@ class _Assessor(ListingPass, HolderPass, MemoryPass):
 
 
 Refused = Mapping[str, Mapping[str, object]]  # GPU UUID -> a refused reset's evidence
-ProcessPasses = Callable[[Snapshot, AssessState, Detection, Refused], Assessment]
 
 
 def assess(
@@ -43,17 +42,26 @@ def assess(
     *,
     driver_refused: Refused | None = None,
     health_policy: HealthPolicy | None = None,
-    processes: ProcessPasses | None = None,
+    processes: Callable[[Snapshot, AssessState, Detection, Refused], Assessment] | None = None,
 ) -> Assessment:
     """Judge one snapshot: findings with evidence, each holder's role, and the new state. Pure.
 
     ``driver_refused``: per GPU UUID, a reset the driver refused as in use while no scan saw a
     holder (``plan.hidden_holders``). ``processes`` stands in for :func:`assess_processes`
-    (``Reuse`` passes the one that remembers the last poll's).
+    (``Reuse`` passes the one that remembers the last poll's); GPU health is always assessed.
     """
     passes = processes or assess_processes
     result = passes(snapshot, previous, detection, driver_refused or {})
-    return with_health(result, snapshot, previous, health_policy)
+    boot_changed = previous.boot_id not in (None, snapshot.boot_id)
+    health = assess_health(
+        snapshot, previous.health, boot_changed=boot_changed, policy=health_policy
+    )
+    return replace(
+        result,
+        findings=result.findings + health.findings,
+        state=replace(result.state, health=health.state),
+        xid_notices=health.xid_notices,
+    )
 
 
 def assess_processes(
@@ -71,25 +79,6 @@ def assess_processes(
     assessor.assess_memory()
     assessor.assess_driver_refusals(driver_refused or {})
     return _with_mig(assessor.result(), layout, snapshot)
-
-
-def with_health(
-    result: Assessment,
-    snapshot: Snapshot,
-    previous: AssessState,
-    health_policy: HealthPolicy | None,
-) -> Assessment:
-    """``result`` (:func:`assess_processes`) with GPU health assessed and joined."""
-    boot_changed = previous.boot_id not in (None, snapshot.boot_id)
-    health = assess_health(
-        snapshot, previous.health, boot_changed=boot_changed, policy=health_policy
-    )
-    return replace(
-        result,
-        findings=result.findings + health.findings,
-        state=replace(result.state, health=health.state),
-        xid_notices=health.xid_notices,
-    )
 
 
 def _with_mig(result: Assessment, layout: MigLayout, snapshot: Snapshot) -> Assessment:

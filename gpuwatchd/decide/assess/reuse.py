@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from functools import partial
+from typing import Generic, TypeVar
 
 from gpuwatchd.core.model import Snapshot
 from gpuwatchd.decide.assess.passes import Refused, assess, assess_processes
@@ -20,6 +21,7 @@ from gpuwatchd.decide.verdict import NodeVerdict, judge
 _TIMES = frozenset({"monotonic", "wall_time"})
 _SNAPSHOT_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name not in _TIMES)
 _STATE_FIELDS = tuple(f.name for f in fields(AssessState) if f.name != "health")
+_R = TypeVar("_R")
 
 
 def same_but_time(a: Snapshot, b: Snapshot) -> bool:
@@ -32,22 +34,15 @@ def _without_health(state: AssessState) -> tuple[object, ...]:
 
 
 @dataclass(frozen=True)
-class _Assessed:
-    snapshot: Snapshot
-    given: tuple[object, ...]  # the state it was given, health aside
-    detection: Detection
-    driver_refused: Refused
-    result: Assessment
-    stable: bool  # it returned the state it was given (health aside)
+class _Last(Generic[_R]):
+    """One call's inputs (the snapshot apart: compared but for its time) and its result."""
 
-
-@dataclass(frozen=True)
-class _Judged:
     snapshot: Snapshot
-    assessment: tuple[object, ...]
-    policy: Policy
-    unfinished: Mapping[str, str]
-    verdict: NodeVerdict
+    inputs: tuple[object, ...]
+    result: _R
+
+    def answers(self, snapshot: Snapshot, inputs: tuple[object, ...]) -> bool:
+        return self.inputs == inputs and same_but_time(self.snapshot, snapshot)
 
 
 class Reuse:
@@ -55,8 +50,8 @@ class Reuse:
     counts the assessments reused."""
 
     def __init__(self) -> None:
-        self._assessed: _Assessed | None = None
-        self._judged: _Judged | None = None
+        self._assessed: _Last[Assessment] | None = None
+        self._judged: _Last[NodeVerdict] | None = None
         self.hits = 0
         # assess's own signature (mypy checks calls through a partial), passes remembered.
         self.assess = partial(assess, processes=self._processes)
@@ -64,22 +59,17 @@ class Reuse:
     def _processes(
         self, snapshot: Snapshot, previous: AssessState, detection: Detection, refused: Refused
     ) -> Assessment:
-        """:func:`assess_processes`, or its last result when its inputs are the same."""
+        """:func:`assess_processes`, or its last result when its inputs are the same; a result
+        that changed the state it was given (health aside) is not kept."""
         given = _without_health(previous)
+        inputs = (detection, dict(refused), given)
         last = self._assessed
-        if (
-            last is not None
-            and last.stable
-            and last.detection == detection
-            and last.driver_refused == refused
-            and last.given == given
-            and same_but_time(last.snapshot, snapshot)
-        ):
+        if last is not None and last.answers(snapshot, inputs):
             self.hits += 1
             return last.result
         result = assess_processes(snapshot, previous, detection, refused)
         stable = _without_health(result.state) == given
-        self._assessed = _Assessed(snapshot, given, detection, dict(refused), result, stable)
+        self._assessed = _Last(snapshot, inputs, result) if stable else None
         return result
 
     def judge(
@@ -90,17 +80,12 @@ class Reuse:
         *,
         unfinished: Mapping[str, str] | None = None,
     ) -> NodeVerdict:
-        last = self._judged
-        part = (assessment.findings, assessment.roles, assessment.state.baselines)  # judge's
         left = dict(unfinished or {})
-        if (
-            last is not None
-            and last.policy == policy
-            and last.assessment == part
-            and last.unfinished == left
-            and same_but_time(last.snapshot, snapshot)
-        ):
-            return last.verdict
+        part = (assessment.findings, assessment.roles, assessment.state.baselines)  # judge's
+        inputs = (policy, part, left)
+        last = self._judged
+        if last is not None and last.answers(snapshot, inputs):
+            return last.result
         verdict = judge(snapshot, assessment, policy, unfinished=left)
-        self._judged = _Judged(snapshot, part, policy, left, verdict)
+        self._judged = _Last(snapshot, inputs, verdict)
         return verdict

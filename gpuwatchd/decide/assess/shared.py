@@ -18,7 +18,7 @@ from gpuwatchd.core.model import (
     Snapshot,
 )
 from gpuwatchd.core.vocabulary import HolderRoleName
-from gpuwatchd.decide.assess.baselines import V1_BASELINE_SUFFIX, learn_baselines, memory_figure
+from gpuwatchd.decide.assess.baselines import compared_figure, learn_baselines
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.state import (
     AssessState,
@@ -153,14 +153,14 @@ class AssessorState:
         tracked += [
             row.proc for rows in host.listings.values() for row in rows if row.proc is not None
         ]
-        self.lineage = update_lineage(host, previous, tracked)
-        self.inheritance = update_inheritance(host, previous, self.lineage)
-        self.baselines = learn_baselines(host, previous.baselines, detection)
         same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
-        self.owners = update_owners(
-            host, previous.owners if same_boot else frozenset(), self.lineage
-        )
-        since = previous.unaccounted_since if same_boot else {}
+        # Identities and monotonic times of another boot mean nothing; baselines are kept.
+        kept = previous if same_boot else AssessState()
+        self.lineage = update_lineage(host, kept.lineage, tracked)
+        self.inheritance = update_inheritance(host, kept.inheritance, self.lineage)
+        self.baselines = learn_baselines(host, previous.baselines, detection)
+        self.owners = update_owners(host, kept.owners, self.lineage)
+        since = kept.unaccounted_since
         self.unaccounted_since = {
             gpu.uuid: since.get(gpu.uuid, snapshot.monotonic)
             for gpu in host.gpus
@@ -174,18 +174,6 @@ class AssessorState:
 
     def note(self, gpu: GpuInfo, text: str) -> None:
         self.notes.setdefault(gpu.uuid, []).append(text)
-
-    def baseline(self, gpu: GpuInfo) -> tuple[int | None, int | None, bool]:
-        """(figure, baseline, learned) for ghost-style comparisons; figure None = no check."""
-        figure = memory_figure(gpu, self.baselines)
-        if figure is None:
-            return None, None, False
-        key, value = figure
-        if key in self.baselines:
-            return value, self.baselines[key], True
-        if key.endswith(V1_BASELINE_SUFFIX):
-            return None, None, False  # v1 "used" includes the reservation: learn first
-        return value, self.detection.default_baseline, False
 
     def blocked(self, gpus: Iterable[GpuInfo]) -> bool:
         if NODE in self.report_only:
@@ -226,9 +214,10 @@ class AssessorState:
         rows = self.host.listings[gpu.uuid]
         if any(r.status == "alive" or r.entry.pid in self.host.listed_alive for r in rows):
             return None
-        figure, baseline, learned = self.baseline(gpu)
-        if figure is None or baseline is None:
+        compared = compared_figure(gpu, self.baselines, self.detection.default_baseline)
+        if isinstance(compared, str):
             return None
+        figure, baseline, learned = compared
         if figure <= baseline + self.detection.ghost_margin:
             return None
         return {

@@ -161,23 +161,22 @@ def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
 
 
 def update_lineage(
-    host: HostView, previous: AssessState, tracked: Iterable[ProcessInfo]
+    host: HostView, previous: Mapping[ProcessIdentity, Lineage], tracked: Iterable[ProcessInfo]
 ) -> dict[ProcessIdentity, Lineage]:
-    """Keep what is still true, record newcomers as they look now (docs/internals.md)."""
+    """Keep what is still true of this boot's ``previous`` lineage, record newcomers as they
+    look now (docs/internals.md)."""
     snapshot = host.snapshot
-    same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
     listed_dead = {
         row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"
     }
     kept: dict[ProcessIdentity, Lineage] = {}
-    if same_boot:
-        for ident, lin in previous.lineage.items():
-            proc = host.procs.get(ident.pid)
-            if proc is not None:
-                if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
-                    kept[ident] = lin
-            elif ident.pid in listed_dead or not host.full_scan:
+    for ident, lin in previous.items():
+        proc = host.procs.get(ident.pid)
+        if proc is not None:
+            if proc.start_ticks is None or proc.start_ticks == ident.start_ticks:
                 kept[ident] = lin
+        elif ident.pid in listed_dead or not host.full_scan:
+            kept[ident] = lin
     for proc in tracked:
         new = proc.identity
         if new is None or new in kept:
@@ -188,18 +187,14 @@ def update_lineage(
 
 
 def update_inheritance(
-    host: HostView, previous: AssessState, lineage: Mapping[ProcessIdentity, Lineage]
+    host: HostView,
+    previous: Mapping[ProcessIdentity, Inheritance],
+    lineage: Mapping[ProcessIdentity, Lineage],
 ) -> dict[ProcessIdentity, Inheritance]:
-    """Carry earlier kcmp answers forward and add this poll's definite ones; a newer answer
-    for the same owner replaces the older one."""
-    snapshot = host.snapshot
-    same_boot = snapshot.boot_id is not None and snapshot.boot_id == previous.boot_id
-    kept: dict[ProcessIdentity, dict[ProcessIdentity, bool]] = {}
-    if same_boot:
-        for ident, answers in previous.inheritance.items():
-            if ident in lineage:
-                kept[ident] = dict(answers)
-    for answer in snapshot.file_sharing:
+    """Carry this boot's earlier kcmp answers forward and add this poll's definite ones; a
+    newer answer for the same owner replaces the older one."""
+    kept = {ident: dict(answers) for ident, answers in previous.items() if ident in lineage}
+    for answer in host.snapshot.file_sharing:
         holder, owner = host.procs.get(answer.holder), host.procs.get(answer.owner)
         if answer.shared is None or holder is None or owner is None:
             continue

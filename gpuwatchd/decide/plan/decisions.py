@@ -27,6 +27,7 @@ from gpuwatchd.decide.plan.intents import (
 )
 from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
 from gpuwatchd.decide.plan.resets import consider_reset, node_block, review_refusals
+from gpuwatchd.decide.plan.shadow import DryShadow, ShadowWork
 from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
 
@@ -68,7 +69,8 @@ def plan(
             w.event(EventName.LIMITS_KILL_CAP_EXPIRED, Level.INFO, scope=scope, why=why,
                     lasted=lasted, dry_run=True)  # fmt: skip
     else:
-        w.shadow.drop()  # what dry-run would have done never blocks the real thing
+        # What dry-run would have done never blocks the real thing.
+        w.shadow = ShadowWork(DryShadow())
         w.reset_refusals = {g: r for g, r in w.reset_refusals.items() if not r.dry_run}
     w.waiting = {}
     w.signal_history = [(t, at) for t, at in w.signal_history if now - at < HOUR]

@@ -29,11 +29,6 @@ from gpuwatchd.decide.plan.state import HealthWait
 from gpuwatchd.decide.targets import gpu_by_uuid
 
 
-def _health_once(w: Work, finding: Finding, what: str) -> bool:
-    """True the first time ``what`` is done for this finding (notes are kept while it lasts)."""
-    return w.noted(finding.key, what)
-
-
 def _drained_already(w: Work, uuid: str, dry: bool) -> bool:
     """Whether this GPU's incident was drained already (a dry run's drain covers no real one)."""
     earlier = w.health_drained.get(uuid)
@@ -68,12 +63,12 @@ def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
     fields = finding_fields(finding)
     if not finding.actionable:
         # e.g. a recovery action gpuwatchd does not know: said once, loudly; nothing done.
-        if _health_once(w, finding, "health:report"):
+        if w.noted(finding.key, "health:report"):
             w.event(EventName.ACTION_REFUSED, Level.WARNING, why="report only: not actionable",
                     **fields)  # fmt: skip
         return
     if finding.kind == FindingKind.REBOOT_REQUIRED:
-        if _health_once(w, finding, "health:reboot"):
+        if w.noted(finding.key, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
             w.intents.append(
                 HookIntent(
@@ -85,7 +80,7 @@ def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
         return
     resetting = health.action == "reset" and ctx.policy.reset.enabled
     if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:
-        if act and _health_once(w, finding, "health:drain"):
+        if act and w.noted(finding.key, "health:drain"):
             w.event(
                 EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=[], timeout=None, **fields
             )

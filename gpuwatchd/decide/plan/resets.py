@@ -141,10 +141,6 @@ class ResetGate:
     level: Level
 
 
-# Findings about a live process on a GPU: any of them means the GPU has a live holder.
-_HOLDER_KINDS = LIVE_HOLDER
-
-
 def _live_holder(
     gpu: GpuInfo, snapshot: Snapshot, findings: Iterable[Finding], monitors: Sequence[Monitor]
 ) -> str | None:
@@ -166,7 +162,7 @@ def _live_holder(
                 "for the reset to stop it and bring it back"
             )
     for other in ordered:
-        if other.kind not in _HOLDER_KINDS or other.gpu is None or other.pid in seen:
+        if other.kind not in LIVE_HOLDER or other.gpu is None or other.pid in seen:
             continue
         if other.gpu != gpu.uuid:
             # One of its MIG GPU instances' own: the driver refused that instance's recovery
@@ -272,7 +268,7 @@ def _instance_gates(
         gate("mig_recovery", f"{where} cannot be re-created in place: {recovery}", Level.WARNING)
         return
     for other in sorted(findings, key=lambda f: f.key):
-        if other.gpu == finding.gpu and other.kind in _HOLDER_KINDS and other.pid is not None:
+        if other.gpu == finding.gpu and other.kind in LIVE_HOLDER and other.pid is not None:
             gate("live_holder", f"live holder: {other.kind.value} pid {other.pid} holds it")
     for why in instance_blockers(snapshot, recovery.mig_uuid):
         gate("live_holder", f"live holder: {why}")
@@ -403,13 +399,12 @@ def consider_reset(w: Work, ctx: Ctx, finding: Finding) -> None:
         return  # _reset_blocker refused it already; this is for the type checker
     lasted = ctx.now - w.seen[finding.key].first_seen
     why = f"ghost memory confirmed for {lasted:.0f}s"
+    instance = None
     if gpu.uuid != finding.gpu:
         instance = instance_recovery(ctx.snapshot, finding)
         if instance is None:
             return  # the gates refused it already; this is for the type checker
-        start_reset(w, ctx, finding, gpu, why, instance=instance)
-        return
-    start_reset(w, ctx, finding, gpu, why)
+    start_reset(w, ctx, finding, gpu, why, instance=instance)
 
 
 def start_reset(

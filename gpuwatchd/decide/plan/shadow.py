@@ -138,12 +138,6 @@ class ShadowWork:
             latches=self.latches,
         )
 
-    def drop(self) -> None:
-        """Not a dry run any more: the shadow never blocks the real thing."""
-        self.resets, self.done, self.signalled = [], {}, []
-        self.capped, self.forced, self.new_targets = None, set(), {}
-        self.capped_since, self.latches, self.scopes = None, {}, {}
-
     def prune(
         self,
         *,

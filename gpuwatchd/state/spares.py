@@ -168,7 +168,7 @@ def read_spares(
             spare, left = _spare(SPARE.check(data), name, clock)
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError) as err:
             problems.append(f"{name}: {err}")
         else:
             if left > 0:

@@ -37,21 +37,28 @@ class Judge:
     running: str | None = None  # which policy stands in for them (accepted.Fallback.describe)
 
 
+def files_policy(path: str | None, *, required: bool) -> Policy:
+    """The policy of ``path``, else of the default file; a missing default file is the
+    built-in policy where ``required`` is False. ConfigError."""
+    from gpuwatchd.config.schema import default_policy, load_policy
+
+    chosen = path or DEFAULT_CONFIG_PATH
+    if path is None and not required and not os.path.exists(chosen):
+        return default_policy()
+    return load_policy(chosen)
+
+
 def judging_policy(config: str | None) -> Judge:
     """The files' policy (``config``, else the default file; none there: the built-in one);
     when they do not validate, the one the daemon runs: its last accepted, or None."""
-    from gpuwatchd.config.schema import default_policy, load_policy
     from gpuwatchd.config.yamlsrc import ConfigError
 
-    chosen = config or DEFAULT_CONFIG_PATH
-    if config is None and not os.path.exists(chosen):
-        return Judge(default_policy())
     try:
-        return Judge(load_policy(chosen))
+        return Judge(files_policy(config, required=config is not None))
     except ConfigError as exc:
         from gpuwatchd.state.accepted import load_fallback
 
-        fallback = load_fallback(chosen)
+        fallback = load_fallback(config or DEFAULT_CONFIG_PATH)
         problems = "".join(f"; {p}" for p in fallback.problems)
         return Judge(fallback.policy, str(exc), fallback.describe() + problems)
 

@@ -259,15 +259,13 @@ def reader_left() -> int:
 
 
 def load_policy_or_exit(path: str | None, *, required: bool) -> Policy:
-    """Load the policy; a missing default file is fine where ``required`` is False."""
-    from gpuwatchd.config.schema import default_policy, load_policy
+    """Load the policy (:func:`gpuwatchd.cli.check_clean.files_policy`); a missing default
+    file is fine where ``required`` is False."""
+    from gpuwatchd.cli.check_clean import files_policy
     from gpuwatchd.config.yamlsrc import ConfigError
 
-    chosen = path or DEFAULT_CONFIG_PATH
-    if path is None and not required and not os.path.exists(chosen):
-        return default_policy()
     with _refused(ConfigError):
-        return load_policy(chosen)
+        return files_policy(path, required=required)
 
 
 @contextlib.contextmanager

@@ -185,7 +185,7 @@ def _scan_host(
     own = nvml is None
     client = NvmlClient(policy.nvml_timeout) if nvml is None else nvml
     client.timeout = policy.nvml_timeout
-    source: NvmlSource = client if published is None else nvml_view.DaemonReading(published)
+    source: NvmlSource = client if published is None else published
     try:
         snapshot, collector = _collect(
             policy, state_dir, procfs, source, daemon_pids=daemon_pids, view=view

@@ -110,7 +110,7 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 
 class NvmlSource(Protocol):
     """Where a collector's NVML reading comes from: an :class:`NvmlClient`, or the daemon's
-    published reading (:class:`gpuwatchd.served.nvml.DaemonReading`, a served ``scan``)."""
+    published reading (:class:`gpuwatchd.served.nvml.Published`, a served ``scan``)."""
 
     @property
     def worker_pids(self) -> frozenset[int]: ...

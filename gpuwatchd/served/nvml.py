@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gpuwatchd.collect.nvml import decode_gpu
 from gpuwatchd.core.model import NvmlReading
@@ -23,13 +23,18 @@ READ_SLACK = 1.0  # seconds: a poll's own duration, beyond the interval between 
 
 @dataclass(frozen=True)
 class Published:
-    """A reading the daemon published (module docstring), decoded."""
+    """A reading the daemon published (module docstring), decoded; an NVML source
+    (:class:`gpuwatchd.collect.nvml.NvmlSource`) that answers with it and starts no worker."""
 
+    worker_pids: ClassVar[frozenset[int]] = frozenset()
     daemon_pid: int
     read_at: float
     polled: float
     interval: float
     reading: NvmlReading
+
+    def read(self) -> NvmlReading:
+        return self.reading
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> Published:
@@ -82,19 +87,6 @@ def usable(published: Published, *, now_wall: float, interval: float) -> str | N
     if age > limit:
         return f"{age:.1f}s old (older than {limit:g}s)"
     return None
-
-
-class DaemonReading:
-    """An NVML source (:class:`gpuwatchd.collect.nvml.NvmlSource`) that answers with the
-    daemon's published reading and starts no worker."""
-
-    worker_pids: frozenset[int] = frozenset()
-
-    def __init__(self, published: Published) -> None:
-        self.published = published
-
-    def read(self) -> NvmlReading:
-        return self.published.reading
 
 
 class ReadingPublisher:

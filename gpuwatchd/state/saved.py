@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.core.checked import Value, as_map, as_text
+from gpuwatchd.core.checked import Value, as_map
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
@@ -39,22 +39,14 @@ class SavedState:
     def value(self) -> Value:
         return Value(self.data)
 
-    @property
-    def boot_id(self) -> str | None:
-        return as_text(self.data.get("boot_id"))
-
     def same_boot(self, boot_id: str | None) -> bool:
         """Whether the state was written in the boot ``boot_id`` (its monotonic times hold)."""
         return self.data.get("boot_id") == boot_id
 
     @property
-    def status(self) -> Mapping[str, object]:
-        return as_map(self.data.get("status"))
-
-    @property
     def daemon_pid(self) -> int | None:
         """The PID in the ``status`` section; None when absent or malformed."""
-        pid = as_int(self.status.get("pid"))
+        pid = as_int(as_map(self.data.get("status")).get("pid"))
         return pid if pid is not None and pid > 0 else None
 
 

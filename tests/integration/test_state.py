@@ -180,13 +180,13 @@ def test_the_one_state_reader_types_what_it_finds_and_says_why_it_cannot(tmp_pat
     saved = read_saved_state(str(tmp_path))
     assert saved.found
     assert saved.problem is None
-    assert (saved.boot_id, saved.daemon_pid) == ("b1", 4242)
+    assert (saved.data["boot_id"], saved.daemon_pid) == ("b1", 4242)
     assert saved.value["plan"]["ladders"].mapping() == {}
     assert saved.same_boot("b1")
     assert not saved.same_boot("b2")
     (tmp_path / "state.json").write_text('{"status": {"pid": -3}, "boot_id": 7}')
     odd = read_saved_state(str(tmp_path))
-    assert (odd.daemon_pid, odd.boot_id, odd.status) == (None, None, {"pid": -3})
+    assert (odd.daemon_pid, odd.same_boot(None), odd.data["status"]) == (None, False, {"pid": -3})
     (tmp_path / "state.json").write_text("{not json")
     broken = read_saved_state(str(tmp_path))
     assert not broken.found

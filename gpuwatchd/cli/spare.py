@@ -26,6 +26,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.spares import job_processes, spare_covering, spare_reason
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.spares import (
+    MAX_SPARES,
     SpareFiles,
     cancel_spare,
     parse_target,
@@ -83,11 +84,19 @@ def spare_command(
     boot_id = procfs.boot_id()
     caveat = "" if job is None else _job_found(procfs, job, target)
     start_ticks = None if pid is None else _start_ticks(procfs, pid, boot_id, target)
+    clock = BootTime.read(now, boot_id)
     with StateDir.open(policy.state_dir, create=True) as state_dir:
+        in_force = read_spares(state_dir, clock, max_spare=policy.limits.max_spare).spares
+        if len(in_force) >= MAX_SPARES and key not in {spare.target for spare in in_force}:
+            raise SpareError(
+                f"spare {target}: {MAX_SPARES} spares are in force, the most the daemon "
+                "honours at once: nothing is spared (cancel one first)",
+                ExitCode.CONFIG,
+            )
         write_spare(
             state_dir,
             key,
-            clock=BootTime.read(now, boot_id),
+            clock=clock,
             seconds=seconds,
             reason=reason,
             pid=pid,

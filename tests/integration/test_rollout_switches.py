@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,13 @@ from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
-from gpuwatchd.state.spares import cancel_spare, parse_target, read_spares, write_spare
+from gpuwatchd.state.spares import (
+    MAX_SPARES,
+    cancel_spare,
+    parse_target,
+    read_spares,
+    write_spare,
+)
 from tests.support.plancases import orphan, policy, proc, signals, snap
 from tests.support.statusrig import with_document
 
@@ -493,3 +500,36 @@ def test_status_says_since_when_nvml_is_wedged_and_needs_attention() -> None:
     assert result["nvml"] == {"state": "wedged", "error": "hung", "since": NOW - 30}
     assert "NVML:     wedged since" in render_text(result)
     assert "30s ago" in render_text(result)
+
+
+def test_a_spare_beyond_the_most_the_daemon_honours_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """read_spares honours MAX_SPARES spares at once, those that end first: one more was
+    written and said to hold ("never signalled until then") though the daemon never saw it.
+    It is refused now, nothing written; a spare in force may still be replaced."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_dir: {tmp_path}/st\n")
+    with StateDir.open(str(tmp_path / "st"), create=True) as st:
+        clock = BootTime.read(time.time(), None)
+        for job in range(MAX_SPARES - 1):
+            key = f"slurm:{job}"
+            write_spare(st, f"job:{key}", clock=clock, seconds=600, reason="r", job=key)
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2)]  # fmt: skip
+    try:
+        for child, code in ((children[0], 0), (children[0], 0), (children[1], 78)):
+            args = ["spare", "--config", str(config), str(child.pid), "--for", "1h"]
+            assert main([*args, "--reason", "debugging"]) == code
+        said = capsys.readouterr().err
+        assert f"spare {children[1].pid}: {MAX_SPARES} spares are in force" in said
+        assert "nothing is spared" in said
+        with StateDir.open(str(tmp_path / "st")) as st:
+            found = read_spares(st, BootTime.read(time.time(), None), max_spare=DAY).spares
+        assert len(found) == MAX_SPARES
+        assert f"pid:{children[0].pid}" in {spare.target for spare in found}
+        assert len(st_names := os.listdir(tmp_path / "st")) == MAX_SPARES, st_names
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

@@ -78,7 +78,7 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
 def _names(gpu: GpuVerdict, selector: str) -> bool:
     return (
         gpu.uuid.lower() == selector.lower()
-        or (selector.isdigit() and int(selector) == gpu.index)
+        or (selector.isdecimal() and len(selector) <= 64 and int(selector) == gpu.index)
         or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
     )
 
@@ -122,7 +122,7 @@ def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> l
         )
     chosen: list[str] = []
     for ident in ids:
-        if not ident.isdigit() or len(ident) > 6:
+        if not ident.isdecimal() or len(ident) > 6:
             raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
         if int(ident) >= len(numbered):
             raise SelectionError(

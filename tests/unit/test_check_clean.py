@@ -100,7 +100,11 @@ def test_a_gpu_is_answered_the_same_alone_and_among_all() -> None:
     assert whole == answer(verdict, ["0"])[1] + answer(verdict, ["1"])[1]
 
 
-@pytest.mark.parametrize("selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0"])
+# "²" is a digit to str.isdigit but no number to int(), and int() refuses more than 4,300
+# digits: either was a ValueError traceback, exit 1, which a prolog reads as a dirty GPU.
+@pytest.mark.parametrize(
+    "selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0", "\u00b2", "1" * 5000]
+)
 def test_an_unknown_gpu_is_a_selection_error(selector: str) -> None:
     with pytest.raises(SelectionError, match="names no GPU"):
         answer(node(), [selector])
@@ -148,7 +152,9 @@ def test_slurm_ids_name_gpus_by_device_file_when_minors_are_not_in_nvmls_order()
     assert answer(dirty1, slurm_selectors(gpus, ["1"], "files"))[0] == 0
 
 
-@pytest.mark.parametrize("ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000"])
+@pytest.mark.parametrize(
+    "ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000", "\u00b2"]
+)
 def test_a_slurm_id_that_names_no_gpu_is_a_selection_error(ident: str) -> None:
     with pytest.raises(SelectionError, match="--slurm-gpus"):
         slurm_selectors(_report_gpus(0, 1), [ident], "files")

@@ -64,7 +64,8 @@ def set_pause(
     stamp: dict[str, object] = {"since": time.time(), "until": None}
     if clock is not None and seconds is not None:
         stamp = clock.stamp(seconds)
-    state_dir.write(PAUSE_FILE, PAUSE.encode({"reason": reason, **stamp, "by_uid": os.getuid()}))
+    body = {"reason": reason[:MAX_REASON], **stamp, "by_uid": os.getuid()}
+    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
 
 
 def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:

@@ -29,7 +29,14 @@ from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
+from gpuwatchd.state.pause import (
+    MAX_REASON,
+    PAUSE_FILE,
+    RESUMED_FILE,
+    note_resume,
+    poll_pause,
+    set_pause,
+)
 from gpuwatchd.state.spares import (
     MAX_SPARES,
     cancel_spare,
@@ -64,6 +71,16 @@ def test_a_timed_pause_holds_until_its_end_then_is_removed_and_said_to_have_ende
     assert ended.resumed is not None
     assert "ended by itself" in ended.resumed
     assert not (tmp_path / PAUSE_FILE).exists()
+
+
+def test_a_timed_pause_with_a_long_reason_still_ends_by_itself(state: StateDir) -> None:
+    """The reason was written uncut: past the pause file's size bound the file no longer read
+    as JSON, so the pause lost its end and held until resumed. It is cut as it is read."""
+    reason = "r" * 70_000  # an argument may be 128 KiB
+    set_pause(state, reason=reason, clock=BootTime(NOW, 1000.0, "b1"), seconds=60)
+    now = poll_pause(state, BootTime(NOW + 59, 1059.0, "b1"), max_pause=DAY)
+    assert (now.reason, now.until) == (reason[:MAX_REASON], NOW + 60)
+    assert poll_pause(state, BootTime(NOW + 60, 1060.0, "b1"), max_pause=DAY).reason is None
 
 
 @pytest.mark.parametrize("step", [-600.0, +7200.0], ids=["back", "forward"])

@@ -20,7 +20,9 @@ from gpuwatchd.state.directory import StateDir, hashed_name
 
 SPARE_PREFIX = "spare-"
 MAX_SPARES = 64  # spares honoured at once; a node needs a handful
-MAX_SPARE_FILE = 4096
+# The largest written is ~7.5 kB: a reason of MAX_REASON characters outside the BMP (12 bytes
+# each as JSON) and the longest unit name, twice (target and job), each byte escaped.
+MAX_SPARE_FILE = 8192
 MAX_REASON = 512
 # The target, its end and its boot are checked against the file name and the clock (_spare).
 SPARE = Format(

@@ -550,3 +550,17 @@ def test_a_spare_beyond_the_most_the_daemon_honours_is_refused(
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_the_largest_spare_written_is_read_back(state: StateDir) -> None:
+    """A reason of MAX_REASON characters outside the BMP is 12 bytes each as JSON: the spare
+    file was larger than the reader's bound, read as no JSON, so the spare the command had
+    said to hold was ignored (and removed by the daemon)."""
+    job = "unit:" + "\\" * 250 + ".service"  # the longest unit name, each byte escaped
+    key, _pid, checked = parse_target(f"job:{job}")
+    reason = "\U0001f600" * MAX_REASON
+    clock = boot(NOW, 1000.0)
+    write_spare(state, key, clock=clock, seconds=600, reason=reason + "!", job=checked)
+    found = read_spares(state, clock, max_spare=DAY, remove_stale=True)
+    assert found.problems == ()
+    assert [(spare.target, spare.reason) for spare in found.spares] == [(key, reason)]

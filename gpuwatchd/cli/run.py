@@ -23,7 +23,7 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.logs import configure_logging
 from gpuwatchd.state.accepted import Fallback
 from gpuwatchd.state.directory import AlreadyRunning, StateDir
-from gpuwatchd.state.pause import hand_over_ended_jobs, withdraw_ended_jobs
+from gpuwatchd.state.pause import MAX_HAND_OVER, hand_over_ended_jobs, withdraw_ended_jobs
 
 log = structlog.get_logger("gpuwatchd")
 ENDED_JOB_GRACE = 60.0  # seconds past --timeout a hand-over may claim (its waiter bounds it)
@@ -170,8 +170,9 @@ def _hand_over(
     be."""
     # The running daemon takes the scheduler's word from the state folder at its next
     # poll (and so does the waiter's scan) while this process waits, and no longer; the
-    # word covers only processes older than when it was said (this process's start).
-    until = time.time() + once_timeout + ENDED_JOB_GRACE
+    # word covers only processes older than when it was said (this process's start). A reader
+    # takes an expiry at most a day ahead (MAX_HAND_OVER).
+    until = time.time() + min(once_timeout + ENDED_JOB_GRACE, MAX_HAND_OVER)
     said = min((t for t in refused.own_ended_jobs.values() if t is not None), default=None)
     try:
         if waiter is None:

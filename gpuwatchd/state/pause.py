@@ -24,6 +24,7 @@ MAX_REASON = 512  # characters of a pause reason kept
 ENDED_JOB_PREFIX = "ended-job-"
 MAX_ENDED_JOBS = 64  # hand-overs honoured at once; more wait (kept, reported) until some expire
 MAX_ENDED_JOB_FILE = 4096
+MAX_HAND_OVER = 86400.0  # seconds ahead a hand-over's expiry may be
 RESUMED_FILE = "resumed"  # ``resume --reason``: why, for the daemon's ``EventName.DAEMON_RESUMED``
 MAX_PAUSE_FILE = 64 * 1024
 PAUSE = Format(PAUSE_FILE, MAX_PAUSE_FILE, newline=True)  # read leniently: a bad one still pauses
@@ -270,7 +271,7 @@ def read_ended_jobs(
         try:
             data = ENDED_JOB.decode(state_dir.read(name, MAX_ENDED_JOB_FILE))
             job, until = data["job"], data["until"]
-            if until > now + 86400:
+            if until > now + MAX_HAND_OVER:
                 raise ValueError("expiry more than a day ahead")
             if name != hashed_name(ENDED_JOB_PREFIX, job):
                 raise ValueError("file name does not match the job")

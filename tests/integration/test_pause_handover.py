@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -282,3 +283,24 @@ def test_run_once_going_on_alone_keeps_when_the_scheduler_said_it(
     assert seen == {"handed": {"slurm:42": 777}, "successor": {"slurm:42": 777}}
     assert files(tmp_path) == []  # withdrawn
     refused.store.close()
+
+
+def test_the_hand_over_of_an_epilog_waiting_more_than_a_day_is_honoured(
+    state: StateDir, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run --once --timeout 2d`` beside the daemon wrote an expiry past what a reader takes
+    (a day ahead): the daemon named the file bad and removed it, though the epilog had said
+    "handed to the running daemon". Its expiry is at most a day ahead now."""
+    from types import SimpleNamespace
+
+    from gpuwatchd.cli.run import _hand_over
+
+    refused: Any = SimpleNamespace(
+        own_ended_jobs={"slurm:7": None},
+        store=SimpleNamespace(directory=lambda: state),
+        procfs=SimpleNamespace(boot_id=lambda: "b1"),
+    )
+    assert _hand_over(refused, frozenset({"slurm:7"}), EPILOG, 2 * 86400.0) is state
+    assert "handed to the running daemon: slurm:7 ended" in capsys.readouterr().err
+    found = read(state, time.time(), remove_stale=True)
+    assert (found.jobs, found.problems) == ({"slurm:7": None}, ())

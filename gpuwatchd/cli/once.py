@@ -55,11 +55,13 @@ def _described(finding: Mapping[str, object]) -> str:
 
 
 def reset_under_way(state: Mapping[str, object]) -> str | None:
-    """The GPU of a reset the daemon has decided on or is running, from its state file."""
+    """The GPU of a reset the daemon is running (its progress record names it ``uuid``) or
+    has decided on (``gpu``), from its state file."""
+    progress = as_map(state.get("reset_in_progress"))
     flight = as_map(as_map(state.get("plan")).get("reset_in_flight"))
-    for record in (as_map(state.get("reset_in_progress")), flight):
+    for record, key in ((progress, "uuid"), (flight, "gpu")):
         if record:
-            return str(record.get("gpu") or "a GPU")
+            return str(record.get(key) or "a GPU")
     return None
 
 

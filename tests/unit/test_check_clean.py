@@ -337,6 +337,16 @@ def test_once_does_not_scan_while_the_daemon_resets() -> None:
     assert f"a reset of {UUID0} under way" in stuck.out.getvalue()
 
 
+def test_a_reset_in_progress_is_named_by_its_gpu() -> None:
+    """The state's ``reset_in_progress`` record (act/reset_target.progress_record) names its
+    GPU ``uuid``; it was read as ``gpu``, so the wait said "a reset of a GPU under way"."""
+    record = {"uuid": UUID0, "pci_bus_id": None, "step": "reset", "since": 1.0}
+    stuck = Fakes([report()], [{**DAEMON, "reset_in_progress": record}])
+    assert stuck.run(timeout=3) == 75
+    assert stuck.scans == 0
+    assert f"a reset of {UUID0} under way" in stuck.out.getvalue()
+
+
 def test_once_exits_69_when_nvml_is_unavailable() -> None:
     fakes = Fakes([None], [DAEMON])
     assert fakes.run(timeout=60) == 69

@@ -374,13 +374,6 @@ def _resets(raw: object, now_wall: float) -> dict[str, object]:
 # --- the edge: files, /proc, clocks -----------------------------------------------------------
 
 
-def read_saved(state_dir: str) -> tuple[dict[str, object] | None, str | None]:
-    """``(state, None)``; ``(None, None)`` when there is no state file; ``(None, why)`` when it
-    cannot be read, cannot be trusted or is not a state file (:func:`read_saved_state`)."""
-    saved = read_saved_state(state_dir)
-    return (dict(saved.data) if saved.found else None), saved.problem
-
-
 def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
     """The evidence files the daemon kept in ``state_dir``, oldest first, each as its name
     tells it, with its path; None when the folder cannot be listed (or is not trusted)."""
@@ -396,16 +389,16 @@ def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
 
 def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
     """Read, describe, print; the exit code of :class:`StatusCode`."""
-    saved, error = read_saved(policy.state_dir)
-    pid = SavedState(saved or {}).daemon_pid
+    saved = read_saved_state(policy.state_dir)  # the problem: why it cannot be read (exit 4)
+    pid = saved.daemon_pid
     result = describe(
-        saved,
+        dict(saved.data) if saved.found else None,
         policy=policy,
         now_wall=time.time(),
         now_monotonic=time.monotonic(),
         boot_id=ProcFS(policy.proc_root).boot_id(),
         process=None if pid is None else look_at_process(policy.proc_root, pid),
-        read_error=error,
+        read_error=saved.problem,
         evidence=read_evidence(policy.state_dir),
     )
     if as_json:

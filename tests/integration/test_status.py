@@ -30,13 +30,12 @@ from gpuwatchd.cli.process_kind import look_at_process
 from gpuwatchd.cli.status import (
     StatusCode,
     describe,
-    read_saved,
 )
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.saved import StateStore
+from gpuwatchd.state.saved import StateStore, read_saved_state
 from tests.support.statusrig import (
     BOOT,
     LADDER,
@@ -659,7 +658,7 @@ def test_exit_4_for_a_state_dir_this_user_cannot_read(host: tuple[Path, Path, Pa
     _save(state_dir, saved())
     state_dir.chmod(0)
     try:
-        assert read_saved(str(state_dir))[1] is not None
+        assert read_saved_state(str(state_dir)).problem is not None
         assert main(["status", "--config", str(config)]) == 4
     finally:
         state_dir.chmod(0o700)
@@ -714,10 +713,10 @@ def test_what_the_daemon_writes_is_what_status_reads(tmp_path: Path) -> None:
     daemon.save_state()
 
     def described() -> dict[str, Any]:
-        state, error = read_saved(policy.state_dir)
-        assert error is None
+        saved = read_saved_state(policy.state_dir)
+        assert saved.problem is None
         return describe(
-            state,
+            dict(saved.data) if saved.found else None,
             policy=policy,
             now_wall=time.time(),
             now_monotonic=time.monotonic(),

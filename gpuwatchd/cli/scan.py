@@ -15,6 +15,7 @@ from gpuwatchd import __version__
 from gpuwatchd.cli.report import build_report
 from gpuwatchd.cli.report_text import render_text
 from gpuwatchd.cli.spare import mark_spared, spares_in_force
+from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
@@ -26,6 +27,7 @@ from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
@@ -34,7 +36,7 @@ from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
-from gpuwatchd.state.pause import read_ended_jobs
+from gpuwatchd.state.pause import read_ended_jobs, read_pause_switch
 from gpuwatchd.state.saved import SavedState, read_saved_state
 
 
@@ -209,6 +211,9 @@ def _scan_host(
         if published is None
         else f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
     }
+    said = None if state_dir is None else daemon_section(state_dir, saved, policy, snapshot)
+    if said is not None:
+        report["daemon"] = said
     note = _permission_note(policy, snapshot)
     return ScanResult(
         report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
@@ -307,6 +312,35 @@ def _daemon_view_section(
         if collector.last_scan_reason is None
         else collector.last_scan_reason.value,
         "answered_by": "this scan" if view is None else "daemon",
+    }
+
+
+def daemon_section(
+    state_dir: StateDir, saved: SavedState, policy: Policy, snapshot: Snapshot
+) -> dict[str, object] | None:
+    """The report's ``daemon`` object (docs/scan.md), what ``explain`` lists a pause and the
+    kill-cap latch by: the pause file as the daemon reads it (in force until its time is up;
+    an unreadable one pauses), the latch and, in the same boot, the signals of the last hour
+    from the saved plan. None when no saved state was read (none, unreadable, untrusted); a
+    malformed plan leaves its fields unknown (null)."""
+    if not saved.found:
+        return None
+    switch = read_pause_switch(state_dir)
+    clock = BootTime.read(snapshot.wall_time, snapshot.boot_id)
+    left = None if switch is None else switch.left(clock, policy.limits.max_pause)
+    paused = switch is not None and (left is None or left > 0)
+    plan: PlanState | None = None
+    with contextlib.suppress(ValueError):
+        plan = PlanState.from_json(saved.data.get("plan", {}))
+    hour = None
+    if plan is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
+        hour = sum(1 for _, at in plan.signal_history if snapshot.monotonic - at < HOUR)
+    return {
+        "paused": paused,
+        "paused_reason": (switch.reason or None) if switch is not None and paused else None,
+        "forced_dry_run": None if plan is None else plan.forced_dry_run,
+        "forced_reason": None if plan is None else plan.forced_reason,
+        "signalled_last_hour": hour,
     }
 
 

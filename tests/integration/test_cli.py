@@ -17,6 +17,10 @@ import pytest
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.main import main
+from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.state.directory import StateDir
+from gpuwatchd.state.pause import set_pause
+from gpuwatchd.state.saved import StateStore
 from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
 from tests.support.simhost import SimHost
 
@@ -252,3 +256,35 @@ def test_a_closed_pipe_is_not_a_traceback(host: SimHost) -> None:
         check=False,
     )
     assert "Traceback" not in result.stderr
+
+
+def test_explain_of_a_scan_lists_the_daemons_pause_and_its_kill_cap_latch(host: SimHost) -> None:
+    # The daemon paused by an administrator, its kill cap latched (its saved plan says so).
+    with StateDir.open(str(host.state_dir), create=True) as state_dir:
+        set_pause(state_dir, reason="driver upgrade")
+    latched = PlanState(
+        forced_dry_run=True,
+        forced_reason="more than 64 in one hour",
+        signal_history=(("pid:4250@1", time.monotonic() - 10.0),),
+    )
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    StateStore(str(host.state_dir)).save({"boot_id": boot_id, "plan": latched.to_json()})
+    host.nvml([gpu(0, allocated=3 * GiB)])  # memory nobody holds: a reset is the next step
+    config = host.config(dry_run=False)
+    scanned = host.gpuwatchd("scan", "--json", "--config", str(config))
+    assert scanned.returncode == 0, scanned.stderr
+    report = json.loads(scanned.stdout)
+    assert report["daemon"] == {
+        "paused": True,
+        "paused_reason": "driver upgrade",
+        "forced_dry_run": True,
+        "forced_reason": "more than 64 in one hour",
+        "signalled_last_hour": 1,
+    }
+    path = host.root / "report.json"
+    path.write_text(scanned.stdout)
+    result = host.gpuwatchd("explain", str(path), "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "pause: the daemon is paused (driver upgrade)" in result.stdout
+    latch = "kill cap: reached (more than 64 in one hour); the daemon forced dry-run"
+    assert latch in result.stdout

@@ -19,7 +19,7 @@ from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import OnceStep, once_progress
-from gpuwatchd.state.saved import SavedState, StateStore
+from gpuwatchd.state.saved import SavedState, read_saved_state
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 
@@ -95,7 +95,7 @@ def wait_for_daemon(
     NVML is unavailable; None when the daemon has stopped meanwhile (the caller may go on alone).
     Never signals, resets or writes anything. ``running(state)`` says whether the instance
     that wrote ``state`` still runs (default: its PID is gpuwatchd now)."""
-    read_state = peek or StateStore(policy.state_dir).peek
+    read_state = peek or (lambda: read_saved_state(policy.state_dir).data)
     still_running = running or (lambda saved: _still_running(policy, saved))
     started = clock()
     deadline = started + timeout

@@ -114,10 +114,6 @@ class StateStore:
         self.discard_corrupt(why)
         return {}
 
-    def peek(self) -> dict[str, object]:
-        """The saved dict for a reader that must change nothing (:func:`read_saved_state`)."""
-        return dict(read_saved_state(self._dir if self._dir is not None else self.state_dir).data)
-
     def discard_corrupt(self, why: str) -> None:
         """Move a file whose content is malformed (``why``) aside, and say so."""
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"

@@ -14,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.state.directory import AlreadyRunning
-from gpuwatchd.state.saved import StateStore
+from gpuwatchd.state.saved import StateStore, read_saved_state
 
 
 def test_load_without_a_file_is_empty(tmp_path: Path) -> None:
@@ -149,11 +149,11 @@ def test_saved_json_is_plain_and_sorted(tmp_path: Path) -> None:
 
 def test_peek_reads_without_changing_anything(tmp_path: Path) -> None:
     store = StateStore(str(tmp_path))
-    assert store.peek() == {}
+    assert dict(read_saved_state(store.state_dir).data) == {}
     store.save({"version": 1, "x": 2})
-    assert store.peek() == {"version": 1, "x": 2}
+    assert dict(read_saved_state(store.state_dir).data) == {"version": 1, "x": 2}
     Path(store.path).write_text("{not json")
-    assert store.peek() == {}
+    assert dict(read_saved_state(store.state_dir).data) == {}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # not moved aside
 
 

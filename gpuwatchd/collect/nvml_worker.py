@@ -281,9 +281,11 @@ class Worker:
                     return entry
                 self.handles[index] = handle
             if index not in self.identity:
+                errors_before = len(reader.errors)
                 identity = read_identity(reader, handle)
                 entry.update(identity)
-                if identity["uuid"] is not None:
+                # Kept only when read whole: a value that failed is read again next poll.
+                if identity["uuid"] is not None and len(reader.errors) == errors_before:
                     self.identity[index] = identity
 
             def on_v1(reason: str) -> None:

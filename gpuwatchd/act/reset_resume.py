@@ -30,6 +30,7 @@ from gpuwatchd.decide.mig.recovery import (
     instance_changed,
     resume_point,
 )
+from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import ResetPolicy
 
 
@@ -164,9 +165,7 @@ def _procedure_from(
     proc.persistence_off = record.get("persistence_off") is True
     units = record.get("units_stopped")
     if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
-        proc.units_stopped = [
-            u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
-        ]
+        proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
     proc.reset_started = record.get("reset_started") is True
     result = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.

@@ -193,6 +193,8 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
     (docs/internals.md, section ``gpuwatchd.act.reset_resume``)."""
     commands = proc.commands.reset
     total = len(commands)
+    if done is not None and not 0 <= done <= total:
+        done = None  # a count no run writes: not counted
     counted = "an unknown number" if done is None else str(done)
     interrupted = f"interrupted during the recovery's commands ({counted} of {total} done)"
     ran = commands[: done or 0]

@@ -14,6 +14,7 @@ from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.engine.cycle import EngineState
 from tests.support.enginerig import (
@@ -29,6 +30,8 @@ from tests.support.enginerig import (
     rig,
 )
 from tests.support.snapshots import HostBuilder
+
+MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
 
 
 def reset_commands(r: Rig) -> list[tuple[str, ...]]:
@@ -231,6 +234,40 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.engine.state.reset_in_progress is None
     assert second.engine.state.plan.reset_in_flight is None
     assert second.sink.named("reset.succeeded")
+
+
+def test_a_resumed_mig_gpu_reset_that_failed_leaves_each_instance_of_its_layout_unfinished() -> (
+    None
+):
+    """The record's MIG layout is booked with the resumed outcome, as a reset that was not
+    interrupted books it: a failure leaves each GPU instance dirty until it is seen back."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    first = rig(pol, ghost_host)
+
+    def crash(work: Callable[[], T]) -> T:
+        raise KeyboardInterrupt
+
+    first.engine.slow = crash
+    with contextlib.suppress(KeyboardInterrupt):
+        first.poll_at(0.0)
+    assert first.engine.state.plan.reset_in_flight is not None
+    instance = InstanceRecovery(GPU0, "00000000:10:00.0", 0, 1, 0, MIG_UUID, 19, 6, 1)
+    record: dict[str, object] = {
+        "uuid": GPU0,
+        "pci_bus_id": "00000000:10:00.0",
+        "minor": 0,
+        "persistence_was_on": False,
+        "step": "reset",
+        "reset_started": True,
+        "mig_layout": [instance.record()],
+    }
+    state = EngineState(
+        assess=first.engine.state.assess, plan=first.engine.state.plan, reset_in_progress=record
+    )
+    second = rig(pol, ghost_host, state=state)
+    second.engine.resume_interrupted_reset()
+    assert [o["result"] for o in second.sink.named("reset.outcome")] == ["failed"]
+    assert list(second.engine.state.plan.mig_unfinished) == [MIG_UUID]
 
 
 def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:

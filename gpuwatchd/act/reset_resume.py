@@ -5,7 +5,6 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from gpuwatchd.act.commands import run_command
@@ -34,7 +33,7 @@ from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import ResetPolicy
 
 
-def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
+def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTarget | None:
     uuid = record.get("uuid")
     if not isinstance(uuid, str) or not uuid:
         return None
@@ -53,6 +52,7 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
         pci_bus_id=as_text(record.get("pci_bus_id")),
         minor=as_int(record.get("minor")),
         persistence_was_on=as_flag(record.get("persistence_was_on")),
+        hostname=hostname,
         recovery=recovery,
     )
 
@@ -79,9 +79,7 @@ def _read_back(
         step = ResetStep(record.get("step"))
     except ValueError:
         step = None
-    target = _target_from(record)
-    if target is not None:
-        target = dataclasses.replace(target, hostname=hostname)
+    target = _target_from(record, hostname)
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:

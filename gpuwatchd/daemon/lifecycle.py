@@ -662,6 +662,7 @@ class Daemon:
             dataclasses.replace(state.plan, last_wall=None),
             state.reset_in_progress,
             self.actions_seen,
+            self.policy,  # a reload (the same object is compared by identity: cheap)
             self.policy_rejected,
             state.spares,
             # NVML lost or back is news for `status` at once, not at the next minute's write.

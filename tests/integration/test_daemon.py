@@ -228,6 +228,20 @@ def test_a_rejected_reload_is_kept_in_the_status_until_a_good_policy_loads(
     assert daemon.status_section()["policy_rejected"] is None
 
 
+def test_a_reload_is_in_the_saved_status_at_once(tmp_path: Path) -> None:
+    """`gpuwatchd status` reads the saved state: after a reload to enforcing it must not say
+    dry-run until the once-a-minute refresh."""
+    daemon, config = _daemon_with_config(tmp_path, "dry_run: true\n")
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["status"]["mode"] == "dry-run"
+    config.write_text("dry_run: false\n")
+    daemon._do_reload()
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert (saved["status"]["mode"], saved["status"]["dry_run"]) == ("enforcing", False)
+
+
 class _Recorder(Notifier):
     """What the daemon would tell systemd."""
 

@@ -242,6 +242,22 @@ def test_a_reload_is_in_the_saved_status_at_once(tmp_path: Path) -> None:
     assert (saved["status"]["mode"], saved["status"]["dry_run"]) == ("enforcing", False)
 
 
+def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
+    """A key the reload does not keep (config.reload_partial) is in force after it: the
+    collector checks the namespaces once the reloaded policy says so."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: true\n")  # namespace_check: true, its default
+    config.chmod(0o644)
+    policy = dataclasses.replace(
+        default_policy(), state_dir=str(tmp_path / "state"), dry_run=True, namespace_check=False
+    )
+    daemon = Daemon(policy, config_path=str(config))
+    assert not daemon.collector.namespace_check
+    daemon._do_reload()
+    assert daemon.policy.namespace_check
+    assert daemon.collector.namespace_check
+
+
 class _Recorder(Notifier):
     """What the daemon would tell systemd."""
 

@@ -457,6 +457,9 @@ class Daemon:
                     new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
                 )
                 changed.append("health.kernel_log")
+            if new.log_format != self.policy.log_format:  # logging is set up at start
+                new = dataclasses.replace(new, log_format=self.policy.log_format)
+                changed.append("log.format")
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(

@@ -258,6 +258,19 @@ def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
     assert daemon.collector.namespace_check
 
 
+def test_a_reload_says_the_log_format_needs_a_restart_and_keeps_it(tmp_path: Path) -> None:
+    """The log format is set up once, at start (cli/run.py): a reload that changes it says so
+    as a key only a restart changes, and the policy in force keeps the one in use."""
+    text = f"dry_run: true\nstate_dir: {tmp_path / 'state'}\n"
+    daemon, config = _daemon_with_config(tmp_path, text)
+    config.write_text(text + "log:\n  format: json\n")
+    with capture_logs() as logs:
+        daemon._do_reload()
+    (partial,) = [e for e in logs if e["event"] == "config.reload_partial"]
+    assert partial["needs_restart"] == ["log.format"]
+    assert daemon.policy.log_format == "logfmt"
+
+
 class _Recorder(Notifier):
     """What the daemon would tell systemd."""
 

@@ -5,7 +5,6 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from gpuwatchd.act.commands import run_command
@@ -30,10 +29,11 @@ from gpuwatchd.decide.mig.recovery import (
     instance_changed,
     resume_point,
 )
+from gpuwatchd.decide.plan.monitors import UNIT_NAME
 from gpuwatchd.decide.policy import ResetPolicy
 
 
-def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
+def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTarget | None:
     uuid = record.get("uuid")
     if not isinstance(uuid, str) or not uuid:
         return None
@@ -52,6 +52,7 @@ def _target_from(record: Mapping[str, object]) -> ResetTarget | None:
         pci_bus_id=as_text(record.get("pci_bus_id")),
         minor=as_int(record.get("minor")),
         persistence_was_on=as_flag(record.get("persistence_was_on")),
+        hostname=hostname,
         recovery=recovery,
     )
 
@@ -78,9 +79,7 @@ def _read_back(
         step = ResetStep(record.get("step"))
     except ValueError:
         step = None
-    target = _target_from(record)
-    if target is not None:
-        target = dataclasses.replace(target, hostname=hostname)
+    target = _target_from(record, hostname)
     if step is ResetStep.DONE:
         return None
     if step is None or target is None:
@@ -164,9 +163,7 @@ def _procedure_from(
     proc.persistence_off = record.get("persistence_off") is True
     units = record.get("units_stopped")
     if isinstance(units, list):  # the monitors' units stop_monitors stopped: started again
-        proc.units_stopped = [
-            u for u in units if isinstance(u, str) and u.endswith(".service") and u[:1] != "-"
-        ]
+        proc.units_stopped = [u for u in units if isinstance(u, str) and UNIT_NAME.fullmatch(u)]
     proc.reset_started = record.get("reset_started") is True
     result = record.get("result")
     # An unknown recorded result is no result: the GPU is checked again below.
@@ -194,6 +191,8 @@ def _resume_recovery(proc: Procedure, recovery: InstanceRecovery, done: int | No
     (docs/internals.md, section ``gpuwatchd.act.reset_resume``)."""
     commands = proc.commands.reset
     total = len(commands)
+    if done is not None and not 0 <= done <= total:
+        done = None  # a count no run writes: not counted
     counted = "an unknown number" if done is None else str(done)
     interrupted = f"interrupted during the recovery's commands ({counted} of {total} done)"
     ran = commands[: done or 0]

@@ -150,7 +150,8 @@ class DeviceWatch:
         except OSError:
             self._stale = True
             return 0
-        caps_unlisted = False
+        # A folder not watched (the kernel refused it) would miss device files created in it.
+        unwatched = self._folder_wd is None
         if CAPS_FOLDER in names:
             caps = f"{self.devices_dir}/{CAPS_FOLDER}"
             if self._caps_wd is None:
@@ -158,10 +159,11 @@ class DeviceWatch:
             try:
                 names += [f"{CAPS_FOLDER}/{name}" for name in os.listdir(caps)]
             except OSError:
-                caps_unlisted = True  # tried again next time; until then, not complete
+                unwatched = True  # tried again next time; until then, not complete
+            unwatched |= self._caps_wd is None
         watched = set(self._files.values())
         added = 0
-        self._incomplete = self._stale = caps_unlisted
+        self._incomplete = self._stale = unwatched
         for name in names:
             if name in watched or match_device_name(name) is None:
                 continue

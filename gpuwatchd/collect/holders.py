@@ -13,7 +13,7 @@ import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
@@ -147,8 +147,10 @@ def _place_table(kcmp: Kcmp, tid: int, tables: list[int]) -> tuple[int, bool] | 
     return low, False
 
 
-class HolderScanner:
-    """Finds the holders of NVIDIA device files among the processes of ``procfs``."""
+class DeviceFiles:
+    """What counts as an NVIDIA device file: by device number (the nvidia major, and the
+    dynamic ``nvidia-uvm``/``nvidia-caps`` majors of ``/proc/devices``), or in path mode (tests)
+    by name under ``devices_dir``; and the markers the scan's prefilters look for."""
 
     def __init__(
         self,
@@ -160,13 +162,9 @@ class HolderScanner:
         ctl_minor: int = NVIDIACTL_MINOR,
         uvm_minor: int = 0,
         match_by_path: bool | None = None,
-        workers: int | None = None,
         caps_major: int | None = None,
     ) -> None:
         self.procfs = procfs
-        self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
-        self.min_slice = spread.MIN_SLICE
-        self.devices_dir = devices_dir
         self.device_major = device_major
         self.ctl_minor = ctl_minor
         self.uvm_minor = uvm_minor
@@ -174,18 +172,12 @@ class HolderScanner:
         # Dynamic majors by driver name, from /proc/devices once (None: that driver is absent)
         given = {"nvidia-uvm": uvm_major, "nvidia-caps": caps_major}
         self._majors: dict[str, int | None] = {k: v for k, v in given.items() if v is not None}
-        self._device_prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
+        self.prefix = os.path.realpath(devices_dir).rstrip("/") + "/"
         self.capabilities_dir = (
-            self._device_prefix + "driver/nvidia/capabilities"
-            if self.match_by_path
-            else CAPABILITIES_DIR
+            self.prefix + "driver/nvidia/capabilities" if self.match_by_path else CAPABILITIES_DIR
         )
-        self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
-        self.thread_table_budget = THREAD_TABLE_BUDGET
-        # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
-        self.progress: Callable[[], None] | None = None
-        self._map_markers: tuple[bytes, ...] = (
-            (os.fsencode(self._device_prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
+        self.map_markers: tuple[bytes, ...] = (
+            (os.fsencode(self.prefix),) if self.match_by_path else (b"/dev/", b"nvidia")
         )
 
     def major(self, name: str) -> int | None:
@@ -197,6 +189,72 @@ class HolderScanner:
                 return None  # try again next time
             self._majors[name] = majors.get(name)
         return self._majors[name]
+
+    def match_rdev(self, st: os.stat_result) -> _Match | None:
+        if not stat.S_ISCHR(st.st_mode):
+            return None
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if major == self.device_major and minor == self.ctl_minor:
+            return ("ctl", 0)
+        uvm_major = self.major("nvidia-uvm")
+        if uvm_major is not None and major == uvm_major and minor == self.uvm_minor:
+            return ("uvm", 0)
+        if major == self.device_major and minor <= MAX_GPU_MINOR:
+            return ("gpu", minor)
+        caps_major = self.major("nvidia-caps")
+        if caps_major is not None and major == caps_major and major != self.device_major:
+            return ("cap", minor)
+        return None
+
+    def match_path(self, path: str) -> _Match | None:
+        """What ``path`` names in path mode: a device file under ``devices_dir``, or None."""
+        prefix = self.prefix
+        return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
+
+    def may_hold(self, targets: list[str]) -> bool:
+        """The prefilter: whether any fd target could be a device file, by one C-level search
+        of all of them joined. It cannot miss a holder: each exact test below looks only at a
+        target containing the same marker (the device prefix in path mode; ``/dev/`` or
+        ``nvidia`` in device-number mode), and a target containing it leaves it in the joined
+        text (no marker holds the separator, so joining creates hits but never hides one)."""
+        joined = "\n".join(targets)
+        if self.match_by_path:
+            return self.prefix in joined or self.capabilities_dir in joined
+        return "/dev/" in joined or "nvidia" in joined
+
+    def identify_mapping(
+        self, base: str, address: str, path: str, inode: bytes
+    ) -> tuple[_Match | None, bool]:
+        """(what a mapped file is, whether that was proven by device number)."""
+        try:
+            return self.match_rdev(os.stat(f"{base}/map_files/{address}")), True
+        except OSError:
+            pass
+        if not path.endswith(" (deleted)"):
+            try:
+                st = os.stat(f"{base}/root{path}")
+                if str(st.st_ino).encode() == inode:
+                    return self.match_rdev(st), True
+            except OSError:
+                pass
+        if "/dev/" not in path:
+            return None, False
+        return match_device_name(path.rsplit("/", 1)[-1]), False
+
+
+class HolderScanner:
+    """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
+    processes of ``procfs``; the keyword arguments besides ``workers`` are :class:`DeviceFiles`'."""
+
+    def __init__(self, procfs: ProcessTable, *, workers: int | None = None, **devices: Any) -> None:
+        self.procfs = procfs
+        self.devices = DeviceFiles(procfs, **devices)
+        self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
+        self.min_slice = spread.MIN_SLICE
+        self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)
+        self.thread_table_budget = THREAD_TABLE_BUDGET
+        # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
+        self.progress: Callable[[], None] | None = None
 
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
@@ -248,30 +306,9 @@ class HolderScanner:
                 rows.append(found.row(pid, denied))
         return rows
 
-    def _match_rdev(self, st: os.stat_result) -> _Match | None:
-        if not stat.S_ISCHR(st.st_mode):
-            return None
-        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-        if major == self.device_major and minor == self.ctl_minor:
-            return ("ctl", 0)
-        uvm_major = self.major("nvidia-uvm")
-        if uvm_major is not None and major == uvm_major and minor == self.uvm_minor:
-            return ("uvm", 0)
-        if major == self.device_major and minor <= MAX_GPU_MINOR:
-            return ("gpu", minor)
-        caps_major = self.major("nvidia-caps")
-        if caps_major is not None and major == caps_major and major != self.device_major:
-            return ("cap", minor)
-        return None
-
-    def match_path(self, path: str) -> _Match | None:
-        """What ``path`` names in path mode: a device file under ``devices_dir``, or None."""
-        prefix = self._device_prefix
-        return match_device_name(path[len(prefix) :]) if path.startswith(prefix) else None
-
     def _scan_fds(self, fd_dir: str, found: _Found) -> int:
         """Add what the fds in ``fd_dir`` hold; how many fds the table had (0: empty)."""
-        readlink = os.readlink
+        readlink, devices = os.readlink, self.devices
         try:
             dfd = os.open(fd_dir, _DIR_FLAGS)
         except OSError as err:
@@ -288,22 +325,22 @@ class HolderScanner:
                 if err.errno not in GONE_ERRNOS or not os.path.exists(f"{fd_dir}/."):
                     raise _classify_error(err) from None
                 names, targets = self._readlinks_carefully(dfd, names)
-            if not self._may_hold(targets):
+            if not self.devices.may_hold(targets):
                 return len(names)
             fd_of = dict(zip(targets, names, strict=True))
             for target in fd_of:
                 if "/capabilities/" in target:
-                    cap = match_cap_file(target, self.capabilities_dir)
+                    cap = match_cap_file(target, devices.capabilities_dir)
                     if cap is not None:
                         found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
             for target, name in fd_of.items():
-                if self.match_by_path:
-                    what = self.match_path(target)
+                if devices.match_by_path:
+                    what = devices.match_path(target)
                 elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):
                     continue
                 else:
                     try:
-                        what = self._match_rdev(os.stat(name, dir_fd=dfd))
+                        what = devices.match_rdev(os.stat(name, dir_fd=dfd))
                     except FileNotFoundError:
                         continue
                     except OSError as err:
@@ -313,17 +350,6 @@ class HolderScanner:
             return len(names)
         finally:
             os.close(dfd)
-
-    def _may_hold(self, targets: list[str]) -> bool:
-        """The prefilter: whether any fd target could be a device file, by one C-level search
-        of all of them joined. It cannot miss a holder: each exact test below looks only at a
-        target containing the same marker (the device prefix in path mode; ``/dev/`` or
-        ``nvidia`` in device-number mode), and a target containing it leaves it in the joined
-        text (no marker holds the separator, so joining creates hits but never hides one)."""
-        joined = "\n".join(targets)
-        if self.match_by_path:
-            return self._device_prefix in joined or self.capabilities_dir in joined
-        return "/dev/" in joined or "nvidia" in joined
 
     @staticmethod
     def _readlinks_carefully(dfd: int, names: list[str]) -> tuple[list[str], list[str]]:
@@ -348,7 +374,8 @@ class HolderScanner:
             data = read_proc_file(f"{base}/maps")
         except OSError as err:
             raise _classify_error(err) from None
-        markers = self._map_markers
+        devices = self.devices
+        markers = devices.map_markers
         if not any(map(data.__contains__, markers)):
             return bool(data)
         for line in lines_containing(data, markers):
@@ -357,8 +384,8 @@ class HolderScanner:
                 continue
             address, _, _, device, inode, raw_path = fields
             path = os.fsdecode(raw_path)
-            if self.match_by_path:
-                if (what := self.match_path(path)) is not None:
+            if devices.match_by_path:
+                if (what := devices.match_path(path)) is not None:
                     found.add(*what, via_map=True)
                 continue
             # /dev/shm is a nodev tmpfs: a path we skip, not a temporary file we create.
@@ -368,7 +395,7 @@ class HolderScanner:
             if key in by_inode:
                 what = by_inode[key]
             else:
-                what, certain = self._identify_mapping(base, os.fsdecode(address), path, inode)
+                what, certain = devices.identify_mapping(base, os.fsdecode(address), path, inode)
                 if certain:
                     by_inode[key] = what
                 elif what is not None:
@@ -376,25 +403,6 @@ class HolderScanner:
             if what is not None:
                 found.add(*what, via_map=True)
         return True
-
-    def _identify_mapping(
-        self, base: str, address: str, path: str, inode: bytes
-    ) -> tuple[_Match | None, bool]:
-        """(what a mapped file is, whether that was proven by device number)."""
-        try:
-            return self._match_rdev(os.stat(f"{base}/map_files/{address}")), True
-        except OSError:
-            pass
-        if not path.endswith(" (deleted)"):
-            try:
-                st = os.stat(f"{base}/root{path}")
-                if str(st.st_ino).encode() == inode:
-                    return self._match_rdev(st), True
-            except OSError:
-                pass
-        if "/dev/" not in path:
-            return None, False
-        return match_device_name(path.rsplit("/", 1)[-1]), False
 
     def _scan_process(
         self, pid: int, by_inode: dict[tuple[bytes, bytes], _Match | None]

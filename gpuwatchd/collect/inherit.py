@@ -106,7 +106,7 @@ class InheritanceProbe:
             names = os.listdir(fd_dir)
         except OSError:
             return None
-        scanner = self.scanner
+        devices = self.scanner.devices
         fds: list[int] = []
         for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
             if not name.isdigit():
@@ -115,8 +115,8 @@ class InheritanceProbe:
                 target = os.readlink(f"{fd_dir}/{name}")
             except OSError:
                 continue
-            if scanner.match_by_path:
-                if scanner.match_path(target) is None:
+            if devices.match_by_path:
+                if devices.match_path(target) is None:
                     continue
             else:
                 if "/dev/" not in target and "nvidia" not in target:
@@ -125,7 +125,7 @@ class InheritanceProbe:
                     st = os.stat(f"{fd_dir}/{name}")
                 except OSError:
                     continue
-                majors = {scanner.device_major, scanner.major("nvidia-uvm")}
+                majors = {devices.device_major, devices.major("nvidia-uvm")}
                 if not stat.S_ISCHR(st.st_mode) or os.major(st.st_rdev) not in majors:
                     continue
             fds.append(int(name))

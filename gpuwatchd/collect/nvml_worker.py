@@ -218,6 +218,7 @@ class Worker:
         self.initialised = False
         self.handles: dict[int, Any] = {}
         self.identity: dict[int, dict[str, Any]] = {}
+        self.identity_partial: set[int] = set()  # GPUs whose identity read had an error
         self.memory_v1: set[int] = set()
         self.event_set: Any = None
         self.events_status: dict[int, str] = {}  # GPU index → "ok", "not_supported", "unknown"
@@ -280,11 +281,17 @@ class Worker:
                     entry["error"] = "; ".join(reader.errors) or "no handle"
                     return entry
                 self.handles[index] = handle
-            if index not in self.identity:
-                identity = read_identity(reader, handle)
+            if index not in self.identity or index in self.identity_partial:
+                errors_before = len(reader.errors)
+                # A value that failed is read again next poll; one read before is kept.
+                known = self.identity.get(index, {})
+                read = read_identity(reader, handle)
+                identity = {k: known.get(k) if v is None else v for k, v in read.items()}
                 entry.update(identity)
                 if identity["uuid"] is not None:
                     self.identity[index] = identity
+                    partial = len(reader.errors) > errors_before
+                    (self.identity_partial.add if partial else self.identity_partial.discard)(index)
 
             def on_v1(reason: str) -> None:
                 self.memory_v1.add(index)

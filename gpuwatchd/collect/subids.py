@@ -34,12 +34,12 @@ def parse_subuid(
     ranges: list[SubIdRange] = []
     for line in text.splitlines():
         fields = line.strip().split(":")
-        if len(fields) != 3 or not fields[1].isdigit() or not fields[2].isdigit():
+        if len(fields) != 3 or not fields[1].isdecimal() or not fields[2].isdecimal():
             continue  # comments, blank and malformed lines
         owner, first, count = fields[0], int(fields[1]), int(fields[2])
         if not owner or count == 0 or first + count - 1 > _MAX_UID:
             continue
-        owner_uid = int(owner) if owner.isdigit() else uid_of(owner)
+        owner_uid = int(owner) if owner.isdecimal() else uid_of(owner)
         ranges.append(SubIdRange(first, count, owner, owner_uid))
         if len(ranges) >= MAX_RANGES:
             break

@@ -219,6 +219,7 @@ class RealHost:
         self.collector.full_scan_interval = policy.full_scan_interval
         self.collector.backstop = policy.full_scan_backstop
         self.collector.detection = policy.detection
+        self.collector.namespace_check = policy.namespace_check
 
     def close(self) -> None:
         if self.collector.kernel_log is not None:
@@ -248,7 +249,6 @@ def build_real_host(
     collector = Collector(
         procfs,
         nvml,
-        namespace_check=policy.namespace_check,
         cgroup_root=cgroup2_mount(),
         clock=clock,
         wall_clock=wall_clock,

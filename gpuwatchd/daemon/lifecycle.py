@@ -457,6 +457,9 @@ class Daemon:
                     new, health=dataclasses.replace(new.health, kernel_log=kernel_log)
                 )
                 changed.append("health.kernel_log")
+            if new.log_format != self.policy.log_format:  # logging is set up at start
+                new = dataclasses.replace(new, log_format=self.policy.log_format)
+                changed.append("log.format")
             if changed:
                 log.warning(EventName.CONFIG_RELOAD_PARTIAL, needs_restart=changed)
                 new = dataclasses.replace(
@@ -662,6 +665,7 @@ class Daemon:
             dataclasses.replace(state.plan, last_wall=None),
             state.reset_in_progress,
             self.actions_seen,
+            self.policy,  # a reload (the same object is compared by identity: cheap)
             self.policy_rejected,
             state.spares,
             # NVML lost or back is news for `status` at once, not at the next minute's write.

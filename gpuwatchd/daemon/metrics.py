@@ -5,7 +5,6 @@ In detail: docs/internals.md, section `gpuwatchd.daemon.metrics`.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -553,10 +552,10 @@ class Metrics:
 
     def set_textfile(self, path: str | None) -> None:
         """Write to ``path`` from now on; the file written before, if another, is removed so
-        that node_exporter does not go on serving its stale samples."""
+        that node_exporter does not go on serving its stale samples (as the package removes
+        it: :func:`remove_textfile`)."""
         old = self._written
         self.textfile = path
         if old is not None and old != path:
-            with contextlib.suppress(OSError):
-                os.unlink(old)
+            remove_textfile(old)
             self._written = None

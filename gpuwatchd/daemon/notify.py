@@ -37,7 +37,7 @@ class Notifier:
 def watchdog_slice() -> float:
     """How often the watchdog wants feeding: a third of ``WATCHDOG_USEC``; 5 s without one."""
     usec = os.environ.get("WATCHDOG_USEC")
-    if usec and usec.isdigit():
+    if usec and usec.isdecimal():
         return int(usec) / 1e6 / 3
     return 5.0
 

@@ -774,6 +774,8 @@ class Engine:
         flight = self.state.plan.reset_in_flight
         uuid = record.get("uuid")
         if flight is not None and flight.gpu == uuid:
+            layout = record.get("mig_layout")
+            recoveries = map(from_record, layout if isinstance(layout, list) else ())
             intent = ResetIntent(
                 gpu=flight.gpu,
                 pci_bus_id=as_text(record.get("pci_bus_id")),
@@ -783,6 +785,7 @@ class Engine:
                 reason="resumed after an interruption",
                 facts={},
                 instance=from_record(record.get("recovery")),
+                layout=tuple(r for r in recoveries if r is not None),
             )
             self._carry_out_all(self._book_reset(intent, outcome))
             self.checkpoint()

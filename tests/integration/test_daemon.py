@@ -228,6 +228,49 @@ def test_a_rejected_reload_is_kept_in_the_status_until_a_good_policy_loads(
     assert daemon.status_section()["policy_rejected"] is None
 
 
+def test_a_reload_is_in_the_saved_status_at_once(tmp_path: Path) -> None:
+    """`gpuwatchd status` reads the saved state: after a reload to enforcing it must not say
+    dry-run until the once-a-minute refresh."""
+    daemon, config = _daemon_with_config(tmp_path, "dry_run: true\n")
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert saved["status"]["mode"] == "dry-run"
+    config.write_text("dry_run: false\n")
+    daemon._do_reload()
+    assert daemon.save_state()
+    saved = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert (saved["status"]["mode"], saved["status"]["dry_run"]) == ("enforcing", False)
+
+
+def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
+    """A key the reload does not keep (config.reload_partial) is in force after it: the
+    collector checks the namespaces once the reloaded policy says so."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: true\n")  # namespace_check: true, its default
+    config.chmod(0o644)
+    policy = dataclasses.replace(
+        default_policy(), state_dir=str(tmp_path / "state"), dry_run=True, namespace_check=False
+    )
+    daemon = Daemon(policy, config_path=str(config))
+    assert not daemon.collector.namespace_check
+    daemon._do_reload()
+    assert daemon.policy.namespace_check
+    assert daemon.collector.namespace_check
+
+
+def test_a_reload_says_the_log_format_needs_a_restart_and_keeps_it(tmp_path: Path) -> None:
+    """The log format is set up once, at start (cli/run.py): a reload that changes it says so
+    as a key only a restart changes, and the policy in force keeps the one in use."""
+    text = f"dry_run: true\nstate_dir: {tmp_path / 'state'}\n"
+    daemon, config = _daemon_with_config(tmp_path, text)
+    config.write_text(text + "log:\n  format: json\n")
+    with capture_logs() as logs:
+        daemon._do_reload()
+    (partial,) = [e for e in logs if e["event"] == "config.reload_partial"]
+    assert partial["needs_restart"] == ["log.format"]
+    assert daemon.policy.log_format == "logfmt"
+
+
 class _Recorder(Notifier):
     """What the daemon would tell systemd."""
 

@@ -250,6 +250,23 @@ def test_changing_the_path_removes_the_file_written_before(tmp_path: Path) -> No
     assert not second.exists()
 
 
+def test_changing_the_path_removes_only_the_file_written_before_never_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """node_exporter's user owns the folder: a folder swapped for a link between the write and
+    the change makes no file elsewhere (not ours, the same name) go."""
+    folder, elsewhere = tmp_path / "textfiles", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    metrics = Metrics(str(folder / "gpuwatchd.prom"))
+    poll(metrics, host())
+    folder.rename(tmp_path / "moved")
+    folder.symlink_to(elsewhere)
+    (elsewhere / "gpuwatchd.prom").write_text("someone else's\n")
+    metrics.set_textfile(str(tmp_path / "new.prom"))
+    assert (elsewhere / "gpuwatchd.prom").read_text() == "someone else's\n"
+
+
 def test_the_registry_is_private() -> None:
     from prometheus_client import REGISTRY
 

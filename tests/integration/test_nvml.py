@@ -314,6 +314,38 @@ def test_other_error_on_one_value_is_none_plus_a_gpu_error_and_the_rest_is_read(
     assert not info.lost
 
 
+def test_an_identity_value_that_failed_once_is_read_again_on_the_next_poll(
+    fake_nvml: FakeNvml, client: NvmlClient
+) -> None:
+    fake_nvml.write(
+        state([gpu(0, minor=3, errors={"nvmlDeviceGetMinorNumber": NVML_ERROR_UNKNOWN})])
+    )
+    (first,) = client.read().gpus
+    fake_nvml.update_gpu(0, errors={})
+
+    (second,) = client.read().gpus
+
+    assert first.minor is None
+    assert first.error is not None
+    assert "nvmlDeviceGetMinorNumber" in first.error
+    assert second.minor == 3
+    assert second.error is None
+
+
+def test_a_gpu_lost_after_an_identity_value_failed_keeps_the_identity_read(
+    fake_nvml: FakeNvml, client: NvmlClient
+) -> None:
+    fake_nvml.write(state([gpu(0, errors={"nvmlDeviceGetMinorNumber": NVML_ERROR_UNKNOWN})]))
+    (first,) = client.read().gpus
+    fake_nvml.update_gpu(0, lost=True)
+
+    (lost,) = client.read().gpus
+
+    assert lost.lost
+    assert first.uuid
+    assert (lost.uuid, lost.pci_bus_id) == (first.uuid, first.pci_bus_id)
+
+
 def test_process_list_falls_back_to_v2_symbol_when_v3_is_absent(
     fake_nvml: FakeNvml, client: NvmlClient
 ) -> None:

@@ -157,7 +157,7 @@ def test_host_facts_come_from_the_injected_root(fake: FakeProc) -> None:
     procfs = ProcFS(str(fake.root))
     assert procfs.boot_id() == "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
     assert procfs.pid_max() == 32768
-    assert procfs.holders.major("nvidia-uvm") == 511
+    assert procfs.holders.devices.major("nvidia-uvm") == 511
 
 
 def test_boot_id_is_read_again_from_a_tree_that_is_not_proc(fake: FakeProc) -> None:
@@ -182,7 +182,7 @@ def test_host_facts_fall_back_when_files_are_missing(tmp_path: Path) -> None:
     procfs = ProcFS(str(tmp_path))
     assert procfs.boot_id() is None
     assert procfs.pid_max() == 4194304
-    assert procfs.holders.major("nvidia-uvm") is None
+    assert procfs.holders.devices.major("nvidia-uvm") is None
     assert procfs.sees_host_namespaces() is None
     assert procfs.list_pids() == []
 

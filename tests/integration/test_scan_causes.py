@@ -163,6 +163,39 @@ def test_a_capability_folder_present_at_start_is_watched(tmp_path: Path) -> None
         watch.close()
 
 
+class _FolderWatchRefused(DeviceWatch):
+    """The kernel refuses the folder's watch (ENOSPC: the user's inotify watches are used up)
+    while ``refused``."""
+
+    refused = True
+
+    def _add_folder(self, path: str) -> int | None:
+        return None if self.refused else super()._add_folder(path)
+
+
+def test_a_folder_that_cannot_be_watched_leaves_the_watch_incomplete_until_it_is(
+    tmp_path: Path,
+) -> None:
+    """Without the folder's watch a device file created later (the driver loaded) would never
+    be watched, its opens unseen: the watch is not complete, and tries the folder again."""
+    folder = tmp_path / "dev"
+    folder.mkdir()
+    watch = _FolderWatchRefused(str(folder))
+    if not watch.start():
+        pytest.skip(f"no inotify here: {watch.error}")
+    try:
+        assert not watch.available
+        assert not watch.drain().available
+        watch.refused = False
+        assert watch.drain().available
+        (folder / "nvidia0").touch()
+        assert watch.drain().rewatched == 1
+        os.close(os.open(folder / "nvidia0", os.O_RDONLY))
+        assert watch.drain().opened == 1
+    finally:
+        watch.close()
+
+
 def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:
     watch, folder = watched
     try:

@@ -32,6 +32,15 @@ def test_lines_become_ranges_with_their_owner_resolved_and_junk_skipped() -> Non
     )
 
 
+def test_a_line_with_digits_int_cannot_read_is_skipped_as_malformed() -> None:
+    # "²" and "¹" are digits to str.isdigit but no decimal number to int().
+    text = "bob:²00000:65536\nmallory:100000:¹\n²:100000:65536\nalice:300000:10\n"
+    assert parse_subuid(text, {"alice": 1001}.get) == (
+        SubIdRange(100000, 65536, "²", None),  # a name, not a uid: no such user
+        SubIdRange(300000, 10, "alice", 1001),
+    )
+
+
 def test_the_file_is_read_again_only_when_it_changes_and_a_missing_one_is_empty(
     tmp_path: Path,
 ) -> None:

@@ -3,7 +3,7 @@
 Three shortcuts make the walk cheaper than reading every fd and mapping in full, and each is
 pinned here against the shapes where it could go wrong:
 
-- **The prefilter** (``HolderScanner._may_hold``): a process's fd targets are searched as one
+- **The prefilter** (``DeviceFiles.may_hold``): a process's fd targets are searched as one
   joined text for the marker the exact test needs, and the per-fd matching runs only on a
   hit. Why it cannot miss: the exact tests themselves look only at targets that contain that
   marker (path mode: the device folder's prefix; device-number mode: ``/dev/`` or
@@ -37,7 +37,7 @@ from tests.support.fakeproc import FakeProc
 
 
 def full_scanner(workers: int, **settings: object) -> HolderScanner:
-    scanner = HolderScanner(ProcFS("/proc"), workers=workers, **settings)  # type: ignore[arg-type]
+    scanner = HolderScanner(ProcFS("/proc"), workers=workers, **settings)
     scanner.min_slice = 1  # fork even for a handful of processes
     return scanner
 
@@ -62,8 +62,8 @@ def test_prefilter_passes_every_target_an_exact_test_could_accept(
     devices: Path, targets: list[str], by_path: bool, expected: bool
 ) -> None:
     scanner = HolderScanner(ProcFS("/proc"), devices_dir=str(devices), match_by_path=by_path)
-    prefix = scanner._device_prefix.rstrip("/")
-    assert scanner._may_hold([t.format(dev=prefix) for t in targets]) is expected
+    prefix = scanner.devices.prefix.rstrip("/")
+    assert scanner.devices.may_hold([t.format(dev=prefix) for t in targets]) is expected
 
 
 def test_prefilter_never_rejects_a_target_the_exact_tests_look_at(devices: Path) -> None:
@@ -73,13 +73,13 @@ def test_prefilter_never_rejects_a_target_the_exact_tests_look_at(devices: Path)
     for by_path in (True, False):
         scanner = HolderScanner(ProcFS("/proc"), devices_dir=str(devices), match_by_path=by_path)
         hits = (
-            [scanner._device_prefix + "nvidia0"]
+            [scanner.devices.prefix + "nvidia0"]
             if by_path
             else ["/dev/nvidia0", "/dev/zero", "/x/nvidia", "/dev/"]
         )
         for hit in hits:
             for at in range(len(fillers) + 1):
-                assert scanner._may_hold([*fillers[:at], hit, *fillers[at:]])
+                assert scanner.devices.may_hold([*fillers[:at], hit, *fillers[at:]])
 
 
 # --- the shapes, on real children -------------------------------------------------------------

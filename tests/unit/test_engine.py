@@ -14,7 +14,9 @@ from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.core.vocabulary import SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import EngineState
 from tests.support.enginerig import (
     GPU0,
@@ -29,6 +31,8 @@ from tests.support.enginerig import (
     rig,
 )
 from tests.support.snapshots import HostBuilder
+
+MIG_UUID = "MIG-12345678-1234-1234-1234-123456789abc"
 
 
 def reset_commands(r: Rig) -> list[tuple[str, ...]]:
@@ -199,20 +203,19 @@ def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
     assert hooks[0]["returncode"] == 255  # the fake answers every command alike
 
 
-def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_flight() -> None:
-    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+def _interrupted_during_the_reset(pol: Policy, **more: object) -> EngineState:
+    """The state a daemon killed while the reset of ``GPU0`` ran leaves: the in-flight plan
+    state and the progress record the procedure wrote just before the reset command (with
+    ``more`` fields)."""
     first = rig(pol, ghost_host)
 
     def crash(work: Callable[[], T]) -> T:
         raise KeyboardInterrupt  # the daemon is killed while the reset runs
 
-    # Run up to the reset; record the in-flight plan state and a progress record as the
-    # procedure would have written them just before the reset command.
     first.engine.slow = crash
     with contextlib.suppress(KeyboardInterrupt):
         first.poll_at(0.0)
-    flight = first.engine.state.plan.reset_in_flight
-    assert flight is not None
+    assert first.engine.state.plan.reset_in_flight is not None
     record: dict[str, object] = {
         "uuid": GPU0,
         "pci_bus_id": "00000000:10:00.0",
@@ -220,10 +223,16 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
         "persistence_was_on": False,
         "step": "reset",
         "reset_started": True,
+        **more,
     }
-    state = EngineState(
+    return EngineState(
         assess=first.engine.state.assess, plan=first.engine.state.plan, reset_in_progress=record
     )
+
+
+def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_flight() -> None:
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    state = _interrupted_during_the_reset(pol)
     second = rig(pol, lambda t: ghost_host(t, allocated=2 * MIB), state=state)
     second.clock.now = 5.0
     second.engine.resume_interrupted_reset()
@@ -231,6 +240,21 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.engine.state.reset_in_progress is None
     assert second.engine.state.plan.reset_in_flight is None
     assert second.sink.named("reset.succeeded")
+
+
+def test_a_resumed_mig_gpu_reset_that_failed_leaves_each_instance_of_its_layout_unfinished() -> (
+    None
+):
+    """The record's MIG layout is booked with the resumed outcome, as a reset that was not
+    interrupted books it: a failure leaves each GPU instance dirty until it is seen back."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}")
+    instance = InstanceRecovery(GPU0, "00000000:10:00.0", 0, 1, 0, MIG_UUID, 19, 6, 1)
+    second = rig(
+        pol, ghost_host, state=_interrupted_during_the_reset(pol, mig_layout=[instance.record()])
+    )
+    second.engine.resume_interrupted_reset()
+    assert [o["result"] for o in second.sink.named("reset.outcome")] == ["failed"]
+    assert list(second.engine.state.plan.mig_unfinished) == [MIG_UUID]
 
 
 def test_each_step_is_checkpointed_before_it_is_carried_out() -> None:

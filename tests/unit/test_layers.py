@@ -236,7 +236,6 @@ FUNCTION_LINES = 60
 CLASS_LINES = 300
 # fmt: off
 LONG_DEFINITIONS = {
-    "collect.holders:HolderScanner": "the holder scan and its bounded thread-table walk",
     "daemon.lifecycle:Daemon":
         "the lifecycle: lock, saved state, signals, reload, switches, the wait",
     "decide.assess.holders:HolderPass": "the orphan classification pass (mutation-tested)",

@@ -256,7 +256,15 @@ def test_a_restart_after_a_crash_starts_the_units_the_record_says_were_stopped(
         "persistence_was_on": False,
         "step": "final_scan",
         "persistence_off": False,
-        "units_stopped": ["gpustat.service", "-bad.service", 7],
+        # Only names check-config accepts for a monitor's unit are started again.
+        "units_stopped": [
+            "gpustat.service",
+            "-bad.service",
+            7,
+            "a b.service",
+            "../x.service",
+            "x" * 300 + ".service",
+        ],
         "reset_started": False,
         "result": None,
     }

@@ -280,6 +280,19 @@ def test_a_crash_before_any_command_took_effect_is_undone(smi: FakeSmi) -> None:
     assert [c[:2] for c in smi.calls()] == [["hook", "after"]]
 
 
+@pytest.mark.parametrize("damaged", [-1, 7])
+def test_a_recorded_count_out_of_range_is_read_as_not_counted(smi: FakeSmi, damaged: int) -> None:
+    """A count no run writes (negative, or past the 3 commands) is no count: as a record from
+    before they were counted, never ``ran: ...`` naming commands that did not run."""
+    record = {**crashed_before(0, smi), "commands_done": damaged}
+    env = FakeEnvironment(smi, rereads=[instance_gpu(RECOVERY)])
+    outcome = resume_interrupted(record, mig_policy(smi), env)
+    assert outcome is not None
+    assert outcome.result == "refused"
+    assert "(an unknown number of 3 done)" in outcome.reason
+    assert smi_commands(smi) == []
+
+
 def test_the_gi_id_now_naming_another_instance_is_never_destroyed_on_resume(smi: FakeSmi) -> None:
     record = crashed_before(1, smi)
     reused = instance_gpu(RECOVERY, uuid=OTHER_UUID, placement=(0, 1))

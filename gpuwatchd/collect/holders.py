@@ -13,7 +13,7 @@ import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
@@ -246,9 +246,30 @@ class HolderScanner:
     """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
     processes of ``procfs``; the keyword arguments besides ``workers`` are :class:`DeviceFiles`'."""
 
-    def __init__(self, procfs: ProcessTable, *, workers: int | None = None, **devices: Any) -> None:
+    def __init__(
+        self,
+        procfs: ProcessTable,
+        *,
+        workers: int | None = None,
+        devices_dir: str = "/dev",
+        device_major: int = NVIDIA_MAJOR,
+        uvm_major: int | None = None,
+        ctl_minor: int = NVIDIACTL_MINOR,
+        uvm_minor: int = 0,
+        match_by_path: bool | None = None,
+        caps_major: int | None = None,
+    ) -> None:
         self.procfs = procfs
-        self.devices = DeviceFiles(procfs, **devices)
+        self.devices = DeviceFiles(
+            procfs,
+            devices_dir=devices_dir,
+            device_major=device_major,
+            uvm_major=uvm_major,
+            ctl_minor=ctl_minor,
+            uvm_minor=uvm_minor,
+            match_by_path=match_by_path,
+            caps_major=caps_major,
+        )
         self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)

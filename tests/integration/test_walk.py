@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ from tests.support.children import HOLD_FD, SYS_EXIT, Spawn, hold, map_only, zom
 from tests.support.fakeproc import FakeProc
 
 
-def full_scanner(workers: int, **settings: object) -> HolderScanner:
+def full_scanner(workers: int, **settings: Any) -> HolderScanner:
     scanner = HolderScanner(ProcFS("/proc"), workers=workers, **settings)
     scanner.min_slice = 1  # fork even for a handful of processes
     return scanner

@@ -196,9 +196,9 @@ def run_command(
             cwd="/",  # never the caller's folder, which may be anyone's
             env=child_env,
         )
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: an argument no exec call can take
         os.close(status_read)
-        reason = err.strerror or str(err)
+        reason = (err.strerror if isinstance(err, OSError) else None) or str(err)
         return CommandResult(
             args, None, "", False, time.monotonic() - started, f"cannot run {args[0]}: {reason}"
         )

@@ -379,12 +379,17 @@ def test_a_command_that_leaves_a_background_child_holding_its_output_returns_pro
     [
         (["/nonexistent/gpuwatchd-test-command"], "cannot run"),
         ([], "empty command"),
+        # Refused by the exec call itself, before any process starts: no text the OS can take
+        (["/bin/tr\0ue"], "cannot run /bin/tr"),
+        (["true", "\ud800"], "cannot run true"),
     ],
 )
 def test_a_command_that_cannot_be_started_has_no_exit_code_and_says_why(
     argv: list[str], message: str
 ) -> None:
+    open_fds = len(os.listdir("/proc/self/fd"))
     result = run_command(argv, timeout=5)
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the status pipe is closed
     assert result.returncode is None
     assert result.error is not None
     assert message in result.error

@@ -217,22 +217,30 @@ class Collector:
         return found
 
     def _read_process(self, pid: int) -> ProcessInfo | None:
+        if self._stat_files is None:
+            self._stat_files = StatFiles(self.procfs.root)
+        fields = self._stat_files.read(pid)
         cached = self._facts.get(pid)
-        if cached is not None:
-            if self._stat_files is None:
-                self._stat_files = StatFiles(self.procfs.root)
-            fields = self._stat_files.read(pid)
+        confirmed = self._confirmed.get(pid)
+        if cached is not None and confirmed is not None:
             if fields is None:
                 return None  # gone (or unreadable: read_process would say the same)
-            confirmed = self._confirmed.get(pid)
-            if confirmed is not None and confirmed[0] is fields and confirmed[1] is cached:
+            if confirmed[0] is fields and confirmed[1] is cached:
                 return cached  # the very stat that confirmed this fact last time
-            if _signature_of_stat(fields) == _signature_of_info(cached):
+            if (
+                _signature_of_stat(fields) == _signature_of_info(cached)
+                and fields.exec_mark == confirmed[0].exec_mark  # no exec since
+            ):
                 if fields.state != cached.state:
                     cached = dataclasses.replace(cached, state=fields.state)
                 self._confirmed[pid] = (fields, cached)
                 return cached
-        return self.procfs.read_process(pid)
+        info = self.procfs.read_process(pid)
+        if info is not None and fields is not None:
+            # Read before the facts: an exec between the two moves the mark, so they are read
+            # again next time rather than trusted.
+            self._confirmed[pid] = (fields, info)
+        return info
 
     def _targeted_scan(
         self,

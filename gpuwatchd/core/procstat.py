@@ -21,6 +21,9 @@ class StatFields:
     flags: int
     num_threads: int
     starttime: int
+    # Where the program's code, stack, arguments and environment lie (fields 26-28, 48-51, as
+    # far as the line goes): an exec moves them, though the PID, start time and comm may stay.
+    exec_mark: tuple[str, ...] = ()
 
     @property
     def kernel_thread(self) -> bool:
@@ -48,6 +51,7 @@ def parse_stat(text: str) -> StatFields | None:
             flags=int(rest[6]),
             num_threads=int(rest[17]),
             starttime=int(rest[19]),
+            exec_mark=(*rest[23:26], *rest[45:49]),
         )
     except ValueError:
         return None

@@ -421,3 +421,45 @@ def test_a_remembered_process_is_checked_by_its_stat_at_every_targeted_poll(
         assert collector.collect().processes[trainer.pid].state == "S"
     finally:
         nvml.close()
+
+
+EXEC_SAME_NAME = """
+import os, signal, sys, time
+fd = os.open({node!r}, os.O_RDONLY)
+os.set_inheritable(fd, True)
+signal.signal(signal.SIGUSR1, lambda *_: os.execv(sys.executable, [sys.executable, "-c", {then!r}]))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_remembered_process_that_execs_a_program_of_the_same_name_is_read_afresh(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """An exec keeps the PID, start time, parents and, for a program of the same name, comm:
+    the remembered command line must not outlive it (a rule's ``commands`` and ``protect``
+    judge the new one at the next targeted poll)."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    then = "import time\nprint('ready', flush=True)\ntime.sleep(60)  # after the exec"
+    trainer = spawn(EXEC_SAME_NAME.format(node=str(node), then=then))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(trainer.pid)])]))
+    procfs = ProcFS(devices_dir=str(fake_nvml.devices_dir))
+    nvml = NvmlClient(timeout=10.0, env=fake_nvml.env())
+    try:
+        collector = Collector(procfs, nvml, namespace_check=False)
+        before = collector.collect(full=True).processes[trainer.pid]
+        assert collector.collect().processes[trainer.pid] == before
+        trainer.send_signal(signal.SIGUSR1)
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "ready"  # the new program runs
+        after = collector.collect().processes[trainer.pid]
+        assert (after.comm, after.start_ticks, after.ppid) == (
+            before.comm,
+            before.start_ticks,
+            before.ppid,
+        )
+        assert after.cmdline == (sys.executable, "-c", then)
+        assert after.cmdline != before.cmdline
+    finally:
+        nvml.close()

@@ -42,8 +42,18 @@ def _stat_line(comm: str, state: str = "S", flags: int = 0, threads: int = 1) ->
 def _stat_case(comm: str, case: str, state: str = "S", flags: int = 0, threads: int = 1) -> Any:
     """A stat line of PID 42 (parent 7, group 40, session 30, started at 987654) and its
     fields as ``parse_stat`` must read them."""
-    expected = StatFields(42, comm, state, 7, 40, 30, flags, threads, 987654)
+    expected = StatFields(42, comm, state, 7, 40, 30, flags, threads, 987654, ("0",) * 7)
     return pytest.param(_stat_line(comm, state, flags, threads), expected, id=case)
+
+
+def test_parse_stat_marks_a_program_by_where_its_code_stack_and_arguments_lie() -> None:
+    """Fields 26-28 and 48-51 (numbered as in proc(5)); a shorter line gives what it has."""
+    line = "42 (a b) " + " ".join(["S"] + [str(n) for n in range(4, 53)])
+    full, short = parse_stat(line), parse_stat(line.rsplit(" ", 8)[0])
+    assert full is not None
+    assert short is not None
+    assert full.exec_mark == ("26", "27", "28", "48", "49", "50", "51")
+    assert short.exec_mark == ("26", "27", "28")
 
 
 @pytest.mark.parametrize(

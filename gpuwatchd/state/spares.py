@@ -41,15 +41,15 @@ def parse_target(text: str) -> tuple[str, int | None, str | None]:
     Slurm job 42; ``job:KIND:ID`` names a pod, container or unit as ``--ended-job`` does.
     ValueError with a message naming the value otherwise."""
     text = text.strip()
-    if text.isdigit():
-        pid = int(text)
+    if text.isascii() and text.isdigit():  # what int() reads, in any length
+        pid = int(text) if len(text) < 20 else 1 << 22
         if pid == 1:
             raise ValueError(
                 "spare '1': PID 1 is the init process, which gpuwatchd never signals (the "
                 "safety floor): there is nothing to spare"
             )
         if not 1 < pid < 1 << 22:
-            raise ValueError(f"spare {text!r}: not a process id (1 < PID < {1 << 22})")
+            raise ValueError(f"spare {text[:80]!r}: not a process id (1 < PID < {1 << 22})")
         return f"pid:{pid}", pid, None
     kind, sep, rest = text.partition(":")
     if kind != "job" or not sep or not rest:

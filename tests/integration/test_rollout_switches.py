@@ -303,7 +303,9 @@ def test_spare_targets_parse(text: str, expected: tuple[str, int | None, str | N
     assert parse_target(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0", "1", "abc", "job:", "job:42;rm", "pid:12", "job:nope:1"])
+@pytest.mark.parametrize(
+    "text", ["0", "1", "abc", "job:", "job:42;rm", "pid:12", "job:nope:1", "²", "9" * 5000]
+)
 def test_bad_spare_targets_are_refused_by_name(text: str) -> None:
     with pytest.raises(ValueError, match="spare"):
         parse_target(text)

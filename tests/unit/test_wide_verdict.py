@@ -270,12 +270,14 @@ def blockers(verdict: NodeVerdict) -> list[list[Said]]:
 
 
 def test_our_own_and_dirty_holders_block_nothing_and_the_others_are_each_said() -> None:
-    """PIDs in order: ours (5), a holder that is dirt here (600), an excused one (700, hidden),
-    a live context owner (900, by its role). Only the last two are reset blockers."""
+    """PIDs in order: ours (5), root's persistenced (50: the reset stops it), a holder that is
+    dirt here (600), an excused one (700, hidden), a live context owner (900, by its role).
+    Only the last two are reset blockers."""
     snapshot = (
         HostBuilder(self_pids=frozenset({5}))
         .gpu(0, allocated=LEAK)
         .proc(5, comm="gpuwatchd", holds={0}, uvm=True)
+        .proc(50, **ROOTS_PERSISTENCED, holds={0})
         .proc(600, comm="stray", holds={0}, uvm=True)
         .proc(700, comm="holder", holds={0}, uvm=True)
         .proc(900, comm="trainer", holds={0}, uvm=True)

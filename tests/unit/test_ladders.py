@@ -677,6 +677,6 @@ def test_only_an_active_ladder_moves_and_an_unknown_status_is_refused() -> None:
         for new in LadderStatus:
             with pytest.raises(ValueError, match=f"^ladder cannot go from {old} to {new}$"):
                 check_ladder_transition(old, new)
-    for old, new in (("active", "gone"), ("gone", "active")):
+    for source, target in (("active", "gone"), ("gone", "active")):
         with pytest.raises(ValueError, match="'gone' is not a valid LadderStatus"):
-            check_ladder_transition(old, new)
+            check_ladder_transition(source, target)

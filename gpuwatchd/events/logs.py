@@ -46,8 +46,7 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 def _priority(method: str) -> int:
     """The sd-daemon(3) priority of a level or method name (exception: error); info if unknown."""
-    level = level_of(method)
-    return Level.INFO.priority if level is None else level.priority
+    return (level_of(method) or Level.INFO).priority
 
 
 def priority_prefix(level: str) -> str:

@@ -155,6 +155,10 @@ def _xids(n: int) -> dict[str, list[float]]:
         ({GPU0: {"xids": {"95": [1, 1.0]}}}, "xids.95: expected [count, first, last]"),
         ({GPU0: {"xids": {"95": {"a": 1, "b": 2, "c": 3}}}}, "xids.95: expected [count"),
         ({GPU0: {"xids": {"95": [-1, 1.0, 2.0]}}}, "xids.95: expected [count"),
+        # The Xid keys are bounded as the details' and the Xid log's are (5 digits at most).
+        ({GPU0: {"xids": {"123456": [1, 1.0, 2.0]}}}, "xids.123456: expected Xid numbers"),
+        ({GPU0: {"xids": {"x": [1, 1.0, 2.0]}}}, "xids.x: expected Xid numbers"),
+        ({GPU0: {"details": {"\u00b2": {"wall": 1.0}}}}, "details.\u00b2: expected Xid numbers"),
         ({GPU0: {"since": []}}, "since: expected an object"),
     ],
 )

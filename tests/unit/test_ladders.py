@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from gpuwatchd.core.model import MIB, Finding, FindingKind, NvmlReading, Snapshot, Spare, SubIdRange
-from gpuwatchd.core.vocabulary import EventName, Level
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level, check_ladder_transition
 from gpuwatchd.decide.plan.decisions import next_deadline, pending_keys, plan
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, SignalIntent
 from gpuwatchd.decide.plan.outcomes import record_exit, record_signal
@@ -668,3 +668,15 @@ def test_a_latch_without_a_start_counts_from_now_on_the_monotonic_clock() -> Non
     assert jumped.state.forced_dry_run
     lifted = plan([], host().build(), jumped.state, pol, now=600.0, wall=WALL + 10_590.0)
     assert whys(lifted, EventName.LIMITS_KILL_CAP_EXPIRED) == ["storm"]
+
+
+def test_only_an_active_ladder_moves_and_an_unknown_status_is_refused() -> None:
+    """A terminal ladder stays as it is while its process lives (never signalled again)."""
+    assert [check_ladder_transition("active", s) for s in LadderStatus] == list(LadderStatus)
+    for old in ("ended", "stuck", "failed"):
+        for new in LadderStatus:
+            with pytest.raises(ValueError, match=f"^ladder cannot go from {old} to {new}$"):
+                check_ladder_transition(old, new)
+    for source, target in (("active", "gone"), ("gone", "active")):
+        with pytest.raises(ValueError, match="'gone' is not a valid LadderStatus"):
+            check_ladder_transition(source, target)

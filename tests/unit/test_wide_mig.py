@@ -14,13 +14,25 @@ import dataclasses
 
 import pytest
 
-from gpuwatchd.core.model import MIB, Finding, FindingKind, HolderScan, Snapshot
+from gpuwatchd.core.model import (
+    MIB,
+    Finding,
+    FindingKind,
+    GpuInfo,
+    GpuMemory,
+    HolderScan,
+    MigDevice,
+    NvmlProcess,
+    Snapshot,
+)
 from gpuwatchd.decide.mig import recovery as mig_recovery
 from gpuwatchd.decide.mig.instances import (
     NOT_JUDGED,
+    MigInstance,
     annotate_findings,
     annotate_report_only,
     busy_instances,
+    instance_gpu,
     instance_view,
     mig_layout,
 )
@@ -336,3 +348,32 @@ def test_a_gpu_given_as_not_in_mig_mode_has_no_busy_instances() -> None:
         gpu = dataclasses.replace(busy.nvml.gpus[0], mig_enabled=mode)
         assert busy_instances(busy, gpu) is None
     assert busy_instances(busy, busy.nvml.gpus[0]) == "GPU instance 2 is in use (PID 700)"
+
+
+def test_an_instance_stands_in_as_a_gpu_with_its_parents_facts_and_its_own() -> None:
+    """The parent's index, bus id and topology; its first MIG device's name and memory; each
+    PID's first entry of its devices' lists (None when one list is unknown); their errors."""
+    parent = GpuInfo(index=3, uuid="GPU-p", name="H100", pci_bus_id="00000000:17:00.0", minor=2,
+                     mig_enabled=True, persistence_mode=True, numa_node=1, architecture=9,
+                     nvlink_active=18, error="the parent's own")  # fmt: skip
+    memory = GpuMemory(total=20 * MIB, free=15 * MIB, reserved=MIB, allocated=4 * MIB)
+    a, b, b2, c = (
+        NvmlProcess(pid, MIB * n, "compute") for pid, n in ((10, 1), (11, 2), (11, 3), (12, 4))
+    )
+    devices = (
+        MigDevice(0, "MIG-a", 1, 0, name="H100 MIG 1c.2g.20gb", memory=memory, processes=(a, b),
+                  error="ci 0: no memory"),
+        MigDevice(1, "MIG-b", 1, 1, name="other", processes=(b2, c)),
+        MigDevice(2, "MIG-c", 1, 2, error="ci 2: no name"),
+    )  # fmt: skip
+    instance = MigInstance(parent, 1, "MIG-a", devices, minor=77)
+    assert instance_gpu(instance) == GpuInfo(
+        index=3, uuid="MIG-a", name="H100 MIG 1c.2g.20gb", pci_bus_id="00000000:17:00.0",
+        minor=77, memory=memory, processes=(a, b, c), mig_enabled=False, persistence_mode=True,
+        numa_node=1, architecture=9, nvlink_active=18, error="ci 0: no memory; ci 2: no name",
+    )  # fmt: skip
+    unknown = dataclasses.replace(devices[1], processes=None)
+    assert (
+        instance_gpu(dataclasses.replace(instance, devices=(devices[0], unknown))).processes is None
+    )
+    assert instance_gpu(dataclasses.replace(instance, devices=devices[1:2])).error is None

@@ -258,3 +258,87 @@ def test_a_mig_recovery_left_half_done_is_dirt_on_its_gpu() -> None:
     why = "GPU instance 1 destroyed, not re-created"
     verdict = judge(snapshot, assessment, POLICY, unfinished={gpu_uuid(1): why, "GPU-gone": why})
     assert [said(verdict, i) for i in (0, 1)] == [[], [("mig_unfinished", None, why)]]
+
+
+# --- the reset blockers, holder by holder -------------------------------------------------------
+
+NODE_ONLY = "holds nvidiactl/nvidia-uvm only"
+
+
+def blockers(verdict: NodeVerdict) -> list[list[Said]]:
+    return [[(b.kind, b.pid, b.text) for b in g.reset_blockers] for g in verdict.gpus]
+
+
+def test_our_own_and_dirty_holders_block_nothing_and_the_others_are_each_said() -> None:
+    """PIDs in order: ours (5), root's persistenced (50: the reset stops it), a holder that is
+    dirt here (600), an excused one (700, hidden), a live context owner (900, by its role).
+    Only the last two are reset blockers."""
+    snapshot = (
+        HostBuilder(self_pids=frozenset({5}))
+        .gpu(0, allocated=LEAK)
+        .proc(5, comm="gpuwatchd", holds={0}, uvm=True)
+        .proc(50, **ROOTS_PERSISTENCED, holds={0})
+        .proc(600, comm="stray", holds={0}, uvm=True)
+        .proc(700, comm="holder", holds={0}, uvm=True)
+        .proc(900, comm="trainer", holds={0}, uvm=True)
+        .nvml(0, 900, used=LEAK)
+        .build()
+    )
+    verdict = judged(snapshot, extra=(about(FindingKind.ORPHANED, 0, 600),))
+    assert said(verdict) == [("orphaned", 600, "orphaned here")]
+    assert blockers(verdict) == [
+        [
+            ("hidden", 700, f"pid 700 (holder): {HIDDEN}"),
+            (
+                "context_owner",
+                900,
+                "pid 900 (trainer): context owner (a live job): owns a context (listed by NVML)",
+            ),
+        ]
+    ]
+
+
+def test_a_holder_of_no_gpu_takes_its_excuse_on_this_gpu_else_its_first_elsewhere() -> None:
+    """Holders of nvidia-uvm alone: 650 and 700 are excused on GPU 0 only (GPU 1 says the same
+    of each, not of the other), 710 on both GPUs with a different excuse on each."""
+    snapshot = (
+        two_gpus()
+        .proc(650, comm="a", holds=(), uvm=True)
+        .proc(700, comm="b", holds=(), uvm=True)
+        .proc(710, comm="c", holds=(), uvm=True)
+        .build()
+    )
+    extra = (
+        about(FindingKind.HIDDEN_HOLDER, 0, 650),
+        about(FindingKind.HIDDEN_HOLDER, 0, 700),
+        about(FindingKind.HIDDEN_HOLDER, 0, 710),
+        about(FindingKind.ORPHANED, 1, 710, nvml_only=True),
+    )
+    hidden = [("hidden", pid, f"pid {pid} ({name}): hidden_holder here") for pid, name in (
+        (650, "a"), (700, "b"), (710, "c")
+    )]  # fmt: skip
+    unattributed = "holds nvidiactl/nvidia-uvm but no GPU's device file: cannot be attributed"
+    assert blockers(judged(snapshot, extra=extra)) == [
+        hidden,
+        [*hidden[:2], ("management", 710, f"pid 710 (c): management client: {unattributed}")],
+    ]
+
+
+def test_a_holder_without_a_role_is_said_by_what_it_holds() -> None:
+    """No roles and no findings but one about GPU 1: a holder of GPU 0 and 1 (720) is not
+    excused on GPU 0 by it; holders without process facts are named "?"."""
+    snapshot = (
+        two_gpus()
+        .proc(720, comm="d", holds={0, 1}, uvm=True)
+        .hold(800, {0}, uvm=True)
+        .hold(810, (), uvm=True)
+        .build()
+    )
+    assessment = assess(snapshot, AssessState(boot_id=snapshot.boot_id), POLICY.detection)
+    elsewhere = about(FindingKind.HIDDEN_HOLDER, 1, 720)
+    verdict = judge(snapshot, replace(assessment, roles=(), findings=(elsewhere,)), POLICY)
+    assert blockers(verdict)[0] == [
+        ("holder", 720, "pid 720 (d): holds its device file"),
+        ("holder", 800, "pid 800 (?): holds its device file"),
+        ("holder", 810, f"pid 810 (?): {NODE_ONLY}"),
+    ]

@@ -121,10 +121,10 @@ class HealthState:
                 raise ValueError(f"{what}: expected an object")
             xids: dict[int, XidRecord] = {}
             for key, triple in _bounded_map(entry.get("xids", {}), f"{what}.xids").items():
-                xid = int(key) if isinstance(key, str) and key.isdigit() else None
+                xid = _xid_key(key, f"{what}.xids.{key}")
                 values = triple if isinstance(triple, list) and len(triple) == 3 else None
                 count = as_int(values[0]) if values else None
-                if xid is None or values is None or count is None or count < 0:
+                if values is None or count is None or count < 0:
                     raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
                 xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
             since = obj(entry.get("since", {}), f"{what}.since")
@@ -153,7 +153,7 @@ def _signatures(value: object, what: str) -> tuple[str, ...]:
 
 
 def _xid_key(key: object, what: str) -> int:
-    if not isinstance(key, str) or not key.isdigit() or len(key) > 5:
+    if not isinstance(key, str) or not key.isdecimal() or len(key) > 5:
         raise ValueError(f"{what}: expected Xid numbers as keys")
     return int(key)
 

@@ -180,16 +180,13 @@ def mig_layout(snapshot: Snapshot) -> MigLayout:
 
 
 def _merge_processes(devices: Iterable[MigDevice]) -> tuple[NvmlProcess, ...] | None:
-    found: list[NvmlProcess] = []
-    seen: set[int] = set()
+    found: dict[int, NvmlProcess] = {}  # a PID's first entry, in order
     for device in devices:
         if device.processes is None:
             return None
         for entry in device.processes:
-            if entry.pid not in seen:
-                seen.add(entry.pid)
-                found.append(entry)
-    return tuple(found)
+            found.setdefault(entry.pid, entry)
+    return tuple(found.values())
 
 
 def instance_gpu(instance: MigInstance) -> GpuInfo:

@@ -212,10 +212,11 @@ class Simulation:
     # -- world events --
 
     def exit_process(self, proc: WorldProc, why: str) -> None:
+        """``proc`` exits now, unless it already has (two of its exits may fall at once)."""
+        if not proc.alive:
+            return
         identity = ProcessIdentity(proc.pid, proc.start_ticks)
         notes = self.world.exit(proc, self.now, why)
-        if proc.exited_at != self.now:
-            return
         text = f"{proc.name} (pid {proc.pid}) exited ({why})"
         self.happened(
             TimelineEvent.EXIT, "; ".join([text, *notes]), process=proc.name, pid=proc.pid

@@ -147,6 +147,14 @@ def test_exit_after_a_delay_is_seen_at_once_not_at_the_next_poll() -> None:
     assert [s for _, _, s, _ in r.signals()] == ["SIGTERM"]
 
 
+def test_a_process_exits_once_when_two_of_its_exits_fall_at_the_same_instant() -> None:
+    text = scenario().replace("    nvml: {0: 4GiB}\n", "    nvml: {0: 4GiB}\n    exits_at: 10s\n")
+    r = simulate(parse_scenario("s.yaml", text))
+    exits = [(e.t, e.fields["process"]) for e in r.entries("world.exit")]
+    assert exits == [(10.0, "trainer"), (40.0, "worker")]
+    assert "(scenario: exit)" in r.entries("world.exit")[0].text
+
+
 def test_dry_run_sends_nothing_and_says_what_it_would_do() -> None:
     r = simulate(parse_scenario("s.yaml", scenario(dry="true")))
     assert r.signals() == [

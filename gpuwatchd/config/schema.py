@@ -286,7 +286,7 @@ def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
             problems.append(node.error("expected a mapping with 'unit' or 'command'"))
         return None
     unit = fields.get("unit")
-    if len(problems) == before and len(reader.map.entries) != 1:
+    if len(problems) == before and (len(reader.map.entries) != 1 or None in fields.values()):
         problems.append(node.error("a monitor has exactly one of 'unit' and 'command'"))
     elif unit is not None and not UNIT_NAME.fullmatch(unit):
         problems.append(

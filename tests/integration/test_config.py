@@ -219,6 +219,8 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("reset: {monitors: [gpustat]}\n", "reset.monitors[0]", "expected a mapping"),
         ("reset: {monitors: [{}]}\n", "reset.monitors[0]", "exactly one of 'unit' and"),
         ("reset: {monitors: [{unit: a.service, command: a}]}\n", "reset.monitors[0]", "exactly"),
+        ("reset: {monitors: [{unit: null}]}\n", "reset.monitors[0]", "exactly one of 'unit' and"),
+        ("reset: {monitors: [{command: null}]}\n", "reset.monitors[0]", "exactly one of 'unit'"),
         ("reset: {monitors: [{unit: gpustat}]}\n", "reset.monitors[0].unit", "service name"),
         ("reset: {monitors: [{unit: -a.service}]}\n", "reset.monitors[0].unit", "service name"),
         ("reset: {monitors: [{command: '(('}]}\n", "reset.monitors[0].command", "regular exp"),

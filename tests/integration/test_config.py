@@ -783,6 +783,29 @@ def test_walk_stops_at_trusted_root(tmp_path: Path) -> None:
         check_config_permissions(str(main_file), trusted_root=str(tmp_path))
 
 
+@needs_root
+def test_a_mount_table_cut_at_its_read_limit_never_makes_a_writable_folder_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuwatchd.config import files
+
+    main_file = safe_tree(tmp_path)
+    folder = os.path.realpath(main_file.parent)
+    main_file.parent.chmod(0o777)
+    read_only = os.statvfs_result((0,) * 8 + (os.ST_RDONLY, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: read_only)
+    mountinfo = tmp_path / "mountinfo"
+    monkeypatch.setattr(files, "MOUNTINFO", str(mountinfo))
+    seen_alone = f"1 0 0:41 / {folder} ro - tmpfs tmpfs ro\n"
+    mountinfo.write_text(seen_alone)  # a ConfigMap volume: accepted
+    check_config_permissions(str(main_file), trusted_root=str(tmp_path))
+    # The same volume also mounted writable, past the 4 MiB the check reads: refused.
+    filler = "2 0 0:42 / /other ro - tmpfs tmpfs ro\n" * (4 * MIB // 38 + 1)
+    mountinfo.write_text(seen_alone + filler + "3 0 0:41 / /rw rw - tmpfs tmpfs rw\n")
+    with pytest.raises(ConfigError, match="writable by group or others"):
+        check_config_permissions(str(main_file), trusted_root=str(tmp_path))
+
+
 def test_permission_check_is_skipped_when_turned_off(tmp_path: Path) -> None:
     main_file = write_config(tmp_path, MAIN, {})
     (main_file.parent / "conf.d").chmod(0o777)

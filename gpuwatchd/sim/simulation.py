@@ -81,7 +81,8 @@ class Simulation:
 
     def __init__(self, scenario: Scenario, policy: Policy, policy_source: str = "") -> None:
         self.scenario = scenario
-        self.policy = policy
+        # The policy the run plays under: the scenario's interval, if it has one, is its own.
+        self.policy = dataclasses.replace(policy, interval=scenario.interval or policy.interval)
         self.policy_source = policy_source
         self.world = World(scenario)
         self.now = 0.0
@@ -102,7 +103,7 @@ class Simulation:
             if spec.exits_at is not None:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
-        self.interval = interval = scenario.interval or policy.interval
+        interval = self.policy.interval
         polls = scenario.duration / interval
         if polls > MAX_POLLS:
             raise SimulationError(
@@ -112,7 +113,7 @@ class Simulation:
             )
         host = VirtualHost(self)
         self.engine = Engine(
-            dataclasses.replace(policy, interval=interval),
+            self.policy,
             reader=host,
             actuator=host,
             clock=host,
@@ -163,7 +164,7 @@ class Simulation:
                 self.add(
                     TimelineEvent.BUSY_LOOP, Level.WARNING, "the daemon would poll in a busy loop"
                 )
-                until = self.now + self.interval
+                until = self.now + self.policy.interval
                 busy = 0
             last = until > duration  # the run ends at its duration
             until = min(until, duration)

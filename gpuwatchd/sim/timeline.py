@@ -165,7 +165,7 @@ def render_text(result: SimulationResult) -> str:
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "
-        f"interval {scenario.interval or policy.interval:g}s, "
+        f"interval {policy.interval:g}s, "
         f"{'dry-run' if policy.dry_run else 'enforcing'}; policy: {result.policy_source}",
     ]
     if scenario.description:

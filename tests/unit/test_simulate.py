@@ -193,6 +193,15 @@ def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     assert any(e["event"] == "action.signal" and e["t"] == 40.0 for e in doc["timeline"])
 
 
+def test_the_json_gives_the_interval_the_run_polled_at_as_the_header_does() -> None:
+    r = simulate(parse_scenario("s.yaml", "duration: 1m\ninterval: 2s\ngpus: [{}]\n"))
+    assert r.to_json()["interval"] == 2.0
+    assert ", interval 2s, " in render_text(r).splitlines()[0]
+    assert r.polls == 31
+    r = simulate(parse_scenario("s.yaml", "duration: 1m\ngpus: [{}]\n"))
+    assert r.to_json()["interval"] == 5.0  # the policy's
+
+
 def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
     config = tmp_path / "gpuwatchd.yaml"
     config.write_text(

@@ -276,7 +276,7 @@ class _Reader(GpuReader):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not key.isdigit() or int(key) not in self.gpu_indexes:
+            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)

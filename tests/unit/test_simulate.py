@@ -76,6 +76,12 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "events[0].exit",
             "no process named",
         ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    nvml: {\u00b2: 1GiB}\n",
+            5,
+            "processes[0].nvml.\u00b2",
+            "no GPU with index '\u00b2'",
+        ),
         ("duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n", 4, "events[0]", "exactly one"),
         (
             "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    visible: 3\n",

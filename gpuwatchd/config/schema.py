@@ -223,9 +223,18 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     return tuple(section.cls(**fields) for fields in results if fields is not None)
 
 
+def _item(
+    node: Node, section: str, problems: list[ConfigError], null: str = "expected a mapping"
+) -> _Section:
+    """The reader of a list item, which must be a mapping: a null one, too, is a problem."""
+    if isinstance(node, Scalar) and node.value is None:
+        problems.append(node.error(null))
+    return _Section(node, section, problems, node.path)
+
+
 def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """One rule's fields; None when it is disabled or not a mapping."""
-    reader = _Section(node, "rules[]", problems, node.path)
+    reader = _item(node, "rules[]", problems)
     if reader.map is None or not reader.get("enabled", BOOL.read, True):
         return None
     fields = _read_fields(reader)
@@ -251,11 +260,8 @@ def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 
 
 def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
-    before = len(problems)
-    reader = _Section(node, "steps[]", problems, node.path)
+    reader = _item(node, "steps[]", problems)
     if reader.map is None:
-        if len(problems) == before:
-            problems.append(node.error("expected a mapping"))
         return None
     fields = _read_fields(reader, lenient=frozenset({"wait"}))
     if fields.get("signal") is not None and reader.node("wait") is None:
@@ -279,12 +285,10 @@ def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
     before = len(problems)
-    reader = _Section(node, "monitors[]", problems, node.path)
-    fields = _read_fields(reader)
+    reader = _item(node, "monitors[]", problems, "expected a mapping with 'unit' or 'command'")
     if reader.map is None:
-        if len(problems) == before:
-            problems.append(node.error("expected a mapping with 'unit' or 'command'"))
         return None
+    fields = _read_fields(reader)
     unit = fields.get("unit")
     if len(problems) == before and (len(reader.map.entries) != 1 or None in fields.values()):
         problems.append(node.error("a monitor has exactly one of 'unit' and 'command'"))

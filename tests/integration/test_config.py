@@ -238,6 +238,8 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("on_failure: [[sh, -c, 'scontrol']]\n", "on_failure[0]", "is a shell"),
         ("on_failure: [[drain, '{uid}']]\n", "on_failure[0]", "did you mean 'uuid'"),
         ("rules: {name: a}\n", "rules", "expected a list"),
+        ("rules: [null]\n", "rules[0]", "expected a mapping"),
+        ("rules: [{name: a, kind: zombie, steps: [{signal: null}]}, ~]\n", "rules[1]", "a mapping"),
         ("rules: [{kind: orphaned, steps: [{signal: null}]}]\n", "rules[0]", "'name'"),
         ("rules: [{name: a, steps: [{signal: null}]}]\n", "rules[0]", "'kind'"),
         ("rules: [{name: a, kind: orphaned}]\n", "rules[0]", "'steps'"),

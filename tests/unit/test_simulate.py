@@ -371,6 +371,20 @@ def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
     assert finding_label(gpu_key, names) == "ghost_memory GPU 0"
 
 
+def test_the_summary_names_a_reused_pid_by_the_process_that_has_it_at_the_end() -> None:
+    text = """\
+duration: 1m
+gpus: [{}]
+processes:
+  - {name: first, pid: 5000, holds: [0], exits_at: 10s}
+events:
+  - {at: 20s, start: {name: second, pid: 5000, holds: [0]}}
+"""
+    r = simulate(parse_scenario("s.yaml", text))
+    summary = render_text(r).splitlines()[-1]
+    assert summary == "  open findings: hidden_holder pid 5000 (second) on GPU 0"
+
+
 def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:
     text = ORPHANS.format(dry="true", sigterm="ignore").replace("4GiB", "5GiB")
     path = "one-unit.yaml"

@@ -326,6 +326,8 @@ def check_argv(
     for arg in raw:
         if not isinstance(arg, str):
             raise ConfigError(f"every argument must be a string, got {describe_value(arg)}")
+        if len(arg) > MAX_STRING:
+            raise ConfigError(f"argument {shown(arg)} is longer than {MAX_STRING} characters")
     try:
         if one_gpu:
             check_one_gpu(tuple(raw), allowed, require_placeholder=not literal_gpu)

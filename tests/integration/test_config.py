@@ -236,6 +236,12 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("on_failure: ['drain-node']\n", "on_failure[0]", "expected an argv list"),
         ("on_failure: [{timeout: 5s}]\n", "on_failure[0]", "missing required key 'command'"),
         ("on_failure: [[sh, -c, 'scontrol']]\n", "on_failure[0]", "is a shell"),
+        (f"on_failure: [[echo, {'x' * 4097}]]\n", "on_failure[0]", "longer than 4096 char"),
+        (
+            f"reset: {{command: [site-reset, '{{uuid}}', {'x' * 4097}]}}\n",
+            "reset.command",
+            "longer than 4096 characters",
+        ),
         ("on_failure: [[drain, '{uid}']]\n", "on_failure[0]", "did you mean 'uuid'"),
         ("rules: {name: a}\n", "rules", "expected a list"),
         ("rules: [null]\n", "rules[0]", "expected a mapping"),

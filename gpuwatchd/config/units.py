@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from gpuwatchd.config.yamlsrc import ConfigError, describe_value, did_you_mean, shown
 
@@ -86,12 +87,13 @@ def parse_size(value: object, *, where: str) -> int:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest unit spelling that parses back to exactly ``seconds``."""
+    """The shortest unit spelling that parses back to exactly ``seconds``; else its shortest
+    decimal (never an exponent: ``1e-05s`` does not parse) in seconds."""
     for unit in ("d", "h", "m", "s", "ms"):
         count = seconds / DURATION_UNITS[unit]
         if count == int(count) and parse_duration(f"{int(count)}{unit}", where="") == seconds:
             return f"{int(count)}{unit}"
-    return f"{seconds!r}s"
+    return f"{Decimal(repr(seconds)):f}s"
 
 
 def format_size(size: int) -> str:

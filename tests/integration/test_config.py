@@ -116,7 +116,9 @@ def test_parse_size_refuses_bad_values(text: object, hint: str) -> None:
         parse_size(text, where="detection.ghost_margin")
 
 
-@pytest.mark.parametrize("seconds", [0.0, 0.5, 0.001, 1.5, 5.0, 90.0, 3600.0, 86400.0, 0.1234])
+@pytest.mark.parametrize(
+    "seconds", [0.0, 0.5, 0.001, 1.5, 5.0, 90.0, 3600.0, 86400.0, 0.1234, 1e-05, 2.5e-07]
+)
 def test_format_duration_round_trips(seconds: float) -> None:
     assert parse_duration(format_duration(seconds), where="x") == seconds
 

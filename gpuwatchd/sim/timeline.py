@@ -166,7 +166,7 @@ def render_text(result: SimulationResult) -> str:
         f"interval {policy.interval:g}s, "
         f"{'dry-run' if policy.dry_run else 'enforcing'}; policy: {result.policy_source}",
     ]
-    if scenario.description:
+    if scenario.description.strip():
         lines.append(f"  {scenario.description.strip().splitlines()[0]}")
     lines.append("")
     for entry in result.timeline:

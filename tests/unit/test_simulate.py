@@ -385,6 +385,17 @@ events:
     assert summary == "  open findings: hidden_holder pid 5000 (second) on GPU 0"
 
 
+@pytest.mark.parametrize("description", ['" "', '"\\n"', "|\n  first\n  second"])
+def test_the_header_shows_a_descriptions_first_line_and_nothing_for_a_blank_one(
+    description: str,
+) -> None:
+    r = simulate(
+        parse_scenario("s.yaml", f"description: {description}\nduration: 1m\ngpus: [{{}}]\n")
+    )
+    shown = render_text(r).splitlines()[1]
+    assert shown == ("  first" if "first" in description else "")
+
+
 def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:
     text = ORPHANS.format(dry="true", sigterm="ignore").replace("4GiB", "5GiB")
     path = "one-unit.yaml"

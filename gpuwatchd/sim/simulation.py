@@ -139,9 +139,8 @@ class Simulation:
     def pname(self, pid: object) -> str:
         if not isinstance(pid, int):
             return "pid ?"
-        proc = self.world.procs.get(pid) or next(
-            (p for p in reversed(self.world.history) if p.pid == pid), None
-        )
+        # The last process started with the PID: the one that has it now, if any.
+        proc = next((p for p in reversed(self.world.history) if p.pid == pid), None)
         return f"pid {pid} ({proc.name})" if proc else f"pid {pid}"
 
     def gname(self, uuid: object) -> str:

@@ -165,6 +165,22 @@ def test_a_scalar_yaml_cannot_construct_is_a_located_config_error(text: str) -> 
     assert (err.path, err.line) == (DROP_IN, 1)
 
 
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ('interval: 5s\non_failure: [[/bin/echo, "a\\ud800"]]\n', "U+D800"),
+        ('rules:\n  - {name: "r\\udc80", kind: zombie, steps: [{signal: null}]}\n', "U+DC80"),
+    ],
+)
+def test_a_surrogate_escape_no_utf8_text_can_hold_is_a_located_config_error(
+    text: str, code: str
+) -> None:
+    """A hook's argument of one would pass and then fail to encode when the hook runs."""
+    err = error_of(text)
+    assert (err.path, err.line) == (DROP_IN, 2)
+    assert code in err.message
+
+
 # --- 2. bounded before parsing: size, depth, aliases; regular files only --------------------------
 
 

@@ -63,6 +63,12 @@ __all__ = [
     "validate_reset_command",
 ]
 
+# ``rules:`` alone in a drop-in: rules merge by name, so neither "none" nor "no change" is safe
+# to guess (``rules: []`` changes nothing; the main file's ``rules:`` alone means no rules).
+_NULL_RULES = (
+    "an empty 'rules' in a drop-in is refused: rules merge by name, so it would not say which"
+    " to keep; remove one with {name: NAME, enabled: false}, or write 'rules: []' to keep them"
+)
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
@@ -315,12 +321,15 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
     problems: list[ConfigError] = []
     merged = Map(docs[0][0] if docs else "<none>", 1, "")
     budget = Budget()  # shared: many drop-ins may not add up to what one file may not hold
-    for filename, text in docs:
+    for index, (filename, text) in enumerate(docs):
         try:
             document = load_document(filename, text, budget)
         except ConfigError as err:
             problems.extend(err.problems)
             continue
+        rules = document.entries.get("rules")
+        if index and isinstance(rules, Scalar) and rules.value is None:
+            problems.append(rules.error(_NULL_RULES))
         merged = _merge(merged, document, problems)
     sources = tuple(name for name, _ in docs)
     fields = _read_fields(_Section(merged, "", problems, ""))

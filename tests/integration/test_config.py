@@ -642,6 +642,23 @@ def test_a_drop_in_may_disable_the_last_rule() -> None:
     assert [rule.name for rule in policy.rules] == ["zombies"]
 
 
+def test_an_empty_rules_key_in_a_drop_in_is_refused_not_read_as_no_rules(tmp_path: Path) -> None:
+    """``rules:`` alone in a drop-in (its entries all commented out) used to replace every rule
+    with none, while ``rules: []`` changes nothing: rules merge by name, so it is refused,
+    located, saying how to remove a rule. In the main file it still means no rules."""
+    main_file = write_config(tmp_path, MAIN, {"10-site.yaml": "interval: 5s\nrules:\n#  - x\n"})
+    with pytest.raises(ConfigError) as caught:
+        load_policy(str(main_file), check_permissions=False)
+    err = caught.value
+    drop_in = str(main_file.parent / "conf.d" / "10-site.yaml")
+    assert (err.path, err.line, err.key) == (drop_in, 2, "rules")
+    assert "merge by name" in err.message
+    assert "{name: NAME, enabled: false}" in err.message
+    kept = parse_policy_documents([("main.yaml", MAIN), ("10.yaml", "rules: []\n")])
+    assert [rule.name for rule in kept.rules] == ["orphans", "zombies"]
+    assert parse_policy_documents([("main.yaml", "rules:\n")]).rules == ()
+
+
 def test_missing_main_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="not found") as caught:

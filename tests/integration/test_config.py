@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.act.reset_target import (
+    MAX_RECORDED_ARGS,
+    MAX_RECORDED_COMMANDS,
+    Commands,
+    ResetTarget,
+    prepare_commands,
+)
 from gpuwatchd.config.files import check_config_permissions
 from gpuwatchd.config.keys import normalize_gpu_id
 from gpuwatchd.config.schema import (
@@ -504,6 +511,52 @@ def test_a_bad_mig_recovery_command_list_is_refused_naming_the_key_and_line(
     assert err.key.startswith("reset.mig_recovery_commands")
     assert err.line == 3
     assert said in err.message
+
+
+def _reset_policy(*, hooks: int = 1, mig_commands: int = 1, args: int = 4) -> str:
+    """A reset section with ``hooks`` hooks in each list, ``mig_commands`` recovery commands
+    and commands of ``args`` arguments (``--`` pads the reset command and the hooks)."""
+    pad, mig_pad = ", --" * (args - 4), ", --" * (args - 7)
+    hook = f"    - [echo, hook, x, y{pad}]\n"
+    mig = f"    - [nvidia-smi, mig, -i, '{{uuid}}', -gi, '{{gi}}', -dgi{mig_pad}]\n"
+    return (
+        f"reset:\n  command: [nvidia-smi, --gpu-reset, -i, '{{uuid}}'{pad}]\n"
+        + "".join(f"  {step}:\n" + hook * hooks for step in ("drain", "before", "after"))
+        + "  mig_recovery: true\n  mig_recovery_commands:\n"
+        + mig * mig_commands
+    )
+
+
+@pytest.mark.parametrize(
+    ("changed", "key", "line"),
+    [
+        ({"hooks": MAX_RECORDED_COMMANDS + 1}, "reset.drain", 4),
+        ({"mig_commands": MAX_RECORDED_COMMANDS + 1}, "reset.mig_recovery_commands", 11),
+        ({"args": MAX_RECORDED_ARGS + 1}, "reset.command", 2),
+    ],
+)
+def test_reset_commands_beyond_what_a_reset_records_are_refused(
+    changed: dict[str, int], key: str, line: int
+) -> None:
+    """check-config used to pass them, and then the daemon refused every reset: a reset's
+    commands are recorded before its first step, within these bounds (act/reset_target.py)."""
+    err = error_of(_reset_policy(**changed))
+    assert err.key == key
+    assert err.line == line
+    bound = MAX_RECORDED_ARGS if "args" in changed else MAX_RECORDED_COMMANDS
+    assert f"at most {bound} " in err.message
+    if "args" in changed:  # every command of the reset is bounded, each named
+        keys = {p.key for p in err.problems}
+        assert {"reset.drain[0]", "reset.after[0]", "reset.mig_recovery_commands[0]"} <= keys
+
+
+def test_reset_commands_at_the_bounds_are_accepted_and_recorded() -> None:
+    """What check-config accepts, a reset records: no policy it passes is refused at the first
+    step for its size."""
+    for shape in ({"hooks": MAX_RECORDED_COMMANDS}, {"args": MAX_RECORDED_ARGS}):
+        reset = parse(_reset_policy(**shape)).reset
+        target = ResetTarget(UUID, "00000000:1A:00.0", 0, persistence_was_on=True)
+        assert isinstance(prepare_commands(target, reset), Commands)
 
 
 # --- drop-ins and merging -----------------------------------------------------------------------

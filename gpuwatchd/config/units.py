@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal
+from fractions import Fraction
 
 from gpuwatchd.config.yamlsrc import ConfigError, describe_value, did_you_mean, shown
 
@@ -75,10 +76,14 @@ def parse_size(value: object, *, where: str) -> int:
                 f"invalid size {shown(value)}{hint} (units: B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)",
                 key=where,
             )
-        exact = float(match.group(1)) * SIZE_UNITS[unit]
-        if not math.isfinite(exact) or exact >= 2**53:
+        digits, _, decimals = match.group(1).partition(".")
+        digits, decimals = digits.lstrip("0"), decimals.rstrip("0")
+        # Exact, as a float is not (1.001kB), and never a long digit string read as an int:
+        # 17 digits are past 2**53, and no unit (each divides 10**40) makes 41 decimals whole.
+        exact = Fraction(f"{digits[:17] or 0}.{decimals[:40]}") * SIZE_UNITS[unit]
+        if exact >= 2**53:
             raise ConfigError(f"size {shown(value)} is too large", key=where)
-        if exact != int(exact):
+        if exact.denominator != 1 or len(decimals) > 40:
             raise ConfigError(f"size {shown(value)} is not a whole number of bytes", key=where)
         size = int(exact)
     if size < 0:

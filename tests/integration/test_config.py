@@ -95,6 +95,8 @@ def test_parse_duration_refuses_bad_values_naming_the_key(text: object) -> None:
         ("100MB", 100_000_000),
         ("1kB", 1000),
         ("1.5GiB", 1536 * MIB),
+        ("1.001kB", 1001),  # exactly whole: refused once, a float product being 1000.9999...
+        ("0.003MB", 3000),
         ("7B", 7),
         (1024, 1024),
         (0, 0),
@@ -111,6 +113,7 @@ def test_parse_size_accepts_binary_and_decimal_units(text: object, size: int) ->
         ("-1MiB", "invalid size"),
         (-5, ">= 0"),
         ("1.5B", "whole number"),
+        ("1.0000000000000001KiB", "whole number"),  # 1024.0000000000001024: was read as 1024
         ("MiB", "invalid size"),
         ("256", "invalid size"),
         (1.5, "expected a size"),

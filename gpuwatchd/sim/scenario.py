@@ -83,7 +83,7 @@ def _policy_text(text: str) -> str:
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     assert isinstance(root, yaml.MappingNode)  # noqa: S101 -- load_document read a mapping
     value = next(v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "policy")
-    if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
+    if isinstance(value, yaml.ScalarNode) and value.tag == "tag:yaml.org,2002:null":
         return ""
     start, end = value.start_mark, value.end_mark
     body = text[int(start.index) : int(end.index)]

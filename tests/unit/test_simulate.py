@@ -128,6 +128,14 @@ def test_inline_policy_errors_keep_the_scenario_line_numbers() -> None:
     assert "did you mean 'interval'" in err.value.message
 
 
+@pytest.mark.parametrize("null", ["", "~", "null", "Null", "NULL"])
+def test_an_empty_inline_policy_is_no_change_however_null_is_spelled(null: str) -> None:
+    """``policy: Null`` passed the scenario's check as null and was then read as the text
+    ``Null``, a policy whose top level is not a mapping."""
+    scenario = parse_scenario("s.yaml", f"duration: 1m\ngpus: [{{index: 0}}]\npolicy: {null}\n")
+    assert scenario.policy == ("s.yaml", "")
+
+
 def test_cli_exits_65_on_a_malformed_scenario(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

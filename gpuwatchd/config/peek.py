@@ -39,14 +39,12 @@ def guess_state_dir(main_file: str) -> str | None:
             if not stat.S_ISREG(os.lstat(path).st_mode):
                 return None  # never opened, as the reader does: opening a device may act
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                text = os.read(fd, MAX_BYTES).decode("utf-8", "replace")
+            finally:
+                os.close(fd)
         except OSError:
             return None
-        try:
-            text = os.read(fd, MAX_BYTES).decode("utf-8", "replace")
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
         for match in _STATE_DIR_LINE.finditer(text):
             value = _PLAIN.fullmatch(match.group(1))
             found = None if value is None else next(g for g in value.groups() if g is not None)

@@ -18,7 +18,7 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     ResetStep,
 )
-from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import Hook, ResetPolicy
@@ -47,8 +47,8 @@ class ResetTarget:
 Argv = tuple[str, ...]
 # A recorded reset's commands are read back from the state file as hostile input, within these
 # bounds (a policy whose filled-in commands exceed them is refused before the first step).
-MAX_RECORDED_COMMANDS = 100  # commands, or hooks, in one list
-MAX_RECORDED_ARGS = 1000  # arguments of one command
+MAX_RECORDED_COMMANDS = MAX_COMMANDS  # commands, or hooks, in one list
+MAX_RECORDED_ARGS = MAX_ARGS  # arguments of one command
 MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
 _MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
 _HOOK_STEPS = ("drain", "before", "after")

@@ -223,19 +223,21 @@ def _unsafe(path: str, *, allow_sticky: bool) -> ConfigError | None:
 
 
 MOUNTINFO = "/proc/self/mountinfo"
+MOUNTINFO_LIMIT = 4 << 20  # characters read of it; a longer table is judged not read-only
 
 
 def _read_only_everywhere(path: str) -> bool:
     """Whether nobody can write to ``path`` (:func:`read_only_everywhere`), as for a ConfigMap
-    volume: a 0777 directory, read-only, seen through the kubelet's mount alone."""
+    volume: a 0777 directory, read-only, seen through the kubelet's mount alone. A mount table
+    past its limit may hide a writable mount: no."""
     try:
         if not os.statvfs(path).f_flag & os.ST_RDONLY:
             return False
         with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as handle:
-            mounts = handle.read(1 << 22)
+            mounts = handle.read(MOUNTINFO_LIMIT + 1)
     except OSError:
         return False
-    return read_only_everywhere(mounts, os.path.realpath(path))
+    return len(mounts) <= MOUNTINFO_LIMIT and read_only_everywhere(mounts, os.path.realpath(path))
 
 
 def _within(path: str, top: str) -> bool:

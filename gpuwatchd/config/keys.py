@@ -31,6 +31,8 @@ from gpuwatchd.decide.argv import (
     HOOK_PLACEHOLDERS,
     LITERAL_BUS_ID,
     LITERAL_UUID,
+    MAX_ARGS,
+    MAX_COMMANDS,
     MIG_PLACEHOLDERS,
     ArgvError,
     check_hook_command,
@@ -250,14 +252,17 @@ def items_of(node: Node) -> list[Node]:
     return node.items
 
 
-def list_of(value: Value, *, empty: str = "") -> Value:
-    """A list of ``value``s (null: empty), every bad item reported; ``empty``: the error for
-    an empty list (none: it is allowed)."""
+def list_of(value: Value, *, empty: str = "", most: int | None = None) -> Value:
+    """A list of at most ``most`` ``value``s (null: empty), every bad item reported;
+    ``empty``: the error for an empty list (none: it is allowed)."""
 
     def read(node: Node) -> tuple[Any, ...]:
         problems: list[ConfigError] = []
         values: list[Any] = []
-        for item in items_of(node):
+        items = items_of(node)
+        if most is not None and len(items) > most:
+            raise node.error(f"at most {most} items, got {len(items)}")
+        for item in items:
             try:
                 values.append(value.read(item))
             except ConfigError as err:
@@ -323,9 +328,13 @@ def check_argv(
             "expected an argv list such as ['nvidia-smi', '--gpu-reset', '-i', '{uuid}'], "
             f"got {describe_value(raw)} (commands run without a shell)"
         )
+    if len(raw) > MAX_ARGS:  # a reset records no more (act/reset_target.py)
+        raise ConfigError(f"at most {MAX_ARGS} arguments, got {len(raw)}")
     for arg in raw:
         if not isinstance(arg, str):
             raise ConfigError(f"every argument must be a string, got {describe_value(arg)}")
+        if len(arg) > MAX_STRING:
+            raise ConfigError(f"argument {shown(arg)} is longer than {MAX_STRING} characters")
     try:
         if one_gpu:
             check_one_gpu(tuple(raw), allowed, require_placeholder=not literal_gpu)
@@ -392,6 +401,7 @@ STRINGS = list_of(STRING)
 REGEX = Value(_read_regex, lambda pattern: pattern.pattern)
 REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
+RESET_HOOKS = Nested("hook", many=True, most=MAX_COMMANDS)  # as many as a reset records
 MEMORY = size(0, "1TiB")  # GPU memory is under 300 GB today: past 1 TiB is a typo
 
 # --- the table ----------------------------------------------------------------------------------
@@ -518,9 +528,9 @@ SECTIONS: dict[str, Section] = {
                 "command": argv(one_gpu=True),
                 "confirm_for": duration(0, "7d"),
                 "timeout": duration("1s", "10m"),
-                "drain": HOOKS,
-                "before": HOOKS,
-                "after": HOOKS,
+                "drain": RESET_HOOKS,
+                "before": RESET_HOOKS,
+                "after": RESET_HOOKS,
                 "toggle_persistence": BOOL,
                 "persistence_command": argv((*GPU_PLACEHOLDERS, "mode"), one_gpu=True),
                 "health_command": argv(one_gpu=True),
@@ -533,6 +543,7 @@ SECTIONS: dict[str, Section] = {
                 "mig_recovery_commands": list_of(
                     argv(MIG_PLACEHOLDERS, one_gpu=True),
                     empty="expected at least one command (a list of argv lists)",
+                    most=MAX_COMMANDS,
                 ),
                 "allow_nvlink_group": BOOL,
                 # Waited for with the watchdog fed, like the reset command itself.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 MAX_BYTES = 4 << 20  # bytes read of each file
 _STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?$", re.MULTILINE)
@@ -35,15 +36,15 @@ def guess_state_dir(main_file: str) -> str | None:
         names = []
     for path in [main_file, *(os.path.join(folder, n) for n in names)]:
         try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return None  # never opened, as the reader does: opening a device may act
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                text = os.read(fd, MAX_BYTES).decode("utf-8", "replace")
+            finally:
+                os.close(fd)
         except OSError:
             return None
-        try:
-            text = os.read(fd, MAX_BYTES).decode("utf-8", "replace")
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
         for match in _STATE_DIR_LINE.finditer(text):
             value = _PLAIN.fullmatch(match.group(1))
             found = None if value is None else next(g for g in value.groups() if g is not None)

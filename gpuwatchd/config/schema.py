@@ -63,6 +63,12 @@ __all__ = [
     "validate_reset_command",
 ]
 
+# ``rules:`` alone in a drop-in: rules merge by name, so neither "none" nor "no change" is safe
+# to guess (``rules: []`` changes nothing; the main file's ``rules:`` alone means no rules).
+_NULL_RULES = (
+    "an empty 'rules' in a drop-in is refused: rules merge by name, so it would not say which"
+    " to keep; remove one with {name: NAME, enabled: false}, or write 'rules: []' to keep them"
+)
 _FAILED = object()  # a value that could not be read (its problem is recorded)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
@@ -223,9 +229,18 @@ def _read_nested(node: Node, nested: Nested, problems: list[ConfigError], path: 
     return tuple(section.cls(**fields) for fields in results if fields is not None)
 
 
+def _item(
+    node: Node, section: str, problems: list[ConfigError], null: str = "expected a mapping"
+) -> _Section:
+    """The reader of a list item, which must be a mapping: a null one, too, is a problem."""
+    if isinstance(node, Scalar) and node.value is None:
+        problems.append(node.error(null))
+    return _Section(node, section, problems, node.path)
+
+
 def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """One rule's fields; None when it is disabled or not a mapping."""
-    reader = _Section(node, "rules[]", problems, node.path)
+    reader = _item(node, "rules[]", problems)
     if reader.map is None or not reader.get("enabled", BOOL.read, True):
         return None
     fields = _read_fields(reader)
@@ -251,11 +266,8 @@ def _rule(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 
 
 def _step(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
-    before = len(problems)
-    reader = _Section(node, "steps[]", problems, node.path)
+    reader = _item(node, "steps[]", problems)
     if reader.map is None:
-        if len(problems) == before:
-            problems.append(node.error("expected a mapping"))
         return None
     fields = _read_fields(reader, lenient=frozenset({"wait"}))
     if fields.get("signal") is not None and reader.node("wait") is None:
@@ -279,14 +291,12 @@ def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
 def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A ``reset.monitors`` entry: exactly one of ``unit`` and ``command``."""
     before = len(problems)
-    reader = _Section(node, "monitors[]", problems, node.path)
-    fields = _read_fields(reader)
+    reader = _item(node, "monitors[]", problems, "expected a mapping with 'unit' or 'command'")
     if reader.map is None:
-        if len(problems) == before:
-            problems.append(node.error("expected a mapping with 'unit' or 'command'"))
         return None
+    fields = _read_fields(reader)
     unit = fields.get("unit")
-    if len(problems) == before and len(reader.map.entries) != 1:
+    if len(problems) == before and (len(reader.map.entries) != 1 or None in fields.values()):
         problems.append(node.error("a monitor has exactly one of 'unit' and 'command'"))
     elif unit is not None and not UNIT_NAME.fullmatch(unit):
         problems.append(
@@ -311,12 +321,15 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
     problems: list[ConfigError] = []
     merged = Map(docs[0][0] if docs else "<none>", 1, "")
     budget = Budget()  # shared: many drop-ins may not add up to what one file may not hold
-    for filename, text in docs:
+    for index, (filename, text) in enumerate(docs):
         try:
             document = load_document(filename, text, budget)
         except ConfigError as err:
             problems.extend(err.problems)
             continue
+        rules = document.entries.get("rules")
+        if index and isinstance(rules, Scalar) and rules.value is None:
+            problems.append(rules.error(_NULL_RULES))
         merged = _merge(merged, document, problems)
     sources = tuple(name for name, _ in docs)
     fields = _read_fields(_Section(merged, "", problems, ""))

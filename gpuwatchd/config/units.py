@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
+from fractions import Fraction
 
 from gpuwatchd.config.yamlsrc import ConfigError, describe_value, did_you_mean, shown
 
@@ -74,10 +76,14 @@ def parse_size(value: object, *, where: str) -> int:
                 f"invalid size {shown(value)}{hint} (units: B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)",
                 key=where,
             )
-        exact = float(match.group(1)) * SIZE_UNITS[unit]
-        if not math.isfinite(exact) or exact >= 2**53:
+        digits, _, decimals = match.group(1).partition(".")
+        digits, decimals = digits.lstrip("0"), decimals.rstrip("0")
+        # Exact, as a float is not (1.001kB), and never a long digit string read as an int:
+        # 17 digits are past 2**53, and no unit (each divides 10**40) makes 41 decimals whole.
+        exact = Fraction(f"{digits[:17] or 0}.{decimals[:40]}") * SIZE_UNITS[unit]
+        if exact >= 2**53:
             raise ConfigError(f"size {shown(value)} is too large", key=where)
-        if exact != int(exact):
+        if exact.denominator != 1 or len(decimals) > 40:
             raise ConfigError(f"size {shown(value)} is not a whole number of bytes", key=where)
         size = int(exact)
     if size < 0:
@@ -86,12 +92,13 @@ def parse_size(value: object, *, where: str) -> int:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest unit spelling that parses back to exactly ``seconds``."""
+    """The shortest unit spelling that parses back to exactly ``seconds``; else its shortest
+    decimal (never an exponent: ``1e-05s`` does not parse) in seconds."""
     for unit in ("d", "h", "m", "s", "ms"):
         count = seconds / DURATION_UNITS[unit]
         if count == int(count) and parse_duration(f"{int(count)}{unit}", where="") == seconds:
             return f"{int(count)}{unit}"
-    return f"{seconds!r}s"
+    return f"{Decimal(repr(seconds)):f}s"
 
 
 def format_size(size: int) -> str:

@@ -26,6 +26,8 @@ MAX_DEPTH = 32
 # control character reaches PyYAML, whose reader would fail without a line number.
 _NOT_PRINTABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _LINE_BREAK = re.compile("\r\n|[\n\r\x85\u2028\u2029]")
+# What a double-quoted "\ud800" gives: half of a UTF-16 pair, which no UTF-8 text can hold.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ConfigError(Exception):
@@ -236,7 +238,7 @@ def _line(node: yaml.Node) -> int:
 
 def _construct_scalar(node: yaml.ScalarNode, loader: yaml.SafeLoader, filename: str) -> object:
     try:
-        return loader.construct_object(node)
+        value = loader.construct_object(node)
     except yaml.YAMLError:
         raise
     # PyYAML's scalar constructors raise what their conversions raise: ValueError for
@@ -248,6 +250,14 @@ def _construct_scalar(node: yaml.ScalarNode, loader: yaml.SafeLoader, filename: 
             path=filename,
             line=_line(node),
         ) from err
+    if isinstance(value, str) and (half := _SURROGATE.search(value)) is not None:
+        raise ConfigError(
+            f"the value {shown(value)} holds U+{ord(half.group()):04X}, a surrogate escape "
+            "that no UTF-8 text can hold",
+            path=filename,
+            line=_line(node),
+        )
+    return value
 
 
 def _convert(node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str) -> Node:

@@ -24,6 +24,9 @@ GPU_PLACEHOLDERS = ("uuid", "pci_bus_id", "minor")
 HOOK_PLACEHOLDERS = (*GPU_PLACEHOLDERS, "hostname", "user")
 # A MIG recovery command names the parent GPU by its stable names, and the GPU instance.
 MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "placement")
+# How many a reset records (act/reset_target.py) and so the policy may hold (config/keys.py).
+MAX_COMMANDS = 100  # commands, or hooks, in one list
+MAX_ARGS = 1000  # arguments of one command
 # The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
 _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
 

@@ -83,7 +83,7 @@ def _policy_text(text: str) -> str:
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     assert isinstance(root, yaml.MappingNode)  # noqa: S101 -- load_document read a mapping
     value = next(v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "policy")
-    if isinstance(value, yaml.ScalarNode) and value.value in ("", "~", "null"):
+    if isinstance(value, yaml.ScalarNode) and value.tag == "tag:yaml.org,2002:null":
         return ""
     start, end = value.start_mark, value.end_mark
     body = text[int(start.index) : int(end.index)]
@@ -276,7 +276,7 @@ class _Reader(GpuReader):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not key.isdigit() or int(key) not in self.gpu_indexes:
+            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpu_indexes:
                 raise self.fail(value, f"no GPU with index {key!r} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)

@@ -81,7 +81,8 @@ class Simulation:
 
     def __init__(self, scenario: Scenario, policy: Policy, policy_source: str = "") -> None:
         self.scenario = scenario
-        self.policy = policy
+        # The policy the run plays under: the scenario's interval, if it has one, is its own.
+        self.policy = dataclasses.replace(policy, interval=scenario.interval or policy.interval)
         self.policy_source = policy_source
         self.world = World(scenario)
         self.now = 0.0
@@ -102,7 +103,7 @@ class Simulation:
             if spec.exits_at is not None:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
-        self.interval = interval = scenario.interval or policy.interval
+        interval = self.policy.interval
         polls = scenario.duration / interval
         if polls > MAX_POLLS:
             raise SimulationError(
@@ -112,7 +113,7 @@ class Simulation:
             )
         host = VirtualHost(self)
         self.engine = Engine(
-            dataclasses.replace(policy, interval=interval),
+            self.policy,
             reader=host,
             actuator=host,
             clock=host,
@@ -138,9 +139,8 @@ class Simulation:
     def pname(self, pid: object) -> str:
         if not isinstance(pid, int):
             return "pid ?"
-        proc = self.world.procs.get(pid) or next(
-            (p for p in reversed(self.world.history) if p.pid == pid), None
-        )
+        # The last process started with the PID: the one that has it now, if any.
+        proc = next((p for p in reversed(self.world.history) if p.pid == pid), None)
         return f"pid {pid} ({proc.name})" if proc else f"pid {pid}"
 
     def gname(self, uuid: object) -> str:
@@ -163,7 +163,7 @@ class Simulation:
                 self.add(
                     TimelineEvent.BUSY_LOOP, Level.WARNING, "the daemon would poll in a busy loop"
                 )
-                until = self.now + self.interval
+                until = self.now + self.policy.interval
                 busy = 0
             last = until > duration  # the run ends at its duration
             until = min(until, duration)
@@ -212,10 +212,11 @@ class Simulation:
     # -- world events --
 
     def exit_process(self, proc: WorldProc, why: str) -> None:
+        """``proc`` exits now, unless it already has (two of its exits may fall at once)."""
+        if not proc.alive:
+            return
         identity = ProcessIdentity(proc.pid, proc.start_ticks)
         notes = self.world.exit(proc, self.now, why)
-        if proc.exited_at != self.now:
-            return
         text = f"{proc.name} (pid {proc.pid}) exited ({why})"
         self.happened(
             TimelineEvent.EXIT, "; ".join([text, *notes]), process=proc.name, pid=proc.pid

@@ -134,14 +134,12 @@ _COLUMN = {
 
 
 class _ScenarioNames:
-    """Names for the final summary, from the scenario itself (the run's world is gone)."""
+    """Names for the final summary, from the result (the run's world is gone): a PID is the
+    last process started with it."""
 
-    def __init__(self, scenario: Scenario) -> None:
-        self.procs = {p.pid: p.name for p in scenario.processes}
-        for event in scenario.events:
-            if event.process is not None:
-                self.procs.setdefault(event.process.pid, event.process.name)
-        self.gpus = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
+    def __init__(self, result: SimulationResult) -> None:
+        self.procs = {p["pid"]: p["name"] for p in result.final["processes"]}  # type: ignore[attr-defined]
+        self.gpus = {g.uuid: f"GPU {g.index}" for g in result.scenario.gpus}
 
     def pname(self, pid: object) -> str:
         name = self.procs.get(pid) if isinstance(pid, int) else None
@@ -161,14 +159,14 @@ def _same_unit(value: object, suffix: str = "") -> str:
 def render_text(result: SimulationResult) -> str:
     """The timeline for people: a header, one line per entry, the final state."""
     scenario, policy = result.scenario, result.policy
-    names = TimelineNamer(_ScenarioNames(scenario))
+    names = TimelineNamer(_ScenarioNames(result))
     lines = [
         f"simulate {scenario.path}: {len(scenario.gpus)} GPU(s), "
         f"{len(scenario.processes)} process(es), {scenario.duration:g}s, "
-        f"interval {scenario.interval or policy.interval:g}s, "
+        f"interval {policy.interval:g}s, "
         f"{'dry-run' if policy.dry_run else 'enforcing'}; policy: {result.policy_source}",
     ]
-    if scenario.description:
+    if scenario.description.strip():
         lines.append(f"  {scenario.description.strip().splitlines()[0]}")
     lines.append("")
     for entry in result.timeline:

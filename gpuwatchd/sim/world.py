@@ -200,9 +200,7 @@ class World:
         return next((proc for proc in reversed(self.history) if proc.name == name), None)
 
     def exit(self, proc: WorldProc, at: float, why: str) -> list[str]:
-        """The process exits: children reparented, device files closed, contexts settled."""
-        if not proc.alive:
-            return []
+        """A live process exits: children reparented, device files closed, contexts settled."""
         notes: list[str] = []
         proc.alive, proc.exited_at, proc.exit_why = False, at, why
         live = [c for c in self.contexts if c.pid == proc.pid and c.status == "live"]

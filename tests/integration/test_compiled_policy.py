@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,6 +198,28 @@ def test_a_drop_in_state_dir_line_wins_over_the_main_files(tmp_path: Path) -> No
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "10-x.yaml").write_text("state_dir: /c\n")
     assert guess_state_dir(str(main)) == "/c"
+
+
+def test_the_guess_never_opens_what_is_not_a_regular_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a device may act (a tape rewinds, a watchdog arms): the policy reader checks a
+    file's type before it opens it, and so does the guess (it opened any entry named *.yaml)."""
+    main = tmp_path / "gpuwatchd.yaml"
+    main.write_text("state_dir: /a\n")
+    (tmp_path / "conf.d").mkdir()
+    fifo = tmp_path / "conf.d" / "10-x.yaml"
+    os.mkfifo(fifo)
+    opened: list[str] = []
+    real_open = os.open
+
+    def recording_open(path: str, flags: int, *args: Any) -> int:
+        opened.append(path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    assert guess_state_dir(str(main)) is None
+    assert str(fifo) not in opened
 
 
 def test_the_compiled_file_is_json_dumps_layout_with_its_version_first(tmp_path: Path) -> None:

@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.act.reset_target import (
+    MAX_RECORDED_ARGS,
+    MAX_RECORDED_COMMANDS,
+    Commands,
+    ResetTarget,
+    prepare_commands,
+)
 from gpuwatchd.config.files import check_config_permissions
 from gpuwatchd.config.keys import normalize_gpu_id
 from gpuwatchd.config.schema import (
@@ -88,6 +95,8 @@ def test_parse_duration_refuses_bad_values_naming_the_key(text: object) -> None:
         ("100MB", 100_000_000),
         ("1kB", 1000),
         ("1.5GiB", 1536 * MIB),
+        ("1.001kB", 1001),  # exactly whole: refused once, a float product being 1000.9999...
+        ("0.003MB", 3000),
         ("7B", 7),
         (1024, 1024),
         (0, 0),
@@ -104,6 +113,7 @@ def test_parse_size_accepts_binary_and_decimal_units(text: object, size: int) ->
         ("-1MiB", "invalid size"),
         (-5, ">= 0"),
         ("1.5B", "whole number"),
+        ("1.0000000000000001KiB", "whole number"),  # 1024.0000000000001024: was read as 1024
         ("MiB", "invalid size"),
         ("256", "invalid size"),
         (1.5, "expected a size"),
@@ -116,7 +126,9 @@ def test_parse_size_refuses_bad_values(text: object, hint: str) -> None:
         parse_size(text, where="detection.ghost_margin")
 
 
-@pytest.mark.parametrize("seconds", [0.0, 0.5, 0.001, 1.5, 5.0, 90.0, 3600.0, 86400.0, 0.1234])
+@pytest.mark.parametrize(
+    "seconds", [0.0, 0.5, 0.001, 1.5, 5.0, 90.0, 3600.0, 86400.0, 0.1234, 1e-05, 2.5e-07]
+)
 def test_format_duration_round_trips(seconds: float) -> None:
     assert parse_duration(format_duration(seconds), where="x") == seconds
 
@@ -219,6 +231,8 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("reset: {monitors: [gpustat]}\n", "reset.monitors[0]", "expected a mapping"),
         ("reset: {monitors: [{}]}\n", "reset.monitors[0]", "exactly one of 'unit' and"),
         ("reset: {monitors: [{unit: a.service, command: a}]}\n", "reset.monitors[0]", "exactly"),
+        ("reset: {monitors: [{unit: null}]}\n", "reset.monitors[0]", "exactly one of 'unit' and"),
+        ("reset: {monitors: [{command: null}]}\n", "reset.monitors[0]", "exactly one of 'unit'"),
         ("reset: {monitors: [{unit: gpustat}]}\n", "reset.monitors[0].unit", "service name"),
         ("reset: {monitors: [{unit: -a.service}]}\n", "reset.monitors[0].unit", "service name"),
         ("reset: {monitors: [{command: '(('}]}\n", "reset.monitors[0].command", "regular exp"),
@@ -234,8 +248,16 @@ def test_duplicate_rule_names_in_one_file_are_refused() -> None:
         ("on_failure: ['drain-node']\n", "on_failure[0]", "expected an argv list"),
         ("on_failure: [{timeout: 5s}]\n", "on_failure[0]", "missing required key 'command'"),
         ("on_failure: [[sh, -c, 'scontrol']]\n", "on_failure[0]", "is a shell"),
+        (f"on_failure: [[echo, {'x' * 4097}]]\n", "on_failure[0]", "longer than 4096 char"),
+        (
+            f"reset: {{command: [site-reset, '{{uuid}}', {'x' * 4097}]}}\n",
+            "reset.command",
+            "longer than 4096 characters",
+        ),
         ("on_failure: [[drain, '{uid}']]\n", "on_failure[0]", "did you mean 'uuid'"),
         ("rules: {name: a}\n", "rules", "expected a list"),
+        ("rules: [null]\n", "rules[0]", "expected a mapping"),
+        ("rules: [{name: a, kind: zombie, steps: [{signal: null}]}, ~]\n", "rules[1]", "a mapping"),
         ("rules: [{kind: orphaned, steps: [{signal: null}]}]\n", "rules[0]", "'name'"),
         ("rules: [{name: a, steps: [{signal: null}]}]\n", "rules[0]", "'kind'"),
         ("rules: [{name: a, kind: orphaned}]\n", "rules[0]", "'steps'"),
@@ -494,6 +516,52 @@ def test_a_bad_mig_recovery_command_list_is_refused_naming_the_key_and_line(
     assert said in err.message
 
 
+def _reset_policy(*, hooks: int = 1, mig_commands: int = 1, args: int = 4) -> str:
+    """A reset section with ``hooks`` hooks in each list, ``mig_commands`` recovery commands
+    and commands of ``args`` arguments (``--`` pads the reset command and the hooks)."""
+    pad, mig_pad = ", --" * (args - 4), ", --" * (args - 7)
+    hook = f"    - [echo, hook, x, y{pad}]\n"
+    mig = f"    - [nvidia-smi, mig, -i, '{{uuid}}', -gi, '{{gi}}', -dgi{mig_pad}]\n"
+    return (
+        f"reset:\n  command: [nvidia-smi, --gpu-reset, -i, '{{uuid}}'{pad}]\n"
+        + "".join(f"  {step}:\n" + hook * hooks for step in ("drain", "before", "after"))
+        + "  mig_recovery: true\n  mig_recovery_commands:\n"
+        + mig * mig_commands
+    )
+
+
+@pytest.mark.parametrize(
+    ("changed", "key", "line"),
+    [
+        ({"hooks": MAX_RECORDED_COMMANDS + 1}, "reset.drain", 4),
+        ({"mig_commands": MAX_RECORDED_COMMANDS + 1}, "reset.mig_recovery_commands", 11),
+        ({"args": MAX_RECORDED_ARGS + 1}, "reset.command", 2),
+    ],
+)
+def test_reset_commands_beyond_what_a_reset_records_are_refused(
+    changed: dict[str, int], key: str, line: int
+) -> None:
+    """check-config used to pass them, and then the daemon refused every reset: a reset's
+    commands are recorded before its first step, within these bounds (act/reset_target.py)."""
+    err = error_of(_reset_policy(**changed))
+    assert err.key == key
+    assert err.line == line
+    bound = MAX_RECORDED_ARGS if "args" in changed else MAX_RECORDED_COMMANDS
+    assert f"at most {bound} " in err.message
+    if "args" in changed:  # every command of the reset is bounded, each named
+        keys = {p.key for p in err.problems}
+        assert {"reset.drain[0]", "reset.after[0]", "reset.mig_recovery_commands[0]"} <= keys
+
+
+def test_reset_commands_at_the_bounds_are_accepted_and_recorded() -> None:
+    """What check-config accepts, a reset records: no policy it passes is refused at the first
+    step for its size."""
+    for shape in ({"hooks": MAX_RECORDED_COMMANDS}, {"args": MAX_RECORDED_ARGS}):
+        reset = parse(_reset_policy(**shape)).reset
+        target = ResetTarget(UUID, "00000000:1A:00.0", 0, persistence_was_on=True)
+        assert isinstance(prepare_commands(target, reset), Commands)
+
+
 # --- drop-ins and merging -----------------------------------------------------------------------
 
 MAIN = """\
@@ -628,6 +696,23 @@ def test_a_drop_in_may_disable_the_last_rule() -> None:
         [("main.yaml", MAIN), ("10.yaml", "rules: [{name: orphans, enabled: false}]\n")]
     )
     assert [rule.name for rule in policy.rules] == ["zombies"]
+
+
+def test_an_empty_rules_key_in_a_drop_in_is_refused_not_read_as_no_rules(tmp_path: Path) -> None:
+    """``rules:`` alone in a drop-in (its entries all commented out) used to replace every rule
+    with none, while ``rules: []`` changes nothing: rules merge by name, so it is refused,
+    located, saying how to remove a rule. In the main file it still means no rules."""
+    main_file = write_config(tmp_path, MAIN, {"10-site.yaml": "interval: 5s\nrules:\n#  - x\n"})
+    with pytest.raises(ConfigError) as caught:
+        load_policy(str(main_file), check_permissions=False)
+    err = caught.value
+    drop_in = str(main_file.parent / "conf.d" / "10-site.yaml")
+    assert (err.path, err.line, err.key) == (drop_in, 2, "rules")
+    assert "merge by name" in err.message
+    assert "{name: NAME, enabled: false}" in err.message
+    kept = parse_policy_documents([("main.yaml", MAIN), ("10.yaml", "rules: []\n")])
+    assert [rule.name for rule in kept.rules] == ["orphans", "zombies"]
+    assert parse_policy_documents([("main.yaml", "rules:\n")]).rules == ()
 
 
 def test_missing_main_file_is_a_config_error(tmp_path: Path) -> None:
@@ -778,6 +863,29 @@ def test_walk_stops_at_trusted_root(tmp_path: Path) -> None:
     tmp_path.chmod(0o777)  # above the trusted root: not looked at
     check_config_permissions(str(main_file), trusted_root=str(tmp_path / "inner"))
     with pytest.raises(ConfigError):
+        check_config_permissions(str(main_file), trusted_root=str(tmp_path))
+
+
+@needs_root
+def test_a_mount_table_cut_at_its_read_limit_never_makes_a_writable_folder_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuwatchd.config import files
+
+    main_file = safe_tree(tmp_path)
+    folder = os.path.realpath(main_file.parent)
+    main_file.parent.chmod(0o777)
+    read_only = os.statvfs_result((0,) * 8 + (os.ST_RDONLY, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: read_only)
+    mountinfo = tmp_path / "mountinfo"
+    monkeypatch.setattr(files, "MOUNTINFO", str(mountinfo))
+    seen_alone = f"1 0 0:41 / {folder} ro - tmpfs tmpfs ro\n"
+    mountinfo.write_text(seen_alone)  # a ConfigMap volume: accepted
+    check_config_permissions(str(main_file), trusted_root=str(tmp_path))
+    # The same volume also mounted writable, past the 4 MiB the check reads: refused.
+    filler = "2 0 0:42 / /other ro - tmpfs tmpfs ro\n" * (4 * MIB // 38 + 1)
+    mountinfo.write_text(seen_alone + filler + "3 0 0:41 / /rw rw - tmpfs tmpfs rw\n")
+    with pytest.raises(ConfigError, match="writable by group or others"):
         check_config_permissions(str(main_file), trusted_root=str(tmp_path))
 
 

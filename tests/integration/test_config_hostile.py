@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from gpuwatchd.config import schema
 from gpuwatchd.config.keys import SECTIONS, Bound, Nested, Section
 from gpuwatchd.config.yamlsrc import ConfigError
-from gpuwatchd.decide.argv import format_argv
+from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, format_argv
 from gpuwatchd.decide.policy import Policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +163,22 @@ def test_bytes_that_are_not_utf8_name_the_line(tmp_path: Path) -> None:
 def test_a_scalar_yaml_cannot_construct_is_a_located_config_error(text: str) -> None:
     err = error_of(text)
     assert (err.path, err.line) == (DROP_IN, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ('interval: 5s\non_failure: [[/bin/echo, "a\\ud800"]]\n', "U+D800"),
+        ('rules:\n  - {name: "r\\udc80", kind: zombie, steps: [{signal: null}]}\n', "U+DC80"),
+    ],
+)
+def test_a_surrogate_escape_no_utf8_text_can_hold_is_a_located_config_error(
+    text: str, code: str
+) -> None:
+    """A hook's argument of one would pass and then fail to encode when the hook runs."""
+    err = error_of(text)
+    assert (err.path, err.line) == (DROP_IN, 2)
+    assert code in err.message
 
 
 # --- 2. bounded before parsing: size, depth, aliases; regular files only --------------------------
@@ -520,6 +536,19 @@ def test_the_bounds_tables_in_the_policy_doc_and_man_page_match_the_schema() -> 
     limits = man.split(".SH LIMITS", 1)[1].split(".SH ", 1)[0]
     lines = re.findall(r"^([a-z_.\[\]]+) +(\S+) \.\. (\S+)$", limits, re.M)
     assert {key: (low, high) for key, low, high in lines} == expected
+
+
+def test_the_bounds_of_what_a_reset_records_are_documented_as_the_code_has_them() -> None:
+    doc = (REPO / "docs" / "policy.md").read_text()
+    section = doc.split("## Bounds", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (hooks in|commands in|arguments of)[^|]+\| (\d+) +\|", section, re.M)
+    bounds = [("hooks in", MAX_COMMANDS), ("commands in", MAX_COMMANDS), ("arguments of", MAX_ARGS)]
+    assert rows == [(what, str(bound)) for what, bound in bounds]
+    man = (REPO / "docs" / "man" / "gpuwatchd.yaml.5").read_text()
+    limits = " ".join(man.split(".SH LIMITS", 1)[1].split(".SH ", 1)[0].split())
+    assert f"At most {MAX_COMMANDS} hooks" in limits
+    assert f"at most {MAX_COMMANDS} commands in .IR reset.mig_recovery_commands" in limits
+    assert f"at most {MAX_ARGS} arguments in any command" in limits
 
 
 # --- 4. NUL in argv and strings -------------------------------------------------------------------

@@ -76,6 +76,12 @@ def scenario(dry: str = "false", sigterm: str = "exit") -> str:
             "events[0].exit",
             "no process named",
         ),
+        (
+            "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    nvml: {\u00b2: 1GiB}\n",
+            5,
+            "processes[0].nvml.\u00b2",
+            "no GPU with index '\u00b2'",
+        ),
         ("duration: 1m\ngpus: [{index: 0}]\nevents:\n  - at: 1s\n", 4, "events[0]", "exactly one"),
         (
             "duration: 1m\ngpus: [{index: 0}]\nprocesses:\n  - name: a\n    visible: 3\n",
@@ -122,6 +128,14 @@ def test_inline_policy_errors_keep_the_scenario_line_numbers() -> None:
     assert "did you mean 'interval'" in err.value.message
 
 
+@pytest.mark.parametrize("null", ["", "~", "null", "Null", "NULL"])
+def test_an_empty_inline_policy_is_no_change_however_null_is_spelled(null: str) -> None:
+    """``policy: Null`` passed the scenario's check as null and was then read as the text
+    ``Null``, a policy whose top level is not a mapping."""
+    scenario = parse_scenario("s.yaml", f"duration: 1m\ngpus: [{{index: 0}}]\npolicy: {null}\n")
+    assert scenario.policy == ("s.yaml", "")
+
+
 def test_cli_exits_65_on_a_malformed_scenario(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -145,6 +159,14 @@ def test_exit_after_a_delay_is_seen_at_once_not_at_the_next_poll() -> None:
     exits = r.entries("target.exited")
     assert [e.t for e in exits] == [42.5]
     assert [s for _, _, s, _ in r.signals()] == ["SIGTERM"]
+
+
+def test_a_process_exits_once_when_two_of_its_exits_fall_at_the_same_instant() -> None:
+    text = scenario().replace("    nvml: {0: 4GiB}\n", "    nvml: {0: 4GiB}\n    exits_at: 10s\n")
+    r = simulate(parse_scenario("s.yaml", text))
+    exits = [(e.t, e.fields["process"]) for e in r.entries("world.exit")]
+    assert exits == [(10.0, "trainer"), (40.0, "worker")]
+    assert "(scenario: exit)" in r.entries("world.exit")[0].text
 
 
 def test_dry_run_sends_nothing_and_says_what_it_would_do() -> None:
@@ -183,6 +205,15 @@ def test_cli_text_and_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     doc = json.loads(capsys.readouterr().out)
     assert doc["dry_run"] is False
     assert any(e["event"] == "action.signal" and e["t"] == 40.0 for e in doc["timeline"])
+
+
+def test_the_json_gives_the_interval_the_run_polled_at_as_the_header_does() -> None:
+    r = simulate(parse_scenario("s.yaml", "duration: 1m\ninterval: 2s\ngpus: [{}]\n"))
+    assert r.to_json()["interval"] == 2.0
+    assert ", interval 2s, " in render_text(r).splitlines()[0]
+    assert r.polls == 31
+    r = simulate(parse_scenario("s.yaml", "duration: 1m\ngpus: [{}]\n"))
+    assert r.to_json()["interval"] == 5.0  # the policy's
 
 
 def test_config_file_replaces_the_inline_policy(tmp_path: pathlib.Path) -> None:
@@ -346,6 +377,31 @@ def test_the_summary_names_findings_instead_of_printing_their_keys() -> None:
     assert finding_label(key, names) == "dead_process pid 91234 (trainer) on GPU 0"
     gpu_key = "ghost_memory:GPU-00000000-0000-0000-0000-000000000000:gpu"
     assert finding_label(gpu_key, names) == "ghost_memory GPU 0"
+
+
+def test_the_summary_names_a_reused_pid_by_the_process_that_has_it_at_the_end() -> None:
+    text = """\
+duration: 1m
+gpus: [{}]
+processes:
+  - {name: first, pid: 5000, holds: [0], exits_at: 10s}
+events:
+  - {at: 20s, start: {name: second, pid: 5000, holds: [0]}}
+"""
+    r = simulate(parse_scenario("s.yaml", text))
+    summary = render_text(r).splitlines()[-1]
+    assert summary == "  open findings: hidden_holder pid 5000 (second) on GPU 0"
+
+
+@pytest.mark.parametrize("description", ['" "', '"\\n"', "|\n  first\n  second"])
+def test_the_header_shows_a_descriptions_first_line_and_nothing_for_a_blank_one(
+    description: str,
+) -> None:
+    r = simulate(
+        parse_scenario("s.yaml", f"description: {description}\nduration: 1m\ngpus: [{{}}]\n")
+    )
+    shown = render_text(r).splitlines()[1]
+    assert shown == ("  first" if "first" in description else "")
 
 
 def test_the_summary_gives_a_gpus_memory_in_one_unit() -> None:

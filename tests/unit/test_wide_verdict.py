@@ -226,6 +226,7 @@ def test_memory_beside_a_live_owner_whose_figure_nvml_does_not_know_is_not_judge
     gpu = judged(snapshot).gpus[0]
     assert "leftover_memory" not in [r.kind for r in gpu.reasons]
     assert gpu.notes == ("memory not judged: a live owner's memory figure is unknown",)
+    assert gpu.to_json()["notes"] == list(gpu.notes)  # what check-clean --json and status say
 
 
 def test_each_gpus_verdict_names_it_as_nvml_does() -> None:

@@ -172,14 +172,12 @@ class _Judge:
         return None
 
     def gpus_of(self, finding: Finding) -> list[str]:
-        uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
-        if finding.kind in kinds.HOLDING_DEVICE:  # dirt on every GPU whose file it holds
-            held = finding.evidence.get("gpus")
-            if isinstance(held, list):
-                uuids += [
-                    w for u in held if isinstance(u, str) and (w := self.whole(u)) not in uuids
-                ]
-        return [u for u in uuids if u in self.reasons]
+        """The GPUs ``finding`` is about, each once (a MIG instance's as its GPU)."""
+        named = [] if finding.gpu is None else [finding.gpu]
+        held = finding.evidence.get("gpus")
+        if finding.kind in kinds.HOLDING_DEVICE and isinstance(held, list):
+            named += [u for u in held if isinstance(u, str)]  # dirt on every GPU it holds
+        return [u for u in dict.fromkeys(map(self.whole, named)) if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
         """The GPU's UUID for a MIG instance's (its finding is about its GPU), any other as is."""

@@ -15,6 +15,7 @@ from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.verdict import NodeVerdict, judge
+from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 from tests.support.verdictcases import LEAK, POLICY, ROOTS_PERSISTENCED
 
@@ -259,3 +260,13 @@ def test_a_mig_recovery_left_half_done_is_dirt_on_its_gpu() -> None:
     why = "GPU instance 1 destroyed, not re-created"
     verdict = judge(snapshot, assessment, POLICY, unfinished={gpu_uuid(1): why, "GPU-gone": why})
     assert [said(verdict, i) for i in (0, 1)] == [[], [("mig_unfinished", None, why)]]
+
+
+def test_a_holder_of_two_instances_of_another_mig_gpu_is_said_once_there() -> None:
+    """GPU 0 whole and two GPU instances of MIG GPU 1: dirt once on each GPU, not once per
+    instance (the reasons are what check-clean lists and counts)."""
+    snapshot = with_mig(HostBuilder().gpu(0).gpu(1).build(), gpu=1, instances=[Inst(1), Inst(2)])
+    held = [gpu_uuid(0), mig_uuid(1, 1), mig_uuid(1, 2)]
+    verdict = judged(snapshot, extra=(about(FindingKind.ORPHANED, 0, 42, gpus=held),))
+    assert said(verdict, 0) == [("orphaned", 42, "orphaned here")]
+    assert said(verdict, 1) == [("orphaned", 42, "orphaned here")]

@@ -126,9 +126,11 @@ class _Judge:
         self.assessment = assessment
         self.policy = policy
         self.gpus = sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
+        # By whole GPU: a MIG instance's holders are its GPU's, as its findings are.
+        self.gpu_roles = [(self.whole(role.gpu), role) for role in assessment.roles]
         self.roles: dict[tuple[str, int], HolderRole] = {}
-        for role in assessment.roles:
-            self.roles.setdefault((role.gpu, role.pid), role)
+        for uuid, role in self.gpu_roles:
+            self.roles.setdefault((uuid, role.pid), role)
         self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
         self.excused: dict[tuple[str, int], Reason] = {}
         self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
@@ -213,8 +215,8 @@ class _Judge:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
-            for role in self.assessment.roles:
-                if role.gpu == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
+            for uuid, role in self.gpu_roles:
+                if uuid == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
                     reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
             if unread is not None:
                 reasons.append(unread)

@@ -270,3 +270,25 @@ def test_a_holder_of_two_instances_of_another_mig_gpu_is_said_once_there() -> No
     verdict = judged(snapshot, extra=(about(FindingKind.ORPHANED, 0, 42, gpus=held),))
     assert said(verdict, 0) == [("orphaned", 42, "orphaned here")]
     assert said(verdict, 1) == [("orphaned", 42, "orphaned here")]
+
+
+def _listed_on_an_instance(*, holds_it: bool) -> NodeVerdict:
+    """PID 800 listed by NVML in GPU instance 1 of MIG GPU 1, holding its files or none."""
+    builder = HostBuilder().gpu(0).gpu(1).proc(800, ppid=1, holds={1} if holds_it else (), uvm=True)
+    caps = {800: [(1, 0)]} if holds_it else {}
+    instance = Inst(1, processes=((800, 2 * MIB),))
+    return judged(with_mig(builder.build(), gpu=1, instances=[instance], caps=caps))
+
+
+def test_a_holder_whose_role_on_a_mig_instance_is_unknown_leaves_its_gpu_unknown() -> None:
+    gpu = _listed_on_an_instance(holds_it=False).gpus[1]
+    assert gpu.state.value == "unknown"
+    assert [(r.kind, r.pid) for r in gpu.reasons] == [("unknown_holder", 800)]
+
+
+def test_a_mig_instances_context_owner_blocks_its_gpus_reset_as_a_live_job() -> None:
+    gpu = _listed_on_an_instance(holds_it=True).gpus[1]
+    assert gpu.clean
+    assert [r.text for r in gpu.reset_blockers] == [
+        "pid 800 (python3): context owner (a live job): owns a context (listed by NVML)"
+    ]

@@ -215,9 +215,11 @@ class _Judge:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
-            for uuid, role in self.gpu_roles:
-                if uuid == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
-                    reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
+            reasons += dict.fromkeys(  # once, if unknown in several of a MIG GPU's instances
+                Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note)
+                for uuid, role in self.gpu_roles
+                if uuid == gpu.uuid and role.role is HolderRoleName.UNKNOWN
+            )
             if unread is not None:
                 reasons.append(unread)
 

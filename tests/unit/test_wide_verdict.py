@@ -272,18 +272,22 @@ def test_a_holder_of_two_instances_of_another_mig_gpu_is_said_once_there() -> No
     assert said(verdict, 1) == [("orphaned", 42, "orphaned here")]
 
 
-def _listed_on_an_instance(*, holds_it: bool) -> NodeVerdict:
-    """PID 800 listed by NVML in GPU instance 1 of MIG GPU 1, holding its files or none."""
+def _listed_on_an_instance(*, holds_it: bool, gis: tuple[int, ...] = (1,)) -> NodeVerdict:
+    """PID 800 listed by NVML in GPU instances ``gis`` of MIG GPU 1, holding the first's files
+    or none."""
     builder = HostBuilder().gpu(0).gpu(1).proc(800, ppid=1, holds={1} if holds_it else (), uvm=True)
-    caps = {800: [(1, 0)]} if holds_it else {}
-    instance = Inst(1, processes=((800, 2 * MIB),))
-    return judged(with_mig(builder.build(), gpu=1, instances=[instance], caps=caps))
+    caps = {800: [(gis[0], 0)]} if holds_it else {}
+    instances = [Inst(gi, processes=((800, 2 * MIB),)) for gi in gis]
+    return judged(with_mig(builder.build(), gpu=1, instances=instances, caps=caps))
 
 
-def test_a_holder_whose_role_on_a_mig_instance_is_unknown_leaves_its_gpu_unknown() -> None:
-    gpu = _listed_on_an_instance(holds_it=False).gpus[1]
+@pytest.mark.parametrize("gis", [(1,), (1, 2)])
+def test_a_holder_whose_role_on_a_mig_instance_is_unknown_leaves_its_gpu_unknown(
+    gis: tuple[int, ...],
+) -> None:
+    gpu = _listed_on_an_instance(holds_it=False, gis=gis).gpus[1]
     assert gpu.state.value == "unknown"
-    assert [(r.kind, r.pid) for r in gpu.reasons] == [("unknown_holder", 800)]
+    assert [(r.kind, r.pid) for r in gpu.reasons] == [("unknown_holder", 800)]  # said once
 
 
 def test_a_mig_instances_context_owner_blocks_its_gpus_reset_as_a_live_job() -> None:

@@ -175,11 +175,12 @@ class _Judge:
 
     def gpus_of(self, finding: Finding) -> list[str]:
         """The GPUs ``finding`` is about, each once (a MIG instance's as its GPU)."""
-        named = [] if finding.gpu is None else [finding.gpu]
+        named: list[object] = [finding.gpu]
         held = finding.evidence.get("gpus")
         if finding.kind in kinds.HOLDING_DEVICE and isinstance(held, list):
-            named += [u for u in held if isinstance(u, str)]  # dirt on every GPU it holds
-        return [u for u in dict.fromkeys(map(self.whole, named)) if u in self.reasons]
+            named += held  # dirt on every GPU whose file it holds
+        wholes = dict.fromkeys(self.whole(u) for u in named if isinstance(u, str))
+        return [u for u in wholes if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
         """The GPU's UUID for a MIG instance's (its finding is about its GPU), any other as is."""

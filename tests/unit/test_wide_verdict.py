@@ -296,3 +296,16 @@ def test_a_mig_instances_context_owner_blocks_its_gpus_reset_as_a_live_job() -> 
     assert [r.text for r in gpu.reset_blockers] == [
         "pid 800 (python3): context owner (a live job): owns a context (listed by NVML)"
     ]
+
+
+def test_a_holder_is_dirt_on_its_own_gpu_and_each_gpu_named_among_those_it_holds() -> None:
+    """Its GPU, then each string among the GPUs its evidence says it holds (anything else
+    there names no GPU); a kind that holds no device is dirt on its own GPU alone."""
+    snapshot = HostBuilder().gpu(0).gpu(1).gpu(2).build()
+    held: list[object] = [["GPU-x"], None, 7, gpu_uuid(1)]
+    orphan = about(FindingKind.ORPHANED, 0, 42, gpus=held)
+    verdict = judged(snapshot, extra=(orphan,))
+    assert [bool(said(verdict, i)) for i in range(3)] == [True, True, False]
+    dead = about(FindingKind.DEAD_PROCESS, 0, 43, gpus=[gpu_uuid(2)])
+    verdict = judged(snapshot, extra=(dead,))
+    assert [bool(said(verdict, i)) for i in range(3)] == [True, False, False]

@@ -126,9 +126,11 @@ class _Judge:
         self.assessment = assessment
         self.policy = policy
         self.gpus = sorted(snapshot.nvml.gpus, key=lambda g: (g.index, g.uuid))
+        # By whole GPU: a MIG instance's holders are its GPU's, as its findings are.
+        self.gpu_roles = [(self.whole(role.gpu), role) for role in assessment.roles]
         self.roles: dict[tuple[str, int], HolderRole] = {}
-        for role in assessment.roles:
-            self.roles.setdefault((role.gpu, role.pid), role)
+        for uuid, role in self.gpu_roles:
+            self.roles.setdefault((uuid, role.pid), role)
         self.reasons: dict[str, list[Reason]] = {g.uuid: [] for g in self.gpus}
         self.excused: dict[tuple[str, int], Reason] = {}
         self.notes: dict[str, list[str]] = {g.uuid: [] for g in self.gpus}
@@ -172,14 +174,13 @@ class _Judge:
         return None
 
     def gpus_of(self, finding: Finding) -> list[str]:
-        uuids = [] if finding.gpu is None else [self.whole(finding.gpu)]
-        if finding.kind in kinds.HOLDING_DEVICE:  # dirt on every GPU whose file it holds
-            held = finding.evidence.get("gpus")
-            if isinstance(held, list):
-                uuids += [
-                    w for u in held if isinstance(u, str) and (w := self.whole(u)) not in uuids
-                ]
-        return [u for u in uuids if u in self.reasons]
+        """The GPUs ``finding`` is about, each once (a MIG instance's as its GPU)."""
+        named: list[object] = [finding.gpu]
+        held = finding.evidence.get("gpus")
+        if finding.kind in kinds.HOLDING_DEVICE and isinstance(held, list):
+            named += held  # dirt on every GPU whose file it holds
+        wholes = dict.fromkeys(self.whole(u) for u in named if isinstance(u, str))
+        return [u for u in wholes if u in self.reasons]
 
     def whole(self, uuid: str) -> str:
         """The GPU's UUID for a MIG instance's (its finding is about its GPU), any other as is."""
@@ -215,9 +216,11 @@ class _Judge:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
-            for role in self.assessment.roles:
-                if role.gpu == gpu.uuid and role.role is HolderRoleName.UNKNOWN:
-                    reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note))
+            reasons += dict.fromkeys(  # once, if unknown in several of a MIG GPU's instances
+                Reason(LeftoverName.UNKNOWN_HOLDER, role.pid, role.note)
+                for uuid, role in self.gpu_roles
+                if uuid == gpu.uuid and role.role is HolderRoleName.UNKNOWN
+            )
             if unread is not None:
                 reasons.append(unread)
 

@@ -985,6 +985,18 @@ def test_a_damaged_state_part_is_named_in_the_error(part: str, value: object, me
         AssessState.from_json({"version": 2, part: value})
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_saved_time_that_is_not_finite_is_refused(value: str) -> None:
+    # json.loads reads NaN and Infinity; the state is written with allow_nan=False, so a
+    # non-finite time kept from the file would make every later save of the state fail.
+    since = json.loads(f'{{"version": 2, "unaccounted_since": {{"GPU-1": {value}}}}}')
+    with pytest.raises(ValueError, match="bad unaccounted_since entry: 'GPU-1'"):
+        AssessState.from_json(since)
+    entry = f'{{"pid": 5, "start_ticks": 50, "first_seen": {value}}}'
+    with pytest.raises(ValueError, match="lineage entry needs a numeric first_seen"):
+        AssessState.from_json(json.loads(f'{{"version": 2, "lineage": [{entry}]}}'))
+
+
 def test_the_saved_lineage_keeps_its_keys_in_order() -> None:
     state = AssessState(lineage={ProcessIdentity(5, 50): Lineage(1, 2, 3, "job", 9.5)})
     assert json.dumps(state.to_json()["lineage"]) == json.dumps(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import time
+from types import FrameType
 
 import pytest
 from hypothesis import given, settings
@@ -237,3 +239,38 @@ def test_a_line_of_exactly_the_searched_length_is_searched_whole() -> None:
     assert command_search(re.compile("--serve"), exact) is False
     assert command_search(re.compile("--serve"), exact + "y") is None
     assert command_search(re.compile("x$"), exact) is True
+
+
+def test_a_verbose_pattern_is_read_with_its_flags() -> None:
+    verbose = re.compile(r"train \.py  # the script", re.VERBOSE)
+    assert command_search(verbose, "python train.py") is True
+    assert command_search(verbose, "python train .py  # the script") is False
+
+
+def _frames() -> int:
+    frame: FrameType | None = sys._getframe()
+    count = 0
+    while frame is not None:
+        frame, count = frame.f_back, count + 1
+    return count
+
+
+def _check_with_stack(pattern: re.Pattern[str], room: int) -> None:
+    """check_linear with only ``room`` frames left above this one."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(_frames() + room)
+    try:
+        check_linear(pattern)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_a_pattern_nested_past_the_stack_is_refused_not_crashed() -> None:
+    # Python parses a group level in about 2 frames and the automaton is built in about 4:
+    # with 300 frames left, 100 levels parse but cannot be built; with 50, none parse.
+    nested = re.compile("(?:" * 100 + "a*" + ")*" * 100)
+    with pytest.raises(NotLinear, match=r"^nested too deeply$"):
+        _check_with_stack(nested, 300)
+    with pytest.raises(NotLinear, match=r"^invalid regular expression: maximum recursion"):
+        _check_with_stack(nested, 50)
+    check_linear(nested)  # with the stack it needs, it is linear

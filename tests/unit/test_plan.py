@@ -1251,6 +1251,21 @@ def test_a_damaged_saved_ladder_is_named_in_the_error(
         PlanState.from_json(json.loads(json.dumps(saved)))
 
 
+@pytest.mark.parametrize(
+    ("part", "value", "message"),
+    [
+        ("notes", [], "plan.notes: expected an object"),
+        ("notes", {"k": 1}, "plan.notes.k: expected a string"),
+        ("signal_scopes", [], "plan.signal_scopes: expected an object"),
+    ],
+)
+def test_a_damaged_part_of_the_saved_plan_is_named_by_its_place(
+    part: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlanState.from_json({part: value})
+
+
 def test_ladder_follows_the_process_when_its_finding_changes_kind() -> None:
     rules = [
         Rule("orphans", FindingKind.ORPHANED, LADDER),

@@ -15,6 +15,7 @@ from gpuwatchd.core.model import MIB, Finding, FindingKind, Snapshot
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.verdict import NodeVerdict, judge
+from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 from tests.support.verdictcases import LEAK, POLICY, ROOTS_PERSISTENCED
 
@@ -226,6 +227,7 @@ def test_memory_beside_a_live_owner_whose_figure_nvml_does_not_know_is_not_judge
     gpu = judged(snapshot).gpus[0]
     assert "leftover_memory" not in [r.kind for r in gpu.reasons]
     assert gpu.notes == ("memory not judged: a live owner's memory figure is unknown",)
+    assert gpu.to_json()["notes"] == list(gpu.notes)  # what check-clean --json and status say
 
 
 def test_each_gpus_verdict_names_it_as_nvml_does() -> None:
@@ -342,3 +344,52 @@ def test_a_holder_without_a_role_is_said_by_what_it_holds() -> None:
         ("holder", 800, "pid 800 (?): holds its device file"),
         ("holder", 810, f"pid 810 (?): {NODE_ONLY}"),
     ]
+
+
+def test_a_holder_of_two_instances_of_another_mig_gpu_is_said_once_there() -> None:
+    """GPU 0 whole and two GPU instances of MIG GPU 1: dirt once on each GPU, not once per
+    instance (the reasons are what check-clean lists and counts)."""
+    snapshot = with_mig(HostBuilder().gpu(0).gpu(1).build(), gpu=1, instances=[Inst(1), Inst(2)])
+    held = [gpu_uuid(0), mig_uuid(1, 1), mig_uuid(1, 2)]
+    verdict = judged(snapshot, extra=(about(FindingKind.ORPHANED, 0, 42, gpus=held),))
+    assert said(verdict, 0) == [("orphaned", 42, "orphaned here")]
+    assert said(verdict, 1) == [("orphaned", 42, "orphaned here")]
+
+
+def _listed_on_an_instance(*, holds_it: bool, gis: tuple[int, ...] = (1,)) -> NodeVerdict:
+    """PID 800 listed by NVML in GPU instances ``gis`` of MIG GPU 1, holding the first's files
+    or none."""
+    builder = HostBuilder().gpu(0).gpu(1).proc(800, ppid=1, holds={1} if holds_it else (), uvm=True)
+    caps = {800: [(gis[0], 0)]} if holds_it else {}
+    instances = [Inst(gi, processes=((800, 2 * MIB),)) for gi in gis]
+    return judged(with_mig(builder.build(), gpu=1, instances=instances, caps=caps))
+
+
+@pytest.mark.parametrize("gis", [(1,), (1, 2)])
+def test_a_holder_whose_role_on_a_mig_instance_is_unknown_leaves_its_gpu_unknown(
+    gis: tuple[int, ...],
+) -> None:
+    gpu = _listed_on_an_instance(holds_it=False, gis=gis).gpus[1]
+    assert gpu.state.value == "unknown"
+    assert [(r.kind, r.pid) for r in gpu.reasons] == [("unknown_holder", 800)]  # said once
+
+
+def test_a_mig_instances_context_owner_blocks_its_gpus_reset_as_a_live_job() -> None:
+    gpu = _listed_on_an_instance(holds_it=True).gpus[1]
+    assert gpu.clean
+    assert [r.text for r in gpu.reset_blockers] == [
+        "pid 800 (python3): context owner (a live job): owns a context (listed by NVML)"
+    ]
+
+
+def test_a_holder_is_dirt_on_its_own_gpu_and_each_gpu_named_among_those_it_holds() -> None:
+    """Its GPU, then each string among the GPUs its evidence says it holds (anything else
+    there names no GPU); a kind that holds no device is dirt on its own GPU alone."""
+    snapshot = HostBuilder().gpu(0).gpu(1).gpu(2).build()
+    held: list[object] = [["GPU-x"], None, 7, gpu_uuid(1)]
+    orphan = about(FindingKind.ORPHANED, 0, 42, gpus=held)
+    verdict = judged(snapshot, extra=(orphan,))
+    assert [bool(said(verdict, i)) for i in range(3)] == [True, True, False]
+    dead = about(FindingKind.DEAD_PROCESS, 0, 43, gpus=[gpu_uuid(2)])
+    verdict = judged(snapshot, extra=(dead,))
+    assert [bool(said(verdict, i)) for i in range(3)] == [True, False, False]

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TypeGuard, TypeVar
+from typing import TypeVar
 
+from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.model import ProcessIdentity, ProcessInfo, as_int
 from gpuwatchd.core.vocabulary import ASSESS_STATE_VERSION, ASSESS_STATE_VERSIONS_READ
 from gpuwatchd.decide.assess.host_view import HostView
@@ -84,9 +85,10 @@ class AssessState:
             baselines[uuid] = amount
         since: dict[str, float] = {}
         for uuid, value in _part(data, "unaccounted_since", dict).items():
-            if not isinstance(uuid, str) or not _is_number(value):
+            time = as_number(value)  # finite: the state is written without NaN
+            if not isinstance(uuid, str) or time is None:
                 raise ValueError(f"bad unaccounted_since entry: {uuid!r}: {value!r}")
-            since[uuid] = float(value)
+            since[uuid] = time
         lineage = dict(_lineage_entry(entry) for entry in _part(data, "lineage", list))
         owners: set[ProcessIdentity] = set()
         for entry in _part(data, "owners", list):
@@ -114,10 +116,6 @@ def _part(data: dict[object, object], key: str, kind: type[_C]) -> _C:
     return value
 
 
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
 def _inheritance_entry(entry: object) -> tuple[ProcessIdentity, Inheritance]:
     if not isinstance(entry, dict):
         raise ValueError(f"bad inheritance entry: {entry!r}")
@@ -142,18 +140,18 @@ def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
     if not isinstance(entry, dict):
         raise ValueError(f"bad lineage entry: {entry!r}")
     pid, start = as_int(entry.get("pid")), as_int(entry.get("start_ticks"))
-    first_seen = entry.get("first_seen")
+    first_seen = as_number(entry.get("first_seen"))
     job = entry.get("job")
     if pid is None or start is None:
         raise ValueError(f"lineage entry needs integer pid and start_ticks: {entry!r}")
-    if not _is_number(first_seen):
+    if first_seen is None:
         raise ValueError(f"lineage entry needs a numeric first_seen: {entry!r}")
     if job is not None and not isinstance(job, str):
         raise ValueError(f"lineage job must be a string or null: {entry!r}")
     ids = [entry.get(name) for name in ("ppid", "pgid", "sid")]
     if any(value is not None and as_int(value) is None for value in ids):
         raise ValueError(f"lineage ppid/pgid/sid must be integers or null: {entry!r}")
-    lineage = Lineage(as_int(ids[0]), as_int(ids[1]), as_int(ids[2]), job, float(first_seen))
+    lineage = Lineage(as_int(ids[0]), as_int(ids[1]), as_int(ids[2]), job, first_seen)
     return ProcessIdentity(pid, start), lineage
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gpuwatchd.core.model import ProcessIdentity
+from gpuwatchd.core.model import ProcessIdentity, fields_of
 from gpuwatchd.core.vocabulary import (
     ActionOutcome,
     EventName,
@@ -153,12 +153,7 @@ def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
 
 def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, object]:
     """The fields of the events that book a reset (and a MIG recovery: its instance)."""
-    fields: dict[str, object] = {
-        "gpu": intent.gpu,
-        "pci_bus_id": intent.pci_bus_id,
-        "finding": intent.finding_key,
-        "outcome": outcome,
-    }
+    fields = {**fields_of(intent, ("gpu", "pci_bus_id", "finding=finding_key")), "outcome": outcome}
     if intent.instance is not None:
         fields.update(intent.instance.fields())
     return fields

@@ -194,9 +194,7 @@ class PlanState:
         return cls(
             **scalars,
             seen=_SEEN.load_all(d.get("seen", {}), "plan.seen"),
-            notes={
-                k: text(v, f"plan.notes.{k}") for k, v in obj(d.get("notes", {}), "notes").items()
-            },
+            notes=_each(text, d.get("notes", {}), "plan.notes"),
             waiting=numbers(d.get("waiting", {}), "plan.waiting"),
             ladders=_each(_ladder, d.get("ladders", {}), "plan.ladders"),
             quiet_until=numbers(d.get("quiet_until", {}), "plan.quiet_until"),

@@ -109,6 +109,7 @@ _KILL_DECISIONS = (
 )
 # The orphan rule and what it rests on (decide/assess_*.py, by module).
 _ORPHAN_SHARED = (
+    "_report_only",
     "AssessorState.blocked",
     "AssessorState.add",
     "AssessorState.memory_without_owner",

@@ -429,6 +429,33 @@ def test_unreadable_process_list_on_another_gpu_stops_the_orphan() -> None:
     assert result.report_only[gpu_uuid(1)] == "its process list could not be read"
 
 
+def test_a_gpu_whose_mig_mode_is_unknown_is_report_only() -> None:
+    """Its processes may live in MIG instances the reading does not show: what dies on it is
+    found and reported, never acted on, as the reset already refuses that GPU."""
+
+    def host(mig: bool | None) -> HostBuilder:
+        return (
+            HostBuilder()
+            .gpu(0, allocated=LEAK, mig=mig)
+            .proc(200, holds={0}, uvm=True)
+            .proc(201, ppid=200, holds={0}, uvm=True)
+            .nvml(0, 200, used=LEAK)
+        )
+
+    for mig in (False, None):
+        first = run(host(mig).build())
+        result = run(after_parent_died(host(mig)).at(1005.0).build(), first.state)
+        acted = [(f.kind, f.pid, f.actionable) for f in result.findings if f.pid is not None]
+        known = mig is False
+        assert acted == [
+            (FindingKind.DEAD_PROCESS, 200, known),
+            (FindingKind.ORPHANED, 201, known),
+        ], mig
+    assert result.report_only[gpu_uuid(0)] == (
+        "its MIG mode could not be read: processes may live in MIG instances"
+    )
+
+
 def test_holder_that_owns_a_context_on_another_gpu_is_not_orphaned() -> None:
     builder = (
         HostBuilder()
@@ -755,6 +782,19 @@ def test_node_wide_report_only_conditions_make_nothing_actionable(
     )
     assert text in result.report_only[key]
     assert result.findings
+    assert not any(f.actionable for f in result.findings)
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [("libnvidia-ml.so.1 not found", "libnvidia-ml.so.1 not found"), (None, "no driver")],
+)
+def test_a_node_without_nvml_is_report_only_and_says_why(error: str | None, said: str) -> None:
+    """No NVML reading: a holder of the device files is still reported, never acted on."""
+    snapshot = orphan_host().build()
+    nvml = dataclasses.replace(snapshot.nvml, available=False, error=error, gpus=())
+    result = run(dataclasses.replace(snapshot, nvml=nvml))
+    assert result.report_only[NODE] == f"NVML unavailable: {said}"
     assert not any(f.actionable for f in result.findings)
 
 

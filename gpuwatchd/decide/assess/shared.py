@@ -122,6 +122,8 @@ def _report_only(host: HostView, trust_problem: str | None) -> dict[str, str]:
             result[gpu.uuid] = "MIG enabled: processes and memory live in MIG instances"
         elif gpu.processes is None:
             result[gpu.uuid] = "its process list could not be read"
+        elif gpu.mig_enabled is None:
+            result[gpu.uuid] = "its MIG mode could not be read: processes may live in MIG instances"
     return result
 
 

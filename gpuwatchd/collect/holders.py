@@ -244,32 +244,17 @@ class DeviceFiles:
 
 class HolderScanner:
     """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
-    processes of ``procfs``; the keyword arguments besides ``workers`` are :class:`DeviceFiles`'."""
+    processes of ``procfs``; ``devices`` None: the real NVIDIA device files."""
 
     def __init__(
         self,
         procfs: ProcessTable,
+        devices: DeviceFiles | None = None,
         *,
         workers: int | None = None,
-        devices_dir: str = "/dev",
-        device_major: int = NVIDIA_MAJOR,
-        uvm_major: int | None = None,
-        ctl_minor: int = NVIDIACTL_MINOR,
-        uvm_minor: int = 0,
-        match_by_path: bool | None = None,
-        caps_major: int | None = None,
     ) -> None:
         self.procfs = procfs
-        self.devices = DeviceFiles(
-            procfs,
-            devices_dir=devices_dir,
-            device_major=device_major,
-            uvm_major=uvm_major,
-            ctl_minor=ctl_minor,
-            uvm_minor=uvm_minor,
-            match_by_path=match_by_path,
-            caps_major=caps_major,
-        )
+        self.devices = DeviceFiles(procfs) if devices is None else devices
         self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)

@@ -116,7 +116,7 @@ class ProcFS:
             self.self_pid = int(os.readlink(f"{self.root}/self"))
         except (OSError, ValueError):
             self.self_pid = os.getpid()
-        self.holders: HolderScanner = holders.HolderScanner(
+        devices = holders.DeviceFiles(
             self,
             devices_dir=devices_dir,
             device_major=holders.NVIDIA_MAJOR if device_major is None else device_major,
@@ -125,6 +125,7 @@ class ProcFS:
             uvm_minor=uvm_minor,
             match_by_path=match_by_path,
         )
+        self.holders: HolderScanner = holders.HolderScanner(self, devices)
 
     def _read_text(self, path: str) -> str:
         return _decode(read_proc_file(path))

@@ -27,7 +27,6 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import (
     LAUNCHER_FILE,
@@ -97,7 +96,7 @@ def test_mapped_path_with_a_line_break_cannot_fake_a_device_mapping(
     forged = f"7f0000001000-7f0000002000 rw-s 00000000 00:05 77 {devices}/nvidia0"
     fake.add(320, maps=[f"7f0000000000-7f0000001000 rw-s 00000000 00:05 76   /tmp/x{brk}{forged}"])
 
-    scan = HolderScanner(ProcFS(str(fake.root)), devices_dir=str(devices)).scan()
+    scan = ProcFS(str(fake.root), devices_dir=str(devices)).holders.scan()
 
     assert 320 not in scan.holdings
 

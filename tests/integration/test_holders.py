@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from gpuwatchd.collect.holders import (
+    DeviceFiles,
     HolderScanner,
     lines_containing,
     match_device_name,
@@ -41,7 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def scanner(root: str = "/proc", **settings: Any) -> HolderScanner:
     """A holder scanner over the /proc tree at ``root``."""
-    return HolderScanner(ProcFS(root), **settings)
+    procfs = ProcFS(root)
+    return HolderScanner(procfs, DeviceFiles(procfs, **settings))
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -235,9 +237,8 @@ def test_unprivileged_scan_records_another_users_process_as_unreadable(
     child = spawn(hold([f"{devices}/nvidia0"]))  # runs as root
     code = (
         "import json, sys\n"
-        "from gpuwatchd.collect.holders import HolderScanner\n"
         "from gpuwatchd.collect.procfs import ProcFS\n"
-        f"p = HolderScanner(ProcFS(), devices_dir={str(devices)!r})\n"
+        f"p = ProcFS(devices_dir={str(devices)!r}).holders\n"
         f"t = p.scan([{child.pid}]); f = p.scan()\n"
         "print(json.dumps({'t': sorted(t.unreadable), 'h': sorted(t.holdings), "
         "'f': sorted(f.unreadable)}))\n"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.collector import Collector
-from gpuwatchd.collect.holders import HolderScanner, match_device_name
+from gpuwatchd.collect.holders import DeviceFiles, HolderScanner, match_device_name
 from gpuwatchd.collect.mig import (
     MigMinorsError,
     match_cap_file,
@@ -136,7 +136,7 @@ def test_path_mode_finds_capability_files_beside_the_parent_node(
                         ("nvidia0", "nvidia-uvm", "nvidia-caps/nvidia-cap12",
                          "nvidia-caps/nvidia-cap13")]))  # fmt: skip
     parent_only = spawn(hold([str(tmp_path / "nvidia0"), str(tmp_path / "nvidia-uvm")]))
-    scanner = HolderScanner(ProcFS(), devices_dir=str(tmp_path))
+    scanner = ProcFS(devices_dir=str(tmp_path)).holders
 
     scan = scanner.scan([child.pid, parent_only.pid])
 
@@ -159,7 +159,7 @@ def test_the_procfs_capability_form_is_found_in_the_fd_table(spawn: Spawn, tmp_p
     child = spawn(
         hold([str(where / "access"), str(where.parent / "access"), str(decoy / "access")])
     )
-    scanner = HolderScanner(ProcFS(), devices_dir=str(tmp_path))
+    scanner = ProcFS(devices_dir=str(tmp_path)).holders
 
     holding = scanner.scan([child.pid]).holdings[child.pid]
 
@@ -174,9 +174,11 @@ def test_device_number_mode_knows_capabilities_by_the_nvidia_caps_major(
     if not os.path.exists("/dev/ptmx"):
         pytest.skip("no /dev/ptmx here")
     child = spawn(hold(["/dev/null", "/dev/ptmx"]))
-    scanner = HolderScanner(
-        ProcFS(), devices_dir=str(tmp_path), match_by_path=False, device_major=1, caps_major=5
+    procfs = ProcFS()
+    devices = DeviceFiles(
+        procfs, devices_dir=str(tmp_path), match_by_path=False, device_major=1, caps_major=5
     )
+    scanner = HolderScanner(procfs, devices)
     holding = scanner.scan([child.pid]).holdings[child.pid]
     assert holding.gpu_minors_fd == {3}
     assert holding.cap_minors_fd == {2}

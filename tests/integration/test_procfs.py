@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.collect.holders import HolderScanner
 from gpuwatchd.collect.procfs import (
     PROC_CGROUP_INIT_INO,
     PROC_PID_INIT_INO,
@@ -258,10 +257,7 @@ def test_children_and_descendants(tmp_path: Path, children_files: bool) -> None:
 def test_procfs_still_offers_the_holder_scan_it_used_to_own(fake: FakeProc, devices: Path) -> None:
     fake.add(780, fds={3: f"{devices}/nvidia0"})
     procfs = ProcFS(str(fake.root), devices_dir=str(devices))
-    assert (
-        procfs.holders.scan()
-        == HolderScanner(ProcFS(str(fake.root)), devices_dir=str(devices)).scan()
-    )
+    assert procfs.holders.scan() == ProcFS(str(fake.root), devices_dir=str(devices)).holders.scan()
     assert set(procfs.holders.scan([780]).holdings) == {780}
 
 

@@ -28,22 +28,10 @@ from gpuwatchd.decide.plan.decisions import plan, set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
+from gpuwatchd.state import pause
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.pause import (
-    MAX_REASON,
-    PAUSE_FILE,
-    RESUMED_FILE,
-    note_resume,
-    poll_pause,
-    set_pause,
-)
-from gpuwatchd.state.spares import (
-    MAX_SPARES,
-    cancel_spare,
-    parse_target,
-    read_spares,
-    write_spare,
-)
+from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
+from gpuwatchd.state.spares import MAX_SPARES, cancel_spare, parse_target, read_spares, write_spare
 from tests.support.plancases import orphan, policy, proc, signals, snap
 from tests.support.statusrig import with_document
 
@@ -79,7 +67,7 @@ def test_a_timed_pause_with_a_long_reason_still_ends_by_itself(state: StateDir) 
     reason = "r" * 70_000  # an argument may be 128 KiB
     set_pause(state, reason=reason, clock=BootTime(NOW, 1000.0, "b1"), seconds=60)
     now = poll_pause(state, BootTime(NOW + 59, 1059.0, "b1"), max_pause=DAY)
-    assert (now.reason, now.until) == (reason[:MAX_REASON], NOW + 60)
+    assert (now.reason, now.until) == (reason[: pause.MAX_REASON], NOW + 60)
     assert poll_pause(state, BootTime(NOW + 60, 1060.0, "b1"), max_pause=DAY).reason is None
 
 
@@ -560,7 +548,7 @@ def test_the_largest_spare_written_is_read_back(state: StateDir) -> None:
     said to hold was ignored (and removed by the daemon)."""
     job = "unit:" + "\\" * 250 + ".service"  # the longest unit name, each byte escaped
     key, _pid, checked = parse_target(f"job:{job}")
-    reason = "\U0001f600" * MAX_REASON
+    reason = "\U0001f600" * pause.MAX_REASON
     clock = boot(NOW, 1000.0)
     write_spare(state, key, clock=clock, seconds=600, reason=reason + "!", job=checked)
     found = read_spares(state, clock, max_spare=DAY, remove_stale=True)

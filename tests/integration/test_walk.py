@@ -31,14 +31,15 @@ from typing import Any
 import pytest
 
 from gpuwatchd.collect import spread
-from gpuwatchd.collect.holders import HolderScanner
+from gpuwatchd.collect.holders import DeviceFiles, HolderScanner
 from gpuwatchd.collect.procfs import ProcFS
 from tests.support.children import HOLD_FD, SYS_EXIT, Spawn, hold, map_only, zombie_leader
 from tests.support.fakeproc import FakeProc
 
 
 def full_scanner(workers: int, **settings: Any) -> HolderScanner:
-    scanner = HolderScanner(ProcFS("/proc"), workers=workers, **settings)
+    procfs = ProcFS("/proc")
+    scanner = HolderScanner(procfs, DeviceFiles(procfs, **settings), workers=workers)
     scanner.min_slice = 1  # fork even for a handful of processes
     return scanner
 
@@ -62,7 +63,7 @@ def full_scanner(workers: int, **settings: Any) -> HolderScanner:
 def test_prefilter_passes_every_target_an_exact_test_could_accept(
     devices: Path, targets: list[str], by_path: bool, expected: bool
 ) -> None:
-    scanner = HolderScanner(ProcFS("/proc"), devices_dir=str(devices), match_by_path=by_path)
+    scanner = ProcFS(devices_dir=str(devices), match_by_path=by_path).holders
     prefix = scanner.devices.prefix.rstrip("/")
     assert scanner.devices.may_hold([t.format(dev=prefix) for t in targets]) is expected
 
@@ -72,7 +73,7 @@ def test_prefilter_never_rejects_a_target_the_exact_tests_look_at(devices: Path)
     sits among any other targets."""
     fillers = ["/tmp/a", "pipe:[1]", "socket:[9]", "", "anon_inode:bpf", "/de", "v/"]
     for by_path in (True, False):
-        scanner = HolderScanner(ProcFS("/proc"), devices_dir=str(devices), match_by_path=by_path)
+        scanner = ProcFS(devices_dir=str(devices), match_by_path=by_path).holders
         hits = (
             [scanner.devices.prefix + "nvidia0"]
             if by_path

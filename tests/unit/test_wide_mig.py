@@ -14,17 +14,8 @@ import dataclasses
 
 import pytest
 
-from gpuwatchd.core.model import (
-    MIB,
-    Finding,
-    FindingKind,
-    GpuInfo,
-    GpuMemory,
-    HolderScan,
-    MigDevice,
-    NvmlProcess,
-    Snapshot,
-)
+from gpuwatchd.core import model
+from gpuwatchd.core.model import MIB, Finding, FindingKind, HolderScan, Snapshot
 from gpuwatchd.decide.mig import recovery as mig_recovery
 from gpuwatchd.decide.mig.instances import (
     NOT_JUDGED,
@@ -353,21 +344,22 @@ def test_a_gpu_given_as_not_in_mig_mode_has_no_busy_instances() -> None:
 def test_an_instance_stands_in_as_a_gpu_with_its_parents_facts_and_its_own() -> None:
     """The parent's index, bus id and topology; its first MIG device's name and memory; each
     PID's first entry of its devices' lists (None when one list is unknown); their errors."""
-    parent = GpuInfo(index=3, uuid="GPU-p", name="H100", pci_bus_id="00000000:17:00.0", minor=2,
-                     mig_enabled=True, persistence_mode=True, numa_node=1, architecture=9,
-                     nvlink_active=18, error="the parent's own")  # fmt: skip
-    memory = GpuMemory(total=20 * MIB, free=15 * MIB, reserved=MIB, allocated=4 * MIB)
+    parent = model.GpuInfo(index=3, uuid="GPU-p", name="H100", pci_bus_id="00000000:17:00.0",
+                           minor=2, mig_enabled=True, persistence_mode=True, numa_node=1,
+                           architecture=9, nvlink_active=18, error="the parent's own")  # fmt: skip
+    memory = model.GpuMemory(total=20 * MIB, free=15 * MIB, reserved=MIB, allocated=4 * MIB)
     a, b, b2, c = (
-        NvmlProcess(pid, MIB * n, "compute") for pid, n in ((10, 1), (11, 2), (11, 3), (12, 4))
+        model.NvmlProcess(pid, MIB * n, "compute")
+        for pid, n in ((10, 1), (11, 2), (11, 3), (12, 4))
     )
     devices = (
-        MigDevice(0, "MIG-a", 1, 0, name="H100 MIG 1c.2g.20gb", memory=memory, processes=(a, b),
-                  error="ci 0: no memory"),
-        MigDevice(1, "MIG-b", 1, 1, name="other", processes=(b2, c)),
-        MigDevice(2, "MIG-c", 1, 2, error="ci 2: no name"),
+        model.MigDevice(0, "MIG-a", 1, 0, name="H100 MIG 1c.2g.20gb", memory=memory,
+                        processes=(a, b), error="ci 0: no memory"),
+        model.MigDevice(1, "MIG-b", 1, 1, name="other", processes=(b2, c)),
+        model.MigDevice(2, "MIG-c", 1, 2, error="ci 2: no name"),
     )  # fmt: skip
     instance = MigInstance(parent, 1, "MIG-a", devices, minor=77)
-    assert instance_gpu(instance) == GpuInfo(
+    assert instance_gpu(instance) == model.GpuInfo(
         index=3, uuid="MIG-a", name="H100 MIG 1c.2g.20gb", pci_bus_id="00000000:17:00.0",
         minor=77, memory=memory, processes=(a, b, c), mig_enabled=False, persistence_mode=True,
         numa_node=1, architecture=9, nvlink_active=18, error="ci 0: no memory; ci 2: no name",

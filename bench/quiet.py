@@ -62,6 +62,9 @@ def measure(
         python = str(tree / ".venv" / "bin" / "python")
     daemon = subprocess.Popen(
         [python, "-m", "gpuwatchd", "run", "--config", str(config)],
+        # `python -m` puts the working folder first on sys.path: the tree's, or another
+        # checkout's package would be the one measured.
+        cwd=None if tree is None else str(tree),
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -633,24 +633,39 @@ class Daemon:
         return frozenset(found)
 
     def _load_state(self) -> None:
+        """Carry on from the saved state. One that cannot be used (corrupt, or of another
+        format) is kept aside for an admin, and the daemon starts in a dry run latched like the
+        kill cap's: what that state held (ladders half way, a reset or MIG recovery half done,
+        the last hour's signals, a latch) is unknown, so no step may be repeated or skipped."""
         data = self.store.load()
-        boot_id = self.procfs.boot_id()
-        if not data:
-            return
-        try:
-            STATE.check(data)  # the version this code writes
-            record = data.get("reset_in_progress")
-            state = EngineState(
-                assess=AssessState.from_json(data.get("assess")),
-                plan=PlanState.from_json(data.get("plan")),
-                reset_in_progress=dict(record) if isinstance(record, dict) else None,
+        lost = self.store.discarded
+        if data:
+            try:
+                STATE.check(data)  # the version this code writes
+                record = data.get("reset_in_progress")
+                if record is not None and not isinstance(record, dict):
+                    raise ValueError("reset_in_progress: expected an object")
+                self.engine.restore(
+                    EngineState(
+                        assess=AssessState.from_json(data.get("assess")),
+                        plan=PlanState.from_json(data.get("plan")),
+                        reset_in_progress=dict(record) if isinstance(record, dict) else None,
+                    )
+                )
+            except ValueError as exc:
+                log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
+                lost = self.store.discard_corrupt(str(exc))
+            boot_id = self.procfs.boot_id()
+            if data.get("boot_id") != boot_id:
+                log.info(
+                    EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
+                )
+        if lost is not None:
+            why = f"the saved state could not be read ({lost}): what it held is unknown"
+            latched = PlanState(
+                forced_dry_run=True, forced_reason=why, forced_since=self.wall_clock()
             )
-        except ValueError as exc:
-            log.error(EventName.STATE_INVALID, error=str(exc), path=self.policy.state_dir)
-            state = EngineState()
-        self.engine.restore(state)
-        if data and data.get("boot_id") != boot_id:
-            log.info(EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id)
+            self.engine.restore(EngineState(plan=latched))
 
     def save_state(self) -> bool:
         """Write the state when it changed; True when what is on disk is the current state,

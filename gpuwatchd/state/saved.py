@@ -86,6 +86,8 @@ class StateStore:
         self._dir: StateDir | None = None
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, STATE_FILE)
+        # Where the last load's unusable file went (or why it could not move); None: none.
+        self.discarded: str | None = None
 
     def directory(self) -> StateDir:
         """The state directory, opened and checked (created when missing) on first use and
@@ -111,11 +113,12 @@ class StateStore:
             why = f"unreadable: {err.strerror or err}"
         except ValueError as err:
             why = str(err)
-        self.discard_corrupt(why)
+        self.discarded = self.discard_corrupt(why)
         return {}
 
-    def discard_corrupt(self, why: str) -> None:
-        """Move a file whose content is malformed (``why``) aside, and say so."""
+    def discard_corrupt(self, why: str) -> str:
+        """Move a file whose content is malformed (``why``) aside, and say so; where it went
+        (or why it stayed), for an admin: the next save would overwrite it."""
         aside = f"{STATE_FILE}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
             self.directory().rename(STATE_FILE, aside)
@@ -123,9 +126,10 @@ class StateStore:
             log.error(
                 EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=None, error=str(exc)
             )
-        else:
-            moved_to = os.path.join(self.state_dir, aside)
-            log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
+            return f"{self.path}, not moved aside: {exc.strerror or exc}"
+        moved_to = os.path.join(self.state_dir, aside)
+        log.error(EventName.STATE_CORRUPT, path=self.path, why=why, moved_to=moved_to)
+        return f"moved to {moved_to}"
 
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.

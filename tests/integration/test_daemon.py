@@ -387,3 +387,60 @@ def test_the_state_names_the_daemon_before_its_first_poll_starts_the_nvml_worker
     monkeypatch.setattr(daemon, "_wait", lambda: None)
     daemon.run()
     assert seen == [os.getpid()]
+
+
+_GOOD_PLAN = PlanState().to_json()
+_GOOD = {"version": 1, "assess": AssessState().to_json(), "plan": _GOOD_PLAN}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps({**_GOOD, "plan": {**_GOOD_PLAN, "version": 99}}).encode(),
+        json.dumps({**_GOOD, "plan": {**_GOOD_PLAN, "ladders": "garbage"}}).encode(),
+        json.dumps({**_GOOD, "reset_in_progress": [1]}).encode(),
+        json.dumps({**_GOOD, "version": 2}).encode(),
+        b"{not json",
+    ],
+    ids=["plan-version", "plan-part", "reset-record", "envelope-version", "corrupt"],
+)
+def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry_run(
+    tmp_path: Path, content: bytes
+) -> None:
+    """Half-done ladders, resets, MIG recoveries and the kill cap's hour are in the state: one
+    the daemon cannot read is not overwritten by its next save, and no step is taken until the
+    latch lifts (limits.kill_cap_latch, or `resume --clear-latches`)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "state.json").write_bytes(content)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    with capture_logs() as logs:
+        daemon._load_state()
+    assert daemon.save_state()
+    aside = [p for p in state_dir.iterdir() if p.name.startswith("state.json.corrupt-")]
+    assert [p.read_bytes() for p in aside] == [content]
+    said = [e for e in logs if e["event"] == EventName.STATE_CORRUPT]
+    assert [e["moved_to"] for e in said] == [str(aside[0])]
+    plan = daemon.engine.state.plan
+    assert plan.forced_dry_run
+    assert str(aside[0]) in str(plan.forced_reason)
+    saved = json.loads((state_dir / "state.json").read_text())
+    document = saved["status"]["document"]
+    assert document["effective_mode"] == "forced-dry-run"
+    assert str(aside[0]) in document["kill_cap"]["reason"]
+
+
+@pytest.mark.parametrize("content", [None, json.dumps(_GOOD)])
+def test_a_readable_or_missing_state_starts_without_a_latch(
+    tmp_path: Path, content: str | None
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    if content is not None:
+        (state_dir / "state.json").write_text(content)
+    policy = dataclasses.replace(default_policy(), state_dir=str(state_dir), dry_run=False)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    daemon._load_state()
+    assert not daemon.engine.state.plan.forced_dry_run
+    assert [p.name for p in state_dir.iterdir()] == ([] if content is None else ["state.json"])

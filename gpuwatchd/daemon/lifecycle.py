@@ -196,6 +196,7 @@ class Daemon:
         )
         self._files_key: tuple[object, ...] | None = None  # the files as last read
         self.report: PollReport | None = None  # what the last poll saw, decided and did
+        self._spares_over: frozenset[str] = frozenset()  # spares past MAX_SPARES, said
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -554,6 +555,9 @@ class Daemon:
         )
         for problem in spares.problems:
             log.warning(EventName.SPARE_ENDED, why=f"ignored: {problem}")
+        for over in sorted(set(spares.over) - self._spares_over):  # said once, not each poll
+            log.warning(EventName.SPARE_ENDED, why=f"ignored: {over}")
+        self._spares_over = frozenset(spares.over)
         for spare, was in spares.cut:
             log.warning(
                 EventName.SPARE_CUT,

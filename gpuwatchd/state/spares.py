@@ -94,12 +94,14 @@ def cancel_spare(state_dir: StateDir, target: str) -> bool:
 
 @dataclass(frozen=True)
 class SpareFiles:
-    """What :func:`read_spares` found: the spares in force, the files that were wrong, and the
-    spares cut to ``limits.max_spare`` (each with the wall time it would have ended at)."""
+    """What :func:`read_spares` found: the spares in force, the files that were wrong, the
+    spares cut to ``limits.max_spare`` (each with the wall time it would have ended at), and
+    ``over``: the valid spares not honoured, past ``MAX_SPARES`` (kept, honoured as others end)."""
 
     spares: tuple[Spare, ...]
     problems: tuple[str, ...]
     cut: tuple[tuple[Spare, float], ...] = ()
+    over: tuple[str, ...] = ()
 
 
 def _spare(data: Mapping[str, Any], name: str, clock: BootTime) -> tuple[Spare, float]:
@@ -184,4 +186,10 @@ def read_spares(
         if remove_stale:
             state_dir.remove(name)
     found.sort(key=lambda spare: (spare.until, spare.target))
-    return SpareFiles(tuple(found[:MAX_SPARES]), tuple(problems), tuple(cut))
+    past = f"more than {MAX_SPARES} spares at once; honoured when one ends"
+    over = [f"{spare.target}: {past}" for spare in found[MAX_SPARES:]]
+    if len(names) > 4 * MAX_SPARES:
+        over.append(
+            f"{len(names) - 4 * MAX_SPARES} spare files past the first {4 * MAX_SPARES} not read"
+        )
+    return SpareFiles(tuple(found[:MAX_SPARES]), tuple(problems), tuple(cut), tuple(over))

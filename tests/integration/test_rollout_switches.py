@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.status import describe
@@ -23,6 +24,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import CgroupInfo, NvmlReading, Spare
 from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
 from gpuwatchd.decide.plan.decisions import plan, set_paused
 from gpuwatchd.decide.plan.state import PlanState
@@ -540,6 +542,39 @@ def test_a_spare_beyond_the_most_the_daemon_honours_is_refused(
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_the_daemon_says_once_which_spares_past_the_most_it_honours_are_not(
+    tmp_path: Path,
+) -> None:
+    """Hand-made files (or two `spare` commands racing) can hold more than MAX_SPARES valid
+    spares: those the daemon does not honour are said (an admin believes them in force), once,
+    and their files are kept for when one in force ends."""
+    st = tmp_path / "st"
+    policy = dataclasses.replace(default_policy(), state_dir=str(st), dry_run=True)
+    daemon = Daemon(policy, config_path=str(tmp_path / "none.yaml"))
+    with StateDir.open(str(st), create=True) as directory:
+        clock = BootTime.read(time.time(), None)
+        for job in range(MAX_SPARES + 2):
+            key = f"slurm:{job}"
+            write_spare(
+                directory, f"job:{key}", clock=clock, seconds=600 + job, reason="r", job=key
+            )
+    with capture_logs() as logs:
+        inputs = daemon._read_switches()
+        daemon._read_switches()
+    assert len(inputs.spares or ()) == MAX_SPARES
+    said = [e["why"] for e in logs if e["event"] == EventName.SPARE_ENDED]
+    past = f"more than {MAX_SPARES} spares at once; honoured when one ends"
+    assert said == [f"ignored: job:slurm:{job}: {past}" for job in (MAX_SPARES, MAX_SPARES + 1)]
+    assert len([p for p in st.iterdir() if p.name.startswith("spare-")]) == MAX_SPARES + 2
+
+
+def test_spare_files_past_those_read_are_counted(state: StateDir, tmp_path: Path) -> None:
+    for n in range(4 * MAX_SPARES + 3):
+        (tmp_path / f"spare-{n:04}").write_text("{}")
+    found = read_spares(state, boot(NOW, 1000.0), max_spare=DAY)
+    assert found.over == (f"3 spare files past the first {4 * MAX_SPARES} not read",)
 
 
 def test_the_largest_spare_written_is_read_back(state: StateDir) -> None:

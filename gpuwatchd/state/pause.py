@@ -123,25 +123,36 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
     return reason[:MAX_REASON] if isinstance(reason, str) and reason else None
 
 
-def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
-    """The pause switch at ``clock`` (the daemon, once a poll): a pause whose time is up is
-    removed and said as ended; its end in wall time (its own ``until`` while the clocks agree
-    within a second, so an unchanged pause reads the same at every poll); with no pause file,
-    why the administrator resumed. The resume note is consumed either way."""
+def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+    """The pause in force at ``clock``, read only (the one rule: a pause holds until its time is
+    up, one whose end is unknown holds): its reason and end in wall time (its own ``until``
+    while the clocks agree within a second, so an unchanged pause reads the same at every
+    poll). Not paused: ``reason`` None, and ``resumed`` says so when the time is up."""
     switch = read_pause_switch(state_dir)
     if switch is None:
-        note = _take_resume_note(state_dir)
-        return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+        return PauseNow(None)
     left = switch.left(clock, max_pause)
     if left is None:
         return PauseNow(switch.reason)
     if left <= 0:
-        state_dir.remove(PAUSE_FILE)
         return PauseNow(None, resumed="the pause ended by itself (its time was up)")
     ends = clock.wall + left
     if switch.until is not None and abs(switch.until - ends) < 1.0:
         ends = switch.until
     return PauseNow(switch.reason, until=ends)
+
+
+def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+    """The pause switch at ``clock`` (the daemon, once a poll): :func:`pause_in_force`, a
+    pause whose time is up removed; with no pause file, why the administrator resumed (the
+    resume note consumed)."""
+    now = pause_in_force(state_dir, clock, max_pause=max_pause)
+    if now.resumed is not None:
+        state_dir.remove(PAUSE_FILE)
+    elif now.reason is None:
+        note = _take_resume_note(state_dir)
+        return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+    return now
 
 
 def clear_latches(state_dir: StateDir) -> None:

@@ -13,6 +13,7 @@ from gpuwatchd.core.codec import Format, pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
+from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.events.words import JournalNamer, finding_label
@@ -22,7 +23,6 @@ DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
 DOCUMENT = Format("status document", MAX_STATE_BYTES, version=DOCUMENT_FORMAT, version_key="format")
 CLEAR_LATCHES = "gpuwatchd resume --clear-latches"
 MAX_ACTIONS = 20  # recent actions kept and shown
-HOUR = 3600.0
 NVML_STATES = ("ok", "wedged", "unavailable")
 # A recent action, as kept in the status section and as shown (a missing sentence is said
 # again from the rest).
@@ -67,7 +67,7 @@ def build_document(
     offset = None if monotonic is None else wall - monotonic
     modes = _modes(status, plan)
     ladders = _ladders(plan, offset)
-    kill_cap = _kill_cap(plan, policy, offset, wall)
+    kill_cap = _kill_cap(plan, policy, monotonic)
     breaker = {
         "open": as_flag(plan.get("circuit_open")),
         "failures": as_count(plan.get("reset_failures")),
@@ -128,25 +128,29 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
     }
 
 
+def signalled_last_hour(history: object, now: float | None) -> int | None:
+    """How many kill-cap entries of ``history`` (``signal_history``: [target, monotonic time]
+    pairs, saved or typed) lie within the hour before ``now`` (the same clock), as the planner
+    keeps them; None when ``history``, ``now`` or a time in it is unknown."""
+    if not isinstance(history, (list, tuple)) or now is None:
+        return None
+    times = [as_number(p[1]) for p in history if isinstance(p, (list, tuple)) and len(p) == 2]
+    if None in times:
+        return None
+    return sum(1 for at in times if at is not None and now - at < HOUR)
+
+
 def _kill_cap(
-    plan: Mapping[str, object], policy: Policy, offset: float | None, wall: float
+    plan: Mapping[str, object], policy: Policy, monotonic: float | None
 ) -> dict[str, object]:
     latched = as_flag(plan.get("forced_dry_run"))
-    history = plan.get("signal_history")
-    recent: int | None = None
-    if isinstance(history, list) and offset is not None:
-        times = [
-            _wall(offset, as_number(p[1])) for p in history if isinstance(p, list) and len(p) == 2
-        ]
-        if all(t is not None for t in times):
-            recent = sum(1 for t in times if t is not None and wall - t < HOUR)
     scopes = plan.get("scope_latches")
     users = sorted(str(k) for k in scopes) if isinstance(scopes, dict) else []
     return {
         "latched": latched,
         "reason": as_text(plan.get("forced_reason")) if latched else None,
         "users_latched": users[:64],
-        "signalled_last_hour": recent,
+        "signalled_last_hour": signalled_last_hour(plan.get("signal_history"), monotonic),
         "max_per_hour": policy.limits.node_max_signalled_per_hour,
         "max_per_user_hour": policy.limits.max_signalled_per_hour,
         "max_per_poll": policy.limits.max_signalled_per_poll,

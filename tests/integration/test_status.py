@@ -36,6 +36,7 @@ from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.saved import StateStore, read_saved_state
+from gpuwatchd.state.status_document import signalled_last_hour
 from tests.support.statusrig import (
     BOOT,
     LADDER,
@@ -280,6 +281,22 @@ def test_signals_in_the_last_hour_are_counted_against_the_cap() -> None:
     assert "kill cap: not latched; 2 of 256 processes signalled in the last hour" in render_text(
         result
     )
+
+
+@pytest.mark.parametrize(
+    ("history", "now", "expected"),
+    [
+        ((("a@1", 10.0), ("b@2", 3000.0)), 3700.0, 1),  # typed, as the plan keeps it
+        ([["a@1", 10.0], ["b@2", 3000.0], "junk"], 3700.0, 1),  # saved: a non-pair is skipped
+        ([["a@1", "soon"]], 3605.0, None),  # a time unknown: the count is too
+        ([["a@1", 10.0]], None, None),
+        ({"a@1": 10.0}, 3605.0, None),
+    ],
+)
+def test_signalled_last_hour_is_one_rule_for_saved_and_typed_histories(
+    history: object, now: float | None, expected: int | None
+) -> None:
+    assert signalled_last_hour(history, now) == expected
 
 
 def test_a_users_kill_cap_latch_is_shown_and_needs_attention() -> None:

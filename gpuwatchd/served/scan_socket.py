@@ -203,7 +203,7 @@ class ScanServer:
         try:
             uid = peer_uid(conn)
             # Read first either way: a socket closed with bytes unread resets the exchange.
-            raw = _read_line(conn, MAX_REQUEST, time.monotonic() + REQUEST_TIMEOUT)
+            raw = _read(conn, MAX_REQUEST, time.monotonic() + REQUEST_TIMEOUT, line=True)
             if not trusted_peer(uid, os.geteuid()):
                 answer = ScanAnswer(False, f"uid {uid} may not ask this daemon")
             else:
@@ -248,28 +248,33 @@ def _via_fd(dir_fd: int) -> str:
     return f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}"
 
 
-def _read_line(conn: socket.socket, limit: int, deadline: float) -> bytes:
-    """Bytes up to and including the first newline, within ``limit`` bytes and by ``deadline``
-    (``time.monotonic``); ExchangeError otherwise."""
-    data = b""
-    while b"\n" not in data:
+def _read(conn: socket.socket, limit: int, deadline: float, *, line: bool) -> bytes:
+    """At most ``limit`` bytes by ``deadline`` (``time.monotonic``): up to and including the
+    first newline, nothing after it (``line``: the request), or to the end of the stream (the
+    answer); ExchangeError otherwise."""
+    late = "no request line in time" if line else "no answer in time"
+    data = bytearray()
+    while not (line and b"\n" in data):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ExchangeError("no request line in time")
+            raise ExchangeError(late)
         conn.settimeout(left)
         try:
-            chunk = conn.recv(limit + 1 - len(data))
+            chunk = conn.recv(min(1 << 16, limit + 1 - len(data)))
         except TimeoutError:
-            raise ExchangeError("no request line in time") from None
+            raise ExchangeError(late) from None
         if not chunk:
-            raise ExchangeError("the stream ended before a full line")
+            if line:
+                raise ExchangeError("the stream ended before a full line")
+            return bytes(data)
         data += chunk
         if len(data) > limit:
-            raise ExchangeError(f"a line longer than {limit} bytes")
-    line, _, rest = data.partition(b"\n")
-    if rest:
+            raise ExchangeError(
+                f"a line longer than {limit} bytes" if line else "the answer is too long"
+            )
+    if data.index(b"\n") != len(data) - 1:
         raise ExchangeError("bytes after the request line")
-    return line + b"\n"
+    return bytes(data)
 
 
 def ask(state_dirs: Sequence[str], request: ScanRequest, timeout: float) -> ScanAnswer:
@@ -312,21 +317,7 @@ def _ask_one(folder: str, request: ScanRequest, deadline: float) -> ScanAnswer:
 
 
 def _read_answer(sock: socket.socket, deadline: float) -> ScanAnswer:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ExchangeError("no answer in time")
-        sock.settimeout(left)
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_HEADER + MAX_BODY:
-            raise ExchangeError("the answer is too long")
-    data = b"".join(chunks)
+    data = _read(sock, MAX_HEADER + MAX_BODY, deadline, line=False)
     head, newline, body = data.partition(b"\n")
     if not newline or len(head) >= MAX_HEADER:
         raise ExchangeError("the answer has no header line")

@@ -475,7 +475,7 @@ class Daemon:
             log.info(
                 EventName.CONFIG_RELOADED,
                 config=list(self.policy.sources),
-                dry_run=new.dry_run,
+                dry_run=self.policy.dry_run,  # in force: `run --dry-run` stays one
                 changed=policy_changes(before, self.policy),  # what changed, not the policy
                 # The rejection (at start: the fallback ran) this reload ends, if any.
                 rejection_ended=None if ended is None else str(ended.get("error") or "?"),

@@ -242,6 +242,21 @@ def test_a_reload_is_in_the_saved_status_at_once(tmp_path: Path) -> None:
     assert (saved["status"]["mode"], saved["status"]["dry_run"]) == ("enforcing", False)
 
 
+def test_a_reload_under_run_dry_run_says_the_dry_run_in_force(tmp_path: Path) -> None:
+    """`run --dry-run` stays a dry run whatever a reloaded file says: config.reloaded (like
+    daemon.start) says the mode in force, not the file's."""
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text("dry_run: false\n")
+    config.chmod(0o644)
+    policy = dataclasses.replace(default_policy(), state_dir=str(tmp_path / "state"))
+    daemon = Daemon(policy, config_path=str(config), dry_run=True)
+    with capture_logs() as logs:
+        daemon._do_reload()
+    (reloaded,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOADED]
+    assert daemon.policy.dry_run
+    assert reloaded["dry_run"] is True
+
+
 def test_a_reload_turns_the_namespace_check_on(tmp_path: Path) -> None:
     """A key the reload does not keep (config.reload_partial) is in force after it: the
     collector checks the namespaces once the reloaded policy says so."""

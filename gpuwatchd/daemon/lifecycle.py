@@ -60,7 +60,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import STATE, StateStore
+from gpuwatchd.state.saved import STATE, UNREADABLE, StateStore
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -665,7 +665,7 @@ class Daemon:
                     EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
                 )
         if lost is not None:
-            why = f"the saved state could not be read ({lost}): what it held is unknown"
+            why = f"{UNREADABLE} ({lost}): what it held is unknown"
             latched = PlanState(
                 forced_dry_run=True, forced_reason=why, forced_since=self.wall_clock()
             )

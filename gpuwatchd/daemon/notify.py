@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.state.saved import UNREADABLE
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs
@@ -110,7 +111,10 @@ def describe_status(report: PollReport, dry_run: bool) -> str:
     if state.paused:
         parts.append("paused")
     if state.forced_dry_run:
-        parts.append("kill cap reached: forced dry-run")
+        unreadable = (state.forced_reason or "").startswith(UNREADABLE)
+        parts.append(
+            f"{'saved state unreadable' if unreadable else 'kill cap reached'}: forced dry-run"
+        )
     elif dry_run:
         parts.append("dry-run")
     if state.circuit_open:

@@ -18,6 +18,8 @@ from gpuwatchd.events import lazylog
 from gpuwatchd.state.directory import StateDir, StateDirError, UntrustedFile
 
 STATE_FILE = "state.json"
+# How the daemon's latched dry run after an unusable state file begins its reason (lifecycle).
+UNREADABLE = "the saved state could not be read"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
 # The envelope: its parts are checked by their owners (PlanState.from_json, ...).
 STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=True)

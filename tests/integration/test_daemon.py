@@ -31,6 +31,7 @@ from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import render
+from gpuwatchd.state.saved import UNREADABLE
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:
@@ -108,6 +109,12 @@ GPUS = (GpuInfo(0, "GPU-0"), GpuInfo(1, "GPU-1", lost=True))
         ),
         (
             NvmlReading(available=True, gpus=GPUS[:1]),
+            PlanState(forced_dry_run=True, forced_reason=f"{UNREADABLE} (moved to x): ..."),
+            False,
+            "saved state unreadable: forced dry-run",
+        ),
+        (
+            NvmlReading(available=True, gpus=GPUS[:1]),
             PlanState(circuit_open=True),
             False,
             "circuit breaker",
@@ -121,6 +128,7 @@ GPUS = (GpuInfo(0, "GPU-0"), GpuInfo(1, "GPU-1", lost=True))
         "actions-and-stuck",
         "paused",
         "kill-cap",
+        "state-unreadable",
         "circuit",
     ],
 )

@@ -17,7 +17,7 @@ from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.events.words import JournalNamer, finding_label
-from gpuwatchd.state.saved import MAX_STATE_BYTES
+from gpuwatchd.state.saved import MAX_STATE_BYTES, UNREADABLE
 
 DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
 DOCUMENT = Format("status document", MAX_STATE_BYTES, version=DOCUMENT_FORMAT, version_key="format")
@@ -295,8 +295,11 @@ def _attention(doc: Mapping[str, Any], rejected: Mapping[str, object] | None) ->
     """What needs a human in the document ``doc`` (said even when the daemon is gone)."""
     kill_cap, breaker, nvml = doc["kill_cap"], doc["circuit_breaker"], doc["nvml"]
     out = []
-    if kill_cap["latched"]:
-        why = f" ({kill_cap['reason']})" if kill_cap["reason"] else ""
+    reason = kill_cap["reason"]
+    if kill_cap["latched"] and isinstance(reason, str) and reason.startswith(UNREADABLE):
+        out.append(f"{reason}: dry-run forced; clear with `{CLEAR_LATCHES}`")
+    elif kill_cap["latched"]:
+        why = f" ({reason})" if reason else ""
         out.append(f"kill cap reached{why}: dry-run forced; clear with `{CLEAR_LATCHES}`")
     users = kill_cap.get("users_latched")
     if isinstance(users, list) and users:

@@ -35,7 +35,7 @@ from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.saved import StateStore, read_saved_state
+from gpuwatchd.state.saved import UNREADABLE, StateStore, read_saved_state
 from gpuwatchd.state.status_document import signalled_last_hour
 from tests.support.statusrig import (
     BOOT,
@@ -103,6 +103,13 @@ CASES: list[tuple[str, Callable[[dict[str, object]], None] | None, dict[str, obj
         {},
         1,
         "kill cap reached: dry-run forced; clear with `gpuwatchd resume --clear-latches`",
+    ),
+    (
+        "latched for an unreadable state file",
+        _edit("plan", plan_json(forced_dry_run=True, forced_reason=f"{UNREADABLE} (x)")),
+        {},
+        1,
+        f"{UNREADABLE} (x): dry-run forced; clear with `gpuwatchd resume",
     ),
     (
         "breaker open",

@@ -29,7 +29,7 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan.state import Ladder, PlanState
-from gpuwatchd.engine.edges import PollReport
+from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.state.saved import UNREADABLE
 
@@ -467,3 +467,18 @@ def test_a_readable_or_missing_state_starts_without_a_latch(
     daemon._load_state()
     assert not daemon.engine.state.plan.forced_dry_run
     assert [p.name for p in state_dir.iterdir()] == ([] if content is None else ["state.json"])
+
+
+def test_a_state_dir_replaced_while_running_holds_every_action(tmp_path: Path) -> None:
+    """The daemon keeps its state_dir open: once the folder at that path is another (removed
+    and made again), a `gpuwatchd pause` written there would go unseen, so nothing is read
+    from the old one and the poll is held as for an unusable state_dir."""
+    daemon, _ = _daemon_with_config(tmp_path, "dry_run: true\n")
+    assert daemon._read_switches().pause == Pause(None, resumed="gpuwatchd resume")
+    state_dir = tmp_path / "state"
+    state_dir.rename(tmp_path / "old")
+    state_dir.mkdir(mode=0o700)
+    with capture_logs() as logs:
+        assert daemon._read_switches().pause == Pause("state_dir unusable")
+    [said] = [e for e in logs if e["event"] == EventName.STATE_DIR_UNUSABLE]
+    assert "replaced since the start" in said["error"]

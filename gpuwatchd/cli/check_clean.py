@@ -24,6 +24,7 @@ from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
 EXIT_POLICY = ExitCode.CONFIG  # cannot judge by the policy files: never a reason to drain
+EXIT_UNREAD = ExitCode.TEMPFAIL  # the daemon's saved state cannot be read: not clean either
 # The first stderr line when the files do not validate; the Slurm scripts read its mode.
 RUNNING_POLICY = "the policy files do not validate; judged with the policy the daemon runs"
 
@@ -172,7 +173,7 @@ def check_clean(
     err.write(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {escape(str(judge.running))}\n")
     err.flush()  # before the scan's own lines
     code, error = _judged(judge.policy, selectors, out, err, slurm)
-    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE):
+    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE, EXIT_UNREAD):
         return code, error
     return EXIT_POLICY, (
         f"{judge.problem}\n(no GPU asked about is dirty by the policy the daemon runs; "
@@ -207,9 +208,15 @@ def _judged(
         out.write(line + "\n")
     for note in notes:
         err.write(note + "\n")
-    if result.permission_note:
-        chosen = verdict.gpus if selectors is None else select_gpus(verdict.gpus, selectors)
-        if not any(g.state is Cleanliness.DIRTY for g in chosen):
-            # Not dirty, but an incomplete scan cannot prove a GPU clean: run as root.
-            return ExitCode.NOPERM, result.permission_note
+    chosen = verdict.gpus if selectors is None else select_gpus(verdict.gpus, selectors)
+    if result.permission_note and not any(g.state is Cleanliness.DIRTY for g in chosen):
+        # Not dirty, but an incomplete scan cannot prove a GPU clean: run as root.
+        return ExitCode.NOPERM, result.permission_note
+    if result.state_unread is not None and chosen and code == ExitCode.OK:
+        # A MIG recovery or reset left half done makes its GPU dirty, and only the daemon's
+        # saved plan tells it: cannot tell until the daemon writes one this version reads.
+        return EXIT_UNREAD, escape(
+            f"cannot tell whether the GPUs are clean: {result.state_unread} (a MIG recovery or "
+            "reset the daemon left half done would not be seen)"
+        )
     return code, None

@@ -76,10 +76,15 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
+def _number(text: str, digits: int) -> bool:
+    """Whether ``text`` is a number of ASCII digits, at most ``digits`` of them."""
+    return text.isascii() and text.isdecimal() and len(text) <= digits
+
+
 def _names(gpu: GpuVerdict, selector: str) -> bool:
     return (
         gpu.uuid.lower() == selector.lower()
-        or (selector.isdecimal() and len(selector) <= 64 and int(selector) == gpu.index)
+        or (_number(selector, 64) and int(selector) == gpu.index)
         or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
     )
 
@@ -123,7 +128,7 @@ def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> l
         )
     chosen: list[str] = []
     for ident in ids:
-        if not ident.isdecimal() or len(ident) > 6:
+        if not _number(ident, 6):
             raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
         if int(ident) >= len(numbered):
             raise SelectionError(

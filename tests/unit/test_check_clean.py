@@ -102,8 +102,10 @@ def test_a_gpu_is_answered_the_same_alone_and_among_all() -> None:
 
 # "²" is a digit to str.isdigit but no number to int(), and int() refuses more than 4,300
 # digits: either was a ValueError traceback, exit 1, which a prolog reads as a dirty GPU.
+# "\u0661" (ARABIC-INDIC DIGIT ONE) is decimal to str.isdecimal and int(), but no index NVML
+# or scan --json writes: it named GPU 1.
 @pytest.mark.parametrize(
-    "selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0", "\u00b2", "1" * 5000]
+    "selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0", "\u00b2", "1" * 5000, "\u0661"]
 )
 def test_an_unknown_gpu_is_a_selection_error(selector: str) -> None:
     with pytest.raises(SelectionError, match="names no GPU"):
@@ -153,7 +155,7 @@ def test_slurm_ids_name_gpus_by_device_file_when_minors_are_not_in_nvmls_order()
 
 
 @pytest.mark.parametrize(
-    "ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000", "\u00b2"]
+    "ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000", "\u00b2", "\u0660"]
 )
 def test_a_slurm_id_that_names_no_gpu_is_a_selection_error(ident: str) -> None:
     with pytest.raises(SelectionError, match="--slurm-gpus"):

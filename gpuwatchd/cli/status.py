@@ -40,6 +40,7 @@ STATUS_FORMAT = 1  # the "format" of ``status --json``
 STATUS_REFRESH = 60.0
 STALE_POLLS = 3  # stale: no sign of life for a refresh plus this many intervals (and NVML)...
 STALE_MIN = 120.0  # ...and never sooner than this many seconds
+MAX_INTERVAL = 3600.0  # the most ``interval`` config/keys.py allows: a larger one is no daemon's
 MAX_LISTED = 64  # evidence files listed (the daemon keeps 20: act/evidence.py)
 
 
@@ -151,7 +152,7 @@ def _signs_of_life(
     last_sign = max((t for t in signs if t is not None), default=None)
     age = None if last_sign is None else now_wall - last_sign
     interval = as_number(status.get("interval"))  # the daemon's own, when it wrote one
-    if interval is None or interval <= 0:
+    if interval is None or not 0 < interval <= MAX_INTERVAL:
         interval = policy.interval
     stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
     return _Life(last_poll, started, interval, stale_after, age)

@@ -9,7 +9,7 @@ import os
 import signal
 from typing import IO
 
-from gpuwatchd.cli.process_kind import look_at_process
+from gpuwatchd.cli.process_kind import lock_holder
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
@@ -23,21 +23,15 @@ def find_daemon(policy: Policy) -> tuple[int | None, str]:
     where = policy.state_dir
     try:
         with StateDir.open(where) as state_dir:
-            pid = state_dir.lock_holder(policy.proc_root)
+            # The daemon this command may signal: one of its effective uid.
+            daemon, why = lock_holder(state_dir, ProcFS(policy.proc_root), {os.geteuid()})
     except FileNotFoundError:
         return None, f"no state folder {where}: is gpuwatchd running?"
     except PermissionError:
         return None, f"cannot read {where}: permission denied (run as root)"
     except OSError as exc:
         return None, f"{exc}: not used (only root may be able to write there)"
-    if pid is None:
-        return None, f"nobody holds the instance lock in {where}: is gpuwatchd running?"
-    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
-        return None, f"pid {pid} holds the lock in {where} but is not gpuwatchd"
-    daemon = ProcFS(policy.proc_root).read_process(pid)
-    if daemon is None or daemon.uid != os.geteuid():  # its effective uid
-        return None, f"pid {pid} runs as another user: not the daemon this command may signal"
-    return pid, ""
+    return (None, why) if daemon is None else (daemon.pid, "")
 
 
 def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:

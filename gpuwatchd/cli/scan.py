@@ -116,19 +116,15 @@ def running_daemon(
     is the holder of the instance lock in ``state_dir`` if it is gpuwatchd run by a trusted
     user (root, or this user); its workers, its direct children of that user running the
     worker file."""
-    from gpuwatchd.cli.process_kind import look_at_process
+    from gpuwatchd.cli.process_kind import lock_holder
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:
         return None
-    pid = state_dir.lock_holder(policy.proc_root)
-    if pid is None:
+    daemon = lock_holder(state_dir, procfs, state_dir.owners)[0]
+    if daemon is None:
         return None
-    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
-        return None
-    daemon = procfs.read_process(pid)
-    if daemon is None or daemon.uid not in state_dir.owners:
-        return None
+    pid = daemon.pid
     workers = {
         child
         for child, info in procfs.read_processes(procfs.descendants([pid])).items()

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from gpuwatchd import __version__
+from gpuwatchd.cli import CliError
 from gpuwatchd.cli.helptext import describe
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import EventName, ExitCode
@@ -18,14 +19,6 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDirError
 
 _Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
-
-
-class CliError(Exception):
-    """A failure the CLI reports as one line and an exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -460,23 +453,20 @@ def _reload(args: argparse.Namespace) -> int:
 
 
 def _spare(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.spare import SpareError, spare_command
+    from gpuwatchd.cli.spare import spare_command
 
     policy = _policy(args)
     with _writing(policy.state_dir, "nothing is changed"):
-        try:
-            return spare_command(
-                policy,
-                target=args.target,
-                for_=args.for_,
-                reason=args.reason,
-                cancel=args.cancel,
-                listing=args.list_,
-                as_json=args.json,
-                out=sys.stdout,
-            )
-        except SpareError as exc:
-            raise CliError(str(exc), exc.code) from exc
+        return spare_command(
+            policy,
+            target=args.target,
+            for_=args.for_,
+            reason=args.reason,
+            cancel=args.cancel,
+            listing=args.list_,
+            as_json=args.json,
+            out=sys.stdout,
+        )
 
 
 @contextlib.contextmanager

@@ -18,28 +18,23 @@ from gpuwatchd.state.directory import StateDir
 NOT_RUNNING = 3
 
 
-def find_daemon(policy: Policy) -> tuple[int | None, str]:
-    """The running daemon's PID, or None and why none was found."""
+def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:
+    """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
     where = policy.state_dir
     try:
         with StateDir.open(where) as state_dir:
             # The daemon this command may signal: one of its effective uid.
             daemon, why = lock_holder(state_dir, ProcFS(policy.proc_root), {os.geteuid()})
     except FileNotFoundError:
-        return None, f"no state folder {where}: is gpuwatchd running?"
+        daemon, why = None, f"no state folder {where}: is gpuwatchd running?"
     except PermissionError:
-        return None, f"cannot read {where}: permission denied (run as root)"
+        daemon, why = None, f"cannot read {where}: permission denied (run as root)"
     except OSError as exc:
-        return None, f"{exc}: not used (only root may be able to write there)"
-    return (None, why) if daemon is None else (daemon.pid, "")
-
-
-def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:
-    """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
-    pid, why = find_daemon(policy)
-    if pid is None:
+        daemon, why = None, f"{exc}: not used (only root may be able to write there)"
+    if daemon is None:
         print(f"gpuwatchd: {why}", file=err)
         return NOT_RUNNING
+    pid = daemon.pid
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:

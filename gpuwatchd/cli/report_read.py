@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from gpuwatchd.cli.report import CGROUP_FIELDS
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -53,17 +54,7 @@ def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], wher
     return value
 
 
-# The fields of a saved process entry and its cgroup read back, each by its lenient reader.
-_CGROUP = {
-    "path": as_text,
-    "container_id": as_text,
-    "container_runtime": as_text,
-    "pod_uid": as_text,
-    "slurm_job": as_text,
-    "slurm_step": as_text,
-    "systemd_unit": as_text,
-    "delegated": as_flag,
-}
+# The fields of a saved process entry read back, each by its lenient reader.
 _PROCESS = {
     "start_ticks": as_int,
     "state": as_text,
@@ -85,7 +76,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     cg = entry.get("cgroup")
     cgroup = None
     if isinstance(cg, dict) and isinstance(cg.get("path"), str):
-        cgroup = CgroupInfo(**pick(cg, _CGROUP))
+        cgroup = CgroupInfo(**pick(cg, CGROUP_FIELDS))
     cmdline = entry.get("cmdline")
     return ProcessInfo(
         pid=pid,

@@ -24,6 +24,7 @@ from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
 EXIT_POLICY = ExitCode.CONFIG  # cannot judge by the policy files: never a reason to drain
+EXIT_FAILED = 70  # EX_SOFTWARE: check-clean itself failed (a bug); never 1, which says "dirty"
 EXIT_UNREAD = ExitCode.TEMPFAIL  # the daemon's saved state cannot be read: not clean either
 # The first stderr line when the files do not validate; the Slurm scripts read its mode.
 RUNNING_POLICY = "the policy files do not validate; judged with the policy the daemon runs"

@@ -340,13 +340,28 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _check_clean(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.check_clean import check_clean, split_selectors
+    from gpuwatchd.cli.check_clean import EXIT_FAILED, check_clean, split_selectors
 
     _errors_only_logging()
     slurm = None
     if args.slurm_gpus is not None:
         slurm = (split_selectors([args.slurm_gpus]) or [], args.slurm_order)
-    code, error = check_clean(args.config, split_selectors(args.gpu), out=sys.stdout, slurm=slurm)
+    try:
+        code, error = check_clean(
+            args.config, split_selectors(args.gpu), out=sys.stdout, slurm=slurm
+        )
+    except (CliError, StateDirError, BrokenPipeError):  # each has its own line and code
+        raise
+    except Exception as exc:  # exit 1 says "not clean": a bug must not say it (docs/operations.md)
+        import traceback
+
+        print(
+            f"gpuwatchd: check-clean failed ({type(exc).__name__}: {exc}): no answer; "
+            "this is a bug, please report it with the lines below",
+            file=sys.stderr,
+        )
+        traceback.print_exc()
+        return EXIT_FAILED
     if error is not None:
         raise CliError(error, code)
     return code

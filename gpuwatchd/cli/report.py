@@ -94,7 +94,6 @@ def build_report(
     baselines: Mapping[str, int],
     *,
     first_seen: Mapping[str, float] | None = None,
-    now_wall: float | None = None,
     version: str,
     hostname: str | None = None,
     boot_time: float | None = None,
@@ -119,7 +118,7 @@ def build_report(
     )
     return {
         "version": version,
-        "time": snapshot.wall_time if now_wall is None else now_wall,
+        "time": snapshot.wall_time,
         "host": {
             "hostname": hostname,
             **fields_of(snapshot, ("boot_id", "host_namespaces", "mps_server_running")),

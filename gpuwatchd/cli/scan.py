@@ -391,7 +391,6 @@ def snapshot_report(
         assessment.report_only,
         assessment.state.baselines,
         first_seen=first_seen,
-        now_wall=snapshot.wall_time,
         version=__version__,
         hostname=os.uname().nodename,
         boot_time=read_boot_time(proc_root),

@@ -12,7 +12,6 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
 
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
@@ -161,8 +160,6 @@ def check_clean(
     config: str | None,
     selectors: Sequence[str] | None,
     *,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
     slurm: tuple[Sequence[str], str] | None = None,
 ) -> tuple[int, str | None]:
     """Judge with :func:`judging_policy`'s policy and answer: (exit code, an error for stderr or
@@ -174,11 +171,11 @@ def check_clean(
             "a policy problem drains nothing)"
         )
     if judge.problem is None:
-        return _judged(judge.policy, selectors, out, err, slurm)
+        return _judged(judge.policy, selectors, slurm)
     dry = "true" if judge.policy.dry_run else "false"
-    err.write(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {escape(str(judge.running))}\n")
-    err.flush()  # before the scan's own lines
-    code, error = _judged(judge.policy, selectors, out, err, slurm)
+    running = escape(str(judge.running))
+    print(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {running}", file=sys.stderr, flush=True)
+    code, error = _judged(judge.policy, selectors, slurm)
     if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE, EXIT_UNREAD):
         return code, error
     return EXIT_POLICY, (
@@ -188,11 +185,7 @@ def check_clean(
 
 
 def _judged(
-    policy: Policy,
-    selectors: Sequence[str] | None,
-    out: TextIO,
-    err: TextIO,
-    slurm: tuple[Sequence[str], str] | None,
+    policy: Policy, selectors: Sequence[str] | None, slurm: tuple[Sequence[str], str] | None
 ) -> tuple[int, str | None]:
     """Scan once (a full walk of ``/proc``) and answer by ``policy``."""
     from gpuwatchd.cli.scan import scan_host
@@ -211,9 +204,9 @@ def _judged(
     except SelectionError as exc:
         return EXIT_USAGE, str(exc)
     for line in lines:
-        out.write(line + "\n")
+        print(line)
     for note in notes:
-        err.write(note + "\n")
+        print(note, file=sys.stderr)
     chosen = verdict.gpus if selectors is None else select_gpus(verdict.gpus, selectors)
     if result.permission_note and not any(g.state is Cleanliness.DIRTY for g in chosen):
         # Not dirty, but an incomplete scan cannot prove a GPU clean: run as root.

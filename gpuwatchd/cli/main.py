@@ -347,9 +347,7 @@ def _check_clean(args: argparse.Namespace) -> int:
     if args.slurm_gpus is not None:
         slurm = (split_selectors([args.slurm_gpus]) or [], args.slurm_order)
     try:
-        code, error = check_clean(
-            args.config, split_selectors(args.gpu), out=sys.stdout, slurm=slurm
-        )
+        code, error = check_clean(args.config, split_selectors(args.gpu), slurm=slurm)
     except (CliError, StateDirError, BrokenPipeError):  # each has its own line and code
         raise
     except Exception as exc:  # exit 1 says "not clean": a bug must not say it (docs/operations.md)

@@ -454,7 +454,7 @@ def _status(args: argparse.Namespace) -> int:
         raise CliError(str(judge.problem), ExitCode.CONFIG)
     if judge.problem is not None:
         print(f"gpuwatchd: {judge.problem}", file=sys.stderr)
-    return status_command(judge.policy, as_json=bool(args.json), out=sys.stdout)
+    return status_command(judge.policy, as_json=bool(args.json))
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -462,7 +462,7 @@ def _reload(args: argparse.Namespace) -> int:
 
     config_path = args.config or DEFAULT_CONFIG_PATH
     policy = load_policy_or_exit(config_path, required=True)  # a broken policy: 78, no signal
-    return reload_command(policy, config_path, out=sys.stdout, err=sys.stderr)
+    return reload_command(policy, config_path)
 
 
 def _spare(args: argparse.Namespace) -> int:
@@ -478,7 +478,6 @@ def _spare(args: argparse.Namespace) -> int:
             cancel=args.cancel,
             listing=args.list_,
             as_json=args.json,
-            out=sys.stdout,
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import IO
+import sys
 
 from gpuwatchd.cli.process_kind import lock_holder
 from gpuwatchd.collect.procfs import ProcFS
@@ -18,7 +18,7 @@ from gpuwatchd.state.directory import StateDir
 NOT_RUNNING = 3
 
 
-def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:
+def reload_command(policy: Policy, config_path: str) -> int:
     """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
     where = policy.state_dir
     try:
@@ -32,20 +32,21 @@ def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[st
     except OSError as exc:
         daemon, why = None, f"{exc}: not used (only root may be able to write there)"
     if daemon is None:
-        print(f"gpuwatchd: {why}", file=err)
+        print(f"gpuwatchd: {why}", file=sys.stderr)
         return NOT_RUNNING
     pid = daemon.pid
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
-        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=err)
+        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=sys.stderr)
         return NOT_RUNNING
     except PermissionError:
-        print(f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=err)
+        print(
+            f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=sys.stderr
+        )
         return ExitCode.NOPERM
     print(
         f"gpuwatchd: {config_path} is valid; asked the daemon (pid {pid}) to reload it "
         "(`gpuwatchd status` and the log say when it has)",
-        file=out,
     )
     return ExitCode.OK

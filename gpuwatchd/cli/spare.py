@@ -12,7 +12,6 @@ import json
 import pwd
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO
 
 from gpuwatchd.cli import CliError
 from gpuwatchd.cli.humantime import duration, for_seconds, stamp, until
@@ -56,7 +55,6 @@ def spare_command(
     cancel: bool,
     listing: bool,
     as_json: bool,
-    out: IO[str],
 ) -> int:
     """Run ``gpuwatchd spare``; raises :class:`CliError` (refused: nothing was changed),
     ``OSError`` (the state directory)."""
@@ -65,13 +63,13 @@ def spare_command(
     if listing or target is None:
         if target is not None or cancel:
             raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
-        return _list(policy, procfs, now, as_json=as_json, out=out)
+        return _list(policy, procfs, now, as_json=as_json)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
         raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
     if cancel:
-        return _cancel(policy, key, out)
+        return _cancel(policy, key)
     seconds = _length(for_, policy.limits.max_spare)
     if not reason:
         raise CliError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
@@ -102,16 +100,15 @@ def spare_command(
     print(
         f"gpuwatchd: {what} is spared for {duration(seconds)}, until {ends}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
-        file=out,
     )
     return ExitCode.OK
 
 
-def _cancel(policy: Policy, key: str, out: IO[str]) -> int:
+def _cancel(policy: Policy, key: str) -> int:
     """``spare --cancel``: the spare of ``key`` ended now, and whether there was one, said."""
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         gone = cancel_spare(state_dir, key)
-    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"), file=out)
+    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"))
     return ExitCode.OK
 
 
@@ -150,7 +147,7 @@ def _job_found(procfs: ProcFS, job: str, target: str) -> str:
     )
 
 
-def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[str]) -> int:
+def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool) -> int:
     try:
         with StateDir.open(policy.state_dir) as state_dir:
             clock = BootTime.read(now, procfs.boot_id())
@@ -161,16 +158,15 @@ def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[
     if as_json:
         names = ("target", "pid", "start_ticks", "job", "until", "since", "reason", "by_uid")
         rows = [fields_of(s, names) for s in spares]
-        json.dump({"spares": rows, "problems": list(problems)}, out, indent=2)
-        out.write("\n")
+        print(json.dumps({"spares": rows, "problems": list(problems)}, indent=2))
         return ExitCode.OK
     if not spares:
-        print("no spares", file=out)
+        print("no spares")
     for s in spares:
         line = f"{s.target}  until {stamp(s.until, zone=True)} ({until(s.until - now)})  {s.reason}"
-        print(escape(line), file=out)
+        print(escape(line))
     for problem in problems:
-        print(escape(f"ignored: {problem}"), file=out)
+        print(escape(f"ignored: {problem}"))
     return ExitCode.OK
 
 

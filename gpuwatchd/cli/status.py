@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.cli.humantime import duration
@@ -388,7 +389,7 @@ def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
         return None
 
 
-def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
+def status_command(policy: Policy, *, as_json: bool) -> int:
     """Read, describe, print; the exit code of :class:`StatusCode`."""
     saved = read_saved_state(policy.state_dir)  # the problem: why it cannot be read (exit 4)
     pid = saved.daemon_pid
@@ -403,9 +404,8 @@ def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
         evidence=read_evidence(policy.state_dir),
     )
     if as_json:
-        json.dump(result, out, indent=2)
-        out.write("\n")
+        print(json.dumps(result, indent=2))
     else:
-        out.write(render_text(result))
+        sys.stdout.write(render_text(result))
     code = result["exit_code"]
     return code if isinstance(code, int) else int(StatusCode.UNKNOWN)

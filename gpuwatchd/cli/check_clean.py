@@ -12,7 +12,6 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
 
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
@@ -24,6 +23,8 @@ from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
 EXIT_POLICY = ExitCode.CONFIG  # cannot judge by the policy files: never a reason to drain
+EXIT_FAILED = 70  # EX_SOFTWARE: check-clean itself failed (a bug); never 1, which says "dirty"
+EXIT_UNREAD = ExitCode.TEMPFAIL  # the daemon's saved state cannot be read: not clean either
 # The first stderr line when the files do not validate; the Slurm scripts read its mode.
 RUNNING_POLICY = "the policy files do not validate; judged with the policy the daemon runs"
 
@@ -75,10 +76,15 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
+def _number(text: str, digits: int) -> bool:
+    """Whether ``text`` is a number of ASCII digits, at most ``digits`` of them."""
+    return text.isascii() and text.isdecimal() and len(text) <= digits
+
+
 def _names(gpu: GpuVerdict, selector: str) -> bool:
     return (
         gpu.uuid.lower() == selector.lower()
-        or (selector.isdecimal() and len(selector) <= 64 and int(selector) == gpu.index)
+        or (_number(selector, 64) and int(selector) == gpu.index)
         or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
     )
 
@@ -122,7 +128,7 @@ def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> l
         )
     chosen: list[str] = []
     for ident in ids:
-        if not ident.isdecimal() or len(ident) > 6:
+        if not _number(ident, 6):
             raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
         if int(ident) >= len(numbered):
             raise SelectionError(
@@ -154,8 +160,6 @@ def check_clean(
     config: str | None,
     selectors: Sequence[str] | None,
     *,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
     slurm: tuple[Sequence[str], str] | None = None,
 ) -> tuple[int, str | None]:
     """Judge with :func:`judging_policy`'s policy and answer: (exit code, an error for stderr or
@@ -167,12 +171,12 @@ def check_clean(
             "a policy problem drains nothing)"
         )
     if judge.problem is None:
-        return _judged(judge.policy, selectors, out, err, slurm)
+        return _judged(judge.policy, selectors, slurm)
     dry = "true" if judge.policy.dry_run else "false"
-    err.write(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {escape(str(judge.running))}\n")
-    err.flush()  # before the scan's own lines
-    code, error = _judged(judge.policy, selectors, out, err, slurm)
-    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE):
+    running = escape(str(judge.running))
+    print(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {running}", file=sys.stderr, flush=True)
+    code, error = _judged(judge.policy, selectors, slurm)
+    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE, EXIT_UNREAD):
         return code, error
     return EXIT_POLICY, (
         f"{judge.problem}\n(no GPU asked about is dirty by the policy the daemon runs; "
@@ -181,11 +185,7 @@ def check_clean(
 
 
 def _judged(
-    policy: Policy,
-    selectors: Sequence[str] | None,
-    out: TextIO,
-    err: TextIO,
-    slurm: tuple[Sequence[str], str] | None,
+    policy: Policy, selectors: Sequence[str] | None, slurm: tuple[Sequence[str], str] | None
 ) -> tuple[int, str | None]:
     """Scan once (a full walk of ``/proc``) and answer by ``policy``."""
     from gpuwatchd.cli.scan import scan_host
@@ -204,12 +204,18 @@ def _judged(
     except SelectionError as exc:
         return EXIT_USAGE, str(exc)
     for line in lines:
-        out.write(line + "\n")
+        print(line)
     for note in notes:
-        err.write(note + "\n")
-    if result.permission_note:
-        chosen = verdict.gpus if selectors is None else select_gpus(verdict.gpus, selectors)
-        if not any(g.state is Cleanliness.DIRTY for g in chosen):
-            # Not dirty, but an incomplete scan cannot prove a GPU clean: run as root.
-            return ExitCode.NOPERM, result.permission_note
+        print(note, file=sys.stderr)
+    chosen = verdict.gpus if selectors is None else select_gpus(verdict.gpus, selectors)
+    if result.permission_note and not any(g.state is Cleanliness.DIRTY for g in chosen):
+        # Not dirty, but an incomplete scan cannot prove a GPU clean: run as root.
+        return ExitCode.NOPERM, result.permission_note
+    if result.state_unread is not None and chosen and code == ExitCode.OK:
+        # A MIG recovery or reset left half done makes its GPU dirty, and only the daemon's
+        # saved plan tells it: cannot tell until the daemon writes one this version reads.
+        return EXIT_UNREAD, escape(
+            f"cannot tell whether the GPUs are clean: {result.state_unread} (a MIG recovery or "
+            "reset the daemon left half done would not be seen)"
+        )
     return code, None

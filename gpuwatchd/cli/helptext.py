@@ -35,6 +35,8 @@ COMMAND_HELP: dict[str, tuple[str, dict[int, str]]] = {
             1: "one is not",
             2: "a bad argument, or a --gpu that names no GPU of this host",
             69: "NVML unavailable",
+            70: "check-clean failed itself (a bug): no answer",
+            75: "nothing dirty found, but the daemon's saved state cannot be read",
             77: "nothing dirty found, but some processes could not be inspected",
         },
     ),

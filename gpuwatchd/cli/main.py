@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from gpuwatchd import __version__
+from gpuwatchd.cli import CliError
 from gpuwatchd.cli.helptext import describe
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import EventName, ExitCode
@@ -18,14 +19,6 @@ from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDirError
 
 _Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
-
-
-class CliError(Exception):
-    """A failure the CLI reports as one line and an exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,13 +340,26 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _check_clean(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.check_clean import check_clean, split_selectors
+    from gpuwatchd.cli.check_clean import EXIT_FAILED, check_clean, split_selectors
 
     _errors_only_logging()
     slurm = None
     if args.slurm_gpus is not None:
         slurm = (split_selectors([args.slurm_gpus]) or [], args.slurm_order)
-    code, error = check_clean(args.config, split_selectors(args.gpu), out=sys.stdout, slurm=slurm)
+    try:
+        code, error = check_clean(args.config, split_selectors(args.gpu), slurm=slurm)
+    except (CliError, StateDirError, BrokenPipeError):  # each has its own line and code
+        raise
+    except Exception as exc:  # exit 1 says "not clean": a bug must not say it (docs/operations.md)
+        import traceback
+
+        print(
+            f"gpuwatchd: check-clean failed ({type(exc).__name__}: {exc}): no answer; "
+            "this is a bug, please report it with the lines below",
+            file=sys.stderr,
+        )
+        traceback.print_exc()
+        return EXIT_FAILED
     if error is not None:
         raise CliError(error, code)
     return code
@@ -448,7 +454,7 @@ def _status(args: argparse.Namespace) -> int:
         raise CliError(str(judge.problem), ExitCode.CONFIG)
     if judge.problem is not None:
         print(f"gpuwatchd: {judge.problem}", file=sys.stderr)
-    return status_command(judge.policy, as_json=bool(args.json), out=sys.stdout)
+    return status_command(judge.policy, as_json=bool(args.json))
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -456,27 +462,23 @@ def _reload(args: argparse.Namespace) -> int:
 
     config_path = args.config or DEFAULT_CONFIG_PATH
     policy = load_policy_or_exit(config_path, required=True)  # a broken policy: 78, no signal
-    return reload_command(policy, config_path, out=sys.stdout, err=sys.stderr)
+    return reload_command(policy, config_path)
 
 
 def _spare(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.spare import SpareError, spare_command
+    from gpuwatchd.cli.spare import spare_command
 
     policy = _policy(args)
     with _writing(policy.state_dir, "nothing is changed"):
-        try:
-            return spare_command(
-                policy,
-                target=args.target,
-                for_=args.for_,
-                reason=args.reason,
-                cancel=args.cancel,
-                listing=args.list_,
-                as_json=args.json,
-                out=sys.stdout,
-            )
-        except SpareError as exc:
-            raise CliError(str(exc), exc.code) from exc
+        return spare_command(
+            policy,
+            target=args.target,
+            for_=args.for_,
+            reason=args.reason,
+            cancel=args.cancel,
+            listing=args.list_,
+            as_json=args.json,
+        )
 
 
 @contextlib.contextmanager

@@ -1,11 +1,18 @@
 """What a PID is to the commands that look for the running daemon: gpuwatchd, another
-process, gone, or unknown (one look at ``/proc/PID``). Apart from :mod:`gpuwatchd.cli.status`
-so that ``scan`` does not import the status document (~7 ms of its start)."""
+process, gone, or unknown (one look at ``/proc/PID``); and which process is the daemon (the
+lock holder). Apart from :mod:`gpuwatchd.cli.status` so that ``scan`` does not import the
+status document (~7 ms of its start)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuwatchd.collect.procfs import ProcFS
+    from gpuwatchd.core.model import ProcessInfo
+    from gpuwatchd.state.directory import StateDir
 
 
 def _looks_like_gpuwatchd(comm: str | None, argv: Sequence[str]) -> bool:
@@ -47,3 +54,20 @@ def look_at_process(proc_root: str, pid: int) -> str:
         if comm is None:
             return "unknown" if os.path.isdir(base) else "gone"
     return "gpuwatchd" if _looks_like_gpuwatchd(comm, argv) else "other"
+
+
+def lock_holder(
+    state_dir: StateDir, procfs: ProcFS, users: Collection[int]
+) -> tuple[ProcessInfo | None, str]:
+    """The daemon: the process the kernel says holds the instance lock in ``state_dir``, if it
+    is gpuwatchd run by one of ``users``; else None and why not (no file's word is taken)."""
+    where = state_dir.path
+    pid = state_dir.lock_holder(procfs.root)
+    if pid is None:
+        return None, f"nobody holds the instance lock in {where}: is gpuwatchd running?"
+    if look_at_process(procfs.root, pid) != "gpuwatchd":
+        return None, f"pid {pid} holds the lock in {where} but is not gpuwatchd"
+    daemon = procfs.read_process(pid)
+    if daemon is None or daemon.uid not in users:
+        return None, f"pid {pid} runs as another user: not the daemon this command may signal"
+    return daemon, ""

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import IO
+import sys
 
-from gpuwatchd.cli.process_kind import look_at_process
+from gpuwatchd.cli.process_kind import lock_holder
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.policy import Policy
@@ -18,45 +18,35 @@ from gpuwatchd.state.directory import StateDir
 NOT_RUNNING = 3
 
 
-def find_daemon(policy: Policy) -> tuple[int | None, str]:
-    """The running daemon's PID, or None and why none was found."""
+def reload_command(policy: Policy, config_path: str) -> int:
+    """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
     where = policy.state_dir
     try:
         with StateDir.open(where) as state_dir:
-            pid = state_dir.lock_holder(policy.proc_root)
+            # The daemon this command may signal: one of its effective uid.
+            daemon, why = lock_holder(state_dir, ProcFS(policy.proc_root), {os.geteuid()})
     except FileNotFoundError:
-        return None, f"no state folder {where}: is gpuwatchd running?"
+        daemon, why = None, f"no state folder {where}: is gpuwatchd running?"
     except PermissionError:
-        return None, f"cannot read {where}: permission denied (run as root)"
+        daemon, why = None, f"cannot read {where}: permission denied (run as root)"
     except OSError as exc:
-        return None, f"{exc}: not used (only root may be able to write there)"
-    if pid is None:
-        return None, f"nobody holds the instance lock in {where}: is gpuwatchd running?"
-    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
-        return None, f"pid {pid} holds the lock in {where} but is not gpuwatchd"
-    daemon = ProcFS(policy.proc_root).read_process(pid)
-    if daemon is None or daemon.uid != os.geteuid():  # its effective uid
-        return None, f"pid {pid} runs as another user: not the daemon this command may signal"
-    return pid, ""
-
-
-def reload_command(policy: Policy, config_path: str, *, out: IO[str], err: IO[str]) -> int:
-    """Send SIGHUP to the running daemon; the policy (``config_path``) is already checked."""
-    pid, why = find_daemon(policy)
-    if pid is None:
-        print(f"gpuwatchd: {why}", file=err)
+        daemon, why = None, f"{exc}: not used (only root may be able to write there)"
+    if daemon is None:
+        print(f"gpuwatchd: {why}", file=sys.stderr)
         return NOT_RUNNING
+    pid = daemon.pid
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
-        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=err)
+        print(f"gpuwatchd: the daemon (pid {pid}) has just exited", file=sys.stderr)
         return NOT_RUNNING
     except PermissionError:
-        print(f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=err)
+        print(
+            f"gpuwatchd: not allowed to signal the daemon (pid {pid}): run as root", file=sys.stderr
+        )
         return ExitCode.NOPERM
     print(
         f"gpuwatchd: {config_path} is valid; asked the daemon (pid {pid}) to reload it "
         "(`gpuwatchd status` and the log say when it has)",
-        file=out,
     )
     return ExitCode.OK

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
 
+from gpuwatchd.core.checked import as_flag, as_text
 from gpuwatchd.core.model import (
     DeviceHolding,
     Finding,
@@ -57,17 +58,19 @@ _FACTS = (
     "nspid",
     "cgroup",
 )
-_CGROUP = (
-    "path",
-    "container_id",
-    "container_runtime",
-    "pod_uid",
-    "slurm_job",
-    "slurm_step",
-    "systemd_unit",
-    "delegated",
-    "job=job_key",
-)
+# A process's cgroup in the document (and its "job"), each field with the reader that takes it
+# back (report_read.py).
+CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
+    "path": as_text,
+    "container_id": as_text,
+    "container_runtime": as_text,
+    "pod_uid": as_text,
+    "slurm_job": as_text,
+    "slurm_step": as_text,
+    "systemd_unit": as_text,
+    "delegated": as_flag,
+}
+_CGROUP = (*CGROUP_FIELDS, "job=job_key")
 # The parts of a GPU entry a MIG instance's entry keeps (the rest is the parent's to say).
 _KEPT = ("memory", "report_only", "notes", "processes_known", "processes", "holders", "verdict")
 _FINDING = (
@@ -91,7 +94,6 @@ def build_report(
     baselines: Mapping[str, int],
     *,
     first_seen: Mapping[str, float] | None = None,
-    now_wall: float | None = None,
     version: str,
     hostname: str | None = None,
     boot_time: float | None = None,
@@ -116,7 +118,7 @@ def build_report(
     )
     return {
         "version": version,
-        "time": snapshot.wall_time if now_wall is None else now_wall,
+        "time": snapshot.wall_time,
         "host": {
             "hostname": hostname,
             **fields_of(snapshot, ("boot_id", "host_namespaces", "mps_server_running")),

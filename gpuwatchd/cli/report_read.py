@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from gpuwatchd.cli.report import CGROUP_FIELDS
 from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
@@ -52,17 +54,7 @@ def _need(data: Mapping[str, object], key: str, types: tuple[type[T], ...], wher
     return value
 
 
-# The fields of a saved process entry and its cgroup read back, each by its lenient reader.
-_CGROUP = {
-    "path": as_text,
-    "container_id": as_text,
-    "container_runtime": as_text,
-    "pod_uid": as_text,
-    "slurm_job": as_text,
-    "slurm_step": as_text,
-    "systemd_unit": as_text,
-    "delegated": as_flag,
-}
+# The fields of a saved process entry read back, each by its lenient reader.
 _PROCESS = {
     "start_ticks": as_int,
     "state": as_text,
@@ -84,7 +76,7 @@ def _process(entry: Mapping[str, object]) -> ProcessInfo | None:
     cg = entry.get("cgroup")
     cgroup = None
     if isinstance(cg, dict) and isinstance(cg.get("path"), str):
-        cgroup = CgroupInfo(**pick(cg, _CGROUP))
+        cgroup = CgroupInfo(**pick(cg, CGROUP_FIELDS))
     cmdline = entry.get("cmdline")
     return ProcessInfo(
         pid=pid,
@@ -120,8 +112,8 @@ def _shape_problem(raw: bytes) -> str | None:
 
 def load_report(path: str) -> Mapping[str, object]:
     """The saved ``scan --json`` report at ``path``: a regular file of at most
-    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers have at most
-    :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise.
+    :data:`MAX_REPORT_BYTES` (never a FIFO or a device), JSON whose numbers are finite and have
+    at most :data:`MAX_DIGITS` digits; SnapshotError naming the file (and the field) otherwise.
     An evidence file gives its ``report``, with what it says of its step as ``evidence``."""
     try:
         raw = read_regular_file(path, MAX_REPORT_BYTES)
@@ -139,7 +131,12 @@ def load_report(path: str) -> Mapping[str, object]:
     if problem is not None:
         raise SnapshotError(f"{path}: {problem}: not a report")
     try:
-        data = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+        data = json.loads(
+            raw.decode("utf-8"),
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+            parse_constant=_no_constant,
+        )
         where = _first_huge_number(data, "")
     except UnicodeDecodeError as err:
         raise SnapshotError(f"{path}: cannot read: {err}") from None
@@ -184,6 +181,17 @@ class _HugeNumber(str):
 
 def _bounded_int(text: str) -> int | _HugeNumber:
     return int(text) if len(text.lstrip("-")) <= MAX_DIGITS else _HugeNumber(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is no finite number: no value of a report")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text} is no value of a report")
 
 
 def _first_huge_number(value: object, where: str) -> str | None:

@@ -37,7 +37,7 @@ from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import read_ended_jobs, read_pause_switch
-from gpuwatchd.state.saved import SavedState, read_saved_state
+from gpuwatchd.state.saved import STATE_FILE, SavedState, read_saved_state
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class ScanResult:
     wedged: bool = False
     verdict: NodeVerdict | None = None
     declined: str | None = None  # served: why the daemon's last poll could not be served from
+    # Why the daemon's saved state (its half-done recoveries and resets) could not be read.
+    state_unread: str | None = None
 
 
 class ScanOutput(NamedTuple):
@@ -114,19 +116,15 @@ def running_daemon(
     is the holder of the instance lock in ``state_dir`` if it is gpuwatchd run by a trusted
     user (root, or this user); its workers, its direct children of that user running the
     worker file."""
-    from gpuwatchd.cli.process_kind import look_at_process
+    from gpuwatchd.cli.process_kind import lock_holder
     from gpuwatchd.collect.nvml import WORKER_FILE
 
     if state_dir is None:
         return None
-    pid = state_dir.lock_holder(policy.proc_root)
-    if pid is None:
+    daemon = lock_holder(state_dir, procfs, state_dir.owners)[0]
+    if daemon is None:
         return None
-    if look_at_process(policy.proc_root, pid) != "gpuwatchd":
-        return None
-    daemon = procfs.read_process(pid)
-    if daemon is None or daemon.uid not in state_dir.owners:
-        return None
+    pid = daemon.pid
     workers = {
         child
         for child, info in procfs.read_processes(procfs.descendants([pid])).items()
@@ -195,28 +193,26 @@ def _scan_host(
     finally:
         if own:
             client.close()
-    read_at = client.last_asked_wall if published is None else published.read_at
     error = None
     if not snapshot.nvml.available:
         # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    report, verdict = _judged_report(snapshot, saved, policy, state_dir)
+    report, verdict, unread = _judged_report(snapshot, saved, policy, state_dir)
     report["daemon_view"] = _daemon_view_section(view, why, collector)
-    report["nvml_reading"] = {
-        "source": "own" if published is None else "daemon",
-        "age_s": None if read_at is None else round(max(0.0, snapshot.wall_time - read_at), 3),
-        "reason": "read by this scan"
-        if published is None
-        else f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
-    }
+    report["nvml_reading"] = _nvml_reading_section(published, client, snapshot.wall_time)
     said = None if state_dir is None else daemon_section(state_dir, saved, policy, snapshot)
     if said is not None:
         report["daemon"] = said
     note = _permission_note(policy, snapshot)
     return ScanResult(
-        report, error=error, permission_note=note, wedged=snapshot.nvml.wedged, verdict=verdict
+        report,
+        error=error,
+        permission_note=note,
+        wedged=snapshot.nvml.wedged,
+        verdict=verdict,
+        state_unread=unread,
     )
 
 
@@ -278,15 +274,20 @@ def _collect(
 
 def _judged_report(
     snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
-) -> tuple[dict[str, object], NodeVerdict]:
+) -> tuple[dict[str, object], NodeVerdict, str | None]:
     """The snapshot assessed as the daemon would (with its saved history of this boot), judged
-    and reported, each finding and holder a spare covers marked so."""
+    and reported, each finding and holder a spare covers marked so; and why the saved state
+    could not be read (None: it was, or there is none), for its half-done work is not seen."""
     previous, unfinished, first_seen = AssessState(), {}, {}
+    unread = saved.problem
     if saved.same_boot(snapshot.boot_id):  # an older boot's history and monotonic times lie
         with contextlib.suppress(ValueError):
             previous = AssessState.from_json(saved.data.get("assess", {}))
-        with contextlib.suppress(ValueError):  # a MIG recovery left half done: its GPU is dirty
+        try:  # a MIG recovery left half done: its GPU is dirty
             unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
+        except ValueError as exc:
+            path = os.path.join(policy.state_dir, STATE_FILE)
+            unread = f"{path}: the daemon's plan cannot be read ({exc})"
         first_seen = _first_seen_wall(saved, snapshot.monotonic, snapshot.wall_time)
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
@@ -294,7 +295,21 @@ def _judged_report(
     report = snapshot_report(
         snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root, spares=spares
     )
-    return report, verdict
+    return report, verdict, unread
+
+
+def _nvml_reading_section(
+    published: nvml_view.Published | None, client: NvmlClient, now_wall: float
+) -> dict[str, object]:
+    """The report's ``nvml_reading``: whose NVML reading it shows, and how old it is."""
+    read_at = client.last_asked_wall if published is None else published.read_at
+    return {
+        "source": "own" if published is None else "daemon",
+        "age_s": None if read_at is None else round(max(0.0, now_wall - read_at), 3),
+        "reason": "read by this scan"
+        if published is None
+        else f"the daemon's reading (pid {published.daemon_pid}, poll {published.polled:.3f})",
+    }
 
 
 def _daemon_view_section(
@@ -376,7 +391,6 @@ def snapshot_report(
         assessment.report_only,
         assessment.state.baselines,
         first_seen=first_seen,
-        now_wall=snapshot.wall_time,
         version=__version__,
         hostname=os.uname().nodename,
         boot_time=read_boot_time(proc_root),

@@ -12,8 +12,8 @@ import json
 import pwd
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO
 
+from gpuwatchd.cli import CliError
 from gpuwatchd.cli.humantime import duration, for_seconds, stamp, until
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.procfs import ProcFS
@@ -35,23 +35,15 @@ from gpuwatchd.state.spares import (
 )
 
 
-class SpareError(Exception):
-    """A refused ``spare`` (one line, an exit code); nothing was changed."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _length(text: str | None, max_spare: float) -> float:
     from gpuwatchd.config.yamlsrc import ConfigError  # only here: a scan never loads YAML
 
     if text is None:
-        raise SpareError("spare needs --for DURATION (how long to leave it alone)", ExitCode.CONFIG)
+        raise CliError("spare needs --for DURATION (how long to leave it alone)", ExitCode.CONFIG)
     try:
         return for_seconds(text, command="spare", limit="limits.max_spare", maximum=max_spare)
     except (ConfigError, ValueError) as exc:
-        raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+        raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
 
 
 def spare_command(
@@ -63,24 +55,24 @@ def spare_command(
     cancel: bool,
     listing: bool,
     as_json: bool,
-    out: IO[str],
 ) -> int:
-    """Run ``gpuwatchd spare``; raises :class:`SpareError`, ``OSError`` (the state directory)."""
+    """Run ``gpuwatchd spare``; raises :class:`CliError` (refused: nothing was changed),
+    ``OSError`` (the state directory)."""
     procfs = ProcFS(policy.proc_root)
     now = time.time()
     if listing or target is None:
         if target is not None or cancel:
-            raise SpareError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
-        return _list(policy, procfs, now, as_json=as_json, out=out)
+            raise CliError("spare --list takes no target and no --cancel", ExitCode.CONFIG)
+        return _list(policy, procfs, now, as_json=as_json)
     try:
         key, pid, job = parse_target(target)
     except ValueError as exc:
-        raise SpareError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
+        raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
     if cancel:
-        return _cancel(policy, key, out)
+        return _cancel(policy, key)
     seconds = _length(for_, policy.limits.max_spare)
     if not reason:
-        raise SpareError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
+        raise CliError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
     boot_id = procfs.boot_id()
     caveat = "" if job is None else _job_found(procfs, job, target)
     start_ticks = None if pid is None else _start_ticks(procfs, pid, boot_id, target)
@@ -88,7 +80,7 @@ def spare_command(
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         in_force = read_spares(state_dir, clock, max_spare=policy.limits.max_spare).spares
         if len(in_force) >= MAX_SPARES and key not in {spare.target for spare in in_force}:
-            raise SpareError(
+            raise CliError(
                 f"spare {target}: {MAX_SPARES} spares are in force, the most the daemon "
                 "honours at once: nothing is spared (cancel one first)",
                 ExitCode.CONFIG,
@@ -108,16 +100,15 @@ def spare_command(
     print(
         f"gpuwatchd: {what} is spared for {duration(seconds)}, until {ends}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
-        file=out,
     )
     return ExitCode.OK
 
 
-def _cancel(policy: Policy, key: str, out: IO[str]) -> int:
+def _cancel(policy: Policy, key: str) -> int:
     """``spare --cancel``: the spare of ``key`` ended now, and whether there was one, said."""
     with StateDir.open(policy.state_dir, create=True) as state_dir:
         gone = cancel_spare(state_dir, key)
-    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"), file=out)
+    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"))
     return ExitCode.OK
 
 
@@ -127,7 +118,7 @@ def _start_ticks(procfs: ProcFS, pid: int, boot_id: str | None, target: str) -> 
     it counts from is unknown."""
     stat = procfs.read_stat(pid)
     if stat is None or boot_id is None:
-        raise SpareError(
+        raise CliError(
             f"spare {target}: no such process (or its start time cannot be read); "
             "nothing is spared",
             ExitCode.CONFIG,
@@ -142,7 +133,7 @@ def _job_found(procfs: ProcFS, job: str, target: str) -> str:
     processes = procfs.read_processes(procfs.list_pids())
     found = job_processes(job, processes)
     if not found:
-        raise SpareError(
+        raise CliError(
             f"spare {target}: no process of job {job} found (none in its cgroup, no "
             "slurmstepd of root's serving it): nothing is spared; spare its processes by PID",
             ExitCode.CONFIG,
@@ -156,7 +147,7 @@ def _job_found(procfs: ProcFS, job: str, target: str) -> str:
     )
 
 
-def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[str]) -> int:
+def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool) -> int:
     try:
         with StateDir.open(policy.state_dir) as state_dir:
             clock = BootTime.read(now, procfs.boot_id())
@@ -167,16 +158,15 @@ def _list(policy: Policy, procfs: ProcFS, now: float, *, as_json: bool, out: IO[
     if as_json:
         names = ("target", "pid", "start_ticks", "job", "until", "since", "reason", "by_uid")
         rows = [fields_of(s, names) for s in spares]
-        json.dump({"spares": rows, "problems": list(problems)}, out, indent=2)
-        out.write("\n")
+        print(json.dumps({"spares": rows, "problems": list(problems)}, indent=2))
         return ExitCode.OK
     if not spares:
-        print("no spares", file=out)
+        print("no spares")
     for s in spares:
         line = f"{s.target}  until {stamp(s.until, zone=True)} ({until(s.until - now)})  {s.reason}"
-        print(escape(line), file=out)
+        print(escape(line))
     for problem in problems:
-        print(escape(f"ignored: {problem}"), file=out)
+        print(escape(f"ignored: {problem}"))
     return ExitCode.OK
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 from gpuwatchd.act.evidence import list_evidence
 from gpuwatchd.cli.humantime import duration
@@ -40,6 +41,7 @@ STATUS_FORMAT = 1  # the "format" of ``status --json``
 STATUS_REFRESH = 60.0
 STALE_POLLS = 3  # stale: no sign of life for a refresh plus this many intervals (and NVML)...
 STALE_MIN = 120.0  # ...and never sooner than this many seconds
+MAX_INTERVAL = 3600.0  # the most ``interval`` config/keys.py allows: a larger one is no daemon's
 MAX_LISTED = 64  # evidence files listed (the daemon keeps 20: act/evidence.py)
 
 
@@ -151,7 +153,7 @@ def _signs_of_life(
     last_sign = max((t for t in signs if t is not None), default=None)
     age = None if last_sign is None else now_wall - last_sign
     interval = as_number(status.get("interval"))  # the daemon's own, when it wrote one
-    if interval is None or interval <= 0:
+    if interval is None or not 0 < interval <= MAX_INTERVAL:
         interval = policy.interval
     stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
     return _Life(last_poll, started, interval, stale_after, age)
@@ -387,7 +389,7 @@ def read_evidence(state_dir: str) -> list[dict[str, object]] | None:
         return None
 
 
-def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
+def status_command(policy: Policy, *, as_json: bool) -> int:
     """Read, describe, print; the exit code of :class:`StatusCode`."""
     saved = read_saved_state(policy.state_dir)  # the problem: why it cannot be read (exit 4)
     pid = saved.daemon_pid
@@ -402,9 +404,8 @@ def status_command(policy: Policy, *, as_json: bool, out: IO[str]) -> int:
         evidence=read_evidence(policy.state_dir),
     )
     if as_json:
-        json.dump(result, out, indent=2)
-        out.write("\n")
+        print(json.dumps(result, indent=2))
     else:
-        out.write(render_text(result))
+        sys.stdout.write(render_text(result))
     code = result["exit_code"]
     return code if isinstance(code, int) else int(StatusCode.UNKNOWN)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -288,3 +289,39 @@ def test_explain_of_a_scan_lists_the_daemons_pause_and_its_kill_cap_latch(host: 
     assert "pause: the daemon is paused (driver upgrade)" in result.stdout
     latch = "kill cap: reached (more than 64 in one hour); the daemon forced dry-run"
     assert latch in result.stdout
+
+
+def _plan_of_another_version() -> dict[str, object]:
+    return {**PlanState().to_json(), "version": 99}
+
+
+@pytest.mark.parametrize(
+    ("state", "code"),
+    [
+        (lambda boot_id: {"boot_id": boot_id, "plan": PlanState().to_json()}, 0),
+        (lambda boot_id: {"boot_id": boot_id, "plan": _plan_of_another_version()}, 75),
+        (lambda boot_id: "{not json", 75),
+    ],
+    ids=["readable", "plan-unreadable", "file-malformed"],
+)
+def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_read(
+    host: SimHost, state: Any, code: int
+) -> None:
+    """A saved plan this version cannot read (corrupt, or written in another format by the
+    daemon still running after an upgrade) may hold a MIG recovery or reset left half done,
+    which makes its GPU dirty: check-clean cannot tell, exits 75 naming the file, never 0."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    saved = state(boot_id)
+    if isinstance(saved, str):
+        (host.state_dir / "state.json").write_text(saved)
+    else:
+        StateStore(str(host.state_dir)).save(saved)
+    host.nvml([gpu(0), gpu(1)])
+    result = host.gpuwatchd("check-clean", "--config", str(host.config()))
+    assert result.returncode == code, result.stderr
+    assert result.stdout == ""
+    if code:
+        assert str(host.state_dir / "state.json") in result.stderr
+        assert "cannot tell" in result.stderr
+        empty = host.gpuwatchd("check-clean", "--gpu", "", "--config", str(host.config()))
+        assert empty.returncode == 0, "no GPU asked about: nothing to tell"

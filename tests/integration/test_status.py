@@ -27,10 +27,7 @@ from hypothesis import strategies as st
 from gpuwatchd.cli.humantime import ago, duration, until
 from gpuwatchd.cli.main import main
 from gpuwatchd.cli.process_kind import look_at_process
-from gpuwatchd.cli.status import (
-    StatusCode,
-    describe,
-)
+from gpuwatchd.cli.status import STALE_MIN, StatusCode, describe
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
@@ -207,6 +204,9 @@ def test_the_daemons_own_interval_sets_when_it_is_stale() -> None:
     slow = run_describe(saved(last_poll=NOW - 200, interval=60.0))
     assert slow["exit_code"] == 0
     assert slow["daemon"]["stale_after"] == 60 + 3 * 60 + 10  # a refresh, 3 polls, NVML
+    # One no policy allows (over 1h) is not the daemon's: stale_after was Infinity, no JSON.
+    odd = run_describe(saved(last_poll=NOW - 200, interval=1e308))
+    assert (odd["exit_code"], odd["daemon"]["stale_after"]) == (3, STALE_MIN)
 
 
 def test_a_reset_in_progress_counts_as_a_sign_of_life() -> None:

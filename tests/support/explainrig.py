@@ -22,5 +22,5 @@ def report_at(name: str, t: float, first_seen: dict[str, float] | None = None) -
     a = assess(snap, AssessState(), policy.detection)
     return build_report(
         snap, a.findings, a.roles, a.report_only, a.state.baselines,
-        first_seen=first_seen, now_wall=snap.wall_time, version="test", notes=a.notes,
+        first_seen=first_seen, version="test", notes=a.notes,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from gpuwatchd.cli.check_clean import (
     slurm_selectors,
     split_selectors,
 )
+from gpuwatchd.cli.main import main
 from gpuwatchd.cli.once import wait_for_daemon
 from gpuwatchd.cli.scan import ScanResult
 from gpuwatchd.core.vocabulary import Cleanliness, LadderStatus
@@ -102,8 +103,10 @@ def test_a_gpu_is_answered_the_same_alone_and_among_all() -> None:
 
 # "²" is a digit to str.isdigit but no number to int(), and int() refuses more than 4,300
 # digits: either was a ValueError traceback, exit 1, which a prolog reads as a dirty GPU.
+# "\u0661" (ARABIC-INDIC DIGIT ONE) is decimal to str.isdecimal and int(), but no index NVML
+# or scan --json writes: it named GPU 1.
 @pytest.mark.parametrize(
-    "selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0", "\u00b2", "1" * 5000]
+    "selector", ["2", "GPU-nope", "00000000:99:00.0", "gpu0", "\u00b2", "1" * 5000, "\u0661"]
 )
 def test_an_unknown_gpu_is_a_selection_error(selector: str) -> None:
     with pytest.raises(SelectionError, match="names no GPU"):
@@ -153,7 +156,7 @@ def test_slurm_ids_name_gpus_by_device_file_when_minors_are_not_in_nvmls_order()
 
 
 @pytest.mark.parametrize(
-    "ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000", "\u00b2"]
+    "ident", ["2", "x", "-1", "GPU-00000000-0000-0000-0000-000000000000", "\u00b2", "\u0660"]
 )
 def test_a_slurm_id_that_names_no_gpu_is_a_selection_error(ident: str) -> None:
     with pytest.raises(SelectionError, match="--slurm-gpus"):
@@ -368,3 +371,25 @@ def test_the_scripts_read_the_line_check_clean_writes_when_the_files_do_not_vali
     repo = Path(__file__).resolve().parents[2]
     script = repo / "contrib/slurm/gpuwatchd-slurm"
     assert f'"{RUNNING_POLICY}"' in script.read_text()
+
+
+def test_a_check_clean_that_fails_unexpectedly_exits_70_never_1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 1 says a GPU is not clean, and Python exits 1 on an exception nobody caught: a
+    bug in check-clean (a huge number in the state file made one) exits 70 instead, its first
+    line (the Slurm scripts' drain reason) naming the error, the traceback after it."""
+
+    def broken(policy: Policy, **kwargs: object) -> ScanResult:
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr("gpuwatchd.cli.scan.scan_host", broken)
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    assert main(["check-clean", "--config", str(config)]) == 70
+    first, *rest = capsys.readouterr().err.splitlines()
+    assert first == (
+        "gpuwatchd: check-clean failed (OverflowError: int too large to convert to float): "
+        "no answer; this is a bug, please report it with the lines below"
+    )
+    assert "Traceback" in rest[0]

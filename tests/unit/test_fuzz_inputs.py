@@ -150,7 +150,15 @@ def test_any_json_document_is_explained_or_a_snapshot_error(doc: object) -> None
 
 @pytest.mark.parametrize(
     "content",
-    ["[" * 100_000, '{"time": 1, "gpus": [], "findings": [' + "[" * 50_000, "\x00\x01", ""],
+    [
+        "[" * 100_000,
+        '{"time": 1, "gpus": [], "findings": [' + "[" * 50_000,
+        "\x00\x01",
+        "",
+        # Python's JSON reader takes these, and explain --json printed them back: no JSON.
+        '{"time": NaN, "gpus": [], "findings": []}',
+        '{"time": 1e999, "gpus": [], "findings": []}',
+    ],
 )
 def test_a_hostile_report_file_is_exit_65_in_one_line(
     tmp_path: pathlib.Path, content: str, capsys: pytest.CaptureFixture[str]

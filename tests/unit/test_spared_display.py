@@ -47,7 +47,7 @@ def scan_report(snapshot: Snapshot, spares: tuple[Spare, ...]) -> dict[str, Any]
     a = assess(snapshot, AssessState(boot_id=snapshot.boot_id), POLICY.detection)
     report = build_report(
         snapshot, a.findings, a.roles, a.report_only, a.state.baselines,
-        now_wall=snapshot.wall_time, version="test",
+        version="test",
     )  # fmt: skip
     mark_spared(report, snapshot, spares)
     loaded = json.loads(json.dumps(report))

@@ -27,7 +27,6 @@ from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
-from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import NodeVerdict, judge
@@ -36,8 +35,9 @@ from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
-from gpuwatchd.state.pause import read_ended_jobs, read_pause_switch
+from gpuwatchd.state.pause import pause_in_force, read_ended_jobs
 from gpuwatchd.state.saved import STATE_FILE, SavedState, read_saved_state
+from gpuwatchd.state.status_document import signalled_last_hour
 
 
 @dataclass(frozen=True)
@@ -340,19 +340,17 @@ def daemon_section(
     malformed plan leaves its fields unknown (null)."""
     if not saved.found:
         return None
-    switch = read_pause_switch(state_dir)
     clock = BootTime.read(snapshot.wall_time, snapshot.boot_id)
-    left = None if switch is None else switch.left(clock, policy.limits.max_pause)
-    paused = switch is not None and (left is None or left > 0)
+    pause = pause_in_force(state_dir, clock, max_pause=policy.limits.max_pause)
     plan: PlanState | None = None
     with contextlib.suppress(ValueError):
         plan = PlanState.from_json(saved.data.get("plan", {}))
     hour = None
     if plan is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
-        hour = sum(1 for _, at in plan.signal_history if snapshot.monotonic - at < HOUR)
+        hour = signalled_last_hour(plan.signal_history, snapshot.monotonic)
     return {
-        "paused": paused,
-        "paused_reason": (switch.reason or None) if switch is not None and paused else None,
+        "paused": pause.reason is not None,
+        "paused_reason": pause.reason or None,
         "forced_dry_run": None if plan is None else plan.forced_dry_run,
         "forced_reason": None if plan is None else plan.forced_reason,
         "signalled_last_hour": hour,

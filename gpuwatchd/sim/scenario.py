@@ -11,6 +11,7 @@ from dataclasses import replace
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.config.keys import kind_of
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -20,8 +21,9 @@ from gpuwatchd.config.yamlsrc import (
     Seq,
     join_key,
     load_document,
+    shown,
 )
-from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader, kind_of_node
+from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader
 from gpuwatchd.sim.scenario_spec import (
     EVENT_ACTIONS,
     EXIT_MODES,
@@ -126,7 +128,7 @@ class _Reader(GpuReader):
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
-                raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
+                raise self.fail(policy_node, f"expected a mapping, got {kind_of(policy_node)}")
             policy = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
@@ -148,7 +150,7 @@ class _Reader(GpuReader):
             raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
         name = self.string(name_node)
         if name in self.names:
-            raise self.fail(name_node, f"two processes are named {name!r}")
+            raise self.fail(name_node, f"two processes are named {shown(name)}")
         if (n := m.entries.get("pid")) is not None:
             pid = self.integer(n, 3)
         else:
@@ -167,7 +169,9 @@ class _Reader(GpuReader):
         if isinstance(value, str) and value in self.names:
             return self.names[value]
         known = ", ".join(sorted(self.names)) or "none"
-        raise self.fail(node, f"not a PID or a process name of this scenario: {value!r} ({known})")
+        raise self.fail(
+            node, f"not a PID or a process name of this scenario: {shown(value)} ({known})"
+        )
 
     def process(self, node: Node) -> ProcessSpec:
         m = self.mapping(node, _PROCESS_KEYS)
@@ -254,7 +258,9 @@ class _Reader(GpuReader):
             return "exit_after", self.duration(Scalar(node.file, node.line, node.path, rest))
         if word in ("exit", "ignore") and not rest:
             return word, 0.0
-        raise self.fail(node, f"expected exit, ignore or 'exit_after <duration>', got {text!r}")
+        raise self.fail(
+            node, f"expected exit, ignore or 'exit_after <duration>', got {shown(text)}"
+        )
 
     def holds(self, node: Node | None) -> HoldSpec:
         if node is None:
@@ -277,7 +283,7 @@ class _Reader(GpuReader):
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
             if not (key.isascii() and key.isdigit()) or int(key) not in self.gpu_indexes:
-                raise self.fail(value, f"no GPU with index {key!r} in this scenario")
+                raise self.fail(value, f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)
         return result
@@ -373,7 +379,7 @@ class _Reader(GpuReader):
         name = self.string(node)
         if name not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
-            raise self.fail(node, f"no process named {name!r} in this scenario ({known})")
+            raise self.fail(node, f"no process named {shown(name)} in this scenario ({known})")
         return name
 
 

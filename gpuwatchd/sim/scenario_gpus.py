@@ -8,8 +8,18 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.config.keys import kind_of
 from gpuwatchd.config.units import parse_duration, parse_size
-from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key
+from gpuwatchd.config.yamlsrc import (
+    ConfigError,
+    Map,
+    Node,
+    Scalar,
+    Seq,
+    did_you_mean,
+    join_key,
+    shown,
+)
 from gpuwatchd.core.model import MIB
 from gpuwatchd.decide.argv import check_value
 from gpuwatchd.sim.scenario_spec import (
@@ -70,14 +80,11 @@ class ReaderBase:
 
     def mapping(self, node: Node, keys: Sequence[str]) -> Map:
         if not isinstance(node, Map):
-            raise self.fail(node, f"expected a mapping, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected a mapping, got {kind_of(node)}")
         for key, line in node.key_lines.items():
             if key not in keys:
-                import difflib
-
-                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 where = Scalar(node.file, line, join_key(node.path, key))  # the key's own line
+                hint = did_you_mean(key, keys)
                 raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
@@ -85,24 +92,24 @@ class ReaderBase:
         if isinstance(node, Scalar) and node.value is None:
             return []
         if not isinstance(node, Seq):
-            raise self.fail(node, f"expected a list, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected a list, got {kind_of(node)}")
         return node.items
 
     def scalar(self, node: Node) -> object:
         if not isinstance(node, Scalar):
-            raise self.fail(node, f"expected a single value, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected a single value, got {kind_of(node)}")
         return node.value
 
     def string(self, node: Node) -> str:
         value = self.scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise self.fail(node, f"expected a string, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected a string, got {kind_of(node)}")
         return str(value)
 
     def boolean(self, node: Node) -> bool:
         value = self.scalar(node)
         if not isinstance(value, bool):
-            raise self.fail(node, f"expected true or false, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected true or false, got {kind_of(node)}")
         return value
 
     def flag(self, node: Node | None, default: bool) -> bool:
@@ -112,7 +119,7 @@ class ReaderBase:
     def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(node, f"expected an integer >= {minimum}, got {kind_of_node(node)}")
+            raise self.fail(node, f"expected an integer >= {minimum}, got {kind_of(node)}")
         return value
 
     def duration(self, node: Node) -> float:
@@ -137,7 +144,7 @@ class ReaderBase:
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
-            raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
+            raise self.fail(node, f"expected one of {', '.join(choices)}, got {shown(value)}")
         return value
 
 
@@ -172,7 +179,7 @@ class GpuReader(ReaderBase):
             seen: set[object] = set()
             for value in (getattr(gpu, what) for gpu in gpus):
                 if value in seen:
-                    raise self.fail(node, f"two GPUs have the same {what} {value!r}")
+                    raise self.fail(node, f"two GPUs have the same {what} {shown(value)}")
                 seen.add(value)
         self.gpu_indexes = {gpu.index for gpu in gpus}
 
@@ -240,7 +247,7 @@ class GpuReader(ReaderBase):
                 raise self.fail(n, "a GPU instance id is 0 to 14")
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
-                raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
+                raise self.fail(get("profile") or im, f"not a MIG profile name: {shown(profile)}")
             sizes = {k: self.size(im.entries[k]) for k in _INSTANCE_SIZES if k in im.entries}
             spec = MigInstanceSpec(gi=gi, profile=profile, **sizes)  # the others: its defaults
             if spec.allocated + spec.leaked > spec.total:
@@ -302,18 +309,6 @@ class GpuReader(ReaderBase):
             else:
                 found[key] = self.boolean(value)
         return found
-
-
-def kind_of_node(node: Node) -> str:
-    """What a YAML node is, for a message: ``a mapping``, ``a list``, ``null``, ``int 3``."""
-    if isinstance(node, Map):
-        return "a mapping"
-    if isinstance(node, Seq):
-        return "a list"
-    value = node.value if isinstance(node, Scalar) else None
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r}"
 
 
 def _default_uuid(index: int) -> str:

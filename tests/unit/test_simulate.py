@@ -425,3 +425,33 @@ def test_a_gpu_id_the_driver_would_never_report_is_refused_with_its_line(
         parse_scenario("ids.yaml", text)
     assert caught.value.line == 4
     assert f"gpus[0].{field}" in str(caught.value)
+
+
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"host: {LONG}\n",
+        f"processes: [{{name: a, ppid: {LONG}}}]\n",
+        f"processes: [{{name: a, state: {LONG}}}]\n",
+        f"events: [{{at: 1s, exit: {LONG}}}]\n",
+        f"gpus: [{{mig: {{instances: [{{gi: 1, profile: {LONG}}}]}}}}]\n",
+    ],
+)
+def test_a_scenario_error_quotes_a_long_value_cut_short(text: str) -> None:
+    """A value in a scenario error is quoted as a policy's is (at most 60 characters), never
+    whole: a hostile file may hold a megabyte in one value."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(
+            "s.yaml", "duration: 1m\n" + (text if "gpus" in text else "gpus: [{}]\n" + text)
+        )
+    assert "x" * 50 in err.value.message
+    assert len(err.value.message) < 200
+
+
+def test_a_scenario_error_names_a_boolean_as_a_policy_error_does() -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", "duration: 1m\ngpus: [{index: 0}]\nhost: true\n")
+    assert err.value.message == "expected a mapping, got boolean true"

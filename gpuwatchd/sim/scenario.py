@@ -108,10 +108,11 @@ class _Reader(GpuReader):
         gpus_node = get("gpus")
         if gpus_node is None:
             raise self.fail(root, "missing required field 'gpus' (a list of GPUs)", "gpus")
-        gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
+        gpu_nodes = self.items(gpus_node)
+        gpus = tuple(self.gpu(n, i) for i, n in enumerate(gpu_nodes))
         if not gpus:
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
-        self.know_gpus(gpus_node, gpus)
+        self.know_gpus(gpu_nodes, gpus)
         proc_nodes = self.items(p) if (p := get("processes")) is not None else []
         # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
         for node in proc_nodes:

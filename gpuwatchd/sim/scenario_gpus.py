@@ -22,6 +22,7 @@ from gpuwatchd.config.yamlsrc import (
 )
 from gpuwatchd.core.model import MIB
 from gpuwatchd.decide.argv import check_value
+from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.sim.scenario_spec import (
     FABRIC_STATES,
     FIRST_AUTO_PID,
@@ -172,15 +173,17 @@ class GpuReader(ReaderBase):
                 raise self.fail(item, str(err)) from None
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
-    def know_gpus(self, node: Node, gpus: Sequence[GpuSpec]) -> None:
-        """The GPUs that processes and events refer to by index; no two share an index, UUID or
-        minor."""
-        for what in ("index", "uuid", "minor"):
+    def know_gpus(self, nodes: Sequence[Node], gpus: Sequence[GpuSpec]) -> None:
+        """The GPUs that processes and events refer to by index; no two share an index, UUID,
+        PCI bus id (however spelled) or minor."""
+        for what in ("index", "uuid", "pci_bus_id", "minor"):
             seen: set[object] = set()
-            for value in (getattr(gpu, what) for gpu in gpus):
-                if value in seen:
-                    raise self.fail(node, f"two GPUs have the same {what} {shown(value)}")
-                seen.add(value)
+            for node, value in zip(nodes, (getattr(gpu, what) for gpu in gpus), strict=True):
+                same = pci_bus_key(value) if what == "pci_bus_id" else value
+                if same in seen:
+                    where = join_key(node.path, what)
+                    raise self.fail(node, f"two GPUs have the same {what} {shown(value)}", where)
+                seen.add(same)
         self.gpu_indexes = {gpu.index for gpu in gpus}
 
     def gpu_index(self, node: Node) -> int:
@@ -316,4 +319,5 @@ def _default_uuid(index: int) -> str:
 
 
 def _default_bus(index: int) -> str:
-    return f"00000000:{(0x17 + 0x10 * index) % 256:02X}:00.0"
+    """Bus 17, 27, ... F7, 07 of PCI domain 0 for the first 16 GPUs; of domain 1, 2, ... next."""
+    return f"{index // 16:08X}:{(0x17 + 0x10 * index) % 256:02X}:00.0"

@@ -455,3 +455,31 @@ def test_a_scenario_error_names_a_boolean_as_a_policy_error_does() -> None:
     with pytest.raises(ScenarioError) as err:
         parse_scenario("s.yaml", "duration: 1m\ngpus: [{index: 0}]\nhost: true\n")
     assert err.value.message == "expected a mapping, got boolean true"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "line", "key", "message"),
+    [
+        ("  - {}\n  - {pci_bus_id: '0000:17:00.0'}\n", 4, "gpus[1].pci_bus_id", "00:17:00.0'"),
+        ("  - {}\n  - {index: 1, minor: 0}\n", 4, "gpus[1].minor", "minor 0"),
+    ],
+)
+def test_two_gpus_with_one_name_are_refused_at_the_second(
+    gpus: str, line: int, key: str, message: str
+) -> None:
+    """A PCI bus id is compared however it is spelled (the default of GPU 0 is 00000000:17:00.0)."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", f"duration: 1m\ngpus:\n{gpus}")
+    assert (err.value.line, err.value.key) == (line, key)
+    assert err.value.message.startswith("two GPUs have the same ")
+    assert message in err.value.message
+
+
+def test_the_default_pci_bus_ids_of_many_gpus_differ() -> None:
+    """The default bus number repeats every 16 GPUs; the 17th is in PCI domain 1."""
+    scenario = parse_scenario("s.yaml", "duration: 1m\ngpus: [" + "{}, " * 40 + "]\n")
+    buses = [gpu.pci_bus_id for gpu in scenario.gpus]
+    assert len(set(buses)) == 40
+    assert buses[:2] + buses[15:17] == [
+        "00000000:17:00.0", "00000000:27:00.0", "00000000:07:00.0", "00000001:17:00.0"
+    ]  # fmt: skip

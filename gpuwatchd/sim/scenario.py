@@ -5,7 +5,9 @@ In detail: docs/internals.md, section `gpuwatchd.sim.scenario`.
 
 from __future__ import annotations
 
+import itertools
 import shlex
+from collections.abc import Sequence
 from dataclasses import replace
 
 import yaml
@@ -28,6 +30,7 @@ from gpuwatchd.sim.scenario_spec import (
     EVENT_ACTIONS,
     EXIT_MODES,
     FILES,
+    FIRST_AUTO_PID,
     RESET_RESULTS,
     RESET_STEPS,
     SIGKILL_REACTIONS,
@@ -114,13 +117,14 @@ class _Reader(GpuReader):
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
         self.know_gpus(gpu_nodes, gpus)
         proc_nodes = self.items(p) if (p := get("processes")) is not None else []
-        # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
-        for node in proc_nodes:
-            self.reserve(node)
         event_nodes = self.items(e) if (e := get("events")) is not None else []
-        for node in event_nodes:
-            if isinstance(node, Map) and isinstance(node.entries.get("start"), Map):
-                self.reserve(node.entries["start"])
+        starts = [
+            s
+            for n in event_nodes
+            if isinstance(n, Map) and isinstance(s := n.entries.get("start"), Map)
+        ]
+        # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
+        self.reserve(proc_nodes, starts)
         processes = tuple(self.process(n) for n in proc_nodes)
         events = tuple(self.event(n) for n in event_nodes)
         self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
@@ -143,24 +147,31 @@ class _Reader(GpuReader):
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
 
-    def reserve(self, node: Node) -> None:
-        """Give a process its name and PID before anything refers to it."""
-        m = self.mapping(node, _PROCESS_KEYS)
-        name_node = m.entries.get("name")
-        if name_node is None:
-            raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
-        name = self.string(name_node)
-        if name in self.names:
-            raise self.fail(name_node, f"two processes are named {shown(name)}")
-        if (n := m.entries.get("pid")) is not None:
-            pid = self.integer(n, 3)
-        else:
-            while self.next_pid in self.used_pids:
-                self.next_pid += 1
-            pid = self.next_pid
-            self.next_pid += 1
-        self.used_pids.add(pid)
-        self.names[name] = pid
+    def reserve(self, listed: Sequence[Node], started: Sequence[Node]) -> None:
+        """Give each process its name and PID before anything refers to one. The PIDs written
+        come first, so that no automatic one (from FIRST_AUTO_PID up) takes a PID written
+        further down; the ``listed`` processes start together, so no two of them share one."""
+        automatic: list[str] = []
+        written: dict[int, str] = {}  # PID -> the listed process written with it
+        for position, node in enumerate([*listed, *started]):
+            m = self.mapping(node, _PROCESS_KEYS)
+            name_node = m.entries.get("name")
+            if name_node is None:
+                raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
+            name = self.string(name_node)
+            if name in self.names:
+                raise self.fail(name_node, f"two processes are named {shown(name)}")
+            if (n := m.entries.get("pid")) is None:
+                automatic.append(name)
+                self.names[name] = 0  # assigned below
+                continue
+            pid = self.names[name] = self.integer(n, 3)
+            if pid in written and position < len(listed):
+                both = f"{shown(written[pid])} and {shown(name)}"
+                raise self.fail(n, f"two processes have PID {pid} ({both})")
+            written.setdefault(pid, name)
+        free = (pid for pid in itertools.count(FIRST_AUTO_PID) if pid not in written)
+        self.names.update(zip(automatic, free, strict=False))
 
     def ref(self, node: Node) -> int:
         """A process reference: a name from this scenario, or a number (1 = init)."""

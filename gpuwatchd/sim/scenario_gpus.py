@@ -25,7 +25,6 @@ from gpuwatchd.decide.argv import check_value
 from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.sim.scenario_spec import (
     FABRIC_STATES,
-    FIRST_AUTO_PID,
     GIB,
     RECOVERY_ACTIONS,
     GpuSpec,
@@ -71,8 +70,6 @@ class ReaderBase:
     def __init__(self, path: str, text: str) -> None:
         self.path = path
         self.text = text
-        self.next_pid = FIRST_AUTO_PID
-        self.used_pids: set[int] = set()
         self.names: dict[str, int] = {}
         self.gpu_indexes: set[int] = set()  # the scenario's GPUs, once read
 

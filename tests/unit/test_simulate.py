@@ -483,3 +483,22 @@ def test_the_default_pci_bus_ids_of_many_gpus_differ() -> None:
     assert buses[:2] + buses[15:17] == [
         "00000000:17:00.0", "00000000:27:00.0", "00000000:07:00.0", "00000001:17:00.0"
     ]  # fmt: skip
+
+
+def test_an_automatic_pid_skips_every_pid_the_scenario_writes() -> None:
+    """b's PID is written after a's is assigned; an event's start may name a PID as well."""
+    text = "duration: 1m\ngpus: [{}]\nprocesses: [{name: a}, {name: b, pid: 1000}, {name: c}]\n"
+    text += "events: [{at: 5s, start: {name: d, pid: 1001}}, {at: 6s, start: {name: e}}]\n"
+    scenario = parse_scenario("s.yaml", text)
+    assert [p.pid for p in scenario.processes] == [1002, 1000, 1003]
+    assert [e.process.pid for e in scenario.events if e.process] == [1001, 1004]
+
+
+def test_two_processes_listed_with_one_pid_are_refused_at_the_second() -> None:
+    text = (
+        "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: a, pid: 5000}\n  - {name: b, pid: 5000}\n"
+    )
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert (err.value.line, err.value.key) == (5, "processes[1].pid")
+    assert err.value.message == "two processes have PID 5000 ('a' and 'b')"

@@ -121,17 +121,20 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
     return Seq(over.file, over.line, over.path, [item for _, item in merged])
 
 
-def _merge(base: Map, over: Map, problems: list[ConfigError]) -> Map:
+def _merge(base: Map, over: Map, problems: list[ConfigError], *, drop_in: bool = False) -> Map:
     result = Map(over.file, over.line, over.path, dict(base.entries), dict(base.key_lines))
     for key, new in over.entries.items():
         old = result.entries.get(key)
-        if isinstance(new, Scalar) and new.value is None and isinstance(old, Map):
+        null = isinstance(new, Scalar) and new.value is None
+        if null and isinstance(old, Map):
             continue  # an empty section ("reset:") in a drop-in changes nothing
         merged = new
         if isinstance(old, Map) and isinstance(new, Map):
             merged = _merge(old, new, problems)
         elif not over.path and key == "rules" and isinstance(new, Seq):
             merged = _merge_rules(old, new, problems)
+        elif not over.path and key == "rules" and null and drop_in:
+            problems.append(new.error(_NULL_RULES))
         result.entries[key] = merged
         result.key_lines[key] = over.key_lines[key]
     return result
@@ -327,10 +330,7 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
         except ConfigError as err:
             problems.extend(err.problems)
             continue
-        rules = document.entries.get("rules")
-        if index and isinstance(rules, Scalar) and rules.value is None:
-            problems.append(rules.error(_NULL_RULES))
-        merged = _merge(merged, document, problems)
+        merged = _merge(merged, document, problems, drop_in=index > 0)
     sources = tuple(name for name, _ in docs)
     fields = _read_fields(_Section(merged, "", problems, ""))
     policy = Policy(**fields, sources=sources)

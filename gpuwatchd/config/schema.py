@@ -38,6 +38,7 @@ from gpuwatchd.config.yamlsrc import (
     did_you_mean,
     join_key,
     load_document,
+    shown,
 )
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
@@ -96,7 +97,7 @@ def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None
         name = field.value if isinstance(field, Scalar) and isinstance(field.value, str) else None
         if name is not None and name in seen:
             problems.append(
-                item.error(f"duplicate rule name {name!r} (first at line {seen[name].line})")
+                item.error(f"duplicate rule name {shown(name)} (first at line {seen[name].line})")
             )
             continue
         if name is not None:
@@ -304,7 +305,7 @@ def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     elif unit is not None and not UNIT_NAME.fullmatch(unit):
         problems.append(
             reader.map.entries["unit"].error(
-                f"expected a systemd service name such as 'gpustat.service', got {unit!r}"
+                f"expected a systemd service name such as 'gpustat.service', got {shown(unit)}"
             )
         )
     return fields

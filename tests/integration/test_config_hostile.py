@@ -486,6 +486,33 @@ def test_huge_values_are_config_errors_not_overflows(text: str, key: str) -> Non
     assert err.key == key
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "interval: !!int 1" + "0" * 5000 + "\n",  # past Python's limit on integer digits
+        '? "k\\x01' + "y" * 5000 + '"\n: 1\n',  # a key that is not printable
+        "rules:\n  - {name: " + "r" * 5000 + "}\n  - {name: " + "r" * 5000 + "}\n",
+        "reset:\n  monitors: [{unit: " + "u" * 4000 + "}]\n",
+    ],
+)
+def test_a_problem_quotes_a_long_value_cut_short(text: str) -> None:
+    """A value quoted in a problem is cut as everywhere else (shown): the message of a hostile
+    file is logged, and kept in the state file, whole."""
+    problems = error_of(text).problems
+    assert max(len(p.message) for p in problems) < 300
+
+
+def test_a_policy_with_thousands_of_problems_lists_the_first_hundred() -> None:
+    """What a rejected policy's message holds is logged and kept in the state file: 49,600
+    problems made 16 MB of it. All are still in ``problems``."""
+    err = error_of("protect: {users: [" + "1, " * 250 + "]}\n")
+    lines = str(err).splitlines()
+    assert len(err.problems) == 250
+    assert lines[:100] == [p.located() for p in err.problems[:100]]
+    assert lines[100:] == ["(and 150 more problems)"]
+    assert str(error_of("protect: {users: [" + "1, " * 100 + "]}\n")).count("\n") == 99
+
+
 def bounded_keys() -> list[tuple[str, Bound]]:
     """Every bounded key of the key table, with its documented path (``rules[].for``,
     ``hooks[].timeout``)."""

@@ -29,6 +29,8 @@ from gpuwatchd.config.keys import (
 )
 from gpuwatchd.config.units import format_duration, format_size, parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
+    MAX_DOCUMENT_BYTES,
+    MAX_NODES,
     Budget,
     ConfigError,
     Map,
@@ -71,6 +73,7 @@ _NULL_RULES = (
     " to keep; remove one with {name: NAME, enabled: false}, or write 'rules: []' to keep them"
 )
 _FAILED = object()  # a value that could not be read (its problem is recorded)
+_HEADER_ROOM = 1024  # characters a saver may write above a rendered policy (state/accepted.py)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
     key.name for key in SECTIONS[""].keys if isinstance(key.value, Nested) and not key.value.many
@@ -339,7 +342,38 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
         order = {name: index for index, name in enumerate(sources)}
         problems.sort(key=lambda p: (order.get(p.path or "", -1), p.line or 0))
         raise ConfigError.combine(problems)
+    too_large = _too_large_written_out(policy)
+    if too_large is not None:
+        raise ConfigError(too_large, path=sources[0])
     return policy
+
+
+def _too_large_written_out(policy: Policy) -> str | None:
+    """Why ``policy`` written out in full (:func:`render_policy`: ``check-config`` prints it,
+    the daemon keeps it as the last accepted policy) would not read back as one file, which
+    defaults spelled out make larger than what was read; None when it would."""
+    values = _values(policy_data(policy))
+    if values > MAX_NODES:
+        return (
+            f"written out in full, the policy holds {values} YAML values, more than one file "
+            f"may ({MAX_NODES}); use fewer rules, hooks or list entries"
+        )
+    size = len(render_policy(policy)) + _HEADER_ROOM
+    if size > MAX_DOCUMENT_BYTES:
+        return (
+            f"written out in full, the policy is {size} characters, more than one file may "
+            f"hold ({MAX_DOCUMENT_BYTES}); use fewer or shorter list entries"
+        )
+    return None
+
+
+def _values(data: object) -> int:
+    """The YAML values (nodes, keys included) that ``data`` is written as."""
+    if isinstance(data, dict):
+        return 1 + sum(1 + _values(value) for value in data.values())
+    if isinstance(data, list):
+        return 1 + sum(_values(value) for value in data)
+    return 1
 
 
 def default_policy() -> Policy:

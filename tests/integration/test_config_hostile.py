@@ -513,6 +513,31 @@ def test_a_policy_with_thousands_of_problems_lists_the_first_hundred() -> None:
     assert str(error_of("protect: {users: [" + "1, " * 100 + "]}\n")).count("\n") == 99
 
 
+@pytest.mark.parametrize(
+    ("template", "item", "too_many", "why"),
+    [
+        ("on_failure: [{}]\n", "[/bin/true]", 9000, "holds 54176 YAML values"),
+        (
+            "protect: {{users: [{}]}}\n",
+            "\u00e9" * 4000,
+            70,
+            "characters, more than one file may hold (1048576)",
+        ),
+    ],
+)
+def test_a_policy_that_would_not_read_back_written_out_is_refused(
+    template: str, item: str, too_many: int, why: str
+) -> None:
+    """``check-config`` prints the policy written out in full, and the daemon keeps that as
+    the last accepted policy, its fallback at a rejected start. Defaults spelled out make it
+    larger than what was read (a bare hook's 2 values are written as 6, an 'é' as '\\xE9'), and
+    one past what a file may hold was accepted, then refused when read back."""
+    err = error_of(template.format(", ".join([item] * too_many)))
+    assert (err.path, err.line, err.key) == (DROP_IN, None, None)
+    assert err.message.startswith("written out in full, the policy ")
+    assert why in err.message
+
+
 def bounded_keys() -> list[tuple[str, Bound]]:
     """Every bounded key of the key table, with its documented path (``rules[].for``,
     ``hooks[].timeout``)."""

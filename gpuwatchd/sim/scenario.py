@@ -127,7 +127,6 @@ class _Reader(GpuReader):
         self.reserve(proc_nodes, starts)
         processes = tuple(self.process(n) for n in proc_nodes)
         events = tuple(self.event(n) for n in event_nodes)
-        self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
         policy = None
         if (policy_node := get("policy")) is not None:
             if not isinstance(policy_node, Map) and not (
@@ -203,6 +202,7 @@ class _Reader(GpuReader):
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"))
         nvml = self.nvml(get("nvml"))
+        self.check_mig(m, holds, nvml)
         on_sigterm, delay = (
             self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
         )
@@ -294,7 +294,7 @@ class _Reader(GpuReader):
             raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpu_indexes:
+            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpus:
                 raise self.fail(value, f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)

@@ -29,9 +29,9 @@ from gpuwatchd.sim.scenario_spec import (
     RECOVERY_ACTIONS,
     GpuSpec,
     HealthSpec,
+    HoldSpec,
     HostSpec,
     MigInstanceSpec,
-    ProcessSpec,
     ScenarioError,
     keys_of,
 )
@@ -71,7 +71,7 @@ class ReaderBase:
         self.path = path
         self.text = text
         self.names: dict[str, int] = {}
-        self.gpu_indexes: set[int] = set()  # the scenario's GPUs, once read
+        self.gpus: dict[int, GpuSpec] = {}  # the scenario's GPUs by index, once read
 
     def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
         return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
@@ -181,11 +181,11 @@ class GpuReader(ReaderBase):
                     where = join_key(node.path, what)
                     raise self.fail(node, f"two GPUs have the same {what} {shown(value)}", where)
                 seen.add(same)
-        self.gpu_indexes = {gpu.index for gpu in gpus}
+        self.gpus = {gpu.index: gpu for gpu in gpus}
 
     def gpu_index(self, node: Node) -> int:
         index = self.integer(node)
-        if index not in self.gpu_indexes:
+        if index not in self.gpus:
             raise self.fail(node, f"no GPU with index {index} in this scenario")
         return index
 
@@ -259,24 +259,18 @@ class GpuReader(ReaderBase):
             raise self.fail(node, "two GPU instances have the same gi")
         return tuple(found)
 
-    def check_mig(self, processes: Sequence[ProcessSpec], gpus: Sequence[GpuSpec]) -> None:
+    def check_mig(self, entry: Map, holds: HoldSpec, nvml: Mapping[int, int | None]) -> None:
         """A context on a MIG GPU lives in a GPU instance: ``holds.mig`` must name one of it."""
-        for proc in processes:
-            for gpu in gpus:
-                if not gpu.mig_instances:
-                    continue
-                known = {i.gi for i in gpu.mig_instances}
-                mig = proc.holds.mig
-                if gpu.index in proc.nvml and mig is None:
-                    raise ScenarioError(
-                        f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds",
-                    )  # fmt: skip
-                if mig is not None and gpu.index in proc.holds.gpus and mig not in known:
-                    raise ScenarioError(
-                        f"GPU {gpu.index} has no GPU instance {mig}",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds.mig",
-                    )  # fmt: skip
+        where, key = entry.entries.get("holds") or entry, join_key(entry.path, "holds")
+        for gpu in self.gpus.values():
+            known = {i.gi for i in gpu.mig_instances}
+            if known and gpu.index in nvml and holds.mig is None:
+                needs = f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)"
+                raise self.fail(where, needs, key)
+            if known and holds.mig not in (None, *known) and gpu.index in holds.gpus:
+                raise self.fail(
+                    where, f"GPU {gpu.index} has no GPU instance {holds.mig}", key + ".mig"
+                )
 
     def health_spec(self, node: Node) -> HealthSpec:
         return HealthSpec(**self.health(self.mapping(node, HEALTH_KEYS).entries))  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from dataclasses import replace
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.config.keys import kind_of
+from gpuwatchd.config.keys import BOOL, items_of, kind_of
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -76,10 +76,9 @@ def load_scenario(path: str) -> Scenario:
 def parse_scenario(path: str, text: str) -> Scenario:
     """Validate scenario ``text`` (named ``path`` in messages). Pure."""
     try:
-        root = load_document(path, text)
-    except ConfigError as err:
+        return _Reader(path, text).scenario(load_document(path, text))
+    except ConfigError as err:  # the YAML's, or a value config's readers refused
         raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
-    return _Reader(path, text).scenario(root)
 
 
 def _policy_text(text: str) -> str:
@@ -111,13 +110,13 @@ class _Reader(GpuReader):
         gpus_node = get("gpus")
         if gpus_node is None:
             raise self.fail(root, "missing required field 'gpus' (a list of GPUs)", "gpus")
-        gpu_nodes = self.items(gpus_node)
+        gpu_nodes = items_of(gpus_node)
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(gpu_nodes))
         if not gpus:
             raise self.fail(gpus_node, "a scenario needs at least one GPU")
         self.know_gpus(gpu_nodes, gpus)
-        proc_nodes = self.items(p) if (p := get("processes")) is not None else []
-        event_nodes = self.items(e) if (e := get("events")) is not None else []
+        proc_nodes = items_of(p) if (p := get("processes")) is not None else []
+        event_nodes = items_of(e) if (e := get("events")) is not None else []
         starts = [
             s
             for n in event_nodes
@@ -238,7 +237,7 @@ class _Reader(GpuReader):
         """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
-            return None if self.scalar(node) is None else self.boolean(node)
+            return None if self.scalar(node) is None else BOOL.read(node)
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
@@ -281,7 +280,7 @@ class _Reader(GpuReader):
             return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
-        gpus = tuple(self.gpu_index(i) for i in self.items(n)) if (n := get("gpus")) else ()
+        gpus = tuple(self.gpu_index(i) for i in items_of(n)) if (n := get("gpus")) else ()
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
         ctl, uvm = self.flag(get("ctl"), True), self.flag(get("uvm"), True)
         mig = self.integer(n) if (n := get("mig")) is not None else None

@@ -8,14 +8,13 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.config.keys import kind_of
+from gpuwatchd.config.keys import BOOL, items_of, kind_of
 from gpuwatchd.config.units import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
     ConfigError,
     Map,
     Node,
     Scalar,
-    Seq,
     did_you_mean,
     join_key,
     shown,
@@ -86,13 +85,6 @@ class ReaderBase:
                 raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
-    def items(self, node: Node) -> list[Node]:
-        if isinstance(node, Scalar) and node.value is None:
-            return []
-        if not isinstance(node, Seq):
-            raise self.fail(node, f"expected a list, got {kind_of(node)}")
-        return node.items
-
     def scalar(self, node: Node) -> object:
         if not isinstance(node, Scalar):
             raise self.fail(node, f"expected a single value, got {kind_of(node)}")
@@ -104,15 +96,9 @@ class ReaderBase:
             raise self.fail(node, f"expected a string, got {kind_of(node)}")
         return str(value)
 
-    def boolean(self, node: Node) -> bool:
-        value = self.scalar(node)
-        if not isinstance(value, bool):
-            raise self.fail(node, f"expected true or false, got {kind_of(node)}")
-        return value
-
     def flag(self, node: Node | None, default: bool) -> bool:
         """An optional true/false key: ``default`` when absent."""
-        return default if node is None else self.boolean(node)
+        return default if node is None else BOOL.read(node)
 
     def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
@@ -160,10 +146,10 @@ class GpuReader(ReaderBase):
             if value is not None and not isinstance(value, bool):
                 raise self.fail(n, "expected true, false or null (unknown)")
             namespaces = value
-        mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
+        mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
         ended: set[str] = set()
-        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
+        for item in items_of(n) if (n := m.entries.get("ended_jobs")) is not None else []:
             try:
                 ended.add(scheduler_ended_job(self.string(item), {}))
             except ValueError as err:
@@ -237,7 +223,7 @@ class GpuReader(ReaderBase):
         """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
         m = self.mapping(node, _MIG_KEYS)
         found: list[MigInstanceSpec] = []
-        for item in self.items(m.entries["instances"]) if "instances" in m.entries else []:
+        for item in items_of(m.entries["instances"]) if "instances" in m.entries else []:
             im = self.mapping(item, _INSTANCE_KEYS)
             get = im.entries.get
             if (n := get("gi")) is None:
@@ -301,7 +287,7 @@ class GpuReader(ReaderBase):
             elif key == "fabric_after_reset":
                 found[key] = None if self.scalar(value) == "never" else self.duration(value)
             else:
-                found[key] = self.boolean(value)
+                found[key] = BOOL.read(value)
         return found
 
 

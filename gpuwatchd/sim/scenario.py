@@ -102,18 +102,18 @@ class _Reader(GpuReader):
         get = top.entries.get
         duration_node = get("duration")
         if duration_node is None:
-            raise self.fail(root, "missing required field 'duration' (e.g. '10m')", "duration")
+            raise root.error("missing required field 'duration' (e.g. '10m')", "duration")
         duration = self.positive(duration_node)
         interval = self.positive(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
         gpus_node = get("gpus")
         if gpus_node is None:
-            raise self.fail(root, "missing required field 'gpus' (a list of GPUs)", "gpus")
+            raise root.error("missing required field 'gpus' (a list of GPUs)", "gpus")
         gpu_nodes = items_of(gpus_node)
         gpus = tuple(self.gpu(n, i) for i, n in enumerate(gpu_nodes))
         if not gpus:
-            raise self.fail(gpus_node, "a scenario needs at least one GPU")
+            raise gpus_node.error("a scenario needs at least one GPU")
         self.know_gpus(gpu_nodes, gpus)
         proc_nodes = items_of(p) if (p := get("processes")) is not None else []
         event_nodes = items_of(e) if (e := get("events")) is not None else []
@@ -131,7 +131,7 @@ class _Reader(GpuReader):
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
-                raise self.fail(policy_node, f"expected a mapping, got {kind_of(policy_node)}")
+                raise policy_node.error(f"expected a mapping, got {kind_of(policy_node)}")
             policy = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
@@ -155,10 +155,10 @@ class _Reader(GpuReader):
             m = self.mapping(node, _PROCESS_KEYS)
             name_node = m.entries.get("name")
             if name_node is None:
-                raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
+                raise m.error("missing required field 'name'", join_key(m.path, "name"))
             name = self.string(name_node)
             if name in self.names:
-                raise self.fail(name_node, f"two processes are named {shown(name)}")
+                raise name_node.error(f"two processes are named {shown(name)}")
             if (n := m.entries.get("pid")) is None:
                 automatic.append(name)
                 self.names[name] = 0  # assigned below
@@ -166,7 +166,7 @@ class _Reader(GpuReader):
             pid = self.names[name] = self.integer(n, 3)
             if pid in written and position < len(listed):
                 both = f"{shown(written[pid])} and {shown(name)}"
-                raise self.fail(n, f"two processes have PID {pid} ({both})")
+                raise n.error(f"two processes have PID {pid} ({both})")
             written.setdefault(pid, name)
         free = (pid for pid in itertools.count(FIRST_AUTO_PID) if pid not in written)
         self.names.update(zip(automatic, free, strict=False))
@@ -179,9 +179,7 @@ class _Reader(GpuReader):
         if isinstance(value, str) and value in self.names:
             return self.names[value]
         known = ", ".join(sorted(self.names)) or "none"
-        raise self.fail(
-            node, f"not a PID or a process name of this scenario: {shown(value)} ({known})"
-        )
+        raise node.error(f"not a PID or a process name of this scenario: {shown(value)} ({known})")
 
     def process(self, node: Node) -> ProcessSpec:
         m = self.mapping(node, _PROCESS_KEYS)
@@ -245,7 +243,7 @@ class _Reader(GpuReader):
         '/'."""
         cgroup = self.string(node) if node is not None else _default_cgroup(uid)
         if not cgroup.startswith("/"):
-            raise self.fail(node or entry, "a cgroup path starts with '/'")
+            raise (node or entry).error("a cgroup path starts with '/'")
         return cgroup
 
     def command(self, node: Node | None, name: str) -> tuple[str, ...]:
@@ -257,9 +255,9 @@ class _Reader(GpuReader):
             try:
                 argv = tuple(shlex.split(self.string(node)))
             except ValueError as err:
-                raise self.fail(node, f"cannot split the command line: {err}") from None
+                raise node.error(f"cannot split the command line: {err}") from None
         if not argv:
-            raise self.fail(node, "a command needs at least one word")
+            raise node.error("a command needs at least one word")
         return argv
 
     def sigterm(self, node: Node) -> tuple[str, float]:
@@ -269,9 +267,7 @@ class _Reader(GpuReader):
             return "exit_after", self.duration(Scalar(node.file, node.line, node.path, rest))
         if word in ("exit", "ignore") and not rest:
             return word, 0.0
-        raise self.fail(
-            node, f"expected exit, ignore or 'exit_after <duration>', got {shown(text)}"
-        )
+        raise node.error(f"expected exit, ignore or 'exit_after <duration>', got {shown(text)}")
 
     def holds(self, node: Node | None) -> HoldSpec:
         if node is None:
@@ -290,11 +286,11 @@ class _Reader(GpuReader):
         if node is None:
             return {}
         if not isinstance(node, Map):
-            raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
+            raise node.error("expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
             if not (key.isascii() and key.isdigit()) or int(key) not in self.gpus:
-                raise self.fail(value, f"no GPU with index {shown(key)} in this scenario")
+                raise value.error(f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)
         return result
@@ -303,18 +299,17 @@ class _Reader(GpuReader):
         m = self.mapping(node, ("at", "during", *EVENT_ACTIONS))
         at_node, during_node = m.entries.get("at"), m.entries.get("during")
         if at_node is None and during_node is None:
-            raise self.fail(
-                m,
+            raise m.error(
                 "missing required field 'at' (e.g. '30s') or 'during' (a reset step)",
                 join_key(m.path, "at"),
             )
         if at_node is not None and during_node is not None:
-            raise self.fail(during_node, "an event has 'at' or 'during', not both")
+            raise during_node.error("an event has 'at' or 'during', not both")
         at = self.duration(at_node) if at_node is not None else 0.0
         during = self.choice(during_node, RESET_STEPS) if during_node is not None else None
         actions = [key for key in m.entries if key not in ("at", "during")]
         if len(actions) != 1:
-            raise self.fail(m, f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
+            raise m.error(f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
         event = self.event_action(m, actions[0], at)
         return event if during is None else replace(event, during=during)
 
@@ -328,7 +323,7 @@ class _Reader(GpuReader):
             mm = self.mapping(value, ("gpu", "allocated"))
             gpu_node, alloc_node = mm.entries.get("gpu"), mm.entries.get("allocated")
             if gpu_node is None or alloc_node is None:
-                raise self.fail(mm, "set_memory needs 'gpu' and 'allocated'")
+                raise mm.error("set_memory needs 'gpu' and 'allocated'")
             gpu = self.gpu_index(gpu_node)
             return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
         if action == "reset_result":
@@ -338,21 +333,21 @@ class _Reader(GpuReader):
             hm = self.mapping(value, keys)
             gpu_node = hm.entries.get("gpu")
             if gpu_node is None:
-                raise self.fail(hm, f"{action} needs 'gpu'")
+                raise hm.error(f"{action} needs 'gpu'")
             gpu = self.gpu_index(gpu_node)
             if action == "health":
                 rest = {k: v for k, v in hm.entries.items() if k != "gpu"}
                 return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
             xid_node = hm.entries.get("xid")
             if xid_node is None:
-                raise self.fail(hm, "xid needs 'xid' (the Xid number)")
+                raise hm.error("xid needs 'xid' (the Xid number)")
             number = self.integer(xid_node, 1)
             if number > 0xFFFF:
-                raise self.fail(xid_node, "an Xid number is at most 65535")
+                raise xid_node.error("an Xid number is at most 65535")
             return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
             if not isinstance(value, Map) or len(value.entries) != 1:
-                raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
+                raise value.error("expected {process-name: state letter}, e.g. {worker: D}")
             ((proc_name, letter_node),) = value.entries.items()
             self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
@@ -370,10 +365,10 @@ class _Reader(GpuReader):
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]
         if len(who) != 1 or "for" not in sm.entries:
-            raise self.fail(sm, "spare needs 'for' and one of 'process' or 'job'")
+            raise sm.error("spare needs 'for' and one of 'process' or 'job'")
         lasts = self.duration(sm.entries["for"])
         if lasts <= 0:
-            raise self.fail(sm.entries["for"], "a spare lasts more than 0s")
+            raise sm.entries["for"].error("a spare lasts more than 0s")
         reason_node = sm.entries.get("reason")
         reason = self.string(reason_node) if reason_node is not None else ""
         if who == ["process"]:
@@ -383,14 +378,14 @@ class _Reader(GpuReader):
         try:
             _, _, job = parse_target(f"job:{self.string(job_node)}")
         except ValueError as exc:
-            raise self.fail(job_node, str(exc)) from None
+            raise job_node.error(str(exc)) from None
         return EventSpec(at, "spare", line, job=job, value=reason, lasts=lasts)
 
     def name_ref(self, node: Node) -> str:
         name = self.string(node)
         if name not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
-            raise self.fail(node, f"no process named {shown(name)} in this scenario ({known})")
+            raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name
 
 

@@ -31,7 +31,6 @@ from gpuwatchd.sim.scenario_spec import (
     HoldSpec,
     HostSpec,
     MigInstanceSpec,
-    ScenarioError,
     keys_of,
 )
 
@@ -64,7 +63,8 @@ _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,
 
 
 class ReaderBase:
-    """The typed values of a scenario, each failure naming its file, line and key."""
+    """The typed values of a scenario, each failure a ConfigError naming its file, line and key
+    (``parse_scenario`` makes it a ScenarioError)."""
 
     def __init__(self, path: str, text: str) -> None:
         self.path = path
@@ -72,28 +72,25 @@ class ReaderBase:
         self.names: dict[str, int] = {}
         self.gpus: dict[int, GpuSpec] = {}  # the scenario's GPUs by index, once read
 
-    def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
-        return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
-
     def mapping(self, node: Node, keys: Sequence[str]) -> Map:
         if not isinstance(node, Map):
-            raise self.fail(node, f"expected a mapping, got {kind_of(node)}")
+            raise node.error(f"expected a mapping, got {kind_of(node)}")
         for key, line in node.key_lines.items():
             if key not in keys:
                 where = Scalar(node.file, line, join_key(node.path, key))  # the key's own line
                 hint = did_you_mean(key, keys)
-                raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
+                raise where.error(f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
     def scalar(self, node: Node) -> object:
         if not isinstance(node, Scalar):
-            raise self.fail(node, f"expected a single value, got {kind_of(node)}")
+            raise node.error(f"expected a single value, got {kind_of(node)}")
         return node.value
 
     def string(self, node: Node) -> str:
         value = self.scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise self.fail(node, f"expected a string, got {kind_of(node)}")
+            raise node.error(f"expected a string, got {kind_of(node)}")
         return str(value)
 
     def flag(self, node: Node | None, default: bool) -> bool:
@@ -103,32 +100,32 @@ class ReaderBase:
     def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(node, f"expected an integer >= {minimum}, got {kind_of(node)}")
+            raise node.error(f"expected an integer >= {minimum}, got {kind_of(node)}")
         return value
 
     def duration(self, node: Node) -> float:
         try:
             return parse_duration(self.scalar(node), where=node.path)
         except ConfigError as err:
-            raise self.fail(node, err.message) from None
+            raise node.error(err.message) from None
 
     def size(self, node: Node) -> int:
         try:
             return parse_size(self.scalar(node), where=node.path)
         except ConfigError as err:
-            raise self.fail(node, err.message) from None
+            raise node.error(err.message) from None
 
     def positive(self, node: Node) -> float:
         """A duration longer than 0s."""
         value = self.duration(node)
         if value <= 0:
-            raise self.fail(node, "must be longer than 0s")
+            raise node.error("must be longer than 0s")
         return value
 
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
-            raise self.fail(node, f"expected one of {', '.join(choices)}, got {shown(value)}")
+            raise node.error(f"expected one of {', '.join(choices)}, got {shown(value)}")
         return value
 
 
@@ -144,7 +141,7 @@ class GpuReader(ReaderBase):
         if (n := m.entries.get("host_namespaces")) is not None:
             value = self.scalar(n)
             if value is not None and not isinstance(value, bool):
-                raise self.fail(n, "expected true, false or null (unknown)")
+                raise n.error("expected true, false or null (unknown)")
             namespaces = value
         mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
@@ -153,7 +150,7 @@ class GpuReader(ReaderBase):
             try:
                 ended.add(scheduler_ended_job(self.string(item), {}))
             except ValueError as err:
-                raise self.fail(item, str(err)) from None
+                raise item.error(str(err)) from None
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
     def know_gpus(self, nodes: Sequence[Node], gpus: Sequence[GpuSpec]) -> None:
@@ -165,14 +162,14 @@ class GpuReader(ReaderBase):
                 same = pci_bus_key(value) if what == "pci_bus_id" else value
                 if same in seen:
                     where = join_key(node.path, what)
-                    raise self.fail(node, f"two GPUs have the same {what} {shown(value)}", where)
+                    raise node.error(f"two GPUs have the same {what} {shown(value)}", where)
                 seen.add(same)
         self.gpus = {gpu.index: gpu for gpu in gpus}
 
     def gpu_index(self, node: Node) -> int:
         index = self.integer(node)
         if index not in self.gpus:
-            raise self.fail(node, f"no GPU with index {index} in this scenario")
+            raise node.error(f"no GPU with index {index} in this scenario")
         return index
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
@@ -181,7 +178,7 @@ class GpuReader(ReaderBase):
         try:
             check_value(name, value)
         except ValueError as err:
-            raise self.fail(node, str(err).removesuffix("; refusing to run")) from None
+            raise node.error(str(err).removesuffix("; refusing to run")) from None
 
     def gpu(self, node: Node, position: int) -> GpuSpec:
         m = self.mapping(node, _GPU_KEYS)
@@ -189,7 +186,7 @@ class GpuReader(ReaderBase):
         index = self.integer(n) if (n := get("index")) is not None else position
         uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
         if not uuid.startswith("GPU-"):
-            raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
+            raise (get("uuid") or m).error("a GPU UUID starts with 'GPU-'")
         self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
@@ -200,7 +197,7 @@ class GpuReader(ReaderBase):
             entries = self.mapping(mem, tuple(memory)).entries
             memory |= {key: self.size(entries[key]) for key in tuple(memory) if key in entries}
             if memory["allocated"] + memory["leaked"] + memory["reserved"] > memory["total"]:
-                raise self.fail(mem, "allocated + leaked + reserved is more than total")
+                raise mem.error("allocated + leaked + reserved is more than total")
         instances: tuple[MigInstanceSpec, ...] = ()
         if isinstance(n := get("mig"), Map):
             instances = self.mig_instances(n)
@@ -227,22 +224,22 @@ class GpuReader(ReaderBase):
             im = self.mapping(item, _INSTANCE_KEYS)
             get = im.entries.get
             if (n := get("gi")) is None:
-                raise self.fail(im, "missing required field 'gi' (the GPU instance id)", "gi")
+                raise im.error("missing required field 'gi' (the GPU instance id)", "gi")
             gi = self.integer(n)
             if gi > 14:
-                raise self.fail(n, "a GPU instance id is 0 to 14")
+                raise n.error("a GPU instance id is 0 to 14")
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
-                raise self.fail(get("profile") or im, f"not a MIG profile name: {shown(profile)}")
+                raise (get("profile") or im).error(f"not a MIG profile name: {shown(profile)}")
             sizes = {k: self.size(im.entries[k]) for k in _INSTANCE_SIZES if k in im.entries}
             spec = MigInstanceSpec(gi=gi, profile=profile, **sizes)  # the others: its defaults
             if spec.allocated + spec.leaked > spec.total:
-                raise self.fail(im, "allocated + leaked is more than total")
+                raise im.error("allocated + leaked is more than total")
             found.append(spec)
         if not found:
-            raise self.fail(node, "a MIG GPU needs at least one instance ({gi: 1})")
+            raise node.error("a MIG GPU needs at least one instance ({gi: 1})")
         if len({i.gi for i in found}) != len(found):
-            raise self.fail(node, "two GPU instances have the same gi")
+            raise node.error("two GPU instances have the same gi")
         return tuple(found)
 
     def check_mig(self, entry: Map, holds: HoldSpec, nvml: Mapping[int, int | None]) -> None:
@@ -252,11 +249,9 @@ class GpuReader(ReaderBase):
             known = {i.gi for i in gpu.mig_instances}
             if known and gpu.index in nvml and holds.mig is None:
                 needs = f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)"
-                raise self.fail(where, needs, key)
+                raise where.error(needs, key)
             if known and holds.mig not in (None, *known) and gpu.index in holds.gpus:
-                raise self.fail(
-                    where, f"GPU {gpu.index} has no GPU instance {holds.mig}", key + ".mig"
-                )
+                raise where.error(f"GPU {gpu.index} has no GPU instance {holds.mig}", key + ".mig")
 
     def health_spec(self, node: Node) -> HealthSpec:
         return HealthSpec(**self.health(self.mapping(node, HEALTH_KEYS).entries))  # type: ignore[arg-type]
@@ -274,15 +269,15 @@ class GpuReader(ReaderBase):
                 elif raw is None:
                     found[key] = None
                 else:
-                    raise self.fail(
-                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
+                    raise value.error(
+                        f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
                     )
             elif key == "retired_pages_pending" and self.scalar(value) is None:
                 found[key] = None
             elif key == "fabric":
                 raw = self.scalar(value)
                 if raw is not None and raw not in FABRIC_STATES:
-                    raise self.fail(value, f"expected one of {', '.join(FABRIC_STATES)} or null")
+                    raise value.error(f"expected one of {', '.join(FABRIC_STATES)} or null")
                 found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
             elif key == "fabric_after_reset":
                 found[key] = None if self.scalar(value) == "never" else self.duration(value)

@@ -405,6 +405,7 @@ REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
 RESET_HOOKS = Nested("hook", many=True, most=MAX_COMMANDS)  # as many as a reset records
 MEMORY = size(0, "1TiB")  # GPU memory is under 300 GB today: past 1 TiB is a typo
+INTERVAL = duration("100ms", "1h")  # a scenario's interval too (sim/scenario.py)
 
 # --- the table ----------------------------------------------------------------------------------
 
@@ -453,7 +454,7 @@ SECTIONS: dict[str, Section] = {
             "",
             Policy,
             {
-                "interval": duration("100ms", "1h"),
+                "interval": INTERVAL,
                 "dry_run": BOOL,
                 "state_dir": ABS_PATH,
                 "devices_dir": ABS_PATH,

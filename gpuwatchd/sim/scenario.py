@@ -13,7 +13,7 @@ from dataclasses import replace
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.config.keys import BOOL, items_of, kind_of
+from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -103,8 +103,10 @@ class _Reader(GpuReader):
         duration_node = get("duration")
         if duration_node is None:
             raise root.error("missing required field 'duration' (e.g. '10m')", "duration")
-        duration = self.positive(duration_node)
-        interval = self.positive(n) if (n := get("interval")) is not None else None
+        duration = self.duration(duration_node)
+        if duration <= 0:
+            raise duration_node.error("must be longer than 0s")
+        interval = INTERVAL.read(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
         gpus_node = get("gpus")

@@ -115,13 +115,6 @@ class ReaderBase:
         except ConfigError as err:
             raise node.error(err.message) from None
 
-    def positive(self, node: Node) -> float:
-        """A duration longer than 0s."""
-        value = self.duration(node)
-        if value <= 0:
-            raise node.error("must be longer than 0s")
-        return value
-
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:

@@ -502,3 +502,12 @@ def test_two_processes_listed_with_one_pid_are_refused_at_the_second() -> None:
         parse_scenario("s.yaml", text)
     assert (err.value.line, err.value.key) == (5, "processes[1].pid")
     assert err.value.message == "two processes have PID 5000 ('a' and 'b')"
+
+
+@pytest.mark.parametrize("interval", ["10ms", "2h"])
+def test_a_scenario_interval_is_bounded_as_the_policys(interval: str) -> None:
+    """The daemon never polls every 10ms: its policy refuses it, and so does the scenario."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", f"duration: 1m\ninterval: {interval}\ngpus: [{{}}]\n")
+    assert (err.value.line, err.value.key) == (2, "interval")
+    assert err.value.message.startswith("must be >= 100ms and <= 1h, got")

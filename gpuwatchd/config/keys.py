@@ -406,6 +406,7 @@ HOOKS = Nested("hook", many=True)
 RESET_HOOKS = Nested("hook", many=True, most=MAX_COMMANDS)  # as many as a reset records
 MEMORY = size(0, "1TiB")  # GPU memory is under 300 GB today: past 1 TiB is a typo
 INTERVAL = duration("100ms", "1h")  # a scenario's interval too (sim/scenario.py)
+HOOK_COMMAND = argv(HOOK_PLACEHOLDERS)  # also a hook written as a bare list (config/schema.py)
 
 # --- the table ----------------------------------------------------------------------------------
 
@@ -519,7 +520,7 @@ SECTIONS: dict[str, Section] = {
         section_of(
             "hook",
             Hook,
-            {"argv": argv(HOOK_PLACEHOLDERS), "timeout": duration("1s", MAX_HOOK_TIMEOUT)},
+            {"argv": HOOK_COMMAND, "timeout": duration("1s", MAX_HOOK_TIMEOUT)},
             yaml_names={"argv": "command"},
         ),
         section_of(

@@ -18,6 +18,7 @@ import yaml
 from gpuwatchd.config.files import check_config_permissions, find_drop_ins, read_policy_files
 from gpuwatchd.config.keys import (
     BOOL,
+    HOOK_COMMAND,
     OMIT,
     SECTIONS,
     Nested,
@@ -286,10 +287,8 @@ def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A hook: a bare argv list, or a mapping with ``command`` and ``timeout``."""
     if isinstance(node, Map):
         return _read_fields(_Section(node, "hook", problems, node.path))
-    command = SECTIONS["hook"].keys[0].value
-    assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
     try:
-        return {"argv": command.read(node)}
+        return {"argv": HOOK_COMMAND.read(node)}
     except ConfigError as err:
         problems.extend(err.problems)
         return None

@@ -21,7 +21,7 @@ from gpuwatchd.core.vocabulary import (
 from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
-from gpuwatchd.decide.policy import Hook, ResetPolicy
+from gpuwatchd.decide.policy import MAX_HOOK_TIMEOUT, Hook, ResetPolicy
 
 UNRECORDED = "could not record reset progress in the state file"  # why a step was not run
 
@@ -50,7 +50,6 @@ Argv = tuple[str, ...]
 MAX_RECORDED_COMMANDS = MAX_COMMANDS  # commands, or hooks, in one list
 MAX_RECORDED_ARGS = MAX_ARGS  # arguments of one command
 MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
-_MAX_HOOK_TIMEOUT = 600.0  # seconds: a hook's ``timeout`` is at most 10m
 _HOOK_STEPS = ("drain", "before", "after")
 
 
@@ -208,8 +207,10 @@ def _hooks(raw: object, where: str) -> tuple[PreparedHook, ...]:
         }:  # fmt: skip
             raise ValueError(f"{at}: not an object with argv, timeout and perhaps error")
         timeout, error = as_number(item["timeout"]), item.get("error")
-        if timeout is None or not 0 < timeout <= _MAX_HOOK_TIMEOUT:
-            raise ValueError(f"{at}: the timeout is not a number of seconds in (0, 600]")
+        if timeout is None or not 0 < timeout <= MAX_HOOK_TIMEOUT:
+            raise ValueError(
+                f"{at}: the timeout is not a number of seconds in (0, {MAX_HOOK_TIMEOUT:g}]"
+            )
         if error is not None and (
             not isinstance(error, str) or not error or len(error) > MAX_RECORDED_CHARS
         ):

@@ -43,6 +43,7 @@ from gpuwatchd.decide.patterns import NotLinear, TooCostly, check_linear
 from gpuwatchd.decide.plan.monitors import MAX_MONITORS
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
+    MAX_HOOK_TIMEOUT,
     XID_63_CHOICES,
     XID_94_CHOICES,
     Detection,
@@ -157,8 +158,9 @@ def count(lowest: int, highest: int) -> Value:
     return _with_unit(_integer, _same, bound)
 
 
-def duration(lowest: str | int, highest: str) -> Value:
-    """A duration in ``lowest..highest`` (written as in YAML: ``0``, ``100ms``, ``1h``)."""
+def duration(lowest: str | int, highest: str | float) -> Value:
+    """A duration in ``lowest..highest`` (written as in YAML: ``0``, ``100ms``, ``1h``, or in
+    seconds)."""
     low, high = parse_duration(lowest, where=""), parse_duration(highest, where="")
     low_text = format_duration(low) if low else "0s"
     bound = Bound("duration", low, high, low_text, format_duration(high))
@@ -403,6 +405,8 @@ REGEXES = list_of(REGEX)
 HOOKS = Nested("hook", many=True)
 RESET_HOOKS = Nested("hook", many=True, most=MAX_COMMANDS)  # as many as a reset records
 MEMORY = size(0, "1TiB")  # GPU memory is under 300 GB today: past 1 TiB is a typo
+INTERVAL = duration("100ms", "1h")  # a scenario's interval too (sim/scenario.py)
+HOOK_COMMAND = argv(HOOK_PLACEHOLDERS)  # also a hook written as a bare list (config/schema.py)
 
 # --- the table ----------------------------------------------------------------------------------
 
@@ -451,7 +455,7 @@ SECTIONS: dict[str, Section] = {
             "",
             Policy,
             {
-                "interval": duration("100ms", "1h"),
+                "interval": INTERVAL,
                 "dry_run": BOOL,
                 "state_dir": ABS_PATH,
                 "devices_dir": ABS_PATH,
@@ -516,8 +520,7 @@ SECTIONS: dict[str, Section] = {
         section_of(
             "hook",
             Hook,
-            # The watchdog is fed while hooks run; a drain may wait for a scheduler.
-            {"argv": argv(HOOK_PLACEHOLDERS), "timeout": duration("1s", "10m")},
+            {"argv": HOOK_COMMAND, "timeout": duration("1s", MAX_HOOK_TIMEOUT)},
             yaml_names={"argv": "command"},
         ),
         section_of(

@@ -11,7 +11,7 @@ import re
 import stat
 
 MAX_BYTES = 4 << 20  # bytes read of each file
-_STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?$", re.MULTILINE)
+_STATE_DIR_LINE = re.compile(r"^state_dir:[ \t]*(.*?)[ \t]*(?:#.*)?\r?$", re.MULTILINE)
 _PLAIN = re.compile(r"""'([^']*)'|"([^"\\]*)"|([^'"\s{\[][^#]*)""")
 
 

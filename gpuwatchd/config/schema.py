@@ -18,6 +18,7 @@ import yaml
 from gpuwatchd.config.files import check_config_permissions, find_drop_ins, read_policy_files
 from gpuwatchd.config.keys import (
     BOOL,
+    HOOK_COMMAND,
     OMIT,
     SECTIONS,
     Nested,
@@ -29,6 +30,8 @@ from gpuwatchd.config.keys import (
 )
 from gpuwatchd.config.units import format_duration, format_size, parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
+    MAX_DOCUMENT_BYTES,
+    MAX_NODES,
     Budget,
     ConfigError,
     Map,
@@ -38,6 +41,7 @@ from gpuwatchd.config.yamlsrc import (
     did_you_mean,
     join_key,
     load_document,
+    shown,
 )
 from gpuwatchd.core.model import FindingKind
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
@@ -70,6 +74,7 @@ _NULL_RULES = (
     " to keep; remove one with {name: NAME, enabled: false}, or write 'rules: []' to keep them"
 )
 _FAILED = object()  # a value that could not be read (its problem is recorded)
+_HEADER_ROOM = 1024  # characters a saver may write above a rendered policy (state/accepted.py)
 # Sections a misplaced key can be sent to by name (a rule, step or hook has no one place).
 _HOMES = tuple(
     key.name for key in SECTIONS[""].keys if isinstance(key.value, Nested) and not key.value.many
@@ -96,7 +101,7 @@ def _named_rules(seq: Seq, problems: list[ConfigError]) -> list[tuple[str | None
         name = field.value if isinstance(field, Scalar) and isinstance(field.value, str) else None
         if name is not None and name in seen:
             problems.append(
-                item.error(f"duplicate rule name {name!r} (first at line {seen[name].line})")
+                item.error(f"duplicate rule name {shown(name)} (first at line {seen[name].line})")
             )
             continue
         if name is not None:
@@ -121,17 +126,20 @@ def _merge_rules(base: Node | None, over: Seq, problems: list[ConfigError]) -> S
     return Seq(over.file, over.line, over.path, [item for _, item in merged])
 
 
-def _merge(base: Map, over: Map, problems: list[ConfigError]) -> Map:
+def _merge(base: Map, over: Map, problems: list[ConfigError], *, drop_in: bool = False) -> Map:
     result = Map(over.file, over.line, over.path, dict(base.entries), dict(base.key_lines))
     for key, new in over.entries.items():
         old = result.entries.get(key)
-        if isinstance(new, Scalar) and new.value is None and isinstance(old, Map):
+        null = isinstance(new, Scalar) and new.value is None
+        if null and isinstance(old, Map):
             continue  # an empty section ("reset:") in a drop-in changes nothing
         merged = new
         if isinstance(old, Map) and isinstance(new, Map):
             merged = _merge(old, new, problems)
         elif not over.path and key == "rules" and isinstance(new, Seq):
             merged = _merge_rules(old, new, problems)
+        elif not over.path and key == "rules" and null and drop_in:
+            problems.append(new.error(_NULL_RULES))
         result.entries[key] = merged
         result.key_lines[key] = over.key_lines[key]
     return result
@@ -279,10 +287,8 @@ def _hook(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     """A hook: a bare argv list, or a mapping with ``command`` and ``timeout``."""
     if isinstance(node, Map):
         return _read_fields(_Section(node, "hook", problems, node.path))
-    command = SECTIONS["hook"].keys[0].value
-    assert not isinstance(command, Nested)  # noqa: S101 -- the table's first hook key
     try:
-        return {"argv": command.read(node)}
+        return {"argv": HOOK_COMMAND.read(node)}
     except ConfigError as err:
         problems.extend(err.problems)
         return None
@@ -301,7 +307,7 @@ def _monitor(node: Node, problems: list[ConfigError]) -> dict[str, Any] | None:
     elif unit is not None and not UNIT_NAME.fullmatch(unit):
         problems.append(
             reader.map.entries["unit"].error(
-                f"expected a systemd service name such as 'gpustat.service', got {unit!r}"
+                f"expected a systemd service name such as 'gpustat.service', got {shown(unit)}"
             )
         )
     return fields
@@ -327,10 +333,7 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
         except ConfigError as err:
             problems.extend(err.problems)
             continue
-        rules = document.entries.get("rules")
-        if index and isinstance(rules, Scalar) and rules.value is None:
-            problems.append(rules.error(_NULL_RULES))
-        merged = _merge(merged, document, problems)
+        merged = _merge(merged, document, problems, drop_in=index > 0)
     sources = tuple(name for name, _ in docs)
     fields = _read_fields(_Section(merged, "", problems, ""))
     policy = Policy(**fields, sources=sources)
@@ -338,7 +341,38 @@ def parse_policy_documents(docs: Sequence[tuple[str, str]]) -> Policy:
         order = {name: index for index, name in enumerate(sources)}
         problems.sort(key=lambda p: (order.get(p.path or "", -1), p.line or 0))
         raise ConfigError.combine(problems)
+    too_large = _too_large_written_out(policy)
+    if too_large is not None:
+        raise ConfigError(too_large, path=sources[0])
     return policy
+
+
+def _too_large_written_out(policy: Policy) -> str | None:
+    """Why ``policy`` written out in full (:func:`render_policy`: ``check-config`` prints it,
+    the daemon keeps it as the last accepted policy) would not read back as one file, which
+    defaults spelled out make larger than what was read; None when it would."""
+    values = _values(policy_data(policy))
+    if values > MAX_NODES:
+        return (
+            f"written out in full, the policy holds {values} YAML values, more than one file "
+            f"may ({MAX_NODES}); use fewer rules, hooks or list entries"
+        )
+    size = len(render_policy(policy)) + _HEADER_ROOM
+    if size > MAX_DOCUMENT_BYTES:
+        return (
+            f"written out in full, the policy is {size} characters, more than one file may "
+            f"hold ({MAX_DOCUMENT_BYTES}); use fewer or shorter list entries"
+        )
+    return None
+
+
+def _values(data: object) -> int:
+    """The YAML values (nodes, keys included) that ``data`` is written as."""
+    if isinstance(data, dict):
+        return 1 + sum(1 + _values(value) for value in data.values())
+    if isinstance(data, list):
+        return 1 + sum(_values(value) for value in data)
+    return 1
 
 
 def default_policy() -> Policy:

@@ -22,6 +22,8 @@ MAX_NODES = 50_000  # scalars, lists and mappings, keys included, of all of them
 # The deepest place a policy uses is 5 levels down (reset.before[0].command[0]); a scenario
 # file a few more. 32 is far from both and far from Python's recursion limit.
 MAX_DEPTH = 32
+# Problems a ConfigError's text lists: it is logged, and kept in the state file, whole.
+MAX_LISTED = 100
 # What YAML itself allows in a stream (YAML 1.1 c-printable, as PyYAML's reader checks), so no
 # control character reaches PyYAML, whose reader would fail without a line number.
 _NOT_PRINTABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -33,7 +35,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class ConfigError(Exception):
     """An invalid, unreadable or unsafe configuration (the CLI exits 78, EX_CONFIG). ``path``,
     ``line`` (1-based) and ``key`` (``rules[0].steps[1].signal``) locate the first problem;
-    ``problems`` lists every problem found (this one first)."""
+    ``problems`` lists every problem found (this one first); its text, the first MAX_LISTED."""
 
     def __init__(
         self,
@@ -62,7 +64,11 @@ class ConfigError(Exception):
         return where + self.message
 
     def __str__(self) -> str:
-        return "\n".join(problem.located() for problem in self.problems)
+        """The first :data:`MAX_LISTED` problems, a line each, and how many more there are."""
+        lines = [problem.located() for problem in self.problems[:MAX_LISTED]]
+        if len(self.problems) > MAX_LISTED:
+            lines.append(f"(and {len(self.problems) - MAX_LISTED} more problems)")
+        return "\n".join(lines)
 
     @classmethod
     def combine(cls, problems: Sequence[ConfigError]) -> ConfigError:
@@ -246,7 +252,7 @@ def _construct_scalar(node: yaml.ScalarNode, loader: yaml.SafeLoader, filename: 
     # '!!timestamp x', ValueError past Python's int digit limit. Each is a bad value here.
     except Exception as err:
         raise ConfigError(
-            f"YAML cannot read the value {node.value!r} as {node.tag.rsplit(':', 1)[-1]}",
+            f"YAML cannot read the value {shown(node.value)} as {node.tag.rsplit(':', 1)[-1]}",
             path=filename,
             line=_line(node),
         ) from err
@@ -278,7 +284,7 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader, filename: str, path: str)
         elif not isinstance(key_node, yaml.ScalarNode):
             problem, where = "keys must be plain strings", None
         elif not (key := str(key_node.value)).isprintable():
-            problem = f"keys must be plain strings, got {key!r}"
+            problem = f"keys must be plain strings, got {shown(key)}"
         elif key in result.entries:
             problem = f"duplicate key (first at line {result.key_lines[key]})"
             where = join_key(path, key)

@@ -88,6 +88,11 @@ FLOOR_NAME_UNITS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
+# The longest a hook may run: the policy's bound (config/keys.py) and a recorded reset's
+# (act/reset_target.py). The watchdog is fed while hooks run; a drain may wait for a scheduler.
+MAX_HOOK_TIMEOUT = 600.0
+
+
 @dataclass(frozen=True)
 class Hook:
     """A command an admin configured (argv, no shell), run with a deadline."""

@@ -5,12 +5,15 @@ In detail: docs/internals.md, section `gpuwatchd.sim.scenario`.
 
 from __future__ import annotations
 
+import itertools
 import shlex
+from collections.abc import Sequence
 from dataclasses import replace
 
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
+from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -20,12 +23,14 @@ from gpuwatchd.config.yamlsrc import (
     Seq,
     join_key,
     load_document,
+    shown,
 )
-from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader, kind_of_node
+from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader
 from gpuwatchd.sim.scenario_spec import (
     EVENT_ACTIONS,
     EXIT_MODES,
     FILES,
+    FIRST_AUTO_PID,
     RESET_RESULTS,
     RESET_STEPS,
     SIGKILL_REACTIONS,
@@ -71,10 +76,9 @@ def load_scenario(path: str) -> Scenario:
 def parse_scenario(path: str, text: str) -> Scenario:
     """Validate scenario ``text`` (named ``path`` in messages). Pure."""
     try:
-        root = load_document(path, text)
-    except ConfigError as err:
+        return _Reader(path, text).scenario(load_document(path, text))
+    except ConfigError as err:  # the YAML's, or a value config's readers refused
         raise ScenarioError(err.message, path=path, line=err.line, key=err.key) from None
-    return _Reader(path, text).scenario(root)
 
 
 def _policy_text(text: str) -> str:
@@ -98,35 +102,38 @@ class _Reader(GpuReader):
         get = top.entries.get
         duration_node = get("duration")
         if duration_node is None:
-            raise self.fail(root, "missing required field 'duration' (e.g. '10m')", "duration")
-        duration = self.positive(duration_node)
-        interval = self.positive(n) if (n := get("interval")) is not None else None
+            raise root.error("missing required field 'duration' (e.g. '10m')", "duration")
+        duration = self.duration(duration_node)
+        if duration <= 0:
+            raise duration_node.error("must be longer than 0s")
+        interval = INTERVAL.read(n) if (n := get("interval")) is not None else None
         description = self.string(d) if (d := get("description")) is not None else ""
         host = self.host(get("host"))
         gpus_node = get("gpus")
         if gpus_node is None:
-            raise self.fail(root, "missing required field 'gpus' (a list of GPUs)", "gpus")
-        gpus = tuple(self.gpu(n, i) for i, n in enumerate(self.items(gpus_node)))
+            raise root.error("missing required field 'gpus' (a list of GPUs)", "gpus")
+        gpu_nodes = items_of(gpus_node)
+        gpus = tuple(self.gpu(n, i) for i, n in enumerate(gpu_nodes))
         if not gpus:
-            raise self.fail(gpus_node, "a scenario needs at least one GPU")
-        self.know_gpus(gpus_node, gpus)
-        proc_nodes = self.items(p) if (p := get("processes")) is not None else []
+            raise gpus_node.error("a scenario needs at least one GPU")
+        self.know_gpus(gpu_nodes, gpus)
+        proc_nodes = items_of(p) if (p := get("processes")) is not None else []
+        event_nodes = items_of(e) if (e := get("events")) is not None else []
+        starts = [
+            s
+            for n in event_nodes
+            if isinstance(n, Map) and isinstance(s := n.entries.get("start"), Map)
+        ]
         # Names and PIDs first, so that ppid/pgid/sid may name a process listed later.
-        for node in proc_nodes:
-            self.reserve(node)
-        event_nodes = self.items(e) if (e := get("events")) is not None else []
-        for node in event_nodes:
-            if isinstance(node, Map) and isinstance(node.entries.get("start"), Map):
-                self.reserve(node.entries["start"])
+        self.reserve(proc_nodes, starts)
         processes = tuple(self.process(n) for n in proc_nodes)
         events = tuple(self.event(n) for n in event_nodes)
-        self.check_mig([*processes, *(e.process for e in events if e.process)], gpus)
         policy = None
         if (policy_node := get("policy")) is not None:
             if not isinstance(policy_node, Map) and not (
                 isinstance(policy_node, Scalar) and policy_node.value is None
             ):
-                raise self.fail(policy_node, f"expected a mapping, got {kind_of_node(policy_node)}")
+                raise policy_node.error(f"expected a mapping, got {kind_of(policy_node)}")
             policy = (self.path, _policy_text(self.text))
         return Scenario(
             path=self.path,
@@ -140,24 +147,31 @@ class _Reader(GpuReader):
             events=tuple(sorted(events, key=lambda ev: ev.at)),
         )
 
-    def reserve(self, node: Node) -> None:
-        """Give a process its name and PID before anything refers to it."""
-        m = self.mapping(node, _PROCESS_KEYS)
-        name_node = m.entries.get("name")
-        if name_node is None:
-            raise self.fail(m, "missing required field 'name'", join_key(m.path, "name"))
-        name = self.string(name_node)
-        if name in self.names:
-            raise self.fail(name_node, f"two processes are named {name!r}")
-        if (n := m.entries.get("pid")) is not None:
-            pid = self.integer(n, 3)
-        else:
-            while self.next_pid in self.used_pids:
-                self.next_pid += 1
-            pid = self.next_pid
-            self.next_pid += 1
-        self.used_pids.add(pid)
-        self.names[name] = pid
+    def reserve(self, listed: Sequence[Node], started: Sequence[Node]) -> None:
+        """Give each process its name and PID before anything refers to one. The PIDs written
+        come first, so that no automatic one (from FIRST_AUTO_PID up) takes a PID written
+        further down; the ``listed`` processes start together, so no two of them share one."""
+        automatic: list[str] = []
+        written: dict[int, str] = {}  # PID -> the listed process written with it
+        for position, node in enumerate([*listed, *started]):
+            m = self.mapping(node, _PROCESS_KEYS)
+            name_node = m.entries.get("name")
+            if name_node is None:
+                raise m.error("missing required field 'name'", join_key(m.path, "name"))
+            name = self.string(name_node)
+            if name in self.names:
+                raise name_node.error(f"two processes are named {shown(name)}")
+            if (n := m.entries.get("pid")) is None:
+                automatic.append(name)
+                self.names[name] = 0  # assigned below
+                continue
+            pid = self.names[name] = self.integer(n, 3)
+            if pid in written and position < len(listed):
+                both = f"{shown(written[pid])} and {shown(name)}"
+                raise n.error(f"two processes have PID {pid} ({both})")
+            written.setdefault(pid, name)
+        free = (pid for pid in itertools.count(FIRST_AUTO_PID) if pid not in written)
+        self.names.update(zip(automatic, free, strict=False))
 
     def ref(self, node: Node) -> int:
         """A process reference: a name from this scenario, or a number (1 = init)."""
@@ -167,7 +181,7 @@ class _Reader(GpuReader):
         if isinstance(value, str) and value in self.names:
             return self.names[value]
         known = ", ".join(sorted(self.names)) or "none"
-        raise self.fail(node, f"not a PID or a process name of this scenario: {value!r} ({known})")
+        raise node.error(f"not a PID or a process name of this scenario: {shown(value)} ({known})")
 
     def process(self, node: Node) -> ProcessSpec:
         m = self.mapping(node, _PROCESS_KEYS)
@@ -187,6 +201,7 @@ class _Reader(GpuReader):
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"))
         nvml = self.nvml(get("nvml"))
+        self.check_mig(m, holds, nvml)
         on_sigterm, delay = (
             self.sigterm(n) if (n := get("on_sigterm")) is not None else ("exit", 0.0)
         )
@@ -222,7 +237,7 @@ class _Reader(GpuReader):
         """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
-            return None if self.scalar(node) is None else self.boolean(node)
+            return None if self.scalar(node) is None else BOOL.read(node)
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
@@ -230,7 +245,7 @@ class _Reader(GpuReader):
         '/'."""
         cgroup = self.string(node) if node is not None else _default_cgroup(uid)
         if not cgroup.startswith("/"):
-            raise self.fail(node or entry, "a cgroup path starts with '/'")
+            raise (node or entry).error("a cgroup path starts with '/'")
         return cgroup
 
     def command(self, node: Node | None, name: str) -> tuple[str, ...]:
@@ -242,9 +257,9 @@ class _Reader(GpuReader):
             try:
                 argv = tuple(shlex.split(self.string(node)))
             except ValueError as err:
-                raise self.fail(node, f"cannot split the command line: {err}") from None
+                raise node.error(f"cannot split the command line: {err}") from None
         if not argv:
-            raise self.fail(node, "a command needs at least one word")
+            raise node.error("a command needs at least one word")
         return argv
 
     def sigterm(self, node: Node) -> tuple[str, float]:
@@ -254,7 +269,7 @@ class _Reader(GpuReader):
             return "exit_after", self.duration(Scalar(node.file, node.line, node.path, rest))
         if word in ("exit", "ignore") and not rest:
             return word, 0.0
-        raise self.fail(node, f"expected exit, ignore or 'exit_after <duration>', got {text!r}")
+        raise node.error(f"expected exit, ignore or 'exit_after <duration>', got {shown(text)}")
 
     def holds(self, node: Node | None) -> HoldSpec:
         if node is None:
@@ -263,7 +278,7 @@ class _Reader(GpuReader):
             return HoldSpec(tuple(self.gpu_index(item) for item in node.items))
         m = self.mapping(node, _HOLDS_KEYS)
         get = m.entries.get
-        gpus = tuple(self.gpu_index(i) for i in self.items(n)) if (n := get("gpus")) else ()
+        gpus = tuple(self.gpu_index(i) for i in items_of(n)) if (n := get("gpus")) else ()
         via = self.choice(n, VIA) if (n := get("via")) is not None else "both"
         ctl, uvm = self.flag(get("ctl"), True), self.flag(get("uvm"), True)
         mig = self.integer(n) if (n := get("mig")) is not None else None
@@ -273,11 +288,11 @@ class _Reader(GpuReader):
         if node is None:
             return {}
         if not isinstance(node, Map):
-            raise self.fail(node, "expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
+            raise node.error("expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpu_indexes:
-                raise self.fail(value, f"no GPU with index {key!r} in this scenario")
+            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpus:
+                raise value.error(f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
             result[int(key)] = None if is_null else self.size(value)
         return result
@@ -286,18 +301,17 @@ class _Reader(GpuReader):
         m = self.mapping(node, ("at", "during", *EVENT_ACTIONS))
         at_node, during_node = m.entries.get("at"), m.entries.get("during")
         if at_node is None and during_node is None:
-            raise self.fail(
-                m,
+            raise m.error(
                 "missing required field 'at' (e.g. '30s') or 'during' (a reset step)",
                 join_key(m.path, "at"),
             )
         if at_node is not None and during_node is not None:
-            raise self.fail(during_node, "an event has 'at' or 'during', not both")
+            raise during_node.error("an event has 'at' or 'during', not both")
         at = self.duration(at_node) if at_node is not None else 0.0
         during = self.choice(during_node, RESET_STEPS) if during_node is not None else None
         actions = [key for key in m.entries if key not in ("at", "during")]
         if len(actions) != 1:
-            raise self.fail(m, f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
+            raise m.error(f"an event needs exactly one of: {', '.join(EVENT_ACTIONS)}")
         event = self.event_action(m, actions[0], at)
         return event if during is None else replace(event, during=during)
 
@@ -311,7 +325,7 @@ class _Reader(GpuReader):
             mm = self.mapping(value, ("gpu", "allocated"))
             gpu_node, alloc_node = mm.entries.get("gpu"), mm.entries.get("allocated")
             if gpu_node is None or alloc_node is None:
-                raise self.fail(mm, "set_memory needs 'gpu' and 'allocated'")
+                raise mm.error("set_memory needs 'gpu' and 'allocated'")
             gpu = self.gpu_index(gpu_node)
             return EventSpec(at, action, m.line, gpu=gpu, memory=self.size(alloc_node))
         if action == "reset_result":
@@ -321,21 +335,21 @@ class _Reader(GpuReader):
             hm = self.mapping(value, keys)
             gpu_node = hm.entries.get("gpu")
             if gpu_node is None:
-                raise self.fail(hm, f"{action} needs 'gpu'")
+                raise hm.error(f"{action} needs 'gpu'")
             gpu = self.gpu_index(gpu_node)
             if action == "health":
                 rest = {k: v for k, v in hm.entries.items() if k != "gpu"}
                 return EventSpec(at, action, m.line, gpu=gpu, health=self.health(rest))
             xid_node = hm.entries.get("xid")
             if xid_node is None:
-                raise self.fail(hm, "xid needs 'xid' (the Xid number)")
+                raise hm.error("xid needs 'xid' (the Xid number)")
             number = self.integer(xid_node, 1)
             if number > 0xFFFF:
-                raise self.fail(xid_node, "an Xid number is at most 65535")
+                raise xid_node.error("an Xid number is at most 65535")
             return EventSpec(at, action, m.line, gpu=gpu, xid=number)
         if action == "state":
             if not isinstance(value, Map) or len(value.entries) != 1:
-                raise self.fail(value, "expected {process-name: state letter}, e.g. {worker: D}")
+                raise value.error("expected {process-name: state letter}, e.g. {worker: D}")
             ((proc_name, letter_node),) = value.entries.items()
             self.name_ref(Scalar(letter_node.file, letter_node.line, letter_node.path, proc_name))
             letter = self.choice(letter_node, ("R", "S", "D", "T"))
@@ -353,10 +367,10 @@ class _Reader(GpuReader):
         sm = self.mapping(node, ("process", "job", "for", "reason"))
         who = [k for k in ("process", "job") if k in sm.entries]
         if len(who) != 1 or "for" not in sm.entries:
-            raise self.fail(sm, "spare needs 'for' and one of 'process' or 'job'")
+            raise sm.error("spare needs 'for' and one of 'process' or 'job'")
         lasts = self.duration(sm.entries["for"])
         if lasts <= 0:
-            raise self.fail(sm.entries["for"], "a spare lasts more than 0s")
+            raise sm.entries["for"].error("a spare lasts more than 0s")
         reason_node = sm.entries.get("reason")
         reason = self.string(reason_node) if reason_node is not None else ""
         if who == ["process"]:
@@ -366,14 +380,14 @@ class _Reader(GpuReader):
         try:
             _, _, job = parse_target(f"job:{self.string(job_node)}")
         except ValueError as exc:
-            raise self.fail(job_node, str(exc)) from None
+            raise job_node.error(str(exc)) from None
         return EventSpec(at, "spare", line, job=job, value=reason, lasts=lasts)
 
     def name_ref(self, node: Node) -> str:
         name = self.string(node)
         if name not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
-            raise self.fail(node, f"no process named {name!r} in this scenario ({known})")
+            raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name
 
 

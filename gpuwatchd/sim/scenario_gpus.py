@@ -8,21 +8,29 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
+from gpuwatchd.config.keys import BOOL, items_of, kind_of
 from gpuwatchd.config.units import parse_duration, parse_size
-from gpuwatchd.config.yamlsrc import ConfigError, Map, Node, Scalar, Seq, join_key
+from gpuwatchd.config.yamlsrc import (
+    ConfigError,
+    Map,
+    Node,
+    Scalar,
+    did_you_mean,
+    join_key,
+    shown,
+)
 from gpuwatchd.core.model import MIB
 from gpuwatchd.decide.argv import check_value
+from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.sim.scenario_spec import (
     FABRIC_STATES,
-    FIRST_AUTO_PID,
     GIB,
     RECOVERY_ACTIONS,
     GpuSpec,
     HealthSpec,
+    HoldSpec,
     HostSpec,
     MigInstanceSpec,
-    ProcessSpec,
-    ScenarioError,
     keys_of,
 )
 
@@ -55,89 +63,62 @@ _PROFILE = re.compile(r"[0-9]{1,2}(?:c\.[0-9]{1,2})?g\.[0-9]{1,4}gb(?:\+[a-z]{1,
 
 
 class ReaderBase:
-    """The typed values of a scenario, each failure naming its file, line and key."""
+    """The typed values of a scenario, each failure a ConfigError naming its file, line and key
+    (``parse_scenario`` makes it a ScenarioError)."""
 
     def __init__(self, path: str, text: str) -> None:
         self.path = path
         self.text = text
-        self.next_pid = FIRST_AUTO_PID
-        self.used_pids: set[int] = set()
         self.names: dict[str, int] = {}
-        self.gpu_indexes: set[int] = set()  # the scenario's GPUs, once read
-
-    def fail(self, node: Node, message: str, key: str | None = None) -> ScenarioError:
-        return ScenarioError(message, path=self.path, line=node.line, key=key or node.path or None)
+        self.gpus: dict[int, GpuSpec] = {}  # the scenario's GPUs by index, once read
 
     def mapping(self, node: Node, keys: Sequence[str]) -> Map:
         if not isinstance(node, Map):
-            raise self.fail(node, f"expected a mapping, got {kind_of_node(node)}")
+            raise node.error(f"expected a mapping, got {kind_of(node)}")
         for key, line in node.key_lines.items():
             if key not in keys:
-                import difflib
-
-                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 where = Scalar(node.file, line, join_key(node.path, key))  # the key's own line
-                raise self.fail(where, f"unknown field{hint}; known: {', '.join(keys)}")
+                hint = did_you_mean(key, keys)
+                raise where.error(f"unknown field{hint}; known: {', '.join(keys)}")
         return node
-
-    def items(self, node: Node) -> list[Node]:
-        if isinstance(node, Scalar) and node.value is None:
-            return []
-        if not isinstance(node, Seq):
-            raise self.fail(node, f"expected a list, got {kind_of_node(node)}")
-        return node.items
 
     def scalar(self, node: Node) -> object:
         if not isinstance(node, Scalar):
-            raise self.fail(node, f"expected a single value, got {kind_of_node(node)}")
+            raise node.error(f"expected a single value, got {kind_of(node)}")
         return node.value
 
     def string(self, node: Node) -> str:
         value = self.scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise self.fail(node, f"expected a string, got {kind_of_node(node)}")
+            raise node.error(f"expected a string, got {kind_of(node)}")
         return str(value)
-
-    def boolean(self, node: Node) -> bool:
-        value = self.scalar(node)
-        if not isinstance(value, bool):
-            raise self.fail(node, f"expected true or false, got {kind_of_node(node)}")
-        return value
 
     def flag(self, node: Node | None, default: bool) -> bool:
         """An optional true/false key: ``default`` when absent."""
-        return default if node is None else self.boolean(node)
+        return default if node is None else BOOL.read(node)
 
     def integer(self, node: Node, minimum: int = 0) -> int:
         value = self.scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(node, f"expected an integer >= {minimum}, got {kind_of_node(node)}")
+            raise node.error(f"expected an integer >= {minimum}, got {kind_of(node)}")
         return value
 
     def duration(self, node: Node) -> float:
         try:
             return parse_duration(self.scalar(node), where=node.path)
         except ConfigError as err:
-            raise self.fail(node, err.message) from None
+            raise node.error(err.message) from None
 
     def size(self, node: Node) -> int:
         try:
             return parse_size(self.scalar(node), where=node.path)
         except ConfigError as err:
-            raise self.fail(node, err.message) from None
-
-    def positive(self, node: Node) -> float:
-        """A duration longer than 0s."""
-        value = self.duration(node)
-        if value <= 0:
-            raise self.fail(node, "must be longer than 0s")
-        return value
+            raise node.error(err.message) from None
 
     def choice(self, node: Node, choices: Sequence[str]) -> str:
         value = self.string(node)
         if value not in choices:
-            raise self.fail(node, f"expected one of {', '.join(choices)}, got {value!r}")
+            raise node.error(f"expected one of {', '.join(choices)}, got {shown(value)}")
         return value
 
 
@@ -153,33 +134,35 @@ class GpuReader(ReaderBase):
         if (n := m.entries.get("host_namespaces")) is not None:
             value = self.scalar(n)
             if value is not None and not isinstance(value, bool):
-                raise self.fail(n, "expected true, false or null (unknown)")
+                raise n.error("expected true, false or null (unknown)")
             namespaces = value
-        mps = self.boolean(n) if (n := m.entries.get("mps_server_running")) else False
+        mps = BOOL.read(n) if (n := m.entries.get("mps_server_running")) else False
         pid_max = self.integer(n, 1) if (n := m.entries.get("pid_max")) else spec.pid_max
         ended: set[str] = set()
-        for item in self.items(n) if (n := m.entries.get("ended_jobs")) is not None else []:
+        for item in items_of(n) if (n := m.entries.get("ended_jobs")) is not None else []:
             try:
                 ended.add(scheduler_ended_job(self.string(item), {}))
             except ValueError as err:
-                raise self.fail(item, str(err)) from None
+                raise item.error(str(err)) from None
         return HostSpec(namespaces, mps, pid_max, frozenset(ended))
 
-    def know_gpus(self, node: Node, gpus: Sequence[GpuSpec]) -> None:
-        """The GPUs that processes and events refer to by index; no two share an index, UUID or
-        minor."""
-        for what in ("index", "uuid", "minor"):
+    def know_gpus(self, nodes: Sequence[Node], gpus: Sequence[GpuSpec]) -> None:
+        """The GPUs that processes and events refer to by index; no two share an index, UUID,
+        PCI bus id (however spelled) or minor."""
+        for what in ("index", "uuid", "pci_bus_id", "minor"):
             seen: set[object] = set()
-            for value in (getattr(gpu, what) for gpu in gpus):
-                if value in seen:
-                    raise self.fail(node, f"two GPUs have the same {what} {value!r}")
-                seen.add(value)
-        self.gpu_indexes = {gpu.index for gpu in gpus}
+            for node, value in zip(nodes, (getattr(gpu, what) for gpu in gpus), strict=True):
+                same = pci_bus_key(value) if what == "pci_bus_id" else value
+                if same in seen:
+                    where = join_key(node.path, what)
+                    raise node.error(f"two GPUs have the same {what} {shown(value)}", where)
+                seen.add(same)
+        self.gpus = {gpu.index: gpu for gpu in gpus}
 
     def gpu_index(self, node: Node) -> int:
         index = self.integer(node)
-        if index not in self.gpu_indexes:
-            raise self.fail(node, f"no GPU with index {index} in this scenario")
+        if index not in self.gpus:
+            raise node.error(f"no GPU with index {index} in this scenario")
         return index
 
     def nvml_value(self, node: Node, name: str, value: str) -> None:
@@ -188,7 +171,7 @@ class GpuReader(ReaderBase):
         try:
             check_value(name, value)
         except ValueError as err:
-            raise self.fail(node, str(err).removesuffix("; refusing to run")) from None
+            raise node.error(str(err).removesuffix("; refusing to run")) from None
 
     def gpu(self, node: Node, position: int) -> GpuSpec:
         m = self.mapping(node, _GPU_KEYS)
@@ -196,7 +179,7 @@ class GpuReader(ReaderBase):
         index = self.integer(n) if (n := get("index")) is not None else position
         uuid = self.string(n) if (n := get("uuid")) is not None else _default_uuid(index)
         if not uuid.startswith("GPU-"):
-            raise self.fail(get("uuid") or m, "a GPU UUID starts with 'GPU-'")
+            raise (get("uuid") or m).error("a GPU UUID starts with 'GPU-'")
         self.nvml_value(get("uuid") or m, "uuid", uuid)
         name = self.string(n) if (n := get("name")) is not None else "NVIDIA H100 80GB HBM3"
         bus = self.string(n) if (n := get("pci_bus_id")) is not None else _default_bus(index)
@@ -207,7 +190,7 @@ class GpuReader(ReaderBase):
             entries = self.mapping(mem, tuple(memory)).entries
             memory |= {key: self.size(entries[key]) for key in tuple(memory) if key in entries}
             if memory["allocated"] + memory["leaked"] + memory["reserved"] > memory["total"]:
-                raise self.fail(mem, "allocated + leaked + reserved is more than total")
+                raise mem.error("allocated + leaked + reserved is more than total")
         instances: tuple[MigInstanceSpec, ...] = ()
         if isinstance(n := get("mig"), Map):
             instances = self.mig_instances(n)
@@ -230,46 +213,38 @@ class GpuReader(ReaderBase):
         """``mig: {instances: [{gi, profile, total, allocated, leaked}, ...]}``."""
         m = self.mapping(node, _MIG_KEYS)
         found: list[MigInstanceSpec] = []
-        for item in self.items(m.entries["instances"]) if "instances" in m.entries else []:
+        for item in items_of(m.entries["instances"]) if "instances" in m.entries else []:
             im = self.mapping(item, _INSTANCE_KEYS)
             get = im.entries.get
             if (n := get("gi")) is None:
-                raise self.fail(im, "missing required field 'gi' (the GPU instance id)", "gi")
+                raise im.error("missing required field 'gi' (the GPU instance id)", "gi")
             gi = self.integer(n)
             if gi > 14:
-                raise self.fail(n, "a GPU instance id is 0 to 14")
+                raise n.error("a GPU instance id is 0 to 14")
             profile = self.string(n) if (n := get("profile")) is not None else "1g.10gb"
             if not _PROFILE.fullmatch(profile):
-                raise self.fail(get("profile") or im, f"not a MIG profile name: {profile!r}")
+                raise (get("profile") or im).error(f"not a MIG profile name: {shown(profile)}")
             sizes = {k: self.size(im.entries[k]) for k in _INSTANCE_SIZES if k in im.entries}
             spec = MigInstanceSpec(gi=gi, profile=profile, **sizes)  # the others: its defaults
             if spec.allocated + spec.leaked > spec.total:
-                raise self.fail(im, "allocated + leaked is more than total")
+                raise im.error("allocated + leaked is more than total")
             found.append(spec)
         if not found:
-            raise self.fail(node, "a MIG GPU needs at least one instance ({gi: 1})")
+            raise node.error("a MIG GPU needs at least one instance ({gi: 1})")
         if len({i.gi for i in found}) != len(found):
-            raise self.fail(node, "two GPU instances have the same gi")
+            raise node.error("two GPU instances have the same gi")
         return tuple(found)
 
-    def check_mig(self, processes: Sequence[ProcessSpec], gpus: Sequence[GpuSpec]) -> None:
+    def check_mig(self, entry: Map, holds: HoldSpec, nvml: Mapping[int, int | None]) -> None:
         """A context on a MIG GPU lives in a GPU instance: ``holds.mig`` must name one of it."""
-        for proc in processes:
-            for gpu in gpus:
-                if not gpu.mig_instances:
-                    continue
-                known = {i.gi for i in gpu.mig_instances}
-                mig = proc.holds.mig
-                if gpu.index in proc.nvml and mig is None:
-                    raise ScenarioError(
-                        f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds",
-                    )  # fmt: skip
-                if mig is not None and gpu.index in proc.holds.gpus and mig not in known:
-                    raise ScenarioError(
-                        f"GPU {gpu.index} has no GPU instance {mig}",
-                        path=self.path, line=proc.line, key=f"{proc.name}.holds.mig",
-                    )  # fmt: skip
+        where, key = entry.entries.get("holds") or entry, join_key(entry.path, "holds")
+        for gpu in self.gpus.values():
+            known = {i.gi for i in gpu.mig_instances}
+            if known and gpu.index in nvml and holds.mig is None:
+                needs = f"a context on MIG GPU {gpu.index} needs holds.mig (its GPU instance)"
+                raise where.error(needs, key)
+            if known and holds.mig not in (None, *known) and gpu.index in holds.gpus:
+                raise where.error(f"GPU {gpu.index} has no GPU instance {holds.mig}", key + ".mig")
 
     def health_spec(self, node: Node) -> HealthSpec:
         return HealthSpec(**self.health(self.mapping(node, HEALTH_KEYS).entries))  # type: ignore[arg-type]
@@ -287,33 +262,21 @@ class GpuReader(ReaderBase):
                 elif raw is None:
                     found[key] = None
                 else:
-                    raise self.fail(
-                        value, f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
+                    raise value.error(
+                        f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
                     )
             elif key == "retired_pages_pending" and self.scalar(value) is None:
                 found[key] = None
             elif key == "fabric":
                 raw = self.scalar(value)
                 if raw is not None and raw not in FABRIC_STATES:
-                    raise self.fail(value, f"expected one of {', '.join(FABRIC_STATES)} or null")
+                    raise value.error(f"expected one of {', '.join(FABRIC_STATES)} or null")
                 found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
             elif key == "fabric_after_reset":
                 found[key] = None if self.scalar(value) == "never" else self.duration(value)
             else:
-                found[key] = self.boolean(value)
+                found[key] = BOOL.read(value)
         return found
-
-
-def kind_of_node(node: Node) -> str:
-    """What a YAML node is, for a message: ``a mapping``, ``a list``, ``null``, ``int 3``."""
-    if isinstance(node, Map):
-        return "a mapping"
-    if isinstance(node, Seq):
-        return "a list"
-    value = node.value if isinstance(node, Scalar) else None
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r}"
 
 
 def _default_uuid(index: int) -> str:
@@ -321,4 +284,5 @@ def _default_uuid(index: int) -> str:
 
 
 def _default_bus(index: int) -> str:
-    return f"00000000:{(0x17 + 0x10 * index) % 256:02X}:00.0"
+    """Bus 17, 27, ... F7, 07 of PCI domain 0 for the first 16 GPUs; of domain 1, 2, ... next."""
+    return f"{index // 16:08X}:{(0x17 + 0x10 * index) % 256:02X}:00.0"

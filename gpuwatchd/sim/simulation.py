@@ -15,6 +15,7 @@ from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.config.schema import (
     default_policy,
+    format_duration,
     load_policy,
     parse_policy_documents,
     render_policy,
@@ -76,6 +77,26 @@ def scenario_policy(scenario: Scenario, config_path: str | None) -> tuple[Policy
 # --- the simulation ---------------------------------------------------------------------------
 
 
+def _check_playable(scenario: Scenario, policy: Policy) -> None:
+    """SimulationError for a scenario that cannot be played under ``policy``: too many polls,
+    or a spare event whose ``for`` the spare command refuses."""
+    polls = scenario.duration / policy.interval
+    if polls > MAX_POLLS:
+        raise SimulationError(
+            f"{scenario.path}: duration {scenario.duration:g}s at interval {policy.interval:g}s "
+            f"is {polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
+            "lengthen interval)"
+        )
+    longest = policy.limits.max_spare
+    for event in scenario.events:
+        if event.lasts is not None and not 1 <= event.lasts <= longest:
+            raise SimulationError(
+                f"{scenario.path}:{event.line}: spare for: {format_duration(event.lasts)}: "
+                f"'gpuwatchd spare --for' must be between 1s and limits.max_spare "
+                f"({format_duration(longest)})"
+            )
+
+
 class Simulation:
     """One run of a scenario. Construct, then :meth:`run`."""
 
@@ -94,6 +115,7 @@ class Simulation:
         self.seq = itertools.count()
         self.during: dict[str, list[EventSpec]] = {}  # reset step -> its events, fired once
         self.spares: dict[str, Spare] = {}  # `spare` events: read by the daemon at each poll
+        _check_playable(scenario, self.policy)
         for event in scenario.events:
             if event.during is not None:
                 self.during.setdefault(event.during, []).append(event)
@@ -103,14 +125,6 @@ class Simulation:
             if spec.exits_at is not None:
                 self.schedule(spec.exits_at, "exit", (spec.name, "exits_at", None))
         self.gpu_names = {g.uuid: f"GPU {g.index}" for g in scenario.gpus}
-        interval = self.policy.interval
-        polls = scenario.duration / interval
-        if polls > MAX_POLLS:
-            raise SimulationError(
-                f"{scenario.path}: duration {scenario.duration:g}s at interval {interval:g}s is "
-                f"{polls:.0f} polls; at most {MAX_POLLS} are simulated (shorten duration or "
-                "lengthen interval)"
-            )
         host = VirtualHost(self)
         self.engine = Engine(
             self.policy,

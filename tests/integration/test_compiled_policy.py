@@ -182,6 +182,7 @@ def test_root_takes_no_policy_compiled_without_strict_modes(tmp_path: Path) -> N
         ("  state_dir: /nested/not/top\n", None),
         ("state_dir: {path: /x}\n", None),
         ("state_dir: /a\nstate_dir: /b\n", "/b"),
+        ("state_dir: '/var/lib/x'\r\ninterval: 5s\r\n", "/var/lib/x"),  # CRLF, as YAML reads it
     ],
 )
 def test_where_to_look_is_guessed_from_top_level_state_dir_lines(

@@ -486,6 +486,58 @@ def test_huge_values_are_config_errors_not_overflows(text: str, key: str) -> Non
     assert err.key == key
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "interval: !!int 1" + "0" * 5000 + "\n",  # past Python's limit on integer digits
+        '? "k\\x01' + "y" * 5000 + '"\n: 1\n',  # a key that is not printable
+        "rules:\n  - {name: " + "r" * 5000 + "}\n  - {name: " + "r" * 5000 + "}\n",
+        "reset:\n  monitors: [{unit: " + "u" * 4000 + "}]\n",
+    ],
+)
+def test_a_problem_quotes_a_long_value_cut_short(text: str) -> None:
+    """A value quoted in a problem is cut as everywhere else (shown): the message of a hostile
+    file is logged, and kept in the state file, whole."""
+    problems = error_of(text).problems
+    assert max(len(p.message) for p in problems) < 300
+
+
+def test_a_policy_with_thousands_of_problems_lists_the_first_hundred() -> None:
+    """What a rejected policy's message holds is logged and kept in the state file: 49,600
+    problems made 16 MB of it. All are still in ``problems``."""
+    err = error_of("protect: {users: [" + "1, " * 250 + "]}\n")
+    lines = str(err).splitlines()
+    assert len(err.problems) == 250
+    assert lines[:100] == [p.located() for p in err.problems[:100]]
+    assert lines[100:] == ["(and 150 more problems)"]
+    assert str(error_of("protect: {users: [" + "1, " * 100 + "]}\n")).count("\n") == 99
+
+
+@pytest.mark.parametrize(
+    ("template", "item", "too_many", "why"),
+    [
+        ("on_failure: [{}]\n", "[/bin/true]", 9000, "holds 54176 YAML values"),
+        (
+            "protect: {{users: [{}]}}\n",
+            "\u00e9" * 4000,
+            70,
+            "characters, more than one file may hold (1048576)",
+        ),
+    ],
+)
+def test_a_policy_that_would_not_read_back_written_out_is_refused(
+    template: str, item: str, too_many: int, why: str
+) -> None:
+    """``check-config`` prints the policy written out in full, and the daemon keeps that as
+    the last accepted policy, its fallback at a rejected start. Defaults spelled out make it
+    larger than what was read (a bare hook's 2 values are written as 6, an 'é' as '\\xE9'), and
+    one past what a file may hold was accepted, then refused when read back."""
+    err = error_of(template.format(", ".join([item] * too_many)))
+    assert (err.path, err.line, err.key) == (DROP_IN, None, None)
+    assert err.message.startswith("written out in full, the policy ")
+    assert why in err.message
+
+
 def bounded_keys() -> list[tuple[str, Bound]]:
     """Every bounded key of the key table, with its documented path (``rules[].for``,
     ``hooks[].timeout``)."""

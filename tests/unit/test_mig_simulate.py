@@ -40,16 +40,33 @@ gpus:
 
 
 @pytest.mark.parametrize(
-    ("tail", "fragment"),
+    ("tail", "key", "fragment"),
     [
-        ("processes:\n  - {name: t, holds: [0], nvml: {0: 1GiB}}\n", "needs holds.mig"),
-        ("processes:\n  - {name: t, holds: {gpus: [0], mig: 7}}\n", "has no GPU instance 7"),
+        (
+            "processes:\n  - {name: t, holds: [0], nvml: {0: 1GiB}}\n",
+            "processes[0].holds",
+            "needs holds.mig",
+        ),
+        (
+            "processes:\n  - {name: t, holds: {gpus: [0], mig: 7}}\n",
+            "processes[0].holds.mig",
+            "has no GPU instance 7",
+        ),
+        (
+            "events:\n  - {at: 1s, start: {name: t, holds: [0], nvml: {0: 1GiB}}}\n",
+            "events[0].start.holds",
+            "needs holds.mig",
+        ),
     ],
 )
-def test_a_context_or_capability_must_name_an_instance_of_its_gpu(tail: str, fragment: str) -> None:
+def test_a_context_or_capability_must_name_an_instance_of_its_gpu(
+    tail: str, key: str, fragment: str
+) -> None:
+    """The problem names the key path in the file (it named the process: ``t.holds``)."""
     with pytest.raises(ScenarioError) as caught:
         parse_scenario("s.yaml", HEAD + tail)
     assert fragment in str(caught.value)
+    assert (caught.value.line, caught.value.key) == (HEAD.count("\n") + 2, key)
 
 
 @pytest.mark.parametrize(("instances", "fragment"), MALFORMED_LAYOUTS.items())

@@ -425,3 +425,89 @@ def test_a_gpu_id_the_driver_would_never_report_is_refused_with_its_line(
         parse_scenario("ids.yaml", text)
     assert caught.value.line == 4
     assert f"gpus[0].{field}" in str(caught.value)
+
+
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"host: {LONG}\n",
+        f"processes: [{{name: a, ppid: {LONG}}}]\n",
+        f"processes: [{{name: a, state: {LONG}}}]\n",
+        f"events: [{{at: 1s, exit: {LONG}}}]\n",
+        f"gpus: [{{mig: {{instances: [{{gi: 1, profile: {LONG}}}]}}}}]\n",
+    ],
+)
+def test_a_scenario_error_quotes_a_long_value_cut_short(text: str) -> None:
+    """A value in a scenario error is quoted as a policy's is (at most 60 characters), never
+    whole: a hostile file may hold a megabyte in one value."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(
+            "s.yaml", "duration: 1m\n" + (text if "gpus" in text else "gpus: [{}]\n" + text)
+        )
+    assert "x" * 50 in err.value.message
+    assert len(err.value.message) < 200
+
+
+def test_a_scenario_error_names_a_boolean_as_a_policy_error_does() -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", "duration: 1m\ngpus: [{index: 0}]\nhost: true\n")
+    assert err.value.message == "expected a mapping, got boolean true"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "line", "key", "message"),
+    [
+        ("  - {}\n  - {pci_bus_id: '0000:17:00.0'}\n", 4, "gpus[1].pci_bus_id", "00:17:00.0'"),
+        ("  - {}\n  - {index: 1, minor: 0}\n", 4, "gpus[1].minor", "minor 0"),
+    ],
+)
+def test_two_gpus_with_one_name_are_refused_at_the_second(
+    gpus: str, line: int, key: str, message: str
+) -> None:
+    """A PCI bus id is compared however it is spelled (the default of GPU 0 is 00000000:17:00.0)."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", f"duration: 1m\ngpus:\n{gpus}")
+    assert (err.value.line, err.value.key) == (line, key)
+    assert err.value.message.startswith("two GPUs have the same ")
+    assert message in err.value.message
+
+
+def test_the_default_pci_bus_ids_of_many_gpus_differ() -> None:
+    """The default bus number repeats every 16 GPUs; the 17th is in PCI domain 1."""
+    scenario = parse_scenario("s.yaml", "duration: 1m\ngpus: [" + "{}, " * 40 + "]\n")
+    buses = [gpu.pci_bus_id for gpu in scenario.gpus]
+    assert len(set(buses)) == 40
+    assert buses[:2] + buses[15:17] == [
+        "00000000:17:00.0", "00000000:27:00.0", "00000000:07:00.0", "00000001:17:00.0"
+    ]  # fmt: skip
+
+
+def test_an_automatic_pid_skips_every_pid_the_scenario_writes() -> None:
+    """b's PID is written after a's is assigned; an event's start may name a PID as well."""
+    text = "duration: 1m\ngpus: [{}]\nprocesses: [{name: a}, {name: b, pid: 1000}, {name: c}]\n"
+    text += "events: [{at: 5s, start: {name: d, pid: 1001}}, {at: 6s, start: {name: e}}]\n"
+    scenario = parse_scenario("s.yaml", text)
+    assert [p.pid for p in scenario.processes] == [1002, 1000, 1003]
+    assert [e.process.pid for e in scenario.events if e.process] == [1001, 1004]
+
+
+def test_two_processes_listed_with_one_pid_are_refused_at_the_second() -> None:
+    text = (
+        "duration: 1m\ngpus: [{}]\nprocesses:\n  - {name: a, pid: 5000}\n  - {name: b, pid: 5000}\n"
+    )
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", text)
+    assert (err.value.line, err.value.key) == (5, "processes[1].pid")
+    assert err.value.message == "two processes have PID 5000 ('a' and 'b')"
+
+
+@pytest.mark.parametrize("interval", ["10ms", "2h"])
+def test_a_scenario_interval_is_bounded_as_the_policys(interval: str) -> None:
+    """The daemon never polls every 10ms: its policy refuses it, and so does the scenario."""
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("s.yaml", f"duration: 1m\ninterval: {interval}\ngpus: [{{}}]\n")
+    assert (err.value.line, err.value.key) == (2, "interval")
+    assert err.value.message.startswith("must be >= 100ms and <= 1h, got")

@@ -80,3 +80,20 @@ def test_a_malformed_spare_event_is_refused_naming_the_line(event: str, message:
         play(event)
     assert message in str(caught.value)
     assert str(caught.value).startswith("s.yaml:12:")
+
+
+@pytest.mark.parametrize("lasts", ["0.5s", "2d"])
+def test_a_spare_the_spare_command_would_refuse_is_refused(lasts: str) -> None:
+    """``gpuwatchd spare --for`` takes 1s to limits.max_spare (1d by default); a scenario
+    played a spare the command refuses."""
+    from gpuwatchd.sim.world import SimulationError
+
+    with pytest.raises(SimulationError) as caught:
+        play(f"{{at: 5s, spare: {{process: worker, for: {lasts}}}}}")
+    assert str(caught.value).startswith("s.yaml:12: spare for: ")
+    assert str(caught.value).endswith("must be between 1s and limits.max_spare (1d)")
+    longer = BASE.replace("{dry_run: false}", "{dry_run: false, limits: {max_spare: 2d}}")
+    spared = simulate(
+        parse_scenario("s.yaml", longer + "  - {at: 5s, spare: {job: '42', for: 2d}}\n")
+    )
+    assert sigterms(spared) == []

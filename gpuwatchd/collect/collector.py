@@ -21,7 +21,14 @@ from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.collect.subids import SubUidFile
-from gpuwatchd.core.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.core.model import (
+    DeviceHolding,
+    HolderScan,
+    NvmlReading,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 from gpuwatchd.core.procstat import StatFields
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import mps_server
@@ -44,6 +51,16 @@ _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
 
 def _signature_of_info(info: ProcessInfo) -> _Signature:
     return (info.start_ticks, info.ppid, info.pgid, info.sid, info.comm)
+
+
+# What protect, the floor and spares judge of a process, by the name a refusal gives it.
+_JUDGED: dict[str, Callable[[ProcessInfo], object]] = {
+    "user": lambda info: info.uid,
+    "comm": lambda info: info.comm,
+    "command line": lambda info: info.cmdline,
+    "exe": lambda info: info.exe,
+    "cgroup": lambda info: None if info.cgroup is None else info.cgroup.path,
+}
 
 
 def _signature_of_stat(fields: StatFields) -> _Signature:
@@ -168,6 +185,25 @@ class Collector:
         if info.uid is None:  # root's directory, owner unread: not known to be anything else
             return info.start_ticks, False if trusted is False else None
         return info.start_ticks, trusted
+
+    def as_judged(self, identity: ProcessIdentity) -> str | None:
+        """Which facts the rules judge (user, comm, command line, exe, cgroup) of a process about
+        to be signalled read otherwise now than in the last snapshot, which may have reused them
+        (a move to another cgroup or a command line rewritten without an exec): None when none
+        does, or when the snapshot had no facts of it. A change drops the remembered facts, so
+        the next poll judges the process on what it is now."""
+        judged = self._facts.get(identity.pid)
+        if judged is None or judged.start_ticks != identity.start_ticks:
+            return None
+        now = self.procfs.read_process(identity.pid)
+        if now is None or now.start_ticks != identity.start_ticks:
+            return None  # gone or another process: the signaller's identity check says so
+        changed = [name for name, fact in _JUDGED.items() if fact(now) != fact(judged)]
+        if not changed:
+            return None
+        self._facts.pop(identity.pid, None)
+        self._confirmed.pop(identity.pid, None)
+        return ", ".join(changed)
 
     @property
     def dead_listed(self) -> frozenset[int]:

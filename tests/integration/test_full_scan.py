@@ -7,7 +7,9 @@ this host through the fake NVML: which polls scan all of /proc, and why.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.collector import Collector
+from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
     MIB,
     GpuInfo,
@@ -27,8 +31,11 @@ from gpuwatchd.core.model import (
     MigDevice,
     NvmlProcess,
     NvmlReading,
+    ProcessIdentity,
     ProcessInfo,
 )
+from gpuwatchd.core.vocabulary import SignalOutcome
+from gpuwatchd.daemon.host import build_real_host
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
     FullScanState,
@@ -463,3 +470,55 @@ def test_a_remembered_process_that_execs_a_program_of_the_same_name_is_read_afre
         assert after.cmdline != before.cmdline
     finally:
         nvml.close()
+
+
+@pytest.fixture
+def other_cgroup() -> Iterator[Path]:
+    """A cgroup made for this test in the v2 hierarchy (skipped where none can be made); the
+    processes moved into it go back to the hierarchy's root before it is removed."""
+    mount = cgroup2_mount()
+    if mount is None:
+        pytest.skip("needs a cgroup v2 hierarchy")
+    folder = Path(mount) / f"gpuwatchd-test-{os.getpid()}"
+    try:
+        folder.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create cgroups: {exc}")
+    yield folder
+    for pid in (folder / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            (Path(mount) / "cgroup.procs").write_text(pid)
+    folder.rmdir()
+
+
+def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
+    fake_nvml: FakeNvml, spawn: Spawn, other_cgroup: Path
+) -> None:
+    """A move to another cgroup (a job step the scheduler moves, an admin's write to
+    cgroup.procs to protect a process) keeps every stat field the collector reuses remembered
+    facts on, so the snapshot may judge the old cgroup: the daemon's signaller reads the judged
+    facts again and sends nothing to a process that moved, and the next poll reads them afresh
+    (``protect.cgroups`` then judges the new cgroup)."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(trainer.pid)])]))
+    policy = dataclasses.replace(
+        default_policy(), devices_dir=str(fake_nvml.devices_dir), namespace_check=False
+    )
+    host = build_real_host(policy, nvml_env=fake_nvml.env())
+    try:
+        before = host.collector.collect(full=True).processes[trainer.pid]
+        (other_cgroup / "cgroup.procs").write_text(str(trainer.pid))
+        judged = host.collector.collect().processes[trainer.pid]
+        assert judged == before  # the precondition: this poll reused the remembered facts
+        assert judged.start_ticks is not None
+        identity = ProcessIdentity(trainer.pid, judged.start_ticks)
+        result = host.actuator.signal(identity, "SIGTERM", dry_run=False)
+        assert (result.outcome, trainer.poll()) == (SignalOutcome.REUSED, None)
+        assert "(cgroup changed)" in result.detail
+        after = host.collector.collect().processes[trainer.pid]
+        assert after.cgroup is not None
+        assert after.cgroup.path == f"/{other_cgroup.name}"
+    finally:
+        host.close()

@@ -226,7 +226,7 @@ class Collector:
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
         """Scan all of /proc with no remembered fact or holding kept; ``read_now``: the listed
         processes' facts when this poll read them all afresh (else they are read again)."""
-        self._facts_seen, self._held = {}, {}
+        self._facts, self._facts_seen, self._held = {}, {}, {}
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
         holders = scanner.scan(None)

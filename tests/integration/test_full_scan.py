@@ -522,3 +522,21 @@ def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
         assert after.cgroup.path == f"/{other_cgroup.name}"
     finally:
         host.close()
+
+
+def test_a_full_scan_reads_every_process_afresh(
+    fake_nvml: FakeNvml, spawn: Spawn, other_cgroup: Path
+) -> None:
+    """A full scan refills the remembered facts, so none is older than one full-scan interval:
+    a holder NVML does not list, moved to another cgroup, is reported there by the next full
+    scan (it kept the facts read before the move)."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    holder = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[])]))
+    with fake_collector(fake_nvml) as collector:
+        collector.collect(full=True)
+        (other_cgroup / "cgroup.procs").write_text(str(holder.pid))
+        moved = collector.collect(full=True).processes[holder.pid].cgroup
+    assert moved is not None
+    assert moved.path == f"/{other_cgroup.name}"

@@ -333,13 +333,16 @@ class HolderScanner:
                 names, targets = self._readlinks_carefully(dfd, names)
             if not self.devices.may_hold(targets):
                 return len(names)
-            fd_of = dict(zip(targets, names, strict=True))
-            for target in fd_of:
+            for target in set(targets):
                 if "/capabilities/" in target:
                     cap = match_cap_file(target, devices.capabilities_dir)
                     if cap is not None:
                         found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
-            for target, name in fd_of.items():
+            # A link is the path as this reader resolves it: files of two mount namespaces
+            # (a host's and a container's /dev/nvidia0) can read the same, so in device-number
+            # mode each fd is looked at; in path mode the text is all that is matched.
+            fds = zip(targets, names, strict=True)
+            for target, name in dict(fds).items() if devices.match_by_path else fds:
                 if devices.match_by_path:
                     what = devices.match_path(target)
                 elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):

@@ -133,7 +133,7 @@ class Collector:
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
-        reading = self.nvml.read()
+        reading = _distinct_minors(self.nvml.read())
         # After the NVML read: a worker (re)started by it opens the device files, and the
         # events are consumed here, not walked on next poll. Nothing is lost either way: an
         # open after this drain is seen by the next one.
@@ -445,6 +445,29 @@ def _snapshot(
         subuid_ranges=c.subuids.ranges(),
         kernel_xids=kernel_xids,
     )
+
+
+def _distinct_minors(reading: NvmlReading) -> NvmlReading:
+    """``reading`` with the minor of each GPU that shares it with another one unknown (its
+    ``error`` says why): ``/dev/nvidiaN`` is one GPU's, so the holders of that file cannot be
+    told to be either's, and an unknown minor is reported, never acted on."""
+    minors = [gpu.minor for gpu in reading.gpus if gpu.minor is not None]
+    if len(set(minors)) == len(minors):
+        return reading
+    shared = {minor for minor in minors if minors.count(minor) > 1}
+    gpus = tuple(
+        dataclasses.replace(
+            gpu,
+            minor=None,
+            error="; ".join(
+                filter(None, (gpu.error, f"NVML reports minor {gpu.minor} for another GPU too"))
+            ),
+        )
+        if gpu.minor in shared
+        else gpu
+        for gpu in reading.gpus
+    )
+    return dataclasses.replace(reading, gpus=gpus)
 
 
 def listed_gpus(reading: NvmlReading) -> dict[int, frozenset[str]]:

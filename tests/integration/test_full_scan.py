@@ -540,3 +540,23 @@ def test_a_full_scan_reads_every_process_afresh(
         moved = collector.collect(full=True).processes[holder.pid].cgroup
     assert moved is not None
     assert moved.path == f"/{other_cgroup.name}"
+
+
+def test_gpus_that_claim_one_minor_have_no_minor_in_the_snapshot(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """/dev/nvidiaN is one GPU's: when NVML reports a minor for two GPUs, the holders of that
+    file (here a trainer of GPU 0) cannot be told to be either's, so neither GPU has a minor
+    (holders unknown: reported, never acted on) and its error says why; a third GPU keeps its."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    gpus = [gpu(0, processes=[process(trainer.pid)]), gpu(1, minor=0), gpu(2)]
+    fake_nvml.write(state(gpus))
+    with fake_collector(fake_nvml) as collector:
+        snapshot = collector.collect(full=True)
+    assert [g.minor for g in snapshot.nvml.gpus] == [None, None, 2]
+    for shared in snapshot.nvml.gpus[:2]:
+        assert shared.error == "NVML reports minor 0 for another GPU too"
+    assert snapshot.nvml.gpus[2].error is None
+    assert snapshot.holders.holdings[trainer.pid].gpu_minors == {0}  # still held, unattributed

@@ -409,7 +409,8 @@ def _snapshot(
     # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
     if c._inheritance is None:
         c._inheritance = InheritanceProbe(scanner, c.procfs.root)
-    file_sharing = c._inheritance.compare(processes, holders, live_listed)
+    marks = {pid: fields.exec_mark for pid, (fields, _info) in c._confirmed.items()}
+    file_sharing = c._inheritance.compare(processes, holders, live_listed, marks)
     lost_leaders = absent_leaders(c.procfs.root, processes, holding_pids)
     jobs = judge_jobs(
         (processes[pid] for pid in holding_pids if pid in processes),

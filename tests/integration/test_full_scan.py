@@ -7,9 +7,7 @@ this host through the fake NVML: which polls scan all of /proc, and why.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.collect.collector import Collector
-from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import default_policy
@@ -472,33 +469,16 @@ def test_a_remembered_process_that_execs_a_program_of_the_same_name_is_read_afre
         nvml.close()
 
 
-@pytest.fixture
-def other_cgroup() -> Iterator[Path]:
-    """A cgroup made for this test in the v2 hierarchy (skipped where none can be made); the
-    processes moved into it go back to the hierarchy's root before it is removed."""
-    mount = cgroup2_mount()
-    if mount is None:
-        pytest.skip("needs a cgroup v2 hierarchy")
-    folder = Path(mount) / f"gpuwatchd-test-{os.getpid()}"
-    try:
-        folder.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot create cgroups: {exc}")
-    yield folder
-    for pid in (folder / "cgroup.procs").read_text().split():
-        with contextlib.suppress(OSError):
-            (Path(mount) / "cgroup.procs").write_text(pid)
-    folder.rmdir()
-
-
 def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
-    fake_nvml: FakeNvml, spawn: Spawn, other_cgroup: Path
+    fake_nvml: FakeNvml, spawn: Spawn, cgroup_base: Path
 ) -> None:
     """A move to another cgroup (a job step the scheduler moves, an admin's write to
     cgroup.procs to protect a process) keeps every stat field the collector reuses remembered
     facts on, so the snapshot may judge the old cgroup: the daemon's signaller reads the judged
     facts again and sends nothing to a process that moved, and the next poll reads them afresh
     (``protect.cgroups`` then judges the new cgroup)."""
+    moved_to = cgroup_base / "moved"
+    moved_to.mkdir()
     node = fake_nvml.devices_dir / "nvidia0"
     node.touch()
     trainer = spawn(hold([str(node)]))
@@ -509,7 +489,7 @@ def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
     host = build_real_host(policy, nvml_env=fake_nvml.env())
     try:
         before = host.collector.collect(full=True).processes[trainer.pid]
-        (other_cgroup / "cgroup.procs").write_text(str(trainer.pid))
+        (moved_to / "cgroup.procs").write_text(str(trainer.pid))
         judged = host.collector.collect().processes[trainer.pid]
         assert judged == before  # the precondition: this poll reused the remembered facts
         assert judged.start_ticks is not None
@@ -519,27 +499,29 @@ def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
         assert "(cgroup changed)" in result.detail
         after = host.collector.collect().processes[trainer.pid]
         assert after.cgroup is not None
-        assert after.cgroup.path == f"/{other_cgroup.name}"
+        assert after.cgroup.path == f"/{cgroup_base.name}/moved"
     finally:
         host.close()
 
 
 def test_a_full_scan_reads_every_process_afresh(
-    fake_nvml: FakeNvml, spawn: Spawn, other_cgroup: Path
+    fake_nvml: FakeNvml, spawn: Spawn, cgroup_base: Path
 ) -> None:
     """A full scan refills the remembered facts, so none is older than one full-scan interval:
     a holder NVML does not list, moved to another cgroup, is reported there by the next full
     scan (it kept the facts read before the move)."""
+    moved_to = cgroup_base / "moved"
+    moved_to.mkdir()
     node = fake_nvml.devices_dir / "nvidia0"
     node.touch()
     holder = spawn(hold([str(node)]))
     fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[])]))
     with fake_collector(fake_nvml) as collector:
         collector.collect(full=True)
-        (other_cgroup / "cgroup.procs").write_text(str(holder.pid))
+        (moved_to / "cgroup.procs").write_text(str(holder.pid))
         moved = collector.collect(full=True).processes[holder.pid].cgroup
     assert moved is not None
-    assert moved.path == f"/{other_cgroup.name}"
+    assert moved.path == f"/{cgroup_base.name}/moved"
 
 
 def test_gpus_that_claim_one_minor_have_no_minor_in_the_snapshot(

@@ -5,7 +5,7 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
 from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery, wait_for_fabric
@@ -13,7 +13,6 @@ from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
     Commands,
-    FabricWait,
     ResetEnvironment,
     ResetOutcome,
     ResetTarget,
@@ -100,7 +99,7 @@ def resume_interrupted(
     *,
     runner: CommandRunner = run_command,
     hostname: str | None = None,
-    fabric_wait: FabricWait | None = None,
+    fabric_wait: Callable[[ResetTarget, float], tuple[bool, str]] | None = None,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted (the record's commands, never
     the reset command again); None if nothing is left to do. ``hostname`` fills

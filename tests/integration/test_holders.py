@@ -433,12 +433,13 @@ def test_two_fds_whose_links_read_the_same_are_each_identified_by_number(
 ) -> None:
     """An fd's link is its path as the reader resolves it: two files in different mount
     namespaces (a host's and a container's /dev/nvidia0) read the same and are different
-    devices, so in device-number mode each fd is looked at, not each link text."""
+    devices, so a full scan in device-number mode (the reset's final one) looks at each fd,
+    not each link text."""
     folder = tmp_path / "dev"
     folder.mkdir()
     os.mknod(folder / "nvidia0", 0o600 | 0o020000, os.makedev(1, 3))
     child = spawn(SAME_TEXT.format(folder=str(folder)))
     links = {os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in (3, 4)}
     assert links == {str(folder / "nvidia0")}  # the precondition: one text, two devices
-    scan = scanner(devices_dir=str(folder), match_by_path=False, device_major=1).scan([child.pid])
+    scan = scanner(devices_dir=str(folder), match_by_path=False, device_major=1).scan()
     assert scan.holdings[child.pid].gpu_minors_fd == {3, 5}

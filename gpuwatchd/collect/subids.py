@@ -66,8 +66,11 @@ class SubUidFile:
         if key != self._key:
             try:
                 with open(self.path, "rb") as handle:
-                    text = handle.read(MAX_BYTES).decode("utf-8", errors="replace")
+                    raw = handle.read(MAX_BYTES + 1)
             except OSError:
                 return self._ranges
+            if len(raw) > MAX_BYTES:  # a line cut at the bound is no range: up to the last whole
+                raw = raw[: raw.rfind(b"\n", 0, MAX_BYTES) + 1]
+            text = raw.decode("utf-8", errors="replace")
             self._key, self._ranges = key, parse_subuid(text)
         return self._ranges

@@ -485,7 +485,7 @@ def _reset_and_check(proc: Procedure) -> ResetOutcome:
     reason = f"{reason}; {detail}"
     failed = not healthy or memory is False
     if not failed and target.fabric:
-        completed, fabric_detail = _wait_for_fabric(proc)
+        completed, fabric_detail = wait_for_fabric(proc)
         reason, failed = f"{reason}; {fabric_detail}", not completed
     if failed:
         step, rebooting = ResetStep.HEALTH_CHECK, not healthy
@@ -506,7 +506,7 @@ def _run_resets(proc: Procedure) -> Ran:
     return result, *interpret_reset_exit(result)
 
 
-def _wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
+def wait_for_fabric(proc: Procedure) -> tuple[bool, str]:
     """The NVLink fabric after the reset: COMPLETED within ``fabric_timeout``, or the reset is
     not done. Fabric Manager is never stopped or restarted here, whatever the answer."""
     timeout = proc.policy.fabric_timeout

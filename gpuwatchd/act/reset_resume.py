@@ -5,10 +5,10 @@ In detail: docs/internals.md, section `gpuwatchd.act.reset_resume`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpuwatchd.act.commands import run_command
-from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery
+from gpuwatchd.act.reset import EMPTY_ENV, Procedure, half_done, run_recovery, wait_for_fabric
 from gpuwatchd.act.reset_target import (
     UNRECORDED,
     CommandRunner,
@@ -53,6 +53,7 @@ def _target_from(record: Mapping[str, object], hostname: str | None) -> ResetTar
         minor=as_int(record.get("minor")),
         persistence_was_on=as_flag(record.get("persistence_was_on")),
         hostname=hostname,
+        fabric=record.get("fabric") is True,
         recovery=recovery,
     )
 
@@ -98,10 +99,11 @@ def resume_interrupted(
     *,
     runner: CommandRunner = run_command,
     hostname: str | None = None,
+    fabric_wait: Callable[[ResetTarget, float], tuple[bool, str]] | None = None,
 ) -> ResetOutcome | None:
     """Finish or undo a reset that a crash or stop interrupted (the record's commands, never
     the reset command again); None if nothing is left to do. ``hostname`` fills
-    ``{hostname}`` in an old record's commands."""
+    ``{hostname}`` in an old record's commands; ``fabric_wait``: as :func:`perform_reset`'s."""
     read = _read_back(record, reset, hostname)
     if read is None:
         return None
@@ -111,6 +113,7 @@ def resume_interrupted(
     step, target, commands = read
 
     proc = _procedure_from(record, target, reset, env, commands, runner=runner)
+    proc.fabric_wait = fabric_wait
     env.emit(
         EventName.RESET_RESUMED,
         Level.WARNING,
@@ -182,6 +185,10 @@ def _check_after_reset(proc: Procedure, interrupted: str) -> ResetOutcome:
         healthy, memory, detail = proc.health_check()
     result = ResetResult.SUCCESS if healthy and memory is True else ResetResult.FAILED
     reason = f"{interrupted}; {detail}"
+    if result is ResetResult.SUCCESS and proc.target.fabric:
+        completed, fabric_detail = wait_for_fabric(proc)
+        reason = f"{reason}; {fabric_detail}"
+        result = ResetResult.SUCCESS if completed else ResetResult.FAILED
     return proc.finish(result, ResetStep.DONE, reason, needs_reboot=not healthy, undo=True)
 
 

@@ -375,6 +375,8 @@ def progress_record(
         "step": step.value,
         **data,
     }
+    if target.fabric:  # only then: the records of other GPUs read as before
+        record["fabric"] = True
     if target.recovery is not None:
         record["recovery"] = target.recovery.record()
     if target.layout:

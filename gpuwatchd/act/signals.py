@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatchd.core.model import ProcessIdentity
@@ -54,10 +55,18 @@ def _signal_number(name: str) -> int | None:
 class Signaller:
     """Sends signals through pidfds and waits on them. One per daemon; not thread-safe. The
     pidfds of processes signalled (or checked in dry-run) are kept until :meth:`wait` reports
-    their exit, or :meth:`forget` / :meth:`close`."""
+    their exit, or :meth:`forget` / :meth:`close`. ``as_judged``: what of the facts the
+    process was judged on reads otherwise now (None: nothing), e.g.
+    :meth:`gpuwatchd.collect.collector.Collector.as_judged`; a change sends nothing."""
 
-    def __init__(self, proc_root: str = "/proc") -> None:
+    def __init__(
+        self,
+        proc_root: str = "/proc",
+        *,
+        as_judged: Callable[[ProcessIdentity], str | None] | None = None,
+    ) -> None:
         self._proc_root = proc_root
+        self._as_judged = as_judged
         self._kept: dict[ProcessIdentity, int] = {}
 
     def send(self, identity: ProcessIdentity, signal_name: str, *, dry_run: bool) -> SignalResult:
@@ -171,8 +180,8 @@ class Signaller:
         self.close()
 
     def _recheck(self, identity: ProcessIdentity, pidfd: int) -> SignalResult | str:
-        """Whether the process ``pidfd`` names is the one ``identity`` names and alive: its
-        state letter when it is; else why not (its pidfd then dropped)."""
+        """Whether the process ``pidfd`` names is the one ``identity`` names, alive and as it
+        was judged: its state letter when it is; else why not (its pidfd then dropped)."""
         pid = identity.pid
         current = stat_start_ticks(self._proc_root, pid)
         if current is None:
@@ -193,6 +202,15 @@ class Signaller:
         if state in ("X", "x"):
             self._drop(identity, pidfd)
             return SignalResult(SignalOutcome.GONE, f"PID {pid} is dead", state)
+        changed = None if self._as_judged is None else self._as_judged(identity)
+        if changed is not None:
+            self._drop(identity, pidfd)
+            return SignalResult(
+                SignalOutcome.REUSED,
+                f"PID {pid} is no longer as it was judged ({changed} changed); nothing sent, "
+                "it is judged again next poll",
+                state,
+            )
         return state
 
     def _drop(self, identity: ProcessIdentity, pidfd: int) -> None:

@@ -21,7 +21,14 @@ from gpuwatchd.collect.nvml import NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.collect.statfiles import StatFiles
 from gpuwatchd.collect.subids import SubUidFile
-from gpuwatchd.core.model import DeviceHolding, HolderScan, NvmlReading, ProcessInfo, Snapshot
+from gpuwatchd.core.model import (
+    DeviceHolding,
+    HolderScan,
+    NvmlReading,
+    ProcessIdentity,
+    ProcessInfo,
+    Snapshot,
+)
 from gpuwatchd.core.procstat import StatFields
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.decide.floor import mps_server
@@ -44,6 +51,16 @@ _Signature = tuple[int | None, int | None, int | None, int | None, str | None]
 
 def _signature_of_info(info: ProcessInfo) -> _Signature:
     return (info.start_ticks, info.ppid, info.pgid, info.sid, info.comm)
+
+
+# What protect, the floor and spares judge of a process, by the name a refusal gives it.
+_JUDGED: dict[str, Callable[[ProcessInfo], object]] = {
+    "user": lambda info: info.uid,
+    "comm": lambda info: info.comm,
+    "command line": lambda info: info.cmdline,
+    "exe": lambda info: info.exe,
+    "cgroup": lambda info: None if info.cgroup is None else info.cgroup.path,
+}
 
 
 def _signature_of_stat(fields: StatFields) -> _Signature:
@@ -116,7 +133,7 @@ class Collector:
 
     def collect(self, *, full: bool = False) -> Snapshot:
         """Take one snapshot. ``full=True`` forces a scan of every process."""
-        reading = self.nvml.read()
+        reading = _distinct_minors(self.nvml.read())
         # After the NVML read: a worker (re)started by it opens the device files, and the
         # events are consumed here, not walked on next poll. Nothing is lost either way: an
         # open after this drain is seen by the next one.
@@ -169,6 +186,25 @@ class Collector:
             return info.start_ticks, False if trusted is False else None
         return info.start_ticks, trusted
 
+    def as_judged(self, identity: ProcessIdentity) -> str | None:
+        """Which facts the rules judge (user, comm, command line, exe, cgroup) of a process about
+        to be signalled read otherwise now than in the last snapshot, which may have reused them
+        (a move to another cgroup or a command line rewritten without an exec): None when none
+        does, or when the snapshot had no facts of it. A change drops the remembered facts, so
+        the next poll judges the process on what it is now."""
+        judged = self._facts.get(identity.pid)
+        if judged is None or judged.start_ticks != identity.start_ticks:
+            return None
+        now = self.procfs.read_process(identity.pid)
+        if now is None or now.start_ticks != identity.start_ticks:
+            return None  # gone or another process: the signaller's identity check says so
+        changed = [name for name, fact in _JUDGED.items() if fact(now) != fact(judged)]
+        if not changed:
+            return None
+        self._facts.pop(identity.pid, None)
+        self._confirmed.pop(identity.pid, None)
+        return ", ".join(changed)
+
     @property
     def dead_listed(self) -> frozenset[int]:
         """The PIDs NVML listed dead or zombie at the last poll (the full-scan rule's memory)."""
@@ -190,7 +226,7 @@ class Collector:
     ) -> tuple[HolderScan, dict[int, ProcessInfo]]:
         """Scan all of /proc with no remembered fact or holding kept; ``read_now``: the listed
         processes' facts when this poll read them all afresh (else they are read again)."""
-        self._facts_seen, self._held = {}, {}
+        self._facts, self._facts_seen, self._held = {}, {}, {}
         live_listed = self.procfs.read_processes(listed) if read_now is None else dict(read_now)
         self._facts_seen.update(live_listed)
         holders = scanner.scan(None)
@@ -373,7 +409,8 @@ def _snapshot(
     # Inheritance evidence (collect/inherit.py): kcmp while owners live; lost leaders.
     if c._inheritance is None:
         c._inheritance = InheritanceProbe(scanner, c.procfs.root)
-    file_sharing = c._inheritance.compare(processes, holders, live_listed)
+    marks = {pid: fields.exec_mark for pid, (fields, _info) in c._confirmed.items()}
+    file_sharing = c._inheritance.compare(processes, holders, live_listed, marks)
     lost_leaders = absent_leaders(c.procfs.root, processes, holding_pids)
     jobs = judge_jobs(
         (processes[pid] for pid in holding_pids if pid in processes),
@@ -409,6 +446,29 @@ def _snapshot(
         subuid_ranges=c.subuids.ranges(),
         kernel_xids=kernel_xids,
     )
+
+
+def _distinct_minors(reading: NvmlReading) -> NvmlReading:
+    """``reading`` with the minor of each GPU that shares it with another one unknown (its
+    ``error`` says why): ``/dev/nvidiaN`` is one GPU's, so the holders of that file cannot be
+    told to be either's, and an unknown minor is reported, never acted on."""
+    minors = [gpu.minor for gpu in reading.gpus if gpu.minor is not None]
+    if len(set(minors)) == len(minors):
+        return reading
+    shared = {minor for minor in minors if minors.count(minor) > 1}
+    gpus = tuple(
+        dataclasses.replace(
+            gpu,
+            minor=None,
+            error="; ".join(
+                filter(None, (gpu.error, f"NVML reports minor {gpu.minor} for another GPU too"))
+            ),
+        )
+        if gpu.minor in shared
+        else gpu
+        for gpu in reading.gpus
+    )
+    return dataclasses.replace(reading, gpus=gpus)
 
 
 def listed_gpus(reading: NvmlReading) -> dict[int, frozenset[str]]:

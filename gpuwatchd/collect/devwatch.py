@@ -10,6 +10,7 @@ import ctypes
 import errno
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from gpuwatchd.collect.holders import match_device_name
@@ -88,6 +89,7 @@ class DeviceWatch:
         if self._fd is None:
             return WatchNews(available=False)
         opened, overflow, rewatch = 0, False, False
+        created: set[str] = set()  # device files created anew (watched again though named)
         while True:
             try:
                 data = os.read(self._fd, _READ_SIZE)
@@ -117,11 +119,13 @@ class DeviceWatch:
                     decoded = os.fsdecode(name)
                     if decoded == CAPS_FOLDER or match_device_name(decoded) is not None:
                         rewatch = True
+                        in_caps = wd == self._caps_wd
+                        created.add(f"{CAPS_FOLDER}/{decoded}" if in_caps else decoded)
                 elif mask & IN_OPEN:
                     opened += 1
         rewatched = 0
         if rewatch or self._stale:
-            rewatched = self._watch_present()
+            rewatched = self._watch_present(created)
         return WatchNews(
             available=not self._incomplete,
             changed=bool(opened or overflow or rewatched or rewatch),
@@ -140,8 +144,11 @@ class DeviceWatch:
         wd = self._add(path, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR)
         return wd if wd >= 0 else None
 
-    def _watch_present(self) -> int:
-        """Watch every device file in the folder not watched yet; how many were added."""
+    def _watch_present(self, created: Collection[str] = ()) -> int:
+        """Watch every device file in the folder not watched yet, and those ``created`` anew
+        (a file replaced while the old one is held open keeps its old watch until it is
+        closed, so its name alone does not say the new file is watched); how many were
+        added."""
         self._stale = False
         if self._folder_wd is None:
             self._folder_wd = self._add_folder(self.devices_dir)
@@ -165,7 +172,7 @@ class DeviceWatch:
         added = 0
         self._incomplete = self._stale = unwatched
         for name in names:
-            if name in watched or match_device_name(name) is None:
+            if (name in watched and name not in created) or match_device_name(name) is None:
                 continue
             wd = self._add(f"{self.devices_dir}/{name}", IN_OPEN)
             if wd >= 0:

@@ -261,6 +261,7 @@ class HolderScanner:
         self.thread_table_budget = THREAD_TABLE_BUDGET
         # Called after each process scanned here, never in a forked worker (the daemon's watchdog)
         self.progress: Callable[[], None] | None = None
+        self._every_fd = False  # a full scan's: every fd a device, not one per link text
 
     def scan(self, pids: Iterable[int] | None = None, *, exclude: Iterable[int] = ()) -> HolderScan:
         """Find holders of NVIDIA device files: all of /proc when ``pids`` is None ("full"),
@@ -270,6 +271,7 @@ class HolderScanner:
         if pids is None:
             skip |= self.procfs.kernel_threads()
         todo = [pid for pid in candidates if pid not in skip and pid > 0]
+        self._every_fd = pids is None
         rows = spread.scan_spread(
             self._scan_chunk,
             todo,
@@ -333,13 +335,18 @@ class HolderScanner:
                 names, targets = self._readlinks_carefully(dfd, names)
             if not self.devices.may_hold(targets):
                 return len(names)
-            fd_of = dict(zip(targets, names, strict=True))
-            for target in fd_of:
+            for target in set(targets):
                 if "/capabilities/" in target:
                     cap = match_cap_file(target, devices.capabilities_dir)
                     if cap is not None:
                         found.cap_files.add((cap.gpu_minor, cap.gi, cap.ci))
-            for target, name in fd_of.items():
+            # A link is the path as this reader resolves it: files of two mount namespaces
+            # (a host's and a container's /dev/nvidia0) can read the same. A full scan (the
+            # reset's final one) looks at each fd in device-number mode; a targeted scan, every
+            # poll, at one fd per text (a CUDA process holds dozens of a few texts).
+            fds = zip(targets, names, strict=True)
+            every_fd = self._every_fd and not devices.match_by_path
+            for target, name in fds if every_fd else dict(fds).items():
                 if devices.match_by_path:
                     what = devices.match_path(target)
                 elif target[:1] != "/" or ("/dev/" not in target and "nvidia" not in target):

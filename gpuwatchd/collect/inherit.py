@@ -22,6 +22,8 @@ _MAX_NEW_PAIRS = 64  # new holder/owner pairs compared per poll; the rest wait f
 _MAX_CACHE = 8192  # remembered answers; cleared when full (they are recomputed cheaply)
 _MAX_ANCESTORS = 64
 _RETRY_UNKNOWN_POLLS = 12  # an unknown answer (mappings only, a race) is asked again this late
+# (holder, owner) and where each one's program lay (exec marks) when they were compared
+_Pair = tuple[ProcessIdentity, ProcessIdentity, object, object]
 
 
 class InheritanceProbe:
@@ -32,8 +34,8 @@ class InheritanceProbe:
         self.scanner = scanner
         self.root = root.rstrip("/") or "/"
         self.kcmp = kcmp if kcmp is not None else Kcmp()
-        self._known: dict[tuple[ProcessIdentity, ProcessIdentity], bool] = {}
-        self._unknown_until: dict[tuple[ProcessIdentity, ProcessIdentity], int] = {}
+        self._known: dict[_Pair, bool] = {}
+        self._unknown_until: dict[_Pair, int] = {}
         self._polls = 0
         self._reported = False
 
@@ -42,8 +44,12 @@ class InheritanceProbe:
         processes: Mapping[int, ProcessInfo],
         holders: HolderScan,
         owners: Iterable[int],
+        exec_marks: Mapping[int, object],
     ) -> tuple[FileSharing, ...]:
-        """One :class:`FileSharing` per (holder, live owner above it) pair; unknown included."""
+        """One :class:`FileSharing` per (holder, live owner above it) pair; unknown included.
+        An answer is remembered while neither process has exec'd since (``exec_marks``: PID ->
+        :attr:`gpuwatchd.core.procstat.StatFields.exec_mark`): an exec closes the device files
+        opened close-on-exec, as CUDA opens them, while PID and start time stay."""
         live_owners = {
             pid: processes[pid]
             for pid in owners
@@ -64,7 +70,8 @@ class InheritanceProbe:
             for owner in _owners_above(holder, processes, live_owners):
                 if owner.identity is None:
                     continue
-                key = (holder.identity, owner.identity)
+                marks = (exec_marks.get(pid), exec_marks.get(owner.pid))
+                key = (holder.identity, owner.identity, *marks)
                 shared = self._known.get(key)
                 retry = self._unknown_until.get(key, 0) <= self._polls
                 if shared is None and retry and budget > 0 and self.kcmp.unavailable is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from collections.abc import Callable
 
 from gpuwatchd.core.model import SubIdRange
@@ -64,10 +65,17 @@ class SubUidFile:
             return ()
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
         if key != self._key:
-            try:
-                with open(self.path, "rb") as handle:
-                    text = handle.read(MAX_BYTES).decode("utf-8", errors="replace")
+            try:  # not blocking on a FIFO; only a regular file is read
+                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                try:
+                    regular = stat.S_ISREG(os.fstat(fd).st_mode)
+                    raw = os.read(fd, MAX_BYTES + 1) if regular else b""
+                finally:
+                    os.close(fd)
             except OSError:
                 return self._ranges
+            if len(raw) > MAX_BYTES:  # a line cut at the bound is no range: up to the last whole
+                raw = raw[: raw.rfind(b"\n", 0, MAX_BYTES) + 1]
+            text = raw.decode("utf-8", errors="replace")
             self._key, self._ranges = key, parse_subuid(text)
         return self._ranges

@@ -265,7 +265,7 @@ def build_real_host(
             else None
         ),
     )
-    signaller = Signaller(policy.proc_root)
+    signaller = Signaller(policy.proc_root, as_judged=collector.as_judged)
     host = RealHost(  # the reloadable settings: apply() below, as at each reload
         procfs=procfs,
         nvml=nvml,

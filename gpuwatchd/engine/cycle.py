@@ -757,6 +757,7 @@ class Engine:
             _ResetEnv(self),
             runner=self.actuator.run_command,
             hostname=self.hostname,
+            fabric_wait=self._wait_for_fabric,
         )
         self.state.reset_in_progress = None
         self.checkpoint()

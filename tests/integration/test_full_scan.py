@@ -19,6 +19,7 @@ import pytest
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
+from gpuwatchd.config.schema import default_policy
 from gpuwatchd.core.model import (
     MIB,
     GpuInfo,
@@ -27,8 +28,11 @@ from gpuwatchd.core.model import (
     MigDevice,
     NvmlProcess,
     NvmlReading,
+    ProcessIdentity,
     ProcessInfo,
 )
+from gpuwatchd.core.vocabulary import SignalOutcome
+from gpuwatchd.daemon.host import build_real_host
 from gpuwatchd.decide.full_scan import (
     FullScanReason,
     FullScanState,
@@ -463,3 +467,78 @@ def test_a_remembered_process_that_execs_a_program_of_the_same_name_is_read_afre
         assert after.cmdline != before.cmdline
     finally:
         nvml.close()
+
+
+def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(
+    fake_nvml: FakeNvml, spawn: Spawn, cgroup_base: Path
+) -> None:
+    """A move to another cgroup (a job step the scheduler moves, an admin's write to
+    cgroup.procs to protect a process) keeps every stat field the collector reuses remembered
+    facts on, so the snapshot may judge the old cgroup: the daemon's signaller reads the judged
+    facts again and sends nothing to a process that moved, and the next poll reads them afresh
+    (``protect.cgroups`` then judges the new cgroup)."""
+    moved_to = cgroup_base / "moved"
+    moved_to.mkdir()
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(trainer.pid)])]))
+    policy = dataclasses.replace(
+        default_policy(), devices_dir=str(fake_nvml.devices_dir), namespace_check=False
+    )
+    host = build_real_host(policy, nvml_env=fake_nvml.env())
+    try:
+        before = host.collector.collect(full=True).processes[trainer.pid]
+        (moved_to / "cgroup.procs").write_text(str(trainer.pid))
+        judged = host.collector.collect().processes[trainer.pid]
+        assert judged == before  # the precondition: this poll reused the remembered facts
+        assert judged.start_ticks is not None
+        identity = ProcessIdentity(trainer.pid, judged.start_ticks)
+        result = host.actuator.signal(identity, "SIGTERM", dry_run=False)
+        assert (result.outcome, trainer.poll()) == (SignalOutcome.REUSED, None)
+        assert "(cgroup changed)" in result.detail
+        after = host.collector.collect().processes[trainer.pid]
+        assert after.cgroup is not None
+        assert after.cgroup.path == f"/{cgroup_base.name}/moved"
+    finally:
+        host.close()
+
+
+def test_a_full_scan_reads_every_process_afresh(
+    fake_nvml: FakeNvml, spawn: Spawn, cgroup_base: Path
+) -> None:
+    """A full scan refills the remembered facts, so none is older than one full-scan interval:
+    a holder NVML does not list, moved to another cgroup, is reported there by the next full
+    scan (it kept the facts read before the move)."""
+    moved_to = cgroup_base / "moved"
+    moved_to.mkdir()
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    holder = spawn(hold([str(node)]))
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[])]))
+    with fake_collector(fake_nvml) as collector:
+        collector.collect(full=True)
+        (moved_to / "cgroup.procs").write_text(str(holder.pid))
+        moved = collector.collect(full=True).processes[holder.pid].cgroup
+    assert moved is not None
+    assert moved.path == f"/{cgroup_base.name}/moved"
+
+
+def test_gpus_that_claim_one_minor_have_no_minor_in_the_snapshot(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """/dev/nvidiaN is one GPU's: when NVML reports a minor for two GPUs, the holders of that
+    file (here a trainer of GPU 0) cannot be told to be either's, so neither GPU has a minor
+    (holders unknown: reported, never acted on) and its error says why; a third GPU keeps its."""
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    trainer = spawn(hold([str(node)]))
+    gpus = [gpu(0, processes=[process(trainer.pid)]), gpu(1, minor=0), gpu(2)]
+    fake_nvml.write(state(gpus))
+    with fake_collector(fake_nvml) as collector:
+        snapshot = collector.collect(full=True)
+    assert [g.minor for g in snapshot.nvml.gpus] == [None, None, 2]
+    for shared in snapshot.nvml.gpus[:2]:
+        assert shared.error == "NVML reports minor 0 for another GPU too"
+    assert snapshot.nvml.gpus[2].error is None
+    assert snapshot.holders.holdings[trainer.pid].gpu_minors == {0}  # still held, unattributed

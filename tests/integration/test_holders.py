@@ -409,3 +409,37 @@ def test_a_process_past_the_thread_table_budget_is_an_unknown_holder(
     assert full.holdings[child.pid].gpu_minors_fd == {1}
     assert not full.unreadable
     assert not full.thread_tables_unread
+
+
+# Opens "nvidia0" (1:3) in the folder, then, in a mount namespace of its own, a tmpfs over the
+# folder and another "nvidia0" (1:5) there: both fd links read ".../nvidia0".
+SAME_TEXT = """
+import ctypes, os, stat, time
+folder = {folder!r}
+first = os.open(folder + "/nvidia0", os.O_RDONLY)
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.unshare(0x00020000) == 0, ctypes.get_errno()  # CLONE_NEWNS
+assert libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0  # MS_REC | MS_PRIVATE
+assert libc.mount(b"none", folder.encode(), b"tmpfs", 0, None) == 0, ctypes.get_errno()
+os.mknod(folder + "/nvidia0", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+second = os.open(folder + "/nvidia0", os.O_RDONLY)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_two_fds_whose_links_read_the_same_are_each_identified_by_number(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """An fd's link is its path as the reader resolves it: two files in different mount
+    namespaces (a host's and a container's /dev/nvidia0) read the same and are different
+    devices, so a full scan in device-number mode (the reset's final one) looks at each fd,
+    not each link text."""
+    folder = tmp_path / "dev"
+    folder.mkdir()
+    os.mknod(folder / "nvidia0", 0o600 | 0o020000, os.makedev(1, 3))
+    child = spawn(SAME_TEXT.format(folder=str(folder)))
+    links = {os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in (3, 4)}
+    assert links == {str(folder / "nvidia0")}  # the precondition: one text, two devices
+    scan = scanner(devices_dir=str(folder), match_by_path=False, device_major=1).scan()
+    assert scan.holdings[child.pid].gpu_minors_fd == {3, 5}

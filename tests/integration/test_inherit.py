@@ -20,10 +20,13 @@ from gpuwatchd.collect.inherit import InheritanceProbe, absent_leaders
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.collect.kcmp import Kcmp
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.model import FindingKind, HolderScan, ProcessIdentity, Snapshot
+from gpuwatchd.core.model import MIB, FindingKind, HolderScan, ProcessIdentity, Snapshot
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import driver_refusers, reset_blockers
+from tests.support.children import Spawn
+from tests.support.collecting import fake_collector
+from tests.support.fakenvml import FakeNvml, gpu, process, state
 from tests.support.orphancases import DEFAULT, LEAK, OPT_IN, run
 from tests.support.snapshots import HostBuilder, cg_session, cg_unit, gpu_uuid
 
@@ -117,9 +120,9 @@ def test_probe_compares_holders_with_the_live_owner_above_them(
     assert {owner, inherited, own} <= set(scan.holdings)
     processes = procfs.read_processes([owner, inherited, own])
     probe = InheritanceProbe(procfs.holders, "/proc")
-    answers = {a.holder: a.shared for a in probe.compare(processes, scan, [owner])}
+    answers = {a.holder: a.shared for a in probe.compare(processes, scan, [owner], {})}
     assert answers == {inherited: True, own: False}
-    again = {a.holder: a.shared for a in probe.compare(processes, scan, [owner])}
+    again = {a.holder: a.shared for a in probe.compare(processes, scan, [owner], {})}
     assert again == answers  # cached per identity pair
 
 
@@ -431,9 +434,53 @@ def test_kcmp_unavailable_is_logged_once_and_answers_stay_unknown() -> None:
     )
     probe = InheritanceProbe(ProcFS().holders, "/proc", kcmp)
     with capture_logs() as logs:
-        first = probe.compare(snapshot.processes, snapshot.holders, [800])
-        probe.compare(snapshot.processes, snapshot.holders, [800])
+        first = probe.compare(snapshot.processes, snapshot.holders, [800], {})
+        probe.compare(snapshot.processes, snapshot.holders, [800], {})
     assert [a.shared for a in first] == [None]
     events = [e for e in logs if e["event"] == "collect.kcmp_unavailable"]
     assert len(events) == 1
     assert events[0]["log_level"] == "warning"
+
+
+_FORK_THEN_EXEC = """
+import os, signal, sys, time
+path = sys.argv[1]
+fd = os.open(path, os.O_RDONLY)          # the owner's, inherited by the child below
+own = "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print('ready', flush=True); " \\
+    "time.sleep(60)"
+ready_r, ready_w = os.pipe()
+child = os.fork()
+if child == 0:
+    argv = [sys.executable, "-c", own, path]
+    signal.signal(signal.SIGUSR1, lambda *_: os.execv(sys.executable, argv))
+    os.write(ready_w, b"x")
+    while True:
+        time.sleep(60)
+os.read(ready_r, 1)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_holder_that_execs_is_compared_with_its_owner_again(
+    fake_nvml: FakeNvml, spawn: Spawn
+) -> None:
+    """kcmp's answer for a (holder, owner) pair is remembered, but an exec closes the owner's
+    files the holder inherited (CUDA opens them close-on-exec) while its PID and start time
+    stay: a holder that execs a program opening the device file itself is asked again, so it
+    is no longer said to hold its owner's files (the proof an orphan's ladder may rest on)."""
+    _kcmp_or_skip()
+    node = fake_nvml.devices_dir / "nvidia0"
+    node.touch()
+    owner = spawn(_FORK_THEN_EXEC.replace("sys.argv[1]", repr(str(node)), 1))
+    children = pathlib.Path(f"/proc/{owner.pid}/task/{owner.pid}/children").read_text()
+    child = int(children.split()[0])
+    fake_nvml.write(state([gpu(0, allocated=600 * MIB, processes=[process(owner.pid)])]))
+    with fake_collector(fake_nvml) as collector:
+        before = collector.collect(full=True).file_sharing
+        assert (child, owner.pid, True) in {(s.holder, s.owner, s.shared) for s in before}
+        os.kill(child, signal.SIGUSR1)
+        assert owner.stdout is not None
+        assert owner.stdout.readline().strip() == "ready"  # the new program holds its own
+        after = collector.collect().file_sharing
+    assert {(s.holder, s.owner, s.shared) for s in after} == {(child, owner.pid, False)}

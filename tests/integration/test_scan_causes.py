@@ -116,6 +116,24 @@ def test_a_removed_device_file_is_news_and_watched_again_when_it_returns(
     assert watch.drain().opened == 1
 
 
+def test_a_device_file_replaced_while_the_old_one_is_held_is_watched(
+    watched: tuple[DeviceWatch, Path],
+) -> None:
+    """The old file's watch lasts while a process holds it (no IN_IGNORED until its last
+    close), so its name is no proof that the new file is watched: opens of the new one are
+    news too (the device node made again, e.g. by nvidia-modprobe)."""
+    watch, folder = watched
+    held = os.open(folder / "nvidia0", os.O_RDONLY)
+    try:
+        (folder / "nvidia0").unlink()
+        (folder / "nvidia0").touch()
+        assert watch.drain().rewatched == 1
+        os.close(os.open(folder / "nvidia0", os.O_RDONLY))
+        assert watch.drain().opened == 1
+    finally:
+        os.close(held)
+
+
 def test_a_new_device_file_is_watched(watched: tuple[DeviceWatch, Path]) -> None:
     watch, folder = watched
     (folder / "nvidia7").touch()

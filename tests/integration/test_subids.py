@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
+from gpuwatchd.collect import subids
 from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.nvml import NvmlClient
 from gpuwatchd.collect.procfs import ProcFS
@@ -76,3 +78,32 @@ def test_the_collector_puts_the_ranges_of_its_subuid_file_in_each_snapshot(
     finally:
         nvml.close()
     assert snapshot.subuid_ranges == (SubIdRange(100000, 65536, "1001", 1001),)
+
+
+def test_a_file_over_its_read_bound_is_read_up_to_its_last_whole_line(tmp_path: Path) -> None:
+    """The read stops at MAX_BYTES: a line cut there is not a range (``1002:200000:65536`` cut
+    after ``655`` would give uid 1002 a range 100 times too small), the whole lines before are."""
+    path = tmp_path / "subuid"
+    comment = "#" * (subids.MAX_BYTES - len("1001:100000:65536\n") - len("1002:200000:655") - 1)
+    path.write_text(f"1001:100000:65536\n{comment}\n1002:200000:65536\n")
+    assert SubUidFile(str(path)).ranges() == (SubIdRange(100000, 65536, "1001", 1001),)
+
+
+def test_a_subuid_file_that_is_no_regular_file_reads_as_none_without_blocking(
+    tmp_path: Path,
+) -> None:
+    """A FIFO there would block an open() for reading until a writer came: the poll would
+    hang. It is not read (no ranges), at once."""
+    path = tmp_path / "subuid"
+    os.mkfifo(path)
+    found: list[tuple[SubIdRange, ...]] = []
+    reader = threading.Thread(target=lambda: found.append(SubUidFile(str(path)).ranges()))
+    reader.start()
+    reader.join(5)
+    try:
+        assert not reader.is_alive()
+        assert found == [()]
+    finally:
+        if reader.is_alive():  # the old code's blocked open: give it its writer
+            os.close(os.open(path, os.O_WRONLY))
+            reader.join(5)

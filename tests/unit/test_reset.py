@@ -759,6 +759,31 @@ def test_a_fabric_that_does_not_complete_fails_the_reset_and_never_restarts_fabr
     assert len(stuck) == 1
 
 
+@pytest.mark.parametrize(
+    ("answer", "result"),
+    [
+        ((True, "fabric registration COMPLETED"), "success"),
+        ((False, "fabric registration IN_PROGRESS after 45s"), "failed"),
+    ],
+)
+def test_a_resumed_reset_of_an_nvswitch_gpu_waits_for_the_fabric(
+    smi: FakeSmi, answer: tuple[bool, str], result: str
+) -> None:
+    """The record keeps that the GPU's reset waits for its NVLink fabric: one interrupted after
+    its command ran succeeds only once the fabric registered, as one not interrupted does."""
+    env = FakeEnvironment(smi)
+    started = FabricWaiter(smi, (True, "fabric registration COMPLETED"))
+    perform_reset(FABRIC_TARGET, make_policy(smi), env, dry_run=False, fabric_wait=started)
+    record = {str(r["step"]): r for r in env.records}["reset"]
+    assert record["fabric"] is True
+    smi.clear()
+    waiter = FabricWaiter(smi, answer)
+    outcome = resume_interrupted(record, make_policy(smi), FakeEnvironment(smi), fabric_wait=waiter)
+    assert outcome is not None
+    assert (outcome.result, len(waiter.asked)) == (result, 1), outcome.reason
+    assert answer[1] in outcome.reason
+
+
 def test_a_gpu_without_a_fabric_and_a_dry_run_never_wait(smi: FakeSmi) -> None:
     waiter = FabricWaiter(smi, (False, "never asked"))
     plain = perform_reset(TARGET, make_policy(smi), FakeEnvironment(smi), dry_run=False,

@@ -59,9 +59,10 @@ def number(value: object, what: str) -> float:
     """A finite number (an integer or a float, never a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what}: expected a number")
-    if not math.isfinite(value):
+    found = as_number(value)
+    if found is None:
         raise ValueError(f"{what}: expected a finite number")
-    return float(value)
+    return found
 
 
 def opt_number(value: object, what: str) -> float | None:
@@ -94,10 +95,15 @@ def pairs(value: object, what: str, limit: int | None = None) -> tuple[tuple[str
 
 
 def as_number(value: object) -> float | None:
-    """A finite number as a float; None otherwise (a bool is not a number)."""
+    """A finite number as a float; None otherwise (a bool is not a number, nor an integer
+    beyond every float: JSON reads 400 digits as an int, and float() of it overflows)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        found = float(value)
+    except OverflowError:
+        return None
+    return found if math.isfinite(found) else None
 
 
 def as_count(value: object) -> int | None:

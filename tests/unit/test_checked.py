@@ -23,6 +23,7 @@ from gpuwatchd.core import checked, model
         (checked.number, False, "x: expected a number"),
         (checked.number, math.inf, "x: expected a finite number"),
         (checked.number, math.nan, "x: expected a finite number"),
+        pytest.param(checked.number, 10**400, "x: expected a finite number", id="huge-int"),
         (checked.flag, 0, "x: expected true or false"),
         (checked.numbers, {"a": None}, "x.a: expected a number"),
         (checked.pairs, [["a"]], r"x\[0\]: expected \[name, time\]"),
@@ -54,7 +55,10 @@ def test_a_list_longer_than_its_limit_is_refused() -> None:
         checked.pairs([["a", 1], ["b", 2]], "x", limit=1)
 
 
-@pytest.mark.parametrize("value", [None, True, "5", math.nan, math.inf, [], {}])
+@pytest.mark.parametrize(
+    "value",
+    [None, True, "5", math.nan, math.inf, pytest.param(10**400, id="huge-int"), [], {}],
+)
 def test_a_lenient_number_is_unknown_unless_finite(value: object) -> None:
     assert checked.as_number(value) is None
 

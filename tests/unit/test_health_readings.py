@@ -160,6 +160,8 @@ def _xids(n: int) -> dict[str, list[float]]:
         ({GPU0: {"xids": {"x": [1, 1.0, 2.0]}}}, "xids.x: expected Xid numbers"),
         ({GPU0: {"details": {"\u00b2": {"wall": 1.0}}}}, "details.\u00b2: expected Xid numbers"),
         ({GPU0: {"since": []}}, "since: expected an object"),
+        # JSON reads 400 digits as an int that no float holds: refused, not an OverflowError.
+        ({GPU0: {"last_reset": 10**400}}, f"health.{GPU0}: expected a finite number"),
     ],
 )
 def test_a_saved_health_history_is_read_back_only_when_well_formed(

@@ -12,6 +12,7 @@ from gpuwatchd.core.checked import number, obj, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
+MAX_COUNT = 2**31  # occurrences of one Xid counted per GPU (judge.py adds up to it)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class HealthState:
                 xid = _xid_key(key, f"{what}.xids.{key}")
                 values = triple if isinstance(triple, list) and len(triple) == 3 else None
                 count = as_int(values[0]) if values else None
-                if values is None or count is None or count < 0:
+                if values is None or count is None or not 0 <= count <= MAX_COUNT:
                     raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
                 xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
             since = obj(entry.get("since", {}), f"{what}.since")

@@ -106,6 +106,9 @@ def test_a_flood_is_said_once_per_window_with_its_count() -> None:
     wall = T + 90 + LOG_WINDOW
     said, logs = notices(GPU0, merge([], [], wall=wall), logs, wall)
     assert [(n.count, n.repeated) for n in said] == [(3000, True)]
+    # what was held was seen in earlier polls: no source and no kernel-log line of this poll
+    held = said[0].fields()
+    assert (held["sources"], held["before_start"], held["driver_text"]) == ([], None, None)
     said, logs = notices(GPU0, merge([], [], wall=wall + LOG_WINDOW), logs, wall + LOG_WINDOW)
     assert said == ()
     assert logs == {}

@@ -118,7 +118,7 @@ def test_an_instance_with_several_compute_instances_is_not_recreated() -> None:
     )
 
 
-def _without(snapshot: Snapshot, **unknown: None) -> Snapshot:
+def _without(snapshot: Snapshot, **unknown: object) -> Snapshot:
     gpu = snapshot.nvml.gpus[0]
     devices = tuple(dataclasses.replace(d, **unknown) for d in gpu.mig_devices or ())  # type: ignore[arg-type]
     gpus = (dataclasses.replace(gpu, mig_devices=devices), *snapshot.nvml.gpus[1:])
@@ -126,14 +126,17 @@ def _without(snapshot: Snapshot, **unknown: None) -> Snapshot:
 
 
 @pytest.mark.parametrize(
-    ("unknown", "why"),
+    ("unknown", "value", "why"),
     [
-        ("gi_profile_id", "GPU instance 1: its GI profile id is unknown"),
-        ("placement", "GPU instance 1: its placement is unknown"),
+        ("gi_profile_id", None, "GPU instance 1: its GI profile id is unknown"),
+        ("placement", None, "GPU instance 1: its placement is unknown"),
+        ("placement", (1, 0), "GPU instance 1: its placement is unknown"),  # of no slice
     ],
 )
-def test_an_unknown_profile_or_placement_refuses_the_recovery(unknown: str, why: str) -> None:
-    assert recovery_of(_without(LEAKY, **{unknown: None}), mig_uuid(0, 1)) == why
+def test_an_unknown_profile_or_placement_refuses_the_recovery(
+    unknown: str, value: object, why: str
+) -> None:
+    assert recovery_of(_without(LEAKY, **{unknown: value}), mig_uuid(0, 1)) == why
 
 
 def test_a_whole_gpu_or_an_unknown_name_has_no_instance_recovery() -> None:
@@ -243,6 +246,7 @@ def test_the_planned_instance_is_told_by_uuid_profile_and_placement(
         (_reading(_device(6, "MIG-6", (0, 4))), "occupies placement 0:4"),  # spans it
         (_reading(_device(1, "MIG-9", (6, 1))), "GPU instance 1 is still listed"),  # id reused
         (_reading(_device(7, "MIG-7", None)), "GPU instance 7: its placement is unknown"),
+        (_reading(_device(2, "MIG-2", (2, 0))), "GPU instance 2: its placement is unknown"),
         (_reading(readable=False), "its MIG devices could not be read"),
     ],
 )

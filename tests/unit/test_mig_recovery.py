@@ -265,6 +265,7 @@ def test_the_re_create_needs_its_whole_placement_free(reading: GpuInfo, taken: s
         (_reading(), 7, 2),  # a count out of range is no count
         (_reading(), 3, 2),  # ... nor is one that says all were done
         (_reading(_device(3, "MIG-3", (2, 2))), 2, 3),  # re-created (new UUID): checked only
+        (_reading(dataclasses.replace(PLANNED_DEVICE, uuid=None)), 2, 3),  # UUID unread: as well
         (_reading(_device(3, "MIG-3", (2, 2), profile=9)), 2, "occupies placement 2:2"),
         (_reading(readable=False), 2, "its MIG devices could not be read"),
     ],

@@ -138,7 +138,7 @@ def as_list(value: object) -> Sequence[object]:
 
 class Value:
     """Typed, lenient access along a path of a decoded JSON value: a missing or malformed part
-    is None (unknown), never an exception. ``Value(doc)["status"].integer("pid")``."""
+    is None (unknown), never an exception. ``Value(doc)["plan"]["seen"].mapping()``."""
 
     __slots__ = ("raw",)
 
@@ -148,16 +148,8 @@ class Value:
     def __getitem__(self, key: str) -> Value:
         return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
 
-    def integer(self, key: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
-        value = as_int(self[key].raw)
-        return value if value is not None and low <= value <= high else None
-
     def number(self, key: str) -> float | None:
         return as_number(self[key].raw)
-
-    def text(self, key: str, limit: int = 4096) -> str | None:
-        value = self[key].raw
-        return value if isinstance(value, str) and len(value) <= limit else None
 
     def mapping(self) -> Mapping[str, object]:
         return self.raw if isinstance(self.raw, dict) else {}

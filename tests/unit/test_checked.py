@@ -75,10 +75,8 @@ def test_lenient_readers_never_raise_and_keep_what_is_well_formed() -> None:
 
 
 def test_a_value_path_through_missing_or_malformed_parts_is_unknown() -> None:
-    doc = checked.Value({"status": {"pid": 42, "name": "x" * 5000, "at": math.nan}})
-    assert doc["status"].integer("pid") == 42
-    assert doc["status"].integer("pid", low=100) is None
-    assert doc["status"].text("name") is None  # over the limit
+    doc = checked.Value({"status": {"pid": 42, "at": math.nan}})
+    assert model.as_int(doc["status"]["pid"].raw) == 42
     assert doc["status"].number("at") is None
-    assert doc["missing"]["deeper"].integer("pid") is None
+    assert doc["missing"]["deeper"]["pid"].raw is None
     assert checked.Value([1])["status"].mapping() == {}

@@ -148,6 +148,18 @@ def test_kernel_log_xids_are_judged_by_the_catalogue_and_marked_before_start() -
     assert again.xid_notices == ()
 
 
+def test_a_job_of_the_longest_unit_name_is_read_back_from_the_saved_history() -> None:
+    """A job key is one cgroup path component (at most 255 bytes) after its kind: a unit named
+    at that length is saved and read back, not refused with the whole saved state; a longer
+    one, which no cgroup names, is not kept."""
+    longest = "unit:" + "u" * 249 + ".scope"
+    runs = (kx(13, T, pid=7, process="p", job=longest), kx(31, T, pid=7, job="unit:" + "u" * 400))
+    result = assess_health(replace(snap(gpu(0, GPU0, health())), kernel_xids=runs),
+                           HealthState(), boot_changed=False)  # fmt: skip
+    details = HealthState.from_json(result.state.to_json()).gpus[GPU0].details
+    assert (details[13].job, details[31].job) == (longest, None)
+
+
 def test_what_each_source_saw_and_said_is_carried_from_poll_to_poll() -> None:
     """The kernel log reports Xid 79 first; NVML's event for it, read the next poll, is the same
     Xid (counted once) and the kernel log's detail stays in the evidence; a new 79 within the

@@ -13,6 +13,7 @@ from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
 MAX_COUNT = 2**31  # occurrences of one Xid counted per GPU (judge.py adds up to it)
+MAX_JOB = 300  # a job key: its kind and one cgroup path component (at most 255 bytes)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
         details[_xid_key(key, where)] = XidDetail(
             pid=as_int(pid),
             process=_opt_str(raw.get("process"), where, 64),
-            job=_opt_str(raw.get("job"), where),
+            job=_opt_str(raw.get("job"), where, MAX_JOB),
             text=text or "",
             before_start=raw.get("before_start") is True,
             wall=number(raw.get("wall"), where),

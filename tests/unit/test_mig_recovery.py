@@ -20,10 +20,10 @@ from gpuwatchd.decide.argv import (
     placeholders_in,
 )
 from gpuwatchd.decide.mig.recovery import (
-    DEFAULT_COMMANDS,
     InstanceRecovery,
     instance_blockers,
     instance_changed,
+    layout_argvs,
     layout_missing,
     placement_taken,
     recovered,
@@ -31,6 +31,7 @@ from gpuwatchd.decide.mig.recovery import (
     recovery_of,
     resume_point,
 )
+from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -62,7 +63,7 @@ def test_the_default_commands_destroy_and_recreate_only_that_instance_by_the_gpu
     recovery = recovery_of(LEAKY, mig_uuid(0, 1))
     assert isinstance(recovery, InstanceRecovery)
 
-    argvs = recovery_argvs(recovery)
+    argvs = recovery_argvs(recovery, DEFAULT_MIG_RECOVERY_COMMANDS)
 
     uuid = gpu_uuid(0)
     assert argvs == (
@@ -73,7 +74,7 @@ def test_the_default_commands_destroy_and_recreate_only_that_instance_by_the_gpu
 
 
 def test_the_default_commands_pass_the_command_checks_with_the_mig_placeholders() -> None:
-    for argv in DEFAULT_COMMANDS:
+    for argv in DEFAULT_MIG_RECOVERY_COMMANDS:
         check_command(argv, MIG_PLACEHOLDERS)
 
 
@@ -104,7 +105,7 @@ def test_a_recovery_whose_value_is_malformed_fills_in_nothing() -> None:
     bad = dataclasses.replace(recovery, uuid="GPU-0,1")
 
     with pytest.raises(ValueError, match="refusing to run"):
-        recovery_argvs(bad)
+        recovery_argvs(bad, DEFAULT_MIG_RECOVERY_COMMANDS)
 
 
 def test_an_instance_with_several_compute_instances_is_not_recreated() -> None:
@@ -287,3 +288,13 @@ def test_a_whole_gpu_layout_misses_the_instances_the_reading_lacks_by_profile_an
     assert layout_missing(layout, _reading(PLANNED_DEVICE, _device(2, "MIG-2", (4, 1)))) == []
     assert layout_missing((), None) == []  # nothing recorded: nothing to read
     assert "could not be read" in str(layout_missing(layout, _reading(readable=False)))
+
+
+def test_a_layout_is_created_again_by_the_last_command_alone_and_by_none_without_commands() -> None:
+    planned = dataclasses.replace(_PLANNED, uuid=gpu_uuid(0))
+    beside = dataclasses.replace(planned, gi=2, mig_uuid="MIG-2", placement=4, size=1)
+    assert layout_argvs((planned, beside), DEFAULT_MIG_RECOVERY_COMMANDS) == (
+        ("nvidia-smi", "mig", "-i", gpu_uuid(0), "-cgi", "19:2", "-C"),
+        ("nvidia-smi", "mig", "-i", gpu_uuid(0), "-cgi", "19:4", "-C"),
+    )
+    assert layout_argvs((planned,), ()) == ()

@@ -14,9 +14,6 @@ from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Sn
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import mig_layout
-from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
-
-DEFAULT_COMMANDS = DEFAULT_MIG_RECOVERY_COMMANDS
 
 
 @dataclass(frozen=True)
@@ -190,7 +187,7 @@ def recovery_blockers(
 
 
 def recovery_argvs(
-    recovery: InstanceRecovery, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
+    recovery: InstanceRecovery, commands: Sequence[Sequence[str]]
 ) -> tuple[tuple[str, ...], ...]:
     """Each command line of ``recovery``, filled in; ValueError for a malformed value."""
     return tuple(format_argv(argv, **recovery.values()) for argv in commands)
@@ -325,9 +322,7 @@ def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
     return tuple(sorted(found, key=lambda r: (r.placement, r.gi)))
 
 
-def layout_argvs(
-    layout: Layout, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
-) -> tuple[tuple[str, ...], ...]:
+def layout_argvs(layout: Layout, commands: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
     """The re-create (the last of ``commands``) of each GPU instance of ``layout``, filled in."""
     if not commands:
         return ()

@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatchd.core.model import FindingKind, KernelXid, XidEvent
 from gpuwatchd.decide.health.judge import assess_health
-from gpuwatchd.decide.health.state import HealthState, XidLog
+from gpuwatchd.decide.health.state import MAX_COUNT, HealthState, XidLog
 from gpuwatchd.decide.health.xid_sources import (
     DEDUP_WINDOW,
     LOG_WINDOW,
@@ -114,6 +114,13 @@ def test_a_flood_is_said_once_per_window_with_its_count() -> None:
     assert logs == {}
 
 
+def test_a_held_count_is_bounded_as_the_history_is() -> None:
+    held = {95: XidLog(T - 10, MAX_COUNT, T - 10, T - 5)}
+    said, logs = notices(GPU0, merge([], [kx(95, T, count=1000)]), held, T)
+    assert said == ()
+    assert logs[95].held == MAX_COUNT
+
+
 def test_an_application_xid_names_its_process_and_job() -> None:
     record = kx(13, T, pid=4242, process="python3", job="slurm:7", text="Graphics SM")
     merged = merge([XidEvent(13, T)], [record])
@@ -211,6 +218,7 @@ def test_nvml_only_xids_are_judged_as_before() -> None:
         {"details": {"x": {"wall": 1.0}}},
         {"details": {"79": {"process": "p" * 65, "wall": 1.0}}},
         {"xid_log": {"79": [1.0, -1, 1.0, 1.0]}},
+        {"xid_log": {"79": [1.0, MAX_COUNT + 1, 1.0, 1.0]}},  # more than notices holds
     ],
 )
 def test_damaged_kernel_log_state_is_rejected(garbage: dict[str, object]) -> None:

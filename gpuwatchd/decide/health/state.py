@@ -12,7 +12,7 @@ from gpuwatchd.core.checked import number, obj, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
-MAX_COUNT = 2**31  # occurrences of one Xid counted per GPU (judge.py adds up to it)
+MAX_COUNT = 2**31  # occurrences of one Xid per GPU: counted (judge.py) or held (xid_sources.py)
 MAX_JOB = 300  # a job key: its kind and one cgroup path component (at most 255 bytes)
 
 
@@ -211,7 +211,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
     for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
         where = f"{what}.xid_log.{key}"
         held = as_int(raw[1]) if isinstance(raw, list) and len(raw) == 4 else None
-        if not isinstance(raw, list) or held is None or held < 0:
+        if not isinstance(raw, list) or held is None or not 0 <= held <= MAX_COUNT:
             raise ValueError(f"{where}: expected [logged_at, held, first, last]")
         logs[_xid_key(key, where)] = XidLog(
             number(raw[0], where), held, number(raw[2], where), number(raw[3], where)

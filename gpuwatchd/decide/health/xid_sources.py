@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.model import KernelXid, XidEvent
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.health.state import MAX_JOB, MAX_XID_KINDS, Sighting, XidDetail, XidLog
+from gpuwatchd.decide.health.state import (
+    MAX_COUNT,
+    MAX_JOB,
+    MAX_XID_KINDS,
+    Sighting,
+    XidDetail,
+    XidLog,
+)
 from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
 
 DEDUP_WINDOW = 30.0  # seconds: NVML's event is stamped when the worker read it, a poll later
@@ -161,7 +168,7 @@ def notices(
     for xid in sorted(set(new) | {x for x, rec in logs.items() if rec.held}):
         fresh = new.get(xid, [])
         rec = carried.get(xid)
-        count = sum(o.count for o in fresh) + (rec.held if rec else 0)
+        count = min(sum(o.count for o in fresh) + (rec.held if rec else 0), MAX_COUNT)
         firsts = [o.first for o in fresh] + ([rec.first] if rec and rec.held else [])
         lasts = [o.last for o in fresh] + ([rec.last] if rec and rec.held else [])
         if rec is not None and wall - rec.logged_at < LOG_WINDOW:

@@ -59,9 +59,10 @@ def number(value: object, what: str) -> float:
     """A finite number (an integer or a float, never a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what}: expected a number")
-    if not math.isfinite(value):
+    found = as_number(value)
+    if found is None:
         raise ValueError(f"{what}: expected a finite number")
-    return float(value)
+    return found
 
 
 def opt_number(value: object, what: str) -> float | None:
@@ -94,10 +95,15 @@ def pairs(value: object, what: str, limit: int | None = None) -> tuple[tuple[str
 
 
 def as_number(value: object) -> float | None:
-    """A finite number as a float; None otherwise (a bool is not a number)."""
+    """A finite number as a float; None otherwise (a bool is not a number, nor an integer
+    beyond every float: JSON reads 400 digits as an int, and float() of it overflows)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        found = float(value)
+    except OverflowError:
+        return None
+    return found if math.isfinite(found) else None
 
 
 def as_count(value: object) -> int | None:
@@ -132,7 +138,7 @@ def as_list(value: object) -> Sequence[object]:
 
 class Value:
     """Typed, lenient access along a path of a decoded JSON value: a missing or malformed part
-    is None (unknown), never an exception. ``Value(doc)["status"].integer("pid")``."""
+    is None (unknown), never an exception. ``Value(doc)["plan"]["seen"].mapping()``."""
 
     __slots__ = ("raw",)
 
@@ -142,16 +148,8 @@ class Value:
     def __getitem__(self, key: str) -> Value:
         return Value(self.raw.get(key) if isinstance(self.raw, dict) else None)
 
-    def integer(self, key: str, low: int = -(1 << 63), high: int = 1 << 63) -> int | None:
-        value = as_int(self[key].raw)
-        return value if value is not None and low <= value <= high else None
-
     def number(self, key: str) -> float | None:
         return as_number(self[key].raw)
-
-    def text(self, key: str, limit: int = 4096) -> str | None:
-        value = self[key].raw
-        return value if isinstance(value, str) and len(value) <= limit else None
 
     def mapping(self) -> Mapping[str, object]:
         return self.raw if isinstance(self.raw, dict) else {}

@@ -35,7 +35,7 @@ from gpuwatchd.events.catalogue import (
 )
 
 if TYPE_CHECKING:
-    from structlog.typing import FilteringBoundLogger, Processor, WrappedLogger
+    from structlog.typing import Processor, WrappedLogger
 
 FORMATS = ("auto", "logfmt", "json", "console")
 # Names accepted for log.level (``warn`` too), and their numbers in Python's logging.
@@ -108,14 +108,6 @@ def configure_logging(
         context_class=dict,
         cache_logger_on_first_use=False,
     )
-
-
-def get_logger(name: str | None = None, **initial: object) -> FilteringBoundLogger:
-    """A logger bound to ``name`` (as the ``logger`` field) and any initial fields."""
-    logger: FilteringBoundLogger = structlog.get_logger()
-    if name is not None:
-        initial = {"logger": name, **initial}
-    return logger.bind(**initial) if initial else logger
 
 
 def under_journald(stream: TextIO, environ: Mapping[str, str]) -> bool:

@@ -254,6 +254,6 @@ def finding_label(key: object, namer: Namer) -> str:
     if not rest or not gpu:
         return short(text)
     pid = target.split("@", 1)[0]
-    if pid.isdigit():
+    if pid.isascii() and pid.isdecimal() and len(pid) <= 20:  # what int() reads (not '²')
         return f"{short(kind)} {namer.process(int(pid))} on {namer.gpu(gpu)}"
     return f"{short(kind)} {namer.gpu(gpu)}"

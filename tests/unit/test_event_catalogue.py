@@ -140,6 +140,12 @@ def test_a_finding_key_is_said_in_words_not_as_the_internal_key() -> None:
     assert finding_label(key, names) == "orphaned pid 2776 (trainer) on GPU 0"
     assert "@" not in render(str(EventName.FINDING_RESOLVED), {"finding": key, "lasted": 5})
     assert finding_label(f"ghost_memory:{GPU}:{GPU}", names) == "ghost_memory GPU 0"
+    # a target int() cannot read (a superscript digit, more digits than int() takes) names no
+    # process, and the sentence is kept
+    for target in ("\u00b2", "9" * 5000):
+        assert finding_label(f"orphaned:{GPU}:{target}@1", names) == "orphaned GPU 0"
+    said = render(str(EventName.FINDING_RESOLVED), {"finding": f"orphaned:{GPU}:\u00b2@1"})
+    assert said.startswith("Finding resolved")
 
 
 @pytest.mark.parametrize(

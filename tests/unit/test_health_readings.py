@@ -11,7 +11,7 @@ import pytest
 
 from gpuwatchd.core import model
 from gpuwatchd.decide.health.judge import assess_health, recovery_name
-from gpuwatchd.decide.health.state import MAX_XID_KINDS, HealthState
+from gpuwatchd.decide.health.state import MAX_COUNT, MAX_XID_KINDS, HealthState
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -155,11 +155,15 @@ def _xids(n: int) -> dict[str, list[float]]:
         ({GPU0: {"xids": {"95": [1, 1.0]}}}, "xids.95: expected [count, first, last]"),
         ({GPU0: {"xids": {"95": {"a": 1, "b": 2, "c": 3}}}}, "xids.95: expected [count"),
         ({GPU0: {"xids": {"95": [-1, 1.0, 2.0]}}}, "xids.95: expected [count"),
+        # A count above what the daemon adds up to (MAX_COUNT) is none it wrote.
+        ({GPU0: {"xids": {"95": [MAX_COUNT + 1, 1.0, 2.0]}}}, "xids.95: expected [count"),
         # The Xid keys are bounded as the details' and the Xid log's are (5 digits at most).
         ({GPU0: {"xids": {"123456": [1, 1.0, 2.0]}}}, "xids.123456: expected Xid numbers"),
         ({GPU0: {"xids": {"x": [1, 1.0, 2.0]}}}, "xids.x: expected Xid numbers"),
         ({GPU0: {"details": {"\u00b2": {"wall": 1.0}}}}, "details.\u00b2: expected Xid numbers"),
         ({GPU0: {"since": []}}, "since: expected an object"),
+        # JSON reads 400 digits as an int that no float holds: refused, not an OverflowError.
+        ({GPU0: {"last_reset": 10**400}}, f"health.{GPU0}: expected a finite number"),
     ],
 )
 def test_a_saved_health_history_is_read_back_only_when_well_formed(
@@ -171,7 +175,13 @@ def test_a_saved_health_history_is_read_back_only_when_well_formed(
 
 def test_a_saved_health_history_at_its_bounds_is_read_back() -> None:
     state = HealthState.from_json(
-        {GPU0: {"xids": {**_xids(MAX_XID_KINDS - 1), "95": [0, 1.0, 2.0]}, "since": {}}}
+        {
+            GPU0: {
+                "xids": {**_xids(MAX_XID_KINDS - 2), "95": [0, 1.0, 2.0], "79": [MAX_COUNT, 1, 2]},
+                "since": {},
+            }
+        }
     )
     assert len(state.gpus[GPU0].xids) == MAX_XID_KINDS
     assert state.gpus[GPU0].xids[95].count == 0
+    assert state.gpus[GPU0].xids[79].count == MAX_COUNT

@@ -25,12 +25,7 @@ from structlog.testing import capture_logs
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.events import logs
 from gpuwatchd.events.catalogue import journal_field_name, message_id, render
-from gpuwatchd.events.logs import (
-    configure_logging,
-    get_logger,
-    priority_prefix,
-    under_journald,
-)
+from gpuwatchd.events.logs import configure_logging, priority_prefix, under_journald
 
 JOURNAL = {"JOURNAL_STREAM": "8:12345"}
 
@@ -51,7 +46,7 @@ def emit(
 ) -> list[str]:
     stream = io.StringIO()
     configure_logging(fmt=fmt, level="debug", stream=stream, environ=env or {})
-    getattr(get_logger(), method)("test.event", **fields)
+    getattr(structlog.get_logger(), method)("test.event", **fields)
     return stream.getvalue().splitlines()
 
 
@@ -171,7 +166,7 @@ def test_logfmt_escapes_control_characters_so_an_event_stays_one_line() -> None:
 def test_exceptions_are_flattened_into_fields_on_one_line() -> None:
     stream = io.StringIO()
     configure_logging(fmt="logfmt", stream=stream, environ=JOURNAL)
-    log = get_logger()
+    log = structlog.get_logger()
     try:
         raise ValueError("bad\nvalue")
     except ValueError:
@@ -189,7 +184,7 @@ def test_console_format_with_exception_stays_on_one_line() -> None:
     try:
         raise RuntimeError("boom")
     except RuntimeError as error:
-        get_logger().error("reset.failed", exc_info=error)
+        structlog.get_logger().error("reset.failed", exc_info=error)
     (line,) = stream.getvalue().splitlines()
     assert "RuntimeError: boom" in line
 
@@ -197,7 +192,7 @@ def test_console_format_with_exception_stays_on_one_line() -> None:
 def test_level_filters_out_lower_events_and_a_reconfigure_changes_it() -> None:
     stream = io.StringIO()
     configure_logging(fmt="logfmt", level="warning", stream=stream, environ={})
-    log = get_logger()
+    log = structlog.get_logger()
     log.info("routine")
     log.warning("action.signal")
     configure_logging(fmt="logfmt", level="debug", stream=stream, environ={})
@@ -221,7 +216,7 @@ def test_a_closed_stream_does_not_raise() -> None:
     stream = io.StringIO()
     configure_logging(fmt="logfmt", stream=stream, environ={})
     stream.close()
-    get_logger().critical("nvml.wedged", gpu="GPU-1")
+    structlog.get_logger().critical("nvml.wedged", gpu="GPU-1")
 
 
 class BrokenPipe(io.StringIO):
@@ -231,7 +226,7 @@ class BrokenPipe(io.StringIO):
 
 def test_a_broken_pipe_does_not_raise() -> None:
     configure_logging(fmt="json", stream=BrokenPipe(), environ={})
-    get_logger().warning("action.signal", pid=1)
+    structlog.get_logger().warning("action.signal", pid=1)
 
 
 class Unprintable:
@@ -266,7 +261,7 @@ def test_auto_format_picks_journald_then_console_then_logfmt(
 ) -> None:
     stream = make_stream()  # a new stream per run: a shared one keeps the last run's lines
     configure_logging(fmt="auto", stream=stream, environ=env)
-    get_logger().info("daemon.start", interval=5)
+    structlog.get_logger().info("daemon.start", interval=5)
     (line,) = stream.getvalue().splitlines()
     if expect == "journald":
         assert line == "<6>level=info event=daemon.start interval=5"
@@ -281,7 +276,7 @@ def test_auto_format_picks_journald_then_console_then_logfmt(
 def test_console_on_a_terminal_honours_no_color() -> None:
     stream = Terminal()
     configure_logging(fmt="console", stream=stream, environ={"NO_COLOR": "1"})
-    get_logger().info("daemon.start")
+    structlog.get_logger().info("daemon.start")
     assert "\x1b[" not in stream.getvalue()
 
 
@@ -296,10 +291,12 @@ def test_journal_stream_must_match_the_stream_when_it_has_a_file(tmp_path: Path)
         assert not under_journald(stream, {"JOURNAL_STREAM": ""})
 
 
-def test_get_logger_binds_its_name_and_fields() -> None:
+def test_a_bound_logger_name_and_fields_go_out_with_the_event() -> None:
     configure_logging(fmt="logfmt", stream=io.StringIO(), environ={})
     with capture_logs() as logs:
-        get_logger("gpuwatchd.act", gpu="GPU-1").warning("action.signal", pid=5, signal="TERM")
+        structlog.get_logger().bind(logger="gpuwatchd.act", gpu="GPU-1").warning(
+            "action.signal", pid=5, signal="TERM"
+        )
     assert logs == [
         {
             "logger": "gpuwatchd.act",
@@ -452,7 +449,7 @@ def test_under_the_journal_an_event_is_one_native_entry_with_its_fields(
     journal: FakeJournal,
 ) -> None:
     journal.configure()
-    get_logger().warning(EventName.ACTION_SIGNAL, **SIGNAL_FIELDS)
+    structlog.get_logger().warning(EventName.ACTION_SIGNAL, **SIGNAL_FIELDS)
     entry = journal.receive()
     assert entry.text("PRIORITY") == "4"
     assert entry.text("SYSLOG_IDENTIFIER") == "gpuwatchd"
@@ -492,7 +489,7 @@ def test_native_priority_follows_the_level(
     journal: FakeJournal, method: str, priority: str
 ) -> None:
     journal.configure()
-    getattr(get_logger(), method)("test.event")
+    getattr(structlog.get_logger(), method)("test.event")
     entry = journal.receive()
     assert entry.text("PRIORITY") == priority
     assert entry.text("MESSAGE") == "test.event. event=test.event"
@@ -502,7 +499,7 @@ def test_finding_fields_and_values_have_stable_names_and_plain_text(
     journal: FakeJournal,
 ) -> None:
     journal.configure()
-    get_logger("gpuwatchd.plan").warning(
+    structlog.get_logger().bind(logger="gpuwatchd.plan").warning(
         EventName.FINDING_NEW,
         finding="orphaned:GPU-1:77@12",
         kind="orphaned",
@@ -537,7 +534,7 @@ def test_hostile_values_arrive_intact_in_their_field_while_message_stays_one_lin
 ) -> None:
     journal.configure()
     hostile = "evil\nPRIORITY=0\nMESSAGE_ID=00000000000000000000000000000000\r\x1b[2J\u2028end"
-    get_logger().warning(EventName.ACTION_SIGNAL, **{**SIGNAL_FIELDS, "cmdline": hostile})
+    structlog.get_logger().warning(EventName.ACTION_SIGNAL, **{**SIGNAL_FIELDS, "cmdline": hostile})
     entry = journal.receive()
     assert entry["GPUWATCHD_CMDLINE"].decode() == hostile
     assert "GPUWATCHD_CMDLINE" in entry.binary  # the length form: no field can be forged
@@ -552,7 +549,7 @@ def test_hostile_values_arrive_intact_in_their_field_while_message_stays_one_lin
 def test_an_undecodable_byte_comes_back_as_the_byte_it_was(journal: FakeJournal) -> None:
     journal.configure()
     raw = b"python \xff\xfe train.py"
-    get_logger().info("test.event", cmdline=raw.decode("utf-8", "surrogateescape"))
+    structlog.get_logger().info("test.event", cmdline=raw.decode("utf-8", "surrogateescape"))
     assert journal.receive()["GPUWATCHD_CMDLINE"] == raw
 
 
@@ -568,7 +565,7 @@ def test_field_names_are_sanitised_unique_and_never_trusted(journal: FakeJournal
         "message": "mine",
         "priority": "mine too",
     }
-    get_logger().info("test.event", **fields)
+    structlog.get_logger().info("test.event", **fields)
     entry = journal.receive()
     assert entry.text("GPUWATCHD__PID") == "1"
     assert {entry.text("GPUWATCHD_A_B"), entry.text("GPUWATCHD_A_B_2")} == {"dash", "dot"}
@@ -699,7 +696,7 @@ def test_without_the_socket_the_event_is_the_prefixed_line_on_stderr(
     journal: FakeJournal,
 ) -> None:
     journal.configure(socket_path=journal.path + ".absent")
-    get_logger().warning(EventName.ACTION_SIGNAL, **SIGNAL_FIELDS)
+    structlog.get_logger().warning(EventName.ACTION_SIGNAL, **SIGNAL_FIELDS)
     (line,) = journal.lines()
     assert line.startswith("<4>level=warning event=action.signal ")
     assert parse_logfmt(line[3:])["pid"] == "4242"
@@ -720,15 +717,15 @@ def test_an_unusable_socket_path_falls_back_without_raising(
         dead.bind(str(path))
         dead.close()
     journal.configure(socket_path=str(path))
-    get_logger().error("test.event", n=1)
-    get_logger().info("test.event", n=2)
+    structlog.get_logger().error("test.event", n=1)
+    structlog.get_logger().info("test.event", n=2)
     assert [line[:3] for line in journal.lines()] == ["<3>", "<6>"]
 
 
 def test_an_entry_too_big_for_a_datagram_goes_in_a_sealed_memfd(journal: FakeJournal) -> None:
     journal.configure()
     big = "x" * (1 << 20) + "\nend"  # over any default socket send buffer
-    get_logger().warning("test.event", output=big, gpu="GPU-1")
+    structlog.get_logger().warning("test.event", output=big, gpu="GPU-1")
     entry = journal.receive()
     assert entry.memfd
     assert entry["GPUWATCHD_OUTPUT"].decode() == big
@@ -741,7 +738,7 @@ def test_a_stalled_journal_costs_one_timeout_then_lines_go_to_stderr(
 ) -> None:
     monkeypatch.setattr(logs._JournalSocket, "SEND_TIMEOUT", 0.05)
     journal.configure()
-    log = get_logger()
+    log = structlog.get_logger()
     sent = 0
     while not journal.lines():  # nobody reads: the socket's queue fills, then a send times out
         log.info("test.event", n=sent)
@@ -757,16 +754,16 @@ def test_native_needs_journal_stream_to_name_the_stream_itself(journal: FakeJour
     # No file to check (a wrapper): the variable is trusted for the prefix, not for the socket.
     stream = io.StringIO()
     configure_logging(stream=stream, environ=JOURNAL, journal_socket=journal.path)
-    get_logger().info("daemon.start")
+    structlog.get_logger().info("daemon.start")
     assert stream.getvalue() == "<6>level=info event=daemon.start\n"
     # Inherited by a child whose stderr goes elsewhere: neither.
     other = {"JOURNAL_STREAM": journal.environ["JOURNAL_STREAM"] + "1"}
     configure_logging(stream=journal.stream, environ=other, journal_socket=journal.path)
-    get_logger().info("daemon.start")
+    structlog.get_logger().info("daemon.start")
     assert re.match(r"timestamp=\S+ level=info event=daemon\.start$", journal.lines()[-1])
     # Turned off by the caller.
     journal.configure(socket_path=None)
-    get_logger().info("daemon.start")
+    structlog.get_logger().info("daemon.start")
     assert journal.lines()[-1] == "<6>level=info event=daemon.start"
     assert journal.nothing_received()
 
@@ -776,11 +773,11 @@ def test_native_entries_do_not_depend_on_the_format_but_the_fallback_does(
     journal: FakeJournal, fmt: str
 ) -> None:
     journal.configure(fmt=fmt)
-    get_logger().info(EventName.DAEMON_STOP, exit_code=0)
+    structlog.get_logger().info(EventName.DAEMON_STOP, exit_code=0)
     entry = journal.receive()
     assert entry.text("MESSAGE") == "gpuwatchd stopped (exit code 0). event=daemon.stop exit_code=0"
     journal.configure(fmt=fmt, socket_path=journal.path + ".absent")
-    get_logger().info(EventName.DAEMON_STOP, exit_code=0)
+    structlog.get_logger().info(EventName.DAEMON_STOP, exit_code=0)
     (line,) = journal.lines()
     assert line.startswith("<6>")
     if fmt == "json":
@@ -789,12 +786,12 @@ def test_native_entries_do_not_depend_on_the_format_but_the_fallback_does(
 
 def test_an_unrenderable_value_under_the_journal_never_raises(journal: FakeJournal) -> None:
     journal.configure()
-    get_logger().error("test.event", thing=Unprintable())
+    structlog.get_logger().error("test.event", thing=Unprintable())
     (line,) = journal.lines()
     assert line.startswith("<3>")
     assert "log_error=" in line
     # The next event is fine again.
-    get_logger().info("test.event")
+    structlog.get_logger().info("test.event")
     assert journal.receive().text("PRIORITY") == "6"
 
 
@@ -803,7 +800,7 @@ def test_exceptions_under_the_journal_keep_their_trace_in_fields(journal: FakeJo
     try:
         raise ValueError("bad\nvalue")
     except ValueError:
-        get_logger().exception("poll.failed")
+        structlog.get_logger().exception("poll.failed")
     entry = journal.receive()
     assert entry.text("PRIORITY") == "3"
     assert entry["GPUWATCHD_EXC"] == b"ValueError: bad\nvalue"
@@ -813,7 +810,7 @@ def test_exceptions_under_the_journal_keep_their_trace_in_fields(journal: FakeJo
 
 def test_events_from_threads_each_arrive_whole(journal: FakeJournal) -> None:
     journal.configure()
-    log = get_logger()
+    log = structlog.get_logger()
 
     def speak(n: int) -> None:
         log.info("test.event", n=n, text="y" * 5000)

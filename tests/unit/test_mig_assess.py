@@ -308,6 +308,19 @@ def test_a_mig_gpu_whose_instances_cannot_be_judged_is_never_idle() -> None:
     assert gates["mig_busy"].startswith("MIG: its MIG instances cannot be told idle: ")
 
 
+def test_a_gpu_whose_mig_mode_could_not_be_read_is_never_idle() -> None:
+    """With allow_mig on, a GPU whose MIG mode is unknown may hold instances that a reset would
+    take down and could not create again: refused as one whose instances cannot be judged."""
+    busy = leak_beside_live_job()
+    gpu = dataclasses.replace(busy.nvml.gpus[0], mig_enabled=None)
+    unknown = dataclasses.replace(busy, nvml=dataclasses.replace(busy.nvml, gpus=(gpu,)))
+    gates = dict(_gate_names(unknown, allow_mig=True))
+    assert gates["mig_busy"] == (
+        "MIG: its MIG instances cannot be told idle: its MIG mode could not be read"
+    )
+    assert dict(_gate_names(unknown, allow_mig=False))["mig"] == "MIG mode unknown"
+
+
 # --- the layout, edge by edge -----------------------------------------------------------------
 
 

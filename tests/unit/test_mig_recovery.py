@@ -20,10 +20,10 @@ from gpuwatchd.decide.argv import (
     placeholders_in,
 )
 from gpuwatchd.decide.mig.recovery import (
-    DEFAULT_COMMANDS,
     InstanceRecovery,
     instance_blockers,
     instance_changed,
+    layout_argvs,
     layout_missing,
     placement_taken,
     recovered,
@@ -31,6 +31,7 @@ from gpuwatchd.decide.mig.recovery import (
     recovery_of,
     resume_point,
 )
+from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
 from tests.support.migsnap import Inst, mig_uuid, with_mig
 from tests.support.snapshots import HostBuilder, gpu_uuid
 
@@ -62,7 +63,7 @@ def test_the_default_commands_destroy_and_recreate_only_that_instance_by_the_gpu
     recovery = recovery_of(LEAKY, mig_uuid(0, 1))
     assert isinstance(recovery, InstanceRecovery)
 
-    argvs = recovery_argvs(recovery)
+    argvs = recovery_argvs(recovery, DEFAULT_MIG_RECOVERY_COMMANDS)
 
     uuid = gpu_uuid(0)
     assert argvs == (
@@ -73,7 +74,7 @@ def test_the_default_commands_destroy_and_recreate_only_that_instance_by_the_gpu
 
 
 def test_the_default_commands_pass_the_command_checks_with_the_mig_placeholders() -> None:
-    for argv in DEFAULT_COMMANDS:
+    for argv in DEFAULT_MIG_RECOVERY_COMMANDS:
         check_command(argv, MIG_PLACEHOLDERS)
 
 
@@ -104,7 +105,7 @@ def test_a_recovery_whose_value_is_malformed_fills_in_nothing() -> None:
     bad = dataclasses.replace(recovery, uuid="GPU-0,1")
 
     with pytest.raises(ValueError, match="refusing to run"):
-        recovery_argvs(bad)
+        recovery_argvs(bad, DEFAULT_MIG_RECOVERY_COMMANDS)
 
 
 def test_an_instance_with_several_compute_instances_is_not_recreated() -> None:
@@ -118,7 +119,7 @@ def test_an_instance_with_several_compute_instances_is_not_recreated() -> None:
     )
 
 
-def _without(snapshot: Snapshot, **unknown: None) -> Snapshot:
+def _without(snapshot: Snapshot, **unknown: object) -> Snapshot:
     gpu = snapshot.nvml.gpus[0]
     devices = tuple(dataclasses.replace(d, **unknown) for d in gpu.mig_devices or ())  # type: ignore[arg-type]
     gpus = (dataclasses.replace(gpu, mig_devices=devices), *snapshot.nvml.gpus[1:])
@@ -126,14 +127,17 @@ def _without(snapshot: Snapshot, **unknown: None) -> Snapshot:
 
 
 @pytest.mark.parametrize(
-    ("unknown", "why"),
+    ("unknown", "value", "why"),
     [
-        ("gi_profile_id", "GPU instance 1: its GI profile id is unknown"),
-        ("placement", "GPU instance 1: its placement is unknown"),
+        ("gi_profile_id", None, "GPU instance 1: its GI profile id is unknown"),
+        ("placement", None, "GPU instance 1: its placement is unknown"),
+        ("placement", (1, 0), "GPU instance 1: its placement is unknown"),  # of no slice
     ],
 )
-def test_an_unknown_profile_or_placement_refuses_the_recovery(unknown: str, why: str) -> None:
-    assert recovery_of(_without(LEAKY, **{unknown: None}), mig_uuid(0, 1)) == why
+def test_an_unknown_profile_or_placement_refuses_the_recovery(
+    unknown: str, value: object, why: str
+) -> None:
+    assert recovery_of(_without(LEAKY, **{unknown: value}), mig_uuid(0, 1)) == why
 
 
 def test_a_whole_gpu_or_an_unknown_name_has_no_instance_recovery() -> None:
@@ -243,6 +247,7 @@ def test_the_planned_instance_is_told_by_uuid_profile_and_placement(
         (_reading(_device(6, "MIG-6", (0, 4))), "occupies placement 0:4"),  # spans it
         (_reading(_device(1, "MIG-9", (6, 1))), "GPU instance 1 is still listed"),  # id reused
         (_reading(_device(7, "MIG-7", None)), "GPU instance 7: its placement is unknown"),
+        (_reading(_device(2, "MIG-2", (2, 0))), "GPU instance 2: its placement is unknown"),
         (_reading(readable=False), "its MIG devices could not be read"),
     ],
 )
@@ -261,6 +266,7 @@ def test_the_re_create_needs_its_whole_placement_free(reading: GpuInfo, taken: s
         (_reading(), 7, 2),  # a count out of range is no count
         (_reading(), 3, 2),  # ... nor is one that says all were done
         (_reading(_device(3, "MIG-3", (2, 2))), 2, 3),  # re-created (new UUID): checked only
+        (_reading(dataclasses.replace(PLANNED_DEVICE, uuid=None)), 2, 3),  # UUID unread: as well
         (_reading(_device(3, "MIG-3", (2, 2), profile=9)), 2, "occupies placement 2:2"),
         (_reading(readable=False), 2, "its MIG devices could not be read"),
     ],
@@ -282,3 +288,13 @@ def test_a_whole_gpu_layout_misses_the_instances_the_reading_lacks_by_profile_an
     assert layout_missing(layout, _reading(PLANNED_DEVICE, _device(2, "MIG-2", (4, 1)))) == []
     assert layout_missing((), None) == []  # nothing recorded: nothing to read
     assert "could not be read" in str(layout_missing(layout, _reading(readable=False)))
+
+
+def test_a_layout_is_created_again_by_the_last_command_alone_and_by_none_without_commands() -> None:
+    planned = dataclasses.replace(_PLANNED, uuid=gpu_uuid(0))
+    beside = dataclasses.replace(planned, gi=2, mig_uuid="MIG-2", placement=4, size=1)
+    assert layout_argvs((planned, beside), DEFAULT_MIG_RECOVERY_COMMANDS) == (
+        ("nvidia-smi", "mig", "-i", gpu_uuid(0), "-cgi", "19:2", "-C"),
+        ("nvidia-smi", "mig", "-i", gpu_uuid(0), "-cgi", "19:4", "-C"),
+    )
+    assert layout_argvs((planned,), ()) == ()

@@ -169,6 +169,7 @@ def test_the_final_scan_leaves_out_only_our_own_unreadable_processes() -> None:
         {"gi": True},
         {"placement": "0"},
         {"size": None},
+        {"size": 0},  # no GI profile holds no memory slice
     ],
 )
 def test_a_damaged_recovery_record_is_not_believed(damage: dict[str, object]) -> None:

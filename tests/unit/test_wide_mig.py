@@ -335,9 +335,12 @@ def test_at_most_five_users_are_named_per_busy_instance() -> None:
 
 def test_a_gpu_given_as_not_in_mig_mode_has_no_busy_instances() -> None:
     busy = leaky()
-    for mode in (False, None):
-        gpu = dataclasses.replace(busy.nvml.gpus[0], mig_enabled=mode)
-        assert busy_instances(busy, gpu) is None
+    gpu = dataclasses.replace(busy.nvml.gpus[0], mig_enabled=False)
+    assert busy_instances(busy, gpu) is None
+    unknown = dataclasses.replace(gpu, mig_enabled=None)  # unknown is never idle
+    assert busy_instances(busy, unknown) == (
+        "its MIG instances cannot be told idle: its MIG mode could not be read"
+    )
     assert busy_instances(busy, busy.nvml.gpus[0]) == "GPU instance 2 is in use (PID 700)"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpuwatchd.core.model import FindingKind, KernelXid, XidEvent
 from gpuwatchd.decide.health.judge import assess_health
-from gpuwatchd.decide.health.state import HealthState, XidLog
+from gpuwatchd.decide.health.state import MAX_COUNT, HealthState, XidLog
 from gpuwatchd.decide.health.xid_sources import (
     DEDUP_WINDOW,
     LOG_WINDOW,
@@ -106,9 +106,19 @@ def test_a_flood_is_said_once_per_window_with_its_count() -> None:
     wall = T + 90 + LOG_WINDOW
     said, logs = notices(GPU0, merge([], [], wall=wall), logs, wall)
     assert [(n.count, n.repeated) for n in said] == [(3000, True)]
+    # what was held was seen in earlier polls: no source and no kernel-log line of this poll
+    held = said[0].fields()
+    assert (held["sources"], held["before_start"], held["driver_text"]) == ([], None, None)
     said, logs = notices(GPU0, merge([], [], wall=wall + LOG_WINDOW), logs, wall + LOG_WINDOW)
     assert said == ()
     assert logs == {}
+
+
+def test_a_held_count_is_bounded_as_the_history_is() -> None:
+    held = {95: XidLog(T - 10, MAX_COUNT, T - 10, T - 5)}
+    said, logs = notices(GPU0, merge([], [kx(95, T, count=1000)]), held, T)
+    assert said == ()
+    assert logs[95].held == MAX_COUNT
 
 
 def test_an_application_xid_names_its_process_and_job() -> None:
@@ -143,6 +153,18 @@ def test_kernel_log_xids_are_judged_by_the_catalogue_and_marked_before_start() -
     )
     assert again.state.gpus[GPU0].xids[79].count == 1
     assert again.xid_notices == ()
+
+
+def test_a_job_of_the_longest_unit_name_is_read_back_from_the_saved_history() -> None:
+    """A job key is one cgroup path component (at most 255 bytes) after its kind: a unit named
+    at that length is saved and read back, not refused with the whole saved state; a longer
+    one, which no cgroup names, is not kept."""
+    longest = "unit:" + "u" * 249 + ".scope"
+    runs = (kx(13, T, pid=7, process="p", job=longest), kx(31, T, pid=7, job="unit:" + "u" * 400))
+    result = assess_health(replace(snap(gpu(0, GPU0, health())), kernel_xids=runs),
+                           HealthState(), boot_changed=False)  # fmt: skip
+    details = HealthState.from_json(result.state.to_json()).gpus[GPU0].details
+    assert (details[13].job, details[31].job) == (longest, None)
 
 
 def test_what_each_source_saw_and_said_is_carried_from_poll_to_poll() -> None:
@@ -196,6 +218,7 @@ def test_nvml_only_xids_are_judged_as_before() -> None:
         {"details": {"x": {"wall": 1.0}}},
         {"details": {"79": {"process": "p" * 65, "wall": 1.0}}},
         {"xid_log": {"79": [1.0, -1, 1.0, 1.0]}},
+        {"xid_log": {"79": [1.0, MAX_COUNT + 1, 1.0, 1.0]}},  # more than notices holds
     ],
 )
 def test_damaged_kernel_log_state_is_rejected(garbage: dict[str, object]) -> None:

@@ -22,6 +22,7 @@ from gpuwatchd.decide import kinds
 from gpuwatchd.decide.gpu_ids import pci_bus_key
 from gpuwatchd.decide.health import fabric
 from gpuwatchd.decide.health.state import (
+    MAX_COUNT,
     MAX_XID_KINDS,
     GpuHealthState,
     HealthState,
@@ -33,7 +34,6 @@ from gpuwatchd.decide.health.xid_sources import Occurrence, XidNotice, merge_sou
 from gpuwatchd.decide.policy import HealthPolicy
 
 HEALTH_KINDS = kinds.HEALTH
-MAX_COUNT = 2**31
 # Xids this close together (seconds, by when the worker read them) co-occur: the catalogue's
 # "solo" rules are judged over it.
 XID_WINDOW = 60.0

@@ -12,6 +12,8 @@ from gpuwatchd.core.checked import number, obj, opt_number
 from gpuwatchd.core.model import as_int
 
 MAX_XID_KINDS = 64  # distinct Xid numbers remembered per GPU; more is a storm of garbage
+MAX_COUNT = 2**31  # occurrences of one Xid per GPU: counted (judge.py) or held (xid_sources.py)
+MAX_JOB = 300  # a job key: its kind and one cgroup path component (at most 255 bytes)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class HealthState:
                 xid = _xid_key(key, f"{what}.xids.{key}")
                 values = triple if isinstance(triple, list) and len(triple) == 3 else None
                 count = as_int(values[0]) if values else None
-                if values is None or count is None or count < 0:
+                if values is None or count is None or not 0 <= count <= MAX_COUNT:
                     raise ValueError(f"{what}.xids.{key}: expected [count, first, last]")
                 xids[xid] = XidRecord(count, number(values[1], what), number(values[2], what))
             since = obj(entry.get("since", {}), f"{what}.since")
@@ -200,7 +202,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
         details[_xid_key(key, where)] = XidDetail(
             pid=as_int(pid),
             process=_opt_str(raw.get("process"), where, 64),
-            job=_opt_str(raw.get("job"), where),
+            job=_opt_str(raw.get("job"), where, MAX_JOB),
             text=text or "",
             before_start=raw.get("before_start") is True,
             wall=number(raw.get("wall"), where),
@@ -209,7 +211,7 @@ def _kernel_log_state(entry: Mapping[str, object], what: str) -> GpuHealthState:
     for key, raw in _bounded_map(entry.get("xid_log", {}), f"{what}.xid_log").items():
         where = f"{what}.xid_log.{key}"
         held = as_int(raw[1]) if isinstance(raw, list) and len(raw) == 4 else None
-        if not isinstance(raw, list) or held is None or held < 0:
+        if not isinstance(raw, list) or held is None or not 0 <= held <= MAX_COUNT:
             raise ValueError(f"{where}: expected [logged_at, held, first, last]")
         logs[_xid_key(key, where)] = XidLog(
             number(raw[0], where), held, number(raw[2], where), number(raw[3], where)

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from gpuwatchd.core.model import KernelXid, XidEvent
 from gpuwatchd.core.vocabulary import Level
-from gpuwatchd.decide.health.state import MAX_XID_KINDS, Sighting, XidDetail, XidLog
+from gpuwatchd.decide.health.state import (
+    MAX_COUNT,
+    MAX_JOB,
+    MAX_XID_KINDS,
+    Sighting,
+    XidDetail,
+    XidLog,
+)
 from gpuwatchd.decide.health.xid_catalogue import XID_CATALOGUE, XidAction, xid_action
 
 DEDUP_WINDOW = 30.0  # seconds: NVML's event is stamped when the worker read it, a poll later
@@ -125,7 +132,8 @@ def merge_sources(
             if len(pending) > 2 * MAX_SIGHTINGS:  # bounded while merging, not only after
                 del pending[:-MAX_SIGHTINGS]
         if run.xid in new_details or len(new_details) < MAX_XID_KINDS:
-            detail = (run.pid, run.process, run.job, run.text, run.before_start)
+            job = run.job if run.job is None or len(run.job) <= MAX_JOB else None  # as read back
+            detail = (run.pid, run.process, job, run.text, run.before_start)
             new_details[run.xid] = XidDetail(*detail, wall=run.last)
     for event in nvml:
         seen_by.setdefault(event.xid, set()).add(NVML)
@@ -160,7 +168,7 @@ def notices(
     for xid in sorted(set(new) | {x for x, rec in logs.items() if rec.held}):
         fresh = new.get(xid, [])
         rec = carried.get(xid)
-        count = sum(o.count for o in fresh) + (rec.held if rec else 0)
+        count = min(sum(o.count for o in fresh) + (rec.held if rec else 0), MAX_COUNT)
         firsts = [o.first for o in fresh] + ([rec.first] if rec and rec.held else [])
         lasts = [o.last for o in fresh] + ([rec.last] if rec and rec.held else [])
         if rec is not None and wall - rec.logged_at < LOG_WINDOW:

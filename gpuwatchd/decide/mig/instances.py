@@ -328,9 +328,12 @@ def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice]
 
 def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
     """Why MIG GPU ``gpu`` is not idle in every GPU instance (a whole-GPU reset takes them all
-    down), or None when it is; instances that cannot be judged are never idle."""
-    if gpu.mig_enabled is not True:
+    down), or None when it is; instances that cannot be judged (or a MIG mode that could not
+    be read) are never idle."""
+    if gpu.mig_enabled is False:
         return None
+    if gpu.mig_enabled is None:
+        return "its MIG instances cannot be told idle: its MIG mode could not be read"
     layout = mig_layout(snapshot)
     if gpu.uuid in layout.unjudged:
         return f"its MIG instances cannot be told idle: {layout.unjudged[gpu.uuid]}"

@@ -14,9 +14,6 @@ from gpuwatchd.core.model import GpuInfo, HolderScan, MigDevice, ProcessInfo, Sn
 from gpuwatchd.decide.argv import format_argv
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import mig_layout
-from gpuwatchd.decide.policy import DEFAULT_MIG_RECOVERY_COMMANDS
-
-DEFAULT_COMMANDS = DEFAULT_MIG_RECOVERY_COMMANDS
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ def from_record(record: object) -> InstanceRecovery | None:
         return None
     names = ("gpu_index", "gi", "ci", "profile", "placement", "size")
     ints = {name: found for name in names if (found := as_count(record.get(name))) is not None}
-    if len(ints) < len(names):
+    if len(ints) < len(names) or ints["size"] == 0:  # no GI profile holds no memory slice
         return None
     uuid, mig_uuid, pci = record.get("uuid"), record.get("mig_uuid"), record.get("pci_bus_id")
     if not isinstance(uuid, str) or not isinstance(mig_uuid, str) or not uuid or not mig_uuid:
@@ -97,7 +94,8 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
         return f"GPU instance {instance.gi}: its compute instance id is unknown"
     if device.gi_profile_id is None:
         return f"GPU instance {instance.gi}: its GI profile id is unknown"
-    if device.placement is None:
+    placement = _placement(device)
+    if placement is None:
         return f"GPU instance {instance.gi}: its placement is unknown"
     if device.uuid is None:
         return f"GPU instance {instance.gi}: its MIG UUID is unknown"
@@ -108,7 +106,7 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
             f"GPU instance {instance.gi}: its compute instance ({device.profile}) is a part of "
             "it, which -C would not bring back; recover it by hand"
         )
-    start, size = device.placement
+    start, size = placement
     return InstanceRecovery(
         uuid=instance.parent.uuid,
         pci_bus_id=instance.parent.pci_bus_id,
@@ -120,6 +118,13 @@ def recovery_of(snapshot: Snapshot, instance_uuid: str | None) -> InstanceRecove
         placement=start,
         size=size,
     )
+
+
+def _placement(device: MigDevice) -> tuple[int, int] | None:
+    """``device``'s placement (start slice, slices); None when unknown or of no slice, which
+    no GI profile has (a reading that says so is wrong)."""
+    found = device.placement
+    return found if found is not None and found[1] > 0 else None
 
 
 def instance_blockers(snapshot: Snapshot, instance_uuid: str) -> list[str]:
@@ -182,7 +187,7 @@ def recovery_blockers(
 
 
 def recovery_argvs(
-    recovery: InstanceRecovery, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
+    recovery: InstanceRecovery, commands: Sequence[Sequence[str]]
 ) -> tuple[tuple[str, ...], ...]:
     """Each command line of ``recovery``, filled in; ValueError for a malformed value."""
     return tuple(format_argv(argv, **recovery.values()) for argv in commands)
@@ -268,9 +273,10 @@ def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | No
     for device in devices:
         if device.gi == recovery.gi:
             return f"GPU instance {recovery.gi} is still listed ({device.uuid})"
-        if device.placement is None:
+        placement = _placement(device)
+        if placement is None:
             return f"GPU instance {device.gi}: its placement is unknown"
-        first, size = device.placement
+        first, size = placement
         if first < end and start < first + size:
             return f"GPU instance {device.gi} ({device.uuid}) occupies placement {first}:{size}"
     return None
@@ -316,9 +322,7 @@ def layout_of(snapshot: Snapshot, gpu_uuid: str) -> Layout | str:
     return tuple(sorted(found, key=lambda r: (r.placement, r.gi)))
 
 
-def layout_argvs(
-    layout: Layout, commands: Sequence[Sequence[str]] = DEFAULT_COMMANDS
-) -> tuple[tuple[str, ...], ...]:
+def layout_argvs(layout: Layout, commands: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
     """The re-create (the last of ``commands``) of each GPU instance of ``layout``, filled in."""
     if not commands:
         return ()

@@ -32,14 +32,7 @@ from gpuwatchd.decide.spares import spare_changes, spare_reason
 from gpuwatchd.decide.targets import refusal
 from gpuwatchd.state import pause
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.pause import (
-    PAUSE_FILE,
-    RESUMED_FILE,
-    note_resume,
-    pause_in_force,
-    poll_pause,
-    set_pause,
-)
+from gpuwatchd.state.pause import PAUSE_FILE, RESUMED_FILE, note_resume, poll_pause, set_pause
 from gpuwatchd.state.spares import MAX_SPARES, cancel_spare, parse_target, read_spares, write_spare
 from tests.support.plancases import orphan, policy, proc, signals, snap
 from tests.support.statusrig import with_document
@@ -62,9 +55,9 @@ def test_a_timed_pause_holds_until_its_end_then_is_removed_and_said_to_have_ende
 ) -> None:
     set_pause(state, reason="driver upgrade", clock=BootTime(NOW, 1000.0, "b1"), seconds=3600)
     # The rule read only (scan's): in force until its end, the file left for the daemon.
-    held = pause_in_force(state, BootTime(NOW + 3599, 4599.0, "b1"), max_pause=DAY)
+    held = pause.pause_in_force(state, BootTime(NOW + 3599, 4599.0, "b1"), max_pause=DAY)
     assert (held.reason, held.until) == ("driver upgrade", NOW + 3600)
-    over = pause_in_force(state, BootTime(NOW + 3600, 4600.0, "b1"), max_pause=DAY)
+    over = pause.pause_in_force(state, BootTime(NOW + 3600, 4600.0, "b1"), max_pause=DAY)
     assert over.reason is None
     assert (tmp_path / PAUSE_FILE).exists()
     now = poll_pause(state, BootTime(NOW + 3599, 4599.0, "b1"), max_pause=DAY)

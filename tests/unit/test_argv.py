@@ -8,12 +8,16 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.decide.argv import (
+    ARGV_PLACEHOLDERS,
     GPU_PLACEHOLDERS,
     HOOK_PLACEHOLDERS,
+    MAX_FILLED_CHARS,
     ArgvError,
     check_command,
     check_hook_command,
     check_one_gpu,
+    check_value,
+    filled_length,
     format_argv,
     hook_environment,
 )
@@ -168,6 +172,45 @@ def test_format_argv_fills_every_placeholder_and_keeps_escaped_braces() -> None:
         "-i",
         "3",
     )
+
+
+_BODY = UUID[len("GPU-") :]
+_HOST = ".".join(["h" * 63] * 3 + ["h" * 61])
+# Each placeholder's longest value, and the same one character longer (refused).
+_LONGEST = {
+    "uuid": (f"MIG-GPU-{_BODY}/999/999", f"MIG-GPU-{_BODY}/999/9999"),
+    "mig_uuid": (f"MIG-GPU-{_BODY}/999/999", f"MIG-GPU-{_BODY}/9999/999"),
+    "pci_bus_id": ("00000000:3B:00.0", "000000000:3B:00.0"),
+    "minor": ("255", "2555"),
+    "mode": ("1", "11"),
+    **dict.fromkeys(("gi", "ci", "profile", "placement"), ("99", "999")),
+    "hostname": (_HOST, _HOST + "h"),
+    "user": ("u" * 32 + "$", "u" * 33 + "$"),
+}
+
+
+@pytest.mark.parametrize("name", ARGV_PLACEHOLDERS)
+def test_each_placeholder_fills_to_at_most_its_known_longest_value(name: str) -> None:
+    """check-config bounds an argument's filled length with these (``filled_length``)."""
+    longest, longer = _LONGEST[name]
+    assert check_value(name, longest) == longest
+    assert filled_length(f"{{{name}}}") == len(longest)
+    with pytest.raises(ValueError, match="refusing to run"):
+        check_value(name, longer)
+
+
+def test_an_argument_that_fills_past_what_a_reset_records_is_refused() -> None:
+    """A reset records arguments of at most MAX_FILLED_CHARS characters (act/reset_target.py):
+    an argument whose placeholders can fill it past that is refused when the policy is read,
+    not at every reset. ``{{`` counts as the one brace it becomes."""
+    assert filled_length("tag={{{uuid}}}") == len("tag={") + 52 + len("}")
+    room = "x" * (MAX_FILLED_CHARS - len(_HOST))
+    check_command(["echo", room + "{hostname}"], HOOK_PLACEHOLDERS)
+    check_command(["echo", "{{}}" + room[2:] + "{hostname}"], HOOK_PLACEHOLDERS)
+    with pytest.raises(ArgvError) as caught:
+        check_command(["echo", room + "x{hostname}"], HOOK_PLACEHOLDERS)
+    assert f"can grow to {MAX_FILLED_CHARS + 1} characters" in str(caught.value)
+    assert f"at most {MAX_FILLED_CHARS} (what a reset records)" in str(caught.value)
 
 
 def test_hook_environment_names_only_known_values() -> None:

@@ -88,7 +88,7 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
     if lad.step >= len(lad.steps):
         _last_step_over(w, ctx, lad, proc)
         return
-    hold = _ladder_hold(w, ctx, lad, proc, scope)
+    hold = _report_only(ctx, finding) or _ladder_hold(w, ctx, lad, proc, scope)
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
@@ -396,14 +396,23 @@ def _kill_caps(
     return replace(lad, dry_run=True)
 
 
+def _report_only(ctx: Ctx, finding: Finding) -> str | None:
+    """Why ``finding`` may not be acted on: the assessment or its GPU is report-only (a new
+    ladder does not start; one in progress holds its next step)."""
+    if not finding.actionable:
+        return "not_actionable: the assessment is report-only"
+    if finding.gpu is not None and finding.gpu in ctx.report_only:
+        return f"report_only: {ctx.report_only[finding.gpu]}"
+    return None
+
+
 def _gate(
     w: Work, ctx: Ctx, finding: Finding, proc: ProcessInfo | None
 ) -> tuple[str, Level] | None:
     """Why a new ladder may not start now (text, level), or None."""
-    if not finding.actionable:
-        return "not_actionable: the assessment is report-only", Level.INFO
-    if finding.gpu is not None and finding.gpu in ctx.report_only:
-        return f"report_only: {ctx.report_only[finding.gpu]}", Level.INFO
+    report_only = _report_only(ctx, finding)
+    if report_only is not None:
+        return report_only, Level.INFO
     if ctx.blocked is not None:
         return f"blocked: {ctx.blocked}", Level.WARNING
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)

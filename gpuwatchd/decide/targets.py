@@ -183,7 +183,7 @@ def refusal(
     floor = _floor_reason(process, finding, snapshot, self_ancestors)
     if floor is not None:
         return f"floor: {floor}"
-    spared = spare_reason(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
+    spared = spare_reason(process, snapshot)
     if spared is not None:
         return f"spare: {spared}"
     protect = _protect_reason(process, finding, snapshot, policy)

@@ -125,7 +125,7 @@ def _ladder_hold(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo, scope: str) 
     hold = hold_reason(w, ctx)
     if hold is not None:
         return hold
-    spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes)
+    spared = spare_reason(proc, ctx.snapshot)
     if spared is not None:
         return f"spare: {spared}"
     if is_dry_run(w, ctx, scope) and not lad.dry_run:

@@ -28,7 +28,7 @@ MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "pl
 MAX_COMMANDS = 100  # commands, or hooks, in one list
 MAX_ARGS = 1000  # arguments of one command
 # Characters of one argument with its placeholders filled in (a reset records no longer one):
-# bounded when the policy is read from each placeholder's longest value (``_VALUE_FORMATS``).
+# bounded when the policy is read from each placeholder's longest value (``_LONGEST``).
 MAX_FILLED_CHARS = 8192
 # The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
 _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
@@ -36,29 +36,25 @@ _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
 _HEX = "[0-9a-fA-F]"
 _UUID_BODY = f"{_HEX}{{8}}(?:-{_HEX}{{4}}){{3}}-{_HEX}{{12}}"
 # What NVML reports. MIG devices: ``MIG-<uuid>`` (R470+) or ``MIG-GPU-<uuid>/<gi>/<ci>``.
-# Each with the longest value it matches (``MIG-GPU-`` + 36 + ``/999/999``: 52).
-_VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str, int]] = {
+_VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     "uuid": (
         re.compile(f"(?:GPU|MIG)-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
         "an NVML UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex; or MIG-...)",
-        52,
     ),
     "pci_bus_id": (
         re.compile(f"(?:{_HEX}{{4}}|{_HEX}{{8}}):{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]"),
         "a PCI bus id (domain:bus:device.function in hex, e.g. 00000000:3B:00.0)",
-        16,
     ),
-    "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)", 3),
-    "mode": (re.compile("[01]"), "a persistence mode (0 or 1)", 1),
-    "gi": (re.compile("0|[1-9][0-9]?"), "a GPU instance id (decimal 0..99)", 2),
-    "ci": (re.compile("0|[1-9][0-9]?"), "a compute instance id (decimal 0..99)", 2),
+    "minor": (re.compile("0|[1-9][0-9]{0,2}"), "a device minor number (decimal 0..255)"),
+    "mode": (re.compile("[01]"), "a persistence mode (0 or 1)"),
+    "gi": (re.compile("0|[1-9][0-9]?"), "a GPU instance id (decimal 0..99)"),
+    "ci": (re.compile("0|[1-9][0-9]?"), "a compute instance id (decimal 0..99)"),
     "mig_uuid": (
         re.compile(f"MIG-{_UUID_BODY}|MIG-GPU-{_UUID_BODY}/[0-9]{{1,3}}/[0-9]{{1,3}}"),
         "a MIG device UUID (MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex)",
-        52,
     ),
-    "profile": (re.compile("0|[1-9][0-9]?"), "a GPU instance profile id (decimal 0..99)", 2),
-    "placement": (re.compile("0|[1-9][0-9]?"), "a placement start slice (decimal 0..99)", 2),
+    "profile": (re.compile("0|[1-9][0-9]?"), "a GPU instance profile id (decimal 0..99)"),
+    "placement": (re.compile("0|[1-9][0-9]?"), "a placement start slice (decimal 0..99)"),
     # RFC 1123 labels, dot-separated: what a scheduler accepts as a node name.
     "hostname": (
         re.compile(
@@ -66,15 +62,16 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str, int]] = {
             r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
         ),
         "a host name (letters, digits, '-' and '.', at most 253 characters, no leading '-')",
-        253,
     ),
     # What useradd and directory services accept, without a leading '-' (never an option).
     "user": (
         re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?"),
         "a user name (letters, digits, '_', '.', '-', at most 32 characters, no leading '-')",
-        33,
     ),
 }
+# The longest value of each (``MIG-GPU-`` + 36 + ``/999/999``): what a placeholder can add.
+_LONGEST = {"uuid": 52, "mig_uuid": 52, "pci_bus_id": 16, "minor": 3, "mode": 1, "user": 33}
+_LONGEST.update(hostname=253, gi=2, ci=2, profile=2, placement=2)
 # Literal GPU names as an admin may write them (case-insensitive, bus id domain optional).
 LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
 LITERAL_BUS_ID = re.compile(f"(?:{_HEX}{{4,8}}:)?{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]")
@@ -155,7 +152,7 @@ def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> lis
 def check_value(name: str, value: str) -> str:
     """``value`` if it is in the documented format of placeholder ``name`` (``_VALUE_FORMATS``:
     never a second GPU, an option or more than one argument's plain text), else ValueError."""
-    pattern, description, _longest = _VALUE_FORMATS[name]
+    pattern, description = _VALUE_FORMATS[name]
     if pattern.fullmatch(value) is None or (name == "minor" and int(value) > 255):
         raise ValueError(
             f"value {value[:80]!r} for {{{name}}} is not {description}; refusing to run"
@@ -240,7 +237,7 @@ def filled_length(arg: str) -> int:
     """The most characters ``arg`` (its placeholders checked) has once filled in: its literal
     text (``{{`` is one brace) and each placeholder's longest value."""
     return sum(
-        len(literal) + (0 if name is None else _VALUE_FORMATS[name][2])
+        len(literal) + (0 if name is None else _LONGEST[name])
         for literal, name, _spec, _conversion in string.Formatter().parse(arg)
     )
 

@@ -247,7 +247,7 @@ def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = HOOK_PLACEH
     rule (:func:`check_one_gpu`, placeholders only): without ``-i`` it acts on every GPU."""
     check_command(argv, allowed)
     if _runs_nvidia_smi(argv):
-        check_one_gpu(argv, allowed, require_placeholder=True, what="a hook that runs nvidia-smi")
+        check_one_gpu(argv, allowed, what="a hook that runs nvidia-smi")
 
 
 def check_one_gpu(
@@ -263,7 +263,7 @@ def check_one_gpu(
     check_command(argv, allowed)
     mentions = 0
     for arg in argv:
-        names = placeholders_in(arg, allowed)
+        names = placeholders_in(arg)  # check_command refused any name not ``allowed``
         count = sum(f"{{{name}}}" in _SELECTOR_PLACEHOLDERS for name in names)
         if not require_placeholder:
             count += len(LITERAL_UUID.findall(arg))

@@ -122,6 +122,7 @@ def test_a_refused_shell_is_named_where_it_stands(argv: list[str], message: str)
             "{pci_bus_id} alone",
         ),
         (["nvidia-smi", "-r", "-i", "0,abc"], False, "'-i 0,abc' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i"], True, "'-i' has no value: it must name the GPU"),
     ],
 )
 def test_a_reset_command_names_one_gpu_once(
@@ -137,9 +138,9 @@ def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
     with pytest.raises(ArgvError, match="must name exactly one GPU"):
         check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=True)
     # A hook that runs nvidia-smi is held to placeholders: a literal GPU there is refused.
-    with pytest.raises(ArgvError, match="must name exactly one GPU"):
+    with pytest.raises(ArgvError, match=r"^a hook that runs nvidia-smi must name exactly one"):
         check_hook_command(["nvidia-smi", "-q", "-i", UUID], HOOK_PLACEHOLDERS)
-    check_hook_command(["nvidia-smi", "-q", "-i", "{uuid}"], HOOK_PLACEHOLDERS)
+    check_hook_command(["nvidia-smi", "-q", "-i", "{uuid}", "-f", "{hostname}"], HOOK_PLACEHOLDERS)
 
 
 # --- placeholders and the values filled into them -----------------------------------------------
@@ -148,6 +149,8 @@ def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
 def test_an_unknown_placeholder_after_an_escaped_brace_is_refused() -> None:
     with pytest.raises(ArgvError, match=r"unknown placeholder \{nope\}"):
         check_command(["tool", "{{literal}}-{nope}"], GPU_PLACEHOLDERS)
+    with pytest.raises(ArgvError, match=r"unknown placeholder \{hostname\}"):  # a hook's only
+        check_command(["tool", "{hostname}"], GPU_PLACEHOLDERS)
 
 
 @pytest.mark.parametrize(

@@ -234,11 +234,6 @@ def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding
     )
 
 
-def _refuse(w: Work, key: str, why: str, level: Level, finding: Finding) -> None:
-    if w.noted(key, why):
-        w.event(EventName.ACTION_REFUSED, level, why=why, **finding_fields(finding))
-
-
 def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
     """How long a latch has held, and its anchor on the plan's monotonic clock (anchored once
     by the wall time it has held when it has none)."""
@@ -302,7 +297,8 @@ def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
     why = _gate(w, ctx, finding, proc)
     if why is not None:
         text, level = why
-        _refuse(w, key, text, level, finding)
+        if w.noted(key, text):
+            w.event(EventName.ACTION_REFUSED, level, why=text, **finding_fields(finding))
         return
     identity = finding.identity
     if identity is None or target is None:

@@ -20,16 +20,6 @@ def _in_force(spares: Iterable[Spare], wall: float) -> list[Spare]:
     return [spare for spare in spares if spare.until > wall]
 
 
-def spare_text(spare: Spare) -> str:
-    """How a spare is named in refusals and events: ``pid 123 (start 456)`` or ``job
-    slurm:42``, with its reason."""
-    if spare.job is not None:
-        what = f"job {spare.job}"
-    else:
-        what = f"pid {spare.pid} (start ticks {spare.start_ticks})"
-    return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
-
-
 # slurmstepd's process title, "slurmstepd: [42.batch]" (cut short: the job id and dot suffice).
 _STEPD_TITLE = re.compile(r"slurmstepd: \[([0-9]{1,20})\.")
 _MAX_TREE_DEPTH = 64
@@ -96,13 +86,19 @@ def spare_covering(process: ProcessInfo, snapshot: Snapshot) -> tuple[Spare, str
 
 
 def spare_reason(process: ProcessInfo, snapshot: Snapshot) -> str | None:
-    """Why a spare in force leaves ``process`` alone at ``snapshot``'s time, or None; the text
-    stays the same while the spare lasts (a hold is said once)."""
+    """Why a spare in force leaves ``process`` alone at ``snapshot``'s time (``pid 123 (start
+    ticks 456)`` or ``job slurm:42``, its reason, what is unknown), or None; the text stays the
+    same while the spare lasts (a hold is said once)."""
     found = spare_covering(process, snapshot)
     if found is None:
         return None
     spare, unknown = found
-    return spare_text(spare) + (f"; {unknown}" if unknown else "")
+    if spare.job is not None:
+        what = f"job {spare.job}"
+    else:
+        what = f"pid {spare.pid} (start ticks {spare.start_ticks})"
+    reason = f" ({spare.reason})" if spare.reason else ""
+    return f"{what} is spared{reason}" + (f"; {unknown}" if unknown else "")
 
 
 _SPARE_FIELDS = ("target", "pid", "start_ticks", "job", "reason", "until", "by_uid")

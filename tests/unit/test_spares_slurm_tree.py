@@ -76,6 +76,7 @@ def test_a_job_spare_covers_its_step_tree_where_the_cgroup_says_nothing() -> Non
         return spare_reason(process, dataclasses.replace(snap(), processes=tree, spares=(spare,)))
 
     assert spared(WORKER, SPARE_42) == "job slurm:42 is spared (debugging)"
+    assert spared(WORKER, dataclasses.replace(SPARE_42, reason="")) == "job slurm:42 is spared"
     other = dataclasses.replace(SPARE_42, target="job:slurm:43", job="slurm:43")
     assert spared(WORKER, other) is None
     escaped = dataclasses.replace(WORKER, ppid=1)  # reparented to init: Slurm lost it too

@@ -211,7 +211,7 @@ def _spared(snapshot: Snapshot, process: ProcessInfo | None) -> dict[str, object
     """The ``spared`` entry of ``process``: the spare covering it now; None when none does."""
     if process is None:
         return None
-    found = spare_covering(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
+    found = spare_covering(process, snapshot)
     return None if found is None else spare_row(*found)
 
 
@@ -275,7 +275,7 @@ def spare_stops(
     if row is None or process is None:
         return None, [] if refused is None else [refused]
     stops = [spared_text(row, snapshot.wall_time)]
-    own = f"spare: {spare_reason(process, snapshot.spares, snapshot.wall_time, snapshot.processes)}"
+    own = f"spare: {spare_reason(process, snapshot)}"
     if refused is not None and refused != own:  # targets.refusal's words for the same spare
         stops.append(refused)
     return row, stops

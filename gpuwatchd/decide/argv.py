@@ -27,6 +27,9 @@ MIG_PLACEHOLDERS = ("uuid", "pci_bus_id", "gi", "ci", "mig_uuid", "profile", "pl
 # How many a reset records (act/reset_target.py) and so the policy may hold (config/keys.py).
 MAX_COMMANDS = 100  # commands, or hooks, in one list
 MAX_ARGS = 1000  # arguments of one command
+# Characters of one argument with its placeholders filled in (a reset records no longer one):
+# bounded when the policy is read from each placeholder's longest value (``_LONGEST``).
+MAX_FILLED_CHARS = 8192
 # The only stable names of a GPU: an index (``{minor}``, ``-i 0``) changes across resets.
 _SELECTOR_PLACEHOLDERS = ("{uuid}", "{pci_bus_id}")
 
@@ -66,6 +69,9 @@ _VALUE_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
         "a user name (letters, digits, '_', '.', '-', at most 32 characters, no leading '-')",
     ),
 }
+# The longest value of each (``MIG-GPU-`` + 36 + ``/999/999``): what a placeholder can add.
+_LONGEST = {"uuid": 52, "mig_uuid": 52, "pci_bus_id": 16, "minor": 3, "mode": 1, "user": 33}
+_LONGEST.update(hostname=253, gi=2, ci=2, profile=2, placement=2)
 # Literal GPU names as an admin may write them (case-insensitive, bus id domain optional).
 LITERAL_UUID = re.compile(f"(?i:GPU)-{_UUID_BODY}")
 LITERAL_BUS_ID = re.compile(f"(?:{_HEX}{{4,8}}:)?{_HEX}{{2}}:{_HEX}{{2}}\\.[0-7]")
@@ -219,6 +225,21 @@ def check_command(argv: Sequence[str], allowed: Sequence[str]) -> None:
         )
     for arg in argv:
         placeholders_in(arg, allowed)
+        longest = filled_length(arg)
+        if longest > MAX_FILLED_CHARS:
+            raise ArgvError(
+                f"argument {arg[:80]!r} can grow to {longest} characters when its placeholders"
+                f" are filled in; at most {MAX_FILLED_CHARS} (what a reset records)"
+            )
+
+
+def filled_length(arg: str) -> int:
+    """The most characters ``arg`` (its placeholders checked) has once filled in: its literal
+    text (``{{`` is one brace) and each placeholder's longest value."""
+    return sum(
+        len(literal) + (0 if name is None else _LONGEST[name])
+        for literal, name, _spec, _conversion in string.Formatter().parse(arg)
+    )
 
 
 def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = HOOK_PLACEHOLDERS) -> None:
@@ -226,7 +247,7 @@ def check_hook_command(argv: Sequence[str], allowed: Sequence[str] = HOOK_PLACEH
     rule (:func:`check_one_gpu`, placeholders only): without ``-i`` it acts on every GPU."""
     check_command(argv, allowed)
     if _runs_nvidia_smi(argv):
-        check_one_gpu(argv, allowed, require_placeholder=True, what="a hook that runs nvidia-smi")
+        check_one_gpu(argv, allowed, what="a hook that runs nvidia-smi")
 
 
 def check_one_gpu(
@@ -242,7 +263,7 @@ def check_one_gpu(
     check_command(argv, allowed)
     mentions = 0
     for arg in argv:
-        names = placeholders_in(arg, allowed)
+        names = placeholders_in(arg)  # check_command refused any name not ``allowed``
         count = sum(f"{{{name}}}" in _SELECTOR_PLACEHOLDERS for name in names)
         if not require_placeholder:
             count += len(LITERAL_UUID.findall(arg))

@@ -188,12 +188,6 @@ class _Builder:
                 "each copy costs time on every character of every command line; use * or + "
                 "where the count does not matter"
             )
-        return self._repeat(body, low, high, out, flags)
-
-    def _repeat(
-        self, body: list[tuple[object, object]], low: int, high: int, out: int, flags: int
-    ) -> int:
-        unbounded = high == _MAXREPEAT
         if unbounded:
             loop = self.new(_State(_SPLIT, alt=out))
             self.states[loop].out = self.sequence(body, loop, flags)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.core.model import ProcessInfo, Spare, fields_of
+from gpuwatchd.core.model import ProcessInfo, Snapshot, Spare, fields_of
 from gpuwatchd.core.vocabulary import EventName, Level
 
 SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
@@ -18,16 +18,6 @@ SpareEvent = tuple[str, Level, dict[str, object]]  # (event name, level, fields)
 
 def _in_force(spares: Iterable[Spare], wall: float) -> list[Spare]:
     return [spare for spare in spares if spare.until > wall]
-
-
-def spare_text(spare: Spare) -> str:
-    """How a spare is named in refusals and events: ``pid 123 (start 456)`` or ``job
-    slurm:42``, with its reason."""
-    if spare.job is not None:
-        what = f"job {spare.job}"
-    else:
-        what = f"pid {spare.pid} (start ticks {spare.start_ticks})"
-    return f"{what} is spared" + (f" ({spare.reason})" if spare.reason else "")
 
 
 # slurmstepd's process title, "slurmstepd: [42.batch]" (cut short: the job id and dot suffice).
@@ -75,22 +65,18 @@ def job_processes(job: str, processes: Mapping[int, ProcessInfo]) -> list[Proces
     ]
 
 
-def spare_covering(
-    process: ProcessInfo,
-    spares: Sequence[Spare],
-    wall: float,
-    processes: Mapping[int, ProcessInfo] | None = None,
-) -> tuple[Spare, str | None] | None:
-    """The spare in force at ``wall`` that covers ``process``, with what unknown fact makes it
-    count as spared (None: it is the spared one), or None."""
-    for spare in _in_force(spares, wall):
+def spare_covering(process: ProcessInfo, snapshot: Snapshot) -> tuple[Spare, str | None] | None:
+    """The spare of ``snapshot`` in force at its wall time that covers ``process`` (or its
+    Slurm step tree among its processes), with what unknown fact makes it count as spared
+    (None: it is the spared one), or None."""
+    for spare in _in_force(snapshot.spares, snapshot.wall_time):
         if spare.pid is not None and spare.pid == process.pid:
             if process.start_ticks is None:
                 return spare, "this process's start time is unknown"
             if process.start_ticks == spare.start_ticks:
                 return spare, None
         if spare.job is not None:
-            if processes is not None and slurm_tree_job(process, processes) == spare.job:
+            if slurm_tree_job(process, snapshot.processes) == spare.job:
                 return spare, None
             if process.cgroup is None:
                 return spare, "this process's job is unknown"
@@ -99,19 +85,20 @@ def spare_covering(
     return None
 
 
-def spare_reason(
-    process: ProcessInfo,
-    spares: Sequence[Spare],
-    wall: float,
-    processes: Mapping[int, ProcessInfo] | None = None,
-) -> str | None:
-    """Why a spare in force leaves ``process`` alone at ``wall``, or None; the text stays the
+def spare_reason(process: ProcessInfo, snapshot: Snapshot) -> str | None:
+    """Why a spare in force leaves ``process`` alone at ``snapshot``'s time (``pid 123 (start
+    ticks 456)`` or ``job slurm:42``, its reason, what is unknown), or None; the text stays the
     same while the spare lasts (a hold is said once)."""
-    found = spare_covering(process, spares, wall, processes)
+    found = spare_covering(process, snapshot)
     if found is None:
         return None
     spare, unknown = found
-    return spare_text(spare) + (f"; {unknown}" if unknown else "")
+    if spare.job is not None:
+        what = f"job {spare.job}"
+    else:
+        what = f"pid {spare.pid} (start ticks {spare.start_ticks})"
+    reason = f" ({spare.reason})" if spare.reason else ""
+    return f"{what} is spared{reason}" + (f"; {unknown}" if unknown else "")
 
 
 _SPARE_FIELDS = ("target", "pid", "start_ticks", "job", "reason", "until", "by_uid")

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from gpuwatchd.core.model import Finding, GpuInfo, ProcessInfo, Snapshot
 from gpuwatchd.decide.floor import infrastructure, unverified_infrastructure
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id
+from gpuwatchd.decide.mig.instances import parent_of
 from gpuwatchd.decide.patterns import MAX_COMMAND_TEXT, command_search
 from gpuwatchd.decide.policy import Policy, Rule
 from gpuwatchd.decide.spares import spare_reason
@@ -159,7 +160,10 @@ def _protect_reason(
         if holding is not None:
             uuids += [g.uuid for m in holding.gpu_minors if (g := snapshot.gpu_by_minor(m))]
         for uuid in uuids:
-            entry = gpu_protected(uuid, gpu_by_uuid(snapshot, uuid), policy)
+            mig = parent_of(snapshot, uuid)  # naming a MIG GPU protects its instances
+            entry = gpu_protected(uuid, gpu_by_uuid(snapshot, uuid), policy) or (
+                None if mig is None else gpu_protected(mig[0].uuid, mig[0], policy)
+            )
             if entry is not None:
                 return f"GPU {uuid} is protected ({entry})"
     return None
@@ -179,7 +183,7 @@ def refusal(
     floor = _floor_reason(process, finding, snapshot, self_ancestors)
     if floor is not None:
         return f"floor: {floor}"
-    spared = spare_reason(process, snapshot.spares, snapshot.wall_time, snapshot.processes)
+    spared = spare_reason(process, snapshot)
     if spared is not None:
         return f"spare: {spared}"
     protect = _protect_reason(process, finding, snapshot, policy)

@@ -12,6 +12,7 @@ import pytest
 
 from gpuwatchd.act.reset_target import (
     MAX_RECORDED_ARGS,
+    MAX_RECORDED_CHARS,
     MAX_RECORDED_COMMANDS,
     Commands,
     ResetTarget,
@@ -560,6 +561,26 @@ def test_reset_commands_at_the_bounds_are_accepted_and_recorded() -> None:
         reset = parse(_reset_policy(**shape)).reset
         target = ResetTarget(UUID, "00000000:1A:00.0", 0, persistence_was_on=True)
         assert isinstance(prepare_commands(target, reset), Commands)
+
+
+@pytest.mark.parametrize("copies", [32, 33, 409])
+def test_an_argument_check_config_accepts_is_never_refused_for_its_filled_length(
+    copies: int,
+) -> None:
+    """Each ``{hostname}`` fills to up to 253 characters: 409 of them (4,090 characters, under
+    the unfilled bound) used to pass check-config and grow past what a reset records, so every
+    reset was refused. Now 32 (8,096 filled) pass and are recorded; 33 (8,349) are refused."""
+    host = ".".join(["h" * 63] * 3 + ["h" * 61])
+    text = f"reset:\n  before:\n    - [echo, '{'{hostname}' * copies}']\n"
+    if len(host) * copies > MAX_RECORDED_CHARS:
+        err = error_of(text)
+        assert (err.key, err.line) == ("reset.before[0]", 3)
+        assert f"can grow to {len(host) * copies} characters" in err.message
+        return
+    target = ResetTarget(UUID, "00000000:1A:00.0", 0, persistence_was_on=True, hostname=host)
+    commands = prepare_commands(target, parse(text).reset)
+    assert isinstance(commands, Commands)
+    assert len(commands.before[0].argv[1]) == len(host) * copies
 
 
 # --- drop-ins and merging -----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from gpuwatchd.config import schema
 from gpuwatchd.config.keys import SECTIONS, Bound, Nested, Section
 from gpuwatchd.config.yamlsrc import ConfigError
-from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, format_argv
+from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, MAX_FILLED_CHARS, format_argv
 from gpuwatchd.decide.policy import Policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -593,14 +593,18 @@ def test_the_bounds_tables_in_the_policy_doc_and_man_page_match_the_schema() -> 
 def test_the_bounds_of_what_a_reset_records_are_documented_as_the_code_has_them() -> None:
     doc = (REPO / "docs" / "policy.md").read_text()
     section = doc.split("## Bounds", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (hooks in|commands in|arguments of)[^|]+\| (\d+) +\|", section, re.M)
+    rows = re.findall(
+        r"^\| (hooks in|commands in|arguments of|characters of)[^|]+\| (\d+) +\|", section, re.M
+    )
     bounds = [("hooks in", MAX_COMMANDS), ("commands in", MAX_COMMANDS), ("arguments of", MAX_ARGS)]
+    bounds += [("characters of", MAX_FILLED_CHARS)]
     assert rows == [(what, str(bound)) for what, bound in bounds]
     man = (REPO / "docs" / "man" / "gpuwatchd.yaml.5").read_text()
     limits = " ".join(man.split(".SH LIMITS", 1)[1].split(".SH ", 1)[0].split())
     assert f"At most {MAX_COMMANDS} hooks" in limits
     assert f"at most {MAX_COMMANDS} commands in .IR reset.mig_recovery_commands" in limits
     assert f"at most {MAX_ARGS} arguments in any command" in limits
+    assert f"at most {MAX_FILLED_CHARS} characters in an argument once" in limits
 
 
 # --- 4. NUL in argv and strings -------------------------------------------------------------------

@@ -22,7 +22,7 @@ from gpuwatchd.cli.status import describe
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.core.model import CgroupInfo, NvmlReading, Spare
+from gpuwatchd.core.model import CgroupInfo, NvmlReading, ProcessInfo, Spare
 from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.decide.nvml_state import NvmlAvailability, next_availability
@@ -215,15 +215,17 @@ SLURM_42 = CgroupInfo(path="/system.slice/slurmstepd.scope/job_42/step_0", slurm
     ],
 )
 def test_spare_covers_its_process_by_pid_and_start_time_or_its_job(
-    spare: Spare, process: object, spared: bool
+    spare: Spare, process: ProcessInfo, spared: bool
 ) -> None:
-    assert (spare_reason(process, (spare,), NOW) is not None) is spared  # type: ignore[arg-type]
+    at = dataclasses.replace(snap([process]), spares=(spare,), wall_time=NOW)
+    assert (spare_reason(process, at) is not None) is spared
 
 
 def test_a_job_spare_excuses_no_process_whose_cgroup_is_unknown() -> None:
     unknown = dataclasses.replace(proc(7, 1), cgroup=None)
     spare = _spare(target="job:slurm:42", job="slurm:42")
-    why = spare_reason(unknown, (spare,), NOW)
+    at = dataclasses.replace(snap([unknown]), spares=(spare,), wall_time=NOW)
+    why = spare_reason(unknown, at)
     assert why is not None
     assert "job is unknown" in why
 

@@ -67,6 +67,7 @@ _RESET_GATES = (
 )
 _KILL_LADDER = (
     "_gate",
+    "_report_only",
     "cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
@@ -92,6 +93,7 @@ _KILL_LADDER = (
 # What decides whether a signal is sent, and to whom.
 _KILL_DECISIONS = (
     "_gate",
+    "_report_only",
     "cap_exceeded",
     "_kill_caps",
     "kill_cap_scope",
@@ -164,6 +166,7 @@ _PLAN_MODULES = {
     ),
     "plan_ladders": (
         "_gate",
+        "_report_only",
         "_kill_caps",
         "expire_latches",
         "consider_process_finding",

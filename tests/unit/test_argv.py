@@ -8,12 +8,16 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.decide.argv import (
+    ARGV_PLACEHOLDERS,
     GPU_PLACEHOLDERS,
     HOOK_PLACEHOLDERS,
+    MAX_FILLED_CHARS,
     ArgvError,
     check_command,
     check_hook_command,
     check_one_gpu,
+    check_value,
+    filled_length,
     format_argv,
     hook_environment,
 )
@@ -118,6 +122,7 @@ def test_a_refused_shell_is_named_where_it_stands(argv: list[str], message: str)
             "{pci_bus_id} alone",
         ),
         (["nvidia-smi", "-r", "-i", "0,abc"], False, "'-i 0,abc' selects a GPU by index"),
+        (["nvidia-smi", "-r", "-i"], True, "'-i' has no value: it must name the GPU"),
     ],
 )
 def test_a_reset_command_names_one_gpu_once(
@@ -133,9 +138,9 @@ def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
     with pytest.raises(ArgvError, match="must name exactly one GPU"):
         check_one_gpu(["nvidia-smi", "-r", "-i", UUID], require_placeholder=True)
     # A hook that runs nvidia-smi is held to placeholders: a literal GPU there is refused.
-    with pytest.raises(ArgvError, match="must name exactly one GPU"):
+    with pytest.raises(ArgvError, match=r"^a hook that runs nvidia-smi must name exactly one"):
         check_hook_command(["nvidia-smi", "-q", "-i", UUID], HOOK_PLACEHOLDERS)
-    check_hook_command(["nvidia-smi", "-q", "-i", "{uuid}"], HOOK_PLACEHOLDERS)
+    check_hook_command(["nvidia-smi", "-q", "-i", "{uuid}", "-f", "{hostname}"], HOOK_PLACEHOLDERS)
 
 
 # --- placeholders and the values filled into them -----------------------------------------------
@@ -144,6 +149,8 @@ def test_a_literal_gpu_is_accepted_only_where_the_policy_allows_it() -> None:
 def test_an_unknown_placeholder_after_an_escaped_brace_is_refused() -> None:
     with pytest.raises(ArgvError, match=r"unknown placeholder \{nope\}"):
         check_command(["tool", "{{literal}}-{nope}"], GPU_PLACEHOLDERS)
+    with pytest.raises(ArgvError, match=r"unknown placeholder \{hostname\}"):  # a hook's only
+        check_command(["tool", "{hostname}"], GPU_PLACEHOLDERS)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +175,45 @@ def test_format_argv_fills_every_placeholder_and_keeps_escaped_braces() -> None:
         "-i",
         "3",
     )
+
+
+_BODY = UUID[len("GPU-") :]
+_HOST = ".".join(["h" * 63] * 3 + ["h" * 61])
+# Each placeholder's longest value, and the same one character longer (refused).
+_LONGEST = {
+    "uuid": (f"MIG-GPU-{_BODY}/999/999", f"MIG-GPU-{_BODY}/999/9999"),
+    "mig_uuid": (f"MIG-GPU-{_BODY}/999/999", f"MIG-GPU-{_BODY}/9999/999"),
+    "pci_bus_id": ("00000000:3B:00.0", "000000000:3B:00.0"),
+    "minor": ("255", "2555"),
+    "mode": ("1", "11"),
+    **dict.fromkeys(("gi", "ci", "profile", "placement"), ("99", "999")),
+    "hostname": (_HOST, _HOST + "h"),
+    "user": ("u" * 32 + "$", "u" * 33 + "$"),
+}
+
+
+@pytest.mark.parametrize("name", ARGV_PLACEHOLDERS)
+def test_each_placeholder_fills_to_at_most_its_known_longest_value(name: str) -> None:
+    """check-config bounds an argument's filled length with these (``filled_length``)."""
+    longest, longer = _LONGEST[name]
+    assert check_value(name, longest) == longest
+    assert filled_length(f"{{{name}}}") == len(longest)
+    with pytest.raises(ValueError, match="refusing to run"):
+        check_value(name, longer)
+
+
+def test_an_argument_that_fills_past_what_a_reset_records_is_refused() -> None:
+    """A reset records arguments of at most MAX_FILLED_CHARS characters (act/reset_target.py):
+    an argument whose placeholders can fill it past that is refused when the policy is read,
+    not at every reset. ``{{`` counts as the one brace it becomes."""
+    assert filled_length("tag={{{uuid}}}") == len("tag={") + 52 + len("}")
+    room = "x" * (MAX_FILLED_CHARS - len(_HOST))
+    check_command(["echo", room + "{hostname}"], HOOK_PLACEHOLDERS)
+    check_command(["echo", "{{}}" + room[2:] + "{hostname}"], HOOK_PLACEHOLDERS)
+    with pytest.raises(ArgvError) as caught:
+        check_command(["echo", room + "x{hostname}"], HOOK_PLACEHOLDERS)
+    assert f"can grow to {MAX_FILLED_CHARS + 1} characters" in str(caught.value)
+    assert f"at most {MAX_FILLED_CHARS} (what a reset records)" in str(caught.value)
 
 
 def test_hook_environment_names_only_known_values() -> None:

@@ -502,10 +502,15 @@ SPARED = f"pid {A} (start ticks {10_000 + A * 7}) is spared (debugging)"
         ("pid spare", f"spare: {SPARED}"),
         ("job spare", "spare: job slurm:42 is spared (debugging); this process's job is unknown"),
         ("job spare, its step's tree", "spare: job slurm:42 is spared (debugging)"),
+        # Before, only a new ladder checked these: a started one went on to SIGKILL.
+        ("report-only finding", "not_actionable: the assessment is report-only"),
+        ("report-only GPU", "report_only: its process list could not be read"),
     ],
 )
 def test_a_held_ladder_says_what_holds_it(case: str, why: str) -> None:
     state, pol, builder = started(A), POLICY, host(A)
+    finding = orphan(A, actionable=case != "report-only finding")
+    report_only = {GPU0: why.partition(": ")[2]} if case == "report-only GPU" else {}
     spares: tuple[Spare, ...] = ()
     if case.startswith("paused"):
         state = replace(state, paused=True, paused_reason=case.partition(": ")[2] or None)
@@ -513,7 +518,7 @@ def test_a_held_ladder_says_what_holds_it(case: str, why: str) -> None:
         pol = replace(POLICY, dry_run=True)
     elif case == "pid spare":
         spares = (Spare(f"pid:{A}", WALL + 99.0, "debugging", pid=A, start_ticks=10_000 + A * 7),)
-    else:  # a job spare: A's cgroup is unknown, or A runs under the job's slurmstepd
+    elif case.startswith("job spare"):  # A's cgroup is unknown, or A runs under its slurmstepd
         spares = (Spare("job:slurm:42", WALL + 99.0, "debugging", job="slurm:42"),)
         if case == "job spare":
             builder.change(A, cgroup=None)
@@ -522,7 +527,8 @@ def test_a_held_ladder_says_what_holds_it(case: str, why: str) -> None:
                          cmdline=("slurmstepd: [42.0]",))  # fmt: skip
             builder.change(A, ppid=500)
     snapshot = replace(builder.build(), spares=spares)
-    result = poll([orphan(A)], snapshot, state, 30.0, pol)
+    result = plan([finding], snapshot, state, pol, now=30.0, wall=WALL + 30.0,
+                  report_only=report_only)  # fmt: skip
     assert signals(result) == [], case
     # Held (said at info), not refused: the ladder goes on when the spare ends.
     assert levels(result, EventName.ACTION_REFUSED) == [(why, Level.INFO)], case

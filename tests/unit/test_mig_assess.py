@@ -234,11 +234,23 @@ def test_plan_signals_the_orphan_of_one_instance_and_never_the_live_job_beside_i
     assert signalled == {601}
 
 
-def test_protecting_the_parent_gpu_protects_its_instances() -> None:
+@pytest.mark.parametrize("entry", [gpu_uuid(0), "0000:10:00.0"])
+@pytest.mark.parametrize("parent_node", [True, False])
+def test_protecting_the_parent_gpu_protects_its_instances(parent_node: bool, entry: str) -> None:
+    """By its UUID or PCI bus id; also when the orphan holds the instance's capability but not
+    ``/dev/nvidia0``: before, only the GPUs of its device nodes were looked up, and it was
+    signalled."""
     snapshot = leak_beside_live_job()
+    if not parent_node:
+        held = dataclasses.replace(snapshot.holders.holdings[601], gpu_minors_fd=frozenset())
+        holdings = {**snapshot.holders.holdings, 601: held}
+        snapshot = dataclasses.replace(
+            snapshot, holders=dataclasses.replace(snapshot.holders, holdings=holdings)
+        )
+        assert not held.gpu_minors
     result = run(snapshot)
     protected = dataclasses.replace(
-        policy(), protect=dataclasses.replace(Policy().protect, gpus=(gpu_uuid(0),))
+        policy(), protect=dataclasses.replace(Policy().protect, gpus=(entry,))
     )
     state = PlanState()
     for step in range(12):

@@ -83,6 +83,11 @@ DROP_IN = "/etc/gpuwatchd/conf.d/50-site.yaml"
         (r"\b", ""),
         (r"\B", ""),
         (r"\B", "a"),
+        # Counted repeats between anchors: exactly as many copies as counted, no more.
+        (r"^a{2}$", "aaa"),
+        (r"^a{2}$", "aa"),
+        (r"^a{1,2}$", "aaa"),
+        (r"^a{1,2}$", "aa"),
     ],
 )
 def test_command_search_answers_as_re_search_does(pattern: str, text: str) -> None:
@@ -185,7 +190,22 @@ def test_counted_repeats_past_the_bound_are_refused_at_load_naming_key_and_value
     _assert_refused_at_load("protect: {commands: [%s]}", pattern, "too costly")
 
 
-@pytest.mark.parametrize("pattern", [r"[0-9a-f]{64}", r"(a{3}){4}", r"a+b*c?(d|e)+", r"x{2,}"])
+@pytest.mark.parametrize(
+    ("pattern", "shown"),
+    [(r"x{65,}", "{65,}"), (r"a{2,}" * 33, "{2,}"), (r"a{0,2}" * 33, "{0,2}"),
+     (r"\d{40}-\w{40}", "{40}")],
+)  # fmt: skip
+def test_a_refused_count_is_shown_as_written(pattern: str, shown: str) -> None:
+    """``{n,}`` counts its n copies, ``{0,m}`` its m; the refusal shows the count that passed."""
+    with pytest.raises(TooCostly, match=f"^its counted repeats \\({re.escape(shown)} here\\)"):
+        check_linear(re.compile(pattern))
+
+
+# *, + and ? are no counts: any number of them loads.
+@pytest.mark.parametrize(
+    "pattern",
+    [r"[0-9a-f]{64}", r"(a{3}){4}", r"a+b*c?(d|e)+", r"x{2,}", r"(?:a+b?c*)" * 65],
+)
 def test_counts_within_the_bound_and_plain_repeats_load(pattern: str) -> None:
     check_linear(re.compile(pattern))
     assert command_search(re.compile(pattern), "y" * 10) is False

@@ -1212,6 +1212,17 @@ def test_state_from_json_rejects_malformed_data(data: object) -> None:
         PlanState.from_json(data)
 
 
+@pytest.mark.parametrize(("target", "pid"), [("42@7", 42), ("²@7", None), ("4a@7", None)])
+def test_a_saved_findings_target_names_its_pid_only_in_ascii_digits(
+    target: str, pid: int | None
+) -> None:
+    """A state file is hostile input: ``'²'.isdigit()`` is True, and ``int('²')`` used to raise
+    out of ``plan`` when the finding resolved."""
+    saved = {"seen": {"k": {"first_seen": 1.0, "digest": "d", "gpu": None, "target": target}}}
+    r = plan([], snap(), PlanState.from_json(saved), policy(), now=5.0, wall=5.0)
+    assert event(r, EventName.FINDING_RESOLVED)["pid"] == pid
+
+
 _SAVED_LADDER = Ladder("t", 7, 70, "f", "orphans", "GPU-0", (("SIGTERM", 30.0), (None, 0.0)),
                        1, 40.0, LadderStatus.ACTIVE, False, 10.0, "alice")  # fmt: skip
 

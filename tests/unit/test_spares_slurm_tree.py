@@ -70,11 +70,17 @@ def test_nothing_a_user_controls_ties_a_process_to_a_job(forged: ProcessInfo) ->
 def test_a_job_spare_covers_its_step_tree_where_the_cgroup_says_nothing() -> None:
     """Before: a job spare matched the cgroup only, so under proctrack/linuxproc it covered
     none of the job's processes."""
-    assert spare_reason(WORKER, (SPARE_42,), 0.0, _tree()) == "job slurm:42 is spared (debugging)"
+
+    def spared(process: ProcessInfo, spare: Spare) -> str | None:
+        tree = _tree(process)
+        return spare_reason(process, dataclasses.replace(snap(), processes=tree, spares=(spare,)))
+
+    assert spared(WORKER, SPARE_42) == "job slurm:42 is spared (debugging)"
+    assert spared(WORKER, dataclasses.replace(SPARE_42, reason="")) == "job slurm:42 is spared"
     other = dataclasses.replace(SPARE_42, target="job:slurm:43", job="slurm:43")
-    assert spare_reason(WORKER, (other,), 0.0, _tree()) is None
+    assert spared(WORKER, other) is None
     escaped = dataclasses.replace(WORKER, ppid=1)  # reparented to init: Slurm lost it too
-    assert spare_reason(escaped, (SPARE_42,), 0.0, _tree(escaped)) is None
+    assert spared(escaped, SPARE_42) is None
 
 
 def test_the_spared_jobs_orphan_gets_no_signal() -> None:

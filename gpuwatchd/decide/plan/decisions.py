@@ -176,9 +176,10 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
 
 
 def _target_pid(target: str | None) -> int | None:
-    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding."""
+    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding, or one a
+    damaged state file spells in other than ASCII digits (``'²'.isdigit()`` is True)."""
     pid = None if target is None else target.split("@", 1)[0]
-    return int(pid) if pid is not None and pid.isdigit() else None
+    return int(pid) if pid is not None and pid.isascii() and pid.isdecimal() else None
 
 
 # --- queries and admin switches ---------------------------------------------------------------

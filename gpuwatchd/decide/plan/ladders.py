@@ -88,7 +88,7 @@ def _advance_live_ladder(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo) -> N
     if lad.step >= len(lad.steps):
         _last_step_over(w, ctx, lad, proc)
         return
-    hold = _ladder_hold(w, ctx, lad, proc, scope)
+    hold = _report_only(ctx, finding) or _ladder_hold(w, ctx, lad, proc, scope)
     if hold is not None:
         # Not put in ``waiting``: nothing is due until the hold lifts (no busy loop).
         if w.noted(lad.finding_key, f"hold:{hold}"):
@@ -125,7 +125,7 @@ def _ladder_hold(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo, scope: str) 
     hold = hold_reason(w, ctx)
     if hold is not None:
         return hold
-    spared = spare_reason(proc, ctx.snapshot.spares, ctx.snapshot.wall_time, ctx.snapshot.processes)
+    spared = spare_reason(proc, ctx.snapshot)
     if spared is not None:
         return f"spare: {spared}"
     if is_dry_run(w, ctx, scope) and not lad.dry_run:
@@ -234,11 +234,6 @@ def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding
     )
 
 
-def _refuse(w: Work, key: str, why: str, level: Level, finding: Finding) -> None:
-    if w.noted(key, why):
-        w.event(EventName.ACTION_REFUSED, level, why=why, **finding_fields(finding))
-
-
 def _held(since: float, since_monotonic: float | None, ctx: Ctx) -> tuple[float, float]:
     """How long a latch has held, and its anchor on the plan's monotonic clock (anchored once
     by the wall time it has held when it has none)."""
@@ -302,7 +297,8 @@ def consider_process_finding(w: Work, ctx: Ctx, finding: Finding) -> None:
     why = _gate(w, ctx, finding, proc)
     if why is not None:
         text, level = why
-        _refuse(w, key, text, level, finding)
+        if w.noted(key, text):
+            w.event(EventName.ACTION_REFUSED, level, why=text, **finding_fields(finding))
         return
     identity = finding.identity
     if identity is None or target is None:
@@ -396,14 +392,23 @@ def _kill_caps(
     return replace(lad, dry_run=True)
 
 
+def _report_only(ctx: Ctx, finding: Finding) -> str | None:
+    """Why ``finding`` may not be acted on: the assessment or its GPU is report-only (a new
+    ladder does not start; one in progress holds its next step)."""
+    if not finding.actionable:
+        return "not_actionable: the assessment is report-only"
+    if finding.gpu is not None and finding.gpu in ctx.report_only:
+        return f"report_only: {ctx.report_only[finding.gpu]}"
+    return None
+
+
 def _gate(
     w: Work, ctx: Ctx, finding: Finding, proc: ProcessInfo | None
 ) -> tuple[str, Level] | None:
     """Why a new ladder may not start now (text, level), or None."""
-    if not finding.actionable:
-        return "not_actionable: the assessment is report-only", Level.INFO
-    if finding.gpu is not None and finding.gpu in ctx.report_only:
-        return f"report_only: {ctx.report_only[finding.gpu]}", Level.INFO
+    report_only = _report_only(ctx, finding)
+    if report_only is not None:
+        return report_only, Level.INFO
     if ctx.blocked is not None:
         return f"blocked: {ctx.blocked}", Level.WARNING
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from gpuwatchd.core.checked import number, opt_number, pairs, text
+from gpuwatchd.core.checked import number, obj, opt_number, pairs, text
 from gpuwatchd.decide.policy import Limits
 
 HOUR = 3600.0
@@ -52,8 +52,7 @@ class DryShadow:
         """Rebuild :meth:`to_json`'s form; ValueError naming the bad entry otherwise."""
         if data is None:
             return cls()
-        if not isinstance(data, dict):
-            raise ValueError("plan.shadow: expected an object")
+        data = obj(data, "plan.shadow")
         capped = data.get("capped")
         if capped is not None and not isinstance(capped, str):
             raise ValueError("plan.shadow.capped: expected a string or null")

@@ -18,7 +18,7 @@ from gpuwatchd.core.vocabulary import (
     ResetResult,
     ResetStep,
 )
-from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, format_argv
+from gpuwatchd.decide.argv import MAX_ARGS, MAX_COMMANDS, MAX_FILLED_CHARS, format_argv
 from gpuwatchd.decide.mig.recovery import InstanceRecovery, layout_argvs, recovery_argvs
 from gpuwatchd.decide.plan.monitors import StoppableMonitor
 from gpuwatchd.decide.policy import MAX_HOOK_TIMEOUT, Hook, ResetPolicy
@@ -49,7 +49,7 @@ Argv = tuple[str, ...]
 # bounds (a policy whose filled-in commands exceed them is refused before the first step).
 MAX_RECORDED_COMMANDS = MAX_COMMANDS  # commands, or hooks, in one list
 MAX_RECORDED_ARGS = MAX_ARGS  # arguments of one command
-MAX_RECORDED_CHARS = 8192  # characters of one argument (a policy's are at most 4096 unfilled)
+MAX_RECORDED_CHARS = MAX_FILLED_CHARS  # characters of one filled argument
 _HOOK_STEPS = ("drain", "before", "after")
 
 

@@ -36,8 +36,7 @@ from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import pause_in_force, read_ended_jobs
-from gpuwatchd.state.saved import STATE_FILE, SavedState, read_saved_state
-from gpuwatchd.state.status_document import signalled_last_hour
+from gpuwatchd.state.saved import STATE_FILE, SavedState, read_saved_state, signalled_last_hour
 
 
 @dataclass(frozen=True)

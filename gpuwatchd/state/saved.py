@@ -10,10 +10,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.core.checked import Value, as_map
+from gpuwatchd.core.checked import Value, as_map, as_number
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import STATE_FILE_VERSION, EventName
+from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.events import lazylog
 from gpuwatchd.state.directory import StateDir, StateDirError, UntrustedFile
 
@@ -137,3 +138,15 @@ class StateStore:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
         Raises OSError (a full disk: ENOSPC), the old file left as it was."""
         self.directory().write(STATE_FILE, STATE.encode(data))
+
+
+def signalled_last_hour(history: object, now: float | None) -> int | None:
+    """How many kill-cap entries of ``history`` (``signal_history``: [target, monotonic time]
+    pairs, saved or typed) lie within the hour before ``now`` (the same clock), as the planner
+    keeps them; None when ``history``, ``now`` or a time in it is unknown."""
+    if not isinstance(history, (list, tuple)) or now is None:
+        return None
+    times = [as_number(p[1]) for p in history if isinstance(p, (list, tuple)) and len(p) == 2]
+    if None in times:
+        return None
+    return sum(1 for at in times if at is not None and now - at < HOUR)

@@ -13,11 +13,10 @@ from gpuwatchd.core.codec import Format, pick
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
-from gpuwatchd.decide.plan.shadow import HOUR
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.events.words import JournalNamer, finding_label
-from gpuwatchd.state.saved import MAX_STATE_BYTES, UNREADABLE
+from gpuwatchd.state.saved import MAX_STATE_BYTES, UNREADABLE, signalled_last_hour
 
 DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
 DOCUMENT = Format("status document", MAX_STATE_BYTES, version=DOCUMENT_FORMAT, version_key="format")
@@ -126,18 +125,6 @@ def _modes(status: Mapping[str, object], plan: Mapping[str, object]) -> dict[str
         "paused_reason": as_text(plan.get("paused_reason")) if paused else None,
         "paused_until": as_number(plan.get("paused_until")) if paused else None,
     }
-
-
-def signalled_last_hour(history: object, now: float | None) -> int | None:
-    """How many kill-cap entries of ``history`` (``signal_history``: [target, monotonic time]
-    pairs, saved or typed) lie within the hour before ``now`` (the same clock), as the planner
-    keeps them; None when ``history``, ``now`` or a time in it is unknown."""
-    if not isinstance(history, (list, tuple)) or now is None:
-        return None
-    times = [as_number(p[1]) for p in history if isinstance(p, (list, tuple)) and len(p) == 2]
-    if None in times:
-        return None
-    return sum(1 for at in times if at is not None and now - at < HOUR)
 
 
 def _kill_cap(

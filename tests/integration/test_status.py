@@ -32,8 +32,7 @@ from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.saved import UNREADABLE, StateStore, read_saved_state
-from gpuwatchd.state.status_document import signalled_last_hour
+from gpuwatchd.state.saved import UNREADABLE, StateStore, read_saved_state, signalled_last_hour
 from tests.support.statusrig import (
     BOOT,
     LADDER,

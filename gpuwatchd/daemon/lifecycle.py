@@ -212,7 +212,12 @@ class Daemon:
             return ExitCode.CONFIG
         try:
             with self.store.directory().lock():
-                return self._run_locked()
+                try:
+                    return self._run_locked()
+                except OSError as exc:
+                    # Not the state folder's fault, nor a person's to fix (exit 77 and 78 are
+                    # never restarted): exit 1 with the traceback, and systemd restarts it.
+                    raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
         except AlreadyRunning as exc:
             if self.once:
                 raise  # run_daemon waits for the running daemon instead (cli/once.py)

@@ -723,7 +723,7 @@ class Daemon:
         )
         try:
             self.store.save(data)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a value JSON cannot hold (a NaN)
             log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
             return False
         self._saved_key = key

@@ -135,5 +135,5 @@ class StateStore:
 
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
-        Raises OSError (a full disk: ENOSPC), the old file left as it was."""
+        Raises OSError (a full disk: ENOSPC) or ValueError (a NaN), the old file left as it was."""
         self.directory().write(STATE_FILE, STATE.encode(data))

@@ -189,3 +189,17 @@ def test_an_error_the_loop_does_not_expect_ends_in_a_restartable_exit(
     assert got.value.__cause__.errno == error
     assert os.strerror(error) in str(got.value)
     assert "state.dir_unusable" not in [e["event"] for e in logs]
+
+
+def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Path) -> None:
+    """A NaN (the codec writes no NaN) is refused as a full disk is: said, nothing written,
+    False (no irreversible step), and the daemon runs on its state in memory."""
+    daemon = _daemon(state_dir)
+    daemon.started_wall = float("nan")
+    with capture_logs() as logs:
+        assert daemon.save_state() is False
+    [said] = [e for e in logs if e["event"] == "state.save_failed"]
+    assert "not JSON compliant" in said["error"]
+    assert list(state_dir.iterdir()) == []
+    daemon.started_wall = 1.0
+    assert daemon.save_state()

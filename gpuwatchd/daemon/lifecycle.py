@@ -512,13 +512,14 @@ class Daemon:
     # --- one poll -------------------------------------------------------------------------
 
     def _state_dir(self) -> StateDir | None:
-        """The state directory; None when it cannot be used (said once per distinct error),
-        also when the folder at its path is no longer the one opened (removed or replaced: an
-        admin's pause written there would go unseen)."""
+        """The state directory; None when it cannot be used (said once per distinct error, and
+        again after it worked in between), also when the folder at its path is no longer the
+        one opened (removed or replaced: an admin's pause written there would go unseen)."""
         try:
             directory = self.store.directory()
             if not os.path.samestat(os.stat(directory.path), os.fstat(directory.fd)):
                 raise StateDirError(f"{directory.path}: replaced since the start; restart")
+            self._state_dir_error = None  # a later outage is news again
             return directory
         except OSError as exc:
             error = _os_error(exc)

@@ -203,3 +203,17 @@ def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Pa
     assert list(state_dir.iterdir()) == []
     daemon.started_wall = 1.0
     assert daemon.save_state()
+
+
+def test_a_second_outage_of_the_state_dir_is_said_again(state_dir: Path, tmp_path: Path) -> None:
+    """Said once per distinct error, and again after the folder worked in between."""
+    daemon = _daemon(state_dir)
+    assert daemon._state_dir() is not None  # opened: the folder at the path is checked
+    with capture_logs() as logs:
+        for _ in range(2):
+            state_dir.rename(tmp_path / "away")
+            assert daemon._state_dir() is None
+            assert daemon._state_dir() is None  # the same error: not said twice
+            (tmp_path / "away").rename(state_dir)
+            assert daemon._state_dir() is not None
+    assert [e["event"] for e in logs] == ["state.dir_unusable"] * 2

@@ -27,6 +27,15 @@ STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=Tru
 log = lazylog.get_logger("gpuwatchd.state.saved")
 
 
+def cannot_tell(unread: str) -> str:
+    """Why no GPU may be called clean when the daemon's saved state (``unread``: why it could not
+    be read) is unknown: ``check-clean``, ``scan`` and ``run --once`` say it alike."""
+    return (
+        f"cannot tell whether the GPUs are clean: {unread} (a MIG recovery or reset the daemon "
+        "left half done would not be seen)"
+    )
+
+
 @dataclass(frozen=True)
 class SavedState:
     """``state.json`` as a reader that changes nothing sees it, every accessor lenient:

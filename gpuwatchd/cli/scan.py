@@ -38,7 +38,13 @@ from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import pause_in_force, read_ended_jobs
-from gpuwatchd.state.saved import STATE_FILE, SavedState, cannot_tell, read_saved_state
+from gpuwatchd.state.saved import (
+    STATE,
+    STATE_FILE,
+    SavedState,
+    cannot_tell,
+    read_saved_state,
+)
 from gpuwatchd.state.status_document import signalled_last_hour
 
 # The reason a GPU's verdict is unknown in the report when the daemon's saved state is unread.
@@ -292,8 +298,9 @@ def _judged_report(
     if saved.same_boot(snapshot.boot_id):  # an older boot's history and monotonic times lie
         with contextlib.suppress(ValueError):
             previous = AssessState.from_json(saved.data.get("assess", {}))
-        try:  # a MIG recovery left half done: its GPU is dirty
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
+        try:  # a MIG recovery left half done: its GPU is dirty; read as the daemon reads it
+            STATE.check(saved.data)  # the envelope's version
+            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan")))
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"

@@ -305,8 +305,16 @@ def _plan_of_another_version() -> dict[str, object]:
         (lambda boot_id: STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS}), 0),
         (lambda boot_id: {"boot_id": boot_id, "plan": _plan_of_another_version()}, 75),
         (lambda boot_id: "{not json", 75),
+        (
+            lambda boot_id: {
+                **STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS}),
+                "version": 2,
+            },
+            75,
+        ),
+        (lambda boot_id: STATE.envelope({"boot_id": boot_id}), 75),
     ],
-    ids=["readable", "plan-unreadable", "file-malformed"],
+    ids=["readable", "plan-unreadable", "file-malformed", "file-of-another-version", "no-plan"],
 )
 def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_read(
     host: SimHost, state: Any, code: int

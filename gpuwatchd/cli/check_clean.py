@@ -19,6 +19,7 @@ from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id, slurm_numbering
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
+from gpuwatchd.state.saved import cannot_tell
 
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)
@@ -214,8 +215,5 @@ def _judged(
     if result.state_unread is not None and chosen and code == ExitCode.OK:
         # A MIG recovery or reset left half done makes its GPU dirty, and only the daemon's
         # saved plan tells it: cannot tell until the daemon writes one this version reads.
-        return EXIT_UNREAD, escape(
-            f"cannot tell whether the GPUs are clean: {result.state_unread} (a MIG recovery or "
-            "reset the daemon left half done would not be seen)"
-        )
+        return EXIT_UNREAD, escape(cannot_tell(result.state_unread))
     return code, None

@@ -18,8 +18,8 @@ from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import OnceStep, once_progress
-from gpuwatchd.state.saved import SavedState, read_saved_state
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
+from gpuwatchd.state.saved import SavedState, cannot_tell, read_saved_state
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 
@@ -79,6 +79,22 @@ def _still_running(policy: Policy, state: Mapping[str, object]) -> bool:
     return pid is None or look_at_process(policy.proc_root, pid) in ("gpuwatchd", "unknown")
 
 
+def _progress(
+    state: Mapping[str, object],
+    report: Mapping[str, object],
+    verdict: NodeVerdict,
+    unread: str | None,
+) -> tuple[OnceStep, list[str]]:
+    """Where the daemon stands by a scan's ``report`` (:func:`once_progress`); never done when
+    the scan could not read the daemon's saved state (``unread``: why): as check-clean, it
+    cannot tell, and waiting will not tell it."""
+    dirty = {g.uuid for g in verdict.gpus if not g.clean}
+    step, left = once_progress(verdict, daemon_busy(state, report, dirty))
+    if step is OnceStep.DONE and unread is not None:
+        return OnceStep.STUCK, [cannot_tell(unread)]
+    return step, left
+
+
 def wait_for_daemon(
     policy: Policy,
     timeout: float,
@@ -119,8 +135,7 @@ def wait_for_daemon(
                 why = verdict.unavailable if verdict is not None else None
                 out.write(f"gpuwatchd: {why or 'NVML did not answer within nvml_timeout'}\n")
                 return ExitCode.UNAVAILABLE
-            dirty = {g.uuid for g in verdict.gpus if not g.clean}
-            step, left = once_progress(verdict, daemon_busy(state, result.report, dirty))
+            step, left = _progress(state, result.report, verdict, result.state_unread)
             waited = format_duration(max(0.0, clock() - started))
             if step is OnceStep.DONE:
                 out.write(f"gpuwatchd: clean: every GPU, nothing left to act on (after {waited})\n")

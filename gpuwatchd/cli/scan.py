@@ -4,6 +4,7 @@ state write; the daemon's state file, when readable, gives baselines and first-s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -22,21 +23,32 @@ from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import Value
+from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import Snapshot, Spare
-from gpuwatchd.core.vocabulary import ExitCode
+from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict, judge
+from gpuwatchd.decide.verdict import NodeVerdict, Reason, judge
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import ServedPoll
 from gpuwatchd.served.holders import HolderView
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import pause_in_force, read_ended_jobs
-from gpuwatchd.state.saved import STATE_FILE, SavedState, read_saved_state, signalled_last_hour
+from gpuwatchd.state.saved import (
+    STATE,
+    STATE_FILE,
+    SavedState,
+    cannot_tell,
+    read_saved_state,
+    signalled_last_hour,
+)
+
+# The reason a GPU's verdict is unknown in the report when the daemon's saved state is unread.
+STATE_UNREAD = "state_unread"
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,10 @@ def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput
         return ScanOutput(text, (wedged,), ExitCode.UNAVAILABLE)
     if result.permission_note:
         return ScanOutput(text, (f"gpuwatchd: {result.permission_note}",), ExitCode.NOPERM)
+    unread, verdict = result.state_unread, result.verdict
+    if unread is not None and verdict is not None and any(g.clean for g in verdict.gpus):
+        # The report shows such a GPU unknown: check-clean cannot tell either (75).
+        return ScanOutput(text, (escape(f"gpuwatchd: {cannot_tell(unread)}"),), ExitCode.TEMPFAIL)
     return ScanOutput(text, (), ExitCode.OK)
 
 
@@ -282,8 +298,9 @@ def _judged_report(
     if saved.same_boot(snapshot.boot_id):  # an older boot's history and monotonic times lie
         with contextlib.suppress(ValueError):
             previous = AssessState.from_json(saved.data.get("assess", {}))
-        try:  # a MIG recovery left half done: its GPU is dirty
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan", {})))
+        try:  # a MIG recovery left half done: its GPU is dirty; read as the daemon reads it
+            STATE.check(saved.data)  # the envelope's version
+            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan")))
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"
@@ -291,10 +308,22 @@ def _judged_report(
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     spares = spares_in_force(state_dir, policy, snapshot.wall_time)
+    shown = verdict if unread is None else _unread_verdict(verdict, unread)
     report = snapshot_report(
-        snapshot, assessment, verdict, first_seen, proc_root=policy.proc_root, spares=spares
+        snapshot, assessment, shown, first_seen, proc_root=policy.proc_root, spares=spares
     )
     return report, verdict, unread
+
+
+def _unread_verdict(verdict: NodeVerdict, unread: str) -> NodeVerdict:
+    """The verdict the report shows when the daemon's saved state could not be read: a GPU
+    judged clean is unknown (``state_unread``), as check-clean cannot tell (exit 75)."""
+    reason = Reason(STATE_UNREAD, None, cannot_tell(unread))
+    gpus = tuple(
+        dataclasses.replace(g, state=Cleanliness.UNKNOWN, reasons=(reason,)) if g.clean else g
+        for g in verdict.gpus
+    )
+    return dataclasses.replace(verdict, gpus=gpus)
 
 
 def _nvml_reading_section(

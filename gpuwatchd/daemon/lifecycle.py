@@ -60,7 +60,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import STATE, UNREADABLE, StateStore
+from gpuwatchd.state.saved import STATE, UNREADABLE, StateStore, cannot_tell
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -197,6 +197,7 @@ class Daemon:
         self._files_key: tuple[object, ...] | None = None  # the files as last read
         self.report: PollReport | None = None  # what the last poll saw, decided and did
         self._spares_over: frozenset[str] = frozenset()  # spares past MAX_SPARES, said
+        self.state_lost: str | None = None  # where an unusable saved state went, at the start
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -212,7 +213,12 @@ class Daemon:
             return ExitCode.CONFIG
         try:
             with self.store.directory().lock():
-                return self._run_locked()
+                try:
+                    return self._run_locked()
+                except OSError as exc:
+                    # Not the state folder's fault, nor a person's to fix (exit 77 and 78 are
+                    # never restarted): exit 1 with the traceback, and systemd restarts it.
+                    raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
         except AlreadyRunning as exc:
             if self.once:
                 raise  # run_daemon waits for the running daemon instead (cli/once.py)
@@ -313,6 +319,10 @@ class Daemon:
             step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
         else:
             step, left = once_progress(verdict, busy)
+        if step is OnceStep.DONE and self.state_lost is not None:
+            # What the unusable state held (a MIG recovery or reset half done) is unknown: as
+            # check-clean, run --once cannot tell, and waiting will not tell it.
+            step, left = OnceStep.STUCK, [cannot_tell(f"{UNREADABLE} ({self.state_lost})")]
         if step is OnceStep.DONE:
             log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
             return ExitCode.OK
@@ -507,13 +517,14 @@ class Daemon:
     # --- one poll -------------------------------------------------------------------------
 
     def _state_dir(self) -> StateDir | None:
-        """The state directory; None when it cannot be used (said once per distinct error),
-        also when the folder at its path is no longer the one opened (removed or replaced: an
-        admin's pause written there would go unseen)."""
+        """The state directory; None when it cannot be used (said once per distinct error, and
+        again after it worked in between), also when the folder at its path is no longer the
+        one opened (removed or replaced: an admin's pause written there would go unseen)."""
         try:
             directory = self.store.directory()
             if not os.path.samestat(os.stat(directory.path), os.fstat(directory.fd)):
                 raise StateDirError(f"{directory.path}: replaced since the start; restart")
+            self._state_dir_error = None  # a later outage is news again
             return directory
         except OSError as exc:
             error = _os_error(exc)
@@ -669,6 +680,7 @@ class Daemon:
                 log.info(
                     EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
                 )
+        self.state_lost = lost
         if lost is not None:
             why = f"{UNREADABLE} ({lost}): what it held is unknown"
             latched = PlanState(
@@ -718,7 +730,7 @@ class Daemon:
         )
         try:
             self.store.save(data)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a value JSON cannot hold (a NaN)
             log.error(EventName.STATE_SAVE_FAILED, error=_os_error(exc), path=self.policy.state_dir)
             return False
         self._saved_key = key

@@ -28,6 +28,15 @@ STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=Tru
 log = lazylog.get_logger("gpuwatchd.state.saved")
 
 
+def cannot_tell(unread: str) -> str:
+    """Why no GPU may be called clean when the daemon's saved state (``unread``: why it could not
+    be read) is unknown: ``check-clean``, ``scan`` and ``run --once`` say it alike."""
+    return (
+        f"cannot tell whether the GPUs are clean: {unread} (a MIG recovery or reset the daemon "
+        "left half done would not be seen)"
+    )
+
+
 @dataclass(frozen=True)
 class SavedState:
     """``state.json`` as a reader that changes nothing sees it, every accessor lenient:
@@ -136,7 +145,7 @@ class StateStore:
 
     def save(self, data: Mapping[str, object]) -> None:
         """Write ``data`` atomically: a reader sees the old file or the new one, never half.
-        Raises OSError (a full disk: ENOSPC), the old file left as it was."""
+        Raises OSError (a full disk: ENOSPC) or ValueError (a NaN), the old file left as it was."""
         self.directory().write(STATE_FILE, STATE.encode(data))
 
 

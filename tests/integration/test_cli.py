@@ -18,10 +18,11 @@ import pytest
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.main import main
+from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
-from gpuwatchd.state.saved import StateStore
+from gpuwatchd.state.saved import STATE, StateStore
 from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
 from tests.support.simhost import SimHost
 
@@ -291,6 +292,9 @@ def test_explain_of_a_scan_lists_the_daemons_pause_and_its_kill_cap_latch(host: 
     assert latch in result.stdout
 
 
+_GOOD_SECTIONS = {"assess": AssessState().to_json(), "plan": PlanState().to_json()}
+
+
 def _plan_of_another_version() -> dict[str, object]:
     return {**PlanState().to_json(), "version": 99}
 
@@ -298,11 +302,19 @@ def _plan_of_another_version() -> dict[str, object]:
 @pytest.mark.parametrize(
     ("state", "code"),
     [
-        (lambda boot_id: {"boot_id": boot_id, "plan": PlanState().to_json()}, 0),
+        (lambda boot_id: STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS}), 0),
         (lambda boot_id: {"boot_id": boot_id, "plan": _plan_of_another_version()}, 75),
         (lambda boot_id: "{not json", 75),
+        (
+            lambda boot_id: {
+                **STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS}),
+                "version": 2,
+            },
+            75,
+        ),
+        (lambda boot_id: STATE.envelope({"boot_id": boot_id}), 75),
     ],
-    ids=["readable", "plan-unreadable", "file-malformed"],
+    ids=["readable", "plan-unreadable", "file-malformed", "file-of-another-version", "no-plan"],
 )
 def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_read(
     host: SimHost, state: Any, code: int
@@ -325,3 +337,18 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
         assert "cannot tell" in result.stderr
         empty = host.gpuwatchd("check-clean", "--gpu", "", "--config", str(host.config()))
         assert empty.returncode == 0, "no GPU asked about: nothing to tell"
+    # One verdict: scan does not call clean what check-clean cannot tell.
+    scanned = host.gpuwatchd("scan", "--json", "--config", str(host.config()))
+    assert scanned.returncode == code, scanned.stderr
+    report = json.loads(scanned.stdout)
+    assert report["verdict"]["clean"] is (code == 0)
+    states = [g["verdict"]["state"] for g in report["gpus"]]
+    assert states == (["clean"] * 2 if code == 0 else ["unknown"] * 2)
+    text = host.gpuwatchd("scan", "--config", str(host.config()))
+    assert text.returncode == code
+    assert ("a new job may have it" in text.stdout) is (code == 0)
+    assert ("cannot tell" in text.stderr) is (code != 0)
+    # Nor does run --once without a daemon: it moves the state aside and starts latched.
+    once = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(host.config()))
+    assert once.returncode == code, once.stderr
+    assert ("cannot tell" in once.stderr) is (code != 0)

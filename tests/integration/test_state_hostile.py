@@ -4,6 +4,7 @@ state_dir is one line and exit 78 at start, a failing disk is logged and never f
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from pathlib import Path
 
@@ -167,3 +168,52 @@ def test_a_state_write_that_fails_is_logged_and_the_daemon_goes_on(state_dir: Pa
         daemon.save_state()
     assert [e["event"] for e in logs] == ["state.save_failed"]
     assert [p.name for p in state_dir.iterdir()] == ["state.json"], "no temporary file left"
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EMFILE, errno.EIO, errno.EACCES])
+def test_an_error_the_loop_does_not_expect_ends_in_a_restartable_exit(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """Exits 77 and 78 are never restarted (systemd/gpuwatchd.service): an OSError out of the
+    poll loop is not the state folder's fault and must not leave the node unwatched for good."""
+    daemon = _daemon(state_dir)
+
+    def failing_poll(inputs: object) -> None:
+        raise OSError(error, os.strerror(error), "/proc/1/fdinfo")
+
+    monkeypatch.setattr(daemon.engine, "poll", failing_poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    with capture_logs() as logs, pytest.raises(RuntimeError, match="the poll loop failed") as got:
+        daemon.run()
+    assert isinstance(got.value.__cause__, OSError)
+    assert got.value.__cause__.errno == error
+    assert os.strerror(error) in str(got.value)
+    assert "state.dir_unusable" not in [e["event"] for e in logs]
+
+
+def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Path) -> None:
+    """A NaN (the codec writes no NaN) is refused as a full disk is: said, nothing written,
+    False (no irreversible step), and the daemon runs on its state in memory."""
+    daemon = _daemon(state_dir)
+    daemon.started_wall = float("nan")
+    with capture_logs() as logs:
+        assert daemon.save_state() is False
+    [said] = [e for e in logs if e["event"] == "state.save_failed"]
+    assert "not JSON compliant" in said["error"]
+    assert list(state_dir.iterdir()) == []
+    daemon.started_wall = 1.0
+    assert daemon.save_state()
+
+
+def test_a_second_outage_of_the_state_dir_is_said_again(state_dir: Path, tmp_path: Path) -> None:
+    """Said once per distinct error, and again after the folder worked in between."""
+    daemon = _daemon(state_dir)
+    assert daemon._state_dir() is not None  # opened: the folder at the path is checked
+    with capture_logs() as logs:
+        for _ in range(2):
+            state_dir.rename(tmp_path / "away")
+            assert daemon._state_dir() is None
+            assert daemon._state_dir() is None  # the same error: not said twice
+            (tmp_path / "away").rename(state_dir)
+            assert daemon._state_dir() is not None
+    assert [e["event"] for e in logs] == ["state.dir_unusable"] * 2

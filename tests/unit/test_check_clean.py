@@ -233,13 +233,14 @@ class Fakes:
         self.now = 0.0
         self.scans = 0
         self.out = io.StringIO()
+        self.unread: str | None = None  # why the scan could not read the daemon's state
 
     def scan(self, policy: Policy) -> ScanResult:
         self.scans += 1
         current = self.reports[min(self.scans - 1, len(self.reports) - 1)]
         if current is None:
             return ScanResult(None, error="NVML: driver not loaded")
-        return ScanResult(current, verdict=verdict_for(current))
+        return ScanResult(current, verdict=verdict_for(current), state_unread=self.unread)
 
     def peek(self) -> dict[str, Any]:
         return self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -316,6 +317,17 @@ def test_once_times_out_with_75_naming_what_is_left() -> None:
     last = fakes.out.getvalue().splitlines()[-1]
     assert "timed out" in last
     assert f"orphaned on {UUID0} pid 4242: under way" in last
+
+
+def test_once_beside_the_daemon_cannot_call_clean_what_its_state_hides() -> None:
+    """Every GPU clean, nothing under way, but the scan could not read the daemon's plan (a
+    daemon of another version writes it): as check-clean, 75, not 0; waiting will not tell."""
+    fakes = Fakes([report()], [DAEMON])
+    fakes.unread = "/state/state.json: the daemon's plan cannot be read (version 99)"
+    assert fakes.run(timeout=60) == 75
+    assert fakes.scans == 1
+    last = fakes.out.getvalue().splitlines()[-1]
+    assert f"cannot tell whether the GPUs are clean: {fakes.unread}" in last
 
 
 def test_an_unreadable_daemon_state_is_waited_out() -> None:

@@ -13,7 +13,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.cgroups import (
@@ -199,11 +199,17 @@ class ProcFS:
         return frozenset(found)
 
     def read_stat(self, pid: int) -> StatFields | None:
-        """``/proc/PID/stat`` alone: a cheap identity and state check. None when gone."""
+        """``/proc/PID/stat`` alone: a cheap identity and state check. None when gone, or
+        unknown (:meth:`stat_unless_gone` tells which)."""
+        return self.stat_unless_gone(pid) or None
+
+    def stat_unless_gone(self, pid: int) -> StatFields | Literal[False] | None:
+        """``/proc/PID/stat`` parsed; False when the process is gone (ENOENT, ESRCH), None when
+        the file could not be read otherwise (EACCES, EMFILE, EIO) or parsed: unknown."""
         try:
             return parse_stat(self._read_text(f"{self.root}/{pid}/stat"))
-        except OSError:
-            return None
+        except OSError as err:
+            return False if err.errno in GONE_ERRNOS else None
 
     def is_running(self, pid: int, start_ticks: int) -> bool:
         """Whether ``pid`` is still the process started at ``start_ticks``, not exited (nor a
@@ -224,11 +230,11 @@ class ProcFS:
         return self._users[uid]
 
     def read_process(self, pid: int) -> ProcessInfo | None:
-        """Facts about one process; None when it does not exist or vanished mid-read."""
+        """Facts about one process; None when it does not exist or vanished mid-read. A
+        ``stat`` unknown (:meth:`stat_unless_gone`) leaves its facts None: never taken for gone."""
         base = f"{self.root}/{pid}"
-        try:
-            fields = parse_stat(self._read_text(f"{base}/stat"))
-        except OSError:
+        fields = self.stat_unless_gone(pid)
+        if fields is False:
             return None
         uid, nspid, vanished = self._read_ids(base)
         kernel_thread = fields is not None and fields.kernel_thread
@@ -243,11 +249,10 @@ class ProcFS:
         except OSError as err:
             vanished |= err.errno in GONE_ERRNOS
         if vanished:  # something was missing: gone for good, or a new process on this PID?
-            try:
-                again = parse_stat(self._read_text(f"{base}/stat"))
-            except OSError:
+            again = self.stat_unless_gone(pid)
+            if again is False:
                 return None
-            if fields is not None and (again is None or again.starttime != fields.starttime):
+            if fields is not None and again is not None and again.starttime != fields.starttime:
                 return None
         info = ProcessInfo(
             pid=pid,

@@ -79,7 +79,7 @@ def _status_field(status: str, name: str) -> list[str]:
     return status[at + len(name) + 2 : None if end < 0 else end].split()
 
 
-def _root_only(st: os.stat_result) -> bool:
+def root_only(st: os.stat_result) -> bool:
     """Owned by root and writable by neither group nor others."""
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
@@ -325,9 +325,9 @@ class ProcFS:
             return None
         return (
             stat.S_ISREG(program.st_mode)
-            and _root_only(program)
+            and root_only(program)
             and stat.S_ISDIR(folder.st_mode)
-            and _root_only(folder)
+            and root_only(folder)
         )
 
     def read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:

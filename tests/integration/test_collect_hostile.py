@@ -150,7 +150,7 @@ def _read_untouched(env: dict[str, str], marker: Path) -> NvmlReading:
     try:
         reading = client.read()
     finally:
-        client.close()
+        client.stop()
 
     assert not marker.exists(), f"ran {marker.read_text()}"
     assert reading.available
@@ -191,7 +191,7 @@ def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
         raw = Path(f"/proc/{pid}/environ").read_bytes()
         cmdline = psutil.Process(pid).cmdline()
     finally:
-        client.close()
+        client.stop()
 
     names = {entry.split(b"=", 1)[0].decode() for entry in raw.split(b"\0") if entry}
     assert cwd == "/"
@@ -281,7 +281,7 @@ def test_worker_finds_pynvml_in_a_vendor_folder_as_the_debian_launcher_sets_it(
     try:
         reading = client.read()
     finally:
-        client.close()
+        client.stop()
 
     assert reading.available, reading.error
     assert len(reading.gpus) == 1
@@ -393,7 +393,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         assert client.worker_pids == {spawner.started[1].pid}
         assert _events(logs, "nvml.hung_worker_exited")
     finally:
-        client.close()
+        client.stop()
 
 
 def _state_of(pid: int) -> str | None:
@@ -472,7 +472,7 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         assert recovered.available, recovered.error
         assert len(starts.read_text().split()) == 2
     finally:
-        client.close()
+        client.stop()
 
 
 # --- a process whose stat cannot be read is alive, its facts unknown ---------------------------

@@ -92,7 +92,7 @@ def test_the_collector_puts_the_ranges_of_its_subuid_file_in_each_snapshot(
         )
         snapshot = collector.collect(full=True)
     finally:
-        nvml.close()
+        nvml.stop()
     assert snapshot.subuid_ranges == (SubIdRange(100000, 65536, "1001", 1001),)
 
 

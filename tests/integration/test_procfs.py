@@ -189,7 +189,7 @@ def test_boot_id_is_read_once_from_the_real_proc(monkeypatch: pytest.MonkeyPatch
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
         assert procfs.boot_id() == handle.read().strip()
     reads: list[str] = []
-    monkeypatch.setattr(procfs, "_read_text", reads.append)
+    monkeypatch.setattr("gpuwatchd.collect.procfs._read_text", reads.append)
     assert procfs.boot_id() == procfs.boot_id()
     assert not reads
 

@@ -120,7 +120,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             profiler.dump_stats(spec["profile"])
     finally:
         daemon.signaller.close()
-        daemon.nvml.close()
+        daemon.nvml.stop()
         daemon.device_watch.close()
     return {
         "polls": polls,

@@ -171,6 +171,7 @@ class Procedure:
         if self.dry_run:
             self.event(step, ResetStepStatus.WOULD_RUN, hooks=[list(h.argv) for h in hooks])
             return None
+        instance = self.target.recovery  # a resume's too: read back from its record
         env = {
             **self.hook_env,
             **hook_environment(
@@ -178,6 +179,8 @@ class Procedure:
                 gpu_uuid=self.target.uuid,
                 gpu_pci_bus_id=self.target.pci_bus_id,
                 gpu_minor=self.target.minor,
+                mig_instance=None if instance is None else instance.mig_uuid,
+                mig_gi=None if instance is None else instance.gi,
                 **extra,
             ),
         }

@@ -185,8 +185,13 @@ class Signaller:
         pid = identity.pid
         current = stat_start_ticks(self._proc_root, pid)
         if current is None:
+            exited = _readable(pidfd)  # the pidfd, not an unread stat, says whether it lives
             self._drop(identity, pidfd)
-            return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
+            if exited:
+                return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
+            return SignalResult(
+                SignalOutcome.FAILED, f"PID {pid}: its /proc stat is unreadable; nothing sent"
+            )
         ticks, state = current
         if ticks != identity.start_ticks:
             self._drop(identity, pidfd)

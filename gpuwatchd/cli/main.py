@@ -336,7 +336,7 @@ def _scan(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return output.exit_code
     finally:
-        nvml.close()
+        nvml.stop()
 
 
 def _check_clean(args: argparse.Namespace) -> int:

@@ -207,7 +207,7 @@ def _scan_host(
         )
     finally:
         if own:
-            client.close()
+            client.stop()
     error = None
     if not snapshot.nvml.available:
         # Still a report (its "nvml" says why, its holders are real): the JSON reader gets a

@@ -258,9 +258,8 @@ class Collector:
         fields = self._stat_files.read(pid)
         cached = self._facts.get(pid)
         confirmed = self._confirmed.get(pid)
-        if cached is not None and confirmed is not None:
-            if fields is None:
-                return None  # gone (or unreadable: read_process would say the same)
+        # Without a stat read (gone, or unreadable) read_process below tells which.
+        if cached is not None and confirmed is not None and fields is not None:
             if confirmed[0] is fields and confirmed[1] is cached:
                 return cached  # the very stat that confirmed this fact last time
             if (

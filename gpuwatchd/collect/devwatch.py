@@ -154,8 +154,8 @@ class DeviceWatch:
             self._folder_wd = self._add_folder(self.devices_dir)
         try:
             names = os.listdir(self.devices_dir)
-        except OSError:
-            self._stale = True
+        except OSError:  # what is there is unknown: not complete until listed again
+            self._stale = self._incomplete = True
             return 0
         # A folder not watched (the kernel refused it) would miss device files created in it.
         unwatched = self._folder_wd is None

@@ -13,7 +13,7 @@ import re
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gpuwatchd.collect import spread
 from gpuwatchd.collect.kcmp import Kcmp
@@ -44,6 +44,7 @@ class ProcessTable(Protocol):
     def list_pids(self) -> list[int]: ...
     def kernel_threads(self) -> frozenset[int]: ...
     def read_stat(self, pid: int) -> StatFields | None: ...
+    def stat_unless_gone(self, pid: int) -> StatFields | Literal[False] | None: ...
 
 
 class _Gone(Exception):
@@ -441,10 +442,10 @@ class HolderScanner:
         if unreadable or not (had_fds or had_maps):
             # Kernel threads hold nothing (and deny /fd to non-root); a zombie leader may have
             # live threads still holding the shared fd table and memory.
-            fields = self.procfs.read_stat(pid)
-            if fields is None:
-                return None, False
-            if fields.kernel_thread:
+            fields = self.procfs.stat_unless_gone(pid)
+            if fields is None:  # alive, but not known to be a kernel thread or a zombie
+                return found, True
+            if fields is False or fields.kernel_thread:
                 return None, False
             if fields.state == "Z" and fields.num_threads > 1 and not unreadable:
                 return self._scan_live_thread(pid, by_inode)

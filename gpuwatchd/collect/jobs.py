@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.collect.cgroups import parse_cgroup2_mount
+from gpuwatchd.collect.procfs import root_only
 from gpuwatchd.core.model import ProcessInfo
 
 _MOUNTINFO_LIMIT = 4 * 1024 * 1024  # far above any real mount table; bounds a hostile one
@@ -88,10 +89,6 @@ class JobEvidence:
     stepds: Mapping[str, int] = field(default_factory=dict)
 
 
-def _root_only(st: os.stat_result) -> bool:
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
-
-
 def trusted_job_dir(cgroup_root: str, job_dir: str) -> bool:
     """Whether ``job_dir`` (a cgroup path) is where the scheduler, as root, made it: no user's
     delegated subtree on the way, every directory down to it root's, writable by neither group
@@ -103,9 +100,10 @@ def trusted_job_dir(cgroup_root: str, job_dir: str) -> bool:
     for part in parts:
         path = f"{path}/{part}"
         try:
-            if not _root_only(os.lstat(path)):
-                return False
+            st = os.lstat(path)
         except OSError:
+            return False
+        if not (stat.S_ISDIR(st.st_mode) and root_only(st)):
             return False
     return True
 

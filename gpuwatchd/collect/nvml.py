@@ -232,14 +232,11 @@ class NvmlClient:
         return reading
 
     def stop(self) -> bool:
-        """Shut the worker down so we hold no device file. True when no worker of ours lives."""
+        """Shut the worker down so we hold no device file. True when no worker of ours lives.
+        The client may still be used afterwards (the worker restarts on demand)."""
         self._retire_worker()
         self._reap_hung()
         return not self.worker_pids
-
-    def close(self) -> None:
-        """Stop the worker; the client may still be used afterwards (it restarts on demand)."""
-        self.stop()
 
     def _start(self) -> None:
         try:

@@ -13,7 +13,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from gpuwatchd.collect.capabilities import missing_capabilities
 from gpuwatchd.collect.cgroups import (
@@ -79,13 +79,13 @@ def _status_field(status: str, name: str) -> list[str]:
     return status[at + len(name) + 2 : None if end < 0 else end].split()
 
 
-def _root_only(st: os.stat_result) -> bool:
+def root_only(st: os.stat_result) -> bool:
     """Owned by root and writable by neither group nor others."""
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def _decode(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace")
+def _read_text(path: str) -> str:
+    return read_proc_file(path).decode("utf-8", "replace")
 
 
 class ProcFS:
@@ -127,13 +127,10 @@ class ProcFS:
         )
         self.holders: HolderScanner = holders.HolderScanner(self, devices)
 
-    def _read_text(self, path: str) -> str:
-        return _decode(read_proc_file(path))
-
     def boot_id(self) -> str | None:
         """This boot's ID, read once from a real ``proc`` (fixed while this process runs)."""
         try:
-            found = self._boot_id or self._read_text(f"{self.root}/sys/kernel/random/boot_id")
+            found = self._boot_id or _read_text(f"{self.root}/sys/kernel/random/boot_id")
         except OSError:
             return None
         self._boot_id = (found.strip() or None) if self._real_proc else None
@@ -141,14 +138,14 @@ class ProcFS:
 
     def pid_max(self) -> int:
         try:
-            return int(self._read_text(f"{self.root}/sys/kernel/pid_max"))
+            return int(_read_text(f"{self.root}/sys/kernel/pid_max"))
         except (OSError, ValueError):
             return DEFAULT_PID_MAX
 
     def char_device_majors(self) -> dict[str, int] | None:
         """Character-device majors by driver name from ``<root>/devices``; None if unreadable."""
         try:
-            return parse_proc_devices(self._read_text(f"{self.root}/devices"))
+            return parse_proc_devices(_read_text(f"{self.root}/devices"))
         except OSError:
             return None
 
@@ -182,7 +179,7 @@ class ProcFS:
         without an ``exe`` link whose ``stat`` flags carry PF_KTHREAD (docs/internals.md); empty
         without ``children`` files."""
         try:
-            kids = self._read_text(f"{self.root}/2/task/2/children").split()
+            kids = _read_text(f"{self.root}/2/task/2/children").split()
         except OSError:
             return frozenset()
         found: set[int] = set()
@@ -199,11 +196,17 @@ class ProcFS:
         return frozenset(found)
 
     def read_stat(self, pid: int) -> StatFields | None:
-        """``/proc/PID/stat`` alone: a cheap identity and state check. None when gone."""
+        """``/proc/PID/stat`` alone: a cheap identity and state check. None when gone, or
+        unknown (:meth:`stat_unless_gone` tells which)."""
+        return self.stat_unless_gone(pid) or None
+
+    def stat_unless_gone(self, pid: int) -> StatFields | Literal[False] | None:
+        """``/proc/PID/stat`` parsed; False when the process is gone (ENOENT, ESRCH), None when
+        the file could not be read otherwise (EACCES, EMFILE, EIO) or parsed: unknown."""
         try:
-            return parse_stat(self._read_text(f"{self.root}/{pid}/stat"))
-        except OSError:
-            return None
+            return parse_stat(_read_text(f"{self.root}/{pid}/stat"))
+        except OSError as err:
+            return False if err.errno in GONE_ERRNOS else None
 
     def is_running(self, pid: int, start_ticks: int) -> bool:
         """Whether ``pid`` is still the process started at ``start_ticks``, not exited (nor a
@@ -224,13 +227,13 @@ class ProcFS:
         return self._users[uid]
 
     def read_process(self, pid: int) -> ProcessInfo | None:
-        """Facts about one process; None when it does not exist or vanished mid-read."""
+        """Facts about one process; None when it does not exist or vanished mid-read. A
+        ``stat`` unknown (:meth:`stat_unless_gone`) leaves its facts None: never taken for gone."""
         base = f"{self.root}/{pid}"
-        try:
-            fields = parse_stat(self._read_text(f"{base}/stat"))
-        except OSError:
+        fields = self.stat_unless_gone(pid)
+        if fields is False:
             return None
-        uid, nspid, vanished = self._read_ids(base)
+        uid, nspid, vanished = _read_ids(base)
         kernel_thread = fields is not None and fields.kernel_thread
         cmdline: tuple[str, ...] | None = ()
         exe: str | None = None
@@ -239,15 +242,14 @@ class ProcFS:
             vanished |= gone
         cgroup: CgroupInfo | None = None
         try:
-            cgroup = parse_cgroup(self._read_text(f"{base}/cgroup"))
+            cgroup = parse_cgroup(_read_text(f"{base}/cgroup"))
         except OSError as err:
             vanished |= err.errno in GONE_ERRNOS
         if vanished:  # something was missing: gone for good, or a new process on this PID?
-            try:
-                again = parse_stat(self._read_text(f"{base}/stat"))
-            except OSError:
+            again = self.stat_unless_gone(pid)
+            if again is False:
                 return None
-            if fields is not None and (again is None or again.starttime != fields.starttime):
+            if fields is not None and again is not None and again.starttime != fields.starttime:
                 return None
         info = ProcessInfo(
             pid=pid,
@@ -272,30 +274,13 @@ class ProcFS:
             info = dataclasses.replace(info, cgroup=marked)
         return info
 
-    def _read_ids(self, base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
-        """The effective uid and ``NSpid`` from ``status`` (None each when unreadable; a uid
-        read before a malformed ``NSpid`` stands), and whether it read as gone."""
-        uid: int | None = None
-        nspid: tuple[int, ...] | None = None
-        vanished = False
-        try:
-            status = self._read_text(f"{base}/status")
-            ids = _status_field(status, "Uid")
-            uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
-            nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
-        except ValueError:
-            pass
-        except OSError as err:
-            vanished = err.errno in GONE_ERRNOS
-        return uid, nspid, vanished
-
     def delegated(self, path: str) -> bool | None:
         """Whether systemd marked cgroup ``path`` or one above it as delegated, in the hierarchy
         ``self/mountinfo`` says systemd keeps; None when unreadable, or without CAP_SYS_ADMIN
         (the kernel then hides ``trusted.delegate``)."""
         if not self._systemd_mount_read:
             try:
-                mountinfo = self._read_text(f"{self.root}/self/mountinfo")
+                mountinfo = _read_text(f"{self.root}/self/mountinfo")
             except OSError:
                 mountinfo = ""
             blind = missing_capabilities(self.root, {"CAP_SYS_ADMIN": _CAP_SYS_ADMIN})
@@ -320,9 +305,9 @@ class ProcFS:
             return None
         return (
             stat.S_ISREG(program.st_mode)
-            and _root_only(program)
+            and root_only(program)
             and stat.S_ISDIR(folder.st_mode)
-            and _root_only(folder)
+            and root_only(folder)
         )
 
     def read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
@@ -352,7 +337,7 @@ class ProcFS:
         kids: set[int] = set()
         for tid in tids:
             try:
-                kids.update(int(n) for n in self._read_text(f"{task_dir}/{tid}/children").split())
+                kids.update(int(n) for n in _read_text(f"{task_dir}/{tid}/children").split())
             except (OSError, ValueError):
                 continue  # the thread ended
         return sorted(kids)
@@ -389,6 +374,24 @@ class ProcFS:
         return seen
 
 
+def _read_ids(base: str) -> tuple[int | None, tuple[int, ...] | None, bool]:
+    """The effective uid and ``NSpid`` from ``status`` (None each when unreadable; a uid
+    read before a malformed ``NSpid`` stands), and whether it read as gone."""
+    uid: int | None = None
+    nspid: tuple[int, ...] | None = None
+    vanished = False
+    try:
+        status = _read_text(f"{base}/status")
+        ids = _status_field(status, "Uid")
+        uid = int(ids[1]) if len(ids) > 1 else None  # the effective uid, as ps shows
+        nspid = tuple(int(n) for n in _status_field(status, "NSpid")) or None
+    except ValueError:
+        pass
+    except OSError as err:
+        vanished = err.errno in GONE_ERRNOS
+    return uid, nspid, vanished
+
+
 def _read_command(base: str) -> tuple[tuple[str, ...] | None, str | None, bool]:
     """A (user) process's command line (None: unreadable) and ``exe`` link (None: unreadable,
     as a zombie's), and whether either read as gone."""
@@ -396,7 +399,9 @@ def _read_command(base: str) -> tuple[tuple[str, ...] | None, str | None, bool]:
     try:
         raw = read_proc_file(f"{base}/cmdline")
         cmdline: tuple[str, ...] | None = (
-            tuple(_decode(a) for a in raw.rstrip(b"\0").split(b"\0")) if raw else ()
+            tuple(a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0"))
+            if raw
+            else ()
         )
     except OSError as err:
         vanished |= err.errno in GONE_ERRNOS

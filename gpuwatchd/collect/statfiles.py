@@ -140,9 +140,6 @@ class StatFiles:
             self._close_children(pid)
         self._threads.clear()
 
-    def close(self) -> None:
-        self.retain(())
-
     def __len__(self) -> int:
         return len(self._fds)
 

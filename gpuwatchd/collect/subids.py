@@ -20,6 +20,12 @@ MAX_RANGES = 65_536
 _MAX_UID = (1 << 32) - 1
 
 
+def _number(text: str) -> bool:
+    """Whether ``text`` is a number as shadow-utils reads one: ASCII digits (``'٣'`` is
+    decimal to Python), few enough for int() (a uid has at most 10)."""
+    return text.isascii() and text.isdecimal() and len(text) <= 20
+
+
 def _uid_of_name(name: str) -> int | None:
     try:
         return pwd.getpwnam(name).pw_uid
@@ -35,12 +41,12 @@ def parse_subuid(
     ranges: list[SubIdRange] = []
     for line in text.splitlines():
         fields = line.strip().split(":")
-        if len(fields) != 3 or not fields[1].isdecimal() or not fields[2].isdecimal():
+        if len(fields) != 3 or not _number(fields[1]) or not _number(fields[2]):
             continue  # comments, blank and malformed lines
         owner, first, count = fields[0], int(fields[1]), int(fields[2])
         if not owner or count == 0 or first + count - 1 > _MAX_UID:
             continue
-        owner_uid = int(owner) if owner.isdecimal() else uid_of(owner)
+        owner_uid = int(owner) if _number(owner) else uid_of(owner)
         ranges.append(SubIdRange(first, count, owner, owner_uid))
         if len(ranges) >= MAX_RANGES:
             break

@@ -225,7 +225,7 @@ class RealHost:
         if self.collector.kernel_log is not None:
             self.collector.kernel_log.close()
         self.signaller.close()
-        self.nvml.close()
+        self.nvml.stop()
         self.device_watch.close()
 
 

@@ -130,6 +130,24 @@ def test_a_wrong_start_time_is_reused_and_nothing_is_sent(
     assert sleeper.poll() is None, "the process behind a reused PID must not be signalled"
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_live_process_whose_stat_cannot_be_read_is_not_gone_and_nothing_is_sent(
+    sleeper: subprocess.Popen[bytes], tmp_path: Path, dry_run: bool
+) -> None:
+    """Its pidfd says it lives; a ``stat`` read failing otherwise than "no such process"
+    (EISDIR here; EMFILE, EIO on a host) proves no identity: "gone" would close its ladder
+    as freed while it holds the GPU."""
+    identity = identity_of(sleeper.pid)
+    (tmp_path / str(sleeper.pid) / "stat").mkdir(parents=True)
+    with Signaller(str(tmp_path)) as signaller:
+        result = signaller.send(identity, "SIGTERM", dry_run=dry_run)
+        assert result.outcome is SignalOutcome.FAILED, result.detail
+        assert "stat" in result.detail
+        assert signaller.fileno_list() == []
+    time.sleep(0.05)
+    assert sleeper.poll() is None
+
+
 def test_a_reaped_pid_is_gone(signaller: Signaller) -> None:
     child = subprocess.Popen(["true"])
     identity = identity_of(child.pid)

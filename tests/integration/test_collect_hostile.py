@@ -27,6 +27,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import (
     LAUNCHER_FILE,
@@ -36,7 +37,11 @@ from gpuwatchd.collect.nvml import (
     worker_environment,
 )
 from gpuwatchd.collect.procfs import ProcFS, parse_proc_devices
-from gpuwatchd.core.model import NvmlReading
+from gpuwatchd.core.model import FindingKind, GpuInfo, GpuMemory, NvmlProcess, NvmlReading
+from gpuwatchd.decide.assess.passes import assess
+from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.full_scan import FullScanReason
+from gpuwatchd.decide.policy import Detection
 from tests.support.fakenvml import FakeNvml, gpu, open_device_files, state
 from tests.support.fakeproc import FakeProc, make_devices
 from tests.support.simhost import SimHost
@@ -145,7 +150,7 @@ def _read_untouched(env: dict[str, str], marker: Path) -> NvmlReading:
     try:
         reading = client.read()
     finally:
-        client.close()
+        client.stop()
 
     assert not marker.exists(), f"ran {marker.read_text()}"
     assert reading.available
@@ -186,7 +191,7 @@ def test_worker_runs_isolated_in_the_root_folder_with_only_what_nvml_needs(
         raw = Path(f"/proc/{pid}/environ").read_bytes()
         cmdline = psutil.Process(pid).cmdline()
     finally:
-        client.close()
+        client.stop()
 
     names = {entry.split(b"=", 1)[0].decode() for entry in raw.split(b"\0") if entry}
     assert cwd == "/"
@@ -276,7 +281,7 @@ def test_worker_finds_pynvml_in_a_vendor_folder_as_the_debian_launcher_sets_it(
     try:
         reading = client.read()
     finally:
-        client.close()
+        client.stop()
 
     assert reading.available, reading.error
     assert len(reading.gpus) == 1
@@ -388,7 +393,7 @@ def test_worker_surviving_sigkill_is_the_only_one_left_and_a_new_one_starts_afte
         assert client.worker_pids == {spawner.started[1].pid}
         assert _events(logs, "nvml.hung_worker_exited")
     finally:
-        client.close()
+        client.stop()
 
 
 def _state_of(pid: int) -> str | None:
@@ -467,4 +472,53 @@ def test_worker_stuck_in_the_kernel_for_real_reads_wedged_and_is_replaced_after_
         assert recovered.available, recovered.error
         assert len(starts.read_text().split()) == 2
     finally:
-        client.close()
+        client.stop()
+
+
+# --- a process whose stat cannot be read is alive, its facts unknown ---------------------------
+
+
+class _Listed:
+    """An NVML source that lists ``pids`` on GPU 0 (minor 0) holding 2 GiB."""
+
+    worker_pids: frozenset[int] = frozenset()
+
+    def __init__(self, *pids: int) -> None:
+        listed = tuple(NvmlProcess(pid, 1 << 30, "compute") for pid in pids)
+        memory = GpuMemory(total=80 << 30, free=78 << 30, reserved=0, allocated=2 << 30)
+        gpu = GpuInfo(0, "GPU-0", minor=0, memory=memory, processes=listed, mig_enabled=False)
+        self.reading = NvmlReading(available=True, gpus=(gpu,))
+
+    def read(self) -> NvmlReading:
+        return self.reading
+
+
+def test_a_listed_owner_whose_stat_fails_to_read_is_not_dead_and_its_worker_no_orphan(
+    fake: FakeProc, tmp_path: Path
+) -> None:
+    """An error reading ``/proc/PID/stat`` other than "no such process" (EACCES, EMFILE, EIO;
+    EISDIR here) says nothing of whether the process lives. A live trainer read that way must
+    not become a dead listed PID (``dead_process``), nor its DataLoader worker an orphan with a
+    dead owner: at a poll that remembered its facts, nor at one that reads them afresh."""
+    devices = make_devices(tmp_path / "devs")
+    fake.add(600, fds={3: f"{devices}/nvidia0", 4: f"{devices}/nvidia-uvm"})
+    fake.add(601, ppid=600, pgrp=600, session=600, fds={3: f"{devices}/nvidia0"})
+    fake.add_mapping(601, f"{devices}/nvidia-uvm")
+    procfs = ProcFS(str(fake.root), devices_dir=str(devices))
+    collector = Collector(procfs, _Listed(600), namespace_check=False)
+    state = AssessState(boot_id=None)
+    first = collector.collect(full=True)
+    assert first.processes[600].start_ticks == 1000
+    state = assess(first, state, Detection()).state
+    stat = fake.root / "600" / "stat"
+    stat.unlink()
+    stat.mkdir()  # its reads now fail with EISDIR
+    for full in (False, True):
+        snapshot = collector.collect(full=full)
+        assert snapshot.processes[600].identity is None  # alive, facts unknown
+        # Not taken for a newly dead listed PID, even for a moment: no walk of /proc for one.
+        assert collector.last_scan_reason is (FullScanReason.FORCED if full else None)
+        result = assess(snapshot, state, Detection())
+        kinds = {(f.kind, f.pid) for f in result.findings}
+        assert (FindingKind.DEAD_PROCESS, 600) not in kinds
+        assert (FindingKind.ORPHANED, 601) not in kinds

@@ -347,7 +347,7 @@ def test_a_walk_with_nothing_remembered_reads_each_listed_process_once(
         assert again.processes[trainer.pid] == first.processes[trainer.pid]
         assert procfs.reads[trainer.pid] == 2
     finally:
-        nvml.close()
+        nvml.stop()
 
 
 def test_a_listed_holding_is_reused_while_nvml_lists_it_on_the_same_gpus(
@@ -392,7 +392,7 @@ def test_a_listed_holding_is_reused_while_nvml_lists_it_on_the_same_gpus(
         assert trainer.pid not in asked[-1]
         assert again.holders.holdings[trainer.pid] == first.holders.holdings[trainer.pid]
     finally:
-        nvml.close()
+        nvml.stop()
 
 
 def test_a_remembered_process_is_checked_by_its_stat_at_every_targeted_poll(
@@ -424,7 +424,7 @@ def test_a_remembered_process_is_checked_by_its_stat_at_every_targeted_poll(
         wait_for_state(procfs, trainer.pid, "S")
         assert collector.collect().processes[trainer.pid].state == "S"
     finally:
-        nvml.close()
+        nvml.stop()
 
 
 EXEC_SAME_NAME = """
@@ -466,7 +466,7 @@ def test_a_remembered_process_that_execs_a_program_of_the_same_name_is_read_afre
         assert after.cmdline == (sys.executable, "-c", then)
         assert after.cmdline != before.cmdline
     finally:
-        nvml.close()
+        nvml.stop()
 
 
 def test_a_process_moved_to_another_cgroup_after_it_was_judged_is_not_signalled(

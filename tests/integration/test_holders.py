@@ -106,17 +106,26 @@ def test_targeted_scan_looks_at_exactly_the_given_pids(fake: FakeProc, devices: 
     assert set(holders.scan(exclude=[710]).holdings) == {711}
 
 
+@pytest.mark.parametrize("stat", ["readable", "unreadable"])
 def test_scan_skips_kernel_threads_and_records_unreadable_processes(
-    fake: FakeProc, devices: Path
+    fake: FakeProc, devices: Path, stat: str
 ) -> None:
+    """A ``stat`` unreadable (EISDIR here; EACCES, EMFILE on a host) does not make a process
+    whose fds could not be read gone, nor one that seems to hold nothing (a zombie leader's
+    live thread may): unknown, both."""
     fake.add_kernel_thread(2)
     base = fake.add(720, fds={3: f"{devices}/nvidia0"})
     fake.add_mapping(720, f"{devices}/nvidia1")
     (base / "fd" / "3").unlink()
     (base / "fd").rmdir()
     (base / "fd").write_text("not a directory")  # reading the fds fails: unknown
+    empty = fake.add(721)
+    if stat == "unreadable":
+        for folder in (base, empty):
+            (folder / "stat").unlink()
+            (folder / "stat").mkdir()
     scan = scanner(str(fake.root), devices_dir=str(devices)).scan()
-    assert scan.unreadable == {720}
+    assert scan.unreadable == ({720} if stat == "readable" else {720, 721})
     assert scan.holdings[720].gpu_minors_map == {1}  # what could be read is still reported
     assert 2 not in scan.holdings
 

@@ -57,7 +57,7 @@ def clock() -> list[float]:
 def client(fake_nvml: FakeNvml, clock: list[float]) -> Iterator[NvmlClient]:
     nvml = NvmlClient(timeout=5.0, env=fake_nvml.env(), clock=lambda: clock[0], backoff_initial=2.0)
     yield nvml
-    nvml.close()
+    nvml.stop()
 
 
 def worker_children() -> set[int]:
@@ -437,7 +437,7 @@ def test_missing_library_reads_as_unavailable_with_a_clear_error(tmp_path: Path)
     try:
         reading = client.read()
     finally:
-        client.close()
+        client.stop()
 
     assert not reading.available
     assert reading.error == (
@@ -497,7 +497,7 @@ def test_a_driver_that_stays_hung_is_logged_wedged_once_a_stretch(
         wedged = [e for e in logs if e["event"] == "nvml.wedged"]
         assert [e["log_level"] for e in wedged] == ["critical", "critical"]
     finally:
-        client.close()
+        client.stop()
 
 
 def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backoff(
@@ -535,7 +535,7 @@ def test_hung_call_reads_as_wedged_within_the_deadline_and_recovers_after_backof
         assert not recovered.wedged
         assert len(recovered.gpus) == 1
     finally:
-        client.close()
+        client.stop()
 
 
 # --- worker lifetime and device files -----------------------------------------------------------

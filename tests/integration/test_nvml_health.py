@@ -31,7 +31,7 @@ RECOVERY = 0x8000
 def client(fake_nvml: FakeNvml) -> Iterator[NvmlClient]:
     nvml = NvmlClient(timeout=5.0, env=fake_nvml.env())
     yield nvml
-    nvml.close()
+    nvml.stop()
 
 
 def test_health_fields_are_read_with_their_values(fake_nvml: FakeNvml, client: NvmlClient) -> None:

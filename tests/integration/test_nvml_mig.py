@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +223,11 @@ def test_a_mig_handle_of_a_destroyed_instance_is_invalid(
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[tuple[FakeNvml, NvmlClient]]:
     fake = FakeNvml(tmp_path)
-    with closing(NvmlClient(timeout=5.0, env=fake.env())) as nvml:
+    nvml = NvmlClient(timeout=5.0, env=fake.env())
+    try:
         yield fake, nvml
+    finally:
+        nvml.stop()
 
 
 def test_the_worker_reads_each_mig_device_with_its_instance_memory_and_processes(

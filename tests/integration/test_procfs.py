@@ -146,9 +146,16 @@ def test_read_process_returns_none_for_a_missing_pid(fake: FakeProc) -> None:
     assert procfs.read_processes([999]) == {}
 
 
-def test_read_process_keeps_unknown_fields_none(fake: FakeProc) -> None:
+@pytest.mark.parametrize("stat", ["unparsable", "unreadable"])
+def test_read_process_keeps_unknown_fields_none(fake: FakeProc, stat: str) -> None:
+    """A ``stat`` that cannot be parsed, or read for a reason other than "no such process"
+    (EISDIR here; EACCES, EMFILE on a host), leaves its facts unknown: the process is not gone."""
     base = fake.add(500, uid=123456)  # no such user
-    (base / "stat").write_text("500 (broken")
+    if stat == "unparsable":
+        (base / "stat").write_text("500 (broken")
+    else:
+        (base / "stat").unlink()
+        (base / "stat").mkdir()
     (base / "cgroup").unlink()
     info = ProcFS(str(fake.root)).read_process(500)
     assert info is not None
@@ -182,7 +189,7 @@ def test_boot_id_is_read_once_from_the_real_proc(monkeypatch: pytest.MonkeyPatch
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
         assert procfs.boot_id() == handle.read().strip()
     reads: list[str] = []
-    monkeypatch.setattr(procfs, "_read_text", reads.append)
+    monkeypatch.setattr("gpuwatchd.collect.procfs._read_text", reads.append)
     assert procfs.boot_id() == procfs.boot_id()
     assert not reads
 

@@ -16,6 +16,7 @@ cause can see (an fd passed over a Unix socket), by the backstop sweep:
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -212,6 +213,27 @@ def test_a_folder_that_cannot_be_watched_leaves_the_watch_incomplete_until_it_is
         assert watch.drain().opened == 1
     finally:
         watch.close()
+
+
+def test_a_folder_that_cannot_be_listed_leaves_the_watch_incomplete_until_it_is(
+    watched: tuple[DeviceWatch, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device file created while the folder cannot be listed (EMFILE: the daemon's fds used
+    up) is not watched: its opens would go unseen, so the watch is not complete until a later
+    listing watches it."""
+    watch, folder = watched
+
+    def no_fds(path: object) -> list[str]:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "listdir", no_fds)
+    (folder / "nvidia7").touch()
+    assert not watch.drain().available
+    monkeypatch.undo()
+    news = watch.drain()
+    assert (news.available, news.rewatched) == (True, 1)
+    os.close(os.open(folder / "nvidia7", os.O_RDONLY))
+    assert watch.drain().opened == 1
 
 
 def test_lost_events_are_news(watched: tuple[DeviceWatch, Path]) -> None:

@@ -43,6 +43,22 @@ def test_a_line_with_digits_int_cannot_read_is_skipped_as_malformed() -> None:
     )
 
 
+def test_only_ascii_digits_of_a_bounded_length_are_numbers() -> None:
+    """``'٣'.isdecimal()`` holds and int() reads it (3), but shadow-utils reads ASCII digits
+    only: such a field is no number, and an owner so written is a name. A number of thousands
+    of digits, which int() refuses to read, is skipped, never an exception."""
+    huge = "9" * 5000
+    text = (
+        "bob:\u0663\u0660\u0660\u0660\u0660\u0660:65536\n"
+        "\u0661\u0660\u0660\u0662:100000:10\n"
+        f"carol:{huge}:5\nerin:200000:{huge}\n{huge}:300000:10\n"
+    )
+    assert parse_subuid(text, lambda _name: None) == (
+        SubIdRange(100000, 10, "\u0661\u0660\u0660\u0662", None),  # a name: no such user
+        SubIdRange(300000, 10, huge, None),
+    )
+
+
 def test_the_file_is_read_again_only_when_it_changes_and_a_missing_one_is_empty(
     tmp_path: Path,
 ) -> None:
@@ -76,7 +92,7 @@ def test_the_collector_puts_the_ranges_of_its_subuid_file_in_each_snapshot(
         )
         snapshot = collector.collect(full=True)
     finally:
-        nvml.close()
+        nvml.stop()
     assert snapshot.subuid_ranges == (SubIdRange(100000, 65536, "1001", 1001),)
 
 

@@ -27,4 +27,4 @@ def fake_collector(
             ProcFS(devices_dir=str(fake_nvml.devices_dir)), nvml, namespace_check=False, **options
         )
     finally:
-        nvml.close()
+        nvml.stop()

@@ -233,6 +233,23 @@ def test_a_reload_between_the_crash_and_the_resume_changes_none_of_its_commands(
     assert "went on at command 3" in outcome.reason
 
 
+def test_every_hook_says_which_instance_in_a_fresh_run_and_in_a_resumed_one(
+    smi: FakeSmi, tmp_path: Path
+) -> None:
+    """docs/reset.md: the drain, before and after hooks of a recovery get the instance's MIG
+    UUID and GI id, so a hook can tell it from a reset of the whole GPU. A resume read the
+    instance back from its record, but its after hooks got neither."""
+    fresh = FakeSmi(tmp_path / "fresh")
+    perform_reset(TARGET, mig_policy(fresh), FakeEnvironment(fresh), dry_run=False)
+    record = crashed_before(2, smi)
+    resume_interrupted(record, mig_policy(smi), FakeEnvironment(smi, rereads=[FREE]))
+    hooks = [e for e in fresh.entries() + smi.entries() if e["argv"][:1] == ["hook"]]
+    assert [h["argv"][1] for h in hooks] == ["drain", "before", "after", "after"]
+    for hook in hooks:
+        assert hook["env"]["GPUWATCHD_MIG_INSTANCE"] == MIG_UUID
+        assert hook["env"]["GPUWATCHD_MIG_GI"] == "1"
+
+
 def test_a_crash_during_dgi_runs_it_again_then_re_creates(smi: FakeSmi) -> None:
     record = crashed_before(1, smi)
     smi.set(mig={"dgi": "exit:6"})  # it took effect before the crash: nothing to destroy now

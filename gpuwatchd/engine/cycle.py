@@ -615,10 +615,6 @@ class Engine:
             layout=intent.layout,
         )
         env = _ResetEnv(self)
-        hook_env = {"GPUWATCHD_GPU_UUID": intent.gpu}
-        if instance is not None:
-            hook_env["GPUWATCHD_MIG_INSTANCE"] = instance.mig_uuid
-            hook_env["GPUWATCHD_MIG_GI"] = str(instance.gi)
         # Before the procedure's first step (its drain hooks): what led to it, for a human.
         kept = self._keep_evidence(
             Step(
@@ -637,7 +633,6 @@ class Engine:
                 self.policy.reset,
                 env,
                 dry_run=intent.dry_run,
-                hook_env=hook_env,
                 runner=self.actuator.run_command,
                 drained=intent.drained,
                 fabric_wait=self._wait_for_fabric,

@@ -429,6 +429,15 @@ def test_a_gpu_whose_processes_nvml_cannot_list_is_not_clean() -> None:
     assert verdict.gpus[0].state is Cleanliness.UNKNOWN
 
 
+def test_a_gpu_whose_mig_mode_cannot_be_read_is_not_clean() -> None:
+    """Its processes may live in MIG instances the reading does not show: unknown, as a GPU
+    whose process list could not be read, never clean beside instances still in use."""
+    verdict = verdict_of(HostBuilder().gpu(0, mig=None).gpu(1).build())
+    assert states(verdict) == ["unknown", "clean"]
+    assert kinds(verdict.gpus[0]) == ["processes_unknown"]
+    assert "MIG mode could not be read" in verdict.gpus[0].reasons[0].text
+
+
 def test_dirt_outranks_unknown() -> None:
     snapshot = orphaned_worker().proc(700, unreadable=True).build()
     gpu = verdict_of(snapshot).gpus[0]

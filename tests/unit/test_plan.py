@@ -40,7 +40,7 @@ from gpuwatchd.decide.plan.decisions import (
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
 from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight, SeenFinding
-from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.decide.policy import SIGNAL_NAMES, Limits, Policy, Protect, ResetPolicy, Rule, Step
 from gpuwatchd.decide.targets import refusal, rule_for
 from tests.support.plancases import (
     BUS0,
@@ -1156,7 +1156,9 @@ _ladders = st.builds(
     finding_key=_text,
     rule=_text,
     gpu=st.none() | _text,
-    steps=st.lists(st.tuples(st.none() | _text, _time), max_size=3).map(tuple),
+    steps=st.lists(st.tuples(st.none() | st.sampled_from(SIGNAL_NAMES), _time), max_size=3).map(
+        tuple
+    ),
     step=st.just(0),
     due=st.none() | _time,
     status=st.sampled_from(["active", "ended", "stuck", "failed"]),
@@ -1244,6 +1246,9 @@ def test_a_saved_ladder_keeps_its_keys_in_the_file_order() -> None:
         ({"steps": [["SIGTERM"]]}, "plan.ladders.t.steps[0]: expected [signal, wait]"),
         ({"steps": [["SIGTERM", "x"]]}, "plan.ladders.t: expected a number"),
         ({"steps": "SIGTERM"}, "plan.ladders.t.steps: expected a list"),
+        # Only a signal the config allows (never SIGSTOP: a stopped job keeps its memory).
+        ({"steps": [["SIGSTOP", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
+        ({"steps": [["sigterm", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
         ({"status": "gone"}, "plan.ladders.t: invalid status or step"),
         ({"step": 3}, "plan.ladders.t: invalid status or step"),
         ({"step": -1}, "plan.ladders.t: invalid status or step"),

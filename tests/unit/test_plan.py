@@ -787,6 +787,19 @@ def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
     assert sorted(ran, key=str) == [("on_action", "stuck"), ("on_failure", None)]
 
 
+def test_a_target_stuck_while_paused_is_reported_but_runs_no_on_failure_hook() -> None:
+    """A pause holds every hook (docs/escalation.md): the target is still said stuck."""
+    p, f, pol, r = first_poll()
+    state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
+    d = replace(p, state="D")
+    paused = set_paused(state, True, reason="maintenance")
+    r = run([f, orphan(d, kind=FindingKind.STUCK)], snap([d]), paused, pol, now=31.0)
+    assert EventName.TARGET_STUCK in names(r)
+    assert [h.hook for h in hooks(r)] == ["on_action"]  # the SIGTERM sent before the pause
+    why = event(r, EventName.ACTION_REFUSED)["why"]
+    assert str(why).startswith("paused: maintenance; on_failure not run: ")
+
+
 def test_target_still_in_d_state_after_its_last_step_is_stuck_not_ended() -> None:
     p = proc()
     f = orphan(p)

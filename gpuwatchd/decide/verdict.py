@@ -253,8 +253,12 @@ class _Judge:
         if gpu.lost or gpu.processes is None or found & said:
             return
         notes = self.notes[gpu.uuid]
-        if gpu.coherent_memory or gpu.mig_enabled:
-            why = "coherent memory" if gpu.coherent_memory else "MIG enabled"
+        coherent = gpu.coherent_memory
+        if coherent is not False or gpu.mig_enabled:
+            if coherent is None:
+                why = "coherent memory unknown (its NUMA node could not be read)"
+            else:
+                why = "coherent memory" if coherent else "MIG enabled"
             notes.append(f"memory not judged: {why}")
             return
         detection = self.policy.detection

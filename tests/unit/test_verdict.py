@@ -346,6 +346,7 @@ def test_a_live_jobs_memory_is_its_own() -> None:
     [
         ({"api": "v1", "allocated": LEAK}, "v1 memory API"),
         ({"numa_node": 1, "allocated": LEAK}, "coherent memory"),
+        ({"numa_unknown": True, "allocated": LEAK}, "coherent memory unknown"),
         ({"mig": True, "allocated": LEAK}, "MIG enabled"),
     ],
 )

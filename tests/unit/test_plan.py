@@ -795,7 +795,8 @@ def test_a_target_stuck_while_paused_is_reported_but_runs_no_on_failure_hook() -
     paused = set_paused(state, True, reason="maintenance")
     r = run([f, orphan(d, kind=FindingKind.STUCK)], snap([d]), paused, pol, now=31.0)
     assert EventName.TARGET_STUCK in names(r)
-    assert [h.hook for h in hooks(r)] == ["on_action"]  # the SIGTERM sent before the pause
+    (told,) = hooks(r)  # on_action: the SIGTERM was sent before the pause
+    assert (told.hook, told.facts["why"]) == ("on_action", "target is in uninterruptible sleep (D)")
     why = event(r, EventName.ACTION_REFUSED)["why"]
     assert str(why).startswith("paused: maintenance; on_failure not run: ")
 

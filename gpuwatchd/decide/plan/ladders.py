@@ -189,8 +189,7 @@ def _mark_stuck(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, why: s
     facts = {**ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
     ask_on_failure(w, ctx, f"{lad.target} stuck: {why}", facts, ladder_fields(lad))
-    if lad.status is LadderStatus.ACTIVE:
-        w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))
+    w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))  # every caller's is active
 
 
 def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding) -> None:

@@ -448,6 +448,7 @@ def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
         mig_enabled=_opt(bool, raw.get("mig_mode")),
         persistence_mode=_opt(bool, raw.get("persistence_mode")),
         numa_node=_opt(int, raw.get("numa_node")),
+        numa_node_unknown=raw.get("numa_node_unknown") is True,
         architecture=_opt(int, raw.get("architecture")),
         nvlink_active=_opt(int, raw.get("nvlink_active")),
         lost=bool(raw.get("lost")),

@@ -311,7 +311,9 @@ class Worker:
                 entry["mig_devices"] = read_mig_devices(reader, handle)
             persistence = reader.query("nvmlDeviceGetPersistenceMode", handle)
             entry["persistence_mode"] = None if persistence is None else int(persistence)
-            entry["numa_node"] = reader.query("nvmlDeviceGetNumaNodeId", handle)
+            # Failed (not NotSupported, nor FunctionNotFound: older than coherent GPUs): unknown.
+            numa = probe(reader.errors, "nvmlDeviceGetNumaNodeId", handle)
+            entry["numa_node"], entry["numa_node_unknown"] = numa[1], numa[0] == "unknown"
             entry["health"] = self.read_health(index, handle, reader.errors)
         except GpuLostError as lost:
             entry["lost"] = True

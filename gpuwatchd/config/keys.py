@@ -44,6 +44,7 @@ from gpuwatchd.decide.plan.monitors import MAX_MONITORS
 from gpuwatchd.decide.policy import (
     HEALTH_ACTIONS,
     MAX_HOOK_TIMEOUT,
+    SIGNAL_NAMES,
     XID_63_CHOICES,
     XID_94_CHOICES,
     Detection,
@@ -59,7 +60,6 @@ from gpuwatchd.decide.policy import (
     Step,
 )
 
-SIGNAL_NAMES = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
 LOG_FORMATS = ("logfmt", "json", "console")
 MAX_STRING = 4096  # PATH_MAX; no name, glob or argument of a policy is longer
 MAX_PATTERN = 1024  # a regex longer than this is a mistake, and sre compiles it recursively

@@ -337,7 +337,8 @@ class MigDevice:
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reported it in one poll. ``lost``: it stopped answering (its other
-    values are what was read before); ``numa_node``: set only with coherent memory."""
+    values are what was read before); ``numa_node``: set only with coherent memory;
+    ``numa_node_unknown``: its query failed (not "not supported"), so that is unknown."""
 
     index: int
     uuid: str
@@ -349,6 +350,7 @@ class GpuInfo:
     mig_enabled: bool | None = None
     persistence_mode: bool | None = None
     numa_node: int | None = None
+    numa_node_unknown: bool = False
     architecture: int | None = None  # NVML_DEVICE_ARCH_*: 5 Volta, 7 Ampere, 9 Hopper, ...
     nvlink_active: int | None = None  # active NVLink links; 0 without NVLink
     lost: bool = False
@@ -358,8 +360,12 @@ class GpuInfo:
     mig_devices: tuple[MigDevice, ...] | None = None
 
     @property
-    def coherent_memory(self) -> bool:
-        return self.numa_node is not None
+    def coherent_memory(self) -> bool | None:
+        """Whether its memory is coherent (Grace Hopper/Blackwell: pages stay after exit, so
+        memory-based detection is off); None when its NUMA node could not be read."""
+        if self.numa_node is not None:
+            return True
+        return None if self.numa_node_unknown else False
 
     @property
     def reset_needs_nvlink_peers(self) -> bool | None:

@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, genera
 from prometheus_client.metrics import MetricWrapperBase
 
 from gpuwatchd import __version__
-from gpuwatchd.config.keys import SIGNAL_NAMES
 from gpuwatchd.core.model import FindingKind, GpuInfo, Snapshot
 from gpuwatchd.core.vocabulary import (
     EventName,
@@ -32,6 +31,7 @@ from gpuwatchd.core.vocabulary import (
 from gpuwatchd.decide.assess.host_view import HostView
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.mig.instances import instance_view, mig_layout
+from gpuwatchd.decide.policy import SIGNAL_NAMES
 from gpuwatchd.decide.verdict import NodeVerdict
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.events.catalogue import HOOK_SUCCEEDED, hook_outcome

@@ -260,10 +260,9 @@ def _program(pattern: str, flags: int) -> _Program:
         parsed = _sre_parse.parse(pattern, flags)
     except (re.error, RecursionError, OverflowError) as err:
         raise NotLinear(f"invalid regular expression: {err}") from None
-    global_flags = int(parsed.state.flags) | flags
     builder = _Builder()
-    try:
-        start = builder.sequence(list(parsed), 0, global_flags)
+    try:  # ``flags``: a compiled pattern's, so its inline (?i) and the like are in them
+        start = builder.sequence(list(parsed), 0, flags)
     except RecursionError:
         raise NotLinear("nested too deeply") from None
     return _Program(tuple(builder.states), start)

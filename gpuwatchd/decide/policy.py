@@ -101,6 +101,10 @@ class Hook:
     timeout: float = 60.0
 
 
+# The signals a ladder may send: the config and the state file's reader refuse any other.
+SIGNAL_NAMES = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT")
+
+
 @dataclass(frozen=True)
 class Step:
     """One rung of a rule's ladder: send ``signal`` (a name such as "SIGTERM"; None: report

@@ -40,6 +40,7 @@ _UNKNOWN_KINDS = frozenset(
 )
 _UNLISTED = "NVML could not list its processes"
 _NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
+_MIG_UNKNOWN = "its MIG mode could not be read: processes may live in MIG instances not listed"
 # What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
@@ -214,6 +215,8 @@ class _Judge:
                 continue
             if gpu.processes is None:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
+            elif gpu.mig_enabled is None:
+                reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _MIG_UNKNOWN))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
             reasons += dict.fromkeys(  # once, if unknown in several of a MIG GPU's instances
@@ -250,8 +253,12 @@ class _Judge:
         if gpu.lost or gpu.processes is None or found & said:
             return
         notes = self.notes[gpu.uuid]
-        if gpu.coherent_memory or gpu.mig_enabled:
-            why = "coherent memory" if gpu.coherent_memory else "MIG enabled"
+        coherent = gpu.coherent_memory
+        if coherent is not False or gpu.mig_enabled:
+            if coherent is None:
+                why = "coherent memory unknown (its NUMA node could not be read)"
+            else:
+                why = "coherent memory" if coherent else "MIG enabled"
             notes.append(f"memory not judged: {why}")
             return
         detection = self.policy.detection

@@ -291,12 +291,20 @@ def test_mig_not_supported_means_mig_disabled_not_unknown(
 def test_numa_node_marks_coherent_memory_and_missing_numa_node_does_not(
     fake_nvml: FakeNvml, client: NvmlClient
 ) -> None:
-    fake_nvml.write(state([gpu(0, numa_node=2), gpu(1)]))
+    failed = {"nvmlDeviceGetNumaNodeId": NVML_ERROR_UNKNOWN}
+    older = {"nvmlDeviceGetNumaNodeId": NVML_ERROR_FUNCTION_NOT_FOUND}  # predates coherent GPUs
+    fake_nvml.write(
+        state([gpu(0, numa_node=2), gpu(1), gpu(2, errors=failed), gpu(3, errors=older)])
+    )
 
-    coherent, plain = client.read().gpus
+    coherent, plain, unknown, old = client.read().gpus
 
     assert (coherent.numa_node, coherent.coherent_memory) == (2, True)
     assert (plain.numa_node, plain.coherent_memory) == (None, False)
+    # A query that failed is unknown, never "not coherent" (ghost detection stays off there).
+    assert (unknown.numa_node, unknown.coherent_memory) == (None, None)
+    assert "nvmlDeviceGetNumaNodeId" in (unknown.error or "")
+    assert (old.numa_node, old.coherent_memory, old.error) == (None, False, None)
 
 
 def test_other_error_on_one_value_is_none_plus_a_gpu_error_and_the_rest_is_read(

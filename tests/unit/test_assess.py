@@ -627,6 +627,8 @@ def test_floor_holder_does_not_block_ghost() -> None:
     ("gpu_kwargs", "note"),
     [
         ({"numa_node": 1}, "coherent memory"),
+        # Its NUMA node could not be read: the memory may be coherent (kept by design).
+        ({"numa_unknown": True, "allocated": LEAK}, "whether its memory is coherent is unknown"),
         ({"api": "v1", "used_v1": 4 * LEAK}, "v1 memory API"),  # too much to be idle
         ({"allocated": None}, "allocated memory unknown"),
         ({"memory_known": False}, "allocated memory unknown"),  # not read at all
@@ -660,6 +662,7 @@ def test_baseline_keeps_the_minimum_and_learns_only_when_idle() -> None:
         HostBuilder().gpu(0, allocated=MIB).proc(2202, ppid=1, unreadable=True),
         HostBuilder().gpu(0, allocated=MIB, processes_readable=False),
         HostBuilder().gpu(0, allocated=MIB, numa_node=0),
+        HostBuilder().gpu(0, allocated=MIB, numa_unknown=True),
     ]
     for builder in not_idle:
         assert run(builder.build(), state).state.baselines == {gpu_uuid(0): 4 * MIB}

@@ -23,7 +23,7 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.health.judge import assess_health, note_reset
 from gpuwatchd.decide.health.state import GpuHealthState, HealthState, XidDetail
 from gpuwatchd.decide.health.xid_catalogue import XidAction, xid_action
-from gpuwatchd.decide.plan.decisions import plan
+from gpuwatchd.decide.plan.decisions import plan, set_paused
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, SignalIntent
 from gpuwatchd.decide.plan.outcomes import record_reset
 from gpuwatchd.decide.plan.state import PlanState
@@ -336,6 +336,29 @@ def test_reboot_required_runs_on_failure_and_drain_once_and_never_resets() -> No
     assert hooks(second) == []
     assert resets(second) == []
     assert EventName.GPU_NEEDS_REBOOT not in names(second)
+
+
+@pytest.mark.parametrize("case", ["reboot", "lost", "drain timed out"])
+def test_a_pause_holds_the_on_failure_hooks_and_says_so(case: str) -> None:
+    """A pause holds every hook (docs/escalation.md, docs/operations.md §7): a GPU that needs
+    a reboot, is lost, or whose drain timed out is still reported, but no on_failure hook (a
+    page, a node drain) runs during the maintenance; ``action.refused`` says why."""
+    run = Run(policy(drain_timeout=600.0))
+    said = EventName.GPU_NEEDS_REBOOT
+    reading = snap(gpu(0, GPU0, health(xids=(XidEvent(79, 1.0),))))
+    if case == "lost":
+        reading = snap(replace(gpu(0, GPU0, health()), lost=True))
+    elif case == "drain timed out":
+        busy = (gpu(0, GPU0, health(recovery_action=1), pids=(77,)),)
+        run.poll(snap(*busy, procs=(live(77),)))  # the drain wait began before the pause
+        reading, said = snap(*busy, t=1601.0, procs=(live(77),)), EventName.HEALTH_DRAIN_TIMED_OUT
+    run.plan_state = set_paused(run.plan_state, True, reason="driver upgrade")
+    result = run.poll(reading)
+    assert said in names(result)
+    assert hooks(result) == []
+    (refused,) = [e for e in result.events if e.name == EventName.ACTION_REFUSED]
+    assert str(refused.fields["why"]).startswith("paused: driver upgrade; on_failure not run: ")
+    assert refused.fields["gpu"] == GPU0
 
 
 def test_drain_p2p_settling_to_gpu_reset_drains_once_and_a_later_incident_drains_again() -> None:

@@ -369,6 +369,8 @@ BASE = DEFAULT.default_baseline
         ("allocated memory unknown", lambda b: b.gpu(0, allocated=None), "hidden_holder"),
         ("coherent memory keeps pages by design", lambda b: b.gpu(0, allocated=LEAK, numa_node=0),
          "hidden_holder"),
+        ("coherent or not is unknown", lambda b: b.gpu(0, allocated=LEAK, numa_unknown=True),
+         "hidden_holder"),
     ],
 )  # fmt: skip
 def test_memory_without_an_owner_ties_the_heir_only_when_known_and_above_the_margin(

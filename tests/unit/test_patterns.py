@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gpuwatchd.config.schema import parse_policy_documents
 from gpuwatchd.config.yamlsrc import ConfigError
 from gpuwatchd.core.model import Finding, FindingKind
+from gpuwatchd.decide import patterns
 from gpuwatchd.decide.patterns import (
     MAX_COMMAND_TEXT,
     MAX_REPEAT,
@@ -265,6 +266,19 @@ def test_a_verbose_pattern_is_read_with_its_flags() -> None:
     verbose = re.compile(r"train \.py  # the script", re.VERBOSE)
     assert command_search(verbose, "python train.py") is True
     assert command_search(verbose, "python train .py  # the script") is False
+
+
+def test_an_inline_flag_applies_to_the_whole_pattern() -> None:
+    assert command_search(re.compile("(?i)PYTHON train"), "python TRAIN.py") is True
+    assert command_search(re.compile("PYTHON train"), "python TRAIN.py") is False
+
+
+@pytest.mark.parametrize("av", [None, [], (0, 1, [])])
+def test_a_construct_the_automaton_does_not_know_is_refused_never_guessed(av: object) -> None:
+    """What a later Python's parser may produce (an unknown op, whatever its argument looks
+    like: a class's list, a repeat's tuple) is refused, never built as something else."""
+    with pytest.raises(NotLinear, match=r"^unsupported regular expression construct NEW_OP$"):
+        patterns._Builder().item("NEW_OP", av, 0, 0)
 
 
 def _frames() -> int:

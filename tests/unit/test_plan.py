@@ -40,7 +40,7 @@ from gpuwatchd.decide.plan.decisions import (
 from gpuwatchd.decide.plan.intents import HookIntent, PlanResult, ResetIntent, kill_cap_scope
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset, record_signal
 from gpuwatchd.decide.plan.state import Ladder, PlanState, ResetInFlight, SeenFinding
-from gpuwatchd.decide.policy import Limits, Policy, Protect, ResetPolicy, Rule, Step
+from gpuwatchd.decide.policy import SIGNAL_NAMES, Limits, Policy, Protect, ResetPolicy, Rule, Step
 from gpuwatchd.decide.targets import refusal, rule_for
 from tests.support.plancases import (
     BUS0,
@@ -787,6 +787,20 @@ def test_stuck_target_gets_on_failure_once_and_never_a_sigkill_loop() -> None:
     assert sorted(ran, key=str) == [("on_action", "stuck"), ("on_failure", None)]
 
 
+def test_a_target_stuck_while_paused_is_reported_but_runs_no_on_failure_hook() -> None:
+    """A pause holds every hook (docs/escalation.md): the target is still said stuck."""
+    p, f, pol, r = first_poll()
+    state = record_signal(r.state, signals(r)[0], "delivered", now=0.0).state
+    d = replace(p, state="D")
+    paused = set_paused(state, True, reason="maintenance")
+    r = run([f, orphan(d, kind=FindingKind.STUCK)], snap([d]), paused, pol, now=31.0)
+    assert EventName.TARGET_STUCK in names(r)
+    (told,) = hooks(r)  # on_action: the SIGTERM was sent before the pause
+    assert (told.hook, told.facts["why"]) == ("on_action", "target is in uninterruptible sleep (D)")
+    why = event(r, EventName.ACTION_REFUSED)["why"]
+    assert str(why).startswith("paused: maintenance; on_failure not run: ")
+
+
 def test_target_still_in_d_state_after_its_last_step_is_stuck_not_ended() -> None:
     p = proc()
     f = orphan(p)
@@ -1156,7 +1170,9 @@ _ladders = st.builds(
     finding_key=_text,
     rule=_text,
     gpu=st.none() | _text,
-    steps=st.lists(st.tuples(st.none() | _text, _time), max_size=3).map(tuple),
+    steps=st.lists(st.tuples(st.none() | st.sampled_from(SIGNAL_NAMES), _time), max_size=3).map(
+        tuple
+    ),
     step=st.just(0),
     due=st.none() | _time,
     status=st.sampled_from(["active", "ended", "stuck", "failed"]),
@@ -1244,6 +1260,9 @@ def test_a_saved_ladder_keeps_its_keys_in_the_file_order() -> None:
         ({"steps": [["SIGTERM"]]}, "plan.ladders.t.steps[0]: expected [signal, wait]"),
         ({"steps": [["SIGTERM", "x"]]}, "plan.ladders.t: expected a number"),
         ({"steps": "SIGTERM"}, "plan.ladders.t.steps: expected a list"),
+        # Only a signal the config allows (never SIGSTOP: a stopped job keeps its memory).
+        ({"steps": [["SIGSTOP", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
+        ({"steps": [["sigterm", 30.0]]}, "plan.ladders.t.steps[0]: not a signal a ladder sends"),
         ({"status": "gone"}, "plan.ladders.t: invalid status or step"),
         ({"step": 3}, "plan.ladders.t: invalid status or step"),
         ({"step": -1}, "plan.ladders.t: invalid status or step"),

@@ -346,6 +346,7 @@ def test_a_live_jobs_memory_is_its_own() -> None:
     [
         ({"api": "v1", "allocated": LEAK}, "v1 memory API"),
         ({"numa_node": 1, "allocated": LEAK}, "coherent memory"),
+        ({"numa_unknown": True, "allocated": LEAK}, "coherent memory unknown"),
         ({"mig": True, "allocated": LEAK}, "MIG enabled"),
     ],
 )
@@ -427,6 +428,15 @@ def test_a_gpu_whose_processes_nvml_cannot_list_is_not_clean() -> None:
     verdict = verdict_of(HostBuilder().gpu(0, processes_readable=False).build())
     assert kinds(verdict.gpus[0]) == ["processes_unknown"]
     assert verdict.gpus[0].state is Cleanliness.UNKNOWN
+
+
+def test_a_gpu_whose_mig_mode_cannot_be_read_is_not_clean() -> None:
+    """Its processes may live in MIG instances the reading does not show: unknown, as a GPU
+    whose process list could not be read, never clean beside instances still in use."""
+    verdict = verdict_of(HostBuilder().gpu(0, mig=None).gpu(1).build())
+    assert states(verdict) == ["unknown", "clean"]
+    assert kinds(verdict.gpus[0]) == ["processes_unknown"]
+    assert "MIG mode could not be read" in verdict.gpus[0].reasons[0].text
 
 
 def test_dirt_outranks_unknown() -> None:

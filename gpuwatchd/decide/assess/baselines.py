@@ -55,7 +55,7 @@ def learn_baselines(
     if not host.full_scan or host.unreadable_suspects():
         return learned
     for gpu in host.gpus:
-        if gpu.lost or gpu.mig_enabled or gpu.coherent_memory or gpu.minor is None:
+        if gpu.lost or gpu.mig_enabled or gpu.coherent_memory is not False or gpu.minor is None:
             continue
         if gpu.processes is None or gpu.processes:
             continue

@@ -22,6 +22,13 @@ class MemoryPass(AssessorState):
             if gpu.coherent_memory:
                 self.note(gpu, "coherent memory (NUMA node set): memory-based detection is off")
                 continue
+            if gpu.coherent_memory is None:
+                self.note(
+                    gpu,
+                    "whether its memory is coherent is unknown (its NUMA node could not be "
+                    "read): memory-based detection is off",
+                )
+                continue
             if gpu.mig_enabled:
                 self.note(gpu, "MIG enabled: memory-based detection is off")
                 continue

@@ -211,7 +211,7 @@ class AssessorState:
 
     def memory_without_owner(self, gpu: GpuInfo) -> dict[str, object] | None:
         """Evidence that ``gpu`` holds memory above baseline+margin with no live owner at all."""
-        if gpu.coherent_memory or gpu.processes is None or gpu.lost:
+        if gpu.coherent_memory is not False or gpu.processes is None or gpu.lost:
             return None
         rows = self.host.listings[gpu.uuid]
         if any(r.status == "alive" or r.entry.pid in self.host.listed_alive for r in rows):

@@ -13,14 +13,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpuwatchd.core.model import Finding, FindingKind, Snapshot
-from gpuwatchd.core.vocabulary import EventName, HookName, LadderStatus, Level
+from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.health.judge import HEALTH_KINDS
 from gpuwatchd.decide.plan.health import consider_health
 from gpuwatchd.decide.plan.intents import (
     Ctx,
-    HookIntent,
     PlanResult,
     Work,
+    ask_on_failure,
     finding_fields,
     is_dry_run,
     target_key,
@@ -111,7 +111,7 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         reason = f"{gpu.uuid} is lost and needs a reboot"
-        w.intents.append(HookIntent(HookName.ON_FAILURE, reason, fields, is_dry_run(w, ctx)))
+        ask_on_failure(w, ctx, reason, fields, {"gpu": gpu.uuid})
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:

@@ -13,6 +13,7 @@ from gpuwatchd.decide.plan.intents import (
     Ctx,
     HookIntent,
     Work,
+    ask_on_failure,
     finding_fields,
     hold_reason,
     is_dry_run,
@@ -70,11 +71,7 @@ def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
     if finding.kind == FindingKind.REBOOT_REQUIRED:
         if w.noted(finding.key, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
-            w.intents.append(
-                HookIntent(
-                    HookName.ON_FAILURE, f"{finding.gpu} needs a reboot", fields, dry_run=dry
-                )
-            )
+            ask_on_failure(w, ctx, f"{finding.gpu} needs a reboot", fields, fields)
             if act:
                 _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
         return
@@ -123,9 +120,10 @@ def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> No
             w.health_waits[uuid] = replace(wait, expired=True)
             held = "; ".join(blockers)
             why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
-            facts = {**finding_fields(finding), "blockers": blockers}
+            fields = finding_fields(finding)
+            facts = {**fields, "blockers": blockers}
             w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
-            w.intents.append(HookIntent(HookName.ON_FAILURE, f"{uuid}: {why}", facts, dry_run=dry))
+            ask_on_failure(w, ctx, f"{uuid}: {why}", facts, fields)
             return
         w.waiting[finding.key] = wait.since + timeout
         if w.noted(finding.key, "drain:" + "; ".join(blockers)):

@@ -238,6 +238,25 @@ def hold_reason(w: Work, ctx: Ctx) -> str | None:
     return ctx.blocked
 
 
+def pause_hold(w: Work) -> str | None:
+    """``paused: <why>`` while an administrator's pause holds every action; else None."""
+    return f"paused: {w.state.paused_reason or 'by an administrator'}" if w.state.paused else None
+
+
+def ask_on_failure(
+    w: Work, ctx: Ctx, reason: str, facts: Mapping[str, object], said: Mapping[str, object]
+) -> None:
+    """The ``on_failure`` hooks about ``reason``; none while paused (a pause holds every hook:
+    a page or a node drain waits for the maintenance to end), said by ``action.refused`` with
+    ``said``, the fields of its subject."""
+    held = pause_hold(w)
+    if held is not None:
+        why = f"{held}; on_failure not run: {reason}"
+        w.event(EventName.ACTION_REFUSED, Level.INFO, **{**said, "why": why})
+        return
+    w.intents.append(HookIntent(HookName.ON_FAILURE, reason, dict(facts), is_dry_run(w, ctx)))
+
+
 def ladder_fields(lad: Ladder) -> dict[str, object]:
     """A ladder's fields as every event about its target carries them."""
     return fields_of(lad, LADDER_EVENT_FIELDS)

@@ -8,19 +8,20 @@ import math
 from dataclasses import replace
 
 from gpuwatchd.core.model import Finding, FindingKind, ProcessIdentity, ProcessInfo
-from gpuwatchd.core.vocabulary import ActionOutcome, EventName, HookName, LadderStatus, Level
+from gpuwatchd.core.vocabulary import ActionOutcome, EventName, LadderStatus, Level
 from gpuwatchd.decide.plan.intents import (
     Ctx,
-    HookIntent,
     SignalIntent,
     Work,
     action_ended,
+    ask_on_failure,
     end_ladder,
     finding_fields,
     hold_reason,
     is_dry_run,
     kill_cap_scope,
     ladder_fields,
+    pause_hold,
     previewing,
     target_key,
 )
@@ -187,13 +188,8 @@ def _mark_stuck(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, why: s
     w.ladders[lad.target] = end_ladder(lad, LadderStatus.STUCK)
     facts = {**ladder_fields(lad), **process_facts(proc)}
     w.event(EventName.TARGET_STUCK, Level.CRITICAL, why=why + "; needs drain/reboot", **facts)
-    w.intents.append(
-        HookIntent(
-            HookName.ON_FAILURE, f"{lad.target} stuck: {why}", facts, dry_run=is_dry_run(w, ctx)
-        )
-    )
-    if lad.status is LadderStatus.ACTIVE:
-        w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))
+    ask_on_failure(w, ctx, f"{lad.target} stuck: {why}", facts, ladder_fields(lad))
+    w.intents.extend(action_ended(lad, ActionOutcome.STUCK, why))  # every caller's is active
 
 
 def _emit_step(w: Work, ctx: Ctx, lad: Ladder, proc: ProcessInfo | None, finding: Finding) -> None:
@@ -414,6 +410,5 @@ def _gate(
     why = refusal(proc, finding, ctx.snapshot, ctx.policy, ctx.self_ancestors)
     if why is not None:
         return why, Level.INFO
-    if w.state.paused:
-        return f"paused: {w.state.paused_reason or 'by an administrator'}", Level.INFO
-    return None
+    paused = pause_hold(w)
+    return None if paused is None else (paused, Level.INFO)

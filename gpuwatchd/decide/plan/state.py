@@ -27,6 +27,7 @@ from gpuwatchd.core.codec import Reader
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import PLAN_STATE_VERSION, LadderStatus
 from gpuwatchd.decide.plan.shadow import DryShadow
+from gpuwatchd.decide.policy import SIGNAL_NAMES
 
 _T = TypeVar("_T")
 
@@ -292,9 +293,10 @@ def _steps(value: object, what: str) -> tuple[tuple[str | None, float], ...]:
         pair = items(item, f"{what}[{i}]")
         if len(pair) != 2:
             raise ValueError(f"{what}[{i}]: expected [signal, wait]")
-        steps.append(
-            (opt_text(pair[0], f"{what}[{i}]"), number(pair[1], what.removesuffix(".steps")))
-        )
+        signal = opt_text(pair[0], f"{what}[{i}]")
+        if signal is not None and signal not in SIGNAL_NAMES:
+            raise ValueError(f"{what}[{i}]: not a signal a ladder sends: {signal!r}")
+        steps.append((signal, number(pair[1], what.removesuffix(".steps"))))
     return tuple(steps)
 
 

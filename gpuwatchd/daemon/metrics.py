@@ -257,7 +257,7 @@ class _GpuGauges:
                 continue  # its memory figures are whatever was read before it was lost
             allocated = gpu.memory.allocated if gpu.memory is not None else None
             _put(self.allocated, labels, allocated)
-            if gpu.mig_enabled or gpu.coherent_memory:
+            if gpu.mig_enabled or gpu.coherent_memory is not False:
                 continue  # no memory-based detection there (as in assess)
             accounted = _accounted(host, gpu)
             _put(self.accounted, labels, accounted)

@@ -320,6 +320,17 @@ def test_unknown_memory_has_no_sample_never_a_zero(textfile: Path) -> None:
     assert not any(has(what, 5) for what in ("accounted", "unaccounted", "ghost"))
 
 
+def test_a_gpu_of_unknown_coherence_has_no_memory_judgement_samples(textfile: Path) -> None:
+    # Its NUMA node could not be read: coherent or not is unknown, so detection is off there
+    # (as in assess) and its ghost figure is no known 0.
+    snapshot = HostBuilder().gpu(0, allocated=4 * GIB, numa_unknown=True).build()
+    poll(Metrics(str(textfile)), snapshot)
+    s = written(textfile)
+    assert value(s, "gpuwatchd_gpu_memory_allocated_bytes", **gpu(0)) == 4 * GIB
+    for what in ("accounted", "unaccounted", "ghost"):
+        assert (f"gpuwatchd_gpu_memory_{what}_bytes", frozenset(gpu(0).items())) not in s
+
+
 def test_a_gpu_that_disappears_loses_its_samples(textfile: Path) -> None:
     metrics = Metrics(str(textfile))
     poll(metrics, host())

@@ -289,7 +289,7 @@ def test_a_reload_says_the_log_format_needs_a_restart_and_keeps_it(tmp_path: Pat
     config.write_text(text + "log:\n  format: json\n")
     with capture_logs() as logs:
         daemon._do_reload()
-    (partial,) = [e for e in logs if e["event"] == "config.reload_partial"]
+    (partial,) = [e for e in logs if e["event"] == EventName.CONFIG_RELOAD_PARTIAL]
     assert partial["needs_restart"] == ["log.format"]
     assert daemon.policy.log_format == "logfmt"
 

@@ -12,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.config.schema import default_policy
-from gpuwatchd.core.vocabulary import ExitCode
+from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.state.directory import StateDir, StateDirError
 from gpuwatchd.state.pause import clear_latches, read_pause_switch, set_pause, take_clear_latches
@@ -149,7 +149,9 @@ def test_the_daemon_refuses_a_bad_state_dir_in_one_line_with_exit_78(tmp_path: P
     with capture_logs() as logs:
         code = _daemon(bad).run()
     assert code == ExitCode.CONFIG
-    assert [(e["event"], e["log_level"]) for e in logs] == [("state.dir_unusable", "critical")]
+    assert [(e["event"], e["log_level"]) for e in logs] == [
+        (EventName.STATE_DIR_UNUSABLE, "critical")
+    ]
 
 
 def test_the_daemon_refuses_a_linked_lock_file_in_one_line(state_dir: Path, victim: Path) -> None:
@@ -157,7 +159,7 @@ def test_the_daemon_refuses_a_linked_lock_file_in_one_line(state_dir: Path, vict
     with capture_logs() as logs:
         code = _daemon(state_dir).run()
     assert code == ExitCode.CONFIG
-    assert [e["event"] for e in logs] == ["state.dir_unusable"]
+    assert [e["event"] for e in logs] == [EventName.STATE_DIR_UNUSABLE]
     assert victim.read_text() == SECRET
 
 
@@ -166,7 +168,7 @@ def test_a_state_write_that_fails_is_logged_and_the_daemon_goes_on(state_dir: Pa
     (state_dir / "state.json").mkdir()  # rename over a directory fails (EISDIR)
     with capture_logs() as logs:
         daemon.save_state()
-    assert [e["event"] for e in logs] == ["state.save_failed"]
+    assert [e["event"] for e in logs] == [EventName.STATE_SAVE_FAILED]
     assert [p.name for p in state_dir.iterdir()] == ["state.json"], "no temporary file left"
 
 
@@ -188,7 +190,7 @@ def test_an_error_the_loop_does_not_expect_ends_in_a_restartable_exit(
     assert isinstance(got.value.__cause__, OSError)
     assert got.value.__cause__.errno == error
     assert os.strerror(error) in str(got.value)
-    assert "state.dir_unusable" not in [e["event"] for e in logs]
+    assert EventName.STATE_DIR_UNUSABLE not in [e["event"] for e in logs]
 
 
 def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Path) -> None:
@@ -198,7 +200,7 @@ def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Pa
     daemon.started_wall = float("nan")
     with capture_logs() as logs:
         assert daemon.save_state() is False
-    [said] = [e for e in logs if e["event"] == "state.save_failed"]
+    [said] = [e for e in logs if e["event"] == EventName.STATE_SAVE_FAILED]
     assert "not JSON compliant" in said["error"]
     assert list(state_dir.iterdir()) == []
     daemon.started_wall = 1.0
@@ -216,4 +218,4 @@ def test_a_second_outage_of_the_state_dir_is_said_again(state_dir: Path, tmp_pat
             assert daemon._state_dir() is None  # the same error: not said twice
             (tmp_path / "away").rename(state_dir)
             assert daemon._state_dir() is not None
-    assert [e["event"] for e in logs] == ["state.dir_unusable"] * 2
+    assert [e["event"] for e in logs] == [EventName.STATE_DIR_UNUSABLE] * 2

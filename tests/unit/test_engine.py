@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
-from gpuwatchd.core.vocabulary import SignalOutcome
+from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
 from gpuwatchd.decide.plan.state import PlanState
@@ -62,12 +62,12 @@ def test_dry_run_runs_no_hook_signal_or_reset_command_and_says_what_it_would_do(
     hooks = r.sink.named("hook.run")
     assert hooks
     assert all(h["outcome"] == "dry_run" and h["dry_run"] is True for h in hooks)
-    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["dry_run"]
+    assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["dry_run"]
     assert {s["outcome"] for s in r.sink.named("action.signal")} == {"dry_run"}
     assert r.reader.stopped == 0, "a dry-run reset does not stop the NVML worker"
     # What an admin reviews with `journalctl -p warning`: each would-be action, once.
     warned = {n for n, level, _ in r.sink.events if level == "warning"}
-    assert {"action.signal", "hook.run", "reset.outcome"} <= warned
+    assert {"action.signal", "hook.run", EventName.RESET_OUTCOME} <= warned
     assert not {"escalation.step_due", "reset.due", "reset.dry_run"} & warned
 
 
@@ -173,7 +173,7 @@ def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_relo
     r = rig(pol, ghost_host)
     r.reader.blockers = [777]  # the final scan finds a holder: refused, nothing run
     r.poll_at(0.0)
-    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused"]
+    assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["refused"]
     assert reset_commands(r) == []
     assert r.engine.state.plan.reset_in_flight is None
     r.reader.blockers = []
@@ -188,7 +188,7 @@ def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_relo
     r.poll_at(3602.0)
     assert r.reader.final_scans == 2
     assert len(reset_commands(r)) == 1
-    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["refused", "success"]
+    assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["refused", "success"]
     assert r.sink.named("reset.succeeded")
 
 
@@ -196,7 +196,7 @@ def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
     pol = make_policy("reset: {confirm_for: 0s}")
     r = rig(pol, ghost_host, actuator=Actuator(returncode=255))
     r.poll_at(0.0)
-    assert [o["result"] for o in r.sink.named("reset.outcome")] == ["failed"]
+    assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
     assert r.sink.named("reset.failed")
     hooks = r.sink.named("hook.run")
     assert [h["hook"] for h in hooks] == ["on_failure"]
@@ -253,7 +253,7 @@ def test_a_resumed_mig_gpu_reset_that_failed_leaves_each_instance_of_its_layout_
         pol, ghost_host, state=_interrupted_during_the_reset(pol, mig_layout=[instance.record()])
     )
     second.engine.resume_interrupted_reset()
-    assert [o["result"] for o in second.sink.named("reset.outcome")] == ["failed"]
+    assert [o["result"] for o in second.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
     assert list(second.engine.state.plan.mig_unfinished) == [MIG_UUID]
 
 
@@ -386,4 +386,4 @@ def test_each_real_action_is_one_warning_line() -> None:
     warned = [
         n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
     ]
-    assert sorted(warned) == ["action.signal", "reset.outcome"], warned
+    assert sorted(warned) == ["action.signal", EventName.RESET_OUTCOME], warned

@@ -184,7 +184,7 @@ def test_console_format_with_exception_stays_on_one_line() -> None:
     try:
         raise RuntimeError("boom")
     except RuntimeError as error:
-        structlog.get_logger().error("reset.failed", exc_info=error)
+        structlog.get_logger().error(EventName.RESET_FAILED, exc_info=error)
     (line,) = stream.getvalue().splitlines()
     assert "RuntimeError: boom" in line
 
@@ -216,7 +216,7 @@ def test_a_closed_stream_does_not_raise() -> None:
     stream = io.StringIO()
     configure_logging(fmt="logfmt", stream=stream, environ={})
     stream.close()
-    structlog.get_logger().critical("nvml.wedged", gpu="GPU-1")
+    structlog.get_logger().critical(EventName.NVML_WEDGED, gpu="GPU-1")
 
 
 class BrokenPipe(io.StringIO):
@@ -226,7 +226,7 @@ class BrokenPipe(io.StringIO):
 
 def test_a_broken_pipe_does_not_raise() -> None:
     configure_logging(fmt="json", stream=BrokenPipe(), environ={})
-    structlog.get_logger().warning("action.signal", pid=1)
+    structlog.get_logger().warning(EventName.ACTION_SIGNAL, pid=1)
 
 
 class Unprintable:
@@ -261,7 +261,7 @@ def test_auto_format_picks_journald_then_console_then_logfmt(
 ) -> None:
     stream = make_stream()  # a new stream per run: a shared one keeps the last run's lines
     configure_logging(fmt="auto", stream=stream, environ=env)
-    structlog.get_logger().info("daemon.start", interval=5)
+    structlog.get_logger().info(EventName.DAEMON_START, interval=5)
     (line,) = stream.getvalue().splitlines()
     if expect == "journald":
         assert line == "<6>level=info event=daemon.start interval=5"
@@ -276,7 +276,7 @@ def test_auto_format_picks_journald_then_console_then_logfmt(
 def test_console_on_a_terminal_honours_no_color() -> None:
     stream = Terminal()
     configure_logging(fmt="console", stream=stream, environ={"NO_COLOR": "1"})
-    structlog.get_logger().info("daemon.start")
+    structlog.get_logger().info(EventName.DAEMON_START)
     assert "\x1b[" not in stream.getvalue()
 
 
@@ -295,7 +295,7 @@ def test_a_bound_logger_name_and_fields_go_out_with_the_event() -> None:
     configure_logging(fmt="logfmt", stream=io.StringIO(), environ={})
     with capture_logs() as logs:
         structlog.get_logger().bind(logger="gpuwatchd.act", gpu="GPU-1").warning(
-            "action.signal", pid=5, signal="TERM"
+            EventName.ACTION_SIGNAL, pid=5, signal="TERM"
         )
     assert logs == [
         {
@@ -754,16 +754,16 @@ def test_native_needs_journal_stream_to_name_the_stream_itself(journal: FakeJour
     # No file to check (a wrapper): the variable is trusted for the prefix, not for the socket.
     stream = io.StringIO()
     configure_logging(stream=stream, environ=JOURNAL, journal_socket=journal.path)
-    structlog.get_logger().info("daemon.start")
+    structlog.get_logger().info(EventName.DAEMON_START)
     assert stream.getvalue() == "<6>level=info event=daemon.start\n"
     # Inherited by a child whose stderr goes elsewhere: neither.
     other = {"JOURNAL_STREAM": journal.environ["JOURNAL_STREAM"] + "1"}
     configure_logging(stream=journal.stream, environ=other, journal_socket=journal.path)
-    structlog.get_logger().info("daemon.start")
+    structlog.get_logger().info(EventName.DAEMON_START)
     assert re.match(r"timestamp=\S+ level=info event=daemon\.start$", journal.lines()[-1])
     # Turned off by the caller.
     journal.configure(socket_path=None)
-    structlog.get_logger().info("daemon.start")
+    structlog.get_logger().info(EventName.DAEMON_START)
     assert journal.lines()[-1] == "<6>level=info event=daemon.start"
     assert journal.nothing_received()
 

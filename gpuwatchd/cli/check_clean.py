@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
@@ -77,15 +78,10 @@ def split_selectors(values: Sequence[str] | None) -> list[str] | None:
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
-def _number(text: str, digits: int) -> bool:
-    """Whether ``text`` is a number of ASCII digits, at most ``digits`` of them."""
-    return text.isascii() and text.isdecimal() and len(text) <= digits
-
-
 def _names(gpu: GpuVerdict, selector: str) -> bool:
     return (
         gpu.uuid.lower() == selector.lower()
-        or (_number(selector, 64) and int(selector) == gpu.index)
+        or decimal(selector, 64) == gpu.index
         or (gpu.pci_bus_id is not None and same_pci_bus_id(selector, gpu.pci_bus_id))
     )
 
@@ -129,14 +125,15 @@ def slurm_selectors(gpus: Sequence[object], ids: Sequence[str], order: str) -> l
         )
     chosen: list[str] = []
     for ident in ids:
-        if not _number(ident, 6):
+        number = decimal(ident, 6)
+        if number is None:
             raise SelectionError(f"--slurm-gpus {escape(ident)!r} is not a Slurm GPU id")
-        if int(ident) >= len(numbered):
+        if number >= len(numbered):
             raise SelectionError(
                 f"--slurm-gpus {ident}: Slurm's GPU id {ident} names no GPU of this host "
                 f"({len(numbered)} GPU(s), numbered by {order} order)"
             )
-        chosen.append(by_index[numbered[int(ident)]])
+        chosen.append(by_index[numbered[number]])
     return chosen
 
 

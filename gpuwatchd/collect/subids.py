@@ -12,18 +12,13 @@ import pwd
 import stat
 from collections.abc import Callable
 
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import SubIdRange
 
 DEFAULT_SUBUID_FILE = "/etc/subuid"
 MAX_BYTES = 1 << 20
 MAX_RANGES = 65_536
 _MAX_UID = (1 << 32) - 1
-
-
-def _number(text: str) -> bool:
-    """Whether ``text`` is a number as shadow-utils reads one: ASCII digits (``'٣'`` is
-    decimal to Python), few enough for int() (a uid has at most 10)."""
-    return text.isascii() and text.isdecimal() and len(text) <= 20
 
 
 def _uid_of_name(name: str) -> int | None:
@@ -41,12 +36,15 @@ def parse_subuid(
     ranges: list[SubIdRange] = []
     for line in text.splitlines():
         fields = line.strip().split(":")
-        if len(fields) != 3 or not _number(fields[1]) or not _number(fields[2]):
+        # Numbers as shadow-utils reads them: ASCII digits, few enough (a uid has at most 10).
+        first, count = (decimal(f) for f in fields[1:3]) if len(fields) == 3 else (None, None)
+        if first is None or count is None:
             continue  # comments, blank and malformed lines
-        owner, first, count = fields[0], int(fields[1]), int(fields[2])
+        owner = fields[0]
         if not owner or count == 0 or first + count - 1 > _MAX_UID:
             continue
-        owner_uid = int(owner) if _number(owner) else uid_of(owner)
+        owner_uid = decimal(owner)
+        owner_uid = uid_of(owner) if owner_uid is None else owner_uid
         ranges.append(SubIdRange(first, count, owner, owner_uid))
         if len(ranges) >= MAX_RANGES:
             break

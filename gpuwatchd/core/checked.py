@@ -94,6 +94,13 @@ def pairs(value: object, what: str, limit: int | None = None) -> tuple[tuple[str
 # --- lenient: a malformed value is None (unknown) or empty, never an exception --------------------
 
 
+def decimal(text: str, digits: int = 20) -> int | None:
+    """``text`` as a whole number when it is 1 to ``digits`` ASCII digits, else None (Python's
+    digits include ``'²'``, which int() refuses, and other scripts' decimals, which it reads:
+    none of the files and arguments read this way writes either)."""
+    return int(text) if text.isascii() and text.isdecimal() and len(text) <= digits else None
+
+
 def as_number(value: object) -> float | None:
     """A finite number as a float; None otherwise (a bool is not a number, nor an integer
     beyond every float: JSON reads 400 digits as an int, and float() of it overflows)."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import EventName, Level
 
@@ -253,7 +254,7 @@ def finding_label(key: object, namer: Namer) -> str:
     gpu, _, target = rest.rpartition(":")
     if not rest or not gpu:
         return short(text)
-    pid = target.split("@", 1)[0]
-    if pid.isascii() and pid.isdecimal() and len(pid) <= 20:  # what int() reads (not '²')
-        return f"{short(kind)} {namer.process(int(pid))} on {namer.gpu(gpu)}"
+    pid = decimal(target.split("@", 1)[0])
+    if pid is not None:
+        return f"{short(kind)} {namer.process(pid)} on {namer.gpu(gpu)}"
     return f"{short(kind)} {namer.gpu(gpu)}"

@@ -1228,7 +1228,9 @@ def test_state_from_json_rejects_malformed_data(data: object) -> None:
         PlanState.from_json(data)
 
 
-@pytest.mark.parametrize(("target", "pid"), [("42@7", 42), ("²@7", None), ("4a@7", None)])
+@pytest.mark.parametrize(
+    ("target", "pid"), [("42@7", 42), ("²@7", None), ("4a@7", None), ("9" * 5000 + "@7", None)]
+)
 def test_a_saved_findings_target_names_its_pid_only_in_ascii_digits(
     target: str, pid: int | None
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import Finding, FindingKind, Snapshot
 from gpuwatchd.core.vocabulary import EventName, LadderStatus, Level
 from gpuwatchd.decide.health.judge import HEALTH_KINDS
@@ -177,9 +178,9 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
 
 def _target_pid(target: str | None) -> int | None:
     """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding, or one a
-    damaged state file spells in other than ASCII digits (``'²'.isdigit()`` is True)."""
-    pid = None if target is None else target.split("@", 1)[0]
-    return int(pid) if pid is not None and pid.isascii() and pid.isdecimal() else None
+    damaged state file spells in other than a few ASCII digits (``'²'.isdigit()`` is True, and
+    int() refuses 5,000 digits)."""
+    return None if target is None else decimal(target.split("@", 1)[0])
 
 
 # --- queries and admin switches ---------------------------------------------------------------

@@ -103,7 +103,10 @@ class Run:
                     found.append({"event": "<unparsed>", "line": line})
         return found
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+        """Whether ``predicate`` came true within ``timeout`` seconds (or when the daemon
+        exited). Generous: a wait that succeeds returns at once, and on a loaded 2-core CI
+        machine a daemon's poll once took over 20 s to show in its metrics file."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.host.reap()

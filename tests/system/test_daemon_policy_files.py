@@ -140,6 +140,8 @@ def host_files_rejected_while_running(arg: dict[str, Any], root: Path) -> dict[s
         out["said"] = run.wait_for(lambda: run.saw("config.files_rejected"))
         run.wait_for(lambda: metrics.exists() and "policy_rejected 1" in metrics.read_text())
         out["metrics"] = metrics.read_text() if metrics.exists() else ""
+        out["alive"] = run.proc is not None and run.proc.poll() is None
+        out["last_events"] = [e.get("event") for e in run.events()][-12:]
         status = host.gpuwatchd("status", "--json", *config)
         out["status_code"] = status.returncode
         out["status"] = json.loads(status.stdout) if status.stdout.strip() else None
@@ -165,7 +167,8 @@ def test_files_that_stop_validating_show_in_status_and_metrics_without_a_reload(
     assert r["reload"]["code"] == 78, r["reload"]
     assert r["said"] is True
     assert r["reload_rejected"] is False  # no signal was sent: the daemon saw the files itself
-    assert "\ngpuwatchd_policy_rejected 1.0\n" in r["metrics"]
+    said = {"alive": r["alive"], "last events": r["last_events"]}
+    assert "\ngpuwatchd_policy_rejected 1.0\n" in r["metrics"], said
     assert r["status_code"] == 1
     status = r["status"]
     assert status["running"] is True

@@ -211,28 +211,32 @@ class Daemon:
         except (StateDirError, OSError) as exc:
             log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             return ExitCode.CONFIG
+        held = contextlib.ExitStack()
         try:
-            with self.store.directory().lock():
-                try:
-                    return self._run_locked()
-                except OSError as exc:
-                    # Not the state folder's fault, nor a person's to fix (exit 77 and 78 are
-                    # never restarted): exit 1 with the traceback, and systemd restarts it.
-                    raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
-        except AlreadyRunning as exc:
-            if self.once:
-                raise  # run_daemon waits for the running daemon instead (cli/once.py)
-            log.error(
-                EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=self.policy.state_dir
-            )
-            return ExitCode.TEMPFAIL
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                raise  # run_daemon: exit 77
-            # The lock file is a link, a directory, or the disk refuses it.
-            log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
-            return ExitCode.CONFIG
+            try:
+                held.enter_context(self.store.directory().lock())
+            except AlreadyRunning as exc:
+                if self.once:
+                    raise  # run_daemon waits for the running daemon instead (cli/once.py)
+                log.error(EventName.DAEMON_ALREADY_RUNNING, detail=str(exc), state_dir=state_dir)
+                return ExitCode.TEMPFAIL
+            except OSError as exc:
+                if exc.errno in (errno.EACCES, errno.EPERM):
+                    raise  # run_daemon: exit 77
+                # The lock file is a link, a directory, or the disk refuses it.
+                log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
+                return ExitCode.CONFIG
+            try:
+                return self._run_locked()
+            except OSError as exc:
+                # Not the state folder's fault, nor a person's to fix (exit 77 and 78 are
+                # never restarted): exit 1 with the traceback, and systemd restarts it.
+                raise RuntimeError(f"the poll loop failed: {_os_error(exc)}") from exc
         finally:
+            try:
+                held.close()  # the loop has ended: a failed unlock does not change its answer
+            except OSError as exc:
+                log.critical(EventName.STATE_DIR_UNUSABLE, path=state_dir, error=_os_error(exc))
             self._serving.close()
             self.host.close()
             self.store.close()

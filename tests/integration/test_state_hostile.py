@@ -3,10 +3,13 @@ state_dir is one line and exit 78 at start, a failing disk is logged and never f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from structlog.testing import capture_logs
@@ -191,6 +194,46 @@ def test_an_error_the_loop_does_not_expect_ends_in_a_restartable_exit(
     assert got.value.__cause__.errno == error
     assert os.strerror(error) in str(got.value)
     assert EventName.STATE_DIR_UNUSABLE not in [e["event"] for e in logs]
+
+
+@pytest.mark.parametrize("ending", ["stopped", "once answered", "loop failed"])
+def test_a_lock_that_cannot_be_released_keeps_the_answer_of_the_loop(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """The poll loop has ended (a SIGTERM, ``run --once`` done, or failed) when the instance
+    lock is released: an unlock that fails is said, but never turns that answer into exit 78
+    (a configuration a person must fix: systemd never restarts it)."""
+    daemon = _daemon(state_dir)
+    daemon.once = ending == "once answered"
+    directory = daemon.store.directory()
+    held = directory.lock
+    unavailable = SimpleNamespace(snapshot=SimpleNamespace(nvml=SimpleNamespace(available=False)))
+
+    @contextlib.contextmanager
+    def lock_failing_at_release() -> Iterator[None]:
+        with held():
+            yield
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(state_dir / "lock"))
+
+    def poll() -> object:
+        if ending == "loop failed":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        daemon._stop = True
+        return unavailable
+
+    monkeypatch.setattr(directory, "lock", lock_failing_at_release)
+    monkeypatch.setattr(daemon, "poll_once", poll)
+    monkeypatch.setattr(daemon, "_install_signal_handlers", lambda: None)
+    monkeypatch.setattr(daemon, "_wait", lambda: None)
+    with capture_logs() as logs:
+        if ending == "loop failed":
+            with pytest.raises(RuntimeError, match="the poll loop failed"):
+                daemon.run()
+        else:
+            expected = ExitCode.UNAVAILABLE if daemon.once else ExitCode.OK
+            assert daemon.run() == expected
+    [said] = [e for e in logs if e["event"] == EventName.STATE_DIR_UNUSABLE]
+    assert os.strerror(errno.EIO) in said["error"]
 
 
 def test_a_state_the_writer_refuses_is_said_and_the_daemon_goes_on(state_dir: Path) -> None:

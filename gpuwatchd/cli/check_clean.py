@@ -174,7 +174,7 @@ def check_clean(
     running = escape(str(judge.running))
     print(f"gpuwatchd: {RUNNING_POLICY} (dry_run: {dry}): {running}", file=sys.stderr, flush=True)
     code, error = _judged(judge.policy, selectors, slurm)
-    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE, EXIT_UNREAD):
+    if code in (EXIT_DIRTY, EXIT_USAGE, ExitCode.UNAVAILABLE, EXIT_UNREAD, ExitCode.NOPERM):
         return code, error
     return EXIT_POLICY, (
         f"{judge.problem}\n(no GPU asked about is dirty by the policy the daemon runs; "

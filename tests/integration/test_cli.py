@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.check_clean import RUNNING_POLICY
 from gpuwatchd.cli.main import main
+from gpuwatchd.config.schema import load_policy
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.state.accepted import save_accepted
 from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
 from gpuwatchd.state.saved import STATE, StateStore
@@ -171,10 +174,19 @@ def _without_capabilities(host: SimHost, *args: str) -> subprocess.CompletedProc
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="needs root and setpriv (to drop capabilities and to start another user's process)",
 )
+@pytest.mark.parametrize("command", ["scan", "check-clean"])
 def test_scan_without_capabilities_reports_unreadable_holders_and_exits_77(
-    host: SimHost,
+    host: SimHost, command: str
 ) -> None:
-    """Another user's holder cannot be inspected without CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH."""
+    """Another user's holder cannot be inspected without CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH.
+    check-clean, judging by the policy the daemon runs as the files do not validate, says both
+    and exits 77 (run as root), not 78: the Slurm scripts read that 78 as "nothing dirty"."""
+    config = host.config()
+    if command == "check-clean":
+        with StateDir.open(str(host.state_dir)) as state_dir:
+            save_accepted(state_dir, load_policy(str(config), check_permissions=False))
+        (host.root / "conf.d").mkdir()
+        (host.root / "conf.d" / "90-broken.yaml").write_text("interval: sometimes\n")
     device = host.dev("nvidia0")[0]
     holder = subprocess.Popen(  # our own child, run as nobody, holding the GPU's device file
         [
@@ -190,12 +202,16 @@ def test_scan_without_capabilities_reports_unreadable_holders_and_exits_77(
             assert time.monotonic() < deadline
             time.sleep(0.01)
         host.nvml([gpu(0, allocated=GiB, processes=[process(holder.pid, GiB)])])
-        result = _without_capabilities(host, "scan", "--json", "--config", str(host.config()))
+        args = ["--json"] if command == "scan" else []
+        result = _without_capabilities(host, command, *args, "--config", str(config))
     finally:
         holder.kill()
         holder.wait()
     assert result.returncode == 77, result.stderr
     assert "run as root" in result.stderr
+    if command == "check-clean":
+        assert RUNNING_POLICY in result.stderr
+        return
     report = json.loads(result.stdout)
     assert holder.pid in report["unreadable_pids"]
 

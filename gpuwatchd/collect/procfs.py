@@ -208,15 +208,13 @@ class ProcFS:
         except OSError as err:
             return False if err.errno in GONE_ERRNOS else None
 
-    def is_running(self, pid: int, start_ticks: int) -> bool:
+    def is_running(self, pid: int, start_ticks: int) -> bool | None:
         """Whether ``pid`` is still the process started at ``start_ticks``, not exited (nor a
-        zombie)."""
-        fields = self.read_stat(pid)
-        return (
-            fields is not None
-            and fields.starttime == start_ticks
-            and fields.state not in ("Z", "X")
-        )
+        zombie); None when its ``stat`` cannot be read (:meth:`stat_unless_gone`): unknown."""
+        fields = self.stat_unless_gone(pid)
+        if fields is None or fields is False:
+            return fields  # None: unknown; False: gone
+        return fields.starttime == start_ticks and fields.state not in ("Z", "X")
 
     def _user(self, uid: int) -> str | None:
         if uid not in self._users:

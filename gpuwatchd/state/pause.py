@@ -263,14 +263,15 @@ def read_ended_jobs(
     state_dir: StateDir,
     now: float,
     *,
-    waiting: Callable[[int, int], bool],
+    waiting: Callable[[int, int], bool | None],
     remove_stale: bool = False,
     boot_id: str | None = None,
 ) -> HandOvers:
-    """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``), neither
-    expired at wall time ``now`` nor more than a day ahead (:class:`HandOvers`). A bad file is
-    named in the problems. ``remove_stale`` (the daemon): expired and bad files, and those whose
-    epilog is gone, are removed; a valid one beyond :data:`MAX_ENDED_JOBS` is only counted."""
+    """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``; None:
+    unknown, then not honoured but kept), neither expired at wall time ``now`` nor more than a
+    day ahead (:class:`HandOvers`). A bad file is named in the problems. ``remove_stale`` (the
+    daemon): expired and bad files, and those whose epilog is gone, are removed; a valid one
+    beyond :data:`MAX_ENDED_JOBS` is only counted."""
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:
@@ -292,8 +293,10 @@ def read_ended_jobs(
         except (OSError, ValueError) as err:
             problems.append(f"{name}: {err}")
         else:
-            if until >= now and waiting(*waiter):
+            waits = until >= now and waiting(*waiter)
+            if waits:
                 valid.append((job, _said_at(data, boot_id)))
+            if waits is not False:
                 continue
         if remove_stale:
             state_dir.remove(name)

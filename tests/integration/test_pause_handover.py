@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.config.schema import default_policy
 from gpuwatchd.daemon.lifecycle import Daemon
 from gpuwatchd.state.directory import StateDir
@@ -27,6 +28,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     withdraw_ended_jobs,
 )
+from tests.support.fakeproc import FakeProc, format_stat
 
 NOW = 1_800_000_000.0
 EPILOG = (4242, 987654)  # the waiting epilog: PID and start ticks
@@ -208,6 +210,27 @@ def test_a_hand_over_counts_only_while_its_epilog_waits_and_never_for_a_later_ru
     assert not reused.jobs  # the PID alone is not the epilog
     read_ended_jobs(state, NOW, waiting=lambda pid, ticks: False, remove_stale=True)
     assert files(tmp_path) == []  # the daemon removes it
+
+
+def test_a_hand_over_whose_epilog_cannot_be_read_is_kept_but_not_honoured(
+    tmp_path: Path, state: StateDir
+) -> None:
+    """The daemon's check (``ProcFS.is_running``) on an epilog whose ``/proc/PID/stat`` cannot
+    be read (EISDIR here; EIO, EMFILE): unknown is neither "waits" (the word covers nothing
+    while its epilog is unknown) nor "gone" (the file of a live epilog was removed for good, so
+    the epilog waited in vain); known again, it counts."""
+    proc = FakeProc(tmp_path / "proc")
+    (proc.root / str(EPILOG[0]) / "stat").mkdir(parents=True)
+    procfs = ProcFS(str(proc.root))
+    assert procfs.is_running(*EPILOG) is None
+    hand_over(state, ["slurm:42"], NOW + 600)
+    unknown = read_ended_jobs(state, NOW, waiting=procfs.is_running, remove_stale=True)
+    assert unknown == HandOvers({}, (), 0)
+    assert len(files(tmp_path)) == 1  # kept
+    (proc.root / str(EPILOG[0]) / "stat").rmdir()
+    proc.write(f"{EPILOG[0]}/stat", format_stat(EPILOG[0], "gpuwatchd", starttime=EPILOG[1]))
+    known = read_ended_jobs(state, NOW, waiting=procfs.is_running, remove_stale=True)
+    assert set(known.jobs) == {"slurm:42"}
 
 
 def test_the_epilog_withdraws_its_own_hand_over_and_only_its_own(

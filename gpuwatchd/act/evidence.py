@@ -309,8 +309,9 @@ class EvidenceKeeper:
             data = _encode(smaller) or b""
             if data and len(data) <= self.max_bytes:
                 break
-        if not data or len(data) > self.max_bytes:
-            return Kept(None, error=f"the evidence does not fit in {self.max_bytes} bytes")
+        if not data or len(data) > self.max_bytes:  # no data: the step's own part cannot be JSON
+            why = f"does not fit in {self.max_bytes} bytes" if data else "holds NaN or infinity"
+            return Kept(None, error=f"the evidence {why}")
         try:
             kept = list_evidence(folder)
             name = _name((kept[-1].seq if kept else 0) + 1, wall, step)

@@ -299,7 +299,7 @@ class NvmlClient:
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
             reply = json.loads(line)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}") from error
         if not isinstance(reply, dict):
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}")

@@ -21,16 +21,7 @@ from importlib.machinery import PathFinder
 from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
-from gpuwatchd.core.checked import (
-    as_flag,
-    as_list,
-    as_map,
-    as_number,
-    items,
-    obj,
-    opt_integer,
-    opt_text,
-)
+from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
 from gpuwatchd.core.model import (
     GpuHealth,
     GpuInfo,
@@ -396,7 +387,7 @@ class NvmlClient:
         ]
         self._decoded = decoded
         gpus = tuple(gpu for _, gpu in decoded)
-        for notice in map(as_map, as_list(reply.get("notices"))):
+        for notice in map(as_map, items(reply.get("notices") or [], "notices")):
             if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue
             uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")

@@ -283,7 +283,6 @@ class EvidenceKeeper:
                 report, report_error = self.report(snapshot, assessment, verdict, first_seen), None
             except Exception as err:  # a bug in the report must not stop the step's evidence
                 report_error = repr(err)
-        health_state = health.to_json()
         doc: dict[str, object] = {
             "evidence": FORMAT,
             "action": str(step.action),
@@ -298,7 +297,7 @@ class EvidenceKeeper:
             "report_error": report_error,
             "health_state": {
                 uuid: entry
-                for uuid, entry in health_state.items()
+                for uuid, entry in health.to_json().items()
                 if step.gpu is None or uuid == step.gpu
             },
             "process_trees": process_trees(snapshot, _pids_of_step(snapshot, assessment, step)),

@@ -363,7 +363,8 @@ def kill_marked(marker: bytes) -> int:
     checked again through its pidfd (a reused PID is never hit); how many."""
     killed = 0
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid() or not _carries(int(name), marker):
+        other = name.isascii() and name.isdigit() and int(name) != os.getpid()
+        if not other or not _carries(int(name), marker):
             continue
         try:
             pidfd = os.pidfd_open(int(name))

@@ -283,7 +283,6 @@ class EvidenceKeeper:
                 report, report_error = self.report(snapshot, assessment, verdict, first_seen), None
             except Exception as err:  # a bug in the report must not stop the step's evidence
                 report_error = repr(err)
-        health_state = health.to_json()
         doc: dict[str, object] = {
             "evidence": FORMAT,
             "action": str(step.action),
@@ -298,7 +297,7 @@ class EvidenceKeeper:
             "report_error": report_error,
             "health_state": {
                 uuid: entry
-                for uuid, entry in health_state.items()
+                for uuid, entry in health.to_json().items()
                 if step.gpu is None or uuid == step.gpu
             },
             "process_trees": process_trees(snapshot, _pids_of_step(snapshot, assessment, step)),
@@ -309,8 +308,9 @@ class EvidenceKeeper:
             data = _encode(smaller) or b""
             if data and len(data) <= self.max_bytes:
                 break
-        if not data or len(data) > self.max_bytes:
-            return Kept(None, error=f"the evidence does not fit in {self.max_bytes} bytes")
+        if not data or len(data) > self.max_bytes:  # no data: the step's own part cannot be JSON
+            why = f"does not fit in {self.max_bytes} bytes" if data else "holds NaN or infinity"
+            return Kept(None, error=f"the evidence {why}")
         try:
             kept = list_evidence(folder)
             name = _name((kept[-1].seq if kept else 0) + 1, wall, step)

@@ -39,7 +39,7 @@ def descendants(root: int) -> dict[int, int]:
     """Every descendant of ``root`` now, with its start ticks: one walk of ``/proc``."""
     parents: dict[int, list[tuple[int, int]]] = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not (name.isascii() and name.isdigit()):
             continue
         found = _stat(int(name))
         if found is not None:

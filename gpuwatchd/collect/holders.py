@@ -461,7 +461,7 @@ class HolderScanner:
         if threads <= 1:
             return True
         try:
-            tids = [int(name) for name in os.listdir(f"{base}/task") if name.isdigit()]
+            tids = [int(n) for n in os.listdir(f"{base}/task") if n.isascii() and n.isdigit()]
         except OSError as err:
             raise _classify_error(err) from None
         if self._kcmp is None:

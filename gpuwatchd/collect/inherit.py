@@ -115,9 +115,7 @@ class InheritanceProbe:
             return None
         devices = self.scanner.devices
         fds: list[int] = []
-        for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
-            if not name.isdigit():
-                continue
+        for name in sorted((n for n in names if n.isascii() and n.isdigit()), key=int):
             try:
                 target = os.readlink(f"{fd_dir}/{name}")
             except OSError:

@@ -21,7 +21,7 @@ from importlib.machinery import PathFinder
 from typing import Any, Protocol, TypeVar
 
 from gpuwatchd.collect.mig import MAX_INSTANCE_ID, MAX_MIG_DEVICES
-from gpuwatchd.core.checked import as_flag, as_map, as_number
+from gpuwatchd.core.checked import as_flag, as_map, as_number, items, obj, opt_integer, opt_text
 from gpuwatchd.core.model import (
     GpuHealth,
     GpuInfo,
@@ -161,7 +161,7 @@ class NvmlClient:
         self.last_asked_wall: float | None = None
         self._v1_logged: set[str] = set()
         # Each GPU's last reply and what it was decoded into: a quiet GPU's is reused.
-        self._decoded: list[tuple[Mapping[str, Any], GpuInfo]] = []
+        self._decoded: list[tuple[object, GpuInfo]] = []
 
     @property
     def worker_pids(self) -> frozenset[int]:
@@ -226,7 +226,10 @@ class NvmlClient:
             return self._unavailable(str(error))
         if not reply.get("available"):
             return self._unavailable(str(reply.get("error") or "unknown reason"))
-        reading = self._to_reading(reply)
+        try:
+            reading = self._to_reading(reply)
+        except ValueError as error:  # not the worker's shape: as unknown as a failed read
+            return self._unavailable(f"NVML worker sent a malformed reply: {str(error)[:200]}")
         self.last_reply, self.last_asked_wall = reply, asked
         self._backoff, self._retry_at, self._last_failure = self._backoff_initial, None, None
         return reading
@@ -287,7 +290,7 @@ class NvmlClient:
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
             reply = json.loads(line)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}") from error
         if not isinstance(reply, dict):
             raise _WorkerGone(f"NVML worker sent garbage: {line[:200]!r}")
@@ -380,11 +383,11 @@ class NvmlClient:
         last = self._decoded
         decoded = [
             (raw, last[i][1] if i < len(last) and last[i][0] == raw else decode_gpu(raw))
-            for i, raw in enumerate(reply.get("gpus") or ())
+            for i, raw in enumerate(items(reply.get("gpus") or [], "gpus"))
         ]
         self._decoded = decoded
         gpus = tuple(gpu for _, gpu in decoded)
-        for notice in reply.get("notices") or ():
+        for notice in map(as_map, items(reply.get("notices") or [], "notices")):
             if notice.get("notice") != MEMORY_V1_NOTICE:
                 continue
             uuid = str(notice.get("uuid") or f"index:{notice.get('index')}")
@@ -406,53 +409,62 @@ def _opt(convert: Callable[[Any], T], value: Any) -> T | None:
     return None if value is None else convert(value)
 
 
-def _to_memory(raw: Mapping[str, Any] | None) -> GpuMemory | None:
+def _whole(raw: Mapping[str, object], key: str, high: int = 2**32 - 1) -> int | None:
+    """None, or an integer from 0 to ``high`` (NVML's unsigned int); ValueError otherwise."""
+    return opt_integer(raw.get(key), key, 0, high + 1)
+
+
+def _needed(raw: Mapping[str, object], key: str) -> int:
+    found = _whole(raw, key)
+    if found is None:
+        raise ValueError(f"{key}: missing")
+    return found
+
+
+def _to_memory(raw: object) -> GpuMemory | None:
     if raw is None:
         return None
-    return GpuMemory(
-        total=_opt(int, raw.get("total")),
-        free=_opt(int, raw.get("free")),
-        reserved=_opt(int, raw.get("reserved")),
-        allocated=_opt(int, raw.get("allocated")),
-        api=str(raw.get("api") or "v2"),
-        used_v1=_opt(int, raw.get("used_v1")),
-    )
+    raw = obj(raw, "memory")
+    names = ("total", "free", "reserved", "allocated", "used_v1")
+    total, free, reserved, allocated, used_v1 = (_whole(raw, key, 2**64 - 1) for key in names)
+    return GpuMemory(total, free, reserved, allocated, str(raw.get("api") or "v2"), used_v1)
 
 
-def _to_processes(processes: Any) -> tuple[NvmlProcess, ...] | None:
+def _to_processes(processes: object) -> tuple[NvmlProcess, ...] | None:
     if processes is None:
         return None
     return tuple(
         NvmlProcess(
-            pid=int(p["pid"]),
-            used_memory=_opt(int, p.get("used_memory")),
+            pid=_needed(p, "pid"),
+            used_memory=_whole(p, "used_memory", 2**64 - 1),
             kind=str(p.get("kind") or "compute"),
         )
-        for p in processes
+        for p in (obj(entry, "process") for entry in items(processes, "processes"))
     )
 
 
-def decode_gpu(raw: Mapping[str, Any]) -> GpuInfo:
+def decode_gpu(raw: object) -> GpuInfo:
     """One GPU of a worker reply as a :class:`GpuInfo` (also the daemon's published reading's,
-    :mod:`gpuwatchd.served.nvml`, which bounds the result). KeyError, TypeError or ValueError
-    on an entry not of the worker's shape."""
+    :mod:`gpuwatchd.served.nvml`). ValueError on an entry not of the worker's shape: a value
+    of another type, or a number NVML's C types cannot hold."""
+    raw = obj(raw, "gpu")
     return GpuInfo(
-        index=int(raw["index"]),
+        index=_needed(raw, "index"),
         # A GPU lost before its UUID was ever read has none; "" never matches a real GPU.
-        uuid=str(raw.get("uuid") or ""),
-        name=_opt(str, raw.get("name")),
-        pci_bus_id=_opt(str, raw.get("pci_bus_id")),
-        minor=_opt(int, raw.get("minor")),
+        uuid=opt_text(raw.get("uuid"), "uuid") or "",
+        name=opt_text(raw.get("name"), "name"),
+        pci_bus_id=opt_text(raw.get("pci_bus_id"), "pci_bus_id"),
+        minor=_whole(raw, "minor"),
         memory=_to_memory(raw.get("memory")),
         processes=_to_processes(raw.get("processes")),
         mig_enabled=_opt(bool, raw.get("mig_mode")),
         persistence_mode=_opt(bool, raw.get("persistence_mode")),
-        numa_node=_opt(int, raw.get("numa_node")),
+        numa_node=_whole(raw, "numa_node"),
         numa_node_unknown=raw.get("numa_node_unknown") is True,
-        architecture=_opt(int, raw.get("architecture")),
-        nvlink_active=_opt(int, raw.get("nvlink_active")),
+        architecture=_whole(raw, "architecture"),
+        nvlink_active=_whole(raw, "nvlink_active"),
         lost=bool(raw.get("lost")),
-        error=raw.get("error"),
+        error=opt_text(raw.get("error"), "error"),
         health=to_health(raw.get("health")),
         mig_devices=to_mig_devices(raw.get("mig_devices")),
     )
@@ -572,11 +584,11 @@ def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
         name = _text(entry.get("name"))
         try:
             processes: tuple[NvmlProcess, ...] | None = _to_processes(entry.get("processes"))
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except ValueError:
             processes = None  # not the worker's shape: unknown, never "none"
         try:
             memory: GpuMemory | None = _to_memory(entry.get("memory"))
-        except (TypeError, ValueError, AttributeError):
+        except ValueError:
             memory = None
         devices.append(
             MigDevice(

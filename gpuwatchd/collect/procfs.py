@@ -23,6 +23,7 @@ from gpuwatchd.collect.cgroups import (
     parse_systemd_mount,
 )
 from gpuwatchd.collect.statfiles import GONE_ERRNOS, is_procfs, read_proc_file
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.core.model import CgroupInfo, ProcessInfo
 from gpuwatchd.core.procstat import StatFields, parse_stat
 from gpuwatchd.decide.floor import claims_infrastructure, names_infrastructure_unit
@@ -48,8 +49,8 @@ def parse_proc_devices(text: str) -> dict[str, int]:
         if line.startswith("Block devices"):
             break
         fields = line.split()
-        if in_char and len(fields) == 2 and fields[0].isdigit():
-            majors.setdefault(fields[1], int(fields[0]))
+        if in_char and len(fields) == 2 and (major := decimal(fields[0])) is not None:
+            majors.setdefault(fields[1], major)
     return majors
 
 
@@ -172,7 +173,7 @@ class ProcFS:
             names = os.listdir(self.root)
         except OSError:
             return []
-        return [int(name) for name in names if name.isdigit()]
+        return [int(name) for name in names if name.isascii() and name.isdigit()]
 
     def kernel_threads(self) -> frozenset[int]:
         """Kernel threads, found without scanning them: kthreadd (PID 2) and its children
@@ -183,7 +184,7 @@ class ProcFS:
         except OSError:
             return frozenset()
         found: set[int] = set()
-        for pid in (2, *(int(kid) for kid in kids if kid.isdigit())):
+        for pid in (2, *(int(kid) for kid in kids if kid.isascii() and kid.isdigit())):
             try:
                 os.readlink(f"{self.root}/{pid}/exe")
                 continue  # a user-space program

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpuwatchd.core.checked import decimal
+from gpuwatchd.core.checked import as_number, decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.vocabulary import EventName, Level
 
@@ -109,8 +109,8 @@ class Said:
         return f" until {when}" if when else ""
 
     def seconds(self, key: str) -> str:
-        value = self.f.get(key)
-        return f"{value:g}s" if isinstance(value, (int, float)) else "?"
+        value = as_number(self.f.get(key))  # None for a bool, NaN or more than a float holds
+        return "?" if value is None else f"{value:g}s"
 
     def argv(self, key: str = "argv") -> str:
         value = self.f.get(key)

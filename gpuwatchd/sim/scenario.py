@@ -25,6 +25,7 @@ from gpuwatchd.config.yamlsrc import (
     load_document,
     shown,
 )
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.sim.scenario_gpus import HEALTH_KEYS, GpuReader
 from gpuwatchd.sim.scenario_spec import (
     EVENT_ACTIONS,
@@ -291,10 +292,11 @@ class _Reader(GpuReader):
             raise node.error("expected a mapping of GPU index to memory, e.g. {0: 10GiB}")
         result: dict[int, int | None] = {}
         for key, value in node.entries.items():
-            if not (key.isascii() and key.isdigit()) or int(key) not in self.gpus:
+            index = decimal(key)
+            if index is None or index not in self.gpus:
                 raise value.error(f"no GPU with index {shown(key)} in this scenario")
             is_null = isinstance(value, Scalar) and value.value is None
-            result[int(key)] = None if is_null else self.size(value)
+            result[index] = None if is_null else self.size(value)
         return result
 
     def event(self, node: Node) -> EventSpec:

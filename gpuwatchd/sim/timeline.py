@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.model import MIB
 from gpuwatchd.core.vocabulary import EventName, Level
 from gpuwatchd.decide.policy import Policy
@@ -111,7 +112,8 @@ class TimelineNamer:
 
     def moment(self, monotonic: object) -> str | None:
         """The timeline's clock is the monotonic one: ``+50.0s``."""
-        return _fmt_t(float(monotonic)) if isinstance(monotonic, (int, float)) else None
+        seconds = as_number(monotonic)
+        return None if seconds is None else _fmt_t(seconds)
 
 
 # RESET_FINISHED says what the RESET_OUTCOME line after it says again.

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.core.checked import as_number, opt_integer
+from gpuwatchd.core.checked import as_number, decimal, opt_integer
 from gpuwatchd.core.codec import Format
 from gpuwatchd.core.model import Spare
 from gpuwatchd.state.directory import StateDir, hashed_name
@@ -41,8 +41,8 @@ def parse_target(text: str) -> tuple[str, int | None, str | None]:
     Slurm job 42; ``job:KIND:ID`` names a pod, container or unit as ``--ended-job`` does.
     ValueError with a message naming the value otherwise."""
     text = text.strip()
-    if text.isascii() and text.isdigit():  # what int() reads, in any length
-        pid = int(text) if len(text) < 20 else 1 << 22
+    if text.isascii() and text.isdigit():  # in any length, said "not a process id" if long
+        pid = decimal(text) or 0  # None past 20 digits: no PID, as 0 is
         if pid == 1:
             raise ValueError(
                 "spare '1': PID 1 is the init process, which gpuwatchd never signals (the "

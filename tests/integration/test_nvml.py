@@ -24,6 +24,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuwatchd.collect.nvml import (
+    UNAVAILABLE_PREFIX,
     WORKER_FILE,
     NvmlClient,
     library_folders,
@@ -31,6 +32,7 @@ from gpuwatchd.collect.nvml import (
     worker_environment,
 )
 from gpuwatchd.core.model import GpuInfo, GpuMemory, NvmlProcess
+from gpuwatchd.core.vocabulary import EventName
 from tests.support.fakenvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -628,6 +630,63 @@ def test_worker_that_died_is_replaced_on_a_later_poll(
     assert "exited unexpectedly" in broken.error
     assert healed.available
     assert pid not in client.worker_pids
+
+
+REPLIER = """import sys
+for request in sys.stdin:
+    if "shutdown" in request:
+        print('{"shutdown": true}', flush=True)
+        break
+    print(open(sys.argv[1]).read().strip(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        '[{"index": 0, "memory": {"total": Infinity}}]',
+        '[{"index": 0, "processes": [{"pid": NaN}]}]',
+        pytest.param('[{"index": 0, "minor": 1' + "0" * 400 + "}]", id="huge-minor"),
+        '[{"index": 0, "processes": [{"pid": 7, "used_memory": -1}]}]',
+        '[{"index": 0, "processes": {"pid": 7}}]',
+        '[{"index": 0, "error": ["lost"]}]',
+        '[{"uuid": "GPU-0"}]',
+        '{"0": {"index": 0}}',
+        '["GPU-0"]',
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested-too-deeply"),
+    ],
+)
+def test_a_malformed_worker_reply_reads_as_unavailable_said_once(
+    tmp_path: Path, clock: list[float], gpus: str
+) -> None:
+    """The worker runs the vendor's library and its replies cross a pipe: a value of another
+    type, or one NVML's C types cannot hold, makes the poll's reading unavailable (said once,
+    as a failed read), never an exception out of the poll nor a number to act on."""
+    reply, script = tmp_path / "reply", tmp_path / "worker.py"
+    reply.write_text(f'{{"available": true, "gpus": {gpus}}}')
+    script.write_text(REPLIER)
+
+    def spawn(argv: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(script), str(reply)], **options)
+
+    client = NvmlClient(timeout=5.0, clock=lambda: clock[0], backoff_initial=2.0, spawn=spawn)
+    try:
+        with capture_logs() as logs:
+            broken = [client.read(), client.read()]
+            clock[0] += 10.0  # past the backoff: asked again, the same reply
+            broken.append(client.read())
+        reply.write_text('{"available": true, "notices": ["memory_v1", 7], "gpus": [{"index": 0}]}')
+        clock[0] += 10.0
+        healed = client.read()
+    finally:
+        client.stop()
+    for reading in broken:
+        assert not reading.available
+        assert reading.gpus == ()
+        assert str(reading.error).startswith(f"{UNAVAILABLE_PREFIX}NVML worker sent ")
+    said = [e["event"] for e in logs if e["log_level"] != "debug"]
+    assert said == [EventName.NVML_UNAVAILABLE]
+    assert [g.index for g in healed.gpus] == [0]
 
 
 def test_the_worker_runs_from_compiled_code_kept_beside_its_file(

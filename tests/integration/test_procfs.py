@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.collect.inherit import InheritanceProbe
 from gpuwatchd.collect.procfs import (
     PROC_CGROUP_INIT_INO,
     PROC_PID_INIT_INO,
@@ -201,6 +202,28 @@ def test_host_facts_fall_back_when_files_are_missing(tmp_path: Path) -> None:
     assert procfs.holders.devices.major("nvidia-uvm") is None
     assert procfs.sees_host_namespaces() is None
     assert procfs.list_pids() == []
+
+
+def test_names_that_python_calls_digits_but_are_not_ascii_are_no_pids(
+    fake: FakeProc, devices: Path
+) -> None:
+    """A proc_root (a container's, a test's) may hold any name: ``'²'.isdigit()`` is True and
+    int() refuses it, int() reads ``'١٢'`` as 12. Neither is a PID, a thread, an fd, a major."""
+    fake.add_kernel_thread(2)
+    base = fake.add(300, fds={3: f"{devices}/nvidia0"})
+    odd = ("\u00b2", "\u0661\u0662")  # '²' and ARABIC-INDIC ONE, TWO
+    for name in odd:
+        (fake.root / name).mkdir()
+        (base / "task" / name).mkdir()  # a second "thread": the holder scan lists task/
+        (base / "fd" / name).symlink_to(f"{devices}/nvidia0")
+    (fake.root / "2" / "task" / "2" / "children").write_text("300 ² ١٢ ")
+    procfs = ProcFS(str(fake.root), devices_dir=str(devices), match_by_path=True)
+    assert sorted(procfs.list_pids()) == [2, 300]
+    assert procfs.kernel_threads() == {2}
+    assert set(procfs.holders.scan().holdings) == {300}
+    assert InheritanceProbe(procfs.holders, str(fake.root)).device_fds(300) == [3]
+    lines = "".join(f"{name} x\n" for name in odd)
+    assert parse_proc_devices(f"Character devices:\n195 nvidia\n{lines}") == {"nvidia": 195}
 
 
 OTHER_NS = 4026532999

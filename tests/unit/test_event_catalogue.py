@@ -379,6 +379,14 @@ def test_a_template_says_names_through_the_namer_and_fields_as_asked() -> None:
         s.fill("{error:upper}")
 
 
+@pytest.mark.parametrize("value", [10**400, float("nan"), float("-inf"), True], ids=repr)
+def test_a_number_no_float_holds_is_said_unknown_not_the_bare_event_name(value: object) -> None:
+    said = render(EventName.CLOCK_STEPPED_BACK.value, {"seconds": value})
+    assert said == "The wall clock went back ?: counted as no time passed."
+    timeline = Said({"due": value}, TimelineNamer(TrainerNames()))
+    assert timeline.fill("Over{due:until}.") == "Over."
+
+
 class TrainerNamer:
     """The timeline's names, as a :class:`Namer`."""
 

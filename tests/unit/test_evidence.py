@@ -195,6 +195,9 @@ def test_an_unusable_state_dir_or_a_write_error_is_said_never_raised(state_dir: 
     full = Full(state_dir.path, state_dir.fd, state_dir.owners)
     failed = keep(keeper(full), ghost_host(0.0).build(), RESET)
     assert failed.error == "cannot write in state_dir: No space left on device"
+    unsaid = keep(keeper(state_dir), ghost_host(0.0).build(), RESET, wall=float("nan"))
+    assert unsaid == Kept(None, error="the evidence holds NaN or infinity")  # JSON holds neither
+    assert not list_evidence(state_dir)  # nothing half written
 
 
 # --- in the engine: each destructive step, dry run too -------------------------------------------

@@ -22,7 +22,7 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.checked import Value
+from gpuwatchd.core.checked import Value, decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import Snapshot, Spare
 from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
@@ -100,13 +100,14 @@ def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput
 
 
 def read_boot_time(proc_root: str) -> float | None:
-    """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, None when unknown."""
+    """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, as the kernel writes
+    it (whole ASCII digits: never ``nan`` or ``inf``), None when unknown."""
     try:
         with open(os.path.join(proc_root, "stat"), encoding="ascii") as handle:
             for line in handle:
                 if line.startswith("btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
+                    return decimal(line[6:].strip())
+    except (OSError, ValueError):
         return None
     return None
 

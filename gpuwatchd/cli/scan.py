@@ -42,6 +42,7 @@ from gpuwatchd.state.saved import (
     STATE,
     STATE_FILE,
     SavedState,
+    cannot_read,
     cannot_tell,
     read_saved_state,
     signalled_last_hour,
@@ -162,26 +163,31 @@ def scan_host(
     the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
     else no report and ``declined`` says why. StateDirError when the state directory exists
     but cannot be trusted (a link on its path, another owner, writable by others): the caller
-    refuses (exit 78)."""
+    refuses (exit 78); one this user may not open is ``state_unread``, never "no state"."""
+    saved = SavedState()
     try:
         state_dir: StateDir | None = StateDir.open(policy.state_dir)
     except StateDirError:
         raise
-    except OSError:  # missing, or this user cannot open it: no daemon to build on
+    except FileNotFoundError:  # no daemon ran here
         state_dir = None
+    except OSError as exc:  # EACCES to a user (0700, root's): its state is unseen, not none
+        state_dir, saved = None, SavedState(problem=cannot_read(policy.state_dir, exc))
     with state_dir or contextlib.nullcontext():
-        return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
+        if state_dir is not None:
+            saved = read_saved_state(state_dir)
+        return _scan_host(policy, state_dir, saved, nvml=nvml, why=why, served=served)
 
 
 def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
+    saved: SavedState,
     *,
     nvml: NvmlClient | None,
     why: str,
     served: ServedPoll | None,
 ) -> ScanResult:
-    saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     # As :func:`gpuwatchd.daemon.host.procfs_for` builds it; that module is not imported here: it
     # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
     procfs = ProcFS(

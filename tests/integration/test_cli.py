@@ -1,6 +1,7 @@
 """The command line's contract: exit codes, one-line errors, and NVML failures seen by `scan`.
 
-These runs start no processes of their own besides gpuwatchd, so they need no PID namespace.
+These runs start no processes of their own besides gpuwatchd, so they need no PID namespace
+(one runs gpuwatchd alone in one, so that every process it sees is its own).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
 from gpuwatchd.state.saved import STATE, StateStore
 from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
-from tests.support.simhost import SimHost
+from tests.support.simhost import SimHost, needs_pid_namespace, pid_namespace_command
 
 
 @pytest.fixture
@@ -159,9 +160,14 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     assert "none.yaml" in result.stderr
 
 
-def _without_capabilities(host: SimHost, *args: str) -> subprocess.CompletedProcess[str]:
-    """``gpuwatchd args`` as root with every capability dropped (setpriv)."""
+def _without_capabilities(
+    host: SimHost, *args: str, alone: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``gpuwatchd args`` as root with every capability dropped (setpriv); ``alone``: in a PID
+    namespace of its own."""
     argv = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "gpuwatchd"]
+    if alone:
+        argv = [*(pid_namespace_command() or []), *argv]
     return subprocess.run(
         [*argv, *args], env=host.env(), capture_output=True, text=True, timeout=60, check=False
     )
@@ -222,6 +228,32 @@ def test_run_without_capabilities_refuses_to_enforce_but_may_dry_run(
     if dry_run:
         assert "run_once.unresolved" in output or "run_once.timeout" in output
         assert "unreadable" in output
+
+
+@needs_pid_namespace()
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to drop capabilities",
+)
+def test_a_state_dir_this_process_may_not_open_is_no_proof_of_clean(host: SimHost) -> None:
+    """Root without its capabilities may not open a mode-000 ``state_dir`` (EACCES, as a user
+    may not open root's 0700 one): the daemon's saved state is unseen, not absent, so
+    check-clean and scan cannot tell (75) and name the folder. Alone in a PID namespace, every
+    process is its own: the scan is otherwise complete (no 77)."""
+    host.nvml([gpu(0)])
+    config = str(host.config())
+    host.state_dir.chmod(0)
+    try:
+        results = [
+            _without_capabilities(host, *args, "--config", config, alone=True)
+            for args in (["check-clean"], ["scan", "--json"])
+        ]
+    finally:
+        host.state_dir.chmod(0o700)
+    for result in results:
+        assert result.returncode == 75, result.stderr
+        assert f"cannot read {host.state_dir}: permission denied (run as root)" in result.stderr
+    assert json.loads(results[1].stdout)["verdict"]["clean"] is False
 
 
 def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None:

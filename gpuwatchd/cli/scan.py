@@ -221,10 +221,11 @@ def _scan_host(
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    report, verdict, unread = _judged_report(snapshot, saved, policy, state_dir)
+    plan = saved_plan(saved)
+    report, verdict, unread = _judged_report(snapshot, saved, plan, policy, state_dir)
     report["daemon_view"] = _daemon_view_section(view, why, collector)
     report["nvml_reading"] = _nvml_reading_section(published, client, snapshot.wall_time)
-    said = None if state_dir is None else daemon_section(state_dir, saved, policy, snapshot)
+    said = None if state_dir is None else daemon_section(state_dir, saved, plan, policy, snapshot)
     if said is not None:
         report["daemon"] = said
     note = _permission_note(policy, snapshot)
@@ -294,8 +295,21 @@ def _collect(
     return collector.collect(full=view is None), collector
 
 
+def saved_plan(saved: SavedState) -> PlanState | str:
+    """The daemon's saved plan, read once for a scan's verdict and ``daemon`` section; why
+    not (the plan's error) when it cannot be read."""
+    try:
+        return PlanState.from_json(saved.data.get("plan"))
+    except ValueError as exc:
+        return str(exc)
+
+
 def _judged_report(
-    snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
+    snapshot: Snapshot,
+    saved: SavedState,
+    plan: PlanState | str,
+    policy: Policy,
+    state_dir: StateDir | None,
 ) -> tuple[dict[str, object], NodeVerdict, str | None]:
     """The snapshot assessed as the daemon would (with its saved history of this boot), judged
     and reported, each finding and holder a spare covers marked so; and why the saved state
@@ -307,7 +321,9 @@ def _judged_report(
             previous = AssessState.from_json(saved.data.get("assess", {}))
         try:  # a MIG recovery left half done: its GPU is dirty; read as the daemon reads it
             STATE.check(saved.data)  # the envelope's version
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan")))
+            if isinstance(plan, str):
+                raise ValueError(plan)
+            unfinished = unfinished_recoveries(plan)
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"
@@ -366,28 +382,31 @@ def _daemon_view_section(
 
 
 def daemon_section(
-    state_dir: StateDir, saved: SavedState, policy: Policy, snapshot: Snapshot
+    state_dir: StateDir,
+    saved: SavedState,
+    plan: PlanState | str,
+    policy: Policy,
+    snapshot: Snapshot,
 ) -> dict[str, object] | None:
     """The report's ``daemon`` object (docs/scan.md), what ``explain`` lists a pause and the
     kill-cap latch by: the pause file as the daemon reads it (in force until its time is up;
     an unreadable one pauses), the latch and, in the same boot, the signals of the last hour
-    from the saved plan. None when no saved state was read (none, unreadable, untrusted); a
-    malformed plan leaves its fields unknown (null)."""
+    from the saved plan (:func:`saved_plan`; none yet: the daemon's defaults). None when no
+    saved state was read (none, unreadable, untrusted); a malformed plan leaves its fields
+    unknown (null)."""
     if not saved.found:
         return None
     clock = BootTime.read(snapshot.wall_time, snapshot.boot_id)
     pause = pause_in_force(state_dir, clock, max_pause=policy.limits.max_pause)
-    plan: PlanState | None = None
-    with contextlib.suppress(ValueError):
-        plan = PlanState.from_json(saved.data.get("plan", {}))
+    read = plan if isinstance(plan, PlanState) else None if "plan" in saved.data else PlanState()
     hour = None
-    if plan is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
-        hour = signalled_last_hour(plan.signal_history, snapshot.monotonic)
+    if read is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
+        hour = signalled_last_hour(read.signal_history, snapshot.monotonic)
     return {
         "paused": pause.reason is not None,
         "paused_reason": pause.reason or None,
-        "forced_dry_run": None if plan is None else plan.forced_dry_run,
-        "forced_reason": None if plan is None else plan.forced_reason,
+        "forced_dry_run": None if read is None else read.forced_dry_run,
+        "forced_reason": None if read is None else read.forced_reason,
         "signalled_last_hour": hour,
     }
 

@@ -19,6 +19,8 @@ import pytest
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.main import main
+from gpuwatchd.cli.scan import scan_host
+from gpuwatchd.config.schema import load_policy
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.state.directory import StateDir
@@ -384,3 +386,31 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
     once = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(host.config()))
     assert once.returncode == code, once.stderr
     assert ("cannot tell" in once.stderr) is (code != 0)
+
+
+def test_a_scan_reads_the_daemons_saved_plan_once(
+    host: SimHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verdict (a recovery left half done) and the ``daemon`` section (the latch) share
+    one parse of the saved plan, which grows with the findings seen."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    latched = PlanState(forced_dry_run=True, forced_reason="storm").to_json()
+    StateStore(str(host.state_dir)).save(
+        STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS, "plan": latched})
+    )
+    host.nvml([gpu(0)])
+    for name, value in host.fake.env().items():
+        monkeypatch.setenv(name, value)
+    parsed: list[object] = []
+    read = PlanState.from_json
+
+    def counted(data: object) -> PlanState:
+        parsed.append(data)
+        return read(data)
+
+    monkeypatch.setattr(PlanState, "from_json", counted)
+    result = scan_host(load_policy(str(host.config())))
+    assert parsed == [latched]
+    assert result.report is not None
+    assert result.report["daemon"]["forced_dry_run"] is True  # type: ignore[index]
+    assert result.state_unread is None  # the verdict read it too

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.cli.scan import daemon_section, read_boot_time
+from gpuwatchd.cli.scan import daemon_section, read_boot_time, saved_plan
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.core.model import HolderScan, NvmlReading, Snapshot
 from gpuwatchd.decide.plan.state import PlanState
@@ -38,7 +38,8 @@ def state_dir(tmp_path: Path) -> Iterator[StateDir]:
 def _section(folder: StateDir, *, boot_id: str = BOOT) -> dict[str, object] | None:
     now = time.time()
     snapshot = Snapshot(time.monotonic(), now, boot_id, NvmlReading(True), {}, HolderScan("full"))
-    return daemon_section(folder, read_saved_state(folder), Policy(), snapshot)
+    saved = read_saved_state(folder)
+    return daemon_section(folder, saved, saved_plan(saved), Policy(), snapshot)
 
 
 def _save(folder: StateDir, data: dict[str, object]) -> None:

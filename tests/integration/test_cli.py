@@ -19,8 +19,6 @@ import pytest
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.main import main
-from gpuwatchd.cli.scan import scan_host
-from gpuwatchd.config.schema import load_policy
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.state.directory import StateDir
@@ -393,6 +391,9 @@ def test_a_scan_reads_the_daemons_saved_plan_once(
 ) -> None:
     """The verdict (a recovery left half done) and the ``daemon`` section (the latch) share
     one parse of the saved plan, which grows with the findings seen."""
+    from gpuwatchd.cli.scan import scan_host
+    from gpuwatchd.config.schema import load_policy
+
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     latched = PlanState(forced_dry_run=True, forced_reason="storm").to_json()
     StateStore(str(host.state_dir)).save(

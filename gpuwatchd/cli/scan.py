@@ -22,7 +22,7 @@ from gpuwatchd.collect.collector import Collector
 from gpuwatchd.collect.jobs import cgroup2_mount
 from gpuwatchd.collect.nvml import NvmlClient, NvmlSource
 from gpuwatchd.collect.procfs import ProcFS
-from gpuwatchd.core.checked import Value
+from gpuwatchd.core.checked import Value, decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import Snapshot, Spare
 from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
@@ -42,6 +42,7 @@ from gpuwatchd.state.saved import (
     STATE,
     STATE_FILE,
     SavedState,
+    cannot_read,
     cannot_tell,
     read_saved_state,
     signalled_last_hour,
@@ -100,13 +101,14 @@ def scan_output(result: ScanResult, *, as_json: bool, color: bool) -> ScanOutput
 
 
 def read_boot_time(proc_root: str) -> float | None:
-    """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, None when unknown."""
+    """``btime`` from ``<proc_root>/stat``: the boot time in wall seconds, as the kernel writes
+    it (whole ASCII digits: never ``nan`` or ``inf``), None when unknown."""
     try:
         with open(os.path.join(proc_root, "stat"), encoding="ascii") as handle:
             for line in handle:
                 if line.startswith("btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
+                    return decimal(line[6:].strip())
+    except (OSError, ValueError):
         return None
     return None
 
@@ -161,26 +163,31 @@ def scan_host(
     the daemon answers (:mod:`gpuwatchd.cli.served`): built on when current (:func:`_current`),
     else no report and ``declined`` says why. StateDirError when the state directory exists
     but cannot be trusted (a link on its path, another owner, writable by others): the caller
-    refuses (exit 78)."""
+    refuses (exit 78); one this user may not open is ``state_unread``, never "no state"."""
+    saved = SavedState()
     try:
         state_dir: StateDir | None = StateDir.open(policy.state_dir)
     except StateDirError:
         raise
-    except OSError:  # missing, or this user cannot open it: no daemon to build on
+    except FileNotFoundError:  # no daemon ran here
         state_dir = None
+    except OSError as exc:  # EACCES to a user (0700, root's): its state is unseen, not none
+        state_dir, saved = None, SavedState(problem=cannot_read(policy.state_dir, exc))
     with state_dir or contextlib.nullcontext():
-        return _scan_host(policy, state_dir, nvml=nvml, why=why, served=served)
+        if state_dir is not None:
+            saved = read_saved_state(state_dir)
+        return _scan_host(policy, state_dir, saved, nvml=nvml, why=why, served=served)
 
 
 def _scan_host(
     policy: Policy,
     state_dir: StateDir | None,
+    saved: SavedState,
     *,
     nvml: NvmlClient | None,
     why: str,
     served: ServedPoll | None,
 ) -> ScanResult:
-    saved = read_saved_state(state_dir) if state_dir is not None else SavedState()
     # As :func:`gpuwatchd.daemon.host.procfs_for` builds it; that module is not imported here: it
     # brings the daemon's actuator and structlog (with asyncio), which a scan never uses.
     procfs = ProcFS(
@@ -214,10 +221,11 @@ def _scan_host(
         # document and the exit code, the text reader the one line.
         error = snapshot.nvml.error or "NVIDIA driver/NVML not available"
 
-    report, verdict, unread = _judged_report(snapshot, saved, policy, state_dir)
+    plan = saved_plan(saved)
+    report, verdict, unread = _judged_report(snapshot, saved, plan, policy, state_dir)
     report["daemon_view"] = _daemon_view_section(view, why, collector)
     report["nvml_reading"] = _nvml_reading_section(published, client, snapshot.wall_time)
-    said = None if state_dir is None else daemon_section(state_dir, saved, policy, snapshot)
+    said = None if state_dir is None else daemon_section(state_dir, saved, plan, policy, snapshot)
     if said is not None:
         report["daemon"] = said
     note = _permission_note(policy, snapshot)
@@ -287,8 +295,21 @@ def _collect(
     return collector.collect(full=view is None), collector
 
 
+def saved_plan(saved: SavedState) -> PlanState | str:
+    """The daemon's saved plan, read once for a scan's verdict and ``daemon`` section; why
+    not (the plan's error) when it cannot be read."""
+    try:
+        return PlanState.from_json(saved.data.get("plan"))
+    except ValueError as exc:
+        return str(exc)
+
+
 def _judged_report(
-    snapshot: Snapshot, saved: SavedState, policy: Policy, state_dir: StateDir | None
+    snapshot: Snapshot,
+    saved: SavedState,
+    plan: PlanState | str,
+    policy: Policy,
+    state_dir: StateDir | None,
 ) -> tuple[dict[str, object], NodeVerdict, str | None]:
     """The snapshot assessed as the daemon would (with its saved history of this boot), judged
     and reported, each finding and holder a spare covers marked so; and why the saved state
@@ -300,7 +321,9 @@ def _judged_report(
             previous = AssessState.from_json(saved.data.get("assess", {}))
         try:  # a MIG recovery left half done: its GPU is dirty; read as the daemon reads it
             STATE.check(saved.data)  # the envelope's version
-            unfinished = unfinished_recoveries(PlanState.from_json(saved.data.get("plan")))
+            if isinstance(plan, str):
+                raise ValueError(plan)
+            unfinished = unfinished_recoveries(plan)
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"
@@ -359,28 +382,31 @@ def _daemon_view_section(
 
 
 def daemon_section(
-    state_dir: StateDir, saved: SavedState, policy: Policy, snapshot: Snapshot
+    state_dir: StateDir,
+    saved: SavedState,
+    plan: PlanState | str,
+    policy: Policy,
+    snapshot: Snapshot,
 ) -> dict[str, object] | None:
     """The report's ``daemon`` object (docs/scan.md), what ``explain`` lists a pause and the
     kill-cap latch by: the pause file as the daemon reads it (in force until its time is up;
     an unreadable one pauses), the latch and, in the same boot, the signals of the last hour
-    from the saved plan. None when no saved state was read (none, unreadable, untrusted); a
-    malformed plan leaves its fields unknown (null)."""
+    from the saved plan (:func:`saved_plan`; none yet: the daemon's defaults). None when no
+    saved state was read (none, unreadable, untrusted); a malformed plan leaves its fields
+    unknown (null)."""
     if not saved.found:
         return None
     clock = BootTime.read(snapshot.wall_time, snapshot.boot_id)
     pause = pause_in_force(state_dir, clock, max_pause=policy.limits.max_pause)
-    plan: PlanState | None = None
-    with contextlib.suppress(ValueError):
-        plan = PlanState.from_json(saved.data.get("plan", {}))
+    read = plan if isinstance(plan, PlanState) else None if "plan" in saved.data else PlanState()
     hour = None
-    if plan is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
-        hour = signalled_last_hour(plan.signal_history, snapshot.monotonic)
+    if read is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
+        hour = signalled_last_hour(read.signal_history, snapshot.monotonic)
     return {
         "paused": pause.reason is not None,
         "paused_reason": pause.reason or None,
-        "forced_dry_run": None if plan is None else plan.forced_dry_run,
-        "forced_reason": None if plan is None else plan.forced_reason,
+        "forced_dry_run": None if read is None else read.forced_dry_run,
+        "forced_reason": None if read is None else read.forced_reason,
         "signalled_last_hour": hour,
     }
 

@@ -62,9 +62,10 @@ class Format:
         return decode_json_object(raw)
 
     def check(self, data: Mapping[str, object]) -> dict[str, Any]:
-        """``data`` of this version, each field as its reader returns it; ValueError."""
+        """``data`` of this version (the integer itself: ``true`` or ``1.0`` is another), each
+        field as its reader returns it; ValueError."""
         found = data.get(self.version_key)
-        if self.version is not None and found != self.version:
+        if self.version is not None and (type(found) is not int or found != self.version):
             raise ValueError(f"unsupported {self.name} version {found!r}")
         return {**data, **{key: read(data.get(key), key) for key, read in self.fields.items()}}
 

@@ -41,6 +41,7 @@ _UNKNOWN_KINDS = frozenset(
 _UNLISTED = "NVML could not list its processes"
 _NO_MINOR = "its minor number is unknown: who holds its device file cannot be told"
 _MIG_UNKNOWN = "its MIG mode could not be read: processes may live in MIG instances not listed"
+_MIG_UNREAD = "its MIG instances could not all be read: processes may live in those not listed"
 # What may go away without anyone acting (a dead context torn down, a zombie reaped).
 SETTLING = frozenset(
     {kind.value for kind in kinds.SETTLING}
@@ -217,6 +218,11 @@ class _Judge:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _UNLISTED))
             elif gpu.mig_enabled is None:
                 reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _MIG_UNKNOWN))
+            elif gpu.mig_enabled and (
+                gpu.mig_devices is None
+                or any(d.gi is None or d.processes is None for d in gpu.mig_devices)
+            ):
+                reasons.append(Reason(LeftoverName.PROCESSES_UNKNOWN, None, _MIG_UNREAD))
             if gpu.minor is None:
                 reasons.append(Reason(LeftoverName.UNKNOWN_HOLDER, None, _NO_MINOR))
             reasons += dict.fromkeys(  # once, if unknown in several of a MIG GPU's instances

@@ -37,6 +37,12 @@ def cannot_tell(unread: str) -> str:
     )
 
 
+def cannot_read(path: str, exc: OSError) -> str:
+    """Why ``path`` (the state file, or ``state_dir`` itself) could not be read, for an admin."""
+    why = "permission denied (run as root)" if isinstance(exc, PermissionError) else exc.strerror
+    return f"cannot read {path}: {why or exc}"
+
+
 @dataclass(frozen=True)
 class SavedState:
     """``state.json`` as a reader that changes nothing sees it, every accessor lenient:
@@ -80,10 +86,8 @@ def read_saved_state(state_dir: str | StateDir) -> SavedState:
         return SavedState(problem=f"{exc}: not read (only root may be able to write there)")
     except UntrustedFile as exc:
         return SavedState(problem=f"{path}: {exc.strerror}: not read")
-    except PermissionError:
-        return SavedState(problem=f"cannot read {path}: permission denied (run as root)")
     except OSError as exc:
-        return SavedState(problem=f"cannot read {path}: {exc.strerror or exc}")
+        return SavedState(problem=cannot_read(path, exc))
     try:
         return SavedState(STATE.load(raw), found=True)
     except ValueError:

@@ -1,6 +1,7 @@
 """The command line's contract: exit codes, one-line errors, and NVML failures seen by `scan`.
 
-These runs start no processes of their own besides gpuwatchd, so they need no PID namespace.
+These runs start no processes of their own besides gpuwatchd, so they need no PID namespace
+(one runs gpuwatchd alone in one, so that every process it sees is its own).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gpuwatchd.state.directory import StateDir
 from gpuwatchd.state.pause import set_pause
 from gpuwatchd.state.saved import STATE, StateStore
 from tests.support.fakenvml import NVML_ERROR_DRIVER_NOT_LOADED, GiB, gpu, process
-from tests.support.simhost import SimHost
+from tests.support.simhost import SimHost, needs_pid_namespace, pid_namespace_command
 
 
 @pytest.fixture
@@ -162,9 +163,14 @@ def test_run_with_a_missing_config_file_exits_78(tmp_path: Path) -> None:
     assert "none.yaml" in result.stderr
 
 
-def _without_capabilities(host: SimHost, *args: str) -> subprocess.CompletedProcess[str]:
-    """``gpuwatchd args`` as root with every capability dropped (setpriv)."""
+def _without_capabilities(
+    host: SimHost, *args: str, alone: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``gpuwatchd args`` as root with every capability dropped (setpriv); ``alone``: in a PID
+    namespace of its own."""
     argv = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "gpuwatchd"]
+    if alone:
+        argv = [*(pid_namespace_command() or []), *argv]
     return subprocess.run(
         [*argv, *args], env=host.env(), capture_output=True, text=True, timeout=60, check=False
     )
@@ -238,6 +244,32 @@ def test_run_without_capabilities_refuses_to_enforce_but_may_dry_run(
     if dry_run:
         assert "run_once.unresolved" in output or "run_once.timeout" in output
         assert "unreadable" in output
+
+
+@needs_pid_namespace()
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to drop capabilities",
+)
+def test_a_state_dir_this_process_may_not_open_is_no_proof_of_clean(host: SimHost) -> None:
+    """Root without its capabilities may not open a mode-000 ``state_dir`` (EACCES, as a user
+    may not open root's 0700 one): the daemon's saved state is unseen, not absent, so
+    check-clean and scan cannot tell (75) and name the folder. Alone in a PID namespace, every
+    process is its own: the scan is otherwise complete (no 77)."""
+    host.nvml([gpu(0)])
+    config = str(host.config())
+    host.state_dir.chmod(0)
+    try:
+        results = [
+            _without_capabilities(host, *args, "--config", config, alone=True)
+            for args in (["check-clean"], ["scan", "--json"])
+        ]
+    finally:
+        host.state_dir.chmod(0o700)
+    for result in results:
+        assert result.returncode == 75, result.stderr
+        assert f"cannot read {host.state_dir}: permission denied (run as root)" in result.stderr
+    assert json.loads(results[1].stdout)["verdict"]["clean"] is False
 
 
 def test_pause_and_resume_write_the_switch_into_state_dir(host: SimHost) -> None:
@@ -368,3 +400,34 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
     once = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(host.config()))
     assert once.returncode == code, once.stderr
     assert ("cannot tell" in once.stderr) is (code != 0)
+
+
+def test_a_scan_reads_the_daemons_saved_plan_once(
+    host: SimHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verdict (a recovery left half done) and the ``daemon`` section (the latch) share
+    one parse of the saved plan, which grows with the findings seen."""
+    from gpuwatchd.cli.scan import scan_host
+    from gpuwatchd.config.schema import load_policy
+
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    latched = PlanState(forced_dry_run=True, forced_reason="storm").to_json()
+    StateStore(str(host.state_dir)).save(
+        STATE.envelope({"boot_id": boot_id, **_GOOD_SECTIONS, "plan": latched})
+    )
+    host.nvml([gpu(0)])
+    for name, value in host.fake.env().items():
+        monkeypatch.setenv(name, value)
+    parsed: list[object] = []
+    read = PlanState.from_json
+
+    def counted(data: object) -> PlanState:
+        parsed.append(data)
+        return read(data)
+
+    monkeypatch.setattr(PlanState, "from_json", counted)
+    result = scan_host(load_policy(str(host.config())))
+    assert parsed == [latched]
+    assert result.report is not None
+    assert result.report["daemon"]["forced_dry_run"] is True  # type: ignore[index]
+    assert result.state_unread is None  # the verdict read it too

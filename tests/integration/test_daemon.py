@@ -423,9 +423,10 @@ _GOOD = {"version": 1, "assess": AssessState().to_json(), "plan": _GOOD_PLAN}
         json.dumps({**_GOOD, "plan": {**_GOOD_PLAN, "ladders": "garbage"}}).encode(),
         json.dumps({**_GOOD, "reset_in_progress": [1]}).encode(),
         json.dumps({**_GOOD, "version": 2}).encode(),
+        json.dumps({**_GOOD, "version": True}).encode(),  # == 1 in Python, no version 1
         b"{not json",
     ],
-    ids=["plan-version", "plan-part", "reset-record", "envelope-version", "corrupt"],
+    ids=["plan-version", "plan-part", "reset-record", "envelope-version", "true", "corrupt"],
 )
 def test_an_unreadable_state_is_kept_aside_and_the_daemon_holds_in_a_latched_dry_run(
     tmp_path: Path, content: bytes

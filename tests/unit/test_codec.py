@@ -52,6 +52,16 @@ def test_decode_refuses_with_a_value_error_naming_what_is_wrong(raw: bytes, why:
         DOC.decode(raw)
 
 
+@pytest.mark.parametrize("found", [True, 1.0])
+def test_a_version_is_the_integer_itself(found: object) -> None:
+    """``true`` and ``1.0`` equal 1 in Python but are no version 1: refused as another version
+    (the daemon moves such a state aside and latches; a reader does not use it)."""
+    one = Format("one", 64, version=1)
+    assert one.check({"version": 1}) == {"version": 1}
+    with pytest.raises(ValueError, match=f"unsupported one version {found!r}"):
+        one.check({"version": found})
+
+
 def test_load_takes_any_version_for_a_lenient_reader() -> None:
     assert DOC.load(b'{"version": 1, "old": true}') == {"version": 1, "old": True}
 

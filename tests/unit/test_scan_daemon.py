@@ -1,5 +1,6 @@
 """scan's ``daemon`` object (docs/scan.md): the pause file and the saved plan's kill-cap latch
-as a report carries them for ``explain``; absent when no saved state can be read."""
+as a report carries them for ``explain``; absent when no saved state can be read. And the boot
+time a scan reads from ``<proc_root>/stat``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.cli.scan import daemon_section
+from gpuwatchd.cli.scan import daemon_section, read_boot_time, saved_plan
 from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.core.model import HolderScan, NvmlReading, Snapshot
 from gpuwatchd.decide.plan.state import PlanState
@@ -37,7 +38,8 @@ def state_dir(tmp_path: Path) -> Iterator[StateDir]:
 def _section(folder: StateDir, *, boot_id: str = BOOT) -> dict[str, object] | None:
     now = time.time()
     snapshot = Snapshot(time.monotonic(), now, boot_id, NvmlReading(True), {}, HolderScan("full"))
-    return daemon_section(folder, read_saved_state(folder), Policy(), snapshot)
+    saved = read_saved_state(folder)
+    return daemon_section(folder, saved, saved_plan(saved), Policy(), snapshot)
 
 
 def _save(folder: StateDir, data: dict[str, object]) -> None:
@@ -133,3 +135,23 @@ def test_a_pause_whose_time_is_up_is_no_pause(state_dir: StateDir) -> None:
     assert (section["paused"], section["paused_reason"]) == (False, None)
     set_pause(state_dir, reason="long", clock=earlier, seconds=600)
     assert _section(state_dir) == {**section, "paused": True, "paused_reason": "long"}
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ("btime 1700000000", 1700000000),
+        ("btime nan", None),
+        ("btime inf", None),
+        ("btime -5", None),
+        ("btime 1e9", None),
+        ("btime 17 00", None),
+        ("btime ", None),
+    ],
+)
+def test_the_boot_time_is_whole_ascii_digits_or_unknown(
+    tmp_path: Path, line: str, found: int | None
+) -> None:
+    """A container's or a hostile ``/proc/stat`` never gives a NaN or infinite boot time."""
+    (tmp_path / "stat").write_text(f"cpu  1 2 3\n{line}\nprocesses 9\n")
+    assert read_boot_time(str(tmp_path)) == found

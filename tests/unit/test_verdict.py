@@ -32,6 +32,7 @@ from gpuwatchd.decide.verdict import (
     not_clean,
     once_progress,
 )
+from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, cg_slurm, cg_unit, gpu_uuid
 from tests.support.verdictcases import LEAK, POLICY, ROOTS_PERSISTENCED
 
@@ -351,7 +352,10 @@ def test_a_live_jobs_memory_is_its_own() -> None:
     ],
 )
 def test_memory_that_cannot_be_judged_is_noted_not_dirt(gpu: dict[str, object], note: str) -> None:
-    verdict = verdict_of(HostBuilder().gpu(0, **gpu).build())  # type: ignore[arg-type]
+    snapshot = HostBuilder().gpu(0, **gpu).build()  # type: ignore[arg-type]
+    if gpu.get("mig"):
+        snapshot = with_mig(snapshot)  # its MIG instances read: none (unread is not clean)
+    verdict = verdict_of(snapshot)
     assert verdict.clean is True
     assert any(note in n for n in verdict.gpus[0].notes)
 
@@ -437,6 +441,31 @@ def test_a_gpu_whose_mig_mode_cannot_be_read_is_not_clean() -> None:
     assert states(verdict) == ["unknown", "clean"]
     assert kinds(verdict.gpus[0]) == ["processes_unknown"]
     assert "MIG mode could not be read" in verdict.gpus[0].reasons[0].text
+
+
+def _mig_unread(part: str) -> Snapshot:
+    """MIG GPU 1 with two GPU instances, ``part`` of which could not be read."""
+    snapshot = with_mig(two_gpus().build(), gpu=1, instances=[Inst(1), Inst(2, readable=False)])
+    gpu = snapshot.nvml.gpus[1]
+    devices = gpu.mig_devices or ()
+    broken = {
+        "processes": devices,
+        "devices": None,
+        "gi": (devices[0], replace(devices[1], gi=None, processes=())),
+    }[part]
+    if part != "processes":
+        gpu = replace(gpu, mig_devices=broken)
+    return replace(snapshot, nvml=replace(snapshot.nvml, gpus=(snapshot.nvml.gpus[0], gpu)))
+
+
+@pytest.mark.parametrize("part", ["processes", "devices", "gi"])
+def test_a_mig_gpu_whose_instances_cannot_all_be_read_is_not_clean(part: str) -> None:
+    """An instance's process list, the MIG device list or a GPU instance id unread: processes
+    may live in an instance not listed (the parent's list is empty to the unprivileged)."""
+    verdict = verdict_of(_mig_unread(part))
+    assert states(verdict) == ["clean", "unknown"]
+    assert [(r.kind, r.pid) for r in verdict.gpus[1].reasons] == [("processes_unknown", None)]
+    assert "MIG instances could not all be read" in verdict.gpus[1].reasons[0].text
 
 
 def test_dirt_outranks_unknown() -> None:

@@ -14,7 +14,9 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -675,16 +677,25 @@ def test_exit_4_when_the_state_cannot_be_read(
     assert "permission denied (run as root)" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a mode-000 folder anyway")
+# Root reads a mode-000 folder anyway: as root, the command runs with every capability dropped.
+CAPLESS = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+READ_THEN_STATUS = """import sys
+from gpuwatchd.cli.main import main
+from gpuwatchd.state.saved import read_saved_state
+sys.exit(5 if read_saved_state(sys.argv[1]).problem is None else main(sys.argv[2:]))"""
+
+
+@pytest.mark.skipif(CAPLESS != [] and shutil.which("setpriv") is None, reason="needs setpriv")
 def test_exit_4_for_a_state_dir_this_user_cannot_read(host: tuple[Path, Path, Path]) -> None:
     config, state_dir, _ = host
     _save(state_dir, saved())
     state_dir.chmod(0)
     try:
-        assert read_saved_state(str(state_dir)).problem is not None
-        assert main(["status", "--config", str(config)]) == 4
+        argv = [sys.executable, "-c", READ_THEN_STATUS, str(state_dir), "status", "--config"]
+        result = subprocess.run([*CAPLESS, *argv, str(config)], capture_output=True, check=False)
     finally:
         state_dir.chmod(0o700)
+    assert result.returncode == 4, result.stderr
 
 
 def test_a_bad_config_is_exit_78(tmp_path: Path) -> None:

@@ -173,18 +173,13 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
         return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
     elif switch is not None and now.until is not None:
         own = clock.left(switch.stamp or {})
-        if own is not None and own > now.until - clock.wall + 1.0:  # not its own end: cut
-            _cut(state_dir, switch, clock.stamp(now.until - clock.wall))
+        if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file
+            end = clock.stamp(now.until - clock.wall)
+            body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}
+            with contextlib.suppress(OSError):  # not written: cut again at the next poll
+                if state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE) == switch.raw:  # not a new one
+                    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
     return now
-
-
-def _cut(state_dir: StateDir, switch: PauseSwitch, end: Mapping[str, object]) -> None:
-    """Write a pause's cut ``end`` (a :meth:`BootTime.stamp`) into its file, unless it changed
-    since it was read (a new pause is the administrator's, never overwritten)."""
-    body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}
-    with contextlib.suppress(OSError):  # not written: cut again at the next poll
-        if state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE) == switch.raw:
-            state_dir.write(PAUSE_FILE, PAUSE.encode(body))
 
 
 def clear_latches(state_dir: StateDir) -> None:

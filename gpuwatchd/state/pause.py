@@ -34,20 +34,32 @@ RESUMED = Format(RESUMED_FILE, MAX_PAUSE_FILE, newline=True)
 @dataclass(frozen=True)
 class PauseSwitch:
     """The pause file as read: its reason (``""``: none given), when it was set and ends (wall
-    times; None: unknown) and its stamp on the boot clock (the file, for :meth:`BootTime.left`)."""
+    times; None: unknown), its stamp on the boot clock (the file, for :meth:`BootTime.left`)
+    and its bytes."""
 
     reason: str
     since: float | None = None
     until: float | None = None
     stamp: Mapping[str, object] | None = None
+    raw: bytes = b""
 
     def left(self, clock: BootTime, max_pause: float) -> float | None:
         """Seconds this pause has left at ``clock``: by its own end, else (a pause from before
-        pauses had one) ``max_pause`` after it was set; None when neither is known."""
-        left = None if self.stamp is None else clock.left(self.stamp)
-        if left is None and self.since is not None:
-            left = self.since + max_pause - clock.wall
-        return left
+        pauses had one) ``max_pause`` after it was set; never more than ``max_pause`` after it
+        was set (after now when that is unknown or later: a hand-made file, a limit lowered by
+        a reload). None when neither its end nor its start is known."""
+        stamp = self.stamp or {}
+        own = clock.left(stamp)
+        if own is None and self.since is None:
+            return None
+        since_boot = as_number(stamp.get("since_boot"))
+        limit = clock.left({
+            **stamp,
+            "until": None if self.since is None else self.since + max_pause,
+            "until_boot": None if since_boot is None else since_boot + max_pause,
+        })  # fmt: skip
+        limit = max_pause if limit is None else min(limit, max_pause)
+        return limit if own is None else min(own, limit)
 
 
 def set_pause(
@@ -89,6 +101,7 @@ def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
         since=as_number(data.get("since")),
         until=as_number(data.get("until")),
         stamp=data,
+        raw=raw,
     )
 
 
@@ -125,10 +138,14 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
 
 def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
     """The pause in force at ``clock``, read only (the one rule: a pause holds until its time is
-    up, one whose end is unknown holds): its reason and end in wall time (its own ``until``
-    while the clocks agree within a second, so an unchanged pause reads the same at every
-    poll). Not paused: ``reason`` None, and ``resumed`` says so when the time is up."""
-    switch = read_pause_switch(state_dir)
+    up, at most ``max_pause``; one whose end is unknown holds): its reason and end in wall time
+    (its own ``until`` while the clocks agree within a second, so an unchanged pause reads the
+    same at every poll). Not paused: ``reason`` None, and ``resumed`` says so when the time is
+    up."""
+    return _in_force(read_pause_switch(state_dir), clock, max_pause)
+
+
+def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> PauseNow:
     if switch is None:
         return PauseNow(None)
     left = switch.left(clock, max_pause)
@@ -144,14 +161,24 @@ def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) ->
 
 def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
     """The pause switch at ``clock`` (the daemon, once a poll): :func:`pause_in_force`, a
-    pause whose time is up removed; with no pause file, why the administrator resumed (the
-    resume note consumed)."""
-    now = pause_in_force(state_dir, clock, max_pause=max_pause)
+    pause whose time is up removed, one cut to ``max_pause`` with the cut written into its file
+    (so it holds at the next poll and after a restart); with no pause file, why the
+    administrator resumed (the resume note consumed)."""
+    switch = read_pause_switch(state_dir)
+    now = _in_force(switch, clock, max_pause)
     if now.resumed is not None:
         state_dir.remove(PAUSE_FILE)
     elif now.reason is None:
         note = _take_resume_note(state_dir)
         return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+    elif switch is not None and now.until is not None:
+        own = clock.left(switch.stamp or {})
+        if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file
+            end = clock.stamp(now.until - clock.wall)
+            body = {**(switch.stamp or {}), "until": end["until"], "until_boot": end["until_boot"]}
+            with contextlib.suppress(OSError):  # not written: cut again at the next poll
+                if state_dir.read(PAUSE_FILE, MAX_PAUSE_FILE) == switch.raw:  # not a new one
+                    state_dir.write(PAUSE_FILE, PAUSE.encode(body))
     return now
 
 

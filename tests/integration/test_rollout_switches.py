@@ -103,6 +103,30 @@ def test_a_pause_without_an_end_lasts_max_pause_from_when_it_was_set(state: Stat
     assert poll_pause(state, BootTime(NOW + 3600, 2.0, "b1"), max_pause=3600).reason is None
 
 
+@pytest.mark.parametrize("written", ["under a longer limit", "by hand, without a start"])
+def test_a_pause_longer_than_max_pause_is_cut_to_it_and_the_cut_written(
+    state: StateDir, written: str
+) -> None:
+    """A pause file saying "until next year" (written before a reload lowered
+    ``limits.max_pause``, or by hand) held for a year: it lasts at most ``max_pause`` from
+    when it was set, or from when it is first read if the file says no start; the cut is
+    written into the file, so it holds at the next poll and after a restart."""
+    if written == "under a longer limit":
+        set_pause(state, reason="r", clock=BootTime(NOW, 1000.0, "b1"), seconds=365 * DAY)
+        end = NOW + DAY
+    else:
+        state.write(PAUSE_FILE, json.dumps({"reason": "r", "until": NOW + 365 * DAY}).encode())
+        end = NOW + 10 + DAY
+    first = BootTime(NOW + 10, 1010.0, "b1")
+    assert pause.pause_in_force(state, first, max_pause=DAY).until == end
+    assert poll_pause(state, first, max_pause=DAY).until == end
+    held = poll_pause(state, BootTime(NOW + 20, 1020.0, "b1"), max_pause=DAY)
+    assert (held.reason, held.until) == ("r", end)
+    assert json.loads(state.read(PAUSE_FILE, 4096))["until"] == end
+    ended = poll_pause(state, BootTime(end, 1000.0 + end - NOW, "b1"), max_pause=DAY)
+    assert ended.reason is None
+
+
 def test_a_pause_file_from_before_the_boot_clock_ends_by_its_wall_end(state: StateDir) -> None:
     state.write(PAUSE_FILE, json.dumps({"reason": "old", "since": NOW, "until": NOW + 60}).encode())
     assert poll_pause(state, BootTime(NOW + 59, 1.0, "b1"), max_pause=DAY).until == NOW + 60

@@ -15,6 +15,7 @@ from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.mig.recovery import InstanceRecovery
+from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import EngineState
@@ -240,6 +241,23 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.engine.state.reset_in_progress is None
     assert second.engine.state.plan.reset_in_flight is None
     assert second.sink.named("reset.succeeded")
+
+
+def test_a_reset_that_fails_during_a_pause_runs_no_on_failure_hook_and_says_so() -> None:
+    """A pause holds every ``on_failure`` hook (docs/escalation.md): a reset the last run left
+    in progress, whose outcome (failed) is booked at a restart while paused, pages nobody
+    (``action.refused`` says so); its ``on_action`` notification, of a reset that ran, is sent."""
+    pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}\non_action:\n  - [notify]")
+    state = _interrupted_during_the_reset(pol)
+    state.plan = set_paused(state.plan, True, reason="driver upgrade")
+    second = rig(pol, ghost_host, state=state, actuator=Actuator(returncode=255))
+    second.engine.resume_interrupted_reset()
+    assert [o["result"] for o in second.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
+    hooks = [argv for argv, _ in second.actuator.commands if argv[0] != "nvidia-smi"]
+    assert hooks == [("notify",)]
+    assert [e["why"] for e in second.sink.named(EventName.ACTION_REFUSED)] == [
+        f"paused: driver upgrade; on_failure not run: reset of {GPU0} failed"
+    ]
 
 
 def test_a_resumed_mig_gpu_reset_that_failed_leaves_each_instance_of_its_layout_unfinished() -> (

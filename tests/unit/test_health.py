@@ -361,6 +361,25 @@ def test_a_pause_holds_the_on_failure_hooks_and_says_so(case: str) -> None:
     assert refused.fields["gpu"] == GPU0
 
 
+@pytest.mark.parametrize("case", ["reboot", "drain"])
+def test_a_gpu_first_seen_needing_a_reboot_or_drain_while_paused_is_drained_after_resume(
+    case: str,
+) -> None:
+    """A pause holds the drain hooks; after ``resume`` they run once, for a GPU that needs a
+    reboot as for one that needs a drain (the reboot's page stays unrun: docs/escalation.md).
+    A reboot's drain was lost: its finding had been said while paused, and only then drained."""
+    run = Run(policy())
+    reading = snap(gpu(0, GPU0, health(xids=(XidEvent(79, 1.0),))))
+    if case == "drain":
+        reading = snap(gpu(0, GPU0, health(recovery_action=3)))
+    run.plan_state = set_paused(run.plan_state, True, reason="driver upgrade")
+    assert hooks(run.poll(reading)) == []
+    run.plan_state = set_paused(run.plan_state, False, reason="")
+    later = replace(reading, monotonic=1100.0)
+    assert hooks(run.poll(later)) == ["reset_drain"]
+    assert hooks(run.poll(replace(reading, monotonic=1200.0))) == []
+
+
 def test_drain_p2p_settling_to_gpu_reset_drains_once_and_a_later_incident_drains_again() -> None:
     """DRAIN_P2P (drain_required) then GPU_RESET (reset_required) is one incident on one GPU:
     the drain hooks ran for the first finding, so the reset that follows is drained already

@@ -69,11 +69,13 @@ def notify_commands(r: enginerig.Rig) -> list[tuple[tuple[str, ...], dict[str, s
     ]
 
 
-def kill_worker(r: enginerig.Rig) -> None:
-    """Poll once (SIGTERM to worker 201), then the actuator sees it exit."""
+def kill_worker(r: enginerig.Rig, *, pause: str | None = None) -> None:
+    """Poll once (SIGTERM to worker 201), then (paused for ``pause``) it is seen to exit."""
     r.poll_at(0.0)
     pid, signal, dry = r.actuator.signals[0]
     assert (pid, signal, dry) == (201, "SIGTERM", False)
+    if pause is not None:
+        r.engine.set_paused(pause)
     start = enginerig.orphan_host(0.0).build().processes[pid].start_ticks or 0
     r.clock.now = 0.5
     r.engine.note_exits([ProcessIdentity(pid, start)])
@@ -106,6 +108,24 @@ def test_a_freed_target_notifies_with_its_owner_the_node_and_the_gpu_off_the_pol
     assert ran["hook"] == "on_action"
     assert ran["argv"] == ["notify", "alice", "gpu17", enginerig.GPU0]
     assert ran["returncode"] == 0
+
+
+@pytest.mark.parametrize("end", ["exited", "survived"])
+def test_a_ladder_that_ends_during_a_pause_still_notifies(end: str) -> None:
+    """A pause holds new actions, not the news of one taken before it (docs/escalation.md): a
+    ladder whose target exits, or whose last wait ends, while paused notifies its owner."""
+    background = Deferred()
+    r = with_background(enginerig.rig(policy(NOTIFY), enginerig.orphan_host), background)
+    if end == "exited":
+        kill_worker(r, pause="driver upgrade")
+    else:
+        r.poll_at(0.0)
+        r.poll_at(30.0)
+        r.engine.set_paused("driver upgrade")
+        r.poll_at(40.0)
+    background.run_all()
+    ((_argv, env),) = notify_commands(r)
+    assert env["GPUWATCHD_OUTCOME"] == {"exited": "freed", "survived": "survived"}[end]
 
 
 def test_a_full_queue_drops_the_notification_and_says_so() -> None:

@@ -106,6 +106,9 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     assert r.actuator.signals == []
     (paused,) = r.sink.named("daemon.paused")
     assert (paused["reason"], paused["until"]) == ("maintenance", W0 + 60.0)
+    r.clock.now = 2.0  # the same pause, cut to limits.max_pause (state/pause.py): said again
+    r.engine.poll(PollInputs(pause=Pause("maintenance", until=W0 + 30.0)))
+    assert [p["until"] for p in r.sink.named("daemon.paused")] == [W0 + 60.0, W0 + 30.0]
     r.clock.now = 5.0
     report = r.engine.poll(PollInputs(pause=Pause(None), spares=(spare,), spares_read_at=W0))
     assert not report.plan.paused

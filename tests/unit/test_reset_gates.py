@@ -19,6 +19,7 @@ from gpuwatchd.decide.plan.decisions import (
     hidden_holders,
     next_deadline,
     plan,
+    set_paused,
 )
 from gpuwatchd.decide.plan.intents import HookIntent, ResetIntent
 from gpuwatchd.decide.plan.outcomes import record_exit, record_reset
@@ -188,6 +189,13 @@ def test_a_reset_that_needs_a_reboot_says_so_critically_and_runs_on_failure_once
     assert len(_hooks(plain, "on_failure")) == len(on_failure) - (
         0 if outcome in ("failed", "timeout") else 1
     )
+    # Booked while paused (a reset a restart finished): said, no page (docs/escalation.md).
+    paused = set_paused(PlanState(), True, reason="maintenance")
+    held = record_reset(paused, _INTENT, outcome, now=10.0, wall=WALL, needs_reboot=True)
+    assert _hooks(held, "on_failure") == []
+    refused = [e.fields for e in held.events if e.name == EventName.ACTION_REFUSED]
+    why = "paused: maintenance; on_failure not run: "
+    assert [(f["gpu"], f["why"]) for f in refused] == [(GPU0, why + r) for r in on_failure]
 
 
 # --- the reset gates a snapshot alone decides------------------------------------------------------

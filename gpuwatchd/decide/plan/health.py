@@ -72,8 +72,8 @@ def consider_health(w: Work, ctx: Ctx, finding: Finding) -> None:
         if w.noted(finding.key, "health:reboot"):
             w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, why=finding.reason, **fields)
             ask_on_failure(w, ctx, f"{finding.gpu} needs a reboot", fields, fields)
-            if act:
-                _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
+        if act:  # once per incident; one held (paused, blocked, a dry run's) follows later
+            _drain_hooks(w, ctx, finding, f"{finding.gpu} needs a reboot", dry)
         return
     resetting = health.action == "reset" and ctx.policy.reset.enabled
     if finding.kind == FindingKind.DRAIN_REQUIRED or not resetting:

@@ -246,6 +246,13 @@ def pause_hold(w: Work) -> str | None:
 def ask_on_failure(
     w: Work, ctx: Ctx, reason: str, facts: Mapping[str, object], said: Mapping[str, object]
 ) -> None:
+    """The ``on_failure`` hooks about ``reason`` (:func:`page`), dry runs while the plan's are."""
+    page(w, reason, facts, said, dry_run=is_dry_run(w, ctx))
+
+
+def page(
+    w: Work, reason: str, facts: Mapping[str, object], said: Mapping[str, object], *, dry_run: bool
+) -> None:
     """The ``on_failure`` hooks about ``reason``; none while paused (a pause holds every hook:
     a page or a node drain waits for the maintenance to end), said by ``action.refused`` with
     ``said``, the fields of its subject."""
@@ -254,7 +261,7 @@ def ask_on_failure(
         why = f"{held}; on_failure not run: {reason}"
         w.event(EventName.ACTION_REFUSED, Level.INFO, **{**said, "why": why})
         return
-    w.intents.append(HookIntent(HookName.ON_FAILURE, reason, dict(facts), is_dry_run(w, ctx)))
+    w.intents.append(HookIntent(HookName.ON_FAILURE, reason, dict(facts), dry_run))
 
 
 def ladder_fields(lad: Ladder) -> dict[str, object]:

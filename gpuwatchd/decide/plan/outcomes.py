@@ -28,6 +28,7 @@ from gpuwatchd.decide.plan.intents import (
     action_ended,
     end_ladder,
     ladder_fields,
+    page,
     target_key,
 )
 from gpuwatchd.decide.plan.state import MigUnfinished, PlanState, ResetRefusal
@@ -217,9 +218,7 @@ def _book_attempt(
     w.state = replace(w.state, reset_failures=failures)
     w.event(EventName.RESET_FAILED, Level.INFO, failures=failures, **fields)  # as above
     facts = {**fields, "failures": failures}
-    w.intents.append(
-        HookIntent(HookName.ON_FAILURE, f"reset of {gpu} {outcome}", facts, dry_run=intent.dry_run)
-    )
+    page(w, f"reset of {gpu} {outcome}", facts, fields, dry_run=intent.dry_run)
     w.intents.append(_reset_action(intent, ActionOutcome.RESET_FAILED, fields))
 
 
@@ -253,11 +252,7 @@ def record_reset(
     if needs_reboot:
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
         if outcome not in (ResetResult.FAILED, ResetResult.TIMEOUT):
-            w.intents.append(
-                HookIntent(
-                    HookName.ON_FAILURE, f"{gpu} needs a reboot", fields, dry_run=intent.dry_run
-                )
-            )
+            page(w, f"{gpu} needs a reboot", fields, fields, dry_run=intent.dry_run)
     if delay > 0:
         w.quiet_until[gpu] = max(w.quiet_until.get(gpu, 0.0), now + delay)
         w.waiting[intent.finding_key] = now + delay

@@ -45,21 +45,13 @@ class PauseSwitch:
 
     def left(self, clock: BootTime, max_pause: float) -> float | None:
         """Seconds this pause has left at ``clock``: by its own end, else (a pause from before
-        pauses had one) ``max_pause`` after it was set; never more than ``max_pause`` after it
-        was set (after now when that is unknown or later: a hand-made file, a limit lowered by
-        a reload). None when neither its end nor its start is known."""
-        stamp = self.stamp or {}
-        own = clock.left(stamp)
-        if own is None and self.since is None:
-            return None
-        since_boot = as_number(stamp.get("since_boot"))
-        limit = clock.left({
-            **stamp,
-            "until": None if self.since is None else self.since + max_pause,
-            "until_boot": None if since_boot is None else since_boot + max_pause,
-        })  # fmt: skip
-        limit = max_pause if limit is None else min(limit, max_pause)
-        return limit if own is None else min(own, limit)
+        pauses had one) ``max_pause`` after it was set; never more than ``max_pause`` from now
+        (as a spare is cut: a hand-made file, a limit lowered by a reload, which then shortens
+        a pause but does not end it at once). None when neither its end nor its start is known."""
+        left = None if self.stamp is None else clock.left(self.stamp)
+        if left is None and self.since is not None:
+            left = self.since + max_pause - clock.wall
+        return None if left is None else min(left, max_pause)
 
 
 def set_pause(

@@ -108,15 +108,14 @@ def test_a_pause_longer_than_max_pause_is_cut_to_it_and_the_cut_written(
     state: StateDir, written: str
 ) -> None:
     """A pause file saying "until next year" (written before a reload lowered
-    ``limits.max_pause``, or by hand) held for a year: it lasts at most ``max_pause`` from
-    when it was set, or from when it is first read if the file says no start; the cut is
-    written into the file, so it holds at the next poll and after a restart."""
+    ``limits.max_pause``, or by hand) held for a year: as a spare, it is cut to ``max_pause``
+    from when it is first read (a lowered limit shortens a pause, never ends it at once); the
+    cut is written into the file, so it holds at the next poll and after a restart."""
     if written == "under a longer limit":
         set_pause(state, reason="r", clock=BootTime(NOW, 1000.0, "b1"), seconds=365 * DAY)
-        end = NOW + DAY
     else:
         state.write(PAUSE_FILE, json.dumps({"reason": "r", "until": NOW + 365 * DAY}).encode())
-        end = NOW + 10 + DAY
+    end = NOW + 10 + DAY
     first = BootTime(NOW + 10, 1010.0, "b1")
     assert pause.pause_in_force(state, first, max_pause=DAY).until == end
     assert poll_pause(state, first, max_pause=DAY).until == end

@@ -101,6 +101,12 @@ def decimal(text: str, digits: int = 20) -> int | None:
     return int(text) if text.isascii() and text.isdecimal() and len(text) <= digits else None
 
 
+def is_version(found: object, *versions: int) -> bool:
+    """Whether ``found`` is one of ``versions`` itself: ``true`` and ``1.0`` equal 1 in Python
+    but are another version."""
+    return type(found) is int and found in versions
+
+
 def as_number(value: object) -> float | None:
     """A finite number as a float; None otherwise (a bool is not a number, nor an integer
     beyond every float: JSON reads 400 digits as an int, and float() of it overflows)."""

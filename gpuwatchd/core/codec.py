@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.core.checked import as_map
+from gpuwatchd.core.checked import as_map, is_version
 
 Reader = Callable[[object, str], Any]  # a checked reader: (value, key) -> value, or ValueError
 
@@ -65,7 +65,7 @@ class Format:
         """``data`` of this version (the integer itself: ``true`` or ``1.0`` is another), each
         field as its reader returns it; ValueError."""
         found = data.get(self.version_key)
-        if self.version is not None and (type(found) is not int or found != self.version):
+        if self.version is not None and not is_version(found, self.version):
             raise ValueError(f"unsupported {self.name} version {found!r}")
         return {**data, **{key: read(data.get(key), key) for key, read in self.fields.items()}}
 

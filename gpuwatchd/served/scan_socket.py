@@ -79,7 +79,7 @@ def decode_request(raw: bytes) -> ScanRequest:
     if len(raw) > MAX_REQUEST or not raw.endswith(b"\n"):
         raise ExchangeError("the request is not one line of at most 8192 bytes")
     doc = _object(raw)
-    if set(doc) != {"version", "config", "json", "color"} or doc["version"] != VERSION:
+    if set(doc) != {"version", "config", "json", "color"} or not _our_version(doc["version"]):
         raise ExchangeError("the request has unknown keys or another version")
     config, as_json, color = doc["config"], doc["json"], doc["color"]
     if not isinstance(config, str) or not 0 < len(config) <= MAX_PATH:
@@ -103,13 +103,19 @@ def encode_answer(answer: ScanAnswer) -> bytes:
     return head + (answer.stdout.encode() if answer.answered else b"")
 
 
+def _our_version(found: object) -> bool:
+    """Whether ``found`` is :data:`VERSION` itself (``true`` and ``1.0`` equal 1 in Python; a
+    scan answered must not load core/checked.is_version's imports)."""
+    return type(found) is int and found == VERSION
+
+
 def decode_answer_header(raw: bytes) -> ScanAnswer:
     """The answer's header line (``stdout`` left empty: it is the rest of the stream)."""
     doc = _object(raw)
     answered, reason, code, stderr = (
         doc.get("answered"), doc.get("reason"), doc.get("exit"), doc.get("stderr"),
     )  # fmt: skip
-    if doc.get("version") != VERSION or not isinstance(answered, bool):
+    if not _our_version(doc.get("version")) or not isinstance(answered, bool):
         raise ExchangeError("the answer has another version")
     if not isinstance(reason, str) or len(reason) > 1000:
         raise ExchangeError("the answer's reason is not a short text")

@@ -991,6 +991,8 @@ def test_state_round_trips_through_json() -> None:
         None,
         [],
         {"version": 3},
+        {"version": True},
+        {"version": 2.0},
         {"version": 1, "boot_id": 3},
         {"version": 2, "inheritance": {}},
         {"version": 2, "inheritance": [{"pid": 1, "start_ticks": 2}]},

@@ -1215,6 +1215,8 @@ def test_state_json_round_trip(state: PlanState) -> None:
         None,
         [],
         {"version": 2},
+        {"version": True},
+        {"version": 1.0},
         {"paused": "yes"},
         {"ladders": {"x": {"pid": 1}}},
         {"reset_history": [["gpu"]]},

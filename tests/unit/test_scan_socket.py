@@ -109,6 +109,8 @@ GOOD = {"version": 1, "config": "/etc/g.yaml", "json": True, "color": False}
         b'{"version": 1}',  # no newline
         b"\xff\xfe\n",
         _line({**GOOD, "version": 2}),
+        _line({**GOOD, "version": True}),
+        _line({**GOOD, "version": 1.0}),
         _line({**GOOD, "extra": 1}),
         _line({k: v for k, v in GOOD.items() if k != "color"}),
         _line({**GOOD, "config": "relative.yaml"}),
@@ -133,6 +135,7 @@ HEAD = {"version": 1, "answered": True, "reason": "answered", "exit": 0, "stderr
     "doc",
     [
         {**HEAD, "version": 0},
+        {**HEAD, "version": True},
         {**HEAD, "answered": "yes"},
         {**HEAD, "exit": 256},
         {**HEAD, "exit": -1},

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 from gpuwatchd.core.checked import (
     flag,
     integer,
+    is_version,
     items,
     number,
     numbers,
@@ -186,7 +187,7 @@ class PlanState:
         """Rebuild a state saved by ``to_json``; ValueError when ``data`` is malformed."""
         d = obj(data, "plan")
         version = d.get("version", PLAN_STATE_VERSION)
-        if version != PLAN_STATE_VERSION:
+        if not is_version(version, PLAN_STATE_VERSION):
             raise ValueError(f"plan: unsupported state version {version!r}")
         scalars = _SCALARS.read(d, "plan")
         if scalars["reset_failures"] < 0:

@@ -56,6 +56,7 @@ from gpuwatchd.state.compiled_policy import COMPILED_FILE, save_compiled
 from gpuwatchd.state.directory import AlreadyRunning, StateDir, StateDirError
 from gpuwatchd.state.pause import (
     MAX_ENDED_JOBS,
+    pause_in_force,
     poll_pause,
     read_ended_jobs,
     take_clear_latches,
@@ -271,7 +272,7 @@ class Daemon:
             interval=self.policy.interval,
         )
         self._start_device_watch()
-        self.engine.resume_interrupted_reset()
+        self.engine.resume_interrupted_reset(self._read_pause())
         started = self.clock()
         watched: frozenset[str] | None = None
         code = ExitCode.OK
@@ -561,6 +562,15 @@ class Daemon:
         self._notify_status(report)
         self._serving.publish(report, self.policy, self.host)
         return report
+
+    def _read_pause(self) -> Pause:
+        """The pause switch, read only (the first poll consumes a resume note, a time up)."""
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return Pause("state_dir unusable")  # fail safe: nothing read
+        clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
+        now = pause_in_force(state_dir, clock, max_pause=self.policy.limits.max_pause)
+        return Pause(now.reason, until=now.until)
 
     def _read_switches(self) -> PollInputs:
         """The admin switch files, as the next poll's inputs (their problems said here)."""

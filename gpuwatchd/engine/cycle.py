@@ -74,6 +74,7 @@ from gpuwatchd.engine.edges import (
     Clock,
     EventSink,
     HostReader,
+    Pause,
     PollInputs,
     PollReport,
     Runner,
@@ -739,12 +740,16 @@ class Engine:
             )
         )
 
-    def resume_interrupted_reset(self) -> None:
+    def resume_interrupted_reset(self, pause: Pause | None = None) -> None:
         """Finish or undo the reset the last run left in progress (once, before the first
-        poll), and book its outcome like any reset's: the plan's in-flight marker is cleared."""
+        poll), and book its outcome like any reset's: the plan's in-flight marker is cleared.
+        ``pause``: the pause switch read before it (one set while the daemon was down holds
+        the booked outcome's ``on_failure`` hooks as any pause does)."""
         record = self.state.reset_in_progress
         if not record:
             return
+        if pause is not None and pause.reason is not None:
+            self.set_paused(pause.reason, until=pause.until)
         self._emit(EventName.RESET_RESUME, Level.WARNING, record=record)
         outcome = resume_interrupted(
             record,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import pytest
+
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import MIB, ProcessIdentity, Spare
 from gpuwatchd.core.vocabulary import EventName, SignalOutcome
@@ -19,6 +21,7 @@ from gpuwatchd.decide.plan.decisions import set_paused
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.engine.cycle import EngineState
+from gpuwatchd.engine.edges import Pause
 from tests.support.enginerig import (
     GPU0,
     LEAK,
@@ -243,15 +246,23 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert second.sink.named("reset.succeeded")
 
 
-def test_a_reset_that_fails_during_a_pause_runs_no_on_failure_hook_and_says_so() -> None:
+@pytest.mark.parametrize("paused", ["saved", "while the daemon was down"])
+def test_a_reset_that_fails_during_a_pause_runs_no_on_failure_hook_and_says_so(
+    paused: str,
+) -> None:
     """A pause holds every ``on_failure`` hook (docs/escalation.md): a reset the last run left
     in progress, whose outcome (failed) is booked at a restart while paused, pages nobody
-    (``action.refused`` says so); its ``on_action`` notification, of a reset that ran, is sent."""
+    (``action.refused`` says so); its ``on_action`` notification, of a reset that ran, is sent.
+    So with a pause set while the daemon was down, read before the first poll."""
     pol = make_policy("reset: {confirm_for: 0s, cooldown: 1m}\non_action:\n  - [notify]")
     state = _interrupted_during_the_reset(pol)
-    state.plan = set_paused(state.plan, True, reason="driver upgrade")
+    pause = None
+    if paused == "saved":
+        state.plan = set_paused(state.plan, True, reason="driver upgrade")
+    else:
+        pause = Pause("driver upgrade")
     second = rig(pol, ghost_host, state=state, actuator=Actuator(returncode=255))
-    second.engine.resume_interrupted_reset()
+    second.engine.resume_interrupted_reset(pause)
     assert [o["result"] for o in second.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
     hooks = [argv for argv, _ in second.actuator.commands if argv[0] != "nvidia-smi"]
     assert hooks == [("notify",)]

@@ -63,16 +63,17 @@ def test_dry_run_runs_no_hook_signal_or_reset_command_and_says_what_it_would_do(
     assert r.actuator.commands == [], "dry-run must never run a command or hook"
     assert r.actuator.signals, "dry-run goes through the signal path (signal 0)"
     assert all(dry for _, _, dry in r.actuator.signals)
-    hooks = r.sink.named("hook.run")
+    hooks = r.sink.named(EventName.HOOK_RUN)
     assert hooks
     assert all(h["outcome"] == "dry_run" and h["dry_run"] is True for h in hooks)
     assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["dry_run"]
-    assert {s["outcome"] for s in r.sink.named("action.signal")} == {"dry_run"}
+    assert {s["outcome"] for s in r.sink.named(EventName.ACTION_SIGNAL)} == {"dry_run"}
     assert r.reader.stopped == 0, "a dry-run reset does not stop the NVML worker"
     # What an admin reviews with `journalctl -p warning`: each would-be action, once.
     warned = {n for n, level, _ in r.sink.events if level == "warning"}
-    assert {"action.signal", "hook.run", EventName.RESET_OUTCOME} <= warned
-    assert not {"escalation.step_due", "reset.due", "reset.dry_run"} & warned
+    assert {EventName.ACTION_SIGNAL, EventName.HOOK_RUN, EventName.RESET_OUTCOME} <= warned
+    quiet = {EventName.ESCALATION_STEP_DUE, EventName.RESET_DUE, EventName.RESET_DRY_RUN}
+    assert not quiet & warned
 
 
 def test_enforcing_runs_the_hooks_and_the_reset_through_the_slow_runner() -> None:
@@ -91,7 +92,7 @@ def test_enforcing_runs_the_hooks_and_the_reset_through_the_slow_runner() -> Non
     assert hook_runs[0][1]["GPUWATCHD_EVENT"] == "on_failure"
     assert len(reset_commands(r)) == 1
     assert r.slow_calls == ["slow", "slow"], "each reset and each hook run is slow work"
-    (hook,) = r.sink.named("hook.run")
+    (hook,) = r.sink.named(EventName.HOOK_RUN)
     assert (hook["returncode"], hook["dry_run"]) == (0, False)
 
 
@@ -136,7 +137,7 @@ def test_a_denied_signal_ends_the_ladder_and_is_never_retried() -> None:
     r = rig(pol, orphan_host, actuator=Actuator(outcome=SignalOutcome.DENIED))
     r.poll_at(0.0)
     assert r.actuator.signals == [(201, "SIGTERM", False)]
-    (ended,) = r.sink.named("escalation.ended")
+    (ended,) = r.sink.named(EventName.ESCALATION_ENDED)
     assert ended["outcome"] == "denied"
     for t in (31.0, 60.0, 120.0):
         r.poll_at(t)
@@ -152,8 +153,8 @@ def test_an_exit_reported_by_the_actuator_resolves_the_ladder() -> None:
     identity = ProcessIdentity(pid, snapshot.processes[pid].start_ticks or 0)
     r.clock.now = 0.5
     r.engine.note_exits([identity])
-    assert r.sink.named("target.exited")
-    assert r.sink.named("escalation.resolved")
+    assert r.sink.named(EventName.TARGET_EXITED)
+    assert r.sink.named(EventName.ESCALATION_RESOLVED)
     assert r.engine.state.plan.ladders == {}
 
 
@@ -185,15 +186,15 @@ def test_a_refused_reset_runs_its_hooks_once_per_incident_and_again_after_a_relo
     r.poll_at(601.0)  # after it: still the same incident
     r.poll_at(3601.0)
     assert r.reader.final_scans == 1
-    whys = [e["why"] for e in r.sink.named("reset.refused")]
+    whys = [e["why"] for e in r.sink.named(EventName.RESET_REFUSED)]
     assert any("a reset for this incident was refused" in str(why) for why in whys)
     r.engine.reload(r.engine.policy, hostname=r.engine.hostname)
-    assert r.sink.named("reset.refusal_cleared")
+    assert r.sink.named(EventName.RESET_REFUSAL_CLEARED)
     r.poll_at(3602.0)
     assert r.reader.final_scans == 2
     assert len(reset_commands(r)) == 1
     assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["refused", "success"]
-    assert r.sink.named("reset.succeeded")
+    assert r.sink.named(EventName.RESET_SUCCEEDED)
 
 
 def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
@@ -201,8 +202,8 @@ def test_a_failed_reset_runs_the_on_failure_hooks_it_asks_for() -> None:
     r = rig(pol, ghost_host, actuator=Actuator(returncode=255))
     r.poll_at(0.0)
     assert [o["result"] for o in r.sink.named(EventName.RESET_OUTCOME)] == ["failed"]
-    assert r.sink.named("reset.failed")
-    hooks = r.sink.named("hook.run")
+    assert r.sink.named(EventName.RESET_FAILED)
+    hooks = r.sink.named(EventName.HOOK_RUN)
     assert [h["hook"] for h in hooks] == ["on_failure"]
     assert hooks[0]["returncode"] == 255  # the fake answers every command alike
 
@@ -243,7 +244,7 @@ def test_an_interrupted_reset_is_booked_so_later_resets_are_not_refused_as_in_fl
     assert reset_commands(second) == [], "the reset command is never run again"
     assert second.engine.state.reset_in_progress is None
     assert second.engine.state.plan.reset_in_flight is None
-    assert second.sink.named("reset.succeeded")
+    assert second.sink.named(EventName.RESET_SUCCEEDED)
 
 
 @pytest.mark.parametrize("paused", ["saved", "while the daemon was down"])
@@ -344,7 +345,7 @@ def test_no_signal_is_sent_while_the_state_that_records_it_cannot_be_saved() -> 
     r.poll_at(0.0)
     r.poll_at(5.0)
     assert r.actuator.signals == []
-    withheld = r.sink.named("action.withheld")
+    withheld = r.sink.named(EventName.ACTION_WITHHELD)
     assert len(withheld) == 2
     assert withheld[0]["steps"] == ["SIGTERM to pid 201"]
     assert "cannot be saved" in str(withheld[0]["why"])
@@ -373,7 +374,7 @@ def test_a_reset_stops_before_a_step_it_cannot_record() -> None:
     for t in (0.0, 5.0, 10.0):
         r.poll_at(t)
     assert reset_commands(r) == []
-    steps = r.sink.named("reset.step")
+    steps = r.sink.named(EventName.RESET_STEP)
     assert any(e.get("status") == "record_failed" for e in steps), steps
 
 
@@ -386,20 +387,20 @@ def test_a_gpu_that_is_lost_is_reported_once_as_needing_a_reboot_and_runs_on_fai
 
     r = rig(pol, host)
     r.poll_at(0.0)
-    assert r.sink.named("gpu.needs_reboot") == []
+    assert r.sink.named(EventName.GPU_NEEDS_REBOOT) == []
     lost[0] = True
     r.poll_at(5.0)
     r.poll_at(10.0)
-    (event,) = r.sink.named("gpu.needs_reboot")
+    (event,) = r.sink.named(EventName.GPU_NEEDS_REBOOT)
     assert event["gpu"] == GPU0
-    assert ("gpu.needs_reboot", "critical") in {(n, lvl) for n, lvl, _ in r.sink.events}
+    assert (EventName.GPU_NEEDS_REBOOT, "critical") in {(n, lvl) for n, lvl, _ in r.sink.events}
     hooks = [argv for argv, env in r.actuator.commands if env and env.get("GPUWATCHD_EVENT")]
     assert hooks == [("drain-node", "reason=gpu")], "on_failure runs once per loss"
     lost[0] = False
     r.poll_at(15.0)
     lost[0] = True
     r.poll_at(20.0)
-    assert len(r.sink.named("gpu.needs_reboot")) == 2
+    assert len(r.sink.named(EventName.GPU_NEEDS_REBOOT)) == 2
 
 
 def test_each_real_action_is_one_warning_line() -> None:
@@ -415,4 +416,4 @@ def test_each_real_action_is_one_warning_line() -> None:
     warned = [
         n for n, level, _ in r.sink.events if level == "warning" and not n.startswith("finding.")
     ]
-    assert sorted(warned) == ["action.signal", EventName.RESET_OUTCOME], warned
+    assert sorted(warned) == [EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME], warned

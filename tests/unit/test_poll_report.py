@@ -12,6 +12,7 @@ import inspect
 import pathlib
 
 from gpuwatchd.core.model import Spare
+from gpuwatchd.core.vocabulary import EventName
 from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.daemon.notify import describe_status
 from gpuwatchd.decide.plan.intents import SignalIntent
@@ -104,15 +105,15 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     report = r.engine.poll(PollInputs(pause=Pause("maintenance", until=W0 + 60.0)))
     assert report.plan.paused
     assert r.actuator.signals == []
-    (paused,) = r.sink.named("daemon.paused")
+    (paused,) = r.sink.named(EventName.DAEMON_PAUSED)
     assert (paused["reason"], paused["until"]) == ("maintenance", W0 + 60.0)
     r.clock.now = 2.0  # the same pause, cut to limits.max_pause (state/pause.py): said again
     r.engine.poll(PollInputs(pause=Pause("maintenance", until=W0 + 30.0)))
-    assert [p["until"] for p in r.sink.named("daemon.paused")] == [W0 + 60.0, W0 + 30.0]
+    assert [p["until"] for p in r.sink.named(EventName.DAEMON_PAUSED)] == [W0 + 60.0, W0 + 30.0]
     r.clock.now = 5.0
     report = r.engine.poll(PollInputs(pause=Pause(None), spares=(spare,), spares_read_at=W0))
     assert not report.plan.paused
-    assert r.sink.named("daemon.resumed")
+    assert r.sink.named(EventName.DAEMON_RESUMED)
     assert [s.target for s in report.snapshot.spares] == ["pid:201"]
     assert r.actuator.signals == [], "a spared process is not signalled"
     r.clock.now = 10.0
@@ -120,4 +121,4 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     assert not report.plan.paused
     assert [s.target for s in report.snapshot.spares] == ["pid:201"]
     report = r.engine.poll(PollInputs(clear_latches=True))
-    assert r.sink.named("limits.latches_cleared")
+    assert r.sink.named(EventName.LIMITS_LATCHES_CLEARED)

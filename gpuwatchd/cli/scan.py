@@ -398,7 +398,9 @@ def daemon_section(
         return None
     clock = BootTime.read(snapshot.wall_time, snapshot.boot_id)
     pause = pause_in_force(state_dir, clock, max_pause=policy.limits.max_pause)
-    read = plan if isinstance(plan, PlanState) else None if "plan" in saved.data else PlanState()
+    read = plan if isinstance(plan, PlanState) else None
+    if read is None and "plan" not in saved.data:
+        read = PlanState()  # none saved yet: the daemon's defaults
     hour = None
     if read is not None and saved.same_boot(snapshot.boot_id):  # monotonic times of this boot
         hour = signalled_last_hour(read.signal_history, snapshot.monotonic)

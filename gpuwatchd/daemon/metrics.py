@@ -469,14 +469,11 @@ class _EventCounters:
             counter = self.mig_recoveries if fields.get("instance") else self.resets
             counter.labels(_label(fields.get("result"), _RESET_RESULTS)).inc()
         elif name == EventName.HOOK_RUN:
-            self.hooks.labels(_hook_name(fields.get("hook")), _hook_result(fields)).inc()
+            hook = str(fields.get("hook"))
+            hook = hook if _HOOK_NAME.fullmatch(hook) else OTHER
+            self.hooks.labels(hook, _hook_result(fields)).inc()
         elif name == EventName.FINDING_NEW:
             self.findings_new.labels(_label(fields.get("kind"), _KINDS)).inc()
-
-
-def _hook_name(value: object) -> str:
-    text = str(value)
-    return text if _HOOK_NAME.fullmatch(text) else OTHER
 
 
 def _hook_result(fields: Mapping[str, object]) -> str:

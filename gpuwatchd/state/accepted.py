@@ -65,24 +65,18 @@ def _state_dir_hint(config_path: str) -> str:
     return default_policy().state_dir
 
 
-def _read_saved(state_dir: str) -> tuple[str, float]:
-    """The saved text and its mtime; OSError (StateDirError, UntrustedFile) or ValueError
-    saying why not. Looking creates nothing: a missing ``state_dir`` is FileNotFoundError."""
-    with StateDir.open(state_dir) as directory:
-        data, info = directory.read_with_stat(ACCEPTED_FILE, MAX_DOCUMENT_BYTES + 1)
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise ValueError("larger than a policy may be")
-    return data.decode("utf-8", errors="strict"), info.st_mtime
-
-
 def load_fallback(config_path: str) -> Fallback:
     """The policy to run with when ``config_path``'s is rejected at start: the last one the
     daemon accepted; ``policy`` None when there is none (or none usable). Never raises."""
     state_dir = _state_dir_hint(config_path)
     path = os.path.join(state_dir, ACCEPTED_FILE)
     try:
-        text, saved_at = _read_saved(state_dir)
-        policy = parse_policy_documents([(path, text)])
+        # Looking creates nothing: a missing state_dir is FileNotFoundError.
+        with StateDir.open(state_dir) as directory:
+            data, info = directory.read_with_stat(ACCEPTED_FILE, MAX_DOCUMENT_BYTES + 1)
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise ValueError("larger than a policy may be")
+        policy = parse_policy_documents([(path, data.decode("utf-8", errors="strict"))])
     except FileNotFoundError:
         return Fallback(None, path, None)
     except (OSError, StateDirError, ValueError, ConfigError) as err:
@@ -91,4 +85,4 @@ def load_fallback(config_path: str) -> Fallback:
         return Fallback(
             None, path, None, (f"{path}: names another state_dir ({policy.state_dir})",)
         )
-    return Fallback(policy, path, saved_at)
+    return Fallback(policy, path, info.st_mtime)

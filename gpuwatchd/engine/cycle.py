@@ -216,8 +216,9 @@ class Engine:
             self.set_paused(pause.reason, until=pause.until, resumed=pause.resumed)
         if inputs.spares is not None:
             self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
-        if inputs.clear_latches:
-            self.clear_latches()
+        if inputs.clear_latches:  # lift a forced dry-run, close the reset circuit breaker
+            self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
+            self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""
@@ -374,12 +375,6 @@ class Engine:
         for name, level, fields in spare_changes(self.spares, spares, wall):
             self._emit(name, level, **fields)
         self.spares, self._spares_read = spares, wall
-
-    def clear_latches(self) -> None:
-        """Admin: lift a forced dry-run, close the reset circuit breaker and let refused resets
-        be tried again."""
-        self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-        self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def reload(self, policy: Policy, *, hostname: str | None) -> None:
         """A reloaded policy, and the node's name read again with it (a renamed node). A new

@@ -129,11 +129,9 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
 
 
 def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
-    """The pause in force at ``clock``, read only (the one rule: a pause holds until its time is
-    up, at most ``max_pause``; one whose end is unknown holds): its reason and end in wall time
-    (its own ``until`` while the clocks agree within a second, so an unchanged pause reads the
-    same at every poll). Not paused: ``reason`` None, and ``resumed`` says so when the time is
-    up."""
+    """The pause in force at ``clock``, read only (one whose end is unknown holds); its end is
+    its own ``until`` while the clocks agree within a second (an unchanged pause reads the
+    same at every poll). Not paused: ``reason`` None, ``resumed`` set when the time is up."""
     return _in_force(read_pause_switch(state_dir), clock, max_pause)
 
 
@@ -152,10 +150,8 @@ def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> 
 
 
 def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
-    """The pause switch at ``clock`` (the daemon, once a poll): :func:`pause_in_force`, a
-    pause whose time is up removed, one cut to ``max_pause`` with the cut written into its file
-    (so it holds at the next poll and after a restart); with no pause file, why the
-    administrator resumed (the resume note consumed)."""
+    """:func:`pause_in_force` for the daemon, once a poll: a pause whose time is up removed, a
+    cut written into its file; with no pause file, the resume note consumed as ``resumed``."""
     switch = read_pause_switch(state_dir)
     now = _in_force(switch, clock, max_pause)
     if now.resumed is not None:
@@ -288,9 +284,8 @@ def read_ended_jobs(
 ) -> HandOvers:
     """The jobs handed over whose epilog still waits (``waiting(pid, start_ticks)``; None:
     unknown, then not honoured but kept), neither expired at wall time ``now`` nor more than a
-    day ahead (:class:`HandOvers`). A bad file is named in the problems. ``remove_stale`` (the
-    daemon): expired and bad files, and those whose epilog is gone, are removed; a valid one
-    beyond :data:`MAX_ENDED_JOBS` is only counted."""
+    day ahead. ``remove_stale`` (the daemon): expired and bad files, and those whose epilog is
+    gone, are removed."""
     try:
         names = state_dir.names(ENDED_JOB_PREFIX)
     except OSError:

@@ -155,9 +155,8 @@ def read_spares(
     max_spare: float,
     remove_stale: bool = False,
 ) -> SpareFiles:
-    """The spares in force at ``clock`` and the bad files; one with more than ``max_spare``
-    left is cut to it. ``remove_stale`` (the daemon): spares whose time is up, those of another
-    boot and bad files are removed, and a cut is written into its file."""
+    """The spares in force at ``clock`` and the bad files, one with more than ``max_spare`` left
+    cut to it. ``remove_stale``: the daemon's removals and cuts (docs/internals.md)."""
     try:
         names = state_dir.names(SPARE_PREFIX)
     except OSError:

@@ -27,20 +27,17 @@ from gpuwatchd.state.directory import StateDir
 
 log = structlog.get_logger("gpuwatchd")
 
-# What answers a `scan` that asked: the request and the last poll, None when there is none to
-# serve from (the daemon binds its main file and state_dir in); the command line's
-# (cli/served.py), handed in by cli/run.py.
-Answerer = Callable[[ScanRequest, ServedPoll | None], ScanAnswer]
-
 
 class ScanServing:
-    """The holder view, the NVML reading and the scan socket of one daemon."""
+    """The holder view, the NVML reading and the scan socket of one daemon. ``answer``: the
+    daemon's ``ScanAnswerer`` (lifecycle.py), its main file and state_dir bound in; the last
+    poll is None when there is none to serve from."""
 
     def __init__(
         self,
         state_dir: Callable[[], StateDir | None],
         wall_clock: Callable[[], float] = time.time,
-        answer: Answerer | None = None,
+        answer: Callable[[ScanRequest, ServedPoll | None], ScanAnswer] | None = None,
     ) -> None:
         self._state_dir = state_dir
         # Marked dirty by the device watch before its events are read.

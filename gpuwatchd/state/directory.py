@@ -246,9 +246,7 @@ class StateDir:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the instance lock (``flock``: a crash never leaves it stale) for the ``with``
-        block; AlreadyRunning when it is taken. The PID written in the file is for the error
-        message only."""
+        """Hold the instance lock for the ``with`` block; AlreadyRunning when it is taken."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _FILE
         fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self.fd)
         try:
@@ -273,9 +271,8 @@ class StateDir:
             os.close(fd)
 
     def lock_holder(self, proc_root: str = "/proc") -> int | None:
-        """The PID that holds the instance lock now, as the kernel says (``/proc/locks``, then
-        the candidate's own ``fdinfo`` on this very file); None when nobody does or it cannot
-        be told."""
+        """The PID that holds the instance lock now, as the kernel says (docs/internals.md);
+        None when nobody does or it cannot be told."""
         try:
             st = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
             with open(os.path.join(proc_root, "locks"), "rb") as handle:

@@ -100,9 +100,8 @@ class CgroupInfo:
 
 @dataclass(frozen=True)
 class ProcessInfo:
-    """Facts about one host process, read from ``/proc``. Any field may be None (unknown);
-    ``exe_trusted``: the executable is something only root can have put there (read only for
-    infrastructure names, docs/internals.md, section `gpuwatchd.core.model`)."""
+    """Facts about one host process, read from ``/proc``. Any field may be None (unknown;
+    ``exe_trusted``: docs/internals.md, section `gpuwatchd.core.model`)."""
 
     pid: int
     start_ticks: int | None
@@ -337,8 +336,7 @@ class MigDevice:
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reported it in one poll. ``lost``: it stopped answering (its other
-    values are what was read before); ``numa_node``: set only with coherent memory;
-    ``numa_node_unknown``: its query failed (not "not supported"), so that is unknown."""
+    values are what was read before); ``numa_node*``: docs/internals.md."""
 
     index: int
     uuid: str
@@ -361,16 +359,14 @@ class GpuInfo:
 
     @property
     def coherent_memory(self) -> bool | None:
-        """Whether its memory is coherent (Grace Hopper/Blackwell: pages stay after exit, so
-        memory-based detection is off); None when its NUMA node could not be read."""
+        """Whether its memory is coherent (Grace Hopper/Blackwell); None when unknown."""
         if self.numa_node is not None:
             return True
         return None if self.numa_node_unknown else False
 
     @property
     def reset_needs_nvlink_peers(self) -> bool | None:
-        """Whether this GPU can only be reset together with its NVLink peers (Volta, Ampere with
-        active links: docs/design-notes.md §7). None when unknown."""
+        """Whether it resets only with its NVLink peers (docs/design-notes.md §7); None: unknown."""
         if self.nvlink_active is None:
             return None
         if self.nvlink_active == 0:

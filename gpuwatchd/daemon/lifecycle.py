@@ -523,8 +523,7 @@ class Daemon:
 
     def _state_dir(self) -> StateDir | None:
         """The state directory; None when it cannot be used (said once per distinct error, and
-        again after it worked in between), also when the folder at its path is no longer the
-        one opened (removed or replaced: an admin's pause written there would go unseen)."""
+        again after it worked in between) or was replaced: a pause written there goes unseen."""
         try:
             directory = self.store.directory()
             if not os.path.samestat(os.stat(directory.path), os.fstat(directory.fd)):
@@ -667,10 +666,9 @@ class Daemon:
         return frozenset(found)
 
     def _load_state(self) -> None:
-        """Carry on from the saved state. One that cannot be used (corrupt, or of another
-        format) is kept aside for an admin, and the daemon starts in a dry run latched like the
-        kill cap's: what that state held (ladders half way, a reset or MIG recovery half done,
-        the last hour's signals, a latch) is unknown, so no step may be repeated or skipped."""
+        """Carry on from the saved state; one that cannot be used is kept aside and the daemon
+        starts latched in dry run: what it held (ladders half way, a reset or MIG recovery half
+        done, the last hour's signals, a latch) is unknown: no step may be repeated or skipped."""
         data = self.store.load()
         lost = self.store.discarded
         if data:

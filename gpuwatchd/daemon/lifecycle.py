@@ -176,8 +176,7 @@ class Daemon:
         )
 
     def _init_loop_state(self, rejected_at_start: Mapping[str, object] | None) -> None:
-        """The main loop's own state: the wakeup pipe, what was last saved, the polls' and
-        actions' times, a policy rejected at start."""
+        """The main loop's own state."""
         self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ready_sent = False
         self._saved_key: tuple[object, ...] | None = None
@@ -345,8 +344,7 @@ class Daemon:
         return None
 
     def _unproven_for_lack_of_privilege(self, verdict: NodeVerdict) -> bool:
-        """No GPU is dirty, some are unknown, and this process lacks the capabilities to
-        inspect processes."""
+        """No GPU dirty, some unknown, and no capabilities to inspect processes."""
         gpus = verdict.gpus
         if any(g.state is Cleanliness.DIRTY for g in gpus) or all(g.clean for g in gpus):
             return False
@@ -620,10 +618,7 @@ class Daemon:
                 if fd is not None:
                     poller.register(fd, select.POLLIN)
             slice_s = min(remaining, max(1.0, watchdog_slice()))
-            try:
-                ready = poller.poll(slice_s * 1000)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries
-                ready = []
+            ready = poller.poll(slice_s * 1000)  # EINTR is retried (PEP 475)
             self.notifier.notify("WATCHDOG=1")
             readable = {fd for fd, _ in ready}
             if self._wakeup_r in readable:

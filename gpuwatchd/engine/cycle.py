@@ -154,8 +154,7 @@ class Engine:
         self._spares_read = 0.0  # the wall time the spares' ends were read at (set_spares)
 
     def poll(self, inputs: PollInputs | None = None) -> PollReport:
-        """Take the admin switches, collect, assess, plan, carry out the intents, feed the
-        outcomes back, checkpoint; report what the poll saw, decided and did."""
+        """One cycle (module docstring), from the admin switches to the checkpoint."""
         inputs = inputs or PollInputs()
         started = self.clock.monotonic() if inputs.started is None else inputs.started
         wall = self.clock.wall() if inputs.started_wall is None else inputs.started_wall

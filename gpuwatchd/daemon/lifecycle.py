@@ -76,6 +76,7 @@ RECENT_ACTIONS = 20  # actions remembered for `gpuwatchd status`
 NOTIFY_STOP_GRACE = 20.0  # seconds queued on_action hooks get when the daemon stops
 NOTIFY_CANCEL_WAIT = 10.0  # seconds a cancelled on_action hook gets to end its process tree
 STATUS_REFRESH = 60.0  # seconds between state writes that only refresh status.last_poll
+_ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
 
 
 class Daemon:
@@ -162,7 +163,7 @@ class Daemon:
             reader=self.host.reader,
             actuator=self.actuator,
             clock=SystemClock(self.clock, self.wall_clock),
-            sink=_DaemonSink(self),
+            sink=self,
             self_ancestors=self._ancestors(),
             checkpoint=self.save_state,
             slow=self._fed,
@@ -645,6 +646,33 @@ class Daemon:
             status = f"policy rejected, running the previous one ({self.config_path}); {status}"
         self.notifier.notify(f"STATUS={status}\nWATCHDOG=1")
 
+    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
+        """The engine's event sink: every event to the log and the metrics, and the actions
+        remembered for ``gpuwatchd status`` (the newest :data:`RECENT_ACTIONS`)."""
+        LogSink().emit(name, level, fields)
+        self.metrics.observe(name, level, fields)
+        if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
+            self.last_action = self.clock()
+        if name in _ACTION_EVENTS:
+            pid = fields.get("pid")
+            outcome = fields.get("outcome") or fields.get("result")
+            if name == EventName.HOOK_RUN:
+                outcome = hook_outcome(fields)
+            self.actions_seen += 1
+            self.recent_actions.append(
+                {
+                    "at": self.wall_clock(),
+                    "event": str(name),
+                    "gpu": fields.get("gpu"),
+                    "pid": pid if isinstance(pid, int) else None,
+                    "signal": fields.get("signal"),
+                    "hook": fields.get("hook"),
+                    "outcome": outcome,
+                    "dry_run": fields.get("dry_run") is True,
+                    "sentence": action_sentence(name, fields),
+                }
+            )
+
     # --- state ----------------------------------------------------------------------------
 
     def _ancestors(self) -> frozenset[int]:
@@ -767,43 +795,6 @@ class Daemon:
             "recent_actions": list(self.recent_actions),
             "spares": [fields_of(s, ("target", "until", "reason")) for s in standing.spares],
         }
-
-
-_ACTION_EVENTS = frozenset({EventName.ACTION_SIGNAL, EventName.RESET_OUTCOME, EventName.HOOK_RUN})
-
-
-class _DaemonSink:
-    """The daemon's event sink: every event to the log, and the actions remembered for
-    ``gpuwatchd status`` (the newest :data:`RECENT_ACTIONS`)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.log = LogSink()
-
-    def emit(self, name: str, level: Level, fields: Mapping[str, object]) -> None:
-        self.log.emit(name, level, fields)
-        self.daemon.metrics.observe(name, level, fields)
-        if name in _ACTION_EVENTS or name == EventName.TARGET_EXITED:
-            self.daemon.last_action = self.daemon.clock()
-        if name in _ACTION_EVENTS:
-            pid = fields.get("pid")
-            outcome = fields.get("outcome") or fields.get("result")
-            if name == EventName.HOOK_RUN:
-                outcome = hook_outcome(fields)
-            self.daemon.actions_seen += 1
-            self.daemon.recent_actions.append(
-                {
-                    "at": self.daemon.wall_clock(),
-                    "event": str(name),
-                    "gpu": fields.get("gpu"),
-                    "pid": pid if isinstance(pid, int) else None,
-                    "signal": fields.get("signal"),
-                    "hook": fields.get("hook"),
-                    "outcome": outcome,
-                    "dry_run": fields.get("dry_run") is True,
-                    "sentence": action_sentence(name, fields),
-                }
-            )
 
 
 def _os_error(exc: BaseException) -> str:

@@ -76,7 +76,6 @@ def flag(value: object, what: str) -> bool:
 
 
 def numbers(value: object, what: str) -> dict[str, float]:
-    """An object of finite numbers."""
     return {k: number(v, f"{what}.{k}") for k, v in obj(value, what).items()}
 
 

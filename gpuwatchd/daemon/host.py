@@ -181,7 +181,6 @@ class HookQueue:
 
     @property
     def busy(self) -> bool:
-        """Whether a notification is still running."""
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self, timeout: float) -> bool:

@@ -431,8 +431,6 @@ class _PollGauges:
 
 
 class _EventCounters:
-    """Counters fed by the engine's events."""
-
     def __init__(self, registry: CollectorRegistry) -> None:
         counter = _maker(Counter, registry)
         self.signals = counter(

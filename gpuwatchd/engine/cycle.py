@@ -87,6 +87,8 @@ from gpuwatchd.events.catalogue import notification
 _IDENTITY = ("pid", "start_ticks")
 EXIT_GRACE = 0.01  # seconds to watch just-signalled targets before the checkpoint
 STATE_NOT_SAVED = "the state cannot be saved (state_dir full or unwritable)"
+# A monitor sent SIGTERM (or already gone) lets go of the GPU; any other outcome is a failure.
+_LET_GO = frozenset({SignalOutcome.DELIVERED, SignalOutcome.GONE, SignalOutcome.ZOMBIE})
 
 
 def _text(value: object) -> str | None:
@@ -118,7 +120,8 @@ class EngineState:
 
 @dataclass(eq=False)
 class Engine:
-    """One host's decision loop. Build it with its edges, then call :meth:`poll` repeatedly."""
+    """One host's decision loop. Build it with its edges, then call :meth:`poll` repeatedly.
+    It is the reset procedure's environment too (``act.reset_target.ResetEnvironment``)."""
 
     policy: Policy
     _: KW_ONLY
@@ -217,7 +220,7 @@ class Engine:
             self.set_spares(inputs.spares, read_at=inputs.spares_read_at)
         if inputs.clear_latches:  # lift a forced dry-run, close the reset circuit breaker
             self.state.plan = clear_circuit(clear_forced_dry_run(self.state.plan))
-            self._emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
+            self.emit(EventName.LIMITS_LATCHES_CLEARED, Level.WARNING)
 
     def _read(self) -> Snapshot:
         """The poll's snapshot, with the spares in force, NVML's availability changes said."""
@@ -232,7 +235,7 @@ class Engine:
             self.nvml_availability, snapshot.nvml, snapshot.wall_time
         )
         for name, level, fields in changes:
-            self._emit(name, level, **fields)
+            self.emit(name, level, **fields)
         self._snapshot = snapshot
         return snapshot
 
@@ -252,7 +255,7 @@ class Engine:
         state.assess = assessment.state
         self._assessment = assessment
         for notice in assessment.xid_notices:  # decide/health/xid_sources.py: floods said once
-            self._emit(EventName.HEALTH_XID, notice.level, **notice.fields())
+            self.emit(EventName.HEALTH_XID, notice.level, **notice.fields())
         return assessment
 
     def _carry_out_until_stopped(self, intents: Sequence[Intent]) -> list[Intent]:
@@ -312,7 +315,7 @@ class Engine:
     def _withhold(self, intents: Sequence[Intent]) -> None:
         """Say which irreversible steps are not taken because the state cannot be saved."""
         steps = [_describe_intent(intent) for intent in intents if self._irreversible(intent)]
-        self._emit(EventName.ACTION_WITHHELD, Level.ERROR, why=STATE_NOT_SAVED, steps=steps)
+        self.emit(EventName.ACTION_WITHHELD, Level.ERROR, why=STATE_NOT_SAVED, steps=steps)
 
     def _carry_out_all(self, intents: Sequence[Intent]) -> None:
         """Follow-up intents (an outcome's hooks): saved first like a poll's, or withheld."""
@@ -332,7 +335,7 @@ class Engine:
     def note_exits(self, exited: Sequence[ProcessIdentity]) -> None:
         """Signalled targets that exited (their pidfds became readable): ladders resolve."""
         for identity in exited:
-            self._emit(EventName.TARGET_EXITED, Level.INFO, **fields_of(identity, _IDENTITY))
+            self.emit(EventName.TARGET_EXITED, Level.INFO, **fields_of(identity, _IDENTITY))
             self._exited(record_exit, identity)
 
     def _exited(self, record: Callable[..., PlanResult], identity: ProcessIdentity) -> None:
@@ -361,18 +364,16 @@ class Engine:
             self.state.plan, reason is not None, reason=reason or "admin", until=until
         )
         if reason is not None:
-            self._emit(EventName.DAEMON_PAUSED, Level.WARNING, reason=reason, until=until)
+            self.emit(EventName.DAEMON_PAUSED, Level.WARNING, reason=reason, until=until)
         elif was_paused:
-            self._emit(
-                EventName.DAEMON_RESUMED, Level.WARNING, reason=resumed or "gpuwatchd resume"
-            )
+            self.emit(EventName.DAEMON_RESUMED, Level.WARNING, reason=resumed or "gpuwatchd resume")
 
     def set_spares(self, spares: tuple[Spare, ...], *, read_at: float | None = None) -> None:
         """The spares in force at wall time ``read_at`` (None: now); each that starts or ends
         is logged."""
         wall = self.clock.wall() if read_at is None else read_at
         for name, level, fields in spare_changes(self.spares, spares, wall):
-            self._emit(name, level, **fields)
+            self.emit(name, level, **fields)
         self.spares, self._spares_read = spares, wall
 
     def reload(self, policy: Policy, *, hostname: str | None) -> None:
@@ -384,15 +385,15 @@ class Engine:
             gpus = sorted(self.state.plan.reset_refusals)
             self.state.plan = forget_reset_refusals(self.state.plan)
             for gpu in gpus:
-                self._emit(
+                self.emit(
                     EventName.RESET_REFUSAL_CLEARED,
                     Level.INFO,
                     gpu=gpu,
                     why="configuration reloaded",
                 )
 
-    def _emit(self, name: str, level: Level, **fields: object) -> None:
-        self.sink.emit(name, level, fields)
+    def emit(self, event: str, level: Level, **fields: object) -> None:
+        self.sink.emit(event, level, fields)
 
     def _take(self, result: PlanResult) -> tuple[Intent, ...]:
         """Adopt the planner's new state, emit its events, return its intents."""
@@ -482,7 +483,7 @@ class Engine:
     ) -> None:
         """A dry run's hooks: each said as it would run (placeholders filled), none run."""
         for hook in hooks:
-            self._emit(
+            self.emit(
                 EventName.HOOK_RUN,
                 Level.WARNING,  # a would-be action: reviewed with -p warning
                 hook=intent.hook,
@@ -525,7 +526,7 @@ class Engine:
         """Say (through the sink, so metrics count it) that hooks did not run to their end."""
         fields: dict[str, object] = {"hook": hook, "dry_run": False, "outcome": outcome}
         fields.update({} if reason is None else {"reason": reason})
-        self._emit(EventName.HOOK_RUN, level, **fields, detail=detail)
+        self.emit(EventName.HOOK_RUN, level, **fields, detail=detail)
 
     def _hooks_for(self, intent: HookIntent) -> tuple[Hook, ...]:
         named = {
@@ -558,7 +559,7 @@ class Engine:
                 self._report_hooks(intent, results)
 
     def _hook_crashed(self, hook: str, reason: str | None, error: str) -> None:
-        self._emit(
+        self.emit(
             EventName.HOOK_RUN,
             Level.ERROR,
             hook=hook,
@@ -575,7 +576,7 @@ class Engine:
         kept: Mapping[str, object] | None = None,
     ) -> None:
         for res in results:
-            self._emit(
+            self.emit(
                 EventName.HOOK_RUN,
                 Level.WARNING,
                 hook=intent.hook,
@@ -609,7 +610,6 @@ class Engine:
             recovery=instance,
             layout=intent.layout,
         )
-        env = _ResetEnv(self)
         # Before the procedure's first step (its drain hooks): what led to it, for a human.
         kept = self._keep_evidence(
             Step(
@@ -626,7 +626,7 @@ class Engine:
             return perform_reset(
                 target,
                 self.policy.reset,
-                env,
+                self,
                 dry_run=intent.dry_run,
                 runner=self.actuator.run_command,
                 drained=intent.drained,
@@ -636,7 +636,7 @@ class Engine:
         try:
             outcome = self.slow(work)
         except Exception as err:  # a bug in the procedure must not end the daemon
-            self._emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
+            self.emit(EventName.RESET_CRASHED, Level.ERROR, gpu=intent.gpu, error=repr(err))
             crashed = f"the reset procedure crashed: {err!r}"
             outcome = ResetOutcome(ResetResult.FAILED, ResetStep.DONE, crashed, False, None, ())
         return self._book_reset(intent, outcome, kept)
@@ -665,7 +665,7 @@ class Engine:
         except Exception as err:  # a bug in keeping evidence must not stop the step
             kept = Kept(None, error=f"crashed (a bug): {err!r}")
         if kept.path is None:
-            self._emit(
+            self.emit(
                 EventName.EVIDENCE_UNSAVED,
                 Level.ERROR,
                 action=str(step.action),
@@ -744,11 +744,11 @@ class Engine:
             return
         if pause is not None and pause.reason is not None:
             self.set_paused(pause.reason, until=pause.until)
-        self._emit(EventName.RESET_RESUME, Level.WARNING, record=record)
+        self.emit(EventName.RESET_RESUME, Level.WARNING, record=record)
         outcome = resume_interrupted(
             record,
             self.policy.reset,
-            _ResetEnv(self),
+            self,
             runner=self.actuator.run_command,
             hostname=self.hostname,
             fabric_wait=self._wait_for_fabric,
@@ -757,7 +757,7 @@ class Engine:
         self.checkpoint()
         if outcome is None:
             return
-        self._emit(
+        self.emit(
             EventName.RESET_RESUMED,
             Level.WARNING,
             gpu=record.get("uuid"),
@@ -785,108 +785,87 @@ class Engine:
             self._carry_out_all(self._book_reset(intent, outcome))
             self.checkpoint()
 
-
-# A monitor sent SIGTERM (or already gone) lets go of the GPU; any other outcome is a failure.
-_LET_GO = frozenset({SignalOutcome.DELIVERED, SignalOutcome.GONE, SignalOutcome.ZOMBIE})
-
-
-class _ResetEnv:
-    """The engine's side of the reset procedure (``act.reset.ResetEnvironment``)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    # --- the reset procedure's environment (act.reset_target.ResetEnvironment) -------------
 
     def stop_nvml(self) -> bool:
-        return self.engine.reader.stop_nvml()
+        return self.reader.stop_nvml()
 
     def final_blockers(self, target: ResetTarget, ignore: frozenset[int]) -> list[str]:
-        reader = self.engine.reader
-        holders, processes = reader.final_scan(target.minor)
-        own = reader.self_pids() | ignore
+        holders, processes = self.reader.final_scan(target.minor)
+        own = self.reader.self_pids() | ignore
         if target.recovery is not None:
-            last = self.engine._snapshot
+            last = self._snapshot
             if last is None:
                 return ["no snapshot to place the holders in MIG GPU instances"]
             return recovery_blockers(last, holders, processes, own, target.recovery.mig_uuid)
         return reset_blockers(holders, processes, target.minor, own)
 
     def find_monitors(self, target: ResetTarget) -> list[StoppableMonitor]:
-        engine = self.engine
-        last = engine._snapshot
+        last = self._snapshot
         if last is None:
             return []  # no NVML reading to tell context owners: nothing is stopped
         owners = {p.pid for g in last.nvml.gpus for p in g.processes or ()}
-        holders, processes = engine.reader.final_scan(target.minor)
+        holders, processes = self.reader.final_scan(target.minor)
         return monitors_to_stop(
             holders,
             processes,
             target.minor,
-            self_pids=engine.reader.self_pids() | engine.self_ancestors,  # never stopped
+            self_pids=self.reader.self_pids() | self.self_ancestors,  # never stopped
             context_owners=owners,
-            monitors=engine.policy.reset.monitors,
+            monitors=self.policy.reset.monitors,
         )
 
     def stop_monitors(
         self, target: ResetTarget, monitors: Sequence[StoppableMonitor], timeout: float
     ) -> list[str]:
-        engine = self.engine
-        sent = [(m, engine.actuator.signal(m.identity, "SIGTERM", dry_run=False)) for m in monitors]
+        sent = [(m, self.actuator.signal(m.identity, "SIGTERM", dry_run=False)) for m in monitors]
         failures = [f"{m.who}: {r.detail}" for m, r in sent if r.outcome not in _LET_GO]
         # The engine's clock and sleep, as the fabric wait's: virtual in simulate.
-        deadline = engine.clock.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         waiting = {m.identity.pid: m.who for m in monitors}
         while waiting and target.minor is not None:
-            holders, _processes = engine.reader.final_scan(target.minor)
+            holders, _processes = self.reader.final_scan(target.minor)
             still = {h.pid for h in holders.holders_of(target.minor)}
             waiting = {pid: who for pid, who in waiting.items() if pid in still}
-            if waiting and engine.clock.monotonic() >= deadline:
+            if waiting and self.clock.monotonic() >= deadline:
                 failures += [
                     f"{who} still holds the GPU after {timeout:g}s" for who in waiting.values()
                 ]
                 break
             if waiting:
-                engine.sleep(0.05)
+                self.sleep(0.05)
         return failures
 
     def instance_back(self, target: ResetTarget) -> str | None:
         recovery = target.recovery
         if recovery is None:
             return "not a MIG GPU instance's recovery"
-        engine = self.engine
-        detection = engine.policy.detection
-        baseline = engine.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
-        snapshot = engine.reader.collect()
+        detection = self.policy.detection
+        baseline = self.state.assess.baselines.get(recovery.mig_uuid, detection.default_baseline)
+        snapshot = self.reader.collect()
         return recovered(recovery, snapshot, max_used=baseline + detection.ghost_margin)
 
     def reread_gpu(self, target: ResetTarget) -> GpuInfo | None:
-        reader = self.engine.reader
-        gpu = reader.read_gpu(target.uuid)
-        if not reader.stop_nvml():  # the next MIG command runs with nothing of ours held
+        gpu = self.reader.read_gpu(target.uuid)
+        if not self.reader.stop_nvml():  # the next MIG command runs with nothing of ours held
             raise OSError("our own NVML worker still holds the device")
         return gpu
 
     def memory_back_to_baseline(self, target: ResetTarget) -> bool | None:
-        engine = self.engine
-        gpu = engine.reader.read_gpu(target.uuid)
+        gpu = self.reader.read_gpu(target.uuid)
         if gpu is None or gpu.lost:
             return None
         allocated = gpu.memory.allocated if gpu.memory else None
-        return back_to_baseline(
-            target.uuid, allocated, engine.state.assess, engine.policy.detection
-        )
+        return back_to_baseline(target.uuid, allocated, self.state.assess, self.policy.detection)
 
     def record_step(self, target: ResetTarget, step: ResetStep, data: Mapping[str, object]) -> None:
-        engine = self.engine
         if step is ResetStep.DONE:
-            engine.state.reset_in_progress = None
+            self.state.reset_in_progress = None
         else:
             record = progress_record(target, step, data)
-            record["since"] = engine.clock.wall()
-            engine.state.reset_in_progress = record
-        if not engine.checkpoint():
+            record["since"] = self.clock.wall()
+            self.state.reset_in_progress = record
+        if not self.checkpoint():
             # The procedure stops (and undoes what it did) rather than run a step a crash
             # would forget: act/reset.py treats a failed record as an abort.
             raise OSError(STATE_NOT_SAVED)
-
-    def emit(self, event: str, level: Level, **fields: object) -> None:
-        self.engine.sink.emit(event, level, fields)

@@ -46,8 +46,7 @@ class PauseSwitch:
     def left(self, clock: BootTime, max_pause: float) -> float | None:
         """Seconds this pause has left at ``clock``: by its own end, else (a pause from before
         pauses had one) ``max_pause`` after it was set; never more than ``max_pause`` from now
-        (as a spare is cut: a hand-made file, a limit lowered by a reload, which then shortens
-        a pause but does not end it at once). None when neither its end nor its start is known."""
+        (docs/internals.md). None when neither its end nor its start is known."""
         left = None if self.stamp is None else clock.left(self.stamp)
         if left is None and self.since is not None:
             left = self.since + max_pause - clock.wall

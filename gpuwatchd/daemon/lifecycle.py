@@ -28,6 +28,7 @@ from gpuwatchd.config.changes import policy_changes
 from gpuwatchd.config.files import policy_files_key
 from gpuwatchd.config.schema import load_policy
 from gpuwatchd.config.yamlsrc import ConfigError
+from gpuwatchd.core.checked import obj
 from gpuwatchd.core.model import fields_of
 from gpuwatchd.core.vocabulary import Cleanliness, EventName, ExitCode, HookOutcome, Level
 from gpuwatchd.daemon.host import LogSink, SystemClock, build_real_host, node_name
@@ -697,14 +698,13 @@ class Daemon:
         if data:
             try:
                 STATE.check(data)  # the version this code writes
-                record = data.get("reset_in_progress")
-                if record is not None and not isinstance(record, dict):
-                    raise ValueError("reset_in_progress: expected an object")
+                raw = data.get("reset_in_progress")
+                record = None if raw is None else dict(obj(raw, "reset_in_progress"))
                 self.engine.restore(
                     EngineState(
                         assess=AssessState.from_json(data.get("assess")),
                         plan=PlanState.from_json(data.get("plan")),
-                        reset_in_progress=dict(record) if isinstance(record, dict) else None,
+                        reset_in_progress=record,
                     )
                 )
             except ValueError as exc:

@@ -407,6 +407,17 @@ class Spare:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """The admin pause switch (``gpuwatchd pause``) as read at one poll: paused for ``reason``
+    until wall time ``until`` (None: no end), or not paused (``reason`` None; ``resumed`` says
+    why a pause has just ended)."""
+
+    reason: str | None
+    until: float | None = None
+    resumed: str | None = None
+
+
+@dataclass(frozen=True)
 class SubIdRange:
     """``count`` uids from ``first`` that ``/etc/subuid`` gives to a user: ``owner_uid`` (None
     when the name there resolves to no uid; ``owner`` is the name as written)."""

@@ -568,8 +568,7 @@ class Daemon:
         if state_dir is None:
             return Pause("state_dir unusable")  # fail safe: nothing read
         clock = BootTime.read(self.wall_clock(), self.procfs.boot_id())
-        now = pause_in_force(state_dir, clock, max_pause=self.policy.limits.max_pause)
-        return Pause(now.reason, until=now.until)
+        return pause_in_force(state_dir, clock, max_pause=self.policy.limits.max_pause)
 
     def _read_switches(self) -> PollInputs:
         """The admin switch files, as the next poll's inputs (their problems said here)."""
@@ -596,7 +595,7 @@ class Daemon:
                 max_spare=self.policy.limits.max_spare,
             )
         return PollInputs(
-            pause=Pause(switch.reason, until=switch.until, resumed=switch.resumed),
+            pause=switch,
             spares=spares.spares,
             spares_read_at=clock.wall,
             clear_latches=take_clear_latches(state_dir),

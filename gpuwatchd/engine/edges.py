@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 from gpuwatchd.act.commands import CommandResult
 from gpuwatchd.act.signals import SignalResult
 from gpuwatchd.core.model import GpuInfo, HolderScan, ProcessIdentity, ProcessInfo, Snapshot, Spare
+from gpuwatchd.core.model import Pause as Pause  # noqa: PLC0414 - re-exported: a poll input
 from gpuwatchd.core.vocabulary import Level
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
@@ -87,16 +88,6 @@ def run_now(work: Callable[[], None]) -> bool:
     """The default background: right here (``simulate``, tests), so results are deterministic."""
     work()
     return True
-
-
-@dataclass(frozen=True)
-class Pause:
-    """The admin pause switch as read: paused for ``reason`` until wall time ``until`` (None:
-    no end), or not paused (``reason`` None; ``resumed`` says why a pause ended)."""
-
-    reason: str | None
-    until: float | None = None
-    resumed: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from gpuwatchd.collect.boottime import BootTime
 from gpuwatchd.collect.jobs import scheduler_ended_job
 from gpuwatchd.core.checked import as_number
 from gpuwatchd.core.codec import Format
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import Pause, as_int
 from gpuwatchd.state.directory import StateDir, hashed_name
 
 PAUSE_FILE = "paused"
@@ -96,16 +96,6 @@ def read_pause_switch(state_dir: StateDir) -> PauseSwitch | None:
     )
 
 
-@dataclass(frozen=True)
-class PauseNow:
-    """What the daemon makes of the pause switch at one poll: the reason and end of a pause in
-    force (``reason`` None: not paused), and, when a pause has just ended, why."""
-
-    reason: str | None
-    until: float | None = None
-    resumed: str | None = None
-
-
 def note_resume(state_dir: StateDir, reason: str) -> None:
     """``resume --reason``: leave the reason for the daemon's ``EventName.DAEMON_RESUMED`` event."""
     body = {"reason": reason[:MAX_REASON], "at": time.time(), "by_uid": os.getuid()}
@@ -127,28 +117,28 @@ def _take_resume_note(state_dir: StateDir) -> str | None:
     return reason[:MAX_REASON] if isinstance(reason, str) and reason else None
 
 
-def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+def pause_in_force(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pause:
     """The pause in force at ``clock``, read only (one whose end is unknown holds); its end is
     its own ``until`` while the clocks agree within a second (an unchanged pause reads the
     same at every poll). Not paused: ``reason`` None, ``resumed`` set when the time is up."""
     return _in_force(read_pause_switch(state_dir), clock, max_pause)
 
 
-def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> PauseNow:
+def _in_force(switch: PauseSwitch | None, clock: BootTime, max_pause: float) -> Pause:
     if switch is None:
-        return PauseNow(None)
+        return Pause(None)
     left = switch.left(clock, max_pause)
     if left is None:
-        return PauseNow(switch.reason)
+        return Pause(switch.reason)
     if left <= 0:
-        return PauseNow(None, resumed="the pause ended by itself (its time was up)")
+        return Pause(None, resumed="the pause ended by itself (its time was up)")
     ends = clock.wall + left
     if switch.until is not None and abs(switch.until - ends) < 1.0:
         ends = switch.until
-    return PauseNow(switch.reason, until=ends)
+    return Pause(switch.reason, until=ends)
 
 
-def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> PauseNow:
+def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pause:
     """:func:`pause_in_force` for the daemon, once a poll: a pause whose time is up removed, a
     cut written into its file; with no pause file, the resume note consumed as ``resumed``."""
     switch = read_pause_switch(state_dir)
@@ -157,7 +147,7 @@ def poll_pause(state_dir: StateDir, clock: BootTime, *, max_pause: float) -> Pau
         state_dir.remove(PAUSE_FILE)
     elif now.reason is None:
         note = _take_resume_note(state_dir)
-        return PauseNow(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
+        return Pause(None, resumed=f"gpuwatchd resume: {note}" if note else "gpuwatchd resume")
     elif switch is not None and now.until is not None:
         own = clock.left(switch.stamp or {})
         if own is not None and own > now.until - clock.wall + 1.0:  # cut: into its file

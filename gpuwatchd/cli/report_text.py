@@ -78,7 +78,8 @@ class _View:
         """One GPU's text: its header, memory and flags, its holders' table, its findings, its
         verdict and its MIG instances."""
         lines = self.gpu_header_lines(gpu)
-        judged_mig = _mig_judged(gpu)
+        # MIG instances judged one by one: the GPU's rows are theirs
+        judged_mig = any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
         table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
         lines.extend(table)
         if judged_mig:
@@ -260,11 +261,6 @@ def _title_line(report: Mapping[str, object]) -> str:
     return "  ".join(parts)
 
 
-def _mig_judged(gpu: Mapping[str, object]) -> bool:
-    """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
-    return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
-
-
 def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
     """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
     NVML's aggregate list and the instances' holders are shown under the instances."""
@@ -364,7 +360,9 @@ def _holder_rows(
             continue
         label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
-            label = _nvml_only_label(process)
+            label = "listed by NVML"
+            if process.get("alive") is False:
+                label = "zombie (NVML)" if process.get("state") == "Z" else "dead (NVML)"
         row = _row(process, label, _bytes(process.get("used_memory")), now)
         rows.append((pid or 0, row, process.get("alive") is False))
     rows.sort(key=lambda row: row[0])
@@ -398,12 +396,6 @@ def _role_label(role: str | None, owner: object) -> str:
     if role in _OWNED_ROLES:  # "worker of 1000", "orphaned from 1999"
         return role if owner_pid is None else f"{_OWNED_ROLES[role]} {owner_pid}"
     return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
-
-
-def _nvml_only_label(process: Mapping[str, object]) -> str:
-    if process.get("alive") is False:
-        return "zombie (NVML)" if process.get("state") == "Z" else "dead (NVML)"
-    return "listed by NVML"
 
 
 def _user(entry: Mapping[str, object]) -> str:

@@ -92,7 +92,6 @@ def answered_by_daemon(argv: Sequence[str]) -> ScanAnswer | None:
 
 
 def _print(answer: ScanAnswer) -> int:
-    """Print what the daemon answered; its exit code."""
     try:
         sys.stdout.write(answer.stdout)
         sys.stdout.flush()

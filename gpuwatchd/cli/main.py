@@ -73,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_scan_and_run(add: _Add) -> None:
-    """The commands that look at the GPUs and the one that watches them: scan, run."""
     scan = add("scan", _scan, "read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
@@ -151,7 +150,6 @@ def _add_checks(add: _Add) -> None:
 
 
 def _add_simulate_and_explain(add: _Add) -> None:
-    """The commands that say what the policy would do: simulate, explain."""
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
     simulate_config = argparse.ArgumentParser(add_help=False)
@@ -206,7 +204,6 @@ def _add_pause(add: _Add) -> None:
 
 
 def _add_spare(add: _Add) -> None:
-    """spare: one process or one job left alone for a while."""
     spare = add(
         "spare", _spare, "leave one process (PID) or one job's processes (job:ID) alone for a while"
     )
@@ -442,7 +439,6 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _print(as_json: bool, data: Callable[[], object], text: Callable[[], str]) -> int:
-    """Print ``data()`` as indented JSON, or ``text()``."""
     if as_json:
         import json
 

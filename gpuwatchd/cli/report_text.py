@@ -10,9 +10,8 @@ from gpuwatchd.cli.humantime import counted, shown
 from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import MIB, as_int
 
-MIB = 1024 * 1024
 GIB = 1024 * MIB
 COMMAND_WIDTH = 60  # characters of a command line shown in the text view
 

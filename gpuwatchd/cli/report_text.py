@@ -36,14 +36,12 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
     findings = [as_map(f) for f in as_list(report.get("findings"))]
     view = _View(as_number(report.get("time")), findings, color)
     lines = [_title_line(report)]
-    gpu_uuids: set[str] = set()
+    gpu_uuids: set[str] = set()  # each GPU's and MIG instance's: findings about them are no node's
     for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
-        uuid = as_text(gpu.get("uuid"))
-        if uuid is not None:
-            gpu_uuids.add(uuid)
+        instances = (as_map(i).get("uuid") for i in as_list(gpu.get("mig_instances")))
+        gpu_uuids.update(u for u in (gpu.get("uuid"), *instances) if isinstance(u, str))
         lines.append("")
         lines.extend(view.gpu_lines(gpu))
-    gpu_uuids |= _instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
@@ -265,16 +263,6 @@ def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
     NVML's aggregate list and the instances' holders are shown under the instances."""
     kept = [h for h in as_list(gpu.get("holders")) if as_map(h).get("role") is not None]
     return {**gpu, "processes": [], "holders": kept}
-
-
-def _instance_uuids(report: Mapping[str, object]) -> set[str]:
-    """Every judged instance UUID of a report: findings about them are no node findings."""
-    return {
-        uuid
-        for gpu in as_list(report.get("gpus"))
-        for raw in as_list(as_map(gpu).get("mig_instances"))
-        if (uuid := as_text(as_map(raw).get("uuid"))) is not None
-    }
 
 
 def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:

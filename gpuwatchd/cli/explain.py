@@ -380,8 +380,6 @@ def render_explanation(result: Mapping[str, object]) -> str:
         nxt = item["next"]
         if nxt is not None:
             lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")
-            for then in item["then"]:
-                lines.append(f"        {then}")
-        for stop in item["stopped_by"]:
-            lines.append(f"  stopped by: {stop}")
+            lines.extend(f"        {then}" for then in item["then"])
+        lines.extend(f"  stopped by: {stop}" for stop in item["stopped_by"])
     return "\n".join(escape(line) for line in lines) + "\n"

@@ -108,8 +108,7 @@ class _View:
             reason = raw.get("report_only")
             if isinstance(reason, str) and reason:
                 lines.append(f"    report-only: {escape(reason)}")
-            for note in as_list(raw.get("notes")):
-                lines.append(f"    note: {escape(str(note))}")
+            lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
             rows = self.holder_table(raw)
             if rows:
                 lines.extend("  " + line for line in rows)

@@ -137,9 +137,7 @@ def _signs_of_life(
     reset_since = as_number(as_map(record).get("since")) if isinstance(record, Mapping) else None
     last_poll = as_number(status.get("last_poll"))
     started = as_number(status.get("started"))
-    signs = [last_poll, reset_since]
-    if last_poll is None:
-        signs.append(started)
+    signs = [last_poll, reset_since, started if last_poll is None else None]
     last_sign = max((t for t in signs if t is not None), default=None)
     age = None if last_sign is None else now_wall - last_sign
     interval = as_number(status.get("interval"))  # the daemon's own, when it wrote one

@@ -108,8 +108,7 @@ def _permitted(policy: Policy, *, dry_run: bool) -> bool:
     needs, only in dry-run (a warning); enforcing is refused (critical) and False."""
     missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
     if missing:
-        effective_dry_run = dry_run or policy.dry_run
-        if not effective_dry_run:
+        if not (dry_run or policy.dry_run):
             log.critical(
                 EventName.DAEMON_NO_PERMISSION,
                 missing=missing,

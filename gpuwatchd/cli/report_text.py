@@ -265,8 +265,7 @@ def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
 
 
 def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
-    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and the
-    reservation."""
+    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and reservation."""
     memory = as_map(gpu.get("memory"))
     allocated = f"allocated {_bytes(memory.get('used'))}"
     if full and memory.get("api") == "v1":

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpuwatchd.core.checked import decimal
+from gpuwatchd.core.checked import as_list, decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
@@ -195,8 +195,7 @@ def _judged(
         return ExitCode.UNAVAILABLE, why or "NVIDIA driver/NVML not available"
     try:
         if slurm is not None:
-            gpus = result.report.get("gpus")
-            named = slurm_selectors(gpus if isinstance(gpus, list) else [], *slurm)
+            named = slurm_selectors(as_list(result.report.get("gpus")), *slurm)
             selectors = [*(selectors or ()), *named]
         code, lines, notes = answer(verdict, selectors)
     except SelectionError as exc:

@@ -38,11 +38,8 @@ def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
     """(``--config`` or None, ``--json``, ``--color``) when ``argv`` is a plain ``scan`` that
     argparse would read the same way, else None (any other word, a repeated option, ``--full``,
     an abbreviation: the full command line reads it)."""
-    config: str | None = None
-    as_json = False
-    color = "auto"
+    given: dict[str, str] = {}  # each option at most once, by its full name
     seen_scan = False
-    seen: set[str] = set()
     words = list(argv)
     while words:
         word = words.pop(0)
@@ -50,11 +47,10 @@ def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
             seen_scan = True
             continue
         name, eq, value = word.partition("=")
-        if name == "--json" and seen_scan and not eq and name not in seen:
-            seen.add(name)
-            as_json = True
+        if name == "--json" and seen_scan and not eq and name not in given:
+            given[name] = ""
             continue
-        if name not in ("--config", "--color") or name in seen:
+        if name not in ("--config", "--color") or name in given:
             return None
         if name == "--color" and not seen_scan:
             return None
@@ -62,16 +58,12 @@ def scan_arguments(argv: Sequence[str]) -> tuple[str | None, bool, str] | None:
             if not words or words[0].startswith("-"):
                 return None
             value = words.pop(0)
-        seen.add(name)
-        if name == "--config":
-            if not value:
-                return None
-            config = value
-        elif value in _COLORS:
-            color = value
-        else:
+        if (name == "--config" and not value) or (name == "--color" and value not in _COLORS):
             return None
-    return (config, as_json, color) if seen_scan else None
+        given[name] = value
+    if not seen_scan:
+        return None
+    return given.get("--config"), "--json" in given, given.get("--color", "auto")
 
 
 def answered_by_daemon(argv: Sequence[str]) -> ScanAnswer | None:
@@ -92,7 +84,6 @@ def answered_by_daemon(argv: Sequence[str]) -> ScanAnswer | None:
 
 
 def _print(answer: ScanAnswer) -> int:
-    """Print what the daemon answered; its exit code."""
     try:
         sys.stdout.write(answer.stdout)
         sys.stdout.flush()

@@ -87,11 +87,6 @@ _DAEMON = {
 }
 
 
-def daemon_view(report: Mapping[str, object]) -> DaemonView:
-    """The report's ``daemon`` object, each field checked: a malformed one is unknown."""
-    return DaemonView(**pick(report.get("daemon"), _DAEMON))
-
-
 def kill_cap_note(
     would_signal: int, daemon: DaemonView, limits: Limits, *, node_total: int | None = None
 ) -> str | None:
@@ -135,7 +130,7 @@ def explain_report(report: Mapping[str, object], policy: Policy) -> dict[str, ob
     snapshot, findings, first_seen = rebuild(report)
     now = snapshot.wall_time
     report_only = as_map(report.get("report_only"))
-    daemon = daemon_view(report)
+    daemon = DaemonView(**pick(report.get("daemon"), _DAEMON))  # a malformed field: unknown
     items: list[dict[str, object]] = []
     signalled: list[tuple[list[str], Finding]] = []  # what a rule would signal, and its stops
     for finding in findings:
@@ -385,8 +380,6 @@ def render_explanation(result: Mapping[str, object]) -> str:
         nxt = item["next"]
         if nxt is not None:
             lines.append(f"  next: {nxt['action']} {until(nxt['in'])} (from {nxt['basis']})")
-            for then in item["then"]:
-                lines.append(f"        {then}")
-        for stop in item["stopped_by"]:
-            lines.append(f"  stopped by: {stop}")
+            lines.extend(f"        {then}" for then in item["then"])
+        lines.extend(f"  stopped by: {stop}" for stop in item["stopped_by"])
     return "\n".join(escape(line) for line in lines) + "\n"

@@ -74,8 +74,7 @@ def stamp(wall: float, *, zone: bool = False) -> str:
 
 
 def counted(count: object, noun: str, unknown: str = "?") -> str:
-    """``1 finding``, ``2 findings``, ``0 findings``; ``? findings`` (``unknown``) when not a
-    count."""
+    """``1 finding``, ``2 findings``, ``0 findings``; ``? findings`` (``unknown``): no count."""
     if isinstance(count, bool) or not isinstance(count, int):
         return f"{unknown} {noun}s"
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -18,7 +18,8 @@ from gpuwatchd.core.vocabulary import EventName, ExitCode
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.state.directory import StateDirError
 
-_Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, summary[, parent])
+_Add = Callable[..., argparse.ArgumentParser]  # declares a command: (name, run, summary[, parent])
+_Run = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def add(
-        name: str, summary: str, parent: argparse.ArgumentParser = common
+        name: str, run: _Run, summary: str, parent: argparse.ArgumentParser = common
     ) -> argparse.ArgumentParser:
-        """A subcommand, taking the shared ``--config`` unless given another parent."""
-        return sub.add_parser(name, parents=[parent], help=summary)
+        """A subcommand that ``run`` carries out, taking the shared ``--config`` unless given
+        another parent."""
+        command = sub.add_parser(name, parents=[parent], help=summary)
+        command.set_defaults(run=run)
+        return command
 
     _add_scan_and_run(add)
     _add_checks(add)
@@ -53,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spare(add)
     add(
         "reload",
+        _reload,
         "check the policy, then make the running daemon reread it (where systemd does "
         "not run it: a Kubernetes pod)",
     )
     status = add(
         "status",
+        _status,
         "what the daemon is doing, read from its state (exit 0 ok, 1 attention, 3 stopped)",
     )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -67,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_scan_and_run(add: _Add) -> None:
-    """The commands that look at the GPUs and the one that watches them: scan, run."""
-    scan = add("scan", "read-only report of who holds each GPU")
+    scan = add("scan", _scan, "read-only report of who holds each GPU")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
     scan.add_argument(
         "--full",
@@ -82,7 +87,7 @@ def _add_scan_and_run(add: _Add) -> None:
         help="colour the text report (default: auto, when stdout is a terminal)",
     )
 
-    run = add("run", "run the monitoring loop (the daemon)")
+    run = add("run", _run, "run the monitoring loop (the daemon)")
     run.add_argument("--dry-run", action="store_true", help="log what would be done, do nothing")
     run.add_argument(
         "--once",
@@ -109,6 +114,7 @@ def _add_checks(add: _Add) -> None:
     """The read-only checks: check-clean (a prolog's) and check-config."""
     clean = add(
         "check-clean",
+        _check_clean,
         "one read-only scan: exit 0 when the GPUs are clean, 1 when one is not (prolog)",
     )
     clean.add_argument(
@@ -133,7 +139,7 @@ def _add_checks(add: _Add) -> None:
         "AutoDetect=nvml)",
     )
 
-    check = add("check-config", "validate and print the effective policy")
+    check = add("check-config", _check_config, "validate and print the effective policy")
     check.add_argument("file", nargs="?", metavar="FILE", help="policy file to check")
     check.add_argument(
         "-q",
@@ -144,7 +150,6 @@ def _add_checks(add: _Add) -> None:
 
 
 def _add_simulate_and_explain(add: _Add) -> None:
-    """The commands that say what the policy would do: simulate, explain."""
     # simulate reads no policy file unless told to: its own --config says so (the shared one
     # names the daemon's default file).
     simulate_config = argparse.ArgumentParser(add_help=False)
@@ -156,7 +161,9 @@ def _add_simulate_and_explain(add: _Add) -> None:
         "scenario's own policy is then ignored); default: the built-in defaults with the "
         "scenario's policy over them",
     )
-    simulate = add("simulate", "play a scenario through the decision core", simulate_config)
+    simulate = add(
+        "simulate", _simulate, "play a scenario through the decision core", simulate_config
+    )
     simulate.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file")
     simulate.add_argument("--json", action="store_true", help="print the timeline as JSON")
     simulate.add_argument(
@@ -165,7 +172,7 @@ def _add_simulate_and_explain(add: _Add) -> None:
         help="preview a dry-run policy as enforcing: dry_run is turned off, nothing else",
     )
 
-    explain = add("explain", "say what the policy would do with a scan --json report")
+    explain = add("explain", _explain, "say what the policy would do with a scan --json report")
     explain.add_argument("snapshot", metavar="SNAPSHOT", help="output of `gpuwatchd scan --json`")
     explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
@@ -178,14 +185,14 @@ def _add_for(parser: argparse.ArgumentParser, limit: str) -> None:
 
 def _add_pause(add: _Add) -> None:
     """The maintenance switch: pause, resume."""
-    pause = add("pause", "stop all actions (maintenance)")
+    pause = add("pause", _pause, "stop all actions (maintenance)")
     pause.add_argument("--reason", default="", help="why (kept in state, logged)")
     _add_for(
         pause,
         "limits.max_pause, which is also how long a pause without --for lasts; the daemon "
         "resumes by itself then",
     )
-    resume = add("resume", "allow actions again")
+    resume = add("resume", _pause, "allow actions again")
     resume.add_argument(
         "--reason", default="", help=f"why (logged with {EventName.DAEMON_RESUMED})"
     )
@@ -197,9 +204,8 @@ def _add_pause(add: _Add) -> None:
 
 
 def _add_spare(add: _Add) -> None:
-    """spare: one process or one job left alone for a while."""
     spare = add(
-        "spare", "leave one process (PID) or one job's processes (job:ID) alone for a while"
+        "spare", _spare, "leave one process (PID) or one job's processes (job:ID) alone for a while"
     )
     spare.add_argument(
         "target",
@@ -225,8 +231,9 @@ def main(argv: Sequence[str] | None = None, *, declined: str | None = None) -> i
     if not hasattr(args, "config"):  # given neither before nor after the command
         args.config = None
     args.declined = declined
+    command: _Run = args.run
     try:
-        return _COMMANDS[args.command](args)
+        return command(args)
     except CliError as exc:
         print(f"gpuwatchd: {exc}", file=sys.stderr)
         return exc.code
@@ -432,7 +439,6 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _print(as_json: bool, data: Callable[[], object], text: Callable[[], str]) -> int:
-    """Print ``data()`` as indented JSON, or ``text()``."""
     if as_json:
         import json
 
@@ -498,30 +504,25 @@ def _writing(state_dir: str, unchanged: str) -> Iterator[None]:
 _UNCHANGED = " (the switch is not changed)"
 
 
-def _pause_length(text: str | None, max_pause: float) -> float:
-    """``pause --for``: a duration of at least a second and at most ``limits.max_pause``."""
-    from gpuwatchd.cli.humantime import for_seconds
-    from gpuwatchd.config.yamlsrc import ConfigError
-
-    if text is None:
-        return max_pause
-    with (
-        _refused(ConfigError, then=_UNCHANGED),
-        _refused(ValueError, then="; the switch is not changed"),
-    ):
-        return for_seconds(text, command="pause", limit="limits.max_pause", maximum=max_pause)
-
-
 def _pause(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli.humantime import duration, stamp
+    from gpuwatchd.cli.humantime import duration, for_seconds, stamp
     from gpuwatchd.collect.boottime import BootTime
     from gpuwatchd.collect.procfs import ProcFS
+    from gpuwatchd.config.yamlsrc import ConfigError
     from gpuwatchd.state.directory import StateDir
     from gpuwatchd.state.pause import clear_latches, note_resume, set_pause
 
     policy = _policy(args)
     path, paused = policy.state_dir, args.command == "pause"
-    length = _pause_length(args.for_, policy.limits.max_pause) if paused else 0.0
+    length = policy.limits.max_pause if paused else 0.0  # a pause without --for: the longest
+    if paused and args.for_ is not None:
+        with (
+            _refused(ConfigError, then=_UNCHANGED),
+            _refused(ValueError, then="; the switch is not changed"),
+        ):
+            length = for_seconds(
+                args.for_, command="pause", limit="limits.max_pause", maximum=length
+            )
     with (
         _writing(path, "the switch is not changed"),
         _refused(StateDirError, then=_UNCHANGED),
@@ -542,20 +543,6 @@ def _pause(args: argparse.Namespace) -> int:
             print("gpuwatchd: actions resumed")
     return ExitCode.OK
 
-
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "check-config": _check_config,
-    "scan": _scan,
-    "check-clean": _check_clean,
-    "run": _run,
-    "pause": _pause,
-    "resume": _pause,
-    "spare": _spare,
-    "simulate": _simulate,
-    "explain": _explain,
-    "status": _status,
-    "reload": _reload,
-}
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

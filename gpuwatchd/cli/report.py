@@ -58,6 +58,7 @@ _FACTS = (
     "nspid",
     "cgroup",
 )
+_MEMORY = ("total", "used=allocated", "reserved", "free", "api", "used_v1")
 # A process's cgroup in the document (and its "job"), each field with the reader that takes it
 # back (report_read.py).
 CGROUP_FIELDS: Mapping[str, Callable[[object], object]] = {
@@ -197,19 +198,14 @@ class _Entries:
         holdings: dict[int, DeviceHolding] = {}
         if gpu.minor is not None:
             holdings = {h.pid: h for h in snapshot.holders.holders_of(gpu.minor)}
-        memory = gpu.memory
+        memory = dict.fromkeys(("total", "used", "reserved", "free", "baseline", "api", "used_v1"))
+        if gpu.memory is not None:  # each key keeps its place in the document
+            memory.update(fields_of(gpu.memory, _MEMORY))
+        memory["baseline"] = self.baselines.get(gpu.uuid)
         return {
             **fields_of(gpu, _GPU),
             "health": _health_entry(gpu.health),
-            "memory": {
-                "total": None if memory is None else memory.total,
-                "used": None if memory is None else memory.allocated,
-                "reserved": None if memory is None else memory.reserved,
-                "free": None if memory is None else memory.free,
-                "baseline": self.baselines.get(gpu.uuid),
-                "api": None if memory is None else memory.api,
-                "used_v1": None if memory is None else memory.used_v1,
-            },
+            "memory": memory,
             "report_only": self.report_only.get(gpu.uuid),
             "notes": list(self.notes.get(gpu.uuid, ())),
             "processes_known": gpu.processes is not None,

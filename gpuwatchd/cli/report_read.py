@@ -17,7 +17,7 @@ from gpuwatchd.cli.spare import spares_from_report
 from gpuwatchd.collect.mig import cap_minor
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
 from gpuwatchd.core import model
-from gpuwatchd.core.checked import as_flag, as_list, as_map, as_text
+from gpuwatchd.core.checked import as_count, as_flag, as_list, as_map, as_text
 from gpuwatchd.core.codec import pick
 from gpuwatchd.core.model import (
     CgroupInfo,
@@ -314,8 +314,7 @@ def _add_holding(
     holdings: dict[int, DeviceHolding], pid: int, entry: Mapping[str, object], minor: int
 ) -> None:
     """A GPU holder's entry (its ``via``, ``ctl`` and ``uvm``) added to what ``pid`` holds."""
-    via = entry.get("via")
-    via = via if isinstance(via, list) else []
+    via = as_list(entry.get("via"))
     old = holdings.get(pid, DeviceHolding(pid))
     holdings[pid] = DeviceHolding(
         pid,
@@ -376,8 +375,6 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | Non
             continue
         ids = [c for c in as_list(item.get("ci")) if isinstance(c, int) and not isinstance(c, bool)]
         names = [u if isinstance(u, str) else None for u in as_list(item.get("mig_uuids"))]
-        profile = item.get("profile")
-        profile_id = as_int(item.get("gi_profile_id"))
         place = [p for p in (as_int(p) for p in as_list(item.get("placement"))) if p is not None]
         placement = (place[0], place[1]) if len(place) == 2 else None
         memory = as_map(item.get("memory"))
@@ -394,8 +391,8 @@ def _mig_devices(raw: Mapping[str, object]) -> tuple[model.MigDevice, ...] | Non
                     uuid=names[position] if position < len(names) else None,
                     gi=gi,
                     ci=ci,
-                    profile=profile if isinstance(profile, str) else None,
-                    gi_profile_id=profile_id if profile_id is None or profile_id >= 0 else None,
+                    profile=as_text(item.get("profile")),
+                    gi_profile_id=as_count(item.get("gi_profile_id")),
                     placement=placement,
                     memory=None if used is None else GpuMemory(total, None, 0, used),
                     # a saved report lists an instance's processes once, for all its CIs

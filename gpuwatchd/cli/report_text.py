@@ -10,9 +10,8 @@ from gpuwatchd.cli.humantime import counted, shown
 from gpuwatchd.cli.spare import spared_lines
 from gpuwatchd.core.checked import as_list, as_map, as_number, as_text
 from gpuwatchd.core.escape import escape
-from gpuwatchd.core.model import as_int
+from gpuwatchd.core.model import MIB, as_int
 
-MIB = 1024 * 1024
 GIB = 1024 * MIB
 COMMAND_WIDTH = 60  # characters of a command line shown in the text view
 
@@ -37,14 +36,12 @@ def render_text(report: Mapping[str, object], *, color: bool = False) -> str:
     findings = [as_map(f) for f in as_list(report.get("findings"))]
     view = _View(as_number(report.get("time")), findings, color)
     lines = [_title_line(report)]
-    gpu_uuids: set[str] = set()
+    gpu_uuids: set[str] = set()  # each GPU's and MIG instance's: findings about them are no node's
     for gpu in (as_map(g) for g in as_list(report.get("gpus"))):
-        uuid = as_text(gpu.get("uuid"))
-        if uuid is not None:
-            gpu_uuids.add(uuid)
+        instances = (as_map(i).get("uuid") for i in as_list(gpu.get("mig_instances")))
+        gpu_uuids.update(u for u in (gpu.get("uuid"), *instances) if isinstance(u, str))
         lines.append("")
         lines.extend(view.gpu_lines(gpu))
-    gpu_uuids |= _instance_uuids(report)
     node_findings = [f for f in findings if as_text(f.get("gpu")) not in gpu_uuids]
     notes = _node_notes(report, gpu_uuids)
     holders = [as_map(h) for h in as_list(report.get("node_holders"))]
@@ -78,7 +75,8 @@ class _View:
         """One GPU's text: its header, memory and flags, its holders' table, its findings, its
         verdict and its MIG instances."""
         lines = self.gpu_header_lines(gpu)
-        judged_mig = _mig_judged(gpu)
+        # MIG instances judged one by one: the GPU's rows are theirs
+        judged_mig = any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
         table = self.holder_table(_parent_rows(gpu) if judged_mig else gpu)
         lines.extend(table)
         if judged_mig:
@@ -110,8 +108,7 @@ class _View:
             reason = raw.get("report_only")
             if isinstance(reason, str) and reason:
                 lines.append(f"    report-only: {escape(reason)}")
-            for note in as_list(raw.get("notes")):
-                lines.append(f"    note: {escape(str(note))}")
+            lines.extend(f"    note: {escape(str(note))}" for note in as_list(raw.get("notes")))
             rows = self.holder_table(raw)
             if rows:
                 lines.extend("  " + line for line in rows)
@@ -260,11 +257,6 @@ def _title_line(report: Mapping[str, object]) -> str:
     return "  ".join(parts)
 
 
-def _mig_judged(gpu: Mapping[str, object]) -> bool:
-    """Whether a GPU entry's instances are judged one by one (its rows are theirs)."""
-    return any(as_map(i).get("judged") is True for i in as_list(gpu.get("mig_instances")))
-
-
 def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
     """A judged MIG GPU's own rows: only holders it explains itself (parent-only holders);
     NVML's aggregate list and the instances' holders are shown under the instances."""
@@ -272,19 +264,8 @@ def _parent_rows(gpu: Mapping[str, object]) -> dict[str, object]:
     return {**gpu, "processes": [], "holders": kept}
 
 
-def _instance_uuids(report: Mapping[str, object]) -> set[str]:
-    """Every judged instance UUID of a report: findings about them are no node findings."""
-    return {
-        uuid
-        for gpu in as_list(report.get("gpus"))
-        for raw in as_list(as_map(gpu).get("mig_instances"))
-        if (uuid := as_text(as_map(raw).get("uuid"))) is not None
-    }
-
-
 def _memory_line(gpu: Mapping[str, object], *, full: bool = False) -> str:
-    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and the
-    reservation."""
+    """A GPU's memory line; ``full`` (not for a MIG instance): with the v1 query and reservation."""
     memory = as_map(gpu.get("memory"))
     allocated = f"allocated {_bytes(memory.get('used'))}"
     if full and memory.get("api") == "v1":
@@ -364,7 +345,9 @@ def _holder_rows(
             continue
         label = _role_label(as_text(process.get("role")), None)
         if process.get("role") is None:
-            label = _nvml_only_label(process)
+            label = "listed by NVML"
+            if process.get("alive") is False:
+                label = "zombie (NVML)" if process.get("state") == "Z" else "dead (NVML)"
         row = _row(process, label, _bytes(process.get("used_memory")), now)
         rows.append((pid or 0, row, process.get("alive") is False))
     rows.sort(key=lambda row: row[0])
@@ -398,12 +381,6 @@ def _role_label(role: str | None, owner: object) -> str:
     if role in _OWNED_ROLES:  # "worker of 1000", "orphaned from 1999"
         return role if owner_pid is None else f"{_OWNED_ROLES[role]} {owner_pid}"
     return _ROLE_LABELS.get(role, escape(role.replace("_", " ")))
-
-
-def _nvml_only_label(process: Mapping[str, object]) -> str:
-    if process.get("alive") is False:
-        return "zombie (NVML)" if process.get("state") == "Z" else "dead (NVML)"
-    return "listed by NVML"
 
 
 def _user(entry: Mapping[str, object]) -> str:

@@ -39,9 +39,8 @@ def run_daemon(
     ended_jobs: frozenset[str] = frozenset(),
     rejected: tuple[str, Fallback] | None = None,
 ) -> int:
-    """Run the daemon (or ``run --once``). ``rejected``: the configured policy was rejected
-    (its error) and ``policy`` is the fallback (gpuwatchd/state/accepted.py) the daemon runs
-    with."""
+    """Run the daemon (or ``run --once``). ``rejected``: the configured policy's error when it
+    was rejected, ``policy`` then being the fallback (gpuwatchd/state/accepted.py)."""
     interactive = sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM")
     configure_logging(fmt="console" if interactive else policy.log_format)
     rejected_at_start = _rejected_at_start(
@@ -108,8 +107,7 @@ def _permitted(policy: Policy, *, dry_run: bool) -> bool:
     needs, only in dry-run (a warning); enforcing is refused (critical) and False."""
     missing = missing_capabilities(policy.proc_root, ACT_CAPABILITIES)
     if missing:
-        effective_dry_run = dry_run or policy.dry_run
-        if not effective_dry_run:
+        if not (dry_run or policy.dry_run):
             log.critical(
                 EventName.DAEMON_NO_PERMISSION,
                 missing=missing,
@@ -165,9 +163,8 @@ def _hand_over(
     waiter: tuple[int, int] | None,
     once_timeout: float,
 ) -> StateDir | None:
-    """The ended jobs handed over to the running daemon (said on stderr either way): the state
-    folder they were written to, to withdraw them from when done; None when they could not
-    be."""
+    """The ended jobs handed to the running daemon (said on stderr either way): the state
+    folder they were written to, to withdraw them from when done; None when they could not be."""
     # The running daemon takes the scheduler's word from the state folder at its next
     # poll (and so does the waiter's scan) while this process waits, and no longer; the
     # word covers only processes older than when it was said (this process's start). A reader

@@ -68,8 +68,11 @@ def spare_command(
         key, pid, job = parse_target(target)
     except ValueError as exc:
         raise CliError(f"{exc}; nothing is spared", ExitCode.CONFIG) from exc
-    if cancel:
-        return _cancel(policy, key)
+    if cancel:  # the spare of key ended now, and whether there was one said
+        with StateDir.open(policy.state_dir, create=True) as state_dir:
+            gone = cancel_spare(state_dir, key)
+        print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"))
+        return ExitCode.OK
     seconds = _length(for_, policy.limits.max_spare)
     if not reason:
         raise CliError("spare needs --reason TEXT (it is logged and shown)", ExitCode.CONFIG)
@@ -101,14 +104,6 @@ def spare_command(
         f"gpuwatchd: {what} is spared for {duration(seconds)}, until {ends}: "
         f"never signalled until then (the daemon reads it at its next poll){caveat}",
     )
-    return ExitCode.OK
-
-
-def _cancel(policy: Policy, key: str) -> int:
-    """``spare --cancel``: the spare of ``key`` ended now, and whether there was one, said."""
-    with StateDir.open(policy.state_dir, create=True) as state_dir:
-        gone = cancel_spare(state_dir, key)
-    print(f"gpuwatchd: {key}: " + ("spare cancelled" if gone else "was not spared"))
     return ExitCode.OK
 
 

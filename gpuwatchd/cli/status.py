@@ -54,16 +54,6 @@ class StatusCode(enum.IntEnum):
     UNKNOWN = 4  # the state cannot be read (permission) or is not a state file
 
 
-def _stale_after(policy: Policy, interval: float, resetting: bool) -> float:
-    """How old the last sign of life may be before the daemon counts as not polling."""
-    limit = max(STATUS_REFRESH + STALE_POLLS * interval + policy.nvml_timeout, STALE_MIN)
-    if resetting:  # a reset holds the loop: each step may take its command's or hooks' timeout
-        reset = policy.reset
-        hooks = sum(h.timeout for h in (*reset.drain, *reset.before, *reset.after))
-        limit += reset.timeout + hooks
-    return limit
-
-
 def describe(
     saved: Mapping[str, object] | None,
     *,
@@ -147,15 +137,17 @@ def _signs_of_life(
     reset_since = as_number(as_map(record).get("since")) if isinstance(record, Mapping) else None
     last_poll = as_number(status.get("last_poll"))
     started = as_number(status.get("started"))
-    signs = [last_poll, reset_since]
-    if last_poll is None:
-        signs.append(started)
+    signs = [last_poll, reset_since, started if last_poll is None else None]
     last_sign = max((t for t in signs if t is not None), default=None)
     age = None if last_sign is None else now_wall - last_sign
     interval = as_number(status.get("interval"))  # the daemon's own, when it wrote one
     if interval is None or not 0 < interval <= MAX_INTERVAL:
         interval = policy.interval
-    stale_after = _stale_after(policy, interval, isinstance(record, Mapping))
+    stale_after = max(STATUS_REFRESH + STALE_POLLS * interval + policy.nvml_timeout, STALE_MIN)
+    if isinstance(record, Mapping):  # a reset holds the loop: each step may take its timeout
+        reset = policy.reset
+        hooks = sum(h.timeout for h in (*reset.drain, *reset.before, *reset.after))
+        stale_after += reset.timeout + hooks
     return _Life(last_poll, started, interval, stale_after, age)
 
 
@@ -264,10 +256,6 @@ def _texts(value: object) -> list[str]:
     return [v for v in as_list(value)[:64] if isinstance(v, str)]
 
 
-def _numbers(value: object) -> list[float]:
-    return [n for v in as_list(value)[:256] if (n := as_number(v)) is not None]
-
-
 def _rows(
     raw: object, spec: Mapping[str, _Check], limit: int, *, newest: bool = False
 ) -> list[dict[str, object]]:
@@ -332,7 +320,7 @@ _RESET_GPU: Mapping[str, _Check] = {
     "gpu": as_text,
     "last": as_number,
     "last_dry_run": as_number,
-    "history": _numbers,
+    "history": lambda raw: [n for v in as_list(raw)[:256] if (n := as_number(v)) is not None],
     "in_window": as_count,
     "cooldown_ends": as_number,
     "limit_lifts": as_number,

@@ -1,6 +1,7 @@
-"""The ``gpuwatchd`` command line: argument parsing, ``scan`` and its report, ``explain``, and
-``simulate`` with its virtual host. Each command reads through ``collect`` or a file, decides
-through ``decide``, and prints; only ``run`` (in :mod:`gpuwatchd.daemon.lifecycle`) acts.
+"""The ``gpuwatchd`` command line: argument parsing and each command (``scan`` and its report,
+``status``, ``explain``, ``spare``, ...; ``simulate``'s virtual host is :mod:`gpuwatchd.sim`).
+Each command reads through ``collect`` or a file, decides through ``decide``, and prints; only
+``run`` (in :mod:`gpuwatchd.daemon.lifecycle`) acts.
 """
 
 from __future__ import annotations

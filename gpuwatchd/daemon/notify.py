@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gpuwatchd.core.checked import decimal
 from gpuwatchd.engine.edges import PollReport
 from gpuwatchd.state.saved import UNREADABLE
 
@@ -36,11 +37,10 @@ class Notifier:
 
 
 def watchdog_slice() -> float:
-    """How often the watchdog wants feeding: a third of ``WATCHDOG_USEC``; 5 s without one."""
-    usec = os.environ.get("WATCHDOG_USEC")
-    if usec and usec.isdecimal():
-        return int(usec) / 1e6 / 3
-    return 5.0
+    """How often the watchdog wants feeding: a third of ``WATCHDOG_USEC``; 5 s without one (or
+    with one that is not 1 to 20 ASCII digits, or 0)."""
+    usec = decimal(os.environ.get("WATCHDOG_USEC", ""))
+    return usec / 1e6 / 3 if usec else 5.0
 
 
 class WatchdogPinger:

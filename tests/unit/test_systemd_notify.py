@@ -52,7 +52,16 @@ def test_an_error_in_slow_work_reaches_the_caller_and_the_feeder_stops() -> None
 
 @pytest.mark.parametrize(
     ("usec", "expected"),
-    [("30000000", 10.0), (None, 5.0), ("bogus", 5.0), ("-3", 5.0), ("³0", 5.0)],
+    [
+        ("30000000", 10.0),
+        (None, 5.0),
+        ("bogus", 5.0),
+        ("-3", 5.0),
+        ("³0", 5.0),
+        ("\u0663\u0660000000", 5.0),  # Arabic-Indic digits, which int() would read
+        ("9" * 5000, 5.0),  # more digits than int() converts
+        ("0", 5.0),
+    ],
 )
 def test_the_watchdog_is_fed_three_times_a_period(
     monkeypatch: pytest.MonkeyPatch, usec: str | None, expected: float

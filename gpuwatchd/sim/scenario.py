@@ -13,7 +13,7 @@ from dataclasses import replace
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of
+from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of, scalar
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -176,7 +176,7 @@ class _Reader(GpuReader):
 
     def ref(self, node: Node) -> int:
         """A process reference: a name from this scenario, or a number (1 = init)."""
-        value = self.scalar(node)
+        value = scalar(node)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         if isinstance(value, str) and value in self.names:
@@ -238,7 +238,7 @@ class _Reader(GpuReader):
         """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
-            return None if self.scalar(node) is None else BOOL.read(node)
+            return None if scalar(node) is None else BOOL.read(node)
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
@@ -358,7 +358,7 @@ class _Reader(GpuReader):
             return EventSpec(at, action, m.line, target=proc_name, value=letter)
         if action == "spare":
             return self.spare(value, at, m.line)
-        reason = self.string(value) if self.scalar(value) is not None else ""
+        reason = self.string(value) if scalar(value) is not None else ""
         return EventSpec(at, action, m.line, value=reason)  # pause / resume
 
     def spare(self, node: Node, at: float, line: int) -> EventSpec:

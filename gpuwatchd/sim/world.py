@@ -226,7 +226,7 @@ class World:
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
             elif heirs:
                 ctx.status, ctx.heirs = "dead", heirs
-                names = ", ".join(self._name(pid) for pid in sorted(heirs))
+                names = ", ".join(f"{self.procs[pid].name} (pid {pid})" for pid in sorted(heirs))
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays pinned by {names}")
             else:
                 ctx.status = "freed"
@@ -279,10 +279,6 @@ class World:
             if parent is not None and parent.spec.subreaper and parent.alive:
                 return pid
         return 1
-
-    def _name(self, pid: int) -> str:
-        proc = self.procs.get(pid)
-        return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
 
     # -- GPUs --
 

@@ -214,8 +214,7 @@ class World:
             proc.state = "Z"
             notes.append("left a zombie (its parent does not reap it)")
         else:
-            proc.present = False
-            del self.procs[proc.pid]
+            self.reap(proc)
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
         for ctx in live:
             heirs = heirs_by_gpu[ctx.gpu]
@@ -438,8 +437,7 @@ class World:
         return tuple(devices)
 
     def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
-        """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
-        contexts, by PID."""
+        """What NVML lists on GPU ``index`` (in GPU instance ``gi``): live and dead contexts."""
         listed = sorted(self._on(index, gi, "live", "dead"), key=lambda c: c.pid)
         return tuple(NvmlProcess(c.pid, c.size, "compute") for c in listed)
 

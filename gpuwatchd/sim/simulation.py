@@ -571,8 +571,7 @@ class VirtualHost:
             done = f"GPU {bus} was successfully reset.\nAll done."
             return CommandResult(argv, 0, done, False, 2.0, None)
         if scripted == "hang":
-            sim.now += timeout
-            sim.advance(sim.now)
+            sim.sleep(timeout)
             return CommandResult(argv, -9, "", True, timeout, None)  # killed with its group
         if scripted == "fell_off_bus":
             gpu.lost = True

@@ -160,8 +160,7 @@ def count(lowest: int, highest: int) -> Value:
 
 
 def duration(lowest: str | int, highest: str | float) -> Value:
-    """A duration in ``lowest..highest`` (written as in YAML: ``0``, ``100ms``, ``1h``, or in
-    seconds)."""
+    """A duration in ``lowest..highest``, both written as in YAML (``0``, ``100ms``, ``1h``)."""
     low, high = parse_duration(lowest, where=""), parse_duration(highest, where="")
     low_text = format_duration(low) if low else "0s"
     bound = Bound("duration", low, high, low_text, format_duration(high))

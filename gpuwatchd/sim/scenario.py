@@ -242,8 +242,7 @@ class _Reader(GpuReader):
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
     def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
-        """A process's cgroup path (by default a user session's of ``uid``); it starts with
-        '/'."""
+        """A process's cgroup path, starting with '/' (by default a user session's of ``uid``)."""
         cgroup = self.string(node) if node is not None else _default_cgroup(uid)
         if not cgroup.startswith("/"):
             raise (node or entry).error("a cgroup path starts with '/'")

@@ -198,7 +198,7 @@ class _Reader(GpuReader):
         comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
         exe = self.string(n) if (n := get("exe")) is not None else None
         exe_trusted = self.exe_trusted(get("exe_trusted"), exe or command[0])
-        cgroup = self.cgroup(get("cgroup"), m, uid)
+        cgroup = self.cgroup(get("cgroup"), uid)
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"))
         nvml = self.nvml(get("nvml"))
@@ -241,11 +241,15 @@ class _Reader(GpuReader):
             return None if scalar(node) is None else BOOL.read(node)
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
-    def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
+    def cgroup(self, node: Node | None, uid: int) -> str:
         """A process's cgroup path, starting with '/' (by default a user session's of ``uid``)."""
-        cgroup = self.string(node) if node is not None else _default_cgroup(uid)
+        if node is None and uid == 0:
+            return "/system.slice/cron.service"
+        if node is None:
+            return f"/user.slice/user-{uid}.slice/session-1.scope"
+        cgroup = self.string(node)
         if not cgroup.startswith("/"):
-            raise (node or entry).error("a cgroup path starts with '/'")
+            raise node.error("a cgroup path starts with '/'")
         return cgroup
 
     def command(self, node: Node | None, name: str) -> tuple[str, ...]:
@@ -390,9 +394,3 @@ class _Reader(GpuReader):
             known = ", ".join(sorted(self.names)) or "none"
             raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name
-
-
-def _default_cgroup(uid: int) -> str:
-    if uid == 0:
-        return "/system.slice/cron.service"
-    return f"/user.slice/user-{uid}.slice/session-1.scope"

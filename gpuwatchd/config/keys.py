@@ -133,14 +133,15 @@ def kind_of(node: Node) -> str:
     return "a list" if isinstance(node, Seq) else "a mapping"
 
 
-def _scalar(node: Node) -> object:
+def scalar(node: Node) -> object:
+    """A single value's own value; a located ConfigError for a list or a mapping."""
     if not isinstance(node, Scalar):
         raise node.error(f"expected a single value, got {kind_of(node)}")
     return node.value
 
 
 def _read_bool(node: Node) -> bool:
-    value = _scalar(node)
+    value = scalar(node)
     if not isinstance(value, bool):
         raise node.error(f"expected true or false, got {describe_value(value)}")
     return value
@@ -159,8 +160,7 @@ def count(lowest: int, highest: int) -> Value:
 
 
 def duration(lowest: str | int, highest: str | float) -> Value:
-    """A duration in ``lowest..highest`` (written as in YAML: ``0``, ``100ms``, ``1h``, or in
-    seconds)."""
+    """A duration in ``lowest..highest``, both written as in YAML (``0``, ``100ms``, ``1h``)."""
     low, high = parse_duration(lowest, where=""), parse_duration(highest, where="")
     low_text = format_duration(low) if low else "0s"
     bound = Bound("duration", low, high, low_text, format_duration(high))
@@ -178,7 +178,7 @@ def _with_unit(parse: Callable[..., float], render: Renderer, bound: Bound) -> V
     """A number within ``bound``: ``parse`` reads it (ConfigError), ``render`` writes it."""
 
     def read(node: Node) -> float:
-        value = _scalar(node)
+        value = scalar(node)
         number = parse(value, where=node.path)
         if not bound.lowest <= number <= bound.highest:
             raise node.error(
@@ -201,7 +201,7 @@ def optional(value: Value) -> Value:
 
 
 def _read_string(node: Node) -> str:
-    value = _scalar(node)
+    value = scalar(node)
     if not isinstance(value, str) or not value:
         raise node.error(f"expected a non-empty string, got {describe_value(value)}")
     if "\0" in value:
@@ -234,7 +234,7 @@ def _read_textfile(node: Node) -> str | None:
 
 def one_of(choices: Sequence[str]) -> Value:
     def read(node: Node) -> str:
-        value = _scalar(node)
+        value = scalar(node)
         if not isinstance(value, str) or value not in choices:
             hint = did_you_mean(value, choices) if isinstance(value, str) else ""
             raise node.error(
@@ -370,7 +370,7 @@ def argv(allowed: Sequence[str] = GPU_PLACEHOLDERS, *, one_gpu: bool = False) ->
 
 
 def _read_signal(node: Node) -> str | None:
-    value = _scalar(node)
+    value = scalar(node)
     if value is None:
         return None
     if isinstance(value, str):

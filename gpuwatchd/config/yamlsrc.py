@@ -140,8 +140,7 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 @dataclass
 class Budget:
-    """What the documents of one policy (the main file and its drop-ins together) may still
-    spend: characters and YAML nodes."""
+    """The characters and YAML nodes one policy's files (main and drop-ins) may still spend."""
 
     chars: int = MAX_TOTAL_BYTES
     nodes: int = MAX_NODES

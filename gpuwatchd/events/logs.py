@@ -62,12 +62,9 @@ def configure_logging(
     environ: Mapping[str, str] | None = None,
     journal_socket: str | None = JOURNAL_SOCKET,
 ) -> None:
-    """Set up structlog for the whole process; safe to call again (a reload changes the level).
-
-    ``stream`` defaults to ``sys.stderr``, ``environ`` to ``os.environ``; ``journal_socket``
-    None never sends native journal entries. Raises ValueError for an unknown ``fmt`` or
-    ``level``.
-    """
+    """Set up structlog for the whole process; safe to call again. ``stream`` defaults to
+    ``sys.stderr``, ``environ`` to ``os.environ``; ``journal_socket`` None never sends native
+    journal entries. ValueError for an unknown ``fmt`` or ``level``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}: expected one of {', '.join(FORMATS)}")
     min_level = LEVELS.get(level.lower())

@@ -13,7 +13,7 @@ from dataclasses import replace
 import yaml
 
 from gpuwatchd.config.files import FileTooLarge, NotARegularFile, read_regular_file
-from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of
+from gpuwatchd.config.keys import BOOL, INTERVAL, items_of, kind_of, scalar
 from gpuwatchd.config.yamlsrc import (
     MAX_DOCUMENT_BYTES,
     ConfigError,
@@ -176,7 +176,7 @@ class _Reader(GpuReader):
 
     def ref(self, node: Node) -> int:
         """A process reference: a name from this scenario, or a number (1 = init)."""
-        value = self.scalar(node)
+        value = scalar(node)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         if isinstance(value, str) and value in self.names:
@@ -198,7 +198,7 @@ class _Reader(GpuReader):
         comm = self.string(n) if (n := get("comm")) is not None else command[0].rsplit("/", 1)[-1]
         exe = self.string(n) if (n := get("exe")) is not None else None
         exe_trusted = self.exe_trusted(get("exe_trusted"), exe or command[0])
-        cgroup = self.cgroup(get("cgroup"), m, uid)
+        cgroup = self.cgroup(get("cgroup"), uid)
         state = self.choice(n, ("R", "S", "D", "Z", "T")) if (n := get("state")) else "S"
         holds = self.holds(get("holds"))
         nvml = self.nvml(get("nvml"))
@@ -238,15 +238,18 @@ class _Reader(GpuReader):
         """A process's ``exe_trusted`` (null: unknown); by default, whether ``program`` (its
         exe, else its command's first word) is where the admin installs programs."""
         if node is not None:
-            return None if self.scalar(node) is None else BOOL.read(node)
+            return None if scalar(node) is None else BOOL.read(node)
         return program.startswith(_SYSTEM_PROGRAM_DIRS)
 
-    def cgroup(self, node: Node | None, entry: Node, uid: int) -> str:
-        """A process's cgroup path (by default a user session's of ``uid``); it starts with
-        '/'."""
-        cgroup = self.string(node) if node is not None else _default_cgroup(uid)
+    def cgroup(self, node: Node | None, uid: int) -> str:
+        """A process's cgroup path, starting with '/' (by default a user session's of ``uid``)."""
+        if node is None and uid == 0:
+            return "/system.slice/cron.service"
+        if node is None:
+            return f"/user.slice/user-{uid}.slice/session-1.scope"
+        cgroup = self.string(node)
         if not cgroup.startswith("/"):
-            raise (node or entry).error("a cgroup path starts with '/'")
+            raise node.error("a cgroup path starts with '/'")
         return cgroup
 
     def command(self, node: Node | None, name: str) -> tuple[str, ...]:
@@ -358,7 +361,7 @@ class _Reader(GpuReader):
             return EventSpec(at, action, m.line, target=proc_name, value=letter)
         if action == "spare":
             return self.spare(value, at, m.line)
-        reason = self.string(value) if self.scalar(value) is not None else ""
+        reason = self.string(value) if scalar(value) is not None else ""
         return EventSpec(at, action, m.line, value=reason)  # pause / resume
 
     def spare(self, node: Node, at: float, line: int) -> EventSpec:
@@ -391,9 +394,3 @@ class _Reader(GpuReader):
             known = ", ".join(sorted(self.names)) or "none"
             raise node.error(f"no process named {shown(name)} in this scenario ({known})")
         return name
-
-
-def _default_cgroup(uid: int) -> str:
-    if uid == 0:
-        return "/system.slice/cron.service"
-    return f"/user.slice/user-{uid}.slice/session-1.scope"

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.collect.jobs import scheduler_ended_job
-from gpuwatchd.config.keys import BOOL, items_of, kind_of
+from gpuwatchd.config.keys import BOOL, items_of, kind_of, scalar
 from gpuwatchd.config.units import parse_duration, parse_size
 from gpuwatchd.config.yamlsrc import (
     ConfigError,
@@ -40,19 +40,10 @@ HEALTH_KEYS = keys_of(HealthSpec)
 
 _HOST_KEYS = keys_of(HostSpec)
 
-_GPU_KEYS = (
-    "index",
-    "uuid",
-    "name",
-    "pci_bus_id",
-    "minor",
-    "memory",
-    "mig",
-    "coherent",
-    "persistence",
-    "lost",
-    "health",
-)
+# GpuSpec's fields, but its memory figures are one mapping (``memory``) and its instances are
+# read under ``mig``.
+_SPEC_KEYS = keys_of(GpuSpec, but=("allocated", "reserved", "leaked", "mig_instances"))
+_GPU_KEYS = tuple("memory" if key == "total" else key for key in _SPEC_KEYS)
 
 _MIG_KEYS = ("instances",)
 
@@ -82,13 +73,8 @@ class ReaderBase:
                 raise where.error(f"unknown field{hint}; known: {', '.join(keys)}")
         return node
 
-    def scalar(self, node: Node) -> object:
-        if not isinstance(node, Scalar):
-            raise node.error(f"expected a single value, got {kind_of(node)}")
-        return node.value
-
     def string(self, node: Node) -> str:
-        value = self.scalar(node)
+        value = scalar(node)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise node.error(f"expected a string, got {kind_of(node)}")
         return str(value)
@@ -98,20 +84,20 @@ class ReaderBase:
         return default if node is None else BOOL.read(node)
 
     def integer(self, node: Node, minimum: int = 0) -> int:
-        value = self.scalar(node)
+        value = scalar(node)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise node.error(f"expected an integer >= {minimum}, got {kind_of(node)}")
         return value
 
     def duration(self, node: Node) -> float:
         try:
-            return parse_duration(self.scalar(node), where=node.path)
+            return parse_duration(scalar(node), where=node.path)
         except ConfigError as err:
             raise node.error(err.message) from None
 
     def size(self, node: Node) -> int:
         try:
-            return parse_size(self.scalar(node), where=node.path)
+            return parse_size(scalar(node), where=node.path)
         except ConfigError as err:
             raise node.error(err.message) from None
 
@@ -132,7 +118,7 @@ class GpuReader(ReaderBase):
         spec = HostSpec()
         namespaces = spec.host_namespaces
         if (n := m.entries.get("host_namespaces")) is not None:
-            value = self.scalar(n)
+            value = scalar(n)
             if value is not None and not isinstance(value, bool):
                 raise n.error("expected true, false or null (unknown)")
             namespaces = value
@@ -254,7 +240,7 @@ class GpuReader(ReaderBase):
         found: dict[str, object] = {}
         for key, value in entries.items():
             if key == "recovery_action":
-                raw = self.scalar(value)
+                raw = scalar(value)
                 if isinstance(raw, str) and raw in RECOVERY_ACTIONS:
                     found[key] = RECOVERY_ACTIONS.index(raw)
                 elif isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= 255:
@@ -265,15 +251,15 @@ class GpuReader(ReaderBase):
                     raise value.error(
                         f"expected 0-255 or one of {', '.join(RECOVERY_ACTIONS)} or null"
                     )
-            elif key == "retired_pages_pending" and self.scalar(value) is None:
+            elif key == "retired_pages_pending" and scalar(value) is None:
                 found[key] = None
             elif key == "fabric":
-                raw = self.scalar(value)
+                raw = scalar(value)
                 if raw is not None and raw not in FABRIC_STATES:
                     raise value.error(f"expected one of {', '.join(FABRIC_STATES)} or null")
                 found[key] = None if raw is None else FABRIC_STATES.index(str(raw))
             elif key == "fabric_after_reset":
-                found[key] = None if self.scalar(value) == "never" else self.duration(value)
+                found[key] = None if scalar(value) == "never" else self.duration(value)
             else:
                 found[key] = BOOL.read(value)
         return found

@@ -393,11 +393,9 @@ class Simulation:
 
 
 class VirtualHost:
-    """The engine's four edges over the virtual host. Its clock is the timeline's (``+0s`` is
-    :data:`gpuwatchd.sim.world.WALL0` on the wall); nothing of the daemon's holds a GPU;
-    processes react to signals as their scenario says, and commands (matched by argv) are
-    answered as docs/simulate.md's table of the virtual host's commands says, never executed;
-    anything else could not be started. Each event becomes a timeline entry."""
+    """The engine's four edges over the virtual host (docs/internals.md). Its clock is the
+    timeline's (``+0s`` is WALL0 on the wall); commands, matched by argv, are answered as
+    docs/simulate.md's table says, and any other could not be started."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -571,8 +569,7 @@ class VirtualHost:
             done = f"GPU {bus} was successfully reset.\nAll done."
             return CommandResult(argv, 0, done, False, 2.0, None)
         if scripted == "hang":
-            sim.now += timeout
-            sim.advance(sim.now)
+            sim.sleep(timeout)
             return CommandResult(argv, -9, "", True, timeout, None)  # killed with its group
         if scripted == "fell_off_bus":
             gpu.lost = True

@@ -152,8 +152,7 @@ class _ScenarioNames:
 
 
 def _same_unit(value: object, suffix: str = "") -> str:
-    """``value`` in MiB whatever its size, so the summary line never mixes "2.0 GiB" with
-    "4 MiB"."""
+    """``value`` in MiB at any size: the summary never mixes "2.0 GiB" with "4 MiB"."""
     text = f"{value // MIB:,} MiB" if isinstance(value, int) else size_text(value)
     return f"{text} {suffix}" if suffix else text
 

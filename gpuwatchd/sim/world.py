@@ -214,8 +214,7 @@ class World:
             proc.state = "Z"
             notes.append("left a zombie (its parent does not reap it)")
         else:
-            proc.present = False
-            del self.procs[proc.pid]
+            self.reap(proc)
         leak = proc.spec.on_exit == "leak" or proc.name in self.leak_on_exit
         for ctx in live:
             heirs = heirs_by_gpu[ctx.gpu]
@@ -226,7 +225,7 @@ class World:
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays allocated (leaked)")
             elif heirs:
                 ctx.status, ctx.heirs = "dead", heirs
-                names = ", ".join(self._name(pid) for pid in sorted(heirs))
+                names = ", ".join(f"{self.procs[pid].name} (pid {pid})" for pid in sorted(heirs))
                 notes.append(f"its {size_text(ctx.size)} on GPU {ctx.gpu} stays pinned by {names}")
             else:
                 ctx.status = "freed"
@@ -279,10 +278,6 @@ class World:
             if parent is not None and parent.spec.subreaper and parent.alive:
                 return pid
         return 1
-
-    def _name(self, pid: int) -> str:
-        proc = self.procs.get(pid)
-        return f"{proc.name} (pid {pid})" if proc else f"pid {pid}"
 
     # -- GPUs --
 
@@ -442,8 +437,7 @@ class World:
         return tuple(devices)
 
     def _listed(self, index: int, gi: int | None = None) -> tuple[NvmlProcess, ...]:
-        """What NVML lists on GPU ``index`` (in its GPU instance ``gi``): live and dead
-        contexts, by PID."""
+        """What NVML lists on GPU ``index`` (in GPU instance ``gi``): live and dead contexts."""
         listed = sorted(self._on(index, gi, "live", "dead"), key=lambda c: c.pid)
         return tuple(NvmlProcess(c.pid, c.size, "compute") for c in listed)
 

@@ -179,7 +179,10 @@ def _with_unit(parse: Callable[..., float], render: Renderer, bound: Bound) -> V
 
     def read(node: Node) -> float:
         value = scalar(node)
-        number = parse(value, where=node.path)
+        try:
+            number = parse(value, where=node.path)
+        except ConfigError as err:  # its file and line too, for every reader
+            raise node.error(err.message) from None
         if not bound.lowest <= number <= bound.highest:
             raise node.error(
                 f"must be >= {bound.lowest_text} and <= {bound.highest_text}, got {shown(value)}"

@@ -427,6 +427,15 @@ def test_a_gpu_id_the_driver_would_never_report_is_refused_with_its_line(
     assert f"gpus[0].{field}" in str(caught.value)
 
 
+@pytest.mark.parametrize(("value", "what"), [("abc", "invalid duration"), ("0s", "must be >=")])
+def test_a_refused_scenario_interval_names_its_line(value: str, what: str) -> None:
+    """A malformed duration names its line, as an out-of-range one always did."""
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario("s.yaml", f"duration: 1m\ninterval: {value}\ngpus: [{{}}]\n")
+    assert caught.value.line == 2
+    assert str(caught.value).startswith(f"s.yaml:2: interval: {what}")
+
+
 LONG = "x" * 5000
 
 

@@ -19,8 +19,7 @@ from gpuwatchd.core.paths import DEFAULT_CONFIG_PATH
 from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
 from gpuwatchd.decide.gpu_ids import same_pci_bus_id, slurm_numbering
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, describe
-from gpuwatchd.state.saved import cannot_tell
+from gpuwatchd.decide.verdict import GpuVerdict, NodeVerdict, cannot_tell, describe
 
 EXIT_DIRTY = 1
 EXIT_USAGE = 2  # as argparse: a bad argument (an unknown GPU)

@@ -18,8 +18,8 @@ from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
-from gpuwatchd.state.saved import SavedState, cannot_tell, read_saved_state
+from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, cannot_tell, once_progress
+from gpuwatchd.state.saved import SavedState, read_saved_state
 
 MAX_PAUSE = 5.0  # seconds between two looks, whatever the policy's interval
 
@@ -90,8 +90,8 @@ def _progress(
     cannot tell, and waiting will not tell it."""
     dirty = {g.uuid for g in verdict.gpus if not g.clean}
     step, left = once_progress(verdict, daemon_busy(state, report, dirty))
-    if step is OnceStep.DONE and unread is not None:
-        return OnceStep.STUCK, [cannot_tell(unread)]
+    if step is not OnceStep.WAIT and unread is not None:
+        return OnceStep.STUCK, [*left, cannot_tell(unread)]
     return step, left
 
 

@@ -4,7 +4,6 @@ state write; the daemon's state file, when readable, gives baselines and first-s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -25,13 +24,13 @@ from gpuwatchd.collect.procfs import ProcFS
 from gpuwatchd.core.checked import Value, decimal
 from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import Snapshot, Spare
-from gpuwatchd.core.vocabulary import Cleanliness, ExitCode
+from gpuwatchd.core.vocabulary import ExitCode
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict, Reason, judge
+from gpuwatchd.decide.verdict import NodeVerdict, cannot_tell, judge, lost_state, unread_verdict
 from gpuwatchd.served import holders as holder_view
 from gpuwatchd.served import nvml as nvml_view
 from gpuwatchd.served.guard import ServedPoll
@@ -43,13 +42,9 @@ from gpuwatchd.state.saved import (
     STATE_FILE,
     SavedState,
     cannot_read,
-    cannot_tell,
     read_saved_state,
     signalled_last_hour,
 )
-
-# The reason a GPU's verdict is unknown in the report when the daemon's saved state is unread.
-STATE_UNREAD = "state_unread"
 
 
 @dataclass(frozen=True)
@@ -324,6 +319,7 @@ def _judged_report(
             if isinstance(plan, str):
                 raise ValueError(plan)
             unfinished = unfinished_recoveries(plan)
+            unread = unread or lost_state(plan)  # latched on a state it moved aside
         except ValueError as exc:
             path = os.path.join(policy.state_dir, STATE_FILE)
             unread = f"{path}: the daemon's plan cannot be read ({exc})"
@@ -331,22 +327,11 @@ def _judged_report(
     assessment = assess(snapshot, previous, policy.detection, health_policy=policy.health)
     verdict = judge(snapshot, assessment, policy, unfinished=unfinished)
     spares = spares_in_force(state_dir, policy, snapshot.wall_time)
-    shown = verdict if unread is None else _unread_verdict(verdict, unread)
+    shown = verdict if unread is None else unread_verdict(verdict, unread)
     report = snapshot_report(
         snapshot, assessment, shown, first_seen, proc_root=policy.proc_root, spares=spares
     )
     return report, verdict, unread
-
-
-def _unread_verdict(verdict: NodeVerdict, unread: str) -> NodeVerdict:
-    """The verdict the report shows when the daemon's saved state could not be read: a GPU
-    judged clean is unknown (``state_unread``), as check-clean cannot tell (exit 75)."""
-    reason = Reason(STATE_UNREAD, None, cannot_tell(unread))
-    gpus = tuple(
-        dataclasses.replace(g, state=Cleanliness.UNKNOWN, reasons=(reason,)) if g.clean else g
-        for g in verdict.gpus
-    )
-    return dataclasses.replace(verdict, gpus=gpus)
 
 
 def _nvml_reading_section(

@@ -45,7 +45,14 @@ from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.plan.decisions import pending_keys
 from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
-from gpuwatchd.decide.verdict import NodeVerdict, OnceStep, once_progress
+from gpuwatchd.decide.verdict import (
+    UNREADABLE,
+    NodeVerdict,
+    OnceStep,
+    cannot_tell,
+    lost_state,
+    once_progress,
+)
 from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, PollInputs, PollReport, Standing
 from gpuwatchd.events.catalogue import hook_outcome
@@ -62,7 +69,7 @@ from gpuwatchd.state.pause import (
     read_ended_jobs,
     take_clear_latches,
 )
-from gpuwatchd.state.saved import STATE, UNREADABLE, StateStore, cannot_tell
+from gpuwatchd.state.saved import STATE, StateStore
 from gpuwatchd.state.spares import read_spares
 from gpuwatchd.state.status_document import action_sentence, build_document
 
@@ -199,7 +206,6 @@ class Daemon:
         self._files_key: tuple[object, ...] | None = None  # the files as last read
         self.report: PollReport | None = None  # what the last poll saw, decided and did
         self._spares_over: frozenset[str] = frozenset()  # spares past MAX_SPARES, said
-        self.state_lost: str | None = None  # where an unusable saved state went, at the start
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -325,10 +331,11 @@ class Daemon:
             step, left = OnceStep.WAIT, [*busy, why or "no GPU reading"]
         else:
             step, left = once_progress(verdict, busy)
-        if step is OnceStep.DONE and self.state_lost is not None:
+        unread = lost_state(report.plan)
+        if step is not OnceStep.WAIT and unread is not None:
             # What the unusable state held (a MIG recovery or reset half done) is unknown: as
             # check-clean, run --once cannot tell, and waiting will not tell it.
-            step, left = OnceStep.STUCK, [cannot_tell(f"{UNREADABLE} ({self.state_lost})")]
+            step, left = OnceStep.STUCK, [*left, cannot_tell(unread)]
         if step is OnceStep.DONE:
             log.info(EventName.RUN_ONCE_DONE, waited=round(waited, 3))
             return ExitCode.OK
@@ -714,7 +721,6 @@ class Daemon:
                 log.info(
                     EventName.STATE_NEW_BOOT, saved_boot_id=data.get("boot_id"), boot_id=boot_id
                 )
-        self.state_lost = lost
         if lost is not None:
             why = f"{UNREADABLE} ({lost}): what it held is unknown"
             latched = PlanState(

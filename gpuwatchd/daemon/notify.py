@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpuwatchd.core.checked import decimal
+from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import PollReport
-from gpuwatchd.state.saved import UNREADABLE
 
 T = TypeVar("T")
 FEED_EVERY = 1.0  # seconds between watchdog pings while slow work runs

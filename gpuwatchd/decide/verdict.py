@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuwatchd.core.model import (
     DeviceHolding,
@@ -26,6 +26,7 @@ from gpuwatchd.decide.assess.baselines import compared_figure
 from gpuwatchd.decide.assess.shared import NODE, Assessment, HolderRole, mib
 from gpuwatchd.decide.floor import is_infrastructure
 from gpuwatchd.decide.mig.instances import parent_of
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Policy
 from gpuwatchd.decide.targets import protect_match
 
@@ -449,3 +450,35 @@ def _role_label(role: HolderRole | None, node_only: bool) -> str:
     if role.role is HolderRoleName.MANAGEMENT:
         return f"management client: {role.note}"
     return f"{role.role.value}: {role.note}"
+
+
+# How the daemon's latched dry run after a saved state it could not use begins its reason.
+UNREADABLE = "the saved state could not be read"
+STATE_UNREAD = "state_unread"  # the reason a GPU is not called clean while that state is unknown
+
+
+def cannot_tell(unread: str) -> str:
+    """Why no GPU may be called clean when the daemon's saved state (``unread``: why it could not
+    be read) is unknown: ``check-clean``, ``scan`` and ``run --once`` say it alike."""
+    return (
+        f"cannot tell whether the GPUs are clean: {unread} (a MIG recovery or reset the daemon "
+        "left half done would not be seen)"
+    )
+
+
+def lost_state(plan: PlanState) -> str | None:
+    """Why the daemon's saved state is unknown while ``plan`` is latched on one it could not read
+    and moved aside (the latch's reason); None otherwise."""
+    reason = plan.forced_reason or ""
+    return reason if plan.forced_dry_run and reason.startswith(UNREADABLE) else None
+
+
+def unread_verdict(verdict: NodeVerdict, unread: str) -> NodeVerdict:
+    """``verdict`` with each GPU judged clean made unknown (``state_unread``): the daemon's saved
+    state (``unread``: why it is unknown) may hold work left half done on it."""
+    reason = Reason(STATE_UNREAD, None, cannot_tell(unread))
+    gpus = tuple(
+        replace(g, state=Cleanliness.UNKNOWN, reasons=(reason,)) if g.clean else g
+        for g in verdict.gpus
+    )
+    return replace(verdict, gpus=gpus)

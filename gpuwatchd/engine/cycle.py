@@ -67,7 +67,7 @@ from gpuwatchd.decide.plan.state import PlanState, unfinished_recoveries
 from gpuwatchd.decide.policy import Hook, Policy
 from gpuwatchd.decide.spares import spare_changes
 from gpuwatchd.decide.targets import gpu_by_uuid
-from gpuwatchd.decide.verdict import NodeVerdict
+from gpuwatchd.decide.verdict import NodeVerdict, lost_state, unread_verdict
 from gpuwatchd.engine.edges import (
     Actuator,
     Background,
@@ -166,9 +166,11 @@ class Engine:
         snapshot = self._read()
         state = self.state
         assessment = self._assess(snapshot)
-        self._verdict = self.reuse.judge(
+        verdict = self.reuse.judge(
             snapshot, assessment, self.policy, unfinished=unfinished_recoveries(state.plan)
         )
+        lost = lost_state(state.plan)  # latched on a saved state it could not read: unknown
+        self._verdict = verdict if lost is None else unread_verdict(verdict, lost)
         result = self._plan(assessment, snapshot, state.plan)
         if any(self._irreversible(intent) for intent in result.intents):
             # The new plan state already counts each step and kill-cap entry as taken: it is

@@ -19,22 +19,11 @@ from gpuwatchd.events import lazylog
 from gpuwatchd.state.directory import StateDir, StateDirError, UntrustedFile
 
 STATE_FILE = "state.json"
-# How the daemon's latched dry run after an unusable state file begins its reason (lifecycle).
-UNREADABLE = "the saved state could not be read"
 MAX_STATE_BYTES = 16 << 20  # a state file larger than this is not ours: moved aside
 # The envelope: its parts are checked by their owners (PlanState.from_json, ...).
 STATE = Format("state", MAX_STATE_BYTES, version=STATE_FILE_VERSION, compact=True)
 
 log = lazylog.get_logger("gpuwatchd.state.saved")
-
-
-def cannot_tell(unread: str) -> str:
-    """Why no GPU may be called clean when the daemon's saved state (``unread``: why it could not
-    be read) is unknown: ``check-clean``, ``scan`` and ``run --once`` say it alike."""
-    return (
-        f"cannot tell whether the GPUs are clean: {unread} (a MIG recovery or reset the daemon "
-        "left half done would not be seen)"
-    )
 
 
 def cannot_read(path: str, exc: OSError) -> str:

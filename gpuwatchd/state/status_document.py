@@ -14,9 +14,10 @@ from gpuwatchd.core.escape import escape
 from gpuwatchd.core.model import as_int
 from gpuwatchd.core.vocabulary import EventName, LadderStatus
 from gpuwatchd.decide.policy import Policy
+from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.events.catalogue import render
 from gpuwatchd.events.words import JournalNamer, finding_label
-from gpuwatchd.state.saved import MAX_STATE_BYTES, UNREADABLE, signalled_last_hour
+from gpuwatchd.state.saved import MAX_STATE_BYTES, signalled_last_hour
 
 DOCUMENT_FORMAT = 1  # the "format" of ``status.document`` in state.json
 DOCUMENT = Format("status document", MAX_STATE_BYTES, version=DOCUMENT_FORMAT, version_key="format")

@@ -400,6 +400,11 @@ def test_check_clean_cannot_call_a_gpu_clean_when_the_daemons_state_cannot_be_re
     once = host.gpuwatchd("run", "--once", "--timeout", "10s", "--config", str(host.config()))
     assert once.returncode == code, once.stderr
     assert ("cannot tell" in once.stderr) is (code != 0)
+    # While that latch holds, what the file held stays unknown to every verdict after it.
+    for argv in (["check-clean"], ["run", "--once", "--timeout", "10s"]):
+        after = host.gpuwatchd(*argv, "--config", str(host.config()))
+        assert after.returncode == code, after.stderr
+        assert ("cannot tell" in after.stderr) is (code != 0)
 
 
 def test_a_scan_reads_the_daemons_saved_plan_once(

@@ -29,9 +29,9 @@ from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
 from gpuwatchd.decide.floor import reset_blockers
 from gpuwatchd.decide.plan.state import Ladder, PlanState
+from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.engine.edges import Pause, PollReport
 from gpuwatchd.events.catalogue import render
-from gpuwatchd.state.saved import UNREADABLE
 
 
 def snapshot(reading: NvmlReading) -> Snapshot:

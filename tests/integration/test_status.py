@@ -33,8 +33,9 @@ from gpuwatchd.cli.status import STALE_MIN, StatusCode, describe
 from gpuwatchd.cli.status_text import render_text
 from gpuwatchd.core.vocabulary import LadderStatus, Level
 from gpuwatchd.decide.plan.state import Ladder, PlanState
+from gpuwatchd.decide.verdict import UNREADABLE
 from gpuwatchd.state.directory import StateDir
-from gpuwatchd.state.saved import UNREADABLE, StateStore, read_saved_state, signalled_last_hour
+from gpuwatchd.state.saved import StateStore, read_saved_state, signalled_last_hour
 from tests.support.statusrig import (
     BOOT,
     LADDER,

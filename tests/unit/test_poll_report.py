@@ -11,14 +11,18 @@ import ast
 import inspect
 import pathlib
 
+import pytest
+
 from gpuwatchd.core.model import Spare
-from gpuwatchd.core.vocabulary import EventName
+from gpuwatchd.core.vocabulary import Cleanliness, EventName
 from gpuwatchd.daemon.metrics import Metrics
 from gpuwatchd.daemon.notify import describe_status
 from gpuwatchd.decide.plan.intents import SignalIntent
-from gpuwatchd.engine.cycle import Engine
+from gpuwatchd.decide.plan.state import PlanState
+from gpuwatchd.decide.verdict import STATE_UNREAD, UNREADABLE, cannot_tell
+from gpuwatchd.engine.cycle import Engine, EngineState
 from gpuwatchd.engine.edges import Pause, PollInputs
-from tests.support.enginerig import W0, make_policy, orphan_host, rig
+from tests.support.enginerig import W0, ghost_host, make_policy, orphan_host, rig
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "gpuwatchd"
 # The modules that drive the engine: whatever they read of a poll comes from its report.
@@ -122,3 +126,32 @@ def test_the_admin_switches_come_in_with_the_poll() -> None:
     assert [s.target for s in report.snapshot.spares] == ["pid:201"]
     report = r.engine.poll(PollInputs(clear_latches=True))
     assert r.sink.named(EventName.LIMITS_LATCHES_CLEARED)
+
+
+@pytest.mark.parametrize(
+    ("reason", "unknown"),
+    [(f"{UNREADABLE} (moved to x): what it held is unknown", True), ("kill cap reached", False)],
+    ids=["saved-state-unreadable", "kill-cap"],
+)
+def test_no_gpu_is_clean_while_latched_on_a_saved_state_it_could_not_read(
+    reason: str, unknown: bool
+) -> None:
+    """The daemon moved an unreadable saved state aside: what it held (a reset or MIG recovery
+    half done) is unknown, so its verdict (metrics, status) calls no GPU clean, as check-clean
+    says, until the latch lifts. Another latch says nothing of the saved state."""
+    plan = PlanState(forced_dry_run=True, forced_reason=reason, forced_since=W0)
+    r = rig(make_policy(), lambda t: ghost_host(t, allocated=0), state=EngineState(plan=plan))
+    report = r.engine.poll()
+    assert report.verdict is not None
+    (gpu,) = report.verdict.gpus
+    assert gpu.clean is not unknown
+    if unknown:
+        assert (gpu.state, gpu.reasons[0].kind) == (Cleanliness.UNKNOWN, STATE_UNREAD)
+        assert gpu.reasons[0].text == cannot_tell(reason)
+    metrics = Metrics(None)
+    metrics.after_poll(report, dry_run=True, policy_rejected=False)
+    (line,) = [x for x in metrics.render().decode().splitlines() if "gpu_clean{" in x]
+    assert line.endswith(" 0.0" if unknown else " 1.0")
+    lifted = r.engine.poll(PollInputs(clear_latches=True))  # resume --clear-latches
+    assert lifted.verdict is not None
+    assert [g.clean for g in lifted.verdict.gpus] == [True]

@@ -21,16 +21,22 @@ from gpuwatchd.core.vocabulary import Cleanliness
 from gpuwatchd.decide.assess.passes import assess
 from gpuwatchd.decide.assess.shared import Assessment
 from gpuwatchd.decide.assess.state import AssessState
+from gpuwatchd.decide.plan.state import PlanState
 from gpuwatchd.decide.policy import Detection, Policy, Protect
 from gpuwatchd.decide.verdict import (
     SETTLING,
+    STATE_UNREAD,
+    UNREADABLE,
     GpuVerdict,
     NodeVerdict,
     OnceStep,
     Reason,
+    cannot_tell,
     judge,
+    lost_state,
     not_clean,
     once_progress,
+    unread_verdict,
 )
 from tests.support.migsnap import Inst, with_mig
 from tests.support.snapshots import HostBuilder, cg_slurm, cg_unit, gpu_uuid
@@ -847,3 +853,33 @@ def test_a_protect_entry_that_cannot_be_checked_excuses_no_dirt(
         return
     verdict = verdict_of(snapshot, replace(POLICY, protect=protect))
     assert states(verdict) == ["dirty", "dirty"]
+
+
+@pytest.mark.parametrize(
+    ("forced", "reason", "lost"),
+    [
+        (True, f"{UNREADABLE} (moved to x)", f"{UNREADABLE} (moved to x)"),
+        (False, f"{UNREADABLE} (moved to x)", None),  # the latch lifted: the reason stays
+        (True, "kill cap reached", None),
+        (True, None, None),
+        (True, f"why: {UNREADABLE}", None),  # only a reason that begins so
+    ],
+)
+def test_only_a_latch_on_a_saved_state_moved_aside_leaves_it_unknown(
+    forced: bool, reason: str | None, lost: str | None
+) -> None:
+    assert lost_state(PlanState(forced_dry_run=forced, forced_reason=reason)) == lost
+
+
+def test_while_the_saved_state_is_unknown_only_a_clean_gpu_becomes_unknown() -> None:
+    dirt = Reason("orphaned", 7, "worker of a dead job")
+    clean = GpuVerdict("GPU-a", 0, "0000:01:00.0", Cleanliness.CLEAN, notes=("n",))
+    dirty = GpuVerdict("GPU-b", 1, None, Cleanliness.DIRTY, reasons=(dirt,))
+    shown = unread_verdict(NodeVerdict((clean, dirty), unavailable="u"), "it is gone")
+    assert shown.unavailable == "u"
+    why = Reason(STATE_UNREAD, None, cannot_tell("it is gone"))
+    assert shown.gpus == (replace(clean, state=Cleanliness.UNKNOWN, reasons=(why,)), dirty)
+    assert cannot_tell("it is gone") == (
+        "cannot tell whether the GPUs are clean: it is gone (a MIG recovery or reset the daemon "
+        "left half done would not be seen)"
+    )

@@ -28,11 +28,9 @@ from gpuwatchd.decide.plan.intents import (
 )
 from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
 from gpuwatchd.decide.plan.resets import consider_reset, node_block, review_refusals
-from gpuwatchd.decide.plan.shadow import DryShadow, ShadowWork
+from gpuwatchd.decide.plan.shadow import HOUR, DryShadow, ShadowWork
 from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
-
-HOUR = 3600.0
 
 
 def plan(
@@ -171,16 +169,11 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
             finding=key,
             kind=key.split(":", 1)[0],  # which finding, as EventName.FINDING_NEW said it
             gpu=seen.gpu,
-            pid=_target_pid(seen.target),
+            # None for a GPU-level finding, or a PID a damaged state file spells in other than
+            # a few ASCII digits (``'²'.isdigit()`` is True, and int() refuses 5,000 digits).
+            pid=None if seen.target is None else decimal(seen.target.split("@", 1)[0]),
             lasted=max(0.0, ctx.now - seen.first_seen),
         )
-
-
-def _target_pid(target: str | None) -> int | None:
-    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding, or one a
-    damaged state file spells in other than a few ASCII digits (``'²'.isdigit()`` is True, and
-    int() refuses 5,000 digits)."""
-    return None if target is None else decimal(target.split("@", 1)[0])
 
 
 # --- queries and admin switches ---------------------------------------------------------------

@@ -335,24 +335,16 @@ def history_blocker(
     uuid = gpu.uuid
     # Kept per target: a MIG GPU instance's own (a state file written before refusals were
     # kept per instance has it under the parent GPU; the incident's key still tells it).
-    held = next(
-        (
-            r
-            for key in dict.fromkeys((finding.gpu, uuid))
-            if key is not None
-            and (r := w.reset_refusals.get(key)) is not None
-            and r.finding_key == finding.key
-        ),
-        None,
-    )
-    if held is not None:
-        would = "would have been refused" if held.dry_run else "was refused"
-        why = (
-            f"a reset for this incident {would} ({held.reason}); tried again when its "
-            "memory changes, the finding resolves, the configuration is reloaded or "
-            "`gpuwatchd resume --clear-latches` is run"
-        )
-        return refused, Level.INFO, why
+    for key in dict.fromkeys((finding.gpu or uuid, uuid)):
+        held = w.reset_refusals.get(key)
+        if held is not None and held.finding_key == finding.key:
+            would = "would have been refused" if held.dry_run else "was refused"
+            why = (
+                f"a reset for this incident {would} ({held.reason}); tried again when its "
+                "memory changes, the finding resolves, the configuration is reloaded or "
+                "`gpuwatchd resume --clear-latches` is run"
+            )
+            return refused, Level.INFO, why
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:

@@ -109,8 +109,7 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
-        reason = f"{gpu.uuid} is lost and needs a reboot"
-        ask_on_failure(w, ctx, reason, fields, {"gpu": gpu.uuid})
+        ask_on_failure(w, ctx, f"{gpu.uuid} is lost and needs a reboot", fields, {"gpu": gpu.uuid})
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:
@@ -144,10 +143,9 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
         target = None if finding.identity is None else target_key(finding.identity)
         if seen is None:
             w.seen[key] = SeenFinding(ctx.now, digest, finding.gpu, target)
-            level = Level.WARNING if finding.actionable else Level.INFO
             w.event(
                 EventName.FINDING_NEW,
-                level,
+                Level.WARNING if finding.actionable else Level.INFO,
                 actionable=finding.actionable,
                 evidence=dict(finding.evidence),
                 **finding_fields(finding),

@@ -173,8 +173,7 @@ def _book_dry_run(
 def _book_refusal(
     w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, *, in_use: bool
 ) -> None:
-    """Refused, not failed (docs/internals.md): no history, no failure, no breaker; the
-    cooldown applies, and this incident's reset waits until something changes."""
+    """Refused, not failed: no history, no failure, no breaker (docs/internals.md)."""
     w.last_reset[intent.gpu] = wall
     why = (
         "the driver refused: in use by another client that no holder scan found"

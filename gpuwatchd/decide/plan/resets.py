@@ -54,8 +54,8 @@ REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count
 
 
 def review_refusals(w: Work, ctx: Ctx) -> None:
-    """Forget a refused incident once something changed (docs/internals.md): its finding is
-    gone, its memory moved, or a holder let go; and a MIG recovery left half done once back."""
+    """Forget a refused incident, or a MIG recovery left half done, once something changed
+    (docs/internals.md)."""
     _review_unfinished(w, ctx)
     for uuid, held in sorted(w.reset_refusals.items()):
         allocated = _refused_memory(ctx, uuid, held.finding_key)

@@ -76,8 +76,7 @@ class ResetInFlight:
 
 @dataclass(frozen=True)
 class HealthWait:
-    """A health reset waiting for its GPU's users to finish (drain, then reset), per GPU UUID:
-    ``since`` (monotonic) the drain began; ``expired`` once past ``health.drain_timeout``."""
+    """A health reset waiting for its GPU to drain (``since``: monotonic; docs/internals.md)."""
 
     finding_key: str
     since: float
@@ -100,8 +99,7 @@ class ResetRefusal:
 
 @dataclass(frozen=True)
 class MigUnfinished:
-    """A MIG GPU instance (by MIG UUID) whose re-creation failed after its commands started:
-    its GPU is not clean until a snapshot shows its GI ``profile`` at its ``placement`` again."""
+    """A MIG GPU instance (by MIG UUID) whose re-creation may be half done (docs/internals.md)."""
 
     gpu: str
     gi: int
@@ -114,8 +112,7 @@ class MigUnfinished:
 
 @dataclass(frozen=True)
 class Latch:
-    """A kill-cap latch: why, since when (wall time), and its monotonic anchor (None until
-    anchored: after a reboot, or from an older state file)."""
+    """A user's kill-cap latch: why, since when (wall time), its anchor (docs/internals.md)."""
 
     reason: str
     since: float

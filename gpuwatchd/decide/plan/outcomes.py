@@ -62,8 +62,13 @@ def record_signal(
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
         intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
-            reap = {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None}
-            events.append(Event(EventName.ZOMBIE_NEEDS_REAP, Level.WARNING, reap))
+            events.append(
+                Event(
+                    EventName.ZOMBIE_NEEDS_REAP,
+                    Level.WARNING,
+                    {"pid": lad.pid, "gpu": lad.gpu, "finding": lad.finding_key, "parent": None},
+                )
+            )
     elif outcome is SignalOutcome.REUSED:
         del ladders[target]
         events.append(Event(EventName.ESCALATION_ABORTED, Level.WARNING, fields))

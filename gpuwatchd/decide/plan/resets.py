@@ -79,8 +79,7 @@ def review_refusals(w: Work, ctx: Ctx) -> None:
 
 
 def _review_unfinished(w: Work, ctx: Ctx) -> None:
-    """A MIG recovery left half done is over once an instance of its GI profile is at its
-    placement on its GPU again (re-created by hand, say)."""
+    """A MIG recovery left half done is over once its instance is back (docs/internals.md)."""
     left = dict(w.state.mig_unfinished)
     for mig, u in sorted(left.items()):
         gpu = gpu_by_uuid(ctx.snapshot, u.gpu)
@@ -97,8 +96,7 @@ def _review_unfinished(w: Work, ctx: Ctx) -> None:
 
 
 def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
-    """Why a refused reset may be tried again: a live holder seen on the GPU since the refusal
-    let go (a monitor moves no memory); None otherwise."""
+    """Why a refused reset may be tried again: a holder let go (docs/internals.md); or None."""
     held, gpu = w.reset_refusals[uuid], gpu_by_uuid(ctx.snapshot, uuid)
     if gpu is None or gpu.mig_enabled is not False:
         return None  # a MIG GPU: the other instances' users come and go and say nothing
@@ -111,8 +109,7 @@ def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
 
 
 def _refused_memory(ctx: Ctx, uuid: str, finding_key: str) -> int | None:
-    """The allocated memory a refused reset of ``uuid`` watches: the GPU's, or for the
-    re-creation of a MIG GPU instance, that instance's."""
+    """The allocated memory a refused reset of ``uuid`` watches (docs/internals.md)."""
     finding = ctx.findings.get(finding_key)
     mig = parent_of(ctx.snapshot, finding.gpu) if finding is not None else None
     if mig is not None:

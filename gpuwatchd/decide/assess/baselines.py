@@ -47,10 +47,8 @@ def compared_figure(
 def learn_baselines(
     host: HostView, previous: Mapping[str, int], detection: Detection
 ) -> dict[str, int]:
-    """Learn each GPU's idle memory (the minimum) from moments when nothing could be holding
-    it but NVML-only infrastructure (docs/design-notes.md §6). A first figure above the default
-    baseline plus the ghost margin (v1: plus the reservation) is what ghost memory looks like:
-    never learned."""
+    """Each GPU's idle memory, learned as docs/design-notes.md §6 says: a first figure above the
+    default baseline plus the ghost margin (v1: plus the reservation) is never learned."""
     learned = dict(previous)
     if not host.full_scan or host.unreadable_suspects():
         return learned

@@ -262,8 +262,7 @@ class HolderPass(AssessorState):
         return bool(answers) and not any(answers)
 
     def heir_of_dead_owner(self, proc: ProcessInfo) -> dict[str, object] | None:
-        """Evidence that ``proc`` holds open files (kcmp) of owners that are all positively
-        dead (docs/internals.md)."""
+        """Evidence that ``proc`` holds open files (kcmp) of owners all positively dead."""
         host = self.host
         listed_dead = {
             row.entry.pid: row.status
@@ -330,8 +329,7 @@ class HolderPass(AssessorState):
     def unaccounted_without_owner(
         self, gpu: GpuInfo, proc: ProcessInfo
     ) -> dict[str, object] | None:
-        """Evidence that ``proc`` may be the heir of memory on ``gpu`` that no live owner holds
-        (docs/internals.md)."""
+        """Evidence that ``proc`` may inherit ownerless memory on ``gpu`` (docs/internals.md)."""
         tie = self.memory_without_owner(gpu)
         since = self.unaccounted_since.get(gpu.uuid)
         recorded = self.lineage.get(proc.identity) if proc.identity is not None else None

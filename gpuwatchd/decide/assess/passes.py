@@ -65,10 +65,7 @@ def assess(
 
 
 def assess_processes(
-    snapshot: Snapshot,
-    previous: AssessState,
-    detection: Detection,
-    driver_refused: Refused | None = None,
+    snapshot: Snapshot, previous: AssessState, detection: Detection, driver_refused: Refused
 ) -> Assessment:
     """:func:`assess` without GPU health (the state's ``health`` is the default). Pure; the
     clock enters only as ``snapshot.monotonic`` stamped on state entries that are new."""
@@ -77,7 +74,7 @@ def assess_processes(
     assessor.assess_listings()
     assessor.assess_holders()
     assessor.assess_memory()
-    assessor.assess_driver_refusals(driver_refused or {})
+    assessor.assess_driver_refusals(driver_refused)
     return _with_mig(assessor.result(), layout, snapshot)
 
 

@@ -59,8 +59,7 @@ class Reuse:
     def _processes(
         self, snapshot: Snapshot, previous: AssessState, detection: Detection, refused: Refused
     ) -> Assessment:
-        """:func:`assess_processes`, or its last result when its inputs are the same; a result
-        that changed the state it was given (health aside) is not kept."""
+        """:func:`assess_processes`, or its last result when proven equal (docs/internals.md)."""
         given = _without_health(previous)
         inputs = (detection, dict(refused), given)
         last = self._assessed

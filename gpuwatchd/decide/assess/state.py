@@ -161,8 +161,7 @@ def _lineage_entry(entry: object) -> tuple[ProcessIdentity, Lineage]:
 def update_lineage(
     host: HostView, previous: Mapping[ProcessIdentity, Lineage], tracked: Iterable[ProcessInfo]
 ) -> dict[ProcessIdentity, Lineage]:
-    """Keep what is still true of this boot's ``previous`` lineage, record newcomers as they
-    look now (docs/internals.md)."""
+    """This boot's ``previous`` lineage where still true, and newcomers (docs/internals.md)."""
     snapshot = host.snapshot
     listed_dead = {
         row.entry.pid for rows in host.listings.values() for row in rows if row.status == "dead"

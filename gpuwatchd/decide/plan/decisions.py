@@ -28,11 +28,9 @@ from gpuwatchd.decide.plan.intents import (
 )
 from gpuwatchd.decide.plan.ladders import advance_ladders, consider_process_finding, expire_latches
 from gpuwatchd.decide.plan.resets import consider_reset, node_block, review_refusals
-from gpuwatchd.decide.plan.shadow import DryShadow, ShadowWork
+from gpuwatchd.decide.plan.shadow import HOUR, DryShadow, ShadowWork
 from gpuwatchd.decide.plan.state import PlanState, SeenFinding
 from gpuwatchd.decide.policy import Policy
-
-HOUR = 3600.0
 
 
 def plan(
@@ -111,8 +109,7 @@ def _watch_lost_gpus(w: Work, ctx: Ctx) -> None:
         why = f"NVML reports the GPU lost: {gpu.error or 'not answering'}"
         fields: dict[str, object] = {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "why": why}
         w.event(EventName.GPU_NEEDS_REBOOT, Level.CRITICAL, **fields)
-        reason = f"{gpu.uuid} is lost and needs a reboot"
-        ask_on_failure(w, ctx, reason, fields, {"gpu": gpu.uuid})
+        ask_on_failure(w, ctx, f"{gpu.uuid} is lost and needs a reboot", fields, {"gpu": gpu.uuid})
 
 
 def _check_boot(w: Work, snapshot: Snapshot) -> None:
@@ -146,10 +143,9 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
         target = None if finding.identity is None else target_key(finding.identity)
         if seen is None:
             w.seen[key] = SeenFinding(ctx.now, digest, finding.gpu, target)
-            level = Level.WARNING if finding.actionable else Level.INFO
             w.event(
                 EventName.FINDING_NEW,
-                level,
+                Level.WARNING if finding.actionable else Level.INFO,
                 actionable=finding.actionable,
                 evidence=dict(finding.evidence),
                 **finding_fields(finding),
@@ -171,16 +167,11 @@ def _track_findings(w: Work, ctx: Ctx) -> None:
             finding=key,
             kind=key.split(":", 1)[0],  # which finding, as EventName.FINDING_NEW said it
             gpu=seen.gpu,
-            pid=_target_pid(seen.target),
+            # None for a GPU-level finding, or a PID a damaged state file spells in other than
+            # a few ASCII digits (``'²'.isdigit()`` is True, and int() refuses 5,000 digits).
+            pid=None if seen.target is None else decimal(seen.target.split("@", 1)[0]),
             lasted=max(0.0, ctx.now - seen.first_seen),
         )
-
-
-def _target_pid(target: str | None) -> int | None:
-    """The PID of a target key (``pid@start_ticks``); None for a GPU-level finding, or one a
-    damaged state file spells in other than a few ASCII digits (``'²'.isdigit()`` is True, and
-    int() refuses 5,000 digits)."""
-    return None if target is None else decimal(target.split("@", 1)[0])
 
 
 # --- queries and admin switches ---------------------------------------------------------------

@@ -101,6 +101,7 @@ def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> No
     if escalating(w, uuid):
         blockers.append(ESCALATING)
     timeout = ctx.policy.health.drain_timeout
+    fields = finding_fields(finding)
     wait = w.health_waits.get(uuid)
     if wait is None or wait.dry_run != dry:
         hold = hold_reason(w, ctx)
@@ -111,28 +112,24 @@ def _consider_health_reset(w: Work, ctx: Ctx, finding: Finding, dry: bool) -> No
         w.health_waits[uuid] = wait
         w.event(EventName.HEALTH_DRAIN_STARTED, Level.WARNING, blockers=blockers,
                 timeout=timeout, dry_run=dry, drained_already=_drained_already(w, uuid, dry),
-                **finding_fields(finding))  # fmt: skip
+                **fields)  # fmt: skip
         _drain_hooks(w, ctx, finding, f"{uuid} is drained for a reset: {finding.reason}", dry)
     if blockers:
         if wait.expired:
             return
+        held = "; ".join(blockers)
         if ctx.now - wait.since >= timeout:
             w.health_waits[uuid] = replace(wait, expired=True)
-            held = "; ".join(blockers)
             why = f"still held after {timeout:g}s: {held}; waiting on, never signalling"
-            fields = finding_fields(finding)
             facts = {**fields, "blockers": blockers}
             w.event(EventName.HEALTH_DRAIN_TIMED_OUT, Level.CRITICAL, why=why, **facts)
             ask_on_failure(w, ctx, f"{uuid}: {why}", facts, fields)
             return
-        w.waiting[finding.key] = wait.since + timeout
-        if w.noted(finding.key, "drain:" + "; ".join(blockers)):
+        until = wait.since + timeout
+        w.waiting[finding.key] = until
+        if w.noted(finding.key, "drain:" + held):
             w.event(
-                EventName.HEALTH_DRAIN_WAITING,
-                Level.INFO,
-                blockers=blockers,
-                until=wait.since + timeout,
-                **finding_fields(finding),
+                EventName.HEALTH_DRAIN_WAITING, Level.INFO, blockers=blockers, until=until, **fields
             )
         return
     blocker = history_blocker(w, ctx, finding, gpu)

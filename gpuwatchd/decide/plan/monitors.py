@@ -30,8 +30,7 @@ class StoppableMonitor:
 
 
 def monitor_entry(proc: ProcessInfo, monitors: Sequence[Monitor]) -> Monitor | None:
-    """The first ``reset.monitors`` entry that names ``proc`` (by its system unit or command
-    line; never a Slurm job's process), or None."""
+    """The first ``reset.monitors`` entry that names ``proc``, or None (docs/internals.md)."""
     cgroup = proc.cgroup
     if cgroup is None or cgroup.slurm_job is not None:
         return None
@@ -64,9 +63,8 @@ def monitors_to_stop(
     context_owners: Collection[int],
     monitors: Sequence[Monitor],
 ) -> list[StoppableMonitor]:
-    """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops: NVML-only
-    (no ``nvidia-uvm``, not in ``context_owners``), not infrastructure, live, of known
-    identity, and named by ``monitors``; anything else is left for the final scan."""
+    """The holders of GPU ``minor`` in a fresh scan that the reset procedure stops (which:
+    docs/internals.md); anything else is left for the final scan."""
     found: list[StoppableMonitor] = []
     if minor is None or not monitors:
         return found

@@ -49,7 +49,7 @@ def record_signal(
         return PlanResult((), (ev,), state)
     ladders = dict(state.ladders)
     events = [Event(EventName.ESCALATION_SIGNAL_RECORDED, Level.DEBUG, base)]
-    fields = {**ladder_fields(lad), "outcome": outcome}
+    fields = {**ladder_fields(lad), "outcome": outcome, "why": outcome}
     waiting = {k: v for k, v in state.waiting.items() if k != lad.finding_key}
     intents: tuple[Intent, ...] = ()
     if outcome in (SignalOutcome.DELIVERED, SignalOutcome.DRY_RUN):
@@ -58,7 +58,7 @@ def record_signal(
         waiting[lad.finding_key] = due
     elif outcome in (SignalOutcome.GONE, SignalOutcome.ZOMBIE):
         del ladders[target]
-        events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, {**fields, "why": outcome}))
+        events.append(Event(EventName.ESCALATION_RESOLVED, Level.INFO, fields))
         # Gone before this step's signal: an earlier step, if one was sent, freed it.
         intents = action_ended(lad, ActionOutcome.FREED, outcome, signalled=lad.step - 1)
         if outcome is SignalOutcome.ZOMBIE:
@@ -71,12 +71,10 @@ def record_signal(
             )
     elif outcome is SignalOutcome.REUSED:
         del ladders[target]
-        events.append(
-            Event(EventName.ESCALATION_ABORTED, Level.WARNING, {**fields, "why": outcome})
-        )
+        events.append(Event(EventName.ESCALATION_ABORTED, Level.WARNING, fields))
     else:  # denied / failed: never retried
         ladders[target] = end_ladder(lad, LadderStatus.FAILED)
-        events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, {**fields, "why": outcome}))
+        events.append(Event(EventName.ESCALATION_ENDED, Level.ERROR, fields))
         intents = action_ended(lad, ActionOutcome.FAILED, outcome)
     return PlanResult(intents, tuple(events), replace(state, ladders=ladders, waiting=waiting))
 
@@ -152,14 +150,6 @@ def _reset_came_back(w: Work, intent: ResetIntent, undrained: bool) -> float:
     return in_flight.delay
 
 
-def _booked_fields(intent: ResetIntent, outcome: ResetResult) -> dict[str, object]:
-    """The fields of the events that book a reset (and a MIG recovery: its instance)."""
-    fields = {**fields_of(intent, ("gpu", "pci_bus_id", "finding=finding_key")), "outcome": outcome}
-    if intent.instance is not None:
-        fields.update(intent.instance.fields())
-    return fields
-
-
 def _refusal_key(intent: ResetIntent) -> str:
     """A refusal is kept per incident's target: the GPU, or the MIG GPU instance re-created."""
     return intent.gpu if intent.instance is None else intent.instance.mig_uuid
@@ -188,8 +178,7 @@ def _book_dry_run(
 def _book_refusal(
     w: Work, intent: ResetIntent, fields: Mapping[str, object], wall: float, *, in_use: bool
 ) -> None:
-    """Refused, not failed (docs/internals.md): no history, no failure, no breaker; the
-    cooldown applies, and this incident's reset waits until something changes."""
+    """Refused, not failed: no history, no failure, no breaker (docs/internals.md)."""
     w.last_reset[intent.gpu] = wall
     why = (
         "the driver refused: in use by another client that no holder scan found"
@@ -242,7 +231,9 @@ def record_reset(
     succeeded = outcome is ResetResult.SUCCESS or (outcome is ResetResult.DRY_RUN and would_succeed)
     delay = _reset_came_back(w, intent, succeeded)
     gpu = intent.gpu
-    fields = _booked_fields(intent, outcome)
+    fields = {**fields_of(intent, ("gpu", "pci_bus_id", "finding=finding_key")), "outcome": outcome}
+    if intent.instance is not None:
+        fields.update(intent.instance.fields())  # a MIG recovery's: its instance
     if outcome is ResetResult.DRY_RUN:
         _book_dry_run(w, intent, fields, wall, would_succeed)
     elif outcome in (ResetResult.REFUSED, ResetResult.IN_USE):

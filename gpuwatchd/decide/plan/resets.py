@@ -54,8 +54,8 @@ REFUSAL_MEMORY_CHANGE = 64 * 1024 * 1024  # bytes of allocated memory that count
 
 
 def review_refusals(w: Work, ctx: Ctx) -> None:
-    """Forget a refused incident once something changed (docs/internals.md): its finding is
-    gone, its memory moved, or a holder let go; and a MIG recovery left half done once back."""
+    """Forget a refused incident, or a MIG recovery left half done, once something changed
+    (docs/internals.md)."""
     _review_unfinished(w, ctx)
     for uuid, held in sorted(w.reset_refusals.items()):
         allocated = _refused_memory(ctx, uuid, held.finding_key)
@@ -79,8 +79,7 @@ def review_refusals(w: Work, ctx: Ctx) -> None:
 
 
 def _review_unfinished(w: Work, ctx: Ctx) -> None:
-    """A MIG recovery left half done is over once an instance of its GI profile is at its
-    placement on its GPU again (re-created by hand, say)."""
+    """A MIG recovery left half done is over once its instance is back (docs/internals.md)."""
     left = dict(w.state.mig_unfinished)
     for mig, u in sorted(left.items()):
         gpu = gpu_by_uuid(ctx.snapshot, u.gpu)
@@ -97,8 +96,7 @@ def _review_unfinished(w: Work, ctx: Ctx) -> None:
 
 
 def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
-    """Why a refused reset may be tried again: a live holder seen on the GPU since the refusal
-    let go (a monitor moves no memory); None otherwise."""
+    """Why a refused reset may be tried again: a holder let go (docs/internals.md); or None."""
     held, gpu = w.reset_refusals[uuid], gpu_by_uuid(ctx.snapshot, uuid)
     if gpu is None or gpu.mig_enabled is not False:
         return None  # a MIG GPU: the other instances' users come and go and say nothing
@@ -111,8 +109,7 @@ def _holder_let_go(w: Work, ctx: Ctx, uuid: str) -> str | None:
 
 
 def _refused_memory(ctx: Ctx, uuid: str, finding_key: str) -> int | None:
-    """The allocated memory a refused reset of ``uuid`` watches: the GPU's, or for the
-    re-creation of a MIG GPU instance, that instance's."""
+    """The allocated memory a refused reset of ``uuid`` watches (docs/internals.md)."""
     finding = ctx.findings.get(finding_key)
     mig = parent_of(ctx.snapshot, finding.gpu) if finding is not None else None
     if mig is not None:
@@ -335,24 +332,16 @@ def history_blocker(
     uuid = gpu.uuid
     # Kept per target: a MIG GPU instance's own (a state file written before refusals were
     # kept per instance has it under the parent GPU; the incident's key still tells it).
-    held = next(
-        (
-            r
-            for key in dict.fromkeys((finding.gpu, uuid))
-            if key is not None
-            and (r := w.reset_refusals.get(key)) is not None
-            and r.finding_key == finding.key
-        ),
-        None,
-    )
-    if held is not None:
-        would = "would have been refused" if held.dry_run else "was refused"
-        why = (
-            f"a reset for this incident {would} ({held.reason}); tried again when its "
-            "memory changes, the finding resolves, the configuration is reloaded or "
-            "`gpuwatchd resume --clear-latches` is run"
-        )
-        return refused, Level.INFO, why
+    for key in dict.fromkeys((finding.gpu or uuid, uuid)):
+        held = w.reset_refusals.get(key)
+        if held is not None and held.finding_key == finding.key:
+            would = "would have been refused" if held.dry_run else "was refused"
+            why = (
+                f"a reset for this incident {would} ({held.reason}); tried again when its "
+                "memory changes, the finding resolves, the configuration is reloaded or "
+                "`gpuwatchd resume --clear-latches` is run"
+            )
+            return refused, Level.INFO, why
     if w.state.reset_failures >= reset.max_failures and not w.state.circuit_open:
         w.state = replace(w.state, circuit_open=True)
     if w.state.circuit_open:

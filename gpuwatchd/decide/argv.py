@@ -166,12 +166,11 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
     for given in values:
         if given not in ARGV_PLACEHOLDERS:
             raise ValueError(f"unknown placeholder value {given!r}")
-    formatter = string.Formatter()
     result = []
     for arg in template:
         placeholders_in(arg)  # the checks and messages of the config reader
         pieces: list[str] = []
-        for literal, name, _spec, _conversion in formatter.parse(arg):
+        for literal, name, _spec, _conversion in string.Formatter().parse(arg):
             pieces.append(literal)
             if name is None:
                 continue
@@ -316,8 +315,7 @@ def _selectors(argv: Sequence[str]) -> list[_Selector]:
         if arg.startswith("--id="):
             found.append(_Selector(arg, arg[len("--id=") :]))
         elif arg.startswith("-i") and len(arg) > 2:
-            value = arg[2:]
-            found.append(_Selector(arg, value[1:] if value.startswith("=") else value))
+            found.append(_Selector(arg, arg[2:].removeprefix("=")))
         position += 1
     return found
 

@@ -150,8 +150,7 @@ def placeholders_in(arg: str, allowed: Sequence[str] = ARGV_PLACEHOLDERS) -> lis
 
 
 def check_value(name: str, value: str) -> str:
-    """``value`` if it is in the documented format of placeholder ``name`` (``_VALUE_FORMATS``:
-    never a second GPU, an option or more than one argument's plain text), else ValueError."""
+    """``value`` if it is in the documented format of placeholder ``name``, else ValueError."""
     pattern, description = _VALUE_FORMATS[name]
     if pattern.fullmatch(value) is None or (name == "minor" and int(value) > 255):
         raise ValueError(
@@ -167,12 +166,11 @@ def format_argv(template: Sequence[str], **values: str | None) -> tuple[str, ...
     for given in values:
         if given not in ARGV_PLACEHOLDERS:
             raise ValueError(f"unknown placeholder value {given!r}")
-    formatter = string.Formatter()
     result = []
     for arg in template:
         placeholders_in(arg)  # the checks and messages of the config reader
         pieces: list[str] = []
-        for literal, name, _spec, _conversion in formatter.parse(arg):
+        for literal, name, _spec, _conversion in string.Formatter().parse(arg):
             pieces.append(literal)
             if name is None:
                 continue
@@ -188,8 +186,7 @@ HOOK_VALUE_LIMIT = 1024  # characters of one GPUWATCHD_* value; a longer one is 
 
 
 def hook_value(value: object) -> str:
-    """A fact as a hook's environment value: escaped as the log is (a user's newline must not
-    forge a line of a hook's message), at most :data:`HOOK_VALUE_LIMIT` characters."""
+    """A fact as a hook's environment value, escaped and cut (docs/internals.md says why)."""
     text = escape(str(value))
     if len(text) > HOOK_VALUE_LIMIT:
         text = text[: HOOK_VALUE_LIMIT - 3] + "..."
@@ -318,15 +315,13 @@ def _selectors(argv: Sequence[str]) -> list[_Selector]:
         if arg.startswith("--id="):
             found.append(_Selector(arg, arg[len("--id=") :]))
         elif arg.startswith("-i") and len(arg) > 2:
-            value = arg[2:]
-            found.append(_Selector(arg, value[1:] if value.startswith("=") else value))
+            found.append(_Selector(arg, arg[2:].removeprefix("=")))
         position += 1
     return found
 
 
 def _is_index(value: str) -> bool:
-    parts = value.split(",")
-    return "{minor}" in value or any(part.strip().isdigit() for part in parts)
+    return "{minor}" in value or any(part.strip().isdigit() for part in value.split(","))
 
 
 def _names_one_gpu(value: str, require_placeholder: bool) -> bool:
@@ -347,8 +342,7 @@ def _runs_nvidia_smi(argv: Sequence[str]) -> bool:
 
 
 def _shell_in(argv: Sequence[str]) -> str | None:
-    """Why ``argv`` runs a shell or inline code, or None: every argument is looked at, so a
-    shell behind a launcher (``env sh -c``, ``find -exec sh``) is found too."""
+    """Why ``argv`` runs a shell or inline code (any argument, behind a launcher too), or None."""
     for position, arg in enumerate(argv):
         name = _basename(arg)
         where = f"{arg!r}" if position == 0 else f"argument {position} ({arg!r})"
@@ -367,9 +361,8 @@ def _shell_in(argv: Sequence[str]) -> str | None:
 
 
 def _inline_flag(args: Sequence[str], options: _Options) -> str | None:
-    """The option among a program's leading options that runs inline code, or None. A long
-    option without ``=`` may take the next argument as its value, so the options after it are
-    still looked at (``sudo --user root -s``); ``--`` ends options, not a launcher's operands."""
+    """The option among a program's leading options that runs inline code, or None (where its
+    options end: docs/internals.md)."""
     position = 0
     operands = options.positional
     while position < len(args):

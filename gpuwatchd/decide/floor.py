@@ -45,9 +45,8 @@ def _is_users_part(part: str) -> bool:
 
 
 def system_cgroup(cgroup: CgroupInfo | None) -> bool | None:
-    """Whether only root places processes in ``cgroup`` (below ``system.slice`` or
-    ``init.scope``, no user's subtree, Slurm job, container or delegation mark: the module's
-    section in docs/internals.md). None when the cgroup or its delegation mark is unknown."""
+    """Whether only root places processes in ``cgroup`` (docs/internals.md says when). None
+    when the cgroup or its delegation mark is unknown."""
     if cgroup is None:
         return None
     parts = [p for p in cgroup.path.split("/") if p]
@@ -97,9 +96,8 @@ def names_infrastructure_unit(cgroup: CgroupInfo) -> bool:
 
 
 def trusted_identity(proc: ProcessInfo) -> bool | None:
-    """Whether ``proc`` may be believed to be the infrastructure program it runs: a trusted
-    executable run as root or inside one of that program's own system units
-    (``FLOOR_NAME_UNITS``). None when a fact it needs is unknown."""
+    """Whether ``proc`` may be believed to be the infrastructure program it runs ("By name" in
+    docs/internals.md). None when a fact it needs is unknown."""
     if proc.exe_trusted is False:
         return False
     if proc.uid == 0:
@@ -128,9 +126,8 @@ def _trusted_name(proc: ProcessInfo, names: frozenset[str]) -> str | None:
 
 
 def _system_unit(proc: ProcessInfo) -> str | None:
-    """The infrastructure unit ``proc`` runs in as root, placed there by root, or None. A
-    non-root process there counts only by its own name (:func:`trusted_identity`): a display
-    manager without ``pam_systemd`` keeps its users' sessions in its own unit."""
+    """The infrastructure unit ``proc`` runs in as root, placed there by root, or None ("By
+    unit" in docs/internals.md)."""
     cgroup = proc.cgroup
     if proc.uid != 0 or cgroup is None or _in_unit(cgroup, FLOOR_UNIT_PATTERNS) is not True:
         return None
@@ -186,7 +183,6 @@ def gpuwatchd_worker(proc: ProcessInfo) -> bool:
 
 
 def is_infrastructure(proc: ProcessInfo) -> bool:
-    """:func:`infrastructure` as a predicate."""
     return infrastructure(proc) is not None
 
 
@@ -245,10 +241,8 @@ def reset_blockers(
     minor: int | None,
     self_pids: frozenset[int],
 ) -> list[str]:
-    """Why GPU ``minor`` may not be reset now, from a fresh full holder scan (the final scan):
-    any other holder of its node, infrastructure included; a non-floor holder of nvidiactl or
-    nvidia-uvm alone (it cannot be attributed); any unreadable process. A floor process holding
-    only nvidiactl/nvidia-uvm (persistenced) and holders of other GPUs only do not block."""
+    """Why GPU ``minor`` may not be reset now, from a fresh full holder scan (the final scan;
+    docs/internals.md says who blocks it)."""
     if minor is None:
         return ["GPU minor number unknown: cannot tell who holds its device file"]
     reasons: list[str] = []
@@ -278,9 +272,8 @@ def reset_blockers(
 def driver_refusers(
     holders: HolderScan, minor: int | None, self_pids: frozenset[int]
 ) -> list[int] | None:
-    """The PIDs whose open ``/dev/nvidiaN`` would make the driver refuse a reset of GPU ``minor``
-    (without device isolation every CUDA process opens every GPU), infrastructure included.
-    None when the minor, or some process's fds, could not be read."""
+    """The PIDs whose open ``/dev/nvidiaN`` would make the driver refuse a reset of GPU ``minor``,
+    infrastructure included; None when the minor, or some process's fds, could not be read."""
     if minor is None or holders.unreadable - self_pids:
         return None
     return sorted(h.pid for h in holders.holders_of(minor) if h.pid not in self_pids)

@@ -128,6 +128,5 @@ def full_scan_due(
 
 
 def holder_gone(previous: frozenset[int], found: frozenset[int]) -> FullScanReason | None:
-    """``holder_gone`` when a process that held a device file at the previous poll is not
-    among this targeted scan's holders. Pure."""
+    """``holder_gone`` after a targeted scan, as docs/internals.md says, or None. Pure."""
     return FullScanReason.HOLDER_GONE if previous - found else None

@@ -21,8 +21,6 @@ class Scope(str, enum.Enum):
 
 @dataclass(frozen=True)
 class KindProperties:
-    """One kind's properties (see the module docstring)."""
-
     kind: FindingKind
     words: str  # for a person: "a process that holds a GPU after its job ended"
     scope: Scope

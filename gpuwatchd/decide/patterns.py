@@ -294,9 +294,8 @@ def _search(pattern: str, flags: int, text: str) -> bool:
 
 
 def command_search(pattern: re.Pattern[str], text: str) -> bool | None:
-    """Whether ``pattern`` is found in ``text`` (``re.search``'s answer), in linear time. None
-    (unknown) when there is no match in the first :data:`MAX_COMMAND_TEXT` characters of a
-    longer text, or for a pattern :func:`check_linear` rejects."""
+    """Whether ``pattern`` is found in ``text`` (``re.search``'s answer), in linear time; None
+    (unknown) for no match in a longer text's searched part, or a pattern not linear."""
     try:
         if _search(pattern.pattern, pattern.flags, text[:MAX_COMMAND_TEXT]):
             return True

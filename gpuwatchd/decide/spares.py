@@ -66,9 +66,8 @@ def job_processes(job: str, processes: Mapping[int, ProcessInfo]) -> list[Proces
 
 
 def spare_covering(process: ProcessInfo, snapshot: Snapshot) -> tuple[Spare, str | None] | None:
-    """The spare of ``snapshot`` in force at its wall time that covers ``process`` (or its
-    Slurm step tree among its processes), with what unknown fact makes it count as spared
-    (None: it is the spared one), or None."""
+    """The spare of ``snapshot`` in force that covers ``process`` (or its Slurm step tree), with
+    the unknown fact that makes it count as spared (None: it is the spared one), or None."""
     for spare in _in_force(snapshot.spares, snapshot.wall_time):
         if spare.pid is not None and spare.pid == process.pid:
             if process.start_ticks is None:
@@ -86,9 +85,8 @@ def spare_covering(process: ProcessInfo, snapshot: Snapshot) -> tuple[Spare, str
 
 
 def spare_reason(process: ProcessInfo, snapshot: Snapshot) -> str | None:
-    """Why a spare in force leaves ``process`` alone at ``snapshot``'s time (``pid 123 (start
-    ticks 456)`` or ``job slurm:42``, its reason, what is unknown), or None; the text stays the
-    same while the spare lasts (a hold is said once)."""
+    """Why a spare in force leaves ``process`` alone (``pid 123 (start ticks 456)`` or ``job
+    slurm:42``, its reason, what is unknown), or None; the same text while the spare lasts."""
     found = spare_covering(process, snapshot)
     if found is None:
         return None

@@ -338,13 +338,6 @@ class _Judge:
             return index.get(None, [])
         return sorted(index.get(minor, []) + index.get(None, []), key=lambda item: item[0])
 
-    def add_unfinished(self, unfinished: Mapping[str, str]) -> None:
-        """A MIG GPU instance whose re-creation stopped halfway (plan's ``mig_unfinished``):
-        the GPU is not as its users left it, whatever its findings say now."""
-        for uuid, why in sorted(unfinished.items()):
-            if uuid in self.reasons:
-                self.reasons[uuid].append(Reason(LeftoverName.MIG_UNFINISHED.value, None, why))
-
     def verdict(self, unfinished: Mapping[str, str]) -> NodeVerdict:
         nvml = self.snapshot.nvml
         if not nvml.available:
@@ -352,7 +345,11 @@ class _Judge:
         if nvml.wedged:
             return NodeVerdict((), "NVML did not answer within nvml_timeout (driver wedged?)")
         self.add_findings()
-        self.add_unfinished(unfinished)
+        # A MIG GPU instance whose re-creation stopped halfway (plan's ``mig_unfinished``): the
+        # GPU is not as its users left it, whatever its findings say now.
+        for uuid, why in sorted(unfinished.items()):
+            if uuid in self.reasons:
+                self.reasons[uuid].append(Reason(LeftoverName.MIG_UNFINISHED.value, None, why))
         self.add_unknowns()
         for gpu in self.gpus:
             self.add_memory(gpu)

@@ -334,8 +334,7 @@ def render_markdown() -> str:
         "| Xid | mnemonic | name | immediate | investigatory | gpuwatchd | source |",
         "|---|---|---|---|---|---|---|",
     ]
-    for xid in sorted(XID_CATALOGUE):
-        entry = XID_CATALOGUE[xid]
+    for xid, entry in sorted(XID_CATALOGUE.items()):
         source = "[C]" + ("*" if entry.read_directly else "") + (" [M]" if entry.memory else "")
         bucket = f"`{entry.immediate.value}`" if entry.immediate.value else "*none given*"
         investigatory = entry.investigatory.replace("|", "/") or "*none given*"

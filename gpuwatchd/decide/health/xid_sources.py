@@ -158,8 +158,7 @@ def notices(
     logs: Mapping[int, XidLog],
     wall: float,
 ) -> tuple[tuple[XidNotice, ...], dict[int, XidLog]]:
-    """The ``EventName.HEALTH_XID`` notices of this poll (each Xid at most once per
-    :data:`LOG_WINDOW`, with what was held meanwhile), and the carried log state. Pure."""
+    """The ``EventName.HEALTH_XID`` notices of this poll, and the carried log state. Pure."""
     new: dict[int, list[Occurrence]] = {}
     for occurrence in merged.occurrences:
         new.setdefault(occurrence.xid, []).append(occurrence)

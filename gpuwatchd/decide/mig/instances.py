@@ -327,9 +327,7 @@ def parent_of(snapshot: Snapshot, uuid: str | None) -> tuple[GpuInfo, MigDevice]
 
 
 def busy_instances(snapshot: Snapshot, gpu: GpuInfo) -> str | None:
-    """Why MIG GPU ``gpu`` is not idle in every GPU instance (a whole-GPU reset takes them all
-    down), or None when it is; instances that cannot be judged (or a MIG mode that could not
-    be read) are never idle."""
+    """Why MIG GPU ``gpu`` is not idle in every GPU instance (docs/internals.md), or None."""
     if gpu.mig_enabled is False:
         return None
     if gpu.mig_enabled is None:

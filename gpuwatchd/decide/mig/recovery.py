@@ -194,8 +194,8 @@ def recovery_argvs(
 
 
 def recovered(recovery: InstanceRecovery, snapshot: Snapshot, *, max_used: int) -> str | None:
-    """None when ``snapshot`` shows the instance back (same GPU, profile and placement, at
-    most ``max_used`` bytes, listed in mig-minors; its ids may be new), else what is wrong."""
+    """None when ``snapshot`` shows the instance back with at most ``max_used`` bytes used,
+    else what is wrong."""
     layout = mig_layout(snapshot)
     if recovery.uuid not in layout.judged:
         why = layout.unjudged.get(recovery.uuid, "the GPU is not in MIG mode in this snapshot")
@@ -285,9 +285,9 @@ def placement_taken(recovery: InstanceRecovery, gpu: GpuInfo | None) -> str | No
 def resume_point(
     recovery: InstanceRecovery, gpu: GpuInfo | None, done: int | None, total: int
 ) -> int | str:
-    """Where a recovery a crash interrupted goes on: the index of the first of its ``total``
-    commands to run again (``total``: none), from a fresh reading and ``done`` (the commands
-    the state file says completed; None: not counted), or why it cannot go on. Pure."""
+    """The index of the first of its ``total`` commands a recovery a crash interrupted runs
+    again (``total``: none; ``done``: the state file's count, None: not counted), or why it
+    cannot go on. Pure."""
     devices = _devices(recovery, gpu)
     if isinstance(devices, str):
         return devices

@@ -60,8 +60,7 @@ def _instance_fields(target: ResetTarget) -> dict[str, object]:
 def _finished(
     env: ResetEnvironment, target: ResetTarget, outcome: ResetOutcome, dry_run: bool, level: Level
 ) -> ResetOutcome:
-    """Say ``EventName.RESET_FINISHED`` for ``outcome`` (critical when it needs a reboot); the
-    outcome."""
+    """``EventName.RESET_FINISHED`` said (critical when it needs a reboot); ``outcome``."""
     env.emit(
         EventName.RESET_FINISHED,
         Level.CRITICAL if outcome.needs_reboot else level,
@@ -200,27 +199,24 @@ class Procedure:
         )
         return failures[0] if failures else None
 
-    def persistence_back_on(self) -> None:
-        """Persistence mode back on, when this procedure turned it off (and not yet back)."""
+    def persistence_back_on(self) -> bool:
+        """Persistence mode back on, when this procedure turned it off (and not yet back);
+        False when it did not."""
         if not self.persistence_off or self.commands.persistence_on is None:
-            return
+            return False
         self.begin(ResetStep.PERSISTENCE_ON)
         done = self.command(ResetStep.PERSISTENCE_ON, self.commands.persistence_on)
         if done is not None and not done.ok:
             self.notes.append(f"persistence mode could not be turned back on: {done.describe()}")
         else:
             self.persistence_off = False  # restored: a resume must not do it again
+        return True
 
     def restore(self, result: ResetResult, reason: str) -> None:
         """Persistence mode back on (if this procedure turned it off), then the after hooks."""
-        if self.persistence_off and self.commands.persistence_on is not None:
-            self.persistence_back_on()
-        else:
-            self.event(
-                ResetStep.PERSISTENCE_ON,
-                ResetStepStatus.SKIPPED,
-                detail="persistence mode not changed",
-            )
+        if not self.persistence_back_on():
+            detail = "persistence mode not changed"
+            self.event(ResetStep.PERSISTENCE_ON, ResetStepStatus.SKIPPED, detail=detail)
         _start_monitors(self)
         self.begin(ResetStep.AFTER_HOOKS)
         failure = self.hooks(
@@ -245,12 +241,11 @@ class Procedure:
         undo: bool = False,
     ) -> ResetOutcome:
         """End with ``result``; ``undo``: recorded as the reset's result and undone first."""
+        self.result = result
         if undo:
-            self.result = result
             self.restore(result, reason)
         if self.notes:
             reason = f"{reason}; " + "; ".join(self.notes)
-        self.result = result
         self.begin(ResetStep.DONE)
         level = _FINISHED_LEVELS.get(ResetResult(result), Level.ERROR)
         outcome = ResetOutcome(result, step, reason, needs_reboot, command, tuple(blockers))
@@ -411,16 +406,15 @@ def _drain(proc: Procedure) -> ResetOutcome | None:
 
 def _stop_nvml(proc: Procedure) -> ResetOutcome | None:
     """Step stop_nvml: our own NVML worker stopped; an outcome when it could not be."""
-    env, dry_run = proc.env, proc.dry_run
     if not proc.begin(ResetStep.STOP_NVML):
         return proc.abort(ResetStep.STOP_NVML, UNRECORDED)
-    if dry_run:
+    if proc.dry_run:
         proc.event(
             ResetStep.STOP_NVML, ResetStepStatus.WOULD_RUN, detail="would stop the NVML worker"
         )
     else:
         try:
-            released = env.stop_nvml()
+            released = proc.env.stop_nvml()
         except Exception as err:  # an error here means "not released"
             released = False
             proc.notes.append(f"stopping NVML raised: {err}")
@@ -613,8 +607,7 @@ def _start_monitors(proc: Procedure) -> None:
 
 
 def half_done(recovery: InstanceRecovery, ran: Sequence[Sequence[str]], why: str) -> str:
-    """The reason of a recovery left half done: what ran (the commands that completed), and
-    what to do by hand."""
+    """Why a recovery is left half done, what completed, and what to do by hand."""
     done = "; ".join(shlex.join(argv) for argv in ran) or "nothing that completed"
     return (
         f"{why}; {recovery.describe()} is half done (ran: {done}): "
@@ -644,11 +637,9 @@ def _check_instance(
 
 
 def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> Ran:
-    """Run ``proc``'s recovery commands from ``start`` until one fails: (the last result, None
-    when none ran or in a dry run; its reading). Only the first command of a fresh run may end
-    ``in_use`` (nothing changed then). ``resumed``: a crash interrupted them, and a destroy
-    command may already have taken effect, so its failure is no proof of anything; the reading
-    before the re-create decides."""
+    """``proc``'s recovery commands from ``start`` until one fails (docs/internals.md): the last
+    result (None when none ran, or a dry run) and its reading. ``resumed``: a destroy may have
+    taken effect before the crash, so its failure proves nothing; the re-read decides."""
     recovery = proc.target.recovery
     assert recovery is not None  # noqa: S101 - called for a recovery only
     commands = proc.commands.reset
@@ -699,12 +690,10 @@ def run_recovery(proc: Procedure, start: int = 0, *, resumed: bool = False) -> R
 
 
 def restore_layout(proc: Procedure) -> tuple[bool | None, str]:
-    """After a MIG GPU's reset (``proc.target.layout``): the GPU read again (MIG mode must be
-    on), each GPU instance it lacks created again by its command (``proc.commands.restore``),
-    progress recorded before each, then each instance checked back (GI profile, placement,
-    listed in mig-minors, memory at its baseline). (True, detail) when the layout is back;
-    (False, why, naming the commands left to run by hand); (None, ...) in a dry run. Run
-    again after a crash, it creates only what a fresh reading still lacks."""
+    """After a MIG GPU's reset, the GPU instances a fresh reading lacks created again (MIG mode
+    must be on), each recorded first, then each checked back (docs/internals.md). (True,
+    detail) when the layout is back; (False, why and the commands left to run by hand); (None,
+    ...) in a dry run."""
     layout, restore, step = proc.target.layout, proc.commands.restore, ResetStep.HEALTH_CHECK
     if proc.dry_run:
         for argv in restore:

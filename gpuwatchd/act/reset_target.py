@@ -387,8 +387,7 @@ def progress_record(
 def outcome_event(
     outcome: ResetOutcome, *, gpu: str, pci_bus_id: str | None, dry_run: bool
 ) -> tuple[Level, dict[str, object]]:
-    """The level and fields of the ``EventName.RESET_OUTCOME`` event (the daemon's and
-    simulate's)."""
+    """The level and fields of ``EventName.RESET_OUTCOME`` (the daemon's and simulate's)."""
     result = ResetResult(outcome.result)
     level = Level.CRITICAL if outcome.needs_reboot else RESET_RESULT_LEVELS[result]
     return level, {

@@ -160,20 +160,6 @@ class Collector:
             self, poll, holders, live_listed, processes=processes, holding_pids=holding_pids
         )
 
-    def _say_thread_tables_unread(self, holders: HolderScan, scanner: HolderScanner) -> None:
-        """``EventName.COLLECT_THREAD_TABLES_UNREAD`` once per process the scan stopped reading."""
-        root = self.procfs.root
-        said = {pid for pid in self._said_unread if os.path.exists(f"{root}/{pid}")}
-        for pid in sorted(holders.thread_tables_unread - said):
-            info = self._facts_seen.get(pid) or self.procfs.read_process(pid)
-            log.warning(
-                EventName.COLLECT_THREAD_TABLES_UNREAD,
-                pid=pid,
-                comm=None if info is None else info.comm,
-                budget=scanner.thread_table_budget,
-            )
-        self._said_unread = frozenset(said | holders.thread_tables_unread)
-
     def _stepd_identity(self, pid: int) -> tuple[int | None, bool | None] | None:
         """(start ticks, root's trusted program?) of a process in a job's slurm cgroup."""
         info = self.procfs.read_process(pid)
@@ -232,17 +218,6 @@ class Collector:
         holders = scanner.scan(None)
         self._remember_holdings(holders, listed_gpus(reading), live_listed)
         return holders, live_listed
-
-    def _add_ancestry(self, processes: dict[int, ProcessInfo]) -> None:
-        """Read each known process's ancestors so process-tree questions can be answered."""
-        frontier = [p.ppid for p in processes.values() if p.ppid]
-        for _ in range(_MAX_ANCESTRY):
-            wanted = {pid for pid in frontier if pid and pid > 0 and pid not in processes}
-            if not wanted:
-                return
-            found = self._read_processes(wanted)
-            processes.update(found)
-            frontier = [p.ppid for p in found.values() if p.ppid]
 
     def _read_processes(self, pids: Iterable[int]) -> dict[int, ProcessInfo]:
         """Facts about ``pids``: ``stat`` read now; the rest reused while stat's identity holds."""
@@ -362,10 +337,20 @@ def _scan_holders(
 
 
 def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
-    """Remember this poll's holders for the next one; the holding PIDs (not our own)."""
+    """Remember this poll's holders for the next one; the holding PIDs (not our own).
+    ``EventName.COLLECT_THREAD_TABLES_UNREAD`` said once per process the scan stopped reading."""
     holding_pids = {pid for pid in holders.holdings if pid not in poll.self_pids}
     c._known_holders = frozenset(holding_pids)
-    c._say_thread_tables_unread(holders, poll.scanner)
+    said = {pid for pid in c._said_unread if os.path.exists(f"{c.procfs.root}/{pid}")}
+    for pid in sorted(holders.thread_tables_unread - said):
+        info = c._facts_seen.get(pid) or c.procfs.read_process(pid)
+        log.warning(
+            EventName.COLLECT_THREAD_TABLES_UNREAD,
+            pid=pid,
+            comm=None if info is None else info.comm,
+            budget=poll.scanner.thread_table_budget,
+        )
+    c._said_unread = frozenset(said | holders.thread_tables_unread)
     # An NVML-only holder (no nvidia-uvm, not listed: a monitor) holds no memory, so
     # memory beside it still asks for a full scan (decide/plan/monitors.py).
     c._held_minors = frozenset(
@@ -380,11 +365,19 @@ def _note_holders(c: Collector, poll: _Poll, holders: HolderScan) -> set[int]:
 def _processes_of(
     c: Collector, poll: _Poll, live_listed: dict[int, ProcessInfo], wanted: set[int]
 ) -> dict[int, ProcessInfo]:
-    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors, never our
-    own; the facts read this poll are remembered for the next."""
+    """The snapshot's processes: the listed ones, ``wanted`` and their ancestors (so that
+    process-tree questions can be answered), never our own; the facts read this poll are
+    remembered for the next."""
     processes = dict(live_listed)
     processes.update(c._read_processes(wanted - processes.keys() - poll.self_pids))
-    c._add_ancestry(processes)
+    found = processes
+    for _ in range(_MAX_ANCESTRY):
+        frontier = [p.ppid for p in found.values() if p.ppid]
+        parents = {pid for pid in frontier if pid and pid > 0 and pid not in processes}
+        if not parents:
+            break
+        found = c._read_processes(parents)
+        processes.update(found)
     c._facts = c._facts_seen
     c._confirmed = {pid: got for pid, got in c._confirmed.items() if pid in c._facts}
     if c._stat_files is not None:

@@ -382,14 +382,12 @@ def read_identity(reader: GpuReader, handle: Any) -> dict[str, Any]:
         "uuid": reader.query("nvmlDeviceGetUUID", handle),
         "name": reader.query("nvmlDeviceGetName", handle),
         "minor": reader.query("nvmlDeviceGetMinorNumber", handle),
-        "pci_bus_id": _bus_id(reader.query("nvmlDeviceGetPciInfo_v3", handle)),
+        "pci_bus_id": None
+        if (pci := reader.query("nvmlDeviceGetPciInfo_v3", handle)) is None
+        else _text(pci.busId),
         "architecture": reader.query("nvmlDeviceGetArchitecture", handle),
         "nvlink_active": count_active_nvlinks(reader, handle),
     }
-
-
-def _bus_id(pci: Any) -> Any:
-    return None if pci is None else _text(pci.busId)
 
 
 def _text(value: Any) -> Any:

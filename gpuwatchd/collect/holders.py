@@ -245,17 +245,13 @@ class DeviceFiles:
 
 class HolderScanner:
     """Finds the holders of NVIDIA device files (``devices``: which files those are) among the
-    processes of ``procfs``; ``devices`` None: the real NVIDIA device files."""
+    processes of ``procfs``."""
 
     def __init__(
-        self,
-        procfs: ProcessTable,
-        devices: DeviceFiles | None = None,
-        *,
-        workers: int | None = None,
+        self, procfs: ProcessTable, devices: DeviceFiles, *, workers: int | None = None
     ) -> None:
         self.procfs = procfs
-        self.devices = DeviceFiles(procfs) if devices is None else devices
+        self.devices = devices
         self.workers = workers  # None: as many as idle CPUs allow (collect/spread.py)
         self.min_slice = spread.MIN_SLICE
         self._kcmp: Kcmp | None = None  # made on first use (in each forked scan worker)

@@ -41,6 +41,7 @@ log = lazylog.get_logger()
 
 UNAVAILABLE_PREFIX = "NVIDIA driver/NVML not available: "
 REAP_GRACE = 0.2  # seconds to wait for a SIGKILLed worker to disappear
+BACKOFF_MAX = 60.0  # seconds: the longest wait before a failed read is tried again
 WORKER_FILE = NVML_WORKER_FILE
 MEMORY_V1_NOTICE = "memory_v1"  # nvml_worker's (the worker imports nothing from gpuwatchd)
 WORKER_CWD = "/"
@@ -68,16 +69,14 @@ def worker_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -
     return {name: value for name, value in env.items() if not name.startswith("PYTHON")}
 
 
-def library_folders(
-    search_path: Sequence[str], cwd: str | None, module: str = "pynvml"
-) -> list[str]:
+def library_folders(search_path: Sequence[str], cwd: str | None) -> list[str]:
     """The absolute ``search_path`` entry, never ``cwd`` (which a hostile user may have filled,
-    and ``-m``, ``-c`` or an empty ``PYTHONPATH`` element put there), where ``module`` is found;
+    and ``-m``, ``-c`` or an empty ``PYTHONPATH`` element put there), where pynvml is found;
     empty when nowhere else (the worker then finds it itself or reports NVML unavailable)."""
     for entry in search_path:
         if not os.path.isabs(entry) or entry == cwd:
             continue
-        if PathFinder.find_spec(module, [entry]) is not None:
+        if PathFinder.find_spec("pynvml", [entry]) is not None:
             return [entry]
     return []
 
@@ -137,7 +136,6 @@ class NvmlClient:
         python: str = sys.executable,
         clock: Callable[[], float] = time.monotonic,
         backoff_initial: float = 1.0,
-        backoff_max: float = 60.0,
         spawn: Spawn = subprocess.Popen,
     ) -> None:
         self.timeout = timeout
@@ -146,7 +144,6 @@ class NvmlClient:
         self._python = python
         self._clock = clock
         self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
         self._backoff = backoff_initial
         self._retry_at: float | None = None
         self._last_failure: NvmlReading | None = None
@@ -348,16 +345,15 @@ class NvmlClient:
 
     def _schedule_retry(self, reading: NvmlReading) -> NvmlReading:
         self._retry_at = self._clock() + self._backoff
-        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
         self._last_failure = reading
         return reading
 
     def _wedged(self) -> NvmlReading:
-        timeout = f"{self.timeout:g}s"
         reading = NvmlReading(
             available=True,
             wedged=True,
-            error=f"NVML call did not return within {timeout} (driver may be hung)",
+            error=f"NVML call did not return within {self.timeout:g}s (driver may be hung)",
         )
         proc, self._proc = self._proc, None
         if not (self._last_failure is not None and self._last_failure.wedged):

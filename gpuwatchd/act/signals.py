@@ -113,10 +113,10 @@ class Signaller:
 
         # The pidfd is open: the process it names cannot change any more. Now check that it
         # is the one that was judged.
-        checked = self._recheck(identity, pidfd)
-        if isinstance(checked, SignalResult):
-            return checked
-        state = checked
+        state = self._recheck(identity, pidfd)
+        if isinstance(state, SignalResult):
+            self._drop(identity, pidfd)
+            return state
 
         try:
             send_signal(pidfd, 0 if dry_run else number)
@@ -181,20 +181,17 @@ class Signaller:
 
     def _recheck(self, identity: ProcessIdentity, pidfd: int) -> SignalResult | str:
         """Whether the process ``pidfd`` names is the one ``identity`` names, alive and as it
-        was judged: its state letter when it is; else why not (its pidfd then dropped)."""
+        was judged: its state letter when it is; else why not (the caller drops its pidfd)."""
         pid = identity.pid
         current = stat_start_ticks(self._proc_root, pid)
         if current is None:
-            exited = _readable(pidfd)  # the pidfd, not an unread stat, says whether it lives
-            self._drop(identity, pidfd)
-            if exited:
+            if _readable(pidfd):  # the pidfd, not an unread stat, says whether it lives
                 return SignalResult(SignalOutcome.GONE, f"PID {pid} vanished from /proc")
             return SignalResult(
                 SignalOutcome.FAILED, f"PID {pid}: its /proc stat is unreadable; nothing sent"
             )
         ticks, state = current
         if ticks != identity.start_ticks:
-            self._drop(identity, pidfd)
             return SignalResult(
                 SignalOutcome.REUSED,
                 f"PID {pid} now belongs to another process (start ticks {ticks}, "
@@ -202,14 +199,11 @@ class Signaller:
                 state,
             )
         if state == "Z":
-            self._drop(identity, pidfd)
             return SignalResult(SignalOutcome.ZOMBIE, _zombie_detail(pid), state)
         if state in ("X", "x"):
-            self._drop(identity, pidfd)
             return SignalResult(SignalOutcome.GONE, f"PID {pid} is dead", state)
         changed = None if self._as_judged is None else self._as_judged(identity)
         if changed is not None:
-            self._drop(identity, pidfd)
             return SignalResult(
                 SignalOutcome.REUSED,
                 f"PID {pid} is no longer as it was judged ({changed} changed); nothing sent, "

@@ -548,19 +548,12 @@ def to_health(raw: object) -> GpuHealth | None:
     )
 
 
+# The profile in the driver's MIG device name: 1g.10gb in "NVIDIA H100 80GB HBM3 MIG 1g.10gb".
 _PROFILE = re.compile(r" MIG ([0-9a-z.+-]{1,32})$")
 
 
 def _text(value: Any, most: int = 256) -> str | None:
     return value[:most] if isinstance(value, str) else None
-
-
-def profile_of(name: str | None) -> str | None:
-    """``1g.10gb`` from ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``, the driver's MIG device name."""
-    if name is None:
-        return None
-    match = _PROFILE.search(name)
-    return None if match is None else match.group(1)
 
 
 def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
@@ -578,6 +571,7 @@ def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
             start, size = (bounded(v, MAX_INSTANCE_ID) for v in placement)
             where = None if start is None or size is None else (start, size)
         name = _text(entry.get("name"))
+        profile = None if name is None else _PROFILE.search(name)
         try:
             processes: tuple[NvmlProcess, ...] | None = _to_processes(entry.get("processes"))
         except ValueError:
@@ -593,7 +587,7 @@ def to_mig_devices(raw: Any) -> tuple[MigDevice, ...] | None:
                 gi=bounded(entry.get("gi"), MAX_INSTANCE_ID),
                 ci=bounded(entry.get("ci"), MAX_INSTANCE_ID),
                 name=name,
-                profile=profile_of(name),
+                profile=None if profile is None else profile.group(1),
                 gi_profile_id=bounded(entry.get("gi_profile_id"), MAX_INSTANCE_ID),
                 placement=where,
                 memory=memory,
